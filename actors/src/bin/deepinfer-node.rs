@@ -1,0 +1,5 @@
+//! `deepinfer-node`: the offline job and the `logits` tool.
+
+fn main() {
+    println!("deepinfer-node {}", env!("CARGO_PKG_VERSION"));
+}

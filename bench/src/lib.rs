@@ -1,0 +1,1 @@
+//! deepinfer-bench: shared helpers for the criterion benches and the device benchmark binary.

@@ -1,0 +1,1 @@
+//! deepinfer-tests: shared harness for the cross-crate integration and golden tests.
