@@ -61,7 +61,9 @@ fn normaliser() -> Result<Sequence, CompressedVocabError> {
 }
 
 /// Builds the compressed map over every id of `tokenizer` (added tokens included).
-pub fn compressed_token_map(tokenizer: &Tokenizer) -> Result<CompressedTokenMap, CompressedVocabError> {
+pub fn compressed_token_map(
+    tokenizer: &Tokenizer,
+) -> Result<CompressedTokenMap, CompressedVocabError> {
     let normaliser = normaliser()?;
     let vocab_size = tokenizer.get_vocab_size(true);
     let mut key_to_id: HashMap<String, u32> = HashMap::with_capacity(vocab_size);
@@ -69,20 +71,33 @@ pub fn compressed_token_map(tokenizer: &Tokenizer) -> Result<CompressedTokenMap,
     for token in 0..vocab_size as u32 {
         let text = tokenizer
             .decode(&[token], false)
-            .map_err(|e| CompressedVocabError::Decode { token, message: e.to_string() })?;
+            .map_err(|e| CompressedVocabError::Decode {
+                token,
+                message: e.to_string(),
+            })?;
         let key = if text.contains('\u{fffd}') {
             tokenizer.id_to_token(token).unwrap_or(text)
         } else {
             let mut normalized = NormalizedString::from(text.as_str());
             normaliser
                 .normalize(&mut normalized)
-                .map_err(|e| CompressedVocabError::Normalise { token, message: e.to_string() })?;
-            if normalized.get().is_empty() { text } else { normalized.get().to_owned() }
+                .map_err(|e| CompressedVocabError::Normalise {
+                    token,
+                    message: e.to_string(),
+                })?;
+            if normalized.get().is_empty() {
+                text
+            } else {
+                normalized.get().to_owned()
+            }
         };
         let next = key_to_id.len() as u32;
         ids.push(*key_to_id.entry(key).or_insert(next));
     }
-    Ok(CompressedTokenMap { size: key_to_id.len(), ids })
+    Ok(CompressedTokenMap {
+        size: key_to_id.len(),
+        ids,
+    })
 }
 
 impl CompressedTokenMap {
@@ -91,7 +106,10 @@ impl CompressedTokenMap {
         if self.size == expected {
             Ok(self)
         } else {
-            Err(CompressedVocabError::SizeMismatch { expected, found: self.size })
+            Err(CompressedVocabError::SizeMismatch {
+                expected,
+                found: self.size,
+            })
         }
     }
 }
@@ -101,7 +119,10 @@ mod tests {
     use super::*;
 
     fn shipped_tokenizer() -> Tokenizer {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/tokenizer/tokenizer.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../configs/tokenizer/tokenizer.json"
+        );
         Tokenizer::from_file(path).expect("the shipped tokenizer loads")
     }
 
@@ -131,7 +152,10 @@ mod tests {
 
     #[test]
     fn wrong_size_is_a_clear_error() {
-        let map = CompressedTokenMap { ids: vec![0, 1, 0], size: 2 };
+        let map = CompressedTokenMap {
+            ids: vec![0, 1, 0],
+            size: 2,
+        };
         let err = map.expect_size(3).unwrap_err().to_string();
         assert!(err.contains("engram_compressed_vocab_size = 3"), "{err}");
         assert!(err.contains("2 compressed ids"), "{err}");

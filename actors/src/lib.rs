@@ -1,3 +1,27 @@
 //! deepinfer-actors: the runtime. A ractor supervisor tree (frontend, one scheduler and one rank
 //! per DP attention rank, expert groups, EPLB, DSpark, replay), the `Engine` embedding API and the
 //! metrics. The only async crate of the workspace.
+pub mod dspark;
+pub mod engine;
+pub mod engram_vocab;
+pub mod error;
+pub mod frontend;
+pub mod grammar;
+pub mod job;
+pub mod messages;
+pub mod metrics;
+pub mod model_source;
+pub mod prometheus;
+pub mod rank;
+pub mod replay;
+pub mod sampling;
+pub mod scheduler;
+pub mod supervisor;
+pub mod tools;
+
+pub use engine::request::{GenerateRequest, Prompt};
+pub use engine::stream::{Completion, EventStream, GenerationEvent};
+pub use engine::{Engine, EngineConfig, EngineHandle, ModelFacts};
+pub use error::{EngineError, ValidationError};
+pub use messages::request::{FinishReason, Usage};
+pub use sampling::SamplingParams;

@@ -2,3 +2,15 @@
 //! `config.json` parsing, checkpoint loading (sharded safetensors, FP8/FP4 formats, Engram
 //! tables), the per-sequence state, sampling math and the CPU reference backend. No tokio, no
 //! ractor, no metrics.
+
+pub mod error;
+pub mod quant;
+pub mod weights;
+
+pub mod checkpoint;
+pub mod config;
+pub mod engram;
+pub mod backend;
+pub mod v41;
+
+pub use v41::{DraftProposal, ForwardTrace, Injection, LogitsWanted, Model, SequenceState};

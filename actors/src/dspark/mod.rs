@@ -1,0 +1,2 @@
+//! DSpark speculative decoding: the confidence-scheduled choice of verification lengths.
+pub mod schedule;

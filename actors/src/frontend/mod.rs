@@ -1,0 +1,148 @@
+//! `FrontendActor`: validation, encoding, bounded admission and routing.
+//!
+//! Owns: the admission counters (per rank), the engine-wide in-flight count the schedulers read
+//! to decide on `Idle` steps, and the tokenizer/chat encoding.
+//! Accepts: `Submit`, `Released`, `RankDown`, `Close`.
+//! Sends: `SchedulerMsg::Submit` to the chosen rank and `Wake` to the others (so every rank
+//! steps while the engine has work).
+//! Failure: a bad request is answered with `EngineError::Invalid` and never fails the actor; at
+//! the admission limit the answer is `Overloaded`; after `Close`, `ShuttingDown`.
+
+pub mod codec;
+pub mod state;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::mpsc;
+
+use crate::engine::request::Submission;
+use crate::error::EngineError;
+use crate::grammar::GrammarEngine;
+use crate::messages::frontend::FrontendMsg;
+use crate::messages::request::Admitted;
+use crate::messages::scheduler::SchedulerMsg;
+use crate::metrics as m;
+use codec::TextCodec;
+use state::{Admission, FrontendLimits, prepare};
+
+/// Arguments of `FrontendActor`.
+pub struct FrontendArgs {
+    pub schedulers: Vec<ActorRef<SchedulerMsg>>,
+    pub codec: Option<Arc<TextCodec>>,
+    /// Structured outputs (built from the tokenizer); `None` refuses constrained requests.
+    pub grammar: Option<Arc<GrammarEngine>>,
+    pub limits: FrontendLimits,
+    pub engine_inflight: Arc<AtomicUsize>,
+}
+
+pub struct FrontendShell {
+    args: FrontendArgs,
+    admission: Admission,
+}
+
+impl FrontendShell {
+    fn publish_inflight(&self) {
+        let n = self.admission.inflight();
+        self.args.engine_inflight.store(n, Ordering::Release);
+        m::set_inflight(n);
+    }
+}
+
+/// The actor (stateless handler; state in `FrontendShell`).
+pub struct FrontendActor;
+
+impl Actor for FrontendActor {
+    type Msg = FrontendMsg;
+    type State = FrontendShell;
+    type Arguments = FrontendArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<FrontendMsg>,
+        args: FrontendArgs,
+    ) -> Result<FrontendShell, ActorProcessingErr> {
+        let admission = Admission::new(args.limits.admission_capacity, args.schedulers.len());
+        Ok(FrontendShell { args, admission })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<FrontendMsg>,
+        message: FrontendMsg,
+        s: &mut FrontendShell,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            FrontendMsg::Submit(request, reply) => {
+                let id = s.admission.next_id();
+                let _span = tracing::debug_span!("request", %id).entered();
+                let prepared = match prepare(
+                    id,
+                    &request,
+                    s.args.codec.as_deref(),
+                    s.args.grammar.as_deref(),
+                    &s.args.limits,
+                )
+                {
+                    Ok(p) => p,
+                    Err(e) => {
+                        m::record_request("invalid");
+                        let _ = reply.send(Err(EngineError::Invalid(e)));
+                        return Ok(());
+                    }
+                };
+                let dp = match s.admission.admit() {
+                    Ok(dp) => dp,
+                    Err(e) => {
+                        m::record_request(e.code());
+                        let _ = reply.send(Err(e));
+                        return Ok(());
+                    }
+                };
+                s.publish_inflight();
+                m::record_request("admitted");
+                let (tx, rx) = mpsc::unbounded_channel();
+                let scheduler = s.args.schedulers[dp.index()].clone();
+                let prompt_tokens = prepared.spec.prompt.len();
+                let admitted = Admitted {
+                    dp,
+                    spec: prepared.spec,
+                    events: tx,
+                };
+                if scheduler
+                    .cast(SchedulerMsg::Submit(Box::new(admitted)))
+                    .is_err()
+                {
+                    s.admission.release(dp);
+                    s.publish_inflight();
+                    let _ = reply.send(Err(EngineError::ShuttingDown));
+                    return Ok(());
+                }
+                for (rank, other) in s.args.schedulers.iter().enumerate() {
+                    if rank != dp.index() {
+                        let _ = other.cast(SchedulerMsg::Wake);
+                    }
+                }
+                let _ = reply.send(Ok(Submission {
+                    id,
+                    dp,
+                    prompt_tokens,
+                    stop: prepared.stop,
+                    events: rx,
+                    scheduler,
+                }));
+            }
+            FrontendMsg::Released(dp) => {
+                s.admission.release(dp);
+                s.publish_inflight();
+            }
+            FrontendMsg::RankDown(dp) => s.admission.rank_down(dp),
+            FrontendMsg::Close(reply) => {
+                s.admission.close();
+                let _ = reply.send(());
+            }
+        }
+        Ok(())
+    }
+}

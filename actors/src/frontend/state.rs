@@ -1,0 +1,343 @@
+//! The frontend's pure logic: request validation (`prepare`) and bounded admission with
+//! least-loaded routing (`Admission`).
+
+use deepinfer_topology::{DpRank, RequestId};
+
+use crate::engine::request::{GenerateRequest, Prompt};
+use crate::error::{EngineError, ValidationError};
+use crate::frontend::codec::TextCodec;
+use crate::grammar::GrammarEngine;
+use crate::messages::rank::SeqGrammar;
+use crate::messages::request::RequestSpec;
+use crate::sampling::SamplingParams;
+
+/// Limits the frontend validates against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrontendLimits {
+    /// Admitted, unfinished requests (engine-wide).
+    pub admission_capacity: usize,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+    /// Prompt + generated tokens of one sequence (the model's positions).
+    pub max_context_tokens: usize,
+    /// `max_tokens` when a request sets none.
+    pub default_max_tokens: usize,
+    /// End of sequence; `None` for a backend without one.
+    pub eos_token_id: Option<u32>,
+    /// Seeds requests without one: `seed = mix(base_seed, request id)`.
+    pub base_seed: u64,
+}
+
+/// A request's validated form plus what the event stream needs.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub spec: RequestSpec,
+    pub stop: Vec<String>,
+}
+
+/// Validates and encodes a request.
+pub fn prepare(
+    id: RequestId,
+    request: &GenerateRequest,
+    codec: Option<&TextCodec>,
+    grammar: Option<&GrammarEngine>,
+    limits: &FrontendLimits,
+) -> Result<Prepared, ValidationError> {
+    let mut constraint = None;
+    let mut sampling = SamplingParams {
+        temperature: request.temperature,
+        top_k: request.top_k,
+        top_p: request.top_p,
+        seed: request
+            .seed
+            .unwrap_or_else(|| crate::sampling::uniform_seed(limits.base_seed, id.get())),
+    };
+    let mut max_tokens = request.max_tokens;
+    let mut stop = request.stop.clone();
+    let prompt = match &request.prompt {
+        Prompt::Tokens(tokens) => tokens.clone(),
+        Prompt::Text(text) => codec
+            .ok_or(ValidationError::NoTokenizer {
+                what: "a text prompt",
+            })?
+            .encode_text(text)?,
+        Prompt::Chat(body) => {
+            let chat = codec
+                .ok_or(ValidationError::NoTokenizer {
+                    what: "a chat request",
+                })?
+                .encode_chat(body)?;
+            sampling.temperature = chat.temperature;
+            sampling.top_p = chat.top_p;
+            if let Some(seed) = chat.seed {
+                sampling.seed = seed;
+            }
+            if let Some(n) = chat.max_tokens {
+                max_tokens = Some(n as usize);
+            }
+            stop.extend(chat.stop);
+            constraint = chat.constraint;
+            chat.tokens
+        }
+    };
+    if !stop.is_empty() && codec.is_none() {
+        return Err(ValidationError::NoTokenizer {
+            what: "text stop sequences",
+        });
+    }
+    if prompt.is_empty() {
+        return Err(ValidationError::EmptyPrompt);
+    }
+    if let Some((position, &token)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, t)| **t as usize >= limits.vocab_size)
+    {
+        return Err(ValidationError::TokenOutOfVocab {
+            token,
+            position,
+            vocab: limits.vocab_size,
+        });
+    }
+    if prompt.len() >= limits.max_context_tokens {
+        return Err(ValidationError::PromptTooLong {
+            len: prompt.len(),
+            max: limits.max_context_tokens - 1,
+        });
+    }
+    sampling.validate()?;
+    if sampling.top_k > limits.vocab_size {
+        return Err(ValidationError::OutOfRange {
+            field: "top_k",
+            value: sampling.top_k.to_string(),
+            expected: "at most the vocabulary size",
+        });
+    }
+    let room = limits.max_context_tokens - prompt.len();
+    let max_tokens = match max_tokens {
+        Some(0) => {
+            return Err(ValidationError::OutOfRange {
+                field: "max_tokens",
+                value: "0".into(),
+                expected: ">= 1",
+            });
+        }
+        Some(n) if n > room => {
+            return Err(ValidationError::OutOfRange {
+                field: "max_tokens",
+                value: n.to_string(),
+                expected: "at most the context left after the prompt",
+            });
+        }
+        Some(n) => n,
+        None => limits.default_max_tokens.min(room),
+    };
+    let mut stop_token_ids = request.stop_token_ids.clone();
+    if let Some(&bad) = stop_token_ids
+        .iter()
+        .find(|t| **t as usize >= limits.vocab_size)
+    {
+        return Err(ValidationError::OutOfRange {
+            field: "stop_token_ids",
+            value: bad.to_string(),
+            expected: "token ids inside the vocabulary",
+        });
+    }
+    if let (Some(eos), false) = (limits.eos_token_id, request.ignore_eos) {
+        stop_token_ids.push(eos);
+    }
+    let grammar = match constraint {
+        None => None,
+        Some(constraint) => {
+            let engine = grammar.ok_or(ValidationError::NoTokenizer {
+                what: "structured output",
+            })?;
+            let compiled = engine
+                .compile(&constraint)
+                .map_err(|e| ValidationError::Grammar { detail: e.to_string() })?;
+            let matcher = engine.matcher(&compiled, engine.constraint_start(&prompt));
+            let end_token = limits.eos_token_id.unwrap_or(0);
+            Some(Box::new(SeqGrammar { matcher, end_token }))
+        }
+    };
+    Ok(Prepared {
+        spec: RequestSpec {
+            id,
+            prompt,
+            sampling,
+            max_tokens,
+            stop_token_ids,
+            grammar,
+        },
+        stop,
+    })
+}
+
+/// Bounded admission and routing to the least-loaded live rank.
+#[derive(Debug)]
+pub struct Admission {
+    capacity: usize,
+    per_rank: Vec<usize>,
+    down: Vec<bool>,
+    closed: bool,
+    next_id: u64,
+}
+
+impl Admission {
+    pub fn new(capacity: usize, ranks: usize) -> Self {
+        Admission {
+            capacity,
+            per_rank: vec![0; ranks],
+            down: vec![false; ranks],
+            closed: false,
+            next_id: 0,
+        }
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.per_rank.iter().sum()
+    }
+
+    /// A fresh id (ids are never reused within an engine).
+    pub fn next_id(&mut self) -> RequestId {
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        id
+    }
+
+    /// Picks a rank and counts the request, or says why not.
+    pub fn admit(&mut self) -> Result<DpRank, EngineError> {
+        if self.closed {
+            return Err(EngineError::ShuttingDown);
+        }
+        if self.inflight() >= self.capacity {
+            return Err(EngineError::Overloaded {
+                limit: self.capacity,
+            });
+        }
+        let best = (0..self.per_rank.len())
+            .filter(|&r| !self.down[r])
+            .min_by_key(|&r| (self.per_rank[r], r));
+        let Some(rank) = best else {
+            return Err(EngineError::RankFailed {
+                dp: 0,
+                message: "every DP rank of this engine has failed".into(),
+            });
+        };
+        self.per_rank[rank] += 1;
+        Ok(DpRank(rank as u16))
+    }
+
+    pub fn release(&mut self, dp: DpRank) {
+        if let Some(n) = self.per_rank.get_mut(dp.index()) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    pub fn rank_down(&mut self, dp: DpRank) {
+        if let Some(d) = self.down.get_mut(dp.index()) {
+            *d = true;
+        }
+    }
+
+    pub fn close(&mut self) {
+        self.closed = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> FrontendLimits {
+        FrontendLimits {
+            admission_capacity: 3,
+            vocab_size: 100,
+            max_context_tokens: 16,
+            default_max_tokens: 8,
+            eos_token_id: Some(1),
+            base_seed: 5,
+        }
+    }
+
+    #[test]
+    fn admission_is_bounded_and_routes_to_the_least_loaded_live_rank() {
+        let mut a = Admission::new(3, 2);
+        assert_eq!(a.admit().unwrap(), DpRank(0));
+        assert_eq!(a.admit().unwrap(), DpRank(1));
+        assert_eq!(a.admit().unwrap(), DpRank(0));
+        assert!(matches!(
+            a.admit(),
+            Err(EngineError::Overloaded { limit: 3 })
+        ));
+        a.release(DpRank(0));
+        a.rank_down(DpRank(0));
+        assert_eq!(a.admit().unwrap(), DpRank(1));
+        a.release(DpRank(1));
+        a.release(DpRank(1));
+        a.rank_down(DpRank(1));
+        assert!(matches!(a.admit(), Err(EngineError::RankFailed { .. })));
+        a.close();
+        assert!(matches!(a.admit(), Err(EngineError::ShuttingDown)));
+    }
+
+    #[test]
+    fn prepare_validates_and_fills_defaults() {
+        let req = GenerateRequest::from_tokens(vec![5, 6, 7]);
+        let p = prepare(RequestId(1), &req, None, None, &limits()).unwrap();
+        assert_eq!(
+            (p.spec.max_tokens, p.spec.stop_token_ids.clone()),
+            (8, vec![1])
+        );
+        let other = prepare(RequestId(2), &req, None, None, &limits()).unwrap();
+        assert_ne!(
+            p.spec.sampling.seed, other.spec.sampling.seed,
+            "unseeded requests get distinct seeds"
+        );
+        // The default is cut to the context left.
+        let long = GenerateRequest::from_tokens(vec![5; 12]);
+        assert_eq!(
+            prepare(RequestId(1), &long, None, None, &limits())
+                .unwrap()
+                .spec
+                .max_tokens,
+            4
+        );
+        let cases: Vec<(GenerateRequest, &str)> = vec![
+            (GenerateRequest::from_tokens(vec![]), "empty"),
+            (GenerateRequest::from_tokens(vec![5, 100]), "position 1"),
+            (GenerateRequest::from_tokens(vec![5; 16]), "at most 15"),
+            (
+                GenerateRequest::from_tokens(vec![5]).max_tokens(0),
+                "max_tokens",
+            ),
+            (
+                GenerateRequest::from_tokens(vec![5; 10]).max_tokens(7),
+                "max_tokens",
+            ),
+            (
+                GenerateRequest::from_tokens(vec![5]).temperature(-0.5),
+                "temperature",
+            ),
+            (GenerateRequest::from_tokens(vec![5]).top_k(101), "top_k"),
+            (GenerateRequest::from_tokens(vec![5]).stop("x"), "tokenizer"),
+            (GenerateRequest::from_text("hi"), "tokenizer"),
+        ];
+        for (req, needle) in cases {
+            let err = prepare(RequestId(1), &req, None, None, &limits())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+        let ignore = GenerateRequest::from_tokens(vec![5])
+            .ignore_eos(true)
+            .stop_token(9);
+        assert_eq!(
+            prepare(RequestId(1), &ignore, None, None, &limits())
+                .unwrap()
+                .spec
+                .stop_token_ids,
+            vec![9]
+        );
+    }
+}

@@ -1,0 +1,189 @@
+//! Every metric name of the runtime, its help text and unit, and small typed recorders.
+//!
+//! Names follow `deepinfer_<subsystem>_<what>_<unit>`. Accumulated seconds are gauges that
+//! only grow (the facade's counters are integers). Labels are bounded: `dp` (rank),
+//! `mode` (step mode), `outcome`, `code` (error code), never a request id. Recording goes through
+//! the `metrics` facade; without an installed recorder (the library default) it costs nothing.
+//! The Grafana dashboard in `configs/dashboards/` may only reference names in `ALL` (a test
+//! checks this).
+
+use metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
+
+use crate::messages::rank::{StepMode, StepOutput};
+
+pub const FRONTEND_INFLIGHT_REQUESTS: &str = "deepinfer_frontend_inflight_requests";
+pub const FRONTEND_REQUESTS_TOTAL: &str = "deepinfer_frontend_requests_total";
+pub const FRONTEND_REQUEST_DURATION_SECONDS: &str = "deepinfer_frontend_request_duration_seconds";
+pub const SCHEDULER_QUEUE_DEPTH: &str = "deepinfer_scheduler_queue_depth";
+pub const SCHEDULER_RUNNING_REQUESTS: &str = "deepinfer_scheduler_running_requests";
+pub const SCHEDULER_PROMPT_TOKENS_TOTAL: &str = "deepinfer_scheduler_prompt_tokens_total";
+pub const SCHEDULER_GENERATED_TOKENS_TOTAL: &str = "deepinfer_scheduler_generated_tokens_total";
+pub const SCHEDULER_STEPS_TOTAL: &str = "deepinfer_scheduler_steps_total";
+pub const STEP_DURATION_SECONDS: &str = "deepinfer_step_duration_seconds";
+pub const STEP_CPU_SCHEDULE_SECONDS: &str = "deepinfer_step_cpu_schedule_seconds";
+pub const SCHEDULER_HIDDEN_SCHEDULE_SECONDS: &str = "deepinfer_scheduler_hidden_schedule_seconds";
+pub const RANK_HOST_SECONDS: &str = "deepinfer_rank_host_seconds";
+pub const RANK_HIDDEN_HOST_SECONDS: &str = "deepinfer_rank_hidden_host_seconds";
+pub const SUPERVISOR_FAILED_RANKS: &str = "deepinfer_supervisor_failed_ranks";
+pub const ERRORS_TOTAL: &str = "deepinfer_errors_total";
+
+/// Every metric name the runtime registers.
+pub const ALL: &[&str] = &[
+    FRONTEND_INFLIGHT_REQUESTS,
+    FRONTEND_REQUESTS_TOTAL,
+    FRONTEND_REQUEST_DURATION_SECONDS,
+    SCHEDULER_QUEUE_DEPTH,
+    SCHEDULER_RUNNING_REQUESTS,
+    SCHEDULER_PROMPT_TOKENS_TOTAL,
+    SCHEDULER_GENERATED_TOKENS_TOTAL,
+    SCHEDULER_STEPS_TOTAL,
+    STEP_DURATION_SECONDS,
+    STEP_CPU_SCHEDULE_SECONDS,
+    SCHEDULER_HIDDEN_SCHEDULE_SECONDS,
+    RANK_HOST_SECONDS,
+    RANK_HIDDEN_HOST_SECONDS,
+    SUPERVISOR_FAILED_RANKS,
+    ERRORS_TOTAL,
+];
+
+/// Registers help text and units with the installed recorder (call once after installing it).
+pub fn describe() {
+    describe_gauge!(
+        FRONTEND_INFLIGHT_REQUESTS,
+        Unit::Count,
+        "Admitted requests not yet finished."
+    );
+    describe_counter!(
+        FRONTEND_REQUESTS_TOTAL,
+        Unit::Count,
+        "Requests seen by the frontend, by outcome (admitted, overloaded, invalid, shutting_down)."
+    );
+    describe_histogram!(
+        FRONTEND_REQUEST_DURATION_SECONDS,
+        Unit::Seconds,
+        "From admission to the last event of a request."
+    );
+    describe_gauge!(
+        SCHEDULER_QUEUE_DEPTH,
+        Unit::Count,
+        "Requests waiting for their first step, per DP rank."
+    );
+    describe_gauge!(
+        SCHEDULER_RUNNING_REQUESTS,
+        Unit::Count,
+        "Requests being prefilled or decoded, per DP rank."
+    );
+    describe_counter!(
+        SCHEDULER_PROMPT_TOKENS_TOTAL,
+        Unit::Count,
+        "Prompt tokens scheduled for prefill, per DP rank."
+    );
+    describe_counter!(
+        SCHEDULER_GENERATED_TOKENS_TOTAL,
+        Unit::Count,
+        "Tokens generated and delivered, per DP rank."
+    );
+    describe_counter!(
+        SCHEDULER_STEPS_TOTAL,
+        Unit::Count,
+        "Steps completed, per DP rank and mode (idle included)."
+    );
+    describe_histogram!(
+        STEP_DURATION_SECONDS,
+        Unit::Seconds,
+        "Launch to results of one step on a rank, by mode."
+    );
+    describe_histogram!(
+        STEP_CPU_SCHEDULE_SECONDS,
+        Unit::Seconds,
+        "CPU time the scheduler spent building one plan."
+    );
+    describe_gauge!(
+        SCHEDULER_HIDDEN_SCHEDULE_SECONDS,
+        Unit::Seconds,
+        "Scheduling CPU time spent while the rank had a step in flight (hidden by async scheduling)."
+    );
+    describe_gauge!(
+        RANK_HOST_SECONDS,
+        Unit::Seconds,
+        "Host time the rank threads spent preparing and launching steps."
+    );
+    describe_gauge!(
+        RANK_HIDDEN_HOST_SECONDS,
+        Unit::Seconds,
+        "Of the rank host time, the part overlapped with an earlier step on the device."
+    );
+    describe_gauge!(
+        SUPERVISOR_FAILED_RANKS,
+        Unit::Count,
+        "DP ranks taken out of service by the supervisor."
+    );
+    describe_counter!(
+        ERRORS_TOTAL,
+        Unit::Count,
+        "Errors delivered to requests, by error code."
+    );
+}
+
+pub(crate) fn record_rank_step(output: &StepOutput) {
+    let dp = output.dp.to_string();
+    gauge!(RANK_HOST_SECONDS, "dp" => dp.clone()).increment(output.timing.host.as_secs_f64());
+    gauge!(RANK_HIDDEN_HOST_SECONDS, "dp" => dp).increment(output.timing.hidden_host.as_secs_f64());
+    histogram!(STEP_DURATION_SECONDS, "mode" => output.mode.as_str())
+        .record(output.timing.total.as_secs_f64());
+}
+
+pub(crate) fn record_step_done(dp: &str, mode: StepMode, generated: usize) {
+    counter!(SCHEDULER_STEPS_TOTAL, "dp" => dp.to_string(), "mode" => mode.as_str()).increment(1);
+    counter!(SCHEDULER_GENERATED_TOKENS_TOTAL, "dp" => dp.to_string()).increment(generated as u64);
+}
+
+pub(crate) fn record_plan(dp: &str, schedule_seconds: f64, hidden: bool, prompt_tokens: usize) {
+    histogram!(STEP_CPU_SCHEDULE_SECONDS).record(schedule_seconds);
+    if hidden {
+        gauge!(SCHEDULER_HIDDEN_SCHEDULE_SECONDS, "dp" => dp.to_string())
+            .increment(schedule_seconds);
+    }
+    counter!(SCHEDULER_PROMPT_TOKENS_TOTAL, "dp" => dp.to_string()).increment(prompt_tokens as u64);
+}
+
+pub(crate) fn record_queue(dp: &str, waiting: usize, running: usize) {
+    gauge!(SCHEDULER_QUEUE_DEPTH, "dp" => dp.to_string()).set(waiting as f64);
+    gauge!(SCHEDULER_RUNNING_REQUESTS, "dp" => dp.to_string()).set(running as f64);
+}
+
+pub(crate) fn record_request(outcome: &'static str) {
+    counter!(FRONTEND_REQUESTS_TOTAL, "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn record_error(code: &'static str) {
+    counter!(ERRORS_TOTAL, "code" => code).increment(1);
+}
+
+pub(crate) fn set_inflight(n: usize) {
+    gauge!(FRONTEND_INFLIGHT_REQUESTS).set(n as f64);
+}
+
+pub(crate) fn record_request_duration(seconds: f64) {
+    histogram!(FRONTEND_REQUEST_DURATION_SECONDS).record(seconds);
+}
+
+pub(crate) fn set_failed_ranks(n: usize) {
+    gauge!(SUPERVISOR_FAILED_RANKS).set(n as f64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_convention_and_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for name in ALL {
+            assert!(name.starts_with("deepinfer_"), "{name}");
+            assert!(seen.insert(name), "duplicate {name}");
+        }
+    }
+}

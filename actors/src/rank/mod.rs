@@ -1,0 +1,203 @@
+//! `RankActor`: one per DP rank; owns a dedicated OS thread that owns the executor.
+//!
+//! Owns: the rank thread (and through it the executor and its device context).
+//! Accepts: `RankMsg::Attach` (once), `Execute(plan)`, `ThreadExited` (from its own thread).
+//! Sends: `SchedulerMsg::StepDone` / `StepFailed` straight from the thread to the scheduler.
+//! Ordering: plans run in the order received; outputs are released in the same order.
+//! Failure: a panic or backend error on the thread fails the step (`StepFailed` with the panic
+//! message), ends the thread, and makes this actor fail, so `NodeSupervisor` applies its policy.
+//! The actor is never killed mid-step: stopping it closes the plan channel and joins the thread.
+
+pub mod executor;
+pub mod fake;
+pub mod model_executor;
+pub mod worker;
+
+use std::any::Any;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::Instant;
+
+use deepinfer_topology::DpRank;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::oneshot;
+
+use crate::messages::rank::{RankError, RankMsg, StepPlan};
+use crate::messages::scheduler::SchedulerMsg;
+use crate::metrics as m;
+use executor::ExecutorFactory;
+use worker::RankWorker;
+
+/// What the actor sends its thread.
+enum ThreadMsg {
+    Attach(ActorRef<SchedulerMsg>),
+    Plan(Box<StepPlan>),
+}
+
+/// Arguments of `RankActor`.
+pub struct RankArgs {
+    pub dp: DpRank,
+    pub factory: Arc<dyn ExecutorFactory>,
+}
+
+pub struct RankState {
+    dp: DpRank,
+    to_thread: Option<mpsc::Sender<ThreadMsg>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The actor (stateless handler; state in `RankState`).
+pub struct RankActor;
+
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic payload".to_string()
+    }
+}
+
+impl Actor for RankActor {
+    type Msg = RankMsg;
+    type State = RankState;
+    type Arguments = RankArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<RankMsg>,
+        args: RankArgs,
+    ) -> Result<RankState, ActorProcessingErr> {
+        let (to_thread, from_actor) = mpsc::channel();
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let dp = args.dp;
+        let thread = std::thread::Builder::new()
+            .name(format!("deepinfer-rank-{dp}"))
+            .spawn(move || {
+                let built = catch_unwind(AssertUnwindSafe(|| args.factory.build(dp.index())));
+                let executor = match built {
+                    Ok(Ok(executor)) => {
+                        let _ = ready_tx.send(Ok(()));
+                        executor
+                    }
+                    Ok(Err(e)) => {
+                        let _ = ready_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                    Err(panic) => {
+                        let _ = ready_tx.send(Err(format!("panicked: {}", panic_message(&*panic))));
+                        return;
+                    }
+                };
+                rank_thread(RankWorker::new(dp, executor), from_actor, myself);
+            })?;
+        match ready_rx.await {
+            Ok(Ok(())) => {}
+            Ok(Err(message)) => {
+                return Err(format!("cannot start the executor of {dp}: {message}").into());
+            }
+            Err(_) => return Err(format!("the rank thread of {dp} exited during start").into()),
+        }
+        tracing::debug!(%dp, "rank thread started");
+        Ok(RankState {
+            dp,
+            to_thread: Some(to_thread),
+            thread: Some(thread),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<RankMsg>,
+        message: RankMsg,
+        state: &mut RankState,
+    ) -> Result<(), ActorProcessingErr> {
+        let to_thread = match message {
+            RankMsg::Attach(scheduler) => ThreadMsg::Attach(scheduler),
+            RankMsg::Execute(plan) => ThreadMsg::Plan(plan),
+            RankMsg::ThreadExited(error) => {
+                return Err(format!("{}: {error}", state.dp).into());
+            }
+        };
+        let sent = state.to_thread.as_ref().map(|tx| tx.send(to_thread));
+        if !matches!(sent, Some(Ok(()))) {
+            return Err(format!("{}: {}", state.dp, RankError::ThreadGone).into());
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<RankMsg>,
+        state: &mut RankState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Closing the channel ends the thread after its current step; then join it off the
+        // async workers.
+        state.to_thread = None;
+        if let Some(thread) = state.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+        tracing::debug!(dp = %state.dp, "rank thread joined");
+        Ok(())
+    }
+}
+
+/// The loop of the rank thread: launch plans as they come (the scheduler bounds how many are
+/// outstanding), release each step's output when the device has finished it.
+fn rank_thread(mut worker: RankWorker, plans: mpsc::Receiver<ThreadMsg>, rank: ActorRef<RankMsg>) {
+    let mut scheduler: Option<ActorRef<SchedulerMsg>> = None;
+    loop {
+        while let Some(output) = worker.collect_ready(Instant::now()) {
+            m::record_rank_step(&output);
+            if let Some(s) = &scheduler {
+                let _ = s.cast(SchedulerMsg::StepDone(Box::new(output)));
+            }
+        }
+        let message = match worker.next_ready_at() {
+            None => match plans.recv() {
+                Ok(message) => message,
+                Err(_) => return,
+            },
+            Some(ready_at) => {
+                match plans.recv_timeout(ready_at.saturating_duration_since(Instant::now())) {
+                    Ok(message) => message,
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        if worker.launched_count() == 0 {
+                            return;
+                        }
+                        std::thread::sleep(ready_at.saturating_duration_since(Instant::now()));
+                        continue;
+                    }
+                }
+            }
+        };
+        let plan = match message {
+            ThreadMsg::Attach(s) => {
+                scheduler = Some(s);
+                continue;
+            }
+            ThreadMsg::Plan(plan) => plan,
+        };
+        let error = match catch_unwind(AssertUnwindSafe(|| worker.launch(&plan))) {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => RankError::Backend {
+                message: e.to_string(),
+            },
+            Err(panic) => RankError::Panicked {
+                message: panic_message(&*panic),
+            },
+        };
+        tracing::error!(step = %plan.step, %error, "rank step failed; the rank thread exits");
+        if let Some(s) = &scheduler {
+            let _ = s.cast(SchedulerMsg::StepFailed {
+                step: plan.step,
+                error: error.clone(),
+            });
+        }
+        let _ = rank.cast(RankMsg::ThreadExited(error));
+        return;
+    }
+}

@@ -1,0 +1,336 @@
+//! `RankWorker`: what the rank thread does with a plan, without the thread.
+//!
+//! Owns the executor, the per-sequence sampling parameters and each sequence's last sampled
+//! token (the input of its next `Decode`, resolved here so the scheduler can plan a step before
+//! the previous one returned). Also owns the pipeline of launched steps: a step's results become
+//! visible `device_latency` after its launch, and a step launched while another is still on the
+//! device has its host time counted as hidden by async scheduling.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use deepinfer_topology::{DpRank, RequestId};
+
+use crate::messages::rank::{SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming};
+use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
+use crate::sampling::{SamplingParams, sample};
+
+/// The shortest an `Idle` step takes. On an EP deployment the collective paces idle ranks;
+/// without one this keeps an idle rank from spinning while its peers work.
+pub const IDLE_STEP_MIN_INTERVAL: Duration = Duration::from_micros(500);
+
+struct SeqSampling {
+    params: SamplingParams,
+    last_token: Option<u32>,
+    grammar: Option<SeqGrammar>,
+}
+
+/// Masks the row with the grammar, samples, and advances the grammar.
+fn sample_constrained(
+    grammar: &mut SeqGrammar,
+    row: &mut [f32],
+    params: &SamplingParams,
+    position: u64,
+) -> Result<Option<u32>, crate::grammar::GrammarError> {
+    grammar.matcher.compute_mask()?.apply_to_logits(row)?;
+    let Some(token) = sample(row, params, position) else {
+        return Ok(None);
+    };
+    grammar.matcher.advance(token)?;
+    Ok(Some(token))
+}
+
+/// A step whose results are computed but not yet released.
+struct Launched {
+    output: StepOutput,
+    launched_at: Instant,
+    ready_at: Instant,
+}
+
+/// The rank's step logic.
+pub struct RankWorker {
+    dp: DpRank,
+    executor: Box<dyn RankExecutor>,
+    sequences: HashMap<RequestId, SeqSampling>,
+    launched: VecDeque<Launched>,
+}
+
+impl RankWorker {
+    pub fn new(dp: DpRank, executor: Box<dyn RankExecutor>) -> Self {
+        RankWorker {
+            dp,
+            executor,
+            sequences: HashMap::new(),
+            launched: VecDeque::new(),
+        }
+    }
+
+    /// Runs a plan on the executor and samples; the output is not timed yet.
+    pub fn run_plan(&mut self, plan: &StepPlan) -> Result<StepOutput, ExecError> {
+        for new in &plan.new_seqs {
+            self.executor.new_sequence(new.id)?;
+            self.sequences.insert(
+                new.id,
+                SeqSampling {
+                    params: new.sampling,
+                    last_token: None,
+                    grammar: new.grammar.as_deref().cloned(),
+                },
+            );
+        }
+        let mut decode_inputs = Vec::with_capacity(plan.work.len());
+        for work in &plan.work {
+            if let SeqInput::Decode = work.input {
+                let seq = self
+                    .sequences
+                    .get(&work.id)
+                    .ok_or(ExecError::UnknownSequence(work.id))?;
+                let token = seq.last_token.ok_or_else(|| ExecError::Sequence {
+                    id: work.id,
+                    message: "decode scheduled before the sequence's first token".into(),
+                })?;
+                decode_inputs.push([token]);
+            }
+        }
+        let mut decodes = decode_inputs.iter();
+        let batch: Vec<SeqTokens<'_>> = plan
+            .work
+            .iter()
+            .map(|work| SeqTokens {
+                id: work.id,
+                tokens: match &work.input {
+                    SeqInput::Prefill { tokens, .. } => tokens,
+                    SeqInput::Decode => decodes.next().map_or(&[][..], |t| &t[..]),
+                },
+            })
+            .collect();
+        let mut rows = self.executor.execute(&batch)?;
+        if rows.len() != plan.work.len() {
+            return Err(ExecError::Backend(format!(
+                "the executor returned {} logits rows for {} sequences",
+                rows.len(),
+                plan.work.len()
+            )));
+        }
+        let mut sampled = Vec::new();
+        for (work, row) in plan.work.iter().zip(rows.iter_mut()) {
+            let produces = matches!(
+                work.input,
+                SeqInput::Decode | SeqInput::Prefill { last: true, .. }
+            );
+            if !produces {
+                continue;
+            }
+            // The sampled token's absolute position = tokens the sequence holds now.
+            let position = self.executor.sequence_len(work.id)? as u64;
+            let seq = self
+                .sequences
+                .get_mut(&work.id)
+                .ok_or(ExecError::UnknownSequence(work.id))?;
+            let picked = match seq.grammar.as_mut() {
+                None => sample(row, &seq.params, position),
+                Some(grammar) => match sample_constrained(grammar, row, &seq.params, position) {
+                    Ok(token) => token,
+                    Err(error) => {
+                        // The request's grammar failed: end this request, not the rank.
+                        tracing::warn!(id = %work.id, %error, "structured output failed; ending the request");
+                        let end = grammar.end_token;
+                        seq.grammar = None;
+                        Some(end)
+                    }
+                },
+            };
+            let token = picked
+                .ok_or_else(|| ExecError::Backend(format!("empty logits row for {}", work.id)))?;
+            seq.last_token = Some(token);
+            sampled.push((work.id, token));
+        }
+        for id in &plan.finished {
+            self.executor.free_sequence(*id);
+            self.sequences.remove(id);
+        }
+        Ok(StepOutput {
+            step: plan.step,
+            dp: self.dp,
+            mode: plan.mode,
+            sampled,
+            live_sequences: self.executor.live_sequences(),
+            timing: StepTiming::default(),
+        })
+    }
+
+    /// Launches a plan: runs it now (host work) and schedules its results for when the
+    /// emulated device is done.
+    pub fn launch(&mut self, plan: &StepPlan) -> Result<(), ExecError> {
+        let start = Instant::now();
+        let device_busy_until = self.launched.back().map(|l| l.ready_at);
+        let mut output = self.run_plan(plan)?;
+        let end = Instant::now();
+        let host = end - start;
+        // Host time overlapped with an earlier step still on the device.
+        let hidden_host = match device_busy_until {
+            Some(busy) if busy > start => host.min(busy - start),
+            _ => Duration::ZERO,
+        };
+        let device_start = device_busy_until.map_or(end, |busy| busy.max(end));
+        let mut ready_at = device_start + self.executor.device_latency(plan.token_count());
+        if plan.mode == StepMode::Idle {
+            ready_at = ready_at.max(start + IDLE_STEP_MIN_INTERVAL);
+        }
+        output.timing = StepTiming {
+            host,
+            hidden_host,
+            total: Duration::ZERO,
+        };
+        self.launched.push_back(Launched {
+            output,
+            launched_at: start,
+            ready_at,
+        });
+        Ok(())
+    }
+
+    /// When the oldest launched step's results become available.
+    pub fn next_ready_at(&self) -> Option<Instant> {
+        self.launched.front().map(|l| l.ready_at)
+    }
+
+    /// Steps launched and not yet collected.
+    pub fn launched_count(&self) -> usize {
+        self.launched.len()
+    }
+
+    /// Takes the oldest step if its results are available at `now`.
+    pub fn collect_ready(&mut self, now: Instant) -> Option<StepOutput> {
+        if self.launched.front()?.ready_at > now {
+            return None;
+        }
+        let done = self.launched.pop_front()?;
+        let mut output = done.output;
+        output.timing.total = done.ready_at.max(now) - done.launched_at;
+        Some(output)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::messages::rank::{NewSeq, SeqWork};
+    use crate::rank::fake::{FakeConfig, FakeExecutor, favoured_token};
+    use deepinfer_topology::StepId;
+
+    fn worker(config: FakeConfig) -> RankWorker {
+        RankWorker::new(DpRank(0), Box::new(FakeExecutor::new(config, 0)))
+    }
+
+    fn plan(step: u64, new: &[u64], work: Vec<(u64, SeqInput)>, finished: &[u64]) -> StepPlan {
+        StepPlan {
+            step: StepId(step),
+            mode: StepMode::Mixed,
+            new_seqs: new
+                .iter()
+                .map(|&id| NewSeq {
+                    id: RequestId(id),
+                    sampling: SamplingParams::greedy(),
+                    grammar: None,
+                })
+                .collect(),
+            work: work
+                .into_iter()
+                .map(|(id, input)| SeqWork {
+                    id: RequestId(id),
+                    input,
+                })
+                .collect(),
+            finished: finished.iter().map(|&id| RequestId(id)).collect(),
+        }
+    }
+
+    #[test]
+    fn chunked_prefill_then_decode_follows_the_greedy_chain() {
+        let vocab = FakeConfig::default().vocab_size;
+        let mut w = worker(FakeConfig::default());
+        let p1 = plan(
+            0,
+            &[1],
+            vec![(
+                1,
+                SeqInput::Prefill {
+                    tokens: vec![7, 8],
+                    last: false,
+                },
+            )],
+            &[],
+        );
+        assert!(w.run_plan(&p1).unwrap().sampled.is_empty());
+        let p2 = plan(
+            1,
+            &[],
+            vec![(
+                1,
+                SeqInput::Prefill {
+                    tokens: vec![9],
+                    last: true,
+                },
+            )],
+            &[],
+        );
+        let first = w.run_plan(&p2).unwrap().sampled;
+        // The last prompt token 9 sits at position 2.
+        assert_eq!(first, vec![(RequestId(1), favoured_token(9, 2, vocab))]);
+        let p3 = plan(2, &[], vec![(1, SeqInput::Decode)], &[1]);
+        let out = w.run_plan(&p3).unwrap();
+        assert_eq!(
+            out.sampled,
+            vec![(RequestId(1), favoured_token(first[0].1, 3, vocab))]
+        );
+        assert_eq!(out.live_sequences, 0);
+    }
+
+    #[test]
+    fn decode_before_first_token_is_an_error() {
+        let mut w = worker(FakeConfig::default());
+        let p = plan(0, &[1], vec![(1, SeqInput::Decode)], &[]);
+        assert!(matches!(w.run_plan(&p), Err(ExecError::Sequence { .. })));
+    }
+
+    #[test]
+    fn second_launch_waits_for_the_device_and_counts_hidden_host_time() {
+        let mut w = worker(FakeConfig {
+            host_time: Duration::from_millis(5),
+            device_time: Duration::from_millis(30),
+            ..FakeConfig::default()
+        });
+        let p0 = plan(
+            0,
+            &[1],
+            vec![(
+                1,
+                SeqInput::Prefill {
+                    tokens: vec![1],
+                    last: true,
+                },
+            )],
+            &[],
+        );
+        let p1 = plan(1, &[], vec![(1, SeqInput::Decode)], &[]);
+        w.launch(&p0).unwrap();
+        w.launch(&p1).unwrap();
+        let first_ready = w.next_ready_at().unwrap();
+        assert!(
+            w.collect_ready(Instant::now()).is_none(),
+            "results before the device finished"
+        );
+        let out0 = w.collect_ready(first_ready).unwrap();
+        assert_eq!(out0.timing.hidden_host, Duration::ZERO);
+        let second_ready = w.next_ready_at().unwrap();
+        // The device runs one step at a time: the second finishes a full device time later.
+        assert!(second_ready - first_ready >= Duration::from_millis(30));
+        let out1 = w.collect_ready(second_ready).unwrap();
+        assert!(
+            out1.timing.hidden_host >= Duration::from_millis(4),
+            "{:?}",
+            out1.timing
+        );
+    }
+}

@@ -1,0 +1,2 @@
+//! Decoder bounded replay: the kept prompt suffix of the decoder layers and the rewind bound.
+pub mod suffix;

@@ -1,0 +1,630 @@
+//! The scheduler of one DP rank as a pure state machine (no ractor, no tokio).
+//!
+//! Owns the rank's requests: the FIFO of waiting ones, the running set, each sequence's prefill
+//! progress and generated count, the frees still to tell the rank, and the steps in flight.
+//! Continuous batching: every plan first gives each running decode one token, then continues
+//! prefills and admits waiting requests, chunking prompts so a plan never exceeds
+//! `max_batched_tokens`. Async scheduling: up to `overlap_depth` plans may be in flight; a decode
+//! is planned optimistically (the rank feeds it the token it sampled in the previous step) and a
+//! token that arrives after its sequence finished is discarded. Outputs are matched to plans in
+//! order; an output for an unknown step is counted and ignored.
+
+use std::collections::{HashMap, VecDeque};
+
+use deepinfer_topology::{DpRank, RequestId, StepId};
+
+use crate::error::EngineError;
+use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
+use crate::messages::request::{FinishReason, RequestSpec, Usage};
+use crate::messages::scheduler::SchedulerStats;
+
+/// The scheduler's limits (from the topology's `[scheduler]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerLimits {
+    /// Tokens per plan (>= 1).
+    pub max_batched_tokens: usize,
+    /// Requests prefilled or decoded at once (>= 1).
+    pub max_running: usize,
+    /// Largest prefill chunk of one request in one plan (>= 1).
+    pub prefill_chunk_tokens: usize,
+    /// Plans in flight (>= 1; 1 = synchronous scheduling).
+    pub overlap_depth: usize,
+}
+
+/// What the shell must deliver to a request's event channel.
+#[derive(Debug, Clone)]
+pub enum Emission {
+    Token(RequestId, u32),
+    Finished(RequestId, FinishReason, Usage),
+    Failed(RequestId, EngineError),
+}
+
+#[derive(Debug)]
+struct Seq {
+    spec: RequestSpec,
+    /// Prompt tokens already planned.
+    prefilled: usize,
+    /// The rank knows this sequence (its `NewSeq` was planned).
+    on_rank: bool,
+    /// Tokens delivered.
+    generated: usize,
+    /// Planned steps that will sample a token for this sequence and have not returned.
+    outputs_in_flight: usize,
+}
+
+impl Seq {
+    fn prefill_done(&self) -> bool {
+        self.prefilled == self.spec.prompt.len()
+    }
+}
+
+/// One rank's scheduling state.
+#[derive(Debug)]
+pub struct SchedulerState {
+    dp: DpRank,
+    limits: SchedulerLimits,
+    next_step: StepId,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    seqs: HashMap<RequestId, Seq>,
+    pending_frees: Vec<RequestId>,
+    in_flight: VecDeque<StepId>,
+    steps_done: u64,
+    idle_steps_done: u64,
+    unknown_outputs: u64,
+    rank_live_sequences: usize,
+    rank_failure: Option<String>,
+}
+
+impl SchedulerState {
+    pub fn new(dp: DpRank, limits: SchedulerLimits) -> Self {
+        SchedulerState {
+            dp,
+            limits,
+            next_step: StepId(0),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            seqs: HashMap::new(),
+            pending_frees: Vec::new(),
+            in_flight: VecDeque::new(),
+            steps_done: 0,
+            idle_steps_done: 0,
+            unknown_outputs: 0,
+            rank_live_sequences: 0,
+            rank_failure: None,
+        }
+    }
+
+    /// Queues a request; refused once the rank has failed.
+    pub fn submit(&mut self, spec: RequestSpec) -> Result<(), EngineError> {
+        if let Some(message) = &self.rank_failure {
+            return Err(EngineError::RankFailed {
+                dp: self.dp.index(),
+                message: message.clone(),
+            });
+        }
+        let id = spec.id;
+        self.seqs.insert(
+            id,
+            Seq {
+                spec,
+                prefilled: 0,
+                on_rank: false,
+                generated: 0,
+                outputs_in_flight: 0,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Removes a request; its rank state is freed by the next plan. `None` if unknown.
+    pub fn abort(&mut self, id: RequestId) -> Option<Emission> {
+        self.remove(id)?;
+        Some(Emission::Failed(id, EngineError::Aborted))
+    }
+
+    fn remove(&mut self, id: RequestId) -> Option<Seq> {
+        let seq = self.seqs.remove(&id)?;
+        self.waiting.retain(|w| *w != id);
+        self.running.retain(|r| *r != id);
+        if seq.on_rank {
+            self.pending_frees.push(id);
+        }
+        Some(seq)
+    }
+
+    /// Requests waiting or running.
+    pub fn has_requests(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    /// Whether another plan may be sent now.
+    pub fn has_credit(&self) -> bool {
+        self.rank_failure.is_none() && self.in_flight.len() < self.limits.overlap_depth
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    fn take_step_id(&mut self) -> StepId {
+        let step = self.next_step;
+        self.next_step = step.next();
+        self.in_flight.push_back(step);
+        step
+    }
+
+    /// Builds the next plan if there is a credit and anything to do (work or frees).
+    pub fn build_plan(&mut self) -> Option<StepPlan> {
+        if !self.has_credit() {
+            return None;
+        }
+        let mut budget = self.limits.max_batched_tokens;
+        let mut work = Vec::new();
+        let mut new_seqs = Vec::new();
+        let (mut decodes, mut prefills) = (0usize, 0usize);
+        // 1. One token for every running decode that may still produce one.
+        for id in &self.running {
+            if budget == 0 {
+                break;
+            }
+            let Some(seq) = self.seqs.get_mut(id) else {
+                continue;
+            };
+            if seq.prefill_done() && seq.generated + seq.outputs_in_flight < seq.spec.max_tokens {
+                seq.outputs_in_flight += 1;
+                work.push(SeqWork {
+                    id: *id,
+                    input: SeqInput::Decode,
+                });
+                budget -= 1;
+                decodes += 1;
+            }
+        }
+        // 2. Continue running prefills, then admit waiting requests (FIFO).
+        let mut candidates: Vec<RequestId> = self.running.clone();
+        while self.running.len() < self.limits.max_running && budget > 0 {
+            let Some(id) = self.waiting.pop_front() else {
+                break;
+            };
+            self.running.push(id);
+            candidates.push(id);
+        }
+        for id in candidates {
+            if budget == 0 {
+                break;
+            }
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                continue;
+            };
+            if seq.prefill_done() {
+                continue;
+            }
+            let n = (seq.spec.prompt.len() - seq.prefilled)
+                .min(self.limits.prefill_chunk_tokens)
+                .min(budget);
+            let tokens = seq.spec.prompt[seq.prefilled..seq.prefilled + n].to_vec();
+            seq.prefilled += n;
+            let last = seq.prefill_done();
+            if last {
+                seq.outputs_in_flight += 1;
+            }
+            if !seq.on_rank {
+                seq.on_rank = true;
+                new_seqs.push(NewSeq {
+                    id,
+                    sampling: seq.spec.sampling,
+                    grammar: seq.spec.grammar.take(),
+                });
+            }
+            work.push(SeqWork {
+                id,
+                input: SeqInput::Prefill { tokens, last },
+            });
+            budget -= n;
+            prefills += 1;
+        }
+        if work.is_empty() && self.pending_frees.is_empty() {
+            return None;
+        }
+        let mode = match (prefills > 0, decodes > 0) {
+            (false, false) => StepMode::Idle,
+            (true, false) => StepMode::Prefill,
+            (false, true) => StepMode::Decode,
+            (true, true) => StepMode::Mixed,
+        };
+        let finished = std::mem::take(&mut self.pending_frees);
+        Some(StepPlan {
+            step: self.take_step_id(),
+            mode,
+            new_seqs,
+            work,
+            finished,
+        })
+    }
+
+    /// An `Idle` plan (the rank has nothing to do but must step with its peers); only when
+    /// nothing else is in flight.
+    pub fn idle_plan(&mut self) -> Option<StepPlan> {
+        if !self.has_credit() || !self.in_flight.is_empty() {
+            return None;
+        }
+        let finished = std::mem::take(&mut self.pending_frees);
+        Some(StepPlan {
+            step: self.take_step_id(),
+            mode: StepMode::Idle,
+            new_seqs: Vec::new(),
+            work: Vec::new(),
+            finished,
+        })
+    }
+
+    /// Applies a step's output; returns what to deliver.
+    pub fn on_step_done(&mut self, output: &StepOutput) -> Vec<Emission> {
+        if self.in_flight.front() != Some(&output.step) {
+            self.unknown_outputs += 1;
+            return Vec::new();
+        }
+        self.in_flight.pop_front();
+        self.steps_done += 1;
+        if output.mode == StepMode::Idle {
+            self.idle_steps_done += 1;
+        }
+        self.rank_live_sequences = output.live_sequences;
+        let mut emissions = Vec::new();
+        for &(id, token) in &output.sampled {
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                continue;
+            };
+            seq.outputs_in_flight = seq.outputs_in_flight.saturating_sub(1);
+            if seq.spec.stop_token_ids.contains(&token) {
+                emissions.push(self.finish(id, FinishReason::Stop));
+                continue;
+            }
+            seq.generated += 1;
+            emissions.push(Emission::Token(id, token));
+            if seq.generated >= seq.spec.max_tokens {
+                emissions.push(self.finish(id, FinishReason::Length));
+            }
+        }
+        emissions
+    }
+
+    fn finish(&mut self, id: RequestId, reason: FinishReason) -> Emission {
+        let usage = match self.remove(id) {
+            Some(seq) => Usage {
+                prompt_tokens: seq.spec.prompt.len(),
+                completion_tokens: seq.generated,
+            },
+            None => Usage::default(),
+        };
+        Emission::Finished(id, reason, usage)
+    }
+
+    /// The rank is lost: every request fails with `RankFailed`, and later submissions too.
+    pub fn fail_all(&mut self, message: &str) -> Vec<Emission> {
+        if self.rank_failure.is_none() {
+            self.rank_failure = Some(message.to_string());
+        }
+        let error = EngineError::RankFailed {
+            dp: self.dp.index(),
+            message: message.to_string(),
+        };
+        let mut ids: Vec<RequestId> = self.seqs.keys().copied().collect();
+        ids.sort_unstable();
+        self.seqs.clear();
+        self.waiting.clear();
+        self.running.clear();
+        self.pending_frees.clear();
+        self.in_flight.clear();
+        ids.into_iter()
+            .map(|id| Emission::Failed(id, error.clone()))
+            .collect()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            in_flight_steps: self.in_flight.len(),
+            steps_done: self.steps_done,
+            idle_steps_done: self.idle_steps_done,
+            rank_live_sequences: self.rank_live_sequences,
+            rank_failed: self.rank_failure.is_some(),
+        }
+    }
+
+    /// Outputs that matched no plan in flight (a protocol error; counted, not fatal).
+    pub fn unknown_outputs(&self) -> u64 {
+        self.unknown_outputs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::messages::rank::StepTiming;
+    use crate::sampling::SamplingParams;
+    use rand::{Rng, SeedableRng};
+
+    const EOS: u32 = 1;
+
+    fn limits(budget: usize, depth: usize) -> SchedulerLimits {
+        SchedulerLimits {
+            max_batched_tokens: budget,
+            max_running: 4,
+            prefill_chunk_tokens: 8,
+            overlap_depth: depth,
+        }
+    }
+
+    fn spec(id: u64, prompt_len: usize, max_tokens: usize) -> RequestSpec {
+        RequestSpec {
+            id: RequestId(id),
+            prompt: (0..prompt_len as u32).map(|t| t + 10).collect(),
+            sampling: SamplingParams::greedy(),
+            max_tokens,
+            stop_token_ids: vec![EOS],
+            grammar: None,
+        }
+    }
+
+    /// Plays the rank: every producing entry samples `token`.
+    fn output_for(plan: &StepPlan, token: u32) -> StepOutput {
+        let sampled = plan
+            .work
+            .iter()
+            .filter(|w| {
+                matches!(
+                    w.input,
+                    SeqInput::Decode | SeqInput::Prefill { last: true, .. }
+                )
+            })
+            .map(|w| (w.id, token))
+            .collect();
+        StepOutput {
+            step: plan.step,
+            dp: DpRank(0),
+            mode: plan.mode,
+            sampled,
+            live_sequences: 0,
+            timing: StepTiming::default(),
+        }
+    }
+
+    #[test]
+    fn long_prompt_is_chunked_then_decoded_to_max_tokens() {
+        let mut s = SchedulerState::new(DpRank(0), limits(6, 1));
+        s.submit(spec(1, 14, 2)).unwrap();
+        let p0 = s.build_plan().unwrap();
+        assert_eq!(
+            (p0.mode, p0.token_count(), p0.new_seqs.len()),
+            (StepMode::Prefill, 6, 1)
+        );
+        assert!(
+            s.build_plan().is_none(),
+            "depth 1 allows one plan in flight"
+        );
+        assert!(s.on_step_done(&output_for(&p0, 5)).is_empty());
+        let p1 = s.build_plan().unwrap();
+        assert_eq!((p1.token_count(), p1.new_seqs.len()), (6, 0));
+        s.on_step_done(&output_for(&p1, 5));
+        let p2 = s.build_plan().unwrap();
+        assert_eq!(
+            p2.work,
+            vec![SeqWork {
+                id: RequestId(1),
+                input: SeqInput::Prefill {
+                    tokens: vec![22, 23],
+                    last: true
+                }
+            }]
+        );
+        let e = s.on_step_done(&output_for(&p2, 42));
+        assert!(matches!(e[..], [Emission::Token(RequestId(1), 42)]));
+        let p3 = s.build_plan().unwrap();
+        assert_eq!((p3.mode, p3.token_count()), (StepMode::Decode, 1));
+        let e = s.on_step_done(&output_for(&p3, 43));
+        assert!(matches!(
+            e[..],
+            [
+                Emission::Token(_, 43),
+                Emission::Finished(
+                    _,
+                    FinishReason::Length,
+                    Usage {
+                        prompt_tokens: 14,
+                        completion_tokens: 2
+                    }
+                )
+            ]
+        ));
+        // The next plan only frees the finished sequence.
+        let p4 = s.build_plan().unwrap();
+        assert_eq!(
+            (p4.mode, p4.finished.clone()),
+            (StepMode::Idle, vec![RequestId(1)])
+        );
+        assert!(!s.has_requests());
+    }
+
+    #[test]
+    fn eos_finishes_with_stop_and_is_not_delivered() {
+        let mut s = SchedulerState::new(DpRank(0), limits(16, 1));
+        s.submit(spec(1, 3, 10)).unwrap();
+        let p = s.build_plan().unwrap();
+        let e = s.on_step_done(&output_for(&p, EOS));
+        assert!(matches!(
+            e[..],
+            [Emission::Finished(
+                _,
+                FinishReason::Stop,
+                Usage {
+                    completion_tokens: 0,
+                    ..
+                }
+            )]
+        ));
+    }
+
+    #[test]
+    fn overlap_plans_decodes_ahead_and_drops_late_tokens() {
+        let mut s = SchedulerState::new(DpRank(0), limits(16, 2));
+        s.submit(spec(1, 2, 5)).unwrap();
+        let p0 = s.build_plan().unwrap();
+        let p1 = s.build_plan().unwrap();
+        assert_eq!(
+            p1.work,
+            vec![SeqWork {
+                id: RequestId(1),
+                input: SeqInput::Decode
+            }],
+            "planned before p0 returned"
+        );
+        assert!(s.build_plan().is_none(), "depth 2");
+        // p0's token is EOS: p1's token arrives for a finished sequence and is discarded.
+        assert!(matches!(
+            s.on_step_done(&output_for(&p0, EOS))[..],
+            [Emission::Finished(..)]
+        ));
+        assert!(s.on_step_done(&output_for(&p1, 99)).is_empty());
+        assert_eq!(s.build_plan().unwrap().finished, vec![RequestId(1)]);
+    }
+
+    #[test]
+    fn abort_frees_only_sequences_the_rank_knows() {
+        let mut s = SchedulerState::new(DpRank(0), limits(4, 1));
+        s.submit(spec(1, 2, 5)).unwrap();
+        s.submit(spec(2, 2, 5)).unwrap();
+        s.submit(spec(3, 2, 5)).unwrap();
+        let p = s.build_plan().unwrap(); // admits 1 and 2 (budget 4)
+        assert_eq!(p.new_seqs.len(), 2);
+        assert!(matches!(
+            s.abort(RequestId(3)),
+            Some(Emission::Failed(_, EngineError::Aborted))
+        ));
+        assert!(matches!(
+            s.abort(RequestId(1)),
+            Some(Emission::Failed(_, EngineError::Aborted))
+        ));
+        assert!(s.abort(RequestId(1)).is_none());
+        s.on_step_done(&output_for(&p, 7));
+        let next = s.build_plan().unwrap();
+        assert_eq!(next.finished, vec![RequestId(1)]);
+        assert!(next.work.iter().all(|w| w.id == RequestId(2)));
+    }
+
+    #[test]
+    fn fail_all_fails_everything_and_refuses_new_work() {
+        let mut s = SchedulerState::new(DpRank(2), limits(4, 2));
+        s.submit(spec(1, 2, 5)).unwrap();
+        s.submit(spec(2, 2, 5)).unwrap();
+        s.build_plan().unwrap();
+        let e = s.fail_all("boom");
+        assert_eq!(e.len(), 2);
+        assert!(e.iter().all(|e| matches!(
+            e,
+            Emission::Failed(_, EngineError::RankFailed { dp: 2, .. })
+        )));
+        assert!(s.submit(spec(3, 1, 1)).is_err());
+        assert!(s.build_plan().is_none());
+    }
+
+    #[test]
+    fn unknown_step_output_is_counted_and_ignored() {
+        let mut s = SchedulerState::new(DpRank(0), limits(4, 1));
+        s.submit(spec(1, 2, 5)).unwrap();
+        let mut p = s.build_plan().unwrap();
+        p.step = StepId(77);
+        assert!(s.on_step_done(&output_for(&p, 3)).is_empty());
+        assert_eq!(s.unknown_outputs(), 1);
+    }
+
+    /// Random submits, aborts and completions: the budget is never exceeded, nothing aborted or
+    /// finished is scheduled, every sequence is introduced before its work, every admitted
+    /// request ends exactly once, and at the end the rank has been told to free everything.
+    #[test]
+    fn randomized_invariants() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for depth in 1..=3 {
+            let mut s = SchedulerState::new(DpRank(0), limits(10, depth));
+            let mut known_to_rank = std::collections::HashSet::new();
+            let mut live: std::collections::HashSet<RequestId> = Default::default();
+            let mut ended = std::collections::HashSet::new();
+            let mut plans = VecDeque::new();
+            let mut next_id = 0;
+            for _ in 0..3000 {
+                match rng.random_range(0..10) {
+                    0..=2 if next_id < 200 => {
+                        next_id += 1;
+                        s.submit(spec(
+                            next_id,
+                            rng.random_range(1..30),
+                            rng.random_range(1..6),
+                        ))
+                        .unwrap();
+                        live.insert(RequestId(next_id));
+                    }
+                    3 if next_id > 0 => {
+                        let id = RequestId(rng.random_range(1..=next_id));
+                        if s.abort(id).is_some() {
+                            assert!(live.remove(&id) && ended.insert(id));
+                        }
+                    }
+                    4..=6 => {
+                        if let Some(p) = s.build_plan() {
+                            assert!(p.token_count() <= 10);
+                            for n in &p.new_seqs {
+                                assert!(known_to_rank.insert(n.id));
+                            }
+                            for w in &p.work {
+                                assert!(live.contains(&w.id), "scheduled {} after it ended", w.id);
+                                assert!(known_to_rank.contains(&w.id));
+                            }
+                            for f in &p.finished {
+                                assert!(known_to_rank.remove(f) && !live.contains(f));
+                            }
+                            plans.push_back(p);
+                        }
+                    }
+                    _ => {
+                        if let Some(p) = plans.pop_front() {
+                            let token = if rng.random_bool(0.1) { EOS } else { 5 };
+                            for e in s.on_step_done(&output_for(&p, token)) {
+                                if let Emission::Finished(id, ..) = e {
+                                    assert!(live.remove(&id) && ended.insert(id));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            // Drain: run plans until everything ended and was freed.
+            for _ in 0..10_000 {
+                if let Some(p) = s.build_plan() {
+                    for f in &p.finished {
+                        known_to_rank.remove(f);
+                    }
+                    plans.push_back(p);
+                }
+                let Some(p) = plans.pop_front() else { break };
+                for e in s.on_step_done(&output_for(&p, 5)) {
+                    if let Emission::Finished(id, ..) = e {
+                        assert!(live.remove(&id) && ended.insert(id));
+                    }
+                }
+            }
+            assert!(
+                live.is_empty() && !s.has_requests(),
+                "depth {depth}: {} requests never ended",
+                live.len()
+            );
+            assert!(
+                known_to_rank.is_empty(),
+                "depth {depth}: the rank still holds {known_to_rank:?}"
+            );
+            assert_eq!(ended.len() as u64, next_id);
+        }
+    }
+}

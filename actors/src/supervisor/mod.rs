@@ -1,0 +1,251 @@
+//! `NodeSupervisor`: the root of one engine's actor tree and the owner of its failure policy.
+//!
+//! Owns: the children (one `RankActor` and one `SchedulerActor` per DP rank, the
+//! `FrontendActor`), the map from child to role, and the `SupervisionPolicy` (see `policy.rs`
+//! for the policy itself).
+//! Accepts: `Health`, `Drain`; supervision events from its children (it overrides ractor's
+//! default, which would stop the supervisor on any child exit).
+//! Sends: `SchedulerMsg::RankLost` and `FrontendMsg::RankDown` to apply a decision.
+//! Ordering: spawn order is rank, then its scheduler (which gets the rank's ref), then `Attach`
+//! to the rank, then the frontend, so no plan can reach a rank before its scheduler is known.
+//! Failure: nothing restarts; see `policy.rs`. Shutdown closes admission, waits for the
+//! schedulers to drain (bounded), then stops the children (ranks join their threads).
+
+pub mod policy;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::time::{Duration, Instant};
+
+use deepinfer_topology::DpRank;
+use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tokio::sync::oneshot;
+
+use crate::frontend::codec::TextCodec;
+use crate::grammar::GrammarEngine;
+use crate::frontend::state::FrontendLimits;
+use crate::frontend::{FrontendActor, FrontendArgs};
+use crate::messages::frontend::FrontendMsg;
+use crate::messages::rank::{RankError, RankMsg};
+use crate::messages::scheduler::SchedulerMsg;
+use crate::messages::supervisor::{DrainReport, SupervisorMsg};
+use crate::metrics as m;
+use crate::rank::executor::ExecutorFactory;
+use crate::rank::{RankActor, RankArgs};
+use crate::scheduler::state::SchedulerLimits;
+use crate::scheduler::{SchedulerActor, SchedulerArgs};
+use policy::{ChildRole, Decision, SupervisionPolicy};
+
+/// The refs an `Engine` talks to.
+#[derive(Debug, Clone)]
+pub struct EngineHandles {
+    pub frontend: ActorRef<FrontendMsg>,
+    pub schedulers: Vec<ActorRef<SchedulerMsg>>,
+}
+
+/// Arguments of `NodeSupervisor`.
+pub struct SupervisorArgs {
+    pub dp_ranks: usize,
+    pub ep_ranks: usize,
+    pub scheduler: SchedulerLimits,
+    pub frontend: FrontendLimits,
+    pub factory: Arc<dyn ExecutorFactory>,
+    pub codec: Option<Arc<TextCodec>>,
+    pub grammar: Option<Arc<GrammarEngine>>,
+    pub handles: oneshot::Sender<EngineHandles>,
+}
+
+pub struct SupervisorState {
+    policy: SupervisionPolicy,
+    roles: HashMap<ActorId, ChildRole>,
+    handles: EngineHandles,
+}
+
+impl SupervisorState {
+    fn apply(&mut self, decision: Decision) {
+        match decision {
+            Decision::Ignore => {}
+            Decision::FailRank(dp) => {
+                tracing::error!(%dp, "rank failed; its requests fail, the other ranks keep serving");
+                if let Some(s) = self.handles.schedulers.get(dp.index()) {
+                    let _ = s.cast(SchedulerMsg::RankLost(RankError::Lost {
+                        message: format!("{dp} failed"),
+                    }));
+                }
+                let _ = self.handles.frontend.cast(FrontendMsg::RankDown(dp));
+            }
+            Decision::StopEngine { reason } => {
+                tracing::error!(%reason, "engine stopped; every request fails until shutdown");
+                for (dp, s) in self.handles.schedulers.iter().enumerate() {
+                    let _ = s.cast(SchedulerMsg::RankLost(RankError::Lost {
+                        message: reason.clone(),
+                    }));
+                    let _ = self
+                        .handles
+                        .frontend
+                        .cast(FrontendMsg::RankDown(DpRank(dp as u16)));
+                }
+            }
+        }
+        m::set_failed_ranks(self.policy.failed_ranks());
+    }
+}
+
+/// The actor (stateless handler; state in `SupervisorState`).
+pub struct NodeSupervisor;
+
+async fn stop_all(cells: &[ActorCell]) {
+    for cell in cells {
+        let _ = cell
+            .stop_and_wait(
+                Some("engine start failed".into()),
+                Some(Duration::from_secs(10)),
+            )
+            .await;
+    }
+}
+
+impl Actor for NodeSupervisor {
+    type Msg = SupervisorMsg;
+    type State = SupervisorState;
+    type Arguments = SupervisorArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        args: SupervisorArgs,
+    ) -> Result<SupervisorState, ActorProcessingErr> {
+        let engine_inflight = Arc::new(AtomicUsize::new(0));
+        let mut roles = HashMap::new();
+        let mut started: Vec<ActorCell> = Vec::new();
+        let mut schedulers = Vec::with_capacity(args.dp_ranks);
+        for index in 0..args.dp_ranks {
+            let dp = DpRank(index as u16);
+            let rank_args = RankArgs {
+                dp,
+                factory: args.factory.clone(),
+            };
+            let rank =
+                match Actor::spawn_linked(None, RankActor, rank_args, myself.get_cell()).await {
+                    Ok((rank, _)) => rank,
+                    Err(e) => {
+                        stop_all(&started).await;
+                        return Err(format!("{dp}: {e}").into());
+                    }
+                };
+            started.push(rank.get_cell());
+            roles.insert(rank.get_id(), ChildRole::Rank(dp));
+            let scheduler_args = SchedulerArgs {
+                dp,
+                limits: args.scheduler,
+                rank: rank.clone(),
+                engine_inflight: engine_inflight.clone(),
+            };
+            let scheduler =
+                match Actor::spawn_linked(None, SchedulerActor, scheduler_args, myself.get_cell())
+                    .await
+                {
+                    Ok((scheduler, _)) => scheduler,
+                    Err(e) => {
+                        stop_all(&started).await;
+                        return Err(format!("scheduler of {dp}: {e}").into());
+                    }
+                };
+            started.push(scheduler.get_cell());
+            roles.insert(scheduler.get_id(), ChildRole::Scheduler(dp));
+            rank.cast(RankMsg::Attach(scheduler.clone()))?;
+            schedulers.push(scheduler);
+        }
+        let frontend_args = FrontendArgs {
+            schedulers: schedulers.clone(),
+            codec: args.codec,
+            grammar: args.grammar,
+            limits: args.frontend,
+            engine_inflight,
+        };
+        let frontend = match Actor::spawn_linked(
+            None,
+            FrontendActor,
+            frontend_args,
+            myself.get_cell(),
+        )
+        .await
+        {
+            Ok((frontend, _)) => frontend,
+            Err(e) => {
+                stop_all(&started).await;
+                return Err(format!("frontend: {e}").into());
+            }
+        };
+        roles.insert(frontend.get_id(), ChildRole::Frontend);
+        let handles = EngineHandles {
+            frontend,
+            schedulers,
+        };
+        if args.handles.send(handles.clone()).is_err() {
+            return Err("the engine stopped waiting for its actors".into());
+        }
+        Ok(SupervisorState {
+            policy: SupervisionPolicy::new(args.dp_ranks, args.ep_ranks),
+            roles,
+            handles,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        message: SupervisorMsg,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            SupervisorMsg::Health(reply) => {
+                let _ = reply.send(state.policy.health());
+            }
+            SupervisorMsg::Drain(timeout, reply) => {
+                state.policy.begin_shutdown();
+                let deadline = Instant::now() + timeout;
+                let _ = state
+                    .handles
+                    .frontend
+                    .call(FrontendMsg::Close, Some(timeout))
+                    .await;
+                let mut drained = true;
+                for scheduler in &state.handles.schedulers {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let done = scheduler.call(SchedulerMsg::Drain, Some(left)).await;
+                    drained &= matches!(done, Ok(ractor::rpc::CallResult::Success(())));
+                }
+                tracing::info!(drained, "engine drained; stopping its actors");
+                let _ = reply.send(DrainReport { drained });
+                myself
+                    .stop_children_and_wait(Some("shutdown".into()), Some(Duration::from_secs(30)))
+                    .await;
+                myself.stop(Some("shutdown".into()));
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<SupervisorMsg>,
+        event: SupervisionEvent,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let (id, reason) = match &event {
+            SupervisionEvent::ActorFailed(cell, error) => (cell.get_id(), error.to_string()),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => (
+                cell.get_id(),
+                reason.clone().unwrap_or_else(|| "terminated".into()),
+            ),
+            _ => return Ok(()),
+        };
+        if let Some(role) = state.roles.get(&id).copied() {
+            let decision = state.policy.on_child_down(role, &reason);
+            state.apply(decision);
+        }
+        Ok(())
+    }
+}

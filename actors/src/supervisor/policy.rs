@@ -1,0 +1,187 @@
+//! The supervisor's failure policy, as a pure function of what failed.
+//!
+//! The policy (ARCHITECTURE.md §4, aesthetics.md §3.4), decided here and nowhere else:
+//! 1. Nothing restarts. A rank's device state (KV caches, expert shards) is gone with it, and a
+//!    rank restarted in the middle of a collective would hang its peers.
+//! 2. A rank fails while experts are local to each rank (`ep == 1`): only that rank's requests
+//!    fail, with `RankFailed { dp }`; the rank is taken out of routing; the engine is
+//!    `Degraded` and the other ranks keep serving. When the last rank fails the engine is
+//!    `Stopped`.
+//! 3. A rank fails while expert parallelism spans ranks (`ep > 1`): every rank's requests fail
+//!    (the survivors could not complete a collective) and the engine is `Stopped`.
+//! 4. A scheduler or the frontend fails: the control plane lost state it cannot rebuild; the
+//!    engine is `Stopped` and all requests fail.
+//! 5. A child that terminates during shutdown is expected and ignored.
+//!
+//! A `Stopped` engine keeps its actors until `shutdown` so callers get errors, not hangs.
+
+use std::collections::BTreeSet;
+
+use deepinfer_topology::DpRank;
+
+/// Which child an event is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChildRole {
+    Rank(DpRank),
+    Scheduler(DpRank),
+    Frontend,
+}
+
+/// The engine's health as the supervisor sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineHealth {
+    Running,
+    /// Some ranks failed; the others serve.
+    Degraded {
+        failed_ranks: Vec<DpRank>,
+    },
+    /// Nothing serves; requests fail until shutdown.
+    Stopped {
+        reason: String,
+    },
+}
+
+/// What the supervisor must do about a failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Fail this rank's requests and route around it.
+    FailRank(DpRank),
+    /// Fail every rank's requests and refuse new ones.
+    StopEngine { reason: String },
+    /// Nothing (expected termination).
+    Ignore,
+}
+
+/// The policy's state: topology facts and what has failed so far.
+#[derive(Debug)]
+pub struct SupervisionPolicy {
+    dp_ranks: usize,
+    ep_ranks: usize,
+    failed: BTreeSet<DpRank>,
+    stopped: Option<String>,
+    shutting_down: bool,
+}
+
+impl SupervisionPolicy {
+    pub fn new(dp_ranks: usize, ep_ranks: usize) -> Self {
+        SupervisionPolicy {
+            dp_ranks,
+            ep_ranks,
+            failed: BTreeSet::new(),
+            stopped: None,
+            shutting_down: false,
+        }
+    }
+
+    /// From now on terminations are expected.
+    pub fn begin_shutdown(&mut self) {
+        self.shutting_down = true;
+    }
+
+    /// A child failed or terminated unexpectedly.
+    pub fn on_child_down(&mut self, role: ChildRole, reason: &str) -> Decision {
+        if self.shutting_down || self.stopped.is_some() {
+            return Decision::Ignore;
+        }
+        let decision = match role {
+            ChildRole::Rank(dp) if self.ep_ranks > 1 => Decision::StopEngine {
+                reason: format!(
+                    "{dp} failed while expert parallelism spans {} ranks: {reason}",
+                    self.ep_ranks
+                ),
+            },
+            ChildRole::Rank(dp) => {
+                if !self.failed.insert(dp) {
+                    return Decision::Ignore;
+                }
+                if self.failed.len() == self.dp_ranks {
+                    Decision::StopEngine {
+                        reason: format!("every DP rank has failed; the last, {dp}: {reason}"),
+                    }
+                } else {
+                    Decision::FailRank(dp)
+                }
+            }
+            ChildRole::Scheduler(dp) => Decision::StopEngine {
+                reason: format!("the scheduler of {dp} failed: {reason}"),
+            },
+            ChildRole::Frontend => Decision::StopEngine {
+                reason: format!("the frontend failed: {reason}"),
+            },
+        };
+        if let Decision::StopEngine { reason } = &decision {
+            self.stopped = Some(reason.clone());
+        }
+        decision
+    }
+
+    pub fn failed_ranks(&self) -> usize {
+        self.failed.len()
+    }
+
+    pub fn health(&self) -> EngineHealth {
+        match (&self.stopped, self.failed.is_empty()) {
+            (Some(reason), _) => EngineHealth::Stopped {
+                reason: reason.clone(),
+            },
+            (None, true) => EngineHealth::Running,
+            (None, false) => EngineHealth::Degraded {
+                failed_ranks: self.failed.iter().copied().collect(),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pure_dp_rank_failure_degrades_then_stops_at_the_last_rank() {
+        let mut p = SupervisionPolicy::new(2, 1);
+        assert_eq!(
+            p.on_child_down(ChildRole::Rank(DpRank(1)), "panic"),
+            Decision::FailRank(DpRank(1))
+        );
+        assert_eq!(
+            p.on_child_down(ChildRole::Rank(DpRank(1)), "again"),
+            Decision::Ignore
+        );
+        assert_eq!(
+            p.health(),
+            EngineHealth::Degraded {
+                failed_ranks: vec![DpRank(1)]
+            }
+        );
+        assert!(matches!(
+            p.on_child_down(ChildRole::Rank(DpRank(0)), "x"),
+            Decision::StopEngine { .. }
+        ));
+        assert!(matches!(p.health(), EngineHealth::Stopped { .. }));
+    }
+
+    #[test]
+    fn rank_failure_under_expert_parallelism_stops_everything() {
+        let mut p = SupervisionPolicy::new(4, 4);
+        let d = p.on_child_down(ChildRole::Rank(DpRank(2)), "boom");
+        assert!(
+            matches!(d, Decision::StopEngine { ref reason } if reason.contains("dp2") && reason.contains("boom"))
+        );
+    }
+
+    #[test]
+    fn control_plane_failure_stops_and_shutdown_is_ignored() {
+        let mut p = SupervisionPolicy::new(4, 1);
+        assert!(matches!(
+            p.on_child_down(ChildRole::Frontend, "x"),
+            Decision::StopEngine { .. }
+        ));
+        let mut q = SupervisionPolicy::new(4, 1);
+        q.begin_shutdown();
+        assert_eq!(
+            q.on_child_down(ChildRole::Scheduler(DpRank(0)), "stopped"),
+            Decision::Ignore
+        );
+        assert_eq!(q.health(), EngineHealth::Running);
+    }
+}

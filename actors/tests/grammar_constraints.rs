@@ -1,0 +1,826 @@
+//! Structured outputs end to end on the real DeepSeek vocabulary (129,280 tokens): the token
+//! environment, the test set of tests/data/grammar/ generated with a seeded random-logits model
+//! and checked by independent validators (jsonschema, regex, re-parsing), determinism across batch
+//! compositions, thinking mode, rollback and draft masks, the mask workers and bad constraints.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use deepinfer_actors::grammar::{
+    CompiledGrammar, Constraint, ConstraintStart, GrammarEngine, GrammarError, GrammarMatcher,
+    MaskJob, MaskWorkers, StepMask, TokenId, take_grammar_response_format,
+};
+use deepseek_recipe::request::OutputConstraint;
+use serde_json::{Value, json};
+
+const VOCAB: usize = 129_280;
+const EOS: TokenId = 1;
+const THINK_START: TokenId = 128_821;
+const THINK_END: TokenId = 128_822;
+const DSML: TokenId = 128_825;
+/// Generations longer than this count as failures.
+const TOKEN_CAP: usize = 400;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("actors/ has a parent")
+        .to_path_buf()
+}
+
+/// Built once per test binary: debug builds take seconds for it.
+fn engine() -> &'static GrammarEngine {
+    static ENGINE: OnceLock<GrammarEngine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        GrammarEngine::from_tokenizer_file(&repo_root().join("configs/tokenizer/tokenizer.json"))
+            .expect("the shipped tokenizer builds a grammar engine")
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The random-logits "model" and a seeded temperature-1 sampler.
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn unit(bits: u64) -> f64 {
+    (bits >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Seeded logits over the whole vocabulary, uniform in [-4, 4) (an xorshift stream: cheap in
+/// debug builds).
+fn model_logits(seed: u64, position: usize) -> Vec<f32> {
+    let mut state = mix(seed ^ mix(position as u64)) | 1;
+    let scale = 8.0 / (1u64 << 24) as f32;
+    let mut logits = Vec::with_capacity(VOCAB);
+    for _ in 0..VOCAB {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        logits.push((state >> 40) as f32 * scale - 4.0);
+    }
+    logits
+}
+
+/// Temperature-1 sampling; the noise is a pure function of (seed, position).
+fn sample(logits: &[f32], seed: u64, position: usize) -> TokenId {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    assert!(max.is_finite(), "the mask allowed no token");
+    let weight = |l: f32| f64::from(l - max).exp();
+    let total: f64 = logits
+        .iter()
+        .filter(|l| l.is_finite())
+        .map(|&l| weight(l))
+        .sum();
+    let mut target = unit(mix(!seed ^ mix(position as u64 + 1))) * total;
+    let mut last_allowed = 0;
+    for (t, &l) in logits.iter().enumerate() {
+        if l.is_finite() {
+            last_allowed = t;
+            let w = weight(l);
+            if target < w {
+                return t as TokenId;
+            }
+            target -= w;
+        }
+    }
+    last_allowed as TokenId
+}
+
+/// One decoding step: mask, logits, mask applied before sampling, sample, advance.
+fn step(matcher: &mut GrammarMatcher, mask: &StepMask, seed: u64, position: usize) -> TokenId {
+    let mut logits = model_logits(seed, position);
+    mask.apply_to_logits(&mut logits)
+        .expect("logits cover the vocabulary");
+    let token = sample(&logits, seed, position);
+    assert!(mask.is_allowed(token), "sampled a masked token {token}");
+    matcher.advance(token).expect("a sampled token is accepted");
+    token
+}
+
+struct Generation {
+    tokens: Vec<TokenId>,
+    ended_with_eos: bool,
+}
+
+impl Generation {
+    fn answer_bytes(&self) -> Vec<u8> {
+        let end = self.tokens.len() - usize::from(self.ended_with_eos);
+        engine().token_env().decode(&self.tokens[..end])
+    }
+}
+
+fn generate(grammar: &CompiledGrammar, seed: u64) -> Generation {
+    let mut matcher = engine().matcher(grammar, ConstraintStart::Answer);
+    let mut tokens = Vec::new();
+    for position in 0..TOKEN_CAP {
+        let mask = matcher.compute_mask().expect("mask");
+        let token = step(&mut matcher, &mask, seed, position);
+        tokens.push(token);
+        if token == EOS {
+            assert!(matcher.is_finished());
+            return Generation {
+                tokens,
+                ended_with_eos: true,
+            };
+        }
+    }
+    Generation {
+        tokens,
+        ended_with_eos: false,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The test set and its independent checks.
+
+enum Check {
+    Schema(Box<jsonschema::Validator>),
+    Regex(regex::Regex),
+    /// Re-parse with a fresh matcher; optionally also a regex over the text.
+    Reparse(Option<regex::Regex>),
+}
+
+struct Case {
+    name: String,
+    constraint: Constraint,
+    check: Check,
+}
+
+fn full_match(pattern: &str) -> regex::Regex {
+    regex::Regex::new(&format!("^(?:{pattern})$")).expect("check regex compiles")
+}
+
+fn read_json(name: &str) -> Value {
+    let path = repo_root().join("tests/data/grammar").join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path:?}: {e}"))
+}
+
+fn test_set() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for entry in read_json("json_schemas.json").as_array().expect("array") {
+        let schema = entry["schema"].clone();
+        let validator = jsonschema::options()
+            .should_validate_formats(true)
+            .build(&schema)
+            .expect("test schema is valid");
+        cases.push(Case {
+            name: format!("json_schema/{}", entry["name"].as_str().expect("name")),
+            constraint: Constraint::JsonSchema(schema),
+            check: Check::Schema(Box::new(validator)),
+        });
+    }
+    for entry in read_json("regexes.json").as_array().expect("array") {
+        let regex = entry["regex"].as_str().expect("regex").to_string();
+        cases.push(Case {
+            name: format!("regex/{}", entry["name"].as_str().expect("name")),
+            check: Check::Regex(full_match(&regex)),
+            constraint: Constraint::Regex(regex),
+        });
+    }
+    let lark_dir = repo_root().join("tests/data/grammar/lark");
+    let mut lark_files: Vec<_> = std::fs::read_dir(&lark_dir)
+        .expect("lark dir")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    lark_files.sort();
+    for path in lark_files {
+        let source = std::fs::read_to_string(&path).expect("lark file");
+        let check_regex = source
+            .lines()
+            .find_map(|l| l.strip_prefix("// check-regex: "))
+            .map(full_match);
+        cases.push(Case {
+            name: format!("lark/{}", path.file_stem().expect("stem").to_string_lossy()),
+            constraint: Constraint::Lark(source),
+            check: Check::Reparse(check_regex),
+        });
+    }
+    cases
+}
+
+/// A fresh matcher must accept exactly these bytes: fed as the generated tokens, and (for text
+/// without special tokens) as the canonical tokenization of the text, then end with EOS.
+fn reparses(grammar: &CompiledGrammar, generation: &Generation, text: &str) -> Result<(), String> {
+    let mut tokenizations = vec![generation.tokens[..generation.tokens.len() - 1].to_vec()];
+    let canonical = engine().token_env().tokenize_text(text);
+    if engine().token_env().decode(&canonical) == text.as_bytes()
+        && !generation.tokens.iter().any(|&t| t >= 128_000)
+    {
+        tokenizations.push(canonical);
+    }
+    for tokens in tokenizations {
+        let mut fresh = engine().matcher(grammar, ConstraintStart::Answer);
+        fresh
+            .advance_all(&tokens)
+            .map_err(|e| format!("re-parse of {tokens:?}: {e}"))?;
+        fresh
+            .advance(EOS)
+            .map_err(|e| format!("re-parse not complete: {e}"))?;
+    }
+    Ok(())
+}
+
+fn check_output(
+    case: &Case,
+    grammar: &CompiledGrammar,
+    generation: &Generation,
+) -> Result<(), String> {
+    if !generation.ended_with_eos {
+        return Err(format!("no EOS within {TOKEN_CAP} tokens"));
+    }
+    let bytes = generation.answer_bytes();
+    let text = String::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
+    match &case.check {
+        Check::Schema(validator) => {
+            let value: Value =
+                serde_json::from_str(&text).map_err(|e| format!("not JSON ({e}): {text:?}"))?;
+            let errors: Vec<String> = validator
+                .iter_errors(&value)
+                .map(|e| e.to_string())
+                .collect();
+            if !errors.is_empty() {
+                return Err(format!("{text} violates the schema: {errors:?}"));
+            }
+        }
+        Check::Regex(regex) => {
+            if !regex.is_match(&text) {
+                return Err(format!("{text:?} does not match"));
+            }
+        }
+        Check::Reparse(regex) => {
+            if let Some(regex) = regex
+                && !regex.is_match(&text)
+            {
+                return Err(format!("{text:?} does not match the check regex"));
+            }
+            reparses(grammar, generation, &text)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_constrained_generation_of_the_test_set_validates() {
+    let cases = test_set();
+    assert!(
+        cases.len() >= 30,
+        "the test set has {} constraints",
+        cases.len()
+    );
+    let seeds = [11u64, 12, 13];
+    let mut failures = Vec::new();
+    let mut generated = 0;
+    let mut total_tokens = 0;
+    for case in &cases {
+        let grammar = engine()
+            .compile(&case.constraint)
+            .unwrap_or_else(|e| panic!("{}: {e}", case.name));
+        for &seed in &seeds {
+            let generation = generate(&grammar, seed);
+            generated += 1;
+            if seed == 11 { eprintln!("{}: {:?}", case.name, String::from_utf8_lossy(&generation.answer_bytes())); }
+            total_tokens += generation.tokens.len();
+            if let Err(why) = check_output(case, &grammar, &generation) {
+                failures.push(format!("{} seed {seed}: {why}", case.name));
+            }
+        }
+    }
+    eprintln!(
+        "{generated} generations over {} constraints, {total_tokens} tokens, {} failures",
+        cases.len(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "failures:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn the_checks_reject_what_the_constraint_would_not_allow() {
+    // The validators are not vacuous: text outside every constraint fails them.
+    let cases = test_set();
+    let free = Generation {
+        tokens: engine()
+            .token_env()
+            .tokenize_text("hello world")
+            .into_iter()
+            .chain([EOS])
+            .collect(),
+        ended_with_eos: true,
+    };
+    for case in &cases {
+        let grammar = engine().compile(&case.constraint).expect("compiles");
+        assert!(
+            check_output(case, &grammar, &free).is_err(),
+            "{} accepts \"hello world\"",
+            case.name
+        );
+    }
+}
+
+/// `json_object` (any JSON object) is unbounded: a random walk over it rarely closes within a
+/// token cap, so it is checked on given texts instead of random generations.
+#[test]
+fn json_object_accepts_objects_and_nothing_else() {
+    let grammar = engine().compile(&Constraint::JsonObject).expect("compiles");
+    let env = engine().token_env();
+    let object = "{\"a\": [1, {\"b\": null}], \"c\": \"x\\n\", \"d\": -2.5e3}";
+    let mut matcher = engine().matcher(&grammar, ConstraintStart::Answer);
+    assert!(!matcher.compute_mask().expect("mask").is_allowed(EOS));
+    matcher
+        .advance_all(&env.tokenize_text(object))
+        .expect("an object is accepted");
+    matcher.advance(EOS).expect("and complete");
+    for not_an_object in ["[1, 2]", "\"text\"", "42", "{\"a\": }", "{'a': 1}"] {
+        let mut m = engine().matcher(&grammar, ConstraintStart::Answer);
+        let accepted = m
+            .advance_all(&env.tokenize_text(not_an_object))
+            .and_then(|()| m.advance(EOS));
+        assert!(accepted.is_err(), "{not_an_object} was accepted");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token environment.
+
+#[test]
+fn the_token_environment_covers_the_deepseek_vocabulary() {
+    let env = engine().token_env();
+    assert_eq!(env.vocab_size(), VOCAB);
+    let special = engine().special_tokens();
+    assert_eq!(
+        (special.eos, special.think_start, special.think_end),
+        (EOS, THINK_START, THINK_END)
+    );
+    assert_eq!(env.decode(&[DSML]), "｜DSML｜".as_bytes());
+    assert_eq!(env.decode(&[THINK_START, THINK_END]), b"<think></think>");
+    // Plain text tokenizes canonically (ids cross-checked with DeepSeek's Python tokenizer).
+    let ids = env.tokenize_text("Hello! 毕老师 1 + 1 = 2");
+    assert_eq!(
+        ids,
+        [
+            19923, 3, 223, 5464, 5008, 223, 19, 940, 223, 19, 438, 223, 20
+        ]
+    );
+    // Text that looks like a special token stays text.
+    let think_text = env.tokenize_text("<think>");
+    assert!(!think_text.contains(&THINK_START), "{think_text:?}");
+    assert_eq!(env.decode(&think_text), b"<think>");
+}
+
+#[test]
+fn special_tokens_are_usable_from_lark_and_only_as_themselves() {
+    let grammar = engine()
+        .compile(&Constraint::Lark(
+            "start: \"a\" <[128825]> \"b\"".to_string(),
+        ))
+        .expect("compiles");
+    let mut matcher = engine().matcher(&grammar, ConstraintStart::Answer);
+    let a = engine().token_env().tokenize_text("a");
+    matcher.advance_all(&a).expect("a");
+    let mask = matcher.compute_mask().expect("mask");
+    let allowed = mask.token_mask().expect("constrained").allowed_tokens();
+    assert_eq!(allowed, vec![DSML]);
+    matcher.advance(DSML).expect("DSML");
+    let b = engine().token_env().tokenize_text("b");
+    matcher.advance_all(&b).expect("b");
+    matcher.advance(EOS).expect("complete");
+    // `<think>` is special too: a grammar over plain text never allows it.
+    let text_only = engine()
+        .compile(&Constraint::Regex("[<>a-z/]{1,10}".to_string()))
+        .expect("ok");
+    let mut m = engine().matcher(&text_only, ConstraintStart::Answer);
+    let mask = m.compute_mask().expect("mask");
+    assert!(!mask.is_allowed(THINK_START) && !mask.is_allowed(THINK_END) && !mask.is_allowed(DSML));
+    assert!(mask.is_allowed(engine().token_env().tokenize_text("<")[0]));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Determinism across batch compositions, through the mask workers.
+
+/// Decode several requests in lockstep, masks from the worker pool; returns each request's tokens.
+fn decode_batch(
+    workers: &MaskWorkers,
+    requests: &[(usize, u64)],
+    grammars: &[CompiledGrammar],
+) -> Vec<Vec<TokenId>> {
+    let mut matchers: Vec<Option<GrammarMatcher>> = requests
+        .iter()
+        .map(|&(g, _)| Some(engine().matcher(&grammars[g], ConstraintStart::Answer)))
+        .collect();
+    let mut outputs = vec![Vec::new(); requests.len()];
+    for position in 0..TOKEN_CAP {
+        let jobs: Vec<MaskJob<usize>> = matchers
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, m)| {
+                m.take().map(|matcher| MaskJob {
+                    key: i,
+                    matcher,
+                    draft: Vec::new(),
+                })
+            })
+            .collect();
+        if jobs.is_empty() {
+            break;
+        }
+        let batch = workers.compute(jobs);
+        for outcome in batch.wait().expect("masks") {
+            let mut matcher = outcome.matcher;
+            let masks = outcome.masks.expect("mask");
+            assert_eq!(masks.len(), 1);
+            let token = step(&mut matcher, &masks[0], requests[outcome.key].1, position);
+            outputs[outcome.key].push(token);
+            if token != EOS {
+                matchers[outcome.key] = Some(matcher);
+            }
+        }
+    }
+    outputs
+}
+
+#[test]
+fn seeded_constrained_sampling_is_deterministic_across_batch_compositions() {
+    let constraints = [
+        Constraint::JsonSchema(read_json("json_schemas.json")[0]["schema"].clone()),
+        Constraint::Regex("[a-z]{1,10}@[a-z]{1,10}\\.(com|org|net)".to_string()),
+        Constraint::Lark(
+            std::fs::read_to_string(repo_root().join("tests/data/grammar/lark/arithmetic.lark"))
+                .expect("file"),
+        ),
+    ];
+    let grammars: Vec<CompiledGrammar> = constraints
+        .iter()
+        .map(|c| engine().compile(c).expect("compiles"))
+        .collect();
+    let requests = [(0usize, 101u64), (1, 102), (2, 103), (0, 104)];
+
+    let alone: Vec<Vec<TokenId>> = requests
+        .iter()
+        .map(|&r| decode_batch(&MaskWorkers::new(1).expect("pool"), &[r], &grammars).remove(0))
+        .collect();
+    let pool = MaskWorkers::new(3).expect("pool");
+    assert_eq!(pool.threads(), 3);
+    let together = decode_batch(&pool, &requests, &grammars);
+    assert_eq!(together, alone, "batched vs alone");
+
+    // Reversed, with unrelated neighbours in between.
+    let mixed = [
+        requests[3],
+        (1, 900),
+        requests[2],
+        requests[1],
+        (2, 901),
+        requests[0],
+    ];
+    let out = decode_batch(&pool, &mixed, &grammars);
+    let picked = vec![
+        out[5].clone(),
+        out[3].clone(),
+        out[2].clone(),
+        out[0].clone(),
+    ];
+    assert_eq!(picked, alone, "other order and neighbours");
+    // Different seeds give different outputs (the comparison above is not vacuous).
+    assert_ne!(alone[0], alone[3]);
+    for tokens in &alone {
+        assert_eq!(tokens.last(), Some(&EOS));
+    }
+}
+
+#[test]
+fn mask_workers_return_each_matcher_with_its_own_masks() {
+    let grammar = engine()
+        .compile(&Constraint::Regex("(yes|no)".to_string()))
+        .expect("compiles");
+    let digits = engine()
+        .compile(&Constraint::Regex("[0-9]{2}".to_string()))
+        .expect("compiles");
+    let yes = engine().token_env().tokenize_text("yes");
+    let pool = MaskWorkers::new(2).expect("pool");
+    let jobs = vec![
+        MaskJob {
+            key: "draft",
+            matcher: engine().matcher(&grammar, ConstraintStart::Answer),
+            draft: yes.clone(),
+        },
+        MaskJob {
+            key: "digits",
+            matcher: engine().matcher(&digits, ConstraintStart::Answer),
+            draft: Vec::new(),
+        },
+        MaskJob {
+            key: "plain",
+            matcher: engine().matcher(&grammar, ConstraintStart::Answer),
+            draft: Vec::new(),
+        },
+    ];
+    let outcomes = pool.compute(jobs).wait().expect("masks");
+    let keys: Vec<&str> = outcomes.iter().map(|o| o.key).collect();
+    assert_eq!(keys, ["draft", "digits", "plain"]);
+    let draft_masks = outcomes[0].masks.as_ref().expect("ok");
+    assert_eq!(draft_masks.len(), yes.len() + 1);
+    assert!(draft_masks[yes.len()].is_allowed(EOS));
+    assert_eq!(
+        outcomes[0].matcher.consumed(),
+        0,
+        "draft masks leave the matcher unchanged"
+    );
+    let digit_mask = &outcomes[1].masks.as_ref().expect("ok")[0];
+    assert!(digit_mask.is_allowed(engine().token_env().tokenize_text("4")[0]));
+    assert!(!digit_mask.is_allowed(yes[0]));
+    assert_eq!(&outcomes[2].masks.as_ref().expect("ok")[0], &draft_masks[0]);
+    let empty = pool.compute::<u8>(Vec::new());
+    assert!(empty.is_empty());
+    assert!(empty.wait().expect("nothing to wait for").is_empty());
+}
+
+#[test]
+fn mask_workers_can_be_awaited_from_async_code() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let grammar = engine()
+        .compile(&Constraint::Regex("[0-9]{3}".to_string()))
+        .expect("ok");
+    let pool = MaskWorkers::new(1).expect("pool");
+    let batch = pool.compute(vec![MaskJob {
+        key: 7u32,
+        matcher: engine().matcher(&grammar, ConstraintStart::Answer),
+        draft: Vec::new(),
+    }]);
+    let outcomes = runtime.block_on(batch.wait_async()).expect("masks");
+    assert_eq!(outcomes.len(), 1);
+    assert_eq!(outcomes[0].key, 7);
+    let mask = outcomes[0].masks.as_ref().expect("ok")[0].clone();
+    assert!(mask.is_allowed(engine().token_env().tokenize_text("123")[0]));
+    assert!(!mask.is_allowed(EOS));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thinking mode, rollback, drafts.
+
+#[test]
+fn thinking_mode_leaves_the_reasoning_unconstrained_and_constrains_the_answer() {
+    let schema = read_json("json_schemas.json")[0]["schema"].clone();
+    let validator = jsonschema::validator_for(&schema).expect("valid");
+    let grammar = engine()
+        .compile(&Constraint::JsonSchema(schema))
+        .expect("compiles");
+    let prompt = [0, 128_803, 19923, 128_804, THINK_START];
+    assert_eq!(
+        engine().constraint_start(&prompt),
+        ConstraintStart::AfterReasoning
+    );
+    assert_eq!(
+        engine().constraint_start(&[128_804, THINK_START, 5, THINK_END]),
+        ConstraintStart::Answer
+    );
+    assert_eq!(
+        engine().constraint_start(&[128_803, 19923, 128_804]),
+        ConstraintStart::Answer
+    );
+
+    let answer_start_mask = engine()
+        .matcher(&grammar, ConstraintStart::Answer)
+        .compute_mask()
+        .expect("mask");
+    let mut matcher = engine().matcher(&grammar, engine().constraint_start(&prompt));
+    let seed = 77;
+    let mut tokens = Vec::new();
+    for position in 0..20 {
+        let mask = matcher.compute_mask().expect("mask");
+        assert_eq!(
+            mask,
+            StepMask::Unconstrained,
+            "reasoning position {position}"
+        );
+        tokens.push(step(&mut matcher, &mask, seed, position));
+    }
+    assert!(
+        tokens.iter().any(|&t| !answer_start_mask.is_allowed(t)),
+        "the reasoning holds tokens the answer could not start with"
+    );
+    matcher.advance(THINK_END).expect("close reasoning");
+    tokens.push(THINK_END);
+    assert!(!matcher.in_reasoning());
+    let reasoning_len = tokens.len();
+    let first_answer_mask = matcher.compute_mask().expect("mask");
+    assert_eq!(first_answer_mask, answer_start_mask);
+    for position in reasoning_len..reasoning_len + TOKEN_CAP {
+        let mask = matcher.compute_mask().expect("mask");
+        let token = step(&mut matcher, &mask, seed, position);
+        tokens.push(token);
+        if token == EOS {
+            break;
+        }
+    }
+    assert_eq!(tokens.last(), Some(&EOS));
+    let answer = engine()
+        .token_env()
+        .decode(&tokens[reasoning_len..tokens.len() - 1]);
+    let value: Value = serde_json::from_slice(&answer).expect("answer is JSON");
+    assert!(validator.is_valid(&value), "{value}");
+
+    // Roll back into the reasoning: unconstrained again, and replaying gives the same masks.
+    let answer_len = tokens.len() - reasoning_len;
+    matcher
+        .rollback(answer_len + 1)
+        .expect("rollback over </think>");
+    assert!(matcher.in_reasoning());
+    assert_eq!(
+        matcher.compute_mask().expect("mask"),
+        StepMask::Unconstrained
+    );
+    matcher.advance(THINK_END).expect("close again");
+    assert_eq!(matcher.compute_mask().expect("mask"), first_answer_mask);
+}
+
+#[test]
+fn rollback_and_draft_masks_match_sequential_decoding() {
+    let grammar = engine()
+        .compile(&Constraint::JsonSchema(
+            read_json("json_schemas.json")[3]["schema"].clone(),
+        ))
+        .expect("compiles");
+    let generation = generate(&grammar, 5);
+    assert!(generation.ended_with_eos);
+    let tokens = &generation.tokens;
+
+    // Sequential masks at every position.
+    let mut sequential = Vec::new();
+    let mut matcher = engine().matcher(&grammar, ConstraintStart::Answer);
+    for &t in tokens {
+        sequential.push(matcher.compute_mask().expect("mask"));
+        matcher.advance(t).expect("advance");
+    }
+    assert!(matcher.is_finished());
+
+    // Draft masks from the start cover every position; the state is unchanged afterwards.
+    let mut fresh = engine().matcher(&grammar, ConstraintStart::Answer);
+    let draft_masks = fresh.draft_masks(tokens).expect("draft masks");
+    assert_eq!(draft_masks.len(), tokens.len(), "no position after EOS");
+    assert_eq!(draft_masks, sequential);
+    assert_eq!(fresh.consumed(), 0);
+
+    // Roll back to the middle, then a draft whose third token is invalid.
+    let middle = tokens.len() / 2;
+    matcher.rollback(tokens.len() - middle).expect("rollback");
+    assert!(!matcher.is_finished());
+    assert_eq!(matcher.consumed(), middle);
+    assert_eq!(matcher.compute_mask().expect("mask"), sequential[middle]);
+    let mut bad_draft = tokens[middle..middle + 2].to_vec();
+    let invalid = (0..VOCAB as TokenId)
+        .find(|&t| !sequential[middle + 2].is_allowed(t))
+        .expect("some token is not allowed");
+    bad_draft.push(invalid);
+    bad_draft.push(tokens[middle + 3]);
+    let masks = matcher.draft_masks(&bad_draft).expect("draft masks");
+    assert_eq!(masks.len(), 3, "stops at the rejected draft token");
+    assert_eq!(masks, sequential[middle..middle + 3]);
+    assert_eq!(matcher.consumed(), middle);
+
+    // A rejected token leaves the state unchanged.
+    let err = matcher.advance(invalid).unwrap_err();
+    assert!(
+        matches!(err, GrammarError::TokenRejected { token, .. } if token == invalid),
+        "{err}"
+    );
+    assert_eq!(matcher.compute_mask().expect("mask"), sequential[middle]);
+    let err = matcher.rollback(middle + 1).unwrap_err();
+    assert!(
+        matches!(err, GrammarError::Rollback { requested, available } if requested == middle + 1 && available == middle)
+    );
+
+    // A fork evolves independently.
+    let mut fork = matcher.fork();
+    fork.advance_all(&tokens[middle..])
+        .expect("finish the fork");
+    assert!(fork.is_finished());
+    assert!(!matcher.is_finished());
+    assert!(
+        matcher.advance(EOS).is_err(),
+        "the answer is not complete yet"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request mapping and bad constraints.
+
+#[test]
+fn invalid_constraints_fail_their_request_only() {
+    let invalid = read_json("invalid.json");
+    let entries = invalid.as_array().expect("array");
+    assert!(entries.len() >= 10);
+    for entry in entries {
+        let name = entry["name"].as_str().expect("name");
+        let constraint = match entry["kind"].as_str().expect("kind") {
+            "regex" => Constraint::Regex(entry["constraint"].as_str().expect("str").to_string()),
+            "grammar" => Constraint::Lark(entry["constraint"].as_str().expect("str").to_string()),
+            "json_schema" => Constraint::JsonSchema(entry["constraint"].clone()),
+            other => panic!("unknown kind {other}"),
+        };
+        match engine().compile(&constraint) {
+            Err(GrammarError::InvalidConstraint { kind, message }) => {
+                assert_eq!(kind, constraint.kind(), "{name}");
+                assert!(!message.is_empty(), "{name}");
+            }
+            Err(other) => panic!("{name}: unexpected error {other}"),
+            Ok(_) => panic!("{name}: an invalid constraint compiled"),
+        }
+        // The engine keeps serving other requests.
+        engine()
+            .compile(&Constraint::Regex("ok".to_string()))
+            .expect("valid after invalid");
+    }
+    let huge = Constraint::Regex("a".repeat(300 * 1024));
+    assert!(matches!(
+        engine().compile(&huge),
+        Err(GrammarError::ConstraintTooLarge { kind: "regex", .. })
+    ));
+}
+
+#[test]
+fn output_constraints_map_to_constraints() {
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    assert_eq!(
+        Constraint::from_output_constraint(&OutputConstraint::Json {
+            schema: Some(schema.clone())
+        }),
+        Some(Constraint::JsonSchema(schema))
+    );
+    assert_eq!(
+        Constraint::from_output_constraint(&OutputConstraint::Json { schema: None }),
+        Some(Constraint::JsonObject)
+    );
+    assert_eq!(
+        Constraint::from_output_constraint(&OutputConstraint::Regex("a+".to_string())),
+        Some(Constraint::Regex("a+".to_string()))
+    );
+    assert_eq!(
+        Constraint::from_output_constraint(&OutputConstraint::ToolCalls {
+            tools: Vec::new(),
+            required: true
+        }),
+        None
+    );
+}
+
+#[test]
+fn the_grammar_response_format_is_taken_out_of_the_request_body() {
+    let mut body = json!({
+        "model": "DeepSeek-V4.1-Flash",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "grammar", "grammar": "start: \"yes\" | \"no\""}
+    });
+    // deepseek-recipe does not know the grammar type...
+    let rejected: Result<deepseek_recipe::openai::ChatCompletionRequest, _> =
+        serde_json::from_value(body.clone());
+    assert!(rejected.is_err());
+    // ...so it is taken out first, and the rest converts as usual.
+    let constraint = take_grammar_response_format(&mut body)
+        .expect("valid")
+        .expect("present");
+    assert_eq!(
+        constraint,
+        Constraint::Lark("start: \"yes\" | \"no\"".to_string())
+    );
+    assert!(body.get("response_format").is_none());
+    let _: deepseek_recipe::openai::ChatCompletionRequest =
+        serde_json::from_value(body.clone()).expect("the rest is a normal request");
+    engine().compile(&constraint).expect("compiles");
+
+    let mut json_body = json!({"response_format": {"type": "json_object"}});
+    assert_eq!(
+        take_grammar_response_format(&mut json_body).expect("ok"),
+        None
+    );
+    assert!(
+        json_body.get("response_format").is_some(),
+        "other formats stay"
+    );
+
+    for bad in [
+        json!({"response_format": {"type": "grammar"}}),
+        json!({"response_format": {"type": "grammar", "grammar": 5}}),
+        json!({"response_format": {"type": "grammar", "grammar": "  "}}),
+        json!({"response_format": {"type": "grammar", "grammar": "start: \"a\"", "syntax": "gbnf"}}),
+    ] {
+        let mut body = bad.clone();
+        let err = take_grammar_response_format(&mut body).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                GrammarError::RequestField {
+                    field: "response_format",
+                    ..
+                }
+            ),
+            "{bad}: {err}"
+        );
+    }
+}

@@ -1,0 +1,56 @@
+// Bit-exact scalar numerics of v41-architecture.md §3.0: E4M3/E8M0/E2M1 codecs and the
+// power-of-two scale rounding P2. Every function here must agree bit for bit with
+// deepinfer-model's quant.rs / weights.rs (the GPU conformance tests check it).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include "common/params.h"
+
+// P2(v): the smallest power of two >= v for a positive normal fp32 v, from the exponent and
+// mantissa fields (2^(e - 127 + [m != 0])), with integer operations only.
+__device__ __forceinline__ float p2_scale(float v) {
+    u32_t bits = __float_as_uint(v);
+    u32_t exponent = (bits >> 23) & 0xffu;
+    u32_t round_up = (bits & 0x7fffffu) != 0u ? 1u : 0u;
+    return __uint_as_float((exponent + round_up) << 23);
+}
+
+// E4M3 (OCP "fn") encode with round-to-nearest-even, saturating to +-448 (hardware cvt on sm_89+).
+__device__ __forceinline__ u8_t e4m3_encode(float v) {
+    return (u8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// E4M3 decode, exact: e4m3 -> f16 is exact (every e4m3 value is an f16 normal), f16 -> f32 exact.
+__device__ __forceinline__ float e4m3_decode(u8_t code) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+// Two E4M3 bytes (low byte first) decoded to two floats with one conversion instruction.
+__device__ __forceinline__ float2 e4m3x2_decode(u16_t codes) {
+    __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)codes, __NV_E4M3);
+    return __half22float2(__half2(h2));
+}
+
+// UE8M0 scale byte -> 2^(e - 127) (0 -> 2^-127 is subnormal; 255 (NaN) never occurs in checkpoints).
+__device__ __forceinline__ float e8m0_decode(u8_t e) {
+    if (e == 0u) return __uint_as_float(0x00400000u);
+    return __uint_as_float(((u32_t)e) << 23);
+}
+
+// E2M1 nibble (bit 3 = sign) -> float, built from bits: code (e, m) with e = bits 2..1 and m = bit 0
+// is m * 0.5 for e = 0, else (1 + m/2) * 2^(e-1). Code 8 is -0.
+__device__ __forceinline__ float e2m1_decode(u32_t nibble) {
+    u32_t e = (nibble >> 1) & 3u;
+    u32_t m = nibble & 1u;
+    u32_t bits = e != 0u ? (((126u + e) << 23) | (m << 22)) : (m != 0u ? 0x3f000000u : 0u);
+    return __uint_as_float(bits | ((nibble & 8u) << 28));
+}
+
+// Element conversions used by the dtype-generic templates (one overload per instantiated dtype).
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <class T> __device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}

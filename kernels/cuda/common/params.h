@@ -1,0 +1,42 @@
+// Launch parameters shared with Rust. Each struct is mirrored field for field by a #[repr(C)]
+// struct in kernels/src/params.rs; change both together (the GPU test checks their sizes).
+#pragma once
+
+typedef unsigned char u8_t;
+typedef unsigned short u16_t;
+typedef unsigned int u32_t;
+
+// FP8 activation quantisation: x [rows, cols] bf16 -> codes [rows, cols] e4m3, scales [rows, cols/G] f32.
+struct ActQuantParams {
+    u32_t rows;
+    u32_t cols;
+};
+
+// Block-scaled GEMM: y[m, n] = sum_k a[m, k] * w[n, k]; a [m, k] e4m3 codes + f32 scales [m, k/G];
+// w [n, k] (FP8: e4m3 bytes, FP4: packed e2m1 nibbles [n, k/2]) + e8m0 scales; y [m, n] bf16.
+struct GemmParams {
+    u32_t m;
+    u32_t n;
+    u32_t k;
+    u32_t w_scale_cols;   // columns of the weight-scale matrix (row stride, in bytes)
+    u32_t warps_per_col;  // 1, 2, 4 or 8 warps share a column's K range (no effect on the result)
+};
+
+// RMSNorm over the last axis: x [rows, cols] bf16, w [cols] bf16 -> y [rows, cols] bf16.
+struct RmsNormParams {
+    u32_t rows;
+    u32_t cols;
+    float eps;
+};
+
+// Interleaved-pair partial RoPE, in place on x [tokens, heads, head_dim] bf16 (row stride
+// heads*head_dim): the pairs (2i, 2i+1) of the last rope_dim channels of every head are rotated by
+// the angle table cos/sin [table_rows, rope_dim/2] f32 at row positions[token].
+struct RopeParams {
+    u32_t tokens;
+    u32_t heads;
+    u32_t head_dim;
+    u32_t rope_dim;
+    u32_t table_rows;
+    u32_t inverse;  // 1: rotate by -angle (the de-rotation of attention outputs)
+};

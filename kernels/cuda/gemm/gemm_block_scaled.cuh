@@ -1,0 +1,180 @@
+// Block-scaled GEMM with FP8 activations (v41-architecture.md §3.0):
+//   y[m, n] = bf16( sum over k-groups g, in K order, of
+//                   (sum_{k in g, in k order} a[m, k] * w[n, k]) * s_a[m, g] * s_w(n, g) ).
+// Every product of two FP8 codes (or FP8 x E2M1) is exact in fp32, and every scale is a power of two,
+// so the only rounding is that of the fp32 additions, whose order is fixed here: a group's partial
+// is summed k = 0, 1, ... by one thread, and the scaled partials are summed g = 0, 1, ... by one
+// thread. Nothing depends on M or on the launch shape: a row's result is bitwise the same alone or
+// inside any batch (batch invariance by construction; no split-K).
+//
+// Work split (a plain tiled kernel on the CUDA cores; Hopper has no FP4 tensor cores and this slice
+// puts exactness first): a block is 8 warps and covers BM rows (from blockIdx.x * BM) and
+// 8 / wpc output columns (wpc = p.warps_per_col in {1, 2, 4, 8}). The wpc warps of a column take
+// interleaved chunks of 32 k-groups (lane j of warp w computes k-group step + 32 w + j for all BM
+// rows) and write the scaled partials to shared memory; after a barrier one thread per
+// (column, row) adds them in K order. wpc only changes who computes a partial, never the order of
+// any addition, so the result is bitwise the same for every wpc (the GPU test checks it); the
+// launcher picks a larger wpc for small M to put more warps on the K range of a column. Each lane
+// fetches its next k-group's weights one step ahead, and the scales before the math.
+// blockIdx.x (rows) varies fastest, so the blocks that read one weight panel run together (L2 hits).
+#pragma once
+#include "common/numerics.cuh"
+
+namespace gemm {
+
+constexpr int WARPS = 8;
+
+// 16 E4M3 codes (one 16-byte load) decoded to floats, in memory order.
+__device__ __forceinline__ void decode_e4m3x16(uint4 v, float* out) {
+    const u32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 lo = e4m3x2_decode((u16_t)(words[i] & 0xffffu));
+        const float2 hi = e4m3x2_decode((u16_t)(words[i] >> 16));
+        out[4 * i + 0] = lo.x;
+        out[4 * i + 1] = lo.y;
+        out[4 * i + 2] = hi.x;
+        out[4 * i + 3] = hi.y;
+    }
+}
+
+// FP8 E4M3 weights [n, k] with one UE8M0 scale per TILE x TILE tile ([ceil(n/T), ceil(k/T)]).
+template <int TILE>
+struct Fp8Weights {
+    // The raw bytes of the 32 weights w[n, col .. col + 32) (col is a multiple of 32), fetched
+    // ahead of their use so that the next k-group's load is in flight during this one's math.
+    struct Raw {
+        uint4 lo, hi;
+    };
+    static __device__ __forceinline__ Raw fetch32(const u8_t* __restrict__ w, u32_t n, u32_t k, u32_t col) {
+        const uint4* src = reinterpret_cast<const uint4*>(w + (size_t)n * k + col);
+        return Raw{__ldg(src), __ldg(src + 1)};
+    }
+    static __device__ __forceinline__ void decode32(const Raw& raw, float* out) {
+        decode_e4m3x16(raw.lo, out);
+        decode_e4m3x16(raw.hi, out + 16);
+    }
+    static __device__ __forceinline__ float scale(const u8_t* __restrict__ ws, u32_t n, u32_t col,
+                                                  u32_t scale_cols) {
+        return e8m0_decode(__ldg(ws + (size_t)(n / TILE) * scale_cols + col / TILE));
+    }
+};
+
+// FP4 E2M1 weights packed two per byte ([n, k/2], even column in the low nibble) with one UE8M0
+// scale per row and 32 columns ([n, k/32]).
+struct Fp4Weights {
+    struct Raw {
+        uint4 v;
+    };
+    static __device__ __forceinline__ Raw fetch32(const u8_t* __restrict__ w, u32_t n, u32_t k, u32_t col) {
+        return Raw{__ldg(reinterpret_cast<const uint4*>(w + (size_t)n * (k / 2) + col / 2))};
+    }
+    static __device__ __forceinline__ void decode32(const Raw& raw, float* out) {
+        const u32_t words[4] = {raw.v.x, raw.v.y, raw.v.z, raw.v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const u32_t byte = (words[i] >> (8 * b)) & 0xffu;
+                out[8 * i + 2 * b] = e2m1_decode(byte & 0xfu);
+                out[8 * i + 2 * b + 1] = e2m1_decode(byte >> 4);
+            }
+        }
+    }
+    static __device__ __forceinline__ float scale(const u8_t* __restrict__ ws, u32_t n, u32_t col,
+                                                  u32_t scale_cols) {
+        return e8m0_decode(__ldg(ws + (size_t)n * scale_cols + col / 32));
+    }
+};
+
+// a: [m, k] E4M3 codes; sa: [m, k/G] f32 power-of-two scales; w, ws: per Weights; y: [m, n] bf16.
+// Requires k % G == 0, G % 32 == 0, 16-byte aligned rows (k % 32 == 0).
+template <class Weights, int G, int BM>
+__device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                  const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
+                                  __nv_bfloat16* __restrict__ y, GemmParams p) {
+    static_assert(G % 32 == 0, "a k-group is a whole number of 32-element loads");
+    static_assert(WARPS * BM <= WARPS * 32, "one summing thread per (column, row)");
+    __shared__ float partials[WARPS][BM][33];
+    const u32_t wpc = p.warps_per_col;  // validated by the launcher: 1, 2, 4 or 8
+    const u32_t cols_per_block = WARPS / wpc;
+    const u32_t warp = threadIdx.x / 32;
+    const u32_t lane = threadIdx.x % 32;
+    const u32_t n = blockIdx.y * cols_per_block + warp / wpc;
+    const u32_t part = warp % wpc;
+    const u32_t m0 = blockIdx.x * BM;  // < p.m by the grid
+    const u32_t rows = min((u32_t)BM, p.m - m0);
+    const u32_t kgroups = p.k / G;
+
+    // The thread that accumulates output (sum_col, sum_row) of this block.
+    const u32_t sum_col = threadIdx.x / BM;
+    const u32_t sum_row = threadIdx.x % BM;
+    const u32_t sum_n = blockIdx.y * cols_per_block + sum_col;
+    const bool summer = sum_col < cols_per_block && sum_row < rows && sum_n < p.n;
+
+    float acc = 0.0f;
+    const bool has_col = n < p.n;
+    // The first 32 weights of this lane's k-group in the current step, fetched one step ahead.
+    typename Weights::Raw next_raw{};
+    if (has_col && 32 * part + lane < kgroups) next_raw = Weights::fetch32(w, n, p.k, (32 * part + lane) * G);
+    for (u32_t step = 0; step < kgroups; step += 32 * wpc) {
+        const u32_t kg = step + 32 * part + lane;
+        const typename Weights::Raw first_raw = next_raw;
+        const u32_t kg_next = kg + 32 * wpc;
+        if (has_col && kg_next < kgroups) next_raw = Weights::fetch32(w, n, p.k, kg_next * G);
+        if (has_col && kg < kgroups) {
+            // Scales first: their loads overlap the k-group's math instead of following it.
+            const float sw = Weights::scale(ws, n, kg * G, p.w_scale_cols);
+            float act_scale[BM];
+#pragma unroll
+            for (int r = 0; r < BM; ++r)
+                act_scale[r] = (u32_t)r < rows ? __ldg(sa + (size_t)(m0 + r) * kgroups + kg) : 0.0f;
+            float part_sum[BM];
+#pragma unroll
+            for (int r = 0; r < BM; ++r) part_sum[r] = 0.0f;
+#pragma unroll 1
+            for (u32_t sub = 0; sub < (u32_t)G; sub += 32) {
+                const u32_t col = kg * G + sub;
+                float wv[32];
+                Weights::decode32(sub == 0 ? first_raw : Weights::fetch32(w, n, p.k, col), wv);
+#pragma unroll
+                for (int r = 0; r < BM; ++r) {
+                    if ((u32_t)r < rows) {
+                        const uint4* src = reinterpret_cast<const uint4*>(a + (size_t)(m0 + r) * p.k + col);
+                        float av[32];
+                        decode_e4m3x16(__ldg(src), av);
+                        decode_e4m3x16(__ldg(src + 1), av + 16);
+                        float s = part_sum[r];
+#pragma unroll
+                        for (int i = 0; i < 32; ++i) s = fmaf(av[i], wv[i], s);  // exact products
+                        part_sum[r] = s;
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < BM; ++r) {
+                if ((u32_t)r < rows)
+                    partials[warp][r][lane] = __fmul_rn(__fmul_rn(part_sum[r], act_scale[r]), sw);
+            }
+        }
+        __syncthreads();
+        if (summer) {
+            for (u32_t chunk = 0; chunk < wpc; ++chunk) {
+                const u32_t base = step + 32 * chunk;
+                if (base >= kgroups) break;
+                const u32_t valid = min(32u, kgroups - base);
+                const float* src = partials[sum_col * wpc + chunk][sum_row];
+                // Unrolled with a predicate, so the 32 shared loads issue back to back and only the
+                // additions form the (K-ordered) dependency chain.
+#pragma unroll
+                for (u32_t j = 0; j < 32; ++j) {
+                    if (j < valid) acc = __fadd_rn(acc, src[j]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    if (summer) y[(size_t)(m0 + sum_row) * p.n + sum_n] = __float2bfloat16_rn(acc);
+}
+
+}  // namespace gemm

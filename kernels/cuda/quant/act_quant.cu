@@ -1,0 +1,12 @@
+// Instantiations of the FP8 activation quantiser: group 32 (V4.1) and group 128 (V4).
+#include "quant/act_quant.cuh"
+
+extern "C" __global__ void act_quant_fp8_g32_bf16(const __nv_bfloat16* x, u8_t* codes, float* scales,
+                                                  ActQuantParams p) {
+    act_quant_fp8<32>(x, codes, scales, p);
+}
+
+extern "C" __global__ void act_quant_fp8_g128_bf16(const __nv_bfloat16* x, u8_t* codes, float* scales,
+                                                   ActQuantParams p) {
+    act_quant_fp8<128>(x, codes, scales, p);
+}

@@ -1,0 +1,168 @@
+//! The kernel registry: [`KernelId`] names every kernel, the C symbol it has and the source file
+//! ([`SourceFile`]) that defines it; [`Arch`] is a compilation target.
+
+use std::fmt;
+
+/// A GPU architecture the kernels are compiled for. `Sm90a` (H100/H200) is tested on hardware;
+/// `Sm100a` (B200/GB200, the deploy target) compiles but has not run on sm100 hardware yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Arch {
+    Sm90a,
+    Sm100a,
+}
+
+impl Arch {
+    /// Every arch the sources must compile for.
+    pub const ALL: [Arch; 2] = [Arch::Sm90a, Arch::Sm100a];
+
+    /// The arch for a device of compute capability `major.minor`.
+    pub fn from_compute_capability(major: i32, minor: i32) -> Option<Arch> {
+        match (major, minor) {
+            (9, 0) => Some(Arch::Sm90a),
+            (10, 0) => Some(Arch::Sm100a),
+            _ => None,
+        }
+    }
+
+    /// The NVRTC `--gpu-architecture` value (a real arch, so NVRTC emits a CUBIN).
+    pub fn nvrtc_name(self) -> &'static str {
+        match self {
+            Arch::Sm90a => "sm_90a",
+            Arch::Sm100a => "sm_100a",
+        }
+    }
+
+    /// Whether kernels built for this arch have been run on such hardware (conformance tests).
+    pub fn tested_on_hardware(self) -> bool {
+        matches!(self, Arch::Sm90a)
+    }
+}
+
+impl fmt::Display for Arch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.nvrtc_name())
+    }
+}
+
+/// A `.cu` translation unit; each is compiled to one CUBIN (one module).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SourceFile {
+    ActQuant,
+    GemmFp8,
+    GemmFp4,
+    RmsNorm,
+    Rope,
+}
+
+impl SourceFile {
+    pub const ALL: [SourceFile; 5] = [
+        SourceFile::ActQuant,
+        SourceFile::GemmFp8,
+        SourceFile::GemmFp4,
+        SourceFile::RmsNorm,
+        SourceFile::Rope,
+    ];
+
+    /// Path under `kernels/cuda/`.
+    pub fn path(self) -> &'static str {
+        match self {
+            SourceFile::ActQuant => "quant/act_quant.cu",
+            SourceFile::GemmFp8 => "gemm/gemm_fp8.cu",
+            SourceFile::GemmFp4 => "gemm/gemm_fp4.cu",
+            SourceFile::RmsNorm => "norm/rms_norm.cu",
+            SourceFile::Rope => "rope/rope.cu",
+        }
+    }
+}
+
+/// Every kernel. The C symbol is derived from the id ([`KernelId::symbol`]), never typed at a
+/// call site.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelId {
+    /// Q8 activation quantisation, 32-groups (V4.1): bf16 -> E4M3 codes + f32 power-of-two scales.
+    ActQuantFp8G32,
+    /// Q8 activation quantisation, 128-groups (V4).
+    ActQuantFp8G128,
+    /// FP8 GEMM, 32x32 weight tiles, 32-group activations (V4.1 dense linears).
+    GemmFp8T32G32,
+    /// FP8 GEMM, 128x128 weight tiles, 128-group activations (V4 dense linears).
+    GemmFp8T128G128,
+    /// FP4-expert GEMM: E2M1 weights with 1x32 UE8M0 scales, 32-group FP8 activations.
+    GemmFp4G32,
+    /// RMSNorm, bf16 in/out, fp32 math.
+    RmsNormBf16,
+    /// Interleaved-pair partial RoPE, bf16, in place.
+    RopeInterleavedBf16,
+}
+
+impl KernelId {
+    pub const ALL: [KernelId; 7] = [
+        KernelId::ActQuantFp8G32,
+        KernelId::ActQuantFp8G128,
+        KernelId::GemmFp8T32G32,
+        KernelId::GemmFp8T128G128,
+        KernelId::GemmFp4G32,
+        KernelId::RmsNormBf16,
+        KernelId::RopeInterleavedBf16,
+    ];
+
+    /// The `extern "C"` symbol in the source file.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            KernelId::ActQuantFp8G32 => "act_quant_fp8_g32_bf16",
+            KernelId::ActQuantFp8G128 => "act_quant_fp8_g128_bf16",
+            KernelId::GemmFp8T32G32 => "gemm_fp8_t32_g32_bf16",
+            KernelId::GemmFp8T128G128 => "gemm_fp8_t128_g128_bf16",
+            KernelId::GemmFp4G32 => "gemm_fp4_g32_bf16",
+            KernelId::RmsNormBf16 => "rms_norm_bf16",
+            KernelId::RopeInterleavedBf16 => "rope_interleaved_bf16",
+        }
+    }
+
+    /// The translation unit that defines the kernel.
+    pub fn source(self) -> SourceFile {
+        match self {
+            KernelId::ActQuantFp8G32 | KernelId::ActQuantFp8G128 => SourceFile::ActQuant,
+            KernelId::GemmFp8T32G32 | KernelId::GemmFp8T128G128 => SourceFile::GemmFp8,
+            KernelId::GemmFp4G32 => SourceFile::GemmFp4,
+            KernelId::RmsNormBf16 => SourceFile::RmsNorm,
+            KernelId::RopeInterleavedBf16 => SourceFile::Rope,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source;
+
+    #[test]
+    fn every_kernel_symbol_is_defined_in_its_source_file() {
+        for id in KernelId::ALL {
+            let text = source::text(id.source());
+            assert!(
+                text.contains(id.symbol()),
+                "{} does not define {}",
+                id.source().path(),
+                id.symbol()
+            );
+        }
+    }
+
+    #[test]
+    fn symbols_are_unique() {
+        let mut symbols: Vec<_> = KernelId::ALL.iter().map(|id| id.symbol()).collect();
+        symbols.sort_unstable();
+        symbols.dedup();
+        assert_eq!(symbols.len(), KernelId::ALL.len());
+    }
+
+    #[test]
+    fn compute_capabilities_map_to_arches() {
+        assert_eq!(Arch::from_compute_capability(9, 0), Some(Arch::Sm90a));
+        assert_eq!(Arch::from_compute_capability(10, 0), Some(Arch::Sm100a));
+        assert_eq!(Arch::from_compute_capability(8, 9), None);
+        assert!(Arch::Sm90a.tested_on_hardware());
+        assert!(!Arch::Sm100a.tested_on_hardware());
+    }
+}

@@ -1,0 +1,310 @@
+//! Block-scaled GEMMs with FP8 activations: FP8 weights (32×32 or 128×128 tiles) and FP4 expert
+//! weights (1×32 scales). `y[m, n] = Σ_k a[m, k] · w[n, k]` (`y = a · wᵀ`), bf16 output; exact
+//! per-group partial sums in fp32 accumulated in K order (see `cuda/gemm/gemm_block_scaled.cuh`):
+//! batch invariant by construction.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::quant::{ActGroup, DeviceActFp8};
+use super::{dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::params::GemmParams;
+use crate::runtime::KernelRuntime;
+
+/// Warps per block and rows per block; must match `gemm::WARPS` and the `BM` template argument of
+/// the instantiations. A block covers `WARPS / warps_per_column` output columns.
+const WARPS: u32 = 8;
+const ROWS_PER_BLOCK: u32 = 8;
+
+/// How many warps share one output column's K range. Each of them computes every
+/// `warps_per_column`-th chunk of 32 k-group partials; one thread still adds all partials in K
+/// order, so the result is bitwise the same for every choice (only the speed changes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmSplit {
+    /// Chosen from the shape: more warps per column when M is small (decode), one when M is large.
+    Auto,
+    /// 1, 2, 4 or 8.
+    WarpsPerColumn(u32),
+}
+
+impl GemmSplit {
+    fn warps_per_column(
+        self,
+        op: &'static str,
+        m: usize,
+        k_groups: usize,
+    ) -> Result<u32, KernelError> {
+        match self {
+            // Measured on the H200 (device_bench split sweep, M = 1 and 8): two warps per
+            // column help when K spans at least two chunks of 32 k-groups; more do not.
+            GemmSplit::Auto => Ok(if m <= 16 && k_groups.div_ceil(32) >= 2 {
+                2
+            } else {
+                1
+            }),
+            GemmSplit::WarpsPerColumn(w @ (1 | 2 | 4 | 8)) => Ok(w),
+            GemmSplit::WarpsPerColumn(w) => Err(KernelError::Shape {
+                op,
+                message: format!("{w} warps per column: must be 1, 2, 4 or 8"),
+            }),
+        }
+    }
+}
+
+/// An FP8 E4M3 weight `[out, inp]` on the device with UE8M0 scales per `tile × tile` block
+/// (`[ceil(out/tile), ceil(inp/tile)]`), both row-major — the checkpoint layout.
+#[derive(Debug)]
+pub struct DeviceFp8Weight {
+    pub out: usize,
+    pub inp: usize,
+    pub tile: usize,
+    pub codes: CudaSlice<u8>,
+    pub scales: CudaSlice<u8>,
+}
+
+impl DeviceFp8Weight {
+    /// Uploads checkpoint bytes, checking their lengths. `tile` is 32 (V4.1) or 128 (V4); `inp`
+    /// must be a multiple of 32.
+    pub fn upload(
+        rt: &KernelRuntime,
+        out: usize,
+        inp: usize,
+        tile: usize,
+        codes: &[u8],
+        scales: &[u8],
+    ) -> Result<DeviceFp8Weight, KernelError> {
+        const OP: &str = "DeviceFp8Weight::upload";
+        if tile != 32 && tile != 128 {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!("tile {tile} is neither 32 nor 128"),
+            });
+        }
+        if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
+            });
+        }
+        expect_len(OP, "codes", codes.len(), out * inp)?;
+        expect_len(
+            OP,
+            "scales",
+            scales.len(),
+            out.div_ceil(tile) * inp.div_ceil(tile),
+        )?;
+        let stream = rt.stream();
+        Ok(DeviceFp8Weight {
+            out,
+            inp,
+            tile,
+            codes: stream
+                .clone_htod(codes)
+                .map_err(KernelError::driver("uploading FP8 weight codes"))?,
+            scales: stream
+                .clone_htod(scales)
+                .map_err(KernelError::driver("uploading FP8 weight scales"))?,
+        })
+    }
+}
+
+/// An FP4 E2M1 expert weight `[out, inp]` on the device: `packed` `[out, inp/2]` (element 2k in
+/// the low nibble of byte k), `scales` UE8M0 `[out, inp/32]`, both row-major.
+#[derive(Debug)]
+pub struct DeviceFp4Weight {
+    pub out: usize,
+    pub inp: usize,
+    pub packed: CudaSlice<u8>,
+    pub scales: CudaSlice<u8>,
+}
+
+impl DeviceFp4Weight {
+    /// Uploads checkpoint bytes, checking their lengths; `inp` must be a multiple of 32.
+    pub fn upload(
+        rt: &KernelRuntime,
+        out: usize,
+        inp: usize,
+        packed: &[u8],
+        scales: &[u8],
+    ) -> Result<DeviceFp4Weight, KernelError> {
+        const OP: &str = "DeviceFp4Weight::upload";
+        if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
+            });
+        }
+        expect_len(OP, "packed", packed.len(), out * inp / 2)?;
+        expect_len(OP, "scales", scales.len(), out * inp / 32)?;
+        let stream = rt.stream();
+        Ok(DeviceFp4Weight {
+            out,
+            inp,
+            packed: stream
+                .clone_htod(packed)
+                .map_err(KernelError::driver("uploading FP4 weight codes"))?,
+            scales: stream
+                .clone_htod(scales)
+                .map_err(KernelError::driver("uploading FP4 weight scales"))?,
+        })
+    }
+}
+
+/// `y = a · wᵀ` for an FP8 weight. Supported (tile, activation group): (32, 32) V4.1 and
+/// (128, 128) V4 (the activation group is the tile side, as in `deepinfer_model::quant::gemm_fp8`). `y` is bf16 `[a.rows, w.out]`, row-major.
+pub fn gemm_fp8(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &DeviceFp8Weight,
+    y: &mut CudaSlice<bf16>,
+) -> Result<(), KernelError> {
+    gemm_fp8_split(rt, a, w, y, GemmSplit::Auto)
+}
+
+/// [`gemm_fp8`] with an explicit work split (the result does not depend on it).
+pub fn gemm_fp8_split(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &DeviceFp8Weight,
+    y: &mut CudaSlice<bf16>,
+    split: GemmSplit,
+) -> Result<(), KernelError> {
+    const OP: &str = "gemm_fp8";
+    let kernel = match (w.tile, a.group) {
+        (32, ActGroup::G32) => KernelId::GemmFp8T32G32,
+        (128, ActGroup::G128) => KernelId::GemmFp8T128G128,
+        (tile, group) => {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!(
+                    "no kernel for {tile}x{tile} weight tiles with {}-element activation groups",
+                    group.elements()
+                ),
+            });
+        }
+    };
+    let w_scale_cols = w.inp.div_ceil(w.tile);
+    launch_gemm(
+        rt,
+        OP,
+        kernel,
+        a,
+        (w.out, w.inp),
+        &w.codes,
+        &w.scales,
+        w_scale_cols,
+        y,
+        split,
+    )
+}
+
+/// `y = a · wᵀ` for an FP4 expert weight (activation groups of 32). `y` is bf16 `[a.rows, w.out]`.
+pub fn gemm_fp4(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &DeviceFp4Weight,
+    y: &mut CudaSlice<bf16>,
+) -> Result<(), KernelError> {
+    gemm_fp4_split(rt, a, w, y, GemmSplit::Auto)
+}
+
+/// [`gemm_fp4`] with an explicit work split (the result does not depend on it).
+pub fn gemm_fp4_split(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &DeviceFp4Weight,
+    y: &mut CudaSlice<bf16>,
+    split: GemmSplit,
+) -> Result<(), KernelError> {
+    const OP: &str = "gemm_fp4";
+    if a.group != ActGroup::G32 {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "FP4 GEMM needs 32-element activation groups, got {}",
+                a.group.elements()
+            ),
+        });
+    }
+    launch_gemm(
+        rt,
+        OP,
+        KernelId::GemmFp4G32,
+        a,
+        (w.out, w.inp),
+        &w.packed,
+        &w.scales,
+        w.inp / 32,
+        y,
+        split,
+    )
+}
+
+fn launch_gemm(
+    rt: &KernelRuntime,
+    op: &'static str,
+    kernel: KernelId,
+    a: &DeviceActFp8,
+    (n, k): (usize, usize),
+    w: &CudaSlice<u8>,
+    ws: &CudaSlice<u8>,
+    w_scale_cols: usize,
+    y: &mut CudaSlice<bf16>,
+    split: GemmSplit,
+) -> Result<(), KernelError> {
+    if a.cols != k {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("activation has {} columns, weight has {k} inputs", a.cols),
+        });
+    }
+    expect_len(op, "y", y.len(), a.rows * n)?;
+    if a.rows == 0 {
+        return Ok(());
+    }
+    let mut warps_per_col = split.warps_per_column(op, a.rows, k / a.group.elements())?;
+    if split == GemmSplit::Auto {
+        while warps_per_col > 1 && n.div_ceil((WARPS / warps_per_col) as usize) > 65_535 {
+            warps_per_col /= 2;
+        }
+    }
+    let params = GemmParams {
+        m: dim(op, "m", a.rows)?,
+        n: dim(op, "n", n)?,
+        k: dim(op, "k", k)?,
+        w_scale_cols: dim(op, "weight scale columns", w_scale_cols)?,
+        warps_per_col,
+    };
+    let col_blocks = params.n.div_ceil(WARPS / warps_per_col);
+    if col_blocks > 65_535 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("n = {n} needs {col_blocks} column blocks (> 65535)"),
+        });
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (params.m.div_ceil(ROWS_PER_BLOCK), col_blocks, 1),
+        block_dim: (WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let function = rt.function(kernel)?;
+    let mut launch = rt.stream().launch_builder(function);
+    launch
+        .arg(&a.codes)
+        .arg(&a.scales)
+        .arg(w)
+        .arg(ws)
+        .arg(y)
+        .arg(&params);
+    // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const u8* ws,
+    // bf16* y, GemmParams). The activation buffers hold rows * k codes and rows * k / group scales
+    // (DeviceActFp8's invariant), the weight buffers were length-checked at upload for [n, k], k is
+    // a multiple of 32 (so every 16-byte load is aligned and in bounds), and y holds m * n values.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+        "launching {}",
+        kernel.symbol()
+    )))?;
+    Ok(())
+}

@@ -1,0 +1,140 @@
+//! FP8 activation quantisation `Q8` (v41-architecture.md §3.0) on the device.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::{dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::params::ActQuantParams;
+use crate::runtime::KernelRuntime;
+
+const OP: &str = "quantize_act_fp8";
+const WARPS_PER_BLOCK: u32 = 8;
+
+/// Activation quantisation group along the last axis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActGroup {
+    /// 32 elements per scale (V4.1).
+    G32,
+    /// 128 elements per scale (V4).
+    G128,
+}
+
+impl ActGroup {
+    /// Elements per scale.
+    pub fn elements(self) -> usize {
+        match self {
+            ActGroup::G32 => 32,
+            ActGroup::G128 => 128,
+        }
+    }
+
+    fn kernel(self) -> KernelId {
+        match self {
+            ActGroup::G32 => KernelId::ActQuantFp8G32,
+            ActGroup::G128 => KernelId::ActQuantFp8G128,
+        }
+    }
+}
+
+/// Quantised activations on the device: `codes` E4M3 `[rows, cols]` row-major, `scales` f32
+/// powers of two `[rows, cols / group]` row-major (`x ≈ e4m3(code) · scale`).
+#[derive(Debug)]
+pub struct DeviceActFp8 {
+    pub rows: usize,
+    pub cols: usize,
+    pub group: ActGroup,
+    pub codes: CudaSlice<u8>,
+    pub scales: CudaSlice<f32>,
+}
+
+impl DeviceActFp8 {
+    /// Allocates (zeroed) buffers for `[rows, cols]`; `cols` must be a multiple of the group.
+    pub fn alloc(
+        rt: &KernelRuntime,
+        rows: usize,
+        cols: usize,
+        group: ActGroup,
+    ) -> Result<DeviceActFp8, KernelError> {
+        if cols == 0 || !cols.is_multiple_of(group.elements()) {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!(
+                    "cols = {cols} is not a positive multiple of the group {}",
+                    group.elements()
+                ),
+            });
+        }
+        let codes = rt
+            .stream()
+            .alloc_zeros::<u8>(rows * cols)
+            .map_err(KernelError::driver("allocating activation codes"))?;
+        let scales = rt
+            .stream()
+            .alloc_zeros::<f32>(rows * cols / group.elements())
+            .map_err(KernelError::driver("allocating activation scales"))?;
+        Ok(DeviceActFp8 {
+            rows,
+            cols,
+            group,
+            codes,
+            scales,
+        })
+    }
+}
+
+/// Quantises `x` (bf16 `[out.rows, out.cols]`, row-major) into `out`. Exact: the result equals
+/// the CPU definition bit for bit, whatever the number of rows.
+pub fn quantize_act_fp8_into(
+    rt: &KernelRuntime,
+    x: &CudaSlice<bf16>,
+    out: &mut DeviceActFp8,
+) -> Result<(), KernelError> {
+    expect_len(OP, "x", x.len(), out.rows * out.cols)?;
+    expect_len(OP, "codes", out.codes.len(), out.rows * out.cols)?;
+    expect_len(
+        OP,
+        "scales",
+        out.scales.len(),
+        out.rows * out.cols / out.group.elements(),
+    )?;
+    if out.rows == 0 {
+        return Ok(());
+    }
+    let params = ActQuantParams {
+        rows: dim(OP, "rows", out.rows)?,
+        cols: dim(OP, "cols", out.cols)?,
+    };
+    let groups = dim(OP, "groups", out.rows * out.cols / out.group.elements())?;
+    let cfg = LaunchConfig {
+        grid_dim: (groups.div_ceil(WARPS_PER_BLOCK), 1, 1),
+        block_dim: (WARPS_PER_BLOCK * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let function = rt.function(out.group.kernel())?;
+    let mut launch = rt.stream().launch_builder(function);
+    launch
+        .arg(x)
+        .arg(&mut out.codes)
+        .arg(&mut out.scales)
+        .arg(&params);
+    // SAFETY: the kernel's signature is (const bf16*, u8*, float*, ActQuantParams); the buffer
+    // lengths were checked against rows * cols above and the grid covers exactly `groups` warps
+    // (the kernel bounds-checks the last block).
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching act_quant_fp8"))?;
+    Ok(())
+}
+
+/// Allocating form of [`quantize_act_fp8_into`].
+pub fn quantize_act_fp8(
+    rt: &KernelRuntime,
+    x: &CudaSlice<bf16>,
+    rows: usize,
+    cols: usize,
+    group: ActGroup,
+) -> Result<DeviceActFp8, KernelError> {
+    let mut out = DeviceActFp8::alloc(rt, rows, cols, group)?;
+    quantize_act_fp8_into(rt, x, &mut out)?;
+    Ok(out)
+}

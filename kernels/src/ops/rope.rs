@@ -1,0 +1,101 @@
+//! Interleaved-pair partial RoPE on the device, in place.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::{dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::params::RopeParams;
+use crate::runtime::KernelRuntime;
+
+const OP: &str = "rope_interleaved_bf16";
+const THREADS: u32 = 256;
+
+/// The shape of a RoPE application.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeShape {
+    pub tokens: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// The rotated channels are the last `rope_dim` of each head (even, ≤ head_dim).
+    pub rope_dim: usize,
+    /// Rows of the cos/sin tables (positions must be below this).
+    pub table_rows: usize,
+}
+
+/// Rotates, in place, the last `rope_dim` channels of every head of `x` (bf16
+/// `[tokens, heads, head_dim]`, row-major): pair `(2i, 2i+1)` of token `t` by the angle in row
+/// `positions[t]` of `cos`/`sin` (f32 `[table_rows, rope_dim/2]`); `inverse` rotates by the
+/// negative angle. Positions live on the device and are not read back: a position outside
+/// `0..table_rows` leaves that token unchanged, so callers validate positions on the host.
+pub fn rope_interleaved_bf16(
+    rt: &KernelRuntime,
+    x: &mut CudaSlice<bf16>,
+    positions: &CudaSlice<i32>,
+    cos: &CudaSlice<f32>,
+    sin: &CudaSlice<f32>,
+    shape: RopeShape,
+    inverse: bool,
+) -> Result<(), KernelError> {
+    let RopeShape {
+        tokens,
+        heads,
+        head_dim,
+        rope_dim,
+        table_rows,
+    } = shape;
+    if rope_dim == 0 || rope_dim % 2 != 0 || rope_dim > head_dim {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "rope_dim = {rope_dim} must be even, positive and <= head_dim = {head_dim}"
+            ),
+        });
+    }
+    expect_len(OP, "x", x.len(), tokens * heads * head_dim)?;
+    expect_len(OP, "positions", positions.len(), tokens)?;
+    expect_len(OP, "cos", cos.len(), table_rows * rope_dim / 2)?;
+    expect_len(OP, "sin", sin.len(), table_rows * rope_dim / 2)?;
+    let pairs = dim(OP, "pairs", tokens * heads * rope_dim / 2)?;
+    if pairs == 0 {
+        return Ok(());
+    }
+    let params = RopeParams {
+        tokens: dim(OP, "tokens", tokens)?,
+        heads: dim(OP, "heads", heads)?,
+        head_dim: dim(OP, "head_dim", head_dim)?,
+        rope_dim: dim(OP, "rope_dim", rope_dim)?,
+        table_rows: dim(OP, "table_rows", table_rows)?,
+        inverse: u32::from(inverse),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (pairs.div_ceil(THREADS), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let function = rt.function(KernelId::RopeInterleavedBf16)?;
+    let mut launch = rt.stream().launch_builder(function);
+    launch.arg(x).arg(positions).arg(cos).arg(sin).arg(&params);
+    // SAFETY: signature (bf16* x, const int* positions, const float* cos, const float* sin,
+    // RopeParams); lengths checked above; the kernel bounds-checks pair indices and positions.
+    unsafe { launch.launch(cfg) }
+        .map_err(KernelError::driver("launching rope_interleaved_bf16"))?;
+    Ok(())
+}
+
+/// Host-side cos/sin tables `[rows, freqs.len()]` for positions `0..rows`: the angle of pair `i`
+/// at position `p` is `f64(p as f32 · freqs[i])`, its sine and cosine are taken in f64 and rounded
+/// to f32 — the rule of the CPU reference's RoPE, so the device rotation matches it bit for bit.
+pub fn rope_cos_sin_tables(freqs: &[f32], rows: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut cos = Vec::with_capacity(rows * freqs.len());
+    let mut sin = Vec::with_capacity(rows * freqs.len());
+    for position in 0..rows {
+        for freq in freqs {
+            let angle = f64::from(position as f32 * freq);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}

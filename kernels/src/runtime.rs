@@ -1,0 +1,193 @@
+//! [`KernelRuntime`]: one CUDA context and stream on one device with every [`KernelId`] compiled
+//! for the device's arch and loaded. Opening it on a machine without the NVIDIA driver returns
+//! [`KernelError::NoDriver`]; cudarc's dynamic loading panics on a missing library, so the library
+//! is probed first and every first call into it runs under `catch_unwind`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use crate::compile::{Compiler, panic_text};
+use crate::error::KernelError;
+use crate::id::{Arch, KernelId, SourceFile};
+
+/// Whether the CUDA driver library (`libcuda`) can be loaded; never panics.
+pub fn driver_available() -> Result<(), KernelError> {
+    // SAFETY: `is_culib_present` only tries to dlopen the candidate names.
+    let present = std::panic::catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() })
+        .unwrap_or(false);
+    if present {
+        Ok(())
+    } else {
+        Err(KernelError::NoDriver {
+            tried: cudarc::get_lib_name_candidates("cuda").join(", "),
+        })
+    }
+}
+
+/// What opening the runtime did (for logs and the benchmark header).
+#[derive(Debug, Clone)]
+pub struct LoadReport {
+    pub device_name: String,
+    pub arch: Arch,
+    pub modules_compiled: usize,
+    pub modules_from_cache: usize,
+    pub compile_ms: f64,
+}
+
+/// A device context, its default stream and every kernel loaded.
+pub struct KernelRuntime {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    functions: HashMap<KernelId, CudaFunction>,
+    report: LoadReport,
+}
+
+impl std::fmt::Debug for KernelRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelRuntime")
+            .field("report", &self.report)
+            .finish()
+    }
+}
+
+impl KernelRuntime {
+    /// Opens device `ordinal`, compiles (or loads from the cache) every kernel for its arch and
+    /// loads them all.
+    pub fn open(ordinal: usize) -> Result<KernelRuntime, KernelError> {
+        driver_available()?;
+        KernelRuntime::open_with(ordinal, &Compiler::new()?)
+    }
+
+    /// As [`KernelRuntime::open`], with a given compiler (cache directory).
+    pub fn open_with(ordinal: usize, compiler: &Compiler) -> Result<KernelRuntime, KernelError> {
+        driver_available()?;
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|panic| KernelError::LibraryPanicked {
+                during: "creating the CUDA context",
+                message: panic_text(&panic),
+            })?
+            .map_err(KernelError::driver(format!(
+                "creating a context on device {ordinal}"
+            )))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(KernelError::driver("reading the compute capability"))?;
+        let arch = Arch::from_compute_capability(major, minor)
+            .ok_or(KernelError::UnsupportedArch { major, minor })?;
+        let device_name = ctx
+            .name()
+            .map_err(KernelError::driver("reading the device name"))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(KernelError::driver("creating a stream"))?;
+
+        let mut functions = HashMap::new();
+        let mut report = LoadReport {
+            device_name,
+            arch,
+            modules_compiled: 0,
+            modules_from_cache: 0,
+            compile_ms: 0.0,
+        };
+        for file in SourceFile::ALL {
+            let cubin = compiler.compile(file, arch)?;
+            if cubin.from_cache {
+                report.modules_from_cache += 1;
+            } else {
+                report.modules_compiled += 1;
+                report.compile_ms += cubin.compile_ms;
+            }
+            let module =
+                ctx.load_module(Ptx::from_binary(cubin.bytes))
+                    .map_err(KernelError::driver(format!(
+                        "loading the module of {}",
+                        file.path()
+                    )))?;
+            for id in KernelId::ALL.into_iter().filter(|id| id.source() == file) {
+                let function = module
+                    .load_function(id.symbol())
+                    .map_err(KernelError::driver(format!(
+                        "loading kernel {} from {}",
+                        id.symbol(),
+                        file.path()
+                    )))?;
+                functions.insert(id, function);
+            }
+        }
+        Ok(KernelRuntime {
+            ctx,
+            stream,
+            arch,
+            functions,
+            report,
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every launcher in [`crate::ops`] launches on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The loaded kernel `id` (all ids are loaded by `open`).
+    pub fn function(&self, id: KernelId) -> Result<&CudaFunction, KernelError> {
+        self.functions.get(&id).ok_or(KernelError::NotLoaded {
+            symbol: id.symbol(),
+        })
+    }
+
+    /// Waits for the stream.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream
+            .synchronize()
+            .map_err(KernelError::driver("synchronising the stream"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a machine without the NVIDIA driver (CI), opening the runtime is a clear `NoDriver`
+    /// error, not a panic; where the driver exists the check passes.
+    #[test]
+    fn a_missing_driver_is_a_clear_error_not_a_panic() {
+        // SAFETY: only probes whether the library can be opened.
+        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        match driver_available() {
+            Ok(()) => assert!(present),
+            Err(err) => {
+                assert!(!present);
+                assert!(matches!(err, KernelError::NoDriver { .. }));
+                let text = err.to_string();
+                assert!(text.starts_with("no CUDA driver"), "{text}");
+                assert!(text.contains("libcuda.so"), "{text}");
+            }
+        }
+        if !present {
+            let opened = std::panic::catch_unwind(|| KernelRuntime::open(0));
+            let result = opened.expect("KernelRuntime::open must not panic without a driver");
+            assert!(matches!(
+                result,
+                Err(KernelError::NoDriver { .. })
+                    | Err(KernelError::NoNvrtc { .. })
+                    | Err(KernelError::NoIncludePath { .. })
+            ));
+        }
+    }
+}

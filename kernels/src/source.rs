@@ -1,0 +1,37 @@
+//! The CUDA C sources, embedded at build time, and the headers NVRTC is given by name (so
+//! `#include "common/numerics.cuh"` resolves without touching the file system).
+
+use crate::id::SourceFile;
+
+/// Project headers, as (include name, text). All are passed to every compilation.
+pub const HEADERS: [(&str, &str); 6] = [
+    ("common/params.h", include_str!("../cuda/common/params.h")),
+    (
+        "common/numerics.cuh",
+        include_str!("../cuda/common/numerics.cuh"),
+    ),
+    (
+        "quant/act_quant.cuh",
+        include_str!("../cuda/quant/act_quant.cuh"),
+    ),
+    (
+        "gemm/gemm_block_scaled.cuh",
+        include_str!("../cuda/gemm/gemm_block_scaled.cuh"),
+    ),
+    (
+        "norm/rms_norm.cuh",
+        include_str!("../cuda/norm/rms_norm.cuh"),
+    ),
+    ("rope/rope.cuh", include_str!("../cuda/rope/rope.cuh")),
+];
+
+/// The text of a translation unit.
+pub fn text(file: SourceFile) -> &'static str {
+    match file {
+        SourceFile::ActQuant => include_str!("../cuda/quant/act_quant.cu"),
+        SourceFile::GemmFp8 => include_str!("../cuda/gemm/gemm_fp8.cu"),
+        SourceFile::GemmFp4 => include_str!("../cuda/gemm/gemm_fp4.cu"),
+        SourceFile::RmsNorm => include_str!("../cuda/norm/rms_norm.cu"),
+        SourceFile::Rope => include_str!("../cuda/rope/rope.cu"),
+    }
+}

@@ -1,0 +1,306 @@
+//! `CpuBackend`: the plain reference implementation of [`Backend`]. Every reduction is order-free
+//! (f64 accumulator rounded once to fp32, see [`dot_f32`]) and every bf16 rounding sits where
+//! DeepSeek's reference rounds; fp32 stays the working precision between operations.
+
+use super::{Backend, HcMix, HcParams, RopeTable};
+use crate::quant::{self, dot_f32, round_bf16, sum_f32, sum_squares_f32};
+use crate::weights::{Fp4Weight, Fp8Weight};
+
+/// Probabilities are accumulated in blocks of this many keys (the reference kernel's block).
+const ATTENTION_BLOCK: usize = 64;
+
+/// The reference CPU backend.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> CpuBackend {
+        CpuBackend
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &str {
+        "cpu"
+    }
+
+    fn gemm_fp8(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+        quant::gemm_fp8(x, w)
+    }
+
+    fn gemm_fp4(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+        quant::gemm_fp4(x, w)
+    }
+
+    fn linear_bf16(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32> {
+        let mut y = self.linear_f32(x, w, out, inp);
+        quant::round_bf16_slice(&mut y);
+        y
+    }
+
+    fn linear_f32(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32> {
+        let rows = x.len() / inp;
+        let mut y = Vec::with_capacity(rows * out);
+        for row in x.chunks_exact(inp) {
+            for w_row in w.chunks_exact(inp).take(out) {
+                y.push(dot_f32(row, w_row));
+            }
+        }
+        y
+    }
+
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+        let dim = weight.len();
+        let mut y = Vec::with_capacity(x.len());
+        for row in x.chunks_exact(dim) {
+            let mean_square = sum_squares_f32(row) / dim as f32;
+            let inv = 1.0 / (mean_square + eps).sqrt();
+            y.extend(
+                row.iter()
+                    .zip(weight)
+                    .map(|(v, w)| round_bf16(w * (v * inv))),
+            );
+        }
+        y
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        stride: usize,
+        vectors_per_row: usize,
+        positions: &[usize],
+        table: &RopeTable,
+        inverse: bool,
+    ) {
+        let pairs = table.freqs.len();
+        let tail = stride - 2 * pairs;
+        for (vector_index, vector) in x.chunks_exact_mut(stride).enumerate() {
+            let position = positions[vector_index / vectors_per_row] as f32;
+            for (i, freq) in table.freqs.iter().enumerate() {
+                let angle = f64::from(position * freq);
+                let (sin, cos) = (angle.sin() as f32, angle.cos() as f32);
+                let sin = if inverse { -sin } else { sin };
+                let re = vector[tail + 2 * i];
+                let im = vector[tail + 2 * i + 1];
+                vector[tail + 2 * i] = round_bf16(re * cos - im * sin);
+                vector[tail + 2 * i + 1] = round_bf16(re * sin + im * cos);
+            }
+        }
+    }
+
+    fn q8_qdq(&self, x: &mut [f32]) {
+        quant::q8_qdq_group32(x);
+    }
+
+    fn q4e_qdq(&self, x: &mut [f32]) {
+        quant::q4_qdq_e8m0_group32(x);
+    }
+
+    fn q4m_qdq(&self, x: &mut [f32]) {
+        quant::q4_qdq_e4m3_group16(x);
+    }
+
+    fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32> {
+        let heads = sink.len();
+        let head_dim = q.len() / heads;
+        let mut out = vec![0.0f32; q.len()];
+        for h in 0..heads {
+            let q_head = &q[h * head_dim..(h + 1) * head_dim];
+            let mut running_max = -1e30f32;
+            let mut denominator = 0.0f32;
+            let mut acc = vec![0.0f32; head_dim];
+            for block in keys.chunks(ATTENTION_BLOCK) {
+                let scores: Vec<f32> = block.iter().map(|k| dot_f32(q_head, k) * scale).collect();
+                let block_max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let new_max = running_max.max(block_max);
+                let rescale = (running_max - new_max).exp();
+                let probs: Vec<f32> = scores.iter().map(|s| (s - new_max).exp()).collect();
+                denominator = denominator * rescale + sum_f32(probs.iter().copied());
+                for a in acc.iter_mut() {
+                    *a *= rescale;
+                }
+                let weights: Vec<f32> = probs.iter().map(|&p| round_bf16(p)).collect();
+                for d in 0..head_dim {
+                    acc[d] += sum_f32(weights.iter().zip(block).map(|(p, k)| p * k[d]));
+                }
+                running_max = new_max;
+            }
+            denominator += (sink[h] - running_max).exp();
+            for d in 0..head_dim {
+                out[h * head_dim + d] = round_bf16(acc[d] / denominator);
+            }
+        }
+        out
+    }
+
+    fn hc_mixes(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> HcMix {
+        let n = x.len();
+        let mean_square = sum_squares_f32(x) / n as f32;
+        let inv = 1.0 / (mean_square + norm_eps).sqrt();
+        let mixes: Vec<f32> = params
+            .proj
+            .chunks_exact(n)
+            .map(|row| dot_f32(x, row) * inv)
+            .collect();
+        let pre = (0..hc)
+            .map(|k| sigmoid(mixes[k] * params.scale[0] + params.base[k]) + hc_eps)
+            .collect();
+        let post = (0..hc)
+            .map(|k| 2.0 * sigmoid(mixes[hc + k] * params.scale[1] + params.base[hc + k]))
+            .collect();
+        let mut comb: Vec<f32> = (0..hc * hc)
+            .map(|i| mixes[2 * hc + i] * params.scale[2] + params.base[2 * hc + i])
+            .collect();
+        // Row softmax (+eps), then column normalisation, then (iters − 1) row/column passes.
+        for row in comb.chunks_exact_mut(hc) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for v in row.iter_mut() {
+                *v = (*v - max).exp();
+            }
+            let sum = row.iter().fold(0.0f32, |a, v| a + v);
+            for v in row.iter_mut() {
+                *v = *v / sum + hc_eps;
+            }
+        }
+        normalise_columns(&mut comb, hc, hc_eps);
+        for _ in 1..sinkhorn_iters {
+            for row in comb.chunks_exact_mut(hc) {
+                let sum = row.iter().fold(0.0f32, |a, v| a + v) + hc_eps;
+                for v in row.iter_mut() {
+                    *v /= sum;
+                }
+            }
+            normalise_columns(&mut comb, hc, hc_eps);
+        }
+        HcMix { pre, post, comb }
+    }
+
+    fn hc_collapse(&self, x: &[f32], weights: &[f32]) -> Vec<f32> {
+        let dim = x.len() / weights.len();
+        (0..dim)
+            .map(|d| {
+                let sum = weights
+                    .iter()
+                    .enumerate()
+                    .fold(0.0f32, |acc, (k, w)| acc + w * x[k * dim + d]);
+                round_bf16(sum)
+            })
+            .collect()
+    }
+
+    fn hc_expand(&self, y: &[f32], residual: &[f32], mix: &HcMix) -> Vec<f32> {
+        let hc = mix.post.len();
+        let dim = y.len();
+        let mut out = vec![0.0f32; hc * dim];
+        for k in 0..hc {
+            for d in 0..dim {
+                let mixed = (0..hc).fold(0.0f32, |acc, j| {
+                    acc + mix.comb[j * hc + k] * residual[j * dim + d]
+                });
+                out[k * dim + d] = round_bf16(mix.post[k] * y[d] + mixed);
+            }
+        }
+        out
+    }
+
+    fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32> {
+        keys.chunks_exact(head_dim)
+            .map(|key| {
+                let per_head = weights
+                    .iter()
+                    .zip(q.chunks_exact(head_dim))
+                    .map(|(w, q_head)| {
+                        let logit = round_bf16(dot_f32(q_head, key));
+                        round_bf16(logit.max(0.0) * w)
+                    });
+                round_bf16(sum_f32(per_head))
+            })
+            .collect()
+    }
+}
+
+fn normalise_columns(comb: &mut [f32], hc: usize, eps: f32) {
+    for k in 0..hc {
+        let sum = (0..hc).fold(0.0f32, |a, j| a + comb[j * hc + k]) + eps;
+        for j in 0..hc {
+            comb[j * hc + k] /= sum;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sinkhorn_output_is_nearly_doubly_stochastic() {
+        let hc = 4;
+        let dim = 8;
+        let x: Vec<f32> = (0..hc * dim)
+            .map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.125)
+            .collect();
+        let params = HcParams {
+            proj: (0..(2 + hc) * hc * hc * dim)
+                .map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.01)
+                .collect(),
+            base: vec![0.1; (2 + hc) * hc],
+            scale: vec![1.0, 0.5, 2.0],
+        };
+        let mix = CpuBackend.hc_mixes(&x, &params, hc, 20, 1e-6, 1e-20);
+        for j in 0..hc {
+            let row: f32 = mix.comb[j * hc..(j + 1) * hc].iter().sum();
+            let col: f32 = (0..hc).map(|r| mix.comb[r * hc + j]).sum();
+            assert!((row - 1.0).abs() < 1e-3, "row {j} sums to {row}");
+            assert!((col - 1.0).abs() < 1e-3, "column {j} sums to {col}");
+        }
+        assert!(mix.pre.iter().all(|&p| p > 0.0 && p < 1.0 + 1e-5));
+        assert!(mix.post.iter().all(|&p| p > 0.0 && p < 2.0));
+    }
+
+    #[test]
+    fn attention_with_sink_matches_the_closed_form() {
+        let q = vec![1.0f32, 0.0];
+        let k0 = [1.0f32, 2.0];
+        let k1 = [0.0f32, 4.0];
+        let out = CpuBackend.sparse_attention(&q, &[&k0, &k1], &[0.5], 1.0);
+        // p is computed relative to the running max (1.0): p0 = 1, p1 = e^-1.
+        let p1 = round_bf16((-1.0f32).exp());
+        let d = 1.0 + (-1.0f32).exp() + (-0.5f32).exp();
+        assert_eq!(out[0], round_bf16(1.0 / d));
+        assert_eq!(out[1], round_bf16((2.0 + p1 * 4.0) / d));
+        // No keys: only the sink, output 0.
+        assert_eq!(
+            CpuBackend.sparse_attention(&q, &[], &[0.5], 1.0),
+            vec![0.0, 0.0]
+        );
+    }
+
+    #[test]
+    fn rope_then_inverse_rope_is_near_identity() {
+        let table = RopeTable {
+            freqs: vec![1.0, 0.1],
+        };
+        let original = vec![0.5f32, -0.25, 1.0, 2.0, 0.75, -1.5];
+        let mut x = original.clone();
+        CpuBackend.rope(&mut x, 6, 1, &[7], &table, false);
+        assert_eq!(&x[..2], &original[..2]);
+        assert_ne!(&x[2..], &original[2..]);
+        CpuBackend.rope(&mut x, 6, 1, &[7], &table, true);
+        for (a, b) in x.iter().zip(&original) {
+            assert!((a - b).abs() < 0.02, "{a} vs {b}");
+        }
+    }
+}

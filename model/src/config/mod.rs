@@ -1,0 +1,288 @@
+//! `config.json` parsing and validation. Owns the typed [`ModelConfig`] (spec v41-architecture.md
+//! §1.2) and the derived layer-schedule queries (§2: KV source, index source, candidate use per
+//! layer). Submodules: `fields` (typed JSON reading with named errors), `parse` (the nested V4.1
+//! layout), `validate` (the structural checks DeepInfer applies before loading, §1.1 / §9),
+//! `hf_json` (serialisation back to the Hugging Face layout), `presets` (reduced V4.1 configs of §9).
+
+mod fields;
+mod hf_json;
+mod parse;
+mod presets;
+mod validate;
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::ModelError;
+use fields::Fields;
+use validate::Validator;
+
+/// The model families this crate knows about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelFamily {
+    /// DeepSeek-V4.1-Flash: nested `text_config` / `vision_config`, `model_type` `deepseek_v41`.
+    V41,
+    /// DeepSeek-V4-Flash: flat config, `model_type` `deepseek_v4` (parsing not implemented yet).
+    V4,
+}
+
+/// Storage format of the routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertDtype {
+    /// Packed E2M1 (`I8 [out, in/2]`) with 1×32 UE8M0 scales (V4.1).
+    Fp4,
+    /// E4M3 with block scales like the dense weights.
+    Fp8,
+}
+
+/// Weight quantisation (`quantization_config`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuantConfig {
+    /// Tile of one dense-weight scale, `[rows, cols]` (`[32, 32]` in V4.1).
+    pub weight_block: [usize; 2],
+    pub expert_dtype: ExpertDtype,
+}
+
+/// YaRN scaling of the compressed-layer RoPE (no mscale).
+#[derive(Debug, Clone, PartialEq)]
+pub struct YarnConfig {
+    pub factor: f64,
+    pub original_max_position: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+}
+
+/// RoPE bases: `theta` for window-only (ratio 0) and DSpark layers, `compress_theta` (+ YaRN) for
+/// compressed layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub compress_theta: f64,
+    pub yarn: Option<YarnConfig>,
+}
+
+/// The two-level top-k: `source_layer` publishes `topk_blocks` blocks of `block_size` compressed
+/// positions that restrict every later index source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CandidateConfig {
+    pub source_layer: usize,
+    pub topk_blocks: usize,
+    pub block_size: usize,
+}
+
+/// Manifold hyper-connections: `mult` residual streams, Sinkhorn iterations and epsilon.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HcConfig {
+    pub mult: usize,
+    pub sinkhorn_iters: usize,
+    pub eps: f32,
+}
+
+/// Engram n-gram memory (spec §3.7).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngramConfig {
+    /// Backbone layers with an Engram table (applied before the block).
+    pub layer_ids: Vec<usize>,
+    /// Table rows per Engram layer (the sum of that layer's primes).
+    pub num_embeddings: Vec<usize>,
+    /// Largest n-gram; sizes 2..=max_ngram_size are hashed.
+    pub max_ngram_size: usize,
+    /// Prime search start (`engram_vocab_size`).
+    pub vocab_size: usize,
+    /// Hash heads per n-gram size.
+    pub n_heads: usize,
+    /// Row width.
+    pub head_dim: usize,
+    pub pad_token_id: u32,
+    /// Size of the tokenizer-normalised vocabulary the hashes run on.
+    pub compressed_vocab_size: usize,
+}
+
+/// DSpark drafter (`mtp.0..n_stages`, spec §3.10).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DsparkConfig {
+    pub n_stages: usize,
+    /// Anchor + noise slots per draft block.
+    pub block_size: usize,
+    pub noise_token_id: u32,
+    /// Backbone layers whose attention input feeds `mtp.0.main_proj`.
+    pub target_layers: Vec<usize>,
+    pub markov_rank: usize,
+    pub n_routed_experts: usize,
+    pub n_activated_experts: usize,
+}
+
+/// Vision tower (`vision_config`); parsed and validated, not run yet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VisionConfig {
+    pub n_layers: usize,
+    pub dim: usize,
+    pub n_heads: usize,
+    pub inter_dim: usize,
+    pub patch_size: usize,
+    pub rope_theta: f64,
+    pub downsample_ratio: usize,
+    pub max_image_tokens: usize,
+    pub min_pixels: usize,
+    pub max_wh_ratio: Option<f64>,
+}
+
+/// A validated model configuration. Build it with [`ModelConfig::from_file`] /
+/// [`ModelConfig::from_json_str`] (which validate), or edit [`ModelConfig::tiny_v41`] and call
+/// [`ModelConfig::validate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub family: ModelFamily,
+    pub vocab_size: usize,
+    pub dim: usize,
+    /// Backbone layers only (DSpark stages are in `dspark`).
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub head_dim: usize,
+    /// RoPE channels at the end of each head.
+    pub rope_head_dim: usize,
+    pub q_lora_rank: usize,
+    pub o_lora_rank: usize,
+    pub o_groups: usize,
+    pub moe_inter_dim: usize,
+    pub n_routed_experts: usize,
+    pub n_shared_experts: usize,
+    pub n_activated_experts: usize,
+    pub route_scale: f32,
+    pub swiglu_limit: f32,
+    pub norm_eps: f32,
+    pub window_size: usize,
+    pub max_position_embeddings: usize,
+    pub rope: RopeConfig,
+    /// One ratio per backbone layer (the DSpark entries of the file, all 0, are dropped).
+    pub compress_ratios: Vec<usize>,
+    pub kv_source_layers: Vec<usize>,
+    pub index_source_layers: Vec<usize>,
+    pub candidate: Option<CandidateConfig>,
+    pub index_n_heads: usize,
+    pub index_head_dim: usize,
+    pub index_topk: usize,
+    pub hc: HcConfig,
+    pub engram: Option<EngramConfig>,
+    pub dspark: Option<DsparkConfig>,
+    pub quant: QuantConfig,
+    pub bos_token_id: u32,
+    pub eos_token_id: u32,
+    pub pad_token_id: Option<u32>,
+    pub image_token_id: Option<u32>,
+    pub vision: Option<VisionConfig>,
+}
+
+/// The last element of `sorted` that is `<= layer`.
+pub(crate) fn nearest_at_or_below(sorted: &[usize], layer: usize) -> Option<usize> {
+    sorted.iter().copied().take_while(|&s| s <= layer).last()
+}
+
+pub(crate) const V41_ARCHITECTURE: &str = "DeepseekV41ForCausalLM";
+pub(crate) const V41_MODEL_TYPE: &str = "deepseek_v41";
+pub(crate) const V41_TEXT_MODEL_TYPE: &str = "deepseek_v41_text";
+pub(crate) const V41_VISION_MODEL_TYPE: &str = "deepseek_v41_vision";
+pub(crate) const V4_MODEL_TYPE: &str = "deepseek_v4";
+
+impl ModelConfig {
+    /// Reads and validates a `config.json`.
+    pub fn from_file(path: &Path) -> Result<ModelConfig, ModelError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::io(path, source))?;
+        ModelConfig::from_json_str(&text, path)
+    }
+
+    /// Parses and validates the text of a `config.json`; `origin` names the file in errors.
+    pub fn from_json_str(text: &str, origin: &Path) -> Result<ModelConfig, ModelError> {
+        let root: Value = serde_json::from_str(text).map_err(|err| ModelError::Config {
+            file: origin.to_path_buf(),
+            field: "(document)".to_string(),
+            message: format!("not valid JSON: {err}"),
+        })?;
+        let top = Fields::new(&root, "", origin)?;
+        let model_type = top.str("model_type")?;
+        let config = match model_type {
+            V41_MODEL_TYPE => parse::parse_v41(&top)?,
+            V4_MODEL_TYPE => {
+                return Err(ModelError::Unsupported {
+                    what: format!(
+                        "{}: DeepSeek-V4 flat config (model_type \"{V4_MODEL_TYPE}\"); only \
+                         \"{V41_MODEL_TYPE}\" is implemented",
+                        origin.display()
+                    ),
+                });
+            }
+            other => {
+                return Err(top.error(
+                    "model_type",
+                    format!("unknown model type \"{other}\", expected \"{V41_MODEL_TYPE}\""),
+                ));
+            }
+        };
+        config.validate(origin)?;
+        Ok(config)
+    }
+
+    /// Compression ratio of backbone layer `layer` (0 = window only).
+    pub fn compress_ratio(&self, layer: usize) -> usize {
+        self.compress_ratios.get(layer).copied().unwrap_or(0)
+    }
+
+    /// The KV source whose compressed cache layer `layer` reads (nearest source `<= layer`);
+    /// `None` for window-only layers and layers out of range.
+    pub fn kv_source_of(&self, layer: usize) -> Option<usize> {
+        if self.compress_ratio(layer) == 0 {
+            return None;
+        }
+        nearest_at_or_below(&self.kv_source_layers, layer)
+    }
+
+    /// The index source whose top-k selection layer `layer` uses (nearest source `<= layer`);
+    /// `None` for window-only layers and layers out of range.
+    pub fn index_source_of(&self, layer: usize) -> Option<usize> {
+        if self.compress_ratio(layer) == 0 {
+            return None;
+        }
+        nearest_at_or_below(&self.index_source_layers, layer)
+    }
+
+    /// Whether `layer` owns a compressor (and index keys).
+    pub fn is_kv_source(&self, layer: usize) -> bool {
+        self.kv_source_layers.contains(&layer)
+    }
+
+    /// Whether `layer` runs its own indexer.
+    pub fn is_index_source(&self, layer: usize) -> bool {
+        self.index_source_layers.contains(&layer)
+    }
+
+    /// Whether `layer` is an index source restricted by the candidate mask of the candidate source.
+    pub fn uses_candidates(&self, layer: usize) -> bool {
+        match &self.candidate {
+            Some(candidate) => self.is_index_source(layer) && layer > candidate.source_layer,
+            None => false,
+        }
+    }
+
+    /// Whether `layer` has an Engram table.
+    pub fn is_engram_layer(&self, layer: usize) -> bool {
+        self.engram
+            .as_ref()
+            .is_some_and(|engram| engram.layer_ids.contains(&layer))
+    }
+
+    /// Number of DSpark stages (`num_nextn_predict_layers`; 0 without a drafter).
+    pub fn n_dspark_stages(&self) -> usize {
+        self.dspark.as_ref().map_or(0, |dspark| dspark.n_stages)
+    }
+
+    /// Checks every structural constraint of spec §1.1 / §9; errors name `origin` and the
+    /// Hugging Face field.
+    pub fn validate(&self, origin: &Path) -> Result<(), ModelError> {
+        Validator {
+            config: self,
+            file: origin,
+        }
+        .run()
+    }
+}

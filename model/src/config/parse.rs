@@ -1,0 +1,237 @@
+//! Parsing of the nested V4.1 layout (top level, `quantization_config`, `text_config`,
+//! `vision_config`) into a [`ModelConfig`], with DeepInfer's fixed-value checks (dtype, activation,
+//! bias, KV heads, router and quantisation scheme) at the field where they are read.
+
+use serde_json::Value;
+
+use super::fields::Fields;
+use super::{
+    CandidateConfig, DsparkConfig, EngramConfig, ExpertDtype, HcConfig, ModelConfig, ModelFamily,
+    QuantConfig, RopeConfig, V41_ARCHITECTURE, V41_TEXT_MODEL_TYPE, V41_VISION_MODEL_TYPE,
+    VisionConfig, YarnConfig,
+};
+use crate::error::ModelError;
+
+/// Parses the nested V4.1 layout (top level already known to say `deepseek_v41`).
+pub(crate) fn parse_v41(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
+    let file = top.file;
+    let architectures = top.value("architectures")?;
+    let names: Vec<&str> = architectures
+        .as_array()
+        .map(|list| list.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if !names.contains(&V41_ARCHITECTURE) {
+        return Err(top.error(
+            "architectures",
+            format!("expected [\"{V41_ARCHITECTURE}\"], found {architectures}"),
+        ));
+    }
+    top.expect_str("dtype", "bfloat16")?;
+
+    let quant_fields = Fields::new(
+        top.value("quantization_config")?,
+        "quantization_config.",
+        file,
+    )?;
+    let quant = parse_quant(&quant_fields)?;
+
+    let text = Fields::new(top.value("text_config")?, "text_config.", file)?;
+    text.expect_str("model_type", V41_TEXT_MODEL_TYPE)?;
+    text.expect_str("hidden_act", "silu")?;
+    text.expect_bool("attention_bias", false)?;
+    let dropout = text.f64("attention_dropout")?;
+    if dropout != 0.0 {
+        return Err(text.error(
+            "attention_dropout",
+            format!("expected 0.0, found {dropout}"),
+        ));
+    }
+    let kv_heads = text.usize("num_key_value_heads")?;
+    if kv_heads != 1 {
+        return Err(text.error(
+            "num_key_value_heads",
+            format!("expected 1 (one shared K=V latent), found {kv_heads}"),
+        ));
+    }
+    text.expect_bool("tie_word_embeddings", false)?;
+    text.expect_str("scoring_func", "sqrtsoftplus")?;
+    text.expect_str("topk_method", "noaux_tc")?;
+    text.expect_bool("norm_topk_prob", true)?;
+
+    let n_layers = text.usize("num_hidden_layers")?;
+    let n_stages = text.usize("num_nextn_predict_layers")?;
+    let all_ratios = text.usize_list("compress_ratios")?;
+    if all_ratios.len() != n_layers + n_stages {
+        return Err(text.error(
+            "compress_ratios",
+            format!(
+                "expected num_hidden_layers + num_nextn_predict_layers = {n_layers} + {n_stages} = {} \
+                 entries, found {}",
+                n_layers + n_stages,
+                all_ratios.len()
+            ),
+        ));
+    }
+    if let Some(position) = all_ratios[n_layers..].iter().position(|&ratio| ratio != 0) {
+        return Err(text.error(
+            "compress_ratios",
+            format!(
+                "entry {} belongs to DSpark stage {position} and must be 0, found {}",
+                n_layers + position,
+                all_ratios[n_layers + position]
+            ),
+        ));
+    }
+    let compress_ratios = all_ratios[..n_layers].to_vec();
+
+    let rope = RopeConfig {
+        theta: text.f64("rope_theta")?,
+        compress_theta: text.f64("compress_rope_theta")?,
+        yarn: match text.optional("rope_scaling") {
+            None => None,
+            Some(value) => Some(parse_yarn(&Fields::new(
+                value,
+                "text_config.rope_scaling.",
+                file,
+            )?)?),
+        },
+    };
+
+    let candidate = match text.optional("candidate_source_layer_id") {
+        None => None,
+        Some(_) => Some(CandidateConfig {
+            source_layer: text.usize("candidate_source_layer_id")?,
+            topk_blocks: text.usize("candidate_topk_blocks")?,
+            block_size: text.usize("candidate_block_size")?,
+        }),
+    };
+
+    let engram_layers = match text.optional("engram_layer_ids") {
+        None => Vec::new(),
+        Some(_) => text.usize_list("engram_layer_ids")?,
+    };
+    let engram = if engram_layers.is_empty() {
+        None
+    } else {
+        Some(EngramConfig {
+            layer_ids: engram_layers,
+            num_embeddings: text.usize_list("engram_num_embeddings")?,
+            max_ngram_size: text.usize("engram_max_ngram_size")?,
+            vocab_size: text.usize("engram_vocab_size")?,
+            n_heads: text.usize("engram_n_heads")?,
+            head_dim: text.usize("engram_head_dim")?,
+            pad_token_id: text.u32("engram_pad_token_id")?,
+            compressed_vocab_size: text.usize("engram_compressed_vocab_size")?,
+        })
+    };
+
+    let dspark = if n_stages == 0 {
+        None
+    } else {
+        Some(DsparkConfig {
+            n_stages,
+            block_size: text.usize("dspark_block_size")?,
+            noise_token_id: text.u32("dspark_noise_token_id")?,
+            target_layers: text.usize_list("dspark_target_layer_ids")?,
+            markov_rank: text.usize("dspark_markov_rank")?,
+            n_routed_experts: text.usize("dspark_n_routed_experts")?,
+            n_activated_experts: text.usize("dspark_num_experts_per_tok")?,
+        })
+    };
+
+    let vision = match top.optional("vision_config") {
+        None => None,
+        Some(value) => Some(parse_vision(&Fields::new(value, "vision_config.", file)?)?),
+    };
+
+    Ok(ModelConfig {
+        family: ModelFamily::V41,
+        vocab_size: text.usize("vocab_size")?,
+        dim: text.usize("hidden_size")?,
+        n_layers,
+        n_heads: text.usize("num_attention_heads")?,
+        head_dim: text.usize("head_dim")?,
+        rope_head_dim: text.usize("qk_rope_head_dim")?,
+        q_lora_rank: text.usize("q_lora_rank")?,
+        o_lora_rank: text.usize("o_lora_rank")?,
+        o_groups: text.usize("o_groups")?,
+        moe_inter_dim: text.usize("moe_intermediate_size")?,
+        n_routed_experts: text.usize("n_routed_experts")?,
+        n_shared_experts: text.usize("n_shared_experts")?,
+        n_activated_experts: text.usize("num_experts_per_tok")?,
+        route_scale: text.f32("routed_scaling_factor")?,
+        swiglu_limit: text.f32("swiglu_limit")?,
+        norm_eps: text.f32("rms_norm_eps")?,
+        window_size: text.usize("sliding_window")?,
+        max_position_embeddings: text.usize("max_position_embeddings")?,
+        rope,
+        compress_ratios,
+        kv_source_layers: text.usize_list("kv_source_layer_ids")?,
+        index_source_layers: text.usize_list("index_source_layer_ids")?,
+        candidate,
+        index_n_heads: text.usize("index_n_heads")?,
+        index_head_dim: text.usize("index_head_dim")?,
+        index_topk: text.usize("index_topk")?,
+        hc: HcConfig {
+            mult: text.usize("hc_mult")?,
+            sinkhorn_iters: text.usize("hc_sinkhorn_iters")?,
+            eps: text.f32("hc_eps")?,
+        },
+        engram,
+        dspark,
+        quant,
+        bos_token_id: top.u32("bos_token_id")?,
+        eos_token_id: top.u32("eos_token_id")?,
+        pad_token_id: top.optional_u32("pad_token_id")?,
+        image_token_id: top.optional_u32("image_token_id")?,
+        vision,
+    })
+}
+
+fn parse_quant(fields: &Fields<'_>) -> Result<QuantConfig, ModelError> {
+    fields.expect_str("quant_method", "fp8")?;
+    fields.expect_str("activation_scheme", "dynamic")?;
+    fields.expect_str("scale_fmt", "ue8m0")?;
+    let block = fields.usize_list("weight_block_size")?;
+    if block != [32, 32] {
+        return Err(fields.error(
+            "weight_block_size",
+            format!("expected [32, 32], found {block:?}"),
+        ));
+    }
+    fields.expect_str("expert_dtype", "fp4")?;
+    Ok(QuantConfig {
+        weight_block: [32, 32],
+        expert_dtype: ExpertDtype::Fp4,
+    })
+}
+
+fn parse_yarn(fields: &Fields<'_>) -> Result<YarnConfig, ModelError> {
+    fields.expect_str("rope_type", "yarn")?;
+    Ok(YarnConfig {
+        factor: fields.f64("factor")?,
+        original_max_position: fields.usize("original_max_position_embeddings")?,
+        beta_fast: fields.f64("beta_fast")?,
+        beta_slow: fields.f64("beta_slow")?,
+    })
+}
+
+fn parse_vision(fields: &Fields<'_>) -> Result<VisionConfig, ModelError> {
+    fields.expect_str("model_type", V41_VISION_MODEL_TYPE)?;
+    let max_wh_ratio = match fields.optional("max_wh_ratio") {
+        None => None,
+        Some(_) => Some(fields.f64("max_wh_ratio")?),
+    };
+    Ok(VisionConfig {
+        n_layers: fields.usize("num_hidden_layers")?,
+        dim: fields.usize("hidden_size")?,
+        n_heads: fields.usize("num_attention_heads")?,
+        inter_dim: fields.usize("intermediate_size")?,
+        patch_size: fields.usize("patch_size")?,
+        rope_theta: fields.f64("rope_theta")?,
+        downsample_ratio: fields.usize("downsample_ratio")?,
+        max_image_tokens: fields.usize("max_image_tokens")?,
+        min_pixels: fields.usize("min_pixels")?,
+        max_wh_ratio,
+    })
+}

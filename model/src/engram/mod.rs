@@ -1,0 +1,238 @@
+//! Engram (spec §3.7): n-gram hash lookups gated into the hc residual streams before selected
+//! backbone layers. This module owns the whole path: the compressed vocabulary and per-sequence
+//! history (`hash`), the NumPy-compatible multipliers (`numpy_rng`), the prime bucket layout
+//! (`primes`), the FP8 table (`lookup`) and the gate (`gate`).
+//!
+//! API for the forward pass:
+//! - [`Engram::load`] — `Ok(None)` when the config has no Engram; validates the layout against
+//!   `engram_num_embeddings`, the vocabulary against `engram_compressed_vocab_size`, and every
+//!   tensor's dtype and shape.
+//! - [`Engram::hash_chunk`] — once per chunk, before the embedding: row ids of every engram layer
+//!   for the chunk's tokens (`dead[i]` = image-span token), appending to the sequence's
+//!   [`EngramHistory`]. Roll back with [`EngramHistory::truncate`].
+//! - [`Engram::apply`] — before block `layer_ids()[i]`, with `engram_layer_idx = i`: updates the
+//!   streams `x` (`[n_tokens, hc_mult, dim]`, bf16 values) in place. Dead tokens are left as is.
+//! - [`Engram::layer_index`] maps a backbone layer id to its `engram_layer_idx`.
+
+pub mod gate;
+pub mod hash;
+pub mod lookup;
+pub mod numpy_rng;
+pub mod primes;
+
+#[cfg(test)]
+mod fixture_tests;
+
+use std::path::PathBuf;
+
+pub use gate::EngramGate;
+pub use hash::{CompressedVocab, EngramHistory, EngramRows, NgramHasher, hash_multipliers};
+pub use lookup::EngramTable;
+pub use primes::EngramLayout;
+
+use crate::checkpoint::{Checkpoint, Dtype};
+use crate::config::ModelConfig;
+use crate::error::ModelError;
+use crate::quant::gemm_fp8;
+use crate::weights::Fp8Weight;
+
+/// One engram layer's weights.
+#[derive(Debug, Clone)]
+struct EngramLayer {
+    table: EngramTable,
+    /// `[(hc_mult + 1)·dim, columns·head_dim]`: hc_mult keys, then the value.
+    wkv: Fp8Weight,
+    gate: EngramGate,
+}
+
+/// The Engram of a model: the hashing parameters plus every engram layer's weights.
+#[derive(Debug, Clone)]
+pub struct Engram {
+    hasher: NgramHasher,
+    layer_ids: Vec<usize>,
+    layers: Vec<EngramLayer>,
+    dim: usize,
+    hc_mult: usize,
+}
+
+fn config_error(field: &str, message: String) -> ModelError {
+    ModelError::Config {
+        file: PathBuf::from("config.json"),
+        field: field.to_string(),
+        message,
+    }
+}
+
+impl Engram {
+    /// Loads the Engram tables and projections of `cfg.engram` from `ckpt`; `vocab` is the
+    /// tokenizer's compressed vocabulary (see [`CompressedVocab`] for the contract).
+    pub fn load(
+        ckpt: &Checkpoint,
+        cfg: &ModelConfig,
+        vocab: CompressedVocab,
+    ) -> Result<Option<Engram>, ModelError> {
+        let Some(ecfg) = &cfg.engram else {
+            return Ok(None);
+        };
+        if ecfg.layer_ids.is_empty() {
+            return Ok(None);
+        }
+        if vocab.distinct_count() != ecfg.compressed_vocab_size {
+            return Err(config_error(
+                "engram_compressed_vocab_size",
+                format!(
+                    "the tokenizer's compressed vocabulary has {} ids, the config says {} (every hash multiplier depends on it)",
+                    vocab.distinct_count(),
+                    ecfg.compressed_vocab_size
+                ),
+            ));
+        }
+        let pad_of_token = vocab.ids.get(ecfg.pad_token_id as usize).copied();
+        if pad_of_token != Some(vocab.pad) {
+            return Err(config_error(
+                "engram_pad_token_id",
+                format!(
+                    "the compressed vocabulary's pad id {} is not the compressed id {pad_of_token:?} of token {}",
+                    vocab.pad, ecfg.pad_token_id
+                ),
+            ));
+        }
+        let hasher = NgramHasher::new(
+            &ecfg.layer_ids,
+            ecfg.max_ngram_size,
+            ecfg.n_heads,
+            ecfg.vocab_size as u64,
+            ecfg.compressed_vocab_size,
+            vocab,
+        )?;
+        let layout = hasher.layout();
+        let derived: Vec<usize> = layout
+            .table_rows
+            .iter()
+            .map(|&rows| rows as usize)
+            .collect();
+        if derived != ecfg.num_embeddings {
+            return Err(config_error(
+                "engram_num_embeddings",
+                format!(
+                    "the prime layout gives {derived:?} table rows, the config says {:?}",
+                    ecfg.num_embeddings
+                ),
+            ));
+        }
+        let (dim, hc_mult) = (cfg.dim, cfg.hc.mult);
+        let lookup_width = layout.columns() * ecfg.head_dim;
+        let block = crate::checkpoint::FP8_BLOCK;
+        if !lookup_width.is_multiple_of(block) {
+            return Err(ModelError::Unsupported {
+                what: format!(
+                    "engram lookup width {lookup_width} (not a multiple of the FP8 block {block})"
+                ),
+            });
+        }
+        let groups = ecfg.head_dim / lookup::TABLE_SCALE_GROUP;
+        let layers = ecfg
+            .layer_ids
+            .iter()
+            .zip(&ecfg.num_embeddings)
+            .map(|(&layer_id, &rows)| {
+                let prefix = format!("layers.{layer_id}.engram");
+                let weight_name = format!("{prefix}.embed.weight");
+                let codes = ckpt.bytes(&weight_name, Dtype::F8_E4M3, &[rows, ecfg.head_dim])?;
+                let scales = ckpt.bytes(
+                    &format!("{prefix}.embed.scale"),
+                    Dtype::F8_E8M0,
+                    &[rows, groups],
+                )?;
+                let table = EngramTable::new(
+                    &weight_name,
+                    rows,
+                    ecfg.head_dim,
+                    codes.to_vec(),
+                    scales.to_vec(),
+                )?;
+                let wkv =
+                    ckpt.fp8_weight(&format!("{prefix}.wkv"), (hc_mult + 1) * dim, lookup_width)?;
+                let q_weight = ckpt.bf16(&format!("{prefix}.q_weight"), &[hc_mult, dim])?;
+                let k_weight = ckpt.bf16(&format!("{prefix}.k_weight"), &[hc_mult, dim])?;
+                let gate = EngramGate::new(dim, hc_mult, &q_weight, &k_weight, cfg.norm_eps)
+                    .ok_or_else(|| {
+                        config_error("hidden_size", format!("dim {dim} with hc_mult {hc_mult}"))
+                    })?;
+                Ok(EngramLayer { table, wkv, gate })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(Some(Engram {
+            hasher,
+            layer_ids: ecfg.layer_ids.clone(),
+            layers,
+            dim,
+            hc_mult,
+        }))
+    }
+
+    /// Backbone layer ids with an Engram, in `engram_layer_idx` order.
+    pub fn layer_ids(&self) -> &[usize] {
+        &self.layer_ids
+    }
+
+    /// The `engram_layer_idx` of backbone layer `layer_id`, if it has an Engram.
+    pub fn layer_index(&self, layer_id: usize) -> Option<usize> {
+        self.layer_ids.iter().position(|&id| id == layer_id)
+    }
+
+    /// The hashing parameters (layout and multipliers).
+    pub fn hasher(&self) -> &NgramHasher {
+        &self.hasher
+    }
+
+    /// Row ids of every engram layer for `tokens` at the positions after `history`, which grows
+    /// by `tokens.len()`. `dead` is empty (no image tokens) or one flag per token. Token ids must
+    /// be below the model's vocabulary (the forward pass checks); an id beyond the compressed map
+    /// hashes as pad.
+    pub fn hash_chunk(
+        &self,
+        history: &mut EngramHistory,
+        tokens: &[u32],
+        dead: &[bool],
+    ) -> EngramRows {
+        self.hasher.hash_chunk(history, tokens, dead)
+    }
+
+    /// Applies engram layer `engram_layer_idx` to the streams `x` (`[n_tokens, hc_mult, dim]`,
+    /// bf16 values) of the chunk `rows` was hashed for. `dead` is empty or one flag per token;
+    /// dead tokens have gate 0 and stay unchanged.
+    ///
+    /// # Panics
+    /// If `engram_layer_idx` is not below `layer_ids().len()` or `x` is not
+    /// `rows.n_tokens() · hc_mult · dim` long (caller bugs, not input errors).
+    pub fn apply(&self, engram_layer_idx: usize, rows: &EngramRows, x: &mut [f32], dead: &[bool]) {
+        let layer = &self.layers[engram_layer_idx];
+        let token_width = self.hc_mult * self.dim;
+        assert_eq!(
+            x.len(),
+            rows.n_tokens() * token_width,
+            "engram streams must be [n_tokens={}, hc_mult={}, dim={}]",
+            rows.n_tokens(),
+            self.hc_mult,
+            self.dim
+        );
+        let live: Vec<usize> = (0..rows.n_tokens())
+            .filter(|&t| !dead.get(t).copied().unwrap_or(false))
+            .collect();
+        if live.is_empty() {
+            return;
+        }
+        let lookup_width = layer.wkv.inp;
+        let mut embedded = vec![0.0_f32; live.len() * lookup_width];
+        for (&token, dst) in live.iter().zip(embedded.chunks_exact_mut(lookup_width)) {
+            layer.table.gather(rows.of(token, engram_layer_idx), dst);
+        }
+        let kv = gemm_fp8(&embedded, &layer.wkv);
+        for (&token, kv) in live.iter().zip(kv.chunks_exact(layer.wkv.out)) {
+            layer
+                .gate
+                .inject(&mut x[token * token_width..(token + 1) * token_width], kv);
+        }
+    }
+}

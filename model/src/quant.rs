@@ -1,0 +1,390 @@
+//! Bit-exact quantisation primitives of the V4.1 reference (spec §3.0): bf16 round-to-nearest-even,
+//! E4M3 encode/decode, UE8M0 power-of-two scales, E2M1 rounding, the three QDQ points (`Q8`, `Q4e`,
+//! `Q4m`), FP8 activation quantisation and the block-scaled FP8 / FP4 GEMMs that consume it.
+//!
+//! Every value these functions take and return is an `f32`; "bf16" means an `f32` whose low 16 bits
+//! are zero (see [`round_bf16`]). The GEMMs accumulate each 32-element block exactly as the reference
+//! does (fp32, sequential inside the block), add the scaled block partials in K order and round the
+//! result to bf16.
+
+use std::sync::OnceLock;
+
+use crate::weights::{Fp4Weight, Fp8Weight, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32};
+
+/// Largest finite E4M3 magnitude.
+pub const FP8_MAX: f32 = 448.0;
+/// Largest E2M1 magnitude.
+pub const FP4_MAX: f32 = 6.0;
+/// Activation group of every FP8/FP4 GEMM input and of the window-KV QDQ.
+pub const ACT_GROUP: usize = 32;
+
+/// The E2M1 grid, indexed by the 3-bit magnitude code.
+pub const E2M1_GRID: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+/// Midpoints between consecutive grid values; at an exact tie the value goes up only when the upper
+/// code is even (0.75, 1.75, 3.5), i.e. round-to-nearest, ties to the even code.
+const E2M1_MIDS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+const E2M1_TIE_UP: [bool; 7] = [false, true, false, true, false, true, false];
+
+/// Rounds an f32 to the nearest bf16 value (ties to even), returned as f32. NaN stays NaN.
+pub fn round_bf16(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let bits = x.to_bits();
+    let lsb = (bits >> 16) & 1;
+    let rounded = bits.wrapping_add(0x7fff + lsb) & 0xffff_0000;
+    f32::from_bits(rounded)
+}
+
+/// Rounds every element of `xs` to bf16 in place.
+pub fn round_bf16_slice(xs: &mut [f32]) {
+    for x in xs {
+        *x = round_bf16(*x);
+    }
+}
+
+/// The smallest power of two ≥ `v` for a positive finite `v`, computed from the IEEE fields exactly
+/// like the reference's `fast_round_scale`: `2^(e − 127 + [mantissa ≠ 0])`.
+pub fn p2_scale(v: f32) -> f32 {
+    let bits = v.to_bits();
+    let exponent = ((bits >> 23) & 0xff) as i32;
+    let mantissa = bits & 0x007f_ffff;
+    let log2_ceil = exponent - 127 + i32::from(mantissa != 0);
+    f32::from_bits(((log2_ceil + 127) as u32) << 23)
+}
+
+/// Encodes an f32 as an E4M3 ("fn") byte with round-to-nearest-even, saturating to ±448.
+pub fn e4m3_encode(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
+    let magnitude = x.abs().min(FP8_MAX);
+    let min_normal = 2f32.powi(-6);
+    let code = if magnitude < min_normal {
+        // Subnormal range: quantum 2^-9; 8 quanta is exactly the smallest normal (code 0x08).
+        let quanta = magnitude * 512.0;
+        round_half_even(quanta) as u8
+    } else {
+        let bits = magnitude.to_bits();
+        let mut exponent = ((bits >> 23) & 0xff) as i32 - 127;
+        let mantissa = bits & 0x007f_ffff;
+        let mut kept = mantissa >> 20;
+        let rest = mantissa & 0x000f_ffff;
+        let half = 0x0008_0000;
+        if rest > half || (rest == half && kept & 1 == 1) {
+            kept += 1;
+            if kept == 8 {
+                kept = 0;
+                exponent += 1;
+            }
+        }
+        (((exponent + 7) as u8) << 3) | kept as u8
+    };
+    sign | code
+}
+
+/// Round half to even for non-negative values far below 2^23.
+fn round_half_even(v: f32) -> f32 {
+    let floor = v.floor();
+    let diff = v - floor;
+    if diff > 0.5 || (diff == 0.5 && (floor as i64) % 2 == 1) {
+        floor + 1.0
+    } else {
+        floor
+    }
+}
+
+/// The 256-entry E4M3 decode table.
+pub fn e4m3_table() -> &'static [f32; 256] {
+    static TABLE: OnceLock<[f32; 256]> = OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|code| e4m3_to_f32(code as u8)))
+}
+
+/// Rounds an f32 to the nearest E4M3 value (RNE, saturating), returned as f32.
+pub fn e4m3_round(x: f32) -> f32 {
+    e4m3_table()[usize::from(e4m3_encode(x))]
+}
+
+/// Rounds a value in [-6, 6] to the E2M1 grid (ties to the even code); the sign of zero is kept.
+pub fn e2m1_round(v: f32) -> f32 {
+    let magnitude = v.abs();
+    let mut code = 0;
+    for (mid, tie_up) in E2M1_MIDS.iter().zip(E2M1_TIE_UP) {
+        if magnitude > *mid || (magnitude == *mid && tie_up) {
+            code += 1;
+        }
+    }
+    let value = E2M1_GRID[code];
+    if v.is_sign_negative() { -value } else { value }
+}
+
+/// FP8 quantisation of one activation row in groups of `group`: returns the E4M3 codes and the
+/// power-of-two scale of each group (`Q8` of spec §3.0). Input values must be bf16.
+pub fn quantize_act_fp8(x: &[f32], group: usize) -> (Vec<u8>, Vec<f32>) {
+    let inv_max = 1.0f32 / FP8_MAX;
+    let mut codes = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(x.len().div_ceil(group));
+    for chunk in x.chunks(group) {
+        let amax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-4);
+        let scale = p2_scale(amax * inv_max);
+        codes.extend(
+            chunk
+                .iter()
+                .map(|v| e4m3_encode((v / scale).clamp(-FP8_MAX, FP8_MAX))),
+        );
+        scales.push(scale);
+    }
+    (codes, scales)
+}
+
+/// `Q8` QDQ in place (groups of 32, UE8M0 scales): the window-KV quantisation point.
+pub fn q8_qdq_group32(x: &mut [f32]) {
+    let (codes, scales) = quantize_act_fp8(x, ACT_GROUP);
+    let table = e4m3_table();
+    for (i, value) in x.iter_mut().enumerate() {
+        *value = round_bf16(table[usize::from(codes[i])] * scales[i / ACT_GROUP]);
+    }
+}
+
+/// `Q4e` QDQ in place (groups of 32, UE8M0 scales): indexer queries and index keys.
+pub fn q4_qdq_e8m0_group32(x: &mut [f32]) {
+    let inv_max = 1.0f32 / FP4_MAX;
+    for chunk in x.chunks_mut(32) {
+        let amax = chunk
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()))
+            .max(6.0 * 2f32.powi(-126));
+        let scale = p2_scale(amax * inv_max);
+        for value in chunk.iter_mut() {
+            let v = (*value / scale).clamp(-FP4_MAX, FP4_MAX);
+            *value = round_bf16(e2m1_round(v) * scale);
+        }
+    }
+}
+
+/// `Q4m` QDQ in place (groups of 16, E4M3 scales): compressed KV entries.
+pub fn q4_qdq_e4m3_group16(x: &mut [f32]) {
+    for chunk in x.chunks_mut(16) {
+        let amax = chunk
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()))
+            .max(6.0 * 2f32.powi(-9));
+        let scale = e4m3_round((amax / FP4_MAX).min(FP8_MAX));
+        for value in chunk.iter_mut() {
+            let v = (*value / scale).clamp(-FP4_MAX, FP4_MAX);
+            *value = round_bf16(e2m1_round(v) * scale);
+        }
+    }
+}
+
+/// `y = x · Wᵀ` for an FP8 weight with an FP8-quantised input: `x` is `[rows, w.inp]` (bf16
+/// values), the result `[rows, w.out]` is bf16. Activation groups are the weight's block size.
+pub fn gemm_fp8(x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+    let block = w.block;
+    let rows = x.len() / w.inp;
+    let table = e4m3_table();
+    let weight_values: Vec<f32> = w.data.iter().map(|&c| table[usize::from(c)]).collect();
+    let weight_scales: Vec<f32> = w.scales.iter().map(|&s| e8m0_to_f32(s)).collect();
+    let k_blocks = w.inp / block;
+    let mut y = vec![0.0f32; rows * w.out];
+    for r in 0..rows {
+        let (codes, act_scales) = quantize_act_fp8(&x[r * w.inp..(r + 1) * w.inp], block);
+        let act: Vec<f32> = codes.iter().map(|&c| table[usize::from(c)]).collect();
+        for n in 0..w.out {
+            let w_row = &weight_values[n * w.inp..(n + 1) * w.inp];
+            let scale_row = &weight_scales[(n / block) * w.scale_cols()..];
+            let mut acc = 0.0f32;
+            for kb in 0..k_blocks {
+                let range = kb * block..(kb + 1) * block;
+                let partial = dot_f32(&act[range.clone()], &w_row[range]);
+                acc += partial * act_scales[kb] * scale_row[kb];
+            }
+            y[r * w.out + n] = round_bf16(acc);
+        }
+    }
+    y
+}
+
+/// `y = x · Wᵀ` for a packed FP4 weight with an FP8-quantised input (activation groups of 32, one
+/// weight scale per row and 32 columns). `x` is `[rows, w.inp]` bf16; the result is bf16.
+pub fn gemm_fp4(x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+    const GROUP: usize = 32;
+    let rows = x.len() / w.inp;
+    let table = e4m3_table();
+    let nibbles: [f32; 16] = std::array::from_fn(|c| e2m1_to_f32(c as u8));
+    let half = w.inp / 2;
+    let k_blocks = w.inp / GROUP;
+    let activations: Vec<(Vec<f32>, Vec<f32>)> = x
+        .chunks_exact(w.inp)
+        .map(|row| {
+            let (codes, scales) = quantize_act_fp8(row, GROUP);
+            (
+                codes.iter().map(|&c| table[usize::from(c)]).collect(),
+                scales,
+            )
+        })
+        .collect();
+    let mut y = vec![0.0f32; rows * w.out];
+    let mut w_row = vec![0.0f32; w.inp];
+    for n in 0..w.out {
+        for (k, byte) in w.packed[n * half..(n + 1) * half].iter().enumerate() {
+            w_row[2 * k] = nibbles[usize::from(byte & 0x0f)];
+            w_row[2 * k + 1] = nibbles[usize::from(byte >> 4)];
+        }
+        let scale_row = &w.scales[n * k_blocks..(n + 1) * k_blocks];
+        for (r, (act, act_scales)) in activations.iter().enumerate() {
+            let mut acc = 0.0f32;
+            for kb in 0..k_blocks {
+                let range = kb * GROUP..(kb + 1) * GROUP;
+                let partial = dot_f32(&act[range.clone()], &w_row[range]);
+                acc += partial * act_scales[kb] * e8m0_to_f32(scale_row[kb]);
+            }
+            y[r * w.out + n] = round_bf16(acc);
+        }
+    }
+    y
+}
+
+/// Dot product accumulated in f64 and rounded once to f32: independent of summation order (for the
+/// lengths and magnitudes here it is the correctly rounded sum, up to rare double rounding), which
+/// is the order-free choice and the one that agrees best with the reference's fp32 BLAS sums.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .fold(0.0f64, |acc, (x, y)| acc + f64::from(*x) * f64::from(*y)) as f32
+}
+
+/// `Σ x²` accumulated in f64 (products rounded to f32 first, as `x.square()` does), rounded to f32.
+pub fn sum_squares_f32(xs: &[f32]) -> f32 {
+    xs.iter().fold(0.0f64, |acc, x| acc + f64::from(x * x)) as f32
+}
+
+/// `Σ x` accumulated in f64, rounded to f32.
+pub fn sum_f32(xs: impl IntoIterator<Item = f32>) -> f32 {
+    xs.into_iter().fold(0.0f64, |acc, x| acc + f64::from(x)) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_is_nearest_even() {
+        assert_eq!(round_bf16(1.0), 1.0);
+        // 1 + 2^-8 is exactly halfway between 1 and 1 + 2^-7: ties to even (1.0).
+        assert_eq!(round_bf16(1.0 + 2f32.powi(-8)), 1.0);
+        // 1 + 3·2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6: goes up.
+        assert_eq!(round_bf16(1.0 + 3.0 * 2f32.powi(-8)), 1.0 + 2f32.powi(-6));
+        assert_eq!(
+            round_bf16(1.0 + 2f32.powi(-8) + 2f32.powi(-20)),
+            1.0 + 2f32.powi(-7)
+        );
+        assert!(round_bf16(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn p2_scale_is_the_smallest_power_of_two_not_below() {
+        assert_eq!(p2_scale(1.0), 1.0);
+        assert_eq!(p2_scale(1.0001), 2.0);
+        assert_eq!(p2_scale(0.3), 0.5);
+        assert_eq!(p2_scale(2f32.powi(-20)), 2f32.powi(-20));
+    }
+
+    #[test]
+    fn e4m3_encode_inverts_decode_and_rounds_to_even() {
+        for code in 0u8..=255 {
+            let value = e4m3_to_f32(code);
+            if value.is_nan() || (value == 0.0 && code == 0x80) {
+                continue;
+            }
+            assert_eq!(e4m3_encode(value), code, "code {code:#x} value {value}");
+        }
+        assert_eq!(e4m3_round(1000.0), 448.0);
+        assert_eq!(e4m3_round(-460.0), -448.0);
+        // 1.0625 is halfway between 1.0 (mantissa 0) and 1.125 (mantissa 1): to even, 1.0.
+        assert_eq!(e4m3_round(1.0625), 1.0);
+        // 1.1875 is halfway between 1.125 (odd) and 1.25: up.
+        assert_eq!(e4m3_round(1.1875), 1.25);
+        // subnormal halfway 1.5 quanta of 2^-9 -> 2 quanta.
+        assert_eq!(e4m3_round(1.5 * 2f32.powi(-9)), 2.0 * 2f32.powi(-9));
+    }
+
+    #[test]
+    fn e2m1_ties_follow_the_reference_table() {
+        assert_eq!(e2m1_round(0.25), 0.0);
+        assert_eq!(e2m1_round(0.75), 1.0);
+        assert_eq!(e2m1_round(1.25), 1.0);
+        assert_eq!(e2m1_round(1.75), 2.0);
+        assert_eq!(e2m1_round(2.5), 2.0);
+        assert_eq!(e2m1_round(3.5), 4.0);
+        assert_eq!(e2m1_round(5.0), 4.0);
+        assert_eq!(e2m1_round(-5.01), -6.0);
+        assert_eq!(e2m1_round(0.26), 0.5);
+    }
+
+    #[test]
+    fn q8_qdq_keeps_representable_values_and_uses_a_power_of_two_scale() {
+        let mut x: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) * 0.25).collect();
+        x[0] = 448.0 * 0.0078125; // amax 3.5 -> scale p2(3.5/448) = 2^-7
+        let before = x.clone();
+        q8_qdq_group32(&mut x);
+        assert_eq!(x, before); // all values are multiples of 2^-7 with ≤ 4 significant bits
+        let mut y = vec![0.0f32; 32];
+        y[0] = 1.0;
+        y[1] = 0.01;
+        q8_qdq_group32(&mut y);
+        // scale 2^-8: 0.01 / 2^-8 = 2.56 -> e4m3 2.5 -> 0.009765625
+        assert_eq!(y[1], 2.5 * 2f32.powi(-8));
+    }
+
+    #[test]
+    fn q4_variants_quantise_to_the_grid() {
+        let mut x = vec![0.0f32; 32];
+        x[0] = 3.0;
+        x[1] = 1.3;
+        q4_qdq_e8m0_group32(&mut x);
+        // scale p2(3/6) = 0.5: 1.3/0.5 = 2.6 -> 3 -> 1.5
+        assert_eq!(x[0], 3.0);
+        assert_eq!(x[1], 1.5);
+        let mut z = vec![0.0f32; 16];
+        z[0] = 3.3;
+        z[1] = -1.0;
+        q4_qdq_e4m3_group16(&mut z);
+        // scale e4m3(0.55) = 0.5625: 1/0.5625 = 1.78 -> 2 -> 1.125; 3.3/0.5625 = 5.87 -> 6
+        assert_eq!(z[1], -1.125);
+        assert_eq!(z[0], round_bf16(6.0 * 0.5625));
+    }
+
+    #[test]
+    fn gemms_match_the_dequantised_definition() {
+        // 2 x 64 FP8 weight, 1 x 64 input that is exactly representable after quantisation.
+        let data: Vec<u8> = (0..128)
+            .map(|i| [0x38u8, 0xb8, 0x30, 0x40][i % 4])
+            .collect();
+        let w = Fp8Weight {
+            out: 2,
+            inp: 64,
+            block: 32,
+            data,
+            scales: vec![127, 126],
+        };
+        let x: Vec<f32> = (0..64).map(|i| (i % 8) as f32 * 0.5).collect();
+        let y = gemm_fp8(&x, &w);
+        let dense = w.to_f32();
+        for n in 0..2 {
+            let expect: f32 = (0..64).map(|k| x[k] * dense[n * 64 + k]).sum();
+            assert_eq!(y[n], round_bf16(expect));
+        }
+        let fp4 = Fp4Weight {
+            out: 1,
+            inp: 64,
+            packed: (0..32).map(|i| (i as u8 % 16) | 0x20).collect(),
+            scales: vec![128, 125],
+        };
+        let y4 = gemm_fp4(&x, &fp4);
+        let dense4 = fp4.to_f32();
+        let expect4: f32 = (0..64).map(|k| x[k] * dense4[k]).sum();
+        assert_eq!(y4[0], round_bf16(expect4));
+    }
+}

@@ -1,0 +1,260 @@
+//! Per-sequence state (spec §5.1): the window rings of every layer, the compressor tails and the
+//! append-only compressed-KV / index-key caches of the KV sources, the Engram history and the DSpark
+//! context rings. Rings keep `window + MAX_BACKTRACK` entries so that a rollback of up to
+//! `MAX_BACKTRACK` tokens (a partially accepted verify) restores exactly the never-drafted state.
+
+use std::collections::VecDeque;
+
+use crate::engram::EngramHistory;
+use crate::error::ModelError;
+
+/// How many most recent tokens a rollback may drop (anchor + 5 drafts of DSpark).
+pub const MAX_BACKTRACK: usize = 6;
+
+/// Per-position rows for the most recent positions: `rows[i]` belongs to position `start + i`.
+#[derive(Debug, Clone, Default)]
+pub struct PositionRing {
+    start: usize,
+    rows: VecDeque<Vec<f32>>,
+}
+
+impl PositionRing {
+    /// Oldest position held.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// Appends the row of the position after the newest one held.
+    pub fn push(&mut self, row: Vec<f32>) {
+        self.rows.push_back(row);
+    }
+
+    /// Appends the row of `position`; a gap (positions never computed, as after a bounded replay)
+    /// drops the older rows so that the ring stays contiguous.
+    pub fn push_at(&mut self, position: usize, row: Vec<f32>) {
+        if self.start + self.rows.len() != position {
+            self.rows.clear();
+            self.start = position;
+        }
+        self.rows.push_back(row);
+    }
+
+    /// The row of `position`, if held.
+    pub fn get(&self, position: usize) -> Option<&[f32]> {
+        position
+            .checked_sub(self.start)
+            .and_then(|i| self.rows.get(i))
+            .map(Vec::as_slice)
+    }
+
+    /// Drops the oldest rows until at most `capacity` remain.
+    pub fn trim(&mut self, capacity: usize) {
+        while self.rows.len() > capacity {
+            self.rows.pop_front();
+            self.start += 1;
+        }
+    }
+
+    /// Drops every row of a position `>= len`.
+    pub fn truncate(&mut self, len: usize) {
+        let keep = len.saturating_sub(self.start).min(self.rows.len());
+        self.rows.truncate(keep);
+        if self.rows.is_empty() {
+            self.start = self.start.min(len);
+        }
+    }
+}
+
+/// Compressor state of one KV-source layer.
+#[derive(Debug, Clone, Default)]
+pub struct CompressorState {
+    /// Per-token `kv ‖ gate` rows (fp32) of the recent positions, for the pending group.
+    pub pending: PositionRing,
+    /// Compressed KV entries (after RoPE and `Q4m`), one per complete group.
+    pub compressed: Vec<Vec<f32>>,
+    /// Index keys (after RoPE and `Q4e`), one per complete group.
+    pub index_keys: Vec<Vec<f32>>,
+}
+
+/// State of one backbone layer.
+#[derive(Debug, Clone, Default)]
+pub struct LayerState {
+    /// Window K=V entries (after RoPE and `Q8`).
+    pub window: PositionRing,
+    /// KV sources only.
+    pub compressor: Option<CompressorState>,
+}
+
+/// Everything a sequence carries between forward calls.
+#[derive(Debug, Clone)]
+pub struct SequenceState {
+    pub(crate) len: usize,
+    pub(crate) layers: Vec<LayerState>,
+    pub(crate) engram: EngramHistory,
+    /// One context ring per DSpark stage (the stage's FP8 context KV of every target position).
+    pub(crate) dspark: Vec<PositionRing>,
+}
+
+impl SequenceState {
+    pub(crate) fn new(layers: Vec<LayerState>, dspark_stages: usize) -> SequenceState {
+        SequenceState {
+            len: 0,
+            layers,
+            engram: EngramHistory::new(),
+            dspark: vec![PositionRing::default(); dspark_stages],
+        }
+    }
+
+    /// Tokens seen so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token has been seen.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The compressed-KV cache of KV-source `layer` (after RoPE and `Q4m`), if it is one.
+    pub fn compressed_kv(&self, layer: usize) -> Option<&[Vec<f32>]> {
+        self.layers
+            .get(layer)?
+            .compressor
+            .as_ref()
+            .map(|c| c.compressed.as_slice())
+    }
+
+    /// The index-key cache of KV-source `layer` (after RoPE and `Q4e`), if it is one.
+    pub fn index_keys(&self, layer: usize) -> Option<&[Vec<f32>]> {
+        self.layers
+            .get(layer)?
+            .compressor
+            .as_ref()
+            .map(|c| c.index_keys.as_slice())
+    }
+
+    /// Keeps `window + MAX_BACKTRACK` entries of every ring.
+    pub(crate) fn trim(&mut self, window: usize) {
+        let capacity = window + MAX_BACKTRACK;
+        for layer in &mut self.layers {
+            layer.window.trim(capacity);
+            if let Some(compressor) = &mut layer.compressor {
+                compressor.pending.trim(capacity);
+            }
+        }
+        for ring in &mut self.dspark {
+            ring.trim(capacity);
+        }
+    }
+
+    /// Drops every token after the first `len` (see `Model::rollback`).
+    pub(crate) fn rollback(
+        &mut self,
+        len: usize,
+        window: usize,
+        ratios: &[usize],
+    ) -> Result<(), ModelError> {
+        if len > self.len {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "cannot roll back to {len} tokens: the sequence holds only {}",
+                    self.len
+                ),
+            });
+        }
+        let needed_window = len.saturating_sub(window);
+        for (l, layer) in self.layers.iter().enumerate() {
+            if let Some(compressor) = &layer.compressor {
+                let ratio = ratios[l].max(1);
+                if compressor.pending.start() > len - len % ratio && !len.is_multiple_of(ratio) {
+                    return Err(too_far(len, self.len));
+                }
+            }
+            if layer.window.start() > needed_window {
+                return Err(too_far(len, self.len));
+            }
+        }
+        for ring in &self.dspark {
+            if ring.start() > needed_window {
+                return Err(too_far(len, self.len));
+            }
+        }
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            layer.window.truncate(len);
+            if let Some(compressor) = &mut layer.compressor {
+                let groups = len / ratios[l].max(1);
+                compressor.pending.truncate(len);
+                compressor.compressed.truncate(groups);
+                compressor.index_keys.truncate(groups);
+            }
+        }
+        for ring in &mut self.dspark {
+            ring.truncate(len);
+        }
+        self.engram.truncate(len);
+        self.len = len;
+        Ok(())
+    }
+}
+
+fn too_far(len: usize, current: usize) -> ModelError {
+    ModelError::Sequence {
+        message: format!(
+            "cannot roll back from {current} to {len} tokens: only the last {MAX_BACKTRACK} tokens can be dropped"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_keeps_positions_through_trim_truncate_and_gaps() {
+        let mut ring = PositionRing::default();
+        for p in 0..10 {
+            ring.push_at(p, vec![p as f32]);
+        }
+        ring.trim(4);
+        assert_eq!(ring.start(), 6);
+        assert_eq!(ring.get(5), None);
+        assert_eq!(ring.get(9), Some(&[9.0][..]));
+        ring.truncate(8);
+        assert_eq!(ring.get(8), None);
+        assert_eq!(ring.get(7), Some(&[7.0][..]));
+        ring.push_at(8, vec![80.0]);
+        assert_eq!(ring.get(8), Some(&[80.0][..]));
+        // A gap restarts the ring at the new position.
+        ring.push_at(20, vec![20.0]);
+        assert_eq!((ring.start(), ring.get(8)), (20, None));
+    }
+
+    #[test]
+    fn rollback_is_refused_beyond_the_history_and_the_rings() {
+        let layer = LayerState {
+            window: PositionRing::default(),
+            compressor: Some(CompressorState::default()),
+        };
+        let mut seq = SequenceState::new(vec![layer], 0);
+        for p in 0..40 {
+            seq.layers[0].window.push_at(p, vec![p as f32]);
+            if let Some(c) = seq.layers[0].compressor.as_mut() {
+                c.pending.push_at(p, vec![p as f32]);
+                if p % 2 == 1 {
+                    c.compressed.push(vec![p as f32]);
+                    c.index_keys.push(vec![p as f32]);
+                }
+            }
+        }
+        seq.len = 40;
+        seq.trim(8);
+        assert!(seq.rollback(41, 8, &[2]).is_err());
+        assert!(seq.rollback(40 - MAX_BACKTRACK - 1, 8, &[2]).is_err());
+        seq.rollback(35, 8, &[2])
+            .expect("within the backtracking budget");
+        assert_eq!(seq.len(), 35);
+        assert_eq!(seq.compressed_kv(0).map(<[_]>::len), Some(17));
+        assert_eq!(seq.layers[0].window.get(34), Some(&[34.0][..]));
+        assert_eq!(seq.layers[0].window.get(35), None);
+    }
+}

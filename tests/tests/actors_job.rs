@@ -1,0 +1,250 @@
+//! The offline job end to end on the fake backend with the shipped DeepSeek tokenizer:
+//! OpenAI Batch lines in, one output line per input line out, in order, errors in place.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use deepinfer_actors::job::{JobOptions, run_job, sample_batch};
+use deepinfer_actors::rank::fake::FakeConfig;
+use deepinfer_actors::{Engine, EngineConfig, FinishReason, GenerateRequest};
+use deepinfer_topology::NodeConfig;
+use serde_json::{Value, json};
+
+fn tokenizer() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/tokenizer/tokenizer.json")
+}
+
+async fn engine() -> Engine {
+    let node = NodeConfig::from_toml_str(
+        "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 4\nep = 1\n\
+         [scheduler]\nmax_batched_tokens = 256\nmax_running_requests = 16\nprefill_chunk_tokens = 64\n\
+         overlap_depth = 2\nadmission_queue_capacity = 32\n[sampling]\nmax_tokens = 8\n",
+        "job test",
+    )
+    .unwrap();
+    let mut config = EngineConfig::fake(
+        node,
+        FakeConfig {
+            vocab_size: 129_280,
+            ..FakeConfig::default()
+        },
+    );
+    config.tokenizer = Some(tokenizer());
+    Engine::start(config).await.unwrap()
+}
+
+fn input_lines() -> Vec<String> {
+    (0..100)
+        .map(|i| match i {
+            17 => "{\"custom_id\": \"broken\", \"body\": ".to_string(),
+            42 => json!({"custom_id": "r42", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}).to_string(),
+            _ if i % 3 == 0 => json!({"custom_id": format!("r{i}"), "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": format!("Question {i}?")}],
+                          "max_tokens": 3, "seed": i}})
+            .to_string(),
+            _ if i % 3 == 1 => json!({"custom_id": format!("r{i}"), "method": "POST", "url": "/v1/completions",
+                "body": {"model": "deepseek-v4.1-flash", "prompt": format!("Story number {i}:"), "max_tokens": 4, "temperature": 0}})
+            .to_string(),
+            _ => json!({"prompt": format!("Plain prompt {i}"), "max_tokens": 2}).to_string(),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jsonl_job_gives_one_line_per_input_line_in_order() {
+    tokio::time::timeout(Duration::from_secs(300), async {
+        let engine = engine().await;
+        let input = input_lines().join("\n") + "\n";
+        let options = JobOptions {
+            model_name: "deepinfer-test".into(),
+            max_concurrent: 32,
+        };
+        let counted = Arc::new(AtomicUsize::new(0));
+        let counter = counted.clone();
+        let mut out = Vec::new();
+        let summary = run_job(
+            &engine.handle(),
+            &input,
+            &options,
+            &mut out,
+            Arc::new(move || {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }),
+        )
+        .await
+        .unwrap();
+        engine.shutdown(Duration::from_secs(30)).await.unwrap();
+        assert_eq!(
+            (summary.lines, summary.succeeded, summary.failed),
+            (100, 98, 2)
+        );
+        assert_eq!(counted.load(Ordering::Relaxed), 100);
+        let lines: Vec<Value> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 100);
+        for (i, line) in lines.iter().enumerate() {
+            assert_eq!(line["id"], format!("batch_req_{}", i + 1));
+            match i {
+                17 => {
+                    assert_eq!(line["custom_id"], Value::Null);
+                    assert_eq!(line["error"]["code"], "invalid_line");
+                    assert!(
+                        line["error"]["message"]
+                            .as_str()
+                            .unwrap()
+                            .starts_with("line 18: not valid JSON")
+                    );
+                }
+                42 => {
+                    assert_eq!(line["custom_id"], "r42");
+                    assert!(
+                        line["error"]["message"]
+                            .as_str()
+                            .unwrap()
+                            .contains("/v1/embeddings")
+                    );
+                }
+                _ => {
+                    let expected_id = if i % 3 == 2 {
+                        format!("line-{}", i + 1)
+                    } else {
+                        format!("r{i}")
+                    };
+                    assert_eq!(line["custom_id"], expected_id);
+                    assert_eq!(line["error"], Value::Null);
+                    let response = &line["response"];
+                    assert_eq!(response["status_code"], 200);
+                    let body = &response["body"];
+                    let (object, max) = match i % 3 {
+                        0 => ("chat.completion", 3),
+                        1 => ("text_completion", 4),
+                        _ => ("text_completion", 2),
+                    };
+                    assert_eq!(body["object"], object);
+                    let usage = &body["usage"];
+                    let completion = usage["completion_tokens"].as_u64().unwrap();
+                    assert!(completion <= max, "line {i}: {completion} > {max}");
+                    assert!(usage["prompt_tokens"].as_u64().unwrap() > 2);
+                    assert_eq!(
+                        usage["total_tokens"].as_u64().unwrap(),
+                        usage["prompt_tokens"].as_u64().unwrap() + completion
+                    );
+                    let choice = &body["choices"][0];
+                    let finish = choice["finish_reason"].as_str().unwrap();
+                    assert!(
+                        finish == "length" && completion == max || finish == "stop",
+                        "line {i}: {finish} after {completion}"
+                    );
+                    if object == "chat.completion" {
+                        assert_eq!(choice["message"]["role"], "assistant");
+                        assert!(choice["message"]["content"].is_string());
+                        assert_eq!(body["model"], "deepseek-v4.1-flash");
+                    } else {
+                        assert!(choice["text"].is_string());
+                    }
+                }
+            }
+        }
+    })
+    .await
+    .expect("job timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_stop_sequence_truncates_the_output() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let engine = engine().await;
+        let request = GenerateRequest::from_text("The sea is")
+            .max_tokens(12)
+            .ignore_eos(true);
+        let full = engine
+            .generate(request.clone())
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        assert_eq!(full.reason, FinishReason::Length);
+        // A stop string taken from the middle of the greedy output.
+        let chars: Vec<char> = full.text.chars().collect();
+        assert!(chars.len() >= 6, "{:?}", full.text);
+        let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+        let cut = full.text.find(&stop).unwrap();
+        let stopped = engine
+            .generate(request.stop(stop.clone()))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        assert_eq!(stopped.reason, FinishReason::Stop);
+        assert_eq!(stopped.text, full.text[..cut]);
+        engine.shutdown(Duration::from_secs(10)).await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sample_batch_runs() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let engine = engine().await;
+        let options = JobOptions {
+            model_name: "deepinfer-test".into(),
+            max_concurrent: 8,
+        };
+        let mut out = Vec::new();
+        let summary = run_job(
+            &engine.handle(),
+            &sample_batch(),
+            &options,
+            &mut out,
+            Arc::new(|| {}),
+        )
+        .await
+        .unwrap();
+        engine.shutdown(Duration::from_secs(10)).await.unwrap();
+        assert_eq!((summary.lines, summary.failed), (4, 0));
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_schema_response_format_constrains_the_output() {
+    tokio::time::timeout(Duration::from_secs(300), async {
+        let engine = engine().await;
+        let schema = json!({"type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
+                            "required": ["colour"], "additionalProperties": false});
+        let body = json!({
+            "messages": [{"role": "user", "content": "Pick a colour."}],
+            "thinking": {"type": "disabled"},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+            "max_tokens": 40, "seed": 3
+        });
+        let done = engine.generate(GenerateRequest::from_chat(body)).await.unwrap().collect().await.unwrap();
+        assert_eq!(done.reason, FinishReason::Stop, "{:?}", done.text);
+        let value: Value = serde_json::from_str(done.text.trim()).unwrap_or_else(|e| panic!("{e}: {:?}", done.text));
+        let colour = value["colour"].as_str().unwrap();
+        assert!(colour == "red" || colour == "green", "{value}");
+        assert_eq!(value.as_object().unwrap().len(), 1);
+        // Without the constraint the fake model's text is not JSON.
+        let free = json!({"messages": [{"role": "user", "content": "Pick a colour."}],
+                          "thinking": {"type": "disabled"}, "max_tokens": 12, "seed": 3});
+        let done = engine.generate(GenerateRequest::from_chat(free)).await.unwrap().collect().await.unwrap();
+        assert!(serde_json::from_str::<Value>(done.text.trim()).is_err(), "{:?}", done.text);
+        // An invalid schema fails that request only.
+        let bad = json!({"messages": [{"role": "user", "content": "x"}],
+                         "response_format": {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}}});
+        let err = engine.generate(GenerateRequest::from_chat(bad)).await.err().unwrap();
+        assert_eq!(err.code(), "invalid_request", "{err}");
+        engine.shutdown(Duration::from_secs(10)).await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}

@@ -1,0 +1,573 @@
+//! `config.json` parsing and validation: the real DeepSeek-V4.1-Flash config (test data written from
+//! the spec table, 3 311 bytes like the published file), the golden fixture's config, and bad
+//! configs whose errors must name the file and the field.
+
+use std::path::{Path, PathBuf};
+
+use deepinfer_model::config::{ExpertDtype, ModelConfig, ModelFamily};
+use deepinfer_model::error::ModelError;
+use serde_json::{Value, json};
+
+fn data_path(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data")
+        .join(name)
+}
+
+const REAL_CONFIG: &str = "deepseek-v4.1-flash.config.json";
+const FIXTURE_CONFIG: &str = "/work/shared/fixtures/v41/v41-tiny/config.json";
+
+fn real_json() -> Value {
+    let text = std::fs::read_to_string(data_path(REAL_CONFIG)).expect("test data present");
+    serde_json::from_str(&text).expect("test data is JSON")
+}
+
+/// Parses a modified copy of the real config and returns the error.
+fn error_after(edit: impl FnOnce(&mut Value)) -> ModelError {
+    let mut value = real_json();
+    edit(&mut value);
+    let origin = Path::new("/models/edited/config.json");
+    ModelConfig::from_json_str(&value.to_string(), origin)
+        .expect_err("edited config must be rejected")
+}
+
+/// Asserts a `Config` error on `field` whose message contains `needle` and whose display names the file.
+fn assert_config_error(err: ModelError, field: &str, needle: &str) {
+    let shown = err.to_string();
+    match err {
+        ModelError::Config {
+            file,
+            field: found_field,
+            message,
+        } => {
+            assert_eq!(file, Path::new("/models/edited/config.json"));
+            assert_eq!(found_field, field, "message: {message}");
+            assert!(
+                message.contains(needle),
+                "message {message:?} lacks {needle:?}"
+            );
+            assert!(
+                shown.contains("/models/edited/config.json") && shown.contains(field),
+                "{shown}"
+            );
+        }
+        other => panic!("expected a Config error on {field}, got {other:?}"),
+    }
+}
+
+/// One edit of a config JSON document.
+type Edit = Box<dyn FnOnce(&mut Value)>;
+
+fn text_mut(value: &mut Value) -> &mut serde_json::Map<String, Value> {
+    value["text_config"]
+        .as_object_mut()
+        .expect("text_config object")
+}
+
+#[test]
+fn real_config_file_has_the_published_size_and_key_counts() {
+    let bytes = std::fs::read(data_path(REAL_CONFIG)).expect("test data present");
+    assert_eq!(bytes.len(), 3311);
+    let value = real_json();
+    assert_eq!(value["text_config"].as_object().map(|m| m.len()), Some(59));
+    assert_eq!(
+        value["vision_config"].as_object().map(|m| m.len()),
+        Some(11)
+    );
+    assert_eq!(
+        value["text_config"]["compress_ratios"]
+            .as_array()
+            .map(Vec::len),
+        Some(43)
+    );
+}
+
+#[test]
+fn real_config_parses_with_every_field() {
+    let cfg = ModelConfig::from_file(&data_path(REAL_CONFIG)).expect("real config parses");
+    assert_eq!(cfg.family, ModelFamily::V41);
+    assert_eq!(
+        (
+            cfg.vocab_size,
+            cfg.dim,
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.head_dim,
+            cfg.rope_head_dim
+        ),
+        (129280, 5120, 40, 64, 512, 64)
+    );
+    assert_eq!(
+        (cfg.q_lora_rank, cfg.o_lora_rank, cfg.o_groups),
+        (1280, 1024, 8)
+    );
+    assert_eq!(
+        (
+            cfg.moe_inter_dim,
+            cfg.n_routed_experts,
+            cfg.n_shared_experts,
+            cfg.n_activated_experts
+        ),
+        (2304, 384, 1, 6)
+    );
+    assert_eq!(
+        (cfg.route_scale, cfg.swiglu_limit, cfg.norm_eps),
+        (1.5, 10.0, 1e-20)
+    );
+    assert_eq!(
+        (cfg.window_size, cfg.max_position_embeddings),
+        (128, 1_048_576)
+    );
+    assert_eq!(
+        (cfg.rope.theta, cfg.rope.compress_theta),
+        (10000.0, 160000.0)
+    );
+    let yarn = cfg.rope.yarn.as_ref().expect("yarn");
+    assert_eq!(
+        (
+            yarn.factor,
+            yarn.original_max_position,
+            yarn.beta_fast,
+            yarn.beta_slow
+        ),
+        (16.0, 65536, 32.0, 1.0)
+    );
+    let mut ratios = vec![0, 0];
+    ratios.extend([2; 18]);
+    ratios.extend([1; 20]);
+    assert_eq!(
+        cfg.compress_ratios, ratios,
+        "40 entries: the 3 DSpark zeros are dropped"
+    );
+    assert_eq!(cfg.kv_source_layers, [2, 8, 14, 20]);
+    assert_eq!(cfg.index_source_layers, [2, 8, 14, 20, 24, 28, 32, 36]);
+    let candidate = cfg.candidate.as_ref().expect("candidate");
+    assert_eq!(
+        (
+            candidate.source_layer,
+            candidate.topk_blocks,
+            candidate.block_size
+        ),
+        (20, 2048, 8)
+    );
+    assert_eq!(
+        (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk),
+        (32, 128, 512)
+    );
+    assert_eq!(
+        (cfg.hc.mult, cfg.hc.sinkhorn_iters, cfg.hc.eps),
+        (4, 20, 1e-6)
+    );
+    let engram = cfg.engram.as_ref().expect("engram");
+    assert_eq!(engram.layer_ids, [1, 14]);
+    assert_eq!(engram.num_embeddings, [384_006_168, 384_016_682]);
+    assert_eq!(
+        (
+            engram.max_ngram_size,
+            engram.vocab_size,
+            engram.n_heads,
+            engram.head_dim
+        ),
+        (4, 16_000_000, 8, 256)
+    );
+    assert_eq!(
+        (engram.pad_token_id, engram.compressed_vocab_size),
+        (2, 99092)
+    );
+    let dspark = cfg.dspark.as_ref().expect("dspark");
+    assert_eq!(
+        (dspark.n_stages, dspark.block_size, dspark.noise_token_id),
+        (3, 5, 128799)
+    );
+    assert_eq!(dspark.target_layers, [37, 38, 39]);
+    assert_eq!(
+        (
+            dspark.markov_rank,
+            dspark.n_routed_experts,
+            dspark.n_activated_experts
+        ),
+        (256, 128, 3)
+    );
+    assert_eq!(cfg.quant.weight_block, [32, 32]);
+    assert_eq!(cfg.quant.expert_dtype, ExpertDtype::Fp4);
+    assert_eq!((cfg.bos_token_id, cfg.eos_token_id), (0, 1));
+    assert_eq!(
+        (cfg.pad_token_id, cfg.image_token_id),
+        (Some(2), Some(129264))
+    );
+    let vision = cfg.vision.as_ref().expect("vision");
+    assert_eq!(
+        (
+            vision.n_layers,
+            vision.dim,
+            vision.n_heads,
+            vision.inter_dim,
+            vision.patch_size
+        ),
+        (32, 1024, 16, 2816, 14)
+    );
+    assert_eq!(
+        (
+            vision.downsample_ratio,
+            vision.max_image_tokens,
+            vision.min_pixels
+        ),
+        (3, 1024, 295_936)
+    );
+    assert_eq!((vision.rope_theta, vision.max_wh_ratio), (10000.0, None));
+}
+
+#[test]
+fn real_config_layer_schedule_matches_spec_section_2() {
+    let cfg = ModelConfig::from_file(&data_path(REAL_CONFIG)).expect("real config parses");
+    assert_eq!(cfg.kv_source_of(5), Some(2));
+    assert_eq!(cfg.index_source_of(26), Some(24));
+    assert!(cfg.uses_candidates(28));
+    // Every layer against the maps of spec §2.
+    for layer in 0..40 {
+        let kv = match layer {
+            0 | 1 => None,
+            2..=7 => Some(2),
+            8..=13 => Some(8),
+            14..=19 => Some(14),
+            _ => Some(20),
+        };
+        let index = match layer {
+            0 | 1 => None,
+            2..=7 => Some(2),
+            8..=13 => Some(8),
+            14..=19 => Some(14),
+            20..=23 => Some(20),
+            _ => Some(layer / 4 * 4),
+        };
+        assert_eq!(cfg.kv_source_of(layer), kv, "kv source of layer {layer}");
+        assert_eq!(
+            cfg.index_source_of(layer),
+            index,
+            "index source of layer {layer}"
+        );
+        assert_eq!(
+            cfg.uses_candidates(layer),
+            [24, 28, 32, 36].contains(&layer),
+            "candidates at layer {layer}"
+        );
+    }
+    assert_eq!(
+        cfg.kv_source_of(40),
+        None,
+        "DSpark ids are not backbone layers"
+    );
+    assert!(cfg.is_engram_layer(14) && !cfg.is_engram_layer(2));
+    assert_eq!(cfg.n_dspark_stages(), 3);
+}
+
+#[test]
+fn fixture_config_parses_and_equals_tiny_v41() {
+    let cfg = ModelConfig::from_file(Path::new(FIXTURE_CONFIG)).expect("fixture config parses");
+    assert_eq!(cfg, ModelConfig::tiny_v41());
+    assert_eq!(cfg.kv_source_of(5), Some(4));
+    assert_eq!(cfg.index_source_of(9), Some(8));
+    assert!(cfg.uses_candidates(8) && cfg.uses_candidates(10) && !cfg.uses_candidates(6));
+}
+
+#[test]
+fn narrow_v41_is_a_valid_tier_b_config() {
+    let cfg = ModelConfig::narrow_v41();
+    cfg.validate(Path::new("narrow_v41"))
+        .expect("Tier B config validates");
+    assert_eq!(
+        (cfg.dim, cfg.head_dim, cfg.rope_head_dim, cfg.window_size),
+        (1024, 512, 64, 128)
+    );
+    let engram = cfg.engram.as_ref().expect("engram");
+    assert_eq!((engram.n_heads, engram.head_dim), (8, 256));
+    // 24 distinct primes above 100 per table.
+    assert!(engram.num_embeddings.iter().all(|&rows| rows > 24 * 100));
+    assert_eq!(cfg.compress_ratios, ModelConfig::tiny_v41().compress_ratios);
+}
+
+#[test]
+fn hf_json_round_trips_every_config() {
+    for cfg in [
+        ModelConfig::from_file(&data_path(REAL_CONFIG)).expect("real config parses"),
+        ModelConfig::tiny_v41(),
+        ModelConfig::narrow_v41(),
+    ] {
+        let json = cfg.to_hf_json().expect("serialises");
+        let back = ModelConfig::from_json_str(&json.to_string(), Path::new("roundtrip.json"))
+            .expect("serialised config parses");
+        assert_eq!(back, cfg);
+    }
+    // The serialised real config has the published key sets.
+    let json = ModelConfig::from_file(&data_path(REAL_CONFIG))
+        .expect("parses")
+        .to_hf_json()
+        .expect("serialises");
+    let original = real_json();
+    let keys = |v: &Value, part: &str| {
+        let mut keys: Vec<String> = v[part]
+            .as_object()
+            .expect("object")
+            .keys()
+            .cloned()
+            .collect();
+        keys.sort();
+        keys
+    };
+    assert_eq!(keys(&json, "text_config"), keys(&original, "text_config"));
+    assert_eq!(
+        keys(&json, "vision_config"),
+        keys(&original, "vision_config")
+    );
+}
+
+#[test]
+fn wrong_model_type_is_rejected_by_name() {
+    let err = error_after(|v| v["model_type"] = json!("llama"));
+    assert_config_error(err, "model_type", "unknown model type \"llama\"");
+    let err = error_after(|v| v["text_config"]["model_type"] = json!("deepseek_v4_text"));
+    assert_config_error(err, "text_config.model_type", "deepseek_v41_text");
+    let err = error_after(|v| v["architectures"] = json!(["DeepseekV3ForCausalLM"]));
+    assert_config_error(err, "architectures", "DeepseekV41ForCausalLM");
+}
+
+#[test]
+fn v4_flat_config_is_unsupported_for_now() {
+    let err = error_after(|v| v["model_type"] = json!("deepseek_v4"));
+    match err {
+        ModelError::Unsupported { what } => {
+            assert!(
+                what.contains("/models/edited/config.json") && what.contains("deepseek_v4"),
+                "{what}"
+            )
+        }
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+}
+
+#[test]
+fn missing_and_mistyped_fields_are_named() {
+    let err = error_after(|v| {
+        text_mut(v).remove("hidden_size");
+    });
+    assert_config_error(err, "text_config.hidden_size", "missing");
+    let err = error_after(|v| {
+        v.as_object_mut()
+            .expect("object")
+            .remove("quantization_config");
+    });
+    assert_config_error(err, "quantization_config", "missing");
+    let err = error_after(|v| v["text_config"]["num_attention_heads"] = json!("64"));
+    assert_config_error(
+        err,
+        "text_config.num_attention_heads",
+        "non-negative integer",
+    );
+    let err = error_after(|v| {
+        v["text_config"]["rope_scaling"]
+            .as_object_mut()
+            .expect("obj")
+            .clear()
+    });
+    assert_config_error(err, "text_config.rope_scaling.rope_type", "missing");
+    let err = error_after(|v| v["text_config"]["dspark_markov_rank"] = json!(-1));
+    assert_config_error(
+        err,
+        "text_config.dspark_markov_rank",
+        "non-negative integer",
+    );
+}
+
+#[test]
+fn deepinfer_format_checks_are_enforced() {
+    let cases: Vec<(Edit, &str, &str)> = vec![
+        (
+            Box::new(|v| v["dtype"] = json!("float16")),
+            "dtype",
+            "bfloat16",
+        ),
+        (
+            Box::new(|v| v["quantization_config"]["weight_block_size"] = json!([128, 128])),
+            "quantization_config.weight_block_size",
+            "[32, 32]",
+        ),
+        (
+            Box::new(|v| v["quantization_config"]["scale_fmt"] = json!("e4m3")),
+            "quantization_config.scale_fmt",
+            "ue8m0",
+        ),
+        (
+            Box::new(|v| v["quantization_config"]["expert_dtype"] = json!("fp8")),
+            "quantization_config.expert_dtype",
+            "fp4",
+        ),
+        (
+            Box::new(|v| v["quantization_config"]["activation_scheme"] = json!("static")),
+            "quantization_config.activation_scheme",
+            "dynamic",
+        ),
+        (
+            Box::new(|v| v["text_config"]["hidden_act"] = json!("gelu")),
+            "text_config.hidden_act",
+            "silu",
+        ),
+        (
+            Box::new(|v| v["text_config"]["attention_bias"] = json!(true)),
+            "text_config.attention_bias",
+            "expected false",
+        ),
+        (
+            Box::new(|v| v["text_config"]["num_key_value_heads"] = json!(8)),
+            "text_config.num_key_value_heads",
+            "found 8",
+        ),
+        (
+            Box::new(|v| v["text_config"]["attention_dropout"] = json!(0.1)),
+            "text_config.attention_dropout",
+            "0.1",
+        ),
+    ];
+    for (edit, field, needle) in cases {
+        assert_config_error(error_after(edit), field, needle);
+    }
+}
+
+#[test]
+fn inconsistent_layer_schedules_are_rejected() {
+    // 44 ratios for 40 + 3 layers.
+    let err = error_after(|v| {
+        v["text_config"]["compress_ratios"]
+            .as_array_mut()
+            .expect("list")
+            .push(json!(0))
+    });
+    assert_config_error(err, "text_config.compress_ratios", "43 entries, found 44");
+    // A DSpark stage with a non-zero ratio.
+    let err = error_after(|v| v["text_config"]["compress_ratios"][41] = json!(1));
+    assert_config_error(err, "text_config.compress_ratios", "DSpark stage 1");
+    // Layer 5 reads KV source 2 (ratio 2) but claims ratio 1.
+    let err = error_after(|v| v["text_config"]["compress_ratios"][5] = json!(1));
+    assert_config_error(
+        err,
+        "text_config.compress_ratios",
+        "layer 5 has ratio 1 but its KV source 2 has ratio 2",
+    );
+    // A KV source with ratio 0.
+    let err = error_after(|v| v["text_config"]["kv_source_layer_ids"] = json!([1, 2, 8, 14, 20]));
+    assert_config_error(
+        err,
+        "text_config.kv_source_layer_ids",
+        "layer 1 has compress ratio 0",
+    );
+    // Compressed layers before the first KV source.
+    let err = error_after(|v| v["text_config"]["kv_source_layer_ids"] = json!([8, 14, 20]));
+    assert_config_error(err, "text_config.kv_source_layer_ids", "compressed layer 2");
+    // An index group that straddles a KV group: layer 8 would use layer 2's selection.
+    let err = error_after(|v| {
+        v["text_config"]["index_source_layer_ids"] = json!([2, 14, 20, 24, 28, 32, 36])
+    });
+    assert_config_error(
+        err,
+        "text_config.index_source_layer_ids",
+        "compressed layer 8",
+    );
+    // Unsorted sources.
+    let err = error_after(|v| v["text_config"]["kv_source_layer_ids"] = json!([2, 14, 8, 20]));
+    assert_config_error(err, "text_config.kv_source_layer_ids", "strictly ascending");
+    // Candidate source that is not a KV source.
+    let err = error_after(|v| v["text_config"]["candidate_source_layer_id"] = json!(24));
+    assert_config_error(err, "text_config.candidate_source_layer_id", "layer 24");
+}
+
+#[test]
+fn dimension_and_group_constraints_are_enforced() {
+    let err = error_after(|v| v["text_config"]["o_groups"] = json!(3));
+    assert_config_error(err, "text_config.o_groups", "not divisible");
+    let err = error_after(|v| v["text_config"]["hidden_size"] = json!(5000));
+    assert_config_error(err, "text_config.hidden_size", "multiple of 32");
+    let err = error_after(|v| v["text_config"]["moe_intermediate_size"] = json!(2300));
+    assert_config_error(err, "text_config.moe_intermediate_size", "multiple of 32");
+    let err = error_after(|v| v["text_config"]["qk_rope_head_dim"] = json!(63));
+    assert_config_error(err, "text_config.qk_rope_head_dim", "even");
+    let err = error_after(|v| v["text_config"]["num_experts_per_tok"] = json!(400));
+    assert_config_error(err, "text_config.num_experts_per_tok", "found 400");
+    let err = error_after(|v| v["text_config"]["engram_num_embeddings"] = json!([384006168]));
+    assert_config_error(
+        err,
+        "text_config.engram_num_embeddings",
+        "one table size per Engram layer (2), found 1",
+    );
+    let err =
+        error_after(|v| v["text_config"]["engram_num_embeddings"] = json!([384006169, 384016682]));
+    assert_config_error(
+        err,
+        "text_config.engram_num_embeddings",
+        "[384006168, 384016682], found [384006169",
+    );
+    let err = error_after(|v| v["text_config"]["engram_vocab_size"] = json!(15000000));
+    assert_config_error(
+        err,
+        "text_config.engram_num_embeddings",
+        "engram_vocab_size 15000000",
+    );
+    let err = error_after(|v| v["text_config"]["engram_head_dim"] = json!(250));
+    assert_config_error(err, "text_config.engram_head_dim", "multiple of 32");
+    let err = error_after(|v| v["text_config"]["dspark_target_layer_ids"] = json!([37, 38, 40]));
+    assert_config_error(
+        err,
+        "text_config.dspark_target_layer_ids",
+        "layer 40 is out of range",
+    );
+    let err = error_after(|v| v["image_token_id"] = json!(200000));
+    assert_config_error(err, "image_token_id", "outside the vocabulary");
+}
+
+#[test]
+fn unreadable_inputs_name_the_file() {
+    let err = ModelConfig::from_json_str("{ not json", Path::new("/x/config.json"))
+        .expect_err("bad JSON");
+    assert!(
+        matches!(&err, ModelError::Config { field, .. } if field == "(document)"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("/x/config.json"));
+    let missing = Path::new("/nonexistent/deepinfer/config.json");
+    match ModelConfig::from_file(missing) {
+        Err(ModelError::Io { path, .. }) => assert_eq!(path, missing),
+        other => panic!("expected an Io error, got {other:?}"),
+    }
+}
+
+#[test]
+fn optional_parts_may_be_absent() {
+    let mut value = real_json();
+    value
+        .as_object_mut()
+        .expect("object")
+        .remove("vision_config");
+    value["image_token_id"] = Value::Null;
+    let text = text_mut(&mut value);
+    text.insert("num_nextn_predict_layers".into(), json!(0));
+    let ratios: Vec<Value> = text["compress_ratios"].as_array().expect("list")[..40].to_vec();
+    text.insert("compress_ratios".into(), Value::Array(ratios));
+    text.insert("engram_layer_ids".into(), json!([]));
+    for key in [
+        "dspark_block_size",
+        "dspark_noise_token_id",
+        "engram_num_embeddings",
+    ] {
+        text.remove(key);
+    }
+    let cfg = ModelConfig::from_json_str(&value.to_string(), Path::new("text-only.json"))
+        .expect("a text-only config without DSpark and Engram parses");
+    assert_eq!(
+        (
+            cfg.dspark.is_none(),
+            cfg.engram.is_none(),
+            cfg.vision.is_none()
+        ),
+        (true, true, true)
+    );
+    assert_eq!(cfg.image_token_id, None);
+    assert_eq!(cfg.compress_ratios.len(), 40);
+}

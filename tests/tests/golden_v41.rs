@@ -1,0 +1,769 @@
+//! Golden tests of the V4.1 forward pass on the CPU reference backend against DeepSeek's official
+//! reference outputs (`shared/fixtures/v41/v41-tiny`, tolerances from its README), plus the
+//! chunking / verify / rollback invariance of the per-sequence state.
+
+use std::path::PathBuf;
+
+use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value;
+
+/// The fixture directory, or `None` (with a loud message) when the shared fixtures are absent.
+fn fixture_dir() -> Option<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
+    if dir.join("model.safetensors").exists() {
+        Some(dir)
+    } else {
+        eprintln!(
+            "!!!!! SKIPPING V4.1 golden test: fixture {} is absent !!!!!",
+            dir.display()
+        );
+        None
+    }
+}
+
+struct Fixture {
+    model: Model,
+    case: Value,
+    expected: Vec<u8>,
+}
+
+impl Fixture {
+    fn load() -> Option<Fixture> {
+        let dir = fixture_dir()?;
+        let config = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
+            .expect("fixture config");
+        let engram = config.engram.as_ref().expect("fixture has Engram");
+        // Fixture README "Tokenizer and Engram": compressed id = token id / 2.
+        let vocab = CompressedVocab::halving_stub(config.vocab_size, engram.pad_token_id)
+            .expect("stub vocab");
+        let model = Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads");
+        let case = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("case.json")).expect("case.json"),
+        )
+        .expect("case json");
+        let expected =
+            std::fs::read(dir.join("expected.safetensors")).expect("expected.safetensors");
+        Some(Fixture {
+            model,
+            case,
+            expected,
+        })
+    }
+
+    fn tensors(&self) -> SafeTensors<'_> {
+        SafeTensors::deserialize(&self.expected).expect("expected.safetensors parses")
+    }
+
+    fn f32(&self, name: &str) -> Vec<f32> {
+        let tensors = self.tensors();
+        let view = tensors
+            .tensor(name)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(view.dtype(), Dtype::F32, "{name}");
+        view.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    fn i32(&self, name: &str) -> Vec<i32> {
+        let tensors = self.tensors();
+        let view = tensors
+            .tensor(name)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(view.dtype(), Dtype::I32, "{name}");
+        view.data()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    fn tokens(&self) -> Vec<u32> {
+        self.case["cases"]["text"]["input_ids"]
+            .as_array()
+            .expect("input_ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect()
+    }
+
+    fn decode_run(&self) -> &Value {
+        &self.case["cases"]["text"]["runs"]["decode"]
+    }
+
+    fn tolerance(&self) -> f32 {
+        self.case["tolerance"].as_f64().expect("tolerance") as f32
+    }
+
+    /// `max − min` of `logits_full`, the README's logit range.
+    fn logit_range(&self) -> f32 {
+        let full = self.f32("logits_full");
+        let (lo, hi) = full
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                (lo.min(v), hi.max(v))
+            });
+        hi - lo
+    }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+fn rel_rms(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let diff: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (diff / norm.max(1e-30)).sqrt() as f32
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Expected top-k rows as selections (−1 dropped).
+fn expected_rows(flat: &[i32], width: usize) -> Vec<Vec<usize>> {
+    flat.chunks_exact(width)
+        .map(|r| r.iter().filter(|&&v| v >= 0).map(|&v| v as usize).collect())
+        .collect()
+}
+
+/// Injects the reference's streams and collapse weights at the entry of every block (and of the
+/// final collapse), so each block is compared on the reference's own inputs.
+fn inject_reference_streams(fx: &Fixture, trace: &mut ForwardTrace, n: usize) {
+    let cfg = fx.model.config();
+    let (hc, dim, layers) = (cfg.hc.mult, cfg.dim, cfg.n_layers);
+    let layer_out = fx.f32("text.prefill.layer_out");
+    let layer_pre = fx.f32("text.prefill.layer_pre");
+    let (size, pre_size) = (n * hc * dim, n * hc);
+    trace.inject.streams = vec![None; layers + 1];
+    trace.inject.pre = vec![None; layers + 1];
+    for l in 1..=layers {
+        trace.inject.streams[l] = Some(layer_out[(l - 1) * size..l * size].to_vec());
+        trace.inject.pre[l] = Some(layer_pre[(l - 1) * pre_size..l * pre_size].to_vec());
+    }
+}
+
+/// The prefill is bit-exact with the reference until the first fp32 reduction-order difference
+/// flips a bf16 rounding; after that the model is chaotic (one flipped bf16 ulp moves later logits
+/// by several % of the range through the FP8/FP4 quantisers and the top-k selections), so each
+/// block is also checked on the reference's own inputs (`every_block_matches_...`).
+#[test]
+fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
+    let Some(fx) = Fixture::load() else { return };
+    let cfg = fx.model.config().clone();
+    let vocab = cfg.vocab_size;
+    let tokens = fx.tokens();
+    let n = tokens.len();
+    let range = fx.logit_range();
+    let mut seq = fx.model.new_sequence();
+    let logits = fx
+        .model
+        .forward(&mut seq, &tokens, LogitsWanted::All)
+        .expect("prefill");
+    let reference = fx.f32("logits_full");
+    let row_error = |t: usize| {
+        max_abs_diff(
+            &logits[t * vocab..(t + 1) * vocab],
+            &reference[t * vocab..(t + 1) * vocab],
+        ) / range
+    };
+    let exact_rows = (0..n).take_while(|&t| row_error(t) <= 1e-6).count();
+    let overall = max_abs_diff(&logits, &reference) / range;
+    eprintln!(
+        "free-running logits_full: rows 0..{exact_rows} match to 1e-6 of the range; overall max|Δ|/range = {overall:.3e}"
+    );
+    // Positions 0..=6 depend on no flipped rounding (the first one is in block 1 at position 7).
+    assert!(
+        exact_rows >= 7,
+        "only {exact_rows} leading rows match the reference"
+    );
+
+    let run = fx.decode_run();
+    let prefill_len = run["prefill_len"].as_u64().expect("prefill_len") as usize;
+    let fed: Vec<u32> = run["fed_tokens"]
+        .as_array()
+        .expect("fed")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect();
+    let mut seq = fx.model.new_sequence();
+    let prefill = fx
+        .model
+        .forward(&mut seq, &tokens[..prefill_len], LogitsWanted::All)
+        .expect("prefill");
+    assert_eq!(
+        prefill[..],
+        logits[..prefill_len * vocab],
+        "the P-token prefill rows equal the one-shot rows"
+    );
+    let decode_expected = fx.f32("text.decode.logits");
+    let mut decode_error = 0.0f32;
+    let mut row_errors = Vec::new();
+    let mut argmaxes = Vec::new();
+    for (s, &token) in fed.iter().enumerate() {
+        let row = fx
+            .model
+            .forward(&mut seq, &[token], LogitsWanted::Last)
+            .expect("decode step");
+        let error = max_abs_diff(&row, &decode_expected[s * vocab..(s + 1) * vocab]);
+        decode_error = decode_error.max(error / range);
+        row_errors.push(error);
+        if prefill_len + s < n {
+            let one_shot = &logits[(prefill_len + s) * vocab..(prefill_len + s + 1) * vocab];
+            assert_eq!(
+                row[..],
+                one_shot[..],
+                "decode step {s} equals the one-shot row"
+            );
+        }
+        argmaxes.push(argmax(&row));
+    }
+    let as_u32s = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect()
+    };
+    let greedy = as_u32s(&run["greedy_tokens"]);
+    let margins: Vec<f32> = run["greedy_top2_margins"]
+        .as_array()
+        .expect("margins")
+        .iter()
+        .map(|m| m.as_f64().expect("margin") as f32)
+        .collect();
+    let first_greedy_step = n - 1 - prefill_len;
+    let agree = greedy
+        .iter()
+        .zip(&argmaxes[first_greedy_step..])
+        .take_while(|(a, b)| a == b)
+        .count();
+    // README rule: equal up to the first decision whose reference top-2 margin is below twice our
+    // own logit error on that row.
+    let decidable = (0..greedy.len())
+        .take_while(|&g| margins[g] >= 2.0 * row_errors[first_greedy_step + g])
+        .count();
+    eprintln!(
+        "free-running text.decode.logits: max|Δ|/range = {decode_error:.3e}; greedy tokens: first {agree} of {} agree, \
+         {decidable} decidable by the margin rule",
+        greedy.len()
+    );
+    assert!(
+        agree >= decidable,
+        "greedy token {agree} differs although its margin exceeds twice our error"
+    );
+}
+
+#[test]
+fn every_block_matches_reference_given_reference_inputs() {
+    // README bounds: relRMS 2e-2 (streams, caches), 1e-2 (pre, route_w), logits 5e-3 of the range,
+    // selections on 95% of rows. This backend is orders of magnitude inside them (see the printed
+    // numbers); the tighter bounds below make a regression visible.
+    const STREAM_RMS: f32 = 2e-3;
+    const COEFF_RMS: f32 = 1e-4;
+    const LOGITS: f32 = 1e-5;
+    let Some(fx) = Fixture::load() else { return };
+    let cfg = fx.model.config().clone();
+    let tokens = fx.tokens();
+    let n = tokens.len();
+    let mut seq = fx.model.new_sequence();
+    let mut trace = ForwardTrace::default();
+    inject_reference_streams(&fx, &mut trace, n);
+    let logits = fx
+        .model
+        .forward_traced(&mut seq, &tokens, LogitsWanted::All, Some(&mut trace))
+        .expect("prefill");
+
+    let range = fx.logit_range();
+    let logits_err = max_abs_diff(&logits, &fx.f32("logits_full")) / range;
+    eprintln!(
+        "logits_full (reference streams into the head): max|Δ|/range = {logits_err:.3e} (range {range})"
+    );
+
+    let (hc, dim) = (cfg.hc.mult, cfg.dim);
+    let layer_out = fx.f32("text.prefill.layer_out");
+    let layer_pre = fx.f32("text.prefill.layer_pre");
+    let window_kv = fx.f32("text.prefill.window_kv");
+    let route_idx = fx.i32("text.prefill.route_idx");
+    let route_w = fx.f32("text.prefill.route_w");
+    let k = cfg.n_activated_experts;
+    let mut route_mismatch = 0;
+    for l in 0..cfg.n_layers {
+        let size = n * hc * dim;
+        let out_err = rel_rms(&trace.layer_out[l], &layer_out[l * size..(l + 1) * size]);
+        let kv_err = rel_rms(
+            &trace.window_kv[l],
+            &window_kv[l * n * cfg.head_dim..(l + 1) * n * cfg.head_dim],
+        );
+        let pre_err = rel_rms(
+            &trace.layer_pre[l],
+            &layer_pre[l * n * hc..(l + 1) * n * hc],
+        );
+        let ours_w: Vec<f32> = trace.route_w[l].iter().flatten().copied().collect();
+        let w_err = rel_rms(&ours_w, &route_w[l * n * k..(l + 1) * n * k]);
+        for t in 0..n {
+            let expect: Vec<usize> = route_idx[(l * n + t) * k..(l * n + t + 1) * k]
+                .iter()
+                .map(|&v| v as usize)
+                .collect();
+            if trace.route_idx[l][t] != expect {
+                route_mismatch += 1;
+            }
+        }
+        eprintln!(
+            "block {l}: layer_out relRMS {out_err:.2e}, window_kv {kv_err:.2e}, layer_pre {pre_err:.2e}, route_w {w_err:.2e}"
+        );
+        assert!(
+            out_err <= STREAM_RMS && kv_err <= STREAM_RMS,
+            "block {l}: layer_out {out_err}, window_kv {kv_err}"
+        );
+        assert!(
+            pre_err <= COEFF_RMS && w_err <= COEFF_RMS,
+            "block {l}: layer_pre {pre_err}, route_w {w_err}"
+        );
+    }
+    let route_rows = cfg.n_layers * n;
+    eprintln!("route_idx: {route_mismatch} of {route_rows} rows differ");
+    assert!(
+        route_mismatch <= 2,
+        "route_idx differs on {route_mismatch} of {route_rows} rows"
+    );
+
+    for layer in cfg
+        .engram
+        .as_ref()
+        .map(|e| e.layer_ids.clone())
+        .unwrap_or_default()
+    {
+        let err = rel_rms(
+            &trace.engram_out[layer],
+            &fx.f32(&format!("text.prefill.engram_out.L{layer}")),
+        );
+        eprintln!("engram_out.L{layer}: relRMS {err:.2e}");
+        assert!(err <= STREAM_RMS);
+    }
+    let final_err = rel_rms(&trace.final_hidden, &fx.f32("text.prefill.final_hidden"));
+    let main_err = rel_rms(&trace.main_hidden, &fx.f32("text.prefill.main_hidden"));
+    eprintln!("final_hidden relRMS {final_err:.2e}, main_hidden relRMS {main_err:.2e}");
+    assert!(final_err <= STREAM_RMS && main_err <= STREAM_RMS);
+
+    for &source in &cfg.kv_source_layers {
+        let ours: Vec<f32> = seq
+            .compressed_kv(source)
+            .expect("kv source")
+            .iter()
+            .flatten()
+            .copied()
+            .collect();
+        let keys: Vec<f32> = seq
+            .index_keys(source)
+            .expect("kv source")
+            .iter()
+            .flatten()
+            .copied()
+            .collect();
+        let kv_err = rel_rms(
+            &ours,
+            &fx.f32(&format!("text.prefill.compress_kv.L{source}")),
+        );
+        let key_err = rel_rms(&keys, &fx.f32(&format!("text.prefill.index_k.L{source}")));
+        eprintln!(
+            "compress_kv.L{source} relRMS {kv_err:.2e}, index_k.L{source} relRMS {key_err:.2e}"
+        );
+        assert!(kv_err <= STREAM_RMS && key_err <= STREAM_RMS);
+    }
+
+    for &source in &cfg.index_source_layers {
+        let expect = expected_rows(
+            &fx.i32(&format!("text.prefill.topk.L{source}")),
+            cfg.index_topk,
+        );
+        let ties = fx.i32(&format!("text.prefill.topk_tie.L{source}"));
+        let mismatched: Vec<usize> = (0..n)
+            .filter(|&t| trace.topk[source][t] != expect[t])
+            .collect();
+        let untied: Vec<usize> = mismatched
+            .iter()
+            .copied()
+            .filter(|&t| ties[t] == 0)
+            .collect();
+        eprintln!(
+            "topk.L{source}: {} of {n} rows differ ({} without a recorded tie: {untied:?})",
+            mismatched.len(),
+            untied.len()
+        );
+        assert!(
+            mismatched.len() <= 1,
+            "topk.L{source} differs on rows {mismatched:?}"
+        );
+    }
+    assert!(
+        logits_err <= LOGITS && LOGITS <= fx.tolerance(),
+        "logits_full max|Δ|/range {logits_err}"
+    );
+    assert_eq!(
+        argmax(&logits[(n - 1) * cfg.vocab_size..]),
+        fx.case["cases"]["text"]["runs"]["prefill"]["greedy_next"]
+            .as_u64()
+            .expect("greedy_next") as u32
+    );
+}
+
+/// DSpark on the reference's taps: the context rings are fed the reference prefill's
+/// `main_hidden`, the anchor is the reference's, and the proposals after decode steps at positions
+/// 75..99 are compared with `text.decode.dspark_*`.
+#[test]
+fn dspark_matches_reference_given_reference_taps() {
+    let Some(fx) = Fixture::load() else { return };
+    let cfg = fx.model.config().clone();
+    let vocab = cfg.vocab_size;
+    let tokens = fx.tokens();
+    let n = tokens.len();
+    let prefill_len = fx.decode_run()["prefill_len"]
+        .as_u64()
+        .expect("prefill_len") as usize;
+    let taps = fx.f32("text.prefill.main_hidden");
+    let tap_width = taps.len() / n;
+    let block = cfg.dspark.as_ref().expect("dspark").block_size;
+    let dspark_ids = fx.i32("text.decode.dspark_ids");
+    let dspark_logits = fx.f32("text.decode.dspark_logits");
+    let dspark_confidence = fx.f32("text.decode.dspark_confidence");
+    let reliable: Vec<usize> = fx.decode_run()["dspark_reliable_len"]
+        .as_array()
+        .expect("reliable")
+        .iter()
+        .map(|v| v.as_u64().expect("len") as usize)
+        .collect();
+    let range = fx.logit_range();
+    let tolerance = fx.tolerance();
+
+    let mut seq = fx.model.new_sequence();
+    let mut trace = ForwardTrace::default();
+    let (mut logits_err, mut conf_err, mut conf_max) = (0.0f32, 0.0f32, 0.0f32);
+    let mut id_mismatches = Vec::new();
+    let mut step_errors = Vec::new();
+    let mut at = 0;
+    for (s, end) in (prefill_len + 1..=n).enumerate() {
+        trace.inject.main_hidden = Some(taps[at * tap_width..end * tap_width].to_vec());
+        fx.model
+            .forward_traced(
+                &mut seq,
+                &tokens[at..end],
+                LogitsWanted::Last,
+                Some(&mut trace),
+            )
+            .expect("forward");
+        at = end;
+        let ids = &dspark_ids[s * (block + 1)..(s + 1) * (block + 1)];
+        let proposal = fx.model.draft(&seq, ids[0] as u32).expect("draft");
+        let ours: Vec<i32> = proposal.tokens.iter().map(|&t| t as i32).collect();
+        if ours[..reliable[s]] != ids[..reliable[s]] {
+            id_mismatches.push(s);
+        }
+        // Slot i's logits depend on the token drafted at slot i − 1: compare where inputs agree.
+        let agreeing = (0..block).take_while(|&i| ours[i] == ids[i]).count();
+        let expect = &dspark_logits[s * block * vocab..(s + 1) * block * vocab];
+        let step_err = max_abs_diff(
+            &proposal.logits[..agreeing * vocab],
+            &expect[..agreeing * vocab],
+        ) / range;
+        step_errors.push(step_err);
+        logits_err = logits_err.max(step_err);
+        let expect_conf = &dspark_confidence[s * block..s * block + agreeing];
+        conf_err = conf_err.max(max_abs_diff(&proposal.confidence[..agreeing], expect_conf));
+        conf_max = expect_conf.iter().fold(conf_max, |m, v| m.max(v.abs()));
+    }
+    eprintln!(
+        "dspark over {} steps: logits max|Δ|/range = {logits_err:.3e}, confidence max|Δ| = {conf_err:.3e} (max|ref| {conf_max}), \
+         id mismatches within the reliable length at steps {id_mismatches:?}",
+        n - prefill_len
+    );
+    let exact_steps = step_errors.iter().filter(|&&e| e <= 1e-3).count();
+    eprintln!(
+        "dspark steps within 1e-3 of the range: {exact_steps} of {}; per step: {}",
+        step_errors.len(),
+        step_errors
+            .iter()
+            .map(|e| format!("{e:.1e}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    // The rings hold the prefill's taps; the reference drafted from its decode run's taps, which
+    // differ by its own schedule noise, so an isolated step may flip one rounding.
+    assert!(
+        exact_steps * 5 >= step_errors.len() * 4,
+        "only {exact_steps} steps match"
+    );
+    assert!(logits_err <= 2.0 * tolerance, "dspark_logits {logits_err}");
+    assert!(
+        conf_err <= 10.0 * tolerance * conf_max.max(1.0),
+        "dspark_confidence {conf_err}"
+    );
+    assert!(
+        id_mismatches.is_empty(),
+        "dspark_ids differ at steps {id_mismatches:?}"
+    );
+}
+
+/// Runs `tokens` in the given chunk sizes and returns every logits row.
+fn run_chunked(model: &Model, tokens: &[u32], chunks: &[usize]) -> (Vec<f32>, SequenceState) {
+    let mut seq = model.new_sequence();
+    let mut logits = Vec::new();
+    let mut at = 0;
+    for &size in chunks {
+        logits.extend(
+            model
+                .forward(&mut seq, &tokens[at..at + size], LogitsWanted::All)
+                .expect("chunk"),
+        );
+        at += size;
+    }
+    assert_eq!(at, tokens.len());
+    (logits, seq)
+}
+
+#[test]
+fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
+    let Some(fx) = Fixture::load() else { return };
+    let model = &fx.model;
+    let tokens = fx.tokens();
+    let n = tokens.len();
+    let vocab = model.config().vocab_size;
+    let (one_shot, _) = run_chunked(model, &tokens, &[n]);
+    let sixteens: Vec<usize> = (0..n).step_by(16).map(|s| 16.min(n - s)).collect();
+    let mut verify_like = vec![75];
+    verify_like.extend([2, 3, 4, 5, 6, 5]);
+    for chunks in [
+        vec![37, 63],
+        vec![1, 99],
+        sixteens,
+        verify_like,
+        [vec![70], vec![1; 30]].concat(),
+    ] {
+        let (logits, _) = run_chunked(model, &tokens, &chunks);
+        let differing = logits
+            .iter()
+            .zip(&one_shot)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differing, 0,
+            "chunking {chunks:?}: {differing} logits differ from the one-shot prefill"
+        );
+    }
+    // `Last` returns exactly the last row of `All`.
+    let mut seq = model.new_sequence();
+    let last = model
+        .forward(&mut seq, &tokens[..50], LogitsWanted::Last)
+        .expect("prefill");
+    assert_eq!(last, one_shot[49 * vocab..50 * vocab]);
+}
+
+#[test]
+fn rollback_after_partial_verify_equals_never_drafted() {
+    let Some(fx) = Fixture::load() else { return };
+    let model = &fx.model;
+    let tokens = fx.tokens();
+    let n = tokens.len();
+    let vocab = model.config().vocab_size;
+    let (one_shot, reference_seq) = run_chunked(model, &tokens, &[n]);
+    let reference_draft = model.draft(&reference_seq, 7).expect("draft");
+    // Accept 0..=5 of 5 wrong drafts after the true token, at odd and even boundaries.
+    for (prefill, accepted) in [(75, 2), (75, 1), (76, 0), (80, 5), (81, 3)] {
+        let mut seq = model.new_sequence();
+        model
+            .forward(&mut seq, &tokens[..prefill], LogitsWanted::Last)
+            .expect("prefill");
+        let mut verify = tokens[prefill..prefill + 1 + accepted].to_vec();
+        verify.extend(
+            (0..5 - accepted)
+                .map(|i| (tokens[prefill + 1 + accepted] + 1 + i as u32) % vocab as u32),
+        );
+        let verified = model
+            .forward(&mut seq, &verify, LogitsWanted::All)
+            .expect("verify");
+        let keep = prefill + 1 + accepted;
+        assert_eq!(
+            verified[..(1 + accepted) * vocab],
+            one_shot[prefill * vocab..keep * vocab]
+        );
+        model.rollback(&mut seq, keep).expect("rollback");
+        assert_eq!(seq.len(), keep);
+        let rest = model
+            .forward(&mut seq, &tokens[keep..], LogitsWanted::All)
+            .expect("continue");
+        let differing = rest
+            .iter()
+            .zip(&one_shot[keep * vocab..])
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differing, 0,
+            "prefill {prefill}, accepted {accepted}: {differing} logits differ after rollback"
+        );
+        assert_eq!(model.draft(&seq, 7).expect("draft"), reference_draft);
+    }
+    // Rolling back further than the rings keep is refused, not silently wrong.
+    let mut seq = model.new_sequence();
+    model
+        .forward(&mut seq, &tokens[..60], LogitsWanted::Last)
+        .expect("prefill");
+    assert!(model.rollback(&mut seq, 30).is_err());
+    assert!(model.rollback(&mut seq, 61).is_err());
+    assert!(model.forward(&mut seq, &[], LogitsWanted::All).is_err());
+    assert!(
+        model
+            .forward(&mut seq, &[vocab as u32], LogitsWanted::All)
+            .is_err()
+    );
+}
+
+/// The same invariances on a random checkpoint of a differently shaped config (window 8, top-4
+/// selections, candidate blocks of 2 so the two-level restriction binds), written by the loader's
+/// `write_random_checkpoint` in the real format.
+#[test]
+fn random_checkpoint_is_chunking_and_rollback_invariant() {
+    let mut cfg = deepinfer_model::config::ModelConfig::tiny_v41();
+    cfg.window_size = 8;
+    cfg.index_topk = 4;
+    if let Some(candidate) = cfg.candidate.as_mut() {
+        candidate.topk_blocks = 2;
+        candidate.block_size = 2;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    deepinfer_model::checkpoint::synth::write_random_checkpoint(&cfg, 7, dir.path(), 2)
+        .expect("random checkpoint");
+    let pad = cfg.engram.as_ref().expect("engram").pad_token_id;
+    let vocab = CompressedVocab::halving_stub(cfg.vocab_size, pad).expect("stub vocab");
+    let model = Model::load_with_vocab(dir.path(), Some(vocab)).expect("random model loads");
+    let tokens: Vec<u32> = (0..48u32)
+        .map(|i| (i * 197 + 31) % cfg.vocab_size as u32)
+        .collect();
+    let (one_shot, reference_seq) = run_chunked(&model, &tokens, &[48]);
+    assert!(one_shot.iter().all(|v| v.is_finite()));
+    for chunks in [
+        vec![13, 1, 1, 20, 13],
+        vec![1; 48],
+        vec![7, 6, 5, 4, 3, 2, 21],
+    ] {
+        let (logits, _) = run_chunked(&model, &tokens, &chunks);
+        assert!(
+            logits
+                .iter()
+                .zip(&one_shot)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "chunking {chunks:?}"
+        );
+    }
+    let vocab_size = cfg.vocab_size;
+    let mut seq = model.new_sequence();
+    model
+        .forward(&mut seq, &tokens[..31], LogitsWanted::Last)
+        .expect("prefill");
+    let mut verify = tokens[31..33].to_vec();
+    verify.extend([5, 6, 7, 8]);
+    model
+        .forward(&mut seq, &verify, LogitsWanted::All)
+        .expect("verify");
+    model.rollback(&mut seq, 33).expect("rollback");
+    let rest = model
+        .forward(&mut seq, &tokens[33..], LogitsWanted::All)
+        .expect("continue");
+    assert!(
+        rest.iter()
+            .zip(&one_shot[33 * vocab_size..])
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    );
+    assert_eq!(
+        model.draft(&seq, 3).expect("draft"),
+        model.draft(&reference_seq, 3).expect("draft")
+    );
+}
+
+/// Decoder bounded replay (spec §3.5): refused below `window + MAX_BACKTRACK`, exact when nothing is
+/// dropped, and otherwise an approximation confined to the decoder: the encoder caches (compressed
+/// KV and index keys of every source, the boundary layer's included) equal the full prefill's.
+#[test]
+fn bounded_replay_truncates_only_the_decoder() {
+    let Some(fx) = Fixture::load() else { return };
+    let model = &fx.model;
+    let cfg = model.config().clone();
+    let vocab = cfg.vocab_size;
+    let tokens = fx.tokens();
+    let n = tokens.len();
+    let minimum = cfg.window_size + deepinfer_model::v41::MAX_BACKTRACK;
+    let (full, full_seq) = run_chunked(model, &tokens, &[n]);
+
+    assert!(
+        model
+            .prefill_bounded(
+                &mut model.new_sequence(),
+                &tokens,
+                LogitsWanted::All,
+                minimum - 1
+            )
+            .is_err()
+    );
+    let mut seq = model.new_sequence();
+    let untouched = model
+        .prefill_bounded(&mut seq, &tokens, LogitsWanted::All, n)
+        .expect("keep everything");
+    assert_eq!(untouched, full);
+    assert!(
+        model
+            .prefill_bounded(&mut seq, &tokens[..1], LogitsWanted::All, n)
+            .is_err(),
+        "only a prefill"
+    );
+
+    let mut seq = model.new_sequence();
+    let tail = model
+        .prefill_bounded(&mut seq, &tokens, LogitsWanted::All, minimum)
+        .expect("bounded prefill");
+    assert_eq!(tail.len(), minimum * vocab);
+    assert_eq!(seq.len(), n);
+    for &source in &cfg.kv_source_layers {
+        assert_eq!(
+            seq.compressed_kv(source),
+            full_seq.compressed_kv(source),
+            "compressed KV of source {source}"
+        );
+        assert_eq!(
+            seq.index_keys(source),
+            full_seq.index_keys(source),
+            "index keys of source {source}"
+        );
+    }
+    let first_kept = n - minimum;
+    assert_ne!(
+        tail[..vocab],
+        full[first_kept * vocab..(first_kept + 1) * vocab],
+        "the first kept query lost its decoder window"
+    );
+    let last_err =
+        max_abs_diff(&tail[(minimum - 1) * vocab..], &full[(n - 1) * vocab..]) / fx.logit_range();
+    let same_top1 = argmax(&tail[(minimum - 1) * vocab..]) == argmax(&full[(n - 1) * vocab..]);
+    eprintln!(
+        "bounded replay keep {minimum}: last row max|Δ|/range {last_err:.3e}, same top-1: {same_top1}"
+    );
+    let next = model
+        .forward(&mut seq, &[tokens[5]], LogitsWanted::Last)
+        .expect("decode after bounded prefill");
+    assert!(next.iter().all(|v| v.is_finite()));
+    model
+        .rollback(&mut seq, n)
+        .expect("rollback after bounded prefill");
+}

@@ -1,0 +1,259 @@
+//! The serde shape of a topology TOML file (`RawNodeConfig`). Every key is optional here;
+//! `validate.rs` applies the documented defaults and all range and cross-field checks.
+//! Unknown keys are rejected (`deny_unknown_fields`): a typo is an error, never a silent default.
+
+use serde::{Deserialize, Serialize};
+
+/// A whole topology file. Every section may be left out; its fields then take their defaults.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawNodeConfig {
+    /// `[model]`: which checkpoint to load.
+    #[serde(default)]
+    pub model: RawModelConfig,
+    /// `[device]`: backend and device counts.
+    #[serde(default)]
+    pub device: RawDeviceConfig,
+    /// `[parallel]`: attention data parallelism, expert parallelism, context parallelism.
+    #[serde(default)]
+    pub parallel: RawParallelConfig,
+    /// `[scheduler]`: per-rank batching budgets and async scheduling.
+    #[serde(default)]
+    pub scheduler: RawSchedulerConfig,
+    /// `[sampling]`: request defaults.
+    #[serde(default)]
+    pub sampling: RawSamplingConfig,
+    /// `[dspark]`: speculative decoding with confidence-scheduled verification.
+    #[serde(default)]
+    pub dspark: RawDSparkConfig,
+    /// `[replay]`: decoder bounded replay (prefill truncation of the decoder layers).
+    #[serde(default)]
+    pub replay: RawReplayConfig,
+    /// `[eplb]`: expert-parallel load balancing.
+    #[serde(default)]
+    pub eplb: RawEplbConfig,
+    /// `[metrics]`: Prometheus exporter.
+    #[serde(default)]
+    pub metrics: RawMetricsConfig,
+    /// `[job]`: default offline job paths.
+    #[serde(default)]
+    pub job: RawJobConfig,
+}
+
+/// `[model]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModelConfig {
+    /// `"demo"` (the built-in tiny random model), a local checkpoint directory (absolute, or
+    /// starting with `./` or `../`, relative to the working directory), or a Hugging Face Hub
+    /// id `owner/name`. Default: `"deepseek-ai/DeepSeek-V4.1-Flash-1017"`.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub source: Option<String>,
+    /// Hub revision (branch, tag or commit); only with a Hub id. Default: `"main"`.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub revision: Option<String>,
+    /// Routed experts per MoE layer (count). Optional: read from the checkpoint's
+    /// `config.json` when absent; when given, placement checks run at load time. No default.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub routed_experts: Option<u16>,
+    /// Sliding attention window (tokens, the current token included). Optional: read from
+    /// `config.json` when absent; when given, the replay bound is checked at load time.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub sliding_window_tokens: Option<u32>,
+}
+
+/// `[device]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDeviceConfig {
+    /// `"cpu"` (reference backend, ranks are threads of one process) or `"cuda"`.
+    /// Default: `"cpu"`.
+    pub backend: Option<RawBackend>,
+    /// GPU architecture, `"sm90"` (Hopper) or `"sm100"` (Blackwell); `cuda` only.
+    /// Default: `"sm90"`.
+    pub arch: Option<RawArch>,
+    /// Nodes (hosts) in the deployment (count). Default: 1. Must be 1 with `cpu`.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub nodes: Option<u16>,
+    /// GPUs used on each node (count); `cuda` only. Default: 1.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub gpus_per_node: Option<u16>,
+}
+
+/// The backend named in `device.backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case", try_from = "String")]
+pub enum RawBackend {
+    /// The CPU reference backend.
+    Cpu,
+    /// NVIDIA GPUs through CUDA.
+    Cuda,
+}
+
+/// The GPU architecture named in `device.arch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case", try_from = "String")]
+pub enum RawArch {
+    /// Hopper (H100, H200).
+    Sm90,
+    /// Blackwell (B200, GB200, B300).
+    Sm100,
+}
+
+/// `[parallel]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawParallelConfig {
+    /// Attention data-parallel ranks (count, one scheduler per rank). Default: 1. With `cuda`
+    /// it must equal `device.nodes * device.gpus_per_node` (one rank per GPU).
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub dp: Option<u16>,
+    /// Expert-parallel ranks (count). Default: `parallel.dp`. With `cuda` it must equal
+    /// `device.nodes * device.gpus_per_node`.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub ep: Option<u16>,
+    /// Balanced context parallelism for long prefills across the DP ranks (bool).
+    /// Default: false.
+    #[serde(default, deserialize_with = "crate::strict::boolean")]
+    pub context_parallel: Option<bool>,
+}
+
+/// `[scheduler]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSchedulerConfig {
+    /// Tokens per step per rank, prefill and decode together (tokens). Default: 8192.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub max_batched_tokens: Option<u32>,
+    /// Requests running at once per rank (count). Default: 256.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub max_running_requests: Option<u32>,
+    /// Largest prefill chunk of one request in one step (tokens); at most
+    /// `scheduler.max_batched_tokens`. Default: 2048.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub prefill_chunk_tokens: Option<u32>,
+    /// Step plans in flight per rank (count, 1..=4): 1 = synchronous scheduling, 2 = plan step
+    /// N+1 while step N runs. Default: 2.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub overlap_depth: Option<u8>,
+    /// Requests admitted but not yet running, per node (count); beyond it a request fails
+    /// with `Overloaded`. Default: 4096.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub admission_queue_capacity: Option<u32>,
+}
+
+/// `[sampling]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSamplingConfig {
+    /// Generated tokens per request when the request sets no limit (tokens). Default: 256.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub max_tokens: Option<u32>,
+    /// Base seed for requests that give none; the noise of a request is a pure function of
+    /// (seed, request, position). Default: 0.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub seed: Option<u64>,
+}
+
+/// `[dspark]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDSparkConfig {
+    /// Speculative decoding with the checkpoint's DSpark drafter (bool). Default: false.
+    #[serde(default, deserialize_with = "crate::strict::boolean")]
+    pub enabled: Option<bool>,
+    /// Most draft tokens verified per request per step (tokens, 1..=16). Default: 5.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub max_draft_tokens: Option<u8>,
+    /// Timed steps per batch size when profiling the steps-per-second table at engine start
+    /// (steps). Default: 8.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub profile_steps: Option<u32>,
+}
+
+/// `[replay]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawReplayConfig {
+    /// Prompt tail the decoder layers run on during prefill (tokens); 0 turns bounded replay
+    /// off. Must be >= sliding window + `replay.max_backtracking`. Default: 140.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub decoder_keep_tokens: Option<u32>,
+    /// Most positions a speculative rejection may rewind (tokens); at least
+    /// `dspark.max_draft_tokens + 1` when DSpark is on. Default: 6.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub max_backtracking: Option<u32>,
+}
+
+/// `[eplb]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEplbConfig {
+    /// Rebalance the expert placement from measured load (bool). Default: false.
+    #[serde(default, deserialize_with = "crate::strict::boolean")]
+    pub enabled: Option<bool>,
+    /// Load statistics window (steps). Default: 1000.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub window_steps: Option<u32>,
+    /// Steps between two rebalances (steps). Default: 3000.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub rebalance_interval_steps: Option<u32>,
+    /// Extra physical expert slots per MoE layer beyond the logical experts (count).
+    /// `routed experts + redundant_experts` must be a multiple of `parallel.ep`. Default: 0.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub redundant_experts: Option<u16>,
+    /// Expert groups for the hierarchical policy (count); hierarchical when it is a multiple
+    /// of `device.nodes`, global otherwise. Default: 1 (V4.1 has no expert groups).
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub num_groups: Option<u16>,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMetricsConfig {
+    /// Loopback address (`127.0.0.1:9400`, `[::1]:9400`) serving `/metrics`; non-loopback
+    /// addresses are refused. Default: none (no exporter).
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub prometheus_listen: Option<String>,
+}
+
+/// `[job]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawJobConfig {
+    /// Default input JSONL file (OpenAI Batch lines or plain prompts). Default: none.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub input_path: Option<String>,
+    /// Default output JSONL file. Default: none.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub output_path: Option<String>,
+}
+
+impl TryFrom<String> for RawBackend {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, Self::Error> {
+        match text.as_str() {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda),
+            _ => Err(format!(
+                "unknown backend {text:?}, expected \"cpu\" or \"cuda\""
+            )),
+        }
+    }
+}
+
+impl TryFrom<String> for RawArch {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, Self::Error> {
+        match text.as_str() {
+            "sm90" => Ok(Self::Sm90),
+            "sm100" => Ok(Self::Sm100),
+            _ => Err(format!(
+                "unknown GPU architecture {text:?}, expected \"sm90\" or \"sm100\""
+            )),
+        }
+    }
+}

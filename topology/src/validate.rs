@@ -1,0 +1,714 @@
+//! Raw TOML shape -> validated, immutable `NodeConfig`. All defaults and every range and
+//! cross-field check live here, and every error names the file and the field.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use crate::error::TopologyError;
+use crate::ids::{DpRank, EpRank};
+use crate::raw::{
+    RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
+    RawMetricsConfig, RawModelConfig, RawNodeConfig, RawParallelConfig, RawReplayConfig,
+    RawSamplingConfig, RawSchedulerConfig,
+};
+
+/// The checkpoint the engine loads when `model.source` is left out.
+pub const DEFAULT_MODEL_ID: &str = "deepseek-ai/DeepSeek-V4.1-Flash-1017";
+/// The Hub revision used when `model.revision` is left out.
+pub const DEFAULT_REVISION: &str = "main";
+/// Upper bound of `scheduler.overlap_depth` (plans in flight per rank).
+pub const MAX_OVERLAP_DEPTH: u8 = 4;
+/// Upper bound of `dspark.max_draft_tokens`.
+pub const MAX_DRAFT_TOKENS_LIMIT: u8 = 16;
+
+/// A validated topology: what one node runs. Immutable once built; values derived at
+/// start-up (placements, KV block counts) belong elsewhere.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeConfig {
+    /// Where this config came from (a path, or a label such as `configs/local.toml (embedded)`).
+    pub origin: String,
+    /// `[model]`.
+    pub model: ModelConfig,
+    /// `[device]`.
+    pub device: DeviceConfig,
+    /// `[parallel]`.
+    pub parallel: ParallelConfig,
+    /// `[scheduler]`.
+    pub scheduler: SchedulerConfig,
+    /// `[sampling]`.
+    pub sampling: SamplingConfig,
+    /// `[dspark]`.
+    pub dspark: DSparkConfig,
+    /// `[replay]`.
+    pub replay: ReplayConfig,
+    /// `[eplb]`.
+    pub eplb: EplbConfig,
+    /// `[metrics]`.
+    pub metrics: MetricsConfig,
+    /// `[job]`.
+    pub job: JobConfig,
+}
+
+/// `[model]`, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// Which checkpoint to load. Default: the Hub id [`DEFAULT_MODEL_ID`] at `main`.
+    pub source: ModelSource,
+    /// Routed experts per MoE layer (count), when the file states it; otherwise the runtime
+    /// reads it from `config.json` and calls [`NodeConfig::check_model`].
+    pub routed_experts: Option<u16>,
+    /// Sliding attention window (tokens), when the file states it.
+    pub sliding_window_tokens: Option<u32>,
+}
+
+/// Where the weights come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// The built-in tiny random model (no download; for tests and the embedded default).
+    Demo,
+    /// A local checkpoint directory (`config.json` + safetensors shards).
+    LocalDir(PathBuf),
+    /// A Hugging Face Hub repository, looked up in the local cache or downloaded.
+    Hub {
+        /// `owner/name`.
+        repo_id: String,
+        /// Branch, tag or commit. Default: `main`.
+        revision: String,
+    },
+}
+
+/// `[device]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceConfig {
+    /// The backend, with its architecture for CUDA. Default: `Cpu`.
+    pub backend: Backend,
+    /// Nodes in the deployment (count, >= 1; 1 with the CPU backend). Default: 1.
+    pub nodes: u16,
+    /// GPUs used per node (count; 0 with the CPU backend, >= 1 with CUDA). Default: 1 (CUDA).
+    pub gpus_per_node: u16,
+}
+
+/// The compute backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The CPU reference backend; DP and EP ranks are threads of one process.
+    Cpu,
+    /// NVIDIA GPUs of the given architecture.
+    Cuda {
+        /// The GPU architecture kernels are compiled for.
+        arch: Arch,
+    },
+}
+
+/// A GPU architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Hopper (sm_90: H100, H200).
+    Sm90,
+    /// Blackwell (sm_100: B200, GB200, B300).
+    Sm100,
+}
+
+/// `[parallel]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParallelConfig {
+    /// Attention data-parallel ranks (count, >= 1). Default: 1.
+    pub dp: u16,
+    /// Expert-parallel ranks (count, >= 1). Default: `dp`.
+    pub ep: u16,
+    /// Balanced context parallelism across the DP ranks (needs `dp >= 2`). Default: false.
+    pub context_parallel: bool,
+}
+
+/// `[scheduler]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens per step per rank (tokens, >= 1). Default: 8192.
+    pub max_batched_tokens: u32,
+    /// Running requests per rank (count, 1..=`max_batched_tokens`). Default: 256.
+    pub max_running_requests: u32,
+    /// Largest prefill chunk per request per step (tokens, 1..=`max_batched_tokens`).
+    /// Default: 2048.
+    pub prefill_chunk_tokens: u32,
+    /// Plans in flight per rank (count, 1..=4; 1 = synchronous). Default: 2.
+    pub overlap_depth: u8,
+    /// Admitted-but-waiting requests per node (count, >= 1). Default: 4096.
+    pub admission_queue_capacity: u32,
+}
+
+impl SchedulerConfig {
+    /// True when the scheduler plans step N+1 while step N runs (`overlap_depth >= 2`).
+    pub fn is_async(&self) -> bool {
+        self.overlap_depth >= 2
+    }
+}
+
+/// `[sampling]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SamplingConfig {
+    /// Generated tokens when a request sets no limit (tokens, >= 1). Default: 256.
+    pub max_tokens: u32,
+    /// Base seed for requests without one. Default: 0.
+    pub seed: u64,
+}
+
+/// `[dspark]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DSparkConfig {
+    /// Speculative decoding with the DSpark drafter. Default: false.
+    pub enabled: bool,
+    /// Most drafts verified per request per step (tokens, 1..=16). Default: 5.
+    pub max_draft_tokens: u8,
+    /// Timed steps per batch size when profiling steps-per-second at start (steps, >= 1).
+    /// Default: 8.
+    pub profile_steps: u32,
+}
+
+/// `[replay]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayConfig {
+    /// Prompt tail the decoder layers run on during prefill (tokens); `None` = off (the
+    /// decoder runs on every prompt token). Default: `Some(140)`.
+    pub decoder_keep_tokens: Option<u32>,
+    /// Most positions one rejection may rewind (tokens). Default: 6.
+    pub max_backtracking: u32,
+}
+
+/// `[eplb]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EplbConfig {
+    /// Rebalance the placement from measured load. Default: false.
+    pub enabled: bool,
+    /// Load statistics window (steps, >= 1). Default: 1000.
+    pub window_steps: u32,
+    /// Steps between rebalances (steps, >= 1). Default: 3000.
+    pub rebalance_interval_steps: u32,
+    /// Extra physical expert slots per MoE layer (count). Default: 0.
+    pub redundant_experts: u16,
+    /// Expert groups for the hierarchical policy (count, >= 1). Default: 1.
+    pub num_groups: u16,
+}
+
+/// `[metrics]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricsConfig {
+    /// Loopback address serving `/metrics`; `None` = no exporter. Default: `None`.
+    pub prometheus_listen: Option<SocketAddr>,
+}
+
+/// `[job]`, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobConfig {
+    /// Default input JSONL file. Default: `None`.
+    pub input_path: Option<PathBuf>,
+    /// Default output JSONL file (differs from the input). Default: `None`.
+    pub output_path: Option<PathBuf>,
+}
+
+/// What the topology must agree with in the model's `config.json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelDims {
+    /// `n_routed_experts`.
+    pub routed_experts: u16,
+    /// `sliding_window` (tokens, the current token included).
+    pub sliding_window_tokens: u32,
+}
+
+/// Builds errors that carry the origin.
+struct Checker<'a> {
+    origin: &'a str,
+}
+
+impl Checker<'_> {
+    fn invalid(&self, field: &'static str, problem: impl Into<String>) -> TopologyError {
+        TopologyError::Invalid {
+            origin: self.origin.to_owned(),
+            field,
+            problem: problem.into(),
+        }
+    }
+
+    fn at_least<T: PartialOrd + std::fmt::Display + Copy>(
+        &self,
+        field: &'static str,
+        value: T,
+        min: T,
+    ) -> Result<T, TopologyError> {
+        if value < min {
+            return Err(self.invalid(field, format!("must be >= {min}, got {value}")));
+        }
+        Ok(value)
+    }
+
+    fn in_range<T: PartialOrd + std::fmt::Display + Copy>(
+        &self,
+        field: &'static str,
+        value: T,
+        min: T,
+        max: T,
+    ) -> Result<T, TopologyError> {
+        if value < min || value > max {
+            return Err(self.invalid(field, format!("must be in {min}..={max}, got {value}")));
+        }
+        Ok(value)
+    }
+}
+
+impl NodeConfig {
+    /// Validates a parsed file; `origin` names it in errors.
+    pub fn from_raw(raw: RawNodeConfig, origin: &str) -> Result<Self, TopologyError> {
+        let check = Checker { origin };
+        let model = model_config(&check, raw.model)?;
+        let device = device_config(&check, raw.device)?;
+        let parallel = parallel_config(&check, raw.parallel, &device)?;
+        let scheduler = scheduler_config(&check, raw.scheduler)?;
+        let sampling = sampling_config(&check, raw.sampling)?;
+        let dspark = dspark_config(&check, raw.dspark)?;
+        let replay = replay_config(&check, raw.replay, &dspark)?;
+        let eplb = eplb_config(&check, raw.eplb)?;
+        let metrics = metrics_config(&check, raw.metrics)?;
+        let job = job_config(&check, raw.job)?;
+        let config = Self {
+            origin: origin.to_owned(),
+            model,
+            device,
+            parallel,
+            scheduler,
+            sampling,
+            dspark,
+            replay,
+            eplb,
+            metrics,
+            job,
+        };
+        if let Some(routed_experts) = config.model.routed_experts {
+            config.check_expert_placement(&check, routed_experts)?;
+        }
+        if let Some(window) = config.model.sliding_window_tokens {
+            config.check_replay_window(&check, window)?;
+        }
+        Ok(config)
+    }
+
+    /// Checks this topology against the model's dimensions (from `config.json`): the stated
+    /// hints agree, physical expert slots divide over the EP ranks, groups divide the
+    /// experts, and the decoder keep covers the window plus the backtracking.
+    pub fn check_model(&self, dims: &ModelDims) -> Result<(), TopologyError> {
+        let check = Checker {
+            origin: &self.origin,
+        };
+        if let Some(stated) = self.model.routed_experts
+            && stated != dims.routed_experts
+        {
+            return Err(check.invalid(
+                "model.routed_experts",
+                format!(
+                    "the file says {stated}, the checkpoint has {}",
+                    dims.routed_experts
+                ),
+            ));
+        }
+        if let Some(stated) = self.model.sliding_window_tokens
+            && stated != dims.sliding_window_tokens
+        {
+            return Err(check.invalid(
+                "model.sliding_window_tokens",
+                format!(
+                    "the file says {stated}, the checkpoint has {}",
+                    dims.sliding_window_tokens
+                ),
+            ));
+        }
+        self.check_expert_placement(&check, dims.routed_experts)?;
+        self.check_replay_window(&check, dims.sliding_window_tokens)
+    }
+
+    /// Physical expert slots per MoE layer: routed experts plus `eplb.redundant_experts`.
+    pub fn physical_experts(&self, routed_experts: u16) -> u32 {
+        u32::from(routed_experts) + u32::from(self.eplb.redundant_experts)
+    }
+
+    fn check_expert_placement(
+        &self,
+        check: &Checker<'_>,
+        routed_experts: u16,
+    ) -> Result<(), TopologyError> {
+        if routed_experts == 0 {
+            return Err(check.invalid("model.routed_experts", "must be >= 1, got 0"));
+        }
+        let physical = self.physical_experts(routed_experts);
+        let ep = u32::from(self.parallel.ep);
+        if !physical.is_multiple_of(ep) {
+            return Err(check.invalid(
+                "parallel.ep",
+                format!(
+                    "{ep} does not divide the physical expert slots: routed experts \
+                     {routed_experts} + eplb.redundant_experts {} = {physical}",
+                    self.eplb.redundant_experts
+                ),
+            ));
+        }
+        let groups = self.eplb.num_groups;
+        if !routed_experts.is_multiple_of(groups) {
+            return Err(check.invalid(
+                "eplb.num_groups",
+                format!("{groups} does not divide the {routed_experts} routed experts"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_replay_window(&self, check: &Checker<'_>, window: u32) -> Result<(), TopologyError> {
+        if window == 0 {
+            return Err(check.invalid("model.sliding_window_tokens", "must be >= 1, got 0"));
+        }
+        if let Some(keep) = self.replay.decoder_keep_tokens {
+            let needed = u64::from(window) + u64::from(self.replay.max_backtracking);
+            if u64::from(keep) < needed {
+                return Err(check.invalid(
+                    "replay.decoder_keep_tokens",
+                    format!(
+                        "{keep} is below the sliding window {window} + replay.max_backtracking \
+                         {} = {needed} (0 turns bounded replay off)",
+                        self.replay.max_backtracking
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// GPUs this topology drives (`nodes * gpus_per_node`; 0 for the CPU backend).
+    pub fn gpu_count(&self) -> usize {
+        usize::from(self.device.nodes) * usize::from(self.device.gpus_per_node)
+    }
+
+    /// Fails unless this machine has the GPUs the topology needs. The CPU backend always fits.
+    pub fn can_run_here(&self, available_gpus: usize) -> Result<(), TopologyError> {
+        if self.device.backend == Backend::Cpu {
+            return Ok(());
+        }
+        let required = self.gpu_count();
+        if available_gpus < required {
+            return Err(TopologyError::NotEnoughGpus {
+                origin: self.origin.clone(),
+                required,
+                available: available_gpus,
+                nodes: self.device.nodes,
+                gpus_per_node: self.device.gpus_per_node,
+            });
+        }
+        Ok(())
+    }
+
+    /// Every attention DP rank, in order.
+    pub fn dp_ranks(&self) -> impl Iterator<Item = DpRank> + use<> {
+        (0..self.parallel.dp).map(DpRank)
+    }
+
+    /// Every expert-parallel rank, in order.
+    pub fn ep_ranks(&self) -> impl Iterator<Item = EpRank> + use<> {
+        (0..self.parallel.ep).map(EpRank)
+    }
+}
+
+fn model_config(check: &Checker<'_>, raw: RawModelConfig) -> Result<ModelConfig, TopologyError> {
+    let text = raw.source.unwrap_or_else(|| DEFAULT_MODEL_ID.to_owned());
+    let source = if text == "demo" {
+        ModelSource::Demo
+    } else if text.starts_with('/') || text.starts_with("./") || text.starts_with("../") {
+        ModelSource::LocalDir(PathBuf::from(text))
+    } else if is_hub_id(&text) {
+        ModelSource::Hub {
+            repo_id: text,
+            revision: String::new(),
+        }
+    } else {
+        return Err(check.invalid(
+            "model.source",
+            format!(
+                "{text:?} is neither \"demo\", a directory (absolute, or starting with ./ or \
+                 ../) nor a Hugging Face Hub id owner/name"
+            ),
+        ));
+    };
+    let source = match (source, raw.revision) {
+        (ModelSource::Hub { repo_id, .. }, revision) => {
+            let revision = revision.unwrap_or_else(|| DEFAULT_REVISION.to_owned());
+            if revision.trim().is_empty() {
+                return Err(check.invalid("model.revision", "must not be empty"));
+            }
+            ModelSource::Hub { repo_id, revision }
+        }
+        (_, Some(_)) => {
+            return Err(check.invalid(
+                "model.revision",
+                "only applies when model.source is a Hub id",
+            ));
+        }
+        (other, None) => other,
+    };
+    if let Some(experts) = raw.routed_experts {
+        check.at_least("model.routed_experts", experts, 1)?;
+    }
+    if let Some(window) = raw.sliding_window_tokens {
+        check.at_least("model.sliding_window_tokens", window, 1)?;
+    }
+    Ok(ModelConfig {
+        source,
+        routed_experts: raw.routed_experts,
+        sliding_window_tokens: raw.sliding_window_tokens,
+    })
+}
+
+/// `owner/name` with one slash and Hub-legal characters on both sides.
+fn is_hub_id(text: &str) -> bool {
+    let legal = |part: &str| {
+        !part.is_empty()
+            && !part.starts_with(['.', '-'])
+            && part
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    };
+    match text.split_once('/') {
+        Some((owner, name)) => legal(owner) && legal(name),
+        None => false,
+    }
+}
+
+fn device_config(check: &Checker<'_>, raw: RawDeviceConfig) -> Result<DeviceConfig, TopologyError> {
+    let nodes = check.at_least("device.nodes", raw.nodes.unwrap_or(1), 1)?;
+    match raw.backend.unwrap_or(RawBackend::Cpu) {
+        RawBackend::Cpu => {
+            if raw.arch.is_some() {
+                return Err(
+                    check.invalid("device.arch", "only applies with device.backend = \"cuda\"")
+                );
+            }
+            if raw.gpus_per_node.is_some() {
+                return Err(check.invalid(
+                    "device.gpus_per_node",
+                    "only applies with device.backend = \"cuda\"",
+                ));
+            }
+            if nodes != 1 {
+                return Err(check.invalid(
+                    "device.nodes",
+                    format!("the CPU backend runs on one node, got {nodes}"),
+                ));
+            }
+            Ok(DeviceConfig {
+                backend: Backend::Cpu,
+                nodes,
+                gpus_per_node: 0,
+            })
+        }
+        RawBackend::Cuda => {
+            let gpus_per_node =
+                check.at_least("device.gpus_per_node", raw.gpus_per_node.unwrap_or(1), 1)?;
+            let arch = match raw.arch.unwrap_or(RawArch::Sm90) {
+                RawArch::Sm90 => Arch::Sm90,
+                RawArch::Sm100 => Arch::Sm100,
+            };
+            Ok(DeviceConfig {
+                backend: Backend::Cuda { arch },
+                nodes,
+                gpus_per_node,
+            })
+        }
+    }
+}
+
+fn parallel_config(
+    check: &Checker<'_>,
+    raw: RawParallelConfig,
+    device: &DeviceConfig,
+) -> Result<ParallelConfig, TopologyError> {
+    let dp = check.at_least("parallel.dp", raw.dp.unwrap_or(1), 1)?;
+    let ep = check.at_least("parallel.ep", raw.ep.unwrap_or(dp), 1)?;
+    if let Backend::Cuda { .. } = device.backend {
+        let gpus = u32::from(device.nodes) * u32::from(device.gpus_per_node);
+        for (field, value) in [("parallel.dp", dp), ("parallel.ep", ep)] {
+            if u32::from(value) != gpus {
+                return Err(check.invalid(
+                    field,
+                    format!(
+                        "must equal device.nodes x device.gpus_per_node = {} x {} = {gpus} \
+                         (one rank per GPU), got {value}",
+                        device.nodes, device.gpus_per_node
+                    ),
+                ));
+            }
+        }
+    }
+    let context_parallel = raw.context_parallel.unwrap_or(false);
+    if context_parallel && dp < 2 {
+        return Err(check.invalid(
+            "parallel.context_parallel",
+            format!("splits a prefill across DP ranks and needs parallel.dp >= 2, got {dp}"),
+        ));
+    }
+    Ok(ParallelConfig {
+        dp,
+        ep,
+        context_parallel,
+    })
+}
+
+fn scheduler_config(
+    check: &Checker<'_>,
+    raw: RawSchedulerConfig,
+) -> Result<SchedulerConfig, TopologyError> {
+    let max_batched_tokens = check.at_least(
+        "scheduler.max_batched_tokens",
+        raw.max_batched_tokens.unwrap_or(8192),
+        1,
+    )?;
+    let max_running_requests = check.in_range(
+        "scheduler.max_running_requests",
+        raw.max_running_requests.unwrap_or(256),
+        1,
+        max_batched_tokens,
+    )?;
+    let prefill_chunk_tokens = check.in_range(
+        "scheduler.prefill_chunk_tokens",
+        raw.prefill_chunk_tokens
+            .unwrap_or(2048.min(max_batched_tokens)),
+        1,
+        max_batched_tokens,
+    )?;
+    let overlap_depth = check.in_range(
+        "scheduler.overlap_depth",
+        raw.overlap_depth.unwrap_or(2),
+        1,
+        MAX_OVERLAP_DEPTH,
+    )?;
+    let admission_queue_capacity = check.at_least(
+        "scheduler.admission_queue_capacity",
+        raw.admission_queue_capacity.unwrap_or(4096),
+        1,
+    )?;
+    Ok(SchedulerConfig {
+        max_batched_tokens,
+        max_running_requests,
+        prefill_chunk_tokens,
+        overlap_depth,
+        admission_queue_capacity,
+    })
+}
+
+fn sampling_config(
+    check: &Checker<'_>,
+    raw: RawSamplingConfig,
+) -> Result<SamplingConfig, TopologyError> {
+    Ok(SamplingConfig {
+        max_tokens: check.at_least("sampling.max_tokens", raw.max_tokens.unwrap_or(256), 1)?,
+        seed: raw.seed.unwrap_or(0),
+    })
+}
+
+fn dspark_config(check: &Checker<'_>, raw: RawDSparkConfig) -> Result<DSparkConfig, TopologyError> {
+    Ok(DSparkConfig {
+        enabled: raw.enabled.unwrap_or(false),
+        max_draft_tokens: check.in_range(
+            "dspark.max_draft_tokens",
+            raw.max_draft_tokens.unwrap_or(5),
+            1,
+            MAX_DRAFT_TOKENS_LIMIT,
+        )?,
+        profile_steps: check.at_least("dspark.profile_steps", raw.profile_steps.unwrap_or(8), 1)?,
+    })
+}
+
+fn replay_config(
+    check: &Checker<'_>,
+    raw: RawReplayConfig,
+    dspark: &DSparkConfig,
+) -> Result<ReplayConfig, TopologyError> {
+    let max_backtracking = raw.max_backtracking.unwrap_or(6);
+    let rewind_needed = u32::from(dspark.max_draft_tokens) + 1;
+    if dspark.enabled && max_backtracking < rewind_needed {
+        return Err(check.invalid(
+            "replay.max_backtracking",
+            format!(
+                "{max_backtracking} is below dspark.max_draft_tokens + 1 = {rewind_needed}: a \
+                 fully rejected verification must be rewindable"
+            ),
+        ));
+    }
+    let decoder_keep_tokens = match raw.decoder_keep_tokens.unwrap_or(140) {
+        0 => None,
+        keep if keep <= max_backtracking => {
+            return Err(check.invalid(
+                "replay.decoder_keep_tokens",
+                format!(
+                    "{keep} must exceed replay.max_backtracking = {max_backtracking} \
+                     (0 turns bounded replay off)"
+                ),
+            ));
+        }
+        keep => Some(keep),
+    };
+    Ok(ReplayConfig {
+        decoder_keep_tokens,
+        max_backtracking,
+    })
+}
+
+fn eplb_config(check: &Checker<'_>, raw: RawEplbConfig) -> Result<EplbConfig, TopologyError> {
+    Ok(EplbConfig {
+        enabled: raw.enabled.unwrap_or(false),
+        window_steps: check.at_least("eplb.window_steps", raw.window_steps.unwrap_or(1000), 1)?,
+        rebalance_interval_steps: check.at_least(
+            "eplb.rebalance_interval_steps",
+            raw.rebalance_interval_steps.unwrap_or(3000),
+            1,
+        )?,
+        redundant_experts: raw.redundant_experts.unwrap_or(0),
+        num_groups: check.at_least("eplb.num_groups", raw.num_groups.unwrap_or(1), 1)?,
+    })
+}
+
+fn metrics_config(
+    check: &Checker<'_>,
+    raw: RawMetricsConfig,
+) -> Result<MetricsConfig, TopologyError> {
+    let prometheus_listen = match raw.prometheus_listen {
+        None => None,
+        Some(text) => {
+            let addr: SocketAddr = text.parse().map_err(|_| {
+                check.invalid(
+                    "metrics.prometheus_listen",
+                    format!("{text:?} is not an IP:port address (e.g. 127.0.0.1:9400)"),
+                )
+            })?;
+            if !addr.ip().is_loopback() {
+                return Err(check.invalid(
+                    "metrics.prometheus_listen",
+                    format!("{addr} is not a loopback address; the exporter only listens locally"),
+                ));
+            }
+            Some(addr)
+        }
+    };
+    Ok(MetricsConfig { prometheus_listen })
+}
+
+fn job_config(check: &Checker<'_>, raw: RawJobConfig) -> Result<JobConfig, TopologyError> {
+    let path = |field: &'static str, value: Option<String>| match value {
+        Some(text) if text.trim().is_empty() => Err(check.invalid(field, "must not be empty")),
+        other => Ok(other.map(PathBuf::from)),
+    };
+    let input_path = path("job.input_path", raw.input_path)?;
+    let output_path = path("job.output_path", raw.output_path)?;
+    if input_path.is_some() && input_path == output_path {
+        return Err(check.invalid(
+            "job.output_path",
+            "must differ from job.input_path (the input would be overwritten)",
+        ));
+    }
+    Ok(JobConfig {
+        input_path,
+        output_path,
+    })
+}

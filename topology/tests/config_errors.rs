@@ -1,0 +1,275 @@
+//! Bad topology text fails with an error that names the origin and the field.
+
+use deepinfer_topology::{ModelDims, NodeConfig, TopologyError};
+
+const ORIGIN: &str = "configs/bad.toml";
+
+fn error_of(text: &str) -> TopologyError {
+    match NodeConfig::from_toml_str(text, ORIGIN) {
+        Ok(config) => panic!("expected an error, got {config:?}"),
+        Err(error) => error,
+    }
+}
+
+/// Asserts the error blames `field` and its message names the origin and the field.
+fn assert_blames(text: &str, field: &str, words: &str) {
+    let error = error_of(text);
+    let message = error.to_string();
+    assert_eq!(error.field(), Some(field), "{message}");
+    assert!(
+        message.starts_with(&format!("{ORIGIN}: {field}")),
+        "{message}"
+    );
+    assert!(message.contains(words), "{message} lacks {words:?}");
+}
+
+#[test]
+fn dp_zero_is_rejected_with_the_field() {
+    let error = error_of("[parallel]\ndp = 0\n");
+    assert_eq!(
+        error.to_string(),
+        "configs/bad.toml: parallel.dp: must be >= 1, got 0"
+    );
+}
+
+#[test]
+fn unknown_key_is_rejected_with_its_section() {
+    assert_blames("[parallel]\ndpp = 2\n", "parallel", "unknown field `dpp`");
+    let top_level = error_of("[parallell]\ndp = 2\n").to_string();
+    assert!(top_level.starts_with(ORIGIN), "{top_level}");
+    assert!(
+        top_level.contains("unknown field `parallell`"),
+        "{top_level}"
+    );
+}
+
+#[test]
+fn wrong_type_names_the_key() {
+    assert_blames(
+        "[scheduler]\noverlap_depth = \"two\"\n",
+        "scheduler.overlap_depth",
+        "invalid",
+    );
+}
+
+#[test]
+fn syntax_error_names_the_file() {
+    let message = error_of("[parallel\ndp = 1\n").to_string();
+    assert!(message.starts_with(ORIGIN), "{message}");
+    assert!(message.contains("not valid TOML"), "{message}");
+}
+
+#[test]
+fn ep_must_divide_the_physical_experts() {
+    assert_blames(
+        "[model]\nrouted_experts = 384\n[parallel]\ndp = 5\nep = 5\n",
+        "parallel.ep",
+        "384 + eplb.redundant_experts 0 = 384",
+    );
+    assert_blames(
+        "[model]\nrouted_experts = 384\n[parallel]\ndp = 64\n[eplb]\nredundant_experts = 1\n",
+        "parallel.ep",
+        "= 385",
+    );
+    // 384 + 64 = 448 = 7 x 64: fine.
+    assert!(
+        NodeConfig::from_toml_str(
+            "[model]\nrouted_experts = 384\n[parallel]\ndp = 64\n[eplb]\nredundant_experts = 64\n",
+            ORIGIN
+        )
+        .is_ok()
+    );
+}
+
+#[test]
+fn ep_is_also_checked_against_the_checkpoint_later() {
+    let config = NodeConfig::from_toml_str("[parallel]\ndp = 5\n", ORIGIN).unwrap();
+    let dims = ModelDims {
+        routed_experts: 384,
+        sliding_window_tokens: 128,
+    };
+    let error = config.check_model(&dims).unwrap_err();
+    assert_eq!(error.field(), Some("parallel.ep"));
+    let ok = NodeConfig::from_toml_str("[parallel]\ndp = 4\n", ORIGIN).unwrap();
+    assert!(ok.check_model(&dims).is_ok());
+    let stated = NodeConfig::from_toml_str("[model]\nrouted_experts = 256\n", ORIGIN).unwrap();
+    assert_eq!(
+        stated.check_model(&dims).unwrap_err().field(),
+        Some("model.routed_experts")
+    );
+}
+
+#[test]
+fn non_loopback_metrics_address_is_rejected() {
+    assert_blames(
+        "[metrics]\nprometheus_listen = \"0.0.0.0:9400\"\n",
+        "metrics.prometheus_listen",
+        "not a loopback",
+    );
+    assert_blames(
+        "[metrics]\nprometheus_listen = \"localhost\"\n",
+        "metrics.prometheus_listen",
+        "not an IP:port",
+    );
+    let ok = NodeConfig::from_toml_str("[metrics]\nprometheus_listen = \"[::1]:9400\"\n", ORIGIN);
+    assert_eq!(
+        ok.unwrap().metrics.prometheus_listen.map(|a| a.port()),
+        Some(9400)
+    );
+}
+
+#[test]
+fn replay_keep_must_cover_window_plus_backtracking() {
+    assert_blames(
+        "[model]\nsliding_window_tokens = 128\n[replay]\ndecoder_keep_tokens = 133\n",
+        "replay.decoder_keep_tokens",
+        "128 + replay.max_backtracking 6 = 134",
+    );
+    let at_bound = "[model]\nsliding_window_tokens = 128\n[replay]\ndecoder_keep_tokens = 134\n";
+    assert!(NodeConfig::from_toml_str(at_bound, ORIGIN).is_ok());
+    let off = "[model]\nsliding_window_tokens = 128\n[replay]\ndecoder_keep_tokens = 0\n";
+    assert_eq!(
+        NodeConfig::from_toml_str(off, ORIGIN)
+            .unwrap()
+            .replay
+            .decoder_keep_tokens,
+        None
+    );
+}
+
+#[test]
+fn backtracking_must_cover_a_full_draft_rejection() {
+    assert_blames(
+        "[dspark]\nenabled = true\nmax_draft_tokens = 7\n",
+        "replay.max_backtracking",
+        "dspark.max_draft_tokens + 1 = 8",
+    );
+}
+
+#[test]
+fn cuda_ranks_must_match_the_gpus() {
+    assert_blames(
+        "[device]\nbackend = \"cuda\"\ngpus_per_node = 8\n[parallel]\ndp = 4\n",
+        "parallel.dp",
+        "= 8 (one rank per GPU), got 4",
+    );
+    assert_blames(
+        "[device]\nbackend = \"cpu\"\ngpus_per_node = 8\n",
+        "device.gpus_per_node",
+        "cuda",
+    );
+    assert_blames(
+        "[device]\nbackend = \"tpu\"\n",
+        "device.backend",
+        "unknown backend \"tpu\", expected \"cpu\" or \"cuda\"",
+    );
+    assert_blames(
+        "[device]\nbackend = \"cuda\"\narch = \"sm80\"\n",
+        "device.arch",
+        "sm80",
+    );
+}
+
+#[test]
+fn scheduler_bounds_are_enforced() {
+    assert_blames(
+        "[scheduler]\noverlap_depth = 0\n",
+        "scheduler.overlap_depth",
+        "1..=4, got 0",
+    );
+    assert_blames(
+        "[scheduler]\nmax_batched_tokens = 64\nprefill_chunk_tokens = 128\nmax_running_requests = 8\n",
+        "scheduler.prefill_chunk_tokens",
+        "1..=64, got 128",
+    );
+    assert_blames(
+        "[parallel]\ncontext_parallel = true\n",
+        "parallel.context_parallel",
+        "dp >= 2",
+    );
+}
+
+#[test]
+fn model_source_forms_are_recognised() {
+    use deepinfer_topology::ModelSource;
+    let source = |s: &str| {
+        NodeConfig::from_toml_str(&format!("[model]\nsource = {s:?}\n"), ORIGIN)
+            .map(|c| c.model.source)
+    };
+    assert_eq!(source("demo").unwrap(), ModelSource::Demo);
+    assert_eq!(
+        source("./ckpt").unwrap(),
+        ModelSource::LocalDir("./ckpt".into())
+    );
+    assert!(
+        matches!(source("org/model").unwrap(), ModelSource::Hub { revision, .. } if revision == "main")
+    );
+    assert_eq!(
+        source("not a model").unwrap_err().field(),
+        Some("model.source")
+    );
+    assert_blames(
+        "[model]\nsource = \"demo\"\nrevision = \"v1\"\n",
+        "model.revision",
+        "Hub id",
+    );
+}
+
+#[test]
+fn job_output_must_differ_from_input() {
+    assert_blames(
+        "[job]\ninput_path = \"a.jsonl\"\noutput_path = \"a.jsonl\"\n",
+        "job.output_path",
+        "differ",
+    );
+}
+
+#[test]
+fn environment_overrides_apply_and_are_validated() {
+    let vars = [
+        (
+            "DEEPINFER__SCHEDULER__OVERLAP_DEPTH".to_owned(),
+            "1".to_owned(),
+        ),
+        ("DEEPINFER_HF_MODEL_DIR".to_owned(), "/ignored".to_owned()),
+    ];
+    let config =
+        NodeConfig::from_toml_str_with_env("[scheduler]\noverlap_depth = 2\n", ORIGIN, vars)
+            .unwrap();
+    assert_eq!(config.scheduler.overlap_depth, 1);
+    assert!(!config.scheduler.is_async());
+    assert!(
+        config
+            .origin
+            .contains("DEEPINFER__SCHEDULER__OVERLAP_DEPTH")
+    );
+    let bad = [("DEEPINFER__PARALLEL__DP".to_owned(), "0".to_owned())];
+    let error = NodeConfig::from_toml_str_with_env("", ORIGIN, bad).unwrap_err();
+    assert_eq!(error.field(), Some("parallel.dp"));
+}
+
+#[test]
+fn missing_file_names_the_path() {
+    let error = NodeConfig::from_file("/nonexistent/topology.toml").unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .starts_with("/nonexistent/topology.toml: cannot read")
+    );
+}
+
+#[test]
+fn lossy_values_are_rejected_not_coerced() {
+    assert_blames("[parallel]\ndp = 1.5\n", "parallel.dp", "floating point");
+    assert_blames("[parallel]\ndp = -1\n", "parallel.dp", "integer `-1`");
+    assert_blames("[parallel]\ndp = 70000\n", "parallel.dp", "at most 16 bits");
+    assert_blames("[parallel]\ndp = \"2\"\n", "parallel.dp", "string");
+    assert_blames("[dspark]\nenabled = 1\n", "dspark.enabled", "true or false");
+    assert_blames("[model]\nsource = 5\n", "model.source", "a string");
+    let env = [(
+        "DEEPINFER__DSPARK__MAX_DRAFT_TOKENS".to_owned(),
+        "2.5".to_owned(),
+    )];
+    let error = NodeConfig::from_toml_str_with_env("", ORIGIN, env).unwrap_err();
+    assert_eq!(error.field(), Some("dspark.max_draft_tokens"), "{error}");
+}
