@@ -7,6 +7,7 @@ pub mod engram_vocab;
 pub mod error;
 pub mod frontend;
 pub mod grammar;
+pub mod hub;
 pub mod job;
 pub mod messages;
 pub mod metrics;

@@ -201,6 +201,24 @@ fn test_set() -> Vec<Case> {
             check: Check::Reparse(check_regex),
         });
     }
+    let ebnf_dir = repo_root().join("tests/data/grammar/ebnf");
+    let mut ebnf_files: Vec<_> = std::fs::read_dir(&ebnf_dir)
+        .expect("ebnf dir")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    ebnf_files.sort();
+    for path in ebnf_files {
+        let source = std::fs::read_to_string(&path).expect("ebnf file");
+        let check_regex = source
+            .lines()
+            .find_map(|l| l.strip_prefix("# check-regex: "))
+            .map(full_match);
+        cases.push(Case {
+            name: format!("ebnf/{}", path.file_stem().expect("stem").to_string_lossy()),
+            constraint: Constraint::Ebnf(source),
+            check: Check::Reparse(check_regex),
+        });
+    }
     cases
 }
 
@@ -284,7 +302,6 @@ fn every_constrained_generation_of_the_test_set_validates() {
         for &seed in &seeds {
             let generation = generate(&grammar, seed);
             generated += 1;
-            if seed == 11 { eprintln!("{}: {:?}", case.name, String::from_utf8_lossy(&generation.answer_bytes())); }
             total_tokens += generation.tokens.len();
             if let Err(why) = check_output(case, &grammar, &generation) {
                 failures.push(format!("{} seed {seed}: {why}", case.name));
@@ -721,6 +738,7 @@ fn invalid_constraints_fail_their_request_only() {
         let constraint = match entry["kind"].as_str().expect("kind") {
             "regex" => Constraint::Regex(entry["constraint"].as_str().expect("str").to_string()),
             "grammar" => Constraint::Lark(entry["constraint"].as_str().expect("str").to_string()),
+            "ebnf" => Constraint::Ebnf(entry["constraint"].as_str().expect("str").to_string()),
             "json_schema" => Constraint::JsonSchema(entry["constraint"].clone()),
             other => panic!("unknown kind {other}"),
         };
@@ -803,6 +821,13 @@ fn the_grammar_response_format_is_taken_out_of_the_request_body() {
         json_body.get("response_format").is_some(),
         "other formats stay"
     );
+
+    let mut ebnf_body = json!({"response_format": {"type": "grammar", "grammar": "root ::= \"a\"", "syntax": "ebnf"}});
+    let ebnf = take_grammar_response_format(&mut ebnf_body)
+        .expect("valid")
+        .expect("present");
+    assert_eq!(ebnf, Constraint::Ebnf("root ::= \"a\"".to_string()));
+    engine().compile(&ebnf).expect("compiles");
 
     for bad in [
         json!({"response_format": {"type": "grammar"}}),

@@ -246,6 +246,70 @@ pub fn gemm_fp4(x: &[f32], w: &Fp4Weight) -> Vec<f32> {
     y
 }
 
+/// K-block of the fp32 CPU GEMM (MKL `sgemm`) behind the reference's fp32 `F.linear`: each block of
+/// this many products is accumulated on its own, and the block partials are added in K order.
+pub const SGEMM_K_BLOCK: usize = 256;
+
+/// An fp32 dot product in the summation order of the reference's fp32 `F.linear` on CPU: sequential
+/// fused multiply-adds inside each block of [`SGEMM_K_BLOCK`] products, block partials added in K
+/// order. The order matters where a sum lands near a bf16 midpoint: on the v41-tiny fixture this
+/// order reproduces 94% of the reference's mHC `pre` coefficients bit for bit, an exactly rounded
+/// sum 70% (and it flips one collapse rounding in block 0 the other way, see `golden_v41.rs`).
+/// Independent of how many rows a call holds, so chunking invariance is kept.
+pub fn dot_f32_sgemm(a: &[f32], b: &[f32]) -> f32 {
+    a.chunks(SGEMM_K_BLOCK)
+        .zip(b.chunks(SGEMM_K_BLOCK))
+        .fold(0.0f32, |total, (a_block, b_block)| {
+            total
+                + a_block
+                    .iter()
+                    .zip(b_block)
+                    .fold(0.0f32, |acc, (x, y)| x.mul_add(*y, acc))
+        })
+}
+
+/// `e^x` in fp32 as the reference's vectorised CPU kernels compute it (torch's `Vectorized::exp`,
+/// i.e. SLEEF `expf_u10` with fused multiply-adds): Cody-Waite reduction by ln 2, a degree-6
+/// polynomial, scaling by `2^q` in two steps. Within 1 ulp of the true value, and bit-identical to
+/// the reference where a correctly rounded `exp` would differ by that ulp (sigmoids of the mHC
+/// coefficients, attention probabilities, SwiGLU).
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HIGH: f32 = 0.693_145_75;
+    const LN2_LOW: f32 = 1.428_606_8e-6;
+    const POLY: [f32; 6] = [
+        1.985_276_2e-4,
+        1.393_043_6e-3,
+        8.333_361e-3,
+        4.166_648_5e-2,
+        0.166_666_67,
+        0.5,
+    ];
+    if x.is_nan() {
+        return x;
+    }
+    if x < -104.0 {
+        return 0.0;
+    }
+    if x > 100.0 {
+        return f32::INFINITY;
+    }
+    let q = (x * LOG2_E).round_ties_even();
+    let s = q.mul_add(-LN2_LOW, q.mul_add(-LN2_HIGH, x));
+    let poly = POLY[1..]
+        .iter()
+        .fold(POLY[0], |acc, &c| acc.mul_add(s, c));
+    let mantissa = 1.0 + (s * s).mul_add(poly, s);
+    let q = q as i32;
+    let half = q >> 1;
+    mantissa * power_of_two(half) * power_of_two(q - half)
+}
+
+/// `2^e` for an exponent in the normal range.
+fn power_of_two(e: i32) -> f32 {
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
 /// Dot product accumulated in f64 and rounded once to f32: independent of summation order (for the
 /// lengths and magnitudes here it is the correctly rounded sum, up to rare double rounding), which
 /// is the order-free choice and the one that agrees best with the reference's fp32 BLAS sums.

@@ -2,12 +2,16 @@
 //! synthetic sharded checkpoints (every tensor read back through its typed call, statistics like the
 //! fixture's), byte round trips per dtype, and every failure mode (missing tensor, wrong dtype or
 //! shape, truncated file, malformed header, index pointing at a missing shard) as a named error.
+//! V4: the v4-tiny fixture (transformers names, float32) against `v4_inventory`, the real V4-Flash /
+//! 0731 inventories against the published tensor and dtype counts, and reduced random checkpoints
+//! in the official format (FP8 128×128, FP4 experts, MTP / DSpark, sharded) read back.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use deepinfer_model::checkpoint::{
-    Checkpoint, Dtype, INDEX_FILE, TensorKind, TensorSpec, v41_inventory, write_random_checkpoint,
+    Checkpoint, Dtype, INDEX_FILE, StoredLinear, TensorKind, TensorSpec, v4_inventory,
+    v41_inventory, write_random_checkpoint,
 };
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::error::ModelError;
@@ -45,6 +49,14 @@ fn mean_and_rms(values: &[f32]) -> (f64, f64) {
 fn read_entry(ckpt: &Checkpoint, spec: &TensorSpec) -> Result<Vec<f32>, ModelError> {
     match &spec.kind {
         TensorKind::Fp8 { out, inp } => Ok(ckpt.fp8_weight(&spec.name, *out, *inp)?.to_f32()),
+        TensorKind::Fp8Tiled { out, inp, block } => Ok(ckpt
+            .fp8_weight_blocked(&spec.name, *out, *inp, *block)?
+            .to_f32()),
+        TensorKind::ExpertTable { rows, k, .. } => Ok(ckpt
+            .i64(&spec.name, &[*rows, *k])?
+            .into_iter()
+            .map(|expert| expert as f32)
+            .collect()),
         TensorKind::Fp4 { out, inp } => Ok(ckpt.fp4_weight(&spec.name, *out, *inp)?.to_f32()),
         TensorKind::Fp8Rows { rows, width } => {
             // An Engram table is a row-blocked FP8 weight: block 1 x 32 is not a square tile, so
@@ -615,4 +627,374 @@ fn unindexed_directories_load_every_shard_and_reject_duplicates() {
         matches!(&err, ModelError::Checkpoint { message, .. } if message.contains("also present")),
         "{err:?}"
     );
+}
+
+const V4_FIXTURE_DIR: &str = "/work/shared/fixtures/v4/v4-tiny";
+
+fn v4_data_config(name: &str) -> ModelConfig {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data")
+        .join(name);
+    ModelConfig::from_file(&path).expect("V4 config parses")
+}
+
+/// Inventory names/dtypes/shapes against the checkpoint's (official) names.
+fn assert_holds_exactly(ckpt: &Checkpoint, specs: &[TensorSpec]) -> usize {
+    let mut expected = BTreeMap::new();
+    for spec in specs {
+        for (name, dtype, shape) in spec.stored() {
+            expected.insert(name, (dtype, shape));
+        }
+    }
+    let found: BTreeMap<String, (Dtype, Vec<usize>)> = ckpt
+        .names()
+        .into_iter()
+        .map(|name| {
+            let tensor = ckpt.tensor(name).expect("listed tensor");
+            (name.to_string(), (tensor.dtype, tensor.shape.to_vec()))
+        })
+        .collect();
+    let missing: Vec<_> = expected
+        .keys()
+        .filter(|k| !found.contains_key(*k))
+        .collect();
+    let extra: Vec<_> = found
+        .keys()
+        .filter(|k| !expected.contains_key(*k))
+        .collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "missing {missing:?}, extra {extra:?}"
+    );
+    assert_eq!(found, expected);
+    expected.len()
+}
+
+#[test]
+fn v4_fixture_holds_exactly_the_inventory_of_its_config() {
+    let cfg =
+        ModelConfig::from_file(&Path::new(V4_FIXTURE_DIR).join("config.json")).expect("config");
+    let ckpt = Checkpoint::open(Path::new(V4_FIXTURE_DIR)).expect("fixture opens");
+    let specs = v4_inventory(&cfg);
+    // 304 tensors, all float32 except the three I64 tid2eid tables.
+    assert_eq!(assert_holds_exactly(&ckpt, &specs), 304);
+    assert_eq!(ckpt.len(), 304);
+    let i64_tables = ckpt
+        .names()
+        .into_iter()
+        .filter(|name| ckpt.tensor(name).expect("present").dtype == Dtype::I64)
+        .count();
+    assert_eq!(i64_tables, 3);
+    // The transformers spellings are mapped onto the official names.
+    assert_eq!(
+        ckpt.stored_name("embed.weight"),
+        "model.embed_tokens.weight"
+    );
+    assert_eq!(ckpt.stored_name("head.weight"), "head.weight");
+    assert_eq!(ckpt.stored_name("hc_head_fn"), "model.hc_head.hc_fn");
+    assert_eq!(
+        ckpt.stored_name("layers.3.attn.kv_norm.weight"),
+        "model.layers.3.attn.norm.weight"
+    );
+    assert_eq!(
+        ckpt.stored_name("layers.3.attn.compressor.norm.weight"),
+        "model.layers.3.attn.compressor.norm.weight"
+    );
+    assert!(!ckpt.contains("model.norm.weight") && ckpt.contains("norm.weight"));
+}
+
+#[test]
+fn v4_fixture_reads_through_every_typed_call() {
+    let cfg = ModelConfig::tiny_v4();
+    let ckpt = Checkpoint::open(Path::new(V4_FIXTURE_DIR)).expect("fixture opens");
+    for spec in v4_inventory(&cfg) {
+        let values = read_entry(&ckpt, &spec).unwrap_or_else(|err| panic!("{}: {err}", spec.name));
+        assert!(values.iter().all(|v| v.is_finite()), "{}", spec.name);
+    }
+    // tid2eid rows hold 2 distinct experts below 8 (the fixture's seeded re-initialisation).
+    let table = ckpt
+        .i64("layers.1.ffn.gate.tid2eid", &[1024, 2])
+        .expect("tid2eid");
+    assert!(
+        table
+            .chunks(2)
+            .all(|row| row[0] != row[1] && row.iter().all(|&e| (0..8).contains(&e)))
+    );
+    assert!(ckpt.i64("layers.3.ffn.gate.tid2eid", &[1024, 2]).is_err());
+    // `linear` reads the float32 projections as dense weights, whatever their block argument.
+    let wq_a = ckpt
+        .linear("layers.2.attn.wq_a", 32, 64, 128)
+        .expect("wq_a");
+    assert!(matches!(
+        wq_a,
+        StoredLinear::Dense {
+            out: 32,
+            inp: 64,
+            ..
+        }
+    ));
+    assert_eq!(
+        wq_a.to_f32(),
+        ckpt.f32("layers.2.attn.wq_a.weight", &[32, 64])
+            .expect("f32")
+    );
+    // The attention kv norm (stored as `attn.norm`) is the 64-wide one, the HCA compressor's too.
+    assert_eq!(
+        ckpt.f32("layers.3.attn.kv_norm.weight", &[64])
+            .expect("kv norm")
+            .len(),
+        64
+    );
+}
+
+#[test]
+fn real_v4_inventories_match_the_published_checkpoints() {
+    let count = |specs: &[TensorSpec], dtype: Dtype| {
+        specs
+            .iter()
+            .flat_map(TensorSpec::stored)
+            .filter(|(_, d, _)| *d == dtype)
+            .count()
+    };
+    let flash = v4_inventory(&v4_data_config("deepseek-v4-flash.config.json"));
+    let stored: usize = flash.iter().map(|spec| spec.stored().len()).sum();
+    // Spec §5.1: 69 187 tensors; BF16 433, F32 417, F8_E4M3 375, F8_E8M0 34 167, I8 33 792, I64 3.
+    assert_eq!(stored, 69_187);
+    assert_eq!(
+        [
+            Dtype::BF16,
+            Dtype::F32,
+            Dtype::F8_E4M3,
+            Dtype::F8_E8M0,
+            Dtype::I8,
+            Dtype::I64
+        ]
+        .map(|dtype| count(&flash, dtype)),
+        [433, 417, 375, 34_167, 33_792, 3]
+    );
+    let bytes: usize = flash.iter().map(TensorSpec::stored_bytes).sum();
+    assert_eq!(bytes, 159_609_485_896, "published total_size");
+    let mtp: usize = flash
+        .iter()
+        .filter(|spec| spec.name.starts_with("mtp."))
+        .map(|spec| spec.stored().len())
+        .sum();
+    assert_eq!(mtp, 1_575);
+    let kind = |specs: &[TensorSpec], name: &str| {
+        specs
+            .iter()
+            .find(|spec| spec.name == name)
+            .map(|spec| spec.kind.clone())
+            .unwrap_or_else(|| panic!("{name} missing"))
+    };
+    assert_eq!(
+        kind(&flash, "layers.5.attn.wo_a"),
+        TensorKind::Fp8Tiled {
+            out: 8192,
+            inp: 4096,
+            block: 128
+        }
+    );
+    let wq_b = TensorSpec {
+        name: "layers.0.attn.wq_b".into(),
+        kind: kind(&flash, "layers.0.attn.wq_b"),
+    };
+    assert_eq!(wq_b.stored()[1].2, vec![256, 8]);
+    assert_eq!(
+        kind(&flash, "layers.42.ffn.experts.255.w2"),
+        TensorKind::Fp4 {
+            out: 4096,
+            inp: 2048
+        }
+    );
+    assert!(matches!(
+        kind(&flash, "layers.2.ffn.gate.tid2eid"),
+        TensorKind::ExpertTable {
+            rows: 129_280,
+            k: 6,
+            n_experts: 256
+        }
+    ));
+    assert!(
+        matches!(kind(&flash, "layers.4.attn.compressor.ape"), TensorKind::F32 { ref shape, .. } if shape == &vec![4, 1024])
+    );
+    assert!(
+        matches!(kind(&flash, "layers.3.attn.compressor.ape"), TensorKind::F32 { ref shape, .. } if shape == &vec![128, 512])
+    );
+
+    let dspark = v4_inventory(&v4_data_config("deepseek-v4-flash-0731.config.json"));
+    let stored: usize = dspark.iter().map(|spec| spec.stored().len()).sum();
+    // Spec §4.2 / §5.1: 72 317 tensors, 4 705 of them in the DSpark namespace
+    // (BF16 20, F32 27, F8_E4M3 25, I8 2 304 there).
+    assert_eq!(stored, 72_317);
+    let bytes: usize = dspark.iter().map(TensorSpec::stored_bytes).sum();
+    assert_eq!(bytes, 166_878_536_440, "published total_size");
+    let drafter: Vec<TensorSpec> = dspark
+        .iter()
+        .filter(|spec| spec.name.starts_with("mtp."))
+        .cloned()
+        .collect();
+    assert_eq!(
+        drafter
+            .iter()
+            .map(|spec| spec.stored().len())
+            .sum::<usize>(),
+        4_705
+    );
+    assert_eq!(
+        [Dtype::BF16, Dtype::F32, Dtype::F8_E4M3, Dtype::I8].map(|dtype| count(&drafter, dtype)),
+        [20, 27, 25, 2_304]
+    );
+    assert_eq!(
+        kind(&dspark, "mtp.0.main_proj"),
+        TensorKind::Fp8Tiled {
+            out: 4096,
+            inp: 3 * 4096,
+            block: 128
+        }
+    );
+}
+
+#[test]
+fn v4_synthetic_checkpoint_in_the_official_format_loads_back() {
+    let cfg = ModelConfig::reduced_v4();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let files = write_random_checkpoint(&cfg, 21, dir.path(), 3).expect("written");
+    assert_eq!(files.len(), 3);
+    let reparsed = ModelConfig::from_file(&dir.path().join("config.json")).expect("config.json");
+    assert_eq!(reparsed, cfg);
+    let written: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("config.json")).expect("config"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        written["quantization_config"]["weight_block_size"],
+        serde_json::json!([128, 128])
+    );
+    assert_eq!(written["expert_dtype"], "fp4");
+    let ckpt = Checkpoint::open(dir.path()).expect("reopens");
+    assert_eq!(ckpt.files().len(), 3);
+    let specs = v4_inventory(&cfg);
+    assert_holds_exactly(&ckpt, &specs);
+    for spec in &specs {
+        let values = read_entry(&ckpt, spec).unwrap_or_else(|err| panic!("{}: {err}", spec.name));
+        assert!(values.iter().all(|v| v.is_finite()), "{}", spec.name);
+    }
+    // FP8 with 128 x 128 tiles: wq_a [160, 256] has 2 x 2 scales (one partial tile row).
+    let wq_a = match ckpt
+        .linear("layers.0.attn.wq_a", 160, 256, 128)
+        .expect("wq_a")
+    {
+        StoredLinear::Fp8(weight) => weight,
+        other => panic!("expected FP8, got {other:?}"),
+    };
+    assert_eq!((wq_a.block, wq_a.scales.len()), (128, 4));
+    let (_, rms) = mean_and_rms(&wq_a.to_f32());
+    let std = 1.6 / 256f64.sqrt(); // gain of wq_a over sqrt(fan-in)
+    assert!((rms / std - 1.0).abs() < 0.1, "wq_a rms {rms} vs {std}");
+    // Every tile's largest magnitude lands in the top E4M3 binade (scale = p2(amax / 448)).
+    let dequant = wq_a.to_f32();
+    for tile_row in 0..2 {
+        for tile_col in 0..2 {
+            let scale = deepinfer_model::weights::e8m0_to_f32(wq_a.scales[tile_row * 2 + tile_col]);
+            let amax = (tile_row * 128..((tile_row + 1) * 128).min(160))
+                .flat_map(|r| (tile_col * 128..(tile_col + 1) * 128).map(move |c| (r, c)))
+                .map(|(r, c)| dequant[r * 256 + c].abs())
+                .fold(0f32, f32::max);
+            assert!(
+                amax / scale > 224.0 && amax / scale <= 448.0,
+                "tile ({tile_row},{tile_col})"
+            );
+        }
+    }
+    assert!(matches!(
+        ckpt.linear("layers.4.ffn.experts.7.w2", 256, 96, 128)
+            .expect("expert"),
+        StoredLinear::Fp4(_)
+    ));
+    assert!(matches!(
+        ckpt.linear("mtp.0.e_proj", 256, 256, 128).expect("e_proj"),
+        StoredLinear::Fp8(_)
+    ));
+    let table = ckpt
+        .i64("layers.2.ffn.gate.tid2eid", &[512, 2])
+        .expect("tid2eid");
+    assert!(
+        table
+            .chunks(2)
+            .all(|row| row[0] != row[1] && row.iter().all(|&e| (0..8).contains(&e)))
+    );
+    let distinct: BTreeSet<i64> = table.iter().copied().collect();
+    assert_eq!(distinct.len(), 8, "every expert is used somewhere");
+    let bias = ckpt.f32("layers.3.ffn.gate.bias", &[8]).expect("bias");
+    assert!(bias.iter().any(|&b| b != 0.0));
+    assert!(
+        !ckpt.contains("layers.3.ffn.gate.tid2eid") && !ckpt.contains("layers.2.ffn.gate.bias")
+    );
+}
+
+#[test]
+fn v4_synthetic_dspark_checkpoint_loads_back() {
+    let cfg = ModelConfig::reduced_v4_dspark();
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_random_checkpoint(&cfg, 5, dir.path(), 2).expect("written");
+    assert_eq!(
+        ModelConfig::from_file(&dir.path().join("config.json")).expect("parses"),
+        cfg
+    );
+    let ckpt = Checkpoint::open(dir.path()).expect("reopens");
+    let n = assert_holds_exactly(&ckpt, &v4_inventory(&cfg));
+    assert_eq!(n, ckpt.len());
+    assert!(
+        ckpt.contains("mtp.2.markov_head.markov_w1.weight")
+            && !ckpt.contains("mtp.0.e_proj.weight")
+    );
+    let main_proj = ckpt
+        .linear("mtp.0.main_proj", 256, 3 * 256, 128)
+        .expect("main_proj");
+    assert_eq!(main_proj.shape(), [256, 768]);
+}
+
+#[test]
+fn a_tensor_stored_under_both_spellings_is_rejected() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bytes: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let views: Vec<(String, TensorView<'_>)> = ["norm.weight", "model.norm.weight"]
+        .iter()
+        .map(|name| {
+            (
+                name.to_string(),
+                TensorView::new(Dtype::F32, vec![2], &bytes).expect("view"),
+            )
+        })
+        .collect();
+    let path = dir.path().join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &path).expect("written");
+    let err = Checkpoint::open(dir.path()).expect_err("ambiguous");
+    expect_checkpoint_error(err, &path, "model.norm.weight", &["`norm.weight`"]);
+}
+
+#[test]
+fn v4_synthetic_float32_checkpoint_has_the_fixture_layout() {
+    // A random checkpoint of the fixture's config (float32 storage) holds exactly the fixture's
+    // tensors under the official names, in one shard without an index as well as sharded.
+    let cfg = ModelConfig::tiny_v4();
+    let fixture = Checkpoint::open(Path::new(V4_FIXTURE_DIR)).expect("fixture opens");
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_random_checkpoint(&cfg, 9, dir.path(), 2).expect("written");
+    let synth = Checkpoint::open(dir.path()).expect("reopens");
+    assert_eq!(synth.names(), fixture.names());
+    for name in fixture.names() {
+        let (ours, theirs) = (
+            synth.tensor(name).expect("synthetic"),
+            fixture.tensor(name).expect("fixture"),
+        );
+        assert_eq!(
+            (ours.dtype, ours.shape),
+            (theirs.dtype, theirs.shape),
+            "{name}"
+        );
+    }
+    let reparsed = ModelConfig::from_file(&dir.path().join("config.json")).expect("config.json");
+    assert_eq!(reparsed, cfg);
 }

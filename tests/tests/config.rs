@@ -1,10 +1,14 @@
 //! `config.json` parsing and validation: the real DeepSeek-V4.1-Flash config (test data written from
 //! the spec table, 3 311 bytes like the published file), the golden fixture's config, and bad
-//! configs whose errors must name the file and the field.
+//! configs whose errors must name the file and the field. The V4 family: the real V4-Flash and
+//! V4-Flash-0731 configs (test data written from v4-architecture.md §1.1, official flat layout),
+//! the v4-tiny fixture's transformers-style config, and bad V4 configs.
 
 use std::path::{Path, PathBuf};
 
-use deepinfer_model::config::{ExpertDtype, ModelConfig, ModelFamily};
+use deepinfer_model::config::{
+    ExpertDtype, ModelConfig, ModelFamily, V4Attention, V4Mlp, V4Qat, WeightStorage,
+};
 use deepinfer_model::error::ModelError;
 use serde_json::{Value, json};
 
@@ -332,17 +336,11 @@ fn wrong_model_type_is_rejected_by_name() {
 }
 
 #[test]
-fn v4_flat_config_is_unsupported_for_now() {
+fn v4_model_type_selects_the_flat_layout() {
+    // The nested V4.1 document relabelled as deepseek_v4 is read as a flat V4 config, whose
+    // top-level fields it lacks.
     let err = error_after(|v| v["model_type"] = json!("deepseek_v4"));
-    match err {
-        ModelError::Unsupported { what } => {
-            assert!(
-                what.contains("/models/edited/config.json") && what.contains("deepseek_v4"),
-                "{what}"
-            )
-        }
-        other => panic!("expected Unsupported, got {other:?}"),
-    }
+    assert_config_error(err, "hidden_act", "missing");
 }
 
 #[test]
@@ -570,4 +568,475 @@ fn optional_parts_may_be_absent() {
     );
     assert_eq!(cfg.image_token_id, None);
     assert_eq!(cfg.compress_ratios.len(), 40);
+}
+
+const V4_FLASH_CONFIG: &str = "deepseek-v4-flash.config.json";
+const V4_FLASH_0731_CONFIG: &str = "deepseek-v4-flash-0731.config.json";
+const V4_FIXTURE_CONFIG: &str = "/work/shared/fixtures/v4/v4-tiny/config.json";
+
+fn json_of(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).expect("test data present");
+    serde_json::from_str(&text).expect("test data is JSON")
+}
+
+/// Parses an edited copy of a V4 config document and returns the error.
+fn v4_error_after(path: &Path, edit: impl FnOnce(&mut Value)) -> ModelError {
+    let mut value = json_of(path);
+    edit(&mut value);
+    ModelConfig::from_json_str(&value.to_string(), Path::new("/models/edited/config.json"))
+        .expect_err("edited V4 config must be rejected")
+}
+
+#[test]
+fn v4_flash_config_parses_with_derived_values() {
+    let cfg = ModelConfig::from_file(&data_path(V4_FLASH_CONFIG)).expect("V4-Flash config parses");
+    assert_eq!(cfg.family, ModelFamily::V4);
+    assert_eq!(
+        (
+            cfg.vocab_size,
+            cfg.dim,
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.head_dim,
+            cfg.rope_head_dim
+        ),
+        (129280, 4096, 43, 64, 512, 64)
+    );
+    assert_eq!(
+        (cfg.q_lora_rank, cfg.o_lora_rank, cfg.o_groups),
+        (1024, 1024, 8)
+    );
+    assert_eq!(
+        (
+            cfg.moe_inter_dim,
+            cfg.n_routed_experts,
+            cfg.n_shared_experts,
+            cfg.n_activated_experts
+        ),
+        (2048, 256, 1, 6)
+    );
+    assert_eq!(
+        (cfg.route_scale, cfg.swiglu_limit, cfg.norm_eps),
+        (1.5, 10.0, 1e-6)
+    );
+    assert_eq!(
+        (cfg.window_size, cfg.max_position_embeddings),
+        (128, 1_048_576)
+    );
+    assert_eq!(
+        (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk),
+        (64, 128, 512)
+    );
+    assert_eq!(
+        (cfg.hc.mult, cfg.hc.sinkhorn_iters, cfg.hc.eps),
+        (4, 20, 1e-6)
+    );
+    assert_eq!(
+        (cfg.rope.theta, cfg.rope.compress_theta),
+        (10000.0, 160000.0)
+    );
+    let yarn = cfg.rope.yarn.as_ref().expect("YaRN on the compress rope");
+    assert_eq!(
+        (
+            yarn.factor,
+            yarn.original_max_position,
+            yarn.beta_fast,
+            yarn.beta_slow
+        ),
+        (16.0, 65536, 32.0, 1.0)
+    );
+    assert_eq!(cfg.storage, WeightStorage::Quantized);
+    assert_eq!(cfg.quant.weight_block, [128, 128]);
+    assert_eq!(cfg.quant.expert_dtype, ExpertDtype::Fp4);
+    assert_eq!(
+        (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id),
+        (0, 1, None)
+    );
+
+    // Schedule: 2 sliding, 21 CSA (even 2..=42), 20 HCA (odd 3..=41); the 44th list entry is MTP.
+    let v4 = cfg.v4.as_ref().expect("V4 part");
+    let count = |kind| v4.attention.iter().filter(|&&a| a == kind).count();
+    assert_eq!(
+        (
+            count(V4Attention::Sliding),
+            count(V4Attention::Csa),
+            count(V4Attention::Hca)
+        ),
+        (2, 21, 20)
+    );
+    assert_eq!(cfg.compress_ratios.len(), 43);
+    assert_eq!(&cfg.compress_ratios[..5], &[0, 0, 4, 128, 4]);
+    assert_eq!(cfg.compress_ratios[42], 4);
+    assert_eq!((v4.csa_ratio, v4.hca_ratio), (4, 128));
+    assert_eq!(v4.n_hash_layers(), 3);
+    assert_eq!(
+        &v4.mlp[..4],
+        &[
+            V4Mlp::HashMoe,
+            V4Mlp::HashMoe,
+            V4Mlp::HashMoe,
+            V4Mlp::TopkMoe
+        ]
+    );
+    assert_eq!(v4.mtp_layers, 1);
+    assert_eq!(cfg.n_mtp_layers(), 1);
+    assert!(cfg.dspark.is_none());
+    assert_eq!(v4.qat, V4Qat::OFFICIAL);
+    assert_eq!(
+        (
+            v4.qat.kv_nope_fp8_group,
+            v4.qat.index_fp4_group,
+            v4.qat.act_fp8_group
+        ),
+        (64, 32, 128)
+    );
+    assert!(cfg.has_hc_head() && cfg.has_q_head_norm());
+    // Every compressed layer is its own KV source; only CSA layers index.
+    assert_eq!(cfg.kv_source_layers, (2..43).collect::<Vec<_>>());
+    assert_eq!(
+        cfg.index_source_layers,
+        (2..43).step_by(2).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (
+            cfg.kv_source_of(1),
+            cfg.kv_source_of(3),
+            cfg.kv_source_of(42)
+        ),
+        (None, Some(3), Some(42))
+    );
+    assert_eq!(
+        (cfg.index_source_of(3), cfg.index_source_of(4)),
+        (None, Some(4))
+    );
+    assert_eq!(cfg.v4_attention(41), Some(V4Attention::Hca));
+    assert_eq!(cfg.v4_mlp(2), Some(V4Mlp::HashMoe));
+    assert!(!cfg.uses_candidates(4));
+    // V4.1 configs say the opposite.
+    let v41 = ModelConfig::from_file(&data_path(REAL_CONFIG)).expect("V4.1 parses");
+    assert!(!v41.has_hc_head() && !v41.has_q_head_norm() && v41.v4.is_none());
+    assert_eq!(v41.storage, WeightStorage::Quantized);
+}
+
+#[test]
+fn v4_flash_0731_config_parses_with_the_dspark_drafter() {
+    let flash = ModelConfig::from_file(&data_path(V4_FLASH_CONFIG)).expect("V4-Flash parses");
+    let cfg = ModelConfig::from_file(&data_path(V4_FLASH_0731_CONFIG)).expect("0731 parses");
+    let dspark = cfg.dspark.as_ref().expect("DSpark drafter");
+    // Three stages from the three trailing compress_ratios entries, despite the raw
+    // num_nextn_predict_layers = 1.
+    assert_eq!(dspark.n_stages, 3);
+    assert_eq!(cfg.n_dspark_stages(), 3);
+    assert_eq!((dspark.block_size, dspark.noise_token_id), (5, 128799));
+    assert_eq!(dspark.target_layers, vec![40, 41, 42]);
+    assert_eq!(dspark.markov_rank, 256);
+    assert_eq!(
+        (dspark.n_routed_experts, dspark.n_activated_experts),
+        (256, 6)
+    );
+    assert_eq!(cfg.n_mtp_layers(), 0);
+    // Same backbone as V4-Flash.
+    let backbone = |c: &ModelConfig| {
+        let mut c = c.clone();
+        c.dspark = None;
+        if let Some(v4) = c.v4.as_mut() {
+            v4.mtp_layers = 0;
+        }
+        c
+    };
+    assert_eq!(backbone(&cfg), backbone(&flash));
+}
+
+#[test]
+fn v4_fixture_config_parses_and_equals_tiny_v4() {
+    let cfg = ModelConfig::from_file(Path::new(V4_FIXTURE_CONFIG)).expect("fixture config parses");
+    assert_eq!(cfg, ModelConfig::tiny_v4());
+    let v4 = cfg.v4.as_ref().expect("V4 part");
+    assert_eq!((v4.csa_ratio, v4.hca_ratio), (4, 8));
+    assert_eq!(cfg.compress_ratios, vec![0, 0, 4, 8, 4, 8]);
+    assert_eq!(v4.n_hash_layers(), 3);
+    assert_eq!(cfg.rope_head_dim, 16);
+    assert_eq!(cfg.storage, WeightStorage::Float32);
+    assert_eq!(
+        cfg.rope.yarn.as_ref().map(|y| y.original_max_position),
+        Some(4096)
+    );
+}
+
+#[test]
+fn v4_configs_round_trip_through_json() {
+    for cfg in [
+        ModelConfig::from_file(&data_path(V4_FLASH_CONFIG)).expect("parses"),
+        ModelConfig::from_file(&data_path(V4_FLASH_0731_CONFIG)).expect("parses"),
+        ModelConfig::tiny_v4(),
+        ModelConfig::reduced_v4(),
+        ModelConfig::reduced_v4_dspark(),
+    ] {
+        let json = cfg.to_hf_json().expect("serialises");
+        let back = ModelConfig::from_json_str(&json.to_string(), Path::new("roundtrip.json"))
+            .expect("serialised V4 config parses");
+        assert_eq!(back, cfg);
+    }
+    let keys = |v: &Value| {
+        let mut keys: Vec<String> = v.as_object().expect("object").keys().cloned().collect();
+        keys.sort();
+        keys
+    };
+    // The official configs serialise to their own key sets (legacy spelling) ...
+    for name in [V4_FLASH_CONFIG, V4_FLASH_0731_CONFIG] {
+        let json = ModelConfig::from_file(&data_path(name))
+            .expect("parses")
+            .to_hf_json()
+            .expect("serialises");
+        assert_eq!(keys(&json), keys(&json_of(&data_path(name))), "{name}");
+    }
+    // ... and the fixture's schedule (HCA rate 8) needs the transformers spelling.
+    let json = ModelConfig::tiny_v4().to_hf_json().expect("serialises");
+    let fixture = json_of(Path::new(V4_FIXTURE_CONFIG));
+    for key in keys(&json) {
+        assert!(fixture.get(&key).is_some(), "{key} is not a fixture key");
+    }
+    assert_eq!(json["layer_types"], fixture["layer_types"]);
+    assert_eq!(json["mlp_layer_types"], fixture["mlp_layer_types"]);
+    assert_eq!(json["compress_rates"], fixture["compress_rates"]);
+}
+
+#[test]
+fn transformers_and_legacy_spellings_give_the_same_config() {
+    // The V4-Flash schedule written with the transformers keys parses to the same config.
+    let mut value = json_of(&data_path(V4_FLASH_CONFIG));
+    let object = value.as_object_mut().expect("object");
+    let mut layer_types = vec!["sliding_attention"; 2];
+    for _ in 0..20 {
+        layer_types.push("compressed_sparse_attention");
+        layer_types.push("heavily_compressed_attention");
+    }
+    layer_types.push("compressed_sparse_attention");
+    object.insert("layer_types".into(), json!(layer_types));
+    object.insert(
+        "compress_rates".into(),
+        json!({"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}),
+    );
+    let mut mlp = vec!["hash_moe"; 3];
+    mlp.extend(vec!["moe"; 40]);
+    object.insert("mlp_layer_types".into(), json!(mlp));
+    object.remove("compress_ratios");
+    object.remove("num_hash_layers");
+    object.remove("qk_rope_head_dim");
+    object.insert("partial_rotary_factor".into(), json!(0.125));
+    object.remove("rope_scaling");
+    object.insert(
+        "rope_parameters".into(),
+        json!({
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
+            "compress": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 160000.0,
+                         "partial_rotary_factor": 0.125, "attention_factor": 1.0}
+        }),
+    );
+    let transformers = ModelConfig::from_json_str(&value.to_string(), Path::new("hf.json"))
+        .expect("transformers spelling parses");
+    let legacy = ModelConfig::from_file(&data_path(V4_FLASH_CONFIG)).expect("parses");
+    assert_eq!(transformers, legacy);
+}
+
+#[test]
+fn bad_v4_configs_name_the_field() {
+    let flash = data_path(V4_FLASH_CONFIG);
+    let dspark = data_path(V4_FLASH_0731_CONFIG);
+    let fixture = PathBuf::from(V4_FIXTURE_CONFIG);
+    let cases: Vec<(&Path, Edit, &str, &str)> = vec![
+        (
+            &flash,
+            Box::new(|v| v["compress_ratios"][3] = json!(5)),
+            "compress_ratios",
+            "entry 3 is 5",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["compress_ratios"][43] = json!(4)),
+            "compress_ratios",
+            "entry 43",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["compress_ratios"] = json!([0, 0, 4])),
+            "compress_ratios",
+            "at least num_hidden_layers = 43",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["num_nextn_predict_layers"] = json!(2)),
+            "compress_ratios",
+            "num_nextn_predict_layers is 2",
+        ),
+        (
+            &flash,
+            Box::new(|v| {
+                v.as_object_mut().expect("object").remove("num_hash_layers");
+            }),
+            "num_hash_layers",
+            "missing",
+        ),
+        (
+            &flash,
+            Box::new(|v| {
+                v.as_object_mut().expect("object").remove("compress_ratios");
+            }),
+            "layer_types",
+            "compress_ratios",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["num_key_value_heads"] = json!(8)),
+            "num_key_value_heads",
+            "found 8",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["hidden_act"] = json!("gelu")),
+            "hidden_act",
+            "silu",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["scoring_func"] = json!("softmax")),
+            "scoring_func",
+            "sqrtsoftplus",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["quantization_config"]["weight_block_size"] = json!([128, 64])),
+            "quantization_config.weight_block_size",
+            "[128, 64]",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["quantization_config"]["fmt"] = json!("e5m2")),
+            "quantization_config.fmt",
+            "e4m3",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["expert_dtype"] = json!("int4")),
+            "expert_dtype",
+            "int4",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["rope_scaling"]["type"] = json!("linear")),
+            "rope_scaling.type",
+            "yarn",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["hidden_size"] = json!(4004)),
+            "hidden_size",
+            "multiple of 32",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["o_groups"] = json!(7)),
+            "o_groups",
+            "not divisible",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["num_experts_per_tok"] = json!(300)),
+            "num_experts_per_tok",
+            "1..=256",
+        ),
+        (
+            &flash,
+            Box::new(|v| v["eos_token_id"] = json!(200000)),
+            "eos_token_id",
+            "outside the vocabulary",
+        ),
+        (
+            &dspark,
+            Box::new(|v| v["dspark_target_layer_ids"] = json!([40, 43])),
+            "dspark_target_layer_ids",
+            "layer 43 is out of range",
+        ),
+        (
+            &dspark,
+            Box::new(|v| v["dspark_block_size"] = json!(1)),
+            "dspark_block_size",
+            "at least 2",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["layer_types"][2] = json!("full_attention")),
+            "layer_types",
+            "entry 2",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["layer_types"] = json!(["sliding_attention"])),
+            "layer_types",
+            "one entry per backbone layer (6)",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["mlp_layer_types"][4] = json!("dense")),
+            "mlp_layer_types",
+            "entry 4",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["num_hash_layers"] = json!(2)),
+            "num_hash_layers",
+            "3",
+        ),
+        (
+            &fixture,
+            Box::new(|v| {
+                v["compress_rates"]
+                    .as_object_mut()
+                    .expect("object")
+                    .remove("heavily_compressed_attention");
+            }),
+            "compress_rates.heavily_compressed_attention",
+            "missing",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["qk_rope_head_dim"] = json!(32)),
+            "qk_rope_head_dim",
+            "disagrees",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["rope_parameters"]["compress"]["attention_factor"] = json!(1.2773)),
+            "rope_parameters.compress.attention_factor",
+            "no YaRN mscale",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["rope_parameters"]["main"]["rope_type"] = json!("yarn")),
+            "rope_parameters.main.rope_type",
+            "default",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["rope_theta"] = json!(5000.0)),
+            "rope_theta",
+            "disagrees",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["dtype"] = json!("float16")),
+            "dtype",
+            "float16",
+        ),
+        (
+            &fixture,
+            Box::new(|v| v["compress_rates"]["heavily_compressed_attention"] = json!(0)),
+            "compress_rates.heavily_compressed_attention",
+            "at least 1",
+        ),
+    ];
+    for (path, edit, field, needle) in cases {
+        assert_config_error(v4_error_after(path, edit), field, needle);
+    }
 }

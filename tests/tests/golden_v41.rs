@@ -156,12 +156,31 @@ fn inject_reference_streams(fx: &Fixture, trace: &mut ForwardTrace, n: usize) {
     }
 }
 
-/// The prefill is bit-exact with the reference until the first fp32 reduction-order difference
-/// flips a bf16 rounding; after that the model is chaotic (one flipped bf16 ulp moves later logits
-/// by several % of the range through the FP8/FP4 quantisers and the top-k selections), so each
-/// block is also checked on the reference's own inputs (`every_block_matches_...`).
+/// Free-running prefill and decode against the reference logits.
+///
+/// The README tolerance (max|Δ|/range ≤ 0.005) is not reachable without bit-exact fp32 reductions,
+/// and this test asserts the bound actually reached instead. Where and why the divergence starts:
+/// - Rows 0..=6 are bit-exact. The first differing element is in block 1 at position 7, stream 3,
+///   channel 58: one bf16 ulp (−0.55859375 vs −0.5625) from the FFN-site expand, whose fp32 sum lies
+///   within an fp32 ulp or two of a bf16 midpoint; which side it lands on is decided by the last
+///   ulp of the mHC coefficients, i.e. by the summation order of the reference's fp32 `F.linear`
+///   (an MKL sgemm; sequential fp32 sums land on the reference's side here, the sgemm order this
+///   backend uses reproduces 94% of all `pre` coefficients bit for bit but not this one).
+/// - One flipped bf16 ulp is amplified by the quantisers: a bf16 step of an activation that sits on
+///   an E4M3 rounding tie moves it by a whole E4M3 step (1/16 relative), and later FP4/FP8 codes and
+///   top-k / routing decisions follow. Block 0 at position 36 showed exactly this (a collapse sum
+///   1 fp32 ulp below a bf16 midpoint, then an E4M3 tie at 248, then −2% on that token's MoE
+///   output); the sgemm order now lands it on the reference's side.
+/// - The model is chaotic at this level: perturbing only the last ulp of the fp32 `exp` inside the
+///   mHC sigmoids (nothing else) moves this backend's own logits_full by 0.128 of the range. So
+///   ~0.1–0.15 of the range is the floor for any implementation whose fp32 reductions are not
+///   bit-identical to the reference's; the per-block checks on the reference's own inputs
+///   (`every_block_matches_reference_given_reference_inputs`) are what pins the numerics.
+/// Measured: logits_full 0.149, logits_decode 0.149, text.decode.logits 0.115 of the range.
 #[test]
 fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
+    // The bound reached (see the doc comment); the README's 0.005 holds only for rows 0..=6.
+    const FREE_RUNNING: f32 = 0.2;
     let Some(fx) = Fixture::load() else { return };
     let cfg = fx.model.config().clone();
     let vocab = cfg.vocab_size;
@@ -190,6 +209,12 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
         exact_rows >= 7,
         "only {exact_rows} leading rows match the reference"
     );
+    let leading = max_abs_diff(&logits[..7 * vocab], &reference[..7 * vocab]) / range;
+    assert!(
+        leading <= fx.tolerance(),
+        "rows 0..7 of logits_full: {leading}"
+    );
+    assert!(overall <= FREE_RUNNING, "logits_full max|Δ|/range {overall}");
 
     let run = fx.decode_run();
     let prefill_len = run["prefill_len"].as_u64().expect("prefill_len") as usize;
@@ -210,6 +235,12 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
         "the P-token prefill rows equal the one-shot rows"
     );
     let decode_expected = fx.f32("text.decode.logits");
+    // `logits_decode`: rows < P from the P-token prefill, rows ≥ P from the decode steps.
+    let schedule = fx.f32("logits_decode");
+    let mut schedule_error = max_abs_diff(
+        &prefill[..prefill_len * vocab],
+        &schedule[..prefill_len * vocab],
+    ) / range;
     let mut decode_error = 0.0f32;
     let mut row_errors = Vec::new();
     let mut argmaxes = Vec::new();
@@ -222,6 +253,9 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
         decode_error = decode_error.max(error / range);
         row_errors.push(error);
         if prefill_len + s < n {
+            let t = prefill_len + s;
+            schedule_error = schedule_error
+                .max(max_abs_diff(&row, &schedule[t * vocab..(t + 1) * vocab]) / range);
             let one_shot = &logits[(prefill_len + s) * vocab..(prefill_len + s + 1) * vocab];
             assert_eq!(
                 row[..],
@@ -257,9 +291,13 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
         .take_while(|&g| margins[g] >= 2.0 * row_errors[first_greedy_step + g])
         .count();
     eprintln!(
-        "free-running text.decode.logits: max|Δ|/range = {decode_error:.3e}; greedy tokens: first {agree} of {} agree, \
-         {decidable} decidable by the margin rule",
+        "free-running logits_decode: max|Δ|/range = {schedule_error:.3e}; text.decode.logits: {decode_error:.3e}; \
+         greedy tokens: first {agree} of {} agree, {decidable} decidable by the margin rule",
         greedy.len()
+    );
+    assert!(
+        schedule_error <= FREE_RUNNING && decode_error <= FREE_RUNNING,
+        "logits_decode {schedule_error}, text.decode.logits {decode_error}"
     );
     assert!(
         agree >= decidable,
@@ -275,6 +313,10 @@ fn every_block_matches_reference_given_reference_inputs() {
     const STREAM_RMS: f32 = 2e-3;
     const COEFF_RMS: f32 = 1e-4;
     const LOGITS: f32 = 1e-5;
+    // Block 0 at position 36: the FFN-site collapse sum is 1 fp32 ulp from a bf16 midpoint and the
+    // flipped element then sits on an E4M3 tie, so the token's MoE output moves by 2% (relRMS 5e-4
+    // for the block) unless the mHC coefficients carry the reference sgemm's last ulp.
+    const BLOCK0_RMS: f32 = 2e-5;
     let Some(fx) = Fixture::load() else { return };
     let cfg = fx.model.config().clone();
     let tokens = fx.tokens();
@@ -333,6 +375,10 @@ fn every_block_matches_reference_given_reference_inputs() {
         assert!(
             pre_err <= COEFF_RMS && w_err <= COEFF_RMS,
             "block {l}: layer_pre {pre_err}, route_w {w_err}"
+        );
+        assert!(
+            l != 0 || out_err <= BLOCK0_RMS,
+            "block 0: layer_out {out_err}"
         );
     }
     let route_rows = cfg.n_layers * n;

@@ -4,10 +4,12 @@
 //! Tolerances (each test asserts its own and prints what it measured):
 //! - FP8 activation quantisation: bit-exact (codes and scales).
 //! - FP8 / FP4 block-scaled GEMMs: bit-exact. The spec allows ≤ 1 bf16 ulp (another order inside
-//!   a 32-block), but these kernels sum in the reference's order (sequential inside a block, blocks
-//!   in K order, exact products, power-of-two scales), so every bit must match.
+//!   a 32-block), but here both sides take a group's partial as the exact sum of its exact products
+//!   rounded once to fp32 (the CPU in f64, the GPU with an exact two-part fp32 sum) and add the
+//!   scaled partials in K order, so every bit must match.
 //! - RoPE: bit-exact (same products, same rounding, host-built cos/sin tables).
-//! - RMSNorm: ≤ 1 bf16 ulp (the sum of squares is a fixed tree on the GPU, sequential on the CPU).
+//! - RMSNorm: ≤ 1 bf16 ulp (both sum the squares in f64, the GPU in a fixed tree, the CPU in
+//!   sequence; the f64 sums differ only when the squares span very many binades).
 //! - Batch invariance: a GEMM row computed with M = 1 is bitwise equal to that row inside M = 7 and
 //!   M = 64.
 //!

@@ -1,22 +1,35 @@
 //! `deepinfer-node`: runs an offline job (OpenAI Batch JSONL) on the topology's model, or a
-//! built-in sample batch when no input is given. The job logic lives in `deepinfer_actors::job`.
+//! built-in sample batch when no input is given; `logits` and `eplb-plan` are operator tools.
+//! The logic lives in `deepinfer_actors::{job, tools}`; this file parses arguments and prints.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use deepinfer_actors::job::{JobOptions, run_job, sample_batch};
+use deepinfer_actors::tools::{eplb_plan, logits};
 use deepinfer_actors::{Engine, EngineConfig, model_source, prometheus};
 use deepinfer_topology::NodeConfig;
+use deepinfer_topology::eplb::PlacementShape;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Offline inference for DeepSeek-V4.1-Flash.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version, about, args_conflicts_with_subcommands = true)]
 struct Cli {
+    #[command(subcommand)]
+    tool: Option<Tool>,
+    #[command(flatten)]
+    job: JobArgs,
+}
+
+/// The offline job (the default when no tool is named).
+#[derive(Args, Debug)]
+struct JobArgs {
     /// Topology file; default: the embedded configs/local.toml (CPU, built-in demo model).
     #[arg(long)]
     topology: Option<PathBuf>,
@@ -30,7 +43,61 @@ struct Cli {
     output: Option<PathBuf>,
 }
 
-fn main() -> anyhow::Result<()> {
+#[derive(Subcommand, Debug)]
+enum Tool {
+    /// Writes the fp32 logits at every input position (tensor `logits`, [tokens, vocab]) when
+    /// the tokens are fed through the per-sequence state in the given chunk sizes.
+    Logits(LogitsArgs),
+    /// Plans an expert placement with DeepSeek's EPLB and prints
+    /// `{"phy2log", "log2phy", "logcnt"}` as JSON.
+    EplbPlan(EplbPlanArgs),
+}
+
+#[derive(Args, Debug)]
+struct LogitsArgs {
+    /// Checkpoint directory (config.json + safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    /// Comma-separated token ids.
+    #[arg(long)]
+    tokens: String,
+    /// Comma-separated chunk sizes summing to the number of tokens (default: one chunk).
+    #[arg(long)]
+    chunks: Option<String>,
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Output safetensors file.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Args, Debug)]
+struct EplbPlanArgs {
+    /// JSON file `[[layer loads...], ...]`: one row of per-expert loads per MoE layer.
+    #[arg(long)]
+    load: PathBuf,
+    /// Physical expert slots per layer (logical experts + redundant ones).
+    #[arg(long)]
+    replicas: usize,
+    /// Expert groups.
+    #[arg(long)]
+    groups: usize,
+    /// Nodes.
+    #[arg(long)]
+    nodes: usize,
+    /// GPUs (EP ranks) in all.
+    #[arg(long)]
+    gpus: usize,
+}
+
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
@@ -38,13 +105,61 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(run(cli))
+    let result = match cli.tool {
+        Some(Tool::Logits(args)) => run_logits(args),
+        Some(Tool::EplbPlan(args)) => run_eplb_plan(args),
+        None => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(anyhow::Error::from)
+            .and_then(|runtime| runtime.block_on(run(cli.job))),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // One line: what failed and where.
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
+fn run_logits(args: LogitsArgs) -> anyhow::Result<()> {
+    if args.device == Device::Cuda {
+        anyhow::bail!(
+            "--device cuda: the CUDA model backend is not available in this build yet; use --device cpu"
+        );
+    }
+    let request = logits::LogitsRequest {
+        model_dir: args.model,
+        tokens: logits::parse_token_list(&args.tokens)?,
+        chunks: match &args.chunks {
+            Some(text) => logits::parse_chunk_list(text)?,
+            None => Vec::new(),
+        },
+        out: args.out,
+    };
+    let [rows, vocab] = logits::run(&request)?;
+    eprintln!(
+        "wrote logits [{rows}, {vocab}] to {}",
+        request.out.display()
+    );
+    Ok(())
+}
+
+fn run_eplb_plan(args: EplbPlanArgs) -> anyhow::Result<()> {
+    let shape = PlacementShape {
+        num_replicas: args.replicas,
+        num_groups: args.groups,
+        num_nodes: args.nodes,
+        num_gpus: args.gpus,
+    };
+    let plan = eplb_plan::run(&args.load, shape).map_err(anyhow::Error::msg)?;
+    println!("{plan}");
+    Ok(())
+}
+
+async fn run(cli: JobArgs) -> anyhow::Result<()> {
     let node = match &cli.topology {
         Some(path) => NodeConfig::from_file_with_env(path)?,
         None => NodeConfig::embedded_default()?,

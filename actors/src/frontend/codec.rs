@@ -119,8 +119,10 @@ impl TextCodec {
     /// template. The body's `model` is replaced by the V4.1 name (this engine serves one model).
     pub fn encode_chat(&self, body: &serde_json::Value) -> Result<EncodedChat, ValidationError> {
         let mut body = body.clone();
-        let grammar_format = take_grammar_response_format(&mut body)
-            .map_err(|e| ValidationError::Conversion { detail: e.to_string() })?;
+        let grammar_format =
+            take_grammar_response_format(&mut body).map_err(|e| ValidationError::Conversion {
+                detail: e.to_string(),
+            })?;
         let Some(object) = body.as_object_mut() else {
             return Err(ValidationError::Conversion {
                 detail: "the body is not a JSON object".into(),

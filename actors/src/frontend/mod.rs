@@ -83,8 +83,7 @@ impl Actor for FrontendActor {
                     s.args.codec.as_deref(),
                     s.args.grammar.as_deref(),
                     &s.args.limits,
-                )
-                {
+                ) {
                     Ok(p) => p,
                     Err(e) => {
                         m::record_request("invalid");

@@ -154,7 +154,9 @@ pub fn prepare(
             })?;
             let compiled = engine
                 .compile(&constraint)
-                .map_err(|e| ValidationError::Grammar { detail: e.to_string() })?;
+                .map_err(|e| ValidationError::Grammar {
+                    detail: e.to_string(),
+                })?;
             let matcher = engine.matcher(&compiled, engine.constraint_start(&prompt));
             let end_token = limits.eos_token_id.unwrap_or(0);
             Some(Box::new(SeqGrammar { matcher, end_token }))

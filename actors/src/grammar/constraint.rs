@@ -25,6 +25,9 @@ pub enum Constraint {
     /// root rule, `"literal"`, `/regex/`, `|`, `*`, `+`, `?`, `( )`, `%json {schema}`; special
     /// tokens as `<[128825]>` or `<think>`).
     Lark(String),
+    /// Text in the language of a GBNF-style EBNF grammar (`root ::= ...`, `"literal"`, `[a-z]`,
+    /// `|`, `*`, `+`, `?`, `{m,n}`, `( )`), translated to Lark before compiling.
+    Ebnf(String),
 }
 
 impl Constraint {
@@ -51,6 +54,7 @@ impl Constraint {
             Self::JsonObject => "json_object",
             Self::Regex(_) => "regex",
             Self::Lark(_) => "grammar",
+            Self::Ebnf(_) => "ebnf",
         }
     }
 }
@@ -58,10 +62,11 @@ impl Constraint {
 /// Take the grammar extension out of a chat-completion request body before deepseek-recipe
 /// converts it (its `response_format` accepts only text, json_object, json_schema and regex).
 ///
-/// If `body.response_format` is `{"type": "grammar", "grammar": "<Lark source>"}`, removes
-/// `response_format` from the body and returns `Some(Constraint::Lark)`; any other body is left
-/// unchanged and gives `None`. A grammar response format with a missing, non-string, empty or
-/// unknown field is an error for this request.
+/// If `body.response_format` is `{"type": "grammar", "grammar": "<source>"}`, with an optional
+/// `"syntax": "lark"` (the default) or `"syntax": "ebnf"` (GBNF-style), removes `response_format`
+/// from the body and returns the constraint; any other body is left unchanged and gives `None`. A
+/// grammar response format with a missing, non-string, empty or unknown field is an error for
+/// this request.
 pub fn take_grammar_response_format(body: &mut Value) -> Result<Option<Constraint>, GrammarError> {
     let Some(object) = body.as_object_mut() else {
         return Ok(None);
@@ -81,21 +86,31 @@ pub fn take_grammar_response_format(body: &mut Value) -> Result<Option<Constrain
     let Some(Value::Object(format)) = object.remove("response_format") else {
         return Err(field("must be an object".to_string()));
     };
-    if let Some(unknown) = format.keys().find(|k| *k != "type" && *k != "grammar") {
+    if let Some(unknown) = format
+        .keys()
+        .find(|k| !["type", "grammar", "syntax"].contains(&k.as_str()))
+    {
         return Err(field(format!(
-            "unknown field `{unknown}` in a grammar response format (expected `type`, `grammar`)"
+            "unknown field `{unknown}` in a grammar response format \
+             (expected `type`, `grammar`, `syntax`)"
         )));
     }
-    match format.get("grammar") {
-        Some(Value::String(grammar)) if !grammar.trim().is_empty() => {
-            Ok(Some(Constraint::Lark(grammar.clone())))
+    let grammar = match format.get("grammar") {
+        Some(Value::String(grammar)) if !grammar.trim().is_empty() => grammar.clone(),
+        Some(Value::String(_)) => return Err(field("`grammar` is empty".to_string())),
+        Some(_) => return Err(field("`grammar` must be a string".to_string())),
+        None => {
+            return Err(field(
+                "a grammar response format needs a `grammar` string".to_string(),
+            ));
         }
-        Some(Value::String(_)) => Err(field("`grammar` is empty".to_string())),
-        Some(_) => Err(field(
-            "`grammar` must be a string (Lark source)".to_string(),
-        )),
-        None => Err(field(
-            "a grammar response format needs a `grammar` string (Lark source)".to_string(),
-        )),
+    };
+    match format.get("syntax").map(|s| s.as_str()) {
+        None | Some(Some("lark")) => Ok(Some(Constraint::Lark(grammar))),
+        Some(Some("ebnf")) => Ok(Some(Constraint::Ebnf(grammar))),
+        Some(other) => Err(field(format!(
+            "`syntax` must be \"lark\" or \"ebnf\", not {}",
+            other.map_or_else(|| "a non-string".to_string(), |s| format!("{s:?}"))
+        ))),
     }
 }

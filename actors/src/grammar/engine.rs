@@ -9,6 +9,7 @@ use llguidance::{ParserFactory, TokenParser};
 use serde_json::Value;
 use toktrie::{TokEnv, TokenId};
 
+use super::ebnf::ebnf_to_lark;
 use super::{
     Constraint, ConstraintStart, DeepSeekTokEnv, GrammarError, GrammarMatcher, SpecialTokens,
 };
@@ -127,6 +128,10 @@ impl GrammarEngine {
             Constraint::Lark(grammar) => {
                 check_size(grammar.len())?;
                 TopLevelGrammar::from_lark(grammar.clone())
+            }
+            Constraint::Ebnf(grammar) => {
+                check_size(grammar.len())?;
+                TopLevelGrammar::from_lark(ebnf_to_lark(grammar)?)
             }
         };
         let parser =

@@ -1,12 +1,13 @@
-//! Structured outputs: constrain generation to a JSON schema, a regex or a Lark (EBNF) grammar
-//! with llguidance.
+//! Structured outputs: constrain generation to a JSON schema, a regex or a grammar (Lark or
+//! GBNF-style EBNF) with llguidance.
 //!
 //! - [`GrammarEngine`] is built once per tokenizer (byte table, token trie, llguidance factory)
 //!   and shared by all requests (`Arc`).
 //! - [`Constraint`] is what a request asks for; it comes from deepseek-recipe's
 //!   `OutputConstraint` ([`Constraint::from_output_constraint`]) or from the grammar extension of
 //!   the request body ([`take_grammar_response_format`]):
-//!   `"response_format": {"type": "grammar", "grammar": "<lark source>"}`.
+//!   `"response_format": {"type": "grammar", "grammar": "<source>", "syntax": "lark" | "ebnf"}`
+//!   (`syntax` defaults to `lark`, llguidance's Lark dialect; `ebnf` is GBNF-style `root ::= ...`).
 //! - [`GrammarMatcher`] is one request's state: the mask for the next token, advance, rollback
 //!   and per-position masks for speculative drafts. In thinking mode it lets the reasoning
 //!   through unconstrained and constrains the answer after `</think>`.
@@ -26,6 +27,7 @@
 //!    unchanged, so advance with the accepted prefix and the bonus token).
 
 mod constraint;
+mod ebnf;
 mod engine;
 mod error;
 mod mask;

@@ -226,6 +226,19 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// The end of the reasoning section in V4.1 output (thinking mode).
+pub const THINK_END: &str = "</think>";
+
+/// Splits thinking-mode output at the first `</think>` into (reasoning, answer); `None` when the
+/// output has no reasoning section.
+pub fn split_reasoning(text: &str) -> Option<(&str, &str)> {
+    let at = text.find(THINK_END)?;
+    Some((
+        &text[..at],
+        text[at + THINK_END.len()..].trim_start_matches('\n'),
+    ))
+}
+
 /// The output line of a completed request.
 pub fn success_line(index: usize, job: &JobLine, done: &Completion, created: u64) -> Value {
     let usage = json!({
@@ -234,19 +247,26 @@ pub fn success_line(index: usize, job: &JobLine, done: &Completion, created: u64
         "total_tokens": done.usage.prompt_tokens + done.usage.completion_tokens,
     });
     let body = match job.endpoint {
-        Endpoint::ChatCompletions => json!({
-            "id": format!("chatcmpl-{}", done.id.get()),
-            "object": "chat.completion",
-            "created": created,
-            "model": job.model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": done.text},
-                "finish_reason": done.reason.as_str(),
-                "logprobs": null,
-            }],
-            "usage": usage,
-        }),
+        Endpoint::ChatCompletions => {
+            let mut message = json!({"role": "assistant", "content": done.text});
+            if let Some((reasoning, answer)) = split_reasoning(&done.text) {
+                message =
+                    json!({"role": "assistant", "reasoning_content": reasoning, "content": answer});
+            }
+            json!({
+                "id": format!("chatcmpl-{}", done.id.get()),
+                "object": "chat.completion",
+                "created": created,
+                "model": job.model,
+                "choices": [{
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": done.reason.as_str(),
+                    "logprobs": null,
+                }],
+                "usage": usage,
+            })
+        }
         Endpoint::Completions => json!({
             "id": format!("cmpl-{}", done.id.get()),
             "object": "text_completion",
@@ -321,6 +341,15 @@ mod tests {
             (plain.custom_id.as_str(), plain.model.as_str()),
             ("line-7", "demo")
         );
+    }
+
+    #[test]
+    fn reasoning_is_split_from_the_answer() {
+        assert_eq!(
+            split_reasoning("plan it</think>\n\nThe answer."),
+            Some(("plan it", "The answer."))
+        );
+        assert_eq!(split_reasoning("no reasoning here"), None);
     }
 
     #[test]

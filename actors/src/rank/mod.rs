@@ -91,7 +91,7 @@ impl Actor for RankActor {
                         return;
                     }
                 };
-                rank_thread(RankWorker::new(dp, executor), from_actor, myself);
+                rank_thread(dp, RankWorker::new(dp, executor), from_actor, myself);
             })?;
         match ready_rx.await {
             Ok(Ok(())) => {}
@@ -146,7 +146,12 @@ impl Actor for RankActor {
 
 /// The loop of the rank thread: launch plans as they come (the scheduler bounds how many are
 /// outstanding), release each step's output when the device has finished it.
-fn rank_thread(mut worker: RankWorker, plans: mpsc::Receiver<ThreadMsg>, rank: ActorRef<RankMsg>) {
+fn rank_thread(
+    dp: DpRank,
+    mut worker: RankWorker,
+    plans: mpsc::Receiver<ThreadMsg>,
+    rank: ActorRef<RankMsg>,
+) {
     let mut scheduler: Option<ActorRef<SchedulerMsg>> = None;
     loop {
         while let Some(output) = worker.collect_ready(Instant::now()) {
@@ -181,7 +186,10 @@ fn rank_thread(mut worker: RankWorker, plans: mpsc::Receiver<ThreadMsg>, rank: A
             }
             ThreadMsg::Plan(plan) => plan,
         };
-        let error = match catch_unwind(AssertUnwindSafe(|| worker.launch(&plan))) {
+        let span =
+            tracing::debug_span!("step", dp = %dp, id = %plan.step, mode = plan.mode.as_str());
+        let launched = span.in_scope(|| catch_unwind(AssertUnwindSafe(|| worker.launch(&plan))));
+        let error = match launched {
             Ok(Ok(())) => continue,
             Ok(Err(e)) => RankError::Backend {
                 message: e.to_string(),

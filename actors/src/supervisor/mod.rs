@@ -23,9 +23,9 @@ use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, Supervisio
 use tokio::sync::oneshot;
 
 use crate::frontend::codec::TextCodec;
-use crate::grammar::GrammarEngine;
 use crate::frontend::state::FrontendLimits;
 use crate::frontend::{FrontendActor, FrontendArgs};
+use crate::grammar::GrammarEngine;
 use crate::messages::frontend::FrontendMsg;
 use crate::messages::rank::{RankError, RankMsg};
 use crate::messages::scheduler::SchedulerMsg;

@@ -5,7 +5,7 @@
 //!
 //! Weights are random bytes; several copies are rotated so that each launch reads its weights from
 //! HBM, not from the 60 MiB L2. Each figure is the median over 7 batches of 40 launches timed with
-//! CUDA events. Run on the H200: `bash .gpu/run.sh device_bench`.
+//! CUDA events. Run on the H200: `bash .gpu/run.sh device_bench [--sweep]`.
 
 use anyhow::{Context, Result};
 use deepinfer_kernels::KernelRuntime;
@@ -332,9 +332,10 @@ fn main() -> Result<()> {
         rows.push(bench_act_quant(&rt, &mut busy, m, 5120)?);
         rows.push(bench_rms_norm(&rt, &mut busy, m, 5120)?);
     }
-    // The work split (warps per output column) changes speed only, never the bits: sweep it for
-    // the decode shapes to see what `GemmSplit::Auto` should pick.
-    for m in [1usize, 8] {
+    // The work split (warps per output column) changes speed only, never the bits: with `--sweep`,
+    // time every split for the decode shapes (what `GemmSplit::Auto` is tuned from).
+    let sweep = std::env::args().any(|a| a == "--sweep");
+    for m in [1usize, 8].into_iter().filter(|_| sweep) {
         for w in [1u32, 2, 4, 8] {
             let split = GemmSplit::WarpsPerColumn(w);
             rows.push(bench_fp8(&rt, &mut busy, "wq_a", m, 1280, 5120, split)?);

@@ -1,11 +1,12 @@
 // Block-scaled GEMM with FP8 activations (v41-architecture.md §3.0):
 //   y[m, n] = bf16( sum over k-groups g, in K order, of
-//                   (sum_{k in g, in k order} a[m, k] * w[n, k]) * s_a[m, g] * s_w(n, g) ).
-// Every product of two FP8 codes (or FP8 x E2M1) is exact in fp32, and every scale is a power of two,
-// so the only rounding is that of the fp32 additions, whose order is fixed here: a group's partial
-// is summed k = 0, 1, ... by one thread, and the scaled partials are summed g = 0, 1, ... by one
-// thread. Nothing depends on M or on the launch shape: a row's result is bitwise the same alone or
-// inside any batch (batch invariance by construction; no split-K).
+//                   RN_f32(exact sum_{k in g} a[m, k] * w[n, k]) * s_a[m, g] * s_w(n, g) ).
+// Every product of two FP8 codes (or FP8 x E2M1) is exact in fp32 and every scale is a power of
+// two. A group's partial is the exact sum of its products rounded once to fp32 (see exact_dot32:
+// the value deepinfer-model's quant::dot_f32 computes in f64), so it does not depend on any order;
+// the scaled partials are then added g = 0, 1, ... in fp32 by one thread, as the reference does.
+// Nothing depends on M or on the launch shape: a row's result is bitwise the same alone or inside
+// any batch (batch invariance by construction; no split-K), and equal to the CPU reference.
 //
 // Work split (a plain tiled kernel on the CUDA cores; Hopper has no FP4 tensor cores and this slice
 // puts exactness first): a block is 8 warps and covers BM rows (from blockIdx.x * BM) and
@@ -37,6 +38,38 @@ __device__ __forceinline__ void decode_e4m3x16(uint4 v, float* out) {
         out[4 * i + 3] = hi.y;
     }
 }
+
+// The exact sum of 32 exact products, as two exact fp32 halves (sum = hi + lo exactly). Each
+// product p is a multiple of 2^-18 (2^-10 for E2M1 weights) with |p| <= 448^2 < 2^18. Split at 2:
+// p_hi = p rounded to a multiple of 2 (adding and removing 1.5 * 2^24), p_lo = p - p_hi, |p_lo| <= 1.
+// Then |hi| < 2^23 in steps of 2 and |lo| <= 32 in steps of 2^-18: both sums are exact in fp32
+// whatever their order.
+__device__ __forceinline__ void exact_dot32(const float* av, const float* wv, float& hi, float& lo) {
+    constexpr float SPLIT = 25165824.0f;  // 1.5 * 2^24: its fp32 neighbours are 2 apart
+    float h = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const float prod = __fmul_rn(av[i], wv[i]);  // exact
+        const float prod_hi = __fsub_rn(__fadd_rn(prod, SPLIT), SPLIT);
+        h = __fadd_rn(h, prod_hi);
+        l = __fadd_rn(l, __fsub_rn(prod, prod_hi));
+    }
+    hi = h;
+    lo = l;
+}
+
+// The accumulator of one k-group's partial: the fp32 RN(hi + lo) itself for 32-groups, an exact
+// f64 sum of the 32-element halves for wider groups (rounded to fp32 once).
+template <int G>
+struct GroupPartial {
+    typedef double type;
+    static __device__ __forceinline__ float round(double v) { return __double2float_rn(v); }
+};
+template <>
+struct GroupPartial<32> {
+    typedef float type;
+    static __device__ __forceinline__ float round(float v) { return v; }
+};
 
 // FP8 E4M3 weights [n, k] with one UE8M0 scale per TILE x TILE tile ([ceil(n/T), ceil(k/T)]).
 template <int TILE>
@@ -129,9 +162,11 @@ __device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __res
 #pragma unroll
             for (int r = 0; r < BM; ++r)
                 act_scale[r] = (u32_t)r < rows ? __ldg(sa + (size_t)(m0 + r) * kgroups + kg) : 0.0f;
-            float part_sum[BM];
+            // A 32-group's partial is RN(hi + lo); a wider group (G = 128) adds its 32-element
+            // halves exactly in f64 (at most 43 significant bits) and rounds once at the end.
+            typename GroupPartial<G>::type part_sum[BM];
 #pragma unroll
-            for (int r = 0; r < BM; ++r) part_sum[r] = 0.0f;
+            for (int r = 0; r < BM; ++r) part_sum[r] = 0;
 #pragma unroll 1
             for (u32_t sub = 0; sub < (u32_t)G; sub += 32) {
                 const u32_t col = kg * G + sub;
@@ -144,17 +179,21 @@ __device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __res
                         float av[32];
                         decode_e4m3x16(__ldg(src), av);
                         decode_e4m3x16(__ldg(src + 1), av + 16);
-                        float s = part_sum[r];
-#pragma unroll
-                        for (int i = 0; i < 32; ++i) s = fmaf(av[i], wv[i], s);  // exact products
-                        part_sum[r] = s;
+                        float hi, lo;
+                        exact_dot32(av, wv, hi, lo);
+                        if constexpr (G == 32) {
+                            part_sum[r] = __fadd_rn(hi, lo);  // the one rounding
+                        } else {
+                            part_sum[r] = __dadd_rn(part_sum[r], __dadd_rn((double)hi, (double)lo));
+                        }
                     }
                 }
             }
 #pragma unroll
             for (int r = 0; r < BM; ++r) {
                 if ((u32_t)r < rows)
-                    partials[warp][r][lane] = __fmul_rn(__fmul_rn(part_sum[r], act_scale[r]), sw);
+                    partials[warp][r][lane] =
+                        __fmul_rn(__fmul_rn(GroupPartial<G>::round(part_sum[r]), act_scale[r]), sw);
             }
         }
         __syncthreads();

@@ -1,7 +1,8 @@
 //! Block-scaled GEMMs with FP8 activations: FP8 weights (32×32 or 128×128 tiles) and FP4 expert
-//! weights (1×32 scales). `y[m, n] = Σ_k a[m, k] · w[n, k]` (`y = a · wᵀ`), bf16 output; exact
-//! per-group partial sums in fp32 accumulated in K order (see `cuda/gemm/gemm_block_scaled.cuh`):
-//! batch invariant by construction.
+//! weights (1×32 scales). `y[m, n] = Σ_k a[m, k] · w[n, k]` (`y = a · wᵀ`), bf16 output. A
+//! group's partial is the exact sum of its exact products rounded once to fp32, the scaled partials
+//! are added in K order in fp32 (see `cuda/gemm/gemm_block_scaled.cuh`): bit-exact with
+//! `deepinfer_model::quant::gemm_fp8` / `gemm_fp4`, and batch invariant by construction.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;

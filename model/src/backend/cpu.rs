@@ -1,9 +1,12 @@
-//! `CpuBackend`: the plain reference implementation of [`Backend`]. Every reduction is order-free
-//! (f64 accumulator rounded once to fp32, see [`dot_f32`]) and every bf16 rounding sits where
-//! DeepSeek's reference rounds; fp32 stays the working precision between operations.
+//! `CpuBackend`: the plain reference implementation of [`Backend`]. Reductions are order-free (f64
+//! accumulator rounded once to fp32, see [`dot_f32`]) except the fp32 linears (`F.linear` in the
+//! reference: mHC mixes, router, head), which follow the reference CPU GEMM's order
+//! ([`quant::dot_f32_sgemm`]); `exp` is the reference's vectorised one ([`quant::exp_f32`]). Every
+//! bf16 rounding sits where DeepSeek's reference rounds; fp32 stays the working precision between
+//! operations.
 
 use super::{Backend, HcMix, HcParams, RopeTable};
-use crate::quant::{self, dot_f32, round_bf16, sum_f32, sum_squares_f32};
+use crate::quant::{self, dot_f32, dot_f32_sgemm, exp_f32, round_bf16, sum_f32, sum_squares_f32};
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 /// Probabilities are accumulated in blocks of this many keys (the reference kernel's block).
@@ -20,7 +23,7 @@ impl CpuBackend {
 }
 
 fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + exp_f32(-x))
 }
 
 impl Backend for CpuBackend {
@@ -47,7 +50,7 @@ impl Backend for CpuBackend {
         let mut y = Vec::with_capacity(rows * out);
         for row in x.chunks_exact(inp) {
             for w_row in w.chunks_exact(inp).take(out) {
-                y.push(dot_f32(row, w_row));
+                y.push(dot_f32_sgemm(row, w_row));
             }
         }
         y
@@ -118,8 +121,8 @@ impl Backend for CpuBackend {
                 let scores: Vec<f32> = block.iter().map(|k| dot_f32(q_head, k) * scale).collect();
                 let block_max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 let new_max = running_max.max(block_max);
-                let rescale = (running_max - new_max).exp();
-                let probs: Vec<f32> = scores.iter().map(|s| (s - new_max).exp()).collect();
+                let rescale = exp_f32(running_max - new_max);
+                let probs: Vec<f32> = scores.iter().map(|s| exp_f32(s - new_max)).collect();
                 denominator = denominator * rescale + sum_f32(probs.iter().copied());
                 for a in acc.iter_mut() {
                     *a *= rescale;
@@ -130,7 +133,7 @@ impl Backend for CpuBackend {
                 }
                 running_max = new_max;
             }
-            denominator += (sink[h] - running_max).exp();
+            denominator += exp_f32(sink[h] - running_max);
             for d in 0..head_dim {
                 out[h * head_dim + d] = round_bf16(acc[d] / denominator);
             }
@@ -153,7 +156,7 @@ impl Backend for CpuBackend {
         let mixes: Vec<f32> = params
             .proj
             .chunks_exact(n)
-            .map(|row| dot_f32(x, row) * inv)
+            .map(|row| dot_f32_sgemm(x, row) * inv)
             .collect();
         let pre = (0..hc)
             .map(|k| sigmoid(mixes[k] * params.scale[0] + params.base[k]) + hc_eps)
@@ -168,7 +171,7 @@ impl Backend for CpuBackend {
         for row in comb.chunks_exact_mut(hc) {
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
             for v in row.iter_mut() {
-                *v = (*v - max).exp();
+                *v = exp_f32(*v - max);
             }
             let sum = row.iter().fold(0.0f32, |a, v| a + v);
             for v in row.iter_mut() {
@@ -277,8 +280,8 @@ mod tests {
         let k1 = [0.0f32, 4.0];
         let out = CpuBackend.sparse_attention(&q, &[&k0, &k1], &[0.5], 1.0);
         // p is computed relative to the running max (1.0): p0 = 1, p1 = e^-1.
-        let p1 = round_bf16((-1.0f32).exp());
-        let d = 1.0 + (-1.0f32).exp() + (-0.5f32).exp();
+        let p1 = round_bf16(exp_f32(-1.0));
+        let d = 1.0 + exp_f32(-1.0) + exp_f32(-0.5);
         assert_eq!(out[0], round_bf16(1.0 / d));
         assert_eq!(out[1], round_bf16((2.0 + p1 * 4.0) / d));
         // No keys: only the sink, output 0.

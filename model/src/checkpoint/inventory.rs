@@ -15,6 +15,13 @@ use super::FP8_BLOCK;
 pub enum TensorKind {
     /// `<name>` is the prefix of an FP8 E4M3 `.weight` `[out, inp]` + F8_E8M0 `.scale` 32×32 tiles.
     Fp8 { out: usize, inp: usize },
+    /// `<name>` is the prefix of an FP8 E4M3 `.weight` `[out, inp]` + F8_E8M0 `.scale`
+    /// `[⌈out/block⌉, ⌈inp/block⌉]` (`block × block` tiles; 128 in official V4).
+    Fp8Tiled {
+        out: usize,
+        inp: usize,
+        block: usize,
+    },
     /// `<name>` is the prefix of a packed FP4 `.weight` I8 `[out, inp/2]` + F8_E8M0 `.scale` `[out, inp/32]`.
     Fp4 { out: usize, inp: usize },
     /// `<name>` is the prefix of an Engram table: F8_E4M3 `.weight` `[rows, width]` + F8_E8M0 `.scale`
@@ -24,6 +31,13 @@ pub enum TensorKind {
     Bf16 { shape: Vec<usize>, init: Init },
     /// A plain F32 tensor.
     F32 { shape: Vec<usize>, init: Init },
+    /// An I64 `[rows, k]` routing table (`tid2eid`): row `t` holds the `k` distinct experts
+    /// (`< n_experts`) of token `t`.
+    ExpertTable {
+        rows: usize,
+        k: usize,
+        n_experts: usize,
+    },
 }
 
 /// Synthetic initialisation of a plain tensor (statistics of the released checkpoint, as measured
@@ -58,6 +72,11 @@ impl TensorSpec {
                 vec![*out, *inp],
                 vec![out.div_ceil(FP8_BLOCK), inp.div_ceil(FP8_BLOCK)],
             ),
+            TensorKind::Fp8Tiled { out, inp, block } => pair(
+                Dtype::F8_E4M3,
+                vec![*out, *inp],
+                vec![out.div_ceil(*block), inp.div_ceil(*block)],
+            ),
             TensorKind::Fp4 { out, inp } => {
                 pair(Dtype::I8, vec![*out, inp / 2], vec![*out, inp / FP4_GROUP])
             }
@@ -68,6 +87,9 @@ impl TensorSpec {
             ),
             TensorKind::Bf16 { shape, .. } => vec![(self.name.clone(), Dtype::BF16, shape.clone())],
             TensorKind::F32 { shape, .. } => vec![(self.name.clone(), Dtype::F32, shape.clone())],
+            TensorKind::ExpertTable { rows, k, .. } => {
+                vec![(self.name.clone(), Dtype::I64, vec![*rows, *k])]
+            }
         }
     }
 
@@ -81,9 +103,9 @@ impl TensorSpec {
 }
 
 /// RMS of the released embedding (and of the Markov embedding), measured on the checkpoint.
-const EMBED_STD: f32 = 0.12;
+pub(super) const EMBED_STD: f32 = 0.12;
 /// Std of 1-D parameters without a norm role (biases, sinks, hc base/scale, image vectors).
-const VECTOR_STD: f32 = 0.5;
+pub(super) const VECTOR_STD: f32 = 0.5;
 
 /// Projection std as a multiple of `fan_in^-0.5`, by the projection's last name component
 /// (released-checkpoint statistics; 1.0 for anything not listed).

@@ -2,8 +2,17 @@
 //! `model.safetensors.index.json` when present, memory-mapped, and read through typed calls that
 //! check each tensor's dtype and shape and name the file, the tensor, the expected and the found
 //! layout on any mismatch. `synth` writes random checkpoints in the same format.
+//!
+//! One loader serves V4.1, official V4 and transformers-saved V4 files: tensors are addressed by
+//! their official names, and names stored in the transformers spelling (`model.` prefix) are
+//! mapped onto them when the checkpoint is opened (`names`). `linear` reads a projection in
+//! whatever format it is stored (FP8 tiles, packed FP4, BF16/F32); `inventory_v4` lists the V4
+//! tensors.
 
 pub mod inventory;
+pub mod inventory_v4;
+mod linear;
+pub mod names;
 mod shard;
 pub mod synth;
 
@@ -11,6 +20,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 pub use inventory::{Init, TensorKind, TensorSpec, v41_inventory};
+pub use inventory_v4::{inventory_for, v4_inventory};
+pub use linear::StoredLinear;
 pub use safetensors::Dtype;
 pub use synth::write_random_checkpoint;
 
@@ -20,6 +31,9 @@ use shard::Shard;
 
 /// File name of the shard index (`{"weight_map": {tensor: shard file}}`).
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// File name of an unsharded checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
 
 /// Tile edge of the dense FP8 weight scales in V4.1.
 pub const FP8_BLOCK: usize = 32;
@@ -38,7 +52,10 @@ pub struct TensorRef<'a> {
 pub struct Checkpoint {
     dir: PathBuf,
     shards: Vec<Shard>,
+    /// Official tensor name -> index of the shard holding it.
     location: HashMap<String, usize>,
+    /// Official name -> name as stored, for tensors stored in the transformers spelling.
+    stored_names: HashMap<String, String>,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -57,7 +74,9 @@ fn layout(dtype: Dtype, shape: &[usize]) -> String {
 
 impl Checkpoint {
     /// Opens `dir`: reads `model.safetensors.index.json` if present (every shard it names must
-    /// exist and hold the tensors it lists), else maps every `*.safetensors` file in it.
+    /// exist and hold the tensors it lists), else the single file `model.safetensors` if present
+    /// (the transformers convention; other safetensors files next to it, such as a fixture's
+    /// `expected.safetensors`, are not weights), else maps every `*.safetensors` file in it.
     pub fn open(dir: &Path) -> Result<Checkpoint, ModelError> {
         let index_path = dir.join(INDEX_FILE);
         if index_path.exists() {
@@ -132,23 +151,31 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
+        let stored_names = adopt_official_names(&mut location, &shards)?;
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             shards,
             location,
+            stored_names,
         })
     }
 
     fn open_unindexed(dir: &Path) -> Result<Checkpoint, ModelError> {
-        let entries = std::fs::read_dir(dir).map_err(|source| ModelError::io(dir, source))?;
-        let mut paths = Vec::new();
-        for entry in entries {
-            let path = entry.map_err(|source| ModelError::io(dir, source))?.path();
-            if path.extension().is_some_and(|ext| ext == "safetensors") && path.is_file() {
-                paths.push(path);
+        let single = dir.join(SINGLE_FILE);
+        let paths = if single.is_file() {
+            vec![single]
+        } else {
+            let entries = std::fs::read_dir(dir).map_err(|source| ModelError::io(dir, source))?;
+            let mut paths = Vec::new();
+            for entry in entries {
+                let path = entry.map_err(|source| ModelError::io(dir, source))?.path();
+                if path.extension().is_some_and(|ext| ext == "safetensors") && path.is_file() {
+                    paths.push(path);
+                }
             }
-        }
-        paths.sort();
+            paths.sort();
+            paths
+        };
         if paths.is_empty() {
             return Err(ModelError::Checkpoint {
                 file: dir.to_path_buf(),
@@ -173,10 +200,12 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
+        let stored_names = adopt_official_names(&mut location, &shards)?;
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             shards,
             location,
+            stored_names,
         })
     }
 
@@ -223,7 +252,8 @@ impl Checkpoint {
         };
         let (key, &shard_index) = self.location.get_key_value(name).ok_or_else(missing)?;
         let shard = &self.shards[shard_index];
-        let info = shard.info(name).ok_or_else(missing)?;
+        let stored = self.stored_names.get(name).map_or(name, String::as_str);
+        let info = shard.info(stored).ok_or_else(missing)?;
         Ok(TensorRef {
             name: key,
             file: &shard.path,
@@ -273,6 +303,24 @@ impl Checkpoint {
     /// A BF16 tensor widened to f32 (values stay bf16-exact).
     pub fn bf16(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         Ok(decode_bf16(self.expect(name, &[Dtype::BF16], shape)?.bytes))
+    }
+
+    /// An I64 tensor (e.g. the `tid2eid` hash-routing table).
+    pub fn i64(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, ModelError> {
+        let bytes = self.expect(name, &[Dtype::I64], shape)?.bytes;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|chunk| {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(chunk);
+                i64::from_le_bytes(word)
+            })
+            .collect())
+    }
+
+    /// The name a tensor has in its shard file (differs from `name` for transformers-saved files).
+    pub fn stored_name<'a>(&'a self, name: &'a str) -> &'a str {
+        self.stored_names.get(name).map_or(name, String::as_str)
     }
 
     /// A BF16 or F32 tensor as f32.
@@ -347,6 +395,43 @@ impl Checkpoint {
             scales: scales.to_vec(),
         })
     }
+}
+
+/// Re-keys tensors stored in the transformers spelling under their official names
+/// ([`names::official_name`]) and returns official -> stored for them. Two stored tensors with the
+/// same official name are an error naming both.
+fn adopt_official_names(
+    location: &mut HashMap<String, usize>,
+    shards: &[Shard],
+) -> Result<HashMap<String, String>, ModelError> {
+    let renamed: Vec<(String, String)> = location
+        .keys()
+        .filter_map(|stored| {
+            names::official_name(stored).map(|official| (official, stored.clone()))
+        })
+        .collect();
+    let mut stored_names = HashMap::with_capacity(renamed.len());
+    for (official, stored) in &renamed {
+        let shard = location
+            .remove(stored)
+            .expect("invariant: the name was just read from the map");
+        let clash = location.contains_key(official) || stored_names.contains_key(official);
+        if clash {
+            let other = stored_names
+                .get(official)
+                .map_or(official.as_str(), String::as_str);
+            return Err(ModelError::Checkpoint {
+                file: shards[shard].path.clone(),
+                tensor: stored.clone(),
+                message: format!(
+                    "its official name `{official}` is also the name of the stored tensor `{other}`"
+                ),
+            });
+        }
+        location.insert(official.clone(), shard);
+        stored_names.insert(official.clone(), stored.clone());
+    }
+    Ok(stored_names)
 }
 
 /// Little-endian f32 bytes to values (the mapping need not be 4-byte aligned).

@@ -1,6 +1,8 @@
-//! Random V4.1 checkpoints in the exact real format (spec §6), for tests and the built-in demo
-//! model: `config.json`, `model-0000k-of-0000n.safetensors` shards and `model.safetensors.index.json`,
-//! holding every tensor of [`v41_inventory`] in its real dtype and shape.
+//! Random checkpoints in the exact real format (V4.1: spec §6; V4: v4-architecture.md §5), for tests
+//! and the built-in demo model: `config.json`, `model-0000k-of-0000n.safetensors` shards and
+//! `model.safetensors.index.json`, holding every tensor of the family's inventory
+//! ([`inventory_for`]) in its real dtype and shape (V4: FP8 with the config's square tiles, FP4
+//! experts, `tid2eid` tables of distinct random experts).
 //!
 //! Values follow the released checkpoint's statistics as measured in the golden fixture: FP8
 //! projections are `N(0, (gain/√fan_in)²)` quantised per 32×32 tile with a power-of-two scale
@@ -19,7 +21,8 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
 use super::INDEX_FILE;
-use super::inventory::{Init, TensorKind, TensorSpec, projection_std, v41_inventory};
+use super::inventory::{Init, TensorKind, TensorSpec, projection_std};
+use super::inventory_v4::inventory_for;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::quant::{FP8_MAX, e4m3_encode, p2_scale, round_bf16};
@@ -40,7 +43,7 @@ pub fn write_random_checkpoint(
 ) -> Result<Vec<PathBuf>, ModelError> {
     let config_path = dir.join("config.json");
     cfg.validate(&config_path)?;
-    let specs = v41_inventory(cfg);
+    let specs = inventory_for(cfg);
     if shards == 0 || shards > specs.len() {
         return Err(ModelError::Checkpoint {
             file: dir.to_path_buf(),
@@ -216,6 +219,20 @@ fn quantize_tiles(
     (codes, scales.into_iter().map(e8m0_byte).collect())
 }
 
+/// `rows` rows of `k` distinct experts in `0..n_experts` (partial Fisher–Yates), as I64 bytes.
+fn expert_table(rng: &mut ChaCha8Rng, rows: usize, k: usize, n_experts: usize) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(rows * k * 8);
+    let mut experts: Vec<i64> = (0..n_experts as i64).collect();
+    for _ in 0..rows {
+        for slot in 0..k.min(n_experts) {
+            let pick = slot + (rng.next_u64() % (n_experts - slot) as u64) as usize;
+            experts.swap(slot, pick);
+            bytes.extend_from_slice(&experts[slot].to_le_bytes());
+        }
+    }
+    bytes
+}
+
 fn bf16_bytes(values: &[f32]) -> Vec<u8> {
     values
         .iter()
@@ -238,6 +255,14 @@ fn generate(spec: &TensorSpec, seed: u64) -> Vec<(String, Dtype, Vec<usize>, Vec
             let values = gaussian.normal_vec(out * inp, projection_std(&spec.name, *inp));
             let (codes, scales) = quantize_tiles(&values, *out, *inp, 32, 32);
             vec![codes, scales]
+        }
+        TensorKind::Fp8Tiled { out, inp, block } => {
+            let values = gaussian.normal_vec(out * inp, projection_std(&spec.name, *inp));
+            let (codes, scales) = quantize_tiles(&values, *out, *inp, *block, *block);
+            vec![codes, scales]
+        }
+        TensorKind::ExpertTable { rows, k, n_experts } => {
+            vec![expert_table(&mut gaussian.rng, *rows, *k, *n_experts)]
         }
         TensorKind::Fp8Rows { rows, width } => {
             let values = gaussian.normal_vec(rows * width, 1.0);
@@ -277,6 +302,7 @@ fn generate(spec: &TensorSpec, seed: u64) -> Vec<(String, Dtype, Vec<usize>, Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::v41_inventory;
     use crate::weights::{e4m3_to_f32, e8m0_to_f32};
 
     #[test]

@@ -10,13 +10,17 @@ use super::{
 use crate::error::ModelError;
 
 impl ModelConfig {
-    /// Serialises to the Hugging Face `config.json` layout of the real checkpoint (top level +
-    /// `text_config` + `vision_config`), the inverse of [`ModelConfig::from_json_str`].
+    /// Serialises to the Hugging Face `config.json` layout of the real checkpoint (V4.1: top level +
+    /// `text_config` + `vision_config`; V4: the flat layout), the inverse of
+    /// [`ModelConfig::from_json_str`].
     pub fn to_hf_json(&self) -> Result<Value, ModelError> {
-        if self.family != ModelFamily::V41 {
-            return Err(ModelError::Unsupported {
-                what: "writing a DeepSeek-V4 flat config".to_string(),
-            });
+        if self.family == ModelFamily::V4 {
+            return match &self.v4 {
+                Some(v4) => Ok(super::v4_json::to_json(self, v4)),
+                None => Err(ModelError::Unsupported {
+                    what: "writing a DeepSeek-V4 config without its V4 schedule".to_string(),
+                }),
+            };
         }
         let mut compress_ratios = self.compress_ratios.clone();
         compress_ratios.extend(std::iter::repeat_n(0, self.n_dspark_stages()));

@@ -2,12 +2,18 @@
 //! §1.2) and the derived layer-schedule queries (§2: KV source, index source, candidate use per
 //! layer). Submodules: `fields` (typed JSON reading with named errors), `parse` (the nested V4.1
 //! layout), `validate` (the structural checks DeepInfer applies before loading, §1.1 / §9),
-//! `hf_json` (serialisation back to the Hugging Face layout), `presets` (reduced V4.1 configs of §9).
+//! `hf_json` (serialisation back to the Hugging Face layout), `presets` (reduced V4.1 configs of §9),
+//! `v4` (the DeepSeek-V4 flat layout, legacy and transformers spellings, and its V4-only types),
+//! `v4_presets` / `v4_json` / `v4_validate` (reduced V4 configs, serialisation, checks).
 
 mod fields;
 mod hf_json;
 mod parse;
 mod presets;
+mod v4;
+mod v4_json;
+mod v4_presets;
+mod v4_validate;
 mod validate;
 
 use std::path::Path;
@@ -18,12 +24,18 @@ use crate::error::ModelError;
 use fields::Fields;
 use validate::Validator;
 
+pub use v4::{
+    COMPRESSED_SPARSE_ATTENTION, HASH_MOE, HEAVILY_COMPRESSED_ATTENTION, SLIDING_ATTENTION,
+    TOPK_MOE, V4_WEIGHT_BLOCK, V4Attention, V4Config, V4Mlp, V4Qat, WeightStorage,
+};
+
 /// The model families this crate knows about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelFamily {
     /// DeepSeek-V4.1-Flash: nested `text_config` / `vision_config`, `model_type` `deepseek_v41`.
     V41,
-    /// DeepSeek-V4-Flash: flat config, `model_type` `deepseek_v4` (parsing not implemented yet).
+    /// DeepSeek-V4-Flash / V4-Flash-0731: flat config, `model_type` `deepseek_v4`; the V4-only
+    /// fields are in [`ModelConfig::v4`].
     V4,
 }
 
@@ -167,6 +179,10 @@ pub struct ModelConfig {
     pub engram: Option<EngramConfig>,
     pub dspark: Option<DsparkConfig>,
     pub quant: QuantConfig,
+    /// How the checkpoint stores its weights (always `Quantized` for V4.1).
+    pub storage: WeightStorage,
+    /// The V4-only schedule and constants; `None` for V4.1.
+    pub v4: Option<V4Config>,
     pub bos_token_id: u32,
     pub eos_token_id: u32,
     pub pad_token_id: Option<u32>,
@@ -203,19 +219,14 @@ impl ModelConfig {
         let model_type = top.str("model_type")?;
         let config = match model_type {
             V41_MODEL_TYPE => parse::parse_v41(&top)?,
-            V4_MODEL_TYPE => {
-                return Err(ModelError::Unsupported {
-                    what: format!(
-                        "{}: DeepSeek-V4 flat config (model_type \"{V4_MODEL_TYPE}\"); only \
-                         \"{V41_MODEL_TYPE}\" is implemented",
-                        origin.display()
-                    ),
-                });
-            }
+            V4_MODEL_TYPE => v4::parse_v4(&top)?,
             other => {
                 return Err(top.error(
                     "model_type",
-                    format!("unknown model type \"{other}\", expected \"{V41_MODEL_TYPE}\""),
+                    format!(
+                        "unknown model type \"{other}\", expected \"{V41_MODEL_TYPE}\" or \
+                         \"{V4_MODEL_TYPE}\""
+                    ),
                 ));
             }
         };
@@ -238,10 +249,14 @@ impl ModelConfig {
     }
 
     /// The index source whose top-k selection layer `layer` uses (nearest source `<= layer`);
-    /// `None` for window-only layers and layers out of range.
+    /// `None` for window-only layers and layers out of range. In V4 a CSA layer is its own index
+    /// source and an HCA layer has none (it attends to every compressed entry).
     pub fn index_source_of(&self, layer: usize) -> Option<usize> {
         if self.compress_ratio(layer) == 0 {
             return None;
+        }
+        if self.v4.is_some() {
+            return self.is_index_source(layer).then_some(layer);
         }
         nearest_at_or_below(&self.index_source_layers, layer)
     }
@@ -269,6 +284,32 @@ impl ModelConfig {
         self.engram
             .as_ref()
             .is_some_and(|engram| engram.layer_ids.contains(&layer))
+    }
+
+    /// V4 attention type of `layer` (`None` for V4.1 and out-of-range layers).
+    pub fn v4_attention(&self, layer: usize) -> Option<V4Attention> {
+        self.v4.as_ref()?.attention.get(layer).copied()
+    }
+
+    /// V4 MLP type of `layer` (`None` for V4.1 and out-of-range layers).
+    pub fn v4_mlp(&self, layer: usize) -> Option<V4Mlp> {
+        self.v4.as_ref()?.mlp.get(layer).copied()
+    }
+
+    /// Whether the final collapse is a learned hyper-head (`hc_head_{fn,base,scale}`): V4 yes,
+    /// V4.1 (single-pass mHC) no.
+    pub fn has_hc_head(&self) -> bool {
+        self.family == ModelFamily::V4
+    }
+
+    /// Whether each query head is RMS-normalised (unweighted) after `wq_b`: V4 yes, V4.1 no.
+    pub fn has_q_head_norm(&self) -> bool {
+        self.family == ModelFamily::V4
+    }
+
+    /// Plain (non-DSpark) MTP blocks in the `mtp.*` namespace (V4-Flash: 1; otherwise 0).
+    pub fn n_mtp_layers(&self) -> usize {
+        self.v4.as_ref().map_or(0, |v4| v4.mtp_layers)
     }
 
     /// Number of DSpark stages (`num_nextn_predict_layers`; 0 without a drafter).

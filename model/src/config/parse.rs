@@ -8,7 +8,7 @@ use super::fields::Fields;
 use super::{
     CandidateConfig, DsparkConfig, EngramConfig, ExpertDtype, HcConfig, ModelConfig, ModelFamily,
     QuantConfig, RopeConfig, V41_ARCHITECTURE, V41_TEXT_MODEL_TYPE, V41_VISION_MODEL_TYPE,
-    VisionConfig, YarnConfig,
+    VisionConfig, WeightStorage, YarnConfig,
 };
 use crate::error::ModelError;
 
@@ -180,6 +180,8 @@ pub(crate) fn parse_v41(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
         engram,
         dspark,
         quant,
+        storage: WeightStorage::Quantized,
+        v4: None,
         bos_token_id: top.u32("bos_token_id")?,
         eos_token_id: top.u32("eos_token_id")?,
         pad_token_id: top.optional_u32("pad_token_id")?,

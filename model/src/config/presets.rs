@@ -3,7 +3,7 @@
 
 use super::{
     CandidateConfig, DsparkConfig, EngramConfig, ExpertDtype, HcConfig, ModelConfig, ModelFamily,
-    QuantConfig, RopeConfig, VisionConfig, YarnConfig,
+    QuantConfig, RopeConfig, VisionConfig, WeightStorage, YarnConfig,
 };
 use crate::engram::primes::EngramLayout;
 
@@ -83,6 +83,8 @@ impl ModelConfig {
                 weight_block: [32, 32],
                 expert_dtype: ExpertDtype::Fp4,
             },
+            storage: WeightStorage::Quantized,
+            v4: None,
             bos_token_id: 0,
             eos_token_id: 1,
             pad_token_id: Some(2),

@@ -18,7 +18,7 @@ pub(crate) struct Validator<'a> {
 }
 
 impl Validator<'_> {
-    fn fail(&self, field: &str, message: impl Into<String>) -> ModelError {
+    pub(super) fn fail(&self, field: &str, message: impl Into<String>) -> ModelError {
         ModelError::Config {
             file: PathBuf::from(self.file),
             field: field.to_string(),
@@ -26,7 +26,7 @@ impl Validator<'_> {
         }
     }
 
-    fn positive(&self, field: &str, value: usize) -> Result<(), ModelError> {
+    pub(super) fn positive(&self, field: &str, value: usize) -> Result<(), ModelError> {
         if value == 0 {
             Err(self.fail(field, "must be at least 1, found 0"))
         } else {
@@ -35,7 +35,7 @@ impl Validator<'_> {
     }
 
     /// Input dimensions of FP8/FP4 GEMMs and QDQ groups must be multiples of 32.
-    fn multiple_of(
+    pub(super) fn multiple_of(
         &self,
         field: &str,
         value: usize,
@@ -52,7 +52,7 @@ impl Validator<'_> {
         }
     }
 
-    fn token(&self, field: &str, id: u32) -> Result<(), ModelError> {
+    pub(super) fn token(&self, field: &str, id: u32) -> Result<(), ModelError> {
         if (id as usize) < self.config.vocab_size {
             Ok(())
         } else {
@@ -67,7 +67,7 @@ impl Validator<'_> {
     }
 
     /// Strictly ascending backbone layer ids.
-    fn layer_list(&self, field: &str, layers: &[usize]) -> Result<(), ModelError> {
+    pub(super) fn layer_list(&self, field: &str, layers: &[usize]) -> Result<(), ModelError> {
         let n_layers = self.config.n_layers;
         if let Some(&bad) = layers.iter().find(|&&layer| layer >= n_layers) {
             return Err(self.fail(
@@ -86,13 +86,8 @@ impl Validator<'_> {
 
     pub(crate) fn run(&self) -> Result<(), ModelError> {
         let c = self.config;
-        if c.family != ModelFamily::V41 {
-            return Err(ModelError::Unsupported {
-                what: format!(
-                    "{}: only DeepSeek-V4.1 configs are implemented",
-                    self.file.display()
-                ),
-            });
+        if c.family == ModelFamily::V4 {
+            return self.run_v4();
         }
         self.positive("text_config.vocab_size", c.vocab_size)?;
         self.positive("text_config.num_hidden_layers", c.n_layers)?;

@@ -511,6 +511,12 @@ fn stream_means(streams: &[f32], hc: usize, dim: usize) -> Vec<f32> {
 /// Rejects configs whose structure the forward pass does not implement.
 fn check_supported(cfg: &ModelConfig) -> Result<(), ModelError> {
     let unsupported = |what: String| Err(ModelError::Unsupported { what });
+    if cfg.family != crate::config::ModelFamily::V41 {
+        return unsupported(format!(
+            "a {:?}-family checkpoint: the V4 forward pass is not implemented yet (only DeepSeek-V4.1 runs)",
+            cfg.family
+        ));
+    }
     if cfg.quant.weight_block != [32, 32] {
         return unsupported(format!(
             "FP8 weight blocks {:?} (V4.1 uses [32, 32])",

@@ -5,7 +5,7 @@ use super::Ctx;
 use super::csa::top_k_lowest_index;
 use super::weights::{ExpertLinear, ExpertWeights, MoeWeights};
 use crate::backend::Backend;
-use crate::quant::round_bf16;
+use crate::quant::{exp_f32, round_bf16};
 use crate::weights::Fp8Weight;
 
 /// The experts chosen for one token (in selection order) and their weights.
@@ -16,7 +16,7 @@ pub struct Route {
 }
 
 fn softplus(z: f32) -> f32 {
-    if z > 20.0 { z } else { z.exp().ln_1p() }
+    if z > 20.0 { z } else { exp_f32(z).ln_1p() }
 }
 
 /// Router of one token: top-k of `s + bias` (ties: lower expert id), weights `s / Σs · scale`.
@@ -86,7 +86,7 @@ fn expert<W: ExpertProjection>(
             } else {
                 (g, u)
             };
-            let a = g / (1.0 + (-g).exp()) * u;
+            let a = g / (1.0 + exp_f32(-g)) * u;
             round_bf16(weight.map_or(a, |w| w * a))
         })
         .collect();

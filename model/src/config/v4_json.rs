@@ -1,0 +1,192 @@
+//! Serialisation of a V4 [`ModelConfig`] to a flat `config.json`, the inverse of `v4::parse_v4`:
+//! the official spelling (legacy `compress_ratios` with MTP/DSpark entries, `num_hash_layers`,
+//! `rope_scaling`, `quantization_config` + top-level `expert_dtype`) whenever the schedule fits it
+//! (rates 4/128, hash layers first), else the transformers spelling (`layer_types`,
+//! `compress_rates`, `mlp_layer_types`, `rope_parameters`).
+
+use serde_json::{Map, Value, json};
+
+use super::v4::{LEGACY_CSA_RATIO, LEGACY_HCA_RATIO};
+use super::{
+    COMPRESSED_SPARSE_ATTENTION, ExpertDtype, HASH_MOE, HEAVILY_COMPRESSED_ATTENTION, ModelConfig,
+    SLIDING_ATTENTION, TOPK_MOE, V4_MODEL_TYPE, V4Attention, V4Config, V4Mlp, WeightStorage,
+};
+
+const V4_ARCHITECTURE: &str = "DeepseekV4ForCausalLM";
+
+/// Whether `v4`'s schedule can be written with the legacy keys.
+fn fits_legacy(v4: &V4Config) -> bool {
+    let hash = v4.n_hash_layers();
+    v4.csa_ratio == LEGACY_CSA_RATIO
+        && v4.hca_ratio == LEGACY_HCA_RATIO
+        && v4.mlp[..hash].iter().all(|&mlp| mlp == V4Mlp::HashMoe)
+}
+
+/// The flat V4 `config.json` of `cfg` (family V4 with `v4` set).
+pub(super) fn to_json(cfg: &ModelConfig, v4: &V4Config) -> Value {
+    let mut fields = Map::new();
+    let mut put = |key: &str, value: Value| {
+        fields.insert(key.to_string(), value);
+    };
+    put("architectures", json!([V4_ARCHITECTURE]));
+    put("model_type", json!(V4_MODEL_TYPE));
+    put("vocab_size", json!(cfg.vocab_size));
+    put("hidden_size", json!(cfg.dim));
+    put("num_hidden_layers", json!(cfg.n_layers));
+    put("num_attention_heads", json!(cfg.n_heads));
+    put("num_key_value_heads", json!(1));
+    put("head_dim", json!(cfg.head_dim));
+    put("qk_rope_head_dim", json!(cfg.rope_head_dim));
+    put("q_lora_rank", json!(cfg.q_lora_rank));
+    put("o_lora_rank", json!(cfg.o_lora_rank));
+    put("o_groups", json!(cfg.o_groups));
+    put("moe_intermediate_size", json!(cfg.moe_inter_dim));
+    put("n_routed_experts", json!(cfg.n_routed_experts));
+    put("n_shared_experts", json!(cfg.n_shared_experts));
+    put("num_experts_per_tok", json!(cfg.n_activated_experts));
+    put("scoring_func", json!("sqrtsoftplus"));
+    put("norm_topk_prob", json!(true));
+    put("routed_scaling_factor", json!(cfg.route_scale));
+    put("swiglu_limit", json!(cfg.swiglu_limit));
+    put("hidden_act", json!("silu"));
+    put("rms_norm_eps", json!(cfg.norm_eps));
+    put("sliding_window", json!(cfg.window_size));
+    put(
+        "max_position_embeddings",
+        json!(cfg.max_position_embeddings),
+    );
+    put("index_n_heads", json!(cfg.index_n_heads));
+    put("index_head_dim", json!(cfg.index_head_dim));
+    put("index_topk", json!(cfg.index_topk));
+    put("hc_mult", json!(cfg.hc.mult));
+    put("hc_sinkhorn_iters", json!(cfg.hc.sinkhorn_iters));
+    put("hc_eps", json!(cfg.hc.eps));
+    put("tie_word_embeddings", json!(false));
+    put("bos_token_id", json!(cfg.bos_token_id));
+    put("eos_token_id", json!(cfg.eos_token_id));
+    if let Some(pad) = cfg.pad_token_id {
+        put("pad_token_id", json!(pad));
+    }
+    let yarn = cfg.rope.yarn.as_ref();
+    let speculative = cfg.n_mtp_layers() + cfg.n_dspark_stages();
+    if fits_legacy(v4) {
+        let mut ratios = cfg.compress_ratios.clone();
+        ratios.extend(std::iter::repeat_n(0, speculative));
+        put("compress_ratios", json!(ratios));
+        put("num_hash_layers", json!(v4.n_hash_layers()));
+        put("topk_method", json!("noaux_tc"));
+        put("rope_theta", json!(cfg.rope.theta));
+        put("compress_rope_theta", json!(cfg.rope.compress_theta));
+        put(
+            "rope_scaling",
+            json!(yarn.map(|yarn| json!({
+                "type": "yarn",
+                "factor": yarn.factor,
+                "original_max_position_embeddings": yarn.original_max_position,
+                "beta_fast": yarn.beta_fast,
+                "beta_slow": yarn.beta_slow,
+            }))),
+        );
+        // 0731 keeps the raw value 1 while its list describes the 3 DSpark stages.
+        put(
+            "num_nextn_predict_layers",
+            json!(if cfg.dspark.is_some() { 1 } else { speculative }),
+        );
+    } else {
+        let layer_types: Vec<&str> = v4
+            .attention
+            .iter()
+            .map(|attention| match attention {
+                V4Attention::Sliding => SLIDING_ATTENTION,
+                V4Attention::Csa => COMPRESSED_SPARSE_ATTENTION,
+                V4Attention::Hca => HEAVILY_COMPRESSED_ATTENTION,
+            })
+            .collect();
+        let mlp_types: Vec<&str> = v4
+            .mlp
+            .iter()
+            .map(|mlp| match mlp {
+                V4Mlp::HashMoe => HASH_MOE,
+                V4Mlp::TopkMoe => TOPK_MOE,
+            })
+            .collect();
+        put("layer_types", json!(layer_types));
+        put(
+            "compress_rates",
+            json!({
+                COMPRESSED_SPARSE_ATTENTION: v4.csa_ratio,
+                HEAVILY_COMPRESSED_ATTENTION: v4.hca_ratio,
+            }),
+        );
+        put("mlp_layer_types", json!(mlp_types));
+        let partial = cfg.rope_head_dim as f64 / cfg.head_dim as f64;
+        put("partial_rotary_factor", json!(partial));
+        let compress = match yarn {
+            Some(yarn) => json!({
+                "rope_type": "yarn",
+                "attention_factor": 1.0,
+                "factor": yarn.factor,
+                "original_max_position_embeddings": yarn.original_max_position,
+                "beta_fast": yarn.beta_fast,
+                "beta_slow": yarn.beta_slow,
+                "rope_theta": cfg.rope.compress_theta,
+                "partial_rotary_factor": partial,
+            }),
+            None => json!({
+                "rope_type": "default",
+                "rope_theta": cfg.rope.compress_theta,
+                "partial_rotary_factor": partial,
+            }),
+        };
+        put(
+            "rope_parameters",
+            json!({
+                "main": {
+                    "rope_type": "default",
+                    "rope_theta": cfg.rope.theta,
+                    "partial_rotary_factor": partial,
+                },
+                "compress": compress,
+            }),
+        );
+        put("num_nextn_predict_layers", json!(speculative));
+    }
+    if let Some(dspark) = &cfg.dspark {
+        put("dspark_block_size", json!(dspark.block_size));
+        put("dspark_noise_token_id", json!(dspark.noise_token_id));
+        put("dspark_target_layer_ids", json!(dspark.target_layers));
+        put("dspark_markov_rank", json!(dspark.markov_rank));
+        if dspark.n_routed_experts != cfg.n_routed_experts {
+            put("dspark_n_routed_experts", json!(dspark.n_routed_experts));
+        }
+        if dspark.n_activated_experts != cfg.n_activated_experts {
+            put(
+                "dspark_num_experts_per_tok",
+                json!(dspark.n_activated_experts),
+            );
+        }
+    }
+    match cfg.storage {
+        WeightStorage::Quantized => {
+            put("torch_dtype", json!("bfloat16"));
+            put(
+                "quantization_config",
+                json!({
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "scale_fmt": "ue8m0",
+                    "activation_scheme": "dynamic",
+                    "weight_block_size": cfg.quant.weight_block,
+                }),
+            );
+            let expert_dtype = match cfg.quant.expert_dtype {
+                ExpertDtype::Fp4 => "fp4",
+                ExpertDtype::Fp8 => "fp8",
+            };
+            put("expert_dtype", json!(expert_dtype));
+        }
+        WeightStorage::Float32 => put("dtype", json!("float32")),
+        WeightStorage::Bfloat16 => put("dtype", json!("bfloat16")),
+    }
+    Value::Object(fields)
+}
