@@ -62,7 +62,10 @@ impl HubOptions {
         } else if let Some(home) = set("HF_HOME") {
             PathBuf::from(home).join("hub")
         } else if let Some(home) = set("HOME") {
-            PathBuf::from(home).join(".cache").join("huggingface").join("hub")
+            PathBuf::from(home)
+                .join(".cache")
+                .join("huggingface")
+                .join("hub")
         } else {
             return Err(HubError::NoCacheDir);
         };
@@ -105,7 +108,10 @@ pub enum HubError {
         #[source]
         source: ApiError,
     },
-    #[error("cannot list the files of {repo}@{revision} at {endpoint}: {source}{}", network_hint(source))]
+    #[error(
+        "cannot list the files of {repo}@{revision} at {endpoint}: {source}{}",
+        network_hint(source)
+    )]
     RepoInfo {
         repo: String,
         revision: String,
@@ -113,7 +119,10 @@ pub enum HubError {
         #[source]
         source: ApiError,
     },
-    #[error("cannot download {file} of {repo}@{revision} from {endpoint}: {source}{}", network_hint(source))]
+    #[error(
+        "cannot download {file} of {repo}@{revision} from {endpoint}: {source}{}",
+        network_hint(source)
+    )]
     Download {
         repo: String,
         revision: String,
@@ -137,6 +146,21 @@ pub enum HubError {
         repo: String,
         revision: String,
         endpoint: String,
+    },
+    #[error("{repo}@{revision} at {endpoint}: the Hub reported an unusable commit {commit:?}")]
+    BadCommit {
+        repo: String,
+        revision: String,
+        endpoint: String,
+        commit: String,
+    },
+    #[error("{repo}@{revision}: cannot record the revision in the cache {}: {source}", path.display())]
+    Cache {
+        repo: String,
+        revision: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
     },
     #[error("{repo}@{revision}: bad shard index {}: {reason}", path.display())]
     Index {
@@ -165,9 +189,10 @@ fn network_hint(error: &ApiError) -> &'static str {
     }
 }
 
-/// Resolves `repo_id` at `revision` (a branch, tag or commit) to a complete snapshot directory,
-/// from the cache when it is complete there, otherwise downloading what is missing (unless
-/// `options.offline`).
+/// Resolves `repo_id` at `revision` (a branch, tag or commit) to a complete snapshot directory.
+/// A snapshot complete in the cache is used as it is, without asking the Hub whether the branch
+/// moved; otherwise what is missing is downloaded, unless `options.offline`, which is an error
+/// naming the first missing file.
 pub fn resolve_hub_checkpoint(
     repo_id: &str,
     revision: &str,
@@ -243,7 +268,10 @@ fn shard_names(index: &Path, repo_id: &str, revision: &str) -> Result<BTreeSet<S
     let text = std::fs::read_to_string(index).map_err(|e| bad(format!("cannot read: {e}")))?;
     let json: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let Some(map) = json.get("weight_map").and_then(serde_json::Value::as_object) else {
+    let Some(map) = json
+        .get("weight_map")
+        .and_then(serde_json::Value::as_object)
+    else {
         return Err(bad("no `weight_map` object".to_string()));
     };
     let mut shards = BTreeSet::new();
@@ -254,9 +282,13 @@ fn shard_names(index: &Path, repo_id: &str, revision: &str) -> Result<BTreeSet<S
         let safe = !shard.is_empty()
             && !shard.starts_with('/')
             && !shard.contains('\\')
-            && shard.split('/').all(|part| part != ".." && !part.is_empty());
+            && shard
+                .split('/')
+                .all(|part| part != ".." && !part.is_empty());
         if !safe {
-            return Err(bad(format!("tensor {tensor:?} maps to unsafe shard path {shard:?}")));
+            return Err(bad(format!(
+                "tensor {tensor:?} maps to unsafe shard path {shard:?}"
+            )));
         }
         shards.insert(shard.to_string());
     }
@@ -266,8 +298,10 @@ fn shard_names(index: &Path, repo_id: &str, revision: &str) -> Result<BTreeSet<S
     Ok(shards)
 }
 
-/// Lists the repository through the Hub API and fetches every needed file into the cache
-/// (files already there are not fetched again); returns the snapshot directory.
+/// Lists the repository through the Hub API and fetches every needed file into the cache, pinned
+/// to the commit the listing reports (so a branch that moves mid-download cannot split the
+/// snapshot); files already there are not fetched again. Then points `refs/<revision>` at that
+/// commit and returns the snapshot directory.
 fn download_checkpoint(
     repo: Repo,
     repo_id: &str,
@@ -276,7 +310,8 @@ fn download_checkpoint(
     let repo_id = repo_id.to_string();
     let revision = repo.revision().to_string();
     let endpoint = options.endpoint.clone();
-    let api = ApiBuilder::from_cache(Cache::new(options.cache_dir.clone()))
+    let cache = Cache::new(options.cache_dir.clone());
+    let api = ApiBuilder::from_cache(cache.clone())
         .with_endpoint(endpoint.clone())
         .with_progress(options.progress)
         .build()
@@ -284,20 +319,36 @@ fn download_checkpoint(
             endpoint: endpoint.clone(),
             source,
         })?;
-    let api_repo = api.repo(repo);
-    let info = api_repo.info().map_err(|source| HubError::RepoInfo {
-        repo: repo_id.clone(),
-        revision: revision.clone(),
-        endpoint: endpoint.clone(),
-        source,
-    })?;
+    let info = api
+        .repo(repo.clone())
+        .info()
+        .map_err(|source| HubError::RepoInfo {
+            repo: repo_id.clone(),
+            revision: revision.clone(),
+            endpoint: endpoint.clone(),
+            source,
+        })?;
+    let commit = info.sha.trim().to_string();
+    if commit.is_empty() || !commit.chars().all(|c| c.is_ascii_alphanumeric()) {
+        return Err(HubError::BadCommit {
+            repo: repo_id,
+            revision,
+            endpoint,
+            commit,
+        });
+    }
+    let pinned = api.repo(Repo::with_revision(
+        repo_id.clone(),
+        RepoType::Model,
+        commit.clone(),
+    ));
     let listed: BTreeSet<&str> = info
         .siblings
         .iter()
         .map(|sibling| sibling.rfilename.as_str())
         .collect();
     let fetch = |file: &str| -> Result<PathBuf, HubError> {
-        api_repo.get(file).map_err(|source| HubError::Download {
+        pinned.get(file).map_err(|source| HubError::Download {
             repo: repo_id.clone(),
             revision: revision.clone(),
             file: file.to_string(),
@@ -330,6 +381,17 @@ fn download_checkpoint(
             revision,
             endpoint,
         });
+    }
+    if revision != commit {
+        cache
+            .repo(repo)
+            .create_ref(&commit)
+            .map_err(|source| HubError::Cache {
+                repo: repo_id.clone(),
+                revision: revision.clone(),
+                path: options.cache_dir.clone(),
+                source,
+            })?;
     }
     snapshot_of(&config, &repo_id, &revision)
 }

@@ -257,15 +257,16 @@ pub const SGEMM_K_BLOCK: usize = 256;
 /// sum 70% (and it flips one collapse rounding in block 0 the other way, see `golden_v41.rs`).
 /// Independent of how many rows a call holds, so chunking invariance is kept.
 pub fn dot_f32_sgemm(a: &[f32], b: &[f32]) -> f32 {
-    a.chunks(SGEMM_K_BLOCK)
-        .zip(b.chunks(SGEMM_K_BLOCK))
-        .fold(0.0f32, |total, (a_block, b_block)| {
+    a.chunks(SGEMM_K_BLOCK).zip(b.chunks(SGEMM_K_BLOCK)).fold(
+        0.0f32,
+        |total, (a_block, b_block)| {
             total
                 + a_block
                     .iter()
                     .zip(b_block)
                     .fold(0.0f32, |acc, (x, y)| x.mul_add(*y, acc))
-        })
+        },
+    )
 }
 
 /// `e^x` in fp32 as the reference's vectorised CPU kernels compute it (torch's `Vectorized::exp`,
@@ -296,9 +297,7 @@ pub fn exp_f32(x: f32) -> f32 {
     }
     let q = (x * LOG2_E).round_ties_even();
     let s = q.mul_add(-LN2_LOW, q.mul_add(-LN2_HIGH, x));
-    let poly = POLY[1..]
-        .iter()
-        .fold(POLY[0], |acc, &c| acc.mul_add(s, c));
+    let poly = POLY[1..].iter().fold(POLY[0], |acc, &c| acc.mul_add(s, c));
     let mantissa = 1.0 + (s * s).mul_add(poly, s);
     let q = q as i32;
     let half = q >> 1;
@@ -332,6 +331,39 @@ pub fn sum_f32(xs: impl IntoIterator<Item = f32>) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sgemm_order_sums_blocks_of_256_sequentially() {
+        // Block 0: 2^24 then 255 ones; each +1 is a tie at 2^24 and rounds back (sequential fp32).
+        // Block 1: 256 ones, exact. An exactly rounded sum would keep the first block's 255.
+        let mut a = vec![1.0f32; 512];
+        a[0] = 2f32.powi(24);
+        let b = vec![1.0f32; 512];
+        assert_eq!(dot_f32_sgemm(&a, &b), 2f32.powi(24) + 256.0);
+        assert_eq!(dot_f32(&a, &b), 2f32.powi(24) + 512.0);
+    }
+
+    #[test]
+    fn vectorised_exp_is_within_one_ulp_and_saturates() {
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert_eq!(exp_f32(-200.0), 0.0);
+        assert_eq!(exp_f32(200.0), f32::INFINITY);
+        assert!(exp_f32(f32::NAN).is_nan());
+        let mut differs = 0;
+        for i in -4000..=4000 {
+            let x = i as f32 * 0.021;
+            let exact = f64::from(x).exp();
+            let ours = exp_f32(x);
+            let ulp = f64::from(f32::from_bits(ours.to_bits() + 1) - ours);
+            assert!(
+                (f64::from(ours) - exact).abs() <= ulp,
+                "exp({x}) = {ours}, exact {exact}"
+            );
+            differs += usize::from(ours != exact as f32);
+        }
+        // Not the correctly rounded exp: the reference's kernel is off by an ulp now and then.
+        assert!(differs > 0);
+    }
 
     #[test]
     fn bf16_rounding_is_nearest_even() {

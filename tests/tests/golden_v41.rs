@@ -214,7 +214,10 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
         leading <= fx.tolerance(),
         "rows 0..7 of logits_full: {leading}"
     );
-    assert!(overall <= FREE_RUNNING, "logits_full max|Δ|/range {overall}");
+    assert!(
+        overall <= FREE_RUNNING,
+        "logits_full max|Δ|/range {overall}"
+    );
 
     let run = fx.decode_run();
     let prefill_len = run["prefill_len"].as_u64().expect("prefill_len") as usize;

@@ -5,12 +5,19 @@
 //! the previous one returned). Also owns the pipeline of launched steps: a step's results become
 //! visible `device_latency` after its launch, and a step launched while another is still on the
 //! device has its host time counted as hidden by async scheduling.
+//!
+//! Structured outputs: before the forward, the matchers of the constrained sequences that sample
+//! in this step go to the grammar mask workers; the masks are awaited right after the forward and
+//! applied to the logits before the sampling noise. A mask depends only on the tokens accepted so
+//! far, never on timing, so seeded sampling stays deterministic.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use deepinfer_topology::{DpRank, RequestId};
 
+use crate::grammar::{GrammarError, MaskBatch, MaskJob, MaskWorkers, StepMask};
 use crate::messages::rank::{SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming};
 use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
 use crate::sampling::{SamplingParams, sample};
@@ -19,20 +26,41 @@ use crate::sampling::{SamplingParams, sample};
 /// without one this keeps an idle rank from spinning while its peers work.
 pub const IDLE_STEP_MIN_INTERVAL: Duration = Duration::from_micros(500);
 
+/// Mask threads a rank starts when its first constrained sequence arrives.
+pub fn default_mask_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+}
+
 struct SeqSampling {
     params: SamplingParams,
     last_token: Option<u32>,
     grammar: Option<SeqGrammar>,
 }
 
-/// Masks the row with the grammar, samples, and advances the grammar.
+/// The mask of one constrained sequence for this step, or why it has none and the token that
+/// ends its request.
+type MaskResult = Result<StepMask, (GrammarError, u32)>;
+
+/// Masks requested before a forward: the batch in flight and the EOS each request ends with
+/// should its grammar fail.
+struct PendingMasks {
+    batch: MaskBatch<RequestId>,
+    end_tokens: HashMap<RequestId, u32>,
+}
+/// Does this input sample a token?
+fn produces_token(input: &SeqInput) -> bool {
+    matches!(input, SeqInput::Decode | SeqInput::Prefill { last: true, .. })
+}
+
+/// Applies the mask to the row (before the sampling noise), samples, and advances the grammar.
 fn sample_constrained(
     grammar: &mut SeqGrammar,
+    mask: &StepMask,
     row: &mut [f32],
     params: &SamplingParams,
     position: u64,
-) -> Result<Option<u32>, crate::grammar::GrammarError> {
-    grammar.matcher.compute_mask()?.apply_to_logits(row)?;
+) -> Result<Option<u32>, GrammarError> {
+    mask.apply_to_logits(row)?;
     let Some(token) = sample(row, params, position) else {
         return Ok(None);
     };
@@ -53,6 +81,8 @@ pub struct RankWorker {
     executor: Box<dyn RankExecutor>,
     sequences: HashMap<RequestId, SeqSampling>,
     launched: VecDeque<Launched>,
+    /// Started with the first constrained sequence unless given.
+    mask_workers: Option<Arc<MaskWorkers>>,
 }
 
 impl RankWorker {
@@ -62,7 +92,104 @@ impl RankWorker {
             executor,
             sequences: HashMap::new(),
             launched: VecDeque::new(),
+            mask_workers: None,
         }
+    }
+
+    /// A worker that computes grammar masks on `mask_workers` (shared with other ranks, or
+    /// observed by a test).
+    pub fn with_mask_workers(
+        dp: DpRank,
+        executor: Box<dyn RankExecutor>,
+        mask_workers: Arc<MaskWorkers>,
+    ) -> Self {
+        RankWorker {
+            mask_workers: Some(mask_workers),
+            ..RankWorker::new(dp, executor)
+        }
+    }
+
+    /// Hands the matchers of the constrained sequences that sample in this step to the mask
+    /// workers; they come back with their masks in [`RankWorker::finish_masks`].
+    fn start_masks(&mut self, plan: &StepPlan) -> Result<Option<PendingMasks>, ExecError> {
+        let mut jobs = Vec::new();
+        let mut end_tokens = HashMap::new();
+        for work in plan.work.iter().filter(|w| produces_token(&w.input)) {
+            let seq = self
+                .sequences
+                .get_mut(&work.id)
+                .ok_or(ExecError::UnknownSequence(work.id))?;
+            if let Some(SeqGrammar { matcher, end_token }) = seq.grammar.take() {
+                end_tokens.insert(work.id, end_token);
+                jobs.push(MaskJob {
+                    key: work.id,
+                    matcher,
+                    draft: Vec::new(),
+                });
+            }
+        }
+        if jobs.is_empty() {
+            return Ok(None);
+        }
+        let workers = match &self.mask_workers {
+            Some(workers) => workers,
+            None => {
+                let started = MaskWorkers::new(default_mask_threads())
+                    .map_err(|e| ExecError::Backend(format!("grammar mask workers: {e}")))?;
+                self.mask_workers.insert(Arc::new(started))
+            }
+        };
+        Ok(Some(PendingMasks {
+            batch: workers.compute(jobs),
+            end_tokens,
+        }))
+    }
+
+    /// Waits for the masks, gives each sequence its matcher back and returns the masks. A
+    /// sequence whose mask failed keeps no grammar (its request ends with its end token).
+    fn finish_masks(&mut self, pending: Option<PendingMasks>) -> HashMap<RequestId, MaskResult> {
+        let mut masks = HashMap::new();
+        let Some(PendingMasks {
+            batch,
+            mut end_tokens,
+        }) = pending
+        else {
+            return masks;
+        };
+        match batch.wait() {
+            Ok(outcomes) => {
+                for outcome in outcomes {
+                    let id = outcome.key;
+                    let (Some(end_token), Some(seq)) =
+                        (end_tokens.remove(&id), self.sequences.get_mut(&id))
+                    else {
+                        continue;
+                    };
+                    let mask = outcome
+                        .masks
+                        .and_then(|mut masks| {
+                            masks.pop().ok_or(GrammarError::Matcher(
+                                "the mask workers returned no mask".into(),
+                            ))
+                        })
+                        .map_err(|error| (error, end_token));
+                    if mask.is_ok() {
+                        seq.grammar = Some(SeqGrammar {
+                            matcher: outcome.matcher,
+                            end_token,
+                        });
+                    }
+                    masks.insert(id, mask);
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "grammar mask workers failed");
+                for (id, end_token) in end_tokens {
+                    masks.insert(id, Err((GrammarError::WorkerLost, end_token)));
+                }
+            }
+        }
+        masks
     }
 
     /// Runs a plan on the executor and samples; the output is not timed yet.
@@ -104,7 +231,11 @@ impl RankWorker {
                 },
             })
             .collect();
-        let mut rows = self.executor.execute(&batch)?;
+        // Masks are computed while the forward runs and awaited right after it.
+        let pending = self.start_masks(plan)?;
+        let rows = self.executor.execute(&batch);
+        let mut masks = self.finish_masks(pending);
+        let mut rows = rows?;
         if rows.len() != plan.work.len() {
             return Err(ExecError::Backend(format!(
                 "the executor returned {} logits rows for {} sequences",
@@ -114,11 +245,7 @@ impl RankWorker {
         }
         let mut sampled = Vec::new();
         for (work, row) in plan.work.iter().zip(rows.iter_mut()) {
-            let produces = matches!(
-                work.input,
-                SeqInput::Decode | SeqInput::Prefill { last: true, .. }
-            );
-            if !produces {
+            if !produces_token(&work.input) {
                 continue;
             }
             // The sampled token's absolute position = tokens the sequence holds now.
@@ -127,18 +254,23 @@ impl RankWorker {
                 .sequences
                 .get_mut(&work.id)
                 .ok_or(ExecError::UnknownSequence(work.id))?;
-            let picked = match seq.grammar.as_mut() {
+            let constrained = match (masks.remove(&work.id), seq.grammar.as_mut()) {
+                (Some(Ok(mask)), Some(grammar)) => Some(
+                    sample_constrained(grammar, &mask, row, &seq.params, position)
+                        .map_err(|error| (error, grammar.end_token)),
+                ),
+                (Some(Err(failure)), _) => Some(Err(failure)),
+                _ => None,
+            };
+            let picked = match constrained {
                 None => sample(row, &seq.params, position),
-                Some(grammar) => match sample_constrained(grammar, row, &seq.params, position) {
-                    Ok(token) => token,
-                    Err(error) => {
-                        // The request's grammar failed: end this request, not the rank.
-                        tracing::warn!(id = %work.id, %error, "structured output failed; ending the request");
-                        let end = grammar.end_token;
-                        seq.grammar = None;
-                        Some(end)
-                    }
-                },
+                Some(Ok(token)) => token,
+                Some(Err((error, end))) => {
+                    // The request's grammar failed: end this request, not the rank.
+                    tracing::warn!(id = %work.id, %error, "structured output failed; ending the request");
+                    seq.grammar = None;
+                    Some(end)
+                }
             };
             let token = picked
                 .ok_or_else(|| ExecError::Backend(format!("empty logits row for {}", work.id)))?;

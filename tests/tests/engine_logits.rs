@@ -1,0 +1,213 @@
+//! The runtime adds no numerical difference: on DeepSeek's reference fixture (the v41-tiny
+//! checkpoint), every logits row the engine's rank computes for a request — chunked prefill then
+//! decode, through the scheduler and the rank thread, next to other requests on 2 DP ranks — is
+//! bitwise equal to the row the `logits` tool writes for the same tokens fed in one chunk.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use deepinfer_actors::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::tools::logits;
+use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
+use deepinfer_model::Model;
+use deepinfer_model::config::ModelConfig;
+use deepinfer_topology::{NodeConfig, RequestId};
+use safetensors::SafeTensors;
+
+/// `(request, position) -> logits row`, as the ranks returned them.
+type Recorded = Arc<Mutex<HashMap<(RequestId, usize), Vec<f32>>>>;
+
+/// Wraps the real model executor and records each row it returns with its position.
+struct Recording {
+    inner: Box<dyn RankExecutor>,
+    rows: Recorded,
+}
+
+impl RankExecutor for Recording {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        self.inner.new_sequence(id)
+    }
+    fn free_sequence(&mut self, id: RequestId) {
+        self.inner.free_sequence(id)
+    }
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        self.inner.rollback(id, len)
+    }
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.inner.sequence_len(id)
+    }
+    fn live_sequences(&self) -> usize {
+        self.inner.live_sequences()
+    }
+    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let positions = batch
+            .iter()
+            .map(|s| Ok(self.inner.sequence_len(s.id)? + s.tokens.len() - 1))
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        let rows = self.inner.execute(batch)?;
+        let mut recorded = self.rows.lock().expect("not poisoned");
+        for ((seq, position), row) in batch.iter().zip(positions).zip(&rows) {
+            recorded.insert((seq.id, position), row.clone());
+        }
+        Ok(rows)
+    }
+}
+
+struct RecordingFactory {
+    inner: ModelFactory,
+    rows: Recorded,
+}
+
+impl ExecutorFactory for RecordingFactory {
+    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        Ok(Box::new(Recording {
+            inner: self.inner.build(dp)?,
+            rows: self.rows.clone(),
+        }))
+    }
+    fn describe(&self) -> String {
+        format!("recording {}", self.inner.describe())
+    }
+}
+
+fn fixture() -> Option<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
+    if dir.join("config.json").is_file() {
+        Some(dir)
+    } else {
+        eprintln!("SKIPPED: golden fixture not found at {}", dir.display());
+        None
+    }
+}
+
+fn tool_logits(model: &Path, tokens: &[u32]) -> Vec<f32> {
+    let out = tempfile::tempdir().expect("tempdir");
+    let request = logits::LogitsRequest {
+        model_dir: model.to_path_buf(),
+        tokens: tokens.to_vec(),
+        chunks: Vec::new(),
+        out: out.path().join("logits.safetensors"),
+    };
+    logits::run(&request).expect("logits tool runs");
+    let bytes = std::fs::read(&request.out).expect("written");
+    let tensors = SafeTensors::deserialize(&bytes).expect("safetensors");
+    let view = tensors.tensor("logits").expect("logits");
+    view.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_logits_equal_the_logits_tool() {
+    let Some(dir) = fixture() else { return };
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
+    let vocab = logits::engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
+    let model = Arc::new(Model::load_with_vocab(&dir, vocab).expect("fixture loads"));
+    let rows: Recorded = Arc::default();
+    let node = NodeConfig::from_toml_str(
+        "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 2\nep = 1\n\
+         [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 7\n\
+         overlap_depth = 2\nadmission_queue_capacity = 8\n",
+        "engine logits test",
+    )
+    .expect("topology");
+    let config = EngineConfig {
+        node,
+        executor: Arc::new(RecordingFactory {
+            inner: ModelFactory {
+                model,
+                description: "v41-tiny fixture".into(),
+            },
+            rows: rows.clone(),
+        }),
+        model: ModelFacts {
+            vocab_size: cfg.vocab_size,
+            bos_token_id: cfg.bos_token_id,
+            eos_token_id: Some(cfg.eos_token_id),
+            max_context_tokens: cfg.max_position_embeddings,
+        },
+        tokenizer: None,
+    };
+    let engine = Engine::start(config).await.expect("engine starts");
+    // The fixture's own prompt (30 tokens: several prefill chunks, a ratio-2 group pending at the
+    // boundary) plus two neighbours that share the ranks.
+    let prompt: Vec<u32> = vec![
+        482, 319, 349, 457, 296, 396, 425, 117, 31, 155, 147, 445, 465, 5, 256, 419, 69, 407, 63,
+        240, 416, 156, 176, 144, 367, 132, 506, 228, 245, 258,
+    ];
+    let main = engine
+        .generate(GenerateRequest::from_tokens(prompt.clone()).max_tokens(6))
+        .await
+        .expect("admitted");
+    let others = [vec![7, 8, 9], (100..125).collect::<Vec<u32>>()];
+    let mut neighbours = Vec::new();
+    for p in &others {
+        neighbours.push(
+            engine
+                .generate(GenerateRequest::from_tokens(p.clone()).max_tokens(4))
+                .await
+                .expect("admitted"),
+        );
+    }
+    let done = tokio::time::timeout(Duration::from_secs(300), main.collect())
+        .await
+        .expect("finishes in time")
+        .expect("completes");
+    for stream in neighbours {
+        tokio::time::timeout(Duration::from_secs(300), stream.collect())
+            .await
+            .expect("finishes in time")
+            .expect("completes");
+    }
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("shuts down");
+
+    // The engine's rows for the main request, by position.
+    let recorded = rows.lock().expect("not poisoned");
+    let ids: Vec<RequestId> = recorded.keys().map(|(id, _)| *id).collect();
+    let main_id = ids
+        .into_iter()
+        .find(|id| {
+            recorded.contains_key(&(*id, prompt.len() - 1)) && recorded.contains_key(&(*id, 6))
+        })
+        .expect("the main request's rows were recorded");
+    let mut full = prompt.clone();
+    full.extend(&done.tokens);
+    let reference = tool_logits(&dir, &full[..full.len() - 1]);
+    let v = cfg.vocab_size;
+    let mut compared = 0;
+    for ((id, position), row) in recorded.iter() {
+        if *id != main_id || *position >= full.len() - 1 {
+            continue;
+        }
+        assert_eq!(
+            row.as_slice(),
+            &reference[position * v..(position + 1) * v],
+            "row of position {position}"
+        );
+        compared += 1;
+    }
+    // Prefill chunk ends (6, 13, 20, 27, 29) and every decode step after the prompt.
+    assert!(
+        compared >= 5 + done.tokens.len() - 1,
+        "compared {compared} rows"
+    );
+    // The generated tokens are the argmax of those rows (greedy).
+    for (g, token) in done.tokens.iter().enumerate() {
+        let position = prompt.len() - 1 + g;
+        let row = &reference[position * v..(position + 1) * v];
+        let best = (0..v)
+            .max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a)))
+            .unwrap();
+        assert_eq!(*token as usize, best, "greedy token {g}");
+    }
+}
