@@ -4,8 +4,8 @@
 //! builds the built-in demo model: the V4.1 tiny architecture (spec §9.1) widened to the real
 //! DeepSeek vocabulary, with seeded random weights written by the model crate's
 //! `write_random_checkpoint` into a temporary directory and loaded through the real loader, and
-//! the shipped tokenizer. A Hub id is fetched through `hf-hub` into the Hugging Face cache
-//! (`HF_ENDPOINT` and `HF_HOME` respected). Blocking: call it off the async workers.
+//! the shipped tokenizer. A Hub id is found in, or downloaded into, the Hugging Face cache by
+//! [`crate::hub`]. Blocking: call it off the async workers.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,6 +19,7 @@ use crate::engine::ModelFacts;
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
 use crate::frontend::codec::load_v41_tokenizer;
+use crate::hub::{HubOptions, resolve_hub_checkpoint};
 use crate::rank::executor::ExecutorFactory;
 use crate::rank::model_executor::ModelFactory;
 
@@ -161,104 +162,14 @@ pub fn build_demo(dir: &Path) -> Result<ResolvedModel, EngineError> {
     )
 }
 
-/// Where to fetch Hub checkpoints from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HubAccess {
-    /// Base URL (`https://huggingface.co`, or `HF_ENDPOINT`).
-    pub endpoint: Option<String>,
-    /// The Hugging Face cache directory; `None` = the default (`HF_HOME`).
-    pub cache_dir: Option<PathBuf>,
-    /// Show a progress bar per file.
-    pub progress: bool,
-}
-
-impl HubAccess {
-    /// From the environment (`HF_ENDPOINT`, `HF_HOME`); progress when stderr is a terminal.
-    pub fn from_env() -> Self {
-        use std::io::IsTerminal;
-        HubAccess {
-            endpoint: std::env::var("HF_ENDPOINT").ok(),
-            cache_dir: None,
-            progress: std::io::stderr().is_terminal(),
-        }
-    }
-}
-
-/// Downloads (or finds in the cache) a checkpoint: `config.json`, the safetensors index and
-/// every shard it names (or the single `model.safetensors`), and `tokenizer.json` when the
-/// repository has one. Returns the snapshot directory.
-pub fn download_hub(
-    repo_id: &str,
-    revision: &str,
-    access: &HubAccess,
-) -> Result<PathBuf, EngineError> {
-    use hf_hub::api::sync::ApiBuilder;
-    use hf_hub::{Cache, Repo, RepoType};
-    let what = format!("{repo_id}@{revision}");
-    let mut builder = match &access.cache_dir {
-        Some(dir) => ApiBuilder::from_cache(Cache::new(dir.clone())),
-        None => ApiBuilder::from_env(),
-    };
-    if let Some(endpoint) = &access.endpoint {
-        builder = builder.with_endpoint(endpoint.clone());
-    }
-    let api = builder
-        .with_progress(access.progress)
-        .build()
-        .map_err(|e| model_error(&what, e))?;
-    let repo = api.repo(Repo::with_revision(
-        repo_id.to_string(),
-        RepoType::Model,
-        revision.to_string(),
-    ));
-    let fetch = |file: &str| {
-        repo.get(file)
-            .map_err(|e| model_error(&what, format!("{file}: {e}")))
-    };
-    let config = fetch("config.json")?;
-    let Some(snapshot) = config.parent().map(Path::to_path_buf) else {
-        return Err(model_error(
-            &what,
-            "the cache returned a path without a directory",
-        ));
-    };
-    match repo.get("model.safetensors.index.json") {
-        Ok(index_path) => {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| model_error(&what, e))?;
-            let index: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| model_error(&what, format!("index: {e}")))?;
-            let Some(map) = index
-                .get("weight_map")
-                .and_then(serde_json::Value::as_object)
-            else {
-                return Err(model_error(
-                    &what,
-                    "model.safetensors.index.json has no `weight_map`",
-                ));
-            };
-            let shards: std::collections::BTreeSet<&str> =
-                map.values().filter_map(serde_json::Value::as_str).collect();
-            for shard in shards {
-                if shard.contains('/') || shard.contains("..") || !shard.ends_with(".safetensors") {
-                    return Err(model_error(
-                        &what,
-                        format!("suspicious shard name {shard:?} in the index"),
-                    ));
-                }
-                fetch(shard)?;
-            }
-        }
-        Err(_) => {
-            fetch("model.safetensors")?;
-        }
-    }
-    // Optional: the shipped tokenizer is used when the repository has none.
-    let _ = repo.get("tokenizer.json");
-    Ok(snapshot)
-}
-
-/// Resolves the model of `node` (see the module doc).
+/// Resolves the model of `node` (see the module doc), with the Hub settings of the environment.
 pub fn resolve(node: &NodeConfig) -> Result<ResolvedModel, EngineError> {
+    let hub = HubOptions::from_env().map_err(|e| model_error("Hugging Face Hub", e))?;
+    resolve_with(node, &hub)
+}
+
+/// [`resolve`] with explicit Hub settings.
+pub fn resolve_with(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, EngineError> {
     if let Some(dir) = std::env::var_os(MODEL_DIR_ENV) {
         let dir = PathBuf::from(dir);
         let name = dir
@@ -291,7 +202,8 @@ pub fn resolve(node: &NodeConfig) -> Result<ResolvedModel, EngineError> {
             } else {
                 revision.as_str()
             };
-            let dir = download_hub(repo_id, revision, &HubAccess::from_env())?;
+            let dir = resolve_hub_checkpoint(repo_id, revision, hub)
+                .map_err(|e| model_error(&format!("{repo_id}@{revision}"), e))?;
             load_dir(&dir, repo_id.clone(), None, None)
         }
     }
@@ -314,6 +226,25 @@ mod tests {
         let err = resolve(&node("/nonexistent/checkpoint")).err().unwrap();
         assert_eq!(err.code(), "model");
         assert!(err.to_string().contains("/nonexistent/checkpoint"), "{err}");
+
+        // A Hub id that is not in the cache, offline: a clear error, and no network access.
+        let cache = tempfile::tempdir().unwrap();
+        let offline = HubOptions {
+            endpoint: "http://127.0.0.1:9".to_string(),
+            cache_dir: cache.path().to_path_buf(),
+            offline: true,
+            progress: false,
+        };
+        let err = resolve_with(&node("deepseek-ai/DeepSeek-V4.1-Flash-1017"), &offline)
+            .err()
+            .unwrap();
+        assert_eq!(err.code(), "model");
+        let message = err.to_string();
+        assert!(
+            message.contains("deepseek-ai/DeepSeek-V4.1-Flash-1017"),
+            "{message}"
+        );
+        assert!(message.contains(MODEL_DIR_ENV), "{message}");
     }
 
     #[test]

@@ -3,39 +3,23 @@
 //! and checked by independent validators (jsonschema, regex, re-parsing), determinism across batch
 //! compositions, thinking mode, rollback and draft masks, the mask workers and bad constraints.
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+mod common;
 
+use common::grammar_set::{
+    EOS, Generation, VOCAB, check_output, engine, read_json, repo_root, test_set,
+};
 use deepinfer_actors::grammar::{
-    CompiledGrammar, Constraint, ConstraintStart, GrammarEngine, GrammarError, GrammarMatcher,
-    MaskJob, MaskWorkers, StepMask, TokenId, take_grammar_response_format,
+    CompiledGrammar, Constraint, ConstraintStart, GrammarError, GrammarMatcher, MaskJob,
+    MaskWorkers, StepMask, TokenId, take_grammar_response_format,
 };
 use deepseek_recipe::request::OutputConstraint;
 use serde_json::{Value, json};
 
-const VOCAB: usize = 129_280;
-const EOS: TokenId = 1;
 const THINK_START: TokenId = 128_821;
 const THINK_END: TokenId = 128_822;
 const DSML: TokenId = 128_825;
 /// Generations longer than this count as failures.
 const TOKEN_CAP: usize = 400;
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("actors/ has a parent")
-        .to_path_buf()
-}
-
-/// Built once per test binary: debug builds take seconds for it.
-fn engine() -> &'static GrammarEngine {
-    static ENGINE: OnceLock<GrammarEngine> = OnceLock::new();
-    ENGINE.get_or_init(|| {
-        GrammarEngine::from_tokenizer_file(&repo_root().join("configs/tokenizer/tokenizer.json"))
-            .expect("the shipped tokenizer builds a grammar engine")
-    })
-}
 
 // ---------------------------------------------------------------------------------------------
 // The random-logits "model" and a seeded temperature-1 sampler.
@@ -102,18 +86,6 @@ fn step(matcher: &mut GrammarMatcher, mask: &StepMask, seed: u64, position: usiz
     token
 }
 
-struct Generation {
-    tokens: Vec<TokenId>,
-    ended_with_eos: bool,
-}
-
-impl Generation {
-    fn answer_bytes(&self) -> Vec<u8> {
-        let end = self.tokens.len() - usize::from(self.ended_with_eos);
-        engine().token_env().decode(&self.tokens[..end])
-    }
-}
-
 fn generate(grammar: &CompiledGrammar, seed: u64) -> Generation {
     let mut matcher = engine().matcher(grammar, ConstraintStart::Answer);
     let mut tokens = Vec::new();
@@ -136,152 +108,7 @@ fn generate(grammar: &CompiledGrammar, seed: u64) -> Generation {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The test set and its independent checks.
-
-enum Check {
-    Schema(Box<jsonschema::Validator>),
-    Regex(regex::Regex),
-    /// Re-parse with a fresh matcher; optionally also a regex over the text.
-    Reparse(Option<regex::Regex>),
-}
-
-struct Case {
-    name: String,
-    constraint: Constraint,
-    check: Check,
-}
-
-fn full_match(pattern: &str) -> regex::Regex {
-    regex::Regex::new(&format!("^(?:{pattern})$")).expect("check regex compiles")
-}
-
-fn read_json(name: &str) -> Value {
-    let path = repo_root().join("tests/data/grammar").join(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path:?}: {e}"))
-}
-
-fn test_set() -> Vec<Case> {
-    let mut cases = Vec::new();
-    for entry in read_json("json_schemas.json").as_array().expect("array") {
-        let schema = entry["schema"].clone();
-        let validator = jsonschema::options()
-            .should_validate_formats(true)
-            .build(&schema)
-            .expect("test schema is valid");
-        cases.push(Case {
-            name: format!("json_schema/{}", entry["name"].as_str().expect("name")),
-            constraint: Constraint::JsonSchema(schema),
-            check: Check::Schema(Box::new(validator)),
-        });
-    }
-    for entry in read_json("regexes.json").as_array().expect("array") {
-        let regex = entry["regex"].as_str().expect("regex").to_string();
-        cases.push(Case {
-            name: format!("regex/{}", entry["name"].as_str().expect("name")),
-            check: Check::Regex(full_match(&regex)),
-            constraint: Constraint::Regex(regex),
-        });
-    }
-    let lark_dir = repo_root().join("tests/data/grammar/lark");
-    let mut lark_files: Vec<_> = std::fs::read_dir(&lark_dir)
-        .expect("lark dir")
-        .map(|e| e.expect("entry").path())
-        .collect();
-    lark_files.sort();
-    for path in lark_files {
-        let source = std::fs::read_to_string(&path).expect("lark file");
-        let check_regex = source
-            .lines()
-            .find_map(|l| l.strip_prefix("// check-regex: "))
-            .map(full_match);
-        cases.push(Case {
-            name: format!("lark/{}", path.file_stem().expect("stem").to_string_lossy()),
-            constraint: Constraint::Lark(source),
-            check: Check::Reparse(check_regex),
-        });
-    }
-    let ebnf_dir = repo_root().join("tests/data/grammar/ebnf");
-    let mut ebnf_files: Vec<_> = std::fs::read_dir(&ebnf_dir)
-        .expect("ebnf dir")
-        .map(|e| e.expect("entry").path())
-        .collect();
-    ebnf_files.sort();
-    for path in ebnf_files {
-        let source = std::fs::read_to_string(&path).expect("ebnf file");
-        let check_regex = source
-            .lines()
-            .find_map(|l| l.strip_prefix("# check-regex: "))
-            .map(full_match);
-        cases.push(Case {
-            name: format!("ebnf/{}", path.file_stem().expect("stem").to_string_lossy()),
-            constraint: Constraint::Ebnf(source),
-            check: Check::Reparse(check_regex),
-        });
-    }
-    cases
-}
-
-/// A fresh matcher must accept exactly these bytes: fed as the generated tokens, and (for text
-/// without special tokens) as the canonical tokenization of the text, then end with EOS.
-fn reparses(grammar: &CompiledGrammar, generation: &Generation, text: &str) -> Result<(), String> {
-    let mut tokenizations = vec![generation.tokens[..generation.tokens.len() - 1].to_vec()];
-    let canonical = engine().token_env().tokenize_text(text);
-    if engine().token_env().decode(&canonical) == text.as_bytes()
-        && !generation.tokens.iter().any(|&t| t >= 128_000)
-    {
-        tokenizations.push(canonical);
-    }
-    for tokens in tokenizations {
-        let mut fresh = engine().matcher(grammar, ConstraintStart::Answer);
-        fresh
-            .advance_all(&tokens)
-            .map_err(|e| format!("re-parse of {tokens:?}: {e}"))?;
-        fresh
-            .advance(EOS)
-            .map_err(|e| format!("re-parse not complete: {e}"))?;
-    }
-    Ok(())
-}
-
-fn check_output(
-    case: &Case,
-    grammar: &CompiledGrammar,
-    generation: &Generation,
-) -> Result<(), String> {
-    if !generation.ended_with_eos {
-        return Err(format!("no EOS within {TOKEN_CAP} tokens"));
-    }
-    let bytes = generation.answer_bytes();
-    let text = String::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
-    match &case.check {
-        Check::Schema(validator) => {
-            let value: Value =
-                serde_json::from_str(&text).map_err(|e| format!("not JSON ({e}): {text:?}"))?;
-            let errors: Vec<String> = validator
-                .iter_errors(&value)
-                .map(|e| e.to_string())
-                .collect();
-            if !errors.is_empty() {
-                return Err(format!("{text} violates the schema: {errors:?}"));
-            }
-        }
-        Check::Regex(regex) => {
-            if !regex.is_match(&text) {
-                return Err(format!("{text:?} does not match"));
-            }
-        }
-        Check::Reparse(regex) => {
-            if let Some(regex) = regex
-                && !regex.is_match(&text)
-            {
-                return Err(format!("{text:?} does not match the check regex"));
-            }
-            reparses(grammar, generation, &text)?;
-        }
-    }
-    Ok(())
-}
+// The test set (tests/data/grammar/, checks in common::grammar_set).
 
 #[test]
 fn every_constrained_generation_of_the_test_set_validates() {

@@ -453,9 +453,7 @@ fn hub_download_path_end_to_end() {
     );
     let resumed: Vec<String> = hub.requests()[before..].to_vec();
     assert!(
-        resumed
-            .iter()
-            .all(|r| !r.ends_with("/config.json")),
+        resumed.iter().all(|r| !r.ends_with("/config.json")),
         "config.json fetched again: {resumed:?}"
     );
     assert!(

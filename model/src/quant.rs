@@ -310,8 +310,10 @@ fn power_of_two(e: i32) -> f32 {
 }
 
 /// Dot product accumulated in f64 and rounded once to f32: independent of summation order (for the
-/// lengths and magnitudes here it is the correctly rounded sum, up to rare double rounding), which
-/// is the order-free choice and the one that agrees best with the reference's fp32 BLAS sums.
+/// lengths and magnitudes here it is the correctly rounded sum, up to rare double rounding). Used
+/// where the reference's order is not known or does not matter (32-element block partials of
+/// exact FP8 products, attention and index scores); the reference's fp32 `F.linear` order is
+/// [`dot_f32_sgemm`].
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)

@@ -176,6 +176,7 @@ fn inject_reference_streams(fx: &Fixture, trace: &mut ForwardTrace, n: usize) {
 ///   ~0.1–0.15 of the range is the floor for any implementation whose fp32 reductions are not
 ///   bit-identical to the reference's; the per-block checks on the reference's own inputs
 ///   (`every_block_matches_reference_given_reference_inputs`) are what pins the numerics.
+///
 /// Measured: logits_full 0.149, logits_decode 0.149, text.decode.logits 0.115 of the range.
 #[test]
 fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {

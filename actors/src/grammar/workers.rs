@@ -2,6 +2,7 @@
 //! constrained requests' matchers over before launching the step and takes them back, with their
 //! masks, right before sampling.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 
@@ -34,6 +35,8 @@ pub struct MaskOutcome<K> {
 pub struct MaskWorkers {
     tasks: Option<mpsc::Sender<Task>>,
     threads: Vec<JoinHandle<()>>,
+    /// Jobs whose masks are computed (a progress counter for metrics and tests).
+    completed: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for MaskWorkers {
@@ -68,6 +71,7 @@ impl MaskWorkers {
         Ok(Self {
             tasks: Some(sender),
             threads,
+            completed: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -76,12 +80,18 @@ impl MaskWorkers {
         self.threads.len()
     }
 
+    /// Jobs whose masks have been computed since the pool started.
+    pub fn completed_jobs(&self) -> u64 {
+        self.completed.load(Ordering::Acquire)
+    }
+
     /// Start computing the masks of a batch; returns at once.
     pub fn compute<K: Send + 'static>(&self, jobs: Vec<MaskJob<K>>) -> MaskBatch<K> {
         let (sender, results) = async_mpsc::unbounded_channel();
         let len = jobs.len();
         for (index, job) in jobs.into_iter().enumerate() {
             let sender = sender.clone();
+            let completed = Arc::clone(&self.completed);
             let task: Task = Box::new(move || {
                 let MaskJob {
                     key,
@@ -89,6 +99,7 @@ impl MaskWorkers {
                     draft,
                 } = job;
                 let masks = matcher.draft_masks(&draft);
+                completed.fetch_add(1, Ordering::AcqRel);
                 // The batch may have been dropped; then nobody wants the result.
                 let _ = sender.send((
                     index,

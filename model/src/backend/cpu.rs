@@ -1,9 +1,9 @@
 //! `CpuBackend`: the plain reference implementation of [`Backend`]. Reductions are order-free (f64
-//! accumulator rounded once to fp32, see [`dot_f32`]) except the fp32 linears (`F.linear` in the
-//! reference: mHC mixes, router, head), which follow the reference CPU GEMM's order
-//! ([`quant::dot_f32_sgemm`]); `exp` is the reference's vectorised one ([`quant::exp_f32`]). Every
-//! bf16 rounding sits where DeepSeek's reference rounds; fp32 stays the working precision between
-//! operations.
+//! accumulator rounded once to fp32, see [`dot_f32`]) except the plain linears (`linear_f32`,
+//! `linear_bf16`: router, head, compressor, `wo_a`, indexer) and the mHC mixes projection, which
+//! follow the summation order of the reference's CPU GEMM ([`quant::dot_f32_sgemm`]); `exp` is the
+//! reference's vectorised one ([`quant::exp_f32`]). Every bf16 rounding sits where DeepSeek's
+//! reference rounds; fp32 stays the working precision between operations.
 
 use super::{Backend, HcMix, HcParams, RopeTable};
 use crate::quant::{self, dot_f32, dot_f32_sgemm, exp_f32, round_bf16, sum_f32, sum_squares_f32};

@@ -1,0 +1,3 @@
+//! Helpers shared by the actors crate's test binaries.
+
+pub mod grammar_set;
