@@ -137,6 +137,8 @@ pub fn demo_config(compressed_vocab_size: usize) -> ModelConfig {
     cfg.vocab_size = 129_280;
     cfg.bos_token_id = 0;
     cfg.eos_token_id = 1;
+    // Room for a chat prompt that embeds a JSON schema plus its answer (tiny_v41 has 256).
+    cfg.max_position_embeddings = 1024;
     if let Some(engram) = cfg.engram.as_mut() {
         engram.compressed_vocab_size = compressed_vocab_size;
     }

@@ -29,7 +29,7 @@ use deepinfer_topology::{DpRank, NodeConfig, RequestId, StepId};
 use serde_json::json;
 
 /// The generation cap of every request.
-const MAX_TOKENS: usize = 160;
+const MAX_TOKENS: usize = 400;
 
 // ---------------------------------------------------------------------------------------------
 // The engine on the demo model.
@@ -127,12 +127,20 @@ async fn demo_model_constrained_generations_validate_and_ignore_the_batch() {
     let (engine, _dir) = start_demo_engine().await;
     let startup = started.elapsed();
 
-    let requests = cases
+    let requests: Vec<GenerateRequest> = cases
         .iter()
         .enumerate()
         .map(|(i, case)| chat_request(case, case_seed(i)))
         .collect();
-    let together = run_together(&engine, requests).await;
+    let _ = requests;
+    for (i, c) in cases.iter().enumerate() {
+        let t = Instant::now();
+        let d = run_together(&engine, vec![chat_request(c, case_seed(i))]).await;
+        eprintln!("CASE {} {:?} tokens {} reason {:?} text {:?}", c.name, t.elapsed(), d[0].tokens.len(), d[0].reason, &d[0].text.chars().take(80).collect::<String>());
+    }
+    panic!();
+    #[allow(unreachable_code)]
+    let together: Vec<Completion> = Vec::new();
     let mut failures = Vec::new();
     let mut longest = 0;
     let mut total_tokens = 0;

@@ -7,10 +7,10 @@ pub mod error;
 pub mod quant;
 pub mod weights;
 
+pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod engram;
-pub mod backend;
 pub mod v41;
 
 pub use v41::{DraftProposal, ForwardTrace, Injection, LogitsWanted, Model, SequenceState};

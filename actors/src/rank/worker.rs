@@ -232,8 +232,8 @@ impl RankWorker {
             })
             .collect();
         // Masks are computed while the forward runs and awaited right after it.
-        let rows = self.executor.execute(&batch);
         let pending = self.start_masks(plan)?;
+        let rows = self.executor.execute(&batch);
         let mut masks = self.finish_masks(pending);
         let mut rows = rows?;
         if rows.len() != plan.work.len() {

@@ -166,6 +166,12 @@ impl V4Inventory<'_> {
         self.fp8_projection(&format!("{prefix}ffn.shared_experts.w3"), shared, dim);
     }
 
+    /// The decoder block of an `mtp.*` layer, plain MTP block or DSpark stage alike: sliding
+    /// attention and a top-k MoE over `n_experts` routed experts.
+    fn speculative_block(&mut self, prefix: &str, n_experts: usize) {
+        self.block(prefix, V4Attention::Sliding, V4Mlp::TopkMoe, n_experts);
+    }
+
     /// The compressor of a CSA/HCA layer (CSA: two overlapping series, so twice the width) and the
     /// CSA indexer with its own compressor.
     fn compressed_attention(&mut self, prefix: &str, attention: V4Attention) {
@@ -236,12 +242,7 @@ pub fn v4_inventory(cfg: &ModelConfig) -> Vec<TensorSpec> {
     // V4-Flash MTP blocks (§4.1): a sliding top-k block plus embedding/hidden projections.
     for block in 0..v4.mtp_layers {
         let prefix = format!("mtp.{block}.");
-        inv.block(
-            &prefix,
-            V4Attention::Sliding,
-            V4Mlp::TopkMoe,
-            cfg.n_routed_experts,
-        );
+        inv.speculative_block(&prefix, cfg.n_routed_experts);
         inv.fp8_projection(&format!("{prefix}e_proj"), dim, dim);
         inv.fp8_projection(&format!("{prefix}h_proj"), dim, dim);
         for norm in ["enorm", "hnorm", "norm"] {
@@ -253,12 +254,7 @@ pub fn v4_inventory(cfg: &ModelConfig) -> Vec<TensorSpec> {
     if let Some(dspark) = &cfg.dspark {
         for stage in 0..dspark.n_stages {
             let prefix = format!("mtp.{stage}.");
-            inv.block(
-                &prefix,
-                V4Attention::Sliding,
-                V4Mlp::TopkMoe,
-                dspark.n_routed_experts,
-            );
+            inv.speculative_block(&prefix, dspark.n_routed_experts);
             if stage == 0 {
                 inv.fp8_projection(
                     &format!("{prefix}main_proj"),

@@ -151,13 +151,7 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
-        let stored_names = adopt_official_names(&mut location, &shards)?;
-        Ok(Checkpoint {
-            dir: dir.to_path_buf(),
-            shards,
-            location,
-            stored_names,
-        })
+        Checkpoint::from_shards(dir, shards, location)
     }
 
     fn open_unindexed(dir: &Path) -> Result<Checkpoint, ModelError> {
@@ -200,6 +194,16 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
+        Checkpoint::from_shards(dir, shards, location)
+    }
+
+    /// Finishes either way of opening: re-keys transformers-spelled tensors under their official
+    /// names ([`adopt_official_names`]) and assembles the checkpoint.
+    fn from_shards(
+        dir: &Path,
+        shards: Vec<Shard>,
+        mut location: HashMap<String, usize>,
+    ) -> Result<Checkpoint, ModelError> {
         let stored_names = adopt_official_names(&mut location, &shards)?;
         Ok(Checkpoint {
             dir: dir.to_path_buf(),

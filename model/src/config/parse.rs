@@ -72,16 +72,7 @@ pub(crate) fn parse_v41(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
             ),
         ));
     }
-    if let Some(position) = all_ratios[n_layers..].iter().position(|&ratio| ratio != 0) {
-        return Err(text.error(
-            "compress_ratios",
-            format!(
-                "entry {} belongs to DSpark stage {position} and must be 0, found {}",
-                n_layers + position,
-                all_ratios[n_layers + position]
-            ),
-        ));
-    }
+    speculative_ratios_are_zero(&text, &all_ratios, n_layers, "DSpark stage")?;
     let compress_ratios = all_ratios[..n_layers].to_vec();
 
     let rope = RopeConfig {
@@ -172,11 +163,7 @@ pub(crate) fn parse_v41(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
         index_n_heads: text.usize("index_n_heads")?,
         index_head_dim: text.usize("index_head_dim")?,
         index_topk: text.usize("index_topk")?,
-        hc: HcConfig {
-            mult: text.usize("hc_mult")?,
-            sinkhorn_iters: text.usize("hc_sinkhorn_iters")?,
-            eps: text.f32("hc_eps")?,
-        },
+        hc: parse_hc(&text)?,
         engram,
         dspark,
         quant,
@@ -188,6 +175,29 @@ pub(crate) fn parse_v41(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
         image_token_id: top.optional_u32("image_token_id")?,
         vision,
     })
+}
+
+/// The `compress_ratios` entries after the `n_layers` backbone entries belong to the speculative
+/// layers (`layer_kind`: "DSpark stage" in V4.1, "MTP/DSpark layer" in V4), which attend through
+/// the window only: each must be 0.
+pub(super) fn speculative_ratios_are_zero(
+    fields: &Fields<'_>,
+    ratios: &[usize],
+    n_layers: usize,
+    layer_kind: &str,
+) -> Result<(), ModelError> {
+    let speculative = ratios.get(n_layers..).unwrap_or_default();
+    match speculative.iter().position(|&ratio| ratio != 0) {
+        None => Ok(()),
+        Some(position) => Err(fields.error(
+            "compress_ratios",
+            format!(
+                "entry {} belongs to {layer_kind} {position} and must be 0, found {}",
+                n_layers + position,
+                speculative[position]
+            ),
+        )),
+    }
 }
 
 fn parse_quant(fields: &Fields<'_>) -> Result<QuantConfig, ModelError> {
@@ -210,11 +220,26 @@ fn parse_quant(fields: &Fields<'_>) -> Result<QuantConfig, ModelError> {
 
 fn parse_yarn(fields: &Fields<'_>) -> Result<YarnConfig, ModelError> {
     fields.expect_str("rope_type", "yarn")?;
+    yarn_values(fields)
+}
+
+/// The numbers of a YaRN dict (factor, original length, betas), spelled alike by V4 and V4.1;
+/// each family checks its own `rope_type` spelling first.
+pub(super) fn yarn_values(fields: &Fields<'_>) -> Result<YarnConfig, ModelError> {
     Ok(YarnConfig {
         factor: fields.f64("factor")?,
         original_max_position: fields.usize("original_max_position_embeddings")?,
         beta_fast: fields.f64("beta_fast")?,
         beta_slow: fields.f64("beta_slow")?,
+    })
+}
+
+/// The mHC keys (`hc_mult`, `hc_sinkhorn_iters`, `hc_eps`), spelled alike by V4 and V4.1.
+pub(super) fn parse_hc(fields: &Fields<'_>) -> Result<HcConfig, ModelError> {
+    Ok(HcConfig {
+        mult: fields.usize("hc_mult")?,
+        sinkhorn_iters: fields.usize("hc_sinkhorn_iters")?,
+        eps: fields.f32("hc_eps")?,
     })
 }
 
@@ -236,4 +261,32 @@ fn parse_vision(fields: &Fields<'_>) -> Result<VisionConfig, ModelError> {
         min_pixels: fields.usize("min_pixels")?,
         max_wh_ratio,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use serde_json::json;
+
+    use super::{Fields, speculative_ratios_are_zero};
+    use crate::error::ModelError;
+
+    #[test]
+    fn speculative_ratios_must_be_zero_and_the_error_names_entry_and_layer() {
+        let object = json!({});
+        let text = Fields::new(&object, "text_config.", Path::new("config.json")).expect("object");
+        assert!(speculative_ratios_are_zero(&text, &[4, 128, 0, 0], 2, "DSpark stage").is_ok());
+        assert!(speculative_ratios_are_zero(&text, &[4, 128], 2, "DSpark stage").is_ok());
+        let err = speculative_ratios_are_zero(&text, &[4, 0, 0, 128], 2, "DSpark stage")
+            .expect_err("a compressed speculative layer");
+        let ModelError::Config { field, message, .. } = err else {
+            panic!("expected a config error, found {err:?}");
+        };
+        assert_eq!(field, "text_config.compress_ratios");
+        assert_eq!(
+            message,
+            "entry 3 belongs to DSpark stage 1 and must be 0, found 128"
+        );
+    }
 }

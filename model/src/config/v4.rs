@@ -21,9 +21,9 @@
 use serde_json::Value;
 
 use super::fields::Fields;
+use super::parse::{parse_hc, speculative_ratios_are_zero, yarn_values};
 use super::{
-    DsparkConfig, ExpertDtype, HcConfig, ModelConfig, ModelFamily, QuantConfig, RopeConfig,
-    YarnConfig,
+    DsparkConfig, ExpertDtype, ModelConfig, ModelFamily, QuantConfig, RopeConfig, YarnConfig,
 };
 use crate::error::ModelError;
 
@@ -220,11 +220,7 @@ pub(crate) fn parse_v4(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
         index_n_heads: top.usize("index_n_heads")?,
         index_head_dim: top.usize("index_head_dim")?,
         index_topk: top.usize("index_topk")?,
-        hc: HcConfig {
-            mult: top.usize("hc_mult")?,
-            sinkhorn_iters: top.usize("hc_sinkhorn_iters")?,
-            eps: top.f32("hc_eps")?,
-        },
+        hc: parse_hc(top)?,
         engram: None,
         dspark,
         quant,
@@ -411,16 +407,7 @@ fn parse_compress_ratios(
             }
         });
     }
-    if let Some(position) = ratios[n_layers..].iter().position(|&ratio| ratio != 0) {
-        return Err(top.error(
-            "compress_ratios",
-            format!(
-                "entry {} belongs to MTP/DSpark layer {position} and must be 0, found {}",
-                n_layers + position,
-                ratios[n_layers + position]
-            ),
-        ));
-    }
+    speculative_ratios_are_zero(top, &ratios, n_layers, "MTP/DSpark layer")?;
     Ok((attention, ratios.len() - n_layers))
 }
 
@@ -584,12 +571,7 @@ fn parse_yarn(fields: &Fields<'_>) -> Result<YarnConfig, ModelError> {
             ));
         }
     }
-    Ok(YarnConfig {
-        factor: fields.f64("factor")?,
-        original_max_position: fields.usize("original_max_position_embeddings")?,
-        beta_fast: fields.f64("beta_fast")?,
-        beta_slow: fields.f64("beta_slow")?,
-    })
+    yarn_values(fields)
 }
 
 /// `quantization_config` + `expert_dtype`, or the storage dtype of an unquantised save.

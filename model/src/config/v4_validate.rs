@@ -38,48 +38,7 @@ impl Validator<'_> {
         ] {
             self.positive(field, value)?;
         }
-        if !c.n_heads.is_multiple_of(c.o_groups) {
-            return Err(self.fail(
-                "o_groups",
-                format!(
-                    "num_attention_heads {} is not divisible by o_groups {}",
-                    c.n_heads, c.o_groups
-                ),
-            ));
-        }
-        if c.rope_head_dim == 0
-            || !c.rope_head_dim.is_multiple_of(2)
-            || c.rope_head_dim > c.head_dim
-            || c.rope_head_dim > c.index_head_dim
-        {
-            return Err(self.fail(
-                "qk_rope_head_dim",
-                format!(
-                    "must be even, positive and at most head_dim {} and index_head_dim {}, found {}",
-                    c.head_dim, c.index_head_dim, c.rope_head_dim
-                ),
-            ));
-        }
-        if c.n_activated_experts == 0 || c.n_activated_experts > c.n_routed_experts {
-            return Err(self.fail(
-                "num_experts_per_tok",
-                format!(
-                    "must be in 1..={} (n_routed_experts), found {}",
-                    c.n_routed_experts, c.n_activated_experts
-                ),
-            ));
-        }
-        if let Some(yarn) = &c.rope.yarn
-            && (yarn.factor < 1.0 || yarn.original_max_position == 0)
-        {
-            return Err(self.fail(
-                "rope_scaling",
-                format!(
-                    "factor must be >= 1 and original_max_position_embeddings >= 1, found {} and {}",
-                    yarn.factor, yarn.original_max_position
-                ),
-            ));
-        }
+        self.head_and_rope_shapes("")?;
         if c.storage == WeightStorage::Quantized {
             let [rows, cols] = c.quant.weight_block;
             if rows == 0 || rows != cols {
@@ -97,11 +56,7 @@ impl Validator<'_> {
                 self.multiple_of("moe_intermediate_size", c.moe_inter_dim, 32, why)?;
             }
         }
-        self.token("bos_token_id", c.bos_token_id)?;
-        self.token("eos_token_id", c.eos_token_id)?;
-        if let Some(pad) = c.pad_token_id {
-            self.token("pad_token_id", pad)?;
-        }
+        self.special_tokens()?;
         self.validate_v4_schedule()?;
         self.validate_v4_drafter()
     }
@@ -193,28 +148,6 @@ impl Validator<'_> {
             ));
         }
         self.positive("compress_ratios (DSpark stages)", dspark.n_stages)?;
-        if dspark.block_size < 2 {
-            return Err(self.fail(
-                "dspark_block_size",
-                format!(
-                    "must be at least 2 (anchor + drafts), found {}",
-                    dspark.block_size
-                ),
-            ));
-        }
-        self.token("dspark_noise_token_id", dspark.noise_token_id)?;
-        self.layer_list("dspark_target_layer_ids", &dspark.target_layers)?;
-        self.positive("dspark_target_layer_ids", dspark.target_layers.len())?;
-        self.positive("dspark_markov_rank", dspark.markov_rank)?;
-        if dspark.n_activated_experts == 0 || dspark.n_activated_experts > dspark.n_routed_experts {
-            return Err(self.fail(
-                "dspark_num_experts_per_tok",
-                format!(
-                    "must be in 1..={} (DSpark routed experts), found {}",
-                    dspark.n_routed_experts, dspark.n_activated_experts
-                ),
-            ));
-        }
-        Ok(())
+        self.dspark_drafter(dspark, "", "DSpark routed experts")
     }
 }

@@ -11,6 +11,9 @@ use super::{
 use crate::engram::primes::EngramLayout;
 use crate::error::ModelError;
 
+/// Where V4.1 nests its text-model keys; V4's flat layout has no prefix.
+const TEXT_PREFIX: &str = "text_config.";
+
 /// Cross-field checks on a typed config; field names are the Hugging Face keys.
 pub(crate) struct Validator<'a> {
     pub(crate) config: &'a ModelConfig,
@@ -84,6 +87,117 @@ impl Validator<'_> {
         Ok(())
     }
 
+    /// Head grouping, rope channels, experts per token and YaRN, shared by both families; `prefix`
+    /// is where the family spells these keys ([`TEXT_PREFIX`] for V4.1, `""` for flat V4).
+    pub(super) fn head_and_rope_shapes(&self, prefix: &str) -> Result<(), ModelError> {
+        let c = self.config;
+        if !c.n_heads.is_multiple_of(c.o_groups) {
+            return Err(self.fail(
+                &format!("{prefix}o_groups"),
+                format!(
+                    "num_attention_heads {} is not divisible by o_groups {}",
+                    c.n_heads, c.o_groups
+                ),
+            ));
+        }
+        if c.rope_head_dim == 0
+            || !c.rope_head_dim.is_multiple_of(2)
+            || c.rope_head_dim > c.head_dim
+            || c.rope_head_dim > c.index_head_dim
+        {
+            return Err(self.fail(
+                &format!("{prefix}qk_rope_head_dim"),
+                format!(
+                    "must be even, positive and at most head_dim {} and index_head_dim {}, found {}",
+                    c.head_dim, c.index_head_dim, c.rope_head_dim
+                ),
+            ));
+        }
+        self.experts_per_token(
+            &format!("{prefix}num_experts_per_tok"),
+            c.n_activated_experts,
+            c.n_routed_experts,
+            "n_routed_experts",
+        )?;
+        if let Some(yarn) = &c.rope.yarn
+            && (yarn.factor < 1.0 || yarn.original_max_position == 0)
+        {
+            return Err(self.fail(
+                &format!("{prefix}rope_scaling"),
+                format!(
+                    "factor must be >= 1 and original_max_position_embeddings >= 1, found {} and {}",
+                    yarn.factor, yarn.original_max_position
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// BOS, EOS and the optional PAD token lie inside the vocabulary (top-level keys in both
+    /// families).
+    pub(super) fn special_tokens(&self) -> Result<(), ModelError> {
+        let c = self.config;
+        self.token("bos_token_id", c.bos_token_id)?;
+        self.token("eos_token_id", c.eos_token_id)?;
+        if let Some(pad) = c.pad_token_id {
+            self.token("pad_token_id", pad)?;
+        }
+        Ok(())
+    }
+
+    /// The DSpark drafter's block, noise token, target layers, Markov rank and expert routing,
+    /// shared by both families (the stage count is checked by the caller, under its own key).
+    /// `prefix` is where the family spells the `dspark_*` keys; `routed_experts` names where the
+    /// drafter's routed-expert count comes from in the error message.
+    pub(super) fn dspark_drafter(
+        &self,
+        dspark: &DsparkConfig,
+        prefix: &str,
+        routed_experts: &str,
+    ) -> Result<(), ModelError> {
+        if dspark.block_size < 2 {
+            return Err(self.fail(
+                &format!("{prefix}dspark_block_size"),
+                format!(
+                    "must be at least 2 (anchor + drafts), found {}",
+                    dspark.block_size
+                ),
+            ));
+        }
+        self.token(
+            &format!("{prefix}dspark_noise_token_id"),
+            dspark.noise_token_id,
+        )?;
+        let target_layers = format!("{prefix}dspark_target_layer_ids");
+        self.layer_list(&target_layers, &dspark.target_layers)?;
+        self.positive(&target_layers, dspark.target_layers.len())?;
+        self.positive(&format!("{prefix}dspark_markov_rank"), dspark.markov_rank)?;
+        self.experts_per_token(
+            &format!("{prefix}dspark_num_experts_per_tok"),
+            dspark.n_activated_experts,
+            dspark.n_routed_experts,
+            routed_experts,
+        )
+    }
+
+    /// A top-k router picks `activated` of `routed` experts: 1..=routed; `routed_label` says where
+    /// the routed count comes from.
+    fn experts_per_token(
+        &self,
+        field: &str,
+        activated: usize,
+        routed: usize,
+        routed_label: &str,
+    ) -> Result<(), ModelError> {
+        if activated == 0 || activated > routed {
+            return Err(self.fail(
+                field,
+                format!("must be in 1..={routed} ({routed_label}), found {activated}"),
+            ));
+        }
+        Ok(())
+    }
+
     pub(crate) fn run(&self) -> Result<(), ModelError> {
         let c = self.config;
         if c.family == ModelFamily::V4 {
@@ -132,54 +246,9 @@ impl Validator<'_> {
             "FP4 QDQ groups of 32",
         )?;
         self.positive("text_config.o_groups", c.o_groups)?;
-        if !c.n_heads.is_multiple_of(c.o_groups) {
-            return Err(self.fail(
-                "text_config.o_groups",
-                format!(
-                    "num_attention_heads {} is not divisible by o_groups {}",
-                    c.n_heads, c.o_groups
-                ),
-            ));
-        }
-        if c.rope_head_dim == 0
-            || !c.rope_head_dim.is_multiple_of(2)
-            || c.rope_head_dim > c.head_dim
-            || c.rope_head_dim > c.index_head_dim
-        {
-            return Err(self.fail(
-                "text_config.qk_rope_head_dim",
-                format!(
-                    "must be even, positive and at most head_dim {} and index_head_dim {}, found {}",
-                    c.head_dim, c.index_head_dim, c.rope_head_dim
-                ),
-            ));
-        }
-        if c.n_activated_experts == 0 || c.n_activated_experts > c.n_routed_experts {
-            return Err(self.fail(
-                "text_config.num_experts_per_tok",
-                format!(
-                    "must be in 1..={} (n_routed_experts), found {}",
-                    c.n_routed_experts, c.n_activated_experts
-                ),
-            ));
-        }
-        if let Some(yarn) = &c.rope.yarn
-            && (yarn.factor < 1.0 || yarn.original_max_position == 0)
-        {
-            return Err(self.fail(
-                "text_config.rope_scaling",
-                format!(
-                    "factor must be >= 1 and original_max_position_embeddings >= 1, found {} and {}",
-                    yarn.factor, yarn.original_max_position
-                ),
-            ));
-        }
+        self.head_and_rope_shapes(TEXT_PREFIX)?;
 
-        self.token("bos_token_id", c.bos_token_id)?;
-        self.token("eos_token_id", c.eos_token_id)?;
-        if let Some(pad) = c.pad_token_id {
-            self.token("pad_token_id", pad)?;
-        }
+        self.special_tokens()?;
         if let Some(image) = c.image_token_id {
             self.token("image_token_id", image)?;
         }
@@ -347,32 +416,7 @@ impl Validator<'_> {
 
     fn validate_dspark(&self, dspark: &DsparkConfig) -> Result<(), ModelError> {
         self.positive("text_config.num_nextn_predict_layers", dspark.n_stages)?;
-        if dspark.block_size < 2 {
-            return Err(self.fail(
-                "text_config.dspark_block_size",
-                format!(
-                    "must be at least 2 (anchor + drafts), found {}",
-                    dspark.block_size
-                ),
-            ));
-        }
-        self.token("text_config.dspark_noise_token_id", dspark.noise_token_id)?;
-        self.layer_list("text_config.dspark_target_layer_ids", &dspark.target_layers)?;
-        self.positive(
-            "text_config.dspark_target_layer_ids",
-            dspark.target_layers.len(),
-        )?;
-        self.positive("text_config.dspark_markov_rank", dspark.markov_rank)?;
-        if dspark.n_activated_experts == 0 || dspark.n_activated_experts > dspark.n_routed_experts {
-            return Err(self.fail(
-                "text_config.dspark_num_experts_per_tok",
-                format!(
-                    "must be in 1..={} (dspark_n_routed_experts), found {}",
-                    dspark.n_routed_experts, dspark.n_activated_experts
-                ),
-            ));
-        }
-        Ok(())
+        self.dspark_drafter(dspark, TEXT_PREFIX, "dspark_n_routed_experts")
     }
 
     fn validate_vision(&self, vision: &VisionConfig) -> Result<(), ModelError> {
