@@ -49,7 +49,10 @@ struct PendingMasks {
 }
 /// Does this input sample a token?
 fn produces_token(input: &SeqInput) -> bool {
-    matches!(input, SeqInput::Decode | SeqInput::Prefill { last: true, .. })
+    matches!(
+        input,
+        SeqInput::Decode | SeqInput::Prefill { last: true, .. }
+    )
 }
 
 /// Applies the mask to the row (before the sampling noise), samples, and advances the grammar.

@@ -84,7 +84,11 @@ fn grammar_files(dir: &str, comment: &str) -> Vec<(String, String, Option<regex:
                 .lines()
                 .find_map(|l| l.strip_prefix(marker.as_str()))
                 .map(full_match);
-            let stem = path.file_stem().expect("stem").to_string_lossy().into_owned();
+            let stem = path
+                .file_stem()
+                .expect("stem")
+                .to_string_lossy()
+                .into_owned();
             (stem, source, check_regex)
         })
         .collect()
