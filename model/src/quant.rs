@@ -257,6 +257,24 @@ pub const SGEMM_K_BLOCK: usize = 256;
 /// sum 70% (and it flips one collapse rounding in block 0 the other way, see `golden_v41.rs`).
 /// Independent of how many rows a call holds, so chunking invariance is kept.
 pub fn dot_f32_sgemm(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports FMA, checked just above.
+        return unsafe { dot_f32_sgemm_with_fma(a, b) };
+    }
+    sgemm_order_sum(a, b)
+}
+
+/// [`sgemm_order_sum`] compiled with hardware fused multiply-adds (the same exactly rounded
+/// operation as the portable `mul_add`, which falls back to a libm call without this feature).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn dot_f32_sgemm_with_fma(a: &[f32], b: &[f32]) -> f32 {
+    sgemm_order_sum(a, b)
+}
+
+#[inline(always)]
+fn sgemm_order_sum(a: &[f32], b: &[f32]) -> f32 {
     a.chunks(SGEMM_K_BLOCK).zip(b.chunks(SGEMM_K_BLOCK)).fold(
         0.0f32,
         |total, (a_block, b_block)| {
@@ -343,6 +361,26 @@ mod tests {
         let b = vec![1.0f32; 512];
         assert_eq!(dot_f32_sgemm(&a, &b), 2f32.powi(24) + 256.0);
         assert_eq!(dot_f32(&a, &b), 2f32.powi(24) + 512.0);
+    }
+
+    #[test]
+    fn hardware_fma_path_equals_the_portable_sum() {
+        // A fused multiply-add is one exactly rounded operation however it is computed.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        for len in [1, 31, 256, 257, 1000] {
+            let a: Vec<f32> = (0..len).map(|_| next() * 1e3).collect();
+            let b: Vec<f32> = (0..len).map(|_| next()).collect();
+            assert_eq!(
+                dot_f32_sgemm(&a, &b).to_bits(),
+                sgemm_order_sum(&a, &b).to_bits()
+            );
+        }
     }
 
     #[test]
