@@ -164,8 +164,7 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         Some(path) => NodeConfig::from_file_with_env(path)?,
         None => NodeConfig::embedded_default()?,
     };
-    node.can_run_here(0)
-        .with_context(|| format!("topology {}", node.origin))?;
+    node.can_run_here(0)?;
     let _metrics = match node.metrics.prometheus_listen {
         Some(addr) => Some(prometheus::serve(prometheus::install()?, addr).await?),
         None => None,
