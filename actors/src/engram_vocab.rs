@@ -11,6 +11,8 @@
 
 use std::collections::HashMap;
 
+use deepinfer_model::config::EngramConfig;
+use deepinfer_model::engram::CompressedVocab;
 use tokenizers::normalizers::{
     Lowercase, NFD, NFKC, Replace, Sequence, Strip, StripAccents, replace::ReplacePattern,
 };
@@ -42,6 +44,8 @@ pub enum CompressedVocabError {
          engram_compressed_vocab_size = {expected}; this tokenizer does not belong to this checkpoint"
     )]
     SizeMismatch { expected: usize, found: usize },
+    #[error("engram vocabulary: the pad token {pad} is outside the tokenizer ({size} tokens)")]
+    PadOutOfRange { pad: u32, size: usize },
 }
 
 fn normaliser() -> Result<Sequence, CompressedVocabError> {
@@ -114,6 +118,24 @@ impl CompressedTokenMap {
     }
 }
 
+impl CompressedTokenMap {
+    /// The model's Engram vocabulary: the map checked against the checkpoint's
+    /// `engram_compressed_vocab_size`, with the compressed id of its pad token.
+    pub fn into_engram_vocab(
+        self,
+        engram: &EngramConfig,
+    ) -> Result<CompressedVocab, CompressedVocabError> {
+        let map = self.expect_size(engram.compressed_vocab_size)?;
+        let pad = *map.ids.get(engram.pad_token_id as usize).ok_or(
+            CompressedVocabError::PadOutOfRange {
+                pad: engram.pad_token_id,
+                size: map.ids.len(),
+            },
+        )?;
+        Ok(CompressedVocab { ids: map.ids, pad })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,6 +170,27 @@ mod tests {
         // BOS, EOS and pad keep ids of their own.
         assert_ne!(map.ids[0], map.ids[1]);
         assert_ne!(map.ids[1], map.ids[2]);
+    }
+
+    #[test]
+    fn engram_vocab_takes_the_pad_id_and_checks_it() {
+        let mut engram = deepinfer_model::config::ModelConfig::tiny_v41()
+            .engram
+            .expect("tiny V4.1 has Engram");
+        engram.compressed_vocab_size = 2;
+        engram.pad_token_id = 2;
+        let map = CompressedTokenMap {
+            ids: vec![0, 1, 1],
+            size: 2,
+        };
+        let vocab = map.clone().into_engram_vocab(&engram).expect("valid");
+        assert_eq!((vocab.ids, vocab.pad), (vec![0, 1, 1], 1));
+        engram.pad_token_id = 3;
+        let err = map.into_engram_vocab(&engram).unwrap_err().to_string();
+        assert!(
+            err.contains("pad token 3 is outside the tokenizer (3 tokens)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -83,20 +83,9 @@ fn engram_vocab(
         None => compressed_token_map(&load_v41_tokenizer(tokenizer)?)
             .map_err(|e| model_error("engram vocabulary", e))?,
     };
-    let map = map
-        .expect_size(engram.compressed_vocab_size)
-        .map_err(|e| model_error("engram vocabulary", e))?;
-    let pad = map
-        .ids
-        .get(engram.pad_token_id as usize)
-        .copied()
-        .ok_or_else(|| {
-            model_error(
-                "engram vocabulary",
-                format!("pad token {} is outside the tokenizer", engram.pad_token_id),
-            )
-        })?;
-    Ok(Some(CompressedVocab { ids: map.ids, pad }))
+    map.into_engram_vocab(engram)
+        .map(Some)
+        .map_err(|e| model_error("engram vocabulary", e))
 }
 
 fn load_dir(

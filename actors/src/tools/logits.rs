@@ -73,16 +73,10 @@ pub fn engram_vocab_for_dir(
     let tokenizer = dir.join("tokenizer.json");
     if tokenizer.is_file() {
         let tok = load_v41_tokenizer(&tokenizer).map_err(|e| e.to_string())?;
-        let map = compressed_token_map(&tok)
-            .and_then(|m| m.expect_size(engram.compressed_vocab_size))
-            .map_err(|e| e.to_string())?;
-        let pad = *map.ids.get(engram.pad_token_id as usize).ok_or_else(|| {
-            format!(
-                "engram pad token {} is outside the tokenizer",
-                engram.pad_token_id
-            )
-        })?;
-        return Ok(Some(CompressedVocab { ids: map.ids, pad }));
+        return compressed_token_map(&tok)
+            .and_then(|map| map.into_engram_vocab(engram))
+            .map(Some)
+            .map_err(|e| e.to_string());
     }
     if cfg.vocab_size == 2 * engram.compressed_vocab_size {
         return CompressedVocab::halving_stub(cfg.vocab_size, engram.pad_token_id)
