@@ -1,10 +1,13 @@
 //! deepinfer-actors: the runtime. A ractor supervisor tree (frontend, one scheduler and one rank
 //! per DP attention rank, expert groups, EPLB, DSpark, replay), the `Engine` embedding API and the
 //! metrics. The only async crate of the workspace.
+pub mod comm;
 pub mod dspark;
 pub mod engine;
 pub mod engram_vocab;
+pub mod eplb;
 pub mod error;
+pub mod experts;
 pub mod frontend;
 pub mod grammar;
 pub mod hub;

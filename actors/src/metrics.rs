@@ -2,7 +2,8 @@
 //!
 //! Names follow `deepinfer_<subsystem>_<what>_<unit>`. Accumulated seconds are gauges that
 //! only grow (the facade's counters are integers). Labels are bounded: `dp` (rank),
-//! `mode` (step mode), `outcome`, `code` (error code), never a request id. Recording goes through
+//! `mode` (step mode), `outcome`, `code` (error code), `layer` (MoE layer), never a
+//! request id. Recording goes through
 //! the `metrics` facade; without an installed recorder (the library default) it costs nothing.
 //! The Grafana dashboard in `configs/dashboards/` may only reference names in `ALL` (a test
 //! checks this).
@@ -28,6 +29,13 @@ pub const RANK_HOST_SECONDS: &str = "deepinfer_rank_host_seconds";
 pub const RANK_HIDDEN_HOST_SECONDS: &str = "deepinfer_rank_hidden_host_seconds";
 pub const SUPERVISOR_FAILED_RANKS: &str = "deepinfer_supervisor_failed_ranks";
 pub const ERRORS_TOTAL: &str = "deepinfer_errors_total";
+pub const EPLB_LAYER_IMBALANCE_RATIO: &str = "deepinfer_eplb_layer_imbalance_ratio";
+pub const EPLB_REBALANCES_TOTAL: &str = "deepinfer_eplb_rebalances_total";
+pub const EPLB_PLACEMENT_EPOCH: &str = "deepinfer_eplb_placement_epoch";
+pub const DSPARK_PROPOSED_TOKENS_TOTAL: &str = "deepinfer_dspark_proposed_tokens_total";
+pub const DSPARK_VERIFIED_TOKENS_TOTAL: &str = "deepinfer_dspark_verified_tokens_total";
+pub const DSPARK_ACCEPTED_TOKENS_TOTAL: &str = "deepinfer_dspark_accepted_tokens_total";
+pub const DSPARK_ACCEPTED_LENGTH_TOKENS: &str = "deepinfer_dspark_accepted_length_tokens";
 
 /// Every metric name the runtime registers.
 pub const ALL: &[&str] = &[
@@ -46,6 +54,13 @@ pub const ALL: &[&str] = &[
     RANK_HIDDEN_HOST_SECONDS,
     SUPERVISOR_FAILED_RANKS,
     ERRORS_TOTAL,
+    EPLB_LAYER_IMBALANCE_RATIO,
+    EPLB_REBALANCES_TOTAL,
+    EPLB_PLACEMENT_EPOCH,
+    DSPARK_PROPOSED_TOKENS_TOTAL,
+    DSPARK_VERIFIED_TOKENS_TOTAL,
+    DSPARK_ACCEPTED_TOKENS_TOTAL,
+    DSPARK_ACCEPTED_LENGTH_TOKENS,
 ];
 
 /// Registers help text and units with the installed recorder (call once after installing it).
@@ -125,6 +140,41 @@ pub fn describe() {
         Unit::Count,
         "Errors delivered to requests, by error code."
     );
+    describe_gauge!(
+        EPLB_LAYER_IMBALANCE_RATIO,
+        Unit::Count,
+        "Per MoE layer: picks served by the busiest EP rank / the mean over EP ranks, over the last EPLB window (1 = even)."
+    );
+    describe_counter!(
+        EPLB_REBALANCES_TOTAL,
+        Unit::Count,
+        "Expert placements committed by the EPLB."
+    );
+    describe_gauge!(
+        EPLB_PLACEMENT_EPOCH,
+        Unit::Count,
+        "The expert placement epoch in use."
+    );
+    describe_counter!(
+        DSPARK_PROPOSED_TOKENS_TOTAL,
+        Unit::Count,
+        "DSpark draft tokens proposed by the ranks, per DP rank."
+    );
+    describe_counter!(
+        DSPARK_VERIFIED_TOKENS_TOTAL,
+        Unit::Count,
+        "DSpark draft tokens fed to the target model in verify entries, per DP rank."
+    );
+    describe_counter!(
+        DSPARK_ACCEPTED_TOKENS_TOTAL,
+        Unit::Count,
+        "DSpark draft tokens accepted by verification, per DP rank."
+    );
+    describe_histogram!(
+        DSPARK_ACCEPTED_LENGTH_TOKENS,
+        Unit::Count,
+        "Tokens one DSpark verify entry produced (accepted drafts + the bonus token); its mean is the mean accepted length per step."
+    );
 }
 
 pub(crate) fn record_rank_step(output: &StepOutput) {
@@ -138,6 +188,21 @@ pub(crate) fn record_rank_step(output: &StepOutput) {
 pub(crate) fn record_step_done(dp: &str, mode: StepMode, generated: usize) {
     counter!(SCHEDULER_STEPS_TOTAL, "dp" => dp.to_string(), "mode" => mode.as_str()).increment(1);
     counter!(SCHEDULER_GENERATED_TOKENS_TOTAL, "dp" => dp.to_string()).increment(generated as u64);
+}
+
+pub(crate) fn record_dspark_step(dp: &str, output: &StepOutput) {
+    let proposed: usize = output.drafts.iter().map(|d| d.confidences.len()).sum();
+    if proposed == 0 && output.verified.is_empty() {
+        return;
+    }
+    counter!(DSPARK_PROPOSED_TOKENS_TOTAL, "dp" => dp.to_string()).increment(proposed as u64);
+    let verified: usize = output.verified.iter().map(|v| v.verified).sum();
+    let accepted: usize = output.verified.iter().map(|v| v.accepted).sum();
+    counter!(DSPARK_VERIFIED_TOKENS_TOTAL, "dp" => dp.to_string()).increment(verified as u64);
+    counter!(DSPARK_ACCEPTED_TOKENS_TOTAL, "dp" => dp.to_string()).increment(accepted as u64);
+    for outcome in &output.verified {
+        histogram!(DSPARK_ACCEPTED_LENGTH_TOKENS).record((outcome.accepted + 1) as f64);
+    }
 }
 
 pub(crate) fn record_plan(dp: &str, schedule_seconds: f64, hidden: bool, prompt_tokens: usize) {
@@ -168,6 +233,19 @@ pub(crate) fn set_inflight(n: usize) {
 
 pub(crate) fn record_request_duration(seconds: f64) {
     histogram!(FRONTEND_REQUEST_DURATION_SECONDS).record(seconds);
+}
+
+pub(crate) fn record_eplb_imbalance(per_layer: &[f64]) {
+    for (layer, ratio) in per_layer.iter().enumerate() {
+        gauge!(EPLB_LAYER_IMBALANCE_RATIO, "layer" => layer.to_string()).set(*ratio);
+    }
+}
+
+pub(crate) fn record_eplb_commit(epoch: deepinfer_topology::PlacementEpoch) {
+    if epoch.get() > 0 {
+        counter!(EPLB_REBALANCES_TOTAL).increment(1);
+    }
+    gauge!(EPLB_PLACEMENT_EPOCH).set(f64::from(epoch.get()));
 }
 
 pub(crate) fn set_failed_ranks(n: usize) {

@@ -18,6 +18,8 @@ use deepinfer_topology::{ModelSource, NodeConfig};
 use crate::engine::ModelFacts;
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
+use crate::experts::factory::ExpertParallelFactory;
+use crate::experts::parallel::EpSettings;
 use crate::frontend::codec::load_v41_tokenizer;
 use crate::hub::{HubOptions, resolve_hub_checkpoint};
 use crate::rank::executor::ExecutorFactory;
@@ -33,6 +35,8 @@ pub const SHIPPED_TOKENIZER: &str = "configs/tokenizer/tokenizer.json";
 /// A model ready for `EngineConfig`.
 pub struct ResolvedModel {
     pub factory: Arc<dyn ExecutorFactory>,
+    /// The loaded model `factory` runs.
+    pub model: Arc<Model>,
     pub facts: ModelFacts,
     pub tokenizer: PathBuf,
     /// A line to show the user (the demo's random-weights notice).
@@ -108,11 +112,13 @@ fn load_dir(
     tracing::info!(model = %what, "model loaded");
     let facts = facts(model.config());
     let description = format!("V4.1 model from {what} on the CPU backend");
+    let model = Arc::new(model);
     Ok(ResolvedModel {
         factory: Arc::new(ModelFactory {
-            model: Arc::new(model),
+            model: model.clone(),
             description,
         }),
+        model,
         facts,
         tokenizer,
         notice,
@@ -161,6 +167,25 @@ pub fn resolve(node: &NodeConfig) -> Result<ResolvedModel, EngineError> {
 
 /// [`resolve`] with explicit Hub settings.
 pub fn resolve_with(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, EngineError> {
+    resolve_source(node, hub).and_then(|resolved| with_expert_parallel(node, resolved))
+}
+
+/// Expert parallelism when the topology asks for it (`[parallel] ep > 1` or `[eplb] enabled`):
+/// the ranks' routed experts then run through an `ExpertParallelFactory`.
+fn with_expert_parallel(
+    node: &NodeConfig,
+    mut resolved: ResolvedModel,
+) -> Result<ResolvedModel, EngineError> {
+    if EpSettings::is_needed(node) {
+        let factory =
+            ExpertParallelFactory::new(resolved.model.clone(), node, resolved.factory.describe())
+                .map_err(|e| model_error("expert parallelism", e))?;
+        resolved.factory = Arc::new(factory);
+    }
+    Ok(resolved)
+}
+
+fn resolve_source(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, EngineError> {
     if let Some(dir) = std::env::var_os(MODEL_DIR_ENV) {
         let dir = PathBuf::from(dir);
         let name = dir

@@ -332,6 +332,7 @@ fn masks_are_requested_before_the_forward_and_applied_to_its_logits() {
                         matcher: engine().matcher(&grammar, ConstraintStart::Answer),
                         end_token: EOS,
                     })),
+                    decoder_from: None,
                 }]
             } else {
                 Vec::new()

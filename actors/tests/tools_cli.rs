@@ -205,3 +205,68 @@ fn eplb_plan_prints_the_solver_plan() {
         "{stderr}"
     );
 }
+
+/// `logits` on the DeepSeek-V4 fixture (a transformers float32 save): the same command as on V4.1,
+/// and the rows match the fixture's transformers logits for the same chunking (README tolerance).
+#[test]
+fn logits_tool_runs_the_v4_fixture() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v4/v4-tiny");
+    if !dir.join("config.json").is_file() {
+        eprintln!("SKIPPED: V4 fixture not found at {}", dir.display());
+        return;
+    }
+    let case: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).expect("case.json"))
+            .expect("case.json parses");
+    let join = |key: &str| -> String {
+        let items: Vec<String> = case
+            .pointer(key)
+            .and_then(serde_json::Value::as_array)
+            .expect("a list in case.json")
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        items.join(",")
+    };
+    let out = tempfile::tempdir().expect("tempdir");
+    let path = out.path().join("v4.safetensors");
+    let output = node()
+        .args(["logits", "--model"])
+        .arg(&dir)
+        .args(["--tokens", &join("/input_ids")])
+        .args(["--chunks", &join("/schedules/chunked")])
+        .arg("--out")
+        .arg(&path)
+        .output()
+        .expect("runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let (shape, ours) = read_logits(&path);
+    let expected_bytes = std::fs::read(dir.join("expected.safetensors")).expect("expected");
+    let expected = SafeTensors::deserialize(&expected_bytes).expect("expected parses");
+    let reference: Vec<f32> = expected
+        .tensor("logits_chunked")
+        .expect("logits_chunked")
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(shape, vec![85, 1024]);
+    let (lo, hi) = reference
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        });
+    let worst = ours
+        .iter()
+        .zip(&reference)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst <= 1e-4 * (hi - lo),
+        "max |Δ| {worst} over range {}",
+        hi - lo
+    );
+}

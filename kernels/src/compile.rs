@@ -155,6 +155,8 @@ impl Compiler {
             "--std=c++17".to_string(),
             "--device-as-default-execution-space".to_string(),
             "--generate-line-info".to_string(),
+            // No implicit a*b+c contraction: the reference-order kernels spell every rounding out.
+            "--fmad=false".to_string(),
             format!("--include-path={}", self.include_dir.display()),
         ]
     }

@@ -52,15 +52,25 @@ pub enum SourceFile {
     GemmFp4,
     RmsNorm,
     Rope,
+    Qdq,
+    Linear,
+    Attention,
+    Mhc,
+    Indexer,
 }
 
 impl SourceFile {
-    pub const ALL: [SourceFile; 5] = [
+    pub const ALL: [SourceFile; 10] = [
         SourceFile::ActQuant,
         SourceFile::GemmFp8,
         SourceFile::GemmFp4,
         SourceFile::RmsNorm,
         SourceFile::Rope,
+        SourceFile::Qdq,
+        SourceFile::Linear,
+        SourceFile::Attention,
+        SourceFile::Mhc,
+        SourceFile::Indexer,
     ];
 
     /// Path under `kernels/cuda/`.
@@ -71,6 +81,11 @@ impl SourceFile {
             SourceFile::GemmFp4 => "gemm/gemm_fp4.cu",
             SourceFile::RmsNorm => "norm/rms_norm.cu",
             SourceFile::Rope => "rope/rope.cu",
+            SourceFile::Qdq => "quant/qdq.cu",
+            SourceFile::Linear => "linear/linear_sgemm.cu",
+            SourceFile::Attention => "attention/sparse_attention.cu",
+            SourceFile::Mhc => "mhc/mhc.cu",
+            SourceFile::Indexer => "indexer/index_scores.cu",
         }
     }
 }
@@ -83,6 +98,10 @@ pub enum KernelId {
     ActQuantFp8G32,
     /// Q8 activation quantisation, 128-groups (V4).
     ActQuantFp8G128,
+    /// Q8 activation quantisation, 32-groups, from f32 storage.
+    ActQuantFp8G32F32,
+    /// Q8 activation quantisation, 128-groups, from f32 storage.
+    ActQuantFp8G128F32,
     /// FP8 GEMM, 32x32 weight tiles, 32-group activations (V4.1 dense linears).
     GemmFp8T32G32,
     /// FP8 GEMM, 128x128 weight tiles, 128-group activations (V4 dense linears).
@@ -93,17 +112,64 @@ pub enum KernelId {
     RmsNormBf16,
     /// Interleaved-pair partial RoPE, bf16, in place.
     RopeInterleavedBf16,
+    /// RMSNorm on f32 storage (the model's host layout), outputs rounded to bf16.
+    RmsNormF32,
+    /// Interleaved-pair partial RoPE on f32 storage, outputs rounded to bf16, in place.
+    RopeInterleavedF32,
+    /// RMSNorm on f32 storage with fp32 outputs (no rounding).
+    RmsNormF32Exact,
+    /// Interleaved-pair partial RoPE on f32 storage with fp32 outputs, in place.
+    RopeInterleavedF32Exact,
+    /// `Q8` QDQ in place (groups of 32, UE8M0 scales, E4M3 values), f32 storage.
+    Q8QdqF32,
+    /// `Q4e` QDQ in place (groups of 32, UE8M0 scales, E2M1 values), f32 storage.
+    Q4eQdqF32,
+    /// `Q4m` QDQ in place (groups of 16, E4M3 scales, E2M1 values), f32 storage.
+    Q4mQdqF32,
+    /// fp32 linear `x · Wᵀ` in the CPU sgemm summation order, f32 or bf16-rounded output.
+    LinearSgemmF32,
+    /// Rows of an FP8 weight dequantised to f32.
+    DequantFp8RowsF32,
+    /// Rows of an FP4 weight dequantised to f32.
+    DequantFp4RowsF32,
+    /// Single-query multi-head attention with a per-head sink, f32 storage.
+    SparseAttentionSinkF32,
+    /// mHC pre/post/comb coefficients of one token (projection, sigmoids, Sinkhorn).
+    HcMixesF32,
+    /// mHC collapse of the streams into one bf16 row.
+    HcCollapseF32,
+    /// mHC expansion of a sublayer output back into the streams.
+    HcExpandF32,
+    /// Indexer scores of one query against compressed keys.
+    IndexScoresF32,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 7] = [
+    pub const ALL: [KernelId; 24] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
+        KernelId::ActQuantFp8G32F32,
+        KernelId::ActQuantFp8G128F32,
         KernelId::GemmFp8T32G32,
         KernelId::GemmFp8T128G128,
         KernelId::GemmFp4G32,
         KernelId::RmsNormBf16,
         KernelId::RopeInterleavedBf16,
+        KernelId::RmsNormF32,
+        KernelId::RopeInterleavedF32,
+        KernelId::RmsNormF32Exact,
+        KernelId::RopeInterleavedF32Exact,
+        KernelId::Q8QdqF32,
+        KernelId::Q4eQdqF32,
+        KernelId::Q4mQdqF32,
+        KernelId::LinearSgemmF32,
+        KernelId::DequantFp8RowsF32,
+        KernelId::DequantFp4RowsF32,
+        KernelId::SparseAttentionSinkF32,
+        KernelId::HcMixesF32,
+        KernelId::HcCollapseF32,
+        KernelId::HcExpandF32,
+        KernelId::IndexScoresF32,
     ];
 
     /// The `extern "C"` symbol in the source file.
@@ -111,22 +177,55 @@ impl KernelId {
         match self {
             KernelId::ActQuantFp8G32 => "act_quant_fp8_g32_bf16",
             KernelId::ActQuantFp8G128 => "act_quant_fp8_g128_bf16",
+            KernelId::ActQuantFp8G32F32 => "act_quant_fp8_g32_f32",
+            KernelId::ActQuantFp8G128F32 => "act_quant_fp8_g128_f32",
             KernelId::GemmFp8T32G32 => "gemm_fp8_t32_g32_bf16",
             KernelId::GemmFp8T128G128 => "gemm_fp8_t128_g128_bf16",
             KernelId::GemmFp4G32 => "gemm_fp4_g32_bf16",
             KernelId::RmsNormBf16 => "rms_norm_bf16",
             KernelId::RopeInterleavedBf16 => "rope_interleaved_bf16",
+            KernelId::RmsNormF32 => "rms_norm_f32",
+            KernelId::RopeInterleavedF32 => "rope_interleaved_f32",
+            KernelId::RmsNormF32Exact => "rms_norm_f32_exact",
+            KernelId::RopeInterleavedF32Exact => "rope_interleaved_f32_exact",
+            KernelId::Q8QdqF32 => "q8_qdq_f32",
+            KernelId::Q4eQdqF32 => "q4e_qdq_f32",
+            KernelId::Q4mQdqF32 => "q4m_qdq_f32",
+            KernelId::LinearSgemmF32 => "linear_sgemm_f32",
+            KernelId::DequantFp8RowsF32 => "dequant_fp8_rows_f32",
+            KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
+            KernelId::SparseAttentionSinkF32 => "sparse_attention_sink_f32",
+            KernelId::HcMixesF32 => "hc_mixes_f32",
+            KernelId::HcCollapseF32 => "hc_collapse_f32",
+            KernelId::HcExpandF32 => "hc_expand_f32",
+            KernelId::IndexScoresF32 => "index_scores_f32",
         }
     }
 
     /// The translation unit that defines the kernel.
     pub fn source(self) -> SourceFile {
         match self {
-            KernelId::ActQuantFp8G32 | KernelId::ActQuantFp8G128 => SourceFile::ActQuant,
+            KernelId::ActQuantFp8G32
+            | KernelId::ActQuantFp8G128
+            | KernelId::ActQuantFp8G32F32
+            | KernelId::ActQuantFp8G128F32 => SourceFile::ActQuant,
             KernelId::GemmFp8T32G32 | KernelId::GemmFp8T128G128 => SourceFile::GemmFp8,
             KernelId::GemmFp4G32 => SourceFile::GemmFp4,
-            KernelId::RmsNormBf16 => SourceFile::RmsNorm,
-            KernelId::RopeInterleavedBf16 => SourceFile::Rope,
+            KernelId::RmsNormBf16 | KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => {
+                SourceFile::RmsNorm
+            }
+            KernelId::RopeInterleavedBf16
+            | KernelId::RopeInterleavedF32
+            | KernelId::RopeInterleavedF32Exact => SourceFile::Rope,
+            KernelId::Q8QdqF32 | KernelId::Q4eQdqF32 | KernelId::Q4mQdqF32 => SourceFile::Qdq,
+            KernelId::LinearSgemmF32
+            | KernelId::DequantFp8RowsF32
+            | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
+            KernelId::SparseAttentionSinkF32 => SourceFile::Attention,
+            KernelId::HcMixesF32 | KernelId::HcCollapseF32 | KernelId::HcExpandF32 => {
+                SourceFile::Mhc
+            }
+            KernelId::IndexScoresF32 => SourceFile::Indexer,
         }
     }
 }

@@ -43,6 +43,75 @@ pub struct RopeParams {
     pub inverse: u32,
 }
 
+/// `QdqParams`: in-place QDQ over `n` values.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QdqParams {
+    pub n: u32,
+}
+
+/// `LinearParams`: `y[rows, out] = x[rows, inp] · w[out, inp]ᵀ`; `round_bf16` is 0 or 1.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearParams {
+    pub rows: u32,
+    pub out: u32,
+    pub inp: u32,
+    pub round_bf16: u32,
+}
+
+/// `AttentionParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionParams {
+    pub heads: u32,
+    pub head_dim: u32,
+    pub keys: u32,
+    pub scale: f32,
+    pub round_bf16: u32,
+}
+
+/// `HcMixesParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HcMixesParams {
+    pub hc: u32,
+    pub n: u32,
+    pub sinkhorn_iters: u32,
+    pub hc_eps: f32,
+    pub norm_eps: f32,
+}
+
+/// `HcElementwiseParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HcElementwiseParams {
+    pub hc: u32,
+    pub dim: u32,
+    pub round_bf16: u32,
+}
+
+/// `IndexParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexParams {
+    pub heads: u32,
+    pub head_dim: u32,
+    pub keys: u32,
+    pub round_bf16: u32,
+}
+
+/// `DequantParams`: rows `[row_start, row_start + rows)` of a `[n, k]` weight.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DequantParams {
+    pub row_start: u32,
+    pub rows: u32,
+    pub k: u32,
+    pub tile: u32,
+    pub scale_cols: u32,
+}
+
 // SAFETY: each struct is #[repr(C)], holds only u32/f32 fields (no padding, no pointers) and matches
 // its C counterpart in params.h field for field, so passing it by value to a kernel is sound.
 unsafe impl DeviceRepr for ActQuantParams {}
@@ -52,6 +121,20 @@ unsafe impl DeviceRepr for GemmParams {}
 unsafe impl DeviceRepr for RmsNormParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for RopeParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for QdqParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for LinearParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for AttentionParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for HcMixesParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for HcElementwiseParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for IndexParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for DequantParams {}
 
 #[cfg(test)]
 mod tests {
@@ -69,6 +152,16 @@ mod tests {
         assert_eq!(offset_of!(RmsNormParams, eps), 8);
         assert_eq!(size_of::<RopeParams>(), 24);
         assert_eq!(offset_of!(RopeParams, inverse), 20);
+        assert_eq!(size_of::<QdqParams>(), 4);
+        assert_eq!(size_of::<LinearParams>(), 16);
+        assert_eq!(offset_of!(LinearParams, round_bf16), 12);
+        assert_eq!(size_of::<AttentionParams>(), 20);
+        assert_eq!(offset_of!(AttentionParams, scale), 12);
+        assert_eq!(size_of::<HcMixesParams>(), 20);
+        assert_eq!(offset_of!(HcMixesParams, norm_eps), 16);
+        assert_eq!(size_of::<HcElementwiseParams>(), 12);
+        assert_eq!(size_of::<IndexParams>(), 16);
+        assert_eq!(size_of::<DequantParams>(), 20);
     }
 
     #[test]
@@ -106,6 +199,25 @@ mod tests {
                 "table_rows",
                 "inverse"
             ]
+        );
+        assert_eq!(fields("QdqParams"), ["n"]);
+        assert_eq!(fields("LinearParams"), ["rows", "out", "inp", "round_bf16"]);
+        assert_eq!(
+            fields("AttentionParams"),
+            ["heads", "head_dim", "keys", "scale", "round_bf16"]
+        );
+        assert_eq!(
+            fields("HcMixesParams"),
+            ["hc", "n", "sinkhorn_iters", "hc_eps", "norm_eps"]
+        );
+        assert_eq!(fields("HcElementwiseParams"), ["hc", "dim", "round_bf16"]);
+        assert_eq!(
+            fields("IndexParams"),
+            ["heads", "head_dim", "keys", "round_bf16"]
+        );
+        assert_eq!(
+            fields("DequantParams"),
+            ["row_start", "rows", "k", "tile", "scale_cols"]
         );
     }
 }

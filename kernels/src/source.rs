@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 6] = [
+pub const HEADERS: [(&str, &str); 12] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/numerics.cuh",
@@ -23,6 +23,24 @@ pub const HEADERS: [(&str, &str); 6] = [
         include_str!("../cuda/norm/rms_norm.cuh"),
     ),
     ("rope/rope.cuh", include_str!("../cuda/rope/rope.cuh")),
+    (
+        "common/reference_math.cuh",
+        include_str!("../cuda/common/reference_math.cuh"),
+    ),
+    ("quant/qdq.cuh", include_str!("../cuda/quant/qdq.cuh")),
+    (
+        "linear/linear_sgemm.cuh",
+        include_str!("../cuda/linear/linear_sgemm.cuh"),
+    ),
+    (
+        "attention/sparse_attention.cuh",
+        include_str!("../cuda/attention/sparse_attention.cuh"),
+    ),
+    ("mhc/mhc.cuh", include_str!("../cuda/mhc/mhc.cuh")),
+    (
+        "indexer/index_scores.cuh",
+        include_str!("../cuda/indexer/index_scores.cuh"),
+    ),
 ];
 
 /// The text of a translation unit.
@@ -33,5 +51,10 @@ pub fn text(file: SourceFile) -> &'static str {
         SourceFile::GemmFp4 => include_str!("../cuda/gemm/gemm_fp4.cu"),
         SourceFile::RmsNorm => include_str!("../cuda/norm/rms_norm.cu"),
         SourceFile::Rope => include_str!("../cuda/rope/rope.cu"),
+        SourceFile::Qdq => include_str!("../cuda/quant/qdq.cu"),
+        SourceFile::Linear => include_str!("../cuda/linear/linear_sgemm.cu"),
+        SourceFile::Attention => include_str!("../cuda/attention/sparse_attention.cu"),
+        SourceFile::Mhc => include_str!("../cuda/mhc/mhc.cu"),
+        SourceFile::Indexer => include_str!("../cuda/indexer/index_scores.cu"),
     }
 }

@@ -4,13 +4,16 @@
 //! ractor, no metrics.
 
 pub mod error;
+pub mod expert_dispatch;
 pub mod quant;
 pub mod weights;
 
+pub mod any_model;
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod engram;
+pub mod v4;
 pub mod v41;
 
 pub use v41::{DraftProposal, ForwardTrace, Injection, LogitsWanted, Model, SequenceState};

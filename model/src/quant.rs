@@ -247,15 +247,18 @@ pub fn gemm_fp4(x: &[f32], w: &Fp4Weight) -> Vec<f32> {
 }
 
 /// K-block of the fp32 CPU GEMM (MKL `sgemm`) behind the reference's fp32 `F.linear`: each block of
-/// this many products is accumulated on its own, and the block partials are added in K order.
+/// this many products is accumulated on its own, and the block partials are added pairwise.
 pub const SGEMM_K_BLOCK: usize = 256;
 
 /// An fp32 dot product in the summation order of the reference's fp32 `F.linear` on CPU: sequential
-/// fused multiply-adds inside each block of [`SGEMM_K_BLOCK`] products, block partials added in K
-/// order. The order matters where a sum lands near a bf16 midpoint: on the v41-tiny fixture this
-/// order reproduces 94% of the reference's mHC `pre` coefficients bit for bit, an exactly rounded
-/// sum 70% (and it flips one collapse rounding in block 0 the other way, see `golden_v41.rs`).
-/// Independent of how many rows a call holds, so chunking invariance is kept.
+/// fused multiply-adds inside each block of [`SGEMM_K_BLOCK`] products, the block partials added
+/// as a pairwise tree in K order (`(b0 + b1) + (b2 + b3)`, the way a GEMM whose K is split across
+/// threads reduces its parts; an odd block out joins at the next level up). The order matters where
+/// a sum lands near a bf16 midpoint: on the v41-tiny fixture (the mHC mixes, K = 1024) this order
+/// reproduces 99.3% of the reference's `pre` coefficients bit for bit, block partials added
+/// sequentially 95.8% and an exactly rounded sum 70% (with the reference's mean-square order of
+/// [`sum_squares_f32_torch`]). Independent of how many rows a call holds, so chunking invariance
+/// is kept.
 pub fn dot_f32_sgemm(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("fma") {
@@ -275,23 +278,24 @@ fn dot_f32_sgemm_with_fma(a: &[f32], b: &[f32]) -> f32 {
 
 #[inline(always)]
 fn sgemm_order_sum(a: &[f32], b: &[f32]) -> f32 {
-    a.chunks(SGEMM_K_BLOCK).zip(b.chunks(SGEMM_K_BLOCK)).fold(
-        0.0f32,
-        |total, (a_block, b_block)| {
-            total
-                + a_block
-                    .iter()
-                    .zip(b_block)
-                    .fold(0.0f32, |acc, (x, y)| x.mul_add(*y, acc))
-        },
-    )
+    let blocks = a.len().div_ceil(SGEMM_K_BLOCK);
+    if blocks <= 1 {
+        return a
+            .iter()
+            .zip(b)
+            .fold(0.0f32, |acc, (x, y)| x.mul_add(*y, acc));
+    }
+    // The left part holds the largest power of two of whole blocks below `blocks`.
+    let split = (blocks.next_power_of_two() / 2) * SGEMM_K_BLOCK;
+    sgemm_order_sum(&a[..split], &b[..split]) + sgemm_order_sum(&a[split..], &b[split..])
 }
 
 /// `e^x` in fp32 as the reference's vectorised CPU kernels compute it (torch's `Vectorized::exp`,
 /// i.e. SLEEF `expf_u10` with fused multiply-adds): Cody-Waite reduction by ln 2, a degree-6
 /// polynomial, scaling by `2^q` in two steps. Within 1 ulp of the true value, and bit-identical to
 /// the reference where a correctly rounded `exp` would differ by that ulp (sigmoids of the mHC
-/// coefficients, attention probabilities, SwiGLU).
+/// coefficients and the Engram gate, SiLU, softplus). The reference's standalone `torch.exp` is
+/// [`exp_f32_accurate`].
 pub fn exp_f32(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     const LN2_HIGH: f32 = 0.693_145_75;
@@ -322,6 +326,58 @@ pub fn exp_f32(x: f32) -> f32 {
     mantissa * power_of_two(half) * power_of_two(q - half)
 }
 
+/// `e^x` in fp32, correctly rounded (evaluated in f64 and rounded once). This is the reference's
+/// standalone `torch.exp` on CPU, which runs MKL's vector math in its high-accuracy mode rather
+/// than the vectorised [`exp_f32`] of torch's fused elementwise kernels (sigmoid, SiLU, softplus):
+/// the row softmax of the mHC `comb`. With [`exp_f32`] there instead, 16 more elements of the
+/// fixture's per-block streams round the other way (block-local mHC expand flips).
+pub fn exp_f32_accurate(x: f32) -> f32 {
+    f64::from(x).exp() as f32
+}
+
+/// `ln(1 + d)` in fp32 as the reference's vectorised CPU kernels compute it (torch's
+/// `Vectorized::log1p`, i.e. SLEEF `log1pf_u10` with fused multiply-adds): `1 + d` is split as
+/// `2^e · (1 + m)` with `(1 + m)` in [0.75, 1.5), then `e·ln 2 + 2·atanh(m / (2 + m))` is evaluated
+/// in double-fp32 (head + tail) arithmetic with a degree-2 polynomial in `x²`. Within 1 ulp of the
+/// true value but not always correctly rounded: routing weights of the sqrt-softplus router follow
+/// its last bit. Inputs above `1e38` (beyond the core approximation) or at most -1 go through the
+/// f64 `ln_1p`.
+pub fn log1p_f32(d: f32) -> f32 {
+    // ln 2 as its fp32 rounding plus the (negative) remainder.
+    const LN2_HIGH: f32 = std::f32::consts::LN_2;
+    const LN2_LOW: f32 = -1.904_654_3e-9;
+    const POLY: [f32; 3] = [0.302_729_5, 0.399_610_82, 0.666_669_5];
+    if d.is_nan() || d <= -1.0 || d > 1e38 {
+        return f64::from(d).ln_1p() as f32;
+    }
+    let dp1 = d + 1.0;
+    // Exponent of (1 + d) / 0.75, so that the reduced argument stays in [0.75, 1.5).
+    let e = ((dp1 * (1.0f32 / 0.75)).to_bits() >> 23 & 0xff) as i32 - 127;
+    let t = f32::from_bits((1.0f32.to_bits() as i32 - (e << 23)) as u32);
+    let m = d.mul_add(t, t - 1.0);
+    // e · ln 2 as a head + tail pair.
+    let e = e as f32;
+    let s_head = LN2_HIGH * e;
+    let s_tail = LN2_LOW.mul_add(e, LN2_HIGH.mul_add(e, -s_head));
+    // x = m / (2 + m) as a head + tail pair (the denominator itself kept as head + tail).
+    let den_head = 2.0 + m;
+    let den_tail = (2.0 - den_head) + m;
+    let inv = 1.0 / den_head;
+    let x_head = m * inv;
+    let residual = inv.mul_add(m, -x_head);
+    let correction = (-den_tail).mul_add(inv, (-den_head).mul_add(inv, 1.0));
+    let x_tail = x_head.mul_add(correction, residual);
+    let x2 = x_head * x_head;
+    let poly = POLY[1..].iter().fold(POLY[0], |acc, &c| acc.mul_add(x2, c));
+    // (s_head, s_tail) + 2x, then + x³ · poly, each as head + tail.
+    let sum_head = s_head + 2.0 * x_head;
+    let sum_tail = (((s_head - sum_head) + 2.0 * x_head) + s_tail) + 2.0 * x_tail;
+    let cubic = (x2 * x_head) * poly;
+    let total_head = sum_head + cubic;
+    let total_tail = ((sum_head - total_head) + cubic) + sum_tail;
+    total_head + total_tail
+}
+
 /// `2^e` for an exponent in the normal range.
 fn power_of_two(e: i32) -> f32 {
     f32::from_bits(((e + 127) as u32) << 23)
@@ -348,9 +404,161 @@ pub fn sum_f32(xs: impl IntoIterator<Item = f32>) -> f32 {
     xs.into_iter().fold(0.0f64, |acc, x| acc + f64::from(x)) as f32
 }
 
+/// fp32 lanes of the vector registers the reference's torch CPU reductions ran with (its AVX2
+/// kernels): the lane count decides which elements share a partial sum in [`sum_f32_torch`].
+pub const TORCH_SUM_LANES: usize = 8;
+
+/// Independent accumulators (instruction-level parallelism) of torch's CPU row sum.
+const TORCH_SUM_ILP: usize = 4;
+
+/// Cascade levels of torch's CPU row sum.
+const TORCH_SUM_LEVELS: usize = 4;
+
+/// `Σ x` of one contiguous fp32 row in the summation order of the reference's torch CPU `sum`
+/// over an innermost dimension (also behind `mean`, which divides the sum by the count): rows of
+/// at least [`TORCH_SUM_LANES`] elements are summed as vectors of that many lanes by
+/// [`TORCH_SUM_ILP`] interleaved accumulators with a [`TORCH_SUM_LEVELS`]-level cascade, the
+/// leftover elements are added to 0 one by one and the lanes after them; shorter rows take the
+/// same scheme with one lane. This is the mean of squares of every RMSNorm, of the mHC mixes and
+/// of the Engram gate, and the gate's dot product: an exactly rounded sum differs from it in the
+/// last ulp often enough to flip bf16 roundings downstream.
+pub fn sum_f32_torch(xs: &[f32]) -> f32 {
+    if xs.len() < TORCH_SUM_LANES {
+        return torch_row_sum::<1>(xs)[0];
+    }
+    let lanes = torch_row_sum::<TORCH_SUM_LANES>(xs);
+    let vectorised = xs.len() / TORCH_SUM_LANES * TORCH_SUM_LANES;
+    let leftover = xs[vectorised..].iter().fold(0.0f32, |acc, &x| acc + x);
+    lanes.iter().fold(leftover, |acc, &lane| acc + lane)
+}
+
+/// `Σ x²` with each square rounded to fp32 first (as `x.square()` does), summed like
+/// [`sum_f32_torch`].
+pub fn sum_squares_f32_torch(xs: &[f32]) -> f32 {
+    let squares: Vec<f32> = xs.iter().map(|x| x * x).collect();
+    sum_f32_torch(&squares)
+}
+
+/// The per-lane partial sums of torch's row sum over the `xs.len() / W` whole vectors of `xs`
+/// (`W` lanes each): vector `i` goes to accumulator `i % ILP`; every `2^p` groups of ILP vectors
+/// (`p = max(4, ⌈log2 groups⌉ / LEVELS)`) the level-0 accumulators are carried up the cascade;
+/// the levels are then folded down, the vectors left over after the last whole group are added to
+/// accumulator 0, and accumulators 1.. are added to it in order.
+fn torch_row_sum<const W: usize>(xs: &[f32]) -> [f32; W] {
+    const ILP: usize = TORCH_SUM_ILP;
+    let vectors = xs.len() / W;
+    let groups = vectors / ILP;
+    let mut acc = [[[0.0f32; W]; ILP]; TORCH_SUM_LEVELS];
+    let level_power = 4.max(ceil_log2(groups) / TORCH_SUM_LEVELS);
+    let level_step = 1usize << level_power;
+    let level_mask = level_step - 1;
+    let add_group = |acc: &mut [[f32; W]; ILP], group: usize| {
+        for (k, lanes) in acc.iter_mut().enumerate() {
+            let vector = &xs[(group * ILP + k) * W..(group * ILP + k + 1) * W];
+            for (lane, &x) in lanes.iter_mut().zip(vector) {
+                *lane += x;
+            }
+        }
+    };
+    let add_into = |to: &mut [[f32; W]; ILP], from: &[[f32; W]; ILP]| {
+        for (to, from) in to.iter_mut().zip(from) {
+            for (t, f) in to.iter_mut().zip(from) {
+                *t += f;
+            }
+        }
+    };
+    let mut group = 0;
+    while group + level_step <= groups {
+        for _ in 0..level_step {
+            add_group(&mut acc[0], group);
+            group += 1;
+        }
+        for level in 1..TORCH_SUM_LEVELS {
+            let below = std::mem::replace(&mut acc[level - 1], [[0.0; W]; ILP]);
+            add_into(&mut acc[level], &below);
+            if group & (level_mask << (level * level_power)) != 0 {
+                break;
+            }
+        }
+    }
+    while group < groups {
+        add_group(&mut acc[0], group);
+        group += 1;
+    }
+    for level in 1..TORCH_SUM_LEVELS {
+        let upper = acc[level];
+        add_into(&mut acc[0], &upper);
+    }
+    let [first, rest @ ..] = acc[0];
+    let mut total = first;
+    for vector in groups * ILP..vectors {
+        for (lane, &x) in total.iter_mut().zip(&xs[vector * W..(vector + 1) * W]) {
+            *lane += x;
+        }
+    }
+    for partial in rest {
+        for (lane, p) in total.iter_mut().zip(partial) {
+            *lane += p;
+        }
+    }
+    total
+}
+
+/// `⌈log2 v⌉` (0 for v ≤ 1).
+fn ceil_log2(v: usize) -> usize {
+    if v <= 1 {
+        0
+    } else {
+        (usize::BITS - (v - 1).leading_zeros()) as usize
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn torch_sum_follows_lanes_accumulators_cascade_and_leftovers() {
+        let big = 2f32.powi(24);
+        let in_order = |xs: &[f32]| xs.iter().fold(0.0f32, |acc, x| acc + x);
+        // Below one vector: four scalar accumulators, x0 + x4 meet first (a tie to even).
+        let short = [1.0, 1.0, 1.0, 1.0, big];
+        assert_eq!(sum_f32_torch(&short), big);
+        assert_eq!(in_order(&short), big + 4.0);
+        // Elements 1 and 9 share lane 1 (sum 2) before meeting 2^24 in lane 0.
+        let mut row = vec![0.0f32; 16];
+        (row[0], row[1], row[9]) = (big, 1.0, 1.0);
+        assert_eq!(sum_f32_torch(&row), big + 2.0);
+        assert_eq!(in_order(&row), big);
+        // Leftovers after the last whole vector are summed first, then the lanes.
+        let mut row = vec![0.0f32; 18];
+        (row[0], row[16], row[17]) = (big, 1.0, 1.0);
+        assert_eq!(sum_f32_torch(&row), big + 2.0);
+        assert_eq!(in_order(&row), big);
+        // 1024 elements: 32 groups of 4 vectors, a cascade level every 16 groups, so elements 512
+        // and 544 (second half, lane 0 of accumulator 0) meet element 0 only as a pair.
+        let mut row = vec![0.0f32; 1024];
+        (row[0], row[512], row[544]) = (big, 1.0, 1.0);
+        assert_eq!(sum_f32_torch(&row), big + 2.0);
+        assert_eq!(sum_squares_f32_torch(&[3.0, 4.0, 12.0]), 169.0);
+    }
+
+    #[test]
+    fn sgemm_order_adds_block_partials_pairwise() {
+        // Four block sums 2^24, 1, 1, 1. Pairwise: (2^24 + 1) + (1 + 1) = 2^24 + 2 (the first pair
+        // is a tie that rounds to even); in K order every +1 rounds away (2^24); exactly rounded,
+        // 2^24 + 3 is a tie that goes to 2^24 + 4.
+        let mut a = vec![0.0f32; 4 * SGEMM_K_BLOCK];
+        for (block, value) in [2f32.powi(24), 1.0, 1.0, 1.0].into_iter().enumerate() {
+            a[block * SGEMM_K_BLOCK] = value;
+        }
+        let b = vec![1.0f32; a.len()];
+        assert_eq!(dot_f32_sgemm(&a, &b), 2f32.powi(24) + 2.0);
+        assert_eq!(dot_f32(&a, &b), 2f32.powi(24) + 4.0);
+        // Three blocks: the odd one out joins last, (b0 + b1) + b2.
+        let c: Vec<f32> = a[..3 * SGEMM_K_BLOCK].to_vec();
+        assert_eq!(dot_f32_sgemm(&c, &b[..c.len()]), 2f32.powi(24));
+    }
 
     #[test]
     fn sgemm_order_sums_blocks_of_256_sequentially() {
@@ -403,6 +611,42 @@ mod tests {
         }
         // Not the correctly rounded exp: the reference's kernel is off by an ulp now and then.
         assert!(differs > 0);
+    }
+
+    #[test]
+    fn log1p_is_within_one_ulp_and_exact_at_simple_points() {
+        assert_eq!(log1p_f32(0.0), 0.0);
+        assert_eq!(log1p_f32(1.0), std::f32::consts::LN_2);
+        assert_eq!(log1p_f32(2f32.powi(-30)), 2f32.powi(-30));
+        let (mut x, mut off_by_one, mut total) = (1e-6f32, 0, 0);
+        while x < 1e8 {
+            let exact = f64::from(x).ln_1p() as f32;
+            let ulps = (log1p_f32(x).to_bits() as i64 - exact.to_bits() as i64).abs();
+            assert!(ulps <= 1, "log1p({x}) is {ulps} ulps off");
+            off_by_one += usize::from(ulps == 1);
+            total += 1;
+            x = f32::from_bits(x.to_bits() + 997);
+        }
+        // Not the correctly rounded function: SLEEF's last bit differs on a small fraction.
+        assert!(
+            off_by_one > 0 && off_by_one * 100 < total,
+            "{off_by_one} of {total} off by one ulp"
+        );
+    }
+
+    #[test]
+    fn accurate_exp_is_correctly_rounded_where_the_vectorised_one_is_not() {
+        let (mut x, mut differ) = (-20.0f32, 0);
+        while x < 0.0 {
+            let accurate = exp_f32_accurate(x);
+            assert_eq!(accurate, (f64::from(x).exp()) as f32);
+            let ulps = (exp_f32(x).to_bits() as i64 - accurate.to_bits() as i64).abs();
+            assert!(ulps <= 1, "exp({x}): vectorised is {ulps} ulps off");
+            differ += usize::from(ulps == 1);
+            x += 0.001_3;
+        }
+        assert!(differ > 0, "the two exps never differ");
+        assert_eq!(exp_f32_accurate(0.0), 1.0);
     }
 
     #[test]

@@ -123,6 +123,15 @@ fn rel_rms(a: &[f32], b: &[f32]) -> f32 {
     (diff / norm.max(1e-30)).sqrt() as f32
 }
 
+/// How many elements are bit-identical.
+fn bit_equal(a: &[f32], b: &[f32]) -> usize {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() == y.to_bits())
+        .count()
+}
+
 fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in row.iter().enumerate() {
@@ -156,32 +165,83 @@ fn inject_reference_streams(fx: &Fixture, trace: &mut ForwardTrace, n: usize) {
     }
 }
 
+/// Per backbone layer of a free-running (nothing injected) prefill against the reference: the
+/// streams' relative RMS error and the first rows whose index top-k / routed experts differ.
+struct LayerDivergence {
+    stream_rms: f32,
+    first_topk_mismatch: Option<usize>,
+    first_route_mismatch: Option<usize>,
+}
+
+fn layer_divergence(fx: &Fixture, trace: &ForwardTrace, n: usize) -> Vec<LayerDivergence> {
+    let cfg = fx.model.config();
+    let (hc, dim, k) = (cfg.hc.mult, cfg.dim, cfg.n_activated_experts);
+    let layer_out = fx.f32("text.prefill.layer_out");
+    let route_idx = fx.i32("text.prefill.route_idx");
+    let size = n * hc * dim;
+    (0..cfg.n_layers)
+        .map(|l| {
+            let first_route_mismatch = (0..n).find(|&t| {
+                let expect: Vec<usize> = route_idx[(l * n + t) * k..(l * n + t + 1) * k]
+                    .iter()
+                    .map(|&v| v as usize)
+                    .collect();
+                trace.route_idx[l][t] != expect
+            });
+            let first_topk_mismatch = cfg.index_source_layers.contains(&l).then(|| {
+                let width = cfg.index_topk.min(n / cfg.compress_ratio(l));
+                let expect = expected_rows(&fx.i32(&format!("text.prefill.topk.L{l}")), width);
+                (0..n).find(|&t| trace.topk[l][t] != expect[t])
+            });
+            LayerDivergence {
+                stream_rms: rel_rms(&trace.layer_out[l], &layer_out[l * size..(l + 1) * size]),
+                first_topk_mismatch: first_topk_mismatch.flatten(),
+                first_route_mismatch,
+            }
+        })
+        .collect()
+}
+
 /// Free-running prefill and decode against the reference logits.
 ///
-/// The README tolerance (max|Δ|/range ≤ 0.005) is not reachable without bit-exact fp32 reductions,
-/// and this test asserts the bound actually reached instead. Where and why the divergence starts:
-/// - Rows 0..=6 are bit-exact. The first differing element is in block 1 at position 7, stream 3,
-///   channel 58: one bf16 ulp (−0.55859375 vs −0.5625) from the FFN-site expand, whose fp32 sum lies
-///   within an fp32 ulp or two of a bf16 midpoint; which side it lands on is decided by the last
-///   ulp of the mHC coefficients, i.e. by the summation order of the reference's fp32 `F.linear`
-///   (an MKL sgemm; sequential fp32 sums land on the reference's side here, the sgemm order this
-///   backend uses reproduces 94% of all `pre` coefficients bit for bit but not this one).
-/// - One flipped bf16 ulp is amplified by the quantisers: a bf16 step of an activation that sits on
-///   an E4M3 rounding tie moves it by a whole E4M3 step (1/16 relative), and later FP4/FP8 codes and
-///   top-k / routing decisions follow. Block 0 at position 36 showed exactly this (a collapse sum
-///   1 fp32 ulp below a bf16 midpoint, then an E4M3 tie at 248, then −2% on that token's MoE
-///   output); the sgemm order now lands it on the reference's side.
-/// - The model is chaotic at this level: perturbing only the last ulp of the fp32 `exp` inside the
-///   mHC sigmoids (nothing else) moves this backend's own logits_full by 0.128 of the range. So
-///   ~0.1–0.15 of the range is the floor for any implementation whose fp32 reductions are not
-///   bit-identical to the reference's; the per-block checks on the reference's own inputs
-///   (`every_block_matches_reference_given_reference_inputs`) are what pins the numerics.
-///
-/// Measured: logits_full 0.149, logits_decode 0.149, text.decode.logits 0.115 of the range.
+/// The model is chaotic at the fixture's scale: one bf16 rounding that lands on the other side
+/// moves an activation by an E4M3 step when it sits on a quantiser tie, and index top-k / routing
+/// decisions follow. So the free-running logits match only as far as every rounding does, and the
+/// README tolerance (max|Δ|/range ≤ 0.005) needs the reference's fp32 arithmetic bit for bit.
+/// Where it stands (per-layer numbers printed below):
+/// - Reproduced: the GEMM order of the mHC mixes (K-blocks of 256 whose partials are added
+///   pairwise, not in K order), the reference's torch CPU summation order for every mean of
+///   squares (RMSNorm, mHC mixes, Engram gate) and the gate's dot product, the vectorised `exp` in
+///   the sigmoids (mHC `pre`/`post`, Engram gate), SiLU and softplus, SLEEF's `log1p` in the
+///   router's softplus, and the accurate `exp` of the reference's standalone `torch.exp` in the
+///   mHC `comb` softmax. The mixes' order moved the free-running logits from 0.149 to 0.104 of the
+///   range; the `comb` `exp` from 0.104 to 0.052 (rows within the README tolerance 31 → 72, greedy
+///   tokens agreeing 1 → 9 of 17): with the vectorised `exp` there the `comb` coefficients were an
+///   ulp off often enough to flip 13 expand roundings per prefill (5 attention-site, 8 FFN-site).
+///   Blocks 0 and 1 are now bit-exact free-running; the first top-k mismatch is at layer 6 row 71.
+/// - Left: 5 block-local expand flips per prefill with the reference's inputs (blocks 2, 3, 5, 6,
+///   8; the first is block 2 position 71), which is where the free-running prefill first departs.
+///   They survive every `exp` and summation-order variant tried (correctly rounded or libm `exp`
+///   in the softmax, vectorised or exact `exp` in the sigmoids, fused or exactly rounded expand
+///   sums), so they are most likely where MKL's high-accuracy `exp` is not correctly rounded.
+/// - Not reproducible with chunking invariance: the reference's elementwise kernels run the last
+///   `numel mod 32` elements of a tensor through the scalar (correctly rounded) `exp` instead of the
+///   vectorised one. With `numel = 4·T` for the mHC sigmoids that is the last 4 prompt positions
+///   and every decode step (checked offline: it explains all 6 `pre` mismatches of rows 96–99),
+///   so the reference's own numbers depend on how a sequence is chunked; this backend keeps one
+///   `exp` for every row.
 #[test]
 fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
-    // The bound reached (see the doc comment); the README's 0.005 holds only for rows 0..=6.
-    const FREE_RUNNING: f32 = 0.2;
+    // Bounds reached (printed): logits max|Δ|/range (0.052 prefill, 0.098 decode steps), rows
+    // within the README tolerance, greedy tokens agreeing with the reference's.
+    const FREE_RUNNING: f32 = 0.055;
+    const DECODE: f32 = 0.1;
+    const ROWS_WITHIN_TOLERANCE: usize = 72;
+    const GREEDY_AGREE: usize = 9;
+    // Blocks before the first block-local expand flip (block 2) are bit-exact.
+    const BIT_EXACT_BLOCKS: usize = 2;
+    // Blocks with no index top-k / routing mismatch (the first is at layer 6).
+    const SELECTIONS_EXACT_BLOCKS: usize = 6;
     let Some(fx) = Fixture::load() else { return };
     let cfg = fx.model.config().clone();
     let vocab = cfg.vocab_size;
@@ -189,31 +249,50 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
     let n = tokens.len();
     let range = fx.logit_range();
     let mut seq = fx.model.new_sequence();
+    let mut trace = ForwardTrace::default();
     let logits = fx
         .model
-        .forward(&mut seq, &tokens, LogitsWanted::All)
+        .forward_traced(&mut seq, &tokens, LogitsWanted::All, Some(&mut trace))
         .expect("prefill");
+    let divergence = layer_divergence(&fx, &trace, n);
+    for (l, d) in divergence.iter().enumerate() {
+        eprintln!(
+            "free-running block {l}: layer_out relRMS {:.2e}, first topk mismatch at row {:?}, first route mismatch at row {:?}",
+            d.stream_rms, d.first_topk_mismatch, d.first_route_mismatch
+        );
+    }
+    for (l, d) in divergence.iter().enumerate().take(BIT_EXACT_BLOCKS) {
+        assert_eq!(d.stream_rms, 0.0, "block {l} is bit-exact");
+    }
+    for (l, d) in divergence.iter().enumerate().take(4) {
+        assert!(d.stream_rms <= 1e-4, "block {l}: relRMS {}", d.stream_rms);
+    }
+    for (l, d) in divergence.iter().enumerate().take(SELECTIONS_EXACT_BLOCKS) {
+        assert!(
+            d.first_topk_mismatch.is_none() && d.first_route_mismatch.is_none(),
+            "block {l}: a selection differs"
+        );
+    }
+
     let reference = fx.f32("logits_full");
-    let row_error = |t: usize| {
-        max_abs_diff(
-            &logits[t * vocab..(t + 1) * vocab],
-            &reference[t * vocab..(t + 1) * vocab],
-        ) / range
-    };
-    let exact_rows = (0..n).take_while(|&t| row_error(t) <= 1e-6).count();
-    let overall = max_abs_diff(&logits, &reference) / range;
+    let prefill_row_errors: Vec<f32> = (0..n)
+        .map(|t| {
+            let row = t * vocab..(t + 1) * vocab;
+            max_abs_diff(&logits[row.clone()], &reference[row]) / range
+        })
+        .collect();
+    let within = prefill_row_errors
+        .iter()
+        .filter(|&&e| e <= fx.tolerance())
+        .count();
+    let overall = prefill_row_errors.iter().fold(0.0f32, |m, &e| m.max(e));
     eprintln!(
-        "free-running logits_full: rows 0..{exact_rows} match to 1e-6 of the range; overall max|Δ|/range = {overall:.3e}"
+        "free-running logits_full: {within} of {n} rows within the tolerance {}; overall max|Δ|/range = {overall:.3e}",
+        fx.tolerance()
     );
-    // Positions 0..=6 depend on no flipped rounding (the first one is in block 1 at position 7).
     assert!(
-        exact_rows >= 7,
-        "only {exact_rows} leading rows match the reference"
-    );
-    let leading = max_abs_diff(&logits[..7 * vocab], &reference[..7 * vocab]) / range;
-    assert!(
-        leading <= fx.tolerance(),
-        "rows 0..7 of logits_full: {leading}"
+        within >= ROWS_WITHIN_TOLERANCE,
+        "only {within} rows within tolerance"
     );
     assert!(
         overall <= FREE_RUNNING,
@@ -300,12 +379,16 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
         greedy.len()
     );
     assert!(
-        schedule_error <= FREE_RUNNING && decode_error <= FREE_RUNNING,
+        schedule_error <= DECODE && decode_error <= DECODE,
         "logits_decode {schedule_error}, text.decode.logits {decode_error}"
     );
     assert!(
         agree >= decidable,
         "greedy token {agree} differs although its margin exceeds twice our error"
+    );
+    assert!(
+        agree >= GREEDY_AGREE,
+        "only the first {agree} greedy tokens agree"
     );
 }
 
@@ -314,13 +397,20 @@ fn every_block_matches_reference_given_reference_inputs() {
     // README bounds: relRMS 2e-2 (streams, caches), 1e-2 (pre, route_w), logits 5e-3 of the range,
     // selections on 95% of rows. This backend is orders of magnitude inside them (see the printed
     // numbers); the tighter bounds below make a regression visible.
-    const STREAM_RMS: f32 = 2e-3;
-    const COEFF_RMS: f32 = 1e-4;
+    const STREAM_RMS: f32 = 1e-4;
+    const COEFF_RMS: f32 = 1e-5;
     const LOGITS: f32 = 1e-5;
-    // Block 0 at position 36: the FFN-site collapse sum is 1 fp32 ulp from a bf16 midpoint and the
-    // flipped element then sits on an E4M3 tie, so the token's MoE output moves by 2% (relRMS 5e-4
-    // for the block) unless the mHC coefficients carry the reference sgemm's last ulp.
-    const BLOCK0_RMS: f32 = 2e-5;
+    // Bit-exact counts reached (of 4800 `pre` coefficients and 2400 routing weights): they need
+    // the reference's summation orders (torch's row sum for the means of squares, the mixes GEMM's
+    // pairwise K-blocks), its accurate `exp` in the `comb` softmax (4765 / 2384 with the
+    // vectorised one) and its SLEEF `log1p` (2384 with a correctly rounded one); an exactly
+    // rounded sum gives ~4500 and ~2280.
+    const PRE_BIT_EXACT: usize = 4775;
+    const ROUTE_W_BIT_EXACT: usize = 2387;
+    // Of 1 228 800 stream elements: 11 differ (5 block-local mHC expand roundings, see
+    // `free_running_prefill_and_decode_match_until_the_first_rounding_flip`); 27 with the
+    // vectorised `exp` in the `comb` softmax.
+    const LAYER_OUT_BIT_EXACT: usize = 1_228_789;
     let Some(fx) = Fixture::load() else { return };
     let cfg = fx.model.config().clone();
     let tokens = fx.tokens();
@@ -347,6 +437,7 @@ fn every_block_matches_reference_given_reference_inputs() {
     let route_w = fx.f32("text.prefill.route_w");
     let k = cfg.n_activated_experts;
     let mut route_mismatch = 0;
+    let (mut pre_exact, mut route_w_exact, mut out_exact) = (0, 0, 0);
     for l in 0..cfg.n_layers {
         let size = n * hc * dim;
         let out_err = rel_rms(&trace.layer_out[l], &layer_out[l * size..(l + 1) * size]);
@@ -360,6 +451,12 @@ fn every_block_matches_reference_given_reference_inputs() {
         );
         let ours_w: Vec<f32> = trace.route_w[l].iter().flatten().copied().collect();
         let w_err = rel_rms(&ours_w, &route_w[l * n * k..(l + 1) * n * k]);
+        pre_exact += bit_equal(
+            &trace.layer_pre[l],
+            &layer_pre[l * n * hc..(l + 1) * n * hc],
+        );
+        route_w_exact += bit_equal(&ours_w, &route_w[l * n * k..(l + 1) * n * k]);
+        out_exact += bit_equal(&trace.layer_out[l], &layer_out[l * size..(l + 1) * size]);
         for t in 0..n {
             let expect: Vec<usize> = route_idx[(l * n + t) * k..(l * n + t + 1) * k]
                 .iter()
@@ -380,11 +477,23 @@ fn every_block_matches_reference_given_reference_inputs() {
             pre_err <= COEFF_RMS && w_err <= COEFF_RMS,
             "block {l}: layer_pre {pre_err}, route_w {w_err}"
         );
-        assert!(
-            l != 0 || out_err <= BLOCK0_RMS,
-            "block 0: layer_out {out_err}"
-        );
+        // Block 0 reads the embeddings only: every rounding of it matches.
+        assert!(l != 0 || out_err == 0.0, "block 0: layer_out {out_err}");
     }
+    eprintln!(
+        "bit-exact: layer_pre {pre_exact} of {}, route_w {route_w_exact} of {}, layer_out {out_exact} of {}",
+        cfg.n_layers * n * hc,
+        cfg.n_layers * n * k,
+        cfg.n_layers * n * hc * dim
+    );
+    assert!(
+        pre_exact >= PRE_BIT_EXACT && route_w_exact >= ROUTE_W_BIT_EXACT,
+        "bit-exact layer_pre {pre_exact}, route_w {route_w_exact}"
+    );
+    assert!(
+        out_exact >= LAYER_OUT_BIT_EXACT,
+        "bit-exact layer_out {out_exact}"
+    );
     let route_rows = cfg.n_layers * n;
     eprintln!("route_idx: {route_mismatch} of {route_rows} rows differ");
     assert!(
@@ -403,7 +512,8 @@ fn every_block_matches_reference_given_reference_inputs() {
             &fx.f32(&format!("text.prefill.engram_out.L{layer}")),
         );
         eprintln!("engram_out.L{layer}: relRMS {err:.2e}");
-        assert!(err <= STREAM_RMS);
+        // The gate's sums in the reference's order and its vectorised `exp`: bit-exact.
+        assert_eq!(err, 0.0, "engram_out.L{layer}");
     }
     let final_err = rel_rms(&trace.final_hidden, &fx.f32("text.prefill.final_hidden"));
     let main_err = rel_rms(&trace.main_hidden, &fx.f32("text.prefill.main_hidden"));

@@ -125,11 +125,6 @@ fn main() -> ExitCode {
 }
 
 fn run_logits(args: LogitsArgs) -> anyhow::Result<()> {
-    if args.device == Device::Cuda {
-        anyhow::bail!(
-            "--device cuda: the CUDA model backend is not available in this build yet; use --device cpu"
-        );
-    }
     let request = logits::LogitsRequest {
         model_dir: args.model,
         tokens: logits::parse_token_list(&args.tokens)?,
@@ -139,7 +134,11 @@ fn run_logits(args: LogitsArgs) -> anyhow::Result<()> {
         },
         out: args.out,
     };
-    let [rows, vocab] = logits::run(&request)?;
+    let device = match args.device {
+        Device::Cpu => logits::LogitsDevice::Cpu,
+        Device::Cuda => logits::LogitsDevice::Cuda,
+    };
+    let [rows, vocab] = logits::run_on(&request, device)?;
     eprintln!(
         "wrote logits [{rows}, {vocab}] to {}",
         request.out.display()

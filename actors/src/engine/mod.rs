@@ -242,6 +242,12 @@ impl Engine {
             codec: codec.clone(),
             grammar,
             handles: handles_tx,
+            dspark: config.node.dspark,
+            replay: crate::replay::engine_replay(
+                &config.node.replay,
+                config.executor.sliding_window(),
+                deepinfer_model::v41::MAX_BACKTRACK,
+            )?,
         };
         let (supervisor, join) = Actor::spawn(None, NodeSupervisor, args)
             .await

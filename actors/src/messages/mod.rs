@@ -2,8 +2,12 @@
 //! actor depends on its peers' protocols and not on their implementations (aesthetics.md §3.4).
 //! Messages are owned data; large variants are boxed; step-scoped messages carry a `StepId`.
 
+pub mod dspark;
+pub mod eplb;
+pub mod experts;
 pub mod frontend;
 pub mod rank;
+pub mod replay;
 pub mod request;
 pub mod scheduler;
 pub mod supervisor;

@@ -50,6 +50,9 @@ pub struct NewSeq {
     pub id: RequestId,
     pub sampling: SamplingParams,
     pub grammar: Option<Box<SeqGrammar>>,
+    /// Decoder bounded replay: the first prompt position the decoder layers run on, planned by
+    /// the `ReplayActor` at admission; `None` = every position (replay off or a short prompt).
+    pub decoder_from: Option<u32>,
 }
 
 /// One sequence's input in a step.
@@ -59,6 +62,10 @@ pub enum SeqInput {
     Prefill { tokens: Vec<u32>, last: bool },
     /// One token: the rank's own last sampled token for this sequence.
     Decode,
+    /// DSpark: the rank's last sampled token (the anchor) followed by up to `drafts` tokens of
+    /// the rank's own current proposal for this sequence; the rank accepts a prefix of them,
+    /// samples one more token, rolls back past the rejected ones, and proposes again.
+    Verify { drafts: usize },
 }
 
 /// One sequence's work in a step.
@@ -87,6 +94,7 @@ impl StepPlan {
             .map(|w| match &w.input {
                 SeqInput::Prefill { tokens, .. } => tokens.len(),
                 SeqInput::Decode => 1,
+                SeqInput::Verify { drafts } => 1 + drafts,
             })
             .sum()
     }
@@ -104,13 +112,38 @@ pub struct StepTiming {
     pub total: Duration,
 }
 
+/// The outcome of one `Verify` entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerifyOutcome {
+    pub id: RequestId,
+    /// Drafts fed to the model after the anchor (tokens).
+    pub verified: usize,
+    /// Of those, the accepted prefix (tokens); `accepted + 1` tokens were produced.
+    pub accepted: usize,
+}
+
+/// A proposal the rank drafted after this step, summarised for the verifier: the rank keeps
+/// the drafted tokens, the scheduler only needs their confidences to choose verify lengths.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftSummary {
+    pub id: RequestId,
+    /// Raw confidence (confidence-head logit) of each drafted token, in order.
+    pub confidences: Vec<f32>,
+}
+
 /// A finished step: the tokens sampled for the sequences that produced one.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutput {
     pub step: StepId,
     pub dp: DpRank,
     pub mode: StepMode,
+    /// Tokens produced, in order; a `Verify` entry contributes its accepted drafts and its bonus
+    /// token (several consecutive entries with the same id).
     pub sampled: Vec<(RequestId, u32)>,
+    /// One per `Verify` entry of the plan.
+    pub verified: Vec<VerifyOutcome>,
+    /// Proposals drafted after this step (for the next one).
+    pub drafts: Vec<DraftSummary>,
     /// Sequences whose state the rank holds after the step (after `finished` were freed).
     pub live_sequences: usize,
     pub timing: StepTiming,

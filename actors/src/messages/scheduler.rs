@@ -1,8 +1,9 @@
 //! `SchedulerMsg`, the protocol of one DP rank's `SchedulerActor`.
 
 use deepinfer_topology::{RequestId, StepId};
-use ractor::RpcReplyPort;
+use ractor::{ActorRef, RpcReplyPort};
 
+use crate::messages::dspark::{DSparkMsg, ProposalBatch};
 use crate::messages::rank::{RankError, StepOutput};
 use crate::messages::request::Admitted;
 
@@ -21,6 +22,26 @@ pub struct SchedulerStats {
     pub rank_live_sequences: usize,
     /// True once the rank failed; the scheduler then refuses work.
     pub rank_failed: bool,
+    /// DSpark: drafted tokens reported by the rank.
+    pub draft_tokens_proposed: u64,
+    /// DSpark: drafted tokens fed to the model in verify entries.
+    pub draft_tokens_verified: u64,
+    /// DSpark: of those, the accepted ones.
+    pub draft_tokens_accepted: u64,
+    /// DSpark: verify entries completed (each produces `accepted + 1` tokens).
+    pub verify_entries: u64,
+    /// DSpark: proposal batches dropped as stale.
+    pub stale_proposals: u64,
+}
+
+impl SchedulerStats {
+    /// Mean tokens produced per verify entry (accepted drafts + the bonus token); `None`
+    /// before the first verify.
+    pub fn mean_accepted_length(&self) -> Option<f64> {
+        (self.verify_entries > 0).then(|| {
+            (self.draft_tokens_accepted + self.verify_entries) as f64 / self.verify_entries as f64
+        })
+    }
 }
 
 /// Messages of `SchedulerActor`.
@@ -34,6 +55,10 @@ pub enum SchedulerMsg {
     Wake,
     /// From the rank thread.
     StepDone(Box<StepOutput>),
+    /// From the `DSparkActor`: calibrated confidences of the rank's latest proposals.
+    Proposals(Box<ProposalBatch>),
+    /// From the supervisor: the `DSparkActor` that calibrates this rank's proposals.
+    AttachDrafter(ActorRef<DSparkMsg>),
     /// From the rank thread: the step failed and the thread is gone.
     StepFailed {
         step: StepId,

@@ -5,6 +5,10 @@
 //! last row of logits. Sampling, the diff protocol and pipelining live above it in
 //! `rank::worker`, so a backend only does the math. It runs on the rank's own OS thread, never
 //! inside an async task.
+//!
+//! Speculative decoding (DSpark) adds two things: an entry may ask for every row of its tokens
+//! (`all_rows`, a verify of anchor + drafts), and `draft` proposes the next tokens of a sequence
+//! with the executor's drafter (the checkpoint's DSpark heads), if it has one.
 
 use std::time::Duration;
 
@@ -28,6 +32,17 @@ pub enum ExecError {
 pub struct SeqTokens<'a> {
     pub id: RequestId,
     pub tokens: &'a [u32],
+    /// Return a logits row for every token (a DSpark verify), not only the last.
+    pub all_rows: bool,
+}
+
+/// A drafter's proposal for the tokens after a sequence's anchor (owned data).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Draft {
+    /// The drafted tokens, for the positions after the anchor (the anchor excluded).
+    pub tokens: Vec<u32>,
+    /// Raw confidence per drafted token (the confidence head's logit, before the sigmoid).
+    pub confidences: Vec<f32>,
 }
 
 /// Per-rank model execution. Synchronous; one instance per rank thread.
@@ -44,9 +59,21 @@ pub trait RankExecutor: Send {
     fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError>;
     /// Sequences currently held.
     fn live_sequences(&self) -> usize;
-    /// Append each entry's tokens to its sequence; returns one logits row (`vocab_size` wide)
-    /// per entry, in order. Entries name distinct sequences.
+    /// Append each entry's tokens to its sequence; returns, per entry and in order, its last
+    /// logits row (`vocab_size` wide), or for an `all_rows` entry every row concatenated
+    /// (`tokens.len() * vocab_size`). Entries name distinct sequences.
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError>;
+    /// Proposes the tokens after `anchor`, the token just sampled for sequence `id` (it will
+    /// sit at position `sequence_len(id)`). `None` when the executor has no drafter.
+    fn draft(&mut self, _id: RequestId, _anchor: u32) -> Result<Option<Draft>, ExecError> {
+        Ok(None)
+    }
+    /// Decoder bounded replay for sequence `id`: from now on its prefill runs the decoder layers
+    /// only on positions `>= decoder_from` (`Model::forward_replay`). Executors without bounded
+    /// replay ignore it and run the full prefill (exact).
+    fn plan_replay(&mut self, _id: RequestId, _decoder_from: usize) -> Result<(), ExecError> {
+        Ok(())
+    }
     /// Time the device still needs after `execute` returned before the step's results exist
     /// (an asynchronous device queue). Zero for the CPU backend, whose work is done on return.
     fn device_latency(&self, _batch_tokens: usize) -> Duration {
@@ -60,4 +87,14 @@ pub trait ExecutorFactory: Send + Sync {
     fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError>;
     /// What it runs, for the startup log.
     fn describe(&self) -> String;
+    /// The served model's sliding window (tokens), when its executors run bounded replay (the
+    /// engine then validates `[replay]` against it and spawns the `ReplayActor`).
+    fn sliding_window(&self) -> Option<usize> {
+        None
+    }
+    /// The expert-parallel state its executors share, when they run expert parallelism (the
+    /// supervisor then spawns the expert groups and the EPLB over it).
+    fn expert_parallel(&self) -> Option<std::sync::Arc<crate::experts::parallel::ExpertParallel>> {
+        None
+    }
 }

@@ -6,13 +6,28 @@
 //! step costs `host_time` on the rank thread (input preparation and launches, which async
 //! scheduling can overlap with the device) and `device_time` on an emulated asynchronous device.
 //! `panic_on_step` makes the n-th non-empty `execute` call panic (a stand-in for a device fault).
+//! An optional scripted drafter (`FakeDrafter`) proposes the greedy chain for a set number of
+//! drafts and then wrong tokens, with a fixed confidence: tests of DSpark's scheduling and
+//! acceptance know exactly what it proposes.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use deepinfer_topology::RequestId;
 
-use crate::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+
+/// A scripted drafter: each proposal has `block_size` drafts, of which the first `correct`
+/// follow the greedy chain and the rest are wrong; every draft has raw confidence `confidence`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FakeDrafter {
+    /// Drafts per proposal (tokens).
+    pub block_size: usize,
+    /// Leading drafts that equal the greedy chain (tokens).
+    pub correct: usize,
+    /// Raw confidence (a logit: 5 -> sigmoid 0.993, -5 -> 0.007) of every draft.
+    pub confidence: f32,
+}
 
 /// Settings of the fake backend.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,6 +40,10 @@ pub struct FakeConfig {
     pub device_time: Duration,
     /// On these DP ranks, panic in the n-th (1-based) non-empty step. Default: none.
     pub panic_on_step: Option<(Vec<usize>, u64)>,
+    /// Emulated device time per token of a step, on top of `device_time`. Default 0.
+    pub device_time_per_token: Duration,
+    /// The scripted drafter; `None` (default) = no drafter.
+    pub drafter: Option<FakeDrafter>,
 }
 
 impl Default for FakeConfig {
@@ -34,6 +53,8 @@ impl Default for FakeConfig {
             host_time: Duration::ZERO,
             device_time: Duration::ZERO,
             panic_on_step: None,
+            device_time_per_token: Duration::ZERO,
+            drafter: None,
         }
     }
 }
@@ -150,17 +171,58 @@ impl RankExecutor for FakeExecutor {
                     message: "empty input".into(),
                 });
             };
+            let start = seq.0;
             seq.0 += entry.tokens.len();
             seq.1 = last;
-            let mut row = vec![0.0; self.config.vocab_size];
-            fake_logits(last, seq.0 - 1, &mut row);
+            let vocab = self.config.vocab_size;
+            let row = if entry.all_rows {
+                let mut all = vec![0.0; entry.tokens.len() * vocab];
+                for (i, (&token, out)) in entry
+                    .tokens
+                    .iter()
+                    .zip(all.chunks_exact_mut(vocab))
+                    .enumerate()
+                {
+                    fake_logits(token, start + i, out);
+                }
+                all
+            } else {
+                let mut row = vec![0.0; vocab];
+                fake_logits(last, seq.0 - 1, &mut row);
+                row
+            };
             rows.push(row);
         }
         Ok(rows)
     }
 
-    fn device_latency(&self, _batch_tokens: usize) -> Duration {
+    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
+        let Some(drafter) = self.config.drafter else {
+            return Ok(None);
+        };
+        let held = self.sequence_len(id)?;
+        let vocab = self.config.vocab_size;
+        let mut previous = anchor;
+        let tokens = (0..drafter.block_size)
+            .map(|i| {
+                let chain = favoured_token(previous, held + i, vocab);
+                previous = if i < drafter.correct {
+                    chain
+                } else {
+                    (chain + 1) % vocab as u32
+                };
+                previous
+            })
+            .collect();
+        Ok(Some(Draft {
+            tokens,
+            confidences: vec![drafter.confidence; drafter.block_size],
+        }))
+    }
+
+    fn device_latency(&self, batch_tokens: usize) -> Duration {
         self.config.device_time
+            + self.config.device_time_per_token * u32::try_from(batch_tokens).unwrap_or(u32::MAX)
     }
 }
 
@@ -210,6 +272,7 @@ mod tests {
             .execute(&[SeqTokens {
                 id,
                 tokens: &[1, 2, 3],
+                all_rows: false,
             }])
             .unwrap();
         assert_eq!(rows.len(), 1);
@@ -219,6 +282,51 @@ mod tests {
         assert_eq!(ex.sequence_len(id), Ok(1));
         ex.free_sequence(id);
         assert_eq!(ex.live_sequences(), 0);
-        assert!(ex.execute(&[SeqTokens { id, tokens: &[1] }]).is_err());
+        assert!(
+            ex.execute(&[SeqTokens {
+                id,
+                tokens: &[1],
+                all_rows: false
+            }])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn all_rows_and_scripted_drafts_follow_the_chain() {
+        let vocab = 64;
+        let drafter = FakeDrafter {
+            block_size: 4,
+            correct: 2,
+            confidence: 3.0,
+        };
+        let mut ex = FakeExecutor::new(
+            FakeConfig {
+                vocab_size: vocab,
+                drafter: Some(drafter),
+                ..FakeConfig::default()
+            },
+            0,
+        );
+        let id = RequestId(3);
+        ex.new_sequence(id).unwrap();
+        let rows = ex
+            .execute(&[SeqTokens {
+                id,
+                tokens: &[9, 4, 7],
+                all_rows: true,
+            }])
+            .unwrap();
+        assert_eq!(rows[0].len(), 3 * vocab);
+        let mut expected = vec![0.0; vocab];
+        fake_logits(4, 1, &mut expected);
+        assert_eq!(&rows[0][vocab..2 * vocab], expected.as_slice());
+        // The anchor sits at position 3; drafts follow the chain twice, then go wrong.
+        let draft = ex.draft(id, 11).unwrap().unwrap();
+        let first = favoured_token(11, 3, vocab);
+        let second = favoured_token(first, 4, vocab);
+        assert_eq!(&draft.tokens[..2], &[first, second]);
+        assert_ne!(draft.tokens[2], favoured_token(second, 5, vocab));
+        assert_eq!(draft.confidences, vec![3.0; 4]);
     }
 }

@@ -10,6 +10,13 @@
 //! in this step go to the grammar mask workers; the masks are awaited right after the forward and
 //! applied to the logits before the sampling noise. A mask depends only on the tokens accepted so
 //! far, never on timing, so seeded sampling stays deterministic.
+//!
+//! DSpark: the worker also owns each sequence's current proposal (drafted on this thread, where
+//! the sequence state lives). A `Verify { drafts }` entry feeds the anchor plus up to `drafts` of
+//! it, judges them with `dspark::accept` (lossless), rolls the sequence back past the rejected
+//! drafts, and drafts the next proposal; only the proposal's confidences leave the thread (in the
+//! step output). Grammar-constrained sequences are never drafted for: the scheduler gives them
+//! plain `Decode`s, and a `Verify` of one runs as a decode.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -17,8 +24,11 @@ use std::time::{Duration, Instant};
 
 use deepinfer_topology::{DpRank, RequestId};
 
+use crate::dspark::accept::accept_block;
 use crate::grammar::{GrammarError, MaskBatch, MaskJob, MaskWorkers, StepMask};
-use crate::messages::rank::{SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming};
+use crate::messages::rank::{
+    DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming, VerifyOutcome,
+};
 use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
 use crate::sampling::{SamplingParams, sample};
 
@@ -35,6 +45,25 @@ struct SeqSampling {
     params: SamplingParams,
     last_token: Option<u32>,
     grammar: Option<SeqGrammar>,
+    /// The current DSpark proposal: the anchor it continues and the drafted tokens.
+    proposal: Option<(u32, Vec<u32>)>,
+}
+
+impl SeqSampling {
+    /// The drafts that continue the current last token (none if the proposal is for another).
+    fn drafts_for_anchor(&self, anchor: u32) -> &[u32] {
+        match &self.proposal {
+            Some((from, drafts)) if *from == anchor && self.grammar.is_none() => drafts,
+            _ => &[],
+        }
+    }
+}
+
+/// How one entry of the plan feeds the model.
+struct EntryInput {
+    tokens: Vec<u32>,
+    /// `Some(n)`: a verify of the anchor plus `n` drafts.
+    verify: Option<usize>,
 }
 
 /// The mask of one constrained sequence for this step, or why it has none and the token that
@@ -51,7 +80,7 @@ struct PendingMasks {
 fn produces_token(input: &SeqInput) -> bool {
     matches!(
         input,
-        SeqInput::Decode | SeqInput::Prefill { last: true, .. }
+        SeqInput::Decode | SeqInput::Verify { .. } | SeqInput::Prefill { last: true, .. }
     )
 }
 
@@ -199,39 +228,40 @@ impl RankWorker {
     pub fn run_plan(&mut self, plan: &StepPlan) -> Result<StepOutput, ExecError> {
         for new in &plan.new_seqs {
             self.executor.new_sequence(new.id)?;
+            if let Some(from) = new.decoder_from {
+                self.executor.plan_replay(new.id, from as usize)?;
+            }
             self.sequences.insert(
                 new.id,
                 SeqSampling {
                     params: new.sampling,
                     last_token: None,
                     grammar: new.grammar.as_deref().cloned(),
+                    proposal: None,
                 },
             );
         }
-        let mut decode_inputs = Vec::with_capacity(plan.work.len());
-        for work in &plan.work {
-            if let SeqInput::Decode = work.input {
-                let seq = self
-                    .sequences
-                    .get(&work.id)
-                    .ok_or(ExecError::UnknownSequence(work.id))?;
-                let token = seq.last_token.ok_or_else(|| ExecError::Sequence {
-                    id: work.id,
-                    message: "decode scheduled before the sequence's first token".into(),
-                })?;
-                decode_inputs.push([token]);
-            }
-        }
-        let mut decodes = decode_inputs.iter();
+        let inputs = plan
+            .work
+            .iter()
+            .map(|work| self.entry_input(work.id, &work.input))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Tokens each verified sequence held before the step (where its anchor goes).
+        let held_before = plan
+            .work
+            .iter()
+            .zip(&inputs)
+            .filter(|(_, input)| input.verify.is_some())
+            .map(|(work, _)| Ok((work.id, self.executor.sequence_len(work.id)?)))
+            .collect::<Result<HashMap<_, _>, ExecError>>()?;
         let batch: Vec<SeqTokens<'_>> = plan
             .work
             .iter()
-            .map(|work| SeqTokens {
+            .zip(&inputs)
+            .map(|(work, input)| SeqTokens {
                 id: work.id,
-                tokens: match &work.input {
-                    SeqInput::Prefill { tokens, .. } => tokens,
-                    SeqInput::Decode => decodes.next().map_or(&[][..], |t| &t[..]),
-                },
+                tokens: &input.tokens,
+                all_rows: input.verify.is_some(),
             })
             .collect();
         // Masks are computed while the forward runs and awaited right after it.
@@ -247,8 +277,20 @@ impl RankWorker {
             )));
         }
         let mut sampled = Vec::new();
-        for (work, row) in plan.work.iter().zip(rows.iter_mut()) {
+        let mut verified = Vec::new();
+        let mut drafts = Vec::new();
+        for ((work, input), row) in plan.work.iter().zip(&inputs).zip(rows.iter_mut()) {
             if !produces_token(&work.input) {
+                continue;
+            }
+            if let (Some(_), Some(&held)) = (input.verify, held_before.get(&work.id)) {
+                let verified_drafts = input.tokens.get(1..).unwrap_or_default();
+                let (outcome, tokens) = self.verify_entry(work.id, verified_drafts, row, held)?;
+                verified.push(outcome);
+                sampled.extend(tokens.into_iter().map(|token| (work.id, token)));
+                if let Some(summary) = self.propose(work.id)? {
+                    drafts.push(summary);
+                }
                 continue;
             }
             // The sampled token's absolute position = tokens the sequence holds now.
@@ -278,6 +320,7 @@ impl RankWorker {
             let token = picked
                 .ok_or_else(|| ExecError::Backend(format!("empty logits row for {}", work.id)))?;
             seq.last_token = Some(token);
+            seq.proposal = None;
             sampled.push((work.id, token));
         }
         for id in &plan.finished {
@@ -289,9 +332,102 @@ impl RankWorker {
             dp: self.dp,
             mode: plan.mode,
             sampled,
+            verified,
+            drafts,
             live_sequences: self.executor.live_sequences(),
             timing: StepTiming::default(),
         })
+    }
+
+    /// The tokens an entry feeds: a prefill chunk, the last sampled token, or for a verify the
+    /// last sampled token followed by up to `drafts` tokens of the sequence's proposal.
+    fn entry_input(&self, id: RequestId, input: &SeqInput) -> Result<EntryInput, ExecError> {
+        let (max_drafts, verify) = match input {
+            SeqInput::Prefill { tokens, .. } => {
+                return Ok(EntryInput {
+                    tokens: tokens.clone(),
+                    verify: None,
+                });
+            }
+            SeqInput::Decode => (0, false),
+            SeqInput::Verify { drafts } => (*drafts, true),
+        };
+        let seq = self
+            .sequences
+            .get(&id)
+            .ok_or(ExecError::UnknownSequence(id))?;
+        let anchor = seq.last_token.ok_or_else(|| ExecError::Sequence {
+            id,
+            message: "decode scheduled before the sequence's first token".into(),
+        })?;
+        // A constrained sequence's verify runs as a plain decode (its rows are masked).
+        if !verify || seq.grammar.is_some() {
+            return Ok(EntryInput {
+                tokens: vec![anchor],
+                verify: None,
+            });
+        }
+        let drafts = seq.drafts_for_anchor(anchor);
+        let used = &drafts[..drafts.len().min(max_drafts)];
+        let mut tokens = Vec::with_capacity(1 + used.len());
+        tokens.push(anchor);
+        tokens.extend_from_slice(used);
+        Ok(EntryInput {
+            tokens,
+            verify: Some(used.len()),
+        })
+    }
+
+    /// Judges a verify entry's drafts against its rows, rolls the sequence back past the
+    /// rejected ones and records the produced tokens (accepted drafts + bonus) on the sequence.
+    fn verify_entry(
+        &mut self,
+        id: RequestId,
+        drafts: &[u32],
+        rows: &[f32],
+        held_before: usize,
+    ) -> Result<(VerifyOutcome, Vec<u32>), ExecError> {
+        let vocab = self.executor.vocab_size();
+        let seq = self
+            .sequences
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSequence(id))?;
+        // Row 0 predicts the token after the anchor, which sits at `held_before`.
+        let block = accept_block(rows, vocab, drafts, &seq.params, held_before as u64 + 1)
+            .map_err(|e| ExecError::Backend(format!("{id}: {e}")))?;
+        let keep = held_before + 1 + block.accepted;
+        if block.accepted < drafts.len() {
+            self.executor.rollback(id, keep)?;
+        }
+        let last = *block
+            .tokens
+            .last()
+            .ok_or_else(|| ExecError::Backend(format!("{id}: a verify produced no token")))?;
+        seq.last_token = Some(last);
+        seq.proposal = None;
+        let outcome = VerifyOutcome {
+            id,
+            verified: drafts.len(),
+            accepted: block.accepted,
+        };
+        Ok((outcome, block.tokens))
+    }
+
+    /// Drafts the next proposal of `id` after its last token, if the executor has a drafter.
+    fn propose(&mut self, id: RequestId) -> Result<Option<DraftSummary>, ExecError> {
+        let Some(anchor) = self.sequences.get(&id).and_then(|s| s.last_token) else {
+            return Ok(None);
+        };
+        let Some(draft) = self.executor.draft(id, anchor)? else {
+            return Ok(None);
+        };
+        if let Some(seq) = self.sequences.get_mut(&id) {
+            seq.proposal = Some((anchor, draft.tokens));
+        }
+        Ok(Some(DraftSummary {
+            id,
+            confidences: draft.confidences,
+        }))
     }
 
     /// Launches a plan: runs it now (host work) and schedules its results for when the
@@ -368,6 +504,7 @@ mod tests {
                     id: RequestId(id),
                     sampling: SamplingParams::greedy(),
                     grammar: None,
+                    decoder_from: None,
                 })
                 .collect(),
             work: work
@@ -467,5 +604,68 @@ mod tests {
             "{:?}",
             out1.timing
         );
+    }
+
+    #[test]
+    fn verify_accepts_the_matching_prefix_rolls_back_and_drafts_again() {
+        use crate::rank::fake::FakeDrafter;
+        let vocab = 64;
+        let mut w = worker(FakeConfig {
+            vocab_size: vocab,
+            drafter: Some(FakeDrafter {
+                block_size: 5,
+                correct: 2,
+                confidence: 4.0,
+            }),
+            ..FakeConfig::default()
+        });
+        let prefill = plan(
+            0,
+            &[1],
+            vec![(
+                1,
+                SeqInput::Prefill {
+                    tokens: vec![3, 4],
+                    last: true,
+                },
+            )],
+            &[],
+        );
+        let first = w.run_plan(&prefill).unwrap().sampled[0].1;
+        assert_eq!(first, favoured_token(4, 1, vocab));
+        // No proposal yet: the verify is a plain decode, and it drafts.
+        let p1 = plan(1, &[], vec![(1, SeqInput::Verify { drafts: 5 })], &[]);
+        let out1 = w.run_plan(&p1).unwrap();
+        let second = favoured_token(first, 2, vocab);
+        assert_eq!(out1.sampled, vec![(RequestId(1), second)]);
+        assert_eq!(out1.verified[0].verified, 0);
+        assert_eq!(out1.drafts[0].confidences, vec![4.0; 5]);
+        // Anchor `second` at position 3 plus 4 drafts: 2 match the chain, then the bonus.
+        let p2 = plan(2, &[], vec![(1, SeqInput::Verify { drafts: 4 })], &[]);
+        let out2 = w.run_plan(&p2).unwrap();
+        let mut chain = vec![favoured_token(second, 3, vocab)];
+        for position in 4..6 {
+            chain.push(favoured_token(chain[chain.len() - 1], position, vocab));
+        }
+        let tokens: Vec<u32> = out2.sampled.iter().map(|s| s.1).collect();
+        assert_eq!(tokens, chain);
+        assert_eq!(
+            out2.verified,
+            vec![VerifyOutcome {
+                id: RequestId(1),
+                verified: 4,
+                accepted: 2
+            }]
+        );
+        // The sequence holds prompt (2) + first + second + 2 accepted drafts; the rejected two
+        // were rolled back. The next decode continues the chain from there.
+        assert_eq!(w.executor.sequence_len(RequestId(1)), Ok(6));
+        let p3 = plan(3, &[], vec![(1, SeqInput::Decode)], &[]);
+        let out3 = w.run_plan(&p3).unwrap();
+        assert_eq!(
+            out3.sampled,
+            vec![(RequestId(1), favoured_token(chain[2], 6, vocab))]
+        );
+        assert!(out3.drafts.is_empty(), "a plain decode does not draft");
     }
 }

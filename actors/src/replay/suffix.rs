@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use deepinfer_topology::ReplayConfig;
+use deepinfer_topology::{ReplayConfig, RequestId};
 
 /// A bound or a rewind that the replay rule refuses.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -54,6 +54,29 @@ pub enum ReplayError {
         /// The current length.
         len: u32,
     },
+    /// The model's window does not fit the bound's arithmetic.
+    #[error("replay: the model's sliding window of {0} tokens exceeds u32")]
+    WindowTooLarge(usize),
+    /// The configured rewind is longer than the model's rings can undo.
+    #[error(
+        "replay.max_backtracking: {configured} exceeds the {model} positions the model's window \
+         rings keep for a rewind"
+    )]
+    BacktrackingBeyondModel {
+        /// `replay.max_backtracking`.
+        configured: u32,
+        /// The model's rewind capacity (`MAX_BACKTRACK`).
+        model: usize,
+    },
+    /// A prompt of zero tokens cannot be planned.
+    #[error("replay: request {0} has an empty prompt")]
+    EmptyPrompt(RequestId),
+    /// A request admitted twice.
+    #[error("replay: request {0} is already admitted")]
+    DuplicateRequest(RequestId),
+    /// A request never admitted, or already finished.
+    #[error("replay: request {0} is not admitted")]
+    UnknownRequest(RequestId),
 }
 
 /// The validated replay bound of one model on one topology.

@@ -2,8 +2,12 @@
 //!
 //! Owns: the rank's `SchedulerState` and the event channels of the requests routed to it.
 //! Accepts: `Submit`, `Abort`, `Wake`, `StepDone`/`StepFailed` (from the rank thread),
-//! `RankLost` (from the supervisor), `Stats`, `Drain`.
-//! Sends: `RankMsg::Execute` (at most `overlap_depth` outstanding); events to request channels.
+//! `RankLost` (from the supervisor), `Stats`, `Drain`; with DSpark, `AttachDrafter` (from the
+//! supervisor) and `Proposals` (from the `DSparkActor`).
+//! Sends: `RankMsg::Execute` (at most `overlap_depth` outstanding); events to request channels;
+//! with DSpark, each step's drafted proposals to the `DSparkActor` (`DSparkMsg::Drafted`);
+//! with bounded replay, `ReplayMsg::Admit` (awaited: its decoder start travels to the rank in
+//! `NewSeq`) on `Submit` and `ReplayMsg::Finish` when a request ends.
 //! Ordering: plans carry increasing `StepId`s and outputs are applied in that order.
 //! Failure: a lost rank fails this rank's requests with `RankFailed` and refuses new ones; the
 //! actor itself keeps running so callers get errors rather than a dead mailbox. Every rank steps
@@ -20,11 +24,14 @@ use deepinfer_topology::{DpRank, RequestId};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::messages::rank::{RankMsg, SeqInput};
-use crate::messages::request::RawEvent;
+use crate::error::EngineError;
+use crate::messages::dspark::{DSparkMsg, DraftedBatch};
+use crate::messages::rank::{RankMsg, SeqInput, StepOutput};
+use crate::messages::replay::ReplayMsg;
+use crate::messages::request::{RawEvent, RequestSpec};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
-use state::{Emission, SchedulerLimits, SchedulerState};
+use state::{Emission, SchedulerLimits, SchedulerState, VerifySettings};
 
 /// Arguments of `SchedulerActor`.
 pub struct SchedulerArgs {
@@ -33,6 +40,10 @@ pub struct SchedulerArgs {
     pub rank: ActorRef<RankMsg>,
     /// Requests admitted engine-wide and not yet released (owned by the frontend).
     pub engine_inflight: Arc<AtomicUsize>,
+    /// DSpark verification; `None` = off.
+    pub dspark: Option<VerifySettings>,
+    /// Decoder bounded replay (plans each request's decoder start); `None` = off.
+    pub replay: Option<ActorRef<ReplayMsg>>,
 }
 
 pub struct SchedulerShell {
@@ -42,9 +53,57 @@ pub struct SchedulerShell {
     engine_inflight: Arc<AtomicUsize>,
     events: HashMap<RequestId, UnboundedSender<RawEvent>>,
     drain_waiters: Vec<RpcReplyPort<()>>,
+    drafter: Option<ActorRef<DSparkMsg>>,
+    replay: Option<ActorRef<ReplayMsg>>,
 }
 
 impl SchedulerShell {
+    /// Bounded replay: the decoder start the `ReplayActor` plans for a new request (`None` when
+    /// replay is off or the whole prompt is kept).
+    async fn plan_replay(&self, spec: &RequestSpec) -> Result<Option<u32>, EngineError> {
+        let Some(replay) = &self.replay else {
+            return Ok(None);
+        };
+        let (id, prompt_len) = (
+            spec.id,
+            u32::try_from(spec.prompt.len()).unwrap_or(u32::MAX),
+        );
+        let suffix = ractor::call!(replay, |reply| ReplayMsg::Admit {
+            id,
+            prompt_len,
+            reply
+        })
+        .map_err(|e| EngineError::internal(format!("the replay actor is unreachable: {e}")))?
+        .map_err(|e| EngineError::internal(e.to_string()))?;
+        Ok((suffix.start > 0).then_some(suffix.start))
+    }
+
+    /// Frees a request's bounded suffix in the `ReplayActor`.
+    fn finish_replay(&self, id: RequestId) {
+        if let Some(replay) = &self.replay {
+            let _ = replay.cast(ReplayMsg::Finish(id));
+        }
+    }
+
+    /// Records the step's DSpark counters and hands its proposals to the `DSparkActor`.
+    fn forward_drafts(&mut self, output: &mut StepOutput) {
+        m::record_dspark_step(&self.dp_label, output);
+        if output.drafts.is_empty() {
+            return;
+        }
+        if let Some(drafter) = &self.drafter {
+            let batch = DraftedBatch {
+                dp: output.dp,
+                drafted_after: output.step,
+                drafts: std::mem::take(&mut output.drafts),
+            };
+            if drafter.cast(DSparkMsg::Drafted(Box::new(batch))).is_err() {
+                tracing::warn!(dp = %self.dp_label, "the DSpark actor is gone; verifying without drafts");
+                self.drafter = None;
+            }
+        }
+    }
+
     fn deliver(&mut self, emissions: Vec<Emission>) {
         for emission in emissions {
             let (id, event, last) = match emission {
@@ -57,6 +116,9 @@ impl SchedulerShell {
                     (id, RawEvent::Failed(error), true)
                 }
             };
+            if last {
+                self.finish_replay(id);
+            }
             let sender = if last {
                 self.events.remove(&id)
             } else {
@@ -95,7 +157,7 @@ impl SchedulerShell {
                 .iter()
                 .map(|w| match &w.input {
                     SeqInput::Prefill { tokens, .. } => tokens.len(),
-                    SeqInput::Decode => 0,
+                    SeqInput::Decode | SeqInput::Verify { .. } => 0,
                 })
                 .sum();
             m::record_plan(
@@ -129,13 +191,19 @@ impl Actor for SchedulerActor {
         _myself: ActorRef<SchedulerMsg>,
         args: SchedulerArgs,
     ) -> Result<SchedulerShell, ActorProcessingErr> {
+        let state = SchedulerState::new(args.dp, args.limits);
         Ok(SchedulerShell {
-            state: SchedulerState::new(args.dp, args.limits),
+            state: match args.dspark {
+                Some(settings) => state.with_dspark(settings),
+                None => state,
+            },
             dp_label: args.dp.to_string(),
             rank: args.rank,
             engine_inflight: args.engine_inflight,
             events: HashMap::new(),
             drain_waiters: Vec::new(),
+            drafter: None,
+            replay: args.replay,
         })
     }
 
@@ -149,11 +217,16 @@ impl Actor for SchedulerActor {
             SchedulerMsg::Submit(admitted) => {
                 let admitted = *admitted;
                 let id = admitted.spec.id;
-                match s.state.submit(admitted.spec) {
+                let submitted = match s.plan_replay(&admitted.spec).await {
+                    Ok(decoder_from) => s.state.submit_with_replay(admitted.spec, decoder_from),
+                    Err(error) => Err(error),
+                };
+                match submitted {
                     Ok(()) => {
                         s.events.insert(id, admitted.events);
                     }
                     Err(error) => {
+                        s.finish_replay(id);
                         m::record_error(error.code());
                         let _ = admitted.events.send(RawEvent::Failed(error));
                     }
@@ -167,8 +240,9 @@ impl Actor for SchedulerActor {
                 s.pump();
             }
             SchedulerMsg::Wake => s.pump(),
-            SchedulerMsg::StepDone(output) => {
+            SchedulerMsg::StepDone(mut output) => {
                 let emissions = s.state.on_step_done(&output);
+                s.forward_drafts(&mut output);
                 let generated = emissions
                     .iter()
                     .filter(|e| matches!(e, Emission::Token(..)))
@@ -177,6 +251,10 @@ impl Actor for SchedulerActor {
                 s.deliver(emissions);
                 s.pump();
             }
+            SchedulerMsg::Proposals(batch) => {
+                s.state.on_proposals(&batch);
+            }
+            SchedulerMsg::AttachDrafter(drafter) => s.drafter = Some(drafter),
             SchedulerMsg::StepFailed { step, error } => {
                 tracing::error!(dp = %s.dp_label, %step, %error, "step failed; failing this rank's requests");
                 let emissions = s.state.fail_all(&error.to_string());

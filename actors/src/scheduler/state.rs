@@ -8,12 +8,29 @@
 //! is planned optimistically (the rank feeds it the token it sampled in the previous step) and a
 //! token that arrives after its sequence finished is discarded. Outputs are matched to plans in
 //! order; an output for an unknown step is counted and ignored.
+//!
+//! DSpark (when configured with `VerifySettings`): the scheduler is the verifier. A decoding
+//! request without a grammar gets `Verify { drafts }` instead of `Decode`; the draft count comes
+//! from the freshest calibrated confidences held for it (`on_proposals`; older or orphaned
+//! proposals are dropped as stale) through `dspark::schedule`, capped by the plan's token budget
+//! and by the tokens the request may still produce. With synchronous scheduling that is
+//! Algorithm 1 (early stop). Under overlap the confidences held when a plan is built are already
+//! about `overlap_depth` steps old (the rank drafts after each step; the proposals reach the
+//! scheduler after it planned ahead), which is the paper's asynchronous setting: the budget is
+//! the global optimum over the stale confidences (`verification_budget`, no early stop) and is
+//! spent on the best candidates (`plan_with_budget`). No further lag is added on top. Since a verify produces between 1
+//! and `1 + drafts` tokens, each request counts the most tokens its in-flight steps may produce.
 
 use std::collections::{HashMap, VecDeque};
 
 use deepinfer_topology::{DpRank, RequestId, StepId};
 
+use crate::dspark::schedule::{
+    StepRateTable, VerifyPlan, VerifyScheduleError, plan_verification, plan_with_budget,
+    verification_budget,
+};
 use crate::error::EngineError;
+use crate::messages::dspark::ProposalBatch;
 use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
 use crate::messages::request::{FinishReason, RequestSpec, Usage};
 use crate::messages::scheduler::SchedulerStats;
@@ -29,6 +46,63 @@ pub struct SchedulerLimits {
     pub prefill_chunk_tokens: usize,
     /// Plans in flight (>= 1; 1 = synchronous scheduling).
     pub overlap_depth: usize,
+}
+
+/// DSpark verification settings of a scheduler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifySettings {
+    /// Most drafts one request verifies per step (`dspark.max_draft_tokens`).
+    pub max_draft_tokens: usize,
+    /// Steps per second by batch tokens, profiled at engine start.
+    pub table: StepRateTable,
+}
+
+/// The verifier side of DSpark in one scheduler.
+#[derive(Debug)]
+struct Verifier {
+    max_draft_tokens: usize,
+    table: StepRateTable,
+    /// Async scheduling (overlap > 1): global budget search over stale confidences.
+    asynchronous: bool,
+    /// Per request: the step its freshest proposal is for, and its calibrated confidences.
+    confidences: HashMap<RequestId, (StepId, Vec<f32>)>,
+}
+
+impl Verifier {
+    fn plan(
+        &mut self,
+        rows: &[Vec<f32>],
+        fixed_tokens: u32,
+        budget: usize,
+    ) -> Result<VerifyPlan, VerifyScheduleError> {
+        let drafts = if self.asynchronous {
+            verification_budget(rows, self.max_draft_tokens, fixed_tokens, &self.table)?
+        } else {
+            let plan = plan_verification(rows, self.max_draft_tokens, fixed_tokens, &self.table)?;
+            let drafts = plan.lengths.iter().sum::<usize>();
+            if drafts <= budget {
+                return Ok(plan);
+            }
+            drafts
+        };
+        plan_with_budget(
+            rows,
+            self.max_draft_tokens,
+            fixed_tokens,
+            drafts.min(budget),
+            &self.table,
+        )
+    }
+}
+
+/// DSpark counters of one scheduler.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct DraftCounters {
+    proposed: u64,
+    verified: u64,
+    accepted: u64,
+    verify_entries: u64,
+    stale: u64,
 }
 
 /// What the shell must deliver to a request's event channel.
@@ -48,8 +122,12 @@ struct Seq {
     on_rank: bool,
     /// Tokens delivered.
     generated: usize,
-    /// Planned steps that will sample a token for this sequence and have not returned.
+    /// The most tokens the planned, unreturned steps may produce for this sequence.
     outputs_in_flight: usize,
+    /// Has a grammar (never drafted for).
+    constrained: bool,
+    /// Decoder bounded replay start (see `NewSeq::decoder_from`).
+    decoder_from: Option<u32>,
 }
 
 impl Seq {
@@ -68,7 +146,10 @@ pub struct SchedulerState {
     running: Vec<RequestId>,
     seqs: HashMap<RequestId, Seq>,
     pending_frees: Vec<RequestId>,
-    in_flight: VecDeque<StepId>,
+    /// Steps in flight, each with the most tokens it may produce per sequence.
+    in_flight: VecDeque<(StepId, Vec<(RequestId, usize)>)>,
+    verifier: Option<Verifier>,
+    drafts: DraftCounters,
     steps_done: u64,
     idle_steps_done: u64,
     unknown_outputs: u64,
@@ -87,6 +168,8 @@ impl SchedulerState {
             seqs: HashMap::new(),
             pending_frees: Vec::new(),
             in_flight: VecDeque::new(),
+            verifier: None,
+            drafts: DraftCounters::default(),
             steps_done: 0,
             idle_steps_done: 0,
             unknown_outputs: 0,
@@ -95,8 +178,54 @@ impl SchedulerState {
         }
     }
 
+    /// Turns DSpark verification on: decoding requests without a grammar verify drafts.
+    pub fn with_dspark(mut self, settings: VerifySettings) -> Self {
+        self.verifier = Some(Verifier {
+            max_draft_tokens: settings.max_draft_tokens,
+            table: settings.table,
+            asynchronous: self.limits.overlap_depth > 1,
+            confidences: HashMap::new(),
+        });
+        self
+    }
+
+    /// Records the calibrated confidences of a rank's newest proposals. A proposal for a
+    /// request that is gone, or not newer than the one held, is stale and dropped. Returns the
+    /// number dropped.
+    pub fn on_proposals(&mut self, batch: &ProposalBatch) -> usize {
+        let Some(verifier) = self.verifier.as_mut() else {
+            return batch.proposals.len();
+        };
+        let mut dropped = 0;
+        for proposal in &batch.proposals {
+            let live = self.seqs.contains_key(&proposal.id);
+            let newer = verifier
+                .confidences
+                .get(&proposal.id)
+                .is_none_or(|(step, _)| batch.for_step > *step);
+            if live && newer {
+                verifier
+                    .confidences
+                    .insert(proposal.id, (batch.for_step, proposal.confidences.clone()));
+            } else {
+                dropped += 1;
+            }
+        }
+        self.drafts.stale += dropped as u64;
+        dropped
+    }
+
     /// Queues a request; refused once the rank has failed.
     pub fn submit(&mut self, spec: RequestSpec) -> Result<(), EngineError> {
+        self.submit_with_replay(spec, None)
+    }
+
+    /// [`SchedulerState::submit`] with the decoder start the `ReplayActor` planned.
+    pub fn submit_with_replay(
+        &mut self,
+        spec: RequestSpec,
+        decoder_from: Option<u32>,
+    ) -> Result<(), EngineError> {
         if let Some(message) = &self.rank_failure {
             return Err(EngineError::RankFailed {
                 dp: self.dp.index(),
@@ -107,11 +236,13 @@ impl SchedulerState {
         self.seqs.insert(
             id,
             Seq {
-                spec,
                 prefilled: 0,
                 on_rank: false,
                 generated: 0,
                 outputs_in_flight: 0,
+                constrained: spec.grammar.is_some(),
+                decoder_from,
+                spec,
             },
         );
         self.waiting.push_back(id);
@@ -126,6 +257,9 @@ impl SchedulerState {
 
     fn remove(&mut self, id: RequestId) -> Option<Seq> {
         let seq = self.seqs.remove(&id)?;
+        if let Some(verifier) = self.verifier.as_mut() {
+            verifier.confidences.remove(&id);
+        }
         self.waiting.retain(|w| *w != id);
         self.running.retain(|r| *r != id);
         if seq.on_rank {
@@ -148,10 +282,10 @@ impl SchedulerState {
         self.in_flight.len()
     }
 
-    fn take_step_id(&mut self) -> StepId {
+    fn take_step_id(&mut self, produces: Vec<(RequestId, usize)>) -> StepId {
         let step = self.next_step;
         self.next_step = step.next();
-        self.in_flight.push_back(step);
+        self.in_flight.push_back((step, produces));
         step
     }
 
@@ -164,6 +298,9 @@ impl SchedulerState {
         let mut work = Vec::new();
         let mut new_seqs = Vec::new();
         let (mut decodes, mut prefills) = (0usize, 0usize);
+        // Verify entries: (index in `work`, most drafts the request may still use).
+        let mut verifies: Vec<(usize, usize)> = Vec::new();
+        let speculative = self.verifier.is_some();
         // 1. One token for every running decode that may still produce one.
         for id in &self.running {
             if budget == 0 {
@@ -174,10 +311,14 @@ impl SchedulerState {
             };
             if seq.prefill_done() && seq.generated + seq.outputs_in_flight < seq.spec.max_tokens {
                 seq.outputs_in_flight += 1;
-                work.push(SeqWork {
-                    id: *id,
-                    input: SeqInput::Decode,
-                });
+                let input = if speculative && !seq.constrained {
+                    let room = seq.spec.max_tokens - seq.generated - seq.outputs_in_flight;
+                    verifies.push((work.len(), room));
+                    SeqInput::Verify { drafts: 0 }
+                } else {
+                    SeqInput::Decode
+                };
+                work.push(SeqWork { id: *id, input });
                 budget -= 1;
                 decodes += 1;
             }
@@ -216,6 +357,7 @@ impl SchedulerState {
                     id,
                     sampling: seq.spec.sampling,
                     grammar: seq.spec.grammar.take(),
+                    decoder_from: seq.decoder_from,
                 });
             }
             work.push(SeqWork {
@@ -224,6 +366,12 @@ impl SchedulerState {
             });
             budget -= n;
             prefills += 1;
+        }
+        // 3. DSpark: how many drafts each verifying request verifies.
+        if !verifies.is_empty() {
+            let fixed = u32::try_from(self.limits.max_batched_tokens - budget - verifies.len())
+                .unwrap_or(u32::MAX);
+            self.choose_verify_lengths(&mut work, &verifies, fixed, budget);
         }
         if work.is_empty() && self.pending_frees.is_empty() {
             return None;
@@ -235,13 +383,59 @@ impl SchedulerState {
             (true, true) => StepMode::Mixed,
         };
         let finished = std::mem::take(&mut self.pending_frees);
+        let produces = work
+            .iter()
+            .filter_map(|w| match &w.input {
+                SeqInput::Decode | SeqInput::Prefill { last: true, .. } => Some((w.id, 1)),
+                SeqInput::Verify { drafts } => Some((w.id, 1 + drafts)),
+                SeqInput::Prefill { last: false, .. } => None,
+            })
+            .collect();
         Some(StepPlan {
-            step: self.take_step_id(),
+            step: self.take_step_id(produces),
             mode,
             new_seqs,
             work,
             finished,
         })
+    }
+
+    /// Sets the draft count of each verify entry from the requests' confidences; `fixed` are
+    /// the plan's other tokens (prefill chunks and plain decodes), `budget` the tokens left.
+    fn choose_verify_lengths(
+        &mut self,
+        work: &mut [SeqWork],
+        verifies: &[(usize, usize)],
+        fixed: u32,
+        budget: usize,
+    ) {
+        let Some(verifier) = self.verifier.as_mut() else {
+            return;
+        };
+        let rows: Vec<Vec<f32>> = verifies
+            .iter()
+            .map(|&(index, room)| {
+                let held = verifier
+                    .confidences
+                    .get(&work[index].id)
+                    .map_or(&[][..], |(_, c)| c.as_slice());
+                held[..held.len().min(room)].to_vec()
+            })
+            .collect();
+        let lengths = match verifier.plan(&rows, fixed, budget) {
+            Ok(plan) => plan.lengths,
+            Err(error) => {
+                tracing::warn!(%error, "verify lengths: no drafts this step");
+                return;
+            }
+        };
+        for (&(index, _), drafts) in verifies.iter().zip(lengths) {
+            let entry = &mut work[index];
+            entry.input = SeqInput::Verify { drafts };
+            if let Some(seq) = self.seqs.get_mut(&entry.id) {
+                seq.outputs_in_flight += drafts;
+            }
+        }
     }
 
     /// An `Idle` plan (the rank has nothing to do but must step with its peers); only when
@@ -252,7 +446,7 @@ impl SchedulerState {
         }
         let finished = std::mem::take(&mut self.pending_frees);
         Some(StepPlan {
-            step: self.take_step_id(),
+            step: self.take_step_id(Vec::new()),
             mode: StepMode::Idle,
             new_seqs: Vec::new(),
             work: Vec::new(),
@@ -262,11 +456,26 @@ impl SchedulerState {
 
     /// Applies a step's output; returns what to deliver.
     pub fn on_step_done(&mut self, output: &StepOutput) -> Vec<Emission> {
-        if self.in_flight.front() != Some(&output.step) {
+        if self.in_flight.front().map(|(step, _)| *step) != Some(output.step) {
             self.unknown_outputs += 1;
             return Vec::new();
         }
-        self.in_flight.pop_front();
+        let produces = self.in_flight.pop_front().map_or_else(Vec::new, |(_, p)| p);
+        for (id, most) in produces {
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                seq.outputs_in_flight = seq.outputs_in_flight.saturating_sub(most);
+            }
+        }
+        self.drafts.proposed += output
+            .drafts
+            .iter()
+            .map(|d| d.confidences.len() as u64)
+            .sum::<u64>();
+        for outcome in &output.verified {
+            self.drafts.verified += outcome.verified as u64;
+            self.drafts.accepted += outcome.accepted as u64;
+            self.drafts.verify_entries += 1;
+        }
         self.steps_done += 1;
         if output.mode == StepMode::Idle {
             self.idle_steps_done += 1;
@@ -277,7 +486,6 @@ impl SchedulerState {
             let Some(seq) = self.seqs.get_mut(&id) else {
                 continue;
             };
-            seq.outputs_in_flight = seq.outputs_in_flight.saturating_sub(1);
             if seq.spec.stop_token_ids.contains(&token) {
                 emissions.push(self.finish(id, FinishReason::Stop));
                 continue;
@@ -318,6 +526,9 @@ impl SchedulerState {
         self.running.clear();
         self.pending_frees.clear();
         self.in_flight.clear();
+        if let Some(verifier) = self.verifier.as_mut() {
+            verifier.confidences.clear();
+        }
         ids.into_iter()
             .map(|id| Emission::Failed(id, error.clone()))
             .collect()
@@ -332,6 +543,11 @@ impl SchedulerState {
             idle_steps_done: self.idle_steps_done,
             rank_live_sequences: self.rank_live_sequences,
             rank_failed: self.rank_failure.is_some(),
+            draft_tokens_proposed: self.drafts.proposed,
+            draft_tokens_verified: self.drafts.verified,
+            draft_tokens_accepted: self.drafts.accepted,
+            verify_entries: self.drafts.verify_entries,
+            stale_proposals: self.drafts.stale,
         }
     }
 
@@ -388,6 +604,8 @@ mod tests {
             dp: DpRank(0),
             mode: plan.mode,
             sampled,
+            verified: Vec::new(),
+            drafts: Vec::new(),
             live_sequences: 0,
             timing: StepTiming::default(),
         }
@@ -625,6 +843,174 @@ mod tests {
                 "depth {depth}: the rank still holds {known_to_rank:?}"
             );
             assert_eq!(ended.len() as u64, next_id);
+        }
+    }
+
+    mod dspark {
+        use super::*;
+        use crate::dspark::schedule::StepRatePoint;
+        use crate::messages::dspark::CalibratedProposal;
+        use crate::messages::rank::VerifyOutcome;
+
+        /// 10 ms per step plus 1 ms per token: each extra token costs ~8% of a small step.
+        fn linear_table() -> StepRateTable {
+            StepRateTable::new(
+                (1..=64)
+                    .map(|b| StepRatePoint {
+                        batch_tokens: b,
+                        steps_per_second: 1000.0 / (10.0 + f64::from(b)),
+                    })
+                    .collect(),
+            )
+            .unwrap()
+        }
+
+        fn speculative(depth: usize) -> SchedulerState {
+            SchedulerState::new(DpRank(0), limits(64, depth)).with_dspark(VerifySettings {
+                max_draft_tokens: 5,
+                table: linear_table(),
+            })
+        }
+
+        fn proposals(for_step: u64, rows: &[(u64, f32)]) -> ProposalBatch {
+            ProposalBatch {
+                for_step: StepId(for_step),
+                proposals: rows
+                    .iter()
+                    .map(|&(id, c)| CalibratedProposal {
+                        id: RequestId(id),
+                        confidences: vec![c; 5],
+                    })
+                    .collect(),
+            }
+        }
+
+        fn drafts_of(plan: &StepPlan) -> Vec<(RequestId, usize)> {
+            plan.work
+                .iter()
+                .filter_map(|w| match w.input {
+                    SeqInput::Verify { drafts } => Some((w.id, drafts)),
+                    _ => None,
+                })
+                .collect()
+        }
+
+        /// Prefills requests 1.. with `n` tokens each and returns the scheduler ready to decode.
+        fn decoding(requests: u64, max_tokens: usize) -> SchedulerState {
+            let mut s = speculative(1);
+            for id in 1..=requests {
+                s.submit(spec(id, 2, max_tokens)).unwrap();
+            }
+            let p = s.build_plan().unwrap();
+            s.on_step_done(&output_for(&p, 5));
+            s
+        }
+
+        #[test]
+        fn verify_lengths_follow_the_confidences() {
+            let mut s = decoding(2, 50);
+            // Without proposals nothing is verified yet, but the entries are verifies.
+            let p = s.build_plan().unwrap();
+            assert_eq!(drafts_of(&p), vec![(RequestId(1), 0), (RequestId(2), 0)]);
+            s.on_step_done(&output_for(&p, 5));
+            // Confident request 1 verifies all five drafts, unsure request 2 none.
+            s.on_proposals(&proposals(2, &[(1, 0.95), (2, 0.05)]));
+            let p = s.build_plan().unwrap();
+            assert_eq!(drafts_of(&p), vec![(RequestId(1), 5), (RequestId(2), 0)]);
+            assert_eq!(p.token_count(), 7);
+            s.on_step_done(&output_for(&p, 5));
+            // The confidences flip: so do the lengths.
+            s.on_proposals(&proposals(3, &[(1, 0.05), (2, 0.95)]));
+            let p = s.build_plan().unwrap();
+            assert_eq!(drafts_of(&p), vec![(RequestId(1), 0), (RequestId(2), 5)]);
+        }
+
+        #[test]
+        fn stale_and_orphaned_proposals_are_dropped() {
+            let mut s = decoding(1, 50);
+            assert_eq!(s.on_proposals(&proposals(4, &[(1, 0.95)])), 0);
+            // Older than the one held, or the same step again: stale.
+            assert_eq!(s.on_proposals(&proposals(3, &[(1, 0.05)])), 1);
+            assert_eq!(s.on_proposals(&proposals(4, &[(1, 0.05)])), 1);
+            // For a request this scheduler does not hold: dropped.
+            assert_eq!(s.on_proposals(&proposals(5, &[(9, 0.95)])), 1);
+            assert_eq!(s.stats().stale_proposals, 3);
+            // The fresh, confident proposal is the one used.
+            let p = s.build_plan().unwrap();
+            assert_eq!(drafts_of(&p), vec![(RequestId(1), 5)]);
+        }
+
+        #[test]
+        fn drafts_never_exceed_the_tokens_a_request_may_still_produce() {
+            let mut s = decoding(1, 4); // 1 token generated, 3 to go
+            s.on_proposals(&proposals(2, &[(1, 0.99)]));
+            let p = s.build_plan().unwrap();
+            assert_eq!(drafts_of(&p), vec![(RequestId(1), 2)]);
+            // The rank accepts both drafts and adds the bonus: the request is complete.
+            let mut out = output_for(&p, 5);
+            out.sampled = vec![(RequestId(1), 6), (RequestId(1), 7), (RequestId(1), 8)];
+            out.verified = vec![VerifyOutcome {
+                id: RequestId(1),
+                verified: 2,
+                accepted: 2,
+            }];
+            let e = s.on_step_done(&out);
+            assert!(
+                matches!(
+                    e[..],
+                    [
+                        Emission::Token(_, 6),
+                        Emission::Token(_, 7),
+                        Emission::Token(_, 8),
+                        Emission::Finished(_, FinishReason::Length, _)
+                    ]
+                ),
+                "{e:?}"
+            );
+            let stats = s.stats();
+            assert_eq!(
+                (stats.draft_tokens_verified, stats.draft_tokens_accepted),
+                (2, 2)
+            );
+            assert_eq!(stats.mean_accepted_length(), Some(3.0));
+        }
+
+        #[test]
+        fn overlapping_plans_count_the_most_a_verify_may_produce() {
+            let mut s = speculative(2);
+            s.submit(spec(1, 2, 8)).unwrap();
+            let p0 = s.build_plan().unwrap(); // prefill: 1 token in flight
+            s.on_proposals(&proposals(1, &[(1, 0.99)]));
+            let p1 = s.build_plan().unwrap(); // verify of up to 5 drafts: 6 more in flight
+            assert_eq!(drafts_of(&p1), vec![(RequestId(1), 5)]);
+            s.on_step_done(&output_for(&p0, 5));
+            // 1 generated + up to 6 in flight leaves room for 1 token: a verify of 0 drafts.
+            let p2 = s.build_plan().unwrap();
+            assert_eq!(drafts_of(&p2), vec![(RequestId(1), 0)]);
+            assert!(s.build_plan().is_none(), "depth 2");
+        }
+
+        #[test]
+        fn constrained_requests_decode_without_drafts() {
+            let mut s = speculative(1);
+            use crate::grammar::{Constraint, ConstraintStart, GrammarEngine};
+            let engine =
+                GrammarEngine::from_tokenizer_file(&crate::model_source::shipped_tokenizer())
+                    .unwrap();
+            let grammar = engine
+                .compile(&Constraint::Regex("[0-9]{3}".into()))
+                .unwrap();
+            let mut constrained = spec(1, 2, 10);
+            constrained.grammar = Some(Box::new(crate::messages::rank::SeqGrammar {
+                matcher: engine.matcher(&grammar, ConstraintStart::Answer),
+                end_token: EOS,
+            }));
+            s.submit(constrained).unwrap();
+            let p = s.build_plan().unwrap();
+            s.on_step_done(&output_for(&p, 5));
+            s.on_proposals(&proposals(1, &[(1, 0.99)]));
+            let p = s.build_plan().unwrap();
+            assert_eq!(p.work[0].input, SeqInput::Decode);
         }
     }
 }

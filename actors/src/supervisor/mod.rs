@@ -8,6 +8,7 @@
 //! Sends: `SchedulerMsg::RankLost` and `FrontendMsg::RankDown` to apply a decision.
 //! Ordering: spawn order is rank, then its scheduler (which gets the rank's ref), then `Attach`
 //! to the rank, then the frontend, so no plan can reach a rank before its scheduler is known.
+//! With bounded replay on, the `ReplayActor` is spawned first and every scheduler gets its ref.
 //! Failure: nothing restarts; see `policy.rs`. Shutdown closes admission, waits for the
 //! schedulers to drain (bounded), then stops the children (ranks join their threads).
 
@@ -22,6 +23,7 @@ use deepinfer_topology::DpRank;
 use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::oneshot;
 
+use crate::dspark::{DSparkActor, DSparkArgs};
 use crate::frontend::codec::TextCodec;
 use crate::frontend::state::FrontendLimits;
 use crate::frontend::{FrontendActor, FrontendArgs};
@@ -33,7 +35,9 @@ use crate::messages::supervisor::{DrainReport, SupervisorMsg};
 use crate::metrics as m;
 use crate::rank::executor::ExecutorFactory;
 use crate::rank::{RankActor, RankArgs};
-use crate::scheduler::state::SchedulerLimits;
+use crate::replay::ReplayActor;
+use crate::replay::state::ReplayState;
+use crate::scheduler::state::{SchedulerLimits, VerifySettings};
 use crate::scheduler::{SchedulerActor, SchedulerArgs};
 use policy::{ChildRole, Decision, SupervisionPolicy};
 
@@ -54,6 +58,42 @@ pub struct SupervisorArgs {
     pub codec: Option<Arc<TextCodec>>,
     pub grammar: Option<Arc<GrammarEngine>>,
     pub handles: oneshot::Sender<EngineHandles>,
+    /// `[dspark]`: when enabled, the step rate is profiled and a `DSparkActor` spawned.
+    pub dspark: deepinfer_topology::DSparkConfig,
+    /// Decoder bounded replay, validated against the model; `None` = off (no `ReplayActor`).
+    pub replay: Option<ReplayState>,
+}
+
+/// Profiles the step rate on a scratch executor (off the async workers) for DSpark's planner.
+async fn dspark_settings(args: &SupervisorArgs) -> Result<Option<VerifySettings>, String> {
+    if !args.dspark.enabled {
+        return Ok(None);
+    }
+    let max_draft_tokens = usize::from(args.dspark.max_draft_tokens);
+    let largest = args
+        .scheduler
+        .max_batched_tokens
+        .min(args.scheduler.max_running * (1 + max_draft_tokens));
+    let factory = args.factory.clone();
+    let steps = args.dspark.profile_steps;
+    let table = tokio::task::spawn_blocking(move || {
+        let mut executor = factory.build(0).map_err(|e| e.to_string())?;
+        let sizes = crate::dspark::profile::batch_sizes(u32::try_from(largest).unwrap_or(u32::MAX));
+        crate::dspark::profile::profile_step_rates(
+            executor.as_mut(),
+            &sizes,
+            max_draft_tokens,
+            steps,
+        )
+        .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| format!("DSpark step-rate profile panicked: {e}"))??;
+    tracing::info!(points = ?table.points(), "DSpark steps-per-second table profiled");
+    Ok(Some(VerifySettings {
+        max_draft_tokens,
+        table,
+    }))
 }
 
 pub struct SupervisorState {
@@ -117,9 +157,22 @@ impl Actor for NodeSupervisor {
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
         let engine_inflight = Arc::new(AtomicUsize::new(0));
+        let dspark = dspark_settings(&args).await?;
         let mut roles = HashMap::new();
         let mut started: Vec<ActorCell> = Vec::new();
         let mut schedulers = Vec::with_capacity(args.dp_ranks);
+        let replay = match args.replay.clone() {
+            Some(state) => {
+                match Actor::spawn_linked(None, ReplayActor, state, myself.get_cell()).await {
+                    Ok((replay, _)) => {
+                        started.push(replay.get_cell());
+                        Some(replay)
+                    }
+                    Err(e) => return Err(format!("replay actor: {e}").into()),
+                }
+            }
+            None => None,
+        };
         for index in 0..args.dp_ranks {
             let dp = DpRank(index as u16);
             let rank_args = RankArgs {
@@ -141,6 +194,8 @@ impl Actor for NodeSupervisor {
                 limits: args.scheduler,
                 rank: rank.clone(),
                 engine_inflight: engine_inflight.clone(),
+                dspark: dspark.clone(),
+                replay: replay.clone(),
             };
             let scheduler =
                 match Actor::spawn_linked(None, SchedulerActor, scheduler_args, myself.get_cell())
@@ -156,6 +211,34 @@ impl Actor for NodeSupervisor {
             roles.insert(scheduler.get_id(), ChildRole::Scheduler(dp));
             rank.cast(RankMsg::Attach(scheduler.clone()))?;
             schedulers.push(scheduler);
+        }
+        if let Some(settings) = &dspark {
+            let drafter_args = DSparkArgs {
+                schedulers: schedulers.clone(),
+                max_draft_tokens: settings.max_draft_tokens,
+            };
+            let drafter =
+                match Actor::spawn_linked(None, DSparkActor, drafter_args, myself.get_cell()).await
+                {
+                    Ok((drafter, _)) => drafter,
+                    Err(e) => {
+                        stop_all(&started).await;
+                        return Err(format!("DSpark actor: {e}").into());
+                    }
+                };
+            started.push(drafter.get_cell());
+            for scheduler in &schedulers {
+                scheduler.cast(SchedulerMsg::AttachDrafter(drafter.clone()))?;
+            }
+        }
+        if let Some(parallel) = args.factory.expert_parallel() {
+            match crate::eplb::spawn_expert_actors(parallel, myself.get_cell()).await {
+                Ok(cells) => started.extend(cells),
+                Err(e) => {
+                    stop_all(&started).await;
+                    return Err(e.into());
+                }
+            }
         }
         let frontend_args = FrontendArgs {
             schedulers: schedulers.clone(),

@@ -1,12 +1,17 @@
 //! `deepinfer-node logits`: the fp32 logits at every input position when a token sequence is fed
 //! through the per-sequence state in given chunk sizes, written as tensor `logits`
-//! (F32, `[tokens, vocab]`) of a safetensors file.
+//! (F32, `[tokens, vocab]`) of a safetensors file. Works on V4.1 and V4 checkpoints alike
+//! ([`AnyModel`] picks the family from `config.json`).
 
 use std::path::{Path, PathBuf};
 
-use deepinfer_model::config::ModelConfig;
+use deepinfer_model::LogitsWanted;
+use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::backend::Backend;
+use deepinfer_model::checkpoint::Checkpoint;
+use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
-use deepinfer_model::{LogitsWanted, Model};
+use deepinfer_model::{v4, v41};
 use safetensors::tensor::{Dtype, TensorView};
 
 use crate::engram_vocab::compressed_token_map;
@@ -36,6 +41,17 @@ pub enum LogitsError {
     Model { dir: PathBuf, message: String },
     #[error("{path}: {message}")]
     Output { path: PathBuf, message: String },
+    #[error("--device cuda: {0}")]
+    Device(String),
+}
+
+/// The backend that runs the model (`--device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogitsDevice {
+    #[default]
+    Cpu,
+    /// `CudaBackend` on GPU 0 (needs a build with the `cuda` feature and an NVIDIA driver).
+    Cuda,
 }
 
 /// Parses `1,2,3` into ids.
@@ -90,8 +106,13 @@ pub fn engram_vocab_for_dir(
     ))
 }
 
-/// Runs the request; returns the shape `[tokens, vocab]` written.
+/// Runs the request on the CPU; returns the shape `[tokens, vocab]` written.
 pub fn run(request: &LogitsRequest) -> Result<[usize; 2], LogitsError> {
+    run_on(request, LogitsDevice::Cpu)
+}
+
+/// Runs the request on `device`; returns the shape `[tokens, vocab]` written.
+pub fn run_on(request: &LogitsRequest, device: LogitsDevice) -> Result<[usize; 2], LogitsError> {
     let n = request.tokens.len();
     if n == 0 {
         return Err(LogitsError::Tokens("no tokens given".into()));
@@ -118,7 +139,20 @@ pub fn run(request: &LogitsRequest) -> Result<[usize; 2], LogitsError> {
     let cfg =
         ModelConfig::from_file(&dir.join("config.json")).map_err(|e| model_err(e.to_string()))?;
     let vocab = engram_vocab_for_dir(dir, &cfg).map_err(model_err)?;
-    let model = Model::load_with_vocab(dir, vocab).map_err(|e| model_err(e.to_string()))?;
+    let model = match device {
+        LogitsDevice::Cpu => AnyModel::load(dir, vocab).map_err(|e| model_err(e.to_string()))?,
+        LogitsDevice::Cuda => {
+            let ckpt = Checkpoint::open(dir).map_err(|e| model_err(e.to_string()))?;
+            let backend = cuda_backend().map_err(LogitsError::Device)?;
+            match cfg.family {
+                ModelFamily::V41 => v41::Model::from_checkpoint(cfg, &ckpt, vocab, backend)
+                    .map(|model| AnyModel::V41(Box::new(model))),
+                ModelFamily::V4 => v4::Model::from_checkpoint(cfg, &ckpt, backend)
+                    .map(|model| AnyModel::V4(Box::new(model))),
+            }
+            .map_err(|e| model_err(e.to_string()))?
+        }
+    };
     let vocab_size = model.config().vocab_size;
 
     let mut seq = model.new_sequence();
@@ -137,6 +171,19 @@ pub fn run(request: &LogitsRequest) -> Result<[usize; 2], LogitsError> {
     }
     write_logits(&request.out, &logits, [n, vocab_size])?;
     Ok([n, vocab_size])
+}
+
+/// The CUDA backend on GPU 0 (the one place this crate chooses by the `cuda` feature).
+#[cfg(feature = "cuda")]
+fn cuda_backend() -> Result<Box<dyn Backend>, String> {
+    deepinfer_model::backend::cuda::CudaBackend::open(0)
+        .map(|backend| Box::new(backend) as Box<dyn Backend>)
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend() -> Result<Box<dyn Backend>, String> {
+    Err("this build has no CUDA support (rebuild with --features cuda)".to_string())
 }
 
 fn write_logits(path: &Path, logits: &[f32], shape: [usize; 2]) -> Result<(), LogitsError> {

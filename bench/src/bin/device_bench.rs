@@ -1,7 +1,8 @@
-//! Device benchmark of the first CUDA kernels at real V4.1 widths (d = 5120, q_lora 1280,
-//! 64 heads × 512, experts 2304), decode-shaped (M = 1, 8, 64): time per launch, bytes moved,
-//! FLOPs, and the ratio to the H200's measured roofline (4.28 TB/s copy; 1216 TFLOP/s FP8 and
-//! ~790 TFLOP/s bf16 tensor-core GEMM).
+//! Device benchmark of the CUDA kernels at real V4.1 widths (d = 5120, q_lora 1280,
+//! 64 heads × 512, experts 2304, 384 experts, 4 mHC streams), decode-shaped (M = 1, 8, 64): time
+//! per launch, bytes moved, FLOPs, and the ratio to the H200's measured roofline (4.28 TB/s copy;
+//! 1216 TFLOP/s FP8 and ~790 TFLOP/s bf16 tensor-core GEMM). The per-token ops of `CudaBackend`
+//! (sink attention over 640 keys, indexer scores over 4096 keys, mHC, QDQ) are timed for one token.
 //!
 //! Weights are random bytes; several copies are rotated so that each launch reads its weights from
 //! HBM, not from the 60 MiB L2. Each figure is the median over 7 batches of 40 launches timed with
@@ -11,10 +12,16 @@ use anyhow::{Context, Result};
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUevent_flags;
+use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::attention::sparse_attention_sink_f32;
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4_split, gemm_fp8_split,
 };
+use deepinfer_kernels::ops::index::index_scores_f32;
+use deepinfer_kernels::ops::linear::linear_sgemm_f32;
+use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_f32, hc_mixes_f32};
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
+use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
 use half::bf16;
 
@@ -275,6 +282,176 @@ fn bench_rms_norm(rt: &KernelRuntime, busy: &mut Busy, m: usize, k: usize) -> Re
     })
 }
 
+/// f32 values in [-1, 1) on the device (bf16-representable).
+fn f32_values(rt: &KernelRuntime, seed: u64, len: usize) -> Result<CudaSlice<f32>> {
+    let host: Vec<f32> = random_bytes(seed, len, false)
+        .iter()
+        .map(|&b| (f32::from(b) - 127.5) / 128.0)
+        .collect();
+    Ok(rt.stream().clone_htod(&host)?)
+}
+
+/// Plain fp32 linear in the CPU sgemm order (router-shaped: [M x 5120]·[5120 x 384]).
+fn bench_linear(rt: &KernelRuntime, busy: &mut Busy, m: usize, n: usize, k: usize) -> Result<Row> {
+    let copies = ROTATION_BYTES.div_ceil(n * k * 4).max(2);
+    let weights = (0..copies)
+        .map(|c| f32_values(rt, 300 + c as u64, n * k))
+        .collect::<Result<Vec<_>>>()?;
+    let x = f32_values(rt, 5, m * k)?;
+    let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
+    let micros = time_launches(rt, busy, |i| {
+        Ok(linear_sgemm_f32(
+            rt,
+            &x,
+            &weights[i % copies],
+            &mut y,
+            (m, n, k),
+            Rounding::F32,
+        )?)
+    })?;
+    Ok(Row {
+        op: "linear sgemm f32".to_string(),
+        m,
+        n,
+        k,
+        micros,
+        bytes: ((n * k + m * k + m * n) * 4) as f64,
+        flops: (2 * m * n * k) as f64,
+        peak_flops: BF16_FLOPS,
+    })
+}
+
+/// The per-token ops of `CudaBackend` at real widths, one token each.
+fn bench_token_ops(rt: &KernelRuntime, busy: &mut Busy) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    // Sink attention: 64 heads x 512, 640 keys (128 window + 512 selected).
+    let (heads, head_dim, keys) = (64usize, 512usize, 640usize);
+    let q = f32_values(rt, 21, heads * head_dim)?;
+    let kv = f32_values(rt, 22, keys * head_dim)?;
+    let sink = f32_values(rt, 23, heads)?;
+    let mut out = rt.stream().alloc_zeros::<f32>(heads * head_dim)?;
+    let micros = time_launches(rt, busy, |_| {
+        Ok(sparse_attention_sink_f32(
+            rt,
+            &q,
+            &kv,
+            keys,
+            &sink,
+            &mut out,
+            head_dim,
+            0.044,
+            Rounding::Bf16,
+        )?)
+    })?;
+    rows.push(Row {
+        op: "attention sink".to_string(),
+        m: 1,
+        n: keys,
+        k: head_dim,
+        micros,
+        bytes: ((2 * heads * head_dim + keys * head_dim) * 4) as f64,
+        flops: (4 * heads * keys * head_dim) as f64,
+        peak_flops: BF16_FLOPS,
+    });
+    // Indexer: 64 heads x 128 against 4096 compressed keys.
+    let (heads, head_dim, keys) = (64usize, 128usize, 4096usize);
+    let q = f32_values(rt, 24, heads * head_dim)?;
+    let w = f32_values(rt, 25, heads)?;
+    let kk = f32_values(rt, 26, keys * head_dim)?;
+    let mut scores = rt.stream().alloc_zeros::<f32>(keys)?;
+    let micros = time_launches(rt, busy, |_| {
+        Ok(index_scores_f32(
+            rt,
+            &q,
+            &w,
+            &kk,
+            &mut scores,
+            head_dim,
+            Rounding::Bf16,
+        )?)
+    })?;
+    rows.push(Row {
+        op: "index scores".to_string(),
+        m: 1,
+        n: keys,
+        k: head_dim,
+        micros,
+        bytes: ((heads * head_dim + keys * head_dim + keys) * 4) as f64,
+        flops: (2 * heads * keys * head_dim) as f64,
+        peak_flops: BF16_FLOPS,
+    });
+    // mHC: 4 streams of 5120.
+    let (hc, dim) = (4usize, 5120usize);
+    let n = hc * dim;
+    let projections = (2 + hc) * hc;
+    let x = f32_values(rt, 27, n)?;
+    let proj = f32_values(rt, 28, projections * n)?;
+    let base = f32_values(rt, 29, projections)?;
+    let scale = f32_values(rt, 30, 3)?;
+    let mut mix = rt.stream().alloc_zeros::<f32>(2 * hc + hc * hc)?;
+    let config = HcMixesConfig {
+        hc,
+        sinkhorn_iters: 20,
+        hc_eps: 1e-6,
+        norm_eps: 1e-6,
+    };
+    let micros = time_launches(rt, busy, |_| {
+        Ok(hc_mixes_f32(
+            rt, &x, &proj, &base, &scale, &mut mix, config,
+        )?)
+    })?;
+    rows.push(Row {
+        op: "hc_mixes".to_string(),
+        m: 1,
+        n: projections,
+        k: n,
+        micros,
+        bytes: ((projections * n + n) * 4) as f64,
+        flops: (2 * projections * n) as f64,
+        peak_flops: BF16_FLOPS,
+    });
+    let y = f32_values(rt, 31, dim)?;
+    let coefficients = f32_values(rt, 32, hc + hc * hc)?;
+    let mut expanded = rt.stream().alloc_zeros::<f32>(n)?;
+    let micros = time_launches(rt, busy, |_| {
+        Ok(hc_expand_f32(
+            rt,
+            &y,
+            &x,
+            &coefficients,
+            &mut expanded,
+            hc,
+            Rounding::Bf16,
+        )?)
+    })?;
+    rows.push(Row {
+        op: "hc_expand".to_string(),
+        m: 1,
+        n: hc,
+        k: dim,
+        micros,
+        bytes: ((dim + 2 * n) * 4) as f64,
+        flops: (2 * hc * n) as f64,
+        peak_flops: BF16_FLOPS,
+    });
+    // Q8 QDQ of one token's window KV entry and of 64 of them.
+    for entries in [1usize, 64] {
+        let mut kv = f32_values(rt, 33, entries * 512)?;
+        let micros = time_launches(rt, busy, |_| Ok(qdq_f32(rt, &mut kv, QdqPoint::Q8)?))?;
+        rows.push(Row {
+            op: "q8 qdq".to_string(),
+            m: entries,
+            n: 0,
+            k: 512,
+            micros,
+            bytes: (entries * 512 * 8) as f64,
+            flops: 0.0,
+            peak_flops: BF16_FLOPS,
+        });
+    }
+    Ok(rows)
+}
+
 fn main() -> Result<()> {
     let rt = KernelRuntime::open(0).context("opening the CUDA device")?;
     let report = rt.report();
@@ -331,7 +508,9 @@ fn main() -> Result<()> {
         )?);
         rows.push(bench_act_quant(&rt, &mut busy, m, 5120)?);
         rows.push(bench_rms_norm(&rt, &mut busy, m, 5120)?);
+        rows.push(bench_linear(&rt, &mut busy, m, 384, 5120)?);
     }
+    rows.extend(bench_token_ops(&rt, &mut busy)?);
     // The work split (warps per output column) changes speed only, never the bits: with `--sweep`,
     // time every split for the decode shapes (what `GemmSplit::Auto` is tuned from).
     let sweep = std::env::args().any(|a| a == "--sweep");
@@ -376,7 +555,9 @@ fn main() -> Result<()> {
     }
     println!(
         "\nroofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time; peak = 1216 TFLOP/s (FP8 tensor cores) for the GEMMs, \
-         790 TFLOP/s for the rest. The GEMM kernels run on the fp32 CUDA cores (exact K-order sums), not tensor cores."
+         790 TFLOP/s for the rest. The GEMM kernels run on the fp32 CUDA cores (exact K-order sums), not tensor cores; \
+         the reference-order kernels (linear, attention, indexer, mHC) reproduce the CPU's sequential sums \
+         (one thread per chain), a correctness-first baseline."
     );
     Ok(())
 }

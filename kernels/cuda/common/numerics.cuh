@@ -54,3 +54,25 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
     return __float2bfloat16_rn(v);
 }
+
+// The model's host layout keeps bf16 values in f32 storage ("an f32 whose low 16 bits are zero").
+// The f32-storage instantiations read f32 as is and round every output to bf16, keeping f32 storage.
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float round_bf16_f32(float v) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+    return round_bf16_f32(v);
+}
+// An output store: rounded to bf16 (ROUND_BF16, any T), or the fp32 value as is (T = float only:
+// the ops' fp32 precision, matched against the float32 reference of V4).
+template <class T, bool ROUND_BF16>
+__device__ __forceinline__ T store_f32(float v) {
+    if constexpr (ROUND_BF16) {
+        return from_f32<T>(v);
+    } else {
+        static_assert(sizeof(T) == sizeof(float), "unrounded outputs need f32 storage");
+        return v;
+    }
+}

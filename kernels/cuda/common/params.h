@@ -40,3 +40,59 @@ struct RopeParams {
     u32_t table_rows;
     u32_t inverse;  // 1: rotate by -angle (the de-rotation of attention outputs)
 };
+
+// In-place QDQ over a flat f32 buffer of n values, in consecutive groups (the last may be short).
+struct QdqParams {
+    u32_t n;
+};
+
+// y[rows, out] = x[rows, inp] . w[out, inp]^T in the CPU sgemm order; round_bf16 = 1 rounds y.
+struct LinearParams {
+    u32_t rows;
+    u32_t out;
+    u32_t inp;
+    u32_t round_bf16;
+};
+
+// Sink attention of one query: q [heads, head_dim], keys [keys, head_dim], out [heads, head_dim].
+struct AttentionParams {
+    u32_t heads;
+    u32_t head_dim;
+    u32_t keys;
+    float scale;
+    u32_t round_bf16;  // 1: probabilities and outputs rounded to bf16 (V4.1); 0: fp32
+};
+
+// mHC mixes of one token: x [hc * dim] = n values, proj [(2 + hc) * hc, n].
+struct HcMixesParams {
+    u32_t hc;
+    u32_t n;
+    u32_t sinkhorn_iters;
+    float hc_eps;
+    float norm_eps;
+};
+
+// mHC collapse / expand over hc streams of dim values.
+struct HcElementwiseParams {
+    u32_t hc;
+    u32_t dim;
+    u32_t round_bf16;  // 1: outputs rounded to bf16; 0: fp32
+};
+
+// Indexer scores: q [heads, head_dim], w [heads], keys [keys, head_dim] -> scores [keys].
+struct IndexParams {
+    u32_t heads;
+    u32_t head_dim;
+    u32_t keys;
+    u32_t round_bf16;  // 1: the reference's bf16 rounding points; 0: fp32 throughout
+};
+
+// Rows [row_start, row_start + rows) of a block-scaled weight [n, k] dequantised to f32
+// out [rows, k]: FP8 (tile x tile UE8M0 scales, scale_cols per scale row) or FP4 (1 x 32 scales).
+struct DequantParams {
+    u32_t row_start;
+    u32_t rows;
+    u32_t k;
+    u32_t tile;
+    u32_t scale_cols;
+};

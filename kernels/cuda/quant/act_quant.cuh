@@ -5,8 +5,8 @@
 #pragma once
 #include "common/numerics.cuh"
 
-template <int GROUP>
-__device__ void act_quant_fp8(const __nv_bfloat16* __restrict__ x, u8_t* __restrict__ codes,
+template <int GROUP, class T>
+__device__ void act_quant_fp8(const T* __restrict__ x, u8_t* __restrict__ codes,
                               float* __restrict__ scales, ActQuantParams p) {
     static_assert(GROUP % 32 == 0, "a group is a whole number of warps' lanes");
     constexpr int PER_LANE = GROUP / 32;
@@ -21,7 +21,7 @@ __device__ void act_quant_fp8(const __nv_bfloat16* __restrict__ x, u8_t* __restr
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
-        v[i] = __bfloat162float(x[base + lane + 32 * i]);
+        v[i] = to_f32(x[base + lane + 32 * i]);
         amax = fmaxf(amax, fabsf(v[i]));
     }
 #pragma unroll

@@ -6,3 +6,17 @@ extern "C" __global__ void __launch_bounds__(rope::THREADS)
                           const float* sin_table, RopeParams p) {
     rope::rope_interleaved<__nv_bfloat16>(x, positions, cos_table, sin_table, p);
 }
+
+// f32 storage (the model's host layout), outputs rounded to bf16.
+extern "C" __global__ void __launch_bounds__(rope::THREADS)
+    rope_interleaved_f32(float* x, const int* positions, const float* cos_table, const float* sin_table,
+                         RopeParams p) {
+    rope::rope_interleaved<float>(x, positions, cos_table, sin_table, p);
+}
+
+// f32 storage, fp32 outputs (no rounding).
+extern "C" __global__ void __launch_bounds__(rope::THREADS)
+    rope_interleaved_f32_exact(float* x, const int* positions, const float* cos_table,
+                               const float* sin_table, RopeParams p) {
+    rope::rope_interleaved<float, false>(x, positions, cos_table, sin_table, p);
+}

@@ -10,7 +10,7 @@ namespace rope {
 
 constexpr int THREADS = 256;
 
-template <class T>
+template <class T, bool ROUND_BF16 = true>
 __device__ void rope_interleaved(T* __restrict__ x, const int* __restrict__ positions,
                                  const float* __restrict__ cos_table, const float* __restrict__ sin_table,
                                  RopeParams p) {
@@ -27,8 +27,8 @@ __device__ void rope_interleaved(T* __restrict__ x, const int* __restrict__ posi
     const float s = p.inverse ? -sin_table[(size_t)pos * half + pair] : sin_table[(size_t)pos * half + pair];
     const float x0 = to_f32(px[0]);
     const float x1 = to_f32(px[1]);
-    px[0] = from_f32<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
-    px[1] = from_f32<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+    px[0] = store_f32<T, ROUND_BF16>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+    px[1] = store_f32<T, ROUND_BF16>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
 }
 
 }  // namespace rope

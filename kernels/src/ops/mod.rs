@@ -1,12 +1,32 @@
 //! Typed launchers, one module per operation. Each checks its buffers' lengths against the shape
 //! it is given and returns [`crate::KernelError::Shape`] before launching anything.
 
+pub mod attention;
 pub mod gemm;
+pub mod index;
+pub mod linear;
+pub mod mhc;
 pub mod norm;
+pub mod qdq;
 pub mod quant;
 pub mod rope;
 
 use crate::error::KernelError;
+
+/// How an op on f32 storage rounds its outputs: to bf16 at the reference's rounding points
+/// (V4.1), or not at all (fp32, the float32 reference of V4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rounding {
+    Bf16,
+    F32,
+}
+
+impl Rounding {
+    /// The kernels' `round_bf16` flag.
+    pub(crate) fn flag(self) -> u32 {
+        u32::from(self == Rounding::Bf16)
+    }
+}
 
 /// `value` as a u32 kernel dimension, or a shape error naming it.
 pub(crate) fn dim(op: &'static str, what: &str, value: usize) -> Result<u32, KernelError> {

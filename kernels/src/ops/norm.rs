@@ -1,15 +1,15 @@
-//! RMSNorm on the device: `y = bf16(w · (x · rsqrt(mean(x²) + eps)))`, fp32 math.
+//! RMSNorm on the device: `y = bf16(w · (x · rsqrt(mean(x²) + eps)))`, fp32 math, on bf16
+//! storage or on f32 storage of bf16 values (the model's host layout).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{dim, expect_len};
+use super::{Rounding, dim, expect_len};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::RmsNormParams;
 use crate::runtime::KernelRuntime;
 
-const OP: &str = "rms_norm_bf16";
 const THREADS: u32 = 256;
 
 /// RMSNorm of each row of `x` (bf16 `[rows, cols]`, row-major) with weight `w` (bf16 `[cols]`)
@@ -23,27 +23,60 @@ pub fn rms_norm_bf16(
     cols: usize,
     eps: f32,
 ) -> Result<(), KernelError> {
+    launch_rms_norm(rt, KernelId::RmsNormBf16, x, w, y, rows, cols, eps)
+}
+
+/// [`rms_norm_bf16`] on f32 storage: `x` and `w` are read as f32 (x may hold any fp32 values),
+/// every output is rounded per `rounding` and stored as f32.
+pub fn rms_norm_f32(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    let kernel = match rounding {
+        Rounding::Bf16 => KernelId::RmsNormF32,
+        Rounding::F32 => KernelId::RmsNormF32Exact,
+    };
+    launch_rms_norm(rt, kernel, x, w, y, rows, cols, eps)
+}
+
+fn launch_rms_norm<T: DeviceRepr>(
+    rt: &KernelRuntime,
+    kernel: KernelId,
+    x: &CudaSlice<T>,
+    w: &CudaSlice<T>,
+    y: &mut CudaSlice<T>,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> Result<(), KernelError> {
+    let op = kernel.symbol();
     if cols == 0 {
         return Err(KernelError::Shape {
-            op: OP,
+            op,
             message: "cols = 0".to_string(),
         });
     }
     if eps.is_nan() || eps < 0.0 {
         return Err(KernelError::Shape {
-            op: OP,
+            op,
             message: format!("eps = {eps} is not a non-negative number"),
         });
     }
-    expect_len(OP, "x", x.len(), rows * cols)?;
-    expect_len(OP, "w", w.len(), cols)?;
-    expect_len(OP, "y", y.len(), rows * cols)?;
+    expect_len(op, "x", x.len(), rows * cols)?;
+    expect_len(op, "w", w.len(), cols)?;
+    expect_len(op, "y", y.len(), rows * cols)?;
     if rows == 0 {
         return Ok(());
     }
     let params = RmsNormParams {
-        rows: dim(OP, "rows", rows)?,
-        cols: dim(OP, "cols", cols)?,
+        rows: dim(op, "rows", rows)?,
+        cols: dim(op, "cols", cols)?,
         eps,
     };
     let cfg = LaunchConfig {
@@ -51,11 +84,12 @@ pub fn rms_norm_bf16(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let function = rt.function(KernelId::RmsNormBf16)?;
+    let function = rt.function(kernel)?;
     let mut launch = rt.stream().launch_builder(function);
     launch.arg(x).arg(w).arg(y).arg(&params);
-    // SAFETY: signature (const bf16* x, const bf16* w, bf16* y, RmsNormParams); lengths checked
-    // above; one block per row, each thread strides within its row.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching rms_norm_bf16"))?;
+    // SAFETY: signature (const T* x, const T* w, T* y, RmsNormParams) with T the element type of
+    // `kernel` (bf16 or f32, matching the slices); lengths checked above; one block per row, each
+    // thread strides within its row.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
     Ok(())
 }

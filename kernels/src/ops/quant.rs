@@ -1,6 +1,6 @@
 //! FP8 activation quantisation `Q8` (v41-architecture.md §3.0) on the device.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::{dim, expect_len};
@@ -34,6 +34,13 @@ impl ActGroup {
         match self {
             ActGroup::G32 => KernelId::ActQuantFp8G32,
             ActGroup::G128 => KernelId::ActQuantFp8G128,
+        }
+    }
+
+    fn kernel_f32(self) -> KernelId {
+        match self {
+            ActGroup::G32 => KernelId::ActQuantFp8G32F32,
+            ActGroup::G128 => KernelId::ActQuantFp8G128F32,
         }
     }
 }
@@ -91,6 +98,24 @@ pub fn quantize_act_fp8_into(
     x: &CudaSlice<bf16>,
     out: &mut DeviceActFp8,
 ) -> Result<(), KernelError> {
+    launch_act_quant(rt, out.group.kernel(), x, out)
+}
+
+/// [`quantize_act_fp8_into`] from f32 storage (any fp32 values, as the CPU reference accepts).
+pub fn quantize_act_fp8_f32_into(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    out: &mut DeviceActFp8,
+) -> Result<(), KernelError> {
+    launch_act_quant(rt, out.group.kernel_f32(), x, out)
+}
+
+fn launch_act_quant<T: DeviceRepr>(
+    rt: &KernelRuntime,
+    kernel: KernelId,
+    x: &CudaSlice<T>,
+    out: &mut DeviceActFp8,
+) -> Result<(), KernelError> {
     expect_len(OP, "x", x.len(), out.rows * out.cols)?;
     expect_len(OP, "codes", out.codes.len(), out.rows * out.cols)?;
     expect_len(
@@ -112,14 +137,15 @@ pub fn quantize_act_fp8_into(
         block_dim: (WARPS_PER_BLOCK * 32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let function = rt.function(out.group.kernel())?;
+    let function = rt.function(kernel)?;
     let mut launch = rt.stream().launch_builder(function);
     launch
         .arg(x)
         .arg(&mut out.codes)
         .arg(&mut out.scales)
         .arg(&params);
-    // SAFETY: the kernel's signature is (const bf16*, u8*, float*, ActQuantParams); the buffer
+    // SAFETY: the kernel's signature is (const T*, u8*, float*, ActQuantParams) with T the element
+    // type of `kernel` (matching `x`); the buffer
     // lengths were checked against rows * cols above and the grid covers exactly `groups` warps
     // (the kernel bounds-checks the last block).
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching act_quant_fp8"))?;
@@ -136,5 +162,18 @@ pub fn quantize_act_fp8(
 ) -> Result<DeviceActFp8, KernelError> {
     let mut out = DeviceActFp8::alloc(rt, rows, cols, group)?;
     quantize_act_fp8_into(rt, x, &mut out)?;
+    Ok(out)
+}
+
+/// Allocating form of [`quantize_act_fp8_f32_into`].
+pub fn quantize_act_fp8_f32(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    group: ActGroup,
+) -> Result<DeviceActFp8, KernelError> {
+    let mut out = DeviceActFp8::alloc(rt, rows, cols, group)?;
+    quantize_act_fp8_f32_into(rt, x, &mut out)?;
     Ok(out)
 }

@@ -1,15 +1,15 @@
-//! Interleaved-pair partial RoPE on the device, in place.
+//! Interleaved-pair partial RoPE on the device, in place, on bf16 storage or on f32 storage of
+//! bf16 values (the model's host layout).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{dim, expect_len};
+use super::{Rounding, dim, expect_len};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::RopeParams;
 use crate::runtime::KernelRuntime;
 
-const OP: &str = "rope_interleaved_bf16";
 const THREADS: u32 = 256;
 
 /// The shape of a RoPE application.
@@ -38,6 +38,48 @@ pub fn rope_interleaved_bf16(
     shape: RopeShape,
     inverse: bool,
 ) -> Result<(), KernelError> {
+    launch_rope(
+        rt,
+        KernelId::RopeInterleavedBf16,
+        x,
+        positions,
+        cos,
+        sin,
+        shape,
+        inverse,
+    )
+}
+
+/// [`rope_interleaved_bf16`] on f32 storage: every rotated value is rounded per `rounding` and
+/// stored as f32; the channels outside the rotated tail are untouched.
+pub fn rope_interleaved_f32(
+    rt: &KernelRuntime,
+    x: &mut CudaSlice<f32>,
+    positions: &CudaSlice<i32>,
+    cos: &CudaSlice<f32>,
+    sin: &CudaSlice<f32>,
+    shape: RopeShape,
+    inverse: bool,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    let kernel = match rounding {
+        Rounding::Bf16 => KernelId::RopeInterleavedF32,
+        Rounding::F32 => KernelId::RopeInterleavedF32Exact,
+    };
+    launch_rope(rt, kernel, x, positions, cos, sin, shape, inverse)
+}
+
+fn launch_rope<T: DeviceRepr>(
+    rt: &KernelRuntime,
+    kernel: KernelId,
+    x: &mut CudaSlice<T>,
+    positions: &CudaSlice<i32>,
+    cos: &CudaSlice<f32>,
+    sin: &CudaSlice<f32>,
+    shape: RopeShape,
+    inverse: bool,
+) -> Result<(), KernelError> {
+    let op = kernel.symbol();
     let RopeShape {
         tokens,
         heads,
@@ -47,26 +89,26 @@ pub fn rope_interleaved_bf16(
     } = shape;
     if rope_dim == 0 || rope_dim % 2 != 0 || rope_dim > head_dim {
         return Err(KernelError::Shape {
-            op: OP,
+            op,
             message: format!(
                 "rope_dim = {rope_dim} must be even, positive and <= head_dim = {head_dim}"
             ),
         });
     }
-    expect_len(OP, "x", x.len(), tokens * heads * head_dim)?;
-    expect_len(OP, "positions", positions.len(), tokens)?;
-    expect_len(OP, "cos", cos.len(), table_rows * rope_dim / 2)?;
-    expect_len(OP, "sin", sin.len(), table_rows * rope_dim / 2)?;
-    let pairs = dim(OP, "pairs", tokens * heads * rope_dim / 2)?;
+    expect_len(op, "x", x.len(), tokens * heads * head_dim)?;
+    expect_len(op, "positions", positions.len(), tokens)?;
+    expect_len(op, "cos", cos.len(), table_rows * rope_dim / 2)?;
+    expect_len(op, "sin", sin.len(), table_rows * rope_dim / 2)?;
+    let pairs = dim(op, "pairs", tokens * heads * rope_dim / 2)?;
     if pairs == 0 {
         return Ok(());
     }
     let params = RopeParams {
-        tokens: dim(OP, "tokens", tokens)?,
-        heads: dim(OP, "heads", heads)?,
-        head_dim: dim(OP, "head_dim", head_dim)?,
-        rope_dim: dim(OP, "rope_dim", rope_dim)?,
-        table_rows: dim(OP, "table_rows", table_rows)?,
+        tokens: dim(op, "tokens", tokens)?,
+        heads: dim(op, "heads", heads)?,
+        head_dim: dim(op, "head_dim", head_dim)?,
+        rope_dim: dim(op, "rope_dim", rope_dim)?,
+        table_rows: dim(op, "table_rows", table_rows)?,
         inverse: u32::from(inverse),
     };
     let cfg = LaunchConfig {
@@ -74,13 +116,13 @@ pub fn rope_interleaved_bf16(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let function = rt.function(KernelId::RopeInterleavedBf16)?;
+    let function = rt.function(kernel)?;
     let mut launch = rt.stream().launch_builder(function);
     launch.arg(x).arg(positions).arg(cos).arg(sin).arg(&params);
-    // SAFETY: signature (bf16* x, const int* positions, const float* cos, const float* sin,
-    // RopeParams); lengths checked above; the kernel bounds-checks pair indices and positions.
-    unsafe { launch.launch(cfg) }
-        .map_err(KernelError::driver("launching rope_interleaved_bf16"))?;
+    // SAFETY: signature (T* x, const int* positions, const float* cos, const float* sin,
+    // RopeParams) with T the element type of `kernel` (matching `x`); lengths checked above; the
+    // kernel bounds-checks pair indices and positions.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
     Ok(())
 }
 

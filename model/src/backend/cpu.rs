@@ -1,12 +1,19 @@
 //! `CpuBackend`: the plain reference implementation of [`Backend`]. Reductions are order-free (f64
 //! accumulator rounded once to fp32, see [`dot_f32`]) except the plain linears (`linear_f32`,
 //! `linear_bf16`: router, head, compressor, `wo_a`, indexer) and the mHC mixes projection, which
-//! follow the summation order of the reference's CPU GEMM ([`quant::dot_f32_sgemm`]); `exp` is the
-//! reference's vectorised one ([`quant::exp_f32`]). Every bf16 rounding sits where DeepSeek's
-//! reference rounds; fp32 stays the working precision between operations.
+//! follow the summation order of the reference's CPU GEMM ([`quant::dot_f32_sgemm`]), and the means
+//! of squares (RMSNorm, mHC), which follow torch's CPU sum ([`quant::sum_f32_torch`]); `exp` is the
+//! reference's vectorised one ([`quant::exp_f32`]) except in the mHC `comb` softmax, which is the
+//! reference's standalone `torch.exp` ([`quant::exp_f32_accurate`]). (The sparse attention's
+//! online softmax is a standalone `torch.exp` in the reference too; swapping it there changes
+//! none of the fixture's comparisons, so it keeps the vectorised one the CUDA kernel mirrors.)
+//! Every bf16 rounding sits where DeepSeek's reference rounds; fp32 stays the working precision
+//! between operations.
 
-use super::{Backend, HcMix, HcParams, RopeTable};
-use crate::quant::{self, dot_f32, dot_f32_sgemm, exp_f32, round_bf16, sum_f32, sum_squares_f32};
+use super::{Backend, HcMix, HcParams, Precision, RopeTable};
+use crate::quant::{
+    self, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, sum_f32, sum_squares_f32_torch,
+};
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 /// Probabilities are accumulated in blocks of this many keys (the reference kernel's block).
@@ -57,15 +64,19 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+        self.rms_norm_at(x, weight, eps, Precision::Bf16)
+    }
+
+    fn rms_norm_at(&self, x: &[f32], weight: &[f32], eps: f32, precision: Precision) -> Vec<f32> {
         let dim = weight.len();
         let mut y = Vec::with_capacity(x.len());
         for row in x.chunks_exact(dim) {
-            let mean_square = sum_squares_f32(row) / dim as f32;
+            let mean_square = sum_squares_f32_torch(row) / dim as f32;
             let inv = 1.0 / (mean_square + eps).sqrt();
             y.extend(
                 row.iter()
                     .zip(weight)
-                    .map(|(v, w)| round_bf16(w * (v * inv))),
+                    .map(|(v, w)| precision.round(w * (v * inv))),
             );
         }
         y
@@ -80,6 +91,27 @@ impl Backend for CpuBackend {
         table: &RopeTable,
         inverse: bool,
     ) {
+        self.rope_at(
+            x,
+            stride,
+            vectors_per_row,
+            positions,
+            table,
+            inverse,
+            Precision::Bf16,
+        );
+    }
+
+    fn rope_at(
+        &self,
+        x: &mut [f32],
+        stride: usize,
+        vectors_per_row: usize,
+        positions: &[usize],
+        table: &RopeTable,
+        inverse: bool,
+        precision: Precision,
+    ) {
         let pairs = table.freqs.len();
         let tail = stride - 2 * pairs;
         for (vector_index, vector) in x.chunks_exact_mut(stride).enumerate() {
@@ -90,8 +122,8 @@ impl Backend for CpuBackend {
                 let sin = if inverse { -sin } else { sin };
                 let re = vector[tail + 2 * i];
                 let im = vector[tail + 2 * i + 1];
-                vector[tail + 2 * i] = round_bf16(re * cos - im * sin);
-                vector[tail + 2 * i + 1] = round_bf16(re * sin + im * cos);
+                vector[tail + 2 * i] = precision.round(re * cos - im * sin);
+                vector[tail + 2 * i + 1] = precision.round(re * sin + im * cos);
             }
         }
     }
@@ -109,6 +141,17 @@ impl Backend for CpuBackend {
     }
 
     fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32> {
+        self.sparse_attention_at(q, keys, sink, scale, Precision::Bf16)
+    }
+
+    fn sparse_attention_at(
+        &self,
+        q: &[f32],
+        keys: &[&[f32]],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Vec<f32> {
         let heads = sink.len();
         let head_dim = q.len() / heads;
         let mut out = vec![0.0f32; q.len()];
@@ -127,7 +170,7 @@ impl Backend for CpuBackend {
                 for a in acc.iter_mut() {
                     *a *= rescale;
                 }
-                let weights: Vec<f32> = probs.iter().map(|&p| round_bf16(p)).collect();
+                let weights: Vec<f32> = probs.iter().map(|&p| precision.round(p)).collect();
                 for d in 0..head_dim {
                     acc[d] += sum_f32(weights.iter().zip(block).map(|(p, k)| p * k[d]));
                 }
@@ -135,7 +178,7 @@ impl Backend for CpuBackend {
             }
             denominator += exp_f32(sink[h] - running_max);
             for d in 0..head_dim {
-                out[h * head_dim + d] = round_bf16(acc[d] / denominator);
+                out[h * head_dim + d] = precision.round(acc[d] / denominator);
             }
         }
         out
@@ -151,7 +194,7 @@ impl Backend for CpuBackend {
         norm_eps: f32,
     ) -> HcMix {
         let n = x.len();
-        let mean_square = sum_squares_f32(x) / n as f32;
+        let mean_square = sum_squares_f32_torch(x) / n as f32;
         let inv = 1.0 / (mean_square + norm_eps).sqrt();
         let mixes: Vec<f32> = params
             .proj
@@ -167,11 +210,13 @@ impl Backend for CpuBackend {
         let mut comb: Vec<f32> = (0..hc * hc)
             .map(|i| mixes[2 * hc + i] * params.scale[2] + params.base[2 * hc + i])
             .collect();
-        // Row softmax (+eps), then column normalisation, then (iters − 1) row/column passes.
+        // Row softmax (+eps), then column normalisation, then (iters − 1) row/column passes. The
+        // softmax is the reference's explicit `torch.exp` of the max-shifted logits, divided by
+        // the row sum: the accurate `exp`, not the sigmoid's vectorised one.
         for row in comb.chunks_exact_mut(hc) {
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
             for v in row.iter_mut() {
-                *v = exp_f32(*v - max);
+                *v = exp_f32_accurate(*v - max);
             }
             let sum = row.iter().fold(0.0f32, |a, v| a + v);
             for v in row.iter_mut() {
@@ -192,6 +237,10 @@ impl Backend for CpuBackend {
     }
 
     fn hc_collapse(&self, x: &[f32], weights: &[f32]) -> Vec<f32> {
+        self.hc_collapse_at(x, weights, Precision::Bf16)
+    }
+
+    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
         let dim = x.len() / weights.len();
         (0..dim)
             .map(|d| {
@@ -199,12 +248,22 @@ impl Backend for CpuBackend {
                     .iter()
                     .enumerate()
                     .fold(0.0f32, |acc, (k, w)| acc + w * x[k * dim + d]);
-                round_bf16(sum)
+                precision.round(sum)
             })
             .collect()
     }
 
     fn hc_expand(&self, y: &[f32], residual: &[f32], mix: &HcMix) -> Vec<f32> {
+        self.hc_expand_at(y, residual, mix, Precision::Bf16)
+    }
+
+    fn hc_expand_at(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mix: &HcMix,
+        precision: Precision,
+    ) -> Vec<f32> {
         let hc = mix.post.len();
         let dim = y.len();
         let mut out = vec![0.0f32; hc * dim];
@@ -213,23 +272,34 @@ impl Backend for CpuBackend {
                 let mixed = (0..hc).fold(0.0f32, |acc, j| {
                     acc + mix.comb[j * hc + k] * residual[j * dim + d]
                 });
-                out[k * dim + d] = round_bf16(mix.post[k] * y[d] + mixed);
+                out[k * dim + d] = precision.round(mix.post[k] * y[d] + mixed);
             }
         }
         out
     }
 
     fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32> {
+        self.index_scores_at(q, weights, keys, head_dim, Precision::Bf16)
+    }
+
+    fn index_scores_at(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        precision: Precision,
+    ) -> Vec<f32> {
         keys.chunks_exact(head_dim)
             .map(|key| {
                 let per_head = weights
                     .iter()
                     .zip(q.chunks_exact(head_dim))
                     .map(|(w, q_head)| {
-                        let logit = round_bf16(dot_f32(q_head, key));
-                        round_bf16(logit.max(0.0) * w)
+                        let logit = precision.round(dot_f32(q_head, key));
+                        precision.round(logit.max(0.0) * w)
                     });
-                round_bf16(sum_f32(per_head))
+                precision.round(sum_f32(per_head))
             })
             .collect()
     }
@@ -247,6 +317,7 @@ fn normalise_columns(comb: &mut [f32], hc: usize, eps: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::round_bf16;
 
     #[test]
     fn sinkhorn_output_is_nearly_doubly_stochastic() {

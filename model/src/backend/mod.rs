@@ -7,10 +7,12 @@
 //! sequence or on how its tokens were chunked (batch invariance by construction).
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 pub use cpu::CpuBackend;
 
-use crate::weights::{Fp4Weight, Fp8Weight};
+use crate::weights::{FP4_GROUP, Fp4Weight, Fp8Weight, e2m1_to_f32, e8m0_to_f32};
 
 /// The pre/post/comb coefficients of one mHC site for one token (spec §3.2), all fp32.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +34,24 @@ pub struct HcParams {
     pub base: Vec<f32>,
     /// `[3]` fp32.
     pub scale: Vec<f32>,
+}
+
+/// Where an op rounds its results: `Bf16` at DeepSeek's reference rounding points (V4.1), `F32`
+/// nowhere (the transformers float32 reference that V4 is matched against).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    Bf16,
+    F32,
+}
+
+impl Precision {
+    /// `x` rounded as this precision stores an activation.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Precision::Bf16 => crate::quant::round_bf16(x),
+            Precision::F32 => x,
+        }
+    }
 }
 
 /// RoPE frequencies of one rotary variant: `freqs[i]` rotates channel pair `(2i, 2i+1)`.
@@ -93,4 +113,130 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Index scores of one query (`q [heads, head_dim]`, per-head `weights`) against `keys`
     /// (`[n, head_dim]`), with the reference's bf16 rounding points.
     fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32>;
+
+    /// [`Backend::rms_norm`] rounding at `precision`.
+    fn rms_norm_at(&self, x: &[f32], weight: &[f32], eps: f32, precision: Precision) -> Vec<f32>;
+    /// [`Backend::rope`] rounding at `precision`.
+    fn rope_at(
+        &self,
+        x: &mut [f32],
+        stride: usize,
+        vectors_per_row: usize,
+        positions: &[usize],
+        table: &RopeTable,
+        inverse: bool,
+        precision: Precision,
+    );
+    /// [`Backend::sparse_attention`] rounding probabilities and output at `precision`.
+    fn sparse_attention_at(
+        &self,
+        q: &[f32],
+        keys: &[&[f32]],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Vec<f32>;
+    /// [`Backend::hc_collapse`] rounding at `precision`.
+    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32>;
+    /// [`Backend::hc_expand`] rounding at `precision`.
+    fn hc_expand_at(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mix: &HcMix,
+        precision: Precision,
+    ) -> Vec<f32>;
+    /// [`Backend::index_scores`] (`Σ_h w_h · ReLU(q_h · k)`) rounding at `precision`.
+    fn index_scores_at(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        precision: Precision,
+    ) -> Vec<f32>;
+
+    /// `x [rows, w.inp] · Wᵀ` in fp32 with the FP8 weight dequantised exactly and the activations
+    /// left as they are (the transformers float32 numerics of V4); equals [`Backend::linear_f32`]
+    /// on `w.to_f32()` without materialising it.
+    fn linear_fp8_f32(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+        dequantised_linear(
+            x,
+            w.out,
+            w.inp,
+            |row, block| fp8_row(w, row, block),
+            |x, rows, n| self.linear_f32(x, rows, n, w.inp),
+        )
+    }
+    /// [`Backend::linear_fp8_f32`] for a packed FP4 weight.
+    fn linear_fp4_f32(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+        dequantised_linear(
+            x,
+            w.out,
+            w.inp,
+            |row, block| fp4_row(w, row, block),
+            |x, rows, n| self.linear_f32(x, rows, n, w.inp),
+        )
+    }
+}
+
+/// Appends row `row` of an FP8 weight in f32 ([`Fp8Weight::dequant_row`], through the decode
+/// table) to `block`.
+fn fp8_row(w: &Fp8Weight, row: usize, block: &mut Vec<f32>) {
+    let codes = crate::quant::e4m3_table();
+    let tile_row = (row / w.block) * w.scale_cols();
+    let scales = &w.scales[tile_row..tile_row + w.scale_cols()];
+    for (tile, &scale) in w.data[row * w.inp..(row + 1) * w.inp]
+        .chunks(w.block)
+        .zip(scales)
+    {
+        let scale = e8m0_to_f32(scale);
+        block.extend(tile.iter().map(|&code| codes[usize::from(code)] * scale));
+    }
+}
+
+/// Appends row `row` of a packed FP4 weight in f32 ([`Fp4Weight::dequant_row`], one scale per
+/// group) to `block`.
+fn fp4_row(w: &Fp4Weight, row: usize, block: &mut Vec<f32>) {
+    let scale_cols = w.scale_cols();
+    let scales = &w.scales[row * scale_cols..(row + 1) * scale_cols];
+    for (group, &scale) in w.packed[row * w.inp / 2..(row + 1) * w.inp / 2]
+        .chunks(FP4_GROUP / 2)
+        .zip(scales)
+    {
+        let scale = e8m0_to_f32(scale);
+        for &byte in group {
+            block.push(e2m1_to_f32(byte & 0x0f) * scale);
+            block.push(e2m1_to_f32(byte >> 4) * scale);
+        }
+    }
+}
+
+/// Weight rows dequantised at a time by [`dequantised_linear`] (bounds its memory).
+const DEQUANT_ROWS: usize = 256;
+
+/// `x · Wᵀ` for a `[out, inp]` weight whose rows `dequant_row` appends to a buffer, through
+/// `linear` (`x`, a block of dequantised rows, their count) one block of rows at a time.
+fn dequantised_linear(
+    x: &[f32],
+    out: usize,
+    inp: usize,
+    dequant_row: impl Fn(usize, &mut Vec<f32>),
+    linear: impl Fn(&[f32], &[f32], usize) -> Vec<f32>,
+) -> Vec<f32> {
+    let rows_of_x = x.len() / inp.max(1);
+    let mut y = vec![0.0f32; rows_of_x * out];
+    let mut block = Vec::with_capacity(DEQUANT_ROWS.min(out) * inp);
+    for start in (0..out).step_by(DEQUANT_ROWS) {
+        let count = DEQUANT_ROWS.min(out - start);
+        block.clear();
+        for row in start..start + count {
+            dequant_row(row, &mut block);
+        }
+        let part = linear(x, &block, count);
+        for (r, chunk) in part.chunks_exact(count).enumerate() {
+            y[r * out + start..r * out + start + count].copy_from_slice(chunk);
+        }
+    }
+    y
 }

@@ -25,6 +25,7 @@ use super::parse::{parse_hc, speculative_ratios_are_zero, yarn_values};
 use super::{
     DsparkConfig, ExpertDtype, ModelConfig, ModelFamily, QuantConfig, RopeConfig, YarnConfig,
 };
+use crate::backend::Precision;
 use crate::error::ModelError;
 
 /// `layer_types` value of a window-only layer.
@@ -125,6 +126,17 @@ pub enum WeightStorage {
     Float32,
     /// Every floating tensor in bfloat16 (no `quantization_config`, `dtype: bfloat16`).
     Bfloat16,
+}
+
+impl ModelConfig {
+    /// Where the forward pass rounds activations: V4.1 at DeepSeek's bf16 reference points, V4 in
+    /// plain float32 like its transformers reference (no bf16 rounding, no QAT simulation).
+    pub fn precision(&self) -> Precision {
+        match self.family {
+            ModelFamily::V41 => Precision::Bf16,
+            ModelFamily::V4 => Precision::F32,
+        }
+    }
 }
 
 /// Parses the flat V4 layout (top level already known to say `deepseek_v4`).

@@ -2,7 +2,7 @@
 //! per hc stream plus a shared value), a per-stream sigmoid gate of the normalised
 //! stream·(q⊙k)·key dot product, then `X_k ← bf16(X_k + gate_k · value)`.
 
-use crate::quant::round_bf16;
+use crate::quant::{exp_f32, round_bf16, sum_f32_torch, sum_squares_f32_torch};
 
 /// Gate floor under the signed square root.
 const GATE_CLAMP: f32 = 1e-6;
@@ -18,10 +18,9 @@ pub struct EngramGate {
     eps: f32,
 }
 
-/// Mean of squares in fp32, accumulated in f64 (torch reduces in fp32 with its own order).
+/// `mean(x²)` in fp32, summed in the reference's torch order.
 fn mean_square(xs: &[f32]) -> f32 {
-    let sum: f64 = xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-    (sum as f32) / xs.len() as f32
+    sum_squares_f32_torch(xs) / xs.len() as f32
 }
 
 impl EngramGate {
@@ -48,7 +47,8 @@ impl EngramGate {
 
     /// The gate of every stream of one token: `streams` `[hc_mult, dim]`, `kv` `[(hc_mult+1)·dim]`
     /// (keys first). `sigmoid(sign(d)·sqrt(max(|d|, 1e-6)))` with
-    /// `d = Σ(h·w·key) · rsqrt(mean h² + ε) · rsqrt(mean key² + ε) / √dim`, all fp32.
+    /// `d = Σ(h·w·key) · rsqrt(mean h² + ε) · rsqrt(mean key² + ε) / √dim`, all fp32, the sums in
+    /// the reference's torch order and the sigmoid's `exp` its vectorised one ([`exp_f32`]).
     pub fn gates(&self, streams: &[f32], kv: &[f32]) -> Vec<f32> {
         let inv_sqrt_dim = (self.dim as f64).powf(-0.5) as f32;
         (0..self.hc_mult)
@@ -61,15 +61,15 @@ impl EngramGate {
                 );
                 let rstd = (1.0 / (mean_square(h) + self.eps).sqrt())
                     * (1.0 / (mean_square(key) + self.eps).sqrt());
-                let dot: f64 = h
+                let products: Vec<f32> = h
                     .iter()
                     .zip(w)
                     .zip(key)
-                    .map(|((&h, &w), &key)| f64::from(h * w * key))
-                    .sum();
-                let dot = (dot as f32) * rstd * inv_sqrt_dim;
+                    .map(|((&h, &w), &key)| h * w * key)
+                    .collect();
+                let dot = sum_f32_torch(&products) * rstd * inv_sqrt_dim;
                 let signed_root = dot.abs().max(GATE_CLAMP).sqrt().copysign(dot);
-                1.0 / (1.0 + (-signed_root).exp())
+                1.0 / (1.0 + exp_f32(-signed_root))
             })
             .collect()
     }

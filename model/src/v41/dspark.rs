@@ -107,31 +107,65 @@ pub fn propose(
         });
     }
 
-    let rank = cfg.markov_rank;
-    let mut tokens = vec![anchor];
-    let mut logits = Vec::with_capacity(size * vocab);
-    let mut confidence = Vec::with_capacity(size);
-    for i in 0..size {
+    let heads = MarkovHeads {
+        markov_embed: &w.markov_embed,
+        markov_head: &w.markov_head,
+        confidence: &w.confidence,
+        rank: cfg.markov_rank,
+    };
+    decode_block(ctx, &heads, anchor, size, |i| {
         let width = hc * dim;
         let x = ctx.backend.hc_collapse(
             &streams[i * width..(i + 1) * width],
             &pre[i * hc..(i + 1) * hc],
         );
         let normed = ctx.backend.rms_norm(&x, &w.norm, model.norm_eps);
-        let mut row = ctx.backend.linear_f32(&normed, head, vocab, dim);
+        let row = ctx.backend.linear_f32(&normed, head, vocab, dim);
+        (x, row)
+    })
+}
+
+/// The Markov and confidence heads of a drafter's last stage (shared by V4.1 and V4-Flash-0731):
+/// `markov_embed`/`markov_head` `[vocab, rank]`, `confidence` `[dim + rank]`.
+pub(crate) struct MarkovHeads<'a> {
+    pub markov_embed: &'a [f32],
+    pub markov_head: &'a [f32],
+    pub confidence: &'a [f32],
+    pub rank: usize,
+}
+
+/// Greedy sequential decoding of one draft block of `size` slots: `slot(k)` gives slot k's
+/// pre-norm hidden `h_k [dim]` and its base logits `U_k [vocab]`; then `μ_k = markov_embed[x_k]`
+/// (`x_0` = the anchor), `logits_k = U_k + markov_head · μ_k`, `x_{k+1} = argmax logits_k`, and the
+/// raw confidence `w_conf · (h_k ‖ μ_k)`.
+pub(crate) fn decode_block(
+    ctx: &Ctx,
+    heads: &MarkovHeads,
+    anchor: u32,
+    size: usize,
+    mut slot: impl FnMut(usize) -> (Vec<f32>, Vec<f32>),
+) -> DraftProposal {
+    let (vocab, rank) = (ctx.cfg.vocab_size, heads.rank);
+    let mut tokens = vec![anchor];
+    let mut logits = Vec::with_capacity(size * vocab);
+    let mut confidence = Vec::with_capacity(size);
+    for i in 0..size {
+        let (hidden, mut row) = slot(i);
         let previous = tokens[i] as usize;
-        let markov = &w.markov_embed[previous * rank..(previous + 1) * rank];
+        let markov = &heads.markov_embed[previous * rank..(previous + 1) * rank];
         for (l, bias) in
-            row.iter_mut()
-                .zip(ctx.backend.linear_f32(markov, &w.markov_head, vocab, rank))
+            row.iter_mut().zip(
+                ctx.backend
+                    .linear_f32(markov, heads.markov_head, vocab, rank),
+            )
         {
             *l += bias;
         }
         tokens.push(argmax(&row));
-        let features: Vec<f32> = x.iter().chain(markov).copied().collect();
+        let features: Vec<f32> = hidden.iter().chain(markov).copied().collect();
         confidence.push(
             ctx.backend
-                .linear_f32(&features, &w.confidence, 1, dim + rank)[0],
+                .linear_f32(&features, heads.confidence, 1, features.len())[0],
         );
         logits.extend(row);
     }

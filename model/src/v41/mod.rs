@@ -4,13 +4,14 @@
 
 mod attention;
 mod block;
-mod csa;
-mod dspark;
-mod moe;
-mod rope;
-mod state;
+pub(crate) mod csa;
+pub(crate) mod dspark;
+mod expert_hook;
+pub(crate) mod moe;
+pub(crate) mod rope;
+pub(crate) mod state;
 mod trace;
-mod weights;
+pub(crate) mod weights;
 
 use std::path::Path;
 
@@ -23,6 +24,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
+use crate::expert_dispatch::RoutedExperts;
 use crate::quant::round_bf16;
 use csa::ChunkShared;
 use rope::RopeTables;
@@ -38,11 +40,14 @@ pub enum LogitsWanted {
     Last,
 }
 
-/// What every component needs to run: the config, the backend and the RoPE tables.
+/// What every component needs to run: the config, the backend and the RoPE tables; `routed`
+/// (backbone blocks only) runs the routed experts elsewhere.
+#[derive(Clone, Copy)]
 pub(crate) struct Ctx<'a> {
     pub cfg: &'a ModelConfig,
     pub backend: &'a dyn Backend,
     pub rope: &'a RopeTables,
+    pub routed: Option<expert_hook::RoutedSite<'a>>,
 }
 
 /// A loaded V4.1 model (text backbone + DSpark heads) on a backend.
@@ -128,6 +133,7 @@ impl Model {
             cfg: &self.cfg,
             backend: self.backend.as_ref(),
             rope: &self.rope,
+            routed: None,
         }
     }
 
@@ -196,7 +202,41 @@ impl Model {
             });
         }
         self.check_replay_boundary()?;
-        self.run_chunk(seq, tokens, want, Some(keep), None)
+        let decoder_from = tokens.len().saturating_sub(keep);
+        self.run_chunk(seq, tokens, want, Some(decoder_from), None)
+    }
+
+    /// [`Model::forward`] with decoder bounded replay for chunked prefill (spec §3.5, an
+    /// approximation): rows at positions `< decoder_from` stop at the first ratio-1 layer (whose
+    /// compressor still sees them), so layers from there on run only on positions
+    /// `>= decoder_from`. Pass the same `decoder_from` (`prompt_len - keep`, see the runtime's
+    /// `ReplayBound::plan_prefill`) with every chunk of the prompt and the result equals a one-shot
+    /// [`Model::prefill_bounded`] bit for bit; decode steps (positions past it) are unaffected.
+    /// Rows are returned for the kept positions only: a chunk entirely before `decoder_from`
+    /// returns no logits. The caller validates `keep >= window + max backtracking`.
+    pub fn forward_replay(
+        &self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsWanted,
+        decoder_from: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.check_replay_boundary()?;
+        self.run_chunk(seq, tokens, want, Some(decoder_from), None)
+    }
+
+    /// [`Model::forward_replay`] with the routed experts of the backbone blocks run by `experts`
+    /// (expert parallelism).
+    pub fn forward_replay_with_experts(
+        &self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsWanted,
+        decoder_from: usize,
+        experts: &dyn RoutedExperts,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.check_replay_boundary()?;
+        self.run_chunk_with(seq, tokens, want, Some(decoder_from), None, Some(experts))
     }
 
     /// The first ratio-1 layer (the decoder boundary of bounded replay), if any.
@@ -240,8 +280,21 @@ impl Model {
         seq: &mut SequenceState,
         tokens: &[u32],
         want: LogitsWanted,
-        decoder_keep: Option<usize>,
+        decoder_from: Option<usize>,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.run_chunk_with(seq, tokens, want, decoder_from, trace, None)
+    }
+
+    /// [`Model::run_chunk`] with the routed experts of the backbone blocks run by `experts`.
+    fn run_chunk_with(
+        &self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsWanted,
+        decoder_from: Option<usize>,
         mut trace: Option<&mut ForwardTrace>,
+        experts: Option<&dyn RoutedExperts>,
     ) -> Result<Vec<f32>, ModelError> {
         self.check_chunk(seq, tokens)?;
         let cfg = &self.cfg;
@@ -249,7 +302,8 @@ impl Model {
         let (hc, dim) = (cfg.hc.mult, cfg.dim);
         let n = tokens.len();
         let mut positions: Vec<usize> = (seq.len..seq.len + n).collect();
-        let dropped = decoder_keep.map_or(0, |keep| n.saturating_sub(keep));
+        // Leading rows of this chunk before the decoder suffix (bounded replay).
+        let dropped = decoder_from.map_or(0, |from| from.saturating_sub(seq.len).min(n));
         let truncate_at = if dropped > 0 {
             self.replay_boundary()
         } else {
@@ -300,6 +354,9 @@ impl Model {
                 streams.drain(..dropped * hc * dim);
                 pre.drain(..dropped * hc);
                 positions.drain(..dropped);
+                if positions.is_empty() {
+                    break;
+                }
             }
             inject_streams(trace.as_deref(), l, &mut streams, &mut pre);
             let engram_index = cfg
@@ -324,7 +381,7 @@ impl Model {
                 .and_then(|t| t.inject.routes.get(l).cloned().flatten());
             let attn_trace = trace.as_deref_mut();
             let routes = block::forward(
-                &ctx,
+                &expert_hook::at_layer(ctx, experts, l),
                 block_weights,
                 &mut streams,
                 &mut pre,
@@ -354,7 +411,7 @@ impl Model {
         let kept = positions.len();
         let rows: Vec<usize> = match want {
             LogitsWanted::All => (0..kept).collect(),
-            LogitsWanted::Last => vec![kept - 1],
+            LogitsWanted::Last => kept.checked_sub(1).into_iter().collect(),
         };
         let traced_rows: Vec<usize> = if trace.is_some() {
             (0..kept).collect()
@@ -380,7 +437,7 @@ impl Model {
             }
         }
 
-        if let Some(dspark) = &self.dspark {
+        if let Some(dspark) = self.dspark.as_ref().filter(|_| kept > 0) {
             let computed: Vec<f32> = (0..kept)
                 .flat_map(|t| {
                     taps.iter()
@@ -513,7 +570,7 @@ fn check_supported(cfg: &ModelConfig) -> Result<(), ModelError> {
     let unsupported = |what: String| Err(ModelError::Unsupported { what });
     if cfg.family != crate::config::ModelFamily::V41 {
         return unsupported(format!(
-            "a {:?}-family checkpoint: the V4 forward pass is not implemented yet (only DeepSeek-V4.1 runs)",
+            "a {:?}-family checkpoint in the V4.1 model (load it with deepinfer_model::v4::Model or any_model::AnyModel)",
             cfg.family
         ));
     }

@@ -8,11 +8,14 @@ use crate::config::{ExpertDtype, ModelConfig};
 use crate::error::ModelError;
 use crate::weights::{Fp4Weight, Fp8Weight};
 
-/// A routed-expert projection: FP4 in V4.1 checkpoints, FP8 when `expert_dtype` says so.
+/// An expert projection: FP4 (V4.1 routed experts), FP8 (V4.1 shared expert, or routed when
+/// `expert_dtype` says so) — both with FP8-quantised activations — or a V4 projection in any
+/// stored format applied in exact fp32 (`Exact`).
 #[derive(Debug, Clone)]
 pub enum ExpertLinear {
     Fp4(Fp4Weight),
     Fp8(Fp8Weight),
+    Exact(crate::v4::Linear),
 }
 
 /// One SwiGLU expert (`w1` gate, `w3` up, `w2` down).
@@ -32,7 +35,7 @@ pub struct MoeWeights {
     pub bias: Vec<f32>,
     pub n_activated: usize,
     pub experts: Vec<ExpertWeights<ExpertLinear>>,
-    pub shared: ExpertWeights<Fp8Weight>,
+    pub shared: ExpertWeights<ExpertLinear>,
 }
 
 /// The ratio-2 pooling compressor or the ratio-1 projection of a KV-source layer.
@@ -155,9 +158,9 @@ fn moe(
         n_activated,
         experts,
         shared: ExpertWeights {
-            w1: ckpt.fp8_weight(&format!("{shared}w1"), inter, dim)?,
-            w2: ckpt.fp8_weight(&format!("{shared}w2"), dim, inter)?,
-            w3: ckpt.fp8_weight(&format!("{shared}w3"), inter, dim)?,
+            w1: ExpertLinear::Fp8(ckpt.fp8_weight(&format!("{shared}w1"), inter, dim)?),
+            w2: ExpertLinear::Fp8(ckpt.fp8_weight(&format!("{shared}w2"), dim, inter)?),
+            w3: ExpertLinear::Fp8(ckpt.fp8_weight(&format!("{shared}w3"), inter, dim)?),
         },
     })
 }

@@ -1,0 +1,63 @@
+//! `ExpertParallelFactory`: rank executors over one shared model whose routed experts run
+//! through an engine's `ExpertParallel` (its presence makes the supervisor spawn the expert
+//! groups and the EPLB).
+
+use std::sync::Arc;
+
+use deepinfer_model::Model;
+use deepinfer_topology::{DpRank, NodeConfig};
+
+use crate::comm::EpError;
+use crate::experts::parallel::{EpSettings, ExpertParallel};
+use crate::rank::executor::{ExecError, ExecutorFactory, RankExecutor};
+use crate::rank::model_executor::ModelExecutor;
+
+/// Hands every rank the same model and the same expert-parallel state.
+#[derive(Debug, Clone)]
+pub struct ExpertParallelFactory {
+    pub parallel: Arc<ExpertParallel>,
+    pub description: String,
+}
+
+impl ExpertParallelFactory {
+    /// The factory for `node`'s `[parallel] ep` and `[eplb]` over `model` (epoch 0 = the
+    /// placement for equal loads).
+    pub fn new(
+        model: Arc<Model>,
+        node: &NodeConfig,
+        description: String,
+    ) -> Result<ExpertParallelFactory, EpError> {
+        let settings = EpSettings::from_node(node);
+        let parallel = ExpertParallel::new(model, settings)?;
+        Ok(ExpertParallelFactory {
+            parallel,
+            description: format!(
+                "{description}, experts over {} EP ranks (+{} redundant slots per layer, EPLB {})",
+                settings.ep_ranks,
+                settings.redundant_experts,
+                if settings.eplb.enabled { "on" } else { "off" }
+            ),
+        })
+    }
+}
+
+impl ExecutorFactory for ExpertParallelFactory {
+    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        let dp = u16::try_from(dp)
+            .map(DpRank)
+            .map_err(|_| ExecError::Backend(format!("DP rank {dp} beyond u16")))?;
+        Ok(Box::new(ModelExecutor::with_expert_parallel(
+            self.parallel.model().clone(),
+            self.parallel.clone(),
+            dp,
+        )))
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
+        Some(self.parallel.clone())
+    }
+}

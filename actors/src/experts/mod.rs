@@ -1,0 +1,114 @@
+//! `ExpertGroupActor`: one per EP rank; the control side of that rank's expert shard.
+//!
+//! Owns: its `ExpertGroupState` (the shard in use, the staged one) and the model the weights
+//! are copied from. The shards themselves are shared with the data plane (`LocalComm`), which
+//! computes with them on the rank threads and counts their load; nothing per token crosses this
+//! mailbox.
+//! Accepts: `Stage` (build the shard of a new placement: weights copied on a blocking thread),
+//! `Commit`, `Abort`, `TakeLoads` — all from the `EplbActor`.
+//! Sends: replies only.
+//! Ordering: stage then commit, by `PlacementEpoch`; a commit for another epoch is refused.
+//! Failure: errors are replied, never panics; the supervisor does not restart this actor (its
+//! shards stay in use by the committed `LocalComm`).
+
+pub mod factory;
+pub mod parallel;
+pub mod shard;
+pub mod state;
+
+use std::sync::Arc;
+
+use deepinfer_model::Model;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use crate::comm::EpError;
+use crate::messages::experts::ExpertGroupMsg;
+use shard::ExpertShard;
+use state::ExpertGroupState;
+
+/// Arguments of `ExpertGroupActor`.
+pub struct ExpertGroupArgs {
+    pub model: Arc<Model>,
+    /// The rank's shard of the committed placement.
+    pub current: Arc<ExpertShard>,
+}
+
+pub struct ExpertGroupActorState {
+    model: Arc<Model>,
+    group: ExpertGroupState,
+}
+
+/// The actor (stateless handler; state in `ExpertGroupActorState`).
+pub struct ExpertGroupActor;
+
+impl Actor for ExpertGroupActor {
+    type Msg = ExpertGroupMsg;
+    type State = ExpertGroupActorState;
+    type Arguments = ExpertGroupArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<ExpertGroupMsg>,
+        args: ExpertGroupArgs,
+    ) -> Result<ExpertGroupActorState, ActorProcessingErr> {
+        Ok(ExpertGroupActorState {
+            model: args.model,
+            group: ExpertGroupState::new(args.current),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<ExpertGroupMsg>,
+        message: ExpertGroupMsg,
+        state: &mut ExpertGroupActorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            ExpertGroupMsg::Stage {
+                epoch,
+                placement,
+                reply,
+            } => {
+                // Copying weights is bulk work: do it off the async workers, on a scratch state
+                // that holds the same shard in use.
+                let model = state.model.clone();
+                let mut scratch = ExpertGroupState::new(state.group.current().clone());
+                let built = tokio::task::spawn_blocking(move || {
+                    let staged = scratch.stage(&model, &placement, epoch);
+                    (scratch, staged)
+                })
+                .await;
+                let result = match built {
+                    Ok((scratch, staged)) => {
+                        if staged.is_ok() {
+                            state.group = scratch;
+                        }
+                        staged
+                    }
+                    Err(e) => Err(EpError::Actor(format!("staging thread: {e}"))),
+                };
+                let _ = reply.send(result);
+            }
+            ExpertGroupMsg::Commit { epoch, reply } => {
+                let _ = reply.send(state.group.commit(epoch));
+            }
+            ExpertGroupMsg::Abort { epoch } => state.group.abort(epoch),
+            ExpertGroupMsg::TakeLoads(reply) => {
+                let _ = reply.send(state.group.take_loads());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A small random V4.1 model (the tiny architecture without Engram) for unit tests.
+#[cfg(test)]
+pub(crate) fn tiny_test_model() -> (tempfile::TempDir, Arc<Model>) {
+    let mut cfg = deepinfer_model::config::ModelConfig::tiny_v41();
+    cfg.engram = None;
+    let dir = tempfile::tempdir().expect("tempdir");
+    deepinfer_model::checkpoint::write_random_checkpoint(&cfg, 9, dir.path(), 1)
+        .expect("random checkpoint");
+    let model = Model::load(dir.path()).expect("model loads");
+    (dir, Arc::new(model))
+}

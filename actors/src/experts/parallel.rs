@@ -1,0 +1,235 @@
+//! `ExpertParallel`: the expert-parallel data plane one engine shares between its rank threads
+//! and its `ExpertGroupActor`s / `EplbActor`.
+//!
+//! Owns: the model the shards copy from, the placement shape, the EPLB schedule, the committed
+//! `LocalComm` (the placement epoch ranks adopt at their next step), a bounded log of which epoch
+//! each rank step ran on, and the `EplbActor`'s ref once the supervisor spawned it.
+//! Ordering: `commit` swaps the current transport; a rank reads it once at the start of a step
+//! (`begin_step`) and keeps it to the end, so a step never mixes epochs; the old transport lives
+//! until its last step finishes.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use deepinfer_model::Model;
+use deepinfer_topology::{
+    DpRank, EpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape,
+};
+use ractor::ActorRef;
+use ractor::rpc::CallResult;
+
+use crate::comm::{EpError, LocalComm};
+use crate::experts::shard::ExpertShard;
+use crate::messages::eplb::{EplbMsg, EplbStatus, RebalanceReport};
+
+/// How long the EPLB may take to answer (a rebalance copies weights).
+const EPLB_TIMEOUT: Duration = Duration::from_secs(300);
+/// Rank steps kept in the step log.
+const STEP_LOG_CAPACITY: usize = 1 << 16;
+
+/// When the EPLB measures and rebalances (in engine steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EplbSchedule {
+    /// Rebalance automatically.
+    pub enabled: bool,
+    /// Steps of load measured before each rebalance (>= 1).
+    pub window_steps: u64,
+    /// Steps between rebalances (>= 1).
+    pub interval_steps: u64,
+}
+
+/// The expert-parallel layout of an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EpSettings {
+    /// EP ranks (shards).
+    pub ep_ranks: usize,
+    /// Physical slots per layer beyond the logical experts.
+    pub redundant_experts: usize,
+    /// Expert groups (hierarchical policy when they divide over the nodes).
+    pub num_groups: usize,
+    /// Nodes the EP ranks span.
+    pub num_nodes: usize,
+    pub eplb: EplbSchedule,
+}
+
+impl EpSettings {
+    /// The settings a validated topology asks for (`[parallel] ep`, `[eplb]`, `[device] nodes`).
+    pub fn from_node(node: &NodeConfig) -> EpSettings {
+        EpSettings {
+            ep_ranks: usize::from(node.parallel.ep),
+            redundant_experts: usize::from(node.eplb.redundant_experts),
+            num_groups: usize::from(node.eplb.num_groups),
+            num_nodes: usize::from(node.device.nodes),
+            eplb: EplbSchedule {
+                enabled: node.eplb.enabled,
+                window_steps: u64::from(node.eplb.window_steps),
+                interval_steps: u64::from(node.eplb.rebalance_interval_steps),
+            },
+        }
+    }
+
+    /// True when the topology needs expert parallelism (ep > 1, or the EPLB is on).
+    pub fn is_needed(node: &NodeConfig) -> bool {
+        node.parallel.ep > 1 || node.eplb.enabled
+    }
+}
+
+/// Which placement epoch one rank step ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepRecord {
+    pub dp: DpRank,
+    /// The rank's own step counter (0-based, every executed step, empty ones included).
+    pub rank_step: u64,
+    /// The epoch the step adopted at its start.
+    pub epoch: PlacementEpoch,
+    /// Lowest and highest epoch of the shards that served its picks (`None`: no MoE work).
+    pub served: Option<(PlacementEpoch, PlacementEpoch)>,
+    /// Tokens the step ran.
+    pub tokens: usize,
+}
+
+/// The shared expert-parallel state of one engine.
+#[derive(Debug)]
+pub struct ExpertParallel {
+    model: Arc<Model>,
+    shape: PlacementShape,
+    settings: EpSettings,
+    current: RwLock<Arc<LocalComm>>,
+    eplb: Mutex<Option<ActorRef<EplbMsg>>>,
+    log: Mutex<VecDeque<StepRecord>>,
+}
+
+impl ExpertParallel {
+    /// Epoch 0: the placement for equal loads, each shard's weights copied from `model`.
+    pub fn new(model: Arc<Model>, settings: EpSettings) -> Result<Arc<ExpertParallel>, EpError> {
+        let cfg = model.config();
+        let shape = PlacementShape {
+            num_replicas: cfg.n_routed_experts + settings.redundant_experts,
+            num_groups: settings.num_groups,
+            num_nodes: settings.num_nodes,
+            num_gpus: settings.ep_ranks,
+        };
+        if settings.eplb.window_steps == 0 || settings.eplb.interval_steps == 0 {
+            return Err(EpError::Shape {
+                what: "EPLB window and interval steps (>= 1)",
+                expected: 1,
+                found: 0,
+            });
+        }
+        let placement = Arc::new(ExpertPlacement::uniform(
+            cfg.n_layers,
+            cfg.n_routed_experts,
+            shape,
+        )?);
+        let epoch = PlacementEpoch(0);
+        let shards = (0..settings.ep_ranks)
+            .map(|r| {
+                ExpertShard::build(&model, &placement, EpRank(r as u16), epoch, None)
+                    .map(|(shard, _)| Arc::new(shard))
+            })
+            .collect::<Result<Vec<_>, EpError>>()?;
+        let comm = LocalComm::new(epoch, model.clone(), placement, shards)?;
+        Ok(Arc::new(ExpertParallel {
+            model,
+            shape,
+            settings,
+            current: RwLock::new(Arc::new(comm)),
+            eplb: Mutex::new(None),
+            log: Mutex::new(VecDeque::new()),
+        }))
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn shape(&self) -> PlacementShape {
+        self.shape
+    }
+
+    pub fn settings(&self) -> EpSettings {
+        self.settings
+    }
+
+    /// The committed transport (what the next step adopts).
+    pub fn current(&self) -> Arc<LocalComm> {
+        // A poisoned lock still holds a complete `Arc` (the swap is one assignment).
+        match self.current.read() {
+            Ok(guard) => guard.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Makes `comm` the transport of every step that starts from now on.
+    pub(crate) fn commit(&self, comm: Arc<LocalComm>) {
+        match self.current.write() {
+            Ok(mut guard) => *guard = comm,
+            Err(poisoned) => *poisoned.into_inner() = comm,
+        }
+    }
+
+    /// The `EplbActor`, once spawned.
+    pub fn eplb(&self) -> Option<ActorRef<EplbMsg>> {
+        self.eplb
+            .lock()
+            .map(|g| g.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+
+    pub(crate) fn attach_eplb(&self, eplb: ActorRef<EplbMsg>) {
+        match self.eplb.lock() {
+            Ok(mut guard) => *guard = Some(eplb),
+            Err(poisoned) => *poisoned.into_inner() = Some(eplb),
+        }
+    }
+
+    /// Records a finished rank step and tells the EPLB (one message per step).
+    pub(crate) fn finish_step(&self, record: StepRecord) {
+        {
+            let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            if log.len() == STEP_LOG_CAPACITY {
+                log.pop_front();
+            }
+            log.push_back(record);
+        }
+        if let Some(eplb) = self.eplb() {
+            // The EPLB stopping (shutdown) must not fail the step.
+            let _ = eplb.cast(EplbMsg::StepExecuted {
+                dp: record.dp,
+                epoch: record.epoch,
+            });
+        }
+    }
+
+    /// Asks the EPLB to measure the loads since its last measurement and rebalance now.
+    pub async fn rebalance_now(&self) -> Result<RebalanceReport, EpError> {
+        let eplb = self.eplb_or_error()?;
+        match eplb.call(EplbMsg::RebalanceNow, Some(EPLB_TIMEOUT)).await {
+            Ok(CallResult::Success(report)) => report,
+            Ok(_) => Err(EpError::Actor("the EPLB did not answer".into())),
+            Err(e) => Err(EpError::Actor(e.to_string())),
+        }
+    }
+
+    /// The EPLB's status (epoch, steps, rebalances, last report).
+    pub async fn eplb_status(&self) -> Result<EplbStatus, EpError> {
+        let eplb = self.eplb_or_error()?;
+        match eplb.call(EplbMsg::Status, Some(EPLB_TIMEOUT)).await {
+            Ok(CallResult::Success(status)) => Ok(status),
+            Ok(_) => Err(EpError::Actor("the EPLB did not answer".into())),
+            Err(e) => Err(EpError::Actor(e.to_string())),
+        }
+    }
+
+    fn eplb_or_error(&self) -> Result<ActorRef<EplbMsg>, EpError> {
+        self.eplb()
+            .ok_or_else(|| EpError::Actor("no EPLB actor (the engine has not started it)".into()))
+    }
+
+    /// The most recent rank steps (oldest first, at most 65536).
+    pub fn step_log(&self) -> Vec<StepRecord> {
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        log.iter().copied().collect()
+    }
+}

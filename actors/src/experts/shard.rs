@@ -1,0 +1,167 @@
+//! `ExpertShard`: what one EP rank holds for one placement epoch — the logical expert of each of
+//! its physical slots in every backbone layer, its own copy of their weights, and a load counter
+//! per physical slot (tokens served), read by the EPLB.
+//!
+//! A shard is immutable but for its counters; a new placement builds a new shard (reusing the
+//! weights of experts this rank already held, copying the others), so the shard of a running
+//! step never changes under it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use deepinfer_model::Model;
+use deepinfer_model::expert_dispatch::RoutedExpert;
+use deepinfer_topology::{EpRank, ExpertId, ExpertPlacement, PlacementEpoch};
+
+use crate::comm::EpError;
+
+/// One EP rank's experts in one epoch.
+#[derive(Debug)]
+pub struct ExpertShard {
+    rank: EpRank,
+    epoch: PlacementEpoch,
+    /// `[layer][local slot]`: the logical expert held.
+    held: Vec<Vec<ExpertId>>,
+    /// `[layer][local slot]`: its weights.
+    weights: Vec<Vec<Arc<RoutedExpert>>>,
+    /// `[layer][local slot]`: picks served since the last `take_loads`.
+    served: Vec<Vec<AtomicU64>>,
+}
+
+/// How a shard was built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StageReport {
+    /// Slots whose weights were copied in (the expert was not on this rank before).
+    pub copied: usize,
+    /// Slots that kept weights this rank already held.
+    pub reused: usize,
+}
+
+impl ExpertShard {
+    /// The shard of `rank` under `placement` for `epoch`: weights of experts `previous` holds in
+    /// the same layer are shared, the rest are copied from `model`.
+    pub fn build(
+        model: &Model,
+        placement: &ExpertPlacement,
+        rank: EpRank,
+        epoch: PlacementEpoch,
+        previous: Option<&ExpertShard>,
+    ) -> Result<(ExpertShard, StageReport), EpError> {
+        let mut report = StageReport::default();
+        let mut held = Vec::with_capacity(placement.layers.len());
+        let mut weights = Vec::with_capacity(placement.layers.len());
+        for layer in 0..placement.layers.len() {
+            let experts = placement.experts_on_rank(layer, rank).to_vec();
+            if experts.len() != placement.slots_per_gpu {
+                return Err(EpError::Shape {
+                    what: "slots of an EP rank in a placement layer",
+                    expected: placement.slots_per_gpu,
+                    found: experts.len(),
+                });
+            }
+            let mut row = Vec::with_capacity(experts.len());
+            for &expert in &experts {
+                match previous.and_then(|p| p.weights_of(layer, expert)) {
+                    Some(kept) => {
+                        report.reused += 1;
+                        row.push(kept);
+                    }
+                    None => {
+                        report.copied += 1;
+                        let copy = model
+                            .routed_expert(layer, expert.index())
+                            .map_err(|e| EpError::Model(e.to_string()))?;
+                        row.push(Arc::new(copy));
+                    }
+                }
+            }
+            held.push(experts);
+            weights.push(row);
+        }
+        let served = held
+            .iter()
+            .map(|row| row.iter().map(|_| AtomicU64::new(0)).collect())
+            .collect();
+        Ok((
+            ExpertShard {
+                rank,
+                epoch,
+                held,
+                weights,
+                served,
+            },
+            report,
+        ))
+    }
+
+    pub fn rank(&self) -> EpRank {
+        self.rank
+    }
+
+    pub fn epoch(&self) -> PlacementEpoch {
+        self.epoch
+    }
+
+    /// `[layer][local slot]`: the logical expert each slot holds.
+    pub fn held(&self) -> &[Vec<ExpertId>] {
+        &self.held
+    }
+
+    /// The weights this shard holds for `expert` in `layer`, if any slot holds it.
+    fn weights_of(&self, layer: usize, expert: ExpertId) -> Option<Arc<RoutedExpert>> {
+        let local = self.held.get(layer)?.iter().position(|&e| e == expert)?;
+        self.weights.get(layer)?.get(local).cloned()
+    }
+
+    /// Checks that this shard holds what `placement` puts on EP rank `rank`.
+    pub fn check_holds(&self, placement: &ExpertPlacement, rank: EpRank) -> Result<(), EpError> {
+        if self.rank != rank || self.held.len() != placement.layers.len() {
+            return Err(EpError::Shape {
+                what: "layers of the shard of the EP rank at this position",
+                expected: placement.layers.len(),
+                found: if self.rank == rank {
+                    self.held.len()
+                } else {
+                    0
+                },
+            });
+        }
+        for (layer, row) in self.held.iter().enumerate() {
+            let expected = placement.experts_on_rank(layer, rank);
+            if let Some(slot) =
+                (0..expected.len().max(row.len())).find(|&slot| expected.get(slot) != row.get(slot))
+            {
+                return Err(EpError::ShardSlot {
+                    rank,
+                    layer,
+                    slot,
+                    expected: format!("{:?}", expected.get(slot)),
+                    found: format!("{:?}", row.get(slot)),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the expert of local slot `local` of `layer` on one token and counts the pick.
+    /// The caller (`LocalComm`) only names slots its validated placement puts on this rank.
+    pub fn run(
+        &self,
+        model: &Model,
+        layer: usize,
+        local: usize,
+        x: &[f32],
+        weight: f32,
+    ) -> Vec<f32> {
+        self.served[layer][local].fetch_add(1, Ordering::Relaxed);
+        model.run_routed_expert(&self.weights[layer][local], x, weight)
+    }
+
+    /// `[layer][local slot]` picks served since the last call, and resets the counters.
+    pub fn take_loads(&self) -> Vec<Vec<u64>> {
+        self.served
+            .iter()
+            .map(|row| row.iter().map(|c| c.swap(0, Ordering::Relaxed)).collect())
+            .collect()
+    }
+}

@@ -1,0 +1,204 @@
+// Scalar math of deepinfer-model's CPU reference (quant.rs), reproduced operation for operation
+// with explicit round-to-nearest intrinsics (no contraction), so that each result is bit-identical:
+// the vectorised exp (SLEEF expf_u10 as torch's CPU kernels use it), the sequential f64 dot product
+// (`dot_f32`), E2M1 rounding with ties to the even code, and the sgemm-order fp32 dot product
+// (`dot_f32_sgemm`: sequential FMA inside blocks of 256 products, the block partials added as a
+// pairwise tree in K order: `(b0 + b1) + (b2 + b3)`, an odd block out joining one level up),
+// and torch's CPU row sum (`sum_f32_torch`: 8 lanes x 4 interleaved accumulators with a 4-level
+// cascade), behind every mean of squares (RMSNorm, mHC).
+#pragma once
+#include "common/numerics.cuh"
+
+namespace refmath {
+
+constexpr u32_t SGEMM_K_BLOCK = 256;
+
+__device__ __forceinline__ float power_of_two(int e) { return __uint_as_float((u32_t)(e + 127) << 23); }
+
+// quant::exp_f32: Cody-Waite reduction by ln 2, degree-6 polynomial, scaling by 2^q in two steps.
+__device__ __forceinline__ float exp_f32(float x) {
+    if (isnan(x)) return x;
+    if (x < -104.0f) return 0.0f;
+    if (x > 100.0f) return __uint_as_float(0x7f800000u);
+    const float LOG2_E = 1.44269504088896341f;
+    const float LN2_HIGH = 0.69314575f;
+    const float LN2_LOW = 1.4286068e-6f;
+    const float q = rintf(__fmul_rn(x, LOG2_E));  // ties to even
+    const float s = __fmaf_rn(q, -LN2_LOW, __fmaf_rn(q, -LN2_HIGH, x));
+    float poly = 1.9852762e-4f;
+    poly = __fmaf_rn(poly, s, 1.3930436e-3f);
+    poly = __fmaf_rn(poly, s, 8.333361e-3f);
+    poly = __fmaf_rn(poly, s, 4.1666485e-2f);
+    poly = __fmaf_rn(poly, s, 0.16666667f);
+    poly = __fmaf_rn(poly, s, 0.5f);
+    const float mantissa = __fadd_rn(1.0f, __fmaf_rn(__fmul_rn(s, s), poly, s));
+    const int qi = (int)q;
+    const int half = qi >> 1;
+    return __fmul_rn(__fmul_rn(mantissa, power_of_two(half)), power_of_two(qi - half));
+}
+
+// 1 / (1 + exp(-x)) as the reference's mHC sigmoid.
+__device__ __forceinline__ float sigmoid(float x) {
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_f32(-x)));
+}
+
+// quant::dot_f32: f64 products (exact for f32 inputs) added in sequence, rounded once to f32.
+__device__ __forceinline__ float dot_f64_sequential(const float* a, const float* b, u32_t n) {
+    double acc = 0.0;
+#pragma unroll 16
+    for (u32_t i = 0; i < n; ++i) acc = __dadd_rn(acc, __dmul_rn((double)a[i], (double)b[i]));
+    return __double2float_rn(acc);
+}
+
+// One block of quant::dot_f32_sgemm: sequential FMAs over a[0..n) · b[0..n) from 0.
+__device__ __forceinline__ float fma_chain(const float* a, const float* b, u32_t n) {
+    float acc = 0.0f;
+#pragma unroll 16
+    for (u32_t i = 0; i < n; ++i) acc = __fmaf_rn(a[i], b[i], acc);
+    return acc;
+}
+
+// The pairwise tree of quant::dot_f32_sgemm over block partials pushed in K order: the CPU splits
+// `blocks` into the largest power of two below it (a perfect pairwise tree) and the rest
+// (recursively), i.e. sum = P(2^a1) + (P(2^a2) + (... + P(2^am))) over the binary digits of the
+// block count. A binary counter builds the perfect trees as the partials arrive (merging equal
+// sizes: (b0 + b1) + (b2 + b3)); finish() adds them from the right. fp32 addition commutes, so
+// only the grouping matters.
+struct PairwiseSum {
+    float value[32];
+    u32_t size[32];
+    int top = 0;
+    __device__ __forceinline__ void push(float v) {
+        u32_t s = 1;
+        while (top > 0 && size[top - 1] == s) {
+            v = __fadd_rn(value[top - 1], v);
+            s *= 2;
+            --top;
+        }
+        value[top] = v;
+        size[top] = s;
+        ++top;
+    }
+    __device__ __forceinline__ float finish() const {
+        if (top == 0) return 0.0f;
+        float r = value[top - 1];
+        for (int i = top - 2; i >= 0; --i) r = __fadd_rn(value[i], r);
+        return r;
+    }
+};
+
+// quant::dot_f32_sgemm in one thread.
+__device__ __forceinline__ float dot_sgemm_order(const float* a, const float* b, u32_t n) {
+    PairwiseSum sum;
+    for (u32_t start = 0; start < n; start += SGEMM_K_BLOCK)
+        sum.push(fma_chain(a + start, b + start, min(SGEMM_K_BLOCK, n - start)));
+    return sum.finish();
+}
+
+// quant::e2m1_round: a value in [-6, 6] to the E2M1 grid, ties to the even code, sign kept.
+__device__ __forceinline__ float e2m1_round(float v) {
+    const float mids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    const bool tie_up[7] = {false, true, false, true, false, true, false};
+    const float grid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float magnitude = fabsf(v);
+    int code = 0;
+#pragma unroll
+    for (int i = 0; i < 7; ++i)
+        if (magnitude > mids[i] || (magnitude == mids[i] && tie_up[i])) ++code;
+    return signbit(v) ? -grid[code] : grid[code];
+}
+
+// --- torch's CPU row sum (deepinfer-model quant::sum_f32_torch / torch_row_sum) ---------------
+constexpr u32_t TORCH_SUM_LANES = 8;
+constexpr u32_t TORCH_SUM_ILP = 4;
+constexpr u32_t TORCH_SUM_LEVELS = 4;
+
+__device__ __forceinline__ u32_t ceil_log2(u32_t v) { return v <= 1u ? 0u : 32u - (u32_t)__clz(v - 1u); }
+
+// Element i of the summed row: x[i], or its square rounded to fp32 (x.square()).
+template <class T, bool SQUARE>
+__device__ __forceinline__ float torch_sum_element(const T* x, u32_t i) {
+    const float v = to_f32(x[i]);
+    return SQUARE ? __fmul_rn(v, v) : v;
+}
+
+// Accumulator (lane, k) of torch_row_sum<W> over x[0..n), cascade levels folded into level 0.
+// The ILP x W accumulators never mix before the final combination, so each is its own chain.
+template <class T, bool SQUARE>
+__device__ float torch_sum_chain(const T* x, u32_t n, u32_t W, u32_t lane, u32_t k) {
+    const u32_t groups = n / W / TORCH_SUM_ILP;
+    const u32_t level_power = max(4u, ceil_log2(groups) / TORCH_SUM_LEVELS);
+    const u32_t level_step = 1u << level_power;
+    const u32_t level_mask = level_step - 1u;
+    float acc[TORCH_SUM_LEVELS] = {0.0f, 0.0f, 0.0f, 0.0f};
+    u32_t group = 0;
+    while (group + level_step <= groups) {
+#pragma unroll 16
+        for (u32_t s = 0; s < level_step; ++s, ++group)
+            acc[0] = __fadd_rn(acc[0], torch_sum_element<T, SQUARE>(x, (group * TORCH_SUM_ILP + k) * W + lane));
+#pragma unroll
+        for (u32_t level = 1; level < TORCH_SUM_LEVELS; ++level) {
+            acc[level] = __fadd_rn(acc[level], acc[level - 1]);
+            acc[level - 1] = 0.0f;
+            if ((group & (level_mask << (level * level_power))) != 0u) break;
+        }
+    }
+    for (; group < groups; ++group)
+        acc[0] = __fadd_rn(acc[0], torch_sum_element<T, SQUARE>(x, (group * TORCH_SUM_ILP + k) * W + lane));
+#pragma unroll
+    for (u32_t level = 1; level < TORCH_SUM_LEVELS; ++level) acc[0] = __fadd_rn(acc[0], acc[level]);
+    return acc[0];
+}
+
+// Lane `lane` of torch_row_sum<W> from its ILP folded accumulators acc[k]: accumulator 0, then
+// the whole vectors after the last group, then accumulators 1.. in order.
+template <class T, bool SQUARE>
+__device__ float torch_sum_lane(const T* x, u32_t n, u32_t W, u32_t lane, const float* acc) {
+    const u32_t vectors = n / W;
+    float total = acc[0];
+    for (u32_t v = vectors / TORCH_SUM_ILP * TORCH_SUM_ILP; v < vectors; ++v)
+        total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, v * W + lane));
+    for (u32_t k = 1; k < TORCH_SUM_ILP; ++k) total = __fadd_rn(total, acc[k]);
+    return total;
+}
+
+// sum_f32_torch of x[0..n) (of the squares when SQUARE), computed by the whole block (at least 32
+// threads, every thread must call it) and returned to every thread. `scratch` is shared memory of
+// TORCH_SUM_ILP * TORCH_SUM_LANES + TORCH_SUM_LANES + 1 floats.
+template <class T, bool SQUARE>
+__device__ float torch_sum_block(const T* x, u32_t n, float* scratch) {
+    float* chains = scratch;                                         // [ILP][LANES]
+    float* lanes = scratch + TORCH_SUM_ILP * TORCH_SUM_LANES;        // [LANES]
+    float* result = lanes + TORCH_SUM_LANES;
+    const u32_t t = threadIdx.x;
+    if (n < TORCH_SUM_LANES) {
+        if (t == 0) {
+            float acc[TORCH_SUM_ILP];
+            for (u32_t k = 0; k < TORCH_SUM_ILP; ++k) acc[k] = torch_sum_chain<T, SQUARE>(x, n, 1, 0, k);
+            *result = torch_sum_lane<T, SQUARE>(x, n, 1, 0, acc);
+        }
+        __syncthreads();
+        return *result;
+    }
+    if (t < TORCH_SUM_ILP * TORCH_SUM_LANES)
+        chains[t] = torch_sum_chain<T, SQUARE>(x, n, TORCH_SUM_LANES, t % TORCH_SUM_LANES, t / TORCH_SUM_LANES);
+    __syncthreads();
+    if (t < TORCH_SUM_LANES) {
+        float acc[TORCH_SUM_ILP];
+        for (u32_t k = 0; k < TORCH_SUM_ILP; ++k) acc[k] = chains[k * TORCH_SUM_LANES + t];
+        lanes[t] = torch_sum_lane<T, SQUARE>(x, n, TORCH_SUM_LANES, t, acc);
+    }
+    __syncthreads();
+    if (t == 0) {
+        // The leftover elements are summed from 0 first, then the lanes are added in order.
+        float total = 0.0f;
+        for (u32_t i = n / TORCH_SUM_LANES * TORCH_SUM_LANES; i < n; ++i)
+            total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, i));
+        for (u32_t lane = 0; lane < TORCH_SUM_LANES; ++lane) total = __fadd_rn(total, lanes[lane]);
+        *result = total;
+    }
+    __syncthreads();
+    return *result;
+}
+
+}  // namespace refmath

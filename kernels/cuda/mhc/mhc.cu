@@ -1,0 +1,17 @@
+// Instantiations of the mHC kernels on f32 storage.
+#include "mhc/mhc.cuh"
+
+extern "C" __global__ void __launch_bounds__(mhc::THREADS)
+    hc_mixes_f32(const float* x, const float* proj, const float* base, const float* scale, float* out,
+                 HcMixesParams p) {
+    mhc::hc_mixes(x, proj, base, scale, out, p);
+}
+
+extern "C" __global__ void hc_collapse_f32(const float* x, const float* w, float* y, HcElementwiseParams p) {
+    mhc::hc_collapse(x, w, y, p);
+}
+
+extern "C" __global__ void hc_expand_f32(const float* y, const float* residual, const float* mix, float* out,
+                                         HcElementwiseParams p) {
+    mhc::hc_expand(y, residual, mix, out, p);
+}

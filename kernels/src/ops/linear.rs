@@ -1,0 +1,171 @@
+//! Plain fp32 linears `y = x · Wᵀ` (`W [out, inp]`) in the CPU reference's sgemm summation order
+//! (`deepinfer_model::quant::dot_f32_sgemm`): bit-exact with `CpuBackend::linear_f32` /
+//! `linear_bf16`, and a row's values never depend on the other rows. Also the exact f32
+//! dequantisation of weight rows that the fp32 linears over FP8 / FP4 weights consume.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
+
+use super::{Rounding, dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::params::{DequantParams, LinearParams};
+use crate::runtime::KernelRuntime;
+
+const OP: &str = "linear_sgemm_f32";
+const THREADS: u32 = 128;
+/// Outputs per block (one warp each); must match `linear::WARPS`.
+const OUTPUTS_PER_BLOCK: u32 = THREADS / 32;
+/// Largest `inp`: `linear::MAX_BLOCKS` blocks of 256 products.
+const MAX_INP: usize = 256 * 256;
+
+/// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ`, all f32 row-major; `output` says whether `y`
+/// is rounded to bf16 (`linear_bf16`) or left in fp32 (`linear_f32`).
+pub fn linear_sgemm_f32(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    (rows, out, inp): (usize, usize, usize),
+    output: Rounding,
+) -> Result<(), KernelError> {
+    if inp == 0 || inp > MAX_INP {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!("inp = {inp} must be in 1..={MAX_INP}"),
+        });
+    }
+    expect_len(OP, "x", x.len(), rows * inp)?;
+    expect_len(OP, "w", w.len(), out * inp)?;
+    expect_len(OP, "y", y.len(), rows * out)?;
+    let total = dim(OP, "rows * out", rows * out)?;
+    if total == 0 {
+        return Ok(());
+    }
+    let params = LinearParams {
+        rows: dim(OP, "rows", rows)?,
+        out: dim(OP, "out", out)?,
+        inp: dim(OP, "inp", inp)?,
+        round_bf16: output.flag(),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(OUTPUTS_PER_BLOCK), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::LinearSgemmF32)?);
+    launch.arg(x).arg(w).arg(y).arg(&params);
+    // SAFETY: signature (const float* x, const float* w, float* y, LinearParams); lengths checked
+    // above against (rows, out, inp), inp <= MAX_INP fits the kernel's shared partials; one warp
+    // per output, the kernel bounds-checks the output index.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching linear_sgemm_f32"))?;
+    Ok(())
+}
+
+/// Rows `row_start..row_start + rows` of an FP8 weight, dequantised exactly to f32 into
+/// `out [rows, w.inp]`.
+pub fn dequant_fp8_rows_f32(
+    rt: &KernelRuntime,
+    w: &DeviceFp8Weight,
+    row_start: usize,
+    rows: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    let scale_cols = w.inp.div_ceil(w.tile);
+    let params = dequant_params(
+        "dequant_fp8_rows_f32",
+        (w.out, w.inp),
+        row_start,
+        rows,
+        (w.tile, scale_cols),
+        out,
+    )?;
+    launch_dequant(
+        rt,
+        KernelId::DequantFp8RowsF32,
+        &w.codes,
+        &w.scales,
+        out,
+        params,
+    )
+}
+
+/// Rows `row_start..row_start + rows` of an FP4 weight, dequantised exactly to f32 into
+/// `out [rows, w.inp]`.
+pub fn dequant_fp4_rows_f32(
+    rt: &KernelRuntime,
+    w: &DeviceFp4Weight,
+    row_start: usize,
+    rows: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    let params = dequant_params(
+        "dequant_fp4_rows_f32",
+        (w.out, w.inp),
+        row_start,
+        rows,
+        (32, w.inp / 32),
+        out,
+    )?;
+    launch_dequant(
+        rt,
+        KernelId::DequantFp4RowsF32,
+        &w.packed,
+        &w.scales,
+        out,
+        params,
+    )
+}
+
+fn dequant_params(
+    op: &'static str,
+    (n, k): (usize, usize),
+    row_start: usize,
+    rows: usize,
+    (tile, scale_cols): (usize, usize),
+    out: &CudaSlice<f32>,
+) -> Result<DequantParams, KernelError> {
+    if rows == 0 || row_start + rows > n {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("rows {row_start}..{} of a {n}-row weight", row_start + rows),
+        });
+    }
+    expect_len(op, "out", out.len(), rows * k)?;
+    Ok(DequantParams {
+        row_start: dim(op, "row_start", row_start)?,
+        rows: dim(op, "rows", rows)?,
+        k: dim(op, "k", k)?,
+        tile: dim(op, "tile", tile)?,
+        scale_cols: dim(op, "scale_cols", scale_cols)?,
+    })
+}
+
+fn launch_dequant(
+    rt: &KernelRuntime,
+    kernel: KernelId,
+    codes: &CudaSlice<u8>,
+    scales: &CudaSlice<u8>,
+    out: &mut CudaSlice<f32>,
+    params: DequantParams,
+) -> Result<(), KernelError> {
+    let total = dim(kernel.symbol(), "rows * k", out.len())?;
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(THREADS), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    launch.arg(codes).arg(scales).arg(out).arg(&params);
+    // SAFETY: signature (const u8* codes, const u8* scales, float* out, DequantParams); the weight
+    // buffers were length-checked at upload for [n, k], the rows lie inside n and out holds
+    // rows * k values (checked by dequant_params); the kernel bounds-checks its index.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+        "launching {}",
+        kernel.symbol()
+    )))?;
+    Ok(())
+}

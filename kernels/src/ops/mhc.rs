@@ -1,0 +1,180 @@
+//! mHC on the device for one token (`CpuBackend::hc_mixes` / `hc_collapse` / `hc_expand`): the
+//! coefficients (projection in the CPU sgemm order, sigmoids, Sinkhorn), the collapse of `hc`
+//! streams into one bf16 row and the expansion back. All f32 storage; bit-exact with the CPU
+//! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`).
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{Rounding, dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::params::{HcElementwiseParams, HcMixesParams};
+use crate::runtime::KernelRuntime;
+
+const THREADS: u32 = 256;
+const ELEMENTWISE_THREADS: u32 = 256;
+/// Must match `mhc::MAX_HC`.
+pub const MAX_HC: usize = 8;
+/// The CPU sgemm K block (`quant::SGEMM_K_BLOCK`).
+const SGEMM_K_BLOCK: usize = 256;
+/// Dynamic shared memory the projection partials may use.
+const MAX_PARTIAL_BYTES: usize = 40 * 1024;
+
+/// The scalar settings of [`hc_mixes_f32`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HcMixesConfig {
+    pub hc: usize,
+    pub sinkhorn_iters: usize,
+    pub hc_eps: f32,
+    pub norm_eps: f32,
+}
+
+/// `out = pre [hc] ++ post [hc] ++ comb [hc, hc]` of the streams `x [hc · dim]`, with
+/// `proj [(2 + hc) · hc, hc · dim]`, `base [(2 + hc) · hc]`, `scale [3]`.
+pub fn hc_mixes_f32(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    proj: &CudaSlice<f32>,
+    base: &CudaSlice<f32>,
+    scale: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    config: HcMixesConfig,
+) -> Result<(), KernelError> {
+    const OP: &str = "hc_mixes_f32";
+    let HcMixesConfig {
+        hc,
+        sinkhorn_iters,
+        hc_eps,
+        norm_eps,
+    } = config;
+    let n = x.len();
+    if hc == 0 || hc > MAX_HC || n == 0 || !n.is_multiple_of(hc) {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "hc = {hc} must be in 1..={MAX_HC} and x ({n} values) a positive multiple of it"
+            ),
+        });
+    }
+    let projections = (2 + hc) * hc;
+    expect_len(OP, "proj", proj.len(), projections * n)?;
+    expect_len(OP, "base", base.len(), projections)?;
+    expect_len(OP, "scale", scale.len(), 3)?;
+    expect_len(OP, "out", out.len(), 2 * hc + hc * hc)?;
+    let partial_bytes = projections * n.div_ceil(SGEMM_K_BLOCK) * 4;
+    if partial_bytes > MAX_PARTIAL_BYTES {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "{projections} projections of {n} values need {partial_bytes} bytes of partials (> {MAX_PARTIAL_BYTES})"
+            ),
+        });
+    }
+    let params = HcMixesParams {
+        hc: dim(OP, "hc", hc)?,
+        n: dim(OP, "n", n)?,
+        sinkhorn_iters: dim(OP, "sinkhorn_iters", sinkhorn_iters)?,
+        hc_eps,
+        norm_eps,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: dim(OP, "shared memory", partial_bytes)?,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::HcMixesF32)?);
+    launch
+        .arg(x)
+        .arg(proj)
+        .arg(base)
+        .arg(scale)
+        .arg(out)
+        .arg(&params);
+    // SAFETY: signature (const float* x, const float* proj, const float* base, const float* scale,
+    // float* out, HcMixesParams); lengths checked above; the dynamic shared memory holds every
+    // (projection, 256-block) partial; hc <= MAX_HC as the kernel's local arrays require.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_mixes_f32"))?;
+    Ok(())
+}
+
+fn elementwise_params(
+    op: &'static str,
+    hc: usize,
+    dim_: usize,
+    rounding: Rounding,
+) -> Result<HcElementwiseParams, KernelError> {
+    if hc == 0 || dim_ == 0 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("hc = {hc} and dim = {dim_} must be positive"),
+        });
+    }
+    Ok(HcElementwiseParams {
+        hc: dim(op, "hc", hc)?,
+        dim: dim(op, "dim", dim_)?,
+        round_bf16: rounding.flag(),
+    })
+}
+
+/// `y [dim] = round(Σ_k w_k · x [k, dim])` over `w.len()` streams.
+pub fn hc_collapse_f32(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    const OP: &str = "hc_collapse_f32";
+    let hc = w.len();
+    let width = y.len();
+    let params = elementwise_params(OP, hc, width, rounding)?;
+    expect_len(OP, "x", x.len(), hc * width)?;
+    let cfg = LaunchConfig {
+        grid_dim: (params.dim.div_ceil(ELEMENTWISE_THREADS), 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::HcCollapseF32)?);
+    launch.arg(x).arg(w).arg(y).arg(&params);
+    // SAFETY: signature (const float* x, const float* w, float* y, HcElementwiseParams); x holds
+    // hc * dim, w hc and y dim values (checked above); the kernel bounds-checks d.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_collapse_f32"))?;
+    Ok(())
+}
+
+/// `out [k, dim] = round(post_k · y + Σ_j comb[j, k] · residual [j, dim])` with
+/// `mix = post [hc] ++ comb [hc, hc]`.
+pub fn hc_expand_f32(
+    rt: &KernelRuntime,
+    y: &CudaSlice<f32>,
+    residual: &CudaSlice<f32>,
+    mix: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    hc: usize,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    const OP: &str = "hc_expand_f32";
+    let width = y.len();
+    let params = elementwise_params(OP, hc, width, rounding)?;
+    expect_len(OP, "residual", residual.len(), hc * width)?;
+    expect_len(OP, "mix", mix.len(), hc + hc * hc)?;
+    expect_len(OP, "out", out.len(), hc * width)?;
+    let total = dim(OP, "hc * dim", hc * width)?;
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(ELEMENTWISE_THREADS), 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::HcExpandF32)?);
+    launch.arg(y).arg(residual).arg(mix).arg(out).arg(&params);
+    // SAFETY: signature (const float* y, const float* residual, const float* mix, float* out,
+    // HcElementwiseParams); lengths checked above; the kernel bounds-checks its index.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_expand_f32"))?;
+    Ok(())
+}

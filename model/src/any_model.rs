@@ -1,0 +1,95 @@
+//! A model of either family behind one API: [`AnyModel`] loads a checkpoint directory as V4.1 or V4
+//! by its config's `model_type`, and [`AnySequence`] is the matching per-sequence state. Callers
+//! that only feed tokens and read logits (the `logits` tool) need nothing family-specific.
+
+use std::path::Path;
+
+use crate::config::{ModelConfig, ModelFamily};
+use crate::engram::CompressedVocab;
+use crate::error::ModelError;
+use crate::{LogitsWanted, v4, v41};
+
+/// A loaded model of either family (boxed: the two differ in size).
+#[derive(Debug)]
+pub enum AnyModel {
+    V41(Box<v41::Model>),
+    V4(Box<v4::Model>),
+}
+
+/// The per-sequence state of an [`AnyModel`] (boxed: the two differ in size).
+#[derive(Debug, Clone)]
+pub enum AnySequence {
+    V41(Box<v41::SequenceState>),
+    V4(Box<v4::SequenceState>),
+}
+
+impl AnySequence {
+    /// Tokens seen so far.
+    pub fn len(&self) -> usize {
+        match self {
+            AnySequence::V41(seq) => seq.len(),
+            AnySequence::V4(seq) => seq.len(),
+        }
+    }
+
+    /// Whether no token has been seen.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn family_mismatch() -> ModelError {
+    ModelError::Sequence {
+        message: "the sequence belongs to a model of the other family".to_string(),
+    }
+}
+
+impl AnyModel {
+    /// Loads `dir` as the family its `config.json` names. `vocab` is the Engram compressed
+    /// vocabulary (V4.1 models with Engram layers need it; V4 ignores it).
+    pub fn load(dir: &Path, vocab: Option<CompressedVocab>) -> Result<AnyModel, ModelError> {
+        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+        Ok(match cfg.family {
+            ModelFamily::V41 => AnyModel::V41(Box::new(v41::Model::load_with_vocab(dir, vocab)?)),
+            ModelFamily::V4 => AnyModel::V4(Box::new(v4::Model::load(dir)?)),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            AnyModel::V41(model) => model.config(),
+            AnyModel::V4(model) => model.config(),
+        }
+    }
+
+    /// A fresh, empty sequence.
+    pub fn new_sequence(&self) -> AnySequence {
+        match self {
+            AnyModel::V41(model) => AnySequence::V41(Box::new(model.new_sequence())),
+            AnyModel::V4(model) => AnySequence::V4(Box::new(model.new_sequence())),
+        }
+    }
+
+    /// Appends `tokens` to `seq` and returns fp32 logits rows (see `Model::forward`).
+    pub fn forward(
+        &self,
+        seq: &mut AnySequence,
+        tokens: &[u32],
+        want: LogitsWanted,
+    ) -> Result<Vec<f32>, ModelError> {
+        match (self, seq) {
+            (AnyModel::V41(model), AnySequence::V41(seq)) => model.forward(seq, tokens, want),
+            (AnyModel::V4(model), AnySequence::V4(seq)) => model.forward(seq, tokens, want),
+            _ => Err(family_mismatch()),
+        }
+    }
+
+    /// Drops everything after the first `len` tokens of `seq`.
+    pub fn rollback(&self, seq: &mut AnySequence, len: usize) -> Result<(), ModelError> {
+        match (self, seq) {
+            (AnyModel::V41(model), AnySequence::V41(seq)) => model.rollback(seq, len),
+            (AnyModel::V4(model), AnySequence::V4(seq)) => model.rollback(seq, len),
+            _ => Err(family_mismatch()),
+        }
+    }
+}

@@ -1,0 +1,989 @@
+//! `CudaBackend`: [`Backend`] on one NVIDIA GPU through the kernels of `deepinfer-kernels`. Every op
+//! computes what [`super::CpuBackend`] computes, in the same operation order, so the results are
+//! bit-identical (the sgemm order of the plain linears, torch's CPU sum order of the means of
+//! squares, the sequential f64 sums of attention and the indexer, the vectorised `exp`). No kernel
+//! splits a reduction by the batch, so a sequence's numbers do not depend on what else runs (batch
+//! invariance).
+//!
+//! Data path of this first step: weights are uploaded once and cached on the device; activations
+//! are copied to the device and back for every op (the device-resident data path, with no copy
+//! inside a decode step but the sampled tokens, is a later step).
+//!
+//! Weight cache: only the weights the model passes (never temporaries: the fp32 linears over FP8 /
+//! FP4 weights are overridden to dequantise on the device from the cached FP8 / FP4 copy, so the
+//! trait's default, which hands dequantised host blocks to `linear_f32`, never reaches the cache).
+//! The model's weights are immutable host buffers that live as long as the model, so
+//! a weight is keyed by its host address and length plus a content fingerprint (every element of a
+//! buffer up to 4096 elements, 64 evenly spaced ones beyond). A host buffer that is freed and
+//! replaced by another of the same length at the same address with the same sampled content would
+//! hit a stale entry: do not pass short-lived buffers as weights, or call
+//! [`CudaBackend::clear_weight_cache`] after freeing them.
+//!
+//! Errors: [`CudaBackend::open`] returns [`CudaBackendError`] (no driver, no NVRTC, unsupported
+//! GPU, compile failure), never panics. The `try_*` methods return errors too. [`Backend`]'s
+//! methods return plain values, so a device failure inside one of them (out of memory, a lost
+//! device) has no error channel: it panics with the op and the driver's message.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use deepinfer_kernels::cudarc::driver::CudaSlice;
+use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::attention::sparse_attention_sink_f32;
+use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
+use deepinfer_kernels::ops::index::index_scores_f32;
+use deepinfer_kernels::ops::linear::{
+    dequant_fp4_rows_f32, dequant_fp8_rows_f32, linear_sgemm_f32,
+};
+use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_collapse_f32, hc_expand_f32, hc_mixes_f32};
+use deepinfer_kernels::ops::norm::rms_norm_f32;
+use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
+use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
+use deepinfer_kernels::{KernelError, KernelRuntime};
+use half::bf16;
+
+use super::{Backend, HcMix, HcParams, Precision, RopeTable};
+use crate::weights::{Fp4Weight, Fp8Weight};
+
+/// Why the CUDA backend could not open or run an op.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaBackendError {
+    /// The device could not be opened (no driver, no NVRTC, unsupported GPU, kernel compilation).
+    #[error("cannot open CUDA device {ordinal}: {source}")]
+    Open { ordinal: usize, source: KernelError },
+    /// A kernel launch, copy or allocation failed, or the op's shapes do not fit together.
+    #[error("CUDA backend op {op}: {source}")]
+    Op {
+        op: &'static str,
+        source: KernelError,
+    },
+}
+
+/// Attaches the op name to a kernel error.
+fn op_err(op: &'static str) -> impl FnOnce(KernelError) -> CudaBackendError {
+    move |source| CudaBackendError::Op { op, source }
+}
+
+/// Attaches the op name and what was being done to a driver error.
+fn driver_err(
+    op: &'static str,
+    during: &'static str,
+) -> impl FnOnce(deepinfer_kernels::cudarc::driver::DriverError) -> CudaBackendError {
+    move |source| CudaBackendError::Op {
+        op,
+        source: KernelError::Driver {
+            during: during.to_string(),
+            source,
+        },
+    }
+}
+
+fn shape_err(op: &'static str, message: String) -> CudaBackendError {
+    CudaBackendError::Op {
+        op,
+        source: KernelError::Shape { op, message },
+    }
+}
+
+/// A host weight's identity: address, length, content fingerprint (see the module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct HostKey {
+    addr: usize,
+    len: usize,
+    fingerprint: u64,
+}
+
+/// Weight rows dequantised to f32 at a time by the fp32 linears over FP8 / FP4 weights.
+const DEQUANT_ROWS: usize = 1024;
+
+/// Buffers up to this many elements are fingerprinted in full.
+const FULL_FINGERPRINT_LEN: usize = 4096;
+/// Elements sampled from a longer buffer.
+const FINGERPRINT_SAMPLES: usize = 64;
+
+impl HostKey {
+    fn of<T: Copy>(values: &[T], bits: impl Fn(T) -> u64) -> HostKey {
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        let mut mix = |v: u64| {
+            hash ^= v;
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        };
+        if values.len() <= FULL_FINGERPRINT_LEN {
+            values.iter().for_each(|&v| mix(bits(v)));
+        } else {
+            let step = values.len() / FINGERPRINT_SAMPLES;
+            (0..FINGERPRINT_SAMPLES).for_each(|i| mix(bits(values[i * step])));
+            mix(bits(values[values.len() - 1]));
+        }
+        HostKey {
+            addr: values.as_ptr() as usize,
+            len: values.len(),
+            fingerprint: hash,
+        }
+    }
+
+    fn f32s(values: &[f32]) -> HostKey {
+        HostKey::of(values, |v| u64::from(v.to_bits()))
+    }
+
+    fn bytes(values: &[u8]) -> HostKey {
+        HostKey::of(values, u64::from)
+    }
+}
+
+/// Device copies of host weights.
+#[derive(Default)]
+struct WeightCache {
+    f32s: HashMap<HostKey, Arc<CudaSlice<f32>>>,
+    fp8: HashMap<(HostKey, HostKey), Arc<DeviceFp8Weight>>,
+    fp4: HashMap<(HostKey, HostKey), Arc<DeviceFp4Weight>>,
+}
+
+/// The CUDA implementation of [`Backend`] on one device.
+pub struct CudaBackend {
+    rt: KernelRuntime,
+    name: String,
+    weights: Mutex<WeightCache>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` and compiles (or loads from the disk cache) every kernel. Without a
+    /// CUDA driver this is [`CudaBackendError::Open`] with `KernelError::NoDriver`, not a panic.
+    pub fn open(ordinal: usize) -> Result<CudaBackend, CudaBackendError> {
+        let rt = KernelRuntime::open(ordinal)
+            .map_err(|source| CudaBackendError::Open { ordinal, source })?;
+        let report = rt.report();
+        let name = format!("cuda:{ordinal} ({}, {})", report.device_name, report.arch);
+        Ok(CudaBackend {
+            rt,
+            name,
+            weights: Mutex::new(WeightCache::default()),
+        })
+    }
+
+    /// The kernel runtime (context, stream, loaded kernels).
+    pub fn runtime(&self) -> &KernelRuntime {
+        &self.rt
+    }
+
+    /// Drops every cached device weight (needed only if host weight buffers were freed and may be
+    /// reused at the same address: see the module header).
+    pub fn clear_weight_cache(&self) {
+        *self.weights.lock().unwrap_or_else(PoisonError::into_inner) = WeightCache::default();
+    }
+
+    /// Number of cached device weights (f32, FP8, FP4).
+    pub fn cached_weights(&self) -> usize {
+        let cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        cache.f32s.len() + cache.fp8.len() + cache.fp4.len()
+    }
+
+    fn upload(&self, op: &'static str, values: &[f32]) -> Result<CudaSlice<f32>, CudaBackendError> {
+        self.rt
+            .stream()
+            .clone_htod(values)
+            .map_err(driver_err(op, "uploading an activation"))
+    }
+
+    fn alloc(&self, op: &'static str, len: usize) -> Result<CudaSlice<f32>, CudaBackendError> {
+        self.rt
+            .stream()
+            .alloc_zeros::<f32>(len)
+            .map_err(driver_err(op, "allocating an output"))
+    }
+
+    fn download(
+        &self,
+        op: &'static str,
+        values: &CudaSlice<f32>,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        self.rt
+            .stream()
+            .clone_dtoh(values)
+            .map_err(driver_err(op, "downloading a result"))
+    }
+
+    fn cached_f32(
+        &self,
+        op: &'static str,
+        weight: &[f32],
+    ) -> Result<Arc<CudaSlice<f32>>, CudaBackendError> {
+        let key = HostKey::f32s(weight);
+        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = cache.f32s.get(&key) {
+            return Ok(found.clone());
+        }
+        let uploaded = Arc::new(
+            self.rt
+                .stream()
+                .clone_htod(weight)
+                .map_err(driver_err(op, "uploading a weight"))?,
+        );
+        cache.f32s.insert(key, uploaded.clone());
+        Ok(uploaded)
+    }
+
+    fn cached_fp8(&self, w: &Fp8Weight) -> Result<Arc<DeviceFp8Weight>, CudaBackendError> {
+        const OP: &str = "gemm_fp8";
+        let key = (HostKey::bytes(&w.data), HostKey::bytes(&w.scales));
+        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = cache.fp8.get(&key) {
+            return Ok(found.clone());
+        }
+        let uploaded = Arc::new(
+            DeviceFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
+                .map_err(op_err(OP))?,
+        );
+        cache.fp8.insert(key, uploaded.clone());
+        Ok(uploaded)
+    }
+
+    fn cached_fp4(&self, w: &Fp4Weight) -> Result<Arc<DeviceFp4Weight>, CudaBackendError> {
+        const OP: &str = "gemm_fp4";
+        let key = (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales));
+        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = cache.fp4.get(&key) {
+            return Ok(found.clone());
+        }
+        let uploaded = Arc::new(
+            DeviceFp4Weight::upload(&self.rt, w.out, w.inp, &w.packed, &w.scales)
+                .map_err(op_err(OP))?,
+        );
+        cache.fp4.insert(key, uploaded.clone());
+        Ok(uploaded)
+    }
+
+    /// Uploads activations `[rows, inp]` (f32 storage) and quantises them to FP8 with `group`.
+    fn quantised_activations(
+        &self,
+        op: &'static str,
+        x: &[f32],
+        inp: usize,
+        group: ActGroup,
+    ) -> Result<DeviceActFp8, CudaBackendError> {
+        if inp == 0 || !x.len().is_multiple_of(inp) {
+            return Err(shape_err(
+                op,
+                format!("x holds {} values, not whole rows of {inp}", x.len()),
+            ));
+        }
+        let dx = self.upload(op, x)?;
+        quantize_act_fp8_f32(&self.rt, &dx, x.len() / inp, inp, group).map_err(op_err(op))
+    }
+
+    fn download_bf16(
+        &self,
+        op: &'static str,
+        y: &CudaSlice<bf16>,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        Ok(self
+            .rt
+            .stream()
+            .clone_dtoh(y)
+            .map_err(driver_err(op, "downloading a result"))?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect())
+    }
+
+    /// [`Backend::gemm_fp8`], with errors.
+    pub fn try_gemm_fp8(&self, x: &[f32], w: &Fp8Weight) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "gemm_fp8";
+        let group = match w.block {
+            32 => ActGroup::G32,
+            128 => ActGroup::G128,
+            block => {
+                return Err(shape_err(
+                    OP,
+                    format!("weight block {block} (only 32 and 128)"),
+                ));
+            }
+        };
+        if x.is_empty() {
+            return Ok(Vec::new());
+        }
+        let a = self.quantised_activations(OP, x, w.inp, group)?;
+        let dw = self.cached_fp8(w)?;
+        let mut y = self
+            .rt
+            .stream()
+            .alloc_zeros::<bf16>(a.rows * w.out)
+            .map_err(driver_err(OP, "allocating an output"))?;
+        gemm_fp8(&self.rt, &a, &dw, &mut y).map_err(op_err(OP))?;
+        self.download_bf16(OP, &y)
+    }
+
+    /// [`Backend::gemm_fp4`], with errors.
+    pub fn try_gemm_fp4(&self, x: &[f32], w: &Fp4Weight) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "gemm_fp4";
+        if x.is_empty() {
+            return Ok(Vec::new());
+        }
+        let a = self.quantised_activations(OP, x, w.inp, ActGroup::G32)?;
+        let dw = self.cached_fp4(w)?;
+        let mut y = self
+            .rt
+            .stream()
+            .alloc_zeros::<bf16>(a.rows * w.out)
+            .map_err(driver_err(OP, "allocating an output"))?;
+        gemm_fp4(&self.rt, &a, &dw, &mut y).map_err(op_err(OP))?;
+        self.download_bf16(OP, &y)
+    }
+
+    /// [`Backend::linear_f32`] / [`Backend::linear_bf16`], with errors. Like the CPU reference, a
+    /// weight shorter than `out` rows yields only the rows it has.
+    pub fn try_linear(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        output: Rounding,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "linear";
+        if inp == 0 || !x.len().is_multiple_of(inp) {
+            return Err(shape_err(
+                OP,
+                format!("x holds {} values, not whole rows of {inp}", x.len()),
+            ));
+        }
+        let rows = x.len() / inp;
+        let out = out.min(w.len() / inp);
+        if rows == 0 || out == 0 {
+            return Ok(Vec::new());
+        }
+        let dw = self.cached_f32(OP, &w[..out * inp])?;
+        let dx = self.upload(OP, x)?;
+        let mut dy = self.alloc(OP, rows * out)?;
+        linear_sgemm_f32(&self.rt, &dx, &dw, &mut dy, (rows, out, inp), output)
+            .map_err(op_err(OP))?;
+        self.download(OP, &dy)
+    }
+
+    /// [`Backend::linear_fp8_f32`], with errors: the FP8 weight (cached on the device) is
+    /// dequantised exactly to f32 on the device, [`DEQUANT_ROWS`] rows at a time, and multiplied
+    /// in the CPU sgemm order, as the default method does on the host.
+    pub fn try_linear_fp8_f32(
+        &self,
+        x: &[f32],
+        w: &Fp8Weight,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "linear_fp8_f32";
+        let dw = self.cached_fp8(w)?;
+        self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
+            dequant_fp8_rows_f32(&self.rt, &dw, start, rows, block)
+        })
+    }
+
+    /// [`Backend::linear_fp4_f32`], with errors (see [`CudaBackend::try_linear_fp8_f32`]).
+    pub fn try_linear_fp4_f32(
+        &self,
+        x: &[f32],
+        w: &Fp4Weight,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "linear_fp4_f32";
+        let dw = self.cached_fp4(w)?;
+        self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
+            dequant_fp4_rows_f32(&self.rt, &dw, start, rows, block)
+        })
+    }
+
+    /// `x · Wᵀ` (fp32 out) with `W [out, inp]` dequantised block by block by `dequant` (first row,
+    /// rows, output buffer). Each output is one sgemm-order chain, so the blocking never shows.
+    fn dequantised_linear(
+        &self,
+        op: &'static str,
+        x: &[f32],
+        (out, inp): (usize, usize),
+        dequant: impl Fn(usize, usize, &mut CudaSlice<f32>) -> Result<(), KernelError>,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        if inp == 0 || !x.len().is_multiple_of(inp) {
+            return Err(shape_err(
+                op,
+                format!("x holds {} values, not whole rows of {inp}", x.len()),
+            ));
+        }
+        let rows = x.len() / inp;
+        if rows == 0 || out == 0 {
+            return Ok(Vec::new());
+        }
+        let dx = self.upload(op, x)?;
+        let mut y = vec![0.0f32; rows * out];
+        for start in (0..out).step_by(DEQUANT_ROWS) {
+            let count = DEQUANT_ROWS.min(out - start);
+            let mut block = self.alloc(op, count * inp)?;
+            dequant(start, count, &mut block).map_err(op_err(op))?;
+            let mut part = self.alloc(op, rows * count)?;
+            linear_sgemm_f32(
+                &self.rt,
+                &dx,
+                &block,
+                &mut part,
+                (rows, count, inp),
+                Rounding::F32,
+            )
+            .map_err(op_err(op))?;
+            let part = self.download(op, &part)?;
+            for (r, chunk) in part.chunks_exact(count).enumerate() {
+                y[r * out + start..r * out + start + count].copy_from_slice(chunk);
+            }
+        }
+        Ok(y)
+    }
+
+    /// [`Backend::rms_norm_at`], with errors.
+    pub fn try_rms_norm(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        eps: f32,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "rms_norm";
+        let cols = weight.len();
+        if cols == 0 || !x.len().is_multiple_of(cols) {
+            return Err(shape_err(
+                OP,
+                format!("x holds {} values, not whole rows of {cols}", x.len()),
+            ));
+        }
+        if x.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dw = self.cached_f32(OP, weight)?;
+        let dx = self.upload(OP, x)?;
+        let mut dy = self.alloc(OP, x.len())?;
+        rms_norm_f32(
+            &self.rt,
+            &dx,
+            &dw,
+            &mut dy,
+            x.len() / cols,
+            cols,
+            eps,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        self.download(OP, &dy)
+    }
+
+    /// [`Backend::rope_at`], with errors. The cos/sin rows of the rows' positions are built on the host
+    /// with the CPU reference's angle rule (f64 sine and cosine of `f32(position · freq)`).
+    pub fn try_rope(
+        &self,
+        x: &mut [f32],
+        stride: usize,
+        vectors_per_row: usize,
+        positions: &[usize],
+        table: &RopeTable,
+        inverse: bool,
+        precision: Precision,
+    ) -> Result<(), CudaBackendError> {
+        const OP: &str = "rope";
+        let pairs = table.freqs.len();
+        let row_width = stride * vectors_per_row;
+        if row_width == 0 || 2 * pairs > stride || !x.len().is_multiple_of(row_width) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x ({} values) must be whole rows of {vectors_per_row} vectors of {stride}, each \
+                     holding the {} rotated channels",
+                    x.len(),
+                    2 * pairs
+                ),
+            ));
+        }
+        let rows = x.len() / row_width;
+        if positions.len() < rows {
+            return Err(shape_err(
+                OP,
+                format!("{rows} rows but {} positions", positions.len()),
+            ));
+        }
+        if rows == 0 || pairs == 0 {
+            return Ok(());
+        }
+        let mut cos = Vec::with_capacity(rows * pairs);
+        let mut sin = Vec::with_capacity(rows * pairs);
+        for &position in &positions[..rows] {
+            for freq in &table.freqs {
+                let angle = f64::from(position as f32 * freq);
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let row_index: Vec<i32> = (0..rows)
+            .map(|r| i32::try_from(r).map_err(|_| shape_err(OP, format!("{rows} rows"))))
+            .collect::<Result<_, _>>()?;
+        let stream = self.rt.stream();
+        let dpos = stream
+            .clone_htod(&row_index)
+            .map_err(driver_err(OP, "uploading positions"))?;
+        let dcos = self.upload(OP, &cos)?;
+        let dsin = self.upload(OP, &sin)?;
+        let mut dx = self.upload(OP, x)?;
+        let shape = RopeShape {
+            tokens: rows,
+            heads: vectors_per_row,
+            head_dim: stride,
+            rope_dim: 2 * pairs,
+            table_rows: rows,
+        };
+        rope_interleaved_f32(
+            &self.rt,
+            &mut dx,
+            &dpos,
+            &dcos,
+            &dsin,
+            shape,
+            inverse,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        stream
+            .memcpy_dtoh(&dx, x)
+            .map_err(driver_err(OP, "downloading a result"))?;
+        stream
+            .synchronize()
+            .map_err(driver_err(OP, "synchronising"))?;
+        Ok(())
+    }
+
+    /// The QDQ points, with errors.
+    pub fn try_qdq(&self, x: &mut [f32], point: QdqPoint) -> Result<(), CudaBackendError> {
+        const OP: &str = "qdq";
+        if x.is_empty() {
+            return Ok(());
+        }
+        let mut dx = self.upload(OP, x)?;
+        qdq_f32(&self.rt, &mut dx, point).map_err(op_err(OP))?;
+        let stream = self.rt.stream();
+        stream
+            .memcpy_dtoh(&dx, x)
+            .map_err(driver_err(OP, "downloading a result"))?;
+        stream
+            .synchronize()
+            .map_err(driver_err(OP, "synchronising"))?;
+        Ok(())
+    }
+
+    /// [`Backend::sparse_attention_at`], with errors.
+    pub fn try_sparse_attention(
+        &self,
+        q: &[f32],
+        keys: &[&[f32]],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "sparse_attention";
+        let heads = sink.len();
+        if heads == 0 || q.is_empty() || !q.len().is_multiple_of(heads) {
+            return Err(shape_err(
+                OP,
+                format!("q ({} values) is not {heads} whole heads", q.len()),
+            ));
+        }
+        let head_dim = q.len() / heads;
+        let mut flat = Vec::with_capacity(keys.len() * head_dim);
+        for (i, key) in keys.iter().enumerate() {
+            if key.len() != head_dim {
+                return Err(shape_err(
+                    OP,
+                    format!("key {i} has {} values, head_dim is {head_dim}", key.len()),
+                ));
+            }
+            flat.extend_from_slice(key);
+        }
+        let dsink = self.cached_f32(OP, sink)?;
+        let dq = self.upload(OP, q)?;
+        // An empty key set still needs a non-empty device buffer; the kernel reads none of it.
+        let dkeys = if flat.is_empty() {
+            self.alloc(OP, 1)?
+        } else {
+            self.upload(OP, &flat)?
+        };
+        let mut dout = self.alloc(OP, q.len())?;
+        let n_keys = keys.len();
+        sparse_attention_sink_f32(
+            &self.rt,
+            &dq,
+            &dkeys,
+            n_keys,
+            &dsink,
+            &mut dout,
+            head_dim,
+            scale,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        self.download(OP, &dout)
+    }
+
+    /// [`Backend::hc_mixes`], with errors.
+    pub fn try_hc_mixes(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Result<HcMix, CudaBackendError> {
+        const OP: &str = "hc_mixes";
+        let dproj = self.cached_f32(OP, &params.proj)?;
+        let dbase = self.cached_f32(OP, &params.base)?;
+        let dscale = self.cached_f32(OP, &params.scale)?;
+        let dx = self.upload(OP, x)?;
+        let mut dout = self.alloc(OP, 2 * hc + hc * hc)?;
+        let config = HcMixesConfig {
+            hc,
+            sinkhorn_iters,
+            hc_eps,
+            norm_eps,
+        };
+        hc_mixes_f32(&self.rt, &dx, &dproj, &dbase, &dscale, &mut dout, config)
+            .map_err(op_err(OP))?;
+        let out = self.download(OP, &dout)?;
+        Ok(HcMix {
+            pre: out[..hc].to_vec(),
+            post: out[hc..2 * hc].to_vec(),
+            comb: out[2 * hc..].to_vec(),
+        })
+    }
+
+    /// [`Backend::hc_collapse_at`], with errors.
+    pub fn try_hc_collapse(
+        &self,
+        x: &[f32],
+        weights: &[f32],
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "hc_collapse";
+        let hc = weights.len();
+        if hc == 0 || x.is_empty() || !x.len().is_multiple_of(hc) {
+            return Err(shape_err(
+                OP,
+                format!("x ({} values) is not {hc} whole streams", x.len()),
+            ));
+        }
+        let dx = self.upload(OP, x)?;
+        let dw = self.upload(OP, weights)?;
+        let mut dy = self.alloc(OP, x.len() / hc)?;
+        hc_collapse_f32(&self.rt, &dx, &dw, &mut dy, rounding(precision)).map_err(op_err(OP))?;
+        self.download(OP, &dy)
+    }
+
+    /// [`Backend::hc_expand_at`], with errors.
+    pub fn try_hc_expand(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mix: &HcMix,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "hc_expand";
+        let hc = mix.post.len();
+        if hc == 0 || y.is_empty() || mix.comb.len() != hc * hc {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{hc} streams with {} comb values and a {}-wide output",
+                    mix.comb.len(),
+                    y.len()
+                ),
+            ));
+        }
+        let coefficients: Vec<f32> = mix.post.iter().chain(&mix.comb).copied().collect();
+        let dy = self.upload(OP, y)?;
+        let dres = self.upload(OP, residual)?;
+        let dmix = self.upload(OP, &coefficients)?;
+        let mut dout = self.alloc(OP, hc * y.len())?;
+        hc_expand_f32(
+            &self.rt,
+            &dy,
+            &dres,
+            &dmix,
+            &mut dout,
+            hc,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        self.download(OP, &dout)
+    }
+
+    /// [`Backend::index_scores_at`], with errors.
+    pub fn try_index_scores(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "index_scores";
+        if head_dim == 0 || !keys.len().is_multiple_of(head_dim) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "keys ({} values) are not whole {head_dim}-wide keys",
+                    keys.len()
+                ),
+            ));
+        }
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dq = self.upload(OP, q)?;
+        let dw = self.upload(OP, weights)?;
+        let dkeys = self.upload(OP, keys)?;
+        let mut dscores = self.alloc(OP, keys.len() / head_dim)?;
+        index_scores_f32(
+            &self.rt,
+            &dq,
+            &dw,
+            &dkeys,
+            &mut dscores,
+            head_dim,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        self.download(OP, &dscores)
+    }
+}
+
+/// The kernels' rounding for a model precision.
+fn rounding(precision: Precision) -> Rounding {
+    match precision {
+        Precision::Bf16 => Rounding::Bf16,
+        Precision::F32 => Rounding::F32,
+    }
+}
+
+/// A device failure inside a [`Backend`] method, which has no error channel (module header).
+fn device_fault<T>(err: CudaBackendError) -> T {
+    panic!("{err}")
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn gemm_fp8(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+        self.try_gemm_fp8(x, w).unwrap_or_else(device_fault)
+    }
+
+    fn gemm_fp4(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+        self.try_gemm_fp4(x, w).unwrap_or_else(device_fault)
+    }
+
+    fn linear_bf16(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32> {
+        self.try_linear(x, w, out, inp, Rounding::Bf16)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn linear_f32(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32> {
+        self.try_linear(x, w, out, inp, Rounding::F32)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn linear_fp8_f32(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+        self.try_linear_fp8_f32(x, w).unwrap_or_else(device_fault)
+    }
+
+    fn linear_fp4_f32(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+        self.try_linear_fp4_f32(x, w).unwrap_or_else(device_fault)
+    }
+
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+        self.rms_norm_at(x, weight, eps, Precision::Bf16)
+    }
+
+    fn rms_norm_at(&self, x: &[f32], weight: &[f32], eps: f32, precision: Precision) -> Vec<f32> {
+        self.try_rms_norm(x, weight, eps, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        stride: usize,
+        vectors_per_row: usize,
+        positions: &[usize],
+        table: &RopeTable,
+        inverse: bool,
+    ) {
+        self.rope_at(
+            x,
+            stride,
+            vectors_per_row,
+            positions,
+            table,
+            inverse,
+            Precision::Bf16,
+        );
+    }
+
+    fn rope_at(
+        &self,
+        x: &mut [f32],
+        stride: usize,
+        vectors_per_row: usize,
+        positions: &[usize],
+        table: &RopeTable,
+        inverse: bool,
+        precision: Precision,
+    ) {
+        self.try_rope(
+            x,
+            stride,
+            vectors_per_row,
+            positions,
+            table,
+            inverse,
+            precision,
+        )
+        .unwrap_or_else(device_fault)
+    }
+
+    fn q8_qdq(&self, x: &mut [f32]) {
+        self.try_qdq(x, QdqPoint::Q8).unwrap_or_else(device_fault)
+    }
+
+    fn q4e_qdq(&self, x: &mut [f32]) {
+        self.try_qdq(x, QdqPoint::Q4e).unwrap_or_else(device_fault)
+    }
+
+    fn q4m_qdq(&self, x: &mut [f32]) {
+        self.try_qdq(x, QdqPoint::Q4m).unwrap_or_else(device_fault)
+    }
+
+    fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32> {
+        self.sparse_attention_at(q, keys, sink, scale, Precision::Bf16)
+    }
+
+    fn sparse_attention_at(
+        &self,
+        q: &[f32],
+        keys: &[&[f32]],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_sparse_attention(q, keys, sink, scale, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_mixes(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> HcMix {
+        self.try_hc_mixes(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_collapse(&self, x: &[f32], weights: &[f32]) -> Vec<f32> {
+        self.hc_collapse_at(x, weights, Precision::Bf16)
+    }
+
+    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
+        self.try_hc_collapse(x, weights, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_expand(&self, y: &[f32], residual: &[f32], mix: &HcMix) -> Vec<f32> {
+        self.hc_expand_at(y, residual, mix, Precision::Bf16)
+    }
+
+    fn hc_expand_at(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mix: &HcMix,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_hc_expand(y, residual, mix, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32> {
+        self.index_scores_at(q, weights, keys, head_dim, Precision::Bf16)
+    }
+
+    fn index_scores_at(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_index_scores(q, weights, keys, head_dim, precision)
+            .unwrap_or_else(device_fault)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_weight_changed_in_place_gets_a_new_cache_key() {
+        let mut small = vec![0.5f32; 100];
+        let before = HostKey::f32s(&small);
+        small[63] = -0.5;
+        assert_ne!(
+            HostKey::f32s(&small),
+            before,
+            "every element of a small buffer counts"
+        );
+        let mut large = vec![0.25f32; 100_000];
+        let before = HostKey::f32s(&large);
+        assert_eq!(HostKey::f32s(&large), before, "the key is stable");
+        // A sampled element (0, step, 2·step, …, and the last) changes the key.
+        let step = large.len() / FINGERPRINT_SAMPLES;
+        large[7 * step] = 1.0;
+        assert_ne!(HostKey::f32s(&large), before);
+        assert_ne!(
+            HostKey::f32s(&large[..99_999]),
+            HostKey::f32s(&large),
+            "length is part of the key"
+        );
+    }
+
+    #[test]
+    fn opening_without_a_driver_is_an_error_not_a_panic() {
+        if deepinfer_kernels::runtime::driver_available().is_ok() {
+            return; // a GPU machine: tests/tests/gpu.rs covers the open path
+        }
+        let opened = std::panic::catch_unwind(|| CudaBackend::open(0).map(|_| ()));
+        let err = opened.expect("no panic").expect_err("no driver");
+        assert!(matches!(
+            err,
+            CudaBackendError::Open {
+                ordinal: 0,
+                source: KernelError::NoDriver { .. }
+            }
+        ));
+        assert!(
+            err.to_string()
+                .starts_with("cannot open CUDA device 0: no CUDA driver"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,205 @@
+//! The routed-expert hook of the MoE: who computes a token's routed experts.
+//!
+//! The router and the combine stay in the model (`v41/moe.rs`): for one token of one layer it
+//! chooses the (logical expert, weight) picks, hands them to a [`RoutedExperts`] in increasing
+//! expert id, and sums the returned outputs in that order, then adds the shared expert. So where
+//! an expert runs (which EP rank, which replica) can never change a bit of the result, as long as
+//! every copy of an expert holds the model's weights and runs [`Model::run_routed_expert`].
+//!
+//! Without a hook (`Model::forward`) the model runs its own weights. The runtime's expert
+//! parallelism (`deepinfer-actors`' `LocalComm`) implements the trait over per-EP-rank copies
+//! obtained with [`Model::routed_expert`]. DSpark stages always run their own experts locally.
+
+use crate::error::ModelError;
+use crate::v41::Model;
+use crate::v41::weights::{ExpertLinear, ExpertWeights};
+
+/// One routed pick of a token: the logical expert and its routing weight.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpertPick {
+    /// Logical expert id within the layer (`< n_routed_experts`).
+    pub expert: usize,
+    /// The normalised, scaled routing weight (multiplies the activation before `w2`).
+    pub weight: f32,
+}
+
+/// Runs the routed experts of one token.
+///
+/// Contract: `run` returns exactly one output row (`x.len()` wide) per pick, in pick order, each
+/// equal to `Model::run_routed_expert(&model.routed_expert(layer, pick.expert)?, x, pick.weight)`.
+/// Implementations validate their placement when built, so every (layer, expert) of the model can
+/// be served and `run` itself cannot fail.
+pub trait RoutedExperts: Sync {
+    /// Outputs of `picks` (sorted by increasing expert id) for the normed MoE input `x` of one
+    /// token of backbone layer `layer`.
+    fn run(&self, layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Vec<f32>>;
+}
+
+/// A clonable copy of one routed expert's weights (SwiGLU `w1`, `w3`, `w2`; FP4 or FP8), what an
+/// expert shard holds.
+#[derive(Debug, Clone)]
+pub struct RoutedExpert(pub(crate) ExpertWeights<ExpertLinear>);
+
+impl Model {
+    /// A copy of routed expert `expert` of backbone layer `layer`.
+    pub fn routed_expert(&self, layer: usize, expert: usize) -> Result<RoutedExpert, ModelError> {
+        let layers = self.config().n_layers;
+        let experts = self.config().n_routed_experts;
+        self.routed_weights(layer, expert)
+            .cloned()
+            .map(RoutedExpert)
+            .ok_or_else(|| ModelError::Unsupported {
+                what: format!(
+                    "routed expert {expert} of layer {layer} (the model has {layers} layers of {experts} experts)"
+                ),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::synth::write_random_checkpoint;
+    use crate::config::ModelConfig;
+    use crate::v41::LogitsWanted;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn tiny_model() -> (tempfile::TempDir, Model) {
+        let mut cfg = ModelConfig::tiny_v41();
+        cfg.engram = None;
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_random_checkpoint(&cfg, 7, dir.path(), 1).expect("checkpoint written");
+        let model = Model::load(dir.path()).expect("model loads");
+        (dir, model)
+    }
+
+    /// Serves every pick from copies of the weights and counts what it ran.
+    struct Copies<'m> {
+        model: &'m Model,
+        experts: Vec<Vec<RoutedExpert>>,
+        calls: AtomicUsize,
+        reverse: bool,
+    }
+
+    impl RoutedExperts for Copies<'_> {
+        fn run(&self, layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Vec<f32>> {
+            self.calls.fetch_add(picks.len(), Ordering::Relaxed);
+            // Computing in another order must not matter: outputs come back in pick order.
+            let mut order: Vec<usize> = (0..picks.len()).collect();
+            if self.reverse {
+                order.reverse();
+            }
+            let mut out = vec![Vec::new(); picks.len()];
+            for i in order {
+                let pick = picks[i];
+                out[i] =
+                    self.model
+                        .run_routed_expert(&self.experts[layer][pick.expert], x, pick.weight);
+            }
+            out
+        }
+    }
+
+    #[test]
+    fn copies_of_the_experts_give_the_same_bits() {
+        let (_dir, model) = tiny_model();
+        let cfg = model.config().clone();
+        let experts: Vec<Vec<RoutedExpert>> = (0..cfg.n_layers)
+            .map(|l| {
+                (0..cfg.n_routed_experts)
+                    .map(|e| model.routed_expert(l, e).expect("in range"))
+                    .collect()
+            })
+            .collect();
+        let tokens = [3u32, 9, 4, 1, 7, 7, 2];
+        let mut plain_seq = model.new_sequence();
+        let plain = model
+            .forward(&mut plain_seq, &tokens, LogitsWanted::All)
+            .expect("forward");
+        for reverse in [false, true] {
+            let copies = Copies {
+                model: &model,
+                experts: experts.clone(),
+                calls: AtomicUsize::new(0),
+                reverse,
+            };
+            let mut seq = model.new_sequence();
+            let hooked = model
+                .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &copies)
+                .expect("forward with experts");
+            assert_eq!(
+                plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                hooked.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+            assert_eq!(
+                copies.calls.load(Ordering::Relaxed),
+                tokens.len() * cfg.n_layers * cfg.n_activated_experts,
+                "every routed pick of every backbone layer goes through the hook"
+            );
+        }
+    }
+
+    /// Returns fixed rows by pick rank: `[1, B, -B, 0, ...]` (B = 2^30), or zeros.
+    struct Fixed {
+        zeros: bool,
+    }
+
+    impl RoutedExperts for Fixed {
+        fn run(&self, _layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Vec<f32>> {
+            assert!(
+                picks.windows(2).all(|w| w[0].expert < w[1].expert),
+                "picks come in increasing expert id: {picks:?}"
+            );
+            let big = (1u32 << 30) as f32;
+            (0..picks.len())
+                .map(|rank| {
+                    let value = match (self.zeros, rank) {
+                        (true, _) => 0.0,
+                        (false, 0) => 1.0,
+                        (false, 1) => big,
+                        (false, 2) => -big,
+                        (false, _) => 0.0,
+                    };
+                    vec![value; x.len()]
+                })
+                .collect()
+        }
+    }
+
+    /// The combine sums in increasing expert id: `((1 + B) - B) + 0 = 0` exactly in fp32, so the
+    /// logits equal those of all-zero expert outputs; any other order (e.g. `((0 - B) + B) + 1`)
+    /// leaves a 1 in every element and moves them.
+    #[test]
+    fn combine_sums_in_increasing_expert_id() {
+        let mut cfg = ModelConfig::tiny_v41();
+        cfg.engram = None;
+        cfg.n_activated_experts = 4;
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_random_checkpoint(&cfg, 3, dir.path(), 1).expect("checkpoint written");
+        let model = Model::load(dir.path()).expect("model loads");
+        let tokens = [11u32, 5, 300];
+        let run = |zeros: bool| {
+            let mut seq = model.new_sequence();
+            model
+                .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &Fixed { zeros })
+                .expect("forward")
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(false), run(true));
+    }
+
+    #[test]
+    fn out_of_range_expert_is_an_error() {
+        let (_dir, model) = tiny_model();
+        let layers = model.config().n_layers;
+        let experts = model.config().n_routed_experts;
+        assert!(model.routed_expert(layers, 0).is_err());
+        let err = model.routed_expert(0, experts).expect_err("out of range");
+        assert!(
+            err.to_string()
+                .contains(&format!("routed expert {experts}"))
+        );
+    }
+}

@@ -1,0 +1,491 @@
+//! The DeepSeek-V4 text model (V4-Flash, V4-Flash-0731 backbone) on a [`Backend`], in the float32
+//! numerics of its transformers reference (spec v4-architecture.md §2): the public [`Model`] /
+//! [`SequenceState`] API, the forward pass over a chunk at the sequence's next positions, and
+//! rollback. Shared with V4.1: the backend ops (RMSNorm, RoPE, mHC/Sinkhorn, attention with sink),
+//! the RoPE/YaRN tables, the MoE and the checkpoint loader. The speculative heads (which
+//! transformers does not load): the V4-Flash MTP block ([`Model::mtp_logits`]) and the
+//! V4-Flash-0731 DSpark drafter ([`Model::draft`]); their state lives in the [`SequenceState`].
+
+mod attention;
+mod block;
+mod compressor;
+mod dspark;
+mod mtp;
+mod state;
+mod weights;
+
+use std::path::Path;
+
+pub use state::SequenceState;
+pub(crate) use weights::Linear;
+
+pub use crate::v41::DraftProposal;
+
+use crate::backend::{Backend, CpuBackend};
+use crate::checkpoint::Checkpoint;
+use crate::config::{ModelConfig, ModelFamily, V4Attention};
+use crate::error::ModelError;
+use crate::v41::rope::RopeTables;
+use crate::v41::{Ctx, LogitsWanted};
+use dspark::{DsparkWeights, ProposalInputs};
+use mtp::MtpWeights;
+use state::{CompressorCache, LayerState};
+use weights::{HyperHeadWeights, LayerWeights, Loader};
+
+/// A loaded V4 model on a backend.
+#[derive(Debug)]
+pub struct Model {
+    cfg: ModelConfig,
+    backend: Box<dyn Backend>,
+    rope: RopeTables,
+    /// `[vocab, dim]`.
+    embed: Vec<f32>,
+    head: Linear,
+    norm: Vec<f32>,
+    hyper_head: HyperHeadWeights,
+    layers: Vec<LayerWeights>,
+    /// The V4-Flash MTP block (`mtp.0`), when the config has `num_nextn_predict_layers = 1`.
+    mtp: Option<MtpWeights>,
+    /// The V4-Flash-0731 DSpark drafter, when the config has one.
+    dspark: Option<DsparkWeights>,
+    /// `[head_dim]` ones: the weight of the unweighted per-head query RMSNorm.
+    unit: Vec<f32>,
+}
+
+impl Model {
+    /// Loads `dir/config.json` and the checkpoint in `dir` (official names or the transformers
+    /// spelling; FP8/FP4/BF16/F32) onto the CPU backend.
+    pub fn load(dir: &Path) -> Result<Model, ModelError> {
+        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+        let ckpt = Checkpoint::open(dir)?;
+        Model::from_checkpoint(cfg, &ckpt, Box::new(CpuBackend::new()))
+    }
+
+    /// Builds the model from an opened checkpoint on `backend`.
+    pub fn from_checkpoint(
+        cfg: ModelConfig,
+        ckpt: &Checkpoint,
+        backend: Box<dyn Backend>,
+    ) -> Result<Model, ModelError> {
+        check_supported(&cfg)?;
+        let loader = Loader { ckpt, cfg: &cfg };
+        let (vocab, dim) = (cfg.vocab_size, cfg.dim);
+        let layers = (0..cfg.n_layers)
+            .map(|l| loader.layer(l))
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let has_mtp = cfg.v4.as_ref().is_some_and(|v4| v4.mtp_layers > 0);
+        let mtp = has_mtp.then(|| MtpWeights::load(&loader)).transpose()?;
+        let dspark = cfg
+            .dspark
+            .as_ref()
+            .filter(|d| d.n_stages > 0)
+            .map(|d| DsparkWeights::load(&loader, d))
+            .transpose()?;
+        Ok(Model {
+            rope: RopeTables::new(&cfg),
+            embed: loader.vector("embed.weight", &[vocab, dim])?,
+            head: loader.linear("head", vocab, dim)?,
+            norm: loader.vector("norm.weight", &[dim])?,
+            hyper_head: loader.hyper_head("")?,
+            layers,
+            mtp,
+            dspark,
+            unit: vec![1.0; cfg.head_dim],
+            backend,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The backend this model runs on.
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
+    }
+
+    /// A fresh, empty sequence.
+    pub fn new_sequence(&self) -> SequenceState {
+        let layers =
+            self.layers
+                .iter()
+                .map(|layer| LayerState {
+                    window: Default::default(),
+                    main: layer
+                        .attn
+                        .compressor
+                        .as_ref()
+                        .map(|c| CompressorCache::new(c.ratio, c.overlapping)),
+                    index: layer.attn.indexer.as_ref().map(|i| {
+                        CompressorCache::new(i.compressor.ratio, i.compressor.overlapping)
+                    }),
+                })
+                .collect();
+        let stages = self.dspark.as_ref().map_or(0, |d| d.stages.len());
+        SequenceState::new(layers, self.mtp.is_some(), stages)
+    }
+
+    /// Appends `tokens` at the sequence's next positions and returns fp32 logits rows
+    /// (`[n, vocab]` for [`LogitsWanted::All`], `[vocab]` for [`LogitsWanted::Last`]).
+    pub fn forward(
+        &self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsWanted,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.check_chunk(seq, tokens)?;
+        let cfg = &self.cfg;
+        let ctx = self.ctx();
+        let (hc, dim) = (cfg.hc.mult, cfg.dim);
+        let n = tokens.len();
+        let positions: Vec<usize> = (seq.len..seq.len + n).collect();
+        let mut streams = Vec::with_capacity(n * hc * dim);
+        for &token in tokens {
+            let row = &self.embed[token as usize * dim..(token as usize + 1) * dim];
+            for _ in 0..hc {
+                streams.extend_from_slice(row);
+            }
+        }
+        let targets = cfg
+            .dspark
+            .as_ref()
+            .filter(|_| self.dspark.is_some())
+            .map_or(&[][..], |d| &d.target_layers[..]);
+        // The streams entering each target layer, in the config's target order.
+        let mut taps: Vec<Vec<f32>> = vec![Vec::new(); targets.len()];
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (tap, _) in taps.iter_mut().zip(targets).filter(|(_, t)| **t == l) {
+                *tap = stream_means(&streams, hc, dim);
+            }
+            let state = &mut seq.layers[l];
+            let table = ctx.rope.for_layer(cfg, l);
+            block::forward(&ctx, layer, &mut streams, tokens, |xn| {
+                attention::forward(&ctx, &layer.attn, table, xn, &positions, state, &self.unit)
+            });
+        }
+        self.advance_speculative(&ctx, seq, tokens, &streams, &taps, &positions);
+        let rows = match want {
+            LogitsWanted::All => 0..n,
+            LogitsWanted::Last => n - 1..n,
+        };
+        let width = hc * dim;
+        let precision = cfg.precision();
+        let mut logits = Vec::with_capacity(rows.len() * cfg.vocab_size);
+        for t in rows {
+            let h = block::hyper_head(&ctx, &self.hyper_head, &streams[t * width..(t + 1) * width]);
+            let h = ctx
+                .backend
+                .rms_norm_at(&h, &self.norm, cfg.norm_eps, precision);
+            logits.extend(self.head.apply(ctx.backend, &h));
+        }
+        seq.len += n;
+        seq.trim(cfg.window_size);
+        Ok(logits)
+    }
+
+    /// Feeds the speculative heads the chunk just run: the MTP block processes the entries whose
+    /// next token is now known (positions `len − 1 … len + n − 2`) and keeps the newest streams;
+    /// the DSpark stages get the context rows of the chunk's positions from the target-layer
+    /// `taps` (in `targets` order, each `[n, dim]`).
+    fn advance_speculative(
+        &self,
+        ctx: &Ctx,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        streams: &[f32],
+        taps: &[Vec<f32>],
+        positions: &[usize],
+    ) {
+        let width = self.cfg.hc.mult * self.cfg.dim;
+        if let (Some(weights), Some(state)) = (&self.mtp, seq.mtp.as_mut()) {
+            let start = seq.len;
+            // The entry of the previous chunk's last position (checked held by `check_chunk`).
+            let carried = start
+                .checked_sub(1)
+                .and_then(|p| state.hidden.get(p))
+                .map(<[f32]>::to_vec);
+            let first = if carried.is_some() { start - 1 } else { start };
+            let mut hidden = carried.unwrap_or_default();
+            hidden.extend_from_slice(&streams[..(tokens.len() - 1) * width]);
+            let entries = hidden.len() / width;
+            if entries > 0 {
+                let next = &tokens[tokens.len() - entries..];
+                let entry_positions: Vec<usize> = (first..first + entries).collect();
+                let entries = mtp::Entries {
+                    hidden: &hidden,
+                    next,
+                    positions: &entry_positions,
+                };
+                mtp::run(
+                    ctx,
+                    weights,
+                    &self.embed,
+                    &entries,
+                    &mut state.layer,
+                    &self.unit,
+                );
+            }
+            for (row, &position) in streams.chunks_exact(width).zip(positions) {
+                state.hidden.push_at(position, row.to_vec());
+            }
+        }
+        if let Some(weights) = &self.dspark {
+            let dim = self.cfg.dim;
+            let main_hidden: Vec<f32> = (0..tokens.len())
+                .flat_map(|t| {
+                    taps.iter()
+                        .flat_map(move |tap| &tap[t * dim..(t + 1) * dim])
+                })
+                .copied()
+                .collect();
+            dspark::feed_context(ctx, weights, &main_hidden, positions, &mut seq.dspark);
+        }
+    }
+
+    /// The MTP block's logits `[vocab]` for the token after `anchor`: `anchor` is the token just
+    /// sampled for position `seq.len()`, so the logits are for position `seq.len() + 1` (from
+    /// the last processed position's streams). Leaves `seq` untouched; the entry is computed
+    /// again, and kept, when the next forward appends `anchor`.
+    pub fn mtp_logits(&self, seq: &SequenceState, anchor: u32) -> Result<Vec<f32>, ModelError> {
+        let (Some(weights), Some(state)) = (&self.mtp, seq.mtp.as_ref()) else {
+            return Err(ModelError::Unsupported {
+                what: "MTP drafting on a model (or sequence) without an MTP block".to_string(),
+            });
+        };
+        self.check_draft(seq, anchor)?;
+        let last = seq.len - 1;
+        let hidden = state.hidden.get(last).ok_or_else(|| ModelError::Sequence {
+            message: format!("the MTP streams of position {last} are no longer held"),
+        })?;
+        let ctx = self.ctx();
+        let mut scratch = state.layer.clone();
+        let entry = mtp::Entries {
+            hidden,
+            next: &[anchor],
+            positions: &[last],
+        };
+        let out = mtp::run(&ctx, weights, &self.embed, &entry, &mut scratch, &self.unit);
+        Ok(mtp::logits(&ctx, weights, &self.head, &out))
+    }
+
+    /// A greedy DSpark proposal after the sequence's last token: `anchor` is the token just sampled
+    /// (it will sit at position `seq.len()`); returns the anchor plus `block_size` drafts, the draft
+    /// logits `[block_size, vocab]` (Markov bias included) and the raw confidences. Leaves `seq`
+    /// untouched.
+    pub fn draft(&self, seq: &SequenceState, anchor: u32) -> Result<DraftProposal, ModelError> {
+        let (Some(weights), Some(dspark)) = (&self.dspark, self.cfg.dspark.as_ref()) else {
+            return Err(ModelError::Unsupported {
+                what: "DSpark drafting on a model without DSpark stages".to_string(),
+            });
+        };
+        self.check_draft(seq, anchor)?;
+        if seq.dspark.len() != weights.stages.len() {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "the sequence has {} DSpark rings, the model {} stages",
+                    seq.dspark.len(),
+                    weights.stages.len()
+                ),
+            });
+        }
+        let end = seq.len + dspark.block_size;
+        if end > self.cfg.max_position_embeddings {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "a draft block up to position {end} exceeds max_position_embeddings {}",
+                    self.cfg.max_position_embeddings
+                ),
+            });
+        }
+        let inputs = ProposalInputs {
+            embed: &self.embed,
+            head: &self.head,
+            rings: &seq.dspark,
+            last: seq.len - 1,
+            unit: &self.unit,
+        };
+        Ok(dspark::propose(
+            &self.ctx(),
+            weights,
+            dspark,
+            &inputs,
+            anchor,
+        ))
+    }
+
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            cfg: &self.cfg,
+            backend: self.backend.as_ref(),
+            rope: &self.rope,
+            routed: None,
+        }
+    }
+
+    /// A draft needs a processed token and an anchor inside the vocabulary.
+    fn check_draft(&self, seq: &SequenceState, anchor: u32) -> Result<(), ModelError> {
+        if seq.len == 0 {
+            return Err(ModelError::Sequence {
+                message: "drafting needs at least one processed token".to_string(),
+            });
+        }
+        if anchor as usize >= self.cfg.vocab_size {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "anchor {anchor} is outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Drops everything after the first `len` tokens (a partially accepted verify). Only the last
+    /// [`crate::v41::MAX_BACKTRACK`] tokens can always be dropped; further back is an error.
+    pub fn rollback(&self, seq: &mut SequenceState, len: usize) -> Result<(), ModelError> {
+        seq.rollback(len, self.cfg.window_size)
+    }
+
+    fn check_chunk(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
+        if tokens.is_empty() {
+            return Err(ModelError::Sequence {
+                message: "empty chunk".to_string(),
+            });
+        }
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "token id {token} is outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                ),
+            });
+        }
+        if seq.layers.len() != self.layers.len() {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "the sequence has {} layers, the model {}",
+                    seq.layers.len(),
+                    self.layers.len()
+                ),
+            });
+        }
+        let stages = self.dspark.as_ref().map_or(0, |d| d.stages.len());
+        if seq.mtp.is_some() != self.mtp.is_some() || seq.dspark.len() != stages {
+            return Err(ModelError::Sequence {
+                message: "the sequence was not made by this model (speculative state)".to_string(),
+            });
+        }
+        if let Some(state) = &seq.mtp
+            && seq.len > 0
+            && state.hidden.get(seq.len - 1).is_none()
+        {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "the MTP streams of position {} are no longer held",
+                    seq.len - 1
+                ),
+            });
+        }
+        let end = seq.len + tokens.len();
+        if end > self.cfg.max_position_embeddings {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "positions up to {end} exceed max_position_embeddings {}",
+                    self.cfg.max_position_embeddings
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The fp32 mean over the hc streams of every token of `[n, hc, dim]` streams (a DSpark tap).
+fn stream_means(streams: &[f32], hc: usize, dim: usize) -> Vec<f32> {
+    streams
+        .chunks_exact(hc * dim)
+        .flat_map(|token| {
+            (0..dim).map(move |d| (0..hc).fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
+        })
+        .collect()
+}
+
+/// Rejects configs whose structure this forward pass does not implement.
+fn check_supported(cfg: &ModelConfig) -> Result<(), ModelError> {
+    let unsupported = |what: String| Err(ModelError::Unsupported { what });
+    if cfg.family != ModelFamily::V4 {
+        return unsupported(format!(
+            "a {:?}-family config in the V4 model (load it with deepinfer_model::Model)",
+            cfg.family
+        ));
+    }
+    let Some(v4) = &cfg.v4 else {
+        return unsupported("a V4 config without its layer schedule".to_string());
+    };
+    if v4.attention.len() != cfg.n_layers || v4.mlp.len() != cfg.n_layers {
+        return unsupported(format!(
+            "{} attention and {} MLP types for {} layers",
+            v4.attention.len(),
+            v4.mlp.len(),
+            cfg.n_layers
+        ));
+    }
+    if cfg.quant.weight_block[0] != cfg.quant.weight_block[1] {
+        return unsupported(format!(
+            "non-square FP8 weight blocks {:?}",
+            cfg.quant.weight_block
+        ));
+    }
+    let heads_divide = cfg.o_groups > 0 && cfg.n_heads.is_multiple_of(cfg.o_groups);
+    let rope_fits = cfg.rope_head_dim <= cfg.head_dim.min(cfg.index_head_dim);
+    let ratios_positive = v4.csa_ratio > 0 && v4.hca_ratio > 0;
+    let needs_indexer = v4.attention.contains(&V4Attention::Csa);
+    if !heads_divide || !rope_fits || !ratios_positive || (needs_indexer && cfg.index_n_heads == 0)
+    {
+        return unsupported(format!(
+            "shapes: {} heads in {} groups, rope {} of head {} / index head {}, rates {}/{}",
+            cfg.n_heads,
+            cfg.o_groups,
+            cfg.rope_head_dim,
+            cfg.head_dim,
+            cfg.index_head_dim,
+            v4.csa_ratio,
+            v4.hca_ratio
+        ));
+    }
+    check_speculative(cfg, v4.mtp_layers)
+}
+
+/// Rejects speculative heads this model does not implement: more than one MTP block, both an MTP
+/// block and a DSpark drafter, or a drafter whose taps, noise token or block do not fit.
+fn check_speculative(cfg: &ModelConfig, mtp_layers: usize) -> Result<(), ModelError> {
+    let unsupported = |what: String| Err(ModelError::Unsupported { what });
+    if mtp_layers > 1 {
+        return unsupported(format!("{mtp_layers} MTP blocks (V4-Flash has one)"));
+    }
+    let Some(dspark) = cfg.dspark.as_ref().filter(|d| d.n_stages > 0) else {
+        return Ok(());
+    };
+    if mtp_layers > 0 {
+        return unsupported("both an MTP block and a DSpark drafter under mtp.*".to_string());
+    }
+    let taps_fit =
+        !dspark.target_layers.is_empty() && dspark.target_layers.iter().all(|&l| l < cfg.n_layers);
+    if !taps_fit
+        || dspark.block_size == 0
+        || dspark.noise_token_id as usize >= cfg.vocab_size
+        || dspark.n_activated_experts > dspark.n_routed_experts
+    {
+        return unsupported(format!(
+            "DSpark target layers {:?} of {} layers, block {}, noise token {} of vocab {}, top-{} of {} experts",
+            dspark.target_layers,
+            cfg.n_layers,
+            dspark.block_size,
+            dspark.noise_token_id,
+            cfg.vocab_size,
+            dspark.n_activated_experts,
+            dspark.n_routed_experts
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,284 @@
+//! Per-sequence state of a V4 model (spec v4-architecture.md §3.1, §3.6): per layer the window of
+//! K=V rows and, for CSA/HCA layers, the compressor caches (the raw `kv ‖ gate` rows of the recent
+//! tokens and the append-only compressed entries; CSA layers have a second cache for the indexer
+//! keys). Rings keep `MAX_BACKTRACK` rows beyond what the next token needs, so a rollback of up to
+//! [`MAX_BACKTRACK`] tokens restores exactly the state of a run that never saw the dropped tokens.
+//! The speculative heads keep their own rings: the MTP block its window (the entry of position
+//! `i` pairs the last-layer streams of `i` with token `i+1`) and the last-layer streams of the
+//! newest positions; a DSpark drafter one context ring per stage.
+
+use crate::error::ModelError;
+use crate::v41::state::{MAX_BACKTRACK, PositionRing};
+
+/// One compressor's cache.
+#[derive(Debug, Clone)]
+pub struct CompressorCache {
+    /// Tokens per entry.
+    pub(crate) ratio: usize,
+    /// Whether an entry also pools the previous window (CSA).
+    pub(crate) overlapping: bool,
+    /// Per-token `kv ‖ gate` projections (before the position bias) of the recent positions.
+    pub(crate) pending: PositionRing,
+    /// Complete entries (normalised, rotated), one per `ratio` tokens.
+    pub(crate) entries: Vec<Vec<f32>>,
+}
+
+impl CompressorCache {
+    pub(crate) fn new(ratio: usize, overlapping: bool) -> CompressorCache {
+        CompressorCache {
+            ratio,
+            overlapping,
+            pending: PositionRing::default(),
+            entries: Vec::new(),
+        }
+    }
+
+    /// Raw rows a future entry may still need: the partial window, plus the previous window when
+    /// overlapping, plus the backtracking budget.
+    fn capacity(&self) -> usize {
+        let windows = if self.overlapping { 2 } else { 1 };
+        windows * self.ratio + MAX_BACKTRACK
+    }
+
+    /// The first position whose raw row the entries after `len` tokens need.
+    fn first_needed(&self, len: usize) -> usize {
+        let start = len - len % self.ratio;
+        if self.overlapping {
+            start.saturating_sub(self.ratio)
+        } else {
+            start
+        }
+    }
+}
+
+/// State of one layer.
+#[derive(Debug, Clone, Default)]
+pub struct LayerState {
+    /// K=V rows (after `kv_norm` and RoPE).
+    pub(crate) window: PositionRing,
+    /// The attention compressor (CSA, HCA).
+    pub(crate) main: Option<CompressorCache>,
+    /// The indexer's key compressor (CSA).
+    pub(crate) index: Option<CompressorCache>,
+}
+
+/// State of the V4-Flash MTP block.
+#[derive(Debug, Clone, Default)]
+pub struct MtpState {
+    /// The block's own window: K=V rows of the positions it processed (`0 … len − 2`).
+    pub(crate) layer: LayerState,
+    /// Backbone last-layer streams `[hc · dim]` (before the hyper-head) of the newest positions.
+    pub(crate) hidden: PositionRing,
+}
+
+/// Everything a V4 sequence carries between forward calls.
+#[derive(Debug, Clone)]
+pub struct SequenceState {
+    pub(crate) len: usize,
+    pub(crate) layers: Vec<LayerState>,
+    /// The MTP block's state, when the model has one (boxed: most sequences have none).
+    pub(crate) mtp: Option<Box<MtpState>>,
+    /// One context ring per DSpark stage (`kv_s(p)` of every processed position).
+    pub(crate) dspark: Vec<PositionRing>,
+}
+
+impl SequenceState {
+    pub(crate) fn new(layers: Vec<LayerState>, mtp: bool, dspark_stages: usize) -> SequenceState {
+        SequenceState {
+            len: 0,
+            layers,
+            mtp: mtp.then(Box::default),
+            dspark: vec![PositionRing::default(); dspark_stages],
+        }
+    }
+
+    /// Tokens seen so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token has been seen.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The compressed entries of CSA/HCA `layer`.
+    pub fn compressed_entries(&self, layer: usize) -> Option<&[Vec<f32>]> {
+        self.layers
+            .get(layer)?
+            .main
+            .as_ref()
+            .map(|c| c.entries.as_slice())
+    }
+
+    /// The indexer keys of CSA `layer`.
+    pub fn index_keys(&self, layer: usize) -> Option<&[Vec<f32>]> {
+        self.layers
+            .get(layer)?
+            .index
+            .as_ref()
+            .map(|c| c.entries.as_slice())
+    }
+
+    /// Drops ring rows no future token (or rollback) needs.
+    pub(crate) fn trim(&mut self, window: usize) {
+        for layer in &mut self.layers {
+            layer.window.trim(window + MAX_BACKTRACK);
+            for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
+                let capacity = cache.capacity();
+                cache.pending.trim(capacity);
+            }
+        }
+        if let Some(mtp) = &mut self.mtp {
+            mtp.layer.window.trim(window + MAX_BACKTRACK);
+            mtp.hidden.trim(MAX_BACKTRACK + 1);
+        }
+        for ring in &mut self.dspark {
+            ring.trim(window + MAX_BACKTRACK);
+        }
+    }
+
+    /// Drops every token after the first `len`; refused when the rings no longer hold what the
+    /// shorter sequence needs.
+    pub(crate) fn rollback(&mut self, len: usize, window: usize) -> Result<(), ModelError> {
+        if len > self.len {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "cannot roll back to {len} tokens: the sequence holds only {}",
+                    self.len
+                ),
+            });
+        }
+        let too_far = || ModelError::Sequence {
+            message: format!(
+                "cannot roll back from {} to {len} tokens: only the last {MAX_BACKTRACK} tokens can be dropped",
+                self.len
+            ),
+        };
+        for layer in &self.layers {
+            if layer.window.start() > len.saturating_sub(window) {
+                return Err(too_far());
+            }
+            for cache in [&layer.main, &layer.index].into_iter().flatten() {
+                if cache.pending.start() > cache.first_needed(len) {
+                    return Err(too_far());
+                }
+            }
+        }
+        if let Some(mtp) = &self.mtp {
+            // The next MTP entry (position len − 1) needs the streams of len − 1 and the window
+            // before it.
+            let streams_lost = len > 0 && mtp.hidden.get(len - 1).is_none();
+            if streams_lost || mtp.layer.window.start() > len.saturating_sub(window) {
+                return Err(too_far());
+            }
+        }
+        if self
+            .dspark
+            .iter()
+            .any(|ring| ring.start() > len.saturating_sub(window))
+        {
+            return Err(too_far());
+        }
+        for layer in &mut self.layers {
+            layer.window.truncate(len);
+            for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
+                cache.pending.truncate(len);
+                cache.entries.truncate(len / cache.ratio);
+            }
+        }
+        if let Some(mtp) = &mut self.mtp {
+            mtp.layer.window.truncate(len.saturating_sub(1));
+            mtp.hidden.truncate(len);
+        }
+        for ring in &mut self.dspark {
+            ring.truncate(len);
+        }
+        self.len = len;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One CSA-like layer (ratio 4, overlapping) fed `len` tokens with window `window`.
+    fn filled(len: usize, window: usize) -> SequenceState {
+        let mut cache = CompressorCache::new(4, true);
+        let mut layer = LayerState::default();
+        for p in 0..len {
+            layer.window.push_at(p, vec![p as f32]);
+            cache.pending.push_at(p, vec![p as f32]);
+            if (p + 1) % 4 == 0 {
+                cache.entries.push(vec![p as f32]);
+            }
+        }
+        layer.main = Some(cache);
+        let mut seq = SequenceState::new(vec![layer], false, 0);
+        seq.len = len;
+        seq.trim(window);
+        seq
+    }
+
+    #[test]
+    fn rollback_drops_entries_and_rows_of_the_dropped_tokens() {
+        let mut seq = filled(40, 8);
+        seq.rollback(40 - MAX_BACKTRACK, 8).expect("within budget");
+        assert_eq!(seq.len(), 34);
+        assert_eq!(seq.compressed_entries(0).map(<[_]>::len), Some(8));
+        let cache = seq.layers[0].main.as_ref().expect("compressor");
+        assert_eq!(cache.pending.get(33), Some(&[33.0][..]));
+        assert_eq!(cache.pending.get(34), None);
+        // The previous window (28..31) that entry 8 will pool is still held.
+        assert_eq!(cache.pending.get(28), Some(&[28.0][..]));
+    }
+
+    #[test]
+    fn rollback_beyond_the_rings_or_the_sequence_is_refused() {
+        let mut seq = filled(40, 8);
+        assert!(seq.rollback(41, 8).is_err());
+        assert!(seq.rollback(40 - MAX_BACKTRACK - 3, 8).is_err());
+        assert_eq!(seq.len(), 40, "a refused rollback changes nothing");
+    }
+
+    /// A sequence of `len` tokens with an MTP block (entries up to `len − 2`, streams up to
+    /// `len − 1`) and two DSpark rings, trimmed for window `window`.
+    fn speculative(len: usize, window: usize) -> SequenceState {
+        let mut seq = SequenceState::new(Vec::new(), true, 2);
+        let mtp = seq.mtp.as_mut().expect("mtp state");
+        for p in 0..len {
+            if p + 1 < len {
+                mtp.layer.window.push_at(p, vec![p as f32]);
+            }
+            mtp.hidden.push_at(p, vec![p as f32]);
+            for ring in &mut seq.dspark {
+                ring.push_at(p, vec![p as f32]);
+            }
+        }
+        seq.len = len;
+        seq.trim(window);
+        seq
+    }
+
+    #[test]
+    fn rollback_keeps_the_speculative_rows_the_shorter_sequence_needs() {
+        let mut seq = speculative(40, 8);
+        seq.rollback(40 - MAX_BACKTRACK, 8).expect("within budget");
+        let mtp = seq.mtp.as_ref().expect("mtp state");
+        // The next MTP entry (position 33) needs the streams of 33 and the entries 26..=32.
+        assert_eq!(mtp.hidden.get(33), Some(&[33.0][..]));
+        assert_eq!(mtp.hidden.get(34), None);
+        assert_eq!(mtp.layer.window.get(26), Some(&[26.0][..]));
+        assert_eq!(mtp.layer.window.get(32), Some(&[32.0][..]));
+        assert_eq!(mtp.layer.window.get(33), None);
+        for ring in &seq.dspark {
+            assert_eq!(ring.get(26), Some(&[26.0][..]));
+            assert_eq!(ring.get(33), Some(&[33.0][..]));
+            assert_eq!(ring.get(34), None);
+        }
+        let mut seq = speculative(40, 8);
+        assert!(seq.rollback(40 - MAX_BACKTRACK - 1, 8).is_err());
+        assert_eq!(seq.len(), 40, "a refused rollback changes nothing");
+    }
+}

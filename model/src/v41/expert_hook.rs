@@ -1,0 +1,57 @@
+//! The model side of [`crate::expert_dispatch`]: the per-layer routed-expert site carried in
+//! `Ctx`, the forward entry that takes a [`RoutedExperts`], and the accessors an expert shard
+//! needs (its weights, and running one expert exactly as the model does).
+
+use super::weights::{ExpertLinear, ExpertWeights};
+use super::{Ctx, LogitsWanted, Model, SequenceState, moe};
+use crate::error::ModelError;
+use crate::expert_dispatch::{RoutedExpert, RoutedExperts};
+
+/// Where the routed experts of one backbone block run.
+#[derive(Clone, Copy)]
+pub(crate) struct RoutedSite<'a> {
+    pub experts: &'a dyn RoutedExperts,
+    pub layer: usize,
+}
+
+/// `ctx` for backbone block `layer`: its routed experts go to `experts` when given.
+pub(super) fn at_layer<'a>(
+    ctx: Ctx<'a>,
+    experts: Option<&'a dyn RoutedExperts>,
+    layer: usize,
+) -> Ctx<'a> {
+    Ctx {
+        routed: experts.map(|experts| RoutedSite { experts, layer }),
+        ..ctx
+    }
+}
+
+impl Model {
+    /// [`Model::forward`] with every backbone block's routed experts run by `experts` (the
+    /// router, the combine order and the shared expert stay here, so the logits are bitwise those
+    /// of [`Model::forward`] when `experts` honours the [`RoutedExperts`] contract).
+    pub fn forward_with_experts(
+        &self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsWanted,
+        experts: &dyn RoutedExperts,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.run_chunk_with(seq, tokens, want, None, None, Some(experts))
+    }
+
+    /// One routed expert on one token exactly as the model's MoE computes it (SwiGLU with the
+    /// config's clamp, `weight` applied before `w2`), on this model's backend.
+    pub fn run_routed_expert(&self, expert: &RoutedExpert, x: &[f32], weight: f32) -> Vec<f32> {
+        moe::expert(&self.ctx(), &expert.0, x, Some(weight))
+    }
+
+    /// The model's own weights of routed expert `expert` in backbone layer `layer`.
+    pub(crate) fn routed_weights(
+        &self,
+        layer: usize,
+        expert: usize,
+    ) -> Option<&ExpertWeights<ExpertLinear>> {
+        self.layers.get(layer)?.moe.experts.get(expert)
+    }
+}

@@ -1,0 +1,158 @@
+//! Live EPLB on the engine: under skewed routing a rebalance lowers the load imbalance measured
+//! on the EP ranks, and placements swapped by epoch under traffic lose and change nothing (every
+//! request finishes with the tokens of a run without rebalancing) while no step mixes epochs.
+
+mod ep_support;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deepinfer_actors::experts::factory::ExpertParallelFactory;
+use deepinfer_actors::messages::eplb::{EplbStatus, RebalanceReport};
+use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::{Engine, EngineConfig};
+use deepinfer_topology::PlacementEpoch;
+use ep_support::{facts, model, node, run_engine, run_requests, skewed_prompts};
+
+fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len() as f64
+}
+
+async fn rebalance_now(factory: &ExpertParallelFactory) -> RebalanceReport {
+    factory
+        .parallel
+        .rebalance_now()
+        .await
+        .expect("rebalance succeeds")
+}
+
+async fn status(factory: &ExpertParallelFactory) -> EplbStatus {
+    factory.parallel.eplb_status().await.expect("EPLB status")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebalance_lowers_the_measured_imbalance_under_skewed_routing() {
+    let (_dir, model) = model();
+    let topology = node(2, 4, "redundant_experts = 4");
+    let factory = ExpertParallelFactory::new(model.clone(), &topology, "eplb test".into())
+        .expect("ep factory");
+    let config = EngineConfig {
+        node: topology,
+        executor: Arc::new(factory.clone()),
+        model: facts(&model),
+        tokenizer: None,
+    };
+    let engine = Engine::start(config).await.expect("engine starts");
+    let prompts = skewed_prompts(6);
+
+    run_requests(&engine, &prompts, 3).await;
+    let first = rebalance_now(&factory).await;
+    assert_eq!(first.measured_epoch, PlacementEpoch(0));
+    assert!(first.measured_picks > 0);
+    assert!(first.committed, "skewed load moves experts: {first:?}");
+    assert_eq!(first.epoch, PlacementEpoch(1));
+    assert!(first.copied_experts > 0);
+    assert!(mean(&first.planned_imbalance) < mean(&first.measured_imbalance));
+
+    // The same traffic again, now on the new placement.
+    run_requests(&engine, &prompts, 3).await;
+    let second = rebalance_now(&factory).await;
+    assert_eq!(second.measured_epoch, PlacementEpoch(1));
+    let (before, after) = (
+        mean(&first.measured_imbalance),
+        mean(&second.measured_imbalance),
+    );
+    println!(
+        "mean measured imbalance (busiest EP rank / mean): before {before:.3}, after {after:.3}"
+    );
+    assert!(before > 1.2, "the routing is skewed: {before}");
+    assert!(after < before, "imbalance {before} -> {after}");
+    let st = status(&factory).await;
+    assert!(st.rebalances >= 1);
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("shuts down");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn epoch_swaps_under_traffic_lose_and_change_nothing() {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let mut prompts = skewed_prompts(6);
+    prompts.extend([
+        (10..24).collect(),
+        vec![300, 1, 44, 500, 2],
+        (60..69).rev().collect(),
+    ]);
+    let max_tokens = 6;
+
+    let reference = ModelFactory {
+        model: model.clone(),
+        description: "plain".into(),
+    };
+    let (expected, _) = run_engine(
+        node(1, 1, ""),
+        Arc::new(reference),
+        facts,
+        &prompts,
+        max_tokens,
+    )
+    .await;
+
+    // Rebalance every 3 engine steps over a 2-step window, while the requests run.
+    let topology = node(
+        2,
+        4,
+        "enabled = true\nredundant_experts = 4\nwindow_steps = 2\nrebalance_interval_steps = 3",
+    );
+    let factory = ExpertParallelFactory::new(model.clone(), &topology, "eplb test".into())
+        .expect("ep factory");
+    let config = EngineConfig {
+        node: topology,
+        executor: Arc::new(factory.clone()),
+        model: facts,
+        tokenizer: None,
+    };
+    let engine = Engine::start(config).await.expect("engine starts");
+    let got = run_requests(&engine, &prompts, max_tokens).await;
+    let st = status(&factory).await;
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("shuts down");
+
+    // Zero lost or changed requests.
+    assert_eq!(got.len(), prompts.len());
+    assert_eq!(got, expected);
+
+    // Placements really changed under traffic, and no step mixed epochs.
+    assert!(st.rebalances >= 1, "{st:?}");
+    let log = factory.parallel.step_log();
+    let mut epochs_used = BTreeSet::new();
+    let mut last_epoch_of_rank = [PlacementEpoch(0); 2];
+    for record in &log {
+        if let Some((lowest, highest)) = record.served {
+            assert_eq!(
+                (lowest, highest),
+                (record.epoch, record.epoch),
+                "{record:?}"
+            );
+            epochs_used.insert(record.epoch);
+        }
+        // A rank never goes back to an older placement.
+        let last = &mut last_epoch_of_rank[record.dp.index()];
+        assert!(record.epoch >= *last, "{record:?} after {last}");
+        *last = record.epoch;
+    }
+    println!(
+        "{} rank steps, {} rebalances, epochs that served tokens: {epochs_used:?}",
+        log.len(),
+        st.rebalances
+    );
+    assert!(
+        epochs_used.len() >= 2,
+        "steps ran on several epochs: {epochs_used:?}"
+    );
+}

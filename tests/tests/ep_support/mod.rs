@@ -1,0 +1,192 @@
+//! Shared by the expert-parallel tests: a small random V4.1 model (4 of 8 experts per token, so
+//! the combine order matters), a node topology, a recording executor factory that keeps every
+//! logits row by (request, position), and a driver that runs a fixed set of requests.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use deepinfer_actors::experts::parallel::ExpertParallel;
+use deepinfer_actors::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
+use deepinfer_model::Model;
+use deepinfer_model::checkpoint::write_random_checkpoint;
+use deepinfer_model::config::ModelConfig;
+use deepinfer_topology::{NodeConfig, RequestId};
+
+/// `(request, position) -> logits row`.
+pub type Rows = Arc<Mutex<HashMap<(RequestId, usize), Vec<f32>>>>;
+
+/// The tiny V4.1 architecture without Engram, 4 of its 8 experts active per token.
+pub fn model() -> (tempfile::TempDir, Arc<Model>) {
+    let mut cfg = ModelConfig::tiny_v41();
+    cfg.engram = None;
+    cfg.n_activated_experts = 4;
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_random_checkpoint(&cfg, 5, dir.path(), 1).expect("random checkpoint");
+    let model = Model::load(dir.path()).expect("model loads");
+    (dir, Arc::new(model))
+}
+
+pub fn facts(model: &Model) -> ModelFacts {
+    let cfg = model.config();
+    ModelFacts {
+        vocab_size: cfg.vocab_size,
+        bos_token_id: cfg.bos_token_id,
+        eos_token_id: Some(cfg.eos_token_id),
+        max_context_tokens: cfg.max_position_embeddings,
+    }
+}
+
+/// A CPU topology with `dp` / `ep` ranks and the given `[eplb]` body.
+pub fn node(dp: u16, ep: u16, eplb: &str) -> NodeConfig {
+    NodeConfig::from_toml_str(
+        &format!(
+            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = {dp}\nep = {ep}\n\
+             [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 5\n\
+             overlap_depth = 2\nadmission_queue_capacity = 32\n[eplb]\n{eplb}\n"
+        ),
+        "ep test",
+    )
+    .expect("topology")
+}
+
+/// Wraps an executor and records each row it returns with its position.
+struct Recording {
+    inner: Box<dyn RankExecutor>,
+    rows: Rows,
+}
+
+impl RankExecutor for Recording {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        self.inner.new_sequence(id)
+    }
+    fn free_sequence(&mut self, id: RequestId) {
+        self.inner.free_sequence(id)
+    }
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        self.inner.rollback(id, len)
+    }
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.inner.sequence_len(id)
+    }
+    fn live_sequences(&self) -> usize {
+        self.inner.live_sequences()
+    }
+    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let positions = batch
+            .iter()
+            .map(|s| Ok(self.inner.sequence_len(s.id)? + s.tokens.len() - 1))
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        let rows = self.inner.execute(batch)?;
+        let mut recorded = self.rows.lock().expect("not poisoned");
+        for ((seq, position), row) in batch.iter().zip(positions).zip(&rows) {
+            if !seq.all_rows {
+                recorded.insert((seq.id, position), row.clone());
+            }
+        }
+        Ok(rows)
+    }
+}
+
+/// A factory whose executors record their rows; it forwards `expert_parallel`, so the
+/// supervisor still spawns the expert groups and the EPLB.
+pub struct RecordingFactory {
+    pub inner: Arc<dyn ExecutorFactory>,
+    pub rows: Rows,
+}
+
+impl ExecutorFactory for RecordingFactory {
+    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        Ok(Box::new(Recording {
+            inner: self.inner.build(dp)?,
+            rows: self.rows.clone(),
+        }))
+    }
+    fn describe(&self) -> String {
+        format!("recording {}", self.inner.describe())
+    }
+    fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
+        self.inner.expert_parallel()
+    }
+}
+
+/// Prompts whose routing is skewed: few distinct tokens, repeated.
+pub fn skewed_prompts(count: usize) -> Vec<Vec<u32>> {
+    (0..count)
+        .map(|i| {
+            let base = 40 + (i % 3) as u32;
+            (0..9 + i % 4)
+                .map(|k| if k % 3 == 0 { base } else { 7 })
+                .collect()
+        })
+        .collect()
+}
+
+/// Runs `prompts` (each `max_tokens` long at most) on a started engine, all in flight at once;
+/// returns the generated tokens by request id, in submission order.
+pub async fn run_requests(
+    engine: &Engine,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> BTreeMap<RequestId, Vec<u32>> {
+    let mut streams = Vec::new();
+    for prompt in prompts {
+        streams.push(
+            engine
+                .generate(GenerateRequest::from_tokens(prompt.clone()).max_tokens(max_tokens))
+                .await
+                .expect("admitted"),
+        );
+    }
+    let mut out = BTreeMap::new();
+    for stream in streams {
+        let done = tokio::time::timeout(Duration::from_secs(300), stream.collect())
+            .await
+            .expect("finishes in time")
+            .expect("completes");
+        out.insert(done.id, done.tokens);
+    }
+    out
+}
+
+/// Starts an engine over `factory`, runs `prompts`, shuts it down; returns the tokens and rows.
+pub async fn run_engine(
+    node: NodeConfig,
+    factory: Arc<dyn ExecutorFactory>,
+    facts: ModelFacts,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> (
+    BTreeMap<RequestId, Vec<u32>>,
+    HashMap<(RequestId, usize), Vec<f32>>,
+) {
+    let rows: Rows = Arc::default();
+    let config = EngineConfig {
+        node,
+        executor: Arc::new(RecordingFactory {
+            inner: factory,
+            rows: rows.clone(),
+        }),
+        model: facts,
+        tokenizer: None,
+    };
+    let engine = Engine::start(config).await.expect("engine starts");
+    let tokens = run_requests(&engine, prompts, max_tokens).await;
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("shuts down");
+    let rows = rows.lock().expect("not poisoned").clone();
+    (tokens, rows)
+}
+
+/// Bit patterns of a row (so equality is bitwise, NaN included).
+pub fn bits(row: &[f32]) -> Vec<u32> {
+    row.iter().map(|v| v.to_bits()).collect()
+}

@@ -1,0 +1,739 @@
+//! Decoder bounded replay (spec §3.5) measured end to end: how far the logits move with replay on
+//! vs off on the v41-tiny fixture and on the demo model (the prompt rows inside the kept suffix and
+//! greedy decode rows after the prefill, teacher-forced with replay off's tokens so the rows are
+//! comparable); exactness when nothing is dropped; chunked replay == one-shot replay bit for bit;
+//! the bounds (`keep >= window + max_backtracking`, rewinds within `max_backtracking`); and the
+//! engine wiring (the `ReplayActor` plans the decoder start at admission, the rank runs it).
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use deepinfer_actors::engram_vocab::compressed_token_map;
+use deepinfer_actors::frontend::codec::load_v41_tokenizer;
+use deepinfer_actors::model_source::{DEMO_SEED, demo_config, shipped_tokenizer};
+use deepinfer_actors::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::replay::state::ReplayState;
+use deepinfer_actors::replay::suffix::ReplayError;
+use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
+use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::v41::MAX_BACKTRACK;
+use deepinfer_model::{LogitsWanted, Model, SequenceState, checkpoint};
+use deepinfer_topology::{ModelDims, NodeConfig, ReplayConfig, RequestId};
+
+fn fixture_model() -> Option<Model> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
+    if !dir.join("model.safetensors").exists() {
+        eprintln!(
+            "!!!!! SKIPPING replay fixture test: {} is absent !!!!!",
+            dir.display()
+        );
+        return None;
+    }
+    let cfg = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
+        .expect("fixture config");
+    let pad = cfg
+        .engram
+        .as_ref()
+        .expect("fixture has Engram")
+        .pad_token_id;
+    // Fixture README "Tokenizer and Engram": compressed id = token id / 2.
+    let vocab = CompressedVocab::halving_stub(cfg.vocab_size, pad).expect("stub vocab");
+    Some(Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads"))
+}
+
+/// The built-in demo model (`model_source::build_demo`'s recipe, loaded as a bare `Model`).
+fn demo_model(dir: &std::path::Path) -> Model {
+    let tokenizer = load_v41_tokenizer(&shipped_tokenizer()).expect("shipped tokenizer");
+    let map = compressed_token_map(&tokenizer).expect("compressed token map");
+    let cfg = demo_config(map.size);
+    checkpoint::write_random_checkpoint(&cfg, DEMO_SEED, dir, 2).expect("demo checkpoint");
+    let engram = cfg.engram.as_ref().expect("the demo has Engram");
+    let vocab = map.into_engram_vocab(engram).expect("engram vocabulary");
+    Model::load_with_vocab(dir, Some(vocab)).expect("demo model loads")
+}
+
+fn replay_state(model: &Model, keep: Option<u32>) -> Result<ReplayState, ReplayError> {
+    let config = ReplayConfig {
+        decoder_keep_tokens: keep,
+        max_backtracking: MAX_BACKTRACK as u32,
+    };
+    ReplayState::for_model(&config, model.config().window_size, MAX_BACKTRACK)
+}
+
+/// A deterministic prompt of `n` ids in `[offset, offset + span)`, with a repeated stretch (the
+/// Engram n-grams fire).
+fn prompt(n: usize, offset: u32, span: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| {
+            let i = if (60..80).contains(&i) { i - 50 } else { i };
+            offset + (i.wrapping_mul(7919).wrapping_add(31) % span)
+        })
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold(0, |best, (i, &v)| if v > row[best] { i } else { best })
+}
+
+/// Logits rows of one run: the prompt rows at positions `>= from` and the decode rows.
+struct Rows {
+    prompt: Vec<f32>,
+    decode: Vec<f32>,
+}
+
+/// Replay off: the prompt in two plain chunks (`[0, from)` with the last row only, `[from, n)`
+/// with every row), then `steps` greedy decode steps. Returns the rows and the greedy tokens.
+fn run_off(model: &Model, tokens: &[u32], from: usize, steps: usize) -> (Rows, Vec<u32>) {
+    let vocab = model.config().vocab_size;
+    let mut seq = model.new_sequence();
+    if from > 0 {
+        model
+            .forward(&mut seq, &tokens[..from], LogitsWanted::Last)
+            .expect("prefix");
+    }
+    let prompt = model
+        .forward(&mut seq, &tokens[from..], LogitsWanted::All)
+        .expect("kept rows");
+    let mut next = argmax(&prompt[prompt.len() - vocab..]) as u32;
+    let (mut decode, mut greedy) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        greedy.push(next);
+        let row = model
+            .forward(&mut seq, &[next], LogitsWanted::Last)
+            .expect("decode");
+        next = argmax(&row) as u32;
+        decode.extend(row);
+    }
+    (Rows { prompt, decode }, greedy)
+}
+
+/// Replay on: the prompt through `forward_replay` in chunks of `chunks` sizes, then the given
+/// decode tokens teacher-forced.
+fn run_replay(
+    model: &Model,
+    tokens: &[u32],
+    from: usize,
+    chunks: &[usize],
+    decode_tokens: &[u32],
+) -> (Rows, SequenceState) {
+    let mut seq = model.new_sequence();
+    let mut prompt = Vec::new();
+    let mut start = 0;
+    for &size in chunks {
+        let end = (start + size).min(tokens.len());
+        prompt.extend(
+            model
+                .forward_replay(&mut seq, &tokens[start..end], LogitsWanted::All, from)
+                .expect("replay chunk"),
+        );
+        start = end;
+    }
+    assert_eq!(start, tokens.len(), "the chunks cover the prompt");
+    let decode = decode_tokens
+        .iter()
+        .flat_map(|&t| {
+            model
+                .forward_replay(&mut seq, &[t], LogitsWanted::Last, from)
+                .expect("decode")
+        })
+        .collect();
+    (Rows { prompt, decode }, seq)
+}
+
+/// How far replay-on rows are from replay-off rows, relative to the range of the off logits.
+#[derive(Debug, Clone, Copy)]
+struct Drift {
+    prompt_max: f32,
+    prompt_mean: f32,
+    decode_max: f32,
+    decode_mean: f32,
+    prompt_top1: (usize, usize),
+    decode_top1: (usize, usize),
+    /// Largest KL(off || on) of one row (nats).
+    prompt_kl: f64,
+    decode_kl: f64,
+    /// First kept-prompt offset from which every row (decode rows included) is bitwise equal.
+    exact_from: usize,
+}
+
+/// `log softmax` of one logits row, in f64.
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+    let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+    row.iter().map(|&v| f64::from(v) - max - sum.ln()).collect()
+}
+
+/// The largest KL(p || q) over the rows of two `[rows, vocab]` logits blocks.
+fn max_kl(p: &[f32], q: &[f32], vocab: usize) -> f64 {
+    p.chunks_exact(vocab)
+        .zip(q.chunks_exact(vocab))
+        .map(|(p, q)| {
+            let (lp, lq) = (log_softmax(p), log_softmax(q));
+            lp.iter()
+                .zip(&lq)
+                .map(|(a, b)| a.exp() * (a - b))
+                .sum::<f64>()
+        })
+        .fold(0.0, f64::max)
+}
+
+fn drift(off: &Rows, on: &Rows, vocab: usize) -> Drift {
+    assert_eq!(off.prompt.len(), on.prompt.len());
+    assert_eq!(off.decode.len(), on.decode.len());
+    let (lo, hi) = off
+        .prompt
+        .iter()
+        .chain(&off.decode)
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        });
+    let range = hi - lo;
+    let stats = |a: &[f32], b: &[f32]| {
+        let max = a
+            .iter()
+            .zip(b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        let sum: f64 = a.iter().zip(b).map(|(x, y)| f64::from((x - y).abs())).sum();
+        let agree = a
+            .chunks_exact(vocab)
+            .zip(b.chunks_exact(vocab))
+            .filter(|(x, y)| argmax(x) == argmax(y))
+            .count();
+        (
+            max / range,
+            (sum / a.len() as f64) as f32 / range,
+            (agree, a.len() / vocab),
+        )
+    };
+    let (prompt_max, prompt_mean, prompt_top1) = stats(&off.prompt, &on.prompt);
+    let (decode_max, decode_mean, decode_top1) = stats(&off.decode, &on.decode);
+    let rows_off: Vec<&[f32]> = off
+        .prompt
+        .chunks_exact(vocab)
+        .chain(off.decode.chunks_exact(vocab))
+        .collect();
+    let rows_on: Vec<&[f32]> = on
+        .prompt
+        .chunks_exact(vocab)
+        .chain(on.decode.chunks_exact(vocab))
+        .collect();
+    let exact_from = rows_off
+        .iter()
+        .zip(&rows_on)
+        .rposition(|(a, b)| a != b)
+        .map_or(0, |last_moved| last_moved + 1);
+    Drift {
+        prompt_kl: max_kl(&off.prompt, &on.prompt, vocab),
+        decode_kl: max_kl(&off.decode, &on.decode, vocab),
+        exact_from,
+        prompt_max,
+        prompt_mean,
+        decode_max,
+        decode_mean,
+        prompt_top1,
+        decode_top1,
+    }
+}
+
+fn report(model: &str, keep: u32, prompt_len: usize, d: &Drift) {
+    eprintln!(
+        "replay drift [{model}, prompt {prompt_len}, keep {keep}]: kept prompt rows max|Δ|/range \
+         {:.3e} mean {:.3e} max KL {:.3e} top-1 {}/{}; decode rows max|Δ|/range {:.3e} mean {:.3e} \
+         max KL {:.3e} top-1 {}/{}; bitwise equal from kept offset {}",
+        d.prompt_max,
+        d.prompt_mean,
+        d.prompt_kl,
+        d.prompt_top1.0,
+        d.prompt_top1.1,
+        d.decode_max,
+        d.decode_mean,
+        d.decode_kl,
+        d.decode_top1.0,
+        d.decode_top1.1,
+        d.exact_from
+    );
+}
+
+/// Rows of the kept suffix from this offset on are exact: a decoder layer's output at `s` reads
+/// its window `[s - window + 1, s]`, so each of the `n_layers - boundary` decoder layers widens
+/// the region touched by the truncation by `window - 1` positions (the encoder caches, the
+/// boundary layer's compressor included, are exact for every position).
+fn dependency_halo(model: &Model) -> usize {
+    let cfg = model.config();
+    let boundary = cfg
+        .compress_ratios
+        .iter()
+        .position(|&r| r == 1)
+        .expect("a ratio-1 decoder boundary");
+    (cfg.window_size - 1) * (cfg.n_layers - boundary)
+}
+
+/// Asserted bounds of one measurement (the measured values with margin).
+struct Bounds {
+    prompt_max: f32,
+    prompt_mean: f32,
+    decode_max: f32,
+    decode_mean: f32,
+    /// Largest per-row KL(off || on) of the decode rows (nats); the prompt rows' is <= 0.4.
+    decode_kl: f64,
+    min_prompt_top1: usize,
+    min_decode_top1: usize,
+}
+
+fn check(d: &Drift, b: &Bounds, halo: usize) {
+    assert!(
+        d.prompt_max > 0.0 && d.exact_from > 0,
+        "replay must change the first kept rows (it truncates the decoder's cone): {d:?}"
+    );
+    assert!(
+        d.exact_from <= halo,
+        "rows past the dependency halo ({halo}) must be exact: {d:?}"
+    );
+    assert!(
+        d.prompt_max <= b.prompt_max && d.prompt_mean <= b.prompt_mean,
+        "{d:?}"
+    );
+    assert!(
+        d.decode_max <= b.decode_max && d.decode_mean <= b.decode_mean,
+        "{d:?}"
+    );
+    assert!(d.prompt_kl <= 0.4 && d.decode_kl <= b.decode_kl, "{d:?}");
+    assert!(d.prompt_top1.0 >= b.min_prompt_top1, "{d:?}");
+    assert!(d.decode_top1.0 >= b.min_decode_top1, "{d:?}");
+}
+
+/// The measurement on the fixture: keep at the minimum (window 16 + 6 = 22), 64 and the default
+/// 140; prompts of 200 tokens; 8 greedy decode steps. Measured (CPU reference, max|Δ|/range, mean
+/// |Δ|/range, top-1 agreement):
+/// - keep 22: kept prompt rows 0.327 / 0.0316 / 12 of 22 (largest row KL 0.235 nats); decode rows
+///   0.0587 / 0.0074 / 7 of 8 (KL 0.0105);
+/// - keep 64: 0.254 / 0.0125 / 52 of 64 (KL 0.251); decode 0.0068 / 0.0013 / 8 of 8 (KL 1.4e-4);
+/// - keep 140: 0.288 / 0.0056 / 127 of 140 (KL 0.300); decode rows bitwise equal (past the
+///   90-position dependency halo).
+#[test]
+fn replay_logits_drift_on_the_fixture_is_bounded() {
+    let Some(model) = fixture_model() else { return };
+    let vocab = model.config().vocab_size;
+    let halo = dependency_halo(&model);
+    assert_eq!(halo, 90, "fixture: window 16, decoder layers 6..12");
+    let tokens = prompt(200, 3, 497);
+    let steps = 8;
+    let cases = [
+        (
+            22,
+            Bounds {
+                prompt_max: 0.45,
+                prompt_mean: 0.045,
+                decode_max: 0.09,
+                decode_mean: 0.011,
+                decode_kl: 0.02,
+                min_prompt_top1: 9,
+                min_decode_top1: 6,
+            },
+        ),
+        (
+            64,
+            Bounds {
+                prompt_max: 0.4,
+                prompt_mean: 0.02,
+                decode_max: 0.012,
+                decode_mean: 0.002,
+                decode_kl: 0.0005,
+                min_prompt_top1: 45,
+                min_decode_top1: 7,
+            },
+        ),
+        (
+            140,
+            Bounds {
+                prompt_max: 0.4,
+                prompt_mean: 0.01,
+                decode_max: 0.0,
+                decode_mean: 0.0,
+                decode_kl: 0.0,
+                min_prompt_top1: 120,
+                min_decode_top1: 8,
+            },
+        ),
+    ];
+    for (keep, bounds) in cases {
+        let mut replay = replay_state(&model, Some(keep)).expect("valid bound");
+        let suffix = replay.admit(RequestId(1), 200).expect("admitted");
+        let from = suffix.start as usize;
+        assert_eq!(from, 200 - keep as usize);
+        let (off, greedy) = run_off(&model, &tokens, from, steps);
+        let (on, _) = run_replay(&model, &tokens, from, &[48, 48, 48, 56], &greedy);
+        assert_eq!(on.prompt.len(), keep as usize * vocab, "kept rows only");
+        let d = drift(&off, &on, vocab);
+        report("v41-tiny", keep, tokens.len(), &d);
+        check(&d, &bounds, halo);
+    }
+}
+
+/// The same measurement on the demo model (DeepSeek vocabulary, context 1024, the fixture's
+/// architecture): a 600-token prompt, the default keep 140, 4 greedy decode steps. Measured:
+/// kept prompt rows max|Δ|/range 0.265, mean 0.0046, top-1 120 of 140, largest row KL 0.242 nats;
+/// decode rows bitwise equal.
+#[test]
+fn replay_logits_drift_on_the_demo_model_is_bounded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = demo_model(dir.path());
+    let vocab = model.config().vocab_size;
+    let halo = dependency_halo(&model);
+    let prompt_len = 600;
+    let tokens = prompt(prompt_len, 1000, 60_000);
+    let keep = 140;
+    let mut replay = replay_state(&model, Some(keep)).expect("valid bound");
+    let from = replay
+        .admit(RequestId(2), prompt_len as u32)
+        .expect("admitted")
+        .start as usize;
+    assert_eq!(from, prompt_len - keep as usize);
+    let (off, greedy) = run_off(&model, &tokens, from, 4);
+    let (on, _) = run_replay(&model, &tokens, from, &[256, 256, 88], &greedy);
+    let d = drift(&off, &on, vocab);
+    report("demo", keep, prompt_len, &d);
+    let bounds = Bounds {
+        prompt_max: 0.4,
+        prompt_mean: 0.007,
+        decode_max: 0.0,
+        decode_mean: 0.0,
+        decode_kl: 0.0,
+        min_prompt_top1: 110,
+        min_decode_top1: 4,
+    };
+    check(&d, &bounds, halo);
+}
+
+/// Chunked replay equals one-shot replay bit for bit under the same decoder start (chunks that
+/// end before it, straddle it, or end exactly at it), decode rows included.
+#[test]
+fn chunked_replay_equals_one_shot_replay_bitwise() {
+    let Some(model) = fixture_model() else { return };
+    let vocab = model.config().vocab_size;
+    let tokens = prompt(200, 3, 497);
+    let keep = 22;
+    let from = 200 - keep;
+    let decode = [5u32, 77, 300];
+    let mut one_shot_seq = model.new_sequence();
+    let one_shot = model
+        .prefill_bounded(&mut one_shot_seq, &tokens, LogitsWanted::All, keep)
+        .expect("one-shot bounded prefill");
+    assert_eq!(one_shot.len(), keep * vocab);
+    let one_shot_decode: Vec<f32> = decode
+        .iter()
+        .flat_map(|&t| {
+            model
+                .forward(&mut one_shot_seq, &[t], LogitsWanted::Last)
+                .expect("decode")
+        })
+        .collect();
+    let one_shot_draft = model
+        .draft(&one_shot_seq, 9)
+        .expect("DSpark draft after a bounded prefill");
+    for chunks in [
+        vec![48, 48, 48, 56],
+        vec![100, 78, 22],
+        vec![177, 2, 21],
+        vec![200],
+    ] {
+        let (on, seq) = run_replay(&model, &tokens, from, &chunks, &decode);
+        assert!(on.prompt == one_shot, "prompt rows, chunks {chunks:?}");
+        assert!(
+            on.decode == one_shot_decode,
+            "decode rows, chunks {chunks:?}"
+        );
+        assert_eq!(
+            model
+                .draft(&seq, 9)
+                .expect("DSpark draft after a bounded prefill"),
+            one_shot_draft,
+            "chunks {chunks:?}"
+        );
+    }
+    // A chunk entirely before the decoder start returns no rows, even for `Last`.
+    let mut seq = model.new_sequence();
+    let none = model
+        .forward_replay(&mut seq, &tokens[..100], LogitsWanted::Last, from)
+        .expect("early chunk");
+    assert!(none.is_empty());
+    assert_eq!(seq.len(), 100);
+}
+
+/// keep >= prompt length plans decoder start 0: bitwise the same logits as replay off.
+#[test]
+fn replay_keeping_the_whole_prompt_is_exact() {
+    let Some(model) = fixture_model() else { return };
+    let tokens = prompt(200, 3, 497);
+    for keep in [200, 256] {
+        let mut replay = replay_state(&model, Some(keep)).expect("valid bound");
+        let from = replay.admit(RequestId(3), 200).expect("admitted").start as usize;
+        assert_eq!(from, 0);
+        let (off, greedy) = run_off(&model, &tokens, 0, 4);
+        let (on, _) = run_replay(&model, &tokens, from, &[48, 48, 48, 56], &greedy);
+        assert!(on.prompt == off.prompt, "keep {keep}: prompt rows");
+        assert!(on.decode == off.decode, "keep {keep}: decode rows");
+    }
+}
+
+/// keep below window + max_backtracking is a config error (topology and engine admission);
+/// a rewind past the bound is an error in the replay state and in the model.
+#[test]
+fn replay_bounds_are_enforced() {
+    let Some(model) = fixture_model() else { return };
+    let window = model.config().window_size as u32;
+    assert_eq!(window, 16, "the fixture's sliding window");
+    let minimum = window + MAX_BACKTRACK as u32;
+
+    // The topology refuses it when the window is stated, and against the checkpoint's dims.
+    let text = format!(
+        "[model]\nsliding_window_tokens = {window}\n[replay]\ndecoder_keep_tokens = {}\n",
+        minimum - 1
+    );
+    let error = NodeConfig::from_toml_str(&text, "replay.toml").expect_err("keep too small");
+    assert_eq!(error.field(), Some("replay.decoder_keep_tokens"), "{error}");
+    let node = NodeConfig::from_toml_str(
+        &format!("[replay]\ndecoder_keep_tokens = {}\n", minimum - 1),
+        "replay.toml",
+    )
+    .expect("no window stated: checked against the model later");
+    let dims = ModelDims {
+        routed_experts: model.config().n_routed_experts as u16,
+        sliding_window_tokens: window,
+    };
+    let error = node.check_model(&dims).expect_err("keep too small");
+    assert_eq!(error.field(), Some("replay.decoder_keep_tokens"), "{error}");
+    // The replay state (what the engine builds at start) refuses it too, naming the numbers.
+    let error = replay_state(&model, Some(minimum - 1)).expect_err("keep too small");
+    assert_eq!(
+        error,
+        ReplayError::KeepTooSmall {
+            keep: minimum - 1,
+            window,
+            max_backtracking: MAX_BACKTRACK as u32
+        }
+    );
+    assert!(replay_state(&model, Some(minimum)).is_ok());
+
+    // A rewind past the bound: refused by the state (nothing changes) and by the model.
+    let tokens = prompt(200, 3, 497);
+    let mut replay = replay_state(&model, Some(minimum)).expect("valid bound");
+    let id = RequestId(4);
+    let from = replay.admit(id, 200).expect("admitted").start as usize;
+    let mut seq = model.new_sequence();
+    model
+        .forward_replay(&mut seq, &tokens, LogitsWanted::Last, from)
+        .expect("bounded prefill");
+    let drafts = MAX_BACKTRACK as u32 + 1;
+    model
+        .forward_replay(
+            &mut seq,
+            &tokens[..drafts as usize],
+            LogitsWanted::All,
+            from,
+        )
+        .expect("a verify block");
+    replay.written(id, drafts).expect("written");
+    assert_eq!(
+        replay.rewind(id, 200),
+        Err(ReplayError::RewindPastBound {
+            requested: drafts,
+            max_backtracking: MAX_BACKTRACK as u32
+        })
+    );
+    assert!(
+        model.rollback(&mut seq, 200).is_err(),
+        "the model's rings cannot undo it either"
+    );
+    assert_eq!(
+        seq.len(),
+        200 + drafts as usize,
+        "a refused rollback changes nothing"
+    );
+    replay.rewind(id, 201).expect("within the bound");
+    model
+        .rollback(&mut seq, 201)
+        .expect("within the model's rings");
+    assert_eq!(seq.len(), 201);
+    assert!(replay.finish(id).is_some());
+    assert_eq!(replay.rewind(id, 201), Err(ReplayError::UnknownRequest(id)));
+}
+
+/// Records the decoder starts the rank receives, and forwards everything to the model executor.
+struct PlannedStarts {
+    inner: Box<dyn RankExecutor>,
+    starts: Arc<Mutex<Vec<(RequestId, usize)>>>,
+}
+
+impl RankExecutor for PlannedStarts {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        self.inner.new_sequence(id)
+    }
+    fn free_sequence(&mut self, id: RequestId) {
+        self.inner.free_sequence(id)
+    }
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        self.inner.rollback(id, len)
+    }
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.inner.sequence_len(id)
+    }
+    fn live_sequences(&self) -> usize {
+        self.inner.live_sequences()
+    }
+    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        self.inner.execute(batch)
+    }
+    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
+        self.starts.lock().expect("starts").push((id, decoder_from));
+        self.inner.plan_replay(id, decoder_from)
+    }
+}
+
+struct PlannedStartsFactory {
+    inner: ModelFactory,
+    starts: Arc<Mutex<Vec<(RequestId, usize)>>>,
+}
+
+impl ExecutorFactory for PlannedStartsFactory {
+    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        Ok(Box::new(PlannedStarts {
+            inner: self.inner.build(dp)?,
+            starts: self.starts.clone(),
+        }))
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.sliding_window()
+    }
+}
+
+fn engine_config(
+    model: &Arc<Model>,
+    keep: u32,
+    starts: &Arc<Mutex<Vec<(RequestId, usize)>>>,
+) -> EngineConfig {
+    let cfg = model.config();
+    let node = NodeConfig::from_toml_str(
+        &format!(
+            "[parallel]\ndp = 2\nep = 1\n[scheduler]\nmax_batched_tokens = 256\n\
+             max_running_requests = 8\nprefill_chunk_tokens = 48\noverlap_depth = 2\n\
+             admission_queue_capacity = 16\n[sampling]\nmax_tokens = 6\n\
+             [replay]\ndecoder_keep_tokens = {keep}\nmax_backtracking = 6\n"
+        ),
+        "replay engine test",
+    )
+    .expect("topology");
+    EngineConfig {
+        node,
+        executor: Arc::new(PlannedStartsFactory {
+            inner: ModelFactory {
+                model: model.clone(),
+                description: "v41-tiny fixture".into(),
+            },
+            starts: starts.clone(),
+        }),
+        model: ModelFacts {
+            vocab_size: cfg.vocab_size,
+            bos_token_id: cfg.bos_token_id,
+            eos_token_id: Some(cfg.eos_token_id),
+            max_context_tokens: cfg.max_position_embeddings,
+        },
+        tokenizer: None,
+    }
+}
+
+/// Greedy tokens straight on the model with bounded replay from `from`, prefilling in 48-token
+/// chunks (the engine's schedule).
+fn direct_greedy(model: &Model, prompt: &[u32], from: usize, n: usize) -> Vec<u32> {
+    let eos = model.config().eos_token_id;
+    let mut seq = model.new_sequence();
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(48) {
+        logits = model
+            .forward_replay(&mut seq, chunk, LogitsWanted::Last, from)
+            .expect("prefill");
+    }
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let token = argmax(&logits) as u32;
+        if token == eos {
+            break;
+        }
+        out.push(token);
+        logits = model
+            .forward(&mut seq, &[token], LogitsWanted::Last)
+            .expect("decode");
+    }
+    out
+}
+
+/// The engine wiring: the ReplayActor plans each request's decoder start at admission, the start
+/// travels with the request to its rank, and the rank's executor runs the bounded forward: the
+/// engine's greedy tokens equal a direct `forward_replay` loop; a short prompt keeps everything.
+/// A keep below window + max_backtracking refuses to start the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_runs_bounded_replay_planned_at_admission() {
+    let Some(model) = fixture_model() else { return };
+    let model = Arc::new(model);
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let error = Engine::start(engine_config(&model, 21, &starts))
+        .await
+        .expect_err("keep 21 < window 16 + 6");
+    match error {
+        EngineError::Config { field, .. } => assert_eq!(field, "replay.decoder_keep_tokens"),
+        other => panic!("expected a config error, got {other}"),
+    }
+
+    let engine = Engine::start(engine_config(&model, 22, &starts))
+        .await
+        .expect("engine starts");
+    let prompts = [prompt(200, 3, 497), prompt(12, 40, 400)];
+    let mut streams = Vec::new();
+    for p in &prompts {
+        streams.push(
+            engine
+                .generate(GenerateRequest::from_tokens(p.clone()).max_tokens(6))
+                .await
+                .expect("admitted"),
+        );
+    }
+    for (p, stream) in prompts.iter().zip(streams) {
+        let done = tokio::time::timeout(Duration::from_secs(300), stream.collect())
+            .await
+            .expect("in time")
+            .expect("generated");
+        let from = p.len().saturating_sub(22);
+        if from > 0 {
+            // At keep 22 the first generated token already differs from a full prefill's.
+            assert_ne!(
+                done.tokens,
+                direct_greedy(&model, p, 0, 6),
+                "the engine ran the full prefill"
+            );
+        }
+        assert_eq!(
+            done.tokens,
+            direct_greedy(&model, p, from, 6),
+            "prompt of {}",
+            p.len()
+        );
+    }
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("shutdown");
+    let starts: Vec<usize> = starts.lock().expect("starts").iter().map(|s| s.1).collect();
+    assert_eq!(starts, vec![178], "only the long prompt skips decoder rows");
+}
