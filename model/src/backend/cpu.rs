@@ -63,10 +63,6 @@ impl Backend for CpuBackend {
         y
     }
 
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-        self.rms_norm_at(x, weight, eps, Precision::Bf16)
-    }
-
     fn rms_norm_at(&self, x: &[f32], weight: &[f32], eps: f32, precision: Precision) -> Vec<f32> {
         let dim = weight.len();
         let mut y = Vec::with_capacity(x.len());
@@ -80,26 +76,6 @@ impl Backend for CpuBackend {
             );
         }
         y
-    }
-
-    fn rope(
-        &self,
-        x: &mut [f32],
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-    ) {
-        self.rope_at(
-            x,
-            stride,
-            vectors_per_row,
-            positions,
-            table,
-            inverse,
-            Precision::Bf16,
-        );
     }
 
     fn rope_at(
@@ -138,10 +114,6 @@ impl Backend for CpuBackend {
 
     fn q4m_qdq(&self, x: &mut [f32]) {
         quant::q4_qdq_e4m3_group16(x);
-    }
-
-    fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32> {
-        self.sparse_attention_at(q, keys, sink, scale, Precision::Bf16)
     }
 
     fn sparse_attention_at(
@@ -236,10 +208,6 @@ impl Backend for CpuBackend {
         HcMix { pre, post, comb }
     }
 
-    fn hc_collapse(&self, x: &[f32], weights: &[f32]) -> Vec<f32> {
-        self.hc_collapse_at(x, weights, Precision::Bf16)
-    }
-
     fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
         let dim = x.len() / weights.len();
         (0..dim)
@@ -251,10 +219,6 @@ impl Backend for CpuBackend {
                 precision.round(sum)
             })
             .collect()
-    }
-
-    fn hc_expand(&self, y: &[f32], residual: &[f32], mix: &HcMix) -> Vec<f32> {
-        self.hc_expand_at(y, residual, mix, Precision::Bf16)
     }
 
     fn hc_expand_at(
@@ -276,10 +240,6 @@ impl Backend for CpuBackend {
             }
         }
         out
-    }
-
-    fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32> {
-        self.index_scores_at(q, weights, keys, head_dim, Precision::Bf16)
     }
 
     fn index_scores_at(

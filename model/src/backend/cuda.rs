@@ -805,33 +805,9 @@ impl Backend for CudaBackend {
         self.try_linear_fp4_f32(x, w).unwrap_or_else(device_fault)
     }
 
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-        self.rms_norm_at(x, weight, eps, Precision::Bf16)
-    }
-
     fn rms_norm_at(&self, x: &[f32], weight: &[f32], eps: f32, precision: Precision) -> Vec<f32> {
         self.try_rms_norm(x, weight, eps, precision)
             .unwrap_or_else(device_fault)
-    }
-
-    fn rope(
-        &self,
-        x: &mut [f32],
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-    ) {
-        self.rope_at(
-            x,
-            stride,
-            vectors_per_row,
-            positions,
-            table,
-            inverse,
-            Precision::Bf16,
-        );
     }
 
     fn rope_at(
@@ -868,10 +844,6 @@ impl Backend for CudaBackend {
         self.try_qdq(x, QdqPoint::Q4m).unwrap_or_else(device_fault)
     }
 
-    fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32> {
-        self.sparse_attention_at(q, keys, sink, scale, Precision::Bf16)
-    }
-
     fn sparse_attention_at(
         &self,
         q: &[f32],
@@ -897,17 +869,9 @@ impl Backend for CudaBackend {
             .unwrap_or_else(device_fault)
     }
 
-    fn hc_collapse(&self, x: &[f32], weights: &[f32]) -> Vec<f32> {
-        self.hc_collapse_at(x, weights, Precision::Bf16)
-    }
-
     fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
         self.try_hc_collapse(x, weights, precision)
             .unwrap_or_else(device_fault)
-    }
-
-    fn hc_expand(&self, y: &[f32], residual: &[f32], mix: &HcMix) -> Vec<f32> {
-        self.hc_expand_at(y, residual, mix, Precision::Bf16)
     }
 
     fn hc_expand_at(
@@ -919,10 +883,6 @@ impl Backend for CudaBackend {
     ) -> Vec<f32> {
         self.try_hc_expand(y, residual, mix, precision)
             .unwrap_or_else(device_fault)
-    }
-
-    fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32> {
-        self.index_scores_at(q, weights, keys, head_dim, Precision::Bf16)
     }
 
     fn index_scores_at(

@@ -74,7 +74,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Plain `x · Wᵀ` with fp32 output (no rounding).
     fn linear_f32(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32>;
     /// Row-wise RMSNorm over rows of `weight.len()`, `bf16(w · (x · rsqrt(mean(x²) + eps)))`.
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32>;
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+        self.rms_norm_at(x, weight, eps, Precision::Bf16)
+    }
     /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`
     /// (consecutive vectors of one row share `positions[row]`) by `±position · freq`, rounding to
     /// bf16. `vectors_per_row` vectors make up one row.
@@ -86,7 +88,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         positions: &[usize],
         table: &RopeTable,
         inverse: bool,
-    );
+    ) {
+        self.rope_at(
+            x,
+            stride,
+            vectors_per_row,
+            positions,
+            table,
+            inverse,
+            Precision::Bf16,
+        );
+    }
     /// `Q8` QDQ in place (groups of 32, UE8M0).
     fn q8_qdq(&self, x: &mut [f32]);
     /// `Q4e` QDQ in place (groups of 32, UE8M0).
@@ -95,7 +107,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn q4m_qdq(&self, x: &mut [f32]);
     /// Single-query multi-head attention over `keys` (K = V, each `head_dim` long) with a per-head
     /// sink in the denominator: `q [heads, head_dim]` bf16 → bf16 `[heads, head_dim]`.
-    fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32>;
+    fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32> {
+        self.sparse_attention_at(q, keys, sink, scale, Precision::Bf16)
+    }
     /// The mHC coefficients of one token's streams `x [hc, dim]`.
     fn hc_mixes(
         &self,
@@ -107,12 +121,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         norm_eps: f32,
     ) -> HcMix;
     /// `bf16(Σ_k w_k · x_k)` over the `w.len()` streams of `x [hc, dim]`.
-    fn hc_collapse(&self, x: &[f32], weights: &[f32]) -> Vec<f32>;
+    fn hc_collapse(&self, x: &[f32], weights: &[f32]) -> Vec<f32> {
+        self.hc_collapse_at(x, weights, Precision::Bf16)
+    }
     /// `X'_k = bf16(post_k · y + Σ_j comb[j][k] · X_j)`.
-    fn hc_expand(&self, y: &[f32], residual: &[f32], mix: &HcMix) -> Vec<f32>;
+    fn hc_expand(&self, y: &[f32], residual: &[f32], mix: &HcMix) -> Vec<f32> {
+        self.hc_expand_at(y, residual, mix, Precision::Bf16)
+    }
     /// Index scores of one query (`q [heads, head_dim]`, per-head `weights`) against `keys`
     /// (`[n, head_dim]`), with the reference's bf16 rounding points.
-    fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32>;
+    fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32> {
+        self.index_scores_at(q, weights, keys, head_dim, Precision::Bf16)
+    }
 
     /// [`Backend::rms_norm`] rounding at `precision`.
     fn rms_norm_at(&self, x: &[f32], weight: &[f32], eps: f32, precision: Precision) -> Vec<f32>;
