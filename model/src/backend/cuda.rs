@@ -212,54 +212,61 @@ impl CudaBackend {
             .map_err(driver_err(op, "downloading a result"))
     }
 
+    /// The cached device copy of a weight under `key` in the cache `map` selects, uploading it
+    /// with `upload` on first use.
+    fn cached<K: std::hash::Hash + Eq, V>(
+        &self,
+        key: K,
+        map: impl FnOnce(&mut WeightCache) -> &mut HashMap<K, Arc<V>>,
+        upload: impl FnOnce() -> Result<V, CudaBackendError>,
+    ) -> Result<Arc<V>, CudaBackendError> {
+        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        let entries = map(&mut cache);
+        if let Some(found) = entries.get(&key) {
+            return Ok(found.clone());
+        }
+        let uploaded = Arc::new(upload()?);
+        entries.insert(key, uploaded.clone());
+        Ok(uploaded)
+    }
+
     fn cached_f32(
         &self,
         op: &'static str,
         weight: &[f32],
     ) -> Result<Arc<CudaSlice<f32>>, CudaBackendError> {
-        let key = HostKey::f32s(weight);
-        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(found) = cache.f32s.get(&key) {
-            return Ok(found.clone());
-        }
-        let uploaded = Arc::new(
-            self.rt
-                .stream()
-                .clone_htod(weight)
-                .map_err(driver_err(op, "uploading a weight"))?,
-        );
-        cache.f32s.insert(key, uploaded.clone());
-        Ok(uploaded)
+        self.cached(
+            HostKey::f32s(weight),
+            |cache| &mut cache.f32s,
+            || {
+                self.rt
+                    .stream()
+                    .clone_htod(weight)
+                    .map_err(driver_err(op, "uploading a weight"))
+            },
+        )
     }
 
     fn cached_fp8(&self, w: &Fp8Weight) -> Result<Arc<DeviceFp8Weight>, CudaBackendError> {
-        const OP: &str = "gemm_fp8";
-        let key = (HostKey::bytes(&w.data), HostKey::bytes(&w.scales));
-        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(found) = cache.fp8.get(&key) {
-            return Ok(found.clone());
-        }
-        let uploaded = Arc::new(
-            DeviceFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
-                .map_err(op_err(OP))?,
-        );
-        cache.fp8.insert(key, uploaded.clone());
-        Ok(uploaded)
+        self.cached(
+            (HostKey::bytes(&w.data), HostKey::bytes(&w.scales)),
+            |cache| &mut cache.fp8,
+            || {
+                DeviceFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
+                    .map_err(op_err("gemm_fp8"))
+            },
+        )
     }
 
     fn cached_fp4(&self, w: &Fp4Weight) -> Result<Arc<DeviceFp4Weight>, CudaBackendError> {
-        const OP: &str = "gemm_fp4";
-        let key = (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales));
-        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(found) = cache.fp4.get(&key) {
-            return Ok(found.clone());
-        }
-        let uploaded = Arc::new(
-            DeviceFp4Weight::upload(&self.rt, w.out, w.inp, &w.packed, &w.scales)
-                .map_err(op_err(OP))?,
-        );
-        cache.fp4.insert(key, uploaded.clone());
-        Ok(uploaded)
+        self.cached(
+            (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales)),
+            |cache| &mut cache.fp4,
+            || {
+                DeviceFp4Weight::upload(&self.rt, w.out, w.inp, &w.packed, &w.scales)
+                    .map_err(op_err("gemm_fp4"))
+            },
+        )
     }
 
     /// Uploads activations `[rows, inp]` (f32 storage) and quantises them to FP8 with `group`.
