@@ -3,78 +3,18 @@
 //! decode, through the scheduler and the rank thread, next to other requests on 2 DP ranks — is
 //! bitwise equal to the row the `logits` tool writes for the same tokens fed in one chunk.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_actors::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
 use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::tools::logits;
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
 use deepinfer_model::Model;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_topology::{NodeConfig, RequestId};
 use safetensors::SafeTensors;
-
-/// `(request, position) -> logits row`, as the ranks returned them.
-type Recorded = Arc<Mutex<HashMap<(RequestId, usize), Vec<f32>>>>;
-
-/// Wraps the real model executor and records each row it returns with its position.
-struct Recording {
-    inner: Box<dyn RankExecutor>,
-    rows: Recorded,
-}
-
-impl RankExecutor for Recording {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let positions = batch
-            .iter()
-            .map(|s| Ok(self.inner.sequence_len(s.id)? + s.tokens.len() - 1))
-            .collect::<Result<Vec<_>, ExecError>>()?;
-        let rows = self.inner.execute(batch)?;
-        let mut recorded = self.rows.lock().expect("not poisoned");
-        for ((seq, position), row) in batch.iter().zip(positions).zip(&rows) {
-            recorded.insert((seq.id, position), row.clone());
-        }
-        Ok(rows)
-    }
-}
-
-struct RecordingFactory {
-    inner: ModelFactory,
-    rows: Recorded,
-}
-
-impl ExecutorFactory for RecordingFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(Recording {
-            inner: self.inner.build(dp)?,
-            rows: self.rows.clone(),
-        }))
-    }
-    fn describe(&self) -> String {
-        format!("recording {}", self.inner.describe())
-    }
-}
 
 fn fixture() -> Option<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
@@ -110,7 +50,7 @@ async fn engine_logits_equal_the_logits_tool() {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
     let vocab = logits::engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
     let model = Arc::new(Model::load_with_vocab(&dir, vocab).expect("fixture loads"));
-    let rows: Recorded = Arc::default();
+    let rows = Arc::new(RowLog::new());
     let node = NodeConfig::from_toml_str(
         "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 2\nep = 1\n\
          [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 7\n\
@@ -120,13 +60,13 @@ async fn engine_logits_equal_the_logits_tool() {
     .expect("topology");
     let config = EngineConfig {
         node,
-        executor: Arc::new(RecordingFactory {
-            inner: ModelFactory {
+        executor: Arc::new(ObservedFactory::new(
+            Arc::new(ModelFactory {
                 model,
                 description: "v41-tiny fixture".into(),
-            },
-            rows: rows.clone(),
-        }),
+            }),
+            rows.clone(),
+        )),
         model: ModelFacts {
             vocab_size: cfg.vocab_size,
             bos_token_id: cfg.bos_token_id,
@@ -172,7 +112,7 @@ async fn engine_logits_equal_the_logits_tool() {
         .expect("shuts down");
 
     // The engine's rows for the main request, by position.
-    let recorded = rows.lock().expect("not poisoned");
+    let recorded = rows.snapshot();
     let ids: Vec<RequestId> = recorded.keys().map(|(id, _)| *id).collect();
     let main_id = ids
         .into_iter()

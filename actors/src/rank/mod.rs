@@ -11,6 +11,7 @@
 pub mod executor;
 pub mod fake;
 pub mod model_executor;
+pub mod observe;
 pub mod worker;
 
 use std::any::Any;

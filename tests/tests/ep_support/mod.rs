@@ -1,23 +1,20 @@
 //! Shared by the expert-parallel tests: a small random V4.1 model (4 of 8 experts per token, so
-//! the combine order matters), a node topology, a recording executor factory that keeps every
+//! the combine order matters), a node topology, an observed executor factory that keeps every
 //! logits row by (request, position), and a driver that runs a fixed set of requests.
 
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_actors::experts::parallel::ExpertParallel;
-use deepinfer_actors::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::executor::ExecutorFactory;
+use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
 use deepinfer_model::Model;
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_topology::{NodeConfig, RequestId};
-
-/// `(request, position) -> logits row`.
-pub type Rows = Arc<Mutex<HashMap<(RequestId, usize), Vec<f32>>>>;
 
 /// The tiny V4.1 architecture without Engram, 4 of its 8 experts active per token.
 pub fn model() -> (tempfile::TempDir, Arc<Model>) {
@@ -51,69 +48,6 @@ pub fn node(dp: u16, ep: u16, eplb: &str) -> NodeConfig {
         "ep test",
     )
     .expect("topology")
-}
-
-/// Wraps an executor and records each row it returns with its position.
-struct Recording {
-    inner: Box<dyn RankExecutor>,
-    rows: Rows,
-}
-
-impl RankExecutor for Recording {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let positions = batch
-            .iter()
-            .map(|s| Ok(self.inner.sequence_len(s.id)? + s.tokens.len() - 1))
-            .collect::<Result<Vec<_>, ExecError>>()?;
-        let rows = self.inner.execute(batch)?;
-        let mut recorded = self.rows.lock().expect("not poisoned");
-        for ((seq, position), row) in batch.iter().zip(positions).zip(&rows) {
-            if !seq.all_rows {
-                recorded.insert((seq.id, position), row.clone());
-            }
-        }
-        Ok(rows)
-    }
-}
-
-/// A factory whose executors record their rows; it forwards `expert_parallel`, so the
-/// supervisor still spawns the expert groups and the EPLB.
-pub struct RecordingFactory {
-    pub inner: Arc<dyn ExecutorFactory>,
-    pub rows: Rows,
-}
-
-impl ExecutorFactory for RecordingFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(Recording {
-            inner: self.inner.build(dp)?,
-            rows: self.rows.clone(),
-        }))
-    }
-    fn describe(&self) -> String {
-        format!("recording {}", self.inner.describe())
-    }
-    fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
-        self.inner.expert_parallel()
-    }
 }
 
 /// Prompts whose routing is skewed: few distinct tokens, repeated.
@@ -166,13 +100,10 @@ pub async fn run_engine(
     BTreeMap<RequestId, Vec<u32>>,
     HashMap<(RequestId, usize), Vec<f32>>,
 ) {
-    let rows: Rows = Arc::default();
+    let rows = Arc::new(RowLog::new());
     let config = EngineConfig {
         node,
-        executor: Arc::new(RecordingFactory {
-            inner: factory,
-            rows: rows.clone(),
-        }),
+        executor: Arc::new(ObservedFactory::new(factory, rows.clone())),
         model: facts,
         tokenizer: None,
     };
@@ -182,7 +113,7 @@ pub async fn run_engine(
         .shutdown(Duration::from_secs(30))
         .await
         .expect("shuts down");
-    let rows = rows.lock().expect("not poisoned").clone();
+    let rows = rows.snapshot();
     (tokens, rows)
 }
 

@@ -1,0 +1,232 @@
+//! Tapping what the ranks compute without changing it.
+//!
+//! [`ObservedFactory`] wraps any [`ExecutorFactory`] so that every logits row its executors return
+//! reaches a [`RowObserver`], tagged with the request and the absolute position of the token it
+//! was computed at. Every other call — drafts, bounded replay, device latency, the factory's
+//! sliding window and expert parallelism — is forwarded unchanged, so an observed engine runs
+//! exactly as the unobserved one. Evaluation harnesses use it to compare an engine's rows with a
+//! reference; [`RowLog`] is the observer that keeps them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use deepinfer_topology::RequestId;
+
+use crate::experts::parallel::ExpertParallel;
+use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+
+/// One logits row as a rank returned it.
+#[derive(Debug, Clone, Copy)]
+pub struct ObservedRow<'a> {
+    /// The DP rank that computed it.
+    pub dp: usize,
+    pub id: RequestId,
+    /// Position of the token the row was computed at (it predicts position + 1).
+    pub position: usize,
+    pub logits: &'a [f32],
+    /// Part of a DSpark verify (every row of anchor + drafts), not a plain step's last row.
+    pub verify: bool,
+}
+
+/// Receives every row of an observed engine, on the rank threads (keep it cheap).
+pub trait RowObserver: Send + Sync {
+    fn row(&self, row: ObservedRow<'_>);
+}
+
+/// An executor factory whose executors report their rows to an observer.
+pub struct ObservedFactory {
+    inner: Arc<dyn ExecutorFactory>,
+    observer: Arc<dyn RowObserver>,
+}
+
+impl ObservedFactory {
+    pub fn new(inner: Arc<dyn ExecutorFactory>, observer: Arc<dyn RowObserver>) -> Self {
+        ObservedFactory { inner, observer }
+    }
+}
+
+impl ExecutorFactory for ObservedFactory {
+    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        Ok(Box::new(ObservedExecutor {
+            inner: self.inner.build(dp)?,
+            observer: self.observer.clone(),
+            dp,
+        }))
+    }
+    fn describe(&self) -> String {
+        format!("observed {}", self.inner.describe())
+    }
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.sliding_window()
+    }
+    fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
+        self.inner.expert_parallel()
+    }
+}
+
+struct ObservedExecutor {
+    inner: Box<dyn RankExecutor>,
+    observer: Arc<dyn RowObserver>,
+    dp: usize,
+}
+
+impl RankExecutor for ObservedExecutor {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        self.inner.new_sequence(id)
+    }
+    fn free_sequence(&mut self, id: RequestId) {
+        self.inner.free_sequence(id)
+    }
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        self.inner.rollback(id, len)
+    }
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.inner.sequence_len(id)
+    }
+    fn live_sequences(&self) -> usize {
+        self.inner.live_sequences()
+    }
+    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let starts = batch
+            .iter()
+            .map(|s| self.inner.sequence_len(s.id))
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        let rows = self.inner.execute(batch)?;
+        let vocab = self.inner.vocab_size().max(1);
+        for ((seq, start), row) in batch.iter().zip(starts).zip(&rows) {
+            if seq.all_rows {
+                for (i, logits) in row.chunks_exact(vocab).enumerate() {
+                    self.report(seq.id, start + i, logits, true);
+                }
+            } else if !seq.tokens.is_empty() {
+                self.report(seq.id, start + seq.tokens.len() - 1, row, false);
+            }
+        }
+        Ok(rows)
+    }
+    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
+        self.inner.draft(id, anchor)
+    }
+    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
+        self.inner.plan_replay(id, decoder_from)
+    }
+    fn device_latency(&self, batch_tokens: usize) -> Duration {
+        self.inner.device_latency(batch_tokens)
+    }
+}
+
+impl ObservedExecutor {
+    fn report(&self, id: RequestId, position: usize, logits: &[f32], verify: bool) {
+        self.observer.row(ObservedRow {
+            dp: self.dp,
+            id,
+            position,
+            logits,
+            verify,
+        });
+    }
+}
+
+/// Keeps the last row seen per `(request, position)`.
+#[derive(Debug, Default)]
+pub struct RowLog {
+    rows: Mutex<HashMap<(RequestId, usize), Vec<f32>>>,
+    /// Keep verify rows too (by default only plain steps' rows are kept).
+    with_verify: bool,
+}
+
+impl RowLog {
+    /// A log of plain steps' rows (a verify's rows are skipped).
+    pub fn new() -> Self {
+        RowLog::default()
+    }
+
+    /// A log that also keeps verify rows.
+    pub fn with_verify_rows() -> Self {
+        RowLog {
+            with_verify: true,
+            ..RowLog::default()
+        }
+    }
+
+    /// Every row kept so far.
+    pub fn snapshot(&self) -> HashMap<(RequestId, usize), Vec<f32>> {
+        self.lock().clone()
+    }
+
+    /// The row of `id` at `position`, if one was seen.
+    pub fn get(&self, id: RequestId, position: usize) -> Option<Vec<f32>> {
+        self.lock().get(&(id, position)).cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(RequestId, usize), Vec<f32>>> {
+        // A panic while holding the lock cannot leave the map half-written (one insert).
+        self.rows.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl RowObserver for RowLog {
+    fn row(&self, row: ObservedRow<'_>) {
+        if row.verify && !self.with_verify {
+            return;
+        }
+        self.lock()
+            .insert((row.id, row.position), row.logits.to_vec());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rank::fake::{FakeConfig, FakeFactory};
+
+    fn observed() -> (Box<dyn RankExecutor>, Arc<RowLog>, Arc<RowLog>) {
+        let plain = Arc::new(RowLog::new());
+        let all = Arc::new(RowLog::with_verify_rows());
+        struct Both(Arc<RowLog>, Arc<RowLog>);
+        impl RowObserver for Both {
+            fn row(&self, row: ObservedRow<'_>) {
+                self.0.row(row);
+                self.1.row(row);
+            }
+        }
+        let factory = ObservedFactory::new(
+            Arc::new(FakeFactory(FakeConfig::default())),
+            Arc::new(Both(plain.clone(), all.clone())),
+        );
+        (factory.build(0).expect("fake executor"), plain, all)
+    }
+
+    #[test]
+    fn rows_carry_the_position_of_their_token() {
+        let (mut exec, plain, all) = observed();
+        let id = RequestId(3);
+        exec.new_sequence(id).expect("new");
+        let prefill = exec
+            .execute(&[SeqTokens {
+                id,
+                tokens: &[5, 6, 7],
+                all_rows: false,
+            }])
+            .expect("prefill");
+        assert_eq!(plain.get(id, 2), Some(prefill[0].clone()));
+        assert_eq!(plain.get(id, 0), None);
+
+        let verify = exec
+            .execute(&[SeqTokens {
+                id,
+                tokens: &[8, 9],
+                all_rows: true,
+            }])
+            .expect("verify");
+        let vocab = exec.vocab_size();
+        assert_eq!(plain.get(id, 3), None, "verify rows skipped by default");
+        assert_eq!(all.get(id, 3).as_deref(), Some(&verify[0][..vocab]));
+        assert_eq!(all.get(id, 4).as_deref(), Some(&verify[0][vocab..]));
+        assert_eq!(all.snapshot().len(), 3);
+    }
+}
