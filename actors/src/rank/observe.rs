@@ -165,7 +165,9 @@ impl RowLog {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(RequestId, usize), Vec<f32>>> {
         // A panic while holding the lock cannot leave the map half-written (one insert).
-        self.rows.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.rows
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
