@@ -333,6 +333,7 @@ fn masks_are_requested_before_the_forward_and_applied_to_its_logits() {
                         end_token: EOS,
                     })),
                     decoder_from: None,
+                    speculative: false,
                 }]
             } else {
                 Vec::new()

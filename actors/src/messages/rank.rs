@@ -53,6 +53,10 @@ pub struct NewSeq {
     /// Decoder bounded replay: the first prompt position the decoder layers run on, planned by
     /// the `ReplayActor` at admission; `None` = every position (replay off or a short prompt).
     pub decoder_from: Option<u32>,
+    /// DSpark: the rank drafts a first proposal right after the prompt's last chunk, so the
+    /// first decode step can already verify drafts (the scheduler runs DSpark and the request is
+    /// unconstrained).
+    pub speculative: bool,
 }
 
 /// One sequence's input in a step.

@@ -47,6 +47,8 @@ struct SeqSampling {
     grammar: Option<SeqGrammar>,
     /// The current DSpark proposal: the anchor it continues and the drafted tokens.
     proposal: Option<(u32, Vec<u32>)>,
+    /// Draft a first proposal after the prompt's last chunk (`NewSeq::speculative`).
+    speculative: bool,
 }
 
 impl SeqSampling {
@@ -238,6 +240,7 @@ impl RankWorker {
                     last_token: None,
                     grammar: new.grammar.as_deref().cloned(),
                     proposal: None,
+                    speculative: new.speculative,
                 },
             );
         }
@@ -321,7 +324,11 @@ impl RankWorker {
                 .ok_or_else(|| ExecError::Backend(format!("empty logits row for {}", work.id)))?;
             seq.last_token = Some(token);
             seq.proposal = None;
+            let draft_now = seq.speculative && matches!(work.input, SeqInput::Prefill { .. });
             sampled.push((work.id, token));
+            if draft_now && let Some(summary) = self.propose(work.id)? {
+                drafts.push(summary);
+            }
         }
         for id in &plan.finished {
             self.executor.free_sequence(*id);
@@ -505,6 +512,7 @@ mod tests {
                     sampling: SamplingParams::greedy(),
                     grammar: None,
                     decoder_from: None,
+                    speculative: false,
                 })
                 .collect(),
             work: work
@@ -667,5 +675,51 @@ mod tests {
             vec![(RequestId(1), favoured_token(chain[2], 6, vocab))]
         );
         assert!(out3.drafts.is_empty(), "a plain decode does not draft");
+    }
+
+    #[test]
+    fn a_speculative_sequence_drafts_after_its_prompt() {
+        use crate::rank::fake::FakeDrafter;
+        let vocab = 64;
+        let mut w = worker(FakeConfig {
+            vocab_size: vocab,
+            drafter: Some(FakeDrafter {
+                block_size: 5,
+                correct: 5,
+                confidence: 4.0,
+            }),
+            ..FakeConfig::default()
+        });
+        let mut prefill = plan(
+            0,
+            &[1, 2],
+            vec![
+                (
+                    1,
+                    SeqInput::Prefill {
+                        tokens: vec![3, 4],
+                        last: true,
+                    },
+                ),
+                (
+                    2,
+                    SeqInput::Prefill {
+                        tokens: vec![3, 4],
+                        last: true,
+                    },
+                ),
+            ],
+            &[],
+        );
+        prefill.new_seqs[0].speculative = true;
+        let out = w.run_plan(&prefill).unwrap();
+        let ids: Vec<RequestId> = out.drafts.iter().map(|d| d.id).collect();
+        assert_eq!(ids, vec![RequestId(1)], "only the speculative sequence drafts");
+        // The first decode step already verifies (and here accepts) the prompt's proposal.
+        let verify = plan(1, &[], vec![(1, SeqInput::Verify { drafts: 5 })], &[]);
+        let out = w.run_plan(&verify).unwrap();
+        assert_eq!(out.verified[0].verified, 5);
+        assert_eq!(out.verified[0].accepted, 5);
+        assert_eq!(out.sampled.len(), 6);
     }
 }

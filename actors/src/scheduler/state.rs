@@ -358,6 +358,7 @@ impl SchedulerState {
                     sampling: seq.spec.sampling,
                     grammar: seq.spec.grammar.take(),
                     decoder_from: seq.decoder_from,
+                    speculative: speculative && !seq.constrained,
                 });
             }
             work.push(SeqWork {
