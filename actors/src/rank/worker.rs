@@ -714,7 +714,11 @@ mod tests {
         prefill.new_seqs[0].speculative = true;
         let out = w.run_plan(&prefill).unwrap();
         let ids: Vec<RequestId> = out.drafts.iter().map(|d| d.id).collect();
-        assert_eq!(ids, vec![RequestId(1)], "only the speculative sequence drafts");
+        assert_eq!(
+            ids,
+            vec![RequestId(1)],
+            "only the speculative sequence drafts"
+        );
         // The first decode step already verifies (and here accepts) the prompt's proposal.
         let verify = plan(1, &[], vec![(1, SeqInput::Verify { drafts: 5 })], &[]);
         let out = w.run_plan(&verify).unwrap();
