@@ -281,6 +281,7 @@ async fn a_panicking_rank_fails_only_its_requests() {
                     handle.health().await.unwrap()
                         == EngineHealth::Degraded {
                             failed_ranks: vec![DpRank(1)],
+                            lost_services: vec![],
                         }
                 }
             })

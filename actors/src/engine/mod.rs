@@ -107,7 +107,7 @@ impl EngineConfig {
 #[derive(Debug, Clone)]
 pub struct EngineHandle {
     handles: EngineHandles,
-    supervisor: ractor::ActorRef<SupervisorMsg>,
+    pub(crate) supervisor: ractor::ActorRef<SupervisorMsg>,
     codec: Option<Arc<TextCodec>>,
 }
 

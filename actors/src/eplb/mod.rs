@@ -18,7 +18,7 @@ pub mod state;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_topology::{ExpertPlacement, PlacementEpoch};
+use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch};
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
 
@@ -147,15 +147,23 @@ impl EplbActorState {
     }
 }
 
+/// The expert-parallel children of the supervisor.
+pub(crate) struct ExpertActors {
+    /// One `ExpertGroupActor` per EP rank.
+    pub groups: Vec<(EpRank, ActorCell)>,
+    pub eplb: ActorCell,
+}
+
 /// Spawns one `ExpertGroupActor` per EP rank (each over its epoch-0 shard) and the
 /// `EplbActor`, linked to `supervisor`, and attaches the EPLB to `parallel` so rank steps reach
-/// it. Returns the spawned cells (the EPLB last).
+/// it.
 pub(crate) async fn spawn_expert_actors(
     parallel: Arc<ExpertParallel>,
     supervisor: ActorCell,
-) -> Result<Vec<ActorCell>, String> {
+) -> Result<ExpertActors, String> {
     let mut cells = Vec::new();
     let mut groups = Vec::new();
+    let mut ranks = Vec::new();
     for shard in parallel.current().shards() {
         let rank = shard.rank();
         let args = ExpertGroupArgs {
@@ -165,6 +173,7 @@ pub(crate) async fn spawn_expert_actors(
         match Actor::spawn_linked(None, ExpertGroupActor, args, supervisor.clone()).await {
             Ok((group, _)) => {
                 cells.push(group.get_cell());
+                ranks.push((rank, group.get_cell()));
                 groups.push(group);
             }
             Err(e) => {
@@ -179,9 +188,12 @@ pub(crate) async fn spawn_expert_actors(
     };
     match Actor::spawn_linked(None, EplbActor, args, supervisor).await {
         Ok((eplb, _)) => {
-            cells.push(eplb.get_cell());
+            let eplb_cell = eplb.get_cell();
             parallel.attach_eplb(eplb);
-            Ok(cells)
+            Ok(ExpertActors {
+                groups: ranks,
+                eplb: eplb_cell,
+            })
         }
         Err(e) => {
             stop_cells(&cells).await;

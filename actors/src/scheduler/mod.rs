@@ -59,8 +59,9 @@ pub struct SchedulerShell {
 
 impl SchedulerShell {
     /// Bounded replay: the decoder start the `ReplayActor` plans for a new request (`None` when
-    /// replay is off or the whole prompt is kept).
-    async fn plan_replay(&self, spec: &RequestSpec) -> Result<Option<u32>, EngineError> {
+    /// replay is off or the whole prompt is kept). Once the `ReplayActor` is gone, prompts
+    /// prefill every decoder position (exact, slower), as the supervisor's policy says.
+    async fn plan_replay(&mut self, spec: &RequestSpec) -> Result<Option<u32>, EngineError> {
         let Some(replay) = &self.replay else {
             return Ok(None);
         };
@@ -68,13 +69,19 @@ impl SchedulerShell {
             spec.id,
             u32::try_from(spec.prompt.len()).unwrap_or(u32::MAX),
         );
-        let suffix = ractor::call!(replay, |reply| ReplayMsg::Admit {
+        let planned = ractor::call!(replay, |reply| ReplayMsg::Admit {
             id,
             prompt_len,
             reply
-        })
-        .map_err(|e| EngineError::internal(format!("the replay actor is unreachable: {e}")))?
-        .map_err(|e| EngineError::internal(e.to_string()))?;
+        });
+        let suffix = match planned {
+            Ok(suffix) => suffix.map_err(|e| EngineError::internal(e.to_string()))?,
+            Err(error) => {
+                tracing::warn!(dp = %self.dp_label, %error, "the replay actor is gone; prefilling every decoder position");
+                self.replay = None;
+                return Ok(None);
+            }
+        };
         Ok((suffix.start > 0).then_some(suffix.start))
     }
 

@@ -1,7 +1,8 @@
 //! `NodeSupervisor`: the root of one engine's actor tree and the owner of its failure policy.
 //!
 //! Owns: the children (one `RankActor` and one `SchedulerActor` per DP rank, the
-//! `FrontendActor`), the map from child to role, and the `SupervisionPolicy` (see `policy.rs`
+//! `FrontendActor`, and when enabled the `ReplayActor`, the `DSparkActor`, one
+//! `ExpertGroupActor` per EP rank and the `EplbActor`), the map from child to role, and the `SupervisionPolicy` (see `policy.rs`
 //! for the policy itself).
 //! Accepts: `Health`, `Drain`; supervision events from its children (it overrides ractor's
 //! default, which would stop the supervisor on any child exit).
@@ -39,7 +40,7 @@ use crate::replay::ReplayActor;
 use crate::replay::state::ReplayState;
 use crate::scheduler::state::{SchedulerLimits, VerifySettings};
 use crate::scheduler::{SchedulerActor, SchedulerArgs};
-use policy::{ChildRole, Decision, SupervisionPolicy};
+use policy::{ChildRole, Decision, Service, SupervisionPolicy};
 
 /// The refs an `Engine` talks to.
 #[derive(Debug, Clone)]
@@ -115,6 +116,9 @@ impl SupervisorState {
                 }
                 let _ = self.handles.frontend.cast(FrontendMsg::RankDown(dp));
             }
+            Decision::RunWithout(service) => {
+                tracing::warn!(%service, "a speed-only service failed; serving without it");
+            }
             Decision::StopEngine { reason } => {
                 tracing::error!(%reason, "engine stopped; every request fails until shutdown");
                 for (dp, s) in self.handles.schedulers.iter().enumerate() {
@@ -166,6 +170,7 @@ impl Actor for NodeSupervisor {
                 match Actor::spawn_linked(None, ReplayActor, state, myself.get_cell()).await {
                     Ok((replay, _)) => {
                         started.push(replay.get_cell());
+                        roles.insert(replay.get_id(), ChildRole::Service(Service::Replay));
                         Some(replay)
                     }
                     Err(e) => return Err(format!("replay actor: {e}").into()),
@@ -227,13 +232,21 @@ impl Actor for NodeSupervisor {
                     }
                 };
             started.push(drafter.get_cell());
+            roles.insert(drafter.get_id(), ChildRole::Service(Service::Drafter));
             for scheduler in &schedulers {
                 scheduler.cast(SchedulerMsg::AttachDrafter(drafter.clone()))?;
             }
         }
         if let Some(parallel) = args.factory.expert_parallel() {
             match crate::eplb::spawn_expert_actors(parallel, myself.get_cell()).await {
-                Ok(cells) => started.extend(cells),
+                Ok(experts) => {
+                    for (ep, cell) in experts.groups {
+                        roles.insert(cell.get_id(), ChildRole::ExpertGroup(ep));
+                        started.push(cell);
+                    }
+                    roles.insert(experts.eplb.get_id(), ChildRole::Service(Service::Eplb));
+                    started.push(experts.eplb);
+                }
                 Err(e) => {
                     stop_all(&started).await;
                     return Err(e.into());
@@ -330,5 +343,84 @@ impl Actor for NodeSupervisor {
             state.apply(decision);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::messages::dspark::DSparkMsg;
+    use crate::rank::fake::{FakeConfig, FakeDrafter};
+    use crate::{Engine, EngineConfig, GenerateRequest};
+    use deepinfer_topology::NodeConfig;
+    use policy::EngineHealth;
+
+    fn speculative_engine() -> EngineConfig {
+        let node = NodeConfig::from_toml_str(
+            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 1\nep = 1\n\
+             [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 16\n\
+             overlap_depth = 1\nadmission_queue_capacity = 8\n\
+             [dspark]\nenabled = true\nmax_draft_tokens = 5\nprofile_steps = 2\n",
+            "supervisor test",
+        )
+        .expect("topology");
+        let fake = FakeConfig {
+            drafter: Some(FakeDrafter {
+                block_size: 5,
+                correct: 3,
+                confidence: 30.0,
+            }),
+            ..FakeConfig::default()
+        };
+        EngineConfig::fake(node, fake)
+    }
+
+    async fn generate(engine: &Engine, prompt: &[u32]) -> Vec<u32> {
+        let stream = engine
+            .generate(GenerateRequest::from_tokens(prompt.to_vec()).max_tokens(16))
+            .await
+            .expect("admitted");
+        tokio::time::timeout(Duration::from_secs(30), stream.collect())
+            .await
+            .expect("finishes in time")
+            .expect("completes")
+            .tokens
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn losing_the_drafter_degrades_the_engine_and_keeps_its_output() {
+        let engine = Engine::start(speculative_engine())
+            .await
+            .expect("engine starts");
+        let prompt = [5, 6, 7];
+        let before = generate(&engine, &prompt).await;
+        let handle = engine.handle();
+        assert_eq!(
+            handle.health().await.expect("health"),
+            EngineHealth::Running
+        );
+
+        let drafter = handle
+            .supervisor
+            .get_cell()
+            .get_children()
+            .into_iter()
+            .find(|child| child.is_message_type_of::<DSparkMsg>() == Some(true))
+            .expect("the engine runs a DSpark actor");
+        drafter.kill();
+        let degraded = EngineHealth::Degraded {
+            failed_ranks: vec![],
+            lost_services: vec![Service::Drafter],
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while handle.health().await.expect("health") != degraded {
+            assert!(Instant::now() < deadline, "the supervisor never saw it");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(generate(&engine, &prompt).await, before);
+        engine
+            .shutdown(Duration::from_secs(10))
+            .await
+            .expect("shuts down");
     }
 }

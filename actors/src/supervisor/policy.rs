@@ -11,13 +11,19 @@
 //!    (the survivors could not complete a collective) and the engine is `Stopped`.
 //! 4. A scheduler or the frontend fails: the control plane lost state it cannot rebuild; the
 //!    engine is `Stopped` and all requests fail.
-//! 5. A child that terminates during shutdown is expected and ignored.
+//! 5. An expert group fails: its shard of the routed experts (and its placement state) is gone
+//!    and every rank's MoE layers need it; the engine is `Stopped`.
+//! 6. A service that only buys speed fails — the EPLB rebalancer, the DSpark drafter, the replay
+//!    planner: the engine keeps serving exactly, without it (the placement stays on its last
+//!    committed epoch; decoding verifies no drafts; prompts prefill every decoder position). The
+//!    engine is `Degraded` and names the lost service.
+//! 7. A child that terminates during shutdown is expected and ignored.
 //!
 //! A `Stopped` engine keeps its actors until `shutdown` so callers get errors, not hangs.
 
 use std::collections::BTreeSet;
 
-use deepinfer_topology::DpRank;
+use deepinfer_topology::{DpRank, EpRank};
 
 /// Which child an event is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,15 +31,39 @@ pub enum ChildRole {
     Rank(DpRank),
     Scheduler(DpRank),
     Frontend,
+    ExpertGroup(EpRank),
+    Service(Service),
+}
+
+/// A child whose loss costs speed, never correctness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Service {
+    /// The `EplbActor` (expert placement rebalancing).
+    Eplb,
+    /// The `DSparkActor` (speculative proposals).
+    Drafter,
+    /// The `ReplayActor` (decoder bounded replay planning).
+    Replay,
+}
+
+impl std::fmt::Display for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Service::Eplb => "the EPLB rebalancer",
+            Service::Drafter => "the DSpark drafter",
+            Service::Replay => "the bounded-replay planner",
+        })
+    }
 }
 
 /// The engine's health as the supervisor sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EngineHealth {
     Running,
-    /// Some ranks failed; the others serve.
+    /// Some ranks or speed-only services failed; the rest serves.
     Degraded {
         failed_ranks: Vec<DpRank>,
+        lost_services: Vec<Service>,
     },
     /// Nothing serves; requests fail until shutdown.
     Stopped {
@@ -48,6 +78,8 @@ pub enum Decision {
     FailRank(DpRank),
     /// Fail every rank's requests and refuse new ones.
     StopEngine { reason: String },
+    /// Keep serving without this service.
+    RunWithout(Service),
     /// Nothing (expected termination).
     Ignore,
 }
@@ -58,6 +90,7 @@ pub struct SupervisionPolicy {
     dp_ranks: usize,
     ep_ranks: usize,
     failed: BTreeSet<DpRank>,
+    lost: BTreeSet<Service>,
     stopped: Option<String>,
     shutting_down: bool,
 }
@@ -68,6 +101,7 @@ impl SupervisionPolicy {
             dp_ranks,
             ep_ranks,
             failed: BTreeSet::new(),
+            lost: BTreeSet::new(),
             stopped: None,
             shutting_down: false,
         }
@@ -108,6 +142,15 @@ impl SupervisionPolicy {
             ChildRole::Frontend => Decision::StopEngine {
                 reason: format!("the frontend failed: {reason}"),
             },
+            ChildRole::ExpertGroup(ep) => Decision::StopEngine {
+                reason: format!("expert group {ep} failed, its experts are gone: {reason}"),
+            },
+            ChildRole::Service(service) => {
+                if !self.lost.insert(service) {
+                    return Decision::Ignore;
+                }
+                Decision::RunWithout(service)
+            }
         };
         if let Decision::StopEngine { reason } = &decision {
             self.stopped = Some(reason.clone());
@@ -120,13 +163,17 @@ impl SupervisionPolicy {
     }
 
     pub fn health(&self) -> EngineHealth {
-        match (&self.stopped, self.failed.is_empty()) {
+        match (
+            &self.stopped,
+            self.failed.is_empty() && self.lost.is_empty(),
+        ) {
             (Some(reason), _) => EngineHealth::Stopped {
                 reason: reason.clone(),
             },
             (None, true) => EngineHealth::Running,
             (None, false) => EngineHealth::Degraded {
                 failed_ranks: self.failed.iter().copied().collect(),
+                lost_services: self.lost.iter().copied().collect(),
             },
         }
     }
@@ -150,7 +197,8 @@ mod tests {
         assert_eq!(
             p.health(),
             EngineHealth::Degraded {
-                failed_ranks: vec![DpRank(1)]
+                failed_ranks: vec![DpRank(1)],
+                lost_services: vec![],
             }
         );
         assert!(matches!(
@@ -167,6 +215,36 @@ mod tests {
         assert!(
             matches!(d, Decision::StopEngine { ref reason } if reason.contains("dp2") && reason.contains("boom"))
         );
+    }
+
+    #[test]
+    fn expert_group_failure_stops_and_speed_services_degrade() {
+        let mut p = SupervisionPolicy::new(2, 4);
+        assert_eq!(
+            p.on_child_down(ChildRole::Service(Service::Drafter), "x"),
+            Decision::RunWithout(Service::Drafter)
+        );
+        assert_eq!(
+            p.on_child_down(ChildRole::Service(Service::Drafter), "again"),
+            Decision::Ignore
+        );
+        assert_eq!(
+            p.on_child_down(ChildRole::Service(Service::Eplb), "y"),
+            Decision::RunWithout(Service::Eplb)
+        );
+        assert_eq!(
+            p.health(),
+            EngineHealth::Degraded {
+                failed_ranks: vec![],
+                lost_services: vec![Service::Eplb, Service::Drafter],
+            }
+        );
+        let d = p.on_child_down(ChildRole::ExpertGroup(EpRank(3)), "oom");
+        assert!(
+            matches!(d, Decision::StopEngine { ref reason } if reason.contains("ep3") && reason.contains("oom")),
+            "{d:?}"
+        );
+        assert!(matches!(p.health(), EngineHealth::Stopped { .. }));
     }
 
     #[test]
