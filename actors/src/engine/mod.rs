@@ -179,7 +179,21 @@ impl EngineHandle {
 #[derive(Debug)]
 pub struct Engine {
     handle: EngineHandle,
-    join: tokio::task::JoinHandle<()>,
+    /// The supervisor's task; taken by `shutdown`.
+    join: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// An engine dropped without `shutdown` stops its actor tree: admitted requests end with an
+/// error, the rank threads finish their current step and exit (they would otherwise stay parked
+/// until the process ends).
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.join.is_some() {
+            self.handle
+                .supervisor
+                .stop(Some("the engine was dropped without shutdown".into()));
+        }
+    }
 }
 
 impl Engine {
@@ -264,7 +278,7 @@ impl Engine {
                 supervisor,
                 codec,
             },
-            join,
+            join: Some(join),
         })
     }
 
@@ -281,7 +295,8 @@ impl Engine {
     /// Graceful shutdown: refuse new requests, let admitted ones finish (at most `timeout`),
     /// then stop every actor and join the rank threads. Requests still running at the timeout
     /// end with `ShuttingDown`.
-    pub async fn shutdown(self, timeout: Duration) -> Result<DrainReport, EngineError> {
+    pub async fn shutdown(mut self, timeout: Duration) -> Result<DrainReport, EngineError> {
+        let join = self.join.take();
         let supervisor = self.handle.supervisor.clone();
         let report = supervisor
             .call(
@@ -298,7 +313,9 @@ impl Engine {
                 ));
             }
         };
-        let _ = tokio::time::timeout(Duration::from_secs(60), self.join).await;
+        if let Some(join) = join {
+            let _ = tokio::time::timeout(Duration::from_secs(60), join).await;
+        }
         Ok(report)
     }
 }
