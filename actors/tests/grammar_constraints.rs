@@ -10,7 +10,7 @@ use common::grammar_set::{
 };
 use deepinfer_actors::grammar::{
     CompiledGrammar, Constraint, ConstraintStart, GrammarError, GrammarMatcher, MaskJob,
-    MaskWorkers, StepMask, TokenId, take_grammar_response_format,
+    MaskWorkers, StepMask, TokenId, ToolCallsConstraint, take_grammar_response_format,
 };
 use deepseek_recipe::request::OutputConstraint;
 use serde_json::{Value, json};
@@ -611,8 +611,23 @@ fn output_constraints_map_to_constraints() {
             tools: Vec::new(),
             required: true
         }),
-        None
+        Some(Constraint::ToolCalls(ToolCallsConstraint {
+            tools: Vec::new(),
+            required: true
+        }))
     );
+    // No tools is a bad constraint for this request only.
+    let empty = Constraint::ToolCalls(ToolCallsConstraint {
+        tools: Vec::new(),
+        required: false,
+    });
+    assert!(matches!(
+        engine().compile(&empty),
+        Err(GrammarError::InvalidConstraint {
+            kind: "tool_calls",
+            ..
+        })
+    ));
 }
 
 #[test]

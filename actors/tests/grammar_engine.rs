@@ -76,6 +76,7 @@ fn chat_request(case: &Case, seed: u64) -> GenerateRequest {
             json!({"type": "grammar", "grammar": grammar, "syntax": "ebnf"})
         }
         Constraint::JsonObject => json!({"type": "json_object"}),
+        Constraint::ToolCalls(_) => panic!("{}: tool calls come from `tools`", case.name),
     };
     GenerateRequest::from_chat(json!({
         "messages": [{"role": "user", "content": "Answer."}],
@@ -101,6 +102,66 @@ fn compact_json(schema: &Value) -> Value {
             .or_insert_with(|| json!({"whitespace_flexible": false}));
     }
     schema
+}
+
+/// A chat request with a required tool call: the random-weight model answers with a DSML block
+/// whose calls name the tool and give every parameter (strict) in order, each with a value of its
+/// schema. (deepseek-recipe's strict normalisation keeps string enums but drops integer ones, so
+/// the bounded values here are a string enum and a boolean.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_model_tool_calls_follow_the_tools() {
+    let started = Instant::now();
+    let (engine, _dir) = start_demo_engine().await;
+    let parameters = json!({
+        "type": "object",
+        "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "hourly": {"type": "boolean"}
+        },
+        "required": ["unit", "hourly"],
+        "additionalProperties": false
+    });
+    let request = GenerateRequest::from_chat(json!({
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "thinking": {"type": "disabled"},
+        "tools": [{"type": "function", "function": {"name": "forecast", "strict": true,
+                   "parameters": parameters}}],
+        "tool_choice": "required",
+        "temperature": 1.0,
+        "seed": 5,
+        "max_tokens": MAX_TOKENS,
+    }));
+    let done = run_together(&engine, vec![request]).await.remove(0);
+    assert_eq!(done.reason, FinishReason::Stop, "{:?}", done.text);
+    let d = "｜DSML｜";
+    let call = regex::Regex::new(&format!(
+        "^<{d} invoke name=\"forecast\">\n\
+         <{d} parameter name=\"unit\" string=\"true\">(celsius|fahrenheit)</{d} parameter>\n\
+         <{d} parameter name=\"hourly\" string=\"false\">(true|false)</{d} parameter>\n</{d} invoke>$"
+    ))
+    .expect("regex");
+    let body = done
+        .text
+        .strip_suffix(&format!("\n</{d} calls>"))
+        .unwrap_or_else(|| panic!("the block is not closed: {:?}", done.text));
+    for invocation in body.split('\n').collect::<Vec<_>>().chunks(4) {
+        let invocation = invocation.join("\n");
+        assert!(
+            call.is_match(&invocation),
+            "{invocation:?} in {:?}",
+            done.text
+        );
+    }
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("shutdown");
+    eprintln!(
+        "required tool call on the demo model ({} tokens, {:?}): {:?}",
+        done.tokens.len(),
+        started.elapsed(),
+        done.text
+    );
 }
 
 /// Submits every request at once (one batch composition) and collects the completions in order.

@@ -6,6 +6,7 @@ use deepseek_recipe::request::OutputConstraint;
 use serde_json::Value;
 
 use super::GrammarError;
+use super::tool_calls::{TOOL_CALLS_KIND, ToolCallsConstraint};
 
 /// The `response_format.type` of the grammar extension:
 /// `"response_format": {"type": "grammar", "grammar": "<Lark source>"}`.
@@ -28,14 +29,14 @@ pub enum Constraint {
     /// Text in the language of a GBNF-style EBNF grammar (`root ::= ...`, `"literal"`, `[a-z]`,
     /// `|`, `*`, `+`, `?`, `{m,n}`, `( )`), translated to Lark before compiling.
     Ebnf(String),
+    /// An answer that calls the request's tools in DSML (see `tool_calls.rs`).
+    ToolCalls(ToolCallsConstraint),
 }
 
 impl Constraint {
     /// The constraint deepseek-recipe selected for a converted request. `Json { schema: None }`
-    /// (OpenAI `json_object`) becomes [`Constraint::JsonObject`].
-    ///
-    /// `ToolCalls` gives `None`: the DSML tool-call grammar is a follow-up, so tool-call blocks are
-    /// not enforced during decoding (they are parsed after generation as before).
+    /// (OpenAI `json_object`) becomes [`Constraint::JsonObject`]; tools with a tool choice other
+    /// than `none` become [`Constraint::ToolCalls`].
     pub fn from_output_constraint(constraint: &OutputConstraint) -> Option<Self> {
         match constraint {
             OutputConstraint::Json { schema: None } => Some(Self::JsonObject),
@@ -43,7 +44,9 @@ impl Constraint {
                 schema: Some(schema),
             } => Some(Self::JsonSchema(schema.clone())),
             OutputConstraint::Regex(regex) => Some(Self::Regex(regex.clone())),
-            OutputConstraint::ToolCalls { .. } => None,
+            OutputConstraint::ToolCalls { .. } => {
+                ToolCallsConstraint::from_output_constraint(constraint).map(Self::ToolCalls)
+            }
         }
     }
 
@@ -55,6 +58,7 @@ impl Constraint {
             Self::Regex(_) => "regex",
             Self::Lark(_) => "grammar",
             Self::Ebnf(_) => "ebnf",
+            Self::ToolCalls(_) => TOOL_CALLS_KIND,
         }
     }
 }

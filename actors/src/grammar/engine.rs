@@ -133,6 +133,17 @@ impl GrammarEngine {
                 check_size(grammar.len())?;
                 TopLevelGrammar::from_lark(ebnf_to_lark(grammar)?)
             }
+            Constraint::ToolCalls(tools) => {
+                let dsml = self
+                    .special_tokens()
+                    .dsml
+                    .ok_or(GrammarError::MissingSpecialToken(
+                        "｜DSML｜ (needed for tool calls)",
+                    ))?;
+                let grammar = tools.to_lark(dsml)?;
+                check_size(grammar.len())?;
+                TopLevelGrammar::from_lark(grammar)
+            }
         };
         let parser =
             self.factory

@@ -4,7 +4,8 @@
 //! - [`GrammarEngine`] is built once per tokenizer (byte table, token trie, llguidance factory)
 //!   and shared by all requests (`Arc`).
 //! - [`Constraint`] is what a request asks for; it comes from deepseek-recipe's
-//!   `OutputConstraint` ([`Constraint::from_output_constraint`]) or from the grammar extension of
+//!   `OutputConstraint` ([`Constraint::from_output_constraint`]; tools become the DSML tool-call
+//!   grammar of [`ToolCallsConstraint`]) or from the grammar extension of
 //!   the request body ([`take_grammar_response_format`]):
 //!   `"response_format": {"type": "grammar", "grammar": "<source>", "syntax": "lark" | "ebnf"}`
 //!   (`syntax` defaults to `lark`, llguidance's Lark dialect; `ebnf` is GBNF-style `root ::= ...`).
@@ -33,6 +34,7 @@ mod error;
 mod mask;
 mod matcher;
 mod token_env;
+mod tool_calls;
 mod workers;
 
 pub use constraint::{Constraint, GRAMMAR_RESPONSE_FORMAT_TYPE, take_grammar_response_format};
@@ -41,6 +43,7 @@ pub use error::GrammarError;
 pub use mask::{StepMask, TokenMask};
 pub use matcher::{ConstraintStart, GrammarMatcher};
 pub use token_env::{DeepSeekTokEnv, SpecialTokens};
+pub use tool_calls::{TOOL_CALLS_KIND, ToolCallsConstraint, ToolSpec};
 pub use workers::{MaskBatch, MaskJob, MaskOutcome, MaskWorkers};
 
 /// Token id type of the vocabulary (llguidance's).

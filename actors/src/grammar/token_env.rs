@@ -13,6 +13,7 @@ use super::GrammarError;
 const EOS_TEXT: &str = "<｜end▁of▁sentence｜>";
 const THINK_START_TEXT: &str = "<think>";
 const THINK_END_TEXT: &str = "</think>";
+const DSML_TEXT: &str = "｜DSML｜";
 
 /// The token ids the grammar layer treats specially.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +24,8 @@ pub struct SpecialTokens {
     pub think_start: TokenId,
     /// `</think>`: ends the reasoning section; the constraint applies after it.
     pub think_end: TokenId,
+    /// `｜DSML｜`, the tag token of tool calls (`None`: this tokenizer cannot call tools).
+    pub dsml: Option<TokenId>,
 }
 
 #[derive(Deserialize)]
@@ -89,6 +92,7 @@ impl DeepSeekTokEnv {
             eos: find(EOS_TEXT)?,
             think_start: find(THINK_START_TEXT)?,
             think_end: find(THINK_END_TEXT)?,
+            dsml: find(DSML_TEXT).ok(),
         };
 
         let vocab_size = u32::try_from(token_bytes.len()).map_err(|_| {
