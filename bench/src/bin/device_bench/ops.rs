@@ -1,4 +1,4 @@
-//! Device benchmark of the CUDA kernels at real V4.1 widths (d = 5120, q_lora 1280,
+//! Per-op section of the device benchmark: the CUDA kernels at real V4.1 widths (d = 5120, q_lora 1280,
 //! 64 heads × 512, experts 2304, 384 experts, 4 mHC streams), decode-shaped (M = 1, 8, 64): time
 //! per launch, bytes moved, FLOPs, and the ratio to the H200's measured roofline (4.28 TB/s copy;
 //! 1216 TFLOP/s FP8 and ~790 TFLOP/s bf16 tensor-core GEMM). The per-token ops of `CudaBackend`
@@ -6,7 +6,7 @@
 //!
 //! Weights are random bytes; several copies are rotated so that each launch reads its weights from
 //! HBM, not from the 60 MiB L2. Each figure is the median over 7 batches of 40 launches timed with
-//! CUDA events. Run on the H200: `bash .gpu/run.sh device_bench [--sweep]`.
+//! CUDA events (3 batches of 8 with `--quick`).
 
 use anyhow::{Context, Result};
 use deepinfer_kernels::KernelRuntime;
@@ -31,8 +31,11 @@ const FP8_FLOPS: f64 = 1216e12;
 const BF16_FLOPS: f64 = 790e12;
 /// Rotate weight copies until they span this many bytes (> 2 × the 60 MiB L2).
 const ROTATION_BYTES: usize = 160 << 20;
+/// Launches per timed batch and timed batches per figure (full / `--quick`).
 const LAUNCHES_PER_BATCH: usize = 40;
 const BATCHES: usize = 7;
+const QUICK_LAUNCHES_PER_BATCH: usize = 8;
+const QUICK_BATCHES: usize = 3;
 
 struct Row {
     op: String,
@@ -77,24 +80,33 @@ fn scale_bytes(len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// A long RMSNorm over a large buffer, launched before each timed batch so that the GPU is busy
-/// while the host queues the batch: the batch then runs back to back and host launch overhead
-/// (even of a debug build) stays out of the figures.
-struct Busy {
+/// How launches are timed: `batches` batches of `launches` launches, each batch preceded by a long
+/// RMSNorm over a large buffer so that the GPU is busy while the host queues the batch: the batch
+/// then runs back to back and host launch overhead (even of a debug build) stays out of the figures.
+struct Timer {
     x: CudaSlice<bf16>,
     w: CudaSlice<bf16>,
     y: CudaSlice<bf16>,
+    launches: usize,
+    batches: usize,
 }
 
 const BUSY_ROWS: usize = 32_768;
 const BUSY_COLS: usize = 5120;
 
-impl Busy {
-    fn new(rt: &KernelRuntime) -> Result<Busy> {
-        Ok(Busy {
+impl Timer {
+    fn new(rt: &KernelRuntime, quick: bool) -> Result<Timer> {
+        let (launches, batches) = if quick {
+            (QUICK_LAUNCHES_PER_BATCH, QUICK_BATCHES)
+        } else {
+            (LAUNCHES_PER_BATCH, BATCHES)
+        };
+        Ok(Timer {
             x: activations(rt, BUSY_ROWS, BUSY_COLS)?,
             w: activations(rt, 1, BUSY_COLS)?,
             y: rt.stream().alloc_zeros::<bf16>(BUSY_ROWS * BUSY_COLS)?,
+            launches,
+            batches,
         })
     }
 
@@ -117,7 +129,7 @@ impl Busy {
 /// Median microseconds per call of `launch(i)` (i = launch index, for rotating inputs).
 fn time_launches(
     rt: &KernelRuntime,
-    busy: &mut Busy,
+    timer: &mut Timer,
     mut launch: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
     let ctx = rt.context();
@@ -125,20 +137,20 @@ fn time_launches(
         launch(i)?;
     }
     rt.synchronize()?;
-    let mut per_batch = Vec::with_capacity(BATCHES);
-    for _ in 0..BATCHES {
+    let mut per_batch = Vec::with_capacity(timer.batches);
+    for _ in 0..timer.batches {
         let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        busy.occupy(rt)?;
+        timer.occupy(rt)?;
         start.record(rt.stream())?;
-        for i in 0..LAUNCHES_PER_BATCH {
+        for i in 0..timer.launches {
             launch(i)?;
         }
         end.record(rt.stream())?;
-        per_batch.push(f64::from(start.elapsed_ms(&end)?) * 1e3 / LAUNCHES_PER_BATCH as f64);
+        per_batch.push(f64::from(start.elapsed_ms(&end)?) * 1e3 / timer.launches as f64);
     }
     per_batch.sort_by(f64::total_cmp);
-    Ok(per_batch[BATCHES / 2])
+    Ok(per_batch[per_batch.len() / 2])
 }
 
 fn activations(
@@ -155,7 +167,7 @@ fn activations(
 
 fn bench_fp8(
     rt: &KernelRuntime,
-    busy: &mut Busy,
+    timer: &mut Timer,
     name: &str,
     m: usize,
     n: usize,
@@ -180,7 +192,7 @@ fn bench_fp8(
     let x = activations(rt, m, k)?;
     let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
     let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
-    let micros = time_launches(rt, busy, |i| {
+    let micros = time_launches(rt, timer, |i| {
         Ok(gemm_fp8_split(rt, &a, &weights[i % copies], &mut y, split)?)
     })?;
     let bytes = (codes_len + scales_len + m * k + m * k / 32 * 4 + m * n * 2) as f64;
@@ -198,7 +210,7 @@ fn bench_fp8(
 
 fn bench_fp4(
     rt: &KernelRuntime,
-    busy: &mut Busy,
+    timer: &mut Timer,
     name: &str,
     m: usize,
     n: usize,
@@ -222,7 +234,7 @@ fn bench_fp4(
     let x = activations(rt, m, k)?;
     let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
     let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
-    let micros = time_launches(rt, busy, |i| {
+    let micros = time_launches(rt, timer, |i| {
         Ok(gemm_fp4_split(rt, &a, &weights[i % copies], &mut y, split)?)
     })?;
     let bytes = (packed_len + scales_len + m * k + m * k / 32 * 4 + m * n * 2) as f64;
@@ -245,10 +257,10 @@ fn split_label(split: GemmSplit) -> String {
     }
 }
 
-fn bench_act_quant(rt: &KernelRuntime, busy: &mut Busy, m: usize, k: usize) -> Result<Row> {
+fn bench_act_quant(rt: &KernelRuntime, timer: &mut Timer, m: usize, k: usize) -> Result<Row> {
     let x = activations(rt, m, k)?;
     let mut a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
-    let micros = time_launches(rt, busy, |_| Ok(quantize_act_fp8_into(rt, &x, &mut a)?))?;
+    let micros = time_launches(rt, timer, |_| Ok(quantize_act_fp8_into(rt, &x, &mut a)?))?;
     let bytes = (m * k * 2 + m * k + m * k / 32 * 4) as f64;
     Ok(Row {
         op: "act_quant g32".to_string(),
@@ -262,11 +274,11 @@ fn bench_act_quant(rt: &KernelRuntime, busy: &mut Busy, m: usize, k: usize) -> R
     })
 }
 
-fn bench_rms_norm(rt: &KernelRuntime, busy: &mut Busy, m: usize, k: usize) -> Result<Row> {
+fn bench_rms_norm(rt: &KernelRuntime, timer: &mut Timer, m: usize, k: usize) -> Result<Row> {
     let x = activations(rt, m, k)?;
     let w = activations(rt, 1, k)?;
     let mut y = rt.stream().alloc_zeros::<bf16>(m * k)?;
-    let micros = time_launches(rt, busy, |_| {
+    let micros = time_launches(rt, timer, |_| {
         Ok(rms_norm_bf16(rt, &x, &w, &mut y, m, k, 1e-6)?)
     })?;
     let bytes = (m * k * 4 + k * 2) as f64;
@@ -292,14 +304,20 @@ fn f32_values(rt: &KernelRuntime, seed: u64, len: usize) -> Result<CudaSlice<f32
 }
 
 /// Plain fp32 linear in the CPU sgemm order (router-shaped: [M x 5120]·[5120 x 384]).
-fn bench_linear(rt: &KernelRuntime, busy: &mut Busy, m: usize, n: usize, k: usize) -> Result<Row> {
+fn bench_linear(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<Row> {
     let copies = ROTATION_BYTES.div_ceil(n * k * 4).max(2);
     let weights = (0..copies)
         .map(|c| f32_values(rt, 300 + c as u64, n * k))
         .collect::<Result<Vec<_>>>()?;
     let x = f32_values(rt, 5, m * k)?;
     let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
-    let micros = time_launches(rt, busy, |i| {
+    let micros = time_launches(rt, timer, |i| {
         Ok(linear_sgemm_f32(
             rt,
             &x,
@@ -322,7 +340,7 @@ fn bench_linear(rt: &KernelRuntime, busy: &mut Busy, m: usize, n: usize, k: usiz
 }
 
 /// The per-token ops of `CudaBackend` at real widths, one token each.
-fn bench_token_ops(rt: &KernelRuntime, busy: &mut Busy) -> Result<Vec<Row>> {
+fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     // Sink attention: 64 heads x 512, 640 keys (128 window + 512 selected).
     let (heads, head_dim, keys) = (64usize, 512usize, 640usize);
@@ -330,7 +348,7 @@ fn bench_token_ops(rt: &KernelRuntime, busy: &mut Busy) -> Result<Vec<Row>> {
     let kv = f32_values(rt, 22, keys * head_dim)?;
     let sink = f32_values(rt, 23, heads)?;
     let mut out = rt.stream().alloc_zeros::<f32>(heads * head_dim)?;
-    let micros = time_launches(rt, busy, |_| {
+    let micros = time_launches(rt, timer, |_| {
         Ok(sparse_attention_sink_f32(
             rt,
             &q,
@@ -359,7 +377,7 @@ fn bench_token_ops(rt: &KernelRuntime, busy: &mut Busy) -> Result<Vec<Row>> {
     let w = f32_values(rt, 25, heads)?;
     let kk = f32_values(rt, 26, keys * head_dim)?;
     let mut scores = rt.stream().alloc_zeros::<f32>(keys)?;
-    let micros = time_launches(rt, busy, |_| {
+    let micros = time_launches(rt, timer, |_| {
         Ok(index_scores_f32(
             rt,
             &q,
@@ -395,7 +413,7 @@ fn bench_token_ops(rt: &KernelRuntime, busy: &mut Busy) -> Result<Vec<Row>> {
         hc_eps: 1e-6,
         norm_eps: 1e-6,
     };
-    let micros = time_launches(rt, busy, |_| {
+    let micros = time_launches(rt, timer, |_| {
         Ok(hc_mixes_f32(
             rt, &x, &proj, &base, &scale, &mut mix, config,
         )?)
@@ -413,7 +431,7 @@ fn bench_token_ops(rt: &KernelRuntime, busy: &mut Busy) -> Result<Vec<Row>> {
     let y = f32_values(rt, 31, dim)?;
     let coefficients = f32_values(rt, 32, hc + hc * hc)?;
     let mut expanded = rt.stream().alloc_zeros::<f32>(n)?;
-    let micros = time_launches(rt, busy, |_| {
+    let micros = time_launches(rt, timer, |_| {
         Ok(hc_expand_f32(
             rt,
             &y,
@@ -437,7 +455,7 @@ fn bench_token_ops(rt: &KernelRuntime, busy: &mut Busy) -> Result<Vec<Row>> {
     // Q8 QDQ of one token's window KV entry and of 64 of them.
     for entries in [1usize, 64] {
         let mut kv = f32_values(rt, 33, entries * 512)?;
-        let micros = time_launches(rt, busy, |_| Ok(qdq_f32(rt, &mut kv, QdqPoint::Q8)?))?;
+        let micros = time_launches(rt, timer, |_| Ok(qdq_f32(rt, &mut kv, QdqPoint::Q8)?))?;
         rows.push(Row {
             op: "q8 qdq".to_string(),
             m: entries,
@@ -452,7 +470,9 @@ fn bench_token_ops(rt: &KernelRuntime, busy: &mut Busy) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-fn main() -> Result<()> {
+/// Times every op at M = 1, 8, 64 (M = 1 only when `quick`), the GEMM work splits too with
+/// `sweep`, and prints the table.
+pub fn run(quick: bool, sweep: bool) -> Result<()> {
     let rt = KernelRuntime::open(0).context("opening the CUDA device")?;
     let report = rt.report();
     println!(
@@ -464,15 +484,18 @@ fn main() -> Result<()> {
         report.modules_from_cache
     );
     // Timing measures the kernels, not cudarc's per-launch event bookkeeping (one stream here).
-    // SAFETY: this program uses a single stream, so no cross-stream synchronisation is lost.
+    // SAFETY: this runtime is used by this function alone, on a single stream, so no
+    // cross-stream synchronisation is lost.
     unsafe { rt.context().disable_event_tracking() };
+    let rt = &rt;
 
-    let mut busy = Busy::new(&rt)?;
+    let mut timer = Timer::new(rt, quick)?;
     let mut rows = Vec::new();
-    for m in [1usize, 8, 64] {
+    let batch_sizes: &[usize] = if quick { &[1] } else { &[1, 8, 64] };
+    for &m in batch_sizes {
         rows.push(bench_fp8(
-            &rt,
-            &mut busy,
+            rt,
+            &mut timer,
             "wq_a",
             m,
             1280,
@@ -480,8 +503,8 @@ fn main() -> Result<()> {
             GemmSplit::Auto,
         )?);
         rows.push(bench_fp8(
-            &rt,
-            &mut busy,
+            rt,
+            &mut timer,
             "wq_b",
             m,
             32768,
@@ -489,8 +512,8 @@ fn main() -> Result<()> {
             GemmSplit::Auto,
         )?);
         rows.push(bench_fp4(
-            &rt,
-            &mut busy,
+            rt,
+            &mut timer,
             "expert w1",
             m,
             2304,
@@ -498,30 +521,29 @@ fn main() -> Result<()> {
             GemmSplit::Auto,
         )?);
         rows.push(bench_fp4(
-            &rt,
-            &mut busy,
+            rt,
+            &mut timer,
             "expert w2",
             m,
             5120,
             2304,
             GemmSplit::Auto,
         )?);
-        rows.push(bench_act_quant(&rt, &mut busy, m, 5120)?);
-        rows.push(bench_rms_norm(&rt, &mut busy, m, 5120)?);
-        rows.push(bench_linear(&rt, &mut busy, m, 384, 5120)?);
+        rows.push(bench_act_quant(rt, &mut timer, m, 5120)?);
+        rows.push(bench_rms_norm(rt, &mut timer, m, 5120)?);
+        rows.push(bench_linear(rt, &mut timer, m, 384, 5120)?);
     }
-    rows.extend(bench_token_ops(&rt, &mut busy)?);
+    rows.extend(bench_token_ops(rt, &mut timer)?);
     // The work split (warps per output column) changes speed only, never the bits: with `--sweep`,
     // time every split for the decode shapes (what `GemmSplit::Auto` is tuned from).
-    let sweep = std::env::args().any(|a| a == "--sweep");
     for m in [1usize, 8].into_iter().filter(|_| sweep) {
         for w in [1u32, 2, 4, 8] {
             let split = GemmSplit::WarpsPerColumn(w);
-            rows.push(bench_fp8(&rt, &mut busy, "wq_a", m, 1280, 5120, split)?);
-            rows.push(bench_fp8(&rt, &mut busy, "wq_b", m, 32768, 1280, split)?);
+            rows.push(bench_fp8(rt, &mut timer, "wq_a", m, 1280, 5120, split)?);
+            rows.push(bench_fp8(rt, &mut timer, "wq_b", m, 32768, 1280, split)?);
             rows.push(bench_fp4(
-                &rt,
-                &mut busy,
+                rt,
+                &mut timer,
                 "expert w1",
                 m,
                 2304,

@@ -1,0 +1,122 @@
+//! Device benchmark for the H200: the CUDA kernels one op at a time at real V4.1 widths (`ops`),
+//! and whole forward steps of a `Model` on `CudaBackend` (`whole_step`): the v41-tiny fixture and a
+//! real-width V4.1 block, prefill throughput and decode-step latency at batch 1, 8, 64, each with
+//! its bytes, FLOPs and H200 roofline ratio. bench/README.md explains the numbers.
+//!
+//! Usage (on the H200, after `../shared/tools/gpu-stage.sh cargo build -p deepinfer-bench --release
+//! --features cuda --bin device_bench`):
+//!
+//! ```text
+//! DEEPINFER_V41_TINY=$PWD/.gpu/fixtures/v41-tiny bash .gpu/run.sh device_bench \
+//!     [--quick] [--sweep] [--sections ops,tiny,block] [--context N] [--block-dir DIR]
+//! ```
+//!
+//! `--quick` runs few iterations (a cheap first try), `--sweep` adds the GEMM work-split sweep to
+//! the per-op section, `--context` is the prefilled length of the block's sequences (1024; 128
+//! with `--quick`), `--block-dir` where the block's random checkpoint is written (and reused by a
+//! later run on the same machine; default /tmp/deepinfer-bench-v41-block).
+
+mod ops;
+mod whole_step;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+
+/// What to run, from the command line.
+struct Options {
+    quick: bool,
+    sweep: bool,
+    ops: bool,
+    tiny: bool,
+    block: bool,
+    context: Option<usize>,
+    block_dir: PathBuf,
+}
+
+fn parse_options() -> Result<Options> {
+    let mut options = Options {
+        quick: false,
+        sweep: false,
+        ops: true,
+        tiny: true,
+        block: true,
+        context: None,
+        block_dir: PathBuf::from("/tmp/deepinfer-bench-v41-block"),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--quick" => options.quick = true,
+            "--sweep" => options.sweep = true,
+            "--sections" => {
+                let list = args
+                    .next()
+                    .context("--sections needs a list, e.g. ops,tiny,block")?;
+                options.ops = false;
+                options.tiny = false;
+                options.block = false;
+                for section in list.split(',') {
+                    match section {
+                        "ops" => options.ops = true,
+                        "tiny" => options.tiny = true,
+                        "block" => options.block = true,
+                        other => {
+                            bail!("unknown section {other:?} in --sections (ops, tiny, block)")
+                        }
+                    }
+                }
+            }
+            "--context" => {
+                let value = args.next().context("--context needs a token count")?;
+                let context: usize = value
+                    .parse()
+                    .with_context(|| format!("--context {value:?} is not a token count"))?;
+                if context == 0 {
+                    bail!("--context must be at least 1");
+                }
+                options.context = Some(context);
+            }
+            "--block-dir" => {
+                options.block_dir = PathBuf::from(args.next().context("--block-dir needs a path")?);
+            }
+            other => bail!(
+                "unknown argument {other:?}; usage: device_bench [--quick] [--sweep] \
+                 [--sections ops,tiny,block] [--context N] [--block-dir DIR]"
+            ),
+        }
+    }
+    Ok(options)
+}
+
+fn main() -> Result<()> {
+    let options = parse_options()?;
+    let fixture = if options.tiny {
+        let dir = std::env::var_os("DEEPINFER_V41_TINY").context(
+            "set DEEPINFER_V41_TINY to the v41-tiny fixture directory (or leave `tiny` out of --sections)",
+        )?;
+        Some(PathBuf::from(dir))
+    } else {
+        None
+    };
+    if options.ops {
+        ops::run(options.quick, options.sweep)?;
+    }
+    let mut rows = Vec::new();
+    if let Some(dir) = &fixture {
+        rows.extend(whole_step::fixture(dir, options.quick)?);
+        whole_step::print(&rows);
+    }
+    if options.block {
+        let context = options
+            .context
+            .unwrap_or(if options.quick { 128 } else { 1024 });
+        rows.extend(whole_step::block(
+            &options.block_dir,
+            context,
+            options.quick,
+        )?);
+        whole_step::print(&rows);
+    }
+    Ok(())
+}

@@ -1,0 +1,250 @@
+//! Whole-step sections of the device benchmark: whole `Model` forwards on `CudaBackend` for the
+//! v41-tiny fixture and for the real-width one-block V4.1 model (`deepinfer_bench::v41_block`):
+//! prefill throughput and decode-step latency at batch 1, 8, 64, with the bytes and FLOPs each
+//! step needs (`deepinfer_bench::cost`) and the ratio of the H200 roofline floor to the measured
+//! time.
+//!
+//! The model runs one sequence at a time (the `Backend` works per sequence), so a decode step over
+//! B sequences is B forwards in turn; `CudaBackend` copies activations to and from the host for
+//! every op (weights stay cached on the device after their first use). Every timed run follows an
+//! untimed warm-up that uploads the weights.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use deepinfer_bench::cost::{self, Cost};
+use deepinfer_bench::steps::{
+    BatchMeasurement, measure_batch, measure_decode_from, percentile, prompt_lengths, prompt_tokens,
+};
+use deepinfer_bench::v41_block::{BlockWidth, Prepared, block_config, prepare_checkpoint};
+use deepinfer_model::backend::cuda::CudaBackend;
+use deepinfer_model::checkpoint::Checkpoint;
+use deepinfer_model::config::ModelConfig;
+use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::{LogitsWanted, Model};
+
+/// One line of the whole-step table.
+pub struct StepRow {
+    pub model: &'static str,
+    pub phase: &'static str,
+    pub batch: usize,
+    /// Tokens the measured time covers (prefill: all prompt tokens; decode: one per sequence).
+    pub tokens: usize,
+    /// Prefill: total seconds; decode: median step seconds.
+    pub seconds: f64,
+    /// Decode: 90th-percentile step seconds.
+    pub p90_seconds: Option<f64>,
+    /// What the measured time covers needs (prefill: all prompts; decode: the middle step).
+    pub cost: Cost,
+}
+
+/// Batch sizes, decode steps per batch and prompt lengths of one run.
+struct Plan {
+    batches: &'static [(usize, usize)],
+    shortest_prompt: usize,
+    longest_prompt: usize,
+}
+
+const FULL_TINY: Plan = Plan {
+    batches: &[(1, 20), (8, 10), (64, 4)],
+    shortest_prompt: 4,
+    longest_prompt: 24,
+};
+const QUICK_TINY: Plan = Plan {
+    batches: &[(1, 3), (8, 2)],
+    shortest_prompt: 4,
+    longest_prompt: 12,
+};
+/// Block decode: (batch, steps).
+const FULL_BLOCK_DECODE: &[(usize, usize)] = &[(1, 10), (8, 5), (64, 3)];
+const QUICK_BLOCK_DECODE: &[(usize, usize)] = &[(1, 3), (8, 1)];
+
+fn decode_row(model: &'static str, cfg: &ModelConfig, run: &BatchMeasurement) -> Result<StepRow> {
+    let steps = &run.step_seconds;
+    let median = percentile(steps, 0.5).context("no decode steps were timed")?;
+    Ok(StepRow {
+        model,
+        phase: "decode",
+        batch: run.batch(),
+        tokens: run.batch(),
+        seconds: median,
+        p90_seconds: percentile(steps, 0.9),
+        cost: cost::decode_step(cfg, &run.positions_at_step(steps.len() / 2)),
+    })
+}
+
+/// The v41-tiny fixture in `dir`: per batch, prefill of prompts of different lengths (each its own
+/// pass) and decode steps.
+pub fn fixture(dir: &Path, quick: bool) -> Result<Vec<StepRow>> {
+    let cfg = ModelConfig::from_file(&dir.join("config.json"))
+        .with_context(|| format!("fixture config in {}", dir.display()))?;
+    let engram = cfg
+        .engram
+        .as_ref()
+        .context("the v41-tiny fixture config has no Engram section")?;
+    let vocab = CompressedVocab::halving_stub(cfg.vocab_size, engram.pad_token_id)?;
+    let ckpt = Checkpoint::open(dir)?;
+    let backend = CudaBackend::open(0)?;
+    let model = Model::from_checkpoint(cfg.clone(), &ckpt, Some(vocab), Box::new(backend))?;
+    println!("v41-tiny: {} on {}", dir.display(), model.backend().name());
+    let plan = if quick { &QUICK_TINY } else { &FULL_TINY };
+
+    let started = Instant::now();
+    measure_batch(&model, &[plan.longest_prompt], 2, 999)?;
+    println!(
+        "v41-tiny warm-up (weight uploads): {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    let mut rows = Vec::new();
+    for &(batch, steps) in plan.batches {
+        let lens = prompt_lengths(batch, plan.shortest_prompt, plan.longest_prompt);
+        let run = measure_batch(&model, &lens, steps, 100 * batch as u64)?;
+        rows.push(StepRow {
+            model: "v41-tiny",
+            phase: "prefill",
+            batch,
+            tokens: run.prompt_tokens(),
+            seconds: run.prefill_seconds,
+            p90_seconds: None,
+            cost: lens.iter().map(|&len| cost::prefill(&cfg, len)).sum(),
+        });
+        rows.push(decode_row("v41-tiny", &cfg, &run)?);
+    }
+    Ok(rows)
+}
+
+/// The real-width one-block model, its random checkpoint in `dir` (written there unless an
+/// identical one is present): prefill of one `context`-token prompt, then decode steps over
+/// copies of that prefilled sequence.
+pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
+    const VOCAB: usize = 1024;
+    /// Positions the block's config allows unless a longer run needs more: one value for every
+    /// `--context` up to it, so that a later run reuses the checkpoint on disk.
+    const MAX_POSITIONS: usize = 65536;
+    let decode = if quick {
+        QUICK_BLOCK_DECODE
+    } else {
+        FULL_BLOCK_DECODE
+    };
+    let longest_decode = decode.iter().map(|&(_, steps)| steps).max().unwrap_or(0);
+    let cfg = block_config(
+        BlockWidth::Real,
+        VOCAB,
+        MAX_POSITIONS.max(context + longest_decode),
+    );
+    let started = Instant::now();
+    let prepared = prepare_checkpoint(&cfg, 41, dir, 8)?;
+    println!(
+        "v41 block checkpoint in {}: {} in {:.1} s",
+        dir.display(),
+        match prepared {
+            Prepared::Written => "written",
+            Prepared::Reused => "reused",
+        },
+        started.elapsed().as_secs_f64()
+    );
+    let started = Instant::now();
+    let ckpt = Checkpoint::open(dir)?;
+    let backend = CudaBackend::open(0)?;
+    let model = Model::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
+    println!(
+        "v41 block loaded on {} in {:.1} s",
+        model.backend().name(),
+        started.elapsed().as_secs_f64()
+    );
+
+    // Warm-up: a prompt long enough to touch nearly every expert (E(n) of 384 for n tokens).
+    let warm_up = if quick { 32 } else { 256 };
+    let started = Instant::now();
+    let mut seq = model.new_sequence();
+    model.forward(
+        &mut seq,
+        &prompt_tokens(7, warm_up, 3, VOCAB),
+        LogitsWanted::Last,
+    )?;
+    println!(
+        "v41 block warm-up ({warm_up} tokens, ~{:.0} experts uploaded): {:.2} s",
+        cost::expected_experts(&cfg, warm_up),
+        started.elapsed().as_secs_f64()
+    );
+
+    let mut rows = Vec::new();
+    let mut seq = model.new_sequence();
+    let started = Instant::now();
+    let logits = model.forward(
+        &mut seq,
+        &prompt_tokens(8, context, 3, VOCAB),
+        LogitsWanted::Last,
+    )?;
+    rows.push(StepRow {
+        model: "v41 block",
+        phase: "prefill",
+        batch: 1,
+        tokens: context,
+        seconds: started.elapsed().as_secs_f64(),
+        p90_seconds: None,
+        cost: cost::prefill(&cfg, context),
+    });
+    let first = deepinfer_bench::steps::argmax(&logits);
+    for &(batch, steps) in decode {
+        let run = measure_decode_from(&model, &seq, first, batch, steps)?;
+        rows.push(decode_row("v41 block", &cfg, &run)?);
+    }
+    Ok(rows)
+}
+
+/// Prints the whole-step table and what its columns mean.
+pub fn print(rows: &[StepRow]) {
+    println!();
+    println!(
+        "{:<10} {:<7} {:>3} {:>6} {:>10} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>6} {:>9} {:>8}",
+        "model",
+        "phase",
+        "B",
+        "tokens",
+        "time_ms",
+        "p90_ms",
+        "tok/s",
+        "weight_MB",
+        "state_MB",
+        "GFLOP",
+        "floor_us",
+        "bound",
+        "roofline",
+        "x_floor"
+    );
+    for r in rows {
+        let p90 = r
+            .p90_seconds
+            .map_or_else(|| "-".to_string(), |s| format!("{:.2}", s * 1e3));
+        let floor = r.cost.floor_seconds();
+        println!(
+            "{:<10} {:<7} {:>3} {:>6} {:>10.2} {:>9} {:>8.1} {:>9.1} {:>9.2} {:>10.3} {:>10.2} {:>6} {:>8.4}% {:>8.0}",
+            r.model,
+            r.phase,
+            r.batch,
+            r.tokens,
+            r.seconds * 1e3,
+            p90,
+            r.tokens as f64 / r.seconds,
+            r.cost.weight_bytes / 1e6,
+            r.cost.state_bytes / 1e6,
+            r.cost.flops / 1e9,
+            floor * 1e6,
+            r.cost.bound(),
+            100.0 * floor / r.seconds,
+            r.seconds / floor,
+        );
+    }
+    println!(
+        "\nprefill: B prompts of different lengths, each its own pass (v41 block: one prompt); time_ms = all of them, \
+         tok/s = prompt tokens / time. decode: every sequence appends one token; time_ms = median step, p90_ms = 90th \
+         percentile, tok/s = B / median (v41 block: B copies of the prefilled sequence, each fed a different token). \
+         A step over B sequences is B forwards, one sequence at a time (the Backend is per sequence), with host copies \
+         around every op. weight_MB = distinct weights at checkpoint width, once per pass (routed experts: the expected \
+         distinct experts E(n) = E(1-(1-k/E)^n) of n tokens); state_MB = KV/state reads of all queries; GFLOP = GEMMs, \
+         mHC, attention and index scores (bench/src/cost.rs); floor = max(bytes / 4.28 TB/s, FLOPs / 790 TFLOP/s); \
+         roofline = floor / time; x_floor = time / floor."
+    );
+}

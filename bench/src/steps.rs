@@ -1,0 +1,210 @@
+//! Whole-step timing of a V4.1 [`Model`] on any backend: the prefill of several sequences, then
+//! decode steps in which every sequence appends one (greedy) token. The model runs one sequence
+//! at a time (its backend works per sequence), so a decode step over B sequences is B forwards in
+//! turn, and its time is their sum. Times are host wall-clock: every backend op returns its result
+//! to the host, so an op has finished when the call returns.
+
+use std::time::Instant;
+
+use deepinfer_model::error::ModelError;
+use deepinfer_model::{LogitsWanted, Model, SequenceState};
+
+/// What one batch did and how long it took.
+#[derive(Debug, Clone)]
+pub struct BatchMeasurement {
+    /// Prompt length of each sequence.
+    pub prompt_lens: Vec<usize>,
+    /// Seconds for all the prefills together.
+    pub prefill_seconds: f64,
+    /// Seconds of each decode step (every sequence one token).
+    pub step_seconds: Vec<f64>,
+}
+
+impl BatchMeasurement {
+    pub fn batch(&self) -> usize {
+        self.prompt_lens.len()
+    }
+
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_lens.iter().sum()
+    }
+
+    /// The absolute positions the sequences write in decode step `step` (0-based).
+    pub fn positions_at_step(&self, step: usize) -> Vec<usize> {
+        self.prompt_lens.iter().map(|&len| len + step).collect()
+    }
+}
+
+/// `len` prompt ids in `first_id..vocab`, a splitmix64 stream keyed by `seed` (no special ids when
+/// `first_id` is past them).
+pub fn prompt_tokens(seed: u64, len: usize, first_id: u32, vocab: usize) -> Vec<u32> {
+    let span = (vocab as u64).saturating_sub(u64::from(first_id)).max(1);
+    let mut state = seed;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            first_id + ((z ^ (z >> 31)) % span) as u32
+        })
+        .collect()
+}
+
+/// Prompt lengths of a batch of `batch` sequences spread evenly over `shortest..=longest` (the
+/// longest alone for a batch of one).
+pub fn prompt_lengths(batch: usize, shortest: usize, longest: usize) -> Vec<usize> {
+    if batch <= 1 {
+        return vec![longest; batch];
+    }
+    (0..batch)
+        .map(|i| shortest + i * longest.saturating_sub(shortest) / (batch - 1))
+        .collect()
+}
+
+/// The index of the largest value (the first one on ties): the greedy next token.
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &value) in row.iter().enumerate() {
+        if value > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The `q`-quantile (0..=1) of `values` by nearest rank, `None` when empty.
+pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = (q.clamp(0.0, 1.0) * sorted.len() as f64).ceil() as usize;
+    sorted.get(rank.saturating_sub(1)).copied()
+}
+
+/// Prefills one sequence per prompt length (prompts drawn with [`prompt_tokens`] from `seed + i`),
+/// then runs `steps` decode steps over all of them. Returns the timings.
+pub fn measure_batch(
+    model: &Model,
+    prompt_lens: &[usize],
+    steps: usize,
+    seed: u64,
+) -> Result<BatchMeasurement, ModelError> {
+    let vocab = model.config().vocab_size;
+    let mut sequences = Vec::with_capacity(prompt_lens.len());
+    let mut next = Vec::with_capacity(prompt_lens.len());
+    let mut prefill_seconds = 0.0;
+    for (i, &len) in prompt_lens.iter().enumerate() {
+        let prompt = prompt_tokens(seed + i as u64, len, 3, vocab);
+        let mut seq = model.new_sequence();
+        let started = Instant::now();
+        let logits = model.forward(&mut seq, &prompt, LogitsWanted::Last)?;
+        prefill_seconds += started.elapsed().as_secs_f64();
+        next.push(argmax(&logits));
+        sequences.push(seq);
+    }
+    let step_seconds = decode_steps(model, &mut sequences, &mut next, steps)?;
+    Ok(BatchMeasurement {
+        prompt_lens: prompt_lens.to_vec(),
+        prefill_seconds,
+        step_seconds,
+    })
+}
+
+/// Decode steps over `batch` copies of one prefilled sequence, copy `i` starting from token
+/// `(first + i) mod vocab` (so the copies route differently). `prompt_len` is the prefilled length.
+pub fn measure_decode_from(
+    model: &Model,
+    prefilled: &SequenceState,
+    first: u32,
+    batch: usize,
+    steps: usize,
+) -> Result<BatchMeasurement, ModelError> {
+    let vocab = model.config().vocab_size as u32;
+    let mut sequences = vec![prefilled.clone(); batch];
+    let mut next: Vec<u32> = (0..batch as u32).map(|i| (first + i) % vocab).collect();
+    let step_seconds = decode_steps(model, &mut sequences, &mut next, steps)?;
+    Ok(BatchMeasurement {
+        prompt_lens: vec![prefilled.len(); batch],
+        prefill_seconds: 0.0,
+        step_seconds,
+    })
+}
+
+/// `steps` decode steps: in each, sequence `i` appends `next[i]` and `next[i]` becomes its greedy
+/// token. Returns each step's seconds.
+pub fn decode_steps(
+    model: &Model,
+    sequences: &mut [SequenceState],
+    next: &mut [u32],
+    steps: usize,
+) -> Result<Vec<f64>, ModelError> {
+    let mut step_seconds = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let started = Instant::now();
+        for (seq, token) in sequences.iter_mut().zip(next.iter_mut()) {
+            let logits = model.forward(seq, &[*token], LogitsWanted::Last)?;
+            *token = argmax(&logits);
+        }
+        step_seconds.push(started.elapsed().as_secs_f64());
+    }
+    Ok(step_seconds)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::v41_block::{BlockWidth, block_config, prepare_checkpoint};
+    use deepinfer_model::backend::CpuBackend;
+    use deepinfer_model::checkpoint::Checkpoint;
+
+    #[test]
+    fn prompt_helpers_are_deterministic_and_in_range() {
+        let a = prompt_tokens(5, 200, 3, 64);
+        assert_eq!(a, prompt_tokens(5, 200, 3, 64));
+        assert_ne!(a, prompt_tokens(6, 200, 3, 64));
+        assert!(a.iter().all(|&t| (3..64).contains(&t)));
+        assert_eq!(prompt_lengths(1, 4, 20), vec![20]);
+        assert_eq!(prompt_lengths(5, 4, 20), vec![4, 8, 12, 16, 20]);
+        assert_eq!(argmax(&[0.5, 2.0, -1.0, 2.0]), 1);
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let values = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0, 6.0, 7.0, 8.0, 9.0];
+        assert_eq!(percentile(&values, 0.5), Some(5.0));
+        assert_eq!(percentile(&values, 0.9), Some(9.0));
+        assert_eq!(percentile(&values, 1.0), Some(10.0));
+        assert_eq!(percentile(&[], 0.5), None);
+    }
+
+    /// The device benchmark's path on the CPU backend with the narrow block: prefill of different
+    /// lengths, decode steps, copies of one prefilled state; every sequence grows by one per step.
+    #[test]
+    fn narrow_block_prefills_and_decodes_on_the_cpu() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cfg = block_config(BlockWidth::Narrow, 64, 256);
+        prepare_checkpoint(&cfg, 3, dir.path(), 1).expect("checkpoint");
+        let ckpt = Checkpoint::open(dir.path()).expect("open");
+        let model =
+            Model::from_checkpoint(cfg, &ckpt, None, Box::new(CpuBackend::new())).expect("model");
+        let run = measure_batch(&model, &prompt_lengths(3, 5, 21), 2, 7).expect("batch");
+        assert_eq!(run.prompt_lens, vec![5, 13, 21]);
+        assert_eq!(run.prompt_tokens(), 39);
+        assert_eq!(run.step_seconds.len(), 2);
+        assert_eq!(run.positions_at_step(1), vec![6, 14, 22]);
+        assert!(run.prefill_seconds > 0.0);
+
+        let mut seq = model.new_sequence();
+        model
+            .forward(&mut seq, &prompt_tokens(1, 40, 3, 64), LogitsWanted::Last)
+            .expect("prefill");
+        let copies = measure_decode_from(&model, &seq, 9, 4, 3).expect("decode");
+        assert_eq!(copies.prompt_lens, vec![40; 4]);
+        assert_eq!(copies.step_seconds.len(), 3);
+        assert_eq!(
+            seq.len(),
+            40,
+            "the prefilled state itself is left as it was"
+        );
+    }
+}
