@@ -41,14 +41,18 @@ pub fn prompt_tokens(seed: u64, len: usize, first_id: u32, vocab: usize) -> Vec<
     let span = (vocab as u64).saturating_sub(u64::from(first_id)).max(1);
     let mut state = seed;
     (0..len)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            first_id + ((z ^ (z >> 31)) % span) as u32
-        })
+        .map(|_| first_id + (splitmix64(&mut state) % span) as u32)
         .collect()
+}
+
+/// The next value of the splitmix64 generator at `state` (the benchmarks' one source of
+/// reproducible random data).
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// Prompt lengths of a batch of `batch` sequences spread evenly over `shortest..=longest` (the

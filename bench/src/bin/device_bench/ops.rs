@@ -9,6 +9,7 @@
 //! CUDA events (3 batches of 8 with `--quick`).
 
 use anyhow::{Context, Result};
+use deepinfer_bench::steps::splitmix64;
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUevent_flags;
@@ -59,11 +60,7 @@ fn random_bytes(seed: u64, len: usize, finite_e4m3: bool) -> Vec<u8> {
     let mut state = seed;
     (0..len)
         .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            let b = ((z ^ (z >> 31)) >> 56) as u8;
+            let b = (splitmix64(&mut state) >> 56) as u8;
             if finite_e4m3 && b & 0x7f == 0x7f {
                 b & 0xf7
             } else {
@@ -165,86 +162,79 @@ fn activations(
     Ok(rt.stream().clone_htod(&host)?)
 }
 
-fn bench_fp8(
-    rt: &KernelRuntime,
-    timer: &mut Timer,
-    name: &str,
-    m: usize,
-    n: usize,
-    k: usize,
-    split: GemmSplit,
-) -> Result<Row> {
-    let codes_len = n * k;
-    let scales_len = n.div_ceil(32) * k.div_ceil(32);
-    let copies = ROTATION_BYTES.div_ceil(codes_len).max(2);
-    let weights = (0..copies)
-        .map(|c| {
-            DeviceFp8Weight::upload(
-                rt,
-                n,
-                k,
-                32,
-                &random_bytes(c as u64, codes_len, true),
-                &scale_bytes(scales_len),
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let x = activations(rt, m, k)?;
-    let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
-    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
-    let micros = time_launches(rt, timer, |i| {
-        Ok(gemm_fp8_split(rt, &a, &weights[i % copies], &mut y, split)?)
-    })?;
-    let bytes = (codes_len + scales_len + m * k + m * k / 32 * 4 + m * n * 2) as f64;
-    Ok(Row {
-        op: format!("{name} fp8 t32{}", split_label(split)),
-        m,
-        n,
-        k,
-        micros,
-        bytes,
-        flops: (2 * m * n * k) as f64,
-        peak_flops: FP8_FLOPS,
-    })
+/// The decode GEMMs of a real-width V4.1 layer: name, weight format, N (outputs), K (inputs).
+const GEMMS: [(&str, WeightFormat, usize, usize); 4] = [
+    ("wq_a", WeightFormat::Fp8, 1280, 5120),
+    ("wq_b", WeightFormat::Fp8, 32768, 1280),
+    ("expert w1", WeightFormat::Fp4, 2304, 5120),
+    ("expert w2", WeightFormat::Fp4, 5120, 2304),
+];
+
+/// A block-scaled weight format the GEMM benchmarks time.
+#[derive(Clone, Copy)]
+enum WeightFormat {
+    /// FP8 E4M3 codes with 32×32 UE8M0 tiles.
+    Fp8,
+    /// FP4 E2M1 packed two per byte, 1×32 UE8M0 groups.
+    Fp4,
 }
 
-fn bench_fp4(
+/// `[m × k] · Wᵀ` with a random `[n × k]` weight in `format`, rotated over enough copies that
+/// every launch reads HBM.
+#[allow(clippy::too_many_arguments)]
+fn bench_gemm(
     rt: &KernelRuntime,
     timer: &mut Timer,
     name: &str,
+    format: WeightFormat,
     m: usize,
     n: usize,
     k: usize,
     split: GemmSplit,
 ) -> Result<Row> {
-    let packed_len = n * k / 2;
-    let scales_len = n * k / 32;
-    let copies = ROTATION_BYTES.div_ceil(packed_len).max(2);
-    let weights = (0..copies)
-        .map(|c| {
-            DeviceFp4Weight::upload(
-                rt,
-                n,
-                k,
-                &random_bytes(100 + c as u64, packed_len, false),
-                &scale_bytes(scales_len),
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let (weight_len, scales_len) = match format {
+        WeightFormat::Fp8 => (n * k, n.div_ceil(32) * k.div_ceil(32)),
+        WeightFormat::Fp4 => (n * k / 2, n * k / 32),
+    };
+    let copies = ROTATION_BYTES.div_ceil(weight_len).max(2);
     let x = activations(rt, m, k)?;
     let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
     let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
-    let micros = time_launches(rt, timer, |i| {
-        Ok(gemm_fp4_split(rt, &a, &weights[i % copies], &mut y, split)?)
-    })?;
-    let bytes = (packed_len + scales_len + m * k + m * k / 32 * 4 + m * n * 2) as f64;
+    let micros = match format {
+        WeightFormat::Fp8 => {
+            let weights = (0..copies)
+                .map(|c| {
+                    let codes = random_bytes(c as u64, weight_len, true);
+                    DeviceFp8Weight::upload(rt, n, k, 32, &codes, &scale_bytes(scales_len))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            time_launches(rt, timer, |i| {
+                Ok(gemm_fp8_split(rt, &a, &weights[i % copies], &mut y, split)?)
+            })?
+        }
+        WeightFormat::Fp4 => {
+            let weights = (0..copies)
+                .map(|c| {
+                    let packed = random_bytes(100 + c as u64, weight_len, false);
+                    DeviceFp4Weight::upload(rt, n, k, &packed, &scale_bytes(scales_len))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            time_launches(rt, timer, |i| {
+                Ok(gemm_fp4_split(rt, &a, &weights[i % copies], &mut y, split)?)
+            })?
+        }
+    };
+    let label = match format {
+        WeightFormat::Fp8 => "fp8 t32",
+        WeightFormat::Fp4 => "fp4",
+    };
     Ok(Row {
-        op: format!("{name} fp4{}", split_label(split)),
+        op: format!("{name} {label}{}", split_label(split)),
         m,
         n,
         k,
         micros,
-        bytes,
+        bytes: (weight_len + scales_len + m * k + m * k / 32 * 4 + m * n * 2) as f64,
         flops: (2 * m * n * k) as f64,
         peak_flops: FP8_FLOPS,
     })
@@ -493,42 +483,18 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
     let mut rows = Vec::new();
     let batch_sizes: &[usize] = if quick { &[1] } else { &[1, 8, 64] };
     for &m in batch_sizes {
-        rows.push(bench_fp8(
-            rt,
-            &mut timer,
-            "wq_a",
-            m,
-            1280,
-            5120,
-            GemmSplit::Auto,
-        )?);
-        rows.push(bench_fp8(
-            rt,
-            &mut timer,
-            "wq_b",
-            m,
-            32768,
-            1280,
-            GemmSplit::Auto,
-        )?);
-        rows.push(bench_fp4(
-            rt,
-            &mut timer,
-            "expert w1",
-            m,
-            2304,
-            5120,
-            GemmSplit::Auto,
-        )?);
-        rows.push(bench_fp4(
-            rt,
-            &mut timer,
-            "expert w2",
-            m,
-            5120,
-            2304,
-            GemmSplit::Auto,
-        )?);
+        for (name, format, n, k) in GEMMS {
+            rows.push(bench_gemm(
+                rt,
+                &mut timer,
+                name,
+                format,
+                m,
+                n,
+                k,
+                GemmSplit::Auto,
+            )?);
+        }
         rows.push(bench_act_quant(rt, &mut timer, m, 5120)?);
         rows.push(bench_rms_norm(rt, &mut timer, m, 5120)?);
         rows.push(bench_linear(rt, &mut timer, m, 384, 5120)?);
@@ -539,17 +505,9 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
     for m in [1usize, 8].into_iter().filter(|_| sweep) {
         for w in [1u32, 2, 4, 8] {
             let split = GemmSplit::WarpsPerColumn(w);
-            rows.push(bench_fp8(rt, &mut timer, "wq_a", m, 1280, 5120, split)?);
-            rows.push(bench_fp8(rt, &mut timer, "wq_b", m, 32768, 1280, split)?);
-            rows.push(bench_fp4(
-                rt,
-                &mut timer,
-                "expert w1",
-                m,
-                2304,
-                5120,
-                split,
-            )?);
+            for (name, format, n, k) in GEMMS.into_iter().take(3) {
+                rows.push(bench_gemm(rt, &mut timer, name, format, m, n, k, split)?);
+            }
         }
     }
 
