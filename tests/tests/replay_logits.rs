@@ -12,8 +12,8 @@ use std::time::Duration;
 use deepinfer_actors::engram_vocab::compressed_token_map;
 use deepinfer_actors::frontend::codec::load_v41_tokenizer;
 use deepinfer_actors::model_source::{DEMO_SEED, demo_config, shipped_tokenizer};
-use deepinfer_actors::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
 use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
 use deepinfer_actors::replay::state::ReplayState;
 use deepinfer_actors::replay::suffix::ReplayError;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
@@ -565,65 +565,18 @@ fn replay_bounds_are_enforced() {
     assert_eq!(replay.rewind(id, 201), Err(ReplayError::UnknownRequest(id)));
 }
 
-/// Records the decoder starts the rank receives, and forwards everything to the model executor.
-struct PlannedStarts {
-    inner: Box<dyn RankExecutor>,
-    starts: Arc<Mutex<Vec<(RequestId, usize)>>>,
-}
+/// Records the decoder starts the ranks receive.
+#[derive(Default)]
+struct PlannedStarts(Mutex<Vec<(RequestId, usize)>>);
 
-impl RankExecutor for PlannedStarts {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        self.inner.execute(batch)
-    }
-    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
-        self.starts.lock().expect("starts").push((id, decoder_from));
-        self.inner.plan_replay(id, decoder_from)
+impl RankObserver for PlannedStarts {
+    fn row(&self, _row: ObservedRow<'_>) {}
+    fn replay_planned(&self, _dp: usize, id: RequestId, decoder_from: usize) {
+        self.0.lock().expect("starts").push((id, decoder_from));
     }
 }
 
-struct PlannedStartsFactory {
-    inner: ModelFactory,
-    starts: Arc<Mutex<Vec<(RequestId, usize)>>>,
-}
-
-impl ExecutorFactory for PlannedStartsFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(PlannedStarts {
-            inner: self.inner.build(dp)?,
-            starts: self.starts.clone(),
-        }))
-    }
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn sliding_window(&self) -> Option<usize> {
-        self.inner.sliding_window()
-    }
-}
-
-fn engine_config(
-    model: &Arc<Model>,
-    keep: u32,
-    starts: &Arc<Mutex<Vec<(RequestId, usize)>>>,
-) -> EngineConfig {
+fn engine_config(model: &Arc<Model>, keep: u32, starts: &Arc<PlannedStarts>) -> EngineConfig {
     let cfg = model.config();
     let node = NodeConfig::from_toml_str(
         &format!(
@@ -637,13 +590,13 @@ fn engine_config(
     .expect("topology");
     EngineConfig {
         node,
-        executor: Arc::new(PlannedStartsFactory {
-            inner: ModelFactory {
+        executor: Arc::new(ObservedFactory::new(
+            Arc::new(ModelFactory {
                 model: model.clone(),
                 description: "v41-tiny fixture".into(),
-            },
-            starts: starts.clone(),
-        }),
+            }),
+            starts.clone(),
+        )),
         model: ModelFacts {
             vocab_size: cfg.vocab_size,
             bos_token_id: cfg.bos_token_id,
@@ -687,7 +640,7 @@ fn direct_greedy(model: &Model, prompt: &[u32], from: usize, n: usize) -> Vec<u3
 async fn engine_runs_bounded_replay_planned_at_admission() {
     let Some(model) = fixture_model() else { return };
     let model = Arc::new(model);
-    let starts = Arc::new(Mutex::new(Vec::new()));
+    let starts = Arc::new(PlannedStarts::default());
     let error = Engine::start(engine_config(&model, 21, &starts))
         .await
         .expect_err("keep 21 < window 16 + 6");
@@ -734,6 +687,12 @@ async fn engine_runs_bounded_replay_planned_at_admission() {
         .shutdown(Duration::from_secs(30))
         .await
         .expect("shutdown");
-    let starts: Vec<usize> = starts.lock().expect("starts").iter().map(|s| s.1).collect();
+    let starts: Vec<usize> = starts
+        .0
+        .lock()
+        .expect("starts")
+        .iter()
+        .map(|s| s.1)
+        .collect();
     assert_eq!(starts, vec![178], "only the long prompt skips decoder rows");
 }

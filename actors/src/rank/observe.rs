@@ -1,11 +1,12 @@
 //! Tapping what the ranks compute without changing it.
 //!
 //! [`ObservedFactory`] wraps any [`ExecutorFactory`] so that every logits row its executors return
-//! reaches a [`RowObserver`], tagged with the request and the absolute position of the token it
-//! was computed at. Every other call — drafts, bounded replay, device latency, the factory's
-//! sliding window and expert parallelism — is forwarded unchanged, so an observed engine runs
-//! exactly as the unobserved one. Evaluation harnesses use it to compare an engine's rows with a
-//! reference; [`RowLog`] is the observer that keeps them.
+//! reaches a [`RankObserver`], tagged with the request and the absolute position of the token it
+//! was computed at, and so does every decoder start a rank is given (bounded replay). Every call
+//! is forwarded unchanged — drafts, bounded replay, device latency, the factory's sliding window
+//! and expert parallelism — so an observed engine runs exactly as the unobserved one. Evaluation
+//! harnesses use it to compare an engine's rows with a reference; [`RowLog`] is the observer that
+//! keeps them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -29,19 +30,22 @@ pub struct ObservedRow<'a> {
     pub verify: bool,
 }
 
-/// Receives every row of an observed engine, on the rank threads (keep it cheap).
-pub trait RowObserver: Send + Sync {
+/// Receives what the ranks of an observed engine compute, on the rank threads (keep it cheap).
+pub trait RankObserver: Send + Sync {
+    /// A logits row.
     fn row(&self, row: ObservedRow<'_>);
+    /// Rank `dp` was told that sequence `id`'s decoder layers start at `decoder_from`.
+    fn replay_planned(&self, _dp: usize, _id: RequestId, _decoder_from: usize) {}
 }
 
 /// An executor factory whose executors report their rows to an observer.
 pub struct ObservedFactory {
     inner: Arc<dyn ExecutorFactory>,
-    observer: Arc<dyn RowObserver>,
+    observer: Arc<dyn RankObserver>,
 }
 
 impl ObservedFactory {
-    pub fn new(inner: Arc<dyn ExecutorFactory>, observer: Arc<dyn RowObserver>) -> Self {
+    pub fn new(inner: Arc<dyn ExecutorFactory>, observer: Arc<dyn RankObserver>) -> Self {
         ObservedFactory { inner, observer }
     }
 }
@@ -67,7 +71,7 @@ impl ExecutorFactory for ObservedFactory {
 
 struct ObservedExecutor {
     inner: Box<dyn RankExecutor>,
-    observer: Arc<dyn RowObserver>,
+    observer: Arc<dyn RankObserver>,
     dp: usize,
 }
 
@@ -112,6 +116,7 @@ impl RankExecutor for ObservedExecutor {
         self.inner.draft(id, anchor)
     }
     fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
+        self.observer.replay_planned(self.dp, id, decoder_from);
         self.inner.plan_replay(id, decoder_from)
     }
     fn device_latency(&self, batch_tokens: usize) -> Duration {
@@ -171,7 +176,7 @@ impl RowLog {
     }
 }
 
-impl RowObserver for RowLog {
+impl RankObserver for RowLog {
     fn row(&self, row: ObservedRow<'_>) {
         if row.verify && !self.with_verify {
             return;
@@ -190,7 +195,7 @@ mod tests {
         let plain = Arc::new(RowLog::new());
         let all = Arc::new(RowLog::with_verify_rows());
         struct Both(Arc<RowLog>, Arc<RowLog>);
-        impl RowObserver for Both {
+        impl RankObserver for Both {
             fn row(&self, row: ObservedRow<'_>) {
                 self.0.row(row);
                 self.1.row(row);
