@@ -9,6 +9,7 @@ pub mod eplb;
 pub mod error;
 pub mod experts;
 pub mod frontend;
+pub mod gpu;
 pub mod grammar;
 pub mod hub;
 pub mod job;

@@ -6,6 +6,12 @@
 //! `write_random_checkpoint` into a temporary directory and loaded through the real loader, and
 //! the shipped tokenizer. A Hub id is found in, or downloaded into, the Hugging Face cache by
 //! [`crate::hub`]. Blocking: call it off the async workers.
+//!
+//! Backend (`[device] backend`): the model is loaded once on the host. With `"cpu"` every rank
+//! runs it on the CPU backend; with `"cuda"` each DP rank runs the same host weights on a
+//! `CudaBackend` of its own GPU (rank r -> GPU r of its node), after a check that this machine
+//! has the GPUs the topology needs. Expert parallelism (`ep > 1`, the EPLB) runs on the CPU
+//! backend only, so a CUDA topology that asks for it is refused, naming the field.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,7 +19,7 @@ use std::sync::Arc;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{Model, checkpoint};
-use deepinfer_topology::{ModelSource, NodeConfig};
+use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
 
 use crate::engine::ModelFacts;
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
@@ -21,9 +27,10 @@ use crate::error::EngineError;
 use crate::experts::factory::ExpertParallelFactory;
 use crate::experts::parallel::EpSettings;
 use crate::frontend::codec::load_v41_tokenizer;
+use crate::gpu;
 use crate::hub::{HubOptions, resolve_hub_checkpoint};
 use crate::rank::executor::ExecutorFactory;
-use crate::rank::model_executor::ModelFactory;
+use crate::rank::model_executor::{ModelFactory, PerDeviceModelFactory};
 
 /// Environment variable naming a local checkpoint directory (overrides the topology).
 pub const MODEL_DIR_ENV: &str = "DEEPINFER_HF_MODEL_DIR";
@@ -167,7 +174,56 @@ pub fn resolve(node: &NodeConfig) -> Result<ResolvedModel, EngineError> {
 
 /// [`resolve`] with explicit Hub settings.
 pub fn resolve_with(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, EngineError> {
-    resolve_source(node, hub).and_then(|resolved| with_expert_parallel(node, resolved))
+    check_devices(node)?;
+    resolve_source(node, hub)
+        .map(|resolved| on_node_devices(node, resolved))
+        .and_then(|resolved| with_expert_parallel(node, resolved))
+}
+
+/// Before any loading: the GPUs of a CUDA topology exist here, and it asks for nothing the CUDA
+/// path does not run (expert parallelism).
+fn check_devices(node: &NodeConfig) -> Result<(), EngineError> {
+    if node.device.backend == DeviceBackend::Cpu {
+        return Ok(());
+    }
+    if EpSettings::is_needed(node) {
+        let field = if node.parallel.ep > 1 {
+            "parallel.ep"
+        } else {
+            "eplb.enabled"
+        };
+        return Err(EngineError::Config {
+            field: field.to_string(),
+            message: format!(
+                "{}: expert parallelism (parallel.ep = {}, eplb.enabled = {}) runs on the CPU \
+                 backend only so far; with device.backend = \"cuda\" use one GPU \
+                 (parallel.dp = parallel.ep = 1, eplb.enabled = false)",
+                node.origin, node.parallel.ep, node.eplb.enabled
+            ),
+        });
+    }
+    gpu::check_node(node).map_err(|e| EngineError::Config {
+        field: "device".to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// With `[device] backend = "cuda"`: each rank runs the loaded weights on its own GPU.
+fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedModel {
+    if node.device.backend == DeviceBackend::Cpu {
+        return resolved;
+    }
+    let per_node = usize::from(node.device.gpus_per_node);
+    resolved.factory = Arc::new(PerDeviceModelFactory {
+        model: resolved.model.clone(),
+        description: format!(
+            "V4.1 model {} on the CUDA backend (DP rank r on GPU r of its node, {per_node} per node)",
+            resolved.name
+        ),
+        devices_per_node: per_node,
+        open: Arc::new(gpu::open_cuda_backend),
+    });
+    resolved
 }
 
 /// Expert parallelism when the topology asks for it (`[parallel] ep > 1` or `[eplb] enabled`):

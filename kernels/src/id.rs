@@ -57,10 +57,13 @@ pub enum SourceFile {
     Attention,
     Mhc,
     Indexer,
+    Sampling,
+    Moe,
+    Engram,
 }
 
 impl SourceFile {
-    pub const ALL: [SourceFile; 10] = [
+    pub const ALL: [SourceFile; 13] = [
         SourceFile::ActQuant,
         SourceFile::GemmFp8,
         SourceFile::GemmFp4,
@@ -71,6 +74,9 @@ impl SourceFile {
         SourceFile::Attention,
         SourceFile::Mhc,
         SourceFile::Indexer,
+        SourceFile::Sampling,
+        SourceFile::Moe,
+        SourceFile::Engram,
     ];
 
     /// Path under `kernels/cuda/`.
@@ -86,6 +92,9 @@ impl SourceFile {
             SourceFile::Attention => "attention/sparse_attention.cu",
             SourceFile::Mhc => "mhc/mhc.cu",
             SourceFile::Indexer => "indexer/index_scores.cu",
+            SourceFile::Sampling => "sampling/sample_rows.cu",
+            SourceFile::Moe => "moe/route.cu",
+            SourceFile::Engram => "engram/engram.cu",
         }
     }
 }
@@ -142,10 +151,18 @@ pub enum KernelId {
     HcExpandF32,
     /// Indexer scores of one query against compressed keys.
     IndexScoresF32,
+    /// One token per logit row: greedy, or Gumbel-max with temperature, top-k and top-p.
+    SampleRowsF32,
+    /// MoE router after the gate linear: sqrt-softplus scores, biased top-k, normalised weights.
+    RouteExpertsF32,
+    /// Engram table row ids of hashed n-gram contexts.
+    EngramHashRows,
+    /// Engram table rows (FP8 codes x UE8M0 row scales) gathered and dequantised to bf16.
+    EngramGatherF32,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 24] = [
+    pub const ALL: [KernelId; 28] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -170,6 +187,10 @@ impl KernelId {
         KernelId::HcCollapseF32,
         KernelId::HcExpandF32,
         KernelId::IndexScoresF32,
+        KernelId::SampleRowsF32,
+        KernelId::RouteExpertsF32,
+        KernelId::EngramHashRows,
+        KernelId::EngramGatherF32,
     ];
 
     /// The `extern "C"` symbol in the source file.
@@ -199,6 +220,10 @@ impl KernelId {
             KernelId::HcCollapseF32 => "hc_collapse_f32",
             KernelId::HcExpandF32 => "hc_expand_f32",
             KernelId::IndexScoresF32 => "index_scores_f32",
+            KernelId::SampleRowsF32 => "sample_rows_f32",
+            KernelId::RouteExpertsF32 => "route_experts_f32",
+            KernelId::EngramHashRows => "engram_hash_rows",
+            KernelId::EngramGatherF32 => "engram_gather_f32",
         }
     }
 
@@ -226,6 +251,9 @@ impl KernelId {
                 SourceFile::Mhc
             }
             KernelId::IndexScoresF32 => SourceFile::Indexer,
+            KernelId::SampleRowsF32 => SourceFile::Sampling,
+            KernelId::RouteExpertsF32 => SourceFile::Moe,
+            KernelId::EngramHashRows | KernelId::EngramGatherF32 => SourceFile::Engram,
         }
     }
 }

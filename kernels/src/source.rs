@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 12] = [
+pub const HEADERS: [(&str, &str); 15] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/numerics.cuh",
@@ -41,6 +41,15 @@ pub const HEADERS: [(&str, &str); 12] = [
         "indexer/index_scores.cuh",
         include_str!("../cuda/indexer/index_scores.cuh"),
     ),
+    (
+        "sampling/sampling.cuh",
+        include_str!("../cuda/sampling/sampling.cuh"),
+    ),
+    ("moe/route.cuh", include_str!("../cuda/moe/route.cuh")),
+    (
+        "engram/engram.cuh",
+        include_str!("../cuda/engram/engram.cuh"),
+    ),
 ];
 
 /// The text of a translation unit.
@@ -56,5 +65,8 @@ pub fn text(file: SourceFile) -> &'static str {
         SourceFile::Attention => include_str!("../cuda/attention/sparse_attention.cu"),
         SourceFile::Mhc => include_str!("../cuda/mhc/mhc.cu"),
         SourceFile::Indexer => include_str!("../cuda/indexer/index_scores.cu"),
+        SourceFile::Sampling => include_str!("../cuda/sampling/sample_rows.cu"),
+        SourceFile::Moe => include_str!("../cuda/moe/route.cu"),
+        SourceFile::Engram => include_str!("../cuda/engram/engram.cu"),
     }
 }

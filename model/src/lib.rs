@@ -6,6 +6,7 @@
 pub mod error;
 pub mod expert_dispatch;
 pub mod quant;
+pub mod sampling;
 pub mod weights;
 
 pub mod any_model;

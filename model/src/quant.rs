@@ -326,11 +326,14 @@ pub fn exp_f32(x: f32) -> f32 {
     mantissa * power_of_two(half) * power_of_two(q - half)
 }
 
-/// `e^x` in fp32, correctly rounded (evaluated in f64 and rounded once). This is the reference's
-/// standalone `torch.exp` on CPU, which runs MKL's vector math in its high-accuracy mode rather
-/// than the vectorised [`exp_f32`] of torch's fused elementwise kernels (sigmoid, SiLU, softplus):
-/// the row softmax of the mHC `comb`. With [`exp_f32`] there instead, 16 more elements of the
-/// fixture's per-block streams round the other way (block-local mHC expand flips).
+/// `e^x` in fp32, correctly rounded (evaluated in f64 and rounded once). This stands in for the
+/// reference's standalone `torch.exp` on CPU, which runs MKL's vector math (`vsExp`) in its
+/// high-accuracy mode rather than the vectorised [`exp_f32`] of torch's fused elementwise kernels
+/// (sigmoid, SiLU, softplus): the row softmax of the mHC `comb`. With [`exp_f32`] there instead,
+/// 16 more elements of the fixture's per-block streams round the other way (block-local mHC
+/// expand flips). MKL's high-accuracy `exp` is itself not correctly rounded (errors up to about
+/// 0.55 ulp, in a closed, CPU-dependent algorithm); its 5 other-way roundings on the fixture are
+/// the 5 expand flips left (see tests/tests/golden_v41.rs).
 pub fn exp_f32_accurate(x: f32) -> f32 {
     f64::from(x).exp() as f32
 }

@@ -25,6 +25,12 @@
 //!   Measured on the H200 (2026-11-30): 53 248 / 53 248 logits bitwise equal, max|Δ| = 0. The V4
 //!   tiny fixture through `logits --device cuda`: 87 040 / 87 040 bitwise equal to `--device cpu`.
 //!
+//! - Sampling (`Backend::sample_rows`), the MoE router (`route_experts`) and Engram hashing and
+//!   table lookup on the device: the same token ids, the same experts and bitwise-equal weights and
+//!   table values as the CPU over odd shapes (vocabularies of 1, 7, 513, 3001 and 129 280; ties,
+//!   ±0, ±∞ and NaN logits; top-k and top-p at their edges; 1 to 300 experts, forced lists), each
+//!   with a negative control (other seeds / biases / layers change the result).
+//!
 //! Built only with `--features cuda`. Without a CUDA driver every test prints why it skips and
 //! passes, so `cargo test` on a CPU-only machine is green; on the H200 they run unconditionally.
 //! The fixture tests read `$DEEPINFER_V41_TINY` (else `../shared/fixtures/v41/v41-tiny`); on the
@@ -41,11 +47,17 @@ use deepinfer_kernels::ops::gemm::{
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
 use deepinfer_kernels::ops::rope::{RopeShape, rope_cos_sin_tables, rope_interleaved_bf16};
+use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::CudaBackend;
-use deepinfer_model::backend::{Backend, CpuBackend, HcMix, HcParams, Precision, RopeTable};
+use deepinfer_model::backend::{
+    Backend, CpuBackend, ExpertSelection, HcMix, HcParams, Precision, RopeTable, RowSampling,
+    SampleRowsError,
+};
+use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
+use deepinfer_model::sampling::SamplingParams;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
 use half::bf16;
 
@@ -1360,4 +1372,313 @@ fn v4_tiny_on_cuda_matches_the_cpu_reference() {
         );
     }
     assert!(max_diff <= 0.2 * (hi - lo), "max|Δ| {max_diff}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling, MoE routing and Engram on the device against the CPU reference.
+
+/// A logit row of one of several kinds: spread values, coarse values with many ties (exact
+/// duplicates of the maximum included), a flat row, and rows with non-finite entries.
+fn logit_row(rng: &mut Rng, vocab: usize, kind: u64) -> Vec<f32> {
+    let mut row: Vec<f32> = match kind {
+        // Coarse: multiples of 1/4 in [-4, 4): ties everywhere.
+        1 => (0..vocab)
+            .map(|_| (rng.below(32) as f32 - 16.0) / 4.0)
+            .collect(),
+        // Flat: every logit equal (top-p shares of exactly 1/vocab).
+        2 => vec![0.75; vocab],
+        _ => (0..vocab).map(|_| rng.uniform() * 12.0).collect(),
+    };
+    if kind == 3 && vocab > 3 {
+        // -inf, +0/-0 ties and a tie for the top.
+        row[1] = f32::NEG_INFINITY;
+        row[2] = 0.0;
+        row[3] = -0.0;
+        let top = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) + 1.0;
+        row[vocab / 2] = top;
+        row[vocab - 1] = top;
+    }
+    if kind == 4 && vocab > 2 {
+        // NaN entries: never greedy-picked; a NaN-first candidate list keeps its first entry.
+        row[vocab / 3] = f32::NAN;
+        row[vocab - 1] = f32::NAN;
+    }
+    row
+}
+
+/// The sampling parameters of row `i` of a batch over `vocab`: greedy, plain temperature, top-k
+/// at its edges (1, vocab − 1, vocab, beyond), top-p at its edges (tiny, 0.5, 0.999999, 1) and
+/// combinations, each with its own seed and position.
+fn row_sampling(i: usize, vocab: usize) -> RowSampling {
+    let temperatures = [0.0f32, 1.0, 0.7, 2.5, 0.05];
+    let top_ks = [0usize, 1, 5, vocab.saturating_sub(1), vocab, vocab + 3, 40];
+    let top_ps = [1.0f32, 0.9, 0.5, 1e-6, 0.999_999, 0.25];
+    RowSampling {
+        params: SamplingParams {
+            temperature: temperatures[i % temperatures.len()],
+            top_k: top_ks[(i / 2) % top_ks.len()],
+            top_p: top_ps[(i / 3) % top_ps.len()],
+            seed: 0x5eed_0000 + i as u64 * 7919,
+        },
+        position: (i as u64 * 104_729) % 100_003,
+    }
+}
+
+#[test]
+fn backend_sampling_picks_the_cpu_tokens() {
+    let Some(gpu) = cuda_backend("backend_sampling_picks_the_cpu_tokens") else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(31);
+    let mut checked = 0;
+    let mut sampled = 0;
+    for (vocab, rows) in [
+        (1usize, 5usize),
+        (7, 40),
+        (513, 90),
+        (3001, 64),
+        (129_280, 12),
+    ] {
+        let mut logits = Vec::with_capacity(rows * vocab);
+        for r in 0..rows {
+            logits.extend(logit_row(&mut rng, vocab, (r % 5) as u64));
+        }
+        let params: Vec<RowSampling> = (0..rows).map(|i| row_sampling(i, vocab)).collect();
+        let started = std::time::Instant::now();
+        let on_gpu = gpu
+            .sample_rows(&logits, vocab, &params)
+            .expect("shapes fit");
+        let gpu_ms = started.elapsed().as_secs_f64() * 1e3;
+        let on_cpu = cpu
+            .sample_rows(&logits, vocab, &params)
+            .expect("shapes fit");
+        for (r, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+            assert_eq!(
+                g, c,
+                "vocab {vocab} row {r} ({:?}): gpu {g} cpu {c}",
+                params[r]
+            );
+        }
+        checked += rows;
+        sampled += params.iter().filter(|p| p.params.temperature > 0.0).count();
+        println!("sample_rows vocab {vocab}: {rows} rows equal, {gpu_ms:.2} ms on the device");
+        // Negative control: other seeds pick other tokens somewhere (the comparison can fail).
+        if vocab > 100 {
+            let reseeded: Vec<RowSampling> = params
+                .iter()
+                .map(|p| RowSampling {
+                    params: SamplingParams {
+                        seed: p.params.seed ^ 0xdead_beef,
+                        ..p.params
+                    },
+                    ..*p
+                })
+                .collect();
+            let other = gpu
+                .sample_rows(&logits, vocab, &reseeded)
+                .expect("shapes fit");
+            let moved = other.iter().zip(&on_cpu).filter(|(a, b)| a != b).count();
+            assert!(moved > 0, "vocab {vocab}: new seeds changed no token");
+        }
+    }
+    // A top-p cut-off that lands exactly on a share boundary: 4 equal logits, top_p 0.5.
+    let flat = vec![1.0f32; 4 * 64];
+    let params: Vec<RowSampling> = (0..64)
+        .map(|i| RowSampling {
+            params: SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.5,
+                seed: i,
+            },
+            position: i,
+        })
+        .collect();
+    let on_gpu = gpu.sample_rows(&flat, 4, &params).expect("shapes fit");
+    assert_eq!(
+        on_gpu,
+        cpu.sample_rows(&flat, 4, &params).expect("shapes fit")
+    );
+    assert!(
+        on_gpu.iter().all(|&t| t < 2),
+        "top_p 0.5 keeps ids 0 and 1: {on_gpu:?}"
+    );
+    assert!(on_gpu.contains(&0) && on_gpu.contains(&1));
+    // Bad shapes are errors, not panics.
+    assert!(matches!(
+        gpu.sample_rows(&flat[..10], 4, &params[..3]),
+        Err(SampleRowsError::LogitsShape { found: 10, .. })
+    ));
+    assert!(matches!(
+        gpu.sample_rows(&[], 0, &params[..1]),
+        Err(SampleRowsError::EmptyVocab { rows: 1 })
+    ));
+    println!("backend sample_rows: {checked} rows ({sampled} with noise) equal to the CPU");
+}
+
+#[test]
+fn backend_router_matches_the_cpu_bitwise() {
+    let Some(gpu) = cuda_backend("backend_router_matches_the_cpu_bitwise") else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(32);
+    let mut routes = 0;
+    for (n_experts, rows) in [(1usize, 3usize), (7, 5), (256, 33), (300, 4)] {
+        // Logits across softplus's threshold (20) and far below; a few rows of exact ties.
+        let mut logits: Vec<f32> = (0..rows * n_experts)
+            .map(|_| rng.uniform() * 2f32.powi(rng.below(6) as i32))
+            .collect();
+        logits[..n_experts].fill(0.375);
+        logits[n_experts - 1] = 25.0;
+        let coarse_bias: Vec<f32> = (0..n_experts)
+            .map(|_| (rng.below(4) as f32 - 2.0) / 8.0)
+            .collect();
+        let zero_bias = vec![0.0f32; n_experts];
+        let forced: Vec<usize> = vec![n_experts - 1, 0, n_experts + 5, n_experts / 2];
+        for bias in [&coarse_bias, &zero_bias] {
+            for selection in [
+                ExpertSelection::TopK(1),
+                ExpertSelection::TopK(6),
+                ExpertSelection::TopK(n_experts + 2),
+                ExpertSelection::Forced(&forced),
+            ] {
+                for route_scale in [1.0f32, 2.5] {
+                    let on_gpu = gpu.route_experts(&logits, bias, selection, route_scale);
+                    let on_cpu = cpu.route_experts(&logits, bias, selection, route_scale);
+                    assert_eq!(on_gpu.len(), rows);
+                    assert_eq!(on_cpu.len(), rows);
+                    for (r, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+                        let what = format!("{n_experts} experts row {r} {selection:?}");
+                        assert_eq!(g.experts, c.experts, "{what}: experts");
+                        assert_bitwise(&what, &g.weights, &c.weights);
+                    }
+                    routes += rows;
+                }
+            }
+        }
+        // Negative control: another bias moves the selection of some token.
+        let shifted: Vec<f32> = (0..n_experts).map(|e| e as f32 * 0.01).collect();
+        if n_experts > 6 {
+            let base = gpu.route_experts(&logits, &zero_bias, ExpertSelection::TopK(6), 1.0);
+            let moved = gpu.route_experts(&logits, &shifted, ExpertSelection::TopK(6), 1.0);
+            assert_ne!(
+                base, moved,
+                "{n_experts} experts: a new bias changed nothing"
+            );
+        }
+    }
+    // An all-ties row picks the lowest ids.
+    let tied = gpu.route_experts(&[0.5; 8], &[0.0; 8], ExpertSelection::TopK(3), 1.0);
+    assert_eq!(tied[0].experts, vec![0, 1, 2]);
+    println!("backend route_experts: {routes} token routes bit-exact (experts and weights)");
+}
+
+#[test]
+fn backend_engram_hash_and_lookup_match_the_cpu() {
+    let Some(gpu) = cuda_backend("backend_engram_hash_and_lookup_match_the_cpu") else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(33);
+    let vocab = CompressedVocab::halving_stub(4096, 2).expect("stub vocabulary");
+    let hasher = NgramHasher::new(&[1, 4, 9], 4, 3, 5000, 2048, vocab).expect("hasher");
+    let tokens: Vec<u32> = (0..301).map(|_| rng.below(4096) as u32).collect();
+    let dead: Vec<bool> = (0..tokens.len()).map(|i| (40..47).contains(&i)).collect();
+    let contexts = hasher.contexts_of_chunk(&mut EngramHistory::new(), &tokens, &dead);
+    let rows_gpu = gpu.engram_hash(&hasher, &contexts);
+    let rows_cpu = cpu.engram_hash(&hasher, &contexts);
+    assert_eq!(rows_gpu.len(), tokens.len() * 3 * 9);
+    assert_eq!(rows_gpu, rows_cpu, "engram row ids");
+    // Chunked on the device through the hasher equals one shot on the CPU.
+    let mut history = EngramHistory::new();
+    let mut chunked = Vec::new();
+    for (start, end) in [(0, 1), (1, 45), (45, 300), (300, 301)] {
+        let rows = hasher.hash_chunk_on(&gpu, &mut history, &tokens[start..end], &dead[start..end]);
+        chunked.extend_from_slice(rows.as_slice());
+    }
+    assert_eq!(chunked, rows_cpu, "chunked device hashing");
+    // Negative control: other layers hash to other rows.
+    let other = NgramHasher::new(
+        &[2, 4, 9],
+        4,
+        3,
+        5000,
+        2048,
+        CompressedVocab::halving_stub(4096, 2).expect("stub vocabulary"),
+    )
+    .expect("hasher");
+    assert_ne!(cpu.engram_hash(&other, &contexts), rows_gpu);
+
+    let (table_rows, head_dim) = (1021usize, 96usize);
+    let codes: Vec<u8> = (0..table_rows * head_dim).map(|_| rng.e4m3()).collect();
+    let mut scales: Vec<u8> = (0..table_rows * head_dim / 32)
+        .map(|_| rng.e8m0())
+        .collect();
+    scales[0] = 0; // 2^-127: subnormal products
+    scales[1] = 200;
+    let table = EngramTable::new("test", table_rows, head_dim, codes, scales).expect("table");
+    let cached_before = gpu.cached_weights();
+    let mut values = 0;
+    for n in [1usize, 7, 300] {
+        let mut ids: Vec<u32> = (0..n)
+            .map(|_| rng.below(table_rows as u64) as u32)
+            .collect();
+        ids[0] = 0;
+        if n > 2 {
+            ids[1] = table_rows as u32; // foreign rows: zeros
+            ids[2] = u32::MAX;
+        }
+        values += assert_bitwise(
+            &format!("engram_gather {n} ids"),
+            &gpu.engram_gather(&table, &ids),
+            &cpu.engram_gather(&table, &ids),
+        );
+    }
+    assert_eq!(
+        gpu.cached_weights(),
+        cached_before + 1,
+        "the table is uploaded once"
+    );
+    println!(
+        "backend engram: {} row ids equal ({} tokens, chunked too), {values} gathered values bit-exact",
+        rows_gpu.len(),
+        tokens.len()
+    );
+}
+
+#[test]
+fn sampling_launcher_rejects_missing_scratch() {
+    let Some(rt) = runtime("sampling_launcher_rejects_missing_scratch") else {
+        return;
+    };
+    let stream = rt.stream();
+    let logits = stream.clone_htod(&[0.5f32; 40]).expect("upload");
+    let row = SampleRow {
+        seed: 1,
+        position: 0,
+        temperature: 1.0,
+        top_p: 0.5,
+        top_k: 0,
+        reserved: 0,
+    };
+    let rows = stream.clone_htod(&[row, row]).expect("upload");
+    let mut scratch = SampleScratch::new(&rt, 2, 20, false).expect("scratch");
+    let mut tokens = stream.alloc_zeros::<u32>(2).expect("alloc");
+    let err = sample_rows_f32(
+        &rt,
+        &logits,
+        &rows,
+        &[row, row],
+        &mut scratch,
+        &mut tokens,
+        20,
+    )
+    .expect_err("top-p rows need the sort scratch");
+    assert!(
+        err.to_string()
+            .contains("sort scratch has 1 elements, expected 64"),
+        "{err}"
+    );
 }

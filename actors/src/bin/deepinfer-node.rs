@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use deepinfer_actors::job::{JobOptions, run_job, sample_batch};
 use deepinfer_actors::tools::{eplb_plan, logits};
-use deepinfer_actors::{Engine, EngineConfig, model_source, prometheus};
+use deepinfer_actors::{Engine, EngineConfig, gpu, model_source, prometheus};
 use deepinfer_topology::NodeConfig;
 use deepinfer_topology::eplb::PlacementShape;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -163,7 +163,8 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         Some(path) => NodeConfig::from_file_with_env(path)?,
         None => NodeConfig::embedded_default()?,
     };
-    node.can_run_here(0)?;
+    // The GPUs a CUDA topology needs, counted for real (none without a driver or `cuda`).
+    gpu::check_node(&node)?;
     let _metrics = match node.metrics.prometheus_listen {
         Some(addr) => Some(prometheus::serve(prometheus::install()?, addr).await?),
         None => None,

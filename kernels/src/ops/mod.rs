@@ -2,14 +2,17 @@
 //! it is given and returns [`crate::KernelError::Shape`] before launching anything.
 
 pub mod attention;
+pub mod engram;
 pub mod gemm;
 pub mod index;
 pub mod linear;
 pub mod mhc;
+pub mod moe;
 pub mod norm;
 pub mod qdq;
 pub mod quant;
 pub mod rope;
+pub mod sampling;
 
 use crate::error::KernelError;
 
@@ -51,4 +54,20 @@ pub(crate) fn expect_len(
             message: format!("{what} has {found} elements, expected {expected}"),
         })
     }
+}
+
+/// The field names, in order, of `struct name { ... };` in a CUDA header (for the layout tests of
+/// the launchers' `#[repr(C)]` mirrors).
+#[cfg(test)]
+pub(crate) fn cuda_struct_fields(header: &str, name: &str) -> Vec<String> {
+    let Some(start) = header.find(&format!("struct {name} {{")) else {
+        return Vec::new();
+    };
+    let body = &header[start..];
+    let body = &body[..body.find("};").unwrap_or(body.len())];
+    body.lines()
+        .skip(1)
+        .filter_map(|line| line.split_once(';').map(|(decl, _)| decl))
+        .filter_map(|decl| decl.split_whitespace().last().map(str::to_string))
+        .collect()
 }

@@ -7,12 +7,15 @@
 //! reference's standalone `torch.exp` ([`quant::exp_f32_accurate`]). (The sparse attention's
 //! online softmax is a standalone `torch.exp` in the reference too; swapping it there changes
 //! none of the fixture's comparisons, so it keeps the vectorised one the CUDA kernel mirrors.)
+//! `sqrt` is the correctly rounded one everywhere; the reference's router `Tensor.sqrt` runs
+//! MKL's `vsSqrt`, which is not (it leaves 12 of the fixture's 2400 routing weights an ulp off).
 //! Every bf16 rounding sits where DeepSeek's reference rounds; fp32 stays the working precision
 //! between operations.
 
-use super::{Backend, HcMix, HcParams, Precision, RopeTable};
+use super::{Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable};
 use crate::quant::{
-    self, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, sum_f32, sum_squares_f32_torch,
+    self, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
+    sum_squares_f32_torch,
 };
 use crate::weights::{Fp4Weight, Fp8Weight};
 
@@ -265,6 +268,58 @@ impl Backend for CpuBackend {
     }
 }
 
+/// `ln(1 + e^z)` as the reference's vectorised softplus computes it (torch's `Vectorized` kernel):
+/// its `exp` ([`exp_f32`]), then its `log1p` ([`log1p_f32`], SLEEF's, not always correctly rounded:
+/// a correctly rounded `log1p` leaves 3 more of the fixture's 2400 routing weights an ulp off);
+/// above 20 the input itself (torch's threshold).
+pub fn softplus(z: f32) -> f32 {
+    if z > 20.0 { z } else { log1p_f32(exp_f32(z)) }
+}
+
+/// The sqrt-softplus router scores of one token's gate logits.
+pub fn router_scores(logits: &[f32]) -> Vec<f32> {
+    logits.iter().map(|&z| softplus(z).sqrt()).collect()
+}
+
+/// [`Backend::route_experts`]'s reference: per token, the selection on `s + bias` in descending
+/// order (ties: the lower expert id, i.e. torch's sorted top-k), then `s / (Σs + 1e-20) · scale`.
+pub fn route_experts(
+    logits: &[f32],
+    bias: &[f32],
+    selection: ExpertSelection<'_>,
+    route_scale: f32,
+) -> Vec<ExpertRoute> {
+    let n_experts = bias.len();
+    if n_experts == 0 {
+        return Vec::new();
+    }
+    logits
+        .chunks_exact(n_experts)
+        .map(|row| {
+            let scores = router_scores(row);
+            let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+            let experts: Vec<usize> = match selection {
+                ExpertSelection::Forced(forced) => {
+                    forced.iter().copied().filter(|&e| e < n_experts).collect()
+                }
+                ExpertSelection::TopK(k) => {
+                    let mut order: Vec<usize> = (0..n_experts).collect();
+                    order.sort_by(|&a, &b| biased[b].total_cmp(&biased[a]).then(a.cmp(&b)));
+                    order.truncate(k);
+                    order
+                }
+            };
+            let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
+            if weights.len() > 1 {
+                let sum = weights.iter().fold(0.0f32, |a, v| a + v) + 1e-20;
+                weights.iter_mut().for_each(|v| *v /= sum);
+            }
+            weights.iter_mut().for_each(|v| *v *= route_scale);
+            ExpertRoute { experts, weights }
+        })
+        .collect()
+}
+
 fn normalise_columns(comb: &mut [f32], hc: usize, eps: f32) {
     for k in 0..hc {
         let sum = (0..hc).fold(0.0f32, |a, j| a + comb[j * hc + k]) + eps;
@@ -320,6 +375,82 @@ mod tests {
             CpuBackend.sparse_attention(&q, &[], &[0.5], 1.0),
             vec![0.0, 0.0]
         );
+    }
+
+    #[test]
+    fn router_takes_the_biased_top_k_and_normalises_the_unbiased_scores() {
+        // Token 0: experts 1 and 3 tie on z; the bias lifts expert 0 above both.
+        let logits = [0.0f32, 2.0, -1.0, 2.0, 30.0, 30.0, 30.0, 30.0];
+        let bias = [3.0f32, 0.0, 0.0, 0.0];
+        let routes = route_experts(&logits, &bias, ExpertSelection::TopK(3), 2.0);
+        assert_eq!(routes.len(), 2);
+        assert_eq!(
+            routes[0].experts,
+            vec![0, 1, 3],
+            "bias first, then the lower id of a tie"
+        );
+        let s = router_scores(&logits[..4]);
+        let sum = s[0] + s[1] + s[3] + 1e-20;
+        let expected: Vec<f32> = [s[0], s[1], s[3]].iter().map(|v| v / sum * 2.0).collect();
+        assert_eq!(
+            routes[0].weights, expected,
+            "weights from the unbiased scores"
+        );
+        // Above softplus's threshold the score is sqrt(z); all tied: the lowest ids after the bias.
+        assert_eq!(routes[1].experts, vec![0, 1, 2]);
+        assert_eq!(router_scores(&[30.0]), vec![30f32.sqrt()]);
+        // A single expert is scaled, not normalised; forced ids keep their order, foreign ids drop.
+        let single = route_experts(&logits[..4], &bias, ExpertSelection::TopK(1), 2.0);
+        assert_eq!(single[0].weights, vec![s[0] * 2.0]);
+        let forced = route_experts(
+            &logits[..4],
+            &bias,
+            ExpertSelection::Forced(&[3, 9, 2]),
+            1.0,
+        );
+        assert_eq!(forced[0].experts, vec![3, 2]);
+        assert!(route_experts(&logits, &[], ExpertSelection::TopK(2), 1.0).is_empty());
+    }
+
+    #[test]
+    fn sample_rows_samples_each_row_with_its_own_parameters() {
+        use crate::backend::{RowSampling, SampleRowsError};
+        use crate::sampling::{SamplingParams, sample};
+        let logits = [0.0f32, 5.0, 1.0, 9.0, 2.0, 3.0];
+        let noisy = SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 0.9,
+            seed: 4,
+        };
+        let rows = [
+            RowSampling {
+                params: SamplingParams::greedy(),
+                position: 0,
+            },
+            RowSampling {
+                params: noisy,
+                position: 17,
+            },
+        ];
+        let tokens = CpuBackend.sample_rows(&logits, 3, &rows);
+        assert_eq!(
+            tokens,
+            Ok(vec![1, sample(&logits[3..], &noisy, 17).unwrap_or(9)])
+        );
+        assert_eq!(
+            CpuBackend.sample_rows(&logits[..5], 3, &rows),
+            Err(SampleRowsError::LogitsShape {
+                found: 5,
+                rows: 2,
+                vocab: 3
+            })
+        );
+        assert_eq!(
+            CpuBackend.sample_rows(&[], 0, &rows),
+            Err(SampleRowsError::EmptyVocab { rows: 2 })
+        );
+        assert_eq!(CpuBackend.sample_rows(&[], 0, &[]), Ok(Vec::new()));
     }
 
     #[test]

@@ -5,6 +5,10 @@
 //! splits a reduction by the batch, so a sequence's numbers do not depend on what else runs (batch
 //! invariance).
 //!
+//! Beyond the layer math: token sampling (`sample_rows`: the logits go up, only the ids come
+//! back), the MoE router after its gate linear, and Engram hashing and table lookup (the tables
+//! are uploaded once, like weights, and stay in device memory).
+//!
 //! Data path of this first step: weights are uploaded once and cached on the device; activations
 //! are copied to the device and back for every op (the device-resident data path, with no copy
 //! inside a decode step but the sampled tokens, is a later step).
@@ -30,20 +34,29 @@ use std::sync::{Arc, Mutex, PoisonError};
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::sparse_attention_sink_f32;
+use deepinfer_kernels::ops::engram::{
+    DeviceEngramHasher, DeviceEngramTable, engram_gather_f32, engram_hash_rows,
+};
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
 use deepinfer_kernels::ops::index::index_scores_f32;
 use deepinfer_kernels::ops::linear::{
     dequant_fp4_rows_f32, dequant_fp8_rows_f32, linear_sgemm_f32,
 };
 use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_collapse_f32, hc_expand_f32, hc_mixes_f32};
+use deepinfer_kernels::ops::moe::{Selection, route_experts_f32, selected_count};
 use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
 use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
+use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
 
-use super::{Backend, HcMix, HcParams, Precision, RopeTable};
+use super::{
+    Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable, RowSampling,
+    SampleRowsError, check_sample_rows,
+};
+use crate::engram::{EngramTable, NgramHasher};
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 /// Why the CUDA backend could not open or run an op.
@@ -138,6 +151,8 @@ struct WeightCache {
     f32s: HashMap<HostKey, Arc<CudaSlice<f32>>>,
     fp8: HashMap<(HostKey, HostKey), Arc<DeviceFp8Weight>>,
     fp4: HashMap<(HostKey, HostKey), Arc<DeviceFp4Weight>>,
+    /// Engram tables (codes, scales), uploaded on first lookup.
+    engram_tables: HashMap<(HostKey, HostKey), Arc<DeviceEngramTable>>,
 }
 
 /// The CUDA implementation of [`Backend`] on one device.
@@ -181,10 +196,10 @@ impl CudaBackend {
         *self.weights.lock().unwrap_or_else(PoisonError::into_inner) = WeightCache::default();
     }
 
-    /// Number of cached device weights (f32, FP8, FP4).
+    /// Number of cached device weights (f32, FP8, FP4, Engram tables).
     pub fn cached_weights(&self) -> usize {
         let cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
-        cache.f32s.len() + cache.fp8.len() + cache.fp4.len()
+        cache.f32s.len() + cache.fp8.len() + cache.fp4.len() + cache.engram_tables.len()
     }
 
     fn upload(&self, op: &'static str, values: &[f32]) -> Result<CudaSlice<f32>, CudaBackendError> {
@@ -768,6 +783,210 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// [`Backend::sample_rows`], with errors: the logits are uploaded, every row sampled by the
+    /// device's sampling kernel, and only the ids come back. Rows that restrict (top-k / top-p)
+    /// take a sort scratch of the vocabulary's next power of two per row.
+    pub fn try_sample_rows(
+        &self,
+        logits: &[f32],
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "sample_rows";
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let vocab_u32 =
+            u32::try_from(vocab).map_err(|_| shape_err(OP, format!("vocabulary of {vocab}")))?;
+        let host_rows: Vec<SampleRow> = rows
+            .iter()
+            .map(|r| SampleRow {
+                seed: r.params.seed,
+                position: r.position,
+                temperature: r.params.temperature,
+                top_p: r.params.top_p,
+                // At or beyond the vocabulary top-k keeps everything, as it does on the CPU.
+                top_k: u32::try_from(r.params.top_k).map_or(vocab_u32, |k| k.min(vocab_u32)),
+                reserved: 0,
+            })
+            .collect();
+        let restricted = host_rows.iter().any(|r| r.restricts(vocab));
+        let stream = self.rt.stream();
+        let dlogits = self.upload(OP, logits)?;
+        let drows = stream
+            .clone_htod(&host_rows)
+            .map_err(driver_err(OP, "uploading the row parameters"))?;
+        let mut scratch =
+            SampleScratch::new(&self.rt, rows.len(), vocab, restricted).map_err(op_err(OP))?;
+        let mut dtokens = stream
+            .alloc_zeros::<u32>(rows.len())
+            .map_err(driver_err(OP, "allocating the tokens"))?;
+        sample_rows_f32(
+            &self.rt,
+            &dlogits,
+            &drows,
+            &host_rows,
+            &mut scratch,
+            &mut dtokens,
+            vocab,
+        )
+        .map_err(op_err(OP))?;
+        stream
+            .clone_dtoh(&dtokens)
+            .map_err(driver_err(OP, "downloading the tokens"))
+    }
+
+    /// [`Backend::route_experts`], with errors.
+    pub fn try_route_experts(
+        &self,
+        logits: &[f32],
+        bias: &[f32],
+        selection: ExpertSelection<'_>,
+        route_scale: f32,
+    ) -> Result<Vec<ExpertRoute>, CudaBackendError> {
+        const OP: &str = "route_experts";
+        let n_experts = bias.len();
+        if n_experts == 0 || logits.len() < n_experts {
+            return Ok(Vec::new());
+        }
+        let rows = logits.len() / n_experts;
+        let logits = &logits[..rows * n_experts];
+        let stream = self.rt.stream();
+        let dbias = self.cached_f32(OP, bias)?;
+        let dlogits = self.upload(OP, logits)?;
+        let forced_ids: Vec<u32>;
+        let dforced;
+        let device_selection = match selection {
+            ExpertSelection::TopK(k) => Selection::TopK(k),
+            ExpertSelection::Forced(forced) => {
+                // Ids at or beyond the expert count are dropped, as on the CPU.
+                forced_ids = forced
+                    .iter()
+                    .filter(|&&e| e < n_experts)
+                    .map(|&e| e as u32)
+                    .collect();
+                if forced_ids.is_empty() {
+                    let empty = ExpertRoute {
+                        experts: Vec::new(),
+                        weights: Vec::new(),
+                    };
+                    return Ok(vec![empty; rows]);
+                }
+                dforced = stream
+                    .clone_htod(&forced_ids)
+                    .map_err(driver_err(OP, "uploading the forced experts"))?;
+                Selection::Forced(&dforced)
+            }
+        };
+        let selected = selected_count(device_selection, n_experts);
+        if selected == 0 {
+            let empty = ExpertRoute {
+                experts: Vec::new(),
+                weights: Vec::new(),
+            };
+            return Ok(vec![empty; rows]);
+        }
+        let mut dexperts = stream
+            .alloc_zeros::<u32>(rows * selected)
+            .map_err(driver_err(OP, "allocating the experts"))?;
+        let mut dweights = self.alloc(OP, rows * selected)?;
+        route_experts_f32(
+            &self.rt,
+            &dlogits,
+            &dbias,
+            device_selection,
+            route_scale,
+            &mut dexperts,
+            &mut dweights,
+        )
+        .map_err(op_err(OP))?;
+        let experts = stream
+            .clone_dtoh(&dexperts)
+            .map_err(driver_err(OP, "downloading the experts"))?;
+        let weights = self.download(OP, &dweights)?;
+        Ok(experts
+            .chunks_exact(selected)
+            .zip(weights.chunks_exact(selected))
+            .map(|(experts, weights)| ExpertRoute {
+                experts: experts.iter().map(|&e| e as usize).collect(),
+                weights: weights.to_vec(),
+            })
+            .collect())
+    }
+
+    /// [`Backend::engram_hash`], with errors. The hashing parameters (a few hundred bytes) are
+    /// uploaded with the contexts.
+    pub fn try_engram_hash(
+        &self,
+        hasher: &NgramHasher,
+        contexts: &[u64],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "engram_hash";
+        let max_ngram = hasher.max_ngram();
+        let tokens = contexts.len() / max_ngram;
+        if tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let layout = hasher.layout();
+        let multipliers: Vec<u64> = hasher.multipliers().iter().flatten().copied().collect();
+        let primes: Vec<u64> = layout.primes.iter().flatten().copied().collect();
+        let offsets: Vec<u64> = layout.offsets.iter().flatten().copied().collect();
+        let dhasher =
+            DeviceEngramHasher::upload(&self.rt, max_ngram, &multipliers, &primes, &offsets)
+                .map_err(op_err(OP))?;
+        let stream = self.rt.stream();
+        let dcontexts = stream
+            .clone_htod(&contexts[..tokens * max_ngram])
+            .map_err(driver_err(OP, "uploading the contexts"))?;
+        let mut drows = stream
+            .alloc_zeros::<u32>(tokens * dhasher.layers * dhasher.columns)
+            .map_err(driver_err(OP, "allocating the row ids"))?;
+        engram_hash_rows(&self.rt, &dhasher, &dcontexts, &mut drows).map_err(op_err(OP))?;
+        stream
+            .clone_dtoh(&drows)
+            .map_err(driver_err(OP, "downloading the row ids"))
+    }
+
+    /// [`Backend::engram_gather`], with errors. The table is uploaded to device memory on first
+    /// use and cached like a weight (see the module header); only the ids travel per call.
+    pub fn try_engram_gather(
+        &self,
+        table: &EngramTable,
+        row_ids: &[u32],
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "engram_gather";
+        if row_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dtable = self.cached(
+            (
+                HostKey::bytes(table.codes()),
+                HostKey::bytes(table.scales()),
+            ),
+            |cache| &mut cache.engram_tables,
+            || {
+                DeviceEngramTable::upload(
+                    &self.rt,
+                    table.rows(),
+                    table.head_dim(),
+                    table.codes(),
+                    table.scales(),
+                )
+                .map_err(op_err(OP))
+            },
+        )?;
+        let dids = self
+            .rt
+            .stream()
+            .clone_htod(row_ids)
+            .map_err(driver_err(OP, "uploading the row ids"))?;
+        let mut dout = self.alloc(OP, row_ids.len() * table.head_dim())?;
+        engram_gather_f32(&self.rt, &dtable, &dids, &mut dout).map_err(op_err(OP))?;
+        self.download(OP, &dout)
+    }
+}
+
 /// The kernels' rounding for a model precision.
 fn rounding(precision: Precision) -> Rounding {
     match precision {
@@ -901,6 +1120,39 @@ impl Backend for CudaBackend {
         precision: Precision,
     ) -> Vec<f32> {
         self.try_index_scores(q, weights, keys, head_dim, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &[f32],
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        check_sample_rows(logits, vocab, rows)?;
+        Ok(self
+            .try_sample_rows(logits, vocab, rows)
+            .unwrap_or_else(device_fault))
+    }
+
+    fn route_experts(
+        &self,
+        logits: &[f32],
+        bias: &[f32],
+        selection: ExpertSelection<'_>,
+        route_scale: f32,
+    ) -> Vec<ExpertRoute> {
+        self.try_route_experts(logits, bias, selection, route_scale)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn engram_hash(&self, hasher: &NgramHasher, contexts: &[u64]) -> Vec<u32> {
+        self.try_engram_hash(hasher, contexts)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Vec<f32> {
+        self.try_engram_gather(table, row_ids)
             .unwrap_or_else(device_fault)
     }
 }

@@ -1,7 +1,9 @@
 //! The compute interface the V4.1 layer math is written against (ARCHITECTURE.md §3). An op works on
 //! whole rows of one sequence (row-major `f32` buffers holding bf16 or fp32 values as documented per
 //! op), at the granularity the model needs: block-scaled FP8/FP4 GEMMs, plain GEMMs, RMSNorm, RoPE,
-//! the QDQ points, sparse attention with a sink, mHC mixes/collapse/expand, index scores and top-k.
+//! the QDQ points, sparse attention with a sink, mHC mixes/collapse/expand, index scores and top-k,
+//! the MoE router after its gate linear, Engram hashing and table lookup, and token sampling of a
+//! batch of logit rows (each row with its own parameters: [`crate::sampling`] is its definition).
 //!
 //! Every op is a pure function of its inputs, so a sequence's numbers never depend on another
 //! sequence or on how its tokens were chunked (batch invariance by construction).
@@ -12,6 +14,8 @@ pub mod cuda;
 
 pub use cpu::CpuBackend;
 
+use crate::engram::{EngramTable, NgramHasher};
+use crate::sampling::SamplingParams;
 use crate::weights::{FP4_GROUP, Fp4Weight, Fp8Weight, e2m1_to_f32, e8m0_to_f32};
 
 /// The pre/post/comb coefficients of one mHC site for one token (spec §3.2), all fp32.
@@ -58,6 +62,46 @@ impl Precision {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeTable {
     pub freqs: Vec<f32>,
+}
+
+/// One row of [`Backend::sample_rows`]: its sequence's sampling parameters and the absolute
+/// position of the token being sampled (the noise's counter).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSampling {
+    pub params: SamplingParams,
+    pub position: u64,
+}
+
+/// Logits that [`Backend::sample_rows`] cannot sample from.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SampleRowsError {
+    /// A vocabulary of 0 tokens has nothing to pick.
+    #[error("sample_rows: the vocabulary is empty ({rows} rows asked)")]
+    EmptyVocab { rows: usize },
+    /// The logits are not one `vocab`-wide row per sampled row.
+    #[error("sample_rows: {found} logits are not {rows} rows of {vocab}")]
+    LogitsShape {
+        found: usize,
+        rows: usize,
+        vocab: usize,
+    },
+}
+
+/// Which experts the MoE router takes for each token ([`Backend::route_experts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertSelection<'a> {
+    /// The `k` highest biased scores, in descending order (ties: lower expert id first).
+    TopK(usize),
+    /// These experts in this order (ids at or beyond the expert count are dropped): a replayed
+    /// routing decision; the weights still come from the token's own scores.
+    Forced(&'a [usize]),
+}
+
+/// The experts chosen for one token (in selection order) and their weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertRoute {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
 }
 
 /// The operations the model needs from a device. `CpuBackend` is the reference implementation.
@@ -176,6 +220,56 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         precision: Precision,
     ) -> Vec<f32>;
 
+    /// One token per row of `logits` (`[rows.len(), vocab]`), each row sampled with its own
+    /// parameters and position exactly as [`crate::sampling::sample`] does (the one definition of
+    /// the sampling math; a device implementation must return the same ids).
+    fn sample_rows(
+        &self,
+        logits: &[f32],
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        check_sample_rows(logits, vocab, rows)?;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(logits
+            .chunks_exact(vocab)
+            .zip(rows)
+            .map(|(row, r)| crate::sampling::sample(row, &r.params, r.position).unwrap_or(0))
+            .collect())
+    }
+
+    /// The MoE router after the gate linear, one token per `bias.len()`-wide row of `logits`
+    /// (`z`): scores `s = sqrt(softplus(z))` (the reference's vectorised softplus,
+    /// [`cpu::router_scores`]), selection on `s + bias` ([`ExpertSelection`]), weights
+    /// `s_e / (Σ s + 1e-20) · route_scale` over the selected experts (not normalised for a single
+    /// expert). `bias` is the layer's `bias` or `bias_vl`. No logits (or no experts): no routes.
+    fn route_experts(
+        &self,
+        logits: &[f32],
+        bias: &[f32],
+        selection: ExpertSelection<'_>,
+        route_scale: f32,
+    ) -> Vec<ExpertRoute> {
+        cpu::route_experts(logits, bias, selection, route_scale)
+    }
+
+    /// Engram table row ids of hashed n-gram contexts: `contexts` holds `hasher.max_ngram()`
+    /// compressed ids per token (lag 0 first, pad already substituted); the result is
+    /// `[tokens, layers, columns]` as [`NgramHasher::rows_of_contexts`] computes it.
+    fn engram_hash(&self, hasher: &NgramHasher, contexts: &[u64]) -> Vec<u32> {
+        hasher.rows_of_contexts(contexts)
+    }
+
+    /// The bf16 values of Engram table rows `row_ids`, one `table.head_dim()`-wide row after
+    /// another ([`EngramTable::gather`]: FP8 codes times their row scales; foreign ids give zeros).
+    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Vec<f32> {
+        let mut out = vec![0.0f32; row_ids.len() * table.head_dim()];
+        table.gather(row_ids, &mut out);
+        out
+    }
+
     /// `x [rows, w.inp] · Wᵀ` in fp32 with the FP8 weight dequantised exactly and the activations
     /// left as they are (the transformers float32 numerics of V4); equals [`Backend::linear_f32`]
     /// on `w.to_f32()` without materialising it.
@@ -198,6 +292,28 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             |x, rows, n| self.linear_f32(x, rows, n, w.inp),
         )
     }
+}
+
+/// The shape check of [`Backend::sample_rows`], shared by every implementation.
+pub fn check_sample_rows(
+    logits: &[f32],
+    vocab: usize,
+    rows: &[RowSampling],
+) -> Result<(), SampleRowsError> {
+    if rows.is_empty() && logits.is_empty() {
+        return Ok(());
+    }
+    if vocab == 0 {
+        return Err(SampleRowsError::EmptyVocab { rows: rows.len() });
+    }
+    if rows.len().checked_mul(vocab) != Some(logits.len()) {
+        return Err(SampleRowsError::LogitsShape {
+            found: logits.len(),
+            rows: rows.len(),
+            vocab,
+        });
+    }
+    Ok(())
 }
 
 /// Appends row `row` of an FP8 weight in f32 ([`Fp8Weight::dequant_row`], through the decode

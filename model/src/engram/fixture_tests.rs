@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use safetensors::{Dtype, SafeTensors};
 
 use super::{CompressedVocab, Engram, EngramHistory};
+use crate::backend::CpuBackend;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::quant::round_bf16;
@@ -101,7 +102,12 @@ fn check_hash(case: &str, chunks: &[usize]) -> TestResult {
     let mut rows = Vec::new();
     let mut start = 0;
     for &end in chunks.iter().chain(std::iter::once(&tokens.len())) {
-        let chunk = engram.hash_chunk(&mut history, &tokens[start..end], &dead[start..end]);
+        let chunk = engram.hash_chunk(
+            &CpuBackend,
+            &mut history,
+            &tokens[start..end],
+            &dead[start..end],
+        );
         rows.extend(chunk.as_slice().iter().map(|&r| r as i32));
         start = end;
     }
@@ -153,13 +159,13 @@ fn engram_out_matches_reference() -> TestResult {
     let fixture = Fixture::open()?;
     let engram = load_engram()?;
     let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
-    let rows = engram.hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
+    let rows = engram.hash_chunk(&CpuBackend, &mut EngramHistory::new(), &tokens, &[]);
     let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
     let per_layer = shape[1..].iter().product::<usize>();
     for (engram_idx, layer_id) in [(0_usize, 1_usize), (1, 4)] {
         let mut x = layer_out[(layer_id - 1) * per_layer..layer_id * per_layer].to_vec();
         let before = x.clone();
-        engram.apply(engram_idx, &rows, &mut x, &[]);
+        engram.apply(&CpuBackend, engram_idx, &rows, &mut x, &[]);
         let (_, expected) = fixture.f32s(&format!("text.prefill.engram_out.L{layer_id}"))?;
         let (rel_rms, max_ulps, unequal) = compare(&x, &expected);
         let (change_rms, _, _) = compare(&before, &expected);
@@ -189,13 +195,13 @@ fn dead_tokens_pass_through() -> TestResult {
     let fixture = Fixture::open()?;
     let engram = load_engram()?;
     let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
-    let rows = engram.hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
+    let rows = engram.hash_chunk(&CpuBackend, &mut EngramHistory::new(), &tokens, &[]);
     let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
     let per_layer = shape[1..].iter().product::<usize>();
     let before = layer_out[..per_layer].to_vec();
     let dead: Vec<bool> = (0..tokens.len()).map(|t| t % 3 == 0).collect();
     let mut x = before.clone();
-    engram.apply(0, &rows, &mut x, &dead);
+    engram.apply(&CpuBackend, 0, &rows, &mut x, &dead);
     let token_width = per_layer / tokens.len();
     for (t, (new, old)) in x
         .chunks_exact(token_width)

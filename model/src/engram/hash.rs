@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use super::numpy_rng::Pcg64;
 use super::primes::EngramLayout;
+use crate::backend::{Backend, CpuBackend};
 use crate::error::ModelError;
 
 /// Token id → compressed id, plus the compressed id that fills n-gram slots with no history.
@@ -254,15 +255,21 @@ impl NgramHasher {
         &self.multipliers
     }
 
-    /// Row ids of every engram layer for `tokens` at the positions after `history`, which is
-    /// extended by the chunk. `dead[i]` marks an image-span token (missing entries count as
-    /// live); a dead token's slot and all larger lags hash as pad.
-    pub fn hash_chunk(
+    /// Compressed ids per n-gram slot (`max_ngram`, lag 0 first).
+    pub fn max_ngram(&self) -> usize {
+        self.max_ngram
+    }
+
+    /// The n-gram contexts of `tokens` at the positions after `history`, which is extended by
+    /// the chunk: `[tokens, max_ngram]` compressed ids, lag 0 first. `dead[i]` marks an
+    /// image-span token (missing entries count as live); a dead token's slot and all larger lags
+    /// hold pad.
+    pub fn contexts_of_chunk(
         &self,
         history: &mut EngramHistory,
         tokens: &[u32],
         dead: &[bool],
-    ) -> EngramRows {
+    ) -> Vec<u64> {
         let start = history.len();
         history
             .compressed
@@ -273,23 +280,34 @@ impl NgramHasher {
                     Some(self.vocab.compress(token))
                 }
             }));
-        let n_layers = self.multipliers.len();
-        let columns = self.layout.columns();
-        let mut rows = Vec::with_capacity(tokens.len() * n_layers * columns);
-        let mut context = vec![0_u64; self.max_ngram];
-        let heads = columns / (self.max_ngram - 1);
+        let mut contexts = Vec::with_capacity(tokens.len() * self.max_ngram);
         for position in start..history.len() {
             let mut blocked = false;
-            for (lag, slot) in context.iter_mut().enumerate() {
+            for lag in 0..self.max_ngram {
                 let source = position
                     .checked_sub(lag)
                     .and_then(|p| history.compressed[p]);
                 blocked |= source.is_none();
-                *slot = u64::from(match source {
+                contexts.push(u64::from(match source {
                     Some(id) if !blocked => id,
                     _ => self.vocab.pad,
-                });
+                }));
             }
+        }
+        contexts
+    }
+
+    /// Table row ids of n-gram contexts (`[tokens, max_ngram]`, see
+    /// [`NgramHasher::contexts_of_chunk`]): `[tokens, layers, columns]`, the reference of
+    /// [`crate::backend::Backend::engram_hash`]. Per layer the rolling hash of lags `0..=n−1` is
+    /// `⊕ context[lag] · multiplier[lag]` (wrapping u64), and column `(n−2)·heads + h` is
+    /// `rolling % prime + offset`. A trailing partial context is ignored.
+    pub fn rows_of_contexts(&self, contexts: &[u64]) -> Vec<u32> {
+        let columns = self.layout.columns();
+        let heads = columns / (self.max_ngram - 1);
+        let n_tokens = contexts.len() / self.max_ngram;
+        let mut rows = Vec::with_capacity(n_tokens * self.multipliers.len() * columns);
+        for context in contexts.chunks_exact(self.max_ngram) {
             for (layer, multipliers) in self.multipliers.iter().enumerate() {
                 let mut rolling = context[0].wrapping_mul(multipliers[0]);
                 let mut column = 0;
@@ -304,11 +322,36 @@ impl NgramHasher {
                 }
             }
         }
+        rows
+    }
+
+    /// Row ids of every engram layer for `tokens` at the positions after `history`, which is
+    /// extended by the chunk, hashed on the CPU ([`NgramHasher::hash_chunk_on`] with the
+    /// reference backend).
+    pub fn hash_chunk(
+        &self,
+        history: &mut EngramHistory,
+        tokens: &[u32],
+        dead: &[bool],
+    ) -> EngramRows {
+        self.hash_chunk_on(&CpuBackend, history, tokens, dead)
+    }
+
+    /// [`NgramHasher::hash_chunk`] with the hashing on `backend` ([`Backend::engram_hash`]); the
+    /// contexts are gathered from the history on the host.
+    pub fn hash_chunk_on(
+        &self,
+        backend: &dyn Backend,
+        history: &mut EngramHistory,
+        tokens: &[u32],
+        dead: &[bool],
+    ) -> EngramRows {
+        let contexts = self.contexts_of_chunk(history, tokens, dead);
         EngramRows {
             n_tokens: tokens.len(),
-            n_layers,
-            columns,
-            rows,
+            n_layers: self.multipliers.len(),
+            columns: self.layout.columns(),
+            rows: backend.engram_hash(self, &contexts),
         }
     }
 }

@@ -68,6 +68,16 @@ impl EngramTable {
         self.head_dim
     }
 
+    /// The E4M3 codes, `[rows, head_dim]` row-major (what a device backend uploads).
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    /// The UE8M0 scales, `[rows, head_dim / 32]` row-major.
+    pub fn scales(&self) -> &[u8] {
+        &self.scales
+    }
+
     /// Writes the bf16 rows `row_ids` one after another into `out` (`row_ids.len() · head_dim`
     /// values). A row id outside the table gives zeros, as a table shard does for rows it does not
     /// hold.

@@ -9,9 +9,12 @@
 //!   tensor's dtype and shape.
 //! - [`Engram::hash_chunk`] — once per chunk, before the embedding: row ids of every engram layer
 //!   for the chunk's tokens (`dead[i]` = image-span token), appending to the sequence's
-//!   [`EngramHistory`]. Roll back with [`EngramHistory::truncate`].
+//!   [`EngramHistory`], hashed by the backend ([`Backend::engram_hash`]). Roll back with
+//!   [`EngramHistory::truncate`].
 //! - [`Engram::apply`] — before block `layer_ids()[i]`, with `engram_layer_idx = i`: updates the
 //!   streams `x` (`[n_tokens, hc_mult, dim]`, bf16 values) in place. Dead tokens are left as is.
+//!   The table lookup ([`Backend::engram_gather`]) and the `wkv` GEMM run on the backend (a
+//!   device backend keeps the tables in its memory); the gate runs on the host.
 //! - [`Engram::layer_index`] maps a backbone layer id to its `engram_layer_idx`.
 
 pub mod gate;
@@ -30,10 +33,10 @@ pub use hash::{CompressedVocab, EngramHistory, EngramRows, NgramHasher, hash_mul
 pub use lookup::EngramTable;
 pub use primes::EngramLayout;
 
+use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::quant::gemm_fp8;
 use crate::weights::Fp8Weight;
 
 /// One engram layer's weights.
@@ -192,11 +195,12 @@ impl Engram {
     /// hashes as pad.
     pub fn hash_chunk(
         &self,
+        backend: &dyn Backend,
         history: &mut EngramHistory,
         tokens: &[u32],
         dead: &[bool],
     ) -> EngramRows {
-        self.hasher.hash_chunk(history, tokens, dead)
+        self.hasher.hash_chunk_on(backend, history, tokens, dead)
     }
 
     /// Applies engram layer `engram_layer_idx` to the streams `x` (`[n_tokens, hc_mult, dim]`,
@@ -206,7 +210,14 @@ impl Engram {
     /// # Panics
     /// If `engram_layer_idx` is not below `layer_ids().len()` or `x` is not
     /// `rows.n_tokens() · hc_mult · dim` long (caller bugs, not input errors).
-    pub fn apply(&self, engram_layer_idx: usize, rows: &EngramRows, x: &mut [f32], dead: &[bool]) {
+    pub fn apply(
+        &self,
+        backend: &dyn Backend,
+        engram_layer_idx: usize,
+        rows: &EngramRows,
+        x: &mut [f32],
+        dead: &[bool],
+    ) {
         let layer = &self.layers[engram_layer_idx];
         let token_width = self.hc_mult * self.dim;
         assert_eq!(
@@ -223,12 +234,13 @@ impl Engram {
         if live.is_empty() {
             return;
         }
-        let lookup_width = layer.wkv.inp;
-        let mut embedded = vec![0.0_f32; live.len() * lookup_width];
-        for (&token, dst) in live.iter().zip(embedded.chunks_exact_mut(lookup_width)) {
-            layer.table.gather(rows.of(token, engram_layer_idx), dst);
-        }
-        let kv = gemm_fp8(&embedded, &layer.wkv);
+        let row_ids: Vec<u32> = live
+            .iter()
+            .flat_map(|&token| rows.of(token, engram_layer_idx).iter().copied())
+            .collect();
+        // `[live, columns · head_dim]`: each token's gathered rows side by side.
+        let embedded = backend.engram_gather(&layer.table, &row_ids);
+        let kv = backend.gemm_fp8(&embedded, &layer.wkv);
         for (&token, kv) in live.iter().zip(kv.chunks_exact(layer.wkv.out)) {
             layer
                 .gate

@@ -320,6 +320,7 @@ impl Model {
             backend: self.backend.as_ref(),
             rope: &self.rope,
             routed: None,
+            image_routing: None,
         }
     }
 

@@ -73,6 +73,8 @@ pub fn forward(
             &w.moe,
             &xn,
             forced_routes.and_then(|r| r.get(t)).map(Vec::as_slice),
+            // Image-span rows select with `bias_vl` (spec §3.6).
+            ctx.image_routing.and_then(|routing| routing.bias_for(t)),
         );
         let expanded = ctx
             .backend

@@ -11,9 +11,11 @@ pub(crate) mod moe;
 pub(crate) mod rope;
 pub(crate) mod state;
 mod trace;
+pub mod vision;
 pub(crate) mod weights;
 
 use std::path::Path;
+use std::sync::Arc;
 
 pub use dspark::DraftProposal;
 pub use state::{MAX_BACKTRACK, SequenceState};
@@ -48,22 +50,26 @@ pub(crate) struct Ctx<'a> {
     pub backend: &'a dyn Backend,
     pub rope: &'a RopeTables,
     pub routed: Option<expert_hook::RoutedSite<'a>>,
+    /// Image-span rows of the block being run: the router's `bias_vl` choice (spec §3.6).
+    pub image_routing: Option<vision::ImageRouting<'a>>,
 }
 
-/// A loaded V4.1 model (text backbone + DSpark heads) on a backend.
+/// A loaded V4.1 model (text backbone + DSpark heads) on a backend. The host weights sit behind
+/// `Arc`s so that [`Model::on_backend`] can run the same weights on another backend.
 #[derive(Debug)]
 pub struct Model {
     cfg: ModelConfig,
     backend: Box<dyn Backend>,
     rope: RopeTables,
     /// `[vocab, dim]` bf16.
-    embed: Vec<f32>,
+    embed: Arc<Vec<f32>>,
     /// `[vocab, dim]` bf16 values, used in fp32.
-    head: Vec<f32>,
-    norm: Vec<f32>,
-    layers: Vec<BlockWeights>,
-    engram: Option<Engram>,
-    dspark: Option<DsparkWeights>,
+    head: Arc<Vec<f32>>,
+    norm: Arc<Vec<f32>>,
+    layers: Arc<Vec<BlockWeights>>,
+    engram: Option<Arc<Engram>>,
+    dspark: Option<Arc<DsparkWeights>>,
+    vision: Option<Arc<vision::VisionTower>>,
 }
 
 impl Model {
@@ -98,7 +104,7 @@ impl Model {
             .collect::<Result<Vec<_>, ModelError>>()?;
         let engram = match (&cfg.engram, vocab) {
             (None, _) => None,
-            (Some(_), Some(vocab)) => Engram::load(ckpt, &cfg, vocab)?,
+            (Some(_), Some(vocab)) => Engram::load(ckpt, &cfg, vocab)?.map(Arc::new),
             (Some(_), None) => {
                 return Err(ModelError::Unsupported {
                     what: "a model with Engram layers needs the tokenizer's compressed vocabulary (Model::load_with_vocab)"
@@ -108,12 +114,13 @@ impl Model {
         };
         Ok(Model {
             rope: RopeTables::new(&cfg),
-            embed: ckpt.bf16("embed.weight", &[vocab_size, dim])?,
-            head: ckpt.bf16("head.weight", &[vocab_size, dim])?,
-            norm: ckpt.bf16("norm.weight", &[dim])?,
-            layers,
+            embed: Arc::new(ckpt.bf16("embed.weight", &[vocab_size, dim])?),
+            head: Arc::new(ckpt.bf16("head.weight", &[vocab_size, dim])?),
+            norm: Arc::new(ckpt.bf16("norm.weight", &[dim])?),
+            layers: Arc::new(layers),
             engram,
-            dspark: weights::load_dspark(ckpt, &cfg)?,
+            dspark: weights::load_dspark(ckpt, &cfg)?.map(Arc::new),
+            vision: vision::VisionTower::load(ckpt, &cfg)?.map(Arc::new),
             backend,
             cfg,
         })
@@ -128,12 +135,30 @@ impl Model {
         self.backend.as_ref()
     }
 
+    /// The same loaded weights run on `backend` (e.g. one DP rank's GPU). The host weights are
+    /// shared, not copied; the new model's sequences are its own ([`Model::new_sequence`]).
+    pub fn on_backend(&self, backend: Box<dyn Backend>) -> Model {
+        Model {
+            cfg: self.cfg.clone(),
+            backend,
+            rope: self.rope.clone(),
+            embed: self.embed.clone(),
+            head: self.head.clone(),
+            norm: self.norm.clone(),
+            layers: self.layers.clone(),
+            engram: self.engram.clone(),
+            dspark: self.dspark.clone(),
+            vision: self.vision.clone(),
+        }
+    }
+
     fn ctx(&self) -> Ctx<'_> {
         Ctx {
             cfg: &self.cfg,
             backend: self.backend.as_ref(),
             rope: &self.rope,
             routed: None,
+            image_routing: None,
         }
     }
 
@@ -293,8 +318,36 @@ impl Model {
         tokens: &[u32],
         want: LogitsWanted,
         decoder_from: Option<usize>,
+        trace: Option<&mut ForwardTrace>,
+        experts: Option<&dyn RoutedExperts>,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.run_chunk_inner(seq, tokens, want, decoder_from, trace, experts, None)
+    }
+
+    /// [`Model::run_chunk`] of a chunk with image spans (`vl`).
+    pub(crate) fn run_chunk_vl(
+        &self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsWanted,
+        trace: Option<&mut ForwardTrace>,
+        vl: Option<&vision::VlChunk<'_>>,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.run_chunk_inner(seq, tokens, want, None, trace, None, vl)
+    }
+
+    /// The one body behind every forward entry: `experts` runs the routed experts elsewhere,
+    /// `vl` places image spans.
+    #[allow(clippy::too_many_arguments)]
+    fn run_chunk_inner(
+        &self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsWanted,
+        decoder_from: Option<usize>,
         mut trace: Option<&mut ForwardTrace>,
         experts: Option<&dyn RoutedExperts>,
+        vl: Option<&vision::VlChunk<'_>>,
     ) -> Result<Vec<f32>, ModelError> {
         self.check_chunk(seq, tokens)?;
         let cfg = &self.cfg;
@@ -313,14 +366,18 @@ impl Model {
             trace.reset(cfg.n_layers);
         }
 
-        let dead = vec![false; n];
+        // Image-span rows: dead to Engram, routed with bias_vl (spec §3.1, §3.6).
+        let dead = vl.map_or_else(|| vec![false; n], |vl| vl.image_rows.to_vec());
+        let mut image_rows = dead.clone();
         let engram_rows = self
             .engram
             .as_ref()
-            .map(|e| e.hash_chunk(&mut seq.engram, tokens, &dead));
+            .map(|e| e.hash_chunk(ctx.backend, &mut seq.engram, tokens, &dead));
         let mut streams = Vec::with_capacity(n * hc * dim);
-        for &token in tokens {
-            let row = &self.embed[token as usize * dim..(token as usize + 1) * dim];
+        for (i, &token) in tokens.iter().enumerate() {
+            let row = vl
+                .and_then(|vl| vl.embeddings.get(i).copied().flatten())
+                .unwrap_or(&self.embed[token as usize * dim..(token as usize + 1) * dim]);
             for _ in 0..hc {
                 streams.extend_from_slice(row);
             }
@@ -354,6 +411,7 @@ impl Model {
                 streams.drain(..dropped * hc * dim);
                 pre.drain(..dropped * hc);
                 positions.drain(..dropped);
+                image_rows.drain(..dropped);
                 if positions.is_empty() {
                     break;
                 }
@@ -366,7 +424,7 @@ impl Model {
             if let (Some(engram), Some(rows), Some(index)) =
                 (&self.engram, &engram_rows, engram_index)
             {
-                engram.apply(index, rows, &mut streams, &dead);
+                engram.apply(ctx.backend, index, rows, &mut streams, &dead);
                 if let Some(trace) = trace.as_deref_mut() {
                     trace.engram_out[l] = streams.clone();
                 }
@@ -380,8 +438,15 @@ impl Model {
                 .as_deref()
                 .and_then(|t| t.inject.routes.get(l).cloned().flatten());
             let attn_trace = trace.as_deref_mut();
+            let block_ctx = Ctx {
+                image_routing: vl.and_then(|vl| {
+                    let bias_vl = vl.router_bias.get(l)?;
+                    Some(vision::ImageRouting::new(&image_rows, bias_vl))
+                }),
+                ..expert_hook::at_layer(ctx, experts, l)
+            };
             let routes = block::forward(
-                &expert_hook::at_layer(ctx, experts, l),
+                &block_ctx,
                 block_weights,
                 &mut streams,
                 &mut pre,

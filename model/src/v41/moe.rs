@@ -2,11 +2,10 @@
 //! unbiased normalised weights, FP4 routed experts and the FP8 shared expert, SwiGLU with clamps.
 
 use super::Ctx;
-use super::csa::top_k_lowest_index;
 use super::weights::{ExpertLinear, ExpertWeights, MoeWeights};
-use crate::backend::Backend;
+use crate::backend::{Backend, ExpertRoute, ExpertSelection};
 use crate::expert_dispatch::ExpertPick;
-use crate::quant::{exp_f32, log1p_f32};
+use crate::quant::exp_f32;
 
 /// The experts chosen for one token (in selection order) and their weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -15,39 +14,30 @@ pub struct Route {
     pub weights: Vec<f32>,
 }
 
-/// `ln(1 + e^z)` as the reference's vectorised softplus computes it (torch's `Vectorized` kernel):
-/// its `exp` ([`exp_f32`]), then its `log1p` ([`log1p_f32`], SLEEF's, not always correctly rounded:
-/// a correctly rounded `log1p` leaves 3 more of the fixture's 2400 routing weights an ulp off).
-fn softplus(z: f32) -> f32 {
-    if z > 20.0 { z } else { log1p_f32(exp_f32(z)) }
-}
-
 /// Router of one token: top-k of `s + bias` (ties: lower expert id), weights `s / Σs · scale`.
-/// `forced` replaces the selection (the weights still come from this token's scores).
-pub fn route(ctx: &Ctx, w: &MoeWeights, x: &[f32], forced: Option<&[usize]>) -> Route {
+/// `forced` replaces the selection (the weights still come from this token's scores);
+/// `bias_override` replaces the gate's selection bias (`bias_vl` on image rows).
+pub fn route(
+    ctx: &Ctx,
+    w: &MoeWeights,
+    x: &[f32],
+    forced: Option<&[usize]>,
+    bias_override: Option<&[f32]>,
+) -> Route {
     let n_experts = w.bias.len();
-    let scores: Vec<f32> = ctx
-        .backend
-        .linear_f32(x, &w.gate, n_experts, ctx.cfg.dim)
-        .iter()
-        .map(|&z| softplus(z).sqrt())
-        .collect();
-    let biased: Vec<f32> = scores.iter().zip(&w.bias).map(|(s, b)| s + b).collect();
-    let experts = match forced {
-        Some(forced) => forced.iter().copied().filter(|&e| e < n_experts).collect(),
-        None => {
-            let mut experts = top_k_lowest_index(&biased, w.n_activated);
-            // Selection order: descending biased score, lower id first on ties (torch's sorted top-k).
-            experts.sort_by(|&a, &b| biased[b].total_cmp(&biased[a]).then(a.cmp(&b)));
-            experts
-        }
+    let logits = ctx.backend.linear_f32(x, &w.gate, n_experts, ctx.cfg.dim);
+    let selection = match forced {
+        Some(forced) => ExpertSelection::Forced(forced),
+        None => ExpertSelection::TopK(w.n_activated),
     };
-    let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
-    if weights.len() > 1 {
-        let sum = weights.iter().fold(0.0f32, |a, v| a + v) + 1e-20;
-        weights.iter_mut().for_each(|v| *v /= sum);
-    }
-    weights.iter_mut().for_each(|v| *v *= ctx.cfg.route_scale);
+    let bias = bias_override.unwrap_or(&w.bias);
+    let routed = ctx
+        .backend
+        .route_experts(&logits, bias, selection, ctx.cfg.route_scale);
+    let ExpertRoute { experts, weights } = routed.into_iter().next().unwrap_or(ExpertRoute {
+        experts: Vec::new(),
+        weights: Vec::new(),
+    });
     Route { experts, weights }
 }
 
@@ -98,8 +88,9 @@ pub fn forward_token(
     w: &MoeWeights,
     x: &[f32],
     forced: Option<&[usize]>,
+    bias_override: Option<&[f32]>,
 ) -> (Vec<f32>, Route) {
-    let route = route(ctx, w, x, forced);
+    let route = route(ctx, w, x, forced, bias_override);
     let mut picks: Vec<ExpertPick> = route
         .experts
         .iter()

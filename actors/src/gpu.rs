@@ -1,0 +1,167 @@
+//! The NVIDIA GPUs this process can use, and the CUDA backend on one of them.
+//!
+//! Owns: counting the devices for the topology's `NotEnoughGpus` check (0 without the `cuda`
+//! feature or without a driver, with the reason) and opening a `CudaBackend` on a rank's device.
+//! The engine's path chooses by the `cuda` feature here and nowhere else. Never panics: cudarc's
+//! dynamic loading panics on a missing `libcuda`, so the library is probed first and the first
+//! call into it runs under `catch_unwind`.
+
+use deepinfer_model::backend::Backend;
+use deepinfer_topology::{Backend as DeviceBackend, NodeConfig};
+
+/// The devices found, and why there are none when there are none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInventory {
+    /// Usable devices (0 without the `cuda` feature or without a driver).
+    pub count: usize,
+    /// Why no device can be used (no CUDA support in this build, no driver, a driver error).
+    pub unavailable: Option<String>,
+}
+
+/// The topology needs more GPUs than this machine offers.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{shortage}{}", reason_suffix(.reason))]
+pub struct GpuShortage {
+    /// The topology's `NotEnoughGpus` message (origin, required, available).
+    pub shortage: String,
+    /// Why fewer devices are visible, when known (e.g. no CUDA driver).
+    pub reason: Option<String>,
+}
+
+fn reason_suffix(reason: &Option<String>) -> String {
+    reason
+        .as_ref()
+        .map_or_else(String::new, |reason| format!("; {reason}"))
+}
+
+/// Fails unless this machine has the GPUs `node` needs; the CPU backend always fits.
+pub fn check_node(node: &NodeConfig) -> Result<(), GpuShortage> {
+    if node.device.backend == DeviceBackend::Cpu {
+        return Ok(());
+    }
+    check_node_with(node, &inventory())
+}
+
+/// [`check_node`] against a given inventory.
+pub fn check_node_with(node: &NodeConfig, gpus: &GpuInventory) -> Result<(), GpuShortage> {
+    node.can_run_here(gpus.count).map_err(|e| GpuShortage {
+        shortage: e.to_string(),
+        reason: gpus.unavailable.clone(),
+    })
+}
+
+/// Counts the devices this process can use.
+#[cfg(feature = "cuda")]
+pub fn inventory() -> GpuInventory {
+    use deepinfer_kernels::cudarc::driver::CudaContext;
+
+    if let Err(err) = deepinfer_kernels::runtime::driver_available() {
+        return GpuInventory {
+            count: 0,
+            unavailable: Some(err.to_string()),
+        };
+    }
+    match std::panic::catch_unwind(CudaContext::device_count) {
+        Ok(Ok(count)) => GpuInventory {
+            count: usize::try_from(count).unwrap_or(0),
+            unavailable: None,
+        },
+        Ok(Err(err)) => GpuInventory {
+            count: 0,
+            unavailable: Some(format!("the CUDA driver found no usable device: {err}")),
+        },
+        Err(_) => GpuInventory {
+            count: 0,
+            unavailable: Some("the CUDA driver library failed while counting devices".to_string()),
+        },
+    }
+}
+
+/// Counts the devices this process can use: none in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub fn inventory() -> GpuInventory {
+    GpuInventory {
+        count: 0,
+        unavailable: Some(NO_CUDA_BUILD.to_string()),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA_BUILD: &str = "this build has no CUDA support (rebuild with --features cuda)";
+
+/// The CUDA backend on device `ordinal` (compiles or loads the kernels; call it on the thread
+/// that will use it). A clear error, never a panic, without a driver or without the feature.
+#[cfg(feature = "cuda")]
+pub fn open_cuda_backend(ordinal: usize) -> Result<Box<dyn Backend>, String> {
+    deepinfer_model::backend::cuda::CudaBackend::open(ordinal)
+        .map(|backend| Box::new(backend) as Box<dyn Backend>)
+        .map_err(|e| e.to_string())
+}
+
+/// The CUDA backend on device `ordinal`: an error in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub fn open_cuda_backend(ordinal: usize) -> Result<Box<dyn Backend>, String> {
+    Err(format!("device {ordinal}: {NO_CUDA_BUILD}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cuda_node(gpus_per_node: u16) -> NodeConfig {
+        let text = format!(
+            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\ngpus_per_node = {gpus_per_node}\n\
+             [parallel]\ndp = {gpus_per_node}\nep = {gpus_per_node}\n"
+        );
+        NodeConfig::from_toml_str(&text, "gpu test topology").unwrap()
+    }
+
+    #[test]
+    fn a_shortage_names_the_topology_the_count_and_the_reason() {
+        let none = GpuInventory {
+            count: 0,
+            unavailable: Some("no CUDA driver".to_string()),
+        };
+        let err = check_node_with(&cuda_node(1), &none).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.starts_with("gpu test topology: needs 1 GPUs"),
+            "{text}"
+        );
+        assert!(text.contains("only 0 are available"), "{text}");
+        assert!(text.ends_with("available here; no CUDA driver"), "{text}");
+        assert!(!text.contains('\n'), "{text}");
+
+        let one = GpuInventory {
+            count: 1,
+            unavailable: None,
+        };
+        assert_eq!(check_node_with(&cuda_node(1), &one), Ok(()));
+        let short = check_node_with(&cuda_node(2), &one).unwrap_err();
+        assert_eq!(short.reason, None);
+        assert!(short.to_string().contains("needs 2 GPUs"), "{short}");
+    }
+
+    #[test]
+    fn the_cpu_backend_needs_no_gpu() {
+        let node = NodeConfig::embedded_default().unwrap();
+        assert_eq!(check_node(&node), Ok(()));
+    }
+
+    /// On a machine without a driver (or a build without `cuda`) the inventory is empty with a
+    /// reason, and opening a backend is an error, not a panic.
+    #[test]
+    fn no_device_is_a_reason_not_a_panic() {
+        let gpus = std::panic::catch_unwind(inventory).expect("counting never panics");
+        if gpus.count == 0 {
+            let reason = gpus.unavailable.expect("a reason for no device");
+            assert!(
+                reason.contains("CUDA support") || reason.contains("CUDA driver"),
+                "{reason}"
+            );
+            let opened = std::panic::catch_unwind(|| open_cuda_backend(0).map(|_| ()))
+                .expect("opening never panics");
+            assert!(opened.is_err());
+        }
+    }
+}

@@ -1,0 +1,8 @@
+// Instantiation of the batched token sampler on f32 logits.
+#include "sampling/sampling.cuh"
+
+extern "C" __global__ void __launch_bounds__(sampling::THREADS)
+    sample_rows_f32(const float* logits, const sampling::SampleRow* rows, unsigned long long* sort_scratch,
+                    double* weight_scratch, u32_t* tokens, sampling::SampleParams p) {
+    sampling::sample_rows(logits, rows, sort_scratch, weight_scratch, tokens, p);
+}

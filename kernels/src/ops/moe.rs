@@ -1,0 +1,136 @@
+//! The MoE router after the gate linear (`deepinfer_model::backend::cpu::route_experts`):
+//! sqrt-softplus scores, biased top-k (or a forced list), normalised weights; bit-exact, one block
+//! per token.
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::{dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::runtime::KernelRuntime;
+
+const OP: &str = "route_experts_f32";
+const THREADS: u32 = 128;
+/// Experts whose scores, keys and choices fit the kernel's shared memory comfortably.
+const MAX_EXPERTS: usize = 8192;
+
+/// `moe::RouteParams` in `cuda/moe/route.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct RouteParams {
+    rows: u32,
+    experts: u32,
+    selected: u32,
+    forced: u32,
+    route_scale: f32,
+}
+
+// SAFETY: a plain `#[repr(C)]` struct of integers and a float, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for RouteParams {}
+
+/// Which experts each token takes.
+#[derive(Debug, Clone, Copy)]
+pub enum Selection<'a> {
+    /// The `k` best (clamped to the expert count).
+    TopK(usize),
+    /// These experts (every id below the expert count; repeats allowed), the same for every
+    /// token.
+    Forced(&'a CudaSlice<u32>),
+}
+
+/// Routes `logits [rows, bias.len()]`: `experts [rows, selected]` and `weights [rows, selected]`
+/// with `selected` = [`selected_count`].
+pub fn route_experts_f32(
+    rt: &KernelRuntime,
+    logits: &CudaSlice<f32>,
+    bias: &CudaSlice<f32>,
+    selection: Selection<'_>,
+    route_scale: f32,
+    experts: &mut CudaSlice<u32>,
+    weights: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    let n_experts = bias.len();
+    if n_experts == 0 || n_experts > MAX_EXPERTS {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!("{n_experts} experts (1 to {MAX_EXPERTS})"),
+        });
+    }
+    if !logits.len().is_multiple_of(n_experts) {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "logits hold {} values, not whole rows of {n_experts}",
+                logits.len()
+            ),
+        });
+    }
+    let rows = logits.len() / n_experts;
+    // A forced list may repeat an expert (it is replayed as given), so it may outnumber them.
+    let selected = selected_count(selection, n_experts);
+    expect_len(OP, "experts", experts.len(), rows * selected)?;
+    expect_len(OP, "weights", weights.len(), rows * selected)?;
+    if rows == 0 || selected == 0 {
+        return Ok(());
+    }
+    let params = RouteParams {
+        rows: dim(OP, "rows", rows)?,
+        experts: dim(OP, "experts", n_experts)?,
+        selected: dim(OP, "selected", selected)?,
+        forced: u32::from(matches!(selection, Selection::Forced(_))),
+        route_scale,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (params.rows, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 4 * (2 * params.experts + params.selected),
+    };
+    let stream = rt.stream();
+    // The forced list, or a one-element placeholder the kernel does not read.
+    let placeholder;
+    let forced = match selection {
+        Selection::Forced(ids) => ids,
+        Selection::TopK(_) => {
+            placeholder = stream.alloc_zeros::<u32>(1).map_err(KernelError::driver(
+                "allocating the forced-list placeholder",
+            ))?;
+            &placeholder
+        }
+    };
+    let mut launch = stream.launch_builder(rt.function(KernelId::RouteExpertsF32)?);
+    launch
+        .arg(logits)
+        .arg(bias)
+        .arg(forced)
+        .arg(experts)
+        .arg(weights)
+        .arg(&params);
+    // SAFETY: signature (const float* logits, const float* bias, const u32* forced_ids,
+    // u32* experts, float* weights, RouteParams); lengths checked above; the dynamic shared memory
+    // holds 2 · experts + selected 32-bit words.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching route_experts_f32"))?;
+    Ok(())
+}
+
+/// Experts chosen per token for `selection` over `n_experts`.
+pub fn selected_count(selection: Selection<'_>, n_experts: usize) -> usize {
+    match selection {
+        Selection::TopK(k) => k.min(n_experts),
+        Selection::Forced(ids) => ids.len(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_mirror_the_cuda_struct() {
+        let header = include_str!("../../cuda/moe/route.cuh");
+        assert_eq!(std::mem::size_of::<RouteParams>(), 20);
+        assert_eq!(
+            super::super::cuda_struct_fields(header, "RouteParams"),
+            ["rows", "experts", "selected", "forced", "route_scale"]
+        );
+    }
+}

@@ -1,0 +1,194 @@
+//! Batched token sampling on the device (`deepinfer_model::sampling::sample` for many rows at
+//! once): one block per row, bit-exact with the CPU (same f64 operations, same orders), so the
+//! returned ids equal the CPU's.
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::{dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::runtime::KernelRuntime;
+
+const OP: &str = "sample_rows_f32";
+const THREADS: u32 = 512;
+
+/// One row's sampling parameters (`sampling::SampleRow` in `cuda/sampling/sampling.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleRow {
+    pub seed: u64,
+    /// Absolute position of the sampled token (the noise's counter).
+    pub position: u64,
+    /// 0: greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 (or at least the vocabulary): no top-k.
+    pub top_k: u32,
+    pub reserved: u32,
+}
+
+impl SampleRow {
+    /// Whether the row keeps only part of the vocabulary (needs the sort scratch).
+    pub fn restricts(&self, vocab: usize) -> bool {
+        self.temperature != 0.0
+            && ((self.top_k > 0 && (self.top_k as usize) < vocab) || self.top_p < 1.0)
+    }
+}
+
+/// `sampling::SampleParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SampleParams {
+    rows: u32,
+    vocab: u32,
+    padded: u32,
+}
+
+// SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out as their CUDA mirrors.
+unsafe impl DeviceRepr for SampleRow {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for SampleParams {}
+
+/// Length of one row's sort scratch: the power of two at or above `vocab`.
+pub fn scratch_row_len(vocab: usize) -> usize {
+    vocab.next_power_of_two()
+}
+
+/// Per-row scratch of the rows that restrict (top-k / top-p): sort keys and top-p weights,
+/// `rows · scratch_row_len(vocab)` each.
+pub struct SampleScratch {
+    pub keys: CudaSlice<u64>,
+    pub weights: CudaSlice<f64>,
+}
+
+impl SampleScratch {
+    /// Scratch for `rows` rows of `vocab` when `restricted`, else a minimal placeholder (the
+    /// kernel touches the scratch of restricting rows only).
+    pub fn new(
+        rt: &KernelRuntime,
+        rows: usize,
+        vocab: usize,
+        restricted: bool,
+    ) -> Result<SampleScratch, KernelError> {
+        let len = if restricted {
+            rows * scratch_row_len(vocab)
+        } else {
+            1
+        };
+        let stream = rt.stream();
+        Ok(SampleScratch {
+            keys: stream
+                .alloc_zeros::<u64>(len)
+                .map_err(KernelError::driver("allocating the sampling sort scratch"))?,
+            weights: stream.alloc_zeros::<f64>(len).map_err(KernelError::driver(
+                "allocating the sampling weight scratch",
+            ))?,
+        })
+    }
+}
+
+/// `tokens [rows]` = one sampled id per row of `logits [rows, vocab]`, row `r` with `rows[r]`.
+/// `scratch` must hold `rows · scratch_row_len(vocab)` entries when any row restricts.
+pub fn sample_rows_f32(
+    rt: &KernelRuntime,
+    logits: &CudaSlice<f32>,
+    rows: &CudaSlice<SampleRow>,
+    host_rows: &[SampleRow],
+    scratch: &mut SampleScratch,
+    tokens: &mut CudaSlice<u32>,
+    vocab: usize,
+) -> Result<(), KernelError> {
+    let n = rows.len();
+    if vocab == 0 {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: "the vocabulary is empty".to_string(),
+        });
+    }
+    expect_len(OP, "rows (host copy)", host_rows.len(), n)?;
+    expect_len(OP, "logits", logits.len(), n * vocab)?;
+    expect_len(OP, "tokens", tokens.len(), n)?;
+    let padded = scratch_row_len(vocab);
+    if host_rows.iter().any(|r| r.restricts(vocab)) {
+        expect_len(OP, "sort scratch", scratch.keys.len(), n * padded)?;
+        expect_len(OP, "weight scratch", scratch.weights.len(), n * padded)?;
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let params = SampleParams {
+        rows: dim(OP, "rows", n)?,
+        vocab: dim(OP, "vocab", vocab)?,
+        padded: dim(OP, "padded vocab", padded)?,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (params.rows, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::SampleRowsF32)?);
+    launch
+        .arg(logits)
+        .arg(rows)
+        .arg(&mut scratch.keys)
+        .arg(&mut scratch.weights)
+        .arg(tokens)
+        .arg(&params);
+    // SAFETY: signature (const float* logits, const SampleRow* rows, u64* sort_scratch,
+    // double* weight_scratch, u32* tokens, SampleParams); lengths checked above, the scratch of
+    // every restricting row included.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching sample_rows_f32"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_mirror_the_cuda_structs() {
+        let header = include_str!("../../cuda/sampling/sampling.cuh");
+        assert_eq!(std::mem::size_of::<SampleRow>(), 32);
+        assert_eq!(std::mem::align_of::<SampleRow>(), 8);
+        assert_eq!(
+            super::super::cuda_struct_fields(header, "SampleRow"),
+            [
+                "seed",
+                "position",
+                "temperature",
+                "top_p",
+                "top_k",
+                "reserved"
+            ]
+        );
+        assert_eq!(std::mem::size_of::<SampleParams>(), 12);
+        assert_eq!(
+            super::super::cuda_struct_fields(header, "SampleParams"),
+            ["rows", "vocab", "padded"]
+        );
+        assert_eq!(scratch_row_len(1), 1);
+        assert_eq!(scratch_row_len(129_280), 131_072);
+    }
+
+    #[test]
+    fn only_noisy_rows_with_top_k_or_top_p_restrict() {
+        let row = |temperature: f32, top_k: u32, top_p: f32| SampleRow {
+            seed: 0,
+            position: 0,
+            temperature,
+            top_p,
+            top_k,
+            reserved: 0,
+        };
+        assert!(!row(0.0, 5, 0.5).restricts(100), "greedy needs no sort");
+        assert!(!row(1.0, 0, 1.0).restricts(100));
+        assert!(
+            !row(1.0, 100, 1.0).restricts(100),
+            "top-k of the whole vocabulary"
+        );
+        assert!(row(1.0, 99, 1.0).restricts(100));
+        assert!(row(1.0, 0, 0.9).restricts(100));
+    }
+}

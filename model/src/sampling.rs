@@ -1,0 +1,441 @@
+//! Token sampling math: greedy, temperature, top-k, top-p, with deterministic noise. The one
+//! definition of what a sampled token is; the runtime (`deepinfer-actors`) re-exports it and the
+//! CUDA sampling kernel (`kernels/cuda/sampling`) mirrors it operation for operation.
+//!
+//! Owns [`SamplingParams`] (validated ranges) and [`sample`], a pure function of (logits, params,
+//! position). The random part is Gumbel-max: the chosen token is the argmax over the kept
+//! candidates of `logit / temperature + g(seed, position, token)`, where `g` is Gumbel noise drawn
+//! from a counter-based hash of (seed, position, token). The noise therefore never depends on the
+//! batch, the step, the rank or the order requests arrive in: the same request with the same seed
+//! gives the same tokens alone or in any batch (ARCHITECTURE.md §3, batch invariance).
+//!
+//! The f64 transcendental functions are this module's own [`ln_f64`] and [`exp_f64`], built from
+//! IEEE-754 additions, multiplications, fused multiply-adds and divisions only (each correctly
+//! rounded on every conforming device), so a GPU computes the very same noise and top-p weights:
+//! no libm whose last bit may differ between the host and the device.
+
+/// How to pick the next token from a row of logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax, ties to the lowest token id). Range [0, 100].
+    pub temperature: f32,
+    /// Keep only the `top_k` highest logits; 0 disables. Range [0, vocab].
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`. Range (0, 1].
+    pub top_p: f32,
+    /// Seed of the noise; the same seed gives the same tokens.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A sampling parameter outside its accepted range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{field} = {value} is out of range: {expected}")]
+pub struct SamplingParamError {
+    /// The field's name.
+    pub field: &'static str,
+    /// The rejected value, as text.
+    pub value: String,
+    /// The accepted range, in words.
+    pub expected: &'static str,
+}
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        SamplingParams::default()
+    }
+
+    /// Checks the ranges; the error names the field and the accepted range.
+    pub fn validate(&self) -> Result<(), SamplingParamError> {
+        if !(0.0..=100.0).contains(&self.temperature) || self.temperature.is_nan() {
+            return Err(SamplingParamError {
+                field: "temperature",
+                value: self.temperature.to_string(),
+                expected: "a number in [0, 100]",
+            });
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(SamplingParamError {
+                field: "top_p",
+                value: self.top_p.to_string(),
+                expected: "a number in (0, 1]",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// SplitMix64 finaliser: a bijective 64-bit mix with good avalanche.
+fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A uniform number in the open interval (0, 1), a pure function of its three inputs.
+pub fn uniform(seed: u64, position: u64, token: u32) -> f64 {
+    let key = mix64(seed ^ 0x6A09_E667_F3BC_C909);
+    let x = mix64(key ^ mix64(position.wrapping_mul(0x1000_0000_01B3) ^ u64::from(token)));
+    ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// A per-request seed derived from a base seed and the request id.
+pub fn uniform_seed(base_seed: u64, request: u64) -> u64 {
+    mix64(mix64(base_seed) ^ request)
+}
+
+/// Standard Gumbel noise for (seed, position, token): `−ln(−ln u)`.
+pub fn gumbel(seed: u64, position: u64, token: u32) -> f64 {
+    -ln_f64(-ln_f64(uniform(seed, position, token)))
+}
+
+/// `ln 2` split into a head with 32 significant bits (so `k · LN2_HEAD` is exact for |k| < 2^21)
+/// and the remainder.
+const LN2_HEAD: f64 = 0.693_147_180_369_123_8;
+const LN2_TAIL: f64 = 1.908_214_929_270_587_7e-10;
+
+/// `2^e` for `e` in the normal exponent range [−1022, 1023].
+fn power_of_two(e: i64) -> f64 {
+    f64::from_bits(((e + 1023) as u64) << 52)
+}
+
+/// Terms of the `atanh` series in [`ln_f64`]: `1 / (2i + 3)` for i = 0..12 (the odd powers after
+/// the linear one), evaluated by Horner from the last.
+const ATANH_SERIES: [f64; 12] = [
+    1.0 / 3.0,
+    1.0 / 5.0,
+    1.0 / 7.0,
+    1.0 / 9.0,
+    1.0 / 11.0,
+    1.0 / 13.0,
+    1.0 / 15.0,
+    1.0 / 17.0,
+    1.0 / 19.0,
+    1.0 / 21.0,
+    1.0 / 23.0,
+    1.0 / 25.0,
+];
+
+/// Natural logarithm in f64 from basic IEEE operations only (module header), within a few ulps of
+/// the true value. `x = 2^e · m` with `m ∈ [√½, √2)`, `ln m = 2·atanh(s)` with `s = (m−1)/(m+1)`
+/// (|s| ≤ 0.172, 13 odd terms), `ln x = e·ln 2 + ln m`. Zero, negative, subnormal, infinite and
+/// NaN inputs: `−∞`, NaN, the same formula after scaling by 2^54, `+∞`, NaN.
+pub fn ln_f64(x: f64) -> f64 {
+    if x.is_nan() || x < 0.0 {
+        return f64::NAN;
+    }
+    if x == 0.0 {
+        return f64::NEG_INFINITY;
+    }
+    if x == f64::INFINITY {
+        return x;
+    }
+    let (x, bias) = if x < f64::MIN_POSITIVE {
+        (x * power_of_two(54), -54i64)
+    } else {
+        (x, 0)
+    };
+    let bits = x.to_bits();
+    let mut e = ((bits >> 52) & 0x7ff) as i64 - 1023;
+    let mut m = f64::from_bits((bits & 0x000f_ffff_ffff_ffff) | 0x3ff0_0000_0000_0000);
+    if m >= std::f64::consts::SQRT_2 {
+        m *= 0.5;
+        e += 1;
+    }
+    let e = (e + bias) as f64;
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    let series = ATANH_SERIES[..ATANH_SERIES.len() - 1]
+        .iter()
+        .rev()
+        .fold(ATANH_SERIES[ATANH_SERIES.len() - 1], |acc, &c| {
+            acc.mul_add(s2, c)
+        });
+    let ln_m = (2.0 * s).mul_add(s2 * series, 2.0 * s);
+    e.mul_add(LN2_HEAD, e.mul_add(LN2_TAIL, ln_m))
+}
+
+/// Taylor coefficients `1/i!` for i = 13 down to 2, the Horner order of [`exp_f64`].
+const EXP_SERIES: [f64; 12] = [
+    1.0 / 6_227_020_800.0,
+    1.0 / 479_001_600.0,
+    1.0 / 39_916_800.0,
+    1.0 / 3_628_800.0,
+    1.0 / 362_880.0,
+    1.0 / 40_320.0,
+    1.0 / 5_040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+];
+
+/// `e^x` in f64 from basic IEEE operations only (module header), within a few ulps of the true
+/// value: `x = k·ln 2 + r` with `k = round(x / ln 2)` (ties to even) and |r| ≤ 0.35, a degree-13
+/// Taylor polynomial in `r`, scaled by `2^k` in two steps (so subnormal results round once per
+/// step, identically everywhere). NaN gives NaN, `x < −746` gives 0, `x > 709.8` gives `+∞`.
+pub fn exp_f64(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    if x < -746.0 {
+        return 0.0;
+    }
+    if x > 709.78 {
+        return f64::INFINITY;
+    }
+    let k = (x * std::f64::consts::LOG2_E).round_ties_even();
+    let r = k.mul_add(-LN2_TAIL, k.mul_add(-LN2_HEAD, x));
+    let poly = EXP_SERIES[1..]
+        .iter()
+        .fold(EXP_SERIES[0], |acc, &c| acc.mul_add(r, c));
+    let mantissa = (r * r).mul_add(poly, r) + 1.0;
+    let k = k as i64;
+    let half = k >> 1;
+    mantissa * power_of_two(half) * power_of_two(k - half)
+}
+
+/// Picks a token from `logits` (one row, length = vocab) for the token at absolute `position`
+/// of the sequence. Returns `None` only for an empty row.
+pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> Option<u32> {
+    if logits.is_empty() {
+        return None;
+    }
+    if params.temperature == 0.0 {
+        return Some(argmax(logits));
+    }
+    let inv_t = 1.0 / f64::from(params.temperature);
+    let candidates = kept_candidates(logits, params, inv_t);
+    let mut best: Option<(f64, u32)> = None;
+    let mut consider = |token: u32| {
+        let score =
+            f64::from(logits[token as usize]) * inv_t + gumbel(params.seed, position, token);
+        if best.is_none_or(|(s, t)| score > s || (score == s && token < t)) {
+            best = Some((score, token));
+        }
+    };
+    match candidates {
+        Some(list) => list.into_iter().for_each(&mut consider),
+        None => (0..logits.len() as u32).for_each(&mut consider),
+    }
+    best.map(|(_, t)| t)
+}
+
+/// Argmax, ties to the lowest index; NaN never wins.
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The tokens top-k / top-p keep, in descending logit order (ties: lower id first), or `None`
+/// when every token is kept. Top-p weighs the top-k survivors by `exp(logit/T − max)`, sums them
+/// in that order and keeps the shortest prefix whose running share reaches `top_p`.
+fn kept_candidates(logits: &[f32], params: &SamplingParams, inv_t: f64) -> Option<Vec<u32>> {
+    let restrict_k = params.top_k > 0 && params.top_k < logits.len();
+    let restrict_p = params.top_p < 1.0;
+    if !restrict_k && !restrict_p {
+        return None;
+    }
+    // Descending by logit, ties to the lower id: a total order, so the kept set is unique.
+    let by_logit_desc = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    if restrict_k {
+        ids.select_nth_unstable_by(params.top_k - 1, by_logit_desc);
+        ids.truncate(params.top_k);
+    }
+    ids.sort_unstable_by(by_logit_desc);
+    if restrict_p {
+        let max = f64::from(logits[ids[0] as usize]) * inv_t;
+        let weights: Vec<f64> = ids
+            .iter()
+            .map(|&t| exp_f64(f64::from(logits[t as usize]) * inv_t - max))
+            .collect();
+        let total = weights.iter().fold(0.0f64, |acc, &w| acc + w);
+        let mut cumulative = 0.0;
+        let mut keep = ids.len();
+        for (i, w) in weights.iter().enumerate() {
+            cumulative += w / total;
+            if cumulative >= f64::from(params.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        ids.truncate(keep);
+    }
+    Some(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+        }
+    }
+
+    /// Distance in ulps between two finite positive f64 values.
+    fn ulps(a: f64, b: f64) -> u64 {
+        a.to_bits().abs_diff(b.to_bits())
+    }
+
+    #[test]
+    fn ln_is_within_two_ulps_of_libm() {
+        let mut worst = 0;
+        let mut x = 1e-300f64;
+        while x < 1e300 {
+            for scale in [1.0, 1.1, 1.37, 1.41, 1.42, 1.9999] {
+                let v = x * scale;
+                if (v - 1.0).abs() > 1e-3 {
+                    worst = worst.max(ulps(ln_f64(v), v.ln()));
+                }
+            }
+            x *= 3.7;
+        }
+        // Near 1 the result is tiny and relative ulps matter less; the noise's inner ln is there.
+        for u in [1.0 - 2f64.powi(-53), 0.999_999, 1.000_001, 0.5, 2.0] {
+            assert!(
+                (ln_f64(u) - u.ln()).abs() <= 2.0 * f64::EPSILON * u.ln().abs(),
+                "{u}"
+            );
+        }
+        assert!(worst <= 2, "ln_f64 is {worst} ulps from libm");
+        assert_eq!(ln_f64(1.0), 0.0);
+        assert_eq!(ln_f64(0.0), f64::NEG_INFINITY);
+        assert!(ln_f64(-1.0).is_nan());
+        assert!(
+            (ln_f64(5e-324) - (5e-324f64).ln()).abs() < 1e-12,
+            "subnormal input"
+        );
+    }
+
+    #[test]
+    fn exp_is_within_two_ulps_of_libm() {
+        let mut worst = 0;
+        let mut x = -708.0f64;
+        while x < 709.0 {
+            worst = worst.max(ulps(exp_f64(x), x.exp()));
+            x += 0.137_731;
+        }
+        assert!(worst <= 2, "exp_f64 is {worst} ulps from libm");
+        assert_eq!(exp_f64(0.0), 1.0);
+        assert_eq!(exp_f64(-1000.0), 0.0);
+        assert_eq!(exp_f64(f64::NEG_INFINITY), 0.0);
+        assert!(exp_f64(f64::NAN).is_nan());
+        // Subnormal results stay close to the true value.
+        assert!((exp_f64(-740.0) - (-740.0f64).exp()).abs() <= 2.0 * 5e-324);
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax_and_the_lowest_tie() {
+        assert_eq!(
+            sample(&[0.1, 3.0, -1.0, 3.0], &SamplingParams::greedy(), 7),
+            Some(1)
+        );
+        assert_eq!(
+            sample(&[f32::NAN, -5.0, f32::NAN], &SamplingParams::greedy(), 0),
+            Some(1)
+        );
+        assert_eq!(sample(&[], &SamplingParams::greedy(), 0), None);
+    }
+
+    #[test]
+    fn noise_is_a_pure_function_of_seed_position_token() {
+        assert_eq!(uniform(1, 2, 3), uniform(1, 2, 3));
+        assert_ne!(uniform(1, 2, 3), uniform(2, 2, 3));
+        assert_ne!(uniform(1, 2, 3), uniform(1, 3, 3));
+        assert_ne!(uniform(1, 2, 3), uniform(1, 2, 4));
+        let u = uniform(0, 0, 0);
+        assert!(u > 0.0 && u < 1.0);
+        let g = gumbel(1, 2, 3);
+        let reference = -(-uniform(1, 2, 3).ln()).ln();
+        assert!((g - reference).abs() < 1e-14, "{g} vs {reference}");
+    }
+
+    #[test]
+    fn temperature_one_follows_the_softmax() {
+        // logits ln(1), ln(2), ln(7): probabilities 0.1, 0.2, 0.7.
+        let logits = [0.0f32, 2f32.ln(), 7f32.ln()];
+        let n = 20_000;
+        let mut counts = [0usize; 3];
+        for position in 0..n {
+            let token = sample(&logits, &params(1.0, 0, 1.0, 42), position);
+            counts[token.map_or(0, |t| t as usize)] += 1;
+        }
+        let freq: Vec<f64> = counts.iter().map(|&c| c as f64 / n as f64).collect();
+        for (f, p) in freq.iter().zip([0.1, 0.2, 0.7]) {
+            assert!((f - p).abs() < 0.015, "frequencies {freq:?}");
+        }
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_support() {
+        let logits = [5.0f32, 4.9, 4.8, -3.0, -4.0];
+        for position in 0..2000 {
+            let t = sample(&logits, &params(1.0, 2, 1.0, 9), position);
+            assert!(t < Some(2), "top_k=2 sampled {t:?}");
+            let t = sample(&logits, &params(1.0, 0, 0.5, 9), position);
+            assert!(t < Some(2), "top_p=0.5 sampled {t:?}");
+        }
+        // top_p tiny keeps only the best token.
+        assert_eq!(sample(&logits, &params(1.0, 0, 1e-6, 3), 11), Some(0));
+    }
+
+    #[test]
+    fn top_p_keeps_the_prefix_whose_share_reaches_it() {
+        // Equal logits: shares 1/4 each; top_p 0.5 keeps exactly two (the lowest ids).
+        let logits = [1.0f32; 4];
+        let kept = kept_candidates(&logits, &params(1.0, 0, 0.5, 0), 1.0);
+        assert_eq!(kept, Some(vec![0, 1]));
+        let kept = kept_candidates(&logits, &params(1.0, 0, 0.500_001, 0), 1.0);
+        assert_eq!(kept, Some(vec![0, 1, 2]));
+        assert_eq!(kept_candidates(&logits, &params(1.0, 0, 1.0, 0), 1.0), None);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_different_seed_different_tokens() {
+        let logits: Vec<f32> = (0..512).map(|i| ((i * 37 % 101) as f32) / 50.0).collect();
+        let run = |seed| {
+            (0..64)
+                .map(|p| sample(&logits, &params(1.0, 0, 1.0, seed), p))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(5), run(5));
+        assert_ne!(run(5), run(6));
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let err = params(-1.0, 0, 1.0, 0).validate().err();
+        assert!(err.is_some_and(|e| e.to_string().contains("temperature")));
+        let err = params(1.0, 0, 0.0, 0).validate().err();
+        assert!(err.is_some_and(|e| e.field == "top_p"));
+        assert!(params(0.7, 40, 0.9, 1).validate().is_ok());
+    }
+}

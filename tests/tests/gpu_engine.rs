@@ -1,0 +1,480 @@
+//! The engine on a CUDA topology: the rank thread runs the model on a `CudaBackend` of its own
+//! GPU (`PerDeviceModelFactory`, what `model_source::resolve` builds for `backend = "cuda"`).
+//!
+//! - Against the CPU engine, on the v41-tiny fixture: the same greedy tokens and every logits row
+//!   the ranks return (chunked prefill, then decode, next to other requests) bitwise equal.
+//! - Batch invariance (ARCHITECTURE.md §3): one probe request's logits alone equal, bit for bit,
+//!   its logits inside batches of 2, 8, 32 and 64 other requests of different prompt lengths, in
+//!   prefill and in decode (the batch each row was computed in is recorded and checked).
+//!   Negative control: the probe with one prompt token changed is seen as different.
+//! - The built-in demo model resolved from a `backend = "cuda"` topology serves a request on the
+//!   GPU with the tokens of the CPU model (the wiring from topology to rank device).
+//!
+//! Built only with `--features cuda`. Without a usable GPU every test prints why it skips and
+//! passes; on the H200 they run (the fixture must be there). Fixture: `$DEEPINFER_V41_TINY`, else
+//! `../shared/fixtures/v41/v41-tiny`. On the H200:
+//! `DEEPINFER_V41_TINY=$PWD/.gpu/fixtures/v41-tiny bash .gpu/run.sh gpu_engine --include-ignored`.
+#![cfg(feature = "cuda")]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use deepinfer_actors::gpu;
+use deepinfer_actors::model_source::resolve;
+use deepinfer_actors::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::model_executor::{ModelFactory, PerDeviceModelFactory};
+use deepinfer_actors::tools::logits::engram_vocab_for_dir;
+use deepinfer_actors::{Completion, Engine, EngineConfig, GenerateRequest, ModelFacts};
+use deepinfer_model::config::ModelConfig;
+use deepinfer_model::{LogitsWanted, Model};
+use deepinfer_topology::{NodeConfig, RequestId};
+
+/// One recorded row: the logits and the number of sequences in the step that computed it.
+#[derive(Debug, Clone)]
+struct Row {
+    logits: Vec<f32>,
+    batch: usize,
+}
+
+/// `(request, position) -> row`, as the rank returned it.
+type Recorded = Arc<Mutex<HashMap<(RequestId, usize), Row>>>;
+
+/// Wraps a rank executor and records each row it returns, with its position and batch size.
+struct Recording {
+    inner: Box<dyn RankExecutor>,
+    rows: Recorded,
+}
+
+impl RankExecutor for Recording {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        self.inner.new_sequence(id)
+    }
+    fn free_sequence(&mut self, id: RequestId) {
+        self.inner.free_sequence(id)
+    }
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        self.inner.rollback(id, len)
+    }
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.inner.sequence_len(id)
+    }
+    fn live_sequences(&self) -> usize {
+        self.inner.live_sequences()
+    }
+    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let positions = batch
+            .iter()
+            .map(|s| Ok(self.inner.sequence_len(s.id)? + s.tokens.len() - 1))
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        let rows = self.inner.execute(batch)?;
+        let mut recorded = self.rows.lock().expect("not poisoned");
+        for ((seq, position), row) in batch.iter().zip(positions).zip(&rows) {
+            let row = Row {
+                logits: row.clone(),
+                batch: batch.len(),
+            };
+            recorded.insert((seq.id, position), row);
+        }
+        Ok(rows)
+    }
+}
+
+struct RecordingFactory {
+    inner: Arc<dyn ExecutorFactory>,
+    rows: Recorded,
+}
+
+impl ExecutorFactory for RecordingFactory {
+    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        Ok(Box::new(Recording {
+            inner: self.inner.build(dp)?,
+            rows: self.rows.clone(),
+        }))
+    }
+    fn describe(&self) -> String {
+        format!("recording {}", self.inner.describe())
+    }
+}
+
+/// True when a GPU is usable; otherwise says why the test is skipped.
+fn gpu_present(test: &str) -> bool {
+    let gpus = gpu::inventory();
+    if gpus.count == 0 {
+        let why = gpus.unavailable.unwrap_or_default();
+        eprintln!("{test}: skipped: no usable GPU ({why})");
+        return false;
+    }
+    true
+}
+
+/// `$DEEPINFER_V41_TINY`, else the shared fixture; on a machine with a GPU it must exist.
+fn v41_tiny_dir() -> PathBuf {
+    let dir = std::env::var_os("DEEPINFER_V41_TINY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny")
+        });
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "the v41-tiny fixture is absent at {} (set DEEPINFER_V41_TINY)",
+        dir.display()
+    );
+    dir
+}
+
+/// The fixture loaded on the host (CPU backend), and its facts.
+fn fixture_model() -> (Arc<Model>, ModelFacts) {
+    let dir = v41_tiny_dir();
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
+    let vocab = engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
+    let model = Model::load_with_vocab(&dir, vocab).expect("fixture loads");
+    let facts = ModelFacts {
+        vocab_size: cfg.vocab_size,
+        bos_token_id: cfg.bos_token_id,
+        eos_token_id: Some(cfg.eos_token_id),
+        max_context_tokens: cfg.max_position_embeddings,
+    };
+    (Arc::new(model), facts)
+}
+
+/// One DP rank with the given prefill chunk; room for 65 requests in one step.
+fn topology(backend: &str, prefill_chunk: usize) -> NodeConfig {
+    let device = if backend == "cuda" {
+        "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1"
+    } else {
+        "backend = \"cpu\""
+    };
+    NodeConfig::from_toml_str(
+        &format!(
+            "[model]\nsource = \"demo\"\n[device]\n{device}\n[parallel]\ndp = 1\nep = 1\n\
+             [scheduler]\nmax_batched_tokens = 8192\nmax_running_requests = 128\n\
+             prefill_chunk_tokens = {prefill_chunk}\noverlap_depth = 2\nadmission_queue_capacity = 256\n"
+        ),
+        &format!("gpu engine test ({backend})"),
+    )
+    .expect("topology")
+}
+
+/// An engine over `factory`, recording every row.
+async fn recorded_engine(
+    node: NodeConfig,
+    factory: Arc<dyn ExecutorFactory>,
+    facts: ModelFacts,
+) -> (Engine, Recorded) {
+    let rows: Recorded = Arc::default();
+    let config = EngineConfig {
+        node,
+        executor: Arc::new(RecordingFactory {
+            inner: factory,
+            rows: rows.clone(),
+        }),
+        model: facts,
+        tokenizer: None,
+    };
+    (Engine::start(config).await.expect("engine starts"), rows)
+}
+
+fn cuda_factory(model: &Arc<Model>) -> Arc<dyn ExecutorFactory> {
+    Arc::new(PerDeviceModelFactory {
+        model: model.clone(),
+        description: "v41-tiny on the CUDA backend".into(),
+        devices_per_node: 1,
+        open: Arc::new(gpu::open_cuda_backend),
+    })
+}
+
+/// Submits every request (in order, without waiting), then collects them all.
+async fn run_all(engine: &Engine, requests: &[(Vec<u32>, usize)]) -> Vec<Completion> {
+    let mut streams = Vec::new();
+    for (prompt, max_tokens) in requests {
+        let request = GenerateRequest::from_tokens(prompt.clone())
+            .max_tokens(*max_tokens)
+            .ignore_eos(true);
+        streams.push(engine.generate(request).await.expect("admitted"));
+    }
+    let mut done = Vec::new();
+    for stream in streams {
+        let completion = tokio::time::timeout(Duration::from_secs(240), stream.collect())
+            .await
+            .expect("finishes in time")
+            .expect("completes");
+        done.push(completion);
+    }
+    done
+}
+
+/// The rows recorded for request `id`, by position.
+fn rows_of(recorded: &Recorded, id: RequestId) -> Vec<(usize, Row)> {
+    let recorded = recorded.lock().expect("not poisoned");
+    let mut rows: Vec<(usize, Row)> = recorded
+        .iter()
+        .filter(|((rid, _), _)| *rid == id)
+        .map(|((_, position), row)| (*position, row.clone()))
+        .collect();
+    rows.sort_by_key(|(position, _)| *position);
+    rows
+}
+
+/// Bitwise comparison of two rows: the count of equal values and the largest difference.
+fn compare(a: &[f32], b: &[f32]) -> (usize, f32) {
+    assert_eq!(a.len(), b.len(), "row widths");
+    let equal = a
+        .iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() == y.to_bits())
+        .count();
+    let max_diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    (equal, max_diff)
+}
+
+/// A deterministic prompt of `len` tokens (ids 3..500 of the fixture's 512).
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 3 + (seed.wrapping_mul(7919) + i * 131 + i * i * 17) % 497)
+        .collect()
+}
+
+/// The fixture's own prompt (30 tokens).
+const PROBE: [u32; 30] = [
+    482, 319, 349, 457, 296, 396, 425, 117, 31, 155, 147, 445, 465, 5, 256, 419, 69, 407, 63, 240,
+    416, 156, 176, 144, 367, 132, 506, 228, 245, 258,
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_engine_equals_the_cpu_engine_bitwise() {
+    let test = "cuda_engine_equals_the_cpu_engine_bitwise";
+    if !gpu_present(test) {
+        return;
+    }
+    let (model, facts) = fixture_model();
+    let requests: Vec<(Vec<u32>, usize)> = vec![
+        (PROBE.to_vec(), 6),
+        (prompt(1, 3), 5),
+        (prompt(2, 17), 4),
+        (prompt(3, 41), 6),
+    ];
+    // Chunks of 7 tokens: several prefill chunks per prompt, next to decodes.
+    let cpu_factory: Arc<dyn ExecutorFactory> = Arc::new(ModelFactory {
+        model: model.clone(),
+        description: "v41-tiny on the CPU".into(),
+    });
+    let (cpu, cpu_rows) = recorded_engine(topology("cpu", 7), cpu_factory, facts).await;
+    let cpu_done = run_all(&cpu, &requests).await;
+    cpu.shutdown(Duration::from_secs(30)).await.expect("stops");
+
+    let started = Instant::now();
+    let (cuda, cuda_rows) = recorded_engine(topology("cuda", 7), cuda_factory(&model), facts).await;
+    let opened = started.elapsed();
+    let started = Instant::now();
+    let cuda_done = run_all(&cuda, &requests).await;
+    let served = started.elapsed();
+    cuda.shutdown(Duration::from_secs(30)).await.expect("stops");
+
+    let (mut rows, mut values, mut equal) = (0, 0, 0);
+    let mut max_diff = 0.0f32;
+    for (c, g) in cpu_done.iter().zip(&cuda_done) {
+        assert_eq!(c.tokens, g.tokens, "greedy tokens of {} / {}", c.id, g.id);
+        let cpu_rows = rows_of(&cpu_rows, c.id);
+        let cuda_rows = rows_of(&cuda_rows, g.id);
+        let positions = |rows: &[(usize, Row)]| rows.iter().map(|(p, _)| *p).collect::<Vec<_>>();
+        assert_eq!(positions(&cpu_rows), positions(&cuda_rows), "row positions");
+        for ((position, c_row), (_, g_row)) in cpu_rows.iter().zip(&cuda_rows) {
+            let (same, diff) = compare(&c_row.logits, &g_row.logits);
+            rows += 1;
+            values += c_row.logits.len();
+            equal += same;
+            max_diff = max_diff.max(diff);
+            assert_eq!(
+                same,
+                c_row.logits.len(),
+                "{}: row at position {position}: max|diff| {diff}",
+                g.id
+            );
+        }
+    }
+    eprintln!(
+        "{test}: {} requests, {rows} rows, {equal} / {values} logits bitwise equal (max|diff| \
+         {max_diff}); CUDA engine start {:.2} s, serving {:.2} s",
+        requests.len(),
+        opened.as_secs_f64(),
+        served.as_secs_f64()
+    );
+    // Prefill chunk ends and every decode step of every request were compared.
+    assert!(rows >= 4 * 5, "compared {rows} rows");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_logits_do_not_depend_on_the_batch() {
+    let test = "probe_logits_do_not_depend_on_the_batch";
+    if !gpu_present(test) {
+        return;
+    }
+    const PROBE_TOKENS: usize = 5;
+    let (model, facts) = fixture_model();
+    // Prompts fit one chunk: the probe's prefill is one row, then one row per decode step.
+    let (engine, recorded) =
+        recorded_engine(topology("cuda", 128), cuda_factory(&model), facts).await;
+
+    let started = Instant::now();
+    let alone = run_all(&engine, &[(PROBE.to_vec(), PROBE_TOKENS)]).await;
+    let reference = rows_of(&recorded, alone[0].id);
+    eprintln!(
+        "{test}: alone: {} rows in {:.2} s",
+        reference.len(),
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        reference.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+        (PROBE.len() - 1..PROBE.len() + PROBE_TOKENS - 1).collect::<Vec<_>>(),
+        "one prefill row, then one row per decode step"
+    );
+    assert!(reference.iter().all(|(_, row)| row.batch == 1));
+
+    // Negative control: one prompt token changed gives other logits, and `compare` sees it.
+    let mut changed = PROBE.to_vec();
+    changed[PROBE.len() / 2] = changed[PROBE.len() / 2] % 400 + 7;
+    let control = run_all(&engine, &[(changed, PROBE_TOKENS)]).await;
+    let control_rows = rows_of(&recorded, control[0].id);
+    let (same, diff) = compare(&reference[0].1.logits, &control_rows[0].1.logits);
+    eprintln!(
+        "{test}: negative control (one prompt token changed): {same} / {} prefill logits equal, \
+         max|diff| {diff}",
+        reference[0].1.logits.len()
+    );
+    assert!(
+        same < reference[0].1.logits.len(),
+        "a changed prompt token must change the logits"
+    );
+
+    let mut total_equal = 0;
+    for others in [2usize, 8, 32, 64] {
+        // Neighbours of different lengths (3..=60 tokens) that decode longer than the probe, so
+        // every probe step has company. The probe comes last: the first neighbours fill the
+        // rank's overlap window, so the probe's prefill is planned with the others' work.
+        let mut requests: Vec<(Vec<u32>, usize)> = (0..others)
+            .map(|k| {
+                let len = 3 + (k * 37 + others) % 58;
+                (
+                    prompt(k as u32 + 100 * others as u32, len),
+                    PROBE_TOKENS + 3,
+                )
+            })
+            .collect();
+        let probe_at = requests.len();
+        requests.push((PROBE.to_vec(), PROBE_TOKENS));
+        let started = Instant::now();
+        let done = run_all(&engine, &requests).await;
+        let elapsed = started.elapsed();
+        let probe = &done[probe_at];
+        assert_eq!(
+            probe.tokens, alone[0].tokens,
+            "{others} others: probe tokens"
+        );
+        let rows = rows_of(&recorded, probe.id);
+        assert_eq!(rows.len(), reference.len(), "{others} others: probe rows");
+        let mut batches = Vec::new();
+        for ((position, row), (ref_position, ref_row)) in rows.iter().zip(&reference) {
+            assert_eq!(position, ref_position);
+            let (same, diff) = compare(&row.logits, &ref_row.logits);
+            assert_eq!(
+                same,
+                ref_row.logits.len(),
+                "{others} others: probe row at position {position} (batch {}): max|diff| {diff}",
+                row.batch
+            );
+            total_equal += same;
+            batches.push(row.batch);
+        }
+        // The probe really shared its steps: its prefill with other prefills, and at least one
+        // decode step with every other request.
+        assert!(
+            batches[0] >= 2,
+            "{others} others: prefill batch {batches:?}"
+        );
+        assert!(
+            batches[1..].iter().any(|&b| b == others + 1),
+            "{others} others: decode batches {batches:?}"
+        );
+        eprintln!(
+            "{test}: {others} others: probe rows bitwise equal, batch sizes of its steps \
+             {batches:?} (prefill, then decode); {} requests in {:.2} s",
+            requests.len(),
+            elapsed.as_secs_f64()
+        );
+    }
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("stops");
+    eprintln!("{test}: {total_equal} probe logits bitwise equal across 4 batch sizes");
+}
+
+/// The demo model resolved from a `backend = "cuda"` topology: the engine's rank runs it on the
+/// GPU, with the tokens of a greedy loop on the CPU model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cuda_topology_runs_the_demo_model_on_the_gpu() {
+    let test = "a_cuda_topology_runs_the_demo_model_on_the_gpu";
+    if !gpu_present(test) {
+        return;
+    }
+    if std::env::var_os(deepinfer_actors::model_source::MODEL_DIR_ENV).is_some() {
+        eprintln!("{test}: skipped: DEEPINFER_HF_MODEL_DIR overrides the demo model");
+        return;
+    }
+    let node = topology("cuda", 64);
+    let resolved = tokio::task::spawn_blocking(move || resolve(&node))
+        .await
+        .expect("joins")
+        .expect("resolves on the GPU topology");
+    let description = resolved.factory.describe();
+    assert!(description.contains("CUDA backend"), "{description}");
+    let prompt: Vec<u32> = prompt(5, 11).iter().map(|t| t * 211).collect();
+    let max_tokens = 4;
+
+    // The CPU model, greedily.
+    let mut seq = resolved.model.new_sequence();
+    let mut logits = resolved
+        .model
+        .forward(&mut seq, &prompt, LogitsWanted::Last)
+        .expect("cpu prefill");
+    let mut expected = Vec::new();
+    for _ in 0..max_tokens {
+        let best = (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
+            .expect("a row") as u32;
+        expected.push(best);
+        logits = resolved
+            .model
+            .forward(&mut seq, &[best], LogitsWanted::Last)
+            .expect("cpu decode");
+    }
+
+    let started = Instant::now();
+    let config = EngineConfig {
+        node: topology("cuda", 64),
+        executor: resolved.factory.clone(),
+        model: resolved.facts,
+        tokenizer: None,
+    };
+    let engine = Engine::start(config).await.expect("engine starts");
+    let done = run_all(&engine, &[(prompt, max_tokens)]).await;
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("stops");
+    assert_eq!(done[0].tokens, expected, "GPU engine vs CPU greedy");
+    eprintln!(
+        "{test}: {description}: tokens {:?} equal the CPU's ({:.2} s with engine start)",
+        done[0].tokens,
+        started.elapsed().as_secs_f64()
+    );
+}
