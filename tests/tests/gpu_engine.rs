@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use deepinfer_actors::gpu;
 use deepinfer_actors::model_source::resolve;
-use deepinfer_actors::rank::executor::{ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::executor::ExecutorFactory;
 use deepinfer_actors::rank::model_executor::{ModelFactory, PerDeviceModelFactory};
+use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
 use deepinfer_actors::tools::logits::engram_vocab_for_dir;
 use deepinfer_actors::{Completion, Engine, EngineConfig, GenerateRequest, ModelFacts};
 use deepinfer_model::config::ModelConfig;
@@ -39,65 +40,22 @@ struct Row {
 }
 
 /// `(request, position) -> row`, as the rank returned it.
-type Recorded = Arc<Mutex<HashMap<(RequestId, usize), Row>>>;
+type Recorded = Arc<RowsWithBatch>;
 
-/// Wraps a rank executor and records each row it returns, with its position and batch size.
-struct Recording {
-    inner: Box<dyn RankExecutor>,
-    rows: Recorded,
-}
+/// Keeps each row the ranks return, with its position and batch size.
+#[derive(Default)]
+struct RowsWithBatch(Mutex<HashMap<(RequestId, usize), Row>>);
 
-impl RankExecutor for Recording {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let positions = batch
-            .iter()
-            .map(|s| Ok(self.inner.sequence_len(s.id)? + s.tokens.len() - 1))
-            .collect::<Result<Vec<_>, ExecError>>()?;
-        let rows = self.inner.execute(batch)?;
-        let mut recorded = self.rows.lock().expect("not poisoned");
-        for ((seq, position), row) in batch.iter().zip(positions).zip(&rows) {
-            let row = Row {
-                logits: row.clone(),
-                batch: batch.len(),
-            };
-            recorded.insert((seq.id, position), row);
-        }
-        Ok(rows)
-    }
-}
-
-struct RecordingFactory {
-    inner: Arc<dyn ExecutorFactory>,
-    rows: Recorded,
-}
-
-impl ExecutorFactory for RecordingFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(Recording {
-            inner: self.inner.build(dp)?,
-            rows: self.rows.clone(),
-        }))
-    }
-    fn describe(&self) -> String {
-        format!("recording {}", self.inner.describe())
+impl RankObserver for RowsWithBatch {
+    fn row(&self, row: ObservedRow<'_>) {
+        let kept = Row {
+            logits: row.logits.to_vec(),
+            batch: row.step_sequences,
+        };
+        self.0
+            .lock()
+            .expect("not poisoned")
+            .insert((row.id, row.position), kept);
     }
 }
 
@@ -169,10 +127,7 @@ async fn recorded_engine(
     let rows: Recorded = Arc::default();
     let config = EngineConfig {
         node,
-        executor: Arc::new(RecordingFactory {
-            inner: factory,
-            rows: rows.clone(),
-        }),
+        executor: Arc::new(ObservedFactory::new(factory, rows.clone())),
         model: facts,
         tokenizer: None,
     };
@@ -210,7 +165,7 @@ async fn run_all(engine: &Engine, requests: &[(Vec<u32>, usize)]) -> Vec<Complet
 
 /// The rows recorded for request `id`, by position.
 fn rows_of(recorded: &Recorded, id: RequestId) -> Vec<(usize, Row)> {
-    let recorded = recorded.lock().expect("not poisoned");
+    let recorded = recorded.0.lock().expect("not poisoned");
     let mut rows: Vec<(usize, Row)> = recorded
         .iter()
         .filter(|((rid, _), _)| *rid == id)

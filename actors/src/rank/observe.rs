@@ -28,6 +28,8 @@ pub struct ObservedRow<'a> {
     pub logits: &'a [f32],
     /// Part of a DSpark verify (every row of anchor + drafts), not a plain step's last row.
     pub verify: bool,
+    /// Sequences in the step that computed it (the rank's batch).
+    pub step_sequences: usize,
 }
 
 /// Receives what the ranks of an observed engine compute, on the rank threads (keep it cheap).
@@ -102,12 +104,22 @@ impl RankExecutor for ObservedExecutor {
         let rows = self.inner.execute(batch)?;
         let vocab = self.inner.vocab_size().max(1);
         for ((seq, start), row) in batch.iter().zip(starts).zip(&rows) {
+            let report = |position, logits, verify| {
+                self.observer.row(ObservedRow {
+                    dp: self.dp,
+                    id: seq.id,
+                    position,
+                    logits,
+                    verify,
+                    step_sequences: batch.len(),
+                })
+            };
             if seq.all_rows {
                 for (i, logits) in row.chunks_exact(vocab).enumerate() {
-                    self.report(seq.id, start + i, logits, true);
+                    report(start + i, logits, true);
                 }
             } else if !seq.tokens.is_empty() {
-                self.report(seq.id, start + seq.tokens.len() - 1, row, false);
+                report(start + seq.tokens.len() - 1, row, false);
             }
         }
         Ok(rows)
@@ -121,18 +133,6 @@ impl RankExecutor for ObservedExecutor {
     }
     fn device_latency(&self, batch_tokens: usize) -> Duration {
         self.inner.device_latency(batch_tokens)
-    }
-}
-
-impl ObservedExecutor {
-    fn report(&self, id: RequestId, position: usize, logits: &[f32], verify: bool) {
-        self.observer.row(ObservedRow {
-            dp: self.dp,
-            id,
-            position,
-            logits,
-            verify,
-        });
     }
 }
 
@@ -235,5 +235,31 @@ mod tests {
         assert_eq!(all.get(id, 3).as_deref(), Some(&verify[0][..vocab]));
         assert_eq!(all.get(id, 4).as_deref(), Some(&verify[0][vocab..]));
         assert_eq!(all.snapshot().len(), 3);
+    }
+
+    #[test]
+    fn rows_carry_the_size_of_their_step() {
+        struct Sizes(Mutex<Vec<usize>>);
+        impl RankObserver for Sizes {
+            fn row(&self, row: ObservedRow<'_>) {
+                self.0.lock().expect("sizes").push(row.step_sequences);
+            }
+        }
+        let sizes = Arc::new(Sizes(Mutex::new(Vec::new())));
+        let factory =
+            ObservedFactory::new(Arc::new(FakeFactory(FakeConfig::default())), sizes.clone());
+        let mut exec = factory.build(0).expect("fake executor");
+        let (a, b) = (RequestId(1), RequestId(2));
+        exec.new_sequence(a).expect("new");
+        exec.new_sequence(b).expect("new");
+        let entry = |id, tokens| SeqTokens {
+            id,
+            tokens,
+            all_rows: false,
+        };
+        exec.execute(&[entry(a, &[1, 2]), entry(b, &[3])])
+            .expect("two");
+        exec.execute(&[entry(a, &[4])]).expect("one");
+        assert_eq!(*sizes.0.lock().expect("sizes"), vec![2, 2, 1]);
     }
 }
