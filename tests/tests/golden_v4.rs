@@ -5,79 +5,48 @@
 //! in the official format (FP8 128×128 tiles, FP4 experts, sharded; V4-Flash with its MTP block and
 //! V4-Flash-0731 with its DSpark drafter, both ignored by the backbone as transformers does).
 
-use std::path::{Path, PathBuf};
+mod golden_support;
+
+use std::path::Path;
 
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::{AnyModel, AnySequence};
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::v4::{Model, SequenceState};
-use safetensors::{Dtype, SafeTensors};
+use golden_support::{Expected, argmax, fixture_dir, ids};
 use serde_json::Value;
 
 /// README tolerance, relative to `max − min` of `logits_full`.
 const TOLERANCE: f32 = 1e-4;
 
-/// The fixture directory, or `None` (with a loud message) when the shared fixtures are absent.
-fn fixture_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v4/v4-tiny");
-    if dir.join("model.safetensors").exists() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "!!!!! SKIPPING V4 golden test: fixture {} is absent !!!!!",
-            dir.display()
-        );
-        None
-    }
-}
-
 struct Fixture {
     model: Model,
-    case: Value,
-    expected: Vec<u8>,
+    data: Expected,
+}
+
+impl std::ops::Deref for Fixture {
+    type Target = Expected;
+    fn deref(&self) -> &Expected {
+        &self.data
+    }
 }
 
 impl Fixture {
     fn load() -> Option<Fixture> {
-        let dir = fixture_dir()?;
-        let model = Model::load(&dir).expect("fixture model loads");
-        let case = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("case.json")).expect("case.json"),
-        )
-        .expect("case json");
-        let expected =
-            std::fs::read(dir.join("expected.safetensors")).expect("expected.safetensors");
+        let dir = fixture_dir("v4", "v4-tiny", "V4 golden test")?;
         Some(Fixture {
-            model,
-            case,
-            expected,
+            model: Model::load(&dir).expect("fixture model loads"),
+            data: Expected::read(&dir),
         })
     }
 
-    fn f32(&self, name: &str) -> Vec<f32> {
-        let tensors = SafeTensors::deserialize(&self.expected).expect("expected parses");
-        let view = tensors
-            .tensor(name)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(view.dtype(), Dtype::F32, "{name}");
-        view.data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
-    }
-
     fn ids(&self, key: &str) -> Vec<u32> {
-        self.case[key]
-            .as_array()
-            .unwrap_or_else(|| panic!("case.json `{key}`"))
-            .iter()
-            .map(|v| v.as_u64().expect("token id") as u32)
-            .collect()
+        ids(&self.case()[key])
     }
 
     fn schedule(&self, label: &str) -> Vec<usize> {
-        self.case["schedules"][label]
+        self.case()["schedules"][label]
             .as_array()
             .unwrap_or_else(|| panic!("schedule {label}"))
             .iter()
@@ -87,13 +56,7 @@ impl Fixture {
 
     /// `max − min` of `logits_full`.
     fn logit_range(&self) -> f32 {
-        let full = self.f32("logits_full");
-        let (lo, hi) = full
-            .iter()
-            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                (lo.min(v), hi.max(v))
-            });
-        hi - lo
+        self.range_of("logits_full")
     }
 }
 
@@ -139,16 +102,6 @@ fn worst_row(ours: &[f32], reference: &[f32], vocab: usize) -> (f32, usize) {
             (0.0, 0),
             |best, cur| if cur.0 > best.0 { cur } else { best },
         )
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn assert_matches(fx: &Fixture, label: &str, logits: &[f32]) {
@@ -340,7 +293,9 @@ fn assert_official_format(dir: &Path) {
 /// The family dispatch gives the V4 model the `logits` tool runs: same rows as [`Model`].
 #[test]
 fn any_model_dispatches_the_fixture_to_v4() {
-    let Some(dir) = fixture_dir() else { return };
+    let Some(dir) = fixture_dir("v4", "v4-tiny", "V4 golden test") else {
+        return;
+    };
     let Some(fx) = Fixture::load() else { return };
     let any = AnyModel::load(&dir, None).expect("loads");
     assert!(matches!(any, AnyModel::V4(_)));

@@ -2,36 +2,30 @@
 //! reference outputs (`shared/fixtures/v41/v41-tiny`, tolerances from its README), plus the
 //! chunking / verify / rollback invariance of the per-sequence state.
 
-use std::path::PathBuf;
+mod golden_support;
 
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
-use safetensors::{Dtype, SafeTensors};
+use golden_support::{
+    Expected, argmax, bit_equal, expected_rows, fixture_dir, ids, max_abs_diff, rel_rms,
+};
 use serde_json::Value;
-
-/// The fixture directory, or `None` (with a loud message) when the shared fixtures are absent.
-fn fixture_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
-    if dir.join("model.safetensors").exists() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "!!!!! SKIPPING V4.1 golden test: fixture {} is absent !!!!!",
-            dir.display()
-        );
-        None
-    }
-}
 
 struct Fixture {
     model: Model,
-    case: Value,
-    expected: Vec<u8>,
+    data: Expected,
+}
+
+impl std::ops::Deref for Fixture {
+    type Target = Expected;
+    fn deref(&self) -> &Expected {
+        &self.data
+    }
 }
 
 impl Fixture {
     fn load() -> Option<Fixture> {
-        let dir = fixture_dir()?;
+        let dir = fixture_dir("v41", "v41-tiny", "V4.1 golden test")?;
         let config = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
             .expect("fixture config");
         let engram = config.engram.as_ref().expect("fixture has Engram");
@@ -39,114 +33,24 @@ impl Fixture {
         let vocab = CompressedVocab::halving_stub(config.vocab_size, engram.pad_token_id)
             .expect("stub vocab");
         let model = Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads");
-        let case = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("case.json")).expect("case.json"),
-        )
-        .expect("case json");
-        let expected =
-            std::fs::read(dir.join("expected.safetensors")).expect("expected.safetensors");
         Some(Fixture {
             model,
-            case,
-            expected,
+            data: Expected::read(&dir),
         })
     }
 
-    fn tensors(&self) -> SafeTensors<'_> {
-        SafeTensors::deserialize(&self.expected).expect("expected.safetensors parses")
-    }
-
-    fn f32(&self, name: &str) -> Vec<f32> {
-        let tensors = self.tensors();
-        let view = tensors
-            .tensor(name)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(view.dtype(), Dtype::F32, "{name}");
-        view.data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
-    }
-
-    fn i32(&self, name: &str) -> Vec<i32> {
-        let tensors = self.tensors();
-        let view = tensors
-            .tensor(name)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(view.dtype(), Dtype::I32, "{name}");
-        view.data()
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
-    }
-
     fn tokens(&self) -> Vec<u32> {
-        self.case["cases"]["text"]["input_ids"]
-            .as_array()
-            .expect("input_ids")
-            .iter()
-            .map(|v| v.as_u64().expect("id") as u32)
-            .collect()
+        ids(&self.case()["cases"]["text"]["input_ids"])
     }
 
     fn decode_run(&self) -> &Value {
-        &self.case["cases"]["text"]["runs"]["decode"]
-    }
-
-    fn tolerance(&self) -> f32 {
-        self.case["tolerance"].as_f64().expect("tolerance") as f32
+        &self.case()["cases"]["text"]["runs"]["decode"]
     }
 
     /// `max − min` of `logits_full`, the README's logit range.
     fn logit_range(&self) -> f32 {
-        let full = self.f32("logits_full");
-        let (lo, hi) = full
-            .iter()
-            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                (lo.min(v), hi.max(v))
-            });
-        hi - lo
+        self.range_of("logits_full")
     }
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-}
-
-fn rel_rms(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let diff: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
-    let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (diff / norm.max(1e-30)).sqrt() as f32
-}
-
-/// How many elements are bit-identical.
-fn bit_equal(a: &[f32], b: &[f32]) -> usize {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() == y.to_bits())
-        .count()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Expected top-k rows as selections (−1 dropped).
-fn expected_rows(flat: &[i32], width: usize) -> Vec<Vec<usize>> {
-    flat.chunks_exact(width)
-        .map(|r| r.iter().filter(|&&v| v >= 0).map(|&v| v as usize).collect())
-        .collect()
 }
 
 /// Injects the reference's streams and collapse weights at the entry of every block (and of the
@@ -600,7 +504,7 @@ fn every_block_matches_reference_given_reference_inputs() {
     );
     assert_eq!(
         argmax(&logits[(n - 1) * cfg.vocab_size..]),
-        fx.case["cases"]["text"]["runs"]["prefill"]["greedy_next"]
+        fx.case()["cases"]["text"]["runs"]["prefill"]["greedy_next"]
             .as_u64()
             .expect("greedy_next") as u32
     );

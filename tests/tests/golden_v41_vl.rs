@@ -4,34 +4,34 @@
 //! `vl.prefill.engram_hash` (dead image positions) is covered by the Engram module's own fixture
 //! test (`vl_hash_with_image_span_matches_reference_exactly`).
 
-use std::path::PathBuf;
+mod golden_support;
 
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::v41::vision::{
     self, EncodedImage, ImageInput, PlacedImage, TokenType, VisionError,
 };
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
-use safetensors::{Dtype, SafeTensors};
+use golden_support::{
+    Expected, argmax, bit_equal, expected_rows, fixture_dir, ids, max_abs_diff, rel_rms,
+};
 use serde_json::Value;
 
 struct Fixture {
     model: Model,
-    case: Value,
-    expected: Vec<u8>,
+    data: Expected,
+}
+
+impl std::ops::Deref for Fixture {
+    type Target = Expected;
+    fn deref(&self) -> &Expected {
+        &self.data
+    }
 }
 
 impl Fixture {
     /// The fixture, or `None` (with a loud message) when the shared fixtures are absent.
     fn load() -> Option<Fixture> {
-        let dir =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
-        if !dir.join("model.safetensors").exists() {
-            eprintln!(
-                "!!!!! SKIPPING V4.1 vision golden test: fixture {} is absent !!!!!",
-                dir.display()
-            );
-            return None;
-        }
+        let dir = fixture_dir("v41", "v41-tiny", "V4.1 vision golden test")?;
         let config = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
             .expect("fixture config");
         let engram = config.engram.as_ref().expect("fixture has Engram");
@@ -39,47 +39,14 @@ impl Fixture {
         let vocab = CompressedVocab::halving_stub(config.vocab_size, engram.pad_token_id)
             .expect("stub vocab");
         let model = Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads");
-        let case = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("case.json")).expect("case.json"),
-        )
-        .expect("case json");
-        let expected =
-            std::fs::read(dir.join("expected.safetensors")).expect("expected.safetensors");
         Some(Fixture {
             model,
-            case,
-            expected,
+            data: Expected::read(&dir),
         })
     }
 
-    fn raw(&self, name: &str, dtype: Dtype) -> Vec<[u8; 4]> {
-        let tensors = SafeTensors::deserialize(&self.expected).expect("expected.safetensors");
-        let view = tensors
-            .tensor(name)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(view.dtype(), dtype, "{name}");
-        view.data()
-            .chunks_exact(4)
-            .map(|b| [b[0], b[1], b[2], b[3]])
-            .collect()
-    }
-
-    fn f32(&self, name: &str) -> Vec<f32> {
-        self.raw(name, Dtype::F32)
-            .into_iter()
-            .map(f32::from_le_bytes)
-            .collect()
-    }
-
-    fn i32(&self, name: &str) -> Vec<i32> {
-        self.raw(name, Dtype::I32)
-            .into_iter()
-            .map(i32::from_le_bytes)
-            .collect()
-    }
-
     fn vl(&self) -> &Value {
-        &self.case["cases"]["vl"]
+        &self.case()["cases"]["vl"]
     }
 
     fn usize_at(value: &Value) -> usize {
@@ -108,67 +75,10 @@ impl Fixture {
         Self::usize_at(&self.vl()["image"]["start"])
     }
 
-    fn tolerance(&self) -> f32 {
-        self.case["tolerance"].as_f64().expect("tolerance") as f32
-    }
-
     /// `max − min` of the case's one-shot prefill logits (the README's logit range).
     fn logit_range(&self) -> f32 {
-        let (lo, hi) = self
-            .f32("vl.prefill.logits")
-            .iter()
-            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                (lo.min(v), hi.max(v))
-            });
-        hi - lo
+        self.range_of("vl.prefill.logits")
     }
-}
-
-fn ids(value: &Value) -> Vec<u32> {
-    value
-        .as_array()
-        .expect("array")
-        .iter()
-        .map(|v| v.as_u64().expect("id") as u32)
-        .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-}
-
-fn rel_rms(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let diff: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
-    let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (diff / norm.max(1e-30)).sqrt() as f32
-}
-
-fn bit_equal(a: &[f32], b: &[f32]) -> usize {
-    a.iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() == y.to_bits())
-        .count()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Expected selection rows (−1 dropped).
-fn expected_rows(flat: &[i32], width: usize) -> Vec<Vec<usize>> {
-    flat.chunks_exact(width)
-        .map(|r| r.iter().filter(|&&v| v >= 0).map(|&v| v as usize).collect())
-        .collect()
 }
 
 /// The prompt's token types: text, then the image's span at its start.
