@@ -7,38 +7,11 @@ mod golden_support;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use golden_support::{
-    Expected, argmax, bit_equal, expected_rows, fixture_dir, ids, max_abs_diff, rel_rms,
+    V41Fixture as Fixture, argmax, bit_equal, expected_rows, ids, max_abs_diff, rel_rms,
 };
 use serde_json::Value;
 
-struct Fixture {
-    model: Model,
-    data: Expected,
-}
-
-impl std::ops::Deref for Fixture {
-    type Target = Expected;
-    fn deref(&self) -> &Expected {
-        &self.data
-    }
-}
-
 impl Fixture {
-    fn load() -> Option<Fixture> {
-        let dir = fixture_dir("v41", "v41-tiny", "V4.1 golden test")?;
-        let config = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
-            .expect("fixture config");
-        let engram = config.engram.as_ref().expect("fixture has Engram");
-        // Fixture README "Tokenizer and Engram": compressed id = token id / 2.
-        let vocab = CompressedVocab::halving_stub(config.vocab_size, engram.pad_token_id)
-            .expect("stub vocab");
-        let model = Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads");
-        Some(Fixture {
-            model,
-            data: Expected::read(&dir),
-        })
-    }
-
     fn tokens(&self) -> Vec<u32> {
         ids(&self.case()["cases"]["text"]["input_ids"])
     }
@@ -166,7 +139,9 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
     const BIT_EXACT_BLOCKS: usize = 2;
     // Blocks with no index top-k / routing mismatch (the first is at layer 6).
     const SELECTIONS_EXACT_BLOCKS: usize = 6;
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 golden test") else {
+        return;
+    };
     let cfg = fx.model.config().clone();
     let vocab = cfg.vocab_size;
     let tokens = fx.tokens();
@@ -339,7 +314,9 @@ fn every_block_matches_reference_given_reference_inputs() {
     // `free_running_prefill_and_decode_match_until_the_first_rounding_flip`); 27 with the
     // vectorised `exp` in the `comb` softmax.
     const LAYER_OUT_BIT_EXACT: usize = 1_228_789;
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 golden test") else {
+        return;
+    };
     let cfg = fx.model.config().clone();
     let tokens = fx.tokens();
     let n = tokens.len();
@@ -515,7 +492,9 @@ fn every_block_matches_reference_given_reference_inputs() {
 /// 75..99 are compared with `text.decode.dspark_*`.
 #[test]
 fn dspark_matches_reference_given_reference_taps() {
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 golden test") else {
+        return;
+    };
     let cfg = fx.model.config().clone();
     let vocab = cfg.vocab_size;
     let tokens = fx.tokens();
@@ -625,7 +604,9 @@ fn run_chunked(model: &Model, tokens: &[u32], chunks: &[usize]) -> (Vec<f32>, Se
 
 #[test]
 fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 golden test") else {
+        return;
+    };
     let model = &fx.model;
     let tokens = fx.tokens();
     let n = tokens.len();
@@ -662,7 +643,9 @@ fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
 
 #[test]
 fn rollback_after_partial_verify_equals_never_drafted() {
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 golden test") else {
+        return;
+    };
     let model = &fx.model;
     let tokens = fx.tokens();
     let n = tokens.len();
@@ -786,7 +769,9 @@ fn random_checkpoint_is_chunking_and_rollback_invariant() {
 /// KV and index keys of every source, the boundary layer's included) equal the full prefill's.
 #[test]
 fn bounded_replay_truncates_only_the_decoder() {
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 golden test") else {
+        return;
+    };
     let model = &fx.model;
     let cfg = model.config().clone();
     let vocab = cfg.vocab_size;

@@ -12,39 +12,11 @@ use deepinfer_model::v41::vision::{
 };
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use golden_support::{
-    Expected, argmax, bit_equal, expected_rows, fixture_dir, ids, max_abs_diff, rel_rms,
+    V41Fixture as Fixture, argmax, bit_equal, expected_rows, ids, max_abs_diff, rel_rms,
 };
 use serde_json::Value;
 
-struct Fixture {
-    model: Model,
-    data: Expected,
-}
-
-impl std::ops::Deref for Fixture {
-    type Target = Expected;
-    fn deref(&self) -> &Expected {
-        &self.data
-    }
-}
-
 impl Fixture {
-    /// The fixture, or `None` (with a loud message) when the shared fixtures are absent.
-    fn load() -> Option<Fixture> {
-        let dir = fixture_dir("v41", "v41-tiny", "V4.1 vision golden test")?;
-        let config = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
-            .expect("fixture config");
-        let engram = config.engram.as_ref().expect("fixture has Engram");
-        // Fixture README "Tokenizer and Engram": compressed id = token id / 2.
-        let vocab = CompressedVocab::halving_stub(config.vocab_size, engram.pad_token_id)
-            .expect("stub vocab");
-        let model = Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads");
-        Some(Fixture {
-            model,
-            data: Expected::read(&dir),
-        })
-    }
-
     fn vl(&self) -> &Value {
         &self.case()["cases"]["vl"]
     }
@@ -114,7 +86,9 @@ fn run_chunk(
 #[test]
 fn image_patches_vit_aligner_and_token_types_match_reference() {
     const VIT_RMS: f32 = 1e-2;
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 vision golden test") else {
+        return;
+    };
     let tower = fx.model.vision_tower().expect("fixture has a vision tower");
     let image = fx.image();
     let prepared = vision::preprocess::prepare(&image, &tower.cfg).expect("prepare");
@@ -216,7 +190,9 @@ fn images_are_refused_without_a_vision_tower_or_with_bad_pixels() {
         Err(VisionError::NoVisionTower { .. })
     ));
 
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 vision golden test") else {
+        return;
+    };
     let short = ImageInput {
         pixels: vec![0; 10],
         width: 28,
@@ -237,7 +213,9 @@ fn images_are_refused_without_a_vision_tower_or_with_bad_pixels() {
 /// `vl.decode.*`, with a DSpark proposal after every step.
 #[test]
 fn vl_prompt_prefill_decode_and_dspark_match_reference() {
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 vision golden test") else {
+        return;
+    };
     let model = &fx.model;
     let cfg = model.config().clone();
     let (vocab, k) = (cfg.vocab_size, cfg.n_activated_experts);
@@ -516,7 +494,9 @@ fn vl_prompt_prefill_decode_and_dspark_match_reference() {
 /// left is the arithmetic of every block on image and text rows alike.
 #[test]
 fn vl_prefill_matches_reference_given_reference_selections() {
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 vision golden test") else {
+        return;
+    };
     let model = &fx.model;
     let cfg = model.config().clone();
     let vocab = cfg.vocab_size;
@@ -586,7 +566,9 @@ const DSPARK_LOGITS: f32 = 0.025;
 /// bit for bit; a chunk that cuts the span, or a span over text tokens, is refused.
 #[test]
 fn chunking_around_an_image_span_is_bitwise_invariant() {
-    let Some(fx) = Fixture::load() else { return };
+    let Some(fx) = Fixture::load("V4.1 vision golden test") else {
+        return;
+    };
     let model = &fx.model;
     let tokens = fx.tokens();
     let n = tokens.len();

@@ -7,6 +7,9 @@
 
 use std::path::{Path, PathBuf};
 
+use deepinfer_model::Model;
+use deepinfer_model::config::ModelConfig;
+use deepinfer_model::engram::CompressedVocab;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
@@ -90,6 +93,37 @@ impl Expected {
                 (lo.min(v), hi.max(v))
             });
         hi - lo
+    }
+}
+
+/// The V4.1 fixture `v41-tiny`: its model (with the stub Engram vocabulary of its README) and its
+/// reference data.
+pub struct V41Fixture {
+    pub model: Model,
+    pub data: Expected,
+}
+
+impl std::ops::Deref for V41Fixture {
+    type Target = Expected;
+    fn deref(&self) -> &Expected {
+        &self.data
+    }
+}
+
+impl V41Fixture {
+    /// The fixture, or `None` (with a loud message naming `what` is skipped) when absent.
+    pub fn load(what: &str) -> Option<V41Fixture> {
+        let dir = fixture_dir("v41", "v41-tiny", what)?;
+        let config = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
+        let engram = config.engram.as_ref().expect("fixture has Engram");
+        // Fixture README "Tokenizer and Engram": compressed id = token id / 2.
+        let vocab = CompressedVocab::halving_stub(config.vocab_size, engram.pad_token_id)
+            .expect("stub vocab");
+        let model = Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads");
+        Some(V41Fixture {
+            model,
+            data: Expected::read(&dir),
+        })
     }
 }
 
