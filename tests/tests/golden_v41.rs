@@ -7,7 +7,8 @@ mod golden_support;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use golden_support::{
-    V41Fixture as Fixture, argmax, bit_equal, expected_rows, ids, max_abs_diff, rel_rms,
+    V41Fixture as Fixture, argmax, bit_equal, expected_rows, greedy_agreement, ids, max_abs_diff,
+    rel_rms,
 };
 use serde_json::Value;
 
@@ -262,16 +263,8 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
         .map(|m| m.as_f64().expect("margin") as f32)
         .collect();
     let first_greedy_step = n - 1 - prefill_len;
-    let agree = greedy
-        .iter()
-        .zip(&argmaxes[first_greedy_step..])
-        .take_while(|(a, b)| a == b)
-        .count();
-    // README rule: equal up to the first decision whose reference top-2 margin is below twice our
-    // own logit error on that row.
-    let decidable = (0..greedy.len())
-        .take_while(|&g| margins[g] >= 2.0 * row_errors[first_greedy_step + g])
-        .count();
+    let (agree, decidable) =
+        greedy_agreement(&greedy, &margins, &argmaxes, &row_errors, first_greedy_step);
     eprintln!(
         "free-running logits_decode: max|Δ|/range = {schedule_error:.3e}; text.decode.logits: {decode_error:.3e}; \
          greedy tokens: first {agree} of {} agree, {decidable} decidable by the margin rule",

@@ -12,7 +12,8 @@ use deepinfer_model::v41::vision::{
 };
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use golden_support::{
-    V41Fixture as Fixture, argmax, bit_equal, expected_rows, ids, max_abs_diff, rel_rms,
+    V41Fixture as Fixture, argmax, bit_equal, expected_rows, greedy_agreement, ids, max_abs_diff,
+    rel_rms,
 };
 use serde_json::Value;
 
@@ -449,16 +450,8 @@ fn vl_prompt_prefill_decode_and_dspark_match_reference() {
     }
     let steps = fed.len();
     let first_greedy_step = n - 1 - prefill_len;
-    let agree = greedy
-        .iter()
-        .zip(&argmaxes[first_greedy_step..])
-        .take_while(|(a, b)| a == b)
-        .count();
-    // README rule: equal up to the first decision whose reference top-2 margin is below twice our
-    // own logit error on that row.
-    let decidable = (0..greedy.len())
-        .take_while(|&g| margins[g] >= 2.0 * row_errors[first_greedy_step + g])
-        .count();
+    let (agree, decidable) =
+        greedy_agreement(&greedy, &margins, &argmaxes, &row_errors, first_greedy_step);
     eprintln!(
         "vl decode: logits_schedule max|Δ|/range {schedule_err:.3e}; vl.decode.logits {decode_err:.3e}; \
          greedy {agree} of {} agree ({decidable} decidable); route_idx rows {decode_route_rows} of {}; \

@@ -178,3 +178,25 @@ pub fn expected_rows(flat: &[i32], width: usize) -> Vec<Vec<usize>> {
         .map(|r| r.iter().filter(|&&v| v >= 0).map(|&v| v as usize).collect())
         .collect()
 }
+
+/// The README's greedy rule: `(agree, decidable)` — how many of the reference's greedy tokens
+/// our argmaxes repeat before the first difference, and how many decisions come before the
+/// first whose reference top-2 margin is below twice our own logit error on that row. Row
+/// `first + g` of `argmaxes` / `row_errors` is greedy step `g`.
+pub fn greedy_agreement(
+    greedy: &[u32],
+    margins: &[f32],
+    argmaxes: &[u32],
+    row_errors: &[f32],
+    first: usize,
+) -> (usize, usize) {
+    let agree = greedy
+        .iter()
+        .zip(&argmaxes[first..])
+        .take_while(|(a, b)| a == b)
+        .count();
+    let decidable = (0..greedy.len())
+        .take_while(|&g| margins[g] >= 2.0 * row_errors[first + g])
+        .count();
+    (agree, decidable)
+}
