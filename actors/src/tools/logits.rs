@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
-use deepinfer_model::backend::Backend;
 use deepinfer_model::checkpoint::Checkpoint;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
@@ -143,7 +142,7 @@ pub fn run_on(request: &LogitsRequest, device: LogitsDevice) -> Result<[usize; 2
         LogitsDevice::Cpu => AnyModel::load(dir, vocab).map_err(|e| model_err(e.to_string()))?,
         LogitsDevice::Cuda => {
             let ckpt = Checkpoint::open(dir).map_err(|e| model_err(e.to_string()))?;
-            let backend = cuda_backend().map_err(LogitsError::Device)?;
+            let backend = crate::gpu::open_cuda_backend(0).map_err(LogitsError::Device)?;
             match cfg.family {
                 ModelFamily::V41 => v41::Model::from_checkpoint(cfg, &ckpt, vocab, backend)
                     .map(|model| AnyModel::V41(Box::new(model))),
@@ -171,19 +170,6 @@ pub fn run_on(request: &LogitsRequest, device: LogitsDevice) -> Result<[usize; 2
     }
     write_logits(&request.out, &logits, [n, vocab_size])?;
     Ok([n, vocab_size])
-}
-
-/// The CUDA backend on GPU 0 (the one place this crate chooses by the `cuda` feature).
-#[cfg(feature = "cuda")]
-fn cuda_backend() -> Result<Box<dyn Backend>, String> {
-    deepinfer_model::backend::cuda::CudaBackend::open(0)
-        .map(|backend| Box::new(backend) as Box<dyn Backend>)
-        .map_err(|e| e.to_string())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_backend() -> Result<Box<dyn Backend>, String> {
-    Err("this build has no CUDA support (rebuild with --features cuda)".to_string())
 }
 
 fn write_logits(path: &Path, logits: &[f32], shape: [usize; 2]) -> Result<(), LogitsError> {
