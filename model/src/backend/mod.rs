@@ -220,6 +220,104 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         precision: Precision,
     ) -> Vec<f32>;
 
+    /// [`Backend::hc_mixes`] of every token of `x [n, hc · dim]` (a token's width `hc · dim` is
+    /// the projection's input width), one [`HcMix`] per token.
+    fn hc_mixes_rows(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Vec<HcMix> {
+        let width = params.proj.len() / ((2 + hc) * hc).max(1);
+        if width == 0 {
+            return Vec::new();
+        }
+        x.chunks_exact(width)
+            .map(|token| self.hc_mixes(token, params, hc, sinkhorn_iters, hc_eps, norm_eps))
+            .collect()
+    }
+    /// [`Backend::hc_collapse_at`] of every token: `x [n, hc, dim]` with its own weights
+    /// `weights [n, hc]` → `[n, dim]`.
+    fn hc_collapse_rows_at(
+        &self,
+        x: &[f32],
+        weights: &[f32],
+        hc: usize,
+        precision: Precision,
+    ) -> Vec<f32> {
+        let tokens = weights.len() / hc.max(1);
+        if tokens == 0 {
+            return Vec::new();
+        }
+        x.chunks_exact(x.len() / tokens)
+            .zip(weights.chunks_exact(hc))
+            .flat_map(|(x, w)| self.hc_collapse_at(x, w, precision))
+            .collect()
+    }
+    /// [`Backend::hc_expand_at`] of every token: `y [n, dim]`, `residual [n, hc, dim]`, one mix
+    /// per token → `[n, hc, dim]`.
+    fn hc_expand_rows_at(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mixes: &[HcMix],
+        precision: Precision,
+    ) -> Vec<f32> {
+        if mixes.is_empty() {
+            return Vec::new();
+        }
+        let (dim, width) = (y.len() / mixes.len(), residual.len() / mixes.len());
+        y.chunks_exact(dim)
+            .zip(residual.chunks_exact(width))
+            .zip(mixes)
+            .flat_map(|((y, r), mix)| self.hc_expand_at(y, r, mix, precision))
+            .collect()
+    }
+    /// [`Backend::sparse_attention_at`] of `keys.len()` queries `q [n, heads · head_dim]`, query
+    /// `t` over its own `keys[t]` → `[n, heads · head_dim]`.
+    fn sparse_attention_rows_at(
+        &self,
+        q: &[f32],
+        keys: &[Vec<&[f32]>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Vec<f32> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        q.chunks_exact(q.len() / keys.len())
+            .zip(keys)
+            .flat_map(|(q, keys)| self.sparse_attention_at(q, keys, sink, scale, precision))
+            .collect()
+    }
+    /// [`Backend::index_scores_at`] of `visible.len()` queries `q [n, heads · head_dim]` with
+    /// their head weights `[n, heads]`: query `t` scores the first `visible[t]` keys of `keys`.
+    fn index_scores_rows_at(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        visible: &[usize],
+        precision: Precision,
+    ) -> Vec<Vec<f32>> {
+        if visible.is_empty() {
+            return Vec::new();
+        }
+        q.chunks_exact(q.len() / visible.len())
+            .zip(weights.chunks_exact(weights.len() / visible.len()))
+            .zip(visible)
+            .map(|((q, w), &seen)| {
+                let seen = (seen * head_dim).min(keys.len());
+                self.index_scores_at(q, w, &keys[..seen], head_dim, precision)
+            })
+            .collect()
+    }
+
     /// One token per row of `logits` (`[rows.len(), vocab]`), each row sampled with its own
     /// parameters and position exactly as [`crate::sampling::sample`] does (the one definition of
     /// the sampling math; a device implementation must return the same ids).
