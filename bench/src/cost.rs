@@ -223,16 +223,28 @@ pub fn decode_step(cfg: &ModelConfig, positions: &[usize]) -> Cost {
     }
 }
 
-/// A prefill of `len` tokens into an empty sequence with only the last logits row: weights once
-/// (experts: [`expected_experts`] for `len` tokens), [`token_cost`] at positions `0..len`, one
-/// head row.
+/// A prefill of `len` tokens into an empty sequence with only the last logits row (see
+/// [`prefill_step`]).
 pub fn prefill(cfg: &ModelConfig, len: usize) -> Cost {
-    let tokens: Cost = (0..len).map(|p| token_cost(cfg, p)).sum();
+    prefill_step(cfg, &[len])
+}
+
+/// One step prefilling a prompt of `lens[i]` tokens into each of `lens.len()` empty sequences,
+/// one pass over all their rows with the last logits row of each: weights once (experts:
+/// [`expected_experts`] for all the step's tokens), [`token_cost`] at positions `0..len` of every
+/// prompt, one head row per prompt.
+pub fn prefill_step(cfg: &ModelConfig, lens: &[usize]) -> Cost {
+    let tokens: Cost = lens
+        .iter()
+        .flat_map(|&len| 0..len)
+        .map(|p| token_cost(cfg, p))
+        .sum();
+    let total: usize = lens.iter().sum();
     Cost {
         weight_bytes: dense_weight_bytes(cfg)
-            + cfg.n_layers as f64 * expected_experts(cfg, len) * expert_bytes(cfg),
+            + cfg.n_layers as f64 * expected_experts(cfg, total) * expert_bytes(cfg),
         state_bytes: tokens.state_bytes,
-        flops: tokens.flops + head_flops(cfg),
+        flops: tokens.flops + lens.len() as f64 * head_flops(cfg),
     }
 }
 

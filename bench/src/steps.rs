@@ -1,13 +1,13 @@
 //! Whole-step timing of a V4.1 [`Model`] on any backend: the prefill of several sequences, then
-//! decode steps in which every sequence appends one (greedy) token. The model runs one sequence
-//! at a time (its backend works per sequence), so a decode step over B sequences is B forwards in
-//! turn, and its time is their sum. Times are host wall-clock: every backend op returns its result
+//! decode steps in which every sequence appends one (greedy) token. A step is one
+//! [`Model::forward_step`] over all sequences (every op runs once over the step's rows), as the
+//! runtime's rank executor runs it. Times are host wall-clock: every backend op returns its result
 //! to the host, so an op has finished when the call returns.
 
 use std::time::Instant;
 
 use deepinfer_model::error::ModelError;
-use deepinfer_model::{LogitsWanted, Model, SequenceState};
+use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
 
 /// What one batch did and how long it took.
 #[derive(Debug, Clone)]
@@ -94,18 +94,16 @@ pub fn measure_batch(
     seed: u64,
 ) -> Result<BatchMeasurement, ModelError> {
     let vocab = model.config().vocab_size;
-    let mut sequences = Vec::with_capacity(prompt_lens.len());
-    let mut next = Vec::with_capacity(prompt_lens.len());
-    let mut prefill_seconds = 0.0;
-    for (i, &len) in prompt_lens.iter().enumerate() {
-        let prompt = prompt_tokens(seed + i as u64, len, 3, vocab);
-        let mut seq = model.new_sequence();
-        let started = Instant::now();
-        let logits = model.forward(&mut seq, &prompt, LogitsWanted::Last)?;
-        prefill_seconds += started.elapsed().as_secs_f64();
-        next.push(argmax(&logits));
-        sequences.push(seq);
-    }
+    let prompts: Vec<Vec<u32>> = prompt_lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| prompt_tokens(seed + i as u64, len, 3, vocab))
+        .collect();
+    let mut sequences: Vec<SequenceState> = prompts.iter().map(|_| model.new_sequence()).collect();
+    let started = Instant::now();
+    let logits = step(model, &mut sequences, |i| &prompts[i])?;
+    let prefill_seconds = started.elapsed().as_secs_f64();
+    let mut next: Vec<u32> = logits.iter().map(|row| argmax(row)).collect();
     let step_seconds = decode_steps(model, &mut sequences, &mut next, steps)?;
     Ok(BatchMeasurement {
         prompt_lens: prompt_lens.to_vec(),
@@ -145,13 +143,33 @@ pub fn decode_steps(
     let mut step_seconds = Vec::with_capacity(steps);
     for _ in 0..steps {
         let started = Instant::now();
-        for (seq, token) in sequences.iter_mut().zip(next.iter_mut()) {
-            let logits = model.forward(seq, &[*token], LogitsWanted::Last)?;
-            *token = argmax(&logits);
-        }
+        let logits = step(model, sequences, |i| std::slice::from_ref(&next[i]))?;
         step_seconds.push(started.elapsed().as_secs_f64());
+        for (token, row) in next.iter_mut().zip(&logits) {
+            *token = argmax(row);
+        }
     }
     Ok(step_seconds)
+}
+
+/// One [`Model::forward_step`] in which sequence `i` appends `tokens(i)`; the last logits row of
+/// each.
+fn step<'t>(
+    model: &Model,
+    sequences: &mut [SequenceState],
+    tokens: impl Fn(usize) -> &'t [u32],
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    let mut entries: Vec<StepEntry<'_>> = sequences
+        .iter_mut()
+        .enumerate()
+        .map(|(i, seq)| StepEntry {
+            seq,
+            tokens: tokens(i),
+            want: LogitsWanted::Last,
+            decoder_from: None,
+        })
+        .collect();
+    model.forward_step(&mut entries, None)
 }
 
 #[cfg(test)]

@@ -17,4 +17,6 @@ pub mod engram;
 pub mod v4;
 pub mod v41;
 
-pub use v41::{DraftProposal, ForwardTrace, Injection, LogitsWanted, Model, SequenceState};
+pub use v41::{
+    DraftProposal, ForwardTrace, Injection, LogitsWanted, Model, SequenceState, StepEntry,
+};

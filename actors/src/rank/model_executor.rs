@@ -1,21 +1,23 @@
 //! `ModelExecutor`: the `RankExecutor` over the real model (`deepinfer_model::Model`).
 //!
-//! Owns one `SequenceState` per live request. A step appends each entry's tokens with
-//! `Model::forward(.., LogitsWanted::Last)`; the model is shared (read-only) by every rank of the
-//! process. The runtime adds nothing to the numbers: the logits are exactly the model's.
-//! A DSpark verify entry (`all_rows`) asks for every row; `draft` runs the checkpoint's DSpark
-//! heads (`Model::draft`) when the model has them. A sequence with a planned decoder start
-//! (`plan_replay`, decoder bounded replay) runs `Model::forward_replay` instead of `forward`.
+//! Owns one `SequenceState` per live request. A step is one `Model::forward_step` over every
+//! entry (each sequence's last logits row, or every row of a DSpark verify entry, `all_rows`),
+//! bitwise what each sequence would get alone; the model is shared (read-only) by every rank of
+//! the process. The runtime adds nothing to the numbers: the logits are exactly the model's.
+//! `draft` runs the checkpoint's DSpark heads (`Model::draft`) when the model has them. A
+//! sequence with a planned decoder start (`plan_replay`, decoder bounded replay) runs its
+//! prefill as `Model::forward_replay` does.
 //!
 //! Factories: [`ModelFactory`] hands every rank the same model (the CPU backend);
 //! [`PerDeviceModelFactory`] hands each rank the same host weights rebound
 //! (`Model::on_backend`) to a backend opened on that rank's own device, on the rank's thread.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use deepinfer_model::backend::Backend;
-use deepinfer_model::{LogitsWanted, Model, SequenceState};
+use deepinfer_model::expert_dispatch::RoutedExperts;
+use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
 use deepinfer_topology::{DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
@@ -115,40 +117,55 @@ impl RankExecutor for ModelExecutor {
     }
 
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        // Every entry is checked before any sequence changes, and names its own sequence.
+        for entry in batch {
+            let seq = self
+                .sequences
+                .get(&entry.id)
+                .ok_or(ExecError::UnknownSequence(entry.id))?;
+            self.model
+                .check_chunk(seq, entry.tokens)
+                .map_err(|e| sequence_error(entry.id, e))?;
+        }
         // Expert parallelism: this step's placement epoch, read once at the step boundary.
         let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
         let experts = comm.as_deref().map(|comm| StepExperts::new(comm));
-        let rows = batch
-            .iter()
-            .map(|entry| {
-                let seq = self
-                    .sequences
-                    .get_mut(&entry.id)
-                    .ok_or(ExecError::UnknownSequence(entry.id))?;
-                let want = if entry.all_rows {
+        let ids: HashSet<RequestId> = batch.iter().map(|entry| entry.id).collect();
+        if ids.len() != batch.len() {
+            return Err(ExecError::Backend(
+                "a step names the same sequence twice".to_string(),
+            ));
+        }
+        // One forward over the whole step, entries in the batch's order.
+        let mut seqs: HashMap<RequestId, &mut SequenceState> = self
+            .sequences
+            .iter_mut()
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(&id, seq)| (id, seq))
+            .collect();
+        let mut entries = Vec::with_capacity(batch.len());
+        for entry in batch {
+            let seq = seqs
+                .remove(&entry.id)
+                .ok_or(ExecError::UnknownSequence(entry.id))?;
+            entries.push(StepEntry {
+                seq,
+                tokens: entry.tokens,
+                want: if entry.all_rows {
                     LogitsWanted::All
                 } else {
                     LogitsWanted::Last
-                };
-                let replay_from = self.replay_from.get(&entry.id).copied();
-                match (&experts, replay_from) {
-                    (Some(experts), Some(from)) => self.model.forward_replay_with_experts(
-                        seq,
-                        entry.tokens,
-                        want,
-                        from,
-                        experts,
-                    ),
-                    (Some(experts), None) => {
-                        self.model
-                            .forward_with_experts(seq, entry.tokens, want, experts)
-                    }
-                    (None, Some(from)) => self.model.forward_replay(seq, entry.tokens, want, from),
-                    (None, None) => self.model.forward(seq, entry.tokens, want),
-                }
-                .map_err(|e| sequence_error(entry.id, e))
-            })
-            .collect();
+                },
+                decoder_from: self.replay_from.get(&entry.id).copied(),
+            });
+        }
+        let rows = self
+            .model
+            .forward_step(
+                &mut entries,
+                experts.as_ref().map(|e| e as &dyn RoutedExperts),
+            )
+            .map_err(|e| ExecError::Backend(e.to_string()));
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {
                 dp: ep.dp,

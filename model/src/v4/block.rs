@@ -62,7 +62,7 @@ pub fn forward(
             .tid2eid
             .as_ref()
             .map(|table| &table[token as usize * k..(token as usize + 1) * k]);
-        let (f, _route) = moe::forward_token(ctx, &w.moe, &xn, hashed, None);
+        let (f, _route) = moe::forward_token(ctx, &w.moe, &xn, hashed);
         let expanded = backend.hc_expand_at(&f, x, mix, precision);
         x.copy_from_slice(&expanded);
     }

@@ -19,27 +19,24 @@ pub struct DraftProposal {
     pub confidence: Vec<f32>,
 }
 
-/// Projects the taps `main_hidden [n, targets · dim]` to `main_x` and appends each stage's context
-/// K=V entries for `positions` to its ring.
-pub fn feed_context(
+/// Projects the taps `main_hidden [n, targets · dim]` to `main_x` and returns each stage's context
+/// K=V entries (`[n, head_dim]`) for `positions`, to be appended to the stage's ring of the row's
+/// sequence.
+pub fn context_entries(
     ctx: &Ctx,
     w: &DsparkWeights,
     main_hidden: &[f32],
     positions: &[usize],
-    rings: &mut [PositionRing],
-) {
+) -> Vec<Vec<f32>> {
     let main_x = ctx.backend.rms_norm(
         &ctx.backend.gemm_fp8(main_hidden, &w.main_proj),
         &w.main_norm,
         ctx.cfg.norm_eps,
     );
-    let head_dim = ctx.cfg.head_dim;
-    for (stage, ring) in w.stages.iter().zip(rings.iter_mut()) {
-        let entries = window_entries(ctx, &stage.attn, &main_x, positions, &ctx.rope.main);
-        for (row, &position) in entries.chunks_exact(head_dim).zip(positions) {
-            ring.push_at(position, row.to_vec());
-        }
-    }
+    w.stages
+        .iter()
+        .map(|stage| window_entries(ctx, &stage.attn, &main_x, positions, &ctx.rope.main))
+        .collect()
 }
 
 /// Attention of one stage for the draft block at `positions` (`p+1 …`), keys = the stage's context

@@ -10,6 +10,7 @@ mod expert_hook;
 pub(crate) mod moe;
 pub(crate) mod rope;
 pub(crate) mod state;
+mod step;
 mod trace;
 pub mod vision;
 pub(crate) mod weights;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 
 pub use dspark::DraftProposal;
 pub use state::{MAX_BACKTRACK, SequenceState};
+pub use step::StepEntry;
 pub use trace::{ForwardTrace, Injection};
 
 use crate::backend::{Backend, CpuBackend};
@@ -27,8 +29,6 @@ use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
-use crate::quant::round_bf16;
-use csa::ChunkShared;
 use rope::RopeTables;
 use state::{CompressorState, LayerState};
 use weights::{BlockWeights, DsparkWeights};
@@ -336,8 +336,8 @@ impl Model {
         self.run_chunk_inner(seq, tokens, want, None, trace, None, vl)
     }
 
-    /// The one body behind every forward entry: `experts` runs the routed experts elsewhere,
-    /// `vl` places image spans.
+    /// A chunk of one sequence through [`Model::run_step`]: `experts` runs the routed experts
+    /// elsewhere, `vl` places image spans.
     #[allow(clippy::too_many_arguments)]
     fn run_chunk_inner(
         &self,
@@ -345,182 +345,18 @@ impl Model {
         tokens: &[u32],
         want: LogitsWanted,
         decoder_from: Option<usize>,
-        mut trace: Option<&mut ForwardTrace>,
+        trace: Option<&mut ForwardTrace>,
         experts: Option<&dyn RoutedExperts>,
         vl: Option<&vision::VlChunk<'_>>,
     ) -> Result<Vec<f32>, ModelError> {
-        self.check_chunk(seq, tokens)?;
-        let cfg = &self.cfg;
-        let ctx = self.ctx();
-        let (hc, dim) = (cfg.hc.mult, cfg.dim);
-        let n = tokens.len();
-        let mut positions: Vec<usize> = (seq.len..seq.len + n).collect();
-        // Leading rows of this chunk before the decoder suffix (bounded replay).
-        let dropped = decoder_from.map_or(0, |from| from.saturating_sub(seq.len).min(n));
-        let truncate_at = if dropped > 0 {
-            self.replay_boundary()
-        } else {
-            None
-        };
-        if let Some(trace) = trace.as_deref_mut() {
-            trace.reset(cfg.n_layers);
-        }
-
-        // Image-span rows: dead to Engram, routed with bias_vl (spec §3.1, §3.6).
-        let dead = vl.map_or_else(|| vec![false; n], |vl| vl.image_rows.to_vec());
-        let mut image_rows = dead.clone();
-        let engram_rows = self
-            .engram
-            .as_ref()
-            .map(|e| e.hash_chunk(ctx.backend, &mut seq.engram, tokens, &dead));
-        let mut streams = Vec::with_capacity(n * hc * dim);
-        for (i, &token) in tokens.iter().enumerate() {
-            let row = vl
-                .and_then(|vl| vl.embeddings.get(i).copied().flatten())
-                .unwrap_or(&self.embed[token as usize * dim..(token as usize + 1) * dim]);
-            for _ in 0..hc {
-                streams.extend_from_slice(row);
-            }
-        }
-        let mut pre: Vec<f32> = (0..n * hc)
-            .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
-            .collect();
-        let targets = cfg
-            .dspark
-            .as_ref()
-            .map_or(&[][..], |d| &d.target_layers[..]);
-        let mut taps: Vec<Vec<f32>> = Vec::new();
-        let mut shared = ChunkShared::default();
-
-        for (l, block_weights) in self.layers.iter().enumerate() {
-            if truncate_at == Some(l) {
-                // Decoder boundary: its compressor sees every token, everything else only the tail.
-                if let (Some(weights), Some(state)) = (
-                    &block_weights.attn.compressor,
-                    seq.layers[l].compressor.as_mut(),
-                ) {
-                    let width = hc * dim;
-                    let xn = block::attention_inputs(
-                        &ctx,
-                        block_weights,
-                        &streams[..dropped * width],
-                        &pre[..dropped * hc],
-                    );
-                    csa::compress_chunk(&ctx, weights, state, &xn, &positions[..dropped], l);
-                }
-                streams.drain(..dropped * hc * dim);
-                pre.drain(..dropped * hc);
-                positions.drain(..dropped);
-                image_rows.drain(..dropped);
-                if positions.is_empty() {
-                    break;
-                }
-            }
-            inject_streams(trace.as_deref(), l, &mut streams, &mut pre);
-            let engram_index = cfg
-                .engram
-                .as_ref()
-                .and_then(|e| e.layer_ids.iter().position(|&id| id == l));
-            if let (Some(engram), Some(rows), Some(index)) =
-                (&self.engram, &engram_rows, engram_index)
-            {
-                engram.apply(ctx.backend, index, rows, &mut streams, &dead);
-                if let Some(trace) = trace.as_deref_mut() {
-                    trace.engram_out[l] = streams.clone();
-                }
-            }
-            if targets.contains(&l) {
-                taps.push(stream_means(&streams, hc, dim));
-            }
-            let layer_states = &mut seq.layers;
-            let shared = &mut shared;
-            let forced_routes = trace
-                .as_deref()
-                .and_then(|t| t.inject.routes.get(l).cloned().flatten());
-            let attn_trace = trace.as_deref_mut();
-            let block_ctx = Ctx {
-                image_routing: vl.and_then(|vl| {
-                    let bias_vl = vl.router_bias.get(l)?;
-                    Some(vision::ImageRouting::new(&image_rows, bias_vl))
-                }),
-                ..expert_hook::at_layer(ctx, experts, l)
-            };
-            let routes = block::forward(
-                &block_ctx,
-                block_weights,
-                &mut streams,
-                &mut pre,
-                forced_routes.as_deref(),
-                |xn| {
-                    attention::forward(
-                        &ctx,
-                        &block_weights.attn,
-                        l,
-                        xn,
-                        &positions,
-                        layer_states,
-                        shared,
-                        attn_trace,
-                    )
-                },
-            );
-            if let Some(trace) = trace.as_deref_mut() {
-                trace.layer_out[l] = streams.clone();
-                trace.layer_pre[l] = pre.clone();
-                trace.route_idx[l] = routes.iter().map(|r| r.experts.clone()).collect();
-                trace.route_w[l] = routes.iter().map(|r| r.weights.clone()).collect();
-            }
-        }
-
-        inject_streams(trace.as_deref(), cfg.n_layers, &mut streams, &mut pre);
-        let kept = positions.len();
-        let rows: Vec<usize> = match want {
-            LogitsWanted::All => (0..kept).collect(),
-            LogitsWanted::Last => kept.checked_sub(1).into_iter().collect(),
-        };
-        let traced_rows: Vec<usize> = if trace.is_some() {
-            (0..kept).collect()
-        } else {
-            rows.clone()
-        };
-        let mut logits = Vec::with_capacity(rows.len() * cfg.vocab_size);
-        for t in traced_rows {
-            let width = hc * dim;
-            let x = ctx.backend.hc_collapse(
-                &streams[t * width..(t + 1) * width],
-                &pre[t * hc..(t + 1) * hc],
-            );
-            let hidden = ctx.backend.rms_norm(&x, &self.norm, cfg.norm_eps);
-            if rows.contains(&t) {
-                logits.extend(
-                    ctx.backend
-                        .linear_f32(&hidden, &self.head, cfg.vocab_size, dim),
-                );
-            }
-            if let Some(trace) = trace.as_deref_mut() {
-                trace.final_hidden.extend(hidden);
-            }
-        }
-
-        if let Some(dspark) = self.dspark.as_ref().filter(|_| kept > 0) {
-            let computed: Vec<f32> = (0..kept)
-                .flat_map(|t| {
-                    taps.iter()
-                        .flat_map(move |tap| tap[t * dim..(t + 1) * dim].iter().copied())
-                })
-                .collect();
-            let main_hidden = trace
-                .as_deref()
-                .and_then(|t| t.inject.main_hidden.clone())
-                .unwrap_or(computed);
-            dspark::feed_context(&ctx, dspark, &main_hidden, &positions, &mut seq.dspark);
-            if let Some(trace) = trace {
-                trace.main_hidden = main_hidden;
-            }
-        }
-        seq.len += n;
-        seq.trim(cfg.window_size);
-        Ok(logits)
+        let mut entry = [StepEntry {
+            seq,
+            tokens,
+            want,
+            decoder_from,
+        }];
+        let mut logits = self.run_step(&mut entry, trace, experts, vl)?;
+        Ok(logits.pop().unwrap_or_default())
     }
 
     /// Drops everything after the first `len` tokens. Only the last [`MAX_BACKTRACK`] tokens can be
@@ -574,7 +410,9 @@ impl Model {
         Ok(())
     }
 
-    fn check_chunk(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
+    /// Whether `tokens` can be appended to `seq` (known ids, non-empty, within the positions):
+    /// the check every forward runs first.
+    pub fn check_chunk(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
         if tokens.is_empty() {
             return Err(ModelError::Sequence {
                 message: "empty chunk".to_string(),
@@ -594,40 +432,6 @@ impl Model {
         }
         Ok(())
     }
-}
-
-/// Replaces the streams / collapse weights entering block `layer` when the trace injects them.
-fn inject_streams(
-    trace: Option<&ForwardTrace>,
-    layer: usize,
-    streams: &mut Vec<f32>,
-    pre: &mut Vec<f32>,
-) {
-    let Some(inject) = trace.map(|t| &t.inject) else {
-        return;
-    };
-    if let Some(Some(forced)) = inject.streams.get(layer)
-        && forced.len() == streams.len()
-    {
-        streams.clone_from(forced);
-    }
-    if let Some(Some(forced)) = inject.pre.get(layer)
-        && forced.len() == pre.len()
-    {
-        pre.clone_from(forced);
-    }
-}
-
-/// `bf16(mean over the hc streams)` of every token of `[n, hc, dim]` streams.
-fn stream_means(streams: &[f32], hc: usize, dim: usize) -> Vec<f32> {
-    streams
-        .chunks_exact(hc * dim)
-        .flat_map(|token| {
-            (0..dim).map(move |d| {
-                round_bf16((0..hc).fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
-            })
-        })
-        .collect()
 }
 
 /// Rejects configs whose structure the forward pass does not implement.

@@ -14,31 +14,58 @@ pub struct Route {
     pub weights: Vec<f32>,
 }
 
-/// Router of one token: top-k of `s + bias` (ties: lower expert id), weights `s / Σs · scale`.
-/// `forced` replaces the selection (the weights still come from this token's scores);
-/// `bias_override` replaces the gate's selection bias (`bias_vl` on image rows).
-pub fn route(
+/// Routers of every row of `x [n, dim]`: top-k of `s + bias` (ties: lower expert id), weights
+/// `s / Σs · scale`. `forced[t]` replaces row t's selection (the weights still come from its own
+/// scores); image-span rows (`ctx.image_routing`) select with `bias_vl` instead of the gate's bias.
+pub fn route_rows(
     ctx: &Ctx,
     w: &MoeWeights,
     x: &[f32],
-    forced: Option<&[usize]>,
-    bias_override: Option<&[f32]>,
-) -> Route {
+    forced: Option<&[Vec<usize>]>,
+) -> Vec<Route> {
     let n_experts = w.bias.len();
     let logits = ctx.backend.linear_f32(x, &w.gate, n_experts, ctx.cfg.dim);
-    let selection = match forced {
-        Some(forced) => ExpertSelection::Forced(forced),
-        None => ExpertSelection::TopK(w.n_activated),
+    let into_route = |r: ExpertRoute| Route {
+        experts: r.experts,
+        weights: r.weights,
     };
-    let bias = bias_override.unwrap_or(&w.bias);
-    let routed = ctx
-        .backend
-        .route_experts(&logits, bias, selection, ctx.cfg.route_scale);
-    let ExpertRoute { experts, weights } = routed.into_iter().next().unwrap_or(ExpertRoute {
-        experts: Vec::new(),
-        weights: Vec::new(),
-    });
-    Route { experts, weights }
+    let bias_of = |t: usize| {
+        ctx.image_routing
+            .and_then(|routing| routing.bias_for(t))
+            .unwrap_or(&w.bias)
+    };
+    let rows = logits.len() / n_experts.max(1);
+    let uniform = forced.is_none() && (0..rows).all(|t| std::ptr::eq(bias_of(t), &w.bias[..]));
+    if uniform {
+        // One router call for the whole step: every row selects alike.
+        let selection = ExpertSelection::TopK(w.n_activated);
+        return ctx
+            .backend
+            .route_experts(&logits, &w.bias, selection, ctx.cfg.route_scale)
+            .into_iter()
+            .map(into_route)
+            .collect();
+    }
+    logits
+        .chunks_exact(n_experts)
+        .enumerate()
+        .map(|(t, row)| {
+            let selection = match forced.and_then(|f| f.get(t)) {
+                Some(forced) => ExpertSelection::Forced(forced),
+                None => ExpertSelection::TopK(w.n_activated),
+            };
+            let routed = ctx
+                .backend
+                .route_experts(row, bias_of(t), selection, ctx.cfg.route_scale);
+            routed.into_iter().next().map_or(
+                Route {
+                    experts: Vec::new(),
+                    weights: Vec::new(),
+                },
+                into_route,
+            )
+        })
+        .collect()
 }
 
 pub(crate) trait ExpertProjection {
@@ -55,66 +82,120 @@ impl ExpertProjection for ExpertLinear {
     }
 }
 
-/// One SwiGLU expert on one token; `weight` (routed experts) multiplies the activation before `w2`.
+/// One SwiGLU expert on the rows of `x [m, dim]`; `weights` (routed experts, one per row)
+/// multiplies each row's activation before `w2`.
 pub(crate) fn expert<W: ExpertProjection>(
     ctx: &Ctx,
     e: &ExpertWeights<W>,
     x: &[f32],
-    weight: Option<f32>,
+    weights: Option<&[f32]>,
 ) -> Vec<f32> {
     let limit = ctx.cfg.swiglu_limit;
     let precision = ctx.cfg.precision();
     let gate = e.w1.apply(ctx.backend, x);
     let up = e.w3.apply(ctx.backend, x);
+    let rows = x.len() / ctx.cfg.dim.max(1);
+    let inter = gate.len() / rows.max(1);
     let hidden: Vec<f32> = gate
         .iter()
         .zip(&up)
-        .map(|(&g, &u)| {
+        .enumerate()
+        .map(|(i, (&g, &u))| {
             let (g, u) = if limit > 0.0 {
                 (g.min(limit), u.clamp(-limit, limit))
             } else {
                 (g, u)
             };
             let a = g / (1.0 + exp_f32(-g)) * u;
+            let weight = weights.and_then(|w| w.get(i / inter.max(1)));
             precision.round(weight.map_or(a, |w| w * a))
         })
         .collect();
     e.w2.apply(ctx.backend, &hidden)
 }
 
-/// MoE of one token: routed experts in increasing id, then the shared expert, summed in fp32.
-pub fn forward_token(
+/// MoE of every row of `x [n, dim]`: each row's routed experts summed in increasing expert id,
+/// then the shared expert, in fp32 (the routed experts run grouped: one expert call over all the
+/// rows that chose it, whose rows do not depend on each other). `forced` as in [`route_rows`].
+pub fn forward_rows(
     ctx: &Ctx,
     w: &MoeWeights,
     x: &[f32],
-    forced: Option<&[usize]>,
-    bias_override: Option<&[f32]>,
-) -> (Vec<f32>, Route) {
-    let route = route(ctx, w, x, forced, bias_override);
-    let mut picks: Vec<ExpertPick> = route
-        .experts
-        .iter()
-        .zip(&route.weights)
-        .map(|(&expert, &weight)| ExpertPick { expert, weight })
-        .collect();
-    picks.sort_by_key(|pick| pick.expert);
-    // Wherever the routed experts run, their outputs are summed here in increasing expert id.
-    let outputs = match ctx.routed {
-        Some(site) => site.experts.run(site.layer, x, &picks),
-        None => picks
-            .iter()
-            .map(|pick| expert(ctx, &w.experts[pick.expert], x, Some(pick.weight)))
-            .collect(),
-    };
+    forced: Option<&[Vec<usize>]>,
+) -> (Vec<f32>, Vec<Route>) {
+    let dim = ctx.cfg.dim;
+    let routes = route_rows(ctx, w, x, forced);
     let mut y = vec![0.0f32; x.len()];
-    for output in outputs {
-        for (acc, v) in y.iter_mut().zip(output) {
+    let mut add = |t: usize, output: &[f32]| {
+        for (acc, v) in y[t * dim..(t + 1) * dim].iter_mut().zip(output) {
             *acc += v;
+        }
+    };
+    match ctx.routed {
+        // Expert parallelism: each row's picks go to the expert site, in increasing expert id.
+        Some(site) => {
+            for (t, route) in routes.iter().enumerate() {
+                let mut picks: Vec<ExpertPick> = route
+                    .experts
+                    .iter()
+                    .zip(&route.weights)
+                    .map(|(&expert, &weight)| ExpertPick { expert, weight })
+                    .collect();
+                picks.sort_by_key(|pick| pick.expert);
+                for output in site
+                    .experts
+                    .run(site.layer, &x[t * dim..(t + 1) * dim], &picks)
+                {
+                    add(t, &output);
+                }
+            }
+        }
+        None => {
+            // Rows (with their weights) of every expert; visiting experts in increasing id adds
+            // each row's outputs in that order.
+            let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); w.experts.len()];
+            for (t, route) in routes.iter().enumerate() {
+                for (&expert, &weight) in route.experts.iter().zip(&route.weights) {
+                    if let Some(rows) = users.get_mut(expert) {
+                        rows.push((t, weight));
+                    }
+                }
+            }
+            for (rows, weights) in users.iter().zip(w.experts.iter()) {
+                if rows.is_empty() {
+                    continue;
+                }
+                let xe: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&(t, _)| x[t * dim..(t + 1) * dim].iter().copied())
+                    .collect();
+                let scale: Vec<f32> = rows.iter().map(|&(_, weight)| weight).collect();
+                let out = expert(ctx, weights, &xe, Some(&scale));
+                for (&(t, _), output) in rows.iter().zip(out.chunks_exact(dim)) {
+                    add(t, output);
+                }
+            }
         }
     }
     for (acc, v) in y.iter_mut().zip(expert(ctx, &w.shared, x, None)) {
         *acc += v;
     }
     let precision = ctx.cfg.precision();
-    (y.into_iter().map(|v| precision.round(v)).collect(), route)
+    (y.into_iter().map(|v| precision.round(v)).collect(), routes)
+}
+
+/// [`forward_rows`] of one token (`forced` replaces its selection).
+pub fn forward_token(
+    ctx: &Ctx,
+    w: &MoeWeights,
+    x: &[f32],
+    forced: Option<&[usize]>,
+) -> (Vec<f32>, Route) {
+    let forced = forced.map(|f| vec![f.to_vec()]);
+    let (y, mut routes) = forward_rows(ctx, w, x, forced.as_deref());
+    let route = routes.pop().unwrap_or(Route {
+        experts: Vec::new(),
+        weights: Vec::new(),
+    });
+    (y, route)
 }

@@ -4,9 +4,9 @@
 //! step needs (`deepinfer_bench::cost`) and the ratio of the H200 roofline floor to the measured
 //! time.
 //!
-//! The model runs one sequence at a time (the `Backend` works per sequence), so a decode step over
-//! B sequences is B forwards in turn; `CudaBackend` copies activations to and from the host for
-//! every op (weights stay cached on the device after their first use). Every timed run follows an
+//! A step over B sequences is one `Model::forward_step` (every op once over the step's rows, as the
+//! rank executor runs it); `CudaBackend` still copies activations to and from the host for every
+//! op (weights stay cached on the device after their first use). Every timed run follows an
 //! untimed warm-up that uploads the weights.
 
 use std::path::Path;
@@ -74,8 +74,8 @@ fn decode_row(model: &'static str, cfg: &ModelConfig, run: &BatchMeasurement) ->
     })
 }
 
-/// The v41-tiny fixture in `dir`: per batch, prefill of prompts of different lengths (each its own
-/// pass) and decode steps.
+/// The v41-tiny fixture in `dir`: per batch, one prefill step over prompts of different lengths
+/// and decode steps.
 pub fn fixture(dir: &Path, quick: bool) -> Result<Vec<StepRow>> {
     let cfg = ModelConfig::from_file(&dir.join("config.json"))
         .with_context(|| format!("fixture config in {}", dir.display()))?;
@@ -107,7 +107,7 @@ pub fn fixture(dir: &Path, quick: bool) -> Result<Vec<StepRow>> {
             tokens: run.prompt_tokens(),
             seconds: run.prefill_seconds,
             p90_seconds: None,
-            cost: lens.iter().map(|&len| cost::prefill(&cfg, len)).sum(),
+            cost: cost::prefill_step(&cfg, &lens),
         });
         rows.push(decode_row("v41-tiny", &cfg, &run)?);
     }
@@ -238,11 +238,10 @@ pub fn print(rows: &[StepRow]) {
         );
     }
     println!(
-        "\nprefill: B prompts of different lengths, each its own pass (v41 block: one prompt); time_ms = all of them, \
+        "\nprefill: B prompts of different lengths in one step (v41 block: one prompt); time_ms = that step, \
          tok/s = prompt tokens / time. decode: every sequence appends one token; time_ms = median step, p90_ms = 90th \
          percentile, tok/s = B / median (v41 block: B copies of the prefilled sequence, each fed a different token). \
-         A step over B sequences is B forwards, one sequence at a time (the Backend is per sequence), with host copies \
-         around every op. weight_MB = distinct weights at checkpoint width, once per pass (routed experts: the expected \
+         A step over B sequences is one forward over all their rows, with host copies around every op. weight_MB = distinct weights at checkpoint width, once per pass (routed experts: the expected \
          distinct experts E(n) = E(1-(1-k/E)^n) of n tokens); state_MB = KV/state reads of all queries; GFLOP = GEMMs, \
          mHC, attention and index scores (bench/src/cost.rs); floor = max(bytes / 4.28 TB/s, FLOPs / 790 TFLOP/s); \
          roofline = floor / time; x_floor = time / floor."

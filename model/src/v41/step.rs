@@ -1,0 +1,433 @@
+//! One forward over every sequence of a step. Each sequence's chunk of tokens becomes rows of one
+//! matrix and every block runs once over all rows (the GEMMs' M is the step's token count); only
+//! what belongs to a sequence runs per sequence: window pushes, compressors, the indexer's
+//! selection, the key lists, the Engram history and the DSpark rings. No op mixes rows, so a
+//! sequence's logits are bitwise those of running it alone (batch invariance).
+
+use std::ops::Range;
+
+use super::csa::{self, ChunkShared};
+use super::state::SequenceState;
+use super::trace::ForwardTrace;
+use super::{Ctx, LogitsWanted, Model, attention, block, dspark, expert_hook, vision};
+use crate::backend::Precision;
+use crate::error::ModelError;
+use crate::expert_dispatch::RoutedExperts;
+use crate::quant::round_bf16;
+
+/// One sequence's part of a step ([`Model::forward_step`]).
+pub struct StepEntry<'a> {
+    pub seq: &'a mut SequenceState,
+    /// Appended at the sequence's next positions.
+    pub tokens: &'a [u32],
+    pub want: LogitsWanted,
+    /// Decoder bounded replay ([`Model::forward_replay`]): rows at positions below it stop at the
+    /// decoder boundary. `None`: every layer sees every row.
+    pub decoder_from: Option<usize>,
+}
+
+/// The positions of a step's rows and which rows belong to which sequence.
+pub(crate) struct StepRows {
+    pub positions: Vec<usize>,
+    /// The rows of entry `e` (consecutive, in entry order).
+    pub spans: Vec<Range<usize>>,
+}
+
+impl StepRows {
+    /// Rows for chunks of `lens[e].1` tokens starting at position `lens[e].0`.
+    fn new(chunks: impl Iterator<Item = (usize, usize)>) -> StepRows {
+        let mut rows = StepRows {
+            positions: Vec::new(),
+            spans: Vec::new(),
+        };
+        for (start, len) in chunks {
+            let first = rows.positions.len();
+            rows.positions.extend(start..start + len);
+            rows.spans.push(first..first + len);
+        }
+        rows
+    }
+
+    /// Drops the first `dropped[e]` rows of every entry; returns the kept flag of every old row.
+    fn drop_leading(&mut self, dropped: &[usize]) -> Vec<bool> {
+        let mut kept = vec![true; self.positions.len()];
+        let mut first = 0;
+        for (span, &drop) in self.spans.iter_mut().zip(dropped) {
+            let drop = drop.min(span.len());
+            kept[span.start..span.start + drop].fill(false);
+            let len = span.len() - drop;
+            *span = first..first + len;
+            first += len;
+        }
+        let mut flags = kept.iter();
+        self.positions.retain(|_| *flags.next().unwrap_or(&true));
+        kept
+    }
+
+    /// Every row of entry `e` kept (`width` values per row) out of `values`.
+    fn of<'v>(&self, e: usize, values: &'v [f32], width: usize) -> &'v [f32] {
+        &values[self.spans[e].start * width..self.spans[e].end * width]
+    }
+}
+
+/// Keeps the `width`-wide rows whose flag is set.
+fn retain_rows<T: Copy>(values: &mut Vec<T>, kept: &[bool], width: usize) {
+    let mut out = Vec::with_capacity(values.len());
+    for (row, &keep) in values.chunks_exact(width).zip(kept) {
+        if keep {
+            out.extend_from_slice(row);
+        }
+    }
+    *values = out;
+}
+
+/// The `width`-wide rows `rows` of `values`, one after another.
+fn gather_rows(values: &[f32], rows: impl Iterator<Item = usize>, width: usize) -> Vec<f32> {
+    rows.flat_map(|r| values[r * width..(r + 1) * width].iter().copied())
+        .collect()
+}
+
+impl Model {
+    /// One forward over several sequences at once: each entry's tokens are appended at its
+    /// sequence's next positions; returns, per entry and in order, its logits rows (as
+    /// [`Model::forward`] / [`Model::forward_replay`] return them for that entry alone, bit for
+    /// bit). `experts` runs the routed experts elsewhere (expert parallelism). Every entry is
+    /// checked before any state changes: a bad entry fails the step naming its index.
+    pub fn forward_step(
+        &self,
+        entries: &mut [StepEntry<'_>],
+        experts: Option<&dyn RoutedExperts>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.run_step(entries, None, experts, None)
+    }
+
+    /// The one body behind every forward entry: `trace` and `vl` (image spans) only with a single
+    /// entry, `experts` runs the routed experts elsewhere.
+    pub(super) fn run_step(
+        &self,
+        entries: &mut [StepEntry<'_>],
+        mut trace: Option<&mut ForwardTrace>,
+        experts: Option<&dyn RoutedExperts>,
+        vl: Option<&vision::VlChunk<'_>>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if entries.len() != 1 && (trace.is_some() || vl.is_some()) {
+            return Err(ModelError::Unsupported {
+                what: format!(
+                    "a traced or image-bearing forward over {} sequences (one at a time)",
+                    entries.len()
+                ),
+            });
+        }
+        for (e, entry) in entries.iter().enumerate() {
+            self.check_chunk(entry.seq, entry.tokens)
+                .map_err(|err| step_error(e, entries.len(), err))?;
+        }
+        if entries.iter().any(|entry| entry.decoder_from.is_some()) {
+            self.check_replay_boundary()?;
+        }
+        let cfg = &self.cfg;
+        let ctx = self.ctx();
+        let (hc, dim) = (cfg.hc.mult, cfg.dim);
+        let width = hc * dim;
+        let chunks: Vec<&[u32]> = entries.iter().map(|entry| entry.tokens).collect();
+        let wants: Vec<LogitsWanted> = entries.iter().map(|entry| entry.want).collect();
+        // Leading rows of each chunk before its decoder suffix (bounded replay).
+        let dropped: Vec<usize> = entries
+            .iter()
+            .map(|entry| {
+                entry.decoder_from.map_or(0, |from| {
+                    from.saturating_sub(entry.seq.len).min(entry.tokens.len())
+                })
+            })
+            .collect();
+        let mut rows = StepRows::new(
+            entries
+                .iter()
+                .map(|entry| (entry.seq.len, entry.tokens.len())),
+        );
+        let mut seqs: Vec<&mut SequenceState> =
+            entries.iter_mut().map(|entry| &mut *entry.seq).collect();
+        let truncate_at = if dropped.iter().any(|&d| d > 0) {
+            self.replay_boundary()
+        } else {
+            None
+        };
+        if let Some(trace) = trace.as_deref_mut() {
+            trace.reset(cfg.n_layers);
+        }
+
+        // Image-span rows: dead to Engram, routed with bias_vl (spec §3.1, §3.6).
+        let n_rows = rows.positions.len();
+        let dead = vl.map_or_else(|| vec![false; n_rows], |vl| vl.image_rows.to_vec());
+        let mut image_rows = dead.clone();
+        let engram_rows: Option<Vec<_>> = self.engram.as_ref().map(|engram| {
+            seqs.iter_mut()
+                .zip(&chunks)
+                .zip(&rows.spans)
+                .map(|((seq, tokens), span)| {
+                    engram.hash_chunk(ctx.backend, &mut seq.engram, tokens, &dead[span.clone()])
+                })
+                .collect()
+        });
+        let mut streams = Vec::with_capacity(n_rows * width);
+        for (i, &token) in chunks.iter().flat_map(|tokens| tokens.iter()).enumerate() {
+            let row = vl
+                .and_then(|vl| vl.embeddings.get(i).copied().flatten())
+                .unwrap_or(&self.embed[token as usize * dim..(token as usize + 1) * dim]);
+            for _ in 0..hc {
+                streams.extend_from_slice(row);
+            }
+        }
+        let mut pre: Vec<f32> = (0..n_rows * hc)
+            .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
+            .collect();
+        let targets = cfg
+            .dspark
+            .as_ref()
+            .map_or(&[][..], |d| &d.target_layers[..]);
+        let mut taps: Vec<Vec<f32>> = Vec::new();
+        let mut shared: Vec<ChunkShared> = seqs.iter().map(|_| ChunkShared::default()).collect();
+
+        for (l, block_weights) in self.layers.iter().enumerate() {
+            if truncate_at == Some(l) {
+                // Decoder boundary: its compressor sees every token, everything else only the tail.
+                if let Some(weights) = &block_weights.attn.compressor {
+                    let leading = || {
+                        rows.spans
+                            .iter()
+                            .zip(&dropped)
+                            .flat_map(|(span, &d)| span.start..span.start + d)
+                    };
+                    let xn = block::attention_inputs(
+                        &ctx,
+                        block_weights,
+                        &gather_rows(&streams, leading(), width),
+                        &gather_rows(&pre, leading(), hc),
+                    );
+                    let inputs = csa::compressor_inputs(&ctx, weights, &xn);
+                    let leading_rows: usize = dropped.iter().sum();
+                    let input_width = inputs.len() / leading_rows.max(1);
+                    let mut at = 0;
+                    let mut jobs = Vec::new();
+                    for ((seq, span), &d) in seqs.iter_mut().zip(&rows.spans).zip(&dropped) {
+                        if let (Some(state), true) = (seq.layers[l].compressor.as_mut(), d > 0) {
+                            jobs.push(csa::CompressJob {
+                                state,
+                                inputs: &inputs[at * input_width..(at + d) * input_width],
+                                positions: &rows.positions[span.start..span.start + d],
+                            });
+                        }
+                        at += d;
+                    }
+                    csa::compress_chunk(&ctx, weights, jobs, l);
+                }
+                let kept = rows.drop_leading(&dropped);
+                retain_rows(&mut streams, &kept, width);
+                retain_rows(&mut pre, &kept, hc);
+                retain_rows(&mut image_rows, &kept, 1);
+                if rows.positions.is_empty() {
+                    break;
+                }
+            }
+            inject_streams(trace.as_deref(), l, &mut streams, &mut pre);
+            let engram_index = cfg
+                .engram
+                .as_ref()
+                .and_then(|e| e.layer_ids.iter().position(|&id| id == l));
+            if let (Some(engram), Some(hashed), Some(index)) =
+                (&self.engram, &engram_rows, engram_index)
+            {
+                for (span, hashed) in rows.spans.iter().zip(hashed) {
+                    engram.apply(
+                        ctx.backend,
+                        index,
+                        hashed,
+                        &mut streams[span.start * width..span.end * width],
+                        &dead[span.clone()],
+                    );
+                }
+                if let Some(trace) = trace.as_deref_mut() {
+                    trace.engram_out[l] = streams.clone();
+                }
+            }
+            if targets.contains(&l) {
+                taps.push(stream_means(&streams, hc, dim));
+            }
+            let forced_routes = trace
+                .as_deref()
+                .and_then(|t| t.inject.routes.get(l).cloned().flatten());
+            let attn_trace = trace.as_deref_mut();
+            let block_ctx = Ctx {
+                image_routing: vl.and_then(|vl| {
+                    let bias_vl = vl.router_bias.get(l)?;
+                    Some(vision::ImageRouting::new(&image_rows, bias_vl))
+                }),
+                ..expert_hook::at_layer(ctx, experts, l)
+            };
+            let (seqs, shared, rows) = (&mut seqs, &mut shared, &rows);
+            let routes = block::forward(
+                &block_ctx,
+                block_weights,
+                &mut streams,
+                &mut pre,
+                forced_routes.as_deref(),
+                |xn| {
+                    attention::forward(
+                        &ctx,
+                        &block_weights.attn,
+                        l,
+                        xn,
+                        rows,
+                        seqs,
+                        shared,
+                        attn_trace,
+                    )
+                },
+            );
+            if let Some(trace) = trace.as_deref_mut() {
+                trace.layer_out[l] = streams.clone();
+                trace.layer_pre[l] = pre.clone();
+                trace.route_idx[l] = routes.iter().map(|r| r.experts.clone()).collect();
+                trace.route_w[l] = routes.iter().map(|r| r.weights.clone()).collect();
+            }
+        }
+        inject_streams(trace.as_deref(), cfg.n_layers, &mut streams, &mut pre);
+        let logits = self.head_rows(&ctx, &rows, &wants, &streams, &pre, trace.as_deref_mut());
+
+        if let Some(weights) = self.dspark.as_ref().filter(|_| !rows.positions.is_empty()) {
+            let computed: Vec<f32> = (0..rows.positions.len())
+                .flat_map(|t| {
+                    taps.iter()
+                        .flat_map(move |tap| tap[t * dim..(t + 1) * dim].iter().copied())
+                })
+                .collect();
+            let main_hidden = trace
+                .as_deref()
+                .and_then(|t| t.inject.main_hidden.clone())
+                .unwrap_or(computed);
+            let stage_entries =
+                dspark::context_entries(&ctx, weights, &main_hidden, &rows.positions);
+            let head_dim = cfg.head_dim;
+            for (e, seq) in seqs.iter_mut().enumerate() {
+                let positions = &rows.positions[rows.spans[e].clone()];
+                for (ring, entries) in seq.dspark.iter_mut().zip(&stage_entries) {
+                    let kv = rows.of(e, entries, head_dim);
+                    for (row, &position) in kv.chunks_exact(head_dim).zip(positions) {
+                        ring.push_at(position, row.to_vec());
+                    }
+                }
+            }
+            if let Some(trace) = trace {
+                trace.main_hidden = main_hidden;
+            }
+        }
+        for (seq, tokens) in seqs.iter_mut().zip(&chunks) {
+            seq.len += tokens.len();
+            seq.trim(cfg.window_size);
+        }
+        Ok(logits)
+    }
+
+    /// The final collapse, norm and head over the rows each entry wants (one head GEMM for the
+    /// whole step); a trace records the final hidden state of every row.
+    fn head_rows(
+        &self,
+        ctx: &Ctx,
+        rows: &StepRows,
+        wants: &[LogitsWanted],
+        streams: &[f32],
+        pre: &[f32],
+        trace: Option<&mut ForwardTrace>,
+    ) -> Vec<Vec<f32>> {
+        let cfg = &self.cfg;
+        let (hc, dim, vocab) = (cfg.hc.mult, cfg.dim, cfg.vocab_size);
+        let wanted: Vec<Vec<usize>> = rows
+            .spans
+            .iter()
+            .zip(wants)
+            .map(|(span, want)| match want {
+                LogitsWanted::All => span.clone().collect(),
+                LogitsWanted::Last => span.clone().last().into_iter().collect(),
+            })
+            .collect();
+        let needed: Vec<usize> = if trace.is_some() {
+            (0..rows.positions.len()).collect()
+        } else {
+            wanted.iter().flatten().copied().collect()
+        };
+        if needed.is_empty() {
+            return vec![Vec::new(); wants.len()];
+        }
+        let x = ctx.backend.hc_collapse_rows_at(
+            &gather_rows(streams, needed.iter().copied(), hc * dim),
+            &gather_rows(pre, needed.iter().copied(), hc),
+            hc,
+            Precision::Bf16,
+        );
+        let hidden = ctx.backend.rms_norm(&x, &self.norm, cfg.norm_eps);
+        // `needed` is ascending: a row's place in it by binary search.
+        let slot = |row: usize| needed.binary_search(&row).ok();
+        let head_inputs = gather_rows(
+            &hidden,
+            wanted.iter().flatten().filter_map(|&r| slot(r)),
+            dim,
+        );
+        let logits = ctx.backend.linear_f32(&head_inputs, &self.head, vocab, dim);
+        if let Some(trace) = trace {
+            trace.final_hidden = hidden;
+        }
+        let mut at = 0;
+        wanted
+            .iter()
+            .map(|rows| {
+                let part = logits[at * vocab..(at + rows.len()) * vocab].to_vec();
+                at += rows.len();
+                part
+            })
+            .collect()
+    }
+}
+
+/// A bad entry of a step: its index, when the step has more than one.
+fn step_error(entry: usize, entries: usize, err: ModelError) -> ModelError {
+    match err {
+        ModelError::Sequence { message } if entries > 1 => ModelError::Sequence {
+            message: format!("step entry {entry}: {message}"),
+        },
+        other => other,
+    }
+}
+
+/// Replaces the streams / collapse weights entering block `layer` when the trace injects them.
+fn inject_streams(
+    trace: Option<&ForwardTrace>,
+    layer: usize,
+    streams: &mut Vec<f32>,
+    pre: &mut Vec<f32>,
+) {
+    let Some(inject) = trace.map(|t| &t.inject) else {
+        return;
+    };
+    if let Some(Some(forced)) = inject.streams.get(layer)
+        && forced.len() == streams.len()
+    {
+        streams.clone_from(forced);
+    }
+    if let Some(Some(forced)) = inject.pre.get(layer)
+        && forced.len() == pre.len()
+    {
+        pre.clone_from(forced);
+    }
+}
+
+/// `bf16(mean over the hc streams)` of every token of `[n, hc, dim]` streams.
+fn stream_means(streams: &[f32], hc: usize, dim: usize) -> Vec<f32> {
+    streams
+        .chunks_exact(hc * dim)
+        .flat_map(|token| {
+            (0..dim).map(move |d| {
+                round_bf16((0..hc).fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
+            })
+        })
+        .collect()
+}
