@@ -143,6 +143,8 @@ pub enum KernelId {
     DequantFp4RowsF32,
     /// Single-query multi-head attention with a per-head sink, f32 storage.
     SparseAttentionSinkF32,
+    /// The sink attention of many queries in one launch, each over its own list of key rows.
+    SparseAttentionSinkRowsF32,
     /// mHC pre/post/comb coefficients of one token (projection, sigmoids, Sinkhorn).
     HcMixesF32,
     /// mHC collapse of the streams into one bf16 row.
@@ -151,6 +153,8 @@ pub enum KernelId {
     HcExpandF32,
     /// Indexer scores of one query against compressed keys.
     IndexScoresF32,
+    /// Indexer scores of many queries in one launch, each against its own prefix of the keys.
+    IndexScoresRowsF32,
     /// One token per logit row: greedy, or Gumbel-max with temperature, top-k and top-p.
     SampleRowsF32,
     /// MoE router after the gate linear: sqrt-softplus scores, biased top-k, normalised weights.
@@ -162,7 +166,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 28] = [
+    pub const ALL: [KernelId; 30] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -183,10 +187,12 @@ impl KernelId {
         KernelId::DequantFp8RowsF32,
         KernelId::DequantFp4RowsF32,
         KernelId::SparseAttentionSinkF32,
+        KernelId::SparseAttentionSinkRowsF32,
         KernelId::HcMixesF32,
         KernelId::HcCollapseF32,
         KernelId::HcExpandF32,
         KernelId::IndexScoresF32,
+        KernelId::IndexScoresRowsF32,
         KernelId::SampleRowsF32,
         KernelId::RouteExpertsF32,
         KernelId::EngramHashRows,
@@ -216,10 +222,12 @@ impl KernelId {
             KernelId::DequantFp8RowsF32 => "dequant_fp8_rows_f32",
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
             KernelId::SparseAttentionSinkF32 => "sparse_attention_sink_f32",
+            KernelId::SparseAttentionSinkRowsF32 => "sparse_attention_sink_rows_f32",
             KernelId::HcMixesF32 => "hc_mixes_f32",
             KernelId::HcCollapseF32 => "hc_collapse_f32",
             KernelId::HcExpandF32 => "hc_expand_f32",
             KernelId::IndexScoresF32 => "index_scores_f32",
+            KernelId::IndexScoresRowsF32 => "index_scores_rows_f32",
             KernelId::SampleRowsF32 => "sample_rows_f32",
             KernelId::RouteExpertsF32 => "route_experts_f32",
             KernelId::EngramHashRows => "engram_hash_rows",
@@ -246,11 +254,13 @@ impl KernelId {
             KernelId::LinearSgemmF32
             | KernelId::DequantFp8RowsF32
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
-            KernelId::SparseAttentionSinkF32 => SourceFile::Attention,
+            KernelId::SparseAttentionSinkF32 | KernelId::SparseAttentionSinkRowsF32 => {
+                SourceFile::Attention
+            }
             KernelId::HcMixesF32 | KernelId::HcCollapseF32 | KernelId::HcExpandF32 => {
                 SourceFile::Mhc
             }
-            KernelId::IndexScoresF32 => SourceFile::Indexer,
+            KernelId::IndexScoresF32 | KernelId::IndexScoresRowsF32 => SourceFile::Indexer,
             KernelId::SampleRowsF32 => SourceFile::Sampling,
             KernelId::RouteExpertsF32 => SourceFile::Moe,
             KernelId::EngramHashRows | KernelId::EngramGatherF32 => SourceFile::Engram,

@@ -1,8 +1,23 @@
-// Instantiation of the sink attention on f32 storage (bf16 values).
+// Instantiations of the sink attention on f32 storage (bf16 values): one query, and a batch of
+// queries each over its own list of key rows.
 #include "attention/sparse_attention.cuh"
 
+// One query: grid (heads); keys [p.keys, head_dim], key j is row j.
 extern "C" __global__ void __launch_bounds__(attention::THREADS)
     sparse_attention_sink_f32(const float* q, const float* keys, const float* sink, float* out,
                               AttentionParams p) {
-    attention::sparse_attention_sink(q, keys, sink, out, p);
+    attention::sparse_attention_sink(q, keys, attention::ConsecutiveRows{}, p.keys, sink, out, p);
+}
+
+// Queries [queries, heads, head_dim]: grid (heads, queries); query t's keys are the rows
+// key_rows[row_starts[t] .. row_starts[t + 1]) of keys [p.keys, head_dim].
+extern "C" __global__ void __launch_bounds__(attention::THREADS)
+    sparse_attention_sink_rows_f32(const float* q, const float* keys, const u32_t* key_rows,
+                                   const u32_t* row_starts, const float* sink, float* out,
+                                   AttentionParams p) {
+    const size_t query = blockIdx.y;
+    const u32_t first = row_starts[query];
+    const size_t width = (size_t)p.heads * p.head_dim;
+    attention::sparse_attention_sink(q + query * width, keys, attention::ListedRows{key_rows + first},
+                                     row_starts[query + 1] - first, sink, out + query * width, p);
 }

@@ -54,7 +54,8 @@ struct LinearParams {
     u32_t round_bf16;
 };
 
-// Sink attention of one query: q [heads, head_dim], keys [keys, head_dim], out [heads, head_dim].
+// Sink attention: q [heads, head_dim], keys [keys, head_dim], out [heads, head_dim] per query
+// (the row-batched kernel: keys = rows of the shared key buffer, each query lists its own rows).
 struct AttentionParams {
     u32_t heads;
     u32_t head_dim;
@@ -79,7 +80,8 @@ struct HcElementwiseParams {
     u32_t round_bf16;  // 1: outputs rounded to bf16; 0: fp32
 };
 
-// Indexer scores: q [heads, head_dim], w [heads], keys [keys, head_dim] -> scores [keys].
+// Indexer scores: q [heads, head_dim], w [heads], keys [keys, head_dim] -> scores [keys] per query
+// (the row-batched kernel: each query scores its own prefix of the keys).
 struct IndexParams {
     u32_t heads;
     u32_t head_dim;

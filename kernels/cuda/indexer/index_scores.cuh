@@ -1,7 +1,8 @@
-// Lightning-indexer scores of one query against n compressed keys (v41-architecture.md §3.5), with
-// the reference's bf16 rounding points, operation for operation as CpuBackend::index_scores:
-// score[j] = bf16(sum_h bf16(max(bf16(q_h . k_j), 0) * w_h)), each dot product a sequential f64 sum
-// and the head sum a sequential f64 sum (with p.round_bf16 = 0, no bf16 rounding anywhere). One block per key: one thread per head computes its term,
+// Lightning-indexer scores of one or many queries against compressed keys (v41-architecture.md
+// §3.5), with the reference's bf16 rounding points, operation for operation as
+// CpuBackend::index_scores: score[j] = bf16(sum_h bf16(max(bf16(q_h . k_j), 0) * w_h)), each dot
+// product a sequential f64 sum and the head sum a sequential f64 sum (with p.round_bf16 = 0, no
+// bf16 rounding anywhere). One block per (key, query): one thread per head computes its term,
 // thread 0 adds them in head order. A key's score depends only on (q, w, k_j): batch invariant.
 #pragma once
 #include "common/reference_math.cuh"
@@ -10,11 +11,14 @@ namespace indexer {
 
 constexpr int THREADS = 64;
 
+// Key blockIdx.x of one query (q [heads, head_dim], w [heads]) among its first `visible` keys of
+// keys [.., head_dim]; its score goes to scores[key].
 __device__ void index_scores(const float* __restrict__ q, const float* __restrict__ w,
-                             const float* __restrict__ keys, float* __restrict__ scores, IndexParams p) {
+                             const float* __restrict__ keys, u32_t visible, float* __restrict__ scores,
+                             IndexParams p) {
     extern __shared__ float terms[];  // [heads]
     const u32_t key = blockIdx.x;
-    if (key >= p.keys) return;
+    if (key >= visible) return;
     const float* k = keys + (size_t)key * p.head_dim;
     for (u32_t h = threadIdx.x; h < p.heads; h += THREADS) {
         float logit = refmath::dot_f64_sequential(q + (size_t)h * p.head_dim, k, p.head_dim);

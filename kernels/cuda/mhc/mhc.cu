@@ -1,4 +1,4 @@
-// Instantiations of the mHC kernels on f32 storage.
+// Instantiations of the mHC kernels on f32 storage, for any number of tokens (grid: see mhc.cuh).
 #include "mhc/mhc.cuh"
 
 extern "C" __global__ void __launch_bounds__(mhc::THREADS)

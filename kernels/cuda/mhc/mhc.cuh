@@ -1,13 +1,16 @@
-// mHC (manifold-constrained hyper-connections, v41-architecture.md §3.2) for one token, operation
-// for operation as the CPU reference (CpuBackend::hc_mixes / hc_collapse / hc_expand).
+// mHC (manifold-constrained hyper-connections, v41-architecture.md §3.2) for a batch of tokens,
+// operation for operation as the CPU reference (CpuBackend::hc_mixes / hc_collapse / hc_expand).
+// Every token's math is the one-token math on its own rows (one token = the n = 1 case), so a
+// token's results do not depend on the batch.
 //
-// hc_mixes, one block: x [hc, dim] flattened to n values; mean(x^2) in the order of torch's CPU
-// sum (refmath::torch_sum_block, as the CPU reference's sum_squares_f32_torch); the (2 + hc) * hc
+// hc_mixes, one block per token (blockIdx.x): x [tokens, hc, dim], each token flattened to n
+// values; mean(x^2) in the order of torch's CPU sum (refmath::torch_sum_block, as the CPU
+// reference's sum_squares_f32_torch); the (2 + hc) * hc
 // projections in the CPU sgemm order (one thread per 256-block partial, then one thread per
 // projection adds them in the CPU's pairwise tree); then one thread does the sigmoids and the Sinkhorn iterations
-// in the reference's order. Output: pre [hc], post [hc], comb [hc, hc].
-// hc_collapse / hc_expand: elementwise, the k/j sums in stream order in fp32, one rounding (bf16
-// when p.round_bf16, else none).
+// in the reference's order. Output per token: pre [hc], post [hc], comb [hc, hc].
+// hc_collapse / hc_expand: elementwise, token = blockIdx.y, each token with its own weights /
+// mixes; the k/j sums in stream order in fp32, one rounding (bf16 when p.round_bf16, else none).
 #pragma once
 #include "common/reference_math.cuh"
 
@@ -25,6 +28,8 @@ __device__ void hc_mixes(const float* __restrict__ x, const float* __restrict__ 
     const u32_t hc = p.hc;
     const u32_t projections = (2 + hc) * hc;
     const u32_t blocks = (p.n + refmath::SGEMM_K_BLOCK - 1) / refmath::SGEMM_K_BLOCK;
+    x += (size_t)blockIdx.x * p.n;
+    out += (size_t)blockIdx.x * (2 * hc + hc * hc);
 
     const float sum_squares = refmath::torch_sum_block<float, true>(x, p.n, scratch);
 
@@ -87,21 +92,31 @@ __device__ void hc_mixes(const float* __restrict__ x, const float* __restrict__ 
     for (u32_t i = 0; i < hc * hc; ++i) comb[i] = c[i];
 }
 
-// y[d] = bf16(sum_k w[k] * x[k, d]), k in stream order from 0.
+// y[t, d] = bf16(sum_k w[t, k] * x[t, k, d]), k in stream order from 0; t = blockIdx.y.
 __device__ void hc_collapse(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                             HcElementwiseParams p) {
     const u32_t d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= p.dim) return;
+    const size_t token = blockIdx.y;
+    x += token * p.hc * p.dim;
+    w += token * p.hc;
+    y += token * p.dim;
     float acc = 0.0f;
     for (u32_t k = 0; k < p.hc; ++k) acc = __fadd_rn(acc, __fmul_rn(w[k], x[(size_t)k * p.dim + d]));
     y[d] = p.round_bf16 ? round_bf16_f32(acc) : acc;
 }
 
-// out[k, d] = bf16(post[k] * y[d] + sum_j comb[j, k] * residual[j, d]); mix = post [hc] ++ comb [hc, hc].
+// out[t, k, d] = bf16(post[k] * y[t, d] + sum_j comb[j, k] * residual[t, j, d]) with token t's
+// mix = post [hc] ++ comb [hc, hc] (mix [tokens, hc + hc * hc]); t = blockIdx.y.
 __device__ void hc_expand(const float* __restrict__ y, const float* __restrict__ residual,
                           const float* __restrict__ mix, float* __restrict__ out, HcElementwiseParams p) {
     const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (unsigned long long)p.hc * p.dim) return;
+    const size_t token = blockIdx.y;
+    y += token * p.dim;
+    residual += token * p.hc * p.dim;
+    mix += token * (p.hc + p.hc * p.hc);
+    out += token * p.hc * p.dim;
     const u32_t k = (u32_t)(i / p.dim);
     const u32_t d = (u32_t)(i % p.dim);
     const float* comb = mix + p.hc;

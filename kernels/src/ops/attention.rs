@@ -1,6 +1,8 @@
-//! Single-query multi-head attention with a per-head sink (`CpuBackend::sparse_attention`):
-//! keys are shared by all heads (K = V), bit-exact with the CPU reference, one block per head with
-//! one fixed reduction order (batch invariant).
+//! Multi-head attention with a per-head sink (`CpuBackend::sparse_attention`) of one query, or of
+//! a batch of queries in one launch, each over its own list of key rows ([`DeviceKeyLists`]):
+//! keys are shared by all heads (K = V), bit-exact with the CPU reference, one block per
+//! (head, query) with one fixed reduction order that depends only on that query's keys (batch
+//! invariant).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -11,13 +13,49 @@ use crate::params::AttentionParams;
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "sparse_attention_sink_f32";
+const ROWS_OP: &str = "sparse_attention_sink_rows_f32";
 const THREADS: u32 = 256;
 /// Must match `attention::MAX_DIMS_PER_THREAD`.
 const MAX_HEAD_DIM: usize = 4 * THREADS as usize;
+/// The most queries one row-batched launch takes (the grid's y limit).
+pub const MAX_QUERIES_PER_LAUNCH: usize = 65_535;
+
+/// The shape checks both launchers share: `heads` from the sink, `head_dim` in range.
+fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), KernelError> {
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM || heads == 0 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!(
+                "head_dim = {head_dim} must be in 1..={MAX_HEAD_DIM} and heads = {heads} positive"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `keys` must hold at least `rows` keys of `head_dim`.
+fn check_key_rows(
+    op: &'static str,
+    keys: &CudaSlice<f32>,
+    rows: usize,
+    head_dim: usize,
+) -> Result<(), KernelError> {
+    if keys.len() < rows * head_dim {
+        return Err(KernelError::Shape {
+            op,
+            message: format!(
+                "keys hold {} values, fewer than {rows} keys of {head_dim}",
+                keys.len()
+            ),
+        });
+    }
+    Ok(())
+}
 
 /// `out [heads, head_dim] = attention(q [heads, head_dim], keys [n_keys, head_dim], sink [heads])`,
 /// f32 storage; `rounding` applies to the probabilities' weights and the outputs. `n_keys` may be 0 (only the sink: output 0); `keys` holds at least
 /// `n_keys · head_dim` values (a device buffer cannot be empty).
+#[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sink_f32(
     rt: &KernelRuntime,
     q: &CudaSlice<f32>,
@@ -30,23 +68,8 @@ pub fn sparse_attention_sink_f32(
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     let heads = sink.len();
-    if head_dim == 0 || head_dim > MAX_HEAD_DIM || heads == 0 {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "head_dim = {head_dim} must be in 1..={MAX_HEAD_DIM} and heads = {heads} positive"
-            ),
-        });
-    }
-    if keys.len() < n_keys * head_dim {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "keys hold {} values, fewer than {n_keys} keys of {head_dim}",
-                keys.len()
-            ),
-        });
-    }
+    check_heads(OP, heads, head_dim)?;
+    check_key_rows(OP, keys, n_keys, head_dim)?;
     expect_len(OP, "q", q.len(), heads * head_dim)?;
     expect_len(OP, "out", out.len(), heads * head_dim)?;
     let params = AttentionParams {
@@ -70,5 +93,137 @@ pub fn sparse_attention_sink_f32(
     // above); head_dim <= 4 * THREADS as the kernel's per-thread accumulators require.
     unsafe { launch.launch(cfg) }
         .map_err(KernelError::driver("launching sparse_attention_sink_f32"))?;
+    Ok(())
+}
+
+/// The key lists of a batch of attention queries on the device: query `t` attends to the key
+/// rows `key_rows[row_starts[t] .. row_starts[t + 1])` of a shared key buffer, in that order.
+/// Built only by [`DeviceKeyLists::upload`], which checks every row against the buffer's row
+/// count, so the kernel never reads outside it.
+pub struct DeviceKeyLists {
+    queries: usize,
+    key_buffer_rows: usize,
+    /// Flattened row indices (at least one element: a device buffer cannot be empty).
+    key_rows: CudaSlice<u32>,
+    /// `[queries + 1]` prefix offsets into `key_rows`.
+    row_starts: CudaSlice<u32>,
+}
+
+impl DeviceKeyLists {
+    /// Uploads the lists `lists[t]` (row indices into a key buffer of `key_buffer_rows` rows), one
+    /// per query: one upload of the flattened rows and one of the offsets.
+    pub fn upload<L: AsRef<[u32]>>(
+        rt: &KernelRuntime,
+        lists: &[L],
+        key_buffer_rows: usize,
+    ) -> Result<DeviceKeyLists, KernelError> {
+        const UPLOAD: &str = "DeviceKeyLists::upload";
+        if lists.is_empty() || lists.len() > MAX_QUERIES_PER_LAUNCH {
+            return Err(KernelError::Shape {
+                op: UPLOAD,
+                message: format!(
+                    "{} queries (must be 1..={MAX_QUERIES_PER_LAUNCH})",
+                    lists.len()
+                ),
+            });
+        }
+        let total: usize = lists.iter().map(|l| l.as_ref().len()).sum();
+        dim(UPLOAD, "listed keys", total)?;
+        let mut row_starts = Vec::with_capacity(lists.len() + 1);
+        let mut key_rows = Vec::with_capacity(total.max(1));
+        row_starts.push(0u32);
+        for (query, list) in lists.iter().enumerate() {
+            if let Some(&bad) = list
+                .as_ref()
+                .iter()
+                .find(|&&r| r as usize >= key_buffer_rows)
+            {
+                return Err(KernelError::Shape {
+                    op: UPLOAD,
+                    message: format!(
+                        "query {query} lists key row {bad}, beyond the {key_buffer_rows} rows of the key buffer"
+                    ),
+                });
+            }
+            key_rows.extend_from_slice(list.as_ref());
+            // `total` fits u32 (checked above), so every prefix does.
+            row_starts.push(key_rows.len() as u32);
+        }
+        if key_rows.is_empty() {
+            key_rows.push(0); // never read: every list is empty
+        }
+        let stream = rt.stream();
+        Ok(DeviceKeyLists {
+            queries: lists.len(),
+            key_buffer_rows,
+            key_rows: stream
+                .clone_htod(&key_rows)
+                .map_err(KernelError::driver("uploading the key rows"))?,
+            row_starts: stream
+                .clone_htod(&row_starts)
+                .map_err(KernelError::driver("uploading the key-list offsets"))?,
+        })
+    }
+
+    /// Number of queries.
+    pub fn queries(&self) -> usize {
+        self.queries
+    }
+}
+
+/// `out [t] = attention(q [t], its listed keys, sink)` for every query `t` of `lists`, in one
+/// launch (grid: heads × queries): `q`, `out` `[queries, heads, head_dim]`, `keys` the shared
+/// buffer of at least `lists`' row count of `head_dim`-wide keys, `sink [heads]`. A query with no
+/// keys gets 0 (only the sink). Each `(head, query)` computes exactly what
+/// [`sparse_attention_sink_f32`] computes for that query alone.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention_sink_rows_f32(
+    rt: &KernelRuntime,
+    q: &CudaSlice<f32>,
+    keys: &CudaSlice<f32>,
+    lists: &DeviceKeyLists,
+    sink: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    head_dim: usize,
+    scale: f32,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    let heads = sink.len();
+    check_heads(ROWS_OP, heads, head_dim)?;
+    check_key_rows(ROWS_OP, keys, lists.key_buffer_rows, head_dim)?;
+    let width = heads * head_dim;
+    expect_len(ROWS_OP, "q", q.len(), lists.queries * width)?;
+    expect_len(ROWS_OP, "out", out.len(), lists.queries * width)?;
+    let params = AttentionParams {
+        heads: dim(ROWS_OP, "heads", heads)?,
+        head_dim: dim(ROWS_OP, "head_dim", head_dim)?,
+        keys: dim(ROWS_OP, "key rows", lists.key_buffer_rows)?,
+        scale,
+        round_bf16: rounding.flag(),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (params.heads, dim(ROWS_OP, "queries", lists.queries)?, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::SparseAttentionSinkRowsF32)?);
+    launch
+        .arg(q)
+        .arg(keys)
+        .arg(&lists.key_rows)
+        .arg(&lists.row_starts)
+        .arg(sink)
+        .arg(out)
+        .arg(&params);
+    // SAFETY: signature (const float* q, const float* keys, const u32_t* key_rows, const u32_t*
+    // row_starts, const float* sink, float* out, AttentionParams); q/out hold queries * heads *
+    // head_dim values, row_starts queries + 1 non-decreasing offsets into key_rows, every listed
+    // row is below key_buffer_rows and keys hold that many rows (checked above and by
+    // DeviceKeyLists::upload); grid.y = queries <= the grid limit; head_dim <= 4 * THREADS.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(
+        "launching sparse_attention_sink_rows_f32",
+    ))?;
     Ok(())
 }

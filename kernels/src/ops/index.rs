@@ -1,5 +1,7 @@
-//! Lightning-indexer scores of one query against compressed keys (`CpuBackend::index_scores`),
-//! with the reference's bf16 rounding points: bit-exact, one block per key (batch invariant).
+//! Lightning-indexer scores (`CpuBackend::index_scores`) of one query against compressed keys,
+//! or of a batch of queries in one launch, each against its own prefix of one shared key buffer
+//! ([`DeviceVisiblePrefixes`]), with the reference's bf16 rounding points: bit-exact, one block
+//! per (key, query), a key's score a function of that query and key alone (batch invariant).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -10,9 +12,12 @@ use crate::params::IndexParams;
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "index_scores_f32";
+const ROWS_OP: &str = "index_scores_rows_f32";
 const THREADS: u32 = 64;
 /// Heads whose terms fit the kernel's shared memory comfortably.
 const MAX_HEADS: usize = 4096;
+/// The most queries one row-batched launch takes (the grid's y limit).
+pub const MAX_QUERIES_PER_LAUNCH: usize = 65_535;
 
 /// `scores [n] = index scores of q [heads, head_dim] with weights w [heads] against
 /// keys [n, head_dim]`, all f32 storage; `rounding` Bf16 is the reference's rounding points, F32
@@ -27,14 +32,7 @@ pub fn index_scores_f32(
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     let heads = w.len();
-    if head_dim == 0 || heads == 0 || heads > MAX_HEADS {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "head_dim = {head_dim} and heads = {heads} must be positive (heads <= {MAX_HEADS})"
-            ),
-        });
-    }
+    check_heads(OP, heads, head_dim)?;
     if !keys.len().is_multiple_of(head_dim) {
         return Err(KernelError::Shape {
             op: OP,
@@ -68,5 +66,159 @@ pub fn index_scores_f32(
     // SAFETY: signature (const float* q, const float* w, const float* keys, float* scores,
     // IndexParams); lengths checked above; the dynamic shared memory holds one float per head.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching index_scores_f32"))?;
+    Ok(())
+}
+
+/// `head_dim` and `heads` positive, `heads` within the kernel's shared memory.
+fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), KernelError> {
+    if head_dim == 0 || heads == 0 || heads > MAX_HEADS {
+        return Err(KernelError::Shape {
+            op,
+            message: format!(
+                "head_dim = {head_dim} and heads = {heads} must be positive (heads <= {MAX_HEADS})"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// How many keys each query of a batch sees, on the device: query `t` scores the first
+/// `visible[t]` keys of a shared key buffer, into `scores[starts[t] .. starts[t] + visible[t])`
+/// of one flat output of [`DeviceVisiblePrefixes::total`] scores. Built only by
+/// [`DeviceVisiblePrefixes::upload`], which checks every count against the buffer's key count.
+pub struct DeviceVisiblePrefixes {
+    queries: usize,
+    keys: usize,
+    max_visible: usize,
+    total: usize,
+    /// `[queries]` visible counts, then `[queries]` output offsets: one upload.
+    counts_and_starts: CudaSlice<u32>,
+}
+
+impl DeviceVisiblePrefixes {
+    /// Uploads the visible counts of a batch of queries over a key buffer of `keys` keys (each
+    /// count at most `keys`).
+    pub fn upload(
+        rt: &KernelRuntime,
+        visible: &[usize],
+        keys: usize,
+    ) -> Result<DeviceVisiblePrefixes, KernelError> {
+        const UPLOAD: &str = "DeviceVisiblePrefixes::upload";
+        if visible.is_empty() || visible.len() > MAX_QUERIES_PER_LAUNCH {
+            return Err(KernelError::Shape {
+                op: UPLOAD,
+                message: format!(
+                    "{} queries (must be 1..={MAX_QUERIES_PER_LAUNCH})",
+                    visible.len()
+                ),
+            });
+        }
+        if let Some((query, &seen)) = visible.iter().enumerate().find(|(_, v)| **v > keys) {
+            return Err(KernelError::Shape {
+                op: UPLOAD,
+                message: format!("query {query} sees {seen} keys, beyond the {keys} given"),
+            });
+        }
+        let total: usize = visible.iter().sum();
+        dim(UPLOAD, "scores", total)?;
+        let mut counts_and_starts = Vec::with_capacity(2 * visible.len());
+        // Every count is <= keys and the total fits u32 (checked above), so each value does.
+        counts_and_starts.extend(visible.iter().map(|&v| v as u32));
+        let mut start = 0u32;
+        for &v in visible {
+            counts_and_starts.push(start);
+            start += v as u32;
+        }
+        Ok(DeviceVisiblePrefixes {
+            queries: visible.len(),
+            keys,
+            max_visible: visible.iter().copied().max().unwrap_or(0),
+            total,
+            counts_and_starts: rt
+                .stream()
+                .clone_htod(&counts_and_starts)
+                .map_err(KernelError::driver("uploading the visible counts"))?,
+        })
+    }
+
+    /// Number of queries.
+    pub fn queries(&self) -> usize {
+        self.queries
+    }
+
+    /// Scores of all queries together (the flat output's length).
+    pub fn total(&self) -> usize {
+        self.total
+    }
+}
+
+/// Index scores of every query `t` of `visible` (`q [queries, heads, head_dim]`, head weights
+/// `w [queries, heads]`) against its first `visible[t]` keys of `keys [n, head_dim]`, in one
+/// launch (grid: max visible × queries), into the flat `scores [visible.total()]` (query after
+/// query). Each score is exactly what [`index_scores_f32`] gives that query alone.
+#[allow(clippy::too_many_arguments)]
+pub fn index_scores_rows_f32(
+    rt: &KernelRuntime,
+    q: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    keys: &CudaSlice<f32>,
+    visible: &DeviceVisiblePrefixes,
+    scores: &mut CudaSlice<f32>,
+    heads: usize,
+    head_dim: usize,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    check_heads(ROWS_OP, heads, head_dim)?;
+    if keys.len() < visible.keys * head_dim {
+        return Err(KernelError::Shape {
+            op: ROWS_OP,
+            message: format!(
+                "keys hold {} values, fewer than {} keys of {head_dim}",
+                keys.len(),
+                visible.keys
+            ),
+        });
+    }
+    expect_len(ROWS_OP, "q", q.len(), visible.queries * heads * head_dim)?;
+    expect_len(ROWS_OP, "w", w.len(), visible.queries * heads)?;
+    expect_len(ROWS_OP, "scores", scores.len(), visible.total.max(1))?;
+    if visible.max_visible == 0 {
+        return Ok(());
+    }
+    let params = IndexParams {
+        heads: dim(ROWS_OP, "heads", heads)?,
+        head_dim: dim(ROWS_OP, "head_dim", head_dim)?,
+        keys: dim(ROWS_OP, "keys", visible.keys)?,
+        round_bf16: rounding.flag(),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            dim(ROWS_OP, "max visible", visible.max_visible)?,
+            dim(ROWS_OP, "queries", visible.queries)?,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: params.heads * 4,
+    };
+    let counts = visible.counts_and_starts.slice(..visible.queries);
+    let starts = visible.counts_and_starts.slice(visible.queries..);
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::IndexScoresRowsF32)?);
+    launch
+        .arg(q)
+        .arg(w)
+        .arg(keys)
+        .arg(&counts)
+        .arg(&starts)
+        .arg(scores)
+        .arg(&params);
+    // SAFETY: signature (const float* q, const float* w, const float* keys, const u32_t* visible,
+    // const u32_t* score_starts, float* scores, IndexParams); q holds queries * heads * head_dim,
+    // w queries * heads values, every visible count is <= the keys held and the offsets place
+    // each query's scores inside `scores` (checked above and by DeviceVisiblePrefixes::upload);
+    // grid.y = queries <= the grid limit; the dynamic shared memory holds one float per head.
+    unsafe { launch.launch(cfg) }
+        .map_err(KernelError::driver("launching index_scores_rows_f32"))?;
     Ok(())
 }

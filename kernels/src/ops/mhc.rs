@@ -1,7 +1,10 @@
-//! mHC on the device for one token (`CpuBackend::hc_mixes` / `hc_collapse` / `hc_expand`): the
-//! coefficients (projection in the CPU sgemm order, sigmoids, Sinkhorn), the collapse of `hc`
-//! streams into one bf16 row and the expansion back. All f32 storage; bit-exact with the CPU
-//! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`).
+//! mHC on the device (`CpuBackend::hc_mixes` / `hc_collapse` / `hc_expand`) for one token or a
+//! batch of tokens in one launch: the coefficients (projection in the CPU sgemm order, sigmoids,
+//! Sinkhorn; one block per token), the collapse of `hc` streams into one bf16 row and the
+//! expansion back (grid.y = token, each token with its own weights / mixes). The one-token
+//! launchers are the one-row case of the row launchers. All f32 storage; bit-exact with the CPU
+//! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`), and a
+//! token's results never depend on the others (batch invariant).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -19,6 +22,8 @@ pub const MAX_HC: usize = 8;
 const SGEMM_K_BLOCK: usize = 256;
 /// Dynamic shared memory the projection partials may use.
 const MAX_PARTIAL_BYTES: usize = 40 * 1024;
+/// The most tokens one collapse / expand launch takes (the grid's y limit).
+pub const MAX_TOKENS_PER_LAUNCH: usize = 65_535;
 
 /// The scalar settings of [`hc_mixes_f32`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,10 +35,28 @@ pub struct HcMixesConfig {
 }
 
 /// `out = pre [hc] ++ post [hc] ++ comb [hc, hc]` of the streams `x [hc · dim]`, with
-/// `proj [(2 + hc) · hc, hc · dim]`, `base [(2 + hc) · hc]`, `scale [3]`.
+/// `proj [(2 + hc) · hc, hc · dim]`, `base [(2 + hc) · hc]`, `scale [3]` (the one-token case of
+/// [`hc_mixes_rows_f32`]).
 pub fn hc_mixes_f32(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
+    proj: &CudaSlice<f32>,
+    base: &CudaSlice<f32>,
+    scale: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    config: HcMixesConfig,
+) -> Result<(), KernelError> {
+    hc_mixes_rows_f32(rt, x, x.len(), proj, base, scale, out, config)
+}
+
+/// The mHC coefficients of every token of `x [tokens, width]` (`width = hc · dim` values per
+/// token), one block per token: `out [tokens, 2 · hc + hc²]`, each row `pre ++ post ++ comb`.
+/// `proj [(2 + hc) · hc, width]`, `base [(2 + hc) · hc]`, `scale [3]` are shared by all tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn hc_mixes_rows_f32(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    width: usize,
     proj: &CudaSlice<f32>,
     base: &CudaSlice<f32>,
     scale: &CudaSlice<f32>,
@@ -47,20 +70,31 @@ pub fn hc_mixes_f32(
         hc_eps,
         norm_eps,
     } = config;
-    let n = x.len();
+    let n = width;
     if hc == 0 || hc > MAX_HC || n == 0 || !n.is_multiple_of(hc) {
         return Err(KernelError::Shape {
             op: OP,
             message: format!(
-                "hc = {hc} must be in 1..={MAX_HC} and x ({n} values) a positive multiple of it"
+                "hc = {hc} must be in 1..={MAX_HC} and a token's width ({n} values) a positive \
+                 multiple of it"
             ),
         });
     }
+    if x.is_empty() || !x.len().is_multiple_of(n) {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "x holds {} values, not a positive number of {n}-wide tokens",
+                x.len()
+            ),
+        });
+    }
+    let tokens = x.len() / n;
     let projections = (2 + hc) * hc;
     expect_len(OP, "proj", proj.len(), projections * n)?;
     expect_len(OP, "base", base.len(), projections)?;
     expect_len(OP, "scale", scale.len(), 3)?;
-    expect_len(OP, "out", out.len(), 2 * hc + hc * hc)?;
+    expect_len(OP, "out", out.len(), tokens * (2 * hc + hc * hc))?;
     let partial_bytes = projections * n.div_ceil(SGEMM_K_BLOCK) * 4;
     if partial_bytes > MAX_PARTIAL_BYTES {
         return Err(KernelError::Shape {
@@ -78,7 +112,7 @@ pub fn hc_mixes_f32(
         norm_eps,
     };
     let cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
+        grid_dim: (dim(OP, "tokens", tokens)?, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: dim(OP, "shared memory", partial_bytes)?,
     };
@@ -93,8 +127,9 @@ pub fn hc_mixes_f32(
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const float* x, const float* proj, const float* base, const float* scale,
-    // float* out, HcMixesParams); lengths checked above; the dynamic shared memory holds every
-    // (projection, 256-block) partial; hc <= MAX_HC as the kernel's local arrays require.
+    // float* out, HcMixesParams); one block per token, x holding tokens * n and out tokens *
+    // (2hc + hc²) values (checked above); the dynamic shared memory holds every (projection,
+    // 256-block) partial; hc <= MAX_HC as the kernel's local arrays require.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_mixes_f32"))?;
     Ok(())
 }
@@ -103,12 +138,16 @@ fn elementwise_params(
     op: &'static str,
     hc: usize,
     dim_: usize,
+    tokens: usize,
     rounding: Rounding,
 ) -> Result<HcElementwiseParams, KernelError> {
-    if hc == 0 || dim_ == 0 {
+    if hc == 0 || dim_ == 0 || tokens == 0 || tokens > MAX_TOKENS_PER_LAUNCH {
         return Err(KernelError::Shape {
             op,
-            message: format!("hc = {hc} and dim = {dim_} must be positive"),
+            message: format!(
+                "hc = {hc}, dim = {dim_} and tokens = {tokens} must be positive (tokens <= \
+                 {MAX_TOKENS_PER_LAUNCH})"
+            ),
         });
     }
     Ok(HcElementwiseParams {
@@ -118,7 +157,8 @@ fn elementwise_params(
     })
 }
 
-/// `y [dim] = round(Σ_k w_k · x [k, dim])` over `w.len()` streams.
+/// `y [dim] = round(Σ_k w_k · x [k, dim])` over `w.len()` streams (the one-token case of
+/// [`hc_collapse_rows_f32`]).
 pub fn hc_collapse_f32(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
@@ -126,13 +166,37 @@ pub fn hc_collapse_f32(
     y: &mut CudaSlice<f32>,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
+    hc_collapse_rows_f32(rt, x, w, y, w.len(), rounding)
+}
+
+/// `y [t, dim] = round(Σ_k w [t, k] · x [t, k, dim])` for every token `t` of `w [tokens, hc]`, in
+/// one launch (grid.y = token).
+pub fn hc_collapse_rows_f32(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    hc: usize,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
     const OP: &str = "hc_collapse_f32";
-    let hc = w.len();
-    let width = y.len();
-    let params = elementwise_params(OP, hc, width, rounding)?;
-    expect_len(OP, "x", x.len(), hc * width)?;
+    if hc == 0 || !w.len().is_multiple_of(hc) {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!("w holds {} values, not whole tokens of hc = {hc}", w.len()),
+        });
+    }
+    let tokens = w.len() / hc;
+    let width = y.len().checked_div(tokens).unwrap_or(0);
+    let params = elementwise_params(OP, hc, width, tokens, rounding)?;
+    expect_len(OP, "y", y.len(), tokens * width)?;
+    expect_len(OP, "x", x.len(), tokens * hc * width)?;
     let cfg = LaunchConfig {
-        grid_dim: (params.dim.div_ceil(ELEMENTWISE_THREADS), 1, 1),
+        grid_dim: (
+            params.dim.div_ceil(ELEMENTWISE_THREADS),
+            dim(OP, "tokens", tokens)?,
+            1,
+        ),
         block_dim: (ELEMENTWISE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -141,13 +205,14 @@ pub fn hc_collapse_f32(
         .launch_builder(rt.function(KernelId::HcCollapseF32)?);
     launch.arg(x).arg(w).arg(y).arg(&params);
     // SAFETY: signature (const float* x, const float* w, float* y, HcElementwiseParams); x holds
-    // hc * dim, w hc and y dim values (checked above); the kernel bounds-checks d.
+    // tokens * hc * dim, w tokens * hc and y tokens * dim values (checked above), grid.y = tokens
+    // <= the grid limit; the kernel bounds-checks d.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_collapse_f32"))?;
     Ok(())
 }
 
 /// `out [k, dim] = round(post_k · y + Σ_j comb[j, k] · residual [j, dim])` with
-/// `mix = post [hc] ++ comb [hc, hc]`.
+/// `mix = post [hc] ++ comb [hc, hc]` (the one-token case of [`hc_expand_rows_f32`]).
 pub fn hc_expand_f32(
     rt: &KernelRuntime,
     y: &CudaSlice<f32>,
@@ -157,15 +222,46 @@ pub fn hc_expand_f32(
     hc: usize,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
+    expect_len("hc_expand_f32", "mix", mix.len(), hc + hc * hc)?;
+    hc_expand_rows_f32(rt, y, residual, mix, out, hc, rounding)
+}
+
+/// `out [t, k, dim] = round(post_k · y [t] + Σ_j comb[j, k] · residual [t, j, dim])` for every
+/// token `t` with its own `mix [t] = post [hc] ++ comb [hc, hc]` (`mix [tokens, hc + hc²]`), in
+/// one launch (grid.y = token).
+pub fn hc_expand_rows_f32(
+    rt: &KernelRuntime,
+    y: &CudaSlice<f32>,
+    residual: &CudaSlice<f32>,
+    mix: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    hc: usize,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
     const OP: &str = "hc_expand_f32";
-    let width = y.len();
-    let params = elementwise_params(OP, hc, width, rounding)?;
-    expect_len(OP, "residual", residual.len(), hc * width)?;
-    expect_len(OP, "mix", mix.len(), hc + hc * hc)?;
-    expect_len(OP, "out", out.len(), hc * width)?;
+    let mix_width = hc + hc * hc;
+    if hc == 0 || !mix.len().is_multiple_of(mix_width) {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "mix holds {} values, not whole tokens of {mix_width} (hc = {hc})",
+                mix.len()
+            ),
+        });
+    }
+    let tokens = mix.len() / mix_width;
+    let width = y.len().checked_div(tokens).unwrap_or(0);
+    let params = elementwise_params(OP, hc, width, tokens, rounding)?;
+    expect_len(OP, "y", y.len(), tokens * width)?;
+    expect_len(OP, "residual", residual.len(), tokens * hc * width)?;
+    expect_len(OP, "out", out.len(), tokens * hc * width)?;
     let total = dim(OP, "hc * dim", hc * width)?;
     let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(ELEMENTWISE_THREADS), 1, 1),
+        grid_dim: (
+            total.div_ceil(ELEMENTWISE_THREADS),
+            dim(OP, "tokens", tokens)?,
+            1,
+        ),
         block_dim: (ELEMENTWISE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -174,7 +270,9 @@ pub fn hc_expand_f32(
         .launch_builder(rt.function(KernelId::HcExpandF32)?);
     launch.arg(y).arg(residual).arg(mix).arg(out).arg(&params);
     // SAFETY: signature (const float* y, const float* residual, const float* mix, float* out,
-    // HcElementwiseParams); lengths checked above; the kernel bounds-checks its index.
+    // HcElementwiseParams); y holds tokens * dim, residual and out tokens * hc * dim, mix tokens *
+    // (hc + hc²) values (checked above), grid.y = tokens <= the grid limit; the kernel
+    // bounds-checks its index.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_expand_f32"))?;
     Ok(())
 }

@@ -33,16 +33,25 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::attention::sparse_attention_sink_f32;
+use deepinfer_kernels::ops::attention::{
+    DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH,
+    sparse_attention_sink_rows_f32,
+};
 use deepinfer_kernels::ops::engram::{
     DeviceEngramHasher, DeviceEngramTable, engram_gather_f32, engram_hash_rows,
 };
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
-use deepinfer_kernels::ops::index::index_scores_f32;
+use deepinfer_kernels::ops::index::{
+    DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
+    index_scores_rows_f32,
+};
 use deepinfer_kernels::ops::linear::{
     dequant_fp4_rows_f32, dequant_fp8_rows_f32, linear_sgemm_f32,
 };
-use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_collapse_f32, hc_expand_f32, hc_mixes_f32};
+use deepinfer_kernels::ops::mhc::{
+    HcMixesConfig, MAX_TOKENS_PER_LAUNCH, hc_collapse_rows_f32, hc_expand_rows_f32,
+    hc_mixes_rows_f32,
+};
 use deepinfer_kernels::ops::moe::{Selection, route_experts_f32, selected_count};
 use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
@@ -598,7 +607,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// [`Backend::sparse_attention_at`], with errors.
+    /// [`Backend::sparse_attention_at`], with errors: the one-query case of
+    /// [`CudaBackend::try_sparse_attention_rows`].
     pub fn try_sparse_attention(
         &self,
         q: &[f32],
@@ -607,51 +617,11 @@ impl CudaBackend {
         scale: f32,
         precision: Precision,
     ) -> Result<Vec<f32>, CudaBackendError> {
-        const OP: &str = "sparse_attention";
-        let heads = sink.len();
-        if heads == 0 || q.is_empty() || !q.len().is_multiple_of(heads) {
-            return Err(shape_err(
-                OP,
-                format!("q ({} values) is not {heads} whole heads", q.len()),
-            ));
-        }
-        let head_dim = q.len() / heads;
-        let mut flat = Vec::with_capacity(keys.len() * head_dim);
-        for (i, key) in keys.iter().enumerate() {
-            if key.len() != head_dim {
-                return Err(shape_err(
-                    OP,
-                    format!("key {i} has {} values, head_dim is {head_dim}", key.len()),
-                ));
-            }
-            flat.extend_from_slice(key);
-        }
-        let dsink = self.cached_f32(OP, sink)?;
-        let dq = self.upload(OP, q)?;
-        // An empty key set still needs a non-empty device buffer; the kernel reads none of it.
-        let dkeys = if flat.is_empty() {
-            self.alloc(OP, 1)?
-        } else {
-            self.upload(OP, &flat)?
-        };
-        let mut dout = self.alloc(OP, q.len())?;
-        let n_keys = keys.len();
-        sparse_attention_sink_f32(
-            &self.rt,
-            &dq,
-            &dkeys,
-            n_keys,
-            &dsink,
-            &mut dout,
-            head_dim,
-            scale,
-            rounding(precision),
-        )
-        .map_err(op_err(OP))?;
-        self.download(OP, &dout)
+        self.try_sparse_attention_rows(q, &[keys.to_vec()], sink, scale, precision)
     }
 
-    /// [`Backend::hc_mixes`], with errors.
+    /// [`Backend::hc_mixes`], with errors: the one-token case of
+    /// [`CudaBackend::try_hc_mixes_rows`].
     pub fn try_hc_mixes(
         &self,
         x: &[f32],
@@ -661,51 +631,29 @@ impl CudaBackend {
         hc_eps: f32,
         norm_eps: f32,
     ) -> Result<HcMix, CudaBackendError> {
-        const OP: &str = "hc_mixes";
-        let dproj = self.cached_f32(OP, &params.proj)?;
-        let dbase = self.cached_f32(OP, &params.base)?;
-        let dscale = self.cached_f32(OP, &params.scale)?;
-        let dx = self.upload(OP, x)?;
-        let mut dout = self.alloc(OP, 2 * hc + hc * hc)?;
-        let config = HcMixesConfig {
-            hc,
-            sinkhorn_iters,
-            hc_eps,
-            norm_eps,
-        };
-        hc_mixes_f32(&self.rt, &dx, &dproj, &dbase, &dscale, &mut dout, config)
-            .map_err(op_err(OP))?;
-        let out = self.download(OP, &dout)?;
-        Ok(HcMix {
-            pre: out[..hc].to_vec(),
-            post: out[hc..2 * hc].to_vec(),
-            comb: out[2 * hc..].to_vec(),
-        })
+        let mut mixes = self.try_hc_mixes_rows(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)?;
+        match (mixes.pop(), mixes.is_empty()) {
+            (Some(mix), true) => Ok(mix),
+            _ => Err(shape_err(
+                "hc_mixes",
+                format!("x ({} values) is not one token's streams", x.len()),
+            )),
+        }
     }
 
-    /// [`Backend::hc_collapse_at`], with errors.
+    /// [`Backend::hc_collapse_at`], with errors: the one-token case of
+    /// [`CudaBackend::try_hc_collapse_rows`].
     pub fn try_hc_collapse(
         &self,
         x: &[f32],
         weights: &[f32],
         precision: Precision,
     ) -> Result<Vec<f32>, CudaBackendError> {
-        const OP: &str = "hc_collapse";
-        let hc = weights.len();
-        if hc == 0 || x.is_empty() || !x.len().is_multiple_of(hc) {
-            return Err(shape_err(
-                OP,
-                format!("x ({} values) is not {hc} whole streams", x.len()),
-            ));
-        }
-        let dx = self.upload(OP, x)?;
-        let dw = self.upload(OP, weights)?;
-        let mut dy = self.alloc(OP, x.len() / hc)?;
-        hc_collapse_f32(&self.rt, &dx, &dw, &mut dy, rounding(precision)).map_err(op_err(OP))?;
-        self.download(OP, &dy)
+        self.try_hc_collapse_rows(x, weights, weights.len(), precision)
     }
 
-    /// [`Backend::hc_expand_at`], with errors.
+    /// [`Backend::hc_expand_at`], with errors: the one-token case of
+    /// [`CudaBackend::try_hc_expand_rows`].
     pub fn try_hc_expand(
         &self,
         y: &[f32],
@@ -713,37 +661,11 @@ impl CudaBackend {
         mix: &HcMix,
         precision: Precision,
     ) -> Result<Vec<f32>, CudaBackendError> {
-        const OP: &str = "hc_expand";
-        let hc = mix.post.len();
-        if hc == 0 || y.is_empty() || mix.comb.len() != hc * hc {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "{hc} streams with {} comb values and a {}-wide output",
-                    mix.comb.len(),
-                    y.len()
-                ),
-            ));
-        }
-        let coefficients: Vec<f32> = mix.post.iter().chain(&mix.comb).copied().collect();
-        let dy = self.upload(OP, y)?;
-        let dres = self.upload(OP, residual)?;
-        let dmix = self.upload(OP, &coefficients)?;
-        let mut dout = self.alloc(OP, hc * y.len())?;
-        hc_expand_f32(
-            &self.rt,
-            &dy,
-            &dres,
-            &dmix,
-            &mut dout,
-            hc,
-            rounding(precision),
-        )
-        .map_err(op_err(OP))?;
-        self.download(OP, &dout)
+        self.try_hc_expand_rows(y, residual, std::slice::from_ref(mix), precision)
     }
 
-    /// [`Backend::index_scores_at`], with errors.
+    /// [`Backend::index_scores_at`], with errors: the one-query case of
+    /// [`CudaBackend::try_index_scores_rows`] over every key.
     pub fn try_index_scores(
         &self,
         q: &[f32],
@@ -752,34 +674,19 @@ impl CudaBackend {
         head_dim: usize,
         precision: Precision,
     ) -> Result<Vec<f32>, CudaBackendError> {
-        const OP: &str = "index_scores";
         if head_dim == 0 || !keys.len().is_multiple_of(head_dim) {
             return Err(shape_err(
-                OP,
+                "index_scores",
                 format!(
                     "keys ({} values) are not whole {head_dim}-wide keys",
                     keys.len()
                 ),
             ));
         }
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let dq = self.upload(OP, q)?;
-        let dw = self.upload(OP, weights)?;
-        let dkeys = self.upload(OP, keys)?;
-        let mut dscores = self.alloc(OP, keys.len() / head_dim)?;
-        index_scores_f32(
-            &self.rt,
-            &dq,
-            &dw,
-            &dkeys,
-            &mut dscores,
-            head_dim,
-            rounding(precision),
-        )
-        .map_err(op_err(OP))?;
-        self.download(OP, &dscores)
+        let visible = [keys.len() / head_dim];
+        let mut scores =
+            self.try_index_scores_rows(q, weights, keys, head_dim, &visible, precision)?;
+        Ok(scores.pop().unwrap_or_default())
     }
 }
 
@@ -987,6 +894,401 @@ impl CudaBackend {
     }
 }
 
+/// The row-batched ops (every token of every sequence of a step in one call): one upload per
+/// input, one launch and one download per op, each row computed exactly as the one-token op
+/// computes it alone (batch invariance).
+impl CudaBackend {
+    /// [`Backend::hc_mixes_rows`], with errors: `x [n, hc · dim]`, one block per token.
+    pub fn try_hc_mixes_rows(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Result<Vec<HcMix>, CudaBackendError> {
+        const OP: &str = "hc_mixes_rows";
+        let projections = (2 + hc) * hc;
+        if hc == 0 || params.proj.is_empty() || !params.proj.len().is_multiple_of(projections) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "proj ({} values) is not {projections} whole projections (hc = {hc})",
+                    params.proj.len()
+                ),
+            ));
+        }
+        let width = params.proj.len() / projections;
+        if !x.len().is_multiple_of(width) {
+            return Err(shape_err(
+                OP,
+                format!("x ({} values) is not whole {width}-wide tokens", x.len()),
+            ));
+        }
+        let tokens = x.len() / width;
+        if tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let dproj = self.cached_f32(OP, &params.proj)?;
+        let dbase = self.cached_f32(OP, &params.base)?;
+        let dscale = self.cached_f32(OP, &params.scale)?;
+        let dx = self.upload(OP, x)?;
+        let per_token = 2 * hc + hc * hc;
+        let mut dout = self.alloc(OP, tokens * per_token)?;
+        let config = HcMixesConfig {
+            hc,
+            sinkhorn_iters,
+            hc_eps,
+            norm_eps,
+        };
+        hc_mixes_rows_f32(
+            &self.rt, &dx, width, &dproj, &dbase, &dscale, &mut dout, config,
+        )
+        .map_err(op_err(OP))?;
+        Ok(self
+            .download(OP, &dout)?
+            .chunks_exact(per_token)
+            .map(|out| HcMix {
+                pre: out[..hc].to_vec(),
+                post: out[hc..2 * hc].to_vec(),
+                comb: out[2 * hc..].to_vec(),
+            })
+            .collect())
+    }
+
+    /// [`Backend::hc_collapse_rows_at`], with errors: `x [n, hc, dim]`, `weights [n, hc]`.
+    pub fn try_hc_collapse_rows(
+        &self,
+        x: &[f32],
+        weights: &[f32],
+        hc: usize,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "hc_collapse_rows";
+        if hc == 0 || !weights.len().is_multiple_of(hc) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "weights ({} values) are not whole tokens of hc = {hc}",
+                    weights.len()
+                ),
+            ));
+        }
+        let tokens = weights.len() / hc;
+        if tokens == 0 && x.is_empty() {
+            return Ok(Vec::new());
+        }
+        if tokens == 0 || x.is_empty() || !x.len().is_multiple_of(tokens * hc) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x ({} values) is not {tokens} tokens of {hc} whole streams",
+                    x.len()
+                ),
+            ));
+        }
+        if tokens > MAX_TOKENS_PER_LAUNCH {
+            let stream_len = x.len() / (tokens * hc);
+            return concat_chunks(
+                weights
+                    .chunks(MAX_TOKENS_PER_LAUNCH * hc)
+                    .zip(x.chunks(MAX_TOKENS_PER_LAUNCH * hc * stream_len))
+                    .map(|(w, x)| self.try_hc_collapse_rows(x, w, hc, precision)),
+            );
+        }
+        let dx = self.upload(OP, x)?;
+        let dw = self.upload(OP, weights)?;
+        let mut dy = self.alloc(OP, x.len() / hc)?;
+        hc_collapse_rows_f32(&self.rt, &dx, &dw, &mut dy, hc, rounding(precision))
+            .map_err(op_err(OP))?;
+        self.download(OP, &dy)
+    }
+
+    /// [`Backend::hc_expand_rows_at`], with errors: `y [n, dim]`, `residual [n, hc, dim]`, one
+    /// mix per token (all with the same `hc`).
+    pub fn try_hc_expand_rows(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mixes: &[HcMix],
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "hc_expand_rows";
+        let Some(first) = mixes.first() else {
+            return if y.is_empty() && residual.is_empty() {
+                Ok(Vec::new())
+            } else {
+                Err(shape_err(OP, format!("no mixes for {} outputs", y.len())))
+            };
+        };
+        let hc = first.post.len();
+        if let Some((t, bad)) = mixes
+            .iter()
+            .enumerate()
+            .find(|(_, m)| m.post.len() != hc || m.comb.len() != hc * hc)
+        {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "mix {t} has {} post and {} comb values; mix 0 has hc = {hc}",
+                    bad.post.len(),
+                    bad.comb.len()
+                ),
+            ));
+        }
+        let tokens = mixes.len();
+        if hc == 0 || y.is_empty() || !y.len().is_multiple_of(tokens) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{tokens} tokens of {hc} streams and a {}-value output",
+                    y.len()
+                ),
+            ));
+        }
+        if residual.len() != hc * y.len() {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "residual has {} values, expected {hc} streams of the {}-value output",
+                    residual.len(),
+                    y.len()
+                ),
+            ));
+        }
+        if tokens > MAX_TOKENS_PER_LAUNCH {
+            let dim = y.len() / tokens;
+            return concat_chunks(
+                mixes
+                    .chunks(MAX_TOKENS_PER_LAUNCH)
+                    .zip(y.chunks(MAX_TOKENS_PER_LAUNCH * dim))
+                    .zip(residual.chunks(MAX_TOKENS_PER_LAUNCH * hc * dim))
+                    .map(|((m, y), r)| self.try_hc_expand_rows(y, r, m, precision)),
+            );
+        }
+        let coefficients: Vec<f32> = mixes
+            .iter()
+            .flat_map(|m| m.post.iter().chain(&m.comb))
+            .copied()
+            .collect();
+        let dy = self.upload(OP, y)?;
+        let dres = self.upload(OP, residual)?;
+        let dmix = self.upload(OP, &coefficients)?;
+        let mut dout = self.alloc(OP, hc * y.len())?;
+        hc_expand_rows_f32(
+            &self.rt,
+            &dy,
+            &dres,
+            &dmix,
+            &mut dout,
+            hc,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        self.download(OP, &dout)
+    }
+
+    /// [`Backend::sparse_attention_rows_at`], with errors: every distinct key (by its host
+    /// address) is uploaded once into one buffer, each query gets its list of rows in it, and one
+    /// launch computes every (head, query).
+    pub fn try_sparse_attention_rows(
+        &self,
+        q: &[f32],
+        keys: &[Vec<&[f32]>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "sparse_attention_rows";
+        let queries = keys.len();
+        if queries == 0 {
+            return if q.is_empty() {
+                Ok(Vec::new())
+            } else {
+                Err(shape_err(
+                    OP,
+                    format!("{} query values but no key lists", q.len()),
+                ))
+            };
+        }
+        let heads = sink.len();
+        if heads == 0 || q.is_empty() || !q.len().is_multiple_of(queries * heads) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "q ({} values) is not {queries} queries of {heads} whole heads",
+                    q.len()
+                ),
+            ));
+        }
+        let head_dim = q.len() / (queries * heads);
+        if queries > MAX_QUERIES_PER_ATTENTION_LAUNCH {
+            let width = heads * head_dim;
+            return concat_chunks(
+                keys.chunks(MAX_QUERIES_PER_ATTENTION_LAUNCH)
+                    .zip(q.chunks(MAX_QUERIES_PER_ATTENTION_LAUNCH * width))
+                    .map(|(keys, q)| {
+                        self.try_sparse_attention_rows(q, keys, sink, scale, precision)
+                    }),
+            );
+        }
+        // Distinct keys in first-seen order; a query's list names their rows.
+        let mut row_of: HashMap<usize, u32> = HashMap::new();
+        let mut flat: Vec<f32> = Vec::new();
+        let mut lists: Vec<Vec<u32>> = Vec::with_capacity(queries);
+        for (t, query_keys) in keys.iter().enumerate() {
+            let mut list = Vec::with_capacity(query_keys.len());
+            for (i, key) in query_keys.iter().enumerate() {
+                if key.len() != head_dim {
+                    return Err(shape_err(
+                        OP,
+                        format!(
+                            "key {i} of query {t} has {} values, head_dim is {head_dim}",
+                            key.len()
+                        ),
+                    ));
+                }
+                let next = u32::try_from(row_of.len())
+                    .map_err(|_| shape_err(OP, "more than 2^32 distinct keys".to_string()))?;
+                let row = *row_of.entry(key.as_ptr() as usize).or_insert_with(|| {
+                    flat.extend_from_slice(key);
+                    next
+                });
+                list.push(row);
+            }
+            lists.push(list);
+        }
+        let dlists = DeviceKeyLists::upload(&self.rt, &lists, row_of.len()).map_err(op_err(OP))?;
+        let dsink = self.cached_f32(OP, sink)?;
+        let dq = self.upload(OP, q)?;
+        // No keys at all still needs a non-empty device buffer; the kernel reads none of it.
+        let dkeys = if flat.is_empty() {
+            self.alloc(OP, 1)?
+        } else {
+            self.upload(OP, &flat)?
+        };
+        let mut dout = self.alloc(OP, q.len())?;
+        sparse_attention_sink_rows_f32(
+            &self.rt,
+            &dq,
+            &dkeys,
+            &dlists,
+            &dsink,
+            &mut dout,
+            head_dim,
+            scale,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        self.download(OP, &dout)
+    }
+
+    /// [`Backend::index_scores_rows_at`], with errors: `q [n, heads · head_dim]`, `weights
+    /// [n, heads]`; query `t` scores the first `visible[t]` keys (at most all of them, as the
+    /// trait's default clamps), one launch for all.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_index_scores_rows(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        visible: &[usize],
+        precision: Precision,
+    ) -> Result<Vec<Vec<f32>>, CudaBackendError> {
+        const OP: &str = "index_scores_rows";
+        let queries = visible.len();
+        if queries == 0 {
+            return Ok(Vec::new());
+        }
+        if head_dim == 0 || !keys.len().is_multiple_of(head_dim) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "keys ({} values) are not whole {head_dim}-wide keys",
+                    keys.len()
+                ),
+            ));
+        }
+        if weights.is_empty() || !weights.len().is_multiple_of(queries) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "weights ({} values) are not {queries} queries of whole heads",
+                    weights.len()
+                ),
+            ));
+        }
+        let heads = weights.len() / queries;
+        if q.len() != queries * heads * head_dim {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "q has {} values, expected {queries} queries of {heads} heads of {head_dim}",
+                    q.len()
+                ),
+            ));
+        }
+        if queries > MAX_QUERIES_PER_INDEX_LAUNCH {
+            return concat_chunks(
+                visible
+                    .chunks(MAX_QUERIES_PER_INDEX_LAUNCH)
+                    .zip(q.chunks(MAX_QUERIES_PER_INDEX_LAUNCH * heads * head_dim))
+                    .zip(weights.chunks(MAX_QUERIES_PER_INDEX_LAUNCH * heads))
+                    .map(|((visible, q), w)| {
+                        self.try_index_scores_rows(q, w, keys, head_dim, visible, precision)
+                    }),
+            );
+        }
+        let n_keys = keys.len() / head_dim;
+        let seen: Vec<usize> = visible.iter().map(|&v| v.min(n_keys)).collect();
+        let max_seen = seen.iter().copied().max().unwrap_or(0);
+        if max_seen == 0 {
+            return Ok(vec![Vec::new(); queries]);
+        }
+        let dvisible =
+            DeviceVisiblePrefixes::upload(&self.rt, &seen, max_seen).map_err(op_err(OP))?;
+        let dq = self.upload(OP, q)?;
+        let dw = self.upload(OP, weights)?;
+        let dkeys = self.upload(OP, &keys[..max_seen * head_dim])?;
+        let mut dscores = self.alloc(OP, dvisible.total())?;
+        index_scores_rows_f32(
+            &self.rt,
+            &dq,
+            &dw,
+            &dkeys,
+            &dvisible,
+            &mut dscores,
+            heads,
+            head_dim,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        let flat = self.download(OP, &dscores)?;
+        let mut rest = flat.as_slice();
+        Ok(seen
+            .iter()
+            .map(|&count| {
+                let (scores, tail) = rest.split_at(count);
+                rest = tail;
+                scores.to_vec()
+            })
+            .collect())
+    }
+}
+
+/// The results of consecutive row chunks (calls longer than one launch's grid takes), joined.
+fn concat_chunks<T>(
+    chunks: impl Iterator<Item = Result<Vec<T>, CudaBackendError>>,
+) -> Result<Vec<T>, CudaBackendError> {
+    let mut joined = Vec::new();
+    for chunk in chunks {
+        joined.extend(chunk?);
+    }
+    Ok(joined)
+}
+
 /// The kernels' rounding for a model precision.
 fn rounding(precision: Precision) -> Rounding {
     match precision {
@@ -1120,6 +1422,66 @@ impl Backend for CudaBackend {
         precision: Precision,
     ) -> Vec<f32> {
         self.try_index_scores(q, weights, keys, head_dim, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_mixes_rows(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Vec<HcMix> {
+        self.try_hc_mixes_rows(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_collapse_rows_at(
+        &self,
+        x: &[f32],
+        weights: &[f32],
+        hc: usize,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_hc_collapse_rows(x, weights, hc, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_expand_rows_at(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mixes: &[HcMix],
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_hc_expand_rows(y, residual, mixes, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn sparse_attention_rows_at(
+        &self,
+        q: &[f32],
+        keys: &[Vec<&[f32]>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_sparse_attention_rows(q, keys, sink, scale, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn index_scores_rows_at(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        visible: &[usize],
+        precision: Precision,
+    ) -> Vec<Vec<f32>> {
+        self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)
             .unwrap_or_else(device_fault)
     }
 
