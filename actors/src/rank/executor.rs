@@ -8,7 +8,8 @@
 //!
 //! Speculative decoding (DSpark) adds two things: an entry may ask for every row of its tokens
 //! (`all_rows`, a verify of anchor + drafts), and `draft` proposes the next tokens of a sequence
-//! with the executor's drafter (the checkpoint's DSpark heads), if it has one.
+//! with the executor's drafter (the checkpoint's DSpark heads), if it has one (`draft_many` for
+//! all of a step's sequences at once).
 
 use std::time::Duration;
 
@@ -67,6 +68,19 @@ pub trait RankExecutor: Send {
     /// sit at position `sequence_len(id)`). `None` when the executor has no drafter.
     fn draft(&mut self, _id: RequestId, _anchor: u32) -> Result<Option<Draft>, ExecError> {
         Ok(None)
+    }
+    /// [`RankExecutor::draft`] for every `(sequence, anchor)` of a step at once, one result per
+    /// request in order (`None` without a drafter); the first failing request fails the call.
+    /// The default drafts one request after another; a device executor drafts them all in one
+    /// pass.
+    fn draft_many(
+        &mut self,
+        requests: &[(RequestId, u32)],
+    ) -> Result<Vec<Option<Draft>>, ExecError> {
+        requests
+            .iter()
+            .map(|&(id, anchor)| self.draft(id, anchor))
+            .collect()
     }
     /// Decoder bounded replay for sequence `id`: from now on its prefill runs the decoder layers
     /// only on positions `>= decoder_from` (`Model::forward_replay`). Executors without bounded

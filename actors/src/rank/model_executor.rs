@@ -4,7 +4,8 @@
 //! entry (each sequence's last logits row, or every row of a DSpark verify entry, `all_rows`),
 //! bitwise what each sequence would get alone; the model is shared (read-only) by every rank of
 //! the process. The runtime adds nothing to the numbers: the logits are exactly the model's.
-//! `draft` runs the checkpoint's DSpark heads (`Model::draft`) when the model has them. A
+//! `draft_many` runs the checkpoint's DSpark heads over every requested sequence in one pass
+//! (`Model::draft_step`; `draft` is its one-request case) when the model has them. A
 //! sequence with a planned decoder start (`plan_replay`, decoder bounded replay) runs its
 //! prefill as `Model::forward_replay` does.
 //!
@@ -190,21 +191,40 @@ impl RankExecutor for ModelExecutor {
     }
 
     fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
+        let mut drafts = self.draft_many(&[(id, anchor)])?;
+        Ok(drafts.pop().flatten())
+    }
+
+    fn draft_many(
+        &mut self,
+        requests: &[(RequestId, u32)],
+    ) -> Result<Vec<Option<Draft>>, ExecError> {
         if self.model.config().dspark.is_none() {
-            return Ok(None);
+            return Ok(vec![None; requests.len()]);
         }
-        let seq = self
-            .sequences
-            .get(&id)
-            .ok_or(ExecError::UnknownSequence(id))?;
-        let proposal = self
-            .model
-            .draft(seq, anchor)
-            .map_err(|e| sequence_error(id, e))?;
-        Ok(Some(Draft {
-            tokens: proposal.tokens.get(1..).unwrap_or_default().to_vec(),
-            confidences: proposal.confidence,
-        }))
+        let seqs = requests
+            .iter()
+            .map(|&(id, anchor)| {
+                let seq = self
+                    .sequences
+                    .get(&id)
+                    .ok_or(ExecError::UnknownSequence(id))?;
+                Ok((seq, anchor))
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        // One drafting pass over every request; the first failing one fails the call.
+        self.model
+            .draft_step(&seqs)
+            .into_iter()
+            .zip(requests)
+            .map(|(proposal, &(id, _))| {
+                let proposal = proposal.map_err(|e| sequence_error(id, e))?;
+                Ok(Some(Draft {
+                    tokens: proposal.tokens.get(1..).unwrap_or_default().to_vec(),
+                    confidences: proposal.confidence,
+                }))
+            })
+            .collect()
     }
 }
 

@@ -127,6 +127,12 @@ impl RankExecutor for ObservedExecutor {
     fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
         self.inner.draft(id, anchor)
     }
+    fn draft_many(
+        &mut self,
+        requests: &[(RequestId, u32)],
+    ) -> Result<Vec<Option<Draft>>, ExecError> {
+        self.inner.draft_many(requests)
+    }
     fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
         self.observer.replay_planned(self.dp, id, decoder_from);
         self.inner.plan_replay(id, decoder_from)

@@ -14,9 +14,10 @@
 //! DSpark: the worker also owns each sequence's current proposal (drafted on this thread, where
 //! the sequence state lives). A `Verify { drafts }` entry feeds the anchor plus up to `drafts` of
 //! it, judges them with `dspark::accept` (lossless), rolls the sequence back past the rejected
-//! drafts, and drafts the next proposal; only the proposal's confidences leave the thread (in the
-//! step output). Grammar-constrained sequences are never drafted for: the scheduler gives them
-//! plain `Decode`s, and a `Verify` of one runs as a decode.
+//! drafts, and drafts the next proposal (every proposal of a step in one `draft_many` call after
+//! the sampling); only the proposal's confidences leave the thread (in the step output).
+//! Grammar-constrained sequences are never drafted for: the scheduler gives them plain `Decode`s,
+//! and a `Verify` of one runs as a decode.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -281,7 +282,8 @@ impl RankWorker {
         }
         let mut sampled = Vec::new();
         let mut verified = Vec::new();
-        let mut drafts = Vec::new();
+        // Sequences to draft for after this step, in work order (drafted together below).
+        let mut to_draft = Vec::new();
         for ((work, input), row) in plan.work.iter().zip(&inputs).zip(rows.iter_mut()) {
             if !produces_token(&work.input) {
                 continue;
@@ -291,9 +293,7 @@ impl RankWorker {
                 let (outcome, tokens) = self.verify_entry(work.id, verified_drafts, row, held)?;
                 verified.push(outcome);
                 sampled.extend(tokens.into_iter().map(|token| (work.id, token)));
-                if let Some(summary) = self.propose(work.id)? {
-                    drafts.push(summary);
-                }
+                to_draft.push(work.id);
                 continue;
             }
             // The sampled token's absolute position = tokens the sequence holds now.
@@ -326,10 +326,11 @@ impl RankWorker {
             seq.proposal = None;
             let draft_now = seq.speculative && matches!(work.input, SeqInput::Prefill { .. });
             sampled.push((work.id, token));
-            if draft_now && let Some(summary) = self.propose(work.id)? {
-                drafts.push(summary);
+            if draft_now {
+                to_draft.push(work.id);
             }
         }
+        let drafts = self.propose(&to_draft)?;
         for id in &plan.finished {
             self.executor.free_sequence(*id);
             self.sequences.remove(id);
@@ -420,21 +421,38 @@ impl RankWorker {
         Ok((outcome, block.tokens))
     }
 
-    /// Drafts the next proposal of `id` after its last token, if the executor has a drafter.
-    fn propose(&mut self, id: RequestId) -> Result<Option<DraftSummary>, ExecError> {
-        let Some(anchor) = self.sequences.get(&id).and_then(|s| s.last_token) else {
-            return Ok(None);
-        };
-        let Some(draft) = self.executor.draft(id, anchor)? else {
-            return Ok(None);
-        };
-        if let Some(seq) = self.sequences.get_mut(&id) {
-            seq.proposal = Some((anchor, draft.tokens));
+    /// Drafts the next proposal of each of `ids` after its last token, all in one
+    /// `draft_many` call, if the executor has a drafter; returns the summaries in `ids` order.
+    fn propose(&mut self, ids: &[RequestId]) -> Result<Vec<DraftSummary>, ExecError> {
+        let requests: Vec<(RequestId, u32)> = ids
+            .iter()
+            .filter_map(|&id| Some((id, self.sequences.get(&id)?.last_token?)))
+            .collect();
+        if requests.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(Some(DraftSummary {
-            id,
-            confidences: draft.confidences,
-        }))
+        let drafts = self.executor.draft_many(&requests)?;
+        if drafts.len() != requests.len() {
+            return Err(ExecError::Backend(format!(
+                "the executor returned {} drafts for {} sequences",
+                drafts.len(),
+                requests.len()
+            )));
+        }
+        let mut summaries = Vec::new();
+        for ((id, anchor), draft) in requests.into_iter().zip(drafts) {
+            let Some(draft) = draft else {
+                continue;
+            };
+            if let Some(seq) = self.sequences.get_mut(&id) {
+                seq.proposal = Some((anchor, draft.tokens));
+            }
+            summaries.push(DraftSummary {
+                id,
+                confidences: draft.confidences,
+            });
+        }
+        Ok(summaries)
     }
 
     /// Launches a plan: runs it now (host work) and schedules its results for when the
@@ -725,5 +743,122 @@ mod tests {
         assert_eq!(out.verified[0].verified, 5);
         assert_eq!(out.verified[0].accepted, 5);
         assert_eq!(out.sampled.len(), 6);
+    }
+
+    /// A drafter that records the request count of every `draft_many` call and every lone
+    /// `draft` call it gets.
+    struct CountingDrafts {
+        inner: FakeExecutor,
+        calls: Arc<std::sync::Mutex<Vec<usize>>>,
+        lone: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl RankExecutor for CountingDrafts {
+        fn vocab_size(&self) -> usize {
+            self.inner.vocab_size()
+        }
+        fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+            self.inner.new_sequence(id)
+        }
+        fn free_sequence(&mut self, id: RequestId) {
+            self.inner.free_sequence(id);
+        }
+        fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+            self.inner.rollback(id, len)
+        }
+        fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+            self.inner.sequence_len(id)
+        }
+        fn live_sequences(&self) -> usize {
+            self.inner.live_sequences()
+        }
+        fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+            self.inner.execute(batch)
+        }
+        fn draft(
+            &mut self,
+            id: RequestId,
+            anchor: u32,
+        ) -> Result<Option<crate::rank::executor::Draft>, ExecError> {
+            self.lone.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.draft(id, anchor)
+        }
+        fn draft_many(
+            &mut self,
+            requests: &[(RequestId, u32)],
+        ) -> Result<Vec<Option<crate::rank::executor::Draft>>, ExecError> {
+            if let Ok(mut calls) = self.calls.lock() {
+                calls.push(requests.len());
+            }
+            self.inner.draft_many(requests)
+        }
+    }
+
+    #[test]
+    fn a_step_drafts_all_its_proposals_in_one_call() {
+        use crate::rank::fake::FakeDrafter;
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let lone = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let executor = CountingDrafts {
+            inner: FakeExecutor::new(
+                FakeConfig {
+                    vocab_size: 64,
+                    drafter: Some(FakeDrafter {
+                        block_size: 4,
+                        correct: 2,
+                        confidence: 3.0,
+                    }),
+                    ..FakeConfig::default()
+                },
+                0,
+            ),
+            calls: calls.clone(),
+            lone: lone.clone(),
+        };
+        let mut w = RankWorker::new(DpRank(0), Box::new(executor));
+        let prefill = |id: u64| {
+            (
+                id,
+                SeqInput::Prefill {
+                    tokens: vec![3, id as u32],
+                    last: true,
+                },
+            )
+        };
+        let mut p0 = plan(
+            0,
+            &[1, 2, 3, 4],
+            vec![prefill(1), prefill(2), prefill(3), prefill(4)],
+            &[],
+        );
+        for new in &mut p0.new_seqs {
+            new.speculative = new.id != RequestId(3);
+        }
+        let out = w.run_plan(&p0).unwrap();
+        let ids: Vec<RequestId> = out.drafts.iter().map(|d| d.id).collect();
+        assert_eq!(ids, vec![RequestId(1), RequestId(2), RequestId(4)]);
+        // Verifies of 4, 1 and a plain decode of 3: the two verified ones draft, in work order.
+        let p1 = plan(
+            1,
+            &[],
+            vec![
+                (4, SeqInput::Verify { drafts: 4 }),
+                (3, SeqInput::Decode),
+                (1, SeqInput::Verify { drafts: 4 }),
+            ],
+            &[],
+        );
+        let out = w.run_plan(&p1).unwrap();
+        let ids: Vec<RequestId> = out.drafts.iter().map(|d| d.id).collect();
+        assert_eq!(ids, vec![RequestId(4), RequestId(1)]);
+        assert!(out.drafts.iter().all(|d| d.confidences == vec![3.0; 4]));
+        // A step without drafting makes no call.
+        let p2 = plan(2, &[], vec![(3, SeqInput::Decode)], &[]);
+        assert!(w.run_plan(&p2).unwrap().drafts.is_empty());
+        assert_eq!(
+            calls.lock().map(|c| c.clone()).unwrap_or_default(),
+            vec![3, 2]
+        );
+        assert_eq!(lone.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 }

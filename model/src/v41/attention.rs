@@ -62,13 +62,6 @@ pub fn window_entries(
     kv
 }
 
-/// Sparse attention output of one query row, then inverse RoPE, grouped `wo_a` and `wo_b` (applied
-/// to all rows at once by the caller through [`output_projection`]).
-pub fn attend(ctx: &Ctx, w: &AttentionWeights, q: &[f32], keys: &[&[f32]]) -> Vec<f32> {
-    let scale = (ctx.cfg.head_dim as f32).powf(-0.5);
-    ctx.backend.sparse_attention(q, keys, &w.sink, scale)
-}
-
 /// Inverse RoPE on every head, `z_g = wo_a[g] · o_g` (bf16, one call per group over all rows),
 /// `out = wo_b · z`.
 pub fn output_projection(

@@ -1,11 +1,16 @@
 //! The DSpark drafter (spec §3.10): context rings fed from the backbone taps at every forward, and
-//! a greedy block proposal (anchor + `block_size − 1` noise slots, bidirectional inside the block)
+//! greedy block proposals (anchor + `block_size − 1` noise slots, bidirectional inside the block)
 //! through the stages, the shared head plus the rank-r Markov bias, and the confidence head.
+//! Proposals for many sequences run as rows of one pass ([`propose_many`]): the projections,
+//! mHC, MoE and heads run once over every request's block; only the stage attention's key lists
+//! (a sequence's own context ring) and the argmax chains are per request. No op mixes rows, so
+//! each proposal is bitwise the one its sequence gets alone.
 
-use super::attention::{attend, output_projection, queries, window_entries};
+use super::attention::{Queries, output_projection, queries, window_entries};
 use super::state::{PositionRing, SequenceState};
 use super::weights::{AttentionWeights, DsparkWeights};
 use super::{Ctx, block};
+use crate::backend::Precision;
 use crate::config::DsparkConfig;
 
 /// One DSpark proposal.
@@ -17,6 +22,14 @@ pub struct DraftProposal {
     pub logits: Vec<f32>,
     /// Raw confidence per draft slot (no sigmoid).
     pub confidence: Vec<f32>,
+}
+
+/// One proposal to draft: the sequence (its last processed token is the context's end) and the
+/// anchor, the token just sampled for it.
+#[derive(Clone, Copy)]
+pub(crate) struct DraftRequest<'a> {
+    pub seq: &'a SequenceState,
+    pub anchor: u32,
 }
 
 /// Projects the taps `main_hidden [n, targets · dim]` to `main_x` and returns each stage's context
@@ -39,87 +52,108 @@ pub fn context_entries(
         .collect()
 }
 
-/// Attention of one stage for the draft block at `positions` (`p+1 …`), keys = the stage's context
-/// ring (positions `p−w+1 … p`, listed by ring slot as the reference does) + every draft slot.
-fn stage_attention(
-    ctx: &Ctx,
-    w: &AttentionWeights,
-    xn: &[f32],
-    positions: &[usize],
-    ring: &PositionRing,
-    last: usize,
-) -> Vec<f32> {
-    let cfg = ctx.cfg;
-    let table = &ctx.rope.main;
-    let q = queries(ctx, w, xn, positions, table).q;
-    let block_kv = window_entries(ctx, w, xn, positions, table);
-    let window = cfg.window_size;
+/// The context keys of a draft block after position `last`: the ring's entries at positions
+/// `last−w+1 … last`, listed by ring slot as the reference does.
+fn context_keys(ring: &PositionRing, last: usize, window: usize) -> Vec<&[f32]> {
     let held = window.min(last + 1);
     let first = last + 1 - held;
-    let mut keys: Vec<&[f32]> = (0..held)
+    (0..held)
         .filter_map(|slot| {
             let offset = (slot + window - first % window) % window;
             ring.get(first + offset)
         })
-        .collect();
-    keys.extend(block_kv.chunks_exact(cfg.head_dim));
-    let row = cfg.n_heads * cfg.head_dim;
-    let o: Vec<f32> = q
-        .chunks_exact(row)
-        .flat_map(|q_row| attend(ctx, w, q_row, &keys))
-        .collect();
+        .collect()
+}
+
+/// Attention of stage `stage` over the draft rows of every request (`xn [requests · size, dim]`,
+/// request `r` owning rows `r·size …`, at `positions`): queries, block K=V entries and the output
+/// projection over all rows at once; each row's keys are its request's context ring + every draft
+/// slot of its own block.
+fn stage_attention(
+    ctx: &Ctx,
+    w: &AttentionWeights,
+    stage: usize,
+    xn: &[f32],
+    positions: &[usize],
+    requests: &[DraftRequest],
+    size: usize,
+) -> Vec<f32> {
+    let cfg = ctx.cfg;
+    let table = &ctx.rope.main;
+    let Queries { q, .. } = queries(ctx, w, xn, positions, table);
+    let block_kv = window_entries(ctx, w, xn, positions, table);
+    let block_width = size * cfg.head_dim;
+    let mut keys: Vec<Vec<&[f32]>> = Vec::with_capacity(requests.len() * size);
+    for (request, block) in requests.iter().zip(block_kv.chunks_exact(block_width)) {
+        let mut row_keys = context_keys(
+            &request.seq.dspark[stage],
+            request.seq.len - 1,
+            cfg.window_size,
+        );
+        row_keys.extend(block.chunks_exact(cfg.head_dim));
+        keys.extend(std::iter::repeat_n(row_keys, size));
+    }
+    let scale = (cfg.head_dim as f32).powf(-0.5);
+    let o = ctx
+        .backend
+        .sparse_attention_rows_at(&q, &keys, &w.sink, scale, Precision::Bf16);
     output_projection(ctx, w, o, positions, table)
 }
 
-/// The greedy proposal after the last processed token of `seq`.
-pub fn propose(
+/// The greedy proposals after the last processed token of every request's sequence, in request
+/// order. The caller has checked each request (a processed token, an anchor inside the
+/// vocabulary, one context ring per stage).
+pub(crate) fn propose_many(
     ctx: &Ctx,
     w: &DsparkWeights,
     cfg: &DsparkConfig,
     embed: &[f32],
     head: &[f32],
-    seq: &SequenceState,
-    anchor: u32,
-) -> DraftProposal {
+    requests: &[DraftRequest],
+) -> Vec<DraftProposal> {
+    if requests.is_empty() {
+        return Vec::new();
+    }
     let model = ctx.cfg;
     let (hc, dim, vocab) = (model.hc.mult, model.dim, model.vocab_size);
-    let last = seq.len - 1;
     let size = cfg.block_size;
-    let positions: Vec<usize> = (last + 1..=last + size).collect();
-    let ids: Vec<u32> = std::iter::once(anchor)
-        .chain(std::iter::repeat_n(cfg.noise_token_id, size - 1))
+    let rows = requests.len() * size;
+    let positions: Vec<usize> = requests
+        .iter()
+        .flat_map(|request| request.seq.len..request.seq.len + size)
         .collect();
-    let mut streams = Vec::with_capacity(size * hc * dim);
-    for &id in &ids {
-        for _ in 0..hc {
-            streams.extend_from_slice(&embed[id as usize * dim..(id as usize + 1) * dim]);
+    let mut streams = Vec::with_capacity(rows * hc * dim);
+    for request in requests {
+        let ids = std::iter::once(request.anchor)
+            .chain(std::iter::repeat_n(cfg.noise_token_id, size - 1));
+        for id in ids {
+            for _ in 0..hc {
+                streams.extend_from_slice(&embed[id as usize * dim..(id as usize + 1) * dim]);
+            }
         }
     }
-    let mut pre: Vec<f32> = (0..size * hc)
+    let mut pre: Vec<f32> = (0..rows * hc)
         .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
         .collect();
-    for (stage, ring) in w.stages.iter().zip(&seq.dspark) {
+    for (s, stage) in w.stages.iter().enumerate() {
         block::forward(ctx, stage, &mut streams, &mut pre, None, |xn| {
-            stage_attention(ctx, &stage.attn, xn, &positions, ring, last)
+            stage_attention(ctx, &stage.attn, s, xn, &positions, requests, size)
         });
     }
 
+    let hidden = ctx
+        .backend
+        .hc_collapse_rows_at(&streams, &pre, hc, Precision::Bf16);
+    let normed = ctx.backend.rms_norm(&hidden, &w.norm, model.norm_eps);
+    let base = ctx.backend.linear_f32(&normed, head, vocab, dim);
     let heads = MarkovHeads {
         markov_embed: &w.markov_embed,
         markov_head: &w.markov_head,
         confidence: &w.confidence,
         rank: cfg.markov_rank,
     };
-    decode_block(ctx, &heads, anchor, size, |i| {
-        let width = hc * dim;
-        let x = ctx.backend.hc_collapse(
-            &streams[i * width..(i + 1) * width],
-            &pre[i * hc..(i + 1) * hc],
-        );
-        let normed = ctx.backend.rms_norm(&x, &w.norm, model.norm_eps);
-        let row = ctx.backend.linear_f32(&normed, head, vocab, dim);
-        (x, row)
-    })
+    let anchors: Vec<u32> = requests.iter().map(|request| request.anchor).collect();
+    decode_blocks(ctx, &heads, &anchors, size, &hidden, &base)
 }
 
 /// The Markov and confidence heads of a drafter's last stage (shared by V4.1 and V4-Flash-0731):
@@ -132,9 +166,7 @@ pub(crate) struct MarkovHeads<'a> {
 }
 
 /// Greedy sequential decoding of one draft block of `size` slots: `slot(k)` gives slot k's
-/// pre-norm hidden `h_k [dim]` and its base logits `U_k [vocab]`; then `μ_k = markov_embed[x_k]`
-/// (`x_0` = the anchor), `logits_k = U_k + markov_head · μ_k`, `x_{k+1} = argmax logits_k`, and the
-/// raw confidence `w_conf · (h_k ‖ μ_k)`.
+/// pre-norm hidden `h_k [dim]` and its base logits `U_k [vocab]`; then [`decode_slot`] per slot.
 pub(crate) fn decode_block(
     ctx: &Ctx,
     heads: &MarkovHeads,
@@ -142,34 +174,112 @@ pub(crate) fn decode_block(
     size: usize,
     mut slot: impl FnMut(usize) -> (Vec<f32>, Vec<f32>),
 ) -> DraftProposal {
-    let (vocab, rank) = (ctx.cfg.vocab_size, heads.rank);
-    let mut tokens = vec![anchor];
-    let mut logits = Vec::with_capacity(size * vocab);
-    let mut confidence = Vec::with_capacity(size);
-    for i in 0..size {
-        let (hidden, mut row) = slot(i);
-        let previous = tokens[i] as usize;
-        let markov = &heads.markov_embed[previous * rank..(previous + 1) * rank];
-        for (l, bias) in
-            row.iter_mut().zip(
-                ctx.backend
-                    .linear_f32(markov, heads.markov_head, vocab, rank),
-            )
-        {
-            *l += bias;
-        }
-        tokens.push(argmax(&row));
-        let features: Vec<f32> = hidden.iter().chain(markov).copied().collect();
-        confidence.push(
-            ctx.backend
-                .linear_f32(&features, heads.confidence, 1, features.len())[0],
+    let mut proposal = started_proposal(anchor, size, ctx.cfg.vocab_size);
+    for k in 0..size {
+        let (hidden, base) = slot(k);
+        decode_slot(
+            ctx,
+            heads,
+            std::slice::from_mut(&mut proposal),
+            &hidden,
+            base,
         );
-        logits.extend(row);
     }
+    proposal
+}
+
+/// [`decode_block`] for one block per anchor at once: block `b`'s slot `k` is row `b·size + k` of
+/// `hidden` (`[rows, dim]`) and of `base` (`[rows, vocab]`). Slot `k` of every block runs as one
+/// Markov GEMM and one confidence GEMM; each block's argmax chain is its own.
+pub(crate) fn decode_blocks(
+    ctx: &Ctx,
+    heads: &MarkovHeads,
+    anchors: &[u32],
+    size: usize,
+    hidden: &[f32],
+    base: &[f32],
+) -> Vec<DraftProposal> {
+    let vocab = ctx.cfg.vocab_size;
+    let mut proposals: Vec<DraftProposal> = anchors
+        .iter()
+        .map(|&anchor| started_proposal(anchor, size, vocab))
+        .collect();
+    let rows = anchors.len() * size;
+    if rows == 0 {
+        return proposals;
+    }
+    let dim = hidden.len() / rows;
+    for k in 0..size {
+        let slot_rows = || (0..anchors.len()).map(|b| b * size + k);
+        let slot_hidden: Vec<f32> = slot_rows()
+            .flat_map(|row| hidden[row * dim..(row + 1) * dim].iter().copied())
+            .collect();
+        let slot_base: Vec<f32> = slot_rows()
+            .flat_map(|row| base[row * vocab..(row + 1) * vocab].iter().copied())
+            .collect();
+        decode_slot(ctx, heads, &mut proposals, &slot_hidden, slot_base);
+    }
+    proposals
+}
+
+/// A proposal holding only its anchor, with room for `size` slots.
+fn started_proposal(anchor: u32, size: usize, vocab: usize) -> DraftProposal {
+    let mut tokens = Vec::with_capacity(size + 1);
+    tokens.push(anchor);
     DraftProposal {
         tokens,
-        logits,
-        confidence,
+        logits: Vec::with_capacity(size * vocab),
+        confidence: Vec::with_capacity(size),
+    }
+}
+
+/// The next slot `k` of every proposal, given each one's `h_k` (`hidden [n, dim]`) and base
+/// logits `U_k` (`base [n, vocab]`): `μ_k = markov_embed[x_k]` (`x_k` the proposal's last token,
+/// the anchor at `k = 0`), `logits_k = U_k + markov_head · μ_k`, `x_{k+1} = argmax logits_k`, and
+/// the raw confidence `w_conf · (h_k ‖ μ_k)`.
+fn decode_slot(
+    ctx: &Ctx,
+    heads: &MarkovHeads,
+    proposals: &mut [DraftProposal],
+    hidden: &[f32],
+    mut base: Vec<f32>,
+) {
+    let (vocab, rank, n) = (ctx.cfg.vocab_size, heads.rank, proposals.len());
+    if n == 0 {
+        return;
+    }
+    let dim = hidden.len() / n;
+    let markov: Vec<f32> = proposals
+        .iter()
+        .flat_map(|proposal| {
+            let previous = proposal.tokens.last().map_or(0, |&t| t as usize);
+            heads.markov_embed[previous * rank..(previous + 1) * rank]
+                .iter()
+                .copied()
+        })
+        .collect();
+    let bias = ctx
+        .backend
+        .linear_f32(&markov, heads.markov_head, vocab, rank);
+    for (logit, bias) in base.iter_mut().zip(&bias) {
+        *logit += bias;
+    }
+    let features: Vec<f32> = (0..n)
+        .flat_map(|b| {
+            hidden[b * dim..(b + 1) * dim]
+                .iter()
+                .chain(&markov[b * rank..(b + 1) * rank])
+                .copied()
+        })
+        .collect();
+    let confidence = ctx
+        .backend
+        .linear_f32(&features, heads.confidence, 1, dim + rank);
+    for (b, (proposal, confidence)) in proposals.iter_mut().zip(confidence).enumerate() {
+        let logits = &base[b * vocab..(b + 1) * vocab];
+        proposal.tokens.push(argmax(logits));
+        proposal.confidence.push(confidence);
+        proposal.logits.extend_from_slice(logits);
     }
 }
 

@@ -367,35 +367,104 @@ impl Model {
 
     /// A greedy DSpark proposal after the sequence's last token: `anchor` is the token just sampled
     /// (it will sit at position `seq.len()`); returns the anchor plus `block_size` drafts, the draft
-    /// logits (Markov bias included) and the raw confidences.
+    /// logits (Markov bias included) and the raw confidences. The one-request
+    /// [`Model::draft_step`].
     pub fn draft(&self, seq: &SequenceState, anchor: u32) -> Result<DraftProposal, ModelError> {
-        let Some(dspark) = &self.dspark else {
-            return Err(ModelError::Unsupported {
-                what: "DSpark drafting on a model without DSpark stages".to_string(),
-            });
+        self.draft_step(&[(seq, anchor)]).pop().unwrap_or_else(|| {
+            Err(ModelError::Sequence {
+                message: "the drafter returned no result for one request".to_string(),
+            })
+        })
+    }
+
+    /// Greedy DSpark proposals for many sequences at once (`(sequence, anchor)` per request, as
+    /// [`Model::draft`] takes them): the stages run once over the draft rows of every request and
+    /// the heads over all of them; returns, per request and in order, its proposal — bitwise what
+    /// [`Model::draft`] gives for it alone — or its own error (no processed token, an anchor
+    /// outside the vocabulary, a sequence of another drafter; a model without DSpark fails every
+    /// request). A failed request changes nothing and leaves the others' proposals as they are.
+    /// Sequences are only read.
+    pub fn draft_step(
+        &self,
+        requests: &[(&SequenceState, u32)],
+    ) -> Vec<Result<DraftProposal, ModelError>> {
+        let Some((weights, cfg_dspark)) = self.dspark.as_ref().zip(self.cfg.dspark.as_ref()) else {
+            return requests
+                .iter()
+                .map(|_| {
+                    Err(ModelError::Unsupported {
+                        what: "DSpark drafting on a model without DSpark stages".to_string(),
+                    })
+                })
+                .collect();
         };
+        let checked: Vec<Result<(), ModelError>> = requests
+            .iter()
+            .map(|&(seq, anchor)| self.check_draft(seq, anchor, weights.stages.len(), cfg_dspark))
+            .collect();
+        let valid: Vec<dspark::DraftRequest<'_>> = requests
+            .iter()
+            .zip(&checked)
+            .filter(|(_, check)| check.is_ok())
+            .map(|(&(seq, anchor), _)| dspark::DraftRequest { seq, anchor })
+            .collect();
+        let mut proposals = dspark::propose_many(
+            &self.ctx(),
+            weights,
+            cfg_dspark,
+            &self.embed,
+            &self.head,
+            &valid,
+        )
+        .into_iter();
+        checked
+            .into_iter()
+            .map(|check| {
+                check?;
+                proposals.next().ok_or_else(|| ModelError::Sequence {
+                    message: "the drafter returned fewer proposals than requests".to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Whether a proposal can be drafted after `seq` for `anchor`.
+    fn check_draft(
+        &self,
+        seq: &SequenceState,
+        anchor: u32,
+        stages: usize,
+        dspark: &crate::config::DsparkConfig,
+    ) -> Result<(), ModelError> {
         if seq.len == 0 {
             return Err(ModelError::Sequence {
                 message: "drafting needs at least one processed token".to_string(),
             });
         }
         self.check_token(anchor)?;
-        let cfg_dspark = self
-            .cfg
-            .dspark
-            .as_ref()
-            .ok_or_else(|| ModelError::Unsupported {
-                what: "DSpark config".to_string(),
-            })?;
-        Ok(dspark::propose(
-            &self.ctx(),
-            dspark,
-            cfg_dspark,
-            &self.embed,
-            &self.head,
-            seq,
-            anchor,
-        ))
+        if seq.dspark.len() != stages {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "the sequence has {} DSpark rings, the model {stages} stages",
+                    seq.dspark.len()
+                ),
+            });
+        }
+        if dspark.block_size == 0
+            || dspark.markov_rank == 0
+            || dspark.noise_token_id as usize >= self.cfg.vocab_size
+        {
+            return Err(ModelError::Unsupported {
+                what: format!(
+                    "a DSpark block of {} slots, Markov rank {} and noise token {} (vocabulary {})",
+                    dspark.block_size,
+                    dspark.markov_rank,
+                    dspark.noise_token_id,
+                    self.cfg.vocab_size
+                ),
+            });
+        }
+        Ok(())
     }
 
     fn check_token(&self, token: u32) -> Result<(), ModelError> {
