@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use deepinfer_model::error::ModelError;
+use deepinfer_model::sampling::SamplingParams;
 use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
 
 /// What one batch did and how long it took.
@@ -101,9 +102,8 @@ pub fn measure_batch(
         .collect();
     let mut sequences: Vec<SequenceState> = prompts.iter().map(|_| model.new_sequence()).collect();
     let started = Instant::now();
-    let logits = step(model, &mut sequences, |i| &prompts[i])?;
+    let mut next = step(model, &mut sequences, |i| &prompts[i])?;
     let prefill_seconds = started.elapsed().as_secs_f64();
-    let mut next: Vec<u32> = logits.iter().map(|row| argmax(row)).collect();
     let step_seconds = decode_steps(model, &mut sequences, &mut next, steps)?;
     Ok(BatchMeasurement {
         prompt_lens: prompt_lens.to_vec(),
@@ -143,22 +143,20 @@ pub fn decode_steps(
     let mut step_seconds = Vec::with_capacity(steps);
     for _ in 0..steps {
         let started = Instant::now();
-        let logits = step(model, sequences, |i| std::slice::from_ref(&next[i]))?;
+        let tokens = step(model, sequences, |i| std::slice::from_ref(&next[i]))?;
         step_seconds.push(started.elapsed().as_secs_f64());
-        for (token, row) in next.iter_mut().zip(&logits) {
-            *token = argmax(row);
-        }
+        next.copy_from_slice(&tokens);
     }
     Ok(step_seconds)
 }
 
-/// One [`Model::forward_step`] in which sequence `i` appends `tokens(i)`; the last logits row of
-/// each.
+/// One [`Model::forward_step`] in which sequence `i` appends `tokens(i)`; the greedy token after
+/// each (sampled on the backend: the logits stay where they are computed).
 fn step<'t>(
     model: &Model,
     sequences: &mut [SequenceState],
     tokens: impl Fn(usize) -> &'t [u32],
-) -> Result<Vec<Vec<f32>>, ModelError> {
+) -> Result<Vec<u32>, ModelError> {
     let mut entries: Vec<StepEntry<'_>> = sequences
         .iter_mut()
         .enumerate()
@@ -167,9 +165,18 @@ fn step<'t>(
             tokens: tokens(i),
             want: LogitsWanted::Last,
             decoder_from: None,
+            sample: Some(SamplingParams::greedy()),
         })
         .collect();
-    model.forward_step(&mut entries, None)
+    let outputs = model.forward_step(&mut entries, None)?;
+    Ok(outputs
+        .into_iter()
+        .map(|out| {
+            out.into_tokens()
+                .and_then(|t| t.last().copied())
+                .unwrap_or(0)
+        })
+        .collect())
 }
 
 #[cfg(test)]

@@ -6,13 +6,25 @@
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
-use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::sampling::{SamplingParams, sample};
+use deepinfer_model::{EntryOutput, LogitsWanted, Model, SequenceState, StepEntry};
 
 fn synthetic_model(dir: &std::path::Path) -> Model {
     let cfg = ModelConfig::tiny_v41();
     write_random_checkpoint(&cfg, 7, dir, 1).expect("checkpoint written");
     let vocab = CompressedVocab::halving_stub(cfg.vocab_size, 2).expect("stub vocabulary");
     Model::load_with_vocab(dir, Some(vocab)).expect("model loads")
+}
+
+/// The logits of entries that did not sample.
+fn logits_of(outputs: Vec<EntryOutput>) -> Vec<Vec<f32>> {
+    outputs
+        .into_iter()
+        .map(|out| {
+            out.into_logits()
+                .expect("an entry that did not sample returns logits")
+        })
+        .collect()
 }
 
 fn tokens(seed: u32, len: usize, vocab: usize) -> Vec<u32> {
@@ -94,9 +106,10 @@ fn a_step_over_many_sequences_equals_each_sequence_alone() {
             tokens: &plan.prompt,
             want: plan.want,
             decoder_from: plan.decoder_from,
+            sample: None,
         })
         .collect();
-    let got = model.forward_step(&mut entries, None).expect("prompt step");
+    let got = logits_of(model.forward_step(&mut entries, None).expect("prompt step"));
     assert_eq!(got.len(), plans.len());
     for (i, (got, expected)) in got.iter().zip(&expected).enumerate() {
         assert!(!expected.is_empty(), "sequence {i} returned logits alone");
@@ -133,9 +146,10 @@ fn a_step_over_many_sequences_equals_each_sequence_alone() {
                     LogitsWanted::Last
                 },
                 decoder_from: plans[i].decoder_from,
+                sample: None,
             })
             .collect();
-        let got = model.forward_step(&mut entries, None).expect("step");
+        let got = logits_of(model.forward_step(&mut entries, None).expect("step"));
         for ((&(i, _), got), expected) in step.iter().zip(&got).zip(&expected) {
             assert_eq!(got.len(), expected.len(), "step {s}, sequence {i}: rows");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -177,12 +191,14 @@ fn a_bad_entry_fails_the_step_by_index_and_changes_no_sequence() {
             tokens: &good,
             want: LogitsWanted::Last,
             decoder_from: None,
+            sample: None,
         },
         StepEntry {
             seq: &mut second,
             tokens: &bad,
             want: LogitsWanted::Last,
             decoder_from: None,
+            sample: None,
         },
     ];
     let err = model
@@ -205,4 +221,81 @@ fn a_bad_entry_fails_the_step_by_index_and_changes_no_sequence() {
         again.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
     );
+}
+
+/// Entries that ask to sample get, per wanted row, the token the host sampler picks from that
+/// row's logits with the row's next position as the noise counter; entries that do not get their
+/// logits, in the same step.
+#[test]
+fn sampled_entries_get_the_tokens_of_their_logits_rows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = synthetic_model(dir.path());
+    let vocab = model.config().vocab_size;
+    let seeded = |seed| SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed,
+    };
+    // (prompt length, rows wanted, sampling)
+    let cases = [
+        (5, LogitsWanted::Last, Some(SamplingParams::greedy())),
+        (9, LogitsWanted::All, Some(seeded(11))),
+        (3, LogitsWanted::All, None),
+        (12, LogitsWanted::Last, Some(seeded(12))),
+    ];
+    let prompts: Vec<Vec<u32>> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, _, _))| tokens(40 + i as u32, len, vocab))
+        .collect();
+    let mut alone: Vec<SequenceState> = cases.iter().map(|_| model.new_sequence()).collect();
+    let mut stepped: Vec<SequenceState> = cases.iter().map(|_| model.new_sequence()).collect();
+    let mut entries: Vec<StepEntry<'_>> = cases
+        .iter()
+        .zip(&prompts)
+        .zip(stepped.iter_mut())
+        .map(|((&(_, want, sample), prompt), seq)| StepEntry {
+            seq,
+            tokens: prompt,
+            want,
+            decoder_from: None,
+            sample,
+        })
+        .collect();
+    let outputs = model.forward_step(&mut entries, None).expect("step");
+    let mut sampled_rows = 0;
+    for (i, (((&(len, want, sampling), prompt), seq), out)) in cases
+        .iter()
+        .zip(&prompts)
+        .zip(alone.iter_mut())
+        .zip(outputs)
+        .enumerate()
+    {
+        let logits = model.forward(seq, prompt, want).expect("alone");
+        let first_row_position = match want {
+            LogitsWanted::All => 0,
+            LogitsWanted::Last => len - 1,
+        };
+        match sampling {
+            Some(params) => {
+                let expected: Vec<u32> = logits
+                    .chunks_exact(vocab)
+                    .enumerate()
+                    .map(|(r, row)| {
+                        let position = (first_row_position + r + 1) as u64;
+                        sample(row, &params, position).expect("a token")
+                    })
+                    .collect();
+                sampled_rows += expected.len();
+                assert_eq!(
+                    out.into_tokens(),
+                    Some(expected),
+                    "entry {i}: sampled tokens"
+                );
+            }
+            None => assert_eq!(out.into_logits(), Some(logits), "entry {i}: logits"),
+        }
+    }
+    assert_eq!(sampled_rows, 11);
 }

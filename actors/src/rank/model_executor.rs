@@ -158,6 +158,7 @@ impl RankExecutor for ModelExecutor {
                     LogitsWanted::Last
                 },
                 decoder_from: self.replay_from.get(&entry.id).copied(),
+                sample: None,
             });
         }
         let rows = self
@@ -166,6 +167,12 @@ impl RankExecutor for ModelExecutor {
                 &mut entries,
                 experts.as_ref().map(|e| e as &dyn RoutedExperts),
             )
+            .map(|outputs| {
+                outputs
+                    .into_iter()
+                    .map(|out| out.into_logits().unwrap_or_default())
+                    .collect()
+            })
             .map_err(|e| ExecError::Backend(e.to_string()));
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {

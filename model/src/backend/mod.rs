@@ -338,6 +338,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             .collect())
     }
 
+    /// One token per row of the fp32 logits `x · Wᵀ` ([`Backend::linear_f32`], `W [out, inp]`),
+    /// sampled as [`Backend::sample_rows`] does: the head and the sampler of a step in one op, so a
+    /// device backend keeps the logits where it computed them and returns only the ids.
+    fn sample_linear(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        self.sample_rows(&self.linear_f32(x, w, out, inp), out, rows)
+    }
+
     /// The MoE router after the gate linear, one token per `bias.len()`-wide row of `logits`
     /// (`z`): scores `s = sqrt(softplus(z))` (the reference's vectorised softplus,
     /// [`cpu::router_scores`]), selection on `s + bias` ([`ExpertSelection`]), weights

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 pub use dspark::DraftProposal;
 pub use state::{MAX_BACKTRACK, SequenceState};
-pub use step::StepEntry;
+pub use step::{EntryOutput, StepEntry};
 pub use trace::{ForwardTrace, Injection};
 
 use crate::backend::{Backend, CpuBackend};
@@ -354,9 +354,12 @@ impl Model {
             tokens,
             want,
             decoder_from,
+            sample: None,
         }];
-        let mut logits = self.run_step(&mut entry, trace, experts, vl)?;
-        Ok(logits.pop().unwrap_or_default())
+        let output = self.run_step(&mut entry, trace, experts, vl)?.pop();
+        Ok(output
+            .and_then(step::EntryOutput::into_logits)
+            .unwrap_or_default())
     }
 
     /// Drops everything after the first `len` tokens. Only the last [`MAX_BACKTRACK`] tokens can be

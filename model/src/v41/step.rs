@@ -10,10 +10,11 @@ use super::csa::{self, ChunkShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::{Ctx, LogitsWanted, Model, attention, block, dspark, expert_hook, vision};
-use crate::backend::Precision;
+use crate::backend::{Precision, RowSampling};
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
 use crate::quant::round_bf16;
+use crate::sampling::SamplingParams;
 
 /// One sequence's part of a step ([`Model::forward_step`]).
 pub struct StepEntry<'a> {
@@ -24,6 +25,38 @@ pub struct StepEntry<'a> {
     /// Decoder bounded replay ([`Model::forward_replay`]): rows at positions below it stop at the
     /// decoder boundary. `None`: every layer sees every row.
     pub decoder_from: Option<usize>,
+    /// Sample the wanted rows where the logits are computed and return token ids
+    /// ([`EntryOutput::Tokens`]) instead of logits: the row of the token at position `p` gives the
+    /// token at `p + 1`, sampled as [`crate::sampling::sample`] with that position as the noise
+    /// counter. `None`: the logits rows ([`EntryOutput::Logits`]).
+    pub sample: Option<SamplingParams>,
+}
+
+/// What a step returns for one entry.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EntryOutput {
+    /// The wanted logits rows (`[rows, vocab]` fp32).
+    Logits(Vec<f32>),
+    /// One sampled token per wanted row.
+    Tokens(Vec<u32>),
+}
+
+impl EntryOutput {
+    /// The logits, or `None` for sampled tokens.
+    pub fn into_logits(self) -> Option<Vec<f32>> {
+        match self {
+            EntryOutput::Logits(logits) => Some(logits),
+            EntryOutput::Tokens(_) => None,
+        }
+    }
+
+    /// The sampled tokens, or `None` for logits.
+    pub fn into_tokens(self) -> Option<Vec<u32>> {
+        match self {
+            EntryOutput::Tokens(tokens) => Some(tokens),
+            EntryOutput::Logits(_) => None,
+        }
+    }
 }
 
 /// The positions of a step's rows and which rows belong to which sequence.
@@ -91,13 +124,15 @@ impl Model {
     /// One forward over several sequences at once: each entry's tokens are appended at its
     /// sequence's next positions; returns, per entry and in order, its logits rows (as
     /// [`Model::forward`] / [`Model::forward_replay`] return them for that entry alone, bit for
-    /// bit). `experts` runs the routed experts elsewhere (expert parallelism). Every entry is
-    /// checked before any state changes: a bad entry fails the step naming its index.
+    /// bit) or, for an entry that asks to `sample`, the tokens sampled from them on the backend
+    /// (the logits then never leave the device). `experts` runs the routed experts elsewhere
+    /// (expert parallelism). Every entry is checked before any state changes: a bad entry fails
+    /// the step naming its index.
     pub fn forward_step(
         &self,
         entries: &mut [StepEntry<'_>],
         experts: Option<&dyn RoutedExperts>,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    ) -> Result<Vec<EntryOutput>, ModelError> {
         self.run_step(entries, None, experts, None)
     }
 
@@ -109,7 +144,7 @@ impl Model {
         mut trace: Option<&mut ForwardTrace>,
         experts: Option<&dyn RoutedExperts>,
         vl: Option<&vision::VlChunk<'_>>,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    ) -> Result<Vec<EntryOutput>, ModelError> {
         if entries.len() != 1 && (trace.is_some() || vl.is_some()) {
             return Err(ModelError::Unsupported {
                 what: format!(
@@ -130,7 +165,10 @@ impl Model {
         let (hc, dim) = (cfg.hc.mult, cfg.dim);
         let width = hc * dim;
         let chunks: Vec<&[u32]> = entries.iter().map(|entry| entry.tokens).collect();
-        let wants: Vec<LogitsWanted> = entries.iter().map(|entry| entry.want).collect();
+        let wants: Vec<(LogitsWanted, Option<SamplingParams>)> = entries
+            .iter()
+            .map(|entry| (entry.want, entry.sample))
+            .collect();
         // Leading rows of each chunk before its decoder suffix (bounded replay).
         let dropped: Vec<usize> = entries
             .iter()
@@ -292,7 +330,7 @@ impl Model {
             }
         }
         inject_streams(trace.as_deref(), cfg.n_layers, &mut streams, &mut pre);
-        let logits = self.head_rows(&ctx, &rows, &wants, &streams, &pre, trace.as_deref_mut());
+        let outputs = self.head_rows(&ctx, &rows, &wants, &streams, &pre, trace.as_deref_mut())?;
 
         if let Some(weights) = self.dspark.as_ref().filter(|_| !rows.positions.is_empty()) {
             let computed: Vec<f32> = (0..rows.positions.len())
@@ -325,27 +363,28 @@ impl Model {
             seq.len += tokens.len();
             seq.trim(cfg.window_size);
         }
-        Ok(logits)
+        Ok(outputs)
     }
 
-    /// The final collapse, norm and head over the rows each entry wants (one head GEMM for the
-    /// whole step); a trace records the final hidden state of every row.
+    /// The final collapse, norm and head over the rows each entry wants: one head GEMM for the
+    /// entries that want logits, one sampled head for those that sample; a trace records the
+    /// final hidden state of every row.
     fn head_rows(
         &self,
         ctx: &Ctx,
         rows: &StepRows,
-        wants: &[LogitsWanted],
+        wants: &[(LogitsWanted, Option<SamplingParams>)],
         streams: &[f32],
         pre: &[f32],
         trace: Option<&mut ForwardTrace>,
-    ) -> Vec<Vec<f32>> {
+    ) -> Result<Vec<EntryOutput>, ModelError> {
         let cfg = &self.cfg;
         let (hc, dim, vocab) = (cfg.hc.mult, cfg.dim, cfg.vocab_size);
         let wanted: Vec<Vec<usize>> = rows
             .spans
             .iter()
             .zip(wants)
-            .map(|(span, want)| match want {
+            .map(|(span, (want, _))| match want {
                 LogitsWanted::All => span.clone().collect(),
                 LogitsWanted::Last => span.clone().last().into_iter().collect(),
             })
@@ -355,36 +394,78 @@ impl Model {
         } else {
             wanted.iter().flatten().copied().collect()
         };
-        if needed.is_empty() {
-            return vec![Vec::new(); wants.len()];
+        let mut hidden = Vec::new();
+        if !needed.is_empty() {
+            let x = ctx.backend.hc_collapse_rows_at(
+                &gather_rows(streams, needed.iter().copied(), hc * dim),
+                &gather_rows(pre, needed.iter().copied(), hc),
+                hc,
+                Precision::Bf16,
+            );
+            hidden = ctx.backend.rms_norm(&x, &self.norm, cfg.norm_eps);
         }
-        let x = ctx.backend.hc_collapse_rows_at(
-            &gather_rows(streams, needed.iter().copied(), hc * dim),
-            &gather_rows(pre, needed.iter().copied(), hc),
-            hc,
-            Precision::Bf16,
-        );
-        let hidden = ctx.backend.rms_norm(&x, &self.norm, cfg.norm_eps);
         // `needed` is ascending: a row's place in it by binary search.
         let slot = |row: usize| needed.binary_search(&row).ok();
-        let head_inputs = gather_rows(
-            &hidden,
-            wanted.iter().flatten().filter_map(|&r| slot(r)),
-            dim,
-        );
-        let logits = ctx.backend.linear_f32(&head_inputs, &self.head, vocab, dim);
+        let rows_of = |sampled: bool| {
+            wanted
+                .iter()
+                .zip(wants)
+                .filter(move |(_, (_, sample))| sample.is_some() == sampled)
+                .flat_map(|(rows, _)| rows.iter().copied())
+        };
+        let logits = match rows_of(false).next() {
+            Some(_) => ctx.backend.linear_f32(
+                &gather_rows(&hidden, rows_of(false).filter_map(slot), dim),
+                &self.head,
+                vocab,
+                dim,
+            ),
+            None => Vec::new(),
+        };
+        let sampling: Vec<RowSampling> = wanted
+            .iter()
+            .zip(wants)
+            .filter_map(|(rows, (_, sample))| Some((rows, (*sample)?)))
+            .flat_map(|(entry_rows, params)| {
+                entry_rows.iter().map(move |&row| RowSampling {
+                    params,
+                    position: rows.positions[row] as u64 + 1,
+                })
+            })
+            .collect();
+        let tokens = if sampling.is_empty() {
+            Vec::new()
+        } else {
+            ctx.backend
+                .sample_linear(
+                    &gather_rows(&hidden, rows_of(true).filter_map(slot), dim),
+                    &self.head,
+                    vocab,
+                    dim,
+                    &sampling,
+                )
+                .map_err(|e| ModelError::Sequence {
+                    message: e.to_string(),
+                })?
+        };
         if let Some(trace) = trace {
             trace.final_hidden = hidden;
         }
-        let mut at = 0;
-        wanted
+        let (mut at_logits, mut at_tokens) = (0, 0);
+        Ok(wanted
             .iter()
-            .map(|rows| {
-                let part = logits[at * vocab..(at + rows.len()) * vocab].to_vec();
-                at += rows.len();
-                part
+            .zip(wants)
+            .map(|(rows, (_, sample))| {
+                let n = rows.len();
+                if sample.is_some() {
+                    at_tokens += n;
+                    EntryOutput::Tokens(tokens[at_tokens - n..at_tokens].to_vec())
+                } else {
+                    at_logits += n;
+                    EntryOutput::Logits(logits[(at_logits - n) * vocab..at_logits * vocab].to_vec())
+                }
             })
-            .collect()
+            .collect())
     }
 }
 
