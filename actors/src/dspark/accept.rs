@@ -52,21 +52,35 @@ pub fn accept_block(
             vocab,
         });
     }
-    let mut tokens = Vec::with_capacity(drafts.len() + 1);
+    // `vocab > 0`, so a row is never empty and `sample` always picks a token; rows past the first
+    // mismatch are not needed.
+    let mut sampled = Vec::with_capacity(drafts.len() + 1);
     for (i, row) in rows.chunks_exact(vocab).enumerate() {
-        // `vocab > 0`, so a row is never empty and `sample` always picks a token.
         let Some(token) = sample(row, params, first_position + i as u64) else {
             break;
         };
-        tokens.push(token);
+        sampled.push(token);
         if drafts.get(i) != Some(&token) {
             break;
         }
     }
-    Ok(AcceptedBlock {
+    Ok(accept_sampled(drafts, &sampled))
+}
+
+/// Judges `drafts` against the tokens already sampled from their rows (`sampled[i]` from row `i`
+/// at its position, as [`accept_block`] samples them, e.g. on the device): the drafts up to the
+/// first mismatch, then that row's token as the bonus.
+pub fn accept_sampled(drafts: &[u32], sampled: &[u32]) -> AcceptedBlock {
+    let accepted = drafts
+        .iter()
+        .zip(sampled)
+        .take_while(|(draft, token)| draft == token)
+        .count();
+    let tokens = sampled[..(accepted + 1).min(sampled.len())].to_vec();
+    AcceptedBlock {
         accepted: tokens.len().saturating_sub(1),
         tokens,
-    })
+    }
 }
 
 #[cfg(test)]
@@ -104,6 +118,24 @@ mod tests {
                 vocab: 3
             })
         );
+    }
+
+    #[test]
+    fn sampled_tokens_judge_drafts_as_their_rows_do() {
+        // Every row sampled (as a device does for a whole verify): the same block as judging
+        // the rows themselves.
+        let sampled = [2, 0, 1];
+        let all = accept_sampled(&[2, 0], &sampled);
+        assert_eq!((all.tokens, all.accepted), (vec![2, 0, 1], 2));
+        let second_wrong = accept_sampled(&[2, 1], &sampled);
+        assert_eq!(
+            (second_wrong.tokens, second_wrong.accepted),
+            (vec![2, 0], 1)
+        );
+        let first_wrong = accept_sampled(&[0, 0], &sampled);
+        assert_eq!((first_wrong.tokens, first_wrong.accepted), (vec![2], 0));
+        let no_drafts = accept_sampled(&[], &sampled[..1]);
+        assert_eq!((no_drafts.tokens, no_drafts.accepted), (vec![2], 0));
     }
 
     fn softmax(logits: &[f32]) -> Vec<f64> {
