@@ -13,7 +13,10 @@
 
 use std::time::Duration;
 
+use deepinfer_model::EntryOutput;
 use deepinfer_topology::RequestId;
+
+use crate::sampling::{SamplingParams, sample};
 
 /// A backend failure, reported to the scheduler as `RankError::Backend`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -64,6 +67,49 @@ pub trait RankExecutor: Send {
     /// logits row (`vocab_size` wide), or for an `all_rows` entry every row concatenated
     /// (`tokens.len() * vocab_size`). Entries name distinct sequences.
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError>;
+    /// [`RankExecutor::execute`] where entry `i` with `sampling[i] = Some(params)` gets its rows
+    /// sampled by the executor and returns token ids ([`EntryOutput::Tokens`]): the row of the
+    /// token at position `p` gives the token at `p + 1`, sampled as `sampling::sample` with that
+    /// position as the noise counter. An executor on a device samples there, so those logits
+    /// never reach the host. Other entries return their logits rows ([`EntryOutput::Logits`]).
+    /// The default runs `execute` and samples on the host (the same math).
+    fn execute_sampled(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        let held = batch
+            .iter()
+            .map(|entry| self.sequence_len(entry.id))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rows = self.execute(batch)?;
+        let vocab = self.vocab_size().max(1);
+        rows.into_iter()
+            .zip(batch)
+            .zip(held)
+            .enumerate()
+            .map(|(i, ((rows, entry), held))| {
+                let Some(params) = sampling.get(i).copied().flatten() else {
+                    return Ok(EntryOutput::Logits(rows));
+                };
+                // The position of the token of the first returned row.
+                let first = if entry.all_rows {
+                    held
+                } else {
+                    held + entry.tokens.len().saturating_sub(1)
+                };
+                rows.chunks_exact(vocab)
+                    .enumerate()
+                    .map(|(r, row)| {
+                        sample(row, &params, (first + r + 1) as u64).ok_or_else(|| {
+                            ExecError::Backend(format!("empty logits row for {}", entry.id))
+                        })
+                    })
+                    .collect::<Result<Vec<u32>, _>>()
+                    .map(EntryOutput::Tokens)
+            })
+            .collect()
+    }
     /// Proposes the tokens after `anchor`, the token just sampled for sequence `id` (it will
     /// sit at position `sequence_len(id)`). `None` when the executor has no drafter.
     fn draft(&mut self, _id: RequestId, _anchor: u32) -> Result<Option<Draft>, ExecError> {

@@ -18,13 +18,14 @@ use std::sync::Arc;
 
 use deepinfer_model::backend::Backend;
 use deepinfer_model::expert_dispatch::RoutedExperts;
-use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::{EntryOutput, LogitsWanted, Model, SequenceState, StepEntry};
 use deepinfer_topology::{DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
 use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use crate::sampling::SamplingParams;
 
 /// The executor of one rank over a shared model.
 pub struct ModelExecutor {
@@ -68,6 +69,78 @@ impl ModelExecutor {
             }),
             ..ModelExecutor::new(model)
         }
+    }
+}
+
+impl ModelExecutor {
+    /// One `Model::forward_step` over the batch; entry `i` samples with `sampling[i]` when given
+    /// (see [`RankExecutor::execute_sampled`]).
+    fn step(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        // Every entry is checked before any sequence changes, and names its own sequence.
+        for entry in batch {
+            let seq = self
+                .sequences
+                .get(&entry.id)
+                .ok_or(ExecError::UnknownSequence(entry.id))?;
+            self.model
+                .check_chunk(seq, entry.tokens)
+                .map_err(|e| sequence_error(entry.id, e))?;
+        }
+        // Expert parallelism: this step's placement epoch, read once at the step boundary.
+        let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
+        let experts = comm.as_deref().map(|comm| StepExperts::new(comm));
+        let ids: HashSet<RequestId> = batch.iter().map(|entry| entry.id).collect();
+        if ids.len() != batch.len() {
+            return Err(ExecError::Backend(
+                "a step names the same sequence twice".to_string(),
+            ));
+        }
+        // One forward over the whole step, entries in the batch's order.
+        let mut seqs: HashMap<RequestId, &mut SequenceState> = self
+            .sequences
+            .iter_mut()
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(&id, seq)| (id, seq))
+            .collect();
+        let mut entries = Vec::with_capacity(batch.len());
+        for (i, entry) in batch.iter().enumerate() {
+            let seq = seqs
+                .remove(&entry.id)
+                .ok_or(ExecError::UnknownSequence(entry.id))?;
+            entries.push(StepEntry {
+                seq,
+                tokens: entry.tokens,
+                want: if entry.all_rows {
+                    LogitsWanted::All
+                } else {
+                    LogitsWanted::Last
+                },
+                decoder_from: self.replay_from.get(&entry.id).copied(),
+                sample: sampling.get(i).copied().flatten(),
+            });
+        }
+        let rows = self
+            .model
+            .forward_step(
+                &mut entries,
+                experts.as_ref().map(|e| e as &dyn RoutedExperts),
+            )
+            .map_err(|e| ExecError::Backend(e.to_string()));
+        if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
+            ep.parallel.finish_step(StepRecord {
+                dp: ep.dp,
+                rank_step: ep.steps,
+                epoch: comm.epoch(),
+                served: experts.epochs_seen(),
+                tokens: batch.iter().map(|e| e.tokens.len()).sum(),
+            });
+            ep.steps += 1;
+        }
+        rows
     }
 }
 
@@ -118,73 +191,19 @@ impl RankExecutor for ModelExecutor {
     }
 
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        // Every entry is checked before any sequence changes, and names its own sequence.
-        for entry in batch {
-            let seq = self
-                .sequences
-                .get(&entry.id)
-                .ok_or(ExecError::UnknownSequence(entry.id))?;
-            self.model
-                .check_chunk(seq, entry.tokens)
-                .map_err(|e| sequence_error(entry.id, e))?;
-        }
-        // Expert parallelism: this step's placement epoch, read once at the step boundary.
-        let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
-        let experts = comm.as_deref().map(|comm| StepExperts::new(comm));
-        let ids: HashSet<RequestId> = batch.iter().map(|entry| entry.id).collect();
-        if ids.len() != batch.len() {
-            return Err(ExecError::Backend(
-                "a step names the same sequence twice".to_string(),
-            ));
-        }
-        // One forward over the whole step, entries in the batch's order.
-        let mut seqs: HashMap<RequestId, &mut SequenceState> = self
-            .sequences
-            .iter_mut()
-            .filter(|(id, _)| ids.contains(id))
-            .map(|(&id, seq)| (id, seq))
-            .collect();
-        let mut entries = Vec::with_capacity(batch.len());
-        for entry in batch {
-            let seq = seqs
-                .remove(&entry.id)
-                .ok_or(ExecError::UnknownSequence(entry.id))?;
-            entries.push(StepEntry {
-                seq,
-                tokens: entry.tokens,
-                want: if entry.all_rows {
-                    LogitsWanted::All
-                } else {
-                    LogitsWanted::Last
-                },
-                decoder_from: self.replay_from.get(&entry.id).copied(),
-                sample: None,
-            });
-        }
-        let rows = self
-            .model
-            .forward_step(
-                &mut entries,
-                experts.as_ref().map(|e| e as &dyn RoutedExperts),
-            )
-            .map(|outputs| {
-                outputs
-                    .into_iter()
-                    .map(|out| out.into_logits().unwrap_or_default())
-                    .collect()
-            })
-            .map_err(|e| ExecError::Backend(e.to_string()));
-        if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
-            ep.parallel.finish_step(StepRecord {
-                dp: ep.dp,
-                rank_step: ep.steps,
-                epoch: comm.epoch(),
-                served: experts.epochs_seen(),
-                tokens: batch.iter().map(|e| e.tokens.len()).sum(),
-            });
-            ep.steps += 1;
-        }
-        rows
+        Ok(self
+            .step(batch, &[])?
+            .into_iter()
+            .map(|out| out.into_logits().unwrap_or_default())
+            .collect())
+    }
+
+    fn execute_sampled(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        self.step(batch, sampling)
     }
 
     fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {

@@ -6,6 +6,9 @@
 //! visible `device_latency` after its launch, and a step launched while another is still on the
 //! device has its host time counted as hidden by async scheduling.
 //!
+//! Sampling: unconstrained entries are sampled by the executor (`RankExecutor::execute_sampled`,
+//! on its device: only the token ids come back); constrained ones get their logits rows here.
+//!
 //! Structured outputs: before the forward, the matchers of the constrained sequences that sample
 //! in this step go to the grammar mask workers; the masks are awaited right after the forward and
 //! applied to the logits before the sampling noise. A mask depends only on the tokens accepted so
@@ -13,7 +16,8 @@
 //!
 //! DSpark: the worker also owns each sequence's current proposal (drafted on this thread, where
 //! the sequence state lives). A `Verify { drafts }` entry feeds the anchor plus up to `drafts` of
-//! it, judges them with `dspark::accept` (lossless), rolls the sequence back past the rejected
+//! it, judges them with `dspark::accept` (lossless; the executor samples every row where the
+//! logits are, `RankExecutor::execute_sampled`), rolls the sequence back past the rejected
 //! drafts, and drafts the next proposal (every proposal of a step in one `draft_many` call after
 //! the sampling); only the proposal's confidences leave the thread (in the step output).
 //! Grammar-constrained sequences are never drafted for: the scheduler gives them plain `Decode`s,
@@ -23,9 +27,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use deepinfer_model::EntryOutput;
 use deepinfer_topology::{DpRank, RequestId};
 
-use crate::dspark::accept::accept_block;
+use crate::dspark::accept::{accept_block, accept_sampled};
 use crate::grammar::{GrammarError, MaskBatch, MaskJob, MaskWorkers, StepMask};
 use crate::messages::rank::{
     DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming, VerifyOutcome,
@@ -268,15 +273,25 @@ impl RankWorker {
                 all_rows: input.verify.is_some(),
             })
             .collect();
+        // Unconstrained entries that produce tokens are sampled by the executor (on its device);
+        // constrained ones get their logits here, to be masked.
+        let sampling: Vec<Option<SamplingParams>> = plan
+            .work
+            .iter()
+            .map(|work| {
+                let seq = self.sequences.get(&work.id)?;
+                (produces_token(&work.input) && seq.grammar.is_none()).then_some(seq.params)
+            })
+            .collect();
         // Masks are computed while the forward runs and awaited right after it.
         let pending = self.start_masks(plan)?;
-        let rows = self.executor.execute(&batch);
+        let outputs = self.executor.execute_sampled(&batch, &sampling);
         let mut masks = self.finish_masks(pending);
-        let mut rows = rows?;
-        if rows.len() != plan.work.len() {
+        let outputs = outputs?;
+        if outputs.len() != plan.work.len() {
             return Err(ExecError::Backend(format!(
-                "the executor returned {} logits rows for {} sequences",
-                rows.len(),
+                "the executor returned {} outputs for {} sequences",
+                outputs.len(),
                 plan.work.len()
             )));
         }
@@ -284,13 +299,14 @@ impl RankWorker {
         let mut verified = Vec::new();
         // Sequences to draft for after this step, in work order (drafted together below).
         let mut to_draft = Vec::new();
-        for ((work, input), row) in plan.work.iter().zip(&inputs).zip(rows.iter_mut()) {
+        for ((work, input), output) in plan.work.iter().zip(&inputs).zip(outputs) {
             if !produces_token(&work.input) {
                 continue;
             }
             if let (Some(_), Some(&held)) = (input.verify, held_before.get(&work.id)) {
                 let verified_drafts = input.tokens.get(1..).unwrap_or_default();
-                let (outcome, tokens) = self.verify_entry(work.id, verified_drafts, row, held)?;
+                let (outcome, tokens) =
+                    self.verify_entry(work.id, verified_drafts, &output, held)?;
                 verified.push(outcome);
                 sampled.extend(tokens.into_iter().map(|token| (work.id, token)));
                 to_draft.push(work.id);
@@ -302,22 +318,27 @@ impl RankWorker {
                 .sequences
                 .get_mut(&work.id)
                 .ok_or(ExecError::UnknownSequence(work.id))?;
-            let constrained = match (masks.remove(&work.id), seq.grammar.as_mut()) {
-                (Some(Ok(mask)), Some(grammar)) => Some(
-                    sample_constrained(grammar, &mask, row, &seq.params, position)
-                        .map_err(|error| (error, grammar.end_token)),
-                ),
-                (Some(Err(failure)), _) => Some(Err(failure)),
-                _ => None,
-            };
-            let picked = match constrained {
-                None => sample(row, &seq.params, position),
-                Some(Ok(token)) => token,
-                Some(Err((error, end))) => {
-                    // The request's grammar failed: end this request, not the rank.
-                    tracing::warn!(id = %work.id, %error, "structured output failed; ending the request");
-                    seq.grammar = None;
-                    Some(end)
+            let picked = match output {
+                EntryOutput::Tokens(tokens) => tokens.last().copied(),
+                EntryOutput::Logits(mut row) => {
+                    let constrained = match (masks.remove(&work.id), seq.grammar.as_mut()) {
+                        (Some(Ok(mask)), Some(grammar)) => Some(
+                            sample_constrained(grammar, &mask, &mut row, &seq.params, position)
+                                .map_err(|error| (error, grammar.end_token)),
+                        ),
+                        (Some(Err(failure)), _) => Some(Err(failure)),
+                        _ => None,
+                    };
+                    match constrained {
+                        None => sample(&row, &seq.params, position),
+                        Some(Ok(token)) => token,
+                        Some(Err((error, end))) => {
+                            // The request's grammar failed: end this request, not the rank.
+                            tracing::warn!(id = %work.id, %error, "structured output failed; ending the request");
+                            seq.grammar = None;
+                            Some(end)
+                        }
+                    }
                 }
             };
             let token = picked
@@ -392,7 +413,7 @@ impl RankWorker {
         &mut self,
         id: RequestId,
         drafts: &[u32],
-        rows: &[f32],
+        output: &EntryOutput,
         held_before: usize,
     ) -> Result<(VerifyOutcome, Vec<u32>), ExecError> {
         let vocab = self.executor.vocab_size();
@@ -400,9 +421,15 @@ impl RankWorker {
             .sequences
             .get_mut(&id)
             .ok_or(ExecError::UnknownSequence(id))?;
-        // Row 0 predicts the token after the anchor, which sits at `held_before`.
-        let block = accept_block(rows, vocab, drafts, &seq.params, held_before as u64 + 1)
-            .map_err(|e| ExecError::Backend(format!("{id}: {e}")))?;
+        let block = match output {
+            // Every row sampled by the executor at its position.
+            EntryOutput::Tokens(tokens) => accept_sampled(drafts, tokens),
+            // Row 0 predicts the token after the anchor, which sits at `held_before`.
+            EntryOutput::Logits(rows) => {
+                accept_block(rows, vocab, drafts, &seq.params, held_before as u64 + 1)
+                    .map_err(|e| ExecError::Backend(format!("{id}: {e}")))?
+            }
+        };
         let keep = held_before + 1 + block.accepted;
         if block.accepted < drafts.len() {
             self.executor.rollback(id, keep)?;
@@ -860,5 +887,86 @@ mod tests {
             vec![3, 2]
         );
         assert_eq!(lone.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+
+    /// An executor that samples on "its device": every sampled row gives token 5, whatever the
+    /// logits; it records what the worker asked to sample.
+    struct DeviceSampler {
+        inner: FakeExecutor,
+        asked: Arc<std::sync::Mutex<Vec<Vec<Option<SamplingParams>>>>>,
+    }
+
+    impl RankExecutor for DeviceSampler {
+        fn vocab_size(&self) -> usize {
+            self.inner.vocab_size()
+        }
+        fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+            self.inner.new_sequence(id)
+        }
+        fn free_sequence(&mut self, id: RequestId) {
+            self.inner.free_sequence(id);
+        }
+        fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+            self.inner.rollback(id, len)
+        }
+        fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+            self.inner.sequence_len(id)
+        }
+        fn live_sequences(&self) -> usize {
+            self.inner.live_sequences()
+        }
+        fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+            self.inner.execute(batch)
+        }
+        fn execute_sampled(
+            &mut self,
+            batch: &[SeqTokens<'_>],
+            sampling: &[Option<SamplingParams>],
+        ) -> Result<Vec<EntryOutput>, ExecError> {
+            if let Ok(mut asked) = self.asked.lock() {
+                asked.push(sampling.to_vec());
+            }
+            let rows = self.inner.execute(batch)?;
+            Ok(rows
+                .into_iter()
+                .zip(sampling)
+                .map(|(row, s)| match s {
+                    Some(_) => EntryOutput::Tokens(vec![5]),
+                    None => EntryOutput::Logits(row),
+                })
+                .collect())
+        }
+    }
+
+    #[test]
+    fn the_executor_samples_unconstrained_entries_and_the_worker_takes_its_ids() {
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut w = RankWorker::new(
+            DpRank(0),
+            Box::new(DeviceSampler {
+                inner: FakeExecutor::new(FakeConfig::default(), 0),
+                asked: asked.clone(),
+            }),
+        );
+        let chunk = |tokens: Vec<u32>, last| SeqInput::Prefill { tokens, last };
+        let p0 = plan(
+            0,
+            &[1, 2],
+            vec![(1, chunk(vec![7, 8], true)), (2, chunk(vec![9], false))],
+            &[],
+        );
+        let out = w.run_plan(&p0).unwrap();
+        assert_eq!(out.sampled, vec![(RequestId(1), 5)]);
+        let p1 = plan(
+            1,
+            &[],
+            vec![(1, SeqInput::Decode), (2, chunk(vec![4], true))],
+            &[],
+        );
+        let out = w.run_plan(&p1).unwrap();
+        assert_eq!(out.sampled, vec![(RequestId(1), 5), (RequestId(2), 5)]);
+        let greedy = Some(SamplingParams::greedy());
+        let asked = asked.lock().map(|a| a.clone()).unwrap_or_default();
+        assert_eq!(asked, vec![vec![greedy, None], vec![greedy, greedy]]);
     }
 }
