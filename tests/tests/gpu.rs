@@ -2134,3 +2134,45 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
     );
     println!("backend row ops over {n} rows (split launches): {checked} values bit-exact");
 }
+
+/// The head and the sampler in one op (`Backend::sample_linear`): on the device the logits are
+/// computed into device memory and sampled there, and the ids equal the CPU's (its fp32 linear
+/// then `sample_rows`) for greedy, seeded top-k / top-p and temperature rows; a wrong row count
+/// is a shape error, not a panic.
+#[test]
+fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
+    let Some(gpu) = cuda_backend("sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu")
+    else {
+        return;
+    };
+    let mut rng = Rng(0x5a11_ea7e);
+    let (vocab, dim, rows) = (3001, 96, 13);
+    let head: Vec<f32> = (0..vocab * dim).map(|_| rng.uniform() * 0.2).collect();
+    let hidden: Vec<f32> = (0..rows * dim).map(|_| rng.uniform() * 2.0).collect();
+    let params: Vec<RowSampling> = (0..rows)
+        .map(|r| RowSampling {
+            params: SamplingParams {
+                temperature: [0.0, 0.7, 1.3][r % 3],
+                top_k: [0, 50, 7][r % 3],
+                top_p: [1.0, 0.9, 0.95][r % 3],
+                seed: 1000 + r as u64,
+            },
+            position: 17 + 3 * r as u64,
+        })
+        .collect();
+    let cpu = CpuBackend::new()
+        .sample_linear(&hidden, &head, vocab, dim, &params)
+        .expect("cpu");
+    let device = gpu
+        .sample_linear(&hidden, &head, vocab, dim, &params)
+        .expect("device");
+    assert_eq!(device, cpu, "sample_linear ids");
+    // The same ids as sampling the device's own logits through sample_rows.
+    let logits = gpu.linear_f32(&hidden, &head, vocab, dim);
+    assert_eq!(gpu.sample_rows(&logits, vocab, &params).expect("rows"), cpu);
+    assert!(matches!(
+        gpu.try_sample_linear(&hidden[..dim * 2], &head, vocab, dim, &params),
+        Err(CudaBackendError::Op { .. })
+    ));
+    println!("sample_linear: {rows} rows at vocab {vocab} equal to the CPU");
+}

@@ -772,15 +772,34 @@ mod tests {
         assert_eq!(out.sampled.len(), 6);
     }
 
-    /// A drafter that records the request count of every `draft_many` call and every lone
-    /// `draft` call it gets.
-    struct CountingDrafts {
-        inner: FakeExecutor,
-        calls: Arc<std::sync::Mutex<Vec<usize>>>,
-        lone: Arc<std::sync::atomic::AtomicUsize>,
+    /// What [`Recording`] saw.
+    #[derive(Default)]
+    struct Log {
+        /// Request count of every `draft_many` call.
+        draft_calls: Vec<usize>,
+        /// Lone `draft` calls.
+        lone_drafts: usize,
+        /// The sampling asked of every `execute_sampled` call.
+        asked: Vec<Vec<Option<SamplingParams>>>,
     }
 
-    impl RankExecutor for CountingDrafts {
+    /// A fake executor that records its draft and sampling calls; with `device_token` it samples
+    /// on "its device": every sampled row gives that token, whatever the logits.
+    struct Recording {
+        inner: FakeExecutor,
+        log: Arc<std::sync::Mutex<Log>>,
+        device_token: Option<u32>,
+    }
+
+    impl Recording {
+        fn record(&self, what: impl FnOnce(&mut Log)) {
+            if let Ok(mut log) = self.log.lock() {
+                what(&mut log);
+            }
+        }
+    }
+
+    impl RankExecutor for Recording {
         fn vocab_size(&self) -> usize {
             self.inner.vocab_size()
         }
@@ -802,21 +821,38 @@ mod tests {
         fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
             self.inner.execute(batch)
         }
+        fn execute_sampled(
+            &mut self,
+            batch: &[SeqTokens<'_>],
+            sampling: &[Option<SamplingParams>],
+        ) -> Result<Vec<EntryOutput>, ExecError> {
+            self.record(|log| log.asked.push(sampling.to_vec()));
+            let Some(token) = self.device_token else {
+                return self.inner.execute_sampled(batch, sampling);
+            };
+            let rows = self.inner.execute(batch)?;
+            Ok(rows
+                .into_iter()
+                .zip(sampling)
+                .map(|(row, s)| match s {
+                    Some(_) => EntryOutput::Tokens(vec![token]),
+                    None => EntryOutput::Logits(row),
+                })
+                .collect())
+        }
         fn draft(
             &mut self,
             id: RequestId,
             anchor: u32,
         ) -> Result<Option<crate::rank::executor::Draft>, ExecError> {
-            self.lone.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.record(|log| log.lone_drafts += 1);
             self.inner.draft(id, anchor)
         }
         fn draft_many(
             &mut self,
             requests: &[(RequestId, u32)],
         ) -> Result<Vec<Option<crate::rank::executor::Draft>>, ExecError> {
-            if let Ok(mut calls) = self.calls.lock() {
-                calls.push(requests.len());
-            }
+            self.record(|log| log.draft_calls.push(requests.len()));
             self.inner.draft_many(requests)
         }
     }
@@ -824,9 +860,8 @@ mod tests {
     #[test]
     fn a_step_drafts_all_its_proposals_in_one_call() {
         use crate::rank::fake::FakeDrafter;
-        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let lone = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let executor = CountingDrafts {
+        let log = Arc::new(std::sync::Mutex::new(Log::default()));
+        let executor = Recording {
             inner: FakeExecutor::new(
                 FakeConfig {
                     vocab_size: 64,
@@ -839,8 +874,8 @@ mod tests {
                 },
                 0,
             ),
-            calls: calls.clone(),
-            lone: lone.clone(),
+            log: log.clone(),
+            device_token: None,
         };
         let mut w = RankWorker::new(DpRank(0), Box::new(executor));
         let prefill = |id: u64| {
@@ -882,70 +917,22 @@ mod tests {
         // A step without drafting makes no call.
         let p2 = plan(2, &[], vec![(3, SeqInput::Decode)], &[]);
         assert!(w.run_plan(&p2).unwrap().drafts.is_empty());
-        assert_eq!(
-            calls.lock().map(|c| c.clone()).unwrap_or_default(),
-            vec![3, 2]
-        );
-        assert_eq!(lone.load(std::sync::atomic::Ordering::Relaxed), 0);
-    }
-
-    /// An executor that samples on "its device": every sampled row gives token 5, whatever the
-    /// logits; it records what the worker asked to sample.
-    struct DeviceSampler {
-        inner: FakeExecutor,
-        asked: Arc<std::sync::Mutex<Vec<Vec<Option<SamplingParams>>>>>,
-    }
-
-    impl RankExecutor for DeviceSampler {
-        fn vocab_size(&self) -> usize {
-            self.inner.vocab_size()
-        }
-        fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-            self.inner.new_sequence(id)
-        }
-        fn free_sequence(&mut self, id: RequestId) {
-            self.inner.free_sequence(id);
-        }
-        fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-            self.inner.rollback(id, len)
-        }
-        fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-            self.inner.sequence_len(id)
-        }
-        fn live_sequences(&self) -> usize {
-            self.inner.live_sequences()
-        }
-        fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-            self.inner.execute(batch)
-        }
-        fn execute_sampled(
-            &mut self,
-            batch: &[SeqTokens<'_>],
-            sampling: &[Option<SamplingParams>],
-        ) -> Result<Vec<EntryOutput>, ExecError> {
-            if let Ok(mut asked) = self.asked.lock() {
-                asked.push(sampling.to_vec());
-            }
-            let rows = self.inner.execute(batch)?;
-            Ok(rows
-                .into_iter()
-                .zip(sampling)
-                .map(|(row, s)| match s {
-                    Some(_) => EntryOutput::Tokens(vec![5]),
-                    None => EntryOutput::Logits(row),
-                })
-                .collect())
-        }
+        let (calls, lone) = log
+            .lock()
+            .map(|log| (log.draft_calls.clone(), log.lone_drafts))
+            .unwrap_or_default();
+        assert_eq!((calls, lone), (vec![3, 2], 0));
     }
 
     #[test]
     fn the_executor_samples_unconstrained_entries_and_the_worker_takes_its_ids() {
-        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = Arc::new(std::sync::Mutex::new(Log::default()));
         let mut w = RankWorker::new(
             DpRank(0),
-            Box::new(DeviceSampler {
+            Box::new(Recording {
                 inner: FakeExecutor::new(FakeConfig::default(), 0),
-                asked: asked.clone(),
+                log: log.clone(),
+                device_token: Some(5),
             }),
         );
         let chunk = |tokens: Vec<u32>, last| SeqInput::Prefill { tokens, last };
@@ -966,7 +953,7 @@ mod tests {
         let out = w.run_plan(&p1).unwrap();
         assert_eq!(out.sampled, vec![(RequestId(1), 5), (RequestId(2), 5)]);
         let greedy = Some(SamplingParams::greedy());
-        let asked = asked.lock().map(|a| a.clone()).unwrap_or_default();
+        let asked = log.lock().map(|log| log.asked.clone()).unwrap_or_default();
         assert_eq!(asked, vec![vec![greedy, None], vec![greedy, greedy]]);
     }
 }

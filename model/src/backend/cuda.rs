@@ -700,10 +700,63 @@ impl CudaBackend {
         vocab: usize,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, CudaBackendError> {
-        const OP: &str = "sample_rows";
         if rows.is_empty() {
             return Ok(Vec::new());
         }
+        let dlogits = self.upload("sample_rows", logits)?;
+        self.sample_device_rows(&dlogits, vocab, rows)
+    }
+
+    /// [`Backend::sample_linear`], with errors: the fp32 logits `x · Wᵀ` (in the order of
+    /// [`Backend::linear_f32`]) are computed into a device buffer and sampled there; only the ids
+    /// come back to the host.
+    pub fn try_sample_linear(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "sample_linear";
+        if inp == 0 || out == 0 || x.len() != rows.len() * inp || w.len() < out * inp {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x holds {} values and w {}: not {} rows of {inp} against {out} outputs",
+                    x.len(),
+                    w.len(),
+                    rows.len()
+                ),
+            ));
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dw = self.cached_f32(OP, &w[..out * inp])?;
+        let dx = self.upload(OP, x)?;
+        let mut dlogits = self.alloc(OP, rows.len() * out)?;
+        linear_sgemm_f32(
+            &self.rt,
+            &dx,
+            &dw,
+            &mut dlogits,
+            (rows.len(), out, inp),
+            Rounding::F32,
+        )
+        .map_err(op_err(OP))?;
+        self.sample_device_rows(&dlogits, out, rows)
+    }
+
+    /// Samples `rows.len()` rows of `vocab` logits already on the device (`sample_rows`'s math);
+    /// only the ids are downloaded.
+    fn sample_device_rows(
+        &self,
+        dlogits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "sample_rows";
         let vocab_u32 =
             u32::try_from(vocab).map_err(|_| shape_err(OP, format!("vocabulary of {vocab}")))?;
         let host_rows: Vec<SampleRow> = rows
@@ -720,7 +773,6 @@ impl CudaBackend {
             .collect();
         let restricted = host_rows.iter().any(|r| r.restricts(vocab));
         let stream = self.rt.stream();
-        let dlogits = self.upload(OP, logits)?;
         let drows = stream
             .clone_htod(&host_rows)
             .map_err(driver_err(OP, "uploading the row parameters"))?;
@@ -731,7 +783,7 @@ impl CudaBackend {
             .map_err(driver_err(OP, "allocating the tokens"))?;
         sample_rows_f32(
             &self.rt,
-            &dlogits,
+            dlogits,
             &drows,
             &host_rows,
             &mut scratch,
@@ -1494,6 +1546,32 @@ impl Backend for CudaBackend {
         check_sample_rows(logits, vocab, rows)?;
         Ok(self
             .try_sample_rows(logits, vocab, rows)
+            .unwrap_or_else(device_fault))
+    }
+
+    fn sample_linear(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        if rows.is_empty() && x.is_empty() {
+            return Ok(Vec::new());
+        }
+        if out == 0 {
+            return Err(SampleRowsError::EmptyVocab { rows: rows.len() });
+        }
+        if inp == 0 || x.len() != rows.len() * inp {
+            return Err(SampleRowsError::LogitsShape {
+                found: x.len() / inp.max(1) * out,
+                rows: rows.len(),
+                vocab: out,
+            });
+        }
+        Ok(self
+            .try_sample_linear(x, w, out, inp, rows)
             .unwrap_or_else(device_fault))
     }
 
