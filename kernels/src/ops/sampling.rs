@@ -1,6 +1,8 @@
 //! Batched token sampling on the device (`deepinfer_model::sampling::sample` for many rows at
-//! once): one block per row, bit-exact with the CPU (same f64 operations, same orders), so the
-//! returned ids equal the CPU's.
+//! once): one block per row, bit-exact with the CPU (same f64 operations, same rounding of every
+//! sequential top-p sum), so the returned ids equal the CPU's and never depend on other rows.
+//! Rows that restrict (top-k / top-p) radix-sort their order keys in the sort scratch and sum
+//! their top-p weights with the order-preserving parallel sum of `cuda/sampling/sampling.cuh`.
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
@@ -54,8 +56,9 @@ pub fn scratch_row_len(vocab: usize) -> usize {
     vocab.next_power_of_two()
 }
 
-/// Per-row scratch of the rows that restrict (top-k / top-p): sort keys and top-p weights,
-/// `rows · scratch_row_len(vocab)` each.
+/// Per-row scratch of the rows that restrict (top-k / top-p), `rows · scratch_row_len(vocab)`
+/// entries each: `keys` (each row's u64 entries hold the two u32 buffers of its radix sort) and
+/// `weights` (the top-p weights, then their shares).
 pub struct SampleScratch {
     pub keys: CudaSlice<u64>,
     pub weights: CudaSlice<f64>,

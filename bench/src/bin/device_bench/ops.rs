@@ -24,6 +24,7 @@ use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_f32, hc_mixes_f32};
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
+use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use half::bf16;
 
 /// Measured on the H200 test machine (shared/tools/gpu.md).
@@ -460,6 +461,100 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
+/// The real V4.1 vocabulary, the width of a sampled logit row.
+const SAMPLE_VOCAB: usize = 129_280;
+
+/// Logit rows shaped like a language model's: a bell-shaped bulk (sum of four uniforms, standard
+/// deviation ~3) and a few strong candidates 6 to 12 above it.
+fn sample_logits(seed: u64, rows: usize, vocab: usize) -> Vec<f32> {
+    let mut state = seed;
+    let mut uniform = move || (splitmix64(&mut state) >> 40) as f32 / (1u64 << 24) as f32;
+    let mut logits = Vec::with_capacity(rows * vocab);
+    for _ in 0..rows {
+        for _ in 0..vocab {
+            let bulk = (uniform() + uniform() + uniform() + uniform() - 2.0) * 5.2;
+            let strong = if uniform() < 2e-4 {
+                6.0 + 6.0 * uniform()
+            } else {
+                0.0
+            };
+            logits.push(bulk + strong);
+        }
+    }
+    logits
+}
+
+/// Token sampling (`sample_rows_f32`) at the real vocabulary for 1, 12 and 64 rows: greedy, plain
+/// temperature, top-k 50, top-p 0.9 and a mix of all of them (each row with its own seed).
+fn bench_sampling(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<Vec<Row>> {
+    let vocab = SAMPLE_VOCAB;
+    let row = |i: usize, temperature: f32, top_k: u32, top_p: f32| SampleRow {
+        seed: 0x5eed + i as u64,
+        position: 1000 + i as u64,
+        temperature,
+        top_p,
+        top_k,
+        reserved: 0,
+    };
+    type RowMaker = fn(usize) -> (f32, u32, f32);
+    let cases: [(&str, RowMaker); 5] = [
+        ("sample greedy", |_| (0.0, 0, 1.0)),
+        ("sample T1.3", |_| (1.3, 0, 1.0)),
+        ("sample topk50", |_| (1.0, 50, 1.0)),
+        ("sample topp0.9", |_| (0.7, 0, 0.9)),
+        ("sample mixed", |i| {
+            let temperatures = [0.0, 0.7, 1.3];
+            let top_ks = [0, 50];
+            let top_ps = [0.9, 0.95, 1.0];
+            (
+                temperatures[i % 3],
+                top_ks[(i / 3) % 2],
+                top_ps[(i / 6) % 3],
+            )
+        }),
+    ];
+    let row_counts: &[usize] = if quick { &[1, 64] } else { &[1, 12, 64] };
+    let mut out = Vec::new();
+    for &rows in row_counts {
+        let logits = rt
+            .stream()
+            .clone_htod(&sample_logits(77 + rows as u64, rows, vocab))?;
+        let mut scratch = SampleScratch::new(rt, rows, vocab, true)?;
+        let mut tokens = rt.stream().alloc_zeros::<u32>(rows)?;
+        for (name, make) in cases {
+            let host_rows: Vec<SampleRow> = (0..rows)
+                .map(|i| {
+                    let (t, k, p) = make(i);
+                    row(i, t, k, p)
+                })
+                .collect();
+            let device_rows = rt.stream().clone_htod(&host_rows)?;
+            let micros = time_launches(rt, timer, |_| {
+                Ok(sample_rows_f32(
+                    rt,
+                    &logits,
+                    &device_rows,
+                    &host_rows,
+                    &mut scratch,
+                    &mut tokens,
+                    vocab,
+                )?)
+            })?;
+            out.push(Row {
+                op: name.to_string(),
+                m: rows,
+                n: vocab,
+                k: 0,
+                micros,
+                bytes: (rows * vocab * 4) as f64,
+                flops: 0.0,
+                peak_flops: BF16_FLOPS,
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// Times every op at M = 1, 8, 64 (M = 1 only when `quick`), the GEMM work splits too with
 /// `sweep`, and prints the table.
 pub fn run(quick: bool, sweep: bool) -> Result<()> {
@@ -500,6 +595,7 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
         rows.push(bench_linear(rt, &mut timer, m, 384, 5120)?);
     }
     rows.extend(bench_token_ops(rt, &mut timer)?);
+    rows.extend(bench_sampling(rt, &mut timer, quick)?);
     // The work split (warps per output column) changes speed only, never the bits: with `--sweep`,
     // time every split for the decode shapes (what `GemmSplit::Auto` is tuned from).
     for m in [1usize, 8].into_iter().filter(|_| sweep) {
