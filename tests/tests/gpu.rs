@@ -2163,12 +2163,31 @@ fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
     let cpu = CpuBackend::new()
         .sample_linear(&hidden, &head, vocab, dim, &params)
         .expect("cpu");
+    let transfers = gpu.transfer_counters();
+    let before = transfers.snapshot();
     let device = gpu
         .sample_linear(&hidden, &head, vocab, dim, &params)
         .expect("device");
     assert_eq!(device, cpu, "sample_linear ids");
+    // Only the ids came back: no op result, no logits.
+    let copied = transfers.snapshot() - before;
+    assert_eq!(
+        (
+            copied.to_host_copies,
+            copied.to_host_bytes,
+            copied.sampled_id_copies
+        ),
+        (0, 0, 1)
+    );
     // The same ids as sampling the device's own logits through sample_rows.
+    let before = transfers.snapshot();
     let logits = gpu.linear_f32(&hidden, &head, vocab, dim);
+    let copied = transfers.snapshot() - before;
+    assert_eq!(
+        (copied.to_host_copies, copied.to_host_bytes),
+        (1, (rows * vocab * 4) as u64),
+        "linear_f32 brings its logits to the host"
+    );
     assert_eq!(gpu.sample_rows(&logits, vocab, &params).expect("rows"), cpu);
     assert!(matches!(
         gpu.try_sample_linear(&hidden[..dim * 2], &head, vocab, dim, &params),

@@ -29,6 +29,7 @@
 //! device) has no error channel: it panics with the op and the driver's message.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use deepinfer_kernels::cudarc::driver::CudaSlice;
@@ -169,6 +170,56 @@ pub struct CudaBackend {
     rt: KernelRuntime,
     name: String,
     weights: Mutex<WeightCache>,
+    transfers: Arc<TransferCounters>,
+}
+
+/// Device-to-host copies a [`CudaBackend`] made: results of ops (activations, routes, Engram row
+/// ids) and, apart, the sampled token ids (the one copy a decode step is meant to have).
+#[derive(Debug, Default)]
+pub struct TransferCounters {
+    to_host_copies: AtomicU64,
+    to_host_bytes: AtomicU64,
+    sampled_id_copies: AtomicU64,
+}
+
+/// A snapshot of [`TransferCounters`]; the difference of two is what happened in between.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferCounts {
+    /// Copies of op results other than sampled ids, and their bytes.
+    pub to_host_copies: u64,
+    pub to_host_bytes: u64,
+    /// Copies of sampled token ids.
+    pub sampled_id_copies: u64,
+}
+
+impl TransferCounters {
+    /// The counts so far.
+    pub fn snapshot(&self) -> TransferCounts {
+        TransferCounts {
+            to_host_copies: self.to_host_copies.load(Ordering::Relaxed),
+            to_host_bytes: self.to_host_bytes.load(Ordering::Relaxed),
+            sampled_id_copies: self.sampled_id_copies.load(Ordering::Relaxed),
+        }
+    }
+
+    fn result<T>(&self, values: usize) {
+        self.to_host_copies.fetch_add(1, Ordering::Relaxed);
+        self.to_host_bytes.fetch_add(
+            (values * std::mem::size_of::<T>()) as u64,
+            Ordering::Relaxed,
+        );
+    }
+}
+
+impl std::ops::Sub for TransferCounts {
+    type Output = TransferCounts;
+    fn sub(self, earlier: TransferCounts) -> TransferCounts {
+        TransferCounts {
+            to_host_copies: self.to_host_copies - earlier.to_host_copies,
+            to_host_bytes: self.to_host_bytes - earlier.to_host_bytes,
+            sampled_id_copies: self.sampled_id_copies - earlier.sampled_id_copies,
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -191,7 +242,14 @@ impl CudaBackend {
             rt,
             name,
             weights: Mutex::new(WeightCache::default()),
+            transfers: Arc::new(TransferCounters::default()),
         })
+    }
+
+    /// The device-to-host copies this backend makes (shared: keep a clone to read them after the
+    /// backend was handed to a model).
+    pub fn transfer_counters(&self) -> Arc<TransferCounters> {
+        self.transfers.clone()
     }
 
     /// The kernel runtime (context, stream, loaded kernels).
@@ -230,6 +288,7 @@ impl CudaBackend {
         op: &'static str,
         values: &CudaSlice<f32>,
     ) -> Result<Vec<f32>, CudaBackendError> {
+        self.transfers.result::<f32>(values.len());
         self.rt
             .stream()
             .clone_dtoh(values)
@@ -316,6 +375,7 @@ impl CudaBackend {
         op: &'static str,
         y: &CudaSlice<bf16>,
     ) -> Result<Vec<f32>, CudaBackendError> {
+        self.transfers.result::<bf16>(y.len());
         Ok(self
             .rt
             .stream()
@@ -580,6 +640,7 @@ impl CudaBackend {
             rounding(precision),
         )
         .map_err(op_err(OP))?;
+        self.transfers.result::<f32>(x.len());
         stream
             .memcpy_dtoh(&dx, x)
             .map_err(driver_err(OP, "downloading a result"))?;
@@ -598,6 +659,7 @@ impl CudaBackend {
         let mut dx = self.upload(OP, x)?;
         qdq_f32(&self.rt, &mut dx, point).map_err(op_err(OP))?;
         let stream = self.rt.stream();
+        self.transfers.result::<f32>(x.len());
         stream
             .memcpy_dtoh(&dx, x)
             .map_err(driver_err(OP, "downloading a result"))?;
@@ -791,6 +853,9 @@ impl CudaBackend {
             vocab,
         )
         .map_err(op_err(OP))?;
+        self.transfers
+            .sampled_id_copies
+            .fetch_add(1, Ordering::Relaxed);
         stream
             .clone_dtoh(&dtokens)
             .map_err(driver_err(OP, "downloading the tokens"))
@@ -860,6 +925,7 @@ impl CudaBackend {
             &mut dweights,
         )
         .map_err(op_err(OP))?;
+        self.transfers.result::<u32>(dexperts.len());
         let experts = stream
             .clone_dtoh(&dexperts)
             .map_err(driver_err(OP, "downloading the experts"))?;
@@ -902,6 +968,7 @@ impl CudaBackend {
             .alloc_zeros::<u32>(tokens * dhasher.layers * dhasher.columns)
             .map_err(driver_err(OP, "allocating the row ids"))?;
         engram_hash_rows(&self.rt, &dhasher, &dcontexts, &mut drows).map_err(op_err(OP))?;
+        self.transfers.result::<u32>(drows.len());
         stream
             .clone_dtoh(&drows)
             .map_err(driver_err(OP, "downloading the row ids"))

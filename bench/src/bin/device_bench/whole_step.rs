@@ -147,6 +147,7 @@ pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
     let started = Instant::now();
     let ckpt = Checkpoint::open(dir)?;
     let backend = CudaBackend::open(0)?;
+    let transfers = backend.transfer_counters();
     let model = Model::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
     println!(
         "v41 block loaded on {} in {:.1} s",
@@ -188,7 +189,17 @@ pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
     });
     let first = deepinfer_bench::steps::argmax(&logits);
     for &(batch, steps) in decode {
+        let before = transfers.snapshot();
         let run = measure_decode_from(&model, &seq, first, batch, steps)?;
+        let copied = transfers.snapshot() - before;
+        // What the issue's rule counts: every device-to-host copy of a decode step but the ids.
+        println!(
+            "v41 block decode B={batch}: per step {:.0} device-to-host copies of op results ({:.2} MB) \
+             and {:.0} of sampled ids",
+            copied.to_host_copies as f64 / steps as f64,
+            copied.to_host_bytes as f64 / steps as f64 / 1e6,
+            copied.sampled_id_copies as f64 / steps as f64,
+        );
         rows.push(decode_row("v41 block", &cfg, &run)?);
     }
     Ok(rows)
