@@ -67,7 +67,7 @@ pub(crate) struct StepRows {
 }
 
 impl StepRows {
-    /// Rows for chunks of `lens[e].1` tokens starting at position `lens[e].0`.
+    /// The rows of one chunk per entry, given as (first position, token count).
     fn new(chunks: impl Iterator<Item = (usize, usize)>) -> StepRows {
         let mut rows = StepRows {
             positions: Vec::new(),
