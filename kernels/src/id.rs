@@ -145,7 +145,10 @@ pub enum KernelId {
     SparseAttentionSinkF32,
     /// The sink attention of many queries in one launch, each over its own list of key rows.
     SparseAttentionSinkRowsF32,
-    /// mHC pre/post/comb coefficients of one token (projection, sigmoids, Sinkhorn).
+    /// mHC projection partials (one fixed-order chain per projection and K block) and the
+    /// sum of squares, many blocks per token.
+    HcMixesPartialsF32,
+    /// mHC pre/post/comb coefficients of each token from its partials (sums, sigmoids, Sinkhorn).
     HcMixesF32,
     /// mHC collapse of the streams into one bf16 row.
     HcCollapseF32,
@@ -166,7 +169,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 30] = [
+    pub const ALL: [KernelId; 31] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -188,6 +191,7 @@ impl KernelId {
         KernelId::DequantFp4RowsF32,
         KernelId::SparseAttentionSinkF32,
         KernelId::SparseAttentionSinkRowsF32,
+        KernelId::HcMixesPartialsF32,
         KernelId::HcMixesF32,
         KernelId::HcCollapseF32,
         KernelId::HcExpandF32,
@@ -223,6 +227,7 @@ impl KernelId {
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
             KernelId::SparseAttentionSinkF32 => "sparse_attention_sink_f32",
             KernelId::SparseAttentionSinkRowsF32 => "sparse_attention_sink_rows_f32",
+            KernelId::HcMixesPartialsF32 => "hc_mixes_partials_f32",
             KernelId::HcMixesF32 => "hc_mixes_f32",
             KernelId::HcCollapseF32 => "hc_collapse_f32",
             KernelId::HcExpandF32 => "hc_expand_f32",
@@ -257,9 +262,10 @@ impl KernelId {
             KernelId::SparseAttentionSinkF32 | KernelId::SparseAttentionSinkRowsF32 => {
                 SourceFile::Attention
             }
-            KernelId::HcMixesF32 | KernelId::HcCollapseF32 | KernelId::HcExpandF32 => {
-                SourceFile::Mhc
-            }
+            KernelId::HcMixesPartialsF32
+            | KernelId::HcMixesF32
+            | KernelId::HcCollapseF32
+            | KernelId::HcExpandF32 => SourceFile::Mhc,
             KernelId::IndexScoresF32 | KernelId::IndexScoresRowsF32 => SourceFile::Indexer,
             KernelId::SampleRowsF32 => SourceFile::Sampling,
             KernelId::RouteExpertsF32 => SourceFile::Moe,

@@ -5,12 +5,15 @@
 // p.round_bf16, the V4.1 rounding points).
 // One block per (head, query). A query's keys are given by a KeyRows accessor: key j of the query
 // is row key_row(j) of the buffer (the one-query entry: row j; the row-batched entry: its own list
-// of row indices). Keys are taken in blocks of 64 (the reference kernel's block): the scores
-// are sequential f64 dot products times the scale; the running max, the block's exp weights
-// (the reference's vectorised exp) and their sequential f64 sum are done by one thread; each
-// thread then rescales its output channels and adds the block's f64 sum of bf16(p) * v. The
-// denominator finally gains exp(sink - max). Every reduction has one fixed order that depends only
-// on this (head, query)'s data: bit-identical to the CPU and batch invariant by construction.
+// of row indices). Keys are taken in blocks of 64 (the reference kernel's block), up to 16 blocks
+// per pass: every key's score (a sequential f64 dot product times the scale) is computed in
+// parallel, one thread per key; each block's max is taken by one thread, the running max chain
+// over the blocks (and each block's rescale) by thread 0, every exp weight (the reference's
+// vectorised exp) in parallel, each block's sequential f64 sum by one thread, the denominator
+// chain by thread 0; each thread then, for its output channels and block by block, rescales and
+// adds the block's f64 sum of bf16(p) * v in key order. The denominator finally gains exp(sink -
+// max). Every reduction keeps the one fixed order of the reference that depends only on this
+// (head, query)'s data: bit-identical to the CPU and batch invariant by construction.
 #pragma once
 #include "common/reference_math.cuh"
 
@@ -19,6 +22,8 @@ namespace attention {
 constexpr int THREADS = 256;
 constexpr int KEY_BLOCK = 64;
 constexpr int MAX_DIMS_PER_THREAD = 4;  // head_dim <= THREADS * 4 (checked by the launcher)
+constexpr u32_t KEY_BLOCKS_PER_PASS = 16;
+constexpr u32_t KEYS_PER_PASS = KEY_BLOCK * KEY_BLOCKS_PER_PASS;
 
 // Key j of the one-query entry is row j.
 struct ConsecutiveRows {
@@ -37,10 +42,13 @@ template <typename KeyRows>
 __device__ void sparse_attention_sink(const float* __restrict__ q, const float* __restrict__ keys,
                                       KeyRows key_row, u32_t n_keys, const float* __restrict__ sink,
                                       float* __restrict__ out, AttentionParams p) {
-    __shared__ float scores[KEY_BLOCK];
-    __shared__ float weights[KEY_BLOCK];
-    __shared__ const float* block_keys[KEY_BLOCK];
-    __shared__ float block_rescale;
+    __shared__ float probs[KEYS_PER_PASS];    // the scores, then their exp weights
+    __shared__ float weights[KEYS_PER_PASS];  // the weights as multiplied into v (bf16 or not)
+    __shared__ u32_t rows[KEYS_PER_PASS];
+    __shared__ float block_max[KEY_BLOCKS_PER_PASS];
+    __shared__ float block_new_max[KEY_BLOCKS_PER_PASS];
+    __shared__ float block_rescale[KEY_BLOCKS_PER_PASS];
+    __shared__ float block_sum[KEY_BLOCKS_PER_PASS];
     __shared__ float final_denominator;
     const u32_t head = blockIdx.x;
     if (head >= p.heads) return;
@@ -52,43 +60,66 @@ __device__ void sparse_attention_sink(const float* __restrict__ q, const float* 
     float running_max = -1e30f;  // thread 0's copies are the authoritative ones
     float denominator = 0.0f;
 
-    for (u32_t start = 0; start < n_keys; start += KEY_BLOCK) {
-        const u32_t count = min((u32_t)KEY_BLOCK, n_keys - start);
-        if (threadIdx.x < count) {
-            const float* key = keys + (size_t)key_row(start + threadIdx.x) * p.head_dim;
-            block_keys[threadIdx.x] = key;
-            scores[threadIdx.x] = __fmul_rn(refmath::dot_f64_sequential(qh, key, p.head_dim), p.scale);
+    for (u32_t pass_start = 0; pass_start < n_keys; pass_start += KEYS_PER_PASS) {
+        const u32_t count = min(KEYS_PER_PASS, n_keys - pass_start);
+        const u32_t blocks = (count + KEY_BLOCK - 1) / KEY_BLOCK;
+        for (u32_t j = threadIdx.x; j < count; j += THREADS) {
+            const u32_t row = key_row(pass_start + j);
+            rows[j] = row;
+            probs[j] = __fmul_rn(refmath::dot_f64_sequential(qh, keys + (size_t)row * p.head_dim, p.head_dim),
+                                 p.scale);
+        }
+        __syncthreads();
+        if (threadIdx.x < blocks) {
+            const u32_t first = threadIdx.x * KEY_BLOCK;
+            const u32_t last = min(first + KEY_BLOCK, count);
+            float max = -__uint_as_float(0x7f800000u);
+            for (u32_t j = first; j < last; ++j) max = fmaxf(max, probs[j]);
+            block_max[threadIdx.x] = max;
         }
         __syncthreads();
         if (threadIdx.x == 0) {
-            float block_max = -__uint_as_float(0x7f800000u);
-            for (u32_t j = 0; j < count; ++j) block_max = fmaxf(block_max, scores[j]);
-            const float new_max = fmaxf(running_max, block_max);
-            const float rescale = refmath::exp_f32(__fsub_rn(running_max, new_max));
-            double prob_sum = 0.0;
-            for (u32_t j = 0; j < count; ++j) {
-                const float prob = refmath::exp_f32(__fsub_rn(scores[j], new_max));
-                prob_sum = __dadd_rn(prob_sum, (double)prob);
-                weights[j] = p.round_bf16 ? round_bf16_f32(prob) : prob;
+            for (u32_t b = 0; b < blocks; ++b) {
+                const float new_max = fmaxf(running_max, block_max[b]);
+                block_rescale[b] = refmath::exp_f32(__fsub_rn(running_max, new_max));
+                block_new_max[b] = new_max;
+                running_max = new_max;
             }
-            denominator = __fadd_rn(__fmul_rn(denominator, rescale), __double2float_rn(prob_sum));
-            running_max = new_max;
-            block_rescale = rescale;
         }
         __syncthreads();
-        const float rescale = block_rescale;
+        for (u32_t j = threadIdx.x; j < count; j += THREADS) {
+            const float prob = refmath::exp_f32(__fsub_rn(probs[j], block_new_max[j / KEY_BLOCK]));
+            probs[j] = prob;
+            weights[j] = p.round_bf16 ? round_bf16_f32(prob) : prob;
+        }
+        __syncthreads();
+        if (threadIdx.x < blocks) {
+            const u32_t first = threadIdx.x * KEY_BLOCK;
+            const u32_t last = min(first + KEY_BLOCK, count);
+            double prob_sum = 0.0;
+            for (u32_t j = first; j < last; ++j) prob_sum = __dadd_rn(prob_sum, (double)probs[j]);
+            block_sum[threadIdx.x] = __double2float_rn(prob_sum);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (u32_t b = 0; b < blocks; ++b)
+                denominator = __fadd_rn(__fmul_rn(denominator, block_rescale[b]), block_sum[b]);
 #pragma unroll
         for (int i = 0; i < MAX_DIMS_PER_THREAD; ++i) {
             const u32_t d = threadIdx.x + i * THREADS;
             if (d < p.head_dim) {
-                double sum = 0.0;
+                for (u32_t b = 0; b < blocks; ++b) {
+                    const u32_t first = b * KEY_BLOCK;
+                    const u32_t last = min(first + KEY_BLOCK, count);
+                    double sum = 0.0;
 #pragma unroll 16
-                for (u32_t j = 0; j < count; ++j)
-                    sum = __dadd_rn(sum, (double)__fmul_rn(weights[j], block_keys[j][d]));
-                acc[i] = __fadd_rn(__fmul_rn(acc[i], rescale), __double2float_rn(sum));
+                    for (u32_t j = first; j < last; ++j)
+                        sum = __dadd_rn(sum, (double)__fmul_rn(weights[j], keys[(size_t)rows[j] * p.head_dim + d]));
+                    acc[i] = __fadd_rn(__fmul_rn(acc[i], block_rescale[b]), __double2float_rn(sum));
+                }
             }
         }
-        __syncthreads();  // scores, weights and block_keys are rewritten by the next block
+        __syncthreads();  // the per-pass arrays are rewritten by the next pass
     }
     if (threadIdx.x == 0)
         final_denominator = __fadd_rn(denominator, refmath::exp_f32(__fsub_rn(sink[head], running_max)));

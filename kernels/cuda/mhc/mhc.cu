@@ -1,10 +1,14 @@
 // Instantiations of the mHC kernels on f32 storage, for any number of tokens (grid: see mhc.cuh).
 #include "mhc/mhc.cuh"
 
+extern "C" __global__ void __launch_bounds__(mhc::PARTIAL_THREADS)
+    hc_mixes_partials_f32(const float* x, const float* proj, float* scratch, HcMixesParams p) {
+    mhc::hc_mixes_partials(x, proj, scratch, p);
+}
+
 extern "C" __global__ void __launch_bounds__(mhc::THREADS)
-    hc_mixes_f32(const float* x, const float* proj, const float* base, const float* scale, float* out,
-                 HcMixesParams p) {
-    mhc::hc_mixes(x, proj, base, scale, out, p);
+    hc_mixes_f32(const float* scratch, const float* base, const float* scale, float* out, HcMixesParams p) {
+    mhc::hc_mixes(scratch, base, scale, out, p);
 }
 
 extern "C" __global__ void hc_collapse_f32(const float* x, const float* w, float* y, HcElementwiseParams p) {

@@ -1,6 +1,7 @@
 //! mHC on the device (`CpuBackend::hc_mixes` / `hc_collapse` / `hc_expand`) for one token or a
 //! batch of tokens in one launch: the coefficients (projection in the CPU sgemm order, sigmoids,
-//! Sinkhorn; one block per token), the collapse of `hc` streams into one bf16 row and the
+//! Sinkhorn; many blocks per token compute the fixed-order projection partials, then one block
+//! per token combines them), the collapse of `hc` streams into one bf16 row and the
 //! expansion back (grid.y = token, each token with its own weights / mixes). The one-token
 //! launchers are the one-row case of the row launchers. All f32 storage; bit-exact with the CPU
 //! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`), and a
@@ -15,13 +16,16 @@ use crate::params::{HcElementwiseParams, HcMixesParams};
 use crate::runtime::KernelRuntime;
 
 const THREADS: u32 = 256;
+/// Dynamic shared memory the combining block stages a token's partials in.
+const MAX_PARTIAL_BYTES: usize = 40 * 1024;
+/// Must match `mhc::PARTIAL_WARPS`: each warp owns 32 consecutive projection partials.
+const PARTIAL_WARPS: usize = 4;
+const PARTIALS_PER_BLOCK: usize = PARTIAL_WARPS * 32;
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Must match `mhc::MAX_HC`.
 pub const MAX_HC: usize = 8;
 /// The CPU sgemm K block (`quant::SGEMM_K_BLOCK`).
 const SGEMM_K_BLOCK: usize = 256;
-/// Dynamic shared memory the projection partials may use.
-const MAX_PARTIAL_BYTES: usize = 40 * 1024;
 /// The most tokens one collapse / expand launch takes (the grid's y limit).
 pub const MAX_TOKENS_PER_LAUNCH: usize = 65_535;
 
@@ -50,7 +54,9 @@ pub fn hc_mixes_f32(
 }
 
 /// The mHC coefficients of every token of `x [tokens, width]` (`width = hc · dim` values per
-/// token), one block per token: `out [tokens, 2 · hc + hc²]`, each row `pre ++ post ++ comb`.
+/// token): a partials launch (grid: partial blocks × tokens, plus one block per token for the
+/// sum of squares) into a scratch buffer, then one block per token: `out [tokens, 2 · hc + hc²]`,
+/// each row `pre ++ post ++ comb`.
 /// `proj [(2 + hc) · hc, width]`, `base [(2 + hc) · hc]`, `scale [3]` are shared by all tokens.
 #[allow(clippy::too_many_arguments)]
 pub fn hc_mixes_rows_f32(
@@ -95,15 +101,6 @@ pub fn hc_mixes_rows_f32(
     expect_len(OP, "base", base.len(), projections)?;
     expect_len(OP, "scale", scale.len(), 3)?;
     expect_len(OP, "out", out.len(), tokens * (2 * hc + hc * hc))?;
-    let partial_bytes = projections * n.div_ceil(SGEMM_K_BLOCK) * 4;
-    if partial_bytes > MAX_PARTIAL_BYTES {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "{projections} projections of {n} values need {partial_bytes} bytes of partials (> {MAX_PARTIAL_BYTES})"
-            ),
-        });
-    }
     let params = HcMixesParams {
         hc: dim(OP, "hc", hc)?,
         n: dim(OP, "n", n)?,
@@ -111,25 +108,67 @@ pub fn hc_mixes_rows_f32(
         hc_eps,
         norm_eps,
     };
+    let tasks = projections * n.div_ceil(SGEMM_K_BLOCK);
+    let per_token_scratch = tasks + 1;
+    if per_token_scratch * 4 > MAX_PARTIAL_BYTES {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "{projections} projections of {n} values need {} bytes of partials per token (> \
+                 {MAX_PARTIAL_BYTES})",
+                per_token_scratch * 4
+            ),
+        });
+    }
+    // SAFETY: every value is written by hc_mixes_partials_f32 (each task's partial and the sum of
+    // squares of each token) before hc_mixes_f32 reads it, in stream order.
+    let mut scratch = unsafe { rt.stream().alloc::<f32>(tokens * per_token_scratch) }
+        .map_err(KernelError::driver("allocating the hc_mixes partials"))?;
+    let token_grid = dim(OP, "tokens", tokens)?;
+    if token_grid > MAX_TOKENS_PER_LAUNCH as u32 {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!("{tokens} tokens exceed {MAX_TOKENS_PER_LAUNCH} per launch"),
+        });
+    }
+    let partials_cfg = LaunchConfig {
+        grid_dim: (
+            dim(OP, "partial blocks", tasks.div_ceil(PARTIALS_PER_BLOCK) + 1)?,
+            token_grid,
+            1,
+        ),
+        block_dim: (dim(OP, "partial threads", PARTIALS_PER_BLOCK)?, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::HcMixesPartialsF32)?);
+    launch.arg(x).arg(proj).arg(&mut scratch).arg(&params);
+    // SAFETY: signature (const float* x, const float* proj, float* scratch, HcMixesParams); x
+    // holds tokens * n and proj projections * n values (checked above), scratch tokens * (tasks +
+    // 1); grid.x covers every task in 32-task warps plus the last (sum-of-squares) block, grid.y
+    // = tokens <= the grid limit.
+    unsafe { launch.launch(partials_cfg) }
+        .map_err(KernelError::driver("launching hc_mixes_partials_f32"))?;
     let cfg = LaunchConfig {
-        grid_dim: (dim(OP, "tokens", tokens)?, 1, 1),
+        grid_dim: (token_grid, 1, 1),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: dim(OP, "shared memory", partial_bytes)?,
+        shared_mem_bytes: dim(OP, "shared memory", per_token_scratch * 4)?,
     };
     let mut launch = rt
         .stream()
         .launch_builder(rt.function(KernelId::HcMixesF32)?);
     launch
-        .arg(x)
-        .arg(proj)
+        .arg(&scratch)
         .arg(base)
         .arg(scale)
         .arg(out)
         .arg(&params);
-    // SAFETY: signature (const float* x, const float* proj, const float* base, const float* scale,
-    // float* out, HcMixesParams); one block per token, x holding tokens * n and out tokens *
-    // (2hc + hc²) values (checked above); the dynamic shared memory holds every (projection,
-    // 256-block) partial; hc <= MAX_HC as the kernel's local arrays require.
+    // SAFETY: signature (const float* scratch, const float* base, const float* scale, float* out,
+    // HcMixesParams); one block per token, scratch holding tokens * (tasks + 1) values written
+    // by the launch above and out tokens * (2hc + hc²) (checked above), the dynamic shared memory
+    // holding one token's tasks + 1 values; hc <= MAX_HC as the
+    // kernel's local arrays require and projections <= THREADS.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_mixes_f32"))?;
     Ok(())
 }

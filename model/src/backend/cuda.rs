@@ -1017,7 +1017,8 @@ impl CudaBackend {
 /// input, one launch and one download per op, each row computed exactly as the one-token op
 /// computes it alone (batch invariance).
 impl CudaBackend {
-    /// [`Backend::hc_mixes_rows`], with errors: `x [n, hc · dim]`, one block per token.
+    /// [`Backend::hc_mixes_rows`], with errors: `x [n, hc · dim]`, all tokens in one pair of
+    /// launches (the partials, then the sums and Sinkhorn per token).
     pub fn try_hc_mixes_rows(
         &self,
         x: &[f32],
