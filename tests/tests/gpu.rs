@@ -1467,20 +1467,7 @@ fn backend_sampling_picks_the_cpu_tokens() {
         println!("sample_rows vocab {vocab}: {rows} rows equal, {gpu_ms:.2} ms on the device");
         // Negative control: other seeds pick other tokens somewhere (the comparison can fail).
         if vocab > 100 {
-            let reseeded: Vec<RowSampling> = params
-                .iter()
-                .map(|p| RowSampling {
-                    params: SamplingParams {
-                        seed: p.params.seed ^ 0xdead_beef,
-                        ..p.params
-                    },
-                    ..*p
-                })
-                .collect();
-            let other = gpu
-                .sample_rows(&logits, vocab, &reseeded)
-                .expect("shapes fit");
-            let moved = other.iter().zip(&on_cpu).filter(|(a, b)| a != b).count();
+            let moved = moved_by_reseeding(&gpu, &logits, vocab, &params, &on_cpu);
             assert!(moved > 0, "vocab {vocab}: new seeds changed no token");
         }
     }
@@ -1965,6 +1952,31 @@ fn row_ops_reject_mismatched_shapes() {
     assert!(err.to_string().contains("q has 10 values"), "{err}");
 }
 
+/// The negative control of the sampling tests: how many of the device's `expected` ids move when
+/// every row's seed changes (a comparison that can fail).
+fn moved_by_reseeding(
+    gpu: &CudaBackend,
+    logits: &[f32],
+    vocab: usize,
+    params: &[RowSampling],
+    expected: &[u32],
+) -> usize {
+    let reseeded: Vec<RowSampling> = params
+        .iter()
+        .map(|p| RowSampling {
+            params: SamplingParams {
+                seed: p.params.seed ^ 0xdead_beef,
+                ..p.params
+            },
+            ..*p
+        })
+        .collect();
+    let other = gpu
+        .sample_rows(logits, vocab, &reseeded)
+        .expect("shapes fit");
+    other.iter().zip(expected).filter(|(a, b)| a != b).count()
+}
+
 /// A logit row shaped like a language model's at the real vocabulary: a bell-shaped bulk (sum of
 /// four uniforms, spread `spread`) with a few strong candidates above it; `coarse` rounds every
 /// logit to a multiple of 1/8, so the top-p cut-off falls inside runs of equal logits.
@@ -2047,20 +2059,7 @@ fn sampling_at_the_real_vocab_equals_the_cpu_for_64_mixed_rows() {
     reversed.reverse();
     assert_eq!(reversed, on_cpu, "the reversed batch");
     // Negative control: other seeds move some noisy row (the comparison can fail).
-    let reseeded: Vec<RowSampling> = params
-        .iter()
-        .map(|p| RowSampling {
-            params: SamplingParams {
-                seed: p.params.seed ^ 0x0bad_cafe,
-                ..p.params
-            },
-            ..*p
-        })
-        .collect();
-    let other = gpu
-        .sample_rows(&logits, vocab, &reseeded)
-        .expect("shapes fit");
-    let moved = other.iter().zip(&on_cpu).filter(|(a, b)| a != b).count();
+    let moved = moved_by_reseeding(&gpu, &logits, vocab, &params, &on_cpu);
     assert!(moved > 0, "new seeds changed no token");
     println!(
         "sample_rows vocab {vocab}: {rows} mixed rows equal to the CPU, alone and reversed too; \
