@@ -1,6 +1,6 @@
 //! The DeepSeek-V4.1 text model and its DSpark drafter on a [`Backend`] (spec §3): the public
-//! [`Model`] / [`SequenceState`] API, the top-level forward over a chunk of tokens at the sequence's
-//! next positions, rollback, and greedy DSpark proposals.
+//! [`Model`] / [`SequenceState`] API (one sequence's chunk, or every sequence of a step through
+//! [`Model::forward_step`], whose body is `step`), rollback, and greedy DSpark proposals.
 
 mod attention;
 mod block;
