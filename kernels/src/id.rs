@@ -60,10 +60,14 @@ pub enum SourceFile {
     Sampling,
     Moe,
     Engram,
+    Rows,
+    MoeRouted,
+    TopK,
+    Movement,
 }
 
 impl SourceFile {
-    pub const ALL: [SourceFile; 13] = [
+    pub const ALL: [SourceFile; 17] = [
         SourceFile::ActQuant,
         SourceFile::GemmFp8,
         SourceFile::GemmFp4,
@@ -77,6 +81,10 @@ impl SourceFile {
         SourceFile::Sampling,
         SourceFile::Moe,
         SourceFile::Engram,
+        SourceFile::Rows,
+        SourceFile::MoeRouted,
+        SourceFile::TopK,
+        SourceFile::Movement,
     ];
 
     /// Path under `kernels/cuda/`.
@@ -95,6 +103,10 @@ impl SourceFile {
             SourceFile::Sampling => "sampling/sample_rows.cu",
             SourceFile::Moe => "moe/route.cu",
             SourceFile::Engram => "engram/engram.cu",
+            SourceFile::Rows => "rows/rows.cu",
+            SourceFile::MoeRouted => "moe/routed.cu",
+            SourceFile::TopK => "indexer/topk.cu",
+            SourceFile::Movement => "common/movement.cu",
         }
     }
 }
@@ -145,6 +157,8 @@ pub enum KernelId {
     SparseAttentionSinkF32,
     /// The sink attention of many queries in one launch, each over its own list of key rows.
     SparseAttentionSinkRowsF32,
+    /// The row-batched sink attention with key rows read through a device pointer table.
+    SparseAttentionSinkRowsPtrF32,
     /// mHC projection partials (one fixed-order chain per projection and K block) and the
     /// sum of squares, many blocks per token.
     HcMixesPartialsF32,
@@ -158,6 +172,8 @@ pub enum KernelId {
     IndexScoresF32,
     /// Indexer scores of many queries in one launch, each against its own prefix of the keys.
     IndexScoresRowsF32,
+    /// The row-batched indexer scores with key rows read through a device pointer table.
+    IndexScoresRowsPtrF32,
     /// One token per logit row: greedy, or Gumbel-max with temperature, top-k and top-p.
     SampleRowsF32,
     /// MoE router after the gate linear: sqrt-softplus scores, biased top-k, normalised weights.
@@ -166,10 +182,46 @@ pub enum KernelId {
     EngramHashRows,
     /// Engram table rows (FP8 codes x UE8M0 row scales) gathered and dequantised to bf16.
     EngramGatherF32,
+    /// `round(mean over hc streams)` of every token, the CPU's fold order.
+    StreamMeansF32,
+    /// `round(x · scale)` in place.
+    ScaleRoundF32,
+    /// f32 `exp` bit for bit as Rust's std (glibc's expf, FMA build), in place.
+    ExpStdF32,
+    /// Gated pooling of compressor groups over member rows given by device address.
+    GatedPoolF32,
+    /// The Engram gate and injection of the live tokens into their hc streams.
+    EngramInjectF32,
+    /// Output rows of a routed GEMM bucketed by expert and cut into tiles (device routes).
+    GroupRoutedRows,
+    /// Routed-expert FP4 GEMM, one output row per block with its own expert's weight.
+    GemmFp4RoutedRowsG32,
+    /// Routed-expert FP4 GEMM over tiles of up to 8 rows of one expert (from `GroupRoutedRows`).
+    GemmFp4RoutedTilesG32,
+    /// Routed-expert FP8 GEMM (32x32 weight tiles), one output row per block.
+    GemmFp8T32RoutedRowsG32,
+    /// Routed-expert FP8 GEMM (32x32 weight tiles) over tiles of one expert.
+    GemmFp8T32RoutedTilesG32,
+    /// SwiGLU of routed/shared expert rows with clamps and route weights, f32 output.
+    SwigluRowsF32,
+    /// MoE combine: slot outputs in increasing expert id, then the shared expert, one rounding.
+    MoeCombineF32,
+    /// The indexer's top-k of many queries' scores (largest, ties to the lower index, ascending).
+    TopKRowsF32,
+    /// The candidate mask (level one of the two-level top-k) of many queries' scores.
+    CandidateMaskRowsF32,
+    /// Scores outside a candidate mask set to -inf, many queries.
+    ApplyMaskRowsF32,
+    /// Fixed-width pieces gathered from device addresses into one f32 buffer.
+    GatherPtrsF32,
+    /// bf16 values widened to f32 storage.
+    Bf16ToF32,
+    /// Selected compressed-key rows written into attention key lists.
+    ComposeSelectedRows,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 31] = [
+    pub const ALL: [KernelId; 51] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -191,16 +243,36 @@ impl KernelId {
         KernelId::DequantFp4RowsF32,
         KernelId::SparseAttentionSinkF32,
         KernelId::SparseAttentionSinkRowsF32,
+        KernelId::SparseAttentionSinkRowsPtrF32,
         KernelId::HcMixesPartialsF32,
         KernelId::HcMixesF32,
         KernelId::HcCollapseF32,
         KernelId::HcExpandF32,
         KernelId::IndexScoresF32,
         KernelId::IndexScoresRowsF32,
+        KernelId::IndexScoresRowsPtrF32,
         KernelId::SampleRowsF32,
         KernelId::RouteExpertsF32,
         KernelId::EngramHashRows,
         KernelId::EngramGatherF32,
+        KernelId::StreamMeansF32,
+        KernelId::ScaleRoundF32,
+        KernelId::ExpStdF32,
+        KernelId::GatedPoolF32,
+        KernelId::EngramInjectF32,
+        KernelId::GroupRoutedRows,
+        KernelId::GemmFp4RoutedRowsG32,
+        KernelId::GemmFp4RoutedTilesG32,
+        KernelId::GemmFp8T32RoutedRowsG32,
+        KernelId::GemmFp8T32RoutedTilesG32,
+        KernelId::SwigluRowsF32,
+        KernelId::MoeCombineF32,
+        KernelId::TopKRowsF32,
+        KernelId::CandidateMaskRowsF32,
+        KernelId::ApplyMaskRowsF32,
+        KernelId::GatherPtrsF32,
+        KernelId::Bf16ToF32,
+        KernelId::ComposeSelectedRows,
     ];
 
     /// The `extern "C"` symbol in the source file.
@@ -227,16 +299,36 @@ impl KernelId {
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
             KernelId::SparseAttentionSinkF32 => "sparse_attention_sink_f32",
             KernelId::SparseAttentionSinkRowsF32 => "sparse_attention_sink_rows_f32",
+            KernelId::SparseAttentionSinkRowsPtrF32 => "sparse_attention_sink_rows_ptr_f32",
             KernelId::HcMixesPartialsF32 => "hc_mixes_partials_f32",
             KernelId::HcMixesF32 => "hc_mixes_f32",
             KernelId::HcCollapseF32 => "hc_collapse_f32",
             KernelId::HcExpandF32 => "hc_expand_f32",
             KernelId::IndexScoresF32 => "index_scores_f32",
             KernelId::IndexScoresRowsF32 => "index_scores_rows_f32",
+            KernelId::IndexScoresRowsPtrF32 => "index_scores_rows_ptr_f32",
             KernelId::SampleRowsF32 => "sample_rows_f32",
             KernelId::RouteExpertsF32 => "route_experts_f32",
             KernelId::EngramHashRows => "engram_hash_rows",
             KernelId::EngramGatherF32 => "engram_gather_f32",
+            KernelId::StreamMeansF32 => "stream_means_f32",
+            KernelId::ScaleRoundF32 => "scale_round_f32",
+            KernelId::ExpStdF32 => "exp_std_f32",
+            KernelId::GatedPoolF32 => "gated_pool_f32",
+            KernelId::EngramInjectF32 => "engram_inject_f32",
+            KernelId::GroupRoutedRows => "group_routed_rows",
+            KernelId::GemmFp4RoutedRowsG32 => "gemm_fp4_routed_rows_g32_bf16",
+            KernelId::GemmFp4RoutedTilesG32 => "gemm_fp4_routed_tiles_g32_bf16",
+            KernelId::GemmFp8T32RoutedRowsG32 => "gemm_fp8_t32_routed_rows_g32_bf16",
+            KernelId::GemmFp8T32RoutedTilesG32 => "gemm_fp8_t32_routed_tiles_g32_bf16",
+            KernelId::SwigluRowsF32 => "swiglu_rows_f32",
+            KernelId::MoeCombineF32 => "moe_combine_f32",
+            KernelId::TopKRowsF32 => "top_k_rows_f32",
+            KernelId::CandidateMaskRowsF32 => "candidate_mask_rows_f32",
+            KernelId::ApplyMaskRowsF32 => "apply_mask_rows_f32",
+            KernelId::GatherPtrsF32 => "gather_ptrs_f32",
+            KernelId::Bf16ToF32 => "bf16_to_f32",
+            KernelId::ComposeSelectedRows => "compose_selected_rows",
         }
     }
 
@@ -259,17 +351,37 @@ impl KernelId {
             KernelId::LinearSgemmF32
             | KernelId::DequantFp8RowsF32
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
-            KernelId::SparseAttentionSinkF32 | KernelId::SparseAttentionSinkRowsF32 => {
-                SourceFile::Attention
-            }
+            KernelId::SparseAttentionSinkF32
+            | KernelId::SparseAttentionSinkRowsF32
+            | KernelId::SparseAttentionSinkRowsPtrF32 => SourceFile::Attention,
             KernelId::HcMixesPartialsF32
             | KernelId::HcMixesF32
             | KernelId::HcCollapseF32
             | KernelId::HcExpandF32 => SourceFile::Mhc,
-            KernelId::IndexScoresF32 | KernelId::IndexScoresRowsF32 => SourceFile::Indexer,
+            KernelId::IndexScoresF32
+            | KernelId::IndexScoresRowsF32
+            | KernelId::IndexScoresRowsPtrF32 => SourceFile::Indexer,
             KernelId::SampleRowsF32 => SourceFile::Sampling,
             KernelId::RouteExpertsF32 => SourceFile::Moe,
             KernelId::EngramHashRows | KernelId::EngramGatherF32 => SourceFile::Engram,
+            KernelId::StreamMeansF32
+            | KernelId::ScaleRoundF32
+            | KernelId::ExpStdF32
+            | KernelId::GatedPoolF32
+            | KernelId::EngramInjectF32 => SourceFile::Rows,
+            KernelId::GroupRoutedRows
+            | KernelId::GemmFp4RoutedRowsG32
+            | KernelId::GemmFp4RoutedTilesG32
+            | KernelId::GemmFp8T32RoutedRowsG32
+            | KernelId::GemmFp8T32RoutedTilesG32
+            | KernelId::SwigluRowsF32
+            | KernelId::MoeCombineF32 => SourceFile::MoeRouted,
+            KernelId::TopKRowsF32 | KernelId::CandidateMaskRowsF32 | KernelId::ApplyMaskRowsF32 => {
+                SourceFile::TopK
+            }
+            KernelId::GatherPtrsF32 | KernelId::Bf16ToF32 | KernelId::ComposeSelectedRows => {
+                SourceFile::Movement
+            }
         }
     }
 }

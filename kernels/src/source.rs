@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 15] = [
+pub const HEADERS: [(&str, &str); 17] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/numerics.cuh",
@@ -50,6 +50,8 @@ pub const HEADERS: [(&str, &str); 15] = [
         "engram/engram.cuh",
         include_str!("../cuda/engram/engram.cuh"),
     ),
+    ("rows/rows.cuh", include_str!("../cuda/rows/rows.cuh")),
+    ("indexer/topk.cuh", include_str!("../cuda/indexer/topk.cuh")),
 ];
 
 /// The text of a translation unit.
@@ -68,5 +70,9 @@ pub fn text(file: SourceFile) -> &'static str {
         SourceFile::Sampling => include_str!("../cuda/sampling/sample_rows.cu"),
         SourceFile::Moe => include_str!("../cuda/moe/route.cu"),
         SourceFile::Engram => include_str!("../cuda/engram/engram.cu"),
+        SourceFile::Rows => include_str!("../cuda/rows/rows.cu"),
+        SourceFile::MoeRouted => include_str!("../cuda/moe/routed.cu"),
+        SourceFile::TopK => include_str!("../cuda/indexer/topk.cu"),
+        SourceFile::Movement => include_str!("../cuda/common/movement.cu"),
     }
 }

@@ -308,8 +308,18 @@ fn vl_prompt_prefill_decode_and_dspark_match_reference() {
         topk_rows = (topk_rows.0 + exact, topk_rows.1 + n);
     }
     for &source in &cfg.kv_source_layers {
-        let kv = seq.compressed_kv(source).expect("compressed kv").concat();
-        let keys = seq.index_keys(source).expect("index keys").concat();
+        let kv: Vec<f32> = seq
+            .compressed_kv(source)
+            .expect("compressed kv")
+            .iter()
+            .flat_map(|r| r.iter().copied())
+            .collect();
+        let keys: Vec<f32> = seq
+            .index_keys(source)
+            .expect("index keys")
+            .iter()
+            .flat_map(|r| r.iter().copied())
+            .collect();
         let kv_err = rel_rms(&kv, &fx.f32(&format!("vl.prefill.compress_kv.L{source}")));
         let key_err = rel_rms(&keys, &fx.f32(&format!("vl.prefill.index_k.L{source}")));
         eprintln!(

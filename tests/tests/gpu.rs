@@ -54,8 +54,8 @@ use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError};
 use deepinfer_model::backend::{
-    Backend, CpuBackend, ExpertSelection, HcMix, HcParams, Precision, RopeTable, RowSampling,
-    SampleRowsError,
+    Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcParams, Precision, RopeTable,
+    RowSampling, SampleRowsError, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
@@ -495,7 +495,7 @@ fn rms_norm_matches_the_cpu_reference() {
                 let mut dy = rt.stream().alloc_zeros::<bf16>(rows * cols).expect("alloc");
                 rms_norm_bf16(&rt, &dx, &dw, &mut dy, rows, cols, eps).expect("rms_norm");
                 let gpu = download_bf16(&rt, &dy);
-                let want = cpu.rms_norm(&x, &weight, eps);
+                let want = cpu.rms_norm(&Tensor::from(&x), &weight, eps);
                 let (exact, worst) = compare_bf16(&gpu, &want);
                 if rows == 64 {
                     println!(
@@ -547,8 +547,14 @@ fn rope_matches_the_cpu_reference_bit_exact() {
             };
             rope_interleaved_bf16(&rt, &mut dx, &dpos, &dcos, &dsin, shape, inverse).expect("rope");
             let gpu = download_bf16(&rt, &dx);
-            let mut want = x.clone();
-            cpu.rope(&mut want, head_dim, heads, &positions, &table, inverse);
+            let want = cpu.rope(
+                Tensor::from(&x),
+                head_dim,
+                heads,
+                &positions,
+                &table,
+                inverse,
+            );
             let (exact, worst) = compare_bf16(&gpu, &want);
             assert_eq!(
                 exact,
@@ -649,7 +655,7 @@ fn backend_linears_are_bit_exact() {
     ] {
         let w = fp32_values(&mut rng, out * inp);
         for rows in [1usize, 3, 7] {
-            let x = fp32_values(&mut rng, rows * inp);
+            let x = Tensor::from(fp32_values(&mut rng, rows * inp));
             checked += assert_bitwise(
                 &format!("linear_f32 [{rows}x{inp}]·[{inp}x{out}]"),
                 &gpu.linear_f32(&x, &w, out, inp),
@@ -664,7 +670,7 @@ fn backend_linears_are_bit_exact() {
     }
     // A weight with fewer rows than `out` yields the rows it has, like the CPU reference.
     let w = fp32_values(&mut rng, 3 * 64);
-    let x = fp32_values(&mut rng, 2 * 64);
+    let x = Tensor::from(fp32_values(&mut rng, 2 * 64));
     checked += assert_bitwise(
         "linear_f32 short weight",
         &gpu.linear_f32(&x, &w, 5, 64),
@@ -694,6 +700,7 @@ fn backend_rms_norm_and_rope_match() {
                     bf16_unit(&mut rng, rows * cols)
                 };
                 for x in [fp32_values(&mut rng, rows * cols), bf16_rows] {
+                    let x = Tensor::from(x);
                     let g = gpu.rms_norm_at(&x, &weight, 1e-6, precision);
                     let c = cpu.rms_norm_at(&x, &weight, 1e-6, precision);
                     let (e, _) = compare_bf16(&g, &c);
@@ -720,13 +727,23 @@ fn backend_rms_norm_and_rope_match() {
             for (rows, vectors, stride) in [(1usize, 1usize, 16usize), (5, 3, 48), (9, 4, 64)] {
                 let x = fp32_values(&mut rng, rows * vectors * stride);
                 let positions: Vec<usize> = (0..rows).map(|_| rng.below(70_000) as usize).collect();
-                let mut g = x.clone();
-                let mut c = x.clone();
-                gpu.rope_at(
-                    &mut g, stride, vectors, &positions, &table, inverse, precision,
+                let g = gpu.rope_at(
+                    Tensor::from(&x),
+                    stride,
+                    vectors,
+                    &positions,
+                    &table,
+                    inverse,
+                    precision,
                 );
-                cpu.rope_at(
-                    &mut c, stride, vectors, &positions, &table, inverse, precision,
+                let c = cpu.rope_at(
+                    Tensor::from(&x),
+                    stride,
+                    vectors,
+                    &positions,
+                    &table,
+                    inverse,
+                    precision,
                 );
                 checked += assert_bitwise(
                     &format!("rope {rows}x{vectors}x{stride} inverse={inverse} {precision:?}"),
@@ -753,17 +770,15 @@ fn backend_qdq_points_are_bit_exact() {
         for v in x.iter_mut().take(16) {
             *v = quant::round_bf16(*v * 1e-6);
         }
-        type Qdq = fn(&dyn Backend, &mut [f32]);
+        type Qdq = fn(&dyn Backend, Tensor) -> Tensor;
         let points: [(&str, Qdq); 3] = [
             ("q8", |b, x| b.q8_qdq(x)),
             ("q4e", |b, x| b.q4e_qdq(x)),
             ("q4m", |b, x| b.q4m_qdq(x)),
         ];
         for (name, qdq) in points {
-            let mut g = x.clone();
-            let mut c = x.clone();
-            qdq(&gpu, &mut g);
-            qdq(&cpu, &mut c);
+            let g = qdq(&gpu, Tensor::from(&x));
+            let c = qdq(&cpu, Tensor::from(&x));
             assert_ne!(c, x, "{name}: the QDQ changes its input");
             checked += assert_bitwise(&format!("{name} n={n}"), &g, &c);
         }
@@ -915,20 +930,20 @@ fn backend_gemms_are_bit_exact_and_upload_weights_once() {
     let mut checked = 0;
     for rows in [1usize, 7] {
         for w in [&fp8, &fp8_v4] {
-            let x = activations(&mut rng, rows, w.inp);
+            let x = Tensor::from(activations(&mut rng, rows, w.inp));
             checked += assert_bitwise("gemm_fp8", &gpu.gemm_fp8(&x, w), &cpu.gemm_fp8(&x, w));
         }
-        let x = activations(&mut rng, rows, fp4.inp);
+        let x = Tensor::from(activations(&mut rng, rows, fp4.inp));
         checked += assert_bitwise("gemm_fp4", &gpu.gemm_fp4(&x, &fp4), &cpu.gemm_fp4(&x, &fp4));
     }
     // fp32 activations (V4's float32 precision feeds them): quantised from f32 storage directly.
-    let x = fp32_values(&mut rng, 3 * fp8.inp);
+    let x = Tensor::from(fp32_values(&mut rng, 3 * fp8.inp));
     checked += assert_bitwise(
         "gemm_fp8 f32 input",
         &gpu.gemm_fp8(&x, &fp8),
         &cpu.gemm_fp8(&x, &fp8),
     );
-    let x = fp32_values(&mut rng, 3 * fp4.inp);
+    let x = Tensor::from(fp32_values(&mut rng, 3 * fp4.inp));
     checked += assert_bitwise(
         "gemm_fp4 f32 input",
         &gpu.gemm_fp4(&x, &fp4),
@@ -1521,6 +1536,7 @@ fn backend_router_matches_the_cpu_bitwise() {
             .collect();
         logits[..n_experts].fill(0.375);
         logits[n_experts - 1] = 25.0;
+        let logits = Tensor::from(logits);
         let coarse_bias: Vec<f32> = (0..n_experts)
             .map(|_| (rng.below(4) as f32 - 2.0) / 8.0)
             .collect();
@@ -1559,7 +1575,12 @@ fn backend_router_matches_the_cpu_bitwise() {
         }
     }
     // An all-ties row picks the lowest ids.
-    let tied = gpu.route_experts(&[0.5; 8], &[0.0; 8], ExpertSelection::TopK(3), 1.0);
+    let tied = gpu.route_experts(
+        &Tensor::from(vec![0.5; 8]),
+        &[0.0; 8],
+        ExpertSelection::TopK(3),
+        1.0,
+    );
     assert_eq!(tied[0].experts, vec![0, 1, 2]);
     println!("backend route_experts: {routes} token routes bit-exact (experts and weights)");
 }
@@ -1698,21 +1719,26 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
         };
         for n in ROW_COUNTS {
             // `activations` needs rows of at least one 32-group.
-            let x = if dim >= 32 {
+            let x = Tensor::from(if dim >= 32 {
                 activations(&mut rng, n * hc, dim)
             } else {
                 bf16_unit(&mut rng, n * width)
-            };
+            });
             let iters = 1 + n % 20;
             let rows = gpu.hc_mixes_rows(&x, &params, hc, iters, 1e-6, 1e-6);
             let reference = cpu.hc_mixes_rows(&x, &params, hc, iters, 1e-6, 1e-6);
-            assert_eq!(rows.len(), n, "hc_mixes_rows hc{hc} dim{dim} n{n}: tokens");
-            for (t, (row, token)) in rows.iter().zip(x.chunks_exact(width)).enumerate() {
+            assert_eq!(
+                rows.tokens(),
+                n,
+                "hc_mixes_rows hc{hc} dim{dim} n{n}: tokens"
+            );
+            for (t, token) in x.chunks_exact(width).enumerate() {
+                let (row, cpu_mix) = (rows.token(t), reference.token(t));
                 let alone = gpu.hc_mixes(token, &params, hc, iters, 1e-6, 1e-6);
                 for (name, got, cpu_value, alone_value) in [
-                    ("pre", &row.pre, &reference[t].pre, &alone.pre),
-                    ("post", &row.post, &reference[t].post, &alone.post),
-                    ("comb", &row.comb, &reference[t].comb, &alone.comb),
+                    ("pre", &row.pre, &cpu_mix.pre, &alone.pre),
+                    ("post", &row.post, &cpu_mix.post, &alone.post),
+                    ("comb", &row.comb, &cpu_mix.comb, &alone.comb),
                 ] {
                     let what = format!("hc_mixes_rows hc{hc} dim{dim} n{n} token {t} {name}");
                     checked += assert_bitwise(&format!("{what} vs cpu"), got, cpu_value);
@@ -1726,10 +1752,16 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
                     comb: (0..hc * hc).map(|_| rng.uniform()).collect(),
                 })
                 .collect();
-            let weights: Vec<f32> = mixes.iter().flat_map(|m| m.pre.clone()).collect();
+            let weights = Tensor::from(
+                mixes
+                    .iter()
+                    .flat_map(|m| m.pre.clone())
+                    .collect::<Vec<f32>>(),
+            );
+            let step_mixes = HcMixes::from_host(hc, &mixes);
             for precision in PRECISIONS {
-                let streams = fp32_values(&mut rng, n * width);
-                let y = bf16_unit(&mut rng, n * dim);
+                let streams = Tensor::from(fp32_values(&mut rng, n * width));
+                let y = Tensor::from(bf16_unit(&mut rng, n * dim));
                 let what = format!("hc{hc} dim{dim} n{n} {precision:?}");
                 let collapsed = gpu.hc_collapse_rows_at(&streams, &weights, hc, precision);
                 checked += assert_bitwise(
@@ -1737,11 +1769,11 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
                     &collapsed,
                     &cpu.hc_collapse_rows_at(&streams, &weights, hc, precision),
                 );
-                let expanded = gpu.hc_expand_rows_at(&y, &streams, &mixes, precision);
+                let expanded = gpu.hc_expand_rows_at(&y, &streams, &step_mixes, precision);
                 checked += assert_bitwise(
                     &format!("hc_expand_rows {what} vs cpu"),
                     &expanded,
-                    &cpu.hc_expand_rows_at(&y, &streams, &mixes, precision),
+                    &cpu.hc_expand_rows_at(&y, &streams, &step_mixes, precision),
                 );
                 for (t, mix) in mixes.iter().enumerate() {
                     let token = &streams[t * width..(t + 1) * width];
@@ -1789,32 +1821,35 @@ fn backend_sparse_attention_rows_match_the_cpu_and_the_one_query_op() {
     for (heads, head_dim) in [(1usize, 64usize), (3, 96), (4, 512)] {
         // A pool of keys that several queries share (as a sliding window and the compressed
         // cache are shared by a sequence's tokens), plus keys of the query's own.
-        let pool: Vec<Vec<f32>> = (0..150).map(|_| bf16_unit(&mut rng, head_dim)).collect();
+        let pool: Vec<Tensor> = (0..150)
+            .map(|_| Tensor::from(bf16_unit(&mut rng, head_dim)))
+            .collect();
         let sink: Vec<f32> = (0..heads).map(|_| 2.0 * rng.uniform()).collect();
         let scale = (head_dim as f32).powf(-0.5);
         for n in ROW_COUNTS {
             let counts = key_counts(&mut rng, n);
-            let own: Vec<Vec<Vec<f32>>> = counts
+            let own: Vec<Vec<Tensor>> = counts
                 .iter()
-                .map(|&c| (0..c / 3).map(|_| bf16_unit(&mut rng, head_dim)).collect())
+                .map(|&c| {
+                    (0..c / 3)
+                        .map(|_| Tensor::from(bf16_unit(&mut rng, head_dim)))
+                        .collect()
+                })
                 .collect();
-            let keys: Vec<Vec<&[f32]>> = counts
+            let keys: Vec<Vec<&Tensor>> = counts
                 .iter()
                 .zip(&own)
                 .map(|(&c, own)| {
                     let shared = c - own.len();
                     let offset = rng.below(pool.len() as u64 - shared as u64 + 1) as usize;
-                    let mut list: Vec<&[f32]> = pool[offset..offset + shared]
-                        .iter()
-                        .map(Vec::as_slice)
-                        .collect();
+                    let mut list: Vec<&Tensor> = pool[offset..offset + shared].iter().collect();
                     // The query's own keys go in between the shared ones: order matters.
                     let at = list.len() / 2;
-                    list.splice(at..at, own.iter().map(Vec::as_slice));
+                    list.splice(at..at, own.iter());
                     list
                 })
                 .collect();
-            let q = bf16_unit(&mut rng, n * heads * head_dim);
+            let q = Tensor::from(bf16_unit(&mut rng, n * heads * head_dim));
             for precision in PRECISIONS {
                 let what = format!("attention rows h{heads} d{head_dim} n{n} {precision:?}");
                 let rows = gpu.sparse_attention_rows_at(&q, &keys, &sink, scale, precision);
@@ -1826,10 +1861,11 @@ fn backend_sparse_attention_rows_match_the_cpu_and_the_one_query_op() {
                 let width = heads * head_dim;
                 for (t, query_keys) in keys.iter().enumerate() {
                     let query = &q[t * width..(t + 1) * width];
+                    let query_keys: Vec<&[f32]> = query_keys.iter().map(|k| &k[..]).collect();
                     assert_bitwise(
                         &format!("{what} query {t} ({} keys) vs alone", query_keys.len()),
                         &rows[t * width..(t + 1) * width],
-                        &gpu.sparse_attention_at(query, query_keys, &sink, scale, precision),
+                        &gpu.sparse_attention_at(query, &query_keys, &sink, scale, precision),
                     );
                 }
             }
@@ -1850,6 +1886,8 @@ fn backend_index_scores_rows_match_the_cpu_and_the_one_query_op() {
     for (heads, head_dim) in [(1usize, 32usize), (5, 32), (64, 128)] {
         for n_keys in [0usize, 1, 37, 130] {
             let keys = bf16_unit(&mut rng, n_keys * head_dim);
+            let key_rows = Tensor::from(&keys).split_rows(head_dim);
+            let key_refs: Vec<&Tensor> = key_rows.iter().collect();
             for n in ROW_COUNTS {
                 // 0 keys, all of them, beyond them (clamped), and everything in between.
                 let visible: Vec<usize> = (0..n)
@@ -1861,17 +1899,19 @@ fn backend_index_scores_rows_match_the_cpu_and_the_one_query_op() {
                     })
                     .map(|v| if n == 1 { n_keys.min(7) } else { v })
                     .collect();
-                let q = bf16_unit(&mut rng, n * heads * head_dim);
-                let w: Vec<f32> = (0..n * heads)
-                    .map(|_| quant::round_bf16(rng.uniform()))
-                    .collect();
+                let q = Tensor::from(bf16_unit(&mut rng, n * heads * head_dim));
+                let w = Tensor::from(
+                    (0..n * heads)
+                        .map(|_| quant::round_bf16(rng.uniform()))
+                        .collect::<Vec<f32>>(),
+                );
                 for precision in PRECISIONS {
                     let what =
                         format!("index rows h{heads} d{head_dim} keys{n_keys} n{n} {precision:?}");
                     let rows =
-                        gpu.index_scores_rows_at(&q, &w, &keys, head_dim, &visible, precision);
+                        gpu.index_scores_rows_at(&q, &w, &key_refs, head_dim, &visible, precision);
                     let reference =
-                        cpu.index_scores_rows_at(&q, &w, &keys, head_dim, &visible, precision);
+                        cpu.index_scores_rows_at(&q, &w, &key_refs, head_dim, &visible, precision);
                     assert_eq!(rows.len(), n, "{what}: queries");
                     for (t, (row, cpu_row)) in rows.iter().zip(&reference).enumerate() {
                         checked +=
@@ -1919,7 +1959,12 @@ fn row_ops_reject_mismatched_shapes() {
         "{err}"
     );
     let err = gpu
-        .try_hc_collapse_rows(&[0.5; 12], &[0.25; 5], 2, Precision::Bf16)
+        .try_hc_collapse_rows(
+            &Tensor::from(vec![0.5; 12]),
+            &Tensor::from(vec![0.25; 5]),
+            2,
+            Precision::Bf16,
+        )
         .expect_err("5 weights are not whole tokens of hc = 2");
     assert!(
         matches!(
@@ -1931,11 +1976,12 @@ fn row_ops_reject_mismatched_shapes() {
         ),
         "{err}"
     );
-    let key = [0.5f32; 8];
+    let key = Tensor::from(vec![0.5f32; 8]);
+    let short_key = key.range(0..4);
     let err = gpu
         .try_sparse_attention_rows(
-            &[0.5; 16],
-            &[vec![&key[..]], vec![&key[..4]]],
+            &Tensor::from(vec![0.5; 16]),
+            &[vec![&key], vec![&short_key]],
             &[0.0],
             1.0,
             Precision::Bf16,
@@ -1947,7 +1993,14 @@ fn row_ops_reject_mismatched_shapes() {
         "{err}"
     );
     let err = gpu
-        .try_index_scores_rows(&[0.5; 10], &[1.0; 2], &[0.5; 8], 4, &[1, 2], Precision::F32)
+        .try_index_scores_rows(
+            &Tensor::from(vec![0.5; 10]),
+            &Tensor::from(vec![1.0; 2]),
+            &[&Tensor::from(vec![0.5; 4]), &Tensor::from(vec![0.5; 4])],
+            4,
+            &[1, 2],
+            Precision::F32,
+        )
         .expect_err("10 query values for 2 queries of 1 head of 4");
     assert!(err.to_string().contains("q has 10 values"), "{err}");
 }
@@ -2077,16 +2130,18 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
     // More rows than one launch's grid.y takes (65 535): the backend splits the call.
     let n = 65_535 + 1_001;
     let (hc, dim) = (2usize, 3usize);
-    let streams = fp32_values(&mut rng, n * hc * dim);
-    let weights = fp32_values(&mut rng, n * hc);
-    let y = bf16_unit(&mut rng, n * dim);
+    let streams = Tensor::from(fp32_values(&mut rng, n * hc * dim));
+    let weights = Tensor::from(fp32_values(&mut rng, n * hc));
+    let y = Tensor::from(bf16_unit(&mut rng, n * dim));
+    // The expansion reads no `pre`: zeros fill its place in each token's coefficients.
     let mixes: Vec<HcMix> = (0..n)
         .map(|_| HcMix {
-            pre: Vec::new(),
+            pre: vec![0.0; hc],
             post: fp32_values(&mut rng, hc),
             comb: fp32_values(&mut rng, hc * hc),
         })
         .collect();
+    let mixes = HcMixes::from_host(hc, &mixes);
     let mut checked = assert_bitwise(
         &format!("hc_collapse_rows n{n}"),
         &gpu.hc_collapse_rows_at(&streams, &weights, hc, Precision::Bf16),
@@ -2098,25 +2153,23 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
         &cpu.hc_expand_rows_at(&y, &streams, &mixes, Precision::F32),
     );
     let head_dim = 4;
-    let pool: Vec<Vec<f32>> = (0..9).map(|_| bf16_unit(&mut rng, head_dim)).collect();
-    let keys: Vec<Vec<&[f32]>> = (0..n)
-        .map(|t| {
-            pool[t % 5..t % 5 + t % 4]
-                .iter()
-                .map(Vec::as_slice)
-                .collect()
-        })
+    let pool: Vec<Tensor> = (0..9)
+        .map(|_| Tensor::from(bf16_unit(&mut rng, head_dim)))
         .collect();
-    let q = bf16_unit(&mut rng, n * head_dim);
+    let keys: Vec<Vec<&Tensor>> = (0..n)
+        .map(|t| pool[t % 5..t % 5 + t % 4].iter().collect())
+        .collect();
+    let q = Tensor::from(bf16_unit(&mut rng, n * head_dim));
     checked += assert_bitwise(
         &format!("sparse_attention_rows n{n}"),
         &gpu.sparse_attention_rows_at(&q, &keys, &[0.5], 0.5, Precision::Bf16),
         &cpu.sparse_attention_rows_at(&q, &keys, &[0.5], 0.5, Precision::Bf16),
     );
     let heads = 2;
-    let index_keys = bf16_unit(&mut rng, 5 * head_dim);
-    let iq = bf16_unit(&mut rng, n * heads * head_dim);
-    let iw = bf16_unit(&mut rng, n * heads);
+    let index_rows = Tensor::from(bf16_unit(&mut rng, 5 * head_dim)).split_rows(head_dim);
+    let index_keys: Vec<&Tensor> = index_rows.iter().collect();
+    let iq = Tensor::from(bf16_unit(&mut rng, n * heads * head_dim));
+    let iw = Tensor::from(bf16_unit(&mut rng, n * heads));
     let visible: Vec<usize> = (0..n).map(|t| t % 7).collect();
     let got = gpu.index_scores_rows_at(&iq, &iw, &index_keys, head_dim, &visible, Precision::Bf16);
     let want = cpu.index_scores_rows_at(&iq, &iw, &index_keys, head_dim, &visible, Precision::Bf16);
@@ -2147,7 +2200,11 @@ fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
     let mut rng = Rng(0x5a11_ea7e);
     let (vocab, dim, rows) = (3001, 96, 13);
     let head: Vec<f32> = (0..vocab * dim).map(|_| rng.uniform() * 0.2).collect();
-    let hidden: Vec<f32> = (0..rows * dim).map(|_| rng.uniform() * 2.0).collect();
+    let hidden = Tensor::from(
+        (0..rows * dim)
+            .map(|_| rng.uniform() * 2.0)
+            .collect::<Vec<f32>>(),
+    );
     let params: Vec<RowSampling> = (0..rows)
         .map(|r| RowSampling {
             params: SamplingParams {
@@ -2180,16 +2237,16 @@ fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
     );
     // The same ids as sampling the device's own logits through sample_rows.
     let before = transfers.snapshot();
-    let logits = gpu.linear_f32(&hidden, &head, vocab, dim);
+    let logits = gpu.linear_f32(&hidden, &head, vocab, dim).into_vec();
     let copied = transfers.snapshot() - before;
     assert_eq!(
         (copied.to_host_copies, copied.to_host_bytes),
         (1, (rows * vocab * 4) as u64),
-        "linear_f32 brings its logits to the host"
+        "reading linear_f32's logits on the host copies them once"
     );
     assert_eq!(gpu.sample_rows(&logits, vocab, &params).expect("rows"), cpu);
     assert!(matches!(
-        gpu.try_sample_linear(&hidden[..dim * 2], &head, vocab, dim, &params),
+        gpu.try_sample_linear(&hidden.rows(0..2, dim), &head, vocab, dim, &params),
         Err(CudaBackendError::Op { .. })
     ));
     println!("sample_linear: {rows} rows at vocab {vocab} equal to the CPU");

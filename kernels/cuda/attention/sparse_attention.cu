@@ -1,12 +1,15 @@
 // Instantiations of the sink attention on f32 storage (bf16 values): one query, and a batch of
-// queries each over its own list of key rows.
+// queries each over its own list of key rows, the rows either rows of one key buffer or entries
+// of a device pointer table (one address per row). One kernel body (sparse_attention.cuh); the
+// entries differ only in how a row's address is found.
 #include "attention/sparse_attention.cuh"
 
 // One query: grid (heads); keys [p.keys, head_dim], key j is row j.
 extern "C" __global__ void __launch_bounds__(attention::THREADS)
     sparse_attention_sink_f32(const float* q, const float* keys, const float* sink, float* out,
                               AttentionParams p) {
-    attention::sparse_attention_sink(q, keys, attention::ConsecutiveRows{}, p.keys, sink, out, p);
+    attention::sparse_attention_sink(q, attention::FlatKeys{keys, p.head_dim}, attention::ConsecutiveRows{},
+                                     p.keys, sink, out, p);
 }
 
 // Queries [queries, heads, head_dim]: grid (heads, queries); query t's keys are the rows
@@ -18,6 +21,21 @@ extern "C" __global__ void __launch_bounds__(attention::THREADS)
     const size_t query = blockIdx.y;
     const u32_t first = row_starts[query];
     const size_t width = (size_t)p.heads * p.head_dim;
-    attention::sparse_attention_sink(q + query * width, keys, attention::ListedRows{key_rows + first},
-                                     row_starts[query + 1] - first, sink, out + query * width, p);
+    attention::sparse_attention_sink(q + query * width, attention::FlatKeys{keys, p.head_dim},
+                                     attention::ListedRows{key_rows + first}, row_starts[query + 1] - first,
+                                     sink, out + query * width, p);
+}
+
+// As sparse_attention_sink_rows_f32, with the rows looked up in a pointer table: row r of the
+// lists is the head_dim floats at the device address key_ptrs[r] (r < p.keys).
+extern "C" __global__ void __launch_bounds__(attention::THREADS)
+    sparse_attention_sink_rows_ptr_f32(const float* q, const unsigned long long* key_ptrs,
+                                       const u32_t* key_rows, const u32_t* row_starts,
+                                       const float* sink, float* out, AttentionParams p) {
+    const size_t query = blockIdx.y;
+    const u32_t first = row_starts[query];
+    const size_t width = (size_t)p.heads * p.head_dim;
+    attention::sparse_attention_sink(q + query * width, attention::KeyPointers{key_ptrs},
+                                     attention::ListedRows{key_rows + first}, row_starts[query + 1] - first,
+                                     sink, out + query * width, p);
 }

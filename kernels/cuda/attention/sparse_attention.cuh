@@ -3,9 +3,12 @@
 // a shared buffer [rows, head_dim] (K = V, shared by every head), q [heads, head_dim] per query,
 // out [heads, head_dim] per query (f32 storage; probabilities and outputs rounded to bf16 when
 // p.round_bf16, the V4.1 rounding points).
-// One block per (head, query). A query's keys are given by a KeyRows accessor: key j of the query
-// is row key_row(j) of the buffer (the one-query entry: row j; the row-batched entry: its own list
-// of row indices). Keys are taken in blocks of 64 (the reference kernel's block), up to 16 blocks
+// One block per (head, query). A query's keys are given by two accessors: KeyRows maps key j of
+// the query to a row number (the one-query entry: row j; the row-batched entries: its own list of
+// row indices) and KeyFetch maps a row number to the row's address (FlatKeys: row r of one buffer
+// [rows, head_dim]; KeyPointers: the r-th address of a device pointer table, so a query's keys may
+// lie in many separately allocated buffers). The arithmetic is the same for every accessor, so
+// the entries agree bit for bit on the same key values. Keys are taken in blocks of 64 (the reference kernel's block), up to 16 blocks
 // per pass: every key's score (a sequential f64 dot product times the scale) is computed in
 // parallel, one thread per key; each block's max is taken by one thread, the running max chain
 // over the blocks (and each block's rescale) by thread 0, every exp weight (the reference's
@@ -36,15 +39,30 @@ struct ListedRows {
     __device__ u32_t operator()(u32_t j) const { return rows[j]; }
 };
 
+// Row r is at keys + r * head_dim of one buffer [rows, head_dim].
+struct FlatKeys {
+    const float* keys;
+    u32_t head_dim;
+    __device__ const float* operator()(u32_t row) const { return keys + (size_t)row * head_dim; }
+};
+
+// Row r is at the device address ptrs[r] (head_dim floats there; checked by the launcher's table).
+struct KeyPointers {
+    const unsigned long long* ptrs;
+    __device__ const float* operator()(u32_t row) const {
+        return reinterpret_cast<const float*>(ptrs[row]);
+    }
+};
+
 // Head blockIdx.x of one query: q and out point at the query's [heads, head_dim]; n_keys keys,
-// key j at row key_row(j) of keys.
-template <typename KeyRows>
-__device__ void sparse_attention_sink(const float* __restrict__ q, const float* __restrict__ keys,
-                                      KeyRows key_row, u32_t n_keys, const float* __restrict__ sink,
+// key j at the address key_at(key_row(j)).
+template <typename KeyFetch, typename KeyRows>
+__device__ void sparse_attention_sink(const float* __restrict__ q, KeyFetch key_at, KeyRows key_row,
+                                      u32_t n_keys, const float* __restrict__ sink,
                                       float* __restrict__ out, AttentionParams p) {
     __shared__ float probs[KEYS_PER_PASS];    // the scores, then their exp weights
     __shared__ float weights[KEYS_PER_PASS];  // the weights as multiplied into v (bf16 or not)
-    __shared__ u32_t rows[KEYS_PER_PASS];
+    __shared__ const float* key_rows[KEYS_PER_PASS];  // the pass's key addresses
     __shared__ float block_max[KEY_BLOCKS_PER_PASS];
     __shared__ float block_new_max[KEY_BLOCKS_PER_PASS];
     __shared__ float block_rescale[KEY_BLOCKS_PER_PASS];
@@ -64,10 +82,9 @@ __device__ void sparse_attention_sink(const float* __restrict__ q, const float* 
         const u32_t count = min(KEYS_PER_PASS, n_keys - pass_start);
         const u32_t blocks = (count + KEY_BLOCK - 1) / KEY_BLOCK;
         for (u32_t j = threadIdx.x; j < count; j += THREADS) {
-            const u32_t row = key_row(pass_start + j);
-            rows[j] = row;
-            probs[j] = __fmul_rn(refmath::dot_f64_sequential(qh, keys + (size_t)row * p.head_dim, p.head_dim),
-                                 p.scale);
+            const float* key = key_at(key_row(pass_start + j));
+            key_rows[j] = key;
+            probs[j] = __fmul_rn(refmath::dot_f64_sequential(qh, key, p.head_dim), p.scale);
         }
         __syncthreads();
         if (threadIdx.x < blocks) {
@@ -114,7 +131,7 @@ __device__ void sparse_attention_sink(const float* __restrict__ q, const float* 
                     double sum = 0.0;
 #pragma unroll 16
                     for (u32_t j = first; j < last; ++j)
-                        sum = __dadd_rn(sum, (double)__fmul_rn(weights[j], keys[(size_t)rows[j] * p.head_dim + d]));
+                        sum = __dadd_rn(sum, (double)__fmul_rn(weights[j], key_rows[j][d]));
                     acc[i] = __fadd_rn(__fmul_rn(acc[i], block_rescale[b]), __double2float_rn(sum));
                 }
             }

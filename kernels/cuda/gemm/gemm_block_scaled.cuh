@@ -120,12 +120,26 @@ struct Fp4Weights {
     }
 };
 
-// a: [m, k] E4M3 codes; sa: [m, k/G] f32 power-of-two scales; w, ws: per Weights; y: [m, n] bf16.
-// Requires k % G == 0, G % 32 == 0, 16-byte aligned rows (k % 32 == 0).
-template <class Weights, int G, int BM>
-__device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __restrict__ sa,
-                                  const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
-                                  __nv_bfloat16* __restrict__ y, GemmParams p) {
+// The rows of one block's tile: tile row r < count reads activation row a_row(r) and writes output
+// row y_row(r). DenseRows is [m0, m0 + BM) clipped to m; the routed-expert GEMM (moe/routed.cu)
+// gathers up to BM output rows that chose one expert. Rows never interact, so which rows share a
+// tile does not change any result.
+struct DenseRows {
+    u32_t m0;
+    u32_t count;
+    __device__ __forceinline__ size_t a_row(u32_t r) const { return (size_t)m0 + r; }
+    __device__ __forceinline__ size_t y_row(u32_t r) const { return (size_t)m0 + r; }
+};
+
+// One block's tile: the rows of `tile` (at most BM) and the output columns of column block
+// `col_block`. a: E4M3 codes with rows of p.k; sa: f32 power-of-two scales with rows of p.k / G;
+// w, ws: per Weights; y: bf16 with rows of p.n. Requires k % G == 0, G % 32 == 0, 16-byte
+// aligned rows (k % 32 == 0). gemm_block_scaled below takes dense rows from the block's grid
+// position.
+template <class Weights, int G, int BM, class Rows>
+__device__ void gemm_block_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
+                                __nv_bfloat16* __restrict__ y, GemmParams p, const Rows& tile, u32_t col_block) {
     static_assert(G % 32 == 0, "a k-group is a whole number of 32-element loads");
     static_assert(WARPS * BM <= WARPS * 32, "one summing thread per (column, row)");
     __shared__ float partials[WARPS][BM][33];
@@ -133,16 +147,15 @@ __device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __res
     const u32_t cols_per_block = WARPS / wpc;
     const u32_t warp = threadIdx.x / 32;
     const u32_t lane = threadIdx.x % 32;
-    const u32_t n = blockIdx.y * cols_per_block + warp / wpc;
+    const u32_t n = col_block * cols_per_block + warp / wpc;
     const u32_t part = warp % wpc;
-    const u32_t m0 = blockIdx.x * BM;  // < p.m by the grid
-    const u32_t rows = min((u32_t)BM, p.m - m0);
+    const u32_t rows = min((u32_t)BM, tile.count);
     const u32_t kgroups = p.k / G;
 
     // The thread that accumulates output (sum_col, sum_row) of this block.
     const u32_t sum_col = threadIdx.x / BM;
     const u32_t sum_row = threadIdx.x % BM;
-    const u32_t sum_n = blockIdx.y * cols_per_block + sum_col;
+    const u32_t sum_n = col_block * cols_per_block + sum_col;
     const bool summer = sum_col < cols_per_block && sum_row < rows && sum_n < p.n;
 
     float acc = 0.0f;
@@ -161,7 +174,7 @@ __device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __res
             float act_scale[BM];
 #pragma unroll
             for (int r = 0; r < BM; ++r)
-                act_scale[r] = (u32_t)r < rows ? __ldg(sa + (size_t)(m0 + r) * kgroups + kg) : 0.0f;
+                act_scale[r] = (u32_t)r < rows ? __ldg(sa + tile.a_row(r) * kgroups + kg) : 0.0f;
             // A 32-group's partial is RN(hi + lo); a wider group (G = 128) adds its 32-element
             // halves exactly in f64 (at most 43 significant bits) and rounds once at the end.
             typename GroupPartial<G>::type part_sum[BM];
@@ -175,7 +188,7 @@ __device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __res
 #pragma unroll
                 for (int r = 0; r < BM; ++r) {
                     if ((u32_t)r < rows) {
-                        const uint4* src = reinterpret_cast<const uint4*>(a + (size_t)(m0 + r) * p.k + col);
+                        const uint4* src = reinterpret_cast<const uint4*>(a + tile.a_row(r) * p.k + col);
                         float av[32];
                         decode_e4m3x16(__ldg(src), av);
                         decode_e4m3x16(__ldg(src + 1), av + 16);
@@ -213,7 +226,17 @@ __device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __res
         }
         __syncthreads();
     }
-    if (summer) y[(size_t)(m0 + sum_row) * p.n + sum_n] = __float2bfloat16_rn(acc);
+    if (summer) y[tile.y_row(sum_row) * p.n + sum_n] = __float2bfloat16_rn(acc);
+}
+
+// The tile of this block's grid position: rows from blockIdx.x * BM (< p.m by the grid), column
+// block blockIdx.y.
+template <class Weights, int G, int BM>
+__device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                  const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
+                                  __nv_bfloat16* __restrict__ y, GemmParams p) {
+    const u32_t m0 = blockIdx.x * BM;
+    gemm_block_tile<Weights, G, BM>(a, sa, w, ws, y, p, DenseRows{m0, p.m - m0}, blockIdx.y);
 }
 
 }  // namespace gemm

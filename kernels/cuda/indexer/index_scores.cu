@@ -1,11 +1,12 @@
 // Instantiations of the indexer scores on f32 storage: one query, and a batch of queries that
-// each see a prefix of one shared key buffer.
+// each see a prefix of one table of key rows, the rows either rows of one key buffer or entries
+// of a device pointer table (one address per row). One kernel body (index_scores.cuh).
 #include "indexer/index_scores.cuh"
 
 // One query: grid (p.keys); scores [p.keys].
 extern "C" __global__ void __launch_bounds__(indexer::THREADS)
     index_scores_f32(const float* q, const float* w, const float* keys, float* scores, IndexParams p) {
-    indexer::index_scores(q, w, keys, p.keys, scores, p);
+    indexer::index_scores(q, w, indexer::FlatKeys{keys, p.head_dim}, p.keys, scores, p);
 }
 
 // Queries q [queries, heads, head_dim], w [queries, heads]: grid (max visible, queries); query t
@@ -14,6 +15,17 @@ extern "C" __global__ void __launch_bounds__(indexer::THREADS)
     index_scores_rows_f32(const float* q, const float* w, const float* keys, const u32_t* visible,
                           const u32_t* score_starts, float* scores, IndexParams p) {
     const size_t query = blockIdx.y;
-    indexer::index_scores(q + query * p.heads * p.head_dim, w + query * p.heads, keys, visible[query],
-                          scores + score_starts[query], p);
+    indexer::index_scores(q + query * p.heads * p.head_dim, w + query * p.heads,
+                          indexer::FlatKeys{keys, p.head_dim}, visible[query], scores + score_starts[query], p);
+}
+
+// As index_scores_rows_f32, with key row r the head_dim floats at the device address
+// key_ptrs[r] (r < p.keys).
+extern "C" __global__ void __launch_bounds__(indexer::THREADS)
+    index_scores_rows_ptr_f32(const float* q, const float* w, const unsigned long long* key_ptrs,
+                              const u32_t* visible, const u32_t* score_starts, float* scores,
+                              IndexParams p) {
+    const size_t query = blockIdx.y;
+    indexer::index_scores(q + query * p.heads * p.head_dim, w + query * p.heads,
+                          indexer::KeyPointers{key_ptrs}, visible[query], scores + score_starts[query], p);
 }

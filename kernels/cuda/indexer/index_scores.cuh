@@ -4,6 +4,9 @@
 // product a sequential f64 sum and the head sum a sequential f64 sum (with p.round_bf16 = 0, no
 // bf16 rounding anywhere). One block per (key, query): one thread per head computes its term,
 // thread 0 adds them in head order. A key's score depends only on (q, w, k_j): batch invariant.
+// A KeyFetch accessor maps a key's row number to its address (FlatKeys: row r of one buffer
+// [rows, head_dim]; KeyPointers: the r-th address of a device pointer table); the arithmetic is
+// the same for both.
 #pragma once
 #include "common/reference_math.cuh"
 
@@ -11,15 +14,30 @@ namespace indexer {
 
 constexpr int THREADS = 64;
 
-// Key blockIdx.x of one query (q [heads, head_dim], w [heads]) among its first `visible` keys of
-// keys [.., head_dim]; its score goes to scores[key].
-__device__ void index_scores(const float* __restrict__ q, const float* __restrict__ w,
-                             const float* __restrict__ keys, u32_t visible, float* __restrict__ scores,
-                             IndexParams p) {
+// Row r is at keys + r * head_dim of one buffer [rows, head_dim].
+struct FlatKeys {
+    const float* keys;
+    u32_t head_dim;
+    __device__ const float* operator()(u32_t row) const { return keys + (size_t)row * head_dim; }
+};
+
+// Row r is at the device address ptrs[r] (head_dim floats there; checked by the launcher's table).
+struct KeyPointers {
+    const unsigned long long* ptrs;
+    __device__ const float* operator()(u32_t row) const {
+        return reinterpret_cast<const float*>(ptrs[row]);
+    }
+};
+
+// Key blockIdx.x of one query (q [heads, head_dim], w [heads]) among its first `visible` key
+// rows (row r at key_at(r)); its score goes to scores[key].
+template <typename KeyFetch>
+__device__ void index_scores(const float* __restrict__ q, const float* __restrict__ w, KeyFetch key_at,
+                             u32_t visible, float* __restrict__ scores, IndexParams p) {
     extern __shared__ float terms[];  // [heads]
     const u32_t key = blockIdx.x;
     if (key >= visible) return;
-    const float* k = keys + (size_t)key * p.head_dim;
+    const float* k = key_at(key);
     for (u32_t h = threadIdx.x; h < p.heads; h += THREADS) {
         float logit = refmath::dot_f64_sequential(q + (size_t)h * p.head_dim, k, p.head_dim);
         if (p.round_bf16) logit = round_bf16_f32(logit);

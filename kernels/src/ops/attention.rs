@@ -1,11 +1,13 @@
 //! Multi-head attention with a per-head sink (`CpuBackend::sparse_attention`) of one query, or of
-//! a batch of queries in one launch, each over its own list of key rows ([`DeviceKeyLists`]):
+//! a batch of queries in one launch, each over its own list of key rows ([`DeviceKeyLists`]) of
+//! one key buffer or of a device pointer table ([`DeviceKeyTable`], rows in many buffers):
 //! keys are shared by all heads (K = V), bit-exact with the CPU reference, one block per
 //! (head, query) with one fixed reduction order that depends only on that query's keys (batch
 //! invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
+use super::key_table::DeviceKeyTable;
 use super::{Rounding, dim, expect_len};
 use crate::error::KernelError;
 use crate::id::KernelId;
@@ -14,6 +16,7 @@ use crate::runtime::KernelRuntime;
 
 const OP: &str = "sparse_attention_sink_f32";
 const ROWS_OP: &str = "sparse_attention_sink_rows_f32";
+const ROWS_PTR_OP: &str = "sparse_attention_sink_rows_ptr_f32";
 const THREADS: u32 = 256;
 /// Must match `attention::MAX_DIMS_PER_THREAD`.
 const MAX_HEAD_DIM: usize = 4 * THREADS as usize;
@@ -97,7 +100,8 @@ pub fn sparse_attention_sink_f32(
 }
 
 /// The key lists of a batch of attention queries on the device: query `t` attends to the key
-/// rows `key_rows[row_starts[t] .. row_starts[t + 1])` of a shared key buffer, in that order.
+/// rows `key_rows[row_starts[t] .. row_starts[t + 1])` of a shared key buffer (or of a
+/// [`DeviceKeyTable`]), in that order.
 /// Built only by [`DeviceKeyLists::upload`], which checks every row against the buffer's row
 /// count, so the kernel never reads outside it.
 pub struct DeviceKeyLists {
@@ -169,6 +173,87 @@ impl DeviceKeyLists {
     pub fn queries(&self) -> usize {
         self.queries
     }
+
+    /// Writes selected key rows computed on the device into the lists: for each entry of
+    /// `plan`, `count` rows `base + src[i]` at flattened position `dst` (where the upload left
+    /// room for them), in one launch.
+    ///
+    /// # Safety
+    /// Each `src` is the device address of `count` u32 values, each below `key_buffer_rows −
+    /// base`, in memory that stays allocated until the launches reading these lists have run.
+    pub unsafe fn write_selected(
+        &mut self,
+        rt: &KernelRuntime,
+        plan: &[SelectedRows],
+    ) -> Result<(), KernelError> {
+        const OP: &str = "DeviceKeyLists::write_selected";
+        if let Some(bad) = plan.iter().find(|p| {
+            (p.dst as usize + p.count as usize) > self.key_rows.len()
+                || p.base as usize + usize::from(p.count > 0) > self.key_buffer_rows
+                || p.src == 0
+        }) {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!(
+                    "{} rows from base {} at {} do not fit {} listed rows of a {}-row table",
+                    bad.count,
+                    bad.base,
+                    bad.dst,
+                    self.key_rows.len(),
+                    self.key_buffer_rows
+                ),
+            });
+        }
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let n_plan = dim(OP, "plan entries", plan.len())?;
+        let dplan = rt
+            .stream()
+            .clone_htod(plan)
+            .map_err(KernelError::driver("uploading the selected-row plan"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (n_plan.min(1024), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = rt
+            .stream()
+            .launch_builder(rt.function(KernelId::ComposeSelectedRows)?);
+        launch.arg(&dplan).arg(&n_plan).arg(&mut self.key_rows);
+        // SAFETY: signature (const SelectedRows* plan, u32 n_plan, u32* key_rows); every entry's
+        // rows [dst, dst + count) lie inside key_rows (checked above) and its source is readable
+        // (the caller's contract).
+        unsafe { launch.launch(cfg) }
+            .map_err(KernelError::driver("launching compose_selected_rows"))?;
+        Ok(())
+    }
+}
+
+/// One query's selected key rows for [`DeviceKeyLists::write_selected`]; mirrors `SelectedRows`
+/// in `cuda/common/movement.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SelectedRows {
+    /// Flattened position of the first selected row in the lists.
+    pub dst: u32,
+    pub count: u32,
+    /// Table row of selected position 0.
+    pub base: u32,
+    pub reserved: u32,
+    /// Device address of the `count` selected positions (u32).
+    pub src: u64,
+}
+
+// SAFETY: a plain `#[repr(C)]` struct of integers, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for SelectedRows {}
+
+/// Where a row-batched launch reads its key rows.
+enum KeyRowSource<'a> {
+    /// Rows of one buffer `[rows, head_dim]`.
+    Flat(&'a CudaSlice<f32>),
+    /// One device address per row.
+    Table(&'a DeviceKeyTable),
 }
 
 /// `out [t] = attention(q [t], its listed keys, sink)` for every query `t` of `lists`, in one
@@ -188,42 +273,109 @@ pub fn sparse_attention_sink_rows_f32(
     scale: f32,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    let heads = sink.len();
-    check_heads(ROWS_OP, heads, head_dim)?;
     check_key_rows(ROWS_OP, keys, lists.key_buffer_rows, head_dim)?;
+    launch_rows(
+        rt,
+        ROWS_OP,
+        q,
+        KeyRowSource::Flat(keys),
+        lists,
+        sink,
+        out,
+        head_dim,
+        scale,
+        rounding,
+    )
+}
+
+/// As [`sparse_attention_sink_rows_f32`], with the key rows read through a pointer table: row
+/// `r` of `lists` (uploaded with `key_buffer_rows` at most `key_ptrs.rows()`) is the
+/// `head_dim` values at `key_ptrs`' address `r`, so a query's keys may lie in many separately
+/// allocated buffers. The same kernel body: bitwise the same outputs as the flat launcher on the
+/// same key values. The buffers behind the table must stay allocated until this launch has run
+/// (the table's constructors are `unsafe` for that promise; see [`super::key_table`]).
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention_sink_rows_ptr_f32(
+    rt: &KernelRuntime,
+    q: &CudaSlice<f32>,
+    key_ptrs: &DeviceKeyTable,
+    lists: &DeviceKeyLists,
+    sink: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    head_dim: usize,
+    scale: f32,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    key_ptrs.check_covers(ROWS_PTR_OP, lists.key_buffer_rows, head_dim)?;
+    launch_rows(
+        rt,
+        ROWS_PTR_OP,
+        q,
+        KeyRowSource::Table(key_ptrs),
+        lists,
+        sink,
+        out,
+        head_dim,
+        scale,
+        rounding,
+    )
+}
+
+/// The row-batched launch of either key source (whose rows the caller has checked against
+/// `lists`' row count and `head_dim`).
+#[allow(clippy::too_many_arguments)]
+fn launch_rows(
+    rt: &KernelRuntime,
+    op: &'static str,
+    q: &CudaSlice<f32>,
+    keys: KeyRowSource<'_>,
+    lists: &DeviceKeyLists,
+    sink: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    head_dim: usize,
+    scale: f32,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    let heads = sink.len();
+    check_heads(op, heads, head_dim)?;
     let width = heads * head_dim;
-    expect_len(ROWS_OP, "q", q.len(), lists.queries * width)?;
-    expect_len(ROWS_OP, "out", out.len(), lists.queries * width)?;
+    expect_len(op, "q", q.len(), lists.queries * width)?;
+    expect_len(op, "out", out.len(), lists.queries * width)?;
     let params = AttentionParams {
-        heads: dim(ROWS_OP, "heads", heads)?,
-        head_dim: dim(ROWS_OP, "head_dim", head_dim)?,
-        keys: dim(ROWS_OP, "key rows", lists.key_buffer_rows)?,
+        heads: dim(op, "heads", heads)?,
+        head_dim: dim(op, "head_dim", head_dim)?,
+        keys: dim(op, "key rows", lists.key_buffer_rows)?,
         scale,
         round_bf16: rounding.flag(),
     };
     let cfg = LaunchConfig {
-        grid_dim: (params.heads, dim(ROWS_OP, "queries", lists.queries)?, 1),
+        grid_dim: (params.heads, dim(op, "queries", lists.queries)?, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::SparseAttentionSinkRowsF32)?);
+    let kernel = match keys {
+        KeyRowSource::Flat(_) => KernelId::SparseAttentionSinkRowsF32,
+        KeyRowSource::Table(_) => KernelId::SparseAttentionSinkRowsPtrF32,
+    };
+    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    launch.arg(q);
+    match keys {
+        KeyRowSource::Flat(keys) => launch.arg(keys),
+        KeyRowSource::Table(table) => launch.arg(table.addresses()),
+    };
     launch
-        .arg(q)
-        .arg(keys)
         .arg(&lists.key_rows)
         .arg(&lists.row_starts)
         .arg(sink)
         .arg(out)
         .arg(&params);
-    // SAFETY: signature (const float* q, const float* keys, const u32_t* key_rows, const u32_t*
-    // row_starts, const float* sink, float* out, AttentionParams); q/out hold queries * heads *
-    // head_dim values, row_starts queries + 1 non-decreasing offsets into key_rows, every listed
-    // row is below key_buffer_rows and keys hold that many rows (checked above and by
-    // DeviceKeyLists::upload); grid.y = queries <= the grid limit; head_dim <= 4 * THREADS.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(
-        "launching sparse_attention_sink_rows_f32",
-    ))?;
+    // SAFETY: signature (const float* q, const float* keys | const unsigned long long* key_ptrs,
+    // const u32_t* key_rows, const u32_t* row_starts, const float* sink, float* out,
+    // AttentionParams); q/out hold queries * heads * head_dim values, row_starts queries + 1
+    // non-decreasing offsets into key_rows, every listed row is below key_buffer_rows
+    // (DeviceKeyLists::upload), and the key source holds that many head_dim-wide rows (checked by
+    // the caller; a table's addresses are live rows by its unsafe constructor's contract);
+    // grid.y = queries <= the grid limit; head_dim <= 4 * THREADS.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
     Ok(())
 }

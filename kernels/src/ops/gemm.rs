@@ -16,7 +16,7 @@ use crate::runtime::KernelRuntime;
 
 /// Warps per block and rows per block; must match `gemm::WARPS` and the `BM` template argument of
 /// the instantiations. A block covers `WARPS / warps_per_column` output columns.
-const WARPS: u32 = 8;
+pub(crate) const WARPS: u32 = 8;
 const ROWS_PER_BLOCK: u32 = 8;
 
 /// How many warps share one output column's K range. Each of them computes every
@@ -31,7 +31,7 @@ pub enum GemmSplit {
 }
 
 impl GemmSplit {
-    fn warps_per_column(
+    pub(crate) fn warps_per_column(
         self,
         op: &'static str,
         m: usize,

@@ -1,10 +1,12 @@
 //! Lightning-indexer scores (`CpuBackend::index_scores`) of one query against compressed keys,
-//! or of a batch of queries in one launch, each against its own prefix of one shared key buffer
-//! ([`DeviceVisiblePrefixes`]), with the reference's bf16 rounding points: bit-exact, one block
-//! per (key, query), a key's score a function of that query and key alone (batch invariant).
+//! or of a batch of queries in one launch, each against its own prefix of the rows of one shared
+//! key buffer or of a device pointer table ([`DeviceVisiblePrefixes`], [`DeviceKeyTable`]), with
+//! the reference's bf16 rounding points: bit-exact, one block per (key, query), a key's score a
+//! function of that query and key alone (batch invariant).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::key_table::DeviceKeyTable;
 use super::{Rounding, dim, expect_len};
 use crate::error::KernelError;
 use crate::id::KernelId;
@@ -13,6 +15,7 @@ use crate::runtime::KernelRuntime;
 
 const OP: &str = "index_scores_f32";
 const ROWS_OP: &str = "index_scores_rows_f32";
+const ROWS_PTR_OP: &str = "index_scores_rows_ptr_f32";
 const THREADS: u32 = 64;
 /// Heads whose terms fit the kernel's shared memory comfortably.
 const MAX_HEADS: usize = 4096;
@@ -89,10 +92,10 @@ fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), Ke
 pub struct DeviceVisiblePrefixes {
     queries: usize,
     keys: usize,
-    max_visible: usize,
+    pub(super) max_visible: usize,
     total: usize,
     /// `[queries]` visible counts, then `[queries]` output offsets: one upload.
-    counts_and_starts: CudaSlice<u32>,
+    pub(super) counts_and_starts: CudaSlice<u32>,
 }
 
 impl DeviceVisiblePrefixes {
@@ -152,6 +155,14 @@ impl DeviceVisiblePrefixes {
     }
 }
 
+/// Where a row-batched launch reads its key rows.
+enum KeyRowSource<'a> {
+    /// Rows of one buffer `[n, head_dim]`.
+    Flat(&'a CudaSlice<f32>),
+    /// One device address per row.
+    Table(&'a DeviceKeyTable),
+}
+
 /// Index scores of every query `t` of `visible` (`q [queries, heads, head_dim]`, head weights
 /// `w [queries, heads]`) against its first `visible[t]` keys of `keys [n, head_dim]`, in one
 /// launch (grid: max visible × queries), into the flat `scores [visible.total()]` (query after
@@ -168,7 +179,6 @@ pub fn index_scores_rows_f32(
     head_dim: usize,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    check_heads(ROWS_OP, heads, head_dim)?;
     if keys.len() < visible.keys * head_dim {
         return Err(KernelError::Shape {
             op: ROWS_OP,
@@ -179,22 +189,86 @@ pub fn index_scores_rows_f32(
             ),
         });
     }
-    expect_len(ROWS_OP, "q", q.len(), visible.queries * heads * head_dim)?;
-    expect_len(ROWS_OP, "w", w.len(), visible.queries * heads)?;
-    expect_len(ROWS_OP, "scores", scores.len(), visible.total.max(1))?;
+    launch_rows(
+        rt,
+        ROWS_OP,
+        q,
+        w,
+        KeyRowSource::Flat(keys),
+        visible,
+        scores,
+        heads,
+        head_dim,
+        rounding,
+    )
+}
+
+/// As [`index_scores_rows_f32`], with the key rows read through a pointer table: query `t`
+/// scores rows `0..visible[t]` of `key_ptrs` (each the `head_dim` values at its address;
+/// `visible` uploaded with `keys` at most `key_ptrs.rows()`), so the keys may lie in many
+/// separately allocated buffers. The same kernel body: bitwise the same scores as the flat
+/// launcher on the same key values. The buffers behind the table must stay allocated until this
+/// launch has run (the table's constructors are `unsafe` for that promise; see
+/// [`super::key_table`]).
+#[allow(clippy::too_many_arguments)]
+pub fn index_scores_rows_ptr_f32(
+    rt: &KernelRuntime,
+    q: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    key_ptrs: &DeviceKeyTable,
+    visible: &DeviceVisiblePrefixes,
+    scores: &mut CudaSlice<f32>,
+    heads: usize,
+    head_dim: usize,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    key_ptrs.check_covers(ROWS_PTR_OP, visible.keys, head_dim)?;
+    launch_rows(
+        rt,
+        ROWS_PTR_OP,
+        q,
+        w,
+        KeyRowSource::Table(key_ptrs),
+        visible,
+        scores,
+        heads,
+        head_dim,
+        rounding,
+    )
+}
+
+/// The row-batched launch of either key source (whose rows the caller has checked against
+/// `visible`'s key count and `head_dim`).
+#[allow(clippy::too_many_arguments)]
+fn launch_rows(
+    rt: &KernelRuntime,
+    op: &'static str,
+    q: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    keys: KeyRowSource<'_>,
+    visible: &DeviceVisiblePrefixes,
+    scores: &mut CudaSlice<f32>,
+    heads: usize,
+    head_dim: usize,
+    rounding: Rounding,
+) -> Result<(), KernelError> {
+    check_heads(op, heads, head_dim)?;
+    expect_len(op, "q", q.len(), visible.queries * heads * head_dim)?;
+    expect_len(op, "w", w.len(), visible.queries * heads)?;
+    expect_len(op, "scores", scores.len(), visible.total.max(1))?;
     if visible.max_visible == 0 {
         return Ok(());
     }
     let params = IndexParams {
-        heads: dim(ROWS_OP, "heads", heads)?,
-        head_dim: dim(ROWS_OP, "head_dim", head_dim)?,
-        keys: dim(ROWS_OP, "keys", visible.keys)?,
+        heads: dim(op, "heads", heads)?,
+        head_dim: dim(op, "head_dim", head_dim)?,
+        keys: dim(op, "keys", visible.keys)?,
         round_bf16: rounding.flag(),
     };
     let cfg = LaunchConfig {
         grid_dim: (
-            dim(ROWS_OP, "max visible", visible.max_visible)?,
-            dim(ROWS_OP, "queries", visible.queries)?,
+            dim(op, "max visible", visible.max_visible)?,
+            dim(op, "queries", visible.queries)?,
             1,
         ),
         block_dim: (THREADS, 1, 1),
@@ -202,23 +276,24 @@ pub fn index_scores_rows_f32(
     };
     let counts = visible.counts_and_starts.slice(..visible.queries);
     let starts = visible.counts_and_starts.slice(visible.queries..);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::IndexScoresRowsF32)?);
-    launch
-        .arg(q)
-        .arg(w)
-        .arg(keys)
-        .arg(&counts)
-        .arg(&starts)
-        .arg(scores)
-        .arg(&params);
-    // SAFETY: signature (const float* q, const float* w, const float* keys, const u32_t* visible,
-    // const u32_t* score_starts, float* scores, IndexParams); q holds queries * heads * head_dim,
-    // w queries * heads values, every visible count is <= the keys held and the offsets place
-    // each query's scores inside `scores` (checked above and by DeviceVisiblePrefixes::upload);
+    let kernel = match keys {
+        KeyRowSource::Flat(_) => KernelId::IndexScoresRowsF32,
+        KeyRowSource::Table(_) => KernelId::IndexScoresRowsPtrF32,
+    };
+    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    launch.arg(q).arg(w);
+    match keys {
+        KeyRowSource::Flat(keys) => launch.arg(keys),
+        KeyRowSource::Table(table) => launch.arg(table.addresses()),
+    };
+    launch.arg(&counts).arg(&starts).arg(scores).arg(&params);
+    // SAFETY: signature (const float* q, const float* w, const float* keys | const unsigned long
+    // long* key_ptrs, const u32_t* visible, const u32_t* score_starts, float* scores,
+    // IndexParams); q holds queries * heads * head_dim, w queries * heads values, every visible
+    // count is <= visible.keys and the key source holds that many head_dim-wide rows (checked by
+    // the caller; a table's addresses are live rows by its unsafe constructor's contract), the
+    // offsets place each query's scores inside `scores` (DeviceVisiblePrefixes::upload);
     // grid.y = queries <= the grid limit; the dynamic shared memory holds one float per head.
-    unsafe { launch.launch(cfg) }
-        .map_err(KernelError::driver("launching index_scores_rows_f32"))?;
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
     Ok(())
 }

@@ -5,14 +5,19 @@ pub mod attention;
 pub mod engram;
 pub mod gemm;
 pub mod index;
+pub mod key_table;
 pub mod linear;
 pub mod mhc;
 pub mod moe;
+pub mod movement;
 pub mod norm;
 pub mod qdq;
 pub mod quant;
 pub mod rope;
+pub mod routed;
+pub mod rows;
 pub mod sampling;
+pub mod topk;
 
 use crate::error::KernelError;
 

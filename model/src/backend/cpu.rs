@@ -12,7 +12,7 @@
 //! Every bf16 rounding sits where DeepSeek's reference rounds; fp32 stays the working precision
 //! between operations.
 
-use super::{Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable};
+use super::{Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable, Tensor};
 use crate::quant::{
     self, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
     sum_squares_f32_torch,
@@ -41,21 +41,21 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn gemm_fp8(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
-        quant::gemm_fp8(x, w)
+    fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
+        quant::gemm_fp8(x, w).into()
     }
 
-    fn gemm_fp4(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
-        quant::gemm_fp4(x, w)
+    fn gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
+        quant::gemm_fp4(x, w).into()
     }
 
-    fn linear_bf16(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32> {
+    fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
         let mut y = self.linear_f32(x, w, out, inp);
-        quant::round_bf16_slice(&mut y);
+        quant::round_bf16_slice(y.host_mut());
         y
     }
 
-    fn linear_f32(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32> {
+    fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
         let rows = x.len() / inp;
         let mut y = Vec::with_capacity(rows * out);
         for row in x.chunks_exact(inp) {
@@ -63,10 +63,10 @@ impl Backend for CpuBackend {
                 y.push(dot_f32_sgemm(row, w_row));
             }
         }
-        y
+        y.into()
     }
 
-    fn rms_norm_at(&self, x: &[f32], weight: &[f32], eps: f32, precision: Precision) -> Vec<f32> {
+    fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
         let dim = weight.len();
         let mut y = Vec::with_capacity(x.len());
         for row in x.chunks_exact(dim) {
@@ -78,22 +78,22 @@ impl Backend for CpuBackend {
                     .map(|(v, w)| precision.round(w * (v * inv))),
             );
         }
-        y
+        y.into()
     }
 
     fn rope_at(
         &self,
-        x: &mut [f32],
+        mut x: Tensor,
         stride: usize,
         vectors_per_row: usize,
         positions: &[usize],
         table: &RopeTable,
         inverse: bool,
         precision: Precision,
-    ) {
+    ) -> Tensor {
         let pairs = table.freqs.len();
         let tail = stride - 2 * pairs;
-        for (vector_index, vector) in x.chunks_exact_mut(stride).enumerate() {
+        for (vector_index, vector) in x.host_mut().chunks_exact_mut(stride).enumerate() {
             let position = positions[vector_index / vectors_per_row] as f32;
             for (i, freq) in table.freqs.iter().enumerate() {
                 let angle = f64::from(position * freq);
@@ -105,18 +105,22 @@ impl Backend for CpuBackend {
                 vector[tail + 2 * i + 1] = precision.round(re * sin + im * cos);
             }
         }
+        x
     }
 
-    fn q8_qdq(&self, x: &mut [f32]) {
-        quant::q8_qdq_group32(x);
+    fn q8_qdq(&self, mut x: Tensor) -> Tensor {
+        quant::q8_qdq_group32(x.host_mut());
+        x
     }
 
-    fn q4e_qdq(&self, x: &mut [f32]) {
-        quant::q4_qdq_e8m0_group32(x);
+    fn q4e_qdq(&self, mut x: Tensor) -> Tensor {
+        quant::q4_qdq_e8m0_group32(x.host_mut());
+        x
     }
 
-    fn q4m_qdq(&self, x: &mut [f32]) {
-        quant::q4_qdq_e4m3_group16(x);
+    fn q4m_qdq(&self, mut x: Tensor) -> Tensor {
+        quant::q4_qdq_e4m3_group16(x.host_mut());
+        x
     }
 
     fn sparse_attention_at(
@@ -459,11 +463,10 @@ mod tests {
             freqs: vec![1.0, 0.1],
         };
         let original = vec![0.5f32, -0.25, 1.0, 2.0, 0.75, -1.5];
-        let mut x = original.clone();
-        CpuBackend.rope(&mut x, 6, 1, &[7], &table, false);
+        let x = CpuBackend.rope(original.clone().into(), 6, 1, &[7], &table, false);
         assert_eq!(&x[..2], &original[..2]);
         assert_ne!(&x[2..], &original[2..]);
-        CpuBackend.rope(&mut x, 6, 1, &[7], &table, true);
+        let x = CpuBackend.rope(x, 6, 1, &[7], &table, true);
         for (a, b) in x.iter().zip(&original) {
             assert!((a - b).abs() < 0.02, "{a} vs {b}");
         }

@@ -1,6 +1,7 @@
 //! The compute interface the V4.1 layer math is written against (ARCHITECTURE.md §3). An op works on
-//! whole rows of one sequence (row-major `f32` buffers holding bf16 or fp32 values as documented per
-//! op), at the granularity the model needs: block-scaled FP8/FP4 GEMMs, plain GEMMs, RMSNorm, RoPE,
+//! whole rows (row-major `f32` values holding bf16 or fp32 values as documented per op; the row ops
+//! take and return [`Tensor`]s, which stay in device memory on a device backend), at the granularity
+//! the model needs: block-scaled FP8/FP4 GEMMs, plain GEMMs, RMSNorm, RoPE,
 //! the QDQ points, sparse attention with a sink, mHC mixes/collapse/expand, index scores and top-k,
 //! the MoE router after its gate linear, Engram hashing and table lookup, and token sampling of a
 //! batch of logit rows (each row with its own parameters: [`crate::sampling`] is its definition).
@@ -11,11 +12,16 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod select;
+pub mod tensor;
 
 pub use cpu::CpuBackend;
+pub use select::{CandidateMask, Candidates, QueryKeys, SelectedKeys, Selection};
+pub use tensor::{DeviceBuffer, DeviceView, Tensor};
 
-use crate::engram::{EngramTable, NgramHasher};
+use crate::engram::{EngramGate, EngramTable, NgramHasher};
 use crate::sampling::SamplingParams;
+use crate::v41::weights::{ExpertLinear, ExpertWeights};
 use crate::weights::{FP4_GROUP, Fp4Weight, Fp8Weight, e2m1_to_f32, e8m0_to_f32};
 
 /// The pre/post/comb coefficients of one mHC site for one token (spec §3.2), all fp32.
@@ -27,6 +33,66 @@ pub struct HcMix {
     pub post: Vec<f32>,
     /// Doubly-stochastic residual mix `[hc, hc]`, `comb[j * hc + k]` = from stream j into stream k.
     pub comb: Vec<f32>,
+}
+
+/// The mHC coefficients of every token of a step ([`Backend::hc_mixes_rows`]): per token `pre
+/// [hc] ‖ post [hc] ‖ comb [hc, hc]` (fp32), kept where they were computed.
+#[derive(Debug, Clone)]
+pub struct HcMixes {
+    pub hc: usize,
+    pub values: Tensor,
+}
+
+impl HcMixes {
+    /// Values per token.
+    pub fn width(&self) -> usize {
+        (2 + self.hc) * self.hc
+    }
+
+    /// Tokens.
+    pub fn tokens(&self) -> usize {
+        self.values.len() / self.width().max(1)
+    }
+
+    /// The mixes of the host `mixes` (one per token, all of `hc` streams).
+    pub fn from_host(hc: usize, mixes: &[HcMix]) -> HcMixes {
+        let values = mixes
+            .iter()
+            .flat_map(|m| m.pre.iter().chain(&m.post).chain(&m.comb).copied())
+            .collect::<Vec<f32>>();
+        HcMixes {
+            hc,
+            values: values.into(),
+        }
+    }
+
+    /// Token `t`'s coefficients, read on the host.
+    pub fn token(&self, t: usize) -> HcMix {
+        let (hc, width) = (self.hc, self.width());
+        let v = &self.values[t * width..(t + 1) * width];
+        HcMix {
+            pre: v[..hc].to_vec(),
+            post: v[hc..2 * hc].to_vec(),
+            comb: v[2 * hc..].to_vec(),
+        }
+    }
+
+    /// The collapse weights `pre [tokens, hc]`, gathered on the backend.
+    pub fn pre(&self, backend: &dyn Backend) -> Tensor {
+        self.columns(backend, 0, self.hc)
+    }
+
+    /// The expansion coefficients `post ‖ comb` `[tokens, hc + hc²]`, gathered on the backend.
+    pub fn post_comb(&self, backend: &dyn Backend) -> Tensor {
+        self.columns(backend, self.hc, self.width() - self.hc)
+    }
+
+    fn columns(&self, backend: &dyn Backend, first: usize, width: usize) -> Tensor {
+        let pieces: Vec<(&Tensor, usize)> = (0..self.tokens())
+            .map(|t| (&self.values, t * self.width() + first))
+            .collect();
+        backend.gather(&pieces, width)
+    }
 }
 
 /// Parameters of one mHC site (`hc_{site}_fn/base/scale`).
@@ -104,35 +170,61 @@ pub struct ExpertRoute {
     pub weights: Vec<f32>,
 }
 
+/// One MoE layer as [`Backend::moe_rows`] runs it whole (spec §3.6).
+#[derive(Debug, Clone, Copy)]
+pub struct MoeLayer<'a> {
+    /// Router weights `[n_experts, dim]`.
+    pub gate: &'a [f32],
+    /// Selection bias `[n_experts]`.
+    pub bias: &'a [f32],
+    /// Experts per token.
+    pub n_activated: usize,
+    pub route_scale: f32,
+    pub experts: &'a [ExpertWeights<ExpertLinear>],
+    pub shared: &'a ExpertWeights<ExpertLinear>,
+    /// SwiGLU clamp (none when not positive).
+    pub swiglu_limit: f32,
+    pub precision: Precision,
+}
+
 /// The operations the model needs from a device. `CpuBackend` is the reference implementation.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Human-readable device name.
     fn name(&self) -> &str;
 
     /// `x [rows, w.inp]` (bf16) · FP8 `Wᵀ` with FP8-quantised activations → bf16 `[rows, w.out]`.
-    fn gemm_fp8(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32>;
+    fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor;
     /// `x [rows, w.inp]` (bf16) · FP4 `Wᵀ` with FP8-quantised activations → bf16 `[rows, w.out]`.
-    fn gemm_fp4(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32>;
+    fn gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Tensor;
     /// Plain `x · Wᵀ` with `W [out, inp]`, fp32 accumulation, output rounded to bf16.
-    fn linear_bf16(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32>;
+    fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor;
     /// Plain `x · Wᵀ` with fp32 output (no rounding).
-    fn linear_f32(&self, x: &[f32], w: &[f32], out: usize, inp: usize) -> Vec<f32>;
+    fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor;
     /// Row-wise RMSNorm over rows of `weight.len()`, `bf16(w · (x · rsqrt(mean(x²) + eps)))`.
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32) -> Tensor {
         self.rms_norm_at(x, weight, eps, Precision::Bf16)
+    }
+    /// `width` values from each `(tensor, offset)` of `pieces`, one after another: the row
+    /// movement between ops (gathering rows, columns, interleaving) without leaving the device.
+    fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
+        let mut out = Vec::with_capacity(pieces.len() * width);
+        for (tensor, offset) in pieces {
+            out.extend_from_slice(&tensor[*offset..*offset + width]);
+        }
+        out.into()
     }
     /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`
     /// (consecutive vectors of one row share `positions[row]`) by `±position · freq`, rounding to
     /// bf16. `vectors_per_row` vectors make up one row.
     fn rope(
         &self,
-        x: &mut [f32],
+        x: Tensor,
         stride: usize,
         vectors_per_row: usize,
         positions: &[usize],
         table: &RopeTable,
         inverse: bool,
-    ) {
+    ) -> Tensor {
         self.rope_at(
             x,
             stride,
@@ -141,14 +233,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             table,
             inverse,
             Precision::Bf16,
-        );
+        )
     }
-    /// `Q8` QDQ in place (groups of 32, UE8M0).
-    fn q8_qdq(&self, x: &mut [f32]);
-    /// `Q4e` QDQ in place (groups of 32, UE8M0).
-    fn q4e_qdq(&self, x: &mut [f32]);
-    /// `Q4m` QDQ in place (groups of 16, E4M3 scales).
-    fn q4m_qdq(&self, x: &mut [f32]);
+    /// `Q8` QDQ (groups of 32, UE8M0).
+    fn q8_qdq(&self, x: Tensor) -> Tensor;
+    /// `Q4e` QDQ (groups of 32, UE8M0).
+    fn q4e_qdq(&self, x: Tensor) -> Tensor;
+    /// `Q4m` QDQ (groups of 16, E4M3 scales).
+    fn q4m_qdq(&self, x: Tensor) -> Tensor;
     /// Single-query multi-head attention over `keys` (K = V, each `head_dim` long) with a per-head
     /// sink in the denominator: `q [heads, head_dim]` bf16 → bf16 `[heads, head_dim]`.
     fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32> {
@@ -179,18 +271,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
 
     /// [`Backend::rms_norm`] rounding at `precision`.
-    fn rms_norm_at(&self, x: &[f32], weight: &[f32], eps: f32, precision: Precision) -> Vec<f32>;
+    fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor;
     /// [`Backend::rope`] rounding at `precision`.
+    #[allow(clippy::too_many_arguments)]
     fn rope_at(
         &self,
-        x: &mut [f32],
+        x: Tensor,
         stride: usize,
         vectors_per_row: usize,
         positions: &[usize],
         table: &RopeTable,
         inverse: bool,
         precision: Precision,
-    );
+    ) -> Tensor;
     /// [`Backend::sparse_attention`] rounding probabilities and output at `precision`.
     fn sparse_attention_at(
         &self,
@@ -221,86 +314,130 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Vec<f32>;
 
     /// [`Backend::hc_mixes`] of every token of `x [n, hc · dim]` (a token's width `hc · dim` is
-    /// the projection's input width), one [`HcMix`] per token.
+    /// the projection's input width).
     fn hc_mixes_rows(
         &self,
-        x: &[f32],
+        x: &Tensor,
         params: &HcParams,
         hc: usize,
         sinkhorn_iters: usize,
         hc_eps: f32,
         norm_eps: f32,
-    ) -> Vec<HcMix> {
+    ) -> HcMixes {
         let width = params.proj.len() / ((2 + hc) * hc).max(1);
         if width == 0 {
-            return Vec::new();
+            return HcMixes::from_host(hc, &[]);
         }
-        x.chunks_exact(width)
+        let mixes: Vec<HcMix> = x
+            .chunks_exact(width)
             .map(|token| self.hc_mixes(token, params, hc, sinkhorn_iters, hc_eps, norm_eps))
-            .collect()
+            .collect();
+        HcMixes::from_host(hc, &mixes)
     }
     /// [`Backend::hc_collapse_at`] of every token: `x [n, hc, dim]` with its own weights
     /// `weights [n, hc]` → `[n, dim]`.
     fn hc_collapse_rows_at(
         &self,
-        x: &[f32],
-        weights: &[f32],
+        x: &Tensor,
+        weights: &Tensor,
         hc: usize,
         precision: Precision,
-    ) -> Vec<f32> {
+    ) -> Tensor {
         let tokens = weights.len() / hc.max(1);
         if tokens == 0 {
-            return Vec::new();
+            return Tensor::empty();
         }
         x.chunks_exact(x.len() / tokens)
             .zip(weights.chunks_exact(hc))
             .flat_map(|(x, w)| self.hc_collapse_at(x, w, precision))
-            .collect()
+            .collect::<Vec<f32>>()
+            .into()
     }
-    /// [`Backend::hc_expand_at`] of every token: `y [n, dim]`, `residual [n, hc, dim]`, one mix
-    /// per token → `[n, hc, dim]`.
+    /// [`Backend::hc_expand_at`] of every token: `y [n, dim]`, `residual [n, hc, dim]`, each
+    /// token's mix → `[n, hc, dim]`.
     fn hc_expand_rows_at(
         &self,
-        y: &[f32],
-        residual: &[f32],
-        mixes: &[HcMix],
+        y: &Tensor,
+        residual: &Tensor,
+        mixes: &HcMixes,
         precision: Precision,
-    ) -> Vec<f32> {
-        if mixes.is_empty() {
-            return Vec::new();
+    ) -> Tensor {
+        let tokens = mixes.tokens();
+        if tokens == 0 {
+            return Tensor::empty();
         }
-        let (dim, width) = (y.len() / mixes.len(), residual.len() / mixes.len());
+        let (dim, width) = (y.len() / tokens, residual.len() / tokens);
         y.chunks_exact(dim)
             .zip(residual.chunks_exact(width))
-            .zip(mixes)
-            .flat_map(|((y, r), mix)| self.hc_expand_at(y, r, mix, precision))
-            .collect()
+            .enumerate()
+            .flat_map(|(t, (y, r))| self.hc_expand_at(y, r, &mixes.token(t), precision))
+            .collect::<Vec<f32>>()
+            .into()
     }
     /// [`Backend::sparse_attention_at`] of `keys.len()` queries `q [n, heads · head_dim]`, query
-    /// `t` over its own `keys[t]` → `[n, heads · head_dim]`.
+    /// `t` over its own `keys[t]` (each key one `head_dim` row) → `[n, heads · head_dim]`.
     fn sparse_attention_rows_at(
         &self,
-        q: &[f32],
-        keys: &[Vec<&[f32]>],
+        q: &Tensor,
+        keys: &[Vec<&Tensor>],
         sink: &[f32],
         scale: f32,
         precision: Precision,
-    ) -> Vec<f32> {
+    ) -> Tensor {
         if keys.is_empty() {
-            return Vec::new();
+            return Tensor::empty();
         }
         q.chunks_exact(q.len() / keys.len())
             .zip(keys)
-            .flat_map(|(q, keys)| self.sparse_attention_at(q, keys, sink, scale, precision))
-            .collect()
+            .flat_map(|(q, keys)| {
+                let keys: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
+                self.sparse_attention_at(q, &keys, sink, scale, precision)
+            })
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    /// [`Backend::sparse_attention_rows_at`] with each query's keys given as listed keys and a
+    /// selection of compressed keys ([`QueryKeys`]), so a selection left on the device is read
+    /// there.
+    fn sparse_attention_selected(
+        &self,
+        q: &Tensor,
+        queries: &[QueryKeys<'_>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Tensor {
+        let keys: Vec<Vec<&Tensor>> = queries.iter().map(QueryKeys::flattened).collect();
+        self.sparse_attention_rows_at(q, &keys, sink, scale, precision)
+    }
+    /// The indexer's selection of one sequence's queries (`q [n, heads · head_dim]`, head
+    /// weights `[n, heads]`, query `t` scoring the first `visible[t]` of `keys`): the top
+    /// `min(k, visible)` scores of each (ties: lower index), ascending, restricted or accompanied
+    /// by the two-level top-k's candidate mask as `candidates` says ([`select::select_host`] is
+    /// the definition).
+    #[allow(clippy::too_many_arguments)]
+    fn select_rows(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
+        head_dim: usize,
+        visible: &[usize],
+        k: usize,
+        candidates: Candidates<'_>,
+        precision: Precision,
+    ) -> (Selection, Option<CandidateMask>) {
+        let scores = self.index_scores_rows_at(q, weights, keys, head_dim, visible, precision);
+        select::select_host(scores, k, candidates)
     }
     /// [`Backend::index_scores_at`] of `visible.len()` queries `q [n, heads · head_dim]` with
-    /// their head weights `[n, heads]`: query `t` scores the first `visible[t]` keys of `keys`.
+    /// their head weights `[n, heads]`: query `t` scores the first `visible[t]` of `keys` (each
+    /// one `head_dim` row).
     fn index_scores_rows_at(
         &self,
-        q: &[f32],
-        weights: &[f32],
-        keys: &[f32],
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
         head_dim: usize,
         visible: &[usize],
         precision: Precision,
@@ -308,14 +445,25 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         if visible.is_empty() {
             return Vec::new();
         }
+        let flat: Vec<f32> = keys.iter().flat_map(|k| k.iter().copied()).collect();
         q.chunks_exact(q.len() / visible.len())
             .zip(weights.chunks_exact(weights.len() / visible.len()))
             .zip(visible)
             .map(|((q, w), &seen)| {
-                let seen = (seen * head_dim).min(keys.len());
-                self.index_scores_at(q, w, &keys[..seen], head_dim, precision)
+                let seen = (seen * head_dim).min(flat.len());
+                self.index_scores_at(q, w, &flat[..seen], head_dim, precision)
             })
             .collect()
+    }
+
+    /// The whole MoE of every row of `x [n, dim]` in one op — the router (top-k on the layer's
+    /// bias), the routed experts (each row's outputs added in increasing expert id), the shared
+    /// expert, one rounding — bit for bit as `v41::moe::forward_rows` computes it from the ops
+    /// one by one; `None` when this backend has no fused path for the layer (the model then runs
+    /// those ops).
+    fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor> {
+        let _ = (x, layer);
+        None
     }
 
     /// One token per row of `logits` (`[rows.len(), vocab]`), each row sampled with its own
@@ -343,7 +491,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// device backend keeps the logits where it computed them and returns only the ids.
     fn sample_linear(
         &self,
-        x: &[f32],
+        x: &Tensor,
         w: &[f32],
         out: usize,
         inp: usize,
@@ -359,7 +507,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// expert). `bias` is the layer's `bias` or `bias_vl`. No logits (or no experts): no routes.
     fn route_experts(
         &self,
-        logits: &[f32],
+        logits: &Tensor,
         bias: &[f32],
         selection: ExpertSelection<'_>,
         route_scale: f32,
@@ -376,33 +524,107 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// The bf16 values of Engram table rows `row_ids`, one `table.head_dim()`-wide row after
     /// another ([`EngramTable::gather`]: FP8 codes times their row scales; foreign ids give zeros).
-    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Vec<f32> {
+    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor {
         let mut out = vec![0.0f32; row_ids.len() * table.head_dim()];
         table.gather(row_ids, &mut out);
-        out
+        out.into()
     }
 
     /// `x [rows, w.inp] · Wᵀ` in fp32 with the FP8 weight dequantised exactly and the activations
     /// left as they are (the transformers float32 numerics of V4); equals [`Backend::linear_f32`]
     /// on `w.to_f32()` without materialising it.
     fn linear_fp8_f32(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+        let xt = Tensor::from(x);
         dequantised_linear(
-            x,
+            x.len(),
             w.out,
             w.inp,
             |row, block| fp8_row(w, row, block),
-            |x, rows, n| self.linear_f32(x, rows, n, w.inp),
+            |rows, n| self.linear_f32(&xt, rows, n, w.inp).into_vec(),
         )
     }
     /// [`Backend::linear_fp8_f32`] for a packed FP4 weight.
     fn linear_fp4_f32(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+        let xt = Tensor::from(x);
         dequantised_linear(
-            x,
+            x.len(),
             w.out,
             w.inp,
             |row, block| fp4_row(w, row, block),
-            |x, rows, n| self.linear_f32(x, rows, n, w.inp),
+            |rows, n| self.linear_f32(&xt, rows, n, w.inp).into_vec(),
         )
+    }
+
+    /// `round(x · scale)` of every value, rounded at `precision` (the indexer's head weights,
+    /// `v41::csa::index_queries`).
+    fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
+        x.iter()
+            .map(|w| precision.round(w * scale))
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    /// `round(mean over the hc streams)` of every token of `streams [n, hc, dim]` → `[n, dim]`,
+    /// the sum folded from 0 in stream order, rounded at `precision` (the DSpark taps).
+    fn stream_means_at(
+        &self,
+        streams: &Tensor,
+        hc: usize,
+        dim: usize,
+        precision: Precision,
+    ) -> Tensor {
+        if hc == 0 || dim == 0 {
+            return Tensor::empty();
+        }
+        streams
+            .chunks_exact(hc * dim)
+            .flat_map(|token| {
+                (0..dim).map(move |d| {
+                    precision.round((0..hc).fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
+                })
+            })
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    /// Gated pooling of compressor groups → bf16 `[groups.len(), head_dim]`: group `g` pools its
+    /// member rows `groups[g]` (each `kv ‖ gate`, `2 · head_dim` fp32 values, in position order,
+    /// which is the fold order) channel by channel: the softmax of the gates over the members,
+    /// the weighted sum of the values (`v41::csa::compress_chunk`).
+    fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor {
+        groups
+            .iter()
+            .flat_map(|members| {
+                let members: Vec<&[f32]> = members.iter().map(|row| &row[..]).collect();
+                (0..head_dim)
+                    .map(|c| pool_channel(&members, head_dim, c))
+                    .collect::<Vec<f32>>()
+            })
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    /// [`EngramGate::inject`] of tokens `live` of `streams [tokens, hc, dim]`: live entry `i`
+    /// (token `live[i]`, distinct) with its `kv` row `i` (`kv [live.len(), kv_stride]`, the hc
+    /// keys then the value); the other tokens are left as they are.
+    fn engram_inject(
+        &self,
+        streams: Tensor,
+        kv: &Tensor,
+        live: &[usize],
+        gate: &EngramGate,
+    ) -> Tensor {
+        if live.is_empty() {
+            return streams;
+        }
+        let mut streams = streams;
+        let token_width = gate.hc_mult() * gate.dim();
+        let kv_stride = kv.len() / live.len();
+        let host = streams.host_mut();
+        for (&token, kv) in live.iter().zip(kv.chunks_exact(kv_stride)) {
+            gate.inject(
+                &mut host[token * token_width..(token + 1) * token_width],
+                kv,
+            );
+        }
+        streams
     }
 }
 
@@ -460,19 +682,38 @@ fn fp4_row(w: &Fp4Weight, row: usize, block: &mut Vec<f32>) {
     }
 }
 
+/// Gated pooling of channel `c` over a group's `kv ‖ gate` rows: softmax of the gates over the
+/// group, the weighted sum of the values, bf16 ([`Backend::gated_pool_rows`]).
+fn pool_channel(members: &[&[f32]], head_dim: usize, c: usize) -> f32 {
+    let max = members
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, r| m.max(r[head_dim + c]));
+    let exps: Vec<f32> = members
+        .iter()
+        .map(|r| (r[head_dim + c] - max).exp())
+        .collect();
+    let sum = exps.iter().fold(0.0f32, |a, e| a + e);
+    let value = members
+        .iter()
+        .zip(&exps)
+        .fold(0.0f32, |a, (r, e)| a + r[c] * (e / sum));
+    crate::quant::round_bf16(value)
+}
+
 /// Weight rows dequantised at a time by [`dequantised_linear`] (bounds its memory).
 const DEQUANT_ROWS: usize = 256;
 
-/// `x · Wᵀ` for a `[out, inp]` weight whose rows `dequant_row` appends to a buffer, through
-/// `linear` (`x`, a block of dequantised rows, their count) one block of rows at a time.
+/// `x · Wᵀ` (`x` of `x_len` values) for a `[out, inp]` weight whose rows `dequant_row` appends to
+/// a buffer, through `linear` (a block of dequantised rows, their count) one block of rows at a
+/// time.
 fn dequantised_linear(
-    x: &[f32],
+    x_len: usize,
     out: usize,
     inp: usize,
     dequant_row: impl Fn(usize, &mut Vec<f32>),
-    linear: impl Fn(&[f32], &[f32], usize) -> Vec<f32>,
+    linear: impl Fn(&[f32], usize) -> Vec<f32>,
 ) -> Vec<f32> {
-    let rows_of_x = x.len() / inp.max(1);
+    let rows_of_x = x_len / inp.max(1);
     let mut y = vec![0.0f32; rows_of_x * out];
     let mut block = Vec::with_capacity(DEQUANT_ROWS.min(out) * inp);
     for start in (0..out).step_by(DEQUANT_ROWS) {
@@ -481,7 +722,7 @@ fn dequantised_linear(
         for row in start..start + count {
             dequant_row(row, &mut block);
         }
-        let part = linear(x, &block, count);
+        let part = linear(&block, count);
         for (r, chunk) in part.chunks_exact(count).enumerate() {
             y[r * out + start..r * out + start + count].copy_from_slice(chunk);
         }

@@ -45,6 +45,26 @@ impl EngramGate {
         })
     }
 
+    /// Values per stream.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Streams per token.
+    pub fn hc_mult(&self) -> usize {
+        self.hc_mult
+    }
+
+    /// `fp32(q_weight) ⊙ fp32(k_weight)`, `[hc_mult, dim]`.
+    pub fn weight(&self) -> &[f32] {
+        &self.weight
+    }
+
+    /// The RMS epsilon.
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+
     /// The gate of every stream of one token: `streams` `[hc_mult, dim]`, `kv` `[(hc_mult+1)·dim]`
     /// (keys first). `sigmoid(sign(d)·sqrt(max(|d|, 1e-6)))` with
     /// `d = Σ(h·w·key) · rsqrt(mean h² + ε) · rsqrt(mean key² + ε) / √dim`, all fp32, the sums in

@@ -13,8 +13,10 @@
 //!   [`EngramHistory::truncate`].
 //! - [`Engram::apply`] — before block `layer_ids()[i]`, with `engram_layer_idx = i`: updates the
 //!   streams `x` (`[n_tokens, hc_mult, dim]`, bf16 values) in place. Dead tokens are left as is.
-//!   The table lookup ([`Backend::engram_gather`]) and the `wkv` GEMM run on the backend (a
-//!   device backend keeps the tables in its memory); the gate runs on the host.
+//!   The table lookup ([`Backend::engram_gather`]), the `wkv` GEMM and the gate
+//!   ([`Backend::engram_inject`]) run on the backend (a device backend keeps the tables in its
+//!   memory). [`Engram::apply_step`] does the same for every sequence of a step at once, on the
+//!   step's streams as a [`Tensor`] (they stay on the device).
 //! - [`Engram::layer_index`] maps a backbone layer id to its `engram_layer_idx`.
 
 pub mod gate;
@@ -26,6 +28,7 @@ pub mod primes;
 #[cfg(test)]
 mod fixture_tests;
 
+use std::ops::Range;
 use std::path::PathBuf;
 
 pub use gate::EngramGate;
@@ -33,7 +36,7 @@ pub use hash::{CompressedVocab, EngramHistory, EngramRows, NgramHasher, hash_mul
 pub use lookup::EngramTable;
 pub use primes::EngramLayout;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Tensor};
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
@@ -204,8 +207,9 @@ impl Engram {
     }
 
     /// Applies engram layer `engram_layer_idx` to the streams `x` (`[n_tokens, hc_mult, dim]`,
-    /// bf16 values) of the chunk `rows` was hashed for. `dead` is empty or one flag per token;
-    /// dead tokens have gate 0 and stay unchanged.
+    /// bf16 values) of the chunk `rows` was hashed for ([`Engram::apply_step`] of one part, on
+    /// host values). `dead` is empty or one flag per token; dead tokens have gate 0 and stay
+    /// unchanged.
     ///
     /// # Panics
     /// If `engram_layer_idx` is not below `layer_ids().len()` or `x` is not
@@ -218,7 +222,11 @@ impl Engram {
         x: &mut [f32],
         dead: &[bool],
     ) {
-        let layer = &self.layers[engram_layer_idx];
+        let part = EngramPart {
+            rows,
+            span: 0..rows.n_tokens(),
+            dead,
+        };
         let token_width = self.hc_mult * self.dim;
         assert_eq!(
             x.len(),
@@ -228,23 +236,62 @@ impl Engram {
             self.hc_mult,
             self.dim
         );
-        let live: Vec<usize> = (0..rows.n_tokens())
-            .filter(|&t| !dead.get(t).copied().unwrap_or(false))
-            .collect();
-        if live.is_empty() {
-            return;
+        let out = self.apply_step(backend, engram_layer_idx, &[part], Tensor::from(&*x));
+        x.copy_from_slice(&out);
+    }
+
+    /// Applies engram layer `engram_layer_idx` to the streams (`[step rows, hc_mult, dim]`, bf16
+    /// values) of a step's sequences, each `parts` entry one sequence's chunk: the table lookup,
+    /// the `wkv` GEMM and the gate ([`Backend::engram_inject`]) of every live token of every part
+    /// in one pass each, on the backend (the streams stay where they are).
+    ///
+    /// # Panics
+    /// If `engram_layer_idx` is not below `layer_ids().len()`, or a part's span is not its
+    /// `rows.n_tokens()` rows of the streams (caller bugs, not input errors).
+    pub fn apply_step(
+        &self,
+        backend: &dyn Backend,
+        engram_layer_idx: usize,
+        parts: &[EngramPart<'_>],
+        streams: Tensor,
+    ) -> Tensor {
+        let layer = &self.layers[engram_layer_idx];
+        let token_width = self.hc_mult * self.dim;
+        let mut live: Vec<usize> = Vec::new();
+        let mut row_ids: Vec<u32> = Vec::new();
+        for part in parts {
+            let tokens = part.rows.n_tokens();
+            assert!(
+                part.span.len() == tokens && part.span.end * token_width <= streams.len(),
+                "engram streams rows {:?} of a {}-value step must be [n_tokens={tokens}, \
+                 hc_mult={}, dim={}]",
+                part.span,
+                streams.len(),
+                self.hc_mult,
+                self.dim
+            );
+            for token in (0..tokens).filter(|&t| !part.dead.get(t).copied().unwrap_or(false)) {
+                live.push(part.span.start + token);
+                row_ids.extend_from_slice(part.rows.of(token, engram_layer_idx));
+            }
         }
-        let row_ids: Vec<u32> = live
-            .iter()
-            .flat_map(|&token| rows.of(token, engram_layer_idx).iter().copied())
-            .collect();
+        if live.is_empty() {
+            return streams;
+        }
         // `[live, columns · head_dim]`: each token's gathered rows side by side.
         let embedded = backend.engram_gather(&layer.table, &row_ids);
         let kv = backend.gemm_fp8(&embedded, &layer.wkv);
-        for (&token, kv) in live.iter().zip(kv.chunks_exact(layer.wkv.out)) {
-            layer
-                .gate
-                .inject(&mut x[token * token_width..(token + 1) * token_width], kv);
-        }
+        backend.engram_inject(streams, &kv, &live, &layer.gate)
     }
+}
+
+/// One sequence's part of [`Engram::apply_step`].
+#[derive(Debug, Clone)]
+pub struct EngramPart<'a> {
+    /// The row ids hashed for the sequence's chunk ([`Engram::hash_chunk`]).
+    pub rows: &'a EngramRows,
+    /// The chunk's rows in the step's streams.
+    pub span: Range<usize>,
+    /// Empty, or one flag per token of the chunk: dead (image-span) tokens stay unchanged.
+    pub dead: &'a [bool],
 }

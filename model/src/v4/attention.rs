@@ -28,10 +28,10 @@ pub fn queries(
 ) -> Queries {
     let cfg = ctx.cfg;
     let (backend, precision, eps) = (ctx.backend, cfg.precision(), cfg.norm_eps);
-    let qr = backend.rms_norm_at(&w.wq_a.apply(backend, xn), &w.q_norm, eps, precision);
-    let mut q = backend.rms_norm_at(&w.wq_b.apply(backend, &qr), unit, eps, precision);
-    backend.rope_at(
-        &mut q,
+    let qr = backend.rms_norm_at(&w.wq_a.apply(backend, xn).into(), &w.q_norm, eps, precision);
+    let q = backend.rms_norm_at(&w.wq_b.apply(backend, &qr).into(), unit, eps, precision);
+    let q = backend.rope_at(
+        q,
         cfg.head_dim,
         cfg.n_heads,
         positions,
@@ -39,7 +39,10 @@ pub fn queries(
         false,
         precision,
     );
-    Queries { qr, q }
+    Queries {
+        qr: qr.into_vec(),
+        q: q.into_vec(),
+    }
 }
 
 /// The K=V rows `[n, head_dim]` (after `kv_norm` and RoPE) of the normed inputs `xn [n, dim]`.
@@ -52,14 +55,15 @@ pub fn kv_rows(
 ) -> Vec<f32> {
     let cfg = ctx.cfg;
     let (backend, precision) = (ctx.backend, cfg.precision());
-    let mut kv = backend.rms_norm_at(
-        &w.wkv.apply(backend, xn),
+    let kv = backend.rms_norm_at(
+        &w.wkv.apply(backend, xn).into(),
         &w.kv_norm,
         cfg.norm_eps,
         precision,
     );
-    backend.rope_at(&mut kv, cfg.head_dim, 1, positions, table, false, precision);
-    kv
+    backend
+        .rope_at(kv, cfg.head_dim, 1, positions, table, false, precision)
+        .into_vec()
 }
 
 /// Attention of one query row `[heads · head_dim]` over `keys` (K = V) with the layer's sinks.
@@ -74,15 +78,15 @@ pub fn attend(ctx: &Ctx, w: &AttentionWeights, q_row: &[f32], keys: &[&[f32]]) -
 pub fn output(
     ctx: &Ctx,
     w: &AttentionWeights,
-    mut o: Vec<f32>,
+    o: Vec<f32>,
     positions: &[usize],
     table: &RopeTable,
 ) -> Vec<f32> {
     let cfg = ctx.cfg;
     let backend = ctx.backend;
     let (heads, head_dim) = (cfg.n_heads, cfg.head_dim);
-    backend.rope_at(
-        &mut o,
+    let o = backend.rope_at(
+        o.into(),
         head_dim,
         heads,
         positions,
@@ -97,7 +101,7 @@ pub fn output(
     for o_row in o.chunks_exact(row) {
         for (g, group) in o_row.chunks_exact(group_width).enumerate() {
             let weights = &w.wo_a[g * rank * group_width..(g + 1) * rank * group_width];
-            z.extend(backend.linear_f32(group, weights, rank, group_width));
+            z.extend_from_slice(&backend.linear_f32(&group.into(), weights, rank, group_width));
         }
     }
     w.wo_b.apply(backend, &z)
@@ -149,7 +153,7 @@ pub fn forward(
     for (t, &position) in positions.iter().enumerate() {
         let first = (position + 1).saturating_sub(cfg.window_size);
         let mut keys: Vec<&[f32]> = (first..=position)
-            .filter_map(|p| state.window.get(p))
+            .filter_map(|p| state.window.get(p).map(|row| &row[..]))
             .collect();
         match &selections {
             Some(selected) => keys.extend(selected[t].iter().map(|&i| entries[i].as_slice())),

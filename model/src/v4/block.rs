@@ -44,7 +44,9 @@ pub fn forward(
         .zip(&attn_mix)
         .flat_map(|(x, mix)| {
             let x = backend.hc_collapse_at(x, &mix.pre, precision);
-            backend.rms_norm_at(&x, &w.attn_norm, cfg.norm_eps, precision)
+            backend
+                .rms_norm_at(&x.into(), &w.attn_norm, cfg.norm_eps, precision)
+                .into_vec()
         })
         .collect();
     let y = attention(&xn);
@@ -57,7 +59,9 @@ pub fn forward(
     let k = w.moe.n_activated;
     for ((x, mix), &token) in streams.chunks_exact_mut(width).zip(&ffn_mix).zip(tokens) {
         let collapsed = backend.hc_collapse_at(x, &mix.pre, precision);
-        let xn = backend.rms_norm_at(&collapsed, &w.ffn_norm, cfg.norm_eps, precision);
+        let xn = backend
+            .rms_norm_at(&collapsed.into(), &w.ffn_norm, cfg.norm_eps, precision)
+            .into_vec();
         let hashed = w
             .tid2eid
             .as_ref()

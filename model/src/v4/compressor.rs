@@ -32,11 +32,11 @@ pub fn append_chunk(
         }
         let entry = position / w.ratio;
         let pooled = pool(w, cache, entry);
-        let mut normed = ctx
+        let normed = ctx
             .backend
-            .rms_norm_at(&pooled, &w.norm, ctx.cfg.norm_eps, precision);
-        ctx.backend.rope_at(
-            &mut normed,
+            .rms_norm_at(&pooled.into(), &w.norm, ctx.cfg.norm_eps, precision);
+        let normed = ctx.backend.rope_at(
+            normed,
             w.width,
             1,
             &[entry * w.ratio],
@@ -44,7 +44,7 @@ pub fn append_chunk(
             false,
             precision,
         );
-        cache.entries.push(normed);
+        cache.entries.push(normed.into_vec());
     }
 }
 
@@ -59,13 +59,13 @@ fn pool(w: &CompressorWeights, cache: &CompressorCache, entry: usize) -> Vec<f32
     if w.overlapping && entry > 0 {
         for j in 0..ratio {
             if let Some(raw) = cache.pending.get((entry - 1) * ratio + j) {
-                slots.push((raw, 0, &w.ape[j * row..(j + 1) * row]));
+                slots.push((&raw[..], 0, &w.ape[j * row..(j + 1) * row]));
             }
         }
     }
     for j in 0..ratio {
         if let Some(raw) = cache.pending.get(entry * ratio + j) {
-            slots.push((raw, own_series, &w.ape[j * row..(j + 1) * row]));
+            slots.push((&raw[..], own_series, &w.ape[j * row..(j + 1) * row]));
         }
     }
     let mut logits = vec![0.0f32; slots.len()];
@@ -102,9 +102,15 @@ pub fn select_chunk(
     let cfg = ctx.cfg;
     let precision = cfg.precision();
     let (heads, head_dim) = (cfg.index_n_heads, cfg.index_head_dim);
-    let mut q = w.wq_b.apply(ctx.backend, qr);
-    ctx.backend
-        .rope_at(&mut q, head_dim, heads, positions, table, false, precision);
+    let q = ctx.backend.rope_at(
+        w.wq_b.apply(ctx.backend, qr).into(),
+        head_dim,
+        heads,
+        positions,
+        table,
+        false,
+        precision,
+    );
     let scale = (heads as f32).powf(-0.5) * (head_dim as f32).powf(-0.5);
     let head_weights: Vec<f32> = w
         .weights_proj

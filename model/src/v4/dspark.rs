@@ -8,7 +8,7 @@
 use super::attention::{self, Queries};
 use super::block;
 use super::weights::{AttentionWeights, HyperHeadWeights, LayerWeights, Linear, Loader};
-use crate::backend::RopeTable;
+use crate::backend::{RopeTable, Tensor};
 use crate::config::{DsparkConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
 use crate::v41::Ctx;
@@ -87,7 +87,7 @@ pub(crate) fn feed_context(
 ) {
     let cfg = ctx.cfg;
     let main_x = ctx.backend.rms_norm_at(
-        &w.main_proj.apply(ctx.backend, main_hidden),
+        &w.main_proj.apply(ctx.backend, main_hidden).into(),
         &w.main_norm,
         cfg.norm_eps,
         cfg.precision(),
@@ -116,7 +116,9 @@ fn stage_attention(
     let Queries { q, .. } = attention::queries(ctx, w, xn, positions, table, unit);
     let block_kv = attention::kv_rows(ctx, w, xn, positions, table);
     let first = (last + 1).saturating_sub(cfg.window_size);
-    let mut keys: Vec<&[f32]> = (first..=last).filter_map(|p| ring.get(p)).collect();
+    let mut keys: Vec<&[f32]> = (first..=last)
+        .filter_map(|p| ring.get(p).map(|row| &row[..]))
+        .collect();
     keys.extend(block_kv.chunks_exact(cfg.head_dim));
     let o: Vec<f32> = q
         .chunks_exact(cfg.n_heads * cfg.head_dim)
@@ -178,9 +180,9 @@ pub(crate) fn propose(
     let width = hc * dim;
     decode_block(ctx, &heads, anchor, size, |k| {
         let h = block::hyper_head(ctx, &w.hyper_head, &streams[k * width..(k + 1) * width]);
-        let normed = ctx
-            .backend
-            .rms_norm_at(&h, &w.norm, cfg.norm_eps, cfg.precision());
+        let normed =
+            ctx.backend
+                .rms_norm_at(&Tensor::from(&h), &w.norm, cfg.norm_eps, cfg.precision());
         let base = inputs.head.apply(ctx.backend, &normed);
         (h, base)
     })

@@ -21,7 +21,7 @@ pub(crate) use weights::Linear;
 
 pub use crate::v41::DraftProposal;
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Backend, CpuBackend, Tensor};
 use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, ModelFamily, V4Attention};
 use crate::error::ModelError;
@@ -176,7 +176,7 @@ impl Model {
             let h = block::hyper_head(&ctx, &self.hyper_head, &streams[t * width..(t + 1) * width]);
             let h = ctx
                 .backend
-                .rms_norm_at(&h, &self.norm, cfg.norm_eps, precision);
+                .rms_norm_at(&Tensor::from(&h), &self.norm, cfg.norm_eps, precision);
             logits.extend(self.head.apply(ctx.backend, &h));
         }
         seq.len += n;
@@ -204,7 +204,7 @@ impl Model {
             let carried = start
                 .checked_sub(1)
                 .and_then(|p| state.hidden.get(p))
-                .map(<[f32]>::to_vec);
+                .map(|row| row.to_vec());
             let first = if carried.is_some() { start - 1 } else { start };
             let mut hidden = carried.unwrap_or_default();
             hidden.extend_from_slice(&streams[..(tokens.len() - 1) * width]);

@@ -10,6 +10,7 @@ use super::attention;
 use super::block;
 use super::state::LayerState;
 use super::weights::{HyperHeadWeights, LayerWeights, Linear, Loader};
+use crate::backend::Tensor;
 use crate::config::{V4Attention, V4Mlp};
 use crate::error::ModelError;
 use crate::v41::Ctx;
@@ -86,11 +87,11 @@ pub(crate) fn run(
         .collect();
     let e = w.e_proj.apply(
         backend,
-        &backend.rms_norm_at(&embedded, &w.enorm, cfg.norm_eps, precision),
+        &backend.rms_norm_at(&embedded.into(), &w.enorm, cfg.norm_eps, precision),
     );
     let h = w.h_proj.apply(
         backend,
-        &backend.rms_norm_at(hidden, &w.hnorm, cfg.norm_eps, precision),
+        &backend.rms_norm_at(&hidden.into(), &w.hnorm, cfg.norm_eps, precision),
     );
     let mut streams: Vec<f32> = h
         .chunks_exact(dim)
@@ -114,6 +115,6 @@ pub(crate) fn logits(ctx: &Ctx, w: &MtpWeights, head: &Linear, x: &[f32]) -> Vec
     let h = block::hyper_head(ctx, &w.hyper_head, x);
     let h = ctx
         .backend
-        .rms_norm_at(&h, &w.norm, cfg.norm_eps, cfg.precision());
+        .rms_norm_at(&Tensor::from(&h), &w.norm, cfg.norm_eps, cfg.precision());
     head.apply(ctx.backend, &h)
 }

@@ -228,10 +228,10 @@ mod tests {
         assert_eq!(seq.len(), 34);
         assert_eq!(seq.compressed_entries(0).map(<[_]>::len), Some(8));
         let cache = seq.layers[0].main.as_ref().expect("compressor");
-        assert_eq!(cache.pending.get(33), Some(&[33.0][..]));
-        assert_eq!(cache.pending.get(34), None);
+        assert_eq!(cache.pending.get(33).map(|r| r.to_vec()), Some(vec![33.0]));
+        assert_eq!(cache.pending.get(34).map(|r| r.to_vec()), None);
         // The previous window (28..31) that entry 8 will pool is still held.
-        assert_eq!(cache.pending.get(28), Some(&[28.0][..]));
+        assert_eq!(cache.pending.get(28).map(|r| r.to_vec()), Some(vec![28.0]));
     }
 
     #[test]
@@ -267,15 +267,21 @@ mod tests {
         seq.rollback(40 - MAX_BACKTRACK, 8).expect("within budget");
         let mtp = seq.mtp.as_ref().expect("mtp state");
         // The next MTP entry (position 33) needs the streams of 33 and the entries 26..=32.
-        assert_eq!(mtp.hidden.get(33), Some(&[33.0][..]));
-        assert_eq!(mtp.hidden.get(34), None);
-        assert_eq!(mtp.layer.window.get(26), Some(&[26.0][..]));
-        assert_eq!(mtp.layer.window.get(32), Some(&[32.0][..]));
-        assert_eq!(mtp.layer.window.get(33), None);
+        assert_eq!(mtp.hidden.get(33).map(|r| r.to_vec()), Some(vec![33.0]));
+        assert_eq!(mtp.hidden.get(34).map(|r| r.to_vec()), None);
+        assert_eq!(
+            mtp.layer.window.get(26).map(|r| r.to_vec()),
+            Some(vec![26.0])
+        );
+        assert_eq!(
+            mtp.layer.window.get(32).map(|r| r.to_vec()),
+            Some(vec![32.0])
+        );
+        assert_eq!(mtp.layer.window.get(33).map(|r| r.to_vec()), None);
         for ring in &seq.dspark {
-            assert_eq!(ring.get(26), Some(&[26.0][..]));
-            assert_eq!(ring.get(33), Some(&[33.0][..]));
-            assert_eq!(ring.get(34), None);
+            assert_eq!(ring.get(26).map(|r| r.to_vec()), Some(vec![26.0]));
+            assert_eq!(ring.get(33).map(|r| r.to_vec()), Some(vec![33.0]));
+            assert_eq!(ring.get(34).map(|r| r.to_vec()), None);
         }
         let mut seq = speculative(40, 8);
         assert!(seq.rollback(40 - MAX_BACKTRACK - 1, 8).is_err());

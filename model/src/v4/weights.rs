@@ -31,7 +31,9 @@ impl Linear {
     /// `x [rows, inp] · Wᵀ` → `[rows, out]`, fp32, weights dequantised exactly.
     pub fn apply(&self, backend: &dyn Backend, x: &[f32]) -> Vec<f32> {
         match self {
-            Linear::Dense { out, inp, values } => backend.linear_f32(x, values, *out, *inp),
+            Linear::Dense { out, inp, values } => {
+                backend.linear_f32(&x.into(), values, *out, *inp).into_vec()
+            }
             Linear::Fp8(w) => backend.linear_fp8_f32(x, w),
             Linear::Fp4(w) => backend.linear_fp4_f32(x, w),
         }

@@ -8,30 +8,29 @@ use super::state::SequenceState;
 use super::step::StepRows;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
-use crate::backend::Precision;
+use crate::backend::{Precision, QueryKeys, RopeTable, SelectedKeys, Selection, Tensor};
 
 /// The normed query latent `qr` and the rotated queries `q` of a chunk.
 pub struct Queries {
-    pub qr: Vec<f32>,
-    pub q: Vec<f32>,
+    pub qr: Tensor,
+    pub q: Tensor,
 }
 
 /// `qr = q_norm(wq_a · x)`, `q = RoPE(wq_b · qr)`.
 pub fn queries(
     ctx: &Ctx,
     w: &AttentionWeights,
-    xn: &[f32],
+    xn: &Tensor,
     positions: &[usize],
-    table: &crate::backend::RopeTable,
+    table: &RopeTable,
 ) -> Queries {
     let qr = ctx.backend.rms_norm(
         &ctx.backend.gemm_fp8(xn, &w.wq_a),
         &w.q_norm,
         ctx.cfg.norm_eps,
     );
-    let mut q = ctx.backend.gemm_fp8(&qr, &w.wq_b);
-    ctx.backend.rope(
-        &mut q,
+    let q = ctx.backend.rope(
+        ctx.backend.gemm_fp8(&qr, &w.wq_b),
         ctx.cfg.head_dim,
         ctx.cfg.n_heads,
         positions,
@@ -45,21 +44,19 @@ pub fn queries(
 pub fn window_entries(
     ctx: &Ctx,
     w: &AttentionWeights,
-    xn: &[f32],
+    xn: &Tensor,
     positions: &[usize],
-    table: &crate::backend::RopeTable,
-) -> Vec<f32> {
+    table: &RopeTable,
+) -> Tensor {
     let head_dim = ctx.cfg.head_dim;
-    let mut kv = ctx.backend.rms_norm(
+    let kv = ctx.backend.rms_norm(
         &ctx.backend.gemm_fp8(xn, &w.wkv),
         &w.kv_norm,
         ctx.cfg.norm_eps,
     );
-    ctx.backend
-        .rope(&mut kv, head_dim, 1, positions, table, false);
+    let kv = ctx.backend.rope(kv, head_dim, 1, positions, table, false);
     // Rows are whole QDQ groups (head_dim is a multiple of 32), so one call covers all of them.
-    ctx.backend.q8_qdq(&mut kv);
-    kv
+    ctx.backend.q8_qdq(kv)
 }
 
 /// Inverse RoPE on every head, `z_g = wo_a[g] · o_g` (bf16, one call per group over all rows),
@@ -67,29 +64,33 @@ pub fn window_entries(
 pub fn output_projection(
     ctx: &Ctx,
     w: &AttentionWeights,
-    mut o: Vec<f32>,
+    o: Tensor,
     positions: &[usize],
-    table: &crate::backend::RopeTable,
-) -> Vec<f32> {
+    table: &RopeTable,
+) -> Tensor {
     let cfg = ctx.cfg;
-    ctx.backend
-        .rope(&mut o, cfg.head_dim, cfg.n_heads, positions, table, true);
+    let o = ctx
+        .backend
+        .rope(o, cfg.head_dim, cfg.n_heads, positions, table, true);
     let row_width = cfg.n_heads * cfg.head_dim;
     let group_width = row_width / cfg.o_groups;
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
-    let mut z = vec![0.0f32; positions.len() * groups * rank];
-    for g in 0..groups {
-        let inputs: Vec<f32> = o
-            .chunks_exact(row_width)
-            .flat_map(|row| row[g * group_width..(g + 1) * group_width].iter().copied())
-            .collect();
-        let weights = &w.wo_a[g * rank * group_width..(g + 1) * rank * group_width];
-        let zg = ctx.backend.linear_bf16(&inputs, weights, rank, group_width);
-        for (t, z_row) in zg.chunks_exact(rank).enumerate() {
-            let at = (t * groups + g) * rank;
-            z[at..at + rank].copy_from_slice(z_row);
-        }
-    }
+    let n = positions.len();
+    let z_groups: Vec<Tensor> = (0..groups)
+        .map(|g| {
+            let pieces: Vec<(&Tensor, usize)> = (0..n)
+                .map(|t| (&o, t * row_width + g * group_width))
+                .collect();
+            let inputs = ctx.backend.gather(&pieces, group_width);
+            let weights = &w.wo_a[g * rank * group_width..(g + 1) * rank * group_width];
+            ctx.backend.linear_bf16(&inputs, weights, rank, group_width)
+        })
+        .collect();
+    // z [n, groups, rank]: row t holds every group's rank values in group order.
+    let pieces: Vec<(&Tensor, usize)> = (0..n)
+        .flat_map(|t| z_groups.iter().map(move |zg| (zg, t * rank)))
+        .collect();
+    let z = ctx.backend.gather(&pieces, rank);
     ctx.backend.gemm_fp8(&z, &w.wo_b)
 }
 
@@ -102,12 +103,12 @@ pub fn forward(
     ctx: &Ctx,
     w: &AttentionWeights,
     layer: usize,
-    xn: &[f32],
+    xn: &Tensor,
     rows: &StepRows,
     seqs: &mut [&mut SequenceState],
     shared: &mut [ChunkShared],
     trace: Option<&mut ForwardTrace>,
-) -> Vec<f32> {
+) -> Tensor {
     let cfg = ctx.cfg;
     let head_dim = cfg.head_dim;
     let positions = &rows.positions[..];
@@ -118,12 +119,11 @@ pub fn forward(
     for (span, seq) in rows.spans.iter().zip(seqs.iter_mut()) {
         let window = &mut seq.layers[layer].window;
         for r in span.clone() {
-            window.push_at(positions[r], kv[r * head_dim..(r + 1) * head_dim].to_vec());
+            window.push_at(positions[r], kv.rows(r..r + 1, head_dim));
         }
     }
 
     let ratio = cfg.compress_ratio(layer);
-    let mut selections: Vec<Vec<usize>> = vec![Vec::new(); n];
     let kv_source = cfg.kv_source_of(layer);
     if ratio > 0 {
         if let Some(compressor_weights) = &w.compressor {
@@ -136,7 +136,7 @@ pub fn forward(
                 .filter_map(|(span, seq)| {
                     Some(csa::CompressJob {
                         state: seq.layers[layer].compressor.as_mut()?,
-                        inputs: &inputs[span.start * width..span.end * width],
+                        inputs: inputs.rows(span.clone(), width),
                         positions: &positions[span.clone()],
                     })
                 })
@@ -154,49 +154,65 @@ pub fn forward(
                 let keys = kv_source
                     .and_then(|s| seq.layers[s].compressor.as_ref())
                     .map_or(&[][..], |c| &c.index_keys[..]);
-                shared.topk = csa::select_chunk(
+                let selection = csa::select_chunk(
                     ctx,
                     keys,
-                    &index.q[span.start * q_width..span.end * q_width],
-                    &index.head_weights[span.start * w_width..span.end * w_width],
+                    &index.q.rows(span.clone(), q_width),
+                    &index.head_weights.rows(span.clone(), w_width),
                     &positions[span.clone()],
                     layer,
                     shared,
                 );
-                if let Some(forced) = &forced {
-                    shared.topk.clone_from(forced);
-                }
-            }
-        }
-        for (span, shared) in rows.spans.iter().zip(shared.iter()) {
-            for (selection, topk) in selections[span.clone()].iter_mut().zip(&shared.topk) {
-                selection.clone_from(topk);
+                shared.selection = Some(match &forced {
+                    Some(forced) => Selection::host(forced.clone()),
+                    None => selection,
+                });
             }
         }
     }
+    // Each query's compressed selection: its sequence's latest index source's, row by row.
+    let selection_of = |e: usize, row: usize| {
+        shared[e]
+            .selection
+            .as_ref()
+            .filter(|s| ratio > 0 && row < s.len())
+    };
     if let Some(trace) = trace {
-        trace.window_kv[layer] = kv.clone();
-        trace.topk[layer] = selections.clone();
+        trace.window_kv[layer] = kv.to_vec();
+        trace.topk[layer] = rows
+            .spans
+            .iter()
+            .enumerate()
+            .flat_map(|(e, span)| {
+                (0..span.len()).map(move |row| {
+                    selection_of(e, row).map_or_else(Vec::new, |s| s.rows()[row].clone())
+                })
+            })
+            .collect();
     }
 
-    let mut keys: Vec<Vec<&[f32]>> = Vec::with_capacity(n);
-    for (span, seq) in rows.spans.iter().zip(seqs.iter()) {
+    let mut queries: Vec<QueryKeys<'_>> = Vec::with_capacity(n);
+    for (e, (span, seq)) in rows.spans.iter().zip(seqs.iter()).enumerate() {
         let window = &seq.layers[layer].window;
         let compressed = kv_source
             .and_then(|s| seq.layers[s].compressor.as_ref())
             .map_or(&[][..], |c| &c.compressed[..]);
-        for t in span.clone() {
+        for (row, t) in span.clone().enumerate() {
             let position = positions[t];
             let first = (position + 1).saturating_sub(cfg.window_size);
-            let mut row_keys: Vec<&[f32]> =
-                (first..=position).filter_map(|p| window.get(p)).collect();
-            row_keys.extend(selections[t].iter().map(|&i| compressed[i].as_slice()));
-            keys.push(row_keys);
+            queries.push(QueryKeys {
+                listed: (first..=position).filter_map(|p| window.get(p)).collect(),
+                selected: selection_of(e, row).map(|selection| SelectedKeys {
+                    compressed,
+                    selection,
+                    row,
+                }),
+            });
         }
     }
     let scale = (head_dim as f32).powf(-0.5);
     let o = ctx
         .backend
-        .sparse_attention_rows_at(&q, &keys, &w.sink, scale, Precision::Bf16);
+        .sparse_attention_selected(&q, &queries, &w.sink, scale, Precision::Bf16);
     output_projection(ctx, w, o, positions, table)
 }

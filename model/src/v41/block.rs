@@ -5,10 +5,10 @@
 use super::Ctx;
 use super::moe::{self, Route};
 use super::weights::BlockWeights;
-use crate::backend::{HcMix, HcParams, Precision};
+use crate::backend::{HcMixes, HcParams, Precision, Tensor};
 
 /// The normed attention inputs `RMSNorm_attn(collapse(X, pre))` `[n, dim]` of the rows.
-pub fn attention_inputs(ctx: &Ctx, w: &BlockWeights, streams: &[f32], pre: &[f32]) -> Vec<f32> {
+pub fn attention_inputs(ctx: &Ctx, w: &BlockWeights, streams: &Tensor, pre: &Tensor) -> Tensor {
     let x = ctx
         .backend
         .hc_collapse_rows_at(streams, pre, ctx.cfg.hc.mult, Precision::Bf16);
@@ -16,7 +16,7 @@ pub fn attention_inputs(ctx: &Ctx, w: &BlockWeights, streams: &[f32], pre: &[f32
 }
 
 /// The mHC coefficients of every row at one site.
-fn mixes(ctx: &Ctx, streams: &[f32], params: &HcParams) -> Vec<HcMix> {
+fn mixes(ctx: &Ctx, streams: &Tensor, params: &HcParams) -> HcMixes {
     let hc = &ctx.cfg.hc;
     ctx.backend.hc_mixes_rows(
         streams,
@@ -31,41 +31,35 @@ fn mixes(ctx: &Ctx, streams: &[f32], params: &HcParams) -> Vec<HcMix> {
 /// Runs one block over the rows. `streams` is `[n, hc, dim]`, `pre` is `[n, hc]` (the previous
 /// FFN site's collapse weights) and is replaced by this block's FFN `pre`. `attention` maps the
 /// normed attention inputs `[n, dim]` to the attention outputs `[n, dim]`; `forced_routes` (per
-/// row) replaces the router's selection. Returns the routes.
+/// row) replaces the router's selection. Returns the routes when `need_routes` (else they may
+/// stay on the device: empty).
 pub fn forward(
     ctx: &Ctx,
     w: &BlockWeights,
-    streams: &mut [f32],
-    pre: &mut [f32],
+    streams: &mut Tensor,
+    pre: &mut Tensor,
     forced_routes: Option<&[Vec<usize>]>,
-    attention: impl FnOnce(&[f32]) -> Vec<f32>,
+    need_routes: bool,
+    attention: impl FnOnce(&Tensor) -> Tensor,
 ) -> Vec<Route> {
     let cfg = ctx.cfg;
     let hc = cfg.hc.mult;
 
     let attn_mix = mixes(ctx, streams, &w.hc_attn);
     let y = attention(&attention_inputs(ctx, w, streams, pre));
-    let expanded = ctx
+    *streams = ctx
         .backend
         .hc_expand_rows_at(&y, streams, &attn_mix, Precision::Bf16);
-    streams.copy_from_slice(&expanded);
 
     let ffn_mix = mixes(ctx, streams, &w.hc_ffn);
-    let attn_pre: Vec<f32> = attn_mix
-        .iter()
-        .flat_map(|m| m.pre.iter().copied())
-        .collect();
-    let x = ctx
-        .backend
-        .hc_collapse_rows_at(streams, &attn_pre, hc, Precision::Bf16);
+    let x =
+        ctx.backend
+            .hc_collapse_rows_at(streams, &attn_mix.pre(ctx.backend), hc, Precision::Bf16);
     let xn = ctx.backend.rms_norm(&x, &w.ffn_norm, cfg.norm_eps);
-    let (y, routes) = moe::forward_rows(ctx, &w.moe, &xn, forced_routes);
-    let expanded = ctx
+    let (y, routes) = moe::forward_rows(ctx, &w.moe, &xn, forced_routes, need_routes);
+    *streams = ctx
         .backend
         .hc_expand_rows_at(&y, streams, &ffn_mix, Precision::Bf16);
-    streams.copy_from_slice(&expanded);
-    for (pre, mix) in pre.chunks_exact_mut(hc).zip(&ffn_mix) {
-        pre.copy_from_slice(&mix.pre);
-    }
+    *pre = ffn_mix.pre(ctx.backend);
     routes
 }

@@ -10,7 +10,7 @@ use super::attention::{Queries, output_projection, queries, window_entries};
 use super::state::{PositionRing, SequenceState};
 use super::weights::{AttentionWeights, DsparkWeights};
 use super::{Ctx, block};
-use crate::backend::Precision;
+use crate::backend::{Precision, Tensor};
 use crate::config::DsparkConfig;
 
 /// One DSpark proposal.
@@ -38,9 +38,9 @@ pub(crate) struct DraftRequest<'a> {
 pub fn context_entries(
     ctx: &Ctx,
     w: &DsparkWeights,
-    main_hidden: &[f32],
+    main_hidden: &Tensor,
     positions: &[usize],
-) -> Vec<Vec<f32>> {
+) -> Vec<Tensor> {
     let main_x = ctx.backend.rms_norm(
         &ctx.backend.gemm_fp8(main_hidden, &w.main_proj),
         &w.main_norm,
@@ -54,7 +54,7 @@ pub fn context_entries(
 
 /// The context keys of a draft block after position `last`: the ring's entries at positions
 /// `last−w+1 … last`, listed by ring slot as the reference does.
-fn context_keys(ring: &PositionRing, last: usize, window: usize) -> Vec<&[f32]> {
+fn context_keys(ring: &PositionRing, last: usize, window: usize) -> Vec<&Tensor> {
     let held = window.min(last + 1);
     let first = last + 1 - held;
     (0..held)
@@ -73,24 +73,24 @@ fn stage_attention(
     ctx: &Ctx,
     w: &AttentionWeights,
     stage: usize,
-    xn: &[f32],
+    xn: &Tensor,
     positions: &[usize],
     requests: &[DraftRequest],
     size: usize,
-) -> Vec<f32> {
+) -> Tensor {
     let cfg = ctx.cfg;
     let table = &ctx.rope.main;
     let Queries { q, .. } = queries(ctx, w, xn, positions, table);
     let block_kv = window_entries(ctx, w, xn, positions, table);
-    let block_width = size * cfg.head_dim;
-    let mut keys: Vec<Vec<&[f32]>> = Vec::with_capacity(requests.len() * size);
-    for (request, block) in requests.iter().zip(block_kv.chunks_exact(block_width)) {
+    let block_rows = block_kv.split_rows(cfg.head_dim);
+    let mut keys: Vec<Vec<&Tensor>> = Vec::with_capacity(requests.len() * size);
+    for (request, block) in requests.iter().zip(block_rows.chunks_exact(size)) {
         let mut row_keys = context_keys(
             &request.seq.dspark[stage],
             request.seq.len - 1,
             cfg.window_size,
         );
-        row_keys.extend(block.chunks_exact(cfg.head_dim));
+        row_keys.extend(block);
         keys.extend(std::iter::repeat_n(row_keys, size));
     }
     let scale = (cfg.head_dim as f32).powf(-0.5);
@@ -132,11 +132,13 @@ pub(crate) fn propose_many(
             }
         }
     }
-    let mut pre: Vec<f32> = (0..rows * hc)
+    let mut streams = Tensor::from(streams);
+    let mut pre: Tensor = (0..rows * hc)
         .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
-        .collect();
+        .collect::<Vec<f32>>()
+        .into();
     for (s, stage) in w.stages.iter().enumerate() {
-        block::forward(ctx, stage, &mut streams, &mut pre, None, |xn| {
+        block::forward(ctx, stage, &mut streams, &mut pre, None, false, |xn| {
             stage_attention(ctx, &stage.attn, s, xn, &positions, requests, size)
         });
     }
@@ -260,7 +262,7 @@ fn decode_slot(
         .collect();
     let bias = ctx
         .backend
-        .linear_f32(&markov, heads.markov_head, vocab, rank);
+        .linear_f32(&Tensor::from(&markov), heads.markov_head, vocab, rank);
     for (logit, bias) in base.iter_mut().zip(&bias) {
         *logit += bias;
     }
@@ -274,11 +276,11 @@ fn decode_slot(
         .collect();
     let confidence = ctx
         .backend
-        .linear_f32(&features, heads.confidence, 1, dim + rank);
-    for (b, (proposal, confidence)) in proposals.iter_mut().zip(confidence).enumerate() {
+        .linear_f32(&features.into(), heads.confidence, 1, dim + rank);
+    for (b, (proposal, confidence)) in proposals.iter_mut().zip(confidence.iter()).enumerate() {
         let logits = &base[b * vocab..(b + 1) * vocab];
         proposal.tokens.push(argmax(logits));
-        proposal.confidence.push(confidence);
+        proposal.confidence.push(*confidence);
         proposal.logits.extend_from_slice(logits);
     }
 }

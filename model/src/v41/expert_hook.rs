@@ -43,7 +43,7 @@ impl Model {
     /// One routed expert on one token exactly as the model's MoE computes it (SwiGLU with the
     /// config's clamp, `weight` applied before `w2`), on this model's backend.
     pub fn run_routed_expert(&self, expert: &RoutedExpert, x: &[f32], weight: f32) -> Vec<f32> {
-        moe::expert(&self.ctx(), &expert.0, x, Some(&[weight]))
+        moe::expert(&self.ctx(), &expert.0, &x.into(), Some(&[weight])).into_vec()
     }
 
     /// The model's own weights of routed expert `expert` in backbone layer `layer`.

@@ -18,6 +18,7 @@ pub(crate) mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use csa::top_k_lowest_index;
 pub use dspark::DraftProposal;
 pub use state::{MAX_BACKTRACK, SequenceState};
 pub use step::{EntryOutput, StepEntry};

@@ -3,7 +3,7 @@
 
 use super::Ctx;
 use super::weights::{ExpertLinear, ExpertWeights, MoeWeights};
-use crate::backend::{Backend, ExpertRoute, ExpertSelection};
+use crate::backend::{Backend, ExpertRoute, ExpertSelection, MoeLayer, Tensor};
 use crate::expert_dispatch::ExpertPick;
 use crate::quant::exp_f32;
 
@@ -20,7 +20,7 @@ pub struct Route {
 pub fn route_rows(
     ctx: &Ctx,
     w: &MoeWeights,
-    x: &[f32],
+    x: &Tensor,
     forced: Option<&[Vec<usize>]>,
 ) -> Vec<Route> {
     let n_experts = w.bias.len();
@@ -54,9 +54,9 @@ pub fn route_rows(
                 Some(forced) => ExpertSelection::Forced(forced),
                 None => ExpertSelection::TopK(w.n_activated),
             };
-            let routed = ctx
-                .backend
-                .route_experts(row, bias_of(t), selection, ctx.cfg.route_scale);
+            let routed =
+                ctx.backend
+                    .route_experts(&row.into(), bias_of(t), selection, ctx.cfg.route_scale);
             routed.into_iter().next().map_or(
                 Route {
                     experts: Vec::new(),
@@ -69,15 +69,15 @@ pub fn route_rows(
 }
 
 pub(crate) trait ExpertProjection {
-    fn apply(&self, backend: &dyn Backend, x: &[f32]) -> Vec<f32>;
+    fn apply(&self, backend: &dyn Backend, x: &Tensor) -> Tensor;
 }
 
 impl ExpertProjection for ExpertLinear {
-    fn apply(&self, backend: &dyn Backend, x: &[f32]) -> Vec<f32> {
+    fn apply(&self, backend: &dyn Backend, x: &Tensor) -> Tensor {
         match self {
             ExpertLinear::Fp4(w) => backend.gemm_fp4(x, w),
             ExpertLinear::Fp8(w) => backend.gemm_fp8(x, w),
-            ExpertLinear::Exact(w) => w.apply(backend, x),
+            ExpertLinear::Exact(w) => w.apply(backend, x).into(),
         }
     }
 }
@@ -87,9 +87,9 @@ impl ExpertProjection for ExpertLinear {
 pub(crate) fn expert<W: ExpertProjection>(
     ctx: &Ctx,
     e: &ExpertWeights<W>,
-    x: &[f32],
+    x: &Tensor,
     weights: Option<&[f32]>,
-) -> Vec<f32> {
+) -> Tensor {
     let limit = ctx.cfg.swiglu_limit;
     let precision = ctx.cfg.precision();
     let gate = e.w1.apply(ctx.backend, x);
@@ -111,19 +111,38 @@ pub(crate) fn expert<W: ExpertProjection>(
             precision.round(weight.map_or(a, |w| w * a))
         })
         .collect();
-    e.w2.apply(ctx.backend, &hidden)
+    e.w2.apply(ctx.backend, &hidden.into())
 }
 
 /// MoE of every row of `x [n, dim]`: each row's routed experts summed in increasing expert id,
 /// then the shared expert, in fp32 (the routed experts run grouped: one expert call over all the
 /// rows that chose it, whose rows do not depend on each other). `forced` as in [`route_rows`].
+/// Without forced routes, image rows or an expert site, and when the caller does not need the
+/// routes back, the backend may run the whole layer as one op ([`Backend::moe_rows`]); the
+/// routes then stay on the device and come back empty.
 pub fn forward_rows(
     ctx: &Ctx,
     w: &MoeWeights,
-    x: &[f32],
+    x: &Tensor,
     forced: Option<&[Vec<usize>]>,
-) -> (Vec<f32>, Vec<Route>) {
+    need_routes: bool,
+) -> (Tensor, Vec<Route>) {
     let dim = ctx.cfg.dim;
+    if !need_routes && forced.is_none() && ctx.routed.is_none() && ctx.image_routing.is_none() {
+        let layer = MoeLayer {
+            gate: &w.gate,
+            bias: &w.bias,
+            n_activated: w.n_activated,
+            route_scale: ctx.cfg.route_scale,
+            experts: &w.experts,
+            shared: &w.shared,
+            swiglu_limit: ctx.cfg.swiglu_limit,
+            precision: ctx.cfg.precision(),
+        };
+        if let Some(y) = ctx.backend.moe_rows(x, &layer) {
+            return (y, Vec::new());
+        }
+    }
     let routes = route_rows(ctx, w, x, forced);
     let mut y = vec![0.0f32; x.len()];
     let mut add = |t: usize, output: &[f32]| {
@@ -165,10 +184,9 @@ pub fn forward_rows(
                 if rows.is_empty() {
                     continue;
                 }
-                let xe: Vec<f32> = rows
-                    .iter()
-                    .flat_map(|&(t, _)| x[t * dim..(t + 1) * dim].iter().copied())
-                    .collect();
+                let pieces: Vec<(&Tensor, usize)> =
+                    rows.iter().map(|&(t, _)| (x, t * dim)).collect();
+                let xe = ctx.backend.gather(&pieces, dim);
                 let scale: Vec<f32> = rows.iter().map(|&(_, weight)| weight).collect();
                 let out = expert(ctx, weights, &xe, Some(&scale));
                 for (&(t, _), output) in rows.iter().zip(out.chunks_exact(dim)) {
@@ -177,11 +195,12 @@ pub fn forward_rows(
             }
         }
     }
-    for (acc, v) in y.iter_mut().zip(expert(ctx, &w.shared, x, None)) {
+    for (acc, v) in y.iter_mut().zip(expert(ctx, &w.shared, x, None).iter()) {
         *acc += v;
     }
     let precision = ctx.cfg.precision();
-    (y.into_iter().map(|v| precision.round(v)).collect(), routes)
+    let y: Vec<f32> = y.into_iter().map(|v| precision.round(v)).collect();
+    (y.into(), routes)
 }
 
 /// [`forward_rows`] of one token (`forced` replaces its selection).
@@ -192,10 +211,10 @@ pub fn forward_token(
     forced: Option<&[usize]>,
 ) -> (Vec<f32>, Route) {
     let forced = forced.map(|f| vec![f.to_vec()]);
-    let (y, mut routes) = forward_rows(ctx, w, x, forced.as_deref());
+    let (y, mut routes) = forward_rows(ctx, w, &x.into(), forced.as_deref(), true);
     let route = routes.pop().unwrap_or(Route {
         experts: Vec::new(),
         weights: Vec::new(),
     });
-    (y, route)
+    (y.into_vec(), route)
 }

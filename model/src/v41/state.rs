@@ -5,17 +5,19 @@
 
 use std::collections::VecDeque;
 
+use crate::backend::Tensor;
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
 
 /// How many most recent tokens a rollback may drop (anchor + 5 drafts of DSpark).
 pub const MAX_BACKTRACK: usize = 6;
 
-/// Per-position rows for the most recent positions: `rows[i]` belongs to position `start + i`.
+/// Per-position rows for the most recent positions: `rows[i]` belongs to position `start + i`
+/// (each row a [`Tensor`]: in device memory on a device backend).
 #[derive(Debug, Clone, Default)]
 pub struct PositionRing {
     start: usize,
-    rows: VecDeque<Vec<f32>>,
+    rows: VecDeque<Tensor>,
 }
 
 impl PositionRing {
@@ -25,26 +27,25 @@ impl PositionRing {
     }
 
     /// Appends the row of the position after the newest one held.
-    pub fn push(&mut self, row: Vec<f32>) {
-        self.rows.push_back(row);
+    pub fn push(&mut self, row: impl Into<Tensor>) {
+        self.rows.push_back(row.into());
     }
 
     /// Appends the row of `position`; a gap (positions never computed, as after a bounded replay)
     /// drops the older rows so that the ring stays contiguous.
-    pub fn push_at(&mut self, position: usize, row: Vec<f32>) {
+    pub fn push_at(&mut self, position: usize, row: impl Into<Tensor>) {
         if self.start + self.rows.len() != position {
             self.rows.clear();
             self.start = position;
         }
-        self.rows.push_back(row);
+        self.rows.push_back(row.into());
     }
 
     /// The row of `position`, if held.
-    pub fn get(&self, position: usize) -> Option<&[f32]> {
+    pub fn get(&self, position: usize) -> Option<&Tensor> {
         position
             .checked_sub(self.start)
             .and_then(|i| self.rows.get(i))
-            .map(Vec::as_slice)
     }
 
     /// Drops the oldest rows until at most `capacity` remain.
@@ -71,9 +72,9 @@ pub struct CompressorState {
     /// Per-token `kv ‖ gate` rows (fp32) of the recent positions, for the pending group.
     pub pending: PositionRing,
     /// Compressed KV entries (after RoPE and `Q4m`), one per complete group.
-    pub compressed: Vec<Vec<f32>>,
+    pub compressed: Vec<Tensor>,
     /// Index keys (after RoPE and `Q4e`), one per complete group.
-    pub index_keys: Vec<Vec<f32>>,
+    pub index_keys: Vec<Tensor>,
 }
 
 /// State of one backbone layer.
@@ -116,7 +117,7 @@ impl SequenceState {
     }
 
     /// The compressed-KV cache of KV-source `layer` (after RoPE and `Q4m`), if it is one.
-    pub fn compressed_kv(&self, layer: usize) -> Option<&[Vec<f32>]> {
+    pub fn compressed_kv(&self, layer: usize) -> Option<&[Tensor]> {
         self.layers
             .get(layer)?
             .compressor
@@ -125,7 +126,7 @@ impl SequenceState {
     }
 
     /// The index-key cache of KV-source `layer` (after RoPE and `Q4e`), if it is one.
-    pub fn index_keys(&self, layer: usize) -> Option<&[Vec<f32>]> {
+    pub fn index_keys(&self, layer: usize) -> Option<&[Tensor]> {
         self.layers
             .get(layer)?
             .compressor
@@ -218,12 +219,12 @@ mod tests {
         ring.trim(4);
         assert_eq!(ring.start(), 6);
         assert_eq!(ring.get(5), None);
-        assert_eq!(ring.get(9), Some(&[9.0][..]));
+        assert_eq!(ring.get(9), Some(&Tensor::from(vec![9.0])));
         ring.truncate(8);
         assert_eq!(ring.get(8), None);
-        assert_eq!(ring.get(7), Some(&[7.0][..]));
+        assert_eq!(ring.get(7), Some(&Tensor::from(vec![7.0])));
         ring.push_at(8, vec![80.0]);
-        assert_eq!(ring.get(8), Some(&[80.0][..]));
+        assert_eq!(ring.get(8), Some(&Tensor::from(vec![80.0])));
         // A gap restarts the ring at the new position.
         ring.push_at(20, vec![20.0]);
         assert_eq!((ring.start(), ring.get(8)), (20, None));
@@ -241,8 +242,8 @@ mod tests {
             if let Some(c) = seq.layers[0].compressor.as_mut() {
                 c.pending.push_at(p, vec![p as f32]);
                 if p % 2 == 1 {
-                    c.compressed.push(vec![p as f32]);
-                    c.index_keys.push(vec![p as f32]);
+                    c.compressed.push(vec![p as f32].into());
+                    c.index_keys.push(vec![p as f32].into());
                 }
             }
         }
@@ -254,7 +255,10 @@ mod tests {
             .expect("within the backtracking budget");
         assert_eq!(seq.len(), 35);
         assert_eq!(seq.compressed_kv(0).map(<[_]>::len), Some(17));
-        assert_eq!(seq.layers[0].window.get(34), Some(&[34.0][..]));
+        assert_eq!(
+            seq.layers[0].window.get(34),
+            Some(&Tensor::from(vec![34.0]))
+        );
         assert_eq!(seq.layers[0].window.get(35), None);
     }
 }

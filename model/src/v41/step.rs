@@ -10,10 +10,10 @@ use super::csa::{self, ChunkShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::{Ctx, LogitsWanted, Model, attention, block, dspark, expert_hook, vision};
-use crate::backend::{Precision, RowSampling};
+use crate::backend::{Backend, Precision, RowSampling, Tensor};
+use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
-use crate::quant::round_bf16;
 use crate::sampling::SamplingParams;
 
 /// One sequence's part of a step ([`Model::forward_step`]).
@@ -98,26 +98,26 @@ impl StepRows {
     }
 
     /// Every row of entry `e` kept (`width` values per row) out of `values`.
-    fn of<'v>(&self, e: usize, values: &'v [f32], width: usize) -> &'v [f32] {
-        &values[self.spans[e].start * width..self.spans[e].end * width]
+    fn of(&self, e: usize, values: &Tensor, width: usize) -> Tensor {
+        values.rows(self.spans[e].clone(), width)
     }
 }
 
 /// Keeps the `width`-wide rows whose flag is set.
-fn retain_rows<T: Copy>(values: &mut Vec<T>, kept: &[bool], width: usize) {
-    let mut out = Vec::with_capacity(values.len());
-    for (row, &keep) in values.chunks_exact(width).zip(kept) {
-        if keep {
-            out.extend_from_slice(row);
-        }
-    }
-    *values = out;
+fn retain_rows(backend: &dyn Backend, values: &mut Tensor, kept: &[bool], width: usize) {
+    let rows = kept.iter().enumerate().filter(|(_, keep)| **keep);
+    *values = gather_rows(backend, values, rows.map(|(r, _)| r), width);
 }
 
 /// The `width`-wide rows `rows` of `values`, one after another.
-fn gather_rows(values: &[f32], rows: impl Iterator<Item = usize>, width: usize) -> Vec<f32> {
-    rows.flat_map(|r| values[r * width..(r + 1) * width].iter().copied())
-        .collect()
+fn gather_rows(
+    backend: &dyn Backend,
+    values: &Tensor,
+    rows: impl Iterator<Item = usize>,
+    width: usize,
+) -> Tensor {
+    let pieces: Vec<(&Tensor, usize)> = rows.map(|r| (values, r * width)).collect();
+    backend.gather(&pieces, width)
 }
 
 impl Model {
@@ -216,14 +216,16 @@ impl Model {
                 streams.extend_from_slice(row);
             }
         }
-        let mut pre: Vec<f32> = (0..n_rows * hc)
+        let mut streams = Tensor::from(streams);
+        let mut pre: Tensor = (0..n_rows * hc)
             .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
-            .collect();
+            .collect::<Vec<f32>>()
+            .into();
         let targets = cfg
             .dspark
             .as_ref()
             .map_or(&[][..], |d| &d.target_layers[..]);
-        let mut taps: Vec<Vec<f32>> = Vec::new();
+        let mut taps: Vec<Tensor> = Vec::new();
         let mut shared: Vec<ChunkShared> = seqs.iter().map(|_| ChunkShared::default()).collect();
 
         for (l, block_weights) in self.layers.iter().enumerate() {
@@ -239,8 +241,8 @@ impl Model {
                     let xn = block::attention_inputs(
                         &ctx,
                         block_weights,
-                        &gather_rows(&streams, leading(), width),
-                        &gather_rows(&pre, leading(), hc),
+                        &gather_rows(ctx.backend, &streams, leading(), width),
+                        &gather_rows(ctx.backend, &pre, leading(), hc),
                     );
                     let inputs = csa::compressor_inputs(&ctx, weights, &xn);
                     let leading_rows: usize = dropped.iter().sum();
@@ -251,7 +253,7 @@ impl Model {
                         if let (Some(state), true) = (seq.layers[l].compressor.as_mut(), d > 0) {
                             jobs.push(csa::CompressJob {
                                 state,
-                                inputs: &inputs[at * input_width..(at + d) * input_width],
+                                inputs: inputs.rows(at..at + d, input_width),
                                 positions: &rows.positions[span.start..span.start + d],
                             });
                         }
@@ -260,9 +262,14 @@ impl Model {
                     csa::compress_chunk(&ctx, weights, jobs, l);
                 }
                 let kept = rows.drop_leading(&dropped);
-                retain_rows(&mut streams, &kept, width);
-                retain_rows(&mut pre, &kept, hc);
-                retain_rows(&mut image_rows, &kept, 1);
+                retain_rows(ctx.backend, &mut streams, &kept, width);
+                retain_rows(ctx.backend, &mut pre, &kept, hc);
+                image_rows = image_rows
+                    .iter()
+                    .zip(&kept)
+                    .filter(|(_, keep)| **keep)
+                    .map(|(&image, _)| image)
+                    .collect::<Vec<bool>>();
                 if rows.positions.is_empty() {
                     break;
                 }
@@ -275,21 +282,26 @@ impl Model {
             if let (Some(engram), Some(hashed), Some(index)) =
                 (&self.engram, &engram_rows, engram_index)
             {
-                for (span, hashed) in rows.spans.iter().zip(hashed) {
-                    engram.apply(
-                        ctx.backend,
-                        index,
-                        hashed,
-                        &mut streams[span.start * width..span.end * width],
-                        &dead[span.clone()],
-                    );
-                }
+                let parts: Vec<EngramPart<'_>> = rows
+                    .spans
+                    .iter()
+                    .zip(hashed)
+                    .map(|(span, hashed)| EngramPart {
+                        rows: hashed,
+                        span: span.clone(),
+                        dead: &dead[span.clone()],
+                    })
+                    .collect();
+                streams = engram.apply_step(ctx.backend, index, &parts, streams);
                 if let Some(trace) = trace.as_deref_mut() {
-                    trace.engram_out[l] = streams.clone();
+                    trace.engram_out[l] = streams.to_vec();
                 }
             }
             if targets.contains(&l) {
-                taps.push(stream_means(&streams, hc, dim));
+                taps.push(
+                    ctx.backend
+                        .stream_means_at(&streams, hc, dim, Precision::Bf16),
+                );
             }
             let forced_routes = trace
                 .as_deref()
@@ -309,6 +321,7 @@ impl Model {
                 &mut streams,
                 &mut pre,
                 forced_routes.as_deref(),
+                attn_trace.is_some(),
                 |xn| {
                     attention::forward(
                         &ctx,
@@ -323,8 +336,8 @@ impl Model {
                 },
             );
             if let Some(trace) = trace.as_deref_mut() {
-                trace.layer_out[l] = streams.clone();
-                trace.layer_pre[l] = pre.clone();
+                trace.layer_out[l] = streams.to_vec();
+                trace.layer_pre[l] = pre.to_vec();
                 trace.route_idx[l] = routes.iter().map(|r| r.experts.clone()).collect();
                 trace.route_w[l] = routes.iter().map(|r| r.weights.clone()).collect();
             }
@@ -333,16 +346,17 @@ impl Model {
         let outputs = self.head_rows(&ctx, &rows, &wants, &streams, &pre, trace.as_deref_mut())?;
 
         if let Some(weights) = self.dspark.as_ref().filter(|_| !rows.positions.is_empty()) {
-            let computed: Vec<f32> = (0..rows.positions.len())
-                .flat_map(|t| {
-                    taps.iter()
-                        .flat_map(move |tap| tap[t * dim..(t + 1) * dim].iter().copied())
-                })
-                .collect();
-            let main_hidden = trace
-                .as_deref()
-                .and_then(|t| t.inject.main_hidden.clone())
-                .unwrap_or(computed);
+            // Per row, its taps side by side: `[rows, taps · dim]`.
+            let main_hidden: Tensor =
+                match trace.as_deref().and_then(|t| t.inject.main_hidden.clone()) {
+                    Some(injected) => injected.into(),
+                    None => {
+                        let pieces: Vec<(&Tensor, usize)> = (0..rows.positions.len())
+                            .flat_map(|t| taps.iter().map(move |tap| (tap, t * dim)))
+                            .collect();
+                        ctx.backend.gather(&pieces, dim)
+                    }
+                };
             let stage_entries =
                 dspark::context_entries(&ctx, weights, &main_hidden, &rows.positions);
             let head_dim = cfg.head_dim;
@@ -350,13 +364,13 @@ impl Model {
                 let positions = &rows.positions[rows.spans[e].clone()];
                 for (ring, entries) in seq.dspark.iter_mut().zip(&stage_entries) {
                     let kv = rows.of(e, entries, head_dim);
-                    for (row, &position) in kv.chunks_exact(head_dim).zip(positions) {
-                        ring.push_at(position, row.to_vec());
+                    for (row, &position) in kv.split_rows(head_dim).into_iter().zip(positions) {
+                        ring.push_at(position, row);
                     }
                 }
             }
             if let Some(trace) = trace {
-                trace.main_hidden = main_hidden;
+                trace.main_hidden = main_hidden.into_vec();
             }
         }
         for (seq, tokens) in seqs.iter_mut().zip(&chunks) {
@@ -374,8 +388,8 @@ impl Model {
         ctx: &Ctx,
         rows: &StepRows,
         wants: &[(LogitsWanted, Option<SamplingParams>)],
-        streams: &[f32],
-        pre: &[f32],
+        streams: &Tensor,
+        pre: &Tensor,
         trace: Option<&mut ForwardTrace>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
         let cfg = &self.cfg;
@@ -394,11 +408,11 @@ impl Model {
         } else {
             wanted.iter().flatten().copied().collect()
         };
-        let mut hidden = Vec::new();
+        let mut hidden = Tensor::empty();
         if !needed.is_empty() {
             let x = ctx.backend.hc_collapse_rows_at(
-                &gather_rows(streams, needed.iter().copied(), hc * dim),
-                &gather_rows(pre, needed.iter().copied(), hc),
+                &gather_rows(ctx.backend, streams, needed.iter().copied(), hc * dim),
+                &gather_rows(ctx.backend, pre, needed.iter().copied(), hc),
                 hc,
                 Precision::Bf16,
             );
@@ -414,12 +428,15 @@ impl Model {
                 .flat_map(|(rows, _)| rows.iter().copied())
         };
         let logits = match rows_of(false).next() {
-            Some(_) => ctx.backend.linear_f32(
-                &gather_rows(&hidden, rows_of(false).filter_map(slot), dim),
-                &self.head,
-                vocab,
-                dim,
-            ),
+            Some(_) => ctx
+                .backend
+                .linear_f32(
+                    &gather_rows(ctx.backend, &hidden, rows_of(false).filter_map(slot), dim),
+                    &self.head,
+                    vocab,
+                    dim,
+                )
+                .into_vec(),
             None => Vec::new(),
         };
         let sampling: Vec<RowSampling> = wanted
@@ -438,7 +455,7 @@ impl Model {
         } else {
             ctx.backend
                 .sample_linear(
-                    &gather_rows(&hidden, rows_of(true).filter_map(slot), dim),
+                    &gather_rows(ctx.backend, &hidden, rows_of(true).filter_map(slot), dim),
                     &self.head,
                     vocab,
                     dim,
@@ -449,7 +466,7 @@ impl Model {
                 })?
         };
         if let Some(trace) = trace {
-            trace.final_hidden = hidden;
+            trace.final_hidden = hidden.into_vec();
         }
         let (mut at_logits, mut at_tokens) = (0, 0);
         Ok(wanted
@@ -483,8 +500,8 @@ fn step_error(entry: usize, entries: usize, err: ModelError) -> ModelError {
 fn inject_streams(
     trace: Option<&ForwardTrace>,
     layer: usize,
-    streams: &mut Vec<f32>,
-    pre: &mut Vec<f32>,
+    streams: &mut Tensor,
+    pre: &mut Tensor,
 ) {
     let Some(inject) = trace.map(|t| &t.inject) else {
         return;
@@ -492,23 +509,11 @@ fn inject_streams(
     if let Some(Some(forced)) = inject.streams.get(layer)
         && forced.len() == streams.len()
     {
-        streams.clone_from(forced);
+        *streams = forced.clone().into();
     }
     if let Some(Some(forced)) = inject.pre.get(layer)
         && forced.len() == pre.len()
     {
-        pre.clone_from(forced);
+        *pre = forced.clone().into();
     }
-}
-
-/// `bf16(mean over the hc streams)` of every token of `[n, hc, dim]` streams.
-fn stream_means(streams: &[f32], hc: usize, dim: usize) -> Vec<f32> {
-    streams
-        .chunks_exact(hc * dim)
-        .flat_map(|token| {
-            (0..dim).map(move |d| {
-                round_bf16((0..hc).fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
-            })
-        })
-        .collect()
 }

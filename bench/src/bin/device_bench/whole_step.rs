@@ -190,8 +190,17 @@ pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
     let first = deepinfer_bench::steps::argmax(&logits);
     for &(batch, steps) in decode {
         let before = transfers.snapshot();
+        let lengths_before = transfers.by_length();
         let run = measure_decode_from(&model, &seq, first, batch, steps)?;
         let copied = transfers.snapshot() - before;
+        let lengths: Vec<String> = transfers
+            .by_length()
+            .into_iter()
+            .filter_map(|(len, n)| {
+                let n = n - lengths_before.get(&len).copied().unwrap_or(0);
+                (n > 0).then(|| format!("{len} values x {n}"))
+            })
+            .collect();
         // What the issue's rule counts: every device-to-host copy of a decode step but the ids.
         println!(
             "v41 block decode B={batch}: per step {:.0} device-to-host copies of op results ({:.2} MB) \
@@ -200,6 +209,9 @@ pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
             copied.to_host_bytes as f64 / steps as f64 / 1e6,
             copied.sampled_id_copies as f64 / steps as f64,
         );
+        if !lengths.is_empty() {
+            println!("  copies over {steps} steps: {}", lengths.join(", "));
+        }
         rows.push(decode_row("v41 block", &cfg, &run)?);
     }
     Ok(rows)

@@ -5,7 +5,7 @@
 
 use super::VIT_NORM_EPS;
 use super::preprocess::ImageGrid;
-use crate::backend::Backend;
+use crate::backend::{Backend, Tensor};
 use crate::checkpoint::Checkpoint;
 use crate::config::VisionConfig;
 use crate::error::ModelError;
@@ -121,15 +121,17 @@ impl VitWeights {
         let rope = VisionRope::new(grid, dim / self.n_heads, self.rope_theta);
         let mut x = self.patch_embed.apply(patches);
         for block in &self.blocks {
-            let h = backend.rms_norm(&x, &block.norm1, VIT_NORM_EPS);
+            let h = backend.rms_norm(&Tensor::from(&x), &block.norm1, VIT_NORM_EPS);
             let attn = block.wo.apply(&self.attention(block, &h, &rope));
             add_bf16(&mut x, &attn);
-            let h = backend.rms_norm(&x, &block.norm2, VIT_NORM_EPS);
+            let h = backend.rms_norm(&Tensor::from(&x), &block.norm2, VIT_NORM_EPS);
             let gate_up = block.w1.apply(&h);
             let mlp = block.w2.apply(&swiglu(&gate_up, block.w2.inp));
             add_bf16(&mut x, &mlp);
         }
-        backend.rms_norm(&x, &self.norm, VIT_NORM_EPS)
+        backend
+            .rms_norm(&x.into(), &self.norm, VIT_NORM_EPS)
+            .into_vec()
     }
 
     /// Full bidirectional multi-head attention of normed rows `h [n, dim]` → `[n, dim]` bf16.

@@ -1,0 +1,240 @@
+// The routed experts of an MoE layer on the device, driven by device routes (no copy to the host),
+// operation for operation as deepinfer-model's v41::moe::forward_rows / expert:
+// - group_routed_rows: output rows bucketed by expert on the device (ids >= the expert count in a
+//   last bucket) and cut into tiles of at most TILE_ROWS rows of one expert.
+// - gemm_*_routed_{rows,tiles}: one block per (output row or tile, column block): output row j =
+//   x row (j / x_row_div) times the weight of expert experts[j], the block-scaled GEMM body of
+//   gemm/gemm_block_scaled.cuh on the block's gathered rows (rows never interact, so every row is
+//   bitwise what gemm_fp4 / gemm_fp8 gives for it, whichever rows share its block); rows of
+//   unknown ids are zero. `rows` takes one row per block from the routes (decode: rows rarely
+//   share an expert), `tiles` the tiles of group_routed_rows (up to 8 rows of one expert).
+// - swiglu_rows_f32: clamps, g / (1 + exp_f32(-g)) * u, times the row's route weight, rounded.
+// - moe_combine_f32: a token's slot outputs added in increasing expert id (equal ids in slot
+//   order, ids >= the expert count skipped), then the shared expert, then one rounding.
+#include "gemm/gemm_block_scaled.cuh"
+#include "common/reference_math.cuh"
+
+typedef unsigned long long u64_t;
+
+namespace routed {
+
+// Launch parameters of the routed GEMM (mirrored by kernels/src/ops/routed.rs).
+struct RoutedGemmParams {
+    u32_t m;              // output rows (experts[m])
+    u32_t n;              // output columns (the projection's out features)
+    u32_t k;              // input columns
+    u32_t w_scale_cols;   // weight-scale row stride
+    u32_t warps_per_col;  // 1, 2, 4 or 8 (no effect on the result)
+    u32_t x_row_div;      // output row j reads x row j / x_row_div
+    u32_t n_experts;      // experts in the table
+    u32_t which;          // table slot: 0 w1, 1 w3, 2 w2
+};
+
+// SwiGLU of gate/up rows (mirrored by kernels/src/ops/routed.rs).
+struct SwigluParams {
+    u32_t n;            // values
+    u32_t inter;        // values per row (the route weight's row); n when there are no weights
+    u32_t has_weights;  // 1: multiply by weights[i / inter]
+    float limit;        // > 0: clamp g from above and u to [-limit, limit]
+    u32_t round_bf16;   // 1: outputs rounded to bf16
+};
+
+// Combine of k slot outputs and the shared expert per token (mirrored by kernels/src/ops/routed.rs).
+struct CombineParams {
+    u32_t rows;
+    u32_t k;
+    u32_t dim;
+    u32_t n_experts;
+    u32_t round_bf16;
+};
+
+// Grouping of output rows by expert (mirrored by kernels/src/ops/routed.rs).
+struct GroupParams {
+    u32_t m;          // output rows
+    u32_t n_experts;  // buckets 0 .. n_experts - 1, and n_experts for unknown ids
+};
+
+constexpr u32_t TILE_ROWS = 8;
+constexpr u32_t GROUP_THREADS = 1024;
+constexpr u32_t MAX_SLOTS = 64;
+constexpr u32_t COMBINE_THREADS = 256;
+
+// A tile's gathered rows: tile row r reads x row rows[r] / x_row_div and writes output row rows[r].
+template <u32_t ROWS>
+struct GatheredRows {
+    u32_t rows[ROWS];
+    u32_t count;
+    u32_t x_row_div;
+    __device__ __forceinline__ size_t a_row(u32_t r) const { return rows[r] / x_row_div; }
+    __device__ __forceinline__ size_t y_row(u32_t r) const { return rows[r]; }
+};
+
+// One block: counts per bucket, then (thread 0) bucket offsets and the tiles {bucket, start,
+// count} in bucket order, then every row scattered into `order` at its bucket's cursor. The order
+// inside a bucket is arbitrary (atomics): no result depends on it.
+__device__ void group_rows(const u32_t* __restrict__ experts, u32_t* __restrict__ order,
+                           u32_t* __restrict__ tiles, u32_t* __restrict__ tile_count, GroupParams p) {
+    extern __shared__ u32_t group_shared[];
+    const u32_t buckets = p.n_experts + 1;
+    u32_t* counts = group_shared;           // [buckets]
+    u32_t* cursor = group_shared + buckets;  // [buckets]
+    for (u32_t b = threadIdx.x; b < buckets; b += blockDim.x) counts[b] = 0;
+    __syncthreads();
+    for (u32_t j = threadIdx.x; j < p.m; j += blockDim.x) atomicAdd(&counts[min(experts[j], p.n_experts)], 1u);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32_t offset = 0;
+        u32_t t = 0;
+        for (u32_t b = 0; b < buckets; ++b) {
+            const u32_t c = counts[b];
+            cursor[b] = offset;
+            for (u32_t s = 0; s < c; s += TILE_ROWS) {
+                tiles[3 * t] = b;
+                tiles[3 * t + 1] = offset + s;
+                tiles[3 * t + 2] = min(TILE_ROWS, c - s);
+                ++t;
+            }
+            offset += c;
+        }
+        *tile_count = t;
+    }
+    __syncthreads();
+    for (u32_t j = threadIdx.x; j < p.m; j += blockDim.x) {
+        const u32_t at = atomicAdd(&cursor[min(experts[j], p.n_experts)], 1u);
+        order[at] = j;
+    }
+}
+
+// One block's tile of `bucket`'s rows: the GEMM body with that expert's weights, or zeros for the
+// bucket of unknown ids (the CPU drops them). table: [3][n_experts][2] device addresses (weight
+// codes, weight scales) of w1, w3, w2.
+template <class Weights, u32_t ROWS>
+__device__ __forceinline__ void gemm_routed_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                                 const u64_t* __restrict__ table, __nv_bfloat16* __restrict__ y,
+                                                 RoutedGemmParams p, u32_t bucket, const GatheredRows<ROWS>& tile) {
+    const u32_t cols_per_block = gemm::WARPS / p.warps_per_col;
+    if (bucket >= p.n_experts) {
+        for (u32_t i = threadIdx.x; i < tile.count * cols_per_block; i += blockDim.x) {
+            const u32_t col = blockIdx.y * cols_per_block + i % cols_per_block;
+            if (col < p.n) y[tile.y_row(i / cols_per_block) * p.n + col] = __float2bfloat16_rn(0.0f);
+        }
+        return;
+    }
+    const u64_t* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
+    const u8_t* w = reinterpret_cast<const u8_t*>(entry[0]);
+    const u8_t* ws = reinterpret_cast<const u8_t*>(entry[1]);
+    const GemmParams shape{p.m, p.n, p.k, p.w_scale_cols, p.warps_per_col};
+    gemm::gemm_block_tile<Weights, 32, (int)ROWS>(a, sa, w, ws, y, shape, tile, blockIdx.y);
+}
+
+// One output row per block (blockIdx.x), straight from the routes: best when rows rarely share
+// an expert (decode).
+template <class Weights>
+__device__ void gemm_routed_rows(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                 const u32_t* __restrict__ experts, const u64_t* __restrict__ table,
+                                 __nv_bfloat16* __restrict__ y, RoutedGemmParams p) {
+    const u32_t row = blockIdx.x;
+    GatheredRows<1> tile;
+    tile.rows[0] = row;
+    tile.count = 1;
+    tile.x_row_div = p.x_row_div;
+    gemm_routed_tile<Weights, 1>(a, sa, table, y, p, experts[row], tile);
+}
+
+// One tile of group_rows per block (blockIdx.x; blocks past *tile_count return): up to TILE_ROWS
+// rows of one expert share each weight load and decode.
+template <class Weights>
+__device__ void gemm_routed_tiles(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                  const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
+                                  const u32_t* __restrict__ tile_count, const u64_t* __restrict__ table,
+                                  __nv_bfloat16* __restrict__ y, RoutedGemmParams p) {
+    const u32_t t = blockIdx.x;
+    if (t >= *tile_count) return;
+    const u32_t start = tiles[3 * t + 1];
+    GatheredRows<TILE_ROWS> tile;
+    tile.count = tiles[3 * t + 2];  // 1 .. TILE_ROWS
+    tile.x_row_div = p.x_row_div;
+#pragma unroll
+    for (u32_t r = 0; r < TILE_ROWS; ++r) tile.rows[r] = order[start + min(r, tile.count - 1)];
+    gemm_routed_tile<Weights, TILE_ROWS>(a, sa, table, y, p, tiles[3 * t], tile);
+}
+
+}  // namespace routed
+
+extern "C" __global__ void __launch_bounds__(routed::GROUP_THREADS)
+    group_routed_rows(const u32_t* experts, u32_t* order, u32_t* tiles, u32_t* tile_count,
+                      routed::GroupParams p) {
+    routed::group_rows(experts, order, tiles, tile_count, p);
+}
+
+#define ROUTED_GEMM(ROWS_NAME, TILES_NAME, WEIGHTS)                                                    \
+    extern "C" __global__ void __launch_bounds__(gemm::WARPS * 32, 3)                                  \
+        ROWS_NAME(const u8_t* a, const float* sa, const u32_t* experts, const u64_t* table,            \
+                  __nv_bfloat16* y, routed::RoutedGemmParams p) {                                     \
+        routed::gemm_routed_rows<WEIGHTS>(a, sa, experts, table, y, p);                               \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(gemm::WARPS * 32, 3)                                  \
+        TILES_NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,             \
+                   const u32_t* tile_count, const u64_t* table, __nv_bfloat16* y,                     \
+                   routed::RoutedGemmParams p) {                                                      \
+        routed::gemm_routed_tiles<WEIGHTS>(a, sa, order, tiles, tile_count, table, y, p);             \
+    }
+
+ROUTED_GEMM(gemm_fp4_routed_rows_g32_bf16, gemm_fp4_routed_tiles_g32_bf16, gemm::Fp4Weights)
+ROUTED_GEMM(gemm_fp8_t32_routed_rows_g32_bf16, gemm_fp8_t32_routed_tiles_g32_bf16, gemm::Fp8Weights<32>)
+
+// v41::moe::expert's hidden value: (g, u) clamped when limit > 0 (g.min(limit): a NaN g becomes
+// limit; u.clamp(-limit, limit): NaN stays NaN), g / (1 + exp_f32(-g)) * u, times the route weight.
+extern "C" __global__ void swiglu_rows_f32(const __nv_bfloat16* __restrict__ gate,
+                                           const __nv_bfloat16* __restrict__ up,
+                                           const float* __restrict__ weights, float* __restrict__ out,
+                                           routed::SwigluParams p) {
+    for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += gridDim.x * blockDim.x) {
+        float g = __bfloat162float(gate[i]);
+        float u = __bfloat162float(up[i]);
+        if (p.limit > 0.0f) {
+            g = fminf(g, p.limit);
+            if (u < -p.limit) u = -p.limit;
+            if (u > p.limit) u = p.limit;
+        }
+        float v = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, refmath::exp_f32(-g))), u);
+        if (p.has_weights) v = __fmul_rn(weights[i / p.inter], v);
+        out[i] = p.round_bf16 ? round_bf16_f32(v) : v;
+    }
+}
+
+// One block per token (blockIdx.x) and COMBINE_THREADS columns (blockIdx.y): the token's valid
+// slots sorted by (expert id, slot) once, then every column adds them in that order from 0.0f,
+// adds the shared expert and rounds once.
+extern "C" __global__ void __launch_bounds__(routed::COMBINE_THREADS)
+    moe_combine_f32(const __nv_bfloat16* __restrict__ slot_out, const u32_t* __restrict__ experts,
+                    const __nv_bfloat16* __restrict__ shared_out, float* __restrict__ out,
+                    routed::CombineParams p) {
+    __shared__ u32_t order[routed::MAX_SLOTS];
+    __shared__ u32_t count;
+    const u32_t row = blockIdx.x;
+    if (threadIdx.x == 0) {
+        u32_t c = 0;
+        for (u32_t s = 0; s < p.k; ++s) {
+            const u32_t id = experts[(size_t)row * p.k + s];
+            if (id >= p.n_experts) continue;
+            // Stable insertion: after every slot whose id is <= this one.
+            u32_t at = c;
+            while (at > 0 && experts[(size_t)row * p.k + order[at - 1]] > id) {
+                order[at] = order[at - 1];
+                --at;
+            }
+            order[at] = s;
+            ++c;
+        }
+        count = c;
+    }
+    __syncthreads();
+    const u32_t col = blockIdx.y * routed::COMBINE_THREADS + threadIdx.x;
+    if (col >= p.dim) return;
+    float acc = 0.0f;
+    for (u32_t i = 0; i < count; ++i)
+        acc = __fadd_rn(acc, __bfloat162float(slot_out[((size_t)row * p.k + order[i]) * p.dim + col]));
+    acc = __fadd_rn(acc, __bfloat162float(shared_out[(size_t)row * p.dim + col]));
+    out[(size_t)row * p.dim + col] = p.round_bf16 ? round_bf16_f32(acc) : acc;
+}

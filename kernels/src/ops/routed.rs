@@ -1,0 +1,780 @@
+//! The routed experts of an MoE layer driven by device routes (`route_experts_f32`'s `experts`
+//! and `weights`), with no copy to the host: a device table of the layer's expert weights
+//! ([`DeviceExpertTable`]), the routed GEMM whose every output row takes its own expert's weight
+//! ([`gemm_fp4_routed`], [`gemm_fp8_routed`]; one row per block for decode, or rows grouped by
+//! expert on the device into tiles of up to 8 rows, see [`RoutedBlocks`]), the SwiGLU of expert
+//! rows ([`swiglu_rows`]) and the combine of a token's slot outputs with the shared expert
+//! ([`moe_combine`]). Each reproduces `deepinfer_model::v41::moe::forward_rows` bit for bit (see
+//! `cuda/moe/routed.cu`).
+
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
+use super::quant::{ActGroup, DeviceActFp8};
+use super::{Rounding, dim as kernel_dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::runtime::KernelRuntime;
+
+/// Output rows up to which [`RoutedBlocks::Auto`] takes one row per block. Measured on the H200
+/// (real width, top-6): one row per block wins at 6 and 48 rows (346 vs 503 µs, 1.93 vs 2.24 ms
+/// for the whole chain), 8-row tiles at 384 rows (10.2 vs 14.7 ms).
+const ROWS_PER_BLOCK_MAX: usize = 64;
+/// Rows of one expert per routed-GEMM tile (`routed::TILE_ROWS`).
+const TILE_ROWS: usize = 8;
+/// Threads of the grouping kernel (`routed::GROUP_THREADS`).
+const GROUP_THREADS: u32 = 1024;
+/// Experts whose grouping counters fit the grouping kernel's shared memory comfortably.
+const MAX_EXPERTS: usize = 4096;
+/// Slots per token the combine kernel sorts (`routed::MAX_SLOTS`).
+const MAX_SLOTS: usize = 64;
+/// Threads per block of the combine kernel (`routed::COMBINE_THREADS`).
+const COMBINE_THREADS: u32 = 256;
+/// Threads per block of the SwiGLU kernel.
+const SWIGLU_THREADS: u32 = 256;
+/// Blocks of the SwiGLU kernel at most (it strides over the rest).
+const SWIGLU_MAX_BLOCKS: u32 = 1 << 16;
+
+/// `routed::RoutedGemmParams` in `cuda/moe/routed.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RoutedGemmParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    w_scale_cols: u32,
+    warps_per_col: u32,
+    x_row_div: u32,
+    n_experts: u32,
+    which: u32,
+}
+
+/// `routed::GroupParams` in `cuda/moe/routed.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct GroupParams {
+    m: u32,
+    n_experts: u32,
+}
+
+/// `routed::SwigluParams` in `cuda/moe/routed.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct SwigluParams {
+    n: u32,
+    inter: u32,
+    has_weights: u32,
+    limit: f32,
+    round_bf16: u32,
+}
+
+/// `routed::CombineParams` in `cuda/moe/routed.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CombineParams {
+    rows: u32,
+    k: u32,
+    dim: u32,
+    n_experts: u32,
+    round_bf16: u32,
+}
+
+// SAFETY: plain `#[repr(C)]` structs of 32-bit fields, laid out as their CUDA mirrors.
+unsafe impl DeviceRepr for RoutedGemmParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for GroupParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for SwigluParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for CombineParams {}
+
+/// One projection of a SwiGLU expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertProjection {
+    /// Gate, `[inter, dim]`.
+    W1,
+    /// Up, `[inter, dim]`.
+    W3,
+    /// Down, `[dim, inter]`.
+    W2,
+}
+
+impl ExpertProjection {
+    /// The table slot (`which` in the kernel).
+    fn slot(self) -> u32 {
+        match self {
+            ExpertProjection::W1 => 0,
+            ExpertProjection::W3 => 1,
+            ExpertProjection::W2 => 2,
+        }
+    }
+}
+
+/// How the routed GEMM assigns output rows to blocks (the result does not depend on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoutedBlocks {
+    /// One row per block up to 64 output rows, tiles above.
+    Auto,
+    /// One output row per block, straight from the routes.
+    Rows,
+    /// Rows grouped by expert on the device, up to 8 rows of one expert per block (each weight
+    /// load and decode serves all of them).
+    Tiles,
+}
+
+/// The weight format of a table's experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertFormat {
+    /// FP4 E2M1 with 1×32 UE8M0 scales ([`DeviceFp4Weight`]).
+    Fp4,
+    /// FP8 E4M3 with 32×32 UE8M0 tiles ([`DeviceFp8Weight`] of tile 32).
+    Fp8T32,
+}
+
+/// The three weights of one expert, borrowed for [`DeviceExpertTable`]'s constructors.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertRefs<'a, W> {
+    pub w1: &'a W,
+    pub w3: &'a W,
+    pub w2: &'a W,
+}
+
+/// What the table needs of a device weight.
+trait TableWeight {
+    const FORMAT: ExpertFormat;
+    fn shape(&self) -> (usize, usize);
+    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>);
+    fn check(&self, op: &'static str) -> Result<(), KernelError>;
+}
+
+impl TableWeight for DeviceFp4Weight {
+    const FORMAT: ExpertFormat = ExpertFormat::Fp4;
+    fn shape(&self) -> (usize, usize) {
+        (self.out, self.inp)
+    }
+    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
+        (&self.packed, &self.scales)
+    }
+    fn check(&self, _op: &'static str) -> Result<(), KernelError> {
+        Ok(())
+    }
+}
+
+impl TableWeight for DeviceFp8Weight {
+    const FORMAT: ExpertFormat = ExpertFormat::Fp8T32;
+    fn shape(&self) -> (usize, usize) {
+        (self.out, self.inp)
+    }
+    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
+        (&self.codes, &self.scales)
+    }
+    fn check(&self, op: &'static str) -> Result<(), KernelError> {
+        if self.tile == 32 {
+            Ok(())
+        } else {
+            Err(KernelError::Shape {
+                op,
+                message: format!("FP8 expert with {0}x{0} tiles (only 32x32)", self.tile),
+            })
+        }
+    }
+}
+
+/// The device address table of one layer's routed experts, all of one shape (`w1`, `w3`
+/// `[inter, dim]`, `w2` `[dim, inter]`) and one format: `[3][n_experts][2]` addresses (codes,
+/// scales) of w1, w3, w2. Built once from the cached weights; it does not own them.
+#[derive(Debug)]
+pub struct DeviceExpertTable {
+    format: ExpertFormat,
+    n_experts: usize,
+    dim: usize,
+    inter: usize,
+    addresses: CudaSlice<u64>,
+}
+
+impl DeviceExpertTable {
+    /// The table of FP4 experts (expert `e` is `experts[e]`).
+    ///
+    /// # Safety
+    /// The table keeps the weights' device addresses, not the weights: every weight in `experts`
+    /// must stay alive (and unmoved on the device) for as long as launches read this table.
+    pub unsafe fn fp4(
+        rt: &KernelRuntime,
+        experts: &[ExpertRefs<'_, DeviceFp4Weight>],
+    ) -> Result<DeviceExpertTable, KernelError> {
+        DeviceExpertTable::build(rt, "DeviceExpertTable::fp4", experts)
+    }
+
+    /// The table of FP8 experts with 32×32 tiles.
+    ///
+    /// # Safety
+    /// As [`DeviceExpertTable::fp4`]: the weights must outlive every launch reading the table.
+    pub unsafe fn fp8(
+        rt: &KernelRuntime,
+        experts: &[ExpertRefs<'_, DeviceFp8Weight>],
+    ) -> Result<DeviceExpertTable, KernelError> {
+        DeviceExpertTable::build(rt, "DeviceExpertTable::fp8", experts)
+    }
+
+    fn build<W: TableWeight>(
+        rt: &KernelRuntime,
+        op: &'static str,
+        experts: &[ExpertRefs<'_, W>],
+    ) -> Result<DeviceExpertTable, KernelError> {
+        let Some(first) = experts.first() else {
+            return Err(KernelError::Shape {
+                op,
+                message: "no experts".to_string(),
+            });
+        };
+        let (inter, dim) = first.w1.shape();
+        if experts.len() > MAX_EXPERTS {
+            return Err(KernelError::Shape {
+                op,
+                message: format!("{} experts (at most {MAX_EXPERTS})", experts.len()),
+            });
+        }
+        let stream = rt.stream();
+        let mut addresses = vec![0u64; 3 * experts.len() * 2];
+        for (e, expert) in experts.iter().enumerate() {
+            for (projection, weight, expected) in [
+                (ExpertProjection::W1, expert.w1, (inter, dim)),
+                (ExpertProjection::W3, expert.w3, (inter, dim)),
+                (ExpertProjection::W2, expert.w2, (dim, inter)),
+            ] {
+                weight.check(op)?;
+                if weight.shape() != expected {
+                    return Err(KernelError::Shape {
+                        op,
+                        message: format!(
+                            "expert {e} {projection:?} is {:?}, expected {expected:?} (as expert 0)",
+                            weight.shape()
+                        ),
+                    });
+                }
+                let (codes, scales) = weight.buffers();
+                let (codes_ptr, _codes_read) = codes.device_ptr(stream);
+                let (scales_ptr, _scales_read) = scales.device_ptr(stream);
+                let at = (projection.slot() as usize * experts.len() + e) * 2;
+                addresses[at] = codes_ptr;
+                addresses[at + 1] = scales_ptr;
+            }
+        }
+        let addresses = stream
+            .clone_htod(&addresses)
+            .map_err(KernelError::driver("uploading the expert address table"))?;
+        Ok(DeviceExpertTable {
+            format: W::FORMAT,
+            n_experts: experts.len(),
+            dim,
+            inter,
+            addresses,
+        })
+    }
+
+    pub fn format(&self) -> ExpertFormat {
+        self.format
+    }
+
+    pub fn n_experts(&self) -> usize {
+        self.n_experts
+    }
+
+    /// The model width (`w1`/`w3` inputs, `w2` outputs).
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The expert's hidden width (`w1`/`w3` outputs, `w2` inputs).
+    pub fn inter(&self) -> usize {
+        self.inter
+    }
+
+    /// (out, inp) of `which`.
+    fn shape_of(&self, which: ExpertProjection) -> (usize, usize) {
+        match which {
+            ExpertProjection::W1 | ExpertProjection::W3 => (self.inter, self.dim),
+            ExpertProjection::W2 => (self.dim, self.inter),
+        }
+    }
+}
+
+/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the FP4 `which` projection of `table`:
+/// `x` `[rows, inp]` (32-groups), `experts` `[m]` with `m = rows · x_row_div`, `out` bf16
+/// `[m, out]`. Every row is bitwise what [`super::gemm::gemm_fp4`] gives for that x row and
+/// that expert's weight; a row whose id is `>= table.n_experts()` is zero.
+pub fn gemm_fp4_routed(
+    rt: &KernelRuntime,
+    x: &DeviceActFp8,
+    experts: &CudaSlice<u32>,
+    x_row_div: usize,
+    table: &DeviceExpertTable,
+    which: ExpertProjection,
+    out: &mut CudaSlice<bf16>,
+) -> Result<(), KernelError> {
+    gemm_fp4_routed_with(
+        rt,
+        x,
+        experts,
+        x_row_div,
+        table,
+        which,
+        out,
+        RoutedBlocks::Auto,
+    )
+}
+
+/// [`gemm_fp4_routed`] with an explicit block assignment (the result does not depend on it).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_fp4_routed_with(
+    rt: &KernelRuntime,
+    x: &DeviceActFp8,
+    experts: &CudaSlice<u32>,
+    x_row_div: usize,
+    table: &DeviceExpertTable,
+    which: ExpertProjection,
+    out: &mut CudaSlice<bf16>,
+    blocks: RoutedBlocks,
+) -> Result<(), KernelError> {
+    launch_routed(
+        rt,
+        "gemm_fp4_routed",
+        ExpertFormat::Fp4,
+        (x, experts, x_row_div),
+        table,
+        which,
+        out,
+        blocks,
+    )
+}
+
+/// [`gemm_fp4_routed`] for a table of FP8 experts (32×32 tiles): rows bitwise equal to
+/// [`super::gemm::gemm_fp8`].
+pub fn gemm_fp8_routed(
+    rt: &KernelRuntime,
+    x: &DeviceActFp8,
+    experts: &CudaSlice<u32>,
+    x_row_div: usize,
+    table: &DeviceExpertTable,
+    which: ExpertProjection,
+    out: &mut CudaSlice<bf16>,
+) -> Result<(), KernelError> {
+    gemm_fp8_routed_with(
+        rt,
+        x,
+        experts,
+        x_row_div,
+        table,
+        which,
+        out,
+        RoutedBlocks::Auto,
+    )
+}
+
+/// [`gemm_fp8_routed`] with an explicit block assignment (the result does not depend on it).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_fp8_routed_with(
+    rt: &KernelRuntime,
+    x: &DeviceActFp8,
+    experts: &CudaSlice<u32>,
+    x_row_div: usize,
+    table: &DeviceExpertTable,
+    which: ExpertProjection,
+    out: &mut CudaSlice<bf16>,
+    blocks: RoutedBlocks,
+) -> Result<(), KernelError> {
+    launch_routed(
+        rt,
+        "gemm_fp8_routed",
+        ExpertFormat::Fp8T32,
+        (x, experts, x_row_div),
+        table,
+        which,
+        out,
+        blocks,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_routed(
+    rt: &KernelRuntime,
+    op: &'static str,
+    format: ExpertFormat,
+    (x, experts, x_row_div): (&DeviceActFp8, &CudaSlice<u32>, usize),
+    table: &DeviceExpertTable,
+    which: ExpertProjection,
+    out: &mut CudaSlice<bf16>,
+    blocks: RoutedBlocks,
+) -> Result<(), KernelError> {
+    if table.format != format {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("the table holds {:?} experts", table.format),
+        });
+    }
+    if x.group != ActGroup::G32 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!(
+                "expert GEMMs need 32-element activation groups, got {}",
+                x.group.elements()
+            ),
+        });
+    }
+    let (n, k) = table.shape_of(which);
+    if x.cols != k {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("x has {} columns, {which:?} has {k} inputs", x.cols),
+        });
+    }
+    if x_row_div == 0 {
+        return Err(KernelError::Shape {
+            op,
+            message: "x_row_div is 0".to_string(),
+        });
+    }
+    let m = x.rows * x_row_div;
+    expect_len(op, "experts", experts.len(), m)?;
+    expect_len(op, "out", out.len(), m * n)?;
+    if m == 0 {
+        return Ok(());
+    }
+    let mut warps_per_col = GemmSplit::Auto.warps_per_column(op, m, k / 32)?;
+    while warps_per_col > 1 && n.div_ceil((WARPS / warps_per_col) as usize) > 65_535 {
+        warps_per_col /= 2;
+    }
+    let params = RoutedGemmParams {
+        m: kernel_dim(op, "m", m)?,
+        n: kernel_dim(op, "n", n)?,
+        k: kernel_dim(op, "k", k)?,
+        w_scale_cols: kernel_dim(op, "weight scale columns", k / 32)?,
+        warps_per_col,
+        x_row_div: kernel_dim(op, "x_row_div", x_row_div)?,
+        n_experts: kernel_dim(op, "experts", table.n_experts)?,
+        which: which.slot(),
+    };
+    let col_blocks = params.n.div_ceil(WARPS / warps_per_col);
+    if col_blocks > 65_535 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("n = {n} needs {col_blocks} column blocks (> 65535)"),
+        });
+    }
+    let per_row = match blocks {
+        RoutedBlocks::Auto => m <= ROWS_PER_BLOCK_MAX,
+        RoutedBlocks::Rows => true,
+        RoutedBlocks::Tiles => false,
+    };
+    let (rows_kernel, tiles_kernel) = match format {
+        ExpertFormat::Fp4 => (
+            KernelId::GemmFp4RoutedRowsG32,
+            KernelId::GemmFp4RoutedTilesG32,
+        ),
+        ExpertFormat::Fp8T32 => (
+            KernelId::GemmFp8T32RoutedRowsG32,
+            KernelId::GemmFp8T32RoutedTilesG32,
+        ),
+    };
+    let stream = rt.stream();
+    if per_row {
+        let cfg = LaunchConfig {
+            grid_dim: (params.m, col_blocks, 1),
+            block_dim: (WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(rt.function(rows_kernel)?);
+        launch
+            .arg(&x.codes)
+            .arg(&x.scales)
+            .arg(experts)
+            .arg(&table.addresses)
+            .arg(out)
+            .arg(&params);
+        // SAFETY: signature (const u8* a, const float* sa, const u32* experts, const u64* table,
+        // bf16* y, RoutedGemmParams). Block j < m computes output row j, reading x row
+        // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the
+        // table holds 3 * n_experts address pairs of live weights of this shape and format (the
+        // constructors' contract), ids >= n_experts are never looked up; out holds m * n values.
+        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+            "launching {}",
+            rows_kernel.symbol()
+        )))?;
+        return Ok(());
+    }
+    // Output rows bucketed by expert and cut into tiles of one expert, on the device. At most
+    // ceil(m / TILE_ROWS) full tiles plus one partial tile per non-empty bucket.
+    let max_tiles = m.div_ceil(TILE_ROWS) + m.min(table.n_experts + 1);
+    let mut order = stream
+        .alloc_zeros::<u32>(m)
+        .map_err(KernelError::driver("allocating the routed row order"))?;
+    let mut tiles = stream
+        .alloc_zeros::<u32>(3 * max_tiles)
+        .map_err(KernelError::driver("allocating the routed tiles"))?;
+    let mut tile_count = stream
+        .alloc_zeros::<u32>(1)
+        .map_err(KernelError::driver("allocating the routed tile count"))?;
+    let group = GroupParams {
+        m: params.m,
+        n_experts: params.n_experts,
+    };
+    let group_cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (GROUP_THREADS, 1, 1),
+        shared_mem_bytes: 4 * 2 * (params.n_experts + 1),
+    };
+    let mut launch = stream.launch_builder(rt.function(KernelId::GroupRoutedRows)?);
+    launch
+        .arg(experts)
+        .arg(&mut order)
+        .arg(&mut tiles)
+        .arg(&mut tile_count)
+        .arg(&group);
+    // SAFETY: signature (const u32* experts, u32* order, u32* tiles, u32* tile_count,
+    // GroupParams); experts and order hold m values, tiles 3 * max_tiles (the kernel writes at
+    // most that many tiles, see above), the dynamic shared memory 2 * (n_experts + 1) counters.
+    unsafe { launch.launch(group_cfg) }
+        .map_err(KernelError::driver("launching group_routed_rows"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (kernel_dim(op, "tiles", max_tiles)?, col_blocks, 1),
+        block_dim: (WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let kernel = tiles_kernel;
+    let mut launch = stream.launch_builder(rt.function(kernel)?);
+    launch
+        .arg(&x.codes)
+        .arg(&x.scales)
+        .arg(&order)
+        .arg(&tiles)
+        .arg(&tile_count)
+        .arg(&table.addresses)
+        .arg(out)
+        .arg(&params);
+    // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
+    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams). Blocks past
+    // *tile_count return; a tile's rows are output rows < m (order is a permutation of 0..m),
+    // each reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
+    // scales); the table holds 3 * n_experts address pairs of live weights of this shape and
+    // format (the constructors' contract) and the bucket of unknown ids is never looked up;
+    // out holds m * n values.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+        "launching {}",
+        kernel.symbol()
+    )))?;
+    Ok(())
+}
+
+/// `out[i] = round(weight · g / (1 + exp_f32(-g)) · u)` with `g`, `u` the bf16 `gate[i]`,
+/// `up[i]` clamped as `v41::moe::expert` does when `limit > 0` (`g.min(limit)`,
+/// `u.clamp(-limit, limit)`); `weight` is `route_weights[i / inter]` with `inter = len /
+/// route_weights.len()` (one weight per row), or 1 (no multiplication) without weights.
+pub fn swiglu_rows(
+    rt: &KernelRuntime,
+    gate: &CudaSlice<bf16>,
+    up: &CudaSlice<bf16>,
+    route_weights: Option<&CudaSlice<f32>>,
+    limit: f32,
+    rounding: Rounding,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "swiglu_rows";
+    let n = gate.len();
+    expect_len(OP, "up", up.len(), n)?;
+    expect_len(OP, "out", out.len(), n)?;
+    let inter = match route_weights {
+        Some(w) if w.is_empty() && n == 0 => 1,
+        Some(w) if w.is_empty() || !n.is_multiple_of(w.len()) => {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!("{n} values are not whole rows of {} route weights", w.len()),
+            });
+        }
+        Some(w) => n / w.len(),
+        None => n.max(1),
+    };
+    if limit.is_nan() {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: "the SwiGLU limit is NaN".to_string(),
+        });
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let params = SwigluParams {
+        n: kernel_dim(OP, "values", n)?,
+        inter: kernel_dim(OP, "inter", inter)?,
+        has_weights: u32::from(route_weights.is_some()),
+        limit,
+        round_bf16: rounding.flag(),
+    };
+    let stream = rt.stream();
+    // The route weights, or a one-element placeholder the kernel does not read.
+    let placeholder;
+    let weights = match route_weights {
+        Some(w) => w,
+        None => {
+            placeholder = stream.alloc_zeros::<f32>(1).map_err(KernelError::driver(
+                "allocating the route-weight placeholder",
+            ))?;
+            &placeholder
+        }
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            params.n.div_ceil(SWIGLU_THREADS).min(SWIGLU_MAX_BLOCKS),
+            1,
+            1,
+        ),
+        block_dim: (SWIGLU_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = stream.launch_builder(rt.function(KernelId::SwigluRowsF32)?);
+    launch.arg(gate).arg(up).arg(weights).arg(out).arg(&params);
+    // SAFETY: signature (const bf16* gate, const bf16* up, const float* weights, float* out,
+    // SwigluParams); gate, up and out hold n values; with has_weights the kernel reads
+    // weights[i / inter] < n / inter = weights.len().
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching swiglu_rows_f32"))?;
+    Ok(())
+}
+
+/// Per token `t` of `out [rows, dim]`: from 0.0f32, add its slot outputs `routed[t, s]`
+/// (`routed` bf16 `[rows, k, dim]`) in increasing `experts[t, s]` (equal ids in slot order; ids
+/// `>= n_experts` skipped), then `shared[t]` (bf16 `[rows, dim]`), then round — the order of
+/// `v41::moe::forward_rows`. `rows = shared.len() / dim`, `k = experts.len() / rows` (at most 64).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine(
+    rt: &KernelRuntime,
+    routed: &CudaSlice<bf16>,
+    experts: &CudaSlice<u32>,
+    n_experts: usize,
+    shared: &CudaSlice<bf16>,
+    dim: usize,
+    rounding: Rounding,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "moe_combine";
+    if dim == 0 || !shared.len().is_multiple_of(dim) {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!("shared has {} values, not rows of dim {dim}", shared.len()),
+        });
+    }
+    let rows = shared.len() / dim;
+    expect_len(OP, "out", out.len(), rows * dim)?;
+    if rows == 0 {
+        expect_len(OP, "experts", experts.len(), 0)?;
+        return expect_len(OP, "routed", routed.len(), 0);
+    }
+    if !experts.len().is_multiple_of(rows) {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "experts has {} ids, not whole rows for {rows} tokens",
+                experts.len()
+            ),
+        });
+    }
+    let k = experts.len() / rows;
+    if k > MAX_SLOTS {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!("{k} experts per token (at most {MAX_SLOTS})"),
+        });
+    }
+    expect_len(OP, "routed", routed.len(), rows * k * dim)?;
+    let params = CombineParams {
+        rows: kernel_dim(OP, "rows", rows)?,
+        k: kernel_dim(OP, "k", k)?,
+        dim: kernel_dim(OP, "dim", dim)?,
+        n_experts: kernel_dim(OP, "experts", n_experts)?,
+        round_bf16: rounding.flag(),
+    };
+    let col_blocks = params.dim.div_ceil(COMBINE_THREADS);
+    if col_blocks > 65_535 {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!("dim = {dim} needs {col_blocks} column blocks (> 65535)"),
+        });
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (params.rows, col_blocks, 1),
+        block_dim: (COMBINE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::MoeCombineF32)?);
+    launch
+        .arg(routed)
+        .arg(experts)
+        .arg(shared)
+        .arg(out)
+        .arg(&params);
+    // SAFETY: signature (const bf16* slot_out, const u32* experts, const bf16* shared_out,
+    // float* out, CombineParams); lengths checked above (rows * k * dim, rows * k, rows * dim,
+    // rows * dim); k <= MAX_SLOTS, the kernel's shared order array.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching moe_combine_f32"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SOURCE: &str = include_str!("../../cuda/moe/routed.cu");
+
+    #[test]
+    fn params_mirror_the_cuda_structs() {
+        assert_eq!(std::mem::size_of::<RoutedGemmParams>(), 32);
+        assert_eq!(
+            super::super::cuda_struct_fields(SOURCE, "RoutedGemmParams"),
+            [
+                "m",
+                "n",
+                "k",
+                "w_scale_cols",
+                "warps_per_col",
+                "x_row_div",
+                "n_experts",
+                "which"
+            ]
+        );
+        assert_eq!(std::mem::size_of::<SwigluParams>(), 20);
+        assert_eq!(
+            super::super::cuda_struct_fields(SOURCE, "SwigluParams"),
+            ["n", "inter", "has_weights", "limit", "round_bf16"]
+        );
+        assert_eq!(std::mem::size_of::<CombineParams>(), 20);
+        assert_eq!(
+            super::super::cuda_struct_fields(SOURCE, "CombineParams"),
+            ["rows", "k", "dim", "n_experts", "round_bf16"]
+        );
+    }
+
+    #[test]
+    fn group_params_mirror_the_cuda_struct() {
+        assert_eq!(std::mem::size_of::<GroupParams>(), 8);
+        assert_eq!(
+            super::super::cuda_struct_fields(SOURCE, "GroupParams"),
+            ["m", "n_experts"]
+        );
+    }
+
+    #[test]
+    fn launcher_limits_match_the_kernel_constants() {
+        assert!(SOURCE.contains(&format!("TILE_ROWS = {TILE_ROWS};")));
+        assert!(SOURCE.contains(&format!("GROUP_THREADS = {GROUP_THREADS};")));
+        assert!(SOURCE.contains(&format!("MAX_SLOTS = {MAX_SLOTS};")));
+        assert!(SOURCE.contains(&format!("COMBINE_THREADS = {COMBINE_THREADS};")));
+    }
+
+    #[test]
+    fn projections_take_their_table_slots() {
+        assert_eq!(ExpertProjection::W1.slot(), 0);
+        assert_eq!(ExpertProjection::W3.slot(), 1);
+        assert_eq!(ExpertProjection::W2.slot(), 2);
+    }
+}

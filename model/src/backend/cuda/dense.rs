@@ -1,0 +1,273 @@
+//! The whole-tensor ops of [`CudaBackend`]: the block-scaled FP8/FP4 GEMMs, the plain and
+//! dequantised fp32 linears, RMSNorm, RoPE and the QDQ points.
+
+use super::*;
+
+impl CudaBackend {
+    /// [`Backend::gemm_fp8`], with errors.
+    pub fn try_gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "gemm_fp8";
+        let group = match w.block {
+            32 => ActGroup::G32,
+            128 => ActGroup::G128,
+            block => {
+                return Err(shape_err(
+                    OP,
+                    format!("weight block {block} (only 32 and 128)"),
+                ));
+            }
+        };
+        if x.is_empty() {
+            return Ok(Tensor::empty());
+        }
+        let a = self.quantised_activations(OP, x, w.inp, group)?;
+        let dw = self.cached_fp8(w)?;
+        let mut y = self
+            .rt
+            .stream()
+            .alloc_zeros::<bf16>(a.rows * w.out)
+            .map_err(driver_err(OP, "allocating an output"))?;
+        gemm_fp8(&self.rt, &a, &dw, &mut y).map_err(op_err(OP))?;
+        self.widen(OP, &y)
+    }
+
+    /// [`Backend::gemm_fp4`], with errors.
+    pub fn try_gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "gemm_fp4";
+        if x.is_empty() {
+            return Ok(Tensor::empty());
+        }
+        let a = self.quantised_activations(OP, x, w.inp, ActGroup::G32)?;
+        let dw = self.cached_fp4(w)?;
+        let mut y = self
+            .rt
+            .stream()
+            .alloc_zeros::<bf16>(a.rows * w.out)
+            .map_err(driver_err(OP, "allocating an output"))?;
+        gemm_fp4(&self.rt, &a, &dw, &mut y).map_err(op_err(OP))?;
+        self.widen(OP, &y)
+    }
+
+    /// [`Backend::linear_f32`] / [`Backend::linear_bf16`], with errors. Like the CPU reference, a
+    /// weight shorter than `out` rows yields only the rows it has.
+    pub fn try_linear(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        output: Rounding,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "linear";
+        if inp == 0 || !x.len().is_multiple_of(inp) {
+            return Err(shape_err(
+                OP,
+                format!("x holds {} values, not whole rows of {inp}", x.len()),
+            ));
+        }
+        let rows = x.len() / inp;
+        let out = out.min(w.len() / inp);
+        if rows == 0 || out == 0 {
+            return Ok(Tensor::empty());
+        }
+        let dw = self.cached_f32(OP, &w[..out * inp])?;
+        let dx = self.input(OP, x)?;
+        let mut dy = self.alloc(OP, rows * out)?;
+        linear_sgemm_f32(&self.rt, &dx, &dw, &mut dy, (rows, out, inp), output)
+            .map_err(op_err(OP))?;
+        Ok(self.tensor(dy))
+    }
+
+    /// [`Backend::linear_fp8_f32`], with errors: the FP8 weight (cached on the device) is
+    /// dequantised exactly to f32 on the device, [`DEQUANT_ROWS`] rows at a time, and multiplied
+    /// in the CPU sgemm order, as the default method does on the host.
+    pub fn try_linear_fp8_f32(
+        &self,
+        x: &[f32],
+        w: &Fp8Weight,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "linear_fp8_f32";
+        let dw = self.cached_fp8(w)?;
+        self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
+            dequant_fp8_rows_f32(&self.rt, &dw, start, rows, block)
+        })
+    }
+
+    /// [`Backend::linear_fp4_f32`], with errors (see [`CudaBackend::try_linear_fp8_f32`]).
+    pub fn try_linear_fp4_f32(
+        &self,
+        x: &[f32],
+        w: &Fp4Weight,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        const OP: &str = "linear_fp4_f32";
+        let dw = self.cached_fp4(w)?;
+        self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
+            dequant_fp4_rows_f32(&self.rt, &dw, start, rows, block)
+        })
+    }
+
+    /// `x · Wᵀ` (fp32 out) with `W [out, inp]` dequantised block by block by `dequant` (first row,
+    /// rows, output buffer). Each output is one sgemm-order chain, so the blocking never shows.
+    fn dequantised_linear(
+        &self,
+        op: &'static str,
+        x: &[f32],
+        (out, inp): (usize, usize),
+        dequant: impl Fn(usize, usize, &mut CudaSlice<f32>) -> Result<(), KernelError>,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        if inp == 0 || !x.len().is_multiple_of(inp) {
+            return Err(shape_err(
+                op,
+                format!("x holds {} values, not whole rows of {inp}", x.len()),
+            ));
+        }
+        let rows = x.len() / inp;
+        if rows == 0 || out == 0 {
+            return Ok(Vec::new());
+        }
+        let dx = self.upload(op, x)?;
+        let mut y = vec![0.0f32; rows * out];
+        for start in (0..out).step_by(DEQUANT_ROWS) {
+            let count = DEQUANT_ROWS.min(out - start);
+            let mut block = self.alloc(op, count * inp)?;
+            dequant(start, count, &mut block).map_err(op_err(op))?;
+            let mut part = self.alloc(op, rows * count)?;
+            linear_sgemm_f32(
+                &self.rt,
+                &dx,
+                &block,
+                &mut part,
+                (rows, count, inp),
+                Rounding::F32,
+            )
+            .map_err(op_err(op))?;
+            let part = self.download(op, &part)?;
+            for (r, chunk) in part.chunks_exact(count).enumerate() {
+                y[r * out + start..r * out + start + count].copy_from_slice(chunk);
+            }
+        }
+        Ok(y)
+    }
+
+    /// [`Backend::rms_norm_at`], with errors.
+    pub fn try_rms_norm(
+        &self,
+        x: &Tensor,
+        weight: &[f32],
+        eps: f32,
+        precision: Precision,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "rms_norm";
+        let cols = weight.len();
+        if cols == 0 || !x.len().is_multiple_of(cols) {
+            return Err(shape_err(
+                OP,
+                format!("x holds {} values, not whole rows of {cols}", x.len()),
+            ));
+        }
+        if x.is_empty() {
+            return Ok(Tensor::empty());
+        }
+        let dw = self.cached_f32(OP, weight)?;
+        let dx = self.input(OP, x)?;
+        let mut dy = self.alloc(OP, x.len())?;
+        rms_norm_f32(
+            &self.rt,
+            &dx,
+            &dw,
+            &mut dy,
+            x.len() / cols,
+            cols,
+            eps,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        Ok(self.tensor(dy))
+    }
+
+    /// [`Backend::rope_at`], with errors. The cos/sin rows of the rows' positions are built on the host
+    /// with the CPU reference's angle rule (f64 sine and cosine of `f32(position · freq)`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_rope(
+        &self,
+        x: Tensor,
+        stride: usize,
+        vectors_per_row: usize,
+        positions: &[usize],
+        table: &RopeTable,
+        inverse: bool,
+        precision: Precision,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "rope";
+        let pairs = table.freqs.len();
+        let row_width = stride * vectors_per_row;
+        if row_width == 0 || 2 * pairs > stride || !x.len().is_multiple_of(row_width) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x ({} values) must be whole rows of {vectors_per_row} vectors of {stride}, each \
+                     holding the {} rotated channels",
+                    x.len(),
+                    2 * pairs
+                ),
+            ));
+        }
+        let rows = x.len() / row_width;
+        if positions.len() < rows {
+            return Err(shape_err(
+                OP,
+                format!("{rows} rows but {} positions", positions.len()),
+            ));
+        }
+        if rows == 0 || pairs == 0 {
+            return Ok(x);
+        }
+        let mut cos = Vec::with_capacity(rows * pairs);
+        let mut sin = Vec::with_capacity(rows * pairs);
+        for &position in &positions[..rows] {
+            for freq in &table.freqs {
+                let angle = f64::from(position as f32 * freq);
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let row_index: Vec<i32> = (0..rows)
+            .map(|r| i32::try_from(r).map_err(|_| shape_err(OP, format!("{rows} rows"))))
+            .collect::<Result<_, _>>()?;
+        let stream = self.rt.stream();
+        let dpos = stream
+            .clone_htod(&row_index)
+            .map_err(driver_err(OP, "uploading positions"))?;
+        let dcos = self.upload(OP, &cos)?;
+        let dsin = self.upload(OP, &sin)?;
+        let shape = RopeShape {
+            tokens: rows,
+            heads: vectors_per_row,
+            head_dim: stride,
+            rope_dim: 2 * pairs,
+            table_rows: rows,
+        };
+        self.in_place(OP, x, |dx| {
+            rope_interleaved_f32(
+                &self.rt,
+                dx,
+                &dpos,
+                &dcos,
+                &dsin,
+                shape,
+                inverse,
+                rounding(precision),
+            )
+            .map_err(op_err(OP))
+        })
+    }
+
+    /// The QDQ points, with errors.
+    pub fn try_qdq(&self, x: Tensor, point: QdqPoint) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "qdq";
+        if x.is_empty() {
+            return Ok(x);
+        }
+        self.in_place(OP, x, |dx| qdq_f32(&self.rt, dx, point).map_err(op_err(OP)))
+    }
+}

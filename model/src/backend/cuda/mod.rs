@@ -1,0 +1,964 @@
+//! `CudaBackend`: [`Backend`] on one NVIDIA GPU through the kernels of `deepinfer-kernels`. Every op
+//! computes what [`super::CpuBackend`] computes, in the same operation order, so the results are
+//! bit-identical (the sgemm order of the plain linears, torch's CPU sum order of the means of
+//! squares, the sequential f64 sums of attention and the indexer, the vectorised `exp`). No kernel
+//! splits a reduction by the batch, so a sequence's numbers do not depend on what else runs (batch
+//! invariance).
+//!
+//! Beyond the layer math: token sampling (`sample_rows`: the logits go up, only the ids come
+//! back), the MoE router after its gate linear, and Engram hashing and table lookup (the tables
+//! are uploaded once, like weights, and stay in device memory).
+//!
+//! Data path: weights are uploaded once and cached on the device. Activations are [`Tensor`]s in
+//! device memory ([`CudaBuffer`]): an op takes its inputs where they are (a host tensor is
+//! uploaded; a view into part of a buffer is copied device to device into a whole one) and leaves
+//! its result on the device. Nothing comes back to the host unless the model reads a tensor there,
+//! and every such copy is counted ([`TransferCounters`]); the sampled ids are counted apart.
+//!
+//! Weight cache: only the weights the model passes (never temporaries: the fp32 linears over FP8 /
+//! FP4 weights are overridden to dequantise on the device from the cached FP8 / FP4 copy, so the
+//! trait's default, which hands dequantised host blocks to `linear_f32`, never reaches the cache).
+//! The model's weights are immutable host buffers that live as long as the model, so
+//! a weight is keyed by its host address and length plus a content fingerprint (every element of a
+//! buffer up to 4096 elements, 64 evenly spaced ones beyond). A host buffer that is freed and
+//! replaced by another of the same length at the same address with the same sampled content would
+//! hit a stale entry: do not pass short-lived buffers as weights, or call
+//! [`CudaBackend::clear_weight_cache`] after freeing them.
+//!
+//! Errors: [`CudaBackend::open`] returns [`CudaBackendError`] (no driver, no NVRTC, unsupported
+//! GPU, compile failure), never panics. The `try_*` methods return errors too. [`Backend`]'s
+//! methods return plain values, so a device failure inside one of them (out of memory, a lost
+//! device) has no error channel: it panics with the op and the driver's message.
+
+mod dense;
+mod moe;
+mod rows;
+mod small;
+mod tokens;
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use deepinfer_kernels::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::attention::{
+    DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
+    sparse_attention_sink_rows_ptr_f32,
+};
+use deepinfer_kernels::ops::engram::{
+    DeviceEngramHasher, DeviceEngramTable, engram_gather_f32, engram_hash_rows,
+};
+use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
+use deepinfer_kernels::ops::index::{
+    DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
+    index_scores_rows_ptr_f32,
+};
+use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
+use deepinfer_kernels::ops::linear::{
+    dequant_fp4_rows_f32, dequant_fp8_rows_f32, linear_sgemm_f32,
+};
+use deepinfer_kernels::ops::mhc::{
+    HcMixesConfig, MAX_TOKENS_PER_LAUNCH, hc_collapse_rows_f32, hc_expand_rows_f32,
+    hc_mixes_rows_f32,
+};
+use deepinfer_kernels::ops::moe::{Selection as RouteSelection, route_experts_f32, selected_count};
+use deepinfer_kernels::ops::movement::{bf16_to_f32, gather_ptrs_f32};
+use deepinfer_kernels::ops::norm::rms_norm_f32;
+use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
+use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
+use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
+use deepinfer_kernels::ops::topk::{apply_mask_rows, candidate_mask_rows, top_k_rows};
+use deepinfer_kernels::{KernelError, KernelRuntime};
+use half::bf16;
+
+use super::select::DeviceRows;
+use super::{
+    Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMix, HcMixes,
+    HcParams, MoeLayer, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError, Selection,
+    Tensor, check_sample_rows, select,
+};
+use crate::engram::{EngramTable, NgramHasher};
+use crate::weights::{Fp4Weight, Fp8Weight};
+
+/// Why the CUDA backend could not open or run an op.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaBackendError {
+    /// The device could not be opened (no driver, no NVRTC, unsupported GPU, kernel compilation).
+    #[error("cannot open CUDA device {ordinal}: {source}")]
+    Open { ordinal: usize, source: KernelError },
+    /// A kernel launch, copy or allocation failed, or the op's shapes do not fit together.
+    #[error("CUDA backend op {op}: {source}")]
+    Op {
+        op: &'static str,
+        source: KernelError,
+    },
+}
+
+/// Attaches the op name to a kernel error.
+fn op_err(op: &'static str) -> impl FnOnce(KernelError) -> CudaBackendError {
+    move |source| CudaBackendError::Op { op, source }
+}
+
+/// Attaches the op name and what was being done to a driver error.
+fn driver_err(
+    op: &'static str,
+    during: &'static str,
+) -> impl FnOnce(deepinfer_kernels::cudarc::driver::DriverError) -> CudaBackendError {
+    move |source| CudaBackendError::Op {
+        op,
+        source: KernelError::Driver {
+            during: during.to_string(),
+            source,
+        },
+    }
+}
+
+fn shape_err(op: &'static str, message: String) -> CudaBackendError {
+    CudaBackendError::Op {
+        op,
+        source: KernelError::Shape { op, message },
+    }
+}
+
+/// A host weight's identity: address, length, content fingerprint (see the module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct HostKey {
+    addr: usize,
+    len: usize,
+    fingerprint: u64,
+}
+
+/// Weight rows dequantised to f32 at a time by the fp32 linears over FP8 / FP4 weights.
+const DEQUANT_ROWS: usize = 1024;
+
+/// Buffers up to this many elements are fingerprinted in full.
+const FULL_FINGERPRINT_LEN: usize = 4096;
+/// Elements sampled from a longer buffer.
+const FINGERPRINT_SAMPLES: usize = 64;
+
+impl HostKey {
+    fn of<T: Copy>(values: &[T], bits: impl Fn(T) -> u64) -> HostKey {
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        let mut mix = |v: u64| {
+            hash ^= v;
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        };
+        if values.len() <= FULL_FINGERPRINT_LEN {
+            values.iter().for_each(|&v| mix(bits(v)));
+        } else {
+            let step = values.len() / FINGERPRINT_SAMPLES;
+            (0..FINGERPRINT_SAMPLES).for_each(|i| mix(bits(values[i * step])));
+            mix(bits(values[values.len() - 1]));
+        }
+        HostKey {
+            addr: values.as_ptr() as usize,
+            len: values.len(),
+            fingerprint: hash,
+        }
+    }
+
+    fn f32s(values: &[f32]) -> HostKey {
+        HostKey::of(values, |v| u64::from(v.to_bits()))
+    }
+
+    fn bytes(values: &[u8]) -> HostKey {
+        HostKey::of(values, u64::from)
+    }
+}
+
+/// Device copies of host weights.
+#[derive(Default)]
+struct WeightCache {
+    f32s: HashMap<HostKey, Arc<CudaSlice<f32>>>,
+    fp8: HashMap<(HostKey, HostKey), Arc<DeviceFp8Weight>>,
+    fp4: HashMap<(HostKey, HostKey), Arc<DeviceFp4Weight>>,
+    /// Engram tables (codes, scales), uploaded on first lookup.
+    engram_tables: HashMap<(HostKey, HostKey), Arc<DeviceEngramTable>>,
+    /// The expert tables of MoE layers, keyed by the host address and length of the layer's
+    /// expert list (immutable model weights, like the rest of the cache).
+    expert_tables: HashMap<(usize, usize), Arc<moe::DeviceExperts>>,
+}
+
+/// The CUDA implementation of [`Backend`] on one device.
+pub struct CudaBackend {
+    rt: KernelRuntime,
+    name: String,
+    weights: Mutex<WeightCache>,
+    transfers: Arc<TransferCounters>,
+}
+
+/// Device-to-host copies a [`CudaBackend`] made: results of ops (activations, routes, Engram row
+/// ids) and, apart, the sampled token ids (the one copy a decode step is meant to have).
+#[derive(Debug, Default)]
+pub struct TransferCounters {
+    to_host_copies: AtomicU64,
+    to_host_bytes: AtomicU64,
+    sampled_id_copies: AtomicU64,
+    /// Copies of op results by their length in values (what was copied, for a report).
+    by_length: Mutex<std::collections::BTreeMap<usize, u64>>,
+}
+
+/// A snapshot of [`TransferCounters`]; the difference of two is what happened in between.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferCounts {
+    /// Copies of op results other than sampled ids, and their bytes.
+    pub to_host_copies: u64,
+    pub to_host_bytes: u64,
+    /// Copies of sampled token ids.
+    pub sampled_id_copies: u64,
+}
+
+impl TransferCounters {
+    /// The counts so far.
+    pub fn snapshot(&self) -> TransferCounts {
+        TransferCounts {
+            to_host_copies: self.to_host_copies.load(Ordering::Relaxed),
+            to_host_bytes: self.to_host_bytes.load(Ordering::Relaxed),
+            sampled_id_copies: self.sampled_id_copies.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Copies of op results so far, by their length in values.
+    pub fn by_length(&self) -> std::collections::BTreeMap<usize, u64> {
+        self.by_length
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn result<T>(&self, values: usize) {
+        *self
+            .by_length
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(values)
+            .or_default() += 1;
+        self.to_host_copies.fetch_add(1, Ordering::Relaxed);
+        self.to_host_bytes.fetch_add(
+            (values * std::mem::size_of::<T>()) as u64,
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// The device memory behind a [`Tensor`] of this backend; reading it on the host is counted.
+#[derive(Debug)]
+pub struct CudaBuffer {
+    data: CudaSlice<f32>,
+    stream: Arc<CudaStream>,
+    transfers: Arc<TransferCounters>,
+}
+
+impl DeviceBuffer for CudaBuffer {
+    fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    fn download(&self, offset: usize, len: usize) -> Vec<f32> {
+        self.transfers.result::<f32>(len);
+        self.stream
+            .clone_dtoh(&self.data.slice(offset..offset + len))
+            .unwrap_or_else(|err| panic!("CUDA backend: copying a tensor to the host: {err}"))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// An op's input as one whole device buffer ([`CudaBackend::input`]).
+enum Input<'a> {
+    /// The tensor's own buffer.
+    Whole(&'a CudaSlice<f32>),
+    /// A copy made for the op (an upload or a device-to-device copy of a view).
+    Copied(CudaSlice<f32>),
+}
+
+impl Input<'_> {
+    /// A buffer the caller may change.
+    fn into_owned(
+        self,
+        backend: &CudaBackend,
+        op: &'static str,
+    ) -> Result<CudaSlice<f32>, CudaBackendError> {
+        match self {
+            Input::Whole(data) => backend
+                .rt
+                .stream()
+                .clone_dtod(data)
+                .map_err(driver_err(op, "copying a tensor")),
+            Input::Copied(data) => Ok(data),
+        }
+    }
+}
+
+impl Deref for Input<'_> {
+    type Target = CudaSlice<f32>;
+    fn deref(&self) -> &CudaSlice<f32> {
+        match self {
+            Input::Whole(data) => data,
+            Input::Copied(data) => data,
+        }
+    }
+}
+
+impl std::ops::Sub for TransferCounts {
+    type Output = TransferCounts;
+    fn sub(self, earlier: TransferCounts) -> TransferCounts {
+        TransferCounts {
+            to_host_copies: self.to_host_copies - earlier.to_host_copies,
+            to_host_bytes: self.to_host_bytes - earlier.to_host_bytes,
+            sampled_id_copies: self.sampled_id_copies - earlier.sampled_id_copies,
+        }
+    }
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` and compiles (or loads from the disk cache) every kernel. Without a
+    /// CUDA driver this is [`CudaBackendError::Open`] with `KernelError::NoDriver`, not a panic.
+    pub fn open(ordinal: usize) -> Result<CudaBackend, CudaBackendError> {
+        let rt = KernelRuntime::open(ordinal)
+            .map_err(|source| CudaBackendError::Open { ordinal, source })?;
+        let report = rt.report();
+        let name = format!("cuda:{ordinal} ({}, {})", report.device_name, report.arch);
+        Ok(CudaBackend {
+            rt,
+            name,
+            weights: Mutex::new(WeightCache::default()),
+            transfers: Arc::new(TransferCounters::default()),
+        })
+    }
+
+    /// The device-to-host copies this backend makes (shared: keep a clone to read them after the
+    /// backend was handed to a model).
+    pub fn transfer_counters(&self) -> Arc<TransferCounters> {
+        self.transfers.clone()
+    }
+
+    /// The kernel runtime (context, stream, loaded kernels).
+    pub fn runtime(&self) -> &KernelRuntime {
+        &self.rt
+    }
+
+    /// Drops every cached device weight (needed only if host weight buffers were freed and may be
+    /// reused at the same address: see the module header).
+    pub fn clear_weight_cache(&self) {
+        *self.weights.lock().unwrap_or_else(PoisonError::into_inner) = WeightCache::default();
+    }
+
+    /// Number of cached device weights (f32, FP8, FP4, Engram tables).
+    pub fn cached_weights(&self) -> usize {
+        let cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        cache.f32s.len()
+            + cache.fp8.len()
+            + cache.fp4.len()
+            + cache.engram_tables.len()
+            + cache.expert_tables.len()
+    }
+
+    fn upload(&self, op: &'static str, values: &[f32]) -> Result<CudaSlice<f32>, CudaBackendError> {
+        self.rt
+            .stream()
+            .clone_htod(values)
+            .map_err(driver_err(op, "uploading an activation"))
+    }
+
+    fn alloc(&self, op: &'static str, len: usize) -> Result<CudaSlice<f32>, CudaBackendError> {
+        self.rt
+            .stream()
+            .alloc_zeros::<f32>(len)
+            .map_err(driver_err(op, "allocating an output"))
+    }
+
+    fn download(
+        &self,
+        op: &'static str,
+        values: &CudaSlice<f32>,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        self.transfers.result::<f32>(values.len());
+        self.rt
+            .stream()
+            .clone_dtoh(values)
+            .map_err(driver_err(op, "downloading a result"))
+    }
+
+    /// The cached device copy of a weight under `key` in the cache `map` selects, uploading it
+    /// with `upload` on first use.
+    fn lock_weights(&self) -> std::sync::MutexGuard<'_, WeightCache> {
+        self.weights.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn cached<K: std::hash::Hash + Eq, V>(
+        &self,
+        key: K,
+        map: impl FnOnce(&mut WeightCache) -> &mut HashMap<K, Arc<V>>,
+        upload: impl FnOnce() -> Result<V, CudaBackendError>,
+    ) -> Result<Arc<V>, CudaBackendError> {
+        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        let entries = map(&mut cache);
+        if let Some(found) = entries.get(&key) {
+            return Ok(found.clone());
+        }
+        let uploaded = Arc::new(upload()?);
+        entries.insert(key, uploaded.clone());
+        Ok(uploaded)
+    }
+
+    fn cached_f32(
+        &self,
+        op: &'static str,
+        weight: &[f32],
+    ) -> Result<Arc<CudaSlice<f32>>, CudaBackendError> {
+        self.cached(
+            HostKey::f32s(weight),
+            |cache| &mut cache.f32s,
+            || {
+                self.rt
+                    .stream()
+                    .clone_htod(weight)
+                    .map_err(driver_err(op, "uploading a weight"))
+            },
+        )
+    }
+
+    fn cached_fp8(&self, w: &Fp8Weight) -> Result<Arc<DeviceFp8Weight>, CudaBackendError> {
+        self.cached(
+            (HostKey::bytes(&w.data), HostKey::bytes(&w.scales)),
+            |cache| &mut cache.fp8,
+            || {
+                DeviceFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
+                    .map_err(op_err("gemm_fp8"))
+            },
+        )
+    }
+
+    fn cached_fp4(&self, w: &Fp4Weight) -> Result<Arc<DeviceFp4Weight>, CudaBackendError> {
+        self.cached(
+            (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales)),
+            |cache| &mut cache.fp4,
+            || {
+                DeviceFp4Weight::upload(&self.rt, w.out, w.inp, &w.packed, &w.scales)
+                    .map_err(op_err("gemm_fp4"))
+            },
+        )
+    }
+
+    /// Uploads activations `[rows, inp]` (f32 storage) and quantises them to FP8 with `group`.
+    fn quantised_activations(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        inp: usize,
+        group: ActGroup,
+    ) -> Result<DeviceActFp8, CudaBackendError> {
+        if inp == 0 || !x.len().is_multiple_of(inp) {
+            return Err(shape_err(
+                op,
+                format!("x holds {} values, not whole rows of {inp}", x.len()),
+            ));
+        }
+        let dx = self.input(op, x)?;
+        quantize_act_fp8_f32(&self.rt, &dx, x.len() / inp, inp, group).map_err(op_err(op))
+    }
+
+    /// A device result as a tensor.
+    fn tensor(&self, data: CudaSlice<f32>) -> Tensor {
+        let len = data.len();
+        let buffer = CudaBuffer {
+            data,
+            stream: self.rt.stream().clone(),
+            transfers: self.transfers.clone(),
+        };
+        Tensor::device(Arc::new(buffer), 0, len)
+    }
+
+    /// bf16 GEMM outputs widened into an f32 tensor on the device.
+    fn widen(&self, op: &'static str, y: &CudaSlice<bf16>) -> Result<Tensor, CudaBackendError> {
+        let mut out = self.alloc(op, y.len())?;
+        bf16_to_f32(&self.rt, y, &mut out).map_err(op_err(op))?;
+        Ok(self.tensor(out))
+    }
+
+    /// `x` as one whole device buffer: borrowed when it is one already, else uploaded (a host
+    /// tensor) or copied device to device (a view into part of a buffer).
+    fn input<'a>(&self, op: &'static str, x: &'a Tensor) -> Result<Input<'a>, CudaBackendError> {
+        if let Some(view) = x.device_view()
+            && let Some(buffer) = view.buffer.as_any().downcast_ref::<CudaBuffer>()
+        {
+            if view.offset == 0 && buffer.data.len() == x.len() {
+                return Ok(Input::Whole(&buffer.data));
+            }
+            let part = buffer.data.slice(view.offset..view.offset + x.len());
+            return self
+                .rt
+                .stream()
+                .clone_dtod(&part)
+                .map(Input::Copied)
+                .map_err(driver_err(op, "copying a tensor view"));
+        }
+        self.upload(op, x.as_host()).map(Input::Copied)
+    }
+
+    /// Runs `change` on `x`'s values in device memory and returns them: in place when `x` is the
+    /// only holder of a whole device buffer, else on a device copy.
+    fn in_place(
+        &self,
+        op: &'static str,
+        mut x: Tensor,
+        change: impl FnOnce(&mut CudaSlice<f32>) -> Result<(), CudaBackendError>,
+    ) -> Result<Tensor, CudaBackendError> {
+        if let Some(buffer) = x
+            .device_buffer_mut()
+            .and_then(|b| b.as_any_mut().downcast_mut::<CudaBuffer>())
+        {
+            change(&mut buffer.data)?;
+            return Ok(x);
+        }
+        let mut data = self.input(op, &x)?.into_owned(self, op)?;
+        change(&mut data)?;
+        Ok(self.tensor(data))
+    }
+
+    /// The device address of the `len` values of `t` from `offset` (uploading a host tensor into
+    /// `keep`, which the caller holds until the kernels reading the address have been launched).
+    fn address_of(
+        &self,
+        op: &'static str,
+        t: &Tensor,
+        offset: usize,
+        len: usize,
+        keep: &mut Vec<CudaSlice<f32>>,
+    ) -> Result<u64, CudaBackendError> {
+        if offset + len > t.len() {
+            return Err(shape_err(
+                op,
+                format!("{len} values at {offset} of a {}-value tensor", t.len()),
+            ));
+        }
+        if let Some(view) = t.device_view()
+            && let Some(buffer) = view.buffer.as_any().downcast_ref::<CudaBuffer>()
+        {
+            return key_row_address(&self.rt, &buffer.data, view.offset + offset, len)
+                .map_err(op_err(op));
+        }
+        let uploaded = self.upload(op, t.as_host())?;
+        let address = key_row_address(&self.rt, &uploaded, offset, len).map_err(op_err(op))?;
+        keep.push(uploaded);
+        Ok(address)
+    }
+
+    /// [`Backend::gather`], with errors: one launch over a table of the pieces' addresses.
+    pub fn try_gather(
+        &self,
+        pieces: &[(&Tensor, usize)],
+        width: usize,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "gather";
+        if pieces.is_empty() || width == 0 {
+            return Ok(Tensor::empty());
+        }
+        let mut keep = Vec::new();
+        let addresses = pieces
+            .iter()
+            .map(|(t, offset)| self.address_of(OP, t, *offset, width, &mut keep))
+            .collect::<Result<Vec<u64>, _>>()?;
+        let table = self
+            .rt
+            .stream()
+            .clone_htod(&addresses)
+            .map_err(driver_err(OP, "uploading the piece addresses"))?;
+        let mut out = self.alloc(OP, pieces.len() * width)?;
+        gather_ptrs_f32(&self.rt, &table, width, &mut out).map_err(op_err(OP))?;
+        Ok(self.tensor(out))
+    }
+}
+
+/// The kernels' rounding for a model precision.
+fn rounding(precision: Precision) -> Rounding {
+    match precision {
+        Precision::Bf16 => Rounding::Bf16,
+        Precision::F32 => Rounding::F32,
+    }
+}
+
+/// A device failure inside a [`Backend`] method, which has no error channel (module header).
+fn device_fault<T>(err: CudaBackendError) -> T {
+    panic!("{err}")
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
+        self.try_gemm_fp8(x, w).unwrap_or_else(device_fault)
+    }
+
+    fn gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
+        self.try_gemm_fp4(x, w).unwrap_or_else(device_fault)
+    }
+
+    fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
+        self.try_linear(x, w, out, inp, Rounding::Bf16)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
+        self.try_linear(x, w, out, inp, Rounding::F32)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
+        self.try_gather(pieces, width).unwrap_or_else(device_fault)
+    }
+
+    fn linear_fp8_f32(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+        self.try_linear_fp8_f32(x, w).unwrap_or_else(device_fault)
+    }
+
+    fn linear_fp4_f32(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+        self.try_linear_fp4_f32(x, w).unwrap_or_else(device_fault)
+    }
+
+    fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
+        self.try_rms_norm(x, weight, eps, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn rope_at(
+        &self,
+        x: Tensor,
+        stride: usize,
+        vectors_per_row: usize,
+        positions: &[usize],
+        table: &RopeTable,
+        inverse: bool,
+        precision: Precision,
+    ) -> Tensor {
+        self.try_rope(
+            x,
+            stride,
+            vectors_per_row,
+            positions,
+            table,
+            inverse,
+            precision,
+        )
+        .unwrap_or_else(device_fault)
+    }
+
+    fn q8_qdq(&self, x: Tensor) -> Tensor {
+        self.try_qdq(x, QdqPoint::Q8).unwrap_or_else(device_fault)
+    }
+
+    fn q4e_qdq(&self, x: Tensor) -> Tensor {
+        self.try_qdq(x, QdqPoint::Q4e).unwrap_or_else(device_fault)
+    }
+
+    fn q4m_qdq(&self, x: Tensor) -> Tensor {
+        self.try_qdq(x, QdqPoint::Q4m).unwrap_or_else(device_fault)
+    }
+
+    fn sparse_attention_at(
+        &self,
+        q: &[f32],
+        keys: &[&[f32]],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_sparse_attention(q, keys, sink, scale, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_mixes(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> HcMix {
+        self.try_hc_mixes(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
+        self.try_hc_collapse(x, weights, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_expand_at(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mix: &HcMix,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_hc_expand(y, residual, mix, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn index_scores_at(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.try_index_scores(q, weights, keys, head_dim, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_mixes_rows(
+        &self,
+        x: &Tensor,
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> HcMixes {
+        self.try_hc_mixes_rows(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_collapse_rows_at(
+        &self,
+        x: &Tensor,
+        weights: &Tensor,
+        hc: usize,
+        precision: Precision,
+    ) -> Tensor {
+        self.try_hc_collapse_rows(x, weights, hc, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hc_expand_rows_at(
+        &self,
+        y: &Tensor,
+        residual: &Tensor,
+        mixes: &HcMixes,
+        precision: Precision,
+    ) -> Tensor {
+        self.try_hc_expand_rows(y, residual, mixes, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn sparse_attention_rows_at(
+        &self,
+        q: &Tensor,
+        keys: &[Vec<&Tensor>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Tensor {
+        self.try_sparse_attention_rows(q, keys, sink, scale, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn sparse_attention_selected(
+        &self,
+        q: &Tensor,
+        queries: &[QueryKeys<'_>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Tensor {
+        self.try_sparse_attention_selected(q, queries, sink, scale, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn select_rows(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
+        head_dim: usize,
+        visible: &[usize],
+        k: usize,
+        candidates: Candidates<'_>,
+        precision: Precision,
+    ) -> (Selection, Option<CandidateMask>) {
+        self.try_select_rows(
+            q, weights, keys, head_dim, visible, k, candidates, precision,
+        )
+        .unwrap_or_else(device_fault)
+    }
+
+    fn index_scores_rows_at(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
+        head_dim: usize,
+        visible: &[usize],
+        precision: Precision,
+    ) -> Vec<Vec<f32>> {
+        self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &[f32],
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        check_sample_rows(logits, vocab, rows)?;
+        Ok(self
+            .try_sample_rows(logits, vocab, rows)
+            .unwrap_or_else(device_fault))
+    }
+
+    fn sample_linear(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        if rows.is_empty() && x.is_empty() {
+            return Ok(Vec::new());
+        }
+        if out == 0 {
+            return Err(SampleRowsError::EmptyVocab { rows: rows.len() });
+        }
+        if inp == 0 || x.len() != rows.len() * inp {
+            return Err(SampleRowsError::LogitsShape {
+                found: x.len() / inp.max(1) * out,
+                rows: rows.len(),
+                vocab: out,
+            });
+        }
+        Ok(self
+            .try_sample_linear(x, w, out, inp, rows)
+            .unwrap_or_else(device_fault))
+    }
+
+    fn route_experts(
+        &self,
+        logits: &Tensor,
+        bias: &[f32],
+        selection: ExpertSelection<'_>,
+        route_scale: f32,
+    ) -> Vec<ExpertRoute> {
+        self.try_route_experts(logits, bias, selection, route_scale)
+            .unwrap_or_else(device_fault)
+    }
+
+    // Engram hashing stays the trait's host default: its inputs are the step's token ids, which
+    // are on the host, and its row ids go straight to `engram_gather` (uploaded, never copied
+    // back). `try_engram_hash` is the device kernel, kept for its conformance test.
+
+    fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor> {
+        self.try_moe_rows(x, layer).unwrap_or_else(device_fault)
+    }
+
+    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor {
+        self.try_engram_gather(table, row_ids)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
+        self.try_scale(x, scale, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn stream_means_at(
+        &self,
+        streams: &Tensor,
+        hc: usize,
+        dim: usize,
+        precision: Precision,
+    ) -> Tensor {
+        self.try_stream_means(streams, hc, dim, precision)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor {
+        self.try_gated_pool_rows(groups, head_dim)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn engram_inject(
+        &self,
+        streams: Tensor,
+        kv: &Tensor,
+        live: &[usize],
+        gate: &crate::engram::EngramGate,
+    ) -> Tensor {
+        self.try_engram_inject(streams, kv, live, gate)
+            .unwrap_or_else(device_fault)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_weight_changed_in_place_gets_a_new_cache_key() {
+        let mut small = vec![0.5f32; 100];
+        let before = HostKey::f32s(&small);
+        small[63] = -0.5;
+        assert_ne!(
+            HostKey::f32s(&small),
+            before,
+            "every element of a small buffer counts"
+        );
+        let mut large = vec![0.25f32; 100_000];
+        let before = HostKey::f32s(&large);
+        assert_eq!(HostKey::f32s(&large), before, "the key is stable");
+        // A sampled element (0, step, 2·step, …, and the last) changes the key.
+        let step = large.len() / FINGERPRINT_SAMPLES;
+        large[7 * step] = 1.0;
+        assert_ne!(HostKey::f32s(&large), before);
+        assert_ne!(
+            HostKey::f32s(&large[..99_999]),
+            HostKey::f32s(&large),
+            "length is part of the key"
+        );
+    }
+
+    #[test]
+    fn opening_without_a_driver_is_an_error_not_a_panic() {
+        if deepinfer_kernels::runtime::driver_available().is_ok() {
+            return; // a GPU machine: tests/tests/gpu.rs covers the open path
+        }
+        let opened = std::panic::catch_unwind(|| CudaBackend::open(0).map(|_| ()));
+        let err = opened.expect("no panic").expect_err("no driver");
+        assert!(matches!(
+            err,
+            CudaBackendError::Open {
+                ordinal: 0,
+                source: KernelError::NoDriver { .. }
+            }
+        ));
+        assert!(
+            err.to_string()
+                .starts_with("cannot open CUDA device 0: no CUDA driver"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,292 @@
+//! [`Backend::moe_rows`] on the device: the router, the routed experts and the shared expert of a
+//! step's rows without leaving the device. The router's routes stay in device memory; every row
+//! runs its chosen experts through one routed GEMM launch per projection (each row bitwise what
+//! the dense GEMM gives for it), SwiGLU weights each row by its route, and the combine adds each
+//! row's expert outputs in increasing expert id, then the shared expert — the order of the host
+//! path, so the result is bitwise equal to it.
+
+use deepinfer_kernels::ops::routed::{
+    DeviceExpertTable, ExpertFormat, ExpertProjection, ExpertRefs, gemm_fp4_routed,
+    gemm_fp8_routed, moe_combine, swiglu_rows,
+};
+
+use super::*;
+use crate::v41::weights::{ExpertLinear, ExpertWeights};
+
+/// A layer's experts on the device: their address table and the weights it points into (held
+/// here so that the addresses stay valid as long as the table).
+pub(super) struct DeviceExperts {
+    table: DeviceExpertTable,
+    _held: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+impl CudaBackend {
+    /// [`Backend::moe_rows`], with errors: `Ok(None)` when the layer's experts are not all FP4
+    /// or all FP8 with 32×32 tiles (the routed GEMMs' formats) or the shared expert is not FP8/FP4.
+    pub fn try_moe_rows(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+    ) -> Result<Option<Tensor>, CudaBackendError> {
+        const OP: &str = "moe_rows";
+        let n_experts = layer.bias.len();
+        if n_experts == 0 || layer.experts.len() != n_experts {
+            return Ok(None);
+        }
+        let dim = layer.gate.len() / n_experts;
+        if dim == 0 || !x.len().is_multiple_of(dim) {
+            return Err(shape_err(
+                OP,
+                format!("x holds {} values, not whole rows of {dim}", x.len()),
+            ));
+        }
+        let rows = x.len() / dim;
+        let Some(experts) = self.device_experts(OP, layer.experts)? else {
+            return Ok(None);
+        };
+        // The shared expert reuses the rows' 32-group FP8 activations.
+        let shared = layer.shared;
+        let fits = |w: &ExpertLinear| match w {
+            ExpertLinear::Fp4(_) => true,
+            ExpertLinear::Fp8(w) => w.block == 32,
+            ExpertLinear::Exact(_) => false,
+        };
+        if ![&shared.w1, &shared.w3, &shared.w2].into_iter().all(fits) {
+            return Ok(None);
+        }
+        if rows == 0 {
+            return Ok(Some(Tensor::empty()));
+        }
+        let rounding = rounding(layer.precision);
+        let stream = self.rt.stream();
+
+        // The router: logits, then the top-k routes, both on the device.
+        let logits = self.try_linear(x, layer.gate, n_experts, dim, Rounding::F32)?;
+        let dlogits = self.input(OP, &logits)?;
+        let dbias = self.cached_f32(OP, layer.bias)?;
+        let selection = RouteSelection::TopK(layer.n_activated);
+        let k = selected_count(selection, n_experts);
+        let mut ids = stream
+            .alloc_zeros::<u32>(rows * k)
+            .map_err(driver_err(OP, "allocating the routes"))?;
+        let mut route_weights = self.alloc(OP, rows * k)?;
+        route_experts_f32(
+            &self.rt,
+            &dlogits,
+            &dbias,
+            selection,
+            layer.route_scale,
+            &mut ids,
+            &mut route_weights,
+        )
+        .map_err(op_err(OP))?;
+
+        // The routed experts: w1 and w3 per (row, slot), SwiGLU with the route weight, w2.
+        let a = self.quantised_activations(OP, x, dim, ActGroup::G32)?;
+        let (slots, inter) = (rows * k, experts.table.inter());
+        let routed = |x: &DeviceActFp8,
+                      x_row_div: usize,
+                      which: ExpertProjection,
+                      width: usize|
+         -> Result<CudaSlice<bf16>, CudaBackendError> {
+            let mut out = stream
+                .alloc_zeros::<bf16>(slots * width)
+                .map_err(driver_err(OP, "allocating an expert output"))?;
+            match experts.table.format() {
+                ExpertFormat::Fp4 => gemm_fp4_routed(
+                    &self.rt,
+                    x,
+                    &ids,
+                    x_row_div,
+                    &experts.table,
+                    which,
+                    &mut out,
+                ),
+                ExpertFormat::Fp8T32 => gemm_fp8_routed(
+                    &self.rt,
+                    x,
+                    &ids,
+                    x_row_div,
+                    &experts.table,
+                    which,
+                    &mut out,
+                ),
+            }
+            .map_err(op_err(OP))?;
+            Ok(out)
+        };
+        let gate = routed(&a, k, ExpertProjection::W1, inter)?;
+        let up = routed(&a, k, ExpertProjection::W3, inter)?;
+        let mut hidden = self.alloc(OP, slots * inter)?;
+        swiglu_rows(
+            &self.rt,
+            &gate,
+            &up,
+            Some(&route_weights),
+            layer.swiglu_limit,
+            rounding,
+            &mut hidden,
+        )
+        .map_err(op_err(OP))?;
+        let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, slots, inter, ActGroup::G32)
+            .map_err(op_err(OP))?;
+        let expert_out = routed(&a_hidden, 1, ExpertProjection::W2, dim)?;
+
+        // The shared expert on every row, then the combine.
+        let shared = self.shared_expert(OP, &a, layer.shared, layer.swiglu_limit, rounding)?;
+        let mut out = self.alloc(OP, rows * dim)?;
+        moe_combine(
+            &self.rt,
+            &expert_out,
+            &ids,
+            n_experts,
+            &shared,
+            dim,
+            rounding,
+            &mut out,
+        )
+        .map_err(op_err(OP))?;
+        Ok(Some(self.tensor(out)))
+    }
+
+    /// The shared expert of the rows `a` (FP8 32-group activations): bf16 `[rows, dim]`.
+    fn shared_expert(
+        &self,
+        op: &'static str,
+        a: &DeviceActFp8,
+        shared: &ExpertWeights<ExpertLinear>,
+        limit: f32,
+        rounding: Rounding,
+    ) -> Result<CudaSlice<bf16>, CudaBackendError> {
+        let dense =
+            |x: &DeviceActFp8, w: &ExpertLinear| -> Result<CudaSlice<bf16>, CudaBackendError> {
+                let out_width = match w {
+                    ExpertLinear::Fp4(w) => w.out,
+                    ExpertLinear::Fp8(w) => w.out,
+                    ExpertLinear::Exact(_) => 0,
+                };
+                let mut y = self
+                    .rt
+                    .stream()
+                    .alloc_zeros::<bf16>(x.rows * out_width)
+                    .map_err(driver_err(op, "allocating a shared-expert output"))?;
+                match w {
+                    ExpertLinear::Fp4(w) => gemm_fp4(&self.rt, x, &*self.cached_fp4(w)?, &mut y),
+                    ExpertLinear::Fp8(w) => gemm_fp8(&self.rt, x, &*self.cached_fp8(w)?, &mut y),
+                    ExpertLinear::Exact(_) => {
+                        return Err(shape_err(op, "an exact shared expert".to_string()));
+                    }
+                }
+                .map_err(op_err(op))?;
+                Ok(y)
+            };
+        let gate = dense(a, &shared.w1)?;
+        let up = dense(a, &shared.w3)?;
+        let mut hidden = self.alloc(op, gate.len())?;
+        swiglu_rows(&self.rt, &gate, &up, None, limit, rounding, &mut hidden)
+            .map_err(op_err(op))?;
+        let inter = gate.len() / a.rows.max(1);
+        let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, a.rows, inter, ActGroup::G32)
+            .map_err(op_err(op))?;
+        dense(&a_hidden, &shared.w2)
+    }
+
+    /// The device table of a layer's experts, built once and cached with the weights; `None`
+    /// when they are not all FP4 or all FP8 with 32×32 tiles.
+    fn device_experts(
+        &self,
+        op: &'static str,
+        experts: &[ExpertWeights<ExpertLinear>],
+    ) -> Result<Option<Arc<DeviceExperts>>, CudaBackendError> {
+        let key = (experts.as_ptr() as usize, experts.len());
+        if let Some(found) = self.lock_weights().expert_tables.get(&key) {
+            return Ok(Some(found.clone()));
+        }
+        let fp4: Option<Vec<[&Fp4Weight; 3]>> = experts
+            .iter()
+            .map(|e| match (&e.w1, &e.w3, &e.w2) {
+                (ExpertLinear::Fp4(w1), ExpertLinear::Fp4(w3), ExpertLinear::Fp4(w2)) => {
+                    Some([w1, w3, w2])
+                }
+                _ => None,
+            })
+            .collect();
+        let fp8: Option<Vec<[&Fp8Weight; 3]>> = experts
+            .iter()
+            .map(|e| match (&e.w1, &e.w3, &e.w2) {
+                (ExpertLinear::Fp8(w1), ExpertLinear::Fp8(w3), ExpertLinear::Fp8(w2))
+                    if [w1, w3, w2].iter().all(|w| w.block == 32) =>
+                {
+                    Some([w1, w3, w2])
+                }
+                _ => None,
+            })
+            .collect();
+        let built = if let Some(fp4) = fp4 {
+            let weights = fp4
+                .iter()
+                .map(|[w1, w3, w2]| {
+                    Ok([
+                        self.cached_fp4(w1)?,
+                        self.cached_fp4(w3)?,
+                        self.cached_fp4(w2)?,
+                    ])
+                })
+                .collect::<Result<Vec<_>, CudaBackendError>>()?;
+            let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = weights
+                .iter()
+                .map(|[w1, w3, w2]| ExpertRefs {
+                    w1: &**w1,
+                    w3: &**w3,
+                    w2: &**w2,
+                })
+                .collect();
+            // SAFETY: the table is stored next to `weights` (the Arcs it points into) in one
+            // `DeviceExperts`, which outlives every launch that reads it.
+            let table = unsafe { DeviceExpertTable::fp4(&self.rt, &refs) }.map_err(op_err(op))?;
+            DeviceExperts {
+                table,
+                _held: held(weights),
+            }
+        } else if let Some(fp8) = fp8 {
+            let weights = fp8
+                .iter()
+                .map(|[w1, w3, w2]| {
+                    Ok([
+                        self.cached_fp8(w1)?,
+                        self.cached_fp8(w3)?,
+                        self.cached_fp8(w2)?,
+                    ])
+                })
+                .collect::<Result<Vec<_>, CudaBackendError>>()?;
+            let refs: Vec<ExpertRefs<'_, DeviceFp8Weight>> = weights
+                .iter()
+                .map(|[w1, w3, w2]| ExpertRefs {
+                    w1: &**w1,
+                    w3: &**w3,
+                    w2: &**w2,
+                })
+                .collect();
+            // SAFETY: as above.
+            let table = unsafe { DeviceExpertTable::fp8(&self.rt, &refs) }.map_err(op_err(op))?;
+            DeviceExperts {
+                table,
+                _held: held(weights),
+            }
+        } else {
+            return Ok(None);
+        };
+        let built = Arc::new(built);
+        self.lock_weights().expert_tables.insert(key, built.clone());
+        Ok(Some(built))
+    }
+}
+
+/// The weights of every expert, as the type-erased handles [`DeviceExperts`] holds.
+fn held<W: Send + Sync + 'static>(weights: Vec<[Arc<W>; 3]>) -> Vec<Arc<dyn Any + Send + Sync>> {
+    weights
+        .into_iter()
+        .flatten()
+        .map(|w| w as Arc<dyn Any + Send + Sync>)
+        .collect()
+}

@@ -1,0 +1,782 @@
+//! The row ops of [`CudaBackend`] (mHC mixes, collapse and expansion, sparse attention, index
+//! scores): every token of every sequence of a step in one launch, each row computed as the
+//! one-token op computes it alone; the one-token ops are their one-row case. Keys are read through
+//! tables of device addresses, so a sequence's KV rows stay wherever its steps left them.
+
+use super::*;
+
+impl CudaBackend {
+    /// [`Backend::sparse_attention_at`], with errors: the one-query case of
+    /// [`CudaBackend::try_sparse_attention_rows`].
+    pub fn try_sparse_attention(
+        &self,
+        q: &[f32],
+        keys: &[&[f32]],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        let keys: Vec<Tensor> = keys.iter().map(|&k| Tensor::from(k)).collect();
+        let list: Vec<&Tensor> = keys.iter().collect();
+        self.try_sparse_attention_rows(&q.into(), &[list], sink, scale, precision)
+            .map(Tensor::into_vec)
+    }
+
+    /// [`Backend::hc_mixes`], with errors: the one-token case of
+    /// [`CudaBackend::try_hc_mixes_rows`].
+    pub fn try_hc_mixes(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Result<HcMix, CudaBackendError> {
+        let mixes =
+            self.try_hc_mixes_rows(&x.into(), params, hc, sinkhorn_iters, hc_eps, norm_eps)?;
+        if mixes.tokens() != 1 {
+            return Err(shape_err(
+                "hc_mixes",
+                format!("x ({} values) is not one token's streams", x.len()),
+            ));
+        }
+        Ok(mixes.token(0))
+    }
+
+    /// [`Backend::hc_collapse_at`], with errors: the one-token case of
+    /// [`CudaBackend::try_hc_collapse_rows`].
+    pub fn try_hc_collapse(
+        &self,
+        x: &[f32],
+        weights: &[f32],
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        self.try_hc_collapse_rows(&x.into(), &weights.into(), weights.len(), precision)
+            .map(Tensor::into_vec)
+    }
+
+    /// [`Backend::hc_expand_at`], with errors: the one-token case of
+    /// [`CudaBackend::try_hc_expand_rows`].
+    pub fn try_hc_expand(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mix: &HcMix,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        let mixes = HcMixes::from_host(mix.post.len(), std::slice::from_ref(mix));
+        self.try_hc_expand_rows(&y.into(), &residual.into(), &mixes, precision)
+            .map(Tensor::into_vec)
+    }
+
+    /// [`Backend::index_scores_at`], with errors: the one-query case of
+    /// [`CudaBackend::try_index_scores_rows`] over every key.
+    pub fn try_index_scores(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        precision: Precision,
+    ) -> Result<Vec<f32>, CudaBackendError> {
+        if head_dim == 0 || !keys.len().is_multiple_of(head_dim) {
+            return Err(shape_err(
+                "index_scores",
+                format!(
+                    "keys ({} values) are not whole {head_dim}-wide keys",
+                    keys.len()
+                ),
+            ));
+        }
+        let rows = Tensor::from(keys).split_rows(head_dim);
+        let keys: Vec<&Tensor> = rows.iter().collect();
+        let visible = [keys.len()];
+        let mut scores = self.try_index_scores_rows(
+            &q.into(),
+            &weights.into(),
+            &keys,
+            head_dim,
+            &visible,
+            precision,
+        )?;
+        Ok(scores.pop().unwrap_or_default())
+    }
+}
+
+/// The row-batched ops (every token of every sequence of a step in one call): one launch per op
+/// (or per grid's worth of rows), each row computed exactly as the one-token op computes it alone
+/// (batch invariance), the results left on the device.
+impl CudaBackend {
+    /// [`Backend::hc_mixes_rows`], with errors: `x [n, hc · dim]`, all tokens in one pair of
+    /// launches (the partials, then the sums and Sinkhorn per token).
+    pub fn try_hc_mixes_rows(
+        &self,
+        x: &Tensor,
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Result<HcMixes, CudaBackendError> {
+        const OP: &str = "hc_mixes_rows";
+        let projections = (2 + hc) * hc;
+        if hc == 0 || params.proj.is_empty() || !params.proj.len().is_multiple_of(projections) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "proj ({} values) is not {projections} whole projections (hc = {hc})",
+                    params.proj.len()
+                ),
+            ));
+        }
+        let width = params.proj.len() / projections;
+        if !x.len().is_multiple_of(width) {
+            return Err(shape_err(
+                OP,
+                format!("x ({} values) is not whole {width}-wide tokens", x.len()),
+            ));
+        }
+        let tokens = x.len() / width;
+        if tokens == 0 {
+            return Ok(HcMixes::from_host(hc, &[]));
+        }
+        let dproj = self.cached_f32(OP, &params.proj)?;
+        let dbase = self.cached_f32(OP, &params.base)?;
+        let dscale = self.cached_f32(OP, &params.scale)?;
+        let dx = self.input(OP, x)?;
+        let mut dout = self.alloc(OP, tokens * projections)?;
+        let config = HcMixesConfig {
+            hc,
+            sinkhorn_iters,
+            hc_eps,
+            norm_eps,
+        };
+        hc_mixes_rows_f32(
+            &self.rt, &dx, width, &dproj, &dbase, &dscale, &mut dout, config,
+        )
+        .map_err(op_err(OP))?;
+        Ok(HcMixes {
+            hc,
+            values: self.tensor(dout),
+        })
+    }
+
+    /// [`Backend::hc_collapse_rows_at`], with errors: `x [n, hc, dim]`, `weights [n, hc]`.
+    pub fn try_hc_collapse_rows(
+        &self,
+        x: &Tensor,
+        weights: &Tensor,
+        hc: usize,
+        precision: Precision,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "hc_collapse_rows";
+        if hc == 0 || !weights.len().is_multiple_of(hc) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "weights ({} values) are not whole tokens of hc = {hc}",
+                    weights.len()
+                ),
+            ));
+        }
+        let tokens = weights.len() / hc;
+        if tokens == 0 && x.is_empty() {
+            return Ok(Tensor::empty());
+        }
+        if tokens == 0 || x.is_empty() || !x.len().is_multiple_of(tokens * hc) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x ({} values) is not {tokens} tokens of {hc} whole streams",
+                    x.len()
+                ),
+            ));
+        }
+        let stream_len = x.len() / (tokens * hc);
+        if tokens > MAX_TOKENS_PER_LAUNCH {
+            return self.join_rows(tokens, stream_len, |rows| {
+                self.try_hc_collapse_rows(
+                    &x.rows(rows.clone(), hc * stream_len),
+                    &weights.rows(rows, hc),
+                    hc,
+                    precision,
+                )
+            });
+        }
+        let dx = self.input(OP, x)?;
+        let dw = self.input(OP, weights)?;
+        let mut dy = self.alloc(OP, x.len() / hc)?;
+        hc_collapse_rows_f32(&self.rt, &dx, &dw, &mut dy, hc, rounding(precision))
+            .map_err(op_err(OP))?;
+        Ok(self.tensor(dy))
+    }
+
+    /// [`Backend::hc_expand_rows_at`], with errors: `y [n, dim]`, `residual [n, hc, dim]`, one
+    /// mix per token.
+    pub fn try_hc_expand_rows(
+        &self,
+        y: &Tensor,
+        residual: &Tensor,
+        mixes: &HcMixes,
+        precision: Precision,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "hc_expand_rows";
+        let (hc, tokens) = (mixes.hc, mixes.tokens());
+        if tokens == 0 {
+            return if y.is_empty() && residual.is_empty() {
+                Ok(Tensor::empty())
+            } else {
+                Err(shape_err(OP, format!("no mixes for {} outputs", y.len())))
+            };
+        }
+        if hc == 0 || y.is_empty() || !y.len().is_multiple_of(tokens) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{tokens} tokens of {hc} streams and a {}-value output",
+                    y.len()
+                ),
+            ));
+        }
+        if residual.len() != hc * y.len() {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "residual has {} values, expected {hc} streams of the {}-value output",
+                    residual.len(),
+                    y.len()
+                ),
+            ));
+        }
+        let dim = y.len() / tokens;
+        if tokens > MAX_TOKENS_PER_LAUNCH {
+            return self.join_rows(tokens, hc * dim, |rows| {
+                let part = HcMixes {
+                    hc,
+                    values: mixes.values.rows(rows.clone(), mixes.width()),
+                };
+                self.try_hc_expand_rows(
+                    &y.rows(rows.clone(), dim),
+                    &residual.rows(rows, hc * dim),
+                    &part,
+                    precision,
+                )
+            });
+        }
+        let coefficients = mixes.post_comb(self);
+        let dy = self.input(OP, y)?;
+        let dres = self.input(OP, residual)?;
+        let dmix = self.input(OP, &coefficients)?;
+        let mut dout = self.alloc(OP, hc * y.len())?;
+        hc_expand_rows_f32(
+            &self.rt,
+            &dy,
+            &dres,
+            &dmix,
+            &mut dout,
+            hc,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        Ok(self.tensor(dout))
+    }
+
+    /// [`Backend::sparse_attention_rows_at`], with errors: the keys listed one by one
+    /// ([`CudaBackend::try_sparse_attention_selected`] without selections).
+    pub fn try_sparse_attention_rows(
+        &self,
+        q: &Tensor,
+        keys: &[Vec<&Tensor>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Result<Tensor, CudaBackendError> {
+        let queries: Vec<QueryKeys<'_>> =
+            keys.iter().map(|k| QueryKeys::listed(k.clone())).collect();
+        self.try_sparse_attention_selected(q, &queries, sink, scale, precision)
+    }
+
+    /// [`Backend::sparse_attention_selected`], with errors: one table of the distinct listed
+    /// keys' device addresses followed by every compressed entry of each sequence that a query
+    /// selects from; each query's list names its listed rows, then its selected rows — written
+    /// on the device from a device selection, so the selection never comes back to the host —
+    /// and one launch computes every (head, query).
+    pub fn try_sparse_attention_selected(
+        &self,
+        q: &Tensor,
+        queries: &[QueryKeys<'_>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "sparse_attention_rows";
+        let n = queries.len();
+        if n == 0 {
+            return if q.is_empty() {
+                Ok(Tensor::empty())
+            } else {
+                Err(shape_err(
+                    OP,
+                    format!("{} query values but no key lists", q.len()),
+                ))
+            };
+        }
+        let heads = sink.len();
+        if heads == 0 || q.is_empty() || !q.len().is_multiple_of(n * heads) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "q ({} values) is not {n} queries of {heads} whole heads",
+                    q.len()
+                ),
+            ));
+        }
+        let head_dim = q.len() / (n * heads);
+        let width = heads * head_dim;
+        if n > MAX_QUERIES_PER_ATTENTION_LAUNCH {
+            return self.join_rows(n, width, |rows| {
+                self.try_sparse_attention_selected(
+                    &q.rows(rows.clone(), width),
+                    &queries[rows],
+                    sink,
+                    scale,
+                    precision,
+                )
+            });
+        }
+        let mut keep = Vec::new();
+        let mut addresses: Vec<u64> = Vec::new();
+        let mut row_of: HashMap<u64, u32> = HashMap::new();
+        let mut add_row =
+            |address: u64, addresses: &mut Vec<u64>| -> Result<u32, CudaBackendError> {
+                let next = u32::try_from(addresses.len())
+                    .map_err(|_| shape_err(OP, "more than 2^32 distinct keys".to_string()))?;
+                Ok(*row_of.entry(address).or_insert_with(|| {
+                    addresses.push(address);
+                    next
+                }))
+            };
+        // The first table row of each selected-from compressed list (by its address and length).
+        let mut base_of: HashMap<(usize, usize), u32> = HashMap::new();
+        let mut lists: Vec<Vec<u32>> = Vec::with_capacity(n);
+        let mut plan: Vec<SelectedRows> = Vec::new();
+        let mut listed_so_far = 0usize;
+        for (t, query) in queries.iter().enumerate() {
+            let mut list = Vec::with_capacity(query.len());
+            for (i, key) in query.listed.iter().enumerate() {
+                if key.len() != head_dim {
+                    return Err(shape_err(
+                        OP,
+                        format!(
+                            "key {i} of query {t} has {} values, head_dim is {head_dim}",
+                            key.len()
+                        ),
+                    ));
+                }
+                let address = self.address_of(OP, key, 0, head_dim, &mut keep)?;
+                list.push(add_row(address, &mut addresses)?);
+            }
+            if let Some(selected) = query.selected {
+                let compressed = selected.compressed;
+                let slice_key = (compressed.as_ptr() as usize, compressed.len());
+                let base = match base_of.get(&slice_key) {
+                    Some(&base) => base,
+                    None => {
+                        let base = u32::try_from(addresses.len())
+                            .map_err(|_| shape_err(OP, "more than 2^32 keys".to_string()))?;
+                        for (i, entry) in compressed.iter().enumerate() {
+                            if entry.len() != head_dim {
+                                return Err(shape_err(
+                                    OP,
+                                    format!(
+                                        "compressed entry {i} has {} values, head_dim is {head_dim}",
+                                        entry.len()
+                                    ),
+                                ));
+                            }
+                            addresses.push(self.address_of(OP, entry, 0, head_dim, &mut keep)?);
+                        }
+                        base_of.insert(slice_key, base);
+                        base
+                    }
+                };
+                let count = selected.selection.counts[selected.row];
+                match selected
+                    .selection
+                    .device_rows()
+                    .and_then(|rows| rows.as_any().downcast_ref::<DeviceSelectionRows>())
+                {
+                    Some(device) => {
+                        plan.push(SelectedRows {
+                            dst: u32::try_from(listed_so_far + list.len())
+                                .map_err(|_| shape_err(OP, "key lists beyond u32".to_string()))?,
+                            count: count as u32,
+                            base,
+                            reserved: 0,
+                            src: device.row_address(&self.rt, selected.row),
+                        });
+                        list.extend(std::iter::repeat_n(base, count));
+                    }
+                    None => {
+                        for &i in &selected.selection.rows()[selected.row] {
+                            if i >= compressed.len() {
+                                return Err(shape_err(
+                                    OP,
+                                    format!(
+                                        "query {t} selects compressed entry {i} of {}",
+                                        compressed.len()
+                                    ),
+                                ));
+                            }
+                            list.push(base + i as u32);
+                        }
+                    }
+                }
+            }
+            listed_so_far += list.len();
+            lists.push(list);
+        }
+        // SAFETY: every address points at `head_dim` values (checked above) of a buffer the
+        // query tensors, the compressed entries or `keep` hold until the launch is enqueued.
+        let table = unsafe { DeviceKeyTable::upload(&self.rt, &addresses, head_dim) }
+            .map_err(op_err(OP))?;
+        let mut dlists =
+            DeviceKeyLists::upload(&self.rt, &lists, table.rows()).map_err(op_err(OP))?;
+        // SAFETY: each plan entry reads `count` positions of a device selection below the
+        // compressed list's visible count (the top-k's contract), so `base + position` is a row
+        // of that list in the table; the selection is held by the caller's `QueryKeys`.
+        unsafe { dlists.write_selected(&self.rt, &plan) }.map_err(op_err(OP))?;
+        let dsink = self.cached_f32(OP, sink)?;
+        let dq = self.input(OP, q)?;
+        let mut dout = self.alloc(OP, q.len())?;
+        sparse_attention_sink_rows_ptr_f32(
+            &self.rt,
+            &dq,
+            &table,
+            &dlists,
+            &dsink,
+            &mut dout,
+            head_dim,
+            scale,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        Ok(self.tensor(dout))
+    }
+
+    /// [`Backend::select_rows`], with errors: the index scores, the candidate mask (produced or
+    /// applied) and the top-k all on the device; the selection stays there
+    /// ([`DeviceSelectionRows`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_select_rows(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
+        head_dim: usize,
+        visible: &[usize],
+        k: usize,
+        candidates: Candidates<'_>,
+        precision: Precision,
+    ) -> Result<(Selection, Option<CandidateMask>), CudaBackendError> {
+        const OP: &str = "select_rows";
+        let queries = visible.len();
+        let seen: Vec<usize> = visible.iter().map(|&v| v.min(keys.len())).collect();
+        let max_seen = seen.iter().copied().max().unwrap_or(0);
+        let device_mask = match candidates {
+            Candidates::Apply(mask) => match mask.device_mask() {
+                Some(found) => Some(found.downcast_ref::<DeviceMask>().ok_or_else(|| {
+                    shape_err(OP, "a candidate mask of another backend".to_string())
+                })?),
+                None => None,
+            },
+            _ => None,
+        };
+        let host_mask = matches!(candidates, Candidates::Apply(_)) && device_mask.is_none();
+        if k == 0 || max_seen == 0 || host_mask || queries > MAX_QUERIES_PER_INDEX_LAUNCH {
+            // Nothing to select on the device (or a host mask): the definition, on the host.
+            let scores =
+                self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)?;
+            return Ok(select::select_host(scores, k, candidates));
+        }
+        if weights.is_empty() || !weights.len().is_multiple_of(queries) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "weights ({} values) are not {queries} queries of whole heads",
+                    weights.len()
+                ),
+            ));
+        }
+        let heads = weights.len() / queries;
+        if head_dim == 0 || q.len() != queries * heads * head_dim {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "q has {} values, expected {queries} queries of {heads} heads of {head_dim}",
+                    q.len()
+                ),
+            ));
+        }
+        let mut keep = Vec::new();
+        let table =
+            self.key_table_in_order(OP, keys[..max_seen].iter().copied(), head_dim, &mut keep)?;
+        let dvisible =
+            DeviceVisiblePrefixes::upload(&self.rt, &seen, table.rows()).map_err(op_err(OP))?;
+        let dq = self.input(OP, q)?;
+        let dw = self.input(OP, weights)?;
+        let mut scores = self.alloc(OP, dvisible.total().max(1))?;
+        index_scores_rows_ptr_f32(
+            &self.rt,
+            &dq,
+            &dw,
+            &table,
+            &dvisible,
+            &mut scores,
+            heads,
+            head_dim,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        let stream = self.rt.stream();
+        let mut produced = None;
+        match candidates {
+            Candidates::None => {}
+            Candidates::Produce {
+                block_size,
+                topk_blocks,
+            } => {
+                let mut mask = stream
+                    .alloc_zeros::<u8>(dvisible.total().max(1))
+                    .map_err(driver_err(OP, "allocating the candidate mask"))?;
+                candidate_mask_rows(
+                    &self.rt,
+                    &scores,
+                    &dvisible,
+                    block_size,
+                    topk_blocks,
+                    &mut mask,
+                )
+                .map_err(op_err(OP))?;
+                let visible_of_mask = DeviceVisiblePrefixes::upload(&self.rt, &seen, table.rows())
+                    .map_err(op_err(OP))?;
+                produced = Some(CandidateMask::device(
+                    seen.clone(),
+                    Arc::new(DeviceMask {
+                        mask,
+                        visible: visible_of_mask,
+                    }),
+                ));
+            }
+            Candidates::Apply(_) => {
+                if let Some(mask) = device_mask {
+                    apply_mask_rows(&self.rt, &mut scores, &dvisible, &mask.mask, &mask.visible)
+                        .map_err(op_err(OP))?;
+                }
+            }
+        }
+        let mut rows = stream
+            .alloc_zeros::<u32>(queries * k)
+            .map_err(driver_err(OP, "allocating the selection"))?;
+        let mut counts = stream
+            .alloc_zeros::<u32>(queries)
+            .map_err(driver_err(OP, "allocating the selection counts"))?;
+        top_k_rows(&self.rt, &scores, &dvisible, k, &mut rows, &mut counts).map_err(op_err(OP))?;
+        let host_counts: Vec<usize> = seen.iter().map(|&s| s.min(k)).collect();
+        let device = DeviceSelectionRows {
+            rows,
+            k,
+            counts: host_counts.clone(),
+            stream: stream.clone(),
+            transfers: self.transfers.clone(),
+        };
+        Ok((
+            Selection::device(k, host_counts, Arc::new(device)),
+            produced,
+        ))
+    }
+
+    /// [`Backend::index_scores_rows_at`], with errors: `q [n, heads · head_dim]`, `weights
+    /// [n, heads]`; query `t` scores the first `visible[t]` keys (at most all of them, as the
+    /// trait's default clamps), one launch for all.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_index_scores_rows(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
+        head_dim: usize,
+        visible: &[usize],
+        precision: Precision,
+    ) -> Result<Vec<Vec<f32>>, CudaBackendError> {
+        const OP: &str = "index_scores_rows";
+        let queries = visible.len();
+        if queries == 0 {
+            return Ok(Vec::new());
+        }
+        if weights.is_empty() || !weights.len().is_multiple_of(queries) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "weights ({} values) are not {queries} queries of whole heads",
+                    weights.len()
+                ),
+            ));
+        }
+        let heads = weights.len() / queries;
+        if head_dim == 0 || q.len() != queries * heads * head_dim {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "q has {} values, expected {queries} queries of {heads} heads of {head_dim}",
+                    q.len()
+                ),
+            ));
+        }
+        if queries > MAX_QUERIES_PER_INDEX_LAUNCH {
+            let mut joined = Vec::with_capacity(queries);
+            for start in (0..queries).step_by(MAX_QUERIES_PER_INDEX_LAUNCH) {
+                let rows = start..(start + MAX_QUERIES_PER_INDEX_LAUNCH).min(queries);
+                joined.extend(self.try_index_scores_rows(
+                    &q.rows(rows.clone(), heads * head_dim),
+                    &weights.rows(rows.clone(), heads),
+                    keys,
+                    head_dim,
+                    &visible[rows],
+                    precision,
+                )?);
+            }
+            return Ok(joined);
+        }
+        let seen: Vec<usize> = visible.iter().map(|&v| v.min(keys.len())).collect();
+        let max_seen = seen.iter().copied().max().unwrap_or(0);
+        if max_seen == 0 {
+            return Ok(vec![Vec::new(); queries]);
+        }
+        let mut keep = Vec::new();
+        // The scorer reads table rows 0..visible[t]: one row per key, in key order.
+        let table =
+            self.key_table_in_order(OP, keys[..max_seen].iter().copied(), head_dim, &mut keep)?;
+        let dvisible =
+            DeviceVisiblePrefixes::upload(&self.rt, &seen, table.rows()).map_err(op_err(OP))?;
+        let dq = self.input(OP, q)?;
+        let dw = self.input(OP, weights)?;
+        let mut dscores = self.alloc(OP, dvisible.total().max(1))?;
+        index_scores_rows_ptr_f32(
+            &self.rt,
+            &dq,
+            &dw,
+            &table,
+            &dvisible,
+            &mut dscores,
+            heads,
+            head_dim,
+            rounding(precision),
+        )
+        .map_err(op_err(OP))?;
+        let flat = self.download(OP, &dscores)?;
+        let mut rest = flat.as_slice();
+        Ok(seen
+            .iter()
+            .map(|&count| {
+                let (scores, tail) = rest.split_at(count);
+                rest = tail;
+                scores.to_vec()
+            })
+            .collect())
+    }
+
+    /// A table with one row per key, in key order (repeats kept). Every key must hold `row_len`
+    /// values.
+    fn key_table_in_order<'k>(
+        &self,
+        op: &'static str,
+        keys: impl Iterator<Item = &'k Tensor>,
+        row_len: usize,
+        keep: &mut Vec<CudaSlice<f32>>,
+    ) -> Result<DeviceKeyTable, CudaBackendError> {
+        let addresses = keys
+            .enumerate()
+            .map(|(i, key)| {
+                if key.len() != row_len {
+                    return Err(shape_err(
+                        op,
+                        format!("key {i} has {} values, rows are {row_len}", key.len()),
+                    ));
+                }
+                self.address_of(op, key, 0, row_len, keep)
+            })
+            .collect::<Result<Vec<u64>, _>>()?;
+        // SAFETY: as in `key_table`.
+        unsafe { DeviceKeyTable::upload(&self.rt, &addresses, row_len) }.map_err(op_err(op))
+    }
+
+    /// The outputs of `rows` in launches of at most a grid's worth each (`chunk` runs one range
+    /// of rows), joined in row order on the device.
+    fn join_rows(
+        &self,
+        rows: usize,
+        width: usize,
+        chunk: impl Fn(std::ops::Range<usize>) -> Result<Tensor, CudaBackendError>,
+    ) -> Result<Tensor, CudaBackendError> {
+        let step = MAX_TOKENS_PER_LAUNCH.min(MAX_QUERIES_PER_ATTENTION_LAUNCH);
+        let parts = (0..rows)
+            .step_by(step)
+            .map(|start| chunk(start..(start + step).min(rows)))
+            .collect::<Result<Vec<Tensor>, _>>()?;
+        let pieces: Vec<(&Tensor, usize)> = parts
+            .iter()
+            .flat_map(|part| (0..part.len() / width.max(1)).map(move |r| (part, r * width)))
+            .collect();
+        self.try_gather(&pieces, width)
+    }
+}
+
+/// A selection in device memory: `[queries, k]` positions, row `t` holding `counts[t]`.
+#[derive(Debug)]
+pub struct DeviceSelectionRows {
+    rows: CudaSlice<u32>,
+    k: usize,
+    counts: Vec<usize>,
+    stream: Arc<CudaStream>,
+    transfers: Arc<TransferCounters>,
+}
+
+impl DeviceSelectionRows {
+    /// The device address of row `row`'s positions.
+    fn row_address(&self, rt: &KernelRuntime, row: usize) -> u64 {
+        let (base, _sync) = self.rows.device_ptr(rt.stream());
+        base + (row * self.k * std::mem::size_of::<u32>()) as u64
+    }
+}
+
+impl DeviceRows for DeviceSelectionRows {
+    fn download(&self) -> Vec<Vec<usize>> {
+        self.transfers.result::<u32>(self.rows.len());
+        let flat = self
+            .stream
+            .clone_dtoh(&self.rows)
+            .unwrap_or_else(|err| panic!("CUDA backend: copying a selection to the host: {err}"));
+        self.counts
+            .iter()
+            .enumerate()
+            .map(|(t, &count)| {
+                flat[t * self.k..t * self.k + count]
+                    .iter()
+                    .map(|&i| i as usize)
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A candidate mask in device memory, with the visible prefixes of its queries.
+struct DeviceMask {
+    mask: CudaSlice<u8>,
+    visible: DeviceVisiblePrefixes,
+}

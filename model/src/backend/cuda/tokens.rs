@@ -1,0 +1,265 @@
+//! The ops of [`CudaBackend`] that turn rows into ids: token sampling (only the ids come back),
+//! the MoE router after its gate linear, and Engram hashing and table lookup.
+
+use super::*;
+
+impl CudaBackend {
+    /// [`Backend::sample_rows`], with errors: the logits are uploaded, every row sampled by the
+    /// device's sampling kernel, and only the ids come back. Rows that restrict (top-k / top-p)
+    /// take a sort scratch of the vocabulary's next power of two per row.
+    pub fn try_sample_rows(
+        &self,
+        logits: &[f32],
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dlogits = self.upload("sample_rows", logits)?;
+        self.sample_device_rows(&dlogits, vocab, rows)
+    }
+
+    /// [`Backend::sample_linear`], with errors: the fp32 logits `x · Wᵀ` (in the order of
+    /// [`Backend::linear_f32`]) are computed into a device buffer and sampled there; only the ids
+    /// come back to the host.
+    pub fn try_sample_linear(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "sample_linear";
+        if inp == 0 || out == 0 || x.len() != rows.len() * inp || w.len() < out * inp {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x holds {} values and w {}: not {} rows of {inp} against {out} outputs",
+                    x.len(),
+                    w.len(),
+                    rows.len()
+                ),
+            ));
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dw = self.cached_f32(OP, &w[..out * inp])?;
+        let dx = self.input(OP, x)?;
+        let mut dlogits = self.alloc(OP, rows.len() * out)?;
+        linear_sgemm_f32(
+            &self.rt,
+            &dx,
+            &dw,
+            &mut dlogits,
+            (rows.len(), out, inp),
+            Rounding::F32,
+        )
+        .map_err(op_err(OP))?;
+        self.sample_device_rows(&dlogits, out, rows)
+    }
+
+    /// Samples `rows.len()` rows of `vocab` logits already on the device (`sample_rows`'s math);
+    /// only the ids are downloaded.
+    fn sample_device_rows(
+        &self,
+        dlogits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "sample_rows";
+        let vocab_u32 =
+            u32::try_from(vocab).map_err(|_| shape_err(OP, format!("vocabulary of {vocab}")))?;
+        let host_rows: Vec<SampleRow> = rows
+            .iter()
+            .map(|r| SampleRow {
+                seed: r.params.seed,
+                position: r.position,
+                temperature: r.params.temperature,
+                top_p: r.params.top_p,
+                // At or beyond the vocabulary top-k keeps everything, as it does on the CPU.
+                top_k: u32::try_from(r.params.top_k).map_or(vocab_u32, |k| k.min(vocab_u32)),
+                reserved: 0,
+            })
+            .collect();
+        let restricted = host_rows.iter().any(|r| r.restricts(vocab));
+        let stream = self.rt.stream();
+        let drows = stream
+            .clone_htod(&host_rows)
+            .map_err(driver_err(OP, "uploading the row parameters"))?;
+        let mut scratch =
+            SampleScratch::new(&self.rt, rows.len(), vocab, restricted).map_err(op_err(OP))?;
+        let mut dtokens = stream
+            .alloc_zeros::<u32>(rows.len())
+            .map_err(driver_err(OP, "allocating the tokens"))?;
+        sample_rows_f32(
+            &self.rt,
+            dlogits,
+            &drows,
+            &host_rows,
+            &mut scratch,
+            &mut dtokens,
+            vocab,
+        )
+        .map_err(op_err(OP))?;
+        self.transfers
+            .sampled_id_copies
+            .fetch_add(1, Ordering::Relaxed);
+        stream
+            .clone_dtoh(&dtokens)
+            .map_err(driver_err(OP, "downloading the tokens"))
+    }
+
+    /// [`Backend::route_experts`], with errors.
+    pub fn try_route_experts(
+        &self,
+        logits: &Tensor,
+        bias: &[f32],
+        selection: ExpertSelection<'_>,
+        route_scale: f32,
+    ) -> Result<Vec<ExpertRoute>, CudaBackendError> {
+        const OP: &str = "route_experts";
+        let n_experts = bias.len();
+        if n_experts == 0 || logits.len() < n_experts {
+            return Ok(Vec::new());
+        }
+        let rows = logits.len() / n_experts;
+        let logits = logits.range(0..rows * n_experts);
+        let stream = self.rt.stream();
+        let dbias = self.cached_f32(OP, bias)?;
+        let dlogits = self.input(OP, &logits)?;
+        let forced_ids: Vec<u32>;
+        let dforced;
+        let device_selection = match selection {
+            ExpertSelection::TopK(k) => RouteSelection::TopK(k),
+            ExpertSelection::Forced(forced) => {
+                // Ids at or beyond the expert count are dropped, as on the CPU.
+                forced_ids = forced
+                    .iter()
+                    .filter(|&&e| e < n_experts)
+                    .map(|&e| e as u32)
+                    .collect();
+                if forced_ids.is_empty() {
+                    let empty = ExpertRoute {
+                        experts: Vec::new(),
+                        weights: Vec::new(),
+                    };
+                    return Ok(vec![empty; rows]);
+                }
+                dforced = stream
+                    .clone_htod(&forced_ids)
+                    .map_err(driver_err(OP, "uploading the forced experts"))?;
+                RouteSelection::Forced(&dforced)
+            }
+        };
+        let selected = selected_count(device_selection, n_experts);
+        if selected == 0 {
+            let empty = ExpertRoute {
+                experts: Vec::new(),
+                weights: Vec::new(),
+            };
+            return Ok(vec![empty; rows]);
+        }
+        let mut dexperts = stream
+            .alloc_zeros::<u32>(rows * selected)
+            .map_err(driver_err(OP, "allocating the experts"))?;
+        let mut dweights = self.alloc(OP, rows * selected)?;
+        route_experts_f32(
+            &self.rt,
+            &dlogits,
+            &dbias,
+            device_selection,
+            route_scale,
+            &mut dexperts,
+            &mut dweights,
+        )
+        .map_err(op_err(OP))?;
+        self.transfers.result::<u32>(dexperts.len());
+        let experts = stream
+            .clone_dtoh(&dexperts)
+            .map_err(driver_err(OP, "downloading the experts"))?;
+        let weights = self.download(OP, &dweights)?;
+        Ok(experts
+            .chunks_exact(selected)
+            .zip(weights.chunks_exact(selected))
+            .map(|(experts, weights)| ExpertRoute {
+                experts: experts.iter().map(|&e| e as usize).collect(),
+                weights: weights.to_vec(),
+            })
+            .collect())
+    }
+
+    /// [`Backend::engram_hash`], with errors. The hashing parameters (a few hundred bytes) are
+    /// uploaded with the contexts.
+    pub fn try_engram_hash(
+        &self,
+        hasher: &NgramHasher,
+        contexts: &[u64],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "engram_hash";
+        let max_ngram = hasher.max_ngram();
+        let tokens = contexts.len() / max_ngram;
+        if tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let layout = hasher.layout();
+        let multipliers: Vec<u64> = hasher.multipliers().iter().flatten().copied().collect();
+        let primes: Vec<u64> = layout.primes.iter().flatten().copied().collect();
+        let offsets: Vec<u64> = layout.offsets.iter().flatten().copied().collect();
+        let dhasher =
+            DeviceEngramHasher::upload(&self.rt, max_ngram, &multipliers, &primes, &offsets)
+                .map_err(op_err(OP))?;
+        let stream = self.rt.stream();
+        let dcontexts = stream
+            .clone_htod(&contexts[..tokens * max_ngram])
+            .map_err(driver_err(OP, "uploading the contexts"))?;
+        let mut drows = stream
+            .alloc_zeros::<u32>(tokens * dhasher.layers * dhasher.columns)
+            .map_err(driver_err(OP, "allocating the row ids"))?;
+        engram_hash_rows(&self.rt, &dhasher, &dcontexts, &mut drows).map_err(op_err(OP))?;
+        self.transfers.result::<u32>(drows.len());
+        stream
+            .clone_dtoh(&drows)
+            .map_err(driver_err(OP, "downloading the row ids"))
+    }
+
+    /// [`Backend::engram_gather`], with errors. The table is uploaded to device memory on first
+    /// use and cached like a weight (see the module header); only the ids travel per call.
+    pub fn try_engram_gather(
+        &self,
+        table: &EngramTable,
+        row_ids: &[u32],
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "engram_gather";
+        if row_ids.is_empty() {
+            return Ok(Tensor::empty());
+        }
+        let dtable = self.cached(
+            (
+                HostKey::bytes(table.codes()),
+                HostKey::bytes(table.scales()),
+            ),
+            |cache| &mut cache.engram_tables,
+            || {
+                DeviceEngramTable::upload(
+                    &self.rt,
+                    table.rows(),
+                    table.head_dim(),
+                    table.codes(),
+                    table.scales(),
+                )
+                .map_err(op_err(OP))
+            },
+        )?;
+        let dids = self
+            .rt
+            .stream()
+            .clone_htod(row_ids)
+            .map_err(driver_err(OP, "uploading the row ids"))?;
+        let mut dout = self.alloc(OP, row_ids.len() * table.head_dim())?;
+        engram_gather_f32(&self.rt, &dtable, &dids, &mut dout).map_err(op_err(OP))?;
+        Ok(self.tensor(dout))
+    }
+}

@@ -1,0 +1,300 @@
+//! The indexer's selection (spec §3.4) as the backend computes it: per query, the compressed
+//! positions it attends to ([`Selection`]), and the two-level top-k's candidate mask
+//! ([`CandidateMask`]). Both stay where they were computed: on a device they live in device memory
+//! and go straight to the attention that reads them ([`QueryKeys`]); reading one on the host copies
+//! it back once. The host functions here are the definition ([`top_k_lowest_index`],
+//! [`candidate_mask`], [`select_host`]).
+
+use std::any::Any;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use super::Tensor;
+
+/// A selection or mask a device backend keeps in its own memory.
+pub trait DeviceRows: Send + Sync + fmt::Debug {
+    /// The rows, copied to the host (counted by the backend).
+    fn download(&self) -> Vec<Vec<usize>>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Per query of one sequence's rows, the ascending compressed positions it selected: query `t`
+/// holds `counts[t]` of them (at most `k`).
+#[derive(Clone)]
+pub struct Selection {
+    pub k: usize,
+    pub counts: Vec<usize>,
+    host: OnceLock<Vec<Vec<usize>>>,
+    device: Option<Arc<dyn DeviceRows>>,
+}
+
+impl Selection {
+    /// A selection on the host.
+    pub fn host(rows: Vec<Vec<usize>>) -> Selection {
+        Selection {
+            k: rows.iter().map(Vec::len).max().unwrap_or(0),
+            counts: rows.iter().map(Vec::len).collect(),
+            host: OnceLock::from(rows),
+            device: None,
+        }
+    }
+
+    /// A selection in device memory: `counts[t]` positions of row `t`, rows `k` apart.
+    pub fn device(k: usize, counts: Vec<usize>, rows: Arc<dyn DeviceRows>) -> Selection {
+        Selection {
+            k,
+            counts,
+            host: OnceLock::new(),
+            device: Some(rows),
+        }
+    }
+
+    /// Queries.
+    pub fn len(&self) -> usize {
+        self.counts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+
+    /// The device rows, if the selection lives on a device.
+    pub fn device_rows(&self) -> Option<&Arc<dyn DeviceRows>> {
+        self.device.as_ref()
+    }
+
+    /// The selected positions of every query, on the host (copied back once from a device).
+    pub fn rows(&self) -> &[Vec<usize>] {
+        self.host.get_or_init(|| match &self.device {
+            Some(rows) => rows.download(),
+            None => Vec::new(),
+        })
+    }
+}
+
+impl fmt::Debug for Selection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Selection")
+            .field("k", &self.k)
+            .field("counts", &self.counts)
+            .field("on_device", &self.device.is_some())
+            .finish()
+    }
+}
+
+/// The candidate mask of a candidate source's queries (level one of the two-level top-k): per
+/// query, which of its visible compressed positions a later index source may select.
+#[derive(Clone)]
+pub struct CandidateMask {
+    /// Visible positions of each query.
+    pub visible: Vec<usize>,
+    host: OnceLock<Vec<Vec<bool>>>,
+    device: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl CandidateMask {
+    /// A mask on the host.
+    pub fn host(rows: Vec<Vec<bool>>) -> CandidateMask {
+        CandidateMask {
+            visible: rows.iter().map(Vec::len).collect(),
+            host: OnceLock::from(rows),
+            device: None,
+        }
+    }
+
+    /// A mask in device memory (read only by the backend that made it).
+    pub fn device(visible: Vec<usize>, mask: Arc<dyn Any + Send + Sync>) -> CandidateMask {
+        CandidateMask {
+            visible,
+            host: OnceLock::new(),
+            device: Some(mask),
+        }
+    }
+
+    /// The device mask, if the mask lives on a device.
+    pub fn device_mask(&self) -> Option<&Arc<dyn Any + Send + Sync>> {
+        self.device.as_ref()
+    }
+
+    /// The host rows (a device mask has none: its backend applies it where it is).
+    pub fn host_rows(&self) -> Option<&[Vec<bool>]> {
+        self.host.get().map(Vec::as_slice)
+    }
+}
+
+impl fmt::Debug for CandidateMask {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CandidateMask")
+            .field("visible", &self.visible)
+            .field("on_device", &self.device.is_some())
+            .finish()
+    }
+}
+
+/// What the two-level top-k asks of one index source's selection.
+#[derive(Debug, Clone, Copy)]
+pub enum Candidates<'a> {
+    /// A plain index source.
+    None,
+    /// The candidate source: also return its candidate mask (blocks of `block_size` positions
+    /// scored by their best, the newest pinned, the best `topk_blocks` kept).
+    Produce {
+        block_size: usize,
+        topk_blocks: usize,
+    },
+    /// A later index source: scores outside the source's mask do not compete.
+    Apply(&'a CandidateMask),
+}
+
+/// The keys of one attention query: `listed` in order, then `compressed[i]` for every position
+/// `i` that row `row` of `selection` holds.
+#[derive(Debug, Clone)]
+pub struct QueryKeys<'a> {
+    pub listed: Vec<&'a Tensor>,
+    pub selected: Option<SelectedKeys<'a>>,
+}
+
+/// The selected part of a query's keys ([`QueryKeys`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SelectedKeys<'a> {
+    /// A sequence's compressed entries (one `head_dim` row each).
+    pub compressed: &'a [Tensor],
+    pub selection: &'a Selection,
+    pub row: usize,
+}
+
+impl<'a> QueryKeys<'a> {
+    /// Keys listed one by one.
+    pub fn listed(listed: Vec<&'a Tensor>) -> QueryKeys<'a> {
+        QueryKeys {
+            listed,
+            selected: None,
+        }
+    }
+
+    /// Every key of the query in order, on the host side of the list (the selection read there).
+    pub fn flattened(&self) -> Vec<&'a Tensor> {
+        let mut keys = self.listed.clone();
+        if let Some(sel) = self.selected {
+            keys.extend(
+                sel.selection.rows()[sel.row]
+                    .iter()
+                    .map(|&i| &sel.compressed[i]),
+            );
+        }
+        keys
+    }
+
+    /// How many keys the query has.
+    pub fn len(&self) -> usize {
+        self.listed.len() + self.selected.map_or(0, |s| s.selection.counts[s.row])
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Indices of the `k` largest scores, ties broken toward the lower index, returned ascending.
+pub fn top_k_lowest_index(scores: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order.sort_unstable();
+    order
+}
+
+/// Level one of the two-level top-k over one query's scores: blocks of `block_size` positions
+/// scored by their best position, the newest (partial) block pinned, the best `topk_blocks` kept
+/// (a block whose best is −∞ is never kept).
+pub fn candidate_mask(scores: &[f32], block_size: usize, topk_blocks: usize) -> Vec<bool> {
+    if scores.is_empty() || block_size == 0 {
+        return vec![true; scores.len()];
+    }
+    let mut block_scores: Vec<f32> = scores
+        .chunks(block_size)
+        .map(|b| b.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s)))
+        .collect();
+    let newest = (scores.len() - 1) / block_size;
+    block_scores[newest] = f32::INFINITY;
+    let kept = top_k_lowest_index(&block_scores, topk_blocks.min(block_scores.len()));
+    let mut mask = vec![false; scores.len()];
+    for block in kept {
+        if block_scores[block] > f32::NEG_INFINITY {
+            let end = ((block + 1) * block_size).min(scores.len());
+            mask[block * block_size..end].fill(true);
+        }
+    }
+    mask
+}
+
+/// The selection of queries from their index scores (`scores[t]`: query `t`'s visible scores):
+/// the definition [`super::Backend::select_rows`] implements.
+pub fn select_host(
+    mut scores: Vec<Vec<f32>>,
+    k: usize,
+    candidates: Candidates<'_>,
+) -> (Selection, Option<CandidateMask>) {
+    let mut produced = Vec::new();
+    for (t, scores) in scores.iter_mut().enumerate() {
+        match candidates {
+            Candidates::None => {}
+            Candidates::Produce {
+                block_size,
+                topk_blocks,
+            } => produced.push(candidate_mask(scores, block_size, topk_blocks)),
+            Candidates::Apply(mask) => {
+                if let Some(mask) = mask.host_rows().and_then(|rows| rows.get(t)) {
+                    for (score, keep) in scores.iter_mut().zip(mask) {
+                        if !keep {
+                            *score = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let rows = scores
+        .iter()
+        .map(|scores| top_k_lowest_index(scores, k.min(scores.len())))
+        .collect();
+    let mask =
+        matches!(candidates, Candidates::Produce { .. }).then(|| CandidateMask::host(produced));
+    let mut selection = Selection::host(rows);
+    selection.k = k;
+    (selection, mask)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_prefers_the_lower_index_on_ties_and_returns_ascending() {
+        let scores = [1.0, 3.0, 2.0, 3.0, 2.0, f32::NEG_INFINITY];
+        assert_eq!(top_k_lowest_index(&scores, 3), vec![1, 2, 3]);
+        assert_eq!(top_k_lowest_index(&scores, 2), vec![1, 3]);
+        assert_eq!(top_k_lowest_index(&[2.0, 2.0, 2.0], 1), vec![0]);
+        assert_eq!(top_k_lowest_index(&scores, 0), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn a_candidate_mask_keeps_the_best_blocks_and_the_newest() {
+        // Blocks of 2: [0, 5] [1, 1] [9, -inf] [0.5]; keep 2 blocks: the newest (pinned) and [9].
+        let scores = [0.0, 5.0, 1.0, 1.0, 9.0, f32::NEG_INFINITY, 0.5];
+        let mask = candidate_mask(&scores, 2, 2);
+        assert_eq!(mask, vec![false, false, false, false, true, true, true]);
+        let (selection, produced) = select_host(
+            vec![scores.to_vec()],
+            2,
+            Candidates::Produce {
+                block_size: 2,
+                topk_blocks: 2,
+            },
+        );
+        assert_eq!(selection.rows(), &[vec![1, 4]]);
+        let produced = produced.expect("a candidate source returns its mask");
+        let (restricted, _) = select_host(vec![scores.to_vec()], 2, Candidates::Apply(&produced));
+        assert_eq!(restricted.rows(), &[vec![4, 6]]);
+    }
+}

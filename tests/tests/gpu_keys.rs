@@ -1,0 +1,616 @@
+//! GPU tests of the key pointer tables (`deepinfer_kernels::ops::key_table`): the sink attention
+//! and the indexer scores with key rows read through a device pointer table
+//! (`sparse_attention_sink_rows_ptr_f32`, `index_scores_rows_ptr_f32`).
+//!
+//! The key rows are scattered over several separately allocated device buffers at odd element
+//! offsets, with filler values between them (a wrong address reads filler, not a neighbouring
+//! key), and the table repeats some rows' addresses. Each result is compared bitwise with the
+//! flat launchers (`*_rows_f32`) on the same keys gathered into one buffer and with
+//! `CpuBackend::sparse_attention_rows_at` / `index_scores_rows_at`, over heads 1/3/64 × head_dim
+//! 32/96/512, 0/1/7/300 keys per query (and repeated keys), both roundings. Negative controls: one
+//! table entry moved by one element changes exactly the results that read it; bad tables and
+//! rows are shape errors.
+//!
+//! Built only with `--features cuda`; `#[ignore]`d (they need an NVIDIA GPU) and, when run
+//! without a CUDA driver, each says why it skips and passes. On the H200:
+//! `bash .gpu/run.sh gpu_keys --include-ignored`.
+#![cfg(feature = "cuda")]
+
+use deepinfer_kernels::KernelError;
+use deepinfer_kernels::KernelRuntime;
+use deepinfer_kernels::cudarc::driver::CudaSlice;
+use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::attention::{
+    DeviceKeyLists, sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_f32,
+};
+use deepinfer_kernels::ops::index::{
+    DeviceVisiblePrefixes, index_scores_rows_f32, index_scores_rows_ptr_f32,
+};
+use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
+use deepinfer_kernels::runtime::driver_available;
+use deepinfer_model::backend::{Backend, CpuBackend, Precision, Tensor};
+use deepinfer_model::quant;
+
+/// Opens the device, or says why the test is skipped (no driver) and returns `None`.
+fn runtime(test: &str) -> Option<KernelRuntime> {
+    if let Err(err) = driver_available() {
+        eprintln!("{test}: skipped: {err}");
+        return None;
+    }
+    match KernelRuntime::open(0) {
+        Ok(rt) => Some(rt),
+        Err(err) => {
+            panic!("{test}: a CUDA driver is present but the kernel runtime did not open: {err}")
+        }
+    }
+}
+
+/// SplitMix64: a small deterministic generator for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// bf16 values uniform in [-1, 1).
+fn bf16_unit(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| quant::round_bf16(rng.uniform())).collect()
+}
+
+const SHAPES: [(usize, usize); 9] = [
+    (1, 32),
+    (1, 96),
+    (1, 512),
+    (3, 32),
+    (3, 96),
+    (3, 512),
+    (64, 32),
+    (64, 96),
+    (64, 512),
+];
+const PRECISIONS: [Precision; 2] = [Precision::Bf16, Precision::F32];
+/// Rows of every key table: more than the longest list, so lists pick among them.
+const TABLE_ROWS: usize = 310;
+/// Separately allocated buffers the rows are spread over.
+const BUFFERS: usize = 5;
+/// The value between and around the rows: far from every key value, so a misplaced read shows.
+const FILLER: f32 = 1000.0;
+
+fn rounding(precision: Precision) -> Rounding {
+    match precision {
+        Precision::Bf16 => Rounding::Bf16,
+        Precision::F32 => Rounding::F32,
+    }
+}
+
+/// `TABLE_ROWS` key rows of `head_dim` values scattered over [`BUFFERS`] device buffers, and the
+/// same rows gathered into one flat buffer.
+struct ScatteredKeys {
+    /// Kept alive while launches read the table (its addresses point into them).
+    buffers: Vec<CudaSlice<f32>>,
+    /// `(buffer, element offset)` of each table row.
+    places: Vec<(usize, usize)>,
+    table: DeviceKeyTable,
+    /// Host copy of the rows in table order, `[TABLE_ROWS, head_dim]`.
+    flat: Vec<f32>,
+    flat_device: CudaSlice<f32>,
+}
+
+impl ScatteredKeys {
+    /// Rows go to random buffers, each after a gap of 1..=5 filler values (so offsets are odd
+    /// and not multiples of `head_dim`); every 9th row repeats the address of an earlier row.
+    fn new(rt: &KernelRuntime, rng: &mut Rng, head_dim: usize) -> ScatteredKeys {
+        let mut contents: Vec<Vec<f32>> = vec![Vec::new(); BUFFERS];
+        let mut places = Vec::with_capacity(TABLE_ROWS);
+        for row in 0..TABLE_ROWS {
+            if row % 9 == 8 {
+                places.push(places[rng.below(row as u64) as usize]);
+                continue;
+            }
+            let buffer = rng.below(BUFFERS as u64) as usize;
+            let gap = 1 + rng.below(5) as usize;
+            let data = &mut contents[buffer];
+            data.extend(std::iter::repeat_n(FILLER, gap));
+            places.push((buffer, data.len()));
+            data.extend(bf16_unit(rng, head_dim));
+        }
+        for data in &mut contents {
+            data.extend(std::iter::repeat_n(FILLER, 3)); // also keeps every buffer non-empty
+        }
+        let stream = rt.stream();
+        let buffers: Vec<CudaSlice<f32>> = contents
+            .iter()
+            .map(|data| stream.clone_htod(data).expect("uploading a key buffer"))
+            .collect();
+        let flat: Vec<f32> = places
+            .iter()
+            .flat_map(|&(b, at)| contents[b][at..at + head_dim].iter().copied())
+            .collect();
+        let addresses: Vec<u64> = places
+            .iter()
+            .map(|&(b, at)| key_row_address(rt, &buffers[b], at, head_dim).expect("row address"))
+            .collect();
+        // SAFETY: every address is a head_dim row inside one of `buffers`, which this struct
+        // keeps alive for as long as the table (the launches run before it is dropped and the
+        // tests synchronise when they download the results).
+        let table = unsafe { DeviceKeyTable::upload(rt, &addresses, head_dim) }
+            .expect("uploading the key table");
+        let flat_device = stream.clone_htod(&flat).expect("uploading the flat keys");
+        ScatteredKeys {
+            buffers,
+            places,
+            table,
+            flat,
+            flat_device,
+        }
+    }
+
+    fn row(&self, r: usize, head_dim: usize) -> &[f32] {
+        &self.flat[r * head_dim..(r + 1) * head_dim]
+    }
+}
+
+/// Asserts `a` and `b` are bitwise equal and returns their length.
+fn assert_bitwise(what: &str, a: &[f32], b: &[f32]) -> usize {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let differing: Vec<usize> = (0..a.len())
+        .filter(|&i| a[i].to_bits() != b[i].to_bits())
+        .collect();
+    if let Some(&first) = differing.first() {
+        panic!(
+            "{what}: {} of {} values differ; first at {first}: {} vs {}",
+            differing.len(),
+            a.len(),
+            a[first],
+            b[first]
+        );
+    }
+    a.len()
+}
+
+/// Key lists of 0, 1, 7 and 300 rows, plus one row repeated 7 times; rows repeat within lists.
+fn key_lists(rng: &mut Rng) -> Vec<Vec<u32>> {
+    let mut lists: Vec<Vec<u32>> = [0usize, 1, 7, 300]
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| rng.below(TABLE_ROWS as u64) as u32)
+                .collect()
+        })
+        .collect();
+    lists.push(vec![rng.below(TABLE_ROWS as u64) as u32; 7]);
+    lists
+}
+
+/// The pointer-table attention, the flat attention on the gathered keys (both on the device)
+/// and the CPU reference, for `lists` over `keys`.
+struct AttentionRun {
+    ptr: Vec<f32>,
+    flat: Vec<f32>,
+    cpu: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_attention(
+    rt: &KernelRuntime,
+    keys: &ScatteredKeys,
+    table: &DeviceKeyTable,
+    lists: &[Vec<u32>],
+    q: &[f32],
+    sink: &[f32],
+    head_dim: usize,
+    precision: Precision,
+) -> AttentionRun {
+    let stream = rt.stream();
+    let scale = (head_dim as f32).powf(-0.5);
+    let device_lists = DeviceKeyLists::upload(rt, lists, TABLE_ROWS).expect("key lists");
+    let q_device = stream.clone_htod(q).expect("q");
+    let sink_device = stream.clone_htod(sink).expect("sink");
+    let mut out_ptr = stream.alloc_zeros::<f32>(q.len()).expect("out");
+    let mut out_flat = stream.alloc_zeros::<f32>(q.len()).expect("out");
+    sparse_attention_sink_rows_ptr_f32(
+        rt,
+        &q_device,
+        table,
+        &device_lists,
+        &sink_device,
+        &mut out_ptr,
+        head_dim,
+        scale,
+        rounding(precision),
+    )
+    .expect("pointer-table attention");
+    sparse_attention_sink_rows_f32(
+        rt,
+        &q_device,
+        &keys.flat_device,
+        &device_lists,
+        &sink_device,
+        &mut out_flat,
+        head_dim,
+        scale,
+        rounding(precision),
+    )
+    .expect("flat attention");
+    let key_rows = Tensor::from(&keys.flat[..]).split_rows(head_dim);
+    let key_refs: Vec<Vec<&Tensor>> = lists
+        .iter()
+        .map(|list| list.iter().map(|&r| &key_rows[r as usize]).collect())
+        .collect();
+    AttentionRun {
+        ptr: stream.clone_dtoh(&out_ptr).expect("download"),
+        flat: stream.clone_dtoh(&out_flat).expect("download"),
+        cpu: CpuBackend::new()
+            .sparse_attention_rows_at(&Tensor::from(q), &key_refs, sink, scale, precision)
+            .into_vec(),
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pointer_table_attention_matches_the_flat_launcher_and_the_cpu() {
+    let Some(rt) = runtime("pointer_table_attention_matches_the_flat_launcher_and_the_cpu") else {
+        return;
+    };
+    let mut rng = Rng(7);
+    let mut checked = 0usize;
+    for (heads, head_dim) in SHAPES {
+        let keys = ScatteredKeys::new(&rt, &mut rng, head_dim);
+        let lists = key_lists(&mut rng);
+        let q = bf16_unit(&mut rng, lists.len() * heads * head_dim);
+        let sink: Vec<f32> = (0..heads).map(|_| 2.0 * rng.uniform()).collect();
+        for precision in PRECISIONS {
+            let what = format!("attention h{heads} d{head_dim} {precision:?}");
+            let run = run_attention(
+                &rt,
+                &keys,
+                &keys.table,
+                &lists,
+                &q,
+                &sink,
+                head_dim,
+                precision,
+            );
+            checked += assert_bitwise(&format!("{what}: table vs flat"), &run.ptr, &run.flat);
+            assert_bitwise(&format!("{what}: table vs cpu"), &run.ptr, &run.cpu);
+            // The query with no keys has only the sink: its output is exactly 0.
+            assert!(run.ptr[..heads * head_dim].iter().all(|&v| v == 0.0));
+        }
+    }
+    println!(
+        "pointer-table attention: {checked} values bitwise equal to the flat launcher and the CPU"
+    );
+}
+
+/// Index scores of `visible` over `keys` through the table and flat (device), and the CPU's.
+struct IndexRun {
+    ptr: Vec<f32>,
+    flat: Vec<f32>,
+    cpu: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_index(
+    rt: &KernelRuntime,
+    keys: &ScatteredKeys,
+    table: &DeviceKeyTable,
+    visible: &[usize],
+    q: &[f32],
+    w: &[f32],
+    heads: usize,
+    head_dim: usize,
+    precision: Precision,
+) -> IndexRun {
+    let stream = rt.stream();
+    let prefixes = DeviceVisiblePrefixes::upload(rt, visible, TABLE_ROWS).expect("prefixes");
+    let q_device = stream.clone_htod(q).expect("q");
+    let w_device = stream.clone_htod(w).expect("w");
+    let len = prefixes.total().max(1);
+    let mut scores_ptr = stream.alloc_zeros::<f32>(len).expect("scores");
+    let mut scores_flat = stream.alloc_zeros::<f32>(len).expect("scores");
+    index_scores_rows_ptr_f32(
+        rt,
+        &q_device,
+        &w_device,
+        table,
+        &prefixes,
+        &mut scores_ptr,
+        heads,
+        head_dim,
+        rounding(precision),
+    )
+    .expect("pointer-table index scores");
+    index_scores_rows_f32(
+        rt,
+        &q_device,
+        &w_device,
+        &keys.flat_device,
+        &prefixes,
+        &mut scores_flat,
+        heads,
+        head_dim,
+        rounding(precision),
+    )
+    .expect("flat index scores");
+    let total = prefixes.total();
+    let mut ptr = stream.clone_dtoh(&scores_ptr).expect("download");
+    let mut flat = stream.clone_dtoh(&scores_flat).expect("download");
+    ptr.truncate(total);
+    flat.truncate(total);
+    let key_rows = Tensor::from(&keys.flat[..]).split_rows(head_dim);
+    let key_refs: Vec<&Tensor> = key_rows.iter().collect();
+    let cpu = CpuBackend::new()
+        .index_scores_rows_at(
+            &Tensor::from(q),
+            &Tensor::from(w),
+            &key_refs,
+            head_dim,
+            visible,
+            precision,
+        )
+        .concat();
+    IndexRun { ptr, flat, cpu }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pointer_table_index_scores_match_the_flat_launcher_and_the_cpu() {
+    let Some(rt) = runtime("pointer_table_index_scores_match_the_flat_launcher_and_the_cpu") else {
+        return;
+    };
+    let mut rng = Rng(11);
+    let mut checked = 0usize;
+    // 0, 1, 7 and 300 keys, and the whole table (with its repeated rows).
+    let visible = [0usize, 1, 7, 300, TABLE_ROWS];
+    for (heads, head_dim) in SHAPES {
+        let keys = ScatteredKeys::new(&rt, &mut rng, head_dim);
+        let q = bf16_unit(&mut rng, visible.len() * heads * head_dim);
+        let w: Vec<f32> = (0..visible.len() * heads)
+            .map(|_| quant::round_bf16(rng.uniform()))
+            .collect();
+        for precision in PRECISIONS {
+            let what = format!("index h{heads} d{head_dim} {precision:?}");
+            let run = run_index(
+                &rt,
+                &keys,
+                &keys.table,
+                &visible,
+                &q,
+                &w,
+                heads,
+                head_dim,
+                precision,
+            );
+            assert_eq!(run.ptr.len(), visible.iter().sum::<usize>(), "{what}");
+            checked += assert_bitwise(&format!("{what}: table vs flat"), &run.ptr, &run.flat);
+            assert_bitwise(&format!("{what}: table vs cpu"), &run.ptr, &run.cpu);
+            // A repeated row scores the same as the row it repeats (query 4 sees every row).
+            let last = &run.ptr[run.ptr.len() - TABLE_ROWS..];
+            for row in (8..TABLE_ROWS).step_by(9) {
+                let original = keys.places.iter().position(|&p| p == keys.places[row]);
+                let original = original.expect("the repeated place is in the table");
+                assert_eq!(last[row].to_bits(), last[original].to_bits(), "{what}");
+            }
+        }
+    }
+    println!(
+        "pointer-table index scores: {checked} values bitwise equal to the flat launcher and the CPU"
+    );
+}
+
+/// A table whose row `moved` points one element past its key: the results that read that row
+/// change, the others stay bitwise equal (the tests above would catch a wrong address).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_moved_table_entry_changes_exactly_the_results_that_read_it() {
+    let Some(rt) = runtime("a_moved_table_entry_changes_exactly_the_results_that_read_it") else {
+        return;
+    };
+    let (heads, head_dim) = (3usize, 96usize);
+    let mut rng = Rng(13);
+    let keys = ScatteredKeys::new(&rt, &mut rng, head_dim);
+    let moved = 5usize;
+    let addresses: Vec<u64> = keys
+        .places
+        .iter()
+        .enumerate()
+        .map(|(r, &(b, at))| {
+            let at = if r == moved { at + 1 } else { at };
+            key_row_address(&rt, &keys.buffers[b], at, head_dim).expect("row address")
+        })
+        .collect();
+    // SAFETY: as in ScatteredKeys::new; the moved row still lies inside its buffer (every row is
+    // followed by at least one filler value).
+    let table = unsafe { DeviceKeyTable::upload(&rt, &addresses, head_dim) }.expect("table");
+
+    let lists = vec![vec![1u32, 2, 3], vec![4, moved as u32, 6], vec![]];
+    let q = bf16_unit(&mut rng, lists.len() * heads * head_dim);
+    let sink: Vec<f32> = (0..heads).map(|_| 2.0 * rng.uniform()).collect();
+    let run = run_attention(
+        &rt,
+        &keys,
+        &table,
+        &lists,
+        &q,
+        &sink,
+        head_dim,
+        Precision::Bf16,
+    );
+    let width = heads * head_dim;
+    assert_bitwise(
+        "query 0 (does not read the row)",
+        &run.ptr[..width],
+        &run.flat[..width],
+    );
+    assert_bitwise(
+        "query 2 (no keys)",
+        &run.ptr[2 * width..],
+        &run.flat[2 * width..],
+    );
+    let changed = (width..2 * width)
+        .filter(|&i| run.ptr[i].to_bits() != run.flat[i].to_bits())
+        .count();
+    assert!(
+        changed > width / 2,
+        "only {changed} of {width} outputs changed"
+    );
+
+    // Every head of every query is the moved row's key, so its true logits are positive (|k|²)
+    // and a misread row cannot score the same by a ReLU tie at 0.
+    let visible = [moved, moved + 1, TABLE_ROWS];
+    let q = keys.row(moved, head_dim).repeat(visible.len() * heads);
+    let w: Vec<f32> = (0..visible.len() * heads)
+        .map(|_| quant::round_bf16(0.5 + 0.25 * rng.uniform()))
+        .collect();
+    let run = run_index(
+        &rt,
+        &keys,
+        &table,
+        &visible,
+        &q,
+        &w,
+        heads,
+        head_dim,
+        Precision::F32,
+    );
+    let differing: Vec<usize> = (0..run.ptr.len())
+        .filter(|&i| run.ptr[i].to_bits() != run.flat[i].to_bits())
+        .collect();
+    // Query 0 sees rows 0..5 (not the moved row); query 1 sees it at its score 5, query 2 at
+    // score 5 of its own range (which starts after 5 + 6 scores).
+    assert_eq!(differing, vec![moved + moved, moved + (moved + 1) + moved]);
+    println!("a moved table entry: changed {changed} of {width} attention outputs and 2 scores");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pointer_tables_reject_bad_rows_and_shapes() {
+    let Some(rt) = runtime("pointer_tables_reject_bad_rows_and_shapes") else {
+        return;
+    };
+    let shape_error = |what: &str, result: Result<(), KernelError>, needle: &str| match result {
+        Err(KernelError::Shape { message, .. }) => {
+            assert!(message.contains(needle), "{what}: {message}")
+        }
+        other => panic!("{what}: expected a shape error, got {other:?}"),
+    };
+    let stream = rt.stream();
+    let buffer = stream.clone_htod(&[0.5f32; 40]).expect("buffer");
+    shape_error(
+        "row past the end",
+        key_row_address(&rt, &buffer, 33, 8).map(|_| ()),
+        "does not fit",
+    );
+    shape_error(
+        "empty row",
+        key_row_address(&rt, &buffer, 0, 0).map(|_| ()),
+        "does not fit",
+    );
+    shape_error(
+        "offset overflow",
+        key_row_address(&rt, &buffer, usize::MAX, 8).map(|_| ()),
+        "does not fit",
+    );
+    let base = key_row_address(&rt, &buffer, 0, 8).expect("row 0");
+    assert_eq!(
+        key_row_address(&rt, &buffer, 32, 8).expect("row 4"),
+        base + 128
+    );
+    // SAFETY: rejected before anything is uploaded; nothing is launched with it.
+    let null = unsafe { DeviceKeyTable::upload(&rt, &[base, 0], 8) };
+    shape_error("null address", null.map(|_| ()), "row 1");
+    // SAFETY: as above.
+    let misaligned = unsafe { DeviceKeyTable::upload(&rt, &[base + 2], 8) };
+    shape_error("misaligned address", misaligned.map(|_| ()), "row 0");
+    // SAFETY: rows 0..4 of `buffer`, alive until the end of the test.
+    let table = unsafe { DeviceKeyTable::upload(&rt, &[base, base + 32, base + 64, base + 96], 8) }
+        .expect("table");
+    let (q, sink) = (
+        stream.clone_htod(&[0.25f32; 8]).expect("q"),
+        stream.clone_htod(&[0.0f32]).expect("sink"),
+    );
+    let mut out = stream.alloc_zeros::<f32>(8).expect("out");
+    let lists = DeviceKeyLists::upload(&rt, &[vec![0u32, 4]], 5).expect("lists");
+    shape_error(
+        "lists beyond the table",
+        sparse_attention_sink_rows_ptr_f32(
+            &rt,
+            &q,
+            &table,
+            &lists,
+            &sink,
+            &mut out,
+            8,
+            1.0,
+            Rounding::F32,
+        ),
+        "the key table has 4 rows of 8 values; the launch needs 5 rows of 8",
+    );
+    let lists = DeviceKeyLists::upload(&rt, &[vec![0u32, 3]], 4).expect("lists");
+    let mut wide_out = stream.alloc_zeros::<f32>(4).expect("out");
+    shape_error(
+        "row width differs from head_dim",
+        sparse_attention_sink_rows_ptr_f32(
+            &rt,
+            &stream.clone_htod(&[0.25f32; 4]).expect("q"),
+            &table,
+            &lists,
+            &sink,
+            &mut wide_out,
+            4,
+            1.0,
+            Rounding::F32,
+        ),
+        "rows of 8 values; the launch needs 4 rows of 4",
+    );
+    let w = stream.clone_htod(&[1.0f32]).expect("w");
+    let mut scores = stream.alloc_zeros::<f32>(5).expect("scores");
+    let prefixes = DeviceVisiblePrefixes::upload(&rt, &[5], 5).expect("prefixes");
+    shape_error(
+        "visible beyond the table",
+        index_scores_rows_ptr_f32(
+            &rt,
+            &q,
+            &w,
+            &table,
+            &prefixes,
+            &mut scores,
+            1,
+            8,
+            Rounding::F32,
+        ),
+        "needs 5 rows of 8",
+    );
+    // The accepted shapes run and agree with the keys' values: q · k = 8 · 0.25 · 0.5 = 1.
+    let prefixes = DeviceVisiblePrefixes::upload(&rt, &[4], 4).expect("prefixes");
+    let mut scores = stream.alloc_zeros::<f32>(4).expect("scores");
+    index_scores_rows_ptr_f32(
+        &rt,
+        &q,
+        &w,
+        &table,
+        &prefixes,
+        &mut scores,
+        1,
+        8,
+        Rounding::F32,
+    )
+    .expect("valid index launch");
+    let scores = stream.clone_dtoh(&scores).expect("download");
+    assert_eq!(scores, vec![1.0; 4]);
+}

@@ -1,0 +1,895 @@
+//! The routed experts on the device from device routes (`deepinfer_kernels::ops::routed`): the
+//! whole MoE chain — route (`route_experts_f32`) → quantise → routed `w1`/`w3` → SwiGLU with route
+//! weights → quantise → routed `w2` → combine with the shared expert — with no copy to the host,
+//! bitwise equal to the host math of `deepinfer_model::v41::moe::forward_rows` (grouped experts,
+//! `quant::gemm_fp4` / `gemm_fp8`, `quant::exp_f32`, rows added in increasing expert id, then the
+//! shared expert, then one rounding).
+//!
+//! - Small shapes (16 experts, dim 96, inter 64, top-4/6, 1/5/33 rows, both roundings, clamp on
+//!   and off, one row per block and 8-row tiles) and hand-made routes with a repeated expert and
+//!   out-of-range ids (dropped; their GEMM rows are written as zeros over NaN-filled buffers).
+//! - Negative controls: the same host math with the slot outputs added in slot order, or the
+//!   shared expert added first, differs from the device result somewhere.
+//! - FP8 experts through the same routed GEMM, row for row against `quant::gemm_fp8`.
+//! - Real width (dim 5120, inter 2304, 384 experts, top-6, rows 1/8/64): bitwise, and the device
+//!   time of the chain is printed.
+//!
+//! Measured on the H200 (2026-11-30): every output bitwise equal (18 720 small-shape outputs,
+//! 5120 / 40 960 / 327 680 at real width); the other orders differ in 238 (slot order) and 100
+//! (shared first) outputs. The chain after routing (routed w1, w3, w2, the FP8 shared expert,
+//! SwiGLUs, quantisations, combine) takes 345 µs / 1.93 ms / 10.2 ms at 1 / 8 / 64 rows (one row
+//! per block: 345 µs / 1.93 ms / 14.8 ms; 8-row tiles: 501 µs / 2.24 ms / 10.2 ms): bound by the
+//! block-scaled GEMM body (the dense `gemm_fp4` reads an expert at ~0.25 TB/s at M = 1).
+//!
+//! Needs an NVIDIA GPU (ignored otherwise; without a driver an included run prints why it skips).
+//! On the H200: `bash .gpu/run.sh gpu_moe --include-ignored --nocapture`.
+#![cfg(feature = "cuda")]
+
+use std::time::Instant;
+
+use deepinfer_kernels::KernelRuntime;
+use deepinfer_kernels::cudarc::driver::CudaSlice;
+use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
+use deepinfer_kernels::ops::moe::{Selection, route_experts_f32};
+use deepinfer_kernels::ops::quant::{
+    ActGroup, DeviceActFp8, quantize_act_fp8_f32_into, quantize_act_fp8_into,
+};
+use deepinfer_kernels::ops::routed::{
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_fp4_routed,
+    gemm_fp4_routed_with, gemm_fp8_routed_with, moe_combine, swiglu_rows,
+};
+use deepinfer_kernels::runtime::driver_available;
+use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision};
+use deepinfer_model::quant;
+use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
+use half::bf16;
+
+fn runtime(test: &str) -> Option<KernelRuntime> {
+    if let Err(err) = driver_available() {
+        eprintln!("{test}: skipped: {err}");
+        return None;
+    }
+    match KernelRuntime::open(0) {
+        Ok(rt) => Some(rt),
+        Err(err) => panic!("{test}: a CUDA driver is present but the runtime did not open: {err}"),
+    }
+}
+
+/// SplitMix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n + 8);
+        while out.len() < n {
+            out.extend_from_slice(&self.next_u64().to_le_bytes());
+        }
+        out.truncate(n);
+        out
+    }
+    /// bf16 activations of magnitudes 2^-8 .. 2^2, a few exact zeros.
+    fn activation(&mut self) -> f32 {
+        if self.below(40) == 0 {
+            return 0.0;
+        }
+        let exponent = self.below(11) as i32 - 8;
+        quant::round_bf16(self.uniform() * 2f32.powi(exponent))
+    }
+    /// UE8M0 weight scales 2^-9 .. 2^-3 (gate/up values around the SwiGLU's interesting range).
+    fn scale_byte(&mut self) -> u8 {
+        (118 + self.below(7)) as u8
+    }
+}
+
+/// An FP4 weight whose scales are `2^shift` times the usual ones.
+fn fp4_weight(rng: &mut Rng, out: usize, inp: usize, shift: u8) -> Fp4Weight {
+    Fp4Weight {
+        out,
+        inp,
+        packed: rng.bytes(out * inp / 2),
+        scales: (0..out * inp / 32)
+            .map(|_| rng.scale_byte() + shift)
+            .collect(),
+    }
+}
+
+fn fp8_weight(rng: &mut Rng, out: usize, inp: usize) -> Fp8Weight {
+    let scales = out.div_ceil(32) * inp.div_ceil(32);
+    Fp8Weight {
+        out,
+        inp,
+        block: 32,
+        // 0x7f / 0xff are E4M3 NaN codes: map them to ±0.
+        data: rng
+            .bytes(out * inp)
+            .into_iter()
+            .map(|b| if b & 0x7f == 0x7f { b & 0x80 } else { b })
+            .collect(),
+        scales: (0..scales).map(|_| rng.scale_byte()).collect(),
+    }
+}
+
+/// One SwiGLU expert's weights on the host.
+struct HostExpert<W> {
+    w1: W,
+    w3: W,
+    w2: W,
+}
+
+trait HostGemm {
+    fn apply(&self, x: &[f32]) -> Vec<f32>;
+}
+
+impl HostGemm for Fp4Weight {
+    fn apply(&self, x: &[f32]) -> Vec<f32> {
+        quant::gemm_fp4(x, self)
+    }
+}
+
+impl HostGemm for Fp8Weight {
+    fn apply(&self, x: &[f32]) -> Vec<f32> {
+        quant::gemm_fp8(x, self)
+    }
+}
+
+/// `v41::moe::expert` on the host: the same clamps, `g / (1 + exp_f32(-g)) * u`, route weight,
+/// rounding, then `w2`. Also counts the clamped gate values (to show the clamp path ran).
+fn host_expert<W: HostGemm>(
+    e: &HostExpert<W>,
+    x: &[f32],
+    rows: usize,
+    weights: Option<&[f32]>,
+    limit: f32,
+    precision: Precision,
+) -> (Vec<f32>, usize) {
+    let gate = e.w1.apply(x);
+    let up = e.w3.apply(x);
+    let inter = gate.len() / rows.max(1);
+    let mut clamped = 0;
+    let hidden: Vec<f32> = gate
+        .iter()
+        .zip(&up)
+        .enumerate()
+        .map(|(i, (&g, &u))| {
+            let (g, u) = if limit > 0.0 {
+                clamped += usize::from(g > limit);
+                (g.min(limit), u.clamp(-limit, limit))
+            } else {
+                (g, u)
+            };
+            let a = g / (1.0 + quant::exp_f32(-g)) * u;
+            let weight = weights.and_then(|w| w.get(i / inter.max(1)));
+            precision.round(weight.map_or(a, |w| w * a))
+        })
+        .collect();
+    (e.w2.apply(&hidden), clamped)
+}
+
+/// How the host reference adds a token's outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CombineOrder {
+    /// `forward_rows`: routed outputs in increasing expert id, then the shared expert.
+    Reference,
+    /// Negative control: routed outputs in slot order.
+    Slots,
+    /// Negative control: the shared expert first.
+    SharedFirst,
+}
+
+/// `forward_rows` (no expert parallelism) over given routes: every expert runs once on the rows
+/// that chose it (in parallel host threads: the rows never interact), then each row adds its
+/// outputs in `order`, then rounds. Returns the output and the clamped-gate count.
+#[allow(clippy::too_many_arguments)]
+fn host_moe<W: HostGemm + Sync>(
+    x: &[f32],
+    dim: usize,
+    routes: &[(Vec<u32>, Vec<f32>)],
+    experts: &[&HostExpert<Fp4Weight>],
+    shared: &HostExpert<W>,
+    limit: f32,
+    precision: Precision,
+    order: CombineOrder,
+) -> (Vec<f32>, usize) {
+    let rows = routes.len();
+    // users[e]: (row, slot, weight) of every slot that chose expert e, rows ascending.
+    let mut users: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); experts.len()];
+    for (t, (ids, weights)) in routes.iter().enumerate() {
+        for (s, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+            if let Some(list) = users.get_mut(e as usize) {
+                list.push((t, s, w));
+            }
+        }
+    }
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let busy: Vec<usize> = (0..experts.len())
+        .filter(|&e| !users[e].is_empty())
+        .collect();
+    let outputs: Vec<(usize, Vec<f32>, usize)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = busy
+            .chunks(busy.len().div_ceil(threads).max(1))
+            .map(|chunk| {
+                let users = &users;
+                scope.spawn(move || {
+                    chunk
+                        .iter()
+                        .map(|&e| {
+                            let xe: Vec<f32> = users[e]
+                                .iter()
+                                .flat_map(|&(t, _, _)| x[t * dim..(t + 1) * dim].iter().copied())
+                                .collect();
+                            let scale: Vec<f32> = users[e].iter().map(|&(_, _, w)| w).collect();
+                            let (out, clamped) = host_expert(
+                                experts[e],
+                                &xe,
+                                users[e].len(),
+                                Some(&scale),
+                                limit,
+                                precision,
+                            );
+                            (e, out, clamped)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("host expert thread"))
+            .collect()
+    });
+    let (shared_out, shared_clamped) = host_expert(shared, x, rows, None, limit, precision);
+    // Per row: (expert id, slot, output row) of each routed slot.
+    let mut per_row: Vec<Vec<(usize, usize, &[f32])>> = vec![Vec::new(); rows];
+    let mut clamped = shared_clamped;
+    for (e, out, c) in &outputs {
+        clamped += c;
+        for (&(t, s, _), row) in users[*e].iter().zip(out.chunks_exact(dim)) {
+            per_row[t].push((*e, s, row));
+        }
+    }
+    let mut y = vec![0.0f32; rows * dim];
+    for (t, slots) in per_row.iter_mut().enumerate() {
+        match order {
+            CombineOrder::Reference | CombineOrder::SharedFirst => {
+                slots.sort_by_key(|&(e, s, _)| (e, s))
+            }
+            CombineOrder::Slots => slots.sort_by_key(|&(_, s, _)| s),
+        }
+        let acc = &mut y[t * dim..(t + 1) * dim];
+        let shared_row = &shared_out[t * dim..(t + 1) * dim];
+        if order == CombineOrder::SharedFirst {
+            acc.iter_mut().zip(shared_row).for_each(|(a, v)| *a += v);
+        }
+        for (_, _, out) in slots.iter() {
+            acc.iter_mut().zip(*out).for_each(|(a, v)| *a += v);
+        }
+        if order != CombineOrder::SharedFirst {
+            acc.iter_mut().zip(shared_row).for_each(|(a, v)| *a += v);
+        }
+    }
+    (y.into_iter().map(|v| precision.round(v)).collect(), clamped)
+}
+
+/// Device buffers of the whole chain for `rows` tokens with `k` slots each.
+struct DeviceMoe {
+    blocks: RoutedBlocks,
+    k: usize,
+    dim: usize,
+    inter: usize,
+    shared_inter: usize,
+    x: CudaSlice<bf16>,
+    qx: DeviceActFp8,
+    experts: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    gate: CudaSlice<bf16>,
+    up: CudaSlice<bf16>,
+    hidden: CudaSlice<f32>,
+    qh: DeviceActFp8,
+    routed: CudaSlice<bf16>,
+    shared_gate: CudaSlice<bf16>,
+    shared_up: CudaSlice<bf16>,
+    shared_hidden: CudaSlice<f32>,
+    shared_qh: DeviceActFp8,
+    shared_out: CudaSlice<bf16>,
+    y: CudaSlice<f32>,
+}
+
+/// The shared expert on the device (FP8, 32×32 tiles).
+struct DeviceShared {
+    w1: DeviceFp8Weight,
+    w3: DeviceFp8Weight,
+    w2: DeviceFp8Weight,
+}
+
+/// `n` bf16 NaNs: outputs a kernel must write (zero rows included) cannot pass unwritten.
+fn nan_bf16(rt: &KernelRuntime, n: usize) -> CudaSlice<bf16> {
+    rt.stream()
+        .clone_htod(&vec![bf16::NAN; n])
+        .expect("NaN-filled buffer")
+}
+
+fn upload_fp8(rt: &KernelRuntime, w: &Fp8Weight) -> DeviceFp8Weight {
+    DeviceFp8Weight::upload(rt, w.out, w.inp, 32, &w.data, &w.scales).expect("upload FP8")
+}
+
+fn upload_fp4(rt: &KernelRuntime, w: &Fp4Weight) -> DeviceFp4Weight {
+    DeviceFp4Weight::upload(rt, w.out, w.inp, &w.packed, &w.scales).expect("upload FP4")
+}
+
+impl DeviceMoe {
+    fn new(
+        rt: &KernelRuntime,
+        x: &[f32],
+        (rows, k, dim, inter, shared_inter): (usize, usize, usize, usize, usize),
+    ) -> DeviceMoe {
+        let s = rt.stream();
+        let host: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let m = rows * k;
+        DeviceMoe {
+            blocks: RoutedBlocks::Auto,
+            k,
+            dim,
+            inter,
+            shared_inter,
+            x: s.clone_htod(&host).expect("upload x"),
+            qx: DeviceActFp8::alloc(rt, rows, dim, ActGroup::G32).expect("qx"),
+            experts: s.alloc_zeros(m).expect("experts"),
+            weights: s.alloc_zeros(m).expect("weights"),
+            gate: nan_bf16(rt, m * inter),
+            up: nan_bf16(rt, m * inter),
+            hidden: s.alloc_zeros(m * inter).expect("hidden"),
+            qh: DeviceActFp8::alloc(rt, m, inter, ActGroup::G32).expect("qh"),
+            routed: nan_bf16(rt, m * dim),
+            shared_gate: s.alloc_zeros(rows * shared_inter).expect("shared gate"),
+            shared_up: s.alloc_zeros(rows * shared_inter).expect("shared up"),
+            shared_hidden: s.alloc_zeros(rows * shared_inter).expect("shared hidden"),
+            shared_qh: DeviceActFp8::alloc(rt, rows, shared_inter, ActGroup::G32)
+                .expect("shared qh"),
+            shared_out: s.alloc_zeros(rows * dim).expect("shared out"),
+            y: s.alloc_zeros(rows * dim).expect("y"),
+        }
+    }
+
+    /// Routes from gate logits on the device into `experts` / `weights`.
+    fn route(&mut self, rt: &KernelRuntime, logits: &[f32], bias: &[f32], route_scale: f32) {
+        let s = rt.stream();
+        let logits = s.clone_htod(logits).expect("upload logits");
+        let bias = s.clone_htod(bias).expect("upload bias");
+        route_experts_f32(
+            rt,
+            &logits,
+            &bias,
+            Selection::TopK(self.k),
+            route_scale,
+            &mut self.experts,
+            &mut self.weights,
+        )
+        .expect("route");
+    }
+
+    /// The whole chain after routing; nothing leaves the device.
+    fn run(
+        &mut self,
+        rt: &KernelRuntime,
+        table: &DeviceExpertTable,
+        shared: &DeviceShared,
+        limit: f32,
+        rounding: Rounding,
+    ) {
+        assert_eq!((table.dim(), table.inter()), (self.dim, self.inter));
+        assert_eq!(shared.w1.out, self.shared_inter);
+        quantize_act_fp8_into(rt, &self.x, &mut self.qx).expect("quantise x");
+        let k = self.k;
+        gemm_fp4_routed_with(
+            rt,
+            &self.qx,
+            &self.experts,
+            k,
+            table,
+            ExpertProjection::W1,
+            &mut self.gate,
+            self.blocks,
+        )
+        .expect("routed w1");
+        gemm_fp4_routed_with(
+            rt,
+            &self.qx,
+            &self.experts,
+            k,
+            table,
+            ExpertProjection::W3,
+            &mut self.up,
+            self.blocks,
+        )
+        .expect("routed w3");
+        swiglu_rows(
+            rt,
+            &self.gate,
+            &self.up,
+            Some(&self.weights),
+            limit,
+            rounding,
+            &mut self.hidden,
+        )
+        .expect("routed swiglu");
+        quantize_act_fp8_f32_into(rt, &self.hidden, &mut self.qh).expect("quantise hidden");
+        gemm_fp4_routed_with(
+            rt,
+            &self.qh,
+            &self.experts,
+            1,
+            table,
+            ExpertProjection::W2,
+            &mut self.routed,
+            self.blocks,
+        )
+        .expect("routed w2");
+        gemm_fp8(rt, &self.qx, &shared.w1, &mut self.shared_gate).expect("shared w1");
+        gemm_fp8(rt, &self.qx, &shared.w3, &mut self.shared_up).expect("shared w3");
+        swiglu_rows(
+            rt,
+            &self.shared_gate,
+            &self.shared_up,
+            None,
+            limit,
+            rounding,
+            &mut self.shared_hidden,
+        )
+        .expect("shared swiglu");
+        quantize_act_fp8_f32_into(rt, &self.shared_hidden, &mut self.shared_qh)
+            .expect("quantise shared hidden");
+        gemm_fp8(rt, &self.shared_qh, &shared.w2, &mut self.shared_out).expect("shared w2");
+        moe_combine(
+            rt,
+            &self.routed,
+            &self.experts,
+            table.n_experts(),
+            &self.shared_out,
+            self.dim,
+            rounding,
+            &mut self.y,
+        )
+        .expect("combine");
+    }
+
+    /// (experts, weights) of every row, read back for the host reference.
+    fn routes(&self, rt: &KernelRuntime) -> Vec<(Vec<u32>, Vec<f32>)> {
+        let ids = rt.stream().clone_dtoh(&self.experts).expect("download ids");
+        let weights = rt.stream().clone_dtoh(&self.weights).expect("download w");
+        ids.chunks_exact(self.k)
+            .zip(weights.chunks_exact(self.k))
+            .map(|(i, w)| (i.to_vec(), w.to_vec()))
+            .collect()
+    }
+
+    fn output(&self, rt: &KernelRuntime) -> Vec<f32> {
+        rt.stream().clone_dtoh(&self.y).expect("download y")
+    }
+}
+
+fn precision_of(rounding: Rounding) -> Precision {
+    match rounding {
+        Rounding::Bf16 => Precision::Bf16,
+        Rounding::F32 => Precision::F32,
+    }
+}
+
+/// Bitwise equality, naming the first difference.
+fn assert_bitwise(what: &str, gpu: &[f32], cpu: &[f32]) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    if let Some(i) = (0..gpu.len()).find(|&i| gpu[i].to_bits() != cpu[i].to_bits()) {
+        let differ = (0..gpu.len())
+            .filter(|&i| gpu[i].to_bits() != cpu[i].to_bits())
+            .count();
+        panic!(
+            "{what}: {differ} of {} values differ; first at {i}: gpu {} cpu {}",
+            gpu.len(),
+            gpu[i],
+            cpu[i]
+        );
+    }
+}
+
+fn differs(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
+/// The layer's host experts and their device copies; `pool` distinct weights shared out
+/// cyclically (each expert still has its own device copy).
+struct Layer {
+    host: Vec<HostExpert<Fp4Weight>>,
+    device: Vec<HostExpert<DeviceFp4Weight>>,
+    shared_host: HostExpert<Fp8Weight>,
+    shared: DeviceShared,
+    n_experts: usize,
+}
+
+impl Layer {
+    fn new(
+        rt: &KernelRuntime,
+        rng: &mut Rng,
+        (n_experts, pool, dim, inter): (usize, usize, usize, usize),
+    ) -> Layer {
+        // Output magnitudes 2^0 .. 2^15 apart between experts: a token's sum then loses bits,
+        // so its order shows in the result.
+        let host: Vec<HostExpert<Fp4Weight>> = (0..pool)
+            .map(|p| HostExpert {
+                w1: fp4_weight(rng, inter, dim, 0),
+                w3: fp4_weight(rng, inter, dim, 0),
+                w2: fp4_weight(rng, dim, inter, 3 * (p % 6) as u8),
+            })
+            .collect();
+        let device = (0..n_experts)
+            .map(|e| {
+                let h = &host[e % pool];
+                HostExpert {
+                    w1: upload_fp4(rt, &h.w1),
+                    w3: upload_fp4(rt, &h.w3),
+                    w2: upload_fp4(rt, &h.w2),
+                }
+            })
+            .collect();
+        let shared_host = HostExpert {
+            w1: fp8_weight(rng, inter, dim),
+            w3: fp8_weight(rng, inter, dim),
+            w2: fp8_weight(rng, dim, inter),
+        };
+        let shared = DeviceShared {
+            w1: upload_fp8(rt, &shared_host.w1),
+            w3: upload_fp8(rt, &shared_host.w3),
+            w2: upload_fp8(rt, &shared_host.w2),
+        };
+        Layer {
+            host,
+            device,
+            shared_host,
+            shared,
+            n_experts,
+        }
+    }
+
+    fn table(&self, rt: &KernelRuntime) -> DeviceExpertTable {
+        let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = self
+            .device
+            .iter()
+            .map(|e| ExpertRefs {
+                w1: &e.w1,
+                w3: &e.w3,
+                w2: &e.w2,
+            })
+            .collect();
+        // SAFETY: the table is used only while `self` (which owns the weights) is alive.
+        unsafe { DeviceExpertTable::fp4(rt, &refs) }.expect("expert table")
+    }
+
+    fn host_refs(&self) -> Vec<&HostExpert<Fp4Weight>> {
+        (0..self.n_experts)
+            .map(|e| &self.host[e % self.host.len()])
+            .collect()
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn routed_moe_chain_matches_the_cpu_bitwise() {
+    let Some(rt) = runtime("routed_moe_chain_matches_the_cpu_bitwise") else {
+        return;
+    };
+    let (n_experts, dim, inter) = (16, 96, 64);
+    let mut rng = Rng(41);
+    let layer = Layer::new(&rt, &mut rng, (n_experts, n_experts, dim, inter));
+    let table = layer.table(&rt);
+    let experts = layer.host_refs();
+    let cpu = CpuBackend::new();
+    let (mut checked, mut clamped, mut slot_order_differs, mut shared_first_differs) = (0, 0, 0, 0);
+    for (rows, k) in [(1usize, 6usize), (5, 4), (33, 6)] {
+        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
+        let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
+        for (rounding, limit, blocks) in [
+            (Rounding::Bf16, 10.0f32, RoutedBlocks::Rows),
+            (Rounding::Bf16, 10.0f32, RoutedBlocks::Tiles),
+            (Rounding::Bf16, 0.0, RoutedBlocks::Tiles),
+            (Rounding::F32, 10.0, RoutedBlocks::Rows),
+            (Rounding::F32, 10.0, RoutedBlocks::Tiles),
+        ] {
+            let what = format!("{rows} rows top-{k} {rounding:?} limit {limit} {blocks:?}");
+            let precision = precision_of(rounding);
+            let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
+            moe.blocks = blocks;
+            moe.route(&rt, &logits, &bias, 1.5);
+            moe.run(&rt, &table, &layer.shared, limit, rounding);
+            let routes = moe.routes(&rt);
+            // The device routes are the CPU router's.
+            let cpu_routes = cpu.route_experts(
+                &logits.as_slice().into(),
+                &bias,
+                ExpertSelection::TopK(k),
+                1.5,
+            );
+            for (t, (ids, weights)) in routes.iter().enumerate() {
+                let want: Vec<u32> = cpu_routes[t].experts.iter().map(|&e| e as u32).collect();
+                assert_eq!(ids, &want, "{what}: row {t} experts");
+                assert_bitwise(&what, weights, &cpu_routes[t].weights);
+            }
+            let gpu = moe.output(&rt);
+            let reference = |order| {
+                host_moe(
+                    &x,
+                    dim,
+                    &routes,
+                    &experts,
+                    &layer.shared_host,
+                    limit,
+                    precision,
+                    order,
+                )
+            };
+            let (want, c) = reference(CombineOrder::Reference);
+            assert_bitwise(&what, &gpu, &want);
+            checked += gpu.len();
+            clamped += c;
+            slot_order_differs += differs(&gpu, &reference(CombineOrder::Slots).0);
+            shared_first_differs += differs(&gpu, &reference(CombineOrder::SharedFirst).0);
+        }
+    }
+    assert!(clamped > 0, "the SwiGLU clamp never ran");
+    assert!(
+        slot_order_differs > 0 && shared_first_differs > 0,
+        "negative controls: another combine order was not seen ({slot_order_differs}, {shared_first_differs})"
+    );
+    println!(
+        "routed MoE chain: {checked} outputs bitwise equal to the CPU ({clamped} gate values \
+         clamped); other orders differ in {slot_order_differs} (slot order) and \
+         {shared_first_differs} (shared first) outputs"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
+    let Some(rt) = runtime("routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu") else {
+        return;
+    };
+    let (n_experts, dim, inter, k) = (16, 96, 64, 4);
+    let mut rng = Rng(7);
+    let layer = Layer::new(&rt, &mut rng, (n_experts, n_experts, dim, inter));
+    let table = layer.table(&rt);
+    let rows = 3;
+    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    // Row 0 takes expert 5 twice (slot order decides), row 1 an unknown id (dropped), row 2
+    // descending ids (the combine reorders them).
+    let ids: Vec<u32> = vec![5, 2, 5, 9, 3, 99, 0, 16, 15, 11, 4, 1];
+    let weights: Vec<f32> = (0..rows * k)
+        .map(|_| quant::round_bf16(0.5 + rng.uniform() * 0.25))
+        .collect();
+    for blocks in [RoutedBlocks::Rows, RoutedBlocks::Tiles] {
+        let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
+        moe.blocks = blocks;
+        moe.experts = rt.stream().clone_htod(&ids).expect("ids");
+        moe.weights = rt.stream().clone_htod(&weights).expect("weights");
+        moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
+        let routes = moe.routes(&rt);
+        let gpu = moe.output(&rt);
+        let (want, _) = host_moe(
+            &x,
+            dim,
+            &routes,
+            &layer.host_refs(),
+            &layer.shared_host,
+            10.0,
+            Precision::Bf16,
+            CombineOrder::Reference,
+        );
+        assert_bitwise("repeats and unknown ids", &gpu, &want);
+        // An unknown id's rows are zero in every projection.
+        let gate: Vec<f32> = rt
+            .stream()
+            .clone_dtoh(&moe.gate)
+            .expect("gate")
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        for slot in [5usize, 7] {
+            assert!(
+                gate[slot * inter..(slot + 1) * inter]
+                    .iter()
+                    .all(|&v| v.to_bits() == 0),
+                "slot {slot} (id {}) has a gate row",
+                ids[slot]
+            );
+        }
+        assert!(gate[..inter].iter().any(|&v| v != 0.0));
+        println!(
+            "routed GEMM ({blocks:?}): repeated and unknown expert ids as the CPU ({} outputs)",
+            gpu.len()
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn routed_fp8_gemm_matches_the_cpu_rows() {
+    let Some(rt) = runtime("routed_fp8_gemm_matches_the_cpu_rows") else {
+        return;
+    };
+    let (n_experts, dim, inter, rows, k) = (5, 160, 96, 7, 3);
+    let mut rng = Rng(8);
+    let host: Vec<HostExpert<Fp8Weight>> = (0..n_experts)
+        .map(|_| HostExpert {
+            w1: fp8_weight(&mut rng, inter, dim),
+            w3: fp8_weight(&mut rng, inter, dim),
+            w2: fp8_weight(&mut rng, dim, inter),
+        })
+        .collect();
+    let device: Vec<HostExpert<DeviceFp8Weight>> = host
+        .iter()
+        .map(|h| HostExpert {
+            w1: upload_fp8(&rt, &h.w1),
+            w3: upload_fp8(&rt, &h.w3),
+            w2: upload_fp8(&rt, &h.w2),
+        })
+        .collect();
+    let refs: Vec<ExpertRefs<'_, DeviceFp8Weight>> = device
+        .iter()
+        .map(|e| ExpertRefs {
+            w1: &e.w1,
+            w3: &e.w3,
+            w2: &e.w2,
+        })
+        .collect();
+    // SAFETY: `device` outlives every launch below.
+    let table = unsafe { DeviceExpertTable::fp8(&rt, &refs) }.expect("FP8 table");
+    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    let ids: Vec<u32> = (0..rows * k)
+        .map(|_| rng.below(n_experts as u64 + 1) as u32)
+        .collect();
+    let s = rt.stream();
+    let dx = s
+        .clone_htod(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>())
+        .expect("x");
+    let mut qx = DeviceActFp8::alloc(&rt, rows, dim, ActGroup::G32).expect("qx");
+    quantize_act_fp8_into(&rt, &dx, &mut qx).expect("quantise");
+    let d_ids = s.clone_htod(&ids).expect("ids");
+    for blocks in [RoutedBlocks::Rows, RoutedBlocks::Tiles] {
+        let mut out = nan_bf16(&rt, rows * k * inter);
+        gemm_fp8_routed_with(
+            &rt,
+            &qx,
+            &d_ids,
+            k,
+            &table,
+            ExpertProjection::W3,
+            &mut out,
+            blocks,
+        )
+        .expect("fp8");
+        let gpu: Vec<f32> = s
+            .clone_dtoh(&out)
+            .expect("out")
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        let mut unknown = 0;
+        for (j, &e) in ids.iter().enumerate() {
+            let t = j / k;
+            let row = &gpu[j * inter..(j + 1) * inter];
+            let want = match host.get(e as usize) {
+                Some(h) => quant::gemm_fp8(&x[t * dim..(t + 1) * dim], &h.w3),
+                None => {
+                    unknown += 1;
+                    vec![0.0; inter]
+                }
+            };
+            assert_bitwise(
+                &format!("FP8 routed row {j} expert {e} {blocks:?}"),
+                row,
+                &want,
+            );
+        }
+        println!(
+            "routed FP8 GEMM ({blocks:?}): {} rows bitwise equal to quant::gemm_fp8 ({unknown} unknown ids zero)",
+            rows * k
+        );
+    }
+    // The FP4 launcher refuses an FP8 table.
+    let mut out = nan_bf16(&rt, rows * k * inter);
+    let err = gemm_fp4_routed(&rt, &qx, &d_ids, k, &table, ExpertProjection::W3, &mut out)
+        .expect_err("FP4 launch on an FP8 table");
+    assert!(err.to_string().contains("Fp8T32"), "{err}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn routed_moe_at_real_width_matches_the_cpu_and_is_timed() {
+    let Some(rt) = runtime("routed_moe_at_real_width_matches_the_cpu_and_is_timed") else {
+        return;
+    };
+    // V4.1: dim 5120, 384 routed experts of inter 2304, top-6; 25 distinct host weight sets
+    // shared out cyclically (every expert has its own device copy: 384 × 18.8 MB).
+    let (n_experts, pool, dim, inter, k) = (384, 25, 5120, 2304, 6);
+    let mut rng = Rng(5120);
+    let started = Instant::now();
+    let layer = Layer::new(&rt, &mut rng, (n_experts, pool, dim, inter));
+    let table = layer.table(&rt);
+    rt.synchronize().expect("sync");
+    println!(
+        "real width: {n_experts} experts uploaded in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let experts = layer.host_refs();
+    let expert_bytes = 3 * (inter * dim / 2 + inter * dim / 32);
+    for rows in [1usize, 8, 64] {
+        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
+        let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
+        let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
+        moe.route(&rt, &logits, &bias, 1.5);
+        moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
+        let routes = moe.routes(&rt);
+        let gpu = moe.output(&rt);
+        let (want, _) = host_moe(
+            &x,
+            dim,
+            &routes,
+            &experts,
+            &layer.shared_host,
+            10.0,
+            Precision::Bf16,
+            CombineOrder::Reference,
+        );
+        assert_bitwise(&format!("real width, {rows} rows"), &gpu, &want);
+        // Timing: the chain after routing (quantise, routed w1/w3, SwiGLU, quantise, routed w2,
+        // the shared expert, combine), averaged over repeated launches.
+        let mut distinct: Vec<u32> = routes.iter().flat_map(|(ids, _)| ids.clone()).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let bytes = distinct.len() * expert_bytes + 3 * inter * dim;
+        println!(
+            "real width, {rows} rows (top-{k}, {} distinct experts): bitwise equal ({} outputs)",
+            distinct.len(),
+            gpu.len()
+        );
+        for blocks in [RoutedBlocks::Auto, RoutedBlocks::Rows, RoutedBlocks::Tiles] {
+            moe.blocks = blocks;
+            moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
+            assert_bitwise(
+                &format!("real width, {rows} rows, {blocks:?}"),
+                &moe.output(&rt),
+                &want,
+            );
+            let iterations = 20;
+            rt.synchronize().expect("sync");
+            let t0 = Instant::now();
+            for _ in 0..iterations {
+                moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
+            }
+            rt.synchronize().expect("sync");
+            let per_step = t0.elapsed().as_secs_f64() / iterations as f64;
+            println!(
+                "  {blocks:?}: device chain {:.1} µs per step, {:.2} TB/s of distinct expert + \
+                 shared weights",
+                per_step * 1e6,
+                bytes as f64 / per_step / 1e12
+            );
+        }
+    }
+}

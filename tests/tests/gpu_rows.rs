@@ -1,0 +1,781 @@
+//! GPU conformance of the row kernels (`deepinfer_kernels::ops::rows`) against the CPU code of
+//! `deepinfer-model` they replace, over odd shapes, bitwise:
+//! - the stream means of the DSpark taps (bf16) and the V4 fp32 variant;
+//! - the index head-weight scaling of `csa::index_queries`;
+//! - `exp` as Rust's std computes it (every float of [-104, 0], the gated pooling's domain, and a
+//!   sample of all others), then the compressor's gated pooling over member rows that lie in
+//!   separate buffers;
+//! - `EngramGate::inject` (called from the model) for the live tokens of a chunk;
+//! - then the `Backend` ops built on them (`scale_at`, `stream_means_at`, `gated_pool_rows`,
+//!   `engram_inject`): `CudaBackend` against `CpuBackend` (whose defaults are the model's host
+//!   code), on host and device inputs, with no device-to-host copy before the result is read.
+//!
+//! The CPU side is always `CpuBackend`'s op (the one definition). Each numeric test also has a
+//! negative control: a nearby but different computation (another fold order, the correctly
+//! rounded exp, reversed members, another eps or scale) is shown to differ, so the bitwise
+//! comparison can fail.
+//!
+//! Measured on the H200 (2026-11-30), all bitwise equal: 14 350 stream means, 4 798 scaled
+//! weights, 136 548 pooled values, 192 183 injected stream values (kernels); through the
+//! `Backend` ops 14 394 scaled values, 36 106 stream means, 1 540 pooled values (groups of one
+//! size and of mixed sizes with an empty one, members in device views, whole device rows and
+//! host rows) and 576 549 injected stream values, with no device-to-host copy inside the ops.
+//!
+//! Built only with `--features cuda`; the tests are ignored by default (they need an NVIDIA GPU):
+//! `bash .gpu/run.sh gpu_rows --include-ignored` on the H200. Without a driver they say why they
+//! skip and pass.
+#![cfg(feature = "cuda")]
+
+use deepinfer_kernels::KernelRuntime;
+use deepinfer_kernels::cudarc::driver::{CudaSlice, DevicePtr};
+use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::rows::{
+    EngramInjectShape, engram_inject_f32, exp_std_f32, gated_pool_f32, scale_round_f32,
+    stream_means_f32,
+};
+use deepinfer_kernels::runtime::driver_available;
+use deepinfer_kernels::{KernelError, KernelId};
+use deepinfer_model::backend::cuda::CudaBackend;
+use deepinfer_model::backend::{Backend, CpuBackend, Precision, Tensor};
+use deepinfer_model::engram::EngramGate;
+use deepinfer_model::quant::round_bf16;
+
+/// Opens the device, or says why the test is skipped (no driver) and returns `None`.
+fn runtime(test: &str) -> Option<KernelRuntime> {
+    if let Err(err) = driver_available() {
+        eprintln!("{test}: skipped: {err}");
+        return None;
+    }
+    match KernelRuntime::open(0) {
+        Ok(rt) => Some(rt),
+        Err(err) => {
+            panic!("{test}: a CUDA driver is present but the kernel runtime did not open: {err}")
+        }
+    }
+}
+
+/// SplitMix64: a small deterministic generator for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    /// An fp32 value `uniform · 2^e`, e in `lo..=hi` (not bf16-representable).
+    fn spread(&mut self, lo: i32, hi: i32) -> f32 {
+        let e = lo + self.below((hi - lo + 1) as u64) as i32;
+        self.uniform() * 2f32.powi(e)
+    }
+    /// A bf16 activation (magnitudes 2^-12 .. 2^6, some exact zeros).
+    fn activation(&mut self) -> f32 {
+        if self.below(50) == 0 {
+            return 0.0;
+        }
+        round_bf16(self.spread(-12, 6))
+    }
+    fn activations(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.activation()).collect()
+    }
+}
+
+fn upload<T: deepinfer_kernels::cudarc::driver::DeviceRepr>(
+    rt: &KernelRuntime,
+    values: &[T],
+) -> CudaSlice<T> {
+    rt.stream().clone_htod(values).expect("upload")
+}
+
+fn download(rt: &KernelRuntime, values: &CudaSlice<f32>) -> Vec<f32> {
+    rt.stream().clone_dtoh(values).expect("download")
+}
+
+/// How many values differ bitwise.
+fn differing(gpu: &[f32], cpu: &[f32]) -> usize {
+    assert_eq!(gpu.len(), cpu.len(), "lengths");
+    gpu.iter()
+        .zip(cpu)
+        .filter(|(g, c)| g.to_bits() != c.to_bits())
+        .count()
+}
+
+/// Asserts `gpu` and `cpu` are bitwise equal; returns how many values were compared.
+fn assert_bitwise(what: &str, gpu: &[f32], cpu: &[f32]) -> usize {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    if let Some(first) = (0..gpu.len()).find(|&i| gpu[i].to_bits() != cpu[i].to_bits()) {
+        panic!(
+            "{what}: {} of {} values differ; first at {first}: gpu {:e} ({:#010x}) cpu {:e} \
+             ({:#010x})",
+            differing(gpu, cpu),
+            gpu.len(),
+            gpu[first],
+            gpu[first].to_bits(),
+            cpu[first],
+            cpu[first].to_bits()
+        );
+    }
+    gpu.len()
+}
+
+// ---- the CPU definitions -----------------------------------------------------------------------
+
+fn precision_of(rounding: Rounding) -> Precision {
+    match rounding {
+        Rounding::Bf16 => Precision::Bf16,
+        Rounding::F32 => Precision::F32,
+    }
+}
+
+/// The stream means as `CpuBackend` computes them (the trait default: `step.rs`'s taps, and V4's
+/// fp32 variant).
+fn cpu_stream_means(streams: &[f32], hc: usize, dim: usize, rounding: Rounding) -> Vec<f32> {
+    CpuBackend
+        .stream_means_at(&Tensor::from(streams), hc, dim, precision_of(rounding))
+        .into_vec()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn launchers_reject_rows_that_do_not_fit() {
+    let Some(rt) = runtime("launchers_reject_rows_that_do_not_fit") else {
+        return;
+    };
+    let src = upload(&rt, &[0.0f32; 10]);
+    let mut dst = upload(&rt, &[0.0f32; 10]);
+    let shape_error = |result: Result<(), KernelError>| match result {
+        Err(KernelError::Shape { op, message }) => format!("{op}: {message}"),
+        other => panic!("expected a shape error, got {other:?}"),
+    };
+    let err = shape_error(stream_means_f32(&rt, &src, 3, 2, Rounding::Bf16, &mut dst));
+    assert!(err.contains("hc = 3"), "{err}");
+    let members = upload(&rt, &[0u64; 3]);
+    // SAFETY: the shape check fails before any address is read.
+    let err = shape_error(unsafe { gated_pool_f32(&rt, &members, 2, 2, 5, &mut dst) });
+    assert!(err.contains("members"), "{err}");
+    let live = upload(&rt, &[0u32]);
+    let shape = EngramInjectShape {
+        hc: 2,
+        dim: 5,
+        kv_stride: 14,
+        eps: 1e-6,
+    };
+    let err = shape_error(engram_inject_f32(&rt, &mut dst, &src, &live, &src, shape));
+    assert!(err.contains("cannot hold"), "{err}");
+    assert_eq!(
+        KernelId::GatedPoolF32.source(),
+        deepinfer_kernels::SourceFile::Rows
+    );
+}
+
+// ---- stream means and head-weight scaling ------------------------------------------------------
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn stream_means_match_the_cpu_fold() {
+    let Some(rt) = runtime("stream_means_match_the_cpu_fold") else {
+        return;
+    };
+    let mut rng = Rng(13);
+    let mut compared = 0;
+    let mut other_order_differs = 0;
+    for (n, hc, dim) in [
+        (1, 1, 1),
+        (3, 4, 37),
+        (7, 3, 129),
+        (2, 8, 1000),
+        (65, 4, 64),
+    ] {
+        // fp32 streams over a wide range, so the fold order shows in the last bits.
+        let streams: Vec<f32> = (0..n * hc * dim).map(|_| rng.spread(-20, 20)).collect();
+        let streams_d = upload(&rt, &streams);
+        for rounding in [Rounding::Bf16, Rounding::F32] {
+            let mut out = upload(&rt, &vec![0.0f32; n * dim]);
+            stream_means_f32(&rt, &streams_d, hc, dim, rounding, &mut out).expect("stream_means");
+            let gpu = download(&rt, &out);
+            let cpu = cpu_stream_means(&streams, hc, dim, rounding);
+            compared += assert_bitwise("stream_means", &gpu, &cpu);
+            // Negative control: the streams folded in reverse order.
+            let reversed: Vec<f32> = streams
+                .chunks_exact(hc * dim)
+                .flat_map(|token| {
+                    (0..dim).map(move |d| {
+                        (0..hc).rev().fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32
+                    })
+                })
+                .collect();
+            if rounding == Rounding::F32 {
+                other_order_differs += differing(&gpu, &reversed);
+            }
+        }
+    }
+    assert!(other_order_differs > 0, "the fold order must be visible");
+    println!(
+        "stream means: {compared} values bitwise equal; the reverse fold differs in \
+         {other_order_differs}"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn scale_round_matches_the_index_head_weights() {
+    let Some(rt) = runtime("scale_round_matches_the_index_head_weights") else {
+        return;
+    };
+    let mut rng = Rng(14);
+    let mut compared = 0;
+    for (heads, head_dim, n) in [(1, 1, 1), (3, 32, 5), (64, 128, 37)] {
+        // As csa::index_queries computes it.
+        let weight_scale = (head_dim as f32).powf(-0.5) * (heads as f32).powf(-0.5);
+        let mut w: Vec<f32> = (0..n * heads).map(|_| rng.spread(-130, 120)).collect();
+        w.extend([0.0, -0.0, f32::INFINITY, f32::MIN_POSITIVE / 3.0, 3.0e38]);
+        let mut x = upload(&rt, &w);
+        scale_round_f32(&rt, &mut x, weight_scale, Rounding::Bf16).expect("scale_round");
+        let cpu: Vec<f32> = w.iter().map(|w| round_bf16(w * weight_scale)).collect();
+        compared += assert_bitwise("head weights", &download(&rt, &x), &cpu);
+        let mut x = upload(&rt, &w);
+        scale_round_f32(&rt, &mut x, weight_scale, Rounding::F32).expect("scale_round");
+        let cpu: Vec<f32> = w.iter().map(|w| w * weight_scale).collect();
+        compared += assert_bitwise("scaled fp32", &download(&rt, &x), &cpu);
+    }
+    println!("scale and round: {compared} values bitwise equal");
+}
+
+// ---- exp and gated pooling ---------------------------------------------------------------------
+
+/// `f(bits)` for every pattern of `bits`, on all CPU cores.
+fn on_cores(bits: &[u32], f: impl Fn(u32) -> f32 + Sync) -> Vec<f32> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut out = vec![0.0f32; bits.len()];
+    let chunk = bits.len().div_ceil(cores).max(1);
+    std::thread::scope(|scope| {
+        for (inputs, outputs) in bits.chunks(chunk).zip(out.chunks_mut(chunk)) {
+            let f = &f;
+            scope.spawn(move || {
+                for (o, &b) in outputs.iter_mut().zip(inputs) {
+                    *o = f(b);
+                }
+            });
+        }
+    });
+    out
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn exp_matches_std_f32_exp_over_every_pooling_input() {
+    let Some(rt) = runtime("exp_matches_std_f32_exp_over_every_pooling_input") else {
+        return;
+    };
+    // The pooling's arguments gate − max lie in [-inf, 0]; below ln 2^-150 ≈ -103.97 the result
+    // is 0. Every float of [-104, -0] (bit patterns 0x8000_0000 ..= 0xc2d0_0000), then every
+    // 97th pattern of all 2^32.
+    const CHUNK: u32 = 1 << 26;
+    let negative_end: u32 = (-104.0f32).to_bits();
+    let chunks = (0x8000_0000u32..=negative_end)
+        .step_by(CHUNK as usize)
+        .map(|start| (start..=start.saturating_add(CHUNK - 1).min(negative_end)).collect())
+        .chain(std::iter::once((0..=u32::MAX).step_by(97).collect()));
+    let mut compared = 0usize;
+    let mut not_correctly_rounded = 0usize;
+    for bits in chunks {
+        let bits: Vec<u32> = bits;
+        let inputs: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        let mut x = upload(&rt, &inputs);
+        exp_std_f32(&rt, &mut x).expect("exp_std_f32");
+        let gpu = download(&rt, &x);
+        let cpu = on_cores(&bits, |b| f32::from_bits(b).exp());
+        let bad: Vec<usize> = (0..bits.len())
+            .filter(|&i| {
+                gpu[i].to_bits() != cpu[i].to_bits() && !(gpu[i].is_nan() && cpu[i].is_nan())
+            })
+            .collect();
+        if let Some(&i) = bad.first() {
+            panic!(
+                "exp: {} of {} differ; first x = {:e} ({:#010x}): gpu {:#010x} std {:#010x}",
+                bad.len(),
+                bits.len(),
+                inputs[i],
+                bits[i],
+                gpu[i].to_bits(),
+                cpu[i].to_bits()
+            );
+        }
+        compared += bits.len();
+        // Negative control: the correctly rounded exp (through f64) differs from std's on some.
+        let exact = on_cores(&bits, |b| f64::from(f32::from_bits(b)).exp() as f32);
+        not_correctly_rounded += (0..bits.len())
+            .filter(|&i| exact[i].to_bits() != cpu[i].to_bits() && !cpu[i].is_nan())
+            .count();
+    }
+    assert!(
+        not_correctly_rounded > 0,
+        "std's exp should differ from the correctly rounded one somewhere"
+    );
+    println!(
+        "exp: {compared} inputs bitwise equal to std f32::exp; std differs from the correctly \
+         rounded exp on {not_correctly_rounded} of them"
+    );
+}
+
+/// The device address of row `row` (`width` f32 values) of `buffer`.
+fn row_address(rt: &KernelRuntime, buffer: &CudaSlice<f32>, row: usize, width: usize) -> u64 {
+    assert!((row + 1) * width <= buffer.len());
+    let (base, _recorded) = buffer.device_ptr(rt.stream());
+    base + (row * width * size_of::<f32>()) as u64
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gated_pool_matches_pool_channel() {
+    let Some(rt) = runtime("gated_pool_matches_pool_channel") else {
+        return;
+    };
+    let mut rng = Rng(15);
+    let mut compared = 0;
+    let (mut reversed_differs, mut replaced_differs) = (0, 0);
+    for (groups, ratio, head_dim) in [
+        (1, 1, 1),
+        (3, 2, 33),
+        (5, 4, 128),
+        (2, 128, 64),
+        (9, 4, 512),
+        (2048, 128, 64),
+    ] {
+        let width = 2 * head_dim;
+        // Member rows spread over 3 buffers (as rows of different steps' buffers), each a
+        // `kv ‖ gate` row; gates over a wide range (some far below the max: exp underflows),
+        // ties of the max in some channels.
+        let buffer_rows = (groups * ratio).min(1024);
+        let hosts: Vec<Vec<f32>> = (0..3)
+            .map(|_| {
+                (0..buffer_rows * width)
+                    .map(|i| {
+                        if i % width < head_dim {
+                            rng.activation()
+                        } else if rng.below(20) == 0 {
+                            -150.0 + rng.uniform()
+                        } else if rng.below(10) == 0 {
+                            1.5
+                        } else {
+                            rng.spread(-6, 5)
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let buffers: Vec<CudaSlice<f32>> = hosts.iter().map(|h| upload(&rt, h)).collect();
+        let picks: Vec<(usize, usize)> = (0..groups * ratio)
+            .map(|_| {
+                (
+                    rng.below(3) as usize,
+                    rng.below(buffer_rows as u64) as usize,
+                )
+            })
+            .collect();
+        // The pooling with member j of group g at `member(g, j)` (buffer, row).
+        let run = |member: &dyn Fn(usize, usize) -> (usize, usize)| -> Vec<f32> {
+            let addresses: Vec<u64> = (0..groups * ratio)
+                .map(|m| {
+                    let (b, row) = member(m / ratio, m % ratio);
+                    row_address(&rt, &buffers[b], row, width)
+                })
+                .collect();
+            let members = upload(&rt, &addresses);
+            let mut out = upload(&rt, &vec![0.0f32; groups * head_dim]);
+            // SAFETY: every address is a whole row of a live buffer of this context, held until
+            // the download below has synchronised the stream.
+            unsafe { gated_pool_f32(&rt, &members, groups, ratio, head_dim, &mut out) }
+                .expect("gated_pool_f32");
+            download(&rt, &out)
+        };
+        let gpu = run(&|g, j| picks[g * ratio + j]);
+        let rows: Vec<Tensor> = picks
+            .iter()
+            .map(|&(b, row)| Tensor::from(&hosts[b][row * width..(row + 1) * width]))
+            .collect();
+        let members: Vec<Vec<&Tensor>> = rows.chunks(ratio).map(|g| g.iter().collect()).collect();
+        let cpu = CpuBackend.gated_pool_rows(&members, head_dim).into_vec();
+        compared += assert_bitwise("gated pooling", &gpu, &cpu);
+        // Negative control: the last member of every group read from another buffer.
+        replaced_differs += differing(
+            &run(&|g, j| {
+                let (b, row) = picks[g * ratio + j];
+                if j + 1 == ratio {
+                    ((b + 1) % 3, row)
+                } else {
+                    (b, row)
+                }
+            }),
+            &cpu,
+        );
+        // The members in reverse order (another fold order): the bf16 rounding of the output
+        // hides most of the fp32 differences, so this is only counted.
+        reversed_differs += differing(&run(&|g, j| picks[g * ratio + ratio - 1 - j]), &cpu);
+    }
+    assert!(replaced_differs > 0, "every member must be read");
+    println!(
+        "gated pooling: {compared} values bitwise equal; a replaced member changes \
+         {replaced_differs}, reversed members (another fold order) {reversed_differs}"
+    );
+}
+
+// ---- Engram injection --------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn engram_inject_matches_the_cpu_gate() {
+    let Some(rt) = runtime("engram_inject_matches_the_cpu_gate") else {
+        return;
+    };
+    let mut rng = Rng(16);
+    let mut compared = 0;
+    let mut other_eps_differs = 0;
+    for (tokens, hc, dim, extra_kv, eps) in [
+        (1, 1, 1, 0, 1e-6f32),
+        (5, 4, 7, 0, 1e-6),
+        (6, 4, 64, 3, 1e-6),
+        (3, 2, 1031, 0, 1e-20),
+        (9, 4, 5120, 0, 1e-20),
+    ] {
+        let q: Vec<f32> = (0..hc * dim)
+            .map(|_| round_bf16(rng.spread(-3, 1)))
+            .collect();
+        let k: Vec<f32> = (0..hc * dim)
+            .map(|_| round_bf16(rng.spread(-3, 1)))
+            .collect();
+        let gate = EngramGate::new(dim, hc, &q, &k, eps).expect("gate shapes");
+        let weight: Vec<f32> = q.iter().zip(&k).map(|(q, k)| q * k).collect();
+        let mut streams = rng.activations(tokens * hc * dim);
+        // One stream of zeros: d = 0, the gate at its clamp.
+        streams[..dim].fill(0.0);
+        let live: Vec<u32> = (0..tokens as u32).filter(|t| t % 3 != 1).collect();
+        let kv_stride = (hc + 1) * dim + extra_kv;
+        let kv = rng.activations(live.len() * kv_stride);
+
+        let mut cpu = streams.clone();
+        let token_width = hc * dim;
+        for (i, &t) in live.iter().enumerate() {
+            let t = t as usize;
+            gate.inject(
+                &mut cpu[t * token_width..(t + 1) * token_width],
+                &kv[i * kv_stride..(i + 1) * kv_stride],
+            );
+        }
+        let kv_d = upload(&rt, &kv);
+        let live_d = upload(&rt, &live);
+        let weight_d = upload(&rt, &weight);
+        let run = |eps: f32| -> Vec<f32> {
+            let mut x = upload(&rt, &streams);
+            let shape = EngramInjectShape {
+                hc,
+                dim,
+                kv_stride,
+                eps,
+            };
+            engram_inject_f32(&rt, &mut x, &kv_d, &live_d, &weight_d, shape)
+                .expect("engram_inject_f32");
+            download(&rt, &x)
+        };
+        let gpu = run(eps);
+        compared += assert_bitwise("engram injection", &gpu, &cpu);
+        assert_ne!(differing(&gpu, &streams), 0, "live tokens must change");
+        // Negative control: another eps changes some gates' last bits.
+        other_eps_differs += differing(&run(eps * 1.5 + 1e-3), &cpu);
+    }
+    assert!(other_eps_differs > 0, "eps must be visible");
+    println!(
+        "engram injection: {compared} stream values bitwise equal; another eps differs in \
+         {other_eps_differs}"
+    );
+}
+
+// ---- the Backend ops: CudaBackend against CpuBackend -------------------------------------------
+
+/// Opens the CUDA backend, or says why the test is skipped (no driver) and returns `None`.
+fn cuda_backend(test: &str) -> Option<CudaBackend> {
+    if let Err(err) = driver_available() {
+        eprintln!("{test}: skipped: {err}");
+        return None;
+    }
+    match CudaBackend::open(0) {
+        Ok(backend) => Some(backend),
+        Err(err) => panic!("{test}: a CUDA driver is present but the backend did not open: {err}"),
+    }
+}
+
+/// `values` as a device tensor of `cuda` (gathered there from the host).
+fn on_device(cuda: &CudaBackend, values: &[f32]) -> Tensor {
+    let host = Tensor::from(values);
+    let device = cuda.gather(&[(&host, 0)], values.len());
+    assert!(device.device_view().is_some() && !device.on_host());
+    device
+}
+
+/// Device-to-host copies of `cuda`'s op results so far.
+fn copies(cuda: &CudaBackend) -> u64 {
+    cuda.transfer_counters().snapshot().to_host_copies
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn backend_scale_at_matches_cpu() {
+    let Some(cuda) = cuda_backend("backend_scale_at_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng(21);
+    let mut compared = 0;
+    for (heads, head_dim, n) in [(1, 1, 1), (3, 32, 5), (64, 128, 37)] {
+        let scale = (head_dim as f32).powf(-0.5) * (heads as f32).powf(-0.5);
+        let mut w: Vec<f32> = (0..n * heads).map(|_| rng.spread(-130, 120)).collect();
+        w.extend([0.0, -0.0, f32::INFINITY, f32::MIN_POSITIVE / 3.0, 3.0e38]);
+        for precision in [Precision::Bf16, Precision::F32] {
+            let cpu = CpuBackend.scale_at(Tensor::from(&w), scale, precision);
+            // A host input, a device tensor scaled in place, and a view (copied first).
+            let host = cuda.scale_at(Tensor::from(&w), scale, precision);
+            compared += assert_bitwise("scale_at (host)", &host, &cpu);
+            let before = copies(&cuda);
+            let whole = cuda.scale_at(on_device(&cuda, &w), scale, precision);
+            let padded: Vec<f32> = [7.0].iter().chain(&w).copied().collect();
+            let shared = on_device(&cuda, &padded);
+            let view = cuda.scale_at(shared.range(1..padded.len()), scale, precision);
+            assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
+            compared += assert_bitwise("scale_at (device)", &whole, &cpu);
+            compared += assert_bitwise("scale_at (view)", &view, &cpu);
+            assert_bitwise("the viewed tensor is unchanged", &shared, &padded);
+        }
+        // Negative control: another scale differs.
+        let other = cuda.scale_at(Tensor::from(&w), scale * 1.001, Precision::F32);
+        let cpu = CpuBackend.scale_at(Tensor::from(&w), scale, Precision::F32);
+        assert_ne!(differing(&other, &cpu), 0, "the scale must be visible");
+    }
+    assert!(
+        cuda.scale_at(Tensor::empty(), 2.0, Precision::Bf16)
+            .is_empty()
+    );
+    println!("Backend::scale_at: {compared} values bitwise equal");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn backend_stream_means_match_cpu() {
+    let Some(cuda) = cuda_backend("backend_stream_means_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng(22);
+    let mut compared = 0;
+    let mut reversed_differs = 0;
+    for (n, hc, dim) in [
+        (1, 1, 1),
+        (3, 4, 37),
+        (7, 3, 129),
+        (2, 8, 1000),
+        (65, 4, 64),
+    ] {
+        let streams: Vec<f32> = (0..n * hc * dim).map(|_| rng.spread(-20, 20)).collect();
+        for precision in [Precision::Bf16, Precision::F32] {
+            let cpu = CpuBackend.stream_means_at(&Tensor::from(&streams), hc, dim, precision);
+            let host = cuda.stream_means_at(&Tensor::from(&streams), hc, dim, precision);
+            compared += assert_bitwise("stream_means_at (host)", &host, &cpu);
+            let device = on_device(&cuda, &streams);
+            let before = copies(&cuda);
+            let gpu = cuda.stream_means_at(&device, hc, dim, precision);
+            // The last tokens only, through a view.
+            let tail = cuda.stream_means_at(&device.rows(n / 2..n, hc * dim), hc, dim, precision);
+            assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
+            compared += assert_bitwise("stream_means_at (device)", &gpu, &cpu);
+            compared += assert_bitwise("stream_means_at (view)", &tail, &cpu[n / 2 * dim..]);
+            if precision == Precision::F32 {
+                // Negative control: the streams folded in reverse order.
+                let reversed: Vec<f32> = streams
+                    .chunks_exact(hc * dim)
+                    .flat_map(|token| {
+                        (0..dim).map(move |d| {
+                            (0..hc).rev().fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32
+                        })
+                    })
+                    .collect();
+                reversed_differs += differing(&gpu, &reversed);
+            }
+        }
+    }
+    assert!(reversed_differs > 0, "the fold order must be visible");
+    println!(
+        "Backend::stream_means_at: {compared} values bitwise equal; the reverse fold differs in \
+         {reversed_differs}"
+    );
+}
+
+/// `rows` rows of `kv ‖ gate` (`2 · head_dim` values each) as the compressor stores them: bf16
+/// values, gates over a wide range (some far below the others: exp underflows) with ties.
+fn pooling_rows(rng: &mut Rng, rows: usize, head_dim: usize) -> Vec<f32> {
+    let width = 2 * head_dim;
+    (0..rows * width)
+        .map(|i| {
+            if i % width < head_dim {
+                rng.activation()
+            } else if rng.below(20) == 0 {
+                -150.0 + rng.uniform()
+            } else if rng.below(10) == 0 {
+                1.5
+            } else {
+                rng.spread(-6, 5)
+            }
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn backend_gated_pool_rows_match_cpu() {
+    let Some(cuda) = cuda_backend("backend_gated_pool_rows_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng(23);
+    let mut compared = 0;
+    let (mut reversed_differs, mut replaced_differs) = (0, 0);
+    // (group sizes, head_dim): one size (the model's `ratio`), and mixed sizes with an empty
+    // group (members missing from a ring).
+    let cases: [(&[usize], usize); 5] = [
+        (&[1], 1),
+        (&[2, 2, 2], 33),
+        (&[4; 5], 128),
+        (&[128, 128], 64),
+        (&[4, 4, 3, 0, 1, 4, 4], 96),
+    ];
+    for (sizes, head_dim) in cases {
+        let width = 2 * head_dim;
+        let members: usize = sizes.iter().sum();
+        // Member rows from three sources, as a ring holds them: rows of an earlier step's device
+        // buffer (views), whole device rows, and host rows.
+        let buffer_rows = members.max(1);
+        let earlier = pooling_rows(&mut rng, buffer_rows, head_dim);
+        let earlier_d = on_device(&cuda, &earlier);
+        let views = earlier_d.split_rows(width);
+        let own: Vec<Tensor> = (0..members)
+            .map(|_| on_device(&cuda, &pooling_rows(&mut rng, 1, head_dim)))
+            .collect();
+        let hosts: Vec<Tensor> = (0..members)
+            .map(|_| Tensor::from(pooling_rows(&mut rng, 1, head_dim)))
+            .collect();
+        let picks: Vec<&Tensor> = (0..members)
+            .map(|m| match rng.below(3) {
+                0 => &views[rng.below(buffer_rows as u64) as usize],
+                1 => &own[m],
+                _ => &hosts[m],
+            })
+            .collect();
+        let mut groups: Vec<Vec<&Tensor>> = Vec::new();
+        let mut at = 0;
+        for &size in sizes {
+            groups.push(picks[at..at + size].to_vec());
+            at += size;
+        }
+        let cpu = CpuBackend.gated_pool_rows(&groups, head_dim);
+        let before = copies(&cuda);
+        let gpu = cuda.gated_pool_rows(&groups, head_dim);
+        assert_eq!(copies(&cuda), before, "no copy to the host inside the op");
+        assert_eq!(gpu.len(), sizes.len() * head_dim);
+        compared += assert_bitwise("gated_pool_rows", &gpu, &cpu);
+        // Negative control: the last member of every group replaced by another row.
+        let other = on_device(&cuda, &pooling_rows(&mut rng, 1, head_dim));
+        let replaced: Vec<Vec<&Tensor>> = groups
+            .iter()
+            .map(|g| {
+                let mut g = g.clone();
+                if let Some(last) = g.last_mut() {
+                    *last = &other;
+                }
+                g
+            })
+            .collect();
+        replaced_differs += differing(&cuda.gated_pool_rows(&replaced, head_dim), &cpu);
+        // The members in reverse order (another fold order): the bf16 rounding of the output
+        // hides most of the fp32 differences, so this is only counted.
+        let reversed: Vec<Vec<&Tensor>> = groups
+            .iter()
+            .map(|g| g.iter().rev().copied().collect())
+            .collect();
+        reversed_differs += differing(&cuda.gated_pool_rows(&reversed, head_dim), &cpu);
+    }
+    assert!(replaced_differs > 0, "every member must be read");
+    assert!(cuda.gated_pool_rows(&[], 8).is_empty());
+    println!(
+        "Backend::gated_pool_rows: {compared} values bitwise equal; a replaced member changes \
+         {replaced_differs}, reversed members (another fold order) {reversed_differs}"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn backend_engram_inject_matches_cpu() {
+    let Some(cuda) = cuda_backend("backend_engram_inject_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng(24);
+    let mut compared = 0;
+    let mut other_eps_differs = 0;
+    for (tokens, hc, dim, extra_kv, eps) in [
+        (1, 1, 1, 0, 1e-6f32),
+        (5, 4, 7, 0, 1e-6),
+        (6, 4, 64, 3, 1e-6),
+        (3, 2, 1031, 0, 1e-20),
+        (9, 4, 5120, 0, 1e-20),
+    ] {
+        let q: Vec<f32> = (0..hc * dim)
+            .map(|_| round_bf16(rng.spread(-3, 1)))
+            .collect();
+        let k: Vec<f32> = (0..hc * dim)
+            .map(|_| round_bf16(rng.spread(-3, 1)))
+            .collect();
+        let gate = EngramGate::new(dim, hc, &q, &k, eps).expect("gate shapes");
+        let mut streams = rng.activations(tokens * hc * dim);
+        // One stream of zeros: d = 0, the gate at its clamp.
+        streams[..dim].fill(0.0);
+        let live: Vec<usize> = (0..tokens).filter(|t| t % 3 != 1).collect();
+        let kv_stride = (hc + 1) * dim + extra_kv;
+        let kv = rng.activations(live.len() * kv_stride);
+
+        let cpu =
+            CpuBackend.engram_inject(Tensor::from(&streams), &Tensor::from(&kv), &live, &gate);
+        assert_ne!(differing(&cpu, &streams), 0, "live tokens must change");
+        let host = cuda.engram_inject(Tensor::from(&streams), &Tensor::from(&kv), &live, &gate);
+        compared += assert_bitwise("engram_inject (host)", &host, &cpu);
+        let kv_d = on_device(&cuda, &kv);
+        let streams_d = on_device(&cuda, &streams);
+        let kept = streams_d.clone();
+        let before = copies(&cuda);
+        // Streams shared with `kept`: injected into a copy, `kept` unchanged.
+        let gpu = cuda.engram_inject(streams_d, &kv_d, &live, &gate);
+        // The sole holder: injected in place.
+        let in_place = cuda.engram_inject(on_device(&cuda, &streams), &kv_d, &live, &gate);
+        assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
+        compared += assert_bitwise("engram_inject (device)", &gpu, &cpu);
+        compared += assert_bitwise("engram_inject (in place)", &in_place, &cpu);
+        assert_bitwise("the shared streams are unchanged", &kept, &streams);
+        // Negative control: another eps changes some gates' last bits.
+        let other = EngramGate::new(dim, hc, &q, &k, eps * 1.5 + 1e-3).expect("gate shapes");
+        other_eps_differs += differing(
+            &cuda.engram_inject(Tensor::from(&streams), &kv_d, &live, &other),
+            &cpu,
+        );
+    }
+    assert!(other_eps_differs > 0, "eps must be visible");
+    // No live token: the streams come back as they are.
+    let gate = EngramGate::new(2, 1, &[1.0; 2], &[1.0; 2], 1e-6).expect("gate shapes");
+    let same = cuda.engram_inject(Tensor::from(vec![1.0, 2.0]), &Tensor::empty(), &[], &gate);
+    assert_bitwise("no live token", &same, &[1.0, 2.0]);
+    println!(
+        "Backend::engram_inject: {compared} stream values bitwise equal; another eps differs in \
+         {other_eps_differs}"
+    );
+}

@@ -1,0 +1,157 @@
+//! Issue #4's rule on the device: "no device-to-host copy inside a decode step except the sampled
+//! tokens". The v41-tiny fixture runs on a `CudaBackend`: a batched prefill of sequences of
+//! different lengths, then decode steps over all of them with the tokens sampled on the device
+//! (greedy and seeded top-p). The backend's transfer counters must show, for every decode step,
+//! zero copies of op results and exactly one copy of sampled ids; the tokens must be the CPU
+//! model's, step for step. Negative control: reading one decode step's logits on the host is
+//! counted.
+//!
+//! Built only with `--features cuda`; without a usable GPU the test prints why it skips. On the
+//! H200: `DEEPINFER_V41_TINY=$PWD/.gpu/fixtures/v41-tiny bash .gpu/run.sh gpu_transfers
+//! --include-ignored --nocapture`.
+#![cfg(feature = "cuda")]
+
+use std::path::PathBuf;
+
+use deepinfer_actors::tools::logits::engram_vocab_for_dir;
+use deepinfer_model::backend::cuda::{CudaBackend, TransferCounts};
+use deepinfer_model::config::ModelConfig;
+use deepinfer_model::sampling::SamplingParams;
+use deepinfer_model::{EntryOutput, LogitsWanted, Model, SequenceState, StepEntry};
+
+fn v41_tiny_dir() -> PathBuf {
+    std::env::var_os("DEEPINFER_V41_TINY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny")
+        })
+}
+
+fn fixture_model() -> Model {
+    let dir = v41_tiny_dir();
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
+    let vocab = engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
+    Model::load_with_vocab(&dir, vocab).expect("fixture loads")
+}
+
+fn prompt(seed: u32, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 9) % vocab as u32)
+        .collect()
+}
+
+/// Each sequence's sampling: greedy, and seeded top-p.
+fn sampling(s: usize) -> SamplingParams {
+    if s.is_multiple_of(2) {
+        SamplingParams::greedy()
+    } else {
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.9,
+            seed: 11 + s as u64,
+        }
+    }
+}
+
+/// One step over every sequence (its `tokens[s]`), each sampling its last row; the sampled ids.
+fn sampled_step(model: &Model, seqs: &mut [SequenceState], tokens: &[Vec<u32>]) -> Vec<u32> {
+    let mut entries: Vec<StepEntry<'_>> = seqs
+        .iter_mut()
+        .zip(tokens)
+        .enumerate()
+        .map(|(s, (seq, tokens))| StepEntry {
+            seq,
+            tokens,
+            want: LogitsWanted::Last,
+            decoder_from: None,
+            sample: Some(sampling(s)),
+        })
+        .collect();
+    model
+        .forward_step(&mut entries, None)
+        .expect("step")
+        .into_iter()
+        .map(|out| match out {
+            EntryOutput::Tokens(ids) => ids[0],
+            EntryOutput::Logits(_) => panic!("a sampled entry returned logits"),
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_decode_step_copies_only_the_sampled_ids_to_the_host() {
+    let backend = match CudaBackend::open(0) {
+        Ok(backend) => backend,
+        Err(err) => {
+            eprintln!("a_decode_step_copies_only_the_sampled_ids_to_the_host: skipped: {err}");
+            return;
+        }
+    };
+    let counters = backend.transfer_counters();
+    let cpu = fixture_model();
+    let vocab = cpu.config().vocab_size;
+    let gpu = fixture_model().on_backend(Box::new(backend));
+    let lengths = [5usize, 17, 40, 71];
+    let prompts: Vec<Vec<u32>> = lengths
+        .iter()
+        .enumerate()
+        .map(|(s, &len)| prompt(s as u32 + 1, len, vocab))
+        .collect();
+    let mut on_cpu: Vec<SequenceState> = lengths.iter().map(|_| cpu.new_sequence()).collect();
+    let mut on_gpu: Vec<SequenceState> = lengths.iter().map(|_| gpu.new_sequence()).collect();
+    let mut next_cpu = sampled_step(&cpu, &mut on_cpu, &prompts);
+    let mut next_gpu = sampled_step(&gpu, &mut on_gpu, &prompts);
+    assert_eq!(next_gpu, next_cpu, "prefill: the sampled tokens");
+    let lengths_before = counters.by_length();
+    let mut per_step: Vec<TransferCounts> = Vec::new();
+    for step in 0..8 {
+        let feed: Vec<Vec<u32>> = next_gpu.iter().map(|&t| vec![t]).collect();
+        let before = counters.snapshot();
+        next_gpu = sampled_step(&gpu, &mut on_gpu, &feed);
+        per_step.push(counters.snapshot() - before);
+        next_cpu = sampled_step(&cpu, &mut on_cpu, &feed);
+        assert_eq!(next_gpu, next_cpu, "decode step {step}: the sampled tokens");
+    }
+    for (step, counts) in per_step.iter().enumerate() {
+        println!(
+            "decode step {step}: {} op-result copies ({} bytes), {} sampled-id copies",
+            counts.to_host_copies, counts.to_host_bytes, counts.sampled_id_copies
+        );
+    }
+    for (len, n) in counters.by_length() {
+        let n = n - lengths_before.get(&len).copied().unwrap_or(0);
+        if n > 0 {
+            println!("op results of {len} values copied {n} times over the decode steps");
+        }
+    }
+    for (step, counts) in per_step.iter().enumerate() {
+        assert_eq!(
+            (counts.to_host_copies, counts.sampled_id_copies),
+            (0, 1),
+            "decode step {step}: copies of op results and of sampled ids"
+        );
+    }
+    // Negative control: a step whose logits are read on the host is counted.
+    let before = counters.snapshot();
+    let mut entries: Vec<StepEntry<'_>> = on_gpu
+        .iter_mut()
+        .zip(&next_gpu)
+        .map(|(seq, token)| StepEntry {
+            seq,
+            tokens: std::slice::from_ref(token),
+            want: LogitsWanted::Last,
+            decoder_from: None,
+            sample: None,
+        })
+        .collect();
+    let logits = gpu.forward_step(&mut entries, None).expect("step");
+    assert_eq!(logits.len(), lengths.len());
+    let counted = counters.snapshot() - before;
+    println!(
+        "a step returning logits: {} op-result copies",
+        counted.to_host_copies
+    );
+    assert!(counted.to_host_copies >= 1, "{counted:?}");
+}
