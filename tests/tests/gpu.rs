@@ -63,38 +63,13 @@ use deepinfer_model::sampling::SamplingParams;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
 use half::bf16;
 
-/// Opens the device, or says why the test is skipped (no driver) and returns `None`.
-fn runtime(test: &str) -> Option<KernelRuntime> {
-    if let Err(err) = driver_available() {
-        eprintln!("{test}: skipped: {err}");
-        return None;
-    }
-    match KernelRuntime::open(0) {
-        Ok(rt) => Some(rt),
-        Err(err) => {
-            panic!("{test}: a CUDA driver is present but the kernel runtime did not open: {err}")
-        }
-    }
-}
+mod gpu_support;
+use gpu_support::{
+    PRECISIONS, Rng, assert_bitwise, bf16_unit, cuda_backend, runtime, v41_tiny_path,
+};
 
-/// SplitMix64: a small deterministic generator for test data.
-struct Rng(u64);
-
+/// The value distributions of these tests, on the shared SplitMix64 generator.
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
     /// A bf16 activation with a wide dynamic range (magnitudes 2^-12 .. 2^6, some exact zeros).
     fn activation(&mut self) -> f32 {
         if self.below(50) == 0 {
@@ -592,49 +567,12 @@ fn launchers_reject_mismatched_shapes() {
 // ---------------------------------------------------------------------------------------------
 // CudaBackend against CpuBackend.
 
-/// Opens the CUDA backend, or says why the test is skipped (no driver) and returns `None`.
-fn cuda_backend(test: &str) -> Option<CudaBackend> {
-    if let Err(err) = driver_available() {
-        eprintln!("{test}: skipped: {err}");
-        return None;
-    }
-    match CudaBackend::open(0) {
-        Ok(backend) => Some(backend),
-        Err(err) => panic!("{test}: a CUDA driver is present but the backend did not open: {err}"),
-    }
-}
-
-/// Asserts `gpu` and `cpu` are bitwise equal and returns their length.
-fn assert_bitwise(what: &str, gpu: &[f32], cpu: &[f32]) -> usize {
-    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
-    let differing: Vec<usize> = (0..gpu.len())
-        .filter(|&i| gpu[i].to_bits() != cpu[i].to_bits())
-        .collect();
-    if let Some(&first) = differing.first() {
-        panic!(
-            "{what}: {} of {} values differ; first at {first}: gpu {} cpu {}",
-            differing.len(),
-            gpu.len(),
-            gpu[first],
-            cpu[first]
-        );
-    }
-    gpu.len()
-}
-
 /// fp32 values with a wide spread (not bf16-representable): `uniform · 2^e`, e in -8..=4.
 fn fp32_values(rng: &mut Rng, n: usize) -> Vec<f32> {
     (0..n)
         .map(|_| rng.uniform() * 2f32.powi(rng.below(13) as i32 - 8))
         .collect()
 }
-
-/// bf16 values uniform in [-1, 1).
-fn bf16_unit(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| quant::round_bf16(rng.uniform())).collect()
-}
-
-const PRECISIONS: [Precision; 2] = [Precision::Bf16, Precision::F32];
 
 #[test]
 fn backend_linears_are_bit_exact() {
@@ -1018,12 +956,7 @@ fn backend_open_is_an_error_without_a_driver() {
 
 /// `$DEEPINFER_V41_TINY`, else the shared fixture next to the repository.
 fn v41_tiny_dir() -> Option<std::path::PathBuf> {
-    let dir = std::env::var_os("DEEPINFER_V41_TINY")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/fixtures/v41/v41-tiny")
-        });
+    let dir = v41_tiny_path();
     if dir.join("model.safetensors").exists() {
         Some(dir)
     } else {

@@ -26,11 +26,12 @@ use deepinfer_actors::model_source::resolve;
 use deepinfer_actors::rank::executor::ExecutorFactory;
 use deepinfer_actors::rank::model_executor::{ModelFactory, PerDeviceModelFactory};
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
-use deepinfer_actors::tools::logits::engram_vocab_for_dir;
 use deepinfer_actors::{Completion, Engine, EngineConfig, GenerateRequest, ModelFacts};
-use deepinfer_model::config::ModelConfig;
 use deepinfer_model::{LogitsWanted, Model};
 use deepinfer_topology::{NodeConfig, RequestId};
+
+mod gpu_support;
+use gpu_support::{host_fixture_model, v41_tiny_path};
 
 /// One recorded row: the logits and the number of sequences in the step that computed it.
 #[derive(Debug, Clone)]
@@ -72,11 +73,7 @@ fn gpu_present(test: &str) -> bool {
 
 /// `$DEEPINFER_V41_TINY`, else the shared fixture; on a machine with a GPU it must exist.
 fn v41_tiny_dir() -> PathBuf {
-    let dir = std::env::var_os("DEEPINFER_V41_TINY")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny")
-        });
+    let dir = v41_tiny_path();
     assert!(
         dir.join("model.safetensors").is_file(),
         "the v41-tiny fixture is absent at {} (set DEEPINFER_V41_TINY)",
@@ -87,10 +84,7 @@ fn v41_tiny_dir() -> PathBuf {
 
 /// The fixture loaded on the host (CPU backend), and its facts.
 fn fixture_model() -> (Arc<Model>, ModelFacts) {
-    let dir = v41_tiny_dir();
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
-    let vocab = engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
-    let model = Model::load_with_vocab(&dir, vocab).expect("fixture loads");
+    let (model, cfg) = host_fixture_model(&v41_tiny_dir());
     let facts = ModelFacts {
         vocab_size: cfg.vocab_size,
         bos_token_id: cfg.bos_token_id,

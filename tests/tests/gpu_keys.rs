@@ -27,50 +27,11 @@ use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, index_scores_rows_f32, index_scores_rows_ptr_f32,
 };
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
-use deepinfer_kernels::runtime::driver_available;
 use deepinfer_model::backend::{Backend, CpuBackend, Precision, Tensor};
 use deepinfer_model::quant;
 
-/// Opens the device, or says why the test is skipped (no driver) and returns `None`.
-fn runtime(test: &str) -> Option<KernelRuntime> {
-    if let Err(err) = driver_available() {
-        eprintln!("{test}: skipped: {err}");
-        return None;
-    }
-    match KernelRuntime::open(0) {
-        Ok(rt) => Some(rt),
-        Err(err) => {
-            panic!("{test}: a CUDA driver is present but the kernel runtime did not open: {err}")
-        }
-    }
-}
-
-/// SplitMix64: a small deterministic generator for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-}
-
-/// bf16 values uniform in [-1, 1).
-fn bf16_unit(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| quant::round_bf16(rng.uniform())).collect()
-}
+mod gpu_support;
+use gpu_support::{PRECISIONS, Rng, assert_bitwise, bf16_unit, rounding_of, runtime};
 
 const SHAPES: [(usize, usize); 9] = [
     (1, 32),
@@ -83,20 +44,12 @@ const SHAPES: [(usize, usize); 9] = [
     (64, 96),
     (64, 512),
 ];
-const PRECISIONS: [Precision; 2] = [Precision::Bf16, Precision::F32];
 /// Rows of every key table: more than the longest list, so lists pick among them.
 const TABLE_ROWS: usize = 310;
 /// Separately allocated buffers the rows are spread over.
 const BUFFERS: usize = 5;
 /// The value between and around the rows: far from every key value, so a misplaced read shows.
 const FILLER: f32 = 1000.0;
-
-fn rounding(precision: Precision) -> Rounding {
-    match precision {
-        Precision::Bf16 => Rounding::Bf16,
-        Precision::F32 => Rounding::F32,
-    }
-}
 
 /// `TABLE_ROWS` key rows of `head_dim` values scattered over [`BUFFERS`] device buffers, and the
 /// same rows gathered into one flat buffer.
@@ -165,24 +118,6 @@ impl ScatteredKeys {
     }
 }
 
-/// Asserts `a` and `b` are bitwise equal and returns their length.
-fn assert_bitwise(what: &str, a: &[f32], b: &[f32]) -> usize {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let differing: Vec<usize> = (0..a.len())
-        .filter(|&i| a[i].to_bits() != b[i].to_bits())
-        .collect();
-    if let Some(&first) = differing.first() {
-        panic!(
-            "{what}: {} of {} values differ; first at {first}: {} vs {}",
-            differing.len(),
-            a.len(),
-            a[first],
-            b[first]
-        );
-    }
-    a.len()
-}
-
 /// Key lists of 0, 1, 7 and 300 rows, plus one row repeated 7 times; rows repeat within lists.
 fn key_lists(rng: &mut Rng) -> Vec<Vec<u32>> {
     let mut lists: Vec<Vec<u32>> = [0usize, 1, 7, 300]
@@ -232,7 +167,7 @@ fn run_attention(
         &mut out_ptr,
         head_dim,
         scale,
-        rounding(precision),
+        rounding_of(precision),
     )
     .expect("pointer-table attention");
     sparse_attention_sink_rows_f32(
@@ -244,7 +179,7 @@ fn run_attention(
         &mut out_flat,
         head_dim,
         scale,
-        rounding(precision),
+        rounding_of(precision),
     )
     .expect("flat attention");
     let key_rows = Tensor::from(&keys.flat[..]).split_rows(head_dim);
@@ -332,7 +267,7 @@ fn run_index(
         &mut scores_ptr,
         heads,
         head_dim,
-        rounding(precision),
+        rounding_of(precision),
     )
     .expect("pointer-table index scores");
     index_scores_rows_f32(
@@ -344,7 +279,7 @@ fn run_index(
         &mut scores_flat,
         heads,
         head_dim,
-        rounding(precision),
+        rounding_of(precision),
     )
     .expect("flat index scores");
     let total = prefixes.total();

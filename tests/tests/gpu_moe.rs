@@ -39,41 +39,16 @@ use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_fp4_routed,
     gemm_fp4_routed_with, gemm_fp8_routed_with, moe_combine, swiglu_rows,
 };
-use deepinfer_kernels::runtime::driver_available;
 use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision};
 use deepinfer_model::quant;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
 use half::bf16;
 
-fn runtime(test: &str) -> Option<KernelRuntime> {
-    if let Err(err) = driver_available() {
-        eprintln!("{test}: skipped: {err}");
-        return None;
-    }
-    match KernelRuntime::open(0) {
-        Ok(rt) => Some(rt),
-        Err(err) => panic!("{test}: a CUDA driver is present but the runtime did not open: {err}"),
-    }
-}
+mod gpu_support;
+use gpu_support::{Rng, assert_bitwise, differing, precision_of, runtime};
 
-/// SplitMix64.
-struct Rng(u64);
-
+/// The value distributions of these tests, on the shared SplitMix64 generator.
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
     fn bytes(&mut self, n: usize) -> Vec<u8> {
         let mut out = Vec::with_capacity(n + 8);
         while out.len() < n {
@@ -482,36 +457,6 @@ impl DeviceMoe {
     }
 }
 
-fn precision_of(rounding: Rounding) -> Precision {
-    match rounding {
-        Rounding::Bf16 => Precision::Bf16,
-        Rounding::F32 => Precision::F32,
-    }
-}
-
-/// Bitwise equality, naming the first difference.
-fn assert_bitwise(what: &str, gpu: &[f32], cpu: &[f32]) {
-    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
-    if let Some(i) = (0..gpu.len()).find(|&i| gpu[i].to_bits() != cpu[i].to_bits()) {
-        let differ = (0..gpu.len())
-            .filter(|&i| gpu[i].to_bits() != cpu[i].to_bits())
-            .count();
-        panic!(
-            "{what}: {differ} of {} values differ; first at {i}: gpu {} cpu {}",
-            gpu.len(),
-            gpu[i],
-            cpu[i]
-        );
-    }
-}
-
-fn differs(a: &[f32], b: &[f32]) -> usize {
-    a.iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count()
-}
-
 /// The layer's host experts and their device copies; `pool` distinct weights shared out
 /// cyclically (each expert still has its own device copy).
 struct Layer {
@@ -647,8 +592,8 @@ fn routed_moe_chain_matches_the_cpu_bitwise() {
             assert_bitwise(&what, &gpu, &want);
             checked += gpu.len();
             clamped += c;
-            slot_order_differs += differs(&gpu, &reference(CombineOrder::Slots).0);
-            shared_first_differs += differs(&gpu, &reference(CombineOrder::SharedFirst).0);
+            slot_order_differs += differing(&gpu, &reference(CombineOrder::Slots).0);
+            shared_first_differs += differing(&gpu, &reference(CombineOrder::SharedFirst).0);
         }
     }
     assert!(clamped > 0, "the SwiGLU clamp never ran");

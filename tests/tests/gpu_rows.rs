@@ -33,45 +33,17 @@ use deepinfer_kernels::ops::rows::{
     EngramInjectShape, engram_inject_f32, exp_std_f32, gated_pool_f32, scale_round_f32,
     stream_means_f32,
 };
-use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{KernelError, KernelId};
 use deepinfer_model::backend::cuda::CudaBackend;
 use deepinfer_model::backend::{Backend, CpuBackend, Precision, Tensor};
 use deepinfer_model::engram::EngramGate;
 use deepinfer_model::quant::round_bf16;
 
-/// Opens the device, or says why the test is skipped (no driver) and returns `None`.
-fn runtime(test: &str) -> Option<KernelRuntime> {
-    if let Err(err) = driver_available() {
-        eprintln!("{test}: skipped: {err}");
-        return None;
-    }
-    match KernelRuntime::open(0) {
-        Ok(rt) => Some(rt),
-        Err(err) => {
-            panic!("{test}: a CUDA driver is present but the kernel runtime did not open: {err}")
-        }
-    }
-}
+mod gpu_support;
+use gpu_support::{Rng, assert_bitwise, cuda_backend, differing, precision_of, runtime};
 
-/// SplitMix64: a small deterministic generator for test data.
-struct Rng(u64);
-
+/// The value distributions of these tests, on the shared SplitMix64 generator.
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
     /// An fp32 value `uniform · 2^e`, e in `lo..=hi` (not bf16-representable).
     fn spread(&mut self, lo: i32, hi: i32) -> f32 {
         let e = lo + self.below((hi - lo + 1) as u64) as i32;
@@ -100,41 +72,7 @@ fn download(rt: &KernelRuntime, values: &CudaSlice<f32>) -> Vec<f32> {
     rt.stream().clone_dtoh(values).expect("download")
 }
 
-/// How many values differ bitwise.
-fn differing(gpu: &[f32], cpu: &[f32]) -> usize {
-    assert_eq!(gpu.len(), cpu.len(), "lengths");
-    gpu.iter()
-        .zip(cpu)
-        .filter(|(g, c)| g.to_bits() != c.to_bits())
-        .count()
-}
-
-/// Asserts `gpu` and `cpu` are bitwise equal; returns how many values were compared.
-fn assert_bitwise(what: &str, gpu: &[f32], cpu: &[f32]) -> usize {
-    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
-    if let Some(first) = (0..gpu.len()).find(|&i| gpu[i].to_bits() != cpu[i].to_bits()) {
-        panic!(
-            "{what}: {} of {} values differ; first at {first}: gpu {:e} ({:#010x}) cpu {:e} \
-             ({:#010x})",
-            differing(gpu, cpu),
-            gpu.len(),
-            gpu[first],
-            gpu[first].to_bits(),
-            cpu[first],
-            cpu[first].to_bits()
-        );
-    }
-    gpu.len()
-}
-
 // ---- the CPU definitions -----------------------------------------------------------------------
-
-fn precision_of(rounding: Rounding) -> Precision {
-    match rounding {
-        Rounding::Bf16 => Precision::Bf16,
-        Rounding::F32 => Precision::F32,
-    }
-}
 
 /// The stream means as `CpuBackend` computes them (the trait default: `step.rs`'s taps, and V4's
 /// fp32 variant).
@@ -500,18 +438,6 @@ fn engram_inject_matches_the_cpu_gate() {
 }
 
 // ---- the Backend ops: CudaBackend against CpuBackend -------------------------------------------
-
-/// Opens the CUDA backend, or says why the test is skipped (no driver) and returns `None`.
-fn cuda_backend(test: &str) -> Option<CudaBackend> {
-    if let Err(err) = driver_available() {
-        eprintln!("{test}: skipped: {err}");
-        return None;
-    }
-    match CudaBackend::open(0) {
-        Ok(backend) => Some(backend),
-        Err(err) => panic!("{test}: a CUDA driver is present but the backend did not open: {err}"),
-    }
-}
 
 /// `values` as a device tensor of `cuda` (gathered there from the host).
 fn on_device(cuda: &CudaBackend, values: &[f32]) -> Tensor {

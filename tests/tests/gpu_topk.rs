@@ -1,7 +1,7 @@
 //! GPU conformance of the indexer's selection on the device (`deepinfer_kernels::ops::topk`)
-//! against the CPU definition, `deepinfer_model::v41::top_k_lowest_index` (the `k` largest scores
-//! in `f32::total_cmp` order, ties to the lower index, ascending), and `csa::candidate_mask`
-//! (mirrored in [`cpu_candidate_mask`]: the model's function needs a model context).
+//! against the model's host definitions in `deepinfer_model::backend::select`:
+//! `top_k_lowest_index` (the `k` largest scores in `f32::total_cmp` order, ties to the lower
+//! index, ascending) and `candidate_mask` (level one of the two-level top-k).
 //!
 //! Every comparison is exact (indices and mask bytes). The scores come from small value sets
 //! (many ties), with ±inf, -0.0 / 0.0 and NaNs of both signs and several payloads, from spread
@@ -19,42 +19,10 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
 use deepinfer_kernels::ops::topk::{NO_INDEX, apply_mask_rows, candidate_mask_rows, top_k_rows};
-use deepinfer_kernels::runtime::driver_available;
-use deepinfer_model::v41::top_k_lowest_index;
+use deepinfer_model::backend::select::{candidate_mask, top_k_lowest_index};
 
-/// Opens the device, or says why the test is skipped (no driver) and returns `None`.
-fn runtime(test: &str) -> Option<KernelRuntime> {
-    if let Err(err) = driver_available() {
-        eprintln!("{test}: skipped: {err}");
-        return None;
-    }
-    match KernelRuntime::open(0) {
-        Ok(rt) => Some(rt),
-        Err(err) => {
-            panic!("{test}: a CUDA driver is present but the kernel runtime did not open: {err}")
-        }
-    }
-}
-
-/// SplitMix64: a small deterministic generator for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+mod gpu_support;
+use gpu_support::{Rng, runtime};
 
 /// The special values every distribution mixes in: ±inf, ±0 and NaNs of both signs (quiet,
 /// with payloads, and the largest-payload NaN whose total-order key is u32 max).
@@ -266,30 +234,6 @@ fn the_tie_rule_is_observable() {
     }
 }
 
-/// `csa::candidate_mask` with the candidate config's `block_size` and `topk_blocks`, line for line.
-fn cpu_candidate_mask(scores: &[f32], block_size: usize, topk_blocks: usize) -> Vec<bool> {
-    if scores.is_empty() {
-        return Vec::new();
-    }
-    let mut block_scores: Vec<f32> = scores
-        .chunks(block_size)
-        .map(|b| b.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s)))
-        .collect();
-    let newest = (scores.len() - 1) / block_size;
-    block_scores[newest] = f32::INFINITY;
-    let kept = top_k_lowest_index(&block_scores, topk_blocks.min(block_scores.len()));
-    let mut mask = vec![false; scores.len()];
-    for block in kept {
-        if block_scores[block] > f32::NEG_INFINITY {
-            let end = ((block + 1) * block_size).min(scores.len());
-            mask[block * block_size..end]
-                .iter_mut()
-                .for_each(|m| *m = true);
-        }
-    }
-    mask
-}
-
 /// The device mask of a batch (the flat layout), and the device buffer.
 fn device_mask(
     rt: &KernelRuntime,
@@ -319,7 +263,7 @@ fn assert_masks_equal(
     let mut start = 0;
     let mut compared = 0;
     for (t, scores) in batch.rows.iter().enumerate() {
-        let cpu = cpu_candidate_mask(scores, block_size, topk);
+        let cpu = candidate_mask(scores, block_size, topk);
         let gpu = &flat[start..start + scores.len()];
         if let Some(at) = gpu.iter().zip(&cpu).position(|(&g, &c)| g != u8::from(c)) {
             panic!(
@@ -417,7 +361,7 @@ fn masked_two_level_top_k_matches_the_cpu() {
             .expect("download scores");
         // The CPU: the later layer's scores outside its query's candidates become -inf.
         for (row, source_row) in later.rows.iter_mut().zip(&source.rows) {
-            let candidates = cpu_candidate_mask(source_row, block_size, topk_blocks);
+            let candidates = candidate_mask(source_row, block_size, topk_blocks);
             for (score, keep) in row.iter_mut().zip(&candidates) {
                 if !keep {
                     *score = f32::NEG_INFINITY;

@@ -11,27 +11,15 @@
 //! --include-ignored --nocapture`.
 #![cfg(feature = "cuda")]
 
-use std::path::PathBuf;
-
-use deepinfer_actors::tools::logits::engram_vocab_for_dir;
 use deepinfer_model::backend::cuda::{CudaBackend, TransferCounts};
-use deepinfer_model::config::ModelConfig;
 use deepinfer_model::sampling::SamplingParams;
 use deepinfer_model::{EntryOutput, LogitsWanted, Model, SequenceState, StepEntry};
 
-fn v41_tiny_dir() -> PathBuf {
-    std::env::var_os("DEEPINFER_V41_TINY")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny")
-        })
-}
+mod gpu_support;
+use gpu_support::{host_fixture_model, v41_tiny_path};
 
 fn fixture_model() -> Model {
-    let dir = v41_tiny_dir();
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
-    let vocab = engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
-    Model::load_with_vocab(&dir, vocab).expect("fixture loads")
+    host_fixture_model(&v41_tiny_path()).0
 }
 
 fn prompt(seed: u32, len: usize, vocab: usize) -> Vec<u32> {

@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 
-use crate::backend::Tensor;
+use crate::backend::{Backend, Tensor};
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
 
@@ -54,6 +54,20 @@ impl PositionRing {
             self.rows.pop_front();
             self.start += 1;
         }
+    }
+
+    /// Copies the rows held into one buffer of their own when they are views into device memory,
+    /// so that the rows a long chunk left do not keep that chunk's whole buffers alive.
+    pub fn compact(&mut self, backend: &dyn Backend) {
+        let Some(width) = self.rows.front().map(Tensor::len) else {
+            return;
+        };
+        if self.rows.iter().all(|row| row.device_view().is_none()) {
+            return; // host rows are copies already
+        }
+        let pieces: Vec<(&Tensor, usize)> = self.rows.iter().map(|row| (row, 0)).collect();
+        let packed = backend.gather(&pieces, width);
+        self.rows = packed.split_rows(width).into();
     }
 
     /// Drops every row of a position `>= len`.
@@ -145,6 +159,20 @@ impl SequenceState {
         }
         for ring in &mut self.dspark {
             ring.trim(capacity);
+        }
+    }
+
+    /// [`PositionRing::compact`] of every ring (after a long chunk: its window, pending and
+    /// DSpark rows are the chunk's last few, views into buffers of the whole chunk).
+    pub(crate) fn compact(&mut self, backend: &dyn Backend) {
+        for layer in &mut self.layers {
+            layer.window.compact(backend);
+            if let Some(compressor) = &mut layer.compressor {
+                compressor.pending.compact(backend);
+            }
+        }
+        for ring in &mut self.dspark {
+            ring.compact(backend);
         }
     }
 

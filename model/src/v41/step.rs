@@ -16,6 +16,10 @@ use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
 use crate::sampling::SamplingParams;
 
+/// Chunks longer than this many tokens leave their sequence's rings compacted
+/// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
+const COMPACT_AFTER: usize = 4 * super::state::MAX_BACKTRACK;
+
 /// One sequence's part of a step ([`Model::forward_step`]).
 pub struct StepEntry<'a> {
     pub seq: &'a mut SequenceState,
@@ -376,6 +380,9 @@ impl Model {
         for (seq, tokens) in seqs.iter_mut().zip(&chunks) {
             seq.len += tokens.len();
             seq.trim(cfg.window_size);
+            if tokens.len() > COMPACT_AFTER {
+                seq.compact(ctx.backend);
+            }
         }
         Ok(outputs)
     }

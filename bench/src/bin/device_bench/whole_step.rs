@@ -5,9 +5,9 @@
 //! time.
 //!
 //! A step over B sequences is one `Model::forward_step` (every op once over the step's rows, as the
-//! rank executor runs it); `CudaBackend` still copies activations to and from the host for every
-//! op (weights stay cached on the device after their first use). Every timed run follows an
-//! untimed warm-up that uploads the weights.
+//! rank executor runs it); activations and KV rows stay on the device and only the sampled ids come
+//! back, which is also when a step has finished (weights stay cached on the device after their
+//! first use). Every timed run follows an untimed warm-up that uploads the weights.
 
 use std::path::Path;
 use std::time::Instant;
@@ -264,7 +264,7 @@ pub fn print(rows: &[StepRow]) {
         "\nprefill: B prompts of different lengths in one step (v41 block: one prompt); time_ms = that step, \
          tok/s = prompt tokens / time. decode: every sequence appends one token; time_ms = median step, p90_ms = 90th \
          percentile, tok/s = B / median (v41 block: B copies of the prefilled sequence, each fed a different token). \
-         A step over B sequences is one forward over all their rows, with host copies around every op. weight_MB = distinct weights at checkpoint width, once per pass (routed experts: the expected \
+         A step over B sequences is one forward over all their rows on the device; only the sampled ids come back. weight_MB = distinct weights at checkpoint width, once per pass (routed experts: the expected \
          distinct experts E(n) = E(1-(1-k/E)^n) of n tokens); state_MB = KV/state reads of all queries; GFLOP = GEMMs, \
          mHC, attention and index scores (bench/src/cost.rs); floor = max(bytes / 4.28 TB/s, FLOPs / 790 TFLOP/s); \
          roofline = floor / time; x_floor = time / floor."

@@ -5,15 +5,21 @@
 //! splits a reduction by the batch, so a sequence's numbers do not depend on what else runs (batch
 //! invariance).
 //!
-//! Beyond the layer math: token sampling (`sample_rows`: the logits go up, only the ids come
-//! back), the MoE router after its gate linear, and Engram hashing and table lookup (the tables
-//! are uploaded once, like weights, and stay in device memory).
+//! Beyond the layer math: token sampling (only the ids come back), the whole MoE layer
+//! (`moe.rs`), the indexer's selection (`rows.rs`: top-k and candidate mask left on the device and
+//! read there by the attention), and Engram table lookup (the tables are uploaded once, like
+//! weights, and stay in device memory). Modules: `dense.rs` (GEMMs, linears, norms, RoPE, QDQ),
+//! `rows.rs` (row ops and keys), `moe.rs`, `small.rs` (elementwise and pooling ops), `tokens.rs`
+//! (sampling, routing, Engram).
 //!
 //! Data path: weights are uploaded once and cached on the device. Activations are [`Tensor`]s in
 //! device memory ([`CudaBuffer`]): an op takes its inputs where they are (a host tensor is
 //! uploaded; a view into part of a buffer is copied device to device into a whole one) and leaves
 //! its result on the device. Nothing comes back to the host unless the model reads a tensor there,
 //! and every such copy is counted ([`TransferCounters`]); the sampled ids are counted apart.
+//!
+//! Expert tables (`moe.rs`) are cached per layer by the host address and length of its expert
+//! list, under the same rule as the weights below.
 //!
 //! Weight cache: only the weights the model passes (never temporaries: the fp32 linears over FP8 /
 //! FP4 weights are overridden to dequantise on the device from the cached FP8 / FP4 copy, so the
@@ -259,6 +265,9 @@ impl DeviceBuffer for CudaBuffer {
     }
 
     fn download(&self, offset: usize, len: usize) -> Vec<f32> {
+        if len == 0 {
+            return Vec::new();
+        }
         self.transfers.result::<f32>(len);
         self.stream
             .clone_dtoh(&self.data.slice(offset..offset + len))

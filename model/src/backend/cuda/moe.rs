@@ -223,62 +223,48 @@ impl CudaBackend {
             })
             .collect();
         let built = if let Some(fp4) = fp4 {
-            let weights = fp4
-                .iter()
-                .map(|[w1, w3, w2]| {
-                    Ok([
-                        self.cached_fp4(w1)?,
-                        self.cached_fp4(w3)?,
-                        self.cached_fp4(w2)?,
-                    ])
-                })
-                .collect::<Result<Vec<_>, CudaBackendError>>()?;
-            let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = weights
-                .iter()
-                .map(|[w1, w3, w2]| ExpertRefs {
-                    w1: &**w1,
-                    w3: &**w3,
-                    w2: &**w2,
-                })
-                .collect();
-            // SAFETY: the table is stored next to `weights` (the Arcs it points into) in one
-            // `DeviceExperts`, which outlives every launch that reads it.
-            let table = unsafe { DeviceExpertTable::fp4(&self.rt, &refs) }.map_err(op_err(op))?;
-            DeviceExperts {
-                table,
-                _held: held(weights),
-            }
+            self.expert_table(op, &fp4, |w| self.cached_fp4(w), DeviceExpertTable::fp4)?
         } else if let Some(fp8) = fp8 {
-            let weights = fp8
-                .iter()
-                .map(|[w1, w3, w2]| {
-                    Ok([
-                        self.cached_fp8(w1)?,
-                        self.cached_fp8(w3)?,
-                        self.cached_fp8(w2)?,
-                    ])
-                })
-                .collect::<Result<Vec<_>, CudaBackendError>>()?;
-            let refs: Vec<ExpertRefs<'_, DeviceFp8Weight>> = weights
-                .iter()
-                .map(|[w1, w3, w2]| ExpertRefs {
-                    w1: &**w1,
-                    w3: &**w3,
-                    w2: &**w2,
-                })
-                .collect();
-            // SAFETY: as above.
-            let table = unsafe { DeviceExpertTable::fp8(&self.rt, &refs) }.map_err(op_err(op))?;
-            DeviceExperts {
-                table,
-                _held: held(weights),
-            }
+            self.expert_table(op, &fp8, |w| self.cached_fp8(w), DeviceExpertTable::fp8)?
         } else {
             return Ok(None);
         };
         let built = Arc::new(built);
         self.lock_weights().expert_tables.insert(key, built.clone());
         Ok(Some(built))
+    }
+
+    /// The device table of experts given as host weights `[w1, w3, w2]`: each weight uploaded
+    /// (or found) in the cache by `cached`, the table built by `build` over them.
+    fn expert_table<H, W: Send + Sync + 'static>(
+        &self,
+        op: &'static str,
+        experts: &[[&H; 3]],
+        cached: impl Fn(&H) -> Result<Arc<W>, CudaBackendError>,
+        build: unsafe fn(
+            &KernelRuntime,
+            &[ExpertRefs<'_, W>],
+        ) -> Result<DeviceExpertTable, KernelError>,
+    ) -> Result<DeviceExperts, CudaBackendError> {
+        let weights = experts
+            .iter()
+            .map(|[w1, w3, w2]| Ok([cached(w1)?, cached(w3)?, cached(w2)?]))
+            .collect::<Result<Vec<_>, CudaBackendError>>()?;
+        let refs: Vec<ExpertRefs<'_, W>> = weights
+            .iter()
+            .map(|[w1, w3, w2]| ExpertRefs {
+                w1: &**w1,
+                w3: &**w3,
+                w2: &**w2,
+            })
+            .collect();
+        // SAFETY: the table is stored next to `weights` (the Arcs it points into) in one
+        // `DeviceExperts`, which outlives every launch that reads it.
+        let table = unsafe { build(&self.rt, &refs) }.map_err(op_err(op))?;
+        Ok(DeviceExperts {
+            table,
+            _held: held(weights),
+        })
     }
 }
 

@@ -500,25 +500,7 @@ impl CudaBackend {
                 self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)?;
             return Ok(select::select_host(scores, k, candidates));
         }
-        if weights.is_empty() || !weights.len().is_multiple_of(queries) {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "weights ({} values) are not {queries} queries of whole heads",
-                    weights.len()
-                ),
-            ));
-        }
-        let heads = weights.len() / queries;
-        if head_dim == 0 || q.len() != queries * heads * head_dim {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "q has {} values, expected {queries} queries of {heads} heads of {head_dim}",
-                    q.len()
-                ),
-            ));
-        }
+        let heads = index_heads(OP, q, weights, queries, head_dim)?;
         let mut keep = Vec::new();
         let table =
             self.key_table_in_order(OP, keys[..max_seen].iter().copied(), head_dim, &mut keep)?;
@@ -615,25 +597,7 @@ impl CudaBackend {
         if queries == 0 {
             return Ok(Vec::new());
         }
-        if weights.is_empty() || !weights.len().is_multiple_of(queries) {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "weights ({} values) are not {queries} queries of whole heads",
-                    weights.len()
-                ),
-            ));
-        }
-        let heads = weights.len() / queries;
-        if head_dim == 0 || q.len() != queries * heads * head_dim {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "q has {} values, expected {queries} queries of {heads} heads of {head_dim}",
-                    q.len()
-                ),
-            ));
-        }
+        let heads = index_heads(OP, q, weights, queries, head_dim)?;
         if queries > MAX_QUERIES_PER_INDEX_LAUNCH {
             let mut joined = Vec::with_capacity(queries);
             for start in (0..queries).step_by(MAX_QUERIES_PER_INDEX_LAUNCH) {
@@ -779,4 +743,35 @@ impl DeviceRows for DeviceSelectionRows {
 struct DeviceMask {
     mask: CudaSlice<u8>,
     visible: DeviceVisiblePrefixes,
+}
+
+/// The heads of `queries` indexer queries `q [n, heads · head_dim]` with head weights
+/// `[n, heads]`, or the shape error naming what does not fit.
+fn index_heads(
+    op: &'static str,
+    q: &Tensor,
+    weights: &Tensor,
+    queries: usize,
+    head_dim: usize,
+) -> Result<usize, CudaBackendError> {
+    if weights.is_empty() || !weights.len().is_multiple_of(queries) {
+        return Err(shape_err(
+            op,
+            format!(
+                "weights ({} values) are not {queries} queries of whole heads",
+                weights.len()
+            ),
+        ));
+    }
+    let heads = weights.len() / queries;
+    if head_dim == 0 || q.len() != queries * heads * head_dim {
+        return Err(shape_err(
+            op,
+            format!(
+                "q has {} values, expected {queries} queries of {heads} heads of {head_dim}",
+                q.len()
+            ),
+        ));
+    }
+    Ok(heads)
 }
