@@ -218,10 +218,12 @@ pub enum KernelId {
     Bf16ToF32,
     /// Selected compressed-key rows written into attention key lists.
     ComposeSelectedRows,
+    /// `x += y` elementwise in fp32.
+    AddF32,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 51] = [
+    pub const ALL: [KernelId; 52] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -273,6 +275,7 @@ impl KernelId {
         KernelId::GatherPtrsF32,
         KernelId::Bf16ToF32,
         KernelId::ComposeSelectedRows,
+        KernelId::AddF32,
     ];
 
     /// The `extern "C"` symbol in the source file.
@@ -329,6 +332,7 @@ impl KernelId {
             KernelId::GatherPtrsF32 => "gather_ptrs_f32",
             KernelId::Bf16ToF32 => "bf16_to_f32",
             KernelId::ComposeSelectedRows => "compose_selected_rows",
+            KernelId::AddF32 => "add_f32",
         }
     }
 
@@ -379,9 +383,10 @@ impl KernelId {
             KernelId::TopKRowsF32 | KernelId::CandidateMaskRowsF32 | KernelId::ApplyMaskRowsF32 => {
                 SourceFile::TopK
             }
-            KernelId::GatherPtrsF32 | KernelId::Bf16ToF32 | KernelId::ComposeSelectedRows => {
-                SourceFile::Movement
-            }
+            KernelId::GatherPtrsF32
+            | KernelId::Bf16ToF32
+            | KernelId::ComposeSelectedRows
+            | KernelId::AddF32 => SourceFile::Movement,
         }
     }
 }

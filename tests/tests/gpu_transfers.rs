@@ -4,7 +4,8 @@
 //! (greedy and seeded top-p). The backend's transfer counters must show, for every decode step,
 //! zero copies of op results and exactly one copy of sampled ids; the tokens must be the CPU
 //! model's, step for step. Negative control: reading one decode step's logits on the host is
-//! counted.
+//! counted. DSpark drafting copies only the drafted ids and the confidences, and drafts what the
+//! CPU drafts.
 //!
 //! Built only with `--features cuda`; without a usable GPU the test prints why it skips. On the
 //! H200: `DEEPINFER_V41_TINY=$PWD/.gpu/fixtures/v41-tiny bash .gpu/run.sh gpu_transfers
@@ -142,4 +143,53 @@ fn a_decode_step_copies_only_the_sampled_ids_to_the_host() {
         counted.to_host_copies
     );
     assert!(counted.to_host_copies >= 1, "{counted:?}");
+
+    // DSpark drafting of every sequence in one call: the drafted ids and the confidences come to
+    // the host (one copy of each per slot), the draft logits stay on the device until read; the
+    // proposals equal the CPU's bit for bit.
+    for (seq, &token) in on_cpu.iter_mut().zip(&next_gpu) {
+        cpu.forward(seq, &[token], LogitsWanted::Last)
+            .expect("cpu step");
+    }
+    let requests_cpu: Vec<(&SequenceState, u32)> =
+        on_cpu.iter().zip(next_gpu.iter().copied()).collect();
+    let requests_gpu: Vec<(&SequenceState, u32)> =
+        on_gpu.iter().zip(next_gpu.iter().copied()).collect();
+    let before = counters.snapshot();
+    let drafted = gpu.draft_step(&requests_gpu);
+    let counted = counters.snapshot() - before;
+    let expected = cpu.draft_step(&requests_cpu);
+    let block = cpu.config().dspark.as_ref().map_or(0, |d| d.block_size);
+    println!(
+        "drafting {} blocks of {block}: {} op-result copies ({} bytes), {} id copies",
+        lengths.len(),
+        counted.to_host_copies,
+        counted.to_host_bytes,
+        counted.sampled_id_copies
+    );
+    assert_eq!(
+        (counted.to_host_copies, counted.sampled_id_copies),
+        (block as u64, block as u64),
+        "one copy of the confidences and one of the drafted ids per slot"
+    );
+    assert_eq!(
+        counted.to_host_bytes,
+        (block * lengths.len() * 4) as u64,
+        "only the confidences"
+    );
+    for (s, (got, want)) in drafted.into_iter().zip(expected).enumerate() {
+        let (got, want) = (got.expect("gpu draft"), want.expect("cpu draft"));
+        assert_eq!(got.tokens, want.tokens, "sequence {s}: drafted tokens");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(
+            bits(&got.confidence),
+            bits(&want.confidence),
+            "sequence {s}: confidences"
+        );
+        assert_eq!(
+            bits(&got.logits),
+            bits(&want.logits),
+            "sequence {s}: draft logits"
+        );
+    }
 }

@@ -1,6 +1,7 @@
 // Data movement between ops on f32 storage, so activations never leave the device: gathering
-// fixed-width pieces from anywhere in device memory (rows, column groups, interleavings), and
-// widening bf16 GEMM outputs to f32 storage. Pure copies: the values are unchanged.
+// fixed-width pieces from anywhere in device memory (rows, column groups, interleavings),
+// widening bf16 GEMM outputs to f32 storage, writing selected key rows into attention lists, and
+// the drafter's one elementwise sum.
 #include "common/params.h"
 
 // out[p * width + c] = pieces[p][c]: `pieces` holds one device address per piece (width floats).
@@ -45,5 +46,14 @@ compose_selected_rows(const SelectedRows* plan, unsigned int n_plan, unsigned in
         for (unsigned int i = threadIdx.x; i < entry.count; i += blockDim.x) {
             key_rows[entry.dst + i] = entry.base + src[i];
         }
+    }
+}
+
+// x[i] += y[i] in fp32 (the drafter's Markov bias added to its base logits).
+extern "C" __global__ void __launch_bounds__(256)
+add_f32(float* x, const float* y, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
+         i < n; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
+        x[i] += y[i];
     }
 }

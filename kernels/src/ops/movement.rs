@@ -1,6 +1,7 @@
 //! Data movement on the device between ops: fixed-width pieces gathered from device addresses
-//! ([`gather_ptrs_f32`]: rows of other buffers, column groups, interleavings, all in one launch)
-//! and bf16 GEMM outputs widened to f32 storage ([`bf16_to_f32`]). Copies only: values unchanged.
+//! ([`gather_ptrs_f32`]: rows of other buffers, column groups, interleavings, all in one launch),
+//! bf16 GEMM outputs widened to f32 storage ([`bf16_to_f32`]), selected key rows written into
+//! attention lists, and the one elementwise sum the drafter needs ([`add_f32`]).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -71,5 +72,31 @@ pub fn bf16_to_f32(
     // SAFETY: signature (const u16* x, float* out, u64 n); both hold n values (checked), the
     // kernel's grid-stride loop stops at n.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching bf16_to_f32"))?;
+    Ok(())
+}
+
+/// `x[i] += y[i]` in fp32 (exact as the host's f32 add).
+pub fn add_f32(
+    rt: &KernelRuntime,
+    x: &mut CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "add_f32";
+    expect_len(OP, "y", y.len(), x.len())?;
+    if x.is_empty() {
+        return Ok(());
+    }
+    let n = x.len() as u64;
+    let blocks = x.len().div_ceil(THREADS as usize).min(4096) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt.stream().launch_builder(rt.function(KernelId::AddF32)?);
+    launch.arg(x).arg(y).arg(&n);
+    // SAFETY: signature (float* x, const float* y, u64 n); both hold n values (checked), the
+    // kernel's grid-stride loop stops at n.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching add_f32"))?;
     Ok(())
 }

@@ -626,6 +626,24 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         }
         streams
     }
+    /// `x + y` elementwise in fp32 (`y` as long as `x`).
+    fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
+        let mut x = x;
+        for (a, b) in x.host_mut().iter_mut().zip(y.iter()) {
+            *a += b;
+        }
+        x
+    }
+    /// The index of the first maximum of every `width`-wide row of `x` (the drafter's greedy
+    /// choice; rows hold no NaN).
+    fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
+        if width == 0 {
+            return Vec::new();
+        }
+        x.chunks_exact(width)
+            .map(crate::v41::dspark::argmax)
+            .collect()
+    }
 }
 
 /// The shape check of [`Backend::sample_rows`], shared by every implementation.

@@ -18,8 +18,9 @@ use crate::config::DsparkConfig;
 pub struct DraftProposal {
     /// The anchor followed by the drafted tokens (`block_size + 1` ids).
     pub tokens: Vec<u32>,
-    /// Draft logits `[block_size, vocab]` (Markov bias included).
-    pub logits: Vec<f32>,
+    /// Draft logits `[block_size, vocab]` (Markov bias included), where the backend computed
+    /// them (read on the host only when asked).
+    pub logits: Tensor,
     /// Raw confidence per draft slot (no sigmoid).
     pub confidence: Vec<f32>,
 }
@@ -176,113 +177,156 @@ pub(crate) fn decode_block(
     size: usize,
     mut slot: impl FnMut(usize) -> (Vec<f32>, Vec<f32>),
 ) -> DraftProposal {
-    let mut proposal = started_proposal(anchor, size, ctx.cfg.vocab_size);
+    let mut drafting = Drafting::new(&[anchor], size);
     for k in 0..size {
         let (hidden, base) = slot(k);
-        decode_slot(
-            ctx,
-            heads,
-            std::slice::from_mut(&mut proposal),
-            &hidden,
-            base,
-        );
+        decode_slot(ctx, heads, &mut drafting, &hidden.into(), base.into());
     }
-    proposal
+    let mut proposals = drafting.finish(ctx);
+    proposals.pop().unwrap_or_else(|| DraftProposal {
+        tokens: vec![anchor],
+        logits: Tensor::empty(),
+        confidence: Vec::new(),
+    })
 }
 
 /// [`decode_block`] for one block per anchor at once: block `b`'s slot `k` is row `b·size + k` of
-/// `hidden` (`[rows, dim]`) and of `base` (`[rows, vocab]`). Slot `k` of every block runs as one
-/// Markov GEMM and one confidence GEMM; each block's argmax chain is its own.
+/// `hidden` (`[rows, dim]`) and of `base` (`[rows, vocab]`), where the backend computed them.
+/// Slot `k` of every block runs as one Markov GEMM, one confidence GEMM and one argmax over all
+/// blocks; each block's chain of tokens is its own.
 pub(crate) fn decode_blocks(
     ctx: &Ctx,
     heads: &MarkovHeads,
     anchors: &[u32],
     size: usize,
-    hidden: &[f32],
-    base: &[f32],
+    hidden: &Tensor,
+    base: &Tensor,
 ) -> Vec<DraftProposal> {
     let vocab = ctx.cfg.vocab_size;
-    let mut proposals: Vec<DraftProposal> = anchors
-        .iter()
-        .map(|&anchor| started_proposal(anchor, size, vocab))
-        .collect();
+    let mut drafting = Drafting::new(anchors, size);
     let rows = anchors.len() * size;
-    if rows == 0 {
-        return proposals;
+    if let Some(dim) = hidden.len().checked_div(rows) {
+        for k in 0..size {
+            let pieces = |t, width| -> Vec<(&Tensor, usize)> {
+                (0..anchors.len())
+                    .map(|b| (t, (b * size + k) * width))
+                    .collect()
+            };
+            let slot_hidden = ctx.backend.gather(&pieces(hidden, dim), dim);
+            let slot_base = ctx.backend.gather(&pieces(base, vocab), vocab);
+            decode_slot(ctx, heads, &mut drafting, &slot_hidden, slot_base);
+        }
     }
-    let dim = hidden.len() / rows;
-    for k in 0..size {
-        let slot_rows = || (0..anchors.len()).map(|b| b * size + k);
-        let slot_hidden: Vec<f32> = slot_rows()
-            .flat_map(|row| hidden[row * dim..(row + 1) * dim].iter().copied())
-            .collect();
-        let slot_base: Vec<f32> = slot_rows()
-            .flat_map(|row| base[row * vocab..(row + 1) * vocab].iter().copied())
-            .collect();
-        decode_slot(ctx, heads, &mut proposals, &slot_hidden, slot_base);
-    }
-    proposals
+    drafting.finish(ctx)
 }
 
-/// A proposal holding only its anchor, with room for `size` slots.
-fn started_proposal(anchor: u32, size: usize, vocab: usize) -> DraftProposal {
-    let mut tokens = Vec::with_capacity(size + 1);
-    tokens.push(anchor);
-    DraftProposal {
-        tokens,
-        logits: Vec::with_capacity(size * vocab),
-        confidence: Vec::with_capacity(size),
+/// The blocks being drafted: each one's tokens so far (its anchor first) and confidences, and the
+/// logits of every slot decoded (`[blocks, vocab]` each, where the backend computed them).
+struct Drafting {
+    tokens: Vec<Vec<u32>>,
+    confidence: Vec<Vec<f32>>,
+    slot_logits: Vec<Tensor>,
+}
+
+impl Drafting {
+    fn new(anchors: &[u32], size: usize) -> Drafting {
+        Drafting {
+            tokens: anchors
+                .iter()
+                .map(|&anchor| {
+                    let mut tokens = Vec::with_capacity(size + 1);
+                    tokens.push(anchor);
+                    tokens
+                })
+                .collect(),
+            confidence: anchors.iter().map(|_| Vec::with_capacity(size)).collect(),
+            slot_logits: Vec::with_capacity(size),
+        }
+    }
+
+    /// One proposal per block; its logits gathered from the slots' (`[slots, vocab]`).
+    fn finish(self, ctx: &Ctx) -> Vec<DraftProposal> {
+        let vocab = ctx.cfg.vocab_size;
+        let slot_logits = &self.slot_logits;
+        self.tokens
+            .into_iter()
+            .zip(self.confidence)
+            .enumerate()
+            .map(|(b, (tokens, confidence))| {
+                let pieces: Vec<(&Tensor, usize)> =
+                    slot_logits.iter().map(|slot| (slot, b * vocab)).collect();
+                DraftProposal {
+                    tokens,
+                    logits: ctx.backend.gather(&pieces, vocab),
+                    confidence,
+                }
+            })
+            .collect()
     }
 }
 
-/// The next slot `k` of every proposal, given each one's `h_k` (`hidden [n, dim]`) and base
-/// logits `U_k` (`base [n, vocab]`): `μ_k = markov_embed[x_k]` (`x_k` the proposal's last token,
-/// the anchor at `k = 0`), `logits_k = U_k + markov_head · μ_k`, `x_{k+1} = argmax logits_k`, and
-/// the raw confidence `w_conf · (h_k ‖ μ_k)`.
+/// The next slot `k` of every block, given each one's `h_k` (`hidden [n, dim]`) and base logits
+/// `U_k` (`base [n, vocab]`): `μ_k = markov_embed[x_k]` (`x_k` the block's last token, the anchor
+/// at `k = 0`), `logits_k = U_k + markov_head · μ_k`, `x_{k+1} = argmax logits_k` (first maximum),
+/// and the raw confidence `w_conf · (h_k ‖ μ_k)`. The logits stay where the backend computed them;
+/// the drafted ids and the confidences come to the host.
 fn decode_slot(
     ctx: &Ctx,
     heads: &MarkovHeads,
-    proposals: &mut [DraftProposal],
-    hidden: &[f32],
-    mut base: Vec<f32>,
+    drafting: &mut Drafting,
+    hidden: &Tensor,
+    base: Tensor,
 ) {
-    let (vocab, rank, n) = (ctx.cfg.vocab_size, heads.rank, proposals.len());
+    let (vocab, rank, n) = (ctx.cfg.vocab_size, heads.rank, drafting.tokens.len());
     if n == 0 {
         return;
     }
     let dim = hidden.len() / n;
-    let markov: Vec<f32> = proposals
+    let markov: Tensor = drafting
+        .tokens
         .iter()
-        .flat_map(|proposal| {
-            let previous = proposal.tokens.last().map_or(0, |&t| t as usize);
+        .flat_map(|tokens| {
+            let previous = tokens.last().map_or(0, |&t| t as usize);
             heads.markov_embed[previous * rank..(previous + 1) * rank]
                 .iter()
                 .copied()
         })
-        .collect();
+        .collect::<Vec<f32>>()
+        .into();
     let bias = ctx
         .backend
-        .linear_f32(&Tensor::from(&markov), heads.markov_head, vocab, rank);
-    for (logit, bias) in base.iter_mut().zip(&bias) {
-        *logit += bias;
-    }
-    let features: Vec<f32> = (0..n)
+        .linear_f32(&markov, heads.markov_head, vocab, rank);
+    let logits = ctx.backend.add(base, &bias);
+    // `h_k ‖ μ_k` per block, gathered in pieces of a width dividing both.
+    let piece = gcd(dim, rank).max(1);
+    let markov_ref = &markov;
+    let features_pieces: Vec<(&Tensor, usize)> = (0..n)
         .flat_map(|b| {
-            hidden[b * dim..(b + 1) * dim]
-                .iter()
-                .chain(&markov[b * rank..(b + 1) * rank])
-                .copied()
+            let h = (0..dim / piece).map(move |i| (hidden, b * dim + i * piece));
+            let m = (0..rank / piece).map(move |i| (markov_ref, b * rank + i * piece));
+            h.chain(m)
         })
         .collect();
+    let features = ctx.backend.gather(&features_pieces, piece);
     let confidence = ctx
         .backend
-        .linear_f32(&features.into(), heads.confidence, 1, dim + rank);
-    for (b, (proposal, confidence)) in proposals.iter_mut().zip(confidence.iter()).enumerate() {
-        let logits = &base[b * vocab..(b + 1) * vocab];
-        proposal.tokens.push(argmax(logits));
-        proposal.confidence.push(*confidence);
-        proposal.logits.extend_from_slice(logits);
+        .linear_f32(&features, heads.confidence, 1, dim + rank);
+    let next = ctx.backend.argmax_rows(&logits, vocab);
+    for ((tokens, confidences), (&token, &c)) in drafting
+        .tokens
+        .iter_mut()
+        .zip(drafting.confidence.iter_mut())
+        .zip(next.iter().zip(confidence.iter()))
+    {
+        tokens.push(token);
+        confidences.push(c);
     }
+    drafting.slot_logits.push(logits);
+}
+
+/// The greatest common divisor.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// Index of the first maximum.

@@ -880,6 +880,14 @@ impl Backend for CudaBackend {
     // are on the host, and its row ids go straight to `engram_gather` (uploaded, never copied
     // back). `try_engram_hash` is the device kernel, kept for its conformance test.
 
+    fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
+        self.try_add(x, y).unwrap_or_else(device_fault)
+    }
+
+    fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
+        self.try_argmax_rows(x, width).unwrap_or_else(device_fault)
+    }
+
     fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor> {
         self.try_moe_rows(x, layer).unwrap_or_else(device_fault)
     }

@@ -8,6 +8,8 @@ use deepinfer_kernels::ops::rows::{
     EngramInjectShape, engram_inject_f32, gated_pool_f32, scale_round_f32, stream_means_f32,
 };
 
+use deepinfer_kernels::ops::movement::add_f32;
+
 use super::*;
 use crate::engram::EngramGate;
 
@@ -177,5 +179,45 @@ impl CudaBackend {
         self.in_place(OP, streams, |data| {
             engram_inject_f32(&self.rt, data, &dkv, &dlive, &dweight, shape).map_err(op_err(OP))
         })
+    }
+}
+
+impl CudaBackend {
+    /// [`Backend::add`], with errors: in place when `x` is the only holder of its buffer.
+    pub fn try_add(&self, x: Tensor, y: &Tensor) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "add";
+        if x.len() != y.len() {
+            return Err(shape_err(
+                OP,
+                format!("x has {} values, y {}", x.len(), y.len()),
+            ));
+        }
+        if x.is_empty() {
+            return Ok(x);
+        }
+        let dy = self.input(OP, y)?;
+        self.in_place(OP, x, |dx| add_f32(&self.rt, dx, &dy).map_err(op_err(OP)))
+    }
+
+    /// [`Backend::argmax_rows`], with errors: the device sampler's greedy rows (the first maximum,
+    /// as the trait's definition on rows without NaN); only the ids come back.
+    pub fn try_argmax_rows(&self, x: &Tensor, width: usize) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "argmax_rows";
+        if width == 0 || !x.len().is_multiple_of(width) {
+            return Err(shape_err(
+                OP,
+                format!("{} values are not whole rows of {width}", x.len()),
+            ));
+        }
+        if x.is_empty() {
+            return Ok(Vec::new());
+        }
+        let greedy = RowSampling {
+            params: crate::sampling::SamplingParams::greedy(),
+            position: 0,
+        };
+        let rows = vec![greedy; x.len() / width];
+        let dx = self.input(OP, x)?;
+        self.sample_device_rows(&dx, width, &rows)
     }
 }

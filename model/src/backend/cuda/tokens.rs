@@ -63,7 +63,7 @@ impl CudaBackend {
 
     /// Samples `rows.len()` rows of `vocab` logits already on the device (`sample_rows`'s math);
     /// only the ids are downloaded.
-    fn sample_device_rows(
+    pub(super) fn sample_device_rows(
         &self,
         dlogits: &CudaSlice<f32>,
         vocab: usize,
