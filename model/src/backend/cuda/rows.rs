@@ -501,26 +501,8 @@ impl CudaBackend {
             return Ok(select::select_host(scores, k, candidates));
         }
         let heads = index_heads(OP, q, weights, queries, head_dim)?;
-        let mut keep = Vec::new();
-        let table =
-            self.key_table_in_order(OP, keys[..max_seen].iter().copied(), head_dim, &mut keep)?;
-        let dvisible =
-            DeviceVisiblePrefixes::upload(&self.rt, &seen, table.rows()).map_err(op_err(OP))?;
-        let dq = self.input(OP, q)?;
-        let dw = self.input(OP, weights)?;
-        let mut scores = self.alloc(OP, dvisible.total().max(1))?;
-        index_scores_rows_ptr_f32(
-            &self.rt,
-            &dq,
-            &dw,
-            &table,
-            &dvisible,
-            &mut scores,
-            heads,
-            head_dim,
-            rounding(precision),
-        )
-        .map_err(op_err(OP))?;
+        let (mut scores, dvisible, table_rows) =
+            self.device_index_scores(OP, q, weights, keys, (heads, head_dim), &seen, precision)?;
         let stream = self.rt.stream();
         let mut produced = None;
         match candidates {
@@ -541,7 +523,7 @@ impl CudaBackend {
                     &mut mask,
                 )
                 .map_err(op_err(OP))?;
-                let visible_of_mask = DeviceVisiblePrefixes::upload(&self.rt, &seen, table.rows())
+                let visible_of_mask = DeviceVisiblePrefixes::upload(&self.rt, &seen, table_rows)
                     .map_err(op_err(OP))?;
                 produced = Some(CandidateMask::device(
                     seen.clone(),
@@ -618,27 +600,8 @@ impl CudaBackend {
         if max_seen == 0 {
             return Ok(vec![Vec::new(); queries]);
         }
-        let mut keep = Vec::new();
-        // The scorer reads table rows 0..visible[t]: one row per key, in key order.
-        let table =
-            self.key_table_in_order(OP, keys[..max_seen].iter().copied(), head_dim, &mut keep)?;
-        let dvisible =
-            DeviceVisiblePrefixes::upload(&self.rt, &seen, table.rows()).map_err(op_err(OP))?;
-        let dq = self.input(OP, q)?;
-        let dw = self.input(OP, weights)?;
-        let mut dscores = self.alloc(OP, dvisible.total().max(1))?;
-        index_scores_rows_ptr_f32(
-            &self.rt,
-            &dq,
-            &dw,
-            &table,
-            &dvisible,
-            &mut dscores,
-            heads,
-            head_dim,
-            rounding(precision),
-        )
-        .map_err(op_err(OP))?;
+        let (dscores, _, _) =
+            self.device_index_scores(OP, q, weights, keys, (heads, head_dim), &seen, precision)?;
         let flat = self.download(OP, &dscores)?;
         let mut rest = flat.as_slice();
         Ok(seen
@@ -649,6 +612,44 @@ impl CudaBackend {
                 scores.to_vec()
             })
             .collect())
+    }
+
+    /// The index scores of query `t` over the first `seen[t]` of `keys`, left on the device in
+    /// the layout of the returned visible prefixes; also the key table's row count.
+    #[allow(clippy::too_many_arguments)]
+    fn device_index_scores(
+        &self,
+        op: &'static str,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
+        (heads, head_dim): (usize, usize),
+        seen: &[usize],
+        precision: Precision,
+    ) -> Result<(CudaSlice<f32>, DeviceVisiblePrefixes, usize), CudaBackendError> {
+        let max_seen = seen.iter().copied().max().unwrap_or(0);
+        let mut keep = Vec::new();
+        // The scorer reads table rows 0..seen[t]: one row per key, in key order.
+        let table =
+            self.key_table_in_order(op, keys[..max_seen].iter().copied(), head_dim, &mut keep)?;
+        let dvisible =
+            DeviceVisiblePrefixes::upload(&self.rt, seen, table.rows()).map_err(op_err(op))?;
+        let dq = self.input(op, q)?;
+        let dw = self.input(op, weights)?;
+        let mut scores = self.alloc(op, dvisible.total().max(1))?;
+        index_scores_rows_ptr_f32(
+            &self.rt,
+            &dq,
+            &dw,
+            &table,
+            &dvisible,
+            &mut scores,
+            heads,
+            head_dim,
+            rounding(precision),
+        )
+        .map_err(op_err(op))?;
+        Ok((scores, dvisible, table.rows()))
     }
 
     /// A table with one row per key, in key order (repeats kept). Every key must hold `row_len`
