@@ -64,10 +64,11 @@ pub enum SourceFile {
     MoeRouted,
     TopK,
     Movement,
+    V4,
 }
 
 impl SourceFile {
-    pub const ALL: [SourceFile; 17] = [
+    pub const ALL: [SourceFile; 18] = [
         SourceFile::ActQuant,
         SourceFile::GemmFp8,
         SourceFile::GemmFp4,
@@ -85,6 +86,7 @@ impl SourceFile {
         SourceFile::MoeRouted,
         SourceFile::TopK,
         SourceFile::Movement,
+        SourceFile::V4,
     ];
 
     /// Path under `kernels/cuda/`.
@@ -107,6 +109,7 @@ impl SourceFile {
             SourceFile::MoeRouted => "moe/routed.cu",
             SourceFile::TopK => "indexer/topk.cu",
             SourceFile::Movement => "common/movement.cu",
+            SourceFile::V4 => "v4/v4.cu",
         }
     }
 }
@@ -129,6 +132,12 @@ pub enum KernelId {
     GemmFp8T128G128,
     /// FP4-expert GEMM: E2M1 weights with 1x32 UE8M0 scales, 32-group FP8 activations.
     GemmFp4G32,
+    /// `GemmFp8T32G32` with one warp per output column over all of K (few rows).
+    GemmFp8T32G32Warp,
+    /// `GemmFp8T128G128` with one warp per output column over all of K (few rows).
+    GemmFp8T128G128Warp,
+    /// `GemmFp4G32` with one warp per output column over all of K (few rows).
+    GemmFp4G32Warp,
     /// RMSNorm, bf16 in/out, fp32 math.
     RmsNormBf16,
     /// Interleaved-pair partial RoPE, bf16, in place.
@@ -149,6 +158,8 @@ pub enum KernelId {
     Q4mQdqF32,
     /// fp32 linear `x · Wᵀ` in the CPU sgemm summation order, f32 or bf16-rounded output.
     LinearSgemmF32,
+    /// The pairwise tree over the block partials of `LinearSgemmF32`.
+    LinearSgemmReduceF32,
     /// Rows of an FP8 weight dequantised to f32.
     DequantFp8RowsF32,
     /// Rows of an FP4 weight dequantised to f32.
@@ -176,6 +187,8 @@ pub enum KernelId {
     IndexScoresRowsPtrF32,
     /// One token per logit row: greedy, or Gumbel-max with temperature, top-k and top-p.
     SampleRowsF32,
+    /// Grammar masks: logits whose bit in the row's allowed-token bitset is clear become -inf.
+    MaskLogitsF32,
     /// MoE router after the gate linear: sqrt-softplus scores, biased top-k, normalised weights.
     RouteExpertsF32,
     /// Engram table row ids of hashed n-gram contexts.
@@ -202,6 +215,10 @@ pub enum KernelId {
     GemmFp8T32RoutedRowsG32,
     /// Routed-expert FP8 GEMM (32x32 weight tiles) over tiles of one expert.
     GemmFp8T32RoutedTilesG32,
+    /// Routed-expert FP4 GEMM, one warp per column over tiles of up to 32 rows of one expert.
+    GemmFp4RoutedExpertsG32,
+    /// Routed-expert FP8 GEMM (32x32 weight tiles), one warp per column over tiles of one expert.
+    GemmFp8T32RoutedExpertsG32,
     /// SwiGLU of routed/shared expert rows with clamps and route weights, f32 output.
     SwigluRowsF32,
     /// MoE combine: slot outputs in increasing expert id, then the shared expert, one rounding.
@@ -220,10 +237,18 @@ pub enum KernelId {
     ComposeSelectedRows,
     /// `x += y` elementwise in fp32.
     AddF32,
+    /// V4 compressor pooling: softmax of biased gates over slots given by device address, fp32.
+    V4PoolF32,
+    /// V4 MoE route weights scattered into a dense `[rows, experts]` matrix.
+    V4DenseRoutesF32,
+    /// V4 SwiGLU of exact expert rows, clamped, scaled by one route-weight column, fp32.
+    V4SwigluF32,
+    /// V4 hyper-head collapse weights (sigmoid of the normed projection), fp32.
+    V4HyperHeadF32,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 52] = [
+    pub const ALL: [KernelId; 63] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -231,6 +256,9 @@ impl KernelId {
         KernelId::GemmFp8T32G32,
         KernelId::GemmFp8T128G128,
         KernelId::GemmFp4G32,
+        KernelId::GemmFp8T32G32Warp,
+        KernelId::GemmFp8T128G128Warp,
+        KernelId::GemmFp4G32Warp,
         KernelId::RmsNormBf16,
         KernelId::RopeInterleavedBf16,
         KernelId::RmsNormF32,
@@ -241,6 +269,7 @@ impl KernelId {
         KernelId::Q4eQdqF32,
         KernelId::Q4mQdqF32,
         KernelId::LinearSgemmF32,
+        KernelId::LinearSgemmReduceF32,
         KernelId::DequantFp8RowsF32,
         KernelId::DequantFp4RowsF32,
         KernelId::SparseAttentionSinkF32,
@@ -254,6 +283,7 @@ impl KernelId {
         KernelId::IndexScoresRowsF32,
         KernelId::IndexScoresRowsPtrF32,
         KernelId::SampleRowsF32,
+        KernelId::MaskLogitsF32,
         KernelId::RouteExpertsF32,
         KernelId::EngramHashRows,
         KernelId::EngramGatherF32,
@@ -267,6 +297,8 @@ impl KernelId {
         KernelId::GemmFp4RoutedTilesG32,
         KernelId::GemmFp8T32RoutedRowsG32,
         KernelId::GemmFp8T32RoutedTilesG32,
+        KernelId::GemmFp4RoutedExpertsG32,
+        KernelId::GemmFp8T32RoutedExpertsG32,
         KernelId::SwigluRowsF32,
         KernelId::MoeCombineF32,
         KernelId::TopKRowsF32,
@@ -276,6 +308,10 @@ impl KernelId {
         KernelId::Bf16ToF32,
         KernelId::ComposeSelectedRows,
         KernelId::AddF32,
+        KernelId::V4PoolF32,
+        KernelId::V4DenseRoutesF32,
+        KernelId::V4SwigluF32,
+        KernelId::V4HyperHeadF32,
     ];
 
     /// The `extern "C"` symbol in the source file.
@@ -288,6 +324,9 @@ impl KernelId {
             KernelId::GemmFp8T32G32 => "gemm_fp8_t32_g32_bf16",
             KernelId::GemmFp8T128G128 => "gemm_fp8_t128_g128_bf16",
             KernelId::GemmFp4G32 => "gemm_fp4_g32_bf16",
+            KernelId::GemmFp8T32G32Warp => "gemm_fp8_t32_g32_warp_bf16",
+            KernelId::GemmFp8T128G128Warp => "gemm_fp8_t128_g128_warp_bf16",
+            KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormBf16 => "rms_norm_bf16",
             KernelId::RopeInterleavedBf16 => "rope_interleaved_bf16",
             KernelId::RmsNormF32 => "rms_norm_f32",
@@ -298,6 +337,7 @@ impl KernelId {
             KernelId::Q4eQdqF32 => "q4e_qdq_f32",
             KernelId::Q4mQdqF32 => "q4m_qdq_f32",
             KernelId::LinearSgemmF32 => "linear_sgemm_f32",
+            KernelId::LinearSgemmReduceF32 => "linear_sgemm_reduce_f32",
             KernelId::DequantFp8RowsF32 => "dequant_fp8_rows_f32",
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
             KernelId::SparseAttentionSinkF32 => "sparse_attention_sink_f32",
@@ -311,6 +351,7 @@ impl KernelId {
             KernelId::IndexScoresRowsF32 => "index_scores_rows_f32",
             KernelId::IndexScoresRowsPtrF32 => "index_scores_rows_ptr_f32",
             KernelId::SampleRowsF32 => "sample_rows_f32",
+            KernelId::MaskLogitsF32 => "mask_logits_f32",
             KernelId::RouteExpertsF32 => "route_experts_f32",
             KernelId::EngramHashRows => "engram_hash_rows",
             KernelId::EngramGatherF32 => "engram_gather_f32",
@@ -324,6 +365,8 @@ impl KernelId {
             KernelId::GemmFp4RoutedTilesG32 => "gemm_fp4_routed_tiles_g32_bf16",
             KernelId::GemmFp8T32RoutedRowsG32 => "gemm_fp8_t32_routed_rows_g32_bf16",
             KernelId::GemmFp8T32RoutedTilesG32 => "gemm_fp8_t32_routed_tiles_g32_bf16",
+            KernelId::GemmFp4RoutedExpertsG32 => "gemm_fp4_routed_experts_g32_bf16",
+            KernelId::GemmFp8T32RoutedExpertsG32 => "gemm_fp8_t32_routed_experts_g32_bf16",
             KernelId::SwigluRowsF32 => "swiglu_rows_f32",
             KernelId::MoeCombineF32 => "moe_combine_f32",
             KernelId::TopKRowsF32 => "top_k_rows_f32",
@@ -333,6 +376,10 @@ impl KernelId {
             KernelId::Bf16ToF32 => "bf16_to_f32",
             KernelId::ComposeSelectedRows => "compose_selected_rows",
             KernelId::AddF32 => "add_f32",
+            KernelId::V4PoolF32 => "v4_pool_f32",
+            KernelId::V4DenseRoutesF32 => "v4_dense_routes_f32",
+            KernelId::V4SwigluF32 => "v4_swiglu_f32",
+            KernelId::V4HyperHeadF32 => "v4_hyper_head_f32",
         }
     }
 
@@ -343,8 +390,11 @@ impl KernelId {
             | KernelId::ActQuantFp8G128
             | KernelId::ActQuantFp8G32F32
             | KernelId::ActQuantFp8G128F32 => SourceFile::ActQuant,
-            KernelId::GemmFp8T32G32 | KernelId::GemmFp8T128G128 => SourceFile::GemmFp8,
-            KernelId::GemmFp4G32 => SourceFile::GemmFp4,
+            KernelId::GemmFp8T32G32
+            | KernelId::GemmFp8T128G128
+            | KernelId::GemmFp8T32G32Warp
+            | KernelId::GemmFp8T128G128Warp => SourceFile::GemmFp8,
+            KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
             KernelId::RmsNormBf16 | KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => {
                 SourceFile::RmsNorm
             }
@@ -353,6 +403,7 @@ impl KernelId {
             | KernelId::RopeInterleavedF32Exact => SourceFile::Rope,
             KernelId::Q8QdqF32 | KernelId::Q4eQdqF32 | KernelId::Q4mQdqF32 => SourceFile::Qdq,
             KernelId::LinearSgemmF32
+            | KernelId::LinearSgemmReduceF32
             | KernelId::DequantFp8RowsF32
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
             KernelId::SparseAttentionSinkF32
@@ -365,7 +416,7 @@ impl KernelId {
             KernelId::IndexScoresF32
             | KernelId::IndexScoresRowsF32
             | KernelId::IndexScoresRowsPtrF32 => SourceFile::Indexer,
-            KernelId::SampleRowsF32 => SourceFile::Sampling,
+            KernelId::SampleRowsF32 | KernelId::MaskLogitsF32 => SourceFile::Sampling,
             KernelId::RouteExpertsF32 => SourceFile::Moe,
             KernelId::EngramHashRows | KernelId::EngramGatherF32 => SourceFile::Engram,
             KernelId::StreamMeansF32
@@ -378,6 +429,8 @@ impl KernelId {
             | KernelId::GemmFp4RoutedTilesG32
             | KernelId::GemmFp8T32RoutedRowsG32
             | KernelId::GemmFp8T32RoutedTilesG32
+            | KernelId::GemmFp4RoutedExpertsG32
+            | KernelId::GemmFp8T32RoutedExpertsG32
             | KernelId::SwigluRowsF32
             | KernelId::MoeCombineF32 => SourceFile::MoeRouted,
             KernelId::TopKRowsF32 | KernelId::CandidateMaskRowsF32 | KernelId::ApplyMaskRowsF32 => {
@@ -387,6 +440,10 @@ impl KernelId {
             | KernelId::Bf16ToF32
             | KernelId::ComposeSelectedRows
             | KernelId::AddF32 => SourceFile::Movement,
+            KernelId::V4PoolF32
+            | KernelId::V4DenseRoutesF32
+            | KernelId::V4SwigluF32
+            | KernelId::V4HyperHeadF32 => SourceFile::V4,
         }
     }
 }

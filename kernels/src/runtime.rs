@@ -2,11 +2,16 @@
 //! for the device's arch and loaded. Opening it on a machine without the NVIDIA driver returns
 //! [`KernelError::NoDriver`]; cudarc's dynamic loading panics on a missing library, so the library
 //! is probed first and every first call into it runs under `catch_unwind`.
+//!
+//! Every launch, copy, allocation and free of a runtime happens on its one stream, in order; so
+//! cudarc's cross-stream event tracking is turned off (it cost host time per buffer, kernel
+//! argument and key address). Buffers must not be shared with another stream or runtime.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError};
 use cudarc::nvrtc::Ptx;
 
 use crate::compile::{Compiler, panic_text};
@@ -44,6 +49,36 @@ pub struct KernelRuntime {
     arch: Arch,
     functions: HashMap<KernelId, CudaFunction>,
     report: LoadReport,
+    counters: RuntimeCounters,
+}
+
+/// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
+/// kernel up through [`KernelRuntime::function`] right before launching it) and host-to-device
+/// copies made through [`KernelRuntime::htod`]. For profiles; reading them costs nothing.
+#[derive(Debug, Default)]
+struct RuntimeCounters {
+    launches: AtomicU64,
+    htod_copies: AtomicU64,
+    htod_bytes: AtomicU64,
+}
+
+/// A snapshot of the runtime's counters; the difference of two is what happened in between.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RuntimeCounts {
+    pub launches: u64,
+    pub htod_copies: u64,
+    pub htod_bytes: u64,
+}
+
+impl std::ops::Sub for RuntimeCounts {
+    type Output = RuntimeCounts;
+    fn sub(self, earlier: RuntimeCounts) -> RuntimeCounts {
+        RuntimeCounts {
+            launches: self.launches - earlier.launches,
+            htod_copies: self.htod_copies - earlier.htod_copies,
+            htod_bytes: self.htod_bytes - earlier.htod_bytes,
+        }
+    }
 }
 
 impl std::fmt::Debug for KernelRuntime {
@@ -73,6 +108,12 @@ impl KernelRuntime {
             .map_err(KernelError::driver(format!(
                 "creating a context on device {ordinal}"
             )))?;
+        // One stream does all of this runtime's work, so cudarc's cross-stream event tracking
+        // (two events created per allocation, one recorded per kernel argument and per address
+        // taken) is pure host overhead: off before the stream and any buffer exist.
+        // SAFETY: every buffer of this context is allocated, used and freed (stream-ordered) on
+        // the runtime's one stream (module header), so no cross-stream ordering is lost.
+        unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx
             .compute_capability()
             .map_err(KernelError::driver("reading the compute capability"))?;
@@ -124,6 +165,7 @@ impl KernelRuntime {
             arch,
             functions,
             report,
+            counters: RuntimeCounters::default(),
         })
     }
 
@@ -146,9 +188,29 @@ impl KernelRuntime {
 
     /// The loaded kernel `id` (all ids are loaded by `open`).
     pub fn function(&self, id: KernelId) -> Result<&CudaFunction, KernelError> {
+        self.counters.launches.fetch_add(1, Ordering::Relaxed);
         self.functions.get(&id).ok_or(KernelError::NotLoaded {
             symbol: id.symbol(),
         })
+    }
+
+    /// Copies `values` into a new device buffer on the runtime's stream, counted in
+    /// [`KernelRuntime::counts`].
+    pub fn htod<T: DeviceRepr>(&self, values: &[T]) -> Result<CudaSlice<T>, DriverError> {
+        self.counters.htod_copies.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .htod_bytes
+            .fetch_add(std::mem::size_of_val(values) as u64, Ordering::Relaxed);
+        self.stream.clone_htod(values)
+    }
+
+    /// Kernel launches and host-to-device copies so far.
+    pub fn counts(&self) -> RuntimeCounts {
+        RuntimeCounts {
+            launches: self.counters.launches.load(Ordering::Relaxed),
+            htod_copies: self.counters.htod_copies.load(Ordering::Relaxed),
+            htod_bytes: self.counters.htod_bytes.load(Ordering::Relaxed),
+        }
     }
 
     /// Waits for the stream.

@@ -74,5 +74,6 @@ pub fn text(file: SourceFile) -> &'static str {
         SourceFile::MoeRouted => include_str!("../cuda/moe/routed.cu"),
         SourceFile::TopK => include_str!("../cuda/indexer/topk.cu"),
         SourceFile::Movement => include_str!("../cuda/common/movement.cu"),
+        SourceFile::V4 => include_str!("../cuda/v4/v4.cu"),
     }
 }

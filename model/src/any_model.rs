@@ -1,12 +1,14 @@
 //! A model of either family behind one API: [`AnyModel`] loads a checkpoint directory as V4.1 or V4
 //! by its config's `model_type`, and [`AnySequence`] is the matching per-sequence state. Callers
-//! that only feed tokens and read logits (the `logits` tool) need nothing family-specific.
+//! that only feed tokens and read logits (the `logits` tool) need nothing family-specific; several
+//! sequences run as one step through [`AnyModel::forward_step`].
 
 use std::path::Path;
 
 use crate::config::{ModelConfig, ModelFamily};
 use crate::engram::CompressedVocab;
 use crate::error::ModelError;
+use crate::sampling::SamplingParams;
 use crate::{LogitsWanted, v4, v41};
 
 /// A loaded model of either family (boxed: the two differ in size).
@@ -36,6 +38,16 @@ impl AnySequence {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// One sequence's part of an [`AnyModel::forward_step`].
+pub struct AnyStepEntry<'a> {
+    pub seq: &'a mut AnySequence,
+    /// Appended at the sequence's next positions.
+    pub tokens: &'a [u32],
+    pub want: LogitsWanted,
+    /// Sample the wanted rows on the backend (token ids back) instead of returning logits.
+    pub sample: Option<SamplingParams>,
 }
 
 fn family_mismatch() -> ModelError {
@@ -90,6 +102,51 @@ impl AnyModel {
             (AnyModel::V41(model), AnySequence::V41(seq)) => model.rollback(seq, len),
             (AnyModel::V4(model), AnySequence::V4(seq)) => model.rollback(seq, len),
             _ => Err(family_mismatch()),
+        }
+    }
+
+    /// One forward over several sequences at once, as the family's `forward_step` runs it (no
+    /// expert site, no bounded replay): per entry its logits rows or its sampled tokens. A
+    /// sequence of the other family fails the step, naming its entry, before anything runs.
+    pub fn forward_step(
+        &self,
+        entries: &mut [AnyStepEntry<'_>],
+    ) -> Result<Vec<v41::EntryOutput>, ModelError> {
+        let mismatch = |e: usize| ModelError::Sequence {
+            message: format!("step entry {e}: the sequence belongs to a model of the other family"),
+        };
+        match self {
+            AnyModel::V41(model) => {
+                let mut steps = Vec::with_capacity(entries.len());
+                for (e, entry) in entries.iter_mut().enumerate() {
+                    let AnySequence::V41(seq) = &mut *entry.seq else {
+                        return Err(mismatch(e));
+                    };
+                    steps.push(v41::StepEntry {
+                        seq,
+                        tokens: entry.tokens,
+                        want: entry.want,
+                        decoder_from: None,
+                        sample: entry.sample,
+                    });
+                }
+                model.forward_step(&mut steps, None)
+            }
+            AnyModel::V4(model) => {
+                let mut steps = Vec::with_capacity(entries.len());
+                for (e, entry) in entries.iter_mut().enumerate() {
+                    let AnySequence::V4(seq) = &mut *entry.seq else {
+                        return Err(mismatch(e));
+                    };
+                    steps.push(v4::StepEntry {
+                        seq,
+                        tokens: entry.tokens,
+                        want: entry.want,
+                        sample: entry.sample,
+                    });
+                }
+                model.forward_step(&mut steps)
+            }
         }
     }
 }

@@ -18,6 +18,6 @@ pub mod v4;
 pub mod v41;
 
 pub use v41::{
-    DraftProposal, EntryOutput, ForwardTrace, Injection, LogitsWanted, Model, SequenceState,
-    StepEntry,
+    DraftProposal, EntryOutput, ForwardTrace, Injection, LogitsRow, LogitsWanted, Model,
+    SequenceState, StepEntry,
 };

@@ -3,7 +3,9 @@
 //! CUDA sampling kernel (`kernels/cuda/sampling`) mirrors it operation for operation.
 //!
 //! Owns [`SamplingParams`] (validated ranges) and [`sample`], a pure function of (logits, params,
-//! position). The random part is Gumbel-max: the chosen token is the argmax over the kept
+//! position), and [`AllowedTokens`] with [`sample_allowed`]: a grammar's mask sets the disallowed
+//! logits to −∞ before anything else (noise, temperature, top-k, top-p), so a constrained row is
+//! [`sample`] of the masked row. The random part is Gumbel-max: the chosen token is the argmax over the kept
 //! candidates of `logit / temperature + g(seed, position, token)`, where `g` is Gumbel noise drawn
 //! from a counter-based hash of (seed, position, token). The noise therefore never depends on the
 //! batch, the step, the rank or the order requests arrive in: the same request with the same seed
@@ -206,6 +208,141 @@ pub fn exp_f64(x: f64) -> f64 {
     let k = k as i64;
     let half = k >> 1;
     mantissa * power_of_two(half) * power_of_two(k - half)
+}
+
+/// The tokens one row may take (a grammar's mask): bit `t % 32` of word `t / 32` allows token
+/// `t`. Tokens at or beyond `vocab` (a logits row may be wider: padding) are never allowed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowedTokens {
+    vocab: usize,
+    /// `vocab.div_ceil(32)` words; the bits at or beyond `vocab` are clear.
+    words: Vec<u32>,
+}
+
+/// A mask that cannot be applied to a row of logits, or that leaves nothing to sample.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MaskError {
+    /// The bitset holds fewer words than its vocabulary needs.
+    #[error("a mask over {vocab} tokens needs {needed} bitset words, got {found}")]
+    TooFewWords {
+        vocab: usize,
+        needed: usize,
+        found: usize,
+    },
+    /// The mask covers more tokens than the logits row holds.
+    #[error("a mask over {vocab} tokens does not fit a logits row of {width}")]
+    RowTooShort { vocab: usize, width: usize },
+    /// Every token of the row is disallowed: there is nothing to sample.
+    #[error("the mask allows no token (vocabulary of {vocab})")]
+    NothingAllowed { vocab: usize },
+}
+
+impl AllowedTokens {
+    /// The mask over `vocab` tokens whose bitset starts with `words` (extra words, and bits at or
+    /// beyond `vocab`, are ignored).
+    pub fn from_words(vocab: usize, words: &[u32]) -> Result<AllowedTokens, MaskError> {
+        let needed = vocab.div_ceil(32);
+        let Some(words) = words.get(..needed) else {
+            return Err(MaskError::TooFewWords {
+                vocab,
+                needed,
+                found: words.len(),
+            });
+        };
+        let mut words = words.to_vec();
+        if let (Some(last), tail @ 1..) = (words.last_mut(), vocab % 32) {
+            *last &= (1u32 << tail) - 1;
+        }
+        Ok(AllowedTokens { vocab, words })
+    }
+
+    /// The mask over `vocab` tokens allowing exactly `tokens` (ids at or beyond `vocab` ignored).
+    pub fn from_tokens(vocab: usize, tokens: &[u32]) -> AllowedTokens {
+        let mut words = vec![0u32; vocab.div_ceil(32)];
+        for &t in tokens.iter().filter(|&&t| (t as usize) < vocab) {
+            words[t as usize / 32] |= 1 << (t % 32);
+        }
+        AllowedTokens { vocab, words }
+    }
+
+    /// Tokens the mask covers.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The bitset, `vocab.div_ceil(32)` words.
+    pub fn words(&self) -> &[u32] {
+        &self.words
+    }
+
+    pub fn is_allowed(&self, token: u32) -> bool {
+        (token as usize) < self.vocab && self.words[token as usize / 32] & (1 << (token % 32)) != 0
+    }
+
+    /// Number of allowed tokens.
+    pub fn allowed_count(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// The bitset over a logits row of `width` tokens (`width.div_ceil(32)` words, padding
+    /// disallowed): what a device uploads. Errors when the mask is wider than the row or allows
+    /// nothing.
+    pub fn row_words(&self, width: usize) -> Result<Vec<u32>, MaskError> {
+        self.check_row(width)?;
+        let mut words = self.words.clone();
+        words.resize(width.div_ceil(32), 0);
+        Ok(words)
+    }
+
+    /// Sets every disallowed logit of `row` (and its padding beyond `vocab`) to −∞.
+    pub fn apply(&self, row: &mut [f32]) -> Result<(), MaskError> {
+        self.check_row(row.len())?;
+        for (t, logit) in row.iter_mut().enumerate() {
+            if !self.is_allowed(t as u32) {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the mask applies to a logits row of `width` tokens: not wider than it, and
+    /// allowing some token.
+    pub fn check_row(&self, width: usize) -> Result<(), MaskError> {
+        if width < self.vocab {
+            return Err(MaskError::RowTooShort {
+                vocab: self.vocab,
+                width,
+            });
+        }
+        if self.allowed_count() == 0 {
+            return Err(MaskError::NothingAllowed { vocab: self.vocab });
+        }
+        Ok(())
+    }
+}
+
+/// [`sample`] of `logits` after `allowed` (if any) set its disallowed tokens to −∞: the one
+/// definition of a constrained row's token. An empty row is [`MaskError::RowTooShort`].
+pub fn sample_allowed(
+    logits: &[f32],
+    params: &SamplingParams,
+    position: u64,
+    allowed: Option<&AllowedTokens>,
+) -> Result<u32, MaskError> {
+    let masked;
+    let row = match allowed {
+        Some(allowed) => {
+            let mut row = logits.to_vec();
+            allowed.apply(&mut row)?;
+            masked = row;
+            &masked[..]
+        }
+        None => logits,
+    };
+    sample(row, params, position).ok_or(MaskError::RowTooShort {
+        vocab: allowed.map_or(1, AllowedTokens::vocab).max(1),
+        width: 0,
+    })
 }
 
 /// Picks a token from `logits` (one row, length = vocab) for the token at absolute `position`
@@ -428,6 +565,149 @@ mod tests {
         };
         assert_eq!(run(5), run(5));
         assert_ne!(run(5), run(6));
+    }
+
+    #[test]
+    fn allowed_tokens_are_a_bitset_whose_padding_is_never_allowed() {
+        // Bits at or beyond the vocabulary (34) in the given words are cleared.
+        let mask = AllowedTokens::from_words(34, &[0x8000_0001, u32::MAX, 7]);
+        let mask = mask.expect("enough words");
+        assert_eq!(mask.words(), &[0x8000_0001, 0b11]);
+        assert_eq!(mask.allowed_count(), 4);
+        assert!(mask.is_allowed(0) && mask.is_allowed(31) && mask.is_allowed(33));
+        assert!(!mask.is_allowed(1) && !mask.is_allowed(34) && !mask.is_allowed(u32::MAX));
+        assert_eq!(
+            AllowedTokens::from_words(65, &[1, 2]),
+            Err(MaskError::TooFewWords {
+                vocab: 65,
+                needed: 3,
+                found: 2
+            })
+        );
+        assert_eq!(AllowedTokens::from_tokens(34, &[0, 31, 32, 33, 40]), mask);
+        // Applied to a wider row: the padding is disallowed too.
+        let mut row: Vec<f32> = (0..40).map(|i| i as f32).collect();
+        mask.apply(&mut row).expect("fits");
+        for (t, &v) in row.iter().enumerate() {
+            let kept = [0, 31, 32, 33].contains(&t);
+            assert_eq!(v, if kept { t as f32 } else { f32::NEG_INFINITY }, "{t}");
+        }
+        assert_eq!(
+            mask.apply(&mut [0.0; 33]),
+            Err(MaskError::RowTooShort {
+                vocab: 34,
+                width: 33
+            })
+        );
+        assert_eq!(mask.row_words(70), Ok(vec![0x8000_0001, 0b11, 0]));
+        let nothing = AllowedTokens::from_tokens(10, &[12]);
+        assert_eq!(
+            nothing.check_row(10),
+            Err(MaskError::NothingAllowed { vocab: 10 })
+        );
+    }
+
+    #[test]
+    fn a_masked_row_samples_as_the_row_with_its_disallowed_logits_at_minus_infinity() {
+        let vocab = 300;
+        let logits: Vec<f32> = (0..vocab).map(|i| ((i * 53 % 97) as f32) / 9.0).collect();
+        let masks = [
+            AllowedTokens::from_tokens(vocab, &[17]),
+            AllowedTokens::from_tokens(vocab, &[3, 90, 91, 250, 299]),
+            AllowedTokens::from_tokens(
+                vocab - 20,
+                &(0..280).filter(|t| t % 7 != 0).collect::<Vec<u32>>(),
+            ),
+        ];
+        let settings = [
+            params(0.0, 0, 1.0, 0),
+            params(1.0, 0, 1.0, 3),
+            params(0.8, 40, 1.0, 4),
+            params(1.3, 0, 0.7, 5),
+            params(0.6, 3, 0.9, 6),
+        ];
+        let mut differs = 0;
+        for mask in &masks {
+            let mut masked = logits.clone();
+            mask.apply(&mut masked).expect("fits");
+            for p in &settings {
+                for position in 0..40 {
+                    let got = sample_allowed(&logits, p, position, Some(mask));
+                    let token = got.expect("something allowed");
+                    assert_eq!(Some(token), sample(&masked, p, position));
+                    assert!(mask.is_allowed(token), "{token} is masked");
+                    differs += usize::from(Some(token) != sample(&logits, p, position));
+                }
+            }
+        }
+        assert!(differs > 0, "the masks never changed a token");
+        assert_eq!(
+            sample_allowed(&logits, &settings[1], 9, None).ok(),
+            sample(&logits, &settings[1], 9)
+        );
+        let nothing = AllowedTokens::from_tokens(vocab, &[]);
+        assert_eq!(
+            sample_allowed(&logits, &settings[0], 0, Some(&nothing)),
+            Err(MaskError::NothingAllowed { vocab })
+        );
+    }
+
+    #[test]
+    fn the_cpu_backend_samples_masked_rows_and_names_a_bad_row() {
+        use crate::backend::{Backend, CpuBackend, RowSampling, SampleRowsError, Tensor};
+        let vocab = 64;
+        let logits: Vec<f32> = (0..3 * vocab)
+            .map(|i| ((i * 29 % 61) as f32) / 7.0)
+            .collect();
+        let rows: Vec<RowSampling> = (0..3)
+            .map(|r| RowSampling {
+                params: params(
+                    [0.0, 1.0, 0.7][r],
+                    [0, 0, 5][r],
+                    [1.0, 0.8, 1.0][r],
+                    40 + r as u64,
+                ),
+                position: 100 + r as u64,
+            })
+            .collect();
+        let one = AllowedTokens::from_tokens(vocab, &[5]);
+        let few = AllowedTokens::from_tokens(vocab, &[1, 2, 60]);
+        let allowed = [Some(&one), None, Some(&few)];
+        let got = CpuBackend
+            .sample_masked(&Tensor::from(logits.clone()), vocab, &rows, &allowed)
+            .expect("fits");
+        let expected: Vec<u32> = logits
+            .chunks_exact(vocab)
+            .zip(&rows)
+            .zip(allowed)
+            .map(|((row, r), mask)| {
+                sample_allowed(row, &r.params, r.position, mask).expect("allowed")
+            })
+            .collect();
+        assert_eq!(got, expected);
+        assert_eq!(got[0], 5);
+        assert!(few.is_allowed(got[2]));
+        let nothing = AllowedTokens::from_tokens(vocab, &[]);
+        let tensor = Tensor::from(logits);
+        assert_eq!(
+            CpuBackend.sample_masked(&tensor, vocab, &rows, &[None, Some(&nothing), None]),
+            Err(SampleRowsError::Mask {
+                row: 1,
+                source: MaskError::NothingAllowed { vocab }
+            })
+        );
+        assert_eq!(
+            CpuBackend.sample_masked(&tensor, vocab, &rows, &[None, None]),
+            Err(SampleRowsError::MaskCount { found: 2, rows: 3 })
+        );
+        let wide = AllowedTokens::from_tokens(vocab + 1, &[0]);
+        assert!(matches!(
+            CpuBackend.sample_masked(&tensor, vocab, &rows, &[None, None, Some(&wide)]),
+            Err(SampleRowsError::Mask {
+                row: 2,
+                source: MaskError::RowTooShort { .. }
+            })
+        ));
     }
 
     #[test]

@@ -6,20 +6,30 @@
 //! shared expert, then one rounding).
 //!
 //! - Small shapes (16 experts, dim 96, inter 64, top-4/6, 1/5/33 rows, both roundings, clamp on
-//!   and off, one row per block and 8-row tiles) and hand-made routes with a repeated expert and
-//!   out-of-range ids (dropped; their GEMM rows are written as zeros over NaN-filled buffers).
+//!   and off, one row per block, 8-row tiles and the expert-major 32-row tiles) and hand-made
+//!   routes with a repeated expert and out-of-range ids (dropped; their GEMM rows are written as
+//!   zeros over NaN-filled buffers).
+//! - Expert-major tiles on hand-made routes: 70 rows all on the same two experts (three tiles per
+//!   expert) and 20 rows whose 40 slots all pick different experts, at K = 5280 (a second chunk
+//!   of weight loads) and 96.
 //! - Negative controls: the same host math with the slot outputs added in slot order, or the
 //!   shared expert added first, differs from the device result somewhere.
+//! - K order inside the routed GEMM: weights whose k-group partials are +2^25, -2^25 and 2^-5
+//!   at chosen groups, so that any other order of a column's additions changes the output
+//!   (a bf16 output hides most fp32 order changes; these do not).
 //! - FP8 experts through the same routed GEMM, row for row against `quant::gemm_fp8`.
 //! - Real width (dim 5120, inter 2304, 384 experts, top-6, rows 1/8/64): bitwise, and the device
-//!   time of the chain is printed.
+//!   time of the chain and of the routed w1 alone is printed per kernel; then a 1024-token
+//!   prefill (6144 routed rows): the three kernels bitwise equal to each other, timed.
 //!
-//! Measured on the H200 (2026-11-30): every output bitwise equal (18 720 small-shape outputs,
-//! 5120 / 40 960 / 327 680 at real width); the other orders differ in 238 (slot order) and 100
-//! (shared first) outputs. The chain after routing (routed w1, w3, w2, the FP8 shared expert,
-//! SwiGLUs, quantisations, combine) takes 345 µs / 1.93 ms / 10.2 ms at 1 / 8 / 64 rows (one row
-//! per block: 345 µs / 1.93 ms / 14.8 ms; 8-row tiles: 501 µs / 2.24 ms / 10.2 ms): bound by the
-//! block-scaled GEMM body (the dense `gemm_fp4` reads an expert at ~0.25 TB/s at M = 1).
+//! Measured on the H200 (2026-11-30, helper moespeed): all 6 pass; 26 208 small-shape outputs,
+//! 5120 / 40 960 / 327 680 at real width and 5 242 880 in the prefill bitwise; other combine
+//! orders differ in 354 (slot order) and 196 (shared first) outputs; the expert-major kernel with
+//! its 32 partials of a step added in reverse fails the K-order test (43 of 64 outputs, 0 for
+//! 2^-5). The chain after routing takes, per kernel (rows per block / 8-row tiles / expert-major
+//! tiles): 1 row 325 / 438 / 384 µs, 8 rows 2.07 / 2.18 / 2.17 ms, 64 rows 16.1 / 10.2 / 10.4 ms,
+//! the 1024-token prefill 256 / 119 / 107 ms; the routed w1 alone reaches at most 10% of the
+//! copy bandwidth (issue-bound on the exact CUDA-core arithmetic, see bench/README.md).
 //!
 //! Needs an NVIDIA GPU (ignored otherwise; without a driver an included run prints why it skips).
 //! On the H200: `bash .gpu/run.sh gpu_moe --include-ignored --nocapture`.
@@ -555,6 +565,8 @@ fn routed_moe_chain_matches_the_cpu_bitwise() {
             (Rounding::Bf16, 0.0, RoutedBlocks::Tiles),
             (Rounding::F32, 10.0, RoutedBlocks::Rows),
             (Rounding::F32, 10.0, RoutedBlocks::Tiles),
+            (Rounding::Bf16, 10.0, RoutedBlocks::Experts),
+            (Rounding::F32, 0.0, RoutedBlocks::Experts),
         ] {
             let what = format!("{rows} rows top-{k} {rounding:?} limit {limit} {blocks:?}");
             let precision = precision_of(rounding);
@@ -626,7 +638,11 @@ fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
     let weights: Vec<f32> = (0..rows * k)
         .map(|_| quant::round_bf16(0.5 + rng.uniform() * 0.25))
         .collect();
-    for blocks in [RoutedBlocks::Rows, RoutedBlocks::Tiles] {
+    for blocks in [
+        RoutedBlocks::Rows,
+        RoutedBlocks::Tiles,
+        RoutedBlocks::Experts,
+    ] {
         let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
         moe.blocks = blocks;
         moe.experts = rt.stream().clone_htod(&ids).expect("ids");
@@ -714,7 +730,11 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
     let mut qx = DeviceActFp8::alloc(&rt, rows, dim, ActGroup::G32).expect("qx");
     quantize_act_fp8_into(&rt, &dx, &mut qx).expect("quantise");
     let d_ids = s.clone_htod(&ids).expect("ids");
-    for blocks in [RoutedBlocks::Rows, RoutedBlocks::Tiles] {
+    for blocks in [
+        RoutedBlocks::Rows,
+        RoutedBlocks::Tiles,
+        RoutedBlocks::Experts,
+    ] {
         let mut out = nan_bf16(&rt, rows * k * inter);
         gemm_fp8_routed_with(
             &rt,
@@ -813,7 +833,11 @@ fn routed_moe_at_real_width_matches_the_cpu_and_is_timed() {
             distinct.len(),
             gpu.len()
         );
-        for blocks in [RoutedBlocks::Auto, RoutedBlocks::Rows, RoutedBlocks::Tiles] {
+        for blocks in [
+            RoutedBlocks::Experts,
+            RoutedBlocks::Rows,
+            RoutedBlocks::Tiles,
+        ] {
             moe.blocks = blocks;
             moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
             assert_bitwise(
@@ -835,6 +859,266 @@ fn routed_moe_at_real_width_matches_the_cpu_and_is_timed() {
                 per_step * 1e6,
                 bytes as f64 / per_step / 1e12
             );
+            let w1 = time_routed_w1(&rt, &mut moe, &table, iterations);
+            let w1_bytes = distinct.len() * (inter * dim / 2 + inter * dim / 32);
+            println!(
+                "  {blocks:?}: routed w1 alone {:.1} µs, {:.2} TB/s of distinct w1 bytes ({:.0}% of \
+                 the 4.28 TB/s copy roofline)",
+                w1 * 1e6,
+                w1_bytes as f64 / w1 / 1e12,
+                w1_bytes as f64 / w1 / 4.28e12 * 100.0
+            );
         }
+    }
+    prefill_matches_the_row_kernel(&rt, &layer, &table, &mut rng);
+}
+
+/// Seconds per launch of the routed `w1` GEMM of `moe`'s rows with `moe.blocks`.
+fn time_routed_w1(
+    rt: &KernelRuntime,
+    moe: &mut DeviceMoe,
+    table: &DeviceExpertTable,
+    iterations: usize,
+) -> f64 {
+    let launch = |moe: &mut DeviceMoe| {
+        gemm_fp4_routed_with(
+            rt,
+            &moe.qx,
+            &moe.experts,
+            moe.k,
+            table,
+            ExpertProjection::W1,
+            &mut moe.gate,
+            moe.blocks,
+        )
+        .expect("routed w1");
+    };
+    launch(moe);
+    rt.synchronize().expect("sync");
+    let t0 = Instant::now();
+    for _ in 0..iterations {
+        launch(moe);
+    }
+    rt.synchronize().expect("sync");
+    t0.elapsed().as_secs_f64() / iterations as f64
+}
+
+/// Hand-made routes for the expert-major tiles: every row on the same two experts (more rows
+/// than one 32-row tile, so an expert spans several tiles) and every slot on a different expert
+/// (one-row tiles), at K = 5280 (165 k-groups: a second chunk of weight loads) and K = 96.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn routed_gemm_tiles_crowded_and_scattered_experts_like_the_cpu() {
+    let Some(rt) = runtime("routed_gemm_tiles_crowded_and_scattered_experts_like_the_cpu") else {
+        return;
+    };
+    let (n_experts, dim, inter, k) = (40, 5280, 96, 2);
+    let mut rng = Rng(4141);
+    let layer = Layer::new(&rt, &mut rng, (n_experts, 7, dim, inter));
+    let table = layer.table(&rt);
+    let crowded_rows = 70;
+    let crowded: Vec<u32> = (0..crowded_rows * k)
+        .map(|j| if j % 2 == 0 { 3 } else { 17 })
+        .collect();
+    let scattered_rows = n_experts / k;
+    let scattered: Vec<u32> = (0..scattered_rows * k)
+        .map(|j| ((j * 7 + 5) % n_experts) as u32)
+        .collect();
+    let mut distinct = scattered.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), scattered.len(), "every slot its own expert");
+    for (what, rows, ids) in [
+        ("crowded", crowded_rows, crowded),
+        ("scattered", scattered_rows, scattered),
+    ] {
+        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let weights: Vec<f32> = (0..rows * k)
+            .map(|_| quant::round_bf16(0.5 + rng.uniform() * 0.25))
+            .collect();
+        let mut outputs = Vec::new();
+        for blocks in [RoutedBlocks::Experts, RoutedBlocks::Rows] {
+            let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
+            moe.blocks = blocks;
+            moe.experts = rt.stream().clone_htod(&ids).expect("ids");
+            moe.weights = rt.stream().clone_htod(&weights).expect("weights");
+            moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
+            let routes = moe.routes(&rt);
+            let gpu = moe.output(&rt);
+            let (want, _) = host_moe(
+                &x,
+                dim,
+                &routes,
+                &layer.host_refs(),
+                &layer.shared_host,
+                10.0,
+                Precision::Bf16,
+                CombineOrder::Reference,
+            );
+            assert_bitwise(&format!("{what} experts, {blocks:?}"), &gpu, &want);
+            outputs.push(gpu);
+        }
+        println!(
+            "routed GEMM, {what} experts ({rows} rows, top-{k}, K = {dim} and {inter}): \
+             Experts and Rows bitwise equal to the CPU ({} outputs)",
+            outputs[0].len()
+        );
+    }
+}
+
+/// A 1024-token prefill at real width (6144 routed rows, every expert busy) on the real-width
+/// layer: the expert-major tiles against the one-row-per-block and 8-row-tile kernels (checked
+/// against the CPU at 1 / 8 / 64 rows), bitwise, and timed.
+fn prefill_matches_the_row_kernel(
+    rt: &KernelRuntime,
+    layer: &Layer,
+    table: &DeviceExpertTable,
+    rng: &mut Rng,
+) {
+    let (n_experts, dim, inter, k, rows) = (layer.n_experts, table.dim(), table.inter(), 6, 1024);
+    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
+    let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
+    let mut moe = DeviceMoe::new(rt, &x, (rows, k, dim, inter, inter));
+    moe.route(rt, &logits, &bias, 1.5);
+    let mut outputs = Vec::new();
+    for blocks in [
+        RoutedBlocks::Experts,
+        RoutedBlocks::Rows,
+        RoutedBlocks::Tiles,
+    ] {
+        moe.blocks = blocks;
+        moe.run(rt, table, &layer.shared, 10.0, Rounding::Bf16);
+        outputs.push(moe.output(rt));
+        let iterations = 3;
+        rt.synchronize().expect("sync");
+        let t0 = Instant::now();
+        for _ in 0..iterations {
+            moe.run(rt, table, &layer.shared, 10.0, Rounding::Bf16);
+        }
+        rt.synchronize().expect("sync");
+        let per_step = t0.elapsed().as_secs_f64() / iterations as f64;
+        let w1 = time_routed_w1(rt, &mut moe, table, iterations);
+        println!(
+            "prefill {rows} tokens, {blocks:?}: device chain {:.2} ms, routed w1 alone {:.2} ms",
+            per_step * 1e3,
+            w1 * 1e3
+        );
+    }
+    assert_bitwise("prefill, Experts vs Rows", &outputs[0], &outputs[1]);
+    assert_bitwise("prefill, Experts vs Tiles", &outputs[0], &outputs[2]);
+    println!(
+        "prefill {rows} tokens: Experts, Rows and Tiles bitwise equal ({} outputs)",
+        outputs[0].len()
+    );
+}
+
+/// UE8M0 byte of 2^e.
+fn ue8m0(e: i32) -> u8 {
+    (127 + e) as u8
+}
+
+/// A routed GEMM whose K-order shows in every output: x = 1 everywhere (E4M3 code 256, scale
+/// 2^-8) and weights that are zero except k-groups of +1 or -1 codes scaled so that a group's
+/// partial is +P = 2^25, -P or s = 2^-5. Column n % 3 = 0: groups 0, 1, 2 = +P, -P, s (in K order
+/// the sum is s; any other order inside the first 32 groups loses s to 0); n % 3 = 1: groups
+/// 0, 40, 70 = +P, s, -P (0; -P before s gives s); n % 3 = 2: groups 3, 163, 164 = +P, -P, s at
+/// K = 5280 (s; the last groups lie in a second chunk of weight loads). Every kernel must give
+/// exactly the CPU's s or 0, column for column.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn routed_gemm_adds_k_groups_in_k_order() {
+    let Some(rt) = runtime("routed_gemm_adds_k_groups_in_k_order") else {
+        return;
+    };
+    let (n_experts, dim, inter, rows, k) = (2, 5280, 64, 5, 2);
+    let groups = dim / 32;
+    let (big, small) = (20, -10);
+    // (group, code nibble, scale exponent) per pattern.
+    let patterns: [[(usize, u8, i32); 3]; 3] = [
+        [(0, 0x2, big), (1, 0xA, big), (2, 0x2, small)],
+        [(0, 0x2, big), (40, 0x2, small), (70, 0xA, big)],
+        [(3, 0x2, big), (163, 0xA, big), (164, 0x2, small)],
+    ];
+    let mut packed = vec![0u8; inter * dim / 2];
+    let mut scales = vec![ue8m0(0); inter * groups];
+    for n in 0..inter {
+        for &(group, nibble, exponent) in &patterns[n % 3] {
+            let start = n * dim / 2 + group * 16;
+            packed[start..start + 16].fill(nibble | (nibble << 4));
+            scales[n * groups + group] = ue8m0(exponent);
+        }
+    }
+    let w1 = Fp4Weight {
+        out: inter,
+        inp: dim,
+        packed,
+        scales,
+    };
+    let zero_w2 = Fp4Weight {
+        out: dim,
+        inp: inter,
+        packed: vec![0; dim * inter / 2],
+        scales: vec![ue8m0(0); dim * inter / 32],
+    };
+    let (d_w1, d_w2) = (upload_fp4(&rt, &w1), upload_fp4(&rt, &zero_w2));
+    let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = (0..n_experts)
+        .map(|_| ExpertRefs {
+            w1: &d_w1,
+            w3: &d_w1,
+            w2: &d_w2,
+        })
+        .collect();
+    // SAFETY: the weights outlive every launch below.
+    let table = unsafe { DeviceExpertTable::fp4(&rt, &refs) }.expect("table");
+    let x = vec![1.0f32; rows * dim];
+    let want_row = quant::gemm_fp4(&x[..dim], &w1);
+    let s_value = 2f32.powi(-5);
+    for (n, &v) in want_row.iter().enumerate() {
+        let expected = if n % 3 == 1 { 0.0 } else { s_value };
+        assert_eq!(v, expected, "CPU column {n}");
+    }
+    let s = rt.stream();
+    let dx = s
+        .clone_htod(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>())
+        .expect("x");
+    let mut qx = DeviceActFp8::alloc(&rt, rows, dim, ActGroup::G32).expect("qx");
+    quantize_act_fp8_into(&rt, &dx, &mut qx).expect("quantise");
+    let ids: Vec<u32> = (0..rows * k).map(|j| (j % n_experts) as u32).collect();
+    let d_ids = s.clone_htod(&ids).expect("ids");
+    for blocks in [
+        RoutedBlocks::Rows,
+        RoutedBlocks::Tiles,
+        RoutedBlocks::Experts,
+    ] {
+        let mut out = nan_bf16(&rt, rows * k * inter);
+        gemm_fp4_routed_with(
+            &rt,
+            &qx,
+            &d_ids,
+            k,
+            &table,
+            ExpertProjection::W1,
+            &mut out,
+            blocks,
+        )
+        .expect("routed w1");
+        let gpu: Vec<f32> = s
+            .clone_dtoh(&out)
+            .expect("out")
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        for j in 0..rows * k {
+            assert_bitwise(
+                &format!("K-order pattern, output row {j}, {blocks:?}"),
+                &gpu[j * inter..(j + 1) * inter],
+                &want_row,
+            );
+        }
+        println!(
+            "routed GEMM ({blocks:?}): {} outputs of the K-order patterns as the CPU",
+            gpu.len()
+        );
     }
 }

@@ -1,7 +1,10 @@
 //! The mask of one decoding position and how it is applied to logits: disallowed tokens get
 //! -inf before temperature, top-k/p and sampling noise, so seeded sampling stays a pure function
-//! of (seed, request, position).
+//! of (seed, request, position). On the host ([`TokenMask::apply_to_logits`]) or, converted to
+//! the model's [`AllowedTokens`] ([`StepMask::allowed_tokens`]), where the logits are (the
+//! executor's device), with the same tokens as result.
 
+use deepinfer_model::sampling::{AllowedTokens, MaskError};
 use toktrie::{SimpleVob, TokenId};
 
 use super::GrammarError;
@@ -63,6 +66,13 @@ impl TokenMask {
         self.bits.as_slice()
     }
 
+    /// The same mask as the model's [`AllowedTokens`] (the bitset words copied, once per
+    /// position), for sampling where the logits are.
+    pub fn to_allowed_tokens(&self) -> Result<AllowedTokens, GrammarError> {
+        AllowedTokens::from_words(self.bits.len(), self.bits.as_slice())
+            .map_err(|e| GrammarError::Matcher(format!("mask bitset: {e}")))
+    }
+
     /// Set every disallowed logit to -inf. `logits` may be wider than the vocabulary (padding);
     /// the padding is disallowed.
     pub fn apply_to_logits(&self, logits: &mut [f32]) -> Result<(), GrammarError> {
@@ -115,6 +125,31 @@ impl StepMask {
         }
     }
 
+    /// The mask for sampling over logits rows of `width` tokens where they are: `None` when
+    /// unconstrained. A mask wider than the row is [`GrammarError::LogitsTooShort`]; one that
+    /// allows nothing is [`GrammarError::EmptyMask`] at `answer_position`.
+    pub fn allowed_tokens(
+        &self,
+        width: usize,
+        answer_position: usize,
+    ) -> Result<Option<AllowedTokens>, GrammarError> {
+        let Self::Allowed(mask) = self else {
+            return Ok(None);
+        };
+        let allowed = mask.to_allowed_tokens()?;
+        allowed.check_row(width).map_err(|e| match e {
+            MaskError::NothingAllowed { .. } => GrammarError::EmptyMask {
+                position: answer_position,
+            },
+            MaskError::RowTooShort { vocab, width } => GrammarError::LogitsTooShort {
+                found: width,
+                vocab,
+            },
+            other => GrammarError::Matcher(format!("mask bitset: {other}")),
+        })?;
+        Ok(Some(allowed))
+    }
+
     /// The token mask, if constrained.
     pub fn token_mask(&self) -> Option<&TokenMask> {
         match self {
@@ -147,6 +182,92 @@ mod tests {
         assert_eq!(mask.allowed_count(), 5);
         assert_eq!(mask.allowed_tokens(), vec![0, 31, 32, 33, 69]);
         assert!(!mask.is_allowed(70));
+    }
+
+    /// The device path (the mask converted to the model's bitset, `Backend::sample_masked`, here
+    /// the CPU reference) picks exactly the tokens of the host path (`apply_to_logits`, then
+    /// `sample`): greedy, temperature, top-k and top-p, many seeds and positions, masks of one
+    /// token, a few and most, over rows wider than the mask (padding).
+    #[test]
+    fn sampling_with_the_converted_mask_equals_the_host_path() {
+        use deepinfer_model::backend::{Backend, CpuBackend, RowSampling, Tensor};
+        use deepinfer_model::sampling::{SamplingParams, sample};
+        let (vocab, width) = (990usize, 1000usize);
+        let logits: Vec<f32> = (0..width)
+            .map(|i| ((i * 7919 % 1009) as f32) / 97.0 - 3.0)
+            .collect();
+        let most: Vec<TokenId> = (0..vocab as u32).filter(|t| t % 11 != 3).collect();
+        let masks = [
+            TokenMask::from_allowed(vocab, &[412]),
+            TokenMask::from_allowed(vocab, &[0, 31, 32, 500, 989]),
+            TokenMask::from_allowed(vocab, &most),
+            TokenMask::from_allowed(vocab, &(0..vocab as u32).collect::<Vec<_>>()),
+        ];
+        let settings = [
+            (0.0f32, 0usize, 1.0f32),
+            (1.0, 0, 1.0),
+            (0.7, 20, 1.0),
+            (1.2, 0, 0.8),
+            (0.9, 50, 0.95),
+        ];
+        let (mut rows, mut host, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
+        let mut values = Vec::new();
+        for (m, mask) in masks.iter().enumerate() {
+            let converted = StepMask::Allowed(mask.clone())
+                .allowed_tokens(width, 0)
+                .expect("fits")
+                .expect("constrained");
+            for (i, &(temperature, top_k, top_p)) in settings.iter().enumerate() {
+                for seed in 0..12u64 {
+                    let params = SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        seed: seed * 1_000_003 + (m * 10 + i) as u64,
+                    };
+                    let position = 7 + seed * 13;
+                    let mut row = logits.clone();
+                    mask.apply_to_logits(&mut row).expect("fits");
+                    host.push(sample(&row, &params, position).expect("a token"));
+                    rows.push(RowSampling { params, position });
+                    allowed.push(converted.clone());
+                    values.extend_from_slice(&logits);
+                }
+            }
+        }
+        let refs: Vec<_> = allowed.iter().map(Some).collect();
+        let device = CpuBackend
+            .sample_masked(&Tensor::from(values), width, &rows, &refs)
+            .expect("masks fit");
+        assert_eq!(device, host);
+        assert_eq!(device.len(), 4 * 5 * 12);
+        assert!(device[..60].iter().all(|&t| t == 412), "the one-token mask");
+        let unmasked: Vec<u32> = rows
+            .iter()
+            .map(|r| sample(&logits, &r.params, r.position).expect("a token"))
+            .collect();
+        assert_ne!(device, unmasked, "the masks change tokens");
+    }
+
+    #[test]
+    fn a_mask_that_allows_nothing_or_is_too_wide_is_an_error() {
+        let nothing = StepMask::Allowed(TokenMask::from_allowed(64, &[]));
+        assert!(matches!(
+            nothing.allowed_tokens(64, 9),
+            Err(GrammarError::EmptyMask { position: 9 })
+        ));
+        let mask = StepMask::Allowed(TokenMask::from_allowed(64, &[3]));
+        assert!(matches!(
+            mask.allowed_tokens(63, 0),
+            Err(GrammarError::LogitsTooShort {
+                found: 63,
+                vocab: 64
+            })
+        ));
+        assert_eq!(
+            StepMask::Unconstrained.allowed_tokens(10, 0).ok(),
+            Some(None)
+        );
     }
 
     #[test]

@@ -22,8 +22,10 @@
 //!    `output_constraint`. [`GrammarEngine::compile`] (an error fails this request only), then
 //!    [`GrammarEngine::matcher`] with [`GrammarEngine::constraint_start`] of the prompt ids.
 //! 3. Per step: hand the matchers to [`MaskWorkers::compute`] (with the draft tokens under DSpark)
-//!    before launching the device step; [`MaskBatch::wait`] right before sampling;
-//!    [`StepMask::apply_to_logits`] before temperature, top-k/p and noise; then
+//!    before launching the device step (its constrained rows' logits stay on the device);
+//!    [`MaskBatch::wait`] right before sampling; [`StepMask::allowed_tokens`] gives the bitset
+//!    the device sampler masks with (disallowed = -inf before temperature, top-k/p and noise;
+//!    [`StepMask::apply_to_logits`] is the host path for executors without a device); then
 //!    [`GrammarMatcher::advance`] with each accepted token (`draft_masks` leaves the matcher
 //!    unchanged, so advance with the accepted prefix and the bonus token).
 

@@ -10,10 +10,17 @@
 //! (`all_rows`, a verify of anchor + drafts), and `draft` proposes the next tokens of a sequence
 //! with the executor's drafter (the checkpoint's DSpark heads), if it has one (`draft_many` for
 //! all of a step's sequences at once).
+//!
+//! Structured outputs add a deferred sampling: `execute_deferred` leaves the rows of the entries
+//! it does not sample where they were computed (`EntryOutput::DeviceLogits`), and
+//! `sample_logits` samples them once their grammar masks are known, so a constrained decode
+//! step copies only the ids to the host. Executors without a device keep the defaults: host
+//! logits, masked and sampled by the worker.
 
 use std::time::Duration;
 
-use deepinfer_model::EntryOutput;
+use deepinfer_model::sampling::sample_allowed;
+use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::RequestId;
 
 use crate::sampling::{SamplingParams, sample};
@@ -107,6 +114,32 @@ pub trait RankExecutor: Send {
                     })
                     .collect::<Result<Vec<u32>, _>>()
                     .map(EntryOutput::Tokens)
+            })
+            .collect()
+    }
+    /// [`RankExecutor::execute_sampled`] where every entry without sampling parameters may
+    /// return its rows where they were computed ([`EntryOutput::DeviceLogits`], not read on the
+    /// host), to be sampled by [`RankExecutor::sample_logits`] once the grammar masks are in.
+    /// The default is `execute_sampled`: host logits ([`EntryOutput::Logits`]), masked and
+    /// sampled by the worker (the fallback of executors without a device).
+    fn execute_deferred(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        self.execute_sampled(batch, sampling)
+    }
+    /// One token per row of [`EntryOutput::DeviceLogits`] rows, each sampled with its parameters
+    /// at its position after its mask set the disallowed logits to −∞
+    /// (`sampling::sample_allowed` is the definition); a device executor samples them all in one
+    /// op and copies only the ids. The caller checks the masks first (a mask that allows nothing
+    /// fails the whole call). The default reads the rows on the host and samples them there.
+    fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {
+        rows.iter()
+            .enumerate()
+            .map(|(i, row)| {
+                sample_allowed(row.logits, &row.params, row.position, row.allowed)
+                    .map_err(|e| ExecError::Backend(format!("sampling row {i}: {e}")))
             })
             .collect()
     }

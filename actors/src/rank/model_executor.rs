@@ -7,7 +7,9 @@
 //! `draft_many` runs the checkpoint's DSpark heads over every requested sequence in one pass
 //! (`Model::draft_step`; `draft` is its one-request case) when the model has them. A
 //! sequence with a planned decoder start (`plan_replay`, decoder bounded replay) runs its
-//! prefill as `Model::forward_replay` does.
+//! prefill as `Model::forward_replay` does. `execute_deferred` is `Model::forward_step_on_device`
+//! (unsampled rows stay on the backend) and `sample_logits` is `Model::sample_rows` (the masked
+//! rows sampled where they are, only the ids come back).
 //!
 //! Factories: [`ModelFactory`] hands every rank the same model (the CPU backend);
 //! [`PerDeviceModelFactory`] hands each rank the same host weights rebound
@@ -18,7 +20,7 @@ use std::sync::Arc;
 
 use deepinfer_model::backend::Backend;
 use deepinfer_model::expert_dispatch::RoutedExperts;
-use deepinfer_model::{EntryOutput, LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
 use deepinfer_topology::{DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
@@ -74,11 +76,13 @@ impl ModelExecutor {
 
 impl ModelExecutor {
     /// One `Model::forward_step` over the batch; entry `i` samples with `sampling[i]` when given
-    /// (see [`RankExecutor::execute_sampled`]).
+    /// (see [`RankExecutor::execute_sampled`]); with `rows_on_device` the other entries' rows
+    /// stay on the backend (`Model::forward_step_on_device`).
     fn step(
         &mut self,
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
+        rows_on_device: bool,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         // Every entry is checked before any sequence changes, and names its own sequence.
         for entry in batch {
@@ -123,13 +127,13 @@ impl ModelExecutor {
                 sample: sampling.get(i).copied().flatten(),
             });
         }
-        let rows = self
-            .model
-            .forward_step(
-                &mut entries,
-                experts.as_ref().map(|e| e as &dyn RoutedExperts),
-            )
-            .map_err(|e| ExecError::Backend(e.to_string()));
+        let routed = experts.as_ref().map(|e| e as &dyn RoutedExperts);
+        let rows = if rows_on_device {
+            self.model.forward_step_on_device(&mut entries, routed)
+        } else {
+            self.model.forward_step(&mut entries, routed)
+        }
+        .map_err(|e| ExecError::Backend(e.to_string()));
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {
                 dp: ep.dp,
@@ -192,7 +196,7 @@ impl RankExecutor for ModelExecutor {
 
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         Ok(self
-            .step(batch, &[])?
+            .step(batch, &[], false)?
             .into_iter()
             .map(|out| out.into_logits().unwrap_or_default())
             .collect())
@@ -203,7 +207,21 @@ impl RankExecutor for ModelExecutor {
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        self.step(batch, sampling)
+        self.step(batch, sampling, false)
+    }
+
+    fn execute_deferred(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        self.step(batch, sampling, true)
+    }
+
+    fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {
+        self.model
+            .sample_rows(rows)
+            .map_err(|e| ExecError::Backend(e.to_string()))
     }
 
     fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
@@ -377,6 +395,58 @@ mod tests {
         }
         assert_eq!(*opened.lock().expect("not poisoned"), vec![0, 1, 0]);
         assert_eq!(factory.sliding_window(), plain.sliding_window());
+    }
+
+    /// `execute_deferred` leaves an unsampled entry's rows on the backend (bitwise the logits
+    /// `execute` returns) while a sampling entry is sampled in the step; `sample_logits` samples
+    /// the kept row with its mask as the host does (masked row, then `sample`).
+    #[test]
+    fn deferred_rows_stay_on_the_backend_and_sample_with_their_masks() {
+        use deepinfer_model::sampling::{AllowedTokens, sample};
+        let (_dir, model) = tiny_test_model();
+        let vocab = model.config().vocab_size;
+        let (kept, host) = (RequestId(1), RequestId(2));
+        let mut deferred = ModelExecutor::new(model.clone());
+        let mut reference = ModelExecutor::new(model);
+        for executor in [&mut deferred, &mut reference] {
+            executor.new_sequence(kept).expect("new");
+            executor.new_sequence(host).expect("new");
+        }
+        let entry = |id, tokens| SeqTokens {
+            id,
+            tokens,
+            all_rows: false,
+        };
+        let batch = [entry(kept, &[3, 9, 27][..]), entry(host, &[5, 6][..])];
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_k: 0,
+            top_p: 0.95,
+            seed: 21,
+        };
+        let outputs = deferred
+            .execute_deferred(&batch, &[None, Some(params)])
+            .expect("step");
+        let logits = reference.execute(&batch).expect("step");
+        let EntryOutput::DeviceLogits(row) = &outputs[0] else {
+            panic!("the unsampled entry's rows were not kept: {:?}", outputs[0]);
+        };
+        assert_eq!(**row, logits[0][..]);
+        let expected_in_step = sample(&logits[1], &params, 2).expect("a token");
+        assert_eq!(outputs[1], EntryOutput::Tokens(vec![expected_in_step]));
+        let mask = AllowedTokens::from_tokens(vocab, &[1, 2, 40, 41, 42]);
+        let mut masked = logits[0].clone();
+        mask.apply(&mut masked).expect("fits");
+        let got = deferred
+            .sample_logits(&[LogitsRow {
+                logits: row,
+                params,
+                position: 3,
+                allowed: Some(&mask),
+            }])
+            .expect("sampled");
+        assert_eq!(got, vec![sample(&masked, &params, 3).expect("a token")]);
+        assert!(mask.is_allowed(got[0]));
     }
 
     #[test]

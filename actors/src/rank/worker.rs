@@ -6,18 +6,23 @@
 //! visible `device_latency` after its launch, and a step launched while another is still on the
 //! device has its host time counted as hidden by async scheduling.
 //!
-//! Sampling: unconstrained entries are sampled by the executor (`RankExecutor::execute_sampled`,
-//! on its device: only the token ids come back); constrained ones get their logits rows here.
+//! Sampling: unconstrained entries are sampled by the executor inside the step
+//! (`RankExecutor::execute_deferred`, on its device: only the token ids come back); constrained
+//! ones leave their rows on the device (`EntryOutput::DeviceLogits`) until their masks are in.
 //!
 //! Structured outputs: before the forward, the matchers of the constrained sequences that sample
-//! in this step go to the grammar mask workers; the masks are awaited right after the forward and
-//! applied to the logits before the sampling noise. A mask depends only on the tokens accepted so
-//! far, never on timing, so seeded sampling stays deterministic.
+//! in this step go to the grammar mask workers, so the masks are computed while the forward runs;
+//! they are awaited right after it, and all of the step's constrained rows are sampled in one
+//! `RankExecutor::sample_logits` call with their masks (bitsets up, ids down: disallowed logits
+//! are -inf before the sampling noise). An executor without a device returns host logits instead;
+//! those are masked and sampled here, with the same tokens. A mask that fails, does not fit the
+//! rows or allows nothing ends its request with its end token, not the rank. A mask depends only
+//! on the tokens accepted so far, never on timing, so seeded sampling stays deterministic.
 //!
 //! DSpark: the worker also owns each sequence's current proposal (drafted on this thread, where
 //! the sequence state lives). A `Verify { drafts }` entry feeds the anchor plus up to `drafts` of
 //! it, judges them with `dspark::accept` (lossless; the executor samples every row where the
-//! logits are, `RankExecutor::execute_sampled`), rolls the sequence back past the rejected
+//! logits are, `RankExecutor::execute_deferred`), rolls the sequence back past the rejected
 //! drafts, and drafts the next proposal (every proposal of a step in one `draft_many` call after
 //! the sampling); only the proposal's confidences leave the thread (in the step output).
 //! Grammar-constrained sequences are never drafted for: the scheduler gives them plain `Decode`s,
@@ -27,7 +32,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deepinfer_model::EntryOutput;
+use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::{DpRank, RequestId};
 
 use crate::dspark::accept::{accept_block, accept_sampled};
@@ -92,14 +97,17 @@ fn produces_token(input: &SeqInput) -> bool {
     )
 }
 
-/// Applies the mask to the row (before the sampling noise), samples, and advances the grammar.
+/// The host path of a constrained row (executors without a device): checks the mask against
+/// rows of `vocab` logits (one that allows nothing fails the request), applies it to the row
+/// (before the sampling noise), samples at `position`, and advances the grammar.
 fn sample_constrained(
     grammar: &mut SeqGrammar,
     mask: &StepMask,
     row: &mut [f32],
-    params: &SamplingParams,
-    position: u64,
+    (params, position): (&SamplingParams, u64),
+    vocab: usize,
 ) -> Result<Option<u32>, GrammarError> {
+    mask.allowed_tokens(vocab, grammar.matcher.answer_tokens())?;
     mask.apply_to_logits(row)?;
     let Some(token) = sample(row, params, position) else {
         return Ok(None);
@@ -107,6 +115,10 @@ fn sample_constrained(
     grammar.matcher.advance(token)?;
     Ok(Some(token))
 }
+
+/// The outcome of a row sampled after its step: the token (the grammar advanced past it), or
+/// why the request's structured output failed and the token that ends it.
+type DeferredToken = Result<u32, (GrammarError, u32)>;
 
 /// A step whose results are computed but not yet released.
 struct Launched {
@@ -274,7 +286,8 @@ impl RankWorker {
             })
             .collect();
         // Unconstrained entries that produce tokens are sampled by the executor (on its device);
-        // constrained ones get their logits here, to be masked.
+        // constrained ones leave their rows where they were computed, to be sampled with their
+        // masks (or, from an executor without a device, get their logits here).
         let sampling: Vec<Option<SamplingParams>> = plan
             .work
             .iter()
@@ -285,7 +298,7 @@ impl RankWorker {
             .collect();
         // Masks are computed while the forward runs and awaited right after it.
         let pending = self.start_masks(plan)?;
-        let outputs = self.executor.execute_sampled(&batch, &sampling);
+        let outputs = self.executor.execute_deferred(&batch, &sampling);
         let mut masks = self.finish_masks(pending);
         let outputs = outputs?;
         if outputs.len() != plan.work.len() {
@@ -295,6 +308,7 @@ impl RankWorker {
                 plan.work.len()
             )));
         }
+        let mut deferred = self.sample_deferred(plan, &inputs, &outputs, &mut masks)?;
         let mut sampled = Vec::new();
         let mut verified = Vec::new();
         // Sequences to draft for after this step, in work order (drafted together below).
@@ -318,27 +332,32 @@ impl RankWorker {
                 .sequences
                 .get_mut(&work.id)
                 .ok_or(ExecError::UnknownSequence(work.id))?;
-            let picked = match output {
-                EntryOutput::Tokens(tokens) => tokens.last().copied(),
+            let vocab = self.executor.vocab_size();
+            let outcome: Result<Option<u32>, (GrammarError, u32)> = match output {
+                EntryOutput::Tokens(tokens) => Ok(tokens.last().copied()),
+                EntryOutput::DeviceLogits(_) => deferred.remove(&work.id).transpose(),
                 EntryOutput::Logits(mut row) => {
-                    let constrained = match (masks.remove(&work.id), seq.grammar.as_mut()) {
-                        (Some(Ok(mask)), Some(grammar)) => Some(
-                            sample_constrained(grammar, &mask, &mut row, &seq.params, position)
-                                .map_err(|error| (error, grammar.end_token)),
-                        ),
-                        (Some(Err(failure)), _) => Some(Err(failure)),
-                        _ => None,
-                    };
-                    match constrained {
-                        None => sample(&row, &seq.params, position),
-                        Some(Ok(token)) => token,
-                        Some(Err((error, end))) => {
-                            // The request's grammar failed: end this request, not the rank.
-                            tracing::warn!(id = %work.id, %error, "structured output failed; ending the request");
-                            seq.grammar = None;
-                            Some(end)
-                        }
+                    match (masks.remove(&work.id), seq.grammar.as_mut()) {
+                        (Some(Ok(mask)), Some(grammar)) => sample_constrained(
+                            grammar,
+                            &mask,
+                            &mut row,
+                            (&seq.params, position),
+                            vocab,
+                        )
+                        .map_err(|error| (error, grammar.end_token)),
+                        (Some(Err(failure)), _) => Err(failure),
+                        _ => Ok(sample(&row, &seq.params, position)),
                     }
+                }
+            };
+            let picked = match outcome {
+                Ok(token) => token,
+                Err((error, end)) => {
+                    // The request's grammar failed: end this request, not the rank.
+                    tracing::warn!(id = %work.id, %error, "structured output failed; ending the request");
+                    seq.grammar = None;
+                    Some(end)
                 }
             };
             let token = picked
@@ -366,6 +385,99 @@ impl RankWorker {
             live_sequences: self.executor.live_sequences(),
             timing: StepTiming::default(),
         })
+    }
+
+    /// Samples every token-producing (non-verify) entry whose rows the executor left on its
+    /// device, all in one [`RankExecutor::sample_logits`] call, each with its mask (converted to
+    /// the model's bitset; it goes up, only the ids come down), and advances their grammars. A
+    /// request whose mask failed, does not fit the rows or allows nothing gets its failure (its
+    /// request ends) and takes no part in the call.
+    fn sample_deferred(
+        &mut self,
+        plan: &StepPlan,
+        inputs: &[EntryInput],
+        outputs: &[EntryOutput],
+        masks: &mut HashMap<RequestId, MaskResult>,
+    ) -> Result<HashMap<RequestId, DeferredToken>, ExecError> {
+        let vocab = self.executor.vocab_size();
+        let mut results = HashMap::new();
+        // (request, its last row, parameters, position, mask) of each row to sample.
+        let mut rows = Vec::new();
+        for ((work, input), output) in plan.work.iter().zip(inputs).zip(outputs) {
+            let EntryOutput::DeviceLogits(logits) = output else {
+                continue;
+            };
+            if !produces_token(&work.input) || input.verify.is_some() {
+                continue;
+            }
+            let seq = self
+                .sequences
+                .get(&work.id)
+                .ok_or(ExecError::UnknownSequence(work.id))?;
+            let allowed = match (masks.remove(&work.id), seq.grammar.as_ref()) {
+                (Some(Ok(mask)), Some(grammar)) => {
+                    match mask.allowed_tokens(vocab, grammar.matcher.answer_tokens()) {
+                        Ok(allowed) => allowed,
+                        Err(error) => {
+                            results.insert(work.id, Err((error, grammar.end_token)));
+                            continue;
+                        }
+                    }
+                }
+                (Some(Err(failure)), _) => {
+                    results.insert(work.id, Err(failure));
+                    continue;
+                }
+                _ => None,
+            };
+            let held = logits.len() / vocab.max(1);
+            if held == 0 {
+                return Err(ExecError::Backend(format!(
+                    "empty logits row for {}",
+                    work.id
+                )));
+            }
+            let last = logits.rows(held - 1..held, vocab);
+            // The sampled token's absolute position = tokens the sequence holds now.
+            let position = self.executor.sequence_len(work.id)? as u64;
+            rows.push((work.id, last, seq.params, position, allowed));
+        }
+        if rows.is_empty() {
+            return Ok(results);
+        }
+        let requests: Vec<LogitsRow<'_>> = rows
+            .iter()
+            .map(|(_, logits, params, position, allowed)| LogitsRow {
+                logits,
+                params: *params,
+                position: *position,
+                allowed: allowed.as_ref(),
+            })
+            .collect();
+        let tokens = self.executor.sample_logits(&requests)?;
+        if tokens.len() != rows.len() {
+            return Err(ExecError::Backend(format!(
+                "the executor sampled {} tokens for {} rows",
+                tokens.len(),
+                rows.len()
+            )));
+        }
+        for ((id, ..), token) in rows.iter().zip(tokens) {
+            let seq = self
+                .sequences
+                .get_mut(id)
+                .ok_or(ExecError::UnknownSequence(*id))?;
+            let result = match seq.grammar.as_mut() {
+                Some(grammar) => grammar
+                    .matcher
+                    .advance(token)
+                    .map(|()| token)
+                    .map_err(|error| (error, grammar.end_token)),
+                None => Ok(token),
+            };
+            results.insert(*id, result);
+        }
+        Ok(results)
     }
 
     /// The tokens an entry feeds: a prefill chunk, the last sampled token, or for a verify the
@@ -426,6 +538,12 @@ impl RankWorker {
             EntryOutput::Tokens(tokens) => accept_sampled(drafts, tokens),
             // Row 0 predicts the token after the anchor, which sits at `held_before`.
             EntryOutput::Logits(rows) => {
+                accept_block(rows, vocab, drafts, &seq.params, held_before as u64 + 1)
+                    .map_err(|e| ExecError::Backend(format!("{id}: {e}")))?
+            }
+            // Unsampled rows left on the device (an executor that did not sample the verify):
+            // read on the host and judged as above.
+            EntryOutput::DeviceLogits(rows) => {
                 accept_block(rows, vocab, drafts, &seq.params, held_before as u64 + 1)
                     .map_err(|e| ExecError::Backend(format!("{id}: {e}")))?
             }

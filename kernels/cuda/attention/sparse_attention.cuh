@@ -22,7 +22,7 @@
 
 namespace attention {
 
-constexpr int THREADS = 256;
+constexpr int THREADS = 512;
 constexpr int KEY_BLOCK = 64;
 constexpr int MAX_DIMS_PER_THREAD = 4;  // head_dim <= THREADS * 4 (checked by the launcher)
 constexpr u32_t KEY_BLOCKS_PER_PASS = 16;
@@ -68,9 +68,13 @@ __device__ void sparse_attention_sink(const float* __restrict__ q, KeyFetch key_
     __shared__ float block_rescale[KEY_BLOCKS_PER_PASS];
     __shared__ float block_sum[KEY_BLOCKS_PER_PASS];
     __shared__ float final_denominator;
+    // The head's query widened to f64 once (the score loop multiplies it by every key).
+    __shared__ double q_wide[THREADS * MAX_DIMS_PER_THREAD];
     const u32_t head = blockIdx.x;
     if (head >= p.heads) return;
     const float* qh = q + (size_t)head * p.head_dim;
+    for (u32_t d = threadIdx.x; d < p.head_dim; d += THREADS) q_wide[d] = (double)qh[d];
+    __syncthreads();
 
     float acc[MAX_DIMS_PER_THREAD];
 #pragma unroll
@@ -84,7 +88,7 @@ __device__ void sparse_attention_sink(const float* __restrict__ q, KeyFetch key_
         for (u32_t j = threadIdx.x; j < count; j += THREADS) {
             const float* key = key_at(key_row(pass_start + j));
             key_rows[j] = key;
-            probs[j] = __fmul_rn(refmath::dot_f64_sequential(qh, key, p.head_dim), p.scale);
+            probs[j] = __fmul_rn(refmath::dot_f64_sequential_wide(q_wide, key, p.head_dim), p.scale);
         }
         __syncthreads();
         if (threadIdx.x < blocks) {

@@ -50,6 +50,14 @@ __device__ __forceinline__ float dot_f64_sequential(const float* a, const float*
     return __double2float_rn(acc);
 }
 
+// dot_f64_sequential with `a` already widened to f64 (the same products and sums).
+__device__ __forceinline__ float dot_f64_sequential_wide(const double* a, const float* b, u32_t n) {
+    double acc = 0.0;
+#pragma unroll 16
+    for (u32_t i = 0; i < n; ++i) acc = __dadd_rn(acc, __dmul_rn(a[i], (double)b[i]));
+    return __double2float_rn(acc);
+}
+
 // One block of quant::dot_f32_sgemm: sequential FMAs over a[0..n) · b[0..n) from 0.
 __device__ __forceinline__ float fma_chain(const float* a, const float* b, u32_t n) {
     float acc = 0.0f;

@@ -18,6 +18,10 @@
 // launcher picks a larger wpc for small M to put more warps on the K range of a column. Each lane
 // fetches its next k-group's weights one step ahead, and the scales before the math.
 // blockIdx.x (rows) varies fastest, so the blocks that read one weight panel run together (L2 hits).
+//
+// The column-per-warp body (gemm_warp_tile, for a few rows: decode) computes the same partials and
+// adds them in the same order with one warp per column and no block barrier; the launcher takes
+// it for M <= 4 (the H200 measurement behind that choice is in ops/gemm.rs).
 #pragma once
 #include "common/numerics.cuh"
 
@@ -58,6 +62,48 @@ __device__ __forceinline__ void exact_dot32(const float* av, const float* wv, fl
     lo = l;
 }
 
+// exact_dot32 over 16 products: hi and lo of a part of a group. The parts of one group add up
+// exactly in any order (the bounds above hold for any subset of a group's products), so the
+// group's exact sum does not depend on how its products are split between lanes.
+__device__ __forceinline__ void exact_dot16(const float* av, const float* wv, float& hi, float& lo) {
+    constexpr float SPLIT = 25165824.0f;
+    float h = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float prod = __fmul_rn(av[i], wv[i]);
+        const float prod_hi = __fsub_rn(__fadd_rn(prod, SPLIT), SPLIT);
+        h = __fadd_rn(h, prod_hi);
+        l = __fadd_rn(l, __fsub_rn(prod, prod_hi));
+    }
+    hi = h;
+    lo = l;
+}
+
+// The fp32 partial of a k-group of G elements whose 16-element parts lie in G / 16 consecutive
+// lanes (each holding its part's hi and lo): every lane of the group gets RN_f32(exact sum). A
+// 32-group adds its two lanes' halves exactly in fp32 (the exact_dot32 bounds); a 128-group adds
+// its eight lanes' hi + lo exactly in f64 (at most 43 significant bits) and rounds once. All 32
+// lanes must call it together.
+template <int G>
+struct LaneGroup;
+template <>
+struct LaneGroup<32> {
+    static __device__ __forceinline__ float partial(float hi, float lo) {
+        hi = __fadd_rn(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
+        lo = __fadd_rn(lo, __shfl_xor_sync(0xffffffffu, lo, 1));
+        return __fadd_rn(hi, lo);
+    }
+};
+template <>
+struct LaneGroup<128> {
+    static __device__ __forceinline__ float partial(float hi, float lo) {
+        double sum = __dadd_rn((double)hi, (double)lo);
+#pragma unroll
+        for (int offset = 1; offset < 8; offset <<= 1) sum = __dadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+        return __double2float_rn(sum);
+    }
+};
+
 // The accumulator of one k-group's partial: the fp32 RN(hi + lo) itself for 32-groups, an exact
 // f64 sum of the 32-element halves for wider groups (rounded to fp32 once).
 template <int G>
@@ -91,6 +137,12 @@ struct Fp8Weights {
                                                   u32_t scale_cols) {
         return e8m0_decode(__ldg(ws + (size_t)(n / TILE) * scale_cols + col / TILE));
     }
+    // The 16 weights w[n, col .. col + 16) (col a multiple of 16) of the column-per-warp path.
+    typedef uint4 Raw16;
+    static __device__ __forceinline__ Raw16 fetch16(const u8_t* __restrict__ w, u32_t n, u32_t k, u32_t col) {
+        return __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * k + col));
+    }
+    static __device__ __forceinline__ void decode16(const Raw16& raw, float* out) { decode_e4m3x16(raw, out); }
 };
 
 // FP4 E2M1 weights packed two per byte ([n, k/2], even column in the low nibble) with one UE8M0
@@ -117,6 +169,23 @@ struct Fp4Weights {
     static __device__ __forceinline__ float scale(const u8_t* __restrict__ ws, u32_t n, u32_t col,
                                                   u32_t scale_cols) {
         return e8m0_decode(__ldg(ws + (size_t)n * scale_cols + col / 32));
+    }
+    // The 16 weights w[n, col .. col + 16) (col a multiple of 16: 8 bytes) of the column-per-warp path.
+    typedef uint2 Raw16;
+    static __device__ __forceinline__ Raw16 fetch16(const u8_t* __restrict__ w, u32_t n, u32_t k, u32_t col) {
+        return __ldg(reinterpret_cast<const uint2*>(w + (size_t)n * (k / 2) + col / 2));
+    }
+    static __device__ __forceinline__ void decode16(const Raw16& raw, float* out) {
+        const u32_t words[2] = {raw.x, raw.y};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const u32_t byte = (words[i] >> (8 * b)) & 0xffu;
+                out[8 * i + 2 * b] = e2m1_decode(byte & 0xfu);
+                out[8 * i + 2 * b + 1] = e2m1_decode(byte >> 4);
+            }
+        }
     }
 };
 
@@ -237,6 +306,85 @@ __device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __res
                                   __nv_bfloat16* __restrict__ y, GemmParams p) {
     const u32_t m0 = blockIdx.x * BM;
     gemm_block_tile<Weights, G, BM>(a, sa, w, ws, y, p, DenseRows{m0, p.m - m0}, blockIdx.y);
+}
+
+// The column-per-warp path, for few rows (decode): warp w of the block computes output column
+// col_block * WARPS + w for every row of `tile` (at most BM) over the whole K range. Lane l reads
+// the 16 elements k0 + 16 l .. + 16 of each 512-element step k0 (one coalesced 512-byte FP8 or
+// 256-byte FP4 load per warp, fetched one step ahead), computes its part of the step's k-groups
+// for every row, the group's lanes combine their parts exactly (LaneGroup), one lane per group
+// writes the scaled partial RN(partial * s_a) * s_w, and lane r adds row r's partials to its
+// accumulator in K order, from 0, exactly as gemm_block_tile and the reference do: bitwise the
+// same result, with no block-wide barrier and every lane busy when K is a multiple of 512.
+template <class Weights, int G, int BM, class Rows>
+__device__ void gemm_warp_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                               const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
+                               __nv_bfloat16* __restrict__ y, GemmParams p, const Rows& tile, u32_t col_block) {
+    constexpr u32_t LANE_ELEMS = 16;
+    constexpr u32_t STEP = 32 * LANE_ELEMS;
+    constexpr u32_t GROUPS = STEP / G;  // k-groups per step
+    constexpr u32_t LANES_PER_GROUP = G / LANE_ELEMS;
+    static_assert(BM <= 32, "lane r sums row r");
+    __shared__ float partials[WARPS][BM][GROUPS + 1];
+    const u32_t warp = threadIdx.x / 32;
+    const u32_t lane = threadIdx.x % 32;
+    const u32_t n = col_block * WARPS + warp;
+    if (n >= p.n) return;  // whole warps; no block-wide barrier follows
+    const u32_t rows = min((u32_t)BM, tile.count);
+    const u32_t kgroups = p.k / G;
+    float acc = 0.0f;  // lane r < rows: row r's sum
+    typename Weights::Raw16 next{};
+    if (LANE_ELEMS * lane < p.k) next = Weights::fetch16(w, n, p.k, LANE_ELEMS * lane);
+    for (u32_t k0 = 0; k0 < p.k; k0 += STEP) {
+        const u32_t col = k0 + LANE_ELEMS * lane;
+        // k % G == 0 and col % 16 == 0: a group's lanes are all active or all idle.
+        const bool active = col < p.k;
+        const typename Weights::Raw16 raw = next;
+        if (col + STEP < p.k) next = Weights::fetch16(w, n, p.k, col + STEP);
+        const u32_t kg = col / G;
+        float wv[LANE_ELEMS];
+        float sw = 0.0f;
+        if (active) {
+            Weights::decode16(raw, wv);
+            sw = Weights::scale(ws, n, col, p.w_scale_cols);
+        }
+#pragma unroll
+        for (int r = 0; r < BM; ++r) {
+            if ((u32_t)r < rows) {  // uniform over the warp: every lane reaches the shuffles
+                float hi = 0.0f, lo = 0.0f, act_scale = 0.0f;
+                if (active) {
+                    float av[LANE_ELEMS];
+                    decode_e4m3x16(__ldg(reinterpret_cast<const uint4*>(a + tile.a_row(r) * p.k + col)), av);
+                    exact_dot16(av, wv, hi, lo);
+                    act_scale = __ldg(sa + tile.a_row(r) * kgroups + kg);
+                }
+                const float partial = LaneGroup<G>::partial(hi, lo);
+                if (active && lane % LANES_PER_GROUP == 0)
+                    partials[warp][r][lane / LANES_PER_GROUP] = __fmul_rn(__fmul_rn(partial, act_scale), sw);
+            }
+        }
+        __syncwarp();
+        if (lane < rows) {
+            const u32_t valid = min(GROUPS, (p.k - k0) / G);
+            const float* src = partials[warp][lane];
+#pragma unroll
+            for (u32_t j = 0; j < GROUPS; ++j) {
+                if (j < valid) acc = __fadd_rn(acc, src[j]);
+            }
+        }
+        __syncwarp();  // the partials are rewritten by the next step
+    }
+    if (lane < rows) y[tile.y_row(lane) * p.n + n] = __float2bfloat16_rn(acc);
+}
+
+// The column-per-warp tile of this block's grid position: rows from blockIdx.x * BM, columns
+// blockIdx.y * WARPS ..
+template <class Weights, int G, int BM>
+__device__ void gemm_warp_scaled(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                 const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
+                                 __nv_bfloat16* __restrict__ y, GemmParams p) {
+    const u32_t m0 = blockIdx.x * BM;
+    gemm_warp_tile<Weights, G, BM>(a, sa, w, ws, y, p, DenseRows{m0, p.m - m0}, blockIdx.y);
 }
 
 }  // namespace gemm

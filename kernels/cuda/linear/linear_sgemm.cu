@@ -1,9 +1,14 @@
-// Instantiation of the sgemm-order fp32 linear (f32 in, f32 weights, f32 or bf16-rounded out).
+// Instantiations of the sgemm-order fp32 linear (block partials, then their pairwise tree) (f32 in, f32 weights, f32 or bf16-rounded out).
 #include "linear/linear_sgemm.cuh"
 
 extern "C" __global__ void __launch_bounds__(linear::THREADS)
-    linear_sgemm_f32(const float* x, const float* w, float* y, LinearParams p) {
-    linear::linear_sgemm(x, w, y, p);
+    linear_sgemm_f32(const float* x, const float* w, float* partials, LinearParams p) {
+    linear::linear_sgemm_partials(x, w, partials, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear::THREADS)
+    linear_sgemm_reduce_f32(const float* partials, float* y, LinearParams p) {
+    linear::linear_sgemm_reduce(partials, y, p);
 }
 
 extern "C" __global__ void __launch_bounds__(linear::THREADS)

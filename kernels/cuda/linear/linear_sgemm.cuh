@@ -1,42 +1,68 @@
 // Plain fp32 linear y[r, o] = sum_k x[r, k] * w[o, k] (w [out, inp] row-major) in the summation
-// order of the reference's CPU sgemm (deepinfer-model quant::dot_f32_sgemm): sequential FMAs inside
-// each block of 256 products, the block partials added as the CPU's pairwise tree. One warp per
-// output element: lane j runs the FMA chains of 256-blocks j, j + 32, ... (independent chains),
-// then lane 0 adds the partials in the CPU's tree. Bit-identical to the CPU reference, and a row's
-// values never depend on the number of rows (batch invariant). With round_bf16 the outputs are
-// rounded to bf16 (kept in f32 storage). Correctness first: each 256-chain is serial.
+// order of the reference's CPU sgemm (deepinfer-model quant::dot_f32_sgemm): sequential FMAs from 0
+// inside each block of 256 products, the block partials added as the CPU's pairwise tree. Two
+// kernels: linear_sgemm_partials computes every block's FMA chain, one thread per (row, column,
+// 256-block), from a tile staged in shared memory (a block of threads covers TILE_ROWS rows x
+// TILE_COLS columns of one 256-block: the weight tile is read once, coalesced, for all its rows);
+// linear_sgemm_reduce adds each output's partials in the CPU's tree. Which thread runs a chain
+// never changes its order, so the result is bit-identical to the CPU reference and a row's values
+// never depend on the number of rows (batch invariant). With round_bf16 the outputs are rounded
+// to bf16 (kept in f32 storage).
 #pragma once
 #include "common/reference_math.cuh"
 
 namespace linear {
 
-constexpr int THREADS = 128;
-constexpr int WARPS = THREADS / 32;
-constexpr u32_t MAX_BLOCKS = 256;  // inp <= 65536 (checked by the launcher)
+constexpr int THREADS = 256;
+constexpr u32_t TILE_ROWS = THREADS / 32;  // one warp per row of the tile
+constexpr u32_t TILE_COLS = 32;            // one lane per column
+constexpr u32_t MAX_BLOCKS = 256;          // inp <= 65536 (checked by the launcher)
 
-__device__ void linear_sgemm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                             LinearParams p) {
-    __shared__ float partials[WARPS][MAX_BLOCKS];
-    const u32_t warp = threadIdx.x / 32;
-    const u32_t lane = threadIdx.x % 32;
-    const unsigned long long i = (unsigned long long)blockIdx.x * WARPS + warp;  // output index
-    if (i >= (unsigned long long)p.rows * p.out) return;  // whole warps leave together
-    const u32_t row = (u32_t)(i / p.out);
-    const u32_t col = (u32_t)(i % p.out);
-    const float* xr = x + (size_t)row * p.inp;
-    const float* wr = w + (size_t)col * p.inp;
+// Grid (ceil(out / TILE_COLS), 256-blocks, ceil(rows / TILE_ROWS)). partials[b][r][o] (b-major,
+// so the reducer reads them coalesced) is block b's FMA chain of output (r, o).
+__device__ void linear_sgemm_partials(const float* __restrict__ x, const float* __restrict__ w,
+                                      float* __restrict__ partials, LinearParams p) {
+    __shared__ float w_tile[TILE_COLS][refmath::SGEMM_K_BLOCK + 1];
+    __shared__ float x_tile[TILE_ROWS][refmath::SGEMM_K_BLOCK];
+    const u32_t col0 = blockIdx.x * TILE_COLS;
+    const u32_t block = blockIdx.y;
+    const u32_t row0 = blockIdx.z * TILE_ROWS;
+    const u32_t start = block * refmath::SGEMM_K_BLOCK;
+    const u32_t len = min(refmath::SGEMM_K_BLOCK, p.inp - start);
+    // Coalesced loads: consecutive threads read consecutive k of one weight (or input) row.
+#pragma unroll 8
+    for (u32_t i = threadIdx.x; i < TILE_COLS * refmath::SGEMM_K_BLOCK; i += THREADS) {
+        const u32_t c = i / refmath::SGEMM_K_BLOCK;
+        const u32_t k = i % refmath::SGEMM_K_BLOCK;
+        w_tile[c][k] = (col0 + c < p.out && k < len) ? __ldg(w + (size_t)(col0 + c) * p.inp + start + k) : 0.0f;
+    }
+#pragma unroll 8
+    for (u32_t i = threadIdx.x; i < TILE_ROWS * refmath::SGEMM_K_BLOCK; i += THREADS) {
+        const u32_t r = i / refmath::SGEMM_K_BLOCK;
+        const u32_t k = i % refmath::SGEMM_K_BLOCK;
+        x_tile[r][k] = (row0 + r < p.rows && k < len) ? __ldg(x + (size_t)(row0 + r) * p.inp + start + k) : 0.0f;
+    }
+    __syncthreads();
+    const u32_t r = threadIdx.x / 32;
+    const u32_t c = threadIdx.x % 32;
+    if (row0 + r >= p.rows || col0 + c >= p.out) return;
+    // quant::dot_f32_sgemm's chain of one block: acc = fma(x[k], w[k], acc) for k in order, from 0.
+    float acc = 0.0f;
+#pragma unroll 16
+    for (u32_t k = 0; k < len; ++k) acc = __fmaf_rn(x_tile[r][k], w_tile[c][k], acc);
+    partials[((size_t)block * p.rows + row0 + r) * p.out + col0 + c] = acc;
+}
+
+// One thread per output: its block partials pushed in K order into the CPU's pairwise tree.
+__device__ void linear_sgemm_reduce(const float* __restrict__ partials, float* __restrict__ y, LinearParams p) {
+    const size_t outputs = (size_t)p.rows * p.out;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= outputs) return;
     const u32_t blocks = (p.inp + refmath::SGEMM_K_BLOCK - 1) / refmath::SGEMM_K_BLOCK;
-    for (u32_t b = lane; b < blocks; b += 32) {
-        const u32_t start = b * refmath::SGEMM_K_BLOCK;
-        partials[warp][b] = refmath::fma_chain(xr + start, wr + start, min(refmath::SGEMM_K_BLOCK, p.inp - start));
-    }
-    __syncwarp();
-    if (lane == 0) {
-        refmath::PairwiseSum sum;
-        for (u32_t b = 0; b < blocks; ++b) sum.push(partials[warp][b]);
-        const float v = sum.finish();
-        y[i] = p.round_bf16 ? round_bf16_f32(v) : v;
-    }
+    refmath::PairwiseSum sum;
+    for (u32_t b = 0; b < blocks; ++b) sum.push(partials[(size_t)b * outputs + i]);
+    const float v = sum.finish();
+    y[i] = p.round_bf16 ? round_bf16_f32(v) : v;
 }
 
 // Weight rows dequantised to f32 (exact: code value times a power of two), as the CPU reference's

@@ -1,13 +1,18 @@
 // The routed experts of an MoE layer on the device, driven by device routes (no copy to the host),
 // operation for operation as deepinfer-model's v41::moe::forward_rows / expert:
 // - group_routed_rows: output rows bucketed by expert on the device (ids >= the expert count in a
-//   last bucket) and cut into tiles of at most TILE_ROWS rows of one expert.
+//   last bucket) and cut into tiles of at most tile_rows rows of one expert.
 // - gemm_*_routed_{rows,tiles}: one block per (output row or tile, column block): output row j =
 //   x row (j / x_row_div) times the weight of expert experts[j], the block-scaled GEMM body of
 //   gemm/gemm_block_scaled.cuh on the block's gathered rows (rows never interact, so every row is
 //   bitwise what gemm_fp4 / gemm_fp8 gives for it, whichever rows share its block); rows of
 //   unknown ids are zero. `rows` takes one row per block from the routes (decode: rows rarely
 //   share an expert), `tiles` the tiles of group_routed_rows (up to 8 rows of one expert).
+// - gemm_*_routed_experts: one block per (tile of up to 32 rows of one expert, 8 output columns),
+//   one warp per column, one k-group of 32 per lane: the warp loads EXPERT_STEPS * 32 k-groups of
+//   its weight row at once (coalesced 16-byte FP4 / 32-byte FP8 loads, all in flight together),
+//   decodes each group once and uses it for every row of the tile, so an expert's weights are
+//   read once per launch for up to 32 rows. Same partials, same K-ordered sums as the dense GEMM.
 // - swiglu_rows_f32: clamps, g / (1 + exp_f32(-g)) * u, times the row's route weight, rounded.
 // - moe_combine_f32: a token's slot outputs added in increasing expert id (equal ids in slot
 //   order, ids >= the expert count skipped), then the shared expert, then one rounding.
@@ -52,9 +57,13 @@ struct CombineParams {
 struct GroupParams {
     u32_t m;          // output rows
     u32_t n_experts;  // buckets 0 .. n_experts - 1, and n_experts for unknown ids
+    u32_t tile_rows;  // rows per tile at most: TILE_ROWS or EXPERT_TILE_ROWS
 };
 
 constexpr u32_t TILE_ROWS = 8;
+constexpr u32_t EXPERT_TILE_ROWS = 32;
+constexpr u32_t EXPERT_STEPS = 5;
+constexpr u32_t EXPERT_PARTIAL_STRIDE = 33;  // floats per (warp, tile row): 32 partials + padding
 constexpr u32_t GROUP_THREADS = 1024;
 constexpr u32_t MAX_SLOTS = 64;
 constexpr u32_t COMBINE_THREADS = 256;
@@ -69,9 +78,10 @@ struct GatheredRows {
     __device__ __forceinline__ size_t y_row(u32_t r) const { return rows[r]; }
 };
 
-// One block: counts per bucket, then (thread 0) bucket offsets and the tiles {bucket, start,
-// count} in bucket order, then every row scattered into `order` at its bucket's cursor. The order
-// inside a bucket is arbitrary (atomics): no result depends on it.
+// One block: counts per bucket, then (warp 0, 32 buckets at a time with a warp scan) bucket
+// offsets and the tiles {bucket, start, count} of at most p.tile_rows rows in bucket order, then
+// every row scattered into `order` at its bucket's cursor. The order inside a bucket is arbitrary
+// (atomics): no result depends on it.
 __device__ void group_rows(const u32_t* __restrict__ experts, u32_t* __restrict__ order,
                            u32_t* __restrict__ tiles, u32_t* __restrict__ tile_count, GroupParams p) {
     extern __shared__ u32_t group_shared[];
@@ -82,21 +92,36 @@ __device__ void group_rows(const u32_t* __restrict__ experts, u32_t* __restrict_
     __syncthreads();
     for (u32_t j = threadIdx.x; j < p.m; j += blockDim.x) atomicAdd(&counts[min(experts[j], p.n_experts)], 1u);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        u32_t offset = 0;
-        u32_t t = 0;
-        for (u32_t b = 0; b < buckets; ++b) {
-            const u32_t c = counts[b];
-            cursor[b] = offset;
-            for (u32_t s = 0; s < c; s += TILE_ROWS) {
-                tiles[3 * t] = b;
-                tiles[3 * t + 1] = offset + s;
-                tiles[3 * t + 2] = min(TILE_ROWS, c - s);
-                ++t;
+    if (threadIdx.x < 32) {
+        const u32_t lane = threadIdx.x;
+        u32_t offset = 0;  // rows of the buckets before this chunk
+        u32_t tile = 0;    // tiles of the buckets before this chunk
+        for (u32_t b0 = 0; b0 < buckets; b0 += 32) {
+            const u32_t b = b0 + lane;
+            const u32_t c = b < buckets ? counts[b] : 0u;
+            const u32_t own_tiles = (c + p.tile_rows - 1) / p.tile_rows;
+            u32_t rows_incl = c, tiles_incl = own_tiles;
+#pragma unroll
+            for (u32_t d = 1; d < 32; d <<= 1) {
+                const u32_t rows_up = __shfl_up_sync(0xffffffffu, rows_incl, d);
+                const u32_t tiles_up = __shfl_up_sync(0xffffffffu, tiles_incl, d);
+                if (lane >= d) {
+                    rows_incl += rows_up;
+                    tiles_incl += tiles_up;
+                }
             }
-            offset += c;
+            const u32_t start = offset + rows_incl - c;
+            u32_t t = tile + tiles_incl - own_tiles;
+            if (b < buckets) cursor[b] = start;
+            for (u32_t s = 0; s < c; s += p.tile_rows, ++t) {
+                tiles[3 * t] = b;
+                tiles[3 * t + 1] = start + s;
+                tiles[3 * t + 2] = min(p.tile_rows, c - s);
+            }
+            offset += __shfl_sync(0xffffffffu, rows_incl, 31);
+            tile += __shfl_sync(0xffffffffu, tiles_incl, 31);
         }
-        *tile_count = t;
+        if (lane == 0) *tile_count = tile;
     }
     __syncthreads();
     for (u32_t j = threadIdx.x; j < p.m; j += blockDim.x) {
@@ -108,7 +133,9 @@ __device__ void group_rows(const u32_t* __restrict__ experts, u32_t* __restrict_
 // One block's tile of `bucket`'s rows: the GEMM body with that expert's weights, or zeros for the
 // bucket of unknown ids (the CPU drops them). table: [3][n_experts][2] device addresses (weight
 // codes, weight scales) of w1, w3, w2.
-template <class Weights, u32_t ROWS>
+// COLUMN_PER_WARP: gemm_warp_tile (one warp per column; the launcher sets warps_per_col = 1, so
+// a block covers gemm::WARPS columns), else gemm_block_tile; the same sums in the same order.
+template <class Weights, u32_t ROWS, bool COLUMN_PER_WARP>
 __device__ __forceinline__ void gemm_routed_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                                  const u64_t* __restrict__ table, __nv_bfloat16* __restrict__ y,
                                                  RoutedGemmParams p, u32_t bucket, const GatheredRows<ROWS>& tile) {
@@ -124,11 +151,15 @@ __device__ __forceinline__ void gemm_routed_tile(const u8_t* __restrict__ a, con
     const u8_t* w = reinterpret_cast<const u8_t*>(entry[0]);
     const u8_t* ws = reinterpret_cast<const u8_t*>(entry[1]);
     const GemmParams shape{p.m, p.n, p.k, p.w_scale_cols, p.warps_per_col};
-    gemm::gemm_block_tile<Weights, 32, (int)ROWS>(a, sa, w, ws, y, shape, tile, blockIdx.y);
+    if constexpr (COLUMN_PER_WARP) {
+        gemm::gemm_warp_tile<Weights, 32, (int)ROWS>(a, sa, w, ws, y, shape, tile, blockIdx.y);
+    } else {
+        gemm::gemm_block_tile<Weights, 32, (int)ROWS>(a, sa, w, ws, y, shape, tile, blockIdx.y);
+    }
 }
 
 // One output row per block (blockIdx.x), straight from the routes: best when rows rarely share
-// an expert (decode).
+// an expert (decode). One warp per output column (gemm_warp_tile: at one row the faster body).
 template <class Weights>
 __device__ void gemm_routed_rows(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                  const u32_t* __restrict__ experts, const u64_t* __restrict__ table,
@@ -138,7 +169,7 @@ __device__ void gemm_routed_rows(const u8_t* __restrict__ a, const float* __rest
     tile.rows[0] = row;
     tile.count = 1;
     tile.x_row_div = p.x_row_div;
-    gemm_routed_tile<Weights, 1>(a, sa, table, y, p, experts[row], tile);
+    gemm_routed_tile<Weights, 1, true>(a, sa, table, y, p, experts[row], tile);
 }
 
 // One tile of group_rows per block (blockIdx.x; blocks past *tile_count return): up to TILE_ROWS
@@ -156,7 +187,92 @@ __device__ void gemm_routed_tiles(const u8_t* __restrict__ a, const float* __res
     tile.x_row_div = p.x_row_div;
 #pragma unroll
     for (u32_t r = 0; r < TILE_ROWS; ++r) tile.rows[r] = order[start + min(r, tile.count - 1)];
-    gemm_routed_tile<Weights, TILE_ROWS>(a, sa, table, y, p, tiles[3 * t], tile);
+    gemm_routed_tile<Weights, TILE_ROWS, false>(a, sa, table, y, p, tiles[3 * t], tile);
+}
+
+// One block per (tile of group_rows with up to EXPERT_TILE_ROWS rows of one expert, blockIdx.x;
+// blocks past *tile_count return) and WARPS output columns (blockIdx.y): warp w computes column
+// blockIdx.y * WARPS + w for every row of the tile. Lane l takes k-group g0 + 32 s + l of each of
+// the EXPERT_STEPS steps of a chunk: the chunk's weight loads (and scales) are issued together,
+// then per step the lane decodes its group's 32 weights once, and for each tile row computes the
+// group's exact partial RN_f32(sum of 32 exact products), scales it (partial * s_a) * s_w into
+// shared memory, and lane r adds row r's 32 partials in K order to its accumulator, from 0.0f:
+// the additions of gemm_block_tile / gemm_warp_tile and the reference, in their order.
+template <class Weights>
+__device__ void gemm_routed_experts(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                    const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
+                                    const u32_t* __restrict__ tile_count, const u64_t* __restrict__ table,
+                                    __nv_bfloat16* __restrict__ y, RoutedGemmParams p) {
+    extern __shared__ float expert_partials[];  // [WARPS][tile rows][EXPERT_PARTIAL_STRIDE]
+    const u32_t t = blockIdx.x;
+    if (t >= *tile_count) return;
+    const u32_t bucket = tiles[3 * t];
+    const u32_t start = tiles[3 * t + 1];
+    const u32_t count = min(tiles[3 * t + 2], EXPERT_TILE_ROWS);
+    const u32_t warp = threadIdx.x / 32;
+    const u32_t lane = threadIdx.x % 32;
+    const u32_t n = blockIdx.y * gemm::WARPS + warp;
+    if (n >= p.n) return;  // whole warps; no block-wide barrier follows
+    // Lane r < count holds tile row r's output row.
+    const u32_t own_row = lane < count ? order[start + lane] : 0u;
+    if (bucket >= p.n_experts) {
+        if (lane < count) y[(size_t)own_row * p.n + n] = __float2bfloat16_rn(0.0f);
+        return;
+    }
+    const u64_t* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
+    const u8_t* w = reinterpret_cast<const u8_t*>(entry[0]);
+    const u8_t* ws = reinterpret_cast<const u8_t*>(entry[1]);
+    float* partials = expert_partials + (size_t)warp * count * EXPERT_PARTIAL_STRIDE;
+    const u32_t kgroups = p.k / 32;
+    float acc = 0.0f;  // lane r < count: row r's sum
+    for (u32_t g0 = 0; g0 < kgroups; g0 += 32 * EXPERT_STEPS) {
+        typename Weights::Raw raw[EXPERT_STEPS];
+        float sw[EXPERT_STEPS];
+#pragma unroll
+        for (u32_t s = 0; s < EXPERT_STEPS; ++s) {
+            const u32_t g = g0 + 32 * s + lane;
+            if (g < kgroups) raw[s] = Weights::fetch32(w, n, p.k, g * 32);
+        }
+#pragma unroll
+        for (u32_t s = 0; s < EXPERT_STEPS; ++s) {
+            const u32_t g = g0 + 32 * s + lane;
+            sw[s] = g < kgroups ? Weights::scale(ws, n, g * 32, p.w_scale_cols) : 0.0f;
+        }
+#pragma unroll
+        for (u32_t s = 0; s < EXPERT_STEPS; ++s) {
+            const u32_t base = g0 + 32 * s;
+            if (base >= kgroups) break;  // uniform over the warp
+            const u32_t g = base + lane;
+            const bool active = g < kgroups;
+            float wv[32];
+            if (active) Weights::decode32(raw[s], wv);
+#pragma unroll 1
+            for (u32_t r = 0; r < count; ++r) {
+                const size_t a_row = __shfl_sync(0xffffffffu, own_row, r) / p.x_row_div;
+                if (active) {
+                    const uint4* src = reinterpret_cast<const uint4*>(a + a_row * p.k + (size_t)g * 32);
+                    float av[32];
+                    gemm::decode_e4m3x16(__ldg(src), av);
+                    gemm::decode_e4m3x16(__ldg(src + 1), av + 16);
+                    float hi, lo;
+                    gemm::exact_dot32(av, wv, hi, lo);
+                    const float act_scale = __ldg(sa + a_row * kgroups + g);
+                    partials[r * EXPERT_PARTIAL_STRIDE + lane] = __fmul_rn(__fmul_rn(__fadd_rn(hi, lo), act_scale), sw[s]);
+                }
+            }
+            __syncwarp();
+            if (lane < count) {
+                const u32_t valid = min(32u, kgroups - base);
+                const float* src = partials + lane * EXPERT_PARTIAL_STRIDE;
+#pragma unroll
+                for (u32_t j = 0; j < 32; ++j) {
+                    if (j < valid) acc = __fadd_rn(acc, src[j]);
+                }
+            }
+            __syncwarp();  // the partials are rewritten by the next step
+        }
+    }
+    if (lane < count) y[(size_t)own_row * p.n + n] = __float2bfloat16_rn(acc);
 }
 
 }  // namespace routed
@@ -179,6 +295,16 @@ extern "C" __global__ void __launch_bounds__(routed::GROUP_THREADS)
                    routed::RoutedGemmParams p) {                                                      \
         routed::gemm_routed_tiles<WEIGHTS>(a, sa, order, tiles, tile_count, table, y, p);             \
     }
+
+#define ROUTED_EXPERTS_GEMM(NAME, WEIGHTS)                                                              \
+    extern "C" __global__ void __launch_bounds__(gemm::WARPS * 32)                                     \
+        NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                   \
+             const u32_t* tile_count, const u64_t* table, __nv_bfloat16* y, routed::RoutedGemmParams p) { \
+        routed::gemm_routed_experts<WEIGHTS>(a, sa, order, tiles, tile_count, table, y, p);            \
+    }
+
+ROUTED_EXPERTS_GEMM(gemm_fp4_routed_experts_g32_bf16, gemm::Fp4Weights)
+ROUTED_EXPERTS_GEMM(gemm_fp8_t32_routed_experts_g32_bf16, gemm::Fp8Weights<32>)
 
 ROUTED_GEMM(gemm_fp4_routed_rows_g32_bf16, gemm_fp4_routed_tiles_g32_bf16, gemm::Fp4Weights)
 ROUTED_GEMM(gemm_fp8_t32_routed_rows_g32_bf16, gemm_fp8_t32_routed_tiles_g32_bf16, gemm::Fp8Weights<32>)

@@ -1,8 +1,13 @@
-// Instantiation of the batched token sampler on f32 logits.
+// Instantiations of the batched token sampler on f32 logits and of the grammar mask it samples after.
 #include "sampling/sampling.cuh"
 
 extern "C" __global__ void __launch_bounds__(sampling::THREADS)
     sample_rows_f32(const float* logits, const sampling::SampleRow* rows, unsigned long long* sort_scratch,
                     double* weight_scratch, u32_t* tokens, sampling::SampleParams p) {
     sampling::sample_rows(logits, rows, sort_scratch, weight_scratch, tokens, p);
+}
+
+extern "C" __global__ void __launch_bounds__(sampling::MASK_THREADS)
+    mask_logits_f32(float* logits, const u32_t* words, sampling::MaskParams p) {
+    sampling::mask_logits(logits, words, p);
 }

@@ -698,4 +698,27 @@ __device__ void sample_rows(const float* __restrict__ logits, const SampleRow* _
     if (threadIdx.x == 0) tokens[row] = winner;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Grammar masks: sampling.rs's AllowedTokens::apply, before the sampler runs on the masked rows.
+
+// Launch parameters of mask_logits (mirrored by `MaskParams`).
+struct MaskParams {
+    u32_t rows;
+    u32_t vocab;
+    u32_t words;  // bitset words per row: ceil(vocab / 32)
+};
+
+constexpr u32_t MASK_THREADS = 256;
+
+// logits[r, t] = -inf wherever bit t % 32 of words[r, t / 32] is clear (the host clears every bit
+// of a row's padding). One thread per logit, MASK_THREADS per block; rows never interact.
+__device__ void mask_logits(float* __restrict__ logits, const u32_t* __restrict__ words, MaskParams p) {
+    const unsigned long long i = (unsigned long long)blockIdx.x * MASK_THREADS + threadIdx.x;
+    if (i >= (unsigned long long)p.rows * p.vocab) return;
+    const u32_t row = (u32_t)(i / p.vocab);
+    const u32_t t = (u32_t)(i % p.vocab);
+    const u32_t word = words[(size_t)row * p.words + t / 32u];
+    if (((word >> (t % 32u)) & 1u) == 0u) logits[i] = __uint_as_float(0xff800000u);
+}
+
 }  // namespace sampling

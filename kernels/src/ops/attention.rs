@@ -17,7 +17,7 @@ use crate::runtime::KernelRuntime;
 const OP: &str = "sparse_attention_sink_f32";
 const ROWS_OP: &str = "sparse_attention_sink_rows_f32";
 const ROWS_PTR_OP: &str = "sparse_attention_sink_rows_ptr_f32";
-const THREADS: u32 = 256;
+const THREADS: u32 = 512;
 /// Must match `attention::MAX_DIMS_PER_THREAD`.
 const MAX_HEAD_DIM: usize = 4 * THREADS as usize;
 /// The most queries one row-batched launch takes (the grid's y limit).
@@ -156,15 +156,14 @@ impl DeviceKeyLists {
         if key_rows.is_empty() {
             key_rows.push(0); // never read: every list is empty
         }
-        let stream = rt.stream();
         Ok(DeviceKeyLists {
             queries: lists.len(),
             key_buffer_rows,
-            key_rows: stream
-                .clone_htod(&key_rows)
+            key_rows: rt
+                .htod(&key_rows)
                 .map_err(KernelError::driver("uploading the key rows"))?,
-            row_starts: stream
-                .clone_htod(&row_starts)
+            row_starts: rt
+                .htod(&row_starts)
                 .map_err(KernelError::driver("uploading the key-list offsets"))?,
         })
     }
@@ -209,8 +208,7 @@ impl DeviceKeyLists {
         }
         let n_plan = dim(OP, "plan entries", plan.len())?;
         let dplan = rt
-            .stream()
-            .clone_htod(plan)
+            .htod(plan)
             .map_err(KernelError::driver("uploading the selected-row plan"))?;
         let cfg = LaunchConfig {
             grid_dim: (n_plan.min(1024), 1, 1),

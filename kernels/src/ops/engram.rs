@@ -93,9 +93,8 @@ impl DeviceEngramHasher {
                 message: "a bucket modulus is 0".to_string(),
             });
         }
-        let stream = rt.stream();
         let upload = |values: &[u64]| {
-            stream.clone_htod(values).map_err(KernelError::driver(
+            rt.htod(values).map_err(KernelError::driver(
                 "uploading the engram hashing parameters",
             ))
         };
@@ -194,7 +193,7 @@ impl DeviceEngramTable {
             if bytes.is_empty() {
                 stream.alloc_zeros::<u8>(1)
             } else {
-                stream.clone_htod(bytes)
+                rt.htod(bytes)
             }
             .map_err(KernelError::driver("uploading an engram table"))
         };

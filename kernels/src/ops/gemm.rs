@@ -18,16 +18,24 @@ use crate::runtime::KernelRuntime;
 /// the instantiations. A block covers `WARPS / warps_per_column` output columns.
 pub(crate) const WARPS: u32 = 8;
 const ROWS_PER_BLOCK: u32 = 8;
+/// `GemmSplit::Auto` takes the column-per-warp kernel up to this many rows.
+const COLUMN_PER_WARP_MAX_ROWS: usize = 4;
 
-/// How many warps share one output column's K range. Each of them computes every
-/// `warps_per_column`-th chunk of 32 k-group partials; one thread still adds all partials in K
-/// order, so the result is bitwise the same for every choice (only the speed changes).
+/// Which kernel and work split computes a GEMM. In the block-tiled kernel, `warps_per_column`
+/// warps share one output column's K range, each computing every `warps_per_column`-th chunk of
+/// 32 k-group partials; in the column-per-warp kernel one warp owns a column. Either way one
+/// thread adds all partials in K order, so the result is bitwise the same for every choice (only
+/// the speed changes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmSplit {
-    /// Chosen from the shape: more warps per column when M is small (decode), one when M is large.
+    /// Chosen from the shape: [`GemmSplit::ColumnPerWarp`] up to 4 rows (decode), else the
+    /// block-tiled kernel with more warps per column when M is small.
     Auto,
-    /// 1, 2, 4 or 8.
+    /// The block-tiled kernel with 1, 2, 4 or 8 warps per column.
     WarpsPerColumn(u32),
+    /// The column-per-warp kernel: one warp per output column over all of K, lanes taking
+    /// 16-element slices (`gemm_warp_tile`); same sums in the same order.
+    ColumnPerWarp,
 }
 
 impl GemmSplit {
@@ -46,6 +54,8 @@ impl GemmSplit {
                 1
             }),
             GemmSplit::WarpsPerColumn(w @ (1 | 2 | 4 | 8)) => Ok(w),
+            // Not a block-tiled split: the column-per-warp kernel ignores the field.
+            GemmSplit::ColumnPerWarp => Ok(1),
             GemmSplit::WarpsPerColumn(w) => Err(KernelError::Shape {
                 op,
                 message: format!("{w} warps per column: must be 1, 2, 4 or 8"),
@@ -96,16 +106,15 @@ impl DeviceFp8Weight {
             scales.len(),
             out.div_ceil(tile) * inp.div_ceil(tile),
         )?;
-        let stream = rt.stream();
         Ok(DeviceFp8Weight {
             out,
             inp,
             tile,
-            codes: stream
-                .clone_htod(codes)
+            codes: rt
+                .htod(codes)
                 .map_err(KernelError::driver("uploading FP8 weight codes"))?,
-            scales: stream
-                .clone_htod(scales)
+            scales: rt
+                .htod(scales)
                 .map_err(KernelError::driver("uploading FP8 weight scales"))?,
         })
     }
@@ -139,15 +148,14 @@ impl DeviceFp4Weight {
         }
         expect_len(OP, "packed", packed.len(), out * inp / 2)?;
         expect_len(OP, "scales", scales.len(), out * inp / 32)?;
-        let stream = rt.stream();
         Ok(DeviceFp4Weight {
             out,
             inp,
-            packed: stream
-                .clone_htod(packed)
+            packed: rt
+                .htod(packed)
                 .map_err(KernelError::driver("uploading FP4 weight codes"))?,
-            scales: stream
-                .clone_htod(scales)
+            scales: rt
+                .htod(scales)
                 .map_err(KernelError::driver("uploading FP4 weight scales"))?,
         })
     }
@@ -173,9 +181,9 @@ pub fn gemm_fp8_split(
     split: GemmSplit,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8";
-    let kernel = match (w.tile, a.group) {
-        (32, ActGroup::G32) => KernelId::GemmFp8T32G32,
-        (128, ActGroup::G128) => KernelId::GemmFp8T128G128,
+    let kernels = match (w.tile, a.group) {
+        (32, ActGroup::G32) => (KernelId::GemmFp8T32G32, KernelId::GemmFp8T32G32Warp),
+        (128, ActGroup::G128) => (KernelId::GemmFp8T128G128, KernelId::GemmFp8T128G128Warp),
         (tile, group) => {
             return Err(KernelError::Shape {
                 op: OP,
@@ -190,7 +198,7 @@ pub fn gemm_fp8_split(
     launch_gemm(
         rt,
         OP,
-        kernel,
+        kernels,
         a,
         (w.out, w.inp),
         &w.codes,
@@ -232,7 +240,7 @@ pub fn gemm_fp4_split(
     launch_gemm(
         rt,
         OP,
-        KernelId::GemmFp4G32,
+        (KernelId::GemmFp4G32, KernelId::GemmFp4G32Warp),
         a,
         (w.out, w.inp),
         &w.packed,
@@ -243,10 +251,12 @@ pub fn gemm_fp4_split(
     )
 }
 
+/// Launches the block-tiled kernel `kernels.0` or the column-per-warp kernel `kernels.1`, as
+/// `split` says.
 fn launch_gemm(
     rt: &KernelRuntime,
     op: &'static str,
-    kernel: KernelId,
+    kernels: (KernelId, KernelId),
     a: &DeviceActFp8,
     (n, k): (usize, usize),
     w: &CudaSlice<u8>,
@@ -265,7 +275,17 @@ fn launch_gemm(
     if a.rows == 0 {
         return Ok(());
     }
+    let column_per_warp = match split {
+        // Measured on the H200 (device_bench --sweep): one warp per column is the fastest at
+        // M = 1 (wq_b 64 -> 37 us, FP4 experts 30 -> 24 us), but not at M = 8 for K = 5120.
+        GemmSplit::Auto => a.rows <= COLUMN_PER_WARP_MAX_ROWS,
+        GemmSplit::ColumnPerWarp => true,
+        GemmSplit::WarpsPerColumn(_) => false,
+    };
     let mut warps_per_col = split.warps_per_column(op, a.rows, k / a.group.elements())?;
+    if column_per_warp {
+        warps_per_col = 1;
+    }
     if split == GemmSplit::Auto {
         while warps_per_col > 1 && n.div_ceil((WARPS / warps_per_col) as usize) > 65_535 {
             warps_per_col /= 2;
@@ -278,6 +298,13 @@ fn launch_gemm(
         w_scale_cols: dim(op, "weight scale columns", w_scale_cols)?,
         warps_per_col,
     };
+    let kernel = if column_per_warp {
+        kernels.1
+    } else {
+        kernels.0
+    };
+    // Both kernels cover WARPS / warps_per_col columns per block (one warp per column in the
+    // column-per-warp kernel, warps_per_col = 1).
     let col_blocks = params.n.div_ceil(WARPS / warps_per_col);
     if col_blocks > 65_535 {
         return Err(KernelError::Shape {

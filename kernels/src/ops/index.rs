@@ -138,8 +138,7 @@ impl DeviceVisiblePrefixes {
             max_visible: visible.iter().copied().max().unwrap_or(0),
             total,
             counts_and_starts: rt
-                .stream()
-                .clone_htod(&counts_and_starts)
+                .htod(&counts_and_starts)
                 .map_err(KernelError::driver("uploading the visible counts"))?,
         })
     }

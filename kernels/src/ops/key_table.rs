@@ -19,8 +19,8 @@ use crate::error::KernelError;
 use crate::runtime::KernelRuntime;
 
 /// The device address of the `row_len` f32 values starting at element `offset` of `buffer`.
-/// Taking it orders the runtime's stream after any pending write of `buffer` from another stream
-/// (cudarc's event tracking). The address stays valid while `buffer` is allocated.
+/// The address stays valid while `buffer` is allocated; taking it costs no driver call (the
+/// runtime keeps cudarc's cross-stream event tracking off: `buffer` must belong to its stream).
 pub fn key_row_address(
     rt: &KernelRuntime,
     buffer: &CudaSlice<f32>,
@@ -85,9 +85,9 @@ impl DeviceKeyTable {
             });
         }
         let device = if addresses.is_empty() {
-            rt.stream().clone_htod(&[0u64]) // never read: no row can be listed
+            rt.htod(&[0u64]) // never read: no row can be listed
         } else {
-            rt.stream().clone_htod(addresses)
+            rt.htod(addresses)
         }
         .map_err(KernelError::driver("uploading the key row addresses"))?;
         Ok(DeviceKeyTable {

@@ -14,14 +14,25 @@ use crate::params::{DequantParams, LinearParams};
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "linear_sgemm_f32";
-const THREADS: u32 = 128;
-/// Outputs per block (one warp each); must match `linear::WARPS`.
-const OUTPUTS_PER_BLOCK: u32 = THREADS / 32;
+/// Threads per block of every kernel here; must match `linear::THREADS`.
+const THREADS: u32 = 256;
+/// Rows and columns of one partials block's tile; must match `linear::TILE_ROWS` / `TILE_COLS`.
+const TILE_ROWS: u32 = 8;
+const TILE_COLS: u32 = 32;
+/// Products per FMA chain (`quant::SGEMM_K_BLOCK`, `refmath::SGEMM_K_BLOCK`).
+const K_BLOCK: usize = 256;
 /// Largest `inp`: `linear::MAX_BLOCKS` blocks of 256 products.
-const MAX_INP: usize = 256 * 256;
+const MAX_INP: usize = 256 * K_BLOCK;
+/// The most block partials one launch pair keeps (64 Mi f32 = 256 MiB); more rows are taken in
+/// chunks (rows never interact, so chunking changes no value).
+const MAX_PARTIALS: usize = 64 << 20;
+/// The grid's z limit (row tiles of one launch).
+const MAX_GRID_Z: usize = 65_535;
 
 /// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ`, all f32 row-major; `output` says whether `y`
-/// is rounded to bf16 (`linear_bf16`) or left in fp32 (`linear_f32`).
+/// is rounded to bf16 (`linear_bf16`) or left in fp32 (`linear_f32`). Two launches per chunk of
+/// rows: every 256-product FMA chain in parallel into a scratch buffer of block partials, then each
+/// output's partials added in the CPU's pairwise tree.
 pub fn linear_sgemm_f32(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
@@ -39,29 +50,62 @@ pub fn linear_sgemm_f32(
     expect_len(OP, "x", x.len(), rows * inp)?;
     expect_len(OP, "w", w.len(), out * inp)?;
     expect_len(OP, "y", y.len(), rows * out)?;
-    let total = dim(OP, "rows * out", rows * out)?;
-    if total == 0 {
+    if rows == 0 || out == 0 {
         return Ok(());
     }
-    let params = LinearParams {
-        rows: dim(OP, "rows", rows)?,
-        out: dim(OP, "out", out)?,
-        inp: dim(OP, "inp", inp)?,
-        round_bf16: output.flag(),
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(OUTPUTS_PER_BLOCK), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
+    let blocks = inp.div_ceil(K_BLOCK);
+    let chunk_rows = (MAX_PARTIALS / (blocks * out))
+        .min(MAX_GRID_Z * TILE_ROWS as usize)
+        .clamp(1, rows);
+    let mut partials = rt
         .stream()
-        .launch_builder(rt.function(KernelId::LinearSgemmF32)?);
-    launch.arg(x).arg(w).arg(y).arg(&params);
-    // SAFETY: signature (const float* x, const float* w, float* y, LinearParams); lengths checked
-    // above against (rows, out, inp), inp <= MAX_INP fits the kernel's shared partials; one warp
-    // per output, the kernel bounds-checks the output index.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching linear_sgemm_f32"))?;
+        .alloc_zeros::<f32>(blocks * chunk_rows * out)
+        .map_err(KernelError::driver(
+            "allocating the linear's block partials",
+        ))?;
+    let partials_fn = rt.function(KernelId::LinearSgemmF32)?;
+    let reduce_fn = rt.function(KernelId::LinearSgemmReduceF32)?;
+    for first in (0..rows).step_by(chunk_rows) {
+        let count = chunk_rows.min(rows - first);
+        let params = LinearParams {
+            rows: dim(OP, "rows", count)?,
+            out: dim(OP, "out", out)?,
+            inp: dim(OP, "inp", inp)?,
+            round_bf16: output.flag(),
+        };
+        let x_rows = x.slice(first * inp..(first + count) * inp);
+        let mut y_rows = y.slice_mut(first * out..(first + count) * out);
+        let tiles = LaunchConfig {
+            grid_dim: (
+                params.out.div_ceil(TILE_COLS),
+                dim(OP, "256-blocks", blocks)?,
+                params.rows.div_ceil(TILE_ROWS),
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = rt.stream().launch_builder(partials_fn);
+        launch.arg(&x_rows).arg(w).arg(&mut partials).arg(&params);
+        // SAFETY: signature (const float* x, const float* w, float* partials, LinearParams); x
+        // holds params.rows * inp values, w out * inp (checked above), partials blocks *
+        // chunk_rows * out >= blocks * params.rows * out; the kernel bounds-checks rows, columns
+        // and the last block's length; grid.z = ceil(rows / 8) <= MAX_GRID_Z by the chunking.
+        unsafe { launch.launch(tiles) }
+            .map_err(KernelError::driver("launching linear_sgemm_f32"))?;
+        let outputs = dim(OP, "rows * out", count * out)?;
+        let reduce = LaunchConfig {
+            grid_dim: (outputs.div_ceil(THREADS), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = rt.stream().launch_builder(reduce_fn);
+        launch.arg(&partials).arg(&mut y_rows).arg(&params);
+        // SAFETY: signature (const float* partials, float* y, LinearParams); partials holds the
+        // blocks * rows * out values the launch above wrote, y_rows rows * out; the kernel
+        // bounds-checks its output index.
+        unsafe { launch.launch(reduce) }
+            .map_err(KernelError::driver("launching linear_sgemm_reduce_f32"))?;
+    }
     Ok(())
 }
 

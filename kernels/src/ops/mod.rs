@@ -18,6 +18,7 @@ pub mod routed;
 pub mod rows;
 pub mod sampling;
 pub mod topk;
+pub mod v4;
 
 use crate::error::KernelError;
 

@@ -2,7 +2,8 @@
 //! and `weights`), with no copy to the host: a device table of the layer's expert weights
 //! ([`DeviceExpertTable`]), the routed GEMM whose every output row takes its own expert's weight
 //! ([`gemm_fp4_routed`], [`gemm_fp8_routed`]; one row per block for decode, or rows grouped by
-//! expert on the device into tiles of up to 8 rows, see [`RoutedBlocks`]), the SwiGLU of expert
+//! expert on the device into tiles of up to 32 rows whose expert's weights are read once, see
+//! [`RoutedBlocks`]), the SwiGLU of expert
 //! rows ([`swiglu_rows`]) and the combine of a token's slot outputs with the shared expert
 //! ([`moe_combine`]). Each reproduces `deepinfer_model::v41::moe::forward_rows` bit for bit (see
 //! `cuda/moe/routed.cu`).
@@ -17,12 +18,18 @@ use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
 
-/// Output rows up to which [`RoutedBlocks::Auto`] takes one row per block. Measured on the H200
-/// (real width, top-6): one row per block wins at 6 and 48 rows (346 vs 503 µs, 1.93 vs 2.24 ms
-/// for the whole chain), 8-row tiles at 384 rows (10.2 vs 14.7 ms).
-const ROWS_PER_BLOCK_MAX: usize = 64;
 /// Rows of one expert per routed-GEMM tile (`routed::TILE_ROWS`).
 const TILE_ROWS: usize = 8;
+/// Rows of one expert per tile of the expert-major kernel (`routed::EXPERT_TILE_ROWS`).
+const EXPERT_TILE_ROWS: usize = 32;
+/// Floats per tile row and warp of the expert-major kernel's shared partials (32 + 1 padding).
+const EXPERT_PARTIAL_STRIDE: u32 = 33;
+/// Output rows up to which [`RoutedBlocks::Auto`] takes one row per block. Measured on the H200
+/// (real width, top-6, routed w1 alone; bench/README.md): one row per block 85 / 608 µs at 6 /
+/// 48 rows against 96 / 641 µs for the expert-major tiles; at 384 rows the tiles win (3.89 ms
+/// against 4.86 ms), and at 6144 rows (a 1024-token prefill) 28.1 ms against 77.6 ms (8-row
+/// tiles: 31.7 ms).
+const ROWS_PER_BLOCK_MAX: usize = 64;
 /// Threads of the grouping kernel (`routed::GROUP_THREADS`).
 const GROUP_THREADS: u32 = 1024;
 /// Experts whose grouping counters fit the grouping kernel's shared memory comfortably.
@@ -56,6 +63,7 @@ struct RoutedGemmParams {
 struct GroupParams {
     m: u32,
     n_experts: u32,
+    tile_rows: u32,
 }
 
 /// `routed::SwigluParams` in `cuda/moe/routed.cu`.
@@ -114,13 +122,17 @@ impl ExpertProjection {
 /// How the routed GEMM assigns output rows to blocks (the result does not depend on it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RoutedBlocks {
-    /// One row per block up to 64 output rows, tiles above.
+    /// [`RoutedBlocks::Rows`] up to 64 output rows (decode), [`RoutedBlocks::Experts`] above.
     Auto,
     /// One output row per block, straight from the routes.
     Rows,
     /// Rows grouped by expert on the device, up to 8 rows of one expert per block (each weight
     /// load and decode serves all of them).
     Tiles,
+    /// Rows grouped by expert on the device, up to 32 rows of one expert per block, one warp per
+    /// output column with one k-group per lane and five 32-group steps of weight loads in flight:
+    /// an expert's weights are read once per launch for up to 32 of its rows.
+    Experts,
 }
 
 /// The weight format of a table's experts.
@@ -261,8 +273,8 @@ impl DeviceExpertTable {
                 addresses[at + 1] = scales_ptr;
             }
         }
-        let addresses = stream
-            .clone_htod(&addresses)
+        let addresses = rt
+            .htod(&addresses)
             .map_err(KernelError::driver("uploading the expert address table"))?;
         Ok(DeviceExpertTable {
             format: W::FORMAT,
@@ -441,7 +453,22 @@ fn launch_routed(
     if m == 0 {
         return Ok(());
     }
-    let mut warps_per_col = GemmSplit::Auto.warps_per_column(op, m, k / 32)?;
+    let blocks = match blocks {
+        RoutedBlocks::Auto if m <= ROWS_PER_BLOCK_MAX => RoutedBlocks::Rows,
+        RoutedBlocks::Auto => RoutedBlocks::Experts,
+        chosen => chosen,
+    };
+    let per_row = blocks == RoutedBlocks::Rows;
+    let expert_major = blocks == RoutedBlocks::Experts;
+    // The per-row kernel runs one warp per output column (`gemm_warp_tile`); the tiles kernel
+    // (block-tiled) splits K as the dense GEMM does. Measured on the H200: the column-per-warp
+    // body is faster for one row and slower for tiles of 8 (real-width MoE at 64 rows 8.2 ->
+    // 8.5 ms, so the tiles keep the block-tiled body).
+    let mut warps_per_col = if per_row || expert_major {
+        1
+    } else {
+        GemmSplit::Auto.warps_per_column(op, m, k / 32)?
+    };
     while warps_per_col > 1 && n.div_ceil((WARPS / warps_per_col) as usize) > 65_535 {
         warps_per_col /= 2;
     }
@@ -462,19 +489,16 @@ fn launch_routed(
             message: format!("n = {n} needs {col_blocks} column blocks (> 65535)"),
         });
     }
-    let per_row = match blocks {
-        RoutedBlocks::Auto => m <= ROWS_PER_BLOCK_MAX,
-        RoutedBlocks::Rows => true,
-        RoutedBlocks::Tiles => false,
-    };
-    let (rows_kernel, tiles_kernel) = match format {
+    let (rows_kernel, tiles_kernel, experts_kernel) = match format {
         ExpertFormat::Fp4 => (
             KernelId::GemmFp4RoutedRowsG32,
             KernelId::GemmFp4RoutedTilesG32,
+            KernelId::GemmFp4RoutedExpertsG32,
         ),
         ExpertFormat::Fp8T32 => (
             KernelId::GemmFp8T32RoutedRowsG32,
             KernelId::GemmFp8T32RoutedTilesG32,
+            KernelId::GemmFp8T32RoutedExpertsG32,
         ),
     };
     let stream = rt.stream();
@@ -504,20 +528,26 @@ fn launch_routed(
         return Ok(());
     }
     // Output rows bucketed by expert and cut into tiles of one expert, on the device. At most
-    // ceil(m / TILE_ROWS) full tiles plus one partial tile per non-empty bucket.
-    let max_tiles = m.div_ceil(TILE_ROWS) + m.min(table.n_experts + 1);
-    let mut order = stream
-        .alloc_zeros::<u32>(m)
+    // ceil(m / tile_rows) full tiles plus one partial tile per non-empty bucket.
+    let tile_rows = if expert_major {
+        EXPERT_TILE_ROWS.min(m)
+    } else {
+        TILE_ROWS
+    };
+    let max_tiles = m.div_ceil(tile_rows) + m.min(table.n_experts + 1);
+    // SAFETY (the three allocations): group_routed_rows writes all of `order` (a permutation of
+    // 0..m), `tile_count` and the first *tile_count tiles before the GEMM reads them, in stream
+    // order; the GEMM reads no tile past *tile_count.
+    let mut order = unsafe { stream.alloc::<u32>(m) }
         .map_err(KernelError::driver("allocating the routed row order"))?;
-    let mut tiles = stream
-        .alloc_zeros::<u32>(3 * max_tiles)
+    let mut tiles = unsafe { stream.alloc::<u32>(3 * max_tiles) }
         .map_err(KernelError::driver("allocating the routed tiles"))?;
-    let mut tile_count = stream
-        .alloc_zeros::<u32>(1)
+    let mut tile_count = unsafe { stream.alloc::<u32>(1) }
         .map_err(KernelError::driver("allocating the routed tile count"))?;
     let group = GroupParams {
         m: params.m,
         n_experts: params.n_experts,
+        tile_rows: kernel_dim(op, "tile rows", tile_rows)?,
     };
     let group_cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
@@ -536,6 +566,37 @@ fn launch_routed(
     // most that many tiles, see above), the dynamic shared memory 2 * (n_experts + 1) counters.
     unsafe { launch.launch(group_cfg) }
         .map_err(KernelError::driver("launching group_routed_rows"))?;
+    if expert_major {
+        let kernel = experts_kernel;
+        let cfg = LaunchConfig {
+            grid_dim: (kernel_dim(op, "tiles", max_tiles)?, col_blocks, 1),
+            block_dim: (WARPS * 32, 1, 1),
+            shared_mem_bytes: 4 * WARPS * group.tile_rows * EXPERT_PARTIAL_STRIDE,
+        };
+        let mut launch = stream.launch_builder(rt.function(kernel)?);
+        launch
+            .arg(&x.codes)
+            .arg(&x.scales)
+            .arg(&order)
+            .arg(&tiles)
+            .arg(&tile_count)
+            .arg(&table.addresses)
+            .arg(out)
+            .arg(&params);
+        // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
+        // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams). Blocks past
+        // *tile_count return; a tile holds at most tile_rows rows, for which the dynamic shared
+        // memory holds WARPS * tile_rows * 33 partials; its rows are output rows < m (order is a
+        // permutation of 0..m), each reading x row j / x_row_div < x.rows (x holds x.rows * k
+        // codes and x.rows * k / 32 scales); column n < p.n is checked per warp; the table holds
+        // 3 * n_experts address pairs of live weights of this shape and format (the
+        // constructors' contract), the bucket of unknown ids is never looked up; out holds m * n.
+        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+            "launching {}",
+            kernel.symbol()
+        )))?;
+        return Ok(());
+    }
     let cfg = LaunchConfig {
         grid_dim: (kernel_dim(op, "tiles", max_tiles)?, col_blocks, 1),
         block_dim: (WARPS * 32, 1, 1),
@@ -756,16 +817,18 @@ mod tests {
 
     #[test]
     fn group_params_mirror_the_cuda_struct() {
-        assert_eq!(std::mem::size_of::<GroupParams>(), 8);
+        assert_eq!(std::mem::size_of::<GroupParams>(), 12);
         assert_eq!(
             super::super::cuda_struct_fields(SOURCE, "GroupParams"),
-            ["m", "n_experts"]
+            ["m", "n_experts", "tile_rows"]
         );
     }
 
     #[test]
     fn launcher_limits_match_the_kernel_constants() {
-        assert!(SOURCE.contains(&format!("TILE_ROWS = {TILE_ROWS};")));
+        assert!(SOURCE.contains(&format!(" TILE_ROWS = {TILE_ROWS};")));
+        assert!(SOURCE.contains(&format!("EXPERT_TILE_ROWS = {EXPERT_TILE_ROWS};")));
+        assert!(SOURCE.contains(&format!("EXPERT_PARTIAL_STRIDE = {EXPERT_PARTIAL_STRIDE};")));
         assert!(SOURCE.contains(&format!("GROUP_THREADS = {GROUP_THREADS};")));
         assert!(SOURCE.contains(&format!("MAX_SLOTS = {MAX_SLOTS};")));
         assert!(SOURCE.contains(&format!("COMBINE_THREADS = {COMBINE_THREADS};")));

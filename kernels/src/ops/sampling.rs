@@ -3,6 +3,8 @@
 //! sequential top-p sum), so the returned ids equal the CPU's and never depend on other rows.
 //! Rows that restrict (top-k / top-p) radix-sort their order keys in the sort scratch and sum
 //! their top-p weights with the order-preserving parallel sum of `cuda/sampling/sampling.cuh`.
+//! A grammar's masks are applied before, in place, by [`mask_logits_f32`] (disallowed logits
+//! become −∞, as `sampling::AllowedTokens::apply` does on the host).
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
@@ -13,6 +15,8 @@ use crate::runtime::KernelRuntime;
 
 const OP: &str = "sample_rows_f32";
 const THREADS: u32 = 512;
+const MASK_OP: &str = "mask_logits_f32";
+const MASK_THREADS: u32 = 256;
 
 /// One row's sampling parameters (`sampling::SampleRow` in `cuda/sampling/sampling.cuh`).
 #[repr(C)]
@@ -46,10 +50,66 @@ struct SampleParams {
     padded: u32,
 }
 
+/// `sampling::MaskParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MaskParams {
+    rows: u32,
+    vocab: u32,
+    words: u32,
+}
+
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out as their CUDA mirrors.
 unsafe impl DeviceRepr for SampleRow {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for SampleParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for MaskParams {}
+
+/// Bitset words of one row's mask in [`mask_logits_f32`]: one bit per token.
+pub fn mask_words_per_row(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// In place on `logits [rows, vocab]`: every logit whose bit (`t % 32` of word `t / 32`) in its
+/// row's bitset `words [rows, mask_words_per_row(vocab)]` is clear becomes −∞.
+pub fn mask_logits_f32(
+    rt: &KernelRuntime,
+    logits: &mut CudaSlice<f32>,
+    words: &CudaSlice<u32>,
+    rows: usize,
+    vocab: usize,
+) -> Result<(), KernelError> {
+    let per_row = mask_words_per_row(vocab);
+    expect_len(MASK_OP, "logits", logits.len(), rows * vocab)?;
+    expect_len(MASK_OP, "mask words", words.len(), rows * per_row)?;
+    if rows == 0 || vocab == 0 {
+        return Ok(());
+    }
+    let params = MaskParams {
+        rows: dim(MASK_OP, "rows", rows)?,
+        vocab: dim(MASK_OP, "vocab", vocab)?,
+        words: dim(MASK_OP, "mask words per row", per_row)?,
+    };
+    let blocks = dim(
+        MASK_OP,
+        "blocks",
+        (rows * vocab).div_ceil(MASK_THREADS as usize),
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (MASK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::MaskLogitsF32)?);
+    launch.arg(logits).arg(words).arg(&params);
+    // SAFETY: signature (float* logits, const u32* words, MaskParams); lengths checked above, and
+    // the grid covers exactly rows · vocab logits (the kernel bounds-checks the last block).
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching mask_logits_f32"))?;
+    Ok(())
+}
 
 /// Length of one row's sort scratch: the power of two at or above `vocab`.
 pub fn scratch_row_len(vocab: usize) -> usize {
@@ -171,6 +231,14 @@ mod tests {
             super::super::cuda_struct_fields(header, "SampleParams"),
             ["rows", "vocab", "padded"]
         );
+        assert_eq!(std::mem::size_of::<MaskParams>(), 12);
+        assert_eq!(
+            super::super::cuda_struct_fields(header, "MaskParams"),
+            ["rows", "vocab", "words"]
+        );
+        assert!(header.contains(&format!("MASK_THREADS = {MASK_THREADS};")));
+        assert_eq!(mask_words_per_row(129_280), 4040);
+        assert_eq!(mask_words_per_row(33), 2);
         assert_eq!(scratch_row_len(1), 1);
         assert_eq!(scratch_row_len(129_280), 131_072);
     }

@@ -20,7 +20,7 @@ pub use select::{CandidateMask, Candidates, QueryKeys, SelectedKeys, Selection};
 pub use tensor::{DeviceBuffer, DeviceView, Tensor};
 
 use crate::engram::{EngramGate, EngramTable, NgramHasher};
-use crate::sampling::SamplingParams;
+use crate::sampling::{AllowedTokens, MaskError, SamplingParams};
 use crate::v41::weights::{ExpertLinear, ExpertWeights};
 use crate::weights::{FP4_GROUP, Fp4Weight, Fp8Weight, e2m1_to_f32, e8m0_to_f32};
 
@@ -150,6 +150,16 @@ pub enum SampleRowsError {
         found: usize,
         rows: usize,
         vocab: usize,
+    },
+    /// [`Backend::sample_masked`] was not given one mask entry per row.
+    #[error("sample_rows: {found} masks for {rows} rows")]
+    MaskCount { found: usize, rows: usize },
+    /// Row `row`'s mask does not fit the vocabulary or allows no token: that row's request fails.
+    #[error("sample_rows: row {row}: {source}")]
+    Mask {
+        row: usize,
+        #[source]
+        source: MaskError,
     },
 }
 
@@ -486,6 +496,33 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             .collect())
     }
 
+    /// [`Backend::sample_rows`] of the logits rows `logits` (`[rows.len(), vocab]`, a tensor:
+    /// on a device backend they are read where they are) with row `r` restricted to
+    /// `allowed[r]` when given: its disallowed logits are −∞ before the sampling math
+    /// ([`crate::sampling::sample_allowed`] is the definition). A mask wider than the vocabulary
+    /// or allowing nothing is [`SampleRowsError::Mask`] naming the row.
+    fn sample_masked(
+        &self,
+        logits: &Tensor,
+        vocab: usize,
+        rows: &[RowSampling],
+        allowed: &[Option<&AllowedTokens>],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        check_sample_masked(logits.len(), vocab, rows, allowed)?;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        logits
+            .chunks_exact(vocab)
+            .zip(rows.iter().zip(allowed))
+            .enumerate()
+            .map(|(row, (values, (r, allowed)))| {
+                crate::sampling::sample_allowed(values, &r.params, r.position, *allowed)
+                    .map_err(|source| SampleRowsError::Mask { row, source })
+            })
+            .collect()
+    }
+
     /// One token per row of the fp32 logits `x · Wᵀ` ([`Backend::linear_f32`], `W [out, inp]`),
     /// sampled as [`Backend::sample_rows`] does: the head and the sampler of a step in one op, so a
     /// device backend keeps the logits where it computed them and returns only the ids.
@@ -644,6 +681,54 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             .map(crate::v41::dspark::argmax)
             .collect()
     }
+    /// The V4 hyper-head's collapse weights of every token of `x [n, hc · dim]` (`proj
+    /// [hc, hc · dim]`, `base [hc]`): `σ(m_k · scale + base_k) + hc_eps` with
+    /// `m = proj · x · rsqrt(mean(x²) + norm_eps)` → `[n, hc]` fp32 ([`crate::v4::hyper_head_weights`]).
+    fn hyper_head_weights_rows(
+        &self,
+        x: &Tensor,
+        proj: &[f32],
+        base: &[f32],
+        scale: f32,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Tensor {
+        let width = proj.len() / base.len().max(1);
+        if width == 0 {
+            return Tensor::empty();
+        }
+        x.chunks_exact(width)
+            .flat_map(|x| crate::v4::hyper_head_weights(x, proj, base, scale, hc_eps, norm_eps))
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    /// The V4 compressor's pooled entries → fp32 `[entries.len(), width]`: per channel, the softmax
+    /// over an entry's slots of `gate + bias` weighting the slots' `kv` ([`crate::v4::PoolSlot`],
+    /// [`crate::v4::pool_entry`]).
+    fn compressor_pool_rows(
+        &self,
+        entries: &[Vec<crate::v4::PoolSlot<'_>>],
+        width: usize,
+    ) -> Tensor {
+        entries
+            .iter()
+            .flat_map(|slots| crate::v4::pool_entry(slots, width))
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    /// The V4 MoE of every row of `x [n, dim]` with exact (fp32) experts in one op, routed by the
+    /// router's top-k or, on a hash layer, row `t` by the experts `hashed[t]` (weights from its own
+    /// scores) — what `v41::moe::forward_rows` computes from the ops one by one, to the device's
+    /// exponential; `None` when this backend has no such path (the model then runs those ops).
+    fn moe_rows_exact(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        hashed: Option<&[Vec<usize>]>,
+    ) -> Option<Tensor> {
+        let _ = (x, layer, hashed);
+        None
+    }
 }
 
 /// The shape check of [`Backend::sample_rows`], shared by every implementation.
@@ -664,6 +749,43 @@ pub fn check_sample_rows(
             rows: rows.len(),
             vocab,
         });
+    }
+    Ok(())
+}
+
+/// The checks of [`Backend::sample_masked`] (`logits_len` values), shared by every
+/// implementation: the shape of [`check_sample_rows`], one mask entry per row, each mask within
+/// the vocabulary and allowing some token.
+pub fn check_sample_masked(
+    logits_len: usize,
+    vocab: usize,
+    rows: &[RowSampling],
+    allowed: &[Option<&AllowedTokens>],
+) -> Result<(), SampleRowsError> {
+    if allowed.len() != rows.len() {
+        return Err(SampleRowsError::MaskCount {
+            found: allowed.len(),
+            rows: rows.len(),
+        });
+    }
+    if rows.is_empty() && logits_len == 0 {
+        return Ok(());
+    }
+    if vocab == 0 {
+        return Err(SampleRowsError::EmptyVocab { rows: rows.len() });
+    }
+    if rows.len().checked_mul(vocab) != Some(logits_len) {
+        return Err(SampleRowsError::LogitsShape {
+            found: logits_len,
+            rows: rows.len(),
+            vocab,
+        });
+    }
+    for (row, mask) in allowed.iter().enumerate() {
+        if let Some(mask) = mask {
+            mask.check_row(vocab)
+                .map_err(|source| SampleRowsError::Mask { row, source })?;
+        }
     }
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! Attention of one V4 layer over a chunk (spec v4-architecture.md §2.5–§2.8): low-rank query with a
+//! Attention of one V4 layer over a step's rows (spec v4-architecture.md §2.5–§2.8): low-rank query with a
 //! per-head unweighted RMSNorm, one shared K=V head, the raw window plus the layer's compressed
 //! entries (HCA: every complete entry; CSA: the indexer's top-k), a per-head sink, de-rotation of
 //! the output and the grouped low-rank output projection. The projection steps are also used by
@@ -7,29 +7,30 @@
 use super::compressor;
 use super::state::LayerState;
 use super::weights::AttentionWeights;
-use crate::backend::RopeTable;
+use crate::backend::{QueryKeys, RopeTable, SelectedKeys, Tensor};
 use crate::v41::Ctx;
+use crate::v41::step::StepRows;
 
-/// The queries of a chunk: the `q_norm`-ed low-rank latent `qr [n, q_lora_rank]` (the CSA
+/// The queries of some rows: the `q_norm`-ed low-rank latent `qr [n, q_lora_rank]` (the CSA
 /// indexer reads it) and the rotated per-head queries `q [n, heads · head_dim]`.
 pub struct Queries {
-    pub qr: Vec<f32>,
-    pub q: Vec<f32>,
+    pub qr: Tensor,
+    pub q: Tensor,
 }
 
 /// Queries of the normed inputs `xn [n, dim]` at `positions`.
 pub fn queries(
     ctx: &Ctx,
     w: &AttentionWeights,
-    xn: &[f32],
+    xn: &Tensor,
     positions: &[usize],
     table: &RopeTable,
     unit: &[f32],
 ) -> Queries {
     let cfg = ctx.cfg;
     let (backend, precision, eps) = (ctx.backend, cfg.precision(), cfg.norm_eps);
-    let qr = backend.rms_norm_at(&w.wq_a.apply(backend, xn).into(), &w.q_norm, eps, precision);
-    let q = backend.rms_norm_at(&w.wq_b.apply(backend, &qr).into(), unit, eps, precision);
+    let qr = backend.rms_norm_at(&w.wq_a.apply(backend, xn), &w.q_norm, eps, precision);
+    let q = backend.rms_norm_at(&w.wq_b.apply(backend, &qr), unit, eps, precision);
     let q = backend.rope_at(
         q,
         cfg.head_dim,
@@ -39,130 +40,147 @@ pub fn queries(
         false,
         precision,
     );
-    Queries {
-        qr: qr.into_vec(),
-        q: q.into_vec(),
-    }
+    Queries { qr, q }
 }
 
 /// The K=V rows `[n, head_dim]` (after `kv_norm` and RoPE) of the normed inputs `xn [n, dim]`.
 pub fn kv_rows(
     ctx: &Ctx,
     w: &AttentionWeights,
-    xn: &[f32],
+    xn: &Tensor,
     positions: &[usize],
     table: &RopeTable,
-) -> Vec<f32> {
+) -> Tensor {
     let cfg = ctx.cfg;
     let (backend, precision) = (ctx.backend, cfg.precision());
     let kv = backend.rms_norm_at(
-        &w.wkv.apply(backend, xn).into(),
+        &w.wkv.apply(backend, xn),
         &w.kv_norm,
         cfg.norm_eps,
         precision,
     );
-    backend
-        .rope_at(kv, cfg.head_dim, 1, positions, table, false, precision)
-        .into_vec()
+    backend.rope_at(kv, cfg.head_dim, 1, positions, table, false, precision)
 }
 
-/// Attention of one query row `[heads · head_dim]` over `keys` (K = V) with the layer's sinks.
-pub fn attend(ctx: &Ctx, w: &AttentionWeights, q_row: &[f32], keys: &[&[f32]]) -> Vec<f32> {
+/// Attention of the query rows `q [n, heads · head_dim]`, query `t` over its own `keys[t]` (K = V),
+/// with the layer's sinks.
+pub fn attend(ctx: &Ctx, w: &AttentionWeights, q: &Tensor, keys: &[QueryKeys<'_>]) -> Tensor {
     let scale = (ctx.cfg.head_dim as f32).powf(-0.5);
     ctx.backend
-        .sparse_attention_at(q_row, keys, &w.sink, scale, ctx.cfg.precision())
+        .sparse_attention_selected(q, keys, &w.sink, scale, ctx.cfg.precision())
 }
 
 /// De-rotates the attention outputs `o [n, heads · head_dim]` and applies the grouped low-rank
-/// output projection → `[n, dim]`.
+/// output projection → `[n, dim]` (each group's product over all rows at once).
 pub fn output(
     ctx: &Ctx,
     w: &AttentionWeights,
-    o: Vec<f32>,
+    o: Tensor,
     positions: &[usize],
     table: &RopeTable,
-) -> Vec<f32> {
+) -> Tensor {
     let cfg = ctx.cfg;
     let backend = ctx.backend;
     let (heads, head_dim) = (cfg.n_heads, cfg.head_dim);
-    let o = backend.rope_at(
-        o.into(),
-        head_dim,
-        heads,
-        positions,
-        table,
-        true,
-        cfg.precision(),
-    );
+    let o = backend.rope_at(o, head_dim, heads, positions, table, true, cfg.precision());
     let row = heads * head_dim;
     let groups = cfg.o_groups;
     let (group_width, rank) = (row / groups, cfg.o_lora_rank);
-    let mut z = Vec::with_capacity(positions.len() * groups * rank);
-    for o_row in o.chunks_exact(row) {
-        for (g, group) in o_row.chunks_exact(group_width).enumerate() {
+    let n = positions.len();
+    let z_groups: Vec<Tensor> = (0..groups)
+        .map(|g| {
+            let pieces: Vec<(&Tensor, usize)> =
+                (0..n).map(|t| (&o, t * row + g * group_width)).collect();
+            let inputs = backend.gather(&pieces, group_width);
             let weights = &w.wo_a[g * rank * group_width..(g + 1) * rank * group_width];
-            z.extend_from_slice(&backend.linear_f32(&group.into(), weights, rank, group_width));
-        }
-    }
-    w.wo_b.apply(backend, &z)
+            backend.linear_f32(&inputs, weights, rank, group_width)
+        })
+        .collect();
+    // z [n, groups · rank]: row t holds every group's rank values in group order.
+    let pieces: Vec<(&Tensor, usize)> = (0..n)
+        .flat_map(|t| z_groups.iter().map(move |zg| (zg, t * rank)))
+        .collect();
+    w.wo_b.apply(backend, &backend.gather(&pieces, rank))
 }
 
-/// Causal attention over the normed inputs `xn [n, dim]` of tokens at `positions`, with RoPE
-/// `table`; appends the chunk to `state` and returns `[n, dim]`.
+/// Causal attention over the normed inputs `xn [n, dim]` of a step's rows (sequence `e`'s rows at
+/// `rows.spans[e]`, its layer state `states[e]`), with RoPE `table`: projections, RoPE and the
+/// output projection run over all rows at once; window pushes, the compressors, the indexer's
+/// selection and the key lists are each sequence's own. Appends the rows to the states and returns
+/// `[n, dim]`.
+pub fn forward_rows(
+    ctx: &Ctx,
+    w: &AttentionWeights,
+    table: &RopeTable,
+    xn: &Tensor,
+    rows: &StepRows,
+    states: &mut [&mut LayerState],
+    unit: &[f32],
+) -> Tensor {
+    let cfg = ctx.cfg;
+    let head_dim = cfg.head_dim;
+    let positions = &rows.positions[..];
+    let Queries { qr, q } = queries(ctx, w, xn, positions, table, unit);
+    let kv = kv_rows(ctx, w, xn, positions, table);
+    for (span, state) in rows.spans.iter().zip(states.iter_mut()) {
+        for t in span.clone() {
+            state
+                .window
+                .push_at(positions[t], kv.rows(t..t + 1, head_dim));
+        }
+    }
+
+    if let Some(weights) = &w.compressor {
+        let caches = states.iter_mut().map(|s| s.main.as_mut()).collect();
+        compressor::append_rows(ctx, weights, caches, rows, xn, table);
+    }
+    let selections = w.indexer.as_ref().map(|indexer| {
+        let caches = states.iter_mut().map(|s| s.index.as_mut()).collect();
+        compressor::append_rows(ctx, &indexer.compressor, caches, rows, xn, table);
+        compressor::select_rows(ctx, indexer, states, &qr, xn, rows, table)
+    });
+
+    let mut keys: Vec<QueryKeys<'_>> = Vec::with_capacity(positions.len());
+    for (e, (span, state)) in rows.spans.iter().zip(states.iter()).enumerate() {
+        let (entries, ratio) = state
+            .main
+            .as_ref()
+            .map_or((&[][..], 1), |c| (c.entries.as_slice(), c.ratio));
+        for (row, t) in span.clone().enumerate() {
+            let position = positions[t];
+            let first = (position + 1).saturating_sub(cfg.window_size);
+            let mut listed: Vec<&Tensor> = (first..=position)
+                .filter_map(|p| state.window.get(p))
+                .collect();
+            let selected = match &selections {
+                Some(selections) => Some(SelectedKeys {
+                    compressed: entries,
+                    selection: &selections[e],
+                    row,
+                }),
+                None => {
+                    let visible = ((position + 1) / ratio).min(entries.len());
+                    listed.extend(&entries[..visible]);
+                    None
+                }
+            };
+            keys.push(QueryKeys { listed, selected });
+        }
+    }
+    let o = attend(ctx, w, &q, &keys);
+    output(ctx, w, o, positions, table)
+}
+
+/// [`forward_rows`] of one sequence's chunk at `positions`.
 pub fn forward(
     ctx: &Ctx,
     w: &AttentionWeights,
     table: &RopeTable,
-    xn: &[f32],
+    xn: &Tensor,
     positions: &[usize],
     state: &mut LayerState,
     unit: &[f32],
-) -> Vec<f32> {
-    let cfg = ctx.cfg;
-    let Queries { qr, q } = queries(ctx, w, xn, positions, table, unit);
-    let kv = kv_rows(ctx, w, xn, positions, table);
-    for (row, &position) in kv.chunks_exact(cfg.head_dim).zip(positions) {
-        state.window.push_at(position, row.to_vec());
-    }
-
-    if let (Some(weights), Some(cache)) = (&w.compressor, state.main.as_mut()) {
-        compressor::append_chunk(ctx, weights, cache, xn, positions, table);
-    }
-    let selections = match (&w.indexer, state.index.as_mut()) {
-        (Some(indexer), Some(cache)) => {
-            compressor::append_chunk(ctx, &indexer.compressor, cache, xn, positions, table);
-            Some(compressor::select_chunk(
-                ctx,
-                indexer,
-                &cache.entries,
-                &qr,
-                xn,
-                positions,
-                table,
-            ))
-        }
-        _ => None,
-    };
-
-    let (entries, ratio) = state
-        .main
-        .as_ref()
-        .map_or((&[][..], 1), |c| (c.entries.as_slice(), c.ratio));
-    let row = cfg.n_heads * cfg.head_dim;
-    let mut o = Vec::with_capacity(positions.len() * row);
-    for (t, &position) in positions.iter().enumerate() {
-        let first = (position + 1).saturating_sub(cfg.window_size);
-        let mut keys: Vec<&[f32]> = (first..=position)
-            .filter_map(|p| state.window.get(p).map(|row| &row[..]))
-            .collect();
-        match &selections {
-            Some(selected) => keys.extend(selected[t].iter().map(|&i| entries[i].as_slice())),
-            None => {
-                let visible = ((position + 1) / ratio).min(entries.len());
-                keys.extend(entries[..visible].iter().map(Vec::as_slice));
-            }
-        }
-        o.extend(attend(ctx, w, &q[t * row..(t + 1) * row], &keys));
-    }
-    output(ctx, w, o, positions, table)
+) -> Tensor {
+    let rows = StepRows::single(positions);
+    forward_rows(ctx, w, table, xn, &rows, &mut [state], unit)
 }

@@ -1,90 +1,104 @@
-//! One V4 decoder layer with two-site mHC (spec v4-architecture.md §2.4): each site computes its
-//! own pre/post/comb from the streams entering it (Sinkhorn in the backend's `hc_mixes`), collapses
-//! them for its sublayer and expands the output back; and the learned final hyper-head collapse.
+//! One V4 decoder layer with two-site mHC (spec v4-architecture.md §2.4) over a step's rows: each
+//! site computes its own pre/post/comb from the streams entering it (Sinkhorn in the backend's
+//! `hc_mixes_rows`), collapses them for its sublayer and expands the output back; and the learned
+//! final hyper-head collapse. Every op runs once over all rows (each row one token of some
+//! sequence) and no op mixes rows.
 
 use super::weights::{HyperHeadWeights, LayerWeights};
-use crate::backend::HcMix;
+use crate::backend::{HcParams, MoeLayer, Tensor};
 use crate::quant::{dot_f32_sgemm, exp_f32, sum_squares_f32};
 use crate::v41::Ctx;
 use crate::v41::moe;
 
-/// Runs one layer over a chunk: `streams` is `[n, hc, dim]`, `tokens` the chunk's ids (hash
+/// Runs one layer over the rows: `streams` is `[n, hc, dim]`, `tokens` the rows' ids (hash
 /// routing); `attention` maps the normed attention inputs `[n, dim]` to its outputs `[n, dim]`.
 pub fn forward(
     ctx: &Ctx,
     w: &LayerWeights,
-    streams: &mut [f32],
+    streams: &mut Tensor,
     tokens: &[u32],
-    attention: impl FnOnce(&[f32]) -> Vec<f32>,
+    attention: impl FnOnce(&Tensor) -> Tensor,
 ) {
     let cfg = ctx.cfg;
     let precision = cfg.precision();
-    let (hc, dim) = (cfg.hc.mult, cfg.dim);
-    let width = hc * dim;
+    let hc = cfg.hc.mult;
     let backend = ctx.backend;
-    let mixes = |streams: &[f32], params| -> Vec<HcMix> {
-        streams
-            .chunks_exact(width)
-            .map(|x| {
-                backend.hc_mixes(
-                    x,
-                    params,
-                    hc,
-                    cfg.hc.sinkhorn_iters,
-                    cfg.hc.eps,
-                    cfg.norm_eps,
-                )
-            })
-            .collect()
+    let mixes = |streams: &Tensor, params: &HcParams| {
+        backend.hc_mixes_rows(
+            streams,
+            params,
+            hc,
+            cfg.hc.sinkhorn_iters,
+            cfg.hc.eps,
+            cfg.norm_eps,
+        )
     };
 
     let attn_mix = mixes(streams, &w.hc_attn);
-    let xn: Vec<f32> = streams
-        .chunks_exact(width)
-        .zip(&attn_mix)
-        .flat_map(|(x, mix)| {
-            let x = backend.hc_collapse_at(x, &mix.pre, precision);
-            backend
-                .rms_norm_at(&x.into(), &w.attn_norm, cfg.norm_eps, precision)
-                .into_vec()
-        })
-        .collect();
-    let y = attention(&xn);
-    for (t, (x, mix)) in streams.chunks_exact_mut(width).zip(&attn_mix).enumerate() {
-        let expanded = backend.hc_expand_at(&y[t * dim..(t + 1) * dim], x, mix, precision);
-        x.copy_from_slice(&expanded);
-    }
+    let x = backend.hc_collapse_rows_at(streams, &attn_mix.pre(backend), hc, precision);
+    let y = attention(&backend.rms_norm_at(&x, &w.attn_norm, cfg.norm_eps, precision));
+    *streams = backend.hc_expand_rows_at(&y, streams, &attn_mix, precision);
 
     let ffn_mix = mixes(streams, &w.hc_ffn);
+    let x = backend.hc_collapse_rows_at(streams, &ffn_mix.pre(backend), hc, precision);
+    let xn = backend.rms_norm_at(&x, &w.ffn_norm, cfg.norm_eps, precision);
+    // Hash layers: every row's experts come from its token id (`tid2eid`).
     let k = w.moe.n_activated;
-    for ((x, mix), &token) in streams.chunks_exact_mut(width).zip(&ffn_mix).zip(tokens) {
-        let collapsed = backend.hc_collapse_at(x, &mix.pre, precision);
-        let xn = backend
-            .rms_norm_at(&collapsed.into(), &w.ffn_norm, cfg.norm_eps, precision)
-            .into_vec();
-        let hashed = w
-            .tid2eid
-            .as_ref()
-            .map(|table| &table[token as usize * k..(token as usize + 1) * k]);
-        let (f, _route) = moe::forward_token(ctx, &w.moe, &xn, hashed);
-        let expanded = backend.hc_expand_at(&f, x, mix, precision);
-        x.copy_from_slice(&expanded);
-    }
+    let hashed: Option<Vec<Vec<usize>>> = w.tid2eid.as_ref().map(|table| {
+        tokens
+            .iter()
+            .map(|&token| table[token as usize * k..(token as usize + 1) * k].to_vec())
+            .collect()
+    });
+    let layer = MoeLayer {
+        gate: &w.moe.gate,
+        bias: &w.moe.bias,
+        n_activated: w.moe.n_activated,
+        route_scale: cfg.route_scale,
+        experts: &w.moe.experts,
+        shared: &w.moe.shared,
+        swiglu_limit: cfg.swiglu_limit,
+        precision,
+    };
+    let f = match backend.moe_rows_exact(&xn, &layer, hashed.as_deref()) {
+        Some(f) => f,
+        None => moe::forward_rows(ctx, &w.moe, &xn, hashed.as_deref(), false).0,
+    };
+    *streams = backend.hc_expand_rows_at(&f, streams, &ffn_mix, precision);
 }
 
-/// The final collapse of one token's streams `x [hc, dim]`: `pre_k = σ(m_k · s + b_k) + ε` with
-/// `m = hc_fn · RMSNorm_u(x)`, then `Σ_k pre_k · x_k`.
-pub fn hyper_head(ctx: &Ctx, w: &HyperHeadWeights, x: &[f32]) -> Vec<f32> {
+/// The final collapse of every row's streams `x [n, hc, dim]` → `[n, dim]`: weights
+/// [`hyper_head_weights`] on the backend, then `Σ_k pre_k · x_k`.
+pub fn hyper_head(ctx: &Ctx, w: &HyperHeadWeights, x: &Tensor) -> Tensor {
     let cfg = ctx.cfg;
-    let inv = 1.0 / (sum_squares_f32(x) / x.len() as f32 + cfg.norm_eps).sqrt();
-    let pre: Vec<f32> = w
-        .proj
-        .chunks_exact(x.len())
-        .zip(&w.base)
+    let pre = ctx.backend.hyper_head_weights_rows(
+        x,
+        &w.proj,
+        &w.base,
+        w.scale.first().copied().unwrap_or(1.0),
+        cfg.hc.eps,
+        cfg.norm_eps,
+    );
+    ctx.backend
+        .hc_collapse_rows_at(x, &pre, cfg.hc.mult, cfg.precision())
+}
+
+/// The hyper-head's collapse weights of one token's streams `x [hc · dim]` (`proj [hc, hc · dim]`):
+/// `pre_k = σ(m_k · scale + base_k) + hc_eps` with `m = proj · RMSNorm_u(x)`.
+pub fn hyper_head_weights(
+    x: &[f32],
+    proj: &[f32],
+    base: &[f32],
+    scale: f32,
+    hc_eps: f32,
+    norm_eps: f32,
+) -> Vec<f32> {
+    let inv = 1.0 / (sum_squares_f32(x) / x.len() as f32 + norm_eps).sqrt();
+    proj.chunks_exact(x.len())
+        .zip(base)
         .map(|(row, base)| {
-            let logit = dot_f32_sgemm(x, row) * inv * w.scale[0] + base;
-            1.0 / (1.0 + exp_f32(-logit)) + cfg.hc.eps
+            let logit = dot_f32_sgemm(x, row) * inv * scale + base;
+            1.0 / (1.0 + exp_f32(-logit)) + hc_eps
         })
-        .collect();
-    ctx.backend.hc_collapse_at(x, &pre, cfg.precision())
+        .collect()
 }

@@ -3,138 +3,201 @@
 //! window w pooling the "A" half of window w−1 and the "B" half of window w), RMSNorm and RoPE at
 //! the entry's first position; and the Lightning Indexer's top-k selection of CSA entries.
 
-use super::state::CompressorCache;
+use super::state::{CompressorCache, LayerState};
 use super::weights::{CompressorWeights, IndexerWeights};
-use crate::backend::RopeTable;
+use crate::backend::{Candidates, RopeTable, Selection, Tensor};
 use crate::quant::exp_f32;
 use crate::v41::Ctx;
-use crate::v41::csa::top_k_lowest_index;
+use crate::v41::step::StepRows;
 
-/// Appends the chunk's raw `kv ‖ gate` rows to `cache` and emits every entry completed by them.
-pub fn append_chunk(
-    ctx: &Ctx,
-    w: &CompressorWeights,
-    cache: &mut CompressorCache,
-    xn: &[f32],
-    positions: &[usize],
-    table: &RopeTable,
-) {
-    let kv = w.wkv.apply(ctx.backend, xn);
-    let gate = w.wgate.apply(ctx.backend, xn);
-    let row = w.series() * w.width;
-    let precision = ctx.cfg.precision();
-    for (t, &position) in positions.iter().enumerate() {
-        let mut raw = kv[t * row..(t + 1) * row].to_vec();
-        raw.extend_from_slice(&gate[t * row..(t + 1) * row]);
-        cache.pending.push_at(position, raw);
-        if !(position + 1).is_multiple_of(w.ratio) {
-            continue;
-        }
-        let entry = position / w.ratio;
-        let pooled = pool(w, cache, entry);
-        let normed = ctx
-            .backend
-            .rms_norm_at(&pooled.into(), &w.norm, ctx.cfg.norm_eps, precision);
-        let normed = ctx.backend.rope_at(
-            normed,
-            w.width,
-            1,
-            &[entry * w.ratio],
-            table,
-            false,
-            precision,
-        );
-        cache.entries.push(normed.into_vec());
-    }
+/// One slot of a compressed entry ([`crate::backend::Backend::compressor_pool_rows`]): a token's
+/// raw `kv ‖ gate` row, the column offset of the slot's series inside each half, and the slot's
+/// position-bias row (as wide as one half).
+#[derive(Debug, Clone, Copy)]
+pub struct PoolSlot<'a> {
+    pub raw: &'a Tensor,
+    pub offset: usize,
+    pub bias: &'a [f32],
 }
 
-/// The pooled (pre-norm) entry `entry`: per channel, a softmax over its slots of `gate + ape`
-/// weighting the slots' `kv`.
-fn pool(w: &CompressorWeights, cache: &CompressorCache, entry: usize) -> Vec<f32> {
-    let (ratio, width) = (w.ratio, w.width);
-    let row = w.series() * width;
-    // (raw row, column offset of this slot's series) of every slot, with its bias row.
-    let mut slots: Vec<(&[f32], usize, &[f32])> = Vec::with_capacity(2 * ratio);
-    let own_series = if w.overlapping { width } else { 0 };
-    if w.overlapping && entry > 0 {
-        for j in 0..ratio {
-            if let Some(raw) = cache.pending.get((entry - 1) * ratio + j) {
-                slots.push((&raw[..], 0, &w.ape[j * row..(j + 1) * row]));
+/// Appends the step's raw `kv ‖ gate` rows (`xn [n, dim]`, the rows of sequence `e` at
+/// `rows.spans[e]`) to each sequence's cache (`None`: the sequence has none) and emits every entry
+/// completed by them, all sequences' entries in one pass of each op.
+pub fn append_rows(
+    ctx: &Ctx,
+    w: &CompressorWeights,
+    mut caches: Vec<Option<&mut CompressorCache>>,
+    rows: &StepRows,
+    xn: &Tensor,
+    table: &RopeTable,
+) {
+    let backend = ctx.backend;
+    let precision = ctx.cfg.precision();
+    let kv = w.wkv.apply(backend, xn);
+    let gate = w.wgate.apply(backend, xn);
+    let half = w.series() * w.width;
+    let pieces: Vec<(&Tensor, usize)> = (0..rows.positions.len())
+        .flat_map(|t| [(&kv, t * half), (&gate, t * half)])
+        .collect();
+    let raw = backend.gather(&pieces, half);
+    // (cache, entry) of every entry the step completes, in sequence then position order.
+    let mut completed: Vec<(usize, usize)> = Vec::new();
+    for (c, (span, cache)) in rows.spans.iter().zip(caches.iter_mut()).enumerate() {
+        let Some(cache) = cache else { continue };
+        for t in span.clone() {
+            let position = rows.positions[t];
+            cache
+                .pending
+                .push_at(position, raw.rows(t..t + 1, 2 * half));
+            if (position + 1).is_multiple_of(w.ratio) {
+                completed.push((c, position / w.ratio));
             }
         }
     }
-    for j in 0..ratio {
-        if let Some(raw) = cache.pending.get(entry * ratio + j) {
-            slots.push((&raw[..], own_series, &w.ape[j * row..(j + 1) * row]));
+    if completed.is_empty() {
+        return;
+    }
+    let slots: Vec<Vec<PoolSlot<'_>>> = completed
+        .iter()
+        .map(|&(c, entry)| {
+            caches[c]
+                .as_deref()
+                .map_or_else(Vec::new, |cache| entry_slots(w, cache, entry))
+        })
+        .collect();
+    let pooled = backend.compressor_pool_rows(&slots, w.width);
+    drop(slots);
+    let normed = backend.rms_norm_at(&pooled, &w.norm, ctx.cfg.norm_eps, precision);
+    let starts: Vec<usize> = completed
+        .iter()
+        .map(|&(_, entry)| entry * w.ratio)
+        .collect();
+    let rotated = backend.rope_at(normed, w.width, 1, &starts, table, false, precision);
+    for (&(c, _), entry) in completed.iter().zip(rotated.split_rows(w.width)) {
+        if let Some(cache) = caches[c].as_deref_mut() {
+            cache.entries.push(entry);
         }
     }
+}
+
+/// The slots of entry `entry`: the "A" half of the previous window (overlapping compressors),
+/// then the entry's own window, each with its position bias.
+fn entry_slots<'a>(
+    w: &'a CompressorWeights,
+    cache: &'a CompressorCache,
+    entry: usize,
+) -> Vec<PoolSlot<'a>> {
+    let (ratio, half) = (w.ratio, w.series() * w.width);
+    let bias = |j: usize| &w.ape[j * half..(j + 1) * half];
+    let mut slots = Vec::with_capacity(2 * ratio);
+    if w.overlapping && entry > 0 {
+        for j in 0..ratio {
+            if let Some(raw) = cache.pending.get((entry - 1) * ratio + j) {
+                slots.push(PoolSlot {
+                    raw,
+                    offset: 0,
+                    bias: bias(j),
+                });
+            }
+        }
+    }
+    let own_series = if w.overlapping { w.width } else { 0 };
+    for j in 0..ratio {
+        if let Some(raw) = cache.pending.get(entry * ratio + j) {
+            slots.push(PoolSlot {
+                raw,
+                offset: own_series,
+                bias: bias(j),
+            });
+        }
+    }
+    slots
+}
+
+/// One pooled (pre-norm) entry `[width]` of its `slots`: per channel, a softmax over the slots of
+/// `gate + bias` weighting the slots' `kv`.
+pub fn pool_entry(slots: &[PoolSlot<'_>], width: usize) -> Vec<f32> {
     let mut logits = vec![0.0f32; slots.len()];
     (0..width)
         .map(|c| {
-            for (logit, (raw, offset, ape)) in logits.iter_mut().zip(&slots) {
-                *logit = raw[row + offset + c] + ape[offset + c];
+            for (logit, slot) in logits.iter_mut().zip(slots) {
+                let half = slot.raw.len() / 2;
+                *logit = slot.raw[half + slot.offset + c] + slot.bias[slot.offset + c];
             }
             let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
             let mut sum = 0.0f32;
             let mut value = 0.0f32;
-            for (logit, (raw, offset, _)) in logits.iter().zip(&slots) {
+            for (logit, slot) in logits.iter().zip(slots) {
                 let e = exp_f32(logit - max);
                 sum += e;
-                value += e * raw[offset + c];
+                value += e * slot.raw[slot.offset + c];
             }
             value / sum
         })
         .collect()
 }
 
-/// The indexer's selection for every query of a chunk: among the visible CSA entries
+/// The indexer's selection for every query of the step (`qr`, `xn` its rows; sequence `e`'s rows
+/// at `rows.spans[e]` score `states[e]`'s indexer keys): among the visible CSA entries
 /// (`w < ⌊(t+1)/ratio⌋`), the `index_topk` with the highest `Σ_h ω_h · ReLU(q_h · k_w)`, ties to the
-/// lower entry; ascending.
-pub fn select_chunk(
+/// lower entry; ascending. One selection per sequence, where the backend computed it.
+pub fn select_rows(
     ctx: &Ctx,
     w: &IndexerWeights,
-    keys: &[Vec<f32>],
-    qr: &[f32],
-    xn: &[f32],
-    positions: &[usize],
+    states: &[&mut LayerState],
+    qr: &Tensor,
+    xn: &Tensor,
+    rows: &StepRows,
     table: &RopeTable,
-) -> Vec<Vec<usize>> {
+) -> Vec<Selection> {
     let cfg = ctx.cfg;
+    let backend = ctx.backend;
     let precision = cfg.precision();
     let (heads, head_dim) = (cfg.index_n_heads, cfg.index_head_dim);
-    let q = ctx.backend.rope_at(
-        w.wq_b.apply(ctx.backend, qr).into(),
+    let q = backend.rope_at(
+        w.wq_b.apply(backend, qr),
         head_dim,
         heads,
-        positions,
+        &rows.positions,
         table,
         false,
         precision,
     );
     let scale = (heads as f32).powf(-0.5) * (head_dim as f32).powf(-0.5);
-    let head_weights: Vec<f32> = w
-        .weights_proj
-        .apply(ctx.backend, xn)
-        .iter()
-        .map(|v| v * scale)
-        .collect();
-    let flat_keys: Vec<f32> = keys.iter().flatten().copied().collect();
+    let head_weights = backend.scale_at(w.weights_proj.apply(backend, xn), scale, precision);
     let row = heads * head_dim;
-    positions
+    rows.spans
         .iter()
-        .enumerate()
-        .map(|(t, &position)| {
-            let visible = ((position + 1) / w.compressor.ratio).min(keys.len());
-            let scores = ctx.backend.index_scores_at(
-                &q[t * row..(t + 1) * row],
-                &head_weights[t * heads..(t + 1) * heads],
-                &flat_keys[..visible * head_dim],
-                head_dim,
-                precision,
-            );
-            top_k_lowest_index(&scores, cfg.index_topk.min(visible))
+        .zip(states)
+        .map(|(span, state)| {
+            let keys: Vec<&Tensor> = state
+                .index
+                .as_ref()
+                .map_or_else(Vec::new, |cache| cache.entries.iter().collect());
+            let visible: Vec<usize> = rows.positions[span.clone()]
+                .iter()
+                .map(|&p| ((p + 1) / w.compressor.ratio).min(keys.len()))
+                .collect();
+            backend
+                .select_rows(
+                    &q.rows(span.clone(), row),
+                    &head_weights.rows(span.clone(), heads),
+                    &keys,
+                    head_dim,
+                    &visible,
+                    cfg.index_topk,
+                    Candidates::None,
+                    precision,
+                )
+                .0
         })
         .collect()
+}
+
+/// The pooled entry `entry` of `cache` (the unit tests' view of [`pool_entry`]).
+#[cfg(test)]
+fn pool(w: &CompressorWeights, cache: &CompressorCache, entry: usize) -> Vec<f32> {
+    pool_entry(&entry_slots(w, cache, entry), w.width)
 }
 
 #[cfg(test)]
@@ -179,7 +242,7 @@ mod tests {
             [4.0, 1.0, 0.0, 1.0],
         ];
         for (p, row) in rows.iter().enumerate() {
-            cache.pending.push_at(p, row.to_vec());
+            cache.pending.push_at(p, Tensor::from(&row[..]));
         }
         // Entry 0 has no previous window: its B slots only.
         let first = pool(&w, &cache, 0);
@@ -210,7 +273,7 @@ mod tests {
             .iter()
             .enumerate()
         {
-            cache.pending.push_at(p, row.to_vec());
+            cache.pending.push_at(p, Tensor::from(&row[..]));
         }
         let entry = pool(&w, &cache, 1);
         let expected = softmax_pool(&[(0.5, 1.0), (0.5, 5.0)]);

@@ -2,18 +2,18 @@
 //! injection (the target-layer taps → `main_proj` → `main_norm` → each stage's K=V ring) at every
 //! forward, and the greedy block proposal through V4 decoder blocks (sliding, main RoPE,
 //! non-causal inside the block) collapsed by the last stage's learned hyper-head. The Markov and
-//! confidence heads and the proposal loop are V4.1's ([`decode_block`]). Transformers drops
+//! confidence heads and the proposal loop are V4.1's ([`decode_blocks`]). Transformers drops
 //! `mtp.*`, so there is no reference fixture for it.
 
 use super::attention::{self, Queries};
 use super::block;
 use super::weights::{AttentionWeights, HyperHeadWeights, LayerWeights, Linear, Loader};
-use crate::backend::{RopeTable, Tensor};
+use crate::backend::{QueryKeys, RopeTable, Tensor};
 use crate::config::{DsparkConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
 use crate::v41::Ctx;
 use crate::v41::DraftProposal;
-use crate::v41::dspark::{MarkovHeads, decode_block};
+use crate::v41::dspark::{MarkovHeads, decode_blocks};
 use crate::v41::state::PositionRing;
 
 /// The drafter's tensors.
@@ -81,21 +81,21 @@ impl DsparkWeights {
 pub(crate) fn feed_context(
     ctx: &Ctx,
     w: &DsparkWeights,
-    main_hidden: &[f32],
+    main_hidden: &Tensor,
     positions: &[usize],
     rings: &mut [PositionRing],
 ) {
     let cfg = ctx.cfg;
     let main_x = ctx.backend.rms_norm_at(
-        &w.main_proj.apply(ctx.backend, main_hidden).into(),
+        &w.main_proj.apply(ctx.backend, main_hidden),
         &w.main_norm,
         cfg.norm_eps,
         cfg.precision(),
     );
     for (stage, ring) in w.stages.iter().zip(rings.iter_mut()) {
         let rows = attention::kv_rows(ctx, &stage.attn, &main_x, positions, &ctx.rope.main);
-        for (row, &position) in rows.chunks_exact(cfg.head_dim).zip(positions) {
-            ring.push_at(position, row.to_vec());
+        for (row, &position) in rows.split_rows(cfg.head_dim).into_iter().zip(positions) {
+            ring.push_at(position, row);
         }
     }
 }
@@ -105,25 +105,24 @@ pub(crate) fn feed_context(
 fn stage_attention(
     ctx: &Ctx,
     w: &AttentionWeights,
-    xn: &[f32],
+    xn: &Tensor,
     positions: &[usize],
     ring: &PositionRing,
     last: usize,
     unit: &[f32],
-) -> Vec<f32> {
+) -> Tensor {
     let cfg = ctx.cfg;
     let table: &RopeTable = &ctx.rope.main;
     let Queries { q, .. } = attention::queries(ctx, w, xn, positions, table, unit);
-    let block_kv = attention::kv_rows(ctx, w, xn, positions, table);
+    let block_kv = attention::kv_rows(ctx, w, xn, positions, table).split_rows(cfg.head_dim);
     let first = (last + 1).saturating_sub(cfg.window_size);
-    let mut keys: Vec<&[f32]> = (first..=last)
-        .filter_map(|p| ring.get(p).map(|row| &row[..]))
+    let mut keys: Vec<&Tensor> = (first..=last).filter_map(|p| ring.get(p)).collect();
+    keys.extend(&block_kv);
+    let queries: Vec<QueryKeys<'_>> = positions
+        .iter()
+        .map(|_| QueryKeys::listed(keys.clone()))
         .collect();
-    keys.extend(block_kv.chunks_exact(cfg.head_dim));
-    let o: Vec<f32> = q
-        .chunks_exact(cfg.n_heads * cfg.head_dim)
-        .flat_map(|q_row| attention::attend(ctx, w, q_row, &keys))
-        .collect();
+    let o = attention::attend(ctx, w, &q, &queries);
     attention::output(ctx, w, o, positions, table)
 }
 
@@ -165,6 +164,7 @@ pub(crate) fn propose(
             streams.extend_from_slice(row);
         }
     }
+    let mut streams = Tensor::from(streams);
     for (stage, ring) in w.stages.iter().zip(inputs.rings) {
         block::forward(ctx, stage, &mut streams, &ids, |xn| {
             stage_attention(ctx, &stage.attn, xn, &positions, ring, last, inputs.unit)
@@ -177,13 +177,17 @@ pub(crate) fn propose(
         confidence: &w.confidence,
         rank: dspark.markov_rank,
     };
-    let width = hc * dim;
-    decode_block(ctx, &heads, anchor, size, |k| {
-        let h = block::hyper_head(ctx, &w.hyper_head, &streams[k * width..(k + 1) * width]);
-        let normed =
-            ctx.backend
-                .rms_norm_at(&Tensor::from(&h), &w.norm, cfg.norm_eps, cfg.precision());
-        let base = inputs.head.apply(ctx.backend, &normed);
-        (h, base)
-    })
+    // Every slot's hidden and base logits at once, where the backend computed them.
+    let hidden = block::hyper_head(ctx, &w.hyper_head, &streams);
+    let normed = ctx
+        .backend
+        .rms_norm_at(&hidden, &w.norm, cfg.norm_eps, cfg.precision());
+    let base = inputs.head.apply(ctx.backend, &normed);
+    decode_blocks(ctx, &heads, &[anchor], size, &hidden, &base)
+        .pop()
+        .unwrap_or_else(|| DraftProposal {
+            tokens: vec![anchor],
+            logits: Tensor::empty(),
+            confidence: Vec::new(),
+        })
 }

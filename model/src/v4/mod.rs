@@ -1,10 +1,11 @@
 //! The DeepSeek-V4 text model (V4-Flash, V4-Flash-0731 backbone) on a [`Backend`], in the float32
 //! numerics of its transformers reference (spec v4-architecture.md §2): the public [`Model`] /
-//! [`SequenceState`] API, the forward pass over a chunk at the sequence's next positions, and
-//! rollback. Shared with V4.1: the backend ops (RMSNorm, RoPE, mHC/Sinkhorn, attention with sink),
-//! the RoPE/YaRN tables, the MoE and the checkpoint loader. The speculative heads (which
-//! transformers does not load): the V4-Flash MTP block ([`Model::mtp_logits`]) and the
-//! V4-Flash-0731 DSpark drafter ([`Model::draft`]); their state lives in the [`SequenceState`].
+//! [`SequenceState`] API, the forward pass over a chunk at the sequence's next positions (one
+//! sequence, or several in one step: [`Model::forward_step`]), and rollback. Shared with V4.1:
+//! the backend ops (RMSNorm, RoPE, mHC/Sinkhorn, attention with sink), the RoPE/YaRN tables, the
+//! MoE and the checkpoint loader. The speculative heads (which transformers does not load): the
+//! V4-Flash MTP block ([`Model::mtp_logits`]) and the V4-Flash-0731 DSpark drafter
+//! ([`Model::draft`]); their state lives in the [`SequenceState`].
 
 mod attention;
 mod block;
@@ -12,14 +13,18 @@ mod compressor;
 mod dspark;
 mod mtp;
 mod state;
+mod step;
 mod weights;
 
 use std::path::Path;
 
+pub use block::hyper_head_weights;
+pub use compressor::{PoolSlot, pool_entry};
 pub use state::SequenceState;
+pub use step::StepEntry;
 pub(crate) use weights::Linear;
 
-pub use crate::v41::DraftProposal;
+pub use crate::v41::{DraftProposal, EntryOutput};
 
 use crate::backend::{Backend, CpuBackend, Tensor};
 use crate::checkpoint::Checkpoint;
@@ -127,94 +132,60 @@ impl Model {
     }
 
     /// Appends `tokens` at the sequence's next positions and returns fp32 logits rows
-    /// (`[n, vocab]` for [`LogitsWanted::All`], `[vocab]` for [`LogitsWanted::Last`]).
+    /// (`[n, vocab]` for [`LogitsWanted::All`], `[vocab]` for [`LogitsWanted::Last`]): the
+    /// one-entry [`Model::forward_step`].
     pub fn forward(
         &self,
         seq: &mut SequenceState,
         tokens: &[u32],
         want: LogitsWanted,
     ) -> Result<Vec<f32>, ModelError> {
-        self.check_chunk(seq, tokens)?;
-        let cfg = &self.cfg;
-        let ctx = self.ctx();
-        let (hc, dim) = (cfg.hc.mult, cfg.dim);
-        let n = tokens.len();
-        let positions: Vec<usize> = (seq.len..seq.len + n).collect();
-        let mut streams = Vec::with_capacity(n * hc * dim);
-        for &token in tokens {
-            let row = &self.embed[token as usize * dim..(token as usize + 1) * dim];
-            for _ in 0..hc {
-                streams.extend_from_slice(row);
-            }
-        }
-        let targets = cfg
-            .dspark
-            .as_ref()
-            .filter(|_| self.dspark.is_some())
-            .map_or(&[][..], |d| &d.target_layers[..]);
-        // The streams entering each target layer, in the config's target order.
-        let mut taps: Vec<Vec<f32>> = vec![Vec::new(); targets.len()];
-        for (l, layer) in self.layers.iter().enumerate() {
-            for (tap, _) in taps.iter_mut().zip(targets).filter(|(_, t)| **t == l) {
-                *tap = stream_means(&streams, hc, dim);
-            }
-            let state = &mut seq.layers[l];
-            let table = ctx.rope.for_layer(cfg, l);
-            block::forward(&ctx, layer, &mut streams, tokens, |xn| {
-                attention::forward(&ctx, &layer.attn, table, xn, &positions, state, &self.unit)
-            });
-        }
-        self.advance_speculative(&ctx, seq, tokens, &streams, &taps, &positions);
-        let rows = match want {
-            LogitsWanted::All => 0..n,
-            LogitsWanted::Last => n - 1..n,
-        };
-        let width = hc * dim;
-        let precision = cfg.precision();
-        let mut logits = Vec::with_capacity(rows.len() * cfg.vocab_size);
-        for t in rows {
-            let h = block::hyper_head(&ctx, &self.hyper_head, &streams[t * width..(t + 1) * width]);
-            let h = ctx
-                .backend
-                .rms_norm_at(&Tensor::from(&h), &self.norm, cfg.norm_eps, precision);
-            logits.extend(self.head.apply(ctx.backend, &h));
-        }
-        seq.len += n;
-        seq.trim(cfg.window_size);
-        Ok(logits)
+        let mut entries = [StepEntry {
+            seq,
+            tokens,
+            want,
+            sample: None,
+        }];
+        self.forward_step(&mut entries)?
+            .pop()
+            .and_then(EntryOutput::into_logits)
+            .ok_or_else(|| ModelError::Sequence {
+                message: "a one-entry step returned no logits".to_string(),
+            })
     }
 
-    /// Feeds the speculative heads the chunk just run: the MTP block processes the entries whose
-    /// next token is now known (positions `len − 1 … len + n − 2`) and keeps the newest streams;
-    /// the DSpark stages get the context rows of the chunk's positions from the target-layer
-    /// `taps` (in `targets` order, each `[n, dim]`).
+    /// Feeds the speculative heads the chunk just run (one sequence's rows of a step): the MTP
+    /// block processes the entries whose next token is now known (positions `len − 1 … len + n −
+    /// 2`) and keeps the newest streams; the DSpark stages get the context rows of the chunk's
+    /// positions from the target-layer `taps` (in `targets` order, each `[n, dim]`). Everything
+    /// stays where the backend computed it.
     fn advance_speculative(
         &self,
         ctx: &Ctx,
         seq: &mut SequenceState,
         tokens: &[u32],
-        streams: &[f32],
-        taps: &[Vec<f32>],
+        streams: &Tensor,
+        taps: &[Tensor],
         positions: &[usize],
     ) {
         let width = self.cfg.hc.mult * self.cfg.dim;
         if let (Some(weights), Some(state)) = (&self.mtp, seq.mtp.as_mut()) {
             let start = seq.len;
             // The entry of the previous chunk's last position (checked held by `check_chunk`).
-            let carried = start
+            let carried: Option<Tensor> = start
                 .checked_sub(1)
                 .and_then(|p| state.hidden.get(p))
-                .map(|row| row.to_vec());
+                .cloned();
             let first = if carried.is_some() { start - 1 } else { start };
-            let mut hidden = carried.unwrap_or_default();
-            hidden.extend_from_slice(&streams[..(tokens.len() - 1) * width]);
-            let entries = hidden.len() / width;
+            let mut pieces: Vec<(&Tensor, usize)> = carried.iter().map(|row| (row, 0)).collect();
+            pieces.extend((0..tokens.len() - 1).map(|t| (streams, t * width)));
+            let entries = pieces.len();
             if entries > 0 {
-                let next = &tokens[tokens.len() - entries..];
+                let hidden = ctx.backend.gather(&pieces, width);
                 let entry_positions: Vec<usize> = (first..first + entries).collect();
                 let entries = mtp::Entries {
                     hidden: &hidden,
-                    next,
+                    next: &tokens[tokens.len() - entries..],
                     positions: &entry_positions,
                 };
                 mtp::run(
@@ -226,19 +197,19 @@ impl Model {
                     &self.unit,
                 );
             }
-            for (row, &position) in streams.chunks_exact(width).zip(positions) {
-                state.hidden.push_at(position, row.to_vec());
+            for (t, &position) in positions.iter().enumerate() {
+                state
+                    .hidden
+                    .push_at(position, streams.rows(t..t + 1, width));
             }
         }
         if let Some(weights) = &self.dspark {
             let dim = self.cfg.dim;
-            let main_hidden: Vec<f32> = (0..tokens.len())
-                .flat_map(|t| {
-                    taps.iter()
-                        .flat_map(move |tap| &tap[t * dim..(t + 1) * dim])
-                })
-                .copied()
+            // Per row, its taps side by side: `[n, targets · dim]`.
+            let pieces: Vec<(&Tensor, usize)> = (0..tokens.len())
+                .flat_map(|t| taps.iter().map(move |tap| (tap, t * dim)))
                 .collect();
+            let main_hidden = ctx.backend.gather(&pieces, dim);
             dspark::feed_context(ctx, weights, &main_hidden, positions, &mut seq.dspark);
         }
     }
@@ -399,16 +370,6 @@ impl Model {
         }
         Ok(())
     }
-}
-
-/// The fp32 mean over the hc streams of every token of `[n, hc, dim]` streams (a DSpark tap).
-fn stream_means(streams: &[f32], hc: usize, dim: usize) -> Vec<f32> {
-    streams
-        .chunks_exact(hc * dim)
-        .flat_map(|token| {
-            (0..dim).map(move |d| (0..hc).fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
-        })
-        .collect()
 }
 
 /// Rejects configs whose structure this forward pass does not implement.

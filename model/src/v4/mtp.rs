@@ -53,7 +53,7 @@ impl MtpWeights {
 /// MTP entries: entry `t` pairs the backbone streams `hidden[t] [hc, dim]` of position
 /// `positions[t]` with the token that follows it, `next[t]`.
 pub(crate) struct Entries<'a> {
-    pub hidden: &'a [f32],
+    pub hidden: &'a Tensor,
     pub next: &'a [u32],
     pub positions: &'a [usize],
 }
@@ -68,7 +68,7 @@ pub(crate) fn run(
     entries: &Entries,
     state: &mut LayerState,
     unit: &[f32],
-) -> Vec<f32> {
+) -> Tensor {
     let Entries {
         hidden,
         next,
@@ -91,16 +91,13 @@ pub(crate) fn run(
     );
     let h = w.h_proj.apply(
         backend,
-        &backend.rms_norm_at(&hidden.into(), &w.hnorm, cfg.norm_eps, precision),
+        &backend.rms_norm_at(hidden, &w.hnorm, cfg.norm_eps, precision),
     );
-    let mut streams: Vec<f32> = h
-        .chunks_exact(dim)
-        .enumerate()
-        .flat_map(|(row, stream)| {
-            let e_row = &e[(row / hc) * dim..(row / hc + 1) * dim];
-            stream.iter().zip(e_row).map(|(h, e)| e + h)
-        })
+    // Every stream of entry t gets entry t's projected embedding added.
+    let pieces: Vec<(&Tensor, usize)> = (0..h.len() / dim.max(1))
+        .map(|row| (&e, (row / hc) * dim))
         .collect();
+    let mut streams = backend.add(h, &backend.gather(&pieces, dim));
     let table = &ctx.rope.main;
     block::forward(ctx, &w.block, &mut streams, next, |xn| {
         attention::forward(ctx, &w.block.attn, table, xn, positions, state, unit)
@@ -110,11 +107,11 @@ pub(crate) fn run(
 
 /// The logits `[vocab]` of one entry's output streams `x [hc, dim]`:
 /// `head · RMSNorm(HyperHead_mtp(x); mtp.norm)`.
-pub(crate) fn logits(ctx: &Ctx, w: &MtpWeights, head: &Linear, x: &[f32]) -> Vec<f32> {
+pub(crate) fn logits(ctx: &Ctx, w: &MtpWeights, head: &Linear, x: &Tensor) -> Vec<f32> {
     let cfg = ctx.cfg;
     let h = block::hyper_head(ctx, &w.hyper_head, x);
     let h = ctx
         .backend
-        .rms_norm_at(&Tensor::from(&h), &w.norm, cfg.norm_eps, cfg.precision());
-    head.apply(ctx.backend, &h)
+        .rms_norm_at(&h, &w.norm, cfg.norm_eps, cfg.precision());
+    head.apply(ctx.backend, &h).into_vec()
 }

@@ -7,6 +7,7 @@
 //! `i` pairs the last-layer streams of `i` with token `i+1`) and the last-layer streams of the
 //! newest positions; a DSpark drafter one context ring per stage.
 
+use crate::backend::{Backend, Tensor};
 use crate::error::ModelError;
 use crate::v41::state::{MAX_BACKTRACK, PositionRing};
 
@@ -20,7 +21,7 @@ pub struct CompressorCache {
     /// Per-token `kv ‖ gate` projections (before the position bias) of the recent positions.
     pub(crate) pending: PositionRing,
     /// Complete entries (normalised, rotated), one per `ratio` tokens.
-    pub(crate) entries: Vec<Vec<f32>>,
+    pub(crate) entries: Vec<Tensor>,
 }
 
 impl CompressorCache {
@@ -103,7 +104,7 @@ impl SequenceState {
     }
 
     /// The compressed entries of CSA/HCA `layer`.
-    pub fn compressed_entries(&self, layer: usize) -> Option<&[Vec<f32>]> {
+    pub fn compressed_entries(&self, layer: usize) -> Option<&[Tensor]> {
         self.layers
             .get(layer)?
             .main
@@ -112,7 +113,7 @@ impl SequenceState {
     }
 
     /// The indexer keys of CSA `layer`.
-    pub fn index_keys(&self, layer: usize) -> Option<&[Vec<f32>]> {
+    pub fn index_keys(&self, layer: usize) -> Option<&[Tensor]> {
         self.layers
             .get(layer)?
             .index
@@ -135,6 +136,17 @@ impl SequenceState {
         }
         for ring in &mut self.dspark {
             ring.trim(window + MAX_BACKTRACK);
+        }
+    }
+
+    /// Copies every ring's rows into buffers of their own when they are views into device memory,
+    /// so that the few rows a long chunk leaves do not keep that chunk's whole buffers alive.
+    pub(crate) fn compact(&mut self, backend: &dyn Backend) {
+        for layer in &mut self.layers {
+            layer.window.compact(backend);
+            for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
+                cache.pending.compact(backend);
+            }
         }
     }
 
@@ -211,7 +223,7 @@ mod tests {
             layer.window.push_at(p, vec![p as f32]);
             cache.pending.push_at(p, vec![p as f32]);
             if (p + 1) % 4 == 0 {
-                cache.entries.push(vec![p as f32]);
+                cache.entries.push(Tensor::from(vec![p as f32]));
             }
         }
         layer.main = Some(cache);

@@ -5,7 +5,7 @@
 //! leaves the activations unquantised (the transformers float32 numerics of V4). Only `wo_a`, used
 //! group by group, is dequantised at load.
 
-use crate::backend::{Backend, HcParams};
+use crate::backend::{Backend, HcParams, Tensor};
 use crate::checkpoint::{Checkpoint, StoredLinear};
 use crate::config::{ModelConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
@@ -28,14 +28,13 @@ pub enum Linear {
 }
 
 impl Linear {
-    /// `x [rows, inp] · Wᵀ` → `[rows, out]`, fp32, weights dequantised exactly.
-    pub fn apply(&self, backend: &dyn Backend, x: &[f32]) -> Vec<f32> {
+    /// `x [rows, inp] · Wᵀ` → `[rows, out]`, fp32, weights dequantised exactly. A dense weight
+    /// multiplies where `x` is; an FP8/FP4 one reads `x` on the host.
+    pub fn apply(&self, backend: &dyn Backend, x: &Tensor) -> Tensor {
         match self {
-            Linear::Dense { out, inp, values } => {
-                backend.linear_f32(&x.into(), values, *out, *inp).into_vec()
-            }
-            Linear::Fp8(w) => backend.linear_fp8_f32(x, w),
-            Linear::Fp4(w) => backend.linear_fp4_f32(x, w),
+            Linear::Dense { out, inp, values } => backend.linear_f32(x, values, *out, *inp),
+            Linear::Fp8(w) => backend.linear_fp8_f32(x, w).into(),
+            Linear::Fp4(w) => backend.linear_fp4_f32(x, w).into(),
         }
     }
 }
@@ -420,9 +419,10 @@ mod tests {
             (Linear::Fp8(fp8.clone()), fp8.to_f32()),
             (Linear::Fp4(fp4.clone()), fp4.to_f32()),
         ] {
-            let y = quantised.apply(&backend, &x);
+            let x = Tensor::from(&x);
+            let y = quantised.apply(&backend, &x).into_vec();
             assert_eq!(y.len(), rows * out);
-            assert_eq!(y, dense(values).apply(&backend, &x));
+            assert_eq!(y, dense(values).apply(&backend, &x).into_vec());
             assert!(y.iter().any(|&v| v != 0.0));
         }
     }

@@ -168,29 +168,8 @@ pub(crate) struct MarkovHeads<'a> {
     pub rank: usize,
 }
 
-/// Greedy sequential decoding of one draft block of `size` slots: `slot(k)` gives slot k's
-/// pre-norm hidden `h_k [dim]` and its base logits `U_k [vocab]`; then [`decode_slot`] per slot.
-pub(crate) fn decode_block(
-    ctx: &Ctx,
-    heads: &MarkovHeads,
-    anchor: u32,
-    size: usize,
-    mut slot: impl FnMut(usize) -> (Vec<f32>, Vec<f32>),
-) -> DraftProposal {
-    let mut drafting = Drafting::new(&[anchor], size);
-    for k in 0..size {
-        let (hidden, base) = slot(k);
-        decode_slot(ctx, heads, &mut drafting, &hidden.into(), base.into());
-    }
-    let mut proposals = drafting.finish(ctx);
-    proposals.pop().unwrap_or_else(|| DraftProposal {
-        tokens: vec![anchor],
-        logits: Tensor::empty(),
-        confidence: Vec::new(),
-    })
-}
-
-/// [`decode_block`] for one block per anchor at once: block `b`'s slot `k` is row `b·size + k` of
+/// Greedy sequential decoding of one draft block per anchor ([`decode_slot`] per slot): block
+/// `b`'s slot `k` is row `b·size + k` of
 /// `hidden` (`[rows, dim]`) and of `base` (`[rows, vocab]`), where the backend computed them.
 /// Slot `k` of every block runs as one Markov GEMM, one confidence GEMM and one argmax over all
 /// blocks; each block's chain of tokens is its own.

@@ -10,7 +10,7 @@ mod expert_hook;
 pub(crate) mod moe;
 pub(crate) mod rope;
 pub(crate) mod state;
-mod step;
+pub(crate) mod step;
 mod trace;
 pub mod vision;
 pub(crate) mod weights;
@@ -21,7 +21,7 @@ use std::sync::Arc;
 pub use csa::top_k_lowest_index;
 pub use dspark::DraftProposal;
 pub use state::{MAX_BACKTRACK, SequenceState};
-pub use step::{EntryOutput, StepEntry};
+pub use step::{EntryOutput, LogitsRow, StepEntry};
 pub use trace::{ForwardTrace, Injection};
 
 use crate::backend::{Backend, CpuBackend};

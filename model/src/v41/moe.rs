@@ -77,7 +77,7 @@ impl ExpertProjection for ExpertLinear {
         match self {
             ExpertLinear::Fp4(w) => backend.gemm_fp4(x, w),
             ExpertLinear::Fp8(w) => backend.gemm_fp8(x, w),
-            ExpertLinear::Exact(w) => w.apply(backend, x).into(),
+            ExpertLinear::Exact(w) => w.apply(backend, x),
         }
     }
 }
@@ -201,20 +201,4 @@ pub fn forward_rows(
     let precision = ctx.cfg.precision();
     let y: Vec<f32> = y.into_iter().map(|v| precision.round(v)).collect();
     (y.into(), routes)
-}
-
-/// [`forward_rows`] of one token (`forced` replaces its selection).
-pub fn forward_token(
-    ctx: &Ctx,
-    w: &MoeWeights,
-    x: &[f32],
-    forced: Option<&[usize]>,
-) -> (Vec<f32>, Route) {
-    let forced = forced.map(|f| vec![f.to_vec()]);
-    let (y, mut routes) = forward_rows(ctx, w, &x.into(), forced.as_deref(), true);
-    let route = routes.pop().unwrap_or(Route {
-        experts: Vec::new(),
-        weights: Vec::new(),
-    });
-    (y.into_vec(), route)
 }

@@ -14,7 +14,7 @@ use crate::backend::{Backend, Precision, RowSampling, Tensor};
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
-use crate::sampling::SamplingParams;
+use crate::sampling::{AllowedTokens, SamplingParams};
 
 /// Chunks longer than this many tokens leave their sequence's rings compacted
 /// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
@@ -32,7 +32,8 @@ pub struct StepEntry<'a> {
     /// Sample the wanted rows where the logits are computed and return token ids
     /// ([`EntryOutput::Tokens`]) instead of logits: the row of the token at position `p` gives the
     /// token at `p + 1`, sampled as [`crate::sampling::sample`] with that position as the noise
-    /// counter. `None`: the logits rows ([`EntryOutput::Logits`]).
+    /// counter. `None`: the logits rows ([`EntryOutput::Logits`], or
+    /// [`EntryOutput::DeviceLogits`] left on the backend by [`Model::forward_step_on_device`]).
     pub sample: Option<SamplingParams>,
 }
 
@@ -43,13 +44,18 @@ pub enum EntryOutput {
     Logits(Vec<f32>),
     /// One sampled token per wanted row.
     Tokens(Vec<u32>),
+    /// The wanted logits rows left where the backend computed them (device memory on a device
+    /// backend, never read on the host by the step): [`Model::forward_step_on_device`]'s
+    /// unsampled entries, to be sampled later with [`Model::sample_rows`].
+    DeviceLogits(Tensor),
 }
 
 impl EntryOutput {
-    /// The logits, or `None` for sampled tokens.
+    /// The logits (device logits read on the host), or `None` for sampled tokens.
     pub fn into_logits(self) -> Option<Vec<f32>> {
         match self {
             EntryOutput::Logits(logits) => Some(logits),
+            EntryOutput::DeviceLogits(logits) => Some(logits.into_vec()),
             EntryOutput::Tokens(_) => None,
         }
     }
@@ -58,9 +64,23 @@ impl EntryOutput {
     pub fn into_tokens(self) -> Option<Vec<u32>> {
         match self {
             EntryOutput::Tokens(tokens) => Some(tokens),
-            EntryOutput::Logits(_) => None,
+            EntryOutput::Logits(_) | EntryOutput::DeviceLogits(_) => None,
         }
     }
+}
+
+/// One logits row to sample after its step ([`Model::sample_rows`]), typically the last row of
+/// an [`EntryOutput::DeviceLogits`] once a grammar's mask for it is known.
+#[derive(Debug, Clone, Copy)]
+pub struct LogitsRow<'a> {
+    /// One `vocab`-wide row.
+    pub logits: &'a Tensor,
+    pub params: SamplingParams,
+    /// Absolute position of the token being sampled (the noise's counter): the position of the
+    /// row's own token plus one.
+    pub position: u64,
+    /// The tokens the row may take; `None`: every token.
+    pub allowed: Option<&'a AllowedTokens>,
 }
 
 /// The positions of a step's rows and which rows belong to which sequence.
@@ -72,7 +92,7 @@ pub(crate) struct StepRows {
 
 impl StepRows {
     /// The rows of one chunk per entry, given as (first position, token count).
-    fn new(chunks: impl Iterator<Item = (usize, usize)>) -> StepRows {
+    pub(crate) fn new(chunks: impl Iterator<Item = (usize, usize)>) -> StepRows {
         let mut rows = StepRows {
             positions: Vec::new(),
             spans: Vec::new(),
@@ -83,6 +103,14 @@ impl StepRows {
             rows.spans.push(first..first + len);
         }
         rows
+    }
+
+    /// One sequence's rows at `positions`.
+    pub(crate) fn single(positions: &[usize]) -> StepRows {
+        StepRows {
+            positions: positions.to_vec(),
+            spans: std::iter::once(0..positions.len()).collect(),
+        }
     }
 
     /// Drops the first `dropped[e]` rows of every entry; returns the kept flag of every old row.
@@ -114,7 +142,7 @@ fn retain_rows(backend: &dyn Backend, values: &mut Tensor, kept: &[bool], width:
 }
 
 /// The `width`-wide rows `rows` of `values`, one after another.
-fn gather_rows(
+pub(crate) fn gather_rows(
     backend: &dyn Backend,
     values: &Tensor,
     rows: impl Iterator<Item = usize>,
@@ -140,14 +168,75 @@ impl Model {
         self.run_step(entries, None, experts, None)
     }
 
+    /// [`Model::forward_step`] where every entry that does not `sample` returns its wanted rows as
+    /// [`EntryOutput::DeviceLogits`]: left on the backend, so that a grammar-constrained row can
+    /// be sampled by [`Model::sample_rows`] once its mask is known, with nothing but the ids ever
+    /// copied to the host. Sampling entries are sampled inside the step as in `forward_step`.
+    pub fn forward_step_on_device(
+        &self,
+        entries: &mut [StepEntry<'_>],
+        experts: Option<&dyn RoutedExperts>,
+    ) -> Result<Vec<EntryOutput>, ModelError> {
+        self.run_step_at(entries, None, experts, None, true)
+    }
+
+    /// One token per row, each row sampled with its parameters at its position after its mask
+    /// (if any) set its disallowed logits to −∞ ([`crate::sampling::sample_allowed`] is the
+    /// definition): one sampling op over all rows, reading them where they are; only the ids
+    /// reach the host. A row that is not one vocabulary wide, or whose mask allows nothing, fails
+    /// the call naming the row.
+    pub fn sample_rows(&self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ModelError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let vocab = self.cfg.vocab_size;
+        if let Some(r) = rows.iter().position(|r| r.logits.len() != vocab) {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "sample_rows: row {r} holds {} logits, not one row of {vocab}",
+                    rows[r].logits.len()
+                ),
+            });
+        }
+        let backend = self.ctx().backend;
+        let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
+        let logits = backend.gather(&pieces, vocab);
+        let sampling: Vec<RowSampling> = rows
+            .iter()
+            .map(|r| RowSampling {
+                params: r.params,
+                position: r.position,
+            })
+            .collect();
+        let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
+        backend
+            .sample_masked(&logits, vocab, &sampling, &allowed)
+            .map_err(|e| ModelError::Sequence {
+                message: e.to_string(),
+            })
+    }
+
     /// The one body behind every forward entry: `trace` and `vl` (image spans) only with a single
     /// entry, `experts` runs the routed experts elsewhere.
     pub(super) fn run_step(
         &self,
         entries: &mut [StepEntry<'_>],
+        trace: Option<&mut ForwardTrace>,
+        experts: Option<&dyn RoutedExperts>,
+        vl: Option<&vision::VlChunk<'_>>,
+    ) -> Result<Vec<EntryOutput>, ModelError> {
+        self.run_step_at(entries, trace, experts, vl, false)
+    }
+
+    /// [`Model::run_step`]; with `logits_on_device` the unsampled entries' rows stay on the
+    /// backend ([`EntryOutput::DeviceLogits`]).
+    fn run_step_at(
+        &self,
+        entries: &mut [StepEntry<'_>],
         mut trace: Option<&mut ForwardTrace>,
         experts: Option<&dyn RoutedExperts>,
         vl: Option<&vision::VlChunk<'_>>,
+        logits_on_device: bool,
     ) -> Result<Vec<EntryOutput>, ModelError> {
         if entries.len() != 1 && (trace.is_some() || vl.is_some()) {
             return Err(ModelError::Unsupported {
@@ -347,7 +436,14 @@ impl Model {
             }
         }
         inject_streams(trace.as_deref(), cfg.n_layers, &mut streams, &mut pre);
-        let outputs = self.head_rows(&ctx, &rows, &wants, &streams, &pre, trace.as_deref_mut())?;
+        let outputs = self.head_rows(
+            &ctx,
+            &rows,
+            &wants,
+            (&streams, &pre),
+            trace.as_deref_mut(),
+            logits_on_device,
+        )?;
 
         if let Some(weights) = self.dspark.as_ref().filter(|_| !rows.positions.is_empty()) {
             // Per row, its taps side by side: `[rows, taps · dim]`.
@@ -388,16 +484,17 @@ impl Model {
     }
 
     /// The final collapse, norm and head over the rows each entry wants: one head GEMM for the
-    /// entries that want logits, one sampled head for those that sample; a trace records the
-    /// final hidden state of every row.
+    /// entries that want logits (read on the host, or left on the backend with
+    /// `logits_on_device`), one sampled head for those that sample; a trace records the final
+    /// hidden state of every row.
     fn head_rows(
         &self,
         ctx: &Ctx,
         rows: &StepRows,
         wants: &[(LogitsWanted, Option<SamplingParams>)],
-        streams: &Tensor,
-        pre: &Tensor,
+        (streams, pre): (&Tensor, &Tensor),
         trace: Option<&mut ForwardTrace>,
+        logits_on_device: bool,
     ) -> Result<Vec<EntryOutput>, ModelError> {
         let cfg = &self.cfg;
         let (hc, dim, vocab) = (cfg.hc.mult, cfg.dim, cfg.vocab_size);
@@ -435,16 +532,19 @@ impl Model {
                 .flat_map(|(rows, _)| rows.iter().copied())
         };
         let logits = match rows_of(false).next() {
-            Some(_) => ctx
-                .backend
-                .linear_f32(
-                    &gather_rows(ctx.backend, &hidden, rows_of(false).filter_map(slot), dim),
-                    &self.head,
-                    vocab,
-                    dim,
-                )
-                .into_vec(),
-            None => Vec::new(),
+            Some(_) => ctx.backend.linear_f32(
+                &gather_rows(ctx.backend, &hidden, rows_of(false).filter_map(slot), dim),
+                &self.head,
+                vocab,
+                dim,
+            ),
+            None => Tensor::empty(),
+        };
+        // Read once on the host unless the rows stay on the backend.
+        let (host_logits, logits) = if logits_on_device {
+            (None, logits)
+        } else {
+            (Some(logits.into_vec()), Tensor::empty())
         };
         let sampling: Vec<RowSampling> = wanted
             .iter()
@@ -486,7 +586,11 @@ impl Model {
                     EntryOutput::Tokens(tokens[at_tokens - n..at_tokens].to_vec())
                 } else {
                     at_logits += n;
-                    EntryOutput::Logits(logits[(at_logits - n) * vocab..at_logits * vocab].to_vec())
+                    let span = (at_logits - n) * vocab..at_logits * vocab;
+                    match &host_logits {
+                        Some(host) => EntryOutput::Logits(host[span].to_vec()),
+                        None => EntryOutput::DeviceLogits(logits.range(span)),
+                    }
                 }
             })
             .collect())

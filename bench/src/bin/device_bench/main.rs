@@ -8,9 +8,10 @@
 //!
 //! ```text
 //! DEEPINFER_V41_TINY=$PWD/.gpu/fixtures/v41-tiny bash .gpu/run.sh device_bench \
-//!     [--quick] [--sweep] [--sections ops,tiny,block] [--context N] [--block-dir DIR]
+//!     [--quick] [--sweep] [--sections ops,tiny,block,profile] [--context N] [--block-dir DIR]
 //! ```
 //!
+//! `profile` (in `--sections`) runs the block section with a per-op profile of each phase.
 //! `--quick` runs few iterations (a cheap first try), `--sweep` adds the GEMM work-split sweep to
 //! the per-op section, `--context` is the prefilled length of the block's sequences (1024; 128
 //! with `--quick`), `--block-dir` where the block's random checkpoint is written (and reused by a
@@ -30,6 +31,8 @@ struct Options {
     ops: bool,
     tiny: bool,
     block: bool,
+    /// The per-op profile of the block's phases (runs the block section).
+    profile: bool,
     context: Option<usize>,
     block_dir: PathBuf,
 }
@@ -41,6 +44,7 @@ fn parse_options() -> Result<Options> {
         ops: true,
         tiny: true,
         block: true,
+        profile: false,
         context: None,
         block_dir: PathBuf::from("/tmp/deepinfer-bench-v41-block"),
     };
@@ -61,8 +65,11 @@ fn parse_options() -> Result<Options> {
                         "ops" => options.ops = true,
                         "tiny" => options.tiny = true,
                         "block" => options.block = true,
+                        "profile" => options.profile = true,
                         other => {
-                            bail!("unknown section {other:?} in --sections (ops, tiny, block)")
+                            bail!(
+                                "unknown section {other:?} in --sections (ops, tiny, block, profile)"
+                            )
                         }
                     }
                 }
@@ -82,7 +89,7 @@ fn parse_options() -> Result<Options> {
             }
             other => bail!(
                 "unknown argument {other:?}; usage: device_bench [--quick] [--sweep] \
-                 [--sections ops,tiny,block] [--context N] [--block-dir DIR]"
+                 [--sections ops,tiny,block,profile] [--context N] [--block-dir DIR]"
             ),
         }
     }
@@ -107,7 +114,7 @@ fn main() -> Result<()> {
         rows.extend(whole_step::fixture(dir, options.quick)?);
         whole_step::print(&rows);
     }
-    if options.block {
+    if options.block || options.profile {
         let context = options
             .context
             .unwrap_or(if options.quick { 128 } else { 1024 });
@@ -115,6 +122,7 @@ fn main() -> Result<()> {
             &options.block_dir,
             context,
             options.quick,
+            options.profile,
         )?);
         whole_step::print(&rows);
     }

@@ -24,6 +24,9 @@ use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_f32, hc_mixes_f32};
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
+use deepinfer_kernels::ops::routed::{
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_fp4_routed_with,
+};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use half::bf16;
 
@@ -241,10 +244,128 @@ fn bench_gemm(
     })
 }
 
+/// Routed experts of a real-width layer: 384 FP4 experts (inter 2304, dim 5120), top-6.
+const ROUTED_EXPERTS: usize = 384;
+const ROUTED_TOP_K: usize = 6;
+const ROUTED_INTER: usize = 2304;
+const ROUTED_DIM: usize = 5120;
+/// Route sets rotated over, so that the few experts of a decode step are not served from L2.
+const ROUTE_SETS: usize = 8;
+
+/// The routed `w1` GEMM of `tokens` tokens (top-6 of 384 FP4 experts, random routes rotated over
+/// `ROUTE_SETS` sets) with `blocks`; bytes = the distinct experts' `w1` (codes and scales), averaged
+/// over the route sets, plus activations and outputs.
+fn bench_routed_w1(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    table: &DeviceExpertTable,
+    tokens: usize,
+    blocks: RoutedBlocks,
+) -> Result<Row> {
+    let (n, k) = (ROUTED_INTER, ROUTED_DIM);
+    let m = tokens * ROUTED_TOP_K;
+    let x = activations(rt, tokens, k)?;
+    let a = quantize_act_fp8(rt, &x, tokens, k, ActGroup::G32)?;
+    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
+    let mut state = 0x5eed_u64 + tokens as u64;
+    let mut distinct_total = 0usize;
+    let route_sets = (0..ROUTE_SETS)
+        .map(|_| {
+            // Per token, ROUTED_TOP_K distinct experts.
+            let mut ids = Vec::with_capacity(m);
+            for _ in 0..tokens {
+                let mut chosen: Vec<u32> = Vec::with_capacity(ROUTED_TOP_K);
+                while chosen.len() < ROUTED_TOP_K {
+                    let e = (splitmix64(&mut state) % ROUTED_EXPERTS as u64) as u32;
+                    if !chosen.contains(&e) {
+                        chosen.push(e);
+                    }
+                }
+                ids.extend(chosen);
+            }
+            let mut distinct = ids.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            distinct_total += distinct.len();
+            Ok(rt.stream().clone_htod(&ids)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let micros = time_launches(rt, timer, |i| {
+        Ok(gemm_fp4_routed_with(
+            rt,
+            &a,
+            &route_sets[i % ROUTE_SETS],
+            ROUTED_TOP_K,
+            table,
+            ExpertProjection::W1,
+            &mut y,
+            blocks,
+        )?)
+    })?;
+    let distinct = distinct_total as f64 / ROUTE_SETS as f64;
+    let label = match blocks {
+        RoutedBlocks::Auto => "",
+        RoutedBlocks::Rows => " rows",
+        RoutedBlocks::Tiles => " tiles",
+        RoutedBlocks::Experts => " experts",
+    };
+    Ok(Row {
+        op: format!("routed w1{label}"),
+        m,
+        n,
+        k,
+        micros,
+        bytes: distinct * (n * k / 2 + n * k / 32) as f64 + (tokens * k * 5 / 4 + m * n * 2) as f64,
+        flops: (2 * m * n * k) as f64,
+        peak_flops: FP8_FLOPS,
+    })
+}
+
+/// The routed `w1` rows: every kernel at B = 1, 8, 64 (6, 48, 384 routed rows; `--quick`: B = 1).
+fn bench_routed(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<Vec<Row>> {
+    let (n, k) = (ROUTED_INTER, ROUTED_DIM);
+    let packed = random_bytes(300, n * k / 2, false);
+    let scales = scale_bytes(n * k / 32);
+    let w1 = (0..ROUTED_EXPERTS)
+        .map(|_| DeviceFp4Weight::upload(rt, n, k, &packed, &scales))
+        .collect::<Result<Vec<_>, _>>()?;
+    let w2 = DeviceFp4Weight::upload(
+        rt,
+        k,
+        n,
+        &random_bytes(301, n * k / 2, false),
+        &scale_bytes(n * k / 32),
+    )?;
+    let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = w1
+        .iter()
+        .map(|w| ExpertRefs {
+            w1: w,
+            w3: w,
+            w2: &w2,
+        })
+        .collect();
+    // SAFETY: `w1` and `w2` outlive every launch below (the table is dropped first).
+    let table = unsafe { DeviceExpertTable::fp4(rt, &refs) }?;
+    let token_counts: &[usize] = if quick { &[1] } else { &[1, 8, 64] };
+    let mut rows = Vec::new();
+    for &tokens in token_counts {
+        for blocks in [
+            RoutedBlocks::Auto,
+            RoutedBlocks::Experts,
+            RoutedBlocks::Rows,
+            RoutedBlocks::Tiles,
+        ] {
+            rows.push(bench_routed_w1(rt, timer, &table, tokens, blocks)?);
+        }
+    }
+    Ok(rows)
+}
+
 fn split_label(split: GemmSplit) -> String {
     match split {
         GemmSplit::Auto => String::new(),
         GemmSplit::WarpsPerColumn(w) => format!(" w{w}"),
+        GemmSplit::ColumnPerWarp => " cpw".to_string(),
     }
 }
 
@@ -568,10 +689,6 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
         report.compile_ms,
         report.modules_from_cache
     );
-    // Timing measures the kernels, not cudarc's per-launch event bookkeeping (one stream here).
-    // SAFETY: this runtime is used by this function alone, on a single stream, so no
-    // cross-stream synchronisation is lost.
-    unsafe { rt.context().disable_event_tracking() };
     let rt = &rt;
 
     let mut timer = Timer::new(rt, quick)?;
@@ -594,13 +711,18 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
         rows.push(bench_rms_norm(rt, &mut timer, m, 5120)?);
         rows.push(bench_linear(rt, &mut timer, m, 384, 5120)?);
     }
+    rows.extend(bench_routed(rt, &mut timer, quick)?);
     rows.extend(bench_token_ops(rt, &mut timer)?);
     rows.extend(bench_sampling(rt, &mut timer, quick)?);
-    // The work split (warps per output column) changes speed only, never the bits: with `--sweep`,
-    // time every split for the decode shapes (what `GemmSplit::Auto` is tuned from).
+    // The work split (warps per output column, or one warp per column: `cpw`) changes speed only,
+    // never the bits: with `--sweep`, time every split for the decode shapes (what
+    // `GemmSplit::Auto` is tuned from).
     for m in [1usize, 8].into_iter().filter(|_| sweep) {
-        for w in [1u32, 2, 4, 8] {
-            let split = GemmSplit::WarpsPerColumn(w);
+        let splits = [1u32, 2, 4, 8]
+            .map(GemmSplit::WarpsPerColumn)
+            .into_iter()
+            .chain([GemmSplit::ColumnPerWarp]);
+        for split in splits {
             for (name, format, n, k) in GEMMS.into_iter().take(3) {
                 rows.push(bench_gemm(rt, &mut timer, name, format, m, n, k, split)?);
             }

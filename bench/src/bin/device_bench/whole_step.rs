@@ -18,7 +18,7 @@ use deepinfer_bench::steps::{
     BatchMeasurement, measure_batch, measure_decode_from, percentile, prompt_lengths, prompt_tokens,
 };
 use deepinfer_bench::v41_block::{BlockWidth, Prepared, block_config, prepare_checkpoint};
-use deepinfer_model::backend::cuda::CudaBackend;
+use deepinfer_model::backend::cuda::{CudaBackend, OpProfile, OpStats};
 use deepinfer_model::checkpoint::Checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
@@ -114,10 +114,15 @@ pub fn fixture(dir: &Path, quick: bool) -> Result<Vec<StepRow>> {
     Ok(rows)
 }
 
+/// Decode steps of each profiled batch and the prefill's chunk: enough for a stable table, few
+/// because every op waits for the device.
+const PROFILED_DECODE_STEPS: usize = 3;
+
 /// The real-width one-block model, its random checkpoint in `dir` (written there unless an
 /// identical one is present): prefill of one `context`-token prompt, then decode steps over
-/// copies of that prefilled sequence.
-pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
+/// copies of that prefilled sequence. With `profile`, each phase is run once more with the
+/// backend's per-op profile on and its table printed ([`print_profile`]).
+pub fn block(dir: &Path, context: usize, quick: bool, profile: bool) -> Result<Vec<StepRow>> {
     const VOCAB: usize = 1024;
     /// Positions the block's config allows unless a longer run needs more: one value for every
     /// `--context` up to it, so that a later run reuses the checkpoint on disk.
@@ -148,6 +153,7 @@ pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
     let ckpt = Checkpoint::open(dir)?;
     let backend = CudaBackend::open(0)?;
     let transfers = backend.transfer_counters();
+    let op_profile = backend.op_profile();
     let model = Model::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
     println!(
         "v41 block loaded on {} in {:.1} s",
@@ -188,6 +194,24 @@ pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
         cost: cost::prefill(&cfg, context),
     });
     let first = deepinfer_bench::steps::argmax(&logits);
+    if profile {
+        op_profile.set_enabled(true);
+        let mut profiled = model.new_sequence();
+        let started = Instant::now();
+        model.forward(
+            &mut profiled,
+            &prompt_tokens(8, context, 3, VOCAB),
+            LogitsWanted::Last,
+        )?;
+        let seconds = started.elapsed().as_secs_f64();
+        op_profile.set_enabled(false);
+        print_profile(
+            &format!("v41 block prefill, {context} tokens"),
+            &op_profile,
+            1,
+            seconds,
+        );
+    }
     for &(batch, steps) in decode {
         let before = transfers.snapshot();
         let lengths_before = transfers.by_length();
@@ -213,8 +237,58 @@ pub fn block(dir: &Path, context: usize, quick: bool) -> Result<Vec<StepRow>> {
             println!("  copies over {steps} steps: {}", lengths.join(", "));
         }
         rows.push(decode_row("v41 block", &cfg, &run)?);
+        if profile {
+            op_profile.set_enabled(true);
+            let profiled = measure_decode_from(&model, &seq, first, batch, PROFILED_DECODE_STEPS)?;
+            op_profile.set_enabled(false);
+            print_profile(
+                &format!("v41 block decode B={batch}"),
+                &op_profile,
+                PROFILED_DECODE_STEPS,
+                profiled.step_seconds.iter().sum(),
+            );
+        }
     }
     Ok(rows)
+}
+
+/// Prints (and empties) the per-op profile gathered over `steps` steps that took `seconds` in
+/// all with the profile on: per op and step its calls, wall time, share of the step, kernel
+/// launches and host-to-device copies; the last line is the step's time outside every op (the
+/// model's host code between ops and the trait's default methods).
+pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f64) {
+    let mut ops: Vec<(&'static str, OpStats)> = profile.take().into_iter().collect();
+    ops.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
+    let per_step = |v: f64| v / steps as f64;
+    let step_us = per_step(seconds) * 1e6;
+    println!(
+        "\nprofile: {title} (per step, {steps} steps, each op synchronised; step {step_us:.0} us)"
+    );
+    println!(
+        "{:<28} {:>7} {:>10} {:>7} {:>9} {:>8} {:>10}",
+        "op", "calls", "time_us", "share", "launches", "h2d", "h2d_KB"
+    );
+    let mut inside = 0.0;
+    for (name, stats) in &ops {
+        inside += stats.seconds;
+        println!(
+            "{:<28} {:>7.1} {:>10.1} {:>6.1}% {:>9.1} {:>8.1} {:>10.1}",
+            name,
+            per_step(stats.calls as f64),
+            per_step(stats.seconds) * 1e6,
+            100.0 * stats.seconds / seconds,
+            per_step(stats.launches as f64),
+            per_step(stats.htod_copies as f64),
+            per_step(stats.htod_bytes as f64) / 1e3,
+        );
+    }
+    println!(
+        "{:<28} {:>7} {:>10.1} {:>6.1}%",
+        "(outside ops)",
+        "",
+        per_step(seconds - inside) * 1e6,
+        100.0 * (seconds - inside) / seconds,
+    );
 }
 
 /// Prints the whole-step table and what its columns mean.

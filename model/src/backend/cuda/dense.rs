@@ -234,9 +234,9 @@ impl CudaBackend {
         let row_index: Vec<i32> = (0..rows)
             .map(|r| i32::try_from(r).map_err(|_| shape_err(OP, format!("{rows} rows"))))
             .collect::<Result<_, _>>()?;
-        let stream = self.rt.stream();
-        let dpos = stream
-            .clone_htod(&row_index)
+        let dpos = self
+            .rt
+            .htod(&row_index)
             .map_err(driver_err(OP, "uploading positions"))?;
         let dcos = self.upload(OP, &cos)?;
         let dsin = self.upload(OP, &sin)?;

@@ -38,9 +38,11 @@
 
 mod dense;
 mod moe;
+mod profile;
 mod rows;
 mod small;
 mod tokens;
+mod v4;
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -89,6 +91,8 @@ use super::{
 };
 use crate::engram::{EngramTable, NgramHasher};
 use crate::weights::{Fp4Weight, Fp8Weight};
+
+pub use profile::{OpProfile, OpStats, PROFILE_ENV};
 
 /// Why the CUDA backend could not open or run an op.
 #[derive(Debug, thiserror::Error)]
@@ -195,6 +199,7 @@ pub struct CudaBackend {
     name: String,
     weights: Mutex<WeightCache>,
     transfers: Arc<TransferCounters>,
+    profile: Arc<OpProfile>,
 }
 
 /// Device-to-host copies a [`CudaBackend`] made: results of ops (activations, routes, Engram row
@@ -351,7 +356,17 @@ impl CudaBackend {
             name,
             weights: Mutex::new(WeightCache::default()),
             transfers: Arc::new(TransferCounters::default()),
+            profile: Arc::new(OpProfile::default()),
         })
+        .inspect(|backend| {
+            let on = std::env::var_os(PROFILE_ENV).is_some_and(|v| v == "1");
+            backend.profile.set_enabled(on);
+        })
+    }
+
+    /// The per-op profile (off unless turned on; shared like [`CudaBackend::transfer_counters`]).
+    pub fn op_profile(&self) -> Arc<OpProfile> {
+        self.profile.clone()
     }
 
     /// The device-to-host copies this backend makes (shared: keep a clone to read them after the
@@ -383,8 +398,7 @@ impl CudaBackend {
 
     fn upload(&self, op: &'static str, values: &[f32]) -> Result<CudaSlice<f32>, CudaBackendError> {
         self.rt
-            .stream()
-            .clone_htod(values)
+            .htod(values)
             .map_err(driver_err(op, "uploading an activation"))
     }
 
@@ -439,8 +453,7 @@ impl CudaBackend {
             |cache| &mut cache.f32s,
             || {
                 self.rt
-                    .stream()
-                    .clone_htod(weight)
+                    .htod(weight)
                     .map_err(driver_err(op, "uploading a weight"))
             },
         )
@@ -589,8 +602,7 @@ impl CudaBackend {
             .collect::<Result<Vec<u64>, _>>()?;
         let table = self
             .rt
-            .stream()
-            .clone_htod(&addresses)
+            .htod(&addresses)
             .map_err(driver_err(OP, "uploading the piece addresses"))?;
         let mut out = self.alloc(OP, pieces.len() * width)?;
         gather_ptrs_f32(&self.rt, &table, width, &mut out).map_err(op_err(OP))?;
@@ -617,36 +629,44 @@ impl Backend for CudaBackend {
     }
 
     fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
+        let _op = self.op_scope("gemm_fp8");
         self.try_gemm_fp8(x, w).unwrap_or_else(device_fault)
     }
 
     fn gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
+        let _op = self.op_scope("gemm_fp4");
         self.try_gemm_fp4(x, w).unwrap_or_else(device_fault)
     }
 
     fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
+        let _op = self.op_scope("linear_bf16");
         self.try_linear(x, w, out, inp, Rounding::Bf16)
             .unwrap_or_else(device_fault)
     }
 
     fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
+        let _op = self.op_scope("linear_f32");
         self.try_linear(x, w, out, inp, Rounding::F32)
             .unwrap_or_else(device_fault)
     }
 
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
+        let _op = self.op_scope("gather");
         self.try_gather(pieces, width).unwrap_or_else(device_fault)
     }
 
     fn linear_fp8_f32(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+        let _op = self.op_scope("linear_fp8_f32");
         self.try_linear_fp8_f32(x, w).unwrap_or_else(device_fault)
     }
 
     fn linear_fp4_f32(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+        let _op = self.op_scope("linear_fp4_f32");
         self.try_linear_fp4_f32(x, w).unwrap_or_else(device_fault)
     }
 
     fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
+        let _op = self.op_scope("rms_norm_at");
         self.try_rms_norm(x, weight, eps, precision)
             .unwrap_or_else(device_fault)
     }
@@ -661,6 +681,7 @@ impl Backend for CudaBackend {
         inverse: bool,
         precision: Precision,
     ) -> Tensor {
+        let _op = self.op_scope("rope_at");
         self.try_rope(
             x,
             stride,
@@ -674,14 +695,17 @@ impl Backend for CudaBackend {
     }
 
     fn q8_qdq(&self, x: Tensor) -> Tensor {
+        let _op = self.op_scope("q8_qdq");
         self.try_qdq(x, QdqPoint::Q8).unwrap_or_else(device_fault)
     }
 
     fn q4e_qdq(&self, x: Tensor) -> Tensor {
+        let _op = self.op_scope("q4e_qdq");
         self.try_qdq(x, QdqPoint::Q4e).unwrap_or_else(device_fault)
     }
 
     fn q4m_qdq(&self, x: Tensor) -> Tensor {
+        let _op = self.op_scope("q4m_qdq");
         self.try_qdq(x, QdqPoint::Q4m).unwrap_or_else(device_fault)
     }
 
@@ -693,6 +717,7 @@ impl Backend for CudaBackend {
         scale: f32,
         precision: Precision,
     ) -> Vec<f32> {
+        let _op = self.op_scope("sparse_attention_at");
         self.try_sparse_attention(q, keys, sink, scale, precision)
             .unwrap_or_else(device_fault)
     }
@@ -706,11 +731,13 @@ impl Backend for CudaBackend {
         hc_eps: f32,
         norm_eps: f32,
     ) -> HcMix {
+        let _op = self.op_scope("hc_mixes");
         self.try_hc_mixes(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
             .unwrap_or_else(device_fault)
     }
 
     fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
+        let _op = self.op_scope("hc_collapse_at");
         self.try_hc_collapse(x, weights, precision)
             .unwrap_or_else(device_fault)
     }
@@ -722,6 +749,7 @@ impl Backend for CudaBackend {
         mix: &HcMix,
         precision: Precision,
     ) -> Vec<f32> {
+        let _op = self.op_scope("hc_expand_at");
         self.try_hc_expand(y, residual, mix, precision)
             .unwrap_or_else(device_fault)
     }
@@ -734,6 +762,7 @@ impl Backend for CudaBackend {
         head_dim: usize,
         precision: Precision,
     ) -> Vec<f32> {
+        let _op = self.op_scope("index_scores_at");
         self.try_index_scores(q, weights, keys, head_dim, precision)
             .unwrap_or_else(device_fault)
     }
@@ -747,6 +776,7 @@ impl Backend for CudaBackend {
         hc_eps: f32,
         norm_eps: f32,
     ) -> HcMixes {
+        let _op = self.op_scope("hc_mixes_rows");
         self.try_hc_mixes_rows(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
             .unwrap_or_else(device_fault)
     }
@@ -758,6 +788,7 @@ impl Backend for CudaBackend {
         hc: usize,
         precision: Precision,
     ) -> Tensor {
+        let _op = self.op_scope("hc_collapse_rows_at");
         self.try_hc_collapse_rows(x, weights, hc, precision)
             .unwrap_or_else(device_fault)
     }
@@ -769,6 +800,7 @@ impl Backend for CudaBackend {
         mixes: &HcMixes,
         precision: Precision,
     ) -> Tensor {
+        let _op = self.op_scope("hc_expand_rows_at");
         self.try_hc_expand_rows(y, residual, mixes, precision)
             .unwrap_or_else(device_fault)
     }
@@ -781,6 +813,7 @@ impl Backend for CudaBackend {
         scale: f32,
         precision: Precision,
     ) -> Tensor {
+        let _op = self.op_scope("sparse_attention_rows_at");
         self.try_sparse_attention_rows(q, keys, sink, scale, precision)
             .unwrap_or_else(device_fault)
     }
@@ -793,6 +826,7 @@ impl Backend for CudaBackend {
         scale: f32,
         precision: Precision,
     ) -> Tensor {
+        let _op = self.op_scope("sparse_attention_selected");
         self.try_sparse_attention_selected(q, queries, sink, scale, precision)
             .unwrap_or_else(device_fault)
     }
@@ -808,6 +842,7 @@ impl Backend for CudaBackend {
         candidates: Candidates<'_>,
         precision: Precision,
     ) -> (Selection, Option<CandidateMask>) {
+        let _op = self.op_scope("select_rows");
         self.try_select_rows(
             q, weights, keys, head_dim, visible, k, candidates, precision,
         )
@@ -823,6 +858,7 @@ impl Backend for CudaBackend {
         visible: &[usize],
         precision: Precision,
     ) -> Vec<Vec<f32>> {
+        let _op = self.op_scope("index_scores_rows_at");
         self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)
             .unwrap_or_else(device_fault)
     }
@@ -833,9 +869,24 @@ impl Backend for CudaBackend {
         vocab: usize,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
+        let _op = self.op_scope("sample_rows");
         check_sample_rows(logits, vocab, rows)?;
         Ok(self
             .try_sample_rows(logits, vocab, rows)
+            .unwrap_or_else(device_fault))
+    }
+
+    fn sample_masked(
+        &self,
+        logits: &Tensor,
+        vocab: usize,
+        rows: &[RowSampling],
+        allowed: &[Option<&crate::sampling::AllowedTokens>],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        let _op = self.op_scope("sample_masked");
+        super::check_sample_masked(logits.len(), vocab, rows, allowed)?;
+        Ok(self
+            .try_sample_masked(logits, vocab, rows, allowed)
             .unwrap_or_else(device_fault))
     }
 
@@ -847,6 +898,7 @@ impl Backend for CudaBackend {
         inp: usize,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
+        let _op = self.op_scope("sample_linear");
         if rows.is_empty() && x.is_empty() {
             return Ok(Vec::new());
         }
@@ -872,6 +924,7 @@ impl Backend for CudaBackend {
         selection: ExpertSelection<'_>,
         route_scale: f32,
     ) -> Vec<ExpertRoute> {
+        let _op = self.op_scope("route_experts");
         self.try_route_experts(logits, bias, selection, route_scale)
             .unwrap_or_else(device_fault)
     }
@@ -881,23 +934,28 @@ impl Backend for CudaBackend {
     // back). `try_engram_hash` is the device kernel, kept for its conformance test.
 
     fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
+        let _op = self.op_scope("add");
         self.try_add(x, y).unwrap_or_else(device_fault)
     }
 
     fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
+        let _op = self.op_scope("argmax_rows");
         self.try_argmax_rows(x, width).unwrap_or_else(device_fault)
     }
 
     fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor> {
+        let _op = self.op_scope("moe_rows");
         self.try_moe_rows(x, layer).unwrap_or_else(device_fault)
     }
 
     fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor {
+        let _op = self.op_scope("engram_gather");
         self.try_engram_gather(table, row_ids)
             .unwrap_or_else(device_fault)
     }
 
     fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
+        let _op = self.op_scope("scale_at");
         self.try_scale(x, scale, precision)
             .unwrap_or_else(device_fault)
     }
@@ -909,11 +967,13 @@ impl Backend for CudaBackend {
         dim: usize,
         precision: Precision,
     ) -> Tensor {
+        let _op = self.op_scope("stream_means_at");
         self.try_stream_means(streams, hc, dim, precision)
             .unwrap_or_else(device_fault)
     }
 
     fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor {
+        let _op = self.op_scope("gated_pool_rows");
         self.try_gated_pool_rows(groups, head_dim)
             .unwrap_or_else(device_fault)
     }
@@ -925,7 +985,43 @@ impl Backend for CudaBackend {
         live: &[usize],
         gate: &crate::engram::EngramGate,
     ) -> Tensor {
+        let _op = self.op_scope("engram_inject");
         self.try_engram_inject(streams, kv, live, gate)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn hyper_head_weights_rows(
+        &self,
+        x: &Tensor,
+        proj: &[f32],
+        base: &[f32],
+        scale: f32,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Tensor {
+        let _op = self.op_scope("hyper_head_weights_rows");
+        self.try_hyper_head_weights_rows(x, proj, base, scale, hc_eps, norm_eps)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn compressor_pool_rows(
+        &self,
+        entries: &[Vec<crate::v4::PoolSlot<'_>>],
+        width: usize,
+    ) -> Tensor {
+        let _op = self.op_scope("compressor_pool_rows");
+        self.try_compressor_pool_rows(entries, width)
+            .unwrap_or_else(device_fault)
+    }
+
+    fn moe_rows_exact(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        hashed: Option<&[Vec<usize>]>,
+    ) -> Option<Tensor> {
+        let _op = self.op_scope("moe_rows_exact");
+        self.try_moe_rows_exact(x, layer, hashed)
             .unwrap_or_else(device_fault)
     }
 }

@@ -83,8 +83,7 @@ impl CudaBackend {
             .collect::<Result<Vec<u64>, _>>()?;
         let members = self
             .rt
-            .stream()
-            .clone_htod(&addresses)
+            .htod(&addresses)
             .map_err(driver_err(OP, "uploading the member addresses"))?;
         let mut out = self.alloc(OP, groups.len() * head_dim)?;
         // SAFETY: every address is `2 · head_dim` values of a buffer of this context (checked by
@@ -165,8 +164,7 @@ impl CudaBackend {
             })?;
         let dlive = self
             .rt
-            .stream()
-            .clone_htod(&ids)
+            .htod(&ids)
             .map_err(driver_err(OP, "uploading the live tokens"))?;
         let dkv = self.input(OP, kv)?;
         let dweight = self.cached_f32(OP, gate.weight())?;

@@ -1,7 +1,11 @@
-//! The ops of [`CudaBackend`] that turn rows into ids: token sampling (only the ids come back),
-//! the MoE router after its gate linear, and Engram hashing and table lookup.
+//! The ops of [`CudaBackend`] that turn rows into ids: token sampling (only the ids come back;
+//! a grammar's masks go up as bitsets and are applied on the device), the MoE router after its
+//! gate linear, and Engram hashing and table lookup.
+
+use deepinfer_kernels::ops::sampling::{mask_logits_f32, mask_words_per_row};
 
 use super::*;
+use crate::sampling::AllowedTokens;
 
 impl CudaBackend {
     /// [`Backend::sample_rows`], with errors: the logits are uploaded, every row sampled by the
@@ -59,6 +63,47 @@ impl CudaBackend {
         )
         .map_err(op_err(OP))?;
         self.sample_device_rows(&dlogits, out, rows)
+    }
+
+    /// [`Backend::sample_masked`], with errors (the shapes and masks checked by the caller): the
+    /// logits are read where they are (copied device to device, since the masks change them),
+    /// the masks uploaded as one bitset per row (all ones for an unmasked row) and applied by
+    /// the mask kernel, the rows sampled by the sampling kernel; only the ids come back.
+    pub fn try_sample_masked(
+        &self,
+        logits: &Tensor,
+        vocab: usize,
+        rows: &[RowSampling],
+        allowed: &[Option<&AllowedTokens>],
+    ) -> Result<Vec<u32>, CudaBackendError> {
+        const OP: &str = "sample_masked";
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let masked = allowed.iter().any(Option::is_some);
+        if !masked {
+            let dlogits = self.input(OP, logits)?;
+            return self.sample_device_rows(&dlogits, vocab, rows);
+        }
+        let per_row = mask_words_per_row(vocab);
+        let mut words = Vec::with_capacity(rows.len() * per_row);
+        for (row, mask) in allowed.iter().enumerate() {
+            match mask {
+                Some(mask) => words.extend(
+                    mask.row_words(vocab)
+                        .map_err(|e| shape_err(OP, format!("row {row}: {e}")))?,
+                ),
+                None => words.extend(std::iter::repeat_n(u32::MAX, per_row)),
+            }
+        }
+        let mut dlogits = self.input(OP, logits)?.into_owned(self, OP)?;
+        let dwords = self
+            .rt
+            .stream()
+            .clone_htod(&words)
+            .map_err(driver_err(OP, "uploading the masks"))?;
+        mask_logits_f32(&self.rt, &mut dlogits, &dwords, rows.len(), vocab).map_err(op_err(OP))?;
+        self.sample_device_rows(&dlogits, vocab, rows)
     }
 
     /// Samples `rows.len()` rows of `vocab` logits already on the device (`sample_rows`'s math);

@@ -1,0 +1,267 @@
+//! Grammar-constrained rows sampled where the logits are: an executor that leaves the rows of
+//! constrained entries "on its device" (`RankExecutor::execute_deferred` returning
+//! `EntryOutput::DeviceLogits`) and samples them after the masks arrive
+//! (`RankExecutor::sample_logits`, here the CPU reference `Backend::sample_masked`) must give the
+//! rank exactly the tokens of the host path (an executor with only `execute`: the worker masks
+//! the host logits and samples them). Many seeds, greedy, temperature, top-k and top-p, one
+//! constrained and one unconstrained request per step. The device path reads no constrained
+//! logits on the host and samples all of a step's constrained rows in one call. A mask wider than
+//! the executor's rows ends its request with EOS on both paths (the rank keeps running).
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::grammar_set::{EOS, VOCAB, engine};
+use deepinfer_actors::SamplingParams;
+use deepinfer_actors::grammar::{Constraint, ConstraintStart, MaskWorkers};
+use deepinfer_actors::messages::rank::{NewSeq, SeqGrammar, SeqInput, SeqWork, StepMode, StepPlan};
+use deepinfer_actors::rank::executor::{ExecError, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::fake::{FakeConfig, FakeExecutor};
+use deepinfer_actors::rank::worker::RankWorker;
+use deepinfer_model::backend::{Backend, CpuBackend, RowSampling, Tensor};
+use deepinfer_model::sampling::AllowedTokens;
+use deepinfer_model::{EntryOutput, LogitsRow};
+use deepinfer_topology::{DpRank, RequestId, StepId};
+
+/// What the device executor saw.
+#[derive(Debug, Default)]
+struct DeviceLog {
+    /// Rows of every `sample_logits` call.
+    sample_calls: Vec<usize>,
+    /// Of those rows, the ones with a mask.
+    masked_rows: usize,
+    /// Logits rows handed to the worker on the host.
+    host_rows: usize,
+}
+
+/// The fake model's logits, kept "on the device": unsampled entries return
+/// `EntryOutput::DeviceLogits`, sampled later by the CPU reference of `sample_masked`.
+struct DeviceExecutor {
+    inner: FakeExecutor,
+    log: Arc<Mutex<DeviceLog>>,
+}
+
+impl RankExecutor for DeviceExecutor {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        self.inner.new_sequence(id)
+    }
+    fn free_sequence(&mut self, id: RequestId) {
+        self.inner.free_sequence(id);
+    }
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        self.inner.rollback(id, len)
+    }
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.inner.sequence_len(id)
+    }
+    fn live_sequences(&self) -> usize {
+        self.inner.live_sequences()
+    }
+    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let rows = self.inner.execute(batch)?;
+        self.log.lock().expect("log").host_rows += rows.len();
+        Ok(rows)
+    }
+    fn execute_deferred(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        let sampled = self.inner.execute_sampled(batch, sampling)?;
+        Ok(sampled
+            .into_iter()
+            .map(|out| match out {
+                EntryOutput::Logits(rows) => EntryOutput::DeviceLogits(Tensor::from(rows)),
+                other => other,
+            })
+            .collect())
+    }
+    fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {
+        let vocab = self.vocab_size();
+        let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
+        let logits = CpuBackend.gather(&pieces, vocab);
+        let sampling: Vec<RowSampling> = rows
+            .iter()
+            .map(|r| RowSampling {
+                params: r.params,
+                position: r.position,
+            })
+            .collect();
+        let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
+        {
+            let mut log = self.log.lock().expect("log");
+            log.sample_calls.push(rows.len());
+            log.masked_rows += allowed.iter().filter(|a| a.is_some()).count();
+        }
+        CpuBackend
+            .sample_masked(&logits, vocab, &sampling, &allowed)
+            .map_err(|e| ExecError::Backend(e.to_string()))
+    }
+}
+
+/// Request 1 is constrained by `constraint`, request 2 is not; both prefill a short prompt and
+/// decode until the constrained one ends (EOS) or `steps` steps have run. The tokens of each.
+fn generate(
+    executor: Box<dyn RankExecutor>,
+    constraint: &Constraint,
+    sampling: SamplingParams,
+    steps: u64,
+) -> (Vec<u32>, Vec<u32>) {
+    let grammar = engine().compile(constraint).expect("compiles");
+    let workers = Arc::new(MaskWorkers::new(1).expect("mask workers"));
+    let mut rank = RankWorker::with_mask_workers(DpRank(0), executor, workers);
+    let prompt = engine().token_env().tokenize_text("Answer:");
+    let (constrained, free) = (RequestId(1), RequestId(2));
+    let mut tokens = (Vec::new(), Vec::new());
+    for step in 0..steps {
+        let first = step == 0;
+        let input = || {
+            if first {
+                SeqInput::Prefill {
+                    tokens: prompt.clone(),
+                    last: true,
+                }
+            } else {
+                SeqInput::Decode
+            }
+        };
+        let new_seq = |id, grammar: Option<Box<SeqGrammar>>| NewSeq {
+            id,
+            sampling,
+            grammar,
+            decoder_from: None,
+            speculative: false,
+        };
+        let plan = StepPlan {
+            step: StepId(step),
+            mode: StepMode::Mixed,
+            new_seqs: if first {
+                vec![
+                    new_seq(
+                        constrained,
+                        Some(Box::new(SeqGrammar {
+                            matcher: engine().matcher(&grammar, ConstraintStart::Answer),
+                            end_token: EOS,
+                        })),
+                    ),
+                    new_seq(free, None),
+                ]
+            } else {
+                Vec::new()
+            },
+            work: vec![
+                SeqWork {
+                    id: constrained,
+                    input: input(),
+                },
+                SeqWork {
+                    id: free,
+                    input: input(),
+                },
+            ],
+            finished: Vec::new(),
+        };
+        let output = rank.run_plan(&plan).expect("step runs");
+        for (id, token) in output.sampled {
+            if id == constrained {
+                tokens.0.push(token);
+            } else {
+                tokens.1.push(token);
+            }
+        }
+        if tokens.0.last() == Some(&EOS) {
+            break;
+        }
+    }
+    tokens
+}
+
+fn fake(vocab_size: usize) -> FakeExecutor {
+    FakeExecutor::new(
+        FakeConfig {
+            vocab_size,
+            ..FakeConfig::default()
+        },
+        0,
+    )
+}
+
+#[test]
+fn constrained_rows_sampled_on_the_device_equal_the_host_path() {
+    let constraints = [
+        Constraint::Regex("[a-z]{2,9}( [a-z]{1,6}){0,3}".to_string()),
+        Constraint::Regex("(yes|no|maybe)".to_string()),
+    ];
+    let settings = [
+        (0.0f32, 0usize, 1.0f32),
+        (1.0, 0, 1.0),
+        (0.8, 40, 1.0),
+        (1.1, 0, 0.9),
+    ];
+    let mut compared = 0;
+    let mut device_log = DeviceLog::default();
+    for (c, constraint) in constraints.iter().enumerate() {
+        for (i, &(temperature, top_k, top_p)) in settings.iter().enumerate() {
+            for seed in 0..3u64 {
+                let sampling = SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed: 1000 * seed + (10 * c + i) as u64,
+                };
+                let host = generate(Box::new(fake(VOCAB)), constraint, sampling, 14);
+                let log = Arc::new(Mutex::new(DeviceLog::default()));
+                let device = DeviceExecutor {
+                    inner: fake(VOCAB),
+                    log: log.clone(),
+                };
+                let on_device = generate(Box::new(device), constraint, sampling, 14);
+                assert_eq!(
+                    on_device, host,
+                    "constraint {c}, sampling {sampling:?}: device vs host tokens"
+                );
+                let text = engine()
+                    .token_env()
+                    .decode(host.0.strip_suffix(&[EOS]).unwrap_or(&host.0));
+                assert!(!text.is_empty(), "constraint {c}: an answer");
+                compared += host.0.len() + host.1.len();
+                let log = std::mem::take(&mut *log.lock().expect("log"));
+                // One call per step with exactly the constrained row, masked.
+                assert!(log.sample_calls.iter().all(|&rows| rows == 1), "{log:?}");
+                assert_eq!(log.sample_calls.len(), host.0.len(), "{log:?}");
+                assert_eq!(log.host_rows, 0, "no logits read on the host");
+                device_log.sample_calls.extend(log.sample_calls);
+                device_log.masked_rows += log.masked_rows;
+            }
+        }
+    }
+    assert_eq!(device_log.masked_rows, device_log.sample_calls.len());
+    println!(
+        "{compared} tokens equal; {} constrained rows sampled on the device",
+        device_log.masked_rows
+    );
+}
+
+#[test]
+fn a_mask_wider_than_the_rows_ends_the_request_on_both_paths() {
+    let constraint = Constraint::Regex("[a-z]{3}".to_string());
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        seed: 3,
+        ..SamplingParams::default()
+    };
+    // Rows of 1000 logits against the 129 280-token vocabulary's masks.
+    let host = generate(Box::new(fake(1000)), &constraint, sampling, 5);
+    let device = DeviceExecutor {
+        inner: fake(1000),
+        log: Arc::new(Mutex::new(DeviceLog::default())),
+    };
+    let on_device = generate(Box::new(device), &constraint, sampling, 5);
+    assert_eq!(host.0, vec![EOS], "the request ends at once");
+    assert_eq!(on_device, host);
+    assert_eq!(host.1.len(), 1, "the unconstrained request got its token");
+}

@@ -1,0 +1,105 @@
+// The V4 family's float32 ops that have no V4.1 counterpart, so a V4 decode step stays on the
+// device: the compressor's softmax pooling over slots given by device address (position bias
+// added to the gates), the MoE's per-row route weights scattered into a dense [rows, experts]
+// matrix, the SwiGLU of exact (fp32) expert rows scaled by one column of that matrix, and the
+// hyper-head's collapse weights. Every value is bitwise the CPU reference's: its exponential
+// (refmath::exp_f32), its sums in its order, no contraction.
+#include "common/params.h"
+#include "common/reference_math.cuh"
+
+// out[e * width + c] = Σ_s softmax_s(gate_s[c] + bias_s[c]) · kv_s[c] over the slots
+// s in [slot_start[e], slot_start[e + 1]) of entry e; `kv` and `gate` hold one device address per
+// slot (width floats each), `bias` one width-wide row per slot. One thread per (entry, channel).
+extern "C" __global__ void __launch_bounds__(256)
+v4_pool_f32(const unsigned long long* kv, const unsigned long long* gate, const float* bias,
+            const unsigned int* slot_start, unsigned int entries, unsigned int width, float* out) {
+    const unsigned long long total = static_cast<unsigned long long>(entries) * width;
+    for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
+         i < total; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
+        const unsigned int e = static_cast<unsigned int>(i / width);
+        const unsigned int c = static_cast<unsigned int>(i % width);
+        const unsigned int first = slot_start[e];
+        const unsigned int last = slot_start[e + 1];
+        float max = __int_as_float(0xff800000);
+        for (unsigned int s = first; s < last; ++s) {
+            const float* g = reinterpret_cast<const float*>(gate[s]);
+            max = fmaxf(max, __fadd_rn(g[c], bias[static_cast<size_t>(s) * width + c]));
+        }
+        float sum = 0.0f;
+        float value = 0.0f;
+        for (unsigned int s = first; s < last; ++s) {
+            const float* g = reinterpret_cast<const float*>(gate[s]);
+            const float* v = reinterpret_cast<const float*>(kv[s]);
+            const float logit = __fadd_rn(g[c], bias[static_cast<size_t>(s) * width + c]);
+            const float w = refmath::exp_f32(__fsub_rn(logit, max));
+            sum = __fadd_rn(sum, w);
+            value = __fadd_rn(value, __fmul_rn(w, v[c]));
+        }
+        out[i] = last > first ? __fdiv_rn(value, sum) : 0.0f;
+    }
+}
+
+// dense[r * experts + ids[r * k + j]] = weights[r * k + j] for every row r and slot j (ids below
+// `experts`; `dense` zeroed by the caller). One thread per (row, slot).
+extern "C" __global__ void __launch_bounds__(256)
+v4_dense_routes_f32(const unsigned int* ids, const float* weights, unsigned int rows,
+                    unsigned int k, unsigned int experts, float* dense) {
+    const unsigned long long total = static_cast<unsigned long long>(rows) * k;
+    for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
+         i < total; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
+        const unsigned long long r = i / k;
+        const unsigned int e = ids[i];
+        if (e < experts) {
+            dense[r * experts + e] = weights[i];
+        }
+    }
+}
+
+// out[r * inter + c] = w_r · silu(g') · u' with g' = min(g, limit), u' = clamp(u, -limit, limit)
+// when limit > 0, where w_r = route[r * route_stride] (has_route) or 1. One thread per value.
+extern "C" __global__ void __launch_bounds__(256)
+v4_swiglu_f32(const float* gate, const float* up, const float* route, unsigned int route_stride,
+              unsigned int has_route, unsigned int rows, unsigned int inter, float limit,
+              float* out) {
+    const unsigned long long total = static_cast<unsigned long long>(rows) * inter;
+    for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
+         i < total; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
+        float g = gate[i];
+        float u = up[i];
+        if (limit > 0.0f) {
+            g = fminf(g, limit);
+            u = fminf(fmaxf(u, -limit), limit);
+        }
+        const float a = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, refmath::exp_f32(-g))), u);
+        const unsigned long long r = i / inter;
+        out[i] = has_route != 0u ? __fmul_rn(route[r * route_stride], a) : a;
+    }
+}
+
+// The hyper-head's collapse weights of every row of x [rows, width]:
+// pre[r * hc + k] = sigmoid(dot_sgemm(x_r, proj_k) · inv_r · scale + base_k) + hc_eps with
+// inv_r = 1 / sqrt(Σ_i f64(x_i · x_i) / width + norm_eps) (sum in sequence, in f64, rounded
+// once). One block per row: thread 0 sums the squares, thread k < hc computes weight k.
+extern "C" __global__ void __launch_bounds__(32)
+v4_hyper_head_f32(const float* x, const float* proj, const float* base, unsigned int rows,
+                  unsigned int width, unsigned int hc, float scale, float hc_eps, float norm_eps,
+                  float* pre) {
+    __shared__ float inv;
+    const unsigned int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* row = x + static_cast<size_t>(r) * width;
+    if (threadIdx.x == 0) {
+        double acc = 0.0;
+        for (unsigned int i = 0; i < width; ++i) {
+            acc = __dadd_rn(acc, static_cast<double>(__fmul_rn(row[i], row[i])));
+        }
+        const float mean = __fdiv_rn(__double2float_rn(acc), static_cast<float>(width));
+        inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, norm_eps)));
+    }
+    __syncthreads();
+    for (unsigned int k = threadIdx.x; k < hc; k += blockDim.x) {
+        const float dot = refmath::dot_sgemm_order(row, proj + static_cast<size_t>(k) * width, width);
+        const float logit = __fadd_rn(__fmul_rn(__fmul_rn(dot, inv), scale), base[k]);
+        pre[static_cast<size_t>(r) * hc + k] = __fadd_rn(refmath::sigmoid(logit), hc_eps);
+    }
+}

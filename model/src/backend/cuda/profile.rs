@@ -1,0 +1,166 @@
+//! The opt-in per-op profile of [`CudaBackend`]: when on, every [`Backend`] op waits for the
+//! device before and after it runs and adds its wall time, kernel launches and host-to-device
+//! copies (counted by the kernel runtime) to a table keyed by the op's name. Off by default (then an
+//! op pays one relaxed atomic load); turn it on with [`OpProfile::set_enabled`] or by opening the
+//! backend with `DEEPINFER_CUDA_PROFILE=1`. The waits change what they measure (no overlap of host
+//! work and kernels), so a profile explains a step's time but is not the step's time.
+//!
+//! An op that calls another [`Backend`] op of this backend is timed once, as the outer op.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Instant;
+
+use deepinfer_kernels::runtime::RuntimeCounts;
+
+use super::CudaBackend;
+
+/// The environment variable that turns the profile on when the backend is opened.
+pub const PROFILE_ENV: &str = "DEEPINFER_CUDA_PROFILE";
+
+/// What one op name accumulated.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OpStats {
+    pub calls: u64,
+    /// Wall seconds from the device being idle before the op to it being idle after.
+    pub seconds: f64,
+    pub launches: u64,
+    pub htod_copies: u64,
+    pub htod_bytes: u64,
+}
+
+/// The per-op table of one backend (shared: keep a clone to read it after the backend was handed
+/// to a model).
+#[derive(Debug, Default)]
+pub struct OpProfile {
+    enabled: AtomicBool,
+    /// Ops in progress on this backend (an op inside another is not timed apart).
+    depth: AtomicUsize,
+    ops: Mutex<BTreeMap<&'static str, OpStats>>,
+}
+
+impl OpProfile {
+    /// Whether ops are being profiled.
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    /// Turns the profile on or off (what was gathered stays).
+    pub fn set_enabled(&self, on: bool) {
+        self.enabled.store(on, Ordering::Relaxed);
+    }
+
+    /// The table so far, emptying it.
+    pub fn take(&self) -> BTreeMap<&'static str, OpStats> {
+        std::mem::take(&mut *self.ops.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn add(&self, name: &'static str, seconds: f64, counts: RuntimeCounts) {
+        let mut ops = self.ops.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = ops.entry(name).or_default();
+        entry.calls += 1;
+        entry.seconds += seconds;
+        entry.launches += counts.launches;
+        entry.htod_copies += counts.htod_copies;
+        entry.htod_bytes += counts.htod_bytes;
+    }
+}
+
+/// One op in progress; adds itself to the profile when dropped.
+pub(super) struct OpScope<'a> {
+    backend: &'a CudaBackend,
+    name: &'static str,
+    /// Set when this scope counts (profile on); `Some` start when it is the outermost op.
+    entered: bool,
+    start: Option<(Instant, RuntimeCounts)>,
+}
+
+impl CudaBackend {
+    /// Starts profiling op `name` (nothing when the profile is off); hold the result for the op.
+    pub(super) fn op_scope(&self, name: &'static str) -> OpScope<'_> {
+        let profile = &self.profile;
+        if !profile.enabled() {
+            return OpScope {
+                backend: self,
+                name,
+                entered: false,
+                start: None,
+            };
+        }
+        let outermost = profile.depth.fetch_add(1, Ordering::Relaxed) == 0;
+        let start = outermost.then(|| {
+            // A failed wait shows up again in the op itself, which reports it.
+            let _ = self.rt.synchronize();
+            (Instant::now(), self.rt.counts())
+        });
+        OpScope {
+            backend: self,
+            name,
+            entered: true,
+            start,
+        }
+    }
+}
+
+impl Drop for OpScope<'_> {
+    fn drop(&mut self) {
+        if !self.entered {
+            return;
+        }
+        let backend = self.backend;
+        if let Some((started, counts)) = self.start {
+            let _ = backend.rt.synchronize();
+            backend.profile.add(
+                self.name,
+                started.elapsed().as_secs_f64(),
+                backend.rt.counts() - counts,
+            );
+        }
+        backend.profile.depth.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(launches: u64, htod_copies: u64, htod_bytes: u64) -> RuntimeCounts {
+        RuntimeCounts {
+            launches,
+            htod_copies,
+            htod_bytes,
+        }
+    }
+
+    #[test]
+    fn an_op_accumulates_its_calls_and_take_empties_the_table() {
+        let profile = OpProfile::default();
+        assert!(!profile.enabled(), "off by default");
+        profile.set_enabled(true);
+        assert!(profile.enabled());
+        profile.add("gemm_fp8", 0.25, counts(3, 0, 0));
+        profile.add("gemm_fp8", 0.5, counts(3, 1, 64));
+        profile.add("gather", 0.125, counts(1, 1, 8));
+        let table = profile.take();
+        assert_eq!(
+            table["gemm_fp8"],
+            OpStats {
+                calls: 2,
+                seconds: 0.75,
+                launches: 6,
+                htod_copies: 1,
+                htod_bytes: 64,
+            }
+        );
+        assert_eq!(table["gather"].calls, 1);
+        assert_eq!(table["gather"].htod_bytes, 8);
+        assert_eq!(table.len(), 2);
+        assert!(profile.take().is_empty(), "take empties the table");
+    }
+
+    #[test]
+    fn runtime_counts_subtract_field_by_field() {
+        assert_eq!(counts(10, 4, 4096) - counts(7, 1, 1024), counts(3, 3, 3072));
+    }
+}

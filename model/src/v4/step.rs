@@ -1,0 +1,229 @@
+//! One V4 forward over every sequence of a step. Each sequence's chunk of tokens becomes rows of
+//! one matrix and every layer runs once over all rows (the GEMMs' M is the step's token count), on
+//! [`Tensor`]s that stay where the backend computed them; only what belongs to a sequence runs per
+//! sequence: window pushes, the compressors' pending rows and entries, the indexer's selection, the
+//! key lists and the speculative heads' state. No op mixes rows, so a sequence's logits are bitwise
+//! those of running it alone.
+
+use super::state::{LayerState, SequenceState};
+use super::weights::Linear;
+use super::{Model, attention, block};
+use crate::backend::{RowSampling, Tensor};
+use crate::error::ModelError;
+use crate::sampling::SamplingParams;
+use crate::v41::step::{StepRows, gather_rows};
+use crate::v41::{Ctx, EntryOutput, LogitsWanted, MAX_BACKTRACK};
+
+/// Chunks longer than this many tokens leave their sequence's rings compacted
+/// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
+const COMPACT_AFTER: usize = 4 * MAX_BACKTRACK;
+
+/// One sequence's part of a step ([`Model::forward_step`]).
+pub struct StepEntry<'a> {
+    pub seq: &'a mut SequenceState,
+    /// Appended at the sequence's next positions.
+    pub tokens: &'a [u32],
+    pub want: LogitsWanted,
+    /// Sample the wanted rows on the backend and return token ids ([`EntryOutput::Tokens`]): the
+    /// row of the token at position `p` gives the token at `p + 1`, sampled as
+    /// [`crate::sampling::sample`] with `p + 1` as the noise counter. `None`: the logits rows
+    /// ([`EntryOutput::Logits`]).
+    pub sample: Option<SamplingParams>,
+}
+
+/// A bad entry of a step: its index, when the step has more than one.
+fn step_error(entry: usize, entries: usize, err: ModelError) -> ModelError {
+    match err {
+        ModelError::Sequence { message } if entries > 1 => ModelError::Sequence {
+            message: format!("step entry {entry}: {message}"),
+        },
+        other => other,
+    }
+}
+
+impl Model {
+    /// One forward over several sequences at once: each entry's tokens are appended at its
+    /// sequence's next positions; returns, per entry and in order, its logits rows (as
+    /// [`Model::forward`] returns them for that entry alone, bit for bit) or, for an entry that
+    /// asks to `sample`, the tokens sampled from them on the backend (the logits then never leave
+    /// the device). Every entry is checked before any state changes: a bad entry fails the step
+    /// naming its index.
+    pub fn forward_step(
+        &self,
+        entries: &mut [StepEntry<'_>],
+    ) -> Result<Vec<EntryOutput>, ModelError> {
+        for (e, entry) in entries.iter().enumerate() {
+            self.check_chunk(entry.seq, entry.tokens)
+                .map_err(|err| step_error(e, entries.len(), err))?;
+        }
+        let cfg = &self.cfg;
+        let ctx = self.ctx();
+        let precision = cfg.precision();
+        let (hc, dim) = (cfg.hc.mult, cfg.dim);
+        let width = hc * dim;
+        let rows = StepRows::new(
+            entries
+                .iter()
+                .map(|entry| (entry.seq.len, entry.tokens.len())),
+        );
+        let tokens: Vec<u32> = entries
+            .iter()
+            .flat_map(|entry| entry.tokens.iter().copied())
+            .collect();
+        let wants: Vec<(LogitsWanted, Option<SamplingParams>)> = entries
+            .iter()
+            .map(|entry| (entry.want, entry.sample))
+            .collect();
+        let mut seqs: Vec<&mut SequenceState> =
+            entries.iter_mut().map(|entry| &mut *entry.seq).collect();
+
+        let mut streams = Vec::with_capacity(tokens.len() * width);
+        for &token in &tokens {
+            let row = &self.embed[token as usize * dim..(token as usize + 1) * dim];
+            for _ in 0..hc {
+                streams.extend_from_slice(row);
+            }
+        }
+        let mut streams = Tensor::from(streams);
+        let targets = cfg
+            .dspark
+            .as_ref()
+            .filter(|_| self.dspark.is_some())
+            .map_or(&[][..], |d| &d.target_layers[..]);
+        // The mean streams entering each target layer `[n, dim]`, in the config's target order.
+        let mut taps: Vec<Tensor> = vec![Tensor::empty(); targets.len()];
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (tap, _) in taps.iter_mut().zip(targets).filter(|(_, t)| **t == l) {
+                *tap = ctx.backend.stream_means_at(&streams, hc, dim, precision);
+            }
+            let table = ctx.rope.for_layer(cfg, l);
+            let mut states: Vec<&mut LayerState> =
+                seqs.iter_mut().map(|seq| &mut seq.layers[l]).collect();
+            block::forward(&ctx, layer, &mut streams, &tokens, |xn| {
+                attention::forward_rows(
+                    &ctx,
+                    &layer.attn,
+                    table,
+                    xn,
+                    &rows,
+                    &mut states,
+                    &self.unit,
+                )
+            });
+        }
+        if self.mtp.is_some() || self.dspark.is_some() {
+            for ((seq, span), entry_tokens) in seqs
+                .iter_mut()
+                .zip(&rows.spans)
+                .zip(rows.spans.iter().map(|span| &tokens[span.clone()]))
+            {
+                let entry_streams = streams.rows(span.clone(), width);
+                let entry_taps: Vec<Tensor> =
+                    taps.iter().map(|tap| tap.rows(span.clone(), dim)).collect();
+                self.advance_speculative(
+                    &ctx,
+                    seq,
+                    entry_tokens,
+                    &entry_streams,
+                    &entry_taps,
+                    &rows.positions[span.clone()],
+                );
+            }
+        }
+        let outputs = self.head_rows(&ctx, &rows, &wants, &streams)?;
+        for (seq, span) in seqs.iter_mut().zip(&rows.spans) {
+            seq.len += span.len();
+            seq.trim(cfg.window_size);
+            if span.len() > COMPACT_AFTER {
+                seq.compact(ctx.backend);
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// The hyper-head collapse, norm and head over the rows each entry wants: one head GEMM for
+    /// the entries that want logits, one sampled head for those that sample.
+    fn head_rows(
+        &self,
+        ctx: &Ctx,
+        rows: &StepRows,
+        wants: &[(LogitsWanted, Option<SamplingParams>)],
+        streams: &Tensor,
+    ) -> Result<Vec<EntryOutput>, ModelError> {
+        let cfg = &self.cfg;
+        let (width, vocab) = (cfg.hc.mult * cfg.dim, cfg.vocab_size);
+        let backend = ctx.backend;
+        let wanted: Vec<Vec<usize>> = rows
+            .spans
+            .iter()
+            .zip(wants)
+            .map(|(span, (want, _))| match want {
+                LogitsWanted::All => span.clone().collect(),
+                LogitsWanted::Last => span.clone().last().into_iter().collect(),
+            })
+            .collect();
+        let rows_of = |sampled: bool| -> Vec<usize> {
+            wanted
+                .iter()
+                .zip(wants)
+                .filter(|(_, (_, sample))| sample.is_some() == sampled)
+                .flat_map(|(rows, _)| rows.iter().copied())
+                .collect()
+        };
+        let hidden_of = |selected: &[usize]| {
+            let x = gather_rows(backend, streams, selected.iter().copied(), width);
+            let h = block::hyper_head(ctx, &self.hyper_head, &x);
+            backend.rms_norm_at(&h, &self.norm, cfg.norm_eps, cfg.precision())
+        };
+        let logit_rows = rows_of(false);
+        let logits = if logit_rows.is_empty() {
+            Vec::new()
+        } else {
+            self.head.apply(backend, &hidden_of(&logit_rows)).into_vec()
+        };
+        let sampled_rows = rows_of(true);
+        let sampling: Vec<RowSampling> = wanted
+            .iter()
+            .zip(wants)
+            .filter_map(|(rows, (_, sample))| Some((rows, (*sample)?)))
+            .flat_map(|(entry_rows, params)| {
+                entry_rows.iter().map(move |&row| RowSampling {
+                    params,
+                    position: rows.positions[row] as u64 + 1,
+                })
+            })
+            .collect();
+        let tokens = if sampled_rows.is_empty() {
+            Vec::new()
+        } else {
+            let hidden = hidden_of(&sampled_rows);
+            match &self.head {
+                Linear::Dense { out, inp, values } => {
+                    backend.sample_linear(&hidden, values, *out, *inp, &sampling)
+                }
+                quantised => {
+                    let logits = quantised.apply(backend, &hidden);
+                    backend.sample_rows(&logits, vocab, &sampling)
+                }
+            }
+            .map_err(|e| ModelError::Sequence {
+                message: e.to_string(),
+            })?
+        };
+        let (mut at_logits, mut at_tokens) = (0, 0);
+        Ok(wanted
+            .iter()
+            .zip(wants)
+            .map(|(rows, (_, sample))| {
+                let n = rows.len();
+                if sample.is_some() {
+                    at_tokens += n;
+                    EntryOutput::Tokens(tokens[at_tokens - n..at_tokens].to_vec())
+                } else {
+                    at_logits += n;
+                    EntryOutput::Logits(logits[(at_logits - n) * vocab..at_logits * vocab].to_vec())
+                }
+            })
+            .collect())
+    }
+}
