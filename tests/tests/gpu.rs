@@ -898,7 +898,9 @@ fn backend_gemms_are_bit_exact_and_upload_weights_once() {
 }
 
 /// The fp32 linears over FP8 / FP4 weights (V4's float32 path): dequantised on the device from the
-/// cached FP8 / FP4 copy, in blocks of 1024 rows, against the trait's host default.
+/// cached FP8 / FP4 copy (the whole weight, or equal blocks of rows past 2^26 values: the
+/// 8200 × 8192 case runs as two blocks of 4100 rows) against the trait's host default; the result
+/// stays on the device (no copy until the comparison reads it).
 #[test]
 fn backend_fp32_linears_over_quantised_weights_are_bit_exact() {
     let Some(gpu) = cuda_backend("backend_fp32_linears_over_quantised_weights_are_bit_exact")
@@ -906,27 +908,36 @@ fn backend_fp32_linears_over_quantised_weights_are_bit_exact() {
         return;
     };
     let cpu = CpuBackend::new();
+    let counters = gpu.transfer_counters();
     let mut rng = Rng(18);
     let mut checked = 0;
-    // 1100 rows cross the 1024-row dequantisation block; 320 inputs = 2 sgemm blocks.
-    for (out, inp, block) in [
-        (1100usize, 96usize, 32usize),
-        (70, 320, 32),
-        (131, 384, 128),
+    // 320 inputs = 2 sgemm blocks; 8200 × 8192 > 2^26 values = 2 dequantisation blocks.
+    for (out, inp, block, rows) in [
+        (1100usize, 96usize, 32usize, &[1usize, 3][..]),
+        (70, 320, 32, &[1, 3]),
+        (131, 384, 128, &[1, 3]),
+        (8200, 8192, 128, &[2]),
     ] {
         let w = random_fp8_weight(&mut rng, out, inp, block);
-        for rows in [1usize, 3] {
-            let x = fp32_values(&mut rng, rows * inp);
+        for &rows in rows {
+            let x = Tensor::from(fp32_values(&mut rng, rows * inp));
+            let before = counters.snapshot();
+            let y = gpu.linear_fp8_f32(&x, &w);
+            assert_eq!(
+                counters.snapshot().to_host_copies,
+                before.to_host_copies,
+                "linear_fp8_f32 copied its result to the host"
+            );
             checked += assert_bitwise(
                 &format!("linear_fp8_f32 [{rows}x{inp}]·[{inp}x{out}] t{block}"),
-                &gpu.linear_fp8_f32(&x, &w),
+                &y,
                 &cpu.linear_fp8_f32(&x, &w),
             );
         }
     }
     for (out, inp) in [(70usize, 320usize), (1030, 64)] {
         let w = random_fp4_weight(&mut rng, out, inp);
-        let x = fp32_values(&mut rng, 2 * inp);
+        let x = Tensor::from(fp32_values(&mut rng, 2 * inp));
         checked += assert_bitwise(
             &format!("linear_fp4_f32 [2x{inp}]·[{inp}x{out}]"),
             &gpu.linear_fp4_f32(&x, &w),

@@ -570,26 +570,26 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `x [rows, w.inp] · Wᵀ` in fp32 with the FP8 weight dequantised exactly and the activations
     /// left as they are (the transformers float32 numerics of V4); equals [`Backend::linear_f32`]
     /// on `w.to_f32()` without materialising it.
-    fn linear_fp8_f32(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
-        let xt = Tensor::from(x);
+    fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
         dequantised_linear(
             x.len(),
             w.out,
             w.inp,
             |row, block| fp8_row(w, row, block),
-            |rows, n| self.linear_f32(&xt, rows, n, w.inp).into_vec(),
+            |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
         )
+        .into()
     }
     /// [`Backend::linear_fp8_f32`] for a packed FP4 weight.
-    fn linear_fp4_f32(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
-        let xt = Tensor::from(x);
+    fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
         dequantised_linear(
             x.len(),
             w.out,
             w.inp,
             |row, block| fp4_row(w, row, block),
-            |rows, n| self.linear_f32(&xt, rows, n, w.inp).into_vec(),
+            |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
         )
+        .into()
     }
 
     /// `round(x · scale)` of every value, rounded at `precision` (the indexer's head weights,

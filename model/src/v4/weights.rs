@@ -28,13 +28,12 @@ pub enum Linear {
 }
 
 impl Linear {
-    /// `x [rows, inp] · Wᵀ` → `[rows, out]`, fp32, weights dequantised exactly. A dense weight
-    /// multiplies where `x` is; an FP8/FP4 one reads `x` on the host.
+    /// `x [rows, inp] · Wᵀ` → `[rows, out]`, fp32, weights dequantised exactly, where `x` is.
     pub fn apply(&self, backend: &dyn Backend, x: &Tensor) -> Tensor {
         match self {
             Linear::Dense { out, inp, values } => backend.linear_f32(x, values, *out, *inp),
-            Linear::Fp8(w) => backend.linear_fp8_f32(x, w).into(),
-            Linear::Fp4(w) => backend.linear_fp4_f32(x, w).into(),
+            Linear::Fp8(w) => backend.linear_fp8_f32(x, w),
+            Linear::Fp4(w) => backend.linear_fp4_f32(x, w),
         }
     }
 }

@@ -79,13 +79,14 @@ impl CudaBackend {
     }
 
     /// [`Backend::linear_fp8_f32`], with errors: the FP8 weight (cached on the device) is
-    /// dequantised exactly to f32 on the device, [`DEQUANT_ROWS`] rows at a time, and multiplied
-    /// in the CPU sgemm order, as the default method does on the host.
+    /// dequantised exactly to f32 on the device in blocks of rows ([`dequant_block_rows`]) and
+    /// multiplied in the CPU sgemm order, as the default method does on the host; `x` and the
+    /// result stay on the device.
     pub fn try_linear_fp8_f32(
         &self,
-        x: &[f32],
+        x: &Tensor,
         w: &Fp8Weight,
-    ) -> Result<Vec<f32>, CudaBackendError> {
+    ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "linear_fp8_f32";
         let dw = self.cached_fp8(w)?;
         self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
@@ -96,9 +97,9 @@ impl CudaBackend {
     /// [`Backend::linear_fp4_f32`], with errors (see [`CudaBackend::try_linear_fp8_f32`]).
     pub fn try_linear_fp4_f32(
         &self,
-        x: &[f32],
+        x: &Tensor,
         w: &Fp4Weight,
-    ) -> Result<Vec<f32>, CudaBackendError> {
+    ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "linear_fp4_f32";
         let dw = self.cached_fp4(w)?;
         self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
@@ -107,14 +108,15 @@ impl CudaBackend {
     }
 
     /// `x · Wᵀ` (fp32 out) with `W [out, inp]` dequantised block by block by `dequant` (first row,
-    /// rows, output buffer). Each output is one sgemm-order chain, so the blocking never shows.
+    /// rows, output buffer). Each output is one sgemm-order chain, so the blocking never shows;
+    /// the blocks' columns are interleaved into `[rows, out]` by one gather.
     fn dequantised_linear(
         &self,
         op: &'static str,
-        x: &[f32],
+        x: &Tensor,
         (out, inp): (usize, usize),
         dequant: impl Fn(usize, usize, &mut CudaSlice<f32>) -> Result<(), KernelError>,
-    ) -> Result<Vec<f32>, CudaBackendError> {
+    ) -> Result<Tensor, CudaBackendError> {
         if inp == 0 || !x.len().is_multiple_of(inp) {
             return Err(shape_err(
                 op,
@@ -123,12 +125,12 @@ impl CudaBackend {
         }
         let rows = x.len() / inp;
         if rows == 0 || out == 0 {
-            return Ok(Vec::new());
+            return Ok(Tensor::empty());
         }
-        let dx = self.upload(op, x)?;
-        let mut y = vec![0.0f32; rows * out];
-        for start in (0..out).step_by(DEQUANT_ROWS) {
-            let count = DEQUANT_ROWS.min(out - start);
+        let dx = self.input(op, x)?;
+        let count = dequant_block_rows(out, inp);
+        let mut parts = Vec::with_capacity(out / count);
+        for start in (0..out).step_by(count) {
             let mut block = self.alloc(op, count * inp)?;
             dequant(start, count, &mut block).map_err(op_err(op))?;
             let mut part = self.alloc(op, rows * count)?;
@@ -141,12 +143,15 @@ impl CudaBackend {
                 Rounding::F32,
             )
             .map_err(op_err(op))?;
-            let part = self.download(op, &part)?;
-            for (r, chunk) in part.chunks_exact(count).enumerate() {
-                y[r * out + start..r * out + start + count].copy_from_slice(chunk);
-            }
+            parts.push(self.tensor(part));
         }
-        Ok(y)
+        if let [whole] = &parts[..] {
+            return Ok(whole.clone());
+        }
+        let pieces: Vec<(&Tensor, usize)> = (0..rows)
+            .flat_map(|r| parts.iter().map(move |part| (part, r * count)))
+            .collect();
+        self.try_gather(&pieces, count)
     }
 
     /// [`Backend::rms_norm_at`], with errors.
@@ -269,5 +274,37 @@ impl CudaBackend {
             return Ok(x);
         }
         self.in_place(OP, x, |dx| qdq_f32(&self.rt, dx, point).map_err(op_err(OP)))
+    }
+}
+
+/// Weight rows dequantised at a time by the fp32 linears over FP8 / FP4 weights: the whole weight
+/// when it has at most [`DEQUANT_ELEMENTS`] values, else the largest divisor of `out` whose rows
+/// fit (equal blocks, so their columns interleave with one gather).
+pub(crate) fn dequant_block_rows(out: usize, inp: usize) -> usize {
+    let fit = (DEQUANT_ELEMENTS / inp.max(1)).max(1);
+    if out <= fit {
+        return out.max(1);
+    }
+    (1..=fit)
+        .rev()
+        .find(|d| out.is_multiple_of(*d))
+        .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dequant_blocks_are_equal_divisors_of_the_rows_within_the_budget() {
+        assert_eq!(dequant_block_rows(1100, 96), 1100);
+        let inp = 8192;
+        let fit = DEQUANT_ELEMENTS / inp;
+        assert_eq!(dequant_block_rows(fit, inp), fit);
+        assert_eq!(dequant_block_rows(2 * fit + 4, inp), fit / 2 + 1);
+        assert_eq!(dequant_block_rows(129_280, 4096), 16_160);
+        // A prime row count beyond the budget falls back to single rows.
+        assert_eq!(dequant_block_rows(1_000_003, 4096), 1);
+        assert_eq!(dequant_block_rows(0, 16), 1);
     }
 }

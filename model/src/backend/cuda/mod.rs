@@ -142,8 +142,9 @@ struct HostKey {
     fingerprint: u64,
 }
 
-/// Weight rows dequantised to f32 at a time by the fp32 linears over FP8 / FP4 weights.
-const DEQUANT_ROWS: usize = 1024;
+/// The most weight values the fp32 linears over FP8 / FP4 weights dequantise at a time (256 MiB
+/// of f32 scratch).
+const DEQUANT_ELEMENTS: usize = 1 << 26;
 
 /// Buffers up to this many elements are fingerprinted in full.
 const FULL_FINGERPRINT_LEN: usize = 4096;
@@ -655,12 +656,12 @@ impl Backend for CudaBackend {
         self.try_gather(pieces, width).unwrap_or_else(device_fault)
     }
 
-    fn linear_fp8_f32(&self, x: &[f32], w: &Fp8Weight) -> Vec<f32> {
+    fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
         let _op = self.op_scope("linear_fp8_f32");
         self.try_linear_fp8_f32(x, w).unwrap_or_else(device_fault)
     }
 
-    fn linear_fp4_f32(&self, x: &[f32], w: &Fp4Weight) -> Vec<f32> {
+    fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
         let _op = self.op_scope("linear_fp4_f32");
         self.try_linear_fp4_f32(x, w).unwrap_or_else(device_fault)
     }
