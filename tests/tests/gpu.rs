@@ -947,6 +947,24 @@ fn backend_fp32_linears_over_quantised_weights_are_bit_exact() {
     println!("backend linear_fp8_f32 / linear_fp4_f32: {checked} values bit-exact");
 }
 
+/// `Backend::resident`: a host tensor (a step's embedded streams) is uploaded once and comes back
+/// as a device tensor with the same values; a device tensor is kept as it is (same buffer).
+#[test]
+fn resident_uploads_a_host_tensor_once_and_keeps_a_device_one() {
+    let Some(gpu) = cuda_backend("resident_uploads_a_host_tensor_once_and_keeps_a_device_one")
+    else {
+        return;
+    };
+    let values = fp32_values(&mut Rng(31), 1037);
+    let placed = gpu.resident(Tensor::from(values.clone()));
+    let view = placed.device_view().expect("a device tensor");
+    let kept = gpu.resident(placed.clone());
+    let kept_view = kept.device_view().expect("still a device tensor");
+    assert!(std::sync::Arc::ptr_eq(&view.buffer, &kept_view.buffer));
+    assert_eq!(kept_view.offset, view.offset);
+    assert_bitwise("resident", &kept, &values);
+}
+
 #[test]
 fn backend_open_is_an_error_without_a_driver() {
     if driver_available().is_ok() {

@@ -671,6 +671,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         }
         x
     }
+    /// `x` where this backend's ops read it without a copy: as it is on the CPU; a host tensor
+    /// uploaded once into device memory on a device backend (a step's embedded streams, which
+    /// several ops of the first layer read).
+    fn resident(&self, x: Tensor) -> Tensor {
+        x
+    }
     /// The index of the first maximum of every `width`-wide row of `x` (the drafter's greedy
     /// choice; rows hold no NaN).
     fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {

@@ -84,7 +84,8 @@ impl Model {
                 streams.extend_from_slice(row);
             }
         }
-        let mut streams = Tensor::from(streams);
+        // Uploaded once on a device backend: the first layer's ops all read them.
+        let mut streams = ctx.backend.resident(Tensor::from(streams));
         let targets = cfg
             .dspark
             .as_ref()

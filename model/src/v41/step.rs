@@ -309,11 +309,14 @@ impl Model {
                 streams.extend_from_slice(row);
             }
         }
-        let mut streams = Tensor::from(streams);
-        let mut pre: Tensor = (0..n_rows * hc)
-            .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
-            .collect::<Vec<f32>>()
-            .into();
+        // Uploaded once on a device backend: the first layer's ops all read them.
+        let mut streams = ctx.backend.resident(Tensor::from(streams));
+        let mut pre = ctx.backend.resident(
+            (0..n_rows * hc)
+                .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
+                .collect::<Vec<f32>>()
+                .into(),
+        );
         let targets = cfg
             .dspark
             .as_ref()

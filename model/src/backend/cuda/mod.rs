@@ -586,6 +586,15 @@ impl CudaBackend {
         Ok(address)
     }
 
+    /// [`Backend::resident`], with errors: a device tensor as it is, a host one uploaded.
+    pub fn try_resident(&self, x: Tensor) -> Result<Tensor, CudaBackendError> {
+        if x.is_empty() || x.device_view().is_some() {
+            return Ok(x);
+        }
+        let data = self.upload("resident", x.as_host())?;
+        Ok(self.tensor(data))
+    }
+
     /// [`Backend::gather`], with errors: one launch over a table of the pieces' addresses.
     pub fn try_gather(
         &self,
@@ -937,6 +946,11 @@ impl Backend for CudaBackend {
     fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
         let _op = self.op_scope("add");
         self.try_add(x, y).unwrap_or_else(device_fault)
+    }
+
+    fn resident(&self, x: Tensor) -> Tensor {
+        let _op = self.op_scope("resident");
+        self.try_resident(x).unwrap_or_else(device_fault)
     }
 
     fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
