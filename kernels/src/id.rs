@@ -223,6 +223,13 @@ pub enum KernelId {
     SwigluRowsF32,
     /// MoE combine: slot outputs in increasing expert id, then the shared expert, one rounding.
     MoeCombineF32,
+    /// Exact fp32 routed-expert linear (V4: dense/FP8/FP4 weights dequantised exactly), the
+    /// sgemm-order block partials of tiles of one expert (reduced by `LinearSgemmReduceF32`).
+    GemmExactRoutedPartialsF32,
+    /// [`KernelId::SwigluRowsF32`] over f32 gate/up rows.
+    SwigluExactRowsF32,
+    /// [`KernelId::MoeCombineF32`] over f32 slot and shared outputs.
+    MoeCombineExactF32,
     /// The indexer's top-k of many queries' scores (largest, ties to the lower index, ascending).
     TopKRowsF32,
     /// The candidate mask (level one of the two-level top-k) of many queries' scores.
@@ -239,16 +246,12 @@ pub enum KernelId {
     AddF32,
     /// V4 compressor pooling: softmax of biased gates over slots given by device address, fp32.
     V4PoolF32,
-    /// V4 MoE route weights scattered into a dense `[rows, experts]` matrix.
-    V4DenseRoutesF32,
-    /// V4 SwiGLU of exact expert rows, clamped, scaled by one route-weight column, fp32.
-    V4SwigluF32,
     /// V4 hyper-head collapse weights (sigmoid of the normed projection), fp32.
     V4HyperHeadF32,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 63] = [
+    pub const ALL: [KernelId; 64] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -301,6 +304,9 @@ impl KernelId {
         KernelId::GemmFp8T32RoutedExpertsG32,
         KernelId::SwigluRowsF32,
         KernelId::MoeCombineF32,
+        KernelId::GemmExactRoutedPartialsF32,
+        KernelId::SwigluExactRowsF32,
+        KernelId::MoeCombineExactF32,
         KernelId::TopKRowsF32,
         KernelId::CandidateMaskRowsF32,
         KernelId::ApplyMaskRowsF32,
@@ -309,8 +315,6 @@ impl KernelId {
         KernelId::ComposeSelectedRows,
         KernelId::AddF32,
         KernelId::V4PoolF32,
-        KernelId::V4DenseRoutesF32,
-        KernelId::V4SwigluF32,
         KernelId::V4HyperHeadF32,
     ];
 
@@ -369,6 +373,9 @@ impl KernelId {
             KernelId::GemmFp8T32RoutedExpertsG32 => "gemm_fp8_t32_routed_experts_g32_bf16",
             KernelId::SwigluRowsF32 => "swiglu_rows_f32",
             KernelId::MoeCombineF32 => "moe_combine_f32",
+            KernelId::GemmExactRoutedPartialsF32 => "gemm_exact_routed_partials_f32",
+            KernelId::SwigluExactRowsF32 => "swiglu_exact_rows_f32",
+            KernelId::MoeCombineExactF32 => "moe_combine_exact_f32",
             KernelId::TopKRowsF32 => "top_k_rows_f32",
             KernelId::CandidateMaskRowsF32 => "candidate_mask_rows_f32",
             KernelId::ApplyMaskRowsF32 => "apply_mask_rows_f32",
@@ -377,8 +384,6 @@ impl KernelId {
             KernelId::ComposeSelectedRows => "compose_selected_rows",
             KernelId::AddF32 => "add_f32",
             KernelId::V4PoolF32 => "v4_pool_f32",
-            KernelId::V4DenseRoutesF32 => "v4_dense_routes_f32",
-            KernelId::V4SwigluF32 => "v4_swiglu_f32",
             KernelId::V4HyperHeadF32 => "v4_hyper_head_f32",
         }
     }
@@ -432,7 +437,10 @@ impl KernelId {
             | KernelId::GemmFp4RoutedExpertsG32
             | KernelId::GemmFp8T32RoutedExpertsG32
             | KernelId::SwigluRowsF32
-            | KernelId::MoeCombineF32 => SourceFile::MoeRouted,
+            | KernelId::MoeCombineF32
+            | KernelId::GemmExactRoutedPartialsF32
+            | KernelId::SwigluExactRowsF32
+            | KernelId::MoeCombineExactF32 => SourceFile::MoeRouted,
             KernelId::TopKRowsF32 | KernelId::CandidateMaskRowsF32 | KernelId::ApplyMaskRowsF32 => {
                 SourceFile::TopK
             }
@@ -440,10 +448,7 @@ impl KernelId {
             | KernelId::Bf16ToF32
             | KernelId::ComposeSelectedRows
             | KernelId::AddF32 => SourceFile::Movement,
-            KernelId::V4PoolF32
-            | KernelId::V4DenseRoutesF32
-            | KernelId::V4SwigluF32
-            | KernelId::V4HyperHeadF32 => SourceFile::V4,
+            KernelId::V4PoolF32 | KernelId::V4HyperHeadF32 => SourceFile::V4,
         }
     }
 }

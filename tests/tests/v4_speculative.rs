@@ -11,7 +11,6 @@
 //! component (the Markov bias and the confidence head's Markov half) equals a direct computation
 //! from the checkpoint's tensors.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use deepinfer_model::LogitsWanted;
@@ -19,9 +18,10 @@ use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::checkpoint::{Checkpoint, write_random_checkpoint};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::v4::{DraftProposal, Model, SequenceState};
-use safetensors::SafeTensors;
-use safetensors::tensor::TensorView;
-use serde_json::Value;
+use safetensors::Dtype;
+
+mod checkpoint_patch;
+use checkpoint_patch::patch_tensor;
 
 /// Context tokens: more than the reduced window (16) so the heads' rings wrap.
 const CONTEXT: usize = 30;
@@ -216,40 +216,6 @@ fn dspark_proposals_are_stable_under_chunking_rollback_and_drafting() {
     assert!(model.mtp_logits(&straight, next).is_err(), "no MTP block");
 }
 
-/// Rewrites one BF16 tensor of a written checkpoint in place (same shard, same shape).
-fn patch_bf16(dir: &Path, name: &str, patch: impl FnOnce(&mut [u8])) {
-    let index: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("model.safetensors.index.json")).expect("index"),
-    )
-    .expect("index parses");
-    let file = index["weight_map"][name]
-        .as_str()
-        .expect("tensor in the index");
-    let path = dir.join(file);
-    let bytes = std::fs::read(&path).expect("shard");
-    let shard = SafeTensors::deserialize(&bytes).expect("shard parses");
-    let mut tensors: Vec<_> = shard
-        .tensors()
-        .into_iter()
-        .map(|(n, view)| (n, view.dtype(), view.shape().to_vec(), view.data().to_vec()))
-        .collect();
-    let target = tensors
-        .iter_mut()
-        .find(|(n, ..)| n == name)
-        .expect("tensor in its shard");
-    assert_eq!(target.1, safetensors::Dtype::BF16);
-    patch(&mut target.3);
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, dtype, shape, data)| {
-            let view = TensorView::new(*dtype, shape.clone(), data).expect("view");
-            (n.clone(), view)
-        })
-        .collect();
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(metadata), &path).expect("shard rewritten");
-}
-
 /// Hand check of the Markov head: with `markov_w1[anchor] = 0` the first draft row is the base
 /// logits `U_0`; with `markov_w1[anchor] = e_j` it is `U_0 + markov_w2[:, j]`, and the raw
 /// confidence moves by `w_conf[dim + j]`.
@@ -271,9 +237,11 @@ fn markov_bias_row_is_w2_times_w1_of_the_anchor() {
         let (seq, _) = prefill(&model, &text, &[CONTEXT]);
         model.draft(&seq, anchor).expect("draft")
     };
-    patch_bf16(dir.path(), &w1, |data| data[row.clone()].fill(0));
+    patch_tensor(dir.path(), &w1, Dtype::BF16, |data| {
+        data[row.clone()].fill(0)
+    });
     let base = propose(dir.path());
-    patch_bf16(dir.path(), &w1, |data| {
+    patch_tensor(dir.path(), &w1, Dtype::BF16, |data| {
         // bf16 1.0 = 0x3F80, little-endian.
         data[row.start + 2 * j..row.start + 2 * j + 2].copy_from_slice(&[0x80, 0x3f]);
     });

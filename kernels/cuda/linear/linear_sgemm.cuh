@@ -18,39 +18,53 @@ constexpr u32_t TILE_ROWS = THREADS / 32;  // one warp per row of the tile
 constexpr u32_t TILE_COLS = 32;            // one lane per column
 constexpr u32_t MAX_BLOCKS = 256;          // inp <= 65536 (checked by the launcher)
 
-// Grid (ceil(out / TILE_COLS), 256-blocks, ceil(rows / TILE_ROWS)). partials[b][r][o] (b-major,
-// so the reducer reads them coalesced) is block b's FMA chain of output (r, o).
-__device__ void linear_sgemm_partials(const float* __restrict__ x, const float* __restrict__ w,
-                                      float* __restrict__ partials, LinearParams p) {
+// One tile's FMA chains of one 256-block: TILE_ROWS rows x TILE_COLS columns (threads past
+// `rows` or `out` idle), the weight tile (w_at(c, k): column col0 + c, input start + k) and the
+// input tile (x_at(r, k): tile row r) staged in shared memory; partials[(block * partial_rows +
+// out_row(r)) * out + col0 + c] is the chain of tile row r and column col0 + c.
+template <class XAt, class WAt, class OutRow>
+__device__ __forceinline__ void sgemm_tile_partials(XAt x_at, WAt w_at, OutRow out_row, u32_t rows, u32_t col0,
+                                                    u32_t block, u32_t out, u32_t inp, u32_t partial_rows,
+                                                    float* __restrict__ partials) {
     __shared__ float w_tile[TILE_COLS][refmath::SGEMM_K_BLOCK + 1];
     __shared__ float x_tile[TILE_ROWS][refmath::SGEMM_K_BLOCK];
-    const u32_t col0 = blockIdx.x * TILE_COLS;
-    const u32_t block = blockIdx.y;
-    const u32_t row0 = blockIdx.z * TILE_ROWS;
     const u32_t start = block * refmath::SGEMM_K_BLOCK;
-    const u32_t len = min(refmath::SGEMM_K_BLOCK, p.inp - start);
+    const u32_t len = min(refmath::SGEMM_K_BLOCK, inp - start);
     // Coalesced loads: consecutive threads read consecutive k of one weight (or input) row.
 #pragma unroll 8
     for (u32_t i = threadIdx.x; i < TILE_COLS * refmath::SGEMM_K_BLOCK; i += THREADS) {
         const u32_t c = i / refmath::SGEMM_K_BLOCK;
         const u32_t k = i % refmath::SGEMM_K_BLOCK;
-        w_tile[c][k] = (col0 + c < p.out && k < len) ? __ldg(w + (size_t)(col0 + c) * p.inp + start + k) : 0.0f;
+        w_tile[c][k] = (col0 + c < out && k < len) ? w_at(c, start + k) : 0.0f;
     }
 #pragma unroll 8
     for (u32_t i = threadIdx.x; i < TILE_ROWS * refmath::SGEMM_K_BLOCK; i += THREADS) {
         const u32_t r = i / refmath::SGEMM_K_BLOCK;
         const u32_t k = i % refmath::SGEMM_K_BLOCK;
-        x_tile[r][k] = (row0 + r < p.rows && k < len) ? __ldg(x + (size_t)(row0 + r) * p.inp + start + k) : 0.0f;
+        x_tile[r][k] = (r < rows && k < len) ? x_at(r, start + k) : 0.0f;
     }
     __syncthreads();
     const u32_t r = threadIdx.x / 32;
     const u32_t c = threadIdx.x % 32;
-    if (row0 + r >= p.rows || col0 + c >= p.out) return;
+    if (r >= rows || col0 + c >= out) return;
     // quant::dot_f32_sgemm's chain of one block: acc = fma(x[k], w[k], acc) for k in order, from 0.
     float acc = 0.0f;
 #pragma unroll 16
     for (u32_t k = 0; k < len; ++k) acc = __fmaf_rn(x_tile[r][k], w_tile[c][k], acc);
-    partials[((size_t)block * p.rows + row0 + r) * p.out + col0 + c] = acc;
+    partials[((size_t)block * partial_rows + out_row(r)) * out + col0 + c] = acc;
+}
+
+// Grid (ceil(out / TILE_COLS), 256-blocks, ceil(rows / TILE_ROWS)). partials[b][r][o] (b-major,
+// so the reducer reads them coalesced) is block b's FMA chain of output (r, o).
+__device__ void linear_sgemm_partials(const float* __restrict__ x, const float* __restrict__ w,
+                                      float* __restrict__ partials, LinearParams p) {
+    const u32_t col0 = blockIdx.x * TILE_COLS;
+    const u32_t row0 = blockIdx.z * TILE_ROWS;
+    const auto x_at = [&](u32_t r, u32_t k) { return __ldg(x + (size_t)(row0 + r) * p.inp + k); };
+    const auto w_at = [&](u32_t c, u32_t k) { return __ldg(w + (size_t)(col0 + c) * p.inp + k); };
+    const auto out_row = [&](u32_t r) { return row0 + r; };
+    sgemm_tile_partials(x_at, w_at, out_row, min(TILE_ROWS, p.rows - row0), col0, blockIdx.y, p.out, p.inp,
+                        p.rows, partials);
 }
 
 // One thread per output: its block partials pushed in K order into the CPU's pairwise tree.
@@ -65,28 +79,37 @@ __device__ void linear_sgemm_reduce(const float* __restrict__ partials, float* _
     y[i] = p.round_bf16 ? round_bf16_f32(v) : v;
 }
 
-// Weight rows dequantised to f32 (exact: code value times a power of two), as the CPU reference's
-// fp32 linears over FP8 / FP4 weights expand them (Backend::linear_fp8_f32 / linear_fp4_f32).
+// Weight values dequantised to f32 (exact: code value times a power of two), as the CPU reference's
+// fp32 linears over FP8 / FP4 weights expand them (Backend::linear_fp8_f32 / linear_fp4_f32):
+// value (row, col) of a [rows, k] weight; FP8 with square `tile` x `tile` scales (`scale_cols` per
+// scale row), FP4 packed two per byte (low nibble first) with 1 x 32 scales.
+__device__ __forceinline__ float fp8_weight(const u8_t* __restrict__ codes, const u8_t* __restrict__ scales, u32_t row,
+                                            u32_t col, u32_t k, u32_t tile, u32_t scale_cols) {
+    const float scale = e8m0_decode(scales[(size_t)(row / tile) * scale_cols + col / tile]);
+    return __fmul_rn(e4m3_decode(codes[(size_t)row * k + col]), scale);
+}
+
+__device__ __forceinline__ float fp4_weight(const u8_t* __restrict__ packed, const u8_t* __restrict__ scales, u32_t row,
+                                            u32_t col, u32_t k, u32_t scale_cols) {
+    const u8_t byte = packed[(size_t)row * (k / 2) + col / 2];
+    const u32_t nibble = (col % 2 == 0) ? (byte & 0x0fu) : (byte >> 4);
+    const float scale = e8m0_decode(scales[(size_t)row * scale_cols + col / 32]);
+    return __fmul_rn(e2m1_decode(nibble), scale);
+}
+
+// Rows row_start .. row_start + rows of a weight, dequantised.
 __device__ void dequant_fp8_rows(const u8_t* __restrict__ codes, const u8_t* __restrict__ scales,
                                  float* __restrict__ out, DequantParams p) {
     const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (unsigned long long)p.rows * p.k) return;
-    const u32_t row = p.row_start + (u32_t)(i / p.k);
-    const u32_t col = (u32_t)(i % p.k);
-    const float scale = e8m0_decode(scales[(size_t)(row / p.tile) * p.scale_cols + col / p.tile]);
-    out[i] = __fmul_rn(e4m3_decode(codes[(size_t)row * p.k + col]), scale);
+    out[i] = fp8_weight(codes, scales, p.row_start + (u32_t)(i / p.k), (u32_t)(i % p.k), p.k, p.tile, p.scale_cols);
 }
 
 __device__ void dequant_fp4_rows(const u8_t* __restrict__ packed, const u8_t* __restrict__ scales,
                                  float* __restrict__ out, DequantParams p) {
     const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (unsigned long long)p.rows * p.k) return;
-    const u32_t row = p.row_start + (u32_t)(i / p.k);
-    const u32_t col = (u32_t)(i % p.k);
-    const u8_t byte = packed[(size_t)row * (p.k / 2) + col / 2];
-    const u32_t nibble = (col % 2 == 0) ? (byte & 0x0fu) : (byte >> 4);
-    const float scale = e8m0_decode(scales[(size_t)row * p.scale_cols + col / 32]);
-    out[i] = __fmul_rn(e2m1_decode(nibble), scale);
+    out[i] = fp4_weight(packed, scales, p.row_start + (u32_t)(i / p.k), (u32_t)(i % p.k), p.k, p.scale_cols);
 }
 
 }  // namespace linear

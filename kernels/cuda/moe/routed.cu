@@ -13,10 +13,18 @@
 //   its weight row at once (coalesced 16-byte FP4 / 32-byte FP8 loads, all in flight together),
 //   decodes each group once and uses it for every row of the tile, so an expert's weights are
 //   read once per launch for up to 32 rows. Same partials, same K-ordered sums as the dense GEMM.
-// - swiglu_rows_f32: clamps, g / (1 + exp_f32(-g)) * u, times the row's route weight, rounded.
-// - moe_combine_f32: a token's slot outputs added in increasing expert id (equal ids in slot
-//   order, ids >= the expert count skipped), then the shared expert, then one rounding.
+// - gemm_exact_routed_partials_f32: the fp32 experts of V4 (v4::Linear: dense f32, FP8 or FP4
+//   weights dequantised exactly, activations unquantised), one block per (tile of up to 8 rows
+//   of one expert, 32 columns, 256-block of K): linear_sgemm's FMA chains with the tile's expert
+//   weights; linear_sgemm_reduce adds the block partials in the CPU's pairwise tree, so every
+//   row is bitwise what the fp32 linear gives for it.
+// - swiglu_rows_f32 (bf16 in) / swiglu_exact_rows_f32 (f32 in): clamps, g / (1 + exp_f32(-g)) *
+//   u, times the row's route weight, rounded.
+// - moe_combine_f32 (bf16 in) / moe_combine_exact_f32 (f32 in): a token's slot outputs added in
+//   increasing expert id (equal ids in slot order, ids >= the expert count skipped), then the
+//   shared expert, then one rounding.
 #include "gemm/gemm_block_scaled.cuh"
+#include "linear/linear_sgemm.cuh"
 #include "common/reference_math.cuh"
 
 typedef unsigned long long u64_t;
@@ -52,6 +60,23 @@ struct CombineParams {
     u32_t n_experts;
     u32_t round_bf16;
 };
+
+// The exact fp32 routed GEMM (mirrored by kernels/src/ops/routed_exact.rs).
+struct ExactRoutedParams {
+    u32_t m;           // output rows (experts[m])
+    u32_t n;           // output columns
+    u32_t k;           // input columns
+    u32_t format;      // EXACT_F32, EXACT_FP8 or EXACT_FP4
+    u32_t tile;        // FP8: square scale tile
+    u32_t scale_cols;  // FP8 / FP4: scales per scale row
+    u32_t x_row_div;   // output row j reads x row j / x_row_div
+    u32_t n_experts;   // experts in the table
+    u32_t which;       // table slot: 0 w1, 1 w3, 2 w2
+};
+
+constexpr u32_t EXACT_F32 = 0;
+constexpr u32_t EXACT_FP8 = 1;
+constexpr u32_t EXACT_FP4 = 2;
 
 // Grouping of output rows by expert (mirrored by kernels/src/ops/routed.rs).
 struct GroupParams {
@@ -309,15 +334,52 @@ ROUTED_EXPERTS_GEMM(gemm_fp8_t32_routed_experts_g32_bf16, gemm::Fp8Weights<32>)
 ROUTED_GEMM(gemm_fp4_routed_rows_g32_bf16, gemm_fp4_routed_tiles_g32_bf16, gemm::Fp4Weights)
 ROUTED_GEMM(gemm_fp8_t32_routed_rows_g32_bf16, gemm_fp8_t32_routed_tiles_g32_bf16, gemm::Fp8Weights<32>)
 
+namespace routed {
+
+// Grid (tiles of group_rows with up to linear::TILE_ROWS rows, blocks past *tile_count return;
+// ceil(n / 32) column blocks; 256-blocks of K). The tile's expert weights (table: [3][n_experts][2]
+// addresses, codes then scales; dense f32 weights in the codes slot) dequantised exactly into the
+// shared tile; the bucket of unknown ids computes with zero weights (the combine skips those rows).
+__device__ void gemm_exact_routed_partials(const float* __restrict__ x, const u32_t* __restrict__ order,
+                                           const u32_t* __restrict__ tiles, const u32_t* __restrict__ tile_count,
+                                           const u64_t* __restrict__ table, float* __restrict__ partials,
+                                           ExactRoutedParams p) {
+    const u32_t t = blockIdx.x;
+    if (t >= *tile_count) return;
+    const u32_t bucket = tiles[3 * t];
+    const u32_t start = tiles[3 * t + 1];
+    const u32_t count = min(tiles[3 * t + 2], linear::TILE_ROWS);
+    u32_t rows[linear::TILE_ROWS];
+#pragma unroll
+    for (u32_t r = 0; r < linear::TILE_ROWS; ++r) rows[r] = order[start + min(r, count - 1)];
+    const bool known = bucket < p.n_experts;
+    const u64_t* entry = table + ((size_t)p.which * p.n_experts + (known ? bucket : 0)) * 2;
+    const u8_t* codes = reinterpret_cast<const u8_t*>(entry[0]);
+    const u8_t* scales = reinterpret_cast<const u8_t*>(entry[1]);
+    const u32_t col0 = blockIdx.y * linear::TILE_COLS;
+    const auto x_at = [&](u32_t r, u32_t k) { return __ldg(x + (size_t)(rows[r] / p.x_row_div) * p.k + k); };
+    const auto w_at = [&](u32_t c, u32_t k) -> float {
+        if (!known) return 0.0f;
+        const u32_t row = col0 + c;
+        if (p.format == EXACT_FP8) return linear::fp8_weight(codes, scales, row, k, p.k, p.tile, p.scale_cols);
+        if (p.format == EXACT_FP4) return linear::fp4_weight(codes, scales, row, k, p.k, p.scale_cols);
+        return __ldg(reinterpret_cast<const float*>(codes) + (size_t)row * p.k + k);
+    };
+    const auto out_row = [&](u32_t r) { return rows[r]; };
+    linear::sgemm_tile_partials(x_at, w_at, out_row, count, col0, blockIdx.z, p.n, p.k, p.m, partials);
+}
+
+__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float widen(float v) { return v; }
+
 // v41::moe::expert's hidden value: (g, u) clamped when limit > 0 (g.min(limit): a NaN g becomes
 // limit; u.clamp(-limit, limit): NaN stays NaN), g / (1 + exp_f32(-g)) * u, times the route weight.
-extern "C" __global__ void swiglu_rows_f32(const __nv_bfloat16* __restrict__ gate,
-                                           const __nv_bfloat16* __restrict__ up,
-                                           const float* __restrict__ weights, float* __restrict__ out,
-                                           routed::SwigluParams p) {
+template <class T>
+__device__ void swiglu_rows(const T* __restrict__ gate, const T* __restrict__ up, const float* __restrict__ weights,
+                            float* __restrict__ out, SwigluParams p) {
     for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += gridDim.x * blockDim.x) {
-        float g = __bfloat162float(gate[i]);
-        float u = __bfloat162float(up[i]);
+        float g = widen(gate[i]);
+        float u = widen(up[i]);
         if (p.limit > 0.0f) {
             g = fminf(g, p.limit);
             if (u < -p.limit) u = -p.limit;
@@ -332,11 +394,10 @@ extern "C" __global__ void swiglu_rows_f32(const __nv_bfloat16* __restrict__ gat
 // One block per token (blockIdx.x) and COMBINE_THREADS columns (blockIdx.y): the token's valid
 // slots sorted by (expert id, slot) once, then every column adds them in that order from 0.0f,
 // adds the shared expert and rounds once.
-extern "C" __global__ void __launch_bounds__(routed::COMBINE_THREADS)
-    moe_combine_f32(const __nv_bfloat16* __restrict__ slot_out, const u32_t* __restrict__ experts,
-                    const __nv_bfloat16* __restrict__ shared_out, float* __restrict__ out,
-                    routed::CombineParams p) {
-    __shared__ u32_t order[routed::MAX_SLOTS];
+template <class T>
+__device__ void combine(const T* __restrict__ slot_out, const u32_t* __restrict__ experts,
+                        const T* __restrict__ shared_out, float* __restrict__ out, CombineParams p) {
+    __shared__ u32_t order[MAX_SLOTS];
     __shared__ u32_t count;
     const u32_t row = blockIdx.x;
     if (threadIdx.x == 0) {
@@ -356,11 +417,41 @@ extern "C" __global__ void __launch_bounds__(routed::COMBINE_THREADS)
         count = c;
     }
     __syncthreads();
-    const u32_t col = blockIdx.y * routed::COMBINE_THREADS + threadIdx.x;
+    const u32_t col = blockIdx.y * COMBINE_THREADS + threadIdx.x;
     if (col >= p.dim) return;
     float acc = 0.0f;
     for (u32_t i = 0; i < count; ++i)
-        acc = __fadd_rn(acc, __bfloat162float(slot_out[((size_t)row * p.k + order[i]) * p.dim + col]));
-    acc = __fadd_rn(acc, __bfloat162float(shared_out[(size_t)row * p.dim + col]));
+        acc = __fadd_rn(acc, widen(slot_out[((size_t)row * p.k + order[i]) * p.dim + col]));
+    acc = __fadd_rn(acc, widen(shared_out[(size_t)row * p.dim + col]));
     out[(size_t)row * p.dim + col] = p.round_bf16 ? round_bf16_f32(acc) : acc;
+}
+
+}  // namespace routed
+
+extern "C" __global__ void __launch_bounds__(linear::THREADS)
+    gemm_exact_routed_partials_f32(const float* x, const u32_t* order, const u32_t* tiles, const u32_t* tile_count,
+                                   const u64_t* table, float* partials, routed::ExactRoutedParams p) {
+    routed::gemm_exact_routed_partials(x, order, tiles, tile_count, table, partials, p);
+}
+
+extern "C" __global__ void swiglu_rows_f32(const __nv_bfloat16* gate, const __nv_bfloat16* up, const float* weights,
+                                           float* out, routed::SwigluParams p) {
+    routed::swiglu_rows(gate, up, weights, out, p);
+}
+
+extern "C" __global__ void swiglu_exact_rows_f32(const float* gate, const float* up, const float* weights, float* out,
+                                                 routed::SwigluParams p) {
+    routed::swiglu_rows(gate, up, weights, out, p);
+}
+
+extern "C" __global__ void __launch_bounds__(routed::COMBINE_THREADS)
+    moe_combine_f32(const __nv_bfloat16* slot_out, const u32_t* experts, const __nv_bfloat16* shared_out, float* out,
+                    routed::CombineParams p) {
+    routed::combine(slot_out, experts, shared_out, out, p);
+}
+
+extern "C" __global__ void __launch_bounds__(routed::COMBINE_THREADS)
+    moe_combine_exact_f32(const float* slot_out, const u32_t* experts, const float* shared_out, float* out,
+                          routed::CombineParams p) {
+    routed::combine(slot_out, experts, shared_out, out, p);
 }

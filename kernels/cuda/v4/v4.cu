@@ -1,8 +1,7 @@
 // The V4 family's float32 ops that have no V4.1 counterpart, so a V4 decode step stays on the
 // device: the compressor's softmax pooling over slots given by device address (position bias
-// added to the gates), the MoE's per-row route weights scattered into a dense [rows, experts]
-// matrix, the SwiGLU of exact (fp32) expert rows scaled by one column of that matrix, and the
-// hyper-head's collapse weights. Every value is bitwise the CPU reference's: its exponential
+// added to the gates) and the hyper-head's collapse weights (the MoE's fp32 experts run in
+// moe/routed.cu). Every value is bitwise the CPU reference's: its exponential
 // (refmath::exp_f32), its sums in its order, no contraction.
 #include "common/params.h"
 #include "common/reference_math.cuh"
@@ -36,43 +35,6 @@ v4_pool_f32(const unsigned long long* kv, const unsigned long long* gate, const 
             value = __fadd_rn(value, __fmul_rn(w, v[c]));
         }
         out[i] = last > first ? __fdiv_rn(value, sum) : 0.0f;
-    }
-}
-
-// dense[r * experts + ids[r * k + j]] = weights[r * k + j] for every row r and slot j (ids below
-// `experts`; `dense` zeroed by the caller). One thread per (row, slot).
-extern "C" __global__ void __launch_bounds__(256)
-v4_dense_routes_f32(const unsigned int* ids, const float* weights, unsigned int rows,
-                    unsigned int k, unsigned int experts, float* dense) {
-    const unsigned long long total = static_cast<unsigned long long>(rows) * k;
-    for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
-         i < total; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
-        const unsigned long long r = i / k;
-        const unsigned int e = ids[i];
-        if (e < experts) {
-            dense[r * experts + e] = weights[i];
-        }
-    }
-}
-
-// out[r * inter + c] = w_r · silu(g') · u' with g' = min(g, limit), u' = clamp(u, -limit, limit)
-// when limit > 0, where w_r = route[r * route_stride] (has_route) or 1. One thread per value.
-extern "C" __global__ void __launch_bounds__(256)
-v4_swiglu_f32(const float* gate, const float* up, const float* route, unsigned int route_stride,
-              unsigned int has_route, unsigned int rows, unsigned int inter, float limit,
-              float* out) {
-    const unsigned long long total = static_cast<unsigned long long>(rows) * inter;
-    for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
-         i < total; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
-        float g = gate[i];
-        float u = up[i];
-        if (limit > 0.0f) {
-            g = fminf(g, limit);
-            u = fminf(fmaxf(u, -limit), limit);
-        }
-        const float a = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, refmath::exp_f32(-g))), u);
-        const unsigned long long r = i / inter;
-        out[i] = has_route != 0u ? __fmul_rn(route[r * route_stride], a) : a;
     }
 }
 

@@ -3,7 +3,7 @@
 //! `linear_bf16`, and a row's values never depend on the other rows. Also the exact f32
 //! dequantisation of weight rows that the fp32 linears over FP8 / FP4 weights consume.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig, PushKernelArg};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 
@@ -64,7 +64,6 @@ pub fn linear_sgemm_f32(
             "allocating the linear's block partials",
         ))?;
     let partials_fn = rt.function(KernelId::LinearSgemmF32)?;
-    let reduce_fn = rt.function(KernelId::LinearSgemmReduceF32)?;
     for first in (0..rows).step_by(chunk_rows) {
         let count = chunk_rows.min(rows - first);
         let params = LinearParams {
@@ -92,20 +91,46 @@ pub fn linear_sgemm_f32(
         // and the last block's length; grid.z = ceil(rows / 8) <= MAX_GRID_Z by the chunking.
         unsafe { launch.launch(tiles) }
             .map_err(KernelError::driver("launching linear_sgemm_f32"))?;
-        let outputs = dim(OP, "rows * out", count * out)?;
-        let reduce = LaunchConfig {
-            grid_dim: (outputs.div_ceil(THREADS), 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = rt.stream().launch_builder(reduce_fn);
-        launch.arg(&partials).arg(&mut y_rows).arg(&params);
-        // SAFETY: signature (const float* partials, float* y, LinearParams); partials holds the
-        // blocks * rows * out values the launch above wrote, y_rows rows * out; the kernel
-        // bounds-checks its output index.
-        unsafe { launch.launch(reduce) }
-            .map_err(KernelError::driver("launching linear_sgemm_reduce_f32"))?;
+        sgemm_reduce(rt, &partials, &mut y_rows, params)?;
     }
+    Ok(())
+}
+
+/// `y[i]` = the block partials of output `i` (`partials[b][i]`, b-major, `params.rows ·
+/// params.out` outputs) added in the CPU's pairwise tree, rounded as `params` says: the second
+/// launch of every sgemm-order linear (also of the routed exact experts, `ops::routed_exact`).
+pub(crate) fn sgemm_reduce(
+    rt: &KernelRuntime,
+    partials: &CudaSlice<f32>,
+    y: &mut CudaViewMut<'_, f32>,
+    params: LinearParams,
+) -> Result<(), KernelError> {
+    let outputs = params.rows as usize * params.out as usize;
+    let blocks = (params.inp as usize).div_ceil(K_BLOCK);
+    if partials.len() < blocks * outputs || y.len() != outputs {
+        return Err(KernelError::Shape {
+            op: "linear_sgemm_reduce_f32",
+            message: format!(
+                "{} partials and {} outputs for {blocks} blocks of {outputs}",
+                partials.len(),
+                y.len()
+            ),
+        });
+    }
+    let reduce = LaunchConfig {
+        grid_dim: (dim(OP, "rows * out", outputs)?.div_ceil(THREADS), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::LinearSgemmReduceF32)?);
+    launch.arg(partials).arg(y).arg(&params);
+    // SAFETY: signature (const float* partials, float* y, LinearParams); partials holds at least
+    // blocks * rows * out values and y rows * out (checked above); the kernel bounds-checks its
+    // output index.
+    unsafe { launch.launch(reduce) }
+        .map_err(KernelError::driver("launching linear_sgemm_reduce_f32"))?;
     Ok(())
 }
 

@@ -15,6 +15,7 @@ pub mod qdq;
 pub mod quant;
 pub mod rope;
 pub mod routed;
+pub mod routed_exact;
 pub mod rows;
 pub mod sampling;
 pub mod topk;

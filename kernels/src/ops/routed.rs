@@ -8,7 +8,7 @@
 //! ([`moe_combine`]). Each reproduces `deepinfer_model::v41::moe::forward_rows` bit for bit (see
 //! `cuda/moe/routed.cu`).
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
@@ -527,59 +527,29 @@ fn launch_routed(
         )))?;
         return Ok(());
     }
-    // Output rows bucketed by expert and cut into tiles of one expert, on the device. At most
-    // ceil(m / tile_rows) full tiles plus one partial tile per non-empty bucket.
     let tile_rows = if expert_major {
         EXPERT_TILE_ROWS.min(m)
     } else {
         TILE_ROWS
     };
-    let max_tiles = m.div_ceil(tile_rows) + m.min(table.n_experts + 1);
-    // SAFETY (the three allocations): group_routed_rows writes all of `order` (a permutation of
-    // 0..m), `tile_count` and the first *tile_count tiles before the GEMM reads them, in stream
-    // order; the GEMM reads no tile past *tile_count.
-    let mut order = unsafe { stream.alloc::<u32>(m) }
-        .map_err(KernelError::driver("allocating the routed row order"))?;
-    let mut tiles = unsafe { stream.alloc::<u32>(3 * max_tiles) }
-        .map_err(KernelError::driver("allocating the routed tiles"))?;
-    let mut tile_count = unsafe { stream.alloc::<u32>(1) }
-        .map_err(KernelError::driver("allocating the routed tile count"))?;
-    let group = GroupParams {
-        m: params.m,
-        n_experts: params.n_experts,
-        tile_rows: kernel_dim(op, "tile rows", tile_rows)?,
-    };
-    let group_cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (GROUP_THREADS, 1, 1),
-        shared_mem_bytes: 4 * 2 * (params.n_experts + 1),
-    };
-    let mut launch = stream.launch_builder(rt.function(KernelId::GroupRoutedRows)?);
-    launch
-        .arg(experts)
-        .arg(&mut order)
-        .arg(&mut tiles)
-        .arg(&mut tile_count)
-        .arg(&group);
-    // SAFETY: signature (const u32* experts, u32* order, u32* tiles, u32* tile_count,
-    // GroupParams); experts and order hold m values, tiles 3 * max_tiles (the kernel writes at
-    // most that many tiles, see above), the dynamic shared memory 2 * (n_experts + 1) counters.
-    unsafe { launch.launch(group_cfg) }
-        .map_err(KernelError::driver("launching group_routed_rows"))?;
+    let groups = group_rows(rt, op, &experts.slice(..), table.n_experts, tile_rows)?;
     if expert_major {
         let kernel = experts_kernel;
         let cfg = LaunchConfig {
-            grid_dim: (kernel_dim(op, "tiles", max_tiles)?, col_blocks, 1),
+            grid_dim: (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
             block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: 4 * WARPS * group.tile_rows * EXPERT_PARTIAL_STRIDE,
+            shared_mem_bytes: 4
+                * WARPS
+                * kernel_dim(op, "tile rows", tile_rows)?
+                * EXPERT_PARTIAL_STRIDE,
         };
         let mut launch = stream.launch_builder(rt.function(kernel)?);
         launch
             .arg(&x.codes)
             .arg(&x.scales)
-            .arg(&order)
-            .arg(&tiles)
-            .arg(&tile_count)
+            .arg(&groups.order)
+            .arg(&groups.tiles)
+            .arg(&groups.tile_count)
             .arg(&table.addresses)
             .arg(out)
             .arg(&params);
@@ -598,7 +568,7 @@ fn launch_routed(
         return Ok(());
     }
     let cfg = LaunchConfig {
-        grid_dim: (kernel_dim(op, "tiles", max_tiles)?, col_blocks, 1),
+        grid_dim: (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
         block_dim: (WARPS * 32, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -607,9 +577,9 @@ fn launch_routed(
     launch
         .arg(&x.codes)
         .arg(&x.scales)
-        .arg(&order)
-        .arg(&tiles)
-        .arg(&tile_count)
+        .arg(&groups.order)
+        .arg(&groups.tiles)
+        .arg(&groups.tile_count)
         .arg(&table.addresses)
         .arg(out)
         .arg(&params);
@@ -627,14 +597,98 @@ fn launch_routed(
     Ok(())
 }
 
-/// `out[i] = round(weight · g / (1 + exp_f32(-g)) · u)` with `g`, `u` the bf16 `gate[i]`,
+/// The rows of a routed launch bucketed by expert on the device (`group_routed_rows`): `order`
+/// (a permutation of the rows, bucket by bucket; ids `>= n_experts` in a last bucket), the tiles
+/// `{bucket, start, count}` of at most `tile_rows` rows of one bucket and their count. At most
+/// `max_tiles`: ceil(m / tile_rows) full tiles plus one partial tile per non-empty bucket.
+pub(super) struct RowGroups {
+    pub order: CudaSlice<u32>,
+    pub tiles: CudaSlice<u32>,
+    pub tile_count: CudaSlice<u32>,
+    pub max_tiles: usize,
+}
+
+/// Groups the `experts.len()` rows by their expert id (see [`RowGroups`]).
+pub(super) fn group_rows(
+    rt: &KernelRuntime,
+    op: &'static str,
+    experts: &CudaView<'_, u32>,
+    n_experts: usize,
+    tile_rows: usize,
+) -> Result<RowGroups, KernelError> {
+    let m = experts.len();
+    if n_experts > MAX_EXPERTS || tile_rows == 0 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("{n_experts} experts (at most {MAX_EXPERTS}), tiles of {tile_rows}"),
+        });
+    }
+    let max_tiles = m.div_ceil(tile_rows) + m.min(n_experts + 1);
+    let stream = rt.stream();
+    // SAFETY (the three allocations): group_routed_rows writes all of `order` (a permutation of
+    // 0..m), `tile_count` and the first *tile_count tiles before any launch reads them, in stream
+    // order; the routed kernels read no tile past *tile_count.
+    let mut order = unsafe { stream.alloc::<u32>(m) }
+        .map_err(KernelError::driver("allocating the routed row order"))?;
+    let mut tiles = unsafe { stream.alloc::<u32>(3 * max_tiles) }
+        .map_err(KernelError::driver("allocating the routed tiles"))?;
+    let mut tile_count = unsafe { stream.alloc::<u32>(1) }
+        .map_err(KernelError::driver("allocating the routed tile count"))?;
+    let group = GroupParams {
+        m: kernel_dim(op, "m", m)?,
+        n_experts: kernel_dim(op, "experts", n_experts)?,
+        tile_rows: kernel_dim(op, "tile rows", tile_rows)?,
+    };
+    let group_cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (GROUP_THREADS, 1, 1),
+        shared_mem_bytes: 4 * 2 * (group.n_experts + 1),
+    };
+    let mut launch = stream.launch_builder(rt.function(KernelId::GroupRoutedRows)?);
+    launch
+        .arg(experts)
+        .arg(&mut order)
+        .arg(&mut tiles)
+        .arg(&mut tile_count)
+        .arg(&group);
+    // SAFETY: signature (const u32* experts, u32* order, u32* tiles, u32* tile_count,
+    // GroupParams); experts and order hold m values, tiles 3 * max_tiles (the kernel writes at
+    // most that many tiles, see above), the dynamic shared memory 2 * (n_experts + 1) counters.
+    unsafe { launch.launch(group_cfg) }
+        .map_err(KernelError::driver("launching group_routed_rows"))?;
+    Ok(RowGroups {
+        order,
+        tiles,
+        tile_count,
+        max_tiles,
+    })
+}
+
+/// The element type of the expert rows [`swiglu_rows`] and [`moe_combine`] read: bf16 (the
+/// V4.1 routed GEMMs' outputs) or f32 (V4's exact experts), each with its kernel.
+pub trait ExpertRowValue: DeviceRepr {
+    const SWIGLU: KernelId;
+    const COMBINE: KernelId;
+}
+
+impl ExpertRowValue for bf16 {
+    const SWIGLU: KernelId = KernelId::SwigluRowsF32;
+    const COMBINE: KernelId = KernelId::MoeCombineF32;
+}
+
+impl ExpertRowValue for f32 {
+    const SWIGLU: KernelId = KernelId::SwigluExactRowsF32;
+    const COMBINE: KernelId = KernelId::MoeCombineExactF32;
+}
+
+/// `out[i] = round(weight · g / (1 + exp_f32(-g)) · u)` with `g`, `u` the values `gate[i]`,
 /// `up[i]` clamped as `v41::moe::expert` does when `limit > 0` (`g.min(limit)`,
 /// `u.clamp(-limit, limit)`); `weight` is `route_weights[i / inter]` with `inter = len /
 /// route_weights.len()` (one weight per row), or 1 (no multiplication) without weights.
-pub fn swiglu_rows(
+pub fn swiglu_rows<T: ExpertRowValue>(
     rt: &KernelRuntime,
-    gate: &CudaSlice<bf16>,
-    up: &CudaSlice<bf16>,
+    gate: &CudaSlice<T>,
+    up: &CudaSlice<T>,
     route_weights: Option<&CudaSlice<f32>>,
     limit: f32,
     rounding: Rounding,
@@ -692,26 +746,29 @@ pub fn swiglu_rows(
         block_dim: (SWIGLU_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = stream.launch_builder(rt.function(KernelId::SwigluRowsF32)?);
+    let mut launch = stream.launch_builder(rt.function(T::SWIGLU)?);
     launch.arg(gate).arg(up).arg(weights).arg(out).arg(&params);
-    // SAFETY: signature (const bf16* gate, const bf16* up, const float* weights, float* out,
+    // SAFETY: signature (const T* gate, const T* up, const float* weights, float* out,
     // SwigluParams); gate, up and out hold n values; with has_weights the kernel reads
     // weights[i / inter] < n / inter = weights.len().
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching swiglu_rows_f32"))?;
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+        "launching {}",
+        T::SWIGLU.symbol()
+    )))?;
     Ok(())
 }
 
 /// Per token `t` of `out [rows, dim]`: from 0.0f32, add its slot outputs `routed[t, s]`
-/// (`routed` bf16 `[rows, k, dim]`) in increasing `experts[t, s]` (equal ids in slot order; ids
-/// `>= n_experts` skipped), then `shared[t]` (bf16 `[rows, dim]`), then round — the order of
+/// (`routed` `[rows, k, dim]`, bf16 or f32) in increasing `experts[t, s]` (equal ids in slot
+/// order; ids `>= n_experts` skipped), then `shared[t]` (`[rows, dim]`), then round — the order of
 /// `v41::moe::forward_rows`. `rows = shared.len() / dim`, `k = experts.len() / rows` (at most 64).
 #[allow(clippy::too_many_arguments)]
-pub fn moe_combine(
+pub fn moe_combine<T: ExpertRowValue>(
     rt: &KernelRuntime,
-    routed: &CudaSlice<bf16>,
+    routed: &CudaSlice<T>,
     experts: &CudaSlice<u32>,
     n_experts: usize,
-    shared: &CudaSlice<bf16>,
+    shared: &CudaSlice<T>,
     dim: usize,
     rounding: Rounding,
     out: &mut CudaSlice<f32>,
@@ -765,19 +822,20 @@ pub fn moe_combine(
         block_dim: (COMBINE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::MoeCombineF32)?);
+    let mut launch = rt.stream().launch_builder(rt.function(T::COMBINE)?);
     launch
         .arg(routed)
         .arg(experts)
         .arg(shared)
         .arg(out)
         .arg(&params);
-    // SAFETY: signature (const bf16* slot_out, const u32* experts, const bf16* shared_out,
+    // SAFETY: signature (const T* slot_out, const u32* experts, const T* shared_out,
     // float* out, CombineParams); lengths checked above (rows * k * dim, rows * k, rows * dim,
     // rows * dim); k <= MAX_SLOTS, the kernel's shared order array.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching moe_combine_f32"))?;
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+        "launching {}",
+        T::COMBINE.symbol()
+    )))?;
     Ok(())
 }
 

@@ -192,6 +192,8 @@ struct WeightCache {
     /// The expert tables of MoE layers, keyed by the host address and length of the layer's
     /// expert list (immutable model weights, like the rest of the cache).
     expert_tables: HashMap<(usize, usize), Arc<moe::DeviceExperts>>,
+    /// The exact (V4) expert tables, keyed alike.
+    exact_expert_tables: HashMap<(usize, usize), Arc<v4::DeviceExactExperts>>,
 }
 
 /// The CUDA implementation of [`Backend`] on one device.
@@ -395,6 +397,7 @@ impl CudaBackend {
             + cache.fp4.len()
             + cache.engram_tables.len()
             + cache.expert_tables.len()
+            + cache.exact_expert_tables.len()
     }
 
     fn upload(&self, op: &'static str, values: &[f32]) -> Result<CudaSlice<f32>, CudaBackendError> {

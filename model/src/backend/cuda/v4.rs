@@ -1,44 +1,73 @@
 //! The V4 family's ops on [`CudaBackend`], so that a V4 step's activations stay on the device: the
 //! hyper-head's collapse weights (`v4_hyper_head_f32`), the compressor's softmax pooling over
-//! slots read in place (`v4_pool_f32`), and the MoE with exact fp32 experts — device routes (top-k, or a hash layer's experts with their router
-//! weights) as a dense `[rows, experts]` weight matrix, every expert over every row (unrouted rows
-//! weigh 0), sums in increasing expert id, then the shared expert. Numerics: bit for bit the CPU's
+//! slots read in place (`v4_pool_f32`), and the MoE with exact fp32 experts (dense, FP8 or FP4
+//! weights dequantised exactly): device routes (top-k, or a hash layer's experts with their
+//! router weights), each (row, slot) through its own expert by the routed exact linears
+//! (`ops::routed_exact`, rows grouped by expert on the device), SwiGLU weighted by the route,
+//! the combine in increasing expert id, then the shared expert. Numerics: bit for bit the CPU's
 //! (its sgemm order for every product, its exponential, its sums in its order).
 
-use deepinfer_kernels::ops::v4::{
-    RouteColumn, v4_dense_routes_f32, v4_hyper_head_f32, v4_pool_f32, v4_swiglu_f32,
+use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
+use deepinfer_kernels::ops::routed_exact::{
+    DeviceExactExpertTable, ExactExpertRefs, ExactWeight, gemm_exact_routed,
 };
+use deepinfer_kernels::ops::v4::{v4_hyper_head_f32, v4_pool_f32};
 
 use super::*;
 use crate::v4::{Linear, PoolSlot};
 use crate::v41::weights::{ExpertLinear, ExpertWeights};
 
-/// One exact expert's dense weights `w1`, `w3` `[inter, dim]` and `w2` `[dim, inter]`.
-struct DenseExpert<'a> {
-    w1: &'a [f32],
-    w3: &'a [f32],
-    w2: &'a [f32],
-    inter: usize,
+/// A layer's exact experts on the device: their address table and the weights it points into
+/// (held here so that the addresses stay valid as long as the table).
+pub(super) struct DeviceExactExperts {
+    table: DeviceExactExpertTable,
+    _held: Vec<Arc<dyn Any + Send + Sync>>,
 }
 
-impl<'a> DenseExpert<'a> {
-    /// The expert's weights when all three are dense fp32 of matching shapes for `dim`.
-    fn of(e: &'a ExpertWeights<ExpertLinear>, dim: usize) -> Option<DenseExpert<'a>> {
-        let dense = |w: &'a ExpertLinear| match w {
-            ExpertLinear::Exact(Linear::Dense { out, inp, values }) => {
-                Some((*out, *inp, &values[..]))
-            }
-            _ => None,
-        };
-        let ((i1, d1, w1), (i3, d3, w3), (d2, i2, w2)) =
-            (dense(&e.w1)?, dense(&e.w3)?, dense(&e.w2)?);
-        let shapes_fit = d1 == dim && d3 == dim && d2 == dim && i1 == i3 && i1 == i2 && i1 > 0;
-        shapes_fit.then_some(DenseExpert {
-            w1,
-            w3,
-            w2,
-            inter: i1,
-        })
+/// One projection's device copy, kept while the table is built.
+enum DeviceLinear {
+    F32(Arc<CudaSlice<f32>>, usize, usize),
+    Fp8(Arc<DeviceFp8Weight>),
+    Fp4(Arc<DeviceFp4Weight>),
+}
+
+impl DeviceLinear {
+    fn weight(&self) -> ExactWeight<'_> {
+        match self {
+            DeviceLinear::F32(values, out, inp) => ExactWeight::F32 {
+                values,
+                out: *out,
+                inp: *inp,
+            },
+            DeviceLinear::Fp8(w) => ExactWeight::Fp8(w),
+            DeviceLinear::Fp4(w) => ExactWeight::Fp4(w),
+        }
+    }
+
+    fn held(self) -> Arc<dyn Any + Send + Sync> {
+        match self {
+            DeviceLinear::F32(values, ..) => values,
+            DeviceLinear::Fp8(w) => w,
+            DeviceLinear::Fp4(w) => w,
+        }
+    }
+}
+
+/// The linear of an exact projection.
+fn exact(w: &ExpertLinear) -> Option<&Linear> {
+    match w {
+        ExpertLinear::Exact(linear) => Some(linear),
+        _ => None,
+    }
+}
+
+/// The format and shape of an exact projection, as the routed table requires them alike.
+fn exact_kind(w: &ExpertLinear) -> Option<(u8, usize, usize, usize)> {
+    match w {
+        ExpertLinear::Exact(Linear::Dense { out, inp, .. }) => Some((0, 0, *out, *inp)),
+        ExpertLinear::Exact(Linear::Fp8(w)) => Some((1, w.block, w.out, w.inp)),
+        ExpertLinear::Exact(Linear::Fp4(w)) => Some((2, 32, w.out, w.inp)),
+        _ => None,
     }
 }
 
@@ -135,7 +164,8 @@ impl CudaBackend {
     }
 
     /// [`Backend::moe_rows_exact`], with errors; `None` unless every expert (and the shared one)
-    /// is dense fp32 and the layer keeps fp32 activations.
+    /// is exact (dense, FP8 or FP4, each projection in one format and shape across the experts)
+    /// and the layer keeps fp32 activations.
     pub fn try_moe_rows_exact(
         &self,
         x: &Tensor,
@@ -148,12 +178,10 @@ impl CudaBackend {
             return Ok(None);
         }
         let dim = layer.gate.len() / n_experts;
-        let experts: Option<Vec<DenseExpert<'_>>> = layer
-            .experts
-            .iter()
-            .map(|e| DenseExpert::of(e, dim))
-            .collect();
-        let (Some(experts), Some(shared)) = (experts, DenseExpert::of(layer.shared, dim)) else {
+        let shared = layer.shared;
+        let (Some(s1), Some(s3), Some(s2)) =
+            (exact(&shared.w1), exact(&shared.w3), exact(&shared.w2))
+        else {
             return Ok(None);
         };
         if dim == 0 || !x.len().is_multiple_of(dim) {
@@ -162,63 +190,164 @@ impl CudaBackend {
                 format!("x holds {} values, not whole rows of {dim}", x.len()),
             ));
         }
+        let Some(experts) = self.exact_experts(OP, layer.experts, dim)? else {
+            return Ok(None);
+        };
         let rows = x.len() / dim;
         if rows == 0 {
             return Ok(Some(Tensor::empty()));
         }
-        // A hash row naming one expert twice runs it twice on the host; one dense weight cannot.
-        let repeats = |ids: &Vec<usize>| ids.iter().enumerate().any(|(i, e)| ids[..i].contains(e));
-        if hashed.is_some_and(|rows| rows.iter().any(repeats)) {
-            return Ok(None);
-        }
-        let dense = self.dense_routes(OP, x, layer, hashed, rows, dim)?;
-        let swiglu = |expert: &DenseExpert<'_>,
-                      route: Option<RouteColumn<'_>>|
-         -> Result<Tensor, CudaBackendError> {
-            let gate = self.try_linear(x, expert.w1, expert.inter, dim, Rounding::F32)?;
-            let up = self.try_linear(x, expert.w3, expert.inter, dim, Rounding::F32)?;
-            let mut hidden = self.alloc(OP, rows * expert.inter)?;
-            v4_swiglu_f32(
+        let (ids, route_weights) = self.routes(OP, x, layer, hashed, rows, dim)?;
+        let slots = ids.len();
+        let inter = experts.table.inter();
+        let routed = |x: &CudaSlice<f32>,
+                      x_row_div: usize,
+                      which: ExpertProjection,
+                      width: usize|
+         -> Result<CudaSlice<f32>, CudaBackendError> {
+            let mut out = self.alloc(OP, slots * width)?;
+            gemm_exact_routed(
                 &self.rt,
-                &*self.input(OP, &gate)?,
-                &*self.input(OP, &up)?,
-                route,
-                expert.inter,
-                layer.swiglu_limit,
-                &mut hidden,
+                x,
+                &ids,
+                x_row_div,
+                &experts.table,
+                which,
+                &mut out,
             )
             .map_err(op_err(OP))?;
-            self.try_linear(
-                &self.tensor(hidden),
-                expert.w2,
-                dim,
-                expert.inter,
-                Rounding::F32,
-            )
+            Ok(out)
         };
-        let mut sum: Option<Tensor> = None;
-        for (e, expert) in experts.iter().enumerate() {
-            let route = RouteColumn {
-                dense: &dense,
-                column: e,
-                stride: n_experts,
-            };
-            let out = swiglu(expert, Some(route))?;
-            sum = Some(match sum {
-                None => out,
-                Some(acc) => self.try_add(acc, &out)?,
-            });
-        }
-        let shared = swiglu(&shared, None)?;
-        Ok(Some(match sum {
-            None => shared,
-            Some(acc) => self.try_add(acc, &shared)?,
-        }))
+        let dx = self.input(OP, x)?;
+        let k = slots / rows;
+        let gate = routed(&dx, k, ExpertProjection::W1, inter)?;
+        let up = routed(&dx, k, ExpertProjection::W3, inter)?;
+        let mut hidden = self.alloc(OP, slots * inter)?;
+        swiglu_rows(
+            &self.rt,
+            &gate,
+            &up,
+            Some(&route_weights),
+            layer.swiglu_limit,
+            Rounding::F32,
+            &mut hidden,
+        )
+        .map_err(op_err(OP))?;
+        let expert_out = routed(&hidden, 1, ExpertProjection::W2, dim)?;
+
+        // The shared expert on every row, then the combine.
+        let shared_gate = self.try_exact_linear(x, s1)?;
+        let shared_up = self.try_exact_linear(x, s3)?;
+        let mut shared_hidden = self.alloc(OP, shared_gate.len())?;
+        swiglu_rows(
+            &self.rt,
+            &*self.input(OP, &shared_gate)?,
+            &*self.input(OP, &shared_up)?,
+            None,
+            layer.swiglu_limit,
+            Rounding::F32,
+            &mut shared_hidden,
+        )
+        .map_err(op_err(OP))?;
+        let shared_out = self.try_exact_linear(&self.tensor(shared_hidden), s2)?;
+        let mut out = self.alloc(OP, rows * dim)?;
+        moe_combine(
+            &self.rt,
+            &expert_out,
+            &ids,
+            n_experts,
+            &*self.input(OP, &shared_out)?,
+            dim,
+            Rounding::F32,
+            &mut out,
+        )
+        .map_err(op_err(OP))?;
+        Ok(Some(self.tensor(out)))
     }
 
-    /// The route weights of every row as a dense `[rows, experts]` matrix on the device: the
-    /// router's top-k of the layer's bias, or each row's hashed experts with their weights.
-    fn dense_routes(
+    /// [`Linear::apply`] on this backend, with errors.
+    fn try_exact_linear(&self, x: &Tensor, w: &Linear) -> Result<Tensor, CudaBackendError> {
+        match w {
+            Linear::Dense { out, inp, values } => {
+                self.try_linear(x, values, *out, *inp, Rounding::F32)
+            }
+            Linear::Fp8(w) => self.try_linear_fp8_f32(x, w),
+            Linear::Fp4(w) => self.try_linear_fp4_f32(x, w),
+        }
+    }
+
+    /// The device table of a layer's exact experts, built once and cached with the weights;
+    /// `None` when a projection is not exact or not of one format and shape across the experts.
+    fn exact_experts(
+        &self,
+        op: &'static str,
+        experts: &[ExpertWeights<ExpertLinear>],
+        dim: usize,
+    ) -> Result<Option<Arc<DeviceExactExperts>>, CudaBackendError> {
+        let key = (experts.as_ptr() as usize, experts.len());
+        if let Some(found) = self.lock_weights().exact_expert_tables.get(&key) {
+            return Ok(Some(found.clone()));
+        }
+        let Some(first) = experts.first() else {
+            return Ok(None);
+        };
+        let kinds = |e: &ExpertWeights<ExpertLinear>| {
+            [exact_kind(&e.w1), exact_kind(&e.w3), exact_kind(&e.w2)]
+        };
+        let expected = kinds(first);
+        let shapes_fit = match expected {
+            [
+                Some((_, _, i1, d1)),
+                Some((_, _, i3, d3)),
+                Some((_, _, d2, i2)),
+            ] => d1 == dim && d3 == dim && d2 == dim && i1 == i3 && i1 == i2 && i1 > 0,
+            _ => false,
+        };
+        if !shapes_fit || experts.iter().any(|e| kinds(e) != expected) {
+            return Ok(None);
+        }
+        let device = |w: &ExpertLinear| -> Result<DeviceLinear, CudaBackendError> {
+            match w {
+                ExpertLinear::Exact(Linear::Dense { out, inp, values }) => {
+                    Ok(DeviceLinear::F32(self.cached_f32(op, values)?, *out, *inp))
+                }
+                ExpertLinear::Exact(Linear::Fp8(w)) => Ok(DeviceLinear::Fp8(self.cached_fp8(w)?)),
+                ExpertLinear::Exact(Linear::Fp4(w)) => Ok(DeviceLinear::Fp4(self.cached_fp4(w)?)),
+                _ => Err(shape_err(op, "a quantised V4.1 expert".to_string())),
+            }
+        };
+        let weights = experts
+            .iter()
+            .map(|e| Ok([device(&e.w1)?, device(&e.w3)?, device(&e.w2)?]))
+            .collect::<Result<Vec<_>, CudaBackendError>>()?;
+        let refs: Vec<ExactExpertRefs<'_>> = weights
+            .iter()
+            .map(|[w1, w3, w2]| ExactExpertRefs {
+                w1: w1.weight(),
+                w3: w3.weight(),
+                w2: w2.weight(),
+            })
+            .collect();
+        // SAFETY: the table is stored next to `weights` (the Arcs it points into) in one
+        // `DeviceExactExperts`, which outlives every launch that reads it.
+        let table = unsafe { DeviceExactExpertTable::new(&self.rt, &refs) }.map_err(op_err(op))?;
+        let built = Arc::new(DeviceExactExperts {
+            table,
+            _held: weights
+                .into_iter()
+                .flatten()
+                .map(DeviceLinear::held)
+                .collect(),
+        });
+        self.lock_weights()
+            .exact_expert_tables
+            .insert(key, built.clone());
+        Ok(Some(built))
+    }
+
+    /// Every row's experts `[rows, k]` and route weights `[rows, k]` on the device: the router's
+    /// top-k of the layer's bias, or each row's hashed experts with their weights.
+    fn routes(
         &self,
         op: &'static str,
         x: &Tensor,
@@ -226,12 +355,12 @@ impl CudaBackend {
         hashed: Option<&[Vec<usize>]>,
         rows: usize,
         dim: usize,
-    ) -> Result<CudaSlice<f32>, CudaBackendError> {
+    ) -> Result<(CudaSlice<u32>, CudaSlice<f32>), CudaBackendError> {
         let n_experts = layer.bias.len();
         let logits = self.try_linear(x, layer.gate, n_experts, dim, Rounding::F32)?;
         let dbias = self.cached_f32(op, layer.bias)?;
         let stream = self.rt.stream();
-        let (ids, weights, k) = match hashed {
+        match hashed {
             None => {
                 let selection = RouteSelection::TopK(layer.n_activated);
                 let k = selected_count(selection, n_experts);
@@ -249,7 +378,7 @@ impl CudaBackend {
                     &mut weights,
                 )
                 .map_err(op_err(op))?;
-                (ids, weights, k)
+                Ok((ids, weights))
             }
             Some(hashed) => {
                 let k = hashed.first().map_or(0, Vec::len);
@@ -297,14 +426,8 @@ impl CudaBackend {
                 let pieces: Vec<(&Tensor, usize)> = per_row.iter().map(|t| (t, 0)).collect();
                 let weights = self.try_gather(&pieces, k)?;
                 let weights = self.input(op, &weights)?.into_owned(self, op)?;
-                (ids, weights, k)
+                Ok((ids, weights))
             }
-        };
-        let mut dense = stream
-            .alloc_zeros::<f32>(rows * n_experts)
-            .map_err(driver_err(op, "allocating the dense routes"))?;
-        v4_dense_routes_f32(&self.rt, &ids, &weights, k, n_experts, &mut dense)
-            .map_err(op_err(op))?;
-        Ok(dense)
+        }
     }
 }

@@ -1,0 +1,388 @@
+//! The routed experts of the V4 family on the device: fp32 linears whose weights (dense f32, FP8
+//! with square tiles, or FP4) are dequantised exactly and whose activations stay unquantised, each
+//! output row taking its own expert's weight from a device table ([`DeviceExactExpertTable`]),
+//! driven by device routes with no copy to the host ([`gemm_exact_routed`]). Rows are grouped by
+//! expert on the device (`routed::group_rows`), a block computes the sgemm-order FMA chains of
+//! a tile of up to 8 rows of one expert, and the pairwise reduction of `ops::linear` adds them:
+//! every row is bitwise what `CpuBackend::linear_f32` (or `linear_fp8_f32` / `linear_fp4_f32`)
+//! gives for it, whichever rows share its tile. The SwiGLU and the combine are
+//! [`super::routed::swiglu_rows`] / [`super::routed::moe_combine`] over f32 rows.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
+use super::linear::sgemm_reduce;
+use super::routed::{ExpertProjection, group_rows};
+use super::{dim as kernel_dim, expect_len};
+use crate::error::KernelError;
+use crate::id::KernelId;
+use crate::params::LinearParams;
+use crate::runtime::KernelRuntime;
+
+/// Threads per block (`linear::THREADS`).
+const THREADS: u32 = 256;
+/// Rows of one expert per tile (`linear::TILE_ROWS`).
+const TILE_ROWS: usize = 8;
+/// Output columns per block (`linear::TILE_COLS`).
+const TILE_COLS: u32 = 32;
+/// Products per FMA chain (`refmath::SGEMM_K_BLOCK`).
+const K_BLOCK: usize = 256;
+/// Inputs per row at most (256 chains; the reduction's limit, as `ops::linear`).
+const MAX_INP: usize = 256 * K_BLOCK;
+/// Block partials held at once at most (f32 values); larger launches run in chunks of rows.
+const MAX_PARTIALS: usize = 64 << 20;
+
+/// `routed::ExactRoutedParams` in `cuda/moe/routed.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ExactRoutedParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    format: u32,
+    tile: u32,
+    scale_cols: u32,
+    x_row_div: u32,
+    n_experts: u32,
+    which: u32,
+}
+
+// SAFETY: a plain `#[repr(C)]` struct of 32-bit fields, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for ExactRoutedParams {}
+
+/// The stored format of one projection of every expert of a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExactFormat {
+    /// Dense f32 (BF16 checkpoints widened at load).
+    F32,
+    /// FP8 E4M3 with square `tile × tile` UE8M0 scales.
+    Fp8 { tile: usize },
+    /// FP4 E2M1 packed two per byte with 1×32 UE8M0 scales.
+    Fp4,
+}
+
+impl ExactFormat {
+    /// The kernel's `format` and `tile` values.
+    fn code(self) -> (u32, usize) {
+        match self {
+            ExactFormat::F32 => (0, 1),
+            ExactFormat::Fp8 { tile } => (1, tile),
+            ExactFormat::Fp4 => (2, 32),
+        }
+    }
+}
+
+/// One projection of one expert on the device, borrowed for [`DeviceExactExpertTable::new`].
+#[derive(Debug, Clone, Copy)]
+pub enum ExactWeight<'a> {
+    /// `[out, inp]` row-major f32 values.
+    F32 {
+        values: &'a CudaSlice<f32>,
+        out: usize,
+        inp: usize,
+    },
+    Fp8(&'a DeviceFp8Weight),
+    Fp4(&'a DeviceFp4Weight),
+}
+
+impl ExactWeight<'_> {
+    fn format(&self) -> ExactFormat {
+        match self {
+            ExactWeight::F32 { .. } => ExactFormat::F32,
+            ExactWeight::Fp8(w) => ExactFormat::Fp8 { tile: w.tile },
+            ExactWeight::Fp4(_) => ExactFormat::Fp4,
+        }
+    }
+
+    /// `(out, inp)`.
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            ExactWeight::F32 { out, inp, .. } => (*out, *inp),
+            ExactWeight::Fp8(w) => (w.out, w.inp),
+            ExactWeight::Fp4(w) => (w.out, w.inp),
+        }
+    }
+
+    /// The device addresses the kernel reads: codes (or values) and scales (a dense weight's
+    /// scales slot repeats its values' address and is never read).
+    fn addresses(&self, rt: &KernelRuntime, op: &'static str) -> Result<(u64, u64), KernelError> {
+        let stream = rt.stream();
+        Ok(match self {
+            ExactWeight::F32 { values, out, inp } => {
+                expect_len(op, "dense expert weight", values.len(), out * inp)?;
+                let (ptr, _read) = values.device_ptr(stream);
+                (ptr, ptr)
+            }
+            ExactWeight::Fp8(w) => {
+                let (codes, _codes_read) = w.codes.device_ptr(stream);
+                let (scales, _scales_read) = w.scales.device_ptr(stream);
+                (codes, scales)
+            }
+            ExactWeight::Fp4(w) => {
+                let (packed, _packed_read) = w.packed.device_ptr(stream);
+                let (scales, _scales_read) = w.scales.device_ptr(stream);
+                (packed, scales)
+            }
+        })
+    }
+}
+
+/// The three projections of one expert (`w1`, `w3` `[inter, dim]`, `w2` `[dim, inter]`).
+#[derive(Debug, Clone, Copy)]
+pub struct ExactExpertRefs<'a> {
+    pub w1: ExactWeight<'a>,
+    pub w3: ExactWeight<'a>,
+    pub w2: ExactWeight<'a>,
+}
+
+/// The device address table of one layer's routed experts for [`gemm_exact_routed`]: all of
+/// one shape, each projection in one format across the experts (`[3][n_experts][2]` addresses,
+/// codes then scales, of w1, w3, w2). It does not own the weights.
+#[derive(Debug)]
+pub struct DeviceExactExpertTable {
+    formats: [ExactFormat; 3],
+    n_experts: usize,
+    dim: usize,
+    inter: usize,
+    addresses: CudaSlice<u64>,
+}
+
+impl DeviceExactExpertTable {
+    /// The table of `experts` (expert `e` is `experts[e]`).
+    ///
+    /// # Safety
+    /// The table keeps the weights' device addresses, not the weights: every weight in `experts`
+    /// must stay alive (and unmoved on the device) for as long as launches read this table.
+    pub unsafe fn new(
+        rt: &KernelRuntime,
+        experts: &[ExactExpertRefs<'_>],
+    ) -> Result<DeviceExactExpertTable, KernelError> {
+        const OP: &str = "DeviceExactExpertTable::new";
+        let Some(first) = experts.first() else {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: "no experts".to_string(),
+            });
+        };
+        let (inter, dim) = first.w1.shape();
+        let formats = [first.w1.format(), first.w3.format(), first.w2.format()];
+        let mut addresses = vec![0u64; 3 * experts.len() * 2];
+        for (e, expert) in experts.iter().enumerate() {
+            for (projection, weight, expected) in [
+                (ExpertProjection::W1, expert.w1, (inter, dim)),
+                (ExpertProjection::W3, expert.w3, (inter, dim)),
+                (ExpertProjection::W2, expert.w2, (dim, inter)),
+            ] {
+                let slot = slot(projection);
+                if weight.shape() != expected || weight.format() != formats[slot] {
+                    return Err(KernelError::Shape {
+                        op: OP,
+                        message: format!(
+                            "expert {e} {projection:?} is {:?} {:?}, expected {expected:?} {:?} (as expert 0)",
+                            weight.shape(),
+                            weight.format(),
+                            formats[slot]
+                        ),
+                    });
+                }
+                check_format(OP, weight.format(), expected.1)?;
+                let (codes, scales) = weight.addresses(rt, OP)?;
+                let at = (slot * experts.len() + e) * 2;
+                addresses[at] = codes;
+                addresses[at + 1] = scales;
+            }
+        }
+        let addresses = rt.htod(&addresses).map_err(KernelError::driver(
+            "uploading the exact expert address table",
+        ))?;
+        Ok(DeviceExactExpertTable {
+            formats,
+            n_experts: experts.len(),
+            dim,
+            inter,
+            addresses,
+        })
+    }
+
+    pub fn n_experts(&self) -> usize {
+        self.n_experts
+    }
+
+    /// The model width (`w1`/`w3` inputs, `w2` outputs).
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The expert's hidden width (`w1`/`w3` outputs, `w2` inputs).
+    pub fn inter(&self) -> usize {
+        self.inter
+    }
+}
+
+/// The table slot of a projection (`which` in the kernel).
+fn slot(which: ExpertProjection) -> usize {
+    match which {
+        ExpertProjection::W1 => 0,
+        ExpertProjection::W3 => 1,
+        ExpertProjection::W2 => 2,
+    }
+}
+
+/// A format the kernel can read for rows of `inp` inputs: FP4 needs whole 32-groups (two codes
+/// per byte), FP8 a positive tile.
+fn check_format(op: &'static str, format: ExactFormat, inp: usize) -> Result<(), KernelError> {
+    let fits = match format {
+        ExactFormat::F32 => true,
+        ExactFormat::Fp8 { tile } => tile > 0,
+        ExactFormat::Fp4 => inp.is_multiple_of(32),
+    };
+    if fits {
+        Ok(())
+    } else {
+        Err(KernelError::Shape {
+            op,
+            message: format!("{format:?} weights of {inp} inputs"),
+        })
+    }
+}
+
+/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` in fp32 for the `which` projection of `table`:
+/// `x` `[rows, inp]` f32, `experts` `[m]` with `m = rows · x_row_div`, `out` `[m, out]` f32. Every
+/// row is bitwise the CPU reference's fp32 linear of that x row and that expert's weight
+/// (dequantised exactly); a row whose id is `>= table.n_experts()` holds zeros or garbage that
+/// [`super::routed::moe_combine`] skips.
+pub fn gemm_exact_routed(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    experts: &CudaSlice<u32>,
+    x_row_div: usize,
+    table: &DeviceExactExpertTable,
+    which: ExpertProjection,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "gemm_exact_routed";
+    let slot = slot(which);
+    let (n, k) = match which {
+        ExpertProjection::W1 | ExpertProjection::W3 => (table.inter, table.dim),
+        ExpertProjection::W2 => (table.dim, table.inter),
+    };
+    if k == 0 || k > MAX_INP || x_row_div == 0 || !x.len().is_multiple_of(k) {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "x holds {} values for {k} inputs (at most {MAX_INP}), x_row_div {x_row_div}",
+                x.len()
+            ),
+        });
+    }
+    let m = (x.len() / k) * x_row_div;
+    expect_len(OP, "experts", experts.len(), m)?;
+    expect_len(OP, "out", out.len(), m * n)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let (format, tile) = table.formats[slot].code();
+    let blocks = k.div_ceil(K_BLOCK);
+    // Chunks of whole x rows (x_row_div output rows each) whose partials fit MAX_PARTIALS.
+    let chunk_rows = ((MAX_PARTIALS / (blocks * n)) / x_row_div).max(1) * x_row_div;
+    let chunk_rows = chunk_rows.min(m);
+    let stream = rt.stream();
+    let mut partials = stream
+        .alloc_zeros::<f32>(blocks * chunk_rows * n)
+        .map_err(KernelError::driver("allocating the routed block partials"))?;
+    let kernel = rt.function(KernelId::GemmExactRoutedPartialsF32)?;
+    for first in (0..m).step_by(chunk_rows) {
+        let count = chunk_rows.min(m - first);
+        let ids = experts.slice(first..first + count);
+        let groups = group_rows(rt, OP, &ids, table.n_experts, TILE_ROWS)?;
+        let params = ExactRoutedParams {
+            m: kernel_dim(OP, "m", count)?,
+            n: kernel_dim(OP, "n", n)?,
+            k: kernel_dim(OP, "k", k)?,
+            format,
+            tile: kernel_dim(OP, "tile", tile)?,
+            scale_cols: kernel_dim(OP, "scale columns", k.div_ceil(tile))?,
+            x_row_div: kernel_dim(OP, "x_row_div", x_row_div)?,
+            n_experts: kernel_dim(OP, "experts", table.n_experts)?,
+            which: slot as u32,
+        };
+        let x_rows = x.slice(first / x_row_div * k..(first + count).div_ceil(x_row_div) * k);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                kernel_dim(OP, "tiles", groups.max_tiles)?,
+                params.n.div_ceil(TILE_COLS),
+                kernel_dim(OP, "256-blocks", blocks)?,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(kernel);
+        launch
+            .arg(&x_rows)
+            .arg(&groups.order)
+            .arg(&groups.tiles)
+            .arg(&groups.tile_count)
+            .arg(&table.addresses)
+            .arg(&mut partials)
+            .arg(&params);
+        // SAFETY: signature (const float* x, const u32* order, const u32* tiles, const u32*
+        // tile_count, const u64* table, float* partials, ExactRoutedParams). Blocks past
+        // *tile_count return; a tile's rows are chunk rows < count (order is a permutation of
+        // 0..count), each reading x row j / x_row_div of the chunk's x rows (count / x_row_div
+        // rows of k values: chunks start at a multiple of x_row_div); the table holds 3 *
+        // n_experts address pairs of live weights of this shape and format (the constructor's
+        // contract; the bucket of unknown ids reads none); partials holds blocks * count * n.
+        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(
+            "launching gemm_exact_routed_partials_f32",
+        ))?;
+        let reduce = LinearParams {
+            rows: params.m,
+            out: params.n,
+            inp: params.k,
+            round_bf16: 0,
+        };
+        let mut y = out.slice_mut(first * n..(first + count) * n);
+        sgemm_reduce(rt, &partials, &mut y, reduce)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SOURCE: &str = include_str!("../../cuda/moe/routed.cu");
+
+    #[test]
+    fn params_mirror_the_cuda_struct() {
+        assert_eq!(std::mem::size_of::<ExactRoutedParams>(), 36);
+        assert_eq!(
+            super::super::cuda_struct_fields(SOURCE, "ExactRoutedParams"),
+            [
+                "m",
+                "n",
+                "k",
+                "format",
+                "tile",
+                "scale_cols",
+                "x_row_div",
+                "n_experts",
+                "which"
+            ]
+        );
+        assert!(SOURCE.contains("EXACT_F32 = 0;"));
+        assert!(SOURCE.contains("EXACT_FP8 = 1;"));
+        assert!(SOURCE.contains("EXACT_FP4 = 2;"));
+        assert_eq!(ExactFormat::F32.code().0, 0);
+        assert_eq!(ExactFormat::Fp8 { tile: 128 }.code(), (1, 128));
+        assert_eq!(ExactFormat::Fp4.code(), (2, 32));
+    }
+
+    #[test]
+    fn fp4_needs_whole_groups() {
+        assert!(check_format("t", ExactFormat::Fp4, 64).is_ok());
+        assert!(check_format("t", ExactFormat::Fp4, 48).is_err());
+        assert!(check_format("t", ExactFormat::Fp8 { tile: 0 }, 64).is_err());
+        assert!(check_format("t", ExactFormat::F32, 7).is_ok());
+    }
+}
