@@ -16,7 +16,7 @@ struct RouteParams {
     u32_t rows;
     u32_t experts;
     u32_t selected;  // experts chosen per token (top-k clamped to `experts`, or the forced count)
-    u32_t forced;    // 1: take forced_ids[0..selected) instead of the top-k
+    u32_t forced;    // 0 top-k, 1 every row takes forced_ids[0, selected), 2 row r takes forced_ids[r * selected, (r + 1) * selected)
     float route_scale;
 };
 
@@ -80,7 +80,8 @@ __device__ void route_experts(const float* __restrict__ logits, const float* __r
     }
     __syncthreads();
     if (p.forced) {
-        for (u32_t i = threadIdx.x; i < p.selected; i += THREADS) chosen[i] = forced_ids[i];
+        const u32_t* row_ids = forced_ids + (p.forced == 2u ? (size_t)row * p.selected : 0);
+        for (u32_t i = threadIdx.x; i < p.selected; i += THREADS) chosen[i] = row_ids[i];
     } else {
         // Rank of e in "biased descending, lower id first": the experts that precede it.
         for (u32_t e = threadIdx.x; e < p.experts; e += THREADS) {

@@ -36,6 +36,12 @@ pub enum Selection<'a> {
     /// These experts (every id below the expert count; repeats allowed), the same for every
     /// token.
     Forced(&'a CudaSlice<u32>),
+    /// Each token its own `per_row` experts: token `r` takes `ids[r · per_row ..][..per_row]`
+    /// (a hash layer's experts of every token's id).
+    ForcedRows {
+        ids: &'a CudaSlice<u32>,
+        per_row: usize,
+    },
 }
 
 /// Routes `logits [rows, bias.len()]`: `experts [rows, selected]` and `weights [rows, selected]`
@@ -68,6 +74,9 @@ pub fn route_experts_f32(
     let rows = logits.len() / n_experts;
     // A forced list may repeat an expert (it is replayed as given), so it may outnumber them.
     let selected = selected_count(selection, n_experts);
+    if let Selection::ForcedRows { ids, .. } = selection {
+        expect_len(OP, "forced rows", ids.len(), rows * selected)?;
+    }
     expect_len(OP, "experts", experts.len(), rows * selected)?;
     expect_len(OP, "weights", weights.len(), rows * selected)?;
     if rows == 0 || selected == 0 {
@@ -77,7 +86,11 @@ pub fn route_experts_f32(
         rows: dim(OP, "rows", rows)?,
         experts: dim(OP, "experts", n_experts)?,
         selected: dim(OP, "selected", selected)?,
-        forced: u32::from(matches!(selection, Selection::Forced(_))),
+        forced: match selection {
+            Selection::TopK(_) => 0,
+            Selection::Forced(_) => 1,
+            Selection::ForcedRows { .. } => 2,
+        },
         route_scale,
     };
     let cfg = LaunchConfig {
@@ -89,7 +102,7 @@ pub fn route_experts_f32(
     // The forced list, or a one-element placeholder the kernel does not read.
     let placeholder;
     let forced = match selection {
-        Selection::Forced(ids) => ids,
+        Selection::Forced(ids) | Selection::ForcedRows { ids, .. } => ids,
         Selection::TopK(_) => {
             placeholder = stream.alloc_zeros::<u32>(1).map_err(KernelError::driver(
                 "allocating the forced-list placeholder",
@@ -106,7 +119,8 @@ pub fn route_experts_f32(
         .arg(weights)
         .arg(&params);
     // SAFETY: signature (const float* logits, const float* bias, const u32* forced_ids,
-    // u32* experts, float* weights, RouteParams); lengths checked above; the dynamic shared memory
+    // u32* experts, float* weights, RouteParams); lengths checked above (a shared forced list
+    // holds `selected` ids, per-row lists rows * selected); the dynamic shared memory
     // holds 2 · experts + selected 32-bit words.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching route_experts_f32"))?;
     Ok(())
@@ -117,6 +131,7 @@ pub fn selected_count(selection: Selection<'_>, n_experts: usize) -> usize {
     match selection {
         Selection::TopK(k) => k.min(n_experts),
         Selection::Forced(ids) => ids.len(),
+        Selection::ForcedRows { per_row, .. } => per_row,
     }
 }
 

@@ -391,41 +391,37 @@ impl CudaBackend {
                         ),
                     ));
                 }
-                let host_ids: Vec<u32> = hashed
-                    .iter()
-                    .flatten()
-                    .map(|&e| u32::try_from(e).unwrap_or(u32::MAX))
-                    .collect();
+                // The router reads each named expert's score: every id must name one.
+                if let Some(bad) = hashed.iter().flatten().find(|&&e| e >= n_experts) {
+                    return Err(shape_err(
+                        op,
+                        format!("hashed route names expert {bad} of {n_experts}"),
+                    ));
+                }
+                let host_ids: Vec<u32> = hashed.iter().flatten().map(|&e| e as u32).collect();
                 let ids = self
                     .rt
                     .htod(&host_ids)
                     .map_err(driver_err(op, "uploading the hashed experts"))?;
-                // Each row's weights from its own scores, its own forced list.
-                let mut per_row = Vec::with_capacity(rows);
-                for (r, row_ids) in host_ids.chunks_exact(k).enumerate() {
-                    let forced = self
-                        .rt
-                        .htod(row_ids)
-                        .map_err(driver_err(op, "uploading a row's hashed experts"))?;
-                    let mut row_experts = stream
-                        .alloc_zeros::<u32>(k)
-                        .map_err(driver_err(op, "allocating a row's routes"))?;
-                    let mut row_weights = self.alloc(op, k)?;
-                    route_experts_f32(
-                        &self.rt,
-                        &*self.input(op, &logits.rows(r..r + 1, n_experts))?,
-                        &dbias,
-                        RouteSelection::Forced(&forced),
-                        layer.route_scale,
-                        &mut row_experts,
-                        &mut row_weights,
-                    )
-                    .map_err(op_err(op))?;
-                    per_row.push(self.tensor(row_weights));
-                }
-                let pieces: Vec<(&Tensor, usize)> = per_row.iter().map(|t| (t, 0)).collect();
-                let weights = self.try_gather(&pieces, k)?;
-                let weights = self.input(op, &weights)?.into_owned(self, op)?;
+                // Each row's weights from its own scores over its own experts.
+                let selection = RouteSelection::ForcedRows {
+                    ids: &ids,
+                    per_row: k,
+                };
+                let mut routed_ids = stream
+                    .alloc_zeros::<u32>(rows * k)
+                    .map_err(driver_err(op, "allocating the routes"))?;
+                let mut weights = self.alloc(op, rows * k)?;
+                route_experts_f32(
+                    &self.rt,
+                    &*self.input(op, &logits)?,
+                    &dbias,
+                    selection,
+                    layer.route_scale,
+                    &mut routed_ids,
+                    &mut weights,
+                )
+                .map_err(op_err(op))?;
                 Ok((ids, weights))
             }
         }
