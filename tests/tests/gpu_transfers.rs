@@ -14,34 +14,14 @@
 #![cfg(feature = "cuda")]
 
 use deepinfer_model::backend::cuda::{CudaBackend, TransferCounts};
-use deepinfer_model::sampling::{AllowedTokens, SamplingParams, sample};
+use deepinfer_model::sampling::{AllowedTokens, sample};
 use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
 
 mod gpu_support;
-use gpu_support::{host_fixture_model, v41_tiny_path};
+use gpu_support::{host_fixture_model, mixed_sampling, prompt, v41_tiny_path};
 
 fn fixture_model() -> Model {
     host_fixture_model(&v41_tiny_path()).0
-}
-
-fn prompt(seed: u32, len: usize, vocab: usize) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 9) % vocab as u32)
-        .collect()
-}
-
-/// Each sequence's sampling: greedy, and seeded top-p.
-fn sampling(s: usize) -> SamplingParams {
-    if s.is_multiple_of(2) {
-        SamplingParams::greedy()
-    } else {
-        SamplingParams {
-            temperature: 0.8,
-            top_k: 0,
-            top_p: 0.9,
-            seed: 11 + s as u64,
-        }
-    }
 }
 
 /// One step over every sequence (its `tokens[s]`), each sampling its last row; the sampled ids.
@@ -55,7 +35,7 @@ fn sampled_step(model: &Model, seqs: &mut [SequenceState], tokens: &[Vec<u32>]) 
             tokens,
             want: LogitsWanted::Last,
             decoder_from: None,
-            sample: Some(sampling(s)),
+            sample: Some(mixed_sampling(s)),
         })
         .collect();
     model
@@ -246,7 +226,7 @@ fn constrained_step(
         .enumerate()
         .map(|(s, ((logits, mask), &position))| LogitsRow {
             logits,
-            params: sampling(s),
+            params: mixed_sampling(s),
             position,
             allowed: Some(mask),
         })
@@ -307,7 +287,7 @@ fn a_constrained_decode_step_copies_only_the_sampled_ids() {
             .map(|(s, out)| {
                 let mut row = out.into_logits().expect("logits");
                 masks[s].apply(&mut row).expect("mask fits");
-                sample(&row, &sampling(s), positions[s]).expect("a row")
+                sample(&row, &mixed_sampling(s), positions[s]).expect("a row")
             })
             .collect();
         let before = counters.snapshot();
@@ -380,7 +360,7 @@ fn a_v4_decode_step_copies_only_the_sampled_ids_to_the_host() {
                 seq,
                 tokens,
                 want: LogitsWanted::Last,
-                sample: Some(sampling(s)),
+                sample: Some(mixed_sampling(s)),
             })
             .collect();
         model

@@ -11,40 +11,18 @@
 //! H200: `bash .gpu/run.sh gpu_v4_quantised --include-ignored --nocapture`.
 #![cfg(feature = "cuda")]
 
-use deepinfer_model::checkpoint::{Checkpoint, write_random_checkpoint};
 use std::path::Path;
 
+use deepinfer_model::checkpoint::{Checkpoint, write_random_checkpoint};
 use deepinfer_model::config::{ExpertDtype, ModelConfig, V4Mlp};
-use deepinfer_model::sampling::SamplingParams;
 use deepinfer_model::v4;
 use deepinfer_model::{EntryOutput, LogitsWanted};
-
 use safetensors::Dtype;
 
 mod checkpoint_patch;
 mod gpu_support;
 use checkpoint_patch::patch_tensor;
-use gpu_support::{assert_bitwise, cuda_backend};
-
-fn prompt(seed: u32, len: usize, vocab: usize) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 9) % vocab as u32)
-        .collect()
-}
-
-/// Greedy for even sequences, seeded top-p for odd ones.
-fn sampling(s: usize) -> SamplingParams {
-    if s.is_multiple_of(2) {
-        SamplingParams::greedy()
-    } else {
-        SamplingParams {
-            temperature: 0.8,
-            top_k: 0,
-            top_p: 0.9,
-            seed: 1234 + s as u64,
-        }
-    }
-}
+use gpu_support::{assert_bitwise, cuda_backend, mixed_sampling, prompt};
 
 /// One step of `model` over `seqs`: every entry's logits (`sample` = None) or sampled tokens.
 fn step(
@@ -62,7 +40,7 @@ fn step(
             seq,
             tokens,
             want,
-            sample: sampled.then(|| sampling(s)),
+            sample: sampled.then(|| mixed_sampling(s)),
         })
         .collect();
     model.forward_step(&mut entries).expect("step")

@@ -1,6 +1,6 @@
 //! Shared by the GPU test binaries (`gpu*.rs`): opening the device or saying why a test skips,
-//! the SplitMix64 generator of test data, bitwise comparisons of device and host results, and the
-//! v41-tiny fixture's location and host model.
+//! the SplitMix64 generator of test data, prompts and per-sequence sampling settings, bitwise
+//! comparisons of device and host results, and the v41-tiny fixture's location and host model.
 
 // Each test binary uses its own subset of these helpers.
 #![allow(dead_code)]
@@ -17,6 +17,7 @@ use deepinfer_model::backend::Precision;
 use deepinfer_model::backend::cuda::CudaBackend;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::quant;
+use deepinfer_model::sampling::SamplingParams;
 
 /// Both precisions of the model's activations.
 pub const PRECISIONS: [Precision; 2] = [Precision::Bf16, Precision::F32];
@@ -69,6 +70,27 @@ impl Rng {
     /// Uniform in `0..n`.
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n
+    }
+}
+
+/// A deterministic prompt of `len` token ids below `vocab`.
+pub fn prompt(seed: u32, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 9) % vocab as u32)
+        .collect()
+}
+
+/// Sequence `s`'s sampling in the mixed batches: greedy for even `s`, seeded top-p for odd.
+pub fn mixed_sampling(s: usize) -> SamplingParams {
+    if s.is_multiple_of(2) {
+        SamplingParams::greedy()
+    } else {
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.9,
+            seed: 11 + s as u64,
+        }
     }
 }
 

@@ -359,27 +359,10 @@ impl CudaBackend {
         let n_experts = layer.bias.len();
         let logits = self.try_linear(x, layer.gate, n_experts, dim, Rounding::F32)?;
         let dbias = self.cached_f32(op, layer.bias)?;
-        let stream = self.rt.stream();
-        match hashed {
-            None => {
-                let selection = RouteSelection::TopK(layer.n_activated);
-                let k = selected_count(selection, n_experts);
-                let mut ids = stream
-                    .alloc_zeros::<u32>(rows * k)
-                    .map_err(driver_err(op, "allocating the routes"))?;
-                let mut weights = self.alloc(op, rows * k)?;
-                route_experts_f32(
-                    &self.rt,
-                    &*self.input(op, &logits)?,
-                    &dbias,
-                    selection,
-                    layer.route_scale,
-                    &mut ids,
-                    &mut weights,
-                )
-                .map_err(op_err(op))?;
-                Ok((ids, weights))
-            }
+        // A hash layer's experts of every row, checked and uploaded (the router reads each named
+        // expert's score: every id must name one).
+        let forced = match hashed {
+            None => None,
             Some(hashed) => {
                 let k = hashed.first().map_or(0, Vec::len);
                 if hashed.len() != rows || hashed.iter().any(|h| h.len() != k) || k == 0 {
@@ -391,7 +374,6 @@ impl CudaBackend {
                         ),
                     ));
                 }
-                // The router reads each named expert's score: every id must name one.
                 if let Some(bad) = hashed.iter().flatten().find(|&&e| e >= n_experts) {
                     return Err(shape_err(
                         op,
@@ -403,27 +385,31 @@ impl CudaBackend {
                     .rt
                     .htod(&host_ids)
                     .map_err(driver_err(op, "uploading the hashed experts"))?;
-                // Each row's weights from its own scores over its own experts.
-                let selection = RouteSelection::ForcedRows {
-                    ids: &ids,
-                    per_row: k,
-                };
-                let mut routed_ids = stream
-                    .alloc_zeros::<u32>(rows * k)
-                    .map_err(driver_err(op, "allocating the routes"))?;
-                let mut weights = self.alloc(op, rows * k)?;
-                route_experts_f32(
-                    &self.rt,
-                    &*self.input(op, &logits)?,
-                    &dbias,
-                    selection,
-                    layer.route_scale,
-                    &mut routed_ids,
-                    &mut weights,
-                )
-                .map_err(op_err(op))?;
-                Ok((ids, weights))
+                Some((ids, k))
             }
-        }
+        };
+        // Each row's weights from its own scores over its own experts.
+        let selection = match &forced {
+            None => RouteSelection::TopK(layer.n_activated),
+            Some((ids, k)) => RouteSelection::ForcedRows { ids, per_row: *k },
+        };
+        let k = selected_count(selection, n_experts);
+        let mut ids = self
+            .rt
+            .stream()
+            .alloc_zeros::<u32>(rows * k)
+            .map_err(driver_err(op, "allocating the routes"))?;
+        let mut weights = self.alloc(op, rows * k)?;
+        route_experts_f32(
+            &self.rt,
+            &*self.input(op, &logits)?,
+            &dbias,
+            selection,
+            layer.route_scale,
+            &mut ids,
+            &mut weights,
+        )
+        .map_err(op_err(op))?;
+        Ok((ids, weights))
     }
 }
