@@ -63,6 +63,9 @@ impl RankExecutor for Confident {
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         self.0.execute(batch)
     }
+    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
+        self.0.plan_replay(id, decoder_from)
+    }
     fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
         Ok(self.0.draft(id, anchor)?.map(|draft| Draft {
             confidences: vec![30.0; draft.tokens.len()],
@@ -82,6 +85,9 @@ impl ExecutorFactory for ConfidentFactory {
     }
     fn describe(&self) -> String {
         format!("always-confident {}", self.0.describe())
+    }
+    fn sliding_window(&self) -> Option<usize> {
+        self.0.sliding_window()
     }
     fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
         self.0.expert_parallel()
@@ -132,6 +138,9 @@ impl RankExecutor for Oracle {
         }
         Ok(rows)
     }
+    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
+        self.inner.plan_replay(id, decoder_from)
+    }
     fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
         let Some(history) = self.histories.get(&id) else {
             return Ok(None);
@@ -178,6 +187,9 @@ impl ExecutorFactory for OracleFactory {
     }
     fn describe(&self) -> String {
         format!("oracle-drafting {}", self.inner.describe())
+    }
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.sliding_window()
     }
 }
 
@@ -236,7 +248,21 @@ async fn generate_at(
         total.draft_tokens_verified += s.draft_tokens_verified;
         total.draft_tokens_accepted += s.draft_tokens_accepted;
         total.verify_entries += s.verify_entries;
+        total.rejecting_verifies += s.rejecting_verifies;
     }
+    // Bounded replay is on by default: the `ReplayActor` followed every step's positions, took
+    // one rewind per verify that rejected a draft, refused none, and freed every request.
+    let replay = engine
+        .handle()
+        .replay_stats()
+        .await
+        .expect("replay stats")
+        .expect("bounded replay is on");
+    assert_eq!(
+        (replay.refused, replay.live, replay.rewinds),
+        (0, 0, total.rejecting_verifies),
+        "replay stats {replay:?} against the schedulers' {total:?}"
+    );
     engine
         .shutdown(Duration::from_secs(30))
         .await

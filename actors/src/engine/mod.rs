@@ -21,10 +21,12 @@ use crate::frontend::codec::TextCodec;
 use crate::frontend::state::FrontendLimits;
 use crate::grammar::GrammarEngine;
 use crate::messages::frontend::FrontendMsg;
+use crate::messages::replay::ReplayMsg;
 use crate::messages::scheduler::{SchedulerMsg, SchedulerStats};
 use crate::messages::supervisor::{DrainReport, SupervisorMsg};
 use crate::rank::executor::ExecutorFactory;
 use crate::rank::fake::{FakeConfig, FakeFactory};
+use crate::replay::state::ReplayStats;
 use crate::scheduler::state::SchedulerLimits;
 use crate::supervisor::policy::EngineHealth;
 use crate::supervisor::{EngineHandles, NodeSupervisor, SupervisorArgs};
@@ -152,6 +154,18 @@ impl EngineHandle {
             all.push(stats);
         }
         Ok(all)
+    }
+
+    /// The `ReplayActor`'s counts (admitted suffixes, rewinds, refusals); `None` with bounded
+    /// replay off or once the actor is gone (the engine then prefills every decoder position).
+    pub async fn replay_stats(&self) -> Result<Option<ReplayStats>, EngineError> {
+        let Some(replay) = &self.handles.replay else {
+            return Ok(None);
+        };
+        match ractor::call_t!(replay, ReplayMsg::Stats, CALL_TIMEOUT.as_millis() as u64) {
+            Ok(stats) => Ok(Some(stats)),
+            Err(_) => Ok(None),
+        }
     }
 
     /// The supervisor's view of the engine.

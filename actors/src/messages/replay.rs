@@ -1,7 +1,8 @@
 //! `ReplayMsg`, the protocol of the `ReplayActor` (decoder bounded replay and the rewind bound).
 //!
-//! Admission and rewinds answer (an error is the caller's to report, never swallowed);
-//! `Written`, `Commit` and `Finish` are one-way (a refusal is logged and counted).
+//! Admission answers (an error is the caller's to report, never swallowed); `Written`,
+//! `Rewind`, `Commit` and `Finish` are one-way, sent by the scheduler in the order the rank
+//! applied them (a refusal is logged and counted in [`ReplayStats::refused`]).
 
 use deepinfer_topology::RequestId;
 use ractor::RpcReplyPort;
@@ -32,7 +33,6 @@ pub enum ReplayMsg {
     Rewind {
         id: RequestId,
         to: u32,
-        reply: RpcReplyPort<Result<(), ReplayError>>,
     },
     /// The request ended (finished, aborted, failed): free its suffix.
     Finish(RequestId),

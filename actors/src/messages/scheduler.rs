@@ -30,6 +30,8 @@ pub struct SchedulerStats {
     pub draft_tokens_accepted: u64,
     /// DSpark: verify entries completed (each produces `accepted + 1` tokens).
     pub verify_entries: u64,
+    /// DSpark: of those, the ones that rejected a draft (the rank rolled the sequence back).
+    pub rejecting_verifies: u64,
     /// DSpark: proposal batches dropped as stale.
     pub stale_proposals: u64,
 }

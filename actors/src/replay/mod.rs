@@ -93,8 +93,10 @@ impl Actor for ReplayActor {
                     tracing::error!(%id, %error, "replay: commit refused");
                 }
             }
-            ReplayMsg::Rewind { id, to, reply } => {
-                let _ = reply.send(state.rewind(id, to));
+            ReplayMsg::Rewind { id, to } => {
+                if let Err(error) = state.rewind(id, to) {
+                    tracing::error!(%id, %error, "replay: rewind refused");
+                }
             }
             ReplayMsg::Finish(id) => {
                 state.finish(id);
@@ -113,7 +115,6 @@ mod tests {
     use ractor::call;
 
     use super::*;
-    use crate::replay::suffix::ReplayError;
 
     #[test]
     fn engine_replay_is_off_without_keep_or_window_and_refuses_bad_bounds() {
@@ -167,17 +168,16 @@ mod tests {
         actor
             .cast(ReplayMsg::Written { id, count: 7 })
             .expect("cast");
-        let past = call!(actor, |reply| ReplayMsg::Rewind { id, to: 200, reply }).expect("answer");
-        assert_eq!(
-            past,
-            Err(ReplayError::RewindPastBound {
-                requested: 7,
-                max_backtracking: 6
-            })
-        );
-        let within =
-            call!(actor, |reply| ReplayMsg::Rewind { id, to: 201, reply }).expect("answer");
-        assert_eq!(within, Ok(()));
+        // Past the bound (7 > 6): refused and counted, nothing changes; then within it.
+        actor.cast(ReplayMsg::Rewind { id, to: 200 }).expect("cast");
+        actor.cast(ReplayMsg::Rewind { id, to: 201 }).expect("cast");
+        actor
+            .cast(ReplayMsg::Commit { id, len: 201 })
+            .expect("cast");
+        let stats = call!(actor, ReplayMsg::Stats).expect("answer");
+        assert_eq!((stats.rewinds, stats.refused), (1, 1));
+        // Into the committed positions: refused.
+        actor.cast(ReplayMsg::Rewind { id, to: 200 }).expect("cast");
         actor.cast(ReplayMsg::Finish(id)).expect("cast");
         let stats = call!(actor, ReplayMsg::Stats).expect("answer");
         assert_eq!(
@@ -187,7 +187,7 @@ mod tests {
                 stats.refused,
                 stats.skipped_prompt_tokens
             ),
-            (0, 1, 1, 178)
+            (0, 1, 2, 178)
         );
         actor.stop(None);
         handle.await.expect("stopped");

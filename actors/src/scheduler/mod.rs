@@ -7,7 +7,9 @@
 //! Sends: `RankMsg::Execute` (at most `overlap_depth` outstanding); events to request channels;
 //! with DSpark, each step's drafted proposals to the `DSparkActor` (`DSparkMsg::Drafted`);
 //! with bounded replay, `ReplayMsg::Admit` (awaited: its decoder start travels to the rank in
-//! `NewSeq`) on `Submit` and `ReplayMsg::Finish` when a request ends.
+//! `NewSeq`) on `Submit`, each completed step's position updates of its decoding requests
+//! (`Written`, `Rewind` after rejected drafts, `Commit`: `SchedulerState::replay_updates`) and
+//! `ReplayMsg::Finish` when a request ends.
 //! Ordering: plans carry increasing `StepId`s and outputs are applied in that order.
 //! Failure: a lost rank fails this rank's requests with `RankFailed` and refuses new ones; the
 //! actor itself keeps running so callers get errors rather than a dead mailbox. Every rank steps
@@ -31,7 +33,7 @@ use crate::messages::replay::ReplayMsg;
 use crate::messages::request::{RawEvent, RequestSpec};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
-use state::{Emission, SchedulerLimits, SchedulerState, VerifySettings};
+use state::{Emission, ReplayUpdate, SchedulerLimits, SchedulerState, VerifySettings};
 
 /// Arguments of `SchedulerActor`.
 pub struct SchedulerArgs {
@@ -83,6 +85,35 @@ impl SchedulerShell {
             }
         };
         Ok((suffix.start > 0).then_some(suffix.start))
+    }
+
+    /// Tells the `ReplayActor` what the step did to each decoding request's positions.
+    fn report_replay(&mut self, updates: &[ReplayUpdate]) {
+        let Some(replay) = &self.replay else {
+            return;
+        };
+        for update in updates {
+            let id = update.id;
+            let mut messages = vec![ReplayMsg::Written {
+                id,
+                count: update.written,
+            }];
+            if update.rewound {
+                messages.push(ReplayMsg::Rewind {
+                    id,
+                    to: update.kept,
+                });
+            }
+            messages.push(ReplayMsg::Commit {
+                id,
+                len: update.kept,
+            });
+            if messages.into_iter().any(|m| replay.cast(m).is_err()) {
+                tracing::warn!(dp = %self.dp_label, "the replay actor is gone; rewinds are no longer followed");
+                self.replay = None;
+                return;
+            }
+        }
     }
 
     /// Frees a request's bounded suffix in the `ReplayActor`.
@@ -248,6 +279,10 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::Wake => s.pump(),
             SchedulerMsg::StepDone(mut output) => {
+                if s.replay.is_some() {
+                    let updates = s.state.replay_updates(&output);
+                    s.report_replay(&updates);
+                }
                 let emissions = s.state.on_step_done(&output);
                 s.forward_drafts(&mut output);
                 let generated = emissions

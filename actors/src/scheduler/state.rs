@@ -102,7 +102,22 @@ struct DraftCounters {
     verified: u64,
     accepted: u64,
     verify_entries: u64,
+    rejecting: u64,
     stale: u64,
+}
+
+/// What one completed step did to a decoding request's positions, as the `ReplayActor` follows
+/// them (`ReplayMsg::Written`, then `Rewind` when drafts were rejected, then `Commit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayUpdate {
+    pub id: RequestId,
+    /// Positions the step wrote: the anchor, plus the drafts of a verify.
+    pub written: u32,
+    /// The sequence's length after the step: its written end, or where the rank rolled it back
+    /// to after rejected drafts; accepted for good.
+    pub kept: u32,
+    /// Drafts were rejected: the rank rewound the sequence to `kept`.
+    pub rewound: bool,
 }
 
 /// What the shell must deliver to a request's event channel.
@@ -455,6 +470,47 @@ impl SchedulerState {
         })
     }
 
+    /// The position updates of `output` for the `ReplayActor`, one per request that decoded or
+    /// verified in it (a prefill's first token writes no position past the prompt); to be
+    /// taken before [`SchedulerState::on_step_done`] applies the output. A request that has
+    /// delivered `g` tokens fed the `g`-th as the step's anchor at position `prompt + g - 1`;
+    /// a verify of `k` drafts wrote `k + 1` positions and keeps `prompt + g + accepted`.
+    pub fn replay_updates(&self, output: &StepOutput) -> Vec<ReplayUpdate> {
+        if self.in_flight.front().map(|(step, _)| *step) != Some(output.step) {
+            return Vec::new();
+        }
+        let position = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        let mut updates: Vec<ReplayUpdate> = Vec::new();
+        for &(id, _) in &output.sampled {
+            if updates.iter().any(|u| u.id == id) {
+                continue;
+            }
+            let Some(seq) = self.seqs.get(&id) else {
+                continue;
+            };
+            if seq.generated == 0 {
+                continue;
+            }
+            let before = seq.spec.prompt.len() + seq.generated;
+            let update = match output.verified.iter().find(|v| v.id == id) {
+                Some(v) => ReplayUpdate {
+                    id,
+                    written: position(v.verified + 1),
+                    kept: position(before + v.accepted),
+                    rewound: v.accepted < v.verified,
+                },
+                None => ReplayUpdate {
+                    id,
+                    written: 1,
+                    kept: position(before),
+                    rewound: false,
+                },
+            };
+            updates.push(update);
+        }
+        updates
+    }
+
     /// Applies a step's output; returns what to deliver.
     pub fn on_step_done(&mut self, output: &StepOutput) -> Vec<Emission> {
         if self.in_flight.front().map(|(step, _)| *step) != Some(output.step) {
@@ -476,6 +532,9 @@ impl SchedulerState {
             self.drafts.verified += outcome.verified as u64;
             self.drafts.accepted += outcome.accepted as u64;
             self.drafts.verify_entries += 1;
+            if outcome.accepted < outcome.verified {
+                self.drafts.rejecting += 1;
+            }
         }
         self.steps_done += 1;
         if output.mode == StepMode::Idle {
@@ -548,6 +607,7 @@ impl SchedulerState {
             draft_tokens_verified: self.drafts.verified,
             draft_tokens_accepted: self.drafts.accepted,
             verify_entries: self.drafts.verify_entries,
+            rejecting_verifies: self.drafts.rejecting,
             stale_proposals: self.drafts.stale,
         }
     }
@@ -974,6 +1034,77 @@ mod tests {
                 (2, 2)
             );
             assert_eq!(stats.mean_accepted_length(), Some(3.0));
+        }
+
+        /// Prompt 2, one token from the prefill: a decode writes position 2 and keeps 3; a
+        /// verify of 5 drafts from 2 delivered tokens writes 6 positions and, accepting 2,
+        /// rewinds to 2 + 2 + 2 = 6 and commits it; accepting all keeps the written end.
+        #[test]
+        fn replay_updates_follow_the_positions_the_rank_wrote_and_kept() {
+            let mut s = decoding(2, 50);
+            let p = s.build_plan().unwrap(); // verifies of 0 drafts: one token each
+            let mut out = output_for(&p, 5);
+            out.sampled = vec![(RequestId(1), 5), (RequestId(2), 5)];
+            out.verified = (1..=2)
+                .map(|id| VerifyOutcome {
+                    id: RequestId(id),
+                    verified: 0,
+                    accepted: 0,
+                })
+                .collect();
+            let decoded = |id| ReplayUpdate {
+                id: RequestId(id),
+                written: 1,
+                kept: 3,
+                rewound: false,
+            };
+            assert_eq!(s.replay_updates(&out), vec![decoded(1), decoded(2)]);
+            s.on_step_done(&out);
+            s.on_proposals(&proposals(2, &[(1, 0.99), (2, 0.99)]));
+            let p = s.build_plan().unwrap();
+            assert_eq!(drafts_of(&p), vec![(RequestId(1), 5), (RequestId(2), 5)]);
+            let mut out = output_for(&p, 5);
+            out.sampled = vec![
+                (RequestId(1), 6),
+                (RequestId(1), 7),
+                (RequestId(1), 8),
+                (RequestId(2), 9),
+            ];
+            out.sampled.extend((0..5).map(|t| (RequestId(2), 10 + t)));
+            out.verified = vec![
+                VerifyOutcome {
+                    id: RequestId(1),
+                    verified: 5,
+                    accepted: 2,
+                },
+                VerifyOutcome {
+                    id: RequestId(2),
+                    verified: 5,
+                    accepted: 5,
+                },
+            ];
+            let updates = s.replay_updates(&out);
+            assert_eq!(
+                updates,
+                vec![
+                    ReplayUpdate {
+                        id: RequestId(1),
+                        written: 6,
+                        kept: 6,
+                        rewound: true,
+                    },
+                    ReplayUpdate {
+                        id: RequestId(2),
+                        written: 6,
+                        kept: 9,
+                        rewound: false,
+                    },
+                ]
+            );
+            s.on_step_done(&out);
+            assert_eq!(s.stats().rejecting_verifies, 1);
+            // An output that is not the next one in flight updates nothing.
+            assert!(s.replay_updates(&out).is_empty());
         }
 
         #[test]

@@ -31,6 +31,7 @@ use crate::frontend::{FrontendActor, FrontendArgs};
 use crate::grammar::GrammarEngine;
 use crate::messages::frontend::FrontendMsg;
 use crate::messages::rank::{RankError, RankMsg};
+use crate::messages::replay::ReplayMsg;
 use crate::messages::scheduler::SchedulerMsg;
 use crate::messages::supervisor::{DrainReport, SupervisorMsg};
 use crate::metrics as m;
@@ -47,6 +48,8 @@ use policy::{ChildRole, Decision, Service, SupervisionPolicy};
 pub struct EngineHandles {
     pub frontend: ActorRef<FrontendMsg>,
     pub schedulers: Vec<ActorRef<SchedulerMsg>>,
+    /// The `ReplayActor`, with bounded replay on.
+    pub replay: Option<ActorRef<ReplayMsg>>,
 }
 
 /// Arguments of `NodeSupervisor`.
@@ -278,6 +281,7 @@ impl Actor for NodeSupervisor {
         let handles = EngineHandles {
             frontend,
             schedulers,
+            replay,
         };
         if args.handles.send(handles.clone()).is_err() {
             return Err("the engine stopped waiting for its actors".into());
