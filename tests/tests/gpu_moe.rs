@@ -18,10 +18,20 @@
 //!   at chosen groups, so that any other order of a column's additions changes the output
 //!   (a bf16 output hides most fp32 order changes; these do not).
 //! - FP8 experts through the same routed GEMM, row for row against `quant::gemm_fp8`.
+//! - Extreme activations (`fp4_gemms_are_exact_on_extreme_activations`): the FP4 group sum
+//!   (two FMA accumulators split by activation magnitude, gemm_block_scaled.cuh's `fp4_dot`) on
+//!   E4M3 maxima ±448, subnormals, values around the split point, mixed signs and cancelling
+//!   halves, each column's partial laid bare in its bf16 output by two correction groups; every
+//!   dense split and routed kernel against `quant::gemm_fp4`.
 //! - Real width (dim 5120, inter 2304, 384 experts, top-6, rows 1/8/64): bitwise, and the device
 //!   time of the chain and of the routed w1 alone is printed per kernel; then a 1024-token
 //!   prefill (6144 routed rows): the three kernels bitwise equal to each other, timed.
 //!
+//! Measured on the H200 (2026-11-30, helper speed2, FP4 sums with two FMA accumulators): all 7
+//! pass; the extreme-activation test compares 448 columns × (4 dense splits × 9 rows + 3 routed
+//! bodies × 18 rows), and a plain FMA chain would change 13 of its columns; the chain after routing
+//! takes (rows / tiles / expert-major) 1 row 240 / 339 / 278 µs, 8 rows 1.40 / 1.53 / 1.51 ms,
+//! 64 rows 10.7 / 8.11 / 8.39 ms, the 1024-token prefill 170 / 103 / 99.3 ms.
 //! Measured on the H200 (2026-11-30, helper moespeed): all 6 pass; 26 208 small-shape outputs,
 //! 5120 / 40 960 / 327 680 at real width and 5 242 880 in the prefill bitwise; other combine
 //! orders differ in 354 (slot order) and 196 (shared first) outputs; the expert-major kernel with
@@ -40,7 +50,9 @@ use std::time::Instant;
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
+use deepinfer_kernels::ops::gemm::{
+    DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4_split, gemm_fp8,
+};
 use deepinfer_kernels::ops::moe::{Selection, route_experts_f32};
 use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8_f32_into, quantize_act_fp8_into,
@@ -51,7 +63,7 @@ use deepinfer_kernels::ops::routed::{
 };
 use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision};
 use deepinfer_model::quant;
-use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
+use deepinfer_model::weights::{Fp4Weight, Fp8Weight, e2m1_to_f32};
 use half::bf16;
 
 mod gpu_support;
@@ -1121,4 +1133,283 @@ fn routed_gemm_adds_k_groups_in_k_order() {
             gpu.len()
         );
     }
+}
+
+/// The E4M3 value of `code` (never a NaN code here).
+fn e4m3(code: u8) -> f32 {
+    quant::e4m3_table()[usize::from(code)]
+}
+
+/// The significand bits of `v` from its leading one down `bits` bits (toward zero) and the rest:
+/// `v = head + tail` exactly, `head` has at most `bits` significant bits.
+fn split_top_bits(v: f32, bits: u32) -> (f32, f32) {
+    if v == 0.0 {
+        return (0.0, 0.0);
+    }
+    let head = f32::from_bits(v.to_bits() & !((1u32 << (24 - bits)) - 1));
+    (head, v - head)
+}
+
+/// A group of 32 weights and activations whose partial is `-head` exactly: activations 2^i
+/// (i < 8) and 448 (which fixes the group's activation scale at 1), weights ±1 on the bits of
+/// head's 8-bit significand and 0 on the 448, the weight scale 2^q with head = ±m · 2^q.
+fn correction_group(head: f32) -> ([f32; 32], [u8; 32], u8) {
+    let mut x = [0.0f32; 32];
+    let mut nibbles = [0u8; 32];
+    for (i, value) in x.iter_mut().take(8).enumerate() {
+        *value = (1u32 << i) as f32;
+    }
+    x[8] = 448.0;
+    if head == 0.0 {
+        return (x, nibbles, ue8m0(0));
+    }
+    // head = ±m · 2^q with m < 256 an integer.
+    let exponent = ((head.to_bits() >> 23) & 0xff) as i32 - 127;
+    let q = exponent - 7;
+    let m = (head.abs() / 2f32.powi(q)) as u32;
+    assert!(
+        m < 256 && m as f32 * 2f32.powi(q) == head.abs(),
+        "head {head:e}"
+    );
+    let minus_one = if head > 0.0 { 0xA } else { 0x2 };
+    for (i, nibble) in nibbles.iter_mut().take(8).enumerate() {
+        if m & (1 << i) != 0 {
+            *nibble = minus_one;
+        }
+    }
+    (x, nibbles, ue8m0(q))
+}
+
+/// The partial of one group in the order of a naive kernel (one fp32 FMA chain, no split): what
+/// the exact group sum would lose without fp4_dot's split.
+fn naive_partial(x: &[f32], w: &[f32]) -> f32 {
+    x.iter()
+        .zip(w)
+        .fold(0.0f32, |acc, (a, b)| a.mul_add(*b, acc))
+}
+
+/// Extreme E4M3 activations through every FP4 GEMM kernel, with each output showing the low bits
+/// of its column's group partial. The activation row holds DATA data groups and two correction
+/// groups; column n uses data group n % DATA (its other data groups have zero weights): each data
+/// group has one ±448 (so its activation scale is exactly 2^e, e per group, and every code is
+/// the chosen one) and 31 codes of one class: random codes (all 254 non-NaN), maxima and the
+/// smallest subnormals against weights ±6 / ±0.5 (the exact sum needs ~27 bits), values
+/// 0.2 .. 0.3 around the split point 2^-2, or a half of large codes cancelled by their negations
+/// leaving a subnormal tail. The two correction groups subtract the top 8 and the next 8
+/// significant bits of the column's scaled partial P, so the bf16 output is P's last 8 bits
+/// exactly: any other rounding of the group sum changes it (the host shows a plain FMA chain
+/// would in some columns).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fp4_gemms_are_exact_on_extreme_activations() {
+    const DATA: usize = 14;
+    let groups = DATA + 2;
+    let k = 32 * groups;
+    let n_cols = 32 * DATA;
+    let mut rng = Rng(0x5eed_f4e4);
+    let random_code = |rng: &mut Rng| loop {
+        let c = rng.below(256) as u8;
+        if c & 0x7f != 0x7f {
+            break c;
+        }
+    };
+    // Data groups: activation values (E4M3 values times 2^e) and the class of each.
+    let mut x = vec![0.0f32; k];
+    let mut class_of = [0usize; DATA];
+    for (d, class) in class_of.iter_mut().enumerate() {
+        *class = d % 4;
+        let e = d as i32 - 8;
+        let mut codes = [0u8; 32];
+        for (i, code) in codes.iter_mut().enumerate().skip(1) {
+            let sign = (rng.below(2) as u8) << 7;
+            *code = match *class {
+                0 => random_code(&mut rng),
+                // Odd: the two largest codes (448, 416); even: subnormals 2^-9, 2^-8.
+                1 => {
+                    sign | if i % 2 == 1 {
+                        0x7e - rng.below(2) as u8
+                    } else {
+                        1 + rng.below(2) as u8
+                    }
+                }
+                // 0.203125 .. 0.3125: codes 0x2a .. 0x32 (exponent fields 4 and 5).
+                2 => sign | (0x2a + rng.below(9) as u8),
+                _ => 0,
+            };
+        }
+        if *class == 3 {
+            // Codes 1 .. 15: 15 large codes, their negations, and a subnormal tail.
+            for i in 1..16 {
+                codes[i] = (0x60 + rng.below(30) as u8) | ((rng.below(2) as u8) << 7);
+                codes[i + 15] = codes[i] ^ 0x80;
+            }
+            codes[31] = 1 + rng.below(7) as u8;
+        }
+        codes[0] = 0x7e | ((rng.below(2) as u8) << 7);
+        for (i, &code) in codes.iter().enumerate() {
+            x[32 * d + i] = e4m3(code) * 2f32.powi(e);
+        }
+    }
+    // Weights: column n's data group gets random nibbles (class 1: ±6 against the maxima and
+    // ±0.5 against the subnormals; class 3: each cancelling pair shares its weight).
+    let mut nibbles = vec![0u8; n_cols * k];
+    let mut scales = vec![ue8m0(0); n_cols * groups];
+    let mut naive_differs = 0;
+    for n in 0..n_cols {
+        let d = n % DATA;
+        let row = &mut nibbles[n * k..(n + 1) * k];
+        for i in 0..32 {
+            let sign = (rng.below(2) as u8) << 3;
+            row[32 * d + i] = match class_of[d] {
+                1 => sign | if i % 2 == 1 { 7 } else { 1 },
+                _ => rng.below(16) as u8,
+            };
+        }
+        if class_of[d] == 3 {
+            for i in 1..16 {
+                row[32 * d + i + 15] = row[32 * d + i];
+            }
+        }
+        // P: the data group's scaled partial as the reference computes it (weight scale 1).
+        let act: Vec<f32> = (0..32)
+            .map(|i| x[32 * d + i] / 2f32.powi(d as i32 - 8))
+            .collect();
+        let w: Vec<f32> = (0..32).map(|i| e2m1_to_f32(row[32 * d + i])).collect();
+        let p = quant::dot_f32(&act, &w) * 2f32.powi(d as i32 - 8);
+        let (head1, rest1) = split_top_bits(p, 8);
+        let (head2, rest2) = split_top_bits(rest1, 8);
+        for (slot, head) in [(DATA, head1), (DATA + 1, head2)] {
+            let (cx, cw, scale) = correction_group(head);
+            x[32 * slot..32 * (slot + 1)].copy_from_slice(&cx);
+            row[32 * slot..32 * (slot + 1)].copy_from_slice(&cw);
+            scales[n * groups + slot] = scale;
+        }
+        let naive = naive_partial(&act, &w) * 2f32.powi(d as i32 - 8);
+        if quant::round_bf16((naive - head1) - head2) != quant::round_bf16(rest2) {
+            naive_differs += 1;
+        }
+    }
+    // The correction groups' activations are the same for every column: written once above.
+    let packed: Vec<u8> = nibbles
+        .chunks_exact(2)
+        .map(|pair| pair[0] | (pair[1] << 4))
+        .collect();
+    let weight = Fp4Weight {
+        out: n_cols,
+        inp: k,
+        packed,
+        scales,
+    };
+    let want_row = quant::gemm_fp4(&x, &weight);
+    // The construction: each output is its partial's low bits, exactly (bf16 holds 8 bits).
+    let mut lowest_bits_shown = 0;
+    for (n, &v) in want_row.iter().enumerate() {
+        let d = n % DATA;
+        let act: Vec<f32> = (0..32)
+            .map(|i| x[32 * d + i] / 2f32.powi(d as i32 - 8))
+            .collect();
+        let row = &nibbles[n * k..(n + 1) * k];
+        let w: Vec<f32> = (0..32).map(|i| e2m1_to_f32(row[32 * d + i])).collect();
+        let p = quant::dot_f32(&act, &w) * 2f32.powi(d as i32 - 8);
+        let rest = split_top_bits(split_top_bits(p, 8).1, 8).1;
+        assert_eq!(v.to_bits(), rest.to_bits(), "CPU column {n}: partial {p:e}");
+        lowest_bits_shown += usize::from(rest != 0.0);
+    }
+    assert!(
+        naive_differs > 0,
+        "the data must defeat a plain FMA chain somewhere"
+    );
+    println!(
+        "extreme activations: {lowest_bits_shown} of {n_cols} columns show nonzero low bits; a plain \
+         FMA chain would change {naive_differs}"
+    );
+
+    // The host checks above run everywhere; the kernels need the GPU.
+    let Some(rt) = runtime("fp4_gemms_are_exact_on_extreme_activations") else {
+        return;
+    };
+    let d_weight = upload_fp4(&rt, &weight);
+    // The routed table's w2 slot ([k, n_cols]); only w1 runs here.
+    let zero_w2 = Fp4Weight {
+        out: k,
+        inp: n_cols,
+        packed: vec![0; k * n_cols / 2],
+        scales: vec![ue8m0(0); k * n_cols / 32],
+    };
+    let d_w2 = upload_fp4(&rt, &zero_w2);
+    let s = rt.stream();
+    for rows in [1usize, 8] {
+        let xs: Vec<f32> = x.iter().copied().cycle().take(rows * k).collect();
+        let dx = s.clone_htod(&xs).expect("x");
+        let mut qx = DeviceActFp8::alloc(&rt, rows, k, ActGroup::G32).expect("qx");
+        quantize_act_fp8_f32_into(&rt, &dx, &mut qx).expect("quantise");
+        for split in [
+            GemmSplit::Auto,
+            GemmSplit::ColumnPerWarp,
+            GemmSplit::WarpsPerColumn(1),
+            GemmSplit::WarpsPerColumn(2),
+        ] {
+            let mut y = nan_bf16(&rt, rows * n_cols);
+            gemm_fp4_split(&rt, &qx, &d_weight, &mut y, split).expect("gemm_fp4");
+            let gpu: Vec<f32> = s
+                .clone_dtoh(&y)
+                .expect("y")
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            for r in 0..rows {
+                assert_bitwise(
+                    &format!("dense gemm_fp4 {split:?}, {rows} rows, row {r}"),
+                    &gpu[r * n_cols..(r + 1) * n_cols],
+                    &want_row,
+                );
+            }
+        }
+        // Routed: every expert is this weight; rows / slot pairs over the experts.
+        let n_experts = 3;
+        let slots = 2;
+        let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = (0..n_experts)
+            .map(|_| ExpertRefs {
+                w1: &d_weight,
+                w3: &d_weight,
+                w2: &d_w2,
+            })
+            .collect();
+        // SAFETY: the weights outlive every launch below.
+        let table = unsafe { DeviceExpertTable::fp4(&rt, &refs) }.expect("table");
+        let ids: Vec<u32> = (0..rows * slots).map(|j| (j % n_experts) as u32).collect();
+        let d_ids = s.clone_htod(&ids).expect("ids");
+        for blocks in [
+            RoutedBlocks::Rows,
+            RoutedBlocks::Tiles,
+            RoutedBlocks::Experts,
+        ] {
+            let mut out = nan_bf16(&rt, rows * slots * n_cols);
+            gemm_fp4_routed_with(
+                &rt,
+                &qx,
+                &d_ids,
+                slots,
+                &table,
+                ExpertProjection::W1,
+                &mut out,
+                blocks,
+            )
+            .expect("routed w1");
+            let gpu: Vec<f32> = s
+                .clone_dtoh(&out)
+                .expect("out")
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            for j in 0..rows * slots {
+                assert_bitwise(
+                    &format!("routed gemm_fp4 {blocks:?}, {rows} rows, output row {j}"),
+                    &gpu[j * n_cols..(j + 1) * n_cols],
+                    &want_row,
+                );
+            }
+        }
+    }
+    println!("extreme activations: every FP4 kernel bitwise equal to quant::gemm_fp4");
 }

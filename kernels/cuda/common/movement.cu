@@ -4,13 +4,21 @@
 // the drafter's one elementwise sum.
 #include "common/params.h"
 
-// out[p * width + c] = pieces[p][c]: `pieces` holds one device address per piece (width floats).
+// Up to GATHER_INLINE piece addresses passed in the kernel parameters (mirrored by
+// kernels/src/ops/movement.rs): a small gather needs no upload of its table.
+constexpr unsigned int GATHER_INLINE = 128;
+struct InlinePieces {
+    unsigned long long pieces[GATHER_INLINE];
+};
+
+// out[p * width + c] = pieces[p][c]: `pieces` holds one device address per piece (width floats);
+// a null `pieces` means the first n_pieces (<= GATHER_INLINE) addresses of `inline_pieces`.
 // Blocks stride over the pieces, threads over a piece's values.
 extern "C" __global__ void __launch_bounds__(256)
-gather_ptrs_f32(const unsigned long long* pieces, float* out, unsigned int width,
+gather_ptrs_f32(const unsigned long long* pieces, InlinePieces inline_pieces, float* out, unsigned int width,
                 unsigned int n_pieces) {
     for (unsigned int p = blockIdx.x; p < n_pieces; p += gridDim.x) {
-        const float* src = reinterpret_cast<const float*>(pieces[p]);
+        const float* src = reinterpret_cast<const float*>(pieces != nullptr ? pieces[p] : inline_pieces.pieces[p]);
         for (unsigned int c = threadIdx.x; c < width; c += blockDim.x) {
             out[static_cast<size_t>(p) * width + c] = src[c];
         }

@@ -22,6 +22,11 @@
 // The column-per-warp body (gemm_warp_tile, for a few rows: decode) computes the same partials and
 // adds them in the same order with one warp per column and no block barrier; the launcher takes
 // it for M <= 4 (the H200 measurement behind that choice is in ops/gemm.rs).
+//
+// How a k-group's exact sum is formed depends on the weights (Weights::dot16 / dot32 and
+// Weights::unscale): FP8 weights use exact_dot32 (split products, 6 operations each); FP4 weights
+// use fp4_dot (two plain FMA accumulators split by activation magnitude, 2 FFMA each, on weights
+// decoded scaled by 2^-126). Both give RN_f32 of the exact sum; the proof for FP4 is at fp4_dot.
 #pragma once
 #include "common/numerics.cuh"
 
@@ -77,6 +82,52 @@ __device__ __forceinline__ void exact_dot16(const float* av, const float* wv, fl
     }
     hi = h;
     lo = l;
+}
+
+// The exact sum of N products of E4M3 activations and E2M1 weights, as two fp32 halves whose
+// exact sum (times 2^126) is the products' exact sum. `wv` holds the weights times 2^-126
+// (Fp4Weights::decode*, which places an E2M1 code's magnitude bits as an fp32 denormal);
+// Fp4Weights::unscale multiplies RN(big + small) back by 2^126.
+//
+// Why every operation here is exact (so RN_f32(big + small) * 2^126 is RN_f32 of the exact sum,
+// the CPU's quant::dot_f32 rounded once):
+// - E2M1 values w: 0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6: multiples of 2^-1, |w| <= 6.
+// - E4M3 values a: normals (1 + f/8) 2^(e-7), e = 1..15 (448 = 1.75 * 2^8 the largest), and
+//   subnormals f * 2^-9, f = 1..7: every value is a multiple of 2^-9, and a value with |a| >= 2^t
+//   (t >= -6) is a multiple of 2^(t-3). (NaN codes: see the last point.)
+// - The activation is split at c = 2^-2: a_small = clamp(a, -c, c), a_big = a - a_small.
+//   a_small is a itself or ±c (both E4M3 values: multiples of 2^-9, |a_small| <= 2^-2); a_big is
+//   0 or a ∓ c with |a| > c, so a and c are multiples of 2^-5 and so is a_big, |a_big| < 448.
+//   a - a_small is exact (both multiples of 2^-9 below 2^9: at most 18 significant bits).
+// - Products with the unscaled weights: a_big * w is a multiple of 2^-6 with |.| < 448 * 6 < 2^12;
+//   a_small * w a multiple of 2^-10 with |.| <= 1.5. With N <= 32 products every partial sum of
+//   the big chain is a multiple of 2^-6 below 32 * 2^12 = 2^17 (at most 23 significant bits), of
+//   the small chain a multiple of 2^-10 below 48 < 2^6 (at most 16 bits): fp32 holds each exactly,
+//   so every FFMA (exact product, one rounding of an exactly representable sum) is exact, in any
+//   order and for any subset of a group's products (the 16-element halves of gemm_warp_tile).
+// - The scaling by 2^-126 keeps this: the values become multiples of 2^-132 and 2^-136, still
+//   multiples of fp32's smallest step 2^-149 (denormals are kept: NVRTC runs without ftz), so
+//   "a multiple of Q below 2^24 Q is exact" holds unchanged. For the final RN(big + small) with
+//   exact sum S * 2^-126: if |S| >= 1 the result is a normal number and rounding commutes with the
+//   power-of-two scaling; if |S| < 1, S is a multiple of 2^-10 (at most 10 significant bits) and
+//   S * 2^-126 a multiple of 2^-136, both exact. Multiplying back by 2^126 is exact (the result
+//   RN(S) is representable). The group scale s_a * s_w is applied after, on the rounded partial,
+//   exactly as in the reference.
+// - A NaN activation (never produced by act_quant) stays NaN: clamp gives ±c, a - (±c) is NaN.
+constexpr float FP4_SPLIT_AT = 0.25f;  // c = 2^-2
+template <int N>
+__device__ __forceinline__ void fp4_dot(const float* av, const float* wv_scaled, float& big, float& small) {
+    constexpr float C = FP4_SPLIT_AT;
+    float b = 0.0f, s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float a_small = fminf(fmaxf(av[i], -C), C);
+        const float a_big = __fsub_rn(av[i], a_small);
+        b = __fmaf_rn(a_big, wv_scaled[i], b);
+        s = __fmaf_rn(a_small, wv_scaled[i], s);
+    }
+    big = b;
+    small = s;
 }
 
 // The fp32 partial of a k-group of G elements whose 16-element parts lie in G / 16 consecutive
@@ -143,28 +194,56 @@ struct Fp8Weights {
         return __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * k + col));
     }
     static __device__ __forceinline__ void decode16(const Raw16& raw, float* out) { decode_e4m3x16(raw, out); }
+    // A group's exact sum as two exact halves (exact_dot32), and the identity on their rounded sum.
+    static __device__ __forceinline__ void dot32(const float* av, const float* wv, float& hi, float& lo) {
+        exact_dot32(av, wv, hi, lo);
+    }
+    static __device__ __forceinline__ void dot16(const float* av, const float* wv, float& hi, float& lo) {
+        exact_dot16(av, wv, hi, lo);
+    }
+    static __device__ __forceinline__ float unscale(float partial) { return partial; }
 };
 
 // FP4 E2M1 weights packed two per byte ([n, k/2], even column in the low nibble) with one UE8M0
-// scale per row and 32 columns ([n, k/32]).
+// scale per row and 32 columns ([n, k/32]). decode* gives every weight times 2^-126 (see fp4_dot):
+// the code's 3 magnitude bits (e e m) placed at fp32 bits 24..22 and its sign at bit 31 are
+// exactly that value (e > 0: exponent field e, mantissa m/2, so (1 + m/2) 2^(e-127); e = 0: the
+// denormal m * 2^-127 = (m/2) 2^-126), in 2-3 integer operations instead of a decode by cases.
 struct Fp4Weights {
     struct Raw {
         uint4 v;
     };
+    // Nibble J (bits 4J .. 4J+3) of `word`, decoded times 2^-126.
+    template <int J>
+    static __device__ __forceinline__ float nibble_scaled(u32_t word) {
+        u32_t magnitude;
+        if constexpr (4 * J <= 22) {
+            magnitude = word << (22 - 4 * J);
+        } else {
+            magnitude = word >> (4 * J - 22);
+        }
+        const u32_t sign = word << (28 - 4 * J);
+        return __uint_as_float((magnitude & 0x01c00000u) | (sign & 0x80000000u));
+    }
+    // The 8 weights of a 32-bit word, in memory order (even column in the low nibble).
+    static __device__ __forceinline__ void decode_word(u32_t word, float* out) {
+        out[0] = nibble_scaled<0>(word);
+        out[1] = nibble_scaled<1>(word);
+        out[2] = nibble_scaled<2>(word);
+        out[3] = nibble_scaled<3>(word);
+        out[4] = nibble_scaled<4>(word);
+        out[5] = nibble_scaled<5>(word);
+        out[6] = nibble_scaled<6>(word);
+        out[7] = nibble_scaled<7>(word);
+    }
     static __device__ __forceinline__ Raw fetch32(const u8_t* __restrict__ w, u32_t n, u32_t k, u32_t col) {
         return Raw{__ldg(reinterpret_cast<const uint4*>(w + (size_t)n * (k / 2) + col / 2))};
     }
     static __device__ __forceinline__ void decode32(const Raw& raw, float* out) {
-        const u32_t words[4] = {raw.v.x, raw.v.y, raw.v.z, raw.v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const u32_t byte = (words[i] >> (8 * b)) & 0xffu;
-                out[8 * i + 2 * b] = e2m1_decode(byte & 0xfu);
-                out[8 * i + 2 * b + 1] = e2m1_decode(byte >> 4);
-            }
-        }
+        decode_word(raw.v.x, out);
+        decode_word(raw.v.y, out + 8);
+        decode_word(raw.v.z, out + 16);
+        decode_word(raw.v.w, out + 24);
     }
     static __device__ __forceinline__ float scale(const u8_t* __restrict__ ws, u32_t n, u32_t col,
                                                   u32_t scale_cols) {
@@ -176,16 +255,19 @@ struct Fp4Weights {
         return __ldg(reinterpret_cast<const uint2*>(w + (size_t)n * (k / 2) + col / 2));
     }
     static __device__ __forceinline__ void decode16(const Raw16& raw, float* out) {
-        const u32_t words[2] = {raw.x, raw.y};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const u32_t byte = (words[i] >> (8 * b)) & 0xffu;
-                out[8 * i + 2 * b] = e2m1_decode(byte & 0xfu);
-                out[8 * i + 2 * b + 1] = e2m1_decode(byte >> 4);
-            }
-        }
+        decode_word(raw.x, out);
+        decode_word(raw.y, out + 8);
+    }
+    // A group's (or half group's) exact sum as two exact scaled halves, and RN(big + small) back
+    // to the true scale (exact: see fp4_dot).
+    static __device__ __forceinline__ void dot32(const float* av, const float* wv, float& big, float& small) {
+        fp4_dot<32>(av, wv, big, small);
+    }
+    static __device__ __forceinline__ void dot16(const float* av, const float* wv, float& big, float& small) {
+        fp4_dot<16>(av, wv, big, small);
+    }
+    static __device__ __forceinline__ float unscale(float partial) {
+        return __fmul_rn(partial, __uint_as_float(0x7e800000u));  // 2^126
     }
 };
 
@@ -262,7 +344,7 @@ __device__ void gemm_block_tile(const u8_t* __restrict__ a, const float* __restr
                         decode_e4m3x16(__ldg(src), av);
                         decode_e4m3x16(__ldg(src + 1), av + 16);
                         float hi, lo;
-                        exact_dot32(av, wv, hi, lo);
+                        Weights::dot32(av, wv, hi, lo);
                         if constexpr (G == 32) {
                             part_sum[r] = __fadd_rn(hi, lo);  // the one rounding
                         } else {
@@ -274,8 +356,8 @@ __device__ void gemm_block_tile(const u8_t* __restrict__ a, const float* __restr
 #pragma unroll
             for (int r = 0; r < BM; ++r) {
                 if ((u32_t)r < rows)
-                    partials[warp][r][lane] =
-                        __fmul_rn(__fmul_rn(GroupPartial<G>::round(part_sum[r]), act_scale[r]), sw);
+                    partials[warp][r][lane] = __fmul_rn(
+                        __fmul_rn(Weights::unscale(GroupPartial<G>::round(part_sum[r])), act_scale[r]), sw);
             }
         }
         __syncthreads();
@@ -355,10 +437,10 @@ __device__ void gemm_warp_tile(const u8_t* __restrict__ a, const float* __restri
                 if (active) {
                     float av[LANE_ELEMS];
                     decode_e4m3x16(__ldg(reinterpret_cast<const uint4*>(a + tile.a_row(r) * p.k + col)), av);
-                    exact_dot16(av, wv, hi, lo);
+                    Weights::dot16(av, wv, hi, lo);
                     act_scale = __ldg(sa + tile.a_row(r) * kgroups + kg);
                 }
-                const float partial = LaneGroup<G>::partial(hi, lo);
+                const float partial = Weights::unscale(LaneGroup<G>::partial(hi, lo));
                 if (active && lane % LANES_PER_GROUP == 0)
                     partials[warp][r][lane / LANES_PER_GROUP] = __fmul_rn(__fmul_rn(partial, act_scale), sw);
             }

@@ -280,9 +280,10 @@ __device__ void gemm_routed_experts(const u8_t* __restrict__ a, const float* __r
                     gemm::decode_e4m3x16(__ldg(src), av);
                     gemm::decode_e4m3x16(__ldg(src + 1), av + 16);
                     float hi, lo;
-                    gemm::exact_dot32(av, wv, hi, lo);
+                    Weights::dot32(av, wv, hi, lo);
                     const float act_scale = __ldg(sa + a_row * kgroups + g);
-                    partials[r * EXPERT_PARTIAL_STRIDE + lane] = __fmul_rn(__fmul_rn(__fadd_rn(hi, lo), act_scale), sw[s]);
+                    const float partial = Weights::unscale(__fadd_rn(hi, lo));
+                    partials[r * EXPERT_PARTIAL_STRIDE + lane] = __fmul_rn(__fmul_rn(partial, act_scale), sw[s]);
                 }
             }
             __syncwarp();

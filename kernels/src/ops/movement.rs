@@ -3,7 +3,7 @@
 //! bf16 GEMM outputs widened to f32 storage ([`bf16_to_f32`]), selected key rows written into
 //! attention lists, and the one elementwise sum the drafter needs ([`add_f32`]).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::{dim, expect_len};
@@ -15,6 +15,19 @@ const THREADS: u32 = 256;
 /// Blocks of a gather launch (they stride over the pieces).
 const GATHER_BLOCKS: u32 = 1024;
 
+/// Piece addresses a gather takes in its kernel parameters instead of a device table.
+pub const GATHER_INLINE: usize = 128;
+
+/// `movement.cu`'s `InlinePieces`: up to [`GATHER_INLINE`] addresses by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct InlinePieces {
+    pieces: [u64; GATHER_INLINE],
+}
+
+// SAFETY: a plain `#[repr(C)]` array of integers, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for InlinePieces {}
+
 /// `out[p · width ..][..width] = *pieces[p]`: `pieces` holds the device address of each piece's
 /// first value ([`super::key_table::key_row_address`]); every piece holds `width` values.
 pub fn gather_ptrs_f32(
@@ -23,26 +36,80 @@ pub fn gather_ptrs_f32(
     width: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
+    launch_gather(rt, Some(pieces), &[], pieces.len(), width, out)
+}
+
+/// [`gather_ptrs_f32`] from host-side addresses: up to [`GATHER_INLINE`] pieces travel in the
+/// kernel parameters (no upload), more in a table uploaded for the launch.
+pub fn gather_addresses_f32(
+    rt: &KernelRuntime,
+    addresses: &[u64],
+    width: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    if addresses.len() > GATHER_INLINE {
+        let table = rt.htod(addresses).map_err(KernelError::driver(
+            "uploading the gather's piece addresses",
+        ))?;
+        return launch_gather(rt, Some(&table), &[], addresses.len(), width, out);
+    }
+    launch_gather(rt, None, addresses, addresses.len(), width, out)
+}
+
+/// One gather launch over the device table `pieces`, or over `inline` when there is none.
+fn launch_gather(
+    rt: &KernelRuntime,
+    pieces: Option<&CudaSlice<u64>>,
+    inline: &[u64],
+    n_pieces: usize,
+    width: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
     const OP: &str = "gather_ptrs_f32";
-    expect_len(OP, "out", out.len(), pieces.len() * width)?;
-    if pieces.is_empty() || width == 0 {
+    expect_len(OP, "out", out.len(), n_pieces * width)?;
+    if n_pieces == 0 || width == 0 {
         return Ok(());
     }
     let width_u32 = dim(OP, "width", width)?;
-    let n_pieces = dim(OP, "pieces", pieces.len())?;
+    let n_pieces_u32 = dim(OP, "pieces", n_pieces)?;
+    let mut by_value = InlinePieces {
+        pieces: [0; GATHER_INLINE],
+    };
+    if pieces.is_none() {
+        if inline.len() != n_pieces || n_pieces > GATHER_INLINE {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!(
+                    "{} inline addresses for {n_pieces} pieces (at most {GATHER_INLINE})",
+                    inline.len()
+                ),
+            });
+        }
+        by_value.pieces[..n_pieces].copy_from_slice(inline);
+    }
     let cfg = LaunchConfig {
-        grid_dim: (n_pieces.min(GATHER_BLOCKS), 1, 1),
+        grid_dim: (n_pieces_u32.min(GATHER_BLOCKS), 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    let null_table = 0u64;
     let mut launch = rt
         .stream()
         .launch_builder(rt.function(KernelId::GatherPtrsF32)?);
-    launch.arg(pieces).arg(out).arg(&width_u32).arg(&n_pieces);
-    // SAFETY: signature (const u64* pieces, float* out, u32 width, u32 n_pieces); out holds
-    // n_pieces * width values (checked) and the loops stop at n_pieces and width; each address
-    // points at `width` readable floats of a live device buffer (the caller's contract, see
-    // `key_table`).
+    match pieces {
+        Some(table) => launch.arg(table),
+        None => launch.arg(&null_table),
+    };
+    launch
+        .arg(&by_value)
+        .arg(out)
+        .arg(&width_u32)
+        .arg(&n_pieces_u32);
+    // SAFETY: signature (const u64* pieces, InlinePieces inline, float* out, u32 width,
+    // u32 n_pieces); a null `pieces` makes the kernel read the first n_pieces addresses of
+    // `inline` (all set above); out holds n_pieces * width values (checked) and the loops stop at
+    // n_pieces and width; each address points at `width` readable floats of a live device buffer
+    // (the caller's contract, see `key_table`).
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching gather_ptrs_f32"))?;
     Ok(())
 }

@@ -73,7 +73,7 @@ use deepinfer_kernels::ops::mhc::{
     hc_mixes_rows_f32,
 };
 use deepinfer_kernels::ops::moe::{Selection as RouteSelection, route_experts_f32, selected_count};
-use deepinfer_kernels::ops::movement::{bf16_to_f32, gather_ptrs_f32};
+use deepinfer_kernels::ops::movement::{bf16_to_f32, gather_addresses_f32};
 use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
@@ -598,7 +598,8 @@ impl CudaBackend {
         Ok(self.tensor(data))
     }
 
-    /// [`Backend::gather`], with errors: one launch over a table of the pieces' addresses.
+    /// [`Backend::gather`], with errors: one launch over the pieces' addresses (in its parameters
+    /// up to `GATHER_INLINE` pieces, else an uploaded table).
     pub fn try_gather(
         &self,
         pieces: &[(&Tensor, usize)],
@@ -613,12 +614,10 @@ impl CudaBackend {
             .iter()
             .map(|(t, offset)| self.address_of(OP, t, *offset, width, &mut keep))
             .collect::<Result<Vec<u64>, _>>()?;
-        let table = self
-            .rt
-            .htod(&addresses)
-            .map_err(driver_err(OP, "uploading the piece addresses"))?;
         let mut out = self.alloc(OP, pieces.len() * width)?;
-        gather_ptrs_f32(&self.rt, &table, width, &mut out).map_err(op_err(OP))?;
+        // Small tables travel in the launch's parameters: no upload per gather.
+        gather_addresses_f32(&self.rt, &addresses, width, &mut out).map_err(op_err(OP))?;
+        drop(keep);
         Ok(self.tensor(out))
     }
 }
