@@ -12,13 +12,21 @@
 //! `CudaBackend` of its own GPU (rank r -> GPU r of its node), after a check that this machine
 //! has the GPUs the topology needs. Expert parallelism (`ep > 1`, the EPLB) runs on the CPU
 //! backend only, so a CUDA topology that asks for it is refused, naming the field.
+//!
+//! Family (`model_type` in `config.json`): a V4.1 checkpoint runs on `ModelExecutor`s, a V4-family
+//! one (V4-Flash, V4-Flash-0731) on `V4Executor`s, on either backend. What only V4.1 has is
+//! refused for a V4 checkpoint before its weights load, naming the field (expert parallelism:
+//! `parallel.ep` / `eplb.enabled`; `dspark.enabled` unless the checkpoint has a DSpark drafter),
+//! except decoder bounded replay (`replay.decoder_keep_tokens`, on by default), which V4 models
+//! simply run without (exact: the full prefill).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use deepinfer_model::config::ModelConfig;
+use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
-use deepinfer_model::{Model, checkpoint};
+use deepinfer_model::{Model, checkpoint, v4};
 use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
 
 use crate::engine::ModelFacts;
@@ -31,6 +39,7 @@ use crate::gpu;
 use crate::hub::{HubOptions, resolve_hub_checkpoint};
 use crate::rank::executor::ExecutorFactory;
 use crate::rank::model_executor::{ModelFactory, PerDeviceModelFactory};
+use crate::rank::v4_executor::{V4ModelFactory, V4PerDeviceFactory};
 
 /// Environment variable naming a local checkpoint directory (overrides the topology).
 pub const MODEL_DIR_ENV: &str = "DEEPINFER_HF_MODEL_DIR";
@@ -43,7 +52,7 @@ pub const SHIPPED_TOKENIZER: &str = "configs/tokenizer/tokenizer.json";
 pub struct ResolvedModel {
     pub factory: Arc<dyn ExecutorFactory>,
     /// The loaded model `factory` runs.
-    pub model: Arc<Model>,
+    pub model: AnyModel,
     pub facts: ModelFacts,
     pub tokenizer: PathBuf,
     /// A line to show the user (the demo's random-weights notice).
@@ -99,8 +108,82 @@ fn engram_vocab(
         .map_err(|e| model_error("engram vocabulary", e))
 }
 
+/// The refusal of expert parallelism (`node` asks for it) for a V4-family checkpoint.
+fn v4_expert_parallel_refusal(node: &NodeConfig) -> EngineError {
+    let field = if node.parallel.ep > 1 {
+        "parallel.ep"
+    } else {
+        "eplb.enabled"
+    };
+    EngineError::Config {
+        field: field.to_string(),
+        message: format!(
+            "{}: expert parallelism (parallel.ep = {}, eplb.enabled = {}) runs V4.1 models only; \
+             this V4-family checkpoint needs parallel.ep = 1 and eplb.enabled = false",
+            node.origin, node.parallel.ep, node.eplb.enabled
+        ),
+    }
+}
+
+/// Refuses, for a V4-family checkpoint, what the topology `node` asks for that only V4.1 runs,
+/// naming the field; decoder bounded replay is not refused (it is on by default) but left off.
+pub fn check_v4_features(node: &NodeConfig, cfg: &ModelConfig) -> Result<(), EngineError> {
+    if EpSettings::is_needed(node) {
+        return Err(v4_expert_parallel_refusal(node));
+    }
+    let has_drafter = cfg.dspark.as_ref().is_some_and(|d| d.n_stages > 0);
+    if node.dspark.enabled && !has_drafter {
+        return Err(EngineError::Config {
+            field: "dspark.enabled".to_string(),
+            message: format!(
+                "{}: this V4-family checkpoint has no DSpark drafter (V4-Flash's MTP block does \
+                 not draft in this runtime); set dspark.enabled = false",
+                node.origin
+            ),
+        });
+    }
+    if node.replay.decoder_keep_tokens.is_some() {
+        tracing::info!(
+            "replay.decoder_keep_tokens: V4-family models have no decoder bounded replay; \
+             prompts run the full prefill"
+        );
+    }
+    Ok(())
+}
+
+fn load_v4_dir(
+    dir: &Path,
+    cfg: &ModelConfig,
+    node: Option<&NodeConfig>,
+    tokenizer: PathBuf,
+    name: String,
+    notice: Option<String>,
+) -> Result<ResolvedModel, EngineError> {
+    if let Some(node) = node {
+        check_v4_features(node, cfg)?;
+    }
+    let what = dir.display().to_string();
+    let model = v4::Model::load(dir).map_err(|e| model_error(&what, e))?;
+    tracing::info!(model = %what, "V4-family model loaded");
+    let model = Arc::new(model);
+    Ok(ResolvedModel {
+        factory: Arc::new(V4ModelFactory {
+            model: model.clone(),
+            description: format!("V4 model from {what} on the CPU backend"),
+        }),
+        facts: facts(model.config()),
+        model: AnyModel::V4(model),
+        tokenizer,
+        notice,
+        name,
+    })
+}
+
+/// Loads the checkpoint in `dir` as the family its config names; `node` (when given) is checked
+/// for features that family lacks before the weights load.
 fn load_dir(
     dir: &Path,
+    node: Option<&NodeConfig>,
     name: String,
     notice: Option<String>,
     known: Option<CompressedTokenMap>,
@@ -114,6 +197,9 @@ fn load_dir(
     } else {
         shipped_tokenizer()
     };
+    if cfg.family == ModelFamily::V4 {
+        return load_v4_dir(dir, &cfg, node, tokenizer, name, notice);
+    }
     let vocab = engram_vocab(&cfg, &tokenizer, known)?;
     let model = Model::load_with_vocab(dir, vocab).map_err(|e| model_error(&what, e))?;
     tracing::info!(model = %what, "model loaded");
@@ -125,7 +211,7 @@ fn load_dir(
             model: model.clone(),
             description,
         }),
-        model,
+        model: AnyModel::V41(model),
         facts,
         tokenizer,
         notice,
@@ -157,6 +243,7 @@ pub fn build_demo(dir: &Path) -> Result<ResolvedModel, EngineError> {
         .map_err(|e| model_error("demo checkpoint", e))?;
     load_dir(
         dir,
+        None,
         "deepinfer-demo".to_string(),
         Some(
             "note: the built-in demo model has random weights (seeded); its text is meaningless"
@@ -214,15 +301,22 @@ fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedMo
         return resolved;
     }
     let per_node = usize::from(node.device.gpus_per_node);
-    resolved.factory = Arc::new(PerDeviceModelFactory {
-        model: resolved.model.clone(),
-        description: format!(
-            "V4.1 model {} on the CUDA backend (DP rank r on GPU r of its node, {per_node} per node)",
-            resolved.name
-        ),
-        devices_per_node: per_node,
-        open: Arc::new(gpu::open_cuda_backend),
-    });
+    let placement =
+        format!("on the CUDA backend (DP rank r on GPU r of its node, {per_node} per node)");
+    resolved.factory = match &resolved.model {
+        AnyModel::V41(model) => Arc::new(PerDeviceModelFactory {
+            model: model.clone(),
+            description: format!("V4.1 model {} {placement}", resolved.name),
+            devices_per_node: per_node,
+            open: Arc::new(gpu::open_cuda_backend),
+        }),
+        AnyModel::V4(model) => Arc::new(V4PerDeviceFactory {
+            model: model.clone(),
+            description: format!("V4 model {} {placement}", resolved.name),
+            devices_per_node: per_node,
+            open: Arc::new(gpu::open_cuda_backend),
+        }),
+    };
     resolved
 }
 
@@ -232,12 +326,16 @@ fn with_expert_parallel(
     node: &NodeConfig,
     mut resolved: ResolvedModel,
 ) -> Result<ResolvedModel, EngineError> {
-    if EpSettings::is_needed(node) {
-        let factory =
-            ExpertParallelFactory::new(resolved.model.clone(), node, resolved.factory.describe())
-                .map_err(|e| model_error("expert parallelism", e))?;
-        resolved.factory = Arc::new(factory);
+    if !EpSettings::is_needed(node) {
+        return Ok(resolved);
     }
+    let AnyModel::V41(model) = &resolved.model else {
+        // Already refused before loading (`check_v4_features`).
+        return Err(v4_expert_parallel_refusal(node));
+    };
+    let factory = ExpertParallelFactory::new(model.clone(), node, resolved.factory.describe())
+        .map_err(|e| model_error("expert parallelism", e))?;
+    resolved.factory = Arc::new(factory);
     Ok(resolved)
 }
 
@@ -247,14 +345,14 @@ fn resolve_source(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, 
         let name = dir
             .file_name()
             .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
-        return load_dir(&dir, name, None, None);
+        return load_dir(&dir, Some(node), name, None, None);
     }
     match &node.model.source {
         ModelSource::LocalDir(dir) => {
             let name = dir
                 .file_name()
                 .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
-            load_dir(dir, name, None, None)
+            load_dir(dir, Some(node), name, None, None)
         }
         ModelSource::Demo => {
             let dir = std::env::temp_dir().join(format!(
@@ -276,7 +374,7 @@ fn resolve_source(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, 
             };
             let dir = resolve_hub_checkpoint(repo_id, revision, hub)
                 .map_err(|e| model_error(&format!("{repo_id}@{revision}"), e))?;
-            load_dir(&dir, repo_id.clone(), None, None)
+            load_dir(&dir, Some(node), repo_id.clone(), None, None)
         }
     }
 }

@@ -4,6 +4,7 @@
 //! sequences run as one step through [`AnyModel::forward_step`].
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::config::{ModelConfig, ModelFamily};
 use crate::engram::CompressedVocab;
@@ -11,11 +12,11 @@ use crate::error::ModelError;
 use crate::sampling::SamplingParams;
 use crate::{LogitsWanted, v4, v41};
 
-/// A loaded model of either family (boxed: the two differ in size).
-#[derive(Debug)]
+/// A loaded model of either family, shareable (a runtime's rank factories hold clones).
+#[derive(Debug, Clone)]
 pub enum AnyModel {
-    V41(Box<v41::Model>),
-    V4(Box<v4::Model>),
+    V41(Arc<v41::Model>),
+    V4(Arc<v4::Model>),
 }
 
 /// The per-sequence state of an [`AnyModel`] (boxed: the two differ in size).
@@ -62,8 +63,8 @@ impl AnyModel {
     pub fn load(dir: &Path, vocab: Option<CompressedVocab>) -> Result<AnyModel, ModelError> {
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         Ok(match cfg.family {
-            ModelFamily::V41 => AnyModel::V41(Box::new(v41::Model::load_with_vocab(dir, vocab)?)),
-            ModelFamily::V4 => AnyModel::V4(Box::new(v4::Model::load(dir)?)),
+            ModelFamily::V41 => AnyModel::V41(Arc::new(v41::Model::load_with_vocab(dir, vocab)?)),
+            ModelFamily::V4 => AnyModel::V4(Arc::new(v4::Model::load(dir)?)),
         })
     }
 

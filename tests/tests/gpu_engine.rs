@@ -427,3 +427,108 @@ async fn a_cuda_topology_runs_the_demo_model_on_the_gpu() {
         started.elapsed().as_secs_f64()
     );
 }
+
+/// The V4 tiny fixture resolved from a `backend = "cuda"` topology (`V4PerDeviceFactory`): the
+/// engine's rank runs `v4::Model` on the GPU, and several concurrent requests, greedy and seeded
+/// (sampled on the device), get the tokens of the CPU engine on the same directory. Fixture:
+/// `$DEEPINFER_V4_TINY`, else the shared v4-tiny fixture.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cuda_topology_serves_the_v4_tiny_fixture_with_the_cpu_tokens() {
+    let test = "a_cuda_topology_serves_the_v4_tiny_fixture_with_the_cpu_tokens";
+    if !gpu_present(test) {
+        return;
+    }
+    if std::env::var_os(deepinfer_actors::model_source::MODEL_DIR_ENV).is_some() {
+        eprintln!("{test}: skipped: DEEPINFER_HF_MODEL_DIR overrides the fixture");
+        return;
+    }
+    let dir = std::env::var_os("DEEPINFER_V4_TINY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v4/v4-tiny")
+        });
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "the v4-tiny fixture is absent at {} (set DEEPINFER_V4_TINY)",
+        dir.display()
+    );
+    let v4_topology = |backend: &str| {
+        let device = if backend == "cuda" {
+            "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1"
+        } else {
+            "backend = \"cpu\""
+        };
+        NodeConfig::from_toml_str(
+            &format!(
+                "[model]\nsource = \"{}\"\n[device]\n{device}\n[parallel]\ndp = 1\nep = 1\n\
+                 [scheduler]\nmax_batched_tokens = 512\nmax_running_requests = 16\n\
+                 prefill_chunk_tokens = 7\noverlap_depth = 2\nadmission_queue_capacity = 32\n",
+                dir.display()
+            ),
+            &format!("gpu engine V4 test ({backend})"),
+        )
+        .expect("topology")
+    };
+    // Prompts of different lengths (ids 2..1023 of the fixture's 1024); odd ones sample seeded.
+    let requests: Vec<(Vec<u32>, bool)> = (0..6u32)
+        .map(|r| {
+            let len = 3 + 5 * r as usize;
+            let tokens = (0..len as u32)
+                .map(|i| 2 + (r * 7919 + i * 131 + i * i * 17) % 1022)
+                .collect();
+            (tokens, r % 2 == 1)
+        })
+        .collect();
+    let max_tokens = 6;
+    let mut outputs = Vec::new();
+    let mut description = String::new();
+    for backend in ["cpu", "cuda"] {
+        let node = v4_topology(backend);
+        let resolved = tokio::task::spawn_blocking(move || resolve(&node))
+            .await
+            .expect("joins")
+            .expect("the V4 fixture resolves");
+        description = resolved.factory.describe();
+        let engine = Engine::start(EngineConfig {
+            node: v4_topology(backend),
+            executor: resolved.factory.clone(),
+            model: resolved.facts,
+            tokenizer: None,
+        })
+        .await
+        .expect("engine starts");
+        let mut streams = Vec::new();
+        for (r, (tokens, seeded)) in requests.iter().enumerate() {
+            let mut request = GenerateRequest::from_tokens(tokens.clone())
+                .max_tokens(max_tokens)
+                .ignore_eos(true);
+            if *seeded {
+                request = request.temperature(0.8).top_p(0.9).seed(100 + r as u64);
+            }
+            streams.push(engine.generate(request).await.expect("admitted"));
+        }
+        let mut tokens = Vec::new();
+        for stream in streams {
+            let done = tokio::time::timeout(Duration::from_secs(240), stream.collect())
+                .await
+                .expect("finishes in time")
+                .expect("completes");
+            tokens.push(done.tokens);
+        }
+        engine
+            .shutdown(Duration::from_secs(30))
+            .await
+            .expect("stops");
+        outputs.push(tokens);
+    }
+    assert!(description.contains("CUDA backend"), "{description}");
+    assert!(description.starts_with("V4 model"), "{description}");
+    for (r, (cpu, cuda)) in outputs[0].iter().zip(&outputs[1]).enumerate() {
+        assert_eq!(cpu.len(), max_tokens, "request {r}");
+        assert_eq!(cuda, cpu, "request {r}: GPU engine vs CPU engine");
+    }
+    eprintln!(
+        "{test}: {description}: {} requests' tokens equal the CPU engine's",
+        requests.len()
+    );
+}

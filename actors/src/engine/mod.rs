@@ -224,12 +224,13 @@ impl Engine {
         let codec = match &config.tokenizer {
             Some(path) => {
                 let path = path.clone();
-                let bos = config.model.bos_token_id;
-                let codec = tokio::task::spawn_blocking(move || TextCodec::load(&path, bos))
-                    .await
-                    .map_err(|e| {
-                        EngineError::internal(format!("tokenizer loading panicked: {e}"))
-                    })??;
+                let (bos, family) = (config.model.bos_token_id, config.executor.family());
+                let codec =
+                    tokio::task::spawn_blocking(move || TextCodec::load_for(&path, bos, family))
+                        .await
+                        .map_err(|e| {
+                            EngineError::internal(format!("tokenizer loading panicked: {e}"))
+                        })??;
                 if codec.vocab_size() > config.model.vocab_size {
                     return Err(EngineError::Config {
                         field: "tokenizer".into(),

@@ -1,14 +1,19 @@
-//! `TextCodec`: the DeepSeek tokenizer and the V4.1 chat encoding, loaded once per engine.
+//! `TextCodec`: the DeepSeek tokenizer and the chat encoding of the served family, loaded once
+//! per engine.
 //!
-//! Owns the tokenizer (loaded from `tokenizer.json`; when the file is the V4 one shipped in
-//! `configs/tokenizer/`, the added token 128799 `<｜place▁holder▁no▁799｜>` is renamed to
-//! V4.1's `<｜System｜>`, see configs/tokenizer/README.md) and `DeepseekV41Encoding` from
-//! `deepseek-recipe-encoding`. Chat bodies are converted with `deepseek-recipe`.
+//! Owns the tokenizer (loaded from `tokenizer.json`; for V4.1, when the file is the V4 one
+//! shipped in `configs/tokenizer/`, the added token 128799 `<｜place▁holder▁no▁799｜>` is
+//! renamed to V4.1's `<｜System｜>`, see configs/tokenizer/README.md) and the prompt encoding
+//! from `deepseek-recipe-encoding`: `DeepseekV41Encoding` for V4.1, `DeepseekV4Encoding` for
+//! the V4 family (V4-Flash shares the V4 template). Chat bodies are converted with
+//! `deepseek-recipe`.
 
 use std::path::{Path, PathBuf};
 
+use deepinfer_model::config::ModelFamily;
 use deepseek_recipe::openai::ChatCompletionRequest;
-use deepseek_recipe::request::{ConversionOptions, ProtocolRequest};
+use deepseek_recipe::request::{ConversionOptions, ModelVersion, ProtocolRequest};
+use deepseek_recipe_encoding::dsv4::DeepseekV4Encoding;
 use deepseek_recipe_encoding::dsv41::DeepseekV41Encoding;
 use deepseek_recipe_encoding::{PromptEncoding, PromptTokenizer};
 use tokenizers::Tokenizer;
@@ -24,6 +29,15 @@ pub const V41_SYSTEM_TOKEN: &str = "<｜System｜>";
 pub const V4_PLACEHOLDER_799: &str = "<｜place▁holder▁no▁799｜>";
 /// The model name `deepseek-recipe` knows for V4.1 chat requests.
 pub const V41_MODEL_NAME: &str = "DeepSeek-V4.1-Flash";
+/// The model name V4-family chat requests are converted under (an alias of `deepseek-recipe`'s
+/// V4 version, whose template V4-Flash shares).
+pub const V4_MODEL_NAME: &str = "DeepSeek-V4-Flash";
+
+/// The prompt encoding of the served family.
+enum ChatEncoding {
+    V41(DeepseekV41Encoding),
+    V4(DeepseekV4Encoding),
+}
 
 /// A chat body converted and encoded.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,10 +52,10 @@ pub struct EncodedChat {
     pub constraint: Option<Constraint>,
 }
 
-/// Tokenizer + V4.1 prompt encoding.
+/// Tokenizer + the family's prompt encoding.
 pub struct TextCodec {
     tokenizer: Tokenizer,
-    encoding: DeepseekV41Encoding,
+    encoding: ChatEncoding,
     bos_token_id: u32,
 }
 
@@ -79,16 +93,38 @@ pub fn load_v41_tokenizer(path: &Path) -> Result<Tokenizer, EngineError> {
 }
 
 impl TextCodec {
-    /// Loads the tokenizer (V4.1 naming) and builds the chat encoding once.
+    /// Loads the tokenizer (V4.1 naming) and builds the V4.1 chat encoding once.
     pub fn load(path: &Path, bos_token_id: u32) -> Result<Self, EngineError> {
-        let tokenizer = load_v41_tokenizer(path)?;
-        if tokenizer.token_to_id(V41_SYSTEM_TOKEN).is_none() {
-            return Err(tokenizer_error(
-                path,
-                format!("no {V41_SYSTEM_TOKEN} token after loading"),
-            ));
-        }
-        let encoding = DeepseekV41Encoding::new().with_tokenizer(PromptTokenizer::new(&tokenizer));
+        Self::load_for(path, bos_token_id, ModelFamily::V41)
+    }
+
+    /// Loads the tokenizer and builds the chat encoding of `family` once (V4: the file as is).
+    pub fn load_for(
+        path: &Path,
+        bos_token_id: u32,
+        family: ModelFamily,
+    ) -> Result<Self, EngineError> {
+        let (tokenizer, encoding) = match family {
+            ModelFamily::V41 => {
+                let tokenizer = load_v41_tokenizer(path)?;
+                if tokenizer.token_to_id(V41_SYSTEM_TOKEN).is_none() {
+                    return Err(tokenizer_error(
+                        path,
+                        format!("no {V41_SYSTEM_TOKEN} token after loading"),
+                    ));
+                }
+                let encoding =
+                    DeepseekV41Encoding::new().with_tokenizer(PromptTokenizer::new(&tokenizer));
+                (tokenizer, ChatEncoding::V41(encoding))
+            }
+            ModelFamily::V4 => {
+                let tokenizer =
+                    Tokenizer::from_file(path).map_err(|e| tokenizer_error(path, e.to_string()))?;
+                let encoding =
+                    DeepseekV4Encoding::new().with_tokenizer(PromptTokenizer::new(&tokenizer));
+                (tokenizer, ChatEncoding::V4(encoding))
+            }
+        };
         Ok(TextCodec {
             tokenizer,
             encoding,
@@ -115,8 +151,9 @@ impl TextCodec {
         Ok(ids)
     }
 
-    /// Converts an OpenAI chat body with `deepseek-recipe` and encodes it with the V4.1
-    /// template. The body's `model` is replaced by the V4.1 name (this engine serves one model).
+    /// Converts an OpenAI chat body with `deepseek-recipe` and encodes it with the family's
+    /// template. The body's `model` is replaced by the family's name (this engine serves one
+    /// model).
     pub fn encode_chat(&self, body: &serde_json::Value) -> Result<EncodedChat, ValidationError> {
         let mut body = body.clone();
         let grammar_format =
@@ -128,24 +165,30 @@ impl TextCodec {
                 detail: "the body is not a JSON object".into(),
             });
         };
-        object.insert(
-            "model".into(),
-            serde_json::Value::String(V41_MODEL_NAME.into()),
-        );
+        let (model_name, options) = match self.encoding {
+            ChatEncoding::V41(_) => (V41_MODEL_NAME, ConversionOptions::new()),
+            ChatEncoding::V4(_) => (
+                V4_MODEL_NAME,
+                ConversionOptions::new()
+                    .with_model_alias(V4_MODEL_NAME, ModelVersion::DeepseekV4Pro),
+            ),
+        };
+        object.insert("model".into(), serde_json::Value::String(model_name.into()));
         let request: ChatCompletionRequest =
             serde_json::from_value(body).map_err(|e| ValidationError::Conversion {
                 detail: e.to_string(),
             })?;
-        let converted =
-            request
-                .convert(ConversionOptions::new())
-                .map_err(|e| ValidationError::Conversion {
-                    detail: e.to_string(),
-                })?;
-        let tokens = self.encoding.encode(&converted.conversation).map_err(|e| {
-            ValidationError::Encoding {
+        let converted = request
+            .convert(options)
+            .map_err(|e| ValidationError::Conversion {
                 detail: e.to_string(),
-            }
+            })?;
+        let encoded = match &self.encoding {
+            ChatEncoding::V41(encoding) => encoding.encode(&converted.conversation),
+            ChatEncoding::V4(encoding) => encoding.encode(&converted.conversation),
+        };
+        let tokens = encoded.map_err(|e| ValidationError::Encoding {
+            detail: e.to_string(),
         })?;
         let options = &converted.inference_options;
         Ok(EncodedChat {
@@ -204,6 +247,42 @@ mod tests {
             (Some(11), Some(7), vec!["\n\n".to_string()])
         );
         assert_eq!(codec.decode(&user), "Hello! 毕老师 1 + 1 = 2");
+    }
+
+    /// A V4-family codec keeps the tokenizer as shipped and renders the V4 template: BOS, then
+    /// (after the thinking preamble) the system text without a system token, the user turn and
+    /// the assistant token; the V4.1 one starts with its system token.
+    #[test]
+    fn v4_chat_encodes_with_the_v4_template() {
+        let v4 = TextCodec::load_for(&shipped(), 0, ModelFamily::V4).unwrap();
+        let v41 = TextCodec::load(&shipped(), 0).unwrap();
+        let chat = serde_json::json!({
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello! 毕老师 1 + 1 = 2"}],
+            "seed": 5, "max_tokens": 3
+        });
+        let enc = v4.encode_chat(&chat).unwrap();
+        assert_eq!(enc.tokens[0], 0, "BOS first");
+        assert!(
+            !enc.tokens.contains(&(V41_SYSTEM_TOKEN_ID as u32)),
+            "{:?}",
+            enc.tokens
+        );
+        // The system text (no BOS), `<｜User｜>`, the user text, `<｜Assistant｜>`.
+        let mut turn = v4.encode_text("Be brief.").unwrap()[1..].to_vec();
+        turn.push(128_803);
+        turn.extend([
+            19923, 3, 223, 5464, 5008, 223, 19, 940, 223, 19, 438, 223, 20,
+        ]);
+        turn.push(128_804);
+        assert!(
+            enc.tokens.windows(turn.len()).any(|w| w == turn),
+            "{:?}",
+            enc.tokens
+        );
+        assert_eq!((enc.seed, enc.max_tokens), (Some(5), Some(3)));
+        let enc41 = v41.encode_chat(&chat).unwrap();
+        assert_eq!(&enc41.tokens[..2], &[0, 128_799]);
+        assert_ne!(enc.tokens, enc41.tokens);
     }
 
     #[test]

@@ -185,6 +185,10 @@ pub trait ExecutorFactory: Send + Sync {
     fn sliding_window(&self) -> Option<usize> {
         None
     }
+    /// The family of the served model (the engine picks the chat encoding by it).
+    fn family(&self) -> deepinfer_model::config::ModelFamily {
+        deepinfer_model::config::ModelFamily::V41
+    }
     /// The expert-parallel state its executors share, when they run expert parallelism (the
     /// supervisor then spawns the expert groups and the EPLB over it).
     fn expert_parallel(&self) -> Option<std::sync::Arc<crate::experts::parallel::ExpertParallel>> {

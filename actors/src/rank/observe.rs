@@ -69,6 +69,9 @@ impl ExecutorFactory for ObservedFactory {
     fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
         self.inner.expert_parallel()
     }
+    fn family(&self) -> deepinfer_model::config::ModelFamily {
+        self.inner.family()
+    }
 }
 
 struct ObservedExecutor {

@@ -4,6 +4,7 @@
 //! ([`AnyModel`] picks the family from `config.json`).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
@@ -145,9 +146,9 @@ pub fn run_on(request: &LogitsRequest, device: LogitsDevice) -> Result<[usize; 2
             let backend = crate::gpu::open_cuda_backend(0).map_err(LogitsError::Device)?;
             match cfg.family {
                 ModelFamily::V41 => v41::Model::from_checkpoint(cfg, &ckpt, vocab, backend)
-                    .map(|model| AnyModel::V41(Box::new(model))),
+                    .map(|model| AnyModel::V41(Arc::new(model))),
                 ModelFamily::V4 => v4::Model::from_checkpoint(cfg, &ckpt, backend)
-                    .map(|model| AnyModel::V4(Box::new(model))),
+                    .map(|model| AnyModel::V4(Arc::new(model))),
             }
             .map_err(|e| model_err(e.to_string()))?
         }

@@ -17,6 +17,7 @@ mod step;
 mod weights;
 
 use std::path::Path;
+use std::sync::Arc;
 
 pub use block::hyper_head_weights;
 pub use compressor::{PoolSlot, pool_entry};
@@ -43,16 +44,16 @@ pub struct Model {
     cfg: ModelConfig,
     backend: Box<dyn Backend>,
     rope: RopeTables,
-    /// `[vocab, dim]`.
-    embed: Vec<f32>,
-    head: Linear,
+    /// `[vocab, dim]`. The large weights are shared by the models [`Model::on_backend`] makes.
+    embed: Arc<Vec<f32>>,
+    head: Arc<Linear>,
     norm: Vec<f32>,
-    hyper_head: HyperHeadWeights,
-    layers: Vec<LayerWeights>,
+    hyper_head: Arc<HyperHeadWeights>,
+    layers: Arc<Vec<LayerWeights>>,
     /// The V4-Flash MTP block (`mtp.0`), when the config has `num_nextn_predict_layers = 1`.
-    mtp: Option<MtpWeights>,
+    mtp: Option<Arc<MtpWeights>>,
     /// The V4-Flash-0731 DSpark drafter, when the config has one.
-    dspark: Option<DsparkWeights>,
+    dspark: Option<Arc<DsparkWeights>>,
     /// `[head_dim]` ones: the weight of the unweighted per-head query RMSNorm.
     unit: Vec<f32>,
 }
@@ -88,13 +89,13 @@ impl Model {
             .transpose()?;
         Ok(Model {
             rope: RopeTables::new(&cfg),
-            embed: loader.vector("embed.weight", &[vocab, dim])?,
-            head: loader.linear("head", vocab, dim)?,
+            embed: Arc::new(loader.vector("embed.weight", &[vocab, dim])?),
+            head: Arc::new(loader.linear("head", vocab, dim)?),
             norm: loader.vector("norm.weight", &[dim])?,
-            hyper_head: loader.hyper_head("")?,
-            layers,
-            mtp,
-            dspark,
+            hyper_head: Arc::new(loader.hyper_head("")?),
+            layers: Arc::new(layers),
+            mtp: mtp.map(Arc::new),
+            dspark: dspark.map(Arc::new),
             unit: vec![1.0; cfg.head_dim],
             backend,
             cfg,
@@ -108,6 +109,29 @@ impl Model {
     /// The backend this model runs on.
     pub fn backend(&self) -> &dyn Backend {
         self.backend.as_ref()
+    }
+
+    /// The same loaded weights run on `backend` (e.g. one DP rank's GPU). The host weights are
+    /// shared, not copied; the new model's sequences are its own ([`Model::new_sequence`]).
+    pub fn on_backend(&self, backend: Box<dyn Backend>) -> Model {
+        Model {
+            cfg: self.cfg.clone(),
+            backend,
+            rope: self.rope.clone(),
+            embed: self.embed.clone(),
+            head: self.head.clone(),
+            norm: self.norm.clone(),
+            hyper_head: self.hyper_head.clone(),
+            layers: self.layers.clone(),
+            mtp: self.mtp.clone(),
+            dspark: self.dspark.clone(),
+            unit: self.unit.clone(),
+        }
+    }
+
+    /// Whether the model has a DSpark drafter ([`Model::draft`] proposes).
+    pub fn has_dspark(&self) -> bool {
+        self.dspark.is_some()
     }
 
     /// A fresh, empty sequence.
@@ -319,7 +343,9 @@ impl Model {
         seq.rollback(len, self.cfg.window_size)
     }
 
-    fn check_chunk(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
+    /// Whether `tokens` can be appended to `seq` (what [`Model::forward_step`] checks per entry
+    /// before any state changes).
+    pub fn check_chunk(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
         if tokens.is_empty() {
             return Err(ModelError::Sequence {
                 message: "empty chunk".to_string(),

@@ -198,7 +198,7 @@ impl Model {
             Vec::new()
         } else {
             let hidden = hidden_of(&sampled_rows);
-            match &self.head {
+            match &*self.head {
                 Linear::Dense { out, inp, values } => {
                     backend.sample_linear(&hidden, values, *out, *inp, &sampling)
                 }

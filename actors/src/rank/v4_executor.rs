@@ -1,0 +1,390 @@
+//! `V4Executor`: the `RankExecutor` over the DeepSeek-V4 family's model (`deepinfer_model::v4`,
+//! V4-Flash and V4-Flash-0731).
+//!
+//! Owns one `v4::SequenceState` per live request. A step is one `v4::Model::forward_step` over
+//! every entry (each sequence's last logits row, or every row of a verify entry), bitwise what
+//! each sequence would get alone; entries with sampling parameters are sampled inside the step,
+//! on the model's backend. What V4 does not have is left to the trait's defaults: no decoder
+//! bounded replay (`plan_replay` is ignored and the factories report no sliding window, so the
+//! engine runs no `ReplayActor`), no Engram, no expert parallelism, and deferred rows come back
+//! as host logits (`execute_deferred` / `sample_logits` defaults). Drafting: a V4-Flash-0731
+//! checkpoint's DSpark drafter proposes through `v4::Model::draft` (one request at a time);
+//! V4-Flash's MTP block has no confidence head, so it does not draft here (no drafts).
+//!
+//! Factories: [`V4ModelFactory`] hands every rank the same model (the CPU backend);
+//! [`V4PerDeviceFactory`] hands each rank the shared host weights rebound
+//! (`v4::Model::on_backend`) to a backend opened on that rank's own device.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use deepinfer_model::config::ModelFamily;
+use deepinfer_model::v4::{Model, SequenceState, StepEntry};
+use deepinfer_model::{EntryOutput, LogitsWanted};
+use deepinfer_topology::RequestId;
+
+use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use crate::rank::model_executor::OpenBackend;
+use crate::sampling::SamplingParams;
+
+/// The executor of one rank over a shared V4 model.
+pub struct V4Executor {
+    model: Arc<Model>,
+    sequences: HashMap<RequestId, SequenceState>,
+}
+
+impl V4Executor {
+    pub fn new(model: Arc<Model>) -> Self {
+        V4Executor {
+            model,
+            sequences: HashMap::new(),
+        }
+    }
+
+    /// One `v4::Model::forward_step` over the batch; entry `i` samples with `sampling[i]` when
+    /// given.
+    fn step(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        // Every entry is checked before any sequence changes, and names its own sequence.
+        for entry in batch {
+            let seq = self
+                .sequences
+                .get(&entry.id)
+                .ok_or(ExecError::UnknownSequence(entry.id))?;
+            self.model
+                .check_chunk(seq, entry.tokens)
+                .map_err(|e| sequence_error(entry.id, e))?;
+        }
+        let ids: HashSet<RequestId> = batch.iter().map(|entry| entry.id).collect();
+        if ids.len() != batch.len() {
+            return Err(ExecError::Backend(
+                "a step names the same sequence twice".to_string(),
+            ));
+        }
+        let mut seqs: HashMap<RequestId, &mut SequenceState> = self
+            .sequences
+            .iter_mut()
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(&id, seq)| (id, seq))
+            .collect();
+        let mut entries = Vec::with_capacity(batch.len());
+        for (i, entry) in batch.iter().enumerate() {
+            let seq = seqs
+                .remove(&entry.id)
+                .ok_or(ExecError::UnknownSequence(entry.id))?;
+            entries.push(StepEntry {
+                seq,
+                tokens: entry.tokens,
+                want: if entry.all_rows {
+                    LogitsWanted::All
+                } else {
+                    LogitsWanted::Last
+                },
+                sample: sampling.get(i).copied().flatten(),
+            });
+        }
+        self.model
+            .forward_step(&mut entries)
+            .map_err(|e| ExecError::Backend(e.to_string()))
+    }
+}
+
+fn sequence_error(id: RequestId, e: deepinfer_model::error::ModelError) -> ExecError {
+    ExecError::Sequence {
+        id,
+        message: e.to_string(),
+    }
+}
+
+impl RankExecutor for V4Executor {
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        if self.sequences.contains_key(&id) {
+            return Err(ExecError::DuplicateSequence(id));
+        }
+        self.sequences.insert(id, self.model.new_sequence());
+        Ok(())
+    }
+
+    fn free_sequence(&mut self, id: RequestId) {
+        self.sequences.remove(&id);
+    }
+
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        let seq = self
+            .sequences
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSequence(id))?;
+        self.model
+            .rollback(seq, len)
+            .map_err(|e| sequence_error(id, e))
+    }
+
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.sequences
+            .get(&id)
+            .map(SequenceState::len)
+            .ok_or(ExecError::UnknownSequence(id))
+    }
+
+    fn live_sequences(&self) -> usize {
+        self.sequences.len()
+    }
+
+    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        self.step(batch, &[])?
+            .into_iter()
+            .zip(batch)
+            .map(|(out, entry)| {
+                out.into_logits().ok_or_else(|| ExecError::Sequence {
+                    id: entry.id,
+                    message: "the step returned no logits for an unsampled entry".to_string(),
+                })
+            })
+            .collect()
+    }
+
+    fn execute_sampled(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        self.step(batch, sampling)
+    }
+
+    /// The DSpark drafter's proposal (V4-Flash-0731), `None` for a model without one.
+    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
+        let seq = self
+            .sequences
+            .get(&id)
+            .ok_or(ExecError::UnknownSequence(id))?;
+        if !self.model.has_dspark() {
+            return Ok(None);
+        }
+        let proposal = self
+            .model
+            .draft(seq, anchor)
+            .map_err(|e| sequence_error(id, e))?;
+        Ok(Some(Draft {
+            // The proposal starts with the anchor itself.
+            tokens: proposal.tokens.get(1..).unwrap_or_default().to_vec(),
+            confidences: proposal.confidence,
+        }))
+    }
+}
+
+/// Hands every rank the same loaded V4 model.
+#[derive(Debug, Clone)]
+pub struct V4ModelFactory {
+    pub model: Arc<Model>,
+    pub description: String,
+}
+
+impl ExecutorFactory for V4ModelFactory {
+    fn build(&self, _dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        Ok(Box::new(V4Executor::new(self.model.clone())))
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn family(&self) -> ModelFamily {
+        ModelFamily::V4
+    }
+}
+
+/// Hands each DP rank the shared V4 host weights on a backend of its own device: rank `r` runs
+/// on device `r % devices_per_node` of its node (as `PerDeviceModelFactory` does for V4.1).
+pub struct V4PerDeviceFactory {
+    /// The loaded model whose weights every rank shares (its own backend is not used).
+    pub model: Arc<Model>,
+    pub description: String,
+    /// Devices of one node (`[device] gpus_per_node`), at least 1.
+    pub devices_per_node: usize,
+    pub open: OpenBackend,
+}
+
+impl std::fmt::Debug for V4PerDeviceFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("V4PerDeviceFactory")
+            .field("description", &self.description)
+            .field("devices_per_node", &self.devices_per_node)
+            .finish()
+    }
+}
+
+impl ExecutorFactory for V4PerDeviceFactory {
+    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        let device = dp % self.devices_per_node.max(1);
+        let backend = (self.open)(device)
+            .map_err(|e| ExecError::Backend(format!("DP rank {dp} on device {device}: {e}")))?;
+        tracing::info!(dp, backend = backend.name(), "rank V4 model on its device");
+        Ok(Box::new(V4Executor::new(Arc::new(
+            self.model.on_backend(backend),
+        ))))
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn family(&self) -> ModelFamily {
+        ModelFamily::V4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use deepinfer_model::backend::{Backend, CpuBackend};
+    use deepinfer_model::checkpoint::write_random_checkpoint;
+    use deepinfer_model::config::ModelConfig;
+
+    use super::*;
+
+    /// The tiny V4 architecture (v4-tiny's config) with seeded random weights.
+    fn tiny_v4() -> (tempfile::TempDir, Arc<Model>) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_checkpoint(&ModelConfig::tiny_v4(), 3, dir.path(), 1).expect("written");
+        let model = Model::load(dir.path()).expect("loads");
+        (dir, Arc::new(model))
+    }
+
+    fn entry(id: RequestId, tokens: &[u32]) -> SeqTokens<'_> {
+        SeqTokens {
+            id,
+            tokens,
+            all_rows: false,
+        }
+    }
+
+    /// Prefill then one decode step; the concatenated last rows.
+    fn run(executor: &mut dyn RankExecutor, prompt: &[u32]) -> Vec<f32> {
+        let id = RequestId(1);
+        executor.new_sequence(id).expect("new sequence");
+        let mut rows = executor.execute(&[entry(id, prompt)]).expect("prefill");
+        rows.extend(executor.execute(&[entry(id, &[7])]).expect("decode"));
+        rows.concat()
+    }
+
+    /// Each rank opens its own device and runs the shared weights there: on CPU backends the
+    /// numbers equal the plain factory's bit for bit, and the model family is reported.
+    #[test]
+    fn each_rank_runs_the_shared_v4_weights_on_its_own_device() {
+        let (_dir, model) = tiny_v4();
+        let opened = Arc::new(Mutex::new(Vec::new()));
+        let log = opened.clone();
+        let factory = V4PerDeviceFactory {
+            model: model.clone(),
+            description: "tiny V4 on per-rank CPU backends".into(),
+            devices_per_node: 2,
+            open: Arc::new(move |device| {
+                log.lock().expect("not poisoned").push(device);
+                Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
+            }),
+        };
+        let plain = V4ModelFactory {
+            model,
+            description: "tiny V4".into(),
+        };
+        let prompt = [3, 14, 15, 92, 65, 358];
+        let expected = run(plain.build(0).expect("plain").as_mut(), &prompt);
+        assert_eq!(expected.len(), 2 * 1024);
+        for dp in 0..3 {
+            let got = run(factory.build(dp).expect("per device").as_mut(), &prompt);
+            assert_eq!(got, expected, "rank {dp}");
+        }
+        assert_eq!(*opened.lock().expect("not poisoned"), vec![0, 1, 0]);
+        assert_eq!(
+            (plain.family(), factory.family()),
+            (ModelFamily::V4, ModelFamily::V4)
+        );
+        assert_eq!(plain.sliding_window(), None);
+    }
+
+    /// A sampled entry returns the token `sample` picks from the logits the unsampled run
+    /// returns, at the position after its chunk; a verify entry returns every row.
+    #[test]
+    fn sampled_and_verify_entries_match_the_logits() {
+        use crate::sampling::sample;
+        let (_dir, model) = tiny_v4();
+        let vocab = model.config().vocab_size;
+        let (a, b) = (RequestId(1), RequestId(2));
+        let mut sampled = V4Executor::new(model.clone());
+        let mut reference = V4Executor::new(model);
+        for executor in [&mut sampled, &mut reference] {
+            executor.new_sequence(a).expect("new");
+            executor.new_sequence(b).expect("new");
+        }
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.9,
+            seed: 17,
+        };
+        let batch = [entry(a, &[3, 9, 27]), entry(b, &[5, 6])];
+        let outputs = sampled
+            .execute_sampled(&batch, &[Some(params), None])
+            .expect("step");
+        let logits = reference.execute(&batch).expect("step");
+        let token = sample(&logits[0], &params, 3).expect("a token");
+        assert_eq!(outputs[0], EntryOutput::Tokens(vec![token]));
+        assert_eq!(outputs[1], EntryOutput::Logits(logits[1].clone()));
+        let verify = SeqTokens {
+            id: b,
+            tokens: &[8, 1, 2],
+            all_rows: true,
+        };
+        let rows = reference.execute(&[verify]).expect("verify");
+        assert_eq!(rows[0].len(), 3 * vocab);
+        assert_eq!(reference.sequence_len(b), Ok(5));
+        reference.rollback(b, 3).expect("rolls back");
+        assert_eq!(reference.sequence_len(b), Ok(3));
+    }
+
+    /// Bad input fails with the sequence named, before any sequence changes; a model without a
+    /// DSpark drafter proposes nothing.
+    #[test]
+    fn bad_entries_are_named_and_nothing_drafts_without_a_drafter() {
+        let (_dir, model) = tiny_v4();
+        let mut executor = V4Executor::new(model);
+        let (a, b) = (RequestId(1), RequestId(2));
+        executor.new_sequence(a).expect("new");
+        assert_eq!(
+            executor.new_sequence(a),
+            Err(ExecError::DuplicateSequence(a))
+        );
+        assert_eq!(
+            executor.execute(&[entry(b, &[1])]).err(),
+            Some(ExecError::UnknownSequence(b))
+        );
+        executor.new_sequence(b).expect("new");
+        let err = executor
+            .execute(&[entry(a, &[4, 5]), entry(b, &[1024])])
+            .expect_err("a token outside the vocabulary");
+        let ExecError::Sequence { id, message } = err else {
+            panic!("not a sequence error: {err:?}");
+        };
+        assert_eq!(id, b);
+        assert!(message.contains("1024"), "{message}");
+        assert_eq!(executor.sequence_len(a), Ok(0), "nothing ran");
+        let twice = executor.execute(&[entry(a, &[4]), entry(a, &[5])]);
+        assert!(matches!(twice, Err(ExecError::Backend(_))), "{twice:?}");
+        executor.execute(&[entry(a, &[4, 5])]).expect("runs");
+        assert_eq!(executor.draft(a, 6), Ok(None));
+        assert_eq!(
+            executor.draft(RequestId(9), 6).err(),
+            Some(ExecError::UnknownSequence(RequestId(9)))
+        );
+        executor.free_sequence(a);
+        assert_eq!(executor.live_sequences(), 1);
+    }
+}

@@ -1,0 +1,463 @@
+//! A V4-family checkpoint served end to end through the runtime (CPU backend), the family picked
+//! from its `config.json` by `model_source::resolve`:
+//!
+//! - The v4-tiny fixture behind an engine with 2 DP ranks, chunked prefill and async scheduling:
+//!   several concurrent requests, greedy and seeded, get exactly the tokens of running
+//!   `v4::Model` alone per request (same chunks, `sampling::sample` at each position).
+//! - The offline job on a V4 directory (a random tiny V4 with the DeepSeek vocabulary, the shipped
+//!   tokenizer): a completions line gives the text of the model's own greedy tokens, and a chat
+//!   line is encoded with the V4 template (no V4.1 `<｜System｜>` token).
+//! - A V4-Flash-0731-style checkpoint (reduced, random, with a DSpark drafter) behind an engine
+//!   with `dspark.enabled`: its drafts are proposed and verified (every one, with a wrapper that
+//!   reports them confident on an emulated fixed-cost device), rejected ones rolled back, and the
+//!   greedy tokens equal running the model alone.
+//! - V4.1-only features asked of a V4 checkpoint are refused at start, naming the field.
+//!
+//! Fixture: `$DEEPINFER_V4_TINY`, else `../shared/fixtures/v4/v4-tiny` (skipped loudly if absent).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deepinfer_actors::frontend::codec::TextCodec;
+use deepinfer_actors::job::{JobOptions, run_job};
+use deepinfer_actors::model_source::{MODEL_DIR_ENV, resolve, shipped_tokenizer};
+use deepinfer_actors::rank::executor::{
+    Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens,
+};
+use deepinfer_actors::{Engine, EngineConfig, GenerateRequest};
+use deepinfer_model::LogitsWanted;
+use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::checkpoint::write_random_checkpoint;
+use deepinfer_model::config::{ModelConfig, ModelFamily};
+use deepinfer_model::sampling::{SamplingParams, sample};
+use deepinfer_model::v4;
+use deepinfer_topology::{NodeConfig, RequestId};
+
+mod golden_support;
+use golden_support::fixture_dir;
+
+const CHUNK: usize = 5;
+
+fn v4_tiny() -> Option<PathBuf> {
+    match std::env::var_os("DEEPINFER_V4_TINY") {
+        Some(dir) => Some(dir.into()),
+        None => fixture_dir("v4", "v4-tiny", "the V4 serving test"),
+    }
+}
+
+/// The topology of a local model directory; `extra` is appended (more sections).
+fn topology(dir: &Path, dp: u8, extra: &str) -> NodeConfig {
+    let text = format!(
+        "[model]\nsource = \"{}\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = {dp}\nep = 1\n\
+         [scheduler]\nmax_batched_tokens = 256\nmax_running_requests = 8\n\
+         prefill_chunk_tokens = {CHUNK}\noverlap_depth = 2\nadmission_queue_capacity = 16\n\
+         [sampling]\nmax_tokens = 6\n{extra}",
+        dir.display()
+    );
+    NodeConfig::from_toml_str(&text, "v4 serve test").expect("topology parses")
+}
+
+/// The process-wide model override would replace the directory under test.
+fn overridden(test: &str) -> bool {
+    let set = std::env::var_os(MODEL_DIR_ENV).is_some();
+    if set {
+        eprintln!("{test}: skipped: {MODEL_DIR_ENV} overrides the topology's model");
+    }
+    set
+}
+
+/// `n` tokens of `model` alone: the prompt in `CHUNK`-token chunks, then one token per step,
+/// each sampled with `params` at its position; stops after `eos`.
+fn alone(
+    model: &v4::Model,
+    prompt: &[u32],
+    params: &SamplingParams,
+    n: usize,
+    eos: u32,
+) -> Vec<u32> {
+    let mut seq = model.new_sequence();
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(CHUNK) {
+        logits = model
+            .forward(&mut seq, chunk, LogitsWanted::Last)
+            .expect("prefill alone");
+    }
+    let mut out = Vec::new();
+    while out.len() < n {
+        let position = prompt.len() + out.len();
+        let token = sample(&logits, params, position as u64).expect("a token");
+        out.push(token);
+        if token == eos {
+            break;
+        }
+        logits = model
+            .forward(&mut seq, &[token], LogitsWanted::Last)
+            .expect("decode alone");
+    }
+    out
+}
+
+fn prompt(seed: u32, len: usize, vocab: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 2 + (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 7) % (vocab - 2))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_serves_v4_tiny_with_the_tokens_of_the_model_alone() {
+    let test = "engine_serves_v4_tiny_with_the_tokens_of_the_model_alone";
+    let Some(dir) = v4_tiny() else { return };
+    if overridden(test) {
+        return;
+    }
+    let node = topology(&dir, 2, "");
+    let resolved = tokio::task::spawn_blocking(move || resolve(&node))
+        .await
+        .expect("joins")
+        .expect("the V4 directory resolves");
+    assert_eq!(resolved.factory.family(), ModelFamily::V4);
+    assert_eq!(resolved.factory.sliding_window(), None, "no bounded replay");
+    let description = resolved.factory.describe();
+    assert!(description.starts_with("V4 model"), "{description}");
+    let AnyModel::V4(served) = &resolved.model else {
+        panic!("a V4 directory resolved as {description}");
+    };
+    let cfg = served.config().clone();
+    let (vocab, eos) = (cfg.vocab_size as u32, cfg.eos_token_id);
+    let engine = Engine::start(EngineConfig {
+        node: topology(&dir, 2, ""),
+        executor: resolved.factory.clone(),
+        model: resolved.facts,
+        // The fixture's 1024-token vocabulary is smaller than the shipped tokenizer's.
+        tokenizer: None,
+    })
+    .await
+    .expect("engine starts");
+
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let seeded = |seed| SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed,
+    };
+    let cases: Vec<(Vec<u32>, SamplingParams)> = vec![
+        (prompt(1, 12, vocab), greedy),
+        (prompt(2, 3, vocab), seeded(11)),
+        (prompt(3, 21, vocab), greedy),
+        (prompt(4, 9, vocab), seeded(12)),
+        (prompt(5, 16, vocab), seeded(13)),
+    ];
+    let max_tokens = 6;
+    let mut streams = Vec::new();
+    for (tokens, params) in &cases {
+        let mut request = GenerateRequest::from_tokens(tokens.clone()).max_tokens(max_tokens);
+        if params.temperature > 0.0 {
+            request = request
+                .temperature(params.temperature)
+                .top_k(params.top_k)
+                .top_p(params.top_p)
+                .seed(params.seed);
+        }
+        streams.push(engine.generate(request).await.expect("admitted"));
+    }
+    // A fresh load of the same directory, run one request at a time.
+    let reference = v4::Model::load(&dir).expect("fixture loads");
+    let mut distinct = std::collections::HashSet::new();
+    for (i, ((tokens, params), stream)) in cases.iter().zip(streams).enumerate() {
+        let done = tokio::time::timeout(Duration::from_secs(300), stream.collect())
+            .await
+            .expect("in time")
+            .expect("completes");
+        let expected = alone(&reference, tokens, params, max_tokens, eos);
+        assert_eq!(done.tokens, expected, "request {i} ({params:?})");
+        distinct.insert(done.tokens);
+    }
+    assert!(distinct.len() > 1, "every request gave the same tokens");
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("stops");
+}
+
+/// A tiny V4 with the DeepSeek vocabulary (so the shipped tokenizer fits), written at random.
+fn write_v4_with_deepseek_vocab(dir: &Path) {
+    let mut cfg = ModelConfig::tiny_v4();
+    cfg.vocab_size = 129_280;
+    cfg.max_position_embeddings = 1024;
+    write_random_checkpoint(&cfg, 4, dir, 1).expect("checkpoint written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_offline_job_serves_a_v4_directory() {
+    let test = "the_offline_job_serves_a_v4_directory";
+    if overridden(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().to_path_buf();
+    write_v4_with_deepseek_vocab(&path);
+    let node = topology(&path, 1, "");
+    let resolved = tokio::task::spawn_blocking(move || resolve(&node))
+        .await
+        .expect("joins")
+        .expect("the V4 directory resolves");
+    assert_eq!(resolved.tokenizer, shipped_tokenizer());
+    let model = resolved.model.clone();
+    let engine = Engine::start(EngineConfig {
+        node: topology(&path, 1, ""),
+        executor: resolved.factory.clone(),
+        model: resolved.facts,
+        tokenizer: Some(resolved.tokenizer.clone()),
+    })
+    .await
+    .expect("engine starts");
+
+    let text = "The capital of France is";
+    let chat = serde_json::json!({
+        "model": "DeepSeek-V4-Flash",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+        "max_tokens": 3
+    });
+    let input = format!(
+        "{}\n{}\n",
+        serde_json::json!({"custom_id": "text", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": text, "max_tokens": 4}}),
+        serde_json::json!({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+            "body": chat}),
+    );
+    let options = JobOptions {
+        model_name: resolved.name.clone(),
+        max_concurrent: 4,
+    };
+    let mut output = Vec::new();
+    let summary = run_job(
+        &engine.handle(),
+        &input,
+        &options,
+        &mut output,
+        Arc::new(|| {}),
+    )
+    .await
+    .expect("the job runs");
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("stops");
+    let lines: Vec<serde_json::Value> = output
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).expect("an output line is JSON"))
+        .collect();
+    assert_eq!((summary.succeeded, summary.failed), (2, 0), "{lines:?}");
+    let line = |id: &str| {
+        lines
+            .iter()
+            .find(|l| l["custom_id"] == id)
+            .unwrap_or_else(|| panic!("no output line {id}: {lines:?}"))
+            .clone()
+    };
+
+    // The completion is the text of the model's own greedy tokens.
+    let codec = TextCodec::load_for(&shipped_tokenizer(), 0, ModelFamily::V4).expect("codec");
+    let prompt = codec.encode_text(text).expect("encodes");
+    let mut seq = model.new_sequence();
+    let mut logits = model
+        .forward(&mut seq, &prompt, LogitsWanted::Last)
+        .expect("prefill");
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let mut expected = Vec::new();
+    for k in 0..4 {
+        let token = sample(&logits, &greedy, (prompt.len() + k) as u64).expect("a token");
+        expected.push(token);
+        if token == 1 {
+            break;
+        }
+        logits = model
+            .forward(&mut seq, &[token], LogitsWanted::Last)
+            .expect("decode");
+    }
+    let body = &line("text")["response"]["body"];
+    assert_eq!(
+        body["usage"]["prompt_tokens"].as_u64(),
+        Some(prompt.len() as u64)
+    );
+    assert_eq!(
+        body["choices"][0]["text"].as_str(),
+        Some(codec.decode(&expected).as_str()),
+        "{body}"
+    );
+
+    // The chat line was encoded with the V4 template.
+    let encoded = codec.encode_chat(&chat).expect("V4 chat encodes");
+    let body = &line("chat")["response"]["body"];
+    assert_eq!(
+        body["usage"]["prompt_tokens"].as_u64(),
+        Some(encoded.tokens.len() as u64),
+        "{body}"
+    );
+    let v41 = TextCodec::load(&shipped_tokenizer(), 0)
+        .expect("V4.1 codec")
+        .encode_chat(&chat)
+        .expect("V4.1 chat encodes");
+    assert_ne!(encoded.tokens, v41.tokens, "V4 and V4.1 templates differ");
+}
+
+#[test]
+fn v41_only_features_on_a_v4_checkpoint_are_refused_naming_the_field() {
+    let test = "v41_only_features_on_a_v4_checkpoint_are_refused_naming_the_field";
+    let Some(dir) = v4_tiny() else { return };
+    if overridden(test) {
+        return;
+    }
+    let cases = [
+        ("[dspark]\nenabled = true\n", "dspark.enabled"),
+        ("[eplb]\nenabled = true\n", "eplb.enabled"),
+    ];
+    for (extra, field) in cases {
+        let err = resolve(&topology(&dir, 1, extra))
+            .err()
+            .unwrap_or_else(|| panic!("{field} was not refused"));
+        assert_eq!(err.code(), "config", "{err}");
+        let message = err.to_string();
+        assert!(message.contains(field), "{field}: {message}");
+    }
+    // Expert parallelism over two ranks.
+    let mut node = topology(&dir, 2, "");
+    node.parallel.ep = 2;
+    let err = resolve(&node).err().expect("parallel.ep was not refused");
+    assert!(err.to_string().contains("parallel.ep"), "{err}");
+    // Bounded replay (on by default) is not refused: V4 runs the full prefill.
+    assert!(topology(&dir, 1, "").replay.decoder_keep_tokens.is_some());
+}
+
+/// Emulated device time per step, so that verifying every draft is what the scheduler picks.
+const EMULATED_STEP: Duration = Duration::from_millis(200);
+
+/// The executor's own drafts, reported with the highest confidence, on an emulated device whose
+/// step costs a fixed time.
+struct Confident(Box<dyn RankExecutor>);
+
+impl RankExecutor for Confident {
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        self.0.new_sequence(id)
+    }
+    fn free_sequence(&mut self, id: RequestId) {
+        self.0.free_sequence(id)
+    }
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        self.0.rollback(id, len)
+    }
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.0.sequence_len(id)
+    }
+    fn live_sequences(&self) -> usize {
+        self.0.live_sequences()
+    }
+    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        self.0.execute(batch)
+    }
+    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
+        Ok(self.0.draft(id, anchor)?.map(|draft| Draft {
+            confidences: vec![30.0; draft.tokens.len()],
+            ..draft
+        }))
+    }
+    fn device_latency(&self, _batch_tokens: usize) -> Duration {
+        EMULATED_STEP
+    }
+}
+
+struct ConfidentFactory(Arc<dyn ExecutorFactory>);
+
+impl ExecutorFactory for ConfidentFactory {
+    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
+        Ok(Box::new(Confident(self.0.build(dp)?)))
+    }
+    fn describe(&self) -> String {
+        format!("always-confident {}", self.0.describe())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v4_dspark_drafter_speculates_without_changing_greedy_tokens() {
+    let test = "a_v4_dspark_drafter_speculates_without_changing_greedy_tokens";
+    if overridden(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().to_path_buf();
+    let cfg = ModelConfig::reduced_v4_dspark();
+    write_random_checkpoint(&cfg, 9, &path, 1).expect("checkpoint written");
+    let dspark = "[dspark]\nenabled = true\nmax_draft_tokens = 5\nprofile_steps = 1\n";
+    let node = topology(&path, 1, dspark);
+    let resolved = tokio::task::spawn_blocking(move || resolve(&node))
+        .await
+        .expect("joins")
+        .expect("a V4 checkpoint with a DSpark drafter resolves with dspark.enabled");
+    let AnyModel::V4(served) = &resolved.model else {
+        panic!("a V4 directory resolved as {}", resolved.factory.describe());
+    };
+    let served = served.clone();
+    let engine = Engine::start(EngineConfig {
+        node: topology(&path, 1, dspark),
+        executor: Arc::new(ConfidentFactory(resolved.factory.clone())),
+        model: resolved.facts,
+        tokenizer: None,
+    })
+    .await
+    .expect("engine starts");
+    let vocab = cfg.vocab_size as u32;
+    let prompts = [prompt(6, 11, vocab), prompt(7, 4, vocab)];
+    let max_tokens = 7;
+    let mut streams = Vec::new();
+    for tokens in &prompts {
+        let request = GenerateRequest::from_tokens(tokens.clone())
+            .max_tokens(max_tokens)
+            .ignore_eos(true);
+        streams.push(engine.generate(request).await.expect("admitted"));
+    }
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    for (i, (tokens, stream)) in prompts.iter().zip(streams).enumerate() {
+        let done = tokio::time::timeout(Duration::from_secs(300), stream.collect())
+            .await
+            .expect("in time")
+            .expect("completes");
+        // `u32::MAX` is no token: the alone run ignores the end of sequence too.
+        let expected = alone(&served, tokens, &greedy, max_tokens, u32::MAX);
+        assert_eq!(done.tokens, expected, "request {i}");
+    }
+    let stats = engine.handle().scheduler_stats().await.expect("stats");
+    let proposed: u64 = stats.iter().map(|s| s.draft_tokens_proposed).sum();
+    let verified: u64 = stats.iter().map(|s| s.draft_tokens_verified).sum();
+    let rejecting: u64 = stats.iter().map(|s| s.rejecting_verifies).sum();
+    println!("{test}: proposed {proposed}, verified {verified}, rejecting verifies {rejecting}");
+    assert!(
+        proposed > 0 && verified > 0,
+        "the drafter's proposals were verified"
+    );
+    assert!(rejecting > 0, "random drafts were rejected and rolled back");
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("stops");
+}
