@@ -12,6 +12,7 @@ pub mod executor;
 pub mod fake;
 pub mod model_executor;
 pub mod observe;
+pub mod sequences;
 pub mod v4_executor;
 pub mod worker;
 

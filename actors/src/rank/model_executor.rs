@@ -15,7 +15,7 @@
 //! [`PerDeviceModelFactory`] hands each rank the same host weights rebound
 //! (`Model::on_backend`) to a backend opened on that rank's own device, on the rank's thread.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use deepinfer_model::backend::Backend;
@@ -27,12 +27,13 @@ use crate::comm::{Comm, StepExperts};
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
 use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use crate::rank::sequences::{Sequences, sequence_error};
 use crate::sampling::SamplingParams;
 
 /// The executor of one rank over a shared model.
 pub struct ModelExecutor {
     model: Arc<Model>,
-    sequences: HashMap<RequestId, SequenceState>,
+    sequences: Sequences<SequenceState>,
     /// Decoder bounded replay: each planned sequence's decoder start.
     replay_from: HashMap<RequestId, usize>,
     /// Expert parallelism: the routed experts go through the committed `Comm` of each step.
@@ -50,7 +51,7 @@ impl ModelExecutor {
     pub fn new(model: Arc<Model>) -> Self {
         ModelExecutor {
             model,
-            sequences: HashMap::new(),
+            sequences: Sequences::default(),
             replay_from: HashMap::new(),
             ep: None,
         }
@@ -84,37 +85,16 @@ impl ModelExecutor {
         sampling: &[Option<SamplingParams>],
         rows_on_device: bool,
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        // Every entry is checked before any sequence changes, and names its own sequence.
-        for entry in batch {
-            let seq = self
-                .sequences
-                .get(&entry.id)
-                .ok_or(ExecError::UnknownSequence(entry.id))?;
-            self.model
-                .check_chunk(seq, entry.tokens)
-                .map_err(|e| sequence_error(entry.id, e))?;
-        }
+        let model = &self.model;
+        let seqs = self
+            .sequences
+            .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
         // Expert parallelism: this step's placement epoch, read once at the step boundary.
         let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
         let experts = comm.as_deref().map(|comm| StepExperts::new(comm));
-        let ids: HashSet<RequestId> = batch.iter().map(|entry| entry.id).collect();
-        if ids.len() != batch.len() {
-            return Err(ExecError::Backend(
-                "a step names the same sequence twice".to_string(),
-            ));
-        }
         // One forward over the whole step, entries in the batch's order.
-        let mut seqs: HashMap<RequestId, &mut SequenceState> = self
-            .sequences
-            .iter_mut()
-            .filter(|(id, _)| ids.contains(id))
-            .map(|(&id, seq)| (id, seq))
-            .collect();
         let mut entries = Vec::with_capacity(batch.len());
-        for (i, entry) in batch.iter().enumerate() {
-            let seq = seqs
-                .remove(&entry.id)
-                .ok_or(ExecError::UnknownSequence(entry.id))?;
+        for (i, (entry, seq)) in batch.iter().zip(seqs).enumerate() {
             entries.push(StepEntry {
                 seq,
                 tokens: entry.tokens,
@@ -148,50 +128,33 @@ impl ModelExecutor {
     }
 }
 
-fn sequence_error(id: RequestId, e: deepinfer_model::error::ModelError) -> ExecError {
-    ExecError::Sequence {
-        id,
-        message: e.to_string(),
-    }
-}
-
 impl RankExecutor for ModelExecutor {
     fn vocab_size(&self) -> usize {
         self.model.config().vocab_size
     }
 
     fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        if self.sequences.contains_key(&id) {
-            return Err(ExecError::DuplicateSequence(id));
-        }
-        self.sequences.insert(id, self.model.new_sequence());
-        Ok(())
+        self.sequences.open(id, || self.model.new_sequence())
     }
 
     fn free_sequence(&mut self, id: RequestId) {
-        self.sequences.remove(&id);
+        self.sequences.close(id);
         self.replay_from.remove(&id);
     }
 
     fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        let seq = self
-            .sequences
-            .get_mut(&id)
-            .ok_or(ExecError::UnknownSequence(id))?;
+        let seq = self.sequences.get_mut(id)?;
         self.model
             .rollback(seq, len)
             .map_err(|e| sequence_error(id, e))
     }
 
     fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.sequences
-            .get(&id)
-            .map(SequenceState::len)
-            .ok_or(ExecError::UnknownSequence(id))
+        self.sequences.get(id).map(SequenceState::len)
     }
 
     fn live_sequences(&self) -> usize {
-        self.sequences.len()
+        self.sequences.live()
     }
 
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
@@ -225,9 +188,7 @@ impl RankExecutor for ModelExecutor {
     }
 
     fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
-        if !self.sequences.contains_key(&id) {
-            return Err(ExecError::UnknownSequence(id));
-        }
+        self.sequences.get(id)?;
         if decoder_from > 0 {
             self.replay_from.insert(id, decoder_from);
         }
@@ -248,13 +209,7 @@ impl RankExecutor for ModelExecutor {
         }
         let seqs = requests
             .iter()
-            .map(|&(id, anchor)| {
-                let seq = self
-                    .sequences
-                    .get(&id)
-                    .ok_or(ExecError::UnknownSequence(id))?;
-                Ok((seq, anchor))
-            })
+            .map(|&(id, anchor)| Ok((self.sequences.get(id)?, anchor)))
             .collect::<Result<Vec<_>, ExecError>>()?;
         // One drafting pass over every request; the first failing one fails the call.
         self.model

@@ -15,7 +15,6 @@
 //! [`V4PerDeviceFactory`] hands each rank the shared host weights rebound
 //! (`v4::Model::on_backend`) to a backend opened on that rank's own device.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use deepinfer_model::config::ModelFamily;
@@ -25,19 +24,20 @@ use deepinfer_topology::RequestId;
 
 use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
 use crate::rank::model_executor::OpenBackend;
+use crate::rank::sequences::{Sequences, sequence_error};
 use crate::sampling::SamplingParams;
 
 /// The executor of one rank over a shared V4 model.
 pub struct V4Executor {
     model: Arc<Model>,
-    sequences: HashMap<RequestId, SequenceState>,
+    sequences: Sequences<SequenceState>,
 }
 
 impl V4Executor {
     pub fn new(model: Arc<Model>) -> Self {
         V4Executor {
             model,
-            sequences: HashMap::new(),
+            sequences: Sequences::default(),
         }
     }
 
@@ -48,33 +48,12 @@ impl V4Executor {
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        // Every entry is checked before any sequence changes, and names its own sequence.
-        for entry in batch {
-            let seq = self
-                .sequences
-                .get(&entry.id)
-                .ok_or(ExecError::UnknownSequence(entry.id))?;
-            self.model
-                .check_chunk(seq, entry.tokens)
-                .map_err(|e| sequence_error(entry.id, e))?;
-        }
-        let ids: HashSet<RequestId> = batch.iter().map(|entry| entry.id).collect();
-        if ids.len() != batch.len() {
-            return Err(ExecError::Backend(
-                "a step names the same sequence twice".to_string(),
-            ));
-        }
-        let mut seqs: HashMap<RequestId, &mut SequenceState> = self
+        let model = &self.model;
+        let seqs = self
             .sequences
-            .iter_mut()
-            .filter(|(id, _)| ids.contains(id))
-            .map(|(&id, seq)| (id, seq))
-            .collect();
+            .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
         let mut entries = Vec::with_capacity(batch.len());
-        for (i, entry) in batch.iter().enumerate() {
-            let seq = seqs
-                .remove(&entry.id)
-                .ok_or(ExecError::UnknownSequence(entry.id))?;
+        for (i, (entry, seq)) in batch.iter().zip(seqs).enumerate() {
             entries.push(StepEntry {
                 seq,
                 tokens: entry.tokens,
@@ -92,49 +71,32 @@ impl V4Executor {
     }
 }
 
-fn sequence_error(id: RequestId, e: deepinfer_model::error::ModelError) -> ExecError {
-    ExecError::Sequence {
-        id,
-        message: e.to_string(),
-    }
-}
-
 impl RankExecutor for V4Executor {
     fn vocab_size(&self) -> usize {
         self.model.config().vocab_size
     }
 
     fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        if self.sequences.contains_key(&id) {
-            return Err(ExecError::DuplicateSequence(id));
-        }
-        self.sequences.insert(id, self.model.new_sequence());
-        Ok(())
+        self.sequences.open(id, || self.model.new_sequence())
     }
 
     fn free_sequence(&mut self, id: RequestId) {
-        self.sequences.remove(&id);
+        self.sequences.close(id);
     }
 
     fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        let seq = self
-            .sequences
-            .get_mut(&id)
-            .ok_or(ExecError::UnknownSequence(id))?;
+        let seq = self.sequences.get_mut(id)?;
         self.model
             .rollback(seq, len)
             .map_err(|e| sequence_error(id, e))
     }
 
     fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.sequences
-            .get(&id)
-            .map(SequenceState::len)
-            .ok_or(ExecError::UnknownSequence(id))
+        self.sequences.get(id).map(SequenceState::len)
     }
 
     fn live_sequences(&self) -> usize {
-        self.sequences.len()
+        self.sequences.live()
     }
 
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
@@ -160,10 +122,7 @@ impl RankExecutor for V4Executor {
 
     /// The DSpark drafter's proposal (V4-Flash-0731), `None` for a model without one.
     fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        let seq = self
-            .sequences
-            .get(&id)
-            .ok_or(ExecError::UnknownSequence(id))?;
+        let seq = self.sequences.get(id)?;
         if !self.model.has_dspark() {
             return Ok(None);
         }
