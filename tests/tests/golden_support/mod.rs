@@ -5,6 +5,8 @@
 // Each test binary uses its own subset of these helpers.
 #![allow(dead_code)]
 
+pub mod v41_rules;
+
 use std::path::{Path, PathBuf};
 
 use deepinfer_model::Model;
@@ -96,8 +98,8 @@ impl Expected {
     }
 }
 
-/// The V4.1 fixture `v41-tiny`: its model (with the stub Engram vocabulary of its README) and its
-/// reference data.
+/// A V4.1 fixture (`v41-tiny`, `v41-odd`): its model (with the stub Engram vocabulary of its
+/// README) and its reference data.
 pub struct V41Fixture {
     pub model: Model,
     pub data: Expected,
@@ -111,9 +113,9 @@ impl std::ops::Deref for V41Fixture {
 }
 
 impl V41Fixture {
-    /// The fixture, or `None` (with a loud message naming `what` is skipped) when absent.
-    pub fn load(what: &str) -> Option<V41Fixture> {
-        let dir = fixture_dir("v41", "v41-tiny", what)?;
+    /// The fixture `name`, or `None` (with a loud message naming `what` is skipped) when absent.
+    pub fn load(name: &str, what: &str) -> Option<V41Fixture> {
+        let dir = fixture_dir("v41", name, what)?;
         let config = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
         let engram = config.engram.as_ref().expect("fixture has Engram");
         // Fixture README "Tokenizer and Engram": compressed id = token id / 2.
@@ -199,4 +201,56 @@ pub fn greedy_agreement(
         .take_while(|&g| margins[g] >= 2.0 * row_errors[first + g])
         .count();
     (agree, decidable)
+}
+
+/// The README's rule 4 on rows of `vocab` logits: `(top-1 agreements, median KL(reference ‖ ours))`
+/// — a row agrees when each side's top token is among the other's top 5.
+pub fn logprob_closeness(ours: &[f32], reference: &[f32], vocab: usize) -> (usize, f64) {
+    fn top5(row: &[f32]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        order.truncate(5);
+        order
+    }
+    fn log_softmax(row: &[f32]) -> Vec<f64> {
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+        let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+        row.iter().map(|&v| f64::from(v) - max - sum.ln()).collect()
+    }
+    let mut agree = 0;
+    let mut kls: Vec<f64> = ours
+        .chunks_exact(vocab)
+        .zip(reference.chunks_exact(vocab))
+        .map(|(a, r)| {
+            let (top_a, top_r) = (top5(a), top5(r));
+            if top_r.contains(&top_a[0]) && top_a.contains(&top_r[0]) {
+                agree += 1;
+            }
+            let (la, lr) = (log_softmax(a), log_softmax(r));
+            lr.iter().zip(&la).map(|(r, a)| r.exp() * (r - a)).sum()
+        })
+        .collect();
+    kls.sort_by(f64::total_cmp);
+    let median = kls.get(kls.len() / 2).copied().unwrap_or(0.0);
+    (agree, median)
+}
+
+/// The reference's top-2 margin of every row of `vocab` logits.
+pub fn top2_margins(rows: &[f32], vocab: usize) -> Vec<f32> {
+    rows.chunks_exact(vocab)
+        .map(|row| {
+            let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &v in row {
+                if v > first {
+                    second = first;
+                    first = v;
+                } else if v > second {
+                    second = v;
+                }
+            }
+            first - second
+        })
+        .collect()
 }
