@@ -246,19 +246,30 @@ pub fn gemm_fp4(x: &[f32], w: &Fp4Weight) -> Vec<f32> {
     y
 }
 
-/// K-block of the fp32 CPU GEMM (MKL `sgemm`) behind the reference's fp32 `F.linear`: each block of
-/// this many products is accumulated on its own, and the block partials are added pairwise.
-pub const SGEMM_K_BLOCK: usize = 256;
+/// Shortest FMA chain of the fp32 CPU GEMM (MKL `sgemm`) behind the reference's fp32 `F.linear`:
+/// a dot product of `k` products is split into [`sgemm_chains`] equal chains of at least this many.
+pub const SGEMM_MIN_CHAIN: usize = 256;
 
-/// An fp32 dot product in the summation order of the reference's fp32 `F.linear` on CPU: sequential
-/// fused multiply-adds inside each block of [`SGEMM_K_BLOCK`] products, the block partials added
-/// as a pairwise tree in K order (`(b0 + b1) + (b2 + b3)`, the way a GEMM whose K is split across
-/// threads reduces its parts; an odd block out joins at the next level up). The order matters where
-/// a sum lands near a bf16 midpoint: on the v41-tiny fixture (the mHC mixes, K = 1024) this order
-/// reproduces 99.3% of the reference's `pre` coefficients bit for bit, block partials added
-/// sequentially 95.8% and an exactly rounded sum 70% (with the reference's mean-square order of
-/// [`sum_squares_f32_torch`]). Independent of how many rows a call holds, so chunking invariance
-/// is kept.
+/// How many FMA chains the reference's CPU GEMM splits a dot product of `k` products into: the
+/// largest power of two that keeps every chain at least [`SGEMM_MIN_CHAIN`] long (1 below
+/// 512 products; 2 chains of 384 at K = 768; 4 of 256 at K = 1024).
+pub fn sgemm_chains(k: usize) -> usize {
+    let mut chains = 1;
+    while k >= 2 * SGEMM_MIN_CHAIN * chains {
+        chains *= 2;
+    }
+    chains
+}
+
+/// An fp32 dot product in the summation order of the reference's fp32 `F.linear` on CPU: the K
+/// products split into [`sgemm_chains`] equal chains (chain `i` starts at `i · k / chains`), each
+/// a sequence of fused multiply-adds from 0, and the chain partials added as a pairwise tree in
+/// K order (`(c0 + c1) + (c2 + c3)`, the way a GEMM whose K is split across threads reduces its
+/// parts). The order matters where a sum lands near a bf16 midpoint: it reproduces the
+/// reference's mHC `pre` coefficients bit for bit on the v41-tiny fixture (K = 1024: 4 chains of
+/// 256) and on v41-odd (K = 768: 2 chains of 384, where 3 chains of 256 leave half of them an
+/// ulp off and flip the FFN input of row 8 of block 0). Independent of how many rows a call
+/// holds, so chunking invariance is kept.
 pub fn dot_f32_sgemm(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("fma") {
@@ -278,16 +289,31 @@ fn dot_f32_sgemm_with_fma(a: &[f32], b: &[f32]) -> f32 {
 
 #[inline(always)]
 fn sgemm_order_sum(a: &[f32], b: &[f32]) -> f32 {
-    let blocks = a.len().div_ceil(SGEMM_K_BLOCK);
-    if blocks <= 1 {
-        return a
+    let k = a.len();
+    let chains = sgemm_chains(k);
+    pairwise_chains(a, b, 0, chains, k, chains)
+}
+
+/// The pairwise sum of chains `first .. first + count` of a `k`-product dot split into `chains`.
+#[inline(always)]
+fn pairwise_chains(
+    a: &[f32],
+    b: &[f32],
+    first: usize,
+    count: usize,
+    k: usize,
+    chains: usize,
+) -> f32 {
+    if count == 1 {
+        let range = first * k / chains..(first + 1) * k / chains;
+        return a[range.clone()]
             .iter()
-            .zip(b)
+            .zip(&b[range])
             .fold(0.0f32, |acc, (x, y)| x.mul_add(*y, acc));
     }
-    // The left part holds the largest power of two of whole blocks below `blocks`.
-    let split = (blocks.next_power_of_two() / 2) * SGEMM_K_BLOCK;
-    sgemm_order_sum(&a[..split], &b[..split]) + sgemm_order_sum(&a[split..], &b[split..])
+    let half = count / 2;
+    pairwise_chains(a, b, first, half, k, chains)
+        + pairwise_chains(a, b, first + half, half, k, chains)
 }
 
 /// `e^x` in fp32 as the reference's vectorised CPU kernels compute it (torch's `Vectorized::exp`,
@@ -547,26 +573,40 @@ mod tests {
     }
 
     #[test]
-    fn sgemm_order_adds_block_partials_pairwise() {
-        // Four block sums 2^24, 1, 1, 1. Pairwise: (2^24 + 1) + (1 + 1) = 2^24 + 2 (the first pair
-        // is a tie that rounds to even); in K order every +1 rounds away (2^24); exactly rounded,
-        // 2^24 + 3 is a tie that goes to 2^24 + 4.
-        let mut a = vec![0.0f32; 4 * SGEMM_K_BLOCK];
-        for (block, value) in [2f32.powi(24), 1.0, 1.0, 1.0].into_iter().enumerate() {
-            a[block * SGEMM_K_BLOCK] = value;
+    fn sgemm_order_adds_chain_partials_pairwise() {
+        // K = 1024: four chains of 256 with sums 2^24, 1, 1, 1. Pairwise: (2^24 + 1) + (1 + 1) =
+        // 2^24 + 2 (the first pair is a tie that rounds to even); in K order every +1 rounds away
+        // (2^24); exactly rounded, 2^24 + 3 is a tie that goes to 2^24 + 4.
+        assert_eq!(sgemm_chains(1024), 4);
+        let mut a = vec![0.0f32; 1024];
+        for (chain, value) in [2f32.powi(24), 1.0, 1.0, 1.0].into_iter().enumerate() {
+            a[chain * 256] = value;
         }
         let b = vec![1.0f32; a.len()];
         assert_eq!(dot_f32_sgemm(&a, &b), 2f32.powi(24) + 2.0);
         assert_eq!(dot_f32(&a, &b), 2f32.powi(24) + 4.0);
-        // Three blocks: the odd one out joins last, (b0 + b1) + b2.
-        let c: Vec<f32> = a[..3 * SGEMM_K_BLOCK].to_vec();
-        assert_eq!(dot_f32_sgemm(&c, &b[..c.len()]), 2f32.powi(24));
     }
 
     #[test]
-    fn sgemm_order_sums_blocks_of_256_sequentially() {
-        // Block 0: 2^24 then 255 ones; each +1 is a tie at 2^24 and rounds back (sequential fp32).
-        // Block 1: 256 ones, exact. An exactly rounded sum would keep the first block's 255.
+    fn sgemm_order_splits_768_products_into_two_chains_of_384() {
+        // 2^24 at 0, ones at 256 and 384. Two chains of 384: the first is 2^24 + 1, a tie that
+        // rounds to 2^24, and adding the second's 1 ties again: 2^24. Three chains of 256 would
+        // give 2^24 + (1 + 1) = 2^24 + 2.
+        assert_eq!(
+            (sgemm_chains(511), sgemm_chains(512), sgemm_chains(768)),
+            (1, 2, 2)
+        );
+        let mut a = vec![0.0f32; 768];
+        (a[0], a[256], a[384]) = (2f32.powi(24), 1.0, 1.0);
+        let b = vec![1.0f32; a.len()];
+        assert_eq!(dot_f32_sgemm(&a, &b), 2f32.powi(24));
+    }
+
+    #[test]
+    fn sgemm_order_sums_each_chain_sequentially() {
+        // K = 512, two chains of 256. Chain 0: 2^24 then 255 ones; each +1 is a tie at 2^24 and
+        // rounds back (sequential fp32). Chain 1: 256 ones, exact. An exactly rounded sum would
+        // keep the first chain's 255.
         let mut a = vec![1.0f32; 512];
         a[0] = 2f32.powi(24);
         let b = vec![1.0f32; 512];

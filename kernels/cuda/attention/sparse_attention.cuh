@@ -12,7 +12,8 @@
 // per pass: every key's score (a sequential f64 dot product times the scale) is computed in
 // parallel, one thread per key; each block's max is taken by one thread, the running max chain
 // over the blocks (and each block's rescale) by thread 0, every exp weight (the reference's
-// vectorised exp) in parallel, each block's sequential f64 sum by one thread, the denominator
+// standalone torch.exp, correctly rounded) in parallel, each block's sum in torch's CPU sum order
+// (refmath::torch_sum_thread) by one thread, the denominator
 // chain by thread 0; each thread then, for its output channels and block by block, rescales and
 // adds the block's f64 sum of bf16(p) * v in key order. The denominator finally gains exp(sink -
 // max). Every reduction keeps the one fixed order of the reference that depends only on this
@@ -102,14 +103,14 @@ __device__ void sparse_attention_sink(const float* __restrict__ q, KeyFetch key_
         if (threadIdx.x == 0) {
             for (u32_t b = 0; b < blocks; ++b) {
                 const float new_max = fmaxf(running_max, block_max[b]);
-                block_rescale[b] = refmath::exp_f32(__fsub_rn(running_max, new_max));
+                block_rescale[b] = refmath::exp_accurate(__fsub_rn(running_max, new_max));
                 block_new_max[b] = new_max;
                 running_max = new_max;
             }
         }
         __syncthreads();
         for (u32_t j = threadIdx.x; j < count; j += THREADS) {
-            const float prob = refmath::exp_f32(__fsub_rn(probs[j], block_new_max[j / KEY_BLOCK]));
+            const float prob = refmath::exp_accurate(__fsub_rn(probs[j], block_new_max[j / KEY_BLOCK]));
             probs[j] = prob;
             weights[j] = p.round_bf16 ? round_bf16_f32(prob) : prob;
         }
@@ -117,9 +118,7 @@ __device__ void sparse_attention_sink(const float* __restrict__ q, KeyFetch key_
         if (threadIdx.x < blocks) {
             const u32_t first = threadIdx.x * KEY_BLOCK;
             const u32_t last = min(first + KEY_BLOCK, count);
-            double prob_sum = 0.0;
-            for (u32_t j = first; j < last; ++j) prob_sum = __dadd_rn(prob_sum, (double)probs[j]);
-            block_sum[threadIdx.x] = __double2float_rn(prob_sum);
+            block_sum[threadIdx.x] = refmath::torch_sum_thread<float, false>(probs + first, last - first);
         }
         __syncthreads();
         if (threadIdx.x == 0)
@@ -143,7 +142,7 @@ __device__ void sparse_attention_sink(const float* __restrict__ q, KeyFetch key_
         __syncthreads();  // the per-pass arrays are rewritten by the next pass
     }
     if (threadIdx.x == 0)
-        final_denominator = __fadd_rn(denominator, refmath::exp_f32(__fsub_rn(sink[head], running_max)));
+        final_denominator = __fadd_rn(denominator, refmath::exp_accurate(__fsub_rn(sink[head], running_max)));
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < MAX_DIMS_PER_THREAD; ++i) {

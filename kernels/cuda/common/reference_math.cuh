@@ -1,9 +1,11 @@
 // Scalar math of deepinfer-model's CPU reference (quant.rs), reproduced operation for operation
 // with explicit round-to-nearest intrinsics (no contraction), so that each result is bit-identical:
-// the vectorised exp (SLEEF expf_u10 as torch's CPU kernels use it), the sequential f64 dot product
+// the vectorised exp (SLEEF expf_u10 as torch's CPU kernels use it), the correctly rounded exp of
+// the reference's standalone torch.exp, the sequential f64 dot product
 // (`dot_f32`), E2M1 rounding with ties to the even code, and the sgemm-order fp32 dot product
-// (`dot_f32_sgemm`: sequential FMA inside blocks of 256 products, the block partials added as a
-// pairwise tree in K order: `(b0 + b1) + (b2 + b3)`, an odd block out joining one level up),
+// (`dot_f32_sgemm`: K split into sgemm_chains(K) equal chains, a power of two, each of at least
+// 256 products and each a sequential FMA chain from 0; the chain partials added as a perfect
+// pairwise tree in K order: `(c0 + c1) + (c2 + c3)`),
 // and torch's CPU row sum (`sum_f32_torch`: 8 lanes x 4 interleaved accumulators with a 4-level
 // cascade), behind every mean of squares (RMSNorm, mHC).
 #pragma once
@@ -11,7 +13,21 @@
 
 namespace refmath {
 
-constexpr u32_t SGEMM_K_BLOCK = 256;
+// quant::SGEMM_MIN_CHAIN: the shortest FMA chain of the sgemm order; chains are shorter than twice it.
+constexpr u32_t SGEMM_MIN_CHAIN = 256;
+
+// quant::sgemm_chains: the largest power of two that keeps every chain of n products at least
+// SGEMM_MIN_CHAIN long (1 below 512).
+__device__ __forceinline__ u32_t sgemm_chains(u32_t n) {
+    u32_t chains = 1;
+    while (n >= 2 * SGEMM_MIN_CHAIN * chains) chains *= 2;
+    return chains;
+}
+
+// Where chain i of n products split into `chains` starts (chain i ends where chain i + 1 starts).
+__device__ __forceinline__ u32_t sgemm_chain_start(u32_t i, u32_t n, u32_t chains) {
+    return (u32_t)((unsigned long long)i * n / chains);
+}
 
 __device__ __forceinline__ float power_of_two(int e) { return __uint_as_float((u32_t)(e + 127) << 23); }
 
@@ -37,6 +53,10 @@ __device__ __forceinline__ float exp_f32(float x) {
     return __fmul_rn(__fmul_rn(mantissa, power_of_two(half)), power_of_two(qi - half));
 }
 
+// quant::exp_f32_accurate: e^x correctly rounded (f64 then rounded once), the reference's
+// standalone torch.exp (attention softmax, mHC comb softmax).
+__device__ __forceinline__ float exp_accurate(float x) { return (float)exp((double)x); }
+
 // 1 / (1 + exp(-x)) as the reference's mHC sigmoid.
 __device__ __forceinline__ float sigmoid(float x) {
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_f32(-x)));
@@ -58,7 +78,7 @@ __device__ __forceinline__ float dot_f64_sequential_wide(const double* a, const 
     return __double2float_rn(acc);
 }
 
-// One block of quant::dot_f32_sgemm: sequential FMAs over a[0..n) · b[0..n) from 0.
+// One chain of quant::dot_f32_sgemm: sequential FMAs over a[0..n) · b[0..n) from 0.
 __device__ __forceinline__ float fma_chain(const float* a, const float* b, u32_t n) {
     float acc = 0.0f;
 #pragma unroll 16
@@ -66,12 +86,10 @@ __device__ __forceinline__ float fma_chain(const float* a, const float* b, u32_t
     return acc;
 }
 
-// The pairwise tree of quant::dot_f32_sgemm over block partials pushed in K order: the CPU splits
-// `blocks` into the largest power of two below it (a perfect pairwise tree) and the rest
-// (recursively), i.e. sum = P(2^a1) + (P(2^a2) + (... + P(2^am))) over the binary digits of the
-// block count. A binary counter builds the perfect trees as the partials arrive (merging equal
-// sizes: (b0 + b1) + (b2 + b3)); finish() adds them from the right. fp32 addition commutes, so
-// only the grouping matters.
+// The pairwise tree of quant::dot_f32_sgemm over chain partials pushed in K order (a power of two
+// of them, so one perfect tree). A binary counter builds the tree as the partials arrive (merging
+// equal sizes: (c0 + c1) + (c2 + c3)); finish() adds what is left from the right. fp32 addition
+// commutes, so only the grouping matters.
 struct PairwiseSum {
     float value[32];
     u32_t size[32];
@@ -98,8 +116,11 @@ struct PairwiseSum {
 // quant::dot_f32_sgemm in one thread.
 __device__ __forceinline__ float dot_sgemm_order(const float* a, const float* b, u32_t n) {
     PairwiseSum sum;
-    for (u32_t start = 0; start < n; start += SGEMM_K_BLOCK)
-        sum.push(fma_chain(a + start, b + start, min(SGEMM_K_BLOCK, n - start)));
+    const u32_t chains = sgemm_chains(n);
+    for (u32_t i = 0; i < chains; ++i) {
+        const u32_t start = sgemm_chain_start(i, n, chains);
+        sum.push(fma_chain(a + start, b + start, sgemm_chain_start(i + 1, n, chains) - start));
+    }
     return sum.finish();
 }
 
@@ -207,6 +228,26 @@ __device__ float torch_sum_block(const T* x, u32_t n, float* scratch) {
     }
     __syncthreads();
     return *result;
+}
+
+// sum_f32_torch of x[0..n) (of the squares when SQUARE) in one thread: torch_sum_block's order.
+template <class T, bool SQUARE>
+__device__ float torch_sum_thread(const T* x, u32_t n) {
+    float acc[TORCH_SUM_ILP];
+    if (n < TORCH_SUM_LANES) {
+        for (u32_t k = 0; k < TORCH_SUM_ILP; ++k) acc[k] = torch_sum_chain<T, SQUARE>(x, n, 1, 0, k);
+        return torch_sum_lane<T, SQUARE>(x, n, 1, 0, acc);
+    }
+    // The leftover elements are summed from 0 first, then the lanes are added in order.
+    float total = 0.0f;
+    for (u32_t i = n / TORCH_SUM_LANES * TORCH_SUM_LANES; i < n; ++i)
+        total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, i));
+    for (u32_t lane = 0; lane < TORCH_SUM_LANES; ++lane) {
+        for (u32_t k = 0; k < TORCH_SUM_ILP; ++k)
+            acc[k] = torch_sum_chain<T, SQUARE>(x, n, TORCH_SUM_LANES, lane, k);
+        total = __fadd_rn(total, torch_sum_lane<T, SQUARE>(x, n, TORCH_SUM_LANES, lane, acc));
+    }
+    return total;
 }
 
 }  // namespace refmath

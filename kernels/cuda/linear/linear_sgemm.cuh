@@ -1,13 +1,13 @@
 // Plain fp32 linear y[r, o] = sum_k x[r, k] * w[o, k] (w [out, inp] row-major) in the summation
-// order of the reference's CPU sgemm (deepinfer-model quant::dot_f32_sgemm): sequential FMAs from 0
-// inside each block of 256 products, the block partials added as the CPU's pairwise tree. Two
-// kernels: linear_sgemm_partials computes every block's FMA chain, one thread per (row, column,
-// 256-block), from a tile staged in shared memory (a block of threads covers TILE_ROWS rows x
-// TILE_COLS columns of one 256-block: the weight tile is read once, coalesced, for all its rows);
-// linear_sgemm_reduce adds each output's partials in the CPU's tree. Which thread runs a chain
-// never changes its order, so the result is bit-identical to the CPU reference and a row's values
-// never depend on the number of rows (batch invariant). With round_bf16 the outputs are rounded
-// to bf16 (kept in f32 storage).
+// order of the reference's CPU sgemm (deepinfer-model quant::dot_f32_sgemm): K split into
+// refmath::sgemm_chains(inp) equal chains, each a sequence of FMAs from 0, the chain partials
+// added as the CPU's pairwise tree. Two kernels: linear_sgemm_partials computes every chain, one
+// thread per (row, column, chain), from tiles of 256 K staged in shared memory (a block of
+// threads covers TILE_ROWS rows x TILE_COLS columns of one chain: the weight tile is read once,
+// coalesced, for all its rows); linear_sgemm_reduce adds each output's partials in the CPU's tree.
+// Which thread runs a chain never changes its order, so the result is bit-identical to the CPU
+// reference and a row's values never depend on the number of rows (batch invariant). With
+// round_bf16 the outputs are rounded to bf16 (kept in f32 storage).
 #pragma once
 #include "common/reference_math.cuh"
 
@@ -16,46 +16,53 @@ namespace linear {
 constexpr int THREADS = 256;
 constexpr u32_t TILE_ROWS = THREADS / 32;  // one warp per row of the tile
 constexpr u32_t TILE_COLS = 32;            // one lane per column
-constexpr u32_t MAX_BLOCKS = 256;          // inp <= 65536 (checked by the launcher)
+constexpr u32_t TILE_K = refmath::SGEMM_MIN_CHAIN;  // K values of a chain staged per pass
 
-// One tile's FMA chains of one 256-block: TILE_ROWS rows x TILE_COLS columns (threads past
-// `rows` or `out` idle), the weight tile (w_at(c, k): column col0 + c, input start + k) and the
-// input tile (x_at(r, k): tile row r) staged in shared memory; partials[(block * partial_rows +
-// out_row(r)) * out + col0 + c] is the chain of tile row r and column col0 + c.
+// One tile's FMA chains of one chain of K: TILE_ROWS rows x TILE_COLS columns (threads past
+// `rows` or `out` idle), the weight tile (w_at(c, k): column col0 + c, input k) and the input tile
+// (x_at(r, k): tile row r) staged in shared memory TILE_K at a time (a chain is shorter than
+// 2 * TILE_K); partials[(chain * partial_rows + out_row(r)) * out + col0 + c] is the chain of tile
+// row r and column col0 + c.
 template <class XAt, class WAt, class OutRow>
 __device__ __forceinline__ void sgemm_tile_partials(XAt x_at, WAt w_at, OutRow out_row, u32_t rows, u32_t col0,
-                                                    u32_t block, u32_t out, u32_t inp, u32_t partial_rows,
+                                                    u32_t chain, u32_t out, u32_t inp, u32_t partial_rows,
                                                     float* __restrict__ partials) {
-    __shared__ float w_tile[TILE_COLS][refmath::SGEMM_K_BLOCK + 1];
-    __shared__ float x_tile[TILE_ROWS][refmath::SGEMM_K_BLOCK];
-    const u32_t start = block * refmath::SGEMM_K_BLOCK;
-    const u32_t len = min(refmath::SGEMM_K_BLOCK, inp - start);
-    // Coalesced loads: consecutive threads read consecutive k of one weight (or input) row.
-#pragma unroll 8
-    for (u32_t i = threadIdx.x; i < TILE_COLS * refmath::SGEMM_K_BLOCK; i += THREADS) {
-        const u32_t c = i / refmath::SGEMM_K_BLOCK;
-        const u32_t k = i % refmath::SGEMM_K_BLOCK;
-        w_tile[c][k] = (col0 + c < out && k < len) ? w_at(c, start + k) : 0.0f;
-    }
-#pragma unroll 8
-    for (u32_t i = threadIdx.x; i < TILE_ROWS * refmath::SGEMM_K_BLOCK; i += THREADS) {
-        const u32_t r = i / refmath::SGEMM_K_BLOCK;
-        const u32_t k = i % refmath::SGEMM_K_BLOCK;
-        x_tile[r][k] = (r < rows && k < len) ? x_at(r, start + k) : 0.0f;
-    }
-    __syncthreads();
+    __shared__ float w_tile[TILE_COLS][TILE_K + 1];
+    __shared__ float x_tile[TILE_ROWS][TILE_K];
+    const u32_t chains = refmath::sgemm_chains(inp);
+    const u32_t end = refmath::sgemm_chain_start(chain + 1, inp, chains);
     const u32_t r = threadIdx.x / 32;
     const u32_t c = threadIdx.x % 32;
-    if (r >= rows || col0 + c >= out) return;
-    // quant::dot_f32_sgemm's chain of one block: acc = fma(x[k], w[k], acc) for k in order, from 0.
+    const bool active = r < rows && col0 + c < out;
+    // quant::dot_f32_sgemm's chain: acc = fma(x[k], w[k], acc) for k in order, from 0.
     float acc = 0.0f;
+    for (u32_t start = refmath::sgemm_chain_start(chain, inp, chains); start < end; start += TILE_K) {
+        const u32_t len = min(TILE_K, end - start);
+        // Coalesced loads: consecutive threads read consecutive k of one weight (or input) row.
+#pragma unroll 8
+        for (u32_t i = threadIdx.x; i < TILE_COLS * TILE_K; i += THREADS) {
+            const u32_t tc = i / TILE_K;
+            const u32_t k = i % TILE_K;
+            w_tile[tc][k] = (col0 + tc < out && k < len) ? w_at(tc, start + k) : 0.0f;
+        }
+#pragma unroll 8
+        for (u32_t i = threadIdx.x; i < TILE_ROWS * TILE_K; i += THREADS) {
+            const u32_t tr = i / TILE_K;
+            const u32_t k = i % TILE_K;
+            x_tile[tr][k] = (tr < rows && k < len) ? x_at(tr, start + k) : 0.0f;
+        }
+        __syncthreads();
+        if (active) {
 #pragma unroll 16
-    for (u32_t k = 0; k < len; ++k) acc = __fmaf_rn(x_tile[r][k], w_tile[c][k], acc);
-    partials[((size_t)block * partial_rows + out_row(r)) * out + col0 + c] = acc;
+            for (u32_t k = 0; k < len; ++k) acc = __fmaf_rn(x_tile[r][k], w_tile[c][k], acc);
+        }
+        __syncthreads();
+    }
+    if (active) partials[((size_t)chain * partial_rows + out_row(r)) * out + col0 + c] = acc;
 }
 
-// Grid (ceil(out / TILE_COLS), 256-blocks, ceil(rows / TILE_ROWS)). partials[b][r][o] (b-major,
-// so the reducer reads them coalesced) is block b's FMA chain of output (r, o).
+// Grid (ceil(out / TILE_COLS), chains, ceil(rows / TILE_ROWS)). partials[b][r][o] (b-major, so the
+// reducer reads them coalesced) is chain b's FMA chain of output (r, o).
 __device__ void linear_sgemm_partials(const float* __restrict__ x, const float* __restrict__ w,
                                       float* __restrict__ partials, LinearParams p) {
     const u32_t col0 = blockIdx.x * TILE_COLS;
@@ -67,14 +74,14 @@ __device__ void linear_sgemm_partials(const float* __restrict__ x, const float* 
                         p.rows, partials);
 }
 
-// One thread per output: its block partials pushed in K order into the CPU's pairwise tree.
+// One thread per output: its chain partials pushed in K order into the CPU's pairwise tree.
 __device__ void linear_sgemm_reduce(const float* __restrict__ partials, float* __restrict__ y, LinearParams p) {
     const size_t outputs = (size_t)p.rows * p.out;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= outputs) return;
-    const u32_t blocks = (p.inp + refmath::SGEMM_K_BLOCK - 1) / refmath::SGEMM_K_BLOCK;
+    const u32_t chains = refmath::sgemm_chains(p.inp);
     refmath::PairwiseSum sum;
-    for (u32_t b = 0; b < blocks; ++b) sum.push(partials[(size_t)b * outputs + i]);
+    for (u32_t b = 0; b < chains; ++b) sum.push(partials[(size_t)b * outputs + i]);
     const float v = sum.finish();
     y[i] = p.round_bf16 ? round_bf16_f32(v) : v;
 }

@@ -4,12 +4,13 @@
 // token's results do not depend on the batch.
 //
 // hc_mixes, two launches. hc_mixes_partials (grid: partial blocks x tokens): every (projection,
-// 256-wide K block) partial of the CPU sgemm order is its own fp32 FMA chain in K order; a warp
+// K chain) partial of the CPU sgemm order (refmath::sgemm_chains) is its own fp32 FMA chain in K
+// order; a warp
 // owns 32 consecutive partials (one lane each), loads them 32 K at a time with coalesced reads
 // (the warp reads 32 consecutive K of one row) into a padded shared tile and each lane runs its
 // chain from the tile. The last block of a token computes the mean-of-squares sum in the order of
 // torch's CPU sum (refmath::torch_sum_block, as the CPU reference's sum_squares_f32_torch).
-// Scratch per token: [projections * blocks partials, sum of squares].
+// Scratch per token: [projections * K chains partials, sum of squares].
 // hc_mixes (grid: tokens): one thread per projection adds its partials in the CPU's pairwise
 // tree; then one warp does the sigmoids and the Sinkhorn iterations in the reference's order (a
 // lane per row in the row passes, a lane per column in the column passes).
@@ -29,7 +30,7 @@ constexpr u32_t PARTIAL_THREADS = PARTIAL_WARPS * 32;
 constexpr u32_t TILE_K = 32;  // K values of each chain loaded per pass
 
 __device__ __forceinline__ u32_t hc_mixes_tasks(HcMixesParams p) {
-    return (2 + p.hc) * p.hc * ((p.n + refmath::SGEMM_K_BLOCK - 1) / refmath::SGEMM_K_BLOCK);
+    return (2 + p.hc) * p.hc * refmath::sgemm_chains(p.n);
 }
 
 __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __restrict__ proj,
@@ -37,7 +38,7 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
     __shared__ float x_tile[PARTIAL_WARPS][32][TILE_K + 1];
     __shared__ float w_tile[PARTIAL_WARPS][32][TILE_K + 1];
     __shared__ float sum_scratch[refmath::TORCH_SUM_ILP * refmath::TORCH_SUM_LANES + refmath::TORCH_SUM_LANES + 1];
-    const u32_t blocks = (p.n + refmath::SGEMM_K_BLOCK - 1) / refmath::SGEMM_K_BLOCK;
+    const u32_t k_chains = refmath::sgemm_chains(p.n);
     const u32_t tasks = hc_mixes_tasks(p);
     x += (size_t)blockIdx.y * p.n;
     scratch += (size_t)blockIdx.y * (tasks + 1);
@@ -54,15 +55,17 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
     const u32_t first = (blockIdx.x * PARTIAL_WARPS + warp) * 32;
     if (first >= tasks) return;  // only warp-level synchronisation below
     const u32_t chains = min(32u, tasks - first);
-    // Lane j's chain: task first + j = (row, block); its K start and its length.
+    // Lane j's chain: task first + j = (row, K chain); its K start and its length.
     const u32_t task = first + min(lane, chains - 1);
-    const u32_t start = task % blocks * refmath::SGEMM_K_BLOCK;
-    const unsigned long long row_start = (unsigned long long)(task / blocks) * p.n + start;
-    const u32_t length = lane < chains ? min(refmath::SGEMM_K_BLOCK, p.n - start) : 0u;
+    const u32_t start = refmath::sgemm_chain_start(task % k_chains, p.n, k_chains);
+    const unsigned long long row_start = (unsigned long long)(task / k_chains) * p.n + start;
+    const u32_t length =
+        lane < chains ? refmath::sgemm_chain_start(task % k_chains + 1, p.n, k_chains) - start : 0u;
+    const u32_t longest = (p.n + k_chains - 1) / k_chains;
     float(*xs)[TILE_K + 1] = x_tile[warp];
     float(*ws)[TILE_K + 1] = w_tile[warp];
     float acc = 0.0f;
-    for (u32_t offset = 0; offset < refmath::SGEMM_K_BLOCK; offset += TILE_K) {
+    for (u32_t offset = 0; offset < longest; offset += TILE_K) {
         // All 64 loads of a pass are issued before the first is used (memory-level parallelism).
         float x_values[32];
         float w_values[32];
@@ -95,7 +98,7 @@ __device__ void hc_mixes(const float* __restrict__ scratch, const float* __restr
     __shared__ float c[MAX_HC * MAX_HC];  // comb through the softmax and Sinkhorn passes
     const u32_t hc = p.hc;
     const u32_t projections = (2 + hc) * hc;
-    const u32_t blocks = (p.n + refmath::SGEMM_K_BLOCK - 1) / refmath::SGEMM_K_BLOCK;
+    const u32_t k_chains = refmath::sgemm_chains(p.n);
     const u32_t tasks = hc_mixes_tasks(p);
     scratch += (size_t)blockIdx.x * (tasks + 1);
     out += (size_t)blockIdx.x * (2 * hc + hc * hc);
@@ -108,7 +111,7 @@ __device__ void hc_mixes(const float* __restrict__ scratch, const float* __restr
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_square, p.norm_eps)));
     if (threadIdx.x < projections) {
         refmath::PairwiseSum total;
-        for (u32_t b = 0; b < blocks; ++b) total.push(partials[threadIdx.x * blocks + b]);
+        for (u32_t b = 0; b < k_chains; ++b) total.push(partials[threadIdx.x * k_chains + b]);
         mixes[threadIdx.x] = __fmul_rn(total.finish(), inv);
     }
     __syncthreads();
@@ -134,7 +137,7 @@ __device__ void hc_mixes(const float* __restrict__ scratch, const float* __restr
         float max = -__uint_as_float(0x7f800000u);
         for (u32_t k = 0; k < hc; ++k) max = fmaxf(max, row[k]);
         // The reference's standalone torch.exp here is correctly rounded (CPU: quant::exp_f32_accurate).
-        for (u32_t k = 0; k < hc; ++k) row[k] = (float)exp((double)__fsub_rn(row[k], max));
+        for (u32_t k = 0; k < hc; ++k) row[k] = refmath::exp_accurate(__fsub_rn(row[k], max));
         float s = 0.0f;
         for (u32_t k = 0; k < hc; ++k) s = __fadd_rn(s, row[k]);
         for (u32_t k = 0; k < hc; ++k) row[k] = __fadd_rn(__fdiv_rn(row[k], s), p.hc_eps);

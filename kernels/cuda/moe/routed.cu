@@ -15,8 +15,8 @@
 //   read once per launch for up to 32 rows. Same partials, same K-ordered sums as the dense GEMM.
 // - gemm_exact_routed_partials_f32: the fp32 experts of V4 (v4::Linear: dense f32, FP8 or FP4
 //   weights dequantised exactly, activations unquantised), one block per (tile of up to 8 rows
-//   of one expert, 32 columns, 256-block of K): linear_sgemm's FMA chains with the tile's expert
-//   weights; linear_sgemm_reduce adds the block partials in the CPU's pairwise tree, so every
+//   of one expert, 32 columns, sgemm chain of K): linear_sgemm's FMA chains with the tile's expert
+//   weights; linear_sgemm_reduce adds the chain partials in the CPU's pairwise tree, so every
 //   row is bitwise what the fp32 linear gives for it.
 // - swiglu_rows_f32 (bf16 in) / swiglu_exact_rows_f32 (f32 in): clamps, g / (1 + exp_f32(-g)) *
 //   u, times the row's route weight, rounded.
@@ -338,7 +338,7 @@ ROUTED_GEMM(gemm_fp8_t32_routed_rows_g32_bf16, gemm_fp8_t32_routed_tiles_g32_bf1
 namespace routed {
 
 // Grid (tiles of group_rows with up to linear::TILE_ROWS rows, blocks past *tile_count return;
-// ceil(n / 32) column blocks; 256-blocks of K). The tile's expert weights (table: [3][n_experts][2]
+// ceil(n / 32) column blocks; refmath::sgemm_chains(k) chains of K). The tile's expert weights (table: [3][n_experts][2]
 // addresses, codes then scales; dense f32 weights in the codes slot) dequantised exactly into the
 // shared tile; the bucket of unknown ids computes with zero weights (the combine skips those rows).
 __device__ void gemm_exact_routed_partials(const float* __restrict__ x, const u32_t* __restrict__ order,

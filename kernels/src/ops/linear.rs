@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig, PushKernelArg};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{DequantParams, LinearParams};
@@ -19,10 +19,8 @@ const THREADS: u32 = 256;
 /// Rows and columns of one partials block's tile; must match `linear::TILE_ROWS` / `TILE_COLS`.
 const TILE_ROWS: u32 = 8;
 const TILE_COLS: u32 = 32;
-/// Products per FMA chain (`quant::SGEMM_K_BLOCK`, `refmath::SGEMM_K_BLOCK`).
-const K_BLOCK: usize = 256;
-/// Largest `inp`: `linear::MAX_BLOCKS` blocks of 256 products.
-const MAX_INP: usize = 256 * K_BLOCK;
+/// Largest `inp` (256 chains of 256 products).
+const MAX_INP: usize = 65_536;
 /// The most block partials one launch pair keeps (64 Mi f32 = 256 MiB); more rows are taken in
 /// chunks (rows never interact, so chunking changes no value).
 const MAX_PARTIALS: usize = 64 << 20;
@@ -31,8 +29,8 @@ const MAX_GRID_Z: usize = 65_535;
 
 /// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ`, all f32 row-major; `output` says whether `y`
 /// is rounded to bf16 (`linear_bf16`) or left in fp32 (`linear_f32`). Two launches per chunk of
-/// rows: every 256-product FMA chain in parallel into a scratch buffer of block partials, then each
-/// output's partials added in the CPU's pairwise tree.
+/// rows: every FMA chain ([`sgemm_chains`] per output) in parallel into a scratch buffer of chain
+/// partials, then each output's partials added in the CPU's pairwise tree.
 pub fn linear_sgemm_f32(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
@@ -53,7 +51,7 @@ pub fn linear_sgemm_f32(
     if rows == 0 || out == 0 {
         return Ok(());
     }
-    let blocks = inp.div_ceil(K_BLOCK);
+    let blocks = sgemm_chains(inp);
     let chunk_rows = (MAX_PARTIALS / (blocks * out))
         .min(MAX_GRID_Z * TILE_ROWS as usize)
         .clamp(1, rows);
@@ -77,7 +75,7 @@ pub fn linear_sgemm_f32(
         let tiles = LaunchConfig {
             grid_dim: (
                 params.out.div_ceil(TILE_COLS),
-                dim(OP, "256-blocks", blocks)?,
+                dim(OP, "chains", blocks)?,
                 params.rows.div_ceil(TILE_ROWS),
             ),
             block_dim: (THREADS, 1, 1),
@@ -106,7 +104,7 @@ pub(crate) fn sgemm_reduce(
     params: LinearParams,
 ) -> Result<(), KernelError> {
     let outputs = params.rows as usize * params.out as usize;
-    let blocks = (params.inp as usize).div_ceil(K_BLOCK);
+    let blocks = sgemm_chains(params.inp as usize);
     if partials.len() < blocks * outputs || y.len() != outputs {
         return Err(KernelError::Shape {
             op: "linear_sgemm_reduce_f32",

@@ -9,7 +9,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{HcElementwiseParams, HcMixesParams};
@@ -24,8 +24,6 @@ const PARTIALS_PER_BLOCK: usize = PARTIAL_WARPS * 32;
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Must match `mhc::MAX_HC`.
 pub const MAX_HC: usize = 8;
-/// The CPU sgemm K block (`quant::SGEMM_K_BLOCK`).
-const SGEMM_K_BLOCK: usize = 256;
 /// The most tokens one collapse / expand launch takes (the grid's y limit).
 pub const MAX_TOKENS_PER_LAUNCH: usize = 65_535;
 
@@ -108,7 +106,7 @@ pub fn hc_mixes_rows_f32(
         hc_eps,
         norm_eps,
     };
-    let tasks = projections * n.div_ceil(SGEMM_K_BLOCK);
+    let tasks = projections * sgemm_chains(n);
     let per_token_scratch = tasks + 1;
     if per_token_scratch * 4 > MAX_PARTIAL_BYTES {
         return Err(KernelError::Shape {

@@ -46,6 +46,17 @@ pub(crate) fn dim(op: &'static str, what: &str, value: usize) -> Result<u32, Ker
     })
 }
 
+/// Chains of the CPU reference's sgemm summation order for a dot product of `k` products
+/// (`deepinfer_model::quant::sgemm_chains`, `refmath::sgemm_chains`): the largest power of two
+/// that keeps every chain at least 256 products long.
+pub(crate) fn sgemm_chains(k: usize) -> usize {
+    let mut chains = 1;
+    while k >= 2 * 256 * chains {
+        chains *= 2;
+    }
+    chains
+}
+
 /// A shape error unless `found == expected`.
 pub(crate) fn expect_len(
     op: &'static str,

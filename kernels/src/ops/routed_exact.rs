@@ -13,7 +13,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelA
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::sgemm_reduce;
 use super::routed::{ExpertProjection, group_rows};
-use super::{dim as kernel_dim, expect_len};
+use super::{dim as kernel_dim, expect_len, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::LinearParams;
@@ -25,10 +25,8 @@ const THREADS: u32 = 256;
 const TILE_ROWS: usize = 8;
 /// Output columns per block (`linear::TILE_COLS`).
 const TILE_COLS: u32 = 32;
-/// Products per FMA chain (`refmath::SGEMM_K_BLOCK`).
-const K_BLOCK: usize = 256;
-/// Inputs per row at most (256 chains; the reduction's limit, as `ops::linear`).
-const MAX_INP: usize = 256 * K_BLOCK;
+/// Inputs per row at most (the reduction's limit, as `ops::linear`).
+const MAX_INP: usize = 65_536;
 /// Block partials held at once at most (f32 values); larger launches run in chunks of rows.
 const MAX_PARTIALS: usize = 64 << 20;
 
@@ -282,7 +280,7 @@ pub fn gemm_exact_routed(
         return Ok(());
     }
     let (format, tile) = table.formats[slot].code();
-    let blocks = k.div_ceil(K_BLOCK);
+    let blocks = sgemm_chains(k);
     // Chunks of whole x rows (x_row_div output rows each) whose partials fit MAX_PARTIALS.
     let chunk_rows = ((MAX_PARTIALS / (blocks * n)) / x_row_div).max(1) * x_row_div;
     let chunk_rows = chunk_rows.min(m);
@@ -311,7 +309,7 @@ pub fn gemm_exact_routed(
             grid_dim: (
                 kernel_dim(OP, "tiles", groups.max_tiles)?,
                 params.n.div_ceil(TILE_COLS),
-                kernel_dim(OP, "256-blocks", blocks)?,
+                kernel_dim(OP, "chains", blocks)?,
             ),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,

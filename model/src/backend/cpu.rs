@@ -1,20 +1,18 @@
 //! `CpuBackend`: the plain reference implementation of [`Backend`]. Reductions are order-free (f64
 //! accumulator rounded once to fp32, see [`dot_f32`]) except the plain linears (`linear_f32`,
 //! `linear_bf16`: router, head, compressor, `wo_a`, indexer) and the mHC mixes projection, which
-//! follow the summation order of the reference's CPU GEMM ([`quant::dot_f32_sgemm`]), and the means
-//! of squares (RMSNorm, mHC), which follow torch's CPU sum ([`quant::sum_f32_torch`]); `exp` is the
-//! reference's vectorised one ([`quant::exp_f32`]) except in the mHC `comb` softmax, which is the
-//! reference's standalone `torch.exp` ([`quant::exp_f32_accurate`]). (The sparse attention's
-//! online softmax is a standalone `torch.exp` in the reference too; swapping it there changes
-//! none of the fixture's comparisons, so it keeps the vectorised one the CUDA kernel mirrors.)
-//! `sqrt` is the correctly rounded one everywhere; the reference's router `Tensor.sqrt` runs
-//! MKL's `vsSqrt`, which is not (it leaves 12 of the fixture's 2400 routing weights an ulp off).
-//! Every bf16 rounding sits where DeepSeek's reference rounds; fp32 stays the working precision
-//! between operations.
+//! follow the summation order of the reference's CPU GEMM ([`quant::dot_f32_sgemm`]), and the sums
+//! the reference takes with torch's CPU `sum` ([`quant::sum_f32_torch`]): the means of squares
+//! (RMSNorm, mHC) and the sparse attention's probability sums. `exp` follows the reference's two
+//! kinds: its standalone `torch.exp`, which the fixtures' reference evaluates correctly rounded
+//! ([`quant::exp_f32_accurate`]: the attention's online softmax and the mHC `comb` softmax), and
+//! the vectorised one of torch's fused kernels ([`quant::exp_f32`]: sigmoids, SiLU, softplus).
+//! `sqrt` is the correctly rounded one everywhere, as the reference's. Every bf16 rounding sits
+//! where DeepSeek's reference rounds; fp32 stays the working precision between operations.
 
 use super::{Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable, Tensor};
 use crate::quant::{
-    self, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
+    self, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32, sum_f32_torch,
     sum_squares_f32_torch,
 };
 use crate::weights::{Fp4Weight, Fp8Weight};
@@ -143,9 +141,12 @@ impl Backend for CpuBackend {
                 let scores: Vec<f32> = block.iter().map(|k| dot_f32(q_head, k) * scale).collect();
                 let block_max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 let new_max = running_max.max(block_max);
-                let rescale = exp_f32(running_max - new_max);
-                let probs: Vec<f32> = scores.iter().map(|s| exp_f32(s - new_max)).collect();
-                denominator = denominator * rescale + sum_f32(probs.iter().copied());
+                let rescale = exp_f32_accurate(running_max - new_max);
+                let probs: Vec<f32> = scores
+                    .iter()
+                    .map(|s| exp_f32_accurate(s - new_max))
+                    .collect();
+                denominator = denominator * rescale + sum_f32_torch(&probs);
                 for a in acc.iter_mut() {
                     *a *= rescale;
                 }
@@ -155,7 +156,7 @@ impl Backend for CpuBackend {
                 }
                 running_max = new_max;
             }
-            denominator += exp_f32(sink[h] - running_max);
+            denominator += exp_f32_accurate(sink[h] - running_max);
             for d in 0..head_dim {
                 out[h * head_dim + d] = precision.round(acc[d] / denominator);
             }
