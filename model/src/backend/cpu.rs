@@ -371,8 +371,8 @@ mod tests {
         let k1 = [0.0f32, 4.0];
         let out = CpuBackend.sparse_attention(&q, &[&k0, &k1], &[0.5], 1.0);
         // p is computed relative to the running max (1.0): p0 = 1, p1 = e^-1.
-        let p1 = round_bf16(exp_f32(-1.0));
-        let d = 1.0 + exp_f32(-1.0) + exp_f32(-0.5);
+        let p1 = round_bf16(exp_f32_accurate(-1.0));
+        let d = 1.0 + exp_f32_accurate(-1.0) + exp_f32_accurate(-0.5);
         assert_eq!(out[0], round_bf16(1.0 / d));
         assert_eq!(out[1], round_bf16((2.0 + p1 * 4.0) / d));
         // No keys: only the sink, output 0.
@@ -380,6 +380,57 @@ mod tests {
             CpuBackend.sparse_attention(&q, &[], &[0.5], 1.0),
             vec![0.0, 0.0]
         );
+    }
+
+    #[test]
+    fn attention_sums_probabilities_in_torch_order_with_the_accurate_exp() {
+        // One key at the max (p = 1) and 15 whose p is about 0.75 · 2^-24 (3/8 of an ulp of 1):
+        // torch's 8-lane sum adds them to 1 as 7 lanes of two, each rounding up (1 + 7 ulps);
+        // an exactly rounded sum gives 1 + 6 ulps.
+        let q = vec![1.0f32];
+        // The last small one where the vectorised exp is an ulp off.
+        let off = (0..10_000)
+            .map(|i| -16.923_214 - i as f32 * 1e-6)
+            .find(|&s| exp_f32(s) != exp_f32_accurate(s))
+            .expect("a score where the two exps differ");
+        let scores: Vec<f32> = std::iter::once(0.0)
+            .chain((1..15).map(|i| -16.923_214 + i as f32 * 1e-6))
+            .chain([off])
+            .collect();
+        let keys: Vec<[f32; 1]> = scores.iter().map(|&s| [s]).collect();
+        let key_refs: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
+        let probs: Vec<f32> = scores.iter().map(|&s| exp_f32_accurate(s)).collect();
+        let torch_order = sum_f32_torch(&probs);
+        assert_ne!(
+            torch_order,
+            sum_f32(probs.iter().copied()),
+            "the orders differ here"
+        );
+        let out = CpuBackend.sparse_attention_at(
+            &q,
+            &key_refs,
+            &[f32::NEG_INFINITY],
+            1.0,
+            Precision::F32,
+        );
+        let weighted = probs.iter().zip(&scores).map(|(p, s)| p * s);
+        assert_eq!(out[0], sum_f32(weighted) / torch_order);
+        // Two keys, the second where the vectorised exp is an ulp off (and the output shows it):
+        // its weight is the correctly rounded one.
+        let output = |p: f32, s: f32| p * s / (1.0 + p);
+        let s = (0..100_000)
+            .map(|i| -0.7 - i as f32 * 1e-6)
+            .find(|&s| output(exp_f32(s), s) != output(exp_f32_accurate(s), s))
+            .expect("a score where the two exps give different outputs");
+        let (k0, k1) = ([0.0f32], [s]);
+        let out = CpuBackend.sparse_attention_at(
+            &q,
+            &[&k0, &k1],
+            &[f32::NEG_INFINITY],
+            1.0,
+            Precision::F32,
+        );
+        assert_eq!(out[0], output(exp_f32_accurate(s), s));
     }
 
     #[test]
