@@ -12,8 +12,8 @@ use deepinfer_model::v41::vision::{
 };
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use golden_support::v41_rules::{
-    COEFF_RMS, Golden, SAME_ARITHMETIC_LOGITS, STREAM_RMS, check_decode_run, row_errors,
-    selection_mismatches, summary,
+    COEFF_RMS, Golden, SAME_ARITHMETIC_LOGITS, STREAM_RMS, check_compressed_caches,
+    check_decode_run, check_prefill_selections, row_errors, summary,
 };
 use golden_support::{
     V41Fixture as Fixture, argmax, bit_equal, expected_rows, ids, max_abs_diff, rel_rms,
@@ -260,37 +260,8 @@ fn vl_prompt_prefill_decode_and_dspark_follow_the_readme_rules() {
          (layer, row) differing {route_rows_differing:?}",
         summary(&errors)
     );
-    for &source in &cfg.index_source_layers {
-        let width = cfg.index_topk.min(n / cfg.compress_ratio(source));
-        let expect = expected_rows(&g.i32(&format!("prefill.topk.L{source}")), width);
-        let ties = g.i32(&format!("prefill.topk_tie.L{source}"));
-        let differing = selection_mismatches(&trace.topk[source], &expect, &ties);
-        eprintln!("vl prefill topk.L{source}: rows differing (row, tie flag) {differing:?}");
-        assert!(
-            differing.iter().all(|&(_, tie)| tie == 1),
-            "topk.L{source} differs on a row without a recorded tie"
-        );
-    }
-    for &source in &cfg.kv_source_layers {
-        let flat = |rows: &[deepinfer_model::backend::Tensor]| -> Vec<f32> {
-            rows.iter().flat_map(|r| r.iter().copied()).collect()
-        };
-        let kv_err = rel_rms(
-            &flat(seq.compressed_kv(source).expect("compressed kv")),
-            &g.f32(&format!("prefill.compress_kv.L{source}")),
-        );
-        let key_err = rel_rms(
-            &flat(seq.index_keys(source).expect("index keys")),
-            &g.f32(&format!("prefill.index_k.L{source}")),
-        );
-        eprintln!(
-            "vl prefill source {source}: compress_kv relRMS {kv_err:.3e}, index_k {key_err:.3e}"
-        );
-        assert!(
-            kv_err <= STREAM_RMS && key_err <= STREAM_RMS,
-            "source {source}"
-        );
-    }
+    check_prefill_selections(&g, &trace, n);
+    check_compressed_caches(&g, &seq);
     assert!(
         errors.iter().all(|&e| e <= fx.tolerance()),
         "vl.prefill.logits beyond the tolerance"

@@ -212,12 +212,15 @@ pub fn logprob_closeness(ours: &[f32], reference: &[f32], vocab: usize) -> (usiz
         order.truncate(5);
         order
     }
-    fn log_softmax(row: &[f32]) -> Vec<f64> {
-        let max = row
-            .iter()
-            .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
-        let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
-        row.iter().map(|&v| f64::from(v) - max - sum.ln()).collect()
+    /// `ln Σ e^v` of a row.
+    fn log_normaliser(row: &[f32]) -> f64 {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        f64::from(max)
+            + row
+                .iter()
+                .map(|&v| f64::from(v - max).exp())
+                .sum::<f64>()
+                .ln()
     }
     let mut agree = 0;
     let mut kls: Vec<f64> = ours
@@ -228,8 +231,14 @@ pub fn logprob_closeness(ours: &[f32], reference: &[f32], vocab: usize) -> (usiz
             if top_r.contains(&top_a[0]) && top_a.contains(&top_r[0]) {
                 agree += 1;
             }
-            let (la, lr) = (log_softmax(a), log_softmax(r));
-            lr.iter().zip(&la).map(|(r, a)| r.exp() * (r - a)).sum()
+            let (za, zr) = (log_normaliser(a), log_normaliser(r));
+            a.iter()
+                .zip(r)
+                .map(|(&x, &y)| {
+                    let log_ref = f64::from(y) - zr;
+                    log_ref.exp() * (log_ref - (f64::from(x) - za))
+                })
+                .sum()
         })
         .collect();
     kls.sort_by(f64::total_cmp);

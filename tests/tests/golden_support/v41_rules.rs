@@ -185,33 +185,8 @@ pub fn check_prefill_dumps(
     let main_err = rel_rms(&trace.main_hidden, &g.f32("prefill.main_hidden"));
     eprintln!("final_hidden relRMS {final_err:.2e}, main_hidden relRMS {main_err:.2e}");
     assert!(final_err <= STREAM_RMS && main_err <= STREAM_RMS);
-    for &source in &cfg.kv_source_layers {
-        let flat =
-            |rows: &[Tensor]| -> Vec<f32> { rows.iter().flat_map(|r| r.iter().copied()).collect() };
-        let kv_err = rel_rms(
-            &flat(seq.compressed_kv(source).expect("kv source")),
-            &g.f32(&format!("prefill.compress_kv.L{source}")),
-        );
-        let key_err = rel_rms(
-            &flat(seq.index_keys(source).expect("kv source")),
-            &g.f32(&format!("prefill.index_k.L{source}")),
-        );
-        eprintln!(
-            "compress_kv.L{source} relRMS {kv_err:.2e}, index_k.L{source} relRMS {key_err:.2e}"
-        );
-        assert!(kv_err <= STREAM_RMS && key_err <= STREAM_RMS);
-    }
-    for &source in &cfg.index_source_layers {
-        let width = cfg.index_topk.min(n / cfg.compress_ratio(source));
-        let expect = expected_rows(&g.i32(&format!("prefill.topk.L{source}")), width);
-        let ties = g.i32(&format!("prefill.topk_tie.L{source}"));
-        let differing = selection_mismatches(&trace.topk[source], &expect, &ties);
-        eprintln!("topk.L{source}: rows differing (row, tie flag) {differing:?}");
-        assert!(
-            differing.iter().all(|&(_, tie)| tie == 1),
-            "topk.L{source} differs on a row without a recorded tie: {differing:?}"
-        );
-    }
+    check_compressed_caches(g, seq);
+    check_prefill_selections(g, trace, n);
     out_exact
 }
 
@@ -414,4 +389,50 @@ pub fn check_decode_run(
         conf_err <= 10.0 * tolerance * conf_max.max(1.0),
         "dspark_confidence {conf_err}"
     );
+}
+
+/// The README's relative RMS check of every KV source's compressed KV and index keys in `seq`
+/// against the case's prefill dumps.
+pub fn check_compressed_caches(g: &Golden, seq: &SequenceState) {
+    let flat =
+        |rows: &[Tensor]| -> Vec<f32> { rows.iter().flat_map(|r| r.iter().copied()).collect() };
+    for &source in &g.fx.model.config().kv_source_layers {
+        let kv_err = rel_rms(
+            &flat(seq.compressed_kv(source).expect("kv source")),
+            &g.f32(&format!("prefill.compress_kv.L{source}")),
+        );
+        let key_err = rel_rms(
+            &flat(seq.index_keys(source).expect("kv source")),
+            &g.f32(&format!("prefill.index_k.L{source}")),
+        );
+        eprintln!(
+            "{}: compress_kv.L{source} relRMS {kv_err:.2e}, index_k.L{source} relRMS {key_err:.2e}",
+            g.case
+        );
+        assert!(
+            kv_err <= STREAM_RMS && key_err <= STREAM_RMS,
+            "source {source}: compress_kv {kv_err}, index_k {key_err}"
+        );
+    }
+}
+
+/// The README's selection rule on a prefill trace of `n` rows: every index source's top-k equal to
+/// the reference's on every row without a recorded tie (this backend's index scores are
+/// bf16-exact).
+pub fn check_prefill_selections(g: &Golden, trace: &ForwardTrace, n: usize) {
+    let cfg = g.fx.model.config();
+    for &source in &cfg.index_source_layers {
+        let width = cfg.index_topk.min(n / cfg.compress_ratio(source));
+        let expect = expected_rows(&g.i32(&format!("prefill.topk.L{source}")), width);
+        let ties = g.i32(&format!("prefill.topk_tie.L{source}"));
+        let differing = selection_mismatches(&trace.topk[source], &expect, &ties);
+        eprintln!(
+            "{}: topk.L{source} rows differing (row, tie flag) {differing:?}",
+            g.case
+        );
+        assert!(
+            differing.iter().all(|&(_, tie)| tie == 1),
+            "topk.L{source} differs on a row without a recorded tie: {differing:?}"
+        );
+    }
 }
