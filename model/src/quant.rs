@@ -316,6 +316,22 @@ fn pairwise_chains(
         + pairwise_chains(a, b, first + half, half, k, chains)
 }
 
+/// K block of the reference's bf16 CPU GEMM (`F.linear` / `einsum` on bf16 tensors: `wo_a`, the
+/// indexer's head weights, the ratio-1 compressor, the index keys): each block of this many
+/// products is accumulated in fp32 from 0, the block partials added in K order.
+pub const BF16_GEMM_K_BLOCK: usize = 32;
+
+/// An fp32 dot product in the summation order of the reference's bf16 CPU GEMM (rounded to bf16
+/// by the caller): [`BF16_GEMM_K_BLOCK`]-product chains of fused multiply-adds from 0 (exact
+/// products for bf16 inputs), added in K order. On the fixtures this order, not one chain and not
+/// an exactly rounded sum, reproduces every `wo_a` output bit for bit (v41-tiny block 9 row 72
+/// and v41-odd blocks 4-9 flip otherwise).
+pub fn dot_bf16_gemm(a: &[f32], b: &[f32]) -> f32 {
+    a.chunks(BF16_GEMM_K_BLOCK)
+        .zip(b.chunks(BF16_GEMM_K_BLOCK))
+        .fold(0.0f32, |acc, (x, y)| acc + dot_f32_sgemm(x, y))
+}
+
 /// `e^x` in fp32 as the reference's vectorised CPU kernels compute it (torch's `Vectorized::exp`,
 /// i.e. SLEEF `expf_u10` with fused multiply-adds): Cody-Waite reduction by ln 2, a degree-6
 /// polynomial, scaling by `2^q` in two steps. Within 1 ulp of the true value, and bit-identical to
@@ -612,6 +628,17 @@ mod tests {
         let b = vec![1.0f32; 512];
         assert_eq!(dot_f32_sgemm(&a, &b), 2f32.powi(24) + 256.0);
         assert_eq!(dot_f32(&a, &b), 2f32.powi(24) + 512.0);
+    }
+
+    #[test]
+    fn bf16_gemm_order_adds_32_product_blocks_in_k_order() {
+        // 2^24 at 0 and ones at 32 and 33: block 0 is 2^24, block 1 is 2 (exact), and 2^24 + 2 is
+        // exact. One FMA chain adds the ones to 2^24 one at a time (each a tie that rounds to even).
+        let mut a = vec![0.0f32; 64];
+        (a[0], a[32], a[33]) = (2f32.powi(24), 1.0, 1.0);
+        let b = vec![1.0f32; 64];
+        assert_eq!(dot_bf16_gemm(&a, &b), 2f32.powi(24) + 2.0);
+        assert_eq!(dot_f32_sgemm(&a, &b), 2f32.powi(24));
     }
 
     #[test]

@@ -77,11 +77,12 @@ fn v41_tiny_free_running_follows_the_readme_rules() {
 
 /// Every block of a fixture's primary case given the reference's inputs (streams and collapse
 /// weights): the README's per-tensor checks, `logits_full` within issue #27's target for the
-/// same arithmetic, and block 0 — whose input is the embeddings and the Engram alone — bit-exact
-/// in its streams and its FFN-site `pre` (the mHC mixes' summation order: on v41-odd, K = 768,
-/// three chains of 256 instead of the reference's two of 384 leave 331 of its 596 `pre` values
-/// an ulp off and flip its output at rows 8 and 67).
-fn blocks_match_given_reference_inputs(name: &str) {
+/// same arithmetic, and every block's output streams bit-exact — the reference's arithmetic
+/// reproduced (its GEMM summation orders: the mHC mixes' fp32 chains, K = 768 on v41-odd; the
+/// bf16 GEMMs' 32-product blocks, `wo_a` on both) — except the rows of `unexplained`, block-local
+/// departures whose cause is not found yet. The FFN-site `pre` of block 0 is bit-exact too
+/// outside the reference's scalar tail.
+fn blocks_match_given_reference_inputs(name: &str, unexplained: &[(usize, usize)]) {
     let Some(fx) = Fixture::load(name, "V4.1 golden test") else {
         return;
     };
@@ -101,22 +102,24 @@ fn blocks_match_given_reference_inputs(name: &str) {
         "{name} logits_full given the reference's block inputs: {}",
         summary(&errors)
     );
-    let out_exact = check_prefill_dumps(&g, &trace, &seq, n);
-    eprintln!(
-        "{name}: layer_out bit-exact {out_exact} of {}",
-        cfg.n_layers * n * cfg.hc.mult * cfg.dim
-    );
+    check_prefill_dumps(&g, &trace, &seq, n);
     assert!(
         errors.iter().all(|&e| e <= SAME_ARITHMETIC_LOGITS),
         "logits_full beyond {SAME_ARITHMETIC_LOGITS} of the range"
     );
     let (hc, dim) = (cfg.hc.mult, cfg.dim);
-    let block0_out = &g.f32("prefill.layer_out")[..n * hc * dim];
-    assert_eq!(
-        bit_equal(&trace.layer_out[0], block0_out),
-        block0_out.len(),
-        "block 0's streams are bit-exact"
-    );
+    let width = hc * dim;
+    let layer_out = g.f32("prefill.layer_out");
+    let differing: Vec<(usize, usize)> = (0..cfg.n_layers)
+        .flat_map(|l| (0..n).map(move |t| (l, t)))
+        .filter(|&(l, t)| {
+            let ours = &trace.layer_out[l][t * width..(t + 1) * width];
+            let at = (l * n + t) * width;
+            bit_equal(ours, &layer_out[at..at + width]) != width
+        })
+        .collect();
+    eprintln!("{name}: (block, row) with streams not bit-exact: {differing:?}");
+    assert_eq!(differing, unexplained, "blocks not bit-exact");
     // torch's vectorised elementwise loop takes 32 fp32 values at a time (two 16-lane vectors)
     // and runs the last `numel mod 32` through its scalar sigmoid: those `pre` values of the
     // reference's one-shot prefill depend on how the prompt was chunked, so they are left out.
@@ -131,12 +134,15 @@ fn blocks_match_given_reference_inputs(name: &str) {
 
 #[test]
 fn v41_tiny_every_block_matches_reference_given_reference_inputs() {
-    blocks_match_given_reference_inputs("v41-tiny");
+    blocks_match_given_reference_inputs("v41-tiny", &[]);
 }
 
 #[test]
 fn v41_odd_every_block_matches_reference_given_reference_inputs() {
-    blocks_match_given_reference_inputs("v41-odd");
+    // Block 1 row 71: the FFN-site `pre` of that row is 1e-4 off (so its post-attention streams
+    // differ) although the attention's probabilities and outputs sit far from any bf16 rounding
+    // midpoint; the op is not identified yet.
+    blocks_match_given_reference_inputs("v41-odd", &[(1, 71)]);
 }
 
 /// Runs `tokens` in the given chunk sizes and returns every logits row.

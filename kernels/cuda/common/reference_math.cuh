@@ -29,6 +29,10 @@ __device__ __forceinline__ u32_t sgemm_chain_start(u32_t i, u32_t n, u32_t chain
     return (u32_t)((unsigned long long)i * n / chains);
 }
 
+// quant::BF16_GEMM_K_BLOCK: the chain length of the reference's bf16 GEMM order (quant::dot_bf16_gemm:
+// chains of 32 products from 0, the chain partials added in K order).
+constexpr u32_t BF16_GEMM_K_BLOCK = 32;
+
 __device__ __forceinline__ float power_of_two(int e) { return __uint_as_float((u32_t)(e + 127) << 23); }
 
 // quant::exp_f32: Cody-Waite reduction by ln 2, degree-6 polynomial, scaling by 2^q in two steps.

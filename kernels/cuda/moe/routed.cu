@@ -367,7 +367,7 @@ __device__ void gemm_exact_routed_partials(const float* __restrict__ x, const u3
         return __ldg(reinterpret_cast<const float*>(codes) + (size_t)row * p.k + k);
     };
     const auto out_row = [&](u32_t r) { return rows[r]; };
-    linear::sgemm_tile_partials(x_at, w_at, out_row, count, col0, blockIdx.z, p.n, p.k, p.m, partials);
+    linear::sgemm_tile_partials(x_at, w_at, out_row, count, col0, blockIdx.z, p.n, p.k, p.m, false, partials);
 }
 
 __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -28,9 +28,10 @@ const MAX_PARTIALS: usize = 64 << 20;
 const MAX_GRID_Z: usize = 65_535;
 
 /// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ`, all f32 row-major; `output` says whether `y`
-/// is rounded to bf16 (`linear_bf16`) or left in fp32 (`linear_f32`). Two launches per chunk of
-/// rows: every FMA chain ([`sgemm_chains`] per output) in parallel into a scratch buffer of chain
-/// partials, then each output's partials added in the CPU's pairwise tree.
+/// is rounded to bf16 (`linear_bf16`, in the CPU's bf16 GEMM order) or left in fp32 (`linear_f32`,
+/// its sgemm order). Two launches per chunk of rows: every FMA chain ([`linear_chains`] per
+/// output) in parallel into a scratch buffer of chain partials, then each output's partials added
+/// in the CPU's order.
 pub fn linear_sgemm_f32(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
@@ -51,7 +52,7 @@ pub fn linear_sgemm_f32(
     if rows == 0 || out == 0 {
         return Ok(());
     }
-    let blocks = sgemm_chains(inp);
+    let blocks = linear_chains(inp, output.flag() != 0);
     let chunk_rows = (MAX_PARTIALS / (blocks * out))
         .min(MAX_GRID_Z * TILE_ROWS as usize)
         .clamp(1, rows);
@@ -94,6 +95,17 @@ pub fn linear_sgemm_f32(
     Ok(())
 }
 
+/// FMA chains per output of an `inp`-product linear: the CPU reference's sgemm order, or its bf16
+/// GEMM order (`quant::dot_bf16_gemm`, chains of 32) for the bf16-rounded linears
+/// (`linear::chain_count`).
+fn linear_chains(inp: usize, bf16_order: bool) -> usize {
+    if bf16_order {
+        inp.div_ceil(32)
+    } else {
+        sgemm_chains(inp)
+    }
+}
+
 /// `y[i]` = the block partials of output `i` (`partials[b][i]`, b-major, `params.rows ·
 /// params.out` outputs) added in the CPU's pairwise tree, rounded as `params` says: the second
 /// launch of every sgemm-order linear (also of the routed exact experts, `ops::routed_exact`).
@@ -104,7 +116,7 @@ pub(crate) fn sgemm_reduce(
     params: LinearParams,
 ) -> Result<(), KernelError> {
     let outputs = params.rows as usize * params.out as usize;
-    let blocks = sgemm_chains(params.inp as usize);
+    let blocks = linear_chains(params.inp as usize, params.round_bf16 != 0);
     if partials.len() < blocks * outputs || y.len() != outputs {
         return Err(KernelError::Shape {
             op: "linear_sgemm_reduce_f32",

@@ -1,7 +1,8 @@
 //! `CpuBackend`: the plain reference implementation of [`Backend`]. Reductions are order-free (f64
-//! accumulator rounded once to fp32, see [`dot_f32`]) except the plain linears (`linear_f32`,
-//! `linear_bf16`: router, head, compressor, `wo_a`, indexer) and the mHC mixes projection, which
-//! follow the summation order of the reference's CPU GEMM ([`quant::dot_f32_sgemm`]), and the sums
+//! accumulator rounded once to fp32, see [`dot_f32`]) except the plain linears, which follow the
+//! summation order of the reference's CPU GEMMs — fp32 (`linear_f32`: router, head, ratio-2
+//! compressor, and the mHC mixes projection: [`quant::dot_f32_sgemm`]) and bf16 (`linear_bf16`:
+//! `wo_a`, ratio-1 compressor, index keys and head weights: [`quant::dot_bf16_gemm`]) — and the sums
 //! the reference takes with torch's CPU `sum` ([`quant::sum_f32_torch`]): the means of squares
 //! (RMSNorm, mHC) and the sparse attention's probability sums. `exp` follows the reference's two
 //! kinds: its standalone `torch.exp`, which the fixtures' reference evaluates correctly rounded
@@ -12,8 +13,8 @@
 
 use super::{Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable, Tensor};
 use crate::quant::{
-    self, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32, sum_f32_torch,
-    sum_squares_f32_torch,
+    self, dot_bf16_gemm, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
+    sum_f32_torch, sum_squares_f32_torch,
 };
 use crate::weights::{Fp4Weight, Fp8Weight};
 
@@ -48,9 +49,14 @@ impl Backend for CpuBackend {
     }
 
     fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
-        let mut y = self.linear_f32(x, w, out, inp);
-        quant::round_bf16_slice(y.host_mut());
-        y
+        let rows = x.len() / inp;
+        let mut y = Vec::with_capacity(rows * out);
+        for row in x.chunks_exact(inp) {
+            for w_row in w.chunks_exact(inp).take(out) {
+                y.push(quant::round_bf16(dot_bf16_gemm(row, w_row)));
+            }
+        }
+        y.into()
     }
 
     fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
