@@ -1,5 +1,5 @@
 //! Golden tests of the V4.1 forward pass on the CPU reference backend against DeepSeek's official
-//! reference outputs (`shared/fixtures/v41/v41-tiny`, tolerances from its README), plus the
+//! reference outputs (`tests/fixtures/v41/v41-tiny`, tolerances from its README), plus the
 //! chunking / verify / rollback invariance of the per-sequence state.
 
 mod golden_support;
@@ -140,9 +140,7 @@ fn free_running_prefill_and_decode_match_until_the_first_rounding_flip() {
     const BIT_EXACT_BLOCKS: usize = 2;
     // Blocks with no index top-k / routing mismatch (the first is at layer 6).
     const SELECTIONS_EXACT_BLOCKS: usize = 6;
-    let Some(fx) = Fixture::load("V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load();
     let cfg = fx.model.config().clone();
     let vocab = cfg.vocab_size;
     let tokens = fx.tokens();
@@ -307,9 +305,7 @@ fn every_block_matches_reference_given_reference_inputs() {
     // `free_running_prefill_and_decode_match_until_the_first_rounding_flip`); 27 with the
     // vectorised `exp` in the `comb` softmax.
     const LAYER_OUT_BIT_EXACT: usize = 1_228_789;
-    let Some(fx) = Fixture::load("V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load();
     let cfg = fx.model.config().clone();
     let tokens = fx.tokens();
     let n = tokens.len();
@@ -485,9 +481,7 @@ fn every_block_matches_reference_given_reference_inputs() {
 /// 75..99 are compared with `text.decode.dspark_*`.
 #[test]
 fn dspark_matches_reference_given_reference_taps() {
-    let Some(fx) = Fixture::load("V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load();
     let cfg = fx.model.config().clone();
     let vocab = cfg.vocab_size;
     let tokens = fx.tokens();
@@ -597,9 +591,7 @@ fn run_chunked(model: &Model, tokens: &[u32], chunks: &[usize]) -> (Vec<f32>, Se
 
 #[test]
 fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
-    let Some(fx) = Fixture::load("V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load();
     let model = &fx.model;
     let tokens = fx.tokens();
     let n = tokens.len();
@@ -636,9 +628,7 @@ fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
 
 #[test]
 fn rollback_after_partial_verify_equals_never_drafted() {
-    let Some(fx) = Fixture::load("V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load();
     let model = &fx.model;
     let tokens = fx.tokens();
     let n = tokens.len();
@@ -762,9 +752,7 @@ fn random_checkpoint_is_chunking_and_rollback_invariant() {
 /// KV and index keys of every source, the boundary layer's included) equal the full prefill's.
 #[test]
 fn bounded_replay_truncates_only_the_decoder() {
-    let Some(fx) = Fixture::load("V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load();
     let model = &fx.model;
     let cfg = model.config().clone();
     let vocab = cfg.vocab_size;
