@@ -1167,8 +1167,9 @@ fn read_logits(path: &std::path::Path) -> Vec<f32> {
         .collect()
 }
 
-/// `deepinfer-node logits --device cuda` (the tool behind the flag): the same logits as on the CPU
-/// in chunked prefill; without a driver, a clear `--device cuda` error instead of a panic.
+/// `deepinfer-node logits --device cuda` (the tool behind the flag): the same logits as on the CPU,
+/// bit for bit, in chunked prefill; without a driver, a clear `--device cuda` error instead of a
+/// panic (and the test fails: it needs the GPU).
 #[test]
 fn logits_tool_runs_on_cuda() {
     use deepinfer_actors::tools::logits::{LogitsDevice, LogitsRequest, run_on};
@@ -1216,6 +1217,7 @@ fn logits_tool_runs_on_cuda() {
         n - 3,
         gpu.len()
     );
+    assert_bitwise("logits tool --device cuda vs --device cpu", &gpu, &cpu);
 }
 
 /// The V4 tiny fixture (float32 precision, 128×128 FP8 tiles, the fp32 linears over FP8 / FP4
