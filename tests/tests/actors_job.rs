@@ -46,7 +46,7 @@ fn input_lines() -> Vec<String> {
                           "max_tokens": 3, "seed": i}})
             .to_string(),
             _ if i % 3 == 1 => json!({"custom_id": format!("r{i}"), "method": "POST", "url": "/v1/completions",
-                "body": {"model": "deepseek-v4.1-flash", "prompt": format!("Story number {i}:"), "max_tokens": 4, "temperature": 0}})
+                "body": {"model": "deepseek-v4.1-flash", "prompt": format!("Story number {i}"), "max_tokens": 4, "temperature": 0}})
             .to_string(),
             _ => json!({"prompt": format!("Plain prompt {i}"), "max_tokens": 2}).to_string(),
         })
@@ -54,7 +54,9 @@ fn input_lines() -> Vec<String> {
 }
 
 /// Line `i` of [`input_lines`] as a request of its own (`None` for the two bad lines), to run
-/// alone: seeded (chat) or greedy (completions) lines give the same tokens in any batch.
+/// alone: seeded (chat) or greedy (completions) lines give the same tokens in any batch. The
+/// line's marker: its seed (chat) or its number at the end of its prompt (the fake model's next
+/// token depends on the last one), so two lines' responses differ.
 fn solo_request(i: usize) -> Option<GenerateRequest> {
     match i {
         17 | 42 => None,
@@ -63,7 +65,7 @@ fn solo_request(i: usize) -> Option<GenerateRequest> {
             "messages": [{"role": "user", "content": format!("Question {i}?")}],
             "max_tokens": 3, "seed": i}))),
         _ if i % 3 == 1 => Some(
-            GenerateRequest::from_text(format!("Story number {i}:"))
+            GenerateRequest::from_text(format!("Story number {i}"))
                 .max_tokens(4)
                 .temperature(0.0),
         ),
