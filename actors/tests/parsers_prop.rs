@@ -159,10 +159,10 @@ proptest! {
                 }
             }
         }
-        if let Ok(encoded) = codec().encode_chat(&body) {
-            if let Some(constraint) = &encoded.constraint {
-                let _ = grammar_engine().compile(constraint);
-            }
+        if let Ok(encoded) = codec().encode_chat(&body)
+            && let Some(constraint) = &encoded.constraint
+        {
+            let _ = grammar_engine().compile(constraint);
         }
     }
 }
