@@ -10,7 +10,7 @@
 //! and the grammar engine); the demo's CPU LM head dominates. JSON-schema requests ask for compact
 //! JSON (see [`compact_json`]); every output ends well inside `MAX_TOKENS`.
 //!
-//! The v41-tiny fixture model (shared/fixtures/v41/v41-tiny) cannot run this test: its 512-token
+//! The v41-tiny fixture model (tests/fixtures/v41/v41-tiny) cannot run this test: its 512-token
 //! stub vocabulary has no tokenizer, so no token bytes exist to build a grammar engine from.
 
 mod common;

@@ -11,14 +11,17 @@ fn node() -> Command {
     Command::new(env!("CARGO_BIN_EXE_deepinfer-node"))
 }
 
-fn fixture() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
-    if dir.join("config.json").is_file() {
-        Some(dir)
-    } else {
-        eprintln!("SKIPPED: golden fixture not found at {}", dir.display());
-        None
-    }
+/// The repository's fixture `rel` (`tests/fixtures/<rel>`); a missing one fails the test.
+fn fixture(rel: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel);
+    assert!(
+        dir.join("config.json").is_file(),
+        "fixture {rel} is missing: no {}",
+        dir.join("config.json").display()
+    );
+    dir
 }
 
 fn read_logits(path: &Path) -> (Vec<usize>, Vec<f32>) {
@@ -36,7 +39,7 @@ fn read_logits(path: &Path) -> (Vec<usize>, Vec<f32>) {
 
 #[test]
 fn logits_tool_writes_the_same_logits_for_any_chunking() {
-    let Some(model) = fixture() else { return };
+    let model = fixture("v41/v41-tiny");
     let out = tempfile::tempdir().expect("tempdir");
     let tokens = "482,319,349,457,296,396,425,117";
     let run = |chunks: Option<&str>, name: &str| {
@@ -114,7 +117,7 @@ fn logits_tool_fails_in_one_line_on_bad_input() {
     assert!(!target.exists());
 
     // A truncated checkpoint names the file.
-    let Some(model) = fixture() else { return };
+    let model = fixture("v41/v41-tiny");
     let corrupt = out.path().join("corrupt");
     std::fs::create_dir(&corrupt).expect("mkdir");
     std::fs::copy(model.join("config.json"), corrupt.join("config.json")).expect("copy");
@@ -210,11 +213,7 @@ fn eplb_plan_prints_the_solver_plan() {
 /// and the rows match the fixture's transformers logits for the same chunking (README tolerance).
 #[test]
 fn logits_tool_runs_the_v4_fixture() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v4/v4-tiny");
-    if !dir.join("config.json").is_file() {
-        eprintln!("SKIPPED: V4 fixture not found at {}", dir.display());
-        return;
-    }
+    let dir = fixture("v4/v4-tiny");
     let case: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).expect("case.json"))
             .expect("case.json parses");

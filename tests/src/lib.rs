@@ -1,1 +1,59 @@
-//! deepinfer-tests: shared harness for the cross-crate integration and golden tests.
+//! deepinfer-tests: shared harness for the cross-crate integration and golden tests, and the one
+//! way they find the golden fixtures kept in the repository (`tests/fixtures/`).
+
+use std::path::PathBuf;
+
+/// The variable that points the tests at another copy of `tests/fixtures/` (the GPU suite sets
+/// it on the H200, where this build's source tree is not at the path it was built from).
+pub const FIXTURES_ENV: &str = "DEEPINFER_FIXTURES";
+
+/// `$DEEPINFER_FIXTURES`, else this repository's `tests/fixtures/`.
+pub fn fixtures_root() -> PathBuf {
+    std::env::var_os(FIXTURES_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures"))
+}
+
+/// The fixture directory `rel` under [`fixtures_root`] (e.g. `"v41/v41-tiny"`). Panics, naming the
+/// path, when it holds no `config.json`: a missing fixture fails the test, never skips it.
+pub fn fixture_dir(rel: &str) -> PathBuf {
+    let dir = fixtures_root().join(rel);
+    assert!(
+        dir.join("config.json").is_file(),
+        "fixture {rel} is missing: no {} (the fixtures live in tests/fixtures/; ${FIXTURES_ENV} \
+         overrides their root)",
+        dir.join("config.json").display()
+    );
+    dir
+}
+
+/// A file of the fixture `rel` (e.g. `fixture_file("v4/v4-tiny", "config.json")`), which must exist.
+pub fn fixture_file(rel: &str, file: &str) -> PathBuf {
+    let path = fixture_dir(rel).join(file);
+    assert!(path.is_file(), "fixture file {} is missing", path.display());
+    path
+}
+
+/// The V4.1 fixture `rel` (e.g. `"v41/v41-odd"`) loaded on the host with its stub Engram
+/// vocabulary (fixture README "Tokenizer and Engram": compressed id = token id / 2).
+pub fn v41_model(rel: &str) -> deepinfer_model::Model {
+    let dir = fixture_dir(rel);
+    let cfg = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
+        .unwrap_or_else(|e| panic!("{rel} config.json: {e}"));
+    let pad = cfg
+        .engram
+        .as_ref()
+        .unwrap_or_else(|| panic!("{rel} has no Engram"))
+        .pad_token_id;
+    let vocab = deepinfer_model::engram::CompressedVocab::halving_stub(cfg.vocab_size, pad)
+        .expect("stub vocabulary");
+    deepinfer_model::Model::load_with_vocab(&dir, Some(vocab))
+        .unwrap_or_else(|e| panic!("{rel} loads: {e}"))
+}
+
+/// The v41-tiny fixture model ([`v41_model`]).
+pub fn v41_tiny_model() -> deepinfer_model::Model {
+    v41_model("v41/v41-tiny")
+}
+
+pub mod freed;

@@ -1,5 +1,6 @@
 //! The offline job end to end on the fake backend with the shipped DeepSeek tokenizer:
-//! OpenAI Batch lines in, one output line per input line out, in order, errors in place.
+//! OpenAI Batch lines in, one output line per input line out, in order, errors in place, each
+//! response the one of its own line's request (run alone for comparison).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -45,11 +46,35 @@ fn input_lines() -> Vec<String> {
                           "max_tokens": 3, "seed": i}})
             .to_string(),
             _ if i % 3 == 1 => json!({"custom_id": format!("r{i}"), "method": "POST", "url": "/v1/completions",
-                "body": {"model": "deepseek-v4.1-flash", "prompt": format!("Story number {i}:"), "max_tokens": 4, "temperature": 0}})
+                "body": {"model": "deepseek-v4.1-flash", "prompt": format!("Story number {i}"), "max_tokens": 4, "temperature": 0}})
             .to_string(),
             _ => json!({"prompt": format!("Plain prompt {i}"), "max_tokens": 2}).to_string(),
         })
         .collect()
+}
+
+/// Line `i` of [`input_lines`] as a request of its own (`None` for the two bad lines), to run
+/// alone: seeded (chat) or greedy (completions) lines give the same tokens in any batch. The
+/// line's marker: its seed (chat) or its number at the end of its prompt (the fake model's next
+/// token depends on the last one), so two lines' responses differ.
+fn solo_request(i: usize) -> Option<GenerateRequest> {
+    match i {
+        17 | 42 => None,
+        _ if i.is_multiple_of(3) => Some(GenerateRequest::from_chat(json!({
+            "model": "deepseek-v4.1-flash",
+            "messages": [{"role": "user", "content": format!("Question {i}?")}],
+            "max_tokens": 3, "seed": i}))),
+        _ if i % 3 == 1 => Some(
+            GenerateRequest::from_text(format!("Story number {i}"))
+                .max_tokens(4)
+                .temperature(0.0),
+        ),
+        _ => Some(
+            GenerateRequest::from_text(format!("Plain prompt {i}"))
+                .max_tokens(2)
+                .temperature(0.0),
+        ),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,6 +100,22 @@ async fn jsonl_job_gives_one_line_per_input_line_in_order() {
         )
         .await
         .unwrap();
+        // Each line's own request run alone: its response must be that line's, not another's.
+        let mut alone = Vec::new();
+        for i in 0..100 {
+            alone.push(match solo_request(i) {
+                Some(request) => Some(
+                    engine
+                        .generate(request)
+                        .await
+                        .unwrap()
+                        .collect()
+                        .await
+                        .unwrap(),
+                ),
+                None => None,
+            });
+        }
         engine.shutdown(Duration::from_secs(30)).await.unwrap();
         assert_eq!(
             (summary.lines, summary.succeeded, summary.failed),
@@ -140,12 +181,31 @@ async fn jsonl_job_gives_one_line_per_input_line_in_order() {
                         finish == "length" && completion == max || finish == "stop",
                         "line {i}: {finish} after {completion}"
                     );
+                    // The per-line marker: the prompt and the output of this line's own request.
+                    let own = alone[i].as_ref().expect("a request line");
+                    assert_eq!(
+                        (usage["prompt_tokens"].as_u64(), completion),
+                        (
+                            Some(own.usage.prompt_tokens as u64),
+                            own.usage.completion_tokens as u64
+                        ),
+                        "line {i}: usage of another line's request"
+                    );
                     if object == "chat.completion" {
                         assert_eq!(choice["message"]["role"], "assistant");
-                        assert!(choice["message"]["content"].is_string());
+                        let content = choice["message"]["content"].as_str().unwrap();
+                        assert!(
+                            own.text.ends_with(content),
+                            "line {i}: {content:?} is not the answer of its own request {:?}",
+                            own.text
+                        );
                         assert_eq!(body["model"], "deepseek-v4.1-flash");
                     } else {
-                        assert!(choice["text"].is_string());
+                        assert_eq!(
+                            choice["text"].as_str(),
+                            Some(own.text.as_str()),
+                            "line {i}: the text of another line's request"
+                        );
                     }
                 }
             }

@@ -17,7 +17,9 @@ use deepinfer_model::config::ModelConfig;
 use deepinfer_model::error::ModelError;
 use safetensors::tensor::TensorView;
 
-const FIXTURE_DIR: &str = "/work/shared/fixtures/v41/v41-tiny";
+fn v41_tiny() -> PathBuf {
+    deepinfer_tests::fixture_dir("v41/v41-tiny")
+}
 
 fn real_config() -> ModelConfig {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/deepseek-v4.1-flash.config.json");
@@ -94,8 +96,8 @@ fn is_vision(name: &str) -> bool {
 
 #[test]
 fn fixture_holds_exactly_the_inventory_of_its_config() {
-    let cfg = ModelConfig::from_file(&Path::new(FIXTURE_DIR).join("config.json")).expect("config");
-    let ckpt = Checkpoint::open(Path::new(FIXTURE_DIR)).expect("fixture opens");
+    let cfg = ModelConfig::from_file(&v41_tiny().join("config.json")).expect("config");
+    let ckpt = Checkpoint::open(&v41_tiny()).expect("fixture opens");
     let mut expected = BTreeMap::new();
     for spec in v41_inventory(&cfg) {
         for (name, dtype, shape) in spec.stored() {
@@ -132,7 +134,7 @@ fn fixture_holds_exactly_the_inventory_of_its_config() {
 #[test]
 fn fixture_reads_through_every_typed_call() {
     let cfg = ModelConfig::tiny_v41();
-    let ckpt = Checkpoint::open(Path::new(FIXTURE_DIR)).expect("fixture opens");
+    let ckpt = Checkpoint::open(&v41_tiny()).expect("fixture opens");
     for spec in v41_inventory(&cfg) {
         let values = read_entry(&ckpt, &spec).unwrap_or_else(|err| panic!("{}: {err}", spec.name));
         assert!(
@@ -272,7 +274,7 @@ fn synthetic_statistics_match_the_fixture() {
     let cfg = ModelConfig::tiny_v41();
     let (dir, _) = synth_checkpoint(11, 2);
     let synth = Checkpoint::open(dir.path()).expect("synthetic opens");
-    let fixture = Checkpoint::open(Path::new(FIXTURE_DIR)).expect("fixture opens");
+    let fixture = Checkpoint::open(&v41_tiny()).expect("fixture opens");
     let mut compared = 0;
     for spec in v41_inventory(&cfg) {
         let ours = read_entry(&synth, &spec).expect("synthetic entry");
@@ -629,7 +631,9 @@ fn unindexed_directories_load_every_shard_and_reject_duplicates() {
     );
 }
 
-const V4_FIXTURE_DIR: &str = "/work/shared/fixtures/v4/v4-tiny";
+fn v4_tiny() -> PathBuf {
+    deepinfer_tests::fixture_dir("v4/v4-tiny")
+}
 
 fn v4_data_config(name: &str) -> ModelConfig {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -672,9 +676,8 @@ fn assert_holds_exactly(ckpt: &Checkpoint, specs: &[TensorSpec]) -> usize {
 
 #[test]
 fn v4_fixture_holds_exactly_the_inventory_of_its_config() {
-    let cfg =
-        ModelConfig::from_file(&Path::new(V4_FIXTURE_DIR).join("config.json")).expect("config");
-    let ckpt = Checkpoint::open(Path::new(V4_FIXTURE_DIR)).expect("fixture opens");
+    let cfg = ModelConfig::from_file(&v4_tiny().join("config.json")).expect("config");
+    let ckpt = Checkpoint::open(&v4_tiny()).expect("fixture opens");
     let specs = v4_inventory(&cfg);
     // 304 tensors, all float32 except the three I64 tid2eid tables.
     assert_eq!(assert_holds_exactly(&ckpt, &specs), 304);
@@ -706,7 +709,7 @@ fn v4_fixture_holds_exactly_the_inventory_of_its_config() {
 #[test]
 fn v4_fixture_reads_through_every_typed_call() {
     let cfg = ModelConfig::tiny_v4();
-    let ckpt = Checkpoint::open(Path::new(V4_FIXTURE_DIR)).expect("fixture opens");
+    let ckpt = Checkpoint::open(&v4_tiny()).expect("fixture opens");
     for spec in v4_inventory(&cfg) {
         let values = read_entry(&ckpt, &spec).unwrap_or_else(|err| panic!("{}: {err}", spec.name));
         assert!(values.iter().all(|v| v.is_finite()), "{}", spec.name);
@@ -979,7 +982,7 @@ fn v4_synthetic_float32_checkpoint_has_the_fixture_layout() {
     // A random checkpoint of the fixture's config (float32 storage) holds exactly the fixture's
     // tensors under the official names, in one shard without an index as well as sharded.
     let cfg = ModelConfig::tiny_v4();
-    let fixture = Checkpoint::open(Path::new(V4_FIXTURE_DIR)).expect("fixture opens");
+    let fixture = Checkpoint::open(&v4_tiny()).expect("fixture opens");
     let dir = tempfile::tempdir().expect("tempdir");
     write_random_checkpoint(&cfg, 9, dir.path(), 2).expect("written");
     let synth = Checkpoint::open(dir.path()).expect("reopens");

@@ -19,7 +19,9 @@ fn data_path(name: &str) -> PathBuf {
 }
 
 const REAL_CONFIG: &str = "deepseek-v4.1-flash.config.json";
-const FIXTURE_CONFIG: &str = "/work/shared/fixtures/v41/v41-tiny/config.json";
+fn v41_tiny_config() -> PathBuf {
+    deepinfer_tests::fixture_file("v41/v41-tiny", "config.json")
+}
 
 fn real_json() -> Value {
     let text = std::fs::read_to_string(data_path(REAL_CONFIG)).expect("test data present");
@@ -267,7 +269,7 @@ fn real_config_layer_schedule_matches_spec_section_2() {
 
 #[test]
 fn fixture_config_parses_and_equals_tiny_v41() {
-    let cfg = ModelConfig::from_file(Path::new(FIXTURE_CONFIG)).expect("fixture config parses");
+    let cfg = ModelConfig::from_file(&v41_tiny_config()).expect("fixture config parses");
     assert_eq!(cfg, ModelConfig::tiny_v41());
     assert_eq!(cfg.kv_source_of(5), Some(4));
     assert_eq!(cfg.index_source_of(9), Some(8));
@@ -572,7 +574,9 @@ fn optional_parts_may_be_absent() {
 
 const V4_FLASH_CONFIG: &str = "deepseek-v4-flash.config.json";
 const V4_FLASH_0731_CONFIG: &str = "deepseek-v4-flash-0731.config.json";
-const V4_FIXTURE_CONFIG: &str = "/work/shared/fixtures/v4/v4-tiny/config.json";
+fn v4_tiny_config() -> PathBuf {
+    deepinfer_tests::fixture_file("v4/v4-tiny", "config.json")
+}
 
 fn json_of(path: &Path) -> Value {
     let text = std::fs::read_to_string(path).expect("test data present");
@@ -749,7 +753,7 @@ fn v4_flash_0731_config_parses_with_the_dspark_drafter() {
 
 #[test]
 fn v4_fixture_config_parses_and_equals_tiny_v4() {
-    let cfg = ModelConfig::from_file(Path::new(V4_FIXTURE_CONFIG)).expect("fixture config parses");
+    let cfg = ModelConfig::from_file(&v4_tiny_config()).expect("fixture config parses");
     assert_eq!(cfg, ModelConfig::tiny_v4());
     let v4 = cfg.v4.as_ref().expect("V4 part");
     assert_eq!((v4.csa_ratio, v4.hca_ratio), (4, 8));
@@ -792,7 +796,7 @@ fn v4_configs_round_trip_through_json() {
     }
     // ... and the fixture's schedule (HCA rate 8) needs the transformers spelling.
     let json = ModelConfig::tiny_v4().to_hf_json().expect("serialises");
-    let fixture = json_of(Path::new(V4_FIXTURE_CONFIG));
+    let fixture = json_of(&v4_tiny_config());
     for key in keys(&json) {
         assert!(fixture.get(&key).is_some(), "{key} is not a fixture key");
     }
@@ -844,7 +848,7 @@ fn transformers_and_legacy_spellings_give_the_same_config() {
 fn bad_v4_configs_name_the_field() {
     let flash = data_path(V4_FLASH_CONFIG);
     let dspark = data_path(V4_FLASH_0731_CONFIG);
-    let fixture = PathBuf::from(V4_FIXTURE_CONFIG);
+    let fixture = v4_tiny_config();
     let cases: Vec<(&Path, Edit, &str, &str)> = vec![
         (
             &flash,

@@ -13,17 +13,12 @@ use deepinfer_actors::tools::logits;
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
 use deepinfer_model::Model;
 use deepinfer_model::config::ModelConfig;
+use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{NodeConfig, RequestId};
 use safetensors::SafeTensors;
 
-fn fixture() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
-    if dir.join("config.json").is_file() {
-        Some(dir)
-    } else {
-        eprintln!("SKIPPED: golden fixture not found at {}", dir.display());
-        None
-    }
+fn fixture() -> PathBuf {
+    deepinfer_tests::fixture_dir("v41/v41-tiny")
 }
 
 fn tool_logits(model: &Path, tokens: &[u32]) -> Vec<f32> {
@@ -46,7 +41,7 @@ fn tool_logits(model: &Path, tokens: &[u32]) -> Vec<f32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_logits_equal_the_logits_tool() {
-    let Some(dir) = fixture() else { return };
+    let dir = fixture();
     let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
     let vocab = logits::engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
     let model = Arc::new(Model::load_with_vocab(&dir, vocab).expect("fixture loads"));
@@ -58,15 +53,16 @@ async fn engine_logits_equal_the_logits_tool() {
         "engine logits test",
     )
     .expect("topology");
+    let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
+        Arc::new(ModelFactory {
+            model,
+            description: "v41-tiny fixture".into(),
+        }),
+        rows.clone(),
+    )));
     let config = EngineConfig {
         node,
-        executor: Arc::new(ObservedFactory::new(
-            Arc::new(ModelFactory {
-                model,
-                description: "v41-tiny fixture".into(),
-            }),
-            rows.clone(),
-        )),
+        executor,
         model: ModelFacts {
             vocab_size: cfg.vocab_size,
             bos_token_id: cfg.bos_token_id,
@@ -106,10 +102,7 @@ async fn engine_logits_equal_the_logits_tool() {
             .expect("finishes in time")
             .expect("completes");
     }
-    engine
-        .shutdown(Duration::from_secs(30))
-        .await
-        .expect("shuts down");
+    freed.shutdown_and_check_replay(engine).await;
 
     // The engine's rows for the main request, by position.
     let recorded = rows.snapshot();

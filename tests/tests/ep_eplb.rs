@@ -1,19 +1,21 @@
 //! Live EPLB on the engine: under skewed routing a rebalance lowers the load imbalance measured
 //! on the EP ranks, and placements swapped by epoch under traffic lose and change nothing (every
-//! request finishes with the tokens of a run without rebalancing) while no step mixes epochs.
+//! request finishes with the tokens of a run without rebalancing, every sampled logits row
+//! bitwise equal to that run's) while no step mixes epochs.
 
 mod ep_support;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
 
 use deepinfer_actors::experts::factory::ExpertParallelFactory;
 use deepinfer_actors::messages::eplb::{EplbStatus, RebalanceReport};
 use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::{Engine, EngineConfig};
+use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::PlacementEpoch;
-use ep_support::{facts, model, node, run_engine, run_requests, skewed_prompts};
+use ep_support::{bits, facts, model, node, run_engine, run_requests, skewed_prompts};
 
 fn mean(values: &[f64]) -> f64 {
     values.iter().sum::<f64>() / values.len() as f64
@@ -37,9 +39,10 @@ async fn rebalance_lowers_the_measured_imbalance_under_skewed_routing() {
     let topology = node(2, 4, "redundant_experts = 4");
     let factory = ExpertParallelFactory::new(model.clone(), &topology, "eplb test".into())
         .expect("ep factory");
+    let (executor, freed) = FreedLengths::track(Arc::new(factory.clone()));
     let config = EngineConfig {
         node: topology,
-        executor: Arc::new(factory.clone()),
+        executor,
         model: facts(&model),
         tokenizer: None,
     };
@@ -70,10 +73,7 @@ async fn rebalance_lowers_the_measured_imbalance_under_skewed_routing() {
     assert!(after < before, "imbalance {before} -> {after}");
     let st = status(&factory).await;
     assert!(st.rebalances >= 1);
-    engine
-        .shutdown(Duration::from_secs(30))
-        .await
-        .expect("shuts down");
+    freed.shutdown_and_check_replay(engine).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,7 +92,7 @@ async fn epoch_swaps_under_traffic_lose_and_change_nothing() {
         model: model.clone(),
         description: "plain".into(),
     };
-    let (expected, _) = run_engine(
+    let (expected, expected_rows) = run_engine(
         node(1, 1, ""),
         Arc::new(reference),
         facts,
@@ -109,23 +109,44 @@ async fn epoch_swaps_under_traffic_lose_and_change_nothing() {
     );
     let factory = ExpertParallelFactory::new(model.clone(), &topology, "eplb test".into())
         .expect("ep factory");
+    let rows = Arc::new(RowLog::new());
+    let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
+        Arc::new(factory.clone()),
+        rows.clone(),
+    )));
     let config = EngineConfig {
         node: topology,
-        executor: Arc::new(factory.clone()),
+        executor,
         model: facts,
         tokenizer: None,
     };
     let engine = Engine::start(config).await.expect("engine starts");
     let got = run_requests(&engine, &prompts, max_tokens).await;
     let st = status(&factory).await;
-    engine
-        .shutdown(Duration::from_secs(30))
-        .await
-        .expect("shuts down");
+    freed.shutdown_and_check_replay(engine).await;
 
-    // Zero lost or changed requests.
+    // Zero lost or changed requests, and every row a token was sampled from bitwise the
+    // reference's (request ids are given in submission order by both engines).
     assert_eq!(got.len(), prompts.len());
     assert_eq!(got, expected);
+    let rows = rows.snapshot();
+    let mut compared = 0;
+    for ((id, tokens), prompt) in got.iter().zip(&prompts) {
+        for position in prompt.len() - 1..prompt.len() - 1 + tokens.len() {
+            let key = (*id, position);
+            let (live, reference) = (rows.get(&key), expected_rows.get(&key));
+            let (Some(live), Some(reference)) = (live, reference) else {
+                panic!("request {id:?} position {position}: a sampled row is missing");
+            };
+            assert_eq!(
+                bits(live),
+                bits(reference),
+                "request {id:?} position {position}: logits under live EPLB swaps"
+            );
+            compared += 1;
+        }
+    }
+    println!("{compared} sampled logits rows bitwise equal to the run without rebalancing");
 
     // Placements really changed under traffic, and no step mixed epochs.
     assert!(st.rebalances >= 1, "{st:?}");

@@ -1,5 +1,5 @@
 //! Golden tests of the DeepSeek-V4 forward pass on the CPU backend against Hugging Face
-//! transformers 5.17 in float32 (`shared/fixtures/v4/v4-tiny`, tolerance from its README: every
+//! transformers 5.17 in float32 (`tests/fixtures/v4/v4-tiny`, tolerance from its README: every
 //! `logits_*` row within 1e-4 × the logit range, greedy tokens equal), plus the chunking / verify /
 //! rollback invariance of the per-sequence state on the fixture and on reduced random checkpoints
 //! in the official format (FP8 128×128 tiles, FP4 experts, sharded; V4-Flash with its MTP block and
@@ -14,7 +14,7 @@ use deepinfer_model::any_model::{AnyModel, AnySequence};
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::v4::{Model, SequenceState};
-use golden_support::{Expected, argmax, fixture_dir, ids};
+use golden_support::{Expected, argmax, ids};
 use serde_json::Value;
 
 /// README tolerance, relative to `max − min` of `logits_full`.
@@ -33,12 +33,12 @@ impl std::ops::Deref for Fixture {
 }
 
 impl Fixture {
-    fn load() -> Option<Fixture> {
-        let dir = fixture_dir("v4", "v4-tiny", "V4 golden test")?;
-        Some(Fixture {
+    fn load() -> Fixture {
+        let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
+        Fixture {
             model: Model::load(&dir).expect("fixture model loads"),
             data: Expected::read(&dir),
-        })
+        }
     }
 
     fn ids(&self, key: &str) -> Vec<u32> {
@@ -120,7 +120,7 @@ fn assert_matches(fx: &Fixture, label: &str, logits: &[f32]) {
 
 #[test]
 fn full_prefill_matches_transformers() {
-    let Some(fx) = Fixture::load() else { return };
+    let fx = Fixture::load();
     let tokens = fx.ids("input_ids");
     let logits = run_schedule(&fx.model, &tokens, &[tokens.len()]);
     assert_matches(&fx, "logits_full", &logits);
@@ -128,7 +128,7 @@ fn full_prefill_matches_transformers() {
 
 #[test]
 fn chunked_prefill_and_decode_match_transformers() {
-    let Some(fx) = Fixture::load() else { return };
+    let fx = Fixture::load();
     let tokens = fx.ids("input_ids");
     for label in ["chunked", "decode"] {
         let logits = run_schedule(&fx.model, &tokens, &fx.schedule(label));
@@ -138,7 +138,7 @@ fn chunked_prefill_and_decode_match_transformers() {
 
 #[test]
 fn greedy_continuation_matches_transformers() {
-    let Some(fx) = Fixture::load() else { return };
+    let fx = Fixture::load();
     let tokens = fx.ids("input_ids");
     let expected = fx.ids("greedy_tokens");
     let model = &fx.model;
@@ -248,7 +248,7 @@ fn assert_state_invariance(model: &Model, tokens: &[u32]) {
 
 #[test]
 fn fixture_state_is_chunking_verify_and_rollback_invariant() {
-    let Some(fx) = Fixture::load() else { return };
+    let fx = Fixture::load();
     assert_state_invariance(&fx.model, &fx.ids("input_ids"));
 }
 
@@ -293,10 +293,8 @@ fn assert_official_format(dir: &Path) {
 /// The family dispatch gives the V4 model the `logits` tool runs: same rows as [`Model`].
 #[test]
 fn any_model_dispatches_the_fixture_to_v4() {
-    let Some(dir) = fixture_dir("v4", "v4-tiny", "V4 golden test") else {
-        return;
-    };
-    let Some(fx) = Fixture::load() else { return };
+    let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
+    let fx = Fixture::load();
     let any = AnyModel::load(&dir, None).expect("loads");
     assert!(matches!(any, AnyModel::V4(_)));
     let tokens = &fx.ids("input_ids")[..20];

@@ -1,5 +1,5 @@
 //! Golden tests of the V4.1 forward pass on the CPU reference backend against DeepSeek's official
-//! reference outputs (`shared/fixtures/v41`: `v41-tiny`, and `v41-odd` whose dims are not
+//! reference outputs (`tests/fixtures/v41`: `v41-tiny`, and `v41-odd` whose dims are not
 //! multiples of 128), asserting the rules of the fixtures' README ("Tolerances", "Comparing an
 //! independent implementation"), plus the chunking / verify / rollback invariance of the
 //! per-sequence state.
@@ -36,9 +36,7 @@ fn inject_reference_streams(g: &Golden, trace: &mut ForwardTrace, n: usize) {
 
 /// Free-running prefill and decode of a fixture's primary case against the README's rules.
 fn free_running_follows_the_readme_rules(name: &str) {
-    let Some(fx) = Fixture::load(name, "V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load(name);
     let g = Golden::primary(&fx);
     let vocab = fx.model.config().vocab_size;
     let tokens = g.tokens();
@@ -83,9 +81,7 @@ fn v41_tiny_free_running_follows_the_readme_rules() {
 /// departures whose cause is not found yet. The FFN-site `pre` of block 0 is bit-exact too
 /// outside the reference's scalar tail.
 fn blocks_match_given_reference_inputs(name: &str, unexplained: &[(usize, usize)]) {
-    let Some(fx) = Fixture::load(name, "V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load(name);
     let g = Golden::primary(&fx);
     let cfg = fx.model.config().clone();
     let tokens = g.tokens();
@@ -164,9 +160,7 @@ fn run_chunked(model: &Model, tokens: &[u32], chunks: &[usize]) -> (Vec<f32>, Se
 
 #[test]
 fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
-    let Some(fx) = Fixture::load("v41-tiny", "V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load("v41-tiny");
     let model = &fx.model;
     let tokens = Golden::primary(&fx).tokens();
     let n = tokens.len();
@@ -203,9 +197,7 @@ fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
 
 #[test]
 fn rollback_after_partial_verify_equals_never_drafted() {
-    let Some(fx) = Fixture::load("v41-tiny", "V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load("v41-tiny");
     let model = &fx.model;
     let tokens = Golden::primary(&fx).tokens();
     let n = tokens.len();
@@ -329,9 +321,7 @@ fn random_checkpoint_is_chunking_and_rollback_invariant() {
 /// KV and index keys of every source, the boundary layer's included) equal the full prefill's.
 #[test]
 fn bounded_replay_truncates_only_the_decoder() {
-    let Some(fx) = Fixture::load("v41-tiny", "V4.1 golden test") else {
-        return;
-    };
+    let fx = Fixture::load("v41-tiny");
     let model = &fx.model;
     let cfg = model.config().clone();
     let vocab = cfg.vocab_size;

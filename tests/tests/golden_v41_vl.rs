@@ -1,4 +1,4 @@
-//! Golden tests of the V4.1 vision path (`vl` case of `shared/fixtures/v41/v41-tiny`, tolerances
+//! Golden tests of the V4.1 vision path (`vl` case of `tests/fixtures/v41/v41-tiny`, tolerances
 //! from its README): preprocessing, ViT, aligner, the image-span layout and the whole prompt with
 //! an image through prefill, decode and DSpark, plus chunking invariance around an image span.
 //! `vl.prefill.engram_hash` (dead image positions) is covered by the Engram module's own fixture
@@ -90,9 +90,7 @@ fn run_chunk(
 #[test]
 fn image_patches_vit_aligner_and_token_types_match_reference() {
     const VIT_RMS: f32 = 1e-2;
-    let Some(fx) = Fixture::load("v41-tiny", "V4.1 vision golden test") else {
-        return;
-    };
+    let fx = Fixture::load("v41-tiny");
     let tower = fx.model.vision_tower().expect("fixture has a vision tower");
     let image = fx.image();
     let prepared = vision::preprocess::prepare(&image, &tower.cfg).expect("prepare");
@@ -194,9 +192,7 @@ fn images_are_refused_without_a_vision_tower_or_with_bad_pixels() {
         Err(VisionError::NoVisionTower { .. })
     ));
 
-    let Some(fx) = Fixture::load("v41-tiny", "V4.1 vision golden test") else {
-        return;
-    };
+    let fx = Fixture::load("v41-tiny");
     let short = ImageInput {
         pixels: vec![0; 10],
         width: 28,
@@ -219,9 +215,7 @@ fn images_are_refused_without_a_vision_tower_or_with_bad_pixels() {
 /// steps, a DSpark proposal after each) by the shared decode rules.
 #[test]
 fn vl_prompt_prefill_decode_and_dspark_follow_the_readme_rules() {
-    let Some(fx) = Fixture::load("v41-tiny", "V4.1 vision golden test") else {
-        return;
-    };
+    let fx = Fixture::load("v41-tiny");
     let g = Golden::vl(&fx);
     let model = &fx.model;
     let cfg = model.config().clone();
@@ -290,9 +284,7 @@ fn vl_prompt_prefill_decode_and_dspark_follow_the_readme_rules() {
 /// left is the arithmetic of every block on image and text rows alike.
 #[test]
 fn vl_prefill_matches_reference_given_reference_selections() {
-    let Some(fx) = Fixture::load("v41-tiny", "V4.1 vision golden test") else {
-        return;
-    };
+    let fx = Fixture::load("v41-tiny");
     let model = &fx.model;
     let cfg = model.config().clone();
     let vocab = cfg.vocab_size;
@@ -336,9 +328,7 @@ fn vl_prefill_matches_reference_given_reference_selections() {
 /// bit for bit; a chunk that cuts the span, or a span over text tokens, is refused.
 #[test]
 fn chunking_around_an_image_span_is_bitwise_invariant() {
-    let Some(fx) = Fixture::load("v41-tiny", "V4.1 vision golden test") else {
-        return;
-    };
+    let fx = Fixture::load("v41-tiny");
     let model = &fx.model;
     let tokens = fx.tokens();
     let n = tokens.len();

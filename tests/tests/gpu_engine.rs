@@ -10,10 +10,9 @@
 //! - The built-in demo model resolved from a `backend = "cuda"` topology serves a request on the
 //!   GPU with the tokens of the CPU model (the wiring from topology to rank device).
 //!
-//! Built only with `--features cuda`. Without a usable GPU every test prints why it skips and
-//! passes; on the H200 they run (the fixture must be there). Fixture: `$DEEPINFER_V41_TINY`, else
-//! `../shared/fixtures/v41/v41-tiny`. On the H200:
-//! `DEEPINFER_V41_TINY=$PWD/.gpu/fixtures/v41-tiny bash .gpu/run.sh gpu_engine --include-ignored`.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
+//! Without a usable GPU every test fails, naming why. Fixtures: `tests/fixtures/`
+//! (`$DEEPINFER_FIXTURES`, which the suite sets).
 #![cfg(feature = "cuda")]
 
 use std::collections::HashMap;
@@ -31,7 +30,7 @@ use deepinfer_model::{LogitsWanted, Model};
 use deepinfer_topology::{NodeConfig, RequestId};
 
 mod gpu_support;
-use gpu_support::{host_fixture_model, v41_tiny_path};
+use gpu_support::host_fixture_model;
 
 /// One recorded row: the logits and the number of sequences in the step that computed it.
 #[derive(Debug, Clone)]
@@ -60,26 +59,28 @@ impl RankObserver for RowsWithBatch {
     }
 }
 
-/// True when a GPU is usable; otherwise says why the test is skipped.
-fn gpu_present(test: &str) -> bool {
+/// Fails `test`, naming why, when no GPU is usable: GPU tests never pass as no-ops.
+fn require_gpu(test: &str) {
     let gpus = gpu::inventory();
-    if gpus.count == 0 {
-        let why = gpus.unavailable.unwrap_or_default();
-        eprintln!("{test}: skipped: no usable GPU ({why})");
-        return false;
-    }
-    true
+    assert!(
+        gpus.count > 0,
+        "{test}: no usable GPU ({}); GPU tests run on the H200 via tests/gpu-suite.sh",
+        gpus.unavailable.unwrap_or_default()
+    );
 }
 
-/// `$DEEPINFER_V41_TINY`, else the shared fixture; on a machine with a GPU it must exist.
-fn v41_tiny_dir() -> PathBuf {
-    let dir = v41_tiny_path();
+/// Fails `test` when `DEEPINFER_HF_MODEL_DIR` would replace the model it must resolve.
+fn require_no_model_override(test: &str) {
     assert!(
-        dir.join("model.safetensors").is_file(),
-        "the v41-tiny fixture is absent at {} (set DEEPINFER_V41_TINY)",
-        dir.display()
+        std::env::var_os(deepinfer_actors::model_source::MODEL_DIR_ENV).is_none(),
+        "{test}: unset {}: it overrides the model this test resolves",
+        deepinfer_actors::model_source::MODEL_DIR_ENV
     );
-    dir
+}
+
+/// The repository's v41-tiny fixture (`$DEEPINFER_FIXTURES` on the H200).
+fn v41_tiny_dir() -> PathBuf {
+    deepinfer_tests::fixture_dir("v41/v41-tiny")
 }
 
 /// The fixture loaded on the host (CPU backend), and its facts.
@@ -201,9 +202,7 @@ const PROBE: [u32; 30] = [
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_engine_equals_the_cpu_engine_bitwise() {
     let test = "cuda_engine_equals_the_cpu_engine_bitwise";
-    if !gpu_present(test) {
-        return;
-    }
+    require_gpu(test);
     let (model, facts) = fixture_model();
     let requests: Vec<(Vec<u32>, usize)> = vec![
         (PROBE.to_vec(), 6),
@@ -264,9 +263,7 @@ async fn cuda_engine_equals_the_cpu_engine_bitwise() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probe_logits_do_not_depend_on_the_batch() {
     let test = "probe_logits_do_not_depend_on_the_batch";
-    if !gpu_present(test) {
-        return;
-    }
+    require_gpu(test);
     const PROBE_TOKENS: usize = 5;
     let (model, facts) = fixture_model();
     // Prompts fit one chunk: the probe's prefill is one row, then one row per decode step.
@@ -372,13 +369,8 @@ async fn probe_logits_do_not_depend_on_the_batch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cuda_topology_runs_the_demo_model_on_the_gpu() {
     let test = "a_cuda_topology_runs_the_demo_model_on_the_gpu";
-    if !gpu_present(test) {
-        return;
-    }
-    if std::env::var_os(deepinfer_actors::model_source::MODEL_DIR_ENV).is_some() {
-        eprintln!("{test}: skipped: DEEPINFER_HF_MODEL_DIR overrides the demo model");
-        return;
-    }
+    require_gpu(test);
+    require_no_model_override(test);
     let node = topology("cuda", 64);
     let resolved = tokio::task::spawn_blocking(move || resolve(&node))
         .await
@@ -430,28 +422,13 @@ async fn a_cuda_topology_runs_the_demo_model_on_the_gpu() {
 
 /// The V4 tiny fixture resolved from a `backend = "cuda"` topology (`V4PerDeviceFactory`): the
 /// engine's rank runs `v4::Model` on the GPU, and several concurrent requests, greedy and seeded
-/// (sampled on the device), get the tokens of the CPU engine on the same directory. Fixture:
-/// `$DEEPINFER_V4_TINY`, else the shared v4-tiny fixture.
+/// (sampled on the device), get the tokens of the CPU engine on the same directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cuda_topology_serves_the_v4_tiny_fixture_with_the_cpu_tokens() {
     let test = "a_cuda_topology_serves_the_v4_tiny_fixture_with_the_cpu_tokens";
-    if !gpu_present(test) {
-        return;
-    }
-    if std::env::var_os(deepinfer_actors::model_source::MODEL_DIR_ENV).is_some() {
-        eprintln!("{test}: skipped: DEEPINFER_HF_MODEL_DIR overrides the fixture");
-        return;
-    }
-    let dir = std::env::var_os("DEEPINFER_V4_TINY")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v4/v4-tiny")
-        });
-    assert!(
-        dir.join("model.safetensors").is_file(),
-        "the v4-tiny fixture is absent at {} (set DEEPINFER_V4_TINY)",
-        dir.display()
-    );
+    require_gpu(test);
+    require_no_model_override(test);
+    let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
     let v4_topology = |backend: &str| {
         let device = if backend == "cuda" {
             "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1"

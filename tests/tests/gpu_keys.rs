@@ -11,9 +11,8 @@
 //! table entry moved by one element changes exactly the results that read it; bad tables and
 //! rows are shape errors.
 //!
-//! Built only with `--features cuda`; `#[ignore]`d (they need an NVIDIA GPU) and, when run
-//! without a CUDA driver, each says why it skips and passes. On the H200:
-//! `bash .gpu/run.sh gpu_keys --include-ignored`.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
+//! Without a CUDA driver every test fails, naming why.
 #![cfg(feature = "cuda")]
 
 use deepinfer_kernels::KernelError;
@@ -197,11 +196,8 @@ fn run_attention(
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn pointer_table_attention_matches_the_flat_launcher_and_the_cpu() {
-    let Some(rt) = runtime("pointer_table_attention_matches_the_flat_launcher_and_the_cpu") else {
-        return;
-    };
+    let rt = runtime("pointer_table_attention_matches_the_flat_launcher_and_the_cpu");
     let mut rng = Rng(7);
     let mut checked = 0usize;
     for (heads, head_dim) in SHAPES {
@@ -303,11 +299,8 @@ fn run_index(
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn pointer_table_index_scores_match_the_flat_launcher_and_the_cpu() {
-    let Some(rt) = runtime("pointer_table_index_scores_match_the_flat_launcher_and_the_cpu") else {
-        return;
-    };
+    let rt = runtime("pointer_table_index_scores_match_the_flat_launcher_and_the_cpu");
     let mut rng = Rng(11);
     let mut checked = 0usize;
     // 0, 1, 7 and 300 keys, and the whole table (with its repeated rows).
@@ -351,11 +344,8 @@ fn pointer_table_index_scores_match_the_flat_launcher_and_the_cpu() {
 /// A table whose row `moved` points one element past its key: the results that read that row
 /// change, the others stay bitwise equal (the tests above would catch a wrong address).
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn a_moved_table_entry_changes_exactly_the_results_that_read_it() {
-    let Some(rt) = runtime("a_moved_table_entry_changes_exactly_the_results_that_read_it") else {
-        return;
-    };
+    let rt = runtime("a_moved_table_entry_changes_exactly_the_results_that_read_it");
     let (heads, head_dim) = (3usize, 96usize);
     let mut rng = Rng(13);
     let keys = ScatteredKeys::new(&rt, &mut rng, head_dim);
@@ -433,11 +423,8 @@ fn a_moved_table_entry_changes_exactly_the_results_that_read_it() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn pointer_tables_reject_bad_rows_and_shapes() {
-    let Some(rt) = runtime("pointer_tables_reject_bad_rows_and_shapes") else {
-        return;
-    };
+    let rt = runtime("pointer_tables_reject_bad_rows_and_shapes");
     let shape_error = |what: &str, result: Result<(), KernelError>, needle: &str| match result {
         Err(KernelError::Shape { message, .. }) => {
             assert!(message.contains(needle), "{what}: {message}")

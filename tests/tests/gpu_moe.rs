@@ -41,8 +41,8 @@
 //! the 1024-token prefill 256 / 119 / 107 ms; the routed w1 alone reaches at most 10% of the
 //! copy bandwidth (issue-bound on the exact CUDA-core arithmetic, see bench/README.md).
 //!
-//! Needs an NVIDIA GPU (ignored otherwise; without a driver an included run prints why it skips).
-//! On the H200: `bash .gpu/run.sh gpu_moe --include-ignored --nocapture`.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
+//! Without a CUDA driver every test fails, naming why.
 #![cfg(feature = "cuda")]
 
 use std::time::Instant;
@@ -555,11 +555,8 @@ impl Layer {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn routed_moe_chain_matches_the_cpu_bitwise() {
-    let Some(rt) = runtime("routed_moe_chain_matches_the_cpu_bitwise") else {
-        return;
-    };
+    let rt = runtime("routed_moe_chain_matches_the_cpu_bitwise");
     let (n_experts, dim, inter) = (16, 96, 64);
     let mut rng = Rng(41);
     let layer = Layer::new(&rt, &mut rng, (n_experts, n_experts, dim, inter));
@@ -633,11 +630,8 @@ fn routed_moe_chain_matches_the_cpu_bitwise() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
-    let Some(rt) = runtime("routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu") else {
-        return;
-    };
+    let rt = runtime("routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu");
     let (n_experts, dim, inter, k) = (16, 96, 64, 4);
     let mut rng = Rng(7);
     let layer = Layer::new(&rt, &mut rng, (n_experts, n_experts, dim, inter));
@@ -699,11 +693,8 @@ fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn routed_fp8_gemm_matches_the_cpu_rows() {
-    let Some(rt) = runtime("routed_fp8_gemm_matches_the_cpu_rows") else {
-        return;
-    };
+    let rt = runtime("routed_fp8_gemm_matches_the_cpu_rows");
     let (n_experts, dim, inter, rows, k) = (5, 160, 96, 7, 3);
     let mut rng = Rng(8);
     let host: Vec<HostExpert<Fp8Weight>> = (0..n_experts)
@@ -795,11 +786,8 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn routed_moe_at_real_width_matches_the_cpu_and_is_timed() {
-    let Some(rt) = runtime("routed_moe_at_real_width_matches_the_cpu_and_is_timed") else {
-        return;
-    };
+    let rt = runtime("routed_moe_at_real_width_matches_the_cpu_and_is_timed");
     // V4.1: dim 5120, 384 routed experts of inter 2304, top-6; 25 distinct host weight sets
     // shared out cyclically (every expert has its own device copy: 384 × 18.8 MB).
     let (n_experts, pool, dim, inter, k) = (384, 25, 5120, 2304, 6);
@@ -919,11 +907,8 @@ fn time_routed_w1(
 /// than one 32-row tile, so an expert spans several tiles) and every slot on a different expert
 /// (one-row tiles), at K = 5280 (165 k-groups: a second chunk of weight loads) and K = 96.
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn routed_gemm_tiles_crowded_and_scattered_experts_like_the_cpu() {
-    let Some(rt) = runtime("routed_gemm_tiles_crowded_and_scattered_experts_like_the_cpu") else {
-        return;
-    };
+    let rt = runtime("routed_gemm_tiles_crowded_and_scattered_experts_like_the_cpu");
     let (n_experts, dim, inter, k) = (40, 5280, 96, 2);
     let mut rng = Rng(4141);
     let layer = Layer::new(&rt, &mut rng, (n_experts, 7, dim, inter));
@@ -1038,11 +1023,8 @@ fn ue8m0(e: i32) -> u8 {
 /// K = 5280 (s; the last groups lie in a second chunk of weight loads). Every kernel must give
 /// exactly the CPU's s or 0, column for column.
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn routed_gemm_adds_k_groups_in_k_order() {
-    let Some(rt) = runtime("routed_gemm_adds_k_groups_in_k_order") else {
-        return;
-    };
+    let rt = runtime("routed_gemm_adds_k_groups_in_k_order");
     let (n_experts, dim, inter, rows, k) = (2, 5280, 64, 5, 2);
     let groups = dim / 32;
     let (big, small) = (20, -10);
@@ -1200,7 +1182,6 @@ fn naive_partial(x: &[f32], w: &[f32]) -> f32 {
 /// exactly: any other rounding of the group sum changes it (the host shows a plain FMA chain
 /// would in some columns).
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn fp4_gemms_are_exact_on_extreme_activations() {
     const DATA: usize = 14;
     let groups = DATA + 2;
@@ -1325,9 +1306,7 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
     );
 
     // The host checks above run everywhere; the kernels need the GPU.
-    let Some(rt) = runtime("fp4_gemms_are_exact_on_extreme_activations") else {
-        return;
-    };
+    let rt = runtime("fp4_gemms_are_exact_on_extreme_activations");
     let d_weight = upload_fp4(&rt, &weight);
     // The routed table's w2 slot ([k, n_cols]); only w1 runs here.
     let zero_w2 = Fp4Weight {

@@ -21,9 +21,8 @@
 //! size and of mixed sizes with an empty one, members in device views, whole device rows and
 //! host rows) and 576 549 injected stream values, with no device-to-host copy inside the ops.
 //!
-//! Built only with `--features cuda`; the tests are ignored by default (they need an NVIDIA GPU):
-//! `bash .gpu/run.sh gpu_rows --include-ignored` on the H200. Without a driver they say why they
-//! skip and pass.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
+//! Without a CUDA driver every test fails, naming why.
 #![cfg(feature = "cuda")]
 
 use deepinfer_kernels::KernelRuntime;
@@ -83,11 +82,8 @@ fn cpu_stream_means(streams: &[f32], hc: usize, dim: usize, rounding: Rounding) 
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn launchers_reject_rows_that_do_not_fit() {
-    let Some(rt) = runtime("launchers_reject_rows_that_do_not_fit") else {
-        return;
-    };
+    let rt = runtime("launchers_reject_rows_that_do_not_fit");
     let src = upload(&rt, &[0.0f32; 10]);
     let mut dst = upload(&rt, &[0.0f32; 10]);
     let shape_error = |result: Result<(), KernelError>| match result {
@@ -118,11 +114,8 @@ fn launchers_reject_rows_that_do_not_fit() {
 // ---- stream means and head-weight scaling ------------------------------------------------------
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn stream_means_match_the_cpu_fold() {
-    let Some(rt) = runtime("stream_means_match_the_cpu_fold") else {
-        return;
-    };
+    let rt = runtime("stream_means_match_the_cpu_fold");
     let mut rng = Rng(13);
     let mut compared = 0;
     let mut other_order_differs = 0;
@@ -164,11 +157,8 @@ fn stream_means_match_the_cpu_fold() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn scale_round_matches_the_index_head_weights() {
-    let Some(rt) = runtime("scale_round_matches_the_index_head_weights") else {
-        return;
-    };
+    let rt = runtime("scale_round_matches_the_index_head_weights");
     let mut rng = Rng(14);
     let mut compared = 0;
     for (heads, head_dim, n) in [(1, 1, 1), (3, 32, 5), (64, 128, 37)] {
@@ -209,11 +199,8 @@ fn on_cores(bits: &[u32], f: impl Fn(u32) -> f32 + Sync) -> Vec<f32> {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn exp_matches_std_f32_exp_over_every_pooling_input() {
-    let Some(rt) = runtime("exp_matches_std_f32_exp_over_every_pooling_input") else {
-        return;
-    };
+    let rt = runtime("exp_matches_std_f32_exp_over_every_pooling_input");
     // The pooling's arguments gate − max lie in [-inf, 0]; below ln 2^-150 ≈ -103.97 the result
     // is 0. Every float of [-104, -0] (bit patterns 0x8000_0000 ..= 0xc2d0_0000), then every
     // 97th pattern of all 2^32.
@@ -273,11 +260,8 @@ fn row_address(rt: &KernelRuntime, buffer: &CudaSlice<f32>, row: usize, width: u
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn gated_pool_matches_pool_channel() {
-    let Some(rt) = runtime("gated_pool_matches_pool_channel") else {
-        return;
-    };
+    let rt = runtime("gated_pool_matches_pool_channel");
     let mut rng = Rng(15);
     let mut compared = 0;
     let (mut reversed_differs, mut replaced_differs) = (0, 0);
@@ -370,11 +354,8 @@ fn gated_pool_matches_pool_channel() {
 // ---- Engram injection --------------------------------------------------------------------------
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn engram_inject_matches_the_cpu_gate() {
-    let Some(rt) = runtime("engram_inject_matches_the_cpu_gate") else {
-        return;
-    };
+    let rt = runtime("engram_inject_matches_the_cpu_gate");
     let mut rng = Rng(16);
     let mut compared = 0;
     let mut other_eps_differs = 0;
@@ -453,11 +434,8 @@ fn copies(cuda: &CudaBackend) -> u64 {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn backend_scale_at_matches_cpu() {
-    let Some(cuda) = cuda_backend("backend_scale_at_matches_cpu") else {
-        return;
-    };
+    let cuda = cuda_backend("backend_scale_at_matches_cpu");
     let mut rng = Rng(21);
     let mut compared = 0;
     for (heads, head_dim, n) in [(1, 1, 1), (3, 32, 5), (64, 128, 37)] {
@@ -492,11 +470,8 @@ fn backend_scale_at_matches_cpu() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn backend_stream_means_match_cpu() {
-    let Some(cuda) = cuda_backend("backend_stream_means_match_cpu") else {
-        return;
-    };
+    let cuda = cuda_backend("backend_stream_means_match_cpu");
     let mut rng = Rng(22);
     let mut compared = 0;
     let mut reversed_differs = 0;
@@ -561,11 +536,8 @@ fn pooling_rows(rng: &mut Rng, rows: usize, head_dim: usize) -> Vec<f32> {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn backend_gated_pool_rows_match_cpu() {
-    let Some(cuda) = cuda_backend("backend_gated_pool_rows_match_cpu") else {
-        return;
-    };
+    let cuda = cuda_backend("backend_gated_pool_rows_match_cpu");
     let mut rng = Rng(23);
     let mut compared = 0;
     let (mut reversed_differs, mut replaced_differs) = (0, 0);
@@ -642,11 +614,8 @@ fn backend_gated_pool_rows_match_cpu() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn backend_engram_inject_matches_cpu() {
-    let Some(cuda) = cuda_backend("backend_engram_inject_matches_cpu") else {
-        return;
-    };
+    let cuda = cuda_backend("backend_engram_inject_matches_cpu");
     let mut rng = Rng(24);
     let mut compared = 0;
     let mut other_eps_differs = 0;

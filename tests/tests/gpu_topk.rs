@@ -9,8 +9,8 @@
 //! 5000 and 262 144 (a long context's compressed keys) share one launch. A negative control checks
 //! that the data tells the tie rule apart: ties toward the higher index give other indices.
 //!
-//! Built only with `--features cuda`; ignored by default (`--include-ignored` on the H200), and
-//! without a CUDA driver each test says why it skips and passes.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
+//! Without a CUDA driver every test fails, naming why.
 #![cfg(feature = "cuda")]
 
 use std::time::Instant;
@@ -175,11 +175,8 @@ fn edge_counts(k: usize) -> Vec<usize> {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn top_k_rows_matches_the_cpu_top_k() {
-    let Some(rt) = runtime("top_k_rows_matches_the_cpu_top_k") else {
-        return;
-    };
+    let rt = runtime("top_k_rows_matches_the_cpu_top_k");
     let mut rng = Rng(7);
     let mut compared = 0usize;
     let mut launches = 0usize;
@@ -209,11 +206,8 @@ fn top_k_rows_matches_the_cpu_top_k() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn the_tie_rule_is_observable() {
-    let Some(rt) = runtime("the_tie_rule_is_observable") else {
-        return;
-    };
+    let rt = runtime("the_tie_rule_is_observable");
     // Negative control: ties toward the higher index select other indices on these rows, so a
     // kernel with the wrong tie rule fails the comparison above.
     let mut rng = Rng(11);
@@ -281,11 +275,8 @@ fn assert_masks_equal(
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn candidate_mask_rows_matches_the_cpu_mask() {
-    let Some(rt) = runtime("candidate_mask_rows_matches_the_cpu_mask") else {
-        return;
-    };
+    let rt = runtime("candidate_mask_rows_matches_the_cpu_mask");
     let mut rng = Rng(23);
     let mut compared = 0usize;
     let mut kept = 0usize;
@@ -324,11 +315,8 @@ fn candidate_mask_rows_matches_the_cpu_mask() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn masked_two_level_top_k_matches_the_cpu() {
-    let Some(rt) = runtime("masked_two_level_top_k_matches_the_cpu") else {
-        return;
-    };
+    let rt = runtime("masked_two_level_top_k_matches_the_cpu");
     let mut rng = Rng(31);
     let (block_size, topk_blocks, k) = (8usize, 2048usize, 512usize);
     // The candidate layer's queries see `mask_visible`; the later layer's the same or other counts
@@ -385,11 +373,8 @@ fn masked_two_level_top_k_matches_the_cpu() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn top_k_rows_time_at_long_context() {
-    let Some(rt) = runtime("top_k_rows_time_at_long_context") else {
-        return;
-    };
+    let rt = runtime("top_k_rows_time_at_long_context");
     let mut rng = Rng(41);
     let k = 512;
     for queries in [1usize, 8, 64] {
@@ -436,11 +421,8 @@ fn top_k_rows_time_at_long_context() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn launchers_reject_bad_shapes() {
-    let Some(rt) = runtime("launchers_reject_bad_shapes") else {
-        return;
-    };
+    let rt = runtime("launchers_reject_bad_shapes");
     let visible = DeviceVisiblePrefixes::upload(&rt, &[3, 5], 5).expect("prefixes");
     let scores = rt.stream().alloc_zeros::<f32>(8).expect("scores");
     let mut out = rt.stream().alloc_zeros::<u32>(2 * 4).expect("out");

@@ -8,20 +8,19 @@
 //! CPU drafts. A grammar-constrained decode step (`Model::forward_step_on_device`, then the masked
 //! `Model::sample_rows` once the masks are known) copies no op result and only the ids too.
 //!
-//! Built only with `--features cuda`; without a usable GPU the test prints why it skips. On the
-//! H200: `DEEPINFER_V41_TINY=$PWD/.gpu/fixtures/v41-tiny bash .gpu/run.sh gpu_transfers
-//! --include-ignored --nocapture`.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
+//! Without a usable GPU every test fails, naming why.
 #![cfg(feature = "cuda")]
 
-use deepinfer_model::backend::cuda::{CudaBackend, TransferCounts};
+use deepinfer_model::backend::cuda::TransferCounts;
 use deepinfer_model::sampling::{AllowedTokens, sample};
 use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
 
 mod gpu_support;
-use gpu_support::{host_fixture_model, mixed_sampling, prompt, v41_tiny_path};
+use gpu_support::{cuda_backend, host_fixture_model, mixed_sampling, prompt};
 
 fn fixture_model() -> Model {
-    host_fixture_model(&v41_tiny_path()).0
+    host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny")).0
 }
 
 /// One step over every sequence (its `tokens[s]`), each sampling its last row; the sampled ids.
@@ -50,15 +49,8 @@ fn sampled_step(model: &Model, seqs: &mut [SequenceState], tokens: &[Vec<u32>]) 
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn a_decode_step_copies_only_the_sampled_ids_to_the_host() {
-    let backend = match CudaBackend::open(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            eprintln!("a_decode_step_copies_only_the_sampled_ids_to_the_host: skipped: {err}");
-            return;
-        }
-    };
+    let backend = cuda_backend("a_decode_step_copies_only_the_sampled_ids_to_the_host");
     let counters = backend.transfer_counters();
     let cpu = fixture_model();
     let vocab = cpu.config().vocab_size;
@@ -239,15 +231,8 @@ fn constrained_step(
 /// copies and one copy of ids (the forward itself copies nothing), and the tokens are those of
 /// the CPU's host path (the step's logits read, masked to -inf, sampled by `sampling::sample`).
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn a_constrained_decode_step_copies_only_the_sampled_ids() {
-    let backend = match CudaBackend::open(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            eprintln!("a_constrained_decode_step_copies_only_the_sampled_ids: skipped: {err}");
-            return;
-        }
-    };
+    let backend = cuda_backend("a_constrained_decode_step_copies_only_the_sampled_ids");
     let counters = backend.transfer_counters();
     let cpu = fixture_model();
     let vocab = cpu.config().vocab_size;
@@ -313,38 +298,19 @@ fn a_constrained_decode_step_copies_only_the_sampled_ids() {
     }
 }
 
-/// The v4-tiny fixture (`$DEEPINFER_V4_TINY`, else the shared one) on a `CudaBackend`: a batched
+/// The v4-tiny fixture on a `CudaBackend`: a batched
 /// prefill of four sequences of different lengths, then decode steps over all of them sampling on
 /// the device (greedy and seeded top-p). Every decode step copies no op result and one set of
 /// sampled ids to the host; the tokens are the CPU model's, step for step. Negative control: a step
 /// returning logits is counted.
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn a_v4_decode_step_copies_only_the_sampled_ids_to_the_host() {
     use deepinfer_model::checkpoint::Checkpoint;
     use deepinfer_model::config::ModelConfig;
     use deepinfer_model::v4;
 
-    let dir = std::env::var_os("DEEPINFER_V4_TINY")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/fixtures/v4/v4-tiny")
-        });
-    if !dir.join("model.safetensors").exists() {
-        eprintln!(
-            "!!!!! SKIPPING the v4-tiny transfer test: fixture {} is absent (set DEEPINFER_V4_TINY) !!!!!",
-            dir.display()
-        );
-        return;
-    }
-    let backend = match CudaBackend::open(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            eprintln!("a_v4_decode_step_copies_only_the_sampled_ids_to_the_host: skipped: {err}");
-            return;
-        }
-    };
+    let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
+    let backend = cuda_backend("a_v4_decode_step_copies_only_the_sampled_ids_to_the_host");
     let counters = backend.transfer_counters();
     let cpu = v4::Model::load(&dir).expect("cpu model");
     let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");

@@ -7,8 +7,8 @@
 //! the host (the routed experts stay on the device: the host MoE path would copy the router's
 //! logits every layer) and sample the CPU's tokens.
 //!
-//! Built only with `--features cuda`; without a usable GPU the tests print why they skip. On the
-//! H200: `bash .gpu/run.sh gpu_v4_quantised --include-ignored --nocapture`.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
+//! Without a usable GPU every test fails, naming why.
 #![cfg(feature = "cuda")]
 
 use std::path::Path;
@@ -74,9 +74,7 @@ fn cpu_and_device_agree(
     seed: u64,
     patch: impl FnOnce(&Path, &ModelConfig),
 ) -> usize {
-    let Some(backend) = cuda_backend(test) else {
-        return 0;
-    };
+    let backend = cuda_backend(test);
     let counters = backend.transfer_counters();
     let dir = tempfile::tempdir().expect("tempdir");
     write_random_checkpoint(&cfg, seed, dir.path(), 2).expect("checkpoint written");
@@ -135,7 +133,6 @@ fn cpu_and_device_agree(
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn fp4_experts_match_the_cpu_bitwise_and_stay_on_the_device() {
     let cfg = ModelConfig::reduced_v4();
     assert_eq!(cfg.quant.expert_dtype, ExpertDtype::Fp4);
@@ -143,7 +140,6 @@ fn fp4_experts_match_the_cpu_bitwise_and_stay_on_the_device() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn fp8_experts_match_the_cpu_bitwise_and_stay_on_the_device() {
     let mut cfg = ModelConfig::reduced_v4();
     cfg.quant.expert_dtype = ExpertDtype::Fp8;
@@ -153,7 +149,6 @@ fn fp8_experts_match_the_cpu_bitwise_and_stay_on_the_device() {
 /// An expert width of 352: `w2` sums two 256-long chains (the second partial), `w1`/`w3` have
 /// 11 column tiles.
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn wide_experts_match_the_cpu_bitwise_and_stay_on_the_device() {
     let mut cfg = ModelConfig::reduced_v4();
     cfg.moe_inter_dim = 352;
@@ -164,7 +159,6 @@ fn wide_experts_match_the_cpu_bitwise_and_stay_on_the_device() {
 /// of such a token run that expert twice (each with its own route weight) and the combine adds
 /// both outputs in slot order, as the CPU does.
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn hash_rows_naming_an_expert_twice_match_the_cpu_bitwise() {
     let cfg = ModelConfig::reduced_v4();
     cpu_and_device_agree("repeated hash experts", cfg, 44, |dir, cfg| {

@@ -5,7 +5,6 @@
 //! the bounds (`keep >= window + max_backtracking`, rewinds within `max_backtracking`); and the
 //! engine wiring (the `ReplayActor` plans the decoder start at admission, the rank runs it).
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,31 +16,10 @@ use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver
 use deepinfer_actors::replay::state::ReplayState;
 use deepinfer_actors::replay::suffix::ReplayError;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
-use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::v41::MAX_BACKTRACK;
 use deepinfer_model::{LogitsWanted, Model, SequenceState, checkpoint};
+use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{ModelDims, NodeConfig, ReplayConfig, RequestId};
-
-fn fixture_model() -> Option<Model> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
-    if !dir.join("model.safetensors").exists() {
-        eprintln!(
-            "!!!!! SKIPPING replay fixture test: {} is absent !!!!!",
-            dir.display()
-        );
-        return None;
-    }
-    let cfg = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
-        .expect("fixture config");
-    let pad = cfg
-        .engram
-        .as_ref()
-        .expect("fixture has Engram")
-        .pad_token_id;
-    // Fixture README "Tokenizer and Engram": compressed id = token id / 2.
-    let vocab = CompressedVocab::halving_stub(cfg.vocab_size, pad).expect("stub vocab");
-    Some(Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads"))
-}
 
 /// The built-in demo model (`model_source::build_demo`'s recipe, loaded as a bare `Model`).
 fn demo_model(dir: &std::path::Path) -> Model {
@@ -318,7 +296,7 @@ fn check(d: &Drift, b: &Bounds, halo: usize) {
 ///   90-position dependency halo).
 #[test]
 fn replay_logits_drift_on_the_fixture_is_bounded() {
-    let Some(model) = fixture_model() else { return };
+    let model = deepinfer_tests::v41_tiny_model();
     let vocab = model.config().vocab_size;
     let halo = dependency_halo(&model);
     assert_eq!(halo, 90, "fixture: window 16, decoder layers 6..12");
@@ -415,7 +393,7 @@ fn replay_logits_drift_on_the_demo_model_is_bounded() {
 /// end before it, straddle it, or end exactly at it), decode rows included.
 #[test]
 fn chunked_replay_equals_one_shot_replay_bitwise() {
-    let Some(model) = fixture_model() else { return };
+    let model = deepinfer_tests::v41_tiny_model();
     let vocab = model.config().vocab_size;
     let tokens = prompt(200, 3, 497);
     let keep = 22;
@@ -469,7 +447,7 @@ fn chunked_replay_equals_one_shot_replay_bitwise() {
 /// keep >= prompt length plans decoder start 0: bitwise the same logits as replay off.
 #[test]
 fn replay_keeping_the_whole_prompt_is_exact() {
-    let Some(model) = fixture_model() else { return };
+    let model = deepinfer_tests::v41_tiny_model();
     let tokens = prompt(200, 3, 497);
     for keep in [200, 256] {
         let mut replay = replay_state(&model, Some(keep)).expect("valid bound");
@@ -486,7 +464,7 @@ fn replay_keeping_the_whole_prompt_is_exact() {
 /// a rewind past the bound is an error in the replay state and in the model.
 #[test]
 fn replay_bounds_are_enforced() {
-    let Some(model) = fixture_model() else { return };
+    let model = deepinfer_tests::v41_tiny_model();
     let window = model.config().window_size as u32;
     assert_eq!(window, 16, "the fixture's sliding window");
     let minimum = window + MAX_BACKTRACK as u32;
@@ -576,7 +554,12 @@ impl RankObserver for PlannedStarts {
     }
 }
 
-fn engine_config(model: &Arc<Model>, keep: u32, starts: &Arc<PlannedStarts>) -> EngineConfig {
+/// The engine's config (its executor wrapped to report the lengths the ranks free).
+fn engine_config(
+    model: &Arc<Model>,
+    keep: u32,
+    starts: &Arc<PlannedStarts>,
+) -> (EngineConfig, Arc<FreedLengths>) {
     let cfg = model.config();
     let node = NodeConfig::from_toml_str(
         &format!(
@@ -588,15 +571,16 @@ fn engine_config(model: &Arc<Model>, keep: u32, starts: &Arc<PlannedStarts>) -> 
         "replay engine test",
     )
     .expect("topology");
-    EngineConfig {
+    let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
+        Arc::new(ModelFactory {
+            model: model.clone(),
+            description: "v41-tiny fixture".into(),
+        }),
+        starts.clone(),
+    )));
+    let config = EngineConfig {
         node,
-        executor: Arc::new(ObservedFactory::new(
-            Arc::new(ModelFactory {
-                model: model.clone(),
-                description: "v41-tiny fixture".into(),
-            }),
-            starts.clone(),
-        )),
+        executor,
         model: ModelFacts {
             vocab_size: cfg.vocab_size,
             bos_token_id: cfg.bos_token_id,
@@ -604,7 +588,8 @@ fn engine_config(model: &Arc<Model>, keep: u32, starts: &Arc<PlannedStarts>) -> 
             max_context_tokens: cfg.max_position_embeddings,
         },
         tokenizer: None,
-    }
+    };
+    (config, freed)
 }
 
 /// Greedy tokens straight on the model with bounded replay from `from`, prefilling in 48-token
@@ -638,10 +623,10 @@ fn direct_greedy(model: &Model, prompt: &[u32], from: usize, n: usize) -> Vec<u3
 /// A keep below window + max_backtracking refuses to start the engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_runs_bounded_replay_planned_at_admission() {
-    let Some(model) = fixture_model() else { return };
+    let model = deepinfer_tests::v41_tiny_model();
     let model = Arc::new(model);
     let starts = Arc::new(PlannedStarts::default());
-    let error = Engine::start(engine_config(&model, 21, &starts))
+    let error = Engine::start(engine_config(&model, 21, &starts).0)
         .await
         .expect_err("keep 21 < window 16 + 6");
     match error {
@@ -649,9 +634,8 @@ async fn engine_runs_bounded_replay_planned_at_admission() {
         other => panic!("expected a config error, got {other}"),
     }
 
-    let engine = Engine::start(engine_config(&model, 22, &starts))
-        .await
-        .expect("engine starts");
+    let (config, freed) = engine_config(&model, 22, &starts);
+    let engine = Engine::start(config).await.expect("engine starts");
     let prompts = [prompt(200, 3, 497), prompt(12, 40, 400)];
     let mut streams = Vec::new();
     for p in &prompts {
@@ -683,10 +667,7 @@ async fn engine_runs_bounded_replay_planned_at_admission() {
             p.len()
         );
     }
-    engine
-        .shutdown(Duration::from_secs(30))
-        .await
-        .expect("shutdown");
+    freed.shutdown_and_check_replay(engine).await;
     let starts: Vec<usize> = starts
         .0
         .lock()

@@ -10,8 +10,6 @@ use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model};
 
-const FIXTURE_DIR: &str = "/work/shared/fixtures/v41/v41-tiny";
-
 fn rms(values: &[f32]) -> f64 {
     let sum_sq: f64 = values.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
     (sum_sq / values.len() as f64).sqrt()
@@ -47,7 +45,8 @@ fn synthetic_model_has_the_fixture_activation_scale() {
     let dir = tempfile::tempdir().expect("tempdir");
     write_random_checkpoint(&ModelConfig::tiny_v41(), 42, dir.path(), 2).expect("written");
     let (synthetic_layers, synthetic_logits) = prefill_magnitudes(dir.path());
-    let (fixture_layers, fixture_logits) = prefill_magnitudes(Path::new(FIXTURE_DIR));
+    let (fixture_layers, fixture_logits) =
+        prefill_magnitudes(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
     for (layer, (ours, theirs)) in synthetic_layers.iter().zip(&fixture_layers).enumerate() {
         let ratio = ours / theirs;
         assert!(

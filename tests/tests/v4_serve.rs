@@ -13,7 +13,7 @@
 //!   greedy tokens equal running the model alone.
 //! - V4.1-only features asked of a V4 checkpoint are refused at start, naming the field.
 //!
-//! Fixture: `$DEEPINFER_V4_TINY`, else `../shared/fixtures/v4/v4-tiny` (skipped loudly if absent).
+//! Fixture: `tests/fixtures/v4/v4-tiny` (a missing one fails).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -34,16 +34,10 @@ use deepinfer_model::sampling::{SamplingParams, sample};
 use deepinfer_model::v4;
 use deepinfer_topology::{NodeConfig, RequestId};
 
-mod golden_support;
-use golden_support::fixture_dir;
-
 const CHUNK: usize = 5;
 
-fn v4_tiny() -> Option<PathBuf> {
-    match std::env::var_os("DEEPINFER_V4_TINY") {
-        Some(dir) => Some(dir.into()),
-        None => fixture_dir("v4", "v4-tiny", "the V4 serving test"),
-    }
+fn v4_tiny() -> PathBuf {
+    deepinfer_tests::fixture_dir("v4/v4-tiny")
 }
 
 /// The topology of a local model directory; `extra` is appended (more sections).
@@ -107,7 +101,7 @@ fn prompt(seed: u32, len: usize, vocab: u32) -> Vec<u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_serves_v4_tiny_with_the_tokens_of_the_model_alone() {
     let test = "engine_serves_v4_tiny_with_the_tokens_of_the_model_alone";
-    let Some(dir) = v4_tiny() else { return };
+    let dir = v4_tiny();
     if overridden(test) {
         return;
     }
@@ -317,7 +311,7 @@ async fn the_offline_job_serves_a_v4_directory() {
 #[test]
 fn v41_only_features_on_a_v4_checkpoint_are_refused_naming_the_field() {
     let test = "v41_only_features_on_a_v4_checkpoint_are_refused_naming_the_field";
-    let Some(dir) = v4_tiny() else { return };
+    let dir = v4_tiny();
     if overridden(test) {
         return;
     }

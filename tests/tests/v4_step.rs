@@ -13,15 +13,8 @@ use deepinfer_model::config::ModelConfig;
 use deepinfer_model::sampling::{SamplingParams, sample};
 use deepinfer_model::v4::{EntryOutput, Model, SequenceState, StepEntry};
 
-mod golden_support;
-use golden_support::fixture_dir;
-
-fn fixture_model() -> Option<Model> {
-    let dir = match std::env::var_os("DEEPINFER_V4_TINY") {
-        Some(dir) => dir.into(),
-        None => fixture_dir("v4", "v4-tiny", "the V4 step test")?,
-    };
-    Some(Model::load(&dir).expect("fixture model loads"))
+fn fixture_model() -> Model {
+    Model::load(&deepinfer_tests::fixture_dir("v4/v4-tiny")).expect("fixture model loads")
 }
 
 fn tokens(seed: u32, len: usize, vocab: usize) -> Vec<u32> {
@@ -87,7 +80,7 @@ fn assert_steps_equal_alone(model: &Model, schedule: &[Vec<Vec<u32>>], wants: &[
 /// a verify chunk of 3 next to single decode rows.
 #[test]
 fn fixture_sequences_in_one_step_equal_each_alone() {
-    let Some(model) = fixture_model() else { return };
+    let model = fixture_model();
     let vocab = model.config().vocab_size;
     let lengths = [3usize, 9, 26, 41];
     let mut schedule = vec![
@@ -119,7 +112,7 @@ fn fixture_sequences_in_one_step_equal_each_alone() {
 /// After a rollback of one sequence, a step over all of them still equals each alone.
 #[test]
 fn a_step_after_a_rollback_equals_each_alone() {
-    let Some(model) = fixture_model() else { return };
+    let model = fixture_model();
     let vocab = model.config().vocab_size;
     let prompts: Vec<Vec<u32>> = [17usize, 30]
         .iter()
@@ -149,7 +142,7 @@ fn a_step_after_a_rollback_equals_each_alone() {
 /// Negative control: the comparison above sees a change of one earlier token of a sequence.
 #[test]
 fn negative_control_one_changed_token_changes_the_logits() {
-    let Some(model) = fixture_model() else { return };
+    let model = fixture_model();
     let vocab = model.config().vocab_size;
     let prompt = tokens(3, 20, vocab);
     let mut changed = prompt.clone();
@@ -168,7 +161,7 @@ fn negative_control_one_changed_token_changes_the_logits() {
 /// top-p), next to an entry that asks for logits.
 #[test]
 fn sampled_entries_equal_sampling_the_logits_alone() {
-    let Some(model) = fixture_model() else { return };
+    let model = fixture_model();
     let vocab = model.config().vocab_size;
     let prompts: Vec<Vec<u32>> = [6usize, 13, 22]
         .iter()
@@ -255,7 +248,7 @@ fn reduced_v4_with_mtp_steps_equal_each_alone() {
 /// A bad entry fails the whole step, naming its index, and changes no sequence.
 #[test]
 fn a_bad_entry_fails_the_step_naming_it() {
-    let Some(model) = fixture_model() else { return };
+    let model = fixture_model();
     let vocab = model.config().vocab_size as u32;
     let mut seqs: Vec<SequenceState> = (0..2).map(|_| model.new_sequence()).collect();
     let chunks = [vec![1u32, 2], vec![3, vocab]];
@@ -279,11 +272,8 @@ fn a_bad_entry_fails_the_step_naming_it() {
 #[test]
 fn any_model_steps_a_v4_model() {
     use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry};
-    let Some(model) = fixture_model() else { return };
-    let dir = match std::env::var_os("DEEPINFER_V4_TINY") {
-        Some(dir) => std::path::PathBuf::from(dir),
-        None => fixture_dir("v4", "v4-tiny", "the AnyModel step test").expect("fixture"),
-    };
+    let model = fixture_model();
+    let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
     let any = AnyModel::load(&dir, None).expect("loads");
     let vocab = model.config().vocab_size;
     let chunks = [tokens(61, 12, vocab), tokens(62, 3, vocab)];

@@ -47,6 +47,9 @@ pub struct ReplayStats {
     pub rewinds: u64,
     /// Requests refused at admission, rewinds refused, updates of unknown requests.
     pub refused: u64,
+    /// The lengths the finished requests had when they were freed, summed: what the actor was
+    /// told the ranks hold (tests compare it with the ranks' own sequence lengths).
+    pub finished_positions: u64,
 }
 
 /// The bounded suffixes of every live request of one engine.
@@ -161,6 +164,9 @@ impl ReplayState {
     pub fn finish(&mut self, id: RequestId) -> Option<RequestSuffix> {
         let request = self.requests.remove(&id);
         self.stats.live = self.requests.len();
+        if let Some(request) = &request {
+            self.stats.finished_positions += u64::from(request.cursor.len());
+        }
         request
     }
 
@@ -202,7 +208,8 @@ mod tests {
                 live: 2,
                 skipped_prompt_tokens: 860,
                 rewinds: 0,
-                refused: 0
+                refused: 0,
+                finished_positions: 0,
             }
         );
     }
@@ -289,9 +296,12 @@ mod tests {
         let mut state = state();
         let id = RequestId(5);
         state.admit(id, 20).expect("admitted");
+        state.written(id, 3).expect("written");
         assert!(state.finish(id).is_some());
         assert_eq!(state.stats().live, 0);
+        assert_eq!(state.stats().finished_positions, 23);
         assert!(state.finish(id).is_none());
+        assert_eq!(state.stats().finished_positions, 23);
         assert_eq!(state.written(id, 1), Err(ReplayError::UnknownRequest(id)));
         assert_eq!(state.rewind(id, 20), Err(ReplayError::UnknownRequest(id)));
         assert_eq!(state.commit(id, 20), Err(ReplayError::UnknownRequest(id)));

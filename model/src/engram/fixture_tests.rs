@@ -11,11 +11,19 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::quant::round_bf16;
 
+/// `$DEEPINFER_FIXTURES/v41/v41-tiny`, else the repository's `tests/fixtures/v41/v41-tiny`; a
+/// missing fixture fails the test.
 fn fixture_dir() -> PathBuf {
-    std::env::var_os("DEEPINFER_FIXTURES")
+    let dir = std::env::var_os("DEEPINFER_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
-        .join("v41/v41-tiny")
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"))
+        .join("v41/v41-tiny");
+    assert!(
+        dir.join("config.json").is_file(),
+        "fixture v41/v41-tiny is missing: no {}",
+        dir.join("config.json").display()
+    );
+    dir
 }
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;

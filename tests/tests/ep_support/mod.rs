@@ -1,6 +1,7 @@
 //! Shared by the expert-parallel tests: a small random V4.1 model (4 of 8 experts per token, so
 //! the combine order matters), a node topology, an observed executor factory that keeps every
-//! logits row by (request, position), and a driver that runs a fixed set of requests.
+//! logits row by (request, position), and a driver that runs a fixed set of requests (and
+//! checks the `ReplayActor`'s lengths against the ranks' at the end).
 
 #![allow(dead_code)]
 
@@ -14,6 +15,7 @@ use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
 use deepinfer_model::Model;
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
+use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{NodeConfig, RequestId};
 
 /// The tiny V4.1 architecture without Engram, 4 of its 8 experts active per token.
@@ -101,18 +103,17 @@ pub async fn run_engine(
     HashMap<(RequestId, usize), Vec<f32>>,
 ) {
     let rows = Arc::new(RowLog::new());
+    let (executor, freed) =
+        FreedLengths::track(Arc::new(ObservedFactory::new(factory, rows.clone())));
     let config = EngineConfig {
         node,
-        executor: Arc::new(ObservedFactory::new(factory, rows.clone())),
+        executor,
         model: facts,
         tokenizer: None,
     };
     let engine = Engine::start(config).await.expect("engine starts");
     let tokens = run_requests(&engine, prompts, max_tokens).await;
-    engine
-        .shutdown(Duration::from_secs(30))
-        .await
-        .expect("shuts down");
+    freed.shutdown_and_check_replay(engine).await;
     let rows = rows.snapshot();
     (tokens, rows)
 }

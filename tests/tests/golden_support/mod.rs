@@ -1,4 +1,4 @@
-//! Shared by the golden test binaries: finding a shared fixture, reading its `case.json` and
+//! Shared by the golden test binaries: reading a fixture's `case.json` and
 //! `expected.safetensors`, and the comparisons its README prescribes (max |Δ|, relative RMS,
 //! bitwise counts, selections with −1 padding).
 
@@ -7,31 +7,11 @@
 
 pub mod v41_rules;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use deepinfer_model::Model;
-use deepinfer_model::config::ModelConfig;
-use deepinfer_model::engram::CompressedVocab;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
-
-/// `shared/fixtures/<family>/<name>`, or `None` (with a loud message naming `what` is skipped)
-/// when the shared fixtures are absent.
-pub fn fixture_dir(family: &str, name: &str, what: &str) -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures")
-        .join(family)
-        .join(name);
-    if dir.join("model.safetensors").exists() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "!!!!! SKIPPING {what}: fixture {} is absent !!!!!",
-            dir.display()
-        );
-        None
-    }
-}
 
 /// A fixture's reference data: `case.json` and the tensors of `expected.safetensors`.
 pub struct Expected {
@@ -113,19 +93,13 @@ impl std::ops::Deref for V41Fixture {
 }
 
 impl V41Fixture {
-    /// The fixture `name`, or `None` (with a loud message naming `what` is skipped) when absent.
-    pub fn load(name: &str, what: &str) -> Option<V41Fixture> {
-        let dir = fixture_dir("v41", name, what)?;
-        let config = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
-        let engram = config.engram.as_ref().expect("fixture has Engram");
-        // Fixture README "Tokenizer and Engram": compressed id = token id / 2.
-        let vocab = CompressedVocab::halving_stub(config.vocab_size, engram.pad_token_id)
-            .expect("stub vocab");
-        let model = Model::load_with_vocab(&dir, Some(vocab)).expect("fixture model loads");
-        Some(V41Fixture {
-            model,
-            data: Expected::read(&dir),
-        })
+    /// The fixture `v41/<name>` (a missing one fails the test).
+    pub fn load(name: &str) -> V41Fixture {
+        let rel = format!("v41/{name}");
+        V41Fixture {
+            model: deepinfer_tests::v41_model(&rel),
+            data: Expected::read(&deepinfer_tests::fixture_dir(&rel)),
+        }
     }
 }
 

@@ -1,12 +1,12 @@
-//! Shared by the GPU test binaries (`gpu*.rs`): opening the device or saying why a test skips,
+//! Shared by the GPU test binaries (`gpu*.rs`): opening the device (or failing the test naming why),
 //! the SplitMix64 generator of test data, prompts and per-sequence sampling settings, bitwise
-//! comparisons of device and host results, and the v41-tiny fixture's location and host model.
+//! comparisons of device and host results, and a fixture's host model.
 
 // Each test binary uses its own subset of these helpers.
 #![allow(dead_code)]
 
 use std::fmt::Display;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use deepinfer_actors::tools::logits::engram_vocab_for_dir;
 use deepinfer_kernels::KernelRuntime;
@@ -22,31 +22,27 @@ use deepinfer_model::sampling::SamplingParams;
 /// Both precisions of the model's activations.
 pub const PRECISIONS: [Precision; 2] = [Precision::Bf16, Precision::F32];
 
-/// `open()`s a device resource named `what`, or says why `test` is skipped (no CUDA driver) and
-/// returns `None`. A driver that is present but does not open is a failure.
-fn open_or_skip<T, E: Display>(
-    test: &str,
-    what: &str,
-    open: impl FnOnce() -> Result<T, E>,
-) -> Option<T> {
+/// `open()`s a device resource named `what` for `test`. No CUDA driver, or a driver that does not
+/// open it, fails the test naming why: GPU tests run only on a machine with a GPU (the GPU suite,
+/// `tests/gpu-suite.sh`), never as green no-ops.
+fn open_or_fail<T, E: Display>(test: &str, what: &str, open: impl FnOnce() -> Result<T, E>) -> T {
     if let Err(err) = driver_available() {
-        eprintln!("{test}: skipped: {err}");
-        return None;
+        panic!("{test}: no CUDA driver ({err}); GPU tests run on the H200 via tests/gpu-suite.sh");
     }
     match open() {
-        Ok(opened) => Some(opened),
+        Ok(opened) => opened,
         Err(err) => panic!("{test}: a CUDA driver is present but the {what} did not open: {err}"),
     }
 }
 
-/// Opens the kernel runtime of device 0, or says why the test is skipped and returns `None`.
-pub fn runtime(test: &str) -> Option<KernelRuntime> {
-    open_or_skip(test, "kernel runtime", || KernelRuntime::open(0))
+/// Opens the kernel runtime of device 0 (fails the test when it cannot).
+pub fn runtime(test: &str) -> KernelRuntime {
+    open_or_fail(test, "kernel runtime", || KernelRuntime::open(0))
 }
 
-/// Opens the CUDA backend of device 0, or says why the test is skipped and returns `None`.
-pub fn cuda_backend(test: &str) -> Option<CudaBackend> {
-    open_or_skip(test, "backend", || CudaBackend::open(0))
+/// Opens the CUDA backend of device 0 (fails the test when it cannot).
+pub fn cuda_backend(test: &str) -> CudaBackend {
+    open_or_fail(test, "backend", || CudaBackend::open(0))
 }
 
 /// SplitMix64: a small deterministic generator for test data. A test file adds its own value
@@ -141,16 +137,6 @@ pub fn assert_bitwise(what: &str, gpu: &[f32], cpu: &[f32]) -> usize {
         );
     }
     gpu.len()
-}
-
-/// `$DEEPINFER_V41_TINY`, else the shared v41-tiny fixture next to the repository (it may be
-/// absent: each caller decides whether that skips or fails).
-pub fn v41_tiny_path() -> PathBuf {
-    std::env::var_os("DEEPINFER_V41_TINY")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny")
-        })
 }
 
 /// The fixture in `dir` loaded on the host (CPU backend, the stub Engram vocabulary), and its

@@ -7,7 +7,7 @@
 //! --features cuda --bin device_bench`):
 //!
 //! ```text
-//! DEEPINFER_V41_TINY=$PWD/.gpu/fixtures/v41-tiny bash .gpu/run.sh device_bench \
+//! DEEPINFER_FIXTURES=$PWD/tests/fixtures bash .gpu/run.sh device_bench \
 //!     [--quick] [--sweep] [--sections ops,tiny,block,profile] [--context N] [--block-dir DIR]
 //! ```
 //!
@@ -99,10 +99,19 @@ fn parse_options() -> Result<Options> {
 fn main() -> Result<()> {
     let options = parse_options()?;
     let fixture = if options.tiny {
-        let dir = std::env::var_os("DEEPINFER_V41_TINY").context(
-            "set DEEPINFER_V41_TINY to the v41-tiny fixture directory (or leave `tiny` out of --sections)",
-        )?;
-        Some(PathBuf::from(dir))
+        // The repository's fixtures: `$DEEPINFER_FIXTURES` on the H200, where the build's source
+        // tree is absent.
+        let dir = std::env::var_os("DEEPINFER_FIXTURES")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"))
+            .join("v41/v41-tiny");
+        anyhow::ensure!(
+            dir.join("config.json").is_file(),
+            "the v41-tiny fixture is missing at {} (set DEEPINFER_FIXTURES to the repository's \
+             tests/fixtures, or leave `tiny` out of --sections)",
+            dir.display()
+        );
+        Some(dir)
     } else {
         None
     };
