@@ -19,9 +19,15 @@ use deepinfer_topology::NodeConfig;
 use deepinfer_topology::eplb::PlacementShape;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-/// Offline inference for DeepSeek-V4.1-Flash.
+/// Offline inference for DeepSeek-V4.1-Flash and the V4-Flash family: runs an OpenAI Batch
+/// JSONL job (a sample batch when no input is given) on the topology's model and streams one
+/// result line per input line; `logits` and `eplb-plan` are operator tools.
 #[derive(Parser, Debug)]
-#[command(version, about, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "deepinfer-node",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     #[command(subcommand)]
     tool: Option<Tool>,
@@ -55,6 +61,10 @@ struct JobArgs {
     /// aborted.
     #[arg(long, default_value_t = 30, value_name = "SECS")]
     drain_secs: u64,
+    /// After the job, keep serving the Prometheus metrics this long (final values can be
+    /// scraped; SIGINT/SIGTERM ends it early). Needs `[metrics] prometheus_listen`.
+    #[arg(long, default_value_t = 0, value_name = "SECS")]
+    metrics_linger: u64,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,6 +133,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let result = match cli.tool {
@@ -136,6 +147,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // A closed pipe (`deepinfer-node eplb-plan ... | head`) ends the output quietly.
+        Err(error) if is_broken_pipe(&error) => ExitCode::SUCCESS,
         Err(error) => {
             // One line: what failed and where.
             eprintln!("error: {error:#}");
@@ -145,6 +158,14 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+fn is_broken_pipe(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 fn run_logits(args: LogitsArgs) -> anyhow::Result<()> {
@@ -177,7 +198,7 @@ fn run_eplb_plan(args: EplbPlanArgs) -> anyhow::Result<()> {
         num_gpus: args.gpus,
     };
     let plan = eplb_plan::run(&args.load, shape).map_err(anyhow::Error::msg)?;
-    println!("{plan}");
+    writeln!(std::io::stdout().lock(), "{plan}")?;
     Ok(())
 }
 
@@ -299,8 +320,14 @@ impl std::error::Error for Interrupted {}
 async fn run(cli: JobArgs) -> anyhow::Result<()> {
     let node = match &cli.topology {
         Some(path) => NodeConfig::from_file_with_env(path)?,
-        None => NodeConfig::embedded_default()?,
+        None => NodeConfig::embedded_default_with_env()?,
     };
+    if cli.metrics_linger > 0 && node.metrics.prometheus_listen.is_none() {
+        anyhow::bail!(
+            "--metrics-linger needs a metrics endpoint: set [metrics] prometheus_listen in the \
+             topology (or DEEPINFER__METRICS__PROMETHEUS_LISTEN)"
+        );
+    }
     // Input and output are checked before anything slow (GPUs, model).
     let input_path = cli.input.or_else(|| node.job.input_path.clone());
     let output_path = cli.output.or_else(|| node.job.output_path.clone());
@@ -325,7 +352,7 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
     };
     // The GPUs a CUDA topology needs, counted for real (none without a driver or `cuda`).
     gpu::check_node(&node)?;
-    let _metrics = match node.metrics.prometheus_listen {
+    let metrics = match node.metrics.prometheus_listen {
         Some(addr) => Some(prometheus::serve(prometheus::install()?, addr).await?),
         None => None,
     };
@@ -372,14 +399,24 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
 
     let handle = engine.handle();
     let summary = match &mut sink {
-        Sink::File(path, file) => run_job(&handle, &input, &options, file, on_done, stop)
+        Sink::File(path, file) => run_job(&handle, &input, &options, file, on_done, stop.clone())
             .await
             .with_context(|| format!("writing {}", path.display()))?,
         Sink::Stdout => {
             let mut stdout = std::io::stdout().lock();
-            run_job(&handle, &input, &options, &mut stdout, on_done, stop).await?
+            run_job(
+                &handle,
+                &input,
+                &options,
+                &mut stdout,
+                on_done,
+                stop.clone(),
+            )
+            .await?
         }
-        Sink::Sample(buffer) => run_job(&handle, &input, &options, buffer, on_done, stop).await?,
+        Sink::Sample(buffer) => {
+            run_job(&handle, &input, &options, buffer, on_done, stop.clone()).await?
+        }
     };
     progress.finish_and_clear();
     engine.shutdown(Duration::from_secs(30)).await?;
@@ -395,6 +432,10 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         "{} requests: {} succeeded, {} failed{skipped}",
         summary.lines, summary.succeeded, summary.failed
     );
+    let stopped = *stop.borrow();
+    if let (Some(server), false) = (&metrics, stopped) {
+        linger(server, Duration::from_secs(cli.metrics_linger), stop).await;
+    }
     if summary.not_done > 0 {
         return Err(Interrupted {
             exit_code: signal.load(std::sync::atomic::Ordering::SeqCst).max(1),
@@ -404,6 +445,23 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// Keeps the metrics endpoint up for `time` after the job, or until a signal.
+async fn linger(
+    server: &prometheus::MetricsServer,
+    time: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    if time.is_zero() {
+        return;
+    }
+    eprintln!(
+        "serving the final metrics on http://{}/metrics for {} s (SIGINT/SIGTERM ends it)",
+        server.addr,
+        time.as_secs()
+    );
+    let _ = tokio::time::timeout(time, stop.wait_for(|stopped| *stopped)).await;
 }
 
 /// The sample batch, human-readable: each request's id and generated text.

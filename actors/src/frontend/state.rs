@@ -171,6 +171,17 @@ pub fn prepare(
                     detail: e.to_string(),
                 })?;
             let matcher = engine.matcher(&compiled, engine.constraint_start(&prompt));
+            // A grammar that compiles but admits no first token (a schema that only refers to
+            // itself) fails the request here, not with an empty answer.
+            matcher
+                .fork()
+                .compute_mask()
+                .map_err(|e| ValidationError::Grammar {
+                    detail: format!(
+                        "it admits no answer: {}",
+                        e.to_string().lines().next().unwrap_or_default()
+                    ),
+                })?;
             let end_token = limits.eos_token_id.unwrap_or(0);
             Some(Box::new(SeqGrammar { matcher, end_token }))
         }
