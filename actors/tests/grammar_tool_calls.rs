@@ -249,13 +249,12 @@ fn what_the_tools_do_not_allow_is_refused() {
     // A `required` name that is not a property is the request's error.
     let mut unknown = weather_tool(false);
     unknown.parameters["required"] = json!(["town"]);
-    let error = engine()
-        .compile(&Constraint::ToolCalls(ToolCallsConstraint {
-            tools: vec![unknown],
-            required: true,
-        }))
-        .err()
-        .expect("refused");
+    let Err(error) = engine().compile(&Constraint::ToolCalls(ToolCallsConstraint {
+        tools: vec![unknown],
+        required: true,
+    })) else {
+        panic!("a required name that is not a property compiled");
+    };
     assert!(error.to_string().contains("\"town\""), "{error}");
     // Auto: the block must start on its own line after the text.
     let mut auto = engine().matcher(&compile(weather(), false), ConstraintStart::Answer);
