@@ -1,6 +1,6 @@
 //! `deepinfer-node`'s command line as a user meets it: `--version` and `--help`, a closed pipe,
-//! `DEEPINFER__SECTION__KEY` overrides without `--topology`, and the metrics of a finished job
-//! scraped while `--metrics-linger` keeps the endpoint up.
+//! `DEEPINFER__SECTION__KEY` overrides without `--topology`, logs without colour on a pipe, and
+//! the metrics of a finished job scraped while `--metrics-linger` keeps the endpoint up.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
@@ -122,6 +122,8 @@ fn a_finished_jobs_metrics_can_be_scraped() {
     let mut child = node()
         .env("DEEPINFER__METRICS__PROMETHEUS_LISTEN", "127.0.0.1:0")
         .env("DEEPINFER__SAMPLING__MAX_TOKENS", "3")
+        // A log line on a pipe: no colour codes.
+        .env("RUST_LOG", "deepinfer_actors::prometheus=info")
         .args([
             "--input",
             input.to_str().unwrap(),
@@ -141,10 +143,15 @@ fn a_finished_jobs_metrics_can_be_scraped() {
             "no linger line: {seen}"
         );
         seen.push_str(&line);
-        if let Some(rest) = line.split("http://").nth(1) {
+        if let Some(rest) = line.split("serving the final metrics on http://").nth(1) {
             break rest.split('/').next().unwrap().to_string();
         }
     };
+    assert!(seen.contains("Prometheus metrics on"), "{seen}");
+    assert!(
+        !seen.contains('\x1b'),
+        "colour codes off a terminal: {seen:?}"
+    );
     let page = scrape(&addr);
     let kill = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
