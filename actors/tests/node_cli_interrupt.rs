@@ -3,22 +3,18 @@
 //! finished line, `--resume` completes the job exactly as an uninterrupted run would, and bad
 //! paths or undecodable lines are reported clearly (paths before the model loads).
 
+#[path = "common/node.rs"]
+mod node_command;
+
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
+use node_command::{node, terminate};
 use serde_json::{Value, json};
 
 const SERVED: &str = "deepinfer-demo";
-
-fn node() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_deepinfer-node"));
-    command
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .env_remove("DEEPINFER_HF_MODEL_DIR");
-    command
-}
 
 /// The embedded demo topology with one request admitted at a time, so lines finish one by one.
 fn one_at_a_time(dir: &Path) -> String {
@@ -114,15 +110,16 @@ fn sigterm_keeps_finished_lines_and_resume_completes_the_job_identically() {
 
     // Interrupted once two lines are in the file (each was flushed as it finished).
     let out = dir.path().join("out.jsonl");
+    let job = [
+        "--topology",
+        &topology,
+        "--input",
+        input,
+        "--output",
+        out.to_str().unwrap(),
+    ];
     let mut child = node()
-        .args([
-            "--topology",
-            &topology,
-            "--input",
-            input,
-            "--output",
-            out.to_str().unwrap(),
-        ])
+        .args(job)
         .args(["--drain-secs", "0"])
         .stderr(Stdio::piped())
         .spawn()
@@ -140,11 +137,7 @@ fn sigterm_keeps_finished_lines_and_resume_completes_the_job_identically() {
         assert!(child.try_wait().unwrap().is_none(), "the job ended early");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    terminate(&child);
     let stopped = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&stopped.stderr);
     assert_eq!(stopped.status.code(), Some(143), "{stderr}");
@@ -163,15 +156,7 @@ fn sigterm_keeps_finished_lines_and_resume_completes_the_job_identically() {
     }
 
     // --resume runs the rest only and appends it.
-    let resumed = run(&[
-        "--topology",
-        &topology,
-        "--input",
-        input,
-        "--output",
-        out.to_str().unwrap(),
-        "--resume",
-    ]);
+    let resumed = node().args(job).arg("--resume").output().unwrap();
     let stderr = String::from_utf8_lossy(&resumed.stderr);
     assert!(resumed.status.success(), "{stderr}");
     assert!(

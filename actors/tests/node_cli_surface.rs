@@ -2,18 +2,14 @@
 //! `DEEPINFER__SECTION__KEY` overrides without `--topology`, logs without colour on a pipe, and
 //! the metrics of a finished job scraped while `--metrics-linger` keeps the endpoint up.
 
+#[path = "common/node.rs"]
+mod node_command;
+
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
+use node_command::{node, terminate};
 use serde_json::json;
-
-fn node() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_deepinfer-node"));
-    command
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .env_remove("DEEPINFER_HF_MODEL_DIR");
-    command
-}
 
 #[test]
 fn version_and_help_say_what_the_command_is() {
@@ -153,11 +149,7 @@ fn a_finished_jobs_metrics_can_be_scraped() {
         "colour codes off a terminal: {seen:?}"
     );
     let page = scrape(&addr);
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    terminate(&child);
     assert!(child.wait().unwrap().success(), "{seen}");
 
     let out: Vec<serde_json::Value> = std::fs::read_to_string(&output)

@@ -180,16 +180,7 @@ pub fn line_error_line(index: usize, error: &LineError) -> Value {
 mod tests {
     use super::*;
     use crate::engine::request::Prompt;
-    use deepinfer_model::config::ModelFamily;
-
-    fn served() -> ServedModel {
-        ServedModel {
-            name: "served-model".into(),
-            family: ModelFamily::V41,
-            context_tokens: 1024,
-            thinking_by_default: false,
-        }
-    }
+    use crate::openai::request::test_served as served;
 
     #[test]
     fn batch_and_plain_lines_parse() {

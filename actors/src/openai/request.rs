@@ -57,6 +57,17 @@ pub struct ServedModel {
     pub thinking_by_default: bool,
 }
 
+/// A served model for tests: `served-model`, V4.1, a context of 1024 tokens, no thinking.
+#[cfg(test)]
+pub(crate) fn test_served() -> ServedModel {
+    ServedModel {
+        name: "served-model".into(),
+        family: ModelFamily::V41,
+        context_tokens: 1024,
+        thinking_by_default: false,
+    }
+}
+
 /// `temperature` when a request sets none (both endpoints).
 pub const DEFAULT_TEMPERATURE: f32 = 1.0;
 /// Largest `temperature`.
@@ -98,27 +109,6 @@ const CHAT_FIELDS: &[&str] = &[
     "reasoning_effort",
 ];
 const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
-/// Chat fields the surface resolves itself and takes out of the body deepseek-recipe renders.
-const SURFACE_CHAT_FIELDS: &[&str] = &[
-    "model",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "n",
-    "stop",
-    "stream",
-    "stream_options",
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
-    "frequency_penalty",
-    "presence_penalty",
-    "user",
-];
-
 /// A validated request of either endpoint: what to generate for each of its `n` choices and
 /// what the response builders need.
 #[derive(Debug)]
@@ -435,8 +425,11 @@ pub fn parse_chat(body: &Value, served: &ServedModel) -> Result<ApiRequest, ApiE
     }
     // The body deepseek-recipe renders: the surface's own fields out, thinking made explicit.
     let mut rendered = fields.clone();
-    for key in SURFACE_CHAT_FIELDS {
-        rendered.remove(*key);
+    let rendered_by_recipe = ["response_format"];
+    for key in COMMON_FIELDS.iter().chain(&["max_completion_tokens"]) {
+        if !rendered_by_recipe.contains(key) {
+            rendered.remove(*key);
+        }
     }
     let mut rendered = Value::Object(rendered);
     let mut check = rendered.clone();
@@ -558,14 +551,7 @@ mod tests {
     use super::*;
     use crate::engine::request::Prompt;
 
-    pub(crate) fn served() -> ServedModel {
-        ServedModel {
-            name: "served-model".into(),
-            family: ModelFamily::V41,
-            context_tokens: 1024,
-            thinking_by_default: false,
-        }
-    }
+    use super::test_served as served;
 
     fn chat(extra: Value) -> Value {
         let mut body =

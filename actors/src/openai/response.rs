@@ -171,18 +171,8 @@ pub fn completion_chunk(
 mod tests {
     use super::*;
     use crate::messages::request::Usage;
-    use crate::openai::request::{parse_chat, parse_completion};
-    use deepinfer_model::config::ModelFamily;
+    use crate::openai::request::{parse_chat, parse_completion, test_served as served};
     use deepinfer_topology::RequestId;
-
-    fn served() -> ServedModel {
-        ServedModel {
-            name: "served-model".into(),
-            family: ModelFamily::V41,
-            context_tokens: 1024,
-            thinking_by_default: false,
-        }
-    }
 
     fn done(id: u64, text: &str, reason: FinishReason, tokens: usize) -> Completion {
         Completion {
