@@ -16,6 +16,7 @@ pub mod job;
 pub mod messages;
 pub mod metrics;
 pub mod model_source;
+pub mod openai;
 pub mod prometheus;
 pub mod rank;
 pub mod replay;

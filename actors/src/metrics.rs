@@ -1,7 +1,7 @@
 //! Every metric name of the runtime, its help text and unit, and small typed recorders.
 //!
-//! Names follow `deepinfer_<subsystem>_<what>_<unit>`. Accumulated seconds are gauges that
-//! only grow (the facade's counters are integers). Labels are bounded: `dp` (rank),
+//! Names follow `deepinfer_<subsystem>_<what>_<unit>`. Totals are counters (`_total`);
+//! accumulated time is counted in whole microseconds (the facade's counters are integers). Labels are bounded: `dp` (rank),
 //! `mode` (step mode), `outcome`, `code` (error code), `layer` (MoE layer), never a
 //! request id. Recording goes through
 //! the `metrics` facade; without an installed recorder (the library default) it costs nothing.
@@ -24,9 +24,11 @@ pub const SCHEDULER_GENERATED_TOKENS_TOTAL: &str = "deepinfer_scheduler_generate
 pub const SCHEDULER_STEPS_TOTAL: &str = "deepinfer_scheduler_steps_total";
 pub const STEP_DURATION_SECONDS: &str = "deepinfer_step_duration_seconds";
 pub const STEP_CPU_SCHEDULE_SECONDS: &str = "deepinfer_step_cpu_schedule_seconds";
-pub const SCHEDULER_HIDDEN_SCHEDULE_SECONDS: &str = "deepinfer_scheduler_hidden_schedule_seconds";
-pub const RANK_HOST_SECONDS: &str = "deepinfer_rank_host_seconds";
-pub const RANK_HIDDEN_HOST_SECONDS: &str = "deepinfer_rank_hidden_host_seconds";
+pub const SCHEDULER_HIDDEN_SCHEDULE_MICROSECONDS_TOTAL: &str =
+    "deepinfer_scheduler_hidden_schedule_microseconds_total";
+pub const RANK_HOST_MICROSECONDS_TOTAL: &str = "deepinfer_rank_host_microseconds_total";
+pub const RANK_HIDDEN_HOST_MICROSECONDS_TOTAL: &str =
+    "deepinfer_rank_hidden_host_microseconds_total";
 pub const SUPERVISOR_FAILED_RANKS: &str = "deepinfer_supervisor_failed_ranks";
 pub const ERRORS_TOTAL: &str = "deepinfer_errors_total";
 pub const EPLB_LAYER_IMBALANCE_RATIO: &str = "deepinfer_eplb_layer_imbalance_ratio";
@@ -49,9 +51,9 @@ pub const ALL: &[&str] = &[
     SCHEDULER_STEPS_TOTAL,
     STEP_DURATION_SECONDS,
     STEP_CPU_SCHEDULE_SECONDS,
-    SCHEDULER_HIDDEN_SCHEDULE_SECONDS,
-    RANK_HOST_SECONDS,
-    RANK_HIDDEN_HOST_SECONDS,
+    SCHEDULER_HIDDEN_SCHEDULE_MICROSECONDS_TOTAL,
+    RANK_HOST_MICROSECONDS_TOTAL,
+    RANK_HIDDEN_HOST_MICROSECONDS_TOTAL,
     SUPERVISOR_FAILED_RANKS,
     ERRORS_TOTAL,
     EPLB_LAYER_IMBALANCE_RATIO,
@@ -115,19 +117,19 @@ pub fn describe() {
         Unit::Seconds,
         "CPU time the scheduler spent building one plan."
     );
-    describe_gauge!(
-        SCHEDULER_HIDDEN_SCHEDULE_SECONDS,
-        Unit::Seconds,
+    describe_counter!(
+        SCHEDULER_HIDDEN_SCHEDULE_MICROSECONDS_TOTAL,
+        Unit::Microseconds,
         "Scheduling CPU time spent while the rank had a step in flight (hidden by async scheduling)."
     );
-    describe_gauge!(
-        RANK_HOST_SECONDS,
-        Unit::Seconds,
+    describe_counter!(
+        RANK_HOST_MICROSECONDS_TOTAL,
+        Unit::Microseconds,
         "Host time the rank threads spent preparing and launching steps."
     );
-    describe_gauge!(
-        RANK_HIDDEN_HOST_SECONDS,
-        Unit::Seconds,
+    describe_counter!(
+        RANK_HIDDEN_HOST_MICROSECONDS_TOTAL,
+        Unit::Microseconds,
         "Of the rank host time, the part overlapped with an earlier step on the device."
     );
     describe_gauge!(
@@ -179,8 +181,10 @@ pub fn describe() {
 
 pub(crate) fn record_rank_step(output: &StepOutput) {
     let dp = output.dp.to_string();
-    gauge!(RANK_HOST_SECONDS, "dp" => dp.clone()).increment(output.timing.host.as_secs_f64());
-    gauge!(RANK_HIDDEN_HOST_SECONDS, "dp" => dp).increment(output.timing.hidden_host.as_secs_f64());
+    counter!(RANK_HOST_MICROSECONDS_TOTAL, "dp" => dp.clone())
+        .increment(output.timing.host.as_micros() as u64);
+    counter!(RANK_HIDDEN_HOST_MICROSECONDS_TOTAL, "dp" => dp)
+        .increment(output.timing.hidden_host.as_micros() as u64);
     histogram!(STEP_DURATION_SECONDS, "mode" => output.mode.as_str())
         .record(output.timing.total.as_secs_f64());
 }
@@ -208,8 +212,8 @@ pub(crate) fn record_dspark_step(dp: &str, output: &StepOutput) {
 pub(crate) fn record_plan(dp: &str, schedule_seconds: f64, hidden: bool, prompt_tokens: usize) {
     histogram!(STEP_CPU_SCHEDULE_SECONDS).record(schedule_seconds);
     if hidden {
-        gauge!(SCHEDULER_HIDDEN_SCHEDULE_SECONDS, "dp" => dp.to_string())
-            .increment(schedule_seconds);
+        counter!(SCHEDULER_HIDDEN_SCHEDULE_MICROSECONDS_TOTAL, "dp" => dp.to_string())
+            .increment((schedule_seconds * 1e6) as u64);
     }
     counter!(SCHEDULER_PROMPT_TOKENS_TOTAL, "dp" => dp.to_string()).increment(prompt_tokens as u64);
 }

@@ -11,10 +11,11 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::error::EngineError;
 
-/// Histogram buckets (seconds) for every duration histogram.
+/// Histogram buckets (seconds) for every duration histogram: from 100 µs steps to requests of
+/// several minutes.
 pub const DURATION_BUCKETS: &[f64] = &[
     0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    30.0,
+    30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
 ];
 
 fn config_error(message: impl std::fmt::Display) -> EngineError {

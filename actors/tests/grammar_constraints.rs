@@ -691,3 +691,49 @@ fn the_grammar_response_format_is_taken_out_of_the_request_body() {
         );
     }
 }
+
+/// A schema that only refers to itself compiles but admits no answer: the request fails with a
+/// validation error (status 400 on the surface), never an empty 200 answer.
+#[test]
+fn a_schema_that_admits_no_answer_fails_its_request() {
+    use deepinfer_actors::GenerateRequest;
+    use deepinfer_actors::frontend::state::{FrontendLimits, prepare};
+    use deepinfer_topology::RequestId;
+    let limits = FrontendLimits {
+        admission_capacity: 4,
+        vocab_size: VOCAB,
+        max_context_tokens: 64,
+        default_max_tokens: 8,
+        eos_token_id: Some(EOS),
+        base_seed: 0,
+    };
+    let looping = json!({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"});
+    let request =
+        GenerateRequest::from_tokens(vec![5, 6]).constraint(Constraint::JsonSchema(looping));
+    let error = prepare(RequestId(1), &request, None, Some(engine()), &limits).unwrap_err();
+    assert!(error.to_string().contains("admits no answer"), "{error}");
+    let fine = GenerateRequest::from_tokens(vec![5, 6]).constraint(Constraint::JsonObject);
+    assert!(prepare(RequestId(2), &fine, None, Some(engine()), &limits).is_ok());
+}
+
+/// Under async scheduling a step planned before the end was known samples EOS once more: that
+/// is the end again, not a failure (no "structured output failed" warning); any other token
+/// after the end still is.
+#[test]
+fn eos_after_the_end_is_the_end_again() {
+    let grammar = engine()
+        .compile(&Constraint::Regex("(yes|no)".to_string()))
+        .unwrap();
+    let mut matcher = engine().matcher(&grammar, ConstraintStart::Answer);
+    let mut tokens = Vec::new();
+    for position in 0..TOKEN_CAP {
+        let mask = matcher.compute_mask().expect("mask");
+        tokens.push(step(&mut matcher, &mask, 3, position));
+        if matcher.is_finished() {
+            break;
+        }
+    }
+    assert_eq!(tokens.last(), Some(&EOS), "{tokens:?}");
+    matcher.advance(EOS).expect("EOS again");
+    assert!(matcher.advance(tokens[0]).is_err());
+}

@@ -1,6 +1,6 @@
 //! The DSML tool-call constraint on the real DeepSeek vocabulary: the block deepseek-recipe's
-//! V4.1 encoding renders is accepted token by token; wrong names, wrong value forms and a block
-//! that does not start on its own line are refused; seeded random generations under the
+//! V4.1 encoding renders is accepted token by token; wrong names, wrong value forms, missing
+//! `required` properties and a block that does not start on its own line are refused; seeded random generations under the
 //! constraint parse into calls whose arguments validate against the tool schemas (jsonschema);
 //! a chat request with `tool_choice: "required"` gets the constraint and starts inside the block.
 
@@ -169,27 +169,55 @@ fn what_the_tools_do_not_allow_is_refused() {
         format!("<{d} parameter name=\"{key}\" string=\"{string}\">{value}</{d} parameter>")
     };
     let refused = |tools: Vec<ToolSpec>, text: &str| !accepts(&mut required_matcher(tools), text);
-    let weather = || vec![weather_tool(false)];
+    // Non-strict, `city` required: the other properties are optional, before or after it.
+    let weather = || {
+        let mut tool = weather_tool(false);
+        tool.parameters["required"] = json!(["city"]);
+        vec![tool]
+    };
+    let city = param("city", true, "Oslo");
     // The controls are accepted.
     assert!(!refused(
         weather(),
-        &call("get_weather", &param("days", false, "4"))
+        &call(
+            "get_weather",
+            &format!("{}\n{city}", param("days", false, "4"))
+        )
     ));
     assert!(!refused(
         weather(),
-        &call("get_weather", &param("unit", true, "fahrenheit"))
+        &call(
+            "get_weather",
+            &format!("{city}\n{}", param("unit", true, "fahrenheit"))
+        )
     ));
-    assert!(!refused(weather(), &call("get_weather", "")));
+    assert!(!refused(weather(), &call("get_weather", &city)));
+    // A required property missing: refused (all three required, one given; none given).
+    assert!(refused(
+        vec![weather_tool(false)],
+        &call("get_weather", &param("days", false, "4"))
+    ));
+    assert!(refused(weather(), &call("get_weather", "")));
+    assert!(refused(
+        weather(),
+        &call("get_weather", &param("unit", true, "celsius"))
+    ));
     // An unknown tool, an unknown parameter, a JSON value given as a string and back, a value
     // outside its enum or range, a missing closing tag.
-    assert!(refused(weather(), &call("get_wether", "")));
+    assert!(refused(weather(), &call("get_wether", &city)));
     assert!(refused(
         weather(),
-        &call("get_weather", &param("town", true, "Oslo"))
+        &call(
+            "get_weather",
+            &format!("{city}\n{}", param("town", true, "Oslo"))
+        )
     ));
     assert!(refused(
         weather(),
-        &call("get_weather", &param("days", true, "4"))
+        &call(
+            "get_weather",
+            &format!("{city}\n{}", param("days", true, "4"))
+        )
     ));
     assert!(refused(
         weather(),
@@ -197,21 +225,37 @@ fn what_the_tools_do_not_allow_is_refused() {
     ));
     assert!(refused(
         weather(),
-        &call("get_weather", &param("unit", true, "kelvin"))
+        &call(
+            "get_weather",
+            &format!("{city}\n{}", param("unit", true, "kelvin"))
+        )
     ));
     assert!(refused(
         weather(),
-        &call("get_weather", &param("days", false, "9"))
+        &call(
+            "get_weather",
+            &format!("{city}\n{}", param("days", false, "9"))
+        )
     ));
     assert!(refused(
         weather(),
-        &format!("<{d} invoke name=\"get_weather\">\n\n</{d} invoke>")
+        &format!("<{d} invoke name=\"get_weather\">\n{city}\n</{d} invoke>")
     ));
     // Strict: a missing property is refused.
     assert!(refused(
         vec![weather_tool(true)],
         &call("get_weather", &param("city", true, "Oslo"))
     ));
+    // A `required` name that is not a property is the request's error.
+    let mut unknown = weather_tool(false);
+    unknown.parameters["required"] = json!(["town"]);
+    let Err(error) = engine().compile(&Constraint::ToolCalls(ToolCallsConstraint {
+        tools: vec![unknown],
+        required: true,
+    })) else {
+        panic!("a required name that is not a property compiled");
+    };
+    assert!(error.to_string().contains("\"town\""), "{error}");
     // Auto: the block must start on its own line after the text.
     let mut auto = engine().matcher(&compile(weather(), false), ConstraintStart::Answer);
     auto.advance_all(&tokens("Sure<")).expect("plain text");

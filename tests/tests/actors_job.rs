@@ -8,8 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use deepinfer_actors::job::{JobOptions, run_job, sample_batch};
+use deepinfer_actors::openai::ServedModel;
 use deepinfer_actors::rank::fake::FakeConfig;
 use deepinfer_actors::{Engine, EngineConfig, FinishReason, GenerateRequest};
+use deepinfer_model::config::ModelFamily;
 use deepinfer_topology::NodeConfig;
 use serde_json::{Value, json};
 
@@ -34,6 +36,16 @@ async fn engine() -> Engine {
     );
     config.tokenizer = Some(tokenizer());
     Engine::start(config).await.unwrap()
+}
+
+/// The fake model, as the job reports it.
+fn served() -> ServedModel {
+    ServedModel {
+        name: "deepinfer-test".into(),
+        family: ModelFamily::V41,
+        context_tokens: 4096,
+        thinking_by_default: false,
+    }
 }
 
 fn input_lines() -> Vec<String> {
@@ -82,21 +94,19 @@ async fn jsonl_job_gives_one_line_per_input_line_in_order() {
     tokio::time::timeout(Duration::from_secs(300), async {
         let engine = engine().await;
         let input = input_lines().join("\n") + "\n";
-        let options = JobOptions {
-            model_name: "deepinfer-test".into(),
-            max_concurrent: 32,
-        };
+        let options = JobOptions::new(served(), 32);
         let counted = Arc::new(AtomicUsize::new(0));
         let counter = counted.clone();
         let mut out = Vec::new();
         let summary = run_job(
             &engine.handle(),
-            &input,
+            input.as_bytes(),
             &options,
             &mut out,
             Arc::new(move || {
                 counter.fetch_add(1, Ordering::Relaxed);
             }),
+            tokio::sync::watch::channel(false).1,
         )
         .await
         .unwrap();
@@ -199,7 +209,8 @@ async fn jsonl_job_gives_one_line_per_input_line_in_order() {
                             "line {i}: {content:?} is not the answer of its own request {:?}",
                             own.text
                         );
-                        assert_eq!(body["model"], "deepseek-v4.1-flash");
+                        // The model served, whatever the body named.
+                        assert_eq!(body["model"], "deepinfer-test");
                     } else {
                         assert_eq!(
                             choice["text"].as_str(),
@@ -254,17 +265,15 @@ async fn text_stop_sequence_truncates_the_output() {
 async fn sample_batch_runs() {
     tokio::time::timeout(Duration::from_secs(120), async {
         let engine = engine().await;
-        let options = JobOptions {
-            model_name: "deepinfer-test".into(),
-            max_concurrent: 8,
-        };
+        let options = JobOptions::new(served(), 8);
         let mut out = Vec::new();
         let summary = run_job(
             &engine.handle(),
-            &sample_batch(),
+            sample_batch().as_bytes(),
             &options,
             &mut out,
             Arc::new(|| {}),
+            tokio::sync::watch::channel(false).1,
         )
         .await
         .unwrap();

@@ -22,6 +22,7 @@ use std::time::Duration;
 use deepinfer_actors::frontend::codec::TextCodec;
 use deepinfer_actors::job::{JobOptions, run_job};
 use deepinfer_actors::model_source::{MODEL_DIR_ENV, resolve, shipped_tokenizer};
+use deepinfer_actors::openai::ServedModel;
 use deepinfer_actors::rank::executor::{
     Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens,
 };
@@ -222,21 +223,25 @@ async fn the_offline_job_serves_a_v4_directory() {
     let input = format!(
         "{}\n{}\n",
         serde_json::json!({"custom_id": "text", "method": "POST", "url": "/v1/completions",
-            "body": {"prompt": text, "max_tokens": 4}}),
+            "body": {"prompt": text, "max_tokens": 4, "temperature": 0}}),
         serde_json::json!({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
             "body": chat}),
     );
-    let options = JobOptions {
-        model_name: resolved.name.clone(),
-        max_concurrent: 4,
+    let served = ServedModel {
+        name: resolved.name.clone(),
+        family: ModelFamily::V4,
+        context_tokens: resolved.facts.max_context_tokens,
+        thinking_by_default: false,
     };
+    let options = JobOptions::new(served, 4);
     let mut output = Vec::new();
     let summary = run_job(
         &engine.handle(),
-        &input,
+        input.as_bytes(),
         &options,
         &mut output,
         Arc::new(|| {}),
+        tokio::sync::watch::channel(false).1,
     )
     .await
     .expect("the job runs");

@@ -66,6 +66,16 @@ impl NodeConfig {
     pub fn embedded_default() -> Result<Self, TopologyError> {
         Self::from_toml_str(EMBEDDED_DEFAULT_TOML, EMBEDDED_DEFAULT_ORIGIN)
     }
+
+    /// The embedded default with the process environment's `DEEPINFER__<SECTION>__<KEY>`
+    /// overrides (validated like a file).
+    pub fn embedded_default_with_env() -> Result<Self, TopologyError> {
+        Self::from_toml_str_with_env(
+            EMBEDDED_DEFAULT_TOML,
+            EMBEDDED_DEFAULT_ORIGIN,
+            std::env::vars(),
+        )
+    }
 }
 
 fn read(path: &Path) -> Result<(String, String), TopologyError> {

@@ -153,6 +153,10 @@ pub struct RawSamplingConfig {
     /// (seed, request, position). Default: 0.
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub seed: Option<u64>,
+    /// Thinking mode for chat requests that do not choose (no `thinking`, no
+    /// `reasoning_effort`). Default: false (OpenAI clients expect no reasoning).
+    #[serde(default, deserialize_with = "crate::strict::boolean")]
+    pub thinking: Option<bool>,
 }
 
 /// `[dspark]`.

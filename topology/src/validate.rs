@@ -150,6 +150,8 @@ pub struct SamplingConfig {
     pub max_tokens: u32,
     /// Base seed for requests without one. Default: 0.
     pub seed: u64,
+    /// Thinking mode for chat requests that do not choose. Default: false.
+    pub thinking: bool,
 }
 
 /// `[dspark]`, validated.
@@ -604,6 +606,7 @@ fn sampling_config(
     Ok(SamplingConfig {
         max_tokens: check.at_least("sampling.max_tokens", raw.max_tokens.unwrap_or(256), 1)?,
         seed: raw.seed.unwrap_or(0),
+        thinking: raw.thinking.unwrap_or(false),
     })
 }
 

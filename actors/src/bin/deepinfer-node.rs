@@ -2,6 +2,7 @@
 //! built-in sample batch when no input is given; `logits` and `eplb-plan` are operator tools.
 //! The logic lives in `deepinfer_actors::{job, tools}`; this file parses arguments and prints.
 
+use std::collections::HashSet;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,16 +11,23 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use deepinfer_actors::job::{JobOptions, run_job, sample_batch};
+use deepinfer_actors::job::{JobOptions, OutputOrder, count_lines, run_job, sample_batch};
+use deepinfer_actors::openai::ServedModel;
 use deepinfer_actors::tools::{eplb_plan, logits};
 use deepinfer_actors::{Engine, EngineConfig, gpu, model_source, prometheus};
 use deepinfer_topology::NodeConfig;
 use deepinfer_topology::eplb::PlacementShape;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-/// Offline inference for DeepSeek-V4.1-Flash.
+/// Offline inference for DeepSeek-V4.1-Flash and the V4-Flash family: runs an OpenAI Batch
+/// JSONL job (a sample batch when no input is given) on the topology's model and streams one
+/// result line per input line; `logits` and `eplb-plan` are operator tools.
 #[derive(Parser, Debug)]
-#[command(version, about, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "deepinfer-node",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     #[command(subcommand)]
     tool: Option<Tool>,
@@ -37,10 +45,32 @@ struct JobArgs {
     /// `{"prompt": ...}` lines). Default: the topology's `[job] input_path`, else a sample batch.
     #[arg(long)]
     input: Option<PathBuf>,
-    /// Output JSONL (one line per input line). Default: the topology's `[job] output_path`,
-    /// else stdout.
+    /// Output JSONL (one line per input line, each written and flushed as it finishes).
+    /// Default: the topology's `[job] output_path`, else stdout.
     #[arg(long)]
     output: Option<PathBuf>,
+    /// Keep the output file and skip the input lines whose `custom_id` it already holds
+    /// (continue an interrupted job).
+    #[arg(long)]
+    resume: bool,
+    /// Output line order: `input` (a bounded reorder buffer holds lines that finish early) or
+    /// `completion` (as lines finish).
+    #[arg(long, value_enum, default_value_t = Order::Input)]
+    order: Order,
+    /// After SIGINT/SIGTERM, seconds the requests in flight may still finish before they are
+    /// aborted.
+    #[arg(long, default_value_t = 30, value_name = "SECS")]
+    drain_secs: u64,
+    /// After the job, keep serving the Prometheus metrics this long (final values can be
+    /// scraped; SIGINT/SIGTERM ends it early). Needs `[metrics] prometheus_listen`.
+    #[arg(long, default_value_t = 0, value_name = "SECS")]
+    metrics_linger: u64,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Order {
+    Input,
+    Completion,
 }
 
 #[derive(Subcommand, Debug)]
@@ -103,6 +133,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let result = match cli.tool {
@@ -116,12 +147,25 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // A closed pipe (`deepinfer-node eplb-plan ... | head`) ends the output quietly.
+        Err(error) if is_broken_pipe(&error) => ExitCode::SUCCESS,
         Err(error) => {
             // One line: what failed and where.
             eprintln!("error: {error:#}");
-            ExitCode::FAILURE
+            match error.downcast_ref::<Interrupted>() {
+                Some(interrupted) => ExitCode::from(interrupted.exit_code),
+                None => ExitCode::FAILURE,
+            }
         }
     }
+}
+
+fn is_broken_pipe(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 fn run_logits(args: LogitsArgs) -> anyhow::Result<()> {
@@ -154,18 +198,161 @@ fn run_eplb_plan(args: EplbPlanArgs) -> anyhow::Result<()> {
         num_gpus: args.gpus,
     };
     let plan = eplb_plan::run(&args.load, shape).map_err(anyhow::Error::msg)?;
-    println!("{plan}");
+    writeln!(std::io::stdout().lock(), "{plan}")?;
     Ok(())
 }
+
+/// Where the job's lines go, checked and opened before the model loads.
+enum Sink {
+    File(PathBuf, std::io::BufWriter<std::fs::File>),
+    Stdout,
+    /// The sample batch, printed human-readable at the end.
+    Sample(Vec<u8>),
+}
+
+/// The `custom_id`s of an existing output file (`--resume`); a last line cut off by a kill is
+/// dropped from the file.
+fn done_ids(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
+    let text = match std::fs::read(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashSet::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let complete = text.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+    if complete < text.len() {
+        let file = std::fs::OpenOptions::new().write(true).open(path)?;
+        file.set_len(complete as u64)
+            .with_context(|| format!("truncating the cut-off last line of {}", path.display()))?;
+    }
+    let mut ids = HashSet::new();
+    for (i, line) in text[..complete].split(|b| *b == b'\n').enumerate() {
+        if line.is_empty() {
+            continue;
+        }
+        let value: serde_json::Value = serde_json::from_slice(line).with_context(|| {
+            format!("{} line {} is not a job output line", path.display(), i + 1)
+        })?;
+        if let Some(id) = value["custom_id"].as_str() {
+            ids.insert(id.to_string());
+        }
+    }
+    Ok(ids)
+}
+
+/// Opens the output: never the input, in a directory that exists and is writable.
+fn open_output(
+    path: &std::path::Path,
+    input: Option<&std::path::Path>,
+    resume: bool,
+) -> anyhow::Result<std::fs::File> {
+    if let Some(input) = input {
+        let same = match (std::fs::canonicalize(path), std::fs::canonicalize(input)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if same {
+            anyhow::bail!(
+                "--output {} is the input file; it would be overwritten",
+                path.display()
+            );
+        }
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(resume)
+        .write(true)
+        .truncate(!resume)
+        .open(path)
+        .with_context(|| format!("cannot write the output {}", path.display()))
+}
+
+/// Turns true on the first SIGINT or SIGTERM; the signal's exit code is kept in `signal`.
+fn stop_on_signals(signal: Arc<std::sync::atomic::AtomicU8>) -> tokio::sync::watch::Receiver<bool> {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let terminate = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut term) => {
+                    term.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let terminate = std::future::pending::<()>();
+        let code = tokio::select! {
+            _ = tokio::signal::ctrl_c() => 130,
+            () = terminate => 143,
+        };
+        signal.store(code, std::sync::atomic::Ordering::SeqCst);
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+/// The job stopped by a signal before every line was done.
+#[derive(Debug)]
+struct Interrupted {
+    exit_code: u8,
+    not_done: usize,
+    lines: usize,
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let signal = if self.exit_code == 130 {
+            "SIGINT"
+        } else {
+            "SIGTERM"
+        };
+        write!(
+            f,
+            "interrupted by {signal}: {} of {} lines were not done (finished lines are in the \
+             output; rerun with --resume to complete it)",
+            self.not_done, self.lines
+        )
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 async fn run(cli: JobArgs) -> anyhow::Result<()> {
     let node = match &cli.topology {
         Some(path) => NodeConfig::from_file_with_env(path)?,
-        None => NodeConfig::embedded_default()?,
+        None => NodeConfig::embedded_default_with_env()?,
+    };
+    if cli.metrics_linger > 0 && node.metrics.prometheus_listen.is_none() {
+        anyhow::bail!(
+            "--metrics-linger needs a metrics endpoint: set [metrics] prometheus_listen in the \
+             topology (or DEEPINFER__METRICS__PROMETHEUS_LISTEN)"
+        );
+    }
+    // Input and output are checked before anything slow (GPUs, model).
+    let input_path = cli.input.or_else(|| node.job.input_path.clone());
+    let output_path = cli.output.or_else(|| node.job.output_path.clone());
+    let input = match &input_path {
+        Some(path) => std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
+        None => sample_batch().into_bytes(),
+    };
+    if cli.resume && output_path.is_none() {
+        anyhow::bail!("--resume needs an output file (--output or [job] output_path)");
+    }
+    let done = match (&output_path, cli.resume) {
+        (Some(path), true) => done_ids(path)?,
+        _ => HashSet::new(),
+    };
+    let mut sink = match &output_path {
+        Some(path) => Sink::File(
+            path.clone(),
+            std::io::BufWriter::new(open_output(path, input_path.as_deref(), cli.resume)?),
+        ),
+        None if input_path.is_some() => Sink::Stdout,
+        None => Sink::Sample(Vec::new()),
     };
     // The GPUs a CUDA topology needs, counted for real (none without a driver or `cuda`).
     gpu::check_node(&node)?;
-    let _metrics = match node.metrics.prometheus_listen {
+    let metrics = match node.metrics.prometheus_listen {
         Some(addr) => Some(prometheus::serve(prometheus::install()?, addr).await?),
         None => None,
     };
@@ -174,17 +361,20 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
     if let Some(notice) = &model.notice {
         eprintln!("{notice}");
     }
-    let input_path = cli.input.or_else(|| node.job.input_path.clone());
-    let output_path = cli.output.or_else(|| node.job.output_path.clone());
-    let input = match &input_path {
-        Some(path) => {
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
-        }
-        None => sample_batch(),
+    let served = ServedModel {
+        name: model.name.clone(),
+        family: model.factory.family(),
+        context_tokens: model.facts.max_context_tokens,
+        thinking_by_default: node.sampling.thinking,
     };
     let options = JobOptions {
-        model_name: model.name.clone(),
-        max_concurrent: node.scheduler.admission_queue_capacity as usize,
+        order: match cli.order {
+            Order::Input => OutputOrder::Input,
+            Order::Completion => OutputOrder::Completion,
+        },
+        done,
+        drain: Duration::from_secs(cli.drain_secs),
+        ..JobOptions::new(served, node.scheduler.admission_queue_capacity as usize)
     };
     let config = EngineConfig {
         node,
@@ -194,7 +384,7 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
     };
     let engine = Engine::start(config).await?;
 
-    let lines = input.lines().filter(|l| !l.trim().is_empty()).count() as u64;
+    let lines = count_lines(&input) as u64;
     let progress = ProgressBar::with_draw_target(Some(lines), ProgressDrawTarget::stderr());
     if !std::io::stderr().is_terminal() {
         progress.set_draw_target(ProgressDrawTarget::hidden());
@@ -204,24 +394,74 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
     )?);
     let tick = progress.clone();
     let on_done: Arc<dyn Fn() + Send + Sync> = Arc::new(move || tick.inc(1));
+    let signal = Arc::new(std::sync::atomic::AtomicU8::new(0));
+    let stop = stop_on_signals(signal.clone());
 
-    let mut buffer = Vec::new();
-    let summary = run_job(&engine.handle(), &input, &options, &mut buffer, on_done).await?;
+    let handle = engine.handle();
+    let summary = match &mut sink {
+        Sink::File(path, file) => run_job(&handle, &input, &options, file, on_done, stop.clone())
+            .await
+            .with_context(|| format!("writing {}", path.display()))?,
+        Sink::Stdout => {
+            let mut stdout = std::io::stdout().lock();
+            run_job(
+                &handle,
+                &input,
+                &options,
+                &mut stdout,
+                on_done,
+                stop.clone(),
+            )
+            .await?
+        }
+        Sink::Sample(buffer) => {
+            run_job(&handle, &input, &options, buffer, on_done, stop.clone()).await?
+        }
+    };
     progress.finish_and_clear();
     engine.shutdown(Duration::from_secs(30)).await?;
-
-    match &output_path {
-        Some(path) => {
-            std::fs::write(path, &buffer).with_context(|| format!("writing {}", path.display()))?
-        }
-        None if input_path.is_some() => std::io::stdout().write_all(&buffer)?,
-        None => print_sample(&buffer)?,
+    if let Sink::Sample(buffer) = &sink {
+        print_sample(buffer)?;
     }
+    let skipped = if summary.skipped > 0 {
+        format!(", {} already done", summary.skipped)
+    } else {
+        String::new()
+    };
     eprintln!(
-        "{} requests: {} succeeded, {} failed",
+        "{} requests: {} succeeded, {} failed{skipped}",
         summary.lines, summary.succeeded, summary.failed
     );
+    let stopped = *stop.borrow();
+    if let (Some(server), false) = (&metrics, stopped) {
+        linger(server, Duration::from_secs(cli.metrics_linger), stop).await;
+    }
+    if summary.not_done > 0 {
+        return Err(Interrupted {
+            exit_code: signal.load(std::sync::atomic::Ordering::SeqCst).max(1),
+            not_done: summary.not_done,
+            lines: summary.lines,
+        }
+        .into());
+    }
     Ok(())
+}
+
+/// Keeps the metrics endpoint up for `time` after the job, or until a signal.
+async fn linger(
+    server: &prometheus::MetricsServer,
+    time: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    if time.is_zero() {
+        return;
+    }
+    eprintln!(
+        "serving the final metrics on http://{}/metrics for {} s (SIGINT/SIGTERM ends it)",
+        server.addr,
+        time.as_secs()
+    );
+    let _ = tokio::time::timeout(time, stop.wait_for(|stopped| *stopped)).await;
 }
 
 /// The sample batch, human-readable: each request's id and generated text.

@@ -4,6 +4,7 @@ use deepinfer_topology::{DpRank, RequestId};
 use ractor::ActorRef;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::grammar::Constraint;
 use crate::messages::request::RawEvent;
 use crate::messages::scheduler::SchedulerMsg;
 
@@ -14,9 +15,11 @@ pub enum Prompt {
     Tokens(Vec<u32>),
     /// Raw text (an OpenAI `/v1/completions` prompt): BOS + the tokenizer's encoding.
     Text(String),
-    /// An OpenAI `/v1/chat/completions` body, rendered with the DeepSeek-V4.1 chat template by
-    /// `deepseek-recipe`; its sampling fields (temperature, top_p, seed, max_tokens, stop) are
-    /// resolved by the recipe and override this request's own.
+    /// An OpenAI `/v1/chat/completions` body, rendered with the served family's chat template by
+    /// `deepseek-recipe` (thinking mode only when the body asks for it); the sampling fields it
+    /// sets (temperature, top_p, seed, max_tokens, stop) override this request's own, and its
+    /// `response_format`/`tools` constrain the answer. `crate::openai` builds these from
+    /// OpenAI bodies with every field resolved.
     Chat(serde_json::Value),
 }
 
@@ -40,6 +43,8 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past the end-of-sequence token.
     pub ignore_eos: bool,
+    /// Structured output for a token or text prompt (a chat body's comes from the body).
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerateRequest {
@@ -54,6 +59,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            constraint: None,
         }
     }
 
@@ -101,6 +107,11 @@ impl GenerateRequest {
 
     pub fn stop_token(mut self, token: u32) -> Self {
         self.stop_token_ids.push(token);
+        self
+    }
+
+    pub fn constraint(mut self, constraint: Constraint) -> Self {
+        self.constraint = Some(constraint);
         self
     }
 

@@ -33,18 +33,39 @@ pub const V41_MODEL_NAME: &str = "DeepSeek-V4.1-Flash";
 /// V4 version, whose template V4-Flash shares).
 pub const V4_MODEL_NAME: &str = "DeepSeek-V4-Flash";
 
+/// deepseek-recipe's conversion settings for chat bodies of `family`, and the model name bodies
+/// are converted under. Thinking mode is off unless the body asks for it (the OpenAI surface
+/// makes it explicit); `max_tokens` is bounded by the model's context (checked by the frontend),
+/// not by the recipe's API limit.
+pub fn conversion_options(family: ModelFamily) -> (&'static str, ConversionOptions) {
+    let options = ConversionOptions::new()
+        .with_default_thinking_mode(false)
+        .with_thinking_max_tokens_upper_bound(u32::MAX)
+        .with_non_thinking_max_tokens_upper_bound(u32::MAX);
+    match family {
+        ModelFamily::V41 => (V41_MODEL_NAME, options),
+        ModelFamily::V4 => (
+            V4_MODEL_NAME,
+            options.with_model_alias(V4_MODEL_NAME, ModelVersion::DeepseekV4Pro),
+        ),
+    }
+}
+
 /// The prompt encoding of the served family.
 enum ChatEncoding {
     V41(DeepseekV41Encoding),
     V4(DeepseekV4Encoding),
 }
 
-/// A chat body converted and encoded.
+/// A chat body converted and encoded. Sampling fields are `None` when the body sets none.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EncodedChat {
     pub tokens: Vec<u32>,
-    pub temperature: f32,
-    pub top_p: f32,
+    /// The body's `temperature` as given (0 = greedy, in thinking mode too).
+    pub temperature: Option<f32>,
+    /// The body's `top_p`, as deepseek-recipe resolves it for the model (V4.1 thinking mode
+    /// raises it to at least 0.95).
+    pub top_p: Option<f32>,
     pub seed: Option<u64>,
     pub max_tokens: Option<u32>,
     pub stop: Vec<String>,
@@ -165,14 +186,15 @@ impl TextCodec {
                 detail: "the body is not a JSON object".into(),
             });
         };
-        let (model_name, options) = match self.encoding {
-            ChatEncoding::V41(_) => (V41_MODEL_NAME, ConversionOptions::new()),
-            ChatEncoding::V4(_) => (
-                V4_MODEL_NAME,
-                ConversionOptions::new()
-                    .with_model_alias(V4_MODEL_NAME, ModelVersion::DeepseekV4Pro),
-            ),
-        };
+        let (model_name, options) = conversion_options(match self.encoding {
+            ChatEncoding::V41(_) => ModelFamily::V41,
+            ChatEncoding::V4(_) => ModelFamily::V4,
+        });
+        let temperature = object
+            .get("temperature")
+            .and_then(serde_json::Value::as_f64)
+            .map(|t| t as f32);
+        let has_top_p = object.get("top_p").is_some_and(|p| !p.is_null());
         object.insert("model".into(), serde_json::Value::String(model_name.into()));
         let request: ChatCompletionRequest =
             serde_json::from_value(body).map_err(|e| ValidationError::Conversion {
@@ -193,8 +215,8 @@ impl TextCodec {
         let options = &converted.inference_options;
         Ok(EncodedChat {
             tokens,
-            temperature: options.temperature.unwrap_or(1.0),
-            top_p: options.top_p.unwrap_or(1.0),
+            temperature,
+            top_p: options.top_p.filter(|_| has_top_p),
             seed: options.seed,
             max_tokens: options.max_tokens,
             stop: converted.parsing_options.stop_sequences.clone(),

@@ -43,7 +43,7 @@ pub fn prepare(
     grammar: Option<&GrammarEngine>,
     limits: &FrontendLimits,
 ) -> Result<Prepared, ValidationError> {
-    let mut constraint = None;
+    let mut constraint = request.constraint.clone();
     let mut sampling = SamplingParams {
         temperature: request.temperature,
         top_k: request.top_k,
@@ -67,8 +67,12 @@ pub fn prepare(
                     what: "a chat request",
                 })?
                 .encode_chat(body)?;
-            sampling.temperature = chat.temperature;
-            sampling.top_p = chat.top_p;
+            if let Some(t) = chat.temperature {
+                sampling.temperature = t;
+            }
+            if let Some(p) = chat.top_p {
+                sampling.top_p = p;
+            }
             if let Some(seed) = chat.seed {
                 sampling.seed = seed;
             }
@@ -76,7 +80,16 @@ pub fn prepare(
                 max_tokens = Some(n as usize);
             }
             stop.extend(chat.stop);
-            constraint = chat.constraint;
+            if let Some(chat_constraint) = chat.constraint {
+                if constraint.is_some() {
+                    return Err(ValidationError::Conversion {
+                        detail: "the request carries a constraint and so does its chat body's \
+                                 `response_format`/`tools`; give one"
+                            .into(),
+                    });
+                }
+                constraint = Some(chat_constraint);
+            }
             chat.tokens
         }
     };
@@ -158,6 +171,17 @@ pub fn prepare(
                     detail: e.to_string(),
                 })?;
             let matcher = engine.matcher(&compiled, engine.constraint_start(&prompt));
+            // A grammar that compiles but admits no first token (a schema that only refers to
+            // itself) fails the request here, not with an empty answer.
+            matcher
+                .fork()
+                .compute_mask()
+                .map_err(|e| ValidationError::Grammar {
+                    detail: format!(
+                        "it admits no answer: {}",
+                        e.to_string().lines().next().unwrap_or_default()
+                    ),
+                })?;
             let end_token = limits.eos_token_id.unwrap_or(0);
             Some(Box::new(SeqGrammar { matcher, end_token }))
         }

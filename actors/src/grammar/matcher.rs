@@ -119,6 +119,10 @@ impl GrammarMatcher {
     /// Advance with an accepted token. A token the constraint does not allow is an error and
     /// leaves the state unchanged.
     pub fn advance(&mut self, token: TokenId) -> Result<(), GrammarError> {
+        if self.finished && token == self.special.eos {
+            // A step planned before the end was known (async scheduling) samples EOS again.
+            return Ok(());
+        }
         if self.finished {
             return Err(GrammarError::Matcher(format!(
                 "token {token} after the end of the sequence"

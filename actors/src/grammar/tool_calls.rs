@@ -24,7 +24,8 @@
 //! (`string="true"`; an `enum` limits it to its values), any other as JSON valid under the
 //! property's schema (`string="false"`), a property without a type either way. A `strict` tool
 //! gives every property in schema order (OpenAI's strict mode makes them all required); a
-//! non-strict one any of them, in any order. A tool whose parameters declare no properties takes
+//! non-strict one its `required` properties once each, in schema order, and its other
+//! properties anywhere around them. A tool whose parameters declare no properties takes
 //! any parameter names with raw or JSON values.
 //!
 //! Free text ends only where a special token follows (a regex never matches one), so the
@@ -160,10 +161,7 @@ fn tool_rules(i: usize, tool: &ToolSpec, tag: &str) -> Result<String, GrammarErr
     if tool.strict {
         rules.push_str(&format!("args_{i}: {}\n", names.join(" \"\\n\" ")));
     } else {
-        rules.push_str(&format!(
-            "args_{i}: (param_{i} (\"\\n\" param_{i})*)?\nparam_{i}: {}\n",
-            names.join(" | ")
-        ));
+        rules.push_str(&non_strict_args(i, tool, &properties, &names)?);
     }
     for (p, (key, schema)) in properties.into_iter().enumerate() {
         let name = format!("param_{i}_{p}");
@@ -200,6 +198,70 @@ fn tool_rules(i: usize, tool: &ToolSpec, tag: &str) -> Result<String, GrammarErr
             ));
         }
     }
+    Ok(rules)
+}
+
+/// The arguments of a non-strict tool: its `required` properties once each, in schema order,
+/// the other properties anywhere around them.
+fn non_strict_args(
+    i: usize,
+    tool: &ToolSpec,
+    properties: &[(&String, &Value)],
+    names: &[String],
+) -> Result<String, GrammarError> {
+    let required: Vec<&str> = match tool.parameters.get("required") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(keys)) => keys
+            .iter()
+            .map(|k| {
+                let key = k.as_str().ok_or_else(|| {
+                    invalid(format!(
+                        "tool {:?}: `required` must list strings",
+                        tool.name
+                    ))
+                })?;
+                if !properties.iter().any(|(name, _)| name.as_str() == key) {
+                    return Err(invalid(format!(
+                        "tool {:?}: required property {key:?} is not in `properties`",
+                        tool.name
+                    )));
+                }
+                Ok(key)
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(invalid(format!(
+                "tool {:?}: `required` must be an array",
+                tool.name
+            )));
+        }
+    };
+    let is_required = |p: usize| required.contains(&properties[p].0.as_str());
+    let optional: Vec<&str> = (0..names.len())
+        .filter(|&p| !is_required(p))
+        .map(|p| names[p].as_str())
+        .collect();
+    let mut rules = String::new();
+    if !optional.is_empty() {
+        rules.push_str(&format!("param_{i}: {}\n", optional.join(" | ")));
+    }
+    if required.is_empty() {
+        rules.push_str(&format!("args_{i}: (param_{i} (\"\\n\" param_{i})*)?\n"));
+        return Ok(rules);
+    }
+    let (lead, gap) = if optional.is_empty() {
+        (String::new(), String::new())
+    } else {
+        (
+            format!("(param_{i} \"\\n\")* "),
+            format!(" (\"\\n\" param_{i})*"),
+        )
+    };
+    let sequence: Vec<String> = (0..names.len())
+        .filter(|&p| is_required(p))
+        .map(|p| format!("{}{gap}", names[p]))
+        .collect();
+    rules.push_str(&format!("args_{i}: {lead}{}\n", sequence.join(" \"\\n\" ")));
     Ok(rules)
 }
 

@@ -150,7 +150,11 @@ impl SchedulerShell {
                     (id, RawEvent::Finished { reason, usage }, true)
                 }
                 Emission::Failed(id, error) => {
-                    m::record_error(error.code());
+                    // An abort is the caller's own doing (a stop sequence met, a stream
+                    // dropped), not an error.
+                    if error != EngineError::Aborted {
+                        m::record_error(error.code());
+                    }
                     (id, RawEvent::Failed(error), true)
                 }
             };
