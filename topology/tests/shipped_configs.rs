@@ -35,6 +35,7 @@ fn every_shipped_config_parses_and_validates() {
         "config-template.toml",
         "h200x1.toml",
         "h200x2.toml",
+        "h200x8.toml",
         "local.toml",
         "sm100x64.toml",
     ] {

@@ -217,6 +217,7 @@ impl SchedulerShell {
         }
         let stats = self.state.stats();
         m::record_queue(&self.dp_label, stats.waiting, stats.running);
+        m::record_state_pool(&self.dp_label, &stats);
     }
 }
 

@@ -1196,6 +1196,7 @@ mod tests {
 
     mod memory {
         use super::*;
+        use crate::messages::rank::VerifyOutcome;
         use deepinfer_model::config::ModelConfig;
         use deepinfer_model::state_bytes::StateBytes;
 
@@ -1239,6 +1240,8 @@ mod tests {
         struct Rank {
             fed: HashMap<RequestId, Vec<u32>>,
             delivered: HashMap<RequestId, Vec<u32>>,
+            /// Verifies accept `step % 3` of their drafts.
+            steps: usize,
         }
 
         impl Rank {
@@ -1247,8 +1250,10 @@ mod tests {
             fn run(&mut self, plan: &StepPlan) -> StepOutput {
                 let mut out = output_for(plan, 0);
                 out.sampled.clear();
+                self.steps += 1;
                 for w in &plan.work {
                     let fed = self.fed.entry(w.id).or_default();
+                    let mut accepted = 0;
                     match &w.input {
                         SeqInput::Prefill { tokens, last } => {
                             fed.extend(tokens);
@@ -1256,14 +1261,29 @@ mod tests {
                                 continue;
                             }
                         }
-                        SeqInput::Decode | SeqInput::Verify { .. } => {
-                            let last = *self.delivered[&w.id].last().expect("a token");
-                            fed.push(last);
+                        SeqInput::Decode => {
+                            fed.push(*self.delivered[&w.id].last().expect("a token"));
+                        }
+                        SeqInput::Verify { drafts } => {
+                            fed.push(*self.delivered[&w.id].last().expect("a token"));
+                            accepted = (self.steps % 3).min(*drafts);
+                            out.verified.push(VerifyOutcome {
+                                id: w.id,
+                                verified: *drafts,
+                                accepted,
+                            });
                         }
                     }
-                    let token = 100 + fed.len() as u32;
-                    self.delivered.entry(w.id).or_default().push(token);
-                    out.sampled.push((w.id, token));
+                    // The anchor's token, then one per accepted draft (each a true token fed).
+                    for k in 0..=accepted {
+                        if k > 0 {
+                            let token = *self.delivered[&w.id].last().expect("a token");
+                            fed.push(token);
+                        }
+                        let token = 100 + fed.len() as u32;
+                        self.delivered.entry(w.id).or_default().push(token);
+                        out.sampled.push((w.id, token));
+                    }
                 }
                 for id in &plan.finished {
                     self.fed.remove(id);
@@ -1277,8 +1297,16 @@ mod tests {
         /// the states on the rank never pass the budget.
         #[test]
         fn preempted_requests_resume_with_their_tokens_and_the_pool_bounds_the_states() {
-            for depth in 1..=2 {
-                let (mut s, model) = pooled(16, depth);
+            for (depth, dspark) in [(1, false), (2, false), (1, true), (2, true)] {
+                let (s, model) = pooled(16, depth);
+                let mut s = if dspark {
+                    s.with_dspark(VerifySettings {
+                        max_draft_tokens: 5,
+                        table: super::dspark::linear_table(),
+                    })
+                } else {
+                    s
+                };
                 let budget = 16 * model.block_bytes();
                 for id in 1..=6 {
                     s.submit(spec(id, 40 + 7 * id as usize, 120)).unwrap();
@@ -1293,6 +1321,10 @@ mod tests {
                     }
                     let Some(plan) = plans.pop_front() else { break };
                     let out = rank.run(&plan);
+                    if dspark {
+                        let ids: Vec<(u64, f32)> = rank.fed.keys().map(|id| (id.0, 0.99)).collect();
+                        s.on_proposals(&super::dspark::proposals(plan.step.0 + 1, &ids));
+                    }
                     let held: u64 = rank.fed.values().map(|f| model.bytes(f.len())).sum();
                     assert!(held <= budget, "{held} bytes over the {budget}-byte budget");
                     most = most.max(held);
@@ -1302,7 +1334,11 @@ mod tests {
                         }
                     }
                 }
-                assert!(!s.has_requests(), "depth {depth}: every request ended");
+                assert!(
+                    !s.has_requests(),
+                    "depth {depth}, dspark {dspark}: every request ended; {:?}",
+                    s.stats()
+                );
                 let stats = s.stats();
                 assert!(stats.preemptions > 0, "the workload needs preemption");
                 assert_eq!(stats.resumed, stats.preemptions);
@@ -1314,8 +1350,9 @@ mod tests {
                 }
                 assert_eq!(stats.state_blocks_used, 0, "every block came back");
                 println!(
-                    "depth {depth}: {} preemptions, peak {most} of {budget} bytes",
-                    stats.preemptions
+                    "depth {depth}, dspark {dspark}: {} preemptions, {} drafts verified, peak \
+                     {most} of {budget} bytes",
+                    stats.preemptions, stats.draft_tokens_verified
                 );
             }
         }
@@ -1328,7 +1365,7 @@ mod tests {
         use crate::messages::rank::VerifyOutcome;
 
         /// 10 ms per step plus 1 ms per token: each extra token costs ~8% of a small step.
-        fn linear_table() -> StepRateTable {
+        pub(super) fn linear_table() -> StepRateTable {
             StepRateTable::new(
                 (1..=64)
                     .map(|b| StepRatePoint {
@@ -1347,7 +1384,7 @@ mod tests {
             })
         }
 
-        fn proposals(for_step: u64, rows: &[(u64, f32)]) -> ProposalBatch {
+        pub(super) fn proposals(for_step: u64, rows: &[(u64, f32)]) -> ProposalBatch {
             ProposalBatch {
                 for_step: StepId(for_step),
                 proposals: rows
