@@ -197,13 +197,14 @@ fn cache(kind: &str, what: &'static str, copies: usize, width: usize, ratio: usi
     }
 }
 
-/// Layers counted by kind label, in first-seen order.
-fn count_kinds(labels: impl Iterator<Item = String>) -> Vec<(String, usize)> {
-    let mut kinds: Vec<(String, usize)> = Vec::new();
-    for label in labels {
-        match kinds.iter_mut().find(|(k, _)| *k == label) {
-            Some((_, n)) => *n += 1,
-            None => kinds.push((label, 1)),
+/// The backbone layers grouped by `label`, in first-seen order: (label, layers, first layer).
+fn layer_kinds(cfg: &ModelConfig, label: impl Fn(usize) -> String) -> Vec<(String, usize, usize)> {
+    let mut kinds: Vec<(String, usize, usize)> = Vec::new();
+    for l in 0..cfg.n_layers {
+        let kind = label(l);
+        match kinds.iter_mut().find(|(k, _, _)| *k == kind) {
+            Some((_, n, _)) => *n += 1,
+            None => kinds.push((kind, 1, l)),
         }
     }
     kinds
@@ -220,11 +221,8 @@ fn v41_parts(cfg: &ModelConfig) -> Vec<StatePart> {
         (r, false) => format!("ratio-{r} reader"),
     };
     let mut parts = Vec::new();
-    for (kind, layers) in count_kinds((0..cfg.n_layers).map(label)) {
+    for (kind, layers, l) in layer_kinds(cfg, label) {
         parts.push(ring(&kind, "window rows", layers, head_dim, capacity));
-        let l = (0..cfg.n_layers)
-            .find(|&l| label(l) == kind)
-            .unwrap_or_default();
         let ratio = cfg.compress_ratio(l);
         if !cfg.is_kv_source(l) || ratio == 0 {
             continue;
@@ -289,11 +287,8 @@ fn v4_parts(cfg: &ModelConfig) -> Vec<StatePart> {
         parts.push(cache(kind, what_entries, layers, width, ratio));
     };
     let mut parts = Vec::new();
-    for (kind, layers) in count_kinds((0..cfg.n_layers).map(label)) {
+    for (kind, layers, l) in layer_kinds(cfg, label) {
         parts.push(ring(&kind, "window rows", layers, head_dim, capacity));
-        let l = (0..cfg.n_layers)
-            .find(|&l| label(l) == kind)
-            .unwrap_or_default();
         let ratio = cfg.compress_ratio(l);
         match kind_of(l) {
             V4Attention::Sliding => {}

@@ -16,11 +16,14 @@ use deepinfer_actors::rank::executor::{
 };
 use deepinfer_actors::rank::model_executor::ModelFactory;
 use deepinfer_actors::tools::logits;
-use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
+use deepinfer_actors::{Engine, EngineConfig, ModelFacts};
 use deepinfer_model::Model;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_topology::{NodeConfig, RequestId};
+
+mod engine_support;
+use engine_support::generate_all;
 
 /// Emulated device time per step: makes verifying drafts worth it to the DSpark planner.
 const EMULATED_STEP: Duration = Duration::from_millis(20);
@@ -130,23 +133,14 @@ async fn run(
     })
     .await
     .expect("engine starts");
-    let mut streams = Vec::new();
-    for prompt in prompts {
-        let request = GenerateRequest::from_tokens(prompt.clone())
-            .max_tokens(max_tokens)
-            .ignore_eos(true)
-            .temperature(1.0)
-            .seed(9);
-        streams.push(engine.generate(request).await.expect("admitted"));
-    }
-    let mut outputs = Vec::new();
-    for stream in streams {
-        let done = tokio::time::timeout(Duration::from_secs(600), stream.collect())
-            .await
-            .expect("finishes in time")
-            .expect("completes");
-        outputs.push(done.tokens);
-    }
+    let outputs = generate_all(
+        &engine,
+        prompts,
+        max_tokens,
+        (1.0, 9),
+        Duration::from_secs(600),
+    )
+    .await;
     let stats = engine.handle().scheduler_stats().await.expect("stats")[0];
     let replay = engine
         .handle()

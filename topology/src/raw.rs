@@ -219,8 +219,10 @@ pub struct RawMemoryConfig {
     /// keep the live states' bytes at or below it. Default: none (the fraction applies).
     pub state_bytes_per_rank: Option<u64>,
     /// Share of the memory left after the weights that the state pools take (0 < f <= 1):
-    /// the free device memory of each GPU with `cuda`, the host's available memory (split
-    /// evenly over the DP ranks) with `cpu`. Default: 0.9.
+    /// the host's available memory (split evenly over the DP ranks) with `cpu`; with `cuda`
+    /// the free device memory is not measured yet and the pool is off (warned at start) unless
+    /// `state_bytes_per_rank` is given; `memory-plan` applies it to the GPU's memory.
+    /// Default: 0.9.
     pub state_memory_fraction: Option<f64>,
 }
 
