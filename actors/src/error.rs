@@ -60,6 +60,18 @@ pub enum EngineError {
     Model { what: String, message: String },
     #[error("internal error: {message}")]
     Internal { message: String },
+    #[error(
+        "the request needs up to {tokens} tokens of sequence state ({blocks} blocks of \
+         {block_bytes} bytes) but the state pool of DP rank {dp} holds {total_blocks} blocks; \
+         shorten the prompt or max_tokens, or raise [memory]"
+    )]
+    StateTooLarge {
+        dp: usize,
+        tokens: usize,
+        blocks: usize,
+        block_bytes: u64,
+        total_blocks: usize,
+    },
 }
 
 impl EngineError {
@@ -76,6 +88,7 @@ impl EngineError {
             EngineError::Startup { .. } => "startup",
             EngineError::Model { .. } => "model",
             EngineError::Internal { .. } => "internal",
+            EngineError::StateTooLarge { .. } => "state_too_large",
         }
     }
 
@@ -118,6 +131,13 @@ mod tests {
                 message: String::new(),
             },
             EngineError::internal(""),
+            EngineError::StateTooLarge {
+                dp: 0,
+                tokens: 0,
+                blocks: 0,
+                block_bytes: 0,
+                total_blocks: 0,
+            },
         ];
         let mut codes: Vec<_> = all.iter().map(EngineError::code).collect();
         codes.sort_unstable();

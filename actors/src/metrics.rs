@@ -13,6 +13,7 @@ use metrics::{
 };
 
 use crate::messages::rank::{StepMode, StepOutput};
+use crate::messages::scheduler::SchedulerStats;
 
 pub const FRONTEND_INFLIGHT_REQUESTS: &str = "deepinfer_frontend_inflight_requests";
 pub const FRONTEND_REQUESTS_TOTAL: &str = "deepinfer_frontend_requests_total";
@@ -38,6 +39,10 @@ pub const DSPARK_PROPOSED_TOKENS_TOTAL: &str = "deepinfer_dspark_proposed_tokens
 pub const DSPARK_VERIFIED_TOKENS_TOTAL: &str = "deepinfer_dspark_verified_tokens_total";
 pub const DSPARK_ACCEPTED_TOKENS_TOTAL: &str = "deepinfer_dspark_accepted_tokens_total";
 pub const DSPARK_ACCEPTED_LENGTH_TOKENS: &str = "deepinfer_dspark_accepted_length_tokens";
+pub const STATE_BLOCKS_USED: &str = "deepinfer_state_blocks_used";
+pub const STATE_BLOCKS_FREE: &str = "deepinfer_state_blocks_free";
+pub const SCHEDULER_PREEMPTIONS_TOTAL: &str = "deepinfer_scheduler_preemptions_total";
+pub const SCHEDULER_RESUMED_TOTAL: &str = "deepinfer_scheduler_resumed_total";
 
 /// Every metric name the runtime registers.
 pub const ALL: &[&str] = &[
@@ -63,10 +68,34 @@ pub const ALL: &[&str] = &[
     DSPARK_VERIFIED_TOKENS_TOTAL,
     DSPARK_ACCEPTED_TOKENS_TOTAL,
     DSPARK_ACCEPTED_LENGTH_TOKENS,
+    STATE_BLOCKS_USED,
+    STATE_BLOCKS_FREE,
+    SCHEDULER_PREEMPTIONS_TOTAL,
+    SCHEDULER_RESUMED_TOTAL,
 ];
 
 /// Registers help text and units with the installed recorder (call once after installing it).
 pub fn describe() {
+    describe_gauge!(
+        STATE_BLOCKS_USED,
+        Unit::Count,
+        "State pool blocks held by sequences (or freed and not yet released), per DP rank."
+    );
+    describe_gauge!(
+        STATE_BLOCKS_FREE,
+        Unit::Count,
+        "State pool blocks free, per DP rank."
+    );
+    describe_counter!(
+        SCHEDULER_PREEMPTIONS_TOTAL,
+        Unit::Count,
+        "Requests preempted for state memory (resumed later by recompute), per DP rank."
+    );
+    describe_counter!(
+        SCHEDULER_RESUMED_TOTAL,
+        Unit::Count,
+        "Preempted requests admitted again, per DP rank."
+    );
     describe_gauge!(
         FRONTEND_INFLIGHT_REQUESTS,
         Unit::Count,
@@ -221,6 +250,18 @@ pub(crate) fn record_plan(dp: &str, schedule_seconds: f64, hidden: bool, prompt_
 pub(crate) fn record_queue(dp: &str, waiting: usize, running: usize) {
     gauge!(SCHEDULER_QUEUE_DEPTH, "dp" => dp.to_string()).set(waiting as f64);
     gauge!(SCHEDULER_RUNNING_REQUESTS, "dp" => dp.to_string()).set(running as f64);
+}
+
+/// The state pool of a rank (blocks used and free) and its preemptions and resumptions so far.
+pub(crate) fn record_state_pool(dp: &str, stats: &SchedulerStats) {
+    if stats.state_blocks_total == 0 {
+        return;
+    }
+    let free = stats.state_blocks_total - stats.state_blocks_used;
+    gauge!(STATE_BLOCKS_USED, "dp" => dp.to_string()).set(stats.state_blocks_used as f64);
+    gauge!(STATE_BLOCKS_FREE, "dp" => dp.to_string()).set(free as f64);
+    counter!(SCHEDULER_PREEMPTIONS_TOTAL, "dp" => dp.to_string()).absolute(stats.preemptions);
+    counter!(SCHEDULER_RESUMED_TOTAL, "dp" => dp.to_string()).absolute(stats.resumed);
 }
 
 pub(crate) fn record_request(outcome: &'static str) {

@@ -39,6 +39,14 @@ impl AnySequence {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Bytes of every row and entry the state holds.
+    pub fn held_bytes(&self) -> u64 {
+        match self {
+            AnySequence::V41(seq) => seq.held_bytes(),
+            AnySequence::V4(seq) => seq.held_bytes(),
+        }
+    }
 }
 
 /// One sequence's part of an [`AnyModel::forward_step`].

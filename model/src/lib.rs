@@ -7,6 +7,7 @@ pub mod error;
 pub mod expert_dispatch;
 pub mod quant;
 pub mod sampling;
+pub mod state_bytes;
 pub mod weights;
 
 pub mod any_model;

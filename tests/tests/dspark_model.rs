@@ -30,12 +30,15 @@ use deepinfer_actors::rank::executor::{
 };
 use deepinfer_actors::rank::model_executor::ModelFactory;
 use deepinfer_actors::tools::logits;
-use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
+use deepinfer_actors::{Engine, EngineConfig, ModelFacts};
 use deepinfer_model::Model;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{NodeConfig, RequestId};
+
+mod engine_support;
+use engine_support::generate_all;
 
 /// Fixed emulated device time per step of the forced and oracle runs: long enough that the host
 /// time of a verify (which grows with its drafts, and with the machine's load; the demo model's
@@ -353,23 +356,14 @@ async fn generate_at(
     })
     .await
     .expect("engine starts");
-    let mut streams = Vec::new();
-    for prompt in prompts {
-        let request = GenerateRequest::from_tokens(prompt.clone())
-            .max_tokens(max_tokens)
-            .ignore_eos(true)
-            .temperature(temperature)
-            .seed(5);
-        streams.push(engine.generate(request).await.expect("admitted"));
-    }
-    let mut outputs = Vec::new();
-    for stream in streams {
-        let done = tokio::time::timeout(Duration::from_secs(300), stream.collect())
-            .await
-            .expect("finishes in time")
-            .expect("completes");
-        outputs.push(done.tokens);
-    }
+    let outputs = generate_all(
+        &engine,
+        prompts,
+        max_tokens,
+        (temperature, 5),
+        Duration::from_secs(300),
+    )
+    .await;
     let mut total = SchedulerStats::default();
     for s in engine.handle().scheduler_stats().await.expect("stats") {
         total.draft_tokens_proposed += s.draft_tokens_proposed;

@@ -19,7 +19,7 @@ pub use ids::{
     BlockId, DpRank, EpRank, ExpertId, LayerId, PlacementEpoch, RequestId, StepId, TokenId,
 };
 pub use validate::{
-    Arch, Backend, DSparkConfig, DeviceConfig, EplbConfig, JobConfig, MetricsConfig, ModelConfig,
-    ModelDims, ModelSource, NodeConfig, ParallelConfig, ReplayConfig, SamplingConfig,
+    Arch, Backend, DSparkConfig, DeviceConfig, EplbConfig, JobConfig, MemoryConfig, MetricsConfig,
+    ModelConfig, ModelDims, ModelSource, NodeConfig, ParallelConfig, ReplayConfig, SamplingConfig,
     SchedulerConfig,
 };

@@ -32,6 +32,9 @@ pub struct RawNodeConfig {
     /// `[eplb]`: expert-parallel load balancing.
     #[serde(default)]
     pub eplb: RawEplbConfig,
+    /// `[memory]`: the per-rank budget of the sequence-state pool.
+    #[serde(default)]
+    pub memory: RawMemoryConfig,
     /// `[metrics]`: Prometheus exporter.
     #[serde(default)]
     pub metrics: RawMetricsConfig,
@@ -210,6 +213,21 @@ pub struct RawEplbConfig {
     /// of `device.nodes`, global otherwise. Default: 1 (V4.1 has no expert groups).
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub num_groups: Option<u16>,
+}
+
+/// `[memory]`. At most one of the two keys.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMemoryConfig {
+    /// Sequence-state pool of each DP rank (bytes, >= 1): admission, growth and preemption
+    /// keep the live states' bytes at or below it. Default: none (the fraction applies).
+    pub state_bytes_per_rank: Option<u64>,
+    /// Share of the memory left after the weights that the state pools take (0 < f <= 1):
+    /// the host's available memory (split evenly over the DP ranks) with `cpu`; with `cuda`
+    /// the free device memory is not measured yet and the pool is off (warned at start) unless
+    /// `state_bytes_per_rank` is given; `memory-plan` applies it to the GPU's memory.
+    /// Default: 0.9.
+    pub state_memory_fraction: Option<f64>,
 }
 
 /// `[metrics]`.

@@ -8,8 +8,8 @@ use crate::error::TopologyError;
 use crate::ids::{DpRank, EpRank};
 use crate::raw::{
     RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
-    RawMetricsConfig, RawModelConfig, RawNodeConfig, RawParallelConfig, RawReplayConfig,
-    RawSamplingConfig, RawSchedulerConfig,
+    RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawParallelConfig,
+    RawReplayConfig, RawSamplingConfig, RawSchedulerConfig,
 };
 
 /// The checkpoint the engine loads when `model.source` is left out.
@@ -43,6 +43,8 @@ pub struct NodeConfig {
     pub replay: ReplayConfig,
     /// `[eplb]`.
     pub eplb: EplbConfig,
+    /// `[memory]`.
+    pub memory: MemoryConfig,
     /// `[metrics]`.
     pub metrics: MetricsConfig,
     /// `[job]`.
@@ -191,6 +193,20 @@ pub struct EplbConfig {
     pub num_groups: u16,
 }
 
+/// `[memory]`, validated: the budget of each DP rank's sequence-state pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MemoryConfig {
+    /// `state_bytes_per_rank` (bytes, >= 1).
+    StateBytes(u64),
+    /// `state_memory_fraction` (0 < f <= 1) of the memory left after the weights: the host's
+    /// available memory split over the ranks with the CPU (with CUDA the runtime does not
+    /// measure it yet; `memory-plan` applies it to the GPU's memory). Default: `Fraction(0.9)`.
+    Fraction(f64),
+}
+
+/// Default of `memory.state_memory_fraction`.
+pub const DEFAULT_STATE_MEMORY_FRACTION: f64 = 0.9;
+
 /// `[metrics]`, validated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetricsConfig {
@@ -268,6 +284,7 @@ impl NodeConfig {
         let dspark = dspark_config(&check, raw.dspark)?;
         let replay = replay_config(&check, raw.replay, &dspark)?;
         let eplb = eplb_config(&check, raw.eplb)?;
+        let memory = memory_config(&check, raw.memory)?;
         let metrics = metrics_config(&check, raw.metrics)?;
         let job = job_config(&check, raw.job)?;
         let config = Self {
@@ -280,6 +297,7 @@ impl NodeConfig {
             dspark,
             replay,
             eplb,
+            memory,
             metrics,
             job,
         };
@@ -670,6 +688,30 @@ fn eplb_config(check: &Checker<'_>, raw: RawEplbConfig) -> Result<EplbConfig, To
         redundant_experts: raw.redundant_experts.unwrap_or(0),
         num_groups: check.at_least("eplb.num_groups", raw.num_groups.unwrap_or(1), 1)?,
     })
+}
+
+fn memory_config(check: &Checker<'_>, raw: RawMemoryConfig) -> Result<MemoryConfig, TopologyError> {
+    match (raw.state_bytes_per_rank, raw.state_memory_fraction) {
+        (Some(_), Some(_)) => Err(check.invalid(
+            "memory.state_memory_fraction",
+            "give either memory.state_bytes_per_rank or memory.state_memory_fraction, not both",
+        )),
+        (Some(bytes), None) => Ok(MemoryConfig::StateBytes(check.at_least(
+            "memory.state_bytes_per_rank",
+            bytes,
+            1,
+        )?)),
+        (None, fraction) => {
+            let fraction = fraction.unwrap_or(DEFAULT_STATE_MEMORY_FRACTION);
+            if !(fraction > 0.0 && fraction <= 1.0) {
+                return Err(check.invalid(
+                    "memory.state_memory_fraction",
+                    format!("must be in (0, 1], got {fraction}"),
+                ));
+            }
+            Ok(MemoryConfig::Fraction(fraction))
+        }
+    }
 }
 
 fn metrics_config(

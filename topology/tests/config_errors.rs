@@ -1,6 +1,6 @@
 //! Bad topology text fails with an error that names the origin and the field.
 
-use deepinfer_topology::{ModelDims, NodeConfig, TopologyError};
+use deepinfer_topology::{MemoryConfig, ModelDims, NodeConfig, TopologyError};
 
 const ORIGIN: &str = "configs/bad.toml";
 
@@ -272,4 +272,33 @@ fn lossy_values_are_rejected_not_coerced() {
     )];
     let error = NodeConfig::from_toml_str_with_env("", ORIGIN, env).unwrap_err();
     assert_eq!(error.field(), Some("dspark.max_draft_tokens"), "{error}");
+}
+
+#[test]
+fn state_memory_budget_is_one_key_in_range() {
+    assert_blames(
+        "[memory]\nstate_memory_fraction = 1.5\n",
+        "memory.state_memory_fraction",
+        "must be in (0, 1], got 1.5",
+    );
+    assert_blames(
+        "[memory]\nstate_memory_fraction = 0.0\n",
+        "memory.state_memory_fraction",
+        "got 0",
+    );
+    assert_blames(
+        "[memory]\nstate_bytes_per_rank = 1000\nstate_memory_fraction = 0.5\n",
+        "memory.state_memory_fraction",
+        "not both",
+    );
+    assert_blames(
+        "[memory]\nstate_bytes_per_rank = 0\n",
+        "memory.state_bytes_per_rank",
+        "must be >= 1",
+    );
+    let bytes = NodeConfig::from_toml_str("[memory]\nstate_bytes_per_rank = 4096\n", ORIGIN)
+        .expect("valid");
+    assert_eq!(bytes.memory, MemoryConfig::StateBytes(4096));
+    let default = NodeConfig::from_toml_str("", ORIGIN).expect("valid");
+    assert_eq!(default.memory, MemoryConfig::Fraction(0.9));
 }

@@ -1,5 +1,6 @@
 //! `deepinfer-node`: runs an offline job (OpenAI Batch JSONL) on the topology's model, or a
-//! built-in sample batch when no input is given; `logits` and `eplb-plan` are operator tools.
+//! built-in sample batch when no input is given; `logits`, `eplb-plan` and `memory-plan` are
+//! operator tools.
 //! The logic lives in `deepinfer_actors::{job, tools}`; this file parses arguments and prints.
 
 use std::collections::HashSet;
@@ -13,10 +14,10 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use deepinfer_actors::job::{JobOptions, OutputOrder, count_lines, run_job, sample_batch};
 use deepinfer_actors::openai::ServedModel;
-use deepinfer_actors::tools::{eplb_plan, logits};
+use deepinfer_actors::tools::{eplb_plan, logits, memory_plan};
 use deepinfer_actors::{Engine, EngineConfig, gpu, model_source, prometheus};
-use deepinfer_topology::NodeConfig;
 use deepinfer_topology::eplb::PlacementShape;
+use deepinfer_topology::{ModelSource, NodeConfig};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Offline inference for DeepSeek-V4.1-Flash and the V4-Flash family: runs an OpenAI Batch
@@ -81,6 +82,27 @@ enum Tool {
     /// Plans an expert placement with DeepSeek's EPLB and prints
     /// `{"phy2log", "log2phy", "logcnt"}` as JSON.
     EplbPlan(EplbPlanArgs),
+    /// Prints how the model's sequence states fit the topology (no GPU needed): bytes per token
+    /// by layer kind, weights per GPU, each DP rank's state budget, the longest context and the
+    /// sequences of given lengths that fit at once.
+    MemoryPlan(MemoryPlanArgs),
+}
+
+#[derive(Args, Debug)]
+struct MemoryPlanArgs {
+    /// Topology file.
+    #[arg(long)]
+    topology: PathBuf,
+    /// The checkpoint's config.json; default: the one in the topology's local checkpoint
+    /// directory.
+    #[arg(long)]
+    model_config: Option<PathBuf>,
+    /// Context lengths (tokens, comma-separated) to count concurrent sequences for.
+    #[arg(long, default_value = "8192,32768,131072")]
+    contexts: String,
+    /// Memory of one GPU (GiB); default: 140 with sm90 (H200), 179 with sm100 (B200).
+    #[arg(long)]
+    gpu_memory_gib: Option<f64>,
 }
 
 #[derive(Args, Debug)]
@@ -139,6 +161,7 @@ fn main() -> ExitCode {
     let result = match cli.tool {
         Some(Tool::Logits(args)) => run_logits(args),
         Some(Tool::EplbPlan(args)) => run_eplb_plan(args),
+        Some(Tool::MemoryPlan(args)) => run_memory_plan(args),
         None => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
@@ -166,6 +189,42 @@ fn is_broken_pipe(error: &anyhow::Error) -> bool {
             .downcast_ref::<std::io::Error>()
             .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
     })
+}
+
+fn run_memory_plan(args: MemoryPlanArgs) -> anyhow::Result<()> {
+    let node = NodeConfig::from_file(&args.topology)?;
+    let cfg = match (&args.model_config, &node.model.source) {
+        (Some(path), _) => deepinfer_model::config::ModelConfig::from_file(path)?,
+        (None, ModelSource::LocalDir(dir)) => {
+            deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))?
+        }
+        (None, source) => anyhow::bail!(
+            "{}: the model is {source:?}; give its config.json with --model-config \
+             (tests/data/*.config.json hold the released ones)",
+            node.origin
+        ),
+    };
+    let contexts = args
+        .contexts
+        .split(',')
+        .map(|t| {
+            t.trim()
+                .parse::<usize>()
+                .with_context(|| format!("--contexts: {t:?} is not a token count"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let gpu_memory = args
+        .gpu_memory_gib
+        .map(|gib| (gib * (1u64 << 30) as f64) as u64);
+    let dp = usize::from(node.parallel.dp);
+    let plan = memory_plan::plan(&node, &cfg, gpu_memory, &contexts, || {
+        deepinfer_actors::scheduler::pool::rank_budget(node.memory, node.device.backend, dp)
+            .map_err(|e| e.to_string())
+            .map(|budget| budget.unwrap_or(0))
+    })
+    .map_err(anyhow::Error::msg)?;
+    print!("{plan}");
+    Ok(())
 }
 
 fn run_logits(args: LogitsArgs) -> anyhow::Result<()> {

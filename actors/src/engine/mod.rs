@@ -27,6 +27,7 @@ use crate::messages::supervisor::{DrainReport, SupervisorMsg};
 use crate::rank::executor::ExecutorFactory;
 use crate::rank::fake::{FakeConfig, FakeFactory};
 use crate::replay::state::ReplayStats;
+use crate::scheduler::pool::{StatePool, rank_budget};
 use crate::scheduler::state::SchedulerLimits;
 use crate::supervisor::policy::EngineHealth;
 use crate::supervisor::{EngineHandles, NodeSupervisor, SupervisorArgs};
@@ -103,6 +104,37 @@ impl EngineConfig {
             base_seed: self.node.sampling.seed,
         }
     }
+}
+
+/// Each rank's state pool, when the executors have a byte model and the budget is known; the
+/// memory plan of one rank is logged.
+fn state_pool(config: &EngineConfig, dp_ranks: usize) -> Result<Option<StatePool>, EngineError> {
+    let Some(model) = config.executor.state_bytes() else {
+        return Ok(None);
+    };
+    let node = &config.node;
+    let Some(budget) = rank_budget(node.memory, node.device.backend, dp_ranks)? else {
+        tracing::warn!(
+            "memory.state_memory_fraction is not measured on CUDA yet: the state pool is off \
+             (give memory.state_bytes_per_rank to bound the states)"
+        );
+        return Ok(None);
+    };
+    let pool = StatePool::new(model, budget);
+    let usage = pool.usage();
+    let model = pool.model();
+    let longest = usage.total_blocks.saturating_sub(model.ring_blocks()) * model.block_tokens;
+    tracing::info!(
+        budget_bytes = budget,
+        blocks = usage.total_blocks,
+        block_tokens = usage.block_tokens,
+        block_bytes = usage.block_bytes,
+        ring_bytes = model.ring_bytes(),
+        bytes_per_token = model.bytes_per_token(),
+        longest_context_tokens = longest,
+        "state pool of each DP rank"
+    );
+    Ok(Some(pool))
 }
 
 /// The cloneable handle to a running engine.
@@ -261,11 +293,13 @@ impl Engine {
             None => None,
         };
         tracing::info!(dp = dp_ranks, executor = %config.executor.describe(), "engine starting");
+        let state_pool = state_pool(&config, dp_ranks)?;
         let (handles_tx, handles_rx) = oneshot::channel();
         let args = SupervisorArgs {
             dp_ranks,
             ep_ranks: usize::from(config.node.parallel.ep),
             scheduler: config.scheduler_limits(),
+            state_pool,
             frontend: config.frontend_limits(),
             factory: config.executor.clone(),
             codec: codec.clone(),

@@ -61,6 +61,12 @@ impl ExecutorFactory for ExpertParallelFactory {
         Some(self.parallel.clone())
     }
 
+    fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
+        Some(deepinfer_model::state_bytes::StateBytes::of(
+            self.parallel.model().config(),
+        ))
+    }
+
     /// The model's window, so bounded replay is planned under expert parallelism too (the
     /// executor runs `forward_replay_with_experts`).
     fn sliding_window(&self) -> Option<usize> {

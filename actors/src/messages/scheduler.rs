@@ -34,6 +34,14 @@ pub struct SchedulerStats {
     pub rejecting_verifies: u64,
     /// DSpark: proposal batches dropped as stale.
     pub stale_proposals: u64,
+    /// State pool blocks of the rank (0 without a pool).
+    pub state_blocks_total: usize,
+    /// Of those, the blocks held by sequences or retired and not freed by the rank yet.
+    pub state_blocks_used: usize,
+    /// Requests preempted for state memory (each resumes by recompute).
+    pub preemptions: u64,
+    /// Preempted requests admitted again.
+    pub resumed: u64,
 }
 
 impl SchedulerStats {

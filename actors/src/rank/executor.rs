@@ -167,6 +167,11 @@ pub trait RankExecutor: Send {
     fn plan_replay(&mut self, _id: RequestId, _decoder_from: usize) -> Result<(), ExecError> {
         Ok(())
     }
+    /// Bytes the live sequences' states hold now (`SequenceState::held_bytes`); `None` for an
+    /// executor without model state.
+    fn state_bytes_held(&self) -> Option<u64> {
+        None
+    }
     /// Time the device still needs after `execute` returned before the step's results exist
     /// (an asynchronous device queue). Zero for the CPU backend, whose work is done on return.
     fn device_latency(&self, _batch_tokens: usize) -> Duration {
@@ -188,6 +193,11 @@ pub trait ExecutorFactory: Send + Sync {
     /// The family of the served model (the engine picks the chat encoding by it).
     fn family(&self) -> deepinfer_model::config::ModelFamily {
         deepinfer_model::config::ModelFamily::V41
+    }
+    /// The byte model of its executors' sequence states, when they hold real ones (the engine
+    /// then accounts each rank's states in a `StatePool`); `None` = unaccounted.
+    fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
+        None
     }
     /// The expert-parallel state its executors share, when they run expert parallelism (the
     /// supervisor then spawns the expert groups and the EPLB over it).

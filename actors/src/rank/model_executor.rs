@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use deepinfer_model::backend::Backend;
 use deepinfer_model::expert_dispatch::RoutedExperts;
+use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
 use deepinfer_topology::{DpRank, RequestId};
 
@@ -157,6 +158,10 @@ impl RankExecutor for ModelExecutor {
         self.sequences.live()
     }
 
+    fn state_bytes_held(&self) -> Option<u64> {
+        Some(self.sequences.states().map(SequenceState::held_bytes).sum())
+    }
+
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         Ok(self
             .step(batch, &[], false)?
@@ -246,6 +251,10 @@ impl ExecutorFactory for ModelFactory {
     fn sliding_window(&self) -> Option<usize> {
         Some(self.model.config().window_size)
     }
+
+    fn state_bytes(&self) -> Option<StateBytes> {
+        Some(StateBytes::of(self.model.config()))
+    }
 }
 
 /// Opens the backend of one device ordinal; called on the rank thread that will use it.
@@ -296,6 +305,10 @@ impl ExecutorFactory for PerDeviceModelFactory {
 
     fn sliding_window(&self) -> Option<usize> {
         Some(self.model.config().window_size)
+    }
+
+    fn state_bytes(&self) -> Option<StateBytes> {
+        Some(StateBytes::of(self.model.config()))
     }
 }
 

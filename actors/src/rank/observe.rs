@@ -72,6 +72,9 @@ impl ExecutorFactory for ObservedFactory {
     fn family(&self) -> deepinfer_model::config::ModelFamily {
         self.inner.family()
     }
+    fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
+        self.inner.state_bytes()
+    }
 }
 
 struct ObservedExecutor {
@@ -98,6 +101,9 @@ impl RankExecutor for ObservedExecutor {
     }
     fn live_sequences(&self) -> usize {
         self.inner.live_sequences()
+    }
+    fn state_bytes_held(&self) -> Option<u64> {
+        self.inner.state_bytes_held()
     }
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         let starts = batch

@@ -54,6 +54,11 @@ impl<S> Sequences<S> {
         self.states.len()
     }
 
+    /// Every live state.
+    pub fn states(&self) -> impl Iterator<Item = &S> {
+        self.states.values()
+    }
+
     /// The states of a step's entries, in the batch's order, once every entry names a distinct
     /// live sequence and `check(state, tokens)` accepts its tokens.
     pub fn for_step(

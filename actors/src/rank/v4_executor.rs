@@ -18,6 +18,7 @@
 use std::sync::Arc;
 
 use deepinfer_model::config::ModelFamily;
+use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v4::{Model, SequenceState, StepEntry};
 use deepinfer_model::{EntryOutput, LogitsWanted};
 use deepinfer_topology::RequestId;
@@ -99,6 +100,10 @@ impl RankExecutor for V4Executor {
         self.sequences.live()
     }
 
+    fn state_bytes_held(&self) -> Option<u64> {
+        Some(self.sequences.states().map(SequenceState::held_bytes).sum())
+    }
+
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         self.step(batch, &[])?
             .into_iter()
@@ -157,6 +162,10 @@ impl ExecutorFactory for V4ModelFactory {
     fn family(&self) -> ModelFamily {
         ModelFamily::V4
     }
+
+    fn state_bytes(&self) -> Option<StateBytes> {
+        Some(StateBytes::of(self.model.config()))
+    }
 }
 
 /// Hands each DP rank the shared V4 host weights on a backend of its own device: rank `r` runs
@@ -196,6 +205,10 @@ impl ExecutorFactory for V4PerDeviceFactory {
 
     fn family(&self) -> ModelFamily {
         ModelFamily::V4
+    }
+
+    fn state_bytes(&self) -> Option<StateBytes> {
+        Some(StateBytes::of(self.model.config()))
     }
 }
 

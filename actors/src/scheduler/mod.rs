@@ -15,6 +15,7 @@
 //! actor itself keeps running so callers get errors rather than a dead mailbox. Every rank steps
 //! while the engine has admitted requests, with `Idle` plans when it has none of its own.
 
+pub mod pool;
 pub mod state;
 
 use std::collections::HashMap;
@@ -33,12 +34,15 @@ use crate::messages::replay::ReplayMsg;
 use crate::messages::request::{RawEvent, RequestSpec};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
+use pool::StatePool;
 use state::{Emission, ReplayUpdate, SchedulerLimits, SchedulerState, VerifySettings};
 
 /// Arguments of `SchedulerActor`.
 pub struct SchedulerArgs {
     pub dp: DpRank,
     pub limits: SchedulerLimits,
+    /// The rank's state pool; `None` = states unaccounted.
+    pub pool: Option<StatePool>,
     pub rank: ActorRef<RankMsg>,
     /// Requests admitted engine-wide and not yet released (owned by the frontend).
     pub engine_inflight: Arc<AtomicUsize>,
@@ -217,6 +221,7 @@ impl SchedulerShell {
         }
         let stats = self.state.stats();
         m::record_queue(&self.dp_label, stats.waiting, stats.running);
+        m::record_state_pool(&self.dp_label, &stats);
     }
 }
 
@@ -233,7 +238,10 @@ impl Actor for SchedulerActor {
         _myself: ActorRef<SchedulerMsg>,
         args: SchedulerArgs,
     ) -> Result<SchedulerShell, ActorProcessingErr> {
-        let state = SchedulerState::new(args.dp, args.limits);
+        let mut state = SchedulerState::new(args.dp, args.limits);
+        if let Some(pool) = args.pool {
+            state = state.with_pool(pool);
+        }
         Ok(SchedulerShell {
             state: match args.dspark {
                 Some(settings) => state.with_dspark(settings),

@@ -20,6 +20,19 @@
 //! the global optimum over the stale confidences (`verification_budget`, no early stop) and is
 //! spent on the best candidates (`plan_with_budget`). No further lag is added on top. Since a verify produces between 1
 //! and `1 + drafts` tokens, each request counts the most tokens its in-flight steps may produce.
+//!
+//! State memory (with a [`StatePool`], `with_pool`): every entry reserves the blocks of what it
+//! will write before it is planned (a prefill chunk its tokens, a decode one position, a verify
+//! the anchor and its drafts; a constrained request its whole length at admission). A request
+//! that could never fit fails at submission naming the numbers; a waiting request is admitted
+//! (FIFO) only when its first chunk fits; a verify gets fewer drafts when blocks are short. When
+//! a running request cannot grow, the newest running request that is neither constrained nor
+//! already in the plan is preempted (possibly itself; vLLM's and DeepInfer's recompute rule):
+//! its state is freed by the plan, its blocks come back when that step is done, and it waits at
+//! the head of the queue; once its last steps are back it is admitted again and prefills its
+//! prompt followed by the tokens it delivered. Sampling noise is a pure function of (seed,
+//! request, position) and prefill, decode and verify give the same rows, so it continues with
+//! exactly the tokens it would have produced.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -34,6 +47,7 @@ use crate::messages::dspark::ProposalBatch;
 use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
 use crate::messages::request::{FinishReason, RequestSpec, Usage};
 use crate::messages::scheduler::SchedulerStats;
+use crate::scheduler::pool::StatePool;
 
 /// The scheduler's limits (from the topology's `[scheduler]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,24 +145,74 @@ pub enum Emission {
 #[derive(Debug)]
 struct Seq {
     spec: RequestSpec,
-    /// Prompt tokens already planned.
+    /// Tokens to prefill: the prompt, or once preempted the prompt and the tokens delivered.
+    prefill_len: usize,
+    /// Of those, the tokens already planned.
     prefilled: usize,
     /// The rank knows this sequence (its `NewSeq` was planned).
     on_rank: bool,
     /// Tokens delivered.
-    generated: usize,
+    output: Vec<u32>,
     /// The most tokens the planned, unreturned steps may produce for this sequence.
     outputs_in_flight: usize,
-    /// Has a grammar (never drafted for).
+    /// The most positions the rank's state may hold once the planned steps are done (what
+    /// its pool blocks cover).
+    held_max: usize,
+    /// Has a grammar (never drafted for, never preempted).
     constrained: bool,
+    /// Preempted and not admitted again yet.
+    preempted: bool,
     /// Decoder bounded replay start (see `NewSeq::decoder_from`).
     decoder_from: Option<u32>,
 }
 
 impl Seq {
     fn prefill_done(&self) -> bool {
-        self.prefilled == self.spec.prompt.len()
+        self.prefilled == self.prefill_len
     }
+
+    fn generated(&self) -> usize {
+        self.output.len()
+    }
+
+    /// The next `n` tokens to prefill: the prompt, then (when resumed) the tokens delivered.
+    fn next_prefill(&self, n: usize) -> Vec<u32> {
+        let context = self.spec.prompt.iter().chain(&self.output);
+        context.skip(self.prefilled).take(n).copied().collect()
+    }
+
+    /// The most positions the state may ever hold.
+    fn max_len(&self) -> usize {
+        self.spec.prompt.len() + self.spec.max_tokens
+    }
+}
+
+/// A producing entry of a plan in flight.
+#[derive(Debug, Clone, Copy)]
+struct Produces {
+    id: RequestId,
+    /// The most tokens it may produce.
+    most: usize,
+    /// A prefill's last chunk (it writes no position the `ReplayActor` has not seen).
+    prefill: bool,
+}
+
+/// A plan in flight.
+#[derive(Debug)]
+struct InFlight {
+    step: StepId,
+    produces: Vec<Produces>,
+    /// Pool blocks of the states this plan frees on the rank (free once it is done).
+    releases: usize,
+}
+
+/// What a request that must grow got.
+enum Growth {
+    Granted,
+    /// Short of blocks that in-flight steps will free: try again next plan.
+    Wait,
+    /// Preempted to make room (it was the newest).
+    Preempted,
 }
 
 /// One rank's scheduling state.
@@ -162,7 +226,13 @@ pub struct SchedulerState {
     seqs: HashMap<RequestId, Seq>,
     pending_frees: Vec<RequestId>,
     /// Steps in flight, each with the most tokens it may produce per sequence.
-    in_flight: VecDeque<(StepId, Vec<(RequestId, usize)>)>,
+    in_flight: VecDeque<InFlight>,
+    /// The rank's state memory; `None` = unaccounted (a backend without a byte model).
+    pool: Option<StatePool>,
+    /// Pool blocks retired since the last plan (released when the plan that frees them is done).
+    retired_blocks: usize,
+    preemptions: u64,
+    resumed: u64,
     verifier: Option<Verifier>,
     drafts: DraftCounters,
     steps_done: u64,
@@ -183,6 +253,10 @@ impl SchedulerState {
             seqs: HashMap::new(),
             pending_frees: Vec::new(),
             in_flight: VecDeque::new(),
+            pool: None,
+            retired_blocks: 0,
+            preemptions: 0,
+            resumed: 0,
             verifier: None,
             drafts: DraftCounters::default(),
             steps_done: 0,
@@ -201,6 +275,12 @@ impl SchedulerState {
             asynchronous: self.limits.overlap_depth > 1,
             confidences: HashMap::new(),
         });
+        self
+    }
+
+    /// Accounts the rank's state memory in `pool` (admission, growth and preemption by blocks).
+    pub fn with_pool(mut self, pool: StatePool) -> Self {
+        self.pool = Some(pool);
         self
     }
 
@@ -248,14 +328,28 @@ impl SchedulerState {
             });
         }
         let id = spec.id;
+        let tokens = spec.prompt.len() + spec.max_tokens;
+        if let Some(pool) = self.pool.as_ref().filter(|pool| !pool.fits_alone(tokens)) {
+            let usage = pool.usage();
+            return Err(EngineError::StateTooLarge {
+                dp: self.dp.index(),
+                tokens,
+                blocks: pool.blocks_for(tokens),
+                block_bytes: usage.block_bytes,
+                total_blocks: usage.total_blocks,
+            });
+        }
         self.seqs.insert(
             id,
             Seq {
+                prefill_len: spec.prompt.len(),
                 prefilled: 0,
                 on_rank: false,
-                generated: 0,
+                output: Vec::new(),
                 outputs_in_flight: 0,
+                held_max: 0,
                 constrained: spec.grammar.is_some(),
+                preempted: false,
                 decoder_from,
                 spec,
             },
@@ -280,7 +374,76 @@ impl SchedulerState {
         if seq.on_rank {
             self.pending_frees.push(id);
         }
+        if let Some(pool) = self.pool.as_mut() {
+            self.retired_blocks += pool.retire(id);
+        }
         Some(seq)
+    }
+
+    /// Preempts running `id` (see the module docs): freed by the next plan, its blocks
+    /// retired, waiting at the head of the queue to be prefilled again.
+    fn preempt(&mut self, id: RequestId) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        tracing::debug!(dp = %self.dp, %id, generated = seq.output.len(), "preempted for state memory");
+        seq.prefilled = 0;
+        seq.held_max = 0;
+        seq.preempted = true;
+        if std::mem::take(&mut seq.on_rank) {
+            self.pending_frees.push(id);
+        }
+        if let Some(verifier) = self.verifier.as_mut() {
+            verifier.confidences.remove(&id);
+        }
+        if let Some(pool) = self.pool.as_mut() {
+            self.retired_blocks += pool.retire(id);
+        }
+        self.running.retain(|r| *r != id);
+        self.waiting.push_front(id);
+        self.preemptions += 1;
+    }
+
+    /// Reserves the blocks for running `id` to hold `len` positions, preempting the newest
+    /// preemptable running request (not constrained, not in `planned`) while the free blocks
+    /// and those in-flight steps will free fall short.
+    fn grow(&mut self, id: RequestId, len: usize, planned: &[RequestId]) -> Growth {
+        loop {
+            let Some(pool) = self.pool.as_mut() else {
+                return Growth::Granted;
+            };
+            if pool.reserve(id, len) {
+                return Growth::Granted;
+            }
+            let short = pool.blocks_for(len) - pool.held(id);
+            if pool.free_blocks() + pool.releasing_blocks() >= short {
+                return Growth::Wait;
+            }
+            let victim = self.running.iter().rev().copied().find(|r| {
+                !planned.contains(r) && self.seqs.get(r).is_some_and(|seq| !seq.constrained)
+            });
+            match victim {
+                None => return Growth::Wait,
+                Some(victim) => {
+                    self.preempt(victim);
+                    if victim == id {
+                        return Growth::Preempted;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The largest chunk `<= n` of `id`'s prefill whose blocks are free, reserved.
+    fn reserve_chunk(&mut self, id: RequestId, n: usize) -> usize {
+        let (Some(pool), Some(seq)) = (self.pool.as_mut(), self.seqs.get(&id)) else {
+            return n;
+        };
+        let n = n.min(pool.room(id).saturating_sub(seq.held_max));
+        if n > 0 && !pool.reserve(id, seq.held_max + n) {
+            return 0;
+        }
+        n
     }
 
     /// Requests waiting or running.
@@ -297,10 +460,16 @@ impl SchedulerState {
         self.in_flight.len()
     }
 
-    fn take_step_id(&mut self, produces: Vec<(RequestId, usize)>) -> StepId {
+    /// The next step id, recorded in flight with what it may produce and the pool blocks of
+    /// the frees it carries.
+    fn take_step_id(&mut self, produces: Vec<Produces>) -> StepId {
         let step = self.next_step;
         self.next_step = step.next();
-        self.in_flight.push_back((step, produces));
+        self.in_flight.push_back(InFlight {
+            step,
+            produces,
+            releases: std::mem::take(&mut self.retired_blocks),
+        });
         step
     }
 
@@ -315,73 +484,81 @@ impl SchedulerState {
         let (mut decodes, mut prefills) = (0usize, 0usize);
         // Verify entries: (index in `work`, most drafts the request may still use).
         let mut verifies: Vec<(usize, usize)> = Vec::new();
+        // Requests with an entry in this plan (never preempted for another one).
+        let mut planned: Vec<RequestId> = Vec::new();
         let speculative = self.verifier.is_some();
         // 1. One token for every running decode that may still produce one.
-        for id in &self.running {
+        for id in self.running.clone() {
             if budget == 0 {
                 break;
             }
-            let Some(seq) = self.seqs.get_mut(id) else {
+            let Some(seq) = self.seqs.get(&id).filter(|_| self.running.contains(&id)) else {
                 continue;
             };
-            if seq.prefill_done() && seq.generated + seq.outputs_in_flight < seq.spec.max_tokens {
-                seq.outputs_in_flight += 1;
-                let input = if speculative && !seq.constrained {
-                    let room = seq.spec.max_tokens - seq.generated - seq.outputs_in_flight;
-                    verifies.push((work.len(), room));
-                    SeqInput::Verify { drafts: 0 }
-                } else {
-                    SeqInput::Decode
-                };
-                work.push(SeqWork { id: *id, input });
-                budget -= 1;
-                decodes += 1;
+            if !seq.prefill_done() || seq.generated() + seq.outputs_in_flight >= seq.spec.max_tokens
+            {
+                continue;
             }
-        }
-        // 2. Continue running prefills, then admit waiting requests (FIFO).
-        let mut candidates: Vec<RequestId> = self.running.clone();
-        while self.running.len() < self.limits.max_running && budget > 0 {
-            let Some(id) = self.waiting.pop_front() else {
-                break;
+            let len = seq.held_max + 1;
+            if !matches!(self.grow(id, len, &planned), Growth::Granted) {
+                continue;
+            }
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                continue;
             };
-            self.running.push(id);
-            candidates.push(id);
+            seq.held_max = len;
+            seq.outputs_in_flight += 1;
+            let input = if speculative && !seq.constrained {
+                let room = seq.spec.max_tokens - seq.generated() - seq.outputs_in_flight;
+                verifies.push((work.len(), room));
+                SeqInput::Verify { drafts: 0 }
+            } else {
+                SeqInput::Decode
+            };
+            work.push(SeqWork { id, input });
+            planned.push(id);
+            budget -= 1;
+            decodes += 1;
         }
-        for id in candidates {
+        // 2. Continue running prefills, then admit waiting requests (FIFO) while their first
+        //    chunk fits.
+        for id in self.running.clone() {
             if budget == 0 {
                 break;
             }
-            let Some(seq) = self.seqs.get_mut(&id) else {
+            let Some(seq) = self.seqs.get(&id).filter(|_| self.running.contains(&id)) else {
                 continue;
             };
             if seq.prefill_done() {
                 continue;
             }
-            let n = (seq.spec.prompt.len() - seq.prefilled)
+            let wanted = (seq.prefill_len - seq.prefilled)
                 .min(self.limits.prefill_chunk_tokens)
                 .min(budget);
-            let tokens = seq.spec.prompt[seq.prefilled..seq.prefilled + n].to_vec();
-            seq.prefilled += n;
-            let last = seq.prefill_done();
-            if last {
-                seq.outputs_in_flight += 1;
+            let held = seq.held_max;
+            let n = self.reserve_chunk(id, wanted);
+            if n == 0 {
+                // Cannot grow: wait for blocks, or make room by preemption.
+                self.grow(id, held + 1, &planned);
+                continue;
             }
-            if !seq.on_rank {
-                seq.on_rank = true;
-                new_seqs.push(NewSeq {
-                    id,
-                    sampling: seq.spec.sampling,
-                    grammar: seq.spec.grammar.take(),
-                    decoder_from: seq.decoder_from,
-                    speculative: speculative && !seq.constrained,
-                });
+            if let Some(entry) = self.prefill_entry(id, n, speculative, &mut new_seqs) {
+                work.push(entry);
+                planned.push(id);
+                budget -= n;
+                prefills += 1;
             }
-            work.push(SeqWork {
-                id,
-                input: SeqInput::Prefill { tokens, last },
-            });
-            budget -= n;
-            prefills += 1;
+        }
+        while self.running.len() < self.limits.max_running && budget > 0 {
+            let Some((id, n)) = self.admit_next(budget) else {
+                break;
+            };
+            if let Some(entry) = self.prefill_entry(id, n, speculative, &mut new_seqs) {
+                work.push(entry);
+                planned.push(id);
+                budget -= n;
+                prefills += 1;
+            }
         }
         // 3. DSpark: how many drafts each verifying request verifies.
         if !verifies.is_empty() {
@@ -401,10 +578,18 @@ impl SchedulerState {
         let finished = std::mem::take(&mut self.pending_frees);
         let produces = work
             .iter()
-            .filter_map(|w| match &w.input {
-                SeqInput::Decode | SeqInput::Prefill { last: true, .. } => Some((w.id, 1)),
-                SeqInput::Verify { drafts } => Some((w.id, 1 + drafts)),
-                SeqInput::Prefill { last: false, .. } => None,
+            .filter_map(|w| {
+                let (most, prefill) = match &w.input {
+                    SeqInput::Decode => (1, false),
+                    SeqInput::Prefill { last: true, .. } => (1, true),
+                    SeqInput::Verify { drafts } => (1 + drafts, false),
+                    SeqInput::Prefill { last: false, .. } => return None,
+                };
+                Some(Produces {
+                    id: w.id,
+                    most,
+                    prefill,
+                })
             })
             .collect();
         Some(StepPlan {
@@ -413,6 +598,71 @@ impl SchedulerState {
             new_seqs,
             work,
             finished,
+        })
+    }
+
+    /// Moves the head of the queue to the running set when its first chunk (at most `budget`
+    /// tokens; a constrained request: its whole length) fits in the free blocks, and returns
+    /// it with that chunk's size. A preempted request waits until its last steps are back and
+    /// its old state is freed.
+    fn admit_next(&mut self, budget: usize) -> Option<(RequestId, usize)> {
+        let id = *self.waiting.front()?;
+        let seq = self.seqs.get(&id)?;
+        if seq.outputs_in_flight > 0 || self.pending_frees.contains(&id) {
+            return None;
+        }
+        let prefill_len = seq.spec.prompt.len() + seq.output.len();
+        let n = prefill_len
+            .min(self.limits.prefill_chunk_tokens)
+            .min(budget);
+        let reserve = if seq.constrained { seq.max_len() } else { n };
+        if let Some(pool) = self.pool.as_mut()
+            && !pool.reserve(id, reserve)
+        {
+            return None;
+        }
+        let seq = self.seqs.get_mut(&id)?;
+        seq.prefill_len = prefill_len;
+        seq.prefilled = 0;
+        seq.held_max = 0;
+        if std::mem::take(&mut seq.preempted) {
+            self.resumed += 1;
+        }
+        self.waiting.pop_front();
+        self.running.push(id);
+        Some((id, n))
+    }
+
+    /// The entry of `id`'s next prefill chunk of `n` tokens (blocks reserved), introducing the
+    /// sequence to the rank when it is new there.
+    fn prefill_entry(
+        &mut self,
+        id: RequestId,
+        n: usize,
+        speculative: bool,
+        new_seqs: &mut Vec<NewSeq>,
+    ) -> Option<SeqWork> {
+        let seq = self.seqs.get_mut(&id)?;
+        let tokens = seq.next_prefill(n);
+        seq.prefilled += n;
+        seq.held_max += n;
+        let last = seq.prefill_done();
+        if last {
+            seq.outputs_in_flight += 1;
+        }
+        if !seq.on_rank {
+            seq.on_rank = true;
+            new_seqs.push(NewSeq {
+                id,
+                sampling: seq.spec.sampling,
+                grammar: seq.spec.grammar.take(),
+                decoder_from: seq.decoder_from,
+                speculative: speculative && !seq.constrained,
+            });
+        }
+        Some(SeqWork {
+            id,
+            input: SeqInput::Prefill { tokens, last },
         })
     }
 
@@ -447,10 +697,24 @@ impl SchedulerState {
         };
         for (&(index, _), drafts) in verifies.iter().zip(lengths) {
             let entry = &mut work[index];
+            let Some(seq) = self.seqs.get_mut(&entry.id) else {
+                continue;
+            };
+            // The drafts whose positions fit in the blocks held and free.
+            let drafts = match self.pool.as_mut() {
+                Some(pool) => {
+                    let fit = drafts.min(pool.room(entry.id).saturating_sub(seq.held_max));
+                    if pool.reserve(entry.id, seq.held_max + fit) {
+                        fit
+                    } else {
+                        0
+                    }
+                }
+                None => drafts,
+            };
             entry.input = SeqInput::Verify { drafts };
-            if let Some(seq) = self.seqs.get_mut(&entry.id) {
-                seq.outputs_in_flight += drafts;
-            }
+            seq.outputs_in_flight += drafts;
+            seq.held_max += drafts;
         }
     }
 
@@ -476,9 +740,9 @@ impl SchedulerState {
     /// delivered `g` tokens fed the `g`-th as the step's anchor at position `prompt + g - 1`;
     /// a verify of `k` drafts wrote `k + 1` positions and keeps `prompt + g + accepted`.
     pub fn replay_updates(&self, output: &StepOutput) -> Vec<ReplayUpdate> {
-        if self.in_flight.front().map(|(step, _)| *step) != Some(output.step) {
+        let Some(front) = self.in_flight.front().filter(|f| f.step == output.step) else {
             return Vec::new();
-        }
+        };
         let position = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
         let mut updates: Vec<ReplayUpdate> = Vec::new();
         for &(id, _) in &output.sampled {
@@ -488,10 +752,11 @@ impl SchedulerState {
             let Some(seq) = self.seqs.get(&id) else {
                 continue;
             };
-            if seq.generated == 0 {
+            let prefill = front.produces.iter().any(|p| p.id == id && p.prefill);
+            if prefill {
                 continue;
             }
-            let before = seq.spec.prompt.len() + seq.generated;
+            let before = seq.spec.prompt.len() + seq.generated();
             let update = match output.verified.iter().find(|v| v.id == id) {
                 Some(v) => ReplayUpdate {
                     id,
@@ -513,15 +778,20 @@ impl SchedulerState {
 
     /// Applies a step's output; returns what to deliver.
     pub fn on_step_done(&mut self, output: &StepOutput) -> Vec<Emission> {
-        if self.in_flight.front().map(|(step, _)| *step) != Some(output.step) {
+        if self.in_flight.front().map(|f| f.step) != Some(output.step) {
             self.unknown_outputs += 1;
             return Vec::new();
         }
-        let produces = self.in_flight.pop_front().map_or_else(Vec::new, |(_, p)| p);
-        for (id, most) in produces {
-            if let Some(seq) = self.seqs.get_mut(&id) {
-                seq.outputs_in_flight = seq.outputs_in_flight.saturating_sub(most);
+        let Some(done) = self.in_flight.pop_front() else {
+            return Vec::new();
+        };
+        for p in done.produces {
+            if let Some(seq) = self.seqs.get_mut(&p.id) {
+                seq.outputs_in_flight = seq.outputs_in_flight.saturating_sub(p.most);
             }
+        }
+        if let Some(pool) = self.pool.as_mut() {
+            pool.release(done.releases);
         }
         self.drafts.proposed += output
             .drafts
@@ -529,6 +799,14 @@ impl SchedulerState {
             .map(|d| d.confidences.len() as u64)
             .sum::<u64>();
         for outcome in &output.verified {
+            // The rank rolled the sequence back past the rejected drafts: their blocks are free.
+            if let Some(seq) = self.seqs.get_mut(&outcome.id).filter(|seq| seq.on_rank) {
+                let rejected = outcome.verified.saturating_sub(outcome.accepted);
+                seq.held_max = seq.held_max.saturating_sub(rejected);
+                if let Some(pool) = self.pool.as_mut() {
+                    pool.shrink(outcome.id, seq.held_max);
+                }
+            }
             self.drafts.verified += outcome.verified as u64;
             self.drafts.accepted += outcome.accepted as u64;
             self.drafts.verify_entries += 1;
@@ -550,9 +828,9 @@ impl SchedulerState {
                 emissions.push(self.finish(id, FinishReason::Stop));
                 continue;
             }
-            seq.generated += 1;
+            seq.output.push(token);
             emissions.push(Emission::Token(id, token));
-            if seq.generated >= seq.spec.max_tokens {
+            if seq.generated() >= seq.spec.max_tokens {
                 emissions.push(self.finish(id, FinishReason::Length));
             }
         }
@@ -563,7 +841,7 @@ impl SchedulerState {
         let usage = match self.remove(id) {
             Some(seq) => Usage {
                 prompt_tokens: seq.spec.prompt.len(),
-                completion_tokens: seq.generated,
+                completion_tokens: seq.generated(),
             },
             None => Usage::default(),
         };
@@ -586,6 +864,10 @@ impl SchedulerState {
         self.running.clear();
         self.pending_frees.clear();
         self.in_flight.clear();
+        self.retired_blocks = 0;
+        if let Some(pool) = self.pool.as_mut() {
+            pool.clear();
+        }
         if let Some(verifier) = self.verifier.as_mut() {
             verifier.confidences.clear();
         }
@@ -595,6 +877,7 @@ impl SchedulerState {
     }
 
     pub fn stats(&self) -> SchedulerStats {
+        let usage = self.pool.as_ref().map(StatePool::usage).unwrap_or_default();
         SchedulerStats {
             waiting: self.waiting.len(),
             running: self.running.len(),
@@ -609,6 +892,10 @@ impl SchedulerState {
             verify_entries: self.drafts.verify_entries,
             rejecting_verifies: self.drafts.rejecting,
             stale_proposals: self.drafts.stale,
+            state_blocks_total: usage.total_blocks,
+            state_blocks_used: usage.used_blocks,
+            preemptions: self.preemptions,
+            resumed: self.resumed,
         }
     }
 
@@ -907,6 +1194,170 @@ mod tests {
         }
     }
 
+    mod memory {
+        use super::*;
+        use crate::messages::rank::VerifyOutcome;
+        use deepinfer_model::config::ModelConfig;
+        use deepinfer_model::state_bytes::StateBytes;
+
+        /// A scheduler whose pool holds `blocks` blocks of the tiny V4.1 model's states.
+        fn pooled(blocks: usize, depth: usize) -> (SchedulerState, StateBytes) {
+            let model = StateBytes::of(&ModelConfig::tiny_v41());
+            let pool = StatePool::new(model.clone(), blocks as u64 * model.block_bytes());
+            let limits = SchedulerLimits {
+                max_batched_tokens: 64,
+                max_running: 4,
+                prefill_chunk_tokens: 32,
+                overlap_depth: depth,
+            };
+            (
+                SchedulerState::new(DpRank(0), limits).with_pool(pool),
+                model,
+            )
+        }
+
+        #[test]
+        fn a_request_that_can_never_fit_fails_naming_the_numbers() {
+            let (mut s, model) = pooled(10, 1);
+            let fits = (10 - model.ring_blocks()) * model.block_tokens;
+            s.submit(spec(1, fits - 5, 5)).expect("exactly fits");
+            let err = s.submit(spec(2, fits - 5, 6)).unwrap_err();
+            assert!(matches!(
+                err,
+                EngineError::StateTooLarge { tokens, total_blocks: 10, .. } if tokens == fits + 1
+            ));
+            let message = err.to_string();
+            assert!(
+                message.contains(&format!("{} tokens", fits + 1)),
+                "{message}"
+            );
+            assert!(message.contains("holds 10 blocks"), "{message}");
+        }
+
+        /// Plays the rank: each sequence's length, and the tokens it was fed (a resumed
+        /// sequence must be fed its prompt and then exactly the tokens it delivered).
+        #[derive(Default)]
+        struct Rank {
+            fed: HashMap<RequestId, Vec<u32>>,
+            delivered: HashMap<RequestId, Vec<u32>>,
+            /// Verifies accept `step % 3` of their drafts.
+            steps: usize,
+        }
+
+        impl Rank {
+            /// Runs `plan`: the token sampled for a sequence is a function of its length, as
+            /// seeded sampling is of the position, so recompute reproduces it.
+            fn run(&mut self, plan: &StepPlan) -> StepOutput {
+                let mut out = output_for(plan, 0);
+                out.sampled.clear();
+                self.steps += 1;
+                for w in &plan.work {
+                    let fed = self.fed.entry(w.id).or_default();
+                    let mut accepted = 0;
+                    match &w.input {
+                        SeqInput::Prefill { tokens, last } => {
+                            fed.extend(tokens);
+                            if !last {
+                                continue;
+                            }
+                        }
+                        SeqInput::Decode => {
+                            fed.push(*self.delivered[&w.id].last().expect("a token"));
+                        }
+                        SeqInput::Verify { drafts } => {
+                            fed.push(*self.delivered[&w.id].last().expect("a token"));
+                            accepted = (self.steps % 3).min(*drafts);
+                            out.verified.push(VerifyOutcome {
+                                id: w.id,
+                                verified: *drafts,
+                                accepted,
+                            });
+                        }
+                    }
+                    // The anchor's token, then one per accepted draft (each a true token fed).
+                    for k in 0..=accepted {
+                        if k > 0 {
+                            let token = *self.delivered[&w.id].last().expect("a token");
+                            fed.push(token);
+                        }
+                        let token = 100 + fed.len() as u32;
+                        self.delivered.entry(w.id).or_default().push(token);
+                        out.sampled.push((w.id, token));
+                    }
+                }
+                for id in &plan.finished {
+                    self.fed.remove(id);
+                }
+                out
+            }
+        }
+
+        /// Six requests whose states need twice the pool: every request completes with the
+        /// tokens it would produce alone, some after a preemption, and the modelled bytes of
+        /// the states on the rank never pass the budget.
+        #[test]
+        fn preempted_requests_resume_with_their_tokens_and_the_pool_bounds_the_states() {
+            for (depth, dspark) in [(1, false), (2, false), (1, true), (2, true)] {
+                let (s, model) = pooled(16, depth);
+                let mut s = if dspark {
+                    s.with_dspark(VerifySettings {
+                        max_draft_tokens: 5,
+                        table: super::dspark::linear_table(),
+                    })
+                } else {
+                    s
+                };
+                let budget = 16 * model.block_bytes();
+                for id in 1..=6 {
+                    s.submit(spec(id, 40 + 7 * id as usize, 120)).unwrap();
+                }
+                let mut rank = Rank::default();
+                let mut outputs: HashMap<RequestId, Vec<u32>> = HashMap::new();
+                let mut plans = VecDeque::new();
+                let mut most = 0;
+                for _ in 0..20_000 {
+                    while let Some(plan) = s.build_plan() {
+                        plans.push_back(plan);
+                    }
+                    let Some(plan) = plans.pop_front() else { break };
+                    let out = rank.run(&plan);
+                    if dspark {
+                        let ids: Vec<(u64, f32)> = rank.fed.keys().map(|id| (id.0, 0.99)).collect();
+                        s.on_proposals(&super::dspark::proposals(plan.step.0 + 1, &ids));
+                    }
+                    let held: u64 = rank.fed.values().map(|f| model.bytes(f.len())).sum();
+                    assert!(held <= budget, "{held} bytes over the {budget}-byte budget");
+                    most = most.max(held);
+                    for e in s.on_step_done(&out) {
+                        if let Emission::Token(id, t) = e {
+                            outputs.entry(id).or_default().push(t);
+                        }
+                    }
+                }
+                assert!(
+                    !s.has_requests(),
+                    "depth {depth}, dspark {dspark}: every request ended; {:?}",
+                    s.stats()
+                );
+                let stats = s.stats();
+                assert!(stats.preemptions > 0, "the workload needs preemption");
+                assert_eq!(stats.resumed, stats.preemptions);
+                for id in 1..=6u64 {
+                    let prompt = 40 + 7 * id as usize;
+                    // Alone, the k-th token is sampled after prompt + k - 1 fed tokens.
+                    let alone: Vec<u32> = (0..120).map(|k| 100 + (prompt + k) as u32).collect();
+                    assert_eq!(outputs[&RequestId(id)], alone, "request {id}");
+                }
+                assert_eq!(stats.state_blocks_used, 0, "every block came back");
+                println!(
+                    "depth {depth}, dspark {dspark}: {} preemptions, {} drafts verified, peak \
+                     {most} of {budget} bytes",
+                    stats.preemptions, stats.draft_tokens_verified
+                );
+            }
+        }
+    }
+
     mod dspark {
         use super::*;
         use crate::dspark::schedule::StepRatePoint;
@@ -914,7 +1365,7 @@ mod tests {
         use crate::messages::rank::VerifyOutcome;
 
         /// 10 ms per step plus 1 ms per token: each extra token costs ~8% of a small step.
-        fn linear_table() -> StepRateTable {
+        pub(super) fn linear_table() -> StepRateTable {
             StepRateTable::new(
                 (1..=64)
                     .map(|b| StepRatePoint {
@@ -933,7 +1384,7 @@ mod tests {
             })
         }
 
-        fn proposals(for_step: u64, rows: &[(u64, f32)]) -> ProposalBatch {
+        pub(super) fn proposals(for_step: u64, rows: &[(u64, f32)]) -> ProposalBatch {
             ProposalBatch {
                 for_step: StepId(for_step),
                 proposals: rows

@@ -39,6 +39,7 @@ use crate::rank::executor::ExecutorFactory;
 use crate::rank::{RankActor, RankArgs};
 use crate::replay::ReplayActor;
 use crate::replay::state::ReplayState;
+use crate::scheduler::pool::StatePool;
 use crate::scheduler::state::{SchedulerLimits, VerifySettings};
 use crate::scheduler::{SchedulerActor, SchedulerArgs};
 use policy::{ChildRole, Decision, Service, SupervisionPolicy};
@@ -57,6 +58,8 @@ pub struct SupervisorArgs {
     pub dp_ranks: usize,
     pub ep_ranks: usize,
     pub scheduler: SchedulerLimits,
+    /// Each rank's state pool (cloned per rank); `None` = states unaccounted.
+    pub state_pool: Option<StatePool>,
     pub frontend: FrontendLimits,
     pub factory: Arc<dyn ExecutorFactory>,
     pub codec: Option<Arc<TextCodec>>,
@@ -200,6 +203,7 @@ impl Actor for NodeSupervisor {
             let scheduler_args = SchedulerArgs {
                 dp,
                 limits: args.scheduler,
+                pool: args.state_pool.clone(),
                 rank: rank.clone(),
                 engine_inflight: engine_inflight.clone(),
                 dspark: dspark.clone(),

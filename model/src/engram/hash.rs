@@ -114,6 +114,11 @@ impl EngramHistory {
         self.compressed.is_empty()
     }
 
+    /// Bytes of the entries recorded (one `Option<u32>` per position).
+    pub fn held_bytes(&self) -> u64 {
+        (self.compressed.len() * std::mem::size_of::<Option<u32>>()) as u64
+    }
+
     /// Keeps the first `len` positions (no-op when `len >= self.len()`).
     pub fn truncate(&mut self, len: usize) {
         self.compressed.truncate(len);

@@ -9,7 +9,7 @@
 
 use crate::backend::{Backend, Tensor};
 use crate::error::ModelError;
-use crate::v41::state::{MAX_BACKTRACK, PositionRing};
+use crate::v41::state::{MAX_BACKTRACK, PositionRing, tensor_bytes};
 
 /// One compressor's cache.
 #[derive(Debug, Clone)]
@@ -119,6 +119,26 @@ impl SequenceState {
             .index
             .as_ref()
             .map(|c| c.entries.as_slice())
+    }
+
+    /// Bytes of every row and entry the state holds (`crate::state_bytes::StateBytes::bytes`
+    /// models it).
+    pub fn held_bytes(&self) -> u64 {
+        let layer_bytes = |layer: &LayerState| {
+            layer.window.held_bytes()
+                + [&layer.main, &layer.index]
+                    .into_iter()
+                    .flatten()
+                    .map(|c| c.pending.held_bytes() + tensor_bytes(&c.entries))
+                    .sum::<u64>()
+        };
+        let layers: u64 = self.layers.iter().map(layer_bytes).sum();
+        let mtp = self
+            .mtp
+            .as_ref()
+            .map_or(0, |m| layer_bytes(&m.layer) + m.hidden.held_bytes());
+        let dspark: u64 = self.dspark.iter().map(PositionRing::held_bytes).sum();
+        layers + mtp + dspark
     }
 
     /// Drops ring rows no future token (or rollback) needs.

@@ -70,6 +70,11 @@ impl PositionRing {
         self.rows = packed.split_rows(width).into();
     }
 
+    /// Bytes of the rows held (f32 values).
+    pub fn held_bytes(&self) -> u64 {
+        tensor_bytes(&self.rows)
+    }
+
     /// Drops every row of a position `>= len`.
     pub fn truncate(&mut self, len: usize) {
         let keep = len.saturating_sub(self.start).min(self.rows.len());
@@ -148,6 +153,25 @@ impl SequenceState {
             .map(|c| c.index_keys.as_slice())
     }
 
+    /// Bytes of every row and entry the state holds (`crate::state_bytes::StateBytes::bytes`
+    /// models it).
+    pub fn held_bytes(&self) -> u64 {
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|layer| {
+                layer.window.held_bytes()
+                    + layer.compressor.as_ref().map_or(0, |c| {
+                        c.pending.held_bytes()
+                            + tensor_bytes(&c.compressed)
+                            + tensor_bytes(&c.index_keys)
+                    })
+            })
+            .sum();
+        let dspark: u64 = self.dspark.iter().map(PositionRing::held_bytes).sum();
+        layers + dspark + self.engram.held_bytes()
+    }
+
     /// Keeps `window + MAX_BACKTRACK` entries of every ring.
     pub(crate) fn trim(&mut self, window: usize) {
         let capacity = window + MAX_BACKTRACK;
@@ -224,6 +248,11 @@ impl SequenceState {
         self.len = len;
         Ok(())
     }
+}
+
+/// Bytes of the f32 values of `rows`.
+pub(crate) fn tensor_bytes<'a>(rows: impl IntoIterator<Item = &'a Tensor>) -> u64 {
+    rows.into_iter().map(|row| row.len() as u64 * 4).sum()
 }
 
 fn too_far(len: usize, current: usize) -> ModelError {
