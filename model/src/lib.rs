@@ -5,6 +5,7 @@
 
 pub mod error;
 pub mod expert_dispatch;
+pub mod expert_exchange;
 pub mod quant;
 pub mod sampling;
 pub mod weights;
