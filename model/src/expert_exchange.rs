@@ -3,7 +3,7 @@
 //!
 //! Each rank calls [`Exchange::all_to_all`] with one part per destination rank and gets back one
 //! part per source rank, in increasing source rank (the order the combine relies on). Every call
-//! carries an [`ExchangeTag`] (the rank's collective count, the layer, the phase): ranks that
+//! carries an [`ExchangeTag`] (the rank's collective count, the layer, the placement epoch, the phase): ranks that
 //! arrive at different collectives fail with [`ExchangeError::Mismatch`] instead of swapping data.
 //! A rank that waits longer than the timeout fails with [`ExchangeError::Timeout`] naming the
 //! ranks that never came; a rank whose step failed calls [`Exchange::abort`]. Either way the
@@ -29,11 +29,12 @@ pub enum ExchangePhase {
     Done,
 }
 
-/// The collective a rank is in: its `round`-th MoE layer call since the exchange was made.
+/// The collective a rank is in: its `round`-th MoE layer call, on placement `epoch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExchangeTag {
     pub round: u64,
     pub layer: usize,
+    pub epoch: u32,
     pub phase: ExchangePhase,
 }
 
@@ -41,8 +42,8 @@ impl std::fmt::Display for ExchangeTag {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "round {} layer {} {:?}",
-            self.round, self.layer, self.phase
+            "round {} layer {} epoch {} {:?}",
+            self.round, self.layer, self.epoch, self.phase
         )
     }
 }
@@ -297,6 +298,7 @@ mod tests {
         ExchangeTag {
             round,
             layer,
+            epoch: 0,
             phase,
         }
     }

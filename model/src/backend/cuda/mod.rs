@@ -37,6 +37,7 @@
 //! device) has no error channel: it panics with the op and the driver's message.
 
 mod dense;
+pub mod ep;
 mod moe;
 mod profile;
 mod rows;
@@ -105,6 +106,12 @@ pub enum CudaBackendError {
     Op {
         op: &'static str,
         source: KernelError,
+    },
+    /// A collective of expert parallelism failed (a peer rank failed, timed out or is out of step).
+    #[error("CUDA backend op {op}: {source}")]
+    Exchange {
+        op: &'static str,
+        source: crate::expert_exchange::ExchangeError,
     },
 }
 
@@ -203,6 +210,8 @@ pub struct CudaBackend {
     weights: Mutex<WeightCache>,
     transfers: Arc<TransferCounters>,
     profile: Arc<OpProfile>,
+    /// The EP rank this backend serves as (none: every expert runs here).
+    experts: Arc<ep::ExpertSlot>,
 }
 
 /// Device-to-host copies a [`CudaBackend`] made: results of ops (activations, routes, Engram row
@@ -360,6 +369,7 @@ impl CudaBackend {
             weights: Mutex::new(WeightCache::default()),
             transfers: Arc::new(TransferCounters::default()),
             profile: Arc::new(OpProfile::default()),
+            experts: Arc::default(),
         })
         .inspect(|backend| {
             let on = std::env::var_os(PROFILE_ENV).is_some_and(|v| v == "1");
@@ -638,6 +648,10 @@ fn device_fault<T>(err: CudaBackendError) -> T {
 impl Backend for CudaBackend {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 
     fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {

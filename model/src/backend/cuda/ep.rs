@@ -1,0 +1,503 @@
+//! Expert parallelism on the device: [`Backend::moe_rows`] when this backend is one EP rank of
+//! several ([`ExpertRank`]), the routed rows moving between ranks through a [`DeviceExchange`].
+//!
+//! Per MoE layer, every rank (with rows or none: an idle rank still calls it, see
+//! `Model::idle_expert_step`) runs the same three collectives:
+//! 1. Dispatch: the router runs here; each routed slot (row, pick) goes to the EP rank of the
+//!    replica that serves it; the rows for each rank are gathered into one device buffer and the
+//!    exchange carries their counts, address, receiver-local expert ids and route weights.
+//!    The receiver copies the rows device to device (one gather) and runs its experts on them.
+//! 2. Combine: each receiver offers its output rows (f32); every sender gathers its slots' rows
+//!    back into slot order and runs the same combine as one rank does (`moe_combine`: a row's
+//!    slots in increasing logical expert id, then the shared expert, one rounding), so every
+//!    placement gives the bits of `ep = 1`.
+//! 3. Done: a barrier, after which the senders free the buffers their peers copied from.
+//!
+//! This transport is for ranks that share one device (one process, the same primary context):
+//! a receiver reads the sender's memory directly. Only route ids and weights reach the host.
+//! Replica choice: the replica on this rank when it holds one, else replica `dp % replicas`: a
+//! pure function of (layer, expert, DP rank), independent of the batch and the timing.
+//! Placement epochs: an [`ExpertRank`] serves one epoch; a new placement is a new rank object
+//! (its experts uploaded when built) swapped in between steps through [`ExpertSlot`]; the epoch
+//! is part of every collective's tag, so ranks on different epochs fail instead of mixing.
+//! Failure: any error of the op aborts the exchange (every peer fails at once; the supervisor
+//! then stops the engine, its rule 3).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, RwLock};
+
+use deepinfer_kernels::ops::key_table::key_row_address;
+use deepinfer_kernels::ops::routed::moe_combine;
+use deepinfer_topology::ExpertPlacement;
+
+use super::moe::DeviceExperts;
+use super::*;
+use crate::expert_exchange::{Exchange, ExchangePhase, ExchangeTag};
+use crate::v41::Model;
+use crate::v41::weights::{ExpertLinear, ExpertWeights};
+
+/// What one EP rank offers another in one collective: `rows` f32 rows in the sender's device
+/// memory from `addr` (valid until the layer's `Done` barrier).
+#[derive(Debug, Default)]
+pub struct RowPart {
+    addr: u64,
+    rows: usize,
+    /// Dispatch only: the receiver-local expert of each row and its route weight.
+    experts: Vec<u32>,
+    weights: Vec<f32>,
+}
+
+/// The transport of EP ranks that share one device.
+pub type DeviceExchange = Exchange<RowPart>;
+
+/// One EP rank of one placement epoch: its experts on this device, the placement, the exchange.
+pub struct ExpertRank {
+    rank: usize,
+    dp: usize,
+    epoch: u32,
+    placement: Arc<ExpertPlacement>,
+    exchange: Arc<DeviceExchange>,
+    /// MoE layer calls so far (shared with the rank's later epochs).
+    rounds: Arc<AtomicU64>,
+    /// Host address and length of each backbone layer's expert list → layer index.
+    layers: HashMap<(usize, usize), usize>,
+    /// This rank's experts of each layer, in slot order.
+    tables: Vec<DeviceExperts>,
+}
+
+impl std::fmt::Debug for ExpertRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertRank")
+            .field("rank", &self.rank)
+            .field("dp", &self.dp)
+            .field("epoch", &self.epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExpertRank {
+    /// EP rank `rank` (serving DP rank `dp`) of `placement` at `epoch` for `model`'s backbone
+    /// layers, its experts uploaded to `backend`'s device (only those its slots hold).
+    pub fn new(
+        backend: &CudaBackend,
+        model: &Model,
+        placement: Arc<ExpertPlacement>,
+        epoch: u32,
+        rank: usize,
+        dp: usize,
+        exchange: Arc<DeviceExchange>,
+    ) -> Result<ExpertRank, CudaBackendError> {
+        Self::with_rounds(
+            backend,
+            model,
+            placement,
+            epoch,
+            rank,
+            dp,
+            exchange,
+            Arc::new(AtomicU64::new(0)),
+        )
+    }
+
+    /// The same rank on a new placement (the next epoch), continuing its collective count.
+    pub fn next_epoch(
+        &self,
+        backend: &CudaBackend,
+        model: &Model,
+        placement: Arc<ExpertPlacement>,
+        epoch: u32,
+    ) -> Result<ExpertRank, CudaBackendError> {
+        Self::with_rounds(
+            backend,
+            model,
+            placement,
+            epoch,
+            self.rank,
+            self.dp,
+            self.exchange.clone(),
+            self.rounds.clone(),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn with_rounds(
+        backend: &CudaBackend,
+        model: &Model,
+        placement: Arc<ExpertPlacement>,
+        epoch: u32,
+        rank: usize,
+        dp: usize,
+        exchange: Arc<DeviceExchange>,
+        rounds: Arc<AtomicU64>,
+    ) -> Result<ExpertRank, CudaBackendError> {
+        const OP: &str = "expert rank";
+        let lists = model.expert_lists();
+        check_placement(&placement, lists.len(), exchange.ranks(), rank)
+            .map_err(|message| shape_err(OP, message))?;
+        let per_rank = placement.slots_per_gpu;
+        let tables = lists
+            .iter()
+            .zip(&placement.layers)
+            .enumerate()
+            .map(|(layer, (experts, lp))| {
+                let mine: Vec<&ExpertWeights<ExpertLinear>> = lp.phy2log
+                    [rank * per_rank..(rank + 1) * per_rank]
+                    .iter()
+                    .map(|e| &experts[e.index()])
+                    .collect();
+                backend.expert_table_of(OP, &mine)?.ok_or_else(|| {
+                    shape_err(
+                        OP,
+                        format!("layer {layer}: experts not all FP4 or all FP8 with 32x32 tiles"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let layers = lists
+            .iter()
+            .enumerate()
+            .map(|(layer, experts)| ((experts.as_ptr() as usize, experts.len()), layer))
+            .collect();
+        Ok(ExpertRank {
+            rank,
+            dp,
+            epoch,
+            placement,
+            exchange,
+            rounds,
+            layers,
+            tables,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// MoE layer collectives this rank (and its earlier epochs) took part in.
+    pub fn collectives(&self) -> u64 {
+        self.rounds.load(AtomicOrdering::Relaxed)
+    }
+
+    /// Logical experts whose weights this rank holds on its device, per layer.
+    pub fn resident_experts(&self) -> Vec<usize> {
+        self.tables.iter().map(|t| t.table.n_experts()).collect()
+    }
+
+    /// The physical slot that serves `expert` of `layer` for this rank's rows (module doc).
+    fn replica_slot(&self, layer: usize, expert: usize) -> usize {
+        let per_rank = self.placement.slots_per_gpu;
+        let replicas = &self.placement.layers[layer].log2phy[expert];
+        replicas
+            .iter()
+            .map(|&s| s as usize)
+            .find(|s| s / per_rank == self.rank)
+            .unwrap_or_else(|| replicas[self.dp % replicas.len()] as usize)
+    }
+}
+
+/// `placement` spans `ranks` ranks for `layers` backbone layers; every expert has a replica in
+/// range.
+fn check_placement(
+    placement: &ExpertPlacement,
+    layers: usize,
+    ranks: usize,
+    rank: usize,
+) -> Result<(), String> {
+    let slots = placement.slots_per_gpu * ranks;
+    if rank >= ranks {
+        return Err(format!("EP rank {rank} of {ranks}"));
+    }
+    if placement.layers.len() != layers {
+        return Err(format!(
+            "the placement has {} layers, the model {layers}",
+            placement.layers.len()
+        ));
+    }
+    for (layer, lp) in placement.layers.iter().enumerate() {
+        if lp.phy2log.len() != slots {
+            return Err(format!(
+                "layer {layer}: {} slots, {ranks} ranks of {} expected",
+                lp.phy2log.len(),
+                placement.slots_per_gpu
+            ));
+        }
+        if let Some(expert) = lp
+            .log2phy
+            .iter()
+            .position(|r| r.is_empty() || r.iter().any(|&s| s as usize >= slots))
+        {
+            return Err(format!(
+                "layer {layer}: expert {expert} has no replica in range"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The expert rank a backend serves as, swapped between steps (shared: keep a clone after the
+/// backend was handed to a model).
+#[derive(Debug, Default)]
+pub struct ExpertSlot(RwLock<Option<Arc<ExpertRank>>>);
+
+impl ExpertSlot {
+    /// Serve as `rank` from the next MoE layer on (call between steps); `None`: all experts here.
+    pub fn set(&self, rank: Option<Arc<ExpertRank>>) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = rank;
+    }
+
+    pub fn get(&self) -> Option<Arc<ExpertRank>> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// Where each routed slot of this rank's rows goes: per destination rank, the slots (in slot
+/// order), their destination-local expert and route weight.
+#[derive(Default)]
+struct Dispatch {
+    slots: Vec<usize>,
+    experts: Vec<u32>,
+    weights: Vec<f32>,
+}
+
+impl CudaBackend {
+    /// This backend's expert-rank slot.
+    pub fn expert_slot(&self) -> Arc<ExpertSlot> {
+        self.experts.clone()
+    }
+
+    /// The expert rank serving `experts` (a backbone layer's list) and that layer's index.
+    pub(super) fn expert_rank_of(
+        &self,
+        experts: &[ExpertWeights<ExpertLinear>],
+    ) -> Option<(Arc<ExpertRank>, usize)> {
+        let ep = self.experts.get()?;
+        let layer = *ep.layers.get(&(experts.as_ptr() as usize, experts.len()))?;
+        Some((ep, layer))
+    }
+
+    /// [`Backend::moe_rows`] as EP rank `ep` of backbone layer `layer_index` (module doc); an
+    /// error aborts the exchange so that no peer waits for this rank.
+    pub(super) fn try_moe_rows_ep(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        ep: &ExpertRank,
+        layer_index: usize,
+    ) -> Result<Tensor, CudaBackendError> {
+        let result = self.moe_rows_ep(x, layer, ep, layer_index);
+        if let Err(err) = &result {
+            ep.exchange.abort(ep.rank, &err.to_string());
+        }
+        result
+    }
+
+    fn moe_rows_ep(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        ep: &ExpertRank,
+        layer_index: usize,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "moe_rows (expert parallel)";
+        let n_experts = layer.bias.len();
+        let dim = layer.gate.len() / n_experts;
+        let rows = x.len() / dim;
+        let row_bytes = (dim * std::mem::size_of::<f32>()) as u64;
+        let rounding = rounding(layer.precision);
+        let round = ep.rounds.fetch_add(1, AtomicOrdering::Relaxed);
+        let tag = |phase| ExchangeTag {
+            round,
+            layer: layer_index,
+            epoch: ep.epoch,
+            phase,
+        };
+        let exchange_err = |source| CudaBackendError::Exchange { op: OP, source };
+        let stream = self.rt.stream();
+        let ranks = ep.exchange.ranks();
+        let per_rank = ep.placement.slots_per_gpu;
+
+        // 1. Route, then gather each destination's rows (destination-major) into `send`.
+        let mut plan: Vec<Dispatch> = (0..ranks).map(|_| Dispatch::default()).collect();
+        let mut routes = None;
+        let mut send = None;
+        if rows > 0 {
+            let (ids, weights, k) = self.device_routes(OP, x, layer, rows)?;
+            let ids_host = self.routes_to_host(OP, &ids)?;
+            let weights_host = self.routes_to_host(OP, &weights)?;
+            for (slot, (&expert, &weight)) in ids_host.iter().zip(&weights_host).enumerate() {
+                if expert as usize >= n_experts {
+                    continue;
+                }
+                let phys = ep.replica_slot(layer_index, expert as usize);
+                let to = &mut plan[phys / per_rank];
+                to.slots.push(slot);
+                to.experts.push((phys % per_rank) as u32);
+                to.weights.push(weight);
+            }
+            let dx = self.input(OP, x)?;
+            let base = key_row_address(&self.rt, &dx, 0, dim).map_err(op_err(OP))?;
+            let addresses: Vec<u64> = plan
+                .iter()
+                .flat_map(|d| d.slots.iter().map(|&s| base + (s / k) as u64 * row_bytes))
+                .collect();
+            send = self.gathered(OP, &addresses, dim)?;
+            routes = Some((ids, k));
+        }
+        let mut parts = Vec::with_capacity(ranks);
+        let mut offset = 0u64;
+        let send_base = match &send {
+            Some(send) => key_row_address(&self.rt, send, 0, dim).map_err(op_err(OP))?,
+            None => 0,
+        };
+        for d in &plan {
+            parts.push(RowPart {
+                addr: send_base + offset * row_bytes,
+                rows: d.slots.len(),
+                experts: d.experts.clone(),
+                weights: d.weights.clone(),
+            });
+            offset += d.slots.len() as u64;
+        }
+        self.rt.synchronize().map_err(op_err(OP))?;
+        let received = ep
+            .exchange
+            .all_to_all(ep.rank, tag(ExchangePhase::Dispatch), parts)
+            .map_err(exchange_err)?;
+
+        // 2. Run this rank's experts on what it received; offer the outputs back.
+        let addresses: Vec<u64> = received
+            .iter()
+            .flat_map(|p| (0..p.rows as u64).map(move |i| p.addr + i * row_bytes))
+            .collect();
+        let mut outbox = None;
+        if let Some(inbox) = self.gathered(OP, &addresses, dim)? {
+            let n = addresses.len();
+            let ids_in: Vec<u32> = received.iter().flat_map(|p| p.experts.clone()).collect();
+            let weights_in: Vec<f32> = received.iter().flat_map(|p| p.weights.clone()).collect();
+            let ids_in = self
+                .rt
+                .htod(&ids_in)
+                .map_err(driver_err(OP, "uploading received expert ids"))?;
+            let weights_in = self.upload(OP, &weights_in)?;
+            let a = quantize_act_fp8_f32(&self.rt, &inbox, n, dim, ActGroup::G32)
+                .map_err(op_err(OP))?;
+            let out = self.routed_slots(
+                OP,
+                &a,
+                &ids_in,
+                1,
+                &weights_in,
+                &ep.tables[layer_index].table,
+                layer.swiglu_limit,
+                rounding,
+            )?;
+            let mut wide = self.alloc(OP, out.len())?;
+            bf16_to_f32(&self.rt, &out, &mut wide).map_err(op_err(OP))?;
+            outbox = Some(wide);
+        }
+        let out_base = match &outbox {
+            Some(out) => key_row_address(&self.rt, out, 0, dim).map_err(op_err(OP))?,
+            None => 0,
+        };
+        let mut offset = 0u64;
+        let parts = received
+            .iter()
+            .map(|p| {
+                let part = RowPart {
+                    addr: out_base + offset * row_bytes,
+                    rows: p.rows,
+                    ..RowPart::default()
+                };
+                offset += p.rows as u64;
+                part
+            })
+            .collect();
+        self.rt.synchronize().map_err(op_err(OP))?;
+        let back = ep
+            .exchange
+            .all_to_all(ep.rank, tag(ExchangePhase::Combine), parts)
+            .map_err(exchange_err)?;
+
+        // 3. Slot outputs back in slot order, the shared expert, the combine of one rank.
+        let mut result = Tensor::empty();
+        if let Some((ids, k)) = &routes {
+            let slots = rows * k;
+            // A dropped slot (id beyond the experts, skipped by the combine) reads row 0.
+            let fallback = back
+                .iter()
+                .find(|p| p.rows > 0)
+                .map_or(send_base, |p| p.addr);
+            let mut addresses = vec![fallback; slots];
+            for (d, part) in plan.iter().zip(&back) {
+                for (i, &slot) in d.slots.iter().enumerate() {
+                    addresses[slot] = part.addr + i as u64 * row_bytes;
+                }
+            }
+            let slot_out = self
+                .gathered(OP, &addresses, dim)?
+                .ok_or_else(|| shape_err(OP, "rows without routed slots".to_string()))?;
+            let a = self.quantised_activations(OP, x, dim, ActGroup::G32)?;
+            let shared = self.shared_expert(OP, &a, layer.shared, layer.swiglu_limit, rounding)?;
+            let mut shared_wide = self.alloc(OP, shared.len())?;
+            bf16_to_f32(&self.rt, &shared, &mut shared_wide).map_err(op_err(OP))?;
+            let mut out = self.alloc(OP, rows * dim)?;
+            moe_combine(
+                &self.rt,
+                &slot_out,
+                ids,
+                n_experts,
+                &shared_wide,
+                dim,
+                rounding,
+                &mut out,
+            )
+            .map_err(op_err(OP))?;
+            result = self.tensor(out);
+        }
+        stream
+            .synchronize()
+            .map_err(driver_err(OP, "finishing the combine"))?;
+        ep.exchange
+            .barrier(ep.rank, tag(ExchangePhase::Done))
+            .map_err(exchange_err)?;
+        drop((send, outbox));
+        Ok(result)
+    }
+
+    /// `[addresses.len(), width]` f32 rows gathered from device addresses; `None` for none.
+    fn gathered(
+        &self,
+        op: &'static str,
+        addresses: &[u64],
+        width: usize,
+    ) -> Result<Option<CudaSlice<f32>>, CudaBackendError> {
+        if addresses.is_empty() {
+            return Ok(None);
+        }
+        let mut out = self.alloc(op, addresses.len() * width)?;
+        gather_addresses_f32(&self.rt, addresses, width, &mut out).map_err(op_err(op))?;
+        Ok(Some(out))
+    }
+
+    /// A step's routes (ids or weights) on the host, counted as a transfer.
+    fn routes_to_host<T: deepinfer_kernels::cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        op: &'static str,
+        values: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaBackendError> {
+        self.transfers.result::<T>(values.len());
+        self.rt
+            .stream()
+            .clone_dtoh(values)
+            .map_err(driver_err(op, "copying the routes to the host"))
+    }
+}
