@@ -1,6 +1,6 @@
 //! Expert parallelism on one device (`deepinfer_model::backend::cuda::ep`): two EP ranks, each a
 //! `CudaBackend` on device 0 driven by its own thread (one DP rank each), holding only its
-//! placement's experts and moving routed rows through the device exchange.
+//! placement's experts and moving routed rows through the shared-device transport (device-to-device gathers).
 //!
 //! - `two_ep_ranks_on_one_device_give_the_logits_of_one_rank`: the v41-tiny fixture and the demo
 //!   model; rank 0 and rank 1 run different sequences (prefill chunks, then decode tokens) on
@@ -24,7 +24,8 @@ use deepinfer_actors::model_source::resolve;
 use deepinfer_model::Model;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::CudaBackend;
-use deepinfer_model::backend::cuda::ep::{DeviceExchange, ExpertRank};
+use deepinfer_model::backend::cuda::ep::ExpertRank;
+use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
 use deepinfer_model::v41::LogitsWanted;
 use deepinfer_topology::{ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
 
@@ -93,10 +94,9 @@ fn placements(model: &Model, epochs: usize) -> Vec<Arc<ExpertPlacement>> {
         .collect()
 }
 
-/// Every rank's logits of every step it ran, on one CUDA backend holding every expert.
-fn one_rank(host: &Model, schedule: &[Vec<Option<Vec<u32>>>; RANKS]) -> Vec<Vec<Vec<f32>>> {
-    let backend = cuda_backend("gpu_ep").expect("a CUDA device");
-    let model = host.on_backend(Box::new(backend));
+/// Every rank's logits of every step it ran, each rank's sequence run by `model` alone (every
+/// expert on its backend).
+fn one_rank(model: &Model, schedule: &[Vec<Option<Vec<u32>>>; RANKS]) -> Vec<Vec<Vec<f32>>> {
     schedule
         .iter()
         .map(|steps| {
@@ -121,7 +121,7 @@ fn ep_ranks(
     schedule: &[Vec<Option<Vec<u32>>>; RANKS],
     placements: &[Arc<ExpertPlacement>],
 ) -> Vec<(Vec<Vec<f32>>, Vec<usize>, u64)> {
-    let exchange = Arc::new(DeviceExchange::new(RANKS, Duration::from_secs(60)));
+    let exchange: Arc<dyn RowTransport> = SharedDevice::new(RANKS, Duration::from_secs(60));
     std::thread::scope(|s| {
         let ranks: Vec<_> = (0..RANKS)
             .map(|rank| {
@@ -192,7 +192,19 @@ fn check_model(name: &str, host: &Model) {
     let schedule = schedule(cfg.vocab_size);
     let epochs = schedule[0].len().div_ceil(EPOCH_STEPS);
     let placements = placements(host, epochs);
-    let expected = one_rank(host, &schedule);
+    let backend = cuda_backend("gpu_ep").expect("a CUDA device");
+    let expected = one_rank(&host.on_backend(Box::new(backend)), &schedule);
+    // The one-rank CUDA run is the CPU reference's (exact numerics), so the chain holds to it.
+    let cpu = one_rank(host, &schedule);
+    for (rank, (gpu, cpu)) in expected.iter().zip(&cpu).enumerate() {
+        for (step, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+            let diff = differing(g, c);
+            assert_eq!(
+                diff, 0,
+                "{name} rank {rank} chunk {step}: CUDA vs CPU, {diff} differ"
+            );
+        }
+    }
     let got = ep_ranks(host, &schedule, &placements);
     let mut compared = 0;
     let collectives = (schedule[0].len() * cfg.n_layers) as u64;
@@ -254,7 +266,7 @@ fn a_failing_rank_stops_its_peer_without_a_hang() {
     let placement = placements(&host, 1).remove(0);
     let tokens = prompt(5, 6, cfg.vocab_size);
     for abort in [true, false] {
-        let exchange = Arc::new(DeviceExchange::new(RANKS, Duration::from_secs(3)));
+        let exchange: Arc<dyn RowTransport> = SharedDevice::new(RANKS, Duration::from_secs(3));
         let backend = CudaBackend::open(0).expect("device 0");
         let rank = ExpertRank::new(
             &backend,

@@ -1,26 +1,26 @@
 //! Expert parallelism on the device: [`Backend::moe_rows`] when this backend is one EP rank of
-//! several ([`ExpertRank`]), the routed rows moving between ranks through a [`DeviceExchange`].
+//! several ([`ExpertRank`]), the routed rows moving between ranks through a [`RowTransport`]
+//! (`ep_transport.rs`: device copies between ranks sharing a device; `nccl.rs`: NCCL).
 //!
 //! Per MoE layer, every rank (with rows or none: an idle rank still calls it, see
 //! `Model::idle_expert_step`) runs the same three collectives:
 //! 1. Dispatch: the router runs here; each routed slot (row, pick) goes to the EP rank of the
-//!    replica that serves it; the rows for each rank are gathered into one device buffer and the
-//!    exchange carries their counts, address, receiver-local expert ids and route weights.
-//!    The receiver copies the rows device to device (one gather) and runs its experts on them.
-//! 2. Combine: each receiver offers its output rows (f32); every sender gathers its slots' rows
-//!    back into slot order and runs the same combine as one rank does (`moe_combine`: a row's
-//!    slots in increasing logical expert id, then the shared expert, one rounding), so every
+//!    replica that serves it; the rows for each rank are gathered into one device buffer and
+//!    sent with their counts, receiver-local expert ids and route weights; each rank runs its
+//!    experts on the rows it received.
+//! 2. Combine: the output rows (f32) go back the same way; every sender gathers its slots' rows
+//!    into slot order and runs the same combine as one rank does (`moe_combine`: a row's slots
+//!    in increasing logical expert id, then the shared expert, one rounding), so every
 //!    placement gives the bits of `ep = 1`.
-//! 3. Done: a barrier, after which the senders free the buffers their peers copied from.
+//! 3. Finish: the buffers offered to peers may be freed.
 //!
-//! This transport is for ranks that share one device (one process, the same primary context):
-//! a receiver reads the sender's memory directly. Only route ids and weights reach the host.
+//! Activations never leave the device; only route ids and weights reach the host.
 //! Replica choice: the replica on this rank when it holds one, else replica `dp % replicas`: a
 //! pure function of (layer, expert, DP rank), independent of the batch and the timing.
 //! Placement epochs: an [`ExpertRank`] serves one epoch; a new placement is a new rank object
 //! (its experts uploaded when built) swapped in between steps through [`ExpertSlot`]; the epoch
 //! is part of every collective's tag, so ranks on different epochs fail instead of mixing.
-//! Failure: any error of the op aborts the exchange (every peer fails at once; the supervisor
+//! Failure: any error of the op aborts the transport (every peer fails at once; the supervisor
 //! then stops the engine, its rule 3).
 
 use std::collections::HashMap;
@@ -31,33 +31,20 @@ use deepinfer_kernels::ops::key_table::key_row_address;
 use deepinfer_kernels::ops::routed::moe_combine;
 use deepinfer_topology::ExpertPlacement;
 
+use super::ep_transport::{RowMeta, RowTransport};
 use super::moe::DeviceExperts;
 use super::*;
-use crate::expert_exchange::{Exchange, ExchangePhase, ExchangeTag};
+use crate::expert_exchange::{ExchangePhase, ExchangeTag};
 use crate::v41::Model;
 use crate::v41::weights::{ExpertLinear, ExpertWeights};
 
-/// What one EP rank offers another in one collective: `rows` f32 rows in the sender's device
-/// memory from `addr` (valid until the layer's `Done` barrier).
-#[derive(Debug, Default)]
-pub struct RowPart {
-    addr: u64,
-    rows: usize,
-    /// Dispatch only: the receiver-local expert of each row and its route weight.
-    experts: Vec<u32>,
-    weights: Vec<f32>,
-}
-
-/// The transport of EP ranks that share one device.
-pub type DeviceExchange = Exchange<RowPart>;
-
-/// One EP rank of one placement epoch: its experts on this device, the placement, the exchange.
+/// One EP rank of one placement epoch: its experts on this device, the placement, the transport.
 pub struct ExpertRank {
     rank: usize,
     dp: usize,
     epoch: u32,
     placement: Arc<ExpertPlacement>,
-    exchange: Arc<DeviceExchange>,
+    transport: Arc<dyn RowTransport>,
     /// MoE layer calls so far (shared with the rank's later epochs).
     rounds: Arc<AtomicU64>,
     /// Host address and length of each backbone layer's expert list → layer index.
@@ -78,7 +65,8 @@ impl std::fmt::Debug for ExpertRank {
 
 impl ExpertRank {
     /// EP rank `rank` (serving DP rank `dp`) of `placement` at `epoch` for `model`'s backbone
-    /// layers, its experts uploaded to `backend`'s device (only those its slots hold).
+    /// layers, its experts uploaded to `backend`'s device (only those its slots hold), its rows
+    /// moved by `transport`.
     pub fn new(
         backend: &CudaBackend,
         model: &Model,
@@ -86,7 +74,7 @@ impl ExpertRank {
         epoch: u32,
         rank: usize,
         dp: usize,
-        exchange: Arc<DeviceExchange>,
+        transport: Arc<dyn RowTransport>,
     ) -> Result<ExpertRank, CudaBackendError> {
         Self::with_rounds(
             backend,
@@ -95,7 +83,7 @@ impl ExpertRank {
             epoch,
             rank,
             dp,
-            exchange,
+            transport,
             Arc::new(AtomicU64::new(0)),
         )
     }
@@ -115,7 +103,7 @@ impl ExpertRank {
             epoch,
             self.rank,
             self.dp,
-            self.exchange.clone(),
+            self.transport.clone(),
             self.rounds.clone(),
         )
     }
@@ -128,12 +116,12 @@ impl ExpertRank {
         epoch: u32,
         rank: usize,
         dp: usize,
-        exchange: Arc<DeviceExchange>,
+        transport: Arc<dyn RowTransport>,
         rounds: Arc<AtomicU64>,
     ) -> Result<ExpertRank, CudaBackendError> {
         const OP: &str = "expert rank";
         let lists = model.expert_lists();
-        check_placement(&placement, lists.len(), exchange.ranks(), rank)
+        check_placement(&placement, lists.len(), transport.ranks(), rank)
             .map_err(|message| shape_err(OP, message))?;
         let per_rank = placement.slots_per_gpu;
         let tables = lists
@@ -164,7 +152,7 @@ impl ExpertRank {
             dp,
             epoch,
             placement,
-            exchange,
+            transport,
             rounds,
             layers,
             tables,
@@ -259,13 +247,12 @@ impl ExpertSlot {
     }
 }
 
-/// Where each routed slot of this rank's rows goes: per destination rank, the slots (in slot
-/// order), their destination-local expert and route weight.
+/// Where this rank's routed slots go, per destination rank: the slots (in slot order), their
+/// destination-local expert and route weight.
 #[derive(Default)]
 struct Dispatch {
     slots: Vec<usize>,
-    experts: Vec<u32>,
-    weights: Vec<f32>,
+    meta: RowMeta,
 }
 
 impl CudaBackend {
@@ -285,7 +272,7 @@ impl CudaBackend {
     }
 
     /// [`Backend::moe_rows`] as EP rank `ep` of backbone layer `layer_index` (module doc); an
-    /// error aborts the exchange so that no peer waits for this rank.
+    /// error aborts the transport so that no peer waits for this rank.
     pub(super) fn try_moe_rows_ep(
         &self,
         x: &Tensor,
@@ -295,7 +282,7 @@ impl CudaBackend {
     ) -> Result<Tensor, CudaBackendError> {
         let result = self.moe_rows_ep(x, layer, ep, layer_index);
         if let Err(err) = &result {
-            ep.exchange.abort(ep.rank, &err.to_string());
+            ep.transport.abort(ep.rank, &err.to_string());
         }
         result
     }
@@ -320,9 +307,7 @@ impl CudaBackend {
             epoch: ep.epoch,
             phase,
         };
-        let exchange_err = |source| CudaBackendError::Exchange { op: OP, source };
-        let stream = self.rt.stream();
-        let ranks = ep.exchange.ranks();
+        let ranks = ep.transport.ranks();
         let per_rank = ep.placement.slots_per_gpu;
 
         // 1. Route, then gather each destination's rows (destination-major) into `send`.
@@ -340,8 +325,8 @@ impl CudaBackend {
                 let phys = ep.replica_slot(layer_index, expert as usize);
                 let to = &mut plan[phys / per_rank];
                 to.slots.push(slot);
-                to.experts.push((phys % per_rank) as u32);
-                to.weights.push(weight);
+                to.meta.experts.push((phys % per_rank) as u32);
+                to.meta.weights.push(weight);
             }
             let dx = self.input(OP, x)?;
             let base = key_row_address(&self.rt, &dx, 0, dim).map_err(op_err(OP))?;
@@ -352,43 +337,40 @@ impl CudaBackend {
             send = self.gathered(OP, &addresses, dim)?;
             routes = Some((ids, k));
         }
-        let mut parts = Vec::with_capacity(ranks);
-        let mut offset = 0u64;
-        let send_base = match &send {
-            Some(send) => key_row_address(&self.rt, send, 0, dim).map_err(op_err(OP))?,
-            None => 0,
-        };
-        for d in &plan {
-            parts.push(RowPart {
-                addr: send_base + offset * row_bytes,
-                rows: d.slots.len(),
-                experts: d.experts.clone(),
-                weights: d.weights.clone(),
-            });
-            offset += d.slots.len() as u64;
-        }
-        self.rt.synchronize().map_err(op_err(OP))?;
-        let received = ep
-            .exchange
-            .all_to_all(ep.rank, tag(ExchangePhase::Dispatch), parts)
-            .map_err(exchange_err)?;
+        let counts: Vec<usize> = plan.iter().map(|d| d.slots.len()).collect();
+        let meta = plan.iter().map(|d| d.meta.clone()).collect();
+        let inbox = ep.transport.all_to_all_rows(
+            self,
+            ep.rank,
+            tag(ExchangePhase::Dispatch),
+            send.as_ref(),
+            dim,
+            &counts,
+            meta,
+        )?;
 
-        // 2. Run this rank's experts on what it received; offer the outputs back.
-        let addresses: Vec<u64> = received
-            .iter()
-            .flat_map(|p| (0..p.rows as u64).map(move |i| p.addr + i * row_bytes))
-            .collect();
+        // 2. Run this rank's experts on what it received; send the outputs back.
         let mut outbox = None;
-        if let Some(inbox) = self.gathered(OP, &addresses, dim)? {
-            let n = addresses.len();
-            let ids_in: Vec<u32> = received.iter().flat_map(|p| p.experts.clone()).collect();
-            let weights_in: Vec<f32> = received.iter().flat_map(|p| p.weights.clone()).collect();
+        if let Some(received) = &inbox.rows {
+            let n = received.len() / dim;
+            let ids_in: Vec<u32> = inbox.meta.iter().flat_map(|m| m.experts.clone()).collect();
+            let weights_in: Vec<f32> = inbox.meta.iter().flat_map(|m| m.weights.clone()).collect();
+            if ids_in.len() != n || weights_in.len() != n {
+                return Err(shape_err(
+                    OP,
+                    format!(
+                        "received {n} rows with {} expert ids and {} weights",
+                        ids_in.len(),
+                        weights_in.len()
+                    ),
+                ));
+            }
             let ids_in = self
                 .rt
                 .htod(&ids_in)
                 .map_err(driver_err(OP, "uploading received expert ids"))?;
             let weights_in = self.upload(OP, &weights_in)?;
-            let a = quantize_act_fp8_f32(&self.rt, &inbox, n, dim, ActGroup::G32)
+            let a = quantize_act_fp8_f32(&self.rt, received, n, dim, ActGroup::G32)
                 .map_err(op_err(OP))?;
             let out = self.routed_slots(
                 OP,
@@ -404,42 +386,33 @@ impl CudaBackend {
             bf16_to_f32(&self.rt, &out, &mut wide).map_err(op_err(OP))?;
             outbox = Some(wide);
         }
-        let out_base = match &outbox {
-            Some(out) => key_row_address(&self.rt, out, 0, dim).map_err(op_err(OP))?,
-            None => 0,
-        };
-        let mut offset = 0u64;
-        let parts = received
-            .iter()
-            .map(|p| {
-                let part = RowPart {
-                    addr: out_base + offset * row_bytes,
-                    rows: p.rows,
-                    ..RowPart::default()
-                };
-                offset += p.rows as u64;
-                part
-            })
-            .collect();
-        self.rt.synchronize().map_err(op_err(OP))?;
-        let back = ep
-            .exchange
-            .all_to_all(ep.rank, tag(ExchangePhase::Combine), parts)
-            .map_err(exchange_err)?;
+        let back = ep.transport.all_to_all_rows(
+            self,
+            ep.rank,
+            tag(ExchangePhase::Combine),
+            outbox.as_ref(),
+            dim,
+            &inbox.counts,
+            vec![RowMeta::default(); ranks],
+        )?;
+        if back.counts != counts {
+            return Err(shape_err(
+                OP,
+                format!("sent rows {counts:?}, got outputs {:?}", back.counts),
+            ));
+        }
 
-        // 3. Slot outputs back in slot order, the shared expert, the combine of one rank.
+        // 3. Slot outputs in slot order, the shared expert, the combine of one rank.
         let mut result = Tensor::empty();
-        if let Some((ids, k)) = &routes {
-            let slots = rows * k;
+        if let (Some((ids, k)), Some(outputs)) = (&routes, &back.rows) {
+            let base = key_row_address(&self.rt, outputs, 0, dim).map_err(op_err(OP))?;
             // A dropped slot (id beyond the experts, skipped by the combine) reads row 0.
-            let fallback = back
-                .iter()
-                .find(|p| p.rows > 0)
-                .map_or(send_base, |p| p.addr);
-            let mut addresses = vec![fallback; slots];
-            for (d, part) in plan.iter().zip(&back) {
-                for (i, &slot) in d.slots.iter().enumerate() {
-                    addresses[slot] = part.addr + i as u64 * row_bytes;
+            let mut addresses = vec![base; rows * k];
+            let mut position = 0u64;
+            for d in &plan {
+                for &slot in &d.slots {
+                    addresses[slot] = base + position * row_bytes;
+                    position += 1;
                 }
             }
             let slot_out = self
@@ -463,18 +436,13 @@ impl CudaBackend {
             .map_err(op_err(OP))?;
             result = self.tensor(out);
         }
-        stream
-            .synchronize()
-            .map_err(driver_err(OP, "finishing the combine"))?;
-        ep.exchange
-            .barrier(ep.rank, tag(ExchangePhase::Done))
-            .map_err(exchange_err)?;
+        ep.transport.finish(ep.rank, tag(ExchangePhase::Done))?;
         drop((send, outbox));
         Ok(result)
     }
 
     /// `[addresses.len(), width]` f32 rows gathered from device addresses; `None` for none.
-    fn gathered(
+    pub(super) fn gathered(
         &self,
         op: &'static str,
         addresses: &[u64],

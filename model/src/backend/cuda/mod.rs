@@ -38,7 +38,9 @@
 
 mod dense;
 pub mod ep;
+pub mod ep_transport;
 mod moe;
+pub mod nccl;
 mod profile;
 mod rows;
 mod small;
