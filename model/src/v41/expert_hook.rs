@@ -61,7 +61,7 @@ impl Model {
     }
 
     /// Each backbone layer's routed experts (the lists an expert rank places).
-    pub(crate) fn expert_lists(&self) -> Vec<&[ExpertWeights<ExpertLinear>]> {
+    pub fn expert_lists(&self) -> Vec<&[ExpertWeights<ExpertLinear>]> {
         self.layers
             .iter()
             .map(|b| b.moe.experts.as_slice())
