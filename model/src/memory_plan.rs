@@ -36,22 +36,16 @@ pub struct GpuMemoryPlan {
     pub kv_budget: u64,
 }
 
-/// The deployment does not fit its GPUs.
+/// The deployment does not fit its GPUs: `plan` with no KV budget, `needed` bytes in all.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error(
-    "the model does not fit a GPU of {}: dense {} + experts {} ({slots} slots of {logical_experts} \
-     per layer) + Engram {} + workspace {} = {}, {} short",
-    gib(*total), gib(*dense), gib(*experts), gib(*engram), gib(*workspace), gib(*needed),
-    gib(needed - total)
+    "the model does not fit a GPU of {}: dense {} + experts {} ({} slots of {} per layer) + \
+     Engram {} + workspace {} = {}, {} short",
+    gib(plan.total), gib(plan.dense), gib(plan.experts), plan.slots, plan.logical_experts,
+    gib(plan.engram), gib(plan.workspace), gib(*needed), gib(needed - plan.total)
 )]
 pub struct MemoryPlanError {
-    pub total: u64,
-    pub dense: u64,
-    pub experts: u64,
-    pub slots: usize,
-    pub logical_experts: usize,
-    pub engram: u64,
-    pub workspace: u64,
+    pub plan: GpuMemoryPlan,
     pub needed: u64,
 }
 
@@ -105,19 +99,7 @@ pub fn plan_gpu(
     // Every expert of every layer has the same shapes: slots cost their share of the total.
     let experts = routed * slots_per_gpu as u64 / logical_experts.max(1) as u64;
     let needed = dense + experts + engram + WORKSPACE_BYTES;
-    if needed > gpu_bytes {
-        return Err(MemoryPlanError {
-            total: gpu_bytes,
-            dense,
-            experts,
-            slots: slots_per_gpu,
-            logical_experts,
-            engram,
-            workspace: WORKSPACE_BYTES,
-            needed,
-        });
-    }
-    Ok(GpuMemoryPlan {
+    let plan = GpuMemoryPlan {
         total: gpu_bytes,
         dense,
         experts,
@@ -125,8 +107,12 @@ pub fn plan_gpu(
         logical_experts,
         engram,
         workspace: WORKSPACE_BYTES,
-        kv_budget: gpu_bytes - needed,
-    })
+        kv_budget: gpu_bytes.saturating_sub(needed),
+    };
+    if needed > gpu_bytes {
+        return Err(MemoryPlanError { plan, needed });
+    }
+    Ok(plan)
 }
 
 #[cfg(test)]
@@ -150,20 +136,22 @@ mod tests {
         let cfg = real_v41();
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let err = plan_gpu(&cfg, cfg.n_routed_experts, H200).expect_err("475 GiB on one H200");
+        let text = err.to_string();
+        let (plan, short) = (err.plan, err.needed - H200);
+        assert!(gib(short) > 330.0, "{}", gib(short));
         assert!(
-            (gib(err.experts) - 268.95).abs() < 0.05,
+            (gib(plan.experts) - 268.95).abs() < 0.05,
             "{}",
-            gib(err.experts)
+            gib(plan.experts)
         );
         assert!(
-            (gib(err.engram) - 188.83).abs() < 0.05,
+            (gib(plan.engram) - 188.83).abs() < 0.05,
             "{}",
-            gib(err.engram)
+            gib(plan.engram)
         );
         // 475.2 GiB less the vision tower (0.49 B bf16 parameters, not in the inventory).
-        let all = gib(err.dense + err.experts + err.engram);
+        let all = gib(plan.dense + plan.experts + plan.engram);
         assert!((all - 474.3).abs() < 0.1, "{all}");
-        let text = err.to_string();
         assert!(text.contains("experts 268.9"), "{text}");
         assert!(text.contains("384 slots of 384"), "{text}");
         assert!(text.contains("Engram 188.8"), "{text}");

@@ -6,8 +6,9 @@
 //!   model; rank 0 and rank 1 run different sequences (prefill chunks, then decode tokens) on
 //!   steps where the other rank is sometimes idle (it serves its experts with no rows); the
 //!   placement changes every 3 steps (epoch 0 = equal loads, then EPLB plans of skewed loads with
-//!   redundant replicas, each rank's next experts uploaded two steps before the boundary and
-//!   committed by both ranks at the same step boundary). Every logit of every step is bitwise the one a single
+//!   redundant replicas, each rank's next experts uploaded two steps before the boundary,
+//!   committed by both ranks at the same step boundary, and the experts a rank no longer holds
+//!   then dropped from its device). Every logit of every step is bitwise the one a single
 //!   CUDA rank holding every expert gives for the same sequence.
 //! - `a_failing_rank_stops_its_peer_without_a_hang`: one rank aborts mid-run; the other's next
 //!   MoE layer fails at once naming it; a rank that never comes is a timeout naming it.
@@ -114,13 +115,44 @@ fn one_rank(model: &Model, schedule: &[Vec<Option<Vec<u32>>>; RANKS]) -> Vec<Vec
         .collect()
 }
 
-/// The same schedule on `RANKS` EP ranks sharing device 0; returns each rank's logits, the
-/// experts it held per layer and the MoE collectives it took part in.
+/// The (layer, expert) pairs rank `rank` holds under `from` and not under `to`.
+fn moved(from: &ExpertPlacement, to: &ExpertPlacement, rank: usize) -> usize {
+    let held = |p: &ExpertPlacement, layer: usize| {
+        let per = p.slots_per_gpu;
+        let mut experts: Vec<usize> = p.layers[layer].phy2log[rank * per..(rank + 1) * per]
+            .iter()
+            .map(|e| e.index())
+            .collect();
+        experts.sort_unstable();
+        experts.dedup();
+        experts
+    };
+    (0..from.layers.len())
+        .map(|l| {
+            let now = held(to, l);
+            held(from, l).iter().filter(|e| !now.contains(e)).count()
+        })
+        .sum()
+}
+
+/// What one EP rank ran.
+struct RankRun {
+    /// Logits of each chunk it ran.
+    logits: Vec<Vec<f32>>,
+    /// Logical experts it held per layer (epoch 0).
+    resident: Vec<usize>,
+    /// MoE collectives it took part in.
+    collectives: u64,
+    /// Experts it released at epoch changes.
+    moves: usize,
+}
+
+/// The same schedule on `RANKS` EP ranks sharing device 0.
 fn ep_ranks(
     host: &Model,
     schedule: &[Vec<Option<Vec<u32>>>; RANKS],
     placements: &[Arc<ExpertPlacement>],
-) -> Vec<(Vec<Vec<f32>>, Vec<usize>, u64)> {
+) -> Vec<RankRun> {
     let exchange: Arc<dyn RowTransport> = SharedDevice::new(RANKS, Duration::from_secs(60));
     std::thread::scope(|s| {
         let ranks: Vec<_> = (0..RANKS)
@@ -152,6 +184,7 @@ fn ep_ranks(
                     let mut seq = model.new_sequence();
                     let mut logits = Vec::new();
                     let mut staged = None;
+                    let mut moves = 0;
                     for (step, chunk) in steps.iter().enumerate() {
                         if step % EPOCH_STEPS == 1 && step / EPOCH_STEPS + 1 < placements.len() {
                             // Stage the next epoch (its experts uploaded) before the boundary.
@@ -163,9 +196,26 @@ fn ep_ranks(
                             );
                         }
                         if step > 0 && step % EPOCH_STEPS == 0 {
-                            // Commit at the step boundary (both ranks at the same one).
+                            // Commit at the step boundary (both ranks at the same one),
+                            // then drop the experts this rank no longer holds.
+                            let previous = current;
                             current = Arc::new(staged.take().expect("a staged epoch"));
                             slot.set(Some(current.clone()));
+                            let cached = cuda.cached_weights();
+                            let released = current.release_moved(cuda, host, &previous);
+                            let epoch = step / EPOCH_STEPS;
+                            assert_eq!(
+                                released,
+                                moved(&placements[epoch - 1], &placements[epoch], rank),
+                                "rank {rank} epoch {epoch}: experts released"
+                            );
+                            assert_eq!(
+                                cuda.cached_weights(),
+                                cached - 3 * released,
+                                "rank {rank} epoch {epoch}: w1, w3, w2 of each released expert \
+                                 left the device cache"
+                            );
+                            moves += released;
                         }
                         match chunk {
                             Some(chunk) => logits.push(
@@ -176,7 +226,12 @@ fn ep_ranks(
                             None => model.idle_expert_step(),
                         }
                     }
-                    (logits, resident, current.collectives())
+                    RankRun {
+                        logits,
+                        resident,
+                        collectives: current.collectives(),
+                        moves,
+                    }
                 })
             })
             .collect();
@@ -208,9 +263,12 @@ fn check_model(name: &str, host: &Model) {
     let got = ep_ranks(host, &schedule, &placements);
     let mut compared = 0;
     let collectives = (schedule[0].len() * cfg.n_layers) as u64;
-    for (rank, ((logits, resident, rounds), reference)) in got.iter().zip(&expected).enumerate() {
+    let moves: usize = got.iter().map(|r| r.moves).sum();
+    assert!(moves > 0, "{name}: the placements moved no expert");
+    for (rank, (run, reference)) in got.iter().zip(&expected).enumerate() {
+        let (logits, resident) = (&run.logits, &run.resident);
         assert_eq!(
-            *rounds, collectives,
+            run.collectives, collectives,
             "{name} rank {rank}: every step's every layer went through the exchange"
         );
         assert_eq!(
@@ -236,8 +294,8 @@ fn check_model(name: &str, host: &Model) {
     }
     println!(
         "gpu_ep {name}: {RANKS} EP ranks on one device, {epochs} placement epochs, {} of {} \
-         experts per rank and layer, {collectives} MoE collectives per rank: {compared} logits \
-         bitwise equal to one rank",
+         experts per rank and layer, {moves} experts released at epoch changes, {collectives} MoE \
+         collectives per rank: {compared} logits bitwise equal to one rank",
         placements[0].slots_per_gpu, cfg.n_routed_experts
     );
 }

@@ -76,49 +76,6 @@ impl ExpertRank {
         dp: usize,
         transport: Arc<dyn RowTransport>,
     ) -> Result<ExpertRank, CudaBackendError> {
-        Self::with_rounds(
-            backend,
-            model,
-            placement,
-            epoch,
-            rank,
-            dp,
-            transport,
-            Arc::new(AtomicU64::new(0)),
-        )
-    }
-
-    /// The same rank on a new placement (the next epoch), continuing its collective count.
-    pub fn next_epoch(
-        &self,
-        backend: &CudaBackend,
-        model: &Model,
-        placement: Arc<ExpertPlacement>,
-        epoch: u32,
-    ) -> Result<ExpertRank, CudaBackendError> {
-        Self::with_rounds(
-            backend,
-            model,
-            placement,
-            epoch,
-            self.rank,
-            self.dp,
-            self.transport.clone(),
-            self.rounds.clone(),
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn with_rounds(
-        backend: &CudaBackend,
-        model: &Model,
-        placement: Arc<ExpertPlacement>,
-        epoch: u32,
-        rank: usize,
-        dp: usize,
-        transport: Arc<dyn RowTransport>,
-        rounds: Arc<AtomicU64>,
-    ) -> Result<ExpertRank, CudaBackendError> {
         const OP: &str = "expert rank";
         let lists = model.expert_lists();
         check_placement(&placement, lists.len(), transport.ranks(), rank)
@@ -153,10 +110,66 @@ impl ExpertRank {
             epoch,
             placement,
             transport,
-            rounds,
+            rounds: Arc::new(AtomicU64::new(0)),
             layers,
             tables,
         })
+    }
+
+    /// The same rank on a new placement (the next epoch), continuing its collective count.
+    /// Experts it already held stay where they are (the backend's weight cache); the others are
+    /// uploaded now, before the epoch is committed.
+    pub fn next_epoch(
+        &self,
+        backend: &CudaBackend,
+        model: &Model,
+        placement: Arc<ExpertPlacement>,
+        epoch: u32,
+    ) -> Result<ExpertRank, CudaBackendError> {
+        let transport = self.transport.clone();
+        let next = Self::new(
+            backend, model, placement, epoch, self.rank, self.dp, transport,
+        )?;
+        Ok(ExpertRank {
+            rounds: self.rounds.clone(),
+            ..next
+        })
+    }
+
+    /// After this epoch was committed in place of `previous`: drops from `backend`'s weight
+    /// cache the experts `previous` held and this epoch does not, so that the device keeps only
+    /// this rank's experts (their memory is freed when `previous`'s last step ends). Returns how
+    /// many (layer, expert) pairs were released.
+    pub fn release_moved(
+        &self,
+        backend: &CudaBackend,
+        model: &Model,
+        previous: &ExpertRank,
+    ) -> usize {
+        let mut released = 0;
+        for (layer, experts) in model.expert_lists().iter().enumerate() {
+            let now = self.held(layer);
+            for expert in previous.held(layer) {
+                if !now.contains(&expert) {
+                    backend.forget_expert(&experts[expert]);
+                    released += 1;
+                }
+            }
+        }
+        released
+    }
+
+    /// The logical experts this rank holds in `layer` (distinct, increasing).
+    fn held(&self, layer: usize) -> Vec<usize> {
+        let per_rank = self.placement.slots_per_gpu;
+        let mut held: Vec<usize> = self.placement.layers[layer].phy2log
+            [self.rank * per_rank..(self.rank + 1) * per_rank]
+            .iter()
+            .map(|e| e.index())
+            .collect();
+        held.sort_unstable();
+        held.dedup();
+        held
     }
 
     pub fn rank(&self) -> usize {

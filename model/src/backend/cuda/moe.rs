@@ -235,6 +235,26 @@ impl CudaBackend {
         Ok(Some(built))
     }
 
+    /// Drops the cached device copies of `expert`'s weights (an EP rank no longer holds it).
+    pub(super) fn forget_expert(&self, expert: &ExpertWeights<ExpertLinear>) {
+        let mut cache = self.lock_weights();
+        for w in [&expert.w1, &expert.w3, &expert.w2] {
+            match w {
+                ExpertLinear::Fp4(w) => {
+                    cache
+                        .fp4
+                        .remove(&(HostKey::bytes(&w.packed), HostKey::bytes(&w.scales)));
+                }
+                ExpertLinear::Fp8(w) => {
+                    cache
+                        .fp8
+                        .remove(&(HostKey::bytes(&w.data), HostKey::bytes(&w.scales)));
+                }
+                ExpertLinear::Exact(_) => {}
+            }
+        }
+    }
+
     /// The device table of `experts` (table index = position in the list); `None` when they
     /// are not all FP4 or all FP8 with 32×32 tiles.
     pub(super) fn expert_table_of(
