@@ -10,7 +10,8 @@
 //! read there by the attention), and Engram table lookup (the tables are uploaded once, like
 //! weights, and stay in device memory). Modules: `dense.rs` (GEMMs, linears, norms, RoPE, QDQ),
 //! `rows.rs` (row ops and keys), `moe.rs`, `small.rs` (elementwise and pooling ops), `tokens.rs`
-//! (sampling, routing, Engram).
+//! (sampling, routing, Engram), `ep.rs` (the MoE as one EP rank of several), `ep_transport.rs`
+//! and `nccl.rs` (moving routed rows between EP ranks).
 //!
 //! Data path: weights are uploaded once and cached on the device. Activations are [`Tensor`]s in
 //! device memory ([`CudaBuffer`]): an op takes its inputs where they are (a host tensor is
