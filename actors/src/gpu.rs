@@ -1,7 +1,8 @@
 //! The NVIDIA GPUs this process can use, and the CUDA backend on one of them.
 //!
 //! Owns: counting the devices for the topology's `NotEnoughGpus` check (0 without the `cuda`
-//! feature or without a driver, with the reason) and opening a `CudaBackend` on a rank's device.
+//! feature or without a driver, with the reason), a device's memory for the memory plan, and
+//! opening a `CudaBackend` on a rank's device.
 //! The engine's path chooses by the `cuda` feature here and nowhere else. Never panics: cudarc's
 //! dynamic loading panics on a missing `libcuda`, so the library is probed first and the first
 //! call into it runs under `catch_unwind`.
@@ -88,6 +89,24 @@ pub fn inventory() -> GpuInventory {
 
 #[cfg(not(feature = "cuda"))]
 const NO_CUDA_BUILD: &str = "this build has no CUDA support (rebuild with --features cuda)";
+
+/// The memory of device `ordinal` (bytes), for the memory plan checked at start.
+#[cfg(feature = "cuda")]
+pub fn device_memory(ordinal: usize) -> Result<u64, String> {
+    use deepinfer_kernels::cudarc::driver::CudaContext;
+
+    deepinfer_kernels::runtime::driver_available().map_err(|e| e.to_string())?;
+    std::panic::catch_unwind(|| CudaContext::new(ordinal).and_then(|ctx| ctx.total_mem()))
+        .map_err(|_| format!("device {ordinal}: the CUDA driver failed reading its memory"))?
+        .map(|bytes| bytes as u64)
+        .map_err(|e| format!("device {ordinal}: {e}"))
+}
+
+/// The memory of device `ordinal`: an error in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub fn device_memory(ordinal: usize) -> Result<u64, String> {
+    Err(format!("device {ordinal}: {NO_CUDA_BUILD}"))
+}
 
 /// The CUDA backend on device `ordinal` (compiles or loads the kernels; call it on the thread
 /// that will use it). A clear error, never a panic, without a driver or without the feature.

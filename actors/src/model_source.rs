@@ -10,8 +10,11 @@
 //! Backend (`[device] backend`): the model is loaded once on the host. With `"cpu"` every rank
 //! runs it on the CPU backend; with `"cuda"` each DP rank runs the same host weights on a
 //! `CudaBackend` of its own GPU (rank r -> GPU r of its node), after a check that this machine
-//! has the GPUs the topology needs. Expert parallelism (`ep > 1`, the EPLB) runs on the CPU
-//! backend only, so a CUDA topology that asks for it is refused, naming the field.
+//! has the GPUs the topology needs and, once `config.json` is read and before any weight loads,
+//! that the model fits a GPU (the memory plan per GPU: dense, experts, Engram, KV budget,
+//! logged; a model that does not fit fails naming the numbers). Expert parallelism (`ep > 1`,
+//! the EPLB) runs on the CPU backend only, so a CUDA topology that asks for it is refused,
+//! naming the field.
 //!
 //! Family (`model_type` in `config.json`): a V4.1 checkpoint runs on `ModelExecutor`s, a V4-family
 //! one (V4-Flash, V4-Flash-0731) on `V4Executor`s, on either backend. What only V4.1 has is
@@ -26,8 +29,9 @@ use std::sync::Arc;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::memory_plan::{GpuMemoryPlan, plan_gpu};
 use deepinfer_model::{Model, checkpoint, v4};
-use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
+use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig, PlacementShape};
 
 use crate::engine::ModelFacts;
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
@@ -191,6 +195,16 @@ fn load_dir(
     let what = dir.display().to_string();
     let cfg =
         ModelConfig::from_file(&dir.join("config.json")).map_err(|e| model_error(&what, e))?;
+    if let Some(node) = node
+        && node.device.backend != DeviceBackend::Cpu
+    {
+        let gpu_bytes = gpu::device_memory(0).map_err(|message| EngineError::Config {
+            field: "device".to_string(),
+            message,
+        })?;
+        let plan = check_memory(node, &cfg, gpu_bytes)?;
+        tracing::info!(model = %what, "{plan}");
+    }
     let own = dir.join("tokenizer.json");
     let tokenizer = if own.is_file() {
         own
@@ -216,6 +230,24 @@ fn load_dir(
         tokenizer,
         notice,
         name,
+    })
+}
+
+/// The memory plan of one GPU of `gpu_bytes` for `node`'s expert layout over `cfg`'s model
+/// (`memory_plan`); a model that does not fit is a `device` config error naming the numbers.
+pub fn check_memory(
+    node: &NodeConfig,
+    cfg: &ModelConfig,
+    gpu_bytes: u64,
+) -> Result<GpuMemoryPlan, EngineError> {
+    let experts = u16::try_from(cfg.n_routed_experts).unwrap_or(u16::MAX);
+    let slots = PlacementShape::from_config(node, experts).slots_per_gpu();
+    plan_gpu(cfg, slots, gpu_bytes).map_err(|e| EngineError::Config {
+        field: "device".to_string(),
+        message: format!(
+            "{}: {e} (parallel.ep = {}, device.gpus_per_node = {})",
+            node.origin, node.parallel.ep, node.device.gpus_per_node
+        ),
     })
 }
 
@@ -415,6 +447,40 @@ mod tests {
             "{message}"
         );
         assert!(message.contains(MODEL_DIR_ENV), "{message}");
+    }
+
+    /// The real V4.1-Flash does not fit one H200 (the error names the numbers and the layout);
+    /// the tiny model does, with the rest of the GPU as its KV budget.
+    #[test]
+    fn a_model_that_does_not_fit_its_gpu_fails_naming_the_numbers() {
+        let node = NodeConfig::from_toml_str(
+            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\n",
+            "memory test topology",
+        )
+        .unwrap();
+        let h200 = 143_771u64 << 20;
+        let real = ModelConfig::from_file(
+            &Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/data/deepseek-v4.1-flash.config.json"),
+        )
+        .unwrap();
+        let err = check_memory(&node, &real, h200).unwrap_err();
+        assert_eq!(err.code(), "config");
+        let message = err.to_string();
+        for part in [
+            "memory test topology",
+            "GPU of 140.40 GiB",
+            "experts 268.9",
+            "384 slots of 384",
+            "Engram 188.8",
+            "short",
+            "parallel.ep = 1",
+        ] {
+            assert!(message.contains(part), "{part}: {message}");
+        }
+        let plan = check_memory(&node, &ModelConfig::tiny_v41(), h200).unwrap();
+        assert!(plan.kv_budget > h200 - (5 << 30), "{plan}");
+        assert!(plan.to_string().contains("KV budget"), "{plan}");
     }
 
     #[test]

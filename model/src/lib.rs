@@ -5,6 +5,8 @@
 
 pub mod error;
 pub mod expert_dispatch;
+pub mod expert_exchange;
+pub mod memory_plan;
 pub mod quant;
 pub mod sampling;
 pub mod state_bytes;

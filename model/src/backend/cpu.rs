@@ -40,6 +40,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
         quant::gemm_fp8(x, w).into()
     }

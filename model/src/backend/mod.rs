@@ -202,6 +202,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Human-readable device name.
     fn name(&self) -> &str;
 
+    /// The concrete backend (e.g. to reach a `CudaBackend`'s expert slot under a model).
+    fn as_any(&self) -> &dyn std::any::Any;
+
     /// `x [rows, w.inp]` (bf16) · FP8 `Wᵀ` with FP8-quantised activations → bf16 `[rows, w.out]`.
     fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor;
     /// `x [rows, w.inp]` (bf16) · FP4 `Wᵀ` with FP8-quantised activations → bf16 `[rows, w.out]`.

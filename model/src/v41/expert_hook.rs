@@ -46,6 +46,28 @@ impl Model {
         moe::expert(&self.ctx(), &expert.0, &x.into(), Some(&[weight])).into_vec()
     }
 
+    /// Takes part in one step's expert-parallel collectives with no rows of its own: every
+    /// backbone layer's MoE over zero rows, so that the backend (an EP rank, see
+    /// `backend::cuda::ep`) serves its experts to the other ranks. A no-op on a backend that
+    /// runs every expert itself. Every DP rank calls this on a step it has nothing to run.
+    pub fn idle_expert_step(&self) {
+        let ctx = self.ctx();
+        let empty = crate::backend::Tensor::empty();
+        for block in self.layers.iter() {
+            let _ = ctx
+                .backend
+                .moe_rows(&empty, &moe::layer_op(&ctx, &block.moe));
+        }
+    }
+
+    /// Each backbone layer's routed experts (the lists an expert rank places).
+    pub fn expert_lists(&self) -> Vec<&[ExpertWeights<ExpertLinear>]> {
+        self.layers
+            .iter()
+            .map(|b| b.moe.experts.as_slice())
+            .collect()
+    }
+
     /// The model's own weights of routed expert `expert` in backbone layer `layer`.
     pub(crate) fn routed_weights(
         &self,

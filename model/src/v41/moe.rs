@@ -114,6 +114,20 @@ pub(crate) fn expert<W: ExpertProjection>(
     e.w2.apply(ctx.backend, &hidden.into())
 }
 
+/// The layer as one [`MoeLayer`] op.
+pub(crate) fn layer_op<'a>(ctx: &Ctx<'a>, w: &'a MoeWeights) -> MoeLayer<'a> {
+    MoeLayer {
+        gate: &w.gate,
+        bias: &w.bias,
+        n_activated: w.n_activated,
+        route_scale: ctx.cfg.route_scale,
+        experts: &w.experts,
+        shared: &w.shared,
+        swiglu_limit: ctx.cfg.swiglu_limit,
+        precision: ctx.cfg.precision(),
+    }
+}
+
 /// MoE of every row of `x [n, dim]`: each row's routed experts summed in increasing expert id,
 /// then the shared expert, in fp32 (the routed experts run grouped: one expert call over all the
 /// rows that chose it, whose rows do not depend on each other). `forced` as in [`route_rows`].
@@ -128,20 +142,13 @@ pub fn forward_rows(
     need_routes: bool,
 ) -> (Tensor, Vec<Route>) {
     let dim = ctx.cfg.dim;
-    if !need_routes && forced.is_none() && ctx.routed.is_none() && ctx.image_routing.is_none() {
-        let layer = MoeLayer {
-            gate: &w.gate,
-            bias: &w.bias,
-            n_activated: w.n_activated,
-            route_scale: ctx.cfg.route_scale,
-            experts: &w.experts,
-            shared: &w.shared,
-            swiglu_limit: ctx.cfg.swiglu_limit,
-            precision: ctx.cfg.precision(),
-        };
-        if let Some(y) = ctx.backend.moe_rows(x, &layer) {
-            return (y, Vec::new());
-        }
+    if !need_routes
+        && forced.is_none()
+        && ctx.routed.is_none()
+        && ctx.image_routing.is_none()
+        && let Some(y) = ctx.backend.moe_rows(x, &layer_op(ctx, w))
+    {
+        return (y, Vec::new());
     }
     let routes = route_rows(ctx, w, x, forced);
     let mut y = vec![0.0f32; x.len()];

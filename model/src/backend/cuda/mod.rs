@@ -10,7 +10,8 @@
 //! read there by the attention), and Engram table lookup (the tables are uploaded once, like
 //! weights, and stay in device memory). Modules: `dense.rs` (GEMMs, linears, norms, RoPE, QDQ),
 //! `rows.rs` (row ops and keys), `moe.rs`, `small.rs` (elementwise and pooling ops), `tokens.rs`
-//! (sampling, routing, Engram).
+//! (sampling, routing, Engram), `ep.rs` (the MoE as one EP rank of several), `ep_transport.rs`
+//! and `nccl.rs` (moving routed rows between EP ranks).
 //!
 //! Data path: weights are uploaded once and cached on the device. Activations are [`Tensor`]s in
 //! device memory ([`CudaBuffer`]): an op takes its inputs where they are (a host tensor is
@@ -37,7 +38,10 @@
 //! device) has no error channel: it panics with the op and the driver's message.
 
 mod dense;
+pub mod ep;
+pub mod ep_transport;
 mod moe;
+pub mod nccl;
 mod profile;
 mod rows;
 mod small;
@@ -105,6 +109,12 @@ pub enum CudaBackendError {
     Op {
         op: &'static str,
         source: KernelError,
+    },
+    /// A collective of expert parallelism failed (a peer rank failed, timed out or is out of step).
+    #[error("CUDA backend op {op}: {source}")]
+    Exchange {
+        op: &'static str,
+        source: crate::expert_exchange::ExchangeError,
     },
 }
 
@@ -203,6 +213,8 @@ pub struct CudaBackend {
     weights: Mutex<WeightCache>,
     transfers: Arc<TransferCounters>,
     profile: Arc<OpProfile>,
+    /// The EP rank this backend serves as (none: every expert runs here).
+    experts: Arc<ep::ExpertSlot>,
 }
 
 /// Device-to-host copies a [`CudaBackend`] made: results of ops (activations, routes, Engram row
@@ -360,6 +372,7 @@ impl CudaBackend {
             weights: Mutex::new(WeightCache::default()),
             transfers: Arc::new(TransferCounters::default()),
             profile: Arc::new(OpProfile::default()),
+            experts: Arc::default(),
         })
         .inspect(|backend| {
             let on = std::env::var_os(PROFILE_ENV).is_some_and(|v| v == "1");
@@ -638,6 +651,10 @@ fn device_fault<T>(err: CudaBackendError) -> T {
 impl Backend for CudaBackend {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 
     fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {

@@ -16,7 +16,7 @@ use crate::v41::weights::{ExpertLinear, ExpertWeights};
 /// A layer's experts on the device: their address table and the weights it points into (held
 /// here so that the addresses stay valid as long as the table).
 pub(super) struct DeviceExperts {
-    table: DeviceExpertTable,
+    pub(super) table: DeviceExpertTable,
     _held: Vec<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -41,96 +41,31 @@ impl CudaBackend {
             ));
         }
         let rows = x.len() / dim;
+        if !shared_fits(layer.shared) {
+            return Ok(None);
+        }
+        if let Some((ep, layer_index)) = self.expert_rank_of(layer.experts) {
+            return self.try_moe_rows_ep(x, layer, &ep, layer_index).map(Some);
+        }
         let Some(experts) = self.device_experts(OP, layer.experts)? else {
             return Ok(None);
         };
-        // The shared expert reuses the rows' 32-group FP8 activations.
-        let shared = layer.shared;
-        let fits = |w: &ExpertLinear| match w {
-            ExpertLinear::Fp4(_) => true,
-            ExpertLinear::Fp8(w) => w.block == 32,
-            ExpertLinear::Exact(_) => false,
-        };
-        if ![&shared.w1, &shared.w3, &shared.w2].into_iter().all(fits) {
-            return Ok(None);
-        }
         if rows == 0 {
             return Ok(Some(Tensor::empty()));
         }
         let rounding = rounding(layer.precision);
-        let stream = self.rt.stream();
-
-        // The router: logits, then the top-k routes, both on the device.
-        let logits = self.try_linear(x, layer.gate, n_experts, dim, Rounding::F32)?;
-        let dlogits = self.input(OP, &logits)?;
-        let dbias = self.cached_f32(OP, layer.bias)?;
-        let selection = RouteSelection::TopK(layer.n_activated);
-        let k = selected_count(selection, n_experts);
-        let mut ids = stream
-            .alloc_zeros::<u32>(rows * k)
-            .map_err(driver_err(OP, "allocating the routes"))?;
-        let mut route_weights = self.alloc(OP, rows * k)?;
-        route_experts_f32(
-            &self.rt,
-            &dlogits,
-            &dbias,
-            selection,
-            layer.route_scale,
-            &mut ids,
-            &mut route_weights,
-        )
-        .map_err(op_err(OP))?;
-
-        // The routed experts: w1 and w3 per (row, slot), SwiGLU with the route weight, w2.
+        let (ids, route_weights, k) = self.device_routes(OP, x, layer, rows)?;
         let a = self.quantised_activations(OP, x, dim, ActGroup::G32)?;
-        let (slots, inter) = (rows * k, experts.table.inter());
-        let routed = |x: &DeviceActFp8,
-                      x_row_div: usize,
-                      which: ExpertProjection,
-                      width: usize|
-         -> Result<CudaSlice<bf16>, CudaBackendError> {
-            let mut out = stream
-                .alloc_zeros::<bf16>(slots * width)
-                .map_err(driver_err(OP, "allocating an expert output"))?;
-            match experts.table.format() {
-                ExpertFormat::Fp4 => gemm_fp4_routed(
-                    &self.rt,
-                    x,
-                    &ids,
-                    x_row_div,
-                    &experts.table,
-                    which,
-                    &mut out,
-                ),
-                ExpertFormat::Fp8T32 => gemm_fp8_routed(
-                    &self.rt,
-                    x,
-                    &ids,
-                    x_row_div,
-                    &experts.table,
-                    which,
-                    &mut out,
-                ),
-            }
-            .map_err(op_err(OP))?;
-            Ok(out)
-        };
-        let gate = routed(&a, k, ExpertProjection::W1, inter)?;
-        let up = routed(&a, k, ExpertProjection::W3, inter)?;
-        let mut hidden = self.alloc(OP, slots * inter)?;
-        swiglu_rows(
-            &self.rt,
-            &gate,
-            &up,
-            Some(&route_weights),
+        let expert_out = self.routed_slots(
+            OP,
+            &a,
+            &ids,
+            k,
+            &route_weights,
+            &experts.table,
             layer.swiglu_limit,
             rounding,
-            &mut hidden,
-        )
-        .map_err(op_err(OP))?;
-        let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, slots, inter, ActGroup::G32)
-            .map_err(op_err(OP))?;
-        let expert_out = routed(&a_hidden, 1, ExpertProjection::W2, dim)?;
+        )?;
 
         // The shared expert on every row, then the combine.
         let shared = self.shared_expert(OP, &a, layer.shared, layer.swiglu_limit, rounding)?;
@@ -149,8 +84,97 @@ impl CudaBackend {
         Ok(Some(self.tensor(out)))
     }
 
+    /// The router on the device: each row's `k` expert ids `[rows, k]` and route weights.
+    pub(super) fn device_routes(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        rows: usize,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<f32>, usize), CudaBackendError> {
+        let n_experts = layer.bias.len();
+        let dim = layer.gate.len() / n_experts;
+        let logits = self.try_linear(x, layer.gate, n_experts, dim, Rounding::F32)?;
+        let dlogits = self.input(op, &logits)?;
+        let dbias = self.cached_f32(op, layer.bias)?;
+        let selection = RouteSelection::TopK(layer.n_activated);
+        let k = selected_count(selection, n_experts);
+        let mut ids = self
+            .rt
+            .stream()
+            .alloc_zeros::<u32>(rows * k)
+            .map_err(driver_err(op, "allocating the routes"))?;
+        let mut route_weights = self.alloc(op, rows * k)?;
+        route_experts_f32(
+            &self.rt,
+            &dlogits,
+            &dbias,
+            selection,
+            layer.route_scale,
+            &mut ids,
+            &mut route_weights,
+        )
+        .map_err(op_err(op))?;
+        Ok((ids, route_weights, k))
+    }
+
+    /// The routed experts of `ids.len()` slots: slot `j` runs expert `ids[j]` of `table` on the
+    /// FP8 row `j / x_row_div` of `a` — `w1` and `w3`, SwiGLU weighted by `route_weights[j]`,
+    /// `w2` — into bf16 `[slots, dim]` (each slot bitwise what the dense GEMMs give for it).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn routed_slots(
+        &self,
+        op: &'static str,
+        a: &DeviceActFp8,
+        ids: &CudaSlice<u32>,
+        x_row_div: usize,
+        route_weights: &CudaSlice<f32>,
+        table: &DeviceExpertTable,
+        limit: f32,
+        rounding: Rounding,
+    ) -> Result<CudaSlice<bf16>, CudaBackendError> {
+        let (slots, inter, dim) = (ids.len(), table.inter(), table.dim());
+        let routed = |x: &DeviceActFp8,
+                      x_row_div: usize,
+                      which: ExpertProjection,
+                      width: usize|
+         -> Result<CudaSlice<bf16>, CudaBackendError> {
+            let mut out = self
+                .rt
+                .stream()
+                .alloc_zeros::<bf16>(slots * width)
+                .map_err(driver_err(op, "allocating an expert output"))?;
+            match table.format() {
+                ExpertFormat::Fp4 => {
+                    gemm_fp4_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
+                }
+                ExpertFormat::Fp8T32 => {
+                    gemm_fp8_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
+                }
+            }
+            .map_err(op_err(op))?;
+            Ok(out)
+        };
+        let gate = routed(a, x_row_div, ExpertProjection::W1, inter)?;
+        let up = routed(a, x_row_div, ExpertProjection::W3, inter)?;
+        let mut hidden = self.alloc(op, slots * inter)?;
+        swiglu_rows(
+            &self.rt,
+            &gate,
+            &up,
+            Some(route_weights),
+            limit,
+            rounding,
+            &mut hidden,
+        )
+        .map_err(op_err(op))?;
+        let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, slots, inter, ActGroup::G32)
+            .map_err(op_err(op))?;
+        routed(&a_hidden, 1, ExpertProjection::W2, dim)
+    }
+
     /// The shared expert of the rows `a` (FP8 32-group activations): bf16 `[rows, dim]`.
-    fn shared_expert(
+    pub(super) fn shared_expert(
         &self,
         op: &'static str,
         a: &DeviceActFp8,
@@ -202,6 +226,42 @@ impl CudaBackend {
         if let Some(found) = self.lock_weights().expert_tables.get(&key) {
             return Ok(Some(found.clone()));
         }
+        let all: Vec<&ExpertWeights<ExpertLinear>> = experts.iter().collect();
+        let Some(built) = self.expert_table_of(op, &all)? else {
+            return Ok(None);
+        };
+        let built = Arc::new(built);
+        self.lock_weights().expert_tables.insert(key, built.clone());
+        Ok(Some(built))
+    }
+
+    /// Drops the cached device copies of `expert`'s weights (an EP rank no longer holds it).
+    pub(super) fn forget_expert(&self, expert: &ExpertWeights<ExpertLinear>) {
+        let mut cache = self.lock_weights();
+        for w in [&expert.w1, &expert.w3, &expert.w2] {
+            match w {
+                ExpertLinear::Fp4(w) => {
+                    cache
+                        .fp4
+                        .remove(&(HostKey::bytes(&w.packed), HostKey::bytes(&w.scales)));
+                }
+                ExpertLinear::Fp8(w) => {
+                    cache
+                        .fp8
+                        .remove(&(HostKey::bytes(&w.data), HostKey::bytes(&w.scales)));
+                }
+                ExpertLinear::Exact(_) => {}
+            }
+        }
+    }
+
+    /// The device table of `experts` (table index = position in the list); `None` when they
+    /// are not all FP4 or all FP8 with 32×32 tiles.
+    pub(super) fn expert_table_of(
+        &self,
+        op: &'static str,
+        experts: &[&ExpertWeights<ExpertLinear>],
+    ) -> Result<Option<DeviceExperts>, CudaBackendError> {
         let fp4: Option<Vec<[&Fp4Weight; 3]>> = experts
             .iter()
             .map(|e| match (&e.w1, &e.w3, &e.w2) {
@@ -222,16 +282,15 @@ impl CudaBackend {
                 _ => None,
             })
             .collect();
-        let built = if let Some(fp4) = fp4 {
-            self.expert_table(op, &fp4, |w| self.cached_fp4(w), DeviceExpertTable::fp4)?
+        if let Some(fp4) = fp4 {
+            self.expert_table(op, &fp4, |w| self.cached_fp4(w), DeviceExpertTable::fp4)
+                .map(Some)
         } else if let Some(fp8) = fp8 {
-            self.expert_table(op, &fp8, |w| self.cached_fp8(w), DeviceExpertTable::fp8)?
+            self.expert_table(op, &fp8, |w| self.cached_fp8(w), DeviceExpertTable::fp8)
+                .map(Some)
         } else {
-            return Ok(None);
-        };
-        let built = Arc::new(built);
-        self.lock_weights().expert_tables.insert(key, built.clone());
-        Ok(Some(built))
+            Ok(None)
+        }
     }
 
     /// The device table of experts given as host weights `[w1, w3, w2]`: each weight uploaded
@@ -275,4 +334,15 @@ fn held<W: Send + Sync + 'static>(weights: Vec<[Arc<W>; 3]>) -> Vec<Arc<dyn Any 
         .flatten()
         .map(|w| w as Arc<dyn Any + Send + Sync>)
         .collect()
+}
+
+/// The shared expert runs on the rows' FP8 32-group activations: FP4, or FP8 with 32×32 tiles.
+fn shared_fits(shared: &ExpertWeights<ExpertLinear>) -> bool {
+    [&shared.w1, &shared.w3, &shared.w2]
+        .into_iter()
+        .all(|w| match w {
+            ExpertLinear::Fp4(_) => true,
+            ExpertLinear::Fp8(w) => w.block == 32,
+            ExpertLinear::Exact(_) => false,
+        })
 }

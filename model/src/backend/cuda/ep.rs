@@ -1,0 +1,484 @@
+//! Expert parallelism on the device: [`Backend::moe_rows`] when this backend is one EP rank of
+//! several ([`ExpertRank`]), the routed rows moving between ranks through a [`RowTransport`]
+//! (`ep_transport.rs`: device copies between ranks sharing a device; `nccl.rs`: NCCL).
+//!
+//! Per MoE layer, every rank (with rows or none: an idle rank still calls it, see
+//! `Model::idle_expert_step`) runs the same three collectives:
+//! 1. Dispatch: the router runs here; each routed slot (row, pick) goes to the EP rank of the
+//!    replica that serves it; the rows for each rank are gathered into one device buffer and
+//!    sent with their counts, receiver-local expert ids and route weights; each rank runs its
+//!    experts on the rows it received.
+//! 2. Combine: the output rows (f32) go back the same way; every sender gathers its slots' rows
+//!    into slot order and runs the same combine as one rank does (`moe_combine`: a row's slots
+//!    in increasing logical expert id, then the shared expert, one rounding), so every
+//!    placement gives the bits of `ep = 1`.
+//! 3. Finish: the buffers offered to peers may be freed.
+//!
+//! Activations never leave the device; only route ids and weights reach the host.
+//! Replica choice: the replica on this rank when it holds one, else replica `dp % replicas`: a
+//! pure function of (layer, expert, DP rank), independent of the batch and the timing.
+//! Placement epochs: an [`ExpertRank`] serves one epoch; a new placement is a new rank object
+//! (its experts uploaded when built) swapped in between steps through [`ExpertSlot`]; the epoch
+//! is part of every collective's tag, so ranks on different epochs fail instead of mixing.
+//! Failure: any error of the op aborts the transport (every peer fails at once; the supervisor
+//! then stops the engine, its rule 3).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, RwLock};
+
+use deepinfer_kernels::ops::key_table::key_row_address;
+use deepinfer_kernels::ops::routed::moe_combine;
+use deepinfer_topology::ExpertPlacement;
+
+use super::ep_transport::{RowMeta, RowTransport};
+use super::moe::DeviceExperts;
+use super::*;
+use crate::expert_exchange::{ExchangePhase, ExchangeTag};
+use crate::v41::Model;
+use crate::v41::weights::{ExpertLinear, ExpertWeights};
+
+/// One EP rank of one placement epoch: its experts on this device, the placement, the transport.
+pub struct ExpertRank {
+    rank: usize,
+    dp: usize,
+    epoch: u32,
+    placement: Arc<ExpertPlacement>,
+    transport: Arc<dyn RowTransport>,
+    /// MoE layer calls so far (shared with the rank's later epochs).
+    rounds: Arc<AtomicU64>,
+    /// Host address and length of each backbone layer's expert list → layer index.
+    layers: HashMap<(usize, usize), usize>,
+    /// This rank's experts of each layer, in slot order.
+    tables: Vec<DeviceExperts>,
+}
+
+impl std::fmt::Debug for ExpertRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertRank")
+            .field("rank", &self.rank)
+            .field("dp", &self.dp)
+            .field("epoch", &self.epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExpertRank {
+    /// EP rank `rank` (serving DP rank `dp`) of `placement` at `epoch` for `model`'s backbone
+    /// layers, its experts uploaded to `backend`'s device (only those its slots hold), its rows
+    /// moved by `transport`.
+    pub fn new(
+        backend: &CudaBackend,
+        model: &Model,
+        placement: Arc<ExpertPlacement>,
+        epoch: u32,
+        rank: usize,
+        dp: usize,
+        transport: Arc<dyn RowTransport>,
+    ) -> Result<ExpertRank, CudaBackendError> {
+        const OP: &str = "expert rank";
+        let lists = model.expert_lists();
+        check_placement(&placement, lists.len(), transport.ranks(), rank)
+            .map_err(|message| shape_err(OP, message))?;
+        let per_rank = placement.slots_per_gpu;
+        let tables = lists
+            .iter()
+            .zip(&placement.layers)
+            .enumerate()
+            .map(|(layer, (experts, lp))| {
+                let mine: Vec<&ExpertWeights<ExpertLinear>> = lp.phy2log
+                    [rank * per_rank..(rank + 1) * per_rank]
+                    .iter()
+                    .map(|e| &experts[e.index()])
+                    .collect();
+                backend.expert_table_of(OP, &mine)?.ok_or_else(|| {
+                    shape_err(
+                        OP,
+                        format!("layer {layer}: experts not all FP4 or all FP8 with 32x32 tiles"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let layers = lists
+            .iter()
+            .enumerate()
+            .map(|(layer, experts)| ((experts.as_ptr() as usize, experts.len()), layer))
+            .collect();
+        Ok(ExpertRank {
+            rank,
+            dp,
+            epoch,
+            placement,
+            transport,
+            rounds: Arc::new(AtomicU64::new(0)),
+            layers,
+            tables,
+        })
+    }
+
+    /// The same rank on a new placement (the next epoch), continuing its collective count.
+    /// Experts it already held stay where they are (the backend's weight cache); the others are
+    /// uploaded now, before the epoch is committed.
+    pub fn next_epoch(
+        &self,
+        backend: &CudaBackend,
+        model: &Model,
+        placement: Arc<ExpertPlacement>,
+        epoch: u32,
+    ) -> Result<ExpertRank, CudaBackendError> {
+        let transport = self.transport.clone();
+        let next = Self::new(
+            backend, model, placement, epoch, self.rank, self.dp, transport,
+        )?;
+        Ok(ExpertRank {
+            rounds: self.rounds.clone(),
+            ..next
+        })
+    }
+
+    /// After this epoch was committed in place of `previous`: drops from `backend`'s weight
+    /// cache the experts `previous` held and this epoch does not, so that the device keeps only
+    /// this rank's experts (their memory is freed when `previous`'s last step ends). Returns how
+    /// many (layer, expert) pairs were released.
+    pub fn release_moved(
+        &self,
+        backend: &CudaBackend,
+        model: &Model,
+        previous: &ExpertRank,
+    ) -> usize {
+        let mut released = 0;
+        for (layer, experts) in model.expert_lists().iter().enumerate() {
+            let now = self.held(layer);
+            for expert in previous.held(layer) {
+                if !now.contains(&expert) {
+                    backend.forget_expert(&experts[expert]);
+                    released += 1;
+                }
+            }
+        }
+        released
+    }
+
+    /// The logical experts this rank holds in `layer` (distinct, increasing).
+    fn held(&self, layer: usize) -> Vec<usize> {
+        let per_rank = self.placement.slots_per_gpu;
+        let mut held: Vec<usize> = self.placement.layers[layer].phy2log
+            [self.rank * per_rank..(self.rank + 1) * per_rank]
+            .iter()
+            .map(|e| e.index())
+            .collect();
+        held.sort_unstable();
+        held.dedup();
+        held
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// MoE layer collectives this rank (and its earlier epochs) took part in.
+    pub fn collectives(&self) -> u64 {
+        self.rounds.load(AtomicOrdering::Relaxed)
+    }
+
+    /// Logical experts whose weights this rank holds on its device, per layer.
+    pub fn resident_experts(&self) -> Vec<usize> {
+        self.tables.iter().map(|t| t.table.n_experts()).collect()
+    }
+
+    /// The physical slot that serves `expert` of `layer` for this rank's rows (module doc).
+    fn replica_slot(&self, layer: usize, expert: usize) -> usize {
+        let per_rank = self.placement.slots_per_gpu;
+        let replicas = &self.placement.layers[layer].log2phy[expert];
+        replicas
+            .iter()
+            .map(|&s| s as usize)
+            .find(|s| s / per_rank == self.rank)
+            .unwrap_or_else(|| replicas[self.dp % replicas.len()] as usize)
+    }
+}
+
+/// `placement` spans `ranks` ranks for `layers` backbone layers; every expert has a replica in
+/// range.
+fn check_placement(
+    placement: &ExpertPlacement,
+    layers: usize,
+    ranks: usize,
+    rank: usize,
+) -> Result<(), String> {
+    let slots = placement.slots_per_gpu * ranks;
+    if rank >= ranks {
+        return Err(format!("EP rank {rank} of {ranks}"));
+    }
+    if placement.layers.len() != layers {
+        return Err(format!(
+            "the placement has {} layers, the model {layers}",
+            placement.layers.len()
+        ));
+    }
+    for (layer, lp) in placement.layers.iter().enumerate() {
+        if lp.phy2log.len() != slots {
+            return Err(format!(
+                "layer {layer}: {} slots, {ranks} ranks of {} expected",
+                lp.phy2log.len(),
+                placement.slots_per_gpu
+            ));
+        }
+        if let Some(expert) = lp
+            .log2phy
+            .iter()
+            .position(|r| r.is_empty() || r.iter().any(|&s| s as usize >= slots))
+        {
+            return Err(format!(
+                "layer {layer}: expert {expert} has no replica in range"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The expert rank a backend serves as, swapped between steps (shared: keep a clone after the
+/// backend was handed to a model).
+#[derive(Debug, Default)]
+pub struct ExpertSlot(RwLock<Option<Arc<ExpertRank>>>);
+
+impl ExpertSlot {
+    /// Serve as `rank` from the next MoE layer on (call between steps); `None`: all experts here.
+    pub fn set(&self, rank: Option<Arc<ExpertRank>>) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = rank;
+    }
+
+    pub fn get(&self) -> Option<Arc<ExpertRank>> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// Where this rank's routed slots go, per destination rank: the slots (in slot order), their
+/// destination-local expert and route weight.
+#[derive(Default)]
+struct Dispatch {
+    slots: Vec<usize>,
+    meta: RowMeta,
+}
+
+impl CudaBackend {
+    /// This backend's expert-rank slot.
+    pub fn expert_slot(&self) -> Arc<ExpertSlot> {
+        self.experts.clone()
+    }
+
+    /// The expert rank serving `experts` (a backbone layer's list) and that layer's index.
+    pub(super) fn expert_rank_of(
+        &self,
+        experts: &[ExpertWeights<ExpertLinear>],
+    ) -> Option<(Arc<ExpertRank>, usize)> {
+        let ep = self.experts.get()?;
+        let layer = *ep.layers.get(&(experts.as_ptr() as usize, experts.len()))?;
+        Some((ep, layer))
+    }
+
+    /// [`Backend::moe_rows`] as EP rank `ep` of backbone layer `layer_index` (module doc); an
+    /// error aborts the transport so that no peer waits for this rank.
+    pub(super) fn try_moe_rows_ep(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        ep: &ExpertRank,
+        layer_index: usize,
+    ) -> Result<Tensor, CudaBackendError> {
+        let result = self.moe_rows_ep(x, layer, ep, layer_index);
+        if let Err(err) = &result {
+            ep.transport.abort(ep.rank, &err.to_string());
+        }
+        result
+    }
+
+    fn moe_rows_ep(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        ep: &ExpertRank,
+        layer_index: usize,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "moe_rows (expert parallel)";
+        let n_experts = layer.bias.len();
+        let dim = layer.gate.len() / n_experts;
+        let rows = x.len() / dim;
+        let row_bytes = (dim * std::mem::size_of::<f32>()) as u64;
+        let rounding = rounding(layer.precision);
+        let round = ep.rounds.fetch_add(1, AtomicOrdering::Relaxed);
+        let tag = |phase| ExchangeTag {
+            round,
+            layer: layer_index,
+            epoch: ep.epoch,
+            phase,
+        };
+        let ranks = ep.transport.ranks();
+        let per_rank = ep.placement.slots_per_gpu;
+
+        // 1. Route, then gather each destination's rows (destination-major) into `send`.
+        let mut plan: Vec<Dispatch> = (0..ranks).map(|_| Dispatch::default()).collect();
+        let mut routes = None;
+        let mut send = None;
+        if rows > 0 {
+            let (ids, weights, k) = self.device_routes(OP, x, layer, rows)?;
+            let ids_host = self.routes_to_host(OP, &ids)?;
+            let weights_host = self.routes_to_host(OP, &weights)?;
+            for (slot, (&expert, &weight)) in ids_host.iter().zip(&weights_host).enumerate() {
+                if expert as usize >= n_experts {
+                    continue;
+                }
+                let phys = ep.replica_slot(layer_index, expert as usize);
+                let to = &mut plan[phys / per_rank];
+                to.slots.push(slot);
+                to.meta.experts.push((phys % per_rank) as u32);
+                to.meta.weights.push(weight);
+            }
+            let dx = self.input(OP, x)?;
+            let base = key_row_address(&self.rt, &dx, 0, dim).map_err(op_err(OP))?;
+            let addresses: Vec<u64> = plan
+                .iter()
+                .flat_map(|d| d.slots.iter().map(|&s| base + (s / k) as u64 * row_bytes))
+                .collect();
+            send = self.gathered(OP, &addresses, dim)?;
+            routes = Some((ids, k));
+        }
+        let counts: Vec<usize> = plan.iter().map(|d| d.slots.len()).collect();
+        let meta = plan.iter().map(|d| d.meta.clone()).collect();
+        let inbox = ep.transport.all_to_all_rows(
+            self,
+            ep.rank,
+            tag(ExchangePhase::Dispatch),
+            send.as_ref(),
+            dim,
+            &counts,
+            meta,
+        )?;
+
+        // 2. Run this rank's experts on what it received; send the outputs back.
+        let mut outbox = None;
+        if let Some(received) = &inbox.rows {
+            let n = received.len() / dim;
+            let ids_in: Vec<u32> = inbox.meta.iter().flat_map(|m| m.experts.clone()).collect();
+            let weights_in: Vec<f32> = inbox.meta.iter().flat_map(|m| m.weights.clone()).collect();
+            if ids_in.len() != n || weights_in.len() != n {
+                return Err(shape_err(
+                    OP,
+                    format!(
+                        "received {n} rows with {} expert ids and {} weights",
+                        ids_in.len(),
+                        weights_in.len()
+                    ),
+                ));
+            }
+            let ids_in = self
+                .rt
+                .htod(&ids_in)
+                .map_err(driver_err(OP, "uploading received expert ids"))?;
+            let weights_in = self.upload(OP, &weights_in)?;
+            let a = quantize_act_fp8_f32(&self.rt, received, n, dim, ActGroup::G32)
+                .map_err(op_err(OP))?;
+            let out = self.routed_slots(
+                OP,
+                &a,
+                &ids_in,
+                1,
+                &weights_in,
+                &ep.tables[layer_index].table,
+                layer.swiglu_limit,
+                rounding,
+            )?;
+            let mut wide = self.alloc(OP, out.len())?;
+            bf16_to_f32(&self.rt, &out, &mut wide).map_err(op_err(OP))?;
+            outbox = Some(wide);
+        }
+        let back = ep.transport.all_to_all_rows(
+            self,
+            ep.rank,
+            tag(ExchangePhase::Combine),
+            outbox.as_ref(),
+            dim,
+            &inbox.counts,
+            vec![RowMeta::default(); ranks],
+        )?;
+        if back.counts != counts {
+            return Err(shape_err(
+                OP,
+                format!("sent rows {counts:?}, got outputs {:?}", back.counts),
+            ));
+        }
+
+        // 3. Slot outputs in slot order, the shared expert, the combine of one rank.
+        let mut result = Tensor::empty();
+        if let (Some((ids, k)), Some(outputs)) = (&routes, &back.rows) {
+            let base = key_row_address(&self.rt, outputs, 0, dim).map_err(op_err(OP))?;
+            // A dropped slot (id beyond the experts, skipped by the combine) reads row 0.
+            let mut addresses = vec![base; rows * k];
+            let mut position = 0u64;
+            for d in &plan {
+                for &slot in &d.slots {
+                    addresses[slot] = base + position * row_bytes;
+                    position += 1;
+                }
+            }
+            let slot_out = self
+                .gathered(OP, &addresses, dim)?
+                .ok_or_else(|| shape_err(OP, "rows without routed slots".to_string()))?;
+            let a = self.quantised_activations(OP, x, dim, ActGroup::G32)?;
+            let shared = self.shared_expert(OP, &a, layer.shared, layer.swiglu_limit, rounding)?;
+            let mut shared_wide = self.alloc(OP, shared.len())?;
+            bf16_to_f32(&self.rt, &shared, &mut shared_wide).map_err(op_err(OP))?;
+            let mut out = self.alloc(OP, rows * dim)?;
+            moe_combine(
+                &self.rt,
+                &slot_out,
+                ids,
+                n_experts,
+                &shared_wide,
+                dim,
+                rounding,
+                &mut out,
+            )
+            .map_err(op_err(OP))?;
+            result = self.tensor(out);
+        }
+        ep.transport.finish(ep.rank, tag(ExchangePhase::Done))?;
+        drop((send, outbox));
+        Ok(result)
+    }
+
+    /// `[addresses.len(), width]` f32 rows gathered from device addresses; `None` for none.
+    pub(super) fn gathered(
+        &self,
+        op: &'static str,
+        addresses: &[u64],
+        width: usize,
+    ) -> Result<Option<CudaSlice<f32>>, CudaBackendError> {
+        if addresses.is_empty() {
+            return Ok(None);
+        }
+        let mut out = self.alloc(op, addresses.len() * width)?;
+        gather_addresses_f32(&self.rt, addresses, width, &mut out).map_err(op_err(op))?;
+        Ok(Some(out))
+    }
+
+    /// A step's routes (ids or weights) on the host, counted as a transfer.
+    fn routes_to_host<T: deepinfer_kernels::cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        op: &'static str,
+        values: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaBackendError> {
+        self.transfers.result::<T>(values.len());
+        self.rt
+            .stream()
+            .clone_dtoh(values)
+            .map_err(driver_err(op, "copying the routes to the host"))
+    }
+}

@@ -1,0 +1,349 @@
+//! [`RowTransport`] between EP ranks on different GPUs, over NCCL (cudarc's bindings, loaded at
+//! run time like the rest of CUDA).
+//!
+//! Communicators are created once at start: [`NcclTransport::for_devices`] for every GPU this
+//! process drives (one rank thread each), [`NcclTransport::join`] for a rank of a multi-node
+//! deployment (the unique id created on node 0 and handed over by the node bootstrap). On the
+//! backend's own stream, each all-to-all first all-gathers every rank's header (its collective
+//! tag and its row counts for every rank), checks that all ranks are at the same collective,
+//! then runs one NCCL group of sends and receives of the rows, their expert ids and weights.
+//! NCCL has no timeout: the rank polls the group's completion up to the deadline and, past it,
+//! drops (aborts) the communicator, so that every peer's NCCL call fails too; the transport
+//! stays failed (the supervisor stops the engine, its rule 3).
+//!
+//! Not run yet: it needs two GPUs (the two-GPU machine kind was not lent while this was
+//! written); the one-device transport (`ep_transport.rs`) exercises everything above it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use deepinfer_kernels::cudarc::driver::CudaStream;
+use deepinfer_kernels::cudarc::nccl::result::{group_end, group_start};
+use deepinfer_kernels::cudarc::nccl::safe::{Comm, Id};
+
+use super::ep_transport::{Delivered, RowMeta, RowTransport};
+use super::*;
+use crate::expert_exchange::{ExchangeError, ExchangePhase, ExchangeTag};
+
+const OP: &str = "NCCL all-to-all";
+/// Header words before the counts: round, layer, epoch, phase.
+const HEADER: usize = 4;
+
+fn nccl_err(
+    during: &str,
+) -> impl FnOnce(deepinfer_kernels::cudarc::nccl::result::NcclError) -> CudaBackendError + '_ {
+    move |e| shape_err(OP, format!("NCCL failed while {during}: {e:?}"))
+}
+
+/// Runs `init` (cudarc panics when `libnccl.so` is missing) as an error, not a panic.
+fn guarded<T>(
+    during: &str,
+    init: impl FnOnce() -> Result<T, deepinfer_kernels::cudarc::nccl::result::NcclError>,
+) -> Result<T, CudaBackendError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(init))
+        .map_err(|_| {
+            shape_err(
+                OP,
+                format!("{during}: the NCCL library (libnccl.so) did not load"),
+            )
+        })?
+        .map_err(nccl_err(during))
+}
+
+/// A communicator behind [`NcclTransport`]'s mutex. NCCL lets any thread use a communicator as
+/// long as one thread at a time does.
+#[derive(Debug)]
+struct Owned(Comm);
+
+// SAFETY: every use of the communicator goes through `NcclTransport::comm`'s lock (one thread at
+// a time, NCCL's rule); the raw handle is never copied out.
+unsafe impl Send for Owned {}
+
+/// One EP rank's NCCL communicator.
+#[derive(Debug)]
+pub struct NcclTransport {
+    /// `None` once aborted.
+    comm: Mutex<Option<Owned>>,
+    rank: usize,
+    ranks: usize,
+    timeout: Duration,
+}
+
+impl NcclTransport {
+    /// One communicator per stream (one per GPU of this process, rank = position), created
+    /// together (`ncclCommInitAll`).
+    pub fn for_devices(
+        streams: Vec<Arc<CudaStream>>,
+        timeout: Duration,
+    ) -> Result<Vec<Arc<NcclTransport>>, CudaBackendError> {
+        let ranks = streams.len();
+        let comms = guarded("creating the communicators", || Comm::from_devices(streams))?;
+        Ok(comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                Arc::new(NcclTransport {
+                    comm: Mutex::new(Some(Owned(comm))),
+                    rank,
+                    ranks,
+                    timeout,
+                })
+            })
+            .collect())
+    }
+
+    /// Rank `rank` of `ranks`, joined through the unique id node 0 created
+    /// (`Id::new().internal()`), on `stream` (the rank backend's stream).
+    pub fn join(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        ranks: usize,
+        id: [std::ffi::c_char; 128],
+        timeout: Duration,
+    ) -> Result<Arc<NcclTransport>, CudaBackendError> {
+        let comm = guarded("joining the communicator", || {
+            Comm::from_rank(stream, rank, ranks, Id::uninit(id))
+        })?;
+        Ok(Arc::new(NcclTransport {
+            comm: Mutex::new(Some(Owned(comm))),
+            rank,
+            ranks,
+            timeout,
+        }))
+    }
+
+    /// Waits for the work queued on `stream` until the deadline; past it the communicator is
+    /// aborted.
+    fn wait(
+        &self,
+        comm: &mut Option<Owned>,
+        stream: &CudaStream,
+        tag: ExchangeTag,
+    ) -> Result<(), CudaBackendError> {
+        let done = stream
+            .record_event(None)
+            .map_err(driver_err(OP, "recording the collective's end"))?;
+        let deadline = Instant::now() + self.timeout;
+        while !done.is_complete() {
+            if Instant::now() >= deadline {
+                comm.take(); // dropping a Comm aborts it: the peers' calls fail too
+                return Err(CudaBackendError::Exchange {
+                    op: OP,
+                    source: ExchangeError::Timeout {
+                        rank: self.rank,
+                        tag,
+                        missing: Vec::new(),
+                        waited_ms: self.timeout.as_millis(),
+                    },
+                });
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(())
+    }
+
+    fn failed(&self, tag: ExchangeTag) -> CudaBackendError {
+        CudaBackendError::Exchange {
+            op: OP,
+            source: ExchangeError::PeerFailed {
+                rank: self.rank,
+                tag,
+                failed: self.rank,
+                reason: "the communicator was aborted".to_string(),
+            },
+        }
+    }
+}
+
+fn tag_words(tag: ExchangeTag) -> [u64; HEADER] {
+    [
+        tag.round,
+        tag.layer as u64,
+        u64::from(tag.epoch),
+        tag.phase as u64,
+    ]
+}
+
+impl RowTransport for NcclTransport {
+    fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    fn all_to_all_rows(
+        &self,
+        _backend: &CudaBackend,
+        rank: usize,
+        tag: ExchangeTag,
+        rows: Option<&CudaSlice<f32>>,
+        width: usize,
+        counts: &[usize],
+        meta: Vec<RowMeta>,
+    ) -> Result<Delivered, CudaBackendError> {
+        let mut guard = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(Owned(comm)) = guard.as_ref() else {
+            return Err(self.failed(tag));
+        };
+        let stream = comm.stream();
+        let ranks = self.ranks;
+
+        // Headers first: every rank's tag and counts.
+        let mut header: Vec<u64> = tag_words(tag).to_vec();
+        header.extend(counts.iter().map(|&n| n as u64));
+        let header = stream
+            .clone_htod(&header)
+            .map_err(driver_err(OP, "uploading the header"))?;
+        let mut headers = stream
+            .alloc_zeros::<u64>(ranks * (HEADER + ranks))
+            .map_err(driver_err(OP, "allocating the headers"))?;
+        comm.all_gather(&header, &mut headers)
+            .map_err(nccl_err("gathering the headers"))?;
+        self.wait(&mut guard, &stream, tag)?;
+        let headers = stream
+            .clone_dtoh(&headers)
+            .map_err(driver_err(OP, "reading the headers"))?;
+        let mut incoming = Vec::with_capacity(ranks);
+        for (source, words) in headers.chunks_exact(HEADER + ranks).enumerate() {
+            if words[..HEADER] != tag_words(tag) {
+                guard.take();
+                return Err(shape_err(
+                    OP,
+                    format!(
+                        "rank {rank} is at {tag}, rank {source} at (round, layer, epoch, phase) \
+                         {:?}: the ranks' steps do not match",
+                        &words[..HEADER]
+                    ),
+                ));
+            }
+            incoming.push(words[HEADER + rank] as usize);
+        }
+
+        // Then the rows, ids and weights, in one group.
+        let sent: usize = counts.iter().sum();
+        let received: usize = incoming.iter().sum();
+        // Dispatched rows carry their ids and weights (decided by the phase, the same on every
+        // rank, so that every send has its receive).
+        let with_meta = tag.phase == ExchangePhase::Dispatch;
+        let mut ids: Vec<u32> = meta.iter().flat_map(|m| m.experts.clone()).collect();
+        let mut weights: Vec<f32> = meta.iter().flat_map(|m| m.weights.clone()).collect();
+        if with_meta && (ids.len() != sent || weights.len() != sent) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{sent} rows with {} ids and {} weights",
+                    ids.len(),
+                    weights.len()
+                ),
+            ));
+        }
+        // Never a zero-length upload.
+        ids.push(0);
+        weights.push(0.0);
+        let alloc_f32 = |n: usize| {
+            stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(driver_err(OP, "allocating a receive buffer"))
+        };
+        let mut inbox = alloc_f32(received * width)?;
+        let mut ids_in = stream
+            .alloc_zeros::<u32>(received.max(1))
+            .map_err(driver_err(OP, "allocating the received ids"))?;
+        let mut weights_in = alloc_f32(received)?;
+        let ids_out = stream
+            .clone_htod(&ids)
+            .map_err(driver_err(OP, "uploading the ids"))?;
+        let weights_out = stream
+            .clone_htod(&weights)
+            .map_err(driver_err(OP, "uploading the weights"))?;
+        let Some(Owned(comm)) = guard.as_ref() else {
+            return Err(self.failed(tag));
+        };
+        group_start().map_err(nccl_err("starting the group"))?;
+        let (mut at_out, mut at_in) = (0, 0);
+        let mut queued = Ok(());
+        for peer in 0..ranks {
+            let (n_out, n_in) = (counts[peer], incoming[peer]);
+            let p = peer as i32;
+            if let Some(rows) = rows.filter(|_| n_out > 0) {
+                queued = queued.and_then(|_| {
+                    comm.send(&rows.slice(at_out * width..(at_out + n_out) * width), p)
+                        .map(|_| ())
+                });
+                if with_meta {
+                    queued = queued
+                        .and_then(|_| {
+                            comm.send(&ids_out.slice(at_out..at_out + n_out), p)
+                                .map(|_| ())
+                        })
+                        .and_then(|_| {
+                            comm.send(&weights_out.slice(at_out..at_out + n_out), p)
+                                .map(|_| ())
+                        });
+                }
+            }
+            if n_in > 0 {
+                queued = queued.and_then(|_| {
+                    comm.recv(
+                        &mut inbox.slice_mut(at_in * width..(at_in + n_in) * width),
+                        p,
+                    )
+                    .map(|_| ())
+                });
+                if with_meta {
+                    queued = queued
+                        .and_then(|_| {
+                            comm.recv(&mut ids_in.slice_mut(at_in..at_in + n_in), p)
+                                .map(|_| ())
+                        })
+                        .and_then(|_| {
+                            comm.recv(&mut weights_in.slice_mut(at_in..at_in + n_in), p)
+                                .map(|_| ())
+                        });
+                }
+            }
+            at_out += n_out;
+            at_in += n_in;
+        }
+        let ended = group_end();
+        queued.map_err(nccl_err("queueing the sends and receives"))?;
+        ended.map_err(nccl_err("ending the group"))?;
+        self.wait(&mut guard, &stream, tag)?;
+
+        // Per-source metadata on the host (a few bytes per row).
+        let mut meta_in = Vec::with_capacity(ranks);
+        if with_meta && received > 0 {
+            let ids = stream
+                .clone_dtoh(&ids_in)
+                .map_err(driver_err(OP, "reading the received ids"))?;
+            let weights = stream
+                .clone_dtoh(&weights_in)
+                .map_err(driver_err(OP, "reading the received weights"))?;
+            let mut at = 0;
+            for &n in &incoming {
+                meta_in.push(RowMeta {
+                    experts: ids[at..at + n].to_vec(),
+                    weights: weights[at..at + n].to_vec(),
+                });
+                at += n;
+            }
+        } else {
+            meta_in.resize(ranks, RowMeta::default());
+        }
+        Ok(Delivered {
+            rows: (received > 0).then_some(inbox),
+            counts: incoming,
+            meta: meta_in,
+        })
+    }
+
+    /// NCCL's copies are complete when `all_to_all_rows` returns: nothing is lent.
+    fn finish(&self, _rank: usize, _tag: ExchangeTag) -> Result<(), CudaBackendError> {
+        Ok(())
+    }
+
+    fn abort(&self, _rank: usize, _reason: &str) {
+        self.comm
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+}
