@@ -1,6 +1,7 @@
 //! `deepinfer-node`: runs an offline job (OpenAI Batch JSONL) on the topology's model, or a
-//! built-in sample batch when no input is given; `logits` and `eplb-plan` are operator tools.
-//! The logic lives in `deepinfer_actors::{job, tools}`; this file parses arguments and prints.
+//! built-in sample batch when no input is given; with `--simulate`, the topology's control plane
+//! on simulated devices; `logits` and `eplb-plan` are operator tools.
+//! The logic lives in `deepinfer_actors::{job, sim, tools}`; this file parses arguments and prints.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -11,6 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use deepinfer_actors::job::{JobOptions, run_job, sample_batch};
+use deepinfer_actors::sim::{self, Kernels, SimSettings};
 use deepinfer_actors::tools::{eplb_plan, logits};
 use deepinfer_actors::{Engine, EngineConfig, gpu, model_source, prometheus};
 use deepinfer_topology::NodeConfig;
@@ -41,6 +43,38 @@ struct JobArgs {
     /// else stdout.
     #[arg(long)]
     output: Option<PathBuf>,
+    #[command(flatten)]
+    simulation: SimArgs,
+}
+
+/// `--simulate`: the topology's actors on simulated GPUs (virtual time, no GPU, no weights).
+#[derive(Args, Debug)]
+struct SimArgs {
+    /// Run the topology's control plane against simulated devices and print a report.
+    #[arg(long)]
+    simulate: bool,
+    /// Trace JSONL (`arrival_s`, `prompt_tokens`, `output_tokens`, optional `prefix_id` per
+    /// line). Default: 4 requests per DP rank over about a virtual second.
+    #[arg(long, requires = "simulate")]
+    trace: Option<PathBuf>,
+    /// Zipf exponent of the routed experts' popularity (0 = uniform).
+    #[arg(long, requires = "simulate", default_value_t = 0.6)]
+    routing_skew: f64,
+    /// Probability that a DSpark draft continues the chain, given its predecessors did.
+    #[arg(long, requires = "simulate", default_value_t = 0.7)]
+    accept_rate: f64,
+    /// Speed of the simulated kernels: as measured on the H200, or at the roofline.
+    #[arg(long, requires = "simulate", value_enum, default_value_t = SimKernels::Measured)]
+    kernels: SimKernels,
+    /// Seed of the routing shuffle and the drafts' acceptance.
+    #[arg(long, requires = "simulate", default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum SimKernels {
+    Measured,
+    Roofline,
 }
 
 #[derive(Subcommand, Debug)]
@@ -163,6 +197,9 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         Some(path) => NodeConfig::from_file_with_env(path)?,
         None => NodeConfig::embedded_default()?,
     };
+    if cli.simulation.simulate {
+        return run_simulation(node, &cli.simulation).await;
+    }
     // The GPUs a CUDA topology needs, counted for real (none without a driver or `cuda`).
     gpu::check_node(&node)?;
     let _metrics = match node.metrics.prometheus_listen {
@@ -221,6 +258,28 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         "{} requests: {} succeeded, {} failed",
         summary.lines, summary.succeeded, summary.failed
     );
+    Ok(())
+}
+
+/// `--simulate`: no GPU is counted and no weight loaded; the report goes to stdout.
+async fn run_simulation(node: NodeConfig, args: &SimArgs) -> anyhow::Result<()> {
+    let model = sim::model_config(&node)?;
+    let trace = match &args.trace {
+        Some(path) => sim::trace::read_trace(path)?,
+        None => sim::default_trace(&node),
+    };
+    let settings = SimSettings {
+        routing_skew: args.routing_skew,
+        accept_rate: args.accept_rate,
+        kernels: match args.kernels {
+            SimKernels::Measured => Kernels::Measured,
+            SimKernels::Roofline => Kernels::Roofline,
+        },
+        seed: args.seed,
+        ..SimSettings::new(trace)
+    };
+    let report = sim::simulate(node, model, settings).await?;
+    println!("{report}");
     Ok(())
 }
 
