@@ -17,10 +17,11 @@ use std::time::Duration;
 use deepinfer_model::EntryOutput;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::cost::step::{StepEntry, StepWork};
-use deepinfer_topology::RequestId;
+use deepinfer_topology::{DpRank, RequestId};
 
+use crate::comm::Comm;
 use crate::dspark::accept::accept_sampled;
-use crate::experts::parallel::ExpertParallel;
+use crate::experts::parallel::{ExpertParallel, StepRecord};
 use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
 use crate::rank::fake::{draft_chain, fake_logits, favoured_token, hash2};
 use crate::sampling::SamplingParams;
@@ -53,6 +54,8 @@ pub struct SimulatedExecutor {
     sequences: HashMap<RequestId, SimSeq>,
     /// Draft logits rows computed since the last step (charged to the next one).
     draft_rows: usize,
+    /// Steps executed, empty ones included.
+    steps: u64,
 }
 
 impl SimulatedExecutor {
@@ -116,7 +119,21 @@ impl SimulatedExecutor {
             }
         }
         let work = StepWork::backbone(&self.model, &entries, std::mem::take(&mut self.draft_rows));
+        let tokens = work.tokens;
+        // Like a real rank, adopt the committed placement at the step's start and report the
+        // step to the EPLB (its schedule counts steps) once it ran.
+        let epoch = self.fabric.parallel().map(|p| p.current().epoch());
         let end = self.fabric.step(self.dp, work)?;
+        if let (Some(parallel), Some(epoch)) = (self.fabric.parallel(), epoch) {
+            parallel.finish_step(StepRecord {
+                dp: DpRank(self.dp as u16),
+                rank_step: self.steps,
+                epoch,
+                served: (tokens > 0).then_some((epoch, epoch)),
+                tokens,
+            });
+        }
+        self.steps += 1;
         for (id, count) in produced {
             if let Some(seq) = self.sequences.get_mut(&id) {
                 seq.times.push((end, count));
@@ -276,6 +293,7 @@ impl ExecutorFactory for SimulatedFactory {
             seed: self.seed,
             sequences: HashMap::new(),
             draft_rows: 0,
+            steps: 0,
         }))
     }
 

@@ -302,11 +302,11 @@ impl VirtualFabric {
         while clock.step == mine && !clock.closed {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
+                let missing: Vec<usize> = (0..clock.pending.len())
+                    .filter(|&r| r != dp && clock.pending[r].is_none() && !clock.departed[r])
+                    .collect();
                 clock.pending[dp] = None;
                 clock.arrived -= 1;
-                let missing: Vec<usize> = (0..clock.pending.len())
-                    .filter(|&r| clock.pending[r].is_none() && !clock.departed[r])
-                    .collect();
                 return Err(ExecError::Backend(format!(
                     "simulated collective of step {mine} timed out after {:?} waiting for DP ranks {missing:?}",
                     self.spec.collective_timeout
@@ -475,5 +475,106 @@ impl VirtualFabric {
             busy: clock.busy.clone(),
             epochs: clock.epochs.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deepinfer_model::cost::device::{DevicePeaks, Efficiency};
+    use deepinfer_model::cost::step::StepEntry;
+
+    fn fabric(ranks: usize, timeout: Duration) -> Arc<VirtualFabric> {
+        let model = Arc::new(ModelConfig::tiny_v41());
+        VirtualFabric::new(
+            FabricSpec {
+                model,
+                device: DeviceModel {
+                    peaks: DevicePeaks::H200,
+                    efficiency: Efficiency::MEASURED_H200,
+                },
+                layout: FabricLayout {
+                    gpus: ranks,
+                    gpus_per_node: ranks,
+                },
+                dp_ranks: ranks,
+                routing_skew: 0.0,
+                seed: 0,
+                collective_timeout: timeout,
+            },
+            None,
+        )
+    }
+
+    fn work(f: &VirtualFabric, tokens: usize) -> StepWork {
+        let entries = [StepEntry {
+            start: 0,
+            tokens,
+            rows: 1,
+        }];
+        StepWork::backbone(&f.spec().model, &entries, 0)
+    }
+
+    #[test]
+    fn a_step_ends_when_every_rank_is_in_and_lasts_as_long_as_the_slowest() {
+        let f = fabric(2, Duration::from_secs(30));
+        let (small, big) = (work(&f, 1), work(&f, 512));
+        let other = f.clone();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            other.step(1, big)
+        });
+        let end = f.step(0, small).expect("step");
+        assert_eq!(late.join().expect("joins").expect("step"), end);
+        let times = gpu_times(f.spec(), &[small, big], None);
+        assert_eq!(end, times[1].0.max(times[0].0));
+        assert!(
+            times[1].0 > times[0].0,
+            "more tokens take longer: {times:?}"
+        );
+        let summary = f.summary();
+        assert_eq!(summary.steps, 1);
+        assert_eq!(summary.busy, vec![times[0].0, times[1].0]);
+    }
+
+    #[test]
+    fn the_gate_holds_the_clock_and_close_releases_waiters() {
+        let f = fabric(1, Duration::from_secs(30));
+        let end = f.step(0, work(&f, 4)).expect("step");
+        f.set_gate(Some(end));
+        let blocked = f.clone();
+        let waiter = std::thread::spawn(move || blocked.step(0, StepWork::default()));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!waiter.is_finished(), "no step starts at the gate");
+        assert_eq!(f.now(), end);
+        f.set_gate(None);
+        assert!(waiter.join().expect("joins").expect("step") > end);
+        // Nothing outstanding: waiting for a later arrival moves the clock there.
+        assert_eq!(f.wait_until(10.0), 10.0);
+        f.close();
+        assert_eq!(f.step(0, work(&f, 4)).expect("closed"), 10.0);
+    }
+
+    #[test]
+    fn a_missing_rank_times_the_collective_out_naming_it() {
+        let f = fabric(3, Duration::from_millis(50));
+        let error = f.step(2, StepWork::default()).unwrap_err().to_string();
+        assert!(
+            error.contains("timed out") && error.contains("ranks [0, 1]"),
+            "{error}"
+        );
+        // The failed rank's contribution is withdrawn: the step is still open.
+        assert_eq!(f.summary().steps, 0);
+        // A rank that left is not waited for.
+        let f = fabric(2, Duration::from_secs(30));
+        let other = f.clone();
+        let leaving = std::thread::spawn(move || {
+            other.step(1, StepWork::default()).expect("step");
+            other.leave(1);
+        });
+        f.step(0, StepWork::default()).expect("step");
+        leaving.join().expect("joins");
+        f.step(0, StepWork::default()).expect("alone");
+        assert_eq!(f.summary().steps, 2);
     }
 }
