@@ -69,6 +69,9 @@ struct SimArgs {
     /// Seed of the routing shuffle and the drafts' acceptance.
     #[arg(long, requires = "simulate", default_value_t = 0)]
     seed: u64,
+    /// GPUs per NVLink domain (default: `[device] gpus_per_node`; 64 for an NVL72-style rack).
+    #[arg(long, requires = "simulate")]
+    scale_up_gpus: Option<usize>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -276,6 +279,7 @@ async fn run_simulation(node: NodeConfig, args: &SimArgs) -> anyhow::Result<()> 
             SimKernels::Roofline => Kernels::Roofline,
         },
         seed: args.seed,
+        scale_up_gpus: args.scale_up_gpus,
         ..SimSettings::new(trace)
     };
     let report = sim::simulate(node, model, settings).await?;

@@ -25,7 +25,7 @@ use crate::experts::parallel::{ExpertParallel, StepRecord};
 use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
 use crate::rank::fake::{draft_chain, fake_logits, favoured_token, hash2};
 use crate::sampling::SamplingParams;
-use crate::sim::fabric::{TokenTimes, VirtualFabric};
+use crate::sim::fabric::{RankStep, TokenTimes, VirtualFabric};
 
 /// The simulated drafter's law.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -68,6 +68,7 @@ impl SimulatedExecutor {
         let mut entries = Vec::with_capacity(batch.len());
         let mut outputs = Vec::with_capacity(batch.len());
         let mut produced = Vec::with_capacity(batch.len());
+        let mut prefill = false;
         for (i, entry) in batch.iter().enumerate() {
             let seq = self
                 .sequences
@@ -81,6 +82,7 @@ impl SimulatedExecutor {
             };
             let start = seq.held;
             seq.held += entry.tokens.len();
+            prefill |= !entry.all_rows && entry.tokens.len() > 1;
             let rows: Vec<(u32, usize)> = if entry.all_rows {
                 entry
                     .tokens
@@ -123,7 +125,12 @@ impl SimulatedExecutor {
         // Like a real rank, adopt the committed placement at the step's start and report the
         // step to the EPLB (its schedule counts steps) once it ran.
         let epoch = self.fabric.parallel().map(|p| p.current().epoch());
-        let end = self.fabric.step(self.dp, work)?;
+        let step = RankStep {
+            work,
+            produced: produced.iter().map(|(_, n)| *n as usize).sum(),
+            prefill,
+        };
+        let end = self.fabric.step(self.dp, step)?;
         if let (Some(parallel), Some(epoch)) = (self.fabric.parallel(), epoch) {
             parallel.finish_step(StepRecord {
                 dp: DpRank(self.dp as u16),

@@ -49,6 +49,17 @@ pub struct FabricSpec {
     pub collective_timeout: Duration,
 }
 
+/// One rank's step as the fabric sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RankStep {
+    /// Its work (its own tokens; the routed picks are placed by the fabric).
+    pub work: StepWork,
+    /// Tokens it produced (sampled and kept).
+    pub produced: usize,
+    /// Whether it fed a prompt chunk.
+    pub prefill: bool,
+}
+
 /// When a request's tokens were produced: (virtual seconds, tokens) per step that produced any.
 pub type TokenTimes = Vec<(f64, u32)>;
 
@@ -81,13 +92,18 @@ pub struct FabricSummary {
     pub busy: Vec<f64>,
     /// Per placement epoch the steps ran on.
     pub epochs: BTreeMap<u32, EpochLoad>,
+    /// Steps in which no rank fed a prompt chunk and some rank produced tokens: their count,
+    /// virtual seconds and tokens (the fixed-batch decode rate).
+    pub decode_steps: u64,
+    pub decode_seconds: f64,
+    pub decode_tokens: u64,
 }
 
 struct Clock {
     now: f64,
     step: u64,
     last_end: f64,
-    pending: Vec<Option<StepWork>>,
+    pending: Vec<Option<RankStep>>,
     arrived: usize,
     stepped: Vec<bool>,
     departed: Vec<bool>,
@@ -100,6 +116,7 @@ struct Clock {
     /// fractions.
     carry: Vec<Vec<f64>>,
     epochs: BTreeMap<u32, EpochLoad>,
+    decode: (u64, f64, u64),
 }
 
 /// The shared clock and lockstep of one simulated deployment.
@@ -258,6 +275,7 @@ impl VirtualFabric {
                 shares: None,
                 carry: Vec::new(),
                 epochs: BTreeMap::new(),
+                decode: (0, 0.0, 0),
             }),
             changed: Condvar::new(),
             records: Mutex::new(HashMap::new()),
@@ -276,9 +294,9 @@ impl VirtualFabric {
         self.clock.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// DP rank `dp` ran `work` (its own tokens; the routed picks are placed here); returns the
-    /// virtual time the global step ended, once every rank has contributed.
-    pub fn step(&self, dp: usize, work: StepWork) -> Result<f64, ExecError> {
+    /// DP rank `dp` ran `step`; returns the virtual time the global step ended, once every
+    /// rank has contributed.
+    pub fn step(&self, dp: usize, step: RankStep) -> Result<f64, ExecError> {
         let mut clock = self.lock();
         if clock.closed {
             return Ok(clock.now);
@@ -289,7 +307,7 @@ impl VirtualFabric {
                 self.spec.dp_ranks
             )));
         };
-        if slot.replace(work).is_some() {
+        if slot.replace(step).is_some() {
             return Err(ExecError::Backend(format!(
                 "simulated rank {dp} stepped twice in one global step"
             )));
@@ -336,11 +354,14 @@ impl VirtualFabric {
         if clock.closed || active == 0 || clock.arrived < active || !gate_open {
             return;
         }
-        let parts: Vec<StepWork> = clock
+        let steps: Vec<RankStep> = clock
             .pending
             .iter_mut()
             .map(|p| p.take().unwrap_or_default())
             .collect();
+        let parts: Vec<StepWork> = steps.iter().map(|s| s.work).collect();
+        let produced: usize = steps.iter().map(|s| s.produced).sum();
+        let prefill = steps.iter().any(|s| s.prefill);
         clock.arrived = 0;
         let tokens: usize = parts.iter().map(|p| p.tokens).sum();
         if let Some(parallel) = &self.parallel {
@@ -390,6 +411,11 @@ impl VirtualFabric {
         }
         clock.now += longest;
         clock.last_end = clock.now;
+        if !prefill && produced > 0 {
+            clock.decode.0 += 1;
+            clock.decode.1 += longest;
+            clock.decode.2 += produced as u64;
+        }
         clock.step += 1;
         self.changed.notify_all();
     }
@@ -474,6 +500,9 @@ impl VirtualFabric {
             steps: clock.step,
             busy: clock.busy.clone(),
             epochs: clock.epochs.clone(),
+            decode_steps: clock.decode.0,
+            decode_seconds: clock.decode.1,
+            decode_tokens: clock.decode.2,
         }
     }
 }
@@ -515,6 +544,14 @@ mod tests {
         StepWork::backbone(&f.spec().model, &entries, 0)
     }
 
+    fn rank_step(work: StepWork) -> RankStep {
+        RankStep {
+            work,
+            produced: 1,
+            prefill: false,
+        }
+    }
+
     #[test]
     fn a_step_ends_when_every_rank_is_in_and_lasts_as_long_as_the_slowest() {
         let f = fabric(2, Duration::from_secs(30));
@@ -522,9 +559,9 @@ mod tests {
         let other = f.clone();
         let late = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(50));
-            other.step(1, big)
+            other.step(1, rank_step(big))
         });
-        let end = f.step(0, small).expect("step");
+        let end = f.step(0, rank_step(small)).expect("step");
         assert_eq!(late.join().expect("joins").expect("step"), end);
         let times = gpu_times(f.spec(), &[small, big], None);
         assert_eq!(end, times[1].0.max(times[0].0));
@@ -535,15 +572,17 @@ mod tests {
         let summary = f.summary();
         assert_eq!(summary.steps, 1);
         assert_eq!(summary.busy, vec![times[0].0, times[1].0]);
+        assert_eq!((summary.decode_steps, summary.decode_tokens), (1, 2));
+        assert_eq!(summary.decode_seconds, end);
     }
 
     #[test]
     fn the_gate_holds_the_clock_and_close_releases_waiters() {
         let f = fabric(1, Duration::from_secs(30));
-        let end = f.step(0, work(&f, 4)).expect("step");
+        let end = f.step(0, rank_step(work(&f, 4))).expect("step");
         f.set_gate(Some(end));
         let blocked = f.clone();
-        let waiter = std::thread::spawn(move || blocked.step(0, StepWork::default()));
+        let waiter = std::thread::spawn(move || blocked.step(0, RankStep::default()));
         std::thread::sleep(Duration::from_millis(50));
         assert!(!waiter.is_finished(), "no step starts at the gate");
         assert_eq!(f.now(), end);
@@ -552,13 +591,13 @@ mod tests {
         // Nothing outstanding: waiting for a later arrival moves the clock there.
         assert_eq!(f.wait_until(10.0), 10.0);
         f.close();
-        assert_eq!(f.step(0, work(&f, 4)).expect("closed"), 10.0);
+        assert_eq!(f.step(0, rank_step(work(&f, 4))).expect("closed"), 10.0);
     }
 
     #[test]
     fn a_missing_rank_times_the_collective_out_naming_it() {
         let f = fabric(3, Duration::from_millis(50));
-        let error = f.step(2, StepWork::default()).unwrap_err().to_string();
+        let error = f.step(2, RankStep::default()).unwrap_err().to_string();
         assert!(
             error.contains("timed out") && error.contains("ranks [0, 1]"),
             "{error}"
@@ -569,12 +608,12 @@ mod tests {
         let f = fabric(2, Duration::from_secs(30));
         let other = f.clone();
         let leaving = std::thread::spawn(move || {
-            other.step(1, StepWork::default()).expect("step");
+            other.step(1, RankStep::default()).expect("step");
             other.leave(1);
         });
-        f.step(0, StepWork::default()).expect("step");
+        f.step(0, RankStep::default()).expect("step");
         leaving.join().expect("joins");
-        f.step(0, StepWork::default()).expect("alone");
+        f.step(0, RankStep::default()).expect("alone");
         assert_eq!(f.summary().steps, 2);
     }
 }

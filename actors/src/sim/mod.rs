@@ -63,6 +63,8 @@ pub struct SimSettings {
     pub seed: u64,
     /// Wall time a rank waits for the others before its step fails.
     pub collective_timeout: Duration,
+    /// GPUs per scale-up (NVLink) domain; `None`: `[device] gpus_per_node` (HGX-style nodes).
+    pub scale_up_gpus: Option<usize>,
 }
 
 impl SimSettings {
@@ -75,6 +77,7 @@ impl SimSettings {
             kernels: Kernels::Measured,
             seed: 0,
             collective_timeout: Duration::from_secs(120),
+            scale_up_gpus: None,
         }
     }
 }
@@ -160,10 +163,12 @@ pub fn default_trace(node: &NodeConfig) -> Vec<TraceRequest> {
     })
 }
 
-/// The simulated GPU and its fabric for `node` (`[device] arch`, nodes, GPUs per node).
+/// The simulated GPU and its fabric for `node` (`[device] arch`, nodes, GPUs per node; a
+/// scale-up domain of `scale_up_gpus` GPUs, default a node).
 pub fn device_for(
     node: &NodeConfig,
     kernels: Kernels,
+    scale_up_gpus: Option<usize>,
 ) -> Result<(DeviceModel, FabricLayout), SimError> {
     let peaks = match node.device.backend {
         Backend::Cuda { arch: Arch::Sm90 } => DevicePeaks::H200,
@@ -189,11 +194,18 @@ pub fn device_for(
             message: format!("{gpus} GPUs for {ranks} ranks (one rank of each kind per GPU)"),
         });
     }
+    let domain = scale_up_gpus.unwrap_or(usize::from(node.device.gpus_per_node));
+    if domain == 0 || domain > gpus {
+        return Err(SimError::Config {
+            field: "--scale-up-gpus".into(),
+            message: format!("must be in 1..={gpus}, found {domain}"),
+        });
+    }
     Ok((
         DeviceModel { peaks, efficiency },
         FabricLayout {
             gpus: ranks,
-            gpus_per_node: usize::from(node.device.gpus_per_node),
+            gpus_per_node: domain,
         },
     ))
 }
@@ -246,7 +258,7 @@ pub async fn simulate(
 ) -> Result<SimReport, SimError> {
     check_settings(&settings)?;
     let wall = Instant::now();
-    let (device, layout) = device_for(&node, settings.kernels)?;
+    let (device, layout) = device_for(&node, settings.kernels, settings.scale_up_gpus)?;
     let model = Arc::new(model);
     let parallel = if EpSettings::is_needed(&node) {
         let source = ExpertSource::Simulated {
@@ -314,6 +326,9 @@ pub async fn simulate(
         completed: completions.len(),
         failed,
         steps: summary.steps,
+        decode_steps: summary.decode_steps,
+        decode_seconds: summary.decode_seconds,
+        decode_tokens: summary.decode_tokens,
         eplb,
         queues,
         ..SimReport::default()

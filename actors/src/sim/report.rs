@@ -93,6 +93,10 @@ pub struct SimReport {
     /// Virtual seconds from the first arrival to the last token.
     pub span_s: f64,
     pub steps: u64,
+    /// Steps without any prompt chunk that produced tokens: count, virtual seconds, tokens.
+    pub decode_steps: u64,
+    pub decode_seconds: f64,
+    pub decode_tokens: u64,
     pub wall_s: f64,
     pub ttft: Percentiles,
     pub itl: Percentiles,
@@ -104,6 +108,16 @@ pub struct SimReport {
 }
 
 impl SimReport {
+    /// Output tokens per virtual second per GPU over the decode-only steps (DeepInfer's
+    /// fixed-batch decode measurement).
+    pub fn decode_tok_s_per_gpu(&self) -> f64 {
+        if self.decode_seconds > 0.0 && self.gpus > 0 {
+            self.decode_tokens as f64 / self.decode_seconds / self.gpus as f64
+        } else {
+            0.0
+        }
+    }
+
     /// Output tokens per virtual second per GPU.
     pub fn output_tok_s_per_gpu(&self) -> f64 {
         if self.span_s > 0.0 && self.gpus > 0 {
@@ -150,6 +164,14 @@ impl fmt::Display for SimReport {
             self.steps,
             self.wall_s,
             self.output_tok_s_per_gpu()
+        )?;
+        writeln!(
+            f,
+            "decode-only steps: {} ({:.3} s virtual, {} tokens): {:.0} tok/s per GPU",
+            self.decode_steps,
+            self.decode_seconds,
+            self.decode_tokens,
+            self.decode_tok_s_per_gpu()
         )?;
         writeln!(f, "TTFT: {}", ms(&self.ttft))?;
         writeln!(f, "inter-token latency: {}", ms(&self.itl))?;
