@@ -24,7 +24,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use deepinfer_model::config::ModelConfig;
-use deepinfer_model::cost::device::{DeviceModel, FabricLayout};
+use deepinfer_model::cost::device::{DeviceModel, FabricLayout, StepTime};
 use deepinfer_model::cost::step::{StepWork, pick_fabric_bytes, picks, routed_served};
 use deepinfer_model::cost::{expected_experts, expert_bytes};
 use deepinfer_topology::{ExpertPlacement, PlacementEpoch, RequestId};
@@ -195,14 +195,10 @@ fn shares_of(
     }
 }
 
-/// Per GPU: (compute seconds, fabric seconds) of a global step whose DP ranks ran `parts`.
+/// Per GPU: the compute and fabric seconds of a global step whose DP ranks ran `parts`.
 /// With `shares`, GPU `g` also serves the routed picks its EP slots get from every rank;
 /// without, each GPU holds every expert and runs its own tokens' picks.
-fn gpu_times(
-    spec: &FabricSpec,
-    parts: &[StepWork],
-    shares: Option<&SlotShares>,
-) -> Vec<(f64, f64)> {
+fn gpu_times(spec: &FabricSpec, parts: &[StepWork], shares: Option<&SlotShares>) -> Vec<StepTime> {
     let cfg = &spec.model;
     let layers = cfg.n_layers;
     let total: usize = parts.iter().map(|p| p.tokens).sum();
@@ -239,7 +235,10 @@ fn gpu_times(
                     0.0
                 }
             };
-            (spec.device.compute_seconds(&work, layers), fabric)
+            StepTime {
+                compute: spec.device.compute_seconds(&work, layers),
+                fabric,
+            }
         })
         .collect()
 }
@@ -403,11 +402,11 @@ impl VirtualFabric {
             clock.shares.as_ref().filter(|_| self.parallel.is_some()),
         );
         let mut longest: f64 = 0.0;
-        for (g, (compute, fabric)) in times.iter().enumerate() {
+        for (g, time) in times.iter().enumerate() {
             if let Some(busy) = clock.busy.get_mut(g) {
-                *busy += compute;
+                *busy += time.compute;
             }
-            longest = longest.max(compute.max(*fabric));
+            longest = longest.max(time.seconds());
         }
         clock.now += longest;
         clock.last_end = clock.now;
@@ -429,8 +428,8 @@ impl VirtualFabric {
             .as_ref()
             .map(|p| shares_of(&self.routing, p.current().placement(), PlacementEpoch(0)));
         gpu_times(&self.spec, &parts, shares.as_ref())
-            .into_iter()
-            .map(|(compute, fabric)| compute.max(fabric))
+            .iter()
+            .map(StepTime::seconds)
             .fold(0.0, f64::max)
     }
 
@@ -564,14 +563,14 @@ mod tests {
         let end = f.step(0, rank_step(small)).expect("step");
         assert_eq!(late.join().expect("joins").expect("step"), end);
         let times = gpu_times(f.spec(), &[small, big], None);
-        assert_eq!(end, times[1].0.max(times[0].0));
+        assert_eq!(end, times[1].compute.max(times[0].compute));
         assert!(
-            times[1].0 > times[0].0,
+            times[1].compute > times[0].compute,
             "more tokens take longer: {times:?}"
         );
         let summary = f.summary();
         assert_eq!(summary.steps, 1);
-        assert_eq!(summary.busy, vec![times[0].0, times[1].0]);
+        assert_eq!(summary.busy, vec![times[0].compute, times[1].compute]);
         assert_eq!((summary.decode_steps, summary.decode_tokens), (1, 2));
         assert_eq!(summary.decode_seconds, end);
     }

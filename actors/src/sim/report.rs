@@ -143,8 +143,8 @@ impl fmt::Display for SimReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "simulated {} on {} x{} ({})",
-            self.topology, self.device, self.gpus, "virtual time"
+            "simulated {} on {} x{} (virtual time)",
+            self.topology, self.device, self.gpus
         )?;
         writeln!(
             f,

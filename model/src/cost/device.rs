@@ -161,3 +161,38 @@ impl DeviceModel {
             + bytes * out / self.peaks.scale_out_bytes_per_s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_leave_the_gpu_over_the_domain_they_reach() {
+        let hgx = FabricLayout {
+            gpus: 64,
+            gpus_per_node: 8,
+        };
+        let (local, up, out) = hgx.fractions();
+        assert_eq!((local * 64.0, up * 64.0, out * 64.0), (1.0, 7.0, 56.0));
+        let b200 = DeviceModel {
+            peaks: DevicePeaks::B200,
+            efficiency: Efficiency::ROOFLINE,
+        };
+        // 64 GB leaving one GPU: 7 GB over NVLink at 900 GB/s, 56 GB over the NIC at 50 GB/s.
+        let seconds = b200.fabric_seconds(64e9, hgx);
+        assert!(
+            (seconds - (7.0 / 900.0 + 56.0 / 50.0)).abs() < 1e-12,
+            "{seconds}"
+        );
+        let rack = FabricLayout {
+            gpus: 64,
+            gpus_per_node: 64,
+        };
+        assert!((b200.fabric_seconds(64e9, rack) - 63.0 / 900.0).abs() < 1e-12);
+        let time = StepTime {
+            compute: 2.0,
+            fabric: 3.0,
+        };
+        assert_eq!(time.seconds(), 3.0, "the fabric overlaps the compute");
+    }
+}
