@@ -10,13 +10,13 @@
 //! − 2 for the rest, jittered by ±0.5, so the confidence head is informative but not perfect.
 //! When a sequence is freed its token times go to the fabric (TTFT and inter-token latency).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use deepinfer_model::EntryOutput;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::cost::step::{StepEntry, StepWork};
+use deepinfer_model::error::ModelError;
 use deepinfer_topology::{DpRank, RequestId};
 
 use crate::comm::Comm;
@@ -24,6 +24,7 @@ use crate::dspark::accept::accept_sampled;
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
 use crate::rank::fake::{draft_chain, fake_logits, favoured_token, hash2};
+use crate::rank::sequences::Sequences;
 use crate::sampling::SamplingParams;
 use crate::sim::fabric::{RankStep, TokenTimes, VirtualFabric};
 
@@ -51,7 +52,7 @@ pub struct SimulatedExecutor {
     fabric: Arc<VirtualFabric>,
     draft: Option<DraftLaw>,
     seed: u64,
-    sequences: HashMap<RequestId, SimSeq>,
+    sequences: Sequences<SimSeq>,
     /// Draft logits rows computed since the last step (charged to the next one).
     draft_rows: usize,
     /// Steps executed, empty ones included.
@@ -69,17 +70,14 @@ impl SimulatedExecutor {
         let mut outputs = Vec::with_capacity(batch.len());
         let mut produced = Vec::with_capacity(batch.len());
         let mut prefill = false;
-        for (i, entry) in batch.iter().enumerate() {
-            let seq = self
-                .sequences
-                .get_mut(&entry.id)
-                .ok_or(ExecError::UnknownSequence(entry.id))?;
-            let Some(&last) = entry.tokens.last() else {
-                return Err(ExecError::Sequence {
-                    id: entry.id,
-                    message: "empty input".into(),
-                });
-            };
+        let states = self.sequences.for_step(batch, |_, tokens| match tokens {
+            [] => Err(ModelError::Sequence {
+                message: "empty input".into(),
+            }),
+            _ => Ok(()),
+        })?;
+        for (i, (entry, seq)) in batch.iter().zip(states).enumerate() {
+            let last = entry.tokens[entry.tokens.len() - 1];
             let start = seq.held;
             seq.held += entry.tokens.len();
             prefill |= !entry.all_rows && entry.tokens.len() > 1;
@@ -142,9 +140,7 @@ impl SimulatedExecutor {
         }
         self.steps += 1;
         for (id, count) in produced {
-            if let Some(seq) = self.sequences.get_mut(&id) {
-                seq.times.push((end, count));
-            }
+            self.sequences.get_mut(id)?.times.push((end, count));
         }
         Ok(outputs)
     }
@@ -156,32 +152,24 @@ impl RankExecutor for SimulatedExecutor {
     }
 
     fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        if self.sequences.contains_key(&id) {
-            return Err(ExecError::DuplicateSequence(id));
-        }
-        self.sequences.insert(
-            id,
-            SimSeq {
-                held: 0,
-                times: Vec::new(),
-            },
-        );
-        Ok(())
+        self.sequences.open(id, || SimSeq {
+            held: 0,
+            times: Vec::new(),
+        })
     }
 
     fn free_sequence(&mut self, id: RequestId) {
-        if let Some(seq) = self.sequences.remove(&id)
-            && !seq.times.is_empty()
-        {
-            self.fabric.record(id, seq.times);
+        if let Ok(seq) = self.sequences.get_mut(id) {
+            let times = std::mem::take(&mut seq.times);
+            if !times.is_empty() {
+                self.fabric.record(id, times);
+            }
         }
+        self.sequences.close(id);
     }
 
     fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        let seq = self
-            .sequences
-            .get_mut(&id)
-            .ok_or(ExecError::UnknownSequence(id))?;
+        let seq = self.sequences.get_mut(id)?;
         if len > seq.held {
             return Err(ExecError::Sequence {
                 id,
@@ -196,14 +184,11 @@ impl RankExecutor for SimulatedExecutor {
     }
 
     fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.sequences
-            .get(&id)
-            .map(|s| s.held)
-            .ok_or(ExecError::UnknownSequence(id))
+        self.sequences.get(id).map(|s| s.held)
     }
 
     fn live_sequences(&self) -> usize {
-        self.sequences.len()
+        self.sequences.live()
     }
 
     fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
@@ -271,12 +256,9 @@ impl RankExecutor for SimulatedExecutor {
 }
 
 impl Drop for SimulatedExecutor {
+    /// Sequences still live when the engine stops keep no token times; the rank leaves the
+    /// lockstep.
     fn drop(&mut self) {
-        for (id, seq) in self.sequences.drain() {
-            if !seq.times.is_empty() {
-                self.fabric.record(id, seq.times);
-            }
-        }
         self.fabric.leave(self.dp);
     }
 }
@@ -298,7 +280,7 @@ impl ExecutorFactory for SimulatedFactory {
             fabric: self.fabric.clone(),
             draft: self.draft,
             seed: self.seed,
-            sequences: HashMap::new(),
+            sequences: Sequences::default(),
             draft_rows: 0,
             steps: 0,
         }))
