@@ -16,11 +16,10 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use deepinfer_model::Model;
 use deepinfer_model::expert_dispatch::{ExpertPick, RoutedExperts};
 use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch, PlacementError};
 
-use crate::experts::shard::ExpertShard;
+use crate::experts::shard::{ExpertShard, ExpertSource};
 
 /// An expert-parallel failure: a placement or shard that does not fit the model, a stale epoch.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -92,21 +91,22 @@ pub trait Comm: Send + Sync {
 #[derive(Debug)]
 pub struct LocalComm {
     epoch: PlacementEpoch,
-    model: Arc<Model>,
+    source: ExpertSource,
     placement: Arc<ExpertPlacement>,
     shards: Vec<Arc<ExpertShard>>,
 }
 
 impl LocalComm {
-    /// Checks that `placement` covers every backbone layer and logical expert of `model` and that
-    /// `shards` (one per EP rank, in rank order) are this epoch's and hold what it says.
+    /// Checks that `placement` covers every backbone layer and logical expert of `source` and
+    /// that `shards` (one per EP rank, in rank order) are this epoch's and hold what it says.
     pub fn new(
         epoch: PlacementEpoch,
-        model: Arc<Model>,
+        source: impl Into<ExpertSource>,
         placement: Arc<ExpertPlacement>,
         shards: Vec<Arc<ExpertShard>>,
     ) -> Result<LocalComm, EpError> {
-        check_placement(&model, &placement)?;
+        let source = source.into();
+        check_placement(&source, &placement)?;
         let ranks = placement
             .layers
             .first()
@@ -130,7 +130,7 @@ impl LocalComm {
         }
         Ok(LocalComm {
             epoch,
-            model,
+            source,
             placement,
             shards,
         })
@@ -181,23 +181,23 @@ pub fn replica_index(layer: usize, expert: usize, token: u64, replicas: usize) -
 
 /// `placement` must have one entry per backbone layer, every logical expert with at least one
 /// replica, and every slot in range.
-fn check_placement(model: &Model, placement: &ExpertPlacement) -> Result<(), EpError> {
-    let cfg = model.config();
-    if placement.layers.len() != cfg.n_layers {
+fn check_placement(source: &ExpertSource, placement: &ExpertPlacement) -> Result<(), EpError> {
+    let (layers, experts) = (source.layers(), source.routed_experts());
+    if placement.layers.len() != layers {
         return Err(EpError::Shape {
             what: "placement layers (one per backbone layer)",
-            expected: cfg.n_layers,
+            expected: layers,
             found: placement.layers.len(),
         });
     }
     for (layer, lp) in placement.layers.iter().enumerate() {
-        if lp.log2phy.len() != cfg.n_routed_experts {
+        if lp.log2phy.len() != experts {
             return Err(EpError::Layer {
                 layer,
                 message: format!(
                     "{} logical experts, the model has {}",
                     lp.log2phy.len(),
-                    cfg.n_routed_experts
+                    experts
                 ),
             });
         }
@@ -233,7 +233,12 @@ impl Comm for LocalComm {
         self.shards.len()
     }
 
+    /// Panics on a simulated transport, which holds no weights: only a model-backed
+    /// `ExpertParallel` hands its transport to a model's forward (`ModelExecutor`).
     fn serve(&self, layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Served> {
+        let ExpertSource::Model(model) = &self.source else {
+            panic!("a simulated expert-parallel transport was asked to compute an expert");
+        };
         let token = token_key(x);
         let per_rank = self.placement.slots_per_gpu.max(1);
         picks
@@ -242,7 +247,7 @@ impl Comm for LocalComm {
                 let slot = self.slot_for(layer, pick.expert, token) as usize;
                 let shard = &self.shards[slot / per_rank];
                 Served {
-                    output: shard.run(&self.model, layer, slot % per_rank, x, pick.weight),
+                    output: shard.run(model, layer, slot % per_rank, x, pick.weight),
                     rank: shard.rank(),
                     epoch: shard.epoch(),
                 }
@@ -333,7 +338,7 @@ mod comm_checks {
         let placement = Arc::new(ExpertPlacement::uniform(layers, 8, shape).expect("uniform"));
         let shard = |rank: u16, epoch: u32| {
             ExpertShard::build(
-                &model,
+                &model.clone().into(),
                 &placement,
                 EpRank(rank),
                 PlacementEpoch(epoch),
@@ -422,7 +427,7 @@ mod placement_properties {
                 let shards = (0..ep)
                     .map(|r| {
                         ExpertShard::build(
-                            &model,
+                            &model.clone().into(),
                             &placement,
                             EpRank(r as u16),
                             PlacementEpoch(3),

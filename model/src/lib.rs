@@ -16,6 +16,7 @@ pub mod any_model;
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
+pub mod cost;
 pub mod engram;
 pub mod v4;
 pub mod v41;

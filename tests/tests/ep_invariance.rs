@@ -87,7 +87,7 @@ fn local_comm_logits_equal_the_model_bitwise() {
             .map(|r| {
                 let previous = &uniform.shards()[r];
                 ExpertShard::build(
-                    &model,
+                    &model.clone().into(),
                     &placement,
                     EpRank(r as u16),
                     PlacementEpoch(1),

@@ -1,7 +1,7 @@
 //! `deepinfer-node`: runs an offline job (OpenAI Batch JSONL) on the topology's model, or a
-//! built-in sample batch when no input is given; `logits`, `eplb-plan` and `memory-plan` are
-//! operator tools.
-//! The logic lives in `deepinfer_actors::{job, tools}`; this file parses arguments and prints.
+//! built-in sample batch when no input is given; with `--simulate`, the topology's control plane
+//! on simulated devices; `logits`, `eplb-plan` and `memory-plan` are operator tools.
+//! The logic lives in `deepinfer_actors::{job, sim, tools}`; this file parses arguments and prints.
 
 use std::collections::HashSet;
 use std::io::{IsTerminal, Write};
@@ -14,6 +14,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use deepinfer_actors::job::{JobOptions, OutputOrder, count_lines, run_job, sample_batch};
 use deepinfer_actors::openai::ServedModel;
+use deepinfer_actors::sim::{self, Kernels, SimSettings};
 use deepinfer_actors::tools::{eplb_plan, logits, memory_plan};
 use deepinfer_actors::{Engine, EngineConfig, gpu, model_source, prometheus};
 use deepinfer_topology::eplb::PlacementShape;
@@ -66,12 +67,49 @@ struct JobArgs {
     /// scraped; SIGINT/SIGTERM ends it early). Needs `[metrics] prometheus_listen`.
     #[arg(long, default_value_t = 0, value_name = "SECS")]
     metrics_linger: u64,
+    #[command(flatten)]
+    simulation: SimArgs,
 }
+
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Order {
     Input,
     Completion,
+}
+
+
+/// `--simulate`: the topology's actors on simulated GPUs (virtual time, no GPU, no weights).
+#[derive(Args, Debug)]
+struct SimArgs {
+    /// Run the topology's control plane against simulated devices and print a report.
+    #[arg(long)]
+    simulate: bool,
+    /// Trace JSONL (`arrival_s`, `prompt_tokens`, `output_tokens`, optional `prefix_id` per
+    /// line). Default: 4 requests per DP rank over about a virtual second.
+    #[arg(long, requires = "simulate")]
+    trace: Option<PathBuf>,
+    /// Zipf exponent of the routed experts' popularity (0 = uniform).
+    #[arg(long, requires = "simulate", default_value_t = 0.6)]
+    routing_skew: f64,
+    /// Probability that a DSpark draft continues the chain, given its predecessors did.
+    #[arg(long, requires = "simulate", default_value_t = 0.7)]
+    accept_rate: f64,
+    /// Speed of the simulated kernels: as measured on the H200, or at the roofline.
+    #[arg(long, requires = "simulate", value_enum, default_value_t = SimKernels::Measured)]
+    kernels: SimKernels,
+    /// Seed of the routing shuffle and the drafts' acceptance.
+    #[arg(long, requires = "simulate", default_value_t = 0)]
+    seed: u64,
+    /// GPUs per NVLink domain (default: `[device] gpus_per_node`; 64 for an NVL72-style rack).
+    #[arg(long, requires = "simulate")]
+    scale_up_gpus: Option<usize>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum SimKernels {
+    Measured,
+    Roofline,
 }
 
 #[derive(Subcommand, Debug)]
@@ -381,6 +419,9 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         Some(path) => NodeConfig::from_file_with_env(path)?,
         None => NodeConfig::embedded_default_with_env()?,
     };
+    if cli.simulation.simulate {
+        return run_simulation(node, &cli.simulation).await;
+    }
     if cli.metrics_linger > 0 && node.metrics.prometheus_listen.is_none() {
         anyhow::bail!(
             "--metrics-linger needs a metrics endpoint: set [metrics] prometheus_listen in the \
@@ -521,6 +562,29 @@ async fn linger(
         time.as_secs()
     );
     let _ = tokio::time::timeout(time, stop.wait_for(|stopped| *stopped)).await;
+}
+
+/// `--simulate`: no GPU is counted and no weight loaded; the report goes to stdout.
+async fn run_simulation(node: NodeConfig, args: &SimArgs) -> anyhow::Result<()> {
+    let model = sim::model_config(&node)?;
+    let trace = match &args.trace {
+        Some(path) => sim::trace::read_trace(path)?,
+        None => sim::default_trace(&node),
+    };
+    let settings = SimSettings {
+        routing_skew: args.routing_skew,
+        accept_rate: args.accept_rate,
+        kernels: match args.kernels {
+            SimKernels::Measured => Kernels::Measured,
+            SimKernels::Roofline => Kernels::Roofline,
+        },
+        seed: args.seed,
+        scale_up_gpus: args.scale_up_gpus,
+        ..SimSettings::new(trace)
+    };
+    let report = sim::simulate(node, model, settings).await?;
+    println!("{report}");
+    Ok(())
 }
 
 /// The sample batch, human-readable: each request's id and generated text.

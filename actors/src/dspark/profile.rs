@@ -7,7 +7,8 @@
 //! after each), and takes the median plus the executor's reported device latency. The table
 //! then has a point at every batch size up to the largest, the step time interpolated linearly
 //! between measured sizes: these executors pad nothing (no captured graph sizes), so a coarse
-//! staircase would overstate what one more token costs and stop Algorithm 1 early.
+//! staircase would overstate what one more token costs and stop Algorithm 1 early. A simulated
+//! device is not timed: its modelled step time (`RankExecutor::modelled_step_time`) is the table.
 
 use std::time::{Duration, Instant};
 
@@ -44,6 +45,17 @@ pub fn profile_step_rates(
     block: usize,
     steps: u32,
 ) -> Result<StepRateTable, ProfileError> {
+    let modelled: Option<Vec<(u32, f64)>> = sizes
+        .iter()
+        .map(|&size| {
+            executor
+                .modelled_step_time(size as usize)
+                .map(|t| (size, t.max(Duration::from_nanos(1)).as_secs_f64()))
+        })
+        .collect();
+    if let Some(measured) = modelled {
+        return Ok(StepRateTable::new(interpolate(&measured))?);
+    }
     let width = block + 1;
     let largest = sizes.iter().copied().max().unwrap_or(1) as usize;
     let sequences = largest.div_ceil(width);

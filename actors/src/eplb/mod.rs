@@ -135,7 +135,7 @@ impl EplbActorState {
         let copied = staged.iter().map(|s| s.report.copied).sum();
         let comm = LocalComm::new(
             epoch,
-            self.ep.model().clone(),
+            self.ep.source().clone(),
             placement.clone(),
             staged.into_iter().map(|s| s.shard).collect(),
         )?;
@@ -167,7 +167,7 @@ pub(crate) async fn spawn_expert_actors(
     for shard in parallel.current().shards() {
         let rank = shard.rank();
         let args = ExpertGroupArgs {
-            model: parallel.model().clone(),
+            source: parallel.source().clone(),
             current: shard.clone(),
         };
         match Actor::spawn_linked(None, ExpertGroupActor, args, supervisor.clone()).await {

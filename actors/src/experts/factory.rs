@@ -15,6 +15,8 @@ use crate::rank::model_executor::ModelExecutor;
 /// Hands every rank the same model and the same expert-parallel state.
 #[derive(Debug, Clone)]
 pub struct ExpertParallelFactory {
+    /// The model every rank runs (the shards copy their experts from it).
+    pub model: Arc<Model>,
     pub parallel: Arc<ExpertParallel>,
     pub description: String,
 }
@@ -28,8 +30,9 @@ impl ExpertParallelFactory {
         description: String,
     ) -> Result<ExpertParallelFactory, EpError> {
         let settings = EpSettings::from_node(node);
-        let parallel = ExpertParallel::new(model, settings)?;
+        let parallel = ExpertParallel::new(model.clone(), settings)?;
         Ok(ExpertParallelFactory {
+            model,
             parallel,
             description: format!(
                 "{description}, experts over {} EP ranks (+{} redundant slots per layer, EPLB {})",
@@ -47,7 +50,7 @@ impl ExecutorFactory for ExpertParallelFactory {
             .map(DpRank)
             .map_err(|_| ExecError::Backend(format!("DP rank {dp} beyond u16")))?;
         Ok(Box::new(ModelExecutor::with_expert_parallel(
-            self.parallel.model().clone(),
+            self.model.clone(),
             self.parallel.clone(),
             dp,
         )))
@@ -70,6 +73,6 @@ impl ExecutorFactory for ExpertParallelFactory {
     /// The model's window, so bounded replay is planned under expert parallelism too (the
     /// executor runs `forward_replay_with_experts`).
     fn sliding_window(&self) -> Option<usize> {
-        Some(self.parallel.model().config().window_size)
+        Some(self.model.config().window_size)
     }
 }

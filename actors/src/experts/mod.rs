@@ -1,7 +1,7 @@
 //! `ExpertGroupActor`: one per EP rank; the control side of that rank's expert shard.
 //!
-//! Owns: its `ExpertGroupState` (the shard in use, the staged one) and the model the weights
-//! are copied from. The shards themselves are shared with the data plane (`LocalComm`), which
+//! Owns: its `ExpertGroupState` (the shard in use, the staged one) and the source the weights
+//! are copied from (the model, or nothing for simulated devices). The shards themselves are shared with the data plane (`LocalComm`), which
 //! computes with them on the rank threads and counts their load; nothing per token crosses this
 //! mailbox.
 //! Accepts: `Stage` (build the shard of a new placement: weights copied on a blocking thread),
@@ -18,23 +18,22 @@ pub mod state;
 
 use std::sync::Arc;
 
-use deepinfer_model::Model;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::comm::EpError;
 use crate::messages::experts::ExpertGroupMsg;
-use shard::ExpertShard;
+use shard::{ExpertShard, ExpertSource};
 use state::ExpertGroupState;
 
 /// Arguments of `ExpertGroupActor`.
 pub struct ExpertGroupArgs {
-    pub model: Arc<Model>,
+    pub source: ExpertSource,
     /// The rank's shard of the committed placement.
     pub current: Arc<ExpertShard>,
 }
 
 pub struct ExpertGroupActorState {
-    model: Arc<Model>,
+    source: ExpertSource,
     group: ExpertGroupState,
 }
 
@@ -52,7 +51,7 @@ impl Actor for ExpertGroupActor {
         args: ExpertGroupArgs,
     ) -> Result<ExpertGroupActorState, ActorProcessingErr> {
         Ok(ExpertGroupActorState {
-            model: args.model,
+            source: args.source,
             group: ExpertGroupState::new(args.current),
         })
     }
@@ -71,10 +70,10 @@ impl Actor for ExpertGroupActor {
             } => {
                 // Copying weights is bulk work: do it off the async workers, on a scratch state
                 // that holds the same shard in use.
-                let model = state.model.clone();
+                let source = state.source.clone();
                 let mut scratch = ExpertGroupState::new(state.group.current().clone());
                 let built = tokio::task::spawn_blocking(move || {
-                    let staged = scratch.stage(&model, &placement, epoch);
+                    let staged = scratch.stage(&source, &placement, epoch);
                     (scratch, staged)
                 })
                 .await;
@@ -103,12 +102,12 @@ impl Actor for ExpertGroupActor {
 
 /// A small random V4.1 model (the tiny architecture without Engram) for unit tests.
 #[cfg(test)]
-pub(crate) fn tiny_test_model() -> (tempfile::TempDir, Arc<Model>) {
+pub(crate) fn tiny_test_model() -> (tempfile::TempDir, Arc<deepinfer_model::Model>) {
     let mut cfg = deepinfer_model::config::ModelConfig::tiny_v41();
     cfg.engram = None;
     let dir = tempfile::tempdir().expect("tempdir");
     deepinfer_model::checkpoint::write_random_checkpoint(&cfg, 9, dir.path(), 1)
         .expect("random checkpoint");
-    let model = Model::load(dir.path()).expect("model loads");
+    let model = deepinfer_model::Model::load(dir.path()).expect("model loads");
     (dir, Arc::new(model))
 }

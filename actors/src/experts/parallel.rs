@@ -1,7 +1,7 @@
 //! `ExpertParallel`: the expert-parallel data plane one engine shares between its rank threads
 //! and its `ExpertGroupActor`s / `EplbActor`.
 //!
-//! Owns: the model the shards copy from, the placement shape, the EPLB schedule, the committed
+//! Owns: the source the shards copy their weights from (the model, or none when simulated), the placement shape, the EPLB schedule, the committed
 //! `LocalComm` (the placement epoch ranks adopt at their next step), a bounded log of which epoch
 //! each rank step ran on, and the `EplbActor`'s ref once the supervisor spawned it.
 //! Ordering: `commit` swaps the current transport; a rank reads it once at the start of a step
@@ -12,7 +12,6 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use deepinfer_model::Model;
 use deepinfer_topology::{
     DpRank, EpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape,
 };
@@ -20,7 +19,7 @@ use ractor::ActorRef;
 use ractor::rpc::CallResult;
 
 use crate::comm::{EpError, LocalComm};
-use crate::experts::shard::ExpertShard;
+use crate::experts::shard::{ExpertShard, ExpertSource};
 use crate::messages::eplb::{EplbMsg, EplbStatus, RebalanceReport};
 
 /// How long the EPLB may take to answer (a rebalance copies weights).
@@ -92,7 +91,7 @@ pub struct StepRecord {
 /// The shared expert-parallel state of one engine.
 #[derive(Debug)]
 pub struct ExpertParallel {
-    model: Arc<Model>,
+    source: ExpertSource,
     shape: PlacementShape,
     settings: EpSettings,
     current: RwLock<Arc<LocalComm>>,
@@ -101,11 +100,15 @@ pub struct ExpertParallel {
 }
 
 impl ExpertParallel {
-    /// Epoch 0: the placement for equal loads, each shard's weights copied from `model`.
-    pub fn new(model: Arc<Model>, settings: EpSettings) -> Result<Arc<ExpertParallel>, EpError> {
-        let cfg = model.config();
+    /// Epoch 0: the placement for equal loads, each shard's weights copied from `source`.
+    pub fn new(
+        source: impl Into<ExpertSource>,
+        settings: EpSettings,
+    ) -> Result<Arc<ExpertParallel>, EpError> {
+        let source = source.into();
+        let (layers, experts) = (source.layers(), source.routed_experts());
         let shape = PlacementShape {
-            num_replicas: cfg.n_routed_experts + settings.redundant_experts,
+            num_replicas: experts + settings.redundant_experts,
             num_groups: settings.num_groups,
             num_nodes: settings.num_nodes,
             num_gpus: settings.ep_ranks,
@@ -117,21 +120,17 @@ impl ExpertParallel {
                 found: 0,
             });
         }
-        let placement = Arc::new(ExpertPlacement::uniform(
-            cfg.n_layers,
-            cfg.n_routed_experts,
-            shape,
-        )?);
+        let placement = Arc::new(ExpertPlacement::uniform(layers, experts, shape)?);
         let epoch = PlacementEpoch(0);
         let shards = (0..settings.ep_ranks)
             .map(|r| {
-                ExpertShard::build(&model, &placement, EpRank(r as u16), epoch, None)
+                ExpertShard::build(&source, &placement, EpRank(r as u16), epoch, None)
                     .map(|(shard, _)| Arc::new(shard))
             })
             .collect::<Result<Vec<_>, EpError>>()?;
-        let comm = LocalComm::new(epoch, model.clone(), placement, shards)?;
+        let comm = LocalComm::new(epoch, source.clone(), placement, shards)?;
         Ok(Arc::new(ExpertParallel {
-            model,
+            source,
             shape,
             settings,
             current: RwLock::new(Arc::new(comm)),
@@ -140,8 +139,9 @@ impl ExpertParallel {
         }))
     }
 
-    pub fn model(&self) -> &Arc<Model> {
-        &self.model
+    /// Where the shards' weights come from.
+    pub fn source(&self) -> &ExpertSource {
+        &self.source
     }
 
     pub fn shape(&self) -> PlacementShape {

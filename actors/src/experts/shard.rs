@@ -4,7 +4,8 @@
 //!
 //! A shard is immutable but for its counters; a new placement builds a new shard (reusing the
 //! weights of experts this rank already held, copying the others), so the shard of a running
-//! step never changes under it.
+//! step never changes under it. A simulated shard (`ExpertSource::Simulated`) holds no weights:
+//! its simulated device adds its picks to the counters (`count`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,6 +16,42 @@ use deepinfer_topology::{EpRank, ExpertId, ExpertPlacement, PlacementEpoch};
 
 use crate::comm::EpError;
 
+/// Where the expert weights of an engine's shards come from.
+#[derive(Debug, Clone)]
+pub enum ExpertSource {
+    /// The served model: every shard holds its own copy of its experts' weights.
+    Model(Arc<Model>),
+    /// Simulated devices (`deepinfer-node --simulate`): placements and load counters only.
+    Simulated {
+        layers: usize,
+        routed_experts: usize,
+    },
+}
+
+impl ExpertSource {
+    /// Backbone layers (one placement layer each).
+    pub fn layers(&self) -> usize {
+        match self {
+            ExpertSource::Model(model) => model.config().n_layers,
+            ExpertSource::Simulated { layers, .. } => *layers,
+        }
+    }
+
+    /// Logical routed experts per layer.
+    pub fn routed_experts(&self) -> usize {
+        match self {
+            ExpertSource::Model(model) => model.config().n_routed_experts,
+            ExpertSource::Simulated { routed_experts, .. } => *routed_experts,
+        }
+    }
+}
+
+impl From<Arc<Model>> for ExpertSource {
+    fn from(model: Arc<Model>) -> Self {
+        ExpertSource::Model(model)
+    }
+}
+
 /// One EP rank's experts in one epoch.
 #[derive(Debug)]
 pub struct ExpertShard {
@@ -22,7 +59,7 @@ pub struct ExpertShard {
     epoch: PlacementEpoch,
     /// `[layer][local slot]`: the logical expert held.
     held: Vec<Vec<ExpertId>>,
-    /// `[layer][local slot]`: its weights.
+    /// `[layer][local slot]`: its weights (empty rows for a simulated shard).
     weights: Vec<Vec<Arc<RoutedExpert>>>,
     /// `[layer][local slot]`: picks served since the last `take_loads`.
     served: Vec<Vec<AtomicU64>>,
@@ -31,7 +68,8 @@ pub struct ExpertShard {
 /// How a shard was built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StageReport {
-    /// Slots whose weights were copied in (the expert was not on this rank before).
+    /// Slots whose weights were copied in (the expert was not on this rank before; for a
+    /// simulated shard, would have been).
     pub copied: usize,
     /// Slots that kept weights this rank already held.
     pub reused: usize,
@@ -39,9 +77,9 @@ pub struct StageReport {
 
 impl ExpertShard {
     /// The shard of `rank` under `placement` for `epoch`: weights of experts `previous` holds in
-    /// the same layer are shared, the rest are copied from `model`.
+    /// the same layer are shared, the rest are copied from the model of `source`.
     pub fn build(
-        model: &Model,
+        source: &ExpertSource,
         placement: &ExpertPlacement,
         rank: EpRank,
         epoch: PlacementEpoch,
@@ -61,13 +99,18 @@ impl ExpertShard {
             }
             let mut row = Vec::with_capacity(experts.len());
             for &expert in &experts {
+                let held_before = previous.is_some_and(|p| p.holds(layer, expert));
+                if held_before {
+                    report.reused += 1;
+                } else {
+                    report.copied += 1;
+                }
+                let ExpertSource::Model(model) = source else {
+                    continue;
+                };
                 match previous.and_then(|p| p.weights_of(layer, expert)) {
-                    Some(kept) => {
-                        report.reused += 1;
-                        row.push(kept);
-                    }
+                    Some(kept) => row.push(kept),
                     None => {
-                        report.copied += 1;
                         let copy = model
                             .routed_expert(layer, expert.index())
                             .map_err(|e| EpError::Model(e.to_string()))?;
@@ -105,6 +148,13 @@ impl ExpertShard {
     /// `[layer][local slot]`: the logical expert each slot holds.
     pub fn held(&self) -> &[Vec<ExpertId>] {
         &self.held
+    }
+
+    /// Whether a slot of `layer` holds `expert`.
+    fn holds(&self, layer: usize, expert: ExpertId) -> bool {
+        self.held
+            .get(layer)
+            .is_some_and(|row| row.contains(&expert))
     }
 
     /// The weights this shard holds for `expert` in `layer`, if any slot holds it.
@@ -155,6 +205,21 @@ impl ExpertShard {
     ) -> Vec<f32> {
         self.served[layer][local].fetch_add(1, Ordering::Relaxed);
         model.run_routed_expert(&self.weights[layer][local], x, weight)
+    }
+
+    /// Counts `picks` served by local slot `local` of `layer` without computing them (a
+    /// simulated device); slots outside the shard are refused.
+    pub fn count(&self, layer: usize, local: usize, picks: u64) -> Result<(), EpError> {
+        let counter = self
+            .served
+            .get(layer)
+            .and_then(|row| row.get(local))
+            .ok_or(EpError::Layer {
+                layer,
+                message: format!("{} has no local slot {local}", self.rank),
+            })?;
+        counter.fetch_add(picks, Ordering::Relaxed);
+        Ok(())
     }
 
     /// `[layer][local slot]` picks served since the last call, and resets the counters.

@@ -4,11 +4,10 @@
 
 use std::sync::Arc;
 
-use deepinfer_model::Model;
 use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch};
 
 use crate::comm::EpError;
-use crate::experts::shard::ExpertShard;
+use crate::experts::shard::{ExpertShard, ExpertSource};
 use crate::messages::experts::{ShardLoads, StagedShard};
 
 /// One EP rank's shards.
@@ -47,7 +46,7 @@ impl ExpertGroupState {
     /// the weights of experts already held; replaces an earlier staged shard.
     pub fn stage(
         &mut self,
-        model: &Model,
+        source: &ExpertSource,
         placement: &ExpertPlacement,
         epoch: PlacementEpoch,
     ) -> Result<StagedShard, EpError> {
@@ -59,7 +58,7 @@ impl ExpertGroupState {
             });
         }
         let (shard, report) =
-            ExpertShard::build(model, placement, self.rank, epoch, Some(&self.current))?;
+            ExpertShard::build(source, placement, self.rank, epoch, Some(&self.current))?;
         let shard = Arc::new(shard);
         self.staged = Some(shard.clone());
         Ok(StagedShard { shard, report })
@@ -129,18 +128,19 @@ mod tests {
         let layers = model.config().n_layers;
         let uniform = ExpertPlacement::uniform(layers, 8, SHAPE).expect("uniform");
         let rank = EpRank(1);
+        let source = ExpertSource::from(model.clone());
         let (shard, first) =
-            ExpertShard::build(&model, &uniform, rank, PlacementEpoch(0), None).expect("built");
+            ExpertShard::build(&source, &uniform, rank, PlacementEpoch(0), None).expect("built");
         assert_eq!(first.copied, layers * 3);
         assert_eq!(first.reused, 0);
         let mut group = ExpertGroupState::new(Arc::new(shard));
 
         // Staging needs a newer epoch.
-        assert!(group.stage(&model, &uniform, PlacementEpoch(0)).is_err());
+        assert!(group.stage(&source, &uniform, PlacementEpoch(0)).is_err());
 
         let placement = skewed(layers);
         let staged = group
-            .stage(&model, &placement, PlacementEpoch(1))
+            .stage(&source, &placement, PlacementEpoch(1))
             .expect("staged");
         assert_eq!(staged.report.copied + staged.report.reused, layers * 3);
         assert!(
@@ -167,7 +167,7 @@ mod tests {
 
         // Abort drops a staged shard of that epoch.
         group
-            .stage(&model, &uniform, PlacementEpoch(2))
+            .stage(&source, &uniform, PlacementEpoch(2))
             .expect("staged");
         group.abort(PlacementEpoch(2));
         assert!(group.staged().is_none());
@@ -179,8 +179,14 @@ mod tests {
         let (_dir, model) = tiny_test_model();
         let layers = model.config().n_layers;
         let uniform = ExpertPlacement::uniform(layers, 8, SHAPE).expect("uniform");
-        let (shard, _) = ExpertShard::build(&model, &uniform, EpRank(0), PlacementEpoch(0), None)
-            .expect("built");
+        let (shard, _) = ExpertShard::build(
+            &model.clone().into(),
+            &uniform,
+            EpRank(0),
+            PlacementEpoch(0),
+            None,
+        )
+        .expect("built");
         let group = ExpertGroupState::new(Arc::new(shard));
         let x = vec![0.5f32; model.config().dim];
         for _ in 0..3 {

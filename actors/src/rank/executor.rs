@@ -177,6 +177,12 @@ pub trait RankExecutor: Send {
     fn device_latency(&self, _batch_tokens: usize) -> Duration {
         Duration::ZERO
     }
+    /// A simulated device's modelled time (virtual) for a verify-shaped step of `batch_tokens`
+    /// tokens; DSpark's step-rate profile takes it instead of timing steps. `None` (real
+    /// devices): time them.
+    fn modelled_step_time(&self, _batch_tokens: usize) -> Option<Duration> {
+        None
+    }
 }
 
 /// Builds one executor per rank, on that rank's thread (a model load happens there, never on

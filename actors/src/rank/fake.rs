@@ -64,11 +64,35 @@ pub fn favoured_token(token: u32, position: usize, vocab_size: usize) -> u32 {
     (hash2(u64::from(token), position as u64) % vocab_size as u64) as u32
 }
 
-fn hash2(a: u64, b: u64) -> u64 {
+/// A 64-bit mix of two words (splitmix-style), the stand-in's only source of variety.
+pub fn hash2(a: u64, b: u64) -> u64 {
     let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
     x ^= x >> 29;
     x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x ^ (x >> 32)
+}
+
+/// `count` drafts after `anchor` (which sits at position `held`): the first `correct` follow the
+/// greedy chain of [`favoured_token`], the rest are wrong (one past the chain's token).
+pub fn draft_chain(
+    anchor: u32,
+    held: usize,
+    vocab_size: usize,
+    correct: usize,
+    count: usize,
+) -> Vec<u32> {
+    let mut previous = anchor;
+    (0..count)
+        .map(|i| {
+            let chain = favoured_token(previous, held + i, vocab_size);
+            previous = if i < correct {
+                chain
+            } else {
+                (chain + 1) % vocab_size as u32
+            };
+            previous
+        })
+        .collect()
 }
 
 /// Fills `row` with the fake logits for the token at `position`.
@@ -201,19 +225,13 @@ impl RankExecutor for FakeExecutor {
             return Ok(None);
         };
         let held = self.sequence_len(id)?;
-        let vocab = self.config.vocab_size;
-        let mut previous = anchor;
-        let tokens = (0..drafter.block_size)
-            .map(|i| {
-                let chain = favoured_token(previous, held + i, vocab);
-                previous = if i < drafter.correct {
-                    chain
-                } else {
-                    (chain + 1) % vocab as u32
-                };
-                previous
-            })
-            .collect();
+        let tokens = draft_chain(
+            anchor,
+            held,
+            self.config.vocab_size,
+            drafter.correct,
+            drafter.block_size,
+        );
         Ok(Some(Draft {
             tokens,
             confidences: vec![drafter.confidence; drafter.block_size],

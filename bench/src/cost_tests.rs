@@ -1,0 +1,156 @@
+//! Tests of the cost model (`deepinfer_model::cost`) against the spec's figures, and its
+//! calibration against the H200 whole-step measurements of bench/README.md.
+
+use crate::cost::device::{DeviceModel, DevicePeaks, Efficiency};
+use crate::cost::step::{StepEntry, StepWork};
+use crate::cost::*;
+use crate::v41_block::{BlockWidth, block_config};
+
+#[test]
+fn real_width_expert_and_layer_match_the_spec_figures() {
+    let cfg = block_config(BlockWidth::Real, 1024, 4096);
+    // Spec §7.1: one routed expert is 18.80 MB (FP4 + scales).
+    assert_eq!(expert_bytes(&cfg), 18_800_640.0);
+    // Attention projections 126.6 M params (FP8, 1 B each + 1/1024 scales), mHC 2 x 1.97 MB,
+    // router 3.9 MB, shared expert 35.4 M, compressor + gate 2 x 5.2 MB, index keys 0.13 MB,
+    // indexer 5.2 M + 0.33 MB, head 1024 x 5120 bf16.
+    let want = 126_615_552.0 * (1.0 + 1.0 / 1024.0)
+        + 2.0 * 1_966_080.0
+        + 3_932_160.0
+        + 35_389_440.0 * (1.0 + 1.0 / 1024.0)
+        + 2.0 * 5_242_880.0
+        + 131_072.0
+        + 5_242_880.0 * (1.0 + 1.0 / 1024.0)
+        + 327_680.0
+        + 10_485_760.0;
+    let got = dense_weight_bytes(&cfg);
+    assert!((got - want).abs() < 1.0, "{got} vs {want}");
+}
+
+#[test]
+fn decode_flops_follow_active_parameters_and_context() {
+    let cfg = block_config(BlockWidth::Real, 1024, 4096);
+    // Context-free part of one token: 2 x (126.6 M attention + 7 x 35.4 M experts + 2 M router
+    // + 0.98 M mHC + 10.5 M compressor + 5.4 M indexer) + head.
+    let first = token_cost(&cfg, 0);
+    let second = token_cost(&cfg, 1);
+    // Position 1 completes the first ratio-2 group: one more key (window 2 + selected 1 vs
+    // window 1), the index key, one more index score.
+    let attention = 4.0 * 64.0 * 512.0 * 2.0;
+    let index_key = 2.0 * 128.0 * 512.0;
+    let score = 2.0 * 32.0 * 128.0;
+    assert_eq!(second.flops - first.flops, attention + index_key + score);
+    // Past the window and the top-k, every key set is full: 128 + 512 keys.
+    let late = token_cost(&cfg, 4000);
+    let early = token_cost(&cfg, 3000);
+    let scores = 2.0 * 32.0 * 128.0 * (2000.0 - 1500.0);
+    assert_eq!(late.flops - early.flops, scores);
+    let decode = decode_step(&cfg, &[4000, 3000]);
+    assert_eq!(
+        decode.flops,
+        late.flops + early.flops + 2.0 * 2.0 * 1024.0 * 5120.0
+    );
+}
+
+#[test]
+fn touched_experts_grow_with_the_batch_and_saturate() {
+    let cfg = block_config(BlockWidth::Real, 1024, 4096);
+    assert!((expected_experts(&cfg, 1) - 6.0).abs() < 1e-9);
+    // Spec §7.3: 85 at 16 tokens, 244 at 64, 377 at 256.
+    for (tokens, want) in [(16, 85.530), (64, 243.845), (256, 377.185)] {
+        let got = expected_experts(&cfg, tokens);
+        assert!((got - want).abs() < 1e-3, "{tokens} tokens: {got}");
+    }
+    let one = decode_step(&cfg, &[100]);
+    let many = decode_step(&cfg, &[100; 64]);
+    assert!(many.weight_bytes > one.weight_bytes + 200.0 * expert_bytes(&cfg));
+}
+
+#[test]
+fn floor_takes_the_slower_side() {
+    let memory = Cost {
+        weight_bytes: 4.28e9,
+        state_bytes: 0.0,
+        flops: 1e9,
+    };
+    assert!((memory.floor_seconds() - 1e-3).abs() < 1e-12);
+    assert_eq!(memory.bound(), "bytes");
+    let compute = Cost {
+        weight_bytes: 1.0,
+        state_bytes: 0.0,
+        flops: 790e12,
+    };
+    assert!((compute.floor_seconds() - 1.0).abs() < 1e-12);
+    assert_eq!(compute.bound(), "FLOPs");
+}
+
+/// The real-width block's steps measured on the H200 (bench/README.md, "H200 numbers of the
+/// final tree (2026-11-30, session 7)", run B): (phase, batch, seconds).
+const MEASURED_H200: [(&str, usize, f64); 4] = [
+    ("prefill", 1, 272.90e-3),
+    ("decode", 1, 1.40e-3),
+    ("decode", 8, 3.82e-3),
+    ("decode", 64, 22.04e-3),
+];
+
+/// The measured step as `StepWork`: the 1024-token prefill of one prompt, or one decode token
+/// at position 1024 for each of B sequences.
+fn measured_work(phase: &str, batch: usize) -> StepWork {
+    let cfg = block_config(BlockWidth::Real, 1024, 4096);
+    let entries: Vec<StepEntry> = match phase {
+        "prefill" => vec![StepEntry {
+            start: 0,
+            tokens: 1024,
+            rows: 1,
+        }],
+        _ => vec![
+            StepEntry {
+                start: 1024,
+                tokens: 1,
+                rows: 1,
+            };
+            batch
+        ],
+    };
+    StepWork::single_device(&cfg, &entries, 0)
+}
+
+#[test]
+fn calibration_predicts_the_h200_steps() {
+    let h200 = DeviceModel {
+        peaks: DevicePeaks::H200,
+        efficiency: Efficiency::MEASURED_H200,
+    };
+    let roofline = DeviceModel {
+        peaks: DevicePeaks::H200,
+        efficiency: Efficiency::ROOFLINE,
+    };
+    println!(
+        "| phase | B | measured ms | predicted ms | error | roofline ms | dense/attn/routed floor µs |"
+    );
+    println!("|---|--:|--:|--:|--:|--:|--:|");
+    let mut worst: f64 = 0.0;
+    for (phase, batch, measured) in MEASURED_H200 {
+        let work = measured_work(phase, batch);
+        let predicted = h200.compute_seconds(&work, 1);
+        let error = predicted / measured - 1.0;
+        worst = worst.max(error.abs());
+        let p = &DevicePeaks::H200;
+        let floor = |c: &Cost, peak: f64| (c.bytes() / p.hbm_bytes_per_s).max(c.flops / peak) * 1e6;
+        println!(
+            "| {phase} | {batch} | {:.2} | {:.2} | {:+.1}% | {:.3} | {:.1}/{:.1}/{:.1} |",
+            measured * 1e3,
+            predicted * 1e3,
+            error * 100.0,
+            roofline.compute_seconds(&work, 1) * 1e3,
+            floor(&work.dense, p.fp8_flops),
+            floor(&work.attention, p.bf16_flops),
+            floor(&work.routed, p.fp4_flops),
+        );
+    }
+    assert!(
+        worst < 0.20,
+        "worst calibration error {:.1}%",
+        worst * 100.0
+    );
+}
