@@ -15,7 +15,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::gemm::DeviceFp8Weight;
+use super::gemm::check_fp8_weight;
 use super::quant::{ActGroup, DeviceActFp8};
 use super::{dim, expect_len};
 use crate::error::KernelError;
@@ -24,14 +24,15 @@ use crate::params::FastGemmParams;
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "gemm_fp8_fast";
-/// K bytes per pipeline stage and the padded shared-memory row (`STEP_K`, `ROW_BYTES`).
+/// K bytes of one weight chunk (`STEP_K` in the kernel).
 const STEP_K: u32 = 128;
-const ROW_BYTES: u32 = STEP_K + 32;
-/// Output features per weight-scale band (one warp's mma rows).
+/// Output features per weight band (one warp's mma rows) and bytes of one band's step.
 const BAND: usize = 16;
+const CHUNK: usize = BAND * STEP_K as usize;
 
 /// A tile configuration of the fast GEMM: token rows per block, warps per block (16 output
-/// features each) and pipeline stages; must match the instantiations in `gemm_fp8_fast.cu`.
+/// features each), pipeline stages and K bytes per stage; must match the instantiations in
+/// `gemm_fp8_fast.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FastTile {
     /// Chosen by M: the smallest token tile that holds M, 128 above 64 rows.
@@ -42,12 +43,13 @@ pub enum FastTile {
     Rows128,
 }
 
-/// (token rows, warps, stages) of each tile, in [`FastTile`] order after `Auto`.
-const TILES: [(FastTile, u32, u32, u32); 4] = [
-    (FastTile::Rows8, 8, 2, 8),
-    (FastTile::Rows32, 32, 2, 6),
-    (FastTile::Rows64, 64, 2, 5),
-    (FastTile::Rows128, 128, 8, 3),
+/// (token rows, warps, stages, K bytes per stage) of each tile, in [`FastTile`] order after
+/// `Auto`. The decode tiles take 512 or 256 bytes of K per barrier: fewer, larger steps.
+const TILES: [(FastTile, u32, u32, u32, u32); 4] = [
+    (FastTile::Rows8, 8, 2, 4, 512),
+    (FastTile::Rows32, 32, 2, 3, 512),
+    (FastTile::Rows64, 64, 2, 4, 256),
+    (FastTile::Rows128, 128, 8, 3, 128),
 ];
 
 impl FastTile {
@@ -55,20 +57,20 @@ impl FastTile {
         match self {
             FastTile::Auto => TILES
                 .iter()
-                .find(|(_, tokens, _, _)| rows <= *tokens as usize)
+                .find(|(_, tokens, ..)| rows <= *tokens as usize)
                 .map_or(FastTile::Rows128, |t| t.0),
             tile => tile,
         }
     }
 
-    /// (token rows, warps, stages).
-    fn shape(self) -> (u32, u32, u32) {
-        let (_, tokens, warps, stages) = TILES
+    /// (token rows, warps, stages, K bytes per stage).
+    fn shape(self) -> (u32, u32, u32, u32) {
+        let (_, tokens, warps, stages, step) = TILES
             .iter()
             .copied()
             .find(|t| t.0 == self)
             .unwrap_or(TILES[3]);
-        (tokens, warps, stages)
+        (tokens, warps, stages, step)
     }
 
     fn kernel(self, group: ActGroup) -> KernelId {
@@ -86,10 +88,10 @@ impl FastTile {
 
     /// Dynamic shared memory of a launch (`Stage::BYTES · STAGES` in the kernel).
     fn shared_bytes(self, group: ActGroup) -> u32 {
-        let (tokens, warps, stages) = self.shape();
-        let groups_per_stage = STEP_K / group.elements() as u32;
-        let stage = 16 * warps * ROW_BYTES
-            + tokens * ROW_BYTES
+        let (tokens, warps, stages, step) = self.shape();
+        let groups_per_stage = step / group.elements() as u32;
+        let stage = warps * CHUNK as u32 * (step / STEP_K)
+            + tokens * (step + 32)
             + 4 * tokens * groups_per_stage
             + 4 * warps * groups_per_stage;
         stage.div_ceil(16) * 16 * stages
@@ -128,18 +130,22 @@ pub(crate) fn allow_shared(
     Ok(())
 }
 
-/// An FP8 weight prepared for the fast GEMM: the checkpoint's codes and UE8M0 tile scales
-/// ([`DeviceFp8Weight`]) plus the scales as f32 per 16-row band and k-group
-/// (`[ceil(out / 16), inp / tile]`), the layout the kernel streams with the codes.
+/// An FP8 weight `[out, inp]` laid out for the fast GEMM: `chunks` holds, per 16-row band and
+/// 128-byte step of K, the band's codes as one 2 KiB chunk in mma fragment order (see
+/// [`fragment_chunks`]); `band_scales` the UE8M0 tile scales as f32 per band and k-group
+/// (`[ceil(out / 16), inp / tile]`).
 #[derive(Debug)]
 pub struct FastFp8Weight {
-    pub weight: DeviceFp8Weight,
+    pub out: usize,
+    pub inp: usize,
+    pub tile: usize,
+    pub chunks: CudaSlice<u8>,
     pub band_scales: CudaSlice<f32>,
 }
 
 impl FastFp8Weight {
-    /// Uploads checkpoint bytes (checked as [`DeviceFp8Weight::upload`] does; `inp` must also
-    /// be a multiple of `tile`, the activation group).
+    /// Re-lays and uploads checkpoint bytes (checked as `DeviceFp8Weight::upload` does; `inp`
+    /// must also be a multiple of `tile`, the activation group).
     pub fn upload(
         rt: &KernelRuntime,
         out: usize,
@@ -149,7 +155,7 @@ impl FastFp8Weight {
         scales: &[u8],
     ) -> Result<FastFp8Weight, KernelError> {
         const OP: &str = "FastFp8Weight::upload";
-        let weight = DeviceFp8Weight::upload(rt, out, inp, tile, codes, scales)?;
+        check_fp8_weight(OP, out, inp, tile, codes, scales)?;
         if !inp.is_multiple_of(tile) {
             return Err(KernelError::Shape {
                 op: OP,
@@ -170,11 +176,38 @@ impl FastFp8Weight {
         let band_scales = rt
             .htod(&band_scales)
             .map_err(KernelError::driver("uploading fast FP8 weight scales"))?;
+        let chunks = rt
+            .htod(&fragment_chunks(codes, out, inp))
+            .map_err(KernelError::driver("uploading fast FP8 weight codes"))?;
         Ok(FastFp8Weight {
-            weight,
+            out,
+            inp,
+            tile,
+            chunks,
             band_scales,
         })
     }
+}
+
+/// The codes `[out, inp]` as the kernel streams them: for band b (rows 16b ..) and step s (K bytes
+/// 128s ..) the chunk at `(b · steps + s) · 2048` holds, for group j = 0..4 and lane = 0..32
+/// (g = lane / 4, t = lane % 4), the 8 bytes of row 16b + g at K 128s + 32j + 8t, then those of
+/// row 16b + g + 8: lane's A fragment of group j. Rows past `out` and K past `inp` are zero.
+fn fragment_chunks(codes: &[u8], out: usize, inp: usize) -> Vec<u8> {
+    let steps = inp.div_ceil(STEP_K as usize);
+    let mut chunks = vec![0u8; out.div_ceil(BAND) * steps * CHUNK];
+    for (c, chunk) in chunks.chunks_exact_mut(CHUNK).enumerate() {
+        let (band, step) = (c / steps, c % steps);
+        for (piece, bytes) in chunk.chunks_exact_mut(8).enumerate() {
+            let (j, lane, half) = (piece / 64, (piece / 2) % 32, piece % 2);
+            let row = BAND * band + lane / 4 + 8 * half;
+            let k = STEP_K as usize * step + 32 * j + 8 * (lane % 4);
+            if row < out && k < inp {
+                bytes.copy_from_slice(&codes[row * inp + k..row * inp + k + 8]);
+            }
+        }
+    }
+    chunks
 }
 
 /// The value of a UE8M0 scale: `2^(e - 127)`, 255 is NaN.
@@ -205,15 +238,15 @@ pub fn gemm_fp8_fast_tiled(
     y: &mut CudaSlice<bf16>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
-    let (n, k) = (w.weight.out, w.weight.inp);
-    if a.group.elements() != w.weight.tile {
+    let (n, k) = (w.out, w.inp);
+    if a.group.elements() != w.tile {
         return Err(KernelError::Shape {
             op: OP,
             message: format!(
                 "{}-element activation groups with {}x{} weight tiles (they must match)",
                 a.group.elements(),
-                w.weight.tile,
-                w.weight.tile
+                w.tile,
+                w.tile
             ),
         });
     }
@@ -228,7 +261,7 @@ pub fn gemm_fp8_fast_tiled(
         return Ok(());
     }
     let tile = tile.resolve(a.rows);
-    let (tokens, warps, _) = tile.shape();
+    let (tokens, warps, ..) = tile.shape();
     let params = FastGemmParams {
         m: dim(OP, "m", a.rows)?,
         n: dim(OP, "n", n)?,
@@ -252,15 +285,15 @@ pub fn gemm_fp8_fast_tiled(
     launch
         .arg(&a.codes)
         .arg(&a.scales)
-        .arg(&w.weight.codes)
+        .arg(&w.chunks)
         .arg(&w.band_scales)
         .arg(y)
         .arg(&params);
     // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const float*
     // wsb, bf16* y, FastGemmParams). The activation buffers hold rows * k codes and rows * k /
-    // group scales (DeviceActFp8's invariant), the weight codes [n, k] were length-checked at
-    // upload and the band scales hold ceil(n / 16) * k / group values; every load is bounds-
-    // checked against m, n, k in the kernel, and y holds m * n values.
+    // group scales (DeviceActFp8's invariant), the weight chunks hold ceil(n / 16) * ceil(k / 128)
+    // chunks of 2 KiB and the band scales ceil(n / 16) * k / group values (built at upload from
+    // n, k); every load is bounds-checked against m, n, k in the kernel, and y holds m * n values.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
         "launching {}",
         kernel.symbol()
@@ -284,8 +317,9 @@ mod tests {
 
     #[test]
     fn shared_memory_matches_the_kernel_layout_and_fits_the_h200() {
-        // Stage::BYTES for G = 32, 2 warps, 8 tokens: 32 * 160 + 8 * 160 + 4 * 8 * 4 + 4 * 2 * 4.
-        assert_eq!(FastTile::Rows8.shared_bytes(ActGroup::G32), 6_560 * 8);
+        // Stage::BYTES for G = 32, 2 warps, 8 tokens, 512 bytes of K:
+        // 2 * 4 * 2048 + 8 * 544 + 4 * 8 * 16 + 4 * 2 * 16, four stages.
+        assert_eq!(FastTile::Rows8.shared_bytes(ActGroup::G32), 21_376 * 4);
         for group in [ActGroup::G32, ActGroup::G128] {
             for (tile, ..) in TILES {
                 assert!(tile.shared_bytes(group) <= 227 * 1024, "{tile:?}");
@@ -296,6 +330,27 @@ mod tests {
             }
         }
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
+    }
+
+    #[test]
+    fn chunks_hold_each_lanes_fragments_and_zero_padding() {
+        // 20 rows (a partial second band), 160 inputs (a partial second step).
+        let (out, inp) = (20usize, 160usize);
+        let codes: Vec<u8> = (0..out * inp).map(|i| (i % 251) as u8 + 1).collect();
+        let chunks = fragment_chunks(&codes, out, inp);
+        assert_eq!(chunks.len(), 2 * 2 * CHUNK);
+        let at = |band: usize, step: usize, j: usize, lane: usize, half: usize| {
+            let base = (band * 2 + step) * CHUNK + j * 512 + lane * 16 + half * 8;
+            &chunks[base..base + 8]
+        };
+        // Band 0, step 0, group 1, lane 6 (g = 1, t = 2): row 1 then row 9, K 32 + 16.
+        assert_eq!(at(0, 0, 1, 6, 0), &codes[inp + 48..inp + 56]);
+        assert_eq!(at(0, 0, 1, 6, 1), &codes[9 * inp + 48..9 * inp + 56]);
+        // Band 1, step 1, group 0, lane 13 (g = 3, t = 1): row 19, K 136; row 27 is past out.
+        assert_eq!(at(1, 1, 0, 13, 0), &codes[19 * inp + 136..19 * inp + 144]);
+        assert_eq!(at(1, 1, 0, 13, 1), &[0u8; 8]);
+        // Group 1 of step 1 starts at K 160 = inp: zero.
+        assert_eq!(at(1, 1, 1, 0, 0), &[0u8; 8]);
     }
 
     #[test]
