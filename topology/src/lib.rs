@@ -20,6 +20,6 @@ pub use ids::{
 };
 pub use validate::{
     Arch, Backend, DSparkConfig, DeviceConfig, EplbConfig, JobConfig, MetricsConfig, ModelConfig,
-    ModelDims, ModelSource, NodeConfig, ParallelConfig, ReplayConfig, SamplingConfig,
+    ModelDims, ModelSource, NodeConfig, Numerics, ParallelConfig, ReplayConfig, SamplingConfig,
     SchedulerConfig,
 };
