@@ -301,6 +301,10 @@ fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedMo
         return resolved;
     }
     let per_node = usize::from(node.device.gpus_per_node);
+    let numerics = match node.device.backend {
+        DeviceBackend::Cuda { numerics, .. } => numerics,
+        DeviceBackend::Cpu => return resolved,
+    };
     let placement =
         format!("on the CUDA backend (DP rank r on GPU r of its node, {per_node} per node)");
     resolved.factory = match &resolved.model {
@@ -308,13 +312,13 @@ fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedMo
             model: model.clone(),
             description: format!("V4.1 model {} {placement}", resolved.name),
             devices_per_node: per_node,
-            open: Arc::new(gpu::open_cuda_backend),
+            open: Arc::new(move |ordinal| gpu::open_cuda_backend(ordinal, numerics)),
         }),
         AnyModel::V4(model) => Arc::new(V4PerDeviceFactory {
             model: model.clone(),
             description: format!("V4 model {} {placement}", resolved.name),
             devices_per_node: per_node,
-            open: Arc::new(gpu::open_cuda_backend),
+            open: Arc::new(move |ordinal| gpu::open_cuda_backend(ordinal, numerics)),
         }),
     };
     resolved

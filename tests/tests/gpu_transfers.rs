@@ -13,7 +13,7 @@
 //! --include-ignored --nocapture`.
 #![cfg(feature = "cuda")]
 
-use deepinfer_model::backend::cuda::{CudaBackend, TransferCounts};
+use deepinfer_model::backend::cuda::{CudaBackend, Numerics, TransferCounts};
 use deepinfer_model::sampling::{AllowedTokens, sample};
 use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
 
@@ -52,7 +52,7 @@ fn sampled_step(model: &Model, seqs: &mut [SequenceState], tokens: &[Vec<u32>]) 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_decode_step_copies_only_the_sampled_ids_to_the_host() {
-    let backend = match CudaBackend::open(0) {
+    let backend = match CudaBackend::open(0, Numerics::Exact) {
         Ok(backend) => backend,
         Err(err) => {
             eprintln!("a_decode_step_copies_only_the_sampled_ids_to_the_host: skipped: {err}");
@@ -241,7 +241,7 @@ fn constrained_step(
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_constrained_decode_step_copies_only_the_sampled_ids() {
-    let backend = match CudaBackend::open(0) {
+    let backend = match CudaBackend::open(0, Numerics::Exact) {
         Ok(backend) => backend,
         Err(err) => {
             eprintln!("a_constrained_decode_step_copies_only_the_sampled_ids: skipped: {err}");
@@ -338,7 +338,7 @@ fn a_v4_decode_step_copies_only_the_sampled_ids_to_the_host() {
         );
         return;
     }
-    let backend = match CudaBackend::open(0) {
+    let backend = match CudaBackend::open(0, Numerics::Exact) {
         Ok(backend) => backend,
         Err(err) => {
             eprintln!("a_v4_decode_step_copies_only_the_sampled_ids_to_the_host: skipped: {err}");

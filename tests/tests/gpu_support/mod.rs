@@ -5,6 +5,8 @@
 // Each test binary uses its own subset of these helpers.
 #![allow(dead_code)]
 
+pub mod gemm_data;
+
 use std::fmt::Display;
 use std::path::{Path, PathBuf};
 
@@ -14,7 +16,7 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_model::Model;
 use deepinfer_model::backend::Precision;
-use deepinfer_model::backend::cuda::CudaBackend;
+use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::quant;
 use deepinfer_model::sampling::SamplingParams;
@@ -44,9 +46,9 @@ pub fn runtime(test: &str) -> Option<KernelRuntime> {
     open_or_skip(test, "kernel runtime", || KernelRuntime::open(0))
 }
 
-/// Opens the CUDA backend of device 0, or says why the test is skipped and returns `None`.
+/// Opens the CUDA backend of device 0 (exact numerics), or says why the test is skipped and returns `None`.
 pub fn cuda_backend(test: &str) -> Option<CudaBackend> {
-    open_or_skip(test, "backend", || CudaBackend::open(0))
+    open_or_skip(test, "backend", || CudaBackend::open(0, Numerics::Exact))
 }
 
 /// SplitMix64: a small deterministic generator for test data. A test file adds its own value
