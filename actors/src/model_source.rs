@@ -295,16 +295,14 @@ fn check_devices(node: &NodeConfig) -> Result<(), EngineError> {
     })
 }
 
-/// With `[device] backend = "cuda"`: each rank runs the loaded weights on its own GPU.
+/// With `[device] backend = "cuda"`: each rank runs the loaded weights on its own GPU, in the
+/// topology's `[device] numerics`.
 fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedModel {
-    if node.device.backend == DeviceBackend::Cpu {
-        return resolved;
-    }
-    let per_node = usize::from(node.device.gpus_per_node);
     let numerics = match node.device.backend {
         DeviceBackend::Cuda { numerics, .. } => numerics,
         DeviceBackend::Cpu => return resolved,
     };
+    let per_node = usize::from(node.device.gpus_per_node);
     let placement =
         format!("on the CUDA backend (DP rank r on GPU r of its node, {per_node} per node)");
     resolved.factory = match &resolved.model {

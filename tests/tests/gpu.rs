@@ -40,7 +40,6 @@
 
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::compile::Compiler;
-use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::attention::DeviceKeyLists;
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4, gemm_fp4_split, gemm_fp8, gemm_fp8_split,
@@ -60,12 +59,11 @@ use deepinfer_model::backend::{
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
 use deepinfer_model::sampling::{AllowedTokens, MaskError, SamplingParams};
-use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
 use half::bf16;
 
 mod gpu_support;
 use gpu_support::gemm_data::{
-    activations, download_bf16, random_fp4_weight, random_fp8_weight, upload_bf16,
+    activations, download_bf16, e4m3, e8m0, random_fp4_weight, random_fp8_weight, upload_bf16,
 };
 use gpu_support::{
     PRECISIONS, Rng, assert_bitwise, bf16_unit, cuda_backend, runtime, v41_tiny_path,
@@ -1514,9 +1512,9 @@ fn backend_engram_hash_and_lookup_match_the_cpu() {
     assert_ne!(cpu.engram_hash(&other, &contexts), rows_gpu);
 
     let (table_rows, head_dim) = (1021usize, 96usize);
-    let codes: Vec<u8> = (0..table_rows * head_dim).map(|_| rng.e4m3()).collect();
+    let codes: Vec<u8> = (0..table_rows * head_dim).map(|_| e4m3(&mut rng)).collect();
     let mut scales: Vec<u8> = (0..table_rows * head_dim / 32)
-        .map(|_| rng.e8m0())
+        .map(|_| e8m0(&mut rng))
         .collect();
     scales[0] = 0; // 2^-127: subnormal products
     scales[1] = 200;

@@ -36,7 +36,7 @@ use half::bf16;
 
 mod gpu_support;
 use gpu_support::gemm_data::{activations, download_bf16, random_fp8_weight, upload_bf16};
-use gpu_support::{Rng, prompt, v41_tiny_path};
+use gpu_support::{Rng, differing, prompt, v41_tiny_path};
 
 const TILES: [FastTile; 4] = [
     FastTile::Rows8,
@@ -150,19 +150,13 @@ fn fast_gemm_is_within_its_error_bound_and_every_tile_gives_the_same_bits() {
             for tile in TILES {
                 let other = fast_gemm(&rt, &x, rows, &dw, tile);
                 assert!(
-                    other
-                        .iter()
-                        .zip(&gpu)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    differing(&other, &gpu) == 0,
                     "t{block} M={rows}: {tile:?} gives other bits than Auto"
                 );
             }
             let again = fast_gemm(&rt, &x, rows, &dw, FastTile::Auto);
             assert!(
-                again
-                    .iter()
-                    .zip(&gpu)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                differing(&again, &gpu) == 0,
                 "t{block} M={rows}: a second run differs (not deterministic)"
             );
         }
@@ -187,10 +181,7 @@ fn fast_gemm_is_batch_invariant() {
             x[at * k..(at + 1) * k].copy_from_slice(&probe);
             let y = fast_gemm(&rt, &x, batch, &dw, FastTile::Auto);
             assert!(
-                y[at * n..(at + 1) * n]
-                    .iter()
-                    .zip(&alone)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                differing(&y[at * n..(at + 1) * n], &alone) == 0,
                 "t{block}: the probe row differs alone and at row {at} of {batch}"
             );
             checked += 1;
@@ -204,9 +195,7 @@ fn fast_gemm_is_batch_invariant() {
         nudged[largest] = -nudged[largest];
         let y = fast_gemm(&rt, &nudged, 1, &dw, FastTile::Auto);
         assert!(
-            !y.iter()
-                .zip(&alone)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            differing(&y, &alone) > 0,
             "t{block}: the invariance check cannot see a changed input"
         );
         println!(
@@ -330,11 +319,7 @@ fn v41_tiny_fast_meets_the_independent_implementation_rule_and_is_deterministic(
     }
     kls.sort_by(f64::total_cmp);
     let median = kls[rows / 2];
-    let bitwise = got
-        .iter()
-        .zip(&reference)
-        .filter(|(a, b)| a.to_bits() == b.to_bits())
-        .count();
+    let bitwise = got.len() - differing(&got, &reference);
     println!(
         "v41-tiny fast vs CPU reference ({} prompt + {} teacher-forced decode rows): top-1 equal in \
          {top1_equal}/{rows} rows, each top-1 in the other's top 5 in all rows; KL(ref ‖ fast) \
@@ -347,10 +332,7 @@ fn v41_tiny_fast_meets_the_independent_implementation_rule_and_is_deterministic(
     assert!(median <= 1e-2, "median KL {median} exceeds 1e-2");
     let again = logits_rows(&fast, &tokens, &decode);
     assert!(
-        again
-            .iter()
-            .zip(&got)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        differing(&again, &got) == 0,
         "fast logits differ run to run"
     );
 }
@@ -444,7 +426,7 @@ fn v41_tiny_fast_is_batch_invariant() {
     // Negative control: the same comparison sees another decode token.
     let other_token = probe_step(&model, &prefilled, &[18], &[], 0);
     assert!(
-        gpu_support::differing(&other_token, &decode_alone) > 0,
+        differing(&other_token, &decode_alone) > 0,
         "the invariance check cannot see a changed token"
     );
     println!(

@@ -51,7 +51,8 @@ pub enum LogitsError {
 pub enum LogitsDevice {
     #[default]
     Cpu,
-    /// `CudaBackend` on GPU 0 (needs a build with the `cuda` feature and an NVIDIA driver).
+    /// `CudaBackend` on GPU 0 in exact numerics (bitwise equal to `Cpu`; needs a build with the
+    /// `cuda` feature and an NVIDIA driver).
     Cuda,
 }
 

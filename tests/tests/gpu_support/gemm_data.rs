@@ -9,35 +9,34 @@ use half::bf16;
 
 use super::Rng;
 
-/// The value distributions of these tests, on the shared SplitMix64 generator.
-impl Rng {
-    /// A bf16 activation with a wide dynamic range (magnitudes 2^-12 .. 2^6, some exact zeros).
-    pub fn activation(&mut self) -> f32 {
-        if self.below(50) == 0 {
-            return 0.0;
-        }
-        let exponent = self.below(19) as i32 - 12;
-        quant::round_bf16(self.uniform() * 2f32.powi(exponent))
+/// A bf16 activation with a wide dynamic range (magnitudes 2^-12 .. 2^6, some exact zeros).
+pub fn activation(rng: &mut Rng) -> f32 {
+    if rng.below(50) == 0 {
+        return 0.0;
     }
-    /// A finite E4M3 byte (never 0x7f / 0xff, the NaN codes).
-    pub fn e4m3(&mut self) -> u8 {
-        loop {
-            let b = self.below(256) as u8;
-            if b & 0x7f != 0x7f {
-                return b;
-            }
+    let exponent = rng.below(19) as i32 - 12;
+    quant::round_bf16(rng.uniform() * 2f32.powi(exponent))
+}
+
+/// A finite E4M3 byte (never 0x7f / 0xff, the NaN codes).
+pub fn e4m3(rng: &mut Rng) -> u8 {
+    loop {
+        let b = rng.below(256) as u8;
+        if b & 0x7f != 0x7f {
+            return b;
         }
     }
-    /// A UE8M0 scale byte around 2^0 (2^-12 .. 2^4).
-    pub fn e8m0(&mut self) -> u8 {
-        (115 + self.below(17)) as u8
-    }
+}
+
+/// A UE8M0 scale byte around 2^0 (2^-12 .. 2^4).
+pub fn e8m0(rng: &mut Rng) -> u8 {
+    (115 + rng.below(17)) as u8
 }
 
 /// `rows × cols` bf16 activations; one row in four has a group of tiny values (amax floor) and
 /// one group per row is all zeros when there is room.
 pub fn activations(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
-    let mut x: Vec<f32> = (0..rows * cols).map(|_| rng.activation()).collect();
+    let mut x: Vec<f32> = (0..rows * cols).map(|_| activation(rng)).collect();
     for r in 0..rows {
         let row = &mut x[r * cols..(r + 1) * cols];
         if r % 4 == 1 {
@@ -58,8 +57,8 @@ pub fn random_fp8_weight(rng: &mut Rng, out: usize, inp: usize, block: usize) ->
         out,
         inp,
         block,
-        data: (0..out * inp).map(|_| rng.e4m3()).collect(),
-        scales: (0..scales).map(|_| rng.e8m0()).collect(),
+        data: (0..out * inp).map(|_| e4m3(rng)).collect(),
+        scales: (0..scales).map(|_| e8m0(rng)).collect(),
     }
 }
 
@@ -68,7 +67,7 @@ pub fn random_fp4_weight(rng: &mut Rng, out: usize, inp: usize) -> Fp4Weight {
         out,
         inp,
         packed: (0..out * inp / 2).map(|_| rng.below(256) as u8).collect(),
-        scales: (0..out * inp / 32).map(|_| rng.e8m0()).collect(),
+        scales: (0..out * inp / 32).map(|_| e8m0(rng)).collect(),
     }
 }
 

@@ -6,12 +6,13 @@
 //! FP8 kernel of the `exact` numerics. Weights are rotated through > 2 × L2 as in `ops`.
 
 use anyhow::{Context, Result};
-use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
 use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::gemm::{DeviceFp8Weight, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{FastFp8Weight, gemm_fp8_fast};
-use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
+use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
 
 use crate::ops::{
@@ -55,39 +56,31 @@ fn bench(
     m: usize,
 ) -> Result<Row> {
     let x = activations(rt, m, k)?;
-    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
     let scales_len = n.div_ceil(32) * k.div_ceil(32);
     let weight_bytes = match kernel {
         Kernel::Fast | Kernel::Exact => n * k + scales_len,
         Kernel::CublasBf16 => 2 * n * k,
     };
-    let copies = ROTATION_BYTES.div_ceil(weight_bytes).max(2);
     let micros = match kernel {
-        Kernel::Fast => {
-            let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
-            let weights = (0..copies)
-                .map(|c| {
-                    let codes = random_bytes(c as u64, n * k, true);
-                    FastFp8Weight::upload(rt, n, k, 32, &codes, &scale_bytes(scales_len))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            time_launches(rt, timer, |i| {
-                Ok(gemm_fp8_fast(rt, &a, &weights[i % copies], &mut y)?)
-            })?
-        }
-        Kernel::Exact => {
-            let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
-            let weights = (0..copies)
-                .map(|c| {
-                    let codes = random_bytes(c as u64, n * k, true);
-                    DeviceFp8Weight::upload(rt, n, k, 32, &codes, &scale_bytes(scales_len))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            time_launches(rt, timer, |i| {
-                Ok(gemm_fp8(rt, &a, &weights[i % copies], &mut y)?)
-            })?
-        }
+        Kernel::Fast => time_fp8(
+            rt,
+            timer,
+            &x,
+            (m, n, k),
+            |codes, scales| FastFp8Weight::upload(rt, n, k, 32, codes, scales),
+            |a, w, y| gemm_fp8_fast(rt, a, w, y),
+        )?,
+        Kernel::Exact => time_fp8(
+            rt,
+            timer,
+            &x,
+            (m, n, k),
+            |codes, scales| DeviceFp8Weight::upload(rt, n, k, 32, codes, scales),
+            |a, w, y| gemm_fp8(rt, a, w, y),
+        )?,
         Kernel::CublasBf16 => {
+            let copies = ROTATION_BYTES.div_ceil(weight_bytes).max(2);
+            let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
             let weights = (0..copies)
                 .map(|_| activations(rt, n, k))
                 .collect::<Result<Vec<_>>>()?;
@@ -130,6 +123,31 @@ fn bench(
             _ => FP8_FLOPS,
         },
     })
+}
+
+/// Times `gemm` over random FP8 weights made by `upload` (codes, scales), rotated through more
+/// than twice the L2, with `x` quantised to FP8 (32-groups).
+fn time_fp8<W>(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    x: &CudaSlice<bf16>,
+    (m, n, k): (usize, usize, usize),
+    upload: impl Fn(&[u8], &[u8]) -> Result<W, KernelError>,
+    gemm: impl Fn(&DeviceActFp8, &W, &mut CudaSlice<bf16>) -> Result<(), KernelError>,
+) -> Result<f64> {
+    let scales_len = n.div_ceil(32) * k.div_ceil(32);
+    let copies = ROTATION_BYTES.div_ceil(n * k + scales_len).max(2);
+    let a = quantize_act_fp8(rt, x, m, k, ActGroup::G32)?;
+    let weights = (0..copies)
+        .map(|c| {
+            upload(
+                &random_bytes(c as u64, n * k, true),
+                &scale_bytes(scales_len),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
+    time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
 }
 
 /// Times the fast GEMM and its peers at decode and prefill shapes, and prints the table.
