@@ -19,7 +19,7 @@
 //! 1.6 ms, a missing one after the 3 s timeout. With the receiver-local expert id shifted by one
 //! (a dispatch bug), 4608 of the first chunk's logits differ.
 //!
-//! Needs an NVIDIA GPU and the v41-tiny fixture (`DEEPINFER_V41_TINY`); run on the H200 with
+//! Needs an NVIDIA GPU and the v41-tiny fixture (`tests/fixtures`, or `$DEEPINFER_FIXTURES`); run on the H200 with
 //! `bash .gpu/run.sh gpu_ep --include-ignored --nocapture --test-threads=1`.
 #![cfg(feature = "cuda")]
 
@@ -37,7 +37,7 @@ use deepinfer_model::v41::LogitsWanted;
 use deepinfer_topology::{ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
 
 mod gpu_support;
-use gpu_support::{cuda_backend, differing, host_fixture_model, prompt, v41_tiny_path};
+use gpu_support::{cuda_backend, differing, host_fixture_model, prompt};
 
 const RANKS: usize = 2;
 /// Steps between placement changes.
@@ -309,7 +309,7 @@ fn check_model(name: &str, host: &Model) {
 #[test]
 #[ignore = "needs an NVIDIA GPU and the v41-tiny fixture"]
 fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
-    let (host, _) = host_fixture_model(&v41_tiny_path());
+    let (host, _) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
     check_model("v41-tiny", &host);
     let node = NodeConfig::from_toml_str(
         "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n",
@@ -326,7 +326,7 @@ fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and the v41-tiny fixture"]
 fn a_failing_rank_stops_its_peer_without_a_hang() {
-    let (host, cfg) = host_fixture_model(&v41_tiny_path());
+    let (host, cfg) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
     let placement = placements(&host, 1).remove(0);
     let tokens = prompt(5, 6, cfg.vocab_size);
     for abort in [true, false] {
