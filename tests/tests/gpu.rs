@@ -62,9 +62,7 @@ mod gpu_support;
 use gpu_support::gemm_data::{
     activations, download_bf16, e4m3, e8m0, random_fp4_weight, random_fp8_weight, upload_bf16,
 };
-use gpu_support::{
-    PRECISIONS, Rng, assert_bitwise, bf16_unit, cuda_backend, runtime,
-};
+use gpu_support::{PRECISIONS, Rng, assert_bitwise, bf16_unit, cuda_backend, runtime};
 
 /// Distance in bf16 units in the last place between two bf16 values (same sign: bit distance;
 /// otherwise the sum of both distances from zero).

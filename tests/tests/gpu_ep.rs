@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 use deepinfer_actors::model_source::resolve;
 use deepinfer_model::Model;
 use deepinfer_model::any_model::AnyModel;
-use deepinfer_model::backend::cuda::CudaBackend;
 use deepinfer_model::backend::cuda::ep::ExpertRank;
 use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
+use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::v41::LogitsWanted;
 use deepinfer_topology::{ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
 
@@ -166,7 +166,7 @@ fn ep_ranks(
                 let exchange = exchange.clone();
                 let steps = &schedule[rank];
                 s.spawn(move || {
-                    let backend = CudaBackend::open(0).expect("device 0");
+                    let backend = CudaBackend::open(0, Numerics::Exact).expect("device 0");
                     let slot = backend.expert_slot();
                     let first = ExpertRank::new(
                         &backend,
@@ -253,7 +253,7 @@ fn check_model(name: &str, host: &Model) {
     let schedule = schedule(cfg.vocab_size);
     let epochs = schedule[0].len().div_ceil(EPOCH_STEPS);
     let placements = placements(host, epochs);
-    let backend = cuda_backend("gpu_ep").expect("a CUDA device");
+    let backend = cuda_backend("gpu_ep");
     let expected = one_rank(&host.on_backend(Box::new(backend)), &schedule);
     // The one-rank CUDA run is the CPU reference's (exact numerics), so the chain holds to it.
     let cpu = one_rank(host, &schedule);
@@ -331,7 +331,7 @@ fn a_failing_rank_stops_its_peer_without_a_hang() {
     let tokens = prompt(5, 6, cfg.vocab_size);
     for abort in [true, false] {
         let exchange: Arc<dyn RowTransport> = SharedDevice::new(RANKS, Duration::from_secs(3));
-        let backend = CudaBackend::open(0).expect("device 0");
+        let backend = CudaBackend::open(0, Numerics::Exact).expect("device 0");
         let rank = ExpertRank::new(
             &backend,
             &host,

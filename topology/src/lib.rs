@@ -20,6 +20,6 @@ pub use ids::{
 };
 pub use validate::{
     Arch, Backend, DSparkConfig, DeviceConfig, EplbConfig, JobConfig, MemoryConfig, MetricsConfig,
-    ModelConfig, ModelDims, ModelSource, NodeConfig, Numerics, ParallelConfig, ReplayConfig, SamplingConfig,
-    SchedulerConfig,
+    ModelConfig, ModelDims, ModelSource, NodeConfig, Numerics, ParallelConfig, ReplayConfig,
+    SamplingConfig, SchedulerConfig,
 };

@@ -8,8 +8,8 @@ use crate::error::TopologyError;
 use crate::ids::{DpRank, EpRank};
 use crate::raw::{
     RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
-    RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics, RawParallelConfig,
-    RawReplayConfig, RawSamplingConfig, RawSchedulerConfig,
+    RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
+    RawParallelConfig, RawReplayConfig, RawSamplingConfig, RawSchedulerConfig,
 };
 
 /// The checkpoint the engine loads when `model.source` is left out.

@@ -71,13 +71,11 @@ struct JobArgs {
     simulation: SimArgs,
 }
 
-
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Order {
     Input,
     Completion,
 }
-
 
 /// `--simulate`: the topology's actors on simulated GPUs (virtual time, no GPU, no weights).
 #[derive(Args, Debug)]
