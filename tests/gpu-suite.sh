@@ -75,7 +75,9 @@ run() {
     # libtest: "test result: FAILED. 3 passed; 2 failed; 0 ignored; ..."
     p=$(sed -n 's/^test result: [A-Za-z]*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\1/p' "$log" | tail -1)
     f=$(sed -n 's/^test result: [A-Za-z]*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' "$log" | tail -1)
+    i=$(sed -n 's/^test result: .* \([0-9]*\) ignored;.*/\1/p' "$log" | tail -1)
     if [ -z "$p" ]; then p=0; f=1; fi              # no summary: the binary crashed or did not start
+    if [ "${i:-0}" -gt 0 ]; then f=$((f + i)); fi  # an ignored GPU test did not run: a failure
     if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi
     passed=$((passed + p)); failed=$((failed + f))
     table+=$(printf '%-18s %4d passed %4d failed %5ds' "$name" "$p" "$f" $((SECONDS - started)))$'\n'

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use deepinfer_actors::job::format::{line_seed, parse_line};
 use deepinfer_actors::job::{JobOptions, run_job, sample_batch};
 use deepinfer_actors::openai::ServedModel;
 use deepinfer_actors::rank::fake::FakeConfig;
@@ -65,28 +66,18 @@ fn input_lines() -> Vec<String> {
         .collect()
 }
 
-/// Line `i` of [`input_lines`] as a request of its own (`None` for the two bad lines), to run
-/// alone: seeded (chat) or greedy (completions) lines give the same tokens in any batch. The
+/// Line `i` of [`input_lines`] as a request of its own, parsed and seeded as the job does (`None`
+/// for the two bad lines), to run alone: seeded lines give the same tokens in any batch. The
 /// line's marker: its seed (chat) or its number at the end of its prompt (the fake model's next
 /// token depends on the last one), so two lines' responses differ.
 fn solo_request(i: usize) -> Option<GenerateRequest> {
-    match i {
-        17 | 42 => None,
-        _ if i.is_multiple_of(3) => Some(GenerateRequest::from_chat(json!({
-            "model": "deepseek-v4.1-flash",
-            "messages": [{"role": "user", "content": format!("Question {i}?")}],
-            "max_tokens": 3, "seed": i}))),
-        _ if i % 3 == 1 => Some(
-            GenerateRequest::from_text(format!("Story number {i}"))
-                .max_tokens(4)
-                .temperature(0.0),
-        ),
-        _ => Some(
-            GenerateRequest::from_text(format!("Plain prompt {i}"))
-                .max_tokens(2)
-                .temperature(0.0),
-        ),
-    }
+    let line = parse_line(&input_lines()[i], i + 1, &served()).ok()?;
+    let request = line.request.ok()?;
+    Some(
+        request
+            .choice_requests(Some(line_seed(&line.custom_id)))
+            .remove(0),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

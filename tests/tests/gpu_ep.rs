@@ -19,8 +19,7 @@
 //! 1.6 ms, a missing one after the 3 s timeout. With the receiver-local expert id shifted by one
 //! (a dispatch bug), 4608 of the first chunk's logits differ.
 //!
-//! Needs an NVIDIA GPU and the v41-tiny fixture (`tests/fixtures`, or `$DEEPINFER_FIXTURES`); run on the H200 with
-//! `bash .gpu/run.sh gpu_ep --include-ignored --nocapture --test-threads=1`.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
 
 use std::panic::AssertUnwindSafe;
@@ -307,7 +306,6 @@ fn check_model(name: &str, host: &Model) {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU and the v41-tiny fixture"]
 fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
     let (host, _) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
     check_model("v41-tiny", &host);
@@ -324,7 +322,6 @@ fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU and the v41-tiny fixture"]
 fn a_failing_rank_stops_its_peer_without_a_hang() {
     let (host, cfg) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
     let placement = placements(&host, 1).remove(0);

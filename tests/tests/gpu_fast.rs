@@ -17,8 +17,7 @@
 //! steps with 2 … 64 other sequences of different lengths (negative control: another token is
 //! seen).
 //!
-//! Built only with `--features cuda`; `#[ignore]`d (they need an NVIDIA GPU). On the H200:
-//! `bash .gpu/run.sh gpu_fast --include-ignored --test-threads=1`.
+//! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
 
 use deepinfer_kernels::KernelRuntime;
@@ -112,7 +111,6 @@ fn exact_and_bound(x: &[f32], rows: usize, w: &Fp8Weight) -> (Vec<f64>, Vec<f64>
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn fast_gemm_is_within_its_error_bound_and_every_tile_gives_the_same_bits() {
     let rt = open();
     let mut rng = Rng(31);
@@ -164,7 +162,6 @@ fn fast_gemm_is_within_its_error_bound_and_every_tile_gives_the_same_bits() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn fast_gemm_is_batch_invariant() {
     let rt = open();
     let mut rng = Rng(32);
@@ -279,7 +276,6 @@ fn kl(p_logits: &[f32], q_logits: &[f32]) -> f64 {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn v41_tiny_fast_meets_the_independent_implementation_rule_and_is_deterministic() {
     let (fast, tokens) = v41_tiny(fast_backend());
     let (cpu, _) = v41_tiny(Box::new(CpuBackend::new()));
@@ -376,7 +372,6 @@ fn probe_step(
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
 fn v41_tiny_fast_is_batch_invariant() {
     let (model, tokens) = v41_tiny(fast_backend());
     let vocab = model.config().vocab_size;
