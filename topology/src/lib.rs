@@ -21,5 +21,5 @@ pub use ids::{
 pub use validate::{
     Arch, Backend, DSparkConfig, DeviceConfig, EplbConfig, JobConfig, MetricsConfig, ModelConfig,
     ModelDims, ModelSource, NodeConfig, ParallelConfig, ReplayConfig, SamplingConfig,
-    SchedulerConfig,
+    SchedulerConfig, ServerConfig, DEFAULT_SERVER_LISTEN, parse_listen_address,
 };
