@@ -21,6 +21,7 @@ pub mod rank;
 pub mod replay;
 pub mod sampling;
 pub mod scheduler;
+pub mod server;
 pub mod supervisor;
 pub mod tools;
 

@@ -289,7 +289,11 @@ fn server_section_defaults_and_errors_name_the_field() {
     .unwrap()
     .server;
     assert_eq!(
-        (set.listen.port(), set.max_body_bytes, set.shutdown_timeout_seconds),
+        (
+            set.listen.port(),
+            set.max_body_bytes,
+            set.shutdown_timeout_seconds
+        ),
         (9000, 4096, 0)
     );
     assert_blames(

@@ -1,6 +1,7 @@
 //! `deepinfer-node`: runs an offline job (OpenAI Batch JSONL) on the topology's model, or a
-//! built-in sample batch when no input is given; `logits` and `eplb-plan` are operator tools.
-//! The logic lives in `deepinfer_actors::{job, tools}`; this file parses arguments and prints.
+//! built-in sample batch when no input is given; `serve` serves the OpenAI API over HTTP;
+//! `logits` and `eplb-plan` are operator tools. The logic lives in
+//! `deepinfer_actors::{job, server, tools}`; this file parses arguments and prints.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -11,10 +12,11 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use deepinfer_actors::job::{JobOptions, run_job, sample_batch};
+use deepinfer_actors::server::{ServeOptions, Server};
 use deepinfer_actors::tools::{eplb_plan, logits};
 use deepinfer_actors::{Engine, EngineConfig, gpu, model_source, prometheus};
-use deepinfer_topology::NodeConfig;
 use deepinfer_topology::eplb::PlacementShape;
+use deepinfer_topology::{NodeConfig, parse_listen_address};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Offline inference for DeepSeek-V4.1-Flash.
@@ -45,12 +47,25 @@ struct JobArgs {
 
 #[derive(Subcommand, Debug)]
 enum Tool {
+    /// Serves the OpenAI API over HTTP (chat/completions and completions with SSE streaming,
+    /// models, health, readiness, metrics) until SIGTERM or SIGINT.
+    Serve(ServeArgs),
     /// Writes the fp32 logits at every input position (tensor `logits`, [tokens, vocab]) when
     /// the tokens are fed through the per-sequence state in the given chunk sizes.
     Logits(LogitsArgs),
     /// Plans an expert placement with DeepSeek's EPLB and prints
     /// `{"phy2log", "log2phy", "logcnt"}` as JSON.
     EplbPlan(EplbPlanArgs),
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Topology file; default: the embedded configs/local.toml (CPU, built-in demo model).
+    #[arg(long)]
+    topology: Option<PathBuf>,
+    /// IP:port to listen on; default: the topology's `[server] listen` (127.0.0.1:8000).
+    #[arg(long, value_parser = parse_listen_address)]
+    listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Args, Debug)]
@@ -106,13 +121,10 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.tool {
+        Some(Tool::Serve(args)) => block_on(run_serve(args)),
         Some(Tool::Logits(args)) => run_logits(args),
         Some(Tool::EplbPlan(args)) => run_eplb_plan(args),
-        None => tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .map_err(anyhow::Error::from)
-            .and_then(|runtime| runtime.block_on(run(cli.job))),
+        None => block_on(run(cli.job)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -122,6 +134,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn block_on(work: impl Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(work)
 }
 
 fn run_logits(args: LogitsArgs) -> anyhow::Result<()> {
@@ -158,22 +177,97 @@ fn run_eplb_plan(args: EplbPlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run(cli: JobArgs) -> anyhow::Result<()> {
-    let node = match &cli.topology {
+/// The topology (the file, or the embedded default).
+fn load_node(topology: Option<&PathBuf>) -> anyhow::Result<NodeConfig> {
+    let node = match topology {
         Some(path) => NodeConfig::from_file_with_env(path)?,
         None => NodeConfig::embedded_default()?,
     };
     // The GPUs a CUDA topology needs, counted for real (none without a driver or `cuda`).
     gpu::check_node(&node)?;
-    let _metrics = match node.metrics.prometheus_listen {
-        Some(addr) => Some(prometheus::serve(prometheus::install()?, addr).await?),
-        None => None,
-    };
+    Ok(node)
+}
+
+/// Resolves the topology's model (downloading it when needed) into an engine configuration
+/// and the model's name.
+async fn engine_config(node: NodeConfig) -> anyhow::Result<(EngineConfig, String)> {
     let resolve_node = node.clone();
     let model = tokio::task::spawn_blocking(move || model_source::resolve(&resolve_node)).await??;
     if let Some(notice) = &model.notice {
         eprintln!("{notice}");
     }
+    let config = EngineConfig {
+        node,
+        executor: model.factory,
+        model: model.facts,
+        tokenizer: Some(model.tokenizer),
+    };
+    Ok((config, model.name))
+}
+
+/// Resolves when the process receives SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let node = load_node(args.topology.as_ref())?;
+    let metrics = prometheus::install()?;
+    let _exporter = match node.metrics.prometheus_listen {
+        Some(addr) => Some(prometheus::serve(metrics.clone(), addr).await?),
+        None => None,
+    };
+    let server_config = node.server;
+    let (config, model_name) = engine_config(node).await?;
+    let engine = Engine::start(config).await?;
+    let options = ServeOptions {
+        listen: args.listen.unwrap_or(server_config.listen),
+        max_body_bytes: server_config.max_body_bytes as usize,
+        shutdown_timeout: Duration::from_secs(u64::from(server_config.shutdown_timeout_seconds)),
+        model_name: model_name.clone(),
+    };
+    let server = Server::bind(&engine, options, Some(metrics)).await?;
+    eprintln!(
+        "serving {model_name} on http://{}/v1 (SIGTERM or Ctrl-C stops)",
+        server.local_addr()?
+    );
+    let report = server.run(engine, shutdown_signal()).await?;
+    eprintln!(
+        "stopped: {}",
+        if report.drained {
+            "every in-flight request finished"
+        } else {
+            "requests still running at the grace period's end were aborted"
+        }
+    );
+    Ok(())
+}
+
+async fn run(cli: JobArgs) -> anyhow::Result<()> {
+    let node = load_node(cli.topology.as_ref())?;
+    let _metrics = match node.metrics.prometheus_listen {
+        Some(addr) => Some(prometheus::serve(prometheus::install()?, addr).await?),
+        None => None,
+    };
     let input_path = cli.input.or_else(|| node.job.input_path.clone());
     let output_path = cli.output.or_else(|| node.job.output_path.clone());
     let input = match &input_path {
@@ -182,15 +276,11 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         }
         None => sample_batch(),
     };
+    let max_concurrent = node.scheduler.admission_queue_capacity as usize;
+    let (config, model_name) = engine_config(node).await?;
     let options = JobOptions {
-        model_name: model.name.clone(),
-        max_concurrent: node.scheduler.admission_queue_capacity as usize,
-    };
-    let config = EngineConfig {
-        node,
-        executor: model.factory,
-        model: model.facts,
-        tokenizer: Some(model.tokenizer),
+        model_name,
+        max_concurrent,
     };
     let engine = Engine::start(config).await?;
 
