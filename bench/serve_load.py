@@ -54,16 +54,16 @@ def percentile(values, p):
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def plan(n, seed):
+def plan(n, seed, prompt_words, max_new_tokens, cancel_after):
     """The request mix: (kind, path, body, stream, cancel_after_chunks)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        words = rng.choice([3, 40, 200])
+        words = rng.choice(prompt_words)
         prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-        max_tokens = rng.randint(1, 16)
+        max_tokens = rng.randint(1, max_new_tokens)
         stream = rng.random() < 0.5
-        cancel = 2 if stream and rng.random() < 0.2 else None
+        cancel = cancel_after if stream and rng.random() < 0.2 else None
         invalid = rng.random() < 0.02
         if rng.random() < 0.5:
             path = "/v1/chat/completions"
@@ -165,9 +165,13 @@ def main():
     parser.add_argument("--topology", default="configs/local.toml")
     parser.add_argument("--max-seconds", type=float, default=3600)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--prompt-words", default="3,40,200", help="prompt lengths to mix (words)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="max_tokens is drawn from 1..this")
+    parser.add_argument("--cancel-after", type=int, default=2, help="chunks a cancelled stream reads")
     args = parser.parse_args()
-    if args.requests < 1 or args.concurrency < 1:
-        sys.exit("--requests and --concurrency must be >= 1")
+    prompt_words = [int(w) for w in args.prompt_words.split(",")]
+    if min(args.requests, args.concurrency, args.max_new_tokens, args.cancel_after, *prompt_words) < 1:
+        sys.exit("--requests, --concurrency, --max-new-tokens, --cancel-after, --prompt-words must be >= 1")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([args.binary, "serve", "--topology", args.topology, "--listen", f"127.0.0.1:{port}"],
@@ -185,7 +189,7 @@ def main():
         httpx.post(base + "/v1/completions", json={"prompt": "warm up", "max_tokens": 2}, timeout=300)
         rss_before = rss_mib(server.pid)
         aborted_before = aborted_total(base)
-        items = plan(args.requests, args.seed)
+        items = plan(args.requests, args.seed, prompt_words, args.max_new_tokens, args.cancel_after)
         began = time.monotonic()
         stats = asyncio.run(asyncio.wait_for(drive(base, items, args.concurrency), args.max_seconds))
         elapsed = time.monotonic() - began
@@ -200,6 +204,8 @@ def main():
     answered = stats["ok"] + stats["intended_errors"] + stats["unintended"] + stats["cancelled"]
     lost = len(items) - answered
     ms = lambda s: f"{s * 1000:.0f} ms"  # noqa: E731
+    print(f"prompts of {args.prompt_words} words, 1..{args.max_new_tokens} new tokens, "
+          f"cancelled streams read {args.cancel_after} chunk(s)")
     print(f"requests {len(items)} at {args.concurrency} concurrent in {elapsed:.1f} s "
           f"({len(items) / elapsed:.1f} req/s)")
     print(f"ok {stats['ok']}, cancelled mid-stream {stats['cancelled']} (engine aborts counted {aborted:.0f}), "
