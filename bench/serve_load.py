@@ -11,7 +11,7 @@ still answers afterwards, and ends it with SIGTERM (exit status 0 expected).
     python3 bench/serve_load.py [--requests 2000] [--concurrency 64] [--binary PATH]
 
 Needs `httpx` (installed with the `openai` package: see .ci/run). Everything stays on 127.0.0.1;
-each request has a 300 s bound and the whole run a bound of --max-seconds.
+each request has a --request-timeout bound (default 1200 s) and the whole run --max-seconds.
 """
 
 import argparse
@@ -143,13 +143,13 @@ def aborted_total(base):
     return float(match.group(1)) if match else 0.0
 
 
-async def drive(base, items, concurrency):
+async def drive(base, items, concurrency, timeout):
     stats = {"ok": 0, "intended_errors": 0, "unintended": 0, "cancelled": 0, "ttft": [], "itl": [], "samples": []}
     queue = asyncio.Queue()
     for item in items:
         queue.put_nowait(item)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         async def worker():
             while not queue.empty():
                 await one(client, base, queue.get_nowait(), stats)
@@ -165,6 +165,7 @@ def main():
     parser.add_argument("--topology", default="configs/local.toml")
     parser.add_argument("--max-seconds", type=float, default=3600)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--request-timeout", type=float, default=1200, help="seconds per request")
     parser.add_argument("--prompt-words", default="3,40,200", help="prompt lengths to mix (words)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="max_tokens is drawn from 1..this")
     parser.add_argument("--cancel-after", type=int, default=2, help="chunks a cancelled stream reads")
@@ -191,7 +192,7 @@ def main():
         aborted_before = aborted_total(base)
         items = plan(args.requests, args.seed, prompt_words, args.max_new_tokens, args.cancel_after)
         began = time.monotonic()
-        stats = asyncio.run(asyncio.wait_for(drive(base, items, args.concurrency), args.max_seconds))
+        stats = asyncio.run(asyncio.wait_for(drive(base, items, args.concurrency, args.request_timeout), args.max_seconds))
         elapsed = time.monotonic() - began
         time.sleep(1.0)  # let the last aborts reach the engine
         aborted = aborted_total(base) - aborted_before

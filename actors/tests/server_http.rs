@@ -4,12 +4,13 @@
 //! graceful shutdown letting an in-flight stream finish. The raw HTTP client here is
 //! deliberately dumb; the real-client test is `tests/python/openai_client.py`.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use deepinfer_actors::server::{ServeOptions, Server};
-use deepinfer_actors::{Engine, EngineConfig, EngineHandle, model_source, prometheus};
-use deepinfer_topology::NodeConfig;
+use deepinfer_actors::{Engine, EngineHandle, prometheus};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -17,27 +18,14 @@ use tokio::net::TcpStream;
 const MAX_BODY: usize = 4096;
 
 async fn start_demo_engine() -> (Engine, tempfile::TempDir) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().to_path_buf();
-    let model = tokio::task::spawn_blocking(move || model_source::build_demo(&path))
-        .await
-        .expect("demo build task")
-        .expect("the demo model builds");
-    let node = NodeConfig::from_toml_str(
+    common::demo_engine::start_demo_engine(
         "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 2\nep = 1\n\
          [scheduler]\nmax_batched_tokens = 1024\nmax_running_requests = 8\n\
          prefill_chunk_tokens = 256\noverlap_depth = 2\nadmission_queue_capacity = 2\n\
          [sampling]\nmax_tokens = 16\n",
         "server test",
     )
-    .expect("node config");
-    let config = EngineConfig {
-        node,
-        executor: model.factory,
-        model: model.facts,
-        tokenizer: Some(model.tokenizer),
-    };
-    (Engine::start(config).await.expect("engine starts"), dir)
+    .await
 }
 
 /// Writes one HTTP/1.1 request (`Connection: close`) and returns the open socket.

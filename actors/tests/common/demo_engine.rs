@@ -1,0 +1,26 @@
+//! An engine on the demo model (tiny V4.1 architecture, the real DeepSeek tokenizer, seeded
+//! random weights) for test binaries that need real text.
+
+#![allow(dead_code)]
+
+use deepinfer_actors::{Engine, EngineConfig, model_source};
+use deepinfer_topology::NodeConfig;
+
+/// Starts an engine on the demo model with the topology `toml` (`origin` names it in errors).
+/// Keep the directory alive while the engine runs.
+pub async fn start_demo_engine(toml: &str, origin: &str) -> (Engine, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().to_path_buf();
+    let model = tokio::task::spawn_blocking(move || model_source::build_demo(&path))
+        .await
+        .expect("demo build task")
+        .expect("the demo model builds");
+    let node = NodeConfig::from_toml_str(toml, origin).expect("node config");
+    let config = EngineConfig {
+        node,
+        executor: model.factory,
+        model: model.facts,
+        tokenizer: Some(model.tokenizer),
+    };
+    (Engine::start(config).await.expect("engine starts"), dir)
+}
