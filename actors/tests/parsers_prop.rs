@@ -9,6 +9,8 @@ use std::sync::OnceLock;
 use deepinfer_actors::frontend::codec::TextCodec;
 use deepinfer_actors::grammar::GrammarEngine;
 use deepinfer_actors::job::format::parse_line;
+use deepinfer_actors::openai::ServedModel;
+use deepinfer_model::config::ModelFamily;
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -113,6 +115,16 @@ fn mutated(text: &str, edit: (usize, u8, bool)) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// The model the lines are parsed for.
+fn served() -> ServedModel {
+    ServedModel {
+        name: "default".into(),
+        family: ModelFamily::V41,
+        context_tokens: 4096,
+        thinking_by_default: false,
+    }
+}
+
 const CHAT_LINE: &str = r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"seed":3,"stop":["x"],"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"object","properties":{"a":{"type":"integer"}}}}}}}"#;
 const COMPLETION_LINE: &str = r#"{"custom_id":"b","method":"POST","url":"/v1/completions","body":{"prompt":"Once","max_tokens":4,"temperature":0.5,"top_p":0.9,"top_k":3,"stop":"."}}"#;
 
@@ -124,7 +136,7 @@ proptest! {
     #[test]
     fn batch_lines_never_panic(value in json_value(), text in ".{0,64}") {
         for line in [value.to_string(), text] {
-            if let Err(error) = parse_line(&line, 7, "default") {
+            if let Err(error) = parse_line(&line, 7, &served()) {
                 prop_assert_eq!(error.line, 7);
                 prop_assert!(!error.message.is_empty());
             }
@@ -135,7 +147,7 @@ proptest! {
     #[test]
     fn mutated_batch_lines_never_panic(edit in (any::<usize>(), any::<u8>(), any::<bool>())) {
         for base in [CHAT_LINE, COMPLETION_LINE] {
-            if let Err(error) = parse_line(&mutated(base, edit), 3, "default") {
+            if let Err(error) = parse_line(&mutated(base, edit), 3, &served()) {
                 prop_assert_eq!(error.line, 3);
                 prop_assert!(!error.message.is_empty());
             }

@@ -60,7 +60,7 @@ fn input_lines() -> Vec<String> {
             _ if i % 3 == 1 => json!({"custom_id": format!("r{i}"), "method": "POST", "url": "/v1/completions",
                 "body": {"model": "deepseek-v4.1-flash", "prompt": format!("Story number {i}"), "max_tokens": 4, "temperature": 0}})
             .to_string(),
-            _ => json!({"prompt": format!("Plain prompt {i}"), "max_tokens": 2}).to_string(),
+            _ => json!({"prompt": format!("Plain prompt {i}"), "max_tokens": 2, "temperature": 0}).to_string(),
         })
         .collect()
 }
@@ -72,10 +72,16 @@ fn input_lines() -> Vec<String> {
 fn solo_request(i: usize) -> Option<GenerateRequest> {
     match i {
         17 | 42 => None,
-        _ if i.is_multiple_of(3) => Some(GenerateRequest::from_chat(json!({
+        _ if i.is_multiple_of(3) => Some(
+            GenerateRequest::from_chat(json!({
             "model": "deepseek-v4.1-flash",
             "messages": [{"role": "user", "content": format!("Question {i}?")}],
-            "max_tokens": 3, "seed": i}))),
+            "max_tokens": 3, "seed": i}))
+            // The job's defaults for the line's body: temperature 1, its seed, its max_tokens.
+            .max_tokens(3)
+            .temperature(1.0)
+            .seed(i as u64),
+        ),
         _ if i % 3 == 1 => Some(
             GenerateRequest::from_text(format!("Story number {i}"))
                 .max_tokens(4)

@@ -66,7 +66,7 @@ impl ExecutorFactory for ExpertParallelFactory {
 
     fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
         Some(deepinfer_model::state_bytes::StateBytes::of(
-            self.parallel.model().config(),
+            self.model.config(),
         ))
     }
 
