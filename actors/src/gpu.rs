@@ -8,7 +8,7 @@
 //! call into it runs under `catch_unwind`.
 
 use deepinfer_model::backend::Backend;
-use deepinfer_topology::{Backend as DeviceBackend, NodeConfig};
+use deepinfer_topology::{Backend as DeviceBackend, NodeConfig, Numerics};
 
 /// The devices found, and why there are none when there are none.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,18 +108,19 @@ pub fn device_memory(ordinal: usize) -> Result<u64, String> {
     Err(format!("device {ordinal}: {NO_CUDA_BUILD}"))
 }
 
-/// The CUDA backend on device `ordinal` (compiles or loads the kernels; call it on the thread
-/// that will use it). A clear error, never a panic, without a driver or without the feature.
+/// The CUDA backend on device `ordinal` with `numerics` (compiles or loads the kernels; call it
+/// on the thread that will use it). A clear error, never a panic, without a driver or without the
+/// feature.
 #[cfg(feature = "cuda")]
-pub fn open_cuda_backend(ordinal: usize) -> Result<Box<dyn Backend>, String> {
-    deepinfer_model::backend::cuda::CudaBackend::open(ordinal)
+pub fn open_cuda_backend(ordinal: usize, numerics: Numerics) -> Result<Box<dyn Backend>, String> {
+    deepinfer_model::backend::cuda::CudaBackend::open(ordinal, numerics)
         .map(|backend| Box::new(backend) as Box<dyn Backend>)
         .map_err(|e| e.to_string())
 }
 
 /// The CUDA backend on device `ordinal`: an error in a build without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
-pub fn open_cuda_backend(ordinal: usize) -> Result<Box<dyn Backend>, String> {
+pub fn open_cuda_backend(ordinal: usize, _numerics: Numerics) -> Result<Box<dyn Backend>, String> {
     Err(format!("device {ordinal}: {NO_CUDA_BUILD}"))
 }
 
@@ -178,8 +179,9 @@ mod tests {
                 reason.contains("CUDA support") || reason.contains("CUDA driver"),
                 "{reason}"
             );
-            let opened = std::panic::catch_unwind(|| open_cuda_backend(0).map(|_| ()))
-                .expect("opening never panics");
+            let opened =
+                std::panic::catch_unwind(|| open_cuda_backend(0, Numerics::Exact).map(|_| ()))
+                    .expect("opening never panics");
             assert!(opened.is_err());
         }
     }

@@ -349,11 +349,13 @@ fn check_devices(node: &NodeConfig) -> Result<(), EngineError> {
     })
 }
 
-/// With `[device] backend = "cuda"`: each rank runs the loaded weights on its own GPU.
+/// With `[device] backend = "cuda"`: each rank runs the loaded weights on its own GPU, in the
+/// topology's `[device] numerics`.
 fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedModel {
-    if node.device.backend == DeviceBackend::Cpu {
-        return resolved;
-    }
+    let numerics = match node.device.backend {
+        DeviceBackend::Cuda { numerics, .. } => numerics,
+        DeviceBackend::Cpu => return resolved,
+    };
     let per_node = usize::from(node.device.gpus_per_node);
     let placement =
         format!("on the CUDA backend (DP rank r on GPU r of its node, {per_node} per node)");
@@ -362,13 +364,13 @@ fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedMo
             model: model.clone(),
             description: format!("V4.1 model {} {placement}", resolved.name),
             devices_per_node: per_node,
-            open: Arc::new(gpu::open_cuda_backend),
+            open: Arc::new(move |ordinal| gpu::open_cuda_backend(ordinal, numerics)),
         }),
         AnyModel::V4(model) => Arc::new(V4PerDeviceFactory {
             model: model.clone(),
             description: format!("V4 model {} {placement}", resolved.name),
             devices_per_node: per_node,
-            open: Arc::new(gpu::open_cuda_backend),
+            open: Arc::new(move |ordinal| gpu::open_cuda_backend(ordinal, numerics)),
         }),
     };
     resolved

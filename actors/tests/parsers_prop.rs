@@ -115,18 +115,18 @@ fn mutated(text: &str, edit: (usize, u8, bool)) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// The model the lines are parsed for.
+const CHAT_LINE: &str = r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"seed":3,"stop":["x"],"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"object","properties":{"a":{"type":"integer"}}}}}}}"#;
+const COMPLETION_LINE: &str = r#"{"custom_id":"b","method":"POST","url":"/v1/completions","body":{"prompt":"Once","max_tokens":4,"temperature":0.5,"top_p":0.9,"top_k":3,"stop":"."}}"#;
+
+/// The model the parsed lines are for (V4.1, a 1024-token context, no thinking by default).
 fn served() -> ServedModel {
     ServedModel {
-        name: "default".into(),
+        name: "served".into(),
         family: ModelFamily::V41,
-        context_tokens: 4096,
+        context_tokens: 1024,
         thinking_by_default: false,
     }
 }
-
-const CHAT_LINE: &str = r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"seed":3,"stop":["x"],"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"object","properties":{"a":{"type":"integer"}}}}}}}"#;
-const COMPLETION_LINE: &str = r#"{"custom_id":"b","method":"POST","url":"/v1/completions","body":{"prompt":"Once","max_tokens":4,"temperature":0.5,"top_p":0.9,"top_k":3,"stop":"."}}"#;
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1000))]

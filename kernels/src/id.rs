@@ -49,6 +49,7 @@ impl fmt::Display for Arch {
 pub enum SourceFile {
     ActQuant,
     GemmFp8,
+    GemmFp8Fast,
     GemmFp4,
     RmsNorm,
     Rope,
@@ -68,9 +69,10 @@ pub enum SourceFile {
 }
 
 impl SourceFile {
-    pub const ALL: [SourceFile; 18] = [
+    pub const ALL: [SourceFile; 19] = [
         SourceFile::ActQuant,
         SourceFile::GemmFp8,
+        SourceFile::GemmFp8Fast,
         SourceFile::GemmFp4,
         SourceFile::RmsNorm,
         SourceFile::Rope,
@@ -94,6 +96,7 @@ impl SourceFile {
         match self {
             SourceFile::ActQuant => "quant/act_quant.cu",
             SourceFile::GemmFp8 => "gemm/gemm_fp8.cu",
+            SourceFile::GemmFp8Fast => "gemm/gemm_fp8_fast.cu",
             SourceFile::GemmFp4 => "gemm/gemm_fp4.cu",
             SourceFile::RmsNorm => "norm/rms_norm.cu",
             SourceFile::Rope => "rope/rope.cu",
@@ -136,6 +139,22 @@ pub enum KernelId {
     GemmFp8T32G32Warp,
     /// `GemmFp8T128G128` with one warp per output column over all of K (few rows).
     GemmFp8T128G128Warp,
+    /// Fast FP8 GEMM (tensor cores, `fast` numerics), 32x32 weight tiles, 8 token rows per block.
+    GemmFp8FastT32B8,
+    /// Fast FP8 GEMM (tensor cores, `fast` numerics), 32x32 weight tiles, 32 token rows per block.
+    GemmFp8FastT32B32,
+    /// Fast FP8 GEMM (tensor cores, `fast` numerics), 32x32 weight tiles, 64 token rows per block.
+    GemmFp8FastT32B64,
+    /// Fast FP8 GEMM (tensor cores, `fast` numerics), 32x32 weight tiles, 128 token rows per block.
+    GemmFp8FastT32B128,
+    /// Fast FP8 GEMM (tensor cores, `fast` numerics), 128x128 weight tiles, 8 token rows per block.
+    GemmFp8FastT128B8,
+    /// Fast FP8 GEMM (tensor cores, `fast` numerics), 128x128 weight tiles, 32 token rows per block.
+    GemmFp8FastT128B32,
+    /// Fast FP8 GEMM (tensor cores, `fast` numerics), 128x128 weight tiles, 64 token rows per block.
+    GemmFp8FastT128B64,
+    /// Fast FP8 GEMM (tensor cores, `fast` numerics), 128x128 weight tiles, 128 token rows per block.
+    GemmFp8FastT128B128,
     /// `GemmFp4G32` with one warp per output column over all of K (few rows).
     GemmFp4G32Warp,
     /// RMSNorm, bf16 in/out, fp32 math.
@@ -251,7 +270,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 64] = [
+    pub const ALL: [KernelId; 72] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -261,6 +280,14 @@ impl KernelId {
         KernelId::GemmFp4G32,
         KernelId::GemmFp8T32G32Warp,
         KernelId::GemmFp8T128G128Warp,
+        KernelId::GemmFp8FastT32B8,
+        KernelId::GemmFp8FastT32B32,
+        KernelId::GemmFp8FastT32B64,
+        KernelId::GemmFp8FastT32B128,
+        KernelId::GemmFp8FastT128B8,
+        KernelId::GemmFp8FastT128B32,
+        KernelId::GemmFp8FastT128B64,
+        KernelId::GemmFp8FastT128B128,
         KernelId::GemmFp4G32Warp,
         KernelId::RmsNormBf16,
         KernelId::RopeInterleavedBf16,
@@ -330,6 +357,14 @@ impl KernelId {
             KernelId::GemmFp4G32 => "gemm_fp4_g32_bf16",
             KernelId::GemmFp8T32G32Warp => "gemm_fp8_t32_g32_warp_bf16",
             KernelId::GemmFp8T128G128Warp => "gemm_fp8_t128_g128_warp_bf16",
+            KernelId::GemmFp8FastT32B8 => "gemm_fp8_fast_t32_b8",
+            KernelId::GemmFp8FastT32B32 => "gemm_fp8_fast_t32_b32",
+            KernelId::GemmFp8FastT32B64 => "gemm_fp8_fast_t32_b64",
+            KernelId::GemmFp8FastT32B128 => "gemm_fp8_fast_t32_b128",
+            KernelId::GemmFp8FastT128B8 => "gemm_fp8_fast_t128_b8",
+            KernelId::GemmFp8FastT128B32 => "gemm_fp8_fast_t128_b32",
+            KernelId::GemmFp8FastT128B64 => "gemm_fp8_fast_t128_b64",
+            KernelId::GemmFp8FastT128B128 => "gemm_fp8_fast_t128_b128",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormBf16 => "rms_norm_bf16",
             KernelId::RopeInterleavedBf16 => "rope_interleaved_bf16",
@@ -399,6 +434,14 @@ impl KernelId {
             | KernelId::GemmFp8T128G128
             | KernelId::GemmFp8T32G32Warp
             | KernelId::GemmFp8T128G128Warp => SourceFile::GemmFp8,
+            KernelId::GemmFp8FastT32B8
+            | KernelId::GemmFp8FastT32B32
+            | KernelId::GemmFp8FastT32B64
+            | KernelId::GemmFp8FastT32B128
+            | KernelId::GemmFp8FastT128B8
+            | KernelId::GemmFp8FastT128B32
+            | KernelId::GemmFp8FastT128B64
+            | KernelId::GemmFp8FastT128B128 => SourceFile::GemmFp8Fast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
             KernelId::RmsNormBf16 | KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => {
                 SourceFile::RmsNorm

@@ -22,6 +22,15 @@ pub struct GemmParams {
     pub warps_per_col: u32,
 }
 
+/// `FastGemmParams`: the fast FP8 GEMM's `y[m, n] = a[m, k] · w[n, k]ᵀ`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastGemmParams {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+}
+
 /// `RmsNormParams`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -118,6 +127,8 @@ unsafe impl DeviceRepr for ActQuantParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for GemmParams {}
 // SAFETY: as above.
+unsafe impl DeviceRepr for FastGemmParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for RmsNormParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for RopeParams {}
@@ -148,6 +159,7 @@ mod tests {
         assert_eq!(size_of::<GemmParams>(), 20);
         assert_eq!(offset_of!(GemmParams, warps_per_col), 16);
         assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
+        assert_eq!(size_of::<FastGemmParams>(), 12);
         assert_eq!(size_of::<RmsNormParams>(), 12);
         assert_eq!(offset_of!(RmsNormParams, eps), 8);
         assert_eq!(size_of::<RopeParams>(), 24);
@@ -188,6 +200,7 @@ mod tests {
             fields("GemmParams"),
             ["m", "n", "k", "w_scale_cols", "warps_per_col"]
         );
+        assert_eq!(fields("FastGemmParams"), ["m", "n", "k"]);
         assert_eq!(fields("RmsNormParams"), ["rows", "cols", "eps"]);
         assert_eq!(
             fields("RopeParams"),

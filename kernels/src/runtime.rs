@@ -156,6 +156,7 @@ impl KernelRuntime {
                         id.symbol(),
                         file.path()
                     )))?;
+                crate::ops::gemm_fast::allow_shared(id, &function)?;
                 functions.insert(id, function);
             }
         }

@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 17] = [
+pub const HEADERS: [(&str, &str); 18] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/numerics.cuh",
@@ -17,6 +17,10 @@ pub const HEADERS: [(&str, &str); 17] = [
     (
         "gemm/gemm_block_scaled.cuh",
         include_str!("../cuda/gemm/gemm_block_scaled.cuh"),
+    ),
+    (
+        "gemm/gemm_fp8_fast.cuh",
+        include_str!("../cuda/gemm/gemm_fp8_fast.cuh"),
     ),
     (
         "norm/rms_norm.cuh",
@@ -59,6 +63,7 @@ pub fn text(file: SourceFile) -> &'static str {
     match file {
         SourceFile::ActQuant => include_str!("../cuda/quant/act_quant.cu"),
         SourceFile::GemmFp8 => include_str!("../cuda/gemm/gemm_fp8.cu"),
+        SourceFile::GemmFp8Fast => include_str!("../cuda/gemm/gemm_fp8_fast.cu"),
         SourceFile::GemmFp4 => include_str!("../cuda/gemm/gemm_fp4.cu"),
         SourceFile::RmsNorm => include_str!("../cuda/norm/rms_norm.cu"),
         SourceFile::Rope => include_str!("../cuda/rope/rope.cu"),

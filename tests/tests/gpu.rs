@@ -37,7 +37,6 @@
 
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::compile::Compiler;
-use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::attention::DeviceKeyLists;
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4, gemm_fp4_split, gemm_fp8, gemm_fp8_split,
@@ -49,7 +48,7 @@ use deepinfer_kernels::ops::rope::{RopeShape, rope_cos_sin_tables, rope_interlea
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
-use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError};
+use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::{
     Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcParams, Precision, RopeTable,
     RowSampling, SampleRowsError, Tensor,
@@ -57,88 +56,13 @@ use deepinfer_model::backend::{
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
 use deepinfer_model::sampling::{AllowedTokens, MaskError, SamplingParams};
-use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
 use half::bf16;
 
 mod gpu_support;
+use gpu_support::gemm_data::{
+    activations, download_bf16, e4m3, e8m0, random_fp4_weight, random_fp8_weight, upload_bf16,
+};
 use gpu_support::{PRECISIONS, Rng, assert_bitwise, bf16_unit, cuda_backend, runtime};
-
-/// The value distributions of these tests, on the shared SplitMix64 generator.
-impl Rng {
-    /// A bf16 activation with a wide dynamic range (magnitudes 2^-12 .. 2^6, some exact zeros).
-    fn activation(&mut self) -> f32 {
-        if self.below(50) == 0 {
-            return 0.0;
-        }
-        let exponent = self.below(19) as i32 - 12;
-        quant::round_bf16(self.uniform() * 2f32.powi(exponent))
-    }
-    /// A finite E4M3 byte (never 0x7f / 0xff, the NaN codes).
-    fn e4m3(&mut self) -> u8 {
-        loop {
-            let b = self.below(256) as u8;
-            if b & 0x7f != 0x7f {
-                return b;
-            }
-        }
-    }
-    /// A UE8M0 scale byte around 2^0 (2^-12 .. 2^4).
-    fn e8m0(&mut self) -> u8 {
-        (115 + self.below(17)) as u8
-    }
-}
-
-/// `rows × cols` bf16 activations; one row in four has a group of tiny values (amax floor) and
-/// one group per row is all zeros when there is room.
-fn activations(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
-    let mut x: Vec<f32> = (0..rows * cols).map(|_| rng.activation()).collect();
-    for r in 0..rows {
-        let row = &mut x[r * cols..(r + 1) * cols];
-        if r % 4 == 1 {
-            for v in row[..32].iter_mut() {
-                *v = quant::round_bf16(*v * 1e-5);
-            }
-        }
-        if cols >= 64 && r % 3 == 0 {
-            row[32..64].fill(0.0);
-        }
-    }
-    x
-}
-
-fn random_fp8_weight(rng: &mut Rng, out: usize, inp: usize, block: usize) -> Fp8Weight {
-    let scales = out.div_ceil(block) * inp.div_ceil(block);
-    Fp8Weight {
-        out,
-        inp,
-        block,
-        data: (0..out * inp).map(|_| rng.e4m3()).collect(),
-        scales: (0..scales).map(|_| rng.e8m0()).collect(),
-    }
-}
-
-fn random_fp4_weight(rng: &mut Rng, out: usize, inp: usize) -> Fp4Weight {
-    Fp4Weight {
-        out,
-        inp,
-        packed: (0..out * inp / 2).map(|_| rng.below(256) as u8).collect(),
-        scales: (0..out * inp / 32).map(|_| rng.e8m0()).collect(),
-    }
-}
-
-fn upload_bf16(rt: &KernelRuntime, values: &[f32]) -> CudaSlice<bf16> {
-    let host: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
-    rt.stream().clone_htod(&host).expect("upload")
-}
-
-fn download_bf16(rt: &KernelRuntime, values: &CudaSlice<bf16>) -> Vec<f32> {
-    rt.stream()
-        .clone_dtoh(values)
-        .expect("download")
-        .iter()
-        .map(|v| v.to_f32())
-        .collect()
-}
 
 /// Distance in bf16 units in the last place between two bf16 values (same sign: bit distance;
 /// otherwise the sum of both distances from zero).
@@ -925,12 +849,12 @@ fn resident_uploads_a_host_tensor_once_and_keeps_a_device_one() {
 #[test]
 fn backend_open_is_an_error_without_a_driver() {
     if driver_available().is_ok() {
-        let backend = CudaBackend::open(0).expect("the driver is present");
+        let backend = CudaBackend::open(0, Numerics::Exact).expect("the driver is present");
         assert!(backend.name().starts_with("cuda:0 ("), "{}", backend.name());
         println!("backend name: {}", backend.name());
         return;
     }
-    let opened = std::panic::catch_unwind(|| CudaBackend::open(0).map(|_| ()));
+    let opened = std::panic::catch_unwind(|| CudaBackend::open(0, Numerics::Exact).map(|_| ()));
     let err = opened
         .expect("CudaBackend::open must not panic without a driver")
         .expect_err("no driver");
@@ -1512,9 +1436,9 @@ fn backend_engram_hash_and_lookup_match_the_cpu() {
     assert_ne!(cpu.engram_hash(&other, &contexts), rows_gpu);
 
     let (table_rows, head_dim) = (1021usize, 96usize);
-    let codes: Vec<u8> = (0..table_rows * head_dim).map(|_| rng.e4m3()).collect();
+    let codes: Vec<u8> = (0..table_rows * head_dim).map(|_| e4m3(&mut rng)).collect();
     let mut scales: Vec<u8> = (0..table_rows * head_dim / 32)
-        .map(|_| rng.e8m0())
+        .map(|_| e8m0(&mut rng))
         .collect();
     scales[0] = 0; // 2^-127: subnormal products
     scales[1] = 200;

@@ -27,7 +27,7 @@ use deepinfer_actors::rank::model_executor::{ModelFactory, PerDeviceModelFactory
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
 use deepinfer_actors::{Completion, Engine, EngineConfig, GenerateRequest, ModelFacts};
 use deepinfer_model::{LogitsWanted, Model};
-use deepinfer_topology::{NodeConfig, RequestId};
+use deepinfer_topology::{NodeConfig, Numerics, RequestId};
 
 mod gpu_support;
 use gpu_support::host_fixture_model;
@@ -98,7 +98,7 @@ fn fixture_model() -> (Arc<Model>, ModelFacts) {
 /// One DP rank with the given prefill chunk; room for 65 requests in one step.
 fn topology(backend: &str, prefill_chunk: usize) -> NodeConfig {
     let device = if backend == "cuda" {
-        "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1"
+        "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1\nnumerics = \"exact\""
     } else {
         "backend = \"cpu\""
     };
@@ -134,7 +134,7 @@ fn cuda_factory(model: &Arc<Model>) -> Arc<dyn ExecutorFactory> {
         model: model.clone(),
         description: "v41-tiny on the CUDA backend".into(),
         devices_per_node: 1,
-        open: Arc::new(gpu::open_cuda_backend),
+        open: Arc::new(|ordinal| gpu::open_cuda_backend(ordinal, Numerics::Exact)),
     })
 }
 
@@ -431,7 +431,7 @@ async fn a_cuda_topology_serves_the_v4_tiny_fixture_with_the_cpu_tokens() {
     let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
     let v4_topology = |backend: &str| {
         let device = if backend == "cuda" {
-            "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1"
+            "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1\nnumerics = \"exact\""
         } else {
             "backend = \"cpu\""
         };

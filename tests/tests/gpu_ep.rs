@@ -19,7 +19,7 @@
 //! 1.6 ms, a missing one after the 3 s timeout. With the receiver-local expert id shifted by one
 //! (a dispatch bug), 4608 of the first chunk's logits differ.
 //!
-//! Needs an NVIDIA GPU and the v41-tiny fixture (`DEEPINFER_V41_TINY`); run on the H200 with
+//! Needs an NVIDIA GPU and the v41-tiny fixture (`tests/fixtures`, or `$DEEPINFER_FIXTURES`); run on the H200 with
 //! `bash .gpu/run.sh gpu_ep --include-ignored --nocapture --test-threads=1`.
 #![cfg(feature = "cuda")]
 
@@ -30,14 +30,14 @@ use std::time::{Duration, Instant};
 use deepinfer_actors::model_source::resolve;
 use deepinfer_model::Model;
 use deepinfer_model::any_model::AnyModel;
-use deepinfer_model::backend::cuda::CudaBackend;
 use deepinfer_model::backend::cuda::ep::ExpertRank;
 use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
+use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::v41::LogitsWanted;
 use deepinfer_topology::{ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
 
 mod gpu_support;
-use gpu_support::{cuda_backend, differing, host_fixture_model, prompt, v41_tiny_path};
+use gpu_support::{cuda_backend, differing, host_fixture_model, prompt};
 
 const RANKS: usize = 2;
 /// Steps between placement changes.
@@ -166,7 +166,7 @@ fn ep_ranks(
                 let exchange = exchange.clone();
                 let steps = &schedule[rank];
                 s.spawn(move || {
-                    let backend = CudaBackend::open(0).expect("device 0");
+                    let backend = CudaBackend::open(0, Numerics::Exact).expect("device 0");
                     let slot = backend.expert_slot();
                     let first = ExpertRank::new(
                         &backend,
@@ -253,7 +253,7 @@ fn check_model(name: &str, host: &Model) {
     let schedule = schedule(cfg.vocab_size);
     let epochs = schedule[0].len().div_ceil(EPOCH_STEPS);
     let placements = placements(host, epochs);
-    let backend = cuda_backend("gpu_ep").expect("a CUDA device");
+    let backend = cuda_backend("gpu_ep");
     let expected = one_rank(&host.on_backend(Box::new(backend)), &schedule);
     // The one-rank CUDA run is the CPU reference's (exact numerics), so the chain holds to it.
     let cpu = one_rank(host, &schedule);
@@ -309,7 +309,7 @@ fn check_model(name: &str, host: &Model) {
 #[test]
 #[ignore = "needs an NVIDIA GPU and the v41-tiny fixture"]
 fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
-    let (host, _) = host_fixture_model(&v41_tiny_path());
+    let (host, _) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
     check_model("v41-tiny", &host);
     let node = NodeConfig::from_toml_str(
         "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n",
@@ -326,12 +326,12 @@ fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and the v41-tiny fixture"]
 fn a_failing_rank_stops_its_peer_without_a_hang() {
-    let (host, cfg) = host_fixture_model(&v41_tiny_path());
+    let (host, cfg) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
     let placement = placements(&host, 1).remove(0);
     let tokens = prompt(5, 6, cfg.vocab_size);
     for abort in [true, false] {
         let exchange: Arc<dyn RowTransport> = SharedDevice::new(RANKS, Duration::from_secs(3));
-        let backend = CudaBackend::open(0).expect("device 0");
+        let backend = CudaBackend::open(0, Numerics::Exact).expect("device 0");
         let rank = ExpertRank::new(
             &backend,
             &host,

@@ -85,7 +85,7 @@ fn check(topology: &str, config_name: &str) -> MemoryPlan {
         "{config_name}: {} bytes per token vs {by_hand} by hand",
         plan.bytes.bytes_per_token()
     );
-    let Backend::Cuda { arch } = node.device.backend else {
+    let Backend::Cuda { arch, .. } = node.device.backend else {
         panic!("a GPU topology")
     };
     let budget = ((default_gpu_memory(arch) - per_gpu) as f64 * 0.9) as u64;

@@ -20,6 +20,7 @@ pub use ids::{
 };
 pub use validate::{
     Arch, Backend, DEFAULT_SERVER_LISTEN, DSparkConfig, DeviceConfig, EplbConfig, JobConfig,
-    MemoryConfig, MetricsConfig, ModelConfig, ModelDims, ModelSource, NodeConfig, ParallelConfig,
-    ReplayConfig, SamplingConfig, SchedulerConfig, ServerConfig, parse_listen_address,
+    MemoryConfig, MetricsConfig, ModelConfig, ModelDims, ModelSource, NodeConfig, Numerics,
+    ParallelConfig, ReplayConfig, SamplingConfig, SchedulerConfig, ServerConfig,
+    parse_listen_address,
 };

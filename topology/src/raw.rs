@@ -84,6 +84,9 @@ pub struct RawDeviceConfig {
     /// GPUs used on each node (count); `cuda` only. Default: 1.
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub gpus_per_node: Option<u16>,
+    /// `"fast"` (tensor cores, judged by error bounds) or `"exact"` (bitwise equal to the CPU
+    /// reference); `cuda` only. Default: `"fast"`.
+    pub numerics: Option<RawNumerics>,
 }
 
 /// The backend named in `device.backend`.
@@ -104,6 +107,16 @@ pub enum RawArch {
     Sm90,
     /// Blackwell (B200, GB200, B300).
     Sm100,
+}
+
+/// The CUDA numerics named in `device.numerics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case", try_from = "String")]
+pub enum RawNumerics {
+    /// Tensor cores, judged by error bounds.
+    Fast,
+    /// Bitwise equal to the CPU reference.
+    Exact,
 }
 
 /// `[parallel]`.
@@ -282,6 +295,20 @@ impl TryFrom<String> for RawBackend {
             "cuda" => Ok(Self::Cuda),
             _ => Err(format!(
                 "unknown backend {text:?}, expected \"cpu\" or \"cuda\""
+            )),
+        }
+    }
+}
+
+impl TryFrom<String> for RawNumerics {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, Self::Error> {
+        match text.as_str() {
+            "fast" => Ok(Self::Fast),
+            "exact" => Ok(Self::Exact),
+            _ => Err(format!(
+                "unknown numerics {text:?}, expected \"fast\" or \"exact\""
             )),
         }
     }

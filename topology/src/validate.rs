@@ -8,8 +8,8 @@ use crate::error::TopologyError;
 use crate::ids::{DpRank, EpRank};
 use crate::raw::{
     RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
-    RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawParallelConfig,
-    RawReplayConfig, RawSamplingConfig, RawSchedulerConfig, RawServerConfig,
+    RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
+    RawParallelConfig, RawReplayConfig, RawSamplingConfig, RawSchedulerConfig, RawServerConfig,
 };
 
 /// The checkpoint the engine loads when `model.source` is left out.
@@ -101,7 +101,19 @@ pub enum Backend {
     Cuda {
         /// The GPU architecture kernels are compiled for.
         arch: Arch,
+        /// How the CUDA backend computes. Default: `Fast`.
+        numerics: Numerics,
     },
+}
+
+/// The two numerics of the CUDA backend (ARCHITECTURE.md §3); both are deterministic and batch
+/// invariant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Numerics {
+    /// Tensor cores for the block-scaled GEMMs, judged against the CPU reference by error bounds.
+    Fast,
+    /// Bitwise equal to the CPU reference (fp32 CUDA-core chains in the reference's order).
+    Exact,
 }
 
 /// A GPU architecture.
@@ -529,6 +541,12 @@ fn device_config(check: &Checker<'_>, raw: RawDeviceConfig) -> Result<DeviceConf
                     "only applies with device.backend = \"cuda\"",
                 ));
             }
+            if raw.numerics.is_some() {
+                return Err(check.invalid(
+                    "device.numerics",
+                    "only applies with device.backend = \"cuda\" (the CPU backend is the reference)",
+                ));
+            }
             if nodes != 1 {
                 return Err(check.invalid(
                     "device.nodes",
@@ -548,8 +566,12 @@ fn device_config(check: &Checker<'_>, raw: RawDeviceConfig) -> Result<DeviceConf
                 RawArch::Sm90 => Arch::Sm90,
                 RawArch::Sm100 => Arch::Sm100,
             };
+            let numerics = match raw.numerics.unwrap_or(RawNumerics::Fast) {
+                RawNumerics::Fast => Numerics::Fast,
+                RawNumerics::Exact => Numerics::Exact,
+            };
             Ok(DeviceConfig {
-                backend: Backend::Cuda { arch },
+                backend: Backend::Cuda { arch, numerics },
                 nodes,
                 gpus_per_node,
             })

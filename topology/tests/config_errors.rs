@@ -171,6 +171,37 @@ fn cuda_ranks_must_match_the_gpus() {
 }
 
 #[test]
+fn numerics_apply_to_cuda_only_and_default_to_fast() {
+    use deepinfer_topology::{Arch, Backend, Numerics};
+    let cuda = |numerics: &str| {
+        NodeConfig::from_toml_str(
+            &format!("[device]\nbackend = \"cuda\"\n{numerics}"),
+            "numerics.toml",
+        )
+        .expect("valid")
+        .device
+        .backend
+    };
+    let with = |numerics| Backend::Cuda {
+        arch: Arch::Sm90,
+        numerics,
+    };
+    assert_eq!(cuda(""), with(Numerics::Fast));
+    assert_eq!(cuda("numerics = \"fast\"\n"), with(Numerics::Fast));
+    assert_eq!(cuda("numerics = \"exact\"\n"), with(Numerics::Exact));
+    assert_blames(
+        "[device]\nbackend = \"cuda\"\nnumerics = \"bf16\"\n",
+        "device.numerics",
+        "unknown numerics \"bf16\", expected \"fast\" or \"exact\"",
+    );
+    assert_blames(
+        "[device]\nnumerics = \"exact\"\n",
+        "device.numerics",
+        "only applies with device.backend = \"cuda\"",
+    );
+}
+
+#[test]
 fn scheduler_bounds_are_enforced() {
     assert_blames(
         "[scheduler]\noverlap_depth = 0\n",

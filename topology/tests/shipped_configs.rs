@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use deepinfer_topology::raw::RawNodeConfig;
-use deepinfer_topology::{Arch, Backend, ModelSource, NodeConfig};
+use deepinfer_topology::{Arch, Backend, ModelSource, NodeConfig, Numerics};
 
 fn configs_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
@@ -116,7 +116,13 @@ fn local_is_the_embedded_cpu_demo_default() {
 #[test]
 fn h200_files_use_one_rank_per_gpu() {
     let one = load("h200x1.toml");
-    assert_eq!(one.device.backend, Backend::Cuda { arch: Arch::Sm90 });
+    assert_eq!(
+        one.device.backend,
+        Backend::Cuda {
+            arch: Arch::Sm90,
+            numerics: Numerics::Fast
+        }
+    );
     assert_eq!(one.gpu_count(), 1);
     let two = load("h200x2.toml");
     assert_eq!((two.parallel.dp, two.parallel.ep), (2, 2));
@@ -128,7 +134,13 @@ fn h200_files_use_one_rank_per_gpu() {
 #[test]
 fn sm100x64_is_deepinfer_decode_benchmark() {
     let big = load("sm100x64.toml");
-    assert_eq!(big.device.backend, Backend::Cuda { arch: Arch::Sm100 });
+    assert_eq!(
+        big.device.backend,
+        Backend::Cuda {
+            arch: Arch::Sm100,
+            numerics: Numerics::Fast
+        }
+    );
     assert_eq!((big.device.nodes, big.device.gpus_per_node), (8, 8));
     assert_eq!((big.parallel.dp, big.parallel.ep), (64, 64));
     assert_eq!(big.physical_experts(384), 448);

@@ -648,4 +648,49 @@ mod tests {
         let models = model_list(&served(), 7);
         assert_eq!(models["data"][0]["id"], "served-model");
     }
+
+    /// The streaming path a server uses: text deltas in, chunks of choice `index` out, the
+    /// reasoning split from the answer across delta boundaries.
+    #[tokio::test]
+    async fn chat_chunks_stream_the_deltas_of_one_choice() {
+        let body = json!({"messages": [{"role": "user", "content": "Hi"}],
+                          "reasoning_effort": "high", "n": 3});
+        let request = parse_chat(&body, &served()).unwrap();
+        let text = |content: &str| InferenceChunk::Text {
+            content: content.into(),
+            token_count: 1,
+        };
+        let input = tokio_stream::iter(vec![
+            text("Pla"),
+            text("n</think>Ans"),
+            text("wer"),
+            InferenceChunk::Finish {
+                finish_reason: InferenceFinishReason::Stop,
+            },
+        ]);
+        let chunks = request
+            .chat_choice_chunks(2, "chatcmpl-9", &served(), input)
+            .expect("a chat request");
+        let chunks: Vec<Value> = chunks
+            .map(|c| serde_json::to_value(c.expect("parses")).unwrap())
+            .collect()
+            .await;
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        for chunk in &chunks {
+            assert_eq!(chunk["object"], "chat.completion.chunk");
+            assert_eq!(chunk["model"], "served-model");
+            let choice = &chunk["choices"][0];
+            assert_eq!(choice["index"], 2);
+            reasoning.push_str(choice["delta"]["reasoning_content"].as_str().unwrap_or(""));
+            content.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        }
+        assert_eq!((reasoning.as_str(), content.as_str()), ("Plan", "Answer"));
+        let last = &chunks.last().unwrap()["choices"][0];
+        assert_eq!(last["finish_reason"], "stop");
+        let completion =
+            completion_chunk("cmpl-1", &served(), 4, 1, " a", Some(FinishReason::Length));
+        assert_eq!(completion["choices"][0]["finish_reason"], "length");
+        assert_eq!(completion["choices"][0]["index"], 1);
+        assert_eq!(completion["model"], "served-model");
+    }
 }

@@ -171,8 +171,12 @@ pub fn device_for(
     scale_up_gpus: Option<usize>,
 ) -> Result<(DeviceModel, FabricLayout), SimError> {
     let peaks = match node.device.backend {
-        Backend::Cuda { arch: Arch::Sm90 } => DevicePeaks::H200,
-        Backend::Cuda { arch: Arch::Sm100 } => DevicePeaks::B200,
+        Backend::Cuda {
+            arch: Arch::Sm90, ..
+        } => DevicePeaks::H200,
+        Backend::Cuda {
+            arch: Arch::Sm100, ..
+        } => DevicePeaks::B200,
         Backend::Cpu => {
             return Err(SimError::Config {
                 field: "device.backend".into(),

@@ -12,6 +12,7 @@ use deepinfer_model::checkpoint::Checkpoint;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{v4, v41};
+use deepinfer_topology::Numerics;
 use safetensors::tensor::{Dtype, TensorView};
 
 use crate::engram_vocab::compressed_token_map;
@@ -50,7 +51,8 @@ pub enum LogitsError {
 pub enum LogitsDevice {
     #[default]
     Cpu,
-    /// `CudaBackend` on GPU 0 (needs a build with the `cuda` feature and an NVIDIA driver).
+    /// `CudaBackend` on GPU 0 in exact numerics (bitwise equal to `Cpu`; needs a build with the
+    /// `cuda` feature and an NVIDIA driver).
     Cuda,
 }
 
@@ -143,7 +145,8 @@ pub fn run_on(request: &LogitsRequest, device: LogitsDevice) -> Result<[usize; 2
         LogitsDevice::Cpu => AnyModel::load(dir, vocab).map_err(|e| model_err(e.to_string()))?,
         LogitsDevice::Cuda => {
             let ckpt = Checkpoint::open(dir).map_err(|e| model_err(e.to_string()))?;
-            let backend = crate::gpu::open_cuda_backend(0).map_err(LogitsError::Device)?;
+            let backend =
+                crate::gpu::open_cuda_backend(0, Numerics::Exact).map_err(LogitsError::Device)?;
             match cfg.family {
                 ModelFamily::V41 => v41::Model::from_checkpoint(cfg, &ckpt, vocab, backend)
                     .map(|model| AnyModel::V41(Arc::new(model))),

@@ -103,7 +103,7 @@ pub fn plan(
         + engram_bytes.div_ceil(ep);
     let gpu_memory = match node.device.backend {
         Backend::Cpu => None,
-        Backend::Cuda { arch } => Some(gpu_memory.unwrap_or_else(|| default_gpu_memory(arch))),
+        Backend::Cuda { arch, .. } => Some(gpu_memory.unwrap_or_else(|| default_gpu_memory(arch))),
     };
     let state_budget = match (node.memory, gpu_memory) {
         (MemoryConfig::StateBytes(budget), _) => budget,

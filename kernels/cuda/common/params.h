@@ -22,6 +22,13 @@ struct GemmParams {
     u32_t warps_per_col;  // 1, 2, 4 or 8 warps share a column's K range (no effect on the result)
 };
 
+// The fast FP8 GEMM (gemm/gemm_fp8_fast.cuh): y[m, n] = sum_k a[m, k] * w[n, k] on tensor cores.
+struct FastGemmParams {
+    u32_t m;
+    u32_t n;
+    u32_t k;
+};
+
 // RMSNorm over the last axis: x [rows, cols] bf16, w [cols] bf16 -> y [rows, cols] bf16.
 struct RmsNormParams {
     u32_t rows;

@@ -86,26 +86,7 @@ impl DeviceFp8Weight {
         codes: &[u8],
         scales: &[u8],
     ) -> Result<DeviceFp8Weight, KernelError> {
-        const OP: &str = "DeviceFp8Weight::upload";
-        if tile != 32 && tile != 128 {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("tile {tile} is neither 32 nor 128"),
-            });
-        }
-        if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
-            });
-        }
-        expect_len(OP, "codes", codes.len(), out * inp)?;
-        expect_len(
-            OP,
-            "scales",
-            scales.len(),
-            out.div_ceil(tile) * inp.div_ceil(tile),
-        )?;
+        check_fp8_weight("DeviceFp8Weight::upload", out, inp, tile, codes, scales)?;
         Ok(DeviceFp8Weight {
             out,
             inp,
@@ -118,6 +99,37 @@ impl DeviceFp8Weight {
                 .map_err(KernelError::driver("uploading FP8 weight scales"))?,
         })
     }
+}
+
+/// Checks the checkpoint bytes of an FP8 weight `[out, inp]` with `tile × tile` scales: `tile` 32
+/// or 128, `inp` a positive multiple of 32, and the lengths.
+pub(crate) fn check_fp8_weight(
+    op: &'static str,
+    out: usize,
+    inp: usize,
+    tile: usize,
+    codes: &[u8],
+    scales: &[u8],
+) -> Result<(), KernelError> {
+    if tile != 32 && tile != 128 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("tile {tile} is neither 32 nor 128"),
+        });
+    }
+    if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
+        });
+    }
+    expect_len(op, "codes", codes.len(), out * inp)?;
+    expect_len(
+        op,
+        "scales",
+        scales.len(),
+        out.div_ceil(tile) * inp.div_ceil(tile),
+    )
 }
 
 /// An FP4 E2M1 expert weight `[out, inp]` on the device: `packed` `[out, inp/2]` (element 2k in

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod engram;
 pub mod gemm;
+pub mod gemm_fast;
 pub mod index;
 pub mod key_table;
 pub mod linear;

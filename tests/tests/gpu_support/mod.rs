@@ -5,6 +5,8 @@
 // Each test binary uses its own subset of these helpers.
 #![allow(dead_code)]
 
+pub mod gemm_data;
+
 use std::fmt::Display;
 use std::path::Path;
 
@@ -14,7 +16,7 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_model::Model;
 use deepinfer_model::backend::Precision;
-use deepinfer_model::backend::cuda::CudaBackend;
+use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::quant;
 use deepinfer_model::sampling::SamplingParams;
@@ -40,9 +42,9 @@ pub fn runtime(test: &str) -> KernelRuntime {
     open_or_fail(test, "kernel runtime", || KernelRuntime::open(0))
 }
 
-/// Opens the CUDA backend of device 0 (fails the test when it cannot).
+/// Opens the CUDA backend of device 0 (exact numerics; fails the test when it cannot).
 pub fn cuda_backend(test: &str) -> CudaBackend {
-    open_or_fail(test, "backend", || CudaBackend::open(0))
+    open_or_fail(test, "backend", || CudaBackend::open(0, Numerics::Exact))
 }
 
 /// SplitMix64: a small deterministic generator for test data. A test file adds its own value

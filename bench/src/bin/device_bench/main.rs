@@ -8,27 +8,32 @@
 //!
 //! ```text
 //! DEEPINFER_FIXTURES=$PWD/tests/fixtures bash .gpu/run.sh device_bench \
-//!     [--quick] [--sweep] [--sections ops,tiny,block,profile] [--context N] [--block-dir DIR]
+//!     [--quick] [--sweep] [--sections ops,fast,tiny,block,profile] [--context N] [--block-dir DIR]
 //! ```
 //!
-//! `profile` (in `--sections`) runs the block section with a per-op profile of each phase.
+//! `fast` times the tensor-core FP8 GEMM of the `fast` numerics beside cuBLAS bf16 and the exact
+//! kernel. `profile` (in `--sections`) runs the block section with a per-op profile of each phase.
 //! `--quick` runs few iterations (a cheap first try), `--sweep` adds the GEMM work-split sweep to
 //! the per-op section, `--context` is the prefilled length of the block's sequences (1024; 128
 //! with `--quick`), `--block-dir` where the block's random checkpoint is written (and reused by a
 //! later run on the same machine; default /tmp/deepinfer-bench-v41-block).
 
+mod fast_ops;
 mod ops;
 mod whole_step;
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use deepinfer_model::backend::cuda::Numerics;
 
 /// What to run, from the command line.
 struct Options {
     quick: bool,
     sweep: bool,
     ops: bool,
+    /// The fast-numerics GEMM against its peers (`fast_ops`).
+    fast: bool,
     tiny: bool,
     block: bool,
     /// The per-op profile of the block's phases (runs the block section).
@@ -42,6 +47,7 @@ fn parse_options() -> Result<Options> {
         quick: false,
         sweep: false,
         ops: true,
+        fast: true,
         tiny: true,
         block: true,
         profile: false,
@@ -56,19 +62,21 @@ fn parse_options() -> Result<Options> {
             "--sections" => {
                 let list = args
                     .next()
-                    .context("--sections needs a list, e.g. ops,tiny,block")?;
+                    .context("--sections needs a list, e.g. ops,fast,tiny,block")?;
                 options.ops = false;
+                options.fast = false;
                 options.tiny = false;
                 options.block = false;
                 for section in list.split(',') {
                     match section {
                         "ops" => options.ops = true,
+                        "fast" => options.fast = true,
                         "tiny" => options.tiny = true,
                         "block" => options.block = true,
                         "profile" => options.profile = true,
                         other => {
                             bail!(
-                                "unknown section {other:?} in --sections (ops, tiny, block, profile)"
+                                "unknown section {other:?} in --sections (ops, fast, tiny, block, profile)"
                             )
                         }
                     }
@@ -89,7 +97,7 @@ fn parse_options() -> Result<Options> {
             }
             other => bail!(
                 "unknown argument {other:?}; usage: device_bench [--quick] [--sweep] \
-                 [--sections ops,tiny,block,profile] [--context N] [--block-dir DIR]"
+                 [--sections ops,fast,tiny,block,profile] [--context N] [--block-dir DIR]"
             ),
         }
     }
@@ -118,6 +126,9 @@ fn main() -> Result<()> {
     if options.ops {
         ops::run(options.quick, options.sweep)?;
     }
+    if options.fast {
+        fast_ops::run(options.quick)?;
+    }
     let mut rows = Vec::new();
     if let Some(dir) = &fixture {
         rows.extend(whole_step::fixture(dir, options.quick)?);
@@ -127,12 +138,16 @@ fn main() -> Result<()> {
         let context = options
             .context
             .unwrap_or(if options.quick { 128 } else { 1024 });
-        rows.extend(whole_step::block(
-            &options.block_dir,
-            context,
-            options.quick,
-            options.profile,
-        )?);
+        // The block in both numerics of the CUDA backend (fast: tensor-core FP8 GEMMs).
+        for numerics in [Numerics::Fast, Numerics::Exact] {
+            rows.extend(whole_step::block(
+                &options.block_dir,
+                context,
+                options.quick,
+                options.profile,
+                numerics,
+            )?);
+        }
         whole_step::print(&rows);
     }
     Ok(())

@@ -31,26 +31,26 @@ use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32
 use half::bf16;
 
 /// Measured on the H200 test machine (shared/tools/gpu.md).
-const COPY_BYTES_PER_S: f64 = 4.28e12;
-const FP8_FLOPS: f64 = 1216e12;
-const BF16_FLOPS: f64 = 790e12;
+pub(crate) const COPY_BYTES_PER_S: f64 = 4.28e12;
+pub(crate) const FP8_FLOPS: f64 = 1216e12;
+pub(crate) const BF16_FLOPS: f64 = 790e12;
 /// Rotate weight copies until they span this many bytes (> 2 × the 60 MiB L2).
-const ROTATION_BYTES: usize = 160 << 20;
+pub(crate) const ROTATION_BYTES: usize = 160 << 20;
 /// Launches per timed batch and timed batches per figure (full / `--quick`).
 const LAUNCHES_PER_BATCH: usize = 40;
 const BATCHES: usize = 7;
 const QUICK_LAUNCHES_PER_BATCH: usize = 8;
 const QUICK_BATCHES: usize = 3;
 
-struct Row {
-    op: String,
-    m: usize,
-    n: usize,
-    k: usize,
-    micros: f64,
-    bytes: f64,
-    flops: f64,
-    peak_flops: f64,
+pub(crate) struct Row {
+    pub op: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub micros: f64,
+    pub bytes: f64,
+    pub flops: f64,
+    pub peak_flops: f64,
 }
 
 impl Row {
@@ -60,7 +60,7 @@ impl Row {
 }
 
 /// Splitmix64 bytes for weights (finite E4M3 codes: bit patterns 0x7f/0xff replaced).
-fn random_bytes(seed: u64, len: usize, finite_e4m3: bool) -> Vec<u8> {
+pub(crate) fn random_bytes(seed: u64, len: usize, finite_e4m3: bool) -> Vec<u8> {
     let mut state = seed;
     (0..len)
         .map(|_| {
@@ -74,7 +74,7 @@ fn random_bytes(seed: u64, len: usize, finite_e4m3: bool) -> Vec<u8> {
         .collect()
 }
 
-fn scale_bytes(len: usize) -> Vec<u8> {
+pub(crate) fn scale_bytes(len: usize) -> Vec<u8> {
     random_bytes(7, len, false)
         .iter()
         .map(|b| 120 + b % 8)
@@ -84,7 +84,7 @@ fn scale_bytes(len: usize) -> Vec<u8> {
 /// How launches are timed: `batches` batches of `launches` launches, each batch preceded by a long
 /// RMSNorm over a large buffer so that the GPU is busy while the host queues the batch: the batch
 /// then runs back to back and host launch overhead (even of a debug build) stays out of the figures.
-struct Timer {
+pub(crate) struct Timer {
     x: CudaSlice<bf16>,
     w: CudaSlice<bf16>,
     y: CudaSlice<bf16>,
@@ -96,7 +96,7 @@ const BUSY_ROWS: usize = 32_768;
 const BUSY_COLS: usize = 5120;
 
 impl Timer {
-    fn new(rt: &KernelRuntime, quick: bool) -> Result<Timer> {
+    pub(crate) fn new(rt: &KernelRuntime, quick: bool) -> Result<Timer> {
         let (launches, batches) = if quick {
             (QUICK_LAUNCHES_PER_BATCH, QUICK_BATCHES)
         } else {
@@ -128,7 +128,7 @@ impl Timer {
 }
 
 /// Median microseconds per call of `launch(i)` (i = launch index, for rotating inputs).
-fn time_launches(
+pub(crate) fn time_launches(
     rt: &KernelRuntime,
     timer: &mut Timer,
     mut launch: impl FnMut(usize) -> Result<()>,
@@ -154,7 +154,7 @@ fn time_launches(
     Ok(per_batch[per_batch.len() / 2])
 }
 
-fn activations(
+pub(crate) fn activations(
     rt: &KernelRuntime,
     m: usize,
     k: usize,
@@ -729,15 +729,27 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
         }
     }
 
+    print_rows(&rows);
+    println!(
+        "\nroofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time; peak = 1216 TFLOP/s (FP8 tensor cores) for the GEMMs, \
+         790 TFLOP/s for the rest. The GEMM kernels run on the fp32 CUDA cores (exact K-order sums), not tensor cores; \
+         the reference-order kernels (linear, attention, indexer, mHC) reproduce the CPU's sequential sums \
+         (one thread per chain), a correctness-first baseline."
+    );
+    Ok(())
+}
+
+/// Prints `rows` as the per-op table (time, bytes, throughput, roofline ratio).
+pub(crate) fn print_rows(rows: &[Row]) {
     println!();
     println!(
-        "{:<16} {:>3} {:>6} {:>5} {:>9} {:>9} {:>8} {:>8} {:>7} {:>9} {:>8}",
+        "{:<22} {:>5} {:>6} {:>5} {:>9} {:>9} {:>8} {:>8} {:>7} {:>9} {:>8}",
         "op", "M", "N", "K", "time_us", "MB", "GB/s", "TFLOP/s", "%HBM", "floor_us", "roofline"
     );
-    for r in &rows {
+    for r in rows {
         let seconds = r.micros * 1e-6;
         println!(
-            "{:<16} {:>3} {:>6} {:>5} {:>9.2} {:>9.3} {:>8.0} {:>8.2} {:>6.1}% {:>9.2} {:>7.1}%",
+            "{:<22} {:>5} {:>6} {:>5} {:>9.2} {:>9.3} {:>8.0} {:>8.2} {:>6.1}% {:>9.2} {:>7.1}%",
             r.op,
             r.m,
             r.n,
@@ -751,11 +763,4 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
             100.0 * r.floor_micros() / r.micros,
         );
     }
-    println!(
-        "\nroofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time; peak = 1216 TFLOP/s (FP8 tensor cores) for the GEMMs, \
-         790 TFLOP/s for the rest. The GEMM kernels run on the fp32 CUDA cores (exact K-order sums), not tensor cores; \
-         the reference-order kernels (linear, attention, indexer, mHC) reproduce the CPU's sequential sums \
-         (one thread per chain), a correctness-first baseline."
-    );
-    Ok(())
 }

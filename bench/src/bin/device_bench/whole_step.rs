@@ -18,7 +18,7 @@ use deepinfer_bench::steps::{
     BatchMeasurement, measure_batch, measure_decode_from, percentile, prompt_lengths, prompt_tokens,
 };
 use deepinfer_bench::v41_block::{BlockWidth, Prepared, block_config, prepare_checkpoint};
-use deepinfer_model::backend::cuda::{CudaBackend, OpProfile, OpStats};
+use deepinfer_model::backend::cuda::{CudaBackend, Numerics, OpProfile, OpStats};
 use deepinfer_model::checkpoint::Checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
@@ -85,7 +85,7 @@ pub fn fixture(dir: &Path, quick: bool) -> Result<Vec<StepRow>> {
         .context("the v41-tiny fixture config has no Engram section")?;
     let vocab = CompressedVocab::halving_stub(cfg.vocab_size, engram.pad_token_id)?;
     let ckpt = Checkpoint::open(dir)?;
-    let backend = CudaBackend::open(0)?;
+    let backend = CudaBackend::open(0, Numerics::Exact)?;
     let model = Model::from_checkpoint(cfg.clone(), &ckpt, Some(vocab), Box::new(backend))?;
     println!("v41-tiny: {} on {}", dir.display(), model.backend().name());
     let plan = if quick { &QUICK_TINY } else { &FULL_TINY };
@@ -122,8 +122,18 @@ const PROFILED_DECODE_STEPS: usize = 3;
 /// identical one is present): prefill of one `context`-token prompt, then decode steps over
 /// copies of that prefilled sequence. With `profile`, each phase is run once more with the
 /// backend's per-op profile on and its table printed ([`print_profile`]).
-pub fn block(dir: &Path, context: usize, quick: bool, profile: bool) -> Result<Vec<StepRow>> {
+pub fn block(
+    dir: &Path,
+    context: usize,
+    quick: bool,
+    profile: bool,
+    numerics: Numerics,
+) -> Result<Vec<StepRow>> {
     const VOCAB: usize = 1024;
+    let label = match numerics {
+        Numerics::Fast => "v41 block fast",
+        Numerics::Exact => "v41 block exact",
+    };
     /// Positions the block's config allows unless a longer run needs more: one value for every
     /// `--context` up to it, so that a later run reuses the checkpoint on disk.
     const MAX_POSITIONS: usize = 65536;
@@ -151,7 +161,7 @@ pub fn block(dir: &Path, context: usize, quick: bool, profile: bool) -> Result<V
     );
     let started = Instant::now();
     let ckpt = Checkpoint::open(dir)?;
-    let backend = CudaBackend::open(0)?;
+    let backend = CudaBackend::open(0, numerics)?;
     let transfers = backend.transfer_counters();
     let op_profile = backend.op_profile();
     let model = Model::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
@@ -185,7 +195,7 @@ pub fn block(dir: &Path, context: usize, quick: bool, profile: bool) -> Result<V
         LogitsWanted::Last,
     )?;
     rows.push(StepRow {
-        model: "v41 block",
+        model: label,
         phase: "prefill",
         batch: 1,
         tokens: context,
@@ -236,7 +246,7 @@ pub fn block(dir: &Path, context: usize, quick: bool, profile: bool) -> Result<V
         if !lengths.is_empty() {
             println!("  copies over {steps} steps: {}", lengths.join(", "));
         }
-        rows.push(decode_row("v41 block", &cfg, &run)?);
+        rows.push(decode_row(label, &cfg, &run)?);
         if profile {
             op_profile.set_enabled(true);
             let profiled = measure_decode_from(&model, &seq, first, batch, PROFILED_DECODE_STEPS)?;
@@ -295,7 +305,7 @@ pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f6
 pub fn print(rows: &[StepRow]) {
     println!();
     println!(
-        "{:<10} {:<7} {:>3} {:>6} {:>10} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>6} {:>9} {:>8}",
+        "{:<15} {:<7} {:>3} {:>6} {:>10} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>6} {:>9} {:>8}",
         "model",
         "phase",
         "B",
@@ -317,7 +327,7 @@ pub fn print(rows: &[StepRow]) {
             .map_or_else(|| "-".to_string(), |s| format!("{:.2}", s * 1e3));
         let floor = r.cost.floor_seconds();
         println!(
-            "{:<10} {:<7} {:>3} {:>6} {:>10.2} {:>9} {:>8.1} {:>9.1} {:>9.2} {:>10.3} {:>10.2} {:>6} {:>8.4}% {:>8.0}",
+            "{:<15} {:<7} {:>3} {:>6} {:>10.2} {:>9} {:>8.1} {:>9.1} {:>9.2} {:>10.3} {:>10.2} {:>6} {:>8.4}% {:>8.0}",
             r.model,
             r.phase,
             r.batch,

@@ -4,7 +4,8 @@
 use super::*;
 
 impl CudaBackend {
-    /// [`Backend::gemm_fp8`], with errors.
+    /// [`Backend::gemm_fp8`], with errors: the exact CUDA-core kernel, or the tensor-core kernel
+    /// of the `fast` numerics.
     pub fn try_gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "gemm_fp8";
         let group = match w.block {
@@ -21,13 +22,16 @@ impl CudaBackend {
             return Ok(Tensor::empty());
         }
         let a = self.quantised_activations(OP, x, w.inp, group)?;
-        let dw = self.cached_fp8(w)?;
         let mut y = self
             .rt
             .stream()
             .alloc_zeros::<bf16>(a.rows * w.out)
             .map_err(driver_err(OP, "allocating an output"))?;
-        gemm_fp8(&self.rt, &a, &dw, &mut y).map_err(op_err(OP))?;
+        match self.numerics {
+            Numerics::Exact => gemm_fp8(&self.rt, &a, &*self.cached_fp8(w)?, &mut y),
+            Numerics::Fast => gemm_fp8_fast(&self.rt, &a, &*self.cached_fp8_fast(w)?, &mut y),
+        }
+        .map_err(op_err(OP))?;
         self.widen(OP, &y)
     }
 

@@ -1,9 +1,11 @@
-//! `CudaBackend`: [`Backend`] on one NVIDIA GPU through the kernels of `deepinfer-kernels`. Every op
-//! computes what [`super::CpuBackend`] computes, in the same operation order, so the results are
-//! bit-identical (the sgemm order of the plain linears, torch's CPU sum order of the means of
-//! squares, the sequential f64 sums of attention and the indexer, the vectorised `exp`). No kernel
-//! splits a reduction by the batch, so a sequence's numbers do not depend on what else runs (batch
-//! invariance).
+//! `CudaBackend`: [`Backend`] on one NVIDIA GPU through the kernels of `deepinfer-kernels`, in one
+//! of two [`Numerics`] (ARCHITECTURE.md §3). `Exact`: every op computes what
+//! [`super::CpuBackend`] computes, in the same operation order, so the results are bit-identical
+//! (the sgemm order of the plain linears, torch's CPU sum order of the means of squares, the
+//! sequential f64 sums of attention and the indexer, the vectorised `exp`). `Fast`: the FP8 dense
+//! GEMMs (`gemm_fp8`) run on tensor cores (`ops::gemm_fast`, within a stated error bound of the
+//! exact value); every other op is still the exact one. No kernel of either splits a reduction by
+//! the batch, so a sequence's numbers do not depend on what else runs (batch invariance).
 //!
 //! Beyond the layer math: token sampling (only the ids come back), the whole MoE layer
 //! (`moe.rs`), the indexer's selection (`rows.rs`: top-k and candidate mask left on the device and
@@ -64,6 +66,7 @@ use deepinfer_kernels::ops::engram::{
     DeviceEngramHasher, DeviceEngramTable, engram_gather_f32, engram_hash_rows,
 };
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
+use deepinfer_kernels::ops::gemm_fast::{FastFp8Weight, gemm_fp8_fast};
 use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
     index_scores_rows_ptr_f32,
@@ -85,6 +88,7 @@ use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::ops::topk::{apply_mask_rows, candidate_mask_rows, top_k_rows};
 use deepinfer_kernels::{KernelError, KernelRuntime};
+pub use deepinfer_topology::Numerics;
 use half::bf16;
 
 use super::select::DeviceRows;
@@ -196,6 +200,8 @@ impl HostKey {
 struct WeightCache {
     f32s: HashMap<HostKey, Arc<CudaSlice<f32>>>,
     fp8: HashMap<(HostKey, HostKey), Arc<DeviceFp8Weight>>,
+    /// FP8 weights prepared for the tensor-core GEMM of the `fast` numerics.
+    fp8_fast: HashMap<(HostKey, HostKey), Arc<FastFp8Weight>>,
     fp4: HashMap<(HostKey, HostKey), Arc<DeviceFp4Weight>>,
     /// Engram tables (codes, scales), uploaded on first lookup.
     engram_tables: HashMap<(HostKey, HostKey), Arc<DeviceEngramTable>>,
@@ -210,6 +216,7 @@ struct WeightCache {
 pub struct CudaBackend {
     rt: KernelRuntime,
     name: String,
+    numerics: Numerics,
     weights: Mutex<WeightCache>,
     transfers: Arc<TransferCounters>,
     profile: Arc<OpProfile>,
@@ -359,16 +366,25 @@ impl std::fmt::Debug for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Opens device `ordinal` and compiles (or loads from the disk cache) every kernel. Without a
-    /// CUDA driver this is [`CudaBackendError::Open`] with `KernelError::NoDriver`, not a panic.
-    pub fn open(ordinal: usize) -> Result<CudaBackend, CudaBackendError> {
+    /// Opens device `ordinal` with `numerics` and compiles (or loads from the disk cache) every
+    /// kernel. Without a CUDA driver this is [`CudaBackendError::Open`] with
+    /// `KernelError::NoDriver`, not a panic.
+    pub fn open(ordinal: usize, numerics: Numerics) -> Result<CudaBackend, CudaBackendError> {
         let rt = KernelRuntime::open(ordinal)
             .map_err(|source| CudaBackendError::Open { ordinal, source })?;
         let report = rt.report();
-        let name = format!("cuda:{ordinal} ({}, {})", report.device_name, report.arch);
+        let mode = match numerics {
+            Numerics::Fast => "fast",
+            Numerics::Exact => "exact",
+        };
+        let name = format!(
+            "cuda:{ordinal} ({}, {}, {mode} numerics)",
+            report.device_name, report.arch
+        );
         Ok(CudaBackend {
             rt,
             name,
+            numerics,
             weights: Mutex::new(WeightCache::default()),
             transfers: Arc::new(TransferCounters::default()),
             profile: Arc::new(OpProfile::default()),
@@ -391,6 +407,11 @@ impl CudaBackend {
         self.transfers.clone()
     }
 
+    /// The numerics this backend computes with.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
     /// The kernel runtime (context, stream, loaded kernels).
     pub fn runtime(&self) -> &KernelRuntime {
         &self.rt
@@ -407,6 +428,7 @@ impl CudaBackend {
         let cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
         cache.f32s.len()
             + cache.fp8.len()
+            + cache.fp8_fast.len()
             + cache.fp4.len()
             + cache.engram_tables.len()
             + cache.expert_tables.len()
@@ -482,6 +504,17 @@ impl CudaBackend {
             |cache| &mut cache.fp8,
             || {
                 DeviceFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
+                    .map_err(op_err("gemm_fp8"))
+            },
+        )
+    }
+
+    fn cached_fp8_fast(&self, w: &Fp8Weight) -> Result<Arc<FastFp8Weight>, CudaBackendError> {
+        self.cached(
+            (HostKey::bytes(&w.data), HostKey::bytes(&w.scales)),
+            |cache| &mut cache.fp8_fast,
+            || {
+                FastFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
                     .map_err(op_err("gemm_fp8"))
             },
         )
@@ -1093,7 +1126,7 @@ mod tests {
         if deepinfer_kernels::runtime::driver_available().is_ok() {
             return; // a GPU machine: tests/tests/gpu.rs covers the open path
         }
-        let opened = std::panic::catch_unwind(|| CudaBackend::open(0).map(|_| ()));
+        let opened = std::panic::catch_unwind(|| CudaBackend::open(0, Numerics::Exact).map(|_| ()));
         let err = opened.expect("no panic").expect_err("no driver");
         assert!(matches!(
             err,

@@ -1,0 +1,182 @@
+//! The `fast` section of the device benchmark: the tensor-core FP8 GEMM of the `fast` numerics
+//! (`deepinfer_kernels::ops::gemm_fast`) at decode shapes (M = 1, 8, 64: weight bytes per second
+//! against the 4.28 TB/s copy rate) and prefill shapes (M = 1024, 4096: TFLOP/s against the
+//! 1216 TFLOP/s FP8 peak), each beside a peer timed in the same run on the same shape: cuBLAS
+//! bf16 GEMM (`y = x · Wᵀ`, bf16 weights: twice the weight bytes of FP8), and the exact CUDA-core
+//! FP8 kernel of the `exact` numerics. Weights are rotated through > 2 × L2 as in `ops`.
+
+use anyhow::{Context, Result};
+use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
+use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use deepinfer_kernels::cudarc::driver::CudaSlice;
+use deepinfer_kernels::ops::gemm::{DeviceFp8Weight, gemm_fp8};
+use deepinfer_kernels::ops::gemm_fast::{FastFp8Weight, gemm_fp8_fast};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
+use deepinfer_kernels::{KernelError, KernelRuntime};
+use half::bf16;
+
+use crate::ops::{
+    BF16_FLOPS, FP8_FLOPS, ROTATION_BYTES, Row, Timer, activations, print_rows, random_bytes,
+    scale_bytes, time_launches,
+};
+
+/// Dense FP8 shapes (name, N, K): the 5120 → 6144 decode case of shared/tools/gpu.md and the
+/// V4.1 block's wq_a and wq_b.
+const SHAPES: [(&str, usize, usize); 3] = [
+    ("d5120 n6144", 6144, 5120),
+    ("wq_a", 1280, 5120),
+    ("wq_b", 32768, 1280),
+];
+
+/// Which kernel a row times.
+#[derive(Clone, Copy)]
+enum Kernel {
+    Fast,
+    Exact,
+    CublasBf16,
+}
+
+impl Kernel {
+    fn label(self) -> &'static str {
+        match self {
+            Kernel::Fast => "fast fp8",
+            Kernel::Exact => "exact fp8",
+            Kernel::CublasBf16 => "cublas bf16",
+        }
+    }
+}
+
+/// Times `kernel` on `[m × k] · [n × k]ᵀ`.
+fn bench(
+    rt: &KernelRuntime,
+    blas: &CudaBlas,
+    timer: &mut Timer,
+    kernel: Kernel,
+    (name, n, k): (&str, usize, usize),
+    m: usize,
+) -> Result<Row> {
+    let x = activations(rt, m, k)?;
+    let scales_len = n.div_ceil(32) * k.div_ceil(32);
+    let weight_bytes = match kernel {
+        Kernel::Fast | Kernel::Exact => n * k + scales_len,
+        Kernel::CublasBf16 => 2 * n * k,
+    };
+    let micros = match kernel {
+        Kernel::Fast => time_fp8(
+            rt,
+            timer,
+            &x,
+            (m, n, k),
+            |codes, scales| FastFp8Weight::upload(rt, n, k, 32, codes, scales),
+            |a, w, y| gemm_fp8_fast(rt, a, w, y),
+        )?,
+        Kernel::Exact => time_fp8(
+            rt,
+            timer,
+            &x,
+            (m, n, k),
+            |codes, scales| DeviceFp8Weight::upload(rt, n, k, 32, codes, scales),
+            |a, w, y| gemm_fp8(rt, a, w, y),
+        )?,
+        Kernel::CublasBf16 => {
+            let copies = ROTATION_BYTES.div_ceil(weight_bytes).max(2);
+            let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
+            let weights = (0..copies)
+                .map(|_| activations(rt, n, k))
+                .collect::<Result<Vec<_>>>()?;
+            // Row-major y[m, n] = x[m, k] · W[n, k]ᵀ is column-major yᵀ[n, m] = W · xᵀ with W
+            // seen as a transposed column-major [k, n].
+            let cfg = GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_T,
+                transb: cublasOperation_t::CUBLAS_OP_N,
+                m: i32::try_from(n)?,
+                n: i32::try_from(m)?,
+                k: i32::try_from(k)?,
+                alpha: bf16::ONE,
+                lda: i32::try_from(k)?,
+                ldb: i32::try_from(k)?,
+                beta: bf16::ZERO,
+                ldc: i32::try_from(n)?,
+            };
+            time_launches(rt, timer, |i| {
+                // SAFETY: W holds n·k, x m·k and y m·n bf16 values, as cfg describes.
+                unsafe { blas.gemm(cfg, &weights[i % copies], &x, &mut y) }
+                    .context("cuBLAS bf16 GEMM")?;
+                Ok(())
+            })?
+        }
+    };
+    let act_bytes = match kernel {
+        Kernel::CublasBf16 => 2 * m * k,
+        _ => m * k + m * k / 32 * 4,
+    };
+    Ok(Row {
+        op: format!("{name} {}", kernel.label()),
+        m,
+        n,
+        k,
+        micros,
+        bytes: (weight_bytes + act_bytes + 2 * m * n) as f64,
+        flops: (2 * m * n * k) as f64,
+        peak_flops: match kernel {
+            Kernel::CublasBf16 => BF16_FLOPS,
+            _ => FP8_FLOPS,
+        },
+    })
+}
+
+/// Times `gemm` over random FP8 weights made by `upload` (codes, scales), rotated through more
+/// than twice the L2, with `x` quantised to FP8 (32-groups).
+fn time_fp8<W>(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    x: &CudaSlice<bf16>,
+    (m, n, k): (usize, usize, usize),
+    upload: impl Fn(&[u8], &[u8]) -> Result<W, KernelError>,
+    gemm: impl Fn(&DeviceActFp8, &W, &mut CudaSlice<bf16>) -> Result<(), KernelError>,
+) -> Result<f64> {
+    let scales_len = n.div_ceil(32) * k.div_ceil(32);
+    let copies = ROTATION_BYTES.div_ceil(n * k + scales_len).max(2);
+    let a = quantize_act_fp8(rt, x, m, k, ActGroup::G32)?;
+    let weights = (0..copies)
+        .map(|c| {
+            upload(
+                &random_bytes(c as u64, n * k, true),
+                &scale_bytes(scales_len),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
+    time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
+}
+
+/// Times the fast GEMM and its peers at decode and prefill shapes, and prints the table.
+pub fn run(quick: bool) -> Result<()> {
+    let rt = KernelRuntime::open(0).context("opening the CUDA device")?;
+    let rt = &rt;
+    let blas = CudaBlas::new(rt.stream().clone()).context("opening cuBLAS")?;
+    let mut timer = Timer::new(rt, quick)?;
+    let mut rows = Vec::new();
+    let decode: &[usize] = if quick { &[1] } else { &[1, 8, 64] };
+    for &shape in &SHAPES {
+        for &m in decode {
+            for kernel in [Kernel::Fast, Kernel::CublasBf16, Kernel::Exact] {
+                rows.push(bench(rt, &blas, &mut timer, kernel, shape, m)?);
+            }
+        }
+    }
+    let prefill: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
+    for &m in prefill {
+        for kernel in [Kernel::Fast, Kernel::CublasBf16] {
+            rows.push(bench(rt, &blas, &mut timer, kernel, SHAPES[0], m)?);
+        }
+    }
+    println!("\nfast numerics: tensor-core FP8 GEMM beside its peers (same shapes, same run)");
+    print_rows(&rows);
+    println!(
+        "\nbytes = weights (FP8 codes + scales; cuBLAS: bf16) + activations + bf16 outputs; \
+         %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
+         peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
+    );
+    Ok(())
+}
