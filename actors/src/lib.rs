@@ -22,6 +22,7 @@ pub mod rank;
 pub mod replay;
 pub mod sampling;
 pub mod scheduler;
+pub mod server;
 pub mod sim;
 pub mod supervisor;
 pub mod tools;

@@ -18,6 +18,8 @@ use crate::messages::scheduler::SchedulerStats;
 pub const FRONTEND_INFLIGHT_REQUESTS: &str = "deepinfer_frontend_inflight_requests";
 pub const FRONTEND_REQUESTS_TOTAL: &str = "deepinfer_frontend_requests_total";
 pub const FRONTEND_REQUEST_DURATION_SECONDS: &str = "deepinfer_frontend_request_duration_seconds";
+pub const FRONTEND_OUTSTANDING_TOKENS: &str = "deepinfer_frontend_outstanding_tokens";
+pub const FRONTEND_ABORTED_REQUESTS_TOTAL: &str = "deepinfer_frontend_aborted_requests_total";
 pub const SCHEDULER_QUEUE_DEPTH: &str = "deepinfer_scheduler_queue_depth";
 pub const SCHEDULER_RUNNING_REQUESTS: &str = "deepinfer_scheduler_running_requests";
 pub const SCHEDULER_PROMPT_TOKENS_TOTAL: &str = "deepinfer_scheduler_prompt_tokens_total";
@@ -49,6 +51,8 @@ pub const ALL: &[&str] = &[
     FRONTEND_INFLIGHT_REQUESTS,
     FRONTEND_REQUESTS_TOTAL,
     FRONTEND_REQUEST_DURATION_SECONDS,
+    FRONTEND_OUTSTANDING_TOKENS,
+    FRONTEND_ABORTED_REQUESTS_TOTAL,
     SCHEDULER_QUEUE_DEPTH,
     SCHEDULER_RUNNING_REQUESTS,
     SCHEDULER_PROMPT_TOKENS_TOTAL,
@@ -110,6 +114,16 @@ pub fn describe() {
         FRONTEND_REQUEST_DURATION_SECONDS,
         Unit::Seconds,
         "From admission to the last event of a request."
+    );
+    describe_gauge!(
+        FRONTEND_OUTSTANDING_TOKENS,
+        Unit::Count,
+        "Work placed on each DP rank and not yet finished (prompt + max_tokens of its admitted requests), per DP rank; placement picks the smallest."
+    );
+    describe_counter!(
+        FRONTEND_ABORTED_REQUESTS_TOTAL,
+        Unit::Count,
+        "Admitted requests whose caller went away before the end (event stream dropped, e.g. an HTTP client disconnect); each is aborted in the engine."
     );
     describe_gauge!(
         SCHEDULER_QUEUE_DEPTH,
@@ -274,6 +288,16 @@ pub(crate) fn record_error(code: &'static str) {
 
 pub(crate) fn set_inflight(n: usize) {
     gauge!(FRONTEND_INFLIGHT_REQUESTS).set(n as f64);
+}
+
+pub(crate) fn set_outstanding_tokens(per_rank: &[usize]) {
+    for (dp, tokens) in per_rank.iter().enumerate() {
+        gauge!(FRONTEND_OUTSTANDING_TOKENS, "dp" => dp.to_string()).set(*tokens as f64);
+    }
+}
+
+pub(crate) fn record_caller_abort() {
+    counter!(FRONTEND_ABORTED_REQUESTS_TOTAL).increment(1);
 }
 
 pub(crate) fn record_request_duration(seconds: f64) {

@@ -33,7 +33,7 @@ use deepinfer_model::memory_plan::{GpuMemoryPlan, plan_gpu};
 use deepinfer_model::{Model, checkpoint, v4};
 use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig, PlacementShape};
 
-use crate::engine::ModelFacts;
+use crate::engine::{EngineConfig, ModelFacts};
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
 use crate::experts::factory::ExpertParallelFactory;
@@ -41,6 +41,7 @@ use crate::experts::parallel::EpSettings;
 use crate::frontend::codec::load_v41_tokenizer;
 use crate::gpu;
 use crate::hub::{HubOptions, resolve_hub_checkpoint};
+use crate::openai::ServedModel;
 use crate::rank::executor::ExecutorFactory;
 use crate::rank::model_executor::{ModelFactory, PerDeviceModelFactory};
 use crate::rank::v4_executor::{V4ModelFactory, V4PerDeviceFactory};
@@ -63,6 +64,27 @@ pub struct ResolvedModel {
     pub notice: Option<String>,
     /// The model name reported in outputs.
     pub name: String,
+}
+
+impl ResolvedModel {
+    /// The engine configuration that runs this model on `node`, and the model as both front
+    /// ends (offline job, HTTP server) serve it: its name, family and context, thinking mode by
+    /// the topology's `[sampling] thinking`.
+    pub fn engine_config(self, node: NodeConfig) -> (EngineConfig, ServedModel) {
+        let served = ServedModel {
+            name: self.name,
+            family: self.factory.family(),
+            context_tokens: self.facts.max_context_tokens,
+            thinking_by_default: node.sampling.thinking,
+        };
+        let config = EngineConfig {
+            node,
+            executor: self.factory,
+            model: self.facts,
+            tokenizer: Some(self.tokenizer),
+        };
+        (config, served)
+    }
 }
 
 fn model_error(what: &str, message: impl std::fmt::Display) -> EngineError {

@@ -24,10 +24,8 @@ use deepinfer_actors::grammar::{Constraint, ConstraintStart, MaskWorkers, TokenI
 use deepinfer_actors::messages::rank::{NewSeq, SeqGrammar, SeqInput, SeqWork, StepMode, StepPlan};
 use deepinfer_actors::rank::executor::{ExecError, RankExecutor, SeqTokens};
 use deepinfer_actors::rank::worker::RankWorker;
-use deepinfer_actors::{
-    Completion, Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams, model_source,
-};
-use deepinfer_topology::{DpRank, NodeConfig, RequestId, StepId};
+use deepinfer_actors::{Completion, Engine, FinishReason, GenerateRequest, SamplingParams};
+use deepinfer_topology::{DpRank, RequestId, StepId};
 use serde_json::{Value, json};
 
 /// The generation cap of every request.
@@ -39,27 +37,15 @@ const MAX_TOKENS: usize = 300;
 /// Starts an engine on the demo model with two DP ranks (one per CI core). Keep the directory
 /// alive while it runs.
 async fn start_demo_engine() -> (Engine, tempfile::TempDir) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().to_path_buf();
-    let model = tokio::task::spawn_blocking(move || model_source::build_demo(&path))
-        .await
-        .expect("demo build task")
-        .expect("the demo model builds");
-    let node = NodeConfig::from_toml_str(
+    let (engine, _served, dir) = common::demo_engine::start_demo_engine(
         "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 2\nep = 1\n\
          [scheduler]\nmax_batched_tokens = 4096\nmax_running_requests = 64\n\
          prefill_chunk_tokens = 512\noverlap_depth = 2\nadmission_queue_capacity = 128\n\
          [sampling]\nmax_tokens = 16\n",
         "grammar engine test",
     )
-    .expect("node config");
-    let config = EngineConfig {
-        node,
-        executor: model.factory,
-        model: model.facts,
-        tokenizer: Some(model.tokenizer),
-    };
-    (Engine::start(config).await.expect("engine starts"), dir)
+    .await;
+    (engine, dir)
 }
 
 /// The chat request of one case: a short non-thinking prompt, the case's response format,

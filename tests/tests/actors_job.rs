@@ -61,7 +61,7 @@ fn input_lines() -> Vec<String> {
             _ if i % 3 == 1 => json!({"custom_id": format!("r{i}"), "method": "POST", "url": "/v1/completions",
                 "body": {"model": "deepseek-v4.1-flash", "prompt": format!("Story number {i}"), "max_tokens": 4, "temperature": 0}})
             .to_string(),
-            _ => json!({"prompt": format!("Plain prompt {i}"), "max_tokens": 2}).to_string(),
+            _ => json!({"prompt": format!("Plain prompt {i}"), "max_tokens": 2, "temperature": 0}).to_string(),
         })
         .collect()
 }

@@ -19,7 +19,8 @@ pub use ids::{
     BlockId, DpRank, EpRank, ExpertId, LayerId, PlacementEpoch, RequestId, StepId, TokenId,
 };
 pub use validate::{
-    Arch, Backend, DSparkConfig, DeviceConfig, EplbConfig, JobConfig, MemoryConfig, MetricsConfig,
-    ModelConfig, ModelDims, ModelSource, NodeConfig, Numerics, ParallelConfig, ReplayConfig,
-    SamplingConfig, SchedulerConfig,
+    Arch, Backend, DEFAULT_SERVER_LISTEN, DSparkConfig, DeviceConfig, EplbConfig, JobConfig,
+    MemoryConfig, MetricsConfig, ModelConfig, ModelDims, ModelSource, NodeConfig, Numerics,
+    ParallelConfig, ReplayConfig, SamplingConfig, SchedulerConfig, ServerConfig,
+    parse_listen_address,
 };

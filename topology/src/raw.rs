@@ -41,6 +41,9 @@ pub struct RawNodeConfig {
     /// `[job]`: default offline job paths.
     #[serde(default)]
     pub job: RawJobConfig,
+    /// `[server]`: the OpenAI-compatible HTTP server (`deepinfer-node serve`).
+    #[serde(default)]
+    pub server: RawServerConfig,
 }
 
 /// `[model]`.
@@ -263,6 +266,24 @@ pub struct RawJobConfig {
     /// Default output JSONL file. Default: none.
     #[serde(default, deserialize_with = "crate::strict::text")]
     pub output_path: Option<String>,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServerConfig {
+    /// IP:port the HTTP server listens on (`--listen` overrides it). The server has no
+    /// authentication: a non-loopback address exposes the model to that network.
+    /// Default: `"127.0.0.1:8000"`.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub listen: Option<String>,
+    /// Largest accepted request body (bytes); larger bodies get 413. Default: 8388608 (8 MiB).
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub max_body_bytes: Option<u32>,
+    /// After SIGTERM/SIGINT, how long in-flight requests may run before they are aborted
+    /// (seconds). Default: 30.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub shutdown_timeout_seconds: Option<u32>,
 }
 
 impl TryFrom<String> for RawBackend {

@@ -9,7 +9,7 @@ use crate::ids::{DpRank, EpRank};
 use crate::raw::{
     RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
     RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
-    RawParallelConfig, RawReplayConfig, RawSamplingConfig, RawSchedulerConfig,
+    RawParallelConfig, RawReplayConfig, RawSamplingConfig, RawSchedulerConfig, RawServerConfig,
 };
 
 /// The checkpoint the engine loads when `model.source` is left out.
@@ -49,6 +49,8 @@ pub struct NodeConfig {
     pub metrics: MetricsConfig,
     /// `[job]`.
     pub job: JobConfig,
+    /// `[server]`.
+    pub server: ServerConfig,
 }
 
 /// `[model]`, validated.
@@ -235,6 +237,20 @@ pub struct JobConfig {
     pub output_path: Option<PathBuf>,
 }
 
+/// The server's listen address when neither the topology nor `--listen` names one.
+pub const DEFAULT_SERVER_LISTEN: &str = "127.0.0.1:8000";
+
+/// `[server]`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Where `deepinfer-node serve` listens. Default: [`DEFAULT_SERVER_LISTEN`].
+    pub listen: SocketAddr,
+    /// Largest request body (bytes, >= 1024). Default: 8 MiB.
+    pub max_body_bytes: u32,
+    /// Grace period for in-flight requests after a shutdown signal (seconds). Default: 30.
+    pub shutdown_timeout_seconds: u32,
+}
+
 /// What the topology must agree with in the model's `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModelDims {
@@ -299,6 +315,7 @@ impl NodeConfig {
         let memory = memory_config(&check, raw.memory)?;
         let metrics = metrics_config(&check, raw.metrics)?;
         let job = job_config(&check, raw.job)?;
+        let server = server_config(&check, raw.server)?;
         let config = Self {
             origin: origin.to_owned(),
             model,
@@ -312,6 +329,7 @@ impl NodeConfig {
             memory,
             metrics,
             job,
+            server,
         };
         if let Some(routed_experts) = config.model.routed_experts {
             config.check_expert_placement(&check, routed_experts)?;
@@ -759,6 +777,26 @@ fn metrics_config(
         }
     };
     Ok(MetricsConfig { prometheus_listen })
+}
+
+/// Parses an `IP:port` listen address (`server.listen`, `--listen`).
+pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
+    text.parse()
+        .map_err(|_| format!("{text:?} is not an IP:port address (e.g. 127.0.0.1:8000)"))
+}
+
+fn server_config(check: &Checker<'_>, raw: RawServerConfig) -> Result<ServerConfig, TopologyError> {
+    let listen = parse_listen_address(raw.listen.as_deref().unwrap_or(DEFAULT_SERVER_LISTEN))
+        .map_err(|problem| check.invalid("server.listen", problem))?;
+    Ok(ServerConfig {
+        listen,
+        max_body_bytes: check.at_least(
+            "server.max_body_bytes",
+            raw.max_body_bytes.unwrap_or(8 << 20),
+            1024,
+        )?,
+        shutdown_timeout_seconds: raw.shutdown_timeout_seconds.unwrap_or(30),
+    })
 }
 
 fn job_config(check: &Checker<'_>, raw: RawJobConfig) -> Result<JobConfig, TopologyError> {

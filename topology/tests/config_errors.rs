@@ -333,3 +333,37 @@ fn state_memory_budget_is_one_key_in_range() {
     let default = NodeConfig::from_toml_str("", ORIGIN).expect("valid");
     assert_eq!(default.memory, MemoryConfig::Fraction(0.9));
 }
+
+#[test]
+fn server_section_defaults_and_errors_name_the_field() {
+    let defaults = NodeConfig::from_toml_str("", ORIGIN).unwrap().server;
+    assert_eq!(defaults.listen.to_string(), "127.0.0.1:8000");
+    assert_eq!(
+        (defaults.max_body_bytes, defaults.shutdown_timeout_seconds),
+        (8 << 20, 30)
+    );
+    let set = NodeConfig::from_toml_str(
+        "[server]\nlisten = \"[::1]:9000\"\nmax_body_bytes = 4096\nshutdown_timeout_seconds = 0\n",
+        ORIGIN,
+    )
+    .unwrap()
+    .server;
+    assert_eq!(
+        (
+            set.listen.port(),
+            set.max_body_bytes,
+            set.shutdown_timeout_seconds
+        ),
+        (9000, 4096, 0)
+    );
+    assert_blames(
+        "[server]\nlisten = \"localhost:8000\"\n",
+        "server.listen",
+        "not an IP:port",
+    );
+    assert_blames(
+        "[server]\nmax_body_bytes = 10\n",
+        "server.max_body_bytes",
+        ">= 1024",
+    );
+}

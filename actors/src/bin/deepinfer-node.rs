@@ -1,7 +1,8 @@
 //! `deepinfer-node`: runs an offline job (OpenAI Batch JSONL) on the topology's model, or a
-//! built-in sample batch when no input is given; with `--simulate`, the topology's control plane
-//! on simulated devices; `logits`, `eplb-plan` and `memory-plan` are operator tools.
-//! The logic lives in `deepinfer_actors::{job, sim, tools}`; this file parses arguments and prints.
+//! built-in sample batch when no input is given; `serve` serves the OpenAI API over HTTP; with
+//! `--simulate`, the topology's control plane on simulated devices; `logits`, `eplb-plan` and
+//! `memory-plan` are operator tools. The logic lives in
+//! `deepinfer_actors::{job, server, sim, tools}`; this file parses arguments and prints.
 
 use std::collections::HashSet;
 use std::io::{IsTerminal, Write};
@@ -14,16 +15,18 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use deepinfer_actors::job::{JobOptions, OutputOrder, count_lines, run_job, sample_batch};
 use deepinfer_actors::openai::ServedModel;
+use deepinfer_actors::server::{ServeOptions, Server};
 use deepinfer_actors::sim::{self, Kernels, SimSettings};
 use deepinfer_actors::tools::{eplb_plan, logits, memory_plan};
 use deepinfer_actors::{Engine, EngineConfig, gpu, model_source, prometheus};
 use deepinfer_topology::eplb::PlacementShape;
-use deepinfer_topology::{ModelSource, NodeConfig};
+use deepinfer_topology::{ModelSource, NodeConfig, parse_listen_address};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Offline inference for DeepSeek-V4.1-Flash and the V4-Flash family: runs an OpenAI Batch
 /// JSONL job (a sample batch when no input is given) on the topology's model and streams one
-/// result line per input line; `logits` and `eplb-plan` are operator tools.
+/// result line per input line; `serve` answers the same requests over HTTP; `logits`,
+/// `eplb-plan` and `memory-plan` are operator tools.
 #[derive(Parser, Debug)]
 #[command(
     name = "deepinfer-node",
@@ -112,6 +115,9 @@ enum SimKernels {
 
 #[derive(Subcommand, Debug)]
 enum Tool {
+    /// Serves the OpenAI API over HTTP (chat/completions and completions with SSE streaming,
+    /// models, health, readiness, metrics) until SIGTERM or SIGINT.
+    Serve(ServeArgs),
     /// Writes the fp32 logits at every input position (tensor `logits`, [tokens, vocab]) when
     /// the tokens are fed through the per-sequence state in the given chunk sizes.
     Logits(LogitsArgs),
@@ -139,6 +145,16 @@ struct MemoryPlanArgs {
     /// Memory of one GPU (GiB); default: 140 with sm90 (H200), 179 with sm100 (B200).
     #[arg(long)]
     gpu_memory_gib: Option<f64>,
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Topology file; default: the embedded configs/local.toml (CPU, built-in demo model).
+    #[arg(long)]
+    topology: Option<PathBuf>,
+    /// IP:port to listen on; default: the topology's `[server] listen` (127.0.0.1:8000).
+    #[arg(long, value_parser = parse_listen_address)]
+    listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Args, Debug)]
@@ -195,14 +211,11 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.tool {
+        Some(Tool::Serve(args)) => block_on(run_serve(args)),
         Some(Tool::Logits(args)) => run_logits(args),
         Some(Tool::EplbPlan(args)) => run_eplb_plan(args),
         Some(Tool::MemoryPlan(args)) => run_memory_plan(args),
-        None => tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .map_err(anyhow::Error::from)
-            .and_then(|runtime| runtime.block_on(run(cli.job))),
+        None => block_on(run(cli.job)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -217,6 +230,13 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+fn block_on(work: impl Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(work)
 }
 
 fn is_broken_pipe(error: &anyhow::Error) -> bool {
@@ -412,11 +432,67 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
-async fn run(cli: JobArgs) -> anyhow::Result<()> {
-    let node = match &cli.topology {
+/// The topology (the file, or the embedded default), with its `DEEPINFER__` overrides.
+fn load_node(topology: Option<&PathBuf>) -> anyhow::Result<NodeConfig> {
+    Ok(match topology {
         Some(path) => NodeConfig::from_file_with_env(path)?,
         None => NodeConfig::embedded_default_with_env()?,
+    })
+}
+
+/// Resolves the topology's model (downloading it when needed) into an engine configuration
+/// and the model it serves (the name, context and thinking default both front ends report).
+async fn engine_config(node: NodeConfig) -> anyhow::Result<(EngineConfig, ServedModel)> {
+    let resolve_node = node.clone();
+    let model = tokio::task::spawn_blocking(move || model_source::resolve(&resolve_node)).await??;
+    if let Some(notice) = &model.notice {
+        eprintln!("{notice}");
+    }
+    Ok(model.engine_config(node))
+}
+
+async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let node = load_node(args.topology.as_ref())?;
+    // The GPUs a CUDA topology needs, counted for real (none without a driver or `cuda`).
+    gpu::check_node(&node)?;
+    let metrics = prometheus::install()?;
+    let _exporter = match node.metrics.prometheus_listen {
+        Some(addr) => Some(prometheus::serve(metrics.clone(), addr).await?),
+        None => None,
     };
+    let server_config = node.server;
+    let (config, served) = engine_config(node).await?;
+    let engine = Engine::start(config).await?;
+    let name = served.name.clone();
+    let options = ServeOptions {
+        listen: args.listen.unwrap_or(server_config.listen),
+        max_body_bytes: server_config.max_body_bytes as usize,
+        shutdown_timeout: Duration::from_secs(u64::from(server_config.shutdown_timeout_seconds)),
+        served,
+    };
+    let server = Server::bind(&engine, options, Some(metrics)).await?;
+    eprintln!(
+        "serving {name} on http://{}/v1 (SIGTERM or Ctrl-C stops)",
+        server.local_addr()?
+    );
+    let mut stop = stop_on_signals(Arc::default());
+    let signalled = async move {
+        let _ = stop.wait_for(|stopped| *stopped).await;
+    };
+    let report = server.run(engine, signalled).await?;
+    eprintln!(
+        "stopped: {}",
+        if report.drained {
+            "every in-flight request finished"
+        } else {
+            "requests still running at the grace period's end were aborted"
+        }
+    );
+    Ok(())
+}
+
+async fn run(cli: JobArgs) -> anyhow::Result<()> {
+    let node = load_node(cli.topology.as_ref())?;
     if cli.simulation.simulate {
         return run_simulation(node, &cli.simulation).await;
     }
@@ -454,17 +530,8 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         Some(addr) => Some(prometheus::serve(prometheus::install()?, addr).await?),
         None => None,
     };
-    let resolve_node = node.clone();
-    let model = tokio::task::spawn_blocking(move || model_source::resolve(&resolve_node)).await??;
-    if let Some(notice) = &model.notice {
-        eprintln!("{notice}");
-    }
-    let served = ServedModel {
-        name: model.name.clone(),
-        family: model.factory.family(),
-        context_tokens: model.facts.max_context_tokens,
-        thinking_by_default: node.sampling.thinking,
-    };
+    let max_concurrent = node.scheduler.admission_queue_capacity as usize;
+    let (config, served) = engine_config(node).await?;
     let options = JobOptions {
         order: match cli.order {
             Order::Input => OutputOrder::Input,
@@ -472,13 +539,7 @@ async fn run(cli: JobArgs) -> anyhow::Result<()> {
         },
         done,
         drain: Duration::from_secs(cli.drain_secs),
-        ..JobOptions::new(served, node.scheduler.admission_queue_capacity as usize)
-    };
-    let config = EngineConfig {
-        node,
-        executor: model.factory,
-        model: model.facts,
-        tokenizer: Some(model.tokenizer),
+        ..JobOptions::new(served, max_concurrent)
     };
     let engine = Engine::start(config).await?;
 

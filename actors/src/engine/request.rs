@@ -128,6 +128,8 @@ pub struct Submission {
     pub id: RequestId,
     pub dp: DpRank,
     pub prompt_tokens: usize,
+    /// The work placement counted for it (prompt + max_tokens), released when it ends.
+    pub work_tokens: usize,
     pub stop: Vec<String>,
     pub events: UnboundedReceiver<RawEvent>,
     pub scheduler: ActorRef<SchedulerMsg>,

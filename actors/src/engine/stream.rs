@@ -239,7 +239,10 @@ impl EventStream {
         if !self.released {
             self.released = true;
             m::record_request_duration(self.started.elapsed().as_secs_f64());
-            let _ = self.frontend.cast(FrontendMsg::Released(self.dp));
+            let _ = self.frontend.cast(FrontendMsg::Released {
+                dp: self.dp,
+                work_tokens: self.submission.work_tokens,
+            });
         }
     }
 }
@@ -247,6 +250,7 @@ impl EventStream {
 impl Drop for EventStream {
     fn drop(&mut self) {
         if !self.done {
+            m::record_caller_abort();
             let _ = self.submission.scheduler.cast(SchedulerMsg::Abort(self.id));
         }
         self.release();

@@ -1,7 +1,8 @@
 //! `FrontendActor`: validation, encoding, bounded admission and routing.
 //!
-//! Owns: the admission counters (per rank), the engine-wide in-flight count the schedulers read
-//! to decide on `Idle` steps, and the tokenizer/chat encoding.
+//! Owns: the admission counters (per rank: requests and outstanding work in tokens, which
+//! placement balances), the engine-wide in-flight count the schedulers read to decide on `Idle`
+//! steps, and the tokenizer/chat encoding.
 //! Accepts: `Submit`, `Released`, `RankDown`, `Close`.
 //! Sends: `SchedulerMsg::Submit` to the chosen rank and `Wake` to the others (so every rank
 //! steps while the engine has work).
@@ -47,6 +48,7 @@ impl FrontendShell {
         let n = self.admission.inflight();
         self.args.engine_inflight.store(n, Ordering::Release);
         m::set_inflight(n);
+        m::set_outstanding_tokens(self.admission.outstanding_tokens());
     }
 }
 
@@ -91,7 +93,8 @@ impl Actor for FrontendActor {
                         return Ok(());
                     }
                 };
-                let dp = match s.admission.admit() {
+                let work_tokens = prepared.spec.prompt.len() + prepared.spec.max_tokens;
+                let dp = match s.admission.admit(work_tokens) {
                     Ok(dp) => dp,
                     Err(e) => {
                         m::record_request(e.code());
@@ -113,7 +116,7 @@ impl Actor for FrontendActor {
                     .cast(SchedulerMsg::Submit(Box::new(admitted)))
                     .is_err()
                 {
-                    s.admission.release(dp);
+                    s.admission.release(dp, work_tokens);
                     s.publish_inflight();
                     let _ = reply.send(Err(EngineError::ShuttingDown));
                     return Ok(());
@@ -127,13 +130,14 @@ impl Actor for FrontendActor {
                     id,
                     dp,
                     prompt_tokens,
+                    work_tokens,
                     stop: prepared.stop,
                     events: rx,
                     scheduler,
                 }));
             }
-            FrontendMsg::Released(dp) => {
-                s.admission.release(dp);
+            FrontendMsg::Released { dp, work_tokens } => {
+                s.admission.release(dp, work_tokens);
                 s.publish_inflight();
             }
             FrontendMsg::RankDown(dp) => s.admission.rank_down(dp),

@@ -1,5 +1,5 @@
 //! The frontend's pure logic: request validation (`prepare`) and bounded admission with
-//! least-loaded routing (`Admission`).
+//! routing to the rank with the least outstanding work (`Admission`).
 
 use deepinfer_topology::{DpRank, RequestId};
 
@@ -199,11 +199,18 @@ pub fn prepare(
     })
 }
 
-/// Bounded admission and routing to the least-loaded live rank.
+/// Bounded admission and DP load balancing.
+///
+/// A request's *work* is its prompt plus its `max_tokens`: the tokens its rank will prefill and
+/// at most decode. Each rank's outstanding work is the sum over its admitted, unfinished
+/// requests; a new request goes to the live rank with the least outstanding work (ties to the
+/// lowest rank), so one long prompt weighs like the many short ones it costs, not like one
+/// request. The bound on in-flight requests is engine-wide.
 #[derive(Debug)]
 pub struct Admission {
     capacity: usize,
-    per_rank: Vec<usize>,
+    requests: Vec<usize>,
+    work_tokens: Vec<usize>,
     down: Vec<bool>,
     closed: bool,
     next_id: u64,
@@ -213,15 +220,22 @@ impl Admission {
     pub fn new(capacity: usize, ranks: usize) -> Self {
         Admission {
             capacity,
-            per_rank: vec![0; ranks],
+            requests: vec![0; ranks],
+            work_tokens: vec![0; ranks],
             down: vec![false; ranks],
             closed: false,
             next_id: 0,
         }
     }
 
+    /// Admitted, unfinished requests (engine-wide).
     pub fn inflight(&self) -> usize {
-        self.per_rank.iter().sum()
+        self.requests.iter().sum()
+    }
+
+    /// Each rank's outstanding work (tokens), in DP order.
+    pub fn outstanding_tokens(&self) -> &[usize] {
+        &self.work_tokens
     }
 
     /// A fresh id (ids are never reused within an engine).
@@ -231,8 +245,8 @@ impl Admission {
         id
     }
 
-    /// Picks a rank and counts the request, or says why not.
-    pub fn admit(&mut self) -> Result<DpRank, EngineError> {
+    /// Picks the rank for a request of `work_tokens` and counts it there, or says why not.
+    pub fn admit(&mut self, work_tokens: usize) -> Result<DpRank, EngineError> {
         if self.closed {
             return Err(EngineError::ShuttingDown);
         }
@@ -241,22 +255,27 @@ impl Admission {
                 limit: self.capacity,
             });
         }
-        let best = (0..self.per_rank.len())
+        let best = (0..self.requests.len())
             .filter(|&r| !self.down[r])
-            .min_by_key(|&r| (self.per_rank[r], r));
+            .min_by_key(|&r| (self.work_tokens[r], r));
         let Some(rank) = best else {
             return Err(EngineError::RankFailed {
                 dp: 0,
                 message: "every DP rank of this engine has failed".into(),
             });
         };
-        self.per_rank[rank] += 1;
+        self.requests[rank] += 1;
+        self.work_tokens[rank] += work_tokens;
         Ok(DpRank(rank as u16))
     }
 
-    pub fn release(&mut self, dp: DpRank) {
-        if let Some(n) = self.per_rank.get_mut(dp.index()) {
+    /// A request of `work_tokens` admitted on `dp` ended.
+    pub fn release(&mut self, dp: DpRank, work_tokens: usize) {
+        if let Some(n) = self.requests.get_mut(dp.index()) {
             *n = n.saturating_sub(1);
+        }
+        if let Some(w) = self.work_tokens.get_mut(dp.index()) {
+            *w = w.saturating_sub(work_tokens);
         }
     }
 
@@ -289,22 +308,38 @@ mod tests {
     #[test]
     fn admission_is_bounded_and_routes_to_the_least_loaded_live_rank() {
         let mut a = Admission::new(3, 2);
-        assert_eq!(a.admit().unwrap(), DpRank(0));
-        assert_eq!(a.admit().unwrap(), DpRank(1));
-        assert_eq!(a.admit().unwrap(), DpRank(0));
+        assert_eq!(a.admit(10).unwrap(), DpRank(0));
+        assert_eq!(a.admit(10).unwrap(), DpRank(1));
+        assert_eq!(a.admit(10).unwrap(), DpRank(0));
         assert!(matches!(
-            a.admit(),
+            a.admit(10),
             Err(EngineError::Overloaded { limit: 3 })
         ));
-        a.release(DpRank(0));
+        a.release(DpRank(0), 10);
         a.rank_down(DpRank(0));
-        assert_eq!(a.admit().unwrap(), DpRank(1));
-        a.release(DpRank(1));
-        a.release(DpRank(1));
+        assert_eq!(a.admit(10).unwrap(), DpRank(1));
+        a.release(DpRank(1), 10);
+        a.release(DpRank(1), 10);
         a.rank_down(DpRank(1));
-        assert!(matches!(a.admit(), Err(EngineError::RankFailed { .. })));
+        assert!(matches!(a.admit(10), Err(EngineError::RankFailed { .. })));
         a.close();
-        assert!(matches!(a.admit(), Err(EngineError::ShuttingDown)));
+        assert!(matches!(a.admit(10), Err(EngineError::ShuttingDown)));
+    }
+
+    /// Placement weighs tokens, not requests: after one long request on rank 0, the next
+    /// short ones all go to rank 1 until its work catches up.
+    #[test]
+    fn placement_balances_outstanding_tokens_not_request_counts() {
+        let mut a = Admission::new(16, 2);
+        assert_eq!(a.admit(1000).unwrap(), DpRank(0));
+        for _ in 0..4 {
+            assert_eq!(a.admit(100).unwrap(), DpRank(1));
+        }
+        assert_eq!(a.outstanding_tokens(), &[1000, 400]);
+        assert_eq!(a.inflight(), 5);
+        a.release(DpRank(0), 1000);
+        assert_eq!(a.admit(50).unwrap(), DpRank(0));
+        assert_eq!(a.outstanding_tokens(), &[50, 400]);
     }
 
     #[test]

@@ -138,13 +138,6 @@ pub fn line_seed(custom_id: &str) -> u64 {
     crate::sampling::uniform_seed(hash, 0) >> 1
 }
 
-/// Seconds since the Unix epoch (the OpenAI `created` field).
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 /// The output line of a request answered with `body` (status 200).
 pub fn success_line(index: usize, custom_id: &str, request_id: &str, body: Value) -> Value {
     json!({

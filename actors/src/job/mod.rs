@@ -24,10 +24,9 @@ use crate::engine::EngineHandle;
 use crate::engine::request::GenerateRequest;
 use crate::engine::stream::Completion;
 use crate::error::EngineError;
-use crate::openai::{ApiError, ApiRequest, ServedModel};
+use crate::openai::{ApiError, ApiRequest, ServedModel, unix_now};
 use format::{
     JobLine, decode_line, line_error_line, line_seed, parse_line, request_error_line, success_line,
-    unix_now,
 };
 
 /// Counts of a job.

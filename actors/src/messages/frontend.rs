@@ -14,8 +14,9 @@ pub enum FrontendMsg {
         Box<GenerateRequest>,
         RpcReplyPort<Result<Submission, EngineError>>,
     ),
-    /// A request routed to `dp` ended (its stream finished or was dropped).
-    Released(DpRank),
+    /// A request routed to `dp` with `work_tokens` of work (prompt + max_tokens) ended (its
+    /// stream finished or was dropped).
+    Released { dp: DpRank, work_tokens: usize },
     /// The supervisor's policy took this rank out of service.
     RankDown(DpRank),
     /// Refuse new requests from now on (graceful shutdown).

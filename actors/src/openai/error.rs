@@ -3,7 +3,7 @@
 
 use serde_json::{Value, json};
 
-use crate::error::EngineError;
+use crate::error::{EngineError, ValidationError};
 
 /// The `code` of a field with the wrong JSON type.
 pub const INVALID_TYPE: &str = "invalid_type";
@@ -16,7 +16,8 @@ pub const MISSING_PARAMETER: &str = "missing_required_parameter";
 /// The `code` of a request the chat conversion or the engine refused.
 pub const INVALID_REQUEST: &str = "invalid_request";
 
-/// One request's error as an OpenAI client reads it.
+/// One request's error as an OpenAI client reads it (the offline job's error lines and the HTTP
+/// server's error answers).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct ApiError {
@@ -53,7 +54,34 @@ impl ApiError {
         }
     }
 
-    /// The engine's answer, as a client sees it (`code` is the engine's stable code).
+    /// 413: an HTTP body larger than the server's `max_body_bytes`.
+    pub fn too_large(limit: usize) -> Self {
+        ApiError {
+            status: 413,
+            message: format!(
+                "the request body is larger than {limit} bytes (server.max_body_bytes)"
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: "body_too_large",
+        }
+    }
+
+    /// 404: a path the HTTP server does not serve.
+    pub fn not_found(path: &str) -> Self {
+        ApiError {
+            status: 404,
+            message: format!(
+                "no route {path}; see /v1/chat/completions, /v1/completions, /v1/models"
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: "not_found",
+        }
+    }
+
+    /// The engine's answer, as a client sees it (`code` is the engine's stable code; a
+    /// validation error names the request field it is about).
     pub fn from_engine(error: &EngineError) -> Self {
         let (status, kind) = match error {
             EngineError::Invalid(_) => (400, "invalid_request_error"),
@@ -61,11 +89,15 @@ impl ApiError {
             EngineError::ShuttingDown => (503, "server_error"),
             _ => (500, "server_error"),
         };
+        let param = match error {
+            EngineError::Invalid(invalid) => validation_param(invalid),
+            _ => None,
+        };
         ApiError {
             status,
             message: error.to_string(),
             kind,
-            param: None,
+            param,
             code: error.code(),
         }
     }
@@ -78,6 +110,19 @@ impl ApiError {
             "param": self.param,
             "code": self.code,
         }})
+    }
+}
+
+/// The request field an engine validation error is about.
+fn validation_param(error: &ValidationError) -> Option<String> {
+    match error {
+        ValidationError::OutOfRange { field, .. } => Some((*field).to_string()),
+        ValidationError::Grammar { .. } => Some("response_format".into()),
+        ValidationError::EmptyPrompt
+        | ValidationError::PromptTooLong { .. }
+        | ValidationError::TokenOutOfVocab { .. }
+        | ValidationError::Encoding { .. } => Some("prompt".into()),
+        ValidationError::NoTokenizer { .. } | ValidationError::Conversion { .. } => None,
     }
 }
 
@@ -97,6 +142,15 @@ mod tests {
         assert_eq!(e.status, 400);
         let invalid = ApiError::from_engine(&EngineError::Invalid(ValidationError::EmptyPrompt));
         assert_eq!((invalid.status, invalid.code), (400, "invalid_request"));
+        assert_eq!(invalid.param.as_deref(), Some("prompt"));
+        let range = ApiError::from_engine(&EngineError::Invalid(ValidationError::OutOfRange {
+            field: "max_tokens",
+            value: "9999".into(),
+            expected: "at most the context left after the prompt",
+        }));
+        assert_eq!(range.body()["error"]["param"], "max_tokens");
+        assert_eq!(ApiError::too_large(4096).status, 413);
+        assert!(ApiError::not_found("/v2/x").message.contains("/v2/x"));
         let busy = ApiError::from_engine(&EngineError::Overloaded { limit: 4 });
         assert_eq!((busy.status, busy.kind), (429, "rate_limit_error"));
         assert_eq!(

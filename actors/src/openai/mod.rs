@@ -6,8 +6,8 @@
 //!
 //! Use: [`parse`] a body for an [`Endpoint`] against the [`ServedModel`] (an [`ApiError`] is the
 //! 400 answer); run each of [`ApiRequest::choice_requests`] on the engine; build the body with
-//! [`ApiRequest::response`] (or stream [`ApiRequest::chat_choice_chunks`] /
-//! [`completion_chunk`]).
+//! [`ApiRequest::response`], or stream each choice's chunks with [`ApiRequest::choice_stream`]
+//! (the HTTP server's SSE).
 
 pub mod error;
 pub mod request;
@@ -18,4 +18,7 @@ pub use request::{
     ApiRequest, DEFAULT_TEMPERATURE, Endpoint, ServedModel, choice_seed, parse, parse_chat,
     parse_completion,
 };
-pub use response::{completion_chunk, finish_reason, inference_chunks, response_id};
+pub use response::{
+    ChoiceStream, completion_chunk, finish_reason, inference_chunks, model_list, response_id,
+    unix_now,
+};

@@ -5,23 +5,42 @@
 //! `content`), DSML tool calls become `tool_calls` with finish reason `tool_calls`, and
 //! `json_object` output is cut to its JSON. Completions output is the generated text as is.
 //! `model` is always the served model's name.
+//!
+//! Streaming ([`ApiRequest::choice_stream`], the HTTP server's SSE `data:` payloads): chat chunks
+//! come from the same parser (`chat.completion.chunk`: the role first, then `content` /
+//! `reasoning_content` / `tool_calls` deltas); completions chunks are `text_completion` objects
+//! with the text as it comes. Both endpoints end a choice with a chunk carrying its
+//! `finish_reason` and its `usage` (deepseek-recipe's rule for chat, followed for completions);
+//! with `stream_options.include_usage` every earlier chunk has `"usage": null`.
 
 use deepseek_recipe::openai::ChatCompletionRequest;
 use deepseek_recipe::openai::chat_completion::response::{
     ChatCompletionChunk, ChatCompletionResponse,
 };
-use deepseek_recipe::request::ProtocolRequest;
+use deepseek_recipe::request::{ConversationRequest, ProtocolRequest};
 use deepseek_recipe::response::{Accumulate, ProtocolResponse};
 use deepseek_recipe::stream::{
     InferenceChunk, InferenceFinishReason, PromptUsage, StreamError, StreamProcessor,
 };
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
 use serde_json::{Value, json};
 use tokio_stream::{Stream, StreamExt};
 
 use super::error::ApiError;
 use super::request::{ApiRequest, Endpoint, ServedModel};
-use crate::engine::stream::Completion;
-use crate::messages::request::FinishReason;
+use crate::engine::stream::{Completion, EventStream, GenerationEvent};
+use crate::error::EngineError;
+use crate::messages::request::{FinishReason, Usage};
+
+/// Seconds since the Unix epoch (the OpenAI `created` field).
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
 
 /// The response `id` of a request whose first choice has engine id `first`.
 pub fn response_id(endpoint: Endpoint, first: u64) -> String {
@@ -59,32 +78,265 @@ pub fn finish_reason(reason: FinishReason) -> InferenceFinishReason {
     }
 }
 
+/// `usage` of a response: the prompt counted once, the generated tokens of every choice.
+fn usage_body(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+/// The `/v1/models` body: the one served model.
+pub fn model_list(served: &ServedModel, created: u64) -> Value {
+    json!({
+        "object": "list",
+        "data": [{"id": served.name, "object": "model", "created": created, "owned_by": "deepinfer"}],
+    })
+}
+
+/// A request still generating, as text pieces with the tokens they account for.
+enum Live {
+    Text { content: String, tokens: usize },
+    Finished { reason: FinishReason, usage: Usage },
+}
+
+struct LiveState {
+    events: EventStream,
+    /// Bytes of text and tokens passed on so far.
+    sent: usize,
+    counted: usize,
+    tokens: usize,
+    queue: VecDeque<Result<Live, EngineError>>,
+    ended: bool,
+}
+
+/// The engine's events of one request as [`Live`] pieces: a token's text as it comes (tokens
+/// whose text is held back, a multi-byte character or a possible stop sequence, are counted
+/// with the next text), the text held back until the end with the finish, an engine error
+/// last. Dropping the stream drops `events`, which aborts the request.
+fn live(events: EventStream) -> impl Stream<Item = Result<Live, EngineError>> + Send + use<> {
+    let state = LiveState {
+        events,
+        sent: 0,
+        counted: 0,
+        tokens: 0,
+        queue: VecDeque::new(),
+        ended: false,
+    };
+    futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(item) = s.queue.pop_front() {
+                return Some((item, s));
+            }
+            if s.ended {
+                return None;
+            }
+            match s.events.next().await {
+                Some(GenerationEvent::Token { text, .. }) => {
+                    s.tokens += 1;
+                    if !text.is_empty() {
+                        s.sent += text.len();
+                        let tokens = s.tokens - s.counted;
+                        s.counted = s.tokens;
+                        s.queue.push_back(Ok(Live::Text {
+                            content: text,
+                            tokens,
+                        }));
+                    }
+                }
+                Some(GenerationEvent::Finished {
+                    reason,
+                    usage,
+                    text,
+                }) => {
+                    let rest = text.get(s.sent..).unwrap_or_default();
+                    let tokens = usage.completion_tokens.saturating_sub(s.counted);
+                    if !rest.is_empty() || tokens > 0 {
+                        s.queue.push_back(Ok(Live::Text {
+                            content: rest.to_string(),
+                            tokens,
+                        }));
+                    }
+                    s.queue.push_back(Ok(Live::Finished { reason, usage }));
+                    s.ended = true;
+                }
+                Some(GenerationEvent::Error(error)) => {
+                    s.queue.push_back(Err(error));
+                    s.ended = true;
+                }
+                None => s.ended = true,
+            }
+        }
+    })
+}
+
+/// A parser error as the client sees it.
+fn output_error(error: impl std::fmt::Display) -> ApiError {
+    ApiError {
+        status: 500,
+        message: format!("the output could not be parsed: {error}"),
+        kind: "server_error",
+        param: None,
+        code: "internal",
+    }
+}
+
+/// Chat: the output parser's chunks of choice `index` for `inference`.
+fn chat_chunks<S>(
+    chat: &ConversationRequest,
+    index: usize,
+    response_id: &str,
+    served: &ServedModel,
+    inference: S,
+) -> impl Stream<Item = Result<ChatCompletionChunk, StreamError>> + Send + use<S>
+where
+    S: Stream<Item = InferenceChunk> + Send,
+{
+    let generator =
+        ChatCompletionRequest::chunk_generator(chat, response_id.to_string(), served.name.clone());
+    let processor = StreamProcessor::new(generator, chat.parsing_options.clone());
+    processor.into_protocol_stream(inference).map(move |chunk| {
+        chunk.map(|mut chunk| {
+            for choice in &mut chunk.choices {
+                choice.index = index as u32;
+            }
+            chunk
+        })
+    })
+}
+
+/// Completions: `text_completion` chunks of choice `index` as the text comes, the finish
+/// reason and `usage` on the last.
+fn completion_stream(
+    live: impl Stream<Item = Result<Live, EngineError>> + Send + 'static,
+    id: String,
+    served: ServedModel,
+    created: u64,
+    index: usize,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Value, ApiError>> + Send + 'static {
+    live.filter_map(move |item| {
+        let (text, finish) = match item {
+            Ok(Live::Text { content, .. }) if content.is_empty() => return None,
+            Ok(Live::Text { content, .. }) => (content, None),
+            Ok(Live::Finished { reason, usage }) => (String::new(), Some((reason, usage))),
+            Err(error) => return Some(Err(ApiError::from_engine(&error))),
+        };
+        let reason = finish.map(|(reason, _)| reason);
+        let mut chunk = completion_chunk(&id, &served, created, index, &text, reason);
+        if let Some((_, usage)) = finish {
+            chunk["usage"] = usage_body(usage.prompt_tokens, usage.completion_tokens);
+        } else if include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        Some(Ok(chunk))
+    })
+}
+
+/// A streamed choice's chunks.
+pub type ChoiceStream = Pin<Box<dyn Stream<Item = Result<Value, ApiError>> + Send>>;
+
 impl ApiRequest {
-    /// Chat: the chunks of choice `index` for the engine output `inference` (text deltas as
-    /// `InferenceChunk::Text`, then `Finish`). `None` for a completions request.
-    /// The stream owns what it needs (it borrows neither the request nor the arguments).
-    pub fn chat_choice_chunks<I: Stream<Item = InferenceChunk> + Send>(
+    /// The stream chunks of choice `index` while `events` generates it (see the module
+    /// documentation for their shape). An engine error is the last item; dropping the stream
+    /// aborts the request.
+    pub fn choice_stream(
         &self,
         index: usize,
         response_id: &str,
         served: &ServedModel,
-        inference: I,
-    ) -> Option<impl Stream<Item = Result<ChatCompletionChunk, StreamError>> + Send + use<I>> {
-        let chat = self.chat.as_ref()?;
-        let generator = ChatCompletionRequest::chunk_generator(
-            chat,
-            response_id.to_string(),
-            served.name.clone(),
-        );
-        let processor = StreamProcessor::new(generator, chat.parsing_options.clone());
-        Some(processor.into_protocol_stream(inference).map(move |chunk| {
-            chunk.map(|mut chunk| {
-                for choice in &mut chunk.choices {
-                    choice.index = index as u32;
+        created: u64,
+        events: EventStream,
+    ) -> ChoiceStream {
+        let prompt_tokens = events.prompt_tokens();
+        self.live_choice_stream(
+            index,
+            response_id,
+            served,
+            created,
+            prompt_tokens,
+            live(events),
+        )
+    }
+
+    /// [`ApiRequest::choice_stream`] over the request's pieces.
+    fn live_choice_stream(
+        &self,
+        index: usize,
+        response_id: &str,
+        served: &ServedModel,
+        created: u64,
+        prompt_tokens: usize,
+        live: impl Stream<Item = Result<Live, EngineError>> + Send + 'static,
+    ) -> ChoiceStream {
+        let Some(chat) = &self.chat else {
+            return Box::pin(completion_stream(
+                live,
+                response_id.to_string(),
+                served.clone(),
+                created,
+                index,
+                self.include_usage,
+            ));
+        };
+        let failed: Arc<Mutex<Option<EngineError>>> = Arc::default();
+        let slot = failed.clone();
+        let ready = InferenceChunk::Ready {
+            system_fingerprint: None,
+            prompt_usage: PromptUsage {
+                prompt_tokens,
+                prompt_cache_hit_tokens: 0,
+            },
+        };
+        let inference = tokio_stream::iter([ready]).chain(live.map_while(move |item| match item {
+            Ok(Live::Text { content, tokens }) => Some(InferenceChunk::Text {
+                content,
+                token_count: tokens,
+            }),
+            Ok(Live::Finished { reason, .. }) => Some(InferenceChunk::Finish {
+                finish_reason: finish_reason(reason),
+            }),
+            Err(error) => {
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
+                None
+            }
+        }));
+        // The parser ends its output with a finish of its own when the input stops early; an
+        // engine error replaces it.
+        let mut stopped = false;
+        let chunks =
+            chat_chunks(chat, index, response_id, served, inference).map_while(move |chunk| {
+                if stopped {
+                    return None;
                 }
-                chunk
-            })
-        }))
+                if let Some(error) = failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    stopped = true;
+                    return Some(Err(ApiError::from_engine(&error)));
+                }
+                Some(
+                    chunk
+                        .map_err(output_error)
+                        .and_then(|c| serde_json::to_value(c).map_err(output_error)),
+                )
+            });
+        Box::pin(chunks)
+    }
+
+    /// Chat: the chunks of choice `index` for the engine output `inference` (text deltas as
+    /// `InferenceChunk::Text`, then `Finish`). `None` for a completions request.
+    pub fn chat_choice_chunks<S>(
+        &self,
+        index: usize,
+        response_id: &str,
+        served: &ServedModel,
+        inference: S,
+    ) -> Option<impl Stream<Item = Result<ChatCompletionChunk, StreamError>> + Send + use<S>>
+    where
+        S: Stream<Item = InferenceChunk> + Send,
+    {
+        let chat = self.chat.as_ref()?;
+        Some(chat_chunks(chat, index, response_id, served, inference))
     }
 
     /// The whole response body for the finished choices (in choice order).
@@ -100,11 +352,7 @@ impl ApiRequest {
         let id = response_id(self.endpoint, first.id.get());
         let prompt_tokens = first.usage.prompt_tokens;
         let completion_tokens: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
-        let usage = json!({
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        });
+        let usage = usage_body(prompt_tokens, completion_tokens);
         if self.endpoint == Endpoint::Completions {
             let choices: Vec<Value> = choices
                 .iter()
@@ -128,13 +376,7 @@ impl ApiRequest {
             };
             let mut chunks = std::pin::pin!(chunks);
             while let Some(chunk) = chunks.next().await {
-                let chunk = chunk.map_err(|e| ApiError {
-                    status: 500,
-                    message: format!("the output could not be parsed: {e}"),
-                    kind: "server_error",
-                    param: None,
-                    code: "internal",
-                })?;
+                let chunk = chunk.map_err(output_error)?;
                 response.accumulate(chunk);
             }
         }
@@ -171,7 +413,6 @@ pub fn completion_chunk(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::messages::request::Usage;
     use crate::openai::request::{parse_chat, parse_completion, test_served as served};
     use deepinfer_topology::RequestId;
 
@@ -287,6 +528,125 @@ mod tests {
         assert_eq!(out["choices"][1]["text"], " b");
         assert_eq!(out["choices"][1]["finish_reason"], "length");
         assert_eq!(out["usage"]["completion_tokens"], 3);
+    }
+
+    fn text(content: &str, tokens: usize) -> Result<Live, EngineError> {
+        Ok(Live::Text {
+            content: content.into(),
+            tokens,
+        })
+    }
+
+    fn finished(reason: FinishReason, tokens: usize) -> Result<Live, EngineError> {
+        Ok(Live::Finished {
+            reason,
+            usage: Usage {
+                prompt_tokens: 10,
+                completion_tokens: tokens,
+            },
+        })
+    }
+
+    async fn streamed(request: &ApiRequest, live: Vec<Result<Live, EngineError>>) -> Vec<Value> {
+        let chunks =
+            request.live_choice_stream(1, "id-1", &served(), 5, 10, tokio_stream::iter(live));
+        chunks
+            .map(|c| c.unwrap_or_else(|e| json!({"failed": e.body()})))
+            .collect()
+            .await
+    }
+
+    #[tokio::test]
+    async fn streamed_chat_splits_reasoning_and_ends_with_finish_and_usage() {
+        let body = json!({"messages": [{"role": "user", "content": "Hi"}],
+                          "thinking": {"type": "enabled"}, "stream": true,
+                          "stream_options": {"include_usage": true}});
+        let request = parse_chat(&body, &served()).unwrap();
+        let live = vec![
+            text("Plan", 1),
+            text(" it.</think>The", 2),
+            text("", 1),
+            text(" answer.", 1),
+            finished(FinishReason::Stop, 5),
+        ];
+        let chunks = streamed(&request, live).await;
+        assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(chunks[0]["model"], "served-model");
+        let field = |name: &str| -> String {
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"][name].as_str())
+                .collect()
+        };
+        assert_eq!(field("reasoning_content"), "Plan it.");
+        assert_eq!(field("content"), "The answer.");
+        assert!(chunks.iter().all(|c| c["choices"][0]["index"] == 1));
+        let last = chunks.last().unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "stop");
+        assert_eq!(last["usage"]["completion_tokens"], 5);
+        assert!(
+            chunks[..chunks.len() - 1]
+                .iter()
+                .all(|c| c["usage"].is_null())
+        );
+    }
+
+    #[tokio::test]
+    async fn an_engine_error_ends_a_stream() {
+        let body = json!({"messages": [{"role": "user", "content": "Hi"}], "stream": true});
+        let request = parse_chat(&body, &served()).unwrap();
+        let chunks = streamed(
+            &request,
+            vec![text("Hel", 1), Err(EngineError::ShuttingDown)],
+        )
+        .await;
+        let last = chunks.last().unwrap();
+        assert_eq!(
+            last["failed"]["error"]["code"], "shutting_down",
+            "{chunks:?}"
+        );
+        assert!(
+            chunks
+                .iter()
+                .all(|c| c["choices"][0]["finish_reason"].is_null())
+        );
+        let request = parse_completion(&json!({"prompt": "x", "stream": true}), &served()).unwrap();
+        let chunks = streamed(&request, vec![text("a", 1), Err(EngineError::ShuttingDown)]).await;
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(chunks[1]["failed"]["error"]["type"], "server_error");
+    }
+
+    #[tokio::test]
+    async fn streamed_completions_carry_text_then_finish_and_usage() {
+        let body =
+            json!({"prompt": "x", "stream": true, "stream_options": {"include_usage": true}});
+        let request = parse_completion(&body, &served()).unwrap();
+        let live = vec![
+            text(" a", 1),
+            text("", 1),
+            text(" b", 1),
+            finished(FinishReason::Length, 3),
+        ];
+        let chunks = streamed(&request, live).await;
+        assert_eq!(chunks.len(), 3, "{chunks:?}");
+        assert_eq!(chunks[0]["object"], "text_completion");
+        assert_eq!(chunks[0]["id"], "id-1");
+        assert_eq!(
+            (
+                chunks[0]["choices"][0]["text"].clone(),
+                chunks[0]["usage"].clone()
+            ),
+            (json!(" a"), Value::Null)
+        );
+        assert_eq!(chunks[2]["choices"][0]["finish_reason"], "length");
+        assert_eq!(chunks[2]["choices"][0]["index"], 1);
+        assert_eq!(
+            chunks[2]["usage"],
+            json!({"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13})
+        );
+        let models = model_list(&served(), 7);
+        assert_eq!(models["data"][0]["id"], "served-model");
     }
 
     /// The streaming path a server uses: text deltas in, chunks of choice `index` out, the
