@@ -77,9 +77,8 @@ fn state_bytes_match_the_synthetic_models_of_both_families() {
 
 #[test]
 fn state_bytes_match_the_fixtures() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
     for (name, dir) in [("v41-tiny", "v41/v41-tiny"), ("v4-tiny", "v4/v4-tiny")] {
-        let dir = root.join(dir);
+        let dir = deepinfer_tests::fixture_dir(dir);
         let cfg = ModelConfig::from_file(&dir.join("config.json"))
             .unwrap_or_else(|e| panic!("the {name} fixture is required: {e}"));
         let vocab = CompressedVocab::halving_stub(cfg.vocab_size, 2).expect("stub vocabulary");

@@ -4,7 +4,6 @@
 //! preemptions, every output bitwise equal to the same workload on an unlimited pool, and the
 //! bytes the rank's live states really hold (summed after every step) never pass the budget.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -230,7 +229,7 @@ fn prompts(count: u32, vocab: u32, base: usize) -> Vec<Vec<u32>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn preemption_is_exact_and_bounded_on_the_fixture() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/v41/v41-tiny");
+    let dir = deepinfer_tests::fixture_dir("v41/v41-tiny");
     let cfg = ModelConfig::from_file(&dir.join("config.json"))
         .unwrap_or_else(|e| panic!("the v41-tiny fixture is required: {e}"));
     let vocab = logits::engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
