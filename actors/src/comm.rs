@@ -13,13 +13,14 @@
 //! not depend on the batch, the DP rank or the timing (NCCL's all-to-all comes with the CUDA
 //! backend and must keep this rule).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
 
 use deepinfer_model::expert_dispatch::{ExpertPick, RoutedExperts};
 use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch, PlacementError};
 
 use crate::experts::shard::{ExpertShard, ExpertSource};
+use crate::messages::experts::ShardLoads;
 
 /// An expert-parallel failure: a placement or shard that does not fit the model, a stale epoch.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -94,6 +95,9 @@ pub struct LocalComm {
     source: ExpertSource,
     placement: Arc<ExpertPlacement>,
     shards: Vec<Arc<ExpertShard>>,
+    /// Held shared while a batch of counts is added (`count_batch`) and exclusively while every
+    /// shard's counters are read (`take_loads`), so no batch is split between two windows.
+    counting: RwLock<()>,
 }
 
 impl LocalComm {
@@ -133,7 +137,28 @@ impl LocalComm {
             source,
             placement,
             shards,
+            counting: RwLock::new(()),
         })
+    }
+
+    /// Runs `count` (which adds picks to the shards' counters, e.g. a whole simulated step)
+    /// so that `take_loads` sees all of its counts or none.
+    pub fn count_batch<R>(&self, count: impl FnOnce(&[Arc<ExpertShard>]) -> R) -> R {
+        let _shared = self.counting.read().unwrap_or_else(|p| p.into_inner());
+        count(&self.shards)
+    }
+
+    /// Reads and resets every shard's load counters at one point between counted batches,
+    /// in EP rank order: the ranks' counts cover the same steps.
+    pub fn take_loads(&self) -> Vec<ShardLoads> {
+        let _exclusive = self.counting.write().unwrap_or_else(|p| p.into_inner());
+        self.shards
+            .iter()
+            .map(|shard| ShardLoads {
+                epoch: shard.epoch(),
+                per_slot: shard.take_loads(),
+            })
+            .collect()
     }
 
     /// The placement this transport dispatches by.

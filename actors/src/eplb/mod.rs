@@ -3,7 +3,8 @@
 //! Owns: the `EplbState` (step clock, schedule, committed placement and epoch), the refs of the
 //! `ExpertGroupActor`s (EP rank order) and the engine's `ExpertParallel`.
 //! Accepts: `StepExecuted` (once per rank step, from the rank threads), `RebalanceNow`, `Status`.
-//! Sends: `TakeLoads`, `Stage`, `Commit`, `Abort` to the expert groups.
+//! Sends: `Stage`, `Commit`, `Abort` to the expert groups; reads and resets the load counters of
+//! the committed `LocalComm` (every EP rank at one point, so the ranks' windows agree).
 //! Ordering: a rebalance measures the window's per-slot counts, solves DeepSeek's EPLB (with the
 //! topology's redundant experts), stages the new placement on every EP rank (weights copied),
 //! commits it on every group, then publishes the new `LocalComm` in `ExpertParallel`: ranks adopt
@@ -26,7 +27,7 @@ use crate::comm::{Comm, EpError, LocalComm};
 use crate::experts::parallel::ExpertParallel;
 use crate::experts::{ExpertGroupActor, ExpertGroupArgs};
 use crate::messages::eplb::{EplbMsg, RebalanceReport};
-use crate::messages::experts::{ExpertGroupMsg, ShardLoads, StagedShard};
+use crate::messages::experts::{ExpertGroupMsg, StagedShard};
 use crate::metrics as m;
 use state::{EplbAction, EplbState};
 
@@ -64,16 +65,8 @@ async fn ask<T: Send + 'static>(
 }
 
 impl EplbActorState {
-    async fn take_loads(&self) -> Result<Vec<ShardLoads>, EpError> {
-        let mut loads = Vec::with_capacity(self.groups.len());
-        for group in &self.groups {
-            loads.push(ask(group, ExpertGroupMsg::TakeLoads).await?);
-        }
-        Ok(loads)
-    }
-
     async fn rebalance(&mut self) -> Result<RebalanceReport, EpError> {
-        let loads = self.take_loads().await?;
+        let loads = self.ep.current().take_loads();
         let measured = self.eplb.measure(&loads)?;
         let measured_epoch = self.eplb.epoch();
         m::record_eplb_imbalance(&measured.imbalance);
@@ -222,9 +215,7 @@ impl Actor for EplbActor {
     ) -> Result<EplbActorState, ActorProcessingErr> {
         let current = args.ep.current();
         // Picks served before the engine started (e.g. a step-rate profile) are no traffic.
-        for shard in current.shards() {
-            shard.take_loads();
-        }
+        current.take_loads();
         let eplb = EplbState::new(
             args.ep.settings().eplb,
             args.ep.shape(),
@@ -248,9 +239,7 @@ impl Actor for EplbActor {
         match message {
             EplbMsg::StepExecuted { dp, epoch } => match state.eplb.on_step(dp, epoch) {
                 Some(EplbAction::StartWindow) => {
-                    if let Err(error) = state.take_loads().await {
-                        tracing::warn!(%error, "EPLB could not reset the load counters");
-                    }
+                    state.ep.current().take_loads();
                 }
                 Some(EplbAction::Rebalance) => {
                     if let Err(error) = state.rebalance().await {

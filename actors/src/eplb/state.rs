@@ -17,6 +17,9 @@ use crate::experts::parallel::EplbSchedule;
 use crate::messages::eplb::{EplbStatus, RebalanceReport};
 use crate::messages::experts::ShardLoads;
 
+/// A layer's window must hold this many picks per physical expert slot to be planned from.
+pub const MIN_PICKS_PER_SLOT: usize = 1;
+
 /// What the actor must do after a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EplbAction {
@@ -173,12 +176,21 @@ impl EplbState {
     }
 
     /// The placement DeepSeek's EPLB gives for `measured`, with the imbalance it expects;
-    /// `None` when there was no load or the placement would not change.
+    /// `None` when the window is too thin to plan from (a layer with fewer than
+    /// `MIN_PICKS_PER_SLOT` picks per physical expert slot: most of its experts would read as
+    /// idle and the plan would fit the sampling noise, not the routing) or the placement would
+    /// not change.
     pub fn plan(
         &self,
         measured: &Measured,
     ) -> Result<Option<(ExpertPlacement, Vec<f64>)>, EpError> {
-        if measured.picks == 0 {
+        let needed = (MIN_PICKS_PER_SLOT * self.shape.num_replicas) as f64;
+        let thinnest = measured
+            .logical
+            .iter()
+            .map(|layer| layer.iter().sum::<f64>())
+            .fold(f64::INFINITY, f64::min);
+        if measured.picks == 0 || thinnest < needed {
             return Ok(None);
         }
         let placement = rebalance_experts(&measured.logical, self.shape)?;
@@ -430,6 +442,27 @@ mod tests {
         assert_eq!(s.epoch(), PlacementEpoch(1));
         // The same loads now give the placement in use: nothing to do.
         assert!(s.plan(&measured).expect("solved").is_none());
+    }
+
+    #[test]
+    fn a_window_thinner_than_the_slots_is_not_planned_from() {
+        let s = state(true, 1, 1);
+        let needed = MIN_PICKS_PER_SLOT * shape().num_replicas;
+        // One hot expert; the second layer one pick short of the minimum.
+        let window = |second: usize| {
+            let layer = |picks: usize| {
+                let mut row = vec![0.0; 8];
+                row[0] = picks as f64;
+                row
+            };
+            Measured {
+                logical: vec![layer(needed), layer(second)],
+                imbalance: vec![4.0; 2],
+                picks: (needed + second) as u64,
+            }
+        };
+        assert!(s.plan(&window(needed - 1)).expect("solved").is_none());
+        assert!(s.plan(&window(needed)).expect("solved").is_some());
     }
 
     #[test]

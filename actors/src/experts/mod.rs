@@ -5,7 +5,8 @@
 //! computes with them on the rank threads and counts their load; nothing per token crosses this
 //! mailbox.
 //! Accepts: `Stage` (build the shard of a new placement: weights copied on a blocking thread),
-//! `Commit`, `Abort`, `TakeLoads` — all from the `EplbActor`.
+//! `Commit`, `Abort` — all from the `EplbActor` (which reads the load counters through the
+//! committed `LocalComm`).
 //! Sends: replies only.
 //! Ordering: stage then commit, by `PlacementEpoch`; a commit for another epoch is refused.
 //! Failure: errors are replied, never panics; the supervisor does not restart this actor (its
@@ -92,9 +93,6 @@ impl Actor for ExpertGroupActor {
                 let _ = reply.send(state.group.commit(epoch));
             }
             ExpertGroupMsg::Abort { epoch } => state.group.abort(epoch),
-            ExpertGroupMsg::TakeLoads(reply) => {
-                let _ = reply.send(state.group.take_loads());
-            }
         }
         Ok(())
     }

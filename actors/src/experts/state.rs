@@ -8,7 +8,7 @@ use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch};
 
 use crate::comm::EpError;
 use crate::experts::shard::{ExpertShard, ExpertSource};
-use crate::messages::experts::{ShardLoads, StagedShard};
+use crate::messages::experts::StagedShard;
 
 /// One EP rank's shards.
 #[derive(Debug)]
@@ -90,14 +90,6 @@ impl ExpertGroupState {
     pub fn abort(&mut self, epoch: PlacementEpoch) {
         if self.staged.as_ref().is_some_and(|s| s.epoch() == epoch) {
             self.staged = None;
-        }
-    }
-
-    /// Reads and resets the load counters of the shard in use.
-    pub fn take_loads(&self) -> ShardLoads {
-        ShardLoads {
-            epoch: self.current.epoch(),
-            per_slot: self.current.take_loads(),
         }
     }
 }
@@ -193,11 +185,13 @@ mod tests {
             group.current().run(&model, 2, 1, &x, 0.25);
         }
         group.current().run(&model, 0, 0, &x, 0.25);
-        let loads = group.take_loads();
-        assert_eq!(loads.epoch, PlacementEpoch(0));
-        assert_eq!(loads.per_slot[2][1], 3);
-        assert_eq!(loads.per_slot[0][0], 1);
-        assert_eq!(loads.per_slot.iter().flatten().sum::<u64>(), 4);
-        assert_eq!(group.take_loads().per_slot.iter().flatten().sum::<u64>(), 0);
+        let loads = group.current().take_loads();
+        assert_eq!(loads[2][1], 3);
+        assert_eq!(loads[0][0], 1);
+        assert_eq!(loads.iter().flatten().sum::<u64>(), 4);
+        assert_eq!(
+            group.current().take_loads().iter().flatten().sum::<u64>(),
+            0
+        );
     }
 }

@@ -21,7 +21,8 @@ pub struct RebalanceReport {
     pub measured_picks: u64,
     /// Expert slots whose weights were copied for the new placement.
     pub copied_experts: usize,
-    /// False when the placement stayed (no load, or the solver returned the same one).
+    /// False when the placement stayed (a layer's window too thin to plan from, see
+    /// `eplb::state::MIN_PICKS_PER_SLOT`, or the solver returned the same placement).
     pub committed: bool,
 }
 

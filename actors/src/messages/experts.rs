@@ -9,7 +9,7 @@ use ractor::RpcReplyPort;
 use crate::comm::EpError;
 use crate::experts::shard::{ExpertShard, StageReport};
 
-/// Picks served by one shard's physical slots since the last `TakeLoads`.
+/// Picks served by one shard's physical slots since its counters were last read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardLoads {
     /// The epoch of the shard the counts come from.
@@ -41,6 +41,4 @@ pub enum ExpertGroupMsg {
     },
     /// Drop a staged shard of `epoch` (a rebalance that did not commit).
     Abort { epoch: PlacementEpoch },
-    /// Read and reset the load counters of the shard in use.
-    TakeLoads(RpcReplyPort<ShardLoads>),
 }

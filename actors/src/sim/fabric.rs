@@ -382,18 +382,23 @@ impl VirtualFabric {
                 if clock.carry.len() != shares.per_slot.len() {
                     clock.carry = shares.per_slot.iter().map(|l| vec![0.0; l.len()]).collect();
                 }
-                for (layer, slots) in shares.per_slot.iter().enumerate() {
-                    for (slot, share) in slots.iter().enumerate() {
-                        let due = clock.carry[layer][slot] + layer_picks * share;
-                        let whole = due.floor();
-                        clock.carry[layer][slot] = due - whole;
-                        if whole > 0.0
-                            && let Some(shard) = comm.shards().get(slot / shares.slots_per_gpu)
-                        {
-                            let _ = shard.count(layer, slot % shares.slots_per_gpu, whole as u64);
+                let carry = &mut clock.carry;
+                // One batch: the EPLB's windows hold the whole step on every EP rank or none of it.
+                comm.count_batch(|shards| {
+                    for (layer, slots) in shares.per_slot.iter().enumerate() {
+                        for (slot, share) in slots.iter().enumerate() {
+                            let due = carry[layer][slot] + layer_picks * share;
+                            let whole = due.floor();
+                            carry[layer][slot] = due - whole;
+                            if whole > 0.0
+                                && let Some(shard) = shards.get(slot / shares.slots_per_gpu)
+                            {
+                                let _ =
+                                    shard.count(layer, slot % shares.slots_per_gpu, whole as u64);
+                            }
                         }
                     }
-                }
+                });
             }
         }
         let times = gpu_times(
