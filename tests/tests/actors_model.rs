@@ -10,6 +10,7 @@ use deepinfer_actors::{Engine, EngineConfig, FinishReason, GenerateRequest, Mode
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{LogitsWanted, Model, checkpoint};
+use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::NodeConfig;
 
 const CHUNK: usize = 5;
@@ -72,9 +73,10 @@ async fn engine_tokens_equal_direct_model_forward() {
         model: model.clone(),
         description: "tiny V4.1".into(),
     };
+    let (executor, freed) = FreedLengths::track(Arc::new(factory));
     let config = EngineConfig {
         node,
-        executor: Arc::new(factory),
+        executor,
         model: facts,
         tokenizer: None,
     };
@@ -110,5 +112,5 @@ async fn engine_tokens_equal_direct_model_forward() {
         any_tokens |= !done.tokens.is_empty();
     }
     assert!(any_tokens);
-    engine.shutdown(Duration::from_secs(30)).await.unwrap();
+    freed.shutdown_and_check_replay(engine).await;
 }
