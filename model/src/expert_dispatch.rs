@@ -10,9 +10,9 @@
 //! parallelism (`deepinfer-actors`' `LocalComm`) implements the trait over per-EP-rank copies
 //! obtained with [`Model::routed_expert`]. DSpark stages always run their own experts locally.
 
+use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::error::ModelError;
 use crate::v41::Model;
-use crate::v41::weights::{ExpertLinear, ExpertWeights};
 
 /// One routed pick of a token: the logical expert and its routing weight.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -169,7 +169,7 @@ fn ep_ranks(
                     let slot = backend.expert_slot();
                     let first = ExpertRank::new(
                         &backend,
-                        host,
+                        &host.expert_lists(),
                         placements[0].clone(),
                         0,
                         rank,
@@ -196,7 +196,12 @@ fn ep_ranks(
                             let epoch = step / EPOCH_STEPS + 1;
                             staged = Some(
                                 current
-                                    .next_epoch(cuda, host, placements[epoch].clone(), epoch as u32)
+                                    .next_epoch(
+                                        cuda,
+                                        &host.expert_lists(),
+                                        placements[epoch].clone(),
+                                        epoch as u32,
+                                    )
                                     .expect("staged epoch"),
                             );
                         }
@@ -207,7 +212,8 @@ fn ep_ranks(
                             current = Arc::new(staged.take().expect("a staged epoch"));
                             slot.set(Some(current.clone()));
                             let cached = cuda.cached_weights();
-                            let released = current.release_moved(cuda, host, &previous);
+                            let released =
+                                current.release_moved(cuda, &host.expert_lists(), &previous);
                             let epoch = step / EPOCH_STEPS;
                             assert_eq!(
                                 released,
@@ -331,7 +337,7 @@ fn a_failing_rank_stops_its_peer_without_a_hang() {
         let backend = CudaBackend::open(0, Numerics::Exact).expect("device 0");
         let rank = ExpertRank::new(
             &backend,
-            &host,
+            &host.expert_lists(),
             placement.clone(),
             0,
             0,

@@ -11,11 +11,25 @@
 //! `sqrt` is the correctly rounded one everywhere, as the reference's. Every bf16 rounding sits
 //! where DeepSeek's reference rounds; fp32 stays the working precision between operations.
 
-use super::{Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable, Tensor};
+mod dequant;
+mod pool;
+
+pub use pool::pool_entry;
+
+use self::dequant::{dequantised_linear, fp4_row, fp8_row};
+use self::pool::pool_channel;
+use super::{
+    Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcParams,
+    MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError, Selection,
+    Tensor, check_sample_masked, check_sample_rows,
+};
+use crate::engram::gate::EngramGate;
+use crate::engram::lookup::EngramTable;
 use crate::quant::{
     self, dot_bf16_gemm, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
-    sum_f32_torch, sum_squares_f32_torch,
+    sum_f32_torch, sum_squares_f32, sum_squares_f32_torch,
 };
+use crate::sampling::AllowedTokens;
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 /// Probabilities are accumulated in blocks of this many keys (the reference kernel's block).
@@ -281,6 +295,363 @@ impl Backend for CpuBackend {
             })
             .collect()
     }
+
+    fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
+        let mut out = Vec::with_capacity(pieces.len() * width);
+        for (tensor, offset) in pieces {
+            out.extend_from_slice(&tensor[*offset..*offset + width]);
+        }
+        out.into()
+    }
+    fn hc_mixes_rows(
+        &self,
+        x: &Tensor,
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> HcMixes {
+        let width = params.proj.len() / ((2 + hc) * hc).max(1);
+        if width == 0 {
+            return HcMixes::from_host(hc, &[]);
+        }
+        let mixes: Vec<HcMix> = x
+            .chunks_exact(width)
+            .map(|token| self.hc_mixes(token, params, hc, sinkhorn_iters, hc_eps, norm_eps))
+            .collect();
+        HcMixes::from_host(hc, &mixes)
+    }
+    fn hc_collapse_rows_at(
+        &self,
+        x: &Tensor,
+        weights: &Tensor,
+        hc: usize,
+        precision: Precision,
+    ) -> Tensor {
+        let tokens = weights.len() / hc.max(1);
+        if tokens == 0 {
+            return Tensor::empty();
+        }
+        x.chunks_exact(x.len() / tokens)
+            .zip(weights.chunks_exact(hc))
+            .flat_map(|(x, w)| self.hc_collapse_at(x, w, precision))
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    fn hc_expand_rows_at(
+        &self,
+        y: &Tensor,
+        residual: &Tensor,
+        mixes: &HcMixes,
+        precision: Precision,
+    ) -> Tensor {
+        let tokens = mixes.tokens();
+        if tokens == 0 {
+            return Tensor::empty();
+        }
+        let (dim, width) = (y.len() / tokens, residual.len() / tokens);
+        y.chunks_exact(dim)
+            .zip(residual.chunks_exact(width))
+            .enumerate()
+            .flat_map(|(t, (y, r))| self.hc_expand_at(y, r, &mixes.token(t), precision))
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    fn sparse_attention_rows_at(
+        &self,
+        q: &Tensor,
+        keys: &[Vec<&Tensor>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Tensor {
+        if keys.is_empty() {
+            return Tensor::empty();
+        }
+        q.chunks_exact(q.len() / keys.len())
+            .zip(keys)
+            .flat_map(|(q, keys)| {
+                let keys: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
+                self.sparse_attention_at(q, &keys, sink, scale, precision)
+            })
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    fn sparse_attention_selected(
+        &self,
+        q: &Tensor,
+        queries: &[QueryKeys<'_>],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Tensor {
+        let keys: Vec<Vec<&Tensor>> = queries.iter().map(QueryKeys::flattened).collect();
+        self.sparse_attention_rows_at(q, &keys, sink, scale, precision)
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn select_rows(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
+        head_dim: usize,
+        visible: &[usize],
+        k: usize,
+        candidates: Candidates<'_>,
+        precision: Precision,
+    ) -> (Selection, Option<CandidateMask>) {
+        let scores = self.index_scores_rows_at(q, weights, keys, head_dim, visible, precision);
+        super::select::select_host(scores, k, candidates)
+    }
+    fn index_scores_rows_at(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &[&Tensor],
+        head_dim: usize,
+        visible: &[usize],
+        precision: Precision,
+    ) -> Vec<Vec<f32>> {
+        if visible.is_empty() {
+            return Vec::new();
+        }
+        let flat: Vec<f32> = keys.iter().flat_map(|k| k.iter().copied()).collect();
+        q.chunks_exact(q.len() / visible.len())
+            .zip(weights.chunks_exact(weights.len() / visible.len()))
+            .zip(visible)
+            .map(|((q, w), &seen)| {
+                let seen = (seen * head_dim).min(flat.len());
+                self.index_scores_at(q, w, &flat[..seen], head_dim, precision)
+            })
+            .collect()
+    }
+    fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor> {
+        let _ = (x, layer);
+        None
+    }
+    fn sample_rows(
+        &self,
+        logits: &[f32],
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        check_sample_rows(logits, vocab, rows)?;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(logits
+            .chunks_exact(vocab)
+            .zip(rows)
+            .map(|(row, r)| crate::sampling::sample(row, &r.params, r.position).unwrap_or(0))
+            .collect())
+    }
+    fn sample_masked(
+        &self,
+        logits: &Tensor,
+        vocab: usize,
+        rows: &[RowSampling],
+        allowed: &[Option<&AllowedTokens>],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        check_sample_masked(logits.len(), vocab, rows, allowed)?;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        logits
+            .chunks_exact(vocab)
+            .zip(rows.iter().zip(allowed))
+            .enumerate()
+            .map(|(row, (values, (r, allowed)))| {
+                crate::sampling::sample_allowed(values, &r.params, r.position, *allowed)
+                    .map_err(|source| SampleRowsError::Mask { row, source })
+            })
+            .collect()
+    }
+    fn sample_linear(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        self.sample_rows(&self.linear_f32(x, w, out, inp), out, rows)
+    }
+    fn route_experts(
+        &self,
+        logits: &Tensor,
+        bias: &[f32],
+        selection: ExpertSelection<'_>,
+        route_scale: f32,
+    ) -> Vec<ExpertRoute> {
+        route_experts(logits, bias, selection, route_scale)
+    }
+    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor {
+        let mut out = vec![0.0f32; row_ids.len() * table.head_dim()];
+        table.gather(row_ids, &mut out);
+        out.into()
+    }
+    fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
+        dequantised_linear(
+            x.len(),
+            w.out,
+            w.inp,
+            |row, block| fp8_row(w, row, block),
+            |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
+        )
+        .into()
+    }
+    fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
+        dequantised_linear(
+            x.len(),
+            w.out,
+            w.inp,
+            |row, block| fp4_row(w, row, block),
+            |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
+        )
+        .into()
+    }
+    fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
+        x.iter()
+            .map(|w| precision.round(w * scale))
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    fn stream_means_at(
+        &self,
+        streams: &Tensor,
+        hc: usize,
+        dim: usize,
+        precision: Precision,
+    ) -> Tensor {
+        if hc == 0 || dim == 0 {
+            return Tensor::empty();
+        }
+        streams
+            .chunks_exact(hc * dim)
+            .flat_map(|token| {
+                (0..dim).map(move |d| {
+                    precision.round((0..hc).fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
+                })
+            })
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor {
+        groups
+            .iter()
+            .flat_map(|members| {
+                let members: Vec<&[f32]> = members.iter().map(|row| &row[..]).collect();
+                (0..head_dim)
+                    .map(|c| pool_channel(&members, head_dim, c))
+                    .collect::<Vec<f32>>()
+            })
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    fn engram_inject(
+        &self,
+        streams: Tensor,
+        kv: &Tensor,
+        live: &[usize],
+        gate: &EngramGate,
+    ) -> Tensor {
+        if live.is_empty() {
+            return streams;
+        }
+        let mut streams = streams;
+        let token_width = gate.hc_mult() * gate.dim();
+        let kv_stride = kv.len() / live.len();
+        let host = streams.host_mut();
+        for (&token, kv) in live.iter().zip(kv.chunks_exact(kv_stride)) {
+            gate.inject(
+                &mut host[token * token_width..(token + 1) * token_width],
+                kv,
+            );
+        }
+        streams
+    }
+    fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
+        let mut x = x;
+        for (a, b) in x.host_mut().iter_mut().zip(y.iter()) {
+            *a += b;
+        }
+        x
+    }
+    fn resident(&self, x: Tensor) -> Tensor {
+        x
+    }
+    fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
+        if width == 0 {
+            return Vec::new();
+        }
+        x.chunks_exact(width).map(argmax).collect()
+    }
+    fn hyper_head_weights_rows(
+        &self,
+        x: &Tensor,
+        proj: &[f32],
+        base: &[f32],
+        scale: f32,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> Tensor {
+        let width = proj.len() / base.len().max(1);
+        if width == 0 {
+            return Tensor::empty();
+        }
+        x.chunks_exact(width)
+            .flat_map(|x| hyper_head_weights(x, proj, base, scale, hc_eps, norm_eps))
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    fn compressor_pool_rows(&self, entries: &[Vec<PoolSlot<'_>>], width: usize) -> Tensor {
+        entries
+            .iter()
+            .flat_map(|slots| pool_entry(slots, width))
+            .collect::<Vec<f32>>()
+            .into()
+    }
+    fn moe_rows_exact(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        hashed: Option<&[Vec<usize>]>,
+    ) -> Option<Tensor> {
+        let _ = (x, layer, hashed);
+        None
+    }
+}
+
+/// The hyper-head's collapse weights of one token's streams `x [hc · dim]` (`proj [hc, hc · dim]`):
+/// `pre_k = σ(m_k · scale + base_k) + hc_eps` with `m = proj · RMSNorm_u(x)`.
+pub fn hyper_head_weights(
+    x: &[f32],
+    proj: &[f32],
+    base: &[f32],
+    scale: f32,
+    hc_eps: f32,
+    norm_eps: f32,
+) -> Vec<f32> {
+    let inv = 1.0 / (sum_squares_f32(x) / x.len() as f32 + norm_eps).sqrt();
+    proj.chunks_exact(x.len())
+        .zip(base)
+        .map(|(row, base)| {
+            let logit = dot_f32_sgemm(x, row) * inv * scale + base;
+            1.0 / (1.0 + exp_f32(-logit)) + hc_eps
+        })
+        .collect()
+}
+
+/// Index of the first maximum.
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 /// `ln(1 + e^z)` as the reference's vectorised softplus computes it (torch's `Vectorized` kernel):
@@ -379,7 +750,7 @@ mod tests {
         let q = vec![1.0f32, 0.0];
         let k0 = [1.0f32, 2.0];
         let k1 = [0.0f32, 4.0];
-        let out = CpuBackend.sparse_attention(&q, &[&k0, &k1], &[0.5], 1.0);
+        let out = CpuBackend.sparse_attention_at(&q, &[&k0, &k1], &[0.5], 1.0, Precision::Bf16);
         // p is computed relative to the running max (1.0): p0 = 1, p1 = e^-1.
         let p1 = round_bf16(exp_f32_accurate(-1.0));
         let d = 1.0 + exp_f32_accurate(-1.0) + exp_f32_accurate(-0.5);
@@ -387,7 +758,7 @@ mod tests {
         assert_eq!(out[1], round_bf16((2.0 + p1 * 4.0) / d));
         // No keys: only the sink, output 0.
         assert_eq!(
-            CpuBackend.sparse_attention(&q, &[], &[0.5], 1.0),
+            CpuBackend.sparse_attention_at(&q, &[], &[0.5], 1.0, Precision::Bf16),
             vec![0.0, 0.0]
         );
     }

@@ -14,15 +14,17 @@ pub mod cpu;
 pub mod cuda;
 pub mod select;
 pub mod tensor;
+pub mod weights;
 
 pub use cpu::CpuBackend;
 pub use select::{CandidateMask, Candidates, QueryKeys, SelectedKeys, Selection};
 pub use tensor::{DeviceBuffer, DeviceView, Tensor};
 
-use crate::engram::{EngramGate, EngramTable, NgramHasher};
+use crate::engram::gate::EngramGate;
+use crate::engram::lookup::EngramTable;
 use crate::sampling::{AllowedTokens, MaskError, SamplingParams};
-use crate::v41::weights::{ExpertLinear, ExpertWeights};
-use crate::weights::{FP4_GROUP, Fp4Weight, Fp8Weight, e2m1_to_f32, e8m0_to_f32};
+use crate::weights::{Fp4Weight, Fp8Weight};
+use weights::{ExpertLinear, ExpertWeights};
 
 /// The pre/post/comb coefficients of one mHC site for one token (spec §3.2), all fp32.
 #[derive(Debug, Clone, PartialEq)]
@@ -197,6 +199,16 @@ pub struct MoeLayer<'a> {
     pub precision: Precision,
 }
 
+/// One slot of a compressed entry ([`Backend::compressor_pool_rows`]): a token's raw `kv ‖ gate`
+/// row, the column offset of the slot's series inside each half, and the slot's position-bias row
+/// (as wide as one half).
+#[derive(Debug, Clone, Copy)]
+pub struct PoolSlot<'a> {
+    pub raw: &'a Tensor,
+    pub offset: usize,
+    pub bias: &'a [f32],
+}
+
 /// The operations the model needs from a device. `CpuBackend` is the reference implementation.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Human-readable device name.
@@ -219,13 +231,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
     /// `width` values from each `(tensor, offset)` of `pieces`, one after another: the row
     /// movement between ops (gathering rows, columns, interleaving) without leaving the device.
-    fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
-        let mut out = Vec::with_capacity(pieces.len() * width);
-        for (tensor, offset) in pieces {
-            out.extend_from_slice(&tensor[*offset..*offset + width]);
-        }
-        out.into()
-    }
+    fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor;
     /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`
     /// (consecutive vectors of one row share `positions[row]`) by `±position · freq`, rounding to
     /// bf16. `vectors_per_row` vectors make up one row.
@@ -254,11 +260,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn q4e_qdq(&self, x: Tensor) -> Tensor;
     /// `Q4m` QDQ (groups of 16, E4M3 scales).
     fn q4m_qdq(&self, x: Tensor) -> Tensor;
-    /// Single-query multi-head attention over `keys` (K = V, each `head_dim` long) with a per-head
-    /// sink in the denominator: `q [heads, head_dim]` bf16 → bf16 `[heads, head_dim]`.
-    fn sparse_attention(&self, q: &[f32], keys: &[&[f32]], sink: &[f32], scale: f32) -> Vec<f32> {
-        self.sparse_attention_at(q, keys, sink, scale, Precision::Bf16)
-    }
     /// The mHC coefficients of one token's streams `x [hc, dim]`.
     fn hc_mixes(
         &self,
@@ -269,19 +270,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         hc_eps: f32,
         norm_eps: f32,
     ) -> HcMix;
-    /// `bf16(Σ_k w_k · x_k)` over the `w.len()` streams of `x [hc, dim]`.
-    fn hc_collapse(&self, x: &[f32], weights: &[f32]) -> Vec<f32> {
-        self.hc_collapse_at(x, weights, Precision::Bf16)
-    }
-    /// `X'_k = bf16(post_k · y + Σ_j comb[j][k] · X_j)`.
-    fn hc_expand(&self, y: &[f32], residual: &[f32], mix: &HcMix) -> Vec<f32> {
-        self.hc_expand_at(y, residual, mix, Precision::Bf16)
-    }
-    /// Index scores of one query (`q [heads, head_dim]`, per-head `weights`) against `keys`
-    /// (`[n, head_dim]`), with the reference's bf16 rounding points.
-    fn index_scores(&self, q: &[f32], weights: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32> {
-        self.index_scores_at(q, weights, keys, head_dim, Precision::Bf16)
-    }
 
     /// [`Backend::rms_norm`] rounding at `precision`.
     fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor;
@@ -297,7 +285,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         inverse: bool,
         precision: Precision,
     ) -> Tensor;
-    /// [`Backend::sparse_attention`] rounding probabilities and output at `precision`.
+    /// Single-query multi-head attention over `keys` (K = V, each `head_dim` long) with a per-head
+    /// sink in the denominator: `q [heads, head_dim]` → `[heads, head_dim]`, probabilities and
+    /// output rounded at `precision`.
     fn sparse_attention_at(
         &self,
         q: &[f32],
@@ -306,9 +296,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         scale: f32,
         precision: Precision,
     ) -> Vec<f32>;
-    /// [`Backend::hc_collapse`] rounding at `precision`.
+    /// `round(Σ_k w_k · x_k)` over the `w.len()` streams of `x [hc, dim]`, rounded at `precision`.
     fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32>;
-    /// [`Backend::hc_expand`] rounding at `precision`.
+    /// `X'_k = round(post_k · y + Σ_j comb[j][k] · X_j)`, rounded at `precision`.
     fn hc_expand_at(
         &self,
         y: &[f32],
@@ -316,7 +306,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         mix: &HcMix,
         precision: Precision,
     ) -> Vec<f32>;
-    /// [`Backend::index_scores`] (`Σ_h w_h · ReLU(q_h · k)`) rounding at `precision`.
+    /// Index scores `Σ_h w_h · ReLU(q_h · k)` of one query (`q [heads, head_dim]`, per-head
+    /// `weights`) against `keys` (`[n, head_dim]`), rounded at `precision`.
     fn index_scores_at(
         &self,
         q: &[f32],
@@ -336,17 +327,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         sinkhorn_iters: usize,
         hc_eps: f32,
         norm_eps: f32,
-    ) -> HcMixes {
-        let width = params.proj.len() / ((2 + hc) * hc).max(1);
-        if width == 0 {
-            return HcMixes::from_host(hc, &[]);
-        }
-        let mixes: Vec<HcMix> = x
-            .chunks_exact(width)
-            .map(|token| self.hc_mixes(token, params, hc, sinkhorn_iters, hc_eps, norm_eps))
-            .collect();
-        HcMixes::from_host(hc, &mixes)
-    }
+    ) -> HcMixes;
     /// [`Backend::hc_collapse_at`] of every token: `x [n, hc, dim]` with its own weights
     /// `weights [n, hc]` → `[n, dim]`.
     fn hc_collapse_rows_at(
@@ -355,17 +336,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         weights: &Tensor,
         hc: usize,
         precision: Precision,
-    ) -> Tensor {
-        let tokens = weights.len() / hc.max(1);
-        if tokens == 0 {
-            return Tensor::empty();
-        }
-        x.chunks_exact(x.len() / tokens)
-            .zip(weights.chunks_exact(hc))
-            .flat_map(|(x, w)| self.hc_collapse_at(x, w, precision))
-            .collect::<Vec<f32>>()
-            .into()
-    }
+    ) -> Tensor;
     /// [`Backend::hc_expand_at`] of every token: `y [n, dim]`, `residual [n, hc, dim]`, each
     /// token's mix → `[n, hc, dim]`.
     fn hc_expand_rows_at(
@@ -374,19 +345,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         residual: &Tensor,
         mixes: &HcMixes,
         precision: Precision,
-    ) -> Tensor {
-        let tokens = mixes.tokens();
-        if tokens == 0 {
-            return Tensor::empty();
-        }
-        let (dim, width) = (y.len() / tokens, residual.len() / tokens);
-        y.chunks_exact(dim)
-            .zip(residual.chunks_exact(width))
-            .enumerate()
-            .flat_map(|(t, (y, r))| self.hc_expand_at(y, r, &mixes.token(t), precision))
-            .collect::<Vec<f32>>()
-            .into()
-    }
+    ) -> Tensor;
     /// [`Backend::sparse_attention_at`] of `keys.len()` queries `q [n, heads · head_dim]`, query
     /// `t` over its own `keys[t]` (each key one `head_dim` row) → `[n, heads · head_dim]`.
     fn sparse_attention_rows_at(
@@ -396,19 +355,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         sink: &[f32],
         scale: f32,
         precision: Precision,
-    ) -> Tensor {
-        if keys.is_empty() {
-            return Tensor::empty();
-        }
-        q.chunks_exact(q.len() / keys.len())
-            .zip(keys)
-            .flat_map(|(q, keys)| {
-                let keys: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
-                self.sparse_attention_at(q, &keys, sink, scale, precision)
-            })
-            .collect::<Vec<f32>>()
-            .into()
-    }
+    ) -> Tensor;
     /// [`Backend::sparse_attention_rows_at`] with each query's keys given as listed keys and a
     /// selection of compressed keys ([`QueryKeys`]), so a selection left on the device is read
     /// there.
@@ -419,10 +366,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         sink: &[f32],
         scale: f32,
         precision: Precision,
-    ) -> Tensor {
-        let keys: Vec<Vec<&Tensor>> = queries.iter().map(QueryKeys::flattened).collect();
-        self.sparse_attention_rows_at(q, &keys, sink, scale, precision)
-    }
+    ) -> Tensor;
     /// The indexer's selection of one sequence's queries (`q [n, heads · head_dim]`, head
     /// weights `[n, heads]`, query `t` scoring the first `visible[t]` of `keys`): the top
     /// `min(k, visible)` scores of each (ties: lower index), ascending, restricted or accompanied
@@ -439,10 +383,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         k: usize,
         candidates: Candidates<'_>,
         precision: Precision,
-    ) -> (Selection, Option<CandidateMask>) {
-        let scores = self.index_scores_rows_at(q, weights, keys, head_dim, visible, precision);
-        select::select_host(scores, k, candidates)
-    }
+    ) -> (Selection, Option<CandidateMask>);
     /// [`Backend::index_scores_at`] of `visible.len()` queries `q [n, heads · head_dim]` with
     /// their head weights `[n, heads]`: query `t` scores the first `visible[t]` of `keys` (each
     /// one `head_dim` row).
@@ -454,30 +395,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         head_dim: usize,
         visible: &[usize],
         precision: Precision,
-    ) -> Vec<Vec<f32>> {
-        if visible.is_empty() {
-            return Vec::new();
-        }
-        let flat: Vec<f32> = keys.iter().flat_map(|k| k.iter().copied()).collect();
-        q.chunks_exact(q.len() / visible.len())
-            .zip(weights.chunks_exact(weights.len() / visible.len()))
-            .zip(visible)
-            .map(|((q, w), &seen)| {
-                let seen = (seen * head_dim).min(flat.len());
-                self.index_scores_at(q, w, &flat[..seen], head_dim, precision)
-            })
-            .collect()
-    }
+    ) -> Vec<Vec<f32>>;
 
     /// The whole MoE of every row of `x [n, dim]` in one op — the router (top-k on the layer's
     /// bias), the routed experts (each row's outputs added in increasing expert id), the shared
     /// expert, one rounding — bit for bit as `v41::moe::forward_rows` computes it from the ops
     /// one by one; `None` when this backend has no fused path for the layer (the model then runs
     /// those ops).
-    fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor> {
-        let _ = (x, layer);
-        None
-    }
+    fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor>;
 
     /// One token per row of `logits` (`[rows.len(), vocab]`), each row sampled with its own
     /// parameters and position exactly as [`crate::sampling::sample`] does (the one definition of
@@ -487,17 +412,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         logits: &[f32],
         vocab: usize,
         rows: &[RowSampling],
-    ) -> Result<Vec<u32>, SampleRowsError> {
-        check_sample_rows(logits, vocab, rows)?;
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        Ok(logits
-            .chunks_exact(vocab)
-            .zip(rows)
-            .map(|(row, r)| crate::sampling::sample(row, &r.params, r.position).unwrap_or(0))
-            .collect())
-    }
+    ) -> Result<Vec<u32>, SampleRowsError>;
 
     /// [`Backend::sample_rows`] of the logits rows `logits` (`[rows.len(), vocab]`, a tensor:
     /// on a device backend they are read where they are) with row `r` restricted to
@@ -510,21 +425,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         vocab: usize,
         rows: &[RowSampling],
         allowed: &[Option<&AllowedTokens>],
-    ) -> Result<Vec<u32>, SampleRowsError> {
-        check_sample_masked(logits.len(), vocab, rows, allowed)?;
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        logits
-            .chunks_exact(vocab)
-            .zip(rows.iter().zip(allowed))
-            .enumerate()
-            .map(|(row, (values, (r, allowed)))| {
-                crate::sampling::sample_allowed(values, &r.params, r.position, *allowed)
-                    .map_err(|source| SampleRowsError::Mask { row, source })
-            })
-            .collect()
-    }
+    ) -> Result<Vec<u32>, SampleRowsError>;
 
     /// One token per row of the fp32 logits `x · Wᵀ` ([`Backend::linear_f32`], `W [out, inp]`),
     /// sampled as [`Backend::sample_rows`] does: the head and the sampler of a step in one op, so a
@@ -536,9 +437,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: usize,
         inp: usize,
         rows: &[RowSampling],
-    ) -> Result<Vec<u32>, SampleRowsError> {
-        self.sample_rows(&self.linear_f32(x, w, out, inp), out, rows)
-    }
+    ) -> Result<Vec<u32>, SampleRowsError>;
 
     /// The MoE router after the gate linear, one token per `bias.len()`-wide row of `logits`
     /// (`z`): scores `s = sqrt(softplus(z))` (the reference's vectorised softplus,
@@ -551,58 +450,22 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         bias: &[f32],
         selection: ExpertSelection<'_>,
         route_scale: f32,
-    ) -> Vec<ExpertRoute> {
-        cpu::route_experts(logits, bias, selection, route_scale)
-    }
-
-    /// Engram table row ids of hashed n-gram contexts: `contexts` holds `hasher.max_ngram()`
-    /// compressed ids per token (lag 0 first, pad already substituted); the result is
-    /// `[tokens, layers, columns]` as [`NgramHasher::rows_of_contexts`] computes it.
-    fn engram_hash(&self, hasher: &NgramHasher, contexts: &[u64]) -> Vec<u32> {
-        hasher.rows_of_contexts(contexts)
-    }
+    ) -> Vec<ExpertRoute>;
 
     /// The bf16 values of Engram table rows `row_ids`, one `table.head_dim()`-wide row after
     /// another ([`EngramTable::gather`]: FP8 codes times their row scales; foreign ids give zeros).
-    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor {
-        let mut out = vec![0.0f32; row_ids.len() * table.head_dim()];
-        table.gather(row_ids, &mut out);
-        out.into()
-    }
+    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor;
 
     /// `x [rows, w.inp] · Wᵀ` in fp32 with the FP8 weight dequantised exactly and the activations
     /// left as they are (the transformers float32 numerics of V4); equals [`Backend::linear_f32`]
     /// on `w.to_f32()` without materialising it.
-    fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
-        dequantised_linear(
-            x.len(),
-            w.out,
-            w.inp,
-            |row, block| fp8_row(w, row, block),
-            |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
-        )
-        .into()
-    }
+    fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor;
     /// [`Backend::linear_fp8_f32`] for a packed FP4 weight.
-    fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
-        dequantised_linear(
-            x.len(),
-            w.out,
-            w.inp,
-            |row, block| fp4_row(w, row, block),
-            |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
-        )
-        .into()
-    }
+    fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor;
 
     /// `round(x · scale)` of every value, rounded at `precision` (the indexer's head weights,
     /// `v41::csa::index_queries`).
-    fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
-        x.iter()
-            .map(|w| precision.round(w * scale))
-            .collect::<Vec<f32>>()
-            .into()
-    }
+    fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor;
     /// `round(mean over the hc streams)` of every token of `streams [n, hc, dim]` → `[n, dim]`,
     /// the sum folded from 0 in stream order, rounded at `precision` (the DSpark taps).
     fn stream_means_at(
@@ -611,36 +474,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         hc: usize,
         dim: usize,
         precision: Precision,
-    ) -> Tensor {
-        if hc == 0 || dim == 0 {
-            return Tensor::empty();
-        }
-        streams
-            .chunks_exact(hc * dim)
-            .flat_map(|token| {
-                (0..dim).map(move |d| {
-                    precision.round((0..hc).fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
-                })
-            })
-            .collect::<Vec<f32>>()
-            .into()
-    }
+    ) -> Tensor;
     /// Gated pooling of compressor groups → bf16 `[groups.len(), head_dim]`: group `g` pools its
     /// member rows `groups[g]` (each `kv ‖ gate`, `2 · head_dim` fp32 values, in position order,
     /// which is the fold order) channel by channel: the softmax of the gates over the members,
     /// the weighted sum of the values (`v41::csa::compress_chunk`).
-    fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor {
-        groups
-            .iter()
-            .flat_map(|members| {
-                let members: Vec<&[f32]> = members.iter().map(|row| &row[..]).collect();
-                (0..head_dim)
-                    .map(|c| pool_channel(&members, head_dim, c))
-                    .collect::<Vec<f32>>()
-            })
-            .collect::<Vec<f32>>()
-            .into()
-    }
+    fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor;
     /// [`EngramGate::inject`] of tokens `live` of `streams [tokens, hc, dim]`: live entry `i`
     /// (token `live[i]`, distinct) with its `kv` row `i` (`kv [live.len(), kv_stride]`, the hc
     /// keys then the value); the other tokens are left as they are.
@@ -650,49 +489,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         kv: &Tensor,
         live: &[usize],
         gate: &EngramGate,
-    ) -> Tensor {
-        if live.is_empty() {
-            return streams;
-        }
-        let mut streams = streams;
-        let token_width = gate.hc_mult() * gate.dim();
-        let kv_stride = kv.len() / live.len();
-        let host = streams.host_mut();
-        for (&token, kv) in live.iter().zip(kv.chunks_exact(kv_stride)) {
-            gate.inject(
-                &mut host[token * token_width..(token + 1) * token_width],
-                kv,
-            );
-        }
-        streams
-    }
+    ) -> Tensor;
     /// `x + y` elementwise in fp32 (`y` as long as `x`).
-    fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
-        let mut x = x;
-        for (a, b) in x.host_mut().iter_mut().zip(y.iter()) {
-            *a += b;
-        }
-        x
-    }
+    fn add(&self, x: Tensor, y: &Tensor) -> Tensor;
     /// `x` where this backend's ops read it without a copy: as it is on the CPU; a host tensor
     /// uploaded once into device memory on a device backend (a step's embedded streams, which
     /// several ops of the first layer read).
-    fn resident(&self, x: Tensor) -> Tensor {
-        x
-    }
+    fn resident(&self, x: Tensor) -> Tensor;
     /// The index of the first maximum of every `width`-wide row of `x` (the drafter's greedy
     /// choice; rows hold no NaN).
-    fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
-        if width == 0 {
-            return Vec::new();
-        }
-        x.chunks_exact(width)
-            .map(crate::v41::dspark::argmax)
-            .collect()
-    }
+    fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32>;
     /// The V4 hyper-head's collapse weights of every token of `x [n, hc · dim]` (`proj
     /// [hc, hc · dim]`, `base [hc]`): `σ(m_k · scale + base_k) + hc_eps` with
-    /// `m = proj · x · rsqrt(mean(x²) + norm_eps)` → `[n, hc]` fp32 ([`crate::v4::hyper_head_weights`]).
+    /// `m = proj · x · rsqrt(mean(x²) + norm_eps)` → `[n, hc]` fp32 ([`cpu::hyper_head_weights`]).
     fn hyper_head_weights_rows(
         &self,
         x: &Tensor,
@@ -701,30 +510,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         scale: f32,
         hc_eps: f32,
         norm_eps: f32,
-    ) -> Tensor {
-        let width = proj.len() / base.len().max(1);
-        if width == 0 {
-            return Tensor::empty();
-        }
-        x.chunks_exact(width)
-            .flat_map(|x| crate::v4::hyper_head_weights(x, proj, base, scale, hc_eps, norm_eps))
-            .collect::<Vec<f32>>()
-            .into()
-    }
+    ) -> Tensor;
     /// The V4 compressor's pooled entries → fp32 `[entries.len(), width]`: per channel, the softmax
-    /// over an entry's slots of `gate + bias` weighting the slots' `kv` ([`crate::v4::PoolSlot`],
-    /// [`crate::v4::pool_entry`]).
-    fn compressor_pool_rows(
-        &self,
-        entries: &[Vec<crate::v4::PoolSlot<'_>>],
-        width: usize,
-    ) -> Tensor {
-        entries
-            .iter()
-            .flat_map(|slots| crate::v4::pool_entry(slots, width))
-            .collect::<Vec<f32>>()
-            .into()
-    }
+    /// over an entry's slots of `gate + bias` weighting the slots' `kv` ([`PoolSlot`],
+    /// [`cpu::pool_entry`]).
+    fn compressor_pool_rows(&self, entries: &[Vec<PoolSlot<'_>>], width: usize) -> Tensor;
     /// The V4 MoE of every row of `x [n, dim]` with exact (fp32) experts in one op, routed by the
     /// router's top-k or, on a hash layer, row `t` by the experts `hashed[t]` (weights from its own
     /// scores) — what `v41::moe::forward_rows` computes from the ops one by one, to the device's
@@ -734,10 +524,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         x: &Tensor,
         layer: &MoeLayer<'_>,
         hashed: Option<&[Vec<usize>]>,
-    ) -> Option<Tensor> {
-        let _ = (x, layer, hashed);
-        None
-    }
+    ) -> Option<Tensor>;
 }
 
 /// The shape check of [`Backend::sample_rows`], shared by every implementation.
@@ -797,84 +584,4 @@ pub fn check_sample_masked(
         }
     }
     Ok(())
-}
-
-/// Appends row `row` of an FP8 weight in f32 ([`Fp8Weight::dequant_row`], through the decode
-/// table) to `block`.
-fn fp8_row(w: &Fp8Weight, row: usize, block: &mut Vec<f32>) {
-    let codes = crate::quant::e4m3_table();
-    let tile_row = (row / w.block) * w.scale_cols();
-    let scales = &w.scales[tile_row..tile_row + w.scale_cols()];
-    for (tile, &scale) in w.data[row * w.inp..(row + 1) * w.inp]
-        .chunks(w.block)
-        .zip(scales)
-    {
-        let scale = e8m0_to_f32(scale);
-        block.extend(tile.iter().map(|&code| codes[usize::from(code)] * scale));
-    }
-}
-
-/// Appends row `row` of a packed FP4 weight in f32 ([`Fp4Weight::dequant_row`], one scale per
-/// group) to `block`.
-fn fp4_row(w: &Fp4Weight, row: usize, block: &mut Vec<f32>) {
-    let scale_cols = w.scale_cols();
-    let scales = &w.scales[row * scale_cols..(row + 1) * scale_cols];
-    for (group, &scale) in w.packed[row * w.inp / 2..(row + 1) * w.inp / 2]
-        .chunks(FP4_GROUP / 2)
-        .zip(scales)
-    {
-        let scale = e8m0_to_f32(scale);
-        for &byte in group {
-            block.push(e2m1_to_f32(byte & 0x0f) * scale);
-            block.push(e2m1_to_f32(byte >> 4) * scale);
-        }
-    }
-}
-
-/// Gated pooling of channel `c` over a group's `kv ‖ gate` rows: softmax of the gates over the
-/// group, the weighted sum of the values, bf16 ([`Backend::gated_pool_rows`]).
-fn pool_channel(members: &[&[f32]], head_dim: usize, c: usize) -> f32 {
-    let max = members
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, r| m.max(r[head_dim + c]));
-    let exps: Vec<f32> = members
-        .iter()
-        .map(|r| (r[head_dim + c] - max).exp())
-        .collect();
-    let sum = exps.iter().fold(0.0f32, |a, e| a + e);
-    let value = members
-        .iter()
-        .zip(&exps)
-        .fold(0.0f32, |a, (r, e)| a + r[c] * (e / sum));
-    crate::quant::round_bf16(value)
-}
-
-/// Weight rows dequantised at a time by [`dequantised_linear`] (bounds its memory).
-const DEQUANT_ROWS: usize = 256;
-
-/// `x · Wᵀ` (`x` of `x_len` values) for a `[out, inp]` weight whose rows `dequant_row` appends to
-/// a buffer, through `linear` (a block of dequantised rows, their count) one block of rows at a
-/// time.
-fn dequantised_linear(
-    x_len: usize,
-    out: usize,
-    inp: usize,
-    dequant_row: impl Fn(usize, &mut Vec<f32>),
-    linear: impl Fn(&[f32], usize) -> Vec<f32>,
-) -> Vec<f32> {
-    let rows_of_x = x_len / inp.max(1);
-    let mut y = vec![0.0f32; rows_of_x * out];
-    let mut block = Vec::with_capacity(DEQUANT_ROWS.min(out) * inp);
-    for start in (0..out).step_by(DEQUANT_ROWS) {
-        let count = DEQUANT_ROWS.min(out - start);
-        block.clear();
-        for row in start..start + count {
-            dequant_row(row, &mut block);
-        }
-        let part = linear(&block, count);
-        for (r, chunk) in part.chunks_exact(count).enumerate() {
-            y[r * out + start..r * out + start + count].copy_from_slice(chunk);
-        }
-    }
-    y
 }

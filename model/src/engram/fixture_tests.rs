@@ -110,12 +110,7 @@ fn check_hash(case: &str, chunks: &[usize]) -> TestResult {
     let mut rows = Vec::new();
     let mut start = 0;
     for &end in chunks.iter().chain(std::iter::once(&tokens.len())) {
-        let chunk = engram.hash_chunk(
-            &CpuBackend,
-            &mut history,
-            &tokens[start..end],
-            &dead[start..end],
-        );
+        let chunk = engram.hash_chunk(&mut history, &tokens[start..end], &dead[start..end]);
         rows.extend(chunk.as_slice().iter().map(|&r| r as i32));
         start = end;
     }
@@ -167,7 +162,7 @@ fn engram_out_matches_reference() -> TestResult {
     let fixture = Fixture::open()?;
     let engram = load_engram()?;
     let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
-    let rows = engram.hash_chunk(&CpuBackend, &mut EngramHistory::new(), &tokens, &[]);
+    let rows = engram.hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
     let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
     let per_layer = shape[1..].iter().product::<usize>();
     for (engram_idx, layer_id) in [(0_usize, 1_usize), (1, 4)] {
@@ -203,7 +198,7 @@ fn dead_tokens_pass_through() -> TestResult {
     let fixture = Fixture::open()?;
     let engram = load_engram()?;
     let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
-    let rows = engram.hash_chunk(&CpuBackend, &mut EngramHistory::new(), &tokens, &[]);
+    let rows = engram.hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
     let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
     let per_layer = shape[1..].iter().product::<usize>();
     let before = layer_out[..per_layer].to_vec();

@@ -5,7 +5,6 @@ use std::collections::HashMap;
 
 use super::numpy_rng::Pcg64;
 use super::primes::EngramLayout;
-use crate::backend::{Backend, CpuBackend};
 use crate::error::ModelError;
 
 /// Token id → compressed id, plus the compressed id that fills n-gram slots with no history.
@@ -303,8 +302,8 @@ impl NgramHasher {
     }
 
     /// Table row ids of n-gram contexts (`[tokens, max_ngram]`, see
-    /// [`NgramHasher::contexts_of_chunk`]): `[tokens, layers, columns]`, the reference of
-    /// [`crate::backend::Backend::engram_hash`]. Per layer the rolling hash of lags `0..=n−1` is
+    /// [`NgramHasher::contexts_of_chunk`]): `[tokens, layers, columns]`, the hashing of
+    /// [`NgramHasher::hash_chunk`]. Per layer the rolling hash of lags `0..=n−1` is
     /// `⊕ context[lag] · multiplier[lag]` (wrapping u64), and column `(n−2)·heads + h` is
     /// `rolling % prime + offset`. A trailing partial context is ignored.
     pub fn rows_of_contexts(&self, contexts: &[u64]) -> Vec<u32> {
@@ -331,22 +330,11 @@ impl NgramHasher {
     }
 
     /// Row ids of every engram layer for `tokens` at the positions after `history`, which is
-    /// extended by the chunk, hashed on the CPU ([`NgramHasher::hash_chunk_on`] with the
-    /// reference backend).
+    /// extended by the chunk: the contexts gathered from the history, hashed by
+    /// [`NgramHasher::rows_of_contexts`] (on the host: the hashing is integer work on ids the
+    /// host holds).
     pub fn hash_chunk(
         &self,
-        history: &mut EngramHistory,
-        tokens: &[u32],
-        dead: &[bool],
-    ) -> EngramRows {
-        self.hash_chunk_on(&CpuBackend, history, tokens, dead)
-    }
-
-    /// [`NgramHasher::hash_chunk`] with the hashing on `backend` ([`Backend::engram_hash`]); the
-    /// contexts are gathered from the history on the host.
-    pub fn hash_chunk_on(
-        &self,
-        backend: &dyn Backend,
         history: &mut EngramHistory,
         tokens: &[u32],
         dead: &[bool],
@@ -356,7 +344,7 @@ impl NgramHasher {
             n_tokens: tokens.len(),
             n_layers: self.multipliers.len(),
             columns: self.layout.columns(),
-            rows: backend.engram_hash(self, &contexts),
+            rows: self.rows_of_contexts(&contexts),
         }
     }
 }

@@ -9,7 +9,7 @@
 //!   tensor's dtype and shape.
 //! - [`Engram::hash_chunk`] — once per chunk, before the embedding: row ids of every engram layer
 //!   for the chunk's tokens (`dead[i]` = image-span token), appending to the sequence's
-//!   [`EngramHistory`], hashed by the backend ([`Backend::engram_hash`]). Roll back with
+//!   [`EngramHistory`], hashed on the host ([`NgramHasher::hash_chunk`]). Roll back with
 //!   [`EngramHistory::truncate`].
 //! - [`Engram::apply`] — before block `layer_ids()[i]`, with `engram_layer_idx = i`: updates the
 //!   streams `x` (`[n_tokens, hc_mult, dim]`, bf16 values) in place. Dead tokens are left as is.
@@ -198,12 +198,11 @@ impl Engram {
     /// hashes as pad.
     pub fn hash_chunk(
         &self,
-        backend: &dyn Backend,
         history: &mut EngramHistory,
         tokens: &[u32],
         dead: &[bool],
     ) -> EngramRows {
-        self.hasher.hash_chunk_on(backend, history, tokens, dead)
+        self.hasher.hash_chunk(history, tokens, dead)
     }
 
     /// Applies engram layer `engram_layer_idx` to the streams `x` (`[n_tokens, hc_mult, dim]`,

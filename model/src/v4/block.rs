@@ -6,7 +6,6 @@
 
 use super::weights::{HyperHeadWeights, LayerWeights};
 use crate::backend::{HcParams, MoeLayer, Tensor};
-use crate::quant::{dot_f32_sgemm, exp_f32, sum_squares_f32};
 use crate::v41::Ctx;
 use crate::v41::moe;
 
@@ -68,7 +67,7 @@ pub fn forward(
 }
 
 /// The final collapse of every row's streams `x [n, hc, dim]` → `[n, dim]`: weights
-/// [`hyper_head_weights`] on the backend, then `Σ_k pre_k · x_k`.
+/// [`crate::backend::cpu::hyper_head_weights`] on the backend, then `Σ_k pre_k · x_k`.
 pub fn hyper_head(ctx: &Ctx, w: &HyperHeadWeights, x: &Tensor) -> Tensor {
     let cfg = ctx.cfg;
     let pre = ctx.backend.hyper_head_weights_rows(
@@ -81,24 +80,4 @@ pub fn hyper_head(ctx: &Ctx, w: &HyperHeadWeights, x: &Tensor) -> Tensor {
     );
     ctx.backend
         .hc_collapse_rows_at(x, &pre, cfg.hc.mult, cfg.precision())
-}
-
-/// The hyper-head's collapse weights of one token's streams `x [hc · dim]` (`proj [hc, hc · dim]`):
-/// `pre_k = σ(m_k · scale + base_k) + hc_eps` with `m = proj · RMSNorm_u(x)`.
-pub fn hyper_head_weights(
-    x: &[f32],
-    proj: &[f32],
-    base: &[f32],
-    scale: f32,
-    hc_eps: f32,
-    norm_eps: f32,
-) -> Vec<f32> {
-    let inv = 1.0 / (sum_squares_f32(x) / x.len() as f32 + norm_eps).sqrt();
-    proj.chunks_exact(x.len())
-        .zip(base)
-        .map(|(row, base)| {
-            let logit = dot_f32_sgemm(x, row) * inv * scale + base;
-            1.0 / (1.0 + exp_f32(-logit)) + hc_eps
-        })
-        .collect()
 }

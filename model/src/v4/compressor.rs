@@ -5,20 +5,9 @@
 
 use super::state::{CompressorCache, LayerState};
 use super::weights::{CompressorWeights, IndexerWeights};
-use crate::backend::{Candidates, RopeTable, Selection, Tensor};
-use crate::quant::exp_f32;
+use crate::backend::{Candidates, PoolSlot, RopeTable, Selection, Tensor};
 use crate::v41::Ctx;
 use crate::v41::step::StepRows;
-
-/// One slot of a compressed entry ([`crate::backend::Backend::compressor_pool_rows`]): a token's
-/// raw `kv ‖ gate` row, the column offset of the slot's series inside each half, and the slot's
-/// position-bias row (as wide as one half).
-#[derive(Debug, Clone, Copy)]
-pub struct PoolSlot<'a> {
-    pub raw: &'a Tensor,
-    pub offset: usize,
-    pub bias: &'a [f32],
-}
 
 /// Appends the step's raw `kv ‖ gate` rows (`xn [n, dim]`, the rows of sequence `e` at
 /// `rows.spans[e]`) to each sequence's cache (`None`: the sequence has none) and emits every entry
@@ -114,29 +103,6 @@ fn entry_slots<'a>(
     slots
 }
 
-/// One pooled (pre-norm) entry `[width]` of its `slots`: per channel, a softmax over the slots of
-/// `gate + bias` weighting the slots' `kv`.
-pub fn pool_entry(slots: &[PoolSlot<'_>], width: usize) -> Vec<f32> {
-    let mut logits = vec![0.0f32; slots.len()];
-    (0..width)
-        .map(|c| {
-            for (logit, slot) in logits.iter_mut().zip(slots) {
-                let half = slot.raw.len() / 2;
-                *logit = slot.raw[half + slot.offset + c] + slot.bias[slot.offset + c];
-            }
-            let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let mut sum = 0.0f32;
-            let mut value = 0.0f32;
-            for (logit, slot) in logits.iter().zip(slots) {
-                let e = exp_f32(logit - max);
-                sum += e;
-                value += e * slot.raw[slot.offset + c];
-            }
-            value / sum
-        })
-        .collect()
-}
-
 /// The indexer's selection for every query of the step (`qr`, `xn` its rows; sequence `e`'s rows
 /// at `rows.spans[e]` score `states[e]`'s indexer keys): among the visible CSA entries
 /// (`w < ⌊(t+1)/ratio⌋`), the `index_topk` with the highest `Σ_h ω_h · ReLU(q_h · k_w)`, ties to the
@@ -194,16 +160,17 @@ pub fn select_rows(
         .collect()
 }
 
-/// The pooled entry `entry` of `cache` (the unit tests' view of [`pool_entry`]).
+/// The pooled entry `entry` of `cache` (the unit tests' view of
+/// [`crate::backend::cpu::pool_entry`]).
 #[cfg(test)]
 fn pool(w: &CompressorWeights, cache: &CompressorCache, entry: usize) -> Vec<f32> {
-    pool_entry(&entry_slots(w, cache, entry), w.width)
+    crate::backend::cpu::pool_entry(&entry_slots(w, cache, entry), w.width)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::v4::weights::Linear;
+    use crate::backend::weights::Linear;
 
     fn weights(ratio: usize, overlapping: bool, ape: Vec<f32>) -> CompressorWeights {
         let unused = Linear::Dense {

@@ -7,7 +7,8 @@
 
 use super::attention::{self, Queries};
 use super::block;
-use super::weights::{AttentionWeights, HyperHeadWeights, LayerWeights, Linear, Loader};
+use super::weights::{AttentionWeights, HyperHeadWeights, LayerWeights, Loader};
+use crate::backend::weights::Linear;
 use crate::backend::{QueryKeys, RopeTable, Tensor};
 use crate::config::{DsparkConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;

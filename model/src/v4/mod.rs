@@ -19,11 +19,9 @@ mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
-pub use block::hyper_head_weights;
-pub use compressor::{PoolSlot, pool_entry};
+use crate::backend::weights::Linear;
 pub use state::SequenceState;
 pub use step::StepEntry;
-pub(crate) use weights::Linear;
 
 pub use crate::v41::{DraftProposal, EntryOutput};
 

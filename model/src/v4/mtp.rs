@@ -9,8 +9,9 @@
 use super::attention;
 use super::block;
 use super::state::LayerState;
-use super::weights::{HyperHeadWeights, LayerWeights, Linear, Loader};
+use super::weights::{HyperHeadWeights, LayerWeights, Loader};
 use crate::backend::Tensor;
+use crate::backend::weights::Linear;
 use crate::config::{V4Attention, V4Mlp};
 use crate::error::ModelError;
 use crate::v41::Ctx;

@@ -6,8 +6,8 @@
 //! those of running it alone.
 
 use super::state::{LayerState, SequenceState};
-use super::weights::Linear;
 use super::{Model, attention, block};
+use crate::backend::weights::Linear;
 use crate::backend::{RowSampling, Tensor};
 use crate::error::ModelError;
 use crate::sampling::SamplingParams;

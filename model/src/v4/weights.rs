@@ -5,38 +5,12 @@
 //! leaves the activations unquantised (the transformers float32 numerics of V4). Only `wo_a`, used
 //! group by group, is dequantised at load.
 
-use crate::backend::{Backend, HcParams, Tensor};
+use crate::backend::HcParams;
+use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
 use crate::checkpoint::{Checkpoint, StoredLinear};
 use crate::config::{ModelConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
-use crate::v41::weights::{ExpertLinear, ExpertWeights, MoeWeights};
-use crate::weights::{Fp4Weight, Fp8Weight};
-
-/// A projection `[out, inp]` in its stored format, applied in fp32.
-#[derive(Debug, Clone)]
-pub enum Linear {
-    /// BF16/F32 weights widened to f32, row-major.
-    Dense {
-        out: usize,
-        inp: usize,
-        values: Vec<f32>,
-    },
-    /// FP8 E4M3 with square UE8M0 tiles.
-    Fp8(Fp8Weight),
-    /// Packed FP4 E2M1 with 1×32 UE8M0 scales.
-    Fp4(Fp4Weight),
-}
-
-impl Linear {
-    /// `x [rows, inp] · Wᵀ` → `[rows, out]`, fp32, weights dequantised exactly, where `x` is.
-    pub fn apply(&self, backend: &dyn Backend, x: &Tensor) -> Tensor {
-        match self {
-            Linear::Dense { out, inp, values } => backend.linear_f32(x, values, *out, *inp),
-            Linear::Fp8(w) => backend.linear_fp8_f32(x, w),
-            Linear::Fp4(w) => backend.linear_fp4_f32(x, w),
-        }
-    }
-}
+use crate::v41::weights::MoeWeights;
 
 impl From<StoredLinear> for Linear {
     fn from(stored: StoredLinear) -> Linear {
@@ -372,7 +346,8 @@ impl Loader<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::CpuBackend;
+    use crate::backend::{CpuBackend, Tensor};
+    use crate::weights::{Fp4Weight, Fp8Weight};
 
     fn bytes(len: usize, seed: u32) -> Vec<u8> {
         (0..len as u32)

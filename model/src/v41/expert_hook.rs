@@ -2,8 +2,8 @@
 //! `Ctx`, the forward entry that takes a [`RoutedExperts`], and the accessors an expert shard
 //! needs (its weights, and running one expert exactly as the model does).
 
-use super::weights::{ExpertLinear, ExpertWeights};
 use super::{Ctx, LogitsWanted, Model, SequenceState, moe};
+use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::error::ModelError;
 use crate::expert_dispatch::{RoutedExpert, RoutedExperts};
 

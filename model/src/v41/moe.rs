@@ -2,7 +2,8 @@
 //! unbiased normalised weights, FP4 routed experts and the FP8 shared expert, SwiGLU with clamps.
 
 use super::Ctx;
-use super::weights::{ExpertLinear, ExpertWeights, MoeWeights};
+use super::weights::MoeWeights;
+use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::backend::{Backend, ExpertRoute, ExpertSelection, MoeLayer, Tensor};
 use crate::expert_dispatch::ExpertPick;
 use crate::quant::exp_f32;

@@ -296,7 +296,7 @@ impl Model {
                 .zip(&chunks)
                 .zip(&rows.spans)
                 .map(|((seq, tokens), span)| {
-                    engram.hash_chunk(ctx.backend, &mut seq.engram, tokens, &dead[span.clone()])
+                    engram.hash_chunk(&mut seq.engram, tokens, &dead[span.clone()])
                 })
                 .collect()
         });

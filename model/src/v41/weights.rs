@@ -3,28 +3,11 @@
 //! dequantised to bf16 as the reference does at load time; fp32-promoted weights stay bf16-exact f32.
 
 use crate::backend::HcParams;
+use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::checkpoint::Checkpoint;
 use crate::config::{ExpertDtype, ModelConfig};
 use crate::error::ModelError;
-use crate::weights::{Fp4Weight, Fp8Weight};
-
-/// An expert projection: FP4 (V4.1 routed experts), FP8 (V4.1 shared expert, or routed when
-/// `expert_dtype` says so) — both with FP8-quantised activations — or a V4 projection in any
-/// stored format applied in exact fp32 (`Exact`).
-#[derive(Debug, Clone)]
-pub enum ExpertLinear {
-    Fp4(Fp4Weight),
-    Fp8(Fp8Weight),
-    Exact(crate::v4::Linear),
-}
-
-/// One SwiGLU expert (`w1` gate, `w3` up, `w2` down).
-#[derive(Debug, Clone)]
-pub struct ExpertWeights<W> {
-    pub w1: W,
-    pub w2: W,
-    pub w3: W,
-}
+use crate::weights::Fp8Weight;
 
 /// Router + routed experts + the shared expert of one block.
 #[derive(Debug, Clone)]

@@ -34,9 +34,8 @@ use deepinfer_topology::ExpertPlacement;
 use super::ep_transport::{RowMeta, RowTransport};
 use super::moe::DeviceExperts;
 use super::*;
+use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::expert_exchange::{ExchangePhase, ExchangeTag};
-use crate::v41::Model;
-use crate::v41::weights::{ExpertLinear, ExpertWeights};
 
 /// One EP rank of one placement epoch: its experts on this device, the placement, the transport.
 pub struct ExpertRank {
@@ -64,12 +63,12 @@ impl std::fmt::Debug for ExpertRank {
 }
 
 impl ExpertRank {
-    /// EP rank `rank` (serving DP rank `dp`) of `placement` at `epoch` for `model`'s backbone
-    /// layers, its experts uploaded to `backend`'s device (only those its slots hold), its rows
+    /// EP rank `rank` (serving DP rank `dp`) of `placement` at `epoch` for the backbone layers'
+    /// experts `lists` (one list per MoE layer, `Model::expert_lists`), its experts uploaded to `backend`'s device (only those its slots hold), its rows
     /// moved by `transport`.
     pub fn new(
         backend: &CudaBackend,
-        model: &Model,
+        lists: &[&[ExpertWeights<ExpertLinear>]],
         placement: Arc<ExpertPlacement>,
         epoch: u32,
         rank: usize,
@@ -77,7 +76,6 @@ impl ExpertRank {
         transport: Arc<dyn RowTransport>,
     ) -> Result<ExpertRank, CudaBackendError> {
         const OP: &str = "expert rank";
-        let lists = model.expert_lists();
         check_placement(&placement, lists.len(), transport.ranks(), rank)
             .map_err(|message| shape_err(OP, message))?;
         let per_rank = placement.slots_per_gpu;
@@ -122,13 +120,13 @@ impl ExpertRank {
     pub fn next_epoch(
         &self,
         backend: &CudaBackend,
-        model: &Model,
+        lists: &[&[ExpertWeights<ExpertLinear>]],
         placement: Arc<ExpertPlacement>,
         epoch: u32,
     ) -> Result<ExpertRank, CudaBackendError> {
         let transport = self.transport.clone();
         let next = Self::new(
-            backend, model, placement, epoch, self.rank, self.dp, transport,
+            backend, lists, placement, epoch, self.rank, self.dp, transport,
         )?;
         Ok(ExpertRank {
             rounds: self.rounds.clone(),
@@ -143,11 +141,11 @@ impl ExpertRank {
     pub fn release_moved(
         &self,
         backend: &CudaBackend,
-        model: &Model,
+        lists: &[&[ExpertWeights<ExpertLinear>]],
         previous: &ExpertRank,
     ) -> usize {
         let mut released = 0;
-        for (layer, experts) in model.expert_lists().iter().enumerate() {
+        for (layer, experts) in lists.iter().enumerate() {
             let now = self.held(layer);
             for expert in previous.held(layer) {
                 if !now.contains(&expert) {

@@ -94,10 +94,11 @@ use half::bf16;
 use super::select::DeviceRows;
 use super::{
     Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMix, HcMixes,
-    HcParams, MoeLayer, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError, Selection,
-    Tensor, check_sample_rows, select,
+    HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
+    Selection, Tensor, check_sample_rows, select,
 };
-use crate::engram::{EngramTable, NgramHasher};
+use crate::engram::gate::EngramGate;
+use crate::engram::lookup::EngramTable;
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 pub use profile::{OpProfile, OpStats, PROFILE_ENV};
@@ -991,9 +992,9 @@ impl Backend for CudaBackend {
             .unwrap_or_else(device_fault)
     }
 
-    // Engram hashing stays the trait's host default: its inputs are the step's token ids, which
-    // are on the host, and its row ids go straight to `engram_gather` (uploaded, never copied
-    // back). `try_engram_hash` is the device kernel, kept for its conformance test.
+    // Engram hashing is not a backend op: its inputs are the step's token ids, which are on the
+    // host (`NgramHasher::hash_chunk`), and its row ids go straight to `engram_gather` (uploaded,
+    // never copied back). `try_engram_hash` is the device kernel, kept for its conformance test.
 
     fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
         let _op = self.op_scope("add");
@@ -1050,7 +1051,7 @@ impl Backend for CudaBackend {
         streams: Tensor,
         kv: &Tensor,
         live: &[usize],
-        gate: &crate::engram::EngramGate,
+        gate: &EngramGate,
     ) -> Tensor {
         let _op = self.op_scope("engram_inject");
         self.try_engram_inject(streams, kv, live, gate)
@@ -1071,11 +1072,7 @@ impl Backend for CudaBackend {
             .unwrap_or_else(device_fault)
     }
 
-    fn compressor_pool_rows(
-        &self,
-        entries: &[Vec<crate::v4::PoolSlot<'_>>],
-        width: usize,
-    ) -> Tensor {
+    fn compressor_pool_rows(&self, entries: &[Vec<PoolSlot<'_>>], width: usize) -> Tensor {
         let _op = self.op_scope("compressor_pool_rows");
         self.try_compressor_pool_rows(entries, width)
             .unwrap_or_else(device_fault)

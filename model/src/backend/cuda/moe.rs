@@ -11,7 +11,7 @@ use deepinfer_kernels::ops::routed::{
 };
 
 use super::*;
-use crate::v41::weights::{ExpertLinear, ExpertWeights};
+use crate::backend::weights::{ExpertLinear, ExpertWeights};
 
 /// A layer's experts on the device: their address table and the weights it points into (held
 /// here so that the addresses stay valid as long as the table).

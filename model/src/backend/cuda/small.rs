@@ -11,7 +11,7 @@ use deepinfer_kernels::ops::rows::{
 use deepinfer_kernels::ops::movement::add_f32;
 
 use super::*;
-use crate::engram::EngramGate;
+use crate::engram::gate::EngramGate;
 
 impl CudaBackend {
     /// [`Backend::scale_at`], with errors: in place when `x` is the only holder of its buffer.

@@ -5,6 +5,7 @@
 use deepinfer_kernels::ops::sampling::{mask_logits_f32, mask_words_per_row};
 
 use super::*;
+use crate::engram::hash::NgramHasher;
 use crate::sampling::AllowedTokens;
 
 impl CudaBackend {
@@ -236,7 +237,7 @@ impl CudaBackend {
             .collect())
     }
 
-    /// [`Backend::engram_hash`], with errors. The hashing parameters (a few hundred bytes) are
+    /// [`NgramHasher::rows_of_contexts`] on the device, with errors. The hashing parameters (a few hundred bytes) are
     /// uploaded with the contexts.
     pub fn try_engram_hash(
         &self,

@@ -14,8 +14,9 @@ use deepinfer_kernels::ops::routed_exact::{
 use deepinfer_kernels::ops::v4::{v4_hyper_head_f32, v4_pool_f32};
 
 use super::*;
-use crate::v4::{Linear, PoolSlot};
-use crate::v41::weights::{ExpertLinear, ExpertWeights};
+use crate::backend::PoolSlot;
+use crate::backend::weights::Linear;
+use crate::backend::weights::{ExpertLinear, ExpertWeights};
 
 /// A layer's exact experts on the device: their address table and the weights it points into
 /// (held here so that the addresses stay valid as long as the table).
