@@ -93,6 +93,88 @@ fn compare_bf16(gpu: &[f32], cpu: &[f32]) -> (usize, u32) {
     (exact, worst)
 }
 
+/// One query's sparse attention: the one-row case of [`Backend::sparse_attention_rows_at`].
+fn attention_of_one(
+    backend: &dyn Backend,
+    q: &[f32],
+    keys: &[&[f32]],
+    sink: &[f32],
+    scale: f32,
+    precision: Precision,
+) -> Vec<f32> {
+    let keys: Vec<Tensor> = keys.iter().map(|&k| Tensor::from(k)).collect();
+    let list: Vec<&Tensor> = keys.iter().collect();
+    backend
+        .sparse_attention_rows_at(&q.into(), &[list], sink, scale, precision)
+        .into_vec()
+}
+
+/// One token's mHC mixes: the one-row case of [`Backend::hc_mixes_rows`].
+fn mixes_of_one(
+    backend: &dyn Backend,
+    x: &[f32],
+    params: &HcParams,
+    hc: usize,
+    sinkhorn_iters: usize,
+    hc_eps: f32,
+    norm_eps: f32,
+) -> HcMix {
+    let mixes = backend.hc_mixes_rows(&x.into(), params, hc, sinkhorn_iters, hc_eps, norm_eps);
+    assert_eq!(mixes.tokens(), 1, "x is one token's streams");
+    mixes.token(0)
+}
+
+/// One token's collapse: the one-row case of [`Backend::hc_collapse_rows_at`].
+fn collapse_of_one(
+    backend: &dyn Backend,
+    x: &[f32],
+    weights: &[f32],
+    precision: Precision,
+) -> Vec<f32> {
+    backend
+        .hc_collapse_rows_at(&x.into(), &weights.into(), weights.len(), precision)
+        .into_vec()
+}
+
+/// One token's expansion: the one-row case of [`Backend::hc_expand_rows_at`].
+fn expand_of_one(
+    backend: &dyn Backend,
+    y: &[f32],
+    residual: &[f32],
+    mix: &HcMix,
+    precision: Precision,
+) -> Vec<f32> {
+    let mixes = HcMixes::from_host(mix.post.len(), std::slice::from_ref(mix));
+    backend
+        .hc_expand_rows_at(&y.into(), &residual.into(), &mixes, precision)
+        .into_vec()
+}
+
+/// One query's index scores over every key: the one-row case of
+/// [`Backend::index_scores_rows_at`].
+fn scores_of_one(
+    backend: &dyn Backend,
+    q: &[f32],
+    weights: &[f32],
+    keys: &[f32],
+    head_dim: usize,
+    precision: Precision,
+) -> Vec<f32> {
+    let rows = Tensor::from(keys).split_rows(head_dim);
+    let keys: Vec<&Tensor> = rows.iter().collect();
+    let visible = [keys.len()];
+    backend
+        .index_scores_rows_at(
+            &q.into(),
+            &weights.into(),
+            &keys,
+            head_dim,
+            &visible,
+            precision,
+        )
+        .remove(0)
+}
+
 #[test]
 fn every_kernel_compiles_and_loads() {
     let rt = runtime("every_kernel_compiles_and_loads");
@@ -641,8 +723,8 @@ fn backend_sparse_attention_is_bit_exact() {
                 let scale = (head_dim as f32).powf(-0.5);
                 checked += assert_bitwise(
                     &format!("attention h{heads} d{head_dim} n{n_keys} {precision:?}"),
-                    &gpu.sparse_attention_at(&q, &key_refs, &sink, scale, precision),
-                    &cpu.sparse_attention_at(&q, &key_refs, &sink, scale, precision),
+                    &attention_of_one(&gpu, &q, &key_refs, &sink, scale, precision),
+                    &attention_of_one(&cpu, &q, &key_refs, &sink, scale, precision),
                 );
             }
         }
@@ -670,8 +752,8 @@ fn backend_mhc_matches() {
             } else {
                 bf16_unit(&mut rng, hc * dim)
             };
-            let g = gpu.hc_mixes(&x, &params, hc, iters, 1e-6, 1e-6);
-            let c = cpu.hc_mixes(&x, &params, hc, iters, 1e-6, 1e-6);
+            let g = mixes_of_one(&gpu, &x, &params, hc, iters, 1e-6, 1e-6);
+            let c = mixes_of_one(&cpu, &x, &params, hc, iters, 1e-6, 1e-6);
             for (name, a, b) in [
                 ("pre", &g.pre, &c.pre),
                 ("post", &g.post, &c.post),
@@ -701,13 +783,13 @@ fn backend_mhc_matches() {
             let y = bf16_unit(&mut rng, dim);
             exact += assert_bitwise(
                 &format!("hc_collapse hc{hc} dim{dim} {precision:?}"),
-                &gpu.hc_collapse_at(&x, &mix.pre, precision),
-                &cpu.hc_collapse_at(&x, &mix.pre, precision),
+                &collapse_of_one(&gpu, &x, &mix.pre, precision),
+                &collapse_of_one(&cpu, &x, &mix.pre, precision),
             );
             exact += assert_bitwise(
                 &format!("hc_expand hc{hc} dim{dim} {precision:?}"),
-                &gpu.hc_expand_at(&y, &x, &mix, precision),
-                &cpu.hc_expand_at(&y, &x, &mix, precision),
+                &expand_of_one(&gpu, &y, &x, &mix, precision),
+                &expand_of_one(&cpu, &y, &x, &mix, precision),
             );
             total += dim + n;
         }
@@ -735,8 +817,8 @@ fn backend_index_scores_are_bit_exact() {
                 let keys = bf16_unit(&mut rng, n * head_dim);
                 checked += assert_bitwise(
                     &format!("index_scores h{heads} d{head_dim} n{n} {precision:?}"),
-                    &gpu.index_scores_at(&q, &w, &keys, head_dim, precision),
-                    &cpu.index_scores_at(&q, &w, &keys, head_dim, precision),
+                    &scores_of_one(&gpu, &q, &w, &keys, head_dim, precision),
+                    &scores_of_one(&cpu, &q, &w, &keys, head_dim, precision),
                 );
             }
         }
@@ -1546,7 +1628,7 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
             );
             for (t, token) in x.chunks_exact(width).enumerate() {
                 let (row, cpu_mix) = (rows.token(t), reference.token(t));
-                let alone = gpu.hc_mixes(token, &params, hc, iters, 1e-6, 1e-6);
+                let alone = mixes_of_one(&gpu, token, &params, hc, iters, 1e-6, 1e-6);
                 for (name, got, cpu_value, alone_value) in [
                     ("pre", &row.pre, &cpu_mix.pre, &alone.pre),
                     ("post", &row.post, &cpu_mix.post, &alone.post),
@@ -1592,12 +1674,12 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
                     assert_bitwise(
                         &format!("hc_collapse_rows {what} token {t} vs alone"),
                         &collapsed[t * dim..(t + 1) * dim],
-                        &gpu.hc_collapse_at(token, &mix.pre, precision),
+                        &collapse_of_one(&gpu, token, &mix.pre, precision),
                     );
                     assert_bitwise(
                         &format!("hc_expand_rows {what} token {t} vs alone"),
                         &expanded[t * width..(t + 1) * width],
-                        &gpu.hc_expand_at(&y[t * dim..(t + 1) * dim], token, mix, precision),
+                        &expand_of_one(&gpu, &y[t * dim..(t + 1) * dim], token, mix, precision),
                     );
                 }
             }
@@ -1673,7 +1755,7 @@ fn backend_sparse_attention_rows_match_the_cpu_and_the_one_query_op() {
                     assert_bitwise(
                         &format!("{what} query {t} ({} keys) vs alone", query_keys.len()),
                         &rows[t * width..(t + 1) * width],
-                        &gpu.sparse_attention_at(query, &query_keys, &sink, scale, precision),
+                        &attention_of_one(&gpu, query, &query_keys, &sink, scale, precision),
                     );
                 }
             }
@@ -1725,7 +1807,8 @@ fn backend_index_scores_rows_match_the_cpu_and_the_one_query_op() {
                         assert_bitwise(
                             &format!("{what} query {t} vs alone"),
                             row,
-                            &gpu.index_scores_at(
+                            &scores_of_one(
+                                &gpu,
                                 &q[t * heads * head_dim..(t + 1) * heads * head_dim],
                                 &w[t * heads..(t + 1) * heads],
                                 &keys[..seen],

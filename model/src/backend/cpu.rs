@@ -49,6 +49,168 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp_f32(-x))
 }
 
+/// The one-token (one-query) cases the row ops of the [`Backend`] impl are made of.
+impl CpuBackend {
+    /// The mHC coefficients of one token's streams `x [hc, dim]`.
+    fn hc_mixes(
+        &self,
+        x: &[f32],
+        params: &HcParams,
+        hc: usize,
+        sinkhorn_iters: usize,
+        hc_eps: f32,
+        norm_eps: f32,
+    ) -> HcMix {
+        let n = x.len();
+        let mean_square = sum_squares_f32_torch(x) / n as f32;
+        let inv = 1.0 / (mean_square + norm_eps).sqrt();
+        let mixes: Vec<f32> = params
+            .proj
+            .chunks_exact(n)
+            .map(|row| dot_f32_sgemm(x, row) * inv)
+            .collect();
+        let pre = (0..hc)
+            .map(|k| sigmoid(mixes[k] * params.scale[0] + params.base[k]) + hc_eps)
+            .collect();
+        let post = (0..hc)
+            .map(|k| 2.0 * sigmoid(mixes[hc + k] * params.scale[1] + params.base[hc + k]))
+            .collect();
+        let mut comb: Vec<f32> = (0..hc * hc)
+            .map(|i| mixes[2 * hc + i] * params.scale[2] + params.base[2 * hc + i])
+            .collect();
+        // Row softmax (+eps), then column normalisation, then (iters − 1) row/column passes. The
+        // softmax is the reference's explicit `torch.exp` of the max-shifted logits, divided by
+        // the row sum: the accurate `exp`, not the sigmoid's vectorised one.
+        for row in comb.chunks_exact_mut(hc) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for v in row.iter_mut() {
+                *v = exp_f32_accurate(*v - max);
+            }
+            let sum = row.iter().fold(0.0f32, |a, v| a + v);
+            for v in row.iter_mut() {
+                *v = *v / sum + hc_eps;
+            }
+        }
+        normalise_columns(&mut comb, hc, hc_eps);
+        for _ in 1..sinkhorn_iters {
+            for row in comb.chunks_exact_mut(hc) {
+                let sum = row.iter().fold(0.0f32, |a, v| a + v) + hc_eps;
+                for v in row.iter_mut() {
+                    *v /= sum;
+                }
+            }
+            normalise_columns(&mut comb, hc, hc_eps);
+        }
+        HcMix { pre, post, comb }
+    }
+
+    /// Single-query multi-head attention over `keys` (K = V, each `head_dim` long) with a per-head
+    /// sink in the denominator: `q [heads, head_dim]` → `[heads, head_dim]`, probabilities and
+    /// output rounded at `precision`.
+    fn sparse_attention_at(
+        &self,
+        q: &[f32],
+        keys: &[&[f32]],
+        sink: &[f32],
+        scale: f32,
+        precision: Precision,
+    ) -> Vec<f32> {
+        let heads = sink.len();
+        let head_dim = q.len() / heads;
+        let mut out = vec![0.0f32; q.len()];
+        for h in 0..heads {
+            let q_head = &q[h * head_dim..(h + 1) * head_dim];
+            let mut running_max = -1e30f32;
+            let mut denominator = 0.0f32;
+            let mut acc = vec![0.0f32; head_dim];
+            for block in keys.chunks(ATTENTION_BLOCK) {
+                let scores: Vec<f32> = block.iter().map(|k| dot_f32(q_head, k) * scale).collect();
+                let block_max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let new_max = running_max.max(block_max);
+                let rescale = exp_f32_accurate(running_max - new_max);
+                let probs: Vec<f32> = scores
+                    .iter()
+                    .map(|s| exp_f32_accurate(s - new_max))
+                    .collect();
+                denominator = denominator * rescale + sum_f32_torch(&probs);
+                for a in acc.iter_mut() {
+                    *a *= rescale;
+                }
+                let weights: Vec<f32> = probs.iter().map(|&p| precision.round(p)).collect();
+                for d in 0..head_dim {
+                    acc[d] += sum_f32(weights.iter().zip(block).map(|(p, k)| p * k[d]));
+                }
+                running_max = new_max;
+            }
+            denominator += exp_f32_accurate(sink[h] - running_max);
+            for d in 0..head_dim {
+                out[h * head_dim + d] = precision.round(acc[d] / denominator);
+            }
+        }
+        out
+    }
+
+    /// `round(Σ_k w_k · x_k)` over the `w.len()` streams of `x [hc, dim]`.
+    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
+        let dim = x.len() / weights.len();
+        (0..dim)
+            .map(|d| {
+                let sum = weights
+                    .iter()
+                    .enumerate()
+                    .fold(0.0f32, |acc, (k, w)| acc + w * x[k * dim + d]);
+                precision.round(sum)
+            })
+            .collect()
+    }
+
+    /// `X'_k = round(post_k · y + Σ_j comb[j][k] · X_j)`.
+    fn hc_expand_at(
+        &self,
+        y: &[f32],
+        residual: &[f32],
+        mix: &HcMix,
+        precision: Precision,
+    ) -> Vec<f32> {
+        let hc = mix.post.len();
+        let dim = y.len();
+        let mut out = vec![0.0f32; hc * dim];
+        for k in 0..hc {
+            for d in 0..dim {
+                let mixed = (0..hc).fold(0.0f32, |acc, j| {
+                    acc + mix.comb[j * hc + k] * residual[j * dim + d]
+                });
+                out[k * dim + d] = precision.round(mix.post[k] * y[d] + mixed);
+            }
+        }
+        out
+    }
+
+    /// Index scores `Σ_h w_h · ReLU(q_h · k)` of one query (`q [heads, head_dim]`, per-head
+    /// `weights`) against `keys` (`[n, head_dim]`).
+    fn index_scores_at(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        keys: &[f32],
+        head_dim: usize,
+        precision: Precision,
+    ) -> Vec<f32> {
+        keys.chunks_exact(head_dim)
+            .map(|key| {
+                let per_head = weights
+                    .iter()
+                    .zip(q.chunks_exact(head_dim))
+                    .map(|(w, q_head)| {
+                        let logit = precision.round(dot_f32(q_head, key));
+                        precision.round(logit.max(0.0) * w)
+                    });
+                precision.round(sum_f32(per_head))
+            })
+            .collect()
+    }
+}
+
 impl Backend for CpuBackend {
     fn name(&self) -> &str {
         "cpu"
@@ -143,157 +305,6 @@ impl Backend for CpuBackend {
     fn q4m_qdq(&self, mut x: Tensor) -> Tensor {
         quant::q4_qdq_e4m3_group16(x.host_mut());
         x
-    }
-
-    fn sparse_attention_at(
-        &self,
-        q: &[f32],
-        keys: &[&[f32]],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
-    ) -> Vec<f32> {
-        let heads = sink.len();
-        let head_dim = q.len() / heads;
-        let mut out = vec![0.0f32; q.len()];
-        for h in 0..heads {
-            let q_head = &q[h * head_dim..(h + 1) * head_dim];
-            let mut running_max = -1e30f32;
-            let mut denominator = 0.0f32;
-            let mut acc = vec![0.0f32; head_dim];
-            for block in keys.chunks(ATTENTION_BLOCK) {
-                let scores: Vec<f32> = block.iter().map(|k| dot_f32(q_head, k) * scale).collect();
-                let block_max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                let new_max = running_max.max(block_max);
-                let rescale = exp_f32_accurate(running_max - new_max);
-                let probs: Vec<f32> = scores
-                    .iter()
-                    .map(|s| exp_f32_accurate(s - new_max))
-                    .collect();
-                denominator = denominator * rescale + sum_f32_torch(&probs);
-                for a in acc.iter_mut() {
-                    *a *= rescale;
-                }
-                let weights: Vec<f32> = probs.iter().map(|&p| precision.round(p)).collect();
-                for d in 0..head_dim {
-                    acc[d] += sum_f32(weights.iter().zip(block).map(|(p, k)| p * k[d]));
-                }
-                running_max = new_max;
-            }
-            denominator += exp_f32_accurate(sink[h] - running_max);
-            for d in 0..head_dim {
-                out[h * head_dim + d] = precision.round(acc[d] / denominator);
-            }
-        }
-        out
-    }
-
-    fn hc_mixes(
-        &self,
-        x: &[f32],
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMix {
-        let n = x.len();
-        let mean_square = sum_squares_f32_torch(x) / n as f32;
-        let inv = 1.0 / (mean_square + norm_eps).sqrt();
-        let mixes: Vec<f32> = params
-            .proj
-            .chunks_exact(n)
-            .map(|row| dot_f32_sgemm(x, row) * inv)
-            .collect();
-        let pre = (0..hc)
-            .map(|k| sigmoid(mixes[k] * params.scale[0] + params.base[k]) + hc_eps)
-            .collect();
-        let post = (0..hc)
-            .map(|k| 2.0 * sigmoid(mixes[hc + k] * params.scale[1] + params.base[hc + k]))
-            .collect();
-        let mut comb: Vec<f32> = (0..hc * hc)
-            .map(|i| mixes[2 * hc + i] * params.scale[2] + params.base[2 * hc + i])
-            .collect();
-        // Row softmax (+eps), then column normalisation, then (iters − 1) row/column passes. The
-        // softmax is the reference's explicit `torch.exp` of the max-shifted logits, divided by
-        // the row sum: the accurate `exp`, not the sigmoid's vectorised one.
-        for row in comb.chunks_exact_mut(hc) {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            for v in row.iter_mut() {
-                *v = exp_f32_accurate(*v - max);
-            }
-            let sum = row.iter().fold(0.0f32, |a, v| a + v);
-            for v in row.iter_mut() {
-                *v = *v / sum + hc_eps;
-            }
-        }
-        normalise_columns(&mut comb, hc, hc_eps);
-        for _ in 1..sinkhorn_iters {
-            for row in comb.chunks_exact_mut(hc) {
-                let sum = row.iter().fold(0.0f32, |a, v| a + v) + hc_eps;
-                for v in row.iter_mut() {
-                    *v /= sum;
-                }
-            }
-            normalise_columns(&mut comb, hc, hc_eps);
-        }
-        HcMix { pre, post, comb }
-    }
-
-    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
-        let dim = x.len() / weights.len();
-        (0..dim)
-            .map(|d| {
-                let sum = weights
-                    .iter()
-                    .enumerate()
-                    .fold(0.0f32, |acc, (k, w)| acc + w * x[k * dim + d]);
-                precision.round(sum)
-            })
-            .collect()
-    }
-
-    fn hc_expand_at(
-        &self,
-        y: &[f32],
-        residual: &[f32],
-        mix: &HcMix,
-        precision: Precision,
-    ) -> Vec<f32> {
-        let hc = mix.post.len();
-        let dim = y.len();
-        let mut out = vec![0.0f32; hc * dim];
-        for k in 0..hc {
-            for d in 0..dim {
-                let mixed = (0..hc).fold(0.0f32, |acc, j| {
-                    acc + mix.comb[j * hc + k] * residual[j * dim + d]
-                });
-                out[k * dim + d] = precision.round(mix.post[k] * y[d] + mixed);
-            }
-        }
-        out
-    }
-
-    fn index_scores_at(
-        &self,
-        q: &[f32],
-        weights: &[f32],
-        keys: &[f32],
-        head_dim: usize,
-        precision: Precision,
-    ) -> Vec<f32> {
-        keys.chunks_exact(head_dim)
-            .map(|key| {
-                let per_head = weights
-                    .iter()
-                    .zip(q.chunks_exact(head_dim))
-                    .map(|(w, q_head)| {
-                        let logit = precision.round(dot_f32(q_head, key));
-                        precision.round(logit.max(0.0) * w)
-                    });
-                precision.round(sum_f32(per_head))
-            })
-            .collect()
     }
 
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {

@@ -260,17 +260,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn q4e_qdq(&self, x: Tensor) -> Tensor;
     /// `Q4m` QDQ (groups of 16, E4M3 scales).
     fn q4m_qdq(&self, x: Tensor) -> Tensor;
-    /// The mHC coefficients of one token's streams `x [hc, dim]`.
-    fn hc_mixes(
-        &self,
-        x: &[f32],
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMix;
-
     /// [`Backend::rms_norm`] rounding at `precision`.
     fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor;
     /// [`Backend::rope`] rounding at `precision`.
@@ -285,40 +274,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         inverse: bool,
         precision: Precision,
     ) -> Tensor;
-    /// Single-query multi-head attention over `keys` (K = V, each `head_dim` long) with a per-head
-    /// sink in the denominator: `q [heads, head_dim]` → `[heads, head_dim]`, probabilities and
-    /// output rounded at `precision`.
-    fn sparse_attention_at(
-        &self,
-        q: &[f32],
-        keys: &[&[f32]],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
-    ) -> Vec<f32>;
-    /// `round(Σ_k w_k · x_k)` over the `w.len()` streams of `x [hc, dim]`, rounded at `precision`.
-    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32>;
-    /// `X'_k = round(post_k · y + Σ_j comb[j][k] · X_j)`, rounded at `precision`.
-    fn hc_expand_at(
-        &self,
-        y: &[f32],
-        residual: &[f32],
-        mix: &HcMix,
-        precision: Precision,
-    ) -> Vec<f32>;
-    /// Index scores `Σ_h w_h · ReLU(q_h · k)` of one query (`q [heads, head_dim]`, per-head
-    /// `weights`) against `keys` (`[n, head_dim]`), rounded at `precision`.
-    fn index_scores_at(
-        &self,
-        q: &[f32],
-        weights: &[f32],
-        keys: &[f32],
-        head_dim: usize,
-        precision: Precision,
-    ) -> Vec<f32>;
 
-    /// [`Backend::hc_mixes`] of every token of `x [n, hc · dim]` (a token's width `hc · dim` is
-    /// the projection's input width).
+    /// The mHC coefficients ([`HcMix`]) of every token's streams `x [n, hc · dim]` (a token's
+    /// width `hc · dim` is the projection's input width).
     fn hc_mixes_rows(
         &self,
         x: &Tensor,
@@ -328,8 +286,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         hc_eps: f32,
         norm_eps: f32,
     ) -> HcMixes;
-    /// [`Backend::hc_collapse_at`] of every token: `x [n, hc, dim]` with its own weights
-    /// `weights [n, hc]` → `[n, dim]`.
+    /// `round(Σ_k w_k · x_k)` over the `hc` streams of every token: `x [n, hc, dim]` with its own
+    /// weights `weights [n, hc]` → `[n, dim]`, rounded at `precision`.
     fn hc_collapse_rows_at(
         &self,
         x: &Tensor,
@@ -337,8 +295,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         hc: usize,
         precision: Precision,
     ) -> Tensor;
-    /// [`Backend::hc_expand_at`] of every token: `y [n, dim]`, `residual [n, hc, dim]`, each
-    /// token's mix → `[n, hc, dim]`.
+    /// `X'_k = round(post_k · y + Σ_j comb[j][k] · X_j)` of every token: `y [n, dim]`,
+    /// `residual [n, hc, dim]`, each token's mix → `[n, hc, dim]`, rounded at `precision`.
     fn hc_expand_rows_at(
         &self,
         y: &Tensor,
@@ -346,8 +304,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         mixes: &HcMixes,
         precision: Precision,
     ) -> Tensor;
-    /// [`Backend::sparse_attention_at`] of `keys.len()` queries `q [n, heads · head_dim]`, query
-    /// `t` over its own `keys[t]` (each key one `head_dim` row) → `[n, heads · head_dim]`.
+    /// Multi-head attention of `keys.len()` queries `q [n, heads · head_dim]`, query `t` over its
+    /// own `keys[t]` (K = V, each key one `head_dim` row) with a per-head sink in the
+    /// denominator → `[n, heads · head_dim]`, probabilities and output rounded at `precision`.
     fn sparse_attention_rows_at(
         &self,
         q: &Tensor,
@@ -384,9 +343,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         candidates: Candidates<'_>,
         precision: Precision,
     ) -> (Selection, Option<CandidateMask>);
-    /// [`Backend::index_scores_at`] of `visible.len()` queries `q [n, heads · head_dim]` with
-    /// their head weights `[n, heads]`: query `t` scores the first `visible[t]` of `keys` (each
-    /// one `head_dim` row).
+    /// Index scores `Σ_h w_h · ReLU(q_h · k)` of `visible.len()` queries `q [n, heads · head_dim]`
+    /// with their head weights `[n, heads]`: query `t` scores the first `visible[t]` of `keys`
+    /// (each one `head_dim` row), rounded at `precision`.
     fn index_scores_rows_at(
         &self,
         q: &Tensor,

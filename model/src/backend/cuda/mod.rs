@@ -93,7 +93,7 @@ use half::bf16;
 
 use super::select::DeviceRows;
 use super::{
-    Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMix, HcMixes,
+    Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
     HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
     Selection, Tensor, check_sample_rows, select,
 };
@@ -770,64 +770,6 @@ impl Backend for CudaBackend {
     fn q4m_qdq(&self, x: Tensor) -> Tensor {
         let _op = self.op_scope("q4m_qdq");
         self.try_qdq(x, QdqPoint::Q4m).unwrap_or_else(device_fault)
-    }
-
-    fn sparse_attention_at(
-        &self,
-        q: &[f32],
-        keys: &[&[f32]],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
-    ) -> Vec<f32> {
-        let _op = self.op_scope("sparse_attention_at");
-        self.try_sparse_attention(q, keys, sink, scale, precision)
-            .unwrap_or_else(device_fault)
-    }
-
-    fn hc_mixes(
-        &self,
-        x: &[f32],
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMix {
-        let _op = self.op_scope("hc_mixes");
-        self.try_hc_mixes(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
-            .unwrap_or_else(device_fault)
-    }
-
-    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
-        let _op = self.op_scope("hc_collapse_at");
-        self.try_hc_collapse(x, weights, precision)
-            .unwrap_or_else(device_fault)
-    }
-
-    fn hc_expand_at(
-        &self,
-        y: &[f32],
-        residual: &[f32],
-        mix: &HcMix,
-        precision: Precision,
-    ) -> Vec<f32> {
-        let _op = self.op_scope("hc_expand_at");
-        self.try_hc_expand(y, residual, mix, precision)
-            .unwrap_or_else(device_fault)
-    }
-
-    fn index_scores_at(
-        &self,
-        q: &[f32],
-        weights: &[f32],
-        keys: &[f32],
-        head_dim: usize,
-        precision: Precision,
-    ) -> Vec<f32> {
-        let _op = self.op_scope("index_scores_at");
-        self.try_index_scores(q, weights, keys, head_dim, precision)
-            .unwrap_or_else(device_fault)
     }
 
     fn hc_mixes_rows(
