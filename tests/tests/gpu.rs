@@ -457,7 +457,7 @@ fn rms_norm_matches_the_cpu_reference() {
                 let mut dy = rt.stream().alloc_zeros::<bf16>(rows * cols).expect("alloc");
                 rms_norm_bf16(&rt, &dx, &dw, &mut dy, rows, cols, eps).expect("rms_norm");
                 let gpu = download_bf16(&rt, &dy);
-                let want = cpu.rms_norm(&Tensor::from(&x), &weight, eps);
+                let want = cpu.rms_norm(&Tensor::from(&x), &weight, eps, Precision::Bf16);
                 let (exact, worst) = compare_bf16(&gpu, &want);
                 if rows == 64 {
                     println!(
@@ -514,6 +514,7 @@ fn rope_matches_the_cpu_reference_bit_exact() {
                 &positions,
                 &table,
                 inverse,
+                Precision::Bf16,
             );
             let (exact, worst) = compare_bf16(&gpu, &want);
             assert_eq!(
@@ -618,8 +619,8 @@ fn backend_rms_norm_and_rope_match() {
                 };
                 for x in [fp32_values(&mut rng, rows * cols), bf16_rows] {
                     let x = Tensor::from(x);
-                    let g = gpu.rms_norm_at(&x, &weight, 1e-6, precision);
-                    let c = cpu.rms_norm_at(&x, &weight, 1e-6, precision);
+                    let g = gpu.rms_norm(&x, &weight, 1e-6, precision);
+                    let c = cpu.rms_norm(&x, &weight, 1e-6, precision);
                     let (e, _) = compare_bf16(&g, &c);
                     exact += e;
                     total +=
@@ -644,7 +645,7 @@ fn backend_rms_norm_and_rope_match() {
             for (rows, vectors, stride) in [(1usize, 1usize, 16usize), (5, 3, 48), (9, 4, 64)] {
                 let x = fp32_values(&mut rng, rows * vectors * stride);
                 let positions: Vec<usize> = (0..rows).map(|_| rng.below(70_000) as usize).collect();
-                let g = gpu.rope_at(
+                let g = gpu.rope(
                     Tensor::from(&x),
                     stride,
                     vectors,
@@ -653,7 +654,7 @@ fn backend_rms_norm_and_rope_match() {
                     inverse,
                     precision,
                 );
-                let c = cpu.rope_at(
+                let c = cpu.rope(
                     Tensor::from(&x),
                     stride,
                     vectors,

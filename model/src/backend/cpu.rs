@@ -250,7 +250,7 @@ impl Backend for CpuBackend {
         y.into()
     }
 
-    fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
+    fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
         let dim = weight.len();
         let mut y = Vec::with_capacity(x.len());
         for row in x.chunks_exact(dim) {
@@ -265,7 +265,7 @@ impl Backend for CpuBackend {
         y.into()
     }
 
-    fn rope_at(
+    fn rope(
         &self,
         mut x: Tensor,
         stride: usize,
@@ -907,10 +907,18 @@ mod tests {
             freqs: vec![1.0, 0.1],
         };
         let original = vec![0.5f32, -0.25, 1.0, 2.0, 0.75, -1.5];
-        let x = CpuBackend.rope(original.clone().into(), 6, 1, &[7], &table, false);
+        let x = CpuBackend.rope(
+            original.clone().into(),
+            6,
+            1,
+            &[7],
+            &table,
+            false,
+            Precision::Bf16,
+        );
         assert_eq!(&x[..2], &original[..2]);
         assert_ne!(&x[2..], &original[2..]);
-        let x = CpuBackend.rope(x, 6, 1, &[7], &table, true);
+        let x = CpuBackend.rope(x, 6, 1, &[7], &table, true, Precision::Bf16);
         for (a, b) in x.iter().zip(&original) {
             assert!((a - b).abs() < 0.02, "{a} vs {b}");
         }

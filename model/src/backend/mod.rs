@@ -225,46 +225,23 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor;
     /// Plain `x · Wᵀ` with fp32 output (no rounding).
     fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor;
-    /// Row-wise RMSNorm over rows of `weight.len()`, `bf16(w · (x · rsqrt(mean(x²) + eps)))`.
-    fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32) -> Tensor {
-        self.rms_norm_at(x, weight, eps, Precision::Bf16)
-    }
     /// `width` values from each `(tensor, offset)` of `pieces`, one after another: the row
     /// movement between ops (gathering rows, columns, interleaving) without leaving the device.
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor;
-    /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`
-    /// (consecutive vectors of one row share `positions[row]`) by `±position · freq`, rounding to
-    /// bf16. `vectors_per_row` vectors make up one row.
-    fn rope(
-        &self,
-        x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-    ) -> Tensor {
-        self.rope_at(
-            x,
-            stride,
-            vectors_per_row,
-            positions,
-            table,
-            inverse,
-            Precision::Bf16,
-        )
-    }
     /// `Q8` QDQ (groups of 32, UE8M0).
     fn q8_qdq(&self, x: Tensor) -> Tensor;
     /// `Q4e` QDQ (groups of 32, UE8M0).
     fn q4e_qdq(&self, x: Tensor) -> Tensor;
     /// `Q4m` QDQ (groups of 16, E4M3 scales).
     fn q4m_qdq(&self, x: Tensor) -> Tensor;
-    /// [`Backend::rms_norm`] rounding at `precision`.
-    fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor;
-    /// [`Backend::rope`] rounding at `precision`.
+    /// Row-wise RMSNorm over rows of `weight.len()`, `round(w · (x · rsqrt(mean(x²) + eps)))`
+    /// rounded at `precision`.
+    fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor;
+    /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`
+    /// (consecutive vectors of one row share `positions[row]`) by `±position · freq`, rounding at
+    /// `precision`. `vectors_per_row` vectors make up one row.
     #[allow(clippy::too_many_arguments)]
-    fn rope_at(
+    fn rope(
         &self,
         x: Tensor,
         stride: usize,

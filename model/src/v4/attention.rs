@@ -29,9 +29,9 @@ pub fn queries(
 ) -> Queries {
     let cfg = ctx.cfg;
     let (backend, precision, eps) = (ctx.backend, cfg.precision(), cfg.norm_eps);
-    let qr = backend.rms_norm_at(&w.wq_a.apply(backend, xn), &w.q_norm, eps, precision);
-    let q = backend.rms_norm_at(&w.wq_b.apply(backend, &qr), unit, eps, precision);
-    let q = backend.rope_at(
+    let qr = backend.rms_norm(&w.wq_a.apply(backend, xn), &w.q_norm, eps, precision);
+    let q = backend.rms_norm(&w.wq_b.apply(backend, &qr), unit, eps, precision);
+    let q = backend.rope(
         q,
         cfg.head_dim,
         cfg.n_heads,
@@ -53,13 +53,13 @@ pub fn kv_rows(
 ) -> Tensor {
     let cfg = ctx.cfg;
     let (backend, precision) = (ctx.backend, cfg.precision());
-    let kv = backend.rms_norm_at(
+    let kv = backend.rms_norm(
         &w.wkv.apply(backend, xn),
         &w.kv_norm,
         cfg.norm_eps,
         precision,
     );
-    backend.rope_at(kv, cfg.head_dim, 1, positions, table, false, precision)
+    backend.rope(kv, cfg.head_dim, 1, positions, table, false, precision)
 }
 
 /// Attention of the query rows `q [n, heads · head_dim]`, query `t` over its own `keys[t]` (K = V),
@@ -82,7 +82,7 @@ pub fn output(
     let cfg = ctx.cfg;
     let backend = ctx.backend;
     let (heads, head_dim) = (cfg.n_heads, cfg.head_dim);
-    let o = backend.rope_at(o, head_dim, heads, positions, table, true, cfg.precision());
+    let o = backend.rope(o, head_dim, heads, positions, table, true, cfg.precision());
     let row = heads * head_dim;
     let groups = cfg.o_groups;
     let (group_width, rank) = (row / groups, cfg.o_lora_rank);

@@ -35,12 +35,12 @@ pub fn forward(
 
     let attn_mix = mixes(streams, &w.hc_attn);
     let x = backend.hc_collapse_rows_at(streams, &attn_mix.pre(backend), hc, precision);
-    let y = attention(&backend.rms_norm_at(&x, &w.attn_norm, cfg.norm_eps, precision));
+    let y = attention(&backend.rms_norm(&x, &w.attn_norm, cfg.norm_eps, precision));
     *streams = backend.hc_expand_rows_at(&y, streams, &attn_mix, precision);
 
     let ffn_mix = mixes(streams, &w.hc_ffn);
     let x = backend.hc_collapse_rows_at(streams, &ffn_mix.pre(backend), hc, precision);
-    let xn = backend.rms_norm_at(&x, &w.ffn_norm, cfg.norm_eps, precision);
+    let xn = backend.rms_norm(&x, &w.ffn_norm, cfg.norm_eps, precision);
     // Hash layers: every row's experts come from its token id (`tid2eid`).
     let k = w.moe.n_activated;
     let hashed: Option<Vec<Vec<usize>>> = w.tid2eid.as_ref().map(|table| {

@@ -56,12 +56,12 @@ pub fn append_rows(
         .collect();
     let pooled = backend.compressor_pool_rows(&slots, w.width);
     drop(slots);
-    let normed = backend.rms_norm_at(&pooled, &w.norm, ctx.cfg.norm_eps, precision);
+    let normed = backend.rms_norm(&pooled, &w.norm, ctx.cfg.norm_eps, precision);
     let starts: Vec<usize> = completed
         .iter()
         .map(|&(_, entry)| entry * w.ratio)
         .collect();
-    let rotated = backend.rope_at(normed, w.width, 1, &starts, table, false, precision);
+    let rotated = backend.rope(normed, w.width, 1, &starts, table, false, precision);
     for (&(c, _), entry) in completed.iter().zip(rotated.split_rows(w.width)) {
         if let Some(cache) = caches[c].as_deref_mut() {
             cache.entries.push(entry);
@@ -120,7 +120,7 @@ pub fn select_rows(
     let backend = ctx.backend;
     let precision = cfg.precision();
     let (heads, head_dim) = (cfg.index_n_heads, cfg.index_head_dim);
-    let q = backend.rope_at(
+    let q = backend.rope(
         w.wq_b.apply(backend, qr),
         head_dim,
         heads,

@@ -87,7 +87,7 @@ pub(crate) fn feed_context(
     rings: &mut [PositionRing],
 ) {
     let cfg = ctx.cfg;
-    let main_x = ctx.backend.rms_norm_at(
+    let main_x = ctx.backend.rms_norm(
         &w.main_proj.apply(ctx.backend, main_hidden),
         &w.main_norm,
         cfg.norm_eps,
@@ -182,7 +182,7 @@ pub(crate) fn propose(
     let hidden = block::hyper_head(ctx, &w.hyper_head, &streams);
     let normed = ctx
         .backend
-        .rms_norm_at(&hidden, &w.norm, cfg.norm_eps, cfg.precision());
+        .rms_norm(&hidden, &w.norm, cfg.norm_eps, cfg.precision());
     let base = inputs.head.apply(ctx.backend, &normed);
     decode_blocks(ctx, &heads, &[anchor], size, &hidden, &base)
         .pop()

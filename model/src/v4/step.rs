@@ -174,7 +174,7 @@ impl Model {
         let hidden_of = |selected: &[usize]| {
             let x = gather_rows(backend, streams, selected.iter().copied(), width);
             let h = block::hyper_head(ctx, &self.hyper_head, &x);
-            backend.rms_norm_at(&h, &self.norm, cfg.norm_eps, cfg.precision())
+            backend.rms_norm(&h, &self.norm, cfg.norm_eps, cfg.precision())
         };
         let logit_rows = rows_of(false);
         let logits = if logit_rows.is_empty() {

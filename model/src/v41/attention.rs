@@ -28,6 +28,7 @@ pub fn queries(
         &ctx.backend.gemm_fp8(xn, &w.wq_a),
         &w.q_norm,
         ctx.cfg.norm_eps,
+        Precision::Bf16,
     );
     let q = ctx.backend.rope(
         ctx.backend.gemm_fp8(&qr, &w.wq_b),
@@ -36,6 +37,7 @@ pub fn queries(
         positions,
         table,
         false,
+        Precision::Bf16,
     );
     Queries { qr, q }
 }
@@ -53,8 +55,11 @@ pub fn window_entries(
         &ctx.backend.gemm_fp8(xn, &w.wkv),
         &w.kv_norm,
         ctx.cfg.norm_eps,
+        Precision::Bf16,
     );
-    let kv = ctx.backend.rope(kv, head_dim, 1, positions, table, false);
+    let kv = ctx
+        .backend
+        .rope(kv, head_dim, 1, positions, table, false, Precision::Bf16);
     // Rows are whole QDQ groups (head_dim is a multiple of 32), so one call covers all of them.
     ctx.backend.q8_qdq(kv)
 }
@@ -69,9 +74,15 @@ pub fn output_projection(
     table: &RopeTable,
 ) -> Tensor {
     let cfg = ctx.cfg;
-    let o = ctx
-        .backend
-        .rope(o, cfg.head_dim, cfg.n_heads, positions, table, true);
+    let o = ctx.backend.rope(
+        o,
+        cfg.head_dim,
+        cfg.n_heads,
+        positions,
+        table,
+        true,
+        Precision::Bf16,
+    );
     let row_width = cfg.n_heads * cfg.head_dim;
     let group_width = row_width / cfg.o_groups;
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);

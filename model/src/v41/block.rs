@@ -12,7 +12,8 @@ pub fn attention_inputs(ctx: &Ctx, w: &BlockWeights, streams: &Tensor, pre: &Ten
     let x = ctx
         .backend
         .hc_collapse_rows_at(streams, pre, ctx.cfg.hc.mult, Precision::Bf16);
-    ctx.backend.rms_norm(&x, &w.attn_norm, ctx.cfg.norm_eps)
+    ctx.backend
+        .rms_norm(&x, &w.attn_norm, ctx.cfg.norm_eps, Precision::Bf16)
 }
 
 /// The mHC coefficients of every row at one site.
@@ -55,7 +56,9 @@ pub fn forward(
     let x =
         ctx.backend
             .hc_collapse_rows_at(streams, &attn_mix.pre(ctx.backend), hc, Precision::Bf16);
-    let xn = ctx.backend.rms_norm(&x, &w.ffn_norm, cfg.norm_eps);
+    let xn = ctx
+        .backend
+        .rms_norm(&x, &w.ffn_norm, cfg.norm_eps, Precision::Bf16);
     let (y, routes) = moe::forward_rows(ctx, &w.moe, &xn, forced_routes, need_routes);
     *streams = ctx
         .backend

@@ -27,6 +27,7 @@ pub fn compressor_inputs(ctx: &Ctx, weights: &CompressorWeights, xn: &Tensor) ->
             &ctx.backend.linear_bf16(xn, &weights.wkv, head_dim, dim),
             &weights.norm,
             ctx.cfg.norm_eps,
+            Precision::Bf16,
         );
     }
     let gate_weights = weights.wgate.as_deref().unwrap_or(&[]);
@@ -95,24 +96,39 @@ pub fn compress_chunk(
             .collect();
         let pooled = ctx.backend.gated_pool_rows(&members, head_dim);
         ctx.backend
-            .rms_norm(&pooled, &weights.norm, ctx.cfg.norm_eps)
+            .rms_norm(&pooled, &weights.norm, ctx.cfg.norm_eps, Precision::Bf16)
     };
     let group_positions: Vec<usize> = groups.iter().map(|&(_, g)| g * ratio).collect();
     let index_dim = ctx.cfg.index_head_dim;
     let keys = ctx
         .backend
         .linear_bf16(&latents, &weights.index_wk, index_dim, head_dim);
-    let keys = ctx
-        .backend
-        .rms_norm(&keys, &weights.index_k_norm, ctx.cfg.norm_eps);
-    let keys = ctx
-        .backend
-        .rope(keys, index_dim, 1, &group_positions, table, false);
+    let keys = ctx.backend.rms_norm(
+        &keys,
+        &weights.index_k_norm,
+        ctx.cfg.norm_eps,
+        Precision::Bf16,
+    );
+    let keys = ctx.backend.rope(
+        keys,
+        index_dim,
+        1,
+        &group_positions,
+        table,
+        false,
+        Precision::Bf16,
+    );
     // Rows are whole QDQ groups (index_head_dim and head_dim are multiples of 32).
     let keys = ctx.backend.q4e_qdq(keys);
-    let entries = ctx
-        .backend
-        .rope(latents, head_dim, 1, &group_positions, table, false);
+    let entries = ctx.backend.rope(
+        latents,
+        head_dim,
+        1,
+        &group_positions,
+        table,
+        false,
+        Precision::Bf16,
+    );
     let entries = ctx.backend.q4m_qdq(entries);
     for ((&(j, group), key), entry) in groups
         .iter()
@@ -152,6 +168,7 @@ pub fn index_queries(
         positions,
         table,
         false,
+        Precision::Bf16,
     );
     // Rows are whole QDQ groups (index_head_dim is a multiple of 32).
     let q = ctx.backend.q4e_qdq(q);

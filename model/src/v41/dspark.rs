@@ -46,6 +46,7 @@ pub fn context_entries(
         &ctx.backend.gemm_fp8(main_hidden, &w.main_proj),
         &w.main_norm,
         ctx.cfg.norm_eps,
+        Precision::Bf16,
     );
     w.stages
         .iter()
@@ -147,7 +148,9 @@ pub(crate) fn propose_many(
     let hidden = ctx
         .backend
         .hc_collapse_rows_at(&streams, &pre, hc, Precision::Bf16);
-    let normed = ctx.backend.rms_norm(&hidden, &w.norm, model.norm_eps);
+    let normed = ctx
+        .backend
+        .rms_norm(&hidden, &w.norm, model.norm_eps, Precision::Bf16);
     let base = ctx.backend.linear_f32(&normed, head, vocab, dim);
     let heads = MarkovHeads {
         markov_embed: &w.markov_embed,

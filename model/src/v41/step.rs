@@ -523,7 +523,9 @@ impl Model {
                 hc,
                 Precision::Bf16,
             );
-            hidden = ctx.backend.rms_norm(&x, &self.norm, cfg.norm_eps);
+            hidden = ctx
+                .backend
+                .rms_norm(&x, &self.norm, cfg.norm_eps, Precision::Bf16);
         }
         // `needed` is ascending: a row's place in it by binary search.
         let slot = |row: usize| needed.binary_search(&row).ok();

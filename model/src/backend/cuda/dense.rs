@@ -158,7 +158,7 @@ impl CudaBackend {
         self.try_gather(&pieces, count)
     }
 
-    /// [`Backend::rms_norm_at`], with errors.
+    /// [`Backend::rms_norm`], with errors.
     pub fn try_rms_norm(
         &self,
         x: &Tensor,
@@ -194,7 +194,7 @@ impl CudaBackend {
         Ok(self.tensor(dy))
     }
 
-    /// [`Backend::rope_at`], with errors. The cos/sin rows of the rows' positions are built on the host
+    /// [`Backend::rope`], with errors. The cos/sin rows of the rows' positions are built on the host
     /// with the CPU reference's angle rule (f64 sine and cosine of `f32(position · freq)`).
     #[allow(clippy::too_many_arguments)]
     pub fn try_rope(

@@ -728,13 +728,13 @@ impl Backend for CudaBackend {
         self.try_linear_fp4_f32(x, w).unwrap_or_else(device_fault)
     }
 
-    fn rms_norm_at(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
-        let _op = self.op_scope("rms_norm_at");
+    fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
+        let _op = self.op_scope("rms_norm");
         self.try_rms_norm(x, weight, eps, precision)
             .unwrap_or_else(device_fault)
     }
 
-    fn rope_at(
+    fn rope(
         &self,
         x: Tensor,
         stride: usize,
@@ -744,7 +744,7 @@ impl Backend for CudaBackend {
         inverse: bool,
         precision: Precision,
     ) -> Tensor {
-        let _op = self.op_scope("rope_at");
+        let _op = self.op_scope("rope");
         self.try_rope(
             x,
             stride,
