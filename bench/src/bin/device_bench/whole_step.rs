@@ -160,17 +160,7 @@ pub fn block(
         VOCAB,
         BLOCK_MAX_POSITIONS.max(context + longest_decode),
     );
-    let started = Instant::now();
-    let prepared = prepare_checkpoint(&cfg, 41, dir, 8)?;
-    println!(
-        "v41 block checkpoint in {}: {} in {:.1} s",
-        dir.display(),
-        match prepared {
-            Prepared::Written => "written",
-            Prepared::Reused => "reused",
-        },
-        started.elapsed().as_secs_f64()
-    );
+    write_block_checkpoint(&cfg, dir)?;
     let started = Instant::now();
     let ckpt = Checkpoint::open(dir)?;
     let backend = CudaBackend::open(0, numerics)?;
@@ -286,17 +276,7 @@ pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
         BLOCK_VOCAB,
         BLOCK_MAX_POSITIONS.max(longest + STATE_DECODE_STEPS + 1),
     );
-    let started = Instant::now();
-    let prepared = prepare_checkpoint(&cfg, 41, dir, 8)?;
-    println!(
-        "v41 block checkpoint in {}: {} in {:.1} s",
-        dir.display(),
-        match prepared {
-            Prepared::Written => "written",
-            Prepared::Reused => "reused",
-        },
-        started.elapsed().as_secs_f64()
-    );
+    write_block_checkpoint(&cfg, dir)?;
     let ckpt = Checkpoint::open(dir)?;
     let backend = CudaBackend::open(0, Numerics::Fast)?;
     let memory = backend.memory_probe();
@@ -341,6 +321,22 @@ pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
         rows.push(decode_row("v41 block state", &cfg, &run)?);
     }
     Ok(rows)
+}
+
+/// Writes the block's random checkpoint for `cfg` into `dir` (or reuses the one there).
+fn write_block_checkpoint(cfg: &ModelConfig, dir: &Path) -> Result<()> {
+    let started = Instant::now();
+    let prepared = prepare_checkpoint(cfg, 41, dir, 8)?;
+    println!(
+        "v41 block checkpoint in {}: {} in {:.1} s",
+        dir.display(),
+        match prepared {
+            Prepared::Written => "written",
+            Prepared::Reused => "reused",
+        },
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// Prints (and empties) the per-op profile gathered over `steps` steps that took `seconds` in
