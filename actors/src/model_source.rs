@@ -43,8 +43,7 @@ use crate::gpu;
 use crate::hub::{HubOptions, resolve_hub_checkpoint};
 use crate::openai::ServedModel;
 use crate::rank::executor::ExecutorFactory;
-use crate::rank::model_executor::{ModelFactory, PerDeviceModelFactory};
-use crate::rank::v4_executor::{V4ModelFactory, V4PerDeviceFactory};
+use crate::rank::factory::{ModelFactory, RankDevices};
 
 /// Environment variable naming a local checkpoint directory (overrides the topology).
 pub const MODEL_DIR_ENV: &str = "DEEPINFER_HF_MODEL_DIR";
@@ -193,10 +192,10 @@ fn load_v4_dir(
     tracing::info!(model = %what, "V4-family model loaded");
     let model = Arc::new(model);
     Ok(ResolvedModel {
-        factory: Arc::new(V4ModelFactory {
-            model: model.clone(),
-            description: format!("V4 model from {what} on the CPU backend"),
-        }),
+        factory: Arc::new(ModelFactory::new(
+            model.clone(),
+            format!("V4 model from {what} on the CPU backend"),
+        )),
         facts: facts(model.config()),
         model: AnyModel::V4(model),
         tokenizer,
@@ -243,10 +242,7 @@ fn load_dir(
     let description = format!("V4.1 model from {what} on the CPU backend");
     let model = Arc::new(model);
     Ok(ResolvedModel {
-        factory: Arc::new(ModelFactory {
-            model: model.clone(),
-            description,
-        }),
+        factory: Arc::new(ModelFactory::new(model.clone(), description)),
         model: AnyModel::V41(model),
         facts,
         tokenizer,
@@ -359,20 +355,18 @@ fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedMo
     let per_node = usize::from(node.device.gpus_per_node);
     let placement =
         format!("on the CUDA backend (DP rank r on GPU r of its node, {per_node} per node)");
-    resolved.factory = match &resolved.model {
-        AnyModel::V41(model) => Arc::new(PerDeviceModelFactory {
-            model: model.clone(),
-            description: format!("V4.1 model {} {placement}", resolved.name),
-            devices_per_node: per_node,
-            open: Arc::new(move |ordinal| gpu::open_cuda_backend(ordinal, numerics)),
-        }),
-        AnyModel::V4(model) => Arc::new(V4PerDeviceFactory {
-            model: model.clone(),
-            description: format!("V4 model {} {placement}", resolved.name),
-            devices_per_node: per_node,
-            open: Arc::new(move |ordinal| gpu::open_cuda_backend(ordinal, numerics)),
-        }),
+    let family = match &resolved.model {
+        AnyModel::V41(_) => "V4.1",
+        AnyModel::V4(_) => "V4",
     };
+    resolved.factory = Arc::new(ModelFactory::per_device(
+        resolved.model.clone(),
+        format!("{family} model {} {placement}", resolved.name),
+        RankDevices {
+            per_node,
+            open: Arc::new(move |ordinal| gpu::open_cuda_backend(ordinal, numerics)),
+        },
+    ));
     resolved
 }
 

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::backend::Backend;
 use crate::config::{ModelConfig, ModelFamily};
 use crate::engram::CompressedVocab;
 use crate::error::ModelError;
@@ -17,6 +18,18 @@ use crate::{LogitsWanted, v4, v41};
 pub enum AnyModel {
     V41(Arc<v41::Model>),
     V4(Arc<v4::Model>),
+}
+
+impl From<Arc<v41::Model>> for AnyModel {
+    fn from(model: Arc<v41::Model>) -> AnyModel {
+        AnyModel::V41(model)
+    }
+}
+
+impl From<Arc<v4::Model>> for AnyModel {
+    fn from(model: Arc<v4::Model>) -> AnyModel {
+        AnyModel::V4(model)
+    }
 }
 
 /// The per-sequence state of an [`AnyModel`] (boxed: the two differ in size).
@@ -80,6 +93,14 @@ impl AnyModel {
         match self {
             AnyModel::V41(model) => model.config(),
             AnyModel::V4(model) => model.config(),
+        }
+    }
+
+    /// The same loaded weights run on `backend` (the family's `Model::on_backend`).
+    pub fn on_backend(&self, backend: Box<dyn Backend>) -> AnyModel {
+        match self {
+            AnyModel::V41(model) => AnyModel::V41(Arc::new(model.on_backend(backend))),
+            AnyModel::V4(model) => AnyModel::V4(Arc::new(model.on_backend(backend))),
         }
     }
 

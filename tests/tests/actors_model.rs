@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::{Engine, EngineConfig, FinishReason, GenerateRequest, ModelFacts};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
@@ -69,10 +69,7 @@ async fn engine_tokens_equal_direct_model_forward() {
         "model test",
     )
     .unwrap();
-    let factory = ModelFactory {
-        model: model.clone(),
-        description: "tiny V4.1".into(),
-    };
+    let factory = ModelFactory::new(model.clone(), "tiny V4.1");
     let (executor, freed) = FreedLengths::track(Arc::new(factory));
     let config = EngineConfig {
         node,

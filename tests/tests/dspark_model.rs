@@ -28,7 +28,7 @@ use deepinfer_actors::model_source::build_demo;
 use deepinfer_actors::rank::executor::{
     Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens,
 };
-use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::tools::logits;
 use deepinfer_actors::{Engine, EngineConfig, ModelFacts};
 use deepinfer_model::Model;
@@ -252,10 +252,7 @@ impl ExecutorFactory for OracleFactory {
 /// exactly the drafts the oracle counted right (so the mean accepted length is the oracle's).
 async fn check_oracle(name: &str, model: Arc<Model>, facts: ModelFacts, prompts: &[Vec<u32>]) {
     const MAX_TOKENS: usize = 16;
-    let plain: Arc<dyn ExecutorFactory> = Arc::new(ModelFactory {
-        model: model.clone(),
-        description: name.into(),
-    });
+    let plain: Arc<dyn ExecutorFactory> = Arc::new(ModelFactory::new(model.clone(), name));
     let running = prompts.len().div_ceil(2);
     for temperature in [0.0, 1.0] {
         let (off, _) = generate_at(
@@ -496,10 +493,8 @@ async fn dspark_output_equals_plain_decoding_on_the_fixture() {
         eos_token_id: Some(cfg.eos_token_id),
         max_context_tokens: cfg.max_position_embeddings,
     };
-    let factory: Arc<dyn ExecutorFactory> = Arc::new(ModelFactory {
-        model: model.clone(),
-        description: "v41-tiny fixture".into(),
-    });
+    let factory: Arc<dyn ExecutorFactory> =
+        Arc::new(ModelFactory::new(model.clone(), "v41-tiny fixture"));
     let prompts = vec![
         vec![
             482, 319, 349, 457, 296, 396, 425, 117, 31, 155, 147, 445, 465, 5, 256, 419, 69, 407,

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::tools::logits;
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
@@ -54,10 +54,7 @@ async fn engine_logits_equal_the_logits_tool() {
     )
     .expect("topology");
     let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
-        Arc::new(ModelFactory {
-            model,
-            description: "v41-tiny fixture".into(),
-        }),
+        Arc::new(ModelFactory::new(model, "v41-tiny fixture")),
         rows.clone(),
     )));
     let config = EngineConfig {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use deepinfer_actors::experts::factory::ExpertParallelFactory;
 use deepinfer_actors::messages::eplb::{EplbStatus, RebalanceReport};
-use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::{Engine, EngineConfig};
 use deepinfer_tests::freed::FreedLengths;
@@ -88,10 +88,7 @@ async fn epoch_swaps_under_traffic_lose_and_change_nothing() {
     ]);
     let max_tokens = 6;
 
-    let reference = ModelFactory {
-        model: model.clone(),
-        description: "plain".into(),
-    };
+    let reference = ModelFactory::new(model.clone(), "plain");
     let (expected, expected_rows) = run_engine(
         node(1, 1, ""),
         Arc::new(reference),

@@ -11,7 +11,7 @@ use deepinfer_actors::comm::{Comm, LocalComm, StepExperts};
 use deepinfer_actors::experts::factory::ExpertParallelFactory;
 use deepinfer_actors::experts::parallel::{EpSettings, EplbSchedule, ExpertParallel};
 use deepinfer_actors::experts::shard::ExpertShard;
-use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_model::LogitsWanted;
 use deepinfer_topology::{EpRank, EplbPolicy, PlacementEpoch, rebalance_experts};
 use ep_support::{bits, facts, model, node, run_engine};
@@ -132,10 +132,7 @@ async fn dp2_ep4_logits_equal_dp1_ep1_bitwise() {
         vec![300, 1, 44, 44, 44, 500, 2],
         (100..111).rev().collect(),
     ];
-    let reference = ModelFactory {
-        model: model.clone(),
-        description: "plain".into(),
-    };
+    let reference = ModelFactory::new(model.clone(), "plain");
     let (ref_tokens, ref_rows) =
         run_engine(node(1, 1, ""), Arc::new(reference), facts, &prompts, 5).await;
     assert_eq!(ref_tokens.len(), prompts.len());

@@ -1,5 +1,5 @@
 //! The engine on a CUDA topology: the rank thread runs the model on a `CudaBackend` of its own
-//! GPU (`PerDeviceModelFactory`, what `model_source::resolve` builds for `backend = "cuda"`).
+//! GPU (`ModelFactory::per_device`, what `model_source::resolve` builds for `backend = "cuda"`).
 //!
 //! - Against the CPU engine, on the v41-tiny fixture: the same greedy tokens and every logits row
 //!   the ranks return (chunked prefill, then decode, next to other requests) bitwise equal.
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use deepinfer_actors::gpu;
 use deepinfer_actors::model_source::resolve;
 use deepinfer_actors::rank::executor::ExecutorFactory;
-use deepinfer_actors::rank::model_executor::{ModelFactory, PerDeviceModelFactory};
+use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
 use deepinfer_actors::{Completion, Engine, EngineConfig, GenerateRequest, ModelFacts};
 use deepinfer_model::{LogitsWanted, Model};
@@ -134,12 +134,14 @@ async fn recorded_engine(
 }
 
 fn cuda_factory(model: &Arc<Model>) -> Arc<dyn ExecutorFactory> {
-    Arc::new(PerDeviceModelFactory {
-        model: model.clone(),
-        description: "v41-tiny on the CUDA backend".into(),
-        devices_per_node: 1,
-        open: Arc::new(|ordinal| gpu::open_cuda_backend(ordinal, Numerics::Exact)),
-    })
+    Arc::new(ModelFactory::per_device(
+        model.clone(),
+        "v41-tiny on the CUDA backend",
+        RankDevices {
+            per_node: 1,
+            open: Arc::new(|ordinal| gpu::open_cuda_backend(ordinal, Numerics::Exact)),
+        },
+    ))
 }
 
 /// Submits every request (in order, without waiting), then collects them all.
@@ -215,10 +217,8 @@ async fn cuda_engine_equals_the_cpu_engine_bitwise() {
         (prompt(3, 41), 6),
     ];
     // Chunks of 7 tokens: several prefill chunks per prompt, next to decodes.
-    let cpu_factory: Arc<dyn ExecutorFactory> = Arc::new(ModelFactory {
-        model: model.clone(),
-        description: "v41-tiny on the CPU".into(),
-    });
+    let cpu_factory: Arc<dyn ExecutorFactory> =
+        Arc::new(ModelFactory::new(model.clone(), "v41-tiny on the CPU"));
     let (cpu, cpu_rows) = recorded_engine(topology("cpu", 7), cpu_factory, facts).await;
     let cpu_done = run_all(&cpu, &requests).await;
     cpu.shutdown(Duration::from_secs(30)).await.expect("stops");
@@ -424,7 +424,7 @@ async fn a_cuda_topology_runs_the_demo_model_on_the_gpu() {
     );
 }
 
-/// The V4 tiny fixture resolved from a `backend = "cuda"` topology (`V4PerDeviceFactory`): the
+/// The V4 tiny fixture resolved from a `backend = "cuda"` topology (`ModelFactory::per_device`): the
 /// engine's rank runs `v4::Model` on the GPU, and several concurrent requests, greedy and seeded
 /// (sampled on the device), get the tokens of the CPU engine on the same directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

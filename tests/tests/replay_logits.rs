@@ -11,7 +11,7 @@ use std::time::Duration;
 use deepinfer_actors::engram_vocab::compressed_token_map;
 use deepinfer_actors::frontend::codec::load_v41_tokenizer;
 use deepinfer_actors::model_source::{DEMO_SEED, demo_config, shipped_tokenizer};
-use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
 use deepinfer_actors::replay::state::ReplayState;
 use deepinfer_actors::replay::suffix::ReplayError;
@@ -572,10 +572,7 @@ fn engine_config(
     )
     .expect("topology");
     let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
-        Arc::new(ModelFactory {
-            model: model.clone(),
-            description: "v41-tiny fixture".into(),
-        }),
+        Arc::new(ModelFactory::new(model.clone(), "v41-tiny fixture")),
         starts.clone(),
     )));
     let config = EngineConfig {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use deepinfer_actors::ModelFacts;
 use deepinfer_actors::model_source::build_demo;
 use deepinfer_actors::rank::executor::ExecutorFactory;
-use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::tools::logits;
 use deepinfer_model::Model;
 use deepinfer_model::config::ModelConfig;
@@ -34,10 +34,7 @@ async fn preemption_is_exact_and_bounded_on_the_fixture() {
         eos_token_id: Some(cfg.eos_token_id),
         max_context_tokens: cfg.max_position_embeddings,
     };
-    let factory: Arc<dyn ExecutorFactory> = Arc::new(ModelFactory {
-        model,
-        description: "v41-tiny fixture".into(),
-    });
+    let factory: Arc<dyn ExecutorFactory> = Arc::new(ModelFactory::new(model, "v41-tiny fixture"));
     // Prompts of 130..=157 tokens: the longer ones run bounded replay (keep 140) too.
     let prompts = prompts(4, cfg.vocab_size as u32, 130);
     check("v41-tiny", CPU, factory, facts, &prompts, 24).await;

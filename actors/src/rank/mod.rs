@@ -9,6 +9,7 @@
 //! The actor is never killed mid-step: stopping it closes the plan channel and joins the thread.
 
 pub mod executor;
+pub mod factory;
 pub mod fake;
 pub mod model_executor;
 pub mod observe;

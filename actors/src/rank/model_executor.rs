@@ -11,23 +11,19 @@
 //! (unsampled rows stay on the backend) and `sample_logits` is `Model::sample_rows` (the masked
 //! rows sampled where they are, only the ids come back).
 //!
-//! Factories: [`ModelFactory`] hands every rank the same model (the CPU backend);
-//! [`PerDeviceModelFactory`] hands each rank the same host weights rebound
-//! (`Model::on_backend`) to a backend opened on that rank's own device, on the rank's thread.
+//! Built per rank by `rank::factory::ModelFactory` (or `ExpertParallelFactory`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use deepinfer_model::backend::Backend;
 use deepinfer_model::expert_dispatch::RoutedExperts;
-use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
 use deepinfer_topology::{DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
-use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use crate::rank::executor::{Draft, ExecError, RankExecutor, SeqTokens};
 use crate::rank::sequences::{Sequences, sequence_error};
 use crate::sampling::SamplingParams;
 
@@ -232,138 +228,12 @@ impl RankExecutor for ModelExecutor {
     }
 }
 
-/// Hands every rank the same loaded model.
-#[derive(Debug, Clone)]
-pub struct ModelFactory {
-    pub model: Arc<Model>,
-    pub description: String,
-}
-
-impl ExecutorFactory for ModelFactory {
-    fn build(&self, _dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(ModelExecutor::new(self.model.clone())))
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
-
-    fn sliding_window(&self) -> Option<usize> {
-        Some(self.model.config().window_size)
-    }
-
-    fn state_bytes(&self) -> Option<StateBytes> {
-        Some(StateBytes::of(self.model.config()))
-    }
-}
-
-/// Opens the backend of one device ordinal; called on the rank thread that will use it.
-pub type OpenBackend = Arc<dyn Fn(usize) -> Result<Box<dyn Backend>, String> + Send + Sync>;
-
-/// Hands each DP rank the shared host weights on a backend of its own device: rank `r` runs on
-/// device `r % devices_per_node` of its node (rank r -> GPU r with one node). The weights are
-/// loaded once and shared (`Model::on_backend`); each backend keeps its own device copies.
-pub struct PerDeviceModelFactory {
-    /// The loaded model whose weights every rank shares (its own backend is not used).
-    pub model: Arc<Model>,
-    pub description: String,
-    /// Devices of one node (`[device] gpus_per_node`), at least 1.
-    pub devices_per_node: usize,
-    pub open: OpenBackend,
-}
-
-impl PerDeviceModelFactory {
-    /// The device ordinal DP rank `dp` runs on.
-    pub fn device_of(&self, dp: usize) -> usize {
-        dp % self.devices_per_node.max(1)
-    }
-}
-
-impl std::fmt::Debug for PerDeviceModelFactory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PerDeviceModelFactory")
-            .field("description", &self.description)
-            .field("devices_per_node", &self.devices_per_node)
-            .finish()
-    }
-}
-
-impl ExecutorFactory for PerDeviceModelFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        let device = self.device_of(dp);
-        let backend = (self.open)(device)
-            .map_err(|e| ExecError::Backend(format!("DP rank {dp} on device {device}: {e}")))?;
-        tracing::info!(dp, backend = backend.name(), "rank model on its device");
-        Ok(Box::new(ModelExecutor::new(Arc::new(
-            self.model.on_backend(backend),
-        ))))
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
-
-    fn sliding_window(&self) -> Option<usize> {
-        Some(self.model.config().window_size)
-    }
-
-    fn state_bytes(&self) -> Option<StateBytes> {
-        Some(StateBytes::of(self.model.config()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
-    use deepinfer_model::backend::CpuBackend;
     use deepinfer_topology::RequestId;
 
     use super::*;
     use crate::experts::tiny_test_model;
-
-    fn run(executor: &mut dyn RankExecutor, prompt: &[u32]) -> Vec<f32> {
-        let id = RequestId(1);
-        executor.new_sequence(id).expect("new sequence");
-        let entry = |tokens| SeqTokens {
-            id,
-            tokens,
-            all_rows: false,
-        };
-        let mut rows = executor.execute(&[entry(prompt)]).expect("prefill");
-        rows.extend(executor.execute(&[entry(&[7])]).expect("decode"));
-        rows.concat()
-    }
-
-    /// Each rank opens its own device (rank r -> device r % per node) and runs the shared
-    /// weights there: on CPU backends the numbers equal the plain factory's bit for bit.
-    #[test]
-    fn each_rank_runs_the_shared_weights_on_its_own_device() {
-        let (_dir, model) = tiny_test_model();
-        let opened = Arc::new(Mutex::new(Vec::new()));
-        let log = opened.clone();
-        let factory = PerDeviceModelFactory {
-            model: model.clone(),
-            description: "tiny on per-rank CPU backends".into(),
-            devices_per_node: 2,
-            open: Arc::new(move |device| {
-                log.lock().expect("not poisoned").push(device);
-                Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
-            }),
-        };
-        let plain = ModelFactory {
-            model,
-            description: "tiny".into(),
-        };
-        let prompt = [3, 14, 15, 92, 65];
-        let expected = run(plain.build(0).expect("plain").as_mut(), &prompt);
-        for dp in 0..3 {
-            let got = run(factory.build(dp).expect("per device").as_mut(), &prompt);
-            assert_eq!(got, expected, "rank {dp}");
-        }
-        assert_eq!(*opened.lock().expect("not poisoned"), vec![0, 1, 0]);
-        assert_eq!(factory.sliding_window(), plain.sliding_window());
-    }
 
     /// `execute_deferred` leaves an unsampled entry's rows on the backend (bitwise the logits
     /// `execute` returns) while a sampling entry is sampled in the step; `sample_logits` samples
@@ -415,21 +285,5 @@ mod tests {
             .expect("sampled");
         assert_eq!(got, vec![sample(&masked, &params, 3).expect("a token")]);
         assert!(mask.is_allowed(got[0]));
-    }
-
-    #[test]
-    fn a_device_that_does_not_open_fails_the_rank_with_its_reason() {
-        let (_dir, model) = tiny_test_model();
-        let factory = PerDeviceModelFactory {
-            model,
-            description: "no device".into(),
-            devices_per_node: 4,
-            open: Arc::new(|device| Err(format!("no CUDA driver for device {device}"))),
-        };
-        let err = factory.build(5).err().expect("the device does not open");
-        assert_eq!(
-            err,
-            ExecError::Backend("DP rank 5 on device 1: no CUDA driver for device 1".into())
-        );
     }
 }

@@ -5,26 +5,21 @@
 //! every entry (each sequence's last logits row, or every row of a verify entry), bitwise what
 //! each sequence would get alone; entries with sampling parameters are sampled inside the step,
 //! on the model's backend. What V4 does not have is left to the trait's defaults: no decoder
-//! bounded replay (`plan_replay` is ignored and the factories report no sliding window, so the
+//! bounded replay (`plan_replay` is ignored and the factory reports no sliding window, so the
 //! engine runs no `ReplayActor`), no Engram, no expert parallelism, and deferred rows come back
 //! as host logits (`execute_deferred` / `sample_logits` defaults). Drafting: a V4-Flash-0731
 //! checkpoint's DSpark drafter proposes through `v4::Model::draft` (one request at a time);
 //! V4-Flash's MTP block has no confidence head, so it does not draft here (no drafts).
 //!
-//! Factories: [`V4ModelFactory`] hands every rank the same model (the CPU backend);
-//! [`V4PerDeviceFactory`] hands each rank the shared host weights rebound
-//! (`v4::Model::on_backend`) to a backend opened on that rank's own device.
+//! Built per rank by `rank::factory::ModelFactory`.
 
 use std::sync::Arc;
 
-use deepinfer_model::config::ModelFamily;
-use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v4::{Model, SequenceState, StepEntry};
 use deepinfer_model::{EntryOutput, LogitsWanted};
 use deepinfer_topology::RequestId;
 
-use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
-use crate::rank::model_executor::OpenBackend;
+use crate::rank::executor::{Draft, ExecError, RankExecutor, SeqTokens};
 use crate::rank::sequences::{Sequences, sequence_error};
 use crate::sampling::SamplingParams;
 
@@ -143,80 +138,8 @@ impl RankExecutor for V4Executor {
     }
 }
 
-/// Hands every rank the same loaded V4 model.
-#[derive(Debug, Clone)]
-pub struct V4ModelFactory {
-    pub model: Arc<Model>,
-    pub description: String,
-}
-
-impl ExecutorFactory for V4ModelFactory {
-    fn build(&self, _dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(V4Executor::new(self.model.clone())))
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
-
-    fn family(&self) -> ModelFamily {
-        ModelFamily::V4
-    }
-
-    fn state_bytes(&self) -> Option<StateBytes> {
-        Some(StateBytes::of(self.model.config()))
-    }
-}
-
-/// Hands each DP rank the shared V4 host weights on a backend of its own device: rank `r` runs
-/// on device `r % devices_per_node` of its node (as `PerDeviceModelFactory` does for V4.1).
-pub struct V4PerDeviceFactory {
-    /// The loaded model whose weights every rank shares (its own backend is not used).
-    pub model: Arc<Model>,
-    pub description: String,
-    /// Devices of one node (`[device] gpus_per_node`), at least 1.
-    pub devices_per_node: usize,
-    pub open: OpenBackend,
-}
-
-impl std::fmt::Debug for V4PerDeviceFactory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("V4PerDeviceFactory")
-            .field("description", &self.description)
-            .field("devices_per_node", &self.devices_per_node)
-            .finish()
-    }
-}
-
-impl ExecutorFactory for V4PerDeviceFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        let device = dp % self.devices_per_node.max(1);
-        let backend = (self.open)(device)
-            .map_err(|e| ExecError::Backend(format!("DP rank {dp} on device {device}: {e}")))?;
-        tracing::info!(dp, backend = backend.name(), "rank V4 model on its device");
-        Ok(Box::new(V4Executor::new(Arc::new(
-            self.model.on_backend(backend),
-        ))))
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
-
-    fn family(&self) -> ModelFamily {
-        ModelFamily::V4
-    }
-
-    fn state_bytes(&self) -> Option<StateBytes> {
-        Some(StateBytes::of(self.model.config()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
-    use deepinfer_model::backend::{Backend, CpuBackend};
     use deepinfer_model::checkpoint::write_random_checkpoint;
     use deepinfer_model::config::ModelConfig;
 
@@ -236,50 +159,6 @@ mod tests {
             tokens,
             all_rows: false,
         }
-    }
-
-    /// Prefill then one decode step; the concatenated last rows.
-    fn run(executor: &mut dyn RankExecutor, prompt: &[u32]) -> Vec<f32> {
-        let id = RequestId(1);
-        executor.new_sequence(id).expect("new sequence");
-        let mut rows = executor.execute(&[entry(id, prompt)]).expect("prefill");
-        rows.extend(executor.execute(&[entry(id, &[7])]).expect("decode"));
-        rows.concat()
-    }
-
-    /// Each rank opens its own device and runs the shared weights there: on CPU backends the
-    /// numbers equal the plain factory's bit for bit, and the model family is reported.
-    #[test]
-    fn each_rank_runs_the_shared_v4_weights_on_its_own_device() {
-        let (_dir, model) = tiny_v4();
-        let opened = Arc::new(Mutex::new(Vec::new()));
-        let log = opened.clone();
-        let factory = V4PerDeviceFactory {
-            model: model.clone(),
-            description: "tiny V4 on per-rank CPU backends".into(),
-            devices_per_node: 2,
-            open: Arc::new(move |device| {
-                log.lock().expect("not poisoned").push(device);
-                Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
-            }),
-        };
-        let plain = V4ModelFactory {
-            model,
-            description: "tiny V4".into(),
-        };
-        let prompt = [3, 14, 15, 92, 65, 358];
-        let expected = run(plain.build(0).expect("plain").as_mut(), &prompt);
-        assert_eq!(expected.len(), 2 * 1024);
-        for dp in 0..3 {
-            let got = run(factory.build(dp).expect("per device").as_mut(), &prompt);
-            assert_eq!(got, expected, "rank {dp}");
-        }
-        assert_eq!(*opened.lock().expect("not poisoned"), vec![0, 1, 0]);
-        assert_eq!(
-            (plain.family(), factory.family()),
-            (ModelFamily::V4, ModelFamily::V4)
-        );
-        assert_eq!(plain.sliding_window(), None);
     }
 
     /// A sampled entry returns the token `sample` picks from the logits the unsampled run
