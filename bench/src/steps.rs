@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+pub use deepinfer_model::backend::cpu::argmax;
 use deepinfer_model::error::ModelError;
 use deepinfer_model::sampling::SamplingParams;
 use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
@@ -65,17 +66,6 @@ pub fn prompt_lengths(batch: usize, shortest: usize, longest: usize) -> Vec<usiz
     (0..batch)
         .map(|i| shortest + i * longest.saturating_sub(shortest) / (batch - 1))
         .collect()
-}
-
-/// The index of the largest value (the first one on ties): the greedy next token.
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &value) in row.iter().enumerate() {
-        if value > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// The `q`-quantile (0..=1) of `values` by nearest rank, `None` when empty.

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::{Engine, EngineConfig, FinishReason, GenerateRequest, ModelFacts};
+use deepinfer_model::backend::cpu::argmax;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{LogitsWanted, Model, checkpoint};
@@ -14,16 +15,6 @@ use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::NodeConfig;
 
 const CHUNK: usize = 5;
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
 /// Greedy decoding straight on the model, prefilling in `CHUNK`-token chunks.
 fn reference(model: &Model, prompt: &[u32], n: usize, eos: u32) -> Vec<u32> {

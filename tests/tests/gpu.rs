@@ -59,6 +59,7 @@ use deepinfer_model::sampling::{AllowedTokens, MaskError, SamplingParams};
 use half::bf16;
 
 mod gpu_support;
+use deepinfer_model::backend::cpu::argmax;
 use gpu_support::gemm_data::{
     activations, download_bf16, e4m3, e8m0, random_fp4_weight, random_fp8_weight, upload_bf16,
 };
@@ -975,16 +976,6 @@ fn fixture_tokens(dir: &std::path::Path) -> Vec<u32> {
         .collect()
 }
 
-fn argmax_row(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// What [`prefill_and_decode`] produced and how long it took.
 struct GreedyRun {
     /// Every logits row: the prompt's, then one per decode step.
@@ -1008,7 +999,7 @@ fn prefill_and_decode(model: &deepinfer_model::Model, tokens: &[u32], decode: us
     let mut generated = Vec::new();
     for _ in 0..decode {
         let last = &logits[logits.len() - vocab..];
-        let next = argmax_row(last);
+        let next = argmax(last);
         generated.push(next);
         logits.extend(
             model
@@ -1056,8 +1047,7 @@ fn v41_tiny_on_cuda_matches_the_cpu_reference() {
     let rows = gpu.len() / vocab;
     let argmax_equal = (0..rows)
         .filter(|&r| {
-            argmax_row(&gpu[r * vocab..(r + 1) * vocab])
-                == argmax_row(&cpu[r * vocab..(r + 1) * vocab])
+            argmax(&gpu[r * vocab..(r + 1) * vocab]) == argmax(&cpu[r * vocab..(r + 1) * vocab])
         })
         .count();
     println!(
@@ -1214,8 +1204,8 @@ fn logits_tool_runs_on_cuda() {
         .count();
     for r in 0..n {
         assert_eq!(
-            argmax_row(&gpu[r * vocab..(r + 1) * vocab]),
-            argmax_row(&cpu[r * vocab..(r + 1) * vocab]),
+            argmax(&gpu[r * vocab..(r + 1) * vocab]),
+            argmax(&cpu[r * vocab..(r + 1) * vocab]),
             "row {r}"
         );
     }
@@ -1282,8 +1272,8 @@ fn v4_tiny_on_cuda_matches_the_cpu_reference() {
     );
     for r in 0..n {
         assert_eq!(
-            argmax_row(&gpu[r * vocab..(r + 1) * vocab]),
-            argmax_row(&cpu[r * vocab..(r + 1) * vocab]),
+            argmax(&gpu[r * vocab..(r + 1) * vocab]),
+            argmax(&cpu[r * vocab..(r + 1) * vocab]),
             "row {r}"
         );
     }

@@ -22,6 +22,7 @@ use safetensors::Dtype;
 
 mod checkpoint_patch;
 use checkpoint_patch::patch_tensor;
+use deepinfer_model::backend::cpu::argmax;
 
 /// Context tokens: more than the reduced window (16) so the heads' rings wrap.
 const CONTEXT: usize = 30;
@@ -56,17 +57,6 @@ fn prefill(model: &Model, tokens: &[u32], chunks: &[usize]) -> (SequenceState, V
     }
     assert_eq!(start, tokens.len(), "the chunks cover the tokens");
     (seq, rows)
-}
-
-/// Index of the first maximum.
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// A checkpoint whose config asks for a head the files lack fails to load, naming a tensor of

@@ -107,7 +107,7 @@ impl CpuBackend {
     /// Single-query multi-head attention over `keys` (K = V, each `head_dim` long) with a per-head
     /// sink in the denominator: `q [heads, head_dim]` → `[heads, head_dim]`, probabilities and
     /// output rounded at `precision`.
-    fn sparse_attention_at(
+    fn sparse_attention(
         &self,
         q: &[f32],
         keys: &[&[f32]],
@@ -151,7 +151,7 @@ impl CpuBackend {
     }
 
     /// `round(Σ_k w_k · x_k)` over the `w.len()` streams of `x [hc, dim]`.
-    fn hc_collapse_at(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
+    fn hc_collapse(&self, x: &[f32], weights: &[f32], precision: Precision) -> Vec<f32> {
         let dim = x.len() / weights.len();
         (0..dim)
             .map(|d| {
@@ -165,7 +165,7 @@ impl CpuBackend {
     }
 
     /// `X'_k = round(post_k · y + Σ_j comb[j][k] · X_j)`.
-    fn hc_expand_at(
+    fn hc_expand(
         &self,
         y: &[f32],
         residual: &[f32],
@@ -188,7 +188,7 @@ impl CpuBackend {
 
     /// Index scores `Σ_h w_h · ReLU(q_h · k)` of one query (`q [heads, head_dim]`, per-head
     /// `weights`) against `keys` (`[n, head_dim]`).
-    fn index_scores_at(
+    fn index_scores(
         &self,
         q: &[f32],
         weights: &[f32],
@@ -346,7 +346,7 @@ impl Backend for CpuBackend {
         }
         x.chunks_exact(x.len() / tokens)
             .zip(weights.chunks_exact(hc))
-            .flat_map(|(x, w)| self.hc_collapse_at(x, w, precision))
+            .flat_map(|(x, w)| self.hc_collapse(x, w, precision))
             .collect::<Vec<f32>>()
             .into()
     }
@@ -365,7 +365,7 @@ impl Backend for CpuBackend {
         y.chunks_exact(dim)
             .zip(residual.chunks_exact(width))
             .enumerate()
-            .flat_map(|(t, (y, r))| self.hc_expand_at(y, r, &mixes.token(t), precision))
+            .flat_map(|(t, (y, r))| self.hc_expand(y, r, &mixes.token(t), precision))
             .collect::<Vec<f32>>()
             .into()
     }
@@ -384,7 +384,7 @@ impl Backend for CpuBackend {
             .zip(keys)
             .flat_map(|(q, keys)| {
                 let keys: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
-                self.sparse_attention_at(q, &keys, sink, scale, precision)
+                self.sparse_attention(q, &keys, sink, scale, precision)
             })
             .collect::<Vec<f32>>()
             .into()
@@ -433,7 +433,7 @@ impl Backend for CpuBackend {
             .zip(visible)
             .map(|((q, w), &seen)| {
                 let seen = (seen * head_dim).min(flat.len());
-                self.index_scores_at(q, w, &flat[..seen], head_dim, precision)
+                self.index_scores(q, w, &flat[..seen], head_dim, precision)
             })
             .collect()
     }
@@ -761,7 +761,7 @@ mod tests {
         let q = vec![1.0f32, 0.0];
         let k0 = [1.0f32, 2.0];
         let k1 = [0.0f32, 4.0];
-        let out = CpuBackend.sparse_attention_at(&q, &[&k0, &k1], &[0.5], 1.0, Precision::Bf16);
+        let out = CpuBackend.sparse_attention(&q, &[&k0, &k1], &[0.5], 1.0, Precision::Bf16);
         // p is computed relative to the running max (1.0): p0 = 1, p1 = e^-1.
         let p1 = round_bf16(exp_f32_accurate(-1.0));
         let d = 1.0 + exp_f32_accurate(-1.0) + exp_f32_accurate(-0.5);
@@ -769,7 +769,7 @@ mod tests {
         assert_eq!(out[1], round_bf16((2.0 + p1 * 4.0) / d));
         // No keys: only the sink, output 0.
         assert_eq!(
-            CpuBackend.sparse_attention_at(&q, &[], &[0.5], 1.0, Precision::Bf16),
+            CpuBackend.sparse_attention(&q, &[], &[0.5], 1.0, Precision::Bf16),
             vec![0.0, 0.0]
         );
     }
@@ -798,13 +798,8 @@ mod tests {
             sum_f32(probs.iter().copied()),
             "the orders differ here"
         );
-        let out = CpuBackend.sparse_attention_at(
-            &q,
-            &key_refs,
-            &[f32::NEG_INFINITY],
-            1.0,
-            Precision::F32,
-        );
+        let out =
+            CpuBackend.sparse_attention(&q, &key_refs, &[f32::NEG_INFINITY], 1.0, Precision::F32);
         let weighted = probs.iter().zip(&scores).map(|(p, s)| p * s);
         assert_eq!(out[0], sum_f32(weighted) / torch_order);
         // Two keys, the second where the vectorised exp is an ulp off (and the output shows it):
@@ -815,13 +810,8 @@ mod tests {
             .find(|&s| output(exp_f32(s), s) != output(exp_f32_accurate(s), s))
             .expect("a score where the two exps give different outputs");
         let (k0, k1) = ([0.0f32], [s]);
-        let out = CpuBackend.sparse_attention_at(
-            &q,
-            &[&k0, &k1],
-            &[f32::NEG_INFINITY],
-            1.0,
-            Precision::F32,
-        );
+        let out =
+            CpuBackend.sparse_attention(&q, &[&k0, &k1], &[f32::NEG_INFINITY], 1.0, Precision::F32);
         assert_eq!(out[0], output(exp_f32_accurate(s), s));
     }
 

@@ -10,6 +10,7 @@ pub mod v41_rules;
 use std::path::Path;
 
 use deepinfer_model::Model;
+pub use deepinfer_model::backend::cpu::argmax;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
@@ -135,17 +136,6 @@ pub fn bit_equal(a: &[f32], b: &[f32]) -> usize {
         .zip(b)
         .filter(|(x, y)| x.to_bits() == y.to_bits())
         .count()
-}
-
-/// The index of the largest value (the first on ties): the greedy token.
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Expected selection rows of width `width` (−1 padding dropped).
