@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod cost;
 pub mod engram;
+mod layers;
 pub mod v4;
 pub mod v41;
 

@@ -29,7 +29,7 @@ use crate::backend::{Backend, CpuBackend, Tensor};
 use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, ModelFamily, V4Attention};
 use crate::error::ModelError;
-use crate::v41::rope::RopeTables;
+use crate::layers::rope::RopeTables;
 use crate::v41::{Ctx, LogitsWanted};
 use dspark::{DsparkWeights, ProposalInputs};
 use mtp::MtpWeights;

@@ -8,7 +8,6 @@ pub(crate) mod csa;
 pub(crate) mod dspark;
 mod expert_hook;
 pub(crate) mod moe;
-pub(crate) mod rope;
 pub(crate) mod state;
 pub(crate) mod step;
 mod trace;
@@ -30,7 +29,7 @@ use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
-use rope::RopeTables;
+use crate::layers::rope::RopeTables;
 use state::{CompressorState, LayerState};
 use weights::{BlockWeights, DsparkWeights};
 

@@ -9,8 +9,8 @@ use crate::backend::{Backend, Precision, Tensor};
 use crate::checkpoint::Checkpoint;
 use crate::config::VisionConfig;
 use crate::error::ModelError;
+use crate::layers::rope::rope_table;
 use crate::quant::{dot_f32, dot_f32_sgemm, exp_f32, round_bf16};
-use crate::v41::rope::rope_table;
 
 /// A linear layer `[out, inp]` with an optional bias, bf16 values.
 #[derive(Debug, Clone)]
