@@ -44,7 +44,7 @@ use deepinfer_kernels::ops::gemm::{
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
-use deepinfer_kernels::ops::rope::{RopeShape, rope_cos_sin_tables, rope_interleaved_bf16};
+use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_bf16};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
@@ -404,7 +404,10 @@ fn rope_matches_the_cpu_reference_bit_exact() {
             .collect(),
     };
     let table_rows = 70_000usize;
-    let (cos, sin) = rope_cos_sin_tables(&table.freqs, table_rows);
+    let (cos, sin): (Vec<f32>, Vec<f32>) = (0..table_rows)
+        .flat_map(|position| (0..rope_dim / 2).map(move |pair| (position, pair)))
+        .map(|(position, pair)| table.cos_sin(position, pair))
+        .unzip();
     let dcos = rt.stream().clone_htod(&cos).expect("cos");
     let dsin = rt.stream().clone_htod(&sin).expect("sin");
     for inverse in [false, true] {
