@@ -8,7 +8,8 @@
 //! kinds: its standalone `torch.exp`, which the fixtures' reference evaluates correctly rounded
 //! ([`quant::exp_f32_accurate`]: the attention's online softmax and the mHC `comb` softmax), and
 //! the vectorised one of torch's fused kernels ([`quant::exp_f32`]: sigmoids, SiLU, softplus).
-//! `sqrt` is the correctly rounded one everywhere, as the reference's. Every bf16 rounding sits
+//! `sqrt` is the correctly rounded one everywhere, as the reference's; RoPE rotates by the C
+//! library's `cosf`/`sinf` ([`RopeTable::cos_sin`]), as the reference's. Every bf16 rounding sits
 //! where DeepSeek's reference rounds; fp32 stays the working precision between operations.
 
 use super::{Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable, Tensor};
