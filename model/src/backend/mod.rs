@@ -3,11 +3,15 @@
 //! take and return [`Tensor`]s, which stay in device memory on a device backend), at the granularity
 //! the model needs: block-scaled FP8/FP4 GEMMs, plain GEMMs, RMSNorm, RoPE,
 //! the QDQ points, sparse attention with a sink, mHC mixes/collapse/expand, index scores and top-k,
-//! the MoE router after its gate linear, Engram hashing and table lookup, and token sampling of a
+//! the MoE router after its gate linear, the Engram table lookup and gate, and token sampling of a
 //! batch of logit rows (each row with its own parameters: [`crate::sampling`] is its definition).
 //!
 //! Every op is a pure function of its inputs, so a sequence's numbers never depend on another
 //! sequence or on how its tokens were chunked (batch invariance by construction).
+//!
+//! This module holds the declarations, their data types and the input checks every backend shares;
+//! [`CpuBackend`] (`cpu.rs`) defines every op (the reference), `cuda/` implements them on the
+//! device. The backend imports nothing from the model families (`model/tests/backend_floor.rs`).
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
