@@ -19,10 +19,12 @@
 //!   positions' windows read nothing below the replay start and the attached entries are never
 //!   rewritten.
 //! - **Exact and approximate parts.** The attached entries are bitwise the ones the sequence that
-//!   wrote them computed. A hit whose replay starts at 0 is bitwise a cold prefill. Otherwise the
-//!   rows after the hit are an approximation like decoder bounded replay: the replayed windows saw
-//!   a truncated past (`tests/tests/prefix_cache.rs` bounds the drift by the rule of
-//!   `tests/tests/replay_logits.rs`).
+//!   wrote them computed. A hit whose replay covers [`exact_replay_tokens`] (the layers below the
+//!   decoder boundary times their window) is bitwise a cold prefill. A shorter replay (the
+//!   ReplayActor's `keep`, 140 by default) is an approximation like decoder bounded replay: the
+//!   replayed windows saw a truncated past, so the rows after the hit, and the compressed entries
+//!   the hit's own prefill appends, drift (`tests/tests/prefix_cache.rs` bounds it by the rule of
+//!   `tests/tests/replay_logits.rs`), and the blocks such a request inserts carry that drift.
 //! - **Sharing and eviction.** A request pins the blocks it attaches ([`PrefixCache::acquire`],
 //!   [`PrefixCache::release`]); the blocks' bytes (entries plus kept tokens) stay within the
 //!   cache's byte budget: an insert evicts the least recently used unpinned block that no cached
@@ -34,7 +36,9 @@ use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
+use deepinfer_model::config::ModelConfig;
 use deepinfer_model::error::ModelError;
+use deepinfer_model::v41::MAX_BACKTRACK;
 use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState};
 
 /// The key of a block: the hash chain over the blocks up to it ([module docs](self)).
@@ -227,6 +231,11 @@ impl<B> PrefixCache<B> {
         self.stats
     }
 
+    /// Every cached block.
+    pub fn blocks(&self) -> impl Iterator<Item = &B> {
+        self.entries.values().map(|e| e.block.as_ref())
+    }
+
     pub fn budget_bytes(&self) -> u64 {
         self.budget
     }
@@ -262,6 +271,27 @@ pub fn plan_hit(cached: usize, replay_tokens: usize, align: usize) -> Option<usi
     (from > 0).then_some(from)
 }
 
+/// The replay after which a hit is bitwise a cold prefill with decoder bounded replay on, when
+/// the decoder start (`prompt − keep`) is at or after the hit: a layer's output at `p` reads its
+/// window `[p − window + 1, p]`, so the layers below the decoder boundary (whose outputs feed the
+/// compressors and the decoder) are exact from `replay start + boundary · (window − 1)` on, and
+/// the window rings the hit leaves must also hold exact entries back to `window +
+/// MAX_BACKTRACK` before it. Rounded up to `align` (every ratio). `None` without a decoder
+/// boundary (every layer would then need the halo). vLLM's "exact halo" (PR #57281) is the same
+/// idea; for V4.1-Flash (boundary 20, window 128) it is 2 674 tokens against the 140 of the
+/// approximate rule.
+pub fn exact_replay_tokens(cfg: &ModelConfig) -> Option<usize> {
+    let boundary = cfg.compress_ratios.iter().position(|&r| r == 1)?;
+    let halo = boundary * cfg.window_size.saturating_sub(1) + cfg.window_size + MAX_BACKTRACK;
+    let align = alignment(cfg);
+    Some(halo.div_ceil(align) * align)
+}
+
+/// The least common multiple of every compression ratio: a replay start is a multiple of it.
+fn alignment(cfg: &ModelConfig) -> usize {
+    cfg.compress_ratios.iter().fold(1, |a, &r| lcm(a, r.max(1)))
+}
+
 /// How a [`prefill`] replays and prefills.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefillRule {
@@ -285,7 +315,7 @@ pub struct CachedPrefill {
 }
 
 /// Prefills `tokens` on `model` through `cache` (keyed by `salt`): attaches the longest cached
-/// chain (leaving at least the last token to feed), replays from [`plan_hit`]'s start, prefills
+/// chain that ends at or before the decoder's kept suffix (or the last token), replays from [`plan_hit`]'s start, prefills
 /// the rest in `chunk`-token pieces, and inserts every complete block it holds afterwards.
 pub fn prefill(
     model: &Model,
@@ -297,8 +327,14 @@ pub fn prefill(
     want: LogitsWanted,
 ) -> Result<CachedPrefill, ModelError> {
     let ratios = &model.config().compress_ratios;
-    let align = ratios.iter().fold(1, |a, &r| lcm(a, r.max(1)));
-    let found = cache.lookup(salt, tokens, tokens.len().saturating_sub(1));
+    let align = alignment(model.config());
+    // The hit stops before the decoder's kept suffix (and the last token), so that the rows the
+    // decoder runs on follow at least `replay_tokens` replayed positions.
+    let limit = match rule.decoder_keep {
+        Some(keep) => tokens.len().saturating_sub(keep.max(1)),
+        None => tokens.len().saturating_sub(1),
+    };
+    let found = cache.lookup(salt, tokens, limit);
     let cached = found.len() * cache.block_tokens();
     let mut seq = model.new_sequence();
     let replay_from = match plan_hit(cached, rule.replay_tokens, align) {
@@ -469,5 +505,18 @@ mod tests {
         assert_eq!(plan_hit(192, 140, 2), Some(52));
         assert_eq!(plan_hit(193, 140, 4), Some(52));
         assert_eq!(plan_hit(256, 22, 2), Some(234));
+    }
+
+    #[test]
+    fn the_exact_replay_covers_the_encoder_halo_and_the_rings() {
+        let cfg = deepinfer_model::config::ModelConfig::tiny_v41();
+        assert_eq!(
+            (
+                cfg.window_size,
+                cfg.compress_ratios.iter().position(|&r| r == 1)
+            ),
+            (16, Some(6))
+        );
+        assert_eq!(exact_replay_tokens(&cfg), Some(6 * 15 + 16 + 6));
     }
 }
