@@ -492,6 +492,16 @@ mod tests {
         assert_eq!(big, Inserted::Refused, "larger than the budget");
     }
 
+    /// A key whose entry holds other tokens (a hash collision) is a miss, never a wrong hit.
+    #[test]
+    fn a_colliding_key_is_a_miss() {
+        let mut cache = PrefixCache::new(4, 1000);
+        let (a, b) = (tokens(4, 1), tokens(4, 2));
+        let key = cache.chain(0, &a)[0];
+        assert_eq!(cache.insert(key, None, &b, 0, 1), Inserted::Cached);
+        assert!(cache.lookup(0, &a, 4).is_empty());
+    }
+
     #[test]
     fn a_block_without_its_parent_is_refused() {
         let mut cache: PrefixCache<u32> = PrefixCache::new(4, 1000);
