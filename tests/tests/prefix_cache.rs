@@ -202,30 +202,28 @@ fn hits_on_the_fixture(keep: usize, replay: usize) -> Vec<(usize, Drift)> {
     drifts
 }
 
-#[test]
-fn hits_replaying_keep_22_drift_within_the_rule() {
-    let drifts = hits_on_the_fixture(22, 22);
+/// Hits replaying `keep` tokens (at least two adopted) each change the rows and stay within
+/// [`hit_bounds`].
+fn keep_hits_drift_within_the_rule(keep: usize) {
+    let drifts = hits_on_the_fixture(keep, keep);
     assert!(drifts.iter().filter(|(hit, _)| *hit > 0).count() >= 2);
     for (hit, d) in drifts {
         assert!(
             hit == 0 || d.prompt_max > 0.0,
             "a hit replays a truncated past: {d:?}"
         );
-        check_bounds(&d, &hit_bounds(22));
+        check_bounds(&d, &hit_bounds(keep));
     }
 }
 
 #[test]
+fn hits_replaying_keep_22_drift_within_the_rule() {
+    keep_hits_drift_within_the_rule(22);
+}
+
+#[test]
 fn hits_replaying_keep_64_drift_within_the_rule() {
-    let drifts = hits_on_the_fixture(64, 64);
-    assert!(drifts.iter().filter(|(hit, _)| *hit > 0).count() >= 2);
-    for (hit, d) in drifts {
-        assert!(
-            hit == 0 || d.prompt_max > 0.0,
-            "a hit replays a truncated past: {d:?}"
-        );
-        check_bounds(&d, &hit_bounds(64));
-    }
+    keep_hits_drift_within_the_rule(64);
 }
 
 /// A replay of the exact halo (112 tokens on the fixture) makes every row after a hit bitwise

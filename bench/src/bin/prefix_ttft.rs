@@ -45,6 +45,9 @@ fn main() -> Result<()> {
     };
     let block_tokens = StateBytes::of(model.config()).block_tokens;
 
+    let run_prefill = |cache: &mut PrefixCache<_>, prompt: &[u32]| {
+        prefill(&model, cache, SALT, prompt, rule, CHUNK, LogitsWanted::Last)
+    };
     let (mut off, mut on) = (Vec::new(), Vec::new());
     let mut fed = (0, 0);
     for run in 0..runs as u32 {
@@ -52,38 +55,14 @@ fn main() -> Result<()> {
         // Cache off: a cache that never holds anything.
         let mut empty = PrefixCache::new(block_tokens, 0);
         let start = Instant::now();
-        let cold = prefill(
-            &model,
-            &mut empty,
-            SALT,
-            &prompt,
-            rule,
-            CHUNK,
-            LogitsWanted::Last,
-        )?;
+        let cold = run_prefill(&mut empty, &prompt)?;
         off.push(start.elapsed());
         // Cache on: an earlier question filled it with the system prompt's blocks.
         let mut cache = PrefixCache::new(block_tokens, 1 << 32);
         let earlier = [&system[..], &tokens(QUESTION_TOKENS, 5000 + run)].concat();
-        prefill(
-            &model,
-            &mut cache,
-            SALT,
-            &earlier,
-            rule,
-            CHUNK,
-            LogitsWanted::Last,
-        )?;
+        run_prefill(&mut cache, &earlier)?;
         let start = Instant::now();
-        let hit = prefill(
-            &model,
-            &mut cache,
-            SALT,
-            &prompt,
-            rule,
-            CHUNK,
-            LogitsWanted::Last,
-        )?;
+        let hit = run_prefill(&mut cache, &prompt)?;
         on.push(start.elapsed());
         if hit.hit_tokens == 0 {
             bail!("the second request missed the cache");
