@@ -15,8 +15,7 @@ use deepinfer_actors::prefix_cache::{
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState};
 use deepinfer_tests::drift::{
-    Bounds, Drift, Rows, argmax, check_bounds, demo_bounds, demo_model, drift, fixture_bounds,
-    prompt, report,
+    Bounds, Drift, Rows, argmax, check_bounds, demo_model, drift, fixture_bounds, prompt, report,
 };
 
 const SALT: u64 = 0x5eed;
@@ -375,14 +374,18 @@ fn eviction_under_a_small_budget_keeps_memory_and_outputs_right() {
     assert!(stats.evictions > 0 && hits > 0 && misses > 0, "{stats:?}");
 }
 
-/// The demo model (DeepSeek vocabulary, context 1024): a 600-token shared prefix, readers hit
-/// 576 tokens (9 blocks) and replay the default keep 140.
+/// The demo model (DeepSeek vocabulary, context 1024, the fixture's window and boundary): a
+/// 600-token shared prefix; the reader hits 448 tokens (7 blocks, up to its decoder start) and
+/// replays the default keep 140, which covers the demo's exact halo (112): every row is bitwise
+/// the cache-off run's, decode rows included. At keep 64 (a replay shorter than the halo) the
+/// rows drift within the rule.
 #[test]
-fn hits_on_the_demo_model_drift_within_the_rule() {
+fn hits_on_the_demo_model_are_exact_at_the_default_keep_and_within_the_rule_at_64() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = demo_model(dir.path());
     let vocab = model.config().vocab_size;
     let keep = 140;
+    assert!(exact_replay_tokens(model.config()).is_some_and(|exact| exact <= keep));
     let mut cache = cache(&model, 1 << 30);
     let shared = prompt(600, 1000, 60_000);
     let writer = [&shared[..], &prompt(20, 7, 50_000)].concat();
@@ -390,9 +393,20 @@ fn hits_on_the_demo_model_drift_within_the_rule() {
     let reader = [&shared[..], &prompt(24, 300, 50_000)].concat();
     let (off, greedy, off_seq) = cold(&model, &reader, keep, 4);
     let (on, run) = through(&model, &mut cache, &reader, rule(keep), &greedy);
-    assert_eq!((run.hit_tokens, run.replay_from), (576, 436));
+    assert_eq!((run.hit_tokens, run.replay_from), (448, 308));
+    assert_attached_entries_exact(&model, &run.seq, &off_seq, 448);
+    let d = drift(&off, &on, vocab);
+    report("prefix hit, demo", keep as u32, reader.len(), &d);
+    assert!(on.prompt == off.prompt && on.decode == off.decode, "{d:?}");
+
+    let keep = 64;
+    let reader = [&shared[..], &prompt(40, 900, 50_000)].concat();
+    let (off, greedy, off_seq) = cold(&model, &reader, keep, 8);
+    let (on, run) = through(&model, &mut cache, &reader, rule(keep), &greedy);
+    assert_eq!((run.hit_tokens, run.replay_from), (576, 512));
     assert_attached_entries_exact(&model, &run.seq, &off_seq, 576);
     let d = drift(&off, &on, vocab);
     report("prefix hit, demo", keep as u32, reader.len(), &d);
-    check_bounds(&d, &demo_bounds());
+    assert!(d.prompt_max > 0.0, "{d:?}");
+    check_bounds(&d, &hit_bounds(keep));
 }
