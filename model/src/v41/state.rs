@@ -475,6 +475,64 @@ mod tests {
         assert_eq!((ring.start(), ring.get(8)), (20, None));
     }
 
+    /// A sequence of one ratio-2 KV source holding `len` tokens (entry `g` of group `g`).
+    fn ratio_two_sequence(len: usize) -> SequenceState {
+        let layer = LayerState {
+            window: PositionRing::default(),
+            compressor: Some(CompressorState::default()),
+        };
+        let mut seq = SequenceState::new(vec![layer], 0);
+        for p in 0..len {
+            seq.layers[0].window.push_at(p, vec![p as f32]);
+            if let Some(c) = seq.layers[0].compressor.as_mut() {
+                c.pending.push_at(p, vec![p as f32]);
+                if p % 2 == 1 {
+                    c.compressed.push(vec![(p / 2) as f32].into());
+                    c.index_keys.push(vec![-((p / 2) as f32)].into());
+                }
+            }
+        }
+        seq.len = len;
+        seq
+    }
+
+    #[test]
+    fn prefix_blocks_attach_their_entries_and_refuse_bad_bounds() {
+        let seq = ratio_two_sequence(20);
+        let blocks: Vec<PrefixBlock> = (0..2)
+            .map(|b| seq.prefix_block(b * 8, 8, &[2]).expect("aligned block"))
+            .collect();
+        assert_eq!(
+            blocks[1].held_bytes(),
+            8 * 4,
+            "4 entries and 4 keys of one f32"
+        );
+        let error = |r: Result<(), ModelError>| r.expect_err("refused").to_string();
+        let block_error = |r: Result<PrefixBlock, ModelError>| error(r.map(|_| ()));
+        assert!(block_error(seq.prefix_block(16, 8, &[2])).contains("past the 20 tokens"));
+        assert!(block_error(seq.prefix_block(3, 8, &[2])).contains("compression ratio 2"));
+
+        let mut fresh = ratio_two_sequence(0);
+        let refs: Vec<&PrefixBlock> = blocks.iter().collect();
+        assert!(error(fresh.attach_prefix(&refs, 17, &[2])).contains("past the attached"));
+        assert!(error(fresh.attach_prefix(&refs, 9, &[2])).contains("compression ratio 2"));
+        assert!(error(fresh.attach_prefix(&refs[1..], 8, &[2])).contains("does not continue"));
+        assert!(error(seq.clone().attach_prefix(&refs, 8, &[2])).contains("empty sequence"));
+        fresh.attach_prefix(&refs, 10, &[2]).expect("attached");
+        assert_eq!(fresh.len(), 10);
+        assert_eq!(
+            fresh.compressed_kv(0),
+            seq.compressed_kv(0).map(|c| &c[..8])
+        );
+        assert_eq!(fresh.index_keys(0), seq.index_keys(0).map(|c| &c[..8]));
+        let pending = &fresh.layers[0].compressor.as_ref().expect("source").pending;
+        assert_eq!(
+            pending.start(),
+            10,
+            "the replay refills the tail from its start"
+        );
+    }
+
     #[test]
     fn rollback_is_refused_beyond_the_history_and_the_rings() {
         let layer = LayerState {
