@@ -326,8 +326,19 @@ pub fn prefill(
     chunk: usize,
     want: LogitsWanted,
 ) -> Result<CachedPrefill, ModelError> {
-    let ratios = &model.config().compress_ratios;
-    let align = alignment(model.config());
+    let cfg = model.config();
+    let minimum = cfg.window_size + MAX_BACKTRACK;
+    if rule.replay_tokens < minimum {
+        return Err(ModelError::Sequence {
+            message: format!(
+                "prefix cache: a hit replays {} tokens; at least window {} + max backtracking \
+                 {MAX_BACKTRACK} = {minimum} are needed to rebuild the rings",
+                rule.replay_tokens, cfg.window_size
+            ),
+        });
+    }
+    let ratios = &cfg.compress_ratios;
+    let align = alignment(cfg);
     // The hit stops before the decoder's kept suffix (and the last token), so that the rows the
     // decoder runs on follow at least `replay_tokens` replayed positions.
     let limit = match rule.decoder_keep {

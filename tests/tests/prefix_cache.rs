@@ -242,6 +242,7 @@ fn hits_replaying_the_exact_halo_are_bitwise_cold_prefills() {
 }
 
 /// A hit whose replay would start at 0 is not adopted: the request is a cold prefill, bitwise.
+/// A replay shorter than the window plus the largest rollback is refused.
 #[test]
 fn a_hit_shorter_than_the_replay_is_a_bitwise_cold_prefill() {
     let model = deepinfer_tests::v41_tiny_model();
@@ -258,6 +259,21 @@ fn a_hit_shorter_than_the_replay_is_a_bitwise_cold_prefill() {
         1,
         "the block was found, then not adopted"
     );
+    let short = PrefillRule {
+        replay_tokens: 21,
+        decoder_keep: Some(64),
+    };
+    let error = prefill(
+        &model,
+        &mut cache,
+        SALT,
+        &reader,
+        short,
+        CHUNK,
+        LogitsWanted::Last,
+    )
+    .expect_err("a replay shorter than window 16 + 6");
+    assert!(error.to_string().contains("= 22 are needed"), "{error}");
 }
 
 /// A hit on a prefix another sequence is still extending: the writer's blocks enter the cache
