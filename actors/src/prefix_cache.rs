@@ -29,8 +29,13 @@
 //!   [`PrefixCache::release`]); the blocks' bytes (entries plus kept tokens) stay within the
 //!   cache's byte budget: an insert evicts the least recently used unpinned block that no cached
 //!   block continues (a leaf, so a chain is never cut in the middle), or is refused.
-//! - **Misses** fall back block by block: a hit is the longest chain of cached blocks, the rest of
+//! - **Misses** fall back block by block: a hit is the longest chain of cached blocks that ends at
+//!   or before the decoder's kept suffix (so the decoder's rows follow a full replay), the rest of
 //!   the prompt is prefilled, and the blocks it completes are inserted ([`prefill`]).
+//! - **Not yet:** the engine does not use the cache (no topology key, no scheduler accounting of
+//!   uncached tokens, no cache-affinity placement, no metrics); on the CPU an attach copies the
+//!   block's rows into the sequence, so the cache's budget is its own, outside the `StatePool`;
+//!   V4.1 only, not run on CUDA.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
