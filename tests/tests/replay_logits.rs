@@ -21,17 +21,6 @@ use deepinfer_model::{LogitsWanted, Model, SequenceState, checkpoint};
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{ModelDims, NodeConfig, ReplayConfig, RequestId};
 
-/// The built-in demo model (`model_source::build_demo`'s recipe, loaded as a bare `Model`).
-fn demo_model(dir: &std::path::Path) -> Model {
-    let tokenizer = load_v41_tokenizer(&shipped_tokenizer()).expect("shipped tokenizer");
-    let map = compressed_token_map(&tokenizer).expect("compressed token map");
-    let cfg = demo_config(map.size);
-    checkpoint::write_random_checkpoint(&cfg, DEMO_SEED, dir, 2).expect("demo checkpoint");
-    let engram = cfg.engram.as_ref().expect("the demo has Engram");
-    let vocab = map.into_engram_vocab(engram).expect("engram vocabulary");
-    Model::load_with_vocab(dir, Some(vocab)).expect("demo model loads")
-}
-
 fn replay_state(model: &Model, keep: Option<u32>) -> Result<ReplayState, ReplayError> {
     let config = ReplayConfig {
         decoder_keep_tokens: keep,
@@ -361,7 +350,7 @@ fn replay_logits_drift_on_the_fixture_is_bounded() {
 #[test]
 fn replay_logits_drift_on_the_demo_model_is_bounded() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = demo_model(dir.path());
+    let model = deepinfer_tests::demo_model_with(dir.path(), |_| {});
     let vocab = model.config().vocab_size;
     let halo = dependency_halo(&model);
     let prompt_len = 600;

@@ -1,0 +1,151 @@
+//! Context parallelism of a long prefill (`deepinfer_model::v41::context_parallel`) against the
+//! single-rank prefill, on the v41-tiny fixture (given room for the long prompt) and on the demo
+//! model, with cp = 2 and cp = 4 (mirror split): the logits and every rank's final sequence state
+//! are bitwise the single-rank prefill's, and so are the greedy decode steps that follow. The
+//! prompt lengths put piece boundaries inside ratio-2 compression groups (asserted). Prompts are
+//! ~500 tokens (32 windows, 250 compressed groups): 2k-token prompts pass too but take minutes
+//! in a debug build on 2 cores (`PROMPT_TOKENS` scales them).
+
+use std::time::Duration;
+
+use deepinfer_model::v41::context_parallel::{CpSplit, rank_rows};
+use deepinfer_model::{LogitsWanted, Model, SequenceState};
+
+const DECODE_STEPS: usize = 3;
+
+/// The prompt length of both models (odd piece boundaries at cp 2 and cp 4: 4 ∤ len, 8 ∤ len).
+const PROMPT_TOKENS: usize = 514;
+
+/// A deterministic prompt of `n` ids below `vocab`, with a repeated stretch (Engram n-grams fire).
+fn prompt(n: usize, vocab: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| {
+            let i = if (300..340).contains(&i) { i - 200 } else { i };
+            3 + (i.wrapping_mul(7919).wrapping_add(31) % (vocab - 3))
+        })
+        .collect()
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let best = row
+        .iter()
+        .enumerate()
+        .fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
+    best as u32
+}
+
+/// Greedy decode steps after a prefill whose last logits row is `last`: every step's logits.
+fn decode(model: &Model, seq: &mut SequenceState, last: &[f32]) -> Vec<Vec<f32>> {
+    let mut next = argmax(last);
+    (0..DECODE_STEPS)
+        .map(|_| {
+            let logits = model
+                .forward(seq, &[next], LogitsWanted::Last)
+                .expect("decode step");
+            next = argmax(&logits);
+            logits
+        })
+        .collect()
+}
+
+/// Some piece boundary of the mirror split of `len` tokens after `prefix` falls inside a ratio-2
+/// compression group (the group's two tokens are computed on two ranks).
+fn splits_a_group(prefix: usize, len: usize, ranks: usize) -> bool {
+    (0..ranks).any(|r| {
+        let rows = rank_rows(len, ranks, r, CpSplit::Mirror);
+        let first = rows[0] + prefix;
+        let end = rows[rows.len() - 1] + prefix + 1;
+        first % 2 == 1 || end % 2 == 1
+    })
+}
+
+/// Prefills `tokens[prefix..]` after a single-rank prefill of `tokens[..prefix]`, on one rank and
+/// on `ranks` CP ranks, and compares logits, states and decode steps bit for bit.
+fn cp_equals_single_rank(model: &Model, tokens: &[u32], prefix: usize, want: LogitsWanted) {
+    let vocab = model.config().vocab_size;
+    let mut single = model.new_sequence();
+    if prefix > 0 {
+        model
+            .forward(&mut single, &tokens[..prefix], LogitsWanted::Last)
+            .expect("prefix");
+    }
+    let before = single.clone();
+    let chunk = &tokens[prefix..];
+    let logits = model
+        .forward(&mut single, chunk, want)
+        .expect("single-rank prefill");
+    let single_decode = decode(model, &mut single.clone(), &logits[logits.len() - vocab..]);
+    for ranks in [2, 4] {
+        assert!(splits_a_group(prefix, chunk.len(), ranks), "cp {ranks}");
+        let cp = model
+            .prefill_context_parallel(
+                &before,
+                chunk,
+                want,
+                ranks,
+                CpSplit::Mirror,
+                Duration::from_secs(60),
+            )
+            .expect("context-parallel prefill");
+        assert_eq!(cp.logits.len(), logits.len(), "cp {ranks}: logits rows");
+        assert!(
+            bits(&cp.logits) == bits(&logits),
+            "cp {ranks}: prefill logits differ from the single-rank prefill's"
+        );
+        assert_eq!(cp.states.len(), ranks);
+        for (rank, state) in cp.states.iter().enumerate() {
+            assert!(
+                *state == single,
+                "cp {ranks}: rank {rank}'s final state differs"
+            );
+        }
+        // The decoding rank (any: every rank holds the whole state) continues bit for bit.
+        let mut state = cp.states.into_iter().next_back().expect("a rank");
+        let steps = decode(model, &mut state, &cp.logits[cp.logits.len() - vocab..]);
+        for (step, (cp_row, row)) in steps.iter().zip(&single_decode).enumerate() {
+            assert!(
+                bits(cp_row) == bits(row),
+                "cp {ranks}: decode step {step} differs"
+            );
+        }
+    }
+}
+
+#[test]
+fn v41_tiny_long_prefill_with_cp_2_and_4_is_bitwise_the_single_rank_prefill() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = deepinfer_tests::v41_model_with_positions("v41/v41-tiny", 1024, dir.path());
+    // 2 tokens, then the CP chunk: odd piece boundaries from an even start.
+    let tokens = prompt(2 + PROMPT_TOKENS, model.config().vocab_size as u32);
+    cp_equals_single_rank(&model, &tokens, 2, LogitsWanted::All);
+}
+
+#[test]
+fn demo_model_long_prefill_with_cp_2_and_4_is_bitwise_the_single_rank_prefill() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = deepinfer_tests::demo_model_with(dir.path(), |_| {});
+    // From position 0, one more token: odd piece boundaries again.
+    let tokens = prompt(PROMPT_TOKENS + 1, 50_000);
+    cp_equals_single_rank(&model, &tokens, 0, LogitsWanted::Last);
+}
+
+#[test]
+fn a_split_with_fewer_than_two_tokens_per_rank_is_refused() {
+    let model = deepinfer_tests::v41_tiny_model();
+    let err = model
+        .prefill_context_parallel(
+            &model.new_sequence(),
+            &[5, 6, 7],
+            LogitsWanted::Last,
+            2,
+            CpSplit::Mirror,
+            Duration::from_secs(5),
+        )
+        .err()
+        .expect("3 tokens over 2 ranks is refused");
+    assert!(err.to_string().contains("at least 2 per rank"), "{err}");
+}
