@@ -89,6 +89,7 @@ fn cp_equals_single_rank(model: &Model, tokens: &[u32], prefix: usize, want: Log
                 ranks,
                 CpSplit::Mirror,
                 Duration::from_secs(60),
+                None,
             )
             .expect("context-parallel prefill");
         assert_eq!(cp.logits.len(), logits.len(), "cp {ranks}: logits rows");
@@ -144,6 +145,7 @@ fn a_split_with_fewer_than_two_tokens_per_rank_is_refused() {
             2,
             CpSplit::Mirror,
             Duration::from_secs(5),
+            None,
         )
         .err()
         .expect("3 tokens over 2 ranks is refused");

@@ -210,4 +210,9 @@ pub trait ExecutorFactory: Send + Sync {
     fn expert_parallel(&self) -> Option<std::sync::Arc<crate::experts::parallel::ExpertParallel>> {
         None
     }
+    /// The context parallelism its executors run (the engine refuses a topology that asks for
+    /// another: `[parallel] context_parallel` is never accepted and ignored).
+    fn context_parallel(&self) -> Option<deepinfer_topology::ContextParallel> {
+        None
+    }
 }

@@ -36,7 +36,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use deepinfer_topology::{DpRank, RequestId, StepId};
+use deepinfer_topology::{ContextParallel, DpRank, RequestId, StepId};
 
 use crate::dspark::schedule::{
     StepRateTable, VerifyPlan, VerifyScheduleError, plan_verification, plan_with_budget,
@@ -60,6 +60,21 @@ pub struct SchedulerLimits {
     pub prefill_chunk_tokens: usize,
     /// Plans in flight (>= 1; 1 = synchronous scheduling).
     pub overlap_depth: usize,
+    /// Context parallelism: a prompt whose remaining prefill reaches its threshold goes CP, in
+    /// chunks of up to `ranks × prefill_chunk_tokens` (the CP group shares each chunk).
+    pub context_parallel: Option<ContextParallel>,
+}
+
+impl SchedulerLimits {
+    /// The largest next chunk of a prompt with `remaining` tokens left to prefill.
+    fn chunk_cap(&self, remaining: usize) -> usize {
+        match self.context_parallel {
+            Some(cp) if remaining >= cp.min_tokens as usize => {
+                usize::from(cp.ranks) * self.prefill_chunk_tokens
+            }
+            _ => self.prefill_chunk_tokens,
+        }
+    }
 }
 
 /// DSpark verification settings of a scheduler.
@@ -532,8 +547,9 @@ impl SchedulerState {
             if seq.prefill_done() {
                 continue;
             }
-            let wanted = (seq.prefill_len - seq.prefilled)
-                .min(self.limits.prefill_chunk_tokens)
+            let remaining = seq.prefill_len - seq.prefilled;
+            let wanted = remaining
+                .min(self.limits.chunk_cap(remaining))
                 .min(budget);
             let held = seq.held_max;
             let n = self.reserve_chunk(id, wanted);
@@ -613,7 +629,7 @@ impl SchedulerState {
         }
         let prefill_len = seq.spec.prompt.len() + seq.output.len();
         let n = prefill_len
-            .min(self.limits.prefill_chunk_tokens)
+            .min(self.limits.chunk_cap(prefill_len))
             .min(budget);
         let reserve = if seq.constrained { seq.max_len() } else { n };
         if let Some(pool) = self.pool.as_mut()
@@ -920,6 +936,7 @@ mod tests {
             max_running: 4,
             prefill_chunk_tokens: 8,
             overlap_depth: depth,
+            context_parallel: None,
         }
     }
 
@@ -957,6 +974,43 @@ mod tests {
             live_sequences: 0,
             timing: StepTiming::default(),
         }
+    }
+
+    #[test]
+    fn a_prompt_reaching_the_cp_threshold_gets_cp_sized_chunks_until_its_rest_is_short() {
+        let cp = ContextParallel {
+            ranks: 4,
+            min_tokens: 20,
+        };
+        let mut s = SchedulerState::new(
+            DpRank(0),
+            SchedulerLimits {
+                context_parallel: Some(cp),
+                ..limits(64, 1)
+            },
+        );
+        // 45 tokens: one CP chunk of 4 x 8, then 13 < 20 left in plain chunks of 8.
+        s.submit(spec(1, 45, 1)).unwrap();
+        let mut chunks = Vec::new();
+        while let Some(plan) = s.build_plan() {
+            if plan.mode != StepMode::Prefill {
+                break;
+            }
+            chunks.push(plan.token_count());
+            s.on_step_done(&output_for(&plan, 5));
+        }
+        assert_eq!(chunks, vec![32, 8, 5]);
+        // Below the threshold from the start: plain chunks only.
+        let mut s = SchedulerState::new(
+            DpRank(0),
+            SchedulerLimits {
+                context_parallel: Some(cp),
+                ..limits(64, 1)
+            },
+        );
+        s.submit(spec(2, 19, 1)).unwrap();
+        let plan = s.build_plan().unwrap();
+        assert_eq!(plan.token_count(), 8);
     }
 
     #[test]
@@ -1209,6 +1263,7 @@ mod tests {
                 max_running: 4,
                 prefill_chunk_tokens: 32,
                 overlap_depth: depth,
+                context_parallel: None,
             };
             (
                 SchedulerState::new(DpRank(0), limits).with_pool(pool),

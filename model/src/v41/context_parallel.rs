@@ -211,7 +211,9 @@ impl Model {
     }
 
     /// A prefill of `tokens` after `seq` over `ranks` CP ranks in this process (one thread per
-    /// rank, the ranks' exchange waiting at most `timeout`), split by `split`.
+    /// rank, the ranks' exchange waiting at most `timeout`), split by `split`; `experts` runs the
+    /// routed experts elsewhere (expert parallelism), for every rank.
+    #[allow(clippy::too_many_arguments)]
     pub fn prefill_context_parallel(
         &self,
         seq: &SequenceState,
@@ -220,6 +222,7 @@ impl Model {
         ranks: usize,
         split: CpSplit,
         timeout: Duration,
+        experts: Option<&dyn RoutedExperts>,
     ) -> Result<CpPrefill, ModelError> {
         if ranks == 0 {
             return Err(ModelError::Unsupported {
@@ -242,7 +245,7 @@ impl Model {
                                 decoder_from: None,
                                 sample: None,
                             };
-                            let result = self.forward_context_parallel(entry, &cp, None);
+                            let result = self.forward_context_parallel(entry, &cp, experts);
                             if let Err(err) = &result {
                                 exchange.abort(rank, &err.to_string());
                             }
