@@ -4,12 +4,20 @@
 //! are bitwise the single-rank prefill's, and so are the greedy decode steps that follow. The
 //! prompt lengths put piece boundaries inside ratio-2 compression groups (asserted). Prompts are
 //! ~500 tokens (32 windows, 250 compressed groups): 2k-token prompts pass too but take minutes
-//! in a debug build on 2 cores (`PROMPT_TOKENS` scales them).
+//! in a debug build on 2 cores (`PROMPT_TOKENS` scales them). The engine with
+//! `[parallel] context_parallel = 2` generates the same tokens as without, and refuses executors
+//! that do not run the topology's context parallelism.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_actors::rank::context_parallel::ContextParallelFactory;
+use deepinfer_actors::rank::executor::ExecutorFactory;
+use deepinfer_actors::rank::model_executor::ModelFactory;
+use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
 use deepinfer_model::v41::context_parallel::{CpSplit, rank_rows};
 use deepinfer_model::{LogitsWanted, Model, SequenceState};
+use deepinfer_topology::NodeConfig;
 
 const DECODE_STEPS: usize = 3;
 
@@ -150,4 +158,105 @@ fn a_split_with_fewer_than_two_tokens_per_rank_is_refused() {
         .err()
         .expect("3 tokens over 2 ranks is refused");
     assert!(err.to_string().contains("at least 2 per rank"), "{err}");
+}
+
+/// A CPU node of one DP rank, with `parallel` as its `[parallel]` lines.
+fn node(parallel: &str) -> NodeConfig {
+    let text = format!(
+        "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\n{parallel}\n\
+         [scheduler]\nmax_batched_tokens = 128\nmax_running_requests = 4\nprefill_chunk_tokens = 32\n\
+         overlap_depth = 2\nadmission_queue_capacity = 16\n"
+    );
+    NodeConfig::from_toml_str(&text, "context-parallel test").expect("topology")
+}
+
+fn engine_config(
+    model: &Model,
+    node: NodeConfig,
+    executor: Arc<dyn ExecutorFactory>,
+) -> EngineConfig {
+    let cfg = model.config();
+    EngineConfig {
+        node,
+        executor,
+        model: ModelFacts {
+            vocab_size: cfg.vocab_size,
+            bos_token_id: cfg.bos_token_id,
+            eos_token_id: None,
+            max_context_tokens: cfg.max_position_embeddings,
+        },
+        tokenizer: None,
+    }
+}
+
+/// Greedy tokens of `prompts` (all in flight at once) on an engine over `executor`.
+async fn generate(config: EngineConfig, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    let engine = Engine::start(config).await.expect("engine starts");
+    let mut streams = Vec::new();
+    for prompt in prompts {
+        let request = GenerateRequest::from_tokens(prompt.clone())
+            .max_tokens(4)
+            .ignore_eos(true);
+        streams.push(engine.generate(request).await.expect("admitted"));
+    }
+    let mut tokens = Vec::new();
+    for stream in streams {
+        let done = tokio::time::timeout(Duration::from_secs(300), stream.collect())
+            .await
+            .expect("in time")
+            .expect("generated");
+        tokens.push(done.tokens);
+    }
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("shutdown");
+    tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_generates_the_same_tokens_with_context_parallelism_on_and_off() {
+    let model = Arc::new(deepinfer_tests::v41_tiny_model());
+    let vocab = model.config().vocab_size as u32;
+    // 150 tokens: a CP chunk of 2 x 32 (remaining >= 40), another, then 22 in plain chunks;
+    // 45 tokens: one CP chunk, then 13 plain; 12 tokens: never CP.
+    let prompts = vec![prompt(150, vocab), prompt(45, vocab), prompt(12, vocab)];
+    let plain = ModelFactory {
+        model: model.clone(),
+        description: "tiny V4.1".into(),
+    };
+    let off = generate(
+        engine_config(&model, node("dp = 1"), Arc::new(plain)),
+        &prompts,
+    )
+    .await;
+    let on_node = node("dp = 1\ncontext_parallel = 2\ncontext_parallel_min_tokens = 40");
+    let cp = on_node.parallel.context_parallel.expect("CP on");
+    let factory = ContextParallelFactory {
+        model: model.clone(),
+        cp,
+        experts: None,
+        description: "tiny V4.1".into(),
+    };
+    let on = generate(engine_config(&model, on_node, Arc::new(factory)), &prompts).await;
+    assert!(off.iter().all(|t| t.len() == 4), "{off:?}");
+    assert_eq!(on, off);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_refuses_executors_that_do_not_run_the_topologys_context_parallelism() {
+    let model = Arc::new(deepinfer_tests::v41_tiny_model());
+    let plain = ModelFactory {
+        model: model.clone(),
+        description: "tiny V4.1".into(),
+    };
+    let node = node("dp = 1\ncontext_parallel = 2");
+    let err = Engine::start(engine_config(&model, node, Arc::new(plain)))
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&err, EngineError::Config { field, .. } if field == "parallel.context_parallel"),
+        "{err}"
+    );
 }

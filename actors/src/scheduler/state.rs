@@ -548,9 +548,7 @@ impl SchedulerState {
                 continue;
             }
             let remaining = seq.prefill_len - seq.prefilled;
-            let wanted = remaining
-                .min(self.limits.chunk_cap(remaining))
-                .min(budget);
+            let wanted = remaining.min(self.limits.chunk_cap(remaining)).min(budget);
             let held = seq.held_max;
             let n = self.reserve_chunk(id, wanted);
             if n == 0 {
