@@ -20,7 +20,8 @@
 //! single-rank prefill's (the CPU reference is batch-invariant: a row never depends on which other
 //! rows share its step); the rank that will decode the sequence keeps it, the others drop theirs.
 
-use std::time::Duration;
+use std::cell::{Cell, RefCell};
+use std::time::{Duration, Instant};
 
 use super::state::SequenceState;
 use super::step::StepEntry;
@@ -66,9 +67,11 @@ pub struct CpRank<'a> {
     rows: Vec<Vec<usize>>,
     exchange: &'a Exchange<Tensor>,
     /// Collectives this rank has entered (the tag's round).
-    round: std::cell::Cell<u64>,
+    round: Cell<u64>,
+    /// Time spent in collectives (waiting for the other ranks included).
+    waited: Cell<Duration>,
     /// The first failed collective: the step fails after the layer that met it.
-    failed: std::cell::RefCell<Option<ExchangeError>>,
+    failed: RefCell<Option<ExchangeError>>,
 }
 
 impl<'a> CpRank<'a> {
@@ -89,8 +92,9 @@ impl<'a> CpRank<'a> {
                 .map(|r| rank_rows(len, ranks, r, split))
                 .collect(),
             exchange,
-            round: std::cell::Cell::new(0),
-            failed: std::cell::RefCell::new(None),
+            round: Cell::new(0),
+            waited: Cell::new(Duration::ZERO),
+            failed: RefCell::new(None),
         }
     }
 
@@ -138,7 +142,10 @@ impl<'a> CpRank<'a> {
             phase: ExchangePhase::ContextGather,
         };
         let parts = (0..ranks).map(|_| own.clone()).collect();
-        let received = match self.exchange.all_to_all(self.rank, tag, parts) {
+        let entered = Instant::now();
+        let received = self.exchange.all_to_all(self.rank, tag, parts);
+        self.waited.set(self.waited.get() + entered.elapsed());
+        let received = match received {
             Ok(received) => received,
             Err(err) => {
                 self.failed.borrow_mut().get_or_insert(err);
@@ -172,6 +179,9 @@ pub struct CpPrefill {
     pub logits: Vec<f32>,
     /// Every rank's sequence state after the prefill (all equal; the decoding rank keeps its own).
     pub states: Vec<SequenceState>,
+    /// Every rank's wall time outside the collectives (its own work; a rank with less work
+    /// waits for the others at the next all-gather).
+    pub busy: Vec<Duration>,
 }
 
 impl Model {
@@ -230,45 +240,48 @@ impl Model {
             });
         }
         let exchange = Exchange::new(ranks, timeout);
-        let results: Vec<Result<(Vec<f32>, SequenceState), ModelError>> =
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = (0..ranks)
-                    .map(|rank| {
-                        let exchange = &exchange;
-                        let mut state = seq.clone();
-                        scope.spawn(move || {
-                            let cp = CpRank::new(rank, seq.len, tokens.len(), split, exchange);
-                            let entry = StepEntry {
-                                seq: &mut state,
-                                tokens,
-                                want,
-                                decoder_from: None,
-                                sample: None,
-                            };
-                            let result = self.forward_context_parallel(entry, &cp, experts);
-                            if let Err(err) = &result {
-                                exchange.abort(rank, &err.to_string());
-                            }
-                            result.map(|logits| (logits, state))
+        type RankResult = Result<(Vec<f32>, SequenceState, Duration), ModelError>;
+        let results: Vec<RankResult> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..ranks)
+                .map(|rank| {
+                    let exchange = &exchange;
+                    let mut state = seq.clone();
+                    scope.spawn(move || {
+                        let started = Instant::now();
+                        let cp = CpRank::new(rank, seq.len, tokens.len(), split, exchange);
+                        let entry = StepEntry {
+                            seq: &mut state,
+                            tokens,
+                            want,
+                            decoder_from: None,
+                            sample: None,
+                        };
+                        let result = self.forward_context_parallel(entry, &cp, experts);
+                        if let Err(err) = &result {
+                            exchange.abort(rank, &err.to_string());
+                        }
+                        let busy = started.elapsed().saturating_sub(cp.waited.get());
+                        result.map(|logits| (logits, state, busy))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(ModelError::Sequence {
+                            message: "a context-parallel rank panicked".to_string(),
                         })
                     })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join().unwrap_or_else(|_| {
-                            Err(ModelError::Sequence {
-                                message: "a context-parallel rank panicked".to_string(),
-                            })
-                        })
-                    })
-                    .collect()
-            });
+                })
+                .collect()
+        });
         let vocab = self.cfg.vocab_size;
         let mut by_offset: Vec<Option<Vec<f32>>> = vec![None; tokens.len()];
-        let mut states = Vec::with_capacity(ranks);
+        let (mut states, mut busy) = (Vec::with_capacity(ranks), Vec::with_capacity(ranks));
         for (rank, result) in results.into_iter().enumerate() {
-            let (logits, state) = result?;
+            let (logits, state, time) = result?;
+            busy.push(time);
             let owned = rank_rows(tokens.len(), ranks, rank, split);
             let wanted: Vec<usize> = match want {
                 LogitsWanted::All => owned,
@@ -285,6 +298,7 @@ impl Model {
         Ok(CpPrefill {
             logits: by_offset.into_iter().flatten().flatten().collect(),
             states,
+            busy,
         })
     }
 }
