@@ -251,10 +251,9 @@ async fn the_engine_refuses_executors_that_do_not_run_the_topologys_context_para
         description: "tiny V4.1".into(),
     };
     let node = node("dp = 1\ncontext_parallel = 2");
-    let err = Engine::start(engine_config(&model, node, Arc::new(plain)))
-        .await
-        .err()
-        .expect("refused");
+    let Err(err) = Engine::start(engine_config(&model, node, Arc::new(plain))).await else {
+        panic!("an executor without context parallelism is refused");
+    };
     assert!(
         matches!(&err, EngineError::Config { field, .. } if field == "parallel.context_parallel"),
         "{err}"

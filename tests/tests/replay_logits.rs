@@ -8,16 +8,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deepinfer_actors::engram_vocab::compressed_token_map;
-use deepinfer_actors::frontend::codec::load_v41_tokenizer;
-use deepinfer_actors::model_source::{DEMO_SEED, demo_config, shipped_tokenizer};
 use deepinfer_actors::rank::model_executor::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
 use deepinfer_actors::replay::state::ReplayState;
 use deepinfer_actors::replay::suffix::ReplayError;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
 use deepinfer_model::v41::MAX_BACKTRACK;
-use deepinfer_model::{LogitsWanted, Model, SequenceState, checkpoint};
+use deepinfer_model::{LogitsWanted, Model, SequenceState};
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{ModelDims, NodeConfig, ReplayConfig, RequestId};
 

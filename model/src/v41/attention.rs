@@ -123,7 +123,7 @@ pub fn forward(
     // The rows whose window entries and compressor inputs enter the state, and their spans.
     let chunk_positions = cp.map(CpRank::chunk_positions);
     let (state_positions, state_spans) = match &chunk_positions {
-        Some(all) => (&all[..], vec![0..all.len()]),
+        Some(all) => (&all[..], std::iter::once(0..all.len()).collect()),
         None => (positions, rows.spans.clone()),
     };
     let gathered = |own: &Tensor, width: usize| match cp {

@@ -136,6 +136,9 @@ impl StepRows {
     }
 }
 
+/// What an entry wants back: which logits rows, and whether they are sampled.
+type EntryWant = (LogitsWanted, Option<SamplingParams>);
+
 /// Keeps the `width`-wide rows whose flag is set.
 fn retain_rows(backend: &dyn Backend, values: &mut Tensor, kept: &[bool], width: usize) {
     let rows = kept.iter().enumerate().filter(|(_, keep)| **keep);
@@ -281,7 +284,7 @@ impl Model {
         let (hc, dim) = (cfg.hc.mult, cfg.dim);
         let width = hc * dim;
         let chunks: Vec<&[u32]> = entries.iter().map(|entry| entry.tokens).collect();
-        let wants: Vec<(LogitsWanted, Option<SamplingParams>)> = entries
+        let wants: Vec<EntryWant> = entries
             .iter()
             .map(|entry| (entry.want, entry.sample))
             .collect();
@@ -561,7 +564,7 @@ impl Model {
         &self,
         ctx: &Ctx,
         rows: &StepRows,
-        (wanted, wants): (&[Vec<usize>], &[(LogitsWanted, Option<SamplingParams>)]),
+        (wanted, wants): (&[Vec<usize>], &[EntryWant]),
         (streams, pre): (&Tensor, &Tensor),
         trace: Option<&mut ForwardTrace>,
         logits_on_device: bool,
