@@ -980,13 +980,14 @@ mod tests {
             ranks: 4,
             min_tokens: 20,
         };
-        let mut s = SchedulerState::new(
-            DpRank(0),
-            SchedulerLimits {
+        let scheduler = || {
+            let limits = SchedulerLimits {
                 context_parallel: Some(cp),
                 ..limits(64, 1)
-            },
-        );
+            };
+            SchedulerState::new(DpRank(0), limits)
+        };
+        let mut s = scheduler();
         // 45 tokens: one CP chunk of 4 x 8, then 13 < 20 left in plain chunks of 8.
         s.submit(spec(1, 45, 1)).unwrap();
         let mut chunks = Vec::new();
@@ -999,13 +1000,7 @@ mod tests {
         }
         assert_eq!(chunks, vec![32, 8, 5]);
         // Below the threshold from the start: plain chunks only.
-        let mut s = SchedulerState::new(
-            DpRank(0),
-            SchedulerLimits {
-                context_parallel: Some(cp),
-                ..limits(64, 1)
-            },
-        );
+        let mut s = scheduler();
         s.submit(spec(2, 19, 1)).unwrap();
         let plan = s.build_plan().unwrap();
         assert_eq!(plan.token_count(), 8);
