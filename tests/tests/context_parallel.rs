@@ -6,7 +6,8 @@
 //! ~500 tokens (32 windows, 250 compressed groups): 2k-token prompts pass too but take minutes
 //! in a debug build on 2 cores (`PROMPT_TOKENS` scales them). The engine with
 //! `[parallel] context_parallel = 2` generates the same tokens as without, and refuses executors
-//! that do not run the topology's context parallelism.
+//! that do not run the topology's context parallelism; a V4-family model with CP is refused at
+//! start.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -253,6 +254,23 @@ async fn the_engine_refuses_executors_that_do_not_run_the_topologys_context_para
     let node = node("dp = 1\ncontext_parallel = 2");
     let Err(err) = Engine::start(engine_config(&model, node, Arc::new(plain))).await else {
         panic!("an executor without context parallelism is refused");
+    };
+    assert!(
+        matches!(&err, EngineError::Config { field, .. } if field == "parallel.context_parallel"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_v4_model_with_context_parallelism_is_refused_naming_the_field() {
+    let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
+    let text = format!(
+        "[model]\nsource = \"{}\"\n[device]\nbackend = \"cpu\"\n[parallel]\ncontext_parallel = 2\n",
+        dir.display()
+    );
+    let node = NodeConfig::from_toml_str(&text, "v4 cp test").expect("topology");
+    let Err(err) = deepinfer_actors::model_source::resolve(&node) else {
+        panic!("a V4 model with context_parallel = 2 resolved");
     };
     assert!(
         matches!(&err, EngineError::Config { field, .. } if field == "parallel.context_parallel"),
