@@ -4,16 +4,18 @@
 //! `r` takes pieces `r` and `2·cp−1−r`. Causal attention work grows with the position, so a
 //! piece near the start is paired with one near the end and every rank gets the same work (one
 //! early and one late piece). The contiguous split (rank `r` takes piece `r` of `cp`) leaves the
-//! last rank about `2·cp−1` times the first one's attention; a striped split (token `t` on rank
+//! last rank about `2·cp−1` times the first one's indexer work (the causal, quadratic part:
+//! every query scores every visible compressed key); a striped split (token `t` on rank
 //! `t mod cp`) balances as well but cuts every compression group and window across ranks and
 //! gives each rank scattered rows; the mirror split keeps two runs per rank. `bench/` measures it.
 //!
 //! What a rank computes: its own tokens' rows through every layer (queries, attention, output
 //! projection, MoE, Engram, head). What it needs from the others, all-gathered once per layer
-//! through an [`Exchange`] (in one process, [`LocalComm`-style](crate::expert_exchange): one
-//! thread per rank): the window K=V entries of their rows and the compressor inputs of their rows
+//! through an [`Exchange`] (the in-process collective of the EP exchange, with its timeout and
+//! abort; one thread per rank): the window K=V entries and the compressor inputs of their rows
 //! (per-token `kv ‖ gate`), from which every rank rebuilds the same compressed KV and index keys
-//! at every group boundary of every KV source — so a chunk boundary may split a compression group.
+//! at every group boundary of every KV source — so a chunk boundary may split a compression group
+//! (each rank pools every group of the chunk: small next to attention, and no second exchange).
 //! The candidate pool and the indexer's selection are per query (the rank's own rows). Engram is
 //! token-local given the tokens, which every rank holds. After the last layer the DSpark context
 //! entries are all-gathered too, so every rank ends with the complete sequence state, bitwise the
