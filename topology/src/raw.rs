@@ -136,7 +136,8 @@ pub struct RawParallelConfig {
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub context_parallel: Option<u16>,
     /// Prefill chunks of at least this many tokens run context-parallel (tokens, >= 2 x
-    /// `context_parallel`, at most `context_parallel x scheduler.prefill_chunk_tokens`).
+    /// `context_parallel`, at most `context_parallel x scheduler.prefill_chunk_tokens` and
+    /// `scheduler.max_batched_tokens`).
     /// Default: `scheduler.prefill_chunk_tokens`.
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub context_parallel_min_tokens: Option<u32>,

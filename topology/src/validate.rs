@@ -144,8 +144,8 @@ pub struct ParallelConfig {
 pub struct ContextParallel {
     /// CP ranks per group (>= 2).
     pub ranks: u16,
-    /// Smallest chunk that runs context-parallel (tokens, `2 x ranks ..= ranks x
-    /// prefill_chunk_tokens`).
+    /// Smallest chunk that runs context-parallel (tokens, `2 x ranks ..= min(ranks x
+    /// prefill_chunk_tokens, max_batched_tokens)`).
     pub min_tokens: u32,
 }
 
@@ -654,7 +654,8 @@ fn context_parallel(
         ));
     }
     let chunk = scheduler.prefill_chunk_tokens;
-    let largest = u32::from(ranks) * chunk;
+    // A chunk is at most ranks x prefill_chunk_tokens and fits in one step's token budget.
+    let largest = (u32::from(ranks) * chunk).min(scheduler.max_batched_tokens);
     let min_tokens = check.in_range(
         "parallel.context_parallel_min_tokens",
         raw.context_parallel_min_tokens.unwrap_or(chunk),

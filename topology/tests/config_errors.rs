@@ -240,6 +240,14 @@ fn context_parallel_is_a_group_size_with_a_bounded_threshold() {
         "parallel.context_parallel_min_tokens",
         "8..=256, got 7",
     );
+    // A threshold no step's token budget reaches would leave CP configured and never used.
+    assert_blames(
+        "[scheduler]\nmax_batched_tokens = 100\nmax_running_requests = 8\nprefill_chunk_tokens = 64\n\
+         [parallel]\n\
+         context_parallel = 2\ncontext_parallel_min_tokens = 120\n",
+        "parallel.context_parallel_min_tokens",
+        "4..=100, got 120",
+    );
     assert_blames(
         "[parallel]\ncontext_parallel_min_tokens = 100\n",
         "parallel.context_parallel_min_tokens",
