@@ -89,23 +89,5 @@ pub fn v41_model_with_positions(
         .unwrap_or_else(|e| panic!("{rel} with {positions} positions loads: {e}"))
 }
 
-/// The built-in demo model (`model_source::build_demo`'s recipe, loaded as a bare `Model`) written
-/// into `dir`, its config edited by `edit` first.
-pub fn demo_model_with(
-    dir: &std::path::Path,
-    edit: impl FnOnce(&mut deepinfer_model::config::ModelConfig),
-) -> deepinfer_model::Model {
-    use deepinfer_actors::{engram_vocab, frontend::codec, model_source};
-    let tokenizer =
-        codec::load_v41_tokenizer(&model_source::shipped_tokenizer()).expect("shipped tokenizer");
-    let map = engram_vocab::compressed_token_map(&tokenizer).expect("compressed token map");
-    let mut cfg = model_source::demo_config(map.size);
-    edit(&mut cfg);
-    deepinfer_model::checkpoint::write_random_checkpoint(&cfg, model_source::DEMO_SEED, dir, 2)
-        .expect("demo checkpoint");
-    let engram = cfg.engram.as_ref().expect("the demo has Engram");
-    let vocab = map.into_engram_vocab(engram).expect("engram vocabulary");
-    deepinfer_model::Model::load_with_vocab(dir, Some(vocab)).expect("demo model loads")
-}
-
+pub mod drift;
 pub mod freed;

@@ -18,6 +18,7 @@ use deepinfer_actors::rank::model_executor::ModelFactory;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
 use deepinfer_model::v41::context_parallel::{CpSplit, rank_rows};
 use deepinfer_model::{LogitsWanted, Model, SequenceState};
+use deepinfer_tests::drift;
 use deepinfer_topology::NodeConfig;
 
 const DECODE_STEPS: usize = 3;
@@ -25,37 +26,24 @@ const DECODE_STEPS: usize = 3;
 /// The prompt length of both models (odd piece boundaries at cp 2 and cp 4: 4 ∤ len, 8 ∤ len).
 const PROMPT_TOKENS: usize = 514;
 
-/// A deterministic prompt of `n` ids below `vocab`, with a repeated stretch (Engram n-grams fire).
+/// A deterministic prompt of `n` ids in `3..vocab`, with a repeated stretch (Engram n-grams fire).
 fn prompt(n: usize, vocab: u32) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| {
-            let i = if (300..340).contains(&i) { i - 200 } else { i };
-            3 + (i.wrapping_mul(7919).wrapping_add(31) % (vocab - 3))
-        })
-        .collect()
+    drift::prompt(n, 3, vocab - 3)
 }
 
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
 }
 
-fn argmax(row: &[f32]) -> u32 {
-    let best = row
-        .iter()
-        .enumerate()
-        .fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
-    best as u32
-}
-
 /// Greedy decode steps after a prefill whose last logits row is `last`: every step's logits.
 fn decode(model: &Model, seq: &mut SequenceState, last: &[f32]) -> Vec<Vec<f32>> {
-    let mut next = argmax(last);
+    let mut next = drift::argmax(last) as u32;
     (0..DECODE_STEPS)
         .map(|_| {
             let logits = model
                 .forward(seq, &[next], LogitsWanted::Last)
                 .expect("decode step");
-            next = argmax(&logits);
+            next = drift::argmax(&logits) as u32;
             logits
         })
         .collect()
@@ -137,7 +125,7 @@ fn v41_tiny_long_prefill_with_cp_2_and_4_is_bitwise_the_single_rank_prefill() {
 #[test]
 fn demo_model_long_prefill_with_cp_2_and_4_is_bitwise_the_single_rank_prefill() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let model = deepinfer_tests::demo_model_with(dir.path(), |_| {});
+    let model = drift::demo_model(dir.path());
     // From position 0, one more token: odd piece boundaries again.
     let tokens = prompt(PROMPT_TOKENS + 1, 50_000);
     cp_equals_single_rank(&model, &tokens, 0, LogitsWanted::Last);
