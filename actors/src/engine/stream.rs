@@ -18,14 +18,20 @@ use crate::frontend::codec::TextCodec;
 use crate::messages::frontend::FrontendMsg;
 use crate::messages::request::{FinishReason, RawEvent, Usage};
 use crate::messages::scheduler::SchedulerMsg;
+use crate::sampling::TokenLogprobs;
 use crate::metrics as m;
 
 /// What a caller receives for a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerationEvent {
     /// A generated token and the text it completes (may be empty while a multi-byte character or
-    /// a possible stop sequence is pending).
-    Token { id: u32, text: String },
+    /// a possible stop sequence is pending); its log-probabilities when the request asked
+    /// (`GenerateRequest::logprobs`).
+    Token {
+        id: u32,
+        text: String,
+        logprobs: Option<Box<TokenLogprobs>>,
+    },
     /// The end: why, the token counts and the whole generated text.
     Finished {
         reason: FinishReason,
@@ -44,6 +50,8 @@ pub struct Completion {
     pub text: String,
     pub reason: FinishReason,
     pub usage: Usage,
+    /// One per token of `tokens` when the request asked for log-probabilities, else empty.
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// The event stream of one request.
@@ -55,6 +63,10 @@ pub struct EventStream {
     frontend: ActorRef<FrontendMsg>,
     codec: Option<Arc<TextCodec>>,
     tokens: Vec<u32>,
+    /// The log-probabilities of the generated tokens, when the request asked.
+    logprobs: Vec<TokenLogprobs>,
+    /// Those of the token whose event comes next.
+    next_logprobs: Option<Box<TokenLogprobs>>,
     /// Bytes of the decoded text already handed out.
     emitted: usize,
     pending: VecDeque<GenerationEvent>,
@@ -76,6 +88,8 @@ impl EventStream {
             frontend,
             codec,
             tokens: Vec::new(),
+            logprobs: Vec::new(),
+            next_logprobs: None,
             emitted: 0,
             pending: VecDeque::new(),
             done: false,
@@ -110,6 +124,7 @@ impl EventStream {
             }
             match self.submission.events.recv().await {
                 Some(RawEvent::Token(token)) => self.on_token(token),
+                Some(RawEvent::Logprobs(logprobs)) => self.next_logprobs = Some(logprobs),
                 Some(RawEvent::Finished { reason, usage }) => self.finish(reason, usage),
                 Some(RawEvent::Failed(error)) => self.fail(error),
                 None => self.fail(EngineError::ShuttingDown),
@@ -133,6 +148,7 @@ impl EventStream {
                         text,
                         reason,
                         usage,
+                        logprobs: std::mem::take(&mut self.logprobs),
                     });
                 }
                 GenerationEvent::Error(error) => return Err(error),
@@ -155,10 +171,15 @@ impl EventStream {
 
     fn on_token(&mut self, token: u32) {
         self.tokens.push(token);
+        let logprobs = self.next_logprobs.take();
+        if let Some(lp) = &logprobs {
+            self.logprobs.push((**lp).clone());
+        }
         let Some(codec) = &self.codec else {
             self.pending.push_back(GenerationEvent::Token {
                 id: token,
                 text: String::new(),
+                logprobs,
             });
             return;
         };
@@ -175,6 +196,7 @@ impl EventStream {
             self.pending.push_back(GenerationEvent::Token {
                 id: token,
                 text: delta,
+                logprobs,
             });
             let _ = self.submission.scheduler.cast(SchedulerMsg::Abort(self.id));
             let usage = Usage {
@@ -213,6 +235,7 @@ impl EventStream {
         self.pending.push_back(GenerationEvent::Token {
             id: token,
             text: delta,
+            logprobs,
         });
     }
 

@@ -32,6 +32,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use deepinfer_model::sampling::AllowedTokens;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::{DpRank, RequestId};
 
@@ -41,7 +42,7 @@ use crate::messages::rank::{
     DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming, VerifyOutcome,
 };
 use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
-use crate::sampling::{SamplingParams, sample};
+use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
 
 /// The shortest an `Idle` step takes. On an EP deployment the collective paces idle ranks;
 /// without one this keeps an idle rank from spinning while its peers work.
@@ -60,6 +61,8 @@ struct SeqSampling {
     proposal: Option<(u32, Vec<u32>)>,
     /// Draft a first proposal after the prompt's last chunk (`NewSeq::speculative`).
     speculative: bool,
+    /// Report each sampled token's log-probabilities with this many alternatives.
+    logprobs: Option<usize>,
 }
 
 impl SeqSampling {
@@ -114,6 +117,17 @@ fn sample_constrained(
     };
     grammar.matcher.advance(token)?;
     Ok(Some(token))
+}
+
+/// [`token_logprobs`] of a sampled row; a row it cannot read fails the step naming why.
+fn logprobs_of(
+    row: &[f32],
+    allowed: Option<&AllowedTokens>,
+    token: u32,
+    top: usize,
+) -> Result<TokenLogprobs, ExecError> {
+    token_logprobs(row, allowed, token, top)
+        .map_err(|e| ExecError::Backend(format!("log-probabilities of token {token}: {e}")))
 }
 
 /// The outcome of a row sampled after its step: the token (the grammar advanced past it), or
@@ -259,6 +273,7 @@ impl RankWorker {
                     grammar: new.grammar.as_deref().cloned(),
                     proposal: None,
                     speculative: new.speculative,
+                    logprobs: new.logprobs,
                 },
             );
         }
@@ -286,14 +301,16 @@ impl RankWorker {
             })
             .collect();
         // Unconstrained entries that produce tokens are sampled by the executor (on its device);
-        // constrained ones leave their rows where they were computed, to be sampled with their
-        // masks (or, from an executor without a device, get their logits here).
+        // constrained ones, and those that report log-probabilities, leave their rows where
+        // they were computed, to be sampled with their masks (or, from an executor without a
+        // device, get their logits here).
         let sampling: Vec<Option<SamplingParams>> = plan
             .work
             .iter()
             .map(|work| {
                 let seq = self.sequences.get(&work.id)?;
-                (produces_token(&work.input) && seq.grammar.is_none()).then_some(seq.params)
+                let on_executor = seq.grammar.is_none() && seq.logprobs.is_none();
+                (produces_token(&work.input) && on_executor).then_some(seq.params)
             })
             .collect();
         // Masks are computed while the forward runs and awaited right after it.
@@ -308,8 +325,11 @@ impl RankWorker {
                 plan.work.len()
             )));
         }
-        let mut deferred = self.sample_deferred(plan, &inputs, &outputs, &mut masks)?;
+        let mut deferred_logprobs = HashMap::new();
+        let mut deferred =
+            self.sample_deferred(plan, &inputs, &outputs, &mut masks, &mut deferred_logprobs)?;
         let mut sampled = Vec::new();
+        let mut logprobs = Vec::new();
         let mut verified = Vec::new();
         // Sequences to draft for after this step, in work order (drafted together below).
         let mut to_draft = Vec::new();
@@ -322,6 +342,19 @@ impl RankWorker {
                 let (outcome, tokens) =
                     self.verify_entry(work.id, verified_drafts, &output, held)?;
                 verified.push(outcome);
+                // Row `i` of the verify is the target model's row the `i`-th token came from.
+                let top = self.sequences.get(&work.id).and_then(|seq| seq.logprobs);
+                let rows: Option<&[f32]> = match &output {
+                    EntryOutput::Logits(rows) => Some(rows),
+                    EntryOutput::DeviceLogits(rows) => Some(rows),
+                    EntryOutput::Tokens(_) => None,
+                };
+                if let (Some(top), Some(rows)) = (top, rows) {
+                    let vocab = self.executor.vocab_size().max(1);
+                    for (row, &token) in rows.chunks_exact(vocab).zip(&tokens) {
+                        logprobs.push((work.id, logprobs_of(row, None, token, top)?));
+                    }
+                }
                 sampled.extend(tokens.into_iter().map(|token| (work.id, token)));
                 to_draft.push(work.id);
                 continue;
@@ -335,9 +368,14 @@ impl RankWorker {
             let vocab = self.executor.vocab_size();
             let outcome: Result<Option<u32>, (GrammarError, u32)> = match output {
                 EntryOutput::Tokens(tokens) => Ok(tokens.last().copied()),
-                EntryOutput::DeviceLogits(_) => deferred.remove(&work.id).transpose(),
+                EntryOutput::DeviceLogits(_) => {
+                    if let Some(lp) = deferred_logprobs.remove(&work.id) {
+                        logprobs.push((work.id, lp));
+                    }
+                    deferred.remove(&work.id).transpose()
+                }
                 EntryOutput::Logits(mut row) => {
-                    match (masks.remove(&work.id), seq.grammar.as_mut()) {
+                    let outcome = match (masks.remove(&work.id), seq.grammar.as_mut()) {
                         (Some(Ok(mask)), Some(grammar)) => sample_constrained(
                             grammar,
                             &mask,
@@ -348,7 +386,12 @@ impl RankWorker {
                         .map_err(|error| (error, grammar.end_token)),
                         (Some(Err(failure)), _) => Err(failure),
                         _ => Ok(sample(&row, &seq.params, position)),
+                    };
+                    // The row is masked in place: its distribution is the one sampled from.
+                    if let (Some(top), Ok(Some(token))) = (seq.logprobs, &outcome) {
+                        logprobs.push((work.id, logprobs_of(&row, None, *token, top)?));
                     }
+                    outcome
                 }
             };
             let picked = match outcome {
@@ -380,6 +423,7 @@ impl RankWorker {
             dp: self.dp,
             mode: plan.mode,
             sampled,
+            logprobs,
             verified,
             drafts,
             live_sequences: self.executor.live_sequences(),
@@ -391,13 +435,15 @@ impl RankWorker {
     /// device, all in one [`RankExecutor::sample_logits`] call, each with its mask (converted to
     /// the model's bitset; it goes up, only the ids come down), and advances their grammars. A
     /// request whose mask failed, does not fit the rows or allows nothing gets its failure (its
-    /// request ends) and takes no part in the call.
+    /// request ends) and takes no part in the call. The sequences that report log-probabilities
+    /// get them in `logprobs`, from the row (read on the host) under its mask.
     fn sample_deferred(
         &mut self,
         plan: &StepPlan,
         inputs: &[EntryInput],
         outputs: &[EntryOutput],
         masks: &mut HashMap<RequestId, MaskResult>,
+        logprobs: &mut HashMap<RequestId, TokenLogprobs>,
     ) -> Result<HashMap<RequestId, DeferredToken>, ExecError> {
         let vocab = self.executor.vocab_size();
         let mut results = HashMap::new();
@@ -462,11 +508,14 @@ impl RankWorker {
                 rows.len()
             )));
         }
-        for ((id, ..), token) in rows.iter().zip(tokens) {
+        for ((id, last, _, _, allowed), token) in rows.iter().zip(tokens) {
             let seq = self
                 .sequences
                 .get_mut(id)
                 .ok_or(ExecError::UnknownSequence(*id))?;
+            if let Some(top) = seq.logprobs {
+                logprobs.insert(*id, logprobs_of(last, allowed.as_ref(), token, top)?);
+            }
             let result = match seq.grammar.as_mut() {
                 Some(grammar) => grammar
                     .matcher
@@ -676,6 +725,7 @@ mod tests {
                     grammar: None,
                     decoder_from: None,
                     speculative: false,
+                    logprobs: None,
                 })
                 .collect(),
             work: work

@@ -46,6 +46,7 @@ use crate::error::EngineError;
 use crate::messages::dspark::ProposalBatch;
 use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
 use crate::messages::request::{FinishReason, RequestSpec, Usage};
+use crate::sampling::TokenLogprobs;
 use crate::messages::scheduler::SchedulerStats;
 use crate::scheduler::pool::StatePool;
 
@@ -138,6 +139,8 @@ pub struct ReplayUpdate {
 #[derive(Debug, Clone)]
 pub enum Emission {
     Token(RequestId, u32),
+    /// The log-probabilities of the request's next `Token`.
+    Logprobs(RequestId, Box<TokenLogprobs>),
     Finished(RequestId, FinishReason, Usage),
     Failed(RequestId, EngineError),
 }
@@ -658,6 +661,7 @@ impl SchedulerState {
                 grammar: seq.spec.grammar.take(),
                 decoder_from: seq.decoder_from,
                 speculative: speculative && !seq.constrained,
+                logprobs: seq.spec.logprobs,
             });
         }
         Some(SeqWork {
@@ -820,7 +824,12 @@ impl SchedulerState {
         }
         self.rank_live_sequences = output.live_sequences;
         let mut emissions = Vec::new();
+        let mut logprobs = output.logprobs.iter().peekable();
         for &(id, token) in &output.sampled {
+            // The sampled tokens' log-probabilities come in the same order.
+            let token_logprobs = logprobs
+                .next_if(|(of, lp)| *of == id && lp.token == token)
+                .map(|(_, lp)| lp);
             let Some(seq) = self.seqs.get_mut(&id) else {
                 continue;
             };
@@ -829,6 +838,9 @@ impl SchedulerState {
                 continue;
             }
             seq.output.push(token);
+            if let Some(lp) = token_logprobs {
+                emissions.push(Emission::Logprobs(id, Box::new(lp.clone())));
+            }
             emissions.push(Emission::Token(id, token));
             if seq.generated() >= seq.spec.max_tokens {
                 emissions.push(self.finish(id, FinishReason::Length));
@@ -931,6 +943,7 @@ mod tests {
             max_tokens,
             stop_token_ids: vec![EOS],
             grammar: None,
+            logprobs: None,
         }
     }
 
@@ -952,6 +965,7 @@ mod tests {
             dp: DpRank(0),
             mode: plan.mode,
             sampled,
+            logprobs: Vec::new(),
             verified: Vec::new(),
             drafts: Vec::new(),
             live_sequences: 0,
