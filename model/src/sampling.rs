@@ -462,9 +462,7 @@ pub fn token_logprobs(
     if let Some(allowed) = allowed {
         allowed.check_row(logits.len())?;
     }
-    let kept = |t: usize| {
-        !logits[t].is_nan() && allowed.is_none_or(|a| a.is_allowed(t as u32))
-    };
+    let kept = |t: usize| !logits[t].is_nan() && allowed.is_none_or(|a| a.is_allowed(t as u32));
     let max = (0..logits.len())
         .filter(|&t| kept(t))
         .map(|t| logits[t])
@@ -818,15 +816,22 @@ mod tests {
             .collect();
         let expected = log_softmax(&row);
         // f32 rounding of values up to ~40 in magnitude: a few ulps at most.
-        let close = |got: f32, want: f64| (f64::from(got) - want).abs() <= 4e-6 * want.abs().max(1.0);
+        let close =
+            |got: f32, want: f64| (f64::from(got) - want).abs() <= 4e-6 * want.abs().max(1.0);
         for token in [0u32, 17, 500, 999] {
             let got = token_logprobs(&row, None, token, 5).expect("a row");
             assert_eq!(got.token, token);
-            assert!(close(got.logprob, expected[token as usize]), "{token}: {got:?}");
+            assert!(
+                close(got.logprob, expected[token as usize]),
+                "{token}: {got:?}"
+            );
             let mut by_prob: Vec<usize> = (0..vocab).collect();
             by_prob.sort_by(|&a, &b| expected[b].total_cmp(&expected[a]).then(a.cmp(&b)));
             let ids: Vec<u32> = got.top.iter().map(|&(t, _)| t).collect();
-            assert_eq!(ids, by_prob[..5].iter().map(|&t| t as u32).collect::<Vec<_>>());
+            assert_eq!(
+                ids,
+                by_prob[..5].iter().map(|&t| t as u32).collect::<Vec<_>>()
+            );
             for &(t, lp) in &got.top {
                 assert!(close(lp, expected[t as usize]), "top {t}: {lp}");
             }
@@ -835,9 +840,17 @@ mod tests {
             .map(|t| f64::from(token_logprobs(&row, None, t, 0).expect("row").logprob).exp())
             .sum();
         assert!((total - 1.0).abs() < 1e-5, "probabilities sum to {total}");
-        assert!(token_logprobs(&row, None, 3, 0).expect("row").top.is_empty());
+        assert!(
+            token_logprobs(&row, None, 3, 0)
+                .expect("row")
+                .top
+                .is_empty()
+        );
         // At most MAX_TOP_LOGPROBS alternatives, whatever is asked.
-        assert_eq!(token_logprobs(&row, None, 3, 1000).expect("row").top.len(), MAX_TOP_LOGPROBS);
+        assert_eq!(
+            token_logprobs(&row, None, 3, 1000).expect("row").top.len(),
+            MAX_TOP_LOGPROBS
+        );
     }
 
     #[test]
@@ -846,18 +859,29 @@ mod tests {
         let got = token_logprobs(&row, None, 0, 3).expect("a row");
         // NaN counts as -inf: the rest is the softmax of [2, 5, 5, 1, 5].
         let expected = log_softmax(&[2.0, 5.0, 5.0, 1.0, 5.0]);
-        assert_eq!(got.top.iter().map(|&(t, _)| t).collect::<Vec<_>>(), [1, 2, 5]);
+        assert_eq!(
+            got.top.iter().map(|&(t, _)| t).collect::<Vec<_>>(),
+            [1, 2, 5]
+        );
         assert!((f64::from(got.logprob) - expected[0]).abs() < 1e-6);
-        assert_eq!(token_logprobs(&row, None, 4, 0).expect("row").logprob, f32::NEG_INFINITY);
+        assert_eq!(
+            token_logprobs(&row, None, 4, 0).expect("row").logprob,
+            f32::NEG_INFINITY
+        );
         // The mask renormalises over the allowed tokens and keeps only them in the list.
         let mask = AllowedTokens::from_tokens(6, &[0, 3]);
         let got = token_logprobs(&row, Some(&mask), 3, 5).expect("allowed");
         let expected = log_softmax(&[2.0, 1.0]);
-        assert!((f64::from(got.logprob) - expected[1]).abs() < 1e-6, "{got:?}");
+        assert!(
+            (f64::from(got.logprob) - expected[1]).abs() < 1e-6,
+            "{got:?}"
+        );
         assert_eq!(got.top.len(), 2);
         assert_eq!(got.top[0].0, 0);
         assert_eq!(
-            token_logprobs(&row, Some(&mask), 1, 0).expect("row").logprob,
+            token_logprobs(&row, Some(&mask), 1, 0)
+                .expect("row")
+                .logprob,
             f32::NEG_INFINITY
         );
         let nothing = AllowedTokens::from_tokens(6, &[]);

@@ -18,8 +18,8 @@ use crate::frontend::codec::TextCodec;
 use crate::messages::frontend::FrontendMsg;
 use crate::messages::request::{FinishReason, RawEvent, Usage};
 use crate::messages::scheduler::SchedulerMsg;
-use crate::sampling::TokenLogprobs;
 use crate::metrics as m;
+use crate::sampling::TokenLogprobs;
 
 /// What a caller receives for a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,7 +30,7 @@ pub enum GenerationEvent {
     Token {
         id: u32,
         text: String,
-        logprobs: Option<Box<TokenLogprobs>>,
+        logprobs: Option<Box<ReportedLogprobs>>,
     },
     /// The end: why, the token counts and the whole generated text.
     Finished {
@@ -51,7 +51,26 @@ pub struct Completion {
     pub reason: FinishReason,
     pub usage: Usage,
     /// One per token of `tokens` when the request asked for log-probabilities, else empty.
-    pub logprobs: Vec<TokenLogprobs>,
+    pub logprobs: Vec<ReportedLogprobs>,
+}
+
+/// A token as log-probabilities name it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportedToken {
+    pub id: u32,
+    /// The token decoded alone (empty without a tokenizer; a piece of a multi-byte character
+    /// decodes to U+FFFD).
+    pub text: String,
+    /// `ln p` under the distribution of `sampling::token_logprobs`.
+    pub logprob: f32,
+}
+
+/// A generated token's log-probabilities as the caller sees them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportedLogprobs {
+    pub chosen: ReportedToken,
+    /// The most likely tokens, most likely first, as many as the request asked for.
+    pub top: Vec<ReportedToken>,
 }
 
 /// The event stream of one request.
@@ -64,9 +83,9 @@ pub struct EventStream {
     codec: Option<Arc<TextCodec>>,
     tokens: Vec<u32>,
     /// The log-probabilities of the generated tokens, when the request asked.
-    logprobs: Vec<TokenLogprobs>,
+    logprobs: Vec<ReportedLogprobs>,
     /// Those of the token whose event comes next.
-    next_logprobs: Option<Box<TokenLogprobs>>,
+    next_logprobs: Option<Box<ReportedLogprobs>>,
     /// Bytes of the decoded text already handed out.
     emitted: usize,
     pending: VecDeque<GenerationEvent>,
@@ -124,7 +143,9 @@ impl EventStream {
             }
             match self.submission.events.recv().await {
                 Some(RawEvent::Token(token)) => self.on_token(token),
-                Some(RawEvent::Logprobs(logprobs)) => self.next_logprobs = Some(logprobs),
+                Some(RawEvent::Logprobs(logprobs)) => {
+                    self.next_logprobs = Some(Box::new(self.reported(&logprobs)));
+                }
                 Some(RawEvent::Finished { reason, usage }) => self.finish(reason, usage),
                 Some(RawEvent::Failed(error)) => self.fail(error),
                 None => self.fail(EngineError::ShuttingDown),
@@ -161,6 +182,23 @@ impl EventStream {
 
     /// Stops the request (same as dropping the stream).
     pub fn abort(self) {}
+
+    /// Log-probabilities with their tokens' text.
+    fn reported(&self, logprobs: &TokenLogprobs) -> ReportedLogprobs {
+        let token = |id: u32, logprob: f32| ReportedToken {
+            id,
+            text: self
+                .codec
+                .as_ref()
+                .map(|c| c.decode(&[id]))
+                .unwrap_or_default(),
+            logprob,
+        };
+        ReportedLogprobs {
+            chosen: token(logprobs.token, logprobs.logprob),
+            top: logprobs.top.iter().map(|&(id, lp)| token(id, lp)).collect(),
+        }
+    }
 
     fn decoded(&self) -> String {
         self.codec

@@ -67,6 +67,9 @@ pub enum RawEvent {
     Token(u32),
     /// The log-probabilities of the token whose `Token` event comes next (requests that asked).
     Logprobs(Box<TokenLogprobs>),
-    Finished { reason: FinishReason, usage: Usage },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
     Failed(EngineError),
 }

@@ -46,8 +46,8 @@ use crate::error::EngineError;
 use crate::messages::dspark::ProposalBatch;
 use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
 use crate::messages::request::{FinishReason, RequestSpec, Usage};
-use crate::sampling::TokenLogprobs;
 use crate::messages::scheduler::SchedulerStats;
+use crate::sampling::TokenLogprobs;
 use crate::scheduler::pool::StatePool;
 
 /// The scheduler's limits (from the topology's `[scheduler]`).
