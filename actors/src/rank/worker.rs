@@ -940,6 +940,97 @@ mod tests {
         assert_eq!(out.sampled.len(), 6);
     }
 
+    /// Runs prompt `[3, 4]` then `steps` verifies (drafting when `speculative`) on a fake
+    /// whose drafter gets 2 of 5 drafts right, sampling at temperature 0.9 with `logprobs`.
+    fn logprobs_run(
+        speculative: bool,
+        logprobs: Option<usize>,
+        steps: u64,
+    ) -> (Vec<u32>, Vec<TokenLogprobs>) {
+        use crate::rank::fake::FakeDrafter;
+        let mut w = worker(FakeConfig {
+            vocab_size: 64,
+            drafter: Some(FakeDrafter {
+                block_size: 5,
+                correct: 2,
+                confidence: 4.0,
+            }),
+            ..FakeConfig::default()
+        });
+        let prompt = SeqInput::Prefill {
+            tokens: vec![3, 4],
+            last: true,
+        };
+        let mut prefill = plan(0, &[1], vec![(1, prompt)], &[]);
+        prefill.new_seqs[0].speculative = speculative;
+        prefill.new_seqs[0].logprobs = logprobs;
+        prefill.new_seqs[0].sampling = SamplingParams {
+            temperature: 0.9,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 11,
+        };
+        let mut outputs = vec![w.run_plan(&prefill).unwrap()];
+        for step in 1..=steps {
+            let input = if speculative {
+                SeqInput::Verify { drafts: 5 }
+            } else {
+                SeqInput::Decode
+            };
+            outputs.push(w.run_plan(&plan(step, &[], vec![(1, input)], &[])).unwrap());
+        }
+        let tokens = outputs
+            .iter()
+            .flat_map(|o| o.sampled.iter().map(|s| s.1))
+            .collect();
+        let logprobs = outputs
+            .into_iter()
+            .flat_map(|o| o.logprobs.into_iter().map(|(_, lp)| lp))
+            .collect();
+        (tokens, logprobs)
+    }
+
+    #[test]
+    fn logprobs_are_the_sampled_rows_log_softmax_and_change_no_token_speculative_or_not() {
+        use crate::rank::fake::fake_logits;
+        let (spec_tokens, spec_logprobs) = logprobs_run(true, Some(3), 4);
+        let (plain_tokens, none) = logprobs_run(true, None, 4);
+        assert_eq!(
+            spec_tokens, plain_tokens,
+            "asking for logprobs changed the tokens"
+        );
+        assert!(none.is_empty(), "logprobs reported unasked");
+        assert_eq!(spec_logprobs.len(), spec_tokens.len());
+        assert!(
+            spec_tokens.len() > 6,
+            "the drafts were never accepted: {spec_tokens:?}"
+        );
+        // The same tokens without speculation, with the very same log-probabilities.
+        let steps = spec_tokens.len() as u64 - 1;
+        let (decoded, decoded_logprobs) = logprobs_run(false, Some(3), steps);
+        assert_eq!(decoded, spec_tokens);
+        assert_eq!(decoded_logprobs, spec_logprobs);
+        // Independently: the log-softmax (f64, libm) of the fake's row each token came from.
+        let mut previous = (4u32, 1usize);
+        for (lp, &token) in spec_logprobs.iter().zip(&spec_tokens) {
+            let mut row = vec![0.0f32; 64];
+            fake_logits(previous.0, previous.1, &mut row);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let total: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+            let expected = |t: u32| row[t as usize] as f64 - max - total.ln();
+            assert_eq!(lp.token, token);
+            assert!((lp.logprob as f64 - expected(token)).abs() < 1e-5, "{lp:?}");
+            assert_eq!(lp.top.len(), 3);
+            let mut best: Vec<u32> = (0..64).collect();
+            best.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+            for (&(t, l), &want) in lp.top.iter().zip(&best) {
+                assert_eq!(t, want);
+                assert!((l as f64 - expected(t)).abs() < 1e-5);
+            }
+            previous = (token, previous.1 + 1);
+        }
+    }
+
     /// What [`Recording`] saw.
     #[derive(Default)]
     struct Log {
