@@ -449,7 +449,8 @@ pub struct TokenLogprobs {
 /// log-softmax of the row after `allowed` (if any) set its disallowed logits to −∞ — the
 /// model's distribution as the request constrained it, before temperature, top-k and top-p,
 /// which only choose how to draw from it (so greedy requests get the model's real
-/// log-probabilities, and the numbers do not depend on the seed). NaN logits count as −∞.
+/// log-probabilities, and the numbers do not depend on the seed). NaN logits count as −∞; a
+/// device computes the same bits (`kernels/cuda/sampling`, `token_logprobs`).
 /// `ln p(t) = (x_t − m) − ln Σ exp(x − m)` in f64 with this module's [`exp_f64`] / [`ln_f64`],
 /// `m` the row's largest logit, summed in the order of [`LOGPROB_LANES`]; rounded to f32 once.
 /// `top_n` (at most [`MAX_TOP_LOGPROBS`]) alternatives are listed.
@@ -462,12 +463,14 @@ pub fn token_logprobs(
     if let Some(allowed) = allowed {
         allowed.check_row(logits.len())?;
     }
-    let kept = |t: usize| !logits[t].is_nan() && allowed.is_none_or(|a| a.is_allowed(t as u32));
+    // Tokens of non-zero probability (NaN compares false).
+    let kept =
+        |t: usize| logits[t] > f32::NEG_INFINITY && allowed.is_none_or(|a| a.is_allowed(t as u32));
     let max = (0..logits.len())
         .filter(|&t| kept(t))
         .map(|t| logits[t])
         .fold(f32::NEG_INFINITY, f32::max);
-    if max == f32::NEG_INFINITY || max.is_nan() {
+    if max == f32::NEG_INFINITY {
         return Err(MaskError::NothingAllowed {
             vocab: logits.len(),
         });
@@ -855,8 +858,13 @@ mod tests {
 
     #[test]
     fn token_logprobs_follow_the_mask_and_list_ties_by_id() {
-        let row = [2.0f32, 5.0, 5.0, 1.0, f32::NAN, 5.0];
+        let row = [2.0f32, 5.0, 5.0, 1.0, f32::NAN, 5.0, f32::NEG_INFINITY];
         let got = token_logprobs(&row, None, 0, 3).expect("a row");
+        assert_eq!(
+            token_logprobs(&row, None, 0, 9).expect("row").top.len(),
+            5,
+            "p > 0 only"
+        );
         // NaN counts as -inf: the rest is the softmax of [2, 5, 5, 1, 5].
         let expected = log_softmax(&[2.0, 5.0, 5.0, 1.0, 5.0]);
         assert_eq!(
@@ -869,7 +877,7 @@ mod tests {
             f32::NEG_INFINITY
         );
         // The mask renormalises over the allowed tokens and keeps only them in the list.
-        let mask = AllowedTokens::from_tokens(6, &[0, 3]);
+        let mask = AllowedTokens::from_tokens(7, &[0, 3]);
         let got = token_logprobs(&row, Some(&mask), 3, 5).expect("allowed");
         let expected = log_softmax(&[2.0, 1.0]);
         assert!(
@@ -884,10 +892,10 @@ mod tests {
                 .logprob,
             f32::NEG_INFINITY
         );
-        let nothing = AllowedTokens::from_tokens(6, &[]);
+        let nothing = AllowedTokens::from_tokens(7, &[]);
         assert_eq!(
             token_logprobs(&row, Some(&nothing), 0, 1),
-            Err(MaskError::NothingAllowed { vocab: 6 })
+            Err(MaskError::NothingAllowed { vocab: 7 })
         );
         assert!(token_logprobs(&[], None, 0, 1).is_err());
     }
