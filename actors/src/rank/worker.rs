@@ -32,7 +32,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deepinfer_model::sampling::AllowedTokens;
+use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::{DpRank, RequestId};
 
@@ -119,14 +119,10 @@ fn sample_constrained(
     Ok(Some(token))
 }
 
-/// [`token_logprobs`] of a sampled row; a row it cannot read fails the step naming why.
-fn logprobs_of(
-    row: &[f32],
-    allowed: Option<&AllowedTokens>,
-    token: u32,
-    top: usize,
-) -> Result<TokenLogprobs, ExecError> {
-    token_logprobs(row, allowed, token, top)
+/// [`token_logprobs`] of a sampled row read on the host (masked already); a row it cannot
+/// read fails the step naming why.
+fn logprobs_of(row: &[f32], token: u32, top: usize) -> Result<TokenLogprobs, ExecError> {
+    token_logprobs(row, None, token, top)
         .map_err(|e| ExecError::Backend(format!("log-probabilities of token {token}: {e}")))
 }
 
@@ -352,7 +348,7 @@ impl RankWorker {
                 if let (Some(top), Some(rows)) = (top, rows) {
                     let vocab = self.executor.vocab_size().max(1);
                     for (row, &token) in rows.chunks_exact(vocab).zip(&tokens) {
-                        logprobs.push((work.id, logprobs_of(row, None, token, top)?));
+                        logprobs.push((work.id, logprobs_of(row, token, top)?));
                     }
                 }
                 sampled.extend(tokens.into_iter().map(|token| (work.id, token)));
@@ -369,10 +365,15 @@ impl RankWorker {
             let outcome: Result<Option<u32>, (GrammarError, u32)> = match output {
                 EntryOutput::Tokens(tokens) => Ok(tokens.last().copied()),
                 EntryOutput::DeviceLogits(_) => {
-                    if let Some(lp) = deferred_logprobs.remove(&work.id) {
+                    let outcome = deferred.remove(&work.id).transpose();
+                    // A grammar that failed ends the request with another token: none reported.
+                    let lp = deferred_logprobs.remove(&work.id);
+                    if let (Some(lp), Ok(Some(token))) = (lp, &outcome)
+                        && lp.token == *token
+                    {
                         logprobs.push((work.id, lp));
                     }
-                    deferred.remove(&work.id).transpose()
+                    outcome
                 }
                 EntryOutput::Logits(mut row) => {
                     let outcome = match (masks.remove(&work.id), seq.grammar.as_mut()) {
@@ -389,7 +390,7 @@ impl RankWorker {
                     };
                     // The row is masked in place: its distribution is the one sampled from.
                     if let (Some(top), Ok(Some(token))) = (seq.logprobs, &outcome) {
-                        logprobs.push((work.id, logprobs_of(&row, None, *token, top)?));
+                        logprobs.push((work.id, logprobs_of(&row, *token, top)?));
                     }
                     outcome
                 }
@@ -508,14 +509,33 @@ impl RankWorker {
                 rows.len()
             )));
         }
-        for ((id, last, _, _, allowed), token) in rows.iter().zip(tokens) {
+        // The rows of the sequences that report log-probabilities, in one executor call.
+        let mut asked = Vec::new();
+        let mut asked_rows = Vec::new();
+        let mut picks = Vec::new();
+        for ((request, (id, ..)), &token) in requests.iter().zip(&rows).zip(&tokens) {
+            if let Some(top) = self.sequences.get(id).and_then(|seq| seq.logprobs) {
+                asked.push(*id);
+                asked_rows.push(*request);
+                picks.push(LogprobPick { token, top });
+            }
+        }
+        if !asked.is_empty() {
+            let found = self.executor.logprobs_logits(&asked_rows, &picks)?;
+            if found.len() != asked.len() {
+                return Err(ExecError::Backend(format!(
+                    "the executor gave {} log-probabilities for {} rows",
+                    found.len(),
+                    asked.len()
+                )));
+            }
+            logprobs.extend(asked.into_iter().zip(found));
+        }
+        for ((id, ..), token) in rows.iter().zip(tokens) {
             let seq = self
                 .sequences
                 .get_mut(id)
                 .ok_or(ExecError::UnknownSequence(*id))?;
-            if let Some(top) = seq.logprobs {
-                logprobs.insert(*id, logprobs_of(last, allowed.as_ref(), token, top)?);
-            }
             let result = match seq.grammar.as_mut() {
                 Some(grammar) => grammar
                     .matcher
