@@ -16,7 +16,7 @@
 //! - `CudaBackend` (the model's `Backend` on the GPU) against `CpuBackend`, op by op over odd shapes
 //!   and both precisions: bit-exact (every op reproduces the CPU reference's operation order,
 //!   including torch's CPU sum order for the means of squares).
-//! - The whole v41-tiny fixture model on CUDA against the CPU reference: equal greedy tokens and
+//! - The whole v41-tiny and v41-odd fixture models on CUDA against the CPU reference: equal greedy tokens and
 //!   every logit bitwise equal (prompt and decode rows). Batch invariance: a sequence's logits
 //!   alone and interleaved with other sequences are bitwise equal (negative control: a changed
 //!   token is seen).
@@ -44,7 +44,7 @@ use deepinfer_kernels::ops::gemm::{
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
-use deepinfer_kernels::ops::rope::{RopeShape, rope_cos_sin_tables, rope_interleaved_bf16};
+use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_bf16};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
@@ -407,7 +407,10 @@ fn rope_matches_the_cpu_reference_bit_exact() {
             .collect(),
     };
     let table_rows = 70_000usize;
-    let (cos, sin) = rope_cos_sin_tables(&table.freqs, table_rows);
+    let (cos, sin): (Vec<f32>, Vec<f32>) = (0..table_rows)
+        .flat_map(|position| (0..rope_dim / 2).map(move |pair| (position, pair)))
+        .map(|(position, pair)| table.cos_sin(position, pair))
+        .unzip();
     let dcos = rt.stream().clone_htod(&cos).expect("cos");
     let dsin = rt.stream().clone_htod(&sin).expect("sin");
     for inverse in [false, true] {
@@ -867,12 +870,12 @@ fn backend_open_is_an_error_without_a_driver() {
 // ---------------------------------------------------------------------------------------------
 // The whole v41-tiny model on CUDA.
 
-/// The repository's v41-tiny fixture (`$DEEPINFER_FIXTURES` on the H200).
-fn v41_tiny_dir() -> std::path::PathBuf {
-    deepinfer_tests::fixture_dir("v41/v41-tiny")
+/// The repository's V4.1 fixture `name` (`$DEEPINFER_FIXTURES` on the H200).
+fn v41_fixture_dir(name: &str) -> std::path::PathBuf {
+    deepinfer_tests::fixture_dir(&format!("v41/{name}"))
 }
 
-fn load_v41_tiny(dir: &std::path::Path, backend: Box<dyn Backend>) -> deepinfer_model::Model {
+fn load_v41_fixture(dir: &std::path::Path, backend: Box<dyn Backend>) -> deepinfer_model::Model {
     use deepinfer_model::checkpoint::Checkpoint;
     use deepinfer_model::config::ModelConfig;
     use deepinfer_model::engram::CompressedVocab;
@@ -887,7 +890,8 @@ fn fixture_tokens(dir: &std::path::Path) -> Vec<u32> {
     let case: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).expect("case.json"))
             .expect("case json");
-    case["cases"]["text"]["input_ids"]
+    let primary = case["primary_case"].as_str().expect("primary_case");
+    case["cases"][primary]["input_ids"]
         .as_array()
         .expect("input_ids")
         .iter()
@@ -944,13 +948,14 @@ fn prefill_and_decode(model: &deepinfer_model::Model, tokens: &[u32], decode: us
     }
 }
 
-#[test]
-fn v41_tiny_on_cuda_matches_the_cpu_reference() {
-    let dir = v41_tiny_dir();
-    let cuda = cuda_backend("v41_tiny_on_cuda_matches_the_cpu_reference");
+/// A V4.1 fixture's primary prompt and a few greedy steps on CUDA (`exact`) against the CPU
+/// reference: every logit bitwise equal.
+fn fixture_on_cuda_matches_the_cpu_reference(name: &str, test: &str) {
+    let dir = v41_fixture_dir(name);
+    let cuda = cuda_backend(test);
     let tokens = fixture_tokens(&dir);
-    let gpu_model = load_v41_tiny(&dir, Box::new(cuda));
-    let cpu_model = load_v41_tiny(&dir, Box::new(CpuBackend::new()));
+    let gpu_model = load_v41_fixture(&dir, Box::new(cuda));
+    let cpu_model = load_v41_fixture(&dir, Box::new(CpuBackend::new()));
     let vocab = cpu_model.config().vocab_size;
     const DECODE: usize = 4;
     let gpu_run = prefill_and_decode(&gpu_model, &tokens, DECODE);
@@ -981,7 +986,7 @@ fn v41_tiny_on_cuda_matches_the_cpu_reference() {
         })
         .count();
     println!(
-        "v41-tiny on {}: {} prompt + {DECODE} decode tokens; logits {bitwise}/{} bitwise equal to \
+        "{name} on {}: {} prompt + {DECODE} decode tokens; logits {bitwise}/{} bitwise equal to \
          the CPU reference, max|Δ| = {max_diff} ({:.3e} of the range {range}); greedy argmax equal \
          in {argmax_equal}/{rows} rows; generated {gpu_tokens:?} (CPU {cpu_tokens:?}); prefill \
          {:.1} ms GPU vs {:.1} ms CPU, decode step {:.1} ms GPU vs {:.1} ms CPU (per-op copies)",
@@ -996,15 +1001,36 @@ fn v41_tiny_on_cuda_matches_the_cpu_reference() {
     );
     assert_eq!(gpu_tokens, cpu_tokens, "greedy tokens");
     assert_eq!(argmax_equal, rows, "greedy argmax of every row");
-    assert_bitwise("v41-tiny logits on CUDA vs the CPU reference", gpu, cpu);
+    assert_bitwise(
+        &format!("{name} logits on CUDA vs the CPU reference"),
+        gpu,
+        cpu,
+    );
+}
+
+#[test]
+fn v41_tiny_on_cuda_matches_the_cpu_reference() {
+    fixture_on_cuda_matches_the_cpu_reference(
+        "v41-tiny",
+        "v41_tiny_on_cuda_matches_the_cpu_reference",
+    );
+}
+
+/// v41-odd: dims not multiples of 128 (d 192, heads of 96, RoPE 32, window 12, top-16).
+#[test]
+fn v41_odd_on_cuda_matches_the_cpu_reference() {
+    fixture_on_cuda_matches_the_cpu_reference(
+        "v41-odd",
+        "v41_odd_on_cuda_matches_the_cpu_reference",
+    );
 }
 
 #[test]
 fn v41_tiny_on_cuda_is_batch_invariant() {
     use deepinfer_model::LogitsWanted;
-    let dir = v41_tiny_dir();
+    let dir = v41_fixture_dir("v41-tiny");
     let cuda = cuda_backend("v41_tiny_on_cuda_is_batch_invariant");
-    let model = load_v41_tiny(&dir, Box::new(cuda));
+    let model = load_v41_fixture(&dir, Box::new(cuda));
     let tokens = fixture_tokens(&dir);
     let n = tokens.len();
     let half = n / 2;
@@ -1100,7 +1126,7 @@ fn read_logits(path: &std::path::Path) -> Vec<f32> {
 #[test]
 fn logits_tool_runs_on_cuda() {
     use deepinfer_actors::tools::logits::{LogitsDevice, LogitsRequest, run_on};
-    let dir = v41_tiny_dir();
+    let dir = v41_fixture_dir("v41-tiny");
     let out_dir = tempfile::tempdir().expect("temp dir");
     let tokens = fixture_tokens(&dir);
     let n = tokens.len();

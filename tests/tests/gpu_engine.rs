@@ -7,6 +7,8 @@
 //!   its logits inside batches of 2, 8, 32 and 64 other requests of different prompt lengths, in
 //!   prefill and in decode (the batch each row was computed in is recorded and checked).
 //!   Negative control: the probe with one prompt token changed is seen as different.
+//! - The state pool on the GPU: the `pool_support` workload (preemption by recompute under a small
+//!   budget, DSpark on) gives the unlimited pool's outputs, the live states never above budget.
 //! - The built-in demo model resolved from a `backend = "cuda"` topology serves a request on the
 //!   GPU with the tokens of the CPU model (the wiring from topology to rank device).
 //!
@@ -29,7 +31,9 @@ use deepinfer_actors::{Completion, Engine, EngineConfig, GenerateRequest, ModelF
 use deepinfer_model::{LogitsWanted, Model};
 use deepinfer_topology::{NodeConfig, Numerics, RequestId};
 
+mod engine_support;
 mod gpu_support;
+mod pool_support;
 use gpu_support::host_fixture_model;
 
 /// One recorded row: the logits and the number of sequences in the step that computed it.
@@ -508,4 +512,22 @@ async fn a_cuda_topology_serves_the_v4_tiny_fixture_with_the_cpu_tokens() {
         "{test}: {description}: {} requests' tokens equal the CPU engine's",
         requests.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_pool_preemption_is_exact_and_bounded_on_the_gpu() {
+    require_gpu("state_pool_preemption_is_exact_and_bounded_on_the_gpu");
+    let (model, facts) = fixture_model();
+    let device = "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1\nnumerics = \"exact\"";
+    // Prompts of 130..=157 tokens: the longer ones run bounded replay (keep 140) too.
+    let prompts = pool_support::prompts(4, facts.vocab_size as u32, 130);
+    pool_support::check(
+        "v41-tiny on the GPU",
+        device,
+        cuda_factory(&model),
+        facts,
+        &prompts,
+        24,
+    )
+    .await;
 }

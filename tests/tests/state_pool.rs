@@ -2,230 +2,24 @@
 //! and on the built-in demo model: a workload whose states need several times a small pool
 //! (long prompts, seeded sampling, DSpark verifying drafts, async scheduling) completes with
 //! preemptions, every output bitwise equal to the same workload on an unlimited pool, and the
-//! bytes the rank's live states really hold (summed after every step) never pass the budget.
+//! bytes the rank's live states really hold (summed after every step) never pass the budget
+//! (`pool_support`; the same workload on the H200 is in `gpu_engine.rs`).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-use deepinfer_actors::messages::scheduler::SchedulerStats;
+use deepinfer_actors::ModelFacts;
 use deepinfer_actors::model_source::build_demo;
-use deepinfer_actors::rank::executor::{
-    Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens,
-};
+use deepinfer_actors::rank::executor::ExecutorFactory;
 use deepinfer_actors::rank::model_executor::ModelFactory;
 use deepinfer_actors::tools::logits;
-use deepinfer_actors::{Engine, EngineConfig, ModelFacts};
 use deepinfer_model::Model;
 use deepinfer_model::config::ModelConfig;
-use deepinfer_model::state_bytes::StateBytes;
-use deepinfer_topology::{NodeConfig, RequestId};
 
 mod engine_support;
-use engine_support::generate_all;
+mod pool_support;
+use pool_support::{check, prompts};
 
-/// Emulated device time per step: makes verifying drafts worth it to the DSpark planner.
-const EMULATED_STEP: Duration = Duration::from_millis(20);
-
-/// The inner executor, reporting its drafts with the highest confidence and recording the
-/// most bytes its live states held after any step.
-struct Measured {
-    inner: Box<dyn RankExecutor>,
-    peak: Arc<AtomicU64>,
-}
-
-impl RankExecutor for Measured {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let rows = self.inner.execute(batch)?;
-        let held = self.inner.state_bytes_held().expect("a model executor");
-        self.peak.fetch_max(held, Ordering::Relaxed);
-        Ok(rows)
-    }
-    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
-        self.inner.plan_replay(id, decoder_from)
-    }
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        Ok(self.inner.draft(id, anchor)?.map(|draft| Draft {
-            confidences: vec![30.0; draft.tokens.len()],
-            tokens: draft.tokens,
-        }))
-    }
-    fn state_bytes_held(&self) -> Option<u64> {
-        self.inner.state_bytes_held()
-    }
-    fn device_latency(&self, _batch_tokens: usize) -> Duration {
-        EMULATED_STEP
-    }
-}
-
-struct MeasuredFactory {
-    inner: Arc<dyn ExecutorFactory>,
-    peak: Arc<AtomicU64>,
-}
-
-impl ExecutorFactory for MeasuredFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(Measured {
-            inner: self.inner.build(dp)?,
-            peak: self.peak.clone(),
-        }))
-    }
-    fn describe(&self) -> String {
-        format!("measured {}", self.inner.describe())
-    }
-    fn sliding_window(&self) -> Option<usize> {
-        self.inner.sliding_window()
-    }
-    fn state_bytes(&self) -> Option<StateBytes> {
-        self.inner.state_bytes()
-    }
-}
-
-fn node(state_bytes: u64) -> NodeConfig {
-    let text = format!(
-        "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n\
-         [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 8\nprefill_chunk_tokens = 32\n\
-         overlap_depth = 2\nadmission_queue_capacity = 16\n\
-         [dspark]\nenabled = true\nmax_draft_tokens = 5\nprofile_steps = 1\n\
-         [memory]\nstate_bytes_per_rank = {state_bytes}\n"
-    );
-    NodeConfig::from_toml_str(&text, "state pool test").expect("topology")
-}
-
-/// Outputs (seeded sampling, temperature 1), the scheduler's stats and the peak of the live
-/// states' bytes.
-async fn run(
-    factory: Arc<dyn ExecutorFactory>,
-    facts: ModelFacts,
-    state_bytes: u64,
-    prompts: &[Vec<u32>],
-    max_tokens: usize,
-) -> (Vec<Vec<u32>>, SchedulerStats, u64) {
-    let peak = Arc::new(AtomicU64::new(0));
-    let executor: Arc<dyn ExecutorFactory> = Arc::new(MeasuredFactory {
-        inner: factory,
-        peak: peak.clone(),
-    });
-    let engine = Engine::start(EngineConfig {
-        node: node(state_bytes),
-        executor,
-        model: facts,
-        tokenizer: None,
-    })
-    .await
-    .expect("engine starts");
-    let outputs = generate_all(
-        &engine,
-        prompts,
-        max_tokens,
-        (1.0, 9),
-        Duration::from_secs(600),
-    )
-    .await;
-    let stats = engine.handle().scheduler_stats().await.expect("stats")[0];
-    let replay = engine
-        .handle()
-        .replay_stats()
-        .await
-        .expect("replay stats")
-        .expect("bounded replay is on");
-    assert_eq!(
-        (replay.refused, replay.live),
-        (0, 0),
-        "the ReplayActor followed every request through its preemptions: {replay:?}"
-    );
-    engine
-        .shutdown(Duration::from_secs(30))
-        .await
-        .expect("shuts down");
-    (outputs, stats, peak.load(Ordering::Relaxed))
-}
-
-/// Runs the workload on an unlimited pool and on one that holds the longest request and one
-/// block more; asserts equal outputs, preemptions, and the budget.
-async fn check(
-    name: &str,
-    factory: Arc<dyn ExecutorFactory>,
-    facts: ModelFacts,
-    prompts: &[Vec<u32>],
-    max_tokens: usize,
-) {
-    let model = factory.state_bytes().expect("a byte model");
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + max_tokens;
-    let blocks = model.blocks_for(longest) + 1;
-    let budget = blocks as u64 * model.block_bytes();
-    let total: u64 = prompts
-        .iter()
-        .map(|p| model.bytes(p.len() + max_tokens))
-        .sum();
-    assert!(total > 2 * budget, "{name}: the workload needs preemption");
-    let (free, free_stats, free_peak) =
-        run(factory.clone(), facts, 1 << 40, prompts, max_tokens).await;
-    let (small, stats, peak) = run(factory, facts, budget, prompts, max_tokens).await;
-    println!(
-        "{name}: states of {total} bytes in a {budget}-byte pool ({blocks} blocks of {} bytes, \
-         {} tokens): {} preemptions, {} resumed, peak {peak} bytes (unlimited: peak {free_peak}, \
-         {} preemptions); drafts verified {}, accepted {}",
-        model.block_bytes(),
-        model.block_tokens,
-        stats.preemptions,
-        stats.resumed,
-        free_stats.preemptions,
-        stats.draft_tokens_verified,
-        stats.draft_tokens_accepted,
-    );
-    for out in &free {
-        assert_eq!(out.len(), max_tokens);
-    }
-    assert_eq!(small, free, "{name}: outputs with preemption vs unlimited");
-    assert_eq!(free_stats.preemptions, 0);
-    assert!(stats.preemptions > 0, "{name}: the small pool preempted");
-    assert_eq!(
-        stats.resumed, stats.preemptions,
-        "{name}: every preempted request resumed"
-    );
-    assert!(
-        peak <= budget,
-        "{name}: {peak} bytes held, over the {budget}-byte budget"
-    );
-    assert!(
-        free_peak > budget,
-        "{name}: unlimited, the states pass the small budget"
-    );
-    assert!(
-        stats.draft_tokens_verified > 0,
-        "{name}: DSpark verified drafts"
-    );
-}
-
-fn prompts(count: u32, vocab: u32, base: usize) -> Vec<Vec<u32>> {
-    (0..count)
-        .map(|r| {
-            let len = base + 9 * r as usize;
-            (0..len as u32)
-                .map(|i| (i * 31 + r * 7 + 3) % vocab)
-                .collect()
-        })
-        .collect()
-}
+const CPU: &str = "backend = \"cpu\"";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn preemption_is_exact_and_bounded_on_the_fixture() {
@@ -246,7 +40,7 @@ async fn preemption_is_exact_and_bounded_on_the_fixture() {
     });
     // Prompts of 130..=157 tokens: the longer ones run bounded replay (keep 140) too.
     let prompts = prompts(4, cfg.vocab_size as u32, 130);
-    check("v41-tiny", factory, facts, &prompts, 24).await;
+    check("v41-tiny", CPU, factory, facts, &prompts, 24).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,5 +48,5 @@ async fn preemption_is_exact_and_bounded_on_the_demo_model() {
     let dir = tempfile::tempdir().expect("tempdir");
     let demo = build_demo(dir.path()).expect("demo model");
     let prompts = prompts(4, 50_000, 90);
-    check("demo", demo.factory, demo.facts, &prompts, 16).await;
+    check("demo", CPU, demo.factory, demo.facts, &prompts, 16).await;
 }

@@ -125,19 +125,3 @@ fn launch_rope<T: DeviceRepr>(
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
     Ok(())
 }
-
-/// Host-side cos/sin tables `[rows, freqs.len()]` for positions `0..rows`: the angle of pair `i`
-/// at position `p` is `f64(p as f32 · freqs[i])`, its sine and cosine are taken in f64 and rounded
-/// to f32 — the rule of the CPU reference's RoPE, so the device rotation matches it bit for bit.
-pub fn rope_cos_sin_tables(freqs: &[f32], rows: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut cos = Vec::with_capacity(rows * freqs.len());
-    let mut sin = Vec::with_capacity(rows * freqs.len());
-    for position in 0..rows {
-        for freq in freqs {
-            let angle = f64::from(position as f32 * freq);
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    (cos, sin)
-}

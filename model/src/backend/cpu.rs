@@ -8,7 +8,8 @@
 //! kinds: its standalone `torch.exp`, which the fixtures' reference evaluates correctly rounded
 //! ([`quant::exp_f32_accurate`]: the attention's online softmax and the mHC `comb` softmax), and
 //! the vectorised one of torch's fused kernels ([`quant::exp_f32`]: sigmoids, SiLU, softplus).
-//! `sqrt` is the correctly rounded one everywhere, as the reference's. Every bf16 rounding sits
+//! `sqrt` is the correctly rounded one everywhere, as the reference's; RoPE rotates by the C
+//! library's `cosf`/`sinf` ([`RopeTable::cos_sin`]), as the reference's. Every bf16 rounding sits
 //! where DeepSeek's reference rounds; fp32 stays the working precision between operations.
 
 use super::{Backend, ExpertRoute, ExpertSelection, HcMix, HcParams, Precision, RopeTable, Tensor};
@@ -102,10 +103,9 @@ impl Backend for CpuBackend {
         let pairs = table.freqs.len();
         let tail = stride - 2 * pairs;
         for (vector_index, vector) in x.host_mut().chunks_exact_mut(stride).enumerate() {
-            let position = positions[vector_index / vectors_per_row] as f32;
-            for (i, freq) in table.freqs.iter().enumerate() {
-                let angle = f64::from(position * freq);
-                let (sin, cos) = (angle.sin() as f32, angle.cos() as f32);
+            let position = positions[vector_index / vectors_per_row];
+            for i in 0..pairs {
+                let (cos, sin) = table.cos_sin(position, i);
                 let sin = if inverse { -sin } else { sin };
                 let re = vector[tail + 2 * i];
                 let im = vector[tail + 2 * i + 1];

@@ -130,6 +130,18 @@ pub struct RopeTable {
     pub freqs: Vec<f32>,
 }
 
+impl RopeTable {
+    /// `(cos, sin)` of pair `pair` at `position`: the angle `position · freqs[pair]` in fp32, then
+    /// the C library's fp32 `cosf`/`sinf`, as the reference's `torch.polar` (its CPU kernel calls
+    /// `std::cos`/`std::sin` on fp32). glibc's are within an ulp but not correctly rounded: the
+    /// sine of v41-odd's compressed pair 2 at position 71 is one ulp from the rounded exact one.
+    /// Every backend rotates with these values (device backends upload them).
+    pub fn cos_sin(&self, position: usize, pair: usize) -> (f32, f32) {
+        let angle = position as f32 * self.freqs[pair];
+        (angle.cos(), angle.sin())
+    }
+}
+
 /// One row of [`Backend::sample_rows`]: its sequence's sampling parameters and the absolute
 /// position of the token being sampled (the noise's counter).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -196,7 +196,7 @@ pub fn check_prefill_dumps(
 /// arithmetic); the number of teacher-forced steps when none does. From that step on, the
 /// reference's decode state (and with it its DSpark context and its greedy-step inputs) is not
 /// the one its prefill defines, so an implementation whose decode equals its prefill is held to
-/// README rule 4 there.
+/// the tolerance or, beyond it, README rule 4 there.
 pub fn reference_departure(g: &Golden) -> usize {
     let vocab = g.fx.model.config().vocab_size;
     let (schedule, full) = (g.fx.f32(g.schedule), g.fx.f32(g.full));
@@ -214,7 +214,8 @@ pub fn reference_departure(g: &Golden) -> usize {
 /// to the reliable prefix (and wherever the margin exceeds twice our row error); before the
 /// reference's departure ([`reference_departure`]) every step's logits and DSpark logits within
 /// `tolerance`, its index top-k exact on rows without a recorded tie and the DSpark confidence
-/// within its README bound; from it on, logprob closeness (rule 4) of the step and draft logits;
+/// within its README bound; from it on, each step and draft row within `tolerance` or else close by
+/// rule 4 (see [`late_rows_passing`]), and rule 4's median KL;
 /// DSpark ids equal up to their reliable length everywhere.
 pub fn check_decode_run(
     g: &Golden,
@@ -319,16 +320,20 @@ pub fn check_decode_run(
         "{}: decode top-k rows differing (step, source, tie flag): {topk_differing:?}",
         g.case
     );
-    let (late_close, late_kl) = logprob_closeness(
-        &steps[departure * vocab..],
-        &decode_expected[departure * vocab..],
+    let late_steps = departure.min(fed.len()) * vocab;
+    let (late_close, late_kl) = late_rows_passing(
+        &steps[late_steps..],
+        &decode_expected[late_steps..],
         vocab,
+        range,
+        tolerance,
     );
-    let (draft_close, draft_kl) = logprob_closeness(&late_drafts, &late_drafts_expected, vocab);
+    let (draft_close, draft_kl) =
+        late_rows_passing(&late_drafts, &late_drafts_expected, vocab, range, tolerance);
     eprintln!(
         "{}: dspark logits per step before the departure {}; confidence max|Δ| {conf_err:.2e} \
          (max|ref| {conf_max}); id mismatches at steps {dspark_id_mismatches:?}; from the departure: \
-         steps {late_close} of {} rows close (median KL {late_kl:.2e}), drafts {draft_close} of {} rows close (median KL {draft_kl:.2e})",
+         steps {late_close} of {} rows within the tolerance or close (median KL {late_kl:.2e}), drafts {draft_close} of {} rows within the tolerance or close (median KL {draft_kl:.2e})",
         g.case,
         joined(&dspark_errors),
         fed.len() - departure.min(fed.len()),
@@ -369,8 +374,7 @@ pub fn check_decode_run(
         "greedy token {agree} differs within the reliable prefix"
     );
     assert!(
-        late_close * vocab == steps.len() - departure.min(fed.len()) * vocab
-            && late_kl <= MEDIAN_KL,
+        late_close * vocab == steps.len() - late_steps && late_kl <= MEDIAN_KL,
         "rule 4 on the decode steps from the departure: {late_close} rows, median KL {late_kl}"
     );
     assert!(
@@ -389,6 +393,29 @@ pub fn check_decode_run(
         conf_err <= 10.0 * tolerance * conf_max.max(1.0),
         "dspark_confidence {conf_err}"
     );
+}
+
+/// Rows past the reference's departure that pass: within `tolerance` of the range (the README's
+/// check of every logits tensor) or, beyond it, close by rule 4 (each side's top token among the
+/// other's top 5). A row within the tolerance can fail rule 4's top-5 test on a flat distribution
+/// (v41-odd has draft rows within 6e-2 whose reference top token is not among our top 5), and a row
+/// beyond it can pass rule 4 (v41-tiny's greedy steps, where its tolerance is 0.005). Returns
+/// `(passing rows, rule 4's median KL over all rows)`.
+fn late_rows_passing(
+    ours: &[f32],
+    reference: &[f32],
+    vocab: usize,
+    range: f32,
+    tolerance: f32,
+) -> (usize, f64) {
+    let passing = ours
+        .chunks_exact(vocab)
+        .zip(reference.chunks_exact(vocab))
+        .filter(|(a, r)| {
+            max_abs_diff(a, r) / range <= tolerance || logprob_closeness(a, r, vocab).0 == 1
+        })
+        .count();
+    (passing, logprob_closeness(ours, reference, vocab).1)
 }
 
 /// The README's relative RMS check of every KV source's compressed KV and index keys in `seq`

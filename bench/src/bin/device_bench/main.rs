@@ -1,14 +1,16 @@
 //! Device benchmark for the H200: the CUDA kernels one op at a time at real V4.1 widths (`ops`),
 //! and whole forward steps of a `Model` on `CudaBackend` (`whole_step`): the v41-tiny fixture and a
 //! real-width V4.1 block, prefill throughput and decode-step latency at batch 1, 8, 64, each with
-//! its bytes, FLOPs and H200 roofline ratio. bench/README.md explains the numbers.
+//! its bytes, FLOPs and H200 roofline ratio; the block's sequence state at long contexts against
+//! the state pool's byte model (`state`). bench/README.md explains the numbers.
 //!
 //! Usage (on the H200, after `../shared/tools/gpu-stage.sh cargo build -p deepinfer-bench --release
 //! --features cuda --bin device_bench`):
 //!
 //! ```text
 //! DEEPINFER_FIXTURES=$PWD/tests/fixtures bash .gpu/run.sh device_bench \
-//!     [--quick] [--sweep] [--sections ops,fast,tiny,block,profile] [--context N] [--block-dir DIR]
+//!     [--quick] [--sweep] [--sections ops,fast,tiny,block,profile,state] [--context N]
+//!     [--state-contexts N,N,...] [--block-dir DIR]
 //! ```
 //!
 //! `fast` times the tensor-core FP8 GEMM of the `fast` numerics beside cuBLAS bf16 and the exact
@@ -16,7 +18,9 @@
 //! `--quick` runs few iterations (a cheap first try), `--sweep` adds the GEMM work-split sweep to
 //! the per-op section, `--context` is the prefilled length of the block's sequences (1024; 128
 //! with `--quick`), `--block-dir` where the block's random checkpoint is written (and reused by a
-//! later run on the same machine; default /tmp/deepinfer-bench-v41-block).
+//! later run on the same machine; default /tmp/deepinfer-bench-v41-block). `state` fills the
+//! block's state to each of `--state-contexts` (8192,32768,131072; 8192 with `--quick`) and
+//! decodes from there.
 
 mod fast_ops;
 mod ops;
@@ -39,7 +43,23 @@ struct Options {
     /// The per-op profile of the block's phases (runs the block section).
     profile: bool,
     context: Option<usize>,
+    /// The block's state at long contexts against the byte model (`whole_step::state`).
+    state: bool,
+    state_contexts: Option<Vec<usize>>,
     block_dir: PathBuf,
+}
+
+/// `--state-contexts` by default (`--quick`: the first only).
+const STATE_CONTEXTS: [usize; 3] = [8192, 32768, 131_072];
+
+fn token_count(flag: &str, value: &str) -> Result<usize> {
+    let count: usize = value
+        .parse()
+        .with_context(|| format!("{flag} {value:?} is not a token count"))?;
+    if count == 0 {
+        bail!("{flag} must be at least 1");
+    }
+    Ok(count)
 }
 
 fn parse_options() -> Result<Options> {
@@ -52,6 +72,8 @@ fn parse_options() -> Result<Options> {
         block: true,
         profile: false,
         context: None,
+        state: true,
+        state_contexts: None,
         block_dir: PathBuf::from("/tmp/deepinfer-bench-v41-block"),
     };
     let mut args = std::env::args().skip(1);
@@ -67,6 +89,7 @@ fn parse_options() -> Result<Options> {
                 options.fast = false;
                 options.tiny = false;
                 options.block = false;
+                options.state = false;
                 for section in list.split(',') {
                     match section {
                         "ops" => options.ops = true,
@@ -74,9 +97,11 @@ fn parse_options() -> Result<Options> {
                         "tiny" => options.tiny = true,
                         "block" => options.block = true,
                         "profile" => options.profile = true,
+                        "state" => options.state = true,
                         other => {
                             bail!(
-                                "unknown section {other:?} in --sections (ops, fast, tiny, block, profile)"
+                                "unknown section {other:?} in --sections (ops, fast, tiny, block, \
+                                 profile, state)"
                             )
                         }
                     }
@@ -84,20 +109,25 @@ fn parse_options() -> Result<Options> {
             }
             "--context" => {
                 let value = args.next().context("--context needs a token count")?;
-                let context: usize = value
-                    .parse()
-                    .with_context(|| format!("--context {value:?} is not a token count"))?;
-                if context == 0 {
-                    bail!("--context must be at least 1");
-                }
-                options.context = Some(context);
+                options.context = Some(token_count("--context", &value)?);
+            }
+            "--state-contexts" => {
+                let list = args
+                    .next()
+                    .context("--state-contexts needs a list, e.g. 8192,32768")?;
+                let contexts = list
+                    .split(',')
+                    .map(|value| token_count("--state-contexts", value))
+                    .collect::<Result<Vec<_>>>()?;
+                options.state_contexts = Some(contexts);
             }
             "--block-dir" => {
                 options.block_dir = PathBuf::from(args.next().context("--block-dir needs a path")?);
             }
             other => bail!(
                 "unknown argument {other:?}; usage: device_bench [--quick] [--sweep] \
-                 [--sections ops,fast,tiny,block,profile] [--context N] [--block-dir DIR]"
+                 [--sections ops,fast,tiny,block,profile,state] [--context N] \
+                 [--state-contexts N,N,...] [--block-dir DIR]"
             ),
         }
     }
@@ -148,6 +178,18 @@ fn main() -> Result<()> {
                 numerics,
             )?);
         }
+        whole_step::print(&rows);
+    }
+    if options.state {
+        let contexts = options.state_contexts.clone().unwrap_or_else(|| {
+            let all = STATE_CONTEXTS.to_vec();
+            if options.quick {
+                all[..1].to_vec()
+            } else {
+                all
+            }
+        });
+        rows.extend(whole_step::state(&options.block_dir, &contexts)?);
         whole_step::print(&rows);
     }
     Ok(())

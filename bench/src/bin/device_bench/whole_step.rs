@@ -22,6 +22,7 @@ use deepinfer_model::backend::cuda::{CudaBackend, Numerics, OpProfile, OpStats};
 use deepinfer_model::checkpoint::Checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::{LogitsWanted, Model};
 
 /// One line of the whole-step table.
@@ -118,6 +119,20 @@ pub fn fixture(dir: &Path, quick: bool) -> Result<Vec<StepRow>> {
 /// because every op waits for the device.
 const PROFILED_DECODE_STEPS: usize = 3;
 
+/// Vocabulary of the real-width block (its head is not what the block measures).
+const BLOCK_VOCAB: usize = 1024;
+
+/// Positions the block's config allows unless a longer run needs more: one value for every
+/// context up to it (the `block` and `state` sections included), so that a later section or run
+/// reuses the checkpoint on disk.
+const BLOCK_MAX_POSITIONS: usize = 131_072 + 1024;
+
+/// Tokens per forward call when the `state` section fills a long context.
+const STATE_PREFILL_CHUNK: usize = 4096;
+
+/// Decode steps timed per context in the `state` section.
+const STATE_DECODE_STEPS: usize = 16;
+
 /// The real-width one-block model, its random checkpoint in `dir` (written there unless an
 /// identical one is present): prefill of one `context`-token prompt, then decode steps over
 /// copies of that prefilled sequence. With `profile`, each phase is run once more with the
@@ -129,14 +144,11 @@ pub fn block(
     profile: bool,
     numerics: Numerics,
 ) -> Result<Vec<StepRow>> {
-    const VOCAB: usize = 1024;
+    const VOCAB: usize = BLOCK_VOCAB;
     let label = match numerics {
         Numerics::Fast => "v41 block fast",
         Numerics::Exact => "v41 block exact",
     };
-    /// Positions the block's config allows unless a longer run needs more: one value for every
-    /// `--context` up to it, so that a later run reuses the checkpoint on disk.
-    const MAX_POSITIONS: usize = 65536;
     let decode = if quick {
         QUICK_BLOCK_DECODE
     } else {
@@ -146,19 +158,9 @@ pub fn block(
     let cfg = block_config(
         BlockWidth::Real,
         VOCAB,
-        MAX_POSITIONS.max(context + longest_decode),
+        BLOCK_MAX_POSITIONS.max(context + longest_decode),
     );
-    let started = Instant::now();
-    let prepared = prepare_checkpoint(&cfg, 41, dir, 8)?;
-    println!(
-        "v41 block checkpoint in {}: {} in {:.1} s",
-        dir.display(),
-        match prepared {
-            Prepared::Written => "written",
-            Prepared::Reused => "reused",
-        },
-        started.elapsed().as_secs_f64()
-    );
+    write_block_checkpoint(&cfg, dir)?;
     let started = Instant::now();
     let ckpt = Checkpoint::open(dir)?;
     let backend = CudaBackend::open(0, numerics)?;
@@ -260,6 +262,81 @@ pub fn block(
         }
     }
     Ok(rows)
+}
+
+/// The real-width block's sequence state at long contexts (fast numerics): for each context, a
+/// prompt prefilled in chunks of [`STATE_PREFILL_CHUNK`] tokens, then the bytes the state holds
+/// (its own count), the device memory it took (free memory before minus after, the stream idle)
+/// and the byte model's prediction (`StateBytes`, what the state pool admits by) side by side,
+/// then [`STATE_DECODE_STEPS`] decode steps at batch 1 from that context.
+pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
+    let longest = contexts.iter().copied().max().unwrap_or(0);
+    let cfg = block_config(
+        BlockWidth::Real,
+        BLOCK_VOCAB,
+        BLOCK_MAX_POSITIONS.max(longest + STATE_DECODE_STEPS + 1),
+    );
+    write_block_checkpoint(&cfg, dir)?;
+    let ckpt = Checkpoint::open(dir)?;
+    let backend = CudaBackend::open(0, Numerics::Fast)?;
+    let memory = backend.memory_probe();
+    let model = Model::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
+    let plan = StateBytes::of(&cfg);
+    // Warm-up: one chunk uploads the experts it routes to and grows the prefill's workspaces.
+    let mut warm = model.new_sequence();
+    model.forward(
+        &mut warm,
+        &prompt_tokens(7, STATE_PREFILL_CHUNK, 3, BLOCK_VOCAB),
+        LogitsWanted::Last,
+    )?;
+    drop(warm);
+    let mut rows = Vec::new();
+    println!(
+        "\n{:>8} {:>10} {:>10} {:>10} {:>11} {:>12} {:>10}",
+        "context", "plan_MB", "held_MB", "device_MB", "held/plan", "device/plan", "prefill_s"
+    );
+    for &context in contexts {
+        let (free_before, _) = memory.free_and_total()?;
+        let prompt = prompt_tokens(8, context, 3, BLOCK_VOCAB);
+        let mut seq = model.new_sequence();
+        let started = Instant::now();
+        let mut logits = Vec::new();
+        for chunk in prompt.chunks(STATE_PREFILL_CHUNK) {
+            logits = model.forward(&mut seq, chunk, LogitsWanted::Last)?;
+        }
+        let prefill_seconds = started.elapsed().as_secs_f64();
+        let (free_after, _) = memory.free_and_total()?;
+        let device = free_before.saturating_sub(free_after);
+        let (planned, held) = (plan.bytes(context), seq.held_bytes());
+        println!(
+            "{context:>8} {:>10.1} {:>10.1} {:>10.1} {:>11.4} {:>12.4} {prefill_seconds:>10.1}",
+            planned as f64 / 1e6,
+            held as f64 / 1e6,
+            device as f64 / 1e6,
+            held as f64 / planned as f64,
+            device as f64 / planned as f64,
+        );
+        let first = deepinfer_bench::steps::argmax(&logits);
+        let run = measure_decode_from(&model, &seq, first, 1, STATE_DECODE_STEPS)?;
+        rows.push(decode_row("v41 block state", &cfg, &run)?);
+    }
+    Ok(rows)
+}
+
+/// Writes the block's random checkpoint for `cfg` into `dir` (or reuses the one there).
+fn write_block_checkpoint(cfg: &ModelConfig, dir: &Path) -> Result<()> {
+    let started = Instant::now();
+    let prepared = prepare_checkpoint(cfg, 41, dir, 8)?;
+    println!(
+        "v41 block checkpoint in {}: {} in {:.1} s",
+        dir.display(),
+        match prepared {
+            Prepared::Written => "written",
+            Prepared::Reused => "reused",
+        },
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// Prints (and empties) the per-op profile gathered over `steps` steps that took `seconds` in

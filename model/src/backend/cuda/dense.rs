@@ -234,10 +234,10 @@ impl CudaBackend {
         let mut cos = Vec::with_capacity(rows * pairs);
         let mut sin = Vec::with_capacity(rows * pairs);
         for &position in &positions[..rows] {
-            for freq in &table.freqs {
-                let angle = f64::from(position as f32 * freq);
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
+            for pair in 0..pairs {
+                let (c, s) = table.cos_sin(position, pair);
+                cos.push(c);
+                sin.push(s);
             }
         }
         let row_index: Vec<i32> = (0..rows)

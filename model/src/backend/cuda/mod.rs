@@ -224,6 +224,29 @@ pub struct CudaBackend {
     experts: Arc<ep::ExpertSlot>,
 }
 
+/// Reads a [`CudaBackend`]'s GPU memory (shared: keep it to read after the backend was handed to
+/// a model).
+#[derive(Debug, Clone)]
+pub struct DeviceMemoryProbe {
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceMemoryProbe {
+    /// `(free, total)` bytes of the device once its stream is idle.
+    pub fn free_and_total(&self) -> Result<(u64, u64), CudaBackendError> {
+        const OP: &str = "memory_probe";
+        self.stream
+            .synchronize()
+            .map_err(driver_err(OP, "synchronising the stream"))?;
+        let (free, total) = self
+            .stream
+            .context()
+            .mem_get_info()
+            .map_err(driver_err(OP, "reading the free device memory"))?;
+        Ok((free as u64, total as u64))
+    }
+}
+
 /// Device-to-host copies a [`CudaBackend`] made: results of ops (activations, routes, Engram row
 /// ids) and, apart, the sampled token ids (the one copy a decode step is meant to have).
 #[derive(Debug, Default)]
@@ -405,6 +428,14 @@ impl CudaBackend {
     /// backend was handed to a model).
     pub fn transfer_counters(&self) -> Arc<TransferCounters> {
         self.transfers.clone()
+    }
+
+    /// The device memory this backend's GPU has free and in all, in bytes (the driver's count
+    /// after the pending work of its stream finished, so freed buffers are counted free).
+    pub fn memory_probe(&self) -> DeviceMemoryProbe {
+        DeviceMemoryProbe {
+            stream: self.rt.stream().clone(),
+        }
     }
 
     /// The numerics this backend computes with.
