@@ -901,6 +901,46 @@ mod tests {
     }
 
     #[test]
+    fn the_cpu_backend_reports_logprobs_of_masked_rows_and_names_a_bad_row() {
+        use crate::backend::{Backend, CpuBackend, LogprobPick, SampleRowsError, Tensor};
+        let vocab = 40;
+        let logits: Vec<f32> = (0..2 * vocab)
+            .map(|i| ((i * 13 % 29) as f32) / 5.0)
+            .collect();
+        let few = AllowedTokens::from_tokens(vocab, &[3, 4, 30]);
+        let picks = [
+            LogprobPick { token: 7, top: 2 },
+            LogprobPick { token: 30, top: 5 },
+        ];
+        let tensor = Tensor::from(logits.clone());
+        let got = CpuBackend
+            .token_logprobs_masked(&tensor, vocab, &picks, &[None, Some(&few)])
+            .expect("fits");
+        let expected = [
+            token_logprobs(&logits[..vocab], None, 7, 2),
+            token_logprobs(&logits[vocab..], Some(&few), 30, 5),
+        ];
+        assert_eq!(got, expected.map(|e| e.expect("row")));
+        assert_eq!(got[1].top.len(), 3, "only the allowed tokens");
+        let nothing = AllowedTokens::from_tokens(vocab, &[]);
+        assert_eq!(
+            CpuBackend.token_logprobs_masked(&tensor, vocab, &picks, &[None, Some(&nothing)]),
+            Err(SampleRowsError::Mask {
+                row: 1,
+                source: MaskError::NothingAllowed { vocab }
+            })
+        );
+        assert_eq!(
+            CpuBackend.token_logprobs_masked(&tensor, vocab, &picks[..1], &[None]),
+            Err(SampleRowsError::LogitsShape {
+                found: 2 * vocab,
+                rows: 1,
+                vocab
+            })
+        );
+    }
+
+    #[test]
     fn validation_names_the_field() {
         let err = params(-1.0, 0, 1.0, 0).validate().err();
         assert!(err.is_some_and(|e| e.to_string().contains("temperature")));
