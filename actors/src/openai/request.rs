@@ -742,7 +742,7 @@ mod tests {
             ),
         ];
         for (body, endpoint, param, code) in cases {
-            let error = parse(endpoint, &body, &served()).err().expect("refused");
+            let error = parse(endpoint, &body, &served()).expect_err("refused");
             assert_eq!(
                 (error.status, error.param.as_deref(), error.code),
                 (400, Some(param), code),
