@@ -17,6 +17,7 @@ pub mod messages;
 pub mod metrics;
 pub mod model_source;
 pub mod openai;
+pub mod prefix_cache;
 pub mod prometheus;
 pub mod rank;
 pub mod replay;

@@ -23,5 +23,5 @@ pub mod v41;
 
 pub use v41::{
     DraftProposal, EntryOutput, ForwardTrace, Injection, LogitsRow, LogitsWanted, Model,
-    SequenceState, StepEntry,
+    PrefixBlock, SequenceState, StepEntry,
 };

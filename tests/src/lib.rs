@@ -56,4 +56,5 @@ pub fn v41_tiny_model() -> deepinfer_model::Model {
     v41_model("v41/v41-tiny")
 }
 
+pub mod drift;
 pub mod freed;

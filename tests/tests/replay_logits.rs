@@ -8,29 +8,19 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deepinfer_actors::engram_vocab::compressed_token_map;
-use deepinfer_actors::frontend::codec::load_v41_tokenizer;
-use deepinfer_actors::model_source::{DEMO_SEED, demo_config, shipped_tokenizer};
 use deepinfer_actors::rank::model_executor::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
 use deepinfer_actors::replay::state::ReplayState;
 use deepinfer_actors::replay::suffix::ReplayError;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
 use deepinfer_model::v41::MAX_BACKTRACK;
-use deepinfer_model::{LogitsWanted, Model, SequenceState, checkpoint};
+use deepinfer_model::{LogitsWanted, Model, SequenceState};
+use deepinfer_tests::drift::{
+    Rows, argmax, check, demo_bounds, demo_model, dependency_halo, drift, fixture_bounds, prompt,
+    report,
+};
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{ModelDims, NodeConfig, ReplayConfig, RequestId};
-
-/// The built-in demo model (`model_source::build_demo`'s recipe, loaded as a bare `Model`).
-fn demo_model(dir: &std::path::Path) -> Model {
-    let tokenizer = load_v41_tokenizer(&shipped_tokenizer()).expect("shipped tokenizer");
-    let map = compressed_token_map(&tokenizer).expect("compressed token map");
-    let cfg = demo_config(map.size);
-    checkpoint::write_random_checkpoint(&cfg, DEMO_SEED, dir, 2).expect("demo checkpoint");
-    let engram = cfg.engram.as_ref().expect("the demo has Engram");
-    let vocab = map.into_engram_vocab(engram).expect("engram vocabulary");
-    Model::load_with_vocab(dir, Some(vocab)).expect("demo model loads")
-}
 
 fn replay_state(model: &Model, keep: Option<u32>) -> Result<ReplayState, ReplayError> {
     let config = ReplayConfig {
@@ -38,29 +28,6 @@ fn replay_state(model: &Model, keep: Option<u32>) -> Result<ReplayState, ReplayE
         max_backtracking: MAX_BACKTRACK as u32,
     };
     ReplayState::for_model(&config, model.config().window_size, MAX_BACKTRACK)
-}
-
-/// A deterministic prompt of `n` ids in `[offset, offset + span)`, with a repeated stretch (the
-/// Engram n-grams fire).
-fn prompt(n: usize, offset: u32, span: u32) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| {
-            let i = if (60..80).contains(&i) { i - 50 } else { i };
-            offset + (i.wrapping_mul(7919).wrapping_add(31) % span)
-        })
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold(0, |best, (i, &v)| if v > row[best] { i } else { best })
-}
-
-/// Logits rows of one run: the prompt rows at positions `>= from` and the decode rows.
-struct Rows {
-    prompt: Vec<f32>,
-    decode: Vec<f32>,
 }
 
 /// Replay off: the prompt in two plain chunks (`[0, from)` with the last row only, `[from, n)`
@@ -122,170 +89,6 @@ fn run_replay(
     (Rows { prompt, decode }, seq)
 }
 
-/// How far replay-on rows are from replay-off rows, relative to the range of the off logits.
-#[derive(Debug, Clone, Copy)]
-struct Drift {
-    prompt_max: f32,
-    prompt_mean: f32,
-    decode_max: f32,
-    decode_mean: f32,
-    prompt_top1: (usize, usize),
-    decode_top1: (usize, usize),
-    /// Largest KL(off || on) of one row (nats).
-    prompt_kl: f64,
-    decode_kl: f64,
-    /// First kept-prompt offset from which every row (decode rows included) is bitwise equal.
-    exact_from: usize,
-}
-
-/// `log softmax` of one logits row, in f64.
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row
-        .iter()
-        .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
-    let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
-    row.iter().map(|&v| f64::from(v) - max - sum.ln()).collect()
-}
-
-/// The largest KL(p || q) over the rows of two `[rows, vocab]` logits blocks.
-fn max_kl(p: &[f32], q: &[f32], vocab: usize) -> f64 {
-    p.chunks_exact(vocab)
-        .zip(q.chunks_exact(vocab))
-        .map(|(p, q)| {
-            let (lp, lq) = (log_softmax(p), log_softmax(q));
-            lp.iter()
-                .zip(&lq)
-                .map(|(a, b)| a.exp() * (a - b))
-                .sum::<f64>()
-        })
-        .fold(0.0, f64::max)
-}
-
-fn drift(off: &Rows, on: &Rows, vocab: usize) -> Drift {
-    assert_eq!(off.prompt.len(), on.prompt.len());
-    assert_eq!(off.decode.len(), on.decode.len());
-    let (lo, hi) = off
-        .prompt
-        .iter()
-        .chain(&off.decode)
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-            (lo.min(v), hi.max(v))
-        });
-    let range = hi - lo;
-    let stats = |a: &[f32], b: &[f32]| {
-        let max = a
-            .iter()
-            .zip(b)
-            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-        let sum: f64 = a.iter().zip(b).map(|(x, y)| f64::from((x - y).abs())).sum();
-        let agree = a
-            .chunks_exact(vocab)
-            .zip(b.chunks_exact(vocab))
-            .filter(|(x, y)| argmax(x) == argmax(y))
-            .count();
-        (
-            max / range,
-            (sum / a.len() as f64) as f32 / range,
-            (agree, a.len() / vocab),
-        )
-    };
-    let (prompt_max, prompt_mean, prompt_top1) = stats(&off.prompt, &on.prompt);
-    let (decode_max, decode_mean, decode_top1) = stats(&off.decode, &on.decode);
-    let rows_off: Vec<&[f32]> = off
-        .prompt
-        .chunks_exact(vocab)
-        .chain(off.decode.chunks_exact(vocab))
-        .collect();
-    let rows_on: Vec<&[f32]> = on
-        .prompt
-        .chunks_exact(vocab)
-        .chain(on.decode.chunks_exact(vocab))
-        .collect();
-    let exact_from = rows_off
-        .iter()
-        .zip(&rows_on)
-        .rposition(|(a, b)| a != b)
-        .map_or(0, |last_moved| last_moved + 1);
-    Drift {
-        prompt_kl: max_kl(&off.prompt, &on.prompt, vocab),
-        decode_kl: max_kl(&off.decode, &on.decode, vocab),
-        exact_from,
-        prompt_max,
-        prompt_mean,
-        decode_max,
-        decode_mean,
-        prompt_top1,
-        decode_top1,
-    }
-}
-
-fn report(model: &str, keep: u32, prompt_len: usize, d: &Drift) {
-    eprintln!(
-        "replay drift [{model}, prompt {prompt_len}, keep {keep}]: kept prompt rows max|Δ|/range \
-         {:.3e} mean {:.3e} max KL {:.3e} top-1 {}/{}; decode rows max|Δ|/range {:.3e} mean {:.3e} \
-         max KL {:.3e} top-1 {}/{}; bitwise equal from kept offset {}",
-        d.prompt_max,
-        d.prompt_mean,
-        d.prompt_kl,
-        d.prompt_top1.0,
-        d.prompt_top1.1,
-        d.decode_max,
-        d.decode_mean,
-        d.decode_kl,
-        d.decode_top1.0,
-        d.decode_top1.1,
-        d.exact_from
-    );
-}
-
-/// Rows of the kept suffix from this offset on are exact: a decoder layer's output at `s` reads
-/// its window `[s - window + 1, s]`, so each of the `n_layers - boundary` decoder layers widens
-/// the region touched by the truncation by `window - 1` positions (the encoder caches, the
-/// boundary layer's compressor included, are exact for every position).
-fn dependency_halo(model: &Model) -> usize {
-    let cfg = model.config();
-    let boundary = cfg
-        .compress_ratios
-        .iter()
-        .position(|&r| r == 1)
-        .expect("a ratio-1 decoder boundary");
-    (cfg.window_size - 1) * (cfg.n_layers - boundary)
-}
-
-/// Asserted bounds of one measurement (the measured values with margin).
-struct Bounds {
-    prompt_max: f32,
-    prompt_mean: f32,
-    decode_max: f32,
-    decode_mean: f32,
-    /// Largest per-row KL(off || on) of the decode rows (nats); the prompt rows' is <= 0.4.
-    decode_kl: f64,
-    min_prompt_top1: usize,
-    min_decode_top1: usize,
-}
-
-fn check(d: &Drift, b: &Bounds, halo: usize) {
-    assert!(
-        d.prompt_max > 0.0 && d.exact_from > 0,
-        "replay must change the first kept rows (it truncates the decoder's cone): {d:?}"
-    );
-    assert!(
-        d.exact_from <= halo,
-        "rows past the dependency halo ({halo}) must be exact: {d:?}"
-    );
-    assert!(
-        d.prompt_max <= b.prompt_max && d.prompt_mean <= b.prompt_mean,
-        "{d:?}"
-    );
-    assert!(
-        d.decode_max <= b.decode_max && d.decode_mean <= b.decode_mean,
-        "{d:?}"
-    );
-    assert!(d.prompt_kl <= 0.4 && d.decode_kl <= b.decode_kl, "{d:?}");
-    assert!(d.prompt_top1.0 >= b.min_prompt_top1, "{d:?}");
-    assert!(d.decode_top1.0 >= b.min_decode_top1, "{d:?}");
-}
-
 /// The measurement on the fixture: keep at the minimum (window 16 + 6 = 22), 64 and the default
 /// 140; prompts of 200 tokens; 8 greedy decode steps. Measured (CPU reference, max|Δ|/range, mean
 /// |Δ|/range, top-1 agreement):
@@ -302,45 +105,8 @@ fn replay_logits_drift_on_the_fixture_is_bounded() {
     assert_eq!(halo, 90, "fixture: window 16, decoder layers 6..12");
     let tokens = prompt(200, 3, 497);
     let steps = 8;
-    let cases = [
-        (
-            22,
-            Bounds {
-                prompt_max: 0.45,
-                prompt_mean: 0.045,
-                decode_max: 0.09,
-                decode_mean: 0.011,
-                decode_kl: 0.02,
-                min_prompt_top1: 9,
-                min_decode_top1: 6,
-            },
-        ),
-        (
-            64,
-            Bounds {
-                prompt_max: 0.4,
-                prompt_mean: 0.02,
-                decode_max: 0.012,
-                decode_mean: 0.002,
-                decode_kl: 0.0005,
-                min_prompt_top1: 45,
-                min_decode_top1: 7,
-            },
-        ),
-        (
-            140,
-            Bounds {
-                prompt_max: 0.4,
-                prompt_mean: 0.01,
-                decode_max: 0.0,
-                decode_mean: 0.0,
-                decode_kl: 0.0,
-                min_prompt_top1: 120,
-                min_decode_top1: 8,
-            },
-        ),
-    ];
-    for (keep, bounds) in cases {
+    for keep in [22, 64, 140] {
+        let bounds = fixture_bounds(keep);
         let mut replay = replay_state(&model, Some(keep)).expect("valid bound");
         let suffix = replay.admit(RequestId(1), 200).expect("admitted");
         let from = suffix.start as usize;
@@ -377,16 +143,7 @@ fn replay_logits_drift_on_the_demo_model_is_bounded() {
     let (on, _) = run_replay(&model, &tokens, from, &[256, 256, 88], &greedy);
     let d = drift(&off, &on, vocab);
     report("demo", keep, prompt_len, &d);
-    let bounds = Bounds {
-        prompt_max: 0.4,
-        prompt_mean: 0.007,
-        decode_max: 0.0,
-        decode_mean: 0.0,
-        decode_kl: 0.0,
-        min_prompt_top1: 110,
-        min_decode_top1: 4,
-    };
-    check(&d, &bounds, halo);
+    check(&d, &demo_bounds(), halo);
 }
 
 /// Chunked replay equals one-shot replay bit for bit under the same decoder start (chunks that

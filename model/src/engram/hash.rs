@@ -123,6 +123,16 @@ impl EngramHistory {
     pub fn truncate(&mut self, len: usize) {
         self.compressed.truncate(len);
     }
+
+    /// The entries of positions `range` (what a prefix-cache block keeps), if recorded.
+    pub(crate) fn entries(&self, range: std::ops::Range<usize>) -> Option<&[Option<u32>]> {
+        self.compressed.get(range)
+    }
+
+    /// Appends the entries of the positions after the last one recorded (a prefix-cache hit).
+    pub(crate) fn extend(&mut self, entries: &[Option<u32>]) {
+        self.compressed.extend_from_slice(entries);
+    }
 }
 
 /// Table row ids of a chunk, `[n_tokens, n_layers, columns]` row-major (global rows, offsets

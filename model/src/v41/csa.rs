@@ -65,16 +65,22 @@ pub fn compress_chunk(
     let mut groups: Vec<(usize, usize)> = Vec::new();
     let mut direct: Vec<Tensor> = Vec::new();
     for (j, job) in jobs.iter_mut().enumerate() {
+        // Groups a prefix-cache hit attached stay as first computed: a replay never rewrites them.
+        let held = job.state.compressed.len();
         for (input, &position) in job.inputs.split_rows(width).into_iter().zip(job.positions) {
+            let group = position / ratio;
             if ratio == 1 {
+                if group < held {
+                    continue;
+                }
                 direct.push(input);
             } else {
                 job.state.pending.push(input);
-                if (position + 1) % ratio != 0 {
+                if (position + 1) % ratio != 0 || group < held {
                     continue;
                 }
             }
-            groups.push((j, position / ratio));
+            groups.push((j, group));
         }
     }
     if groups.is_empty() {

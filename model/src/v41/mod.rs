@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 pub use csa::top_k_lowest_index;
 pub use dspark::DraftProposal;
-pub use state::{MAX_BACKTRACK, SequenceState};
+pub use state::{MAX_BACKTRACK, PrefixBlock, SequenceState};
 pub use step::{EntryOutput, LogitsRow, StepEntry};
 pub use trace::{ForwardTrace, Injection};
 

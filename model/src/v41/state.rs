@@ -250,6 +250,194 @@ impl SequenceState {
     }
 }
 
+/// What a prefix cache keeps of one block of a sequence's positions `[start, start + len)`
+/// (`start` and `len` multiples of every compression ratio): every KV source's compressed-KV
+/// entries and index keys of the block's groups (exact: a hit attaches them as first computed)
+/// and the Engram history entries of its positions (token-derived). The window, compressor-tail
+/// and DSpark rings are not kept: a hit rebuilds them by replaying a bounded suffix
+/// ([`SequenceState::attach_prefix`]).
+#[derive(Debug, Clone)]
+pub struct PrefixBlock {
+    start: usize,
+    len: usize,
+    /// Per layer, for KV sources: the block's compressed entries and index keys.
+    caches: Vec<Option<(Vec<Tensor>, Vec<Tensor>)>>,
+    /// Empty for a model without Engram.
+    engram: Vec<Option<u32>>,
+}
+
+impl PrefixBlock {
+    /// First position of the block.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// Positions in the block.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the block holds no position.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the entries kept (f32 values and Engram entries).
+    pub fn held_bytes(&self) -> u64 {
+        let caches: u64 = self
+            .caches
+            .iter()
+            .flatten()
+            .map(|(compressed, keys)| tensor_bytes(compressed) + tensor_bytes(keys))
+            .sum();
+        caches + (self.engram.len() * std::mem::size_of::<Option<u32>>()) as u64
+    }
+}
+
+impl SequenceState {
+    /// The [`PrefixBlock`] of positions `[start, start + len)`; an error when the sequence has not
+    /// processed them all or a bound is not a multiple of a KV source's ratio `ratios[layer]`.
+    pub fn prefix_block(
+        &self,
+        start: usize,
+        len: usize,
+        ratios: &[usize],
+    ) -> Result<PrefixBlock, ModelError> {
+        let end = start + len;
+        if end > self.len {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "prefix block [{start}, {end}) reaches past the {} tokens processed",
+                    self.len
+                ),
+            });
+        }
+        let mut caches = Vec::with_capacity(self.layers.len());
+        for (l, layer) in self.layers.iter().enumerate() {
+            caches.push(match &layer.compressor {
+                Some(c) => {
+                    let ratio = ratios.get(l).copied().unwrap_or(0).max(1);
+                    if !start.is_multiple_of(ratio) || !len.is_multiple_of(ratio) {
+                        return Err(misaligned("prefix block", start, len, l, ratio));
+                    }
+                    let groups = start / ratio..end / ratio;
+                    Some((
+                        c.compressed[groups.clone()].to_vec(),
+                        c.index_keys[groups].to_vec(),
+                    ))
+                }
+                None => None,
+            });
+        }
+        let engram = match self.engram.entries(start..end) {
+            Some(entries) => entries.to_vec(),
+            None if self.engram.is_empty() => Vec::new(),
+            None => {
+                return Err(ModelError::Sequence {
+                    message: format!(
+                        "the Engram history holds {} positions, the prefix block ends at {end}",
+                        self.engram.len()
+                    ),
+                });
+            }
+        };
+        Ok(PrefixBlock {
+            start,
+            len,
+            caches,
+            engram,
+        })
+    }
+
+    /// Attaches consecutive prefix `blocks` (from position 0) to an empty sequence and places it
+    /// at `replay_from` (a multiple of every ratio, at most the blocks' end): the caller then
+    /// feeds the tokens from `replay_from` on, whose forward rebuilds the rings (their windows
+    /// read nothing below `replay_from`) while every attached compressed entry and index key
+    /// stays as cached (never rewritten, see `csa::compress_chunk`).
+    pub fn attach_prefix(
+        &mut self,
+        blocks: &[&PrefixBlock],
+        replay_from: usize,
+        ratios: &[usize],
+    ) -> Result<(), ModelError> {
+        let fail = |message: String| Err(ModelError::Sequence { message });
+        if self.len != 0 {
+            return fail(format!(
+                "a prefix attaches to an empty sequence, this one holds {} tokens",
+                self.len
+            ));
+        }
+        let mut end = 0;
+        for block in blocks {
+            if block.start != end || block.caches.len() != self.layers.len() {
+                return fail(format!(
+                    "prefix block at {} of {} layers does not continue a prefix of {end} tokens                      over {} layers",
+                    block.start,
+                    block.caches.len(),
+                    self.layers.len()
+                ));
+            }
+            end += block.len;
+        }
+        if replay_from > end {
+            return fail(format!(
+                "replay from {replay_from} lies past the attached prefix of {end} tokens"
+            ));
+        }
+        let engram_entries: usize = blocks.iter().map(|b| b.engram.len()).sum();
+        if engram_entries != 0 && engram_entries != end {
+            return fail(format!(
+                "the prefix blocks hold {engram_entries} Engram entries for {end} positions"
+            ));
+        }
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let Some(compressor) = layer.compressor.as_mut() else {
+                continue;
+            };
+            let ratio = ratios.get(l).copied().unwrap_or(0).max(1);
+            if !replay_from.is_multiple_of(ratio) {
+                return Err(misaligned("replay start", replay_from, 0, l, ratio));
+            }
+            let mut attached = CompressorState {
+                pending: PositionRing {
+                    start: replay_from,
+                    rows: VecDeque::new(),
+                },
+                ..CompressorState::default()
+            };
+            for block in blocks {
+                let Some((compressed, keys)) = &block.caches[l] else {
+                    return fail(format!(
+                        "prefix block at {} has no caches of layer {l}",
+                        block.start
+                    ));
+                };
+                attached.compressed.extend(compressed.iter().cloned());
+                attached.index_keys.extend(keys.iter().cloned());
+            }
+            *compressor = attached;
+        }
+        if engram_entries == end {
+            let mut left = replay_from;
+            for block in blocks {
+                let take = left.min(block.engram.len());
+                self.engram.extend(&block.engram[..take]);
+                left -= take;
+            }
+        }
+        self.len = replay_from;
+        Ok(())
+    }
+}
+
+fn misaligned(what: &str, start: usize, len: usize, layer: usize, ratio: usize) -> ModelError {
+    ModelError::Sequence {
+        message: format!(
+            "{what} at {start} (+{len}) is not a multiple of layer {layer}'s compression ratio {ratio}"
+        ),
+    }
+}
+
 /// Bytes of the f32 values of `rows`.
 pub(crate) fn tensor_bytes<'a>(rows: impl IntoIterator<Item = &'a Tensor>) -> u64 {
     rows.into_iter().map(|row| row.len() as u64 * 4).sum()
@@ -285,6 +473,64 @@ mod tests {
         // A gap restarts the ring at the new position.
         ring.push_at(20, vec![20.0]);
         assert_eq!((ring.start(), ring.get(8)), (20, None));
+    }
+
+    /// A sequence of one ratio-2 KV source holding `len` tokens (entry `g` of group `g`).
+    fn ratio_two_sequence(len: usize) -> SequenceState {
+        let layer = LayerState {
+            window: PositionRing::default(),
+            compressor: Some(CompressorState::default()),
+        };
+        let mut seq = SequenceState::new(vec![layer], 0);
+        for p in 0..len {
+            seq.layers[0].window.push_at(p, vec![p as f32]);
+            if let Some(c) = seq.layers[0].compressor.as_mut() {
+                c.pending.push_at(p, vec![p as f32]);
+                if p % 2 == 1 {
+                    c.compressed.push(vec![(p / 2) as f32].into());
+                    c.index_keys.push(vec![-((p / 2) as f32)].into());
+                }
+            }
+        }
+        seq.len = len;
+        seq
+    }
+
+    #[test]
+    fn prefix_blocks_attach_their_entries_and_refuse_bad_bounds() {
+        let seq = ratio_two_sequence(20);
+        let blocks: Vec<PrefixBlock> = (0..2)
+            .map(|b| seq.prefix_block(b * 8, 8, &[2]).expect("aligned block"))
+            .collect();
+        assert_eq!(
+            blocks[1].held_bytes(),
+            8 * 4,
+            "4 entries and 4 keys of one f32"
+        );
+        let error = |r: Result<(), ModelError>| r.expect_err("refused").to_string();
+        let block_error = |r: Result<PrefixBlock, ModelError>| error(r.map(|_| ()));
+        assert!(block_error(seq.prefix_block(16, 8, &[2])).contains("past the 20 tokens"));
+        assert!(block_error(seq.prefix_block(3, 8, &[2])).contains("compression ratio 2"));
+
+        let mut fresh = ratio_two_sequence(0);
+        let refs: Vec<&PrefixBlock> = blocks.iter().collect();
+        assert!(error(fresh.attach_prefix(&refs, 17, &[2])).contains("past the attached"));
+        assert!(error(fresh.attach_prefix(&refs, 9, &[2])).contains("compression ratio 2"));
+        assert!(error(fresh.attach_prefix(&refs[1..], 8, &[2])).contains("does not continue"));
+        assert!(error(seq.clone().attach_prefix(&refs, 8, &[2])).contains("empty sequence"));
+        fresh.attach_prefix(&refs, 10, &[2]).expect("attached");
+        assert_eq!(fresh.len(), 10);
+        assert_eq!(
+            fresh.compressed_kv(0),
+            seq.compressed_kv(0).map(|c| &c[..8])
+        );
+        assert_eq!(fresh.index_keys(0), seq.index_keys(0).map(|c| &c[..8]));
+        let pending = &fresh.layers[0].compressor.as_ref().expect("source").pending;
+        assert_eq!(
+            pending.start(),
+            10,
+            "the replay refills the tail from its start"
+        );
     }
 
     #[test]
