@@ -19,11 +19,12 @@
 
 use std::time::Duration;
 
+use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::sampling::sample_allowed;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::RequestId;
 
-use crate::sampling::{SamplingParams, sample};
+use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
 
 /// A backend failure, reported to the scheduler as `RankError::Backend`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -140,6 +141,24 @@ pub trait RankExecutor: Send {
             .map(|(i, row)| {
                 sample_allowed(row.logits, &row.params, row.position, row.allowed)
                     .map_err(|e| ExecError::Backend(format!("sampling row {i}: {e}")))
+            })
+            .collect()
+    }
+    /// The log-probabilities of `picks[i].token`, sampled from row `i` of `rows` (after its
+    /// mask; `sampling::token_logprobs` is the definition), with `picks[i].top` alternatives: a
+    /// device executor computes them all in one op where the rows are and copies back only the
+    /// results. The default reads the rows on the host.
+    fn logprobs_logits(
+        &mut self,
+        rows: &[LogitsRow<'_>],
+        picks: &[LogprobPick],
+    ) -> Result<Vec<TokenLogprobs>, ExecError> {
+        rows.iter()
+            .zip(picks)
+            .enumerate()
+            .map(|(i, (row, pick))| {
+                token_logprobs(row.logits, row.allowed, pick.token, pick.top)
+                    .map_err(|e| ExecError::Backend(format!("log-probabilities of row {i}: {e}")))
             })
             .collect()
     }

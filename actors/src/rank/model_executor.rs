@@ -24,7 +24,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deepinfer_model::backend::Backend;
+use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::expert_dispatch::RoutedExperts;
+use deepinfer_model::sampling::TokenLogprobs;
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v41::context_parallel::CpSplit;
 use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
@@ -284,6 +286,16 @@ impl RankExecutor for ModelExecutor {
     fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {
         self.model
             .sample_rows(rows)
+            .map_err(|e| ExecError::Backend(e.to_string()))
+    }
+
+    fn logprobs_logits(
+        &mut self,
+        rows: &[LogitsRow<'_>],
+        picks: &[LogprobPick],
+    ) -> Result<Vec<TokenLogprobs>, ExecError> {
+        self.model
+            .token_logprobs_rows(rows, picks)
             .map_err(|e| ExecError::Backend(e.to_string()))
     }
 

@@ -47,6 +47,7 @@ use crate::messages::dspark::ProposalBatch;
 use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
 use crate::messages::request::{FinishReason, RequestSpec, Usage};
 use crate::messages::scheduler::SchedulerStats;
+use crate::sampling::TokenLogprobs;
 use crate::scheduler::pool::StatePool;
 
 /// The scheduler's limits (from the topology's `[scheduler]`).
@@ -153,6 +154,8 @@ pub struct ReplayUpdate {
 #[derive(Debug, Clone)]
 pub enum Emission {
     Token(RequestId, u32),
+    /// The log-probabilities of the request's next `Token`.
+    Logprobs(RequestId, Box<TokenLogprobs>),
     Finished(RequestId, FinishReason, Usage),
     Failed(RequestId, EngineError),
 }
@@ -672,6 +675,7 @@ impl SchedulerState {
                 grammar: seq.spec.grammar.take(),
                 decoder_from: seq.decoder_from,
                 speculative: speculative && !seq.constrained,
+                logprobs: seq.spec.logprobs,
             });
         }
         Some(SeqWork {
@@ -834,7 +838,12 @@ impl SchedulerState {
         }
         self.rank_live_sequences = output.live_sequences;
         let mut emissions = Vec::new();
+        let mut logprobs = output.logprobs.iter().peekable();
         for &(id, token) in &output.sampled {
+            // The sampled tokens' log-probabilities come in the same order.
+            let token_logprobs = logprobs
+                .next_if(|(of, lp)| *of == id && lp.token == token)
+                .map(|(_, lp)| lp);
             let Some(seq) = self.seqs.get_mut(&id) else {
                 continue;
             };
@@ -843,6 +852,9 @@ impl SchedulerState {
                 continue;
             }
             seq.output.push(token);
+            if let Some(lp) = token_logprobs {
+                emissions.push(Emission::Logprobs(id, Box::new(lp.clone())));
+            }
             emissions.push(Emission::Token(id, token));
             if seq.generated() >= seq.spec.max_tokens {
                 emissions.push(self.finish(id, FinishReason::Length));
@@ -946,6 +958,7 @@ mod tests {
             max_tokens,
             stop_token_ids: vec![EOS],
             grammar: None,
+            logprobs: None,
         }
     }
 
@@ -967,6 +980,7 @@ mod tests {
             dp: DpRank(0),
             mode: plan.mode,
             sampled,
+            logprobs: Vec::new(),
             verified: Vec::new(),
             drafts: Vec::new(),
             live_sequences: 0,

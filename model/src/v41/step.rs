@@ -11,11 +11,11 @@ use super::csa::{self, ChunkShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::{Ctx, LogitsWanted, Model, attention, block, dspark, expert_hook, vision};
-use crate::backend::{Backend, Precision, RowSampling, Tensor};
+use crate::backend::{Backend, LogprobPick, Precision, RowSampling, Tensor};
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
-use crate::sampling::{AllowedTokens, SamplingParams};
+use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
 /// Chunks longer than this many tokens leave their sequence's rings compacted
 /// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
@@ -194,17 +194,8 @@ impl Model {
             return Ok(Vec::new());
         }
         let vocab = self.cfg.vocab_size;
-        if let Some(r) = rows.iter().position(|r| r.logits.len() != vocab) {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "sample_rows: row {r} holds {} logits, not one row of {vocab}",
-                    rows[r].logits.len()
-                ),
-            });
-        }
+        let logits = self.gather_logits_rows("sample_rows", rows)?;
         let backend = self.ctx().backend;
-        let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
-        let logits = backend.gather(&pieces, vocab);
         let sampling: Vec<RowSampling> = rows
             .iter()
             .map(|r| RowSampling {
@@ -218,6 +209,45 @@ impl Model {
             .map_err(|e| ModelError::Sequence {
                 message: e.to_string(),
             })
+    }
+
+    /// The log-probabilities of `picks[i].token` sampled from row `i` (after its mask, with
+    /// `picks[i].top` alternatives; [`crate::sampling::token_logprobs`] is the definition): one
+    /// op over all rows, reading them where they are; only the log-probabilities reach the host.
+    /// A row that is not one vocabulary wide, or whose mask allows nothing, fails the call naming
+    /// the row.
+    pub fn token_logprobs_rows(
+        &self,
+        rows: &[LogitsRow<'_>],
+        picks: &[LogprobPick],
+    ) -> Result<Vec<TokenLogprobs>, ModelError> {
+        if rows.is_empty() && picks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let logits = self.gather_logits_rows("token_logprobs_rows", rows)?;
+        let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
+        self.ctx()
+            .backend
+            .token_logprobs_masked(&logits, self.cfg.vocab_size, picks, &allowed)
+            .map_err(|e| ModelError::Sequence {
+                message: e.to_string(),
+            })
+    }
+
+    /// The rows gathered into one `[rows, vocab]` tensor on the backend; a row that is not one
+    /// vocabulary wide fails `op` naming it.
+    fn gather_logits_rows(&self, op: &str, rows: &[LogitsRow<'_>]) -> Result<Tensor, ModelError> {
+        let vocab = self.cfg.vocab_size;
+        if let Some(r) = rows.iter().position(|r| r.logits.len() != vocab) {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "{op}: row {r} holds {} logits, not one row of {vocab}",
+                    rows[r].logits.len()
+                ),
+            });
+        }
+        let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
+        Ok(self.ctx().backend.gather(&pieces, vocab))
     }
 
     /// The one body behind every forward entry: `trace` and `vl` (image spans) only with a single
