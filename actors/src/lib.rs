@@ -29,7 +29,9 @@ pub mod supervisor;
 pub mod tools;
 
 pub use engine::request::{GenerateRequest, Prompt};
-pub use engine::stream::{Completion, EventStream, GenerationEvent};
+pub use engine::stream::{
+    Completion, EventStream, GenerationEvent, ReportedLogprobs, ReportedToken,
+};
 pub use engine::{Engine, EngineConfig, EngineHandle, ModelFacts};
 pub use error::{EngineError, ValidationError};
 pub use messages::request::{FinishReason, Usage};

@@ -42,6 +42,7 @@ use crate::frontend::codec::load_v41_tokenizer;
 use crate::gpu;
 use crate::hub::{HubOptions, resolve_hub_checkpoint};
 use crate::openai::ServedModel;
+use crate::rank::context_parallel::ContextParallelFactory;
 use crate::rank::executor::ExecutorFactory;
 use crate::rank::factory::{ModelFactory, RankDevices};
 
@@ -315,6 +316,7 @@ pub fn resolve_with(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel
     resolve_source(node, hub)
         .map(|resolved| on_node_devices(node, resolved))
         .and_then(|resolved| with_expert_parallel(node, resolved))
+        .and_then(|resolved| with_context_parallel(node, resolved))
 }
 
 /// Before any loading: the GPUs of a CUDA topology exist here, and it asks for nothing the CUDA
@@ -386,6 +388,33 @@ fn with_expert_parallel(
     let factory = ExpertParallelFactory::new(model.clone(), node, resolved.factory.describe())
         .map_err(|e| model_error("expert parallelism", e))?;
     resolved.factory = Arc::new(factory);
+    Ok(resolved)
+}
+
+/// Context parallelism when the topology asks for it (`[parallel] context_parallel > 1`): the
+/// ranks then run through a `ContextParallelFactory` (with the expert parallelism set up before).
+fn with_context_parallel(
+    node: &NodeConfig,
+    mut resolved: ResolvedModel,
+) -> Result<ResolvedModel, EngineError> {
+    let Some(cp) = node.parallel.context_parallel else {
+        return Ok(resolved);
+    };
+    let AnyModel::V41(model) = &resolved.model else {
+        return Err(EngineError::Config {
+            field: "parallel.context_parallel".to_string(),
+            message: format!(
+                "{}: context parallelism runs the V4.1 family only (the model is {}); use 1",
+                node.origin, resolved.name
+            ),
+        });
+    };
+    resolved.factory = Arc::new(ContextParallelFactory {
+        model: model.clone(),
+        cp,
+        experts: resolved.factory.expert_parallel(),
+        description: resolved.factory.describe(),
+    });
     Ok(resolved)
 }
 

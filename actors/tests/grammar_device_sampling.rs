@@ -135,6 +135,7 @@ fn generate(
             grammar,
             decoder_from: None,
             speculative: false,
+            logprobs: None,
         };
         let plan = StepPlan {
             step: StepId(step),

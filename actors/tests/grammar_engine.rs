@@ -381,6 +381,7 @@ fn masks_are_requested_before_the_forward_and_applied_to_its_logits() {
                     })),
                     decoder_from: None,
                     speculative: false,
+                    logprobs: None,
                 }]
             } else {
                 Vec::new()

@@ -208,6 +208,8 @@ pub enum KernelId {
     SampleRowsF32,
     /// Grammar masks: logits whose bit in the row's allowed-token bitset is clear become -inf.
     MaskLogitsF32,
+    /// Log-probabilities of sampled tokens and their most likely alternatives.
+    TokenLogprobsF32,
     /// MoE router after the gate linear: sqrt-softplus scores, biased top-k, normalised weights.
     RouteExpertsF32,
     /// Engram table row ids of hashed n-gram contexts.
@@ -270,7 +272,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 72] = [
+    pub const ALL: [KernelId; 73] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -314,6 +316,7 @@ impl KernelId {
         KernelId::IndexScoresRowsPtrF32,
         KernelId::SampleRowsF32,
         KernelId::MaskLogitsF32,
+        KernelId::TokenLogprobsF32,
         KernelId::RouteExpertsF32,
         KernelId::EngramHashRows,
         KernelId::EngramGatherF32,
@@ -391,6 +394,7 @@ impl KernelId {
             KernelId::IndexScoresRowsPtrF32 => "index_scores_rows_ptr_f32",
             KernelId::SampleRowsF32 => "sample_rows_f32",
             KernelId::MaskLogitsF32 => "mask_logits_f32",
+            KernelId::TokenLogprobsF32 => "token_logprobs_f32",
             KernelId::RouteExpertsF32 => "route_experts_f32",
             KernelId::EngramHashRows => "engram_hash_rows",
             KernelId::EngramGatherF32 => "engram_gather_f32",
@@ -464,7 +468,9 @@ impl KernelId {
             KernelId::IndexScoresF32
             | KernelId::IndexScoresRowsF32
             | KernelId::IndexScoresRowsPtrF32 => SourceFile::Indexer,
-            KernelId::SampleRowsF32 | KernelId::MaskLogitsF32 => SourceFile::Sampling,
+            KernelId::SampleRowsF32 | KernelId::MaskLogitsF32 | KernelId::TokenLogprobsF32 => {
+                SourceFile::Sampling
+            }
             KernelId::RouteExpertsF32 => SourceFile::Moe,
             KernelId::EngramHashRows | KernelId::EngramGatherF32 => SourceFile::Engram,
             KernelId::StreamMeansF32

@@ -27,6 +27,8 @@ pub enum ExchangePhase {
     Combine,
     /// Everybody has copied what it received (the senders may free their buffers).
     Done,
+    /// Context parallelism: every CP rank's rows of one layer go to every rank (an all-gather).
+    ContextGather,
 }
 
 /// The collective a rank is in: its `round`-th MoE layer call, on placement `epoch`.

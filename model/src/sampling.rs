@@ -3,7 +3,8 @@
 //! CUDA sampling kernel (`kernels/cuda/sampling`) mirrors it operation for operation.
 //!
 //! Owns [`SamplingParams`] (validated ranges) and [`sample`], a pure function of (logits, params,
-//! position), and [`AllowedTokens`] with [`sample_allowed`]: a grammar's mask sets the disallowed
+//! position), [`token_logprobs`] (what a request asking for log-probabilities is told about a
+//! sampled token), and [`AllowedTokens`] with [`sample_allowed`]: a grammar's mask sets the disallowed
 //! logits to −∞ before anything else (noise, temperature, top-k, top-p), so a constrained row is
 //! [`sample`] of the masked row. The random part is Gumbel-max: the chosen token is the argmax over the kept
 //! candidates of `logit / temperature + g(seed, position, token)`, where `g` is Gumbel noise drawn
@@ -424,6 +425,99 @@ fn kept_candidates(logits: &[f32], params: &SamplingParams, inv_t: f64) -> Optio
     Some(ids)
 }
 
+/// Most alternatives [`token_logprobs`] reports per token (OpenAI's `top_logprobs` bound).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Lanes of [`token_logprobs`]'s normaliser: token `t` is added to lane `t % LOGPROB_LANES` in
+/// increasing id, then the lanes are summed pairwise (`lane[i] += lane[i + half]`, halving) —
+/// one fixed order, the one a block of `LOGPROB_LANES` device threads reduces in.
+pub const LOGPROB_LANES: usize = 256;
+
+/// What a request is told about one sampled token: its log-probability and the most likely
+/// tokens with theirs, under the row's distribution ([`token_logprobs`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    /// `ln p(token)`; −∞ for a token the mask disallowed (a grammar's forced end).
+    pub logprob: f32,
+    /// Up to the asked number of `(token, ln p)`, most likely first (ties: lower id first);
+    /// only tokens of non-zero probability.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probabilities reported for `token` sampled from `logits` (one row): the
+/// log-softmax of the row after `allowed` (if any) set its disallowed logits to −∞ — the
+/// model's distribution as the request constrained it, before temperature, top-k and top-p,
+/// which only choose how to draw from it (so greedy requests get the model's real
+/// log-probabilities, and the numbers do not depend on the seed). NaN logits count as −∞; a
+/// device computes the same bits (`kernels/cuda/sampling`, `token_logprobs`).
+/// `ln p(t) = (x_t − m) − ln Σ exp(x − m)` in f64 with this module's [`exp_f64`] / [`ln_f64`],
+/// `m` the row's largest logit, summed in the order of [`LOGPROB_LANES`]; rounded to f32 once.
+/// `top_n` (at most [`MAX_TOP_LOGPROBS`]) alternatives are listed.
+pub fn token_logprobs(
+    logits: &[f32],
+    allowed: Option<&AllowedTokens>,
+    token: u32,
+    top_n: usize,
+) -> Result<TokenLogprobs, MaskError> {
+    if let Some(allowed) = allowed {
+        allowed.check_row(logits.len())?;
+    }
+    // Tokens of non-zero probability (NaN compares false).
+    let kept =
+        |t: usize| logits[t] > f32::NEG_INFINITY && allowed.is_none_or(|a| a.is_allowed(t as u32));
+    let max = (0..logits.len())
+        .filter(|&t| kept(t))
+        .map(|t| logits[t])
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return Err(MaskError::NothingAllowed {
+            vocab: logits.len(),
+        });
+    }
+    let max = f64::from(max);
+    let mut lanes = vec![0.0f64; LOGPROB_LANES];
+    for t in (0..logits.len()).filter(|&t| kept(t)) {
+        lanes[t % LOGPROB_LANES] += exp_f64(f64::from(logits[t]) - max);
+    }
+    let mut half = LOGPROB_LANES / 2;
+    while half > 0 {
+        for i in 0..half {
+            lanes[i] += lanes[i + half];
+        }
+        half /= 2;
+    }
+    let ln_total = ln_f64(lanes[0]);
+    let logprob = |t: usize| {
+        if kept(t) {
+            ((f64::from(logits[t]) - max) - ln_total) as f32
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&t| kept(t as usize))
+        .collect();
+    let by_logit_desc = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let top_n = top_n.min(MAX_TOP_LOGPROBS).min(ids.len());
+    if top_n > 0 && top_n < ids.len() {
+        ids.select_nth_unstable_by(top_n - 1, by_logit_desc);
+    }
+    ids.truncate(top_n);
+    ids.sort_unstable_by(by_logit_desc);
+    Ok(TokenLogprobs {
+        token,
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |_| logprob(token as usize)),
+        top: ids.into_iter().map(|t| (t, logprob(t as usize))).collect(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -708,6 +802,142 @@ mod tests {
                 source: MaskError::RowTooShort { .. }
             })
         ));
+    }
+
+    /// `ln p` by the textbook formula, in f64 with libm: `x − max − ln Σ exp(x − max)`.
+    fn log_softmax(row: &[f32]) -> Vec<f64> {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let total: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+        row.iter().map(|&x| x as f64 - max - total.ln()).collect()
+    }
+
+    #[test]
+    fn token_logprobs_are_the_log_softmax_of_the_row_with_its_best_tokens_in_order() {
+        let vocab = 1000;
+        let row: Vec<f32> = (0..vocab)
+            .map(|i| ((i * 7919 % 1009) as f32) / 37.0 - 12.0)
+            .collect();
+        let expected = log_softmax(&row);
+        // f32 rounding of values up to ~40 in magnitude: a few ulps at most.
+        let close =
+            |got: f32, want: f64| (f64::from(got) - want).abs() <= 4e-6 * want.abs().max(1.0);
+        for token in [0u32, 17, 500, 999] {
+            let got = token_logprobs(&row, None, token, 5).expect("a row");
+            assert_eq!(got.token, token);
+            assert!(
+                close(got.logprob, expected[token as usize]),
+                "{token}: {got:?}"
+            );
+            let mut by_prob: Vec<usize> = (0..vocab).collect();
+            by_prob.sort_by(|&a, &b| expected[b].total_cmp(&expected[a]).then(a.cmp(&b)));
+            let ids: Vec<u32> = got.top.iter().map(|&(t, _)| t).collect();
+            assert_eq!(
+                ids,
+                by_prob[..5].iter().map(|&t| t as u32).collect::<Vec<_>>()
+            );
+            for &(t, lp) in &got.top {
+                assert!(close(lp, expected[t as usize]), "top {t}: {lp}");
+            }
+        }
+        let total: f64 = (0..vocab as u32)
+            .map(|t| f64::from(token_logprobs(&row, None, t, 0).expect("row").logprob).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-5, "probabilities sum to {total}");
+        assert!(
+            token_logprobs(&row, None, 3, 0)
+                .expect("row")
+                .top
+                .is_empty()
+        );
+        // At most MAX_TOP_LOGPROBS alternatives, whatever is asked.
+        assert_eq!(
+            token_logprobs(&row, None, 3, 1000).expect("row").top.len(),
+            MAX_TOP_LOGPROBS
+        );
+    }
+
+    #[test]
+    fn token_logprobs_follow_the_mask_and_list_ties_by_id() {
+        let row = [2.0f32, 5.0, 5.0, 1.0, f32::NAN, 5.0, f32::NEG_INFINITY];
+        let got = token_logprobs(&row, None, 0, 3).expect("a row");
+        assert_eq!(
+            token_logprobs(&row, None, 0, 9).expect("row").top.len(),
+            5,
+            "p > 0 only"
+        );
+        // NaN counts as -inf: the rest is the softmax of [2, 5, 5, 1, 5].
+        let expected = log_softmax(&[2.0, 5.0, 5.0, 1.0, 5.0]);
+        assert_eq!(
+            got.top.iter().map(|&(t, _)| t).collect::<Vec<_>>(),
+            [1, 2, 5]
+        );
+        assert!((f64::from(got.logprob) - expected[0]).abs() < 1e-6);
+        assert_eq!(
+            token_logprobs(&row, None, 4, 0).expect("row").logprob,
+            f32::NEG_INFINITY
+        );
+        // The mask renormalises over the allowed tokens and keeps only them in the list.
+        let mask = AllowedTokens::from_tokens(7, &[0, 3]);
+        let got = token_logprobs(&row, Some(&mask), 3, 5).expect("allowed");
+        let expected = log_softmax(&[2.0, 1.0]);
+        assert!(
+            (f64::from(got.logprob) - expected[1]).abs() < 1e-6,
+            "{got:?}"
+        );
+        assert_eq!(got.top.len(), 2);
+        assert_eq!(got.top[0].0, 0);
+        assert_eq!(
+            token_logprobs(&row, Some(&mask), 1, 0)
+                .expect("row")
+                .logprob,
+            f32::NEG_INFINITY
+        );
+        let nothing = AllowedTokens::from_tokens(7, &[]);
+        assert_eq!(
+            token_logprobs(&row, Some(&nothing), 0, 1),
+            Err(MaskError::NothingAllowed { vocab: 7 })
+        );
+        assert!(token_logprobs(&[], None, 0, 1).is_err());
+    }
+
+    #[test]
+    fn the_cpu_backend_reports_logprobs_of_masked_rows_and_names_a_bad_row() {
+        use crate::backend::{Backend, CpuBackend, LogprobPick, SampleRowsError, Tensor};
+        let vocab = 40;
+        let logits: Vec<f32> = (0..2 * vocab)
+            .map(|i| ((i * 13 % 29) as f32) / 5.0)
+            .collect();
+        let few = AllowedTokens::from_tokens(vocab, &[3, 4, 30]);
+        let picks = [
+            LogprobPick { token: 7, top: 2 },
+            LogprobPick { token: 30, top: 5 },
+        ];
+        let tensor = Tensor::from(logits.clone());
+        let got = CpuBackend
+            .token_logprobs_masked(&tensor, vocab, &picks, &[None, Some(&few)])
+            .expect("fits");
+        let expected = [
+            token_logprobs(&logits[..vocab], None, 7, 2),
+            token_logprobs(&logits[vocab..], Some(&few), 30, 5),
+        ];
+        assert_eq!(got, expected.map(|e| e.expect("row")));
+        assert_eq!(got[1].top.len(), 3, "only the allowed tokens");
+        let nothing = AllowedTokens::from_tokens(vocab, &[]);
+        assert_eq!(
+            CpuBackend.token_logprobs_masked(&tensor, vocab, &picks, &[None, Some(&nothing)]),
+            Err(SampleRowsError::Mask {
+                row: 1,
+                source: MaskError::NothingAllowed { vocab }
+            })
+        );
+        assert_eq!(
+            CpuBackend.token_logprobs_masked(&tensor, vocab, &picks[..1], &[None]),
+            Err(SampleRowsError::LogitsShape {
+                found: 2 * vocab,
+                rows: 1,
+                vocab
+            })
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 """`deepinfer-node serve` driven by the official `openai` Python package (a client nobody here
-wrote) on the demo model of configs/local.toml: chat, completion, streaming, JSON-schema output,
+wrote) on the demo model of configs/local.toml: chat, completion, streaming, log-probabilities
+(chat and completions, streamed and not), JSON-schema output,
 a tool call, seeded and greedy determinism, streamed == non-streamed text, an invalid request
 raising the client's API error with our message, and SIGTERM ending the server with status 0.
 
@@ -110,6 +111,34 @@ def run_checks(client):
         if c.choices
     ]
     check("streaming completion equals the JSON one", "".join(pieces) == completion.choices[0].text, pieces)
+
+    scored = chat(client, seed=11, logprobs=True, top_logprobs=3)
+    entries = scored.choices[0].logprobs.content
+    check("chat logprobs: one entry per token, the text unchanged",
+          scored.choices[0].message.content == text and len(entries) == scored.usage.completion_tokens, entries)
+    check("chat logprobs: top_logprobs most likely first, each a log-probability",
+          all(len(e.top_logprobs) == 3 and e.logprob <= 0 and e.bytes is not None
+              and [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+              and e.logprob <= e.top_logprobs[0].logprob for e in entries), entries)
+    streamed_entries = [
+        e
+        for c in chat(client, seed=11, logprobs=True, top_logprobs=3, stream=True)
+        for choice in c.choices if choice.logprobs and choice.logprobs.content
+        for e in choice.logprobs.content
+    ]
+    check("streamed chat logprobs equal the JSON ones",
+          [(e.token, e.logprob) for e in streamed_entries] == [(e.token, e.logprob) for e in entries], streamed_entries)
+    scored = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=8, seed=3, logprobs=2)
+    lp = scored.choices[0].logprobs
+    check("completion logprobs: tokens, token_logprobs, top_logprobs, text_offset",
+          scored.choices[0].text == completion.choices[0].text and len(lp.tokens) == len(lp.token_logprobs) == scored.usage.completion_tokens
+          and all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0, lp)
+    try:
+        chat(client, logprobs=True, top_logprobs=21)
+        check("top_logprobs above 20 raises", False, "no error")
+    except openai.BadRequestError as error:
+        check("top_logprobs above 20 raises naming it", error.status_code == 400 and error.param == "top_logprobs",
+              (error.status_code, error.message, error.param))
 
     schema = {
         "type": "object",

@@ -94,6 +94,9 @@ impl ExecutorFactory for TrackingFactory {
     fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
         self.inner.expert_parallel()
     }
+    fn context_parallel(&self) -> Option<deepinfer_topology::ContextParallel> {
+        self.inner.context_parallel()
+    }
 }
 
 struct Tracking {

@@ -56,5 +56,38 @@ pub fn v41_tiny_model() -> deepinfer_model::Model {
     v41_model("v41/v41-tiny")
 }
 
+/// The V4.1 fixture `rel` ([`v41_model`]) with room for `positions` tokens: its weights under a
+/// copy of its `config.json` in `dir` whose `max_position_embeddings` is `positions` (the
+/// fixtures' contexts are short; a long prefill test needs more).
+pub fn v41_model_with_positions(
+    rel: &str,
+    positions: usize,
+    dir: &std::path::Path,
+) -> deepinfer_model::Model {
+    let source = fixture_dir(rel);
+    for entry in std::fs::read_dir(&source).expect("fixture directory") {
+        let entry = entry.expect("fixture entry");
+        let target = dir.join(entry.file_name());
+        if entry.file_name() == "config.json" {
+            let text = std::fs::read_to_string(entry.path()).expect("config.json");
+            let mut config: serde_json::Value = serde_json::from_str(&text).expect("config json");
+            let text_config = config
+                .get_mut("text_config")
+                .expect("a V4.1 config has text_config");
+            text_config["max_position_embeddings"] = positions.into();
+            std::fs::write(&target, config.to_string()).expect("config copy");
+        } else {
+            std::os::unix::fs::symlink(entry.path(), &target).expect("fixture link");
+        }
+    }
+    let cfg = deepinfer_model::config::ModelConfig::from_file(&dir.join("config.json"))
+        .unwrap_or_else(|e| panic!("{rel} config.json: {e}"));
+    let pad = cfg.engram.as_ref().expect("Engram").pad_token_id;
+    let vocab = deepinfer_model::engram::CompressedVocab::halving_stub(cfg.vocab_size, pad)
+        .expect("stub vocabulary");
+    deepinfer_model::Model::load_with_vocab(dir, Some(vocab))
+        .unwrap_or_else(|e| panic!("{rel} with {positions} positions loads: {e}"))
+}
+
 pub mod drift;
 pub mod freed;

@@ -275,6 +275,79 @@ async fn sample_batch_runs() {
     .expect("test timed out");
 }
 
+/// Batch lines that ask for log-probabilities get them in their response bodies, shaped as
+/// OpenAI's, one entry per generated token; the tokens are those of the same lines without.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_lines_report_logprobs_when_asked() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let engine = engine().await;
+        let lines = |asked: bool| {
+            let (chat, completion) = if asked {
+                (json!({"logprobs": true, "top_logprobs": 2}), json!({"logprobs": 3}))
+            } else {
+                (json!({}), json!({}))
+            };
+            let mut chat_body = json!({"messages": [{"role": "user", "content": "Hi?"}],
+                                       "max_tokens": 4, "seed": 5, "temperature": 0.8});
+            chat_body.as_object_mut().unwrap().extend(chat.as_object().unwrap().clone());
+            let mut completion_body = json!({"prompt": "The sea", "max_tokens": 3, "seed": 6});
+            completion_body.as_object_mut().unwrap().extend(completion.as_object().unwrap().clone());
+            [
+                json!({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": chat_body}),
+                json!({"custom_id": "p", "method": "POST", "url": "/v1/completions", "body": completion_body}),
+            ]
+            .map(|l| l.to_string())
+            .join("\n")
+        };
+        let mut bodies = Vec::new();
+        for asked in [true, false] {
+            let mut out = Vec::new();
+            let summary = run_job(
+                &engine.handle(),
+                lines(asked).as_bytes(),
+                &JobOptions::new(served(), 8),
+                &mut out,
+                Arc::new(|| {}),
+                tokio::sync::watch::channel(false).1,
+            )
+            .await
+            .unwrap();
+            assert_eq!((summary.lines, summary.failed), (2, 0));
+            let parsed: Vec<Value> = String::from_utf8(out)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str::<Value>(l).unwrap()["response"]["body"].clone())
+                .collect();
+            bodies.push(parsed);
+        }
+        engine.shutdown(Duration::from_secs(10)).await.unwrap();
+        let (asked, plain) = (&bodies[0], &bodies[1]);
+        let chat = &asked[0]["choices"][0];
+        assert_eq!(chat["message"], plain[0]["choices"][0]["message"], "the same answer");
+        let content = chat["logprobs"]["content"].as_array().expect("chat logprobs");
+        assert_eq!(content.len() as u64, asked[0]["usage"]["completion_tokens"].as_u64().unwrap());
+        for entry in content {
+            let top = entry["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 2, "{entry}");
+            assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+            assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+        }
+        assert!(plain[0]["choices"][0]["logprobs"].is_null());
+        let completion = &asked[1]["choices"][0];
+        assert_eq!(completion["text"], plain[1]["choices"][0]["text"]);
+        let logprobs = &completion["logprobs"];
+        let generated = asked[1]["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+        assert!(generated > 0);
+        assert_eq!(logprobs["tokens"].as_array().unwrap().len(), generated);
+        assert_eq!(logprobs["token_logprobs"].as_array().unwrap().len(), generated);
+        let alternatives = logprobs["top_logprobs"][0].as_object().unwrap().len();
+        assert!((1..=3).contains(&alternatives), "texts of 3 alternatives: {alternatives}");
+        assert_eq!(logprobs["text_offset"][0], 0);
+    })
+    .await
+    .expect("test timed out");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_schema_response_format_constrains_the_output() {
     tokio::time::timeout(Duration::from_secs(300), async {

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_actors::rank::executor::ExecutorFactory;
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::tools::logits;
@@ -39,24 +40,19 @@ fn tool_logits(model: &Path, tokens: &[u32]) -> Vec<f32> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn engine_logits_equal_the_logits_tool() {
-    let dir = fixture();
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
-    let vocab = logits::engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
-    let model = Arc::new(Model::load_with_vocab(&dir, vocab).expect("fixture loads"));
-    let rows = Arc::new(RowLog::new());
-    let node = NodeConfig::from_toml_str(
+/// Two DP ranks on the CPU, prefill chunks of 7 tokens.
+fn node() -> NodeConfig {
+    NodeConfig::from_toml_str(
         "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 2\nep = 1\n\
          [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 7\n\
          overlap_depth = 2\nadmission_queue_capacity = 8\n",
         "engine logits test",
     )
-    .expect("topology");
-    let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
-        Arc::new(ModelFactory::new(model, "v41-tiny fixture")),
-        rows.clone(),
-    )));
+    .expect("topology")
+}
+
+/// An engine running `executor` for the model of `cfg`, without a tokenizer.
+async fn start(node: NodeConfig, executor: Arc<dyn ExecutorFactory>, cfg: &ModelConfig) -> Engine {
     let config = EngineConfig {
         node,
         executor,
@@ -68,7 +64,29 @@ async fn engine_logits_equal_the_logits_tool() {
         },
         tokenizer: None,
     };
-    let engine = Engine::start(config).await.expect("engine starts");
+    Engine::start(config).await.expect("engine starts")
+}
+
+/// The fixture's model and config.
+fn fixture_model() -> (Arc<Model>, ModelConfig) {
+    let dir = fixture();
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
+    let vocab = logits::engram_vocab_for_dir(&dir, &cfg).expect("stub vocabulary");
+    let model = Arc::new(Model::load_with_vocab(&dir, vocab).expect("fixture loads"));
+    (model, cfg)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_logits_equal_the_logits_tool() {
+    let dir = fixture();
+    let (model, cfg) = fixture_model();
+    let rows = Arc::new(RowLog::new());
+    let node = node();
+    let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
+        Arc::new(ModelFactory::new(model, "v41-tiny fixture")),
+        rows.clone(),
+    )));
+    let engine = start(node, executor, &cfg).await;
     // The fixture's own prompt (30 tokens: several prefill chunks, a ratio-2 group pending at the
     // boundary) plus two neighbours that share the ranks.
     let prompt: Vec<u32> = vec![
@@ -139,5 +157,70 @@ async fn engine_logits_equal_the_logits_tool() {
             .max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a)))
             .unwrap();
         assert_eq!(*token as usize, best, "greedy token {g}");
+    }
+}
+
+/// Log-probabilities (`GenerateRequest::logprobs`) of a seeded, sampled request through the
+/// scheduler and the rank: the tokens are those of the same request without them, and each
+/// token's log-probability and alternatives are the log-softmax (computed here, f64 and libm)
+/// of the `logits` tool's row for the same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_logprobs_are_the_log_softmax_of_the_logits_tools_rows() {
+    let dir = fixture();
+    let (model, cfg) = fixture_model();
+    let factory = Arc::new(ModelFactory::new(model, "v41-tiny fixture"));
+    let engine = start(node(), factory, &cfg).await;
+    let prompt: Vec<u32> = (200..216).collect();
+    let request = GenerateRequest::from_tokens(prompt.clone())
+        .max_tokens(5)
+        .temperature(0.9)
+        .seed(21);
+    let mut runs = Vec::new();
+    for asked in [request.clone().logprobs(4), request] {
+        let stream = engine.generate(asked).await.expect("admitted");
+        let done = tokio::time::timeout(Duration::from_secs(300), stream.collect())
+            .await
+            .expect("finishes in time")
+            .expect("completes");
+        runs.push(done);
+    }
+    engine
+        .shutdown(Duration::from_secs(60))
+        .await
+        .expect("shuts down");
+    let (with, without) = (&runs[0], &runs[1]);
+    assert_eq!(
+        with.tokens, without.tokens,
+        "asking for logprobs changed the tokens"
+    );
+    assert!(without.logprobs.is_empty());
+    assert_eq!(with.logprobs.len(), with.tokens.len());
+    let mut full = prompt.clone();
+    full.extend(&with.tokens);
+    let reference = tool_logits(&dir, &full[..full.len() - 1]);
+    let v = cfg.vocab_size;
+    for (g, (lp, &token)) in with.logprobs.iter().zip(&with.tokens).enumerate() {
+        let position = prompt.len() - 1 + g;
+        let row = &reference[position * v..(position + 1) * v];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let total: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+        let expected = |t: u32| row[t as usize] as f64 - max - total.ln();
+        // f32 rounding of a value of a few units: well under 1e-5.
+        assert_eq!(lp.chosen.id, token);
+        assert!(
+            (lp.chosen.logprob as f64 - expected(token)).abs() < 1e-5,
+            "token {g}"
+        );
+        let mut best: Vec<u32> = (0..v as u32).collect();
+        best.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        let top: Vec<u32> = lp.top.iter().map(|t| t.id).collect();
+        assert_eq!(
+            top,
+            best[..4],
+            "the alternatives of token {g}, most likely first"
+        );
+        for t in &lp.top {
+            assert!((t.logprob as f64 - expected(t.id)).abs() < 1e-5);
+        }
     }
 }

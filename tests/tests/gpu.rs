@@ -50,12 +50,15 @@ use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::{
-    Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcParams, Precision, RopeTable,
-    RowSampling, SampleRowsError, Tensor,
+    Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcParams, LogprobPick, Precision,
+    RopeTable, RowSampling, SampleRowsError, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
-use deepinfer_model::sampling::{AllowedTokens, MaskError, SamplingParams};
+use deepinfer_model::sampling::{
+    AllowedTokens, MAX_TOP_LOGPROBS, MaskError, SamplingParams, TokenLogprobs, sample_allowed,
+    token_logprobs,
+};
 use half::bf16;
 
 mod gpu_support;
@@ -2168,6 +2171,74 @@ fn row_mask(rng: &mut Rng, r: usize, vocab: usize) -> Option<AllowedTokens> {
             let kept: Vec<u32> = (0..narrower as u32).filter(|t| t % 3 != 1).collect();
             Some(AllowedTokens::from_tokens(narrower, &kept))
         }
+    }
+}
+
+/// Log-probabilities on the device (`Backend::token_logprobs_masked`: rows copied and masked
+/// there, one block per row summing in the reference's lane order): bit for bit the CPU
+/// reference's (`sampling::token_logprobs`) over vocabularies of 1, 7, 513 and 129 280, with
+/// ties, -inf, NaN, masks of one, a few and most tokens, 0 to 20 alternatives, for the token the
+/// CPU sampled from each row. Rows whose mask leaves only NaN logits (no distribution) are left
+/// out. Negative control: unmasked, the masked rows' numbers differ.
+#[test]
+fn backend_token_logprobs_equal_the_cpu_bit_for_bit() {
+    let gpu = cuda_backend("backend_token_logprobs_equal_the_cpu_bit_for_bit");
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(0x10b5_0001);
+    let bits = |lp: &TokenLogprobs| {
+        let top: Vec<(u32, u32)> = lp.top.iter().map(|&(t, l)| (t, l.to_bits())).collect();
+        (lp.token, lp.logprob.to_bits(), top)
+    };
+    for (vocab, rows) in [(1usize, 10usize), (7, 40), (513, 60), (129_280, 15)] {
+        let mut logits = Vec::new();
+        let mut masks = Vec::new();
+        let mut picks = Vec::new();
+        for r in 0..rows {
+            let row = logit_row(&mut rng, vocab, (r % 5) as u64);
+            let mask = row_mask(&mut rng, r, vocab);
+            let params = row_sampling(r, vocab);
+            let Ok(token) = sample_allowed(&row, &params.params, params.position, mask.as_ref())
+            else {
+                continue;
+            };
+            let top = r % (MAX_TOP_LOGPROBS + 1);
+            if token_logprobs(&row, mask.as_ref(), token, top).is_err() {
+                continue;
+            }
+            logits.extend(row);
+            masks.push(mask);
+            picks.push(LogprobPick { token, top });
+        }
+        let logits = Tensor::from(logits);
+        let allowed: Vec<Option<&AllowedTokens>> = masks.iter().map(Option::as_ref).collect();
+        let on_gpu = gpu
+            .token_logprobs_masked(&logits, vocab, &picks, &allowed)
+            .expect("masks fit");
+        let on_cpu = cpu
+            .token_logprobs_masked(&logits, vocab, &picks, &allowed)
+            .expect("masks fit");
+        assert_eq!(on_gpu.len(), picks.len());
+        for (r, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+            assert_eq!(
+                bits(g),
+                bits(c),
+                "vocab {vocab} row {r}: gpu {g:?} cpu {c:?}"
+            );
+        }
+        if vocab > 100 {
+            let unmasked = gpu
+                .token_logprobs_masked(&logits, vocab, &picks, &vec![None; picks.len()])
+                .expect("shapes fit");
+            let moved = unmasked.iter().zip(&on_gpu).filter(|(a, b)| a != b).count();
+            assert!(
+                moved > 0,
+                "vocab {vocab}: the masks changed no log-probability"
+            );
+        }
+        println!(
+            "token_logprobs vocab {vocab}: {} rows bitwise equal to the CPU",
+            picks.len()
+        );
     }
 }
 

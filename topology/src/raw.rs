@@ -131,10 +131,16 @@ pub struct RawParallelConfig {
     /// `device.nodes * device.gpus_per_node`.
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub ep: Option<u16>,
-    /// Balanced context parallelism for long prefills across the DP ranks (bool).
-    /// Default: false.
-    #[serde(default, deserialize_with = "crate::strict::boolean")]
-    pub context_parallel: Option<bool>,
+    /// Context-parallel group size (ranks, >= 1): a long prefill chunk of a DP rank is computed by
+    /// this many CP ranks (mirror split). 1 = off. Default: 1. CPU backend only for now.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub context_parallel: Option<u16>,
+    /// Prefill chunks of at least this many tokens run context-parallel (tokens, >= 2 x
+    /// `context_parallel`, at most `context_parallel x scheduler.prefill_chunk_tokens` and
+    /// `scheduler.max_batched_tokens`).
+    /// Default: `scheduler.prefill_chunk_tokens`.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub context_parallel_min_tokens: Option<u32>,
 }
 
 /// `[scheduler]`.

@@ -132,8 +132,21 @@ pub struct ParallelConfig {
     pub dp: u16,
     /// Expert-parallel ranks (count, >= 1). Default: `dp`.
     pub ep: u16,
-    /// Balanced context parallelism across the DP ranks (needs `dp >= 2`). Default: false.
-    pub context_parallel: bool,
+    /// Context parallelism of long prefills, `None` when off (`context_parallel = 1`).
+    pub context_parallel: Option<ContextParallel>,
+}
+
+/// `[parallel] context_parallel` > 1, validated: each DP rank computes a prefill chunk of at
+/// least `min_tokens` tokens over `ranks` CP ranks (mirror split, bitwise the one-rank prefill);
+/// the scheduler gives a prompt whose remaining prefill reaches `min_tokens` chunks of up to
+/// `ranks x scheduler.prefill_chunk_tokens` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextParallel {
+    /// CP ranks per group (>= 2).
+    pub ranks: u16,
+    /// Smallest chunk that runs context-parallel (tokens, `2 x ranks ..= min(ranks x
+    /// prefill_chunk_tokens, max_batched_tokens)`).
+    pub min_tokens: u32,
 }
 
 /// `[scheduler]`, validated.
@@ -306,8 +319,8 @@ impl NodeConfig {
         let check = Checker { origin };
         let model = model_config(&check, raw.model)?;
         let device = device_config(&check, raw.device)?;
-        let parallel = parallel_config(&check, raw.parallel, &device)?;
         let scheduler = scheduler_config(&check, raw.scheduler)?;
+        let parallel = parallel_config(&check, raw.parallel, &device, &scheduler)?;
         let sampling = sampling_config(&check, raw.sampling)?;
         let dspark = dspark_config(&check, raw.dspark)?;
         let replay = replay_config(&check, raw.replay, &dspark)?;
@@ -583,6 +596,7 @@ fn parallel_config(
     check: &Checker<'_>,
     raw: RawParallelConfig,
     device: &DeviceConfig,
+    scheduler: &SchedulerConfig,
 ) -> Result<ParallelConfig, TopologyError> {
     let dp = check.at_least("parallel.dp", raw.dp.unwrap_or(1), 1)?;
     let ep = check.at_least("parallel.ep", raw.ep.unwrap_or(dp), 1)?;
@@ -601,18 +615,54 @@ fn parallel_config(
             }
         }
     }
-    let context_parallel = raw.context_parallel.unwrap_or(false);
-    if context_parallel && dp < 2 {
-        return Err(check.invalid(
-            "parallel.context_parallel",
-            format!("splits a prefill across DP ranks and needs parallel.dp >= 2, got {dp}"),
-        ));
-    }
+    let context_parallel = context_parallel(check, &raw, device, scheduler)?;
     Ok(ParallelConfig {
         dp,
         ep,
         context_parallel,
     })
+}
+
+/// `context_parallel` and its threshold (see [`ContextParallel`]).
+fn context_parallel(
+    check: &Checker<'_>,
+    raw: &RawParallelConfig,
+    device: &DeviceConfig,
+    scheduler: &SchedulerConfig,
+) -> Result<Option<ContextParallel>, TopologyError> {
+    let ranks = check.at_least(
+        "parallel.context_parallel",
+        raw.context_parallel.unwrap_or(1),
+        1,
+    )?;
+    if ranks == 1 {
+        if raw.context_parallel_min_tokens.is_some() {
+            return Err(check.invalid(
+                "parallel.context_parallel_min_tokens",
+                "is set but context parallelism is off (parallel.context_parallel = 1)",
+            ));
+        }
+        return Ok(None);
+    }
+    if let Backend::Cuda { .. } = device.backend {
+        return Err(check.invalid(
+            "parallel.context_parallel",
+            format!(
+                "{ranks} CP ranks need the context-parallel KV exchange, which runs on the CPU \
+                 backend only so far (the device Comm does not carry it yet); use 1 with cuda"
+            ),
+        ));
+    }
+    let chunk = scheduler.prefill_chunk_tokens;
+    // A chunk is at most ranks x prefill_chunk_tokens and fits in one step's token budget.
+    let largest = (u32::from(ranks) * chunk).min(scheduler.max_batched_tokens);
+    let min_tokens = check.in_range(
+        "parallel.context_parallel_min_tokens",
+        raw.context_parallel_min_tokens.unwrap_or(chunk),
+        2 * u32::from(ranks),
+        largest,
+    )?;
+    Ok(Some(ContextParallel { ranks, min_tokens }))
 }
 
 fn scheduler_config(

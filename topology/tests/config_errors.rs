@@ -213,10 +213,57 @@ fn scheduler_bounds_are_enforced() {
         "scheduler.prefill_chunk_tokens",
         "1..=64, got 128",
     );
+}
+
+#[test]
+fn context_parallel_is_a_group_size_with_a_bounded_threshold() {
+    // The old boolean form is refused, not read as a size.
     assert_blames(
         "[parallel]\ncontext_parallel = true\n",
         "parallel.context_parallel",
-        "dp >= 2",
+        "",
+    );
+    assert_blames(
+        "[parallel]\ncontext_parallel = 0\n",
+        "parallel.context_parallel",
+        ">= 1, got 0",
+    );
+    // Where the KV exchange does not run yet: refused, never accepted and ignored.
+    assert_blames(
+        "[device]\nbackend = \"cuda\"\n[parallel]\ncontext_parallel = 2\n",
+        "parallel.context_parallel",
+        "CPU backend only",
+    );
+    assert_blames(
+        "[scheduler]\nprefill_chunk_tokens = 64\n[parallel]\ncontext_parallel = 4\n\
+         context_parallel_min_tokens = 7\n",
+        "parallel.context_parallel_min_tokens",
+        "8..=256, got 7",
+    );
+    // A threshold no step's token budget reaches would leave CP configured and never used.
+    assert_blames(
+        "[scheduler]\nmax_batched_tokens = 100\nmax_running_requests = 8\nprefill_chunk_tokens = 64\n\
+         [parallel]\n\
+         context_parallel = 2\ncontext_parallel_min_tokens = 120\n",
+        "parallel.context_parallel_min_tokens",
+        "4..=100, got 120",
+    );
+    assert_blames(
+        "[parallel]\ncontext_parallel_min_tokens = 100\n",
+        "parallel.context_parallel_min_tokens",
+        "context parallelism is off",
+    );
+    let node = deepinfer_topology::NodeConfig::from_toml_str(
+        "[scheduler]\nprefill_chunk_tokens = 64\n[parallel]\ncontext_parallel = 4\n",
+        "cp",
+    )
+    .expect("a CPU CP topology");
+    assert_eq!(
+        node.parallel.context_parallel,
+        Some(deepinfer_topology::ContextParallel {
+            ranks: 4,
+            min_tokens: 64
+        })
     );
 }
 

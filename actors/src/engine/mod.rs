@@ -91,6 +91,7 @@ impl EngineConfig {
             max_running: s.max_running_requests as usize,
             prefill_chunk_tokens: s.prefill_chunk_tokens as usize,
             overlap_depth: usize::from(s.overlap_depth.max(1)),
+            context_parallel: self.node.parallel.context_parallel,
         }
     }
 
@@ -251,6 +252,19 @@ impl Engine {
             return Err(EngineError::Config {
                 field: "parallel.dp".into(),
                 message: "must be >= 1".into(),
+            });
+        }
+        let (asked, runs) = (
+            config.node.parallel.context_parallel,
+            config.executor.context_parallel(),
+        );
+        if asked != runs {
+            return Err(EngineError::Config {
+                field: "parallel.context_parallel".into(),
+                message: format!(
+                    "the topology asks for {asked:?} but the executors ({}) run {runs:?}",
+                    config.executor.describe()
+                ),
             });
         }
         let codec = match &config.tokenizer {

@@ -45,6 +45,9 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// Structured output for a token or text prompt (a chat body's comes from the body).
     pub constraint: Option<Constraint>,
+    /// Report each generated token's log-probability and this many alternatives (at most
+    /// `sampling::MAX_TOP_LOGPROBS`) with it (`sampling::token_logprobs`); `None` = none.
+    pub logprobs: Option<usize>,
 }
 
 impl GenerateRequest {
@@ -60,6 +63,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             constraint: None,
+            logprobs: None,
         }
     }
 
@@ -117,6 +121,12 @@ impl GenerateRequest {
 
     pub fn ignore_eos(mut self, ignore: bool) -> Self {
         self.ignore_eos = ignore;
+        self
+    }
+
+    /// Reports log-probabilities with `top` alternatives per generated token.
+    pub fn logprobs(mut self, top: usize) -> Self {
+        self.logprobs = Some(top);
         self
     }
 }

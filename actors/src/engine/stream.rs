@@ -19,13 +19,19 @@ use crate::messages::frontend::FrontendMsg;
 use crate::messages::request::{FinishReason, RawEvent, Usage};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
+use crate::sampling::TokenLogprobs;
 
 /// What a caller receives for a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerationEvent {
     /// A generated token and the text it completes (may be empty while a multi-byte character or
-    /// a possible stop sequence is pending).
-    Token { id: u32, text: String },
+    /// a possible stop sequence is pending); its log-probabilities when the request asked
+    /// (`GenerateRequest::logprobs`).
+    Token {
+        id: u32,
+        text: String,
+        logprobs: Option<Box<ReportedLogprobs>>,
+    },
     /// The end: why, the token counts and the whole generated text.
     Finished {
         reason: FinishReason,
@@ -44,6 +50,27 @@ pub struct Completion {
     pub text: String,
     pub reason: FinishReason,
     pub usage: Usage,
+    /// One per token of `tokens` when the request asked for log-probabilities, else empty.
+    pub logprobs: Vec<ReportedLogprobs>,
+}
+
+/// A token as log-probabilities name it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportedToken {
+    pub id: u32,
+    /// The token decoded alone (empty without a tokenizer; a piece of a multi-byte character
+    /// decodes to U+FFFD).
+    pub text: String,
+    /// `ln p` under the distribution of `sampling::token_logprobs`.
+    pub logprob: f32,
+}
+
+/// A generated token's log-probabilities as the caller sees them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportedLogprobs {
+    pub chosen: ReportedToken,
+    /// The most likely tokens, most likely first, as many as the request asked for.
+    pub top: Vec<ReportedToken>,
 }
 
 /// The event stream of one request.
@@ -55,6 +82,10 @@ pub struct EventStream {
     frontend: ActorRef<FrontendMsg>,
     codec: Option<Arc<TextCodec>>,
     tokens: Vec<u32>,
+    /// The log-probabilities of the generated tokens, when the request asked.
+    logprobs: Vec<ReportedLogprobs>,
+    /// Those of the token whose event comes next.
+    next_logprobs: Option<Box<ReportedLogprobs>>,
     /// Bytes of the decoded text already handed out.
     emitted: usize,
     pending: VecDeque<GenerationEvent>,
@@ -76,6 +107,8 @@ impl EventStream {
             frontend,
             codec,
             tokens: Vec::new(),
+            logprobs: Vec::new(),
+            next_logprobs: None,
             emitted: 0,
             pending: VecDeque::new(),
             done: false,
@@ -110,6 +143,9 @@ impl EventStream {
             }
             match self.submission.events.recv().await {
                 Some(RawEvent::Token(token)) => self.on_token(token),
+                Some(RawEvent::Logprobs(logprobs)) => {
+                    self.next_logprobs = Some(Box::new(self.reported(&logprobs)));
+                }
                 Some(RawEvent::Finished { reason, usage }) => self.finish(reason, usage),
                 Some(RawEvent::Failed(error)) => self.fail(error),
                 None => self.fail(EngineError::ShuttingDown),
@@ -133,6 +169,7 @@ impl EventStream {
                         text,
                         reason,
                         usage,
+                        logprobs: std::mem::take(&mut self.logprobs),
                     });
                 }
                 GenerationEvent::Error(error) => return Err(error),
@@ -146,6 +183,23 @@ impl EventStream {
     /// Stops the request (same as dropping the stream).
     pub fn abort(self) {}
 
+    /// Log-probabilities with their tokens' text.
+    fn reported(&self, logprobs: &TokenLogprobs) -> ReportedLogprobs {
+        let token = |id: u32, logprob: f32| ReportedToken {
+            id,
+            text: self
+                .codec
+                .as_ref()
+                .map(|c| c.decode(&[id]))
+                .unwrap_or_default(),
+            logprob,
+        };
+        ReportedLogprobs {
+            chosen: token(logprobs.token, logprobs.logprob),
+            top: logprobs.top.iter().map(|&(id, lp)| token(id, lp)).collect(),
+        }
+    }
+
     fn decoded(&self) -> String {
         self.codec
             .as_ref()
@@ -155,10 +209,15 @@ impl EventStream {
 
     fn on_token(&mut self, token: u32) {
         self.tokens.push(token);
+        let logprobs = self.next_logprobs.take();
+        if let Some(lp) = &logprobs {
+            self.logprobs.push((**lp).clone());
+        }
         let Some(codec) = &self.codec else {
             self.pending.push_back(GenerationEvent::Token {
                 id: token,
                 text: String::new(),
+                logprobs,
             });
             return;
         };
@@ -175,6 +234,7 @@ impl EventStream {
             self.pending.push_back(GenerationEvent::Token {
                 id: token,
                 text: delta,
+                logprobs,
             });
             let _ = self.submission.scheduler.cast(SchedulerMsg::Abort(self.id));
             let usage = Usage {
@@ -213,6 +273,7 @@ impl EventStream {
         self.pending.push_back(GenerationEvent::Token {
             id: token,
             text: delta,
+            logprobs,
         });
     }
 

@@ -9,7 +9,7 @@ use crate::frontend::codec::TextCodec;
 use crate::grammar::GrammarEngine;
 use crate::messages::rank::SeqGrammar;
 use crate::messages::request::RequestSpec;
-use crate::sampling::SamplingParams;
+use crate::sampling::{MAX_TOP_LOGPROBS, SamplingParams};
 
 /// Limits the frontend validates against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +119,13 @@ pub fn prepare(
         });
     }
     sampling.validate()?;
+    if let Some(top) = request.logprobs.filter(|&top| top > MAX_TOP_LOGPROBS) {
+        return Err(ValidationError::OutOfRange {
+            field: "top_logprobs",
+            value: top.to_string(),
+            expected: "at most 20 alternatives",
+        });
+    }
     if sampling.top_k > limits.vocab_size {
         return Err(ValidationError::OutOfRange {
             field: "top_k",
@@ -194,6 +201,7 @@ pub fn prepare(
             max_tokens,
             stop_token_ids,
             grammar,
+            logprobs: request.logprobs,
         },
         stop,
     })

@@ -12,7 +12,7 @@ use ractor::ActorRef;
 
 use crate::grammar::GrammarMatcher;
 use crate::messages::scheduler::SchedulerMsg;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, TokenLogprobs};
 
 /// What kind of step a plan is (a metric label, and `Idle` is mandatory for DP attention: every
 /// rank steps every iteration because the MoE collectives involve all of them).
@@ -57,6 +57,8 @@ pub struct NewSeq {
     /// first decode step can already verify drafts (the scheduler runs DSpark and the request is
     /// unconstrained).
     pub speculative: bool,
+    /// Report log-probabilities with this many alternatives (`RequestSpec::logprobs`).
+    pub logprobs: Option<usize>,
 }
 
 /// One sequence's input in a step.
@@ -144,6 +146,9 @@ pub struct StepOutput {
     /// Tokens produced, in order; a `Verify` entry contributes its accepted drafts and its bonus
     /// token (several consecutive entries with the same id).
     pub sampled: Vec<(RequestId, u32)>,
+    /// The log-probabilities of the sampled tokens of the sequences that asked for them, in the
+    /// order of `sampled`.
+    pub logprobs: Vec<(RequestId, TokenLogprobs)>,
     /// One per `Verify` entry of the plan.
     pub verified: Vec<VerifyOutcome>,
     /// Proposals drafted after this step (for the next one).

@@ -6,7 +6,7 @@ use tokio::sync::mpsc;
 
 use crate::error::EngineError;
 use crate::messages::rank::SeqGrammar;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, TokenLogprobs};
 
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -48,6 +48,8 @@ pub struct RequestSpec {
     pub stop_token_ids: Vec<u32>,
     /// Structured output, handed to the rank with the sequence's first plan.
     pub grammar: Option<Box<SeqGrammar>>,
+    /// Alternatives to report with each token's log-probability; `None` = no log-probabilities.
+    pub logprobs: Option<usize>,
 }
 
 /// A validated request routed to a rank. Built by the frontend only.
@@ -63,6 +65,11 @@ pub struct Admitted {
 #[derive(Debug, Clone)]
 pub enum RawEvent {
     Token(u32),
-    Finished { reason: FinishReason, usage: Usage },
+    /// The log-probabilities of the token whose `Token` event comes next (requests that asked).
+    Logprobs(Box<TokenLogprobs>),
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
     Failed(EngineError),
 }

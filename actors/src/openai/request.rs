@@ -19,6 +19,7 @@ use super::error::{
 use crate::engine::request::GenerateRequest;
 use crate::frontend::codec::conversion_options;
 use crate::grammar::{Constraint, take_grammar_response_format};
+use crate::sampling::MAX_TOP_LOGPROBS;
 
 /// Which OpenAI endpoint a request targets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +125,8 @@ pub struct ApiRequest {
     pub seed: Option<u64>,
     /// Chat: thinking mode, as resolved (reasoning returned as `reasoning_content`).
     pub thinking: bool,
+    /// Report log-probabilities with this many alternatives per token (`None`: none).
+    pub logprobs: Option<usize>,
     /// The engine request of one choice, without its seed.
     template: GenerateRequest,
     /// Chat: deepseek-recipe's conversion (output parsing: reasoning, tool calls, JSON).
@@ -209,6 +212,8 @@ struct Sampling {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// Alternatives per token when log-probabilities are asked for.
+    logprobs: Option<usize>,
 }
 
 fn sampling(
@@ -309,7 +314,8 @@ fn sampling(
         Some(Value::Object(options)) => boolean(options, "include_usage")?.unwrap_or(false),
         Some(_) => return Err(type_error("stream_options", "an object")),
     };
-    refuse_unimplemented(body, endpoint, n)?;
+    refuse_unimplemented(body, n)?;
+    let logprobs = logprobs(body, endpoint)?;
     Ok(Sampling {
         temperature: temperature.map_or(DEFAULT_TEMPERATURE, |t| t as f32),
         top_p: top_p.map_or(1.0, |p| p as f32),
@@ -320,37 +326,52 @@ fn sampling(
         stop,
         stream,
         include_usage,
+        logprobs,
     })
 }
 
-/// Fields whose non-default values this engine does not implement: refused, never ignored.
-fn refuse_unimplemented(
-    body: &Map<String, Value>,
-    endpoint: Endpoint,
-    n: u64,
-) -> Result<(), ApiError> {
-    let wants_logprobs = match (endpoint, present(body, "logprobs")) {
-        (_, None) => false,
-        (Endpoint::ChatCompletions, Some(v)) => v
-            .as_bool()
-            .ok_or_else(|| type_error("logprobs", "a boolean"))?,
-        (Endpoint::Completions, Some(v)) => {
-            v.as_u64()
-                .ok_or_else(|| type_error("logprobs", "a non-negative integer"))?
-                > 0
+/// The alternatives to report with each generated token's log-probability, `None` when the
+/// request asks for no log-probabilities: chat's `logprobs: true` with `top_logprobs` (default
+/// 0), completions' `logprobs` count; at most [`MAX_TOP_LOGPROBS`].
+fn logprobs(body: &Map<String, Value>, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    let in_range = |param: &str, top: u64| {
+        if top > MAX_TOP_LOGPROBS as u64 {
+            return Err(out_of_range(param, top, "[0, 20]"));
         }
+        Ok(top as usize)
     };
-    if wants_logprobs || uint(body, "top_logprobs")?.unwrap_or(0) > 0 {
-        let param = if wants_logprobs {
-            "logprobs"
-        } else {
-            "top_logprobs"
-        };
-        return Err(unsupported(
-            param,
-            "is not supported: this engine does not report log probabilities",
-        ));
+    match endpoint {
+        Endpoint::ChatCompletions => {
+            let wanted = boolean(body, "logprobs")?.unwrap_or(false);
+            let top = uint(body, "top_logprobs")?
+                .map(|top| in_range("top_logprobs", top))
+                .transpose()?;
+            match (wanted, top) {
+                (true, top) => Ok(Some(top.unwrap_or(0))),
+                (false, Some(1..)) => Err(ApiError::field(
+                    "top_logprobs",
+                    INVALID_VALUE,
+                    "`top_logprobs` needs `logprobs: true`",
+                )),
+                (false, _) => Ok(None),
+            }
+        }
+        Endpoint::Completions => {
+            if present(body, "top_logprobs").is_some() {
+                return Err(unsupported(
+                    "top_logprobs",
+                    "is not a field of /v1/completions requests (`logprobs` counts the alternatives)",
+                ));
+            }
+            uint(body, "logprobs")?
+                .map(|top| in_range("logprobs", top))
+                .transpose()
+        }
     }
+}
+
+/// Fields whose non-default values this engine does not implement: refused, never ignored.
+fn refuse_unimplemented(body: &Map<String, Value>, n: u64) -> Result<(), ApiError> {
     match present(body, "logit_bias") {
         None => {}
         Some(Value::Object(bias)) if bias.is_empty() => {}
@@ -393,6 +414,7 @@ fn apply(sampling: &Sampling, request: GenerateRequest) -> GenerateRequest {
         .top_k(sampling.top_k);
     request.max_tokens = sampling.max_tokens;
     request.stop = sampling.stop.clone();
+    request.logprobs = sampling.logprobs;
     request
 }
 
@@ -452,6 +474,7 @@ pub fn parse_chat(body: &Value, served: &ServedModel) -> Result<ApiRequest, ApiE
         stream: sampling.stream,
         include_usage: sampling.include_usage,
         seed: sampling.seed,
+        logprobs: sampling.logprobs,
         thinking,
         template: apply(&sampling, GenerateRequest::from_chat(rendered)),
         chat: Some(converted),
@@ -490,6 +513,7 @@ pub fn parse_completion(body: &Value, served: &ServedModel) -> Result<ApiRequest
         stream: sampling.stream,
         include_usage: sampling.include_usage,
         seed: sampling.seed,
+        logprobs: sampling.logprobs,
         thinking: false,
         template: request,
         chat: None,
@@ -622,11 +646,7 @@ mod tests {
                 "presence_penalty",
                 UNSUPPORTED_PARAMETER,
             ),
-            (
-                json!({"top_logprobs": 2}),
-                "top_logprobs",
-                UNSUPPORTED_PARAMETER,
-            ),
+            (json!({"logprobs": "yes"}), "logprobs", INVALID_TYPE),
             (
                 json!({"stream_options": {"include_usage": true}}),
                 "stream_options",
@@ -658,23 +678,79 @@ mod tests {
             "{}",
             error.message
         );
-        // `logprobs` is a boolean on chat, a count on completions; both are refused the same way.
-        for (body, endpoint) in [
-            (chat(json!({"logprobs": true})), Endpoint::ChatCompletions),
-            (completion(json!({"logprobs": 2})), Endpoint::Completions),
-        ] {
-            let error = parse(endpoint, &body, &served()).err().unwrap();
-            assert_eq!(
-                (error.param.as_deref(), error.code),
-                (Some("logprobs"), UNSUPPORTED_PARAMETER)
-            );
-        }
-        assert!(parse_chat(&chat(json!({"logprobs": false})), &served()).is_ok());
         let missing = parse_chat(&json!({"model": "m"}), &served()).err().unwrap();
         assert_eq!(
             (missing.param.as_deref(), missing.code),
             (Some("messages"), MISSING_PARAMETER)
         );
+    }
+
+    #[test]
+    fn logprobs_are_a_flag_with_top_logprobs_on_chat_and_a_count_on_completions() {
+        let asked = |request: Result<ApiRequest, ApiError>| {
+            let request = request.expect("valid");
+            let engine = request.choice_requests(None).remove(0).logprobs;
+            assert_eq!(engine, request.logprobs, "the engine request carries it");
+            engine
+        };
+        assert_eq!(asked(parse_chat(&chat(json!({})), &served())), None);
+        let chat_with = |extra| parse_chat(&chat(extra), &served());
+        assert_eq!(asked(chat_with(json!({"logprobs": false}))), None);
+        assert_eq!(asked(chat_with(json!({"logprobs": true}))), Some(0));
+        let top = json!({"logprobs": true, "top_logprobs": 20});
+        assert_eq!(asked(chat_with(top)), Some(20));
+        let completion_with = |extra| parse_completion(&completion(extra), &served());
+        assert_eq!(asked(completion_with(json!({"logprobs": 0}))), Some(0));
+        assert_eq!(asked(completion_with(json!({"logprobs": 5}))), Some(5));
+        assert_eq!(asked(completion_with(json!({}))), None);
+        let cases = [
+            (
+                chat(json!({"logprobs": true, "top_logprobs": 21})),
+                Endpoint::ChatCompletions,
+                "top_logprobs",
+                INVALID_VALUE,
+            ),
+            (
+                chat(json!({"top_logprobs": 3})),
+                Endpoint::ChatCompletions,
+                "top_logprobs",
+                INVALID_VALUE,
+            ),
+            (
+                chat(json!({"logprobs": 2})),
+                Endpoint::ChatCompletions,
+                "logprobs",
+                INVALID_TYPE,
+            ),
+            (
+                completion(json!({"logprobs": 21})),
+                Endpoint::Completions,
+                "logprobs",
+                INVALID_VALUE,
+            ),
+            (
+                completion(json!({"logprobs": true})),
+                Endpoint::Completions,
+                "logprobs",
+                INVALID_TYPE,
+            ),
+            (
+                completion(json!({"top_logprobs": 2})),
+                Endpoint::Completions,
+                "top_logprobs",
+                UNSUPPORTED_PARAMETER,
+            ),
+        ];
+        for (body, endpoint, param, code) in cases {
+            let error = parse(endpoint, &body, &served()).expect_err("refused");
+            assert_eq!(
+                (error.status, error.param.as_deref(), error.code),
+                (400, Some(param), code),
+                "{body}: {error}"
+            );
+            assert!(error.message.contains(param), "{}", error.message);
+        }
+        assert!(chat_with(json!({"top_logprobs": 0})).is_ok());
     }
 
     #[test]

@@ -12,6 +12,13 @@
 //! with the text as it comes. Both endpoints end a choice with a chunk carrying its
 //! `finish_reason` and its `usage` (deepseek-recipe's rule for chat, followed for completions);
 //! with `stream_options.include_usage` every earlier chunk has `"usage": null`.
+//!
+//! Log-probabilities (requests that asked) are shaped as OpenAI's: chat's `logprobs.content`
+//! (`token`, `logprob`, `bytes`, `top_logprobs` per token), completions' `tokens`,
+//! `token_logprobs`, `top_logprobs` (token text -> log-probability) and `text_offset`. A stream
+//! carries each token's entry in the chunk of its text, or (chat, where the output parser may
+//! hold text back) in the next chunk the parser sends; every token's entry once, in order. A
+//! token of probability 0 (a grammar's forced end) reports −9999, OpenAI's stand-in for −∞.
 
 use deepseek_recipe::openai::ChatCompletionRequest;
 use deepseek_recipe::openai::chat_completion::response::{
@@ -31,7 +38,9 @@ use tokio_stream::{Stream, StreamExt};
 
 use super::error::ApiError;
 use super::request::{ApiRequest, Endpoint, ServedModel};
-use crate::engine::stream::{Completion, EventStream, GenerationEvent};
+use crate::engine::stream::{
+    Completion, EventStream, GenerationEvent, ReportedLogprobs, ReportedToken,
+};
 use crate::error::EngineError;
 use crate::messages::request::{FinishReason, Usage};
 
@@ -95,10 +104,74 @@ pub fn model_list(served: &ServedModel, created: u64) -> Value {
     })
 }
 
-/// A request still generating, as text pieces with the tokens they account for.
+/// A log-probability as JSON: −9999 for a token of probability 0 (JSON has no −∞).
+fn logprob_value(logprob: f32) -> Value {
+    if logprob.is_finite() {
+        json!(logprob)
+    } else {
+        json!(-9999.0)
+    }
+}
+
+/// Chat's entry of one token (`top_logprobs` added by [`chat_logprobs`]).
+fn chat_token(token: &ReportedToken) -> Value {
+    json!({"token": token.text, "logprob": logprob_value(token.logprob),
+           "bytes": token.text.as_bytes()})
+}
+
+/// Chat's `logprobs` of a choice (or of a chunk's tokens).
+fn chat_logprobs(tokens: &[ReportedLogprobs]) -> Value {
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut entry = chat_token(&t.chosen);
+            entry["top_logprobs"] = t.top.iter().map(chat_token).collect();
+            entry
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// Completions' `logprobs` of a choice (or of a chunk's tokens), the first token's text
+/// starting at byte `offset` of the choice's text.
+fn completion_logprobs(tokens: &[ReportedLogprobs], offset: usize) -> Value {
+    let mut text_offset = Vec::with_capacity(tokens.len());
+    let mut at = offset;
+    for t in tokens {
+        text_offset.push(at);
+        at += t.chosen.text.len();
+    }
+    let top: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let alternatives: serde_json::Map<String, Value> = t
+                .top
+                .iter()
+                .map(|a| (a.text.clone(), logprob_value(a.logprob)))
+                .collect();
+            Value::Object(alternatives)
+        })
+        .collect();
+    json!({
+        "tokens": tokens.iter().map(|t| t.chosen.text.as_str()).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|t| logprob_value(t.chosen.logprob)).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    })
+}
+
+/// A request still generating, as text pieces with the tokens they account for (and those
+/// tokens' log-probabilities when the request asked).
 enum Live {
-    Text { content: String, tokens: usize },
-    Finished { reason: FinishReason, usage: Usage },
+    Text {
+        content: String,
+        tokens: usize,
+        logprobs: Vec<ReportedLogprobs>,
+    },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
 }
 
 struct LiveState {
@@ -107,6 +180,8 @@ struct LiveState {
     sent: usize,
     counted: usize,
     tokens: usize,
+    /// Log-probabilities of the tokens not yet passed on.
+    logprobs: Vec<ReportedLogprobs>,
     queue: VecDeque<Result<Live, EngineError>>,
     ended: bool,
 }
@@ -121,6 +196,7 @@ fn live(events: EventStream) -> impl Stream<Item = Result<Live, EngineError>> + 
         sent: 0,
         counted: 0,
         tokens: 0,
+        logprobs: Vec::new(),
         queue: VecDeque::new(),
         ended: false,
     };
@@ -133,8 +209,9 @@ fn live(events: EventStream) -> impl Stream<Item = Result<Live, EngineError>> + 
                 return None;
             }
             match s.events.next().await {
-                Some(GenerationEvent::Token { text, .. }) => {
+                Some(GenerationEvent::Token { text, logprobs, .. }) => {
                     s.tokens += 1;
+                    s.logprobs.extend(logprobs.map(|lp| *lp));
                     if !text.is_empty() {
                         s.sent += text.len();
                         let tokens = s.tokens - s.counted;
@@ -142,6 +219,7 @@ fn live(events: EventStream) -> impl Stream<Item = Result<Live, EngineError>> + 
                         s.queue.push_back(Ok(Live::Text {
                             content: text,
                             tokens,
+                            logprobs: std::mem::take(&mut s.logprobs),
                         }));
                     }
                 }
@@ -152,10 +230,11 @@ fn live(events: EventStream) -> impl Stream<Item = Result<Live, EngineError>> + 
                 }) => {
                     let rest = text.get(s.sent..).unwrap_or_default();
                     let tokens = usage.completion_tokens.saturating_sub(s.counted);
-                    if !rest.is_empty() || tokens > 0 {
+                    if !rest.is_empty() || tokens > 0 || !s.logprobs.is_empty() {
                         s.queue.push_back(Ok(Live::Text {
                             content: rest.to_string(),
                             tokens,
+                            logprobs: std::mem::take(&mut s.logprobs),
                         }));
                     }
                     s.queue.push_back(Ok(Live::Finished { reason, usage }));
@@ -206,25 +285,36 @@ where
     })
 }
 
-/// Completions: `text_completion` chunks of choice `index` as the text comes, the finish
-/// reason and `usage` on the last.
+/// Completions: `text_completion` chunks of choice `index` as the text comes (with their
+/// tokens' log-probabilities when `with_logprobs`), the finish reason and `usage` on the last.
 fn completion_stream(
     live: impl Stream<Item = Result<Live, EngineError>> + Send + 'static,
     id: String,
     served: ServedModel,
     created: u64,
-    index: usize,
-    include_usage: bool,
+    (index, include_usage, with_logprobs): (usize, bool, bool),
 ) -> impl Stream<Item = Result<Value, ApiError>> + Send + 'static {
+    // Bytes of the choice's token texts so far (`text_offset`).
+    let mut offset = 0;
     live.filter_map(move |item| {
-        let (text, finish) = match item {
-            Ok(Live::Text { content, .. }) if content.is_empty() => return None,
-            Ok(Live::Text { content, .. }) => (content, None),
-            Ok(Live::Finished { reason, usage }) => (String::new(), Some((reason, usage))),
+        let (text, logprobs, finish) = match item {
+            Ok(Live::Text {
+                content, logprobs, ..
+            }) if content.is_empty() && logprobs.is_empty() => return None,
+            Ok(Live::Text {
+                content, logprobs, ..
+            }) => (content, logprobs, None),
+            Ok(Live::Finished { reason, usage }) => {
+                (String::new(), Vec::new(), Some((reason, usage)))
+            }
             Err(error) => return Some(Err(ApiError::from_engine(&error))),
         };
         let reason = finish.map(|(reason, _)| reason);
         let mut chunk = completion_chunk(&id, &served, created, index, &text, reason);
+        if with_logprobs && finish.is_none() {
+            chunk["choices"][0]["logprobs"] = completion_logprobs(&logprobs, offset);
+            offset += logprobs.iter().map(|t| t.chosen.text.len()).sum::<usize>();
+        }
         if let Some((_, usage)) = finish {
             chunk["usage"] = usage_body(usage.prompt_tokens, usage.completion_tokens);
         } else if include_usage {
@@ -276,12 +366,15 @@ impl ApiRequest {
                 response_id.to_string(),
                 served.clone(),
                 created,
-                index,
-                self.include_usage,
+                (index, self.include_usage, self.logprobs.is_some()),
             ));
         };
         let failed: Arc<Mutex<Option<EngineError>>> = Arc::default();
         let slot = failed.clone();
+        // Log-probabilities of the text the parser has taken in, for its next chunk.
+        let taken: Arc<Mutex<Vec<ReportedLogprobs>>> = Arc::default();
+        let taking = taken.clone();
+        let with_logprobs = self.logprobs.is_some();
         let ready = InferenceChunk::Ready {
             system_fingerprint: None,
             prompt_usage: PromptUsage {
@@ -290,10 +383,20 @@ impl ApiRequest {
             },
         };
         let inference = tokio_stream::iter([ready]).chain(live.map_while(move |item| match item {
-            Ok(Live::Text { content, tokens }) => Some(InferenceChunk::Text {
+            Ok(Live::Text {
                 content,
-                token_count: tokens,
-            }),
+                tokens,
+                logprobs,
+            }) => {
+                taking
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend(logprobs);
+                Some(InferenceChunk::Text {
+                    content,
+                    token_count: tokens,
+                })
+            }
             Ok(Live::Finished { reason, .. }) => Some(InferenceChunk::Finish {
                 finish_reason: finish_reason(reason),
             }),
@@ -314,11 +417,20 @@ impl ApiRequest {
                     stopped = true;
                     return Some(Err(ApiError::from_engine(&error)));
                 }
-                Some(
-                    chunk
-                        .map_err(output_error)
-                        .and_then(|c| serde_json::to_value(c).map_err(output_error)),
-                )
+                let mut chunk = chunk
+                    .map_err(output_error)
+                    .and_then(|c| serde_json::to_value(c).map_err(output_error));
+                let first = chunk
+                    .as_mut()
+                    .ok()
+                    .and_then(|c| c.get_mut("choices")?.get_mut(0));
+                if let Some(choice) = first {
+                    let mut taken = taken.lock().unwrap_or_else(|e| e.into_inner());
+                    if with_logprobs && !taken.is_empty() {
+                        choice["logprobs"] = chat_logprobs(&std::mem::take(&mut *taken));
+                    }
+                }
+                Some(chunk)
             });
         Box::pin(chunks)
     }
@@ -358,7 +470,11 @@ impl ApiRequest {
                 .iter()
                 .enumerate()
                 .map(|(index, done)| {
-                    json!({"index": index, "text": done.text, "logprobs": null,
+                    let logprobs = match self.logprobs {
+                        Some(_) => completion_logprobs(&done.logprobs, 0),
+                        None => Value::Null,
+                    };
+                    json!({"index": index, "text": done.text, "logprobs": logprobs,
                            "finish_reason": done.reason.as_str()})
                 })
                 .collect();
@@ -390,6 +506,18 @@ impl ApiRequest {
             code: "internal",
         })?;
         body["usage"] = usage;
+        if self.logprobs.is_some()
+            && let Some(listed) = body["choices"].as_array_mut()
+        {
+            for choice in listed {
+                let done = choice["index"]
+                    .as_u64()
+                    .and_then(|index| choices.get(index as usize));
+                if let Some(done) = done {
+                    choice["logprobs"] = chat_logprobs(&done.logprobs);
+                }
+            }
+        }
         Ok(body)
     }
 }
@@ -426,6 +554,7 @@ mod tests {
                 prompt_tokens: 10,
                 completion_tokens: tokens,
             },
+            logprobs: Vec::new(),
         }
     }
 
@@ -534,6 +663,7 @@ mod tests {
         Ok(Live::Text {
             content: content.into(),
             tokens,
+            logprobs: Vec::new(),
         })
     }
 
@@ -692,5 +822,111 @@ mod tests {
         assert_eq!(completion["choices"][0]["finish_reason"], "length");
         assert_eq!(completion["choices"][0]["index"], 1);
         assert_eq!(completion["model"], "served-model");
+    }
+
+    /// Log-probabilities of tokens `texts` (ids 100.., ln p = −0.5·i, two alternatives each).
+    fn reported(texts: &[&str]) -> Vec<ReportedLogprobs> {
+        texts
+            .iter()
+            .enumerate()
+            .map(|(i, text)| {
+                let token = |id: u32, text: &str, logprob: f32| ReportedToken {
+                    id,
+                    text: text.into(),
+                    logprob,
+                };
+                ReportedLogprobs {
+                    chosen: token(100 + i as u32, text, -0.5 * i as f32),
+                    top: vec![token(7, "x", -0.25), token(8, "y", f32::NEG_INFINITY)],
+                }
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn responses_carry_logprobs_shaped_as_openai_when_asked() {
+        let mut answer = done(3, "Hi there", FinishReason::Stop, 2);
+        answer.logprobs = reported(&["Hi", " there"]);
+        let body = json!({"messages": [{"role": "user", "content": "Hi"}],
+                          "logprobs": true, "top_logprobs": 2});
+        let out = chat_response(body, std::slice::from_ref(&answer)).await;
+        let content = &out["choices"][0]["logprobs"]["content"];
+        assert_eq!(content.as_array().map(Vec::len), Some(2), "{out}");
+        assert_eq!(content[1]["token"], " there");
+        assert_eq!(content[1]["logprob"], -0.5);
+        assert_eq!(content[1]["bytes"], json!(b" there".to_vec()));
+        assert_eq!(
+            content[0]["top_logprobs"][0],
+            json!({"token": "x", "logprob": -0.25, "bytes": [120]})
+        );
+        assert_eq!(content[0]["top_logprobs"][1]["logprob"], -9999.0);
+        // Not asked: null, as OpenAI answers.
+        let plain = json!({"messages": [{"role": "user", "content": "Hi"}]});
+        let out = chat_response(plain, std::slice::from_ref(&answer)).await;
+        assert!(out["choices"][0]["logprobs"].is_null(), "{out}");
+
+        let request = parse_completion(&json!({"prompt": "x", "logprobs": 2}), &served()).unwrap();
+        let out = request.response(&served(), &[answer], 9).await.unwrap();
+        let logprobs = &out["choices"][0]["logprobs"];
+        assert_eq!(logprobs["tokens"], json!(["Hi", " there"]));
+        assert_eq!(logprobs["token_logprobs"], json!([0.0, -0.5]));
+        assert_eq!(logprobs["text_offset"], json!([0, 2]));
+        assert_eq!(
+            logprobs["top_logprobs"][1],
+            json!({"x": -0.25, "y": -9999.0})
+        );
+    }
+
+    #[tokio::test]
+    async fn streams_carry_every_tokens_logprobs_once_in_order() {
+        let piece = |content: &str, texts: &[&str]| {
+            Ok(Live::Text {
+                content: content.into(),
+                tokens: texts.len(),
+                logprobs: reported(texts),
+            })
+        };
+        let live = || {
+            vec![
+                piece("Plan", &["Plan"]),
+                piece(" it.</think>The", &[" it", ".</think>", "The"]),
+                piece("", &[]),
+                piece(" answer.", &[" answer."]),
+                finished(FinishReason::Stop, 6),
+            ]
+        };
+        let body = json!({"messages": [{"role": "user", "content": "Hi"}], "stream": true,
+                          "thinking": {"type": "enabled"}, "logprobs": true, "top_logprobs": 2});
+        let request = parse_chat(&body, &served()).unwrap();
+        let chunks = streamed(&request, live()).await;
+        let tokens: Vec<Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+            .flatten()
+            .map(|entry| entry["token"].clone())
+            .collect();
+        assert_eq!(
+            tokens,
+            json!(["Plan", " it", ".</think>", "The", " answer."])
+                .as_array()
+                .unwrap()
+                .clone(),
+            "{chunks:?}"
+        );
+
+        let body = json!({"prompt": "x", "stream": true, "logprobs": 1});
+        let request = parse_completion(&body, &served()).unwrap();
+        let chunks = streamed(&request, live()).await;
+        let offsets: Vec<Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["logprobs"]["text_offset"].as_array())
+            .flatten()
+            .cloned()
+            .collect();
+        assert_eq!(
+            offsets,
+            [0, 4, 7, 16, 19].map(|o| json!(o)).to_vec(),
+            "{chunks:?}"
+        );
     }
 }

@@ -19,11 +19,12 @@
 
 use std::time::Duration;
 
+use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::sampling::sample_allowed;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::RequestId;
 
-use crate::sampling::{SamplingParams, sample};
+use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
 
 /// A backend failure, reported to the scheduler as `RankError::Backend`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -143,6 +144,24 @@ pub trait RankExecutor: Send {
             })
             .collect()
     }
+    /// The log-probabilities of `picks[i].token`, sampled from row `i` of `rows` (after its
+    /// mask; `sampling::token_logprobs` is the definition), with `picks[i].top` alternatives: a
+    /// device executor computes them all in one op where the rows are and copies back only the
+    /// results. The default reads the rows on the host.
+    fn logprobs_logits(
+        &mut self,
+        rows: &[LogitsRow<'_>],
+        picks: &[LogprobPick],
+    ) -> Result<Vec<TokenLogprobs>, ExecError> {
+        rows.iter()
+            .zip(picks)
+            .enumerate()
+            .map(|(i, (row, pick))| {
+                token_logprobs(row.logits, row.allowed, pick.token, pick.top)
+                    .map_err(|e| ExecError::Backend(format!("log-probabilities of row {i}: {e}")))
+            })
+            .collect()
+    }
     /// Proposes the tokens after `anchor`, the token just sampled for sequence `id` (it will
     /// sit at position `sequence_len(id)`). `None` when the executor has no drafter.
     fn draft(&mut self, _id: RequestId, _anchor: u32) -> Result<Option<Draft>, ExecError> {
@@ -208,6 +227,11 @@ pub trait ExecutorFactory: Send + Sync {
     /// The expert-parallel state its executors share, when they run expert parallelism (the
     /// supervisor then spawns the expert groups and the EPLB over it).
     fn expert_parallel(&self) -> Option<std::sync::Arc<crate::experts::parallel::ExpertParallel>> {
+        None
+    }
+    /// The context parallelism its executors run (the engine refuses a topology that asks for
+    /// another: `[parallel] context_parallel` is never accepted and ignored).
+    fn context_parallel(&self) -> Option<deepinfer_topology::ContextParallel> {
         None
     }
 }

@@ -8,6 +8,7 @@
 //! message), ends the thread, and makes this actor fail, so `NodeSupervisor` applies its policy.
 //! The actor is never killed mid-step: stopping it closes the plan channel and joins the thread.
 
+pub mod context_parallel;
 pub mod executor;
 pub mod factory;
 pub mod fake;

@@ -10,15 +10,23 @@
 //! prefill as `Model::forward_replay` does. `execute_deferred` is `Model::forward_step_on_device`
 //! (unsampled rows stay on the backend) and `sample_logits` is `Model::sample_rows` (the masked
 //! rows sampled where they are, only the ids come back).
+//! Context parallelism (`[parallel] context_parallel`): a plain prefill chunk of at least the
+//! threshold runs as `Model::prefill_context_parallel` over the CP group (the ranks are threads
+//! on this rank's CPU backend, the window KV and compressor inputs all-gathered per layer); this
+//! rank keeps the sequence's state, which is bitwise the one-rank prefill's, and decodes it.
 //!
 //! Built per rank by `rank::factory::ModelFactory` (or `ExpertParallelFactory`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
+use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::expert_dispatch::RoutedExperts;
+use deepinfer_model::sampling::TokenLogprobs;
+use deepinfer_model::v41::context_parallel::CpSplit;
 use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
-use deepinfer_topology::{DpRank, RequestId};
+use deepinfer_topology::{ContextParallel, DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
 use crate::experts::parallel::{ExpertParallel, StepRecord};
@@ -35,7 +43,12 @@ pub struct ModelExecutor {
     replay_from: HashMap<RequestId, usize>,
     /// Expert parallelism: the routed experts go through the committed `Comm` of each step.
     ep: Option<RankExperts>,
+    /// Context parallelism of long prefill chunks.
+    cp: Option<ContextParallel>,
 }
+
+/// How long a CP rank waits for the others at one all-gather.
+const CP_EXCHANGE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// One rank's side of expert parallelism.
 struct RankExperts {
@@ -51,7 +64,23 @@ impl ModelExecutor {
             sequences: Sequences::default(),
             replay_from: HashMap::new(),
             ep: None,
+            cp: None,
         }
+    }
+
+    /// This executor with context parallelism of long prefill chunks (`None`: off).
+    pub fn with_context_parallel(self, cp: Option<ContextParallel>) -> Self {
+        ModelExecutor { cp, ..self }
+    }
+
+    /// Whether a step entry runs context-parallel: a plain prefill chunk (no replay, last row
+    /// only) of at least the threshold.
+    fn runs_context_parallel(&self, entry: &SeqTokens<'_>) -> bool {
+        self.cp.is_some_and(|cp| {
+            entry.tokens.len() >= cp.min_tokens as usize
+                && !entry.all_rows
+                && !self.replay_from.contains_key(&entry.id)
+        })
     }
 
     /// An executor of DP rank `dp` whose routed experts run through `parallel`'s placement: each
@@ -83,6 +112,11 @@ impl ModelExecutor {
         rows_on_device: bool,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         let model = &self.model;
+        let cp_ranks = self.cp.map_or(1, |cp| usize::from(cp.ranks));
+        let in_cp: Vec<bool> = batch
+            .iter()
+            .map(|entry| self.runs_context_parallel(entry))
+            .collect();
         let seqs = self
             .sequences
             .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
@@ -105,12 +139,34 @@ impl ModelExecutor {
             });
         }
         let routed = experts.as_ref().map(|e| e as &dyn RoutedExperts);
-        let rows = if rows_on_device {
-            self.model.forward_step_on_device(&mut entries, routed)
-        } else {
-            self.model.forward_step(&mut entries, routed)
-        }
-        .map_err(|e| ExecError::Backend(e.to_string()));
+        // Context-parallel entries run one by one over the CP group, the others as one step.
+        let (cp_entries, mut entries): (Vec<_>, Vec<_>) = entries
+            .into_iter()
+            .enumerate()
+            .partition(|(i, _)| in_cp[*i]);
+        let mut outputs: Vec<Option<EntryOutput>> = (0..batch.len()).map(|_| None).collect();
+        let cp_rows: Result<(), ExecError> = cp_entries.into_iter().try_for_each(|(i, entry)| {
+            let output = prefill_context_parallel(model, cp_ranks, entry, routed, rows_on_device);
+            outputs[i] = Some(output?);
+            Ok(())
+        });
+        let indices: Vec<usize> = entries.iter().map(|(i, _)| *i).collect();
+        let mut step_entries: Vec<StepEntry<'_>> = entries.drain(..).map(|(_, e)| e).collect();
+        let rows = cp_rows.and_then(|()| {
+            let rows = match step_entries.is_empty() {
+                true => Vec::new(),
+                false if rows_on_device => model
+                    .forward_step_on_device(&mut step_entries, routed)
+                    .map_err(|e| ExecError::Backend(e.to_string()))?,
+                false => model
+                    .forward_step(&mut step_entries, routed)
+                    .map_err(|e| ExecError::Backend(e.to_string()))?,
+            };
+            for (i, row) in indices.into_iter().zip(rows) {
+                outputs[i] = Some(row);
+            }
+            Ok(outputs.into_iter().flatten().collect())
+        });
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {
                 dp: ep.dp,
@@ -123,6 +179,47 @@ impl ModelExecutor {
         }
         rows
     }
+}
+
+/// One prefill chunk over a CP group of `ranks`; this rank keeps the state (every rank's is the
+/// same).
+fn prefill_context_parallel(
+    model: &Model,
+    ranks: usize,
+    entry: StepEntry<'_>,
+    experts: Option<&dyn RoutedExperts>,
+    rows_on_device: bool,
+) -> Result<EntryOutput, ExecError> {
+    let backend = |e: deepinfer_model::error::ModelError| ExecError::Backend(e.to_string());
+    let prefill = model
+        .prefill_context_parallel(
+            entry.seq,
+            entry.tokens,
+            LogitsWanted::Last,
+            ranks,
+            CpSplit::Mirror,
+            CP_EXCHANGE_TIMEOUT,
+            experts,
+        )
+        .map_err(backend)?;
+    *entry.seq = prefill.states.into_iter().next().ok_or_else(|| {
+        ExecError::Backend("a context-parallel prefill without ranks".to_string())
+    })?;
+    let logits = deepinfer_model::backend::Tensor::from(prefill.logits);
+    Ok(match entry.sample {
+        Some(params) => EntryOutput::Tokens(
+            model
+                .sample_rows(&[LogitsRow {
+                    logits: &logits,
+                    params,
+                    position: entry.seq.len() as u64,
+                    allowed: None,
+                }])
+                .map_err(backend)?,
+        ),
+        None if rows_on_device => EntryOutput::DeviceLogits(logits),
+        None => EntryOutput::Logits(logits.into_vec()),
+    })
 }
 
 impl RankExecutor for ModelExecutor {
@@ -185,6 +282,16 @@ impl RankExecutor for ModelExecutor {
     fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {
         self.model
             .sample_rows(rows)
+            .map_err(|e| ExecError::Backend(e.to_string()))
+    }
+
+    fn logprobs_logits(
+        &mut self,
+        rows: &[LogitsRow<'_>],
+        picks: &[LogprobPick],
+    ) -> Result<Vec<TokenLogprobs>, ExecError> {
+        self.model
+            .token_logprobs_rows(rows, picks)
             .map_err(|e| ExecError::Backend(e.to_string()))
     }
 

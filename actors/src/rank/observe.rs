@@ -69,6 +69,9 @@ impl ExecutorFactory for ObservedFactory {
     fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
         self.inner.expert_parallel()
     }
+    fn context_parallel(&self) -> Option<deepinfer_topology::ContextParallel> {
+        self.inner.context_parallel()
+    }
     fn family(&self) -> deepinfer_model::config::ModelFamily {
         self.inner.family()
     }

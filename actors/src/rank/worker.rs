@@ -32,6 +32,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::{DpRank, RequestId};
 
@@ -41,7 +42,7 @@ use crate::messages::rank::{
     DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming, VerifyOutcome,
 };
 use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
-use crate::sampling::{SamplingParams, sample};
+use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
 
 /// The shortest an `Idle` step takes. On an EP deployment the collective paces idle ranks;
 /// without one this keeps an idle rank from spinning while its peers work.
@@ -60,6 +61,8 @@ struct SeqSampling {
     proposal: Option<(u32, Vec<u32>)>,
     /// Draft a first proposal after the prompt's last chunk (`NewSeq::speculative`).
     speculative: bool,
+    /// Report each sampled token's log-probabilities with this many alternatives.
+    logprobs: Option<usize>,
 }
 
 impl SeqSampling {
@@ -114,6 +117,13 @@ fn sample_constrained(
     };
     grammar.matcher.advance(token)?;
     Ok(Some(token))
+}
+
+/// [`token_logprobs`] of a sampled row read on the host (masked already); a row it cannot
+/// read fails the step naming why.
+fn logprobs_of(row: &[f32], token: u32, top: usize) -> Result<TokenLogprobs, ExecError> {
+    token_logprobs(row, None, token, top)
+        .map_err(|e| ExecError::Backend(format!("log-probabilities of token {token}: {e}")))
 }
 
 /// The outcome of a row sampled after its step: the token (the grammar advanced past it), or
@@ -259,6 +269,7 @@ impl RankWorker {
                     grammar: new.grammar.as_deref().cloned(),
                     proposal: None,
                     speculative: new.speculative,
+                    logprobs: new.logprobs,
                 },
             );
         }
@@ -286,14 +297,16 @@ impl RankWorker {
             })
             .collect();
         // Unconstrained entries that produce tokens are sampled by the executor (on its device);
-        // constrained ones leave their rows where they were computed, to be sampled with their
-        // masks (or, from an executor without a device, get their logits here).
+        // constrained ones, and those that report log-probabilities, leave their rows where
+        // they were computed, to be sampled with their masks (or, from an executor without a
+        // device, get their logits here).
         let sampling: Vec<Option<SamplingParams>> = plan
             .work
             .iter()
             .map(|work| {
                 let seq = self.sequences.get(&work.id)?;
-                (produces_token(&work.input) && seq.grammar.is_none()).then_some(seq.params)
+                let on_executor = seq.grammar.is_none() && seq.logprobs.is_none();
+                (produces_token(&work.input) && on_executor).then_some(seq.params)
             })
             .collect();
         // Masks are computed while the forward runs and awaited right after it.
@@ -308,8 +321,11 @@ impl RankWorker {
                 plan.work.len()
             )));
         }
-        let mut deferred = self.sample_deferred(plan, &inputs, &outputs, &mut masks)?;
+        let mut deferred_logprobs = HashMap::new();
+        let mut deferred =
+            self.sample_deferred(plan, &inputs, &outputs, &mut masks, &mut deferred_logprobs)?;
         let mut sampled = Vec::new();
+        let mut logprobs = Vec::new();
         let mut verified = Vec::new();
         // Sequences to draft for after this step, in work order (drafted together below).
         let mut to_draft = Vec::new();
@@ -322,6 +338,19 @@ impl RankWorker {
                 let (outcome, tokens) =
                     self.verify_entry(work.id, verified_drafts, &output, held)?;
                 verified.push(outcome);
+                // Row `i` of the verify is the target model's row the `i`-th token came from.
+                let top = self.sequences.get(&work.id).and_then(|seq| seq.logprobs);
+                let rows: Option<&[f32]> = match &output {
+                    EntryOutput::Logits(rows) => Some(rows),
+                    EntryOutput::DeviceLogits(rows) => Some(rows),
+                    EntryOutput::Tokens(_) => None,
+                };
+                if let (Some(top), Some(rows)) = (top, rows) {
+                    let vocab = self.executor.vocab_size().max(1);
+                    for (row, &token) in rows.chunks_exact(vocab).zip(&tokens) {
+                        logprobs.push((work.id, logprobs_of(row, token, top)?));
+                    }
+                }
                 sampled.extend(tokens.into_iter().map(|token| (work.id, token)));
                 to_draft.push(work.id);
                 continue;
@@ -335,9 +364,19 @@ impl RankWorker {
             let vocab = self.executor.vocab_size();
             let outcome: Result<Option<u32>, (GrammarError, u32)> = match output {
                 EntryOutput::Tokens(tokens) => Ok(tokens.last().copied()),
-                EntryOutput::DeviceLogits(_) => deferred.remove(&work.id).transpose(),
+                EntryOutput::DeviceLogits(_) => {
+                    let outcome = deferred.remove(&work.id).transpose();
+                    // A grammar that failed ends the request with another token: none reported.
+                    let lp = deferred_logprobs.remove(&work.id);
+                    if let (Some(lp), Ok(Some(token))) = (lp, &outcome)
+                        && lp.token == *token
+                    {
+                        logprobs.push((work.id, lp));
+                    }
+                    outcome
+                }
                 EntryOutput::Logits(mut row) => {
-                    match (masks.remove(&work.id), seq.grammar.as_mut()) {
+                    let outcome = match (masks.remove(&work.id), seq.grammar.as_mut()) {
                         (Some(Ok(mask)), Some(grammar)) => sample_constrained(
                             grammar,
                             &mask,
@@ -348,7 +387,12 @@ impl RankWorker {
                         .map_err(|error| (error, grammar.end_token)),
                         (Some(Err(failure)), _) => Err(failure),
                         _ => Ok(sample(&row, &seq.params, position)),
+                    };
+                    // The row is masked in place: its distribution is the one sampled from.
+                    if let (Some(top), Ok(Some(token))) = (seq.logprobs, &outcome) {
+                        logprobs.push((work.id, logprobs_of(&row, *token, top)?));
                     }
+                    outcome
                 }
             };
             let picked = match outcome {
@@ -380,6 +424,7 @@ impl RankWorker {
             dp: self.dp,
             mode: plan.mode,
             sampled,
+            logprobs,
             verified,
             drafts,
             live_sequences: self.executor.live_sequences(),
@@ -391,13 +436,15 @@ impl RankWorker {
     /// device, all in one [`RankExecutor::sample_logits`] call, each with its mask (converted to
     /// the model's bitset; it goes up, only the ids come down), and advances their grammars. A
     /// request whose mask failed, does not fit the rows or allows nothing gets its failure (its
-    /// request ends) and takes no part in the call.
+    /// request ends) and takes no part in the call. The sequences that report log-probabilities
+    /// get them in `logprobs`, from the row (read on the host) under its mask.
     fn sample_deferred(
         &mut self,
         plan: &StepPlan,
         inputs: &[EntryInput],
         outputs: &[EntryOutput],
         masks: &mut HashMap<RequestId, MaskResult>,
+        logprobs: &mut HashMap<RequestId, TokenLogprobs>,
     ) -> Result<HashMap<RequestId, DeferredToken>, ExecError> {
         let vocab = self.executor.vocab_size();
         let mut results = HashMap::new();
@@ -461,6 +508,28 @@ impl RankWorker {
                 tokens.len(),
                 rows.len()
             )));
+        }
+        // The rows of the sequences that report log-probabilities, in one executor call.
+        let mut asked = Vec::new();
+        let mut asked_rows = Vec::new();
+        let mut picks = Vec::new();
+        for ((request, (id, ..)), &token) in requests.iter().zip(&rows).zip(&tokens) {
+            if let Some(top) = self.sequences.get(id).and_then(|seq| seq.logprobs) {
+                asked.push(*id);
+                asked_rows.push(*request);
+                picks.push(LogprobPick { token, top });
+            }
+        }
+        if !asked.is_empty() {
+            let found = self.executor.logprobs_logits(&asked_rows, &picks)?;
+            if found.len() != asked.len() {
+                return Err(ExecError::Backend(format!(
+                    "the executor gave {} log-probabilities for {} rows",
+                    found.len(),
+                    asked.len()
+                )));
+            }
+            logprobs.extend(asked.into_iter().zip(found));
         }
         for ((id, ..), token) in rows.iter().zip(tokens) {
             let seq = self
@@ -676,6 +745,7 @@ mod tests {
                     grammar: None,
                     decoder_from: None,
                     speculative: false,
+                    logprobs: None,
                 })
                 .collect(),
             work: work
@@ -888,6 +958,97 @@ mod tests {
         assert_eq!(out.verified[0].verified, 5);
         assert_eq!(out.verified[0].accepted, 5);
         assert_eq!(out.sampled.len(), 6);
+    }
+
+    /// Runs prompt `[3, 4]` then `steps` verifies (drafting when `speculative`) on a fake
+    /// whose drafter gets 2 of 5 drafts right, sampling at temperature 0.9 with `logprobs`.
+    fn logprobs_run(
+        speculative: bool,
+        logprobs: Option<usize>,
+        steps: u64,
+    ) -> (Vec<u32>, Vec<TokenLogprobs>) {
+        use crate::rank::fake::FakeDrafter;
+        let mut w = worker(FakeConfig {
+            vocab_size: 64,
+            drafter: Some(FakeDrafter {
+                block_size: 5,
+                correct: 2,
+                confidence: 4.0,
+            }),
+            ..FakeConfig::default()
+        });
+        let prompt = SeqInput::Prefill {
+            tokens: vec![3, 4],
+            last: true,
+        };
+        let mut prefill = plan(0, &[1], vec![(1, prompt)], &[]);
+        prefill.new_seqs[0].speculative = speculative;
+        prefill.new_seqs[0].logprobs = logprobs;
+        prefill.new_seqs[0].sampling = SamplingParams {
+            temperature: 0.9,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 11,
+        };
+        let mut outputs = vec![w.run_plan(&prefill).unwrap()];
+        for step in 1..=steps {
+            let input = if speculative {
+                SeqInput::Verify { drafts: 5 }
+            } else {
+                SeqInput::Decode
+            };
+            outputs.push(w.run_plan(&plan(step, &[], vec![(1, input)], &[])).unwrap());
+        }
+        let tokens = outputs
+            .iter()
+            .flat_map(|o| o.sampled.iter().map(|s| s.1))
+            .collect();
+        let logprobs = outputs
+            .into_iter()
+            .flat_map(|o| o.logprobs.into_iter().map(|(_, lp)| lp))
+            .collect();
+        (tokens, logprobs)
+    }
+
+    #[test]
+    fn logprobs_are_the_sampled_rows_log_softmax_and_change_no_token_speculative_or_not() {
+        use crate::rank::fake::fake_logits;
+        let (spec_tokens, spec_logprobs) = logprobs_run(true, Some(3), 4);
+        let (plain_tokens, none) = logprobs_run(true, None, 4);
+        assert_eq!(
+            spec_tokens, plain_tokens,
+            "asking for logprobs changed the tokens"
+        );
+        assert!(none.is_empty(), "logprobs reported unasked");
+        assert_eq!(spec_logprobs.len(), spec_tokens.len());
+        assert!(
+            spec_tokens.len() > 6,
+            "the drafts were never accepted: {spec_tokens:?}"
+        );
+        // The same tokens without speculation, with the very same log-probabilities.
+        let steps = spec_tokens.len() as u64 - 1;
+        let (decoded, decoded_logprobs) = logprobs_run(false, Some(3), steps);
+        assert_eq!(decoded, spec_tokens);
+        assert_eq!(decoded_logprobs, spec_logprobs);
+        // Independently: the log-softmax (f64, libm) of the fake's row each token came from.
+        let mut previous = (4u32, 1usize);
+        for (lp, &token) in spec_logprobs.iter().zip(&spec_tokens) {
+            let mut row = vec![0.0f32; 64];
+            fake_logits(previous.0, previous.1, &mut row);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let total: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+            let expected = |t: u32| row[t as usize] as f64 - max - total.ln();
+            assert_eq!(lp.token, token);
+            assert!((lp.logprob as f64 - expected(token)).abs() < 1e-5, "{lp:?}");
+            assert_eq!(lp.top.len(), 3);
+            let mut best: Vec<u32> = (0..64).collect();
+            best.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+            for (&(t, l), &want) in lp.top.iter().zip(&best) {
+                assert_eq!(t, want);
+                assert!((l as f64 - expected(t)).abs() < 1e-5);
+            }
+            previous = (token, previous.1 + 1);
+        }
     }
 
     /// What [`Recording`] saw.

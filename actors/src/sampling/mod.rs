@@ -7,7 +7,8 @@
 use crate::error::ValidationError;
 
 pub use deepinfer_model::sampling::{
-    SamplingParamError, SamplingParams, gumbel, sample, uniform, uniform_seed,
+    MAX_TOP_LOGPROBS, SamplingParamError, SamplingParams, TokenLogprobs, gumbel, sample,
+    token_logprobs, uniform, uniform_seed,
 };
 
 impl From<SamplingParamError> for ValidationError {

@@ -150,6 +150,7 @@ impl SchedulerShell {
         for emission in emissions {
             let (id, event, last) = match emission {
                 Emission::Token(id, token) => (id, RawEvent::Token(token), false),
+                Emission::Logprobs(id, logprobs) => (id, RawEvent::Logprobs(logprobs), false),
                 Emission::Finished(id, reason, usage) => {
                     (id, RawEvent::Finished { reason, usage }, true)
                 }

@@ -36,7 +36,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use deepinfer_topology::{DpRank, RequestId, StepId};
+use deepinfer_topology::{ContextParallel, DpRank, RequestId, StepId};
 
 use crate::dspark::schedule::{
     StepRateTable, VerifyPlan, VerifyScheduleError, plan_verification, plan_with_budget,
@@ -47,6 +47,7 @@ use crate::messages::dspark::ProposalBatch;
 use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
 use crate::messages::request::{FinishReason, RequestSpec, Usage};
 use crate::messages::scheduler::SchedulerStats;
+use crate::sampling::TokenLogprobs;
 use crate::scheduler::pool::StatePool;
 
 /// The scheduler's limits (from the topology's `[scheduler]`).
@@ -60,6 +61,21 @@ pub struct SchedulerLimits {
     pub prefill_chunk_tokens: usize,
     /// Plans in flight (>= 1; 1 = synchronous scheduling).
     pub overlap_depth: usize,
+    /// Context parallelism: a prompt whose remaining prefill reaches its threshold goes CP, in
+    /// chunks of up to `ranks × prefill_chunk_tokens` (the CP group shares each chunk).
+    pub context_parallel: Option<ContextParallel>,
+}
+
+impl SchedulerLimits {
+    /// The largest next chunk of a prompt with `remaining` tokens left to prefill.
+    fn chunk_cap(&self, remaining: usize) -> usize {
+        match self.context_parallel {
+            Some(cp) if remaining >= cp.min_tokens as usize => {
+                usize::from(cp.ranks) * self.prefill_chunk_tokens
+            }
+            _ => self.prefill_chunk_tokens,
+        }
+    }
 }
 
 /// DSpark verification settings of a scheduler.
@@ -138,6 +154,8 @@ pub struct ReplayUpdate {
 #[derive(Debug, Clone)]
 pub enum Emission {
     Token(RequestId, u32),
+    /// The log-probabilities of the request's next `Token`.
+    Logprobs(RequestId, Box<TokenLogprobs>),
     Finished(RequestId, FinishReason, Usage),
     Failed(RequestId, EngineError),
 }
@@ -532,9 +550,8 @@ impl SchedulerState {
             if seq.prefill_done() {
                 continue;
             }
-            let wanted = (seq.prefill_len - seq.prefilled)
-                .min(self.limits.prefill_chunk_tokens)
-                .min(budget);
+            let remaining = seq.prefill_len - seq.prefilled;
+            let wanted = remaining.min(self.limits.chunk_cap(remaining)).min(budget);
             let held = seq.held_max;
             let n = self.reserve_chunk(id, wanted);
             if n == 0 {
@@ -613,7 +630,7 @@ impl SchedulerState {
         }
         let prefill_len = seq.spec.prompt.len() + seq.output.len();
         let n = prefill_len
-            .min(self.limits.prefill_chunk_tokens)
+            .min(self.limits.chunk_cap(prefill_len))
             .min(budget);
         let reserve = if seq.constrained { seq.max_len() } else { n };
         if let Some(pool) = self.pool.as_mut()
@@ -658,6 +675,7 @@ impl SchedulerState {
                 grammar: seq.spec.grammar.take(),
                 decoder_from: seq.decoder_from,
                 speculative: speculative && !seq.constrained,
+                logprobs: seq.spec.logprobs,
             });
         }
         Some(SeqWork {
@@ -820,7 +838,12 @@ impl SchedulerState {
         }
         self.rank_live_sequences = output.live_sequences;
         let mut emissions = Vec::new();
+        let mut logprobs = output.logprobs.iter().peekable();
         for &(id, token) in &output.sampled {
+            // The sampled tokens' log-probabilities come in the same order.
+            let token_logprobs = logprobs
+                .next_if(|(of, lp)| *of == id && lp.token == token)
+                .map(|(_, lp)| lp);
             let Some(seq) = self.seqs.get_mut(&id) else {
                 continue;
             };
@@ -829,6 +852,9 @@ impl SchedulerState {
                 continue;
             }
             seq.output.push(token);
+            if let Some(lp) = token_logprobs {
+                emissions.push(Emission::Logprobs(id, Box::new(lp.clone())));
+            }
             emissions.push(Emission::Token(id, token));
             if seq.generated() >= seq.spec.max_tokens {
                 emissions.push(self.finish(id, FinishReason::Length));
@@ -920,6 +946,7 @@ mod tests {
             max_running: 4,
             prefill_chunk_tokens: 8,
             overlap_depth: depth,
+            context_parallel: None,
         }
     }
 
@@ -931,6 +958,7 @@ mod tests {
             max_tokens,
             stop_token_ids: vec![EOS],
             grammar: None,
+            logprobs: None,
         }
     }
 
@@ -952,11 +980,44 @@ mod tests {
             dp: DpRank(0),
             mode: plan.mode,
             sampled,
+            logprobs: Vec::new(),
             verified: Vec::new(),
             drafts: Vec::new(),
             live_sequences: 0,
             timing: StepTiming::default(),
         }
+    }
+
+    #[test]
+    fn a_prompt_reaching_the_cp_threshold_gets_cp_sized_chunks_until_its_rest_is_short() {
+        let cp = ContextParallel {
+            ranks: 4,
+            min_tokens: 20,
+        };
+        let scheduler = || {
+            let limits = SchedulerLimits {
+                context_parallel: Some(cp),
+                ..limits(64, 1)
+            };
+            SchedulerState::new(DpRank(0), limits)
+        };
+        let mut s = scheduler();
+        // 45 tokens: one CP chunk of 4 x 8, then 13 < 20 left in plain chunks of 8.
+        s.submit(spec(1, 45, 1)).unwrap();
+        let mut chunks = Vec::new();
+        while let Some(plan) = s.build_plan() {
+            if plan.mode != StepMode::Prefill {
+                break;
+            }
+            chunks.push(plan.token_count());
+            s.on_step_done(&output_for(&plan, 5));
+        }
+        assert_eq!(chunks, vec![32, 8, 5]);
+        // Below the threshold from the start: plain chunks only.
+        let mut s = scheduler();
+        s.submit(spec(2, 19, 1)).unwrap();
+        let plan = s.build_plan().unwrap();
+        assert_eq!(plan.token_count(), 8);
     }
 
     #[test]
@@ -1209,6 +1270,7 @@ mod tests {
                 max_running: 4,
                 prefill_chunk_tokens: 32,
                 overlap_depth: depth,
+                context_parallel: None,
             };
             (
                 SchedulerState::new(DpRank(0), limits).with_pool(pool),

@@ -1,4 +1,5 @@
-// Instantiations of the batched token sampler on f32 logits and of the grammar mask it samples after.
+// Instantiations of the batched token sampler on f32 logits, of the grammar mask it samples after,
+// and of the log-probabilities of the sampled tokens.
 #include "sampling/sampling.cuh"
 
 extern "C" __global__ void __launch_bounds__(sampling::THREADS)
@@ -10,4 +11,10 @@ extern "C" __global__ void __launch_bounds__(sampling::THREADS)
 extern "C" __global__ void __launch_bounds__(sampling::MASK_THREADS)
     mask_logits_f32(float* logits, const u32_t* words, sampling::MaskParams p) {
     sampling::mask_logits(logits, words, p);
+}
+
+extern "C" __global__ void __launch_bounds__(sampling::LOGPROB_LANES)
+    token_logprobs_f32(const float* logits, const u32_t* chosen, float* chosen_logprob, u32_t* top_ids,
+                       float* top_logprobs, sampling::LogprobParams p) {
+    sampling::token_logprobs(logits, chosen, chosen_logprob, top_ids, top_logprobs, p);
 }

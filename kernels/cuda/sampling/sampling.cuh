@@ -721,4 +721,113 @@ __device__ void mask_logits(float* __restrict__ logits, const u32_t* __restrict_
     if (((word >> (t % 32u)) & 1u) == 0u) logits[i] = __uint_as_float(0xff800000u);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Log-probabilities of sampled tokens: sampling.rs's token_logprobs, bit for bit. One block of
+// LOGPROB_LANES threads per row (rows never interact). ln p(t) = (x_t - m) - ln S with m the row's
+// largest logit and S = sum of exp_f64(x - m) over the tokens of non-zero probability: thread l
+// adds the tokens l, l + LANES, ... in increasing id (the CPU's lane l), then the lanes are added
+// pairwise, halving (lane[i] += lane[i + half]), the CPU's order. The max is order-free. NaN
+// logits count as -inf (a grammar's masked logits are -inf already: mask_logits runs first). The
+// alternatives are `top` block-wide argmax rounds (larger logit first, ties to the lower id),
+// each over the tokens after the previous pick in that order.
+
+constexpr u32_t LOGPROB_LANES = 256;
+constexpr u32_t MAX_TOP_LOGPROBS = 20;
+
+// Launch parameters of token_logprobs (mirrored by `LogprobParams`).
+struct LogprobParams {
+    u32_t rows;
+    u32_t vocab;
+    u32_t top;  // alternatives per row, <= MAX_TOP_LOGPROBS
+};
+
+// Whether (a, ia) comes before (b, ib): a larger logit, or an equal one with a lower id.
+__device__ __forceinline__ bool logprob_before(float a, u32_t ia, float b, u32_t ib) {
+    return a > b || (a == b && ia < ib);
+}
+
+__device__ __forceinline__ float logprob_of(float x, double max, double ln_total) {
+    if (!(x > __uint_as_float(0xff800000u))) return __uint_as_float(0xff800000u);
+    return __double2float_rn(__dsub_rn(__dsub_rn((double)x, max), ln_total));
+}
+
+// chosen_logprob[r] = ln p(chosen[r]); top_ids / top_logprobs [rows, MAX_TOP_LOGPROBS]: the first
+// `top` alternatives of row r, 0xffffffff past the tokens of non-zero probability.
+__device__ void token_logprobs(const float* __restrict__ logits, const u32_t* __restrict__ chosen,
+                               float* __restrict__ chosen_logprob, u32_t* __restrict__ top_ids,
+                               float* __restrict__ top_logprobs, LogprobParams p) {
+    __shared__ double lanes[LOGPROB_LANES];
+    __shared__ float best_logit[LOGPROB_LANES];
+    __shared__ u32_t best_id[LOGPROB_LANES];
+    const u32_t row = blockIdx.x;
+    if (row >= p.rows) return;
+    const float* l = logits + (size_t)row * p.vocab;
+    const u32_t lane = threadIdx.x;
+    const float neg_inf = __uint_as_float(0xff800000u);
+
+    float m = neg_inf;
+    for (u32_t t = lane; t < p.vocab; t += LOGPROB_LANES)
+        if (l[t] > m) m = l[t];
+    best_logit[lane] = m;
+    __syncthreads();
+    for (u32_t half = LOGPROB_LANES / 2; half > 0; half >>= 1) {
+        if (lane < half && best_logit[lane + half] > best_logit[lane]) best_logit[lane] = best_logit[lane + half];
+        __syncthreads();
+    }
+    const double max = (double)best_logit[0];
+    double sum = 0.0;
+    for (u32_t t = lane; t < p.vocab; t += LOGPROB_LANES)
+        if (l[t] > neg_inf) sum = __dadd_rn(sum, exp_f64(__dsub_rn((double)l[t], max)));
+    lanes[lane] = sum;
+    __syncthreads();
+    for (u32_t half = LOGPROB_LANES / 2; half > 0; half >>= 1) {
+        if (lane < half) lanes[lane] = __dadd_rn(lanes[lane], lanes[lane + half]);
+        __syncthreads();
+    }
+    const double ln_total = ln_f64(lanes[0]);
+    if (lane == 0) {
+        const u32_t c = chosen[row];
+        chosen_logprob[row] = c < p.vocab ? logprob_of(l[c], max, ln_total) : neg_inf;
+    }
+
+    float prev_logit = 0.0f;
+    u32_t prev_id = 0xffffffffu;
+    for (u32_t k = 0; k < p.top; ++k) {
+        float bl = neg_inf;
+        u32_t bi = 0xffffffffu;
+        for (u32_t t = lane; t < p.vocab; t += LOGPROB_LANES) {
+            const float x = l[t];
+            if (!(x > neg_inf)) continue;
+            if (prev_id != 0xffffffffu && !logprob_before(prev_logit, prev_id, x, t)) continue;
+            if (bi == 0xffffffffu || logprob_before(x, t, bl, bi)) {
+                bl = x;
+                bi = t;
+            }
+        }
+        best_logit[lane] = bl;
+        best_id[lane] = bi;
+        __syncthreads();
+        for (u32_t half = LOGPROB_LANES / 2; half > 0; half >>= 1) {
+            if (lane < half) {
+                const u32_t oi = best_id[lane + half];
+                if (oi != 0xffffffffu &&
+                    (best_id[lane] == 0xffffffffu || logprob_before(best_logit[lane + half], oi, best_logit[lane], best_id[lane]))) {
+                    best_logit[lane] = best_logit[lane + half];
+                    best_id[lane] = oi;
+                }
+            }
+            __syncthreads();
+        }
+        prev_logit = best_logit[0];
+        prev_id = best_id[0];
+        const size_t at = (size_t)row * MAX_TOP_LOGPROBS + k;
+        if (lane == 0) {
+            top_ids[at] = prev_id;
+            top_logprobs[at] = prev_id != 0xffffffffu ? logprob_of(prev_logit, max, ln_total) : neg_inf;
+        }
+        __syncthreads();
+        if (prev_id == 0xffffffffu) break;
+    }
+}
+
 }  // namespace sampling

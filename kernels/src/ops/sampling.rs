@@ -4,7 +4,9 @@
 //! Rows that restrict (top-k / top-p) radix-sort their order keys in the sort scratch and sum
 //! their top-p weights with the order-preserving parallel sum of `cuda/sampling/sampling.cuh`.
 //! A grammar's masks are applied before, in place, by [`mask_logits_f32`] (disallowed logits
-//! become −∞, as `sampling::AllowedTokens::apply` does on the host).
+//! become −∞, as `sampling::AllowedTokens::apply` does on the host). [`token_logprobs_f32`]
+//! gives sampled tokens their log-probabilities and alternatives (`sampling::token_logprobs`),
+//! bit for bit, for the requests that ask.
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
@@ -17,6 +19,11 @@ const OP: &str = "sample_rows_f32";
 const THREADS: u32 = 512;
 const MASK_OP: &str = "mask_logits_f32";
 const MASK_THREADS: u32 = 256;
+const LOGPROB_OP: &str = "token_logprobs_f32";
+/// Threads of one row's block: the lanes of the normaliser's sum (`sampling::LOGPROB_LANES`).
+pub const LOGPROB_LANES: u32 = 256;
+/// Alternatives one row can report (`sampling::MAX_TOP_LOGPROBS`): the stride of the outputs.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// One row's sampling parameters (`sampling::SampleRow` in `cuda/sampling/sampling.cuh`).
 #[repr(C)]
@@ -59,12 +66,93 @@ struct MaskParams {
     words: u32,
 }
 
+/// `sampling::LogprobParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LogprobParams {
+    rows: u32,
+    vocab: u32,
+    top: u32,
+}
+
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out as their CUDA mirrors.
 unsafe impl DeviceRepr for SampleRow {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for SampleParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for MaskParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for LogprobParams {}
+
+/// Where [`token_logprobs_f32`] writes: `chosen [rows]` the log-probability of each row's token,
+/// `top_ids` / `top_logprobs` `[rows, MAX_TOP_LOGPROBS]` each row's first `top` alternatives
+/// (most likely first; id `u32::MAX` past the tokens of non-zero probability).
+pub struct LogprobOutputs<'a> {
+    pub chosen: &'a mut CudaSlice<f32>,
+    pub top_ids: &'a mut CudaSlice<u32>,
+    pub top_logprobs: &'a mut CudaSlice<f32>,
+}
+
+/// The log-probability of `tokens[r]` under the log-softmax of row `r` of `logits [rows,
+/// vocab]` and the row's `top` (at most [`MAX_TOP_LOGPROBS`]) most likely tokens with theirs:
+/// `deepinfer_model::sampling::token_logprobs`, bit for bit (masked logits are −∞ already).
+pub fn token_logprobs_f32(
+    rt: &KernelRuntime,
+    logits: &CudaSlice<f32>,
+    tokens: &CudaSlice<u32>,
+    out: LogprobOutputs<'_>,
+    vocab: usize,
+    top: usize,
+) -> Result<(), KernelError> {
+    let rows = tokens.len();
+    if vocab == 0 || top > MAX_TOP_LOGPROBS {
+        return Err(KernelError::Shape {
+            op: LOGPROB_OP,
+            message: format!("a vocabulary of {vocab} with {top} alternatives per row"),
+        });
+    }
+    expect_len(LOGPROB_OP, "logits", logits.len(), rows * vocab)?;
+    expect_len(LOGPROB_OP, "chosen", out.chosen.len(), rows)?;
+    expect_len(
+        LOGPROB_OP,
+        "top ids",
+        out.top_ids.len(),
+        rows * MAX_TOP_LOGPROBS,
+    )?;
+    expect_len(
+        LOGPROB_OP,
+        "top log-probabilities",
+        out.top_logprobs.len(),
+        rows * MAX_TOP_LOGPROBS,
+    )?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let params = LogprobParams {
+        rows: dim(LOGPROB_OP, "rows", rows)?,
+        vocab: dim(LOGPROB_OP, "vocab", vocab)?,
+        top: dim(LOGPROB_OP, "top", top)?,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (params.rows, 1, 1),
+        block_dim: (LOGPROB_LANES, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::TokenLogprobsF32)?);
+    launch
+        .arg(logits)
+        .arg(tokens)
+        .arg(out.chosen)
+        .arg(out.top_ids)
+        .arg(out.top_logprobs)
+        .arg(&params);
+    // SAFETY: signature (const float* logits, const u32* chosen, float* chosen_logprob,
+    // u32* top_ids, float* top_logprobs, LogprobParams); lengths checked above, one block per row.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching token_logprobs_f32"))?;
+    Ok(())
+}
 
 /// Bitset words of one row's mask in [`mask_logits_f32`]: one bit per token.
 pub fn mask_words_per_row(vocab: usize) -> usize {
@@ -237,6 +325,13 @@ mod tests {
             ["rows", "vocab", "words"]
         );
         assert!(header.contains(&format!("MASK_THREADS = {MASK_THREADS};")));
+        assert_eq!(std::mem::size_of::<LogprobParams>(), 12);
+        assert_eq!(
+            super::super::cuda_struct_fields(header, "LogprobParams"),
+            ["rows", "vocab", "top"]
+        );
+        assert!(header.contains(&format!("LOGPROB_LANES = {LOGPROB_LANES};")));
+        assert!(header.contains(&format!("MAX_TOP_LOGPROBS = {MAX_TOP_LOGPROBS};")));
         assert_eq!(mask_words_per_row(129_280), 4040);
         assert_eq!(mask_words_per_row(33), 2);
         assert_eq!(scratch_row_len(1), 1);

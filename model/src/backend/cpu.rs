@@ -21,8 +21,8 @@ use self::dequant::{dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
 use super::{
     Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcParams,
-    MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError, Selection,
-    Tensor, check_sample_masked, check_sample_rows,
+    LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
+    Selection, Tensor, check_logprob_picks, check_sample_masked, check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -30,7 +30,7 @@ use crate::quant::{
     self, dot_bf16_gemm, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
     sum_f32_torch, sum_squares_f32, sum_squares_f32_torch,
 };
-use crate::sampling::AllowedTokens;
+use crate::sampling::{AllowedTokens, TokenLogprobs};
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 /// Probabilities are accumulated in blocks of this many keys (the reference kernel's block).
@@ -478,6 +478,25 @@ impl Backend for CpuBackend {
             })
             .collect()
     }
+    fn token_logprobs_masked(
+        &self,
+        logits: &Tensor,
+        vocab: usize,
+        picks: &[LogprobPick],
+        allowed: &[Option<&AllowedTokens>],
+    ) -> Result<Vec<TokenLogprobs>, SampleRowsError> {
+        check_logprob_picks(logits.len(), vocab, picks, allowed)?;
+        logits
+            .chunks_exact(vocab)
+            .zip(picks.iter().zip(allowed))
+            .enumerate()
+            .map(|(row, (values, (pick, allowed)))| {
+                crate::sampling::token_logprobs(values, *allowed, pick.token, pick.top)
+                    .map_err(|source| SampleRowsError::Mask { row, source })
+            })
+            .collect()
+    }
+
     fn sample_linear(
         &self,
         x: &Tensor,

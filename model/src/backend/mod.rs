@@ -26,7 +26,7 @@ pub use tensor::{DeviceBuffer, DeviceView, Tensor};
 
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
-use crate::sampling::{AllowedTokens, MaskError, SamplingParams};
+use crate::sampling::{AllowedTokens, MaskError, SamplingParams, TokenLogprobs};
 use crate::weights::{Fp4Weight, Fp8Weight};
 use weights::{ExpertLinear, ExpertWeights};
 
@@ -154,6 +154,14 @@ impl RopeTable {
 pub struct RowSampling {
     pub params: SamplingParams,
     pub position: u64,
+}
+
+/// One row of [`Backend::token_logprobs_masked`]: the token sampled from it and how many
+/// alternatives to list (at most [`crate::sampling::MAX_TOP_LOGPROBS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogprobPick {
+    pub token: u32,
+    pub top: usize,
 }
 
 /// Logits that [`Backend::sample_rows`] cannot sample from.
@@ -379,6 +387,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         allowed: &[Option<&AllowedTokens>],
     ) -> Result<Vec<u32>, SampleRowsError>;
 
+    /// The log-probabilities of `picks[r].token` under row `r` of `logits` (`[picks.len(),
+    /// vocab]`, read where they are) after `allowed[r]` (if any) set its disallowed logits to −∞,
+    /// with `picks[r].top` alternatives ([`crate::sampling::token_logprobs`] is the definition;
+    /// a device implementation returns the same bits). Checked as [`Backend::sample_masked`].
+    fn token_logprobs_masked(
+        &self,
+        logits: &Tensor,
+        vocab: usize,
+        picks: &[LogprobPick],
+        allowed: &[Option<&AllowedTokens>],
+    ) -> Result<Vec<TokenLogprobs>, SampleRowsError>;
+
     /// One token per row of the fp32 logits `x · Wᵀ` ([`Backend::linear_f32`], `W [out, inp]`),
     /// sampled as [`Backend::sample_rows`] does: the head and the sampler of a step in one op, so a
     /// device backend keeps the logits where it computed them and returns only the ids.
@@ -479,6 +499,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Option<Tensor>;
 }
 
+/// The checks of [`Backend::token_logprobs_masked`]: those of [`check_sample_masked`] (the
+/// picks are its rows).
+pub fn check_logprob_picks(
+    logits_len: usize,
+    vocab: usize,
+    picks: &[LogprobPick],
+    allowed: &[Option<&AllowedTokens>],
+) -> Result<(), SampleRowsError> {
+    check_masked_rows(logits_len, vocab, picks.len(), allowed)
+}
+
 /// The shape check of [`Backend::sample_rows`], shared by every implementation.
 pub fn check_sample_rows(
     logits: &[f32],
@@ -510,22 +541,33 @@ pub fn check_sample_masked(
     rows: &[RowSampling],
     allowed: &[Option<&AllowedTokens>],
 ) -> Result<(), SampleRowsError> {
-    if allowed.len() != rows.len() {
+    check_masked_rows(logits_len, vocab, rows.len(), allowed)
+}
+
+/// `logits_len` values are `rows` rows of `vocab`, with one mask entry per row, each within the
+/// vocabulary and allowing some token.
+fn check_masked_rows(
+    logits_len: usize,
+    vocab: usize,
+    rows: usize,
+    allowed: &[Option<&AllowedTokens>],
+) -> Result<(), SampleRowsError> {
+    if allowed.len() != rows {
         return Err(SampleRowsError::MaskCount {
             found: allowed.len(),
-            rows: rows.len(),
+            rows,
         });
     }
-    if rows.is_empty() && logits_len == 0 {
+    if rows == 0 && logits_len == 0 {
         return Ok(());
     }
     if vocab == 0 {
-        return Err(SampleRowsError::EmptyVocab { rows: rows.len() });
+        return Err(SampleRowsError::EmptyVocab { rows });
     }
-    if rows.len().checked_mul(vocab) != Some(logits_len) {
+    if rows.checked_mul(vocab) != Some(logits_len) {
         return Err(SampleRowsError::LogitsShape {
             found: logits_len,
-            rows: rows.len(),
+            rows,
             vocab,
         });
     }

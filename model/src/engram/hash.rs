@@ -171,6 +171,22 @@ impl EngramRows {
         let start = (token * self.n_layers + layer) * self.columns;
         &self.rows[start..start + self.columns]
     }
+
+    /// The row ids of `tokens` (indices into this chunk, each below `n_tokens`), in that order:
+    /// a context-parallel rank's own tokens of a chunk hashed whole.
+    pub fn select(&self, tokens: &[usize]) -> EngramRows {
+        let width = self.n_layers * self.columns;
+        EngramRows {
+            n_tokens: tokens.len(),
+            n_layers: self.n_layers,
+            columns: self.columns,
+            rows: tokens
+                .iter()
+                .flat_map(|&t| &self.rows[t * width..(t + 1) * width])
+                .copied()
+                .collect(),
+        }
+    }
 }
 
 /// `max_ngram` multipliers of an engram layer: NumPy `default_rng(10007·layer_id)

@@ -3,6 +3,7 @@
 //! inverse RoPE and the grouped low-rank output projection.
 
 use super::Ctx;
+use super::context_parallel::CpRank;
 use super::csa::{self, ChunkShared};
 use super::state::SequenceState;
 use super::step::StepRows;
@@ -108,7 +109,9 @@ pub fn output_projection(
 /// Attention of backbone layer `layer` over the normed inputs `xn [n, dim]` of a step's rows
 /// (`rows.spans[e]` are the rows of `seqs[e]`): projections, RoPE and the output projection run
 /// over all rows at once; window pushes, the compressor, the indexer's selection and the key
-/// lists are each sequence's own.
+/// lists are each sequence's own. With `cp` (one sequence) the rows are a CP rank's own: the
+/// window entries and compressor inputs of every rank's rows are all-gathered, so the window
+/// and the compressed caches take the whole chunk.
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     ctx: &Ctx,
@@ -119,6 +122,7 @@ pub fn forward(
     seqs: &mut [&mut SequenceState],
     shared: &mut [ChunkShared],
     trace: Option<&mut ForwardTrace>,
+    cp: Option<&CpRank<'_>>,
 ) -> Tensor {
     let cfg = ctx.cfg;
     let head_dim = cfg.head_dim;
@@ -127,10 +131,21 @@ pub fn forward(
     let table = ctx.rope.for_layer(cfg, layer);
     let Queries { qr, q } = queries(ctx, w, xn, positions, table);
     let kv = window_entries(ctx, w, xn, positions, table);
-    for (span, seq) in rows.spans.iter().zip(seqs.iter_mut()) {
+    // The rows whose window entries and compressor inputs enter the state, and their spans.
+    let chunk_positions = cp.map(CpRank::chunk_positions);
+    let (state_positions, state_spans) = match &chunk_positions {
+        Some(all) => (&all[..], std::iter::once(0..all.len()).collect()),
+        None => (positions, rows.spans.clone()),
+    };
+    let gathered = |own: &Tensor, width: usize| match cp {
+        Some(cp) => cp.all_gather(ctx.backend, own, width, layer),
+        None => own.clone(),
+    };
+    let state_kv = gathered(&kv, head_dim);
+    for (span, seq) in state_spans.iter().zip(seqs.iter_mut()) {
         let window = &mut seq.layers[layer].window;
         for r in span.clone() {
-            window.push_at(positions[r], kv.rows(r..r + 1, head_dim));
+            window.push_at(state_positions[r], state_kv.rows(r..r + 1, head_dim));
         }
     }
 
@@ -140,15 +155,15 @@ pub fn forward(
         if let Some(compressor_weights) = &w.compressor {
             let inputs = csa::compressor_inputs(ctx, compressor_weights, xn);
             let width = inputs.len() / n.max(1);
-            let jobs = rows
-                .spans
+            let inputs = gathered(&inputs, width);
+            let jobs = state_spans
                 .iter()
                 .zip(seqs.iter_mut())
                 .filter_map(|(span, seq)| {
                     Some(csa::CompressJob {
                         state: seq.layers[layer].compressor.as_mut()?,
                         inputs: inputs.rows(span.clone(), width),
-                        positions: &positions[span.clone()],
+                        positions: &state_positions[span.clone()],
                     })
                 })
                 .collect();

@@ -4,6 +4,7 @@
 
 mod attention;
 mod block;
+pub mod context_parallel;
 pub(crate) mod csa;
 pub(crate) mod dspark;
 mod expert_hook;

@@ -14,7 +14,7 @@ pub const MAX_BACKTRACK: usize = 6;
 
 /// Per-position rows for the most recent positions: `rows[i]` belongs to position `start + i`
 /// (each row a [`Tensor`]: in device memory on a device backend).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PositionRing {
     start: usize,
     rows: VecDeque<Tensor>,
@@ -86,7 +86,7 @@ impl PositionRing {
 }
 
 /// Compressor state of one KV-source layer.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct CompressorState {
     /// Per-token `kv ‖ gate` rows (fp32) of the recent positions, for the pending group.
     pub pending: PositionRing,
@@ -97,7 +97,7 @@ pub struct CompressorState {
 }
 
 /// State of one backbone layer.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LayerState {
     /// Window K=V entries (after RoPE and `Q8`).
     pub window: PositionRing,
@@ -105,8 +105,9 @@ pub struct LayerState {
     pub compressor: Option<CompressorState>,
 }
 
-/// Everything a sequence carries between forward calls.
-#[derive(Debug, Clone)]
+/// Everything a sequence carries between forward calls (equal: the same values, position by
+/// position).
+#[derive(Debug, Clone, PartialEq)]
 pub struct SequenceState {
     pub(crate) len: usize,
     pub(crate) layers: Vec<LayerState>,

@@ -6,15 +6,16 @@
 
 use std::ops::Range;
 
+use super::context_parallel::CpRank;
 use super::csa::{self, ChunkShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::{Ctx, LogitsWanted, Model, attention, block, dspark, expert_hook, vision};
-use crate::backend::{Backend, Precision, RowSampling, Tensor};
+use crate::backend::{Backend, LogprobPick, Precision, RowSampling, Tensor};
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
-use crate::sampling::{AllowedTokens, SamplingParams};
+use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
 /// Chunks longer than this many tokens leave their sequence's rings compacted
 /// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
@@ -135,6 +136,9 @@ impl StepRows {
     }
 }
 
+/// What an entry wants back: which logits rows, and whether they are sampled.
+type EntryWant = (LogitsWanted, Option<SamplingParams>);
+
 /// Keeps the `width`-wide rows whose flag is set.
 fn retain_rows(backend: &dyn Backend, values: &mut Tensor, kept: &[bool], width: usize) {
     let rows = kept.iter().enumerate().filter(|(_, keep)| **keep);
@@ -177,7 +181,7 @@ impl Model {
         entries: &mut [StepEntry<'_>],
         experts: Option<&dyn RoutedExperts>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
-        self.run_step_at(entries, None, experts, None, true)
+        self.run_step_at(entries, None, experts, None, true, None)
     }
 
     /// One token per row, each row sampled with its parameters at its position after its mask
@@ -190,17 +194,8 @@ impl Model {
             return Ok(Vec::new());
         }
         let vocab = self.cfg.vocab_size;
-        if let Some(r) = rows.iter().position(|r| r.logits.len() != vocab) {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "sample_rows: row {r} holds {} logits, not one row of {vocab}",
-                    rows[r].logits.len()
-                ),
-            });
-        }
+        let logits = self.gather_logits_rows("sample_rows", rows)?;
         let backend = self.ctx().backend;
-        let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
-        let logits = backend.gather(&pieces, vocab);
         let sampling: Vec<RowSampling> = rows
             .iter()
             .map(|r| RowSampling {
@@ -216,6 +211,45 @@ impl Model {
             })
     }
 
+    /// The log-probabilities of `picks[i].token` sampled from row `i` (after its mask, with
+    /// `picks[i].top` alternatives; [`crate::sampling::token_logprobs`] is the definition): one
+    /// op over all rows, reading them where they are; only the log-probabilities reach the host.
+    /// A row that is not one vocabulary wide, or whose mask allows nothing, fails the call naming
+    /// the row.
+    pub fn token_logprobs_rows(
+        &self,
+        rows: &[LogitsRow<'_>],
+        picks: &[LogprobPick],
+    ) -> Result<Vec<TokenLogprobs>, ModelError> {
+        if rows.is_empty() && picks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let logits = self.gather_logits_rows("token_logprobs_rows", rows)?;
+        let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
+        self.ctx()
+            .backend
+            .token_logprobs_masked(&logits, self.cfg.vocab_size, picks, &allowed)
+            .map_err(|e| ModelError::Sequence {
+                message: e.to_string(),
+            })
+    }
+
+    /// The rows gathered into one `[rows, vocab]` tensor on the backend; a row that is not one
+    /// vocabulary wide fails `op` naming it.
+    fn gather_logits_rows(&self, op: &str, rows: &[LogitsRow<'_>]) -> Result<Tensor, ModelError> {
+        let vocab = self.cfg.vocab_size;
+        if let Some(r) = rows.iter().position(|r| r.logits.len() != vocab) {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "{op}: row {r} holds {} logits, not one row of {vocab}",
+                    rows[r].logits.len()
+                ),
+            });
+        }
+        let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
+        Ok(self.ctx().backend.gather(&pieces, vocab))
+    }
+
     /// The one body behind every forward entry: `trace` and `vl` (image spans) only with a single
     /// entry, `experts` runs the routed experts elsewhere.
     pub(super) fn run_step(
@@ -225,11 +259,26 @@ impl Model {
         experts: Option<&dyn RoutedExperts>,
         vl: Option<&vision::VlChunk<'_>>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
-        self.run_step_at(entries, trace, experts, vl, false)
+        self.run_step_at(entries, trace, experts, vl, false, None)
+    }
+
+    /// One rank's part of a context-parallel chunk (one entry, see
+    /// [`Model::forward_context_parallel`]).
+    pub(super) fn run_context_parallel(
+        &self,
+        entries: &mut [StepEntry<'_>],
+        cp: &CpRank<'_>,
+        experts: Option<&dyn RoutedExperts>,
+    ) -> Result<EntryOutput, ModelError> {
+        let mut outputs = self.run_step_at(entries, None, experts, None, false, Some(cp))?;
+        outputs.pop().ok_or_else(|| ModelError::Sequence {
+            message: "a context-parallel chunk is one entry".to_string(),
+        })
     }
 
     /// [`Model::run_step`]; with `logits_on_device` the unsampled entries' rows stay on the
-    /// backend ([`EntryOutput::DeviceLogits`]).
+    /// backend ([`EntryOutput::DeviceLogits`]); with `cp` (one entry) only the CP rank's own rows
+    /// are computed, the others' attention inputs all-gathered (`context_parallel`).
     fn run_step_at(
         &self,
         entries: &mut [StepEntry<'_>],
@@ -237,7 +286,14 @@ impl Model {
         experts: Option<&dyn RoutedExperts>,
         vl: Option<&vision::VlChunk<'_>>,
         logits_on_device: bool,
+        cp: Option<&CpRank<'_>>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
+        if cp.is_some() && (entries.len() != 1 || trace.is_some() || vl.is_some()) {
+            return Err(ModelError::Unsupported {
+                what: "a context-parallel step over several sequences, traced or with images"
+                    .to_string(),
+            });
+        }
         if entries.len() != 1 && (trace.is_some() || vl.is_some()) {
             return Err(ModelError::Unsupported {
                 what: format!(
@@ -258,7 +314,7 @@ impl Model {
         let (hc, dim) = (cfg.hc.mult, cfg.dim);
         let width = hc * dim;
         let chunks: Vec<&[u32]> = entries.iter().map(|entry| entry.tokens).collect();
-        let wants: Vec<(LogitsWanted, Option<SamplingParams>)> = entries
+        let wants: Vec<EntryWant> = entries
             .iter()
             .map(|entry| (entry.want, entry.sample))
             .collect();
@@ -271,11 +327,19 @@ impl Model {
                 })
             })
             .collect();
-        let mut rows = StepRows::new(
-            entries
-                .iter()
-                .map(|entry| (entry.seq.len, entry.tokens.len())),
-        );
+        let mut rows = match cp {
+            Some(cp) => StepRows::single(&cp.own_positions()),
+            None => StepRows::new(
+                entries
+                    .iter()
+                    .map(|entry| (entry.seq.len, entry.tokens.len())),
+            ),
+        };
+        // The tokens of the rows computed here (a CP rank's own, else every chunk's).
+        let row_tokens: Vec<u32> = match cp {
+            Some(cp) => cp.own_rows().iter().map(|&o| chunks[0][o]).collect(),
+            None => chunks.concat(),
+        };
         let mut seqs: Vec<&mut SequenceState> =
             entries.iter_mut().map(|entry| &mut *entry.seq).collect();
         let truncate_at = if dropped.iter().any(|&d| d > 0) {
@@ -295,13 +359,17 @@ impl Model {
             seqs.iter_mut()
                 .zip(&chunks)
                 .zip(&rows.spans)
-                .map(|((seq, tokens), span)| {
-                    engram.hash_chunk(&mut seq.engram, tokens, &dead[span.clone()])
+                .map(|((seq, tokens), span)| match cp {
+                    // Every rank hashes the whole chunk (the history needs it), keeps its rows.
+                    Some(cp) => engram
+                        .hash_chunk(&mut seq.engram, tokens, &[])
+                        .select(cp.own_rows()),
+                    None => engram.hash_chunk(&mut seq.engram, tokens, &dead[span.clone()]),
                 })
                 .collect()
         });
         let mut streams = Vec::with_capacity(n_rows * width);
-        for (i, &token) in chunks.iter().flat_map(|tokens| tokens.iter()).enumerate() {
+        for (i, &token) in row_tokens.iter().enumerate() {
             let row = vl
                 .and_then(|vl| vl.embeddings.get(i).copied().flatten())
                 .unwrap_or(&self.embed[token as usize * dim..(token as usize + 1) * dim]);
@@ -428,9 +496,13 @@ impl Model {
                         seqs,
                         shared,
                         attn_trace,
+                        cp,
                     )
                 },
             );
+            if let Some(err) = cp.and_then(CpRank::failure) {
+                return Err(err);
+            }
             if let Some(trace) = trace.as_deref_mut() {
                 trace.layer_out[l] = streams.to_vec();
                 trace.layer_pre[l] = pre.to_vec();
@@ -439,10 +511,21 @@ impl Model {
             }
         }
         inject_streams(trace.as_deref(), cfg.n_layers, &mut streams, &mut pre);
+        let wanted: Vec<Vec<usize>> = rows
+            .spans
+            .iter()
+            .zip(&wants)
+            .map(|(span, (want, _))| match want {
+                LogitsWanted::All => span.clone().collect(),
+                // A CP rank has the chunk's last row only if it computes the last token.
+                LogitsWanted::Last if cp.is_some_and(|cp| !cp.owns_last()) => Vec::new(),
+                LogitsWanted::Last => span.clone().last().into_iter().collect(),
+            })
+            .collect();
         let outputs = self.head_rows(
             &ctx,
             &rows,
-            &wants,
+            (&wanted, &wants),
             (&streams, &pre),
             trace.as_deref_mut(),
             logits_on_device,
@@ -463,10 +546,25 @@ impl Model {
             let stage_entries =
                 dspark::context_entries(&ctx, weights, &main_hidden, &rows.positions);
             let head_dim = cfg.head_dim;
+            // A CP rank's rings take every rank's entries (the DSpark stage gathers last).
+            let gathered = cp.map(|cp| {
+                let entries = stage_entries.iter();
+                let full = entries.map(|e| cp.all_gather(ctx.backend, e, head_dim, cfg.n_layers));
+                (full.collect::<Vec<_>>(), cp.chunk_positions())
+            });
+            if let Some(err) = cp.and_then(CpRank::failure) {
+                return Err(err);
+            }
             for (e, seq) in seqs.iter_mut().enumerate() {
-                let positions = &rows.positions[rows.spans[e].clone()];
-                for (ring, entries) in seq.dspark.iter_mut().zip(&stage_entries) {
-                    let kv = rows.of(e, entries, head_dim);
+                let (stage_entries, positions) = match &gathered {
+                    Some((full, positions)) => (full, &positions[..]),
+                    None => (&stage_entries, &rows.positions[rows.spans[e].clone()]),
+                };
+                for (ring, entries) in seq.dspark.iter_mut().zip(stage_entries) {
+                    let kv = match gathered {
+                        Some(_) => entries.clone(),
+                        None => rows.of(e, entries, head_dim),
+                    };
                     for (row, &position) in kv.split_rows(head_dim).into_iter().zip(positions) {
                         ring.push_at(position, row);
                     }
@@ -494,22 +592,13 @@ impl Model {
         &self,
         ctx: &Ctx,
         rows: &StepRows,
-        wants: &[(LogitsWanted, Option<SamplingParams>)],
+        (wanted, wants): (&[Vec<usize>], &[EntryWant]),
         (streams, pre): (&Tensor, &Tensor),
         trace: Option<&mut ForwardTrace>,
         logits_on_device: bool,
     ) -> Result<Vec<EntryOutput>, ModelError> {
         let cfg = &self.cfg;
         let (hc, dim, vocab) = (cfg.hc.mult, cfg.dim, cfg.vocab_size);
-        let wanted: Vec<Vec<usize>> = rows
-            .spans
-            .iter()
-            .zip(wants)
-            .map(|(span, (want, _))| match want {
-                LogitsWanted::All => span.clone().collect(),
-                LogitsWanted::Last => span.clone().last().into_iter().collect(),
-            })
-            .collect();
         let needed: Vec<usize> = if trace.is_some() {
             (0..rows.positions.len()).collect()
         } else {

@@ -76,6 +76,7 @@ inline double __longlong_as_double(long long b) { return from_bits<double>((unsi
 inline long long __double_as_longlong(double d) { return (long long)to_bits(d); }
 inline unsigned __float_as_uint(float f) { return (unsigned)to_bits(f); }
 inline float __uint_as_float(unsigned u) { return from_bits<float>(u); }
+inline float __double2float_rn(double d) { return (float)d; }
 using std::isnan; using std::isinf; using std::rint; using std::floor;
 
 template <class F> void launch(unsigned grid, unsigned threads, F kernel) {

@@ -926,6 +926,20 @@ impl Backend for CudaBackend {
             .unwrap_or_else(device_fault))
     }
 
+    fn token_logprobs_masked(
+        &self,
+        logits: &Tensor,
+        vocab: usize,
+        picks: &[super::LogprobPick],
+        allowed: &[Option<&crate::sampling::AllowedTokens>],
+    ) -> Result<Vec<crate::sampling::TokenLogprobs>, SampleRowsError> {
+        let _op = self.op_scope("token_logprobs_masked");
+        super::check_logprob_picks(logits.len(), vocab, picks, allowed)?;
+        Ok(self
+            .try_token_logprobs_masked(logits, vocab, picks, allowed)
+            .unwrap_or_else(device_fault))
+    }
+
     fn sample_linear(
         &self,
         x: &Tensor,

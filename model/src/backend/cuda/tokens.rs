@@ -1,12 +1,21 @@
 //! The ops of [`CudaBackend`] that turn rows into ids: token sampling (only the ids come back;
-//! a grammar's masks go up as bitsets and are applied on the device), the MoE router after its
+//! a grammar's masks go up as bitsets and are applied on the device) and the sampled tokens'
+//! log-probabilities (only those and the alternatives come back), the MoE router after its
 //! gate linear, and Engram hashing and table lookup.
 
-use deepinfer_kernels::ops::sampling::{mask_logits_f32, mask_words_per_row};
+use deepinfer_kernels::ops::sampling::{
+    LOGPROB_LANES, LogprobOutputs, MAX_TOP_LOGPROBS, mask_logits_f32, mask_words_per_row,
+    token_logprobs_f32,
+};
 
 use super::*;
+use crate::backend::LogprobPick;
 use crate::engram::hash::NgramHasher;
-use crate::sampling::AllowedTokens;
+use crate::sampling::{AllowedTokens, TokenLogprobs};
+
+// The kernel's sum order and output stride are the reference's.
+const _: () = assert!(LOGPROB_LANES as usize == crate::sampling::LOGPROB_LANES);
+const _: () = assert!(MAX_TOP_LOGPROBS == crate::sampling::MAX_TOP_LOGPROBS);
 
 impl CudaBackend {
     /// [`Backend::sample_rows`], with errors: the logits are uploaded, every row sampled by the
@@ -86,25 +95,99 @@ impl CudaBackend {
             let dlogits = self.input(OP, logits)?;
             return self.sample_device_rows(&dlogits, vocab, rows);
         }
+        let dlogits = self.masked_copy(OP, logits, vocab, allowed)?;
+        self.sample_device_rows(&dlogits, vocab, rows)
+    }
+
+    /// A device copy of the logits rows with each row's mask applied (all ones for an unmasked
+    /// row): the bitsets go up, the mask kernel sets the disallowed logits to −∞.
+    fn masked_copy(
+        &self,
+        op: &'static str,
+        logits: &Tensor,
+        vocab: usize,
+        allowed: &[Option<&AllowedTokens>],
+    ) -> Result<CudaSlice<f32>, CudaBackendError> {
         let per_row = mask_words_per_row(vocab);
-        let mut words = Vec::with_capacity(rows.len() * per_row);
+        let mut words = Vec::with_capacity(allowed.len() * per_row);
         for (row, mask) in allowed.iter().enumerate() {
             match mask {
                 Some(mask) => words.extend(
                     mask.row_words(vocab)
-                        .map_err(|e| shape_err(OP, format!("row {row}: {e}")))?,
+                        .map_err(|e| shape_err(op, format!("row {row}: {e}")))?,
                 ),
                 None => words.extend(std::iter::repeat_n(u32::MAX, per_row)),
             }
         }
-        let mut dlogits = self.input(OP, logits)?.into_owned(self, OP)?;
-        let dwords = self
-            .rt
-            .stream()
-            .clone_htod(&words)
-            .map_err(driver_err(OP, "uploading the masks"))?;
-        mask_logits_f32(&self.rt, &mut dlogits, &dwords, rows.len(), vocab).map_err(op_err(OP))?;
-        self.sample_device_rows(&dlogits, vocab, rows)
+        let mut dlogits = self.input(op, logits)?.into_owned(self, op)?;
+        if allowed.iter().any(Option::is_some) {
+            let dwords = self
+                .rt
+                .stream()
+                .clone_htod(&words)
+                .map_err(driver_err(op, "uploading the masks"))?;
+            mask_logits_f32(&self.rt, &mut dlogits, &dwords, allowed.len(), vocab)
+                .map_err(op_err(op))?;
+        }
+        Ok(dlogits)
+    }
+
+    /// [`Backend::token_logprobs_masked`], with errors (the shapes and masks checked by the
+    /// caller): the rows are copied and masked on the device, the log-probability kernel runs
+    /// one block per row, and only each row's log-probability and alternatives come back.
+    pub fn try_token_logprobs_masked(
+        &self,
+        logits: &Tensor,
+        vocab: usize,
+        picks: &[LogprobPick],
+        allowed: &[Option<&AllowedTokens>],
+    ) -> Result<Vec<TokenLogprobs>, CudaBackendError> {
+        const OP: &str = "token_logprobs_masked";
+        if picks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dlogits = self.masked_copy(OP, logits, vocab, allowed)?;
+        let top = picks.iter().map(|p| p.top).max().unwrap_or(0);
+        let top = top.min(MAX_TOP_LOGPROBS);
+        let tokens: Vec<u32> = picks.iter().map(|p| p.token).collect();
+        let stream = self.rt.stream();
+        let dtokens = stream
+            .clone_htod(&tokens)
+            .map_err(driver_err(OP, "uploading the tokens"))?;
+        let mut dchosen = self.alloc(OP, picks.len())?;
+        let mut dtop_ids = stream
+            .alloc_zeros::<u32>(picks.len() * MAX_TOP_LOGPROBS)
+            .map_err(driver_err(OP, "allocating the alternatives"))?;
+        let mut dtop = self.alloc(OP, picks.len() * MAX_TOP_LOGPROBS)?;
+        let out = LogprobOutputs {
+            chosen: &mut dchosen,
+            top_ids: &mut dtop_ids,
+            top_logprobs: &mut dtop,
+        };
+        token_logprobs_f32(&self.rt, &dlogits, &dtokens, out, vocab, top).map_err(op_err(OP))?;
+        self.transfers.result::<u32>(dtop_ids.len());
+        let chosen = self.download(OP, &dchosen)?;
+        let top_ids = stream
+            .clone_dtoh(&dtop_ids)
+            .map_err(driver_err(OP, "downloading the alternatives"))?;
+        let top_logprobs = self.download(OP, &dtop)?;
+        Ok(picks
+            .iter()
+            .enumerate()
+            .map(|(r, pick)| {
+                let row = r * MAX_TOP_LOGPROBS..r * MAX_TOP_LOGPROBS + pick.top.min(top);
+                TokenLogprobs {
+                    token: pick.token,
+                    logprob: chosen[r],
+                    top: top_ids[row.clone()]
+                        .iter()
+                        .zip(&top_logprobs[row])
+                        .take_while(|(id, _)| **id != u32::MAX)
+                        .map(|(&id, &lp)| (id, lp))
+                        .collect(),
+                }
+            })
+            .collect())
     }
 
     /// Samples `rows.len()` rows of `vocab` logits already on the device (`sample_rows`'s math);
