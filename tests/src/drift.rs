@@ -9,9 +9,18 @@ use deepinfer_model::{Model, checkpoint};
 
 /// The built-in demo model (`model_source::build_demo`'s recipe, loaded as a bare `Model`).
 pub fn demo_model(dir: &std::path::Path) -> Model {
+    demo_model_with_positions(dir, None)
+}
+
+/// The demo model with room for `positions` tokens (`None`: the demo's own limit), written into
+/// `dir` and loaded.
+pub fn demo_model_with_positions(dir: &std::path::Path, positions: Option<usize>) -> Model {
     let tokenizer = load_v41_tokenizer(&shipped_tokenizer()).expect("shipped tokenizer");
     let map = compressed_token_map(&tokenizer).expect("compressed token map");
-    let cfg = demo_config(map.size);
+    let mut cfg = demo_config(map.size);
+    if let Some(positions) = positions {
+        cfg.max_position_embeddings = positions;
+    }
     checkpoint::write_random_checkpoint(&cfg, DEMO_SEED, dir, 2).expect("demo checkpoint");
     let engram = cfg.engram.as_ref().expect("the demo has Engram");
     let vocab = map.into_engram_vocab(engram).expect("engram vocabulary");

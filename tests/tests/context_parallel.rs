@@ -2,9 +2,8 @@
 //! single-rank prefill, on the v41-tiny fixture (given room for the long prompt) and on the demo
 //! model, with cp = 2 and cp = 4 (mirror split): the logits and every rank's final sequence state
 //! are bitwise the single-rank prefill's, and so are the greedy decode steps that follow. The
-//! prompt lengths put piece boundaries inside ratio-2 compression groups (asserted). The fixture's
-//! prompt is the long prefill (2050 tokens); the demo model's, with its 129k-token head,
-//! ~500 tokens (32 windows, 250 compressed groups) so the suite stays quick. The engine with
+//! prompt lengths put piece boundaries inside ratio-2 compression groups (asserted). Both prompts
+//! are the long prefill (~2k tokens: 128 windows, ~1k compressed groups). The engine with
 //! `[parallel] context_parallel = 2` generates the same tokens as without, and refuses executors
 //! that do not run the topology's context parallelism; a V4-family model with CP is refused at
 //! start.
@@ -23,10 +22,8 @@ use deepinfer_topology::NodeConfig;
 
 const DECODE_STEPS: usize = 3;
 
-/// The prompt lengths (odd piece boundaries at cp 2 and cp 4: 4 ∤ len, 8 ∤ len): the fixture's,
-/// and the demo model's (whose 129k-token head makes each row costly).
-const FIXTURE_PROMPT_TOKENS: usize = 2050;
-const DEMO_PROMPT_TOKENS: usize = 514;
+/// The CP chunk's length (odd piece boundaries at cp 2 and cp 4: 4 ∤ len + 1, 8 ∤ len + 1).
+const PROMPT_TOKENS: usize = 2050;
 
 /// A deterministic prompt of `n` ids in `3..vocab`, with a repeated stretch (Engram n-grams fire).
 fn prompt(n: usize, vocab: u32) -> Vec<u32> {
@@ -120,16 +117,16 @@ fn v41_tiny_long_prefill_with_cp_2_and_4_is_bitwise_the_single_rank_prefill() {
     let dir = tempfile::tempdir().expect("temp dir");
     let model = deepinfer_tests::v41_model_with_positions("v41/v41-tiny", 4096, dir.path());
     // 2 tokens, then the CP chunk: odd piece boundaries from an even start.
-    let tokens = prompt(2 + FIXTURE_PROMPT_TOKENS, model.config().vocab_size as u32);
+    let tokens = prompt(2 + PROMPT_TOKENS, model.config().vocab_size as u32);
     cp_equals_single_rank(&model, &tokens, 2, LogitsWanted::All);
 }
 
 #[test]
 fn demo_model_long_prefill_with_cp_2_and_4_is_bitwise_the_single_rank_prefill() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let model = drift::demo_model(dir.path());
+    let model = drift::demo_model_with_positions(dir.path(), Some(4096));
     // From position 0, one more token: odd piece boundaries again.
-    let tokens = prompt(DEMO_PROMPT_TOKENS + 1, 50_000);
+    let tokens = prompt(PROMPT_TOKENS + 1, 50_000);
     cp_equals_single_rank(&model, &tokens, 0, LogitsWanted::Last);
 }
 
