@@ -351,6 +351,65 @@ mod comm_checks {
     use deepinfer_topology::PlacementShape;
 
     #[test]
+    fn a_load_window_holds_every_rank_of_a_counted_batch_or_none() {
+        // Simulated shards on 4 EP ranks; a counting thread adds one pick to every rank per batch
+        // while this thread reads and resets the windows: each window must hold the same number of
+        // whole batches on every rank.
+        let source = ExpertSource::Simulated {
+            layers: 1,
+            routed_experts: 8,
+        };
+        let shape = PlacementShape {
+            num_replicas: 8,
+            num_groups: 1,
+            num_nodes: 1,
+            num_gpus: 4,
+        };
+        let placement = Arc::new(ExpertPlacement::uniform(1, 8, shape).expect("uniform"));
+        let shards = (0..4)
+            .map(|rank| {
+                let (shard, _) =
+                    ExpertShard::build(&source, &placement, EpRank(rank), PlacementEpoch(0), None)
+                        .expect("built");
+                Arc::new(shard)
+            })
+            .collect();
+        let comm =
+            Arc::new(LocalComm::new(PlacementEpoch(0), source, placement, shards).expect("comm"));
+        const BATCHES: u64 = 20_000;
+        let counter = {
+            let comm = comm.clone();
+            std::thread::spawn(move || {
+                for _ in 0..BATCHES {
+                    comm.count_batch(|shards| {
+                        for shard in shards {
+                            shard.count(0, 0, 1).expect("slot 0");
+                        }
+                    });
+                }
+            })
+        };
+        let mut seen = 0;
+        while !counter.is_finished() || seen < BATCHES {
+            let per_rank: Vec<u64> = comm
+                .take_loads()
+                .iter()
+                .map(|loads| loads.per_slot.iter().flatten().sum())
+                .collect();
+            assert!(
+                per_rank.iter().all(|&n| n == per_rank[0]),
+                "a window split a batch between ranks: {per_rank:?}"
+            );
+            seen += per_rank[0];
+            if counter.is_finished() && per_rank[0] == 0 {
+                break;
+            }
+        }
+        counter.join().expect("counting thread");
+        assert_eq!(seen, BATCHES, "every batch counted in exactly one window");
+    }
+
+    #[test]
     fn local_comm_refuses_shards_that_do_not_fit() {
         let (_dir, model) = tiny_test_model();
         let layers = model.config().n_layers;
