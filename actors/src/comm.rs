@@ -389,8 +389,7 @@ mod comm_checks {
                 }
             })
         };
-        let mut seen = 0;
-        while !counter.is_finished() || seen < BATCHES {
+        let window = || -> u64 {
             let per_rank: Vec<u64> = comm
                 .take_loads()
                 .iter()
@@ -400,12 +399,14 @@ mod comm_checks {
                 per_rank.iter().all(|&n| n == per_rank[0]),
                 "a window split a batch between ranks: {per_rank:?}"
             );
-            seen += per_rank[0];
-            if counter.is_finished() && per_rank[0] == 0 {
-                break;
-            }
+            per_rank[0]
+        };
+        let mut seen = 0;
+        while !counter.is_finished() {
+            seen += window();
         }
         counter.join().expect("counting thread");
+        seen += window();
         assert_eq!(seen, BATCHES, "every batch counted in exactly one window");
     }
 
