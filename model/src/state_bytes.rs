@@ -210,6 +210,20 @@ fn layer_kinds(cfg: &ModelConfig, label: impl Fn(usize) -> String) -> Vec<(Strin
     kinds
 }
 
+/// One context ring per DSpark stage (both families), if the model has stages.
+fn dspark_part(cfg: &ModelConfig) -> Option<StatePart> {
+    let stages = cfg.n_dspark_stages();
+    (stages > 0).then(|| {
+        ring(
+            "DSpark stage",
+            "context rows",
+            stages,
+            cfg.head_dim,
+            window_capacity(cfg),
+        )
+    })
+}
+
 /// V4.1 (spec §5.1): every layer a window ring; a KV source of ratio `r > 1` also the rows of
 /// its pending group (`kv ‖ gate`, trimmed like the window), and every KV source one entry and
 /// one index key per group; DSpark stages a context ring each; Engram one entry per token.
@@ -245,16 +259,7 @@ fn v41_parts(cfg: &ModelConfig) -> Vec<StatePart> {
             ratio,
         ));
     }
-    if cfg.n_dspark_stages() > 0 {
-        let stages = cfg.n_dspark_stages();
-        parts.push(ring(
-            "DSpark stage",
-            "context rows",
-            stages,
-            head_dim,
-            capacity,
-        ));
-    }
+    parts.extend(dspark_part(cfg));
     if cfg.engram.is_some() {
         parts.push(cache("Engram", ENGRAM_WHAT, 1, 1, 1));
     }
@@ -334,16 +339,7 @@ fn v4_parts(cfg: &ModelConfig) -> Vec<StatePart> {
         let streams = cfg.hc.mult * cfg.dim;
         parts.push(ring("MTP block", "streams", 1, streams, MAX_BACKTRACK + 1));
     }
-    if cfg.n_dspark_stages() > 0 {
-        let stages = cfg.n_dspark_stages();
-        parts.push(ring(
-            "DSpark stage",
-            "context rows",
-            stages,
-            head_dim,
-            capacity,
-        ));
-    }
+    parts.extend(dspark_part(cfg));
     parts
 }
 
