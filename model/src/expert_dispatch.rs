@@ -1,6 +1,6 @@
 //! The routed-expert hook of the MoE: who computes a token's routed experts.
 //!
-//! The router and the combine stay in the model (`v41/moe.rs`): for one token of one layer it
+//! The router and the combine stay in the model (`layers/moe.rs`): for one token of one layer it
 //! chooses the (logical expert, weight) picks, hands them to a [`RoutedExperts`] in increasing
 //! expert id, and sums the returned outputs in that order, then adds the shared expert. So where
 //! an expert runs (which EP rank, which replica) can never change a bit of the result, as long as

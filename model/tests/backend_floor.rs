@@ -1,6 +1,8 @@
 //! The backend is the floor of the model crate: no file of `src/backend/` reaches a file of the
 //! model families (`src/v4/`, `src/v41/`, `src/config/`) through `crate::` imports, and no file
-//! the backend reaches imports the backend back (no import cycle through it). Test modules
+//! the backend reaches imports the backend back (no import cycle through it). The families share
+//! through `src/layers/` only: no file of `v4/` imports `v41/` or the reverse, and `layers/`
+//! imports neither. Test modules
 //! (`#[cfg(test)]` to the end of a file) are not part of the graph: a lower module's tests may use
 //! the backend.
 
@@ -142,6 +144,30 @@ fn backend_reaches_no_family_and_no_cycle() {
         into_families.is_empty() && back_into_backend.is_empty(),
         "the backend reaches the families through {into_families:?}; \
          files it reaches import it back: {back_into_backend:?}"
+    );
+}
+
+#[test]
+fn families_share_through_layers_only() {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src");
+    let graph = import_graph(&src);
+    let crossing: Vec<String> = graph
+        .iter()
+        .flat_map(|(file, targets)| targets.iter().map(move |t| (file, t)))
+        .filter(|(file, target)| {
+            let (from_v4, from_v41) = (file.starts_with("v4/"), file.starts_with("v41/"));
+            let into_family = target.starts_with("v4/") || target.starts_with("v41/");
+            (from_v4 && target.starts_with("v41/"))
+                || (from_v41 && target.starts_with("v4/"))
+                || (file.starts_with("layers/") && into_family)
+        })
+        .map(|(file, target)| format!("{file} -> {target}"))
+        .collect();
+    let shared = graph.keys().filter(|f| f.starts_with("layers/")).count();
+    assert!(shared >= 6, "{shared} files under src/layers/");
+    assert!(
+        crossing.is_empty(),
+        "imports across the families (share them through layers/): {crossing:?}"
     );
 }
 

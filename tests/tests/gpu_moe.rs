@@ -1,7 +1,7 @@
 //! The routed experts on the device from device routes (`deepinfer_kernels::ops::routed`): the
 //! whole MoE chain — route (`route_experts_f32`) → quantise → routed `w1`/`w3` → SwiGLU with route
 //! weights → quantise → routed `w2` → combine with the shared expert — with no copy to the host,
-//! bitwise equal to the host math of `deepinfer_model::v41::moe::forward_rows` (grouped experts,
+//! bitwise equal to the host math of `deepinfer_model::layers::moe::forward_rows` (grouped experts,
 //! `quant::gemm_fp4` / `gemm_fp8`, `quant::exp_f32`, rows added in increasing expert id, then the
 //! shared expert, then one rounding).
 //!
@@ -144,7 +144,7 @@ impl HostGemm for Fp8Weight {
     }
 }
 
-/// `v41::moe::expert` on the host: the same clamps, `g / (1 + exp_f32(-g)) * u`, route weight,
+/// `layers::moe::expert` on the host: the same clamps, `g / (1 + exp_f32(-g)) * u`, route weight,
 /// rounding, then `w2`. Also counts the clamped gate values (to show the clamp path ran).
 fn host_expert<W: HostGemm>(
     e: &HostExpert<W>,

@@ -5,7 +5,7 @@
 //! expert on the device into tiles of up to 32 rows whose expert's weights are read once, see
 //! [`RoutedBlocks`]), the SwiGLU of expert
 //! rows ([`swiglu_rows`]) and the combine of a token's slot outputs with the shared expert
-//! ([`moe_combine`]). Each reproduces `deepinfer_model::v41::moe::forward_rows` bit for bit (see
+//! ([`moe_combine`]). Each reproduces `deepinfer_model::layers::moe::forward_rows` bit for bit (see
 //! `cuda/moe/routed.cu`).
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -682,7 +682,7 @@ impl ExpertRowValue for f32 {
 }
 
 /// `out[i] = round(weight · g / (1 + exp_f32(-g)) · u)` with `g`, `u` the values `gate[i]`,
-/// `up[i]` clamped as `v41::moe::expert` does when `limit > 0` (`g.min(limit)`,
+/// `up[i]` clamped as `layers::moe::expert` does when `limit > 0` (`g.min(limit)`,
 /// `u.clamp(-limit, limit)`); `weight` is `route_weights[i / inter]` with `inter = len /
 /// route_weights.len()` (one weight per row), or 1 (no multiplication) without weights.
 pub fn swiglu_rows<T: ExpertRowValue>(
@@ -761,7 +761,7 @@ pub fn swiglu_rows<T: ExpertRowValue>(
 /// Per token `t` of `out [rows, dim]`: from 0.0f32, add its slot outputs `routed[t, s]`
 /// (`routed` `[rows, k, dim]`, bf16 or f32) in increasing `experts[t, s]` (equal ids in slot
 /// order; ids `>= n_experts` skipped), then `shared[t]` (`[rows, dim]`), then round — the order of
-/// `v41::moe::forward_rows`. `rows = shared.len() / dim`, `k = experts.len() / rows` (at most 64).
+/// `layers::moe::forward_rows`. `rows = shared.len() / dim`, `k = experts.len() / rows` (at most 64).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_combine<T: ExpertRowValue>(
     rt: &KernelRuntime,

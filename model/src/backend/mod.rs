@@ -359,7 +359,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// The whole MoE of every row of `x [n, dim]` in one op — the router (top-k on the layer's
     /// bias), the routed experts (each row's outputs added in increasing expert id), the shared
-    /// expert, one rounding — bit for bit as `v41::moe::forward_rows` computes it from the ops
+    /// expert, one rounding — bit for bit as `layers::moe::forward_rows` computes it from the ops
     /// one by one; `None` when this backend has no fused path for the layer (the model then runs
     /// those ops).
     fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor>;
@@ -489,7 +489,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn compressor_pool_rows(&self, entries: &[Vec<PoolSlot<'_>>], width: usize) -> Tensor;
     /// The V4 MoE of every row of `x [n, dim]` with exact (fp32) experts in one op, routed by the
     /// router's top-k or, on a hash layer, row `t` by the experts `hashed[t]` (weights from its own
-    /// scores) — what `v41::moe::forward_rows` computes from the ops one by one, to the device's
+    /// scores) — what `layers::moe::forward_rows` computes from the ops one by one, to the device's
     /// exponential; `None` when this backend has no such path (the model then runs those ops).
     fn moe_rows_exact(
         &self,

@@ -8,8 +8,8 @@ use super::compressor;
 use super::state::LayerState;
 use super::weights::AttentionWeights;
 use crate::backend::{QueryKeys, RopeTable, SelectedKeys, Tensor};
-use crate::v41::Ctx;
-use crate::v41::step::StepRows;
+use crate::layers::ctx::Ctx;
+use crate::layers::step::StepRows;
 
 /// The queries of some rows: the `q_norm`-ed low-rank latent `qr [n, q_lora_rank]` (the CSA
 /// indexer reads it) and the rotated per-head queries `q [n, heads · head_dim]`.

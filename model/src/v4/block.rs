@@ -6,8 +6,8 @@
 
 use super::weights::{HyperHeadWeights, LayerWeights};
 use crate::backend::{HcParams, MoeLayer, Tensor};
-use crate::v41::Ctx;
-use crate::v41::moe;
+use crate::layers::ctx::Ctx;
+use crate::layers::moe;
 
 /// Runs one layer over the rows: `streams` is `[n, hc, dim]`, `tokens` the rows' ids (hash
 /// routing); `attention` maps the normed attention inputs `[n, dim]` to its outputs `[n, dim]`.

@@ -6,8 +6,8 @@
 use super::state::{CompressorCache, LayerState};
 use super::weights::{CompressorWeights, IndexerWeights};
 use crate::backend::{Candidates, PoolSlot, RopeTable, Selection, Tensor};
-use crate::v41::Ctx;
-use crate::v41::step::StepRows;
+use crate::layers::ctx::Ctx;
+use crate::layers::step::StepRows;
 
 /// Appends the step's raw `kv ‖ gate` rows (`xn [n, dim]`, the rows of sequence `e` at
 /// `rows.spans[e]`) to each sequence's cache (`None`: the sequence has none) and emits every entry

@@ -12,10 +12,9 @@ use crate::backend::weights::Linear;
 use crate::backend::{QueryKeys, RopeTable, Tensor};
 use crate::config::{DsparkConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
-use crate::v41::Ctx;
-use crate::v41::DraftProposal;
-use crate::v41::dspark::{MarkovHeads, decode_blocks};
-use crate::v41::state::PositionRing;
+use crate::layers::ctx::Ctx;
+use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
+use crate::layers::ring::PositionRing;
 
 /// The drafter's tensors.
 #[derive(Debug, Clone)]

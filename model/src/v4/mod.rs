@@ -23,14 +23,16 @@ use crate::backend::weights::Linear;
 pub use state::SequenceState;
 pub use step::StepEntry;
 
-pub use crate::v41::{DraftProposal, EntryOutput};
+pub use crate::layers::markov::DraftProposal;
+pub use crate::layers::step::EntryOutput;
 
 use crate::backend::{Backend, CpuBackend, Tensor};
 use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, ModelFamily, V4Attention};
 use crate::error::ModelError;
+use crate::layers::ctx::Ctx;
 use crate::layers::rope::RopeTables;
-use crate::v41::{Ctx, LogitsWanted};
+use crate::layers::step::LogitsWanted;
 use dspark::{DsparkWeights, ProposalInputs};
 use mtp::MtpWeights;
 use state::{CompressorCache, LayerState};
@@ -336,7 +338,7 @@ impl Model {
     }
 
     /// Drops everything after the first `len` tokens (a partially accepted verify). Only the last
-    /// [`crate::v41::MAX_BACKTRACK`] tokens can always be dropped; further back is an error.
+    /// [`crate::layers::ring::MAX_BACKTRACK`] tokens can always be dropped; further back is an error.
     pub fn rollback(&self, seq: &mut SequenceState, len: usize) -> Result<(), ModelError> {
         seq.rollback(len, self.cfg.window_size)
     }

@@ -14,7 +14,7 @@ use crate::backend::Tensor;
 use crate::backend::weights::Linear;
 use crate::config::{V4Attention, V4Mlp};
 use crate::error::ModelError;
-use crate::v41::Ctx;
+use crate::layers::ctx::Ctx;
 
 /// The tensors of the MTP block `mtp.0`.
 #[derive(Debug, Clone)]

@@ -9,7 +9,7 @@
 
 use crate::backend::{Backend, Tensor};
 use crate::error::ModelError;
-use crate::v41::state::{MAX_BACKTRACK, PositionRing, tensor_bytes};
+use crate::layers::ring::{MAX_BACKTRACK, PositionRing, past_end, tensor_bytes, too_far};
 
 /// One compressor's cache.
 #[derive(Debug, Clone)]
@@ -174,19 +174,9 @@ impl SequenceState {
     /// shorter sequence needs.
     pub(crate) fn rollback(&mut self, len: usize, window: usize) -> Result<(), ModelError> {
         if len > self.len {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "cannot roll back to {len} tokens: the sequence holds only {}",
-                    self.len
-                ),
-            });
+            return Err(past_end(len, self.len));
         }
-        let too_far = || ModelError::Sequence {
-            message: format!(
-                "cannot roll back from {} to {len} tokens: only the last {MAX_BACKTRACK} tokens can be dropped",
-                self.len
-            ),
-        };
+        let too_far = || too_far(len, self.len);
         for layer in &self.layers {
             if layer.window.start() > len.saturating_sub(window) {
                 return Err(too_far());

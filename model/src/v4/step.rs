@@ -7,16 +7,15 @@
 
 use super::state::{LayerState, SequenceState};
 use super::{Model, attention, block};
+use crate::backend::Tensor;
 use crate::backend::weights::Linear;
-use crate::backend::{RowSampling, Tensor};
 use crate::error::ModelError;
+use crate::layers::ctx::Ctx;
+use crate::layers::step::{
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, LogitsWanted, StepRows, entry_outputs,
+    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+};
 use crate::sampling::SamplingParams;
-use crate::v41::step::{StepRows, gather_rows};
-use crate::v41::{Ctx, EntryOutput, LogitsWanted, MAX_BACKTRACK};
-
-/// Chunks longer than this many tokens leave their sequence's rings compacted
-/// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
-const COMPACT_AFTER: usize = 4 * MAX_BACKTRACK;
 
 /// One sequence's part of a step ([`Model::forward_step`]).
 pub struct StepEntry<'a> {
@@ -29,16 +28,6 @@ pub struct StepEntry<'a> {
     /// [`crate::sampling::sample`] with `p + 1` as the noise counter. `None`: the logits rows
     /// ([`EntryOutput::Logits`]).
     pub sample: Option<SamplingParams>,
-}
-
-/// A bad entry of a step: its index, when the step has more than one.
-fn step_error(entry: usize, entries: usize, err: ModelError) -> ModelError {
-    match err {
-        ModelError::Sequence { message } if entries > 1 => ModelError::Sequence {
-            message: format!("step entry {entry}: {message}"),
-        },
-        other => other,
-    }
 }
 
 impl Model {
@@ -70,7 +59,7 @@ impl Model {
             .iter()
             .flat_map(|entry| entry.tokens.iter().copied())
             .collect();
-        let wants: Vec<(LogitsWanted, Option<SamplingParams>)> = entries
+        let wants: Vec<EntryWant> = entries
             .iter()
             .map(|entry| (entry.want, entry.sample))
             .collect();
@@ -148,52 +137,26 @@ impl Model {
         &self,
         ctx: &Ctx,
         rows: &StepRows,
-        wants: &[(LogitsWanted, Option<SamplingParams>)],
+        wants: &[EntryWant],
         streams: &Tensor,
     ) -> Result<Vec<EntryOutput>, ModelError> {
         let cfg = &self.cfg;
         let (width, vocab) = (cfg.hc.mult * cfg.dim, cfg.vocab_size);
         let backend = ctx.backend;
-        let wanted: Vec<Vec<usize>> = rows
-            .spans
-            .iter()
-            .zip(wants)
-            .map(|(span, (want, _))| match want {
-                LogitsWanted::All => span.clone().collect(),
-                LogitsWanted::Last => span.clone().last().into_iter().collect(),
-            })
-            .collect();
-        let rows_of = |sampled: bool| -> Vec<usize> {
-            wanted
-                .iter()
-                .zip(wants)
-                .filter(|(_, (_, sample))| sample.is_some() == sampled)
-                .flat_map(|(rows, _)| rows.iter().copied())
-                .collect()
-        };
+        let wanted = wanted_rows(rows, wants, true);
         let hidden_of = |selected: &[usize]| {
             let x = gather_rows(backend, streams, selected.iter().copied(), width);
             let h = block::hyper_head(ctx, &self.hyper_head, &x);
             backend.rms_norm(&h, &self.norm, cfg.norm_eps, cfg.precision())
         };
-        let logit_rows = rows_of(false);
+        let logit_rows: Vec<usize> = rows_of(&wanted, wants, false).collect();
         let logits = if logit_rows.is_empty() {
             Vec::new()
         } else {
             self.head.apply(backend, &hidden_of(&logit_rows)).into_vec()
         };
-        let sampled_rows = rows_of(true);
-        let sampling: Vec<RowSampling> = wanted
-            .iter()
-            .zip(wants)
-            .filter_map(|(rows, (_, sample))| Some((rows, (*sample)?)))
-            .flat_map(|(entry_rows, params)| {
-                entry_rows.iter().map(move |&row| RowSampling {
-                    params,
-                    position: rows.positions[row] as u64 + 1,
-                })
-            })
-            .collect();
+        let sampled_rows: Vec<usize> = rows_of(&wanted, wants, true).collect();
+        let sampling = row_sampling(rows, &wanted, wants);
         let tokens = if sampled_rows.is_empty() {
             Vec::new()
         } else {
@@ -211,20 +174,7 @@ impl Model {
                 message: e.to_string(),
             })?
         };
-        let (mut at_logits, mut at_tokens) = (0, 0);
-        Ok(wanted
-            .iter()
-            .zip(wants)
-            .map(|(rows, (_, sample))| {
-                let n = rows.len();
-                if sample.is_some() {
-                    at_tokens += n;
-                    EntryOutput::Tokens(tokens[at_tokens - n..at_tokens].to_vec())
-                } else {
-                    at_logits += n;
-                    EntryOutput::Logits(logits[(at_logits - n) * vocab..at_logits * vocab].to_vec())
-                }
-            })
-            .collect())
+        let logits = HeadLogits::Host(logits);
+        Ok(entry_outputs(&wanted, wants, &tokens, &logits, vocab))
     }
 }

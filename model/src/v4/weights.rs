@@ -10,7 +10,7 @@ use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
 use crate::checkpoint::{Checkpoint, StoredLinear};
 use crate::config::{ModelConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
-use crate::v41::weights::MoeWeights;
+use crate::layers::moe::MoeWeights;
 
 impl From<StoredLinear> for Linear {
     fn from(stored: StoredLinear) -> Linear {

@@ -2,14 +2,14 @@
 //! K=V entry (RoPE + `Q8`), the compressed branch of its group, sparse attention with the sink,
 //! inverse RoPE and the grouped low-rank output projection.
 
-use super::Ctx;
 use super::context_parallel::CpRank;
 use super::csa::{self, ChunkShared};
 use super::state::SequenceState;
-use super::step::StepRows;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
 use crate::backend::{Precision, QueryKeys, RopeTable, SelectedKeys, Selection, Tensor};
+use crate::layers::ctx::Ctx;
+use crate::layers::step::StepRows;
 
 /// The normed query latent `qr` and the rotated queries `q` of a chunk.
 pub struct Queries {

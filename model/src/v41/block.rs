@@ -2,10 +2,10 @@
 //! streams (with the *previous* site's `pre`) and an expansion through their own `post`/`comb`.
 //! Every op runs once over all rows of a step (each row is one token of some sequence).
 
-use super::Ctx;
-use super::moe::{self, Route};
 use super::weights::BlockWeights;
 use crate::backend::{HcMixes, HcParams, Precision, Tensor};
+use crate::layers::ctx::Ctx;
+use crate::layers::moe::{self, Route};
 
 /// The normed attention inputs `RMSNorm_attn(collapse(X, pre))` `[n, dim]` of the rows.
 pub fn attention_inputs(ctx: &Ctx, w: &BlockWeights, streams: &Tensor, pre: &Tensor) -> Tensor {

@@ -2,11 +2,11 @@
 //! ratio-1 projection), the index keys it derives, the indexer of an index source, the two-level
 //! candidate blocks of the candidate source and the lowest-index-on-ties top-k.
 
-use super::Ctx;
 use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
 use crate::backend::{CandidateMask, Candidates, Precision, Selection, Tensor};
+use crate::layers::ctx::Ctx;
 
 /// Per-chunk products handed from sources to the layers that reuse them.
 #[derive(Debug, Default)]

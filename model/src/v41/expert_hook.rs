@@ -2,29 +2,11 @@
 //! `Ctx`, the forward entry that takes a [`RoutedExperts`], and the accessors an expert shard
 //! needs (its weights, and running one expert exactly as the model does).
 
-use super::{Ctx, LogitsWanted, Model, SequenceState, moe};
+use super::{LogitsWanted, Model, SequenceState};
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::error::ModelError;
 use crate::expert_dispatch::{RoutedExpert, RoutedExperts};
-
-/// Where the routed experts of one backbone block run.
-#[derive(Clone, Copy)]
-pub(crate) struct RoutedSite<'a> {
-    pub experts: &'a dyn RoutedExperts,
-    pub layer: usize,
-}
-
-/// `ctx` for backbone block `layer`: its routed experts go to `experts` when given.
-pub(super) fn at_layer<'a>(
-    ctx: Ctx<'a>,
-    experts: Option<&'a dyn RoutedExperts>,
-    layer: usize,
-) -> Ctx<'a> {
-    Ctx {
-        routed: experts.map(|experts| RoutedSite { experts, layer }),
-        ..ctx
-    }
-}
+use crate::layers::moe;
 
 impl Model {
     /// [`Model::forward`] with every backbone block's routed experts run by `experts` (the

@@ -8,7 +8,6 @@ pub mod context_parallel;
 pub(crate) mod csa;
 pub(crate) mod dspark;
 mod expert_hook;
-pub(crate) mod moe;
 pub(crate) mod state;
 pub(crate) mod step;
 mod trace;
@@ -18,10 +17,11 @@ pub(crate) mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use crate::layers::markov::DraftProposal;
+pub use crate::layers::step::{EntryOutput, LogitsWanted};
 pub use csa::top_k_lowest_index;
-pub use dspark::DraftProposal;
 pub use state::{MAX_BACKTRACK, PrefixBlock, SequenceState};
-pub use step::{EntryOutput, LogitsRow, StepEntry};
+pub use step::{LogitsRow, StepEntry};
 pub use trace::{ForwardTrace, Injection};
 
 use crate::backend::{Backend, CpuBackend};
@@ -30,30 +30,10 @@ use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
+use crate::layers::ctx::Ctx;
 use crate::layers::rope::RopeTables;
 use state::{CompressorState, LayerState};
 use weights::{BlockWeights, DsparkWeights};
-
-/// Which logits rows a forward call returns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogitsWanted {
-    /// One row per token of the chunk.
-    All,
-    /// Only the row of the chunk's last token.
-    Last,
-}
-
-/// What every component needs to run: the config, the backend and the RoPE tables; `routed`
-/// (backbone blocks only) runs the routed experts elsewhere.
-#[derive(Clone, Copy)]
-pub(crate) struct Ctx<'a> {
-    pub cfg: &'a ModelConfig,
-    pub backend: &'a dyn Backend,
-    pub rope: &'a RopeTables,
-    pub routed: Option<expert_hook::RoutedSite<'a>>,
-    /// Image-span rows of the block being run: the router's `bias_vl` choice (spec §3.6).
-    pub image_routing: Option<vision::ImageRouting<'a>>,
-}
 
 /// A loaded V4.1 model (text backbone + DSpark heads) on a backend. The host weights sit behind
 /// `Arc`s so that [`Model::on_backend`] can run the same weights on another backend.
@@ -359,7 +339,7 @@ impl Model {
         }];
         let output = self.run_step(&mut entry, trace, experts, vl)?.pop();
         Ok(output
-            .and_then(step::EntryOutput::into_logits)
+            .and_then(EntryOutput::into_logits)
             .unwrap_or_default())
     }
 

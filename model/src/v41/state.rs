@@ -3,87 +3,11 @@
 //! context rings. Rings keep `window + MAX_BACKTRACK` entries so that a rollback of up to
 //! `MAX_BACKTRACK` tokens (a partially accepted verify) restores exactly the never-drafted state.
 
-use std::collections::VecDeque;
-
 use crate::backend::{Backend, Tensor};
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
-
-/// How many most recent tokens a rollback may drop (anchor + 5 drafts of DSpark).
-pub const MAX_BACKTRACK: usize = 6;
-
-/// Per-position rows for the most recent positions: `rows[i]` belongs to position `start + i`
-/// (each row a [`Tensor`]: in device memory on a device backend).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct PositionRing {
-    start: usize,
-    rows: VecDeque<Tensor>,
-}
-
-impl PositionRing {
-    /// Oldest position held.
-    pub fn start(&self) -> usize {
-        self.start
-    }
-
-    /// Appends the row of the position after the newest one held.
-    pub fn push(&mut self, row: impl Into<Tensor>) {
-        self.rows.push_back(row.into());
-    }
-
-    /// Appends the row of `position`; a gap (positions never computed, as after a bounded replay)
-    /// drops the older rows so that the ring stays contiguous.
-    pub fn push_at(&mut self, position: usize, row: impl Into<Tensor>) {
-        if self.start + self.rows.len() != position {
-            self.rows.clear();
-            self.start = position;
-        }
-        self.rows.push_back(row.into());
-    }
-
-    /// The row of `position`, if held.
-    pub fn get(&self, position: usize) -> Option<&Tensor> {
-        position
-            .checked_sub(self.start)
-            .and_then(|i| self.rows.get(i))
-    }
-
-    /// Drops the oldest rows until at most `capacity` remain.
-    pub fn trim(&mut self, capacity: usize) {
-        while self.rows.len() > capacity {
-            self.rows.pop_front();
-            self.start += 1;
-        }
-    }
-
-    /// Copies the rows held into one buffer of their own when they are views into device memory,
-    /// so that the rows a long chunk left do not keep that chunk's whole buffers alive.
-    pub fn compact(&mut self, backend: &dyn Backend) {
-        let Some(width) = self.rows.front().map(Tensor::len) else {
-            return;
-        };
-        if self.rows.iter().all(|row| row.device_view().is_none()) {
-            return; // host rows are copies already
-        }
-        let pieces: Vec<(&Tensor, usize)> = self.rows.iter().map(|row| (row, 0)).collect();
-        let packed = backend.gather(&pieces, width);
-        self.rows = packed.split_rows(width).into();
-    }
-
-    /// Bytes of the rows held (f32 values).
-    pub fn held_bytes(&self) -> u64 {
-        tensor_bytes(&self.rows)
-    }
-
-    /// Drops every row of a position `>= len`.
-    pub fn truncate(&mut self, len: usize) {
-        let keep = len.saturating_sub(self.start).min(self.rows.len());
-        self.rows.truncate(keep);
-        if self.rows.is_empty() {
-            self.start = self.start.min(len);
-        }
-    }
-}
+pub use crate::layers::ring::{MAX_BACKTRACK, PositionRing};
+use crate::layers::ring::{past_end, tensor_bytes, too_far};
 
 /// Compressor state of one KV-source layer.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -209,12 +133,7 @@ impl SequenceState {
         ratios: &[usize],
     ) -> Result<(), ModelError> {
         if len > self.len {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "cannot roll back to {len} tokens: the sequence holds only {}",
-                    self.len
-                ),
-            });
+            return Err(past_end(len, self.len));
         }
         let needed_window = len.saturating_sub(window);
         for (l, layer) in self.layers.iter().enumerate() {
@@ -400,10 +319,7 @@ impl SequenceState {
                 return Err(misaligned("replay start", replay_from, 0, l, ratio));
             }
             let mut attached = CompressorState {
-                pending: PositionRing {
-                    start: replay_from,
-                    rows: VecDeque::new(),
-                },
+                pending: PositionRing::starting_at(replay_from),
                 ..CompressorState::default()
             };
             for block in blocks {
@@ -439,42 +355,9 @@ fn misaligned(what: &str, start: usize, len: usize, layer: usize, ratio: usize) 
     }
 }
 
-/// Bytes of the f32 values of `rows`.
-pub(crate) fn tensor_bytes<'a>(rows: impl IntoIterator<Item = &'a Tensor>) -> u64 {
-    rows.into_iter().map(|row| row.len() as u64 * 4).sum()
-}
-
-fn too_far(len: usize, current: usize) -> ModelError {
-    ModelError::Sequence {
-        message: format!(
-            "cannot roll back from {current} to {len} tokens: only the last {MAX_BACKTRACK} tokens can be dropped"
-        ),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ring_keeps_positions_through_trim_truncate_and_gaps() {
-        let mut ring = PositionRing::default();
-        for p in 0..10 {
-            ring.push_at(p, vec![p as f32]);
-        }
-        ring.trim(4);
-        assert_eq!(ring.start(), 6);
-        assert_eq!(ring.get(5), None);
-        assert_eq!(ring.get(9), Some(&Tensor::from(vec![9.0])));
-        ring.truncate(8);
-        assert_eq!(ring.get(8), None);
-        assert_eq!(ring.get(7), Some(&Tensor::from(vec![7.0])));
-        ring.push_at(8, vec![80.0]);
-        assert_eq!(ring.get(8), Some(&Tensor::from(vec![80.0])));
-        // A gap restarts the ring at the new position.
-        ring.push_at(20, vec![20.0]);
-        assert_eq!((ring.start(), ring.get(8)), (20, None));
-    }
 
     /// A sequence of one ratio-2 KV source holding `len` tokens (entry `g` of group `g`).
     fn ratio_two_sequence(len: usize) -> SequenceState {

@@ -4,22 +4,22 @@
 //! selection, the key lists, the Engram history and the DSpark rings. No op mixes rows, so a
 //! sequence's logits are bitwise those of running it alone (batch invariance).
 
-use std::ops::Range;
-
 use super::context_parallel::CpRank;
 use super::csa::{self, ChunkShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
-use super::{Ctx, LogitsWanted, Model, attention, block, dspark, expert_hook, vision};
+use super::{Model, attention, block, dspark, vision};
 use crate::backend::{Backend, LogprobPick, Precision, RowSampling, Tensor};
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
+use crate::layers::ctx::{Ctx, at_layer};
+use crate::layers::moe::ImageRouting;
+use crate::layers::step::{
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, LogitsWanted, StepRows, entry_outputs,
+    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+};
 use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
-
-/// Chunks longer than this many tokens leave their sequence's rings compacted
-/// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
-const COMPACT_AFTER: usize = 4 * super::state::MAX_BACKTRACK;
 
 /// One sequence's part of a step ([`Model::forward_step`]).
 pub struct StepEntry<'a> {
@@ -38,38 +38,6 @@ pub struct StepEntry<'a> {
     pub sample: Option<SamplingParams>,
 }
 
-/// What a step returns for one entry.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EntryOutput {
-    /// The wanted logits rows (`[rows, vocab]` fp32).
-    Logits(Vec<f32>),
-    /// One sampled token per wanted row.
-    Tokens(Vec<u32>),
-    /// The wanted logits rows left where the backend computed them (device memory on a device
-    /// backend, never read on the host by the step): [`Model::forward_step_on_device`]'s
-    /// unsampled entries, to be sampled later with [`Model::sample_rows`].
-    DeviceLogits(Tensor),
-}
-
-impl EntryOutput {
-    /// The logits (device logits read on the host), or `None` for sampled tokens.
-    pub fn into_logits(self) -> Option<Vec<f32>> {
-        match self {
-            EntryOutput::Logits(logits) => Some(logits),
-            EntryOutput::DeviceLogits(logits) => Some(logits.into_vec()),
-            EntryOutput::Tokens(_) => None,
-        }
-    }
-
-    /// The sampled tokens, or `None` for logits.
-    pub fn into_tokens(self) -> Option<Vec<u32>> {
-        match self {
-            EntryOutput::Tokens(tokens) => Some(tokens),
-            EntryOutput::Logits(_) | EntryOutput::DeviceLogits(_) => None,
-        }
-    }
-}
-
 /// One logits row to sample after its step ([`Model::sample_rows`]), typically the last row of
 /// an [`EntryOutput::DeviceLogits`] once a grammar's mask for it is known.
 #[derive(Debug, Clone, Copy)]
@@ -84,76 +52,10 @@ pub struct LogitsRow<'a> {
     pub allowed: Option<&'a AllowedTokens>,
 }
 
-/// The positions of a step's rows and which rows belong to which sequence.
-pub(crate) struct StepRows {
-    pub positions: Vec<usize>,
-    /// The rows of entry `e` (consecutive, in entry order).
-    pub spans: Vec<Range<usize>>,
-}
-
-impl StepRows {
-    /// The rows of one chunk per entry, given as (first position, token count).
-    pub(crate) fn new(chunks: impl Iterator<Item = (usize, usize)>) -> StepRows {
-        let mut rows = StepRows {
-            positions: Vec::new(),
-            spans: Vec::new(),
-        };
-        for (start, len) in chunks {
-            let first = rows.positions.len();
-            rows.positions.extend(start..start + len);
-            rows.spans.push(first..first + len);
-        }
-        rows
-    }
-
-    /// One sequence's rows at `positions`.
-    pub(crate) fn single(positions: &[usize]) -> StepRows {
-        StepRows {
-            positions: positions.to_vec(),
-            spans: std::iter::once(0..positions.len()).collect(),
-        }
-    }
-
-    /// Drops the first `dropped[e]` rows of every entry; returns the kept flag of every old row.
-    fn drop_leading(&mut self, dropped: &[usize]) -> Vec<bool> {
-        let mut kept = vec![true; self.positions.len()];
-        let mut first = 0;
-        for (span, &drop) in self.spans.iter_mut().zip(dropped) {
-            let drop = drop.min(span.len());
-            kept[span.start..span.start + drop].fill(false);
-            let len = span.len() - drop;
-            *span = first..first + len;
-            first += len;
-        }
-        let mut flags = kept.iter();
-        self.positions.retain(|_| *flags.next().unwrap_or(&true));
-        kept
-    }
-
-    /// Every row of entry `e` kept (`width` values per row) out of `values`.
-    fn of(&self, e: usize, values: &Tensor, width: usize) -> Tensor {
-        values.rows(self.spans[e].clone(), width)
-    }
-}
-
-/// What an entry wants back: which logits rows, and whether they are sampled.
-type EntryWant = (LogitsWanted, Option<SamplingParams>);
-
 /// Keeps the `width`-wide rows whose flag is set.
 fn retain_rows(backend: &dyn Backend, values: &mut Tensor, kept: &[bool], width: usize) {
     let rows = kept.iter().enumerate().filter(|(_, keep)| **keep);
     *values = gather_rows(backend, values, rows.map(|(r, _)| r), width);
-}
-
-/// The `width`-wide rows `rows` of `values`, one after another.
-pub(crate) fn gather_rows(
-    backend: &dyn Backend,
-    values: &Tensor,
-    rows: impl Iterator<Item = usize>,
-    width: usize,
-) -> Tensor {
-    let pieces: Vec<(&Tensor, usize)> = rows.map(|r| (values, r * width)).collect();
-    backend.gather(&pieces, width)
 }
 
 impl Model {
@@ -474,9 +376,9 @@ impl Model {
             let block_ctx = Ctx {
                 image_routing: vl.and_then(|vl| {
                     let bias_vl = vl.router_bias.get(l)?;
-                    Some(vision::ImageRouting::new(&image_rows, bias_vl))
+                    Some(ImageRouting::new(&image_rows, bias_vl))
                 }),
-                ..expert_hook::at_layer(ctx, experts, l)
+                ..at_layer(ctx, experts, l)
             };
             let (seqs, shared, rows) = (&mut seqs, &mut shared, &rows);
             let routes = block::forward(
@@ -511,17 +413,9 @@ impl Model {
             }
         }
         inject_streams(trace.as_deref(), cfg.n_layers, &mut streams, &mut pre);
-        let wanted: Vec<Vec<usize>> = rows
-            .spans
-            .iter()
-            .zip(&wants)
-            .map(|(span, (want, _))| match want {
-                LogitsWanted::All => span.clone().collect(),
-                // A CP rank has the chunk's last row only if it computes the last token.
-                LogitsWanted::Last if cp.is_some_and(|cp| !cp.owns_last()) => Vec::new(),
-                LogitsWanted::Last => span.clone().last().into_iter().collect(),
-            })
-            .collect();
+        // A CP rank has the chunk's last row only if it computes the last token.
+        let holds_last = cp.is_none_or(CpRank::owns_last);
+        let wanted = wanted_rows(&rows, &wants, holds_last);
         let outputs = self.head_rows(
             &ctx,
             &rows,
@@ -618,16 +512,14 @@ impl Model {
         }
         // `needed` is ascending: a row's place in it by binary search.
         let slot = |row: usize| needed.binary_search(&row).ok();
-        let rows_of = |sampled: bool| {
-            wanted
-                .iter()
-                .zip(wants)
-                .filter(move |(_, (_, sample))| sample.is_some() == sampled)
-                .flat_map(|(rows, _)| rows.iter().copied())
-        };
-        let logits = match rows_of(false).next() {
+        let logits = match rows_of(wanted, wants, false).next() {
             Some(_) => ctx.backend.linear_f32(
-                &gather_rows(ctx.backend, &hidden, rows_of(false).filter_map(slot), dim),
+                &gather_rows(
+                    ctx.backend,
+                    &hidden,
+                    rows_of(wanted, wants, false).filter_map(slot),
+                    dim,
+                ),
                 &self.head,
                 vocab,
                 dim,
@@ -635,28 +527,23 @@ impl Model {
             None => Tensor::empty(),
         };
         // Read once on the host unless the rows stay on the backend.
-        let (host_logits, logits) = if logits_on_device {
-            (None, logits)
+        let logits = if logits_on_device {
+            HeadLogits::Device(logits)
         } else {
-            (Some(logits.into_vec()), Tensor::empty())
+            HeadLogits::Host(logits.into_vec())
         };
-        let sampling: Vec<RowSampling> = wanted
-            .iter()
-            .zip(wants)
-            .filter_map(|(rows, (_, sample))| Some((rows, (*sample)?)))
-            .flat_map(|(entry_rows, params)| {
-                entry_rows.iter().map(move |&row| RowSampling {
-                    params,
-                    position: rows.positions[row] as u64 + 1,
-                })
-            })
-            .collect();
+        let sampling = row_sampling(rows, wanted, wants);
         let tokens = if sampling.is_empty() {
             Vec::new()
         } else {
             ctx.backend
                 .sample_linear(
-                    &gather_rows(ctx.backend, &hidden, rows_of(true).filter_map(slot), dim),
+                    &gather_rows(
+                        ctx.backend,
+                        &hidden,
+                        rows_of(wanted, wants, true).filter_map(slot),
+                        dim,
+                    ),
                     &self.head,
                     vocab,
                     dim,
@@ -669,35 +556,7 @@ impl Model {
         if let Some(trace) = trace {
             trace.final_hidden = hidden.into_vec();
         }
-        let (mut at_logits, mut at_tokens) = (0, 0);
-        Ok(wanted
-            .iter()
-            .zip(wants)
-            .map(|(rows, (_, sample))| {
-                let n = rows.len();
-                if sample.is_some() {
-                    at_tokens += n;
-                    EntryOutput::Tokens(tokens[at_tokens - n..at_tokens].to_vec())
-                } else {
-                    at_logits += n;
-                    let span = (at_logits - n) * vocab..at_logits * vocab;
-                    match &host_logits {
-                        Some(host) => EntryOutput::Logits(host[span].to_vec()),
-                        None => EntryOutput::DeviceLogits(logits.range(span)),
-                    }
-                }
-            })
-            .collect())
-    }
-}
-
-/// A bad entry of a step: its index, when the step has more than one.
-fn step_error(entry: usize, entries: usize, err: ModelError) -> ModelError {
-    match err {
-        ModelError::Sequence { message } if entries > 1 => ModelError::Sequence {
-            message: format!("step entry {entry}: {message}"),
-        },
-        other => other,
+        Ok(entry_outputs(wanted, wants, &tokens, &logits, vocab))
     }
 }
 

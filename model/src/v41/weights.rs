@@ -7,19 +7,8 @@ use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::checkpoint::Checkpoint;
 use crate::config::{ExpertDtype, ModelConfig};
 use crate::error::ModelError;
+use crate::layers::moe::MoeWeights;
 use crate::weights::Fp8Weight;
-
-/// Router + routed experts + the shared expert of one block.
-#[derive(Debug, Clone)]
-pub struct MoeWeights {
-    /// `[n_experts, dim]` (bf16 values, used in fp32).
-    pub gate: Vec<f32>,
-    /// Selection bias `[n_experts]` (fp32).
-    pub bias: Vec<f32>,
-    pub n_activated: usize,
-    pub experts: Vec<ExpertWeights<ExpertLinear>>,
-    pub shared: ExpertWeights<ExpertLinear>,
-}
 
 /// The ratio-2 pooling compressor or the ratio-1 projection of a KV-source layer.
 #[derive(Debug, Clone)]

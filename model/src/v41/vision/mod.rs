@@ -170,33 +170,6 @@ impl VisionTower {
     }
 }
 
-/// The router's bias choice for the rows of one block call: row `t` of the chunk selects its
-/// experts with `bias_vl` when `image_rows[t]` (spec §3.6), with the gate's bias otherwise.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ImageRouting<'a> {
-    image_rows: &'a [bool],
-    bias_vl: &'a [f32],
-}
-
-impl<'a> ImageRouting<'a> {
-    pub(crate) fn new(image_rows: &'a [bool], bias_vl: &'a [f32]) -> ImageRouting<'a> {
-        ImageRouting {
-            image_rows,
-            bias_vl,
-        }
-    }
-
-    /// The selection bias of chunk row `row`: `bias_vl` for an image-span row, `None` (the
-    /// gate's own bias) otherwise.
-    pub(crate) fn bias_for(&self, row: usize) -> Option<&'a [f32]> {
-        self.image_rows
-            .get(row)
-            .copied()
-            .unwrap_or(false)
-            .then_some(self.bias_vl)
-    }
-}
-
 impl Model {
     /// The loaded vision tower, if the model has one.
     pub fn vision_tower(&self) -> Option<&VisionTower> {

@@ -1,12 +1,51 @@
 //! The MoE feed-forward (spec §3.6): sqrt-softplus router with bias-steered top-k selection and
 //! unbiased normalised weights, FP4 routed experts and the FP8 shared expert, SwiGLU with clamps.
+//! Both families run it.
 
-use super::Ctx;
-use super::weights::MoeWeights;
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::backend::{Backend, ExpertRoute, ExpertSelection, MoeLayer, Tensor};
 use crate::expert_dispatch::ExpertPick;
+use crate::layers::ctx::Ctx;
 use crate::quant::exp_f32;
+
+/// Router + routed experts + the shared expert of one block.
+#[derive(Debug, Clone)]
+pub struct MoeWeights {
+    /// `[n_experts, dim]` (bf16 values, used in fp32).
+    pub gate: Vec<f32>,
+    /// Selection bias `[n_experts]` (fp32).
+    pub bias: Vec<f32>,
+    pub n_activated: usize,
+    pub experts: Vec<ExpertWeights<ExpertLinear>>,
+    pub shared: ExpertWeights<ExpertLinear>,
+}
+
+/// The router's bias choice for the rows of one block call: row `t` of the chunk selects its
+/// experts with `bias_vl` when `image_rows[t]` (spec §3.6), with the gate's bias otherwise.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ImageRouting<'a> {
+    image_rows: &'a [bool],
+    bias_vl: &'a [f32],
+}
+
+impl<'a> ImageRouting<'a> {
+    pub(crate) fn new(image_rows: &'a [bool], bias_vl: &'a [f32]) -> ImageRouting<'a> {
+        ImageRouting {
+            image_rows,
+            bias_vl,
+        }
+    }
+
+    /// The selection bias of chunk row `row`: `bias_vl` for an image-span row, `None` (the
+    /// gate's own bias) otherwise.
+    pub(crate) fn bias_for(&self, row: usize) -> Option<&'a [f32]> {
+        self.image_rows
+            .get(row)
+            .copied()
+            .unwrap_or(false)
+            .then_some(self.bias_vl)
+    }
+}
 
 /// The experts chosen for one token (in selection order) and their weights.
 #[derive(Debug, Clone, PartialEq)]

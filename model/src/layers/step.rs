@@ -1,0 +1,219 @@
+//! The shape of one step shared by both families: which rows belong to which sequence
+//! ([`StepRows`]), what each entry wants back ([`LogitsWanted`], sampled or not) and what it gets
+//! ([`EntryOutput`]), and the head's bookkeeping from wanted rows to per-entry outputs.
+
+use std::ops::Range;
+
+use crate::backend::{Backend, RowSampling, Tensor};
+use crate::error::ModelError;
+use crate::layers::ring::MAX_BACKTRACK;
+use crate::sampling::SamplingParams;
+
+/// Chunks longer than this many tokens leave their sequence's rings compacted
+/// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
+pub(crate) const COMPACT_AFTER: usize = 4 * MAX_BACKTRACK;
+
+/// Which logits rows a forward call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// One row per token of the chunk.
+    All,
+    /// Only the row of the chunk's last token.
+    Last,
+}
+
+/// What a step returns for one entry.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EntryOutput {
+    /// The wanted logits rows (`[rows, vocab]` fp32).
+    Logits(Vec<f32>),
+    /// One sampled token per wanted row.
+    Tokens(Vec<u32>),
+    /// The wanted logits rows left where the backend computed them (device memory on a device
+    /// backend, never read on the host by the step): [`Model::forward_step_on_device`]'s
+    /// unsampled entries, to be sampled later with [`Model::sample_rows`].
+    DeviceLogits(Tensor),
+}
+
+impl EntryOutput {
+    /// The logits (device logits read on the host), or `None` for sampled tokens.
+    pub fn into_logits(self) -> Option<Vec<f32>> {
+        match self {
+            EntryOutput::Logits(logits) => Some(logits),
+            EntryOutput::DeviceLogits(logits) => Some(logits.into_vec()),
+            EntryOutput::Tokens(_) => None,
+        }
+    }
+
+    /// The sampled tokens, or `None` for logits.
+    pub fn into_tokens(self) -> Option<Vec<u32>> {
+        match self {
+            EntryOutput::Tokens(tokens) => Some(tokens),
+            EntryOutput::Logits(_) | EntryOutput::DeviceLogits(_) => None,
+        }
+    }
+}
+
+/// The positions of a step's rows and which rows belong to which sequence.
+pub(crate) struct StepRows {
+    pub positions: Vec<usize>,
+    /// The rows of entry `e` (consecutive, in entry order).
+    pub spans: Vec<Range<usize>>,
+}
+
+impl StepRows {
+    /// The rows of one chunk per entry, given as (first position, token count).
+    pub(crate) fn new(chunks: impl Iterator<Item = (usize, usize)>) -> StepRows {
+        let mut rows = StepRows {
+            positions: Vec::new(),
+            spans: Vec::new(),
+        };
+        for (start, len) in chunks {
+            let first = rows.positions.len();
+            rows.positions.extend(start..start + len);
+            rows.spans.push(first..first + len);
+        }
+        rows
+    }
+
+    /// One sequence's rows at `positions`.
+    pub(crate) fn single(positions: &[usize]) -> StepRows {
+        StepRows {
+            positions: positions.to_vec(),
+            spans: std::iter::once(0..positions.len()).collect(),
+        }
+    }
+
+    /// Drops the first `dropped[e]` rows of every entry; returns the kept flag of every old row.
+    pub(crate) fn drop_leading(&mut self, dropped: &[usize]) -> Vec<bool> {
+        let mut kept = vec![true; self.positions.len()];
+        let mut first = 0;
+        for (span, &drop) in self.spans.iter_mut().zip(dropped) {
+            let drop = drop.min(span.len());
+            kept[span.start..span.start + drop].fill(false);
+            let len = span.len() - drop;
+            *span = first..first + len;
+            first += len;
+        }
+        let mut flags = kept.iter();
+        self.positions.retain(|_| *flags.next().unwrap_or(&true));
+        kept
+    }
+
+    /// Every row of entry `e` kept (`width` values per row) out of `values`.
+    pub(crate) fn of(&self, e: usize, values: &Tensor, width: usize) -> Tensor {
+        values.rows(self.spans[e].clone(), width)
+    }
+}
+
+/// The `width`-wide rows `rows` of `values`, one after another.
+pub(crate) fn gather_rows(
+    backend: &dyn Backend,
+    values: &Tensor,
+    rows: impl Iterator<Item = usize>,
+    width: usize,
+) -> Tensor {
+    let pieces: Vec<(&Tensor, usize)> = rows.map(|r| (values, r * width)).collect();
+    backend.gather(&pieces, width)
+}
+
+/// A bad entry of a step: its index, when the step has more than one.
+pub(crate) fn step_error(entry: usize, entries: usize, err: ModelError) -> ModelError {
+    match err {
+        ModelError::Sequence { message } if entries > 1 => ModelError::Sequence {
+            message: format!("step entry {entry}: {message}"),
+        },
+        other => other,
+    }
+}
+
+/// What an entry wants back: which logits rows, and whether they are sampled.
+pub(crate) type EntryWant = (LogitsWanted, Option<SamplingParams>);
+
+/// The rows (of `rows`) each entry wants back: every row of its span, or its last one
+/// (none when `holds_last` is false: a context-parallel rank without the chunk's last token).
+pub(crate) fn wanted_rows(
+    rows: &StepRows,
+    wants: &[EntryWant],
+    holds_last: bool,
+) -> Vec<Vec<usize>> {
+    rows.spans
+        .iter()
+        .zip(wants)
+        .map(|(span, (want, _))| match want {
+            LogitsWanted::All => span.clone().collect(),
+            LogitsWanted::Last if !holds_last => Vec::new(),
+            LogitsWanted::Last => span.clone().last().into_iter().collect(),
+        })
+        .collect()
+}
+
+/// The wanted rows, in entry order, of the entries that sample (`sampled`) or of those that do not.
+pub(crate) fn rows_of<'a>(
+    wanted: &'a [Vec<usize>],
+    wants: &'a [EntryWant],
+    sampled: bool,
+) -> impl Iterator<Item = usize> + 'a {
+    wanted
+        .iter()
+        .zip(wants)
+        .filter(move |(_, (_, sample))| sample.is_some() == sampled)
+        .flat_map(|(rows, _)| rows.iter().copied())
+}
+
+/// How each sampled row is sampled: its entry's parameters, with the position of the token it
+/// gives (the row's own position plus one) as the noise counter.
+pub(crate) fn row_sampling(
+    rows: &StepRows,
+    wanted: &[Vec<usize>],
+    wants: &[EntryWant],
+) -> Vec<RowSampling> {
+    wanted
+        .iter()
+        .zip(wants)
+        .filter_map(|(entry_rows, (_, sample))| Some((entry_rows, (*sample)?)))
+        .flat_map(|(entry_rows, params)| {
+            entry_rows.iter().map(move |&row| RowSampling {
+                params,
+                position: rows.positions[row] as u64 + 1,
+            })
+        })
+        .collect()
+}
+
+/// The logits rows of the entries that do not sample, in entry order (`[rows, vocab]`).
+pub(crate) enum HeadLogits {
+    /// Read on the host.
+    Host(Vec<f32>),
+    /// Left where the backend computed them.
+    Device(Tensor),
+}
+
+/// Each entry's output: its sampled `tokens`, or its rows of `logits` (both in entry order).
+pub(crate) fn entry_outputs(
+    wanted: &[Vec<usize>],
+    wants: &[EntryWant],
+    tokens: &[u32],
+    logits: &HeadLogits,
+    vocab: usize,
+) -> Vec<EntryOutput> {
+    let (mut at_logits, mut at_tokens) = (0, 0);
+    wanted
+        .iter()
+        .zip(wants)
+        .map(|(rows, (_, sample))| {
+            let n = rows.len();
+            if sample.is_some() {
+                at_tokens += n;
+                EntryOutput::Tokens(tokens[at_tokens - n..at_tokens].to_vec())
+            } else {
+                at_logits += n;
+                let span = (at_logits - n) * vocab..at_logits * vocab;
+                match logits {
+                    HeadLogits::Host(host) => EntryOutput::Logits(host[span].to_vec()),
+                    HeadLogits::Device(device) => EntryOutput::DeviceLogits(device.range(span)),
+                }
+            }
+        })
+        .collect()
+}
