@@ -16,8 +16,8 @@
 //! the EPLB) runs on the CPU backend only, so a CUDA topology that asks for it is refused,
 //! naming the field.
 //!
-//! Family (`model_type` in `config.json`): a V4.1 checkpoint runs on `ModelExecutor`s, a V4-family
-//! one (V4-Flash, V4-Flash-0731) on `V4Executor`s, on either backend. What only V4.1 has is
+//! Family (`model_type` in `config.json`): a V4.1 checkpoint and a V4-family one (V4-Flash,
+//! V4-Flash-0731) both run on `ModelExecutor`s, on either backend. What only V4.1 has is
 //! refused for a V4 checkpoint before its weights load, naming the field (expert parallelism:
 //! `parallel.ep` / `eplb.enabled`; `dspark.enabled` unless the checkpoint has a DSpark drafter),
 //! except decoder bounded replay (`replay.decoder_keep_tokens`, on by default), which V4 models

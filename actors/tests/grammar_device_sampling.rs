@@ -1,11 +1,11 @@
 //! Grammar-constrained rows sampled where the logits are: an executor that leaves the rows of
-//! constrained entries "on its device" (`RankExecutor::execute_deferred` returning
+//! constrained entries "on its device" (`RankExecutor::execute` returning
 //! `EntryOutput::DeviceLogits`) and samples them after the masks arrive
 //! (`RankExecutor::sample_logits`, here the CPU reference `Backend::sample_masked`) must give the
-//! rank exactly the tokens of the host path (an executor with only `execute`: the worker masks
-//! the host logits and samples them). Many seeds, greedy, temperature, top-k and top-p, one
-//! constrained and one unconstrained request per step. The device path reads no constrained
-//! logits on the host and samples all of a step's constrained rows in one call. A mask wider than
+//! rank exactly the tokens of the host path (an executor returning host logits: the worker masks
+//! them and samples them). Many seeds, greedy, temperature, top-k and top-p, one
+//! constrained and one unconstrained request per step. The device path samples all of a step's
+//! constrained rows in one call. A mask wider than
 //! the executor's rows ends its request with EOS on both paths (the rank keeps running).
 
 mod common;
@@ -16,7 +16,9 @@ use common::grammar_set::{EOS, VOCAB, engine};
 use deepinfer_actors::SamplingParams;
 use deepinfer_actors::grammar::{Constraint, ConstraintStart, MaskWorkers};
 use deepinfer_actors::messages::rank::{NewSeq, SeqGrammar, SeqInput, SeqWork, StepMode, StepPlan};
-use deepinfer_actors::rank::executor::{ExecError, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::executor::{
+    ExecError, ExecutorLayer, Layered, RankExecutor, SeqTokens,
+};
 use deepinfer_actors::rank::fake::{FakeConfig, FakeExecutor};
 use deepinfer_actors::rank::worker::RankWorker;
 use deepinfer_model::backend::{Backend, CpuBackend, RowSampling, Tensor};
@@ -24,54 +26,36 @@ use deepinfer_model::sampling::AllowedTokens;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::{DpRank, RequestId, StepId};
 
-/// What the device executor saw.
+/// What the device layer saw.
 #[derive(Debug, Default)]
 struct DeviceLog {
     /// Rows of every `sample_logits` call.
     sample_calls: Vec<usize>,
     /// Of those rows, the ones with a mask.
     masked_rows: usize,
-    /// Logits rows handed to the worker on the host.
-    host_rows: usize,
 }
 
 /// The fake model's logits, kept "on the device": unsampled entries return
 /// `EntryOutput::DeviceLogits`, sampled later by the CPU reference of `sample_masked`.
-struct DeviceExecutor {
-    inner: FakeExecutor,
+struct Device {
     log: Arc<Mutex<DeviceLog>>,
 }
 
-impl RankExecutor for DeviceExecutor {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
+impl Device {
+    /// A fake executor of `vocab_size` with this layer over it.
+    fn over(self, vocab_size: usize) -> Box<dyn RankExecutor> {
+        Box::new(Layered::new(Box::new(fake(vocab_size)), self))
     }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id);
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let rows = self.inner.execute(batch)?;
-        self.log.lock().expect("log").host_rows += rows.len();
-        Ok(rows)
-    }
-    fn execute_deferred(
+}
+
+impl ExecutorLayer for Device {
+    fn execute(
         &mut self,
+        inner: &mut dyn RankExecutor,
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        let sampled = self.inner.execute_sampled(batch, sampling)?;
+        let sampled = inner.execute(batch, sampling)?;
         Ok(sampled
             .into_iter()
             .map(|out| match out {
@@ -80,8 +64,12 @@ impl RankExecutor for DeviceExecutor {
             })
             .collect())
     }
-    fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {
-        let vocab = self.vocab_size();
+    fn sample_logits(
+        &mut self,
+        inner: &mut dyn RankExecutor,
+        rows: &[LogitsRow<'_>],
+    ) -> Result<Vec<u32>, ExecError> {
+        let vocab = inner.vocab_size();
         let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
         let logits = CpuBackend.gather(&pieces, vocab);
         let sampling: Vec<RowSampling> = rows
@@ -216,11 +204,8 @@ fn constrained_rows_sampled_on_the_device_equal_the_host_path() {
                 };
                 let host = generate(Box::new(fake(VOCAB)), constraint, sampling, 14);
                 let log = Arc::new(Mutex::new(DeviceLog::default()));
-                let device = DeviceExecutor {
-                    inner: fake(VOCAB),
-                    log: log.clone(),
-                };
-                let on_device = generate(Box::new(device), constraint, sampling, 14);
+                let device = Device { log: log.clone() }.over(VOCAB);
+                let on_device = generate(device, constraint, sampling, 14);
                 assert_eq!(
                     on_device, host,
                     "constraint {c}, sampling {sampling:?}: device vs host tokens"
@@ -234,7 +219,6 @@ fn constrained_rows_sampled_on_the_device_equal_the_host_path() {
                 // One call per step with exactly the constrained row, masked.
                 assert!(log.sample_calls.iter().all(|&rows| rows == 1), "{log:?}");
                 assert_eq!(log.sample_calls.len(), host.0.len(), "{log:?}");
-                assert_eq!(log.host_rows, 0, "no logits read on the host");
                 device_log.sample_calls.extend(log.sample_calls);
                 device_log.masked_rows += log.masked_rows;
             }
@@ -257,11 +241,11 @@ fn a_mask_wider_than_the_rows_ends_the_request_on_both_paths() {
     };
     // Rows of 1000 logits against the 129 280-token vocabulary's masks.
     let host = generate(Box::new(fake(1000)), &constraint, sampling, 5);
-    let device = DeviceExecutor {
-        inner: fake(1000),
+    let device = Device {
         log: Arc::new(Mutex::new(DeviceLog::default())),
-    };
-    let on_device = generate(Box::new(device), &constraint, sampling, 5);
+    }
+    .over(1000);
+    let on_device = generate(device, &constraint, sampling, 5);
     assert_eq!(host.0, vec![EOS], "the request ends at once");
     assert_eq!(on_device, host);
     assert_eq!(host.1.len(), 1, "the unconstrained request got its token");

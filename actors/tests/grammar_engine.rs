@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 use common::grammar_set::{Case, EOS, Generation, VOCAB, check_output, engine, test_set};
 use deepinfer_actors::grammar::{Constraint, ConstraintStart, MaskWorkers, TokenId};
 use deepinfer_actors::messages::rank::{NewSeq, SeqGrammar, SeqInput, SeqWork, StepMode, StepPlan};
-use deepinfer_actors::rank::executor::{ExecError, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::executor::{ExecError, RankExecutor, SeqTokens, sample_on_host};
 use deepinfer_actors::rank::worker::RankWorker;
 use deepinfer_actors::{Completion, Engine, FinishReason, GenerateRequest, SamplingParams};
+use deepinfer_model::EntryOutput;
 use deepinfer_topology::{DpRank, RequestId, StepId};
 use serde_json::{Value, json};
 
@@ -299,7 +300,11 @@ impl RankExecutor for RecordingExecutor {
         self.lengths.len()
     }
 
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+    fn execute(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
         self.forwards += 1;
         // Every step of the test samples one constrained token, so by now the mask of this step
         // is done if (and only if) it was requested before the forward. Wait for it without
@@ -314,16 +319,19 @@ impl RankExecutor for RecordingExecutor {
             .expect("record")
             .push(self.workers.completed_jobs());
         let mut rows = Vec::with_capacity(batch.len());
+        let mut held = Vec::with_capacity(batch.len());
         for entry in batch {
-            *self
+            let len = self
                 .lengths
                 .get_mut(&entry.id)
-                .ok_or(ExecError::UnknownSequence(entry.id))? += entry.tokens.len();
+                .ok_or(ExecError::UnknownSequence(entry.id))?;
+            held.push(*len);
+            *len += entry.tokens.len();
             let mut row = vec![0.0f32; VOCAB];
             row[self.favoured as usize] = 40.0;
             rows.push(row);
         }
-        Ok(rows)
+        sample_on_host(batch, sampling, &held, rows, VOCAB)
     }
 }
 

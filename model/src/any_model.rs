@@ -10,8 +10,8 @@ use crate::backend::Backend;
 use crate::config::{ModelConfig, ModelFamily};
 use crate::engram::CompressedVocab;
 use crate::error::ModelError;
-use crate::sampling::SamplingParams;
-use crate::{LogitsWanted, v4, v41};
+use crate::expert_dispatch::RoutedExperts;
+use crate::{DraftProposal, EntryOutput, v4, v41};
 
 /// A loaded model of either family, shareable (a runtime's rank factories hold clones).
 #[derive(Debug, Clone)]
@@ -63,13 +63,16 @@ impl AnySequence {
 }
 
 /// One sequence's part of an [`AnyModel::forward_step`].
-pub struct AnyStepEntry<'a> {
-    pub seq: &'a mut AnySequence,
-    /// Appended at the sequence's next positions.
-    pub tokens: &'a [u32],
-    pub want: LogitsWanted,
-    /// Sample the wanted rows on the backend (token ids back) instead of returning logits.
-    pub sample: Option<SamplingParams>,
+pub type AnyStepEntry<'a> = crate::layers::step::StepEntry<'a, AnySequence>;
+
+/// How a step runs beyond its entries (the defaults: every expert here, logits read on the host).
+#[derive(Clone, Copy, Default)]
+pub struct StepOptions<'a> {
+    /// Runs the routed experts elsewhere (expert parallelism, V4.1 only).
+    pub experts: Option<&'a dyn RoutedExperts>,
+    /// Leave the unsampled entries' rows where the backend computed them
+    /// ([`EntryOutput::DeviceLogits`], V4.1; a V4 model reads them on the host).
+    pub logits_on_device: bool,
 }
 
 fn family_mismatch() -> ModelError {
@@ -112,16 +115,11 @@ impl AnyModel {
         }
     }
 
-    /// Appends `tokens` to `seq` and returns fp32 logits rows (see `Model::forward`).
-    pub fn forward(
-        &self,
-        seq: &mut AnySequence,
-        tokens: &[u32],
-        want: LogitsWanted,
-    ) -> Result<Vec<f32>, ModelError> {
+    /// Whether `tokens` can be appended to `seq` (the check every step runs first).
+    pub fn check_chunk(&self, seq: &AnySequence, tokens: &[u32]) -> Result<(), ModelError> {
         match (self, seq) {
-            (AnyModel::V41(model), AnySequence::V41(seq)) => model.forward(seq, tokens, want),
-            (AnyModel::V4(model), AnySequence::V4(seq)) => model.forward(seq, tokens, want),
+            (AnyModel::V41(model), AnySequence::V41(seq)) => model.check_chunk(seq, tokens),
+            (AnyModel::V4(model), AnySequence::V4(seq)) => model.check_chunk(seq, tokens),
             _ => Err(family_mismatch()),
         }
     }
@@ -135,13 +133,15 @@ impl AnyModel {
         }
     }
 
-    /// One forward over several sequences at once, as the family's `forward_step` runs it (no
-    /// expert site, no bounded replay): per entry its logits rows or its sampled tokens. A
-    /// sequence of the other family fails the step, naming its entry, before anything runs.
+    /// One forward over several sequences at once, as the family's `forward_step` runs it: per
+    /// entry its logits rows or its sampled tokens. A sequence of the other family, or what the
+    /// V4 family does not run (bounded replay, an expert site), fails the step before anything
+    /// runs.
     pub fn forward_step(
         &self,
         entries: &mut [AnyStepEntry<'_>],
-    ) -> Result<Vec<v41::EntryOutput>, ModelError> {
+        options: StepOptions<'_>,
+    ) -> Result<Vec<EntryOutput>, ModelError> {
         let mismatch = |e: usize| ModelError::Sequence {
             message: format!("step entry {e}: the sequence belongs to a model of the other family"),
         };
@@ -156,13 +156,21 @@ impl AnyModel {
                         seq,
                         tokens: entry.tokens,
                         want: entry.want,
-                        decoder_from: None,
+                        decoder_from: entry.decoder_from,
                         sample: entry.sample,
                     });
                 }
-                model.forward_step(&mut steps, None)
+                match options.logits_on_device {
+                    true => model.forward_step_on_device(&mut steps, options.experts),
+                    false => model.forward_step(&mut steps, options.experts),
+                }
             }
             AnyModel::V4(model) => {
+                if options.experts.is_some() {
+                    return Err(ModelError::Unsupported {
+                        what: "expert parallelism on a V4-family model".to_string(),
+                    });
+                }
                 let mut steps = Vec::with_capacity(entries.len());
                 for (e, entry) in entries.iter_mut().enumerate() {
                     let AnySequence::V4(seq) = &mut *entry.seq else {
@@ -172,11 +180,47 @@ impl AnyModel {
                         seq,
                         tokens: entry.tokens,
                         want: entry.want,
+                        decoder_from: entry.decoder_from,
                         sample: entry.sample,
                     });
                 }
                 model.forward_step(&mut steps)
             }
+        }
+    }
+
+    /// Whether the model drafts ([`AnyModel::draft_step`] proposes).
+    pub fn has_drafter(&self) -> bool {
+        match self {
+            AnyModel::V41(model) => model.config().dspark.is_some(),
+            AnyModel::V4(model) => model.has_dspark(),
+        }
+    }
+
+    /// Greedy DSpark proposals for many `(sequence, anchor)` requests, each its own result (see
+    /// `v41::Model::draft_step`; a V4-Flash-0731 drafter proposes one request after another).
+    pub fn draft_step(
+        &self,
+        requests: &[(&AnySequence, u32)],
+    ) -> Vec<Result<DraftProposal, ModelError>> {
+        match self {
+            AnyModel::V41(model) => {
+                let mut seqs = Vec::with_capacity(requests.len());
+                for &(seq, anchor) in requests {
+                    let AnySequence::V41(seq) = seq else {
+                        return requests.iter().map(|_| Err(family_mismatch())).collect();
+                    };
+                    seqs.push((seq.as_ref(), anchor));
+                }
+                model.draft_step(&seqs)
+            }
+            AnyModel::V4(model) => requests
+                .iter()
+                .map(|&(seq, anchor)| match seq {
+                    AnySequence::V4(seq) => model.draft(seq, anchor),
+                    AnySequence::V41(_) => Err(family_mismatch()),
+                })
+                .collect(),
         }
     }
 }

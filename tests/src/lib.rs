@@ -89,5 +89,26 @@ pub fn v41_model_with_positions(
         .unwrap_or_else(|e| panic!("{rel} with {positions} positions loads: {e}"))
 }
 
+/// The logits rows of `tokens` appended to `seq`: a one-entry [`AnyModel::forward_step`], the
+/// one forward form ([`deepinfer_model::any_model::AnyModel`]).
+///
+/// [`AnyModel::forward_step`]: deepinfer_model::any_model::AnyModel::forward_step
+pub fn forward(
+    model: &deepinfer_model::any_model::AnyModel,
+    seq: &mut deepinfer_model::any_model::AnySequence,
+    tokens: &[u32],
+    want: deepinfer_model::LogitsWanted,
+) -> Result<Vec<f32>, deepinfer_model::error::ModelError> {
+    use deepinfer_model::any_model::{AnyStepEntry, StepOptions};
+    let mut entry = [AnyStepEntry::new(seq, tokens, want)];
+    let output = model
+        .forward_step(&mut entry, StepOptions::default())?
+        .pop();
+    Ok(output
+        .and_then(deepinfer_model::EntryOutput::into_logits)
+        .unwrap_or_default())
+}
+
+pub mod confident;
 pub mod drift;
 pub mod freed;

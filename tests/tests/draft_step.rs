@@ -1,9 +1,9 @@
 //! `Model::draft_step` drafts the DSpark proposals of many sequences in one pass; each proposal
 //! (tokens, logits, confidences) must be bitwise what `Model::draft` gives for its sequence alone,
-//! and a bad request must fail only itself. The rank executor's `draft_many` over the model gives
-//! the same drafts as `draft` one sequence at a time.
+//! and a bad request must fail only itself. The rank executor's `draft` over many sequences gives
+//! the same drafts as over one sequence at a time.
 
-use deepinfer_actors::rank::executor::{Draft, ExecError, RankExecutor, SeqTokens};
+use deepinfer_actors::rank::executor::{Draft, ExecError, RankExecutor, SeqTokens, execute_rows};
 use deepinfer_actors::rank::model_executor::ModelExecutor;
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
@@ -199,16 +199,16 @@ fn the_executor_drafts_a_step_in_one_call_as_one_by_one() {
             all_rows: false,
         })
         .collect();
-    executor.execute(&batch).expect("prompt step");
+    execute_rows(&mut executor, &batch).expect("prompt step");
     let requests: Vec<(RequestId, u32)> = ids
         .iter()
         .map(|&id| (id, (id.0 as u32 * 53 + 9) % vocab as u32))
         .collect();
     let one_by_one: Vec<Option<Draft>> = requests
         .iter()
-        .map(|&(id, anchor)| executor.draft(id, anchor).expect("draft"))
+        .flat_map(|&request| executor.draft(&[request]).expect("draft"))
         .collect();
-    let many = executor.draft_many(&requests).expect("draft_many");
+    let many = executor.draft(&requests).expect("draft");
     assert_eq!(many.len(), requests.len());
     for (i, (got, expected)) in many.iter().zip(&one_by_one).enumerate() {
         let (got, expected) = (
@@ -225,11 +225,11 @@ fn the_executor_drafts_a_step_in_one_call_as_one_by_one() {
     // An unknown sequence or a bad anchor fails the call, naming the request.
     let unknown = RequestId(99);
     let err = executor
-        .draft_many(&[requests[0], (unknown, 1)])
+        .draft(&[requests[0], (unknown, 1)])
         .expect_err("unknown sequence");
     assert_eq!(err, ExecError::UnknownSequence(unknown));
     let err = executor
-        .draft_many(&[requests[0], (ids[3], vocab as u32)])
+        .draft(&[requests[0], (ids[3], vocab as u32)])
         .expect_err("bad anchor");
     assert!(
         matches!(&err, ExecError::Sequence { id, message } if *id == ids[3] && message.contains("vocabulary")),

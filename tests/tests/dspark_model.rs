@@ -21,19 +21,20 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use deepinfer_actors::SamplingParams;
 use deepinfer_actors::experts::factory::ExpertParallelFactory;
-use deepinfer_actors::experts::parallel::ExpertParallel;
 use deepinfer_actors::messages::scheduler::SchedulerStats;
 use deepinfer_actors::model_source::build_demo;
 use deepinfer_actors::rank::executor::{
-    Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens,
+    Draft, ExecError, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor, SeqTokens,
 };
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::tools::logits;
 use deepinfer_actors::{Engine, EngineConfig, ModelFacts};
-use deepinfer_model::Model;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::config::ModelConfig;
+use deepinfer_model::{EntryOutput, Model};
+use deepinfer_tests::confident::Confident;
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{NodeConfig, RequestId};
 
@@ -44,63 +45,6 @@ use engine_support::generate_all;
 /// time of a verify (which grows with its drafts, and with the machine's load; the demo model's
 /// 129k-token head is slow on a loaded CPU) never makes verifying drafts look worse.
 const EMULATED_STEP: Duration = Duration::from_secs(1);
-
-/// The model's own drafts, reported with the highest confidence, on an emulated device with a
-/// fixed step cost.
-struct Confident(Box<dyn RankExecutor>);
-
-impl RankExecutor for Confident {
-    fn vocab_size(&self) -> usize {
-        self.0.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.0.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.0.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.0.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.0.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.0.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        self.0.execute(batch)
-    }
-    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
-        self.0.plan_replay(id, decoder_from)
-    }
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        Ok(self.0.draft(id, anchor)?.map(|draft| Draft {
-            confidences: vec![30.0; draft.tokens.len()],
-            ..draft
-        }))
-    }
-    fn device_latency(&self, _batch_tokens: usize) -> Duration {
-        EMULATED_STEP
-    }
-}
-
-struct ConfidentFactory(Arc<dyn ExecutorFactory>);
-
-impl ExecutorFactory for ConfidentFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(Confident(self.0.build(dp)?)))
-    }
-    fn describe(&self) -> String {
-        format!("always-confident {}", self.0.describe())
-    }
-    fn sliding_window(&self) -> Option<usize> {
-        self.0.sliding_window()
-    }
-    fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
-        self.0.expert_parallel()
-    }
-}
 
 /// What a correct verifier must make of the oracle's drafts, counted by the oracle as it executes
 /// the verifies: per verify entry, the leading verified drafts that equal the reference.
@@ -116,7 +60,6 @@ struct OracleCounts {
 /// of the same temperature and seed): the first 0 to 5 drafts true, the number drawn per draft
 /// from `seed`, the rest corrupted; on the same emulated device.
 struct Oracle {
-    inner: Box<dyn RankExecutor>,
     histories: HashMap<RequestId, Vec<u32>>,
     references: Arc<Vec<Vec<u32>>>,
     seed: u64,
@@ -127,35 +70,66 @@ impl Oracle {
     fn reference(&self, known: &[u32]) -> Option<&Vec<u32>> {
         self.references.iter().find(|r| r.starts_with(known))
     }
+
+    /// The oracle's proposal after `anchor` for sequence `id`: the known continuation, a seeded
+    /// number of its drafts right; `None` for a sequence of no known continuation.
+    fn draft_one(&self, id: RequestId, anchor: u32, vocab: u32) -> Option<Draft> {
+        let history = self.histories.get(&id)?;
+        let mut known = history.clone();
+        known.push(anchor);
+        let reference = self.reference(&known)?;
+        let mut hasher = DefaultHasher::new();
+        (self.seed, id, known.len()).hash(&mut hasher);
+        let right = (hasher.finish() % 6) as usize;
+        let tokens: Vec<u32> = (0..5)
+            .map(|i| {
+                let truth = reference.get(known.len() + i).copied().unwrap_or(0);
+                if i < right {
+                    truth
+                } else {
+                    (truth + 1) % vocab
+                }
+            })
+            .collect();
+        Some(Draft {
+            confidences: vec![30.0; tokens.len()],
+            tokens,
+        })
+    }
 }
 
-impl RankExecutor for Oracle {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)?;
+impl ExecutorLayer for Oracle {
+    fn new_sequence(
+        &mut self,
+        inner: &mut dyn RankExecutor,
+        id: RequestId,
+    ) -> Result<(), ExecError> {
+        inner.new_sequence(id)?;
         self.histories.insert(id, Vec::new());
         Ok(())
     }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id);
+    fn free_sequence(&mut self, inner: &mut dyn RankExecutor, id: RequestId) {
+        inner.free_sequence(id);
         self.histories.remove(&id);
     }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)?;
+    fn rollback(
+        &mut self,
+        inner: &mut dyn RankExecutor,
+        id: RequestId,
+        len: usize,
+    ) -> Result<(), ExecError> {
+        inner.rollback(id, len)?;
         if let Some(history) = self.histories.get_mut(&id) {
             history.truncate(len);
         }
         Ok(())
     }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+    fn execute(
+        &mut self,
+        inner: &mut dyn RankExecutor,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
         for entry in batch.iter().filter(|e| e.all_rows) {
             let mut known = self.histories.get(&entry.id).cloned().unwrap_or_default();
             known.push(entry.tokens[0]);
@@ -176,7 +150,7 @@ impl RankExecutor for Oracle {
                 counts.partial.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let rows = self.inner.execute(batch)?;
+        let rows = inner.execute(batch, sampling)?;
         for entry in batch {
             if let Some(history) = self.histories.get_mut(&entry.id) {
                 history.extend_from_slice(entry.tokens);
@@ -184,66 +158,19 @@ impl RankExecutor for Oracle {
         }
         Ok(rows)
     }
-    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
-        self.inner.plan_replay(id, decoder_from)
+    fn draft(
+        &mut self,
+        inner: &mut dyn RankExecutor,
+        requests: &[(RequestId, u32)],
+    ) -> Result<Vec<Option<Draft>>, ExecError> {
+        let vocab = inner.vocab_size() as u32;
+        Ok(requests
+            .iter()
+            .map(|&(id, anchor)| self.draft_one(id, anchor, vocab))
+            .collect())
     }
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        let Some(history) = self.histories.get(&id) else {
-            return Ok(None);
-        };
-        let mut known = history.clone();
-        known.push(anchor);
-        let Some(reference) = self.reference(&known) else {
-            return Ok(None);
-        };
-        let mut hasher = DefaultHasher::new();
-        (self.seed, id, known.len()).hash(&mut hasher);
-        let right = (hasher.finish() % 6) as usize;
-        let vocab = self.inner.vocab_size() as u32;
-        let tokens: Vec<u32> = (0..5)
-            .map(|i| {
-                let truth = reference.get(known.len() + i).copied().unwrap_or(0);
-                if i < right {
-                    truth
-                } else {
-                    (truth + 1) % vocab
-                }
-            })
-            .collect();
-        Ok(Some(Draft {
-            confidences: vec![30.0; tokens.len()],
-            tokens,
-        }))
-    }
-    fn device_latency(&self, _batch_tokens: usize) -> Duration {
+    fn device_latency(&self, _inner: &dyn RankExecutor, _batch_tokens: usize) -> Duration {
         EMULATED_STEP
-    }
-}
-
-struct OracleFactory {
-    inner: Arc<dyn ExecutorFactory>,
-    references: Arc<Vec<Vec<u32>>>,
-    counts: Arc<OracleCounts>,
-}
-
-impl ExecutorFactory for OracleFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(Oracle {
-            inner: self.inner.build(dp)?,
-            histories: HashMap::new(),
-            references: self.references.clone(),
-            seed: 0x0dd5_eed5 + dp as u64,
-            counts: self.counts.clone(),
-        }))
-    }
-    fn describe(&self) -> String {
-        format!("oracle-drafting {}", self.inner.describe())
-    }
-    fn sliding_window(&self) -> Option<usize> {
-        self.inner.sliding_window()
-    }
-    fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
-        self.inner.expert_parallel()
     }
 }
 
@@ -282,11 +209,17 @@ async fn check_oracle(name: &str, model: Arc<Model>, facts: ModelFacts, prompts:
                 )
             };
             let counts = Arc::new(OracleCounts::default());
-            let oracle: Arc<dyn ExecutorFactory> = Arc::new(OracleFactory {
+            let (references, counted) = (references.clone(), counts.clone());
+            let oracle: Arc<dyn ExecutorFactory> = Arc::new(LayeredFactory::layered(
                 inner,
-                references: references.clone(),
-                counts: counts.clone(),
-            });
+                "oracle-drafting",
+                move |dp| Oracle {
+                    histories: HashMap::new(),
+                    references: references.clone(),
+                    seed: 0x0dd5_eed5 + dp as u64,
+                    counts: counted.clone(),
+                },
+            ));
             let (on, stats) =
                 generate_at(temperature, oracle, facts, topology, prompts, MAX_TOKENS).await;
             let run = format!("{name}, temperature {temperature}, dp=2 ep={ep}, oracle drafts");
@@ -421,7 +354,8 @@ async fn check_lossless(
     } else {
         None
     };
-    let forced_factory: Arc<dyn ExecutorFactory> = Arc::new(ConfidentFactory(factory));
+    let forced_factory: Arc<dyn ExecutorFactory> =
+        Arc::new(Confident::factory(factory, EMULATED_STEP));
     let (forced_on, forced) = generate(
         forced_factory,
         facts,
@@ -517,7 +451,8 @@ async fn dspark_output_equals_plain_decoding_on_the_fixture() {
     check_oracle("v41-tiny", model.clone(), facts, &prompts).await;
 
     // Seeded sampling: the acceptance rule reproduces the non-speculative sample exactly.
-    let forced: Arc<dyn ExecutorFactory> = Arc::new(ConfidentFactory(factory.clone()));
+    let forced: Arc<dyn ExecutorFactory> =
+        Arc::new(Confident::factory(factory.clone(), EMULATED_STEP));
     let sample =
         |factory, dspark| generate_at(1.0, factory, facts, node(2, 2, 2, dspark), &prompts, 16);
     let (sampled_off, _) = sample(factory.clone(), false).await;
@@ -537,10 +472,13 @@ async fn dspark_output_equals_plain_decoding_on_the_fixture() {
     // With expert parallelism (2 DP ranks, 4 EP ranks): verifying and rolling back drafts whose
     // routed experts run on the expert shards changes no token either.
     let ep_node = node_ep(2, 4, 2, 2, true);
-    let ep_factory: Arc<dyn ExecutorFactory> = Arc::new(ConfidentFactory(Arc::new(
-        ExpertParallelFactory::new(model.clone(), &ep_node, "v41-tiny fixture".into())
-            .expect("expert-parallel factory"),
-    )));
+    let ep_factory: Arc<dyn ExecutorFactory> = Arc::new(Confident::factory(
+        Arc::new(
+            ExpertParallelFactory::new(model.clone(), &ep_node, "v41-tiny fixture".into())
+                .expect("expert-parallel factory"),
+        ),
+        EMULATED_STEP,
+    ));
     let (ep_on, ep_stats) = generate(ep_factory, facts, ep_node, &prompts, 16).await;
     assert_eq!(
         ep_on, greedy_off,

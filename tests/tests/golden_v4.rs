@@ -9,11 +9,11 @@ mod golden_support;
 
 use std::path::Path;
 
-use deepinfer_model::LogitsWanted;
-use deepinfer_model::any_model::{AnyModel, AnySequence};
+use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry, StepOptions};
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::v4::{Model, SequenceState};
+use deepinfer_model::{EntryOutput, LogitsWanted};
 use golden_support::{Expected, argmax, ids};
 use serde_json::Value;
 
@@ -300,13 +300,16 @@ fn any_model_dispatches_the_fixture_to_v4() {
     let tokens = &fx.ids("input_ids")[..20];
     let mut seq = any.new_sequence();
     assert!(matches!(seq, AnySequence::V4(_)));
-    let mut rows = any
-        .forward(&mut seq, &tokens[..12], LogitsWanted::All)
-        .expect("forward");
-    rows.extend(
-        any.forward(&mut seq, &tokens[12..], LogitsWanted::All)
-            .expect("forward"),
-    );
+    let forward = |seq: &mut AnySequence, chunk: &[u32]| {
+        let mut entry = [AnyStepEntry::new(seq, chunk, LogitsWanted::All)];
+        let output = any.forward_step(&mut entry, StepOptions::default());
+        output
+            .expect("forward")
+            .pop()
+            .and_then(EntryOutput::into_logits)
+    };
+    let mut rows = forward(&mut seq, &tokens[..12]).expect("logits");
+    rows.extend(forward(&mut seq, &tokens[12..]).expect("logits"));
     assert_eq!(seq.len(), 20);
     let direct = run_schedule(&fx.model, tokens, &[20]);
     assert_identical("AnyModel", &rows, &direct, fx.model.config().vocab_size);

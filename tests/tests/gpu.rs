@@ -38,6 +38,7 @@
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::compile::Compiler;
 use deepinfer_kernels::ops::attention::DeviceKeyLists;
+use deepinfer_kernels::ops::engram::{DeviceEngramHasher, engram_hash_rows};
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4, gemm_fp4_split, gemm_fp8, gemm_fp8_split,
 };
@@ -1503,6 +1504,33 @@ fn backend_router_matches_the_cpu_bitwise() {
     println!("backend route_experts: {routes} token routes bit-exact (experts and weights)");
 }
 
+/// [`NgramHasher::rows_of_contexts`] by the device kernel (`engram_hash_rows`) on `gpu`'s
+/// runtime: the hashing parameters and the contexts uploaded, the row ids downloaded.
+fn device_engram_hash(gpu: &CudaBackend, hasher: &NgramHasher, contexts: &[u64]) -> Vec<u32> {
+    let rt = gpu.runtime();
+    let max_ngram = hasher.max_ngram();
+    let tokens = contexts.len() / max_ngram;
+    let layout = hasher.layout();
+    let flat = |v: &[Vec<u64>]| -> Vec<u64> { v.iter().flatten().copied().collect() };
+    let dhasher = DeviceEngramHasher::upload(
+        rt,
+        max_ngram,
+        &flat(hasher.multipliers()),
+        &flat(&layout.primes),
+        &flat(&layout.offsets),
+    )
+    .expect("hasher uploads");
+    let stream = rt.stream();
+    let dcontexts = stream
+        .clone_htod(&contexts[..tokens * max_ngram])
+        .expect("contexts upload");
+    let mut drows = stream
+        .alloc_zeros::<u32>(tokens * dhasher.layers * dhasher.columns)
+        .expect("alloc");
+    engram_hash_rows(rt, &dhasher, &dcontexts, &mut drows).expect("device engram hash");
+    stream.clone_dtoh(&drows).expect("row ids download")
+}
+
 #[test]
 fn backend_engram_hash_and_lookup_match_the_cpu() {
     let gpu = cuda_backend("backend_engram_hash_and_lookup_match_the_cpu");
@@ -1513,9 +1541,7 @@ fn backend_engram_hash_and_lookup_match_the_cpu() {
     let tokens: Vec<u32> = (0..301).map(|_| rng.below(4096) as u32).collect();
     let dead: Vec<bool> = (0..tokens.len()).map(|i| (40..47).contains(&i)).collect();
     let contexts = hasher.contexts_of_chunk(&mut EngramHistory::new(), &tokens, &dead);
-    let rows_gpu = gpu
-        .try_engram_hash(&hasher, &contexts)
-        .expect("device engram hash");
+    let rows_gpu = device_engram_hash(&gpu, &hasher, &contexts);
     let rows_cpu = hasher.rows_of_contexts(&contexts);
     assert_eq!(rows_gpu.len(), tokens.len() * 3 * 9);
     assert_eq!(rows_gpu, rows_cpu, "engram row ids");

@@ -29,6 +29,7 @@ use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
 use deepinfer_actors::{Completion, Engine, EngineConfig, GenerateRequest, ModelFacts};
 use deepinfer_model::{LogitsWanted, Model};
+use deepinfer_tests::forward;
 use deepinfer_topology::{NodeConfig, Numerics, RequestId};
 
 mod engine_support;
@@ -387,20 +388,16 @@ async fn a_cuda_topology_runs_the_demo_model_on_the_gpu() {
 
     // The CPU model, greedily.
     let mut seq = resolved.model.new_sequence();
-    let mut logits = resolved
-        .model
-        .forward(&mut seq, &prompt, LogitsWanted::Last)
-        .expect("cpu prefill");
+    let mut logits =
+        forward(&resolved.model, &mut seq, &prompt, LogitsWanted::Last).expect("cpu prefill");
     let mut expected = Vec::new();
     for _ in 0..max_tokens {
         let best = (0..logits.len())
             .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
             .expect("a row") as u32;
         expected.push(best);
-        logits = resolved
-            .model
-            .forward(&mut seq, &[best], LogitsWanted::Last)
-            .expect("cpu decode");
+        logits =
+            forward(&resolved.model, &mut seq, &[best], LogitsWanted::Last).expect("cpu decode");
     }
 
     let started = Instant::now();

@@ -326,6 +326,7 @@ fn a_v4_decode_step_copies_only_the_sampled_ids_to_the_host() {
                 seq,
                 tokens,
                 want: LogitsWanted::Last,
+                decoder_from: None,
                 sample: Some(mixed_sampling(s)),
             })
             .collect();
@@ -388,6 +389,7 @@ fn a_v4_decode_step_copies_only_the_sampled_ids_to_the_host() {
             seq,
             tokens: std::slice::from_ref(token),
             want: LogitsWanted::Last,
+            decoder_from: None,
             sample: None,
         })
         .collect();

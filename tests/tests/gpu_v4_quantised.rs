@@ -40,6 +40,7 @@ fn step(
             seq,
             tokens,
             want,
+            decoder_from: None,
             sample: sampled.then(|| mixed_sampling(s)),
         })
         .collect();

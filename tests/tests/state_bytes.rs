@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use deepinfer_model::LogitsWanted;
-use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::any_model::{AnyModel, AnyStepEntry, StepOptions};
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
@@ -25,8 +25,13 @@ fn check(name: &str, model: &AnyModel, len: usize) {
     let mut checked = Vec::new();
     while fed < len {
         let n = chunk.min(len - fed);
+        let mut entry = [AnyStepEntry::new(
+            &mut seq,
+            &tokens[fed..fed + n],
+            LogitsWanted::Last,
+        )];
         model
-            .forward(&mut seq, &tokens[fed..fed + n], LogitsWanted::Last)
+            .forward_step(&mut entry, StepOptions::default())
             .expect("forward");
         fed += n;
         assert_eq!(

@@ -23,9 +23,6 @@ use deepinfer_actors::frontend::codec::TextCodec;
 use deepinfer_actors::job::{JobOptions, run_job};
 use deepinfer_actors::model_source::{MODEL_DIR_ENV, resolve, shipped_tokenizer};
 use deepinfer_actors::openai::ServedModel;
-use deepinfer_actors::rank::executor::{
-    Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens,
-};
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest};
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
@@ -33,7 +30,9 @@ use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::sampling::{SamplingParams, sample};
 use deepinfer_model::v4;
-use deepinfer_topology::{NodeConfig, RequestId};
+use deepinfer_tests::confident::Confident;
+use deepinfer_tests::forward;
+use deepinfer_topology::NodeConfig;
 
 const CHUNK: usize = 5;
 
@@ -267,9 +266,7 @@ async fn the_offline_job_serves_a_v4_directory() {
     let codec = TextCodec::load_for(&shipped_tokenizer(), 0, ModelFamily::V4).expect("codec");
     let prompt = codec.encode_text(text).expect("encodes");
     let mut seq = model.new_sequence();
-    let mut logits = model
-        .forward(&mut seq, &prompt, LogitsWanted::Last)
-        .expect("prefill");
+    let mut logits = forward(&model, &mut seq, &prompt, LogitsWanted::Last).expect("prefill");
     let greedy = SamplingParams {
         temperature: 0.0,
         top_k: 0,
@@ -283,9 +280,7 @@ async fn the_offline_job_serves_a_v4_directory() {
         if token == 1 {
             break;
         }
-        logits = model
-            .forward(&mut seq, &[token], LogitsWanted::Last)
-            .expect("decode");
+        logits = forward(&model, &mut seq, &[token], LogitsWanted::Last).expect("decode");
     }
     let body = &line("text")["response"]["body"];
     assert_eq!(
@@ -344,54 +339,6 @@ fn v41_only_features_on_a_v4_checkpoint_are_refused_naming_the_field() {
 /// Emulated device time per step, so that verifying every draft is what the scheduler picks.
 const EMULATED_STEP: Duration = Duration::from_millis(200);
 
-/// The executor's own drafts, reported with the highest confidence, on an emulated device whose
-/// step costs a fixed time.
-struct Confident(Box<dyn RankExecutor>);
-
-impl RankExecutor for Confident {
-    fn vocab_size(&self) -> usize {
-        self.0.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.0.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.0.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.0.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.0.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.0.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        self.0.execute(batch)
-    }
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        Ok(self.0.draft(id, anchor)?.map(|draft| Draft {
-            confidences: vec![30.0; draft.tokens.len()],
-            ..draft
-        }))
-    }
-    fn device_latency(&self, _batch_tokens: usize) -> Duration {
-        EMULATED_STEP
-    }
-}
-
-struct ConfidentFactory(Arc<dyn ExecutorFactory>);
-
-impl ExecutorFactory for ConfidentFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(Confident(self.0.build(dp)?)))
-    }
-    fn describe(&self) -> String {
-        format!("always-confident {}", self.0.describe())
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_v4_dspark_drafter_speculates_without_changing_greedy_tokens() {
     let test = "a_v4_dspark_drafter_speculates_without_changing_greedy_tokens";
@@ -414,7 +361,7 @@ async fn a_v4_dspark_drafter_speculates_without_changing_greedy_tokens() {
     let served = served.clone();
     let engine = Engine::start(EngineConfig {
         node: topology(&path, 1, dspark),
-        executor: Arc::new(ConfidentFactory(resolved.factory.clone())),
+        executor: Arc::new(Confident::factory(resolved.factory.clone(), EMULATED_STEP)),
         model: resolved.facts,
         tokenizer: None,
     })

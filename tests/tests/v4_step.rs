@@ -42,6 +42,7 @@ fn step(
             seq,
             tokens,
             want,
+            decoder_from: None,
             sample: None,
         })
         .collect();
@@ -187,6 +188,7 @@ fn sampled_entries_equal_sampling_the_logits_alone() {
             seq,
             tokens,
             want: LogitsWanted::Last,
+            decoder_from: None,
             sample,
         })
         .collect();
@@ -245,7 +247,8 @@ fn reduced_v4_with_mtp_steps_equal_each_alone() {
     }
 }
 
-/// A bad entry fails the whole step, naming its index, and changes no sequence.
+/// A bad entry (a token outside the vocabulary, a decoder start) fails the whole step, naming
+/// its index, and changes no sequence.
 #[test]
 fn a_bad_entry_fails_the_step_naming_it() {
     let model = fixture_model();
@@ -259,11 +262,24 @@ fn a_bad_entry_fails_the_step_naming_it() {
             seq,
             tokens,
             want: LogitsWanted::Last,
+            decoder_from: None,
             sample: None,
         })
         .collect();
     let err = model.forward_step(&mut entries).expect_err("a bad token");
     assert!(err.to_string().contains("step entry 1"), "{err}");
+    // Decoder bounded replay is V4.1's: asked of a V4 step, it fails naming the entry.
+    entries[1].tokens = &chunks[0];
+    entries[1].decoder_from = Some(1);
+    let err = model
+        .forward_step(&mut entries)
+        .expect_err("no bounded replay");
+    let text = err.to_string();
+    assert!(
+        text.contains("step entry 1") && text.contains("bounded replay"),
+        "{text}"
+    );
+    drop(entries);
     assert!(seqs.iter().all(SequenceState::is_empty));
 }
 
@@ -271,7 +287,7 @@ fn a_bad_entry_fails_the_step_naming_it() {
 /// sequence of the other family fails the step naming its entry.
 #[test]
 fn any_model_steps_a_v4_model() {
-    use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry};
+    use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry, StepOptions};
     let model = fixture_model();
     let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
     let any = AnyModel::load(&dir, None).expect("loads");
@@ -285,15 +301,10 @@ fn any_model_steps_a_v4_model() {
         .iter_mut()
         .zip(&chunks)
         .zip(wants)
-        .map(|((seq, tokens), want)| AnyStepEntry {
-            seq,
-            tokens,
-            want,
-            sample: None,
-        })
+        .map(|((seq, tokens), want)| AnyStepEntry::new(seq, tokens, want))
         .collect();
     let got: Vec<Vec<f32>> = any
-        .forward_step(&mut entries)
+        .forward_step(&mut entries, StepOptions::default())
         .expect("step")
         .into_iter()
         .map(|out| out.into_logits().expect("logits"))
@@ -311,13 +322,10 @@ fn any_model_steps_a_v4_model() {
     let mut mixed = [any.new_sequence(), other.new_sequence()];
     let mut entries: Vec<AnyStepEntry<'_>> = mixed
         .iter_mut()
-        .map(|seq| AnyStepEntry {
-            seq,
-            tokens: &[1, 2],
-            want: LogitsWanted::Last,
-            sample: None,
-        })
+        .map(|seq| AnyStepEntry::new(seq, &[1, 2], LogitsWanted::Last))
         .collect();
-    let err = any.forward_step(&mut entries).expect_err("mixed families");
+    let err = any
+        .forward_step(&mut entries, StepOptions::default())
+        .expect_err("mixed families");
     assert!(err.to_string().contains("step entry 1"), "{err}");
 }

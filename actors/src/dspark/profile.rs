@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use deepinfer_topology::RequestId;
 
 use crate::dspark::schedule::{StepRatePoint, StepRateTable, VerifyScheduleError};
-use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
+use crate::rank::executor::{ExecError, RankExecutor, SeqTokens, execute_rows};
 
 /// Why profiling failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -64,11 +64,12 @@ pub fn profile_step_rates(
     let seed_token = [0u32];
     for &id in &ids {
         executor.new_sequence(id)?;
-        executor.execute(&[SeqTokens {
+        let entry = SeqTokens {
             id,
             tokens: &seed_token,
             all_rows: false,
-        }])?;
+        };
+        execute_rows(executor, &[entry])?;
     }
     let tokens = vec![0u32; width];
     let mut measured: Vec<(u32, f64)> = Vec::with_capacity(sizes.len());
@@ -89,7 +90,8 @@ pub fn profile_step_rates(
         let mut times = Vec::with_capacity(steps.max(1) as usize);
         for _ in 0..steps.max(1) {
             let start = Instant::now();
-            executor.execute(&batch)?;
+            // Read on the host: the time includes the step's end on a device.
+            execute_rows(executor, &batch)?;
             times.push(start.elapsed());
             for entry in &batch {
                 executor.rollback(entry.id, 1)?;

@@ -71,7 +71,7 @@ impl ExecutorFactory for ExpertParallelFactory {
     }
 
     /// The model's window, so bounded replay is planned under expert parallelism too (the
-    /// executor runs `forward_replay_with_experts`).
+    /// executor's steps run the decoder start with the routed experts on the expert shards).
     fn sliding_window(&self) -> Option<usize> {
         Some(self.model.config().window_size)
     }

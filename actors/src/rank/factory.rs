@@ -1,6 +1,6 @@
 //! [`ModelFactory`]: the one `ExecutorFactory` over a loaded model of either family
-//! ([`AnyModel`]). Each DP rank gets the family's executor (`ModelExecutor` for V4.1,
-//! `V4Executor` for V4) over the shared weights: on the loaded model's own backend (the CPU), or,
+//! ([`AnyModel`]). Each DP rank gets a `ModelExecutor` over the shared weights: on the loaded
+//! model's own backend (the CPU), or,
 //! with [`RankDevices`], rebound (`Model::on_backend`) to a backend opened on the rank's own device,
 //! on the rank's thread.
 
@@ -13,7 +13,6 @@ use deepinfer_model::state_bytes::StateBytes;
 
 use crate::rank::executor::{ExecError, ExecutorFactory, RankExecutor};
 use crate::rank::model_executor::ModelExecutor;
-use crate::rank::v4_executor::V4Executor;
 
 /// Opens the backend of one device ordinal; called on the rank thread that will use it.
 pub type OpenBackend = Arc<dyn Fn(usize) -> Result<Box<dyn Backend>, String> + Send + Sync>;
@@ -84,10 +83,7 @@ impl ExecutorFactory for ModelFactory {
                 self.model.on_backend(backend)
             }
         };
-        Ok(match model {
-            AnyModel::V41(model) => Box::new(ModelExecutor::new(model)),
-            AnyModel::V4(model) => Box::new(V4Executor::new(model)),
-        })
+        Ok(Box::new(ModelExecutor::new(model)))
     }
 
     fn describe(&self) -> String {
@@ -122,7 +118,7 @@ mod tests {
 
     use super::*;
     use crate::experts::tiny_test_model;
-    use crate::rank::executor::SeqTokens;
+    use crate::rank::executor::{SeqTokens, execute_rows};
 
     /// Prefill then one decode step; the concatenated last rows.
     fn run(executor: &mut dyn RankExecutor, prompt: &[u32]) -> Vec<f32> {
@@ -133,8 +129,8 @@ mod tests {
             tokens,
             all_rows: false,
         };
-        let mut rows = executor.execute(&[entry(prompt)]).expect("prefill");
-        rows.extend(executor.execute(&[entry(&[7])]).expect("decode"));
+        let mut rows = execute_rows(executor, &[entry(prompt)]).expect("prefill");
+        rows.extend(execute_rows(executor, &[entry(&[7])]).expect("decode"));
         rows.concat()
     }
 

@@ -15,7 +15,12 @@ use std::time::Duration;
 
 use deepinfer_topology::RequestId;
 
-use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use deepinfer_model::EntryOutput;
+
+use crate::rank::executor::{
+    Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens, sample_on_host,
+};
+use crate::sampling::SamplingParams;
 
 /// A scripted drafter: each proposal has `block_size` drafts, of which the first `correct`
 /// follow the greedy chain and the rest are wrong; every draft has raw confidence `confidence`.
@@ -127,49 +132,10 @@ impl FakeExecutor {
     }
 }
 
-impl RankExecutor for FakeExecutor {
-    fn vocab_size(&self) -> usize {
-        self.config.vocab_size
-    }
-
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        if self.sequences.insert(id, (0, 0)).is_some() {
-            return Err(ExecError::DuplicateSequence(id));
-        }
-        Ok(())
-    }
-
-    fn free_sequence(&mut self, id: RequestId) {
-        self.sequences.remove(&id);
-    }
-
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        let seq = self
-            .sequences
-            .get_mut(&id)
-            .ok_or(ExecError::UnknownSequence(id))?;
-        if len > seq.0 {
-            return Err(ExecError::Sequence {
-                id,
-                message: format!("rollback to {len} tokens, but the sequence holds {}", seq.0),
-            });
-        }
-        seq.0 = len;
-        Ok(())
-    }
-
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.sequences
-            .get(&id)
-            .map(|s| s.0)
-            .ok_or(ExecError::UnknownSequence(id))
-    }
-
-    fn live_sequences(&self) -> usize {
-        self.sequences.len()
-    }
-
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+impl FakeExecutor {
+    /// Every entry's logits rows (see [`RankExecutor::execute`]), the step's emulated host time
+    /// spent.
+    fn rows(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         if !self.config.host_time.is_zero() {
             std::thread::sleep(self.config.host_time);
         }
@@ -220,7 +186,8 @@ impl RankExecutor for FakeExecutor {
         Ok(rows)
     }
 
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
+    /// The scripted drafter's proposal after `anchor` for sequence `id`.
+    fn draft_one(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
         let Some(drafter) = self.config.drafter else {
             return Ok(None);
         };
@@ -236,6 +203,69 @@ impl RankExecutor for FakeExecutor {
             tokens,
             confidences: vec![drafter.confidence; drafter.block_size],
         }))
+    }
+}
+
+impl RankExecutor for FakeExecutor {
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
+        if self.sequences.insert(id, (0, 0)).is_some() {
+            return Err(ExecError::DuplicateSequence(id));
+        }
+        Ok(())
+    }
+
+    fn free_sequence(&mut self, id: RequestId) {
+        self.sequences.remove(&id);
+    }
+
+    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
+        let seq = self
+            .sequences
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSequence(id))?;
+        if len > seq.0 {
+            return Err(ExecError::Sequence {
+                id,
+                message: format!("rollback to {len} tokens, but the sequence holds {}", seq.0),
+            });
+        }
+        seq.0 = len;
+        Ok(())
+    }
+
+    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
+        self.sequences
+            .get(&id)
+            .map(|s| s.0)
+            .ok_or(ExecError::UnknownSequence(id))
+    }
+
+    fn live_sequences(&self) -> usize {
+        self.sequences.len()
+    }
+
+    fn execute(
+        &mut self,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        let held = batch
+            .iter()
+            .map(|entry| self.sequence_len(entry.id))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rows = self.rows(batch)?;
+        sample_on_host(batch, sampling, &held, rows, self.config.vocab_size)
+    }
+
+    fn draft(&mut self, requests: &[(RequestId, u32)]) -> Result<Vec<Option<Draft>>, ExecError> {
+        requests
+            .iter()
+            .map(|&(id, anchor)| self.draft_one(id, anchor))
+            .collect()
     }
 
     fn device_latency(&self, batch_tokens: usize) -> Duration {
@@ -261,6 +291,7 @@ impl ExecutorFactory for FakeFactory {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rank::executor::execute_rows;
 
     #[test]
     fn logits_depend_on_token_and_position_only() {
@@ -286,13 +317,15 @@ mod tests {
         let id = RequestId(1);
         ex.new_sequence(id).unwrap();
         assert_eq!(ex.new_sequence(id), Err(ExecError::DuplicateSequence(id)));
-        let rows = ex
-            .execute(&[SeqTokens {
+        let rows = execute_rows(
+            &mut ex,
+            &[SeqTokens {
                 id,
                 tokens: &[1, 2, 3],
                 all_rows: false,
-            }])
-            .unwrap();
+            }],
+        )
+        .unwrap();
         assert_eq!(rows.len(), 1);
         assert_eq!(ex.sequence_len(id), Ok(3));
         assert!(ex.rollback(id, 4).is_err());
@@ -300,14 +333,12 @@ mod tests {
         assert_eq!(ex.sequence_len(id), Ok(1));
         ex.free_sequence(id);
         assert_eq!(ex.live_sequences(), 0);
-        assert!(
-            ex.execute(&[SeqTokens {
-                id,
-                tokens: &[1],
-                all_rows: false
-            }])
-            .is_err()
-        );
+        let freed = [SeqTokens {
+            id,
+            tokens: &[1],
+            all_rows: false,
+        }];
+        assert!(execute_rows(&mut ex, &freed).is_err());
     }
 
     #[test]
@@ -328,19 +359,21 @@ mod tests {
         );
         let id = RequestId(3);
         ex.new_sequence(id).unwrap();
-        let rows = ex
-            .execute(&[SeqTokens {
+        let rows = execute_rows(
+            &mut ex,
+            &[SeqTokens {
                 id,
                 tokens: &[9, 4, 7],
                 all_rows: true,
-            }])
-            .unwrap();
+            }],
+        )
+        .unwrap();
         assert_eq!(rows[0].len(), 3 * vocab);
         let mut expected = vec![0.0; vocab];
         fake_logits(4, 1, &mut expected);
         assert_eq!(&rows[0][vocab..2 * vocab], expected.as_slice());
         // The anchor sits at position 3; drafts follow the chain twice, then go wrong.
-        let draft = ex.draft(id, 11).unwrap().unwrap();
+        let draft = ex.draft(&[(id, 11)]).unwrap().remove(0).unwrap();
         let first = favoured_token(11, 3, vocab);
         let second = favoured_token(first, 4, vocab);
         assert_eq!(&draft.tokens[..2], &[first, second]);

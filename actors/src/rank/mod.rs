@@ -15,7 +15,6 @@ pub mod fake;
 pub mod model_executor;
 pub mod observe;
 pub mod sequences;
-pub mod v4_executor;
 pub mod worker;
 
 use std::any::Any;

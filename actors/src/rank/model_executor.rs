@@ -1,19 +1,23 @@
-//! `ModelExecutor`: the `RankExecutor` over the real model (`deepinfer_model::Model`).
+//! `ModelExecutor`: the `RankExecutor` over the real model of either family
+//! (`deepinfer_model::any_model::AnyModel`: V4.1, or V4-Flash / V4-Flash-0731).
 //!
-//! Owns one `SequenceState` per live request. A step is one `Model::forward_step` over every
+//! Owns one sequence state per live request. A step is one `AnyModel::forward_step` over every
 //! entry (each sequence's last logits row, or every row of a DSpark verify entry, `all_rows`),
 //! bitwise what each sequence would get alone; the model is shared (read-only) by every rank of
 //! the process. The runtime adds nothing to the numbers: the logits are exactly the model's.
-//! `draft_many` runs the checkpoint's DSpark heads over every requested sequence in one pass
-//! (`Model::draft_step`; `draft` is its one-request case) when the model has them. A
-//! sequence with a planned decoder start (`plan_replay`, decoder bounded replay) runs its
-//! prefill as `Model::forward_replay` does. `execute_deferred` is `Model::forward_step_on_device`
-//! (unsampled rows stay on the backend) and `sample_logits` is `Model::sample_rows` (the masked
-//! rows sampled where they are, only the ids come back).
-//! Context parallelism (`[parallel] context_parallel`): a plain prefill chunk of at least the
-//! threshold runs as `Model::prefill_context_parallel` over the CP group (the ranks are threads
-//! on this rank's CPU backend, the window KV and compressor inputs all-gathered per layer); this
-//! rank keeps the sequence's state, which is bitwise the one-rank prefill's, and decodes it.
+//! Entries with sampling parameters are sampled inside the step on the model's backend; the
+//! others' rows stay there (V4.1, `Model::forward_step_on_device`) and `sample_logits` is
+//! `Model::sample_rows` (the masked rows sampled where they are, only the ids come back); a V4
+//! model returns host rows, sampled on the host. `draft` runs the checkpoint's DSpark heads over
+//! every requested sequence (`AnyModel::draft_step`) when the model has them (V4-Flash's MTP
+//! block has no confidence head and does not draft here). A sequence with a planned decoder
+//! start (`plan_replay`, V4.1 decoder bounded replay) runs its prefill as
+//! `Model::forward_replay` does.
+//! Context parallelism (`[parallel] context_parallel`, V4.1): a plain prefill chunk of at least
+//! the threshold runs as `Model::prefill_context_parallel` over the CP group (the ranks are
+//! threads on this rank's CPU backend, the window KV and compressor inputs all-gathered per
+//! layer); this rank keeps the sequence's state, which is bitwise the one-rank prefill's, and
+//! decodes it.
 //!
 //! Built per rank by `rank::factory::ModelFactory` (or `ExpertParallelFactory`).
 
@@ -21,24 +25,27 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry, StepOptions};
 use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::expert_dispatch::RoutedExperts;
 use deepinfer_model::sampling::TokenLogprobs;
 use deepinfer_model::v41::context_parallel::CpSplit;
-use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted};
 use deepinfer_topology::{ContextParallel, DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
-use crate::rank::executor::{Draft, ExecError, RankExecutor, SeqTokens};
+use crate::rank::executor::{
+    Draft, ExecError, RankExecutor, SeqTokens, logprobs_on_host, sample_logits_on_host,
+};
 use crate::rank::sequences::{Sequences, sequence_error};
 use crate::sampling::SamplingParams;
 
 /// The executor of one rank over a shared model.
 pub struct ModelExecutor {
-    model: Arc<Model>,
-    sequences: Sequences<SequenceState>,
+    model: AnyModel,
+    sequences: Sequences<AnySequence>,
     /// Decoder bounded replay: each planned sequence's decoder start.
     replay_from: HashMap<RequestId, usize>,
     /// Expert parallelism: the routed experts go through the committed `Comm` of each step.
@@ -58,9 +65,9 @@ struct RankExperts {
 }
 
 impl ModelExecutor {
-    pub fn new(model: Arc<Model>) -> Self {
+    pub fn new(model: impl Into<AnyModel>) -> Self {
         ModelExecutor {
-            model,
+            model: model.into(),
             sequences: Sequences::default(),
             replay_from: HashMap::new(),
             ep: None,
@@ -86,7 +93,7 @@ impl ModelExecutor {
     /// An executor of DP rank `dp` whose routed experts run through `parallel`'s placement: each
     /// step adopts the committed epoch at its start and keeps it to its end.
     pub fn with_expert_parallel(
-        model: Arc<Model>,
+        model: impl Into<AnyModel>,
         parallel: Arc<ExpertParallel>,
         dp: DpRank,
     ) -> Self {
@@ -102,14 +109,12 @@ impl ModelExecutor {
 }
 
 impl ModelExecutor {
-    /// One `Model::forward_step` over the batch; entry `i` samples with `sampling[i]` when given
-    /// (see [`RankExecutor::execute_sampled`]); with `rows_on_device` the other entries' rows
-    /// stay on the backend (`Model::forward_step_on_device`).
+    /// One `AnyModel::forward_step` over the batch (see [`RankExecutor::execute`]); the
+    /// context-parallel entries run one by one over the CP group.
     fn step(
         &mut self,
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
-        rows_on_device: bool,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         let model = &self.model;
         let cp_ranks = self.cp.map_or(1, |cp| usize::from(cp.ranks));
@@ -126,7 +131,7 @@ impl ModelExecutor {
         // One forward over the whole step, entries in the batch's order.
         let mut entries = Vec::with_capacity(batch.len());
         for (i, (entry, seq)) in batch.iter().zip(seqs).enumerate() {
-            entries.push(StepEntry {
+            entries.push(AnyStepEntry {
                 seq,
                 tokens: entry.tokens,
                 want: if entry.all_rows {
@@ -138,7 +143,10 @@ impl ModelExecutor {
                 sample: sampling.get(i).copied().flatten(),
             });
         }
-        let routed = experts.as_ref().map(|e| e as &dyn RoutedExperts);
+        let options = StepOptions {
+            experts: experts.as_ref().map(|e| e as &dyn RoutedExperts),
+            logits_on_device: true,
+        };
         // Context-parallel entries run one by one over the CP group, the others as one step.
         let (cp_entries, mut entries): (Vec<_>, Vec<_>) = entries
             .into_iter()
@@ -146,20 +154,17 @@ impl ModelExecutor {
             .partition(|(i, _)| in_cp[*i]);
         let mut outputs: Vec<Option<EntryOutput>> = (0..batch.len()).map(|_| None).collect();
         let cp_rows: Result<(), ExecError> = cp_entries.into_iter().try_for_each(|(i, entry)| {
-            let output = prefill_context_parallel(model, cp_ranks, entry, routed, rows_on_device);
+            let output = prefill_context_parallel(model, cp_ranks, entry, options.experts);
             outputs[i] = Some(output?);
             Ok(())
         });
         let indices: Vec<usize> = entries.iter().map(|(i, _)| *i).collect();
-        let mut step_entries: Vec<StepEntry<'_>> = entries.drain(..).map(|(_, e)| e).collect();
+        let mut step_entries: Vec<AnyStepEntry<'_>> = entries.drain(..).map(|(_, e)| e).collect();
         let rows = cp_rows.and_then(|()| {
             let rows = match step_entries.is_empty() {
                 true => Vec::new(),
-                false if rows_on_device => model
-                    .forward_step_on_device(&mut step_entries, routed)
-                    .map_err(|e| ExecError::Backend(e.to_string()))?,
                 false => model
-                    .forward_step(&mut step_entries, routed)
+                    .forward_step(&mut step_entries, options)
                     .map_err(|e| ExecError::Backend(e.to_string()))?,
             };
             for (i, row) in indices.into_iter().zip(rows) {
@@ -181,19 +186,23 @@ impl ModelExecutor {
     }
 }
 
-/// One prefill chunk over a CP group of `ranks`; this rank keeps the state (every rank's is the
-/// same).
+/// One prefill chunk over a CP group of `ranks` (V4.1); this rank keeps the state (every rank's
+/// is the same). The unsampled row stays where it was computed.
 fn prefill_context_parallel(
-    model: &Model,
+    model: &AnyModel,
     ranks: usize,
-    entry: StepEntry<'_>,
+    entry: AnyStepEntry<'_>,
     experts: Option<&dyn RoutedExperts>,
-    rows_on_device: bool,
 ) -> Result<EntryOutput, ExecError> {
     let backend = |e: deepinfer_model::error::ModelError| ExecError::Backend(e.to_string());
+    let (AnyModel::V41(model), AnySequence::V41(seq)) = (model, entry.seq) else {
+        return Err(ExecError::Backend(
+            "context parallelism runs V4.1 models only".to_string(),
+        ));
+    };
     let prefill = model
         .prefill_context_parallel(
-            entry.seq,
+            seq,
             entry.tokens,
             LogitsWanted::Last,
             ranks,
@@ -202,7 +211,7 @@ fn prefill_context_parallel(
             experts,
         )
         .map_err(backend)?;
-    *entry.seq = prefill.states.into_iter().next().ok_or_else(|| {
+    **seq = prefill.states.into_iter().next().ok_or_else(|| {
         ExecError::Backend("a context-parallel prefill without ranks".to_string())
     })?;
     let logits = deepinfer_model::backend::Tensor::from(prefill.logits);
@@ -212,13 +221,12 @@ fn prefill_context_parallel(
                 .sample_rows(&[LogitsRow {
                     logits: &logits,
                     params,
-                    position: entry.seq.len() as u64,
+                    position: seq.len() as u64,
                     allowed: None,
                 }])
                 .map_err(backend)?,
         ),
-        None if rows_on_device => EntryOutput::DeviceLogits(logits),
-        None => EntryOutput::Logits(logits.into_vec()),
+        None => EntryOutput::DeviceLogits(logits),
     })
 }
 
@@ -244,7 +252,7 @@ impl RankExecutor for ModelExecutor {
     }
 
     fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.sequences.get(id).map(SequenceState::len)
+        self.sequences.get(id).map(AnySequence::len)
     }
 
     fn live_sequences(&self) -> usize {
@@ -252,35 +260,22 @@ impl RankExecutor for ModelExecutor {
     }
 
     fn state_bytes_held(&self) -> Option<u64> {
-        Some(self.sequences.states().map(SequenceState::held_bytes).sum())
+        Some(self.sequences.states().map(AnySequence::held_bytes).sum())
     }
 
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        Ok(self
-            .step(batch, &[], false)?
-            .into_iter()
-            .map(|out| out.into_logits().unwrap_or_default())
-            .collect())
-    }
-
-    fn execute_sampled(
+    fn execute(
         &mut self,
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        self.step(batch, sampling, false)
-    }
-
-    fn execute_deferred(
-        &mut self,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
-    ) -> Result<Vec<EntryOutput>, ExecError> {
-        self.step(batch, sampling, true)
+        self.step(batch, sampling)
     }
 
     fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {
-        self.model
+        let AnyModel::V41(model) = &self.model else {
+            return sample_logits_on_host(rows);
+        };
+        model
             .sample_rows(rows)
             .map_err(|e| ExecError::Backend(e.to_string()))
     }
@@ -290,29 +285,24 @@ impl RankExecutor for ModelExecutor {
         rows: &[LogitsRow<'_>],
         picks: &[LogprobPick],
     ) -> Result<Vec<TokenLogprobs>, ExecError> {
-        self.model
+        let AnyModel::V41(model) = &self.model else {
+            return logprobs_on_host(rows, picks);
+        };
+        model
             .token_logprobs_rows(rows, picks)
             .map_err(|e| ExecError::Backend(e.to_string()))
     }
 
     fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
         self.sequences.get(id)?;
-        if decoder_from > 0 {
+        if decoder_from > 0 && matches!(self.model, AnyModel::V41(_)) {
             self.replay_from.insert(id, decoder_from);
         }
         Ok(())
     }
 
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        let mut drafts = self.draft_many(&[(id, anchor)])?;
-        Ok(drafts.pop().flatten())
-    }
-
-    fn draft_many(
-        &mut self,
-        requests: &[(RequestId, u32)],
-    ) -> Result<Vec<Option<Draft>>, ExecError> {
-        if self.model.config().dspark.is_none() {
+    fn draft(&mut self, requests: &[(RequestId, u32)]) -> Result<Vec<Option<Draft>>, ExecError> {
+        if !self.model.has_drafter() {
             return Ok(vec![None; requests.len()]);
         }
         let seqs = requests
@@ -327,6 +317,7 @@ impl RankExecutor for ModelExecutor {
             .map(|(proposal, &(id, _))| {
                 let proposal = proposal.map_err(|e| sequence_error(id, e))?;
                 Ok(Some(Draft {
+                    // The proposal starts with the anchor itself.
                     tokens: proposal.tokens.get(1..).unwrap_or_default().to_vec(),
                     confidences: proposal.confidence,
                 }))
@@ -337,16 +328,35 @@ impl RankExecutor for ModelExecutor {
 
 #[cfg(test)]
 mod tests {
+    use deepinfer_model::checkpoint::write_random_checkpoint;
+    use deepinfer_model::config::ModelConfig;
     use deepinfer_topology::RequestId;
 
     use super::*;
     use crate::experts::tiny_test_model;
+    use crate::rank::executor::execute_rows;
 
-    /// `execute_deferred` leaves an unsampled entry's rows on the backend (bitwise the logits
-    /// `execute` returns) while a sampling entry is sampled in the step; `sample_logits` samples
-    /// the kept row with its mask as the host does (masked row, then `sample`).
+    /// The tiny V4 architecture (v4-tiny's config) with seeded random weights.
+    fn tiny_v4() -> (tempfile::TempDir, AnyModel) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_checkpoint(&ModelConfig::tiny_v4(), 3, dir.path(), 1).expect("written");
+        let model = deepinfer_model::v4::Model::load(dir.path()).expect("loads");
+        (dir, AnyModel::from(Arc::new(model)))
+    }
+
+    fn entry(id: RequestId, tokens: &[u32]) -> SeqTokens<'_> {
+        SeqTokens {
+            id,
+            tokens,
+            all_rows: false,
+        }
+    }
+
+    /// An unsampled V4.1 entry's rows stay on the backend (bitwise the logits read on the
+    /// host) while a sampling entry is sampled in the step; `sample_logits` samples the kept row
+    /// with its mask as the host does (masked row, then `sample`).
     #[test]
-    fn deferred_rows_stay_on_the_backend_and_sample_with_their_masks() {
+    fn unsampled_rows_stay_on_the_backend_and_sample_with_their_masks() {
         use deepinfer_model::sampling::{AllowedTokens, sample};
         let (_dir, model) = tiny_test_model();
         let vocab = model.config().vocab_size;
@@ -357,11 +367,6 @@ mod tests {
             executor.new_sequence(kept).expect("new");
             executor.new_sequence(host).expect("new");
         }
-        let entry = |id, tokens| SeqTokens {
-            id,
-            tokens,
-            all_rows: false,
-        };
         let batch = [entry(kept, &[3, 9, 27][..]), entry(host, &[5, 6][..])];
         let params = SamplingParams {
             temperature: 0.9,
@@ -370,9 +375,9 @@ mod tests {
             seed: 21,
         };
         let outputs = deferred
-            .execute_deferred(&batch, &[None, Some(params)])
+            .execute(&batch, &[None, Some(params)])
             .expect("step");
-        let logits = reference.execute(&batch).expect("step");
+        let logits = execute_rows(&mut reference, &batch).expect("step");
         let EntryOutput::DeviceLogits(row) = &outputs[0] else {
             panic!("the unsampled entry's rows were not kept: {:?}", outputs[0]);
         };
@@ -392,5 +397,85 @@ mod tests {
             .expect("sampled");
         assert_eq!(got, vec![sample(&masked, &params, 3).expect("a token")]);
         assert!(mask.is_allowed(got[0]));
+    }
+
+    /// On a V4 model: a sampled entry returns the token `sample` picks from the logits the
+    /// unsampled run returns, at the position after its chunk; a verify entry returns every
+    /// row; rows come back on the host.
+    #[test]
+    fn v4_sampled_and_verify_entries_match_the_logits() {
+        use crate::sampling::sample;
+        let (_dir, model) = tiny_v4();
+        let vocab = model.config().vocab_size;
+        let (a, b) = (RequestId(1), RequestId(2));
+        let mut sampled = ModelExecutor::new(model.clone());
+        let mut reference = ModelExecutor::new(model);
+        for executor in [&mut sampled, &mut reference] {
+            executor.new_sequence(a).expect("new");
+            executor.new_sequence(b).expect("new");
+        }
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.9,
+            seed: 17,
+        };
+        let batch = [entry(a, &[3, 9, 27]), entry(b, &[5, 6])];
+        let outputs = sampled
+            .execute(&batch, &[Some(params), None])
+            .expect("step");
+        let logits = execute_rows(&mut reference, &batch).expect("step");
+        let token = sample(&logits[0], &params, 3).expect("a token");
+        assert_eq!(outputs[0], EntryOutput::Tokens(vec![token]));
+        assert_eq!(outputs[1], EntryOutput::Logits(logits[1].clone()));
+        let verify = SeqTokens {
+            id: b,
+            tokens: &[8, 1, 2],
+            all_rows: true,
+        };
+        let rows = execute_rows(&mut reference, &[verify]).expect("verify");
+        assert_eq!(rows[0].len(), 3 * vocab);
+        assert_eq!(reference.sequence_len(b), Ok(5));
+        reference.rollback(b, 3).expect("rolls back");
+        assert_eq!(reference.sequence_len(b), Ok(3));
+    }
+
+    /// Bad input fails with the sequence named, before any sequence changes; a V4 model without
+    /// a DSpark drafter proposes nothing and ignores a decoder start (it has no bounded replay).
+    #[test]
+    fn bad_entries_are_named_and_nothing_drafts_without_a_drafter() {
+        let (_dir, model) = tiny_v4();
+        let mut executor = ModelExecutor::new(model);
+        let (a, b) = (RequestId(1), RequestId(2));
+        executor.new_sequence(a).expect("new");
+        assert_eq!(
+            executor.new_sequence(a),
+            Err(ExecError::DuplicateSequence(a))
+        );
+        assert_eq!(
+            execute_rows(&mut executor, &[entry(b, &[1])]).err(),
+            Some(ExecError::UnknownSequence(b))
+        );
+        executor.new_sequence(b).expect("new");
+        let err = execute_rows(&mut executor, &[entry(a, &[4, 5]), entry(b, &[1024])])
+            .expect_err("a token outside the vocabulary");
+        let ExecError::Sequence { id, message } = err else {
+            panic!("not a sequence error: {err:?}");
+        };
+        assert_eq!(id, b);
+        assert!(message.contains("1024"), "{message}");
+        assert_eq!(executor.sequence_len(a), Ok(0), "nothing ran");
+        let twice = execute_rows(&mut executor, &[entry(a, &[4]), entry(a, &[5])]);
+        assert!(matches!(twice, Err(ExecError::Backend(_))), "{twice:?}");
+        executor.plan_replay(a, 1).expect("ignored");
+        execute_rows(&mut executor, &[entry(a, &[4, 5])]).expect("runs in full");
+        assert_eq!(executor.draft(&[(a, 6)]), Ok(vec![None]));
+        assert_eq!(
+            executor.draft(&[(RequestId(9), 6)]),
+            Ok(vec![None]),
+            "nothing to draft without a drafter"
+        );
+        executor.free_sequence(a);
+        assert_eq!(executor.live_sequences(), 1);
     }
 }

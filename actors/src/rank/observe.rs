@@ -2,20 +2,23 @@
 //!
 //! [`ObservedFactory`] wraps any [`ExecutorFactory`] so that every logits row its executors return
 //! reaches a [`RankObserver`], tagged with the request and the absolute position of the token it
-//! was computed at, and so does every decoder start a rank is given (bounded replay). Every call
-//! is forwarded unchanged — drafts, bounded replay, device latency, the factory's sliding window
-//! and expert parallelism — so an observed engine runs exactly as the unobserved one. Evaluation
+//! was computed at, and so does every decoder start a rank is given (bounded replay). It is a
+//! layer ([`ExecutorLayer`]): every other call passes through unchanged — drafts, device latency,
+//! the factory's sliding window and expert parallelism — so an observed engine runs exactly as
+//! the unobserved one. Evaluation
 //! harnesses use it to compare an engine's rows with a reference; [`RowLog`] is the observer that
 //! keeps them.
 
+use deepinfer_model::EntryOutput;
+use deepinfer_topology::RequestId;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use deepinfer_topology::RequestId;
-
-use crate::experts::parallel::ExpertParallel;
-use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use crate::rank::executor::{
+    ExecError, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor, SeqTokens,
+    execute_rows, sample_on_host,
+};
+use crate::sampling::SamplingParams;
 
 /// One logits row as a rank returned it.
 #[derive(Debug, Clone, Copy)]
@@ -41,81 +44,38 @@ pub trait RankObserver: Send + Sync {
 }
 
 /// An executor factory whose executors report their rows to an observer.
-pub struct ObservedFactory {
-    inner: Arc<dyn ExecutorFactory>,
-    observer: Arc<dyn RankObserver>,
-}
+pub type ObservedFactory = LayeredFactory<Observed>;
 
 impl ObservedFactory {
     pub fn new(inner: Arc<dyn ExecutorFactory>, observer: Arc<dyn RankObserver>) -> Self {
-        ObservedFactory { inner, observer }
-    }
-}
-
-impl ExecutorFactory for ObservedFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(ObservedExecutor {
-            inner: self.inner.build(dp)?,
-            observer: self.observer.clone(),
+        LayeredFactory::layered(inner, "observed", move |dp| Observed {
+            observer: observer.clone(),
             dp,
-        }))
-    }
-    fn describe(&self) -> String {
-        format!("observed {}", self.inner.describe())
-    }
-    fn sliding_window(&self) -> Option<usize> {
-        self.inner.sliding_window()
-    }
-    fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
-        self.inner.expert_parallel()
-    }
-    fn context_parallel(&self) -> Option<deepinfer_topology::ContextParallel> {
-        self.inner.context_parallel()
-    }
-    fn family(&self) -> deepinfer_model::config::ModelFamily {
-        self.inner.family()
-    }
-    fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
-        self.inner.state_bytes()
+        })
     }
 }
 
-struct ObservedExecutor {
-    inner: Box<dyn RankExecutor>,
+/// The layer of one observed rank: its rows go to the observer, read on the host (the rows to
+/// sample are sampled there too, exactly as on the device).
+pub struct Observed {
     observer: Arc<dyn RankObserver>,
     dp: usize,
 }
 
-impl RankExecutor for ObservedExecutor {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn state_bytes_held(&self) -> Option<u64> {
-        self.inner.state_bytes_held()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+impl ExecutorLayer for Observed {
+    fn execute(
+        &mut self,
+        inner: &mut dyn RankExecutor,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
         let starts = batch
             .iter()
-            .map(|s| self.inner.sequence_len(s.id))
+            .map(|s| inner.sequence_len(s.id))
             .collect::<Result<Vec<_>, ExecError>>()?;
-        let rows = self.inner.execute(batch)?;
-        let vocab = self.inner.vocab_size().max(1);
-        for ((seq, start), row) in batch.iter().zip(starts).zip(&rows) {
+        let rows = execute_rows(inner, batch)?;
+        let vocab = inner.vocab_size().max(1);
+        for ((seq, &start), row) in batch.iter().zip(&starts).zip(&rows) {
             let report = |position, logits, verify| {
                 self.observer.row(ObservedRow {
                     dp: self.dp,
@@ -134,23 +94,16 @@ impl RankExecutor for ObservedExecutor {
                 report(start + seq.tokens.len() - 1, row, false);
             }
         }
-        Ok(rows)
+        sample_on_host(batch, sampling, &starts, rows, vocab)
     }
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        self.inner.draft(id, anchor)
-    }
-    fn draft_many(
+    fn plan_replay(
         &mut self,
-        requests: &[(RequestId, u32)],
-    ) -> Result<Vec<Option<Draft>>, ExecError> {
-        self.inner.draft_many(requests)
-    }
-    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
+        inner: &mut dyn RankExecutor,
+        id: RequestId,
+        decoder_from: usize,
+    ) -> Result<(), ExecError> {
         self.observer.replay_planned(self.dp, id, decoder_from);
-        self.inner.plan_replay(id, decoder_from)
-    }
-    fn device_latency(&self, batch_tokens: usize) -> Duration {
-        self.inner.device_latency(batch_tokens)
+        inner.plan_replay(id, decoder_from)
     }
 }
 
@@ -231,23 +184,27 @@ mod tests {
         let (mut exec, plain, all) = observed();
         let id = RequestId(3);
         exec.new_sequence(id).expect("new");
-        let prefill = exec
-            .execute(&[SeqTokens {
+        let prefill = execute_rows(
+            exec.as_mut(),
+            &[SeqTokens {
                 id,
                 tokens: &[5, 6, 7],
                 all_rows: false,
-            }])
-            .expect("prefill");
+            }],
+        )
+        .expect("prefill");
         assert_eq!(plain.get(id, 2), Some(prefill[0].clone()));
         assert_eq!(plain.get(id, 0), None);
 
-        let verify = exec
-            .execute(&[SeqTokens {
+        let verify = execute_rows(
+            exec.as_mut(),
+            &[SeqTokens {
                 id,
                 tokens: &[8, 9],
                 all_rows: true,
-            }])
-            .expect("verify");
+            }],
+        )
+        .expect("verify");
         let vocab = exec.vocab_size();
         assert_eq!(plain.get(id, 3), None, "verify rows skipped by default");
         assert_eq!(all.get(id, 3).as_deref(), Some(&verify[0][..vocab]));
@@ -275,9 +232,8 @@ mod tests {
             tokens,
             all_rows: false,
         };
-        exec.execute(&[entry(a, &[1, 2]), entry(b, &[3])])
-            .expect("two");
-        exec.execute(&[entry(a, &[4])]).expect("one");
+        execute_rows(exec.as_mut(), &[entry(a, &[1, 2]), entry(b, &[3])]).expect("two");
+        execute_rows(exec.as_mut(), &[entry(a, &[4])]).expect("one");
         assert_eq!(*sizes.0.lock().expect("sizes"), vec![2, 2, 1]);
     }
 }

@@ -7,7 +7,7 @@
 //! device has its host time counted as hidden by async scheduling.
 //!
 //! Sampling: unconstrained entries are sampled by the executor inside the step
-//! (`RankExecutor::execute_deferred`, on its device: only the token ids come back); constrained
+//! (`RankExecutor::execute`, on its device: only the token ids come back); constrained
 //! ones leave their rows on the device (`EntryOutput::DeviceLogits`) until their masks are in.
 //!
 //! Structured outputs: before the forward, the matchers of the constrained sequences that sample
@@ -22,8 +22,8 @@
 //! DSpark: the worker also owns each sequence's current proposal (drafted on this thread, where
 //! the sequence state lives). A `Verify { drafts }` entry feeds the anchor plus up to `drafts` of
 //! it, judges them with `dspark::accept` (lossless; the executor samples every row where the
-//! logits are, `RankExecutor::execute_deferred`), rolls the sequence back past the rejected
-//! drafts, and drafts the next proposal (every proposal of a step in one `draft_many` call after
+//! logits are, `RankExecutor::execute`), rolls the sequence back past the rejected
+//! drafts, and drafts the next proposal (every proposal of a step in one `draft` call after
 //! the sampling); only the proposal's confidences leave the thread (in the step output).
 //! Grammar-constrained sequences are never drafted for: the scheduler gives them plain `Decode`s,
 //! and a `Verify` of one runs as a decode.
@@ -311,7 +311,7 @@ impl RankWorker {
             .collect();
         // Masks are computed while the forward runs and awaited right after it.
         let pending = self.start_masks(plan)?;
-        let outputs = self.executor.execute_deferred(&batch, &sampling);
+        let outputs = self.executor.execute(&batch, &sampling);
         let mut masks = self.finish_masks(pending);
         let outputs = outputs?;
         if outputs.len() != plan.work.len() {
@@ -636,7 +636,7 @@ impl RankWorker {
     }
 
     /// Drafts the next proposal of each of `ids` after its last token, all in one
-    /// `draft_many` call, if the executor has a drafter; returns the summaries in `ids` order.
+    /// `draft` call, if the executor has a drafter; returns the summaries in `ids` order.
     fn propose(&mut self, ids: &[RequestId]) -> Result<Vec<DraftSummary>, ExecError> {
         let requests: Vec<(RequestId, u32)> = ids
             .iter()
@@ -645,7 +645,7 @@ impl RankWorker {
         if requests.is_empty() {
             return Ok(Vec::new());
         }
-        let drafts = self.executor.draft_many(&requests)?;
+        let drafts = self.executor.draft(&requests)?;
         if drafts.len() != requests.len() {
             return Err(ExecError::Backend(format!(
                 "the executor returned {} drafts for {} sequences",
@@ -726,6 +726,7 @@ impl RankWorker {
 mod tests {
     use super::*;
     use crate::messages::rank::{NewSeq, SeqWork};
+    use crate::rank::executor::{ExecutorLayer, Layered};
     use crate::rank::fake::{FakeConfig, FakeExecutor, favoured_token};
     use deepinfer_topology::StepId;
 
@@ -1054,18 +1055,15 @@ mod tests {
     /// What [`Recording`] saw.
     #[derive(Default)]
     struct Log {
-        /// Request count of every `draft_many` call.
+        /// Request count of every `draft` call.
         draft_calls: Vec<usize>,
-        /// Lone `draft` calls.
-        lone_drafts: usize,
-        /// The sampling asked of every `execute_sampled` call.
+        /// The sampling asked of every `execute` call.
         asked: Vec<Vec<Option<SamplingParams>>>,
     }
 
-    /// A fake executor that records its draft and sampling calls; with `device_token` it samples
-    /// on "its device": every sampled row gives that token, whatever the logits.
+    /// A layer that records the draft and sampling calls; with `device_token` it samples on "its
+    /// device": every sampled row gives that token, whatever the logits.
     struct Recording {
-        inner: FakeExecutor,
         log: Arc<std::sync::Mutex<Log>>,
         device_token: Option<u32>,
     }
@@ -1076,63 +1074,41 @@ mod tests {
                 what(&mut log);
             }
         }
+
+        /// A fake executor with this layer over it.
+        fn over(self, inner: FakeExecutor) -> Box<dyn RankExecutor> {
+            Box::new(Layered::new(Box::new(inner), self))
+        }
     }
 
-    impl RankExecutor for Recording {
-        fn vocab_size(&self) -> usize {
-            self.inner.vocab_size()
-        }
-        fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-            self.inner.new_sequence(id)
-        }
-        fn free_sequence(&mut self, id: RequestId) {
-            self.inner.free_sequence(id);
-        }
-        fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-            self.inner.rollback(id, len)
-        }
-        fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-            self.inner.sequence_len(id)
-        }
-        fn live_sequences(&self) -> usize {
-            self.inner.live_sequences()
-        }
-        fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-            self.inner.execute(batch)
-        }
-        fn execute_sampled(
+    impl ExecutorLayer for Recording {
+        fn execute(
             &mut self,
+            inner: &mut dyn RankExecutor,
             batch: &[SeqTokens<'_>],
             sampling: &[Option<SamplingParams>],
         ) -> Result<Vec<EntryOutput>, ExecError> {
             self.record(|log| log.asked.push(sampling.to_vec()));
             let Some(token) = self.device_token else {
-                return self.inner.execute_sampled(batch, sampling);
+                return inner.execute(batch, sampling);
             };
-            let rows = self.inner.execute(batch)?;
-            Ok(rows
+            Ok(inner
+                .execute(batch, &[])?
                 .into_iter()
-                .zip(sampling)
+                .zip(sampling.iter().chain(std::iter::repeat(&None)))
                 .map(|(row, s)| match s {
                     Some(_) => EntryOutput::Tokens(vec![token]),
-                    None => EntryOutput::Logits(row),
+                    None => row,
                 })
                 .collect())
         }
         fn draft(
             &mut self,
-            id: RequestId,
-            anchor: u32,
-        ) -> Result<Option<crate::rank::executor::Draft>, ExecError> {
-            self.record(|log| log.lone_drafts += 1);
-            self.inner.draft(id, anchor)
-        }
-        fn draft_many(
-            &mut self,
+            inner: &mut dyn RankExecutor,
             requests: &[(RequestId, u32)],
         ) -> Result<Vec<Option<crate::rank::executor::Draft>>, ExecError> {
             self.record(|log| log.draft_calls.push(requests.len()));
-            self.inner.draft_many(requests)
+            inner.draft(requests)
         }
     }
 
@@ -1140,23 +1116,23 @@ mod tests {
     fn a_step_drafts_all_its_proposals_in_one_call() {
         use crate::rank::fake::FakeDrafter;
         let log = Arc::new(std::sync::Mutex::new(Log::default()));
-        let executor = Recording {
-            inner: FakeExecutor::new(
-                FakeConfig {
-                    vocab_size: 64,
-                    drafter: Some(FakeDrafter {
-                        block_size: 4,
-                        correct: 2,
-                        confidence: 3.0,
-                    }),
-                    ..FakeConfig::default()
-                },
-                0,
-            ),
+        let recording = Recording {
             log: log.clone(),
             device_token: None,
         };
-        let mut w = RankWorker::new(DpRank(0), Box::new(executor));
+        let executor = recording.over(FakeExecutor::new(
+            FakeConfig {
+                vocab_size: 64,
+                drafter: Some(FakeDrafter {
+                    block_size: 4,
+                    correct: 2,
+                    confidence: 3.0,
+                }),
+                ..FakeConfig::default()
+            },
+            0,
+        ));
+        let mut w = RankWorker::new(DpRank(0), executor);
         let prefill = |id: u64| {
             (
                 id,
@@ -1196,11 +1172,11 @@ mod tests {
         // A step without drafting makes no call.
         let p2 = plan(2, &[], vec![(3, SeqInput::Decode)], &[]);
         assert!(w.run_plan(&p2).unwrap().drafts.is_empty());
-        let (calls, lone) = log
+        let calls = log
             .lock()
-            .map(|log| (log.draft_calls.clone(), log.lone_drafts))
+            .map(|log| log.draft_calls.clone())
             .unwrap_or_default();
-        assert_eq!((calls, lone), (vec![3, 2], 0));
+        assert_eq!(calls, vec![3, 2]);
     }
 
     #[test]
@@ -1208,11 +1184,11 @@ mod tests {
         let log = Arc::new(std::sync::Mutex::new(Log::default()));
         let mut w = RankWorker::new(
             DpRank(0),
-            Box::new(Recording {
-                inner: FakeExecutor::new(FakeConfig::default(), 0),
+            Recording {
                 log: log.clone(),
                 device_token: Some(5),
-            }),
+            }
+            .over(FakeExecutor::new(FakeConfig::default(), 0)),
         );
         let chunk = |tokens: Vec<u32>, last| SeqInput::Prefill { tokens, last };
         let p0 = plan(

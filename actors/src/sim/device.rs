@@ -144,6 +144,33 @@ impl SimulatedExecutor {
         }
         Ok(outputs)
     }
+
+    /// The simulated drafter's proposal after `anchor` for sequence `id`.
+    fn draft_one(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
+        let Some(law) = self.draft else {
+            return Ok(None);
+        };
+        let held = self.sequence_len(id)?;
+        let draw = |i: usize, what: u64| {
+            let h = hash2(hash2(self.seed ^ what, id.0), (held + i) as u64);
+            (h >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let correct = (0..law.drafts)
+            .take_while(|&i| draw(i, 1) < law.accept_rate)
+            .count();
+        let base = (law.accept_rate / (1.0 - law.accept_rate)).ln() as f32;
+        let confidences = (0..law.drafts)
+            .map(|i| {
+                let jitter = draw(i, 2) as f32 - 0.5;
+                base + jitter + if i < correct { 1.0 } else { -2.0 }
+            })
+            .collect();
+        self.draft_rows += law.drafts;
+        Ok(Some(Draft {
+            tokens: draft_chain(anchor, held, self.model.vocab_size, correct, law.drafts),
+            confidences,
+        }))
+    }
 }
 
 impl RankExecutor for SimulatedExecutor {
@@ -191,19 +218,7 @@ impl RankExecutor for SimulatedExecutor {
         self.sequences.live()
     }
 
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        self.run(batch, &vec![None; batch.len()])?
-            .into_iter()
-            .map(|output| match output {
-                EntryOutput::Logits(rows) => Ok(rows),
-                _ => Err(ExecError::Backend(
-                    "the simulated device sampled an unsampled entry".into(),
-                )),
-            })
-            .collect()
-    }
-
-    fn execute_sampled(
+    fn execute(
         &mut self,
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
@@ -211,30 +226,11 @@ impl RankExecutor for SimulatedExecutor {
         self.run(batch, sampling)
     }
 
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        let Some(law) = self.draft else {
-            return Ok(None);
-        };
-        let held = self.sequence_len(id)?;
-        let draw = |i: usize, what: u64| {
-            let h = hash2(hash2(self.seed ^ what, id.0), (held + i) as u64);
-            (h >> 11) as f64 / (1u64 << 53) as f64
-        };
-        let correct = (0..law.drafts)
-            .take_while(|&i| draw(i, 1) < law.accept_rate)
-            .count();
-        let base = (law.accept_rate / (1.0 - law.accept_rate)).ln() as f32;
-        let confidences = (0..law.drafts)
-            .map(|i| {
-                let jitter = draw(i, 2) as f32 - 0.5;
-                base + jitter + if i < correct { 1.0 } else { -2.0 }
-            })
-            .collect();
-        self.draft_rows += law.drafts;
-        Ok(Some(Draft {
-            tokens: draft_chain(anchor, held, self.model.vocab_size, correct, law.drafts),
-            confidences,
-        }))
+    fn draft(&mut self, requests: &[(RequestId, u32)]) -> Result<Vec<Option<Draft>>, ExecError> {
+        requests
+            .iter()
+            .map(|&(id, anchor)| self.draft_one(id, anchor))
+            .collect()
     }
 
     /// The modelled step of `batch_tokens` tokens in verify-shaped entries at context

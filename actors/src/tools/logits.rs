@@ -6,11 +6,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use deepinfer_model::LogitsWanted;
-use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::any_model::{AnyModel, AnyStepEntry, StepOptions};
 use deepinfer_model::checkpoint::Checkpoint;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::{EntryOutput, LogitsWanted};
 use deepinfer_model::{v4, v41};
 use deepinfer_topology::Numerics;
 use safetensors::tensor::{Dtype, TensorView};
@@ -162,14 +162,16 @@ pub fn run_on(request: &LogitsRequest, device: LogitsDevice) -> Result<[usize; 2
     let mut logits = Vec::with_capacity(n * vocab_size);
     let mut start = 0;
     for chunk in chunks {
+        let tokens = &request.tokens[start..start + chunk];
+        let mut entry = [AnyStepEntry::new(&mut seq, tokens, LogitsWanted::All)];
         let rows = model
-            .forward(
-                &mut seq,
-                &request.tokens[start..start + chunk],
-                LogitsWanted::All,
-            )
+            .forward_step(&mut entry, StepOptions::default())
             .map_err(|e| model_err(format!("tokens {start}..{}: {e}", start + chunk)))?;
-        logits.extend_from_slice(&rows);
+        logits.extend(
+            rows.into_iter()
+                .filter_map(EntryOutput::into_logits)
+                .flatten(),
+        );
         start += chunk;
     }
     write_logits(&request.out, &logits, [n, vocab_size])?;

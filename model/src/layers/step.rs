@@ -22,6 +22,37 @@ pub enum LogitsWanted {
     Last,
 }
 
+/// One sequence's part of a step (the families' `Model::forward_step`, `AnyModel::forward_step`):
+/// `S` is the family's sequence state.
+pub struct StepEntry<'a, S> {
+    pub seq: &'a mut S,
+    /// Appended at the sequence's next positions.
+    pub tokens: &'a [u32],
+    pub want: LogitsWanted,
+    /// Decoder bounded replay (V4.1, `v41::Model::forward_replay`): rows at positions below it
+    /// stop at the decoder boundary. `None`: every layer sees every row.
+    pub decoder_from: Option<usize>,
+    /// Sample the wanted rows where the logits are computed and return token ids
+    /// ([`EntryOutput::Tokens`]) instead of logits: the row of the token at position `p` gives the
+    /// token at `p + 1`, sampled as [`crate::sampling::sample`] with that position as the noise
+    /// counter. `None`: the logits rows ([`EntryOutput::Logits`], or
+    /// [`EntryOutput::DeviceLogits`] left on the backend).
+    pub sample: Option<SamplingParams>,
+}
+
+impl<'a, S> StepEntry<'a, S> {
+    /// `tokens` appended to `seq`, its `want`ed logits rows back (no replay, no sampling).
+    pub fn new(seq: &'a mut S, tokens: &'a [u32], want: LogitsWanted) -> Self {
+        StepEntry {
+            seq,
+            tokens,
+            want,
+            decoder_from: None,
+            sample: None,
+        }
+    }
+}
+
 /// What a step returns for one entry.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EntryOutput {

@@ -164,12 +164,7 @@ impl Model {
         tokens: &[u32],
         want: LogitsWanted,
     ) -> Result<Vec<f32>, ModelError> {
-        let mut entries = [StepEntry {
-            seq,
-            tokens,
-            want,
-            sample: None,
-        }];
+        let mut entries = [StepEntry::new(seq, tokens, want)];
         self.forward_step(&mut entries)?
             .pop()
             .and_then(EntryOutput::into_logits)

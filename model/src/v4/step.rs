@@ -12,23 +12,13 @@ use crate::backend::weights::Linear;
 use crate::error::ModelError;
 use crate::layers::ctx::Ctx;
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, LogitsWanted, StepRows, entry_outputs,
-    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, entry_outputs, gather_rows,
+    row_sampling, rows_of, step_error, wanted_rows,
 };
-use crate::sampling::SamplingParams;
 
-/// One sequence's part of a step ([`Model::forward_step`]).
-pub struct StepEntry<'a> {
-    pub seq: &'a mut SequenceState,
-    /// Appended at the sequence's next positions.
-    pub tokens: &'a [u32],
-    pub want: LogitsWanted,
-    /// Sample the wanted rows on the backend and return token ids ([`EntryOutput::Tokens`]): the
-    /// row of the token at position `p` gives the token at `p + 1`, sampled as
-    /// [`crate::sampling::sample`] with `p + 1` as the noise counter. `None`: the logits rows
-    /// ([`EntryOutput::Logits`]).
-    pub sample: Option<SamplingParams>,
-}
+/// One sequence's part of a V4 step ([`Model::forward_step`]); the V4 family has no decoder
+/// bounded replay (`decoder_from` must be `None`).
+pub type StepEntry<'a> = crate::layers::step::StepEntry<'a, SequenceState>;
 
 impl Model {
     /// One forward over several sequences at once: each entry's tokens are appended at its
@@ -42,6 +32,11 @@ impl Model {
         entries: &mut [StepEntry<'_>],
     ) -> Result<Vec<EntryOutput>, ModelError> {
         for (e, entry) in entries.iter().enumerate() {
+            if entry.decoder_from.is_some() {
+                return Err(ModelError::Unsupported {
+                    what: format!("step entry {e}: decoder bounded replay on a V4-family model"),
+                });
+            }
             self.check_chunk(entry.seq, entry.tokens)
                 .map_err(|err| step_error(e, entries.len(), err))?;
         }

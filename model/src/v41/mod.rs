@@ -231,20 +231,6 @@ impl Model {
         self.run_chunk(seq, tokens, want, Some(decoder_from), None)
     }
 
-    /// [`Model::forward_replay`] with the routed experts of the backbone blocks run by `experts`
-    /// (expert parallelism).
-    pub fn forward_replay_with_experts(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        decoder_from: usize,
-        experts: &dyn RoutedExperts,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.check_replay_boundary()?;
-        self.run_chunk_with(seq, tokens, want, Some(decoder_from), None, Some(experts))
-    }
-
     /// The first ratio-1 layer (the decoder boundary of bounded replay), if any.
     fn replay_boundary(&self) -> Option<usize> {
         self.cfg.compress_ratios.iter().position(|&r| r == 1)

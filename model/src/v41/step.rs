@@ -16,27 +16,13 @@ use crate::expert_dispatch::RoutedExperts;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, LogitsWanted, StepRows, entry_outputs,
-    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, entry_outputs, gather_rows,
+    row_sampling, rows_of, step_error, wanted_rows,
 };
 use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
-/// One sequence's part of a step ([`Model::forward_step`]).
-pub struct StepEntry<'a> {
-    pub seq: &'a mut SequenceState,
-    /// Appended at the sequence's next positions.
-    pub tokens: &'a [u32],
-    pub want: LogitsWanted,
-    /// Decoder bounded replay ([`Model::forward_replay`]): rows at positions below it stop at the
-    /// decoder boundary. `None`: every layer sees every row.
-    pub decoder_from: Option<usize>,
-    /// Sample the wanted rows where the logits are computed and return token ids
-    /// ([`EntryOutput::Tokens`]) instead of logits: the row of the token at position `p` gives the
-    /// token at `p + 1`, sampled as [`crate::sampling::sample`] with that position as the noise
-    /// counter. `None`: the logits rows ([`EntryOutput::Logits`], or
-    /// [`EntryOutput::DeviceLogits`] left on the backend by [`Model::forward_step_on_device`]).
-    pub sample: Option<SamplingParams>,
-}
+/// One sequence's part of a V4.1 step ([`Model::forward_step`]).
+pub type StepEntry<'a> = crate::layers::step::StepEntry<'a, SequenceState>;
 
 /// One logits row to sample after its step ([`Model::sample_rows`]), typically the last row of
 /// an [`EntryOutput::DeviceLogits`] once a grammar's mask for it is known.

@@ -10,86 +10,34 @@ use std::time::Duration;
 
 use deepinfer_actors::messages::scheduler::SchedulerStats;
 use deepinfer_actors::rank::executor::{
-    Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens,
+    ExecError, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor, SeqTokens,
 };
-use deepinfer_actors::{Engine, EngineConfig, ModelFacts};
-use deepinfer_model::state_bytes::StateBytes;
-use deepinfer_topology::{NodeConfig, RequestId};
+use deepinfer_actors::{Engine, EngineConfig, ModelFacts, SamplingParams};
+use deepinfer_model::EntryOutput;
+use deepinfer_tests::confident::Confident;
+use deepinfer_topology::NodeConfig;
 
 use crate::engine_support::generate_all;
 
 /// Emulated device time per step: makes verifying drafts worth it to the DSpark planner.
 const EMULATED_STEP: Duration = Duration::from_millis(20);
 
-/// The inner executor, reporting its drafts with the highest confidence and recording the
-/// most bytes its live states held after any step.
+/// Records the most bytes the inner executor's live states held after any step.
 pub struct Measured {
-    inner: Box<dyn RankExecutor>,
     peak: Arc<AtomicU64>,
 }
 
-impl RankExecutor for Measured {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn new_sequence(&mut self, id: RequestId) -> Result<(), ExecError> {
-        self.inner.new_sequence(id)
-    }
-    fn free_sequence(&mut self, id: RequestId) {
-        self.inner.free_sequence(id)
-    }
-    fn rollback(&mut self, id: RequestId, len: usize) -> Result<(), ExecError> {
-        self.inner.rollback(id, len)
-    }
-    fn sequence_len(&self, id: RequestId) -> Result<usize, ExecError> {
-        self.inner.sequence_len(id)
-    }
-    fn live_sequences(&self) -> usize {
-        self.inner.live_sequences()
-    }
-    fn execute(&mut self, batch: &[SeqTokens<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let rows = self.inner.execute(batch)?;
-        let held = self.inner.state_bytes_held().expect("a model executor");
+impl ExecutorLayer for Measured {
+    fn execute(
+        &mut self,
+        inner: &mut dyn RankExecutor,
+        batch: &[SeqTokens<'_>],
+        sampling: &[Option<SamplingParams>],
+    ) -> Result<Vec<EntryOutput>, ExecError> {
+        let outputs = inner.execute(batch, sampling)?;
+        let held = inner.state_bytes_held().expect("a model executor");
         self.peak.fetch_max(held, Ordering::Relaxed);
-        Ok(rows)
-    }
-    fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
-        self.inner.plan_replay(id, decoder_from)
-    }
-    fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
-        Ok(self.inner.draft(id, anchor)?.map(|draft| Draft {
-            confidences: vec![30.0; draft.tokens.len()],
-            tokens: draft.tokens,
-        }))
-    }
-    fn state_bytes_held(&self) -> Option<u64> {
-        self.inner.state_bytes_held()
-    }
-    fn device_latency(&self, _batch_tokens: usize) -> Duration {
-        EMULATED_STEP
-    }
-}
-
-pub struct MeasuredFactory {
-    inner: Arc<dyn ExecutorFactory>,
-    peak: Arc<AtomicU64>,
-}
-
-impl ExecutorFactory for MeasuredFactory {
-    fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        Ok(Box::new(Measured {
-            inner: self.inner.build(dp)?,
-            peak: self.peak.clone(),
-        }))
-    }
-    fn describe(&self) -> String {
-        format!("measured {}", self.inner.describe())
-    }
-    fn sliding_window(&self) -> Option<usize> {
-        self.inner.sliding_window()
-    }
-    fn state_bytes(&self) -> Option<StateBytes> {
-        self.inner.state_bytes()
+        Ok(outputs)
     }
 }
 
@@ -116,10 +64,13 @@ async fn run(
     max_tokens: usize,
 ) -> (Vec<Vec<u32>>, SchedulerStats, u64) {
     let peak = Arc::new(AtomicU64::new(0));
-    let executor: Arc<dyn ExecutorFactory> = Arc::new(MeasuredFactory {
-        inner: factory,
-        peak: peak.clone(),
+    let measured = peak.clone();
+    let measured = LayeredFactory::layered(factory, "measured", move |_| Measured {
+        peak: measured.clone(),
     });
+    // Drafts reported with the highest confidence, on an emulated device.
+    let executor: Arc<dyn ExecutorFactory> =
+        Arc::new(Confident::factory(Arc::new(measured), EMULATED_STEP));
     let engine = Engine::start(EngineConfig {
         node: node(device, state_bytes),
         executor,

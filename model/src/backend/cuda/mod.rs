@@ -62,9 +62,7 @@ use deepinfer_kernels::ops::attention::{
     DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
     sparse_attention_sink_rows_ptr_f32,
 };
-use deepinfer_kernels::ops::engram::{
-    DeviceEngramHasher, DeviceEngramTable, engram_gather_f32, engram_hash_rows,
-};
+use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{FastFp8Weight, gemm_fp8_fast};
 use deepinfer_kernels::ops::index::{
@@ -981,7 +979,8 @@ impl Backend for CudaBackend {
 
     // Engram hashing is not a backend op: its inputs are the step's token ids, which are on the
     // host (`NgramHasher::hash_chunk`), and its row ids go straight to `engram_gather` (uploaded,
-    // never copied back). `try_engram_hash` is the device kernel, kept for its conformance test.
+    // never copied back). The device kernel `engram_hash_rows` has its conformance test in
+    // `tests/tests/gpu.rs`.
 
     fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
         let _op = self.op_scope("add");

@@ -1,7 +1,7 @@
 //! The ops of [`CudaBackend`] that turn rows into ids: token sampling (only the ids come back;
 //! a grammar's masks go up as bitsets and are applied on the device) and the sampled tokens'
 //! log-probabilities (only those and the alternatives come back), the MoE router after its
-//! gate linear, and Engram hashing and table lookup.
+//! gate linear, and the Engram table lookup.
 
 use deepinfer_kernels::ops::sampling::{
     LOGPROB_LANES, LogprobOutputs, MAX_TOP_LOGPROBS, mask_logits_f32, mask_words_per_row,
@@ -10,7 +10,6 @@ use deepinfer_kernels::ops::sampling::{
 
 use super::*;
 use crate::backend::LogprobPick;
-use crate::engram::hash::NgramHasher;
 use crate::sampling::{AllowedTokens, TokenLogprobs};
 
 // The kernel's sum order and output stride are the reference's.
@@ -318,40 +317,6 @@ impl CudaBackend {
                 weights: weights.to_vec(),
             })
             .collect())
-    }
-
-    /// [`NgramHasher::rows_of_contexts`] on the device, with errors. The hashing parameters (a few hundred bytes) are
-    /// uploaded with the contexts.
-    pub fn try_engram_hash(
-        &self,
-        hasher: &NgramHasher,
-        contexts: &[u64],
-    ) -> Result<Vec<u32>, CudaBackendError> {
-        const OP: &str = "engram_hash";
-        let max_ngram = hasher.max_ngram();
-        let tokens = contexts.len() / max_ngram;
-        if tokens == 0 {
-            return Ok(Vec::new());
-        }
-        let layout = hasher.layout();
-        let multipliers: Vec<u64> = hasher.multipliers().iter().flatten().copied().collect();
-        let primes: Vec<u64> = layout.primes.iter().flatten().copied().collect();
-        let offsets: Vec<u64> = layout.offsets.iter().flatten().copied().collect();
-        let dhasher =
-            DeviceEngramHasher::upload(&self.rt, max_ngram, &multipliers, &primes, &offsets)
-                .map_err(op_err(OP))?;
-        let stream = self.rt.stream();
-        let dcontexts = stream
-            .clone_htod(&contexts[..tokens * max_ngram])
-            .map_err(driver_err(OP, "uploading the contexts"))?;
-        let mut drows = stream
-            .alloc_zeros::<u32>(tokens * dhasher.layers * dhasher.columns)
-            .map_err(driver_err(OP, "allocating the row ids"))?;
-        engram_hash_rows(&self.rt, &dhasher, &dcontexts, &mut drows).map_err(op_err(OP))?;
-        self.transfers.result::<u32>(drows.len());
-        stream
-            .clone_dtoh(&drows)
-            .map_err(driver_err(OP, "downloading the row ids"))
     }
 
     /// [`Backend::engram_gather`], with errors. The table is uploaded to device memory on first
