@@ -22,11 +22,22 @@ struct GemmParams {
     u32_t warps_per_col;  // 1, 2, 4 or 8 warps share a column's K range (no effect on the result)
 };
 
-// The fast FP8 GEMM (gemm/gemm_fp8_fast.cuh): y[m, n] = sum_k a[m, k] * w[n, k] on tensor cores.
+// The fast FP8 / FP4 GEMM (gemm/gemm_fast.cuh): y[m, n] = sum_k a[m, k] * w[n, k] on tensor cores.
 struct FastGemmParams {
     u32_t m;
     u32_t n;
     u32_t k;
+};
+
+// The fast routed-expert GEMM (gemm/gemm_fast.cuh): output row j < m = x row j / x_row_div times
+// the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of n_experts, [n, k].
+struct FastRoutedParams {
+    u32_t m;
+    u32_t n;
+    u32_t k;
+    u32_t x_row_div;
+    u32_t n_experts;
+    u32_t which;
 };
 
 // RMSNorm over the last axis: x [rows, cols] bf16, w [cols] bf16 -> y [rows, cols] bf16.
