@@ -246,7 +246,7 @@ impl FastFp8Weight {
 /// fragment order (see [`fragment_chunks`]; the nibbles stay as in the checkpoint, even code in
 /// the low nibble); `band_scales` the UE8M0 bytes per band, k-group and row of the band
 /// (`[ceil(out / 16), inp / 32, 16]`, rows past `out` zero).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct FastFp4Weight {
     pub out: usize,
     pub inp: usize,
