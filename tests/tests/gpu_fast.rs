@@ -1,7 +1,15 @@
-//! The `fast` numerics on the GPU (ARCHITECTURE.md §3): the tensor-core FP8 GEMM
-//! (`ops::gemm_fast`) against an f64 computation within its stated error bound, deterministic, and
-//! batch invariant (a row alone and inside batches of 2 … 300 rows of other data, through every
-//! tile configuration: bitwise equal; a one-input change is detected).
+//! The `fast` numerics on the GPU (ARCHITECTURE.md §3): the tensor-core FP8 and FP4 GEMMs
+//! (`ops::gemm_fast`) against an f64 computation within their stated error bound, deterministic,
+//! and batch invariant (a row alone and inside batches of 2 … 300 rows of other data, through
+//! every tile configuration: bitwise equal; a one-input change is detected).
+//!
+//! The MoE layer's experts in fast numerics (`ops::routed_fast`: FP4 routed experts grouped per
+//! expert, the FP8 shared expert on the fast GEMM, the exact SwiGLU, quantisation and combine):
+//! every GEMM of the chain within its bound of the f64 value on the device's own quantised input,
+//! unknown experts' rows zero, the combined output within the bound propagated through the
+//! combine (kernels/README.md); every routed tile (8 … 128 rows) and a second run give the same
+//! bits; a token's output alone equals itself among 2 … 64 tokens routed to overlapping experts
+//! (negative control: a one-element change is seen).
 //!
 //! The bound (derived in `kernels/src/ops/gemm_fast.rs`): for an output with exact value `y`,
 //! `S = Σ_g s_a s_w Σ_{k ∈ g} |a_k w_k|` and `K / G` groups,
@@ -9,8 +17,8 @@
 //! the tensor core's in-group sum keeps ≥ 13 fraction bits per addition, each promotion rounds
 //! once in fp32, the output once to bf16.
 //!
-//! The whole v41-tiny model with `Numerics::Fast` (FP8 dense GEMMs on tensor cores, every other
-//! op exact): against the CPU reference by rule 4 of `fixtures/v41/README.md` ("Comparing an
+//! The whole v41-tiny model with `Numerics::Fast` (FP8 dense GEMMs and the FP4 routed and FP8
+//! shared experts on tensor cores, every other op exact): against the CPU reference by rule 4 of `fixtures/v41/README.md` ("Comparing an
 //! independent implementation": at every row each side's top token is among the other's top 5,
 //! median KL(reference ‖ fast) ≤ 1e-2; teacher-forced decode rows included); the same logits
 //! run after run; a sequence's prefill and decode logits bitwise equal alone and inside batched
