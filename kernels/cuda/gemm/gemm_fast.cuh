@@ -101,16 +101,21 @@ struct Fp8Chunks {
 // The E4M3 bytes of the E2M1 magnitudes 0 .. 7 (0, 0.5, 1, 1.5 | 2, 3, 4, 6): a byte-permute table.
 constexpr u32_t E2M1_E4M3_LO = 0x3c383000u;
 constexpr u32_t E2M1_E4M3_HI = 0x4c484440u;
+// Byte-permute selectors of {w << 4, w} whose bit 7 of byte i is the sign of code i (codes 0..3,
+// 4..7): w << 4 holds the signs of even codes at bit 7 of their byte pair, w those of odd codes.
+constexpr u32_t E2M1_SIGNS_LO = 0x5140u;
+constexpr u32_t E2M1_SIGNS_HI = 0x7362u;
 
 // The 8 E2M1 codes of `w` (nibble i = code i, bit 3 the sign) as E4M3 bytes: codes 0..3 in `lo`,
-// 4..7 in `hi` (byte i = code i). Magnitudes through the table; each code's sign bit moved to bit
-// 7 of its byte (w << 4 puts the signs of even codes at bit 7 of their byte pair, w holds those
-// of odd codes there).
+// 4..7 in `hi` (byte i = code i). Magnitudes through the table, each code's sign bit moved to bit
+// 7 of its byte. (Every selector nibble is < 8: plain byte copies, no sign replication.)
 __device__ __forceinline__ void e2m1x8_to_e4m3(u32_t w, u32_t& lo, u32_t& hi) {
     const u32_t magnitudes = w & 0x77777777u;
     const u32_t w4 = w << 4;
-    lo = __byte_perm(E2M1_E4M3_LO, E2M1_E4M3_HI, magnitudes) | (__byte_perm(w4, w, 0x5140) & 0x80808080u);
-    hi = __byte_perm(E2M1_E4M3_LO, E2M1_E4M3_HI, magnitudes >> 16) | (__byte_perm(w4, w, 0x7362) & 0x80808080u);
+    lo = __byte_perm(E2M1_E4M3_LO, E2M1_E4M3_HI, magnitudes) |
+         (__byte_perm(w4, w, E2M1_SIGNS_LO) & 0x80808080u);
+    hi = __byte_perm(E2M1_E4M3_LO, E2M1_E4M3_HI, magnitudes >> 16) |
+         (__byte_perm(w4, w, E2M1_SIGNS_HI) & 0x80808080u);
 }
 
 // FP4 weights: a lane's piece of a group is 8 bytes (the 4 packed bytes of row g's codes 8t ..

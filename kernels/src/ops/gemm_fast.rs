@@ -613,6 +613,86 @@ mod tests {
         assert_eq!(banded[(3 + 1) * 16 + 2], 0);
     }
 
+    /// `constexpr u32_t NAME = 0x...u;` of the kernel header.
+    fn header_constant(name: &str) -> u32 {
+        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
+        let start = header
+            .find(&format!("constexpr u32_t {name} = 0x"))
+            .unwrap_or_else(|| panic!("{name} in gemm_fast.cuh"))
+            + format!("constexpr u32_t {name} = 0x").len();
+        let end = start + header[start..].find('u').expect("u suffix");
+        u32::from_str_radix(&header[start..end], 16).expect("hex constant")
+    }
+
+    /// PTX `prmt.b32` (CUDA `__byte_perm`) with selectors below 8: byte i of the result is byte
+    /// `s[4i..4i + 3]` of `{y, x}`.
+    fn byte_perm(x: u32, y: u32, s: u32) -> u32 {
+        let bytes = (u64::from(y) << 32) | u64::from(x);
+        (0..4).fold(0, |r, i| {
+            let sel = (s >> (4 * i)) & 0xf;
+            assert!(sel < 8, "selector {sel} would replicate a sign");
+            r | ((((bytes >> (8 * sel)) & 0xff) as u32) << (8 * i))
+        })
+    }
+
+    /// The value of an E4M3 byte (finite codes).
+    fn e4m3(b: u8) -> f32 {
+        let (e, m) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+        let v = if e == 0 {
+            m / 8.0 * 2f32.powi(-6)
+        } else {
+            (1.0 + m / 8.0) * 2f32.powi(e - 7)
+        };
+        if b & 0x80 != 0 { -v } else { v }
+    }
+
+    #[test]
+    fn the_kernels_e2m1_to_e4m3_conversion_is_exact_for_every_code_in_every_position() {
+        // The kernel's e2m1x8_to_e4m3 with the header's table and selectors.
+        let (lo_table, hi_table) = (
+            header_constant("E2M1_E4M3_LO"),
+            header_constant("E2M1_E4M3_HI"),
+        );
+        let (signs_lo, signs_hi) = (
+            header_constant("E2M1_SIGNS_LO"),
+            header_constant("E2M1_SIGNS_HI"),
+        );
+        let convert = |w: u32| {
+            let magnitudes = w & 0x7777_7777;
+            let w4 = w << 4;
+            (
+                byte_perm(lo_table, hi_table, magnitudes)
+                    | (byte_perm(w4, w, signs_lo) & 0x8080_8080),
+                byte_perm(lo_table, hi_table, magnitudes >> 16)
+                    | (byte_perm(w4, w, signs_hi) & 0x8080_8080),
+            )
+        };
+        let e2m1 = |code: u32| {
+            let v = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(code & 7) as usize];
+            if code & 8 != 0 { -v } else { v }
+        };
+        // Every code in every nibble, beside every code in a neighbouring nibble.
+        for position in 0..8u32 {
+            for code in 0..16u32 {
+                for other in 0..16u32 {
+                    let neighbour = (position + 1) % 8;
+                    let w = (code << (4 * position)) | (other << (4 * neighbour));
+                    let (lo, hi) = convert(w);
+                    let bytes = (u64::from(hi) << 32) | u64::from(lo);
+                    for i in 0..8u32 {
+                        let nibble = (w >> (4 * i)) & 0xf;
+                        let byte = ((bytes >> (8 * i)) & 0xff) as u8;
+                        let got = e4m3(byte);
+                        assert!(
+                            got == e2m1(nibble) && got.is_sign_negative() == (nibble & 8 != 0),
+                            "word {w:#010x}: code {i} = {nibble:#x} gave E4M3 {byte:#04x}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn e8m0_scales_decode_to_powers_of_two() {
         assert_eq!(e8m0_value(127), 1.0);
