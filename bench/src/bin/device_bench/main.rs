@@ -25,6 +25,7 @@
 //! block's state to each of `--state-contexts` (8192,32768,131072; 8192 with `--quick`) and
 //! decodes from there.
 
+mod cublaslt_fp8;
 mod fast_ops;
 mod ops;
 mod whole_step;
