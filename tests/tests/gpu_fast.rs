@@ -25,6 +25,8 @@
 //! steps with 2 … 64 other sequences of different lengths (negative control: another token is
 //! seen).
 //!
+//! The fast sink attention: `fast_attention/mod.rs`.
+//!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
 
@@ -51,6 +53,7 @@ use deepinfer_model::weights::{Fp4Weight, Fp8Weight, e2m1_to_f32};
 use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
 use half::bf16;
 
+mod fast_attention;
 mod gpu_support;
 use gpu_support::gemm_data::{
     activations, download_bf16, random_fp4_weight, random_fp8_weight, upload_bf16,
