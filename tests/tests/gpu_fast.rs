@@ -12,10 +12,10 @@
 //! (negative control: a one-element change is seen).
 //!
 //! The bound (derived in `kernels/src/ops/gemm_fast.rs`): for an output with exact value `y`,
-//! `S = Σ_g s_a s_w Σ_{k ∈ g} |a_k w_k|` and `K / G` groups,
-//! `|ŷ − y| ≤ e + 2^-9 (|y| + e)` with `e = ((G − 1) 2^-13 + (K / G) 2^-24 (1 + 2^-8)) · S`:
-//! the tensor core's in-group sum keeps ≥ 13 fraction bits per addition, each promotion rounds
-//! once in fp32, the output once to bf16.
+//! `S = Σ_g s_a s_w Σ_{k ∈ g} |a_k w_k|`, `K / G` groups and `P` K parts (`k_parts`),
+//! `|ŷ − y| ≤ e + 2^-9 (|y| + e)` with `e = ((G − 1) 2^-13 + (K / G + P − 1) 2^-24 (1 + 2^-8)) · S`:
+//! the tensor core's in-group sum keeps ≥ 13 fraction bits per addition, each promotion and each
+//! addition of a part's sum rounds once in fp32, the output once to bf16.
 //!
 //! The whole v41-tiny model with `Numerics::Fast` (FP8 dense GEMMs and the FP4 routed and FP8
 //! shared experts on tensor cores, every other op exact): against the CPU reference by rule 4 of `fixtures/v41/README.md` ("Comparing an
@@ -34,7 +34,8 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast, gemm_fp8_fast_tiled,
+    FastFp4Weight, FastFp8Weight, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast,
+    gemm_fp8_fast_tiled, k_parts,
 };
 use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32,
@@ -184,10 +185,16 @@ impl HostWeight for Fp4Weight {
 }
 
 /// One output's exact value `y = Σ_g s_a s_w Σ_{k ∈ g} a_k w_k` (f64) and its bound
-/// `e + 2^-9 (|y| + e)`, `e = ((G − 1) 2^-13 + (K / G) 2^-24 (1 + 2^-8)) · S` with
-/// `S = Σ_g s_a s_w Σ_{k ∈ g} |a_k w_k|` (kernels/README.md): activation row `codes`, `scales`
-/// (E4M3 codes, one f32 scale per group), weight row `n`.
-fn exact_output(codes: &[u8], scales: &[f32], w: &impl HostWeight, n: usize) -> (f64, f64) {
+/// `e + 2^-9 (|y| + e)`, `e = ((G − 1) 2^-13 + (K / G + P − 1) 2^-24 (1 + 2^-8)) · S` with
+/// `S = Σ_g s_a s_w Σ_{k ∈ g} |a_k w_k|` and `P` K parts (kernels/README.md): activation row
+/// `codes`, `scales` (E4M3 codes, one f32 scale per group), weight row `n`.
+fn exact_output(
+    codes: &[u8],
+    scales: &[f32],
+    w: &impl HostWeight,
+    n: usize,
+    parts: usize,
+) -> (f64, f64) {
     let (k, g) = (w.inp(), w.group());
     let table = quant::e4m3_table();
     let groups = k / g;
@@ -203,16 +210,18 @@ fn exact_output(codes: &[u8], scales: &[f32], w: &impl HostWeight, n: usize) -> 
         y += sum * scale;
         s += abs * scale;
     }
+    let promotions = (groups + parts - 1) as f64;
     let per_sum =
-        (g - 1) as f64 * 2f64.powi(-13) + groups as f64 * 2f64.powi(-24) * (1.0 + 2f64.powi(-8));
+        (g - 1) as f64 * 2f64.powi(-13) + promotions * 2f64.powi(-24) * (1.0 + 2f64.powi(-8));
     let e = per_sum * s;
     (y, e + 2f64.powi(-9) * (y.abs() + e))
 }
 
-/// The exact value and bound of every output of `x · wᵀ` (f64 over the host-quantised
-/// activations, bit-exact with the device's).
+/// The exact value and bound of every output of the dense fast GEMM `x · wᵀ` (f64 over the
+/// host-quantised activations, bit-exact with the device's; the launch's K parts).
 fn exact_and_bound(x: &[f32], rows: usize, w: &impl HostWeight) -> (Vec<f64>, Vec<f64>) {
     let (k, g) = (w.inp(), w.group());
+    let (_, parts) = k_parts(w.out(), k);
     let (codes, scales) = quant::quantize_act_fp8(x, g);
     let groups = k / g;
     (0..rows)
@@ -221,7 +230,7 @@ fn exact_and_bound(x: &[f32], rows: usize, w: &impl HostWeight) -> (Vec<f64>, Ve
                 &codes[m * k..(m + 1) * k],
                 &scales[m * groups..(m + 1) * groups],
             );
-            (0..w.out()).map(move |n| exact_output(codes, scales, w, n))
+            (0..w.out()).map(move |n| exact_output(codes, scales, w, n, parts))
         })
         .unzip()
 }
@@ -543,15 +552,15 @@ fn run_chain(
     }
 }
 
-/// The exact values and bounds of `rows` GEMM outputs: row `r` multiplies activation row
-/// `x_row(r)` of `act` by `weight(r)` (`None`: an unknown expert, whose row must be zero).
+/// The exact values and bounds of `rows` GEMM outputs of `parts` K parts: row `r` multiplies
+/// activation row `x_row(r)` of `act` by `weight(r)` (`None`: an unknown expert, whose row must
+/// be zero).
 fn exact_rows<'w, W: HostWeight + 'w>(
     act: &(Vec<u8>, Vec<f32>),
     rows: usize,
     x_row: impl Fn(usize) -> usize,
     weight: impl Fn(usize) -> Option<&'w W>,
-    width: usize,
-    inp: usize,
+    (width, inp, parts): (usize, usize, usize),
 ) -> (Vec<f64>, Vec<f64>) {
     let groups = inp / 32;
     (0..rows)
@@ -562,7 +571,8 @@ fn exact_rows<'w, W: HostWeight + 'w>(
                 &act.1[x * groups..(x + 1) * groups],
             );
             let w = weight(r);
-            (0..width).map(move |n| w.map_or((0.0, 0.0), |w| exact_output(codes, scales, w, n)))
+            (0..width)
+                .map(move |n| w.map_or((0.0, 0.0), |w| exact_output(codes, scales, w, n, parts)))
         })
         .unzip()
 }
@@ -580,7 +590,13 @@ fn check_chain(moe: &FastMoe, ids: &[u32], run: &ChainRun, what: &str) -> f64 {
     let expert = |slot: usize, which: usize| moe.experts.get(ids[slot] as usize).map(|e| &e[which]);
     let mut worst = 0.0f64;
     for (name, got, which) in [("w1", &run.gate, 0), ("w3", &run.up, 1)] {
-        let (exact, bound) = exact_rows(&run.x, slots, |s| s / k, |s| expert(s, which), inter, dim);
+        let (exact, bound) = exact_rows(
+            &run.x,
+            slots,
+            |s| s / k,
+            |s| expert(s, which),
+            (inter, dim, 1),
+        );
         worst = worst.max(assert_within(
             &format!("{what}: routed {name}"),
             got,
@@ -589,7 +605,7 @@ fn check_chain(moe: &FastMoe, ids: &[u32], run: &ChainRun, what: &str) -> f64 {
         ));
     }
     let (routed_exact, routed_bound) =
-        exact_rows(&run.hidden, slots, |s| s, |s| expert(s, 2), dim, inter);
+        exact_rows(&run.hidden, slots, |s| s, |s| expert(s, 2), (dim, inter, 1));
     worst = worst.max(assert_within(
         &format!("{what}: routed w2"),
         &run.routed,
@@ -601,8 +617,7 @@ fn check_chain(moe: &FastMoe, ids: &[u32], run: &ChainRun, what: &str) -> f64 {
         tokens,
         |t| t,
         |_| Some(&moe.shared[2]),
-        dim,
-        inter,
+        (dim, inter, k_parts(dim, inter).1),
     );
     worst = worst.max(assert_within(
         &format!("{what}: shared w2"),

@@ -1,9 +1,14 @@
 // The `fast` block-scaled GEMMs (ARCHITECTURE.md §3): tensor cores (mma.sync m16n8k32 e4m3, fp32
 // accumulation, sm_89+) with DeepGEMM-style promotion once per scale group along K:
 //
-//   y[m, n] = bf16( acc ),  acc = 0;  for every k-group g in K order:
-//       acc = fma( T_g(m, n), s_w(n, g) * s_a(m, g), acc )
+//   P_p = 0;  for every k-group g of K part p, in K order:  P_p = fma( T_g(m, n), s_w(n, g) * s_a(m, g), P_p )
+//   y[m, n] = bf16( (((P_0 + P_1) + P_2) + ...) )
 //
+// The K parts are consecutive spans of `span` codes (a multiple of 512; the last part may be
+// shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
+// sizes every SM then streams weights (one block per part and column block, the partials added
+// by gemm_fast_reduce in part order), and every tile, decode or prefill, computes the same parts
+// and adds them in the same order. The routed experts use one part (enough blocks per expert).
 // where T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and
 // E4M3 weights, started from zero (one mma for a 32-group; a chain of four for a 128-group, in K
 // order). Two weight formats share this one body:
@@ -169,15 +174,18 @@ struct GatheredRows {
     __device__ __forceinline__ size_t y_row(u32_t r) const { return rows[r]; }
 };
 
-// One block's tile: output features [n0, n0 + 16 WARPS) of the BT token rows `rows`, STEP codes
-// of K per pipeline stage (a multiple of 128: only how much each barrier covers, never the order
-// of any addition). a: E4M3 activation codes [*, k]; sa: f32 [*, k / G]; w: weight chunks
+// One block's tile: output features [n0, n0 + 16 WARPS) of the BT token rows `rows` over the K
+// codes [k_begin, k_end) (one part: k_begin a multiple of STEP, k_end = min(k, part end)), STEP
+// codes of K per pipeline stage (a multiple of 128: only how much each barrier covers, never the
+// order of any addition). a: E4M3 activation codes [*, k]; sa: f32 [*, k / G]; w: weight chunks
 // [ceil(n / 16)][ceil(k / 128)][CHUNK]; ws: weight scales per band [ceil(n / 16)][k / G]
-// [SCALE_BYTES]; y: bf16 [*, n]. k % G == 0, k % 32 == 0.
+// [SCALE_BYTES]; the part's sums go to `partial` (f32 [*, n]) when it is not null, else rounded
+// to y (bf16 [*, n]: the launch has one part). k % G == 0, k % 32 == 0.
 template <class W, int G, int WARPS, int BT, int STAGES, int STEP, class Rows>
 __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
-                               __nv_bfloat16* __restrict__ y, u32_t n, u32_t k, u32_t n0, const Rows& rows) {
+                               __nv_bfloat16* __restrict__ y, float* __restrict__ partial, u32_t n, u32_t k,
+                               u32_t k_begin, u32_t k_end, u32_t n0, const Rows& rows) {
     static_assert(G == 32 || G == 128, "32- or 128-groups");
     static_assert(BT % 8 == 0 && STAGES >= 2 && STEP % STEP_K == 0, "tile");
     typedef Stage<W, G, WARPS, BT, STEP> L;
@@ -193,10 +201,12 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     const u32_t groups = k / G;
     const u32_t bands = (n + 15) / 16;
     const u32_t chunks = (k + STEP_K - 1) / STEP_K;  // per band
-    const u32_t steps = (k + STEP - 1) / STEP;
+    const u32_t step0 = k_begin / STEP;
+    const u32_t steps = (k_end + STEP - 1) / STEP - step0;  // of this part
 
-    auto load_stage = [&](u32_t step, u32_t slot) {
+    auto load_stage = [&](u32_t local, u32_t slot) {
         u8_t* base = smem + slot * L::BYTES;
+        const u32_t step = step0 + local;
         const u32_t k0 = step * STEP;
         for (u32_t c = threadIdx.x; c < WARPS * L::SUB * (CHUNK / 16); c += THREADS) {
             const u32_t band = n0 / 16 + c / (L::SUB * (CHUNK / 16));
@@ -258,7 +268,7 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
         const u8_t* a_row = base + L::A_OFF + g * L::ROW + 8 * t;
         const float* s_a = reinterpret_cast<const float*>(base + L::SA_OFF);
         const u8_t* s_w = base + L::SW_OFF + warp * L::GPS * W::SCALE_BYTES;
-        const u32_t k0 = step * STEP;
+        const u32_t k0 = (step0 + step) * STEP;
         // The A fragment of the stage's 32-code group q: chunk q / 4, group q % 4 in it.
         auto fragment = [&](u32_t q, u32_t (&frag)[4]) {
             W::fragment(w_piece + (q / 4) * CHUNK + (q % 4) * 32 * W::PIECE, frag);
@@ -314,7 +324,13 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
         for (u32_t r = 0; r < 4; ++r) {
             const u32_t col = feature + (r / 2) * 8;
             const u32_t row = i * 8 + 2 * t + r % 2;
-            if (col < n && rows.valid(row)) y[rows.y_row(row) * n + col] = __float2bfloat16_rn(acc[i][r]);
+            if (col < n && rows.valid(row)) {
+                if (partial != nullptr) {
+                    partial[rows.y_row(row) * n + col] = acc[i][r];
+                } else {
+                    y[rows.y_row(row) * n + col] = __float2bfloat16_rn(acc[i][r]);
+                }
+            }
         }
     }
 }
@@ -348,7 +364,18 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
     const unsigned long long* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
     const u8_t* w = reinterpret_cast<const u8_t*>(entry[0]);
     const u8_t* ws = reinterpret_cast<const u8_t*>(entry[1]);
-    gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.n, p.k, n0, rows);
+    gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, nullptr, p.n, p.k, 0, p.k, n0, rows);
+}
+
+// y[i] = bf16( ((P_0[i] + P_1[i]) + P_2[i]) + ... ) over the parts' sums partials[p][i], in part
+// order (the numerics definition above), i < p.count.
+__device__ void gemm_fast_reduce(const float* __restrict__ partials, __nv_bfloat16* __restrict__ y,
+                                 FastReduceParams p) {
+    for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += gridDim.x * blockDim.x) {
+        float total = partials[i];
+        for (u32_t part = 1; part < p.parts; ++part) total = __fadd_rn(total, partials[(size_t)part * p.count + i]);
+        y[i] = __float2bfloat16_rn(total);
+    }
 }
 
 }  // namespace fastgemm

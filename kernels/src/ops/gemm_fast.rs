@@ -10,8 +10,9 @@
 //! Error bound against the exact value (f64) — what the GPU tests assert: with `P = Σ_k |a_k w_k|`
 //! over a group, the tensor core's fp32-range sum of the group's exact products is within
 //! `(G - 1) · 2^-13 · P` (it keeps at least 13 fraction bits per addition on Hopper, DeepSeek-V3
-//! §3.3.2 observes ~14), each of the `K / G` promotions adds at most `2^-24 |acc|`, and the bf16
-//! output rounding at most `2^-9 |y|`.
+//! §3.3.2 observes ~14), each of the `K / G` promotions and each of the `parts - 1` additions of
+//! a K part's sum ([`k_parts`]) adds at most `2^-24` times the running sum, and the bf16 output
+//! rounding at most `2^-9 |y|`.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -22,13 +23,37 @@ use super::quant::{ActGroup, DeviceActFp8};
 use super::{dim, expect_len};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::params::FastGemmParams;
+use crate::params::{FastGemmParams, FastReduceParams};
 use crate::runtime::KernelRuntime;
 
 /// K codes of one weight chunk (`STEP_K` in the kernel).
 const STEP_K: usize = 128;
 /// Output features per weight band (one warp's mma rows).
 const BAND: usize = 16;
+
+/// Blocks a decode launch (8-row tiles of 2 warps: 32 output features per block) should have:
+/// two waves of the H200's 132 SMs.
+const TARGET_BLOCKS: usize = 264;
+/// K codes per part are a multiple of this (the largest stage, so parts cut no stage).
+const PART_QUANTUM: usize = 512;
+/// Threads per block of the part reduction.
+const REDUCE_THREADS: u32 = 256;
+
+/// The K parts of the dense fast GEMMs for a weight `[n, k]`: `(span, parts)`, K cut into
+/// `parts` consecutive spans of `span` codes (the last one shorter), each summed from zero in K
+/// order, the part sums added in part order (`cuda/gemm/gemm_fast.cuh`). A function of the shape
+/// alone — never of M — so that a decode launch has about [`TARGET_BLOCKS`] blocks to stream the
+/// weights and every tile gives the same bits.
+pub fn k_parts(n: usize, k: usize) -> (usize, usize) {
+    let column_blocks = n.div_ceil(32).max(1);
+    let wanted = TARGET_BLOCKS.div_ceil(column_blocks).max(1);
+    let span = k
+        .div_ceil(wanted)
+        .div_ceil(PART_QUANTUM)
+        .max(1)
+        .saturating_mul(PART_QUANTUM);
+    (span, k.div_ceil(span).max(1))
+}
 
 /// A tile configuration of the fast GEMMs: token rows per block, warps per block (16 output
 /// features each), pipeline stages and K codes per stage; must match the instantiations in
@@ -442,10 +467,13 @@ fn launch_dense<S: DeviceRepr>(
     }
     let tile = tile.resolve(a.rows);
     let (tokens, warps, ..) = tile.shape();
+    let (span, parts) = k_parts(n, k);
     let params = FastGemmParams {
         m: dim(op, "m", a.rows)?,
         n: dim(op, "n", n)?,
         k: dim(op, "k", k)?,
+        span: dim(op, "span", span)?,
+        parts: dim(op, "parts", parts)?,
     };
     let row_blocks = params.m.div_ceil(tokens);
     if row_blocks > 65_535 {
@@ -456,25 +484,70 @@ fn launch_dense<S: DeviceRepr>(
     }
     let kernel = kernels.kernel(tile);
     let cfg = LaunchConfig {
-        grid_dim: (params.n.div_ceil(16 * warps), row_blocks, 1),
+        grid_dim: (params.n.div_ceil(16 * warps), row_blocks, params.parts),
         block_dim: (warps * 32, 1, 1),
         shared_mem_bytes: kernels.shared_bytes(tile),
     };
+    let stream = rt.stream();
+    // The parts' sums [parts][m][n] (one value, unread, with one part).
+    let count = a.rows * n;
+    // SAFETY: with parts > 1 every block writes its part's sums of its rows and columns, so the
+    // launch writes all parts * m * n values before the reduction reads them, in stream order;
+    // with one part the kernel never touches the buffer.
+    let mut partials = unsafe { stream.alloc::<f32>(if parts > 1 { parts * count } else { 1 }) }
+        .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
     let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let mut launch = stream.launch_builder(function);
     launch
         .arg(&a.codes)
         .arg(&a.scales)
         .arg(chunks)
         .arg(band_scales)
-        .arg(y)
+        .arg(&mut *y)
+        .arg(&mut partials)
         .arg(&params);
     // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const u8*
-    // ws, bf16* y, FastGemmParams). The activation buffers hold rows * k codes and rows * k /
-    // group scales (DeviceActFp8's invariant), the weight chunks hold ceil(n / 16) * ceil(k /
-    // 128) chunks and the band scales ceil(n / 16) * k / group entries of the kernel's scale size
-    // (built at upload from n, k: FastFp8Weight, FastFp4Weight); every load is bounds-checked
-    // against m, n, k in the kernel, and y holds m * n values.
+    // ws, bf16* y, float* partials, FastGemmParams). The activation buffers hold rows * k codes
+    // and rows * k / group scales (DeviceActFp8's invariant), the weight chunks hold ceil(n / 16)
+    // * ceil(k / 128) chunks and the band scales ceil(n / 16) * k / group entries of the
+    // kernel's scale size (built at upload from n, k: FastFp8Weight, FastFp4Weight); block z
+    // reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span); every load is
+    // bounds-checked against m, n, k in the kernel; y holds m * n values, partials parts * m * n
+    // when parts > 1.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+        "launching {}",
+        kernel.symbol()
+    )))?;
+    if parts > 1 {
+        reduce_parts(rt, op, &partials, y, count, parts)?;
+    }
+    Ok(())
+}
+
+/// `y[i] = bf16(((P_0[i] + P_1[i]) + …))` over the `parts` part sums `partials` `[parts][count]`.
+fn reduce_parts(
+    rt: &KernelRuntime,
+    op: &'static str,
+    partials: &CudaSlice<f32>,
+    y: &mut CudaSlice<bf16>,
+    count: usize,
+    parts: usize,
+) -> Result<(), KernelError> {
+    let params = FastReduceParams {
+        count: dim(op, "outputs", count)?,
+        parts: dim(op, "parts", parts)?,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
+        block_dim: (REDUCE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let kernel = KernelId::GemmFastReduce;
+    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    launch.arg(partials).arg(y).arg(&params);
+    // SAFETY: signature (const float* partials, bf16* y, FastReduceParams); partials holds parts
+    // * count values (allocated so by the caller), y count (checked: m * n); the kernel strides
+    // over i < count.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
         "launching {}",
         kernel.symbol()
@@ -690,6 +763,25 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn k_parts_depend_on_the_shape_cover_k_and_cut_no_stage() {
+        // The H200 figures' shapes: 5120 -> 6144 (192 column blocks) in 2 parts, wq_a 5120 ->
+        // 1280 (40 column blocks) in 5 of 1024 codes, wq_b 1280 -> 32768 in one.
+        assert_eq!(k_parts(6144, 5120), (2560, 2));
+        assert_eq!(k_parts(1280, 5120), (1024, 5));
+        assert_eq!(k_parts(32768, 1280), (1536, 1));
+        // A short last part.
+        assert_eq!(k_parts(203, 544), (512, 2));
+        for (n, k) in [(1, 32), (7, 4096), (2304, 5120), (5120, 2304), (131, 1024)] {
+            let (span, parts) = k_parts(n, k);
+            assert!(span.is_multiple_of(PART_QUANTUM), "{n}x{k}: span {span}");
+            assert!(
+                parts >= 1 && (parts - 1) * span < k && parts * span >= k,
+                "{n}x{k}"
+            );
         }
     }
 
