@@ -322,6 +322,16 @@ fn fast_fp4_gemm_is_within_its_error_bound_and_every_tile_gives_the_same_bits() 
     }
 }
 
+/// `row` with the sign of its largest element flipped: the same group scales, one code changed.
+fn nudged(row: &[f32]) -> Vec<f32> {
+    let mut nudged = row.to_vec();
+    let largest = (0..row.len())
+        .max_by(|&a, &b| row[a].abs().total_cmp(&row[b].abs()))
+        .expect("a non-empty row");
+    nudged[largest] = -nudged[largest];
+    nudged
+}
+
 /// A row alone against the same row inside batches of 2 … 300 rows of other data (every tile
 /// class): bitwise equal; the comparison sees a one-element change of the row.
 fn check_batch_invariance(rt: &KernelRuntime, rng: &mut Rng, what: &str, dw: &impl FastWeight) {
@@ -341,14 +351,8 @@ fn check_batch_invariance(rt: &KernelRuntime, rng: &mut Rng, what: &str, dw: &im
         );
         checked += 1;
     }
-    // Negative control: the same comparison sees a change of one input of the probe (the sign
-    // of its largest element: same group scales, one code changed).
-    let mut nudged = probe.clone();
-    let largest = (0..k)
-        .max_by(|&a, &b| nudged[a].abs().total_cmp(&nudged[b].abs()))
-        .expect("k > 0");
-    nudged[largest] = -nudged[largest];
-    let y = fast_gemm(rt, &nudged, 1, dw, FastTile::Auto);
+    // Negative control: the same comparison sees a change of one input of the probe.
+    let y = fast_gemm(rt, &nudged(&probe), 1, dw, FastTile::Auto);
     assert!(
         differing(&y, &alone) > 0,
         "{what}: the invariance check cannot see a changed input"
@@ -768,15 +772,10 @@ fn fast_routed_moe_is_batch_invariant() {
         checked += 1;
     }
     // Negative control: the same comparison sees a one-element change of the probe.
-    let mut nudged = probe.clone();
-    let largest = (0..dim)
-        .max_by(|&a, &b| nudged[a].abs().total_cmp(&nudged[b].abs()))
-        .expect("dim > 0");
-    nudged[largest] = -nudged[largest];
     let changed = run_chain(
         &rt,
         &moe,
-        &nudged,
+        &nudged(&probe),
         &probe_ids,
         &probe_weights,
         FastTile::Auto,

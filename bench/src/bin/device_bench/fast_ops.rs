@@ -294,24 +294,12 @@ fn bench_routed_chain<W>(
     let micros = time_launches(rt, timer, |i| {
         let ids = &routes[i % ROUTE_SETS];
         let table = &experts.table;
-        (experts.gemm)(
-            rt,
-            &a,
-            ids,
-            ROUTED_TOP_K,
-            table,
-            ExpertProjection::W1,
-            &mut gate,
-        )?;
-        (experts.gemm)(
-            rt,
-            &a,
-            ids,
-            ROUTED_TOP_K,
-            table,
-            ExpertProjection::W3,
-            &mut up,
-        )?;
+        for (which, y) in [
+            (ExpertProjection::W1, &mut gate),
+            (ExpertProjection::W3, &mut up),
+        ] {
+            (experts.gemm)(rt, &a, ids, ROUTED_TOP_K, table, which, y)?;
+        }
         swiglu_rows(
             rt,
             &gate,
