@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 18] = [
+pub const HEADERS: [(&str, &str); 19] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/numerics.cuh",
@@ -19,8 +19,8 @@ pub const HEADERS: [(&str, &str); 18] = [
         include_str!("../cuda/gemm/gemm_block_scaled.cuh"),
     ),
     (
-        "gemm/gemm_fp8_fast.cuh",
-        include_str!("../cuda/gemm/gemm_fp8_fast.cuh"),
+        "gemm/gemm_fast.cuh",
+        include_str!("../cuda/gemm/gemm_fast.cuh"),
     ),
     (
         "norm/rms_norm.cuh",
@@ -39,6 +39,10 @@ pub const HEADERS: [(&str, &str); 18] = [
     (
         "attention/sparse_attention.cuh",
         include_str!("../cuda/attention/sparse_attention.cuh"),
+    ),
+    (
+        "attention/sparse_attention_fast.cuh",
+        include_str!("../cuda/attention/sparse_attention_fast.cuh"),
     ),
     ("mhc/mhc.cuh", include_str!("../cuda/mhc/mhc.cuh")),
     (
@@ -63,7 +67,7 @@ pub fn text(file: SourceFile) -> &'static str {
     match file {
         SourceFile::ActQuant => include_str!("../cuda/quant/act_quant.cu"),
         SourceFile::GemmFp8 => include_str!("../cuda/gemm/gemm_fp8.cu"),
-        SourceFile::GemmFp8Fast => include_str!("../cuda/gemm/gemm_fp8_fast.cu"),
+        SourceFile::GemmFast => include_str!("../cuda/gemm/gemm_fast.cu"),
         SourceFile::GemmFp4 => include_str!("../cuda/gemm/gemm_fp4.cu"),
         SourceFile::RmsNorm => include_str!("../cuda/norm/rms_norm.cu"),
         SourceFile::Rope => include_str!("../cuda/rope/rope.cu"),
