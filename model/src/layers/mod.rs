@@ -1,8 +1,10 @@
 //! What the model families share above the backend: the pieces V4 and V4.1 both run, so that
-//! `v4/` and `v41/` hold only what differs: the run context ([`ctx`]), the shape of a step
-//! ([`step`]), the per-position rings ([`ring`]), the MoE ([`moe`]), the drafters' Markov heads
-//! ([`markov`]) and the RoPE/YaRN tables ([`rope`]).
+//! `v4/` and `v41/` hold only what differs: the run context ([`ctx`]), the attention queries and
+//! grouped output projection ([`attention`]), the shape of a step ([`step`]), the per-position
+//! rings ([`ring`]), the MoE ([`moe`]), the drafters' Markov heads ([`markov`]) and the RoPE/YaRN
+//! tables ([`rope`]).
 
+pub(crate) mod attention;
 pub(crate) mod ctx;
 pub(crate) mod markov;
 pub(crate) mod moe;

@@ -8,15 +8,9 @@ use super::compressor;
 use super::state::LayerState;
 use super::weights::AttentionWeights;
 use crate::backend::{QueryKeys, RopeTable, SelectedKeys, Tensor};
+use crate::layers::attention::{Queries, grouped_low_rank};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
-
-/// The queries of some rows: the `q_norm`-ed low-rank latent `qr [n, q_lora_rank]` (the CSA
-/// indexer reads it) and the rotated per-head queries `q [n, heads · head_dim]`.
-pub struct Queries {
-    pub qr: Tensor,
-    pub q: Tensor,
-}
 
 /// Queries of the normed inputs `xn [n, dim]` at `positions`.
 pub fn queries(
@@ -79,28 +73,8 @@ pub fn output(
     positions: &[usize],
     table: &RopeTable,
 ) -> Tensor {
-    let cfg = ctx.cfg;
-    let backend = ctx.backend;
-    let (heads, head_dim) = (cfg.n_heads, cfg.head_dim);
-    let o = backend.rope(o, head_dim, heads, positions, table, true, cfg.precision());
-    let row = heads * head_dim;
-    let groups = cfg.o_groups;
-    let (group_width, rank) = (row / groups, cfg.o_lora_rank);
-    let n = positions.len();
-    let z_groups: Vec<Tensor> = (0..groups)
-        .map(|g| {
-            let pieces: Vec<(&Tensor, usize)> =
-                (0..n).map(|t| (&o, t * row + g * group_width)).collect();
-            let inputs = backend.gather(&pieces, group_width);
-            let weights = &w.wo_a[g * rank * group_width..(g + 1) * rank * group_width];
-            backend.linear_f32(&inputs, weights, rank, group_width)
-        })
-        .collect();
-    // z [n, groups · rank]: row t holds every group's rank values in group order.
-    let pieces: Vec<(&Tensor, usize)> = (0..n)
-        .flat_map(|t| z_groups.iter().map(move |zg| (zg, t * rank)))
-        .collect();
-    w.wo_b.apply(backend, &backend.gather(&pieces, rank))
+    let z = grouped_low_rank(ctx, &w.wo_a, o, positions, table);
+    w.wo_b.apply(ctx.backend, &z)
 }
 
 /// Causal attention over the normed inputs `xn [n, dim]` of a step's rows (sequence `e`'s rows at

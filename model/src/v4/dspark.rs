@@ -5,13 +5,14 @@
 //! confidence heads and the proposal loop are V4.1's ([`decode_blocks`]). Transformers drops
 //! `mtp.*`, so there is no reference fixture for it.
 
-use super::attention::{self, Queries};
+use super::attention;
 use super::block;
 use super::weights::{AttentionWeights, HyperHeadWeights, LayerWeights, Loader};
 use crate::backend::weights::Linear;
 use crate::backend::{QueryKeys, RopeTable, Tensor};
 use crate::config::{DsparkConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
+use crate::layers::attention::Queries;
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
 use crate::layers::ring::PositionRing;

@@ -8,14 +8,9 @@ use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
 use crate::backend::{Precision, QueryKeys, RopeTable, SelectedKeys, Selection, Tensor};
+use crate::layers::attention::{Queries, grouped_low_rank};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
-
-/// The normed query latent `qr` and the rotated queries `q` of a chunk.
-pub struct Queries {
-    pub qr: Tensor,
-    pub q: Tensor,
-}
 
 /// `qr = q_norm(wq_a · x)`, `q = RoPE(wq_b · qr)`.
 pub fn queries(
@@ -74,35 +69,7 @@ pub fn output_projection(
     positions: &[usize],
     table: &RopeTable,
 ) -> Tensor {
-    let cfg = ctx.cfg;
-    let o = ctx.backend.rope(
-        o,
-        cfg.head_dim,
-        cfg.n_heads,
-        positions,
-        table,
-        true,
-        Precision::Bf16,
-    );
-    let row_width = cfg.n_heads * cfg.head_dim;
-    let group_width = row_width / cfg.o_groups;
-    let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
-    let n = positions.len();
-    let z_groups: Vec<Tensor> = (0..groups)
-        .map(|g| {
-            let pieces: Vec<(&Tensor, usize)> = (0..n)
-                .map(|t| (&o, t * row_width + g * group_width))
-                .collect();
-            let inputs = ctx.backend.gather(&pieces, group_width);
-            let weights = &w.wo_a[g * rank * group_width..(g + 1) * rank * group_width];
-            ctx.backend.linear_bf16(&inputs, weights, rank, group_width)
-        })
-        .collect();
-    // z [n, groups, rank]: row t holds every group's rank values in group order.
-    let pieces: Vec<(&Tensor, usize)> = (0..n)
-        .flat_map(|t| z_groups.iter().map(move |zg| (zg, t * rank)))
-        .collect();
-    let z = ctx.backend.gather(&pieces, rank);
+    let z = grouped_low_rank(ctx, &w.wo_a, o, positions, table);
     ctx.backend.gemm_fp8(&z, &w.wo_b)
 }
 

@@ -6,12 +6,13 @@
 //! (a sequence's own context ring) and the argmax chains are per request. No op mixes rows, so
 //! each proposal is bitwise the one its sequence gets alone.
 
-use super::attention::{Queries, output_projection, queries, window_entries};
+use super::attention::{output_projection, queries, window_entries};
 use super::block;
 use super::state::{PositionRing, SequenceState};
 use super::weights::{AttentionWeights, DsparkWeights};
 use crate::backend::{Precision, Tensor};
 use crate::config::DsparkConfig;
+use crate::layers::attention::Queries;
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
 
