@@ -11,7 +11,6 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, ModelFamily};
 use crate::engram::CompressedVocab;
 use crate::error::ModelError;
-use crate::expert_dispatch::RoutedExperts;
 use crate::{DraftProposal, EntryOutput, v4, v41};
 
 /// A loaded model of either family, shareable (a runtime's rank factories hold clones).
@@ -66,15 +65,7 @@ impl AnySequence {
 /// One sequence's part of an [`AnyModel::forward_step`].
 pub type AnyStepEntry<'a> = crate::layers::step::StepEntry<'a, AnySequence>;
 
-/// How a step runs beyond its entries (the defaults: every expert here, logits read on the host).
-#[derive(Clone, Copy, Default)]
-pub struct StepOptions<'a> {
-    /// Runs the routed experts elsewhere (expert parallelism, V4.1 only).
-    pub experts: Option<&'a dyn RoutedExperts>,
-    /// Leave the unsampled entries' rows where the backend computed them
-    /// ([`EntryOutput::DeviceLogits`], V4.1; a V4 model reads them on the host).
-    pub logits_on_device: bool,
-}
+pub use crate::layers::step::StepOptions;
 
 fn family_mismatch() -> ModelError {
     ModelError::Sequence {
@@ -187,10 +178,7 @@ impl AnyModel {
                         sample: entry.sample,
                     });
                 }
-                match options.logits_on_device {
-                    true => model.forward_step_on_device(&mut steps, options.experts),
-                    false => model.forward_step(&mut steps, options.experts),
-                }
+                model.forward_step(&mut steps, options)
             }
             AnyModel::V4(model) => {
                 if options.experts.is_some() {

@@ -55,7 +55,7 @@ use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::quant;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight, e2m1_to_f32};
-use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry, StepOptions};
 use deepinfer_tests::forward;
 use half::bf16;
 
@@ -978,7 +978,9 @@ fn probe_step(
             sample: None,
         },
     );
-    let mut outputs = model.forward_step(&mut entries, None).expect("step");
+    let mut outputs = model
+        .forward_step(&mut entries, StepOptions::default())
+        .expect("step");
     outputs
         .remove(at.min(others.len()))
         .into_logits()

@@ -5,7 +5,7 @@
 //! zero copies of op results and exactly one copy of sampled ids; the tokens must be the CPU
 //! model's, step for step. Negative control: reading one decode step's logits on the host is
 //! counted. DSpark drafting copies only the drafted ids and the confidences, and drafts what the
-//! CPU drafts. A grammar-constrained decode step (`Model::forward_step_on_device`, then the masked
+//! CPU drafts. A grammar-constrained decode step (`Model::forward_step` with `StepOptions::logits_on_device`, then the masked
 //! `Model::sample_rows` once the masks are known) copies no op result and only the ids too.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
@@ -14,7 +14,9 @@
 
 use deepinfer_model::backend::cuda::TransferCounts;
 use deepinfer_model::sampling::{AllowedTokens, sample};
-use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::{
+    EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry, StepOptions,
+};
 
 mod gpu_support;
 use gpu_support::{cuda_backend, host_fixture_model, mixed_sampling, prompt};
@@ -38,7 +40,7 @@ fn sampled_step(model: &Model, seqs: &mut [SequenceState], tokens: &[Vec<u32>]) 
         })
         .collect();
     model
-        .forward_step(&mut entries, None)
+        .forward_step(&mut entries, StepOptions::default())
         .expect("step")
         .into_iter()
         .map(|out| match out {
@@ -108,7 +110,9 @@ fn a_decode_step_copies_only_the_sampled_ids_to_the_host() {
             sample: None,
         })
         .collect();
-    let logits = gpu.forward_step(&mut entries, None).expect("step");
+    let logits = gpu
+        .forward_step(&mut entries, StepOptions::default())
+        .expect("step");
     assert_eq!(logits.len(), lengths.len());
     let counted = counters.snapshot() - before;
     println!(
@@ -182,7 +186,7 @@ fn step_mask(s: usize, step: usize, vocab: usize) -> AllowedTokens {
 }
 
 /// One constrained decode step over every sequence: the rows stay on the backend
-/// (`forward_step_on_device`) and are sampled with their masks afterwards (`sample_rows`).
+/// (`forward_step` with `logits_on_device`) and are sampled with their masks afterwards (`sample_rows`).
 fn constrained_step(
     model: &Model,
     seqs: &mut [SequenceState],
@@ -202,13 +206,15 @@ fn constrained_step(
         })
         .collect();
     let outputs = model
-        .forward_step_on_device(&mut entries, None)
+        .forward_step(&mut entries, StepOptions::on_device())
         .expect("step");
     let rows: Vec<_> = outputs
         .into_iter()
         .map(|out| match out {
             EntryOutput::DeviceLogits(rows) => rows,
-            _ => panic!("an unsampled entry of forward_step_on_device returned no device rows"),
+            _ => panic!(
+                "an unsampled entry of a step with logits on the device returned no device rows"
+            ),
         })
         .collect();
     let requests: Vec<LogitsRow<'_>> = rows
@@ -265,7 +271,7 @@ fn a_constrained_decode_step_copies_only_the_sampled_ids() {
             })
             .collect();
         let host: Vec<u32> = cpu
-            .forward_step(&mut entries, None)
+            .forward_step(&mut entries, StepOptions::default())
             .expect("cpu step")
             .into_iter()
             .enumerate()

@@ -1,4 +1,4 @@
-//! Grammar-constrained rows through the model (CPU reference): `Model::forward_step_on_device`
+//! Grammar-constrained rows through the model (CPU reference): `Model::forward_step` with `StepOptions::logits_on_device`
 //! leaves the unsampled entries' rows on the backend (`EntryOutput::DeviceLogits`, bitwise the
 //! logits `forward_step` returns) and samples the sampling entries inside the step as before;
 //! `Model::sample_rows` then samples the kept rows with their masks exactly as the host path
@@ -9,7 +9,9 @@ use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::sampling::{AllowedTokens, SamplingParams, sample};
-use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::{
+    EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry, StepOptions,
+};
 
 fn synthetic_model(dir: &std::path::Path) -> Model {
     let cfg = ModelConfig::tiny_v41();
@@ -44,12 +46,11 @@ fn step(
             sample: *sample,
         })
         .collect();
-    if on_device {
-        model.forward_step_on_device(&mut entries, None)
-    } else {
-        model.forward_step(&mut entries, None)
-    }
-    .expect("step")
+    let options = StepOptions {
+        logits_on_device: on_device,
+        ..StepOptions::default()
+    };
+    model.forward_step(&mut entries, options).expect("step")
 }
 
 #[test]

@@ -7,7 +7,7 @@ use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::sampling::{SamplingParams, sample};
-use deepinfer_model::{EntryOutput, LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::{EntryOutput, LogitsWanted, Model, SequenceState, StepEntry, StepOptions};
 
 fn synthetic_model(dir: &std::path::Path) -> Model {
     let cfg = ModelConfig::tiny_v41();
@@ -109,7 +109,11 @@ fn a_step_over_many_sequences_equals_each_sequence_alone() {
             sample: None,
         })
         .collect();
-    let got = logits_of(model.forward_step(&mut entries, None).expect("prompt step"));
+    let got = logits_of(
+        model
+            .forward_step(&mut entries, StepOptions::default())
+            .expect("prompt step"),
+    );
     assert_eq!(got.len(), plans.len());
     for (i, (got, expected)) in got.iter().zip(&expected).enumerate() {
         assert!(!expected.is_empty(), "sequence {i} returned logits alone");
@@ -149,7 +153,11 @@ fn a_step_over_many_sequences_equals_each_sequence_alone() {
                 sample: None,
             })
             .collect();
-        let got = logits_of(model.forward_step(&mut entries, None).expect("step"));
+        let got = logits_of(
+            model
+                .forward_step(&mut entries, StepOptions::default())
+                .expect("step"),
+        );
         for ((&(i, _), got), expected) in step.iter().zip(&got).zip(&expected) {
             assert_eq!(got.len(), expected.len(), "step {s}, sequence {i}: rows");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -202,7 +210,7 @@ fn a_bad_entry_fails_the_step_by_index_and_changes_no_sequence() {
         },
     ];
     let err = model
-        .forward_step(&mut entries, None)
+        .forward_step(&mut entries, StepOptions::default())
         .expect_err("an id outside the vocabulary");
     let message = err.to_string();
     assert!(
@@ -263,7 +271,9 @@ fn sampled_entries_get_the_tokens_of_their_logits_rows() {
             sample,
         })
         .collect();
-    let outputs = model.forward_step(&mut entries, None).expect("step");
+    let outputs = model
+        .forward_step(&mut entries, StepOptions::default())
+        .expect("step");
     let mut sampled_rows = 0;
     for (i, (((&(len, want, sampling), prompt), seq), out)) in cases
         .iter()

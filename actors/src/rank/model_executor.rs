@@ -6,7 +6,7 @@
 //! bitwise what each sequence would get alone; the model is shared (read-only) by every rank of
 //! the process. The runtime adds nothing to the numbers: the logits are exactly the model's.
 //! Entries with sampling parameters are sampled inside the step on the model's backend; the
-//! others' rows stay there (V4.1, `Model::forward_step_on_device`) and `sample_logits` is
+//! others' rows stay there (V4.1, `Model::forward_step` with `StepOptions::logits_on_device`) and `sample_logits` is
 //! `Model::sample_rows` (the masked rows sampled where they are, only the ids come back); a V4
 //! model returns host rows, sampled on the host. `draft` runs the checkpoint's DSpark heads over
 //! every requested sequence (`AnyModel::draft_step`) when the model has them (V4-Flash's MTP

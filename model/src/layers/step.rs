@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use crate::backend::{Backend, RowSampling, Tensor};
 use crate::error::ModelError;
+use crate::expert_dispatch::RoutedExperts;
 use crate::layers::ring::MAX_BACKTRACK;
 use crate::sampling::SamplingParams;
 
@@ -53,6 +54,27 @@ impl<'a, S> StepEntry<'a, S> {
     }
 }
 
+/// How a step runs beyond its entries (the defaults: every expert here, logits read on the host).
+#[derive(Clone, Copy, Default)]
+pub struct StepOptions<'a> {
+    /// Runs the routed experts elsewhere (expert parallelism, V4.1 only).
+    pub experts: Option<&'a dyn RoutedExperts>,
+    /// Leave the unsampled entries' rows where the backend computed them
+    /// ([`EntryOutput::DeviceLogits`], V4.1; a V4 model reads them on the host), to be sampled
+    /// once their masks are known (`v41::Model::sample_rows`).
+    pub logits_on_device: bool,
+}
+
+impl StepOptions<'_> {
+    /// Every expert here, the unsampled rows left on the backend.
+    pub fn on_device() -> Self {
+        StepOptions {
+            logits_on_device: true,
+            ..StepOptions::default()
+        }
+    }
+}
+
 /// What a step returns for one entry.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EntryOutput {
@@ -61,7 +83,7 @@ pub enum EntryOutput {
     /// One sampled token per wanted row.
     Tokens(Vec<u32>),
     /// The wanted logits rows left where the backend computed them (device memory on a device
-    /// backend, never read on the host by the step): [`Model::forward_step_on_device`]'s
+    /// backend, never read on the host by the step): `forward_step`'s (with `StepOptions::logits_on_device`)
     /// unsampled entries, to be sampled later with [`Model::sample_rows`].
     DeviceLogits(Tensor),
 }

@@ -16,8 +16,8 @@ use crate::expert_dispatch::RoutedExperts;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, entry_outputs, gather_rows,
-    row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows, entry_outputs,
+    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
 };
 use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
@@ -49,27 +49,25 @@ impl Model {
     /// sequence's next positions; returns, per entry and in order, its logits rows (as
     /// [`Model::forward`] / [`Model::forward_replay`] return them for that entry alone, bit for
     /// bit) or, for an entry that asks to `sample`, the tokens sampled from them on the backend
-    /// (the logits then never leave the device). `experts` runs the routed experts elsewhere
-    /// (expert parallelism). Every entry is checked before any state changes: a bad entry fails
-    /// the step naming its index.
+    /// (the logits then never leave the device). `options.experts` runs the routed experts
+    /// elsewhere (expert parallelism); with `options.logits_on_device` the unsampled entries'
+    /// rows stay on the backend ([`EntryOutput::DeviceLogits`]), so that a grammar-constrained
+    /// row can be sampled by [`Model::sample_rows`] once its mask is known, with nothing but the
+    /// ids ever copied to the host. Every entry is checked before any state changes: a bad entry
+    /// fails the step naming its index.
     pub fn forward_step(
         &self,
         entries: &mut [StepEntry<'_>],
-        experts: Option<&dyn RoutedExperts>,
+        options: StepOptions<'_>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
-        self.run_step(entries, None, experts, None)
-    }
-
-    /// [`Model::forward_step`] where every entry that does not `sample` returns its wanted rows as
-    /// [`EntryOutput::DeviceLogits`]: left on the backend, so that a grammar-constrained row can
-    /// be sampled by [`Model::sample_rows`] once its mask is known, with nothing but the ids ever
-    /// copied to the host. Sampling entries are sampled inside the step as in `forward_step`.
-    pub fn forward_step_on_device(
-        &self,
-        entries: &mut [StepEntry<'_>],
-        experts: Option<&dyn RoutedExperts>,
-    ) -> Result<Vec<EntryOutput>, ModelError> {
-        self.run_step_at(entries, None, experts, None, true, None)
+        self.run_step_at(
+            entries,
+            None,
+            options.experts,
+            None,
+            options.logits_on_device,
+            None,
+        )
     }
 
     /// One token per row, each row sampled with its parameters at its position after its mask
