@@ -136,6 +136,7 @@ fn generate(
             decoder_from: None,
             speculative: false,
             logprobs: None,
+            prefix: None,
         };
         let plan = StepPlan {
             step: StepId(step),
@@ -164,6 +165,7 @@ fn generate(
                     input: input(),
                 },
             ],
+            cache_ops: Vec::new(),
             finished: Vec::new(),
         };
         let output = rank.run_plan(&plan).expect("step runs");

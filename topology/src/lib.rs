@@ -21,6 +21,6 @@ pub use ids::{
 pub use validate::{
     Arch, Backend, ContextParallel, DEFAULT_SERVER_LISTEN, DSparkConfig, DeviceConfig, EplbConfig,
     JobConfig, MemoryConfig, MetricsConfig, ModelConfig, ModelDims, ModelSource, NodeConfig,
-    Numerics, ParallelConfig, ReplayConfig, SamplingConfig, SchedulerConfig, ServerConfig,
-    parse_listen_address,
+    Numerics, ParallelConfig, PrefixCacheConfig, PrefixReplay, ReplayConfig, SamplingConfig,
+    SchedulerConfig, ServerConfig, parse_listen_address,
 };

@@ -35,6 +35,9 @@ pub struct RawNodeConfig {
     /// `[memory]`: the per-rank budget of the sequence-state pool.
     #[serde(default)]
     pub memory: RawMemoryConfig,
+    /// `[prefix_cache]`: the per-rank cache of shared prompt prefixes.
+    #[serde(default)]
+    pub prefix_cache: RawPrefixCacheConfig,
     /// `[metrics]`: Prometheus exporter.
     #[serde(default)]
     pub metrics: RawMetricsConfig,
@@ -252,6 +255,32 @@ pub struct RawMemoryConfig {
     pub state_memory_fraction: Option<f64>,
 }
 
+/// `[prefix_cache]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPrefixCacheConfig {
+    /// Bytes of cached prefix blocks per DP rank (compressed KV, index keys, Engram entries and
+    /// their tokens), held where the rank's states live; 0 turns the cache off. Needs decoder
+    /// bounded replay (`replay.decoder_keep_tokens` > 0) and a V4.1 model. Default: 0.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub bytes_per_rank: Option<u64>,
+    /// How many tokens a hit replays to rebuild the windows: `"bounded"` replays
+    /// `replay.decoder_keep_tokens` (the `ReplayActor`'s rule; the rows after the hit drift as
+    /// bounded replay's do), `"exact"` replays the encoder halo (bitwise a cold prefill, a
+    /// longer replay: 2 674 tokens for V4.1-Flash). Default: `"bounded"`.
+    pub replay: Option<RawPrefixReplay>,
+}
+
+/// The replay rule named in `prefix_cache.replay`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case", try_from = "String")]
+pub enum RawPrefixReplay {
+    /// `replay.decoder_keep_tokens` tokens (approximate).
+    Bounded,
+    /// The encoder halo (exact).
+    Exact,
+}
+
 /// `[metrics]`.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -315,6 +344,20 @@ impl TryFrom<String> for RawNumerics {
             "exact" => Ok(Self::Exact),
             _ => Err(format!(
                 "unknown numerics {text:?}, expected \"fast\" or \"exact\""
+            )),
+        }
+    }
+}
+
+impl TryFrom<String> for RawPrefixReplay {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, Self::Error> {
+        match text.as_str() {
+            "bounded" => Ok(Self::Bounded),
+            "exact" => Ok(Self::Exact),
+            _ => Err(format!(
+                "unknown prefix replay {text:?}, expected \"bounded\" or \"exact\""
             )),
         }
     }

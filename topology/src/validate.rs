@@ -9,7 +9,8 @@ use crate::ids::{DpRank, EpRank};
 use crate::raw::{
     RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
     RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
-    RawParallelConfig, RawReplayConfig, RawSamplingConfig, RawSchedulerConfig, RawServerConfig,
+    RawParallelConfig, RawPrefixCacheConfig, RawPrefixReplay, RawReplayConfig, RawSamplingConfig,
+    RawSchedulerConfig, RawServerConfig,
 };
 
 /// The checkpoint the engine loads when `model.source` is left out.
@@ -45,6 +46,8 @@ pub struct NodeConfig {
     pub eplb: EplbConfig,
     /// `[memory]`.
     pub memory: MemoryConfig,
+    /// `[prefix_cache]`.
+    pub prefix_cache: PrefixCacheConfig,
     /// `[metrics]`.
     pub metrics: MetricsConfig,
     /// `[job]`.
@@ -234,6 +237,25 @@ pub enum MemoryConfig {
 /// Default of `memory.state_memory_fraction`.
 pub const DEFAULT_STATE_MEMORY_FRACTION: f64 = 0.9;
 
+/// `[prefix_cache]`, validated: each DP rank's cache of shared prompt prefixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixCacheConfig {
+    /// Bytes of cached blocks per rank (bytes); `None` = off. Default: `None` (0 in the file).
+    pub bytes_per_rank: Option<u64>,
+    /// Tokens a hit replays. Default: [`PrefixReplay::Bounded`].
+    pub replay: PrefixReplay,
+}
+
+/// How many tokens a prefix-cache hit replays (`prefix_cache.replay`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixReplay {
+    /// `replay.decoder_keep_tokens` (the `ReplayActor`'s bound): approximate, like decoder
+    /// bounded replay.
+    Bounded,
+    /// The model's encoder halo: bitwise a cold prefill.
+    Exact,
+}
+
 /// `[metrics]`, validated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetricsConfig {
@@ -326,6 +348,7 @@ impl NodeConfig {
         let replay = replay_config(&check, raw.replay, &dspark)?;
         let eplb = eplb_config(&check, raw.eplb)?;
         let memory = memory_config(&check, raw.memory)?;
+        let prefix_cache = prefix_cache_config(&check, raw.prefix_cache, &replay)?;
         let metrics = metrics_config(&check, raw.metrics)?;
         let job = job_config(&check, raw.job)?;
         let server = server_config(&check, raw.server)?;
@@ -340,6 +363,7 @@ impl NodeConfig {
             replay,
             eplb,
             memory,
+            prefix_cache,
             metrics,
             job,
             server,
@@ -802,6 +826,28 @@ fn memory_config(check: &Checker<'_>, raw: RawMemoryConfig) -> Result<MemoryConf
             Ok(MemoryConfig::Fraction(fraction))
         }
     }
+}
+
+fn prefix_cache_config(
+    check: &Checker<'_>,
+    raw: RawPrefixCacheConfig,
+    replay: &ReplayConfig,
+) -> Result<PrefixCacheConfig, TopologyError> {
+    let bytes_per_rank = raw.bytes_per_rank.filter(|&bytes| bytes > 0);
+    if bytes_per_rank.is_some() && replay.decoder_keep_tokens.is_none() {
+        return Err(check.invalid(
+            "prefix_cache.bytes_per_rank",
+            "the prefix cache needs decoder bounded replay (a hit ends before the decoder's \
+             kept suffix): set replay.decoder_keep_tokens > 0 or prefix_cache.bytes_per_rank = 0",
+        ));
+    }
+    Ok(PrefixCacheConfig {
+        bytes_per_rank,
+        replay: match raw.replay.unwrap_or(RawPrefixReplay::Bounded) {
+            RawPrefixReplay::Bounded => PrefixReplay::Bounded,
+            RawPrefixReplay::Exact => PrefixReplay::Exact,
+        },
+    })
 }
 
 fn metrics_config(

@@ -1,6 +1,8 @@
 //! Bad topology text fails with an error that names the origin and the field.
 
-use deepinfer_topology::{MemoryConfig, ModelDims, NodeConfig, TopologyError};
+use deepinfer_topology::{
+    MemoryConfig, ModelDims, NodeConfig, PrefixCacheConfig, PrefixReplay, TopologyError,
+};
 
 const ORIGIN: &str = "configs/bad.toml";
 
@@ -379,6 +381,47 @@ fn state_memory_budget_is_one_key_in_range() {
     assert_eq!(bytes.memory, MemoryConfig::StateBytes(4096));
     let default = NodeConfig::from_toml_str("", ORIGIN).expect("valid");
     assert_eq!(default.memory, MemoryConfig::Fraction(0.9));
+}
+
+#[test]
+fn prefix_cache_is_off_by_default_and_needs_bounded_replay() {
+    let default = NodeConfig::from_toml_str("", ORIGIN)
+        .expect("valid")
+        .prefix_cache;
+    assert_eq!(
+        default,
+        PrefixCacheConfig {
+            bytes_per_rank: None,
+            replay: PrefixReplay::Bounded
+        }
+    );
+    let on = NodeConfig::from_toml_str(
+        "[prefix_cache]\nbytes_per_rank = 4096\nreplay = \"exact\"\n",
+        ORIGIN,
+    )
+    .expect("valid")
+    .prefix_cache;
+    assert_eq!(
+        (on.bytes_per_rank, on.replay),
+        (Some(4096), PrefixReplay::Exact)
+    );
+    let zero = NodeConfig::from_toml_str("[prefix_cache]\nbytes_per_rank = 0\n", ORIGIN);
+    assert_eq!(zero.expect("valid").prefix_cache.bytes_per_rank, None);
+    assert_blames(
+        "[prefix_cache]\nbytes_per_rank = 4096\n[replay]\ndecoder_keep_tokens = 0\n",
+        "prefix_cache.bytes_per_rank",
+        "needs decoder bounded replay",
+    );
+    assert_blames(
+        "[prefix_cache]\nreplay = \"halo\"\n",
+        "prefix_cache.replay",
+        "expected \"bounded\" or \"exact\"",
+    );
+    assert_blames(
+        "[prefix_cache]\nbytes_per_rank = -1\n",
+        "prefix_cache.bytes_per_rank",
+        "integer `-1`",
+    );
 }
 
 #[test]

@@ -28,6 +28,7 @@ use crate::rank::executor::ExecutorFactory;
 use crate::rank::fake::{FakeConfig, FakeFactory};
 use crate::replay::state::ReplayStats;
 use crate::scheduler::pool::{StatePool, rank_budget};
+use crate::scheduler::prefix::PrefixSettings;
 use crate::scheduler::state::SchedulerLimits;
 use crate::supervisor::policy::EngineHealth;
 use crate::supervisor::{EngineHandles, NodeSupervisor, SupervisorArgs};
@@ -308,6 +309,12 @@ impl Engine {
         };
         tracing::info!(dp = dp_ranks, executor = %config.executor.describe(), "engine starting");
         let state_pool = state_pool(&config, dp_ranks)?;
+        let prefix = PrefixSettings::for_engine(
+            &config.node.prefix_cache,
+            &config.node.replay,
+            config.executor.prefix_geometry(),
+            &config.executor.describe(),
+        )?;
         let (handles_tx, handles_rx) = oneshot::channel();
         let args = SupervisorArgs {
             dp_ranks,
@@ -325,6 +332,7 @@ impl Engine {
                 config.executor.sliding_window(),
                 deepinfer_model::v41::MAX_BACKTRACK,
             )?,
+            prefix,
         };
         let (supervisor, join) = Actor::spawn(None, NodeSupervisor, args)
             .await

@@ -24,7 +24,16 @@ use deepinfer_model::sampling::sample_allowed;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::RequestId;
 
+use crate::prefix_cache::{BlockHash, PrefixGeometry};
 use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
+
+/// The error of an executor that keeps no prefix blocks.
+fn no_prefix_blocks(id: RequestId) -> ExecError {
+    ExecError::Sequence {
+        id,
+        message: "this executor keeps no prefix-cache blocks".into(),
+    }
+}
 
 /// A backend failure, reported to the scheduler as `RankError::Backend`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -186,6 +195,30 @@ pub trait RankExecutor: Send {
     fn plan_replay(&mut self, _id: RequestId, _decoder_from: usize) -> Result<(), ExecError> {
         Ok(())
     }
+    /// Prefix cache: attaches the cached `blocks` (from position 0) to the new, empty sequence
+    /// `id`, whose prefill then continues at `replay_from` (`SequenceState::attach_prefix`).
+    /// Executors without prefix blocks refuse (the engine only turns the cache on when its
+    /// factory has a [`ExecutorFactory::prefix_geometry`]).
+    fn attach_prefix(
+        &mut self,
+        id: RequestId,
+        _blocks: &[BlockHash],
+        _replay_from: usize,
+    ) -> Result<(), ExecError> {
+        Err(no_prefix_blocks(id))
+    }
+    /// Prefix cache: keeps sequence `id`'s block of positions `[start, start + block tokens)`
+    /// as `hash` (`SequenceState::prefix_block`).
+    fn store_prefix_block(
+        &mut self,
+        id: RequestId,
+        _hash: BlockHash,
+        _start: usize,
+    ) -> Result<(), ExecError> {
+        Err(no_prefix_blocks(id))
+    }
+    /// Prefix cache: drops a kept block (unknown hashes are ignored).
+    fn drop_prefix_block(&mut self, _hash: BlockHash) {}
     /// Bytes the live sequences' states hold now (`SequenceState::held_bytes`); `None` for an
     /// executor without model state.
     fn state_bytes_held(&self) -> Option<u64> {
@@ -222,6 +255,11 @@ pub trait ExecutorFactory: Send + Sync {
     /// The byte model of its executors' sequence states, when they hold real ones (the engine
     /// then accounts each rank's states in a `StatePool`); `None` = unaccounted.
     fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
+        None
+    }
+    /// What a prefix cache needs of the served model, when its executors keep prefix blocks
+    /// (the engine refuses `[prefix_cache]` otherwise).
+    fn prefix_geometry(&self) -> Option<PrefixGeometry> {
         None
     }
     /// The expert-parallel state its executors share, when they run expert parallelism (the

@@ -10,6 +10,8 @@
 //! prefill as `Model::forward_replay` does. `execute_deferred` is `Model::forward_step_on_device`
 //! (unsampled rows stay on the backend) and `sample_logits` is `Model::sample_rows` (the masked
 //! rows sampled where they are, only the ids come back).
+//! The prefix cache's blocks of this rank live here (`store_prefix_block`, `attach_prefix`,
+//! `drop_prefix_block`, as the plans order them; the scheduler keeps the index).
 //! Context parallelism (`[parallel] context_parallel`): a plain prefill chunk of at least the
 //! threshold runs as `Model::prefill_context_parallel` over the CP group (the ranks are threads
 //! on this rank's CPU backend, the window KV and compressor inputs all-gathered per layer); this
@@ -24,13 +26,17 @@ use std::time::Duration;
 use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::expert_dispatch::RoutedExperts;
 use deepinfer_model::sampling::TokenLogprobs;
+use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v41::context_parallel::CpSplit;
-use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry};
+use deepinfer_model::{
+    EntryOutput, LogitsRow, LogitsWanted, Model, PrefixBlock, SequenceState, StepEntry,
+};
 use deepinfer_topology::{ContextParallel, DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
+use crate::prefix_cache::BlockHash;
 use crate::rank::executor::{Draft, ExecError, RankExecutor, SeqTokens};
 use crate::rank::sequences::{Sequences, sequence_error};
 use crate::sampling::SamplingParams;
@@ -45,6 +51,8 @@ pub struct ModelExecutor {
     ep: Option<RankExperts>,
     /// Context parallelism of long prefill chunks.
     cp: Option<ContextParallel>,
+    /// The prefix-cache blocks this rank keeps (the scheduler's index decides which).
+    prefix_blocks: HashMap<BlockHash, PrefixBlock>,
 }
 
 /// How long a CP rank waits for the others at one all-gather.
@@ -65,6 +73,7 @@ impl ModelExecutor {
             replay_from: HashMap::new(),
             ep: None,
             cp: None,
+            prefix_blocks: HashMap::new(),
         }
     }
 
@@ -303,6 +312,51 @@ impl RankExecutor for ModelExecutor {
         Ok(())
     }
 
+    fn attach_prefix(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockHash],
+        replay_from: usize,
+    ) -> Result<(), ExecError> {
+        let held = blocks
+            .iter()
+            .map(|hash| {
+                self.prefix_blocks
+                    .get(hash)
+                    .ok_or_else(|| ExecError::Sequence {
+                        id,
+                        message: format!("prefix block {hash:?} is not kept on this rank"),
+                    })
+            })
+            .collect::<Result<Vec<&PrefixBlock>, _>>()?;
+        let ratios = &self.model.config().compress_ratios;
+        self.sequences
+            .get_mut(id)?
+            .attach_prefix(&held, replay_from, ratios)
+            .map_err(|e| sequence_error(id, e))
+    }
+
+    fn store_prefix_block(
+        &mut self,
+        id: RequestId,
+        hash: BlockHash,
+        start: usize,
+    ) -> Result<(), ExecError> {
+        let cfg = self.model.config();
+        let block_tokens = StateBytes::of(cfg).block_tokens;
+        let block = self
+            .sequences
+            .get(id)?
+            .prefix_block(start, block_tokens, &cfg.compress_ratios)
+            .map_err(|e| sequence_error(id, e))?;
+        self.prefix_blocks.insert(hash, block);
+        Ok(())
+    }
+
+    fn drop_prefix_block(&mut self, hash: BlockHash) {
+        self.prefix_blocks.remove(&hash);
+    }
+
     fn draft(&mut self, id: RequestId, anchor: u32) -> Result<Option<Draft>, ExecError> {
         let mut drafts = self.draft_many(&[(id, anchor)])?;
         Ok(drafts.pop().flatten())
@@ -392,5 +446,75 @@ mod tests {
             .expect("sampled");
         assert_eq!(got, vec![sample(&masked, &params, 3).expect("a token")]);
         assert!(mask.is_allowed(got[0]));
+    }
+
+    /// The rank keeps the blocks the plans store (their bytes are the geometry's, what the
+    /// scheduler's index accounts), a new sequence attaches them and continues bitwise as
+    /// `SequenceState::attach_prefix` does, and unknown or dropped blocks are refused naming
+    /// the request.
+    #[test]
+    fn stored_blocks_attach_to_new_sequences_and_weigh_what_the_index_counts() {
+        use crate::prefix_cache::PrefixGeometry;
+        let (_dir, model) = tiny_test_model();
+        let geometry = PrefixGeometry::of(model.config());
+        let n = geometry.block_tokens;
+        let prompt: Vec<u32> = (0..2 * n as u32 + 5).map(|t| t * 13 % 97 + 2).collect();
+        let mut executor = ModelExecutor::new(model.clone());
+        let (writer, reader) = (RequestId(1), RequestId(2));
+        let entry = |id, tokens| SeqTokens {
+            id,
+            tokens,
+            all_rows: false,
+        };
+        executor.new_sequence(writer).expect("new");
+        let cold = executor
+            .execute(&[entry(writer, &prompt)])
+            .expect("prefill");
+        let hashes = [BlockHash(7), BlockHash(8)];
+        for (i, hash) in hashes.iter().enumerate() {
+            executor
+                .store_prefix_block(writer, *hash, i * n)
+                .expect("stored");
+            assert_eq!(
+                executor.prefix_blocks[hash].held_bytes(),
+                geometry.block_bytes
+            );
+        }
+        executor.free_sequence(writer);
+        let from = n;
+        executor.new_sequence(reader).expect("new");
+        executor
+            .attach_prefix(reader, &hashes, from)
+            .expect("attached");
+        let expected = {
+            let cfg = model.config();
+            let mut seq = model.new_sequence();
+            let blocks: Vec<&PrefixBlock> =
+                hashes.iter().map(|h| &executor.prefix_blocks[h]).collect();
+            seq.attach_prefix(&blocks, from, &cfg.compress_ratios)
+                .expect("attached");
+            model
+                .forward(&mut seq, &prompt[from..], LogitsWanted::Last)
+                .expect("replay")
+        };
+        let hit = executor
+            .execute(&[entry(reader, &prompt[from..])])
+            .expect("replay");
+        assert_eq!(hit[0], expected);
+        assert_eq!(hit[0].len(), cold[0].len());
+        executor.drop_prefix_block(hashes[1]);
+        executor.new_sequence(RequestId(3)).expect("new");
+        let error = executor
+            .attach_prefix(RequestId(3), &hashes, from)
+            .unwrap_err();
+        assert!(
+            matches!(&error, ExecError::Sequence { id, message }
+                if *id == RequestId(3) && message.contains("not kept on this rank")),
+            "{error}"
+        );
+        let early = executor
+            .store_prefix_block(reader, BlockHash(9), 2 * n)
+            .unwrap_err();
+        assert!(early.to_string().contains("reaches past"), "{early}");
     }
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use deepinfer_topology::RequestId;
 
 use crate::experts::parallel::ExpertParallel;
+use crate::prefix_cache::{BlockHash, PrefixGeometry};
 use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
 
 /// One logits row as a rank returned it.
@@ -77,6 +78,9 @@ impl ExecutorFactory for ObservedFactory {
     }
     fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
         self.inner.state_bytes()
+    }
+    fn prefix_geometry(&self) -> Option<PrefixGeometry> {
+        self.inner.prefix_geometry()
     }
 }
 
@@ -148,6 +152,25 @@ impl RankExecutor for ObservedExecutor {
     fn plan_replay(&mut self, id: RequestId, decoder_from: usize) -> Result<(), ExecError> {
         self.observer.replay_planned(self.dp, id, decoder_from);
         self.inner.plan_replay(id, decoder_from)
+    }
+    fn attach_prefix(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockHash],
+        replay_from: usize,
+    ) -> Result<(), ExecError> {
+        self.inner.attach_prefix(id, blocks, replay_from)
+    }
+    fn store_prefix_block(
+        &mut self,
+        id: RequestId,
+        hash: BlockHash,
+        start: usize,
+    ) -> Result<(), ExecError> {
+        self.inner.store_prefix_block(id, hash, start)
+    }
+    fn drop_prefix_block(&mut self, hash: BlockHash) {
+        self.inner.drop_prefix_block(hash)
     }
     fn device_latency(&self, batch_tokens: usize) -> Duration {
         self.inner.device_latency(batch_tokens)

@@ -39,7 +39,8 @@ use deepinfer_topology::{DpRank, RequestId};
 use crate::dspark::accept::{accept_block, accept_sampled};
 use crate::grammar::{GrammarError, MaskBatch, MaskJob, MaskWorkers, StepMask};
 use crate::messages::rank::{
-    DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming, VerifyOutcome,
+    CacheOp, DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming,
+    VerifyOutcome,
 };
 use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
 use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
@@ -261,6 +262,10 @@ impl RankWorker {
             if let Some(from) = new.decoder_from {
                 self.executor.plan_replay(new.id, from as usize)?;
             }
+            if let Some(prefix) = &new.prefix {
+                self.executor
+                    .attach_prefix(new.id, &prefix.blocks, prefix.replay_from)?;
+            }
             self.sequences.insert(
                 new.id,
                 SeqSampling {
@@ -415,6 +420,14 @@ impl RankWorker {
             }
         }
         let drafts = self.propose(&to_draft)?;
+        for op in &plan.cache_ops {
+            match *op {
+                CacheOp::Store { id, hash, start } => {
+                    self.executor.store_prefix_block(id, hash, start)?
+                }
+                CacheOp::Drop(hash) => self.executor.drop_prefix_block(hash),
+            }
+        }
         for id in &plan.finished {
             self.executor.free_sequence(*id);
             self.sequences.remove(id);
@@ -746,6 +759,7 @@ mod tests {
                     decoder_from: None,
                     speculative: false,
                     logprobs: None,
+                    prefix: None,
                 })
                 .collect(),
             work: work
@@ -755,6 +769,7 @@ mod tests {
                     input,
                 })
                 .collect(),
+            cache_ops: Vec::new(),
             finished: finished.iter().map(|&id| RequestId(id)).collect(),
         }
     }
