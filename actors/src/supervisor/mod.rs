@@ -270,6 +270,7 @@ impl Actor for NodeSupervisor {
             grammar: args.grammar,
             limits: args.frontend,
             engine_inflight,
+            prefix: args.prefix,
         };
         let frontend = match Actor::spawn_linked(
             None,
