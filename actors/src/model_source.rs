@@ -105,15 +105,6 @@ pub fn shipped_tokenizer() -> PathBuf {
         .join(SHIPPED_TOKENIZER)
 }
 
-fn facts(cfg: &ModelConfig) -> ModelFacts {
-    ModelFacts {
-        vocab_size: cfg.vocab_size,
-        bos_token_id: cfg.bos_token_id,
-        eos_token_id: Some(cfg.eos_token_id),
-        max_context_tokens: cfg.max_position_embeddings,
-    }
-}
-
 /// The Engram compressed vocabulary of `tokenizer` for `cfg` (None without Engram); `known` is
 /// a map already computed for that tokenizer.
 fn engram_vocab(
@@ -197,7 +188,7 @@ fn load_v4_dir(
             model.clone(),
             format!("V4 model from {what} on the CPU backend"),
         )),
-        facts: facts(model.config()),
+        facts: ModelFacts::of(model.config()),
         model: AnyModel::V4(model),
         tokenizer,
         notice,
@@ -239,7 +230,7 @@ fn load_dir(
     let vocab = engram_vocab(&cfg, &tokenizer, known)?;
     let model = Model::load_with_vocab(dir, vocab).map_err(|e| model_error(&what, e))?;
     tracing::info!(model = %what, "model loaded");
-    let facts = facts(model.config());
+    let facts = ModelFacts::of(model.config());
     let description = format!("V4.1 model from {what} on the CPU backend");
     let model = Arc::new(model);
     Ok(ResolvedModel {

@@ -19,6 +19,9 @@ use deepinfer_model::Model;
 use deepinfer_tests::drift::{Rows, demo_model, drift, fixture_bounds, prompt, report};
 use deepinfer_topology::{NodeConfig, RequestId};
 
+mod engine_support;
+use engine_support::generate_all;
+
 const TIMEOUT: Duration = Duration::from_secs(300);
 
 /// A CPU topology of `dp` ranks with `extra` sections appended.
@@ -44,17 +47,11 @@ fn keep_only(keep: usize) -> String {
 
 /// An engine over `model` whose ranks' rows go to `rows`.
 async fn start(model: &Arc<Model>, node: NodeConfig, rows: &Arc<RowLog>) -> Engine {
-    let cfg = model.config();
     let factory = ModelFactory::new(model.clone(), "prefix engine test");
     let config = EngineConfig {
         node,
         executor: Arc::new(ObservedFactory::new(Arc::new(factory), rows.clone())),
-        model: ModelFacts {
-            vocab_size: cfg.vocab_size,
-            bos_token_id: cfg.bos_token_id,
-            eos_token_id: Some(cfg.eos_token_id),
-            max_context_tokens: cfg.max_position_embeddings,
-        },
+        model: ModelFacts::of(model.config()),
         tokenizer: None,
     };
     Engine::start(config).await.expect("engine starts")
@@ -67,26 +64,11 @@ fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
 }
 
 /// Runs `batches` in order (the requests of a batch at once, a batch after the previous one
-/// ended) with `max_tokens` each; returns every request's tokens in submission order.
+/// ended), greedy, with `max_tokens` each; returns every request's tokens in submission order.
 async fn run(engine: &Engine, batches: &[Vec<Vec<u32>>], max_tokens: usize) -> Vec<Vec<u32>> {
     let mut outputs = Vec::new();
     for batch in batches {
-        let mut streams = Vec::new();
-        for p in batch {
-            streams.push(
-                engine
-                    .generate(request(p, max_tokens))
-                    .await
-                    .expect("admitted"),
-            );
-        }
-        for stream in streams {
-            let done = tokio::time::timeout(TIMEOUT, stream.collect())
-                .await
-                .expect("finishes in time")
-                .expect("completes");
-            outputs.push(done.tokens);
-        }
+        outputs.extend(generate_all(engine, batch, max_tokens, (0.0, 0), TIMEOUT).await);
     }
     outputs
 }

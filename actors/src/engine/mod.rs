@@ -46,6 +46,18 @@ pub struct ModelFacts {
     pub max_context_tokens: usize,
 }
 
+impl ModelFacts {
+    /// The facts of a model's `config.json`.
+    pub fn of(cfg: &deepinfer_model::config::ModelConfig) -> ModelFacts {
+        ModelFacts {
+            vocab_size: cfg.vocab_size,
+            bos_token_id: cfg.bos_token_id,
+            eos_token_id: Some(cfg.eos_token_id),
+            max_context_tokens: cfg.max_position_embeddings,
+        }
+    }
+}
+
 /// Everything `Engine::start` needs.
 pub struct EngineConfig {
     /// The validated topology (`[parallel]`, `[scheduler]`, `[sampling]` are used here).

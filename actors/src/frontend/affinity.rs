@@ -63,23 +63,11 @@ impl Affinity {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prefix_cache::PrefixGeometry;
+    use crate::scheduler::prefix::tests::settings;
 
     #[test]
     fn mirrors_follow_placements_and_forget_least_recently_used_blocks() {
-        let geometry = PrefixGeometry {
-            block_tokens: 4,
-            block_bytes: 10,
-            align: 2,
-            min_replay: 2,
-            exact_replay: None,
-        };
-        let settings = PrefixSettings {
-            budget_bytes: 3 * geometry.cached_block_bytes(),
-            geometry,
-            replay_tokens: 2,
-        };
-        let mut affinity = Affinity::new(2, &settings);
+        let mut affinity = Affinity::new(2, &settings(3));
         let a: Vec<u32> = (0..10).collect();
         assert_eq!(affinity.cached_tokens(&a), [0, 0]);
         affinity.placed(1, &a);

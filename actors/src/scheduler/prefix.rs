@@ -290,10 +290,11 @@ impl RankPrefixCache {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn settings(budget_blocks: u64) -> PrefixSettings {
+    /// 4-token blocks of 10 bytes (26 with their tokens), replays of 2 tokens aligned to 2.
+    pub(crate) fn settings(budget_blocks: u64) -> PrefixSettings {
         let geometry = PrefixGeometry {
             block_tokens: 4,
             block_bytes: 10,
@@ -444,12 +445,13 @@ mod tests {
     mod scheduled {
         use std::collections::HashSet;
 
-        use deepinfer_topology::{DpRank, StepId};
+        use deepinfer_topology::DpRank;
 
         use super::*;
-        use crate::messages::rank::{SeqInput, StepOutput, StepPlan, StepTiming};
+        use crate::messages::rank::{SeqInput, StepOutput, StepPlan};
         use crate::messages::request::RequestSpec;
         use crate::sampling::SamplingParams;
+        use crate::scheduler::state::tests::output_for;
         use crate::scheduler::state::{PREFER_HIT_WINDOW, SchedulerLimits, SchedulerState};
 
         fn scheduler(budget_blocks: u64, running: usize) -> SchedulerState {
@@ -496,23 +498,7 @@ mod tests {
                     CacheOp::Drop(hash) => assert!(kept.remove(hash), "dropped unkept"),
                 }
             }
-            let sampled = plan
-                .work
-                .iter()
-                .filter(|w| !matches!(w.input, SeqInput::Prefill { last: false, .. }))
-                .map(|w| (w.id, 3))
-                .collect();
-            StepOutput {
-                step: plan.step,
-                dp: DpRank(0),
-                mode: plan.mode,
-                sampled,
-                logprobs: Vec::new(),
-                verified: Vec::new(),
-                drafts: Vec::new(),
-                live_sequences: 0,
-                timing: StepTiming::default(),
-            }
+            output_for(plan, 3)
         }
 
         /// Runs every request to its end; returns the plans.
@@ -575,7 +561,6 @@ mod tests {
                 (stats.hit_requests, stats.hit_tokens, stats.skipped_tokens),
                 (1, 12, 10)
             );
-            let _ = StepId(0);
         }
 
         /// Hits are admitted before a waiting miss at most `PREFER_HIT_WINDOW` times.

@@ -1043,7 +1043,7 @@ impl SchedulerState {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::messages::rank::StepTiming;
     use crate::sampling::SamplingParams;
@@ -1074,7 +1074,7 @@ mod tests {
     }
 
     /// Plays the rank: every producing entry samples `token`.
-    fn output_for(plan: &StepPlan, token: u32) -> StepOutput {
+    pub(crate) fn output_for(plan: &StepPlan, token: u32) -> StepOutput {
         let sampled = plan
             .work
             .iter()
