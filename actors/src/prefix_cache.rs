@@ -37,9 +37,10 @@
 //!   blocks (`RankExecutor::store_prefix_block`), the plans carrying the attaches, stores and
 //!   drops in order; the frontend keeps a mirror per rank for placement (`frontend::affinity`).
 //!   [`PrefixGeometry`] is what they need of the model.
-//! - **Not yet:** an attach copies the block's rows into the sequence, so the cache's budget is
-//!   its own, outside the `StatePool`; V4.1 only; not run on CUDA (the blocks are backend
-//!   tensors, so it goes through the `Backend` trait, untested there).
+//!   An attach copies the block's rows into the sequence (the state pool counts them there);
+//!   the cache's own budget comes out of the rank's state budget.
+//! - **Not yet:** V4.1 only; not run on CUDA (the blocks are backend tensors, so it goes
+//!   through the `Backend` trait, untested there).
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_actors::error::EngineError;
 use deepinfer_actors::messages::scheduler::PrefixStats;
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
@@ -370,4 +371,46 @@ async fn demo_requests_sharing_a_system_prompt_hit_and_stay_exact_at_the_default
     );
     assert_eq!(s.counters.skipped_tokens, 256 - 140);
     assert!(s.cached_bytes > 0 && s.cached_bytes <= s.budget_bytes);
+}
+
+/// The cache's bytes come out of the rank's state budget (`[memory]`): the pool gets the rest,
+/// and a cache that leaves nothing is refused naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_pool_gets_the_rank_budget_less_the_cache() {
+    let model = Arc::new(deepinfer_tests::v41_tiny_model());
+    let bytes = deepinfer_model::state_bytes::StateBytes::of(model.config());
+    let block = bytes.block_bytes();
+    let rows = Arc::new(RowLog::new());
+    let scheduler = "max_batched_tokens = 256\nprefill_chunk_tokens = 64";
+    let memory = |budget: u64| format!("[memory]\nstate_bytes_per_rank = {budget}\n");
+    let cache_bytes = 40 * block;
+    let on = format!(
+        "{}{}",
+        memory(100 * block),
+        cache(cache_bytes, "bounded", 22)
+    );
+    let engine = start(&model, node(1, scheduler, &on), &rows).await;
+    let stats = engine.handle().scheduler_stats().await.expect("stats");
+    assert_eq!(
+        stats[0].state_blocks_total, 60,
+        "(100 - 40) blocks of state"
+    );
+    assert_eq!(stats[0].prefix.budget_bytes, cache_bytes);
+    shutdown(engine).await;
+    let all = format!(
+        "{}{}",
+        memory(cache_bytes),
+        cache(cache_bytes, "bounded", 22)
+    );
+    let config = EngineConfig {
+        node: node(1, scheduler, &all),
+        executor: Arc::new(ModelFactory::new(model.clone(), "v41-tiny")),
+        model: ModelFacts::of(model.config()),
+        tokenizer: None,
+    };
+    let error = Engine::start(config).await.expect_err("refused");
+    assert!(
+        matches!(&error, EngineError::Config { field, .. } if field == "prefix_cache.bytes_per_rank"),
+        "{error}"
+    );
 }

@@ -260,8 +260,9 @@ pub struct RawMemoryConfig {
 #[serde(deny_unknown_fields)]
 pub struct RawPrefixCacheConfig {
     /// Bytes of cached prefix blocks per DP rank (compressed KV, index keys, Engram entries and
-    /// their tokens), held where the rank's states live; 0 turns the cache off. Needs decoder
-    /// bounded replay (`replay.decoder_keep_tokens` > 0) and a V4.1 model. Default: 0.
+    /// their tokens), held where the rank's states live and taken out of the rank's `[memory]`
+    /// budget; 0 turns the cache off. Needs decoder bounded replay
+    /// (`replay.decoder_keep_tokens` > 0) and a V4.1 model. Default: 0.
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub bytes_per_rank: Option<u64>,
     /// How many tokens a hit replays to rebuild the windows: `"bounded"` replays

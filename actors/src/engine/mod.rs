@@ -121,8 +121,14 @@ impl EngineConfig {
 }
 
 /// Each rank's state pool, when the executors have a byte model and the budget is known; the
-/// memory plan of one rank is logged.
-fn state_pool(config: &EngineConfig, dp_ranks: usize) -> Result<Option<StatePool>, EngineError> {
+/// memory plan of one rank is logged. The prefix cache's bytes (`prefix`) come out of the
+/// rank's budget: the pool gets the rest, so the states and the cached blocks together stay
+/// within it.
+fn state_pool(
+    config: &EngineConfig,
+    dp_ranks: usize,
+    prefix: Option<&PrefixSettings>,
+) -> Result<Option<StatePool>, EngineError> {
     let Some(model) = config.executor.state_bytes() else {
         return Ok(None);
     };
@@ -133,6 +139,20 @@ fn state_pool(config: &EngineConfig, dp_ranks: usize) -> Result<Option<StatePool
              (give memory.state_bytes_per_rank to bound the states)"
         );
         return Ok(None);
+    };
+    let budget = match prefix {
+        Some(cache) => budget
+            .checked_sub(cache.budget_bytes)
+            .filter(|&rest| rest > 0)
+            .ok_or_else(|| EngineError::Config {
+                field: "prefix_cache.bytes_per_rank".into(),
+                message: format!(
+                    "{} bytes leave nothing of the rank's state budget of {budget} bytes \
+                     ([memory]), which the cache shares",
+                    cache.budget_bytes
+                ),
+            })?,
+        None => budget,
     };
     let pool = StatePool::new(model, budget);
     let usage = pool.usage();
@@ -320,13 +340,13 @@ impl Engine {
             None => None,
         };
         tracing::info!(dp = dp_ranks, executor = %config.executor.describe(), "engine starting");
-        let state_pool = state_pool(&config, dp_ranks)?;
         let prefix = PrefixSettings::for_engine(
             &config.node.prefix_cache,
             &config.node.replay,
             config.executor.prefix_geometry(),
             &config.executor.describe(),
         )?;
+        let state_pool = state_pool(&config, dp_ranks, prefix.as_ref())?;
         let (handles_tx, handles_rx) = oneshot::channel();
         let args = SupervisorArgs {
             dp_ranks,
