@@ -70,6 +70,10 @@ impl ExecutorFactory for ExpertParallelFactory {
         ))
     }
 
+    fn prefix_geometry(&self) -> Option<crate::prefix_cache::PrefixGeometry> {
+        Some(crate::prefix_cache::PrefixGeometry::of(self.model.config()))
+    }
+
     /// The model's window, so bounded replay is planned under expert parallelism too (the
     /// executor runs `forward_replay_with_experts`).
     fn sliding_window(&self) -> Option<usize> {
