@@ -400,4 +400,42 @@ mod tests {
             assert!(seen.insert(name), "duplicate {name}");
         }
     }
+
+    /// A rank's prefix-cache stats become its counters and gauge, labelled by rank; a rank
+    /// without the cache records nothing.
+    #[test]
+    fn prefix_cache_stats_are_recorded_per_rank() {
+        use crate::scheduler::prefix::PrefixCounters;
+        let recorder = crate::prometheus::local_recorder().expect("recorder");
+        let stats = PrefixStats {
+            counters: PrefixCounters {
+                requests: 2,
+                hit_requests: 1,
+                prompt_tokens: 860,
+                hit_tokens: 256,
+                skipped_tokens: 116,
+            },
+            cached_bytes: 4096,
+            cached_blocks: 4,
+            evictions: 3,
+            budget_bytes: 1 << 20,
+        };
+        metrics::with_local_recorder(&recorder, || {
+            record_prefix_cache("1", &stats);
+            record_prefix_cache("0", &PrefixStats::default());
+        });
+        let page = recorder.handle().render();
+        for line in [
+            "deepinfer_prefix_cache_requests_total{dp=\"1\"} 2",
+            "deepinfer_prefix_cache_hit_requests_total{dp=\"1\"} 1",
+            "deepinfer_prefix_cache_prompt_tokens_total{dp=\"1\"} 860",
+            "deepinfer_prefix_cache_hit_tokens_total{dp=\"1\"} 256",
+            "deepinfer_prefix_cache_skipped_tokens_total{dp=\"1\"} 116",
+            "deepinfer_prefix_cache_evictions_total{dp=\"1\"} 3",
+            "deepinfer_prefix_cache_bytes{dp=\"1\"} 4096",
+        ] {
+            assert!(page.contains(line), "{line} missing from\n{page}");
+        }
+        assert!(!page.contains("dp=\"0\""), "{page}");
+    }
 }
