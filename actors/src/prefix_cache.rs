@@ -161,16 +161,22 @@ impl<B> PrefixCache<B> {
 
     /// The keys of every complete block of `tokens` under `salt`, in order.
     pub fn chain(&self, salt: u64, tokens: &[u32]) -> Vec<BlockHash> {
+        self.keys(salt, tokens).map(|(hash, _)| hash).collect()
+    }
+
+    /// Each complete block of `tokens` with its key, computed as the walk goes.
+    fn keys<'t>(
+        &self,
+        salt: u64,
+        tokens: &'t [u32],
+    ) -> impl Iterator<Item = (BlockHash, &'t [u32])> + use<'t, B> {
         let mut parent = salt;
-        tokens
-            .chunks_exact(self.block_tokens)
-            .map(|block| {
-                let mut h = DefaultHasher::new();
-                (parent, salt, block).hash(&mut h);
-                parent = h.finish();
-                BlockHash(parent)
-            })
-            .collect()
+        tokens.chunks_exact(self.block_tokens).map(move |block| {
+            let mut h = DefaultHasher::new();
+            (parent, salt, block).hash(&mut h);
+            parent = h.finish();
+            (BlockHash(parent), block)
+        })
     }
 
     /// The longest chain of cached blocks that starts `tokens` and covers at most `limit` tokens:
@@ -194,15 +200,15 @@ impl<B> PrefixCache<B> {
         self.find(salt, tokens, limit.min(tokens.len())).len()
     }
 
+    /// The walk stops at the first block not cached: a miss hashes one block.
     fn find(&self, salt: u64, tokens: &[u32], limit: usize) -> Vec<(BlockHash, Arc<B>)> {
-        let chain = self.chain(salt, &tokens[..limit]);
         let mut found = Vec::new();
         let mut parent = None;
-        for (hash, block_tokens) in chain.iter().zip(tokens.chunks_exact(self.block_tokens)) {
-            match self.entries.get(hash) {
+        for (hash, block_tokens) in self.keys(salt, &tokens[..limit]) {
+            match self.entries.get(&hash) {
                 Some(e) if e.parent == parent && e.tokens == block_tokens => {
-                    found.push((*hash, e.block.clone()));
-                    parent = Some(*hash);
+                    found.push((hash, e.block.clone()));
+                    parent = Some(hash);
                 }
                 _ => break,
             }
