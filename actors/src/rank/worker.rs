@@ -27,6 +27,11 @@
 //! the sampling); only the proposal's confidences leave the thread (in the step output).
 //! Grammar-constrained sequences are never drafted for: the scheduler gives them plain `Decode`s,
 //! and a `Verify` of one runs as a decode.
+//!
+//! Prefix cache: a new sequence attaches its hit's blocks right after it is created (before the
+//! step's work); the plan's cache ops (stores, then the drops of evicted blocks, in the
+//! scheduler's order) run after the work and the drafting, before the finished sequences are
+//! freed.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
