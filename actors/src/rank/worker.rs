@@ -29,7 +29,7 @@
 //! and a `Verify` of one runs as a decode.
 //!
 //! Prefix cache: a new sequence attaches its hit's blocks right after it is created (before the
-//! step's work); the plan's cache ops (stores, then the drops of evicted blocks, in the
+//! step's work); the plan's cache ops (stores and the drops of the blocks they evicted, in the
 //! scheduler's order) run after the work and the drafting, before the finished sequences are
 //! freed.
 
