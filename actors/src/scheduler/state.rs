@@ -52,8 +52,9 @@ use crate::dspark::schedule::{
 };
 use crate::error::EngineError;
 use crate::messages::dspark::ProposalBatch;
-use crate::messages::rank::{CacheOp, PrefixAttach};
-use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
+use crate::messages::rank::{
+    NewSeq, PrefixAttach, SeqInput, SeqWork, StepMode, StepOutput, StepPlan,
+};
 use crate::messages::request::{FinishReason, RequestSpec, Usage};
 use crate::messages::scheduler::{PrefixStats, SchedulerStats};
 use crate::sampling::TokenLogprobs;
@@ -840,7 +841,7 @@ impl SchedulerState {
             mode: StepMode::Idle,
             new_seqs: Vec::new(),
             work: Vec::new(),
-            cache_ops: Vec::<CacheOp>::new(),
+            cache_ops: Vec::new(),
             finished,
         })
     }
