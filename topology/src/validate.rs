@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use crate::error::TopologyError;
 use crate::ids::{DpRank, EpRank};
 use crate::raw::{
-    RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
-    RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
+    RawArch, RawBackend, RawClusterConfig, RawDSparkConfig, RawDeviceConfig, RawEplbConfig,
+    RawJobConfig, RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
     RawParallelConfig, RawReplayConfig, RawSamplingConfig, RawSchedulerConfig, RawServerConfig,
 };
 
@@ -51,6 +51,8 @@ pub struct NodeConfig {
     pub job: JobConfig,
     /// `[server]`.
     pub server: ServerConfig,
+    /// `[cluster]`.
+    pub cluster: ClusterConfig,
 }
 
 /// `[model]`, validated.
@@ -264,6 +266,21 @@ pub struct ServerConfig {
     pub shutdown_timeout_seconds: u32,
 }
 
+/// `[cluster]`, validated: where this process sits among the nodes of one deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// This process's node index (< `device.nodes`). Default: 0.
+    pub node: u16,
+    /// Where node 0 listens while the nodes join (`Some` exactly when `device.nodes > 1`).
+    pub bootstrap: Option<SocketAddr>,
+    /// Where this node's expert server listens (port 0: any free port). Default: 127.0.0.1:0.
+    pub expert_listen: SocketAddr,
+    /// Longest wait of one exchange between nodes. Default: 30 s.
+    pub exchange_timeout: std::time::Duration,
+    /// Longest wait for every node to join. Default: 600 s.
+    pub bootstrap_timeout: std::time::Duration,
+}
+
 /// What the topology must agree with in the model's `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModelDims {
@@ -329,6 +346,7 @@ impl NodeConfig {
         let metrics = metrics_config(&check, raw.metrics)?;
         let job = job_config(&check, raw.job)?;
         let server = server_config(&check, raw.server)?;
+        let cluster = cluster_config(&check, raw.cluster, &device, &parallel, &eplb)?;
         let config = Self {
             origin: origin.to_owned(),
             model,
@@ -343,6 +361,7 @@ impl NodeConfig {
             metrics,
             job,
             server,
+            cluster,
         };
         if let Some(routed_experts) = config.model.routed_experts {
             config.check_expert_placement(&check, routed_experts)?;
@@ -473,6 +492,20 @@ impl NodeConfig {
     pub fn ep_ranks(&self) -> impl Iterator<Item = EpRank> + use<> {
         (0..self.parallel.ep).map(EpRank)
     }
+
+    /// The attention DP ranks this process runs (`parallel.dp / device.nodes`; a process numbers
+    /// its own from 0, node `n`'s rank `r` being global DP rank `n * dp_on_node + r`).
+    pub fn dp_on_node(&self) -> u16 {
+        self.parallel.dp / self.device.nodes
+    }
+
+    /// The EP ranks whose experts this process holds: node `n` of `N` holds the `n`-th of `N`
+    /// contiguous blocks of `parallel.ep`.
+    pub fn ep_ranks_on_node(&self) -> std::ops::Range<u16> {
+        let per_node = self.parallel.ep / self.device.nodes;
+        let first = self.cluster.node * per_node;
+        first..first + per_node
+    }
 }
 
 fn model_config(check: &Checker<'_>, raw: RawModelConfig) -> Result<ModelConfig, TopologyError> {
@@ -558,12 +591,6 @@ fn device_config(check: &Checker<'_>, raw: RawDeviceConfig) -> Result<DeviceConf
                 return Err(check.invalid(
                     "device.numerics",
                     "only applies with device.backend = \"cuda\" (the CPU backend is the reference)",
-                ));
-            }
-            if nodes != 1 {
-                return Err(check.invalid(
-                    "device.nodes",
-                    format!("the CPU backend runs on one node, got {nodes}"),
                 ));
             }
             Ok(DeviceConfig {
@@ -846,6 +873,82 @@ fn server_config(check: &Checker<'_>, raw: RawServerConfig) -> Result<ServerConf
             1024,
         )?,
         shutdown_timeout_seconds: raw.shutdown_timeout_seconds.unwrap_or(30),
+    })
+}
+
+fn cluster_config(
+    check: &Checker<'_>,
+    raw: RawClusterConfig,
+    device: &DeviceConfig,
+    parallel: &ParallelConfig,
+    eplb: &EplbConfig,
+) -> Result<ClusterConfig, TopologyError> {
+    let nodes = device.nodes;
+    let node = raw.node.unwrap_or(0);
+    if node >= nodes {
+        return Err(check.invalid(
+            "cluster.node",
+            format!("must be below device.nodes = {nodes}, got {node}"),
+        ));
+    }
+    let bootstrap = match (raw.bootstrap, nodes) {
+        (Some(_), 1) => {
+            return Err(check.invalid("cluster.bootstrap", "only applies with device.nodes > 1"));
+        }
+        (None, 1) => None,
+        (None, _) => {
+            return Err(check.invalid(
+                "cluster.bootstrap",
+                format!("device.nodes = {nodes} needs node 0's IP:port, e.g. \"10.0.0.1:29500\""),
+            ));
+        }
+        (Some(text), _) => {
+            Some(parse_listen_address(&text).map_err(|p| check.invalid("cluster.bootstrap", p))?)
+        }
+    };
+    if nodes > 1 {
+        if let Backend::Cuda { .. } = device.backend {
+            return Err(check.invalid(
+                "device.nodes",
+                "several nodes run on the CPU backend only so far (the NCCL transport of CUDA \
+                 ranks across nodes is designed in README.md, not built)",
+            ));
+        }
+        for (field, ranks) in [("parallel.dp", parallel.dp), ("parallel.ep", parallel.ep)] {
+            if !ranks.is_multiple_of(nodes) {
+                return Err(check.invalid(
+                    field,
+                    format!("{ranks} ranks do not divide over device.nodes = {nodes}"),
+                ));
+            }
+        }
+        if eplb.enabled {
+            return Err(check.invalid(
+                "eplb.enabled",
+                "live EPLB across nodes is not built yet; use false with device.nodes > 1",
+            ));
+        }
+    }
+    let expert_listen = parse_listen_address(raw.expert_listen.as_deref().unwrap_or("127.0.0.1:0"))
+        .map_err(|p| check.invalid("cluster.expert_listen", p))?;
+    let exchange_ms = check.in_range(
+        "cluster.exchange_timeout_ms",
+        raw.exchange_timeout_ms.unwrap_or(30_000),
+        1,
+        3_600_000,
+    )?;
+    let bootstrap_s = check.in_range(
+        "cluster.bootstrap_timeout_seconds",
+        raw.bootstrap_timeout_seconds.unwrap_or(600),
+        1,
+        86_400,
+    )?;
+    Ok(ClusterConfig {
+        node,
+        bootstrap,
+        expert_listen,
+        exchange_timeout: std::time::Duration::from_millis(u64::from(exchange_ms)),
+        bootstrap_timeout: std::time::Duration::from_secs(u64::from(bootstrap_s)),
     })
 }
 

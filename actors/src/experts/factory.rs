@@ -23,20 +23,33 @@ pub struct ExpertParallelFactory {
 
 impl ExpertParallelFactory {
     /// The factory for `node`'s `[parallel] ep` and `[eplb]` over `model` (epoch 0 = the
-    /// placement for equal loads).
+    /// placement for equal loads); with several `[device] nodes`, this node's EP ranks only,
+    /// after every node joined (`ExpertParallel::on_node`).
     pub fn new(
         model: Arc<Model>,
         node: &NodeConfig,
         description: String,
     ) -> Result<ExpertParallelFactory, EpError> {
         let settings = EpSettings::from_node(node);
-        let parallel = ExpertParallel::new(model.clone(), settings)?;
+        let parallel = if node.device.nodes > 1 {
+            ExpertParallel::on_node(model.clone(), settings, &node.cluster)?
+        } else {
+            ExpertParallel::new(model.clone(), settings)?
+        };
         Ok(ExpertParallelFactory {
             model,
             parallel,
             description: format!(
-                "{description}, experts over {} EP ranks (+{} redundant slots per layer, EPLB {})",
+                "{description}, experts over {} EP ranks{} (+{} redundant slots per layer, EPLB {})",
                 settings.ep_ranks,
+                match node.device.nodes {
+                    1 => String::new(),
+                    n => format!(
+                        " of {n} nodes (this is node {}, holding EP ranks {:?})",
+                        node.cluster.node,
+                        node.ep_ranks_on_node()
+                    ),
+                },
                 settings.redundant_experts,
                 if settings.eplb.enabled { "on" } else { "off" }
             ),
