@@ -303,8 +303,10 @@ pub struct RawClusterConfig {
     /// `n * dp / nodes ..` and `n * ep / nodes ..` (contiguous blocks). Default: 0.
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub node: Option<u16>,
-    /// IP:port node 0 listens on while the nodes join, and the others connect to. Required when
-    /// `device.nodes > 1`; not allowed otherwise.
+    /// IP:port node 0 listens on while the nodes join, and the others connect to: set, the
+    /// process runs one node of a deployment of `device.nodes` processes (needed to serve with
+    /// `device.nodes > 1`; `--simulate` runs every node in one process without it). Only with
+    /// `device.nodes > 1`.
     #[serde(default, deserialize_with = "crate::strict::text")]
     pub bootstrap: Option<String>,
     /// IP:port this node's expert server listens on (the other nodes send it the rows of its EP

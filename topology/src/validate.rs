@@ -346,7 +346,7 @@ impl NodeConfig {
         let metrics = metrics_config(&check, raw.metrics)?;
         let job = job_config(&check, raw.job)?;
         let server = server_config(&check, raw.server)?;
-        let cluster = cluster_config(&check, raw.cluster, &device, &parallel, &eplb)?;
+        let cluster = cluster_config(&check, raw.cluster, &device, &parallel)?;
         let config = Self {
             origin: origin.to_owned(),
             model,
@@ -493,18 +493,33 @@ impl NodeConfig {
         (0..self.parallel.ep).map(EpRank)
     }
 
-    /// The attention DP ranks this process runs (`parallel.dp / device.nodes`; a process numbers
-    /// its own from 0, node `n`'s rank `r` being global DP rank `n * dp_on_node + r`).
-    pub fn dp_on_node(&self) -> u16 {
-        self.parallel.dp / self.device.nodes
+    /// Nodes whose ranks one process runs: every node (one node, or `--simulate`), unless the
+    /// topology joins a deployment of one `deepinfer-node` per node (`cluster.bootstrap`).
+    fn nodes_per_process(&self) -> u16 {
+        match self.cluster.bootstrap {
+            Some(_) => 1,
+            None => self.device.nodes,
+        }
     }
 
-    /// The EP ranks whose experts this process holds: node `n` of `N` holds the `n`-th of `N`
-    /// contiguous blocks of `parallel.ep`.
+    /// The attention DP ranks this process runs: all of them, or `parallel.dp / device.nodes`
+    /// on one node of a deployment (a process numbers its own from 0; node `n`'s rank `r` is
+    /// global DP rank `n * dp_on_node + r`).
+    pub fn dp_on_node(&self) -> u16 {
+        self.parallel.dp / self.device.nodes * self.nodes_per_process()
+    }
+
+    /// The EP ranks whose experts this process holds: all of them, or on node `n` of `N` of a
+    /// deployment the `n`-th of `N` contiguous blocks of `parallel.ep`.
     pub fn ep_ranks_on_node(&self) -> std::ops::Range<u16> {
-        let per_node = self.parallel.ep / self.device.nodes;
-        let first = self.cluster.node * per_node;
-        first..first + per_node
+        match self.cluster.bootstrap {
+            None => 0..self.parallel.ep,
+            Some(_) => {
+                let per_node = self.parallel.ep / self.device.nodes;
+                let first = self.cluster.node * per_node;
+                first..first + per_node
+            }
+        }
     }
 }
 
@@ -881,7 +896,6 @@ fn cluster_config(
     raw: RawClusterConfig,
     device: &DeviceConfig,
     parallel: &ParallelConfig,
-    eplb: &EplbConfig,
 ) -> Result<ClusterConfig, TopologyError> {
     let nodes = device.nodes;
     let node = raw.node.unwrap_or(0);
@@ -895,25 +909,12 @@ fn cluster_config(
         (Some(_), 1) => {
             return Err(check.invalid("cluster.bootstrap", "only applies with device.nodes > 1"));
         }
-        (None, 1) => None,
-        (None, _) => {
-            return Err(check.invalid(
-                "cluster.bootstrap",
-                format!("device.nodes = {nodes} needs node 0's IP:port, e.g. \"10.0.0.1:29500\""),
-            ));
-        }
+        (None, _) => None,
         (Some(text), _) => {
             Some(parse_listen_address(&text).map_err(|p| check.invalid("cluster.bootstrap", p))?)
         }
     };
-    if nodes > 1 {
-        if let Backend::Cuda { .. } = device.backend {
-            return Err(check.invalid(
-                "device.nodes",
-                "several nodes run on the CPU backend only so far (the NCCL transport of CUDA \
-                 ranks across nodes is designed in README.md, not built)",
-            ));
-        }
+    if bootstrap.is_some() {
         for (field, ranks) in [("parallel.dp", parallel.dp), ("parallel.ep", parallel.ep)] {
             if !ranks.is_multiple_of(nodes) {
                 return Err(check.invalid(
@@ -921,12 +922,6 @@ fn cluster_config(
                     format!("{ranks} ranks do not divide over device.nodes = {nodes}"),
                 ));
             }
-        }
-        if eplb.enabled {
-            return Err(check.invalid(
-                "eplb.enabled",
-                "live EPLB across nodes is not built yet; use false with device.nodes > 1",
-            ));
         }
     }
     let expert_listen = parse_listen_address(raw.expert_listen.as_deref().unwrap_or("127.0.0.1:0"))

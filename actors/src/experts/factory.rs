@@ -31,7 +31,7 @@ impl ExpertParallelFactory {
         description: String,
     ) -> Result<ExpertParallelFactory, EpError> {
         let settings = EpSettings::from_node(node);
-        let parallel = if node.device.nodes > 1 {
+        let parallel = if node.cluster.bootstrap.is_some() {
             ExpertParallel::on_node(model.clone(), settings, &node.cluster)?
         } else {
             ExpertParallel::new(model.clone(), settings)?
@@ -42,10 +42,11 @@ impl ExpertParallelFactory {
             description: format!(
                 "{description}, experts over {} EP ranks{} (+{} redundant slots per layer, EPLB {})",
                 settings.ep_ranks,
-                match node.device.nodes {
-                    1 => String::new(),
-                    n => format!(
-                        " of {n} nodes (this is node {}, holding EP ranks {:?})",
+                match node.cluster.bootstrap {
+                    None => String::new(),
+                    Some(_) => format!(
+                        " of {} nodes (this is node {}, holding EP ranks {:?})",
+                        node.device.nodes,
                         node.cluster.node,
                         node.ep_ranks_on_node()
                     ),
