@@ -176,6 +176,7 @@ fn follow(bootstrap: SocketAddr, me: Member, deadline: Instant) -> Result<Joined
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::free_loopback;
 
     fn member(node: u16, fingerprint: u64, port: u16) -> Member {
         Member {
@@ -186,17 +187,11 @@ mod tests {
         }
     }
 
-    fn free_port() -> SocketAddr {
-        TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-    }
-
     /// Node 1 may start before node 0; both get the same session and table. Another fingerprint
     /// is refused by name, and a node that never comes is a timeout naming it.
     #[test]
     fn nodes_join_or_fail_with_a_reason() {
-        let boot = free_port();
+        let boot = free_loopback();
         let second = thread::spawn(move || join(boot, member(1, 7, 2002), Duration::from_secs(20)));
         thread::sleep(Duration::from_millis(200));
         let first = join(boot, member(0, 7, 2001), Duration::from_secs(20)).expect("node 0");
@@ -204,7 +199,7 @@ mod tests {
         assert_eq!(first, second);
         assert_eq!(first.experts[1].port(), 2002);
 
-        let boot = free_port();
+        let boot = free_loopback();
         let other = thread::spawn(move || join(boot, member(1, 8, 2002), Duration::from_secs(20)));
         let lead = join(boot, member(0, 7, 2001), Duration::from_secs(20));
         let err = lead.expect_err("another fingerprint").to_string();
@@ -216,7 +211,7 @@ mod tests {
             .to_string();
         assert!(err.contains("node 0 refused node 1"), "{err}");
 
-        let boot = free_port();
+        let boot = free_loopback();
         let started = Instant::now();
         let err = join(boot, member(0, 7, 2001), Duration::from_millis(300))
             .expect_err("nobody joins")

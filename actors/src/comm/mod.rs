@@ -41,6 +41,14 @@ use deepinfer_topology::{DpRank, EpRank, PlacementEpoch, PlacementError};
 
 pub use local::{LayerPlan, LocalComm, replica_index, token_key};
 
+/// A loopback address whose port is free right now (for tests over real sockets).
+#[cfg(test)]
+pub(crate) fn free_loopback() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+}
+
 /// An expert-parallel failure: a placement or shard that does not fit the model, a stale epoch.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum EpError {

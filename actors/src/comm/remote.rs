@@ -288,6 +288,7 @@ fn answer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::free_loopback;
     use crate::comm::{Comm, StepExperts};
     use crate::experts::parallel::{EpSettings, EplbSchedule};
     use crate::experts::tiny_test_model;
@@ -296,12 +297,6 @@ mod tests {
 
     fn bits(values: &[f32]) -> Vec<u32> {
         values.iter().map(|v| v.to_bits()).collect()
-    }
-
-    fn free_port() -> SocketAddr {
-        TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
     }
 
     /// Two nodes in one process over real loopback sockets (ep = 4, two EP ranks each): each
@@ -321,7 +316,7 @@ mod tests {
                 interval_steps: 1,
             },
         };
-        let bootstrap = Some(free_port());
+        let bootstrap = Some(free_loopback());
         let cluster = move |node: u16| ClusterConfig {
             node,
             bootstrap,
@@ -368,7 +363,7 @@ mod tests {
     #[test]
     fn a_silent_or_gone_peer_fails_the_exchange_by_name_without_a_hang() {
         let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
-        let gone = free_port();
+        let gone = free_loopback();
         let experts = [
             "127.0.0.1:1".parse().expect("address"),
             silent.local_addr().expect("address"),
