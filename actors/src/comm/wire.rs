@@ -15,6 +15,8 @@ const MAGIC: u32 = 0x5045_4944;
 pub const MAX_ROWS: u32 = 1 << 22;
 /// Widest row (f32 values).
 pub const MAX_DIM: u32 = 1 << 16;
+/// Most f32 values in one frame (1 GiB).
+pub const MAX_VALUES: u32 = 1 << 28;
 /// Longest text (an address, a failure message) or node table.
 const MAX_TEXT: u32 = 1 << 16;
 
@@ -108,7 +110,12 @@ impl Frame {
         }
     }
     fn text(&mut self, text: &str) {
-        let bytes = &text.as_bytes()[..text.len().min(MAX_TEXT as usize)];
+        // Cut at a character boundary, so a long message stays UTF-8.
+        let end = (0..=text.len().min(MAX_TEXT as usize))
+            .rev()
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        let bytes = &text.as_bytes()[..end];
         self.u32(bytes.len() as u32);
         self.0.extend_from_slice(bytes);
     }
@@ -222,6 +229,11 @@ impl Dispatch {
         let rank = u16_of(r)?;
         let count = bounded(u32_of(r)?, MAX_ROWS, "row count")?;
         let dim = bounded(u32_of(r)?, MAX_DIM, "row width")?;
+        bounded(
+            u32::try_from(count * dim).unwrap_or(u32::MAX),
+            MAX_VALUES,
+            "rows x width",
+        )?;
         let mut slots = Vec::with_capacity(count);
         let mut weights = Vec::with_capacity(count);
         for _ in 0..count {
@@ -262,7 +274,7 @@ impl Reply {
         match expect_kind(r, &[COMBINE, FAILURE])? {
             COMBINE => {
                 let tag = tag_of(r)?;
-                let values = bounded(u32_of(r)?, MAX_ROWS.saturating_mul(16), "output values")?;
+                let values = bounded(u32_of(r)?, MAX_VALUES, "output values")?;
                 Ok(Reply::Combine {
                     tag,
                     outputs: f32s_of(r, values)?,
@@ -390,5 +402,12 @@ mod tests {
         huge.u32(u32::MAX);
         let err = Dispatch::receive(&mut huge.0.as_slice()).expect_err("too many rows");
         assert!(err.to_string().contains("row count"), "{err}");
+        let mut wide = Frame::new(DISPATCH);
+        wide.tag(tag);
+        wide.u16(0);
+        wide.u32(MAX_ROWS);
+        wide.u32(MAX_DIM);
+        let err = Dispatch::receive(&mut wide.0.as_slice()).expect_err("too many values");
+        assert!(err.to_string().contains("rows x width"), "{err}");
     }
 }
