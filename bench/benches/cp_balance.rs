@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use deepinfer_bench::v41_block::{BlockWidth, block_config};
+use deepinfer_bench::block::{BlockFamily, BlockWidth, block_config};
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::cost::token_parts;
 use deepinfer_model::v41::context_parallel::{CpSplit, rank_rows};
@@ -35,7 +35,7 @@ fn show(devs: &[f64]) -> String {
 
 fn main() -> anyhow::Result<()> {
     let prompt = 128 * 1024;
-    let cfg = block_config(BlockWidth::Real, 1024, prompt);
+    let cfg = block_config(BlockFamily::V41, BlockWidth::Real, 1024, prompt);
     let flops: Vec<f64> = (0..prompt)
         .map(|p| token_parts(&cfg, p).attention.flops)
         .collect();
@@ -66,7 +66,7 @@ fn main() -> anyhow::Result<()> {
 
     let len = 4096;
     let dir = tempfile::tempdir()?;
-    let narrow = block_config(BlockWidth::Narrow, 512, len);
+    let narrow = block_config(BlockFamily::V41, BlockWidth::Narrow, 512, len);
     write_random_checkpoint(&narrow, 7, dir.path(), 1)?;
     let model = Model::load(dir.path())?;
     let tokens: Vec<u32> = (0..len as u32).map(|i| 3 + i * 7919 % 509).collect();

@@ -1,15 +1,16 @@
-//! Whole-step timing of a V4.1 [`Model`] on any backend: the prefill of several sequences, then
+//! Whole-step timing of a model of either family ([`AnyModel`]) on any backend: the prefill of several sequences, then
 //! decode steps in which every sequence appends one (greedy) token. A step is one
-//! [`Model::forward_step`] over all sequences (every op runs once over the step's rows), as the
+//! [`AnyModel::forward_step`] over all sequences (every op runs once over the step's rows), as the
 //! runtime's rank executor runs it. Times are host wall-clock: every backend op returns its result
 //! to the host, so an op has finished when the call returns.
 
 use std::time::Instant;
 
+use deepinfer_model::LogitsWanted;
+use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry};
 pub use deepinfer_model::backend::cpu::argmax;
 use deepinfer_model::error::ModelError;
 use deepinfer_model::sampling::SamplingParams;
-use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
 
 /// What one batch did and how long it took.
 #[derive(Debug, Clone)]
@@ -79,7 +80,7 @@ pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
 /// Prefills one sequence per prompt length (prompts drawn with [`prompt_tokens`] from `seed + i`),
 /// then runs `steps` decode steps over all of them. Returns the timings.
 pub fn measure_batch(
-    model: &Model,
+    model: &AnyModel,
     prompt_lens: &[usize],
     steps: usize,
     seed: u64,
@@ -90,7 +91,7 @@ pub fn measure_batch(
         .enumerate()
         .map(|(i, &len)| prompt_tokens(seed + i as u64, len, 3, vocab))
         .collect();
-    let mut sequences: Vec<SequenceState> = prompts.iter().map(|_| model.new_sequence()).collect();
+    let mut sequences: Vec<AnySequence> = prompts.iter().map(|_| model.new_sequence()).collect();
     let started = Instant::now();
     let mut next = step(model, &mut sequences, |i| &prompts[i])?;
     let prefill_seconds = started.elapsed().as_secs_f64();
@@ -105,8 +106,8 @@ pub fn measure_batch(
 /// Decode steps over `batch` copies of one prefilled sequence, copy `i` starting from token
 /// `(first + i) mod vocab` (so the copies route differently). `prompt_len` is the prefilled length.
 pub fn measure_decode_from(
-    model: &Model,
-    prefilled: &SequenceState,
+    model: &AnyModel,
+    prefilled: &AnySequence,
     first: u32,
     batch: usize,
     steps: usize,
@@ -125,8 +126,8 @@ pub fn measure_decode_from(
 /// `steps` decode steps: in each, sequence `i` appends `next[i]` and `next[i]` becomes its greedy
 /// token. Returns each step's seconds.
 pub fn decode_steps(
-    model: &Model,
-    sequences: &mut [SequenceState],
+    model: &AnyModel,
+    sequences: &mut [AnySequence],
     next: &mut [u32],
     steps: usize,
 ) -> Result<Vec<f64>, ModelError> {
@@ -140,25 +141,24 @@ pub fn decode_steps(
     Ok(step_seconds)
 }
 
-/// One [`Model::forward_step`] in which sequence `i` appends `tokens(i)`; the greedy token after
+/// One [`AnyModel::forward_step`] in which sequence `i` appends `tokens(i)`; the greedy token after
 /// each (sampled on the backend: the logits stay where they are computed).
 fn step<'t>(
-    model: &Model,
-    sequences: &mut [SequenceState],
+    model: &AnyModel,
+    sequences: &mut [AnySequence],
     tokens: impl Fn(usize) -> &'t [u32],
 ) -> Result<Vec<u32>, ModelError> {
-    let mut entries: Vec<StepEntry<'_>> = sequences
+    let mut entries: Vec<AnyStepEntry<'_>> = sequences
         .iter_mut()
         .enumerate()
-        .map(|(i, seq)| StepEntry {
+        .map(|(i, seq)| AnyStepEntry {
             seq,
             tokens: tokens(i),
             want: LogitsWanted::Last,
-            decoder_from: None,
             sample: Some(SamplingParams::greedy()),
         })
         .collect();
-    let outputs = model.forward_step(&mut entries, None)?;
+    let outputs = model.forward_step(&mut entries)?;
     Ok(outputs
         .into_iter()
         .map(|out| {
@@ -172,7 +172,7 @@ fn step<'t>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::v41_block::{BlockWidth, block_config, prepare_checkpoint};
+    use crate::block::{BlockFamily, BlockWidth, block_config, prepare_checkpoint};
     use deepinfer_model::backend::CpuBackend;
     use deepinfer_model::checkpoint::Checkpoint;
 
@@ -196,34 +196,38 @@ mod tests {
         assert_eq!(percentile(&[], 0.5), None);
     }
 
-    /// The device benchmark's path on the CPU backend with the narrow block: prefill of different
-    /// lengths, decode steps, copies of one prefilled state; every sequence grows by one per step.
+    /// The device benchmark's path on the CPU backend with the narrow block of each family:
+    /// prefill of different lengths, decode steps, copies of one prefilled state; every sequence
+    /// grows by one per step.
     #[test]
-    fn narrow_block_prefills_and_decodes_on_the_cpu() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let cfg = block_config(BlockWidth::Narrow, 64, 256);
-        prepare_checkpoint(&cfg, 3, dir.path(), 1).expect("checkpoint");
-        let ckpt = Checkpoint::open(dir.path()).expect("open");
-        let model =
-            Model::from_checkpoint(cfg, &ckpt, None, Box::new(CpuBackend::new())).expect("model");
-        let run = measure_batch(&model, &prompt_lengths(3, 5, 21), 2, 7).expect("batch");
-        assert_eq!(run.prompt_lens, vec![5, 13, 21]);
-        assert_eq!(run.prompt_tokens(), 39);
-        assert_eq!(run.step_seconds.len(), 2);
-        assert_eq!(run.positions_at_step(1), vec![6, 14, 22]);
-        assert!(run.prefill_seconds > 0.0);
+    fn narrow_blocks_prefill_and_decode_on_the_cpu() {
+        for family in [BlockFamily::V41, BlockFamily::V4] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let cfg = block_config(family, BlockWidth::Narrow, 64, 256);
+            prepare_checkpoint(&cfg, 3, dir.path(), 1).expect("checkpoint");
+            let ckpt = Checkpoint::open(dir.path()).expect("open");
+            let model = AnyModel::from_checkpoint(cfg, &ckpt, None, Box::new(CpuBackend::new()))
+                .expect("model");
+            assert_eq!(model.config().family, family.model_family());
+            let run = measure_batch(&model, &prompt_lengths(3, 5, 21), 2, 7).expect("batch");
+            assert_eq!(run.prompt_lens, vec![5, 13, 21]);
+            assert_eq!(run.prompt_tokens(), 39);
+            assert_eq!(run.step_seconds.len(), 2);
+            assert_eq!(run.positions_at_step(1), vec![6, 14, 22]);
+            assert!(run.prefill_seconds > 0.0);
 
-        let mut seq = model.new_sequence();
-        model
-            .forward(&mut seq, &prompt_tokens(1, 40, 3, 64), LogitsWanted::Last)
-            .expect("prefill");
-        let copies = measure_decode_from(&model, &seq, 9, 4, 3).expect("decode");
-        assert_eq!(copies.prompt_lens, vec![40; 4]);
-        assert_eq!(copies.step_seconds.len(), 3);
-        assert_eq!(
-            seq.len(),
-            40,
-            "the prefilled state itself is left as it was"
-        );
+            let mut seq = model.new_sequence();
+            model
+                .forward(&mut seq, &prompt_tokens(1, 40, 3, 64), LogitsWanted::Last)
+                .expect("prefill");
+            let copies = measure_decode_from(&model, &seq, 9, 4, 3).expect("decode");
+            assert_eq!(copies.prompt_lens, vec![40; 4]);
+            assert_eq!(copies.step_seconds.len(), 3);
+            assert_eq!(
+                seq.len(),
+                40,
+                "the prefilled state itself is left as it was"
+            );
+        }
     }
 }

@@ -189,6 +189,8 @@ pub enum KernelId {
     SparseAttentionSinkRowsF32,
     /// The row-batched sink attention with key rows read through a device pointer table.
     SparseAttentionSinkRowsPtrF32,
+    /// The same on tensor cores (`fast` numerics, bf16 rounding points).
+    SparseAttentionSinkRowsPtrFast,
     /// mHC projection partials (one fixed-order chain per projection and K block) and the
     /// sum of squares, many blocks per token.
     HcMixesPartialsF32,
@@ -272,7 +274,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 73] = [
+    pub const ALL: [KernelId; 74] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -307,6 +309,7 @@ impl KernelId {
         KernelId::SparseAttentionSinkF32,
         KernelId::SparseAttentionSinkRowsF32,
         KernelId::SparseAttentionSinkRowsPtrF32,
+        KernelId::SparseAttentionSinkRowsPtrFast,
         KernelId::HcMixesPartialsF32,
         KernelId::HcMixesF32,
         KernelId::HcCollapseF32,
@@ -385,6 +388,7 @@ impl KernelId {
             KernelId::SparseAttentionSinkF32 => "sparse_attention_sink_f32",
             KernelId::SparseAttentionSinkRowsF32 => "sparse_attention_sink_rows_f32",
             KernelId::SparseAttentionSinkRowsPtrF32 => "sparse_attention_sink_rows_ptr_f32",
+            KernelId::SparseAttentionSinkRowsPtrFast => "sparse_attention_sink_rows_ptr_fast",
             KernelId::HcMixesPartialsF32 => "hc_mixes_partials_f32",
             KernelId::HcMixesF32 => "hc_mixes_f32",
             KernelId::HcCollapseF32 => "hc_collapse_f32",
@@ -460,7 +464,8 @@ impl KernelId {
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
             KernelId::SparseAttentionSinkF32
             | KernelId::SparseAttentionSinkRowsF32
-            | KernelId::SparseAttentionSinkRowsPtrF32 => SourceFile::Attention,
+            | KernelId::SparseAttentionSinkRowsPtrF32
+            | KernelId::SparseAttentionSinkRowsPtrFast => SourceFile::Attention,
             KernelId::HcMixesPartialsF32
             | KernelId::HcMixesF32
             | KernelId::HcCollapseF32

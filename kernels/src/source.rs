@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 18] = [
+pub const HEADERS: [(&str, &str); 19] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/numerics.cuh",
@@ -39,6 +39,10 @@ pub const HEADERS: [(&str, &str); 18] = [
     (
         "attention/sparse_attention.cuh",
         include_str!("../cuda/attention/sparse_attention.cuh"),
+    ),
+    (
+        "attention/sparse_attention_fast.cuh",
+        include_str!("../cuda/attention/sparse_attention_fast.cuh"),
     ),
     ("mhc/mhc.cuh", include_str!("../cuda/mhc/mhc.cuh")),
     (

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::backend::Backend;
+use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, ModelFamily};
 use crate::engram::CompressedVocab;
 use crate::error::ModelError;
@@ -87,6 +88,32 @@ impl AnyModel {
             ModelFamily::V41 => AnyModel::V41(Arc::new(v41::Model::load_with_vocab(dir, vocab)?)),
             ModelFamily::V4 => AnyModel::V4(Arc::new(v4::Model::load(dir)?)),
         })
+    }
+
+    /// Builds the model of `cfg`'s family from an opened checkpoint on `backend` (`vocab` as in
+    /// [`AnyModel::load`]).
+    pub fn from_checkpoint(
+        cfg: ModelConfig,
+        ckpt: &Checkpoint,
+        vocab: Option<CompressedVocab>,
+        backend: Box<dyn Backend>,
+    ) -> Result<AnyModel, ModelError> {
+        Ok(match cfg.family {
+            ModelFamily::V41 => AnyModel::V41(Arc::new(v41::Model::from_checkpoint(
+                cfg, ckpt, vocab, backend,
+            )?)),
+            ModelFamily::V4 => {
+                AnyModel::V4(Arc::new(v4::Model::from_checkpoint(cfg, ckpt, backend)?))
+            }
+        })
+    }
+
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &dyn Backend {
+        match self {
+            AnyModel::V41(model) => model.backend(),
+            AnyModel::V4(model) => model.backend(),
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -17,6 +17,8 @@
 //! steps with 2 … 64 other sequences of different lengths (negative control: another token is
 //! seen).
 //!
+//! The fast sink attention: `fast_attention/mod.rs`.
+//!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
 
@@ -33,6 +35,7 @@ use deepinfer_model::weights::Fp8Weight;
 use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry};
 use half::bf16;
 
+mod fast_attention;
 mod gpu_support;
 use gpu_support::gemm_data::{activations, download_bf16, random_fp8_weight, upload_bf16};
 use gpu_support::{Rng, differing, prompt};

@@ -3,7 +3,8 @@
 //! one key buffer or of a device pointer table ([`DeviceKeyTable`], rows in many buffers):
 //! keys are shared by all heads (K = V), bit-exact with the CPU reference, one block per
 //! (head, query) with one fixed reduction order that depends only on that query's keys (batch
-//! invariant).
+//! invariant). The `fast` numerics' row-batched entry ([`sparse_attention_sink_rows_ptr_fast`])
+//! runs the same operation on tensor cores (`sparse_attention_fast.cuh`).
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
@@ -17,6 +18,11 @@ use crate::runtime::KernelRuntime;
 const OP: &str = "sparse_attention_sink_f32";
 const ROWS_OP: &str = "sparse_attention_sink_rows_f32";
 const ROWS_PTR_OP: &str = "sparse_attention_sink_rows_ptr_f32";
+const FAST_OP: &str = "sparse_attention_sink_rows_ptr_fast";
+/// The fast kernel's head dims (one warp per 64; the softmax's half-warps need a power of two).
+const FAST_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
+/// Heads per block of the fast kernel (`fast_attention::HEADS`).
+const FAST_HEADS_PER_BLOCK: usize = 16;
 const THREADS: u32 = 512;
 /// Must match `attention::MAX_DIMS_PER_THREAD`.
 const MAX_HEAD_DIM: usize = 4 * THREADS as usize;
@@ -375,5 +381,80 @@ fn launch_rows(
     // the caller; a table's addresses are live rows by its unsafe constructor's contract);
     // grid.y = queries <= the grid limit; head_dim <= 4 * THREADS.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
+    Ok(())
+}
+
+/// Whether [`sparse_attention_sink_rows_ptr_fast`] takes rows of `head_dim` from `key_ptrs`: a
+/// head_dim of 64, 128, 256 or 512 and every row 16-byte aligned (the kernel's float4 loads).
+pub fn fast_attention_supports(head_dim: usize, key_ptrs: &DeviceKeyTable) -> bool {
+    FAST_HEAD_DIMS.contains(&head_dim) && key_ptrs.rows_aligned_16()
+}
+
+/// The row-batched sink attention of [`sparse_attention_sink_rows_ptr_f32`] with bf16 rounding,
+/// on tensor cores (the `fast` numerics, `sparse_attention_fast.cuh`): q and the keys as bf16
+/// (exact for the V4.1 rounding points), scores and outputs accumulated in fp32 in a fixed
+/// order, the weights rounded to bf16, the outputs too. Deterministic and batch invariant; not
+/// bitwise equal to the exact kernel. Needs [`fast_attention_supports`].
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention_sink_rows_ptr_fast(
+    rt: &KernelRuntime,
+    q: &CudaSlice<f32>,
+    key_ptrs: &DeviceKeyTable,
+    lists: &DeviceKeyLists,
+    sink: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    head_dim: usize,
+    scale: f32,
+) -> Result<(), KernelError> {
+    if !fast_attention_supports(head_dim, key_ptrs) {
+        return Err(KernelError::Shape {
+            op: FAST_OP,
+            message: format!(
+                "head_dim {head_dim} must be one of {FAST_HEAD_DIMS:?} and every key row 16-byte \
+                 aligned (aligned: {})",
+                key_ptrs.rows_aligned_16()
+            ),
+        });
+    }
+    key_ptrs.check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
+    let heads = sink.len();
+    check_heads(FAST_OP, heads, head_dim)?;
+    let width = heads * head_dim;
+    expect_len(FAST_OP, "q", q.len(), lists.queries * width)?;
+    expect_len(FAST_OP, "out", out.len(), lists.queries * width)?;
+    let params = AttentionParams {
+        heads: dim(FAST_OP, "heads", heads)?,
+        head_dim: dim(FAST_OP, "head_dim", head_dim)?,
+        keys: dim(FAST_OP, "key rows", lists.key_buffer_rows)?,
+        scale,
+        round_bf16: Rounding::Bf16.flag(),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            dim(FAST_OP, "head blocks", heads.div_ceil(FAST_HEADS_PER_BLOCK))?,
+            dim(FAST_OP, "queries", lists.queries)?,
+            1,
+        ),
+        block_dim: (dim(FAST_OP, "threads", head_dim / 2)?, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = rt
+        .stream()
+        .launch_builder(rt.function(KernelId::SparseAttentionSinkRowsPtrFast)?);
+    launch
+        .arg(q)
+        .arg(key_ptrs.addresses())
+        .arg(&lists.key_rows)
+        .arg(&lists.row_starts)
+        .arg(sink)
+        .arg(out)
+        .arg(&params);
+    // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
+    // key_rows, const u32_t* row_starts, const float* sink, float* out, AttentionParams); q/out
+    // hold queries * heads * head_dim values, every listed row is below key_buffer_rows
+    // (DeviceKeyLists::upload) and the table covers them with 16-byte aligned rows of head_dim
+    // floats (checked above; live by the table's contract); head_dim / 2 threads (32..256, a
+    // multiple of 32); grid.y = queries <= the grid limit.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {FAST_OP}")))?;
     Ok(())
 }

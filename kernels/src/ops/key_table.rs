@@ -50,6 +50,8 @@ pub fn key_row_address(
 pub struct DeviceKeyTable {
     rows: usize,
     row_len: usize,
+    /// Whether every row is known to start on a 16-byte boundary (float4 loads).
+    aligned_16: bool,
     /// `[rows]` addresses (at least one element: a device buffer cannot be empty).
     addresses: CudaSlice<u64>,
 }
@@ -93,6 +95,7 @@ impl DeviceKeyTable {
         Ok(DeviceKeyTable {
             rows: addresses.len(),
             row_len,
+            aligned_16: addresses.iter().all(|a| a.is_multiple_of(16)),
             addresses: device,
         })
     }
@@ -119,6 +122,7 @@ impl DeviceKeyTable {
         Ok(DeviceKeyTable {
             rows,
             row_len,
+            aligned_16: false, // not known on the host
             addresses,
         })
     }
@@ -131,6 +135,11 @@ impl DeviceKeyTable {
     /// Values per row.
     pub fn row_len(&self) -> usize {
         self.row_len
+    }
+
+    /// Whether every row starts on a 16-byte boundary (known for uploaded tables).
+    pub fn rows_aligned_16(&self) -> bool {
+        self.aligned_16
     }
 
     /// The addresses on the device (`u64` each; only the first [`DeviceKeyTable::rows`] count).

@@ -1,9 +1,10 @@
 //! The `fast` section of the device benchmark: the tensor-core FP8 GEMM of the `fast` numerics
 //! (`deepinfer_kernels::ops::gemm_fast`) at decode shapes (M = 1, 8, 64: weight bytes per second
 //! against the 4.28 TB/s copy rate) and prefill shapes (M = 1024, 4096: TFLOP/s against the
-//! 1216 TFLOP/s FP8 peak), each beside a peer timed in the same run on the same shape: cuBLAS
-//! bf16 GEMM (`y = x · Wᵀ`, bf16 weights: twice the weight bytes of FP8), and the exact CUDA-core
-//! FP8 kernel of the `exact` numerics. Weights are rotated through > 2 × L2 as in `ops`.
+//! 1216 TFLOP/s FP8 peak), each beside peers timed in the same run on the same shape: cuBLAS
+//! bf16 GEMM (`y = x · Wᵀ`, bf16 weights: twice the weight bytes of FP8), cuBLASLt's
+//! per-tensor-scaled FP8 GEMM (`cublaslt_fp8`), and the exact CUDA-core FP8 kernel of the `exact`
+//! numerics. Weights are rotated through > 2 × L2 as in `ops`.
 
 use anyhow::{Context, Result};
 use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
@@ -15,6 +16,7 @@ use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
 
+use crate::cublaslt_fp8::LtFp8;
 use crate::ops::{
     BF16_FLOPS, FP8_FLOPS, ROTATION_BYTES, Row, Timer, activations, print_rows, random_bytes,
     scale_bytes, time_launches,
@@ -34,6 +36,7 @@ enum Kernel {
     Fast,
     Exact,
     CublasBf16,
+    CublasLtFp8,
 }
 
 impl Kernel {
@@ -42,6 +45,7 @@ impl Kernel {
             Kernel::Fast => "fast fp8",
             Kernel::Exact => "exact fp8",
             Kernel::CublasBf16 => "cublas bf16",
+            Kernel::CublasLtFp8 => "cublaslt fp8",
         }
     }
 }
@@ -50,6 +54,7 @@ impl Kernel {
 fn bench(
     rt: &KernelRuntime,
     blas: &CudaBlas,
+    blas_lt: &LtFp8,
     timer: &mut Timer,
     kernel: Kernel,
     (name, n, k): (&str, usize, usize),
@@ -60,7 +65,9 @@ fn bench(
     let weight_bytes = match kernel {
         Kernel::Fast | Kernel::Exact => n * k + scales_len,
         Kernel::CublasBf16 => 2 * n * k,
+        Kernel::CublasLtFp8 => n * k + 4,
     };
+    let mut label = format!("{name} {}", kernel.label());
     let micros = match kernel {
         Kernel::Fast => time_fp8(
             rt,
@@ -105,13 +112,35 @@ fn bench(
                 Ok(())
             })?
         }
+        Kernel::CublasLtFp8 => {
+            let plan = blas_lt.plan(m, n, k)?;
+            if plan.rows != m {
+                label.push_str(&format!(" (m padded to {})", plan.rows));
+            }
+            let copies = ROTATION_BYTES.div_ceil(weight_bytes).max(2);
+            let x = rt
+                .stream()
+                .clone_htod(&random_bytes(5, plan.rows * k, true))?;
+            let weights = (0..copies)
+                .map(|c| {
+                    Ok(rt
+                        .stream()
+                        .clone_htod(&random_bytes(c as u64, n * k, true))?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut y = rt.stream().alloc_zeros::<bf16>(plan.rows * n)?;
+            time_launches(rt, timer, |i| {
+                blas_lt.launch(&plan, &weights[i % copies], &x, &mut y)
+            })?
+        }
     };
     let act_bytes = match kernel {
         Kernel::CublasBf16 => 2 * m * k,
+        Kernel::CublasLtFp8 => m * k + 4,
         _ => m * k + m * k / 32 * 4,
     };
     Ok(Row {
-        op: format!("{name} {}", kernel.label()),
+        op: label,
         m,
         n,
         k,
@@ -150,31 +179,57 @@ fn time_fp8<W>(
     time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
 }
 
+/// Keeps a timed row; a cuBLASLt FP8 peer that cuBLASLt refuses on a shape is reported and
+/// skipped (the library decides which FP8 shapes it serves), any other failure ends the section.
+fn push_row(rows: &mut Vec<Row>, kernel: Kernel, row: Result<Row>) -> Result<()> {
+    match (row, kernel) {
+        (Ok(row), _) => rows.push(row),
+        (Err(e), Kernel::CublasLtFp8) => println!("cublaslt fp8 peer not timed: {e:#}"),
+        (Err(e), _) => return Err(e),
+    }
+    Ok(())
+}
+
 /// Times the fast GEMM and its peers at decode and prefill shapes, and prints the table.
 pub fn run(quick: bool) -> Result<()> {
     let rt = KernelRuntime::open(0).context("opening the CUDA device")?;
     let rt = &rt;
     let blas = CudaBlas::new(rt.stream().clone()).context("opening cuBLAS")?;
+    let blas_lt = LtFp8::new(rt.stream().clone())?;
     let mut timer = Timer::new(rt, quick)?;
     let mut rows = Vec::new();
     let decode: &[usize] = if quick { &[1] } else { &[1, 8, 64] };
     for &shape in &SHAPES {
         for &m in decode {
-            for kernel in [Kernel::Fast, Kernel::CublasBf16, Kernel::Exact] {
-                rows.push(bench(rt, &blas, &mut timer, kernel, shape, m)?);
+            for kernel in [
+                Kernel::Fast,
+                Kernel::CublasBf16,
+                Kernel::CublasLtFp8,
+                Kernel::Exact,
+            ] {
+                push_row(
+                    &mut rows,
+                    kernel,
+                    bench(rt, &blas, &blas_lt, &mut timer, kernel, shape, m),
+                )?;
             }
         }
     }
     let prefill: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
     for &m in prefill {
-        for kernel in [Kernel::Fast, Kernel::CublasBf16] {
-            rows.push(bench(rt, &blas, &mut timer, kernel, SHAPES[0], m)?);
+        for kernel in [Kernel::Fast, Kernel::CublasBf16, Kernel::CublasLtFp8] {
+            push_row(
+                &mut rows,
+                kernel,
+                bench(rt, &blas, &blas_lt, &mut timer, kernel, SHAPES[0], m),
+            )?;
         }
     }
     println!("\nfast numerics: tensor-core FP8 GEMM beside its peers (same shapes, same run)");
     print_rows(&rows);
     println!(
-        "\nbytes = weights (FP8 codes + scales; cuBLAS: bf16) + activations + bf16 outputs; \
+        "\nbytes = weights (FP8 codes + scales; cuBLAS: bf16; cuBLASLt: FP8, one scale) + activations \
+         + bf16 outputs; cuBLASLt FP8 has per-tensor scales only (no block scales); \
          %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
          peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
     );

@@ -1,15 +1,17 @@
 //! Device benchmark for the H200: the CUDA kernels one op at a time at real V4.1 widths (`ops`),
-//! and whole forward steps of a `Model` on `CudaBackend` (`whole_step`): the v41-tiny fixture and a
-//! real-width V4.1 block, prefill throughput and decode-step latency at batch 1, 8, 64, each with
-//! its bytes, FLOPs and H200 roofline ratio; the block's sequence state at long contexts against
-//! the state pool's byte model (`state`). bench/README.md explains the numbers.
+//! and whole forward steps of a model on `CudaBackend` (`whole_step`): the v41-tiny fixture and
+//! real-width V4.1 (`block`) and V4-Flash (`v4block`) blocks, prefill throughput and decode-step
+//! latency at batch 1, 8, 64, each with its bytes, FLOPs and H200 roofline ratio (the V4 block
+//! also projected to the whole V4-Flash beside SGLang's published H200 figures); the V4.1 block's
+//! sequence state at long contexts against the state pool's byte model (`state`).
+//! bench/README.md explains the numbers.
 //!
 //! Usage (on the H200, after `../shared/tools/gpu-stage.sh cargo build -p deepinfer-bench --release
 //! --features cuda --bin device_bench`):
 //!
 //! ```text
 //! DEEPINFER_FIXTURES=$PWD/tests/fixtures bash .gpu/run.sh device_bench \
-//!     [--quick] [--sweep] [--sections ops,fast,tiny,block,profile,state] [--context N]
+//!     [--quick] [--sweep] [--sections ops,fast,tiny,block,v4block,profile,state] [--context N]
 //!     [--state-contexts N,N,...] [--block-dir DIR]
 //! ```
 //!
@@ -18,10 +20,12 @@
 //! `--quick` runs few iterations (a cheap first try), `--sweep` adds the GEMM work-split sweep to
 //! the per-op section, `--context` is the prefilled length of the block's sequences (1024; 128
 //! with `--quick`), `--block-dir` where the block's random checkpoint is written (and reused by a
-//! later run on the same machine; default /tmp/deepinfer-bench-v41-block). `state` fills the
+//! later run on the same machine; default /tmp/deepinfer-bench-v41-block; the V4 block's goes
+//! beside it, `<DIR>-v4`). `state` fills the
 //! block's state to each of `--state-contexts` (8192,32768,131072; 8192 with `--quick`) and
 //! decodes from there.
 
+mod cublaslt_fp8;
 mod fast_ops;
 mod ops;
 mod whole_step;
@@ -29,6 +33,7 @@ mod whole_step;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use deepinfer_bench::block::BlockFamily;
 use deepinfer_model::backend::cuda::Numerics;
 
 /// What to run, from the command line.
@@ -40,6 +45,8 @@ struct Options {
     fast: bool,
     tiny: bool,
     block: bool,
+    /// The real-width V4-Flash block (`whole_step::block` with `BlockFamily::V4`).
+    v4block: bool,
     /// The per-op profile of the block's phases (runs the block section).
     profile: bool,
     context: Option<usize>,
@@ -70,6 +77,7 @@ fn parse_options() -> Result<Options> {
         fast: true,
         tiny: true,
         block: true,
+        v4block: true,
         profile: false,
         context: None,
         state: true,
@@ -89,6 +97,7 @@ fn parse_options() -> Result<Options> {
                 options.fast = false;
                 options.tiny = false;
                 options.block = false;
+                options.v4block = false;
                 options.state = false;
                 for section in list.split(',') {
                     match section {
@@ -96,12 +105,13 @@ fn parse_options() -> Result<Options> {
                         "fast" => options.fast = true,
                         "tiny" => options.tiny = true,
                         "block" => options.block = true,
+                        "v4block" => options.v4block = true,
                         "profile" => options.profile = true,
                         "state" => options.state = true,
                         other => {
                             bail!(
                                 "unknown section {other:?} in --sections (ops, fast, tiny, block, \
-                                 profile, state)"
+                                 v4block, profile, state)"
                             )
                         }
                     }
@@ -126,7 +136,7 @@ fn parse_options() -> Result<Options> {
             }
             other => bail!(
                 "unknown argument {other:?}; usage: device_bench [--quick] [--sweep] \
-                 [--sections ops,fast,tiny,block,profile,state] [--context N] \
+                 [--sections ops,fast,tiny,block,v4block,profile,state] [--context N] \
                  [--state-contexts N,N,...] [--block-dir DIR]"
             ),
         }
@@ -164,14 +174,31 @@ fn main() -> Result<()> {
         rows.extend(whole_step::fixture(dir, options.quick)?);
         whole_step::print(&rows);
     }
-    if options.block || options.profile {
-        let context = options
-            .context
-            .unwrap_or(if options.quick { 128 } else { 1024 });
+    let context = options
+        .context
+        .unwrap_or(if options.quick { 128 } else { 1024 });
+    let v4_dir = {
+        let mut name = options.block_dir.as_os_str().to_owned();
+        name.push("-v4");
+        PathBuf::from(name)
+    };
+    let blocks = [
+        (
+            options.block || options.profile,
+            BlockFamily::V41,
+            &options.block_dir,
+        ),
+        (options.v4block, BlockFamily::V4, &v4_dir),
+    ];
+    for (wanted, family, dir) in blocks {
+        if !wanted {
+            continue;
+        }
         // The block in both numerics of the CUDA backend (fast: tensor-core FP8 GEMMs).
         for numerics in [Numerics::Fast, Numerics::Exact] {
             rows.extend(whole_step::block(
-                &options.block_dir,
+                dir,
+                family,
                 context,
                 options.quick,
                 options.profile,
@@ -180,6 +207,7 @@ fn main() -> Result<()> {
         }
         whole_step::print(&rows);
     }
+    whole_step::print_v4_projection(&rows);
     if options.state {
         let contexts = options.state_contexts.clone().unwrap_or_else(|| {
             let all = STATE_CONTEXTS.to_vec();

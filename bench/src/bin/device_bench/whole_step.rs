@@ -1,10 +1,11 @@
-//! Whole-step sections of the device benchmark: whole `Model` forwards on `CudaBackend` for the
-//! v41-tiny fixture and for the real-width one-block V4.1 model (`deepinfer_bench::v41_block`):
+//! Whole-step sections of the device benchmark: whole model forwards on `CudaBackend` for the
+//! v41-tiny fixture and for the real-width one-block V4.1 and V4 models (`deepinfer_bench::block`):
 //! prefill throughput and decode-step latency at batch 1, 8, 64, with the bytes and FLOPs each
 //! step needs (`deepinfer_bench::cost`) and the ratio of the H200 roofline floor to the measured
-//! time.
+//! time; for the V4 block, the whole V4-Flash projected from it beside SGLang's published H200
+//! figures.
 //!
-//! A step over B sequences is one `Model::forward_step` (every op once over the step's rows, as the
+//! A step over B sequences is one `forward_step` (every op once over the step's rows, as the
 //! rank executor runs it); activations and KV rows stay on the device and only the sampled ids come
 //! back, which is also when a step has finished (weights stay cached on the device after their
 //! first use). Every timed run follows an untimed warm-up that uploads the weights.
@@ -13,17 +14,18 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use deepinfer_bench::block::{BlockFamily, BlockWidth, Prepared, block_config, prepare_checkpoint};
 use deepinfer_bench::cost::{self, Cost};
 use deepinfer_bench::steps::{
     BatchMeasurement, measure_batch, measure_decode_from, percentile, prompt_lengths, prompt_tokens,
 };
-use deepinfer_bench::v41_block::{BlockWidth, Prepared, block_config, prepare_checkpoint};
+use deepinfer_model::LogitsWanted;
+use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics, OpProfile, OpStats};
 use deepinfer_model::checkpoint::Checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::state_bytes::StateBytes;
-use deepinfer_model::{LogitsWanted, Model};
 
 /// One line of the whole-step table.
 pub struct StepRow {
@@ -87,7 +89,7 @@ pub fn fixture(dir: &Path, quick: bool) -> Result<Vec<StepRow>> {
     let vocab = CompressedVocab::halving_stub(cfg.vocab_size, engram.pad_token_id)?;
     let ckpt = Checkpoint::open(dir)?;
     let backend = CudaBackend::open(0, Numerics::Exact)?;
-    let model = Model::from_checkpoint(cfg.clone(), &ckpt, Some(vocab), Box::new(backend))?;
+    let model = AnyModel::from_checkpoint(cfg.clone(), &ckpt, Some(vocab), Box::new(backend))?;
     println!("v41-tiny: {} on {}", dir.display(), model.backend().name());
     let plan = if quick { &QUICK_TINY } else { &FULL_TINY };
 
@@ -133,22 +135,26 @@ const STATE_PREFILL_CHUNK: usize = 4096;
 /// Decode steps timed per context in the `state` section.
 const STATE_DECODE_STEPS: usize = 16;
 
-/// The real-width one-block model, its random checkpoint in `dir` (written there unless an
-/// identical one is present): prefill of one `context`-token prompt, then decode steps over
+/// The real-width one-block model of `family`, its random checkpoint in `dir` (written there
+/// unless an identical one is present): prefill of one `context`-token prompt, then decode steps over
 /// copies of that prefilled sequence. With `profile`, each phase is run once more with the
 /// backend's per-op profile on and its table printed ([`print_profile`]).
 pub fn block(
     dir: &Path,
+    family: BlockFamily,
     context: usize,
     quick: bool,
     profile: bool,
     numerics: Numerics,
 ) -> Result<Vec<StepRow>> {
     const VOCAB: usize = BLOCK_VOCAB;
-    let label = match numerics {
-        Numerics::Fast => "v41 block fast",
-        Numerics::Exact => "v41 block exact",
+    let label = match (family, numerics) {
+        (BlockFamily::V41, Numerics::Fast) => "v41 block fast",
+        (BlockFamily::V41, Numerics::Exact) => "v41 block exact",
+        (BlockFamily::V4, Numerics::Fast) => "v4 block fast",
+        (BlockFamily::V4, Numerics::Exact) => "v4 block exact",
     };
+    let name = family.name();
     let decode = if quick {
         QUICK_BLOCK_DECODE
     } else {
@@ -156,6 +162,7 @@ pub fn block(
     };
     let longest_decode = decode.iter().map(|&(_, steps)| steps).max().unwrap_or(0);
     let cfg = block_config(
+        family,
         BlockWidth::Real,
         VOCAB,
         BLOCK_MAX_POSITIONS.max(context + longest_decode),
@@ -166,14 +173,15 @@ pub fn block(
     let backend = CudaBackend::open(0, numerics)?;
     let transfers = backend.transfer_counters();
     let op_profile = backend.op_profile();
-    let model = Model::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
+    let model = AnyModel::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
     println!(
-        "v41 block loaded on {} in {:.1} s",
+        "{name} block loaded on {} in {:.1} s",
         model.backend().name(),
         started.elapsed().as_secs_f64()
     );
 
-    // Warm-up: a prompt long enough to touch nearly every expert (E(n) of 384 for n tokens).
+    // Warm-up: a prompt long enough to touch nearly every expert (E(n) of the experts for n
+    // tokens).
     let warm_up = if quick { 32 } else { 256 };
     let started = Instant::now();
     let mut seq = model.new_sequence();
@@ -183,7 +191,7 @@ pub fn block(
         LogitsWanted::Last,
     )?;
     println!(
-        "v41 block warm-up ({warm_up} tokens, ~{:.0} experts uploaded): {:.2} s",
+        "{name} block warm-up ({warm_up} tokens, ~{:.0} experts uploaded): {:.2} s",
         cost::expected_experts(&cfg, warm_up),
         started.elapsed().as_secs_f64()
     );
@@ -218,7 +226,7 @@ pub fn block(
         let seconds = started.elapsed().as_secs_f64();
         op_profile.set_enabled(false);
         print_profile(
-            &format!("v41 block prefill, {context} tokens"),
+            &format!("{name} block prefill, {context} tokens"),
             &op_profile,
             1,
             seconds,
@@ -239,8 +247,8 @@ pub fn block(
             .collect();
         // What the issue's rule counts: every device-to-host copy of a decode step but the ids.
         println!(
-            "v41 block decode B={batch}: per step {:.0} device-to-host copies of op results ({:.2} MB) \
-             and {:.0} of sampled ids",
+            "{name} block decode B={batch}: per step {:.0} device-to-host copies of op results \
+             ({:.2} MB) and {:.0} of sampled ids",
             copied.to_host_copies as f64 / steps as f64,
             copied.to_host_bytes as f64 / steps as f64 / 1e6,
             copied.sampled_id_copies as f64 / steps as f64,
@@ -254,7 +262,7 @@ pub fn block(
             let profiled = measure_decode_from(&model, &seq, first, batch, PROFILED_DECODE_STEPS)?;
             op_profile.set_enabled(false);
             print_profile(
-                &format!("v41 block decode B={batch}"),
+                &format!("{name} block decode B={batch}"),
                 &op_profile,
                 PROFILED_DECODE_STEPS,
                 profiled.step_seconds.iter().sum(),
@@ -272,6 +280,7 @@ pub fn block(
 pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
     let longest = contexts.iter().copied().max().unwrap_or(0);
     let cfg = block_config(
+        BlockFamily::V41,
         BlockWidth::Real,
         BLOCK_VOCAB,
         BLOCK_MAX_POSITIONS.max(longest + STATE_DECODE_STEPS + 1),
@@ -280,7 +289,7 @@ pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
     let ckpt = Checkpoint::open(dir)?;
     let backend = CudaBackend::open(0, Numerics::Fast)?;
     let memory = backend.memory_probe();
-    let model = Model::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
+    let model = AnyModel::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
     let plan = StateBytes::of(&cfg);
     // Warm-up: one chunk uploads the experts it routes to and grows the prefill's workspaces.
     let mut warm = model.new_sequence();
@@ -328,7 +337,8 @@ fn write_block_checkpoint(cfg: &ModelConfig, dir: &Path) -> Result<()> {
     let started = Instant::now();
     let prepared = prepare_checkpoint(cfg, 41, dir, 8)?;
     println!(
-        "v41 block checkpoint in {}: {} in {:.1} s",
+        "{:?} block checkpoint in {}: {} in {:.1} s",
+        cfg.family,
         dir.display(),
         match prepared {
             Prepared::Written => "written",
@@ -422,12 +432,64 @@ pub fn print(rows: &[StepRow]) {
         );
     }
     println!(
-        "\nprefill: B prompts of different lengths in one step (v41 block: one prompt); time_ms = that step, \
+        "\nprefill: B prompts of different lengths in one step (blocks: one prompt); time_ms = that step, \
          tok/s = prompt tokens / time. decode: every sequence appends one token; time_ms = median step, p90_ms = 90th \
-         percentile, tok/s = B / median (v41 block: B copies of the prefilled sequence, each fed a different token). \
+         percentile, tok/s = B / median (blocks: B copies of the prefilled sequence, each fed a different token). \
          A step over B sequences is one forward over all their rows on the device; only the sampled ids come back. weight_MB = distinct weights at checkpoint width, once per pass (routed experts: the expected \
          distinct experts E(n) = E(1-(1-k/E)^n) of n tokens); state_MB = KV/state reads of all queries; GFLOP = GEMMs, \
          mHC, attention and index scores (bench/src/cost.rs); floor = max(bytes / 4.28 TB/s, FLOPs / 790 TFLOP/s); \
          roofline = floor / time; x_floor = time / floor."
     );
+}
+
+/// Backbone layers of the released V4-Flash (spec v4-architecture.md §1.1).
+const V4_FLASH_LAYERS: usize = 43;
+
+/// SGLang's published V4-Flash figures on the H200 (`shared/reference/anchors.md`: the V4-Flash
+/// cookbook, v0.5.15, random 8K in / 1K out, FP4): time per output token at batch 1 (TP4 + MTP)
+/// and total (input + output) tokens per second per GPU at high concurrency.
+const SGLANG_H200_TPOT_MS: f64 = 3.37;
+const SGLANG_H200_TOTAL_TOK_S_PER_GPU: f64 = 4500.0;
+
+/// The whole V4-Flash on one GPU projected from the V4 block's rows: every one of its 43 layers
+/// costs what the measured CSA block costs (the block's head and embedding are a small vocabulary's;
+/// 20 of the 43 layers are cheaper HCA and 2 sliding-window layers, and the real head adds
+/// ~1 GB of bf16 reads per step, so this is a projection, not a measurement), beside SGLang's
+/// published H200 figures: per-token latency at B = 1 and tokens per second per GPU.
+pub fn print_v4_projection(rows: &[StepRow]) {
+    let v4: Vec<&StepRow> = rows
+        .iter()
+        .filter(|r| r.model.starts_with("v4 block"))
+        .collect();
+    if v4.is_empty() {
+        return;
+    }
+    println!(
+        "\nV4-Flash projected from the one-block steps ({V4_FLASH_LAYERS} layers x the block's step, one GPU)"
+    );
+    println!(
+        "{:<15} {:<7} {:>3} {:>12} {:>14} {:>12} {:>26}",
+        "model", "phase", "B", "step_ms", "ms/token/seq", "tok/s/GPU", "SGLang H200 (published)"
+    );
+    for r in v4 {
+        let step = r.seconds * V4_FLASH_LAYERS as f64;
+        let per_token = match r.phase {
+            "decode" => step,
+            _ => step / r.tokens as f64,
+        };
+        let peer = match (r.phase, r.batch) {
+            ("decode", 1) => format!("{SGLANG_H200_TPOT_MS:.2} ms/token (TP4+MTP)"),
+            _ => format!("{SGLANG_H200_TOTAL_TOK_S_PER_GPU:.0} tok/s/GPU (high conc.)"),
+        };
+        println!(
+            "{:<15} {:<7} {:>3} {:>12.2} {:>14.3} {:>12.0} {:>26}",
+            r.model,
+            r.phase,
+            r.batch,
+            step * 1e3,
+            per_token * 1e3,
+            r.tokens as f64 / step,
+            peer
+        );
+    }
 }

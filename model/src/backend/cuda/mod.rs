@@ -4,7 +4,9 @@
 //! (the sgemm order of the plain linears, torch's CPU sum order of the means of squares, the
 //! sequential f64 sums of attention and the indexer, the vectorised `exp`). `Fast`: the FP8 dense
 //! GEMMs (`gemm_fp8`) run on tensor cores (`ops::gemm_fast`, within a stated error bound of the
-//! exact value); every other op is still the exact one. No kernel of either splits a reduction by
+//! exact value), and so does the row-batched sink attention at the bf16 rounding points of V4.1
+//! (`ops::attention::sparse_attention_sink_rows_ptr_fast`, where its shape allows); every other
+//! op is still the exact one. No kernel of either splits a reduction by
 //! the batch, so a sequence's numbers do not depend on what else runs (batch invariance).
 //!
 //! Beyond the layer math: token sampling (only the ids come back), the whole MoE layer
@@ -60,7 +62,8 @@ use deepinfer_kernels::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
     DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
-    sparse_attention_sink_rows_ptr_f32,
+    fast_attention_supports, sparse_attention_sink_rows_ptr_f32,
+    sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::engram::{
     DeviceEngramHasher, DeviceEngramTable, engram_gather_f32, engram_hash_rows,

@@ -351,17 +351,29 @@ impl CudaBackend {
         let dsink = self.cached_f32(OP, sink)?;
         let dq = self.input(OP, q)?;
         let mut dout = self.alloc(OP, q.len())?;
-        sparse_attention_sink_rows_ptr_f32(
-            &self.rt,
-            &dq,
-            &table,
-            &dlists,
-            &dsink,
-            &mut dout,
-            head_dim,
-            scale,
-            rounding(precision),
-        )
+        // The fast numerics take the tensor-core kernel at the bf16 rounding points (where q,
+        // the keys and the weights are bf16 values) when its shape allows; a call's choice
+        // depends only on head_dim, the precision and the rows' alignment, never on the batch.
+        let fast = self.numerics == Numerics::Fast
+            && precision == Precision::Bf16
+            && fast_attention_supports(head_dim, &table);
+        if fast {
+            sparse_attention_sink_rows_ptr_fast(
+                &self.rt, &dq, &table, &dlists, &dsink, &mut dout, head_dim, scale,
+            )
+        } else {
+            sparse_attention_sink_rows_ptr_f32(
+                &self.rt,
+                &dq,
+                &table,
+                &dlists,
+                &dsink,
+                &mut dout,
+                head_dim,
+                scale,
+                rounding(precision),
+            )
+        }
         .map_err(op_err(OP))?;
         Ok(self.tensor(dout))
     }
