@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use deepinfer_topology::{EpRank, PlacementEpoch};
 
@@ -132,7 +132,6 @@ impl RemoteRanks {
             weights: weights.to_vec(),
             rows: rows.to_vec(),
         };
-        let started = Instant::now();
         let answer = dispatch.send(stream).and_then(|()| Reply::receive(stream));
         let result = match answer {
             Ok(Reply::Combine { tag: got, outputs }) if got == tag => {
@@ -162,7 +161,7 @@ impl RemoteRanks {
                     rank: EpRank(rank as u16),
                     node: peer.node,
                     addr: peer.addr.to_string(),
-                    waited_ms: started.elapsed().as_millis(),
+                    waited_ms: self.timeout.as_millis(),
                 })
             }
             Err(e) => Err(fail(e.to_string())),
@@ -294,6 +293,7 @@ mod tests {
     use crate::experts::tiny_test_model;
     use deepinfer_model::LogitsWanted;
     use deepinfer_topology::{ClusterConfig, DpRank};
+    use std::time::Instant;
 
     fn bits(values: &[f32]) -> Vec<u32> {
         values.iter().map(|v| v.to_bits()).collect()

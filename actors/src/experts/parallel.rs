@@ -70,6 +70,26 @@ impl EpSettings {
         }
     }
 
+    /// What every node of a deployment must agree on (checked at the bootstrap): the model's
+    /// expert shape and this layout, hashed.
+    pub fn fingerprint(&self, source: &ExpertSource) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (source.layers(), source.routed_experts()).hash(&mut hasher);
+        if let ExpertSource::Model(model) = source {
+            let cfg = model.config();
+            (cfg.dim, cfg.vocab_size, cfg.n_activated_experts).hash(&mut hasher);
+        }
+        (
+            self.ep_ranks,
+            self.redundant_experts,
+            self.num_groups,
+            self.num_nodes,
+        )
+            .hash(&mut hasher);
+        hasher.finish()
+    }
+
     /// True when the topology needs expert parallelism (ep > 1, or the EPLB is on).
     pub fn is_needed(node: &NodeConfig) -> bool {
         node.parallel.ep > 1 || node.eplb.enabled
@@ -127,25 +147,6 @@ fn build_shards(
         .collect()
 }
 
-/// What every node of a deployment must agree on: the model's expert shape and the layout.
-fn fingerprint(source: &ExpertSource, settings: EpSettings) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (source.layers(), source.routed_experts()).hash(&mut hasher);
-    if let ExpertSource::Model(model) = source {
-        let cfg = model.config();
-        (cfg.dim, cfg.vocab_size, cfg.n_activated_experts).hash(&mut hasher);
-    }
-    (
-        settings.ep_ranks,
-        settings.redundant_experts,
-        settings.num_groups,
-        settings.num_nodes,
-    )
-        .hash(&mut hasher);
-    hasher.finish()
-}
-
 /// The shared expert-parallel state of one engine.
 #[derive(Debug)]
 pub struct ExpertParallel {
@@ -199,7 +200,7 @@ impl ExpertParallel {
         let me = Member {
             node: cluster.node,
             nodes: nodes as u16,
-            fingerprint: fingerprint(&source, settings),
+            fingerprint: settings.fingerprint(&source),
             expert_addr,
         };
         let joined = bootstrap::join(bootstrap_addr, me, cluster.bootstrap_timeout)?;
