@@ -45,6 +45,13 @@ pub struct RankRows {
 
 /// Where every pick of one layer's rows goes: `per_rank[e]` holds EP rank `e`'s rows, so the
 /// counts (`per_rank[e].from.len()`) are known before any row moves.
+///
+/// What any transport sends (the socket one per remote EP rank; an NCCL one as one all-to-all):
+/// first `counts()` (one number per EP rank: the receive sizes), then for EP rank `e` its rows
+/// `gather(e, ..)` packed in plan order with `slots` and `weights` alongside; `e` answers with as
+/// many output rows in the same order, and `from` puts each back at its (row, pick). The send
+/// buffer of a collective is the ranks' gathers one after another (offsets: the prefix sums of
+/// the counts).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerPlan {
     pub per_rank: Vec<RankRows>,
