@@ -219,11 +219,6 @@ impl ExpertServer {
             .map_err(|e| EpError::Bootstrap(format!("expert server thread: {e}")))?;
         Ok(ExpertServer { addr, stop })
     }
-
-    /// Where it listens.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
 }
 
 impl Drop for ExpertServer {

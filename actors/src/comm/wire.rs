@@ -12,11 +12,11 @@ use std::io::{self, Read, Write};
 /// "DIEP": the first bytes of every frame.
 const MAGIC: u32 = 0x5045_4944;
 /// Most rows in one frame.
-pub const MAX_ROWS: u32 = 1 << 22;
+const MAX_ROWS: u32 = 1 << 22;
 /// Widest row (f32 values).
-pub const MAX_DIM: u32 = 1 << 16;
+const MAX_DIM: u32 = 1 << 16;
 /// Most f32 values in one frame (1 GiB).
-pub const MAX_VALUES: u32 = 1 << 28;
+const MAX_VALUES: u32 = 1 << 28;
 /// Longest text (an address, a failure message) or node table.
 const MAX_TEXT: u32 = 1 << 16;
 
