@@ -49,7 +49,7 @@ impl fmt::Display for Arch {
 pub enum SourceFile {
     ActQuant,
     GemmFp8,
-    GemmFp8Fast,
+    GemmFast,
     GemmFp4,
     RmsNorm,
     Rope,
@@ -72,7 +72,7 @@ impl SourceFile {
     pub const ALL: [SourceFile; 19] = [
         SourceFile::ActQuant,
         SourceFile::GemmFp8,
-        SourceFile::GemmFp8Fast,
+        SourceFile::GemmFast,
         SourceFile::GemmFp4,
         SourceFile::RmsNorm,
         SourceFile::Rope,
@@ -96,7 +96,7 @@ impl SourceFile {
         match self {
             SourceFile::ActQuant => "quant/act_quant.cu",
             SourceFile::GemmFp8 => "gemm/gemm_fp8.cu",
-            SourceFile::GemmFp8Fast => "gemm/gemm_fp8_fast.cu",
+            SourceFile::GemmFast => "gemm/gemm_fast.cu",
             SourceFile::GemmFp4 => "gemm/gemm_fp4.cu",
             SourceFile::RmsNorm => "norm/rms_norm.cu",
             SourceFile::Rope => "rope/rope.cu",
@@ -155,6 +155,24 @@ pub enum KernelId {
     GemmFp8FastT128B64,
     /// Fast FP8 GEMM (tensor cores, `fast` numerics), 128x128 weight tiles, 128 token rows per block.
     GemmFp8FastT128B128,
+    /// Fast FP4 GEMM (E2M1 codes as E4M3 on tensor cores, `fast` numerics), 8 token rows per block.
+    GemmFp4FastB8,
+    /// Fast FP4 GEMM, 32 token rows per block.
+    GemmFp4FastB32,
+    /// Fast FP4 GEMM, 64 token rows per block.
+    GemmFp4FastB64,
+    /// Fast FP4 GEMM, 128 token rows per block.
+    GemmFp4FastB128,
+    /// Fast routed-expert FP4 GEMM over tiles of up to 8 rows of one expert (`GroupRoutedRows`).
+    GemmFp4FastRoutedB8,
+    /// Fast routed-expert FP4 GEMM over tiles of up to 32 rows of one expert.
+    GemmFp4FastRoutedB32,
+    /// Fast routed-expert FP4 GEMM over tiles of up to 64 rows of one expert.
+    GemmFp4FastRoutedB64,
+    /// Fast routed-expert FP4 GEMM over tiles of up to 128 rows of one expert.
+    GemmFp4FastRoutedB128,
+    /// The fast GEMMs' K-part sums added in part order and rounded to bf16.
+    GemmFastReduce,
     /// `GemmFp4G32` with one warp per output column over all of K (few rows).
     GemmFp4G32Warp,
     /// RMSNorm, bf16 in/out, fp32 math.
@@ -274,7 +292,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 74] = [
+    pub const ALL: [KernelId; 83] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -292,6 +310,15 @@ impl KernelId {
         KernelId::GemmFp8FastT128B32,
         KernelId::GemmFp8FastT128B64,
         KernelId::GemmFp8FastT128B128,
+        KernelId::GemmFp4FastB8,
+        KernelId::GemmFp4FastB32,
+        KernelId::GemmFp4FastB64,
+        KernelId::GemmFp4FastB128,
+        KernelId::GemmFp4FastRoutedB8,
+        KernelId::GemmFp4FastRoutedB32,
+        KernelId::GemmFp4FastRoutedB64,
+        KernelId::GemmFp4FastRoutedB128,
+        KernelId::GemmFastReduce,
         KernelId::GemmFp4G32Warp,
         KernelId::RmsNormBf16,
         KernelId::RopeInterleavedBf16,
@@ -371,6 +398,15 @@ impl KernelId {
             KernelId::GemmFp8FastT128B32 => "gemm_fp8_fast_t128_b32",
             KernelId::GemmFp8FastT128B64 => "gemm_fp8_fast_t128_b64",
             KernelId::GemmFp8FastT128B128 => "gemm_fp8_fast_t128_b128",
+            KernelId::GemmFp4FastB8 => "gemm_fp4_fast_b8",
+            KernelId::GemmFp4FastB32 => "gemm_fp4_fast_b32",
+            KernelId::GemmFp4FastB64 => "gemm_fp4_fast_b64",
+            KernelId::GemmFp4FastB128 => "gemm_fp4_fast_b128",
+            KernelId::GemmFp4FastRoutedB8 => "gemm_fp4_fast_routed_b8",
+            KernelId::GemmFp4FastRoutedB32 => "gemm_fp4_fast_routed_b32",
+            KernelId::GemmFp4FastRoutedB64 => "gemm_fp4_fast_routed_b64",
+            KernelId::GemmFp4FastRoutedB128 => "gemm_fp4_fast_routed_b128",
+            KernelId::GemmFastReduce => "gemm_fast_reduce",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormBf16 => "rms_norm_bf16",
             KernelId::RopeInterleavedBf16 => "rope_interleaved_bf16",
@@ -449,7 +485,16 @@ impl KernelId {
             | KernelId::GemmFp8FastT128B8
             | KernelId::GemmFp8FastT128B32
             | KernelId::GemmFp8FastT128B64
-            | KernelId::GemmFp8FastT128B128 => SourceFile::GemmFp8Fast,
+            | KernelId::GemmFp8FastT128B128
+            | KernelId::GemmFp4FastB8
+            | KernelId::GemmFp4FastB32
+            | KernelId::GemmFp4FastB64
+            | KernelId::GemmFp4FastB128
+            | KernelId::GemmFp4FastRoutedB8
+            | KernelId::GemmFp4FastRoutedB32
+            | KernelId::GemmFp4FastRoutedB64
+            | KernelId::GemmFp4FastRoutedB128
+            | KernelId::GemmFastReduce => SourceFile::GemmFast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
             KernelId::RmsNormBf16 | KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => {
                 SourceFile::RmsNorm

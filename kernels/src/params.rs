@@ -22,13 +22,37 @@ pub struct GemmParams {
     pub warps_per_col: u32,
 }
 
-/// `FastGemmParams`: the fast FP8 GEMM's `y[m, n] = a[m, k] · w[n, k]ᵀ`.
+/// `FastGemmParams`: the fast FP8 / FP4 GEMM's `y[m, n] = a[m, k] · w[n, k]ᵀ`, K cut into
+/// `parts` spans of `span` codes.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastGemmParams {
     pub m: u32,
     pub n: u32,
     pub k: u32,
+    pub span: u32,
+    pub parts: u32,
+}
+
+/// `FastReduceParams`: the fast GEMM's part sums added in part order.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastReduceParams {
+    pub count: u32,
+    pub parts: u32,
+}
+
+/// `FastRoutedParams`: the fast routed-expert GEMM, output row `j < m` = x row `j / x_row_div`
+/// times the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of `n_experts`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastRoutedParams {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub x_row_div: u32,
+    pub n_experts: u32,
+    pub which: u32,
 }
 
 /// `RmsNormParams`.
@@ -129,6 +153,10 @@ unsafe impl DeviceRepr for GemmParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for FastGemmParams {}
 // SAFETY: as above.
+unsafe impl DeviceRepr for FastReduceParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for FastRoutedParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for RmsNormParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for RopeParams {}
@@ -159,7 +187,11 @@ mod tests {
         assert_eq!(size_of::<GemmParams>(), 20);
         assert_eq!(offset_of!(GemmParams, warps_per_col), 16);
         assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
-        assert_eq!(size_of::<FastGemmParams>(), 12);
+        assert_eq!(size_of::<FastGemmParams>(), 20);
+        assert_eq!(offset_of!(FastGemmParams, parts), 16);
+        assert_eq!(size_of::<FastReduceParams>(), 8);
+        assert_eq!(size_of::<FastRoutedParams>(), 24);
+        assert_eq!(offset_of!(FastRoutedParams, which), 20);
         assert_eq!(size_of::<RmsNormParams>(), 12);
         assert_eq!(offset_of!(RmsNormParams, eps), 8);
         assert_eq!(size_of::<RopeParams>(), 24);
@@ -200,7 +232,12 @@ mod tests {
             fields("GemmParams"),
             ["m", "n", "k", "w_scale_cols", "warps_per_col"]
         );
-        assert_eq!(fields("FastGemmParams"), ["m", "n", "k"]);
+        assert_eq!(fields("FastGemmParams"), ["m", "n", "k", "span", "parts"]);
+        assert_eq!(fields("FastReduceParams"), ["count", "parts"]);
+        assert_eq!(
+            fields("FastRoutedParams"),
+            ["m", "n", "k", "x_row_div", "n_experts", "which"]
+        );
         assert_eq!(fields("RmsNormParams"), ["rows", "cols", "eps"]);
         assert_eq!(
             fields("RopeParams"),

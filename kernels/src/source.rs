@@ -19,8 +19,8 @@ pub const HEADERS: [(&str, &str); 19] = [
         include_str!("../cuda/gemm/gemm_block_scaled.cuh"),
     ),
     (
-        "gemm/gemm_fp8_fast.cuh",
-        include_str!("../cuda/gemm/gemm_fp8_fast.cuh"),
+        "gemm/gemm_fast.cuh",
+        include_str!("../cuda/gemm/gemm_fast.cuh"),
     ),
     (
         "norm/rms_norm.cuh",
@@ -67,7 +67,7 @@ pub fn text(file: SourceFile) -> &'static str {
     match file {
         SourceFile::ActQuant => include_str!("../cuda/quant/act_quant.cu"),
         SourceFile::GemmFp8 => include_str!("../cuda/gemm/gemm_fp8.cu"),
-        SourceFile::GemmFp8Fast => include_str!("../cuda/gemm/gemm_fp8_fast.cu"),
+        SourceFile::GemmFast => include_str!("../cuda/gemm/gemm_fast.cu"),
         SourceFile::GemmFp4 => include_str!("../cuda/gemm/gemm_fp4.cu"),
         SourceFile::RmsNorm => include_str!("../cuda/norm/rms_norm.cu"),
         SourceFile::Rope => include_str!("../cuda/rope/rope.cu"),

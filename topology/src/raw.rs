@@ -47,6 +47,9 @@ pub struct RawNodeConfig {
     /// `[server]`: the OpenAI-compatible HTTP server (`deepinfer-node serve`).
     #[serde(default)]
     pub server: RawServerConfig,
+    /// `[cluster]`: this process's place among the `deepinfer-node` processes of one deployment.
+    #[serde(default)]
+    pub cluster: RawClusterConfig,
 }
 
 /// `[model]`.
@@ -320,6 +323,36 @@ pub struct RawServerConfig {
     /// (seconds). Default: 30.
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub shutdown_timeout_seconds: Option<u32>,
+}
+
+/// `[cluster]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawClusterConfig {
+    /// This process's node index (0..`device.nodes`); node `n` runs DP ranks and EP ranks
+    /// `n * dp / nodes ..` and `n * ep / nodes ..` (contiguous blocks). Default: 0.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub node: Option<u16>,
+    /// IP:port node 0 listens on while the nodes join, and the others connect to: set, the
+    /// process runs one node of a deployment of `device.nodes` processes (needed to serve with
+    /// `device.nodes > 1`; `--simulate` runs every node in one process without it). Only with
+    /// `device.nodes > 1`.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub bootstrap: Option<String>,
+    /// IP:port this node's expert server listens on (the other nodes send it the rows of its EP
+    /// ranks); port 0 picks a free port, which the bootstrap tells the others. Must be reachable
+    /// from every node. Default: `"127.0.0.1:0"`.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub expert_listen: Option<String>,
+    /// Longest wait of one exchange between nodes: one EP rank's answer for the rows of one
+    /// layer (milliseconds, 1..=3600000). A peer that does not answer in time fails the step.
+    /// Default: 30000.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub exchange_timeout_ms: Option<u32>,
+    /// Longest wait for every node to join at start (seconds, 1..=86400; the nodes load their
+    /// weights first). Default: 600.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub bootstrap_timeout_seconds: Option<u32>,
 }
 
 impl TryFrom<String> for RawBackend {

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use crate::error::TopologyError;
 use crate::ids::{DpRank, EpRank};
 use crate::raw::{
-    RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
-    RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
+    RawArch, RawBackend, RawClusterConfig, RawDSparkConfig, RawDeviceConfig, RawEplbConfig,
+    RawJobConfig, RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
     RawParallelConfig, RawPrefixCacheConfig, RawPrefixReplay, RawReplayConfig, RawSamplingConfig,
     RawSchedulerConfig, RawServerConfig,
 };
@@ -54,6 +54,8 @@ pub struct NodeConfig {
     pub job: JobConfig,
     /// `[server]`.
     pub server: ServerConfig,
+    /// `[cluster]`.
+    pub cluster: ClusterConfig,
 }
 
 /// `[model]`, validated.
@@ -286,6 +288,21 @@ pub struct ServerConfig {
     pub shutdown_timeout_seconds: u32,
 }
 
+/// `[cluster]`, validated: where this process sits among the nodes of one deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// This process's node index (< `device.nodes`). Default: 0.
+    pub node: u16,
+    /// Where node 0 listens while the nodes join (`Some` exactly when `device.nodes > 1`).
+    pub bootstrap: Option<SocketAddr>,
+    /// Where this node's expert server listens (port 0: any free port). Default: 127.0.0.1:0.
+    pub expert_listen: SocketAddr,
+    /// Longest wait of one exchange between nodes. Default: 30 s.
+    pub exchange_timeout: std::time::Duration,
+    /// Longest wait for every node to join. Default: 600 s.
+    pub bootstrap_timeout: std::time::Duration,
+}
+
 /// What the topology must agree with in the model's `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModelDims {
@@ -352,6 +369,7 @@ impl NodeConfig {
         let metrics = metrics_config(&check, raw.metrics)?;
         let job = job_config(&check, raw.job)?;
         let server = server_config(&check, raw.server)?;
+        let cluster = cluster_config(&check, raw.cluster, &device, &parallel)?;
         let config = Self {
             origin: origin.to_owned(),
             model,
@@ -367,6 +385,7 @@ impl NodeConfig {
             metrics,
             job,
             server,
+            cluster,
         };
         if let Some(routed_experts) = config.model.routed_experts {
             config.check_expert_placement(&check, routed_experts)?;
@@ -497,6 +516,35 @@ impl NodeConfig {
     pub fn ep_ranks(&self) -> impl Iterator<Item = EpRank> + use<> {
         (0..self.parallel.ep).map(EpRank)
     }
+
+    /// Nodes whose ranks one process runs: every node (one node, or `--simulate`), unless the
+    /// topology joins a deployment of one `deepinfer-node` per node (`cluster.bootstrap`).
+    fn nodes_per_process(&self) -> u16 {
+        match self.cluster.bootstrap {
+            Some(_) => 1,
+            None => self.device.nodes,
+        }
+    }
+
+    /// The attention DP ranks this process runs: all of them, or `parallel.dp / device.nodes`
+    /// on one node of a deployment (a process numbers its own from 0; node `n`'s rank `r` is
+    /// global DP rank `n * dp_on_node + r`).
+    pub fn dp_on_node(&self) -> u16 {
+        self.parallel.dp / self.device.nodes * self.nodes_per_process()
+    }
+
+    /// The EP ranks whose experts this process holds: all of them, or on node `n` of `N` of a
+    /// deployment the `n`-th of `N` contiguous blocks of `parallel.ep`.
+    pub fn ep_ranks_on_node(&self) -> std::ops::Range<u16> {
+        match self.cluster.bootstrap {
+            None => 0..self.parallel.ep,
+            Some(_) => {
+                let per_node = self.parallel.ep / self.device.nodes;
+                let first = self.cluster.node * per_node;
+                first..first + per_node
+            }
+        }
+    }
 }
 
 fn model_config(check: &Checker<'_>, raw: RawModelConfig) -> Result<ModelConfig, TopologyError> {
@@ -582,12 +630,6 @@ fn device_config(check: &Checker<'_>, raw: RawDeviceConfig) -> Result<DeviceConf
                 return Err(check.invalid(
                     "device.numerics",
                     "only applies with device.backend = \"cuda\" (the CPU backend is the reference)",
-                ));
-            }
-            if nodes != 1 {
-                return Err(check.invalid(
-                    "device.nodes",
-                    format!("the CPU backend runs on one node, got {nodes}"),
                 ));
             }
             Ok(DeviceConfig {
@@ -892,6 +934,62 @@ fn server_config(check: &Checker<'_>, raw: RawServerConfig) -> Result<ServerConf
             1024,
         )?,
         shutdown_timeout_seconds: raw.shutdown_timeout_seconds.unwrap_or(30),
+    })
+}
+
+fn cluster_config(
+    check: &Checker<'_>,
+    raw: RawClusterConfig,
+    device: &DeviceConfig,
+    parallel: &ParallelConfig,
+) -> Result<ClusterConfig, TopologyError> {
+    let nodes = device.nodes;
+    let node = raw.node.unwrap_or(0);
+    if node >= nodes {
+        return Err(check.invalid(
+            "cluster.node",
+            format!("must be below device.nodes = {nodes}, got {node}"),
+        ));
+    }
+    let bootstrap = match (raw.bootstrap, nodes) {
+        (Some(_), 1) => {
+            return Err(check.invalid("cluster.bootstrap", "only applies with device.nodes > 1"));
+        }
+        (None, _) => None,
+        (Some(text), _) => {
+            Some(parse_listen_address(&text).map_err(|p| check.invalid("cluster.bootstrap", p))?)
+        }
+    };
+    if bootstrap.is_some() {
+        for (field, ranks) in [("parallel.dp", parallel.dp), ("parallel.ep", parallel.ep)] {
+            if !ranks.is_multiple_of(nodes) {
+                return Err(check.invalid(
+                    field,
+                    format!("{ranks} ranks do not divide over device.nodes = {nodes}"),
+                ));
+            }
+        }
+    }
+    let expert_listen = parse_listen_address(raw.expert_listen.as_deref().unwrap_or("127.0.0.1:0"))
+        .map_err(|p| check.invalid("cluster.expert_listen", p))?;
+    let exchange_ms = check.in_range(
+        "cluster.exchange_timeout_ms",
+        raw.exchange_timeout_ms.unwrap_or(30_000),
+        1,
+        3_600_000,
+    )?;
+    let bootstrap_s = check.in_range(
+        "cluster.bootstrap_timeout_seconds",
+        raw.bootstrap_timeout_seconds.unwrap_or(600),
+        1,
+        86_400,
+    )?;
+    Ok(ClusterConfig {
+        node,
+        bootstrap,
+        expert_listen,
+        exchange_timeout: std::time::Duration::from_millis(u64::from(exchange_ms)),
+        bootstrap_timeout: std::time::Duration::from_secs(u64::from(bootstrap_s)),
     })
 }
 

@@ -457,3 +457,45 @@ fn server_section_defaults_and_errors_name_the_field() {
         ">= 1024",
     );
 }
+
+/// `[cluster]`: a node of a deployment (`bootstrap` set) needs ranks that divide over the nodes
+/// and a node index in range, and runs its share of the ranks; without `bootstrap` one process
+/// runs every node (`--simulate`); timeouts in range; the defaults hold.
+#[test]
+fn cluster_keys_are_validated() {
+    let two = "[device]\nnodes = 2\n[parallel]\ndp = 2\nep = 4\n";
+    let all = NodeConfig::from_toml_str(two, ORIGIN).expect("one process runs both nodes");
+    assert_eq!((all.dp_on_node(), all.ep_ranks_on_node()), (2, 0..4));
+    let joined = format!("{two}[cluster]\nbootstrap = \"127.0.0.1:29500\"\n");
+    let node = NodeConfig::from_toml_str(&format!("{joined}node = 1\n"), ORIGIN).expect("valid");
+    assert_eq!(node.cluster.node, 1);
+    assert_eq!(node.cluster.exchange_timeout.as_millis(), 30_000);
+    assert_eq!(node.cluster.bootstrap_timeout.as_secs(), 600);
+    assert_eq!(node.cluster.expert_listen.to_string(), "127.0.0.1:0");
+    assert_eq!((node.dp_on_node(), node.ep_ranks_on_node()), (1, 2..4));
+    assert_blames(
+        &format!("{joined}node = 2\n"),
+        "cluster.node",
+        "below device.nodes = 2",
+    );
+    assert_blames(
+        &format!("{joined}exchange_timeout_ms = 0\n"),
+        "cluster.exchange_timeout_ms",
+        "1..=3600000",
+    );
+    assert_blames(
+        &format!("{two}[cluster]\nbootstrap = \"localhost\"\n"),
+        "cluster.bootstrap",
+        "not an IP:port",
+    );
+    assert_blames(
+        "[device]\nnodes = 2\n[parallel]\ndp = 3\nep = 2\n[cluster]\nbootstrap = \"127.0.0.1:1\"\n",
+        "parallel.dp",
+        "do not divide over device.nodes = 2",
+    );
+    assert_blames(
+        "[cluster]\nbootstrap = \"127.0.0.1:1\"\n",
+        "cluster.bootstrap",
+        "only applies with device.nodes > 1",
+    );
+}

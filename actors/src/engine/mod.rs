@@ -280,7 +280,8 @@ impl Engine {
     /// Spawns the actor tree on the current tokio runtime and waits until every rank's executor
     /// is built.
     pub async fn start(config: EngineConfig) -> Result<Engine, EngineError> {
-        let dp_ranks = usize::from(config.node.parallel.dp);
+        // This process's DP ranks (all of them on one node).
+        let dp_ranks = usize::from(config.node.dp_on_node());
         if dp_ranks == 0 {
             return Err(EngineError::Config {
                 field: "parallel.dp".into(),

@@ -131,7 +131,10 @@ impl ModelExecutor {
             .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
         // Expert parallelism: this step's placement epoch, read once at the step boundary.
         let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
-        let experts = comm.as_deref().map(|comm| StepExperts::new(comm));
+        let experts = match (&self.ep, comm.as_deref()) {
+            (Some(ep), Some(comm)) => Some(StepExperts::new(comm, ep.dp, ep.steps)),
+            _ => None,
+        };
         // One forward over the whole step, entries in the batch's order.
         let mut entries = Vec::with_capacity(batch.len());
         for (i, (entry, seq)) in batch.iter().zip(seqs).enumerate() {
@@ -176,6 +179,11 @@ impl ModelExecutor {
             }
             Ok(outputs.into_iter().flatten().collect())
         });
+        // An exchange that failed left meaningless rows: the step fails (the supervisor's rule 3).
+        let rows = match experts.as_ref().and_then(StepExperts::failure) {
+            Some(failure) => Err(ExecError::Backend(format!("expert parallelism: {failure}"))),
+            None => rows,
+        };
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {
                 dp: ep.dp,

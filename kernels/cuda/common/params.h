@@ -22,11 +22,31 @@ struct GemmParams {
     u32_t warps_per_col;  // 1, 2, 4 or 8 warps share a column's K range (no effect on the result)
 };
 
-// The fast FP8 GEMM (gemm/gemm_fp8_fast.cuh): y[m, n] = sum_k a[m, k] * w[n, k] on tensor cores.
+// The fast FP8 / FP4 GEMM (gemm/gemm_fast.cuh): y[m, n] = sum_k a[m, k] * w[n, k] on tensor cores,
+// K cut into `parts` spans of `span` codes (the last one shorter).
 struct FastGemmParams {
     u32_t m;
     u32_t n;
     u32_t k;
+    u32_t span;
+    u32_t parts;
+};
+
+// The fast GEMM's part sums added in part order: y[i] = bf16(sum_p partials[p][i]), i < count.
+struct FastReduceParams {
+    u32_t count;
+    u32_t parts;
+};
+
+// The fast routed-expert GEMM (gemm/gemm_fast.cuh): output row j < m = x row j / x_row_div times
+// the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of n_experts, [n, k].
+struct FastRoutedParams {
+    u32_t m;
+    u32_t n;
+    u32_t k;
+    u32_t x_row_div;
+    u32_t n_experts;
+    u32_t which;
 };
 
 // RMSNorm over the last axis: x [rows, cols] bf16, w [cols] bf16 -> y [rows, cols] bf16.

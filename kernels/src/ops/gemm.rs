@@ -132,6 +132,25 @@ pub(crate) fn check_fp8_weight(
     )
 }
 
+/// Checks the checkpoint bytes of an FP4 weight `[out, inp]`: `inp` a positive multiple of 32,
+/// `packed` `out · inp / 2` bytes, `scales` `out · inp / 32`.
+pub(crate) fn check_fp4_weight(
+    op: &'static str,
+    out: usize,
+    inp: usize,
+    packed: &[u8],
+    scales: &[u8],
+) -> Result<(), KernelError> {
+    if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
+        });
+    }
+    expect_len(op, "packed", packed.len(), out * inp / 2)?;
+    expect_len(op, "scales", scales.len(), out * inp / 32)
+}
+
 /// An FP4 E2M1 expert weight `[out, inp]` on the device: `packed` `[out, inp/2]` (element 2k in
 /// the low nibble of byte k), `scales` UE8M0 `[out, inp/32]`, both row-major.
 #[derive(Debug)]
@@ -151,15 +170,7 @@ impl DeviceFp4Weight {
         packed: &[u8],
         scales: &[u8],
     ) -> Result<DeviceFp4Weight, KernelError> {
-        const OP: &str = "DeviceFp4Weight::upload";
-        if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
-            });
-        }
-        expect_len(OP, "packed", packed.len(), out * inp / 2)?;
-        expect_len(OP, "scales", scales.len(), out * inp / 32)?;
+        check_fp4_weight("DeviceFp4Weight::upload", out, inp, packed, scales)?;
         Ok(DeviceFp4Weight {
             out,
             inp,

@@ -1,38 +1,63 @@
-//! The `fast` FP8 block-scaled GEMM (ARCHITECTURE.md §3): tensor cores (mma.sync m16n8k32 E4M3,
+//! The `fast` block-scaled GEMMs (ARCHITECTURE.md §3): tensor cores (mma.sync m16n8k32 E4M3,
 //! fp32 accumulation) with one promotion per scale group along K,
-//! `acc = fma(T_g, s_w · s_a, acc)` in K order (`cuda/gemm/gemm_fp8_fast.cuh`). Not bitwise equal
-//! to the CPU reference (the tensor core's in-group sum is not the exact one), but deterministic
-//! and batch invariant: every [`FastTile`] computes the same bits for a row, so the tile chosen by
-//! M never shows.
+//! `acc = fma(T_g, s_w · s_a, acc)` in K order (`cuda/gemm/gemm_fast.cuh`), for FP8 weights
+//! ([`FastFp8Weight`], [`gemm_fp8_fast`]) and FP4 E2M1 weights, whose codes are converted exactly
+//! to E4M3 in registers ([`FastFp4Weight`], [`gemm_fp4_fast`]; the routed experts use the same
+//! body, `ops::routed_fast`). Not bitwise equal to the CPU reference (the tensor core's in-group
+//! sum is not the exact one), but deterministic and batch invariant: every [`FastTile`] computes
+//! the same bits for a row, so the tile chosen by M never shows.
 //!
 //! Error bound against the exact value (f64) — what the GPU tests assert: with `P = Σ_k |a_k w_k|`
 //! over a group, the tensor core's fp32-range sum of the group's exact products is within
 //! `(G - 1) · 2^-13 · P` (it keeps at least 13 fraction bits per addition on Hopper, DeepSeek-V3
-//! §3.3.2 observes ~14), each of the `K / G` promotions adds at most `2^-24 |acc|`, and the bf16
-//! output rounding at most `2^-9 |y|`.
+//! §3.3.2 observes ~14), each of the `K / G` promotions and each of the `parts - 1` additions of
+//! a K part's sum ([`k_parts`]) adds at most `2^-24` times the running sum, and the bf16 output
+//! rounding at most `2^-9 |y|`.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::gemm::check_fp8_weight;
+use super::gemm::{check_fp4_weight, check_fp8_weight};
 use super::quant::{ActGroup, DeviceActFp8};
 use super::{dim, expect_len};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::params::FastGemmParams;
+use crate::params::{FastGemmParams, FastReduceParams};
 use crate::runtime::KernelRuntime;
 
-const OP: &str = "gemm_fp8_fast";
-/// K bytes of one weight chunk (`STEP_K` in the kernel).
-const STEP_K: u32 = 128;
-/// Output features per weight band (one warp's mma rows) and bytes of one band's step.
+/// K codes of one weight chunk (`STEP_K` in the kernel).
+const STEP_K: usize = 128;
+/// Output features per weight band (one warp's mma rows).
 const BAND: usize = 16;
-const CHUNK: usize = BAND * STEP_K as usize;
 
-/// A tile configuration of the fast GEMM: token rows per block, warps per block (16 output
-/// features each), pipeline stages and K bytes per stage; must match the instantiations in
-/// `gemm_fp8_fast.cu`.
+/// Blocks a decode launch (8-row tiles of 2 warps: 32 output features per block) should have:
+/// two waves of the H200's 132 SMs.
+const TARGET_BLOCKS: usize = 264;
+/// K codes per part are a multiple of this (the largest stage, so parts cut no stage).
+const PART_QUANTUM: usize = 512;
+/// Threads per block of the part reduction.
+const REDUCE_THREADS: u32 = 256;
+
+/// The K parts of the dense fast GEMMs for a weight `[n, k]`: `(span, parts)`, K cut into
+/// `parts` consecutive spans of `span` codes (the last one shorter), each summed from zero in K
+/// order, the part sums added in part order (`cuda/gemm/gemm_fast.cuh`). A function of the shape
+/// alone — never of M — so that a decode launch has about [`TARGET_BLOCKS`] blocks to stream the
+/// weights and every tile gives the same bits.
+pub fn k_parts(n: usize, k: usize) -> (usize, usize) {
+    let column_blocks = n.div_ceil(32).max(1);
+    let wanted = TARGET_BLOCKS.div_ceil(column_blocks).max(1);
+    let span = k
+        .div_ceil(wanted)
+        .div_ceil(PART_QUANTUM)
+        .max(1)
+        .saturating_mul(PART_QUANTUM);
+    (span, k.div_ceil(span).max(1))
+}
+
+/// A tile configuration of the fast GEMMs: token rows per block, warps per block (16 output
+/// features each), pipeline stages and K codes per stage; must match the instantiations in
+/// `gemm_fast.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FastTile {
     /// Chosen by M: the smallest token tile that holds M, 128 above 64 rows.
@@ -43,8 +68,8 @@ pub enum FastTile {
     Rows128,
 }
 
-/// (token rows, warps, stages, K bytes per stage) of each tile, in [`FastTile`] order after
-/// `Auto`. The decode tiles take 512 or 256 bytes of K per barrier: fewer, larger steps.
+/// (token rows, warps, stages, K codes per stage) of each tile, in [`FastTile`] order after
+/// `Auto`. The decode tiles take 512 or 256 codes of K per barrier: fewer, larger steps.
 const TILES: [(FastTile, u32, u32, u32, u32); 4] = [
     (FastTile::Rows8, 8, 2, 4, 512),
     (FastTile::Rows32, 32, 2, 3, 512),
@@ -53,7 +78,8 @@ const TILES: [(FastTile, u32, u32, u32, u32); 4] = [
 ];
 
 impl FastTile {
-    fn resolve(self, rows: usize) -> FastTile {
+    /// The tile [`FastTile::Auto`] takes for `rows` token rows (per expert, for routed launches).
+    pub(crate) fn resolve(self, rows: usize) -> FastTile {
         match self {
             FastTile::Auto => TILES
                 .iter()
@@ -63,8 +89,8 @@ impl FastTile {
         }
     }
 
-    /// (token rows, warps, stages, K bytes per stage).
-    fn shape(self) -> (u32, u32, u32, u32) {
+    /// (token rows, warps, stages, K codes per stage).
+    pub(crate) fn shape(self) -> (u32, u32, u32, u32) {
         let (_, tokens, warps, stages, step) = TILES
             .iter()
             .copied()
@@ -72,28 +98,81 @@ impl FastTile {
             .unwrap_or(TILES[3]);
         (tokens, warps, stages, step)
     }
+}
 
-    fn kernel(self, group: ActGroup) -> KernelId {
-        match (group, self) {
-            (ActGroup::G32, FastTile::Rows8) => KernelId::GemmFp8FastT32B8,
-            (ActGroup::G32, FastTile::Rows32) => KernelId::GemmFp8FastT32B32,
-            (ActGroup::G32, FastTile::Rows64) => KernelId::GemmFp8FastT32B64,
-            (ActGroup::G32, _) => KernelId::GemmFp8FastT32B128,
-            (ActGroup::G128, FastTile::Rows8) => KernelId::GemmFp8FastT128B8,
-            (ActGroup::G128, FastTile::Rows32) => KernelId::GemmFp8FastT128B32,
-            (ActGroup::G128, FastTile::Rows64) => KernelId::GemmFp8FastT128B64,
-            (ActGroup::G128, _) => KernelId::GemmFp8FastT128B128,
+/// The kernel families of `gemm_fast.cu`: the weight layout (`Fp8Chunks<G>` or `Fp4Chunks`) and
+/// dense or routed rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FastKernels {
+    /// FP8 weights, square scale tiles of the activation group's side.
+    Fp8(ActGroup),
+    /// FP4 E2M1 weights with 1×32 UE8M0 scales.
+    Fp4,
+    /// FP4 routed experts (`ops::routed_fast`).
+    Fp4Routed,
+}
+
+impl FastKernels {
+    const ALL: [FastKernels; 4] = [
+        FastKernels::Fp8(ActGroup::G32),
+        FastKernels::Fp8(ActGroup::G128),
+        FastKernels::Fp4,
+        FastKernels::Fp4Routed,
+    ];
+
+    /// Bytes of a lane's share of one 32-code group (`PIECE`): 16 FP8 codes or 16 FP4 codes.
+    fn piece(self) -> u32 {
+        match self {
+            FastKernels::Fp8(_) => 16,
+            FastKernels::Fp4 | FastKernels::Fp4Routed => 8,
         }
     }
 
-    /// Dynamic shared memory of a launch (`Stage::BYTES · STAGES` in the kernel).
-    fn shared_bytes(self, group: ActGroup) -> u32 {
-        let (tokens, warps, stages, step) = self.shape();
-        let groups_per_stage = step / group.elements() as u32;
-        let stage = warps * CHUNK as u32 * (step / STEP_K)
+    /// Bytes of a band's weight scales of one k-group (`SCALE_BYTES`): one f32, or 16 UE8M0.
+    fn scale_bytes(self) -> u32 {
+        match self {
+            FastKernels::Fp8(_) => 4,
+            FastKernels::Fp4 | FastKernels::Fp4Routed => 16,
+        }
+    }
+
+    fn group(self) -> u32 {
+        match self {
+            FastKernels::Fp8(group) => group.elements() as u32,
+            FastKernels::Fp4 | FastKernels::Fp4Routed => 32,
+        }
+    }
+
+    pub(crate) fn kernel(self, tile: FastTile) -> KernelId {
+        use FastTile::{Rows8, Rows32, Rows64};
+        match (self, tile) {
+            (FastKernels::Fp8(ActGroup::G32), Rows8) => KernelId::GemmFp8FastT32B8,
+            (FastKernels::Fp8(ActGroup::G32), Rows32) => KernelId::GemmFp8FastT32B32,
+            (FastKernels::Fp8(ActGroup::G32), Rows64) => KernelId::GemmFp8FastT32B64,
+            (FastKernels::Fp8(ActGroup::G32), _) => KernelId::GemmFp8FastT32B128,
+            (FastKernels::Fp8(ActGroup::G128), Rows8) => KernelId::GemmFp8FastT128B8,
+            (FastKernels::Fp8(ActGroup::G128), Rows32) => KernelId::GemmFp8FastT128B32,
+            (FastKernels::Fp8(ActGroup::G128), Rows64) => KernelId::GemmFp8FastT128B64,
+            (FastKernels::Fp8(ActGroup::G128), _) => KernelId::GemmFp8FastT128B128,
+            (FastKernels::Fp4, Rows8) => KernelId::GemmFp4FastB8,
+            (FastKernels::Fp4, Rows32) => KernelId::GemmFp4FastB32,
+            (FastKernels::Fp4, Rows64) => KernelId::GemmFp4FastB64,
+            (FastKernels::Fp4, _) => KernelId::GemmFp4FastB128,
+            (FastKernels::Fp4Routed, Rows8) => KernelId::GemmFp4FastRoutedB8,
+            (FastKernels::Fp4Routed, Rows32) => KernelId::GemmFp4FastRoutedB32,
+            (FastKernels::Fp4Routed, Rows64) => KernelId::GemmFp4FastRoutedB64,
+            (FastKernels::Fp4Routed, _) => KernelId::GemmFp4FastRoutedB128,
+        }
+    }
+
+    /// Dynamic shared memory of a launch with `tile` (`Stage::BYTES · STAGES` in the kernel).
+    pub(crate) fn shared_bytes(self, tile: FastTile) -> u32 {
+        let (tokens, warps, stages, step) = tile.shape();
+        let groups_per_stage = step / self.group();
+        let stage = warps * 128 * self.piece() * (step / STEP_K as u32)
             + tokens * (step + 32)
             + 4 * tokens * groups_per_stage
-            + 4 * warps * groups_per_stage;
+            + self.scale_bytes() * warps * groups_per_stage;
         stage.div_ceil(16) * 16 * stages
     }
 }
@@ -101,14 +180,12 @@ impl FastTile {
 /// The dynamic shared memory kernel `id` needs, for the runtime to allow it at load time (`None`
 /// for every kernel that is not a fast GEMM).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
-    [ActGroup::G32, ActGroup::G128]
-        .into_iter()
-        .find_map(|group| {
-            TILES
-                .iter()
-                .find(|t| t.0.kernel(group) == id)
-                .map(|t| t.0.shared_bytes(group))
-        })
+    FastKernels::ALL.into_iter().find_map(|kernels| {
+        TILES
+            .iter()
+            .find(|t| kernels.kernel(t.0) == id)
+            .map(|t| kernels.shared_bytes(t.0))
+    })
 }
 
 /// Allows `function` the dynamic shared memory of fast GEMM `id` (above the 48 KiB default).
@@ -131,7 +208,7 @@ pub(crate) fn allow_shared(
 }
 
 /// An FP8 weight `[out, inp]` laid out for the fast GEMM: `chunks` holds, per 16-row band and
-/// 128-byte step of K, the band's codes as one 2 KiB chunk in mma fragment order (see
+/// 128 codes of K, the band's codes as one 2 KiB chunk in mma fragment order (see
 /// [`fragment_chunks`]); `band_scales` the UE8M0 tile scales as f32 per band and k-group
 /// (`[ceil(out / 16), inp / tile]`).
 #[derive(Debug)]
@@ -177,7 +254,7 @@ impl FastFp8Weight {
             .htod(&band_scales)
             .map_err(KernelError::driver("uploading fast FP8 weight scales"))?;
         let chunks = rt
-            .htod(&fragment_chunks(codes, out, inp))
+            .htod(&fragment_chunks(codes, out, inp, FP8_HALF_PIECE))
             .map_err(KernelError::driver("uploading fast FP8 weight codes"))?;
         Ok(FastFp8Weight {
             out,
@@ -189,25 +266,88 @@ impl FastFp8Weight {
     }
 }
 
-/// The codes `[out, inp]` as the kernel streams them: for band b (rows 16b ..) and step s (K bytes
-/// 128s ..) the chunk at `(b · steps + s) · 2048` holds, for group j = 0..4 and lane = 0..32
-/// (g = lane / 4, t = lane % 4), the 8 bytes of row 16b + g at K 128s + 32j + 8t, then those of
-/// row 16b + g + 8: lane's A fragment of group j. Rows past `out` and K past `inp` are zero.
-fn fragment_chunks(codes: &[u8], out: usize, inp: usize) -> Vec<u8> {
-    let steps = inp.div_ceil(STEP_K as usize);
-    let mut chunks = vec![0u8; out.div_ceil(BAND) * steps * CHUNK];
-    for (c, chunk) in chunks.chunks_exact_mut(CHUNK).enumerate() {
+/// An FP4 E2M1 weight `[out, inp]` (1×32 UE8M0 scales) laid out for the fast GEMM: `chunks`
+/// holds, per 16-row band and 128 codes of K, the band's packed codes as one 1 KiB chunk in mma
+/// fragment order (see [`fragment_chunks`]; the nibbles stay as in the checkpoint, even code in
+/// the low nibble); `band_scales` the UE8M0 bytes per band, k-group and row of the band
+/// (`[ceil(out / 16), inp / 32, 16]`, rows past `out` zero).
+#[derive(Debug, Clone)]
+pub struct FastFp4Weight {
+    pub out: usize,
+    pub inp: usize,
+    pub chunks: CudaSlice<u8>,
+    pub band_scales: CudaSlice<u8>,
+}
+
+impl FastFp4Weight {
+    /// Re-lays and uploads checkpoint bytes (`packed` `[out, inp / 2]`, `scales` `[out, inp /
+    /// 32]`, checked as `DeviceFp4Weight::upload` does).
+    pub fn upload(
+        rt: &KernelRuntime,
+        out: usize,
+        inp: usize,
+        packed: &[u8],
+        scales: &[u8],
+    ) -> Result<FastFp4Weight, KernelError> {
+        check_fp4_weight("FastFp4Weight::upload", out, inp, packed, scales)?;
+        let band_scales = rt
+            .htod(&fp4_band_scales(scales, out, inp / 32))
+            .map_err(KernelError::driver("uploading fast FP4 weight scales"))?;
+        let chunks = rt
+            .htod(&fragment_chunks(packed, out, inp / 2, FP4_HALF_PIECE))
+            .map_err(KernelError::driver("uploading fast FP4 weight codes"))?;
+        Ok(FastFp4Weight {
+            out,
+            inp,
+            chunks,
+            band_scales,
+        })
+    }
+}
+
+/// Bytes of one row's 8 codes in a lane's fragment piece: FP8 (one byte per code), FP4 (two
+/// codes per byte).
+const FP8_HALF_PIECE: usize = 8;
+const FP4_HALF_PIECE: usize = 4;
+
+/// The weight rows (`out` rows of `row_bytes` bytes, `half` bytes holding 8 codes: 8 for FP8, 4
+/// for FP4) as the kernel streams them. For band b
+/// (rows 16b ..) and step s (codes 128s ..) the chunk at `(b · steps + s) · 256 · half` holds,
+/// for group j = 0..4 and lane = 0..32 (g = lane / 4, t = lane % 4), the `half` bytes of row
+/// 16b + g at codes 128s + 32j + 8t, then those of row 16b + g + 8: lane's A fragment of group
+/// j. Rows past `out` and codes past the row are zero.
+fn fragment_chunks(bytes: &[u8], out: usize, row_bytes: usize, half: usize) -> Vec<u8> {
+    let step_bytes = STEP_K / 8 * half;
+    let chunk_bytes = BAND * step_bytes;
+    let steps = row_bytes.div_ceil(step_bytes);
+    let mut chunks = vec![0u8; out.div_ceil(BAND) * steps * chunk_bytes];
+    for (c, chunk) in chunks.chunks_exact_mut(chunk_bytes).enumerate() {
         let (band, step) = (c / steps, c % steps);
-        for (piece, bytes) in chunk.chunks_exact_mut(8).enumerate() {
-            let (j, lane, half) = (piece / 64, (piece / 2) % 32, piece % 2);
-            let row = BAND * band + lane / 4 + 8 * half;
-            let k = STEP_K as usize * step + 32 * j + 8 * (lane % 4);
-            if row < out && k < inp {
-                bytes.copy_from_slice(&codes[row * inp + k..row * inp + k + 8]);
+        for (piece, dst) in chunk.chunks_exact_mut(half).enumerate() {
+            let (j, lane, second) = (piece / 64, (piece / 2) % 32, piece % 2);
+            let row = BAND * band + lane / 4 + 8 * second;
+            let at = step_bytes * step + 4 * half * j + half * (lane % 4);
+            if row < out && at < row_bytes {
+                let src = row * row_bytes + at;
+                dst.copy_from_slice(&bytes[src..src + half]);
             }
         }
     }
     chunks
+}
+
+/// FP4 row scales `[out, groups]` per 16-row band: `[ceil(out / 16)][groups][16]`, rows past
+/// `out` zero.
+fn fp4_band_scales(scales: &[u8], out: usize, groups: usize) -> Vec<u8> {
+    let mut banded = vec![0u8; out.div_ceil(BAND) * groups * BAND];
+    for (i, e) in banded.iter_mut().enumerate() {
+        let (band, group, r) = (i / (groups * BAND), (i / BAND) % groups, i % BAND);
+        let row = BAND * band + r;
+        if row < out {
+            *e = scales[row * groups + group];
+        }
+    }
+    banded
 }
 
 /// The value of a UE8M0 scale: `2^(e - 127)`, 255 is NaN.
@@ -238,7 +378,7 @@ pub fn gemm_fp8_fast_tiled(
     y: &mut CudaSlice<bf16>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
-    let (n, k) = (w.out, w.inp);
+    const OP: &str = "gemm_fp8_fast";
     if a.group.elements() != w.tile {
         return Err(KernelError::Shape {
             op: OP,
@@ -250,50 +390,164 @@ pub fn gemm_fp8_fast_tiled(
             ),
         });
     }
-    if a.cols != k {
+    launch_dense(
+        rt,
+        OP,
+        FastKernels::Fp8(a.group),
+        a,
+        (w.out, w.inp),
+        (&w.chunks, &w.band_scales),
+        y,
+        tile,
+    )
+}
+/// `y = a · wᵀ` on tensor cores for an FP4 weight, bf16 `y [a.rows, w.out]`; `a` in 32-element
+/// groups.
+pub fn gemm_fp4_fast(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &FastFp4Weight,
+    y: &mut CudaSlice<bf16>,
+) -> Result<(), KernelError> {
+    gemm_fp4_fast_tiled(rt, a, w, y, FastTile::Auto)
+}
+
+/// [`gemm_fp4_fast`] with an explicit tile (the result does not depend on it).
+pub fn gemm_fp4_fast_tiled(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &FastFp4Weight,
+    y: &mut CudaSlice<bf16>,
+    tile: FastTile,
+) -> Result<(), KernelError> {
+    const OP: &str = "gemm_fp4_fast";
+    if a.group != ActGroup::G32 {
         return Err(KernelError::Shape {
             op: OP,
+            message: format!(
+                "FP4 weights need 32-element activation groups, got {}",
+                a.group.elements()
+            ),
+        });
+    }
+    launch_dense(
+        rt,
+        OP,
+        FastKernels::Fp4,
+        a,
+        (w.out, w.inp),
+        (&w.chunks, &w.band_scales),
+        y,
+        tile,
+    )
+}
+
+/// Launches the dense kernel of `kernels` with `tile` on a weight `(n, k)` = `(out, inp)` given
+/// as its fragment chunks and band scales.
+#[allow(clippy::too_many_arguments)]
+fn launch_dense<S: DeviceRepr>(
+    rt: &KernelRuntime,
+    op: &'static str,
+    kernels: FastKernels,
+    a: &DeviceActFp8,
+    (n, k): (usize, usize),
+    (chunks, band_scales): (&CudaSlice<u8>, &CudaSlice<S>),
+    y: &mut CudaSlice<bf16>,
+    tile: FastTile,
+) -> Result<(), KernelError> {
+    if a.cols != k {
+        return Err(KernelError::Shape {
+            op,
             message: format!("activation has {} columns, weight has {k} inputs", a.cols),
         });
     }
-    expect_len(OP, "y", y.len(), a.rows * n)?;
+    expect_len(op, "y", y.len(), a.rows * n)?;
     if a.rows == 0 {
         return Ok(());
     }
     let tile = tile.resolve(a.rows);
     let (tokens, warps, ..) = tile.shape();
+    let (span, parts) = k_parts(n, k);
     let params = FastGemmParams {
-        m: dim(OP, "m", a.rows)?,
-        n: dim(OP, "n", n)?,
-        k: dim(OP, "k", k)?,
+        m: dim(op, "m", a.rows)?,
+        n: dim(op, "n", n)?,
+        k: dim(op, "k", k)?,
+        span: dim(op, "span", span)?,
+        parts: dim(op, "parts", parts)?,
     };
     let row_blocks = params.m.div_ceil(tokens);
     if row_blocks > 65_535 {
         return Err(KernelError::Shape {
-            op: OP,
+            op,
             message: format!("m = {} needs {row_blocks} row blocks (> 65535)", a.rows),
         });
     }
-    let kernel = tile.kernel(a.group);
+    let kernel = kernels.kernel(tile);
     let cfg = LaunchConfig {
-        grid_dim: (params.n.div_ceil(16 * warps), row_blocks, 1),
+        grid_dim: (params.n.div_ceil(16 * warps), row_blocks, params.parts),
         block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: tile.shared_bytes(a.group),
+        shared_mem_bytes: kernels.shared_bytes(tile),
     };
+    let stream = rt.stream();
+    // The parts' sums [parts][m][n] (one value, unread, with one part).
+    let count = a.rows * n;
+    // SAFETY: with parts > 1 every block writes its part's sums of its rows and columns, so the
+    // launch writes all parts * m * n values before the reduction reads them, in stream order;
+    // with one part the kernel never touches the buffer.
+    let mut partials = unsafe { stream.alloc::<f32>(if parts > 1 { parts * count } else { 1 }) }
+        .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
     let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let mut launch = stream.launch_builder(function);
     launch
         .arg(&a.codes)
         .arg(&a.scales)
-        .arg(&w.chunks)
-        .arg(&w.band_scales)
-        .arg(y)
+        .arg(chunks)
+        .arg(band_scales)
+        .arg(&mut *y)
+        .arg(&mut partials)
         .arg(&params);
-    // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const float*
-    // wsb, bf16* y, FastGemmParams). The activation buffers hold rows * k codes and rows * k /
-    // group scales (DeviceActFp8's invariant), the weight chunks hold ceil(n / 16) * ceil(k / 128)
-    // chunks of 2 KiB and the band scales ceil(n / 16) * k / group values (built at upload from
-    // n, k); every load is bounds-checked against m, n, k in the kernel, and y holds m * n values.
+    // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const u8*
+    // ws, bf16* y, float* partials, FastGemmParams). The activation buffers hold rows * k codes
+    // and rows * k / group scales (DeviceActFp8's invariant), the weight chunks hold ceil(n / 16)
+    // * ceil(k / 128) chunks and the band scales ceil(n / 16) * k / group entries of the
+    // kernel's scale size (built at upload from n, k: FastFp8Weight, FastFp4Weight); block z
+    // reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span); every load is
+    // bounds-checked against m, n, k in the kernel; y holds m * n values, partials parts * m * n
+    // when parts > 1.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+        "launching {}",
+        kernel.symbol()
+    )))?;
+    if parts > 1 {
+        reduce_parts(rt, op, &partials, y, count, parts)?;
+    }
+    Ok(())
+}
+
+/// `y[i] = bf16(((P_0[i] + P_1[i]) + …))` over the `parts` part sums `partials` `[parts][count]`.
+fn reduce_parts(
+    rt: &KernelRuntime,
+    op: &'static str,
+    partials: &CudaSlice<f32>,
+    y: &mut CudaSlice<bf16>,
+    count: usize,
+    parts: usize,
+) -> Result<(), KernelError> {
+    let params = FastReduceParams {
+        count: dim(op, "outputs", count)?,
+        parts: dim(op, "parts", parts)?,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
+        block_dim: (REDUCE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let kernel = KernelId::GemmFastReduce;
+    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    launch.arg(partials).arg(y).arg(&params);
+    // SAFETY: signature (const float* partials, bf16* y, FastReduceParams); partials holds parts
+    // * count values (allocated so by the caller), y count (checked: m * n); the kernel strides
+    // over i < count.
     unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
         "launching {}",
         kernel.symbol()
@@ -317,27 +571,62 @@ mod tests {
 
     #[test]
     fn shared_memory_matches_the_kernel_layout_and_fits_the_h200() {
-        // Stage::BYTES for G = 32, 2 warps, 8 tokens, 512 bytes of K:
+        // Stage::BYTES for FP8, G = 32, 2 warps, 8 tokens, 512 codes of K:
         // 2 * 4 * 2048 + 8 * 544 + 4 * 8 * 16 + 4 * 2 * 16, four stages.
-        assert_eq!(FastTile::Rows8.shared_bytes(ActGroup::G32), 21_376 * 4);
-        for group in [ActGroup::G32, ActGroup::G128] {
+        let fp8 = FastKernels::Fp8(ActGroup::G32);
+        assert_eq!(fp8.shared_bytes(FastTile::Rows8), 21_376 * 4);
+        // FP4: 1 KiB chunks and 16 scale bytes per band and group:
+        // 2 * 4 * 1024 + 8 * 544 + 4 * 8 * 16 + 16 * 2 * 16, four stages.
+        assert_eq!(FastKernels::Fp4.shared_bytes(FastTile::Rows8), 13_568 * 4);
+        let mut ids = Vec::new();
+        for kernels in FastKernels::ALL {
             for (tile, ..) in TILES {
-                assert!(tile.shared_bytes(group) <= 227 * 1024, "{tile:?}");
-                assert_eq!(
-                    dynamic_shared_bytes(tile.kernel(group)),
-                    Some(tile.shared_bytes(group))
+                // The routed kernels' static rows (at most 128 u32) come on top.
+                assert!(
+                    kernels.shared_bytes(tile) + 512 <= 227 * 1024,
+                    "{kernels:?} {tile:?}"
                 );
+                assert_eq!(
+                    dynamic_shared_bytes(kernels.kernel(tile)),
+                    Some(kernels.shared_bytes(tile))
+                );
+                ids.push(kernels.kernel(tile));
             }
         }
+        ids.sort_by_key(|id| id.symbol());
+        ids.dedup();
+        assert_eq!(ids.len(), 16, "every (kernels, tile) has its own kernel");
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
     }
 
     #[test]
-    fn chunks_hold_each_lanes_fragments_and_zero_padding() {
+    fn tiles_and_kernels_match_the_instantiations() {
+        let source = include_str!("../../cuda/gemm/gemm_fast.cu");
+        for kernels in FastKernels::ALL {
+            for (tile, tokens, warps, stages, step) in TILES {
+                let weights = match kernels {
+                    FastKernels::Fp8(g) => {
+                        format!("fastgemm::Fp8Chunks<{0}>, {0}, ", g.elements())
+                    }
+                    FastKernels::Fp4 => "fastgemm::Fp4Chunks, 32, ".to_string(),
+                    FastKernels::Fp4Routed => "fastgemm::Fp4Chunks, ".to_string(),
+                };
+                let line = format!(
+                    "({}, {weights}{warps}, {tokens}, {stages}, {step})",
+                    kernels.kernel(tile).symbol()
+                );
+                assert!(source.contains(&line), "{line} not in gemm_fast.cu");
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_chunks_hold_each_lanes_fragments_and_zero_padding() {
         // 20 rows (a partial second band), 160 inputs (a partial second step).
         let (out, inp) = (20usize, 160usize);
         let codes: Vec<u8> = (0..out * inp).map(|i| (i % 251) as u8 + 1).collect();
-        let chunks = fragment_chunks(&codes, out, inp);
+        let chunks = fragment_chunks(&codes, out, inp, FP8_HALF_PIECE);
+        const CHUNK: usize = 2048;
         assert_eq!(chunks.len(), 2 * 2 * CHUNK);
         let at = |band: usize, step: usize, j: usize, lane: usize, half: usize| {
             let base = (band * 2 + step) * CHUNK + j * 512 + lane * 16 + half * 8;
@@ -351,6 +640,149 @@ mod tests {
         assert_eq!(at(1, 1, 0, 13, 1), &[0u8; 8]);
         // Group 1 of step 1 starts at K 160 = inp: zero.
         assert_eq!(at(1, 1, 1, 0, 0), &[0u8; 8]);
+    }
+
+    #[test]
+    fn fp4_chunks_hold_each_lanes_packed_codes_and_zero_padding() {
+        // 20 rows, 160 inputs = 80 packed bytes per row: a partial second step of 64 bytes.
+        let (out, inp) = (20usize, 160usize);
+        let row_bytes = inp / 2;
+        let packed: Vec<u8> = (0..out * row_bytes).map(|i| (i % 251) as u8 + 1).collect();
+        let chunks = fragment_chunks(&packed, out, row_bytes, FP4_HALF_PIECE);
+        const CHUNK: usize = 1024;
+        assert_eq!(chunks.len(), 2 * 2 * CHUNK);
+        let at = |band: usize, step: usize, j: usize, lane: usize, half: usize| {
+            let base = (band * 2 + step) * CHUNK + j * 256 + lane * 8 + half * 4;
+            &chunks[base..base + 4]
+        };
+        // Band 0, step 0, group 1, lane 6 (g = 1, t = 2): codes 32 + 16 .. + 8 = bytes 24 .. 28
+        // of row 1, then of row 9.
+        assert_eq!(at(0, 0, 1, 6, 0), &packed[row_bytes + 24..row_bytes + 28]);
+        assert_eq!(
+            at(0, 0, 1, 6, 1),
+            &packed[9 * row_bytes + 24..9 * row_bytes + 28]
+        );
+        // Band 1, step 1, group 0, lane 13 (g = 3, t = 1): row 19, codes 136 .. 144 = bytes
+        // 68 .. 72; row 27 is past out.
+        assert_eq!(
+            at(1, 1, 0, 13, 0),
+            &packed[19 * row_bytes + 68..19 * row_bytes + 72]
+        );
+        assert_eq!(at(1, 1, 0, 13, 1), &[0u8; 4]);
+        // Group 1 of step 1 starts at code 160 = inp: zero.
+        assert_eq!(at(1, 1, 1, 0, 0), &[0u8; 4]);
+    }
+
+    #[test]
+    fn fp4_band_scales_are_per_band_group_and_row() {
+        // 18 rows, 3 groups: two bands, the second with 2 rows.
+        let scales: Vec<u8> = (0..18 * 3).map(|i| i as u8 + 1).collect();
+        let banded = fp4_band_scales(&scales, 18, 3);
+        assert_eq!(banded.len(), 2 * 3 * 16);
+        // Band 0, group 2, row 5.
+        assert_eq!(banded[2 * 16 + 5], scales[5 * 3 + 2]);
+        // Band 1, group 1, row 17 (r = 1); row 18 (r = 2) is past out.
+        assert_eq!(banded[(3 + 1) * 16 + 1], scales[17 * 3 + 1]);
+        assert_eq!(banded[(3 + 1) * 16 + 2], 0);
+    }
+
+    /// `constexpr u32_t NAME = 0x...u;` of the kernel header.
+    fn header_constant(name: &str) -> u32 {
+        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
+        let start = header
+            .find(&format!("constexpr u32_t {name} = 0x"))
+            .unwrap_or_else(|| panic!("{name} in gemm_fast.cuh"))
+            + format!("constexpr u32_t {name} = 0x").len();
+        let end = start + header[start..].find('u').expect("u suffix");
+        u32::from_str_radix(&header[start..end], 16).expect("hex constant")
+    }
+
+    /// PTX `prmt.b32` (CUDA `__byte_perm`) with selectors below 8: byte i of the result is byte
+    /// `s[4i..4i + 3]` of `{y, x}`.
+    fn byte_perm(x: u32, y: u32, s: u32) -> u32 {
+        let bytes = (u64::from(y) << 32) | u64::from(x);
+        (0..4).fold(0, |r, i| {
+            let sel = (s >> (4 * i)) & 0xf;
+            assert!(sel < 8, "selector {sel} would replicate a sign");
+            r | ((((bytes >> (8 * sel)) & 0xff) as u32) << (8 * i))
+        })
+    }
+
+    /// The value of an E4M3 byte (finite codes).
+    fn e4m3(b: u8) -> f32 {
+        let (e, m) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+        let v = if e == 0 {
+            m / 8.0 * 2f32.powi(-6)
+        } else {
+            (1.0 + m / 8.0) * 2f32.powi(e - 7)
+        };
+        if b & 0x80 != 0 { -v } else { v }
+    }
+
+    #[test]
+    fn the_kernels_e2m1_to_e4m3_conversion_is_exact_for_every_code_in_every_position() {
+        // The kernel's e2m1x8_to_e4m3 with the header's table and selectors.
+        let (lo_table, hi_table) = (
+            header_constant("E2M1_E4M3_LO"),
+            header_constant("E2M1_E4M3_HI"),
+        );
+        let (signs_lo, signs_hi) = (
+            header_constant("E2M1_SIGNS_LO"),
+            header_constant("E2M1_SIGNS_HI"),
+        );
+        let convert = |w: u32| {
+            let magnitudes = w & 0x7777_7777;
+            let w4 = w << 4;
+            (
+                byte_perm(lo_table, hi_table, magnitudes)
+                    | (byte_perm(w4, w, signs_lo) & 0x8080_8080),
+                byte_perm(lo_table, hi_table, magnitudes >> 16)
+                    | (byte_perm(w4, w, signs_hi) & 0x8080_8080),
+            )
+        };
+        let e2m1 = |code: u32| {
+            let v = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(code & 7) as usize];
+            if code & 8 != 0 { -v } else { v }
+        };
+        // Every code in every nibble, beside every code in a neighbouring nibble.
+        for position in 0..8u32 {
+            for code in 0..16u32 {
+                for other in 0..16u32 {
+                    let neighbour = (position + 1) % 8;
+                    let w = (code << (4 * position)) | (other << (4 * neighbour));
+                    let (lo, hi) = convert(w);
+                    let bytes = (u64::from(hi) << 32) | u64::from(lo);
+                    for i in 0..8u32 {
+                        let nibble = (w >> (4 * i)) & 0xf;
+                        let byte = ((bytes >> (8 * i)) & 0xff) as u8;
+                        let got = e4m3(byte);
+                        assert!(
+                            got == e2m1(nibble) && got.is_sign_negative() == (nibble & 8 != 0),
+                            "word {w:#010x}: code {i} = {nibble:#x} gave E4M3 {byte:#04x}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn k_parts_depend_on_the_shape_cover_k_and_cut_no_stage() {
+        // The H200 figures' shapes: 5120 -> 6144 (192 column blocks) in 2 parts, wq_a 5120 ->
+        // 1280 (40 column blocks) in 5 of 1024 codes, wq_b 1280 -> 32768 in one.
+        assert_eq!(k_parts(6144, 5120), (2560, 2));
+        assert_eq!(k_parts(1280, 5120), (1024, 5));
+        assert_eq!(k_parts(32768, 1280), (1536, 1));
+        // A short last part.
+        assert_eq!(k_parts(203, 544), (512, 2));
+        for (n, k) in [(1, 32), (7, 4096), (2304, 5120), (5120, 2304), (131, 1024)] {
+            let (span, parts) = k_parts(n, k);
+            assert!(span.is_multiple_of(PART_QUANTUM), "{n}x{k}: span {span}");
+            assert!(
+                parts >= 1 && (parts - 1) * span < k && parts * span >= k,
+                "{n}x{k}"
+            );
+        }
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod quant;
 pub mod rope;
 pub mod routed;
 pub mod routed_exact;
+pub mod routed_fast;
 pub mod rows;
 pub mod sampling;
 pub mod topk;

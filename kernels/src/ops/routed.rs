@@ -12,6 +12,7 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, P
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
+use super::gemm_fast::FastFp4Weight;
 use super::quant::{ActGroup, DeviceActFp8};
 use super::{Rounding, dim as kernel_dim, expect_len};
 use crate::error::KernelError;
@@ -110,7 +111,7 @@ pub enum ExpertProjection {
 
 impl ExpertProjection {
     /// The table slot (`which` in the kernel).
-    fn slot(self) -> u32 {
+    pub(super) fn slot(self) -> u32 {
         match self {
             ExpertProjection::W1 => 0,
             ExpertProjection::W3 => 1,
@@ -142,6 +143,9 @@ pub enum ExpertFormat {
     Fp4,
     /// FP8 E4M3 with 32×32 UE8M0 tiles ([`DeviceFp8Weight`] of tile 32).
     Fp8T32,
+    /// FP4 E2M1 laid out for the `fast` tensor-core GEMM ([`FastFp4Weight`]; launched by
+    /// [`super::routed_fast::gemm_fp4_routed_fast`]).
+    Fp4Fast,
 }
 
 /// The three weights of one expert, borrowed for [`DeviceExpertTable`]'s constructors.
@@ -167,6 +171,19 @@ impl TableWeight for DeviceFp4Weight {
     }
     fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
         (&self.packed, &self.scales)
+    }
+    fn check(&self, _op: &'static str) -> Result<(), KernelError> {
+        Ok(())
+    }
+}
+
+impl TableWeight for FastFp4Weight {
+    const FORMAT: ExpertFormat = ExpertFormat::Fp4Fast;
+    fn shape(&self) -> (usize, usize) {
+        (self.out, self.inp)
+    }
+    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
+        (&self.chunks, &self.band_scales)
     }
     fn check(&self, _op: &'static str) -> Result<(), KernelError> {
         Ok(())
@@ -227,6 +244,17 @@ impl DeviceExpertTable {
         experts: &[ExpertRefs<'_, DeviceFp8Weight>],
     ) -> Result<DeviceExpertTable, KernelError> {
         DeviceExpertTable::build(rt, "DeviceExpertTable::fp8", experts)
+    }
+
+    /// The table of FP4 experts laid out for the `fast` GEMM.
+    ///
+    /// # Safety
+    /// As [`DeviceExpertTable::fp4`]: the weights must outlive every launch reading the table.
+    pub unsafe fn fp4_fast(
+        rt: &KernelRuntime,
+        experts: &[ExpertRefs<'_, FastFp4Weight>],
+    ) -> Result<DeviceExpertTable, KernelError> {
+        DeviceExpertTable::build(rt, "DeviceExpertTable::fp4_fast", experts)
     }
 
     fn build<W: TableWeight>(
@@ -303,8 +331,13 @@ impl DeviceExpertTable {
         self.inter
     }
 
+    /// The device address table, `[3][n_experts][2]` (codes, scales).
+    pub(super) fn addresses(&self) -> &CudaSlice<u64> {
+        &self.addresses
+    }
+
     /// (out, inp) of `which`.
-    fn shape_of(&self, which: ExpertProjection) -> (usize, usize) {
+    pub(super) fn shape_of(&self, which: ExpertProjection) -> (usize, usize) {
         match which {
             ExpertProjection::W1 | ExpertProjection::W3 => (self.inter, self.dim),
             ExpertProjection::W2 => (self.dim, self.inter),
@@ -419,37 +452,7 @@ fn launch_routed(
     out: &mut CudaSlice<bf16>,
     blocks: RoutedBlocks,
 ) -> Result<(), KernelError> {
-    if table.format != format {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("the table holds {:?} experts", table.format),
-        });
-    }
-    if x.group != ActGroup::G32 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!(
-                "expert GEMMs need 32-element activation groups, got {}",
-                x.group.elements()
-            ),
-        });
-    }
-    let (n, k) = table.shape_of(which);
-    if x.cols != k {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("x has {} columns, {which:?} has {k} inputs", x.cols),
-        });
-    }
-    if x_row_div == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: "x_row_div is 0".to_string(),
-        });
-    }
-    let m = x.rows * x_row_div;
-    expect_len(op, "experts", experts.len(), m)?;
-    expect_len(op, "out", out.len(), m * n)?;
+    let (m, n, k) = check_routed(op, format, (x, experts, x_row_div), table, which, out)?;
     if m == 0 {
         return Ok(());
     }
@@ -500,6 +503,12 @@ fn launch_routed(
             KernelId::GemmFp8T32RoutedTilesG32,
             KernelId::GemmFp8T32RoutedExpertsG32,
         ),
+        ExpertFormat::Fp4Fast => {
+            return Err(KernelError::Shape {
+                op,
+                message: "fast FP4 tables run through gemm_fp4_routed_fast".to_string(),
+            });
+        }
     };
     let stream = rt.stream();
     if per_row {
@@ -595,6 +604,51 @@ fn launch_routed(
         kernel.symbol()
     )))?;
     Ok(())
+}
+
+/// The checks of a routed launch of `format` experts: the table's format, 32-element groups,
+/// `x`'s columns, `x_row_div > 0` and the lengths of `experts` and `out`; gives (m, n, k): output
+/// rows, the projection's out and in features.
+pub(super) fn check_routed(
+    op: &'static str,
+    format: ExpertFormat,
+    (x, experts, x_row_div): (&DeviceActFp8, &CudaSlice<u32>, usize),
+    table: &DeviceExpertTable,
+    which: ExpertProjection,
+    out: &CudaSlice<bf16>,
+) -> Result<(usize, usize, usize), KernelError> {
+    if table.format != format {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("the table holds {:?} experts", table.format),
+        });
+    }
+    if x.group != ActGroup::G32 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!(
+                "expert GEMMs need 32-element activation groups, got {}",
+                x.group.elements()
+            ),
+        });
+    }
+    let (n, k) = table.shape_of(which);
+    if x.cols != k {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("x has {} columns, {which:?} has {k} inputs", x.cols),
+        });
+    }
+    if x_row_div == 0 {
+        return Err(KernelError::Shape {
+            op,
+            message: "x_row_div is 0".to_string(),
+        });
+    }
+    let m = x.rows * x_row_div;
+    expect_len(op, "experts", experts.len(), m)?;
+    expect_len(op, "out", out.len(), m * n)?;
+    Ok((m, n, k))
 }
 
 /// The rows of a routed launch bucketed by expert on the device (`group_routed_rows`): `order`

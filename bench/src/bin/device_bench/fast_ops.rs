@@ -5,21 +5,36 @@
 //! bf16 GEMM (`y = x · Wᵀ`, bf16 weights: twice the weight bytes of FP8), cuBLASLt's
 //! per-tensor-scaled FP8 GEMM (`cublaslt_fp8`), and the exact CUDA-core FP8 kernel of the `exact`
 //! numerics. Weights are rotated through > 2 × L2 as in `ops`.
+//!
+//! Then the routed experts of a real-width V4.1 MoE layer (384 FP4 experts, dim 5120, inter
+//! 2304, top-6; every expert's three weights distinct in device memory): the chain of
+//! `CudaBackend::moe_rows` after routing — routed w1 and w3, SwiGLU with the route weights,
+//! activation quantisation, routed w2 — in both numerics at 1, 8, 64 tokens (decode) and 1024
+//! (prefill): the fast tensor-core kernels (`ops::routed_fast`) beside the exact CUDA-core ones
+//! (`ops::routed`), on the same routes in the same run.
 
 use anyhow::{Context, Result};
 use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
 use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use deepinfer_kernels::cudarc::driver::CudaSlice;
-use deepinfer_kernels::ops::gemm::{DeviceFp8Weight, gemm_fp8};
-use deepinfer_kernels::ops::gemm_fast::{FastFp8Weight, gemm_fp8_fast};
-use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
+use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
+use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, gemm_fp8_fast};
+use deepinfer_kernels::ops::quant::{
+    ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
+};
+use deepinfer_kernels::ops::routed::{
+    DeviceExpertTable, ExpertProjection, ExpertRefs, gemm_fp4_routed, swiglu_rows,
+};
+use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
 
 use crate::cublaslt_fp8::LtFp8;
 use crate::ops::{
-    BF16_FLOPS, FP8_FLOPS, ROTATION_BYTES, Row, Timer, activations, print_rows, random_bytes,
-    scale_bytes, time_launches,
+    BF16_FLOPS, FP8_FLOPS, ROTATION_BYTES, ROUTE_SETS, ROUTED_DIM, ROUTED_EXPERTS, ROUTED_INTER,
+    ROUTED_TOP_K, Row, Timer, activations, print_rows, random_bytes, route_sets, scale_bytes,
+    time_launches,
 };
 
 /// Dense FP8 shapes (name, N, K): the 5120 → 6144 decode case of shared/tools/gpu.md and the
@@ -179,6 +194,139 @@ fn time_fp8<W>(
     time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
 }
 
+/// A routed GEMM launcher: `gemm_fp4_routed` (exact) or `gemm_fp4_routed_fast`, same arguments.
+type RoutedGemm = fn(
+    &KernelRuntime,
+    &DeviceActFp8,
+    &CudaSlice<u32>,
+    usize,
+    &DeviceExpertTable,
+    ExpertProjection,
+    &mut CudaSlice<bf16>,
+) -> Result<(), KernelError>;
+
+/// The real-width layer's routed experts in one numerics: its table and the weights it points
+/// into (the table is dropped first).
+struct Experts<W> {
+    label: &'static str,
+    gemm: RoutedGemm,
+    table: DeviceExpertTable,
+    _weights: Vec<[W; 3]>,
+}
+
+/// The layer's experts for both numerics: random FP4 bytes (one w1, w3, w2 content, every
+/// expert's copy distinct in device memory), as exact-path weights and as fast-path weights.
+fn expert_tables(rt: &KernelRuntime) -> Result<(Experts<DeviceFp4Weight>, Experts<FastFp4Weight>)> {
+    let (n, k) = (ROUTED_INTER, ROUTED_DIM);
+    let bytes = |seed: u64| {
+        (
+            random_bytes(seed, n * k / 2, false),
+            scale_bytes(n * k / 32),
+        )
+    };
+    let contents = [bytes(310), bytes(311), bytes(312)];
+    let shapes = [(n, k), (n, k), (k, n)];
+    let exact: Vec<[DeviceFp4Weight; 3]> = (0..ROUTED_EXPERTS)
+        .map(|_| {
+            let upload = |p: usize| {
+                let (out, inp) = shapes[p];
+                DeviceFp4Weight::upload(rt, out, inp, &contents[p].0, &contents[p].1)
+            };
+            Ok([upload(0)?, upload(1)?, upload(2)?])
+        })
+        .collect::<Result<_, KernelError>>()?;
+    let fast_one = [0, 1, 2].map(|p| {
+        let (out, inp) = shapes[p];
+        FastFp4Weight::upload(rt, out, inp, &contents[p].0, &contents[p].1)
+    });
+    let [f1, f3, f2] = fast_one;
+    let (f1, f3, f2) = (f1?, f3?, f2?);
+    // Copies on the device (device-to-device), each expert's own memory.
+    let fast: Vec<[FastFp4Weight; 3]> = (0..ROUTED_EXPERTS)
+        .map(|_| [f1.clone(), f3.clone(), f2.clone()])
+        .collect();
+    fn refs<W>(weights: &[[W; 3]]) -> Vec<ExpertRefs<'_, W>> {
+        weights
+            .iter()
+            .map(|[w1, w3, w2]| ExpertRefs { w1, w3, w2 })
+            .collect()
+    }
+    // SAFETY: each table is stored beside the weights it points into and dropped first.
+    let exact_table = unsafe { DeviceExpertTable::fp4(rt, &refs(&exact)) }?;
+    // SAFETY: as above.
+    let fast_table = unsafe { DeviceExpertTable::fp4_fast(rt, &refs(&fast)) }?;
+    Ok((
+        Experts {
+            label: "exact",
+            gemm: gemm_fp4_routed,
+            table: exact_table,
+            _weights: exact,
+        },
+        Experts {
+            label: "fast",
+            gemm: gemm_fp4_routed_fast,
+            table: fast_table,
+            _weights: fast,
+        },
+    ))
+}
+
+/// Times the routed chain of `tokens` tokens with `experts` over the rotated route sets; bytes =
+/// the distinct experts' three weights (codes and scales) plus activations and outputs.
+fn bench_routed_chain<W>(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    experts: &Experts<W>,
+    tokens: usize,
+) -> Result<Row> {
+    let (inter, dim) = (ROUTED_INTER, ROUTED_DIM);
+    let slots = tokens * ROUTED_TOP_K;
+    let stream = rt.stream();
+    let x = activations(rt, tokens, dim)?;
+    let a = quantize_act_fp8(rt, &x, tokens, dim, ActGroup::G32)?;
+    let (routes, distinct) = route_sets(rt, tokens)?;
+    let route_weights = stream.clone_htod(&vec![1.0f32 / ROUTED_TOP_K as f32; slots])?;
+    let mut gate = stream.alloc_zeros::<bf16>(slots * inter)?;
+    let mut up = stream.alloc_zeros::<bf16>(slots * inter)?;
+    let mut hidden = stream.alloc_zeros::<f32>(slots * inter)?;
+    let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32)?;
+    let mut out = stream.alloc_zeros::<bf16>(slots * dim)?;
+    let micros = time_launches(rt, timer, |i| {
+        let ids = &routes[i % ROUTE_SETS];
+        let table = &experts.table;
+        for (which, y) in [
+            (ExpertProjection::W1, &mut gate),
+            (ExpertProjection::W3, &mut up),
+        ] {
+            (experts.gemm)(rt, &a, ids, ROUTED_TOP_K, table, which, y)?;
+        }
+        swiglu_rows(
+            rt,
+            &gate,
+            &up,
+            Some(&route_weights),
+            10.0,
+            Rounding::Bf16,
+            &mut hidden,
+        )?;
+        quantize_act_fp8_f32_into(rt, &hidden, &mut a_hidden)?;
+        (experts.gemm)(rt, &a_hidden, ids, 1, table, ExpertProjection::W2, &mut out)?;
+        Ok(())
+    })?;
+    let weight_bytes = 3 * (inter * dim / 2 + inter * dim / 32);
+    Ok(Row {
+        op: format!("moe chain {}", experts.label),
+        m: slots,
+        n: inter,
+        k: dim,
+        micros,
+        bytes: distinct * weight_bytes as f64
+            + (tokens * dim * 5 / 4 + 2 * slots * inter * 2 + slots * dim * 2) as f64,
+        flops: (3 * 2 * slots * inter * dim) as f64,
+        peak_flops: FP8_FLOPS,
+    })
+}
+
 /// Keeps a timed row; a cuBLASLt FP8 peer that cuBLASLt refuses on a shape is reported and
 /// skipped (the library decides which FP8 shapes it serves), any other failure ends the section.
 fn push_row(rows: &mut Vec<Row>, kernel: Kernel, row: Result<Row>) -> Result<()> {
@@ -232,6 +380,23 @@ pub fn run(quick: bool) -> Result<()> {
          + bf16 outputs; cuBLASLt FP8 has per-tensor scales only (no block scales); \
          %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
          peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
+    );
+
+    let (exact, fast) = expert_tables(rt)?;
+    let mut chain = Vec::new();
+    let token_counts: &[usize] = if quick { &[1, 1024] } else { &[1, 8, 64, 1024] };
+    for &tokens in token_counts {
+        chain.push(bench_routed_chain(rt, &mut timer, &fast, tokens)?);
+        chain.push(bench_routed_chain(rt, &mut timer, &exact, tokens)?);
+    }
+    println!(
+        "\nfast numerics: the routed experts of a real-width MoE layer (384 FP4 experts 5120 -> \
+         2304 -> 5120, top-6), w1 + w3 + SwiGLU + quantise + w2, fast beside exact (same routes)"
+    );
+    print_rows(&chain);
+    println!(
+        "\nM = routed rows (tokens x 6); bytes = the distinct experts' w1, w3, w2 (FP4 codes + \
+         scales, mean over {ROUTE_SETS} route sets) + activations + bf16 outputs; FLOPs = 3 GEMMs."
     );
     Ok(())
 }

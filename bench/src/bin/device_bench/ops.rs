@@ -245,34 +245,21 @@ fn bench_gemm(
 }
 
 /// Routed experts of a real-width layer: 384 FP4 experts (inter 2304, dim 5120), top-6.
-const ROUTED_EXPERTS: usize = 384;
-const ROUTED_TOP_K: usize = 6;
-const ROUTED_INTER: usize = 2304;
-const ROUTED_DIM: usize = 5120;
+pub(crate) const ROUTED_EXPERTS: usize = 384;
+pub(crate) const ROUTED_TOP_K: usize = 6;
+pub(crate) const ROUTED_INTER: usize = 2304;
+pub(crate) const ROUTED_DIM: usize = 5120;
 /// Route sets rotated over, so that the few experts of a decode step are not served from L2.
-const ROUTE_SETS: usize = 8;
+pub(crate) const ROUTE_SETS: usize = 8;
 
-/// The routed `w1` GEMM of `tokens` tokens (top-6 of 384 FP4 experts, random routes rotated over
-/// `ROUTE_SETS` sets) with `blocks`; bytes = the distinct experts' `w1` (codes and scales), averaged
-/// over the route sets, plus activations and outputs.
-fn bench_routed_w1(
-    rt: &KernelRuntime,
-    timer: &mut Timer,
-    table: &DeviceExpertTable,
-    tokens: usize,
-    blocks: RoutedBlocks,
-) -> Result<Row> {
-    let (n, k) = (ROUTED_INTER, ROUTED_DIM);
-    let m = tokens * ROUTED_TOP_K;
-    let x = activations(rt, tokens, k)?;
-    let a = quantize_act_fp8(rt, &x, tokens, k, ActGroup::G32)?;
-    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
+/// `ROUTE_SETS` random route sets of `tokens` tokens (each `ROUTED_TOP_K` distinct experts of
+/// `ROUTED_EXPERTS`) on the device, and the mean number of distinct experts per set.
+pub(crate) fn route_sets(rt: &KernelRuntime, tokens: usize) -> Result<(Vec<CudaSlice<u32>>, f64)> {
     let mut state = 0x5eed_u64 + tokens as u64;
     let mut distinct_total = 0usize;
-    let route_sets = (0..ROUTE_SETS)
+    let sets = (0..ROUTE_SETS)
         .map(|_| {
-            // Per token, ROUTED_TOP_K distinct experts.
-            let mut ids = Vec::with_capacity(m);
+            let mut ids = Vec::with_capacity(tokens * ROUTED_TOP_K);
             for _ in 0..tokens {
                 let mut chosen: Vec<u32> = Vec::with_capacity(ROUTED_TOP_K);
                 while chosen.len() < ROUTED_TOP_K {
@@ -290,6 +277,25 @@ fn bench_routed_w1(
             Ok(rt.stream().clone_htod(&ids)?)
         })
         .collect::<Result<Vec<_>>>()?;
+    Ok((sets, distinct_total as f64 / ROUTE_SETS as f64))
+}
+
+/// The routed `w1` GEMM of `tokens` tokens (top-6 of 384 FP4 experts, random routes rotated over
+/// `ROUTE_SETS` sets) with `blocks`; bytes = the distinct experts' `w1` (codes and scales), averaged
+/// over the route sets, plus activations and outputs.
+fn bench_routed_w1(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    table: &DeviceExpertTable,
+    tokens: usize,
+    blocks: RoutedBlocks,
+) -> Result<Row> {
+    let (n, k) = (ROUTED_INTER, ROUTED_DIM);
+    let m = tokens * ROUTED_TOP_K;
+    let x = activations(rt, tokens, k)?;
+    let a = quantize_act_fp8(rt, &x, tokens, k, ActGroup::G32)?;
+    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
+    let (route_sets, distinct) = route_sets(rt, tokens)?;
     let micros = time_launches(rt, timer, |i| {
         Ok(gemm_fp4_routed_with(
             rt,
@@ -302,7 +308,6 @@ fn bench_routed_w1(
             blocks,
         )?)
     })?;
-    let distinct = distinct_total as f64 / ROUTE_SETS as f64;
     let label = match blocks {
         RoutedBlocks::Auto => "",
         RoutedBlocks::Rows => " rows",

@@ -35,20 +35,24 @@ impl CudaBackend {
         self.widen(OP, &y)
     }
 
-    /// [`Backend::gemm_fp4`], with errors.
+    /// [`Backend::gemm_fp4`], with errors: the exact CUDA-core kernel, or the tensor-core kernel
+    /// of the `fast` numerics.
     pub fn try_gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "gemm_fp4";
         if x.is_empty() {
             return Ok(Tensor::empty());
         }
         let a = self.quantised_activations(OP, x, w.inp, ActGroup::G32)?;
-        let dw = self.cached_fp4(w)?;
         let mut y = self
             .rt
             .stream()
             .alloc_zeros::<bf16>(a.rows * w.out)
             .map_err(driver_err(OP, "allocating an output"))?;
-        gemm_fp4(&self.rt, &a, &dw, &mut y).map_err(op_err(OP))?;
+        match self.numerics {
+            Numerics::Exact => gemm_fp4(&self.rt, &a, &*self.cached_fp4(w)?, &mut y),
+            Numerics::Fast => gemm_fp4_fast(&self.rt, &a, &*self.cached_fp4_fast(w)?, &mut y),
+        }
+        .map_err(op_err(OP))?;
         self.widen(OP, &y)
     }
 

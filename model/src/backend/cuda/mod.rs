@@ -2,11 +2,12 @@
 //! of two [`Numerics`] (ARCHITECTURE.md §3). `Exact`: every op computes what
 //! [`super::CpuBackend`] computes, in the same operation order, so the results are bit-identical
 //! (the sgemm order of the plain linears, torch's CPU sum order of the means of squares, the
-//! sequential f64 sums of attention and the indexer, the vectorised `exp`). `Fast`: the FP8 dense
-//! GEMMs (`gemm_fp8`) run on tensor cores (`ops::gemm_fast`, within a stated error bound of the
-//! exact value), and so does the row-batched sink attention at the bf16 rounding points of V4.1
-//! (`ops::attention::sparse_attention_sink_rows_ptr_fast`, where its shape allows); every other
-//! op is still the exact one. No kernel of either splits a reduction by
+//! sequential f64 sums of attention and the indexer, the vectorised `exp`). `Fast`: the FP8 and
+//! FP4 block-scaled GEMMs (`gemm_fp8`, `gemm_fp4`, the shared expert and the FP4 routed experts
+//! of `moe_rows`) run on tensor cores (`ops::gemm_fast`, `ops::routed_fast`, within a stated
+//! error bound of the exact value), and so does the row-batched sink attention at the bf16
+//! rounding points of V4.1 (`ops::attention::sparse_attention_sink_rows_ptr_fast`, where its
+//! shape allows); every other op is still the exact one. No kernel of either splits a reduction by
 //! the batch, so a sequence's numbers do not depend on what else runs (batch invariance).
 //!
 //! Beyond the layer math: token sampling (only the ids come back), the whole MoE layer
@@ -69,7 +70,9 @@ use deepinfer_kernels::ops::engram::{
     DeviceEngramHasher, DeviceEngramTable, engram_gather_f32, engram_hash_rows,
 };
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
-use deepinfer_kernels::ops::gemm_fast::{FastFp8Weight, gemm_fp8_fast};
+use deepinfer_kernels::ops::gemm_fast::{
+    FastFp4Weight, FastFp8Weight, gemm_fp4_fast, gemm_fp8_fast,
+};
 use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
     index_scores_rows_ptr_f32,
@@ -207,6 +210,8 @@ struct WeightCache {
     /// FP8 weights prepared for the tensor-core GEMM of the `fast` numerics.
     fp8_fast: HashMap<(HostKey, HostKey), Arc<FastFp8Weight>>,
     fp4: HashMap<(HostKey, HostKey), Arc<DeviceFp4Weight>>,
+    /// FP4 weights prepared for the tensor-core GEMMs of the `fast` numerics.
+    fp4_fast: HashMap<(HostKey, HostKey), Arc<FastFp4Weight>>,
     /// Engram tables (codes, scales), uploaded on first lookup.
     engram_tables: HashMap<(HostKey, HostKey), Arc<DeviceEngramTable>>,
     /// The expert tables of MoE layers, keyed by the host address and length of the layer's
@@ -465,6 +470,7 @@ impl CudaBackend {
             + cache.fp8.len()
             + cache.fp8_fast.len()
             + cache.fp4.len()
+            + cache.fp4_fast.len()
             + cache.engram_tables.len()
             + cache.expert_tables.len()
             + cache.exact_expert_tables.len()
@@ -551,6 +557,17 @@ impl CudaBackend {
             || {
                 FastFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
                     .map_err(op_err("gemm_fp8"))
+            },
+        )
+    }
+
+    fn cached_fp4_fast(&self, w: &Fp4Weight) -> Result<Arc<FastFp4Weight>, CudaBackendError> {
+        self.cached(
+            (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales)),
+            |cache| &mut cache.fp4_fast,
+            || {
+                FastFp4Weight::upload(&self.rt, w.out, w.inp, &w.packed, &w.scales)
+                    .map_err(op_err("gemm_fp4"))
             },
         )
     }

@@ -3,12 +3,15 @@
 //! runs its chosen experts through one routed GEMM launch per projection (each row bitwise what
 //! the dense GEMM gives for it), SwiGLU weights each row by its route, and the combine adds each
 //! row's expert outputs in increasing expert id, then the shared expert — the order of the host
-//! path, so the result is bitwise equal to it.
+//! path, so the result is bitwise equal to it. In the `fast` numerics the FP4 routed experts
+//! (`ops::routed_fast`) and the shared expert's GEMMs run on tensor cores instead; SwiGLU, the
+//! activation quantisation between and the combine are the same kernels.
 
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertFormat, ExpertProjection, ExpertRefs, gemm_fp4_routed,
     gemm_fp8_routed, moe_combine, swiglu_rows,
 };
+use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
@@ -120,7 +123,8 @@ impl CudaBackend {
 
     /// The routed experts of `ids.len()` slots: slot `j` runs expert `ids[j]` of `table` on the
     /// FP8 row `j / x_row_div` of `a` — `w1` and `w3`, SwiGLU weighted by `route_weights[j]`,
-    /// `w2` — into bf16 `[slots, dim]` (each slot bitwise what the dense GEMMs give for it).
+    /// `w2` — into bf16 `[slots, dim]` (each slot what the dense GEMMs of the table's numerics
+    /// give for it).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn routed_slots(
         &self,
@@ -150,6 +154,9 @@ impl CudaBackend {
                 }
                 ExpertFormat::Fp8T32 => {
                     gemm_fp8_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
+                }
+                ExpertFormat::Fp4Fast => {
+                    gemm_fp4_routed_fast(&self.rt, x, ids, x_row_div, table, which, &mut out)
                 }
             }
             .map_err(op_err(op))?;
@@ -194,10 +201,20 @@ impl CudaBackend {
                     .stream()
                     .alloc_zeros::<bf16>(x.rows * out_width)
                     .map_err(driver_err(op, "allocating a shared-expert output"))?;
-                match w {
-                    ExpertLinear::Fp4(w) => gemm_fp4(&self.rt, x, &*self.cached_fp4(w)?, &mut y),
-                    ExpertLinear::Fp8(w) => gemm_fp8(&self.rt, x, &*self.cached_fp8(w)?, &mut y),
-                    ExpertLinear::Exact(_) => {
+                match (w, self.numerics) {
+                    (ExpertLinear::Fp4(w), Numerics::Exact) => {
+                        gemm_fp4(&self.rt, x, &*self.cached_fp4(w)?, &mut y)
+                    }
+                    (ExpertLinear::Fp4(w), Numerics::Fast) => {
+                        gemm_fp4_fast(&self.rt, x, &*self.cached_fp4_fast(w)?, &mut y)
+                    }
+                    (ExpertLinear::Fp8(w), Numerics::Exact) => {
+                        gemm_fp8(&self.rt, x, &*self.cached_fp8(w)?, &mut y)
+                    }
+                    (ExpertLinear::Fp8(w), Numerics::Fast) => {
+                        gemm_fp8_fast(&self.rt, x, &*self.cached_fp8_fast(w)?, &mut y)
+                    }
+                    (ExpertLinear::Exact(_), _) => {
                         return Err(shape_err(op, "an exact shared expert".to_string()));
                     }
                 }
@@ -241,9 +258,9 @@ impl CudaBackend {
         for w in [&expert.w1, &expert.w3, &expert.w2] {
             match w {
                 ExpertLinear::Fp4(w) => {
-                    cache
-                        .fp4
-                        .remove(&(HostKey::bytes(&w.packed), HostKey::bytes(&w.scales)));
+                    let key = (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales));
+                    cache.fp4.remove(&key);
+                    cache.fp4_fast.remove(&key);
                 }
                 ExpertLinear::Fp8(w) => {
                     cache
@@ -256,7 +273,8 @@ impl CudaBackend {
     }
 
     /// The device table of `experts` (table index = position in the list); `None` when they
-    /// are not all FP4 or all FP8 with 32×32 tiles.
+    /// are not all FP4 or all FP8 with 32×32 tiles. FP4 experts in the `fast` numerics are laid
+    /// out for the tensor-core GEMM; FP8 experts run the exact routed kernels in both.
     pub(super) fn expert_table_of(
         &self,
         op: &'static str,
@@ -282,10 +300,25 @@ impl CudaBackend {
                 _ => None,
             })
             .collect();
-        if let Some(fp4) = fp4 {
-            self.expert_table(op, &fp4, |w| self.cached_fp4(w), DeviceExpertTable::fp4)
-                .map(Some)
-        } else if let Some(fp8) = fp8 {
+        match (fp4, self.numerics) {
+            (Some(fp4), Numerics::Exact) => {
+                return self
+                    .expert_table(op, &fp4, |w| self.cached_fp4(w), DeviceExpertTable::fp4)
+                    .map(Some);
+            }
+            (Some(fp4), Numerics::Fast) => {
+                return self
+                    .expert_table(
+                        op,
+                        &fp4,
+                        |w| self.cached_fp4_fast(w),
+                        DeviceExpertTable::fp4_fast,
+                    )
+                    .map(Some);
+            }
+            (None, _) => {}
+        }
+        if let Some(fp8) = fp8 {
             self.expert_table(op, &fp8, |w| self.cached_fp8(w), DeviceExpertTable::fp8)
                 .map(Some)
         } else {

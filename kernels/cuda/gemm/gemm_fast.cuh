@@ -1,0 +1,381 @@
+// The `fast` block-scaled GEMMs (ARCHITECTURE.md §3): tensor cores (mma.sync m16n8k32 e4m3, fp32
+// accumulation, sm_89+) with DeepGEMM-style promotion once per scale group along K:
+//
+//   P_p = 0;  for every k-group g of K part p, in K order:  P_p = fma( T_g(m, n), s_w(n, g) * s_a(m, g), P_p )
+//   y[m, n] = bf16( (((P_0 + P_1) + P_2) + ...) )
+//
+// The K parts are consecutive spans of `span` codes (a multiple of 512; the last part may be
+// shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
+// sizes every SM then streams weights (one block per part and column block, the partials added
+// by gemm_fast_reduce in part order), and every tile, decode or prefill, computes the same parts
+// and adds them in the same order. The routed experts use one part (enough blocks per expert).
+// where T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and
+// E4M3 weights, started from zero (one mma for a 32-group; a chain of four for a 128-group, in K
+// order). Two weight formats share this one body:
+// - Fp8Chunks<G>: FP8 E4M3 weights with UE8M0 scales per G x G tile (expanded at upload to f32 per
+//   16-row band and k-group);
+// - Fp4Chunks: FP4 E2M1 weights with one UE8M0 scale per row and 32 columns (the routed experts).
+//   Every E2M1 value (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) is exactly an E4M3 value, so each code
+//   is converted to its E4M3 byte in registers (a byte-permute table lookup, exact) and the same
+//   mma runs; T_g is then the same sum as for FP8 weights of those values.
+// The weights are the mma's A operand (16 output features per warp), the activation rows its B
+// operand (8 tokens per mma), so decode shapes (M = 1 ... 64) waste no weight bytes. Inside an
+// mma's 32 products the K order is permuted the same way in every tile (thread t of a quad holds
+// the codes 8t .. 8t + 8 of the group: 8t.. as k 4t.., 8t + 4.. as k 16 + 4t..), so a product's
+// place in the tensor core's sum is a function of its k alone.
+//
+// Token rows: DenseRows (rows [m0, m0 + BT) of y = a · wᵀ) or the routed experts' GatheredRows
+// (a tile of up to BT rows of one expert from group_routed_rows, moe/routed.cu: output row j
+// reads activation row j / x_row_div; the expert's weights come from the device table).
+//
+// Batch invariance: an output's value depends only on its activation row, its weight row and the
+// fixed K loop (groups in order); the tile shape (tokens per block BT, warps per block) and which
+// rows share a tile change which thread computes it, never how. Every launch shape gives the
+// same bits: a row alone, inside any batch, in a prefill tile or in any expert tile (the GPU
+// tests check it).
+//
+// Weights are re-laid at upload (ops/gemm_fast.rs, fragment_chunks): per 16-row band and 128
+// codes of K one contiguous chunk in mma fragment order ([group j][lane][row g: PIECE / 2 bytes,
+// row g + 8: PIECE / 2 bytes], PIECE = 16 bytes for FP8, 8 for FP4), so a warp streams its
+// band's weights as one contiguous range and reads a group's A fragment with one conflict-free
+// shared load; rows past N and K are zero.
+//
+// Pipeline: STAGES slots of shared memory, each holding the block's weight chunks and activation
+// rows for STEP codes of K (rows padded by 32 bytes: the 8-byte fragment loads of 8 rows x 4
+// threads hit distinct banks), the activations' scales of those groups and the weights' scales per
+// band, filled by cp.async STAGES - 1 steps ahead. Out-of-range rows, features and groups are
+// zero-filled and never stored.
+#pragma once
+#include "common/numerics.cuh"
+
+namespace fastgemm {
+
+constexpr u32_t STEP_K = 128;  // K codes of one weight chunk
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
+    const u32_t bytes = valid ? 16u : 0u;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
+    const u32_t bytes = valid ? 4u : 0u;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+// d = A (16 x 32, row) * B (32 x 8, col) + c, E4M3 inputs, fp32 accumulation.
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32_t (&a)[4], u32_t b0, u32_t b1,
+                                         const float (&c)[4]) {
+    asm(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+// FP8 weights: a lane's piece of a group is 16 bytes (8 of row g, 8 of row g + 8); the scale of a
+// band and k-group is one f32 (a G x G tile covers the band's 16 rows).
+template <int G>
+struct Fp8Chunks {
+    static constexpr u32_t PIECE = 16;
+    static constexpr u32_t SCALE_BYTES = 4;
+    // The A fragment of the piece at `piece` (rows g / g + 8, codes 8t .. 8t + 8 of the group).
+    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
+        const uint4 v = *reinterpret_cast<const uint4*>(piece);
+        frag[0] = v.x;
+        frag[1] = v.z;
+        frag[2] = v.y;
+        frag[3] = v.w;
+    }
+    // The weight scales of rows g and g + 8 of the band for the stage's group gq.
+    static __device__ __forceinline__ float2 scales(const u8_t* band_scales, u32_t gq, u32_t /*g*/) {
+        const float s = reinterpret_cast<const float*>(band_scales)[gq];
+        return make_float2(s, s);
+    }
+};
+
+// The E4M3 bytes of the E2M1 magnitudes 0 .. 7 (0, 0.5, 1, 1.5 | 2, 3, 4, 6): a byte-permute table.
+constexpr u32_t E2M1_E4M3_LO = 0x3c383000u;
+constexpr u32_t E2M1_E4M3_HI = 0x4c484440u;
+// Byte-permute selectors of {w << 4, w} whose bit 7 of byte i is the sign of code i (codes 0..3,
+// 4..7): w << 4 holds the signs of even codes at bit 7 of their byte pair, w those of odd codes.
+constexpr u32_t E2M1_SIGNS_LO = 0x5140u;
+constexpr u32_t E2M1_SIGNS_HI = 0x7362u;
+
+// The 8 E2M1 codes of `w` (nibble i = code i, bit 3 the sign) as E4M3 bytes: codes 0..3 in `lo`,
+// 4..7 in `hi` (byte i = code i). Magnitudes through the table, each code's sign bit moved to bit
+// 7 of its byte. (Every selector nibble is < 8: plain byte copies, no sign replication.)
+__device__ __forceinline__ void e2m1x8_to_e4m3(u32_t w, u32_t& lo, u32_t& hi) {
+    const u32_t magnitudes = w & 0x77777777u;
+    const u32_t w4 = w << 4;
+    lo = __byte_perm(E2M1_E4M3_LO, E2M1_E4M3_HI, magnitudes) |
+         (__byte_perm(w4, w, E2M1_SIGNS_LO) & 0x80808080u);
+    hi = __byte_perm(E2M1_E4M3_LO, E2M1_E4M3_HI, magnitudes >> 16) |
+         (__byte_perm(w4, w, E2M1_SIGNS_HI) & 0x80808080u);
+}
+
+// FP4 weights: a lane's piece of a group is 8 bytes (the 4 packed bytes of row g's codes 8t ..
+// 8t + 8, even code in the low nibble as in the checkpoint, then row g + 8's); the scales of a
+// band and k-group are the 16 rows' UE8M0 bytes.
+struct Fp4Chunks {
+    static constexpr u32_t PIECE = 8;
+    static constexpr u32_t SCALE_BYTES = 16;
+    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
+        const uint2 v = *reinterpret_cast<const uint2*>(piece);
+        e2m1x8_to_e4m3(v.x, frag[0], frag[2]);
+        e2m1x8_to_e4m3(v.y, frag[1], frag[3]);
+    }
+    static __device__ __forceinline__ float2 scales(const u8_t* band_scales, u32_t gq, u32_t g) {
+        return make_float2(e8m0_decode(band_scales[16 * gq + g]), e8m0_decode(band_scales[16 * gq + g + 8]));
+    }
+};
+
+// Shared-memory layout of one stage of STEP codes of K.
+template <class W, int G, int WARPS, int BT, int STEP>
+struct Stage {
+    static constexpr u32_t FEATS = 16 * WARPS;
+    static constexpr u32_t CHUNK = 128 * W::PIECE;  // one band's weights of STEP_K codes
+    static constexpr u32_t SUB = STEP / STEP_K;     // weight chunks per band and stage
+    static constexpr u32_t ROW = STEP + 32;         // padded activation row
+    static constexpr u32_t GPS = STEP / G;          // groups per stage
+    static constexpr u32_t W_OFF = 0;
+    static constexpr u32_t A_OFF = W_OFF + WARPS * SUB * CHUNK;
+    static constexpr u32_t SA_OFF = A_OFF + BT * ROW;
+    static constexpr u32_t SW_OFF = SA_OFF + 4 * BT * GPS;  // a multiple of 16 (BT % 8 == 0)
+    static constexpr u32_t BYTES = (SW_OFF + W::SCALE_BYTES * WARPS * GPS + 15) / 16 * 16;
+};
+
+// The token rows of a dense launch: rows [m0, m0 + BT) of y = a · wᵀ, clipped to m.
+struct DenseRows {
+    u32_t m0;
+    u32_t m;
+    __device__ __forceinline__ bool valid(u32_t r) const { return m0 + r < m; }
+    __device__ __forceinline__ size_t a_row(u32_t r) const { return m0 + r; }
+    __device__ __forceinline__ size_t y_row(u32_t r) const { return m0 + r; }
+};
+
+// The token rows of one routed tile: tile row r < count writes output row rows[r] and reads
+// activation row rows[r] / x_row_div (rows in shared memory, written before the body runs).
+struct GatheredRows {
+    const u32_t* rows;
+    u32_t count;
+    u32_t x_row_div;
+    __device__ __forceinline__ bool valid(u32_t r) const { return r < count; }
+    __device__ __forceinline__ size_t a_row(u32_t r) const { return rows[r] / x_row_div; }
+    __device__ __forceinline__ size_t y_row(u32_t r) const { return rows[r]; }
+};
+
+// One block's tile: output features [n0, n0 + 16 WARPS) of the BT token rows `rows` over the K
+// codes [k_begin, k_end) (one part: k_begin a multiple of STEP, k_end = min(k, part end)), STEP
+// codes of K per pipeline stage (a multiple of 128: only how much each barrier covers, never the
+// order of any addition). a: E4M3 activation codes [*, k]; sa: f32 [*, k / G]; w: weight chunks
+// [ceil(n / 16)][ceil(k / 128)][CHUNK]; ws: weight scales per band [ceil(n / 16)][k / G]
+// [SCALE_BYTES]; the part's sums go to `partial` (f32 [*, n]) when it is not null, else rounded
+// to y (bf16 [*, n]: the launch has one part). k % G == 0, k % 32 == 0.
+template <class W, int G, int WARPS, int BT, int STAGES, int STEP, class Rows>
+__device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                               const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
+                               __nv_bfloat16* __restrict__ y, float* __restrict__ partial, u32_t n, u32_t k,
+                               u32_t k_begin, u32_t k_end, u32_t n0, const Rows& rows) {
+    static_assert(G == 32 || G == 128, "32- or 128-groups");
+    static_assert(BT % 8 == 0 && STAGES >= 2 && STEP % STEP_K == 0, "tile");
+    typedef Stage<W, G, WARPS, BT, STEP> L;
+    constexpr u32_t THREADS = WARPS * 32;
+    constexpr u32_t TILES = BT / 8;  // n8 token tiles per warp
+    constexpr u32_t CHUNK = L::CHUNK;
+    extern __shared__ __align__(16) u8_t smem[];
+
+    const u32_t warp = threadIdx.x / 32;
+    const u32_t lane = threadIdx.x % 32;
+    const u32_t g = lane / 4;
+    const u32_t t = lane % 4;
+    const u32_t groups = k / G;
+    const u32_t bands = (n + 15) / 16;
+    const u32_t chunks = (k + STEP_K - 1) / STEP_K;  // per band
+    const u32_t step0 = k_begin / STEP;
+    const u32_t steps = (k_end + STEP - 1) / STEP - step0;  // of this part
+
+    auto load_stage = [&](u32_t local, u32_t slot) {
+        u8_t* base = smem + slot * L::BYTES;
+        const u32_t step = step0 + local;
+        const u32_t k0 = step * STEP;
+        for (u32_t c = threadIdx.x; c < WARPS * L::SUB * (CHUNK / 16); c += THREADS) {
+            const u32_t band = n0 / 16 + c / (L::SUB * (CHUNK / 16));
+            const u32_t chunk = step * L::SUB + (c / (CHUNK / 16)) % L::SUB;
+            const bool ok = band < bands && chunk < chunks;
+            const size_t src = ((size_t)band * chunks + chunk) * CHUNK + (c % (CHUNK / 16)) * 16;
+            cp_async16(base + L::W_OFF + c * 16, ok ? w + src : w, ok);
+        }
+        for (u32_t c = threadIdx.x; c < BT * (STEP / 16); c += THREADS) {
+            const u32_t row = c / (STEP / 16), col = (c % (STEP / 16)) * 16;
+            const bool ok = rows.valid(row) && k0 + col < k;
+            cp_async16(base + L::A_OFF + row * L::ROW + col, ok ? a + rows.a_row(row) * k + k0 + col : a, ok);
+        }
+        for (u32_t c = threadIdx.x; c < BT * L::GPS; c += THREADS) {
+            const u32_t row = c / L::GPS, gi = k0 / G + c % L::GPS;
+            const bool ok = rows.valid(row) && gi < groups;
+            cp_async4(base + L::SA_OFF + 4 * c, ok ? sa + rows.a_row(row) * groups + gi : sa, ok);
+        }
+        for (u32_t c = threadIdx.x; c < WARPS * L::GPS; c += THREADS) {
+            const u32_t band = n0 / 16 + c / L::GPS, gi = k0 / G + c % L::GPS;
+            const bool ok = band < bands && gi < groups;
+            const u8_t* src = ws + ((size_t)band * groups + gi) * W::SCALE_BYTES;
+            u8_t* dst = base + L::SW_OFF + W::SCALE_BYTES * c;
+            if constexpr (W::SCALE_BYTES == 16) {
+                cp_async16(dst, ok ? src : ws, ok);
+            } else {
+                cp_async4(dst, ok ? src : ws, ok);
+            }
+        }
+    };
+
+    float acc[TILES][4];
+#pragma unroll
+    for (u32_t i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+#pragma unroll
+    for (u32_t s = 0; s + 1 < (u32_t)STAGES; ++s) {
+        if (s < steps) load_stage(s, s);
+        cp_async_commit();
+    }
+    // acc[i][r] += c[r] * s_w(row of r) * s_a(token of r): r = 0, 1 are row g, r = 2, 3 row g + 8;
+    // r = 0, 2 token 2t, r = 1, 3 token 2t + 1 of the n8 tile.
+    auto promote = [&](float (&acc_i)[4], const float (&c)[4], float2 sw, float sa0, float sa1) {
+        acc_i[0] = __fmaf_rn(c[0], __fmul_rn(sw.x, sa0), acc_i[0]);
+        acc_i[1] = __fmaf_rn(c[1], __fmul_rn(sw.x, sa1), acc_i[1]);
+        acc_i[2] = __fmaf_rn(c[2], __fmul_rn(sw.y, sa0), acc_i[2]);
+        acc_i[3] = __fmaf_rn(c[3], __fmul_rn(sw.y, sa1), acc_i[3]);
+    };
+    for (u32_t step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // this stage is in; every thread is done with the slot refilled below
+        const u32_t next = step + STAGES - 1;
+        if (next < steps) load_stage(next, next % STAGES);
+        cp_async_commit();
+
+        const u8_t* base = smem + (step % STAGES) * L::BYTES;
+        const u8_t* w_piece = base + L::W_OFF + warp * L::SUB * CHUNK + lane * W::PIECE;
+        const u8_t* a_row = base + L::A_OFF + g * L::ROW + 8 * t;
+        const float* s_a = reinterpret_cast<const float*>(base + L::SA_OFF);
+        const u8_t* s_w = base + L::SW_OFF + warp * L::GPS * W::SCALE_BYTES;
+        const u32_t k0 = (step0 + step) * STEP;
+        // The A fragment of the stage's 32-code group q: chunk q / 4, group q % 4 in it.
+        auto fragment = [&](u32_t q, u32_t (&frag)[4]) {
+            W::fragment(w_piece + (q / 4) * CHUNK + (q % 4) * 32 * W::PIECE, frag);
+        };
+        if constexpr (G == 32) {
+#pragma unroll
+            for (u32_t q = 0; q < STEP / 32; ++q) {
+                if (k0 + 32 * q >= k) break;  // uniform: the group is past K
+                u32_t frag[4];
+                fragment(q, frag);
+                const float2 sw = W::scales(s_w, q, g);
+#pragma unroll
+                for (u32_t i = 0; i < TILES; ++i) {
+                    const uint2 b = *reinterpret_cast<const uint2*>(a_row + i * 8 * L::ROW + 32 * q);
+                    float c[4];
+                    mma_e4m3(c, frag, b.x, b.y, zero);
+                    promote(acc[i], c, sw, s_a[(i * 8 + 2 * t) * L::GPS + q], s_a[(i * 8 + 2 * t + 1) * L::GPS + q]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (u32_t gq = 0; gq < L::GPS; ++gq) {
+                if (k0 + 128 * gq >= k) break;  // uniform: the group is past K
+                float c[TILES][4];
+#pragma unroll
+                for (u32_t i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+#pragma unroll
+                for (u32_t j = 0; j < 4; ++j) {
+                    u32_t frag[4];
+                    fragment(4 * gq + j, frag);
+#pragma unroll
+                    for (u32_t i = 0; i < TILES; ++i) {
+                        const uint2 b =
+                            *reinterpret_cast<const uint2*>(a_row + i * 8 * L::ROW + 128 * gq + 32 * j);
+                        mma_e4m3(c[i], frag, b.x, b.y, c[i]);
+                    }
+                }
+                const float2 sw = W::scales(s_w, gq, g);
+#pragma unroll
+                for (u32_t i = 0; i < TILES; ++i) {
+                    promote(acc[i], c[i], sw, s_a[(i * 8 + 2 * t) * L::GPS + gq],
+                            s_a[(i * 8 + 2 * t + 1) * L::GPS + gq]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    const u32_t feature = n0 + warp * 16 + g;
+#pragma unroll
+    for (u32_t i = 0; i < TILES; ++i) {
+#pragma unroll
+        for (u32_t r = 0; r < 4; ++r) {
+            const u32_t col = feature + (r / 2) * 8;
+            const u32_t row = i * 8 + 2 * t + r % 2;
+            if (col < n && rows.valid(row)) {
+                if (partial != nullptr) {
+                    partial[rows.y_row(row) * n + col] = acc[i][r];
+                } else {
+                    y[rows.y_row(row) * n + col] = __float2bfloat16_rn(acc[i][r]);
+                }
+            }
+        }
+    }
+}
+
+// One block per (tile of group_routed_rows with up to BT rows of one expert, blockIdx.y; blocks
+// past *tile_count return) and 16 WARPS output features (blockIdx.x): the tile's expert weights
+// from the table ([3][n_experts][2] device addresses: weight chunks, band scales), or zeros for
+// the bucket of unknown ids (the combine skips those rows).
+template <class W, int WARPS, int BT, int STAGES, int STEP>
+__device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                 const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
+                                 const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
+                                 __nv_bfloat16* __restrict__ y, FastRoutedParams p) {
+    __shared__ u32_t tile_rows[BT];
+    const u32_t tile = blockIdx.y;
+    if (tile >= *tile_count) return;
+    const u32_t bucket = tiles[3 * tile];
+    const u32_t start = tiles[3 * tile + 1];
+    const u32_t count = min(tiles[3 * tile + 2], (u32_t)BT);
+    for (u32_t r = threadIdx.x; r < count; r += blockDim.x) tile_rows[r] = order[start + r];
+    __syncthreads();
+    const GatheredRows rows{tile_rows, count, p.x_row_div};
+    const u32_t n0 = blockIdx.x * 16 * WARPS;
+    if (bucket >= p.n_experts) {
+        for (u32_t i = threadIdx.x; i < count * 16 * WARPS; i += blockDim.x) {
+            const u32_t col = n0 + i % (16 * WARPS);
+            if (col < p.n) y[rows.y_row(i / (16 * WARPS)) * p.n + col] = __float2bfloat16_rn(0.0f);
+        }
+        return;
+    }
+    const unsigned long long* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
+    const u8_t* w = reinterpret_cast<const u8_t*>(entry[0]);
+    const u8_t* ws = reinterpret_cast<const u8_t*>(entry[1]);
+    gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, nullptr, p.n, p.k, 0, p.k, n0, rows);
+}
+
+// y[i] = bf16( ((P_0[i] + P_1[i]) + P_2[i]) + ... ) over the parts' sums partials[p][i], in part
+// order (the numerics definition above), i < p.count.
+__device__ void gemm_fast_reduce(const float* __restrict__ partials, __nv_bfloat16* __restrict__ y,
+                                 FastReduceParams p) {
+    for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += gridDim.x * blockDim.x) {
+        float total = partials[i];
+        for (u32_t part = 1; part < p.parts; ++part) total = __fadd_rn(total, partials[(size_t)part * p.count + i]);
+        y[i] = __float2bfloat16_rn(total);
+    }
+}
+
+}  // namespace fastgemm

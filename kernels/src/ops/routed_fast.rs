@@ -1,0 +1,117 @@
+//! The routed experts of the `fast` numerics: FP4 E2M1 expert weights on tensor cores
+//! (`cuda/gemm/gemm_fast.cuh`, the body of the fast dense GEMMs with each code converted exactly
+//! to E4M3), the rows grouped per expert on the device (`group_routed_rows`, as the exact
+//! expert-major kernel), each tile of up to 8 … 128 rows of one expert streaming that expert's
+//! re-laid weights ([`FastFp4Weight`]) once. SwiGLU and the combine stay those of
+//! `ops::routed`.
+//!
+//! A routed row's output depends only on its activation row and its expert's weights: the tile
+//! ([`FastTile`], picked by the mean rows per expert) and the rows sharing it change which
+//! thread computes it, never how (the GPU tests check a row alone against inside 2 … 64 tokens).
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::dim;
+use super::gemm_fast::{FastKernels, FastTile};
+use super::quant::DeviceActFp8;
+use super::routed::{DeviceExpertTable, ExpertFormat, ExpertProjection, check_routed, group_rows};
+use crate::error::KernelError;
+use crate::params::FastRoutedParams;
+use crate::runtime::KernelRuntime;
+
+/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the `which` projection of a
+/// [`DeviceExpertTable::fp4_fast`] table: `x` `[rows, inp]` (32-groups), `experts` `[m]` with
+/// `m = rows · x_row_div`, `out` bf16 `[m, out]`. A row whose id is `>= table.n_experts()` is
+/// zero.
+pub fn gemm_fp4_routed_fast(
+    rt: &KernelRuntime,
+    x: &DeviceActFp8,
+    experts: &CudaSlice<u32>,
+    x_row_div: usize,
+    table: &DeviceExpertTable,
+    which: ExpertProjection,
+    out: &mut CudaSlice<bf16>,
+) -> Result<(), KernelError> {
+    gemm_fp4_routed_fast_tiled(rt, x, experts, x_row_div, table, which, out, FastTile::Auto)
+}
+
+/// [`gemm_fp4_routed_fast`] with an explicit tile (the result does not depend on it);
+/// [`FastTile::Auto`] takes the smallest tile that holds the mean rows per expert.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_fp4_routed_fast_tiled(
+    rt: &KernelRuntime,
+    x: &DeviceActFp8,
+    experts: &CudaSlice<u32>,
+    x_row_div: usize,
+    table: &DeviceExpertTable,
+    which: ExpertProjection,
+    out: &mut CudaSlice<bf16>,
+    tile: FastTile,
+) -> Result<(), KernelError> {
+    const OP: &str = "gemm_fp4_routed_fast";
+    let (m, n, k) = check_routed(
+        OP,
+        ExpertFormat::Fp4Fast,
+        (x, experts, x_row_div),
+        table,
+        which,
+        out,
+    )?;
+    if m == 0 {
+        return Ok(());
+    }
+    let tile = tile.resolve(m.div_ceil(table.n_experts()));
+    let (tokens, warps, ..) = tile.shape();
+    let params = FastRoutedParams {
+        m: dim(OP, "m", m)?,
+        n: dim(OP, "n", n)?,
+        k: dim(OP, "k", k)?,
+        x_row_div: dim(OP, "x_row_div", x_row_div)?,
+        n_experts: dim(OP, "experts", table.n_experts())?,
+        which: which.slot(),
+    };
+    let groups = group_rows(
+        rt,
+        OP,
+        &experts.slice(..),
+        table.n_experts(),
+        tokens as usize,
+    )?;
+    let tiles = dim(OP, "tiles", groups.max_tiles)?;
+    if tiles > 65_535 {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!("m = {m} needs up to {tiles} expert tiles (> 65535)"),
+        });
+    }
+    let kernel = FastKernels::Fp4Routed.kernel(tile);
+    let cfg = LaunchConfig {
+        grid_dim: (params.n.div_ceil(16 * warps), tiles, 1),
+        block_dim: (warps * 32, 1, 1),
+        shared_mem_bytes: FastKernels::Fp4Routed.shared_bytes(tile),
+    };
+    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    launch
+        .arg(&x.codes)
+        .arg(&x.scales)
+        .arg(&groups.order)
+        .arg(&groups.tiles)
+        .arg(&groups.tile_count)
+        .arg(table.addresses())
+        .arg(out)
+        .arg(&params);
+    // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
+    // const u32* tile_count, const u64* table, bf16* y, FastRoutedParams). group_rows wrote
+    // tiles of at most `tokens` rows (the kernel's BT), blocks past *tile_count return; a tile's
+    // rows are output rows < m (order is a permutation of 0..m), each reading x row
+    // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the table
+    // holds 3 * n_experts address pairs of live FastFp4Weights of this shape (the constructor's
+    // contract: chunks and band scales built for n, k), the bucket of unknown ids is never looked
+    // up; every load is bounds-checked against n, k and the tile's count; out holds m * n values.
+    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
+        "launching {}",
+        kernel.symbol()
+    )))?;
+    Ok(())
+}
