@@ -13,7 +13,7 @@ use metrics::{
 };
 
 use crate::messages::rank::{StepMode, StepOutput};
-use crate::messages::scheduler::SchedulerStats;
+use crate::messages::scheduler::{PrefixStats, SchedulerStats};
 
 pub const FRONTEND_INFLIGHT_REQUESTS: &str = "deepinfer_frontend_inflight_requests";
 pub const FRONTEND_REQUESTS_TOTAL: &str = "deepinfer_frontend_requests_total";
@@ -45,6 +45,13 @@ pub const STATE_BLOCKS_USED: &str = "deepinfer_state_blocks_used";
 pub const STATE_BLOCKS_FREE: &str = "deepinfer_state_blocks_free";
 pub const SCHEDULER_PREEMPTIONS_TOTAL: &str = "deepinfer_scheduler_preemptions_total";
 pub const SCHEDULER_RESUMED_TOTAL: &str = "deepinfer_scheduler_resumed_total";
+pub const PREFIX_CACHE_REQUESTS_TOTAL: &str = "deepinfer_prefix_cache_requests_total";
+pub const PREFIX_CACHE_HIT_REQUESTS_TOTAL: &str = "deepinfer_prefix_cache_hit_requests_total";
+pub const PREFIX_CACHE_PROMPT_TOKENS_TOTAL: &str = "deepinfer_prefix_cache_prompt_tokens_total";
+pub const PREFIX_CACHE_HIT_TOKENS_TOTAL: &str = "deepinfer_prefix_cache_hit_tokens_total";
+pub const PREFIX_CACHE_SKIPPED_TOKENS_TOTAL: &str = "deepinfer_prefix_cache_skipped_tokens_total";
+pub const PREFIX_CACHE_BYTES: &str = "deepinfer_prefix_cache_bytes";
+pub const PREFIX_CACHE_EVICTIONS_TOTAL: &str = "deepinfer_prefix_cache_evictions_total";
 
 /// Every metric name the runtime registers.
 pub const ALL: &[&str] = &[
@@ -76,10 +83,52 @@ pub const ALL: &[&str] = &[
     STATE_BLOCKS_FREE,
     SCHEDULER_PREEMPTIONS_TOTAL,
     SCHEDULER_RESUMED_TOTAL,
+    PREFIX_CACHE_REQUESTS_TOTAL,
+    PREFIX_CACHE_HIT_REQUESTS_TOTAL,
+    PREFIX_CACHE_PROMPT_TOKENS_TOTAL,
+    PREFIX_CACHE_HIT_TOKENS_TOTAL,
+    PREFIX_CACHE_SKIPPED_TOKENS_TOTAL,
+    PREFIX_CACHE_BYTES,
+    PREFIX_CACHE_EVICTIONS_TOTAL,
 ];
 
 /// Registers help text and units with the installed recorder (call once after installing it).
 pub fn describe() {
+    describe_counter!(
+        PREFIX_CACHE_REQUESTS_TOTAL,
+        Unit::Count,
+        "Admissions looked up in the prefix cache, per DP rank."
+    );
+    describe_counter!(
+        PREFIX_CACHE_HIT_REQUESTS_TOTAL,
+        Unit::Count,
+        "Admissions served from a prefix-cache hit, per DP rank."
+    );
+    describe_counter!(
+        PREFIX_CACHE_PROMPT_TOKENS_TOTAL,
+        Unit::Count,
+        "Prompt tokens of the admissions looked up, per DP rank."
+    );
+    describe_counter!(
+        PREFIX_CACHE_HIT_TOKENS_TOTAL,
+        Unit::Count,
+        "Cached prompt tokens the hits attached (the token hit rate's numerator), per DP rank."
+    );
+    describe_counter!(
+        PREFIX_CACHE_SKIPPED_TOKENS_TOTAL,
+        Unit::Count,
+        "Hit tokens never fed (before the replay start), per DP rank."
+    );
+    describe_gauge!(
+        PREFIX_CACHE_BYTES,
+        Unit::Bytes,
+        "Bytes of cached prefix blocks (at most prefix_cache.bytes_per_rank), per DP rank."
+    );
+    describe_counter!(
+        PREFIX_CACHE_EVICTIONS_TOTAL,
+        Unit::Count,
+        "Prefix-cache blocks evicted for room, per DP rank."
+    );
     describe_gauge!(
         STATE_BLOCKS_USED,
         Unit::Count,
@@ -278,6 +327,24 @@ pub(crate) fn record_state_pool(dp: &str, stats: &SchedulerStats) {
     counter!(SCHEDULER_RESUMED_TOTAL, "dp" => dp.to_string()).absolute(stats.resumed);
 }
 
+pub(crate) fn record_prefix_cache(dp: &str, prefix: &PrefixStats) {
+    if prefix.budget_bytes == 0 {
+        return;
+    }
+    let c = &prefix.counters;
+    for (name, value) in [
+        (PREFIX_CACHE_REQUESTS_TOTAL, c.requests),
+        (PREFIX_CACHE_HIT_REQUESTS_TOTAL, c.hit_requests),
+        (PREFIX_CACHE_PROMPT_TOKENS_TOTAL, c.prompt_tokens),
+        (PREFIX_CACHE_HIT_TOKENS_TOTAL, c.hit_tokens),
+        (PREFIX_CACHE_SKIPPED_TOKENS_TOTAL, c.skipped_tokens),
+        (PREFIX_CACHE_EVICTIONS_TOTAL, prefix.evictions),
+    ] {
+        counter!(name, "dp" => dp.to_string()).absolute(value);
+    }
+    gauge!(PREFIX_CACHE_BYTES, "dp" => dp.to_string()).set(prefix.cached_bytes as f64);
+}
+
 pub(crate) fn record_request(outcome: &'static str) {
     counter!(FRONTEND_REQUESTS_TOTAL, "outcome" => outcome).increment(1);
 }
@@ -332,5 +399,43 @@ mod tests {
             assert!(name.starts_with("deepinfer_"), "{name}");
             assert!(seen.insert(name), "duplicate {name}");
         }
+    }
+
+    /// A rank's prefix-cache stats become its counters and gauge, labelled by rank; a rank
+    /// without the cache records nothing.
+    #[test]
+    fn prefix_cache_stats_are_recorded_per_rank() {
+        use crate::scheduler::prefix::PrefixCounters;
+        let recorder = crate::prometheus::local_recorder().expect("recorder");
+        let stats = PrefixStats {
+            counters: PrefixCounters {
+                requests: 2,
+                hit_requests: 1,
+                prompt_tokens: 860,
+                hit_tokens: 256,
+                skipped_tokens: 116,
+            },
+            cached_bytes: 4096,
+            cached_blocks: 4,
+            evictions: 3,
+            budget_bytes: 1 << 20,
+        };
+        metrics::with_local_recorder(&recorder, || {
+            record_prefix_cache("1", &stats);
+            record_prefix_cache("0", &PrefixStats::default());
+        });
+        let page = recorder.handle().render();
+        for line in [
+            "deepinfer_prefix_cache_requests_total{dp=\"1\"} 2",
+            "deepinfer_prefix_cache_hit_requests_total{dp=\"1\"} 1",
+            "deepinfer_prefix_cache_prompt_tokens_total{dp=\"1\"} 860",
+            "deepinfer_prefix_cache_hit_tokens_total{dp=\"1\"} 256",
+            "deepinfer_prefix_cache_skipped_tokens_total{dp=\"1\"} 116",
+            "deepinfer_prefix_cache_evictions_total{dp=\"1\"} 3",
+            "deepinfer_prefix_cache_bytes{dp=\"1\"} 4096",
+        ] {
+            assert!(page.contains(line), "{line} missing from\n{page}");
+        }
+        assert!(!page.contains("dp=\"0\""), "{page}");
     }
 }

@@ -105,15 +105,6 @@ pub fn shipped_tokenizer() -> PathBuf {
         .join(SHIPPED_TOKENIZER)
 }
 
-fn facts(cfg: &ModelConfig) -> ModelFacts {
-    ModelFacts {
-        vocab_size: cfg.vocab_size,
-        bos_token_id: cfg.bos_token_id,
-        eos_token_id: Some(cfg.eos_token_id),
-        max_context_tokens: cfg.max_position_embeddings,
-    }
-}
-
 /// The Engram compressed vocabulary of `tokenizer` for `cfg` (None without Engram); `known` is
 /// a map already computed for that tokenizer.
 fn engram_vocab(
@@ -197,7 +188,7 @@ fn load_v4_dir(
             model.clone(),
             format!("V4 model from {what} on the CPU backend"),
         )),
-        facts: facts(model.config()),
+        facts: ModelFacts::of(model.config()),
         model: AnyModel::V4(model),
         tokenizer,
         notice,
@@ -239,7 +230,7 @@ fn load_dir(
     let vocab = engram_vocab(&cfg, &tokenizer, known)?;
     let model = Model::load_with_vocab(dir, vocab).map_err(|e| model_error(&what, e))?;
     tracing::info!(model = %what, "model loaded");
-    let facts = facts(model.config());
+    let facts = ModelFacts::of(model.config());
     let description = format!("V4.1 model from {what} on the CPU backend");
     let model = Arc::new(model);
     Ok(ResolvedModel {
@@ -312,11 +303,52 @@ pub fn resolve(node: &NodeConfig) -> Result<ResolvedModel, EngineError> {
 
 /// [`resolve`] with explicit Hub settings.
 pub fn resolve_with(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, EngineError> {
+    check_nodes(node)?;
     check_devices(node)?;
     resolve_source(node, hub)
         .map(|resolved| on_node_devices(node, resolved))
         .and_then(|resolved| with_expert_parallel(node, resolved))
         .and_then(|resolved| with_context_parallel(node, resolved))
+}
+
+/// Before any loading: a topology over several nodes is one node of a deployment of one process
+/// per node (`[cluster] bootstrap`), on the CPU backend, without live EPLB (what is built so far;
+/// `--simulate` runs every node in one process and does not come here).
+fn check_nodes(node: &NodeConfig) -> Result<(), EngineError> {
+    let nodes = node.device.nodes;
+    let refuse = |field: &str, message: String| {
+        Err(EngineError::Config {
+            field: field.to_string(),
+            message: format!("{}: {message}", node.origin),
+        })
+    };
+    if nodes == 1 {
+        return Ok(());
+    }
+    if node.cluster.bootstrap.is_none() {
+        return refuse(
+            "cluster.bootstrap",
+            format!(
+                "device.nodes = {nodes} runs one deepinfer-node per node, joined through node 0's \
+                 address: set [cluster] bootstrap and node (--simulate runs every node here)"
+            ),
+        );
+    }
+    if node.device.backend != DeviceBackend::Cpu {
+        return refuse(
+            "device.nodes",
+            "several nodes run on the CPU backend only so far (the NCCL transport of CUDA ranks \
+             across nodes is designed in README.md, not built)"
+                .to_string(),
+        );
+    }
+    if node.eplb.enabled {
+        return refuse(
+            "eplb.enabled",
+            "live EPLB across nodes is not built yet; use false with device.nodes > 1".to_string(),
+        );
+    }
+    Ok(())
 }
 
 /// Before any loading: the GPUs of a CUDA topology exist here, and it asks for nothing the CUDA
@@ -465,6 +497,33 @@ mod tests {
     fn node(source: &str) -> NodeConfig {
         let text = format!("[model]\nsource = \"{source}\"\n[device]\nbackend = \"cpu\"\n");
         NodeConfig::from_toml_str(&text, "model source test").unwrap()
+    }
+
+    /// Several nodes serve only as one node of a deployment (a bootstrap address), on the CPU,
+    /// without live EPLB: refused before anything loads, naming the field.
+    #[test]
+    fn several_nodes_need_a_bootstrap_the_cpu_and_no_eplb() {
+        let topology = |extra: &str| {
+            let text = format!(
+                "[model]\nsource = \"demo\"\n[device]\nnodes = 2\n[parallel]\ndp = 2\nep = 2\n{extra}"
+            );
+            NodeConfig::from_toml_str(&text, "nodes test").unwrap()
+        };
+        let field = |node: &NodeConfig| match check_nodes(node) {
+            Err(EngineError::Config { field, .. }) => field,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        assert_eq!(field(&topology("")), "cluster.bootstrap");
+        let joined = "[cluster]\nbootstrap = \"127.0.0.1:29500\"\n";
+        assert!(check_nodes(&topology(joined)).is_ok());
+        assert_eq!(
+            field(&topology(&format!("[eplb]\nenabled = true\n{joined}"))),
+            "eplb.enabled"
+        );
+        let cuda = "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\nnodes = 2\n\
+                    [parallel]\ndp = 2\nep = 2\n[cluster]\nbootstrap = \"127.0.0.1:29500\"\n";
+        let cuda = NodeConfig::from_toml_str(cuda, "nodes test").unwrap();
+        assert_eq!(field(&cuda), "device.nodes");
     }
 
     #[test]

@@ -32,10 +32,15 @@
 //! - **Misses** fall back block by block: a hit is the longest chain of cached blocks that ends at
 //!   or before the decoder's kept suffix (so the decoder's rows follow a full replay), the rest of
 //!   the prompt is prefilled, and the blocks it completes are inserted ([`prefill`]).
-//! - **Not yet:** the engine does not use the cache (no topology key, no scheduler accounting of
-//!   uncached tokens, no cache-affinity placement, no metrics); on the CPU an attach copies the
-//!   block's rows into the sequence, so the cache's budget is its own, outside the `StatePool`;
-//!   V4.1 only, not run on CUDA.
+//! - **In the engine** (`[prefix_cache]`): each rank's scheduler keeps the index (a
+//!   `PrefixCache<()>`: keys, pins, LRU, bytes; `scheduler::prefix`) and its executor keeps the
+//!   blocks (`RankExecutor::store_prefix_block`), the plans carrying the attaches, stores and
+//!   drops in order; the frontend keeps a mirror per rank for placement (`frontend::affinity`).
+//!   [`PrefixGeometry`] is what they need of the model.
+//!   An attach copies the block's rows into the sequence (the state pool counts them there);
+//!   the cache's own budget comes out of the rank's state budget.
+//! - **Not yet:** V4.1 only; not run on CUDA (the blocks are backend tensors, so it goes
+//!   through the `Backend` trait, untested there).
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -43,8 +48,47 @@ use std::sync::Arc;
 
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::error::ModelError;
+use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v41::MAX_BACKTRACK;
 use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState};
+
+/// The salt of an engine's caches: one model per engine, no adapters, so every prompt shares it.
+pub const ENGINE_SALT: u64 = 0x7072_6566_6978;
+
+/// What a rank's prefix cache needs of the model: block size and bytes, the replay alignment
+/// and the two replay lengths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixGeometry {
+    /// Tokens per block (`StateBytes::block_tokens`).
+    pub block_tokens: usize,
+    /// Bytes of one block's entries (`StateBytes::block_bytes`, what `PrefixBlock::held_bytes`
+    /// holds), without its kept tokens.
+    pub block_bytes: u64,
+    /// A replay starts at a multiple of this (every compression ratio).
+    pub align: usize,
+    /// The shortest replay that rebuilds the rings: window + max backtracking.
+    pub min_replay: usize,
+    /// [`exact_replay_tokens`]: `None` without a decoder boundary.
+    pub exact_replay: Option<usize>,
+}
+
+impl PrefixGeometry {
+    pub fn of(cfg: &ModelConfig) -> PrefixGeometry {
+        let bytes = StateBytes::of(cfg);
+        PrefixGeometry {
+            block_tokens: bytes.block_tokens,
+            block_bytes: bytes.block_bytes(),
+            align: alignment(cfg),
+            min_replay: cfg.window_size + MAX_BACKTRACK,
+            exact_replay: exact_replay_tokens(cfg),
+        }
+    }
+
+    /// Bytes a cache accounts for one block: its entries and its kept tokens.
+    pub fn cached_block_bytes(&self) -> u64 {
+        self.block_bytes + (self.block_tokens * std::mem::size_of::<u32>()) as u64
+    }
+}
 
 /// The key of a block: the hash chain over the blocks up to it ([module docs](self)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -117,16 +161,22 @@ impl<B> PrefixCache<B> {
 
     /// The keys of every complete block of `tokens` under `salt`, in order.
     pub fn chain(&self, salt: u64, tokens: &[u32]) -> Vec<BlockHash> {
+        self.keys(salt, tokens).map(|(hash, _)| hash).collect()
+    }
+
+    /// Each complete block of `tokens` with its key, computed as the walk goes.
+    fn keys<'t>(
+        &self,
+        salt: u64,
+        tokens: &'t [u32],
+    ) -> impl Iterator<Item = (BlockHash, &'t [u32])> + use<'t, B> {
         let mut parent = salt;
-        tokens
-            .chunks_exact(self.block_tokens)
-            .map(|block| {
-                let mut h = DefaultHasher::new();
-                (parent, salt, block).hash(&mut h);
-                parent = h.finish();
-                BlockHash(parent)
-            })
-            .collect()
+        tokens.chunks_exact(self.block_tokens).map(move |block| {
+            let mut h = DefaultHasher::new();
+            (parent, salt, block).hash(&mut h);
+            parent = h.finish();
+            (BlockHash(parent), block)
+        })
     }
 
     /// The longest chain of cached blocks that starts `tokens` and covers at most `limit` tokens:
@@ -134,24 +184,34 @@ impl<B> PrefixCache<B> {
     /// tokens.
     pub fn lookup(&mut self, salt: u64, tokens: &[u32], limit: usize) -> Vec<(BlockHash, Arc<B>)> {
         let limit = limit.min(tokens.len());
-        let chain = self.chain(salt, &tokens[..limit]);
-        let mut found = Vec::new();
-        let mut parent = None;
-        for (hash, block_tokens) in chain.iter().zip(tokens.chunks_exact(self.block_tokens)) {
-            match self.entries.get(hash) {
-                Some(e) if e.parent == parent && e.tokens == block_tokens => {
-                    found.push((*hash, e.block.clone()));
-                    parent = Some(*hash);
-                }
-                _ => break,
-            }
-        }
+        let found = self.find(salt, tokens, limit);
         self.touch(found.iter().map(|(hash, _)| *hash));
         self.stats.lookups += 1;
         self.stats.looked_up_tokens += limit as u64;
         if !found.is_empty() {
             self.stats.hit_lookups += 1;
             self.stats.hit_tokens += (found.len() * self.block_tokens) as u64;
+        }
+        found
+    }
+
+    /// How many blocks [`PrefixCache::lookup`] would find now, without using or counting them.
+    pub fn peek(&self, salt: u64, tokens: &[u32], limit: usize) -> usize {
+        self.find(salt, tokens, limit.min(tokens.len())).len()
+    }
+
+    /// The walk stops at the first block not cached: a miss hashes one block.
+    fn find(&self, salt: u64, tokens: &[u32], limit: usize) -> Vec<(BlockHash, Arc<B>)> {
+        let mut found = Vec::new();
+        let mut parent = None;
+        for (hash, block_tokens) in self.keys(salt, &tokens[..limit]) {
+            match self.entries.get(&hash) {
+                Some(e) if e.parent == parent && e.tokens == block_tokens => {
+                    found.push((hash, e.block.clone()));
+                    parent = Some(hash);
+                }
+                _ => break,
+            }
         }
         found
     }
@@ -181,7 +241,8 @@ impl<B> PrefixCache<B> {
 
     /// Caches `block` (its tokens `tokens`, its payload `bytes` bytes) under `hash`, continuing
     /// `parent` (`None` for a prompt's first block), evicting least recently used leaves while
-    /// the budget has no room.
+    /// the budget has no room. Returns what it did and the blocks it evicted (also when it
+    /// refused after evicting every evictable block).
     pub fn insert(
         &mut self,
         hash: BlockHash,
@@ -189,15 +250,19 @@ impl<B> PrefixCache<B> {
         tokens: &[u32],
         block: B,
         bytes: u64,
-    ) -> Inserted {
+    ) -> (Inserted, Vec<BlockHash>) {
+        let mut evicted = Vec::new();
         if self.entries.contains_key(&hash) {
             self.touch([hash]);
-            return Inserted::AlreadyCached;
+            return (Inserted::AlreadyCached, evicted);
         }
         if parent.is_some_and(|p| !self.entries.contains_key(&p)) {
-            return Inserted::Refused;
+            return (Inserted::Refused, evicted);
         }
         let bytes = bytes + std::mem::size_of_val(tokens) as u64;
+        if bytes > self.budget {
+            return (Inserted::Refused, evicted);
+        }
         while self.stats.bytes + bytes > self.budget {
             // The parent may not go: the new block is about to continue it.
             let victim = self
@@ -207,8 +272,11 @@ impl<B> PrefixCache<B> {
                 .min_by_key(|(h, e)| (e.last_used, **h))
                 .map(|(h, _)| *h);
             match victim {
-                Some(victim) => self.evict(victim),
-                None => return Inserted::Refused,
+                Some(victim) => {
+                    self.evict(victim);
+                    evicted.push(victim);
+                }
+                None => return (Inserted::Refused, evicted),
             }
         }
         if let Some(p) = parent.and_then(|p| self.entries.get_mut(&p)) {
@@ -229,7 +297,7 @@ impl<B> PrefixCache<B> {
         );
         self.stats.bytes += bytes;
         self.stats.blocks += 1;
-        Inserted::Cached
+        (Inserted::Cached, evicted)
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -419,7 +487,7 @@ pub fn insert_blocks(
             let block = seq.prefix_block(i * n, n, ratios)?;
             let bytes = block.held_bytes();
             let block_tokens = &tokens[i * n..(i + 1) * n];
-            if cache.insert(hash, parent, block_tokens, block, bytes) == Inserted::Refused {
+            if cache.insert(hash, parent, block_tokens, block, bytes).0 == Inserted::Refused {
                 break;
             }
         }
@@ -504,8 +572,13 @@ mod tests {
         assert_eq!(cache.lookup(0, &tokens(8, 3), 8).len(), 2);
         assert!(cache.stats().bytes <= 26 * 5);
         assert!(cache.stats().evictions >= 2);
-        let big = cache.insert(BlockHash(1), None, &[1; 4], 9, 1000);
+        let (big, evicted) = cache.insert(BlockHash(1), None, &[1; 4], 9, 1000);
         assert_eq!(big, Inserted::Refused, "larger than the budget");
+        assert!(
+            evicted.is_empty(),
+            "nothing is evicted for a block that never fits"
+        );
+        assert!(cache.stats().bytes > 0);
     }
 
     /// A key whose entry holds other tokens (a hash collision) is a miss, never a wrong hit.
@@ -514,7 +587,7 @@ mod tests {
         let mut cache = PrefixCache::new(4, 1000);
         let (a, b) = (tokens(4, 1), tokens(4, 2));
         let key = cache.chain(0, &a)[0];
-        assert_eq!(cache.insert(key, None, &b, 0, 1), Inserted::Cached);
+        assert_eq!(cache.insert(key, None, &b, 0, 1).0, Inserted::Cached);
         assert!(cache.lookup(0, &a, 4).is_empty());
     }
 
@@ -522,7 +595,7 @@ mod tests {
     fn a_block_without_its_parent_is_refused() {
         let mut cache: PrefixCache<u32> = PrefixCache::new(4, 1000);
         let insert = cache.insert(BlockHash(5), Some(BlockHash(4)), &[0; 4], 0, 1);
-        assert_eq!(insert, Inserted::Refused);
+        assert_eq!(insert, (Inserted::Refused, Vec::new()));
     }
 
     #[test]

@@ -124,6 +124,7 @@ fn generate(
             decoder_from: None,
             speculative: false,
             logprobs: None,
+            prefix: None,
         };
         let plan = StepPlan {
             step: StepId(step),
@@ -152,6 +153,7 @@ fn generate(
                     input: input(),
                 },
             ],
+            cache_ops: Vec::new(),
             finished: Vec::new(),
         };
         let output = rank.run_plan(&plan).expect("step runs");

@@ -390,6 +390,7 @@ fn masks_are_requested_before_the_forward_and_applied_to_its_logits() {
                     decoder_from: None,
                     speculative: false,
                     logprobs: None,
+                    prefix: None,
                 }]
             } else {
                 Vec::new()
@@ -405,6 +406,7 @@ fn masks_are_requested_before_the_forward_and_applied_to_its_logits() {
                     SeqInput::Decode
                 },
             }],
+            cache_ops: Vec::new(),
             finished: Vec::new(),
         };
         let output = rank.run_plan(&plan).expect("step runs");

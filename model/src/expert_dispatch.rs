@@ -1,8 +1,9 @@
 //! The routed-expert hook of the MoE: who computes a token's routed experts.
 //!
-//! The router and the combine stay in the model (`layers/moe.rs`): for one token of one layer it
-//! chooses the (logical expert, weight) picks, hands them to a [`RoutedExperts`] in increasing
-//! expert id, and sums the returned outputs in that order, then adds the shared expert. So where
+//! The router and the combine stay in the model (`layers/moe.rs`): for every token of one layer it
+//! chooses the (logical expert, weight) picks, hands the layer's rows and picks (each token's in
+//! increasing expert id) to a [`RoutedExperts`] in one call, and sums each token's returned
+//! outputs in that order, then adds the shared expert. So where
 //! an expert runs (which EP rank, which replica) can never change a bit of the result, as long as
 //! every copy of an expert holds the model's weights and runs [`Model::run_routed_expert`].
 //!
@@ -23,16 +24,20 @@ pub struct ExpertPick {
     pub weight: f32,
 }
 
-/// Runs the routed experts of one token.
+/// Runs the routed experts of one backbone layer's rows (one call per layer and forward, so an
+/// expert-parallel transport can send each EP rank all of its rows at once).
 ///
-/// Contract: `run` returns exactly one output row (`x.len()` wide) per pick, in pick order, each
-/// equal to `Model::run_routed_expert(&model.routed_expert(layer, pick.expert)?, x, pick.weight)`.
+/// Contract: `run` returns, for every row `r` of `x`, exactly one output row (`dim` wide) per
+/// pick of `picks[r]`, in pick order, each equal to
+/// `Model::run_routed_expert(&model.routed_expert(layer, pick.expert)?, row, pick.weight)`.
 /// Implementations validate their placement when built, so every (layer, expert) of the model can
-/// be served and `run` itself cannot fail.
+/// be served. A transport that fails (a peer gone) cannot stop the forward from here: it returns
+/// rows of zeros and reports the failure to its own caller, which discards the forward's outputs.
 pub trait RoutedExperts: Sync {
-    /// Outputs of `picks` (sorted by increasing expert id) for the normed MoE input `x` of one
-    /// token of backbone layer `layer`.
-    fn run(&self, layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Vec<f32>>;
+    /// Outputs of every row's `picks` (each sorted by increasing expert id) for the normed MoE
+    /// input `x` (`[picks.len(), dim]`) of backbone layer `layer`: `out[r][k]` is pick `k` of
+    /// row `r`.
+    fn run(&self, layer: usize, x: &[f32], picks: &[Vec<ExpertPick>]) -> Vec<Vec<Vec<f32>>>;
 }
 
 /// A clonable copy of one routed expert's weights (SwiGLU `w1`, `w3`, `w2`; FP4 or FP8), what an
@@ -82,19 +87,29 @@ mod tests {
     }
 
     impl RoutedExperts for Copies<'_> {
-        fn run(&self, layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Vec<f32>> {
-            self.calls.fetch_add(picks.len(), Ordering::Relaxed);
+        fn run(&self, layer: usize, x: &[f32], picks: &[Vec<ExpertPick>]) -> Vec<Vec<Vec<f32>>> {
+            let dim = x.len() / picks.len().max(1);
             // Computing in another order must not matter: outputs come back in pick order.
-            let mut order: Vec<usize> = (0..picks.len()).collect();
+            let mut order: Vec<(usize, usize)> = picks
+                .iter()
+                .enumerate()
+                .flat_map(|(r, row)| (0..row.len()).map(move |k| (r, k)))
+                .collect();
+            self.calls.fetch_add(order.len(), Ordering::Relaxed);
             if self.reverse {
                 order.reverse();
             }
-            let mut out = vec![Vec::new(); picks.len()];
-            for i in order {
-                let pick = picks[i];
-                out[i] =
-                    self.model
-                        .run_routed_expert(&self.experts[layer][pick.expert], x, pick.weight);
+            let mut out: Vec<Vec<Vec<f32>>> = picks
+                .iter()
+                .map(|row| vec![Vec::new(); row.len()])
+                .collect();
+            for (r, k) in order {
+                let pick = picks[r][k];
+                out[r][k] = self.model.run_routed_expert(
+                    &self.experts[layer][pick.expert],
+                    &x[r * dim..(r + 1) * dim],
+                    pick.weight,
+                );
             }
             out
         }
@@ -145,22 +160,28 @@ mod tests {
     }
 
     impl RoutedExperts for Fixed {
-        fn run(&self, _layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Vec<f32>> {
-            assert!(
-                picks.windows(2).all(|w| w[0].expert < w[1].expert),
-                "picks come in increasing expert id: {picks:?}"
-            );
+        fn run(&self, _layer: usize, x: &[f32], picks: &[Vec<ExpertPick>]) -> Vec<Vec<Vec<f32>>> {
+            let dim = x.len() / picks.len().max(1);
             let big = (1u32 << 30) as f32;
-            (0..picks.len())
-                .map(|rank| {
-                    let value = match (self.zeros, rank) {
-                        (true, _) => 0.0,
-                        (false, 0) => 1.0,
-                        (false, 1) => big,
-                        (false, 2) => -big,
-                        (false, _) => 0.0,
-                    };
-                    vec![value; x.len()]
+            picks
+                .iter()
+                .map(|row| {
+                    assert!(
+                        row.windows(2).all(|w| w[0].expert < w[1].expert),
+                        "picks come in increasing expert id: {row:?}"
+                    );
+                    (0..row.len())
+                        .map(|rank| {
+                            let value = match (self.zeros, rank) {
+                                (true, _) => 0.0,
+                                (false, 0) => 1.0,
+                                (false, 1) => big,
+                                (false, 2) => -big,
+                                (false, _) => 0.0,
+                            };
+                            vec![value; dim]
+                        })
+                        .collect()
                 })
                 .collect()
         }

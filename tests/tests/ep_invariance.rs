@@ -103,7 +103,7 @@ fn local_comm_logits_equal_the_model_bitwise() {
         for comm in [uniform.as_ref(), &skewed] {
             let mut seq = model.new_sequence();
             for (chunk, want) in chunks.iter().zip(&expected) {
-                let step = StepExperts::new(comm);
+                let step = StepExperts::new(comm, deepinfer_topology::DpRank(0), 0);
                 let got = model
                     .forward_with_experts(&mut seq, chunk, LogitsWanted::All, &step)
                     .expect("forward with experts");

@@ -9,6 +9,9 @@
 //!   Negative control: the probe with one prompt token changed is seen as different.
 //! - The state pool on the GPU: the `pool_support` workload (preemption by recompute under a small
 //!   budget, DSpark on) gives the unlimited pool's outputs, the live states never above budget.
+//! - The prefix cache on the GPU (`replay = "exact"`): a writer then two readers that hit its
+//!   blocks (one ending inside a ratio-2 group) give the CPU engine's cache-off tokens and rows,
+//!   bitwise, at every position both computed.
 //! - The built-in demo model resolved from a `backend = "cuda"` topology serves a request on the
 //!   GPU with the tokens of the CPU model (the wiring from topology to rank device).
 //!
@@ -102,6 +105,11 @@ fn fixture_model() -> (Arc<Model>, ModelFacts) {
 
 /// One DP rank with the given prefill chunk; room for 65 requests in one step.
 fn topology(backend: &str, prefill_chunk: usize) -> NodeConfig {
+    topology_with(backend, prefill_chunk, "")
+}
+
+/// [`topology`] with `extra` sections appended.
+fn topology_with(backend: &str, prefill_chunk: usize, extra: &str) -> NodeConfig {
     let device = if backend == "cuda" {
         "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1\nnumerics = \"exact\""
     } else {
@@ -111,7 +119,8 @@ fn topology(backend: &str, prefill_chunk: usize) -> NodeConfig {
         &format!(
             "[model]\nsource = \"demo\"\n[device]\n{device}\n[parallel]\ndp = 1\nep = 1\n\
              [scheduler]\nmax_batched_tokens = 8192\nmax_running_requests = 128\n\
-             prefill_chunk_tokens = {prefill_chunk}\noverlap_depth = 2\nadmission_queue_capacity = 256\n"
+             prefill_chunk_tokens = {prefill_chunk}\noverlap_depth = 2\nadmission_queue_capacity = 256\n\
+             {extra}"
         ),
         &format!("gpu engine test ({backend})"),
     )
@@ -527,4 +536,58 @@ async fn state_pool_preemption_is_exact_and_bounded_on_the_gpu() {
         24,
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_cache_hits_on_the_gpu_equal_the_cpu_engine_without_the_cache() {
+    require_gpu("prefix_cache_hits_on_the_gpu_equal_the_cpu_engine_without_the_cache");
+    let (model, facts) = fixture_model();
+    let shared = prompt(5, 200);
+    let writer = [&shared[..], &prompt(6, 36)].concat();
+    let readers = vec![
+        ([&shared[..], &prompt(7, 30)].concat(), 4),
+        ([&shared[..129], &prompt(8, 90)].concat(), 4),
+    ];
+    let keep = "[replay]\ndecoder_keep_tokens = 22\n";
+    let cache = format!("{keep}[prefix_cache]\nbytes_per_rank = 1073741824\nreplay = \"exact\"\n");
+    let cpu_factory: Arc<dyn ExecutorFactory> =
+        Arc::new(ModelFactory::new(model.clone(), "v41-tiny on the CPU"));
+    let (cpu, cpu_rows) = recorded_engine(topology_with("cpu", 64, keep), cpu_factory, facts).await;
+    let mut cpu_done = run_all(&cpu, &[(writer.clone(), 4)]).await;
+    cpu_done.extend(run_all(&cpu, &readers).await);
+    cpu.shutdown(Duration::from_secs(30)).await.expect("stops");
+    let node = topology_with("cuda", 64, &cache);
+    let (cuda, cuda_rows) = recorded_engine(node, cuda_factory(&model), facts).await;
+    let mut cuda_done = run_all(&cuda, &[(writer, 4)]).await;
+    cuda_done.extend(run_all(&cuda, &readers).await);
+    let stats = cuda.handle().scheduler_stats().await.expect("stats");
+    cuda.shutdown(Duration::from_secs(30)).await.expect("stops");
+    let hits = stats[0].prefix.counters;
+    assert_eq!(
+        (hits.hit_requests, hits.hit_tokens),
+        (2, 192 + 128),
+        "{hits:?}"
+    );
+    let mut compared = 0;
+    for (c, g) in cpu_done.iter().zip(&cuda_done) {
+        assert_eq!(c.tokens, g.tokens, "greedy tokens of {}", g.id);
+        let cpu_rows: HashMap<usize, Row> = rows_of(&cpu_rows, c.id).into_iter().collect();
+        for (position, g_row) in rows_of(&cuda_rows, g.id) {
+            let Some(c_row) = cpu_rows.get(&position) else {
+                continue;
+            };
+            let (same, diff) = compare(&c_row.logits, &g_row.logits);
+            assert_eq!(
+                same,
+                c_row.logits.len(),
+                "{}: row {position}: max|diff| {diff}",
+                g.id
+            );
+            compared += 1;
+        }
+    }
+    assert!(
+        compared >= 3 * 4,
+        "the decode rows of every request: {compared}"
+    );
 }

@@ -19,8 +19,8 @@ pub use ids::{
     BlockId, DpRank, EpRank, ExpertId, LayerId, PlacementEpoch, RequestId, StepId, TokenId,
 };
 pub use validate::{
-    Arch, Backend, ContextParallel, DEFAULT_SERVER_LISTEN, DSparkConfig, DeviceConfig, EplbConfig,
-    JobConfig, MemoryConfig, MetricsConfig, ModelConfig, ModelDims, ModelSource, NodeConfig,
-    Numerics, ParallelConfig, ReplayConfig, SamplingConfig, SchedulerConfig, ServerConfig,
-    parse_listen_address,
+    Arch, Backend, ClusterConfig, ContextParallel, DEFAULT_SERVER_LISTEN, DSparkConfig,
+    DeviceConfig, EplbConfig, JobConfig, MemoryConfig, MetricsConfig, ModelConfig, ModelDims,
+    ModelSource, NodeConfig, Numerics, ParallelConfig, PrefixCacheConfig, PrefixReplay,
+    ReplayConfig, SamplingConfig, SchedulerConfig, ServerConfig, parse_listen_address,
 };

@@ -35,6 +35,9 @@ pub struct RawNodeConfig {
     /// `[memory]`: the per-rank budget of the sequence-state pool.
     #[serde(default)]
     pub memory: RawMemoryConfig,
+    /// `[prefix_cache]`: the per-rank cache of shared prompt prefixes.
+    #[serde(default)]
+    pub prefix_cache: RawPrefixCacheConfig,
     /// `[metrics]`: Prometheus exporter.
     #[serde(default)]
     pub metrics: RawMetricsConfig,
@@ -44,6 +47,9 @@ pub struct RawNodeConfig {
     /// `[server]`: the OpenAI-compatible HTTP server (`deepinfer-node serve`).
     #[serde(default)]
     pub server: RawServerConfig,
+    /// `[cluster]`: this process's place among the `deepinfer-node` processes of one deployment.
+    #[serde(default)]
+    pub cluster: RawClusterConfig,
 }
 
 /// `[model]`.
@@ -252,6 +258,33 @@ pub struct RawMemoryConfig {
     pub state_memory_fraction: Option<f64>,
 }
 
+/// `[prefix_cache]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPrefixCacheConfig {
+    /// Bytes of cached prefix blocks per DP rank (compressed KV, index keys, Engram entries and
+    /// their tokens), held where the rank's states live and taken out of the rank's `[memory]`
+    /// budget; 0 turns the cache off. Needs decoder bounded replay
+    /// (`replay.decoder_keep_tokens` > 0) and a V4.1 model. Default: 0.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub bytes_per_rank: Option<u64>,
+    /// How many tokens a hit replays to rebuild the windows: `"bounded"` replays
+    /// `replay.decoder_keep_tokens` (the `ReplayActor`'s rule; the rows after the hit drift as
+    /// bounded replay's do), `"exact"` replays the encoder halo (bitwise a cold prefill, a
+    /// longer replay: 2 674 tokens for V4.1-Flash). Default: `"bounded"`.
+    pub replay: Option<RawPrefixReplay>,
+}
+
+/// The replay rule named in `prefix_cache.replay`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case", try_from = "String")]
+pub enum RawPrefixReplay {
+    /// `replay.decoder_keep_tokens` tokens (approximate).
+    Bounded,
+    /// The encoder halo (exact).
+    Exact,
+}
+
 /// `[metrics]`.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -292,6 +325,36 @@ pub struct RawServerConfig {
     pub shutdown_timeout_seconds: Option<u32>,
 }
 
+/// `[cluster]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawClusterConfig {
+    /// This process's node index (0..`device.nodes`); node `n` runs DP ranks and EP ranks
+    /// `n * dp / nodes ..` and `n * ep / nodes ..` (contiguous blocks). Default: 0.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub node: Option<u16>,
+    /// IP:port node 0 listens on while the nodes join, and the others connect to: set, the
+    /// process runs one node of a deployment of `device.nodes` processes (needed to serve with
+    /// `device.nodes > 1`; `--simulate` runs every node in one process without it). Only with
+    /// `device.nodes > 1`.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub bootstrap: Option<String>,
+    /// IP:port this node's expert server listens on (the other nodes send it the rows of its EP
+    /// ranks); port 0 picks a free port, which the bootstrap tells the others. Must be reachable
+    /// from every node. Default: `"127.0.0.1:0"`.
+    #[serde(default, deserialize_with = "crate::strict::text")]
+    pub expert_listen: Option<String>,
+    /// Longest wait of one exchange between nodes: one EP rank's answer for the rows of one
+    /// layer (milliseconds, 1..=3600000). A peer that does not answer in time fails the step.
+    /// Default: 30000.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub exchange_timeout_ms: Option<u32>,
+    /// Longest wait for every node to join at start (seconds, 1..=86400; the nodes load their
+    /// weights first). Default: 600.
+    #[serde(default, deserialize_with = "crate::strict::uint")]
+    pub bootstrap_timeout_seconds: Option<u32>,
+}
+
 impl TryFrom<String> for RawBackend {
     type Error = String;
 
@@ -315,6 +378,20 @@ impl TryFrom<String> for RawNumerics {
             "exact" => Ok(Self::Exact),
             _ => Err(format!(
                 "unknown numerics {text:?}, expected \"fast\" or \"exact\""
+            )),
+        }
+    }
+}
+
+impl TryFrom<String> for RawPrefixReplay {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, Self::Error> {
+        match text.as_str() {
+            "bounded" => Ok(Self::Bounded),
+            "exact" => Ok(Self::Exact),
+            _ => Err(format!(
+                "unknown prefix replay {text:?}, expected \"bounded\" or \"exact\""
             )),
         }
     }

@@ -7,9 +7,10 @@ use std::path::PathBuf;
 use crate::error::TopologyError;
 use crate::ids::{DpRank, EpRank};
 use crate::raw::{
-    RawArch, RawBackend, RawDSparkConfig, RawDeviceConfig, RawEplbConfig, RawJobConfig,
-    RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
-    RawParallelConfig, RawReplayConfig, RawSamplingConfig, RawSchedulerConfig, RawServerConfig,
+    RawArch, RawBackend, RawClusterConfig, RawDSparkConfig, RawDeviceConfig, RawEplbConfig,
+    RawJobConfig, RawMemoryConfig, RawMetricsConfig, RawModelConfig, RawNodeConfig, RawNumerics,
+    RawParallelConfig, RawPrefixCacheConfig, RawPrefixReplay, RawReplayConfig, RawSamplingConfig,
+    RawSchedulerConfig, RawServerConfig,
 };
 
 /// The checkpoint the engine loads when `model.source` is left out.
@@ -45,12 +46,16 @@ pub struct NodeConfig {
     pub eplb: EplbConfig,
     /// `[memory]`.
     pub memory: MemoryConfig,
+    /// `[prefix_cache]`.
+    pub prefix_cache: PrefixCacheConfig,
     /// `[metrics]`.
     pub metrics: MetricsConfig,
     /// `[job]`.
     pub job: JobConfig,
     /// `[server]`.
     pub server: ServerConfig,
+    /// `[cluster]`.
+    pub cluster: ClusterConfig,
 }
 
 /// `[model]`, validated.
@@ -234,6 +239,25 @@ pub enum MemoryConfig {
 /// Default of `memory.state_memory_fraction`.
 pub const DEFAULT_STATE_MEMORY_FRACTION: f64 = 0.9;
 
+/// `[prefix_cache]`, validated: each DP rank's cache of shared prompt prefixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixCacheConfig {
+    /// Bytes of cached blocks per rank (bytes); `None` = off. Default: `None` (0 in the file).
+    pub bytes_per_rank: Option<u64>,
+    /// Tokens a hit replays. Default: [`PrefixReplay::Bounded`].
+    pub replay: PrefixReplay,
+}
+
+/// How many tokens a prefix-cache hit replays (`prefix_cache.replay`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixReplay {
+    /// `replay.decoder_keep_tokens` (the `ReplayActor`'s bound): approximate, like decoder
+    /// bounded replay.
+    Bounded,
+    /// The model's encoder halo: bitwise a cold prefill.
+    Exact,
+}
+
 /// `[metrics]`, validated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetricsConfig {
@@ -262,6 +286,21 @@ pub struct ServerConfig {
     pub max_body_bytes: u32,
     /// Grace period for in-flight requests after a shutdown signal (seconds). Default: 30.
     pub shutdown_timeout_seconds: u32,
+}
+
+/// `[cluster]`, validated: where this process sits among the nodes of one deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// This process's node index (< `device.nodes`). Default: 0.
+    pub node: u16,
+    /// Where node 0 listens while the nodes join (`Some` exactly when `device.nodes > 1`).
+    pub bootstrap: Option<SocketAddr>,
+    /// Where this node's expert server listens (port 0: any free port). Default: 127.0.0.1:0.
+    pub expert_listen: SocketAddr,
+    /// Longest wait of one exchange between nodes. Default: 30 s.
+    pub exchange_timeout: std::time::Duration,
+    /// Longest wait for every node to join. Default: 600 s.
+    pub bootstrap_timeout: std::time::Duration,
 }
 
 /// What the topology must agree with in the model's `config.json`.
@@ -326,9 +365,11 @@ impl NodeConfig {
         let replay = replay_config(&check, raw.replay, &dspark)?;
         let eplb = eplb_config(&check, raw.eplb)?;
         let memory = memory_config(&check, raw.memory)?;
+        let prefix_cache = prefix_cache_config(&check, raw.prefix_cache, &replay)?;
         let metrics = metrics_config(&check, raw.metrics)?;
         let job = job_config(&check, raw.job)?;
         let server = server_config(&check, raw.server)?;
+        let cluster = cluster_config(&check, raw.cluster, &device, &parallel)?;
         let config = Self {
             origin: origin.to_owned(),
             model,
@@ -340,9 +381,11 @@ impl NodeConfig {
             replay,
             eplb,
             memory,
+            prefix_cache,
             metrics,
             job,
             server,
+            cluster,
         };
         if let Some(routed_experts) = config.model.routed_experts {
             config.check_expert_placement(&check, routed_experts)?;
@@ -473,6 +516,35 @@ impl NodeConfig {
     pub fn ep_ranks(&self) -> impl Iterator<Item = EpRank> + use<> {
         (0..self.parallel.ep).map(EpRank)
     }
+
+    /// Nodes whose ranks one process runs: every node (one node, or `--simulate`), unless the
+    /// topology joins a deployment of one `deepinfer-node` per node (`cluster.bootstrap`).
+    fn nodes_per_process(&self) -> u16 {
+        match self.cluster.bootstrap {
+            Some(_) => 1,
+            None => self.device.nodes,
+        }
+    }
+
+    /// The attention DP ranks this process runs: all of them, or `parallel.dp / device.nodes`
+    /// on one node of a deployment (a process numbers its own from 0; node `n`'s rank `r` is
+    /// global DP rank `n * dp_on_node + r`).
+    pub fn dp_on_node(&self) -> u16 {
+        self.parallel.dp / self.device.nodes * self.nodes_per_process()
+    }
+
+    /// The EP ranks whose experts this process holds: all of them, or on node `n` of `N` of a
+    /// deployment the `n`-th of `N` contiguous blocks of `parallel.ep`.
+    pub fn ep_ranks_on_node(&self) -> std::ops::Range<u16> {
+        match self.cluster.bootstrap {
+            None => 0..self.parallel.ep,
+            Some(_) => {
+                let per_node = self.parallel.ep / self.device.nodes;
+                let first = self.cluster.node * per_node;
+                first..first + per_node
+            }
+        }
+    }
 }
 
 fn model_config(check: &Checker<'_>, raw: RawModelConfig) -> Result<ModelConfig, TopologyError> {
@@ -558,12 +630,6 @@ fn device_config(check: &Checker<'_>, raw: RawDeviceConfig) -> Result<DeviceConf
                 return Err(check.invalid(
                     "device.numerics",
                     "only applies with device.backend = \"cuda\" (the CPU backend is the reference)",
-                ));
-            }
-            if nodes != 1 {
-                return Err(check.invalid(
-                    "device.nodes",
-                    format!("the CPU backend runs on one node, got {nodes}"),
                 ));
             }
             Ok(DeviceConfig {
@@ -804,6 +870,28 @@ fn memory_config(check: &Checker<'_>, raw: RawMemoryConfig) -> Result<MemoryConf
     }
 }
 
+fn prefix_cache_config(
+    check: &Checker<'_>,
+    raw: RawPrefixCacheConfig,
+    replay: &ReplayConfig,
+) -> Result<PrefixCacheConfig, TopologyError> {
+    let bytes_per_rank = raw.bytes_per_rank.filter(|&bytes| bytes > 0);
+    if bytes_per_rank.is_some() && replay.decoder_keep_tokens.is_none() {
+        return Err(check.invalid(
+            "prefix_cache.bytes_per_rank",
+            "the prefix cache needs decoder bounded replay (a hit ends before the decoder's \
+             kept suffix): set replay.decoder_keep_tokens > 0 or prefix_cache.bytes_per_rank = 0",
+        ));
+    }
+    Ok(PrefixCacheConfig {
+        bytes_per_rank,
+        replay: match raw.replay.unwrap_or(RawPrefixReplay::Bounded) {
+            RawPrefixReplay::Bounded => PrefixReplay::Bounded,
+            RawPrefixReplay::Exact => PrefixReplay::Exact,
+        },
+    })
+}
+
 fn metrics_config(
     check: &Checker<'_>,
     raw: RawMetricsConfig,
@@ -846,6 +934,62 @@ fn server_config(check: &Checker<'_>, raw: RawServerConfig) -> Result<ServerConf
             1024,
         )?,
         shutdown_timeout_seconds: raw.shutdown_timeout_seconds.unwrap_or(30),
+    })
+}
+
+fn cluster_config(
+    check: &Checker<'_>,
+    raw: RawClusterConfig,
+    device: &DeviceConfig,
+    parallel: &ParallelConfig,
+) -> Result<ClusterConfig, TopologyError> {
+    let nodes = device.nodes;
+    let node = raw.node.unwrap_or(0);
+    if node >= nodes {
+        return Err(check.invalid(
+            "cluster.node",
+            format!("must be below device.nodes = {nodes}, got {node}"),
+        ));
+    }
+    let bootstrap = match (raw.bootstrap, nodes) {
+        (Some(_), 1) => {
+            return Err(check.invalid("cluster.bootstrap", "only applies with device.nodes > 1"));
+        }
+        (None, _) => None,
+        (Some(text), _) => {
+            Some(parse_listen_address(&text).map_err(|p| check.invalid("cluster.bootstrap", p))?)
+        }
+    };
+    if bootstrap.is_some() {
+        for (field, ranks) in [("parallel.dp", parallel.dp), ("parallel.ep", parallel.ep)] {
+            if !ranks.is_multiple_of(nodes) {
+                return Err(check.invalid(
+                    field,
+                    format!("{ranks} ranks do not divide over device.nodes = {nodes}"),
+                ));
+            }
+        }
+    }
+    let expert_listen = parse_listen_address(raw.expert_listen.as_deref().unwrap_or("127.0.0.1:0"))
+        .map_err(|p| check.invalid("cluster.expert_listen", p))?;
+    let exchange_ms = check.in_range(
+        "cluster.exchange_timeout_ms",
+        raw.exchange_timeout_ms.unwrap_or(30_000),
+        1,
+        3_600_000,
+    )?;
+    let bootstrap_s = check.in_range(
+        "cluster.bootstrap_timeout_seconds",
+        raw.bootstrap_timeout_seconds.unwrap_or(600),
+        1,
+        86_400,
+    )?;
+    Ok(ClusterConfig {
+        node,
+        bootstrap,
+        expert_listen,
+        exchange_timeout: std::time::Duration::from_millis(u64::from(exchange_ms)),
+        bootstrap_timeout: std::time::Duration::from_secs(u64::from(bootstrap_s)),
     })
 }
 

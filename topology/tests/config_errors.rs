@@ -1,6 +1,8 @@
 //! Bad topology text fails with an error that names the origin and the field.
 
-use deepinfer_topology::{MemoryConfig, ModelDims, NodeConfig, TopologyError};
+use deepinfer_topology::{
+    MemoryConfig, ModelDims, NodeConfig, PrefixCacheConfig, PrefixReplay, TopologyError,
+};
 
 const ORIGIN: &str = "configs/bad.toml";
 
@@ -382,6 +384,47 @@ fn state_memory_budget_is_one_key_in_range() {
 }
 
 #[test]
+fn prefix_cache_is_off_by_default_and_needs_bounded_replay() {
+    let default = NodeConfig::from_toml_str("", ORIGIN)
+        .expect("valid")
+        .prefix_cache;
+    assert_eq!(
+        default,
+        PrefixCacheConfig {
+            bytes_per_rank: None,
+            replay: PrefixReplay::Bounded
+        }
+    );
+    let on = NodeConfig::from_toml_str(
+        "[prefix_cache]\nbytes_per_rank = 4096\nreplay = \"exact\"\n",
+        ORIGIN,
+    )
+    .expect("valid")
+    .prefix_cache;
+    assert_eq!(
+        (on.bytes_per_rank, on.replay),
+        (Some(4096), PrefixReplay::Exact)
+    );
+    let zero = NodeConfig::from_toml_str("[prefix_cache]\nbytes_per_rank = 0\n", ORIGIN);
+    assert_eq!(zero.expect("valid").prefix_cache.bytes_per_rank, None);
+    assert_blames(
+        "[prefix_cache]\nbytes_per_rank = 4096\n[replay]\ndecoder_keep_tokens = 0\n",
+        "prefix_cache.bytes_per_rank",
+        "needs decoder bounded replay",
+    );
+    assert_blames(
+        "[prefix_cache]\nreplay = \"halo\"\n",
+        "prefix_cache.replay",
+        "expected \"bounded\" or \"exact\"",
+    );
+    assert_blames(
+        "[prefix_cache]\nbytes_per_rank = -1\n",
+        "prefix_cache.bytes_per_rank",
+        "integer `-1`",
+    );
+}
+
+#[test]
 fn server_section_defaults_and_errors_name_the_field() {
     let defaults = NodeConfig::from_toml_str("", ORIGIN).unwrap().server;
     assert_eq!(defaults.listen.to_string(), "127.0.0.1:8000");
@@ -412,5 +455,47 @@ fn server_section_defaults_and_errors_name_the_field() {
         "[server]\nmax_body_bytes = 10\n",
         "server.max_body_bytes",
         ">= 1024",
+    );
+}
+
+/// `[cluster]`: a node of a deployment (`bootstrap` set) needs ranks that divide over the nodes
+/// and a node index in range, and runs its share of the ranks; without `bootstrap` one process
+/// runs every node (`--simulate`); timeouts in range; the defaults hold.
+#[test]
+fn cluster_keys_are_validated() {
+    let two = "[device]\nnodes = 2\n[parallel]\ndp = 2\nep = 4\n";
+    let all = NodeConfig::from_toml_str(two, ORIGIN).expect("one process runs both nodes");
+    assert_eq!((all.dp_on_node(), all.ep_ranks_on_node()), (2, 0..4));
+    let joined = format!("{two}[cluster]\nbootstrap = \"127.0.0.1:29500\"\n");
+    let node = NodeConfig::from_toml_str(&format!("{joined}node = 1\n"), ORIGIN).expect("valid");
+    assert_eq!(node.cluster.node, 1);
+    assert_eq!(node.cluster.exchange_timeout.as_millis(), 30_000);
+    assert_eq!(node.cluster.bootstrap_timeout.as_secs(), 600);
+    assert_eq!(node.cluster.expert_listen.to_string(), "127.0.0.1:0");
+    assert_eq!((node.dp_on_node(), node.ep_ranks_on_node()), (1, 2..4));
+    assert_blames(
+        &format!("{joined}node = 2\n"),
+        "cluster.node",
+        "below device.nodes = 2",
+    );
+    assert_blames(
+        &format!("{joined}exchange_timeout_ms = 0\n"),
+        "cluster.exchange_timeout_ms",
+        "1..=3600000",
+    );
+    assert_blames(
+        &format!("{two}[cluster]\nbootstrap = \"localhost\"\n"),
+        "cluster.bootstrap",
+        "not an IP:port",
+    );
+    assert_blames(
+        "[device]\nnodes = 2\n[parallel]\ndp = 3\nep = 2\n[cluster]\nbootstrap = \"127.0.0.1:1\"\n",
+        "parallel.dp",
+        "do not divide over device.nodes = 2",
+    );
+    assert_blames(
+        "[cluster]\nbootstrap = \"127.0.0.1:1\"\n",
+        "cluster.bootstrap",
+        "only applies with device.nodes > 1",
     );
 }

@@ -83,7 +83,7 @@ fn template_mentions_every_key() {
     let text = std::fs::read_to_string(configs_dir().join("config-template.toml")).unwrap();
     let shape = serde_json::to_value(RawNodeConfig::default()).unwrap();
     let sections = shape.as_object().unwrap();
-    assert_eq!(sections.len(), 12);
+    assert_eq!(sections.len(), 14);
     for (section, keys) in sections {
         assert!(
             text.contains(&format!("[{section}]")),

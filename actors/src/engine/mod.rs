@@ -28,6 +28,7 @@ use crate::rank::executor::ExecutorFactory;
 use crate::rank::fake::{FakeConfig, FakeFactory};
 use crate::replay::state::ReplayStats;
 use crate::scheduler::pool::{StatePool, rank_budget};
+use crate::scheduler::prefix::PrefixSettings;
 use crate::scheduler::state::SchedulerLimits;
 use crate::supervisor::policy::EngineHealth;
 use crate::supervisor::{EngineHandles, NodeSupervisor, SupervisorArgs};
@@ -43,6 +44,18 @@ pub struct ModelFacts {
     pub eos_token_id: Option<u32>,
     /// Prompt + generated tokens per sequence.
     pub max_context_tokens: usize,
+}
+
+impl ModelFacts {
+    /// The facts of a model's `config.json`.
+    pub fn of(cfg: &deepinfer_model::config::ModelConfig) -> ModelFacts {
+        ModelFacts {
+            vocab_size: cfg.vocab_size,
+            bos_token_id: cfg.bos_token_id,
+            eos_token_id: Some(cfg.eos_token_id),
+            max_context_tokens: cfg.max_position_embeddings,
+        }
+    }
 }
 
 /// Everything `Engine::start` needs.
@@ -108,8 +121,14 @@ impl EngineConfig {
 }
 
 /// Each rank's state pool, when the executors have a byte model and the budget is known; the
-/// memory plan of one rank is logged.
-fn state_pool(config: &EngineConfig, dp_ranks: usize) -> Result<Option<StatePool>, EngineError> {
+/// memory plan of one rank is logged. The prefix cache's bytes (`prefix`) come out of the
+/// rank's budget: the pool gets the rest, so the states and the cached blocks together stay
+/// within it.
+fn state_pool(
+    config: &EngineConfig,
+    dp_ranks: usize,
+    prefix: Option<&PrefixSettings>,
+) -> Result<Option<StatePool>, EngineError> {
     let Some(model) = config.executor.state_bytes() else {
         return Ok(None);
     };
@@ -120,6 +139,20 @@ fn state_pool(config: &EngineConfig, dp_ranks: usize) -> Result<Option<StatePool
              (give memory.state_bytes_per_rank to bound the states)"
         );
         return Ok(None);
+    };
+    let budget = match prefix {
+        Some(cache) => budget
+            .checked_sub(cache.budget_bytes)
+            .filter(|&rest| rest > 0)
+            .ok_or_else(|| EngineError::Config {
+                field: "prefix_cache.bytes_per_rank".into(),
+                message: format!(
+                    "{} bytes leave nothing of the rank's state budget of {budget} bytes \
+                     ([memory]), which the cache shares",
+                    cache.budget_bytes
+                ),
+            })?,
+        None => budget,
     };
     let pool = StatePool::new(model, budget);
     let usage = pool.usage();
@@ -247,7 +280,8 @@ impl Engine {
     /// Spawns the actor tree on the current tokio runtime and waits until every rank's executor
     /// is built.
     pub async fn start(config: EngineConfig) -> Result<Engine, EngineError> {
-        let dp_ranks = usize::from(config.node.parallel.dp);
+        // This process's DP ranks (all of them on one node).
+        let dp_ranks = usize::from(config.node.dp_on_node());
         if dp_ranks == 0 {
             return Err(EngineError::Config {
                 field: "parallel.dp".into(),
@@ -307,7 +341,13 @@ impl Engine {
             None => None,
         };
         tracing::info!(dp = dp_ranks, executor = %config.executor.describe(), "engine starting");
-        let state_pool = state_pool(&config, dp_ranks)?;
+        let prefix = PrefixSettings::for_engine(
+            &config.node.prefix_cache,
+            &config.node.replay,
+            config.executor.prefix_geometry(),
+            &config.executor.describe(),
+        )?;
+        let state_pool = state_pool(&config, dp_ranks, prefix.as_ref())?;
         let (handles_tx, handles_rx) = oneshot::channel();
         let args = SupervisorArgs {
             dp_ranks,
@@ -325,6 +365,7 @@ impl Engine {
                 config.executor.sliding_window(),
                 deepinfer_model::v41::MAX_BACKTRACK,
             )?,
+            prefix,
         };
         let (supervisor, join) = Actor::spawn(None, NodeSupervisor, args)
             .await

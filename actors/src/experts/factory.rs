@@ -23,20 +23,34 @@ pub struct ExpertParallelFactory {
 
 impl ExpertParallelFactory {
     /// The factory for `node`'s `[parallel] ep` and `[eplb]` over `model` (epoch 0 = the
-    /// placement for equal loads).
+    /// placement for equal loads); with several `[device] nodes`, this node's EP ranks only,
+    /// after every node joined (`ExpertParallel::on_node`).
     pub fn new(
         model: Arc<Model>,
         node: &NodeConfig,
         description: String,
     ) -> Result<ExpertParallelFactory, EpError> {
         let settings = EpSettings::from_node(node);
-        let parallel = ExpertParallel::new(model.clone(), settings)?;
+        let parallel = if node.cluster.bootstrap.is_some() {
+            ExpertParallel::on_node(model.clone(), settings, &node.cluster)?
+        } else {
+            ExpertParallel::new(model.clone(), settings)?
+        };
         Ok(ExpertParallelFactory {
             model,
             parallel,
             description: format!(
-                "{description}, experts over {} EP ranks (+{} redundant slots per layer, EPLB {})",
+                "{description}, experts over {} EP ranks{} (+{} redundant slots per layer, EPLB {})",
                 settings.ep_ranks,
+                match node.cluster.bootstrap {
+                    None => String::new(),
+                    Some(_) => format!(
+                        " of {} nodes (this is node {}, holding EP ranks {:?})",
+                        node.device.nodes,
+                        node.cluster.node,
+                        node.ep_ranks_on_node()
+                    ),
+                },
                 settings.redundant_experts,
                 if settings.eplb.enabled { "on" } else { "off" }
             ),
@@ -68,6 +82,10 @@ impl ExecutorFactory for ExpertParallelFactory {
         Some(deepinfer_model::state_bytes::StateBytes::of(
             self.model.config(),
         ))
+    }
+
+    fn prefix_geometry(&self) -> Option<crate::prefix_cache::PrefixGeometry> {
+        Some(crate::prefix_cache::PrefixGeometry::of(self.model.config()))
     }
 
     /// The model's window, so bounded replay is planned under expert parallelism too (the

@@ -13,11 +13,13 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use deepinfer_topology::{
-    DpRank, EpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape,
+    ClusterConfig, DpRank, EpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape,
 };
 use ractor::ActorRef;
 use ractor::rpc::CallResult;
 
+use crate::comm::bootstrap::{self, Member};
+use crate::comm::remote::{ExpertServer, RemoteRanks};
 use crate::comm::{EpError, LocalComm};
 use crate::experts::shard::{ExpertShard, ExpertSource};
 use crate::messages::eplb::{EplbMsg, EplbStatus, RebalanceReport};
@@ -68,6 +70,26 @@ impl EpSettings {
         }
     }
 
+    /// What every node of a deployment must agree on (checked at the bootstrap): the model's
+    /// expert shape and this layout, hashed.
+    pub fn fingerprint(&self, source: &ExpertSource) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (source.layers(), source.routed_experts()).hash(&mut hasher);
+        if let ExpertSource::Model(model) = source {
+            let cfg = model.config();
+            (cfg.dim, cfg.vocab_size, cfg.n_activated_experts).hash(&mut hasher);
+        }
+        (
+            self.ep_ranks,
+            self.redundant_experts,
+            self.num_groups,
+            self.num_nodes,
+        )
+            .hash(&mut hasher);
+        hasher.finish()
+    }
+
     /// True when the topology needs expert parallelism (ep > 1, or the EPLB is on).
     pub fn is_needed(node: &NodeConfig) -> bool {
         node.parallel.ep > 1 || node.eplb.enabled
@@ -88,6 +110,43 @@ pub struct StepRecord {
     pub tokens: usize,
 }
 
+/// The shape and the placement for equal loads (epoch 0) of `settings` over `source`.
+fn epoch_zero(
+    source: &ExpertSource,
+    settings: EpSettings,
+) -> Result<(PlacementShape, Arc<ExpertPlacement>), EpError> {
+    let (layers, experts) = (source.layers(), source.routed_experts());
+    let shape = PlacementShape {
+        num_replicas: experts + settings.redundant_experts,
+        num_groups: settings.num_groups,
+        num_nodes: settings.num_nodes,
+        num_gpus: settings.ep_ranks,
+    };
+    if settings.eplb.window_steps == 0 || settings.eplb.interval_steps == 0 {
+        return Err(EpError::Shape {
+            what: "EPLB window and interval steps (>= 1)",
+            expected: 1,
+            found: 0,
+        });
+    }
+    let placement = Arc::new(ExpertPlacement::uniform(layers, experts, shape)?);
+    Ok((shape, placement))
+}
+
+/// The epoch-0 shards of EP ranks `ranks`.
+fn build_shards(
+    source: &ExpertSource,
+    placement: &ExpertPlacement,
+    ranks: std::ops::Range<usize>,
+) -> Result<Vec<Arc<ExpertShard>>, EpError> {
+    ranks
+        .map(|r| {
+            ExpertShard::build(source, placement, EpRank(r as u16), PlacementEpoch(0), None)
+                .map(|(shard, _)| Arc::new(shard))
+        })
+        .collect()
+}
+
 /// The shared expert-parallel state of one engine.
 #[derive(Debug)]
 pub struct ExpertParallel {
@@ -97,6 +156,8 @@ pub struct ExpertParallel {
     current: RwLock<Arc<LocalComm>>,
     eplb: Mutex<Option<ActorRef<EplbMsg>>>,
     log: Mutex<VecDeque<StepRecord>>,
+    /// Across nodes: this node's expert server (stops accepting when the engine is dropped).
+    server: Mutex<Option<ExpertServer>>,
 }
 
 impl ExpertParallel {
@@ -106,37 +167,78 @@ impl ExpertParallel {
         settings: EpSettings,
     ) -> Result<Arc<ExpertParallel>, EpError> {
         let source = source.into();
-        let (layers, experts) = (source.layers(), source.routed_experts());
-        let shape = PlacementShape {
-            num_replicas: experts + settings.redundant_experts,
-            num_groups: settings.num_groups,
-            num_nodes: settings.num_nodes,
-            num_gpus: settings.ep_ranks,
+        let (shape, placement) = epoch_zero(&source, settings)?;
+        let shards = build_shards(&source, &placement, 0..settings.ep_ranks)?;
+        let comm = LocalComm::new(PlacementEpoch(0), source.clone(), placement, shards)?;
+        Ok(ExpertParallel::with_comm(source, shape, settings, comm))
+    }
+
+    /// Epoch 0 on node `cluster.node` of `settings.num_nodes`: only this node's EP ranks get
+    /// shards; the nodes join (`comm::bootstrap`, blocking until all did or the timeout), and the
+    /// other nodes' EP ranks are served through their expert servers, this node's through its
+    /// own (started here).
+    pub fn on_node(
+        source: impl Into<ExpertSource>,
+        settings: EpSettings,
+        cluster: &ClusterConfig,
+    ) -> Result<Arc<ExpertParallel>, EpError> {
+        let source = source.into();
+        let (shape, placement) = epoch_zero(&source, settings)?;
+        let bootstrap_addr = cluster
+            .bootstrap
+            .ok_or_else(|| EpError::Bootstrap("several nodes need [cluster] bootstrap".into()))?;
+        let nodes = settings.num_nodes.max(1);
+        let per_node = settings.ep_ranks / nodes;
+        let node = usize::from(cluster.node);
+        let listener = std::net::TcpListener::bind(cluster.expert_listen).map_err(|e| {
+            EpError::Bootstrap(format!("expert server on {}: {e}", cluster.expert_listen))
+        })?;
+        let expert_addr = listener
+            .local_addr()
+            .map_err(|e| EpError::Bootstrap(format!("expert server address: {e}")))?;
+        let shards = build_shards(&source, &placement, node * per_node..(node + 1) * per_node)?;
+        let me = Member {
+            node: cluster.node,
+            nodes: nodes as u16,
+            fingerprint: settings.fingerprint(&source),
+            expert_addr,
         };
-        if settings.eplb.window_steps == 0 || settings.eplb.interval_steps == 0 {
-            return Err(EpError::Shape {
-                what: "EPLB window and interval steps (>= 1)",
-                expected: 1,
-                found: 0,
-            });
-        }
-        let placement = Arc::new(ExpertPlacement::uniform(layers, experts, shape)?);
-        let epoch = PlacementEpoch(0);
-        let shards = (0..settings.ep_ranks)
-            .map(|r| {
-                ExpertShard::build(&source, &placement, EpRank(r as u16), epoch, None)
-                    .map(|(shard, _)| Arc::new(shard))
-            })
-            .collect::<Result<Vec<_>, EpError>>()?;
-        let comm = LocalComm::new(epoch, source.clone(), placement, shards)?;
-        Ok(Arc::new(ExpertParallel {
+        let joined = bootstrap::join(bootstrap_addr, me, cluster.bootstrap_timeout)?;
+        let remote = RemoteRanks::new(
+            joined.session,
+            cluster.exchange_timeout,
+            node,
+            per_node,
+            &joined.experts,
+        );
+        let comm = LocalComm::across_nodes(
+            PlacementEpoch(0),
+            source.clone(),
+            placement,
+            shards,
+            Arc::new(remote),
+        )?;
+        let parallel = ExpertParallel::with_comm(source, shape, settings, comm);
+        let server = ExpertServer::start(listener, joined.session, Arc::downgrade(&parallel))?;
+        *parallel.server.lock().unwrap_or_else(|p| p.into_inner()) = Some(server);
+        Ok(parallel)
+    }
+
+    fn with_comm(
+        source: ExpertSource,
+        shape: PlacementShape,
+        settings: EpSettings,
+        comm: LocalComm,
+    ) -> Arc<ExpertParallel> {
+        Arc::new(ExpertParallel {
             source,
             shape,
             settings,
             current: RwLock::new(Arc::new(comm)),
             eplb: Mutex::new(None),
             log: Mutex::new(VecDeque::new()),
-        }))
+            server: Mutex::new(None),
+        })
     }
 
     /// Where the shards' weights come from.

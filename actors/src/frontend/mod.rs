@@ -1,7 +1,8 @@
 //! `FrontendActor`: validation, encoding, bounded admission and routing.
 //!
 //! Owns: the admission counters (per rank: requests and outstanding work in tokens, which
-//! placement balances), the engine-wide in-flight count the schedulers read to decide on `Idle`
+//! placement balances; with the prefix cache on several ranks, a mirror of each rank's cache
+//! for cache-affinity placement), the engine-wide in-flight count the schedulers read to decide on `Idle`
 //! steps, and the tokenizer/chat encoding.
 //! Accepts: `Submit`, `Released`, `RankDown`, `Close`.
 //! Sends: `SchedulerMsg::Submit` to the chosen rank and `Wake` to the others (so every rank
@@ -9,6 +10,7 @@
 //! Failure: a bad request is answered with `EngineError::Invalid` and never fails the actor; at
 //! the admission limit the answer is `Overloaded`; after `Close`, `ShuttingDown`.
 
+pub mod affinity;
 pub mod codec;
 pub mod state;
 
@@ -25,6 +27,8 @@ use crate::messages::frontend::FrontendMsg;
 use crate::messages::request::Admitted;
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
+use crate::scheduler::prefix::PrefixSettings;
+use affinity::Affinity;
 use codec::TextCodec;
 use state::{Admission, FrontendLimits, prepare};
 
@@ -36,11 +40,16 @@ pub struct FrontendArgs {
     pub grammar: Option<Arc<GrammarEngine>>,
     pub limits: FrontendLimits,
     pub engine_inflight: Arc<AtomicUsize>,
+    /// The ranks' prefix cache, when it is on (placement weighs cache affinity with several
+    /// ranks).
+    pub prefix: Option<PrefixSettings>,
 }
 
 pub struct FrontendShell {
     args: FrontendArgs,
     admission: Admission,
+    /// Cache-affinity placement (the prefix cache on, several DP ranks).
+    affinity: Option<Affinity>,
 }
 
 impl FrontendShell {
@@ -65,8 +74,17 @@ impl Actor for FrontendActor {
         _myself: ActorRef<FrontendMsg>,
         args: FrontendArgs,
     ) -> Result<FrontendShell, ActorProcessingErr> {
-        let admission = Admission::new(args.limits.admission_capacity, args.schedulers.len());
-        Ok(FrontendShell { args, admission })
+        let ranks = args.schedulers.len();
+        let admission = Admission::new(args.limits.admission_capacity, ranks);
+        let affinity = match &args.prefix {
+            Some(settings) if ranks > 1 => Some(Affinity::new(ranks, settings)),
+            _ => None,
+        };
+        Ok(FrontendShell {
+            args,
+            admission,
+            affinity,
+        })
     }
 
     async fn handle(
@@ -94,7 +112,12 @@ impl Actor for FrontendActor {
                     }
                 };
                 let work_tokens = prepared.spec.prompt.len() + prepared.spec.max_tokens;
-                let dp = match s.admission.admit(work_tokens) {
+                let cached = s
+                    .affinity
+                    .as_ref()
+                    .map(|a| a.cached_tokens(&prepared.spec.prompt))
+                    .unwrap_or_default();
+                let dp = match s.admission.admit(work_tokens, &cached) {
                     Ok(dp) => dp,
                     Err(e) => {
                         m::record_request(e.code());
@@ -102,6 +125,9 @@ impl Actor for FrontendActor {
                         return Ok(());
                     }
                 };
+                if let Some(affinity) = s.affinity.as_mut() {
+                    affinity.placed(dp.index(), &prepared.spec.prompt);
+                }
                 s.publish_inflight();
                 m::record_request("admitted");
                 let (tx, rx) = mpsc::unbounded_channel();

@@ -213,7 +213,10 @@ pub fn prepare(
 /// at most decode. Each rank's outstanding work is the sum over its admitted, unfinished
 /// requests; a new request goes to the live rank with the least outstanding work (ties to the
 /// lowest rank), so one long prompt weighs like the many short ones it costs, not like one
-/// request. The bound on in-flight requests is engine-wide.
+/// request. With the prefix cache on several ranks, cache affinity comes first: the live rank
+/// holding the longest cached prefix of the prompt takes it unless its outstanding work exceeds
+/// the least-loaded rank's by more than those cached tokens (`frontend::affinity`). The bound
+/// on in-flight requests is engine-wide.
 #[derive(Debug)]
 pub struct Admission {
     capacity: usize,
@@ -253,8 +256,9 @@ impl Admission {
         id
     }
 
-    /// Picks the rank for a request of `work_tokens` and counts it there, or says why not.
-    pub fn admit(&mut self, work_tokens: usize) -> Result<DpRank, EngineError> {
+    /// Picks the rank for a request of `work_tokens` whose prompt each rank holds `cached`
+    /// tokens of (empty: no cache affinity) and counts it there, or says why not.
+    pub fn admit(&mut self, work_tokens: usize, cached: &[usize]) -> Result<DpRank, EngineError> {
         if self.closed {
             return Err(EngineError::ShuttingDown);
         }
@@ -263,9 +267,18 @@ impl Admission {
                 limit: self.capacity,
             });
         }
-        let best = (0..self.requests.len())
-            .filter(|&r| !self.down[r])
-            .min_by_key(|&r| (self.work_tokens[r], r));
+        let live = || (0..self.requests.len()).filter(|&r| !self.down[r]);
+        let least = live().min_by_key(|&r| (self.work_tokens[r], r));
+        let cached_on = |r: usize| cached.get(r).copied().unwrap_or(0);
+        let holder = live()
+            .filter(|&r| cached_on(r) > 0)
+            .min_by_key(|&r| (std::cmp::Reverse(cached_on(r)), self.work_tokens[r], r));
+        let best = match (holder, least) {
+            (Some(h), Some(l)) if self.work_tokens[h] <= self.work_tokens[l] + cached_on(h) => {
+                Some(h)
+            }
+            _ => least,
+        };
         let Some(rank) = best else {
             return Err(EngineError::RankFailed {
                 dp: 0,
@@ -316,22 +329,25 @@ mod tests {
     #[test]
     fn admission_is_bounded_and_routes_to_the_least_loaded_live_rank() {
         let mut a = Admission::new(3, 2);
-        assert_eq!(a.admit(10).unwrap(), DpRank(0));
-        assert_eq!(a.admit(10).unwrap(), DpRank(1));
-        assert_eq!(a.admit(10).unwrap(), DpRank(0));
+        assert_eq!(a.admit(10, &[]).unwrap(), DpRank(0));
+        assert_eq!(a.admit(10, &[]).unwrap(), DpRank(1));
+        assert_eq!(a.admit(10, &[]).unwrap(), DpRank(0));
         assert!(matches!(
-            a.admit(10),
+            a.admit(10, &[]),
             Err(EngineError::Overloaded { limit: 3 })
         ));
         a.release(DpRank(0), 10);
         a.rank_down(DpRank(0));
-        assert_eq!(a.admit(10).unwrap(), DpRank(1));
+        assert_eq!(a.admit(10, &[50, 0]).unwrap(), DpRank(1), "rank 0 is down");
         a.release(DpRank(1), 10);
         a.release(DpRank(1), 10);
         a.rank_down(DpRank(1));
-        assert!(matches!(a.admit(10), Err(EngineError::RankFailed { .. })));
+        assert!(matches!(
+            a.admit(10, &[]),
+            Err(EngineError::RankFailed { .. })
+        ));
         a.close();
-        assert!(matches!(a.admit(10), Err(EngineError::ShuttingDown)));
+        assert!(matches!(a.admit(10, &[]), Err(EngineError::ShuttingDown)));
     }
 
     /// Placement weighs tokens, not requests: after one long request on rank 0, the next
@@ -339,15 +355,30 @@ mod tests {
     #[test]
     fn placement_balances_outstanding_tokens_not_request_counts() {
         let mut a = Admission::new(16, 2);
-        assert_eq!(a.admit(1000).unwrap(), DpRank(0));
+        assert_eq!(a.admit(1000, &[]).unwrap(), DpRank(0));
         for _ in 0..4 {
-            assert_eq!(a.admit(100).unwrap(), DpRank(1));
+            assert_eq!(a.admit(100, &[]).unwrap(), DpRank(1));
         }
         assert_eq!(a.outstanding_tokens(), &[1000, 400]);
         assert_eq!(a.inflight(), 5);
         a.release(DpRank(0), 1000);
-        assert_eq!(a.admit(50).unwrap(), DpRank(0));
+        assert_eq!(a.admit(50, &[]).unwrap(), DpRank(0));
         assert_eq!(a.outstanding_tokens(), &[50, 400]);
+    }
+
+    /// A request goes to the rank holding its longest cached prefix while that rank's extra
+    /// outstanding work is at most the cached tokens; beyond, to the least-loaded rank.
+    #[test]
+    fn placement_prefers_the_cache_holder_unless_it_is_overloaded() {
+        let mut a = Admission::new(16, 3);
+        assert_eq!(a.admit(300, &[]).unwrap(), DpRank(0));
+        assert_eq!(a.outstanding_tokens(), &[300, 0, 0]);
+        // Rank 0 is 300 ahead: a hit of 320 still wins, one of 256 does not.
+        assert_eq!(a.admit(10, &[320, 0, 64]).unwrap(), DpRank(0));
+        assert_eq!(a.admit(10, &[256, 0, 0]).unwrap(), DpRank(1));
+        // The longest prefix wins over a shorter one on a less loaded rank.
+        assert_eq!(a.admit(10, &[0, 128, 64]).unwrap(), DpRank(1));
+        assert_eq!(a.outstanding_tokens(), &[310, 20, 0]);
     }
 
     #[test]

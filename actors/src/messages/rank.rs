@@ -4,6 +4,9 @@
 //! names the sequence and its input (a prefill chunk, or `Decode`, whose input token is the one
 //! the rank itself sampled last for that sequence, so plan N+1 can be built before step N's
 //! tokens are known); `finished` tells the rank which sequence state to free after the step.
+//! With the prefix cache, a new sequence may attach cached blocks (`NewSeq::prefix`, before the
+//! work) and a plan stores and drops blocks (`cache_ops`, in order, after the work): the
+//! scheduler decides, the rank's executor holds the blocks.
 
 use std::time::Duration;
 
@@ -12,6 +15,7 @@ use ractor::ActorRef;
 
 use crate::grammar::GrammarMatcher;
 use crate::messages::scheduler::SchedulerMsg;
+use crate::prefix_cache::BlockHash;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 
 /// What kind of step a plan is (a metric label, and `Idle` is mandatory for DP attention: every
@@ -59,6 +63,31 @@ pub struct NewSeq {
     pub speculative: bool,
     /// Report log-probabilities with this many alternatives (`RequestSpec::logprobs`).
     pub logprobs: Option<usize>,
+    /// A prefix-cache hit: attach these blocks, then the prefill continues at `replay_from`.
+    pub prefix: Option<PrefixAttach>,
+}
+
+/// A prefix-cache hit of a new sequence: its first blocks, from position 0, and where its
+/// prefill starts (a multiple of every ratio, at most the blocks' end; the scheduler's first
+/// chunk begins there).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixAttach {
+    pub blocks: Vec<BlockHash>,
+    pub replay_from: usize,
+}
+
+/// What a plan does to the rank's cached blocks after its work, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheOp {
+    /// Keep the block of sequence `id`'s positions `[start, start + block_tokens)` as `hash`
+    /// (the sequence has processed them by the end of this step's work).
+    Store {
+        id: RequestId,
+        hash: BlockHash,
+        start: usize,
+    },
+    /// Drop a cached block (evicted).
+    Drop(BlockHash),
 }
 
 /// One sequence's input in a step.
@@ -88,6 +117,8 @@ pub struct StepPlan {
     pub mode: StepMode,
     pub new_seqs: Vec<NewSeq>,
     pub work: Vec<SeqWork>,
+    /// Prefix-cache stores and drops, after the work and before `finished` are freed.
+    pub cache_ops: Vec<CacheOp>,
     /// Sequences whose state the rank frees after this step's work.
     pub finished: Vec<RequestId>,
 }

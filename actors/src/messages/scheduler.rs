@@ -6,6 +6,7 @@ use ractor::{ActorRef, RpcReplyPort};
 use crate::messages::dspark::{DSparkMsg, ProposalBatch};
 use crate::messages::rank::{RankError, StepOutput};
 use crate::messages::request::Admitted;
+use crate::scheduler::prefix::PrefixCounters;
 
 /// A snapshot of one scheduler (for tests, the supervisor and metrics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -42,6 +43,20 @@ pub struct SchedulerStats {
     pub preemptions: u64,
     /// Preempted requests admitted again.
     pub resumed: u64,
+    /// The rank's prefix cache (all 0 when it is off).
+    pub prefix: PrefixStats,
+}
+
+/// A rank's prefix cache in a [`SchedulerStats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixStats {
+    /// Lookups and hits (requests and tokens).
+    pub counters: PrefixCounters,
+    /// Bytes and blocks cached now (bytes <= `budget_bytes`).
+    pub cached_bytes: u64,
+    pub cached_blocks: usize,
+    pub evictions: u64,
+    pub budget_bytes: u64,
 }
 
 impl SchedulerStats {

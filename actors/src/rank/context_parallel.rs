@@ -54,6 +54,10 @@ impl ExecutorFactory for ContextParallelFactory {
         ))
     }
 
+    fn prefix_geometry(&self) -> Option<crate::prefix_cache::PrefixGeometry> {
+        Some(crate::prefix_cache::PrefixGeometry::of(self.model.config()))
+    }
+
     fn expert_parallel(&self) -> Option<Arc<ExpertParallel>> {
         self.experts.clone()
     }

@@ -26,7 +26,16 @@ use deepinfer_model::sampling::sample_allowed;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::RequestId;
 
+use crate::prefix_cache::{BlockHash, PrefixGeometry};
 use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
+
+/// The error of an executor that keeps no prefix blocks.
+fn no_prefix_blocks(id: RequestId) -> ExecError {
+    ExecError::Sequence {
+        id,
+        message: "this executor keeps no prefix-cache blocks".into(),
+    }
+}
 
 /// A backend failure, reported to the scheduler as `RankError::Backend`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -117,6 +126,30 @@ pub trait RankExecutor: Send {
     fn plan_replay(&mut self, _id: RequestId, _decoder_from: usize) -> Result<(), ExecError> {
         Ok(())
     }
+    /// Prefix cache: attaches the cached `blocks` (from position 0) to the new, empty sequence
+    /// `id`, whose prefill then continues at `replay_from` (`SequenceState::attach_prefix`).
+    /// Executors without prefix blocks refuse (the engine only turns the cache on when its
+    /// factory has a [`ExecutorFactory::prefix_geometry`]).
+    fn attach_prefix(
+        &mut self,
+        id: RequestId,
+        _blocks: &[BlockHash],
+        _replay_from: usize,
+    ) -> Result<(), ExecError> {
+        Err(no_prefix_blocks(id))
+    }
+    /// Prefix cache: keeps sequence `id`'s block of positions `[start, start + block tokens)`
+    /// as `hash` (`SequenceState::prefix_block`).
+    fn store_prefix_block(
+        &mut self,
+        id: RequestId,
+        _hash: BlockHash,
+        _start: usize,
+    ) -> Result<(), ExecError> {
+        Err(no_prefix_blocks(id))
+    }
+    /// Prefix cache: drops a kept block (unknown hashes are ignored).
+    fn drop_prefix_block(&mut self, _hash: BlockHash) {}
     /// Bytes the live sequences' states hold now (`SequenceState::held_bytes`); `None` for an
     /// executor without model state.
     fn state_bytes_held(&self) -> Option<u64> {
@@ -337,6 +370,25 @@ impl<L: ExecutorLayer> RankExecutor for Layered<L> {
         self.layer
             .plan_replay(self.inner.as_mut(), id, decoder_from)
     }
+    fn attach_prefix(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockHash],
+        replay_from: usize,
+    ) -> Result<(), ExecError> {
+        self.inner.attach_prefix(id, blocks, replay_from)
+    }
+    fn store_prefix_block(
+        &mut self,
+        id: RequestId,
+        hash: BlockHash,
+        start: usize,
+    ) -> Result<(), ExecError> {
+        self.inner.store_prefix_block(id, hash, start)
+    }
+    fn drop_prefix_block(&mut self, hash: BlockHash) {
+        self.inner.drop_prefix_block(hash)
+    }
     fn state_bytes_held(&self) -> Option<u64> {
         self.inner.state_bytes_held()
     }
@@ -366,6 +418,11 @@ pub trait ExecutorFactory: Send + Sync {
     /// The byte model of its executors' sequence states, when they hold real ones (the engine
     /// then accounts each rank's states in a `StatePool`); `None` = unaccounted.
     fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
+        None
+    }
+    /// What a prefix cache needs of the served model, when its executors keep prefix blocks
+    /// (the engine refuses `[prefix_cache]` otherwise).
+    fn prefix_geometry(&self) -> Option<PrefixGeometry> {
         None
     }
     /// The expert-parallel state its executors share, when they run expert parallelism (the
@@ -425,6 +482,9 @@ impl<L: ExecutorLayer + 'static> ExecutorFactory for LayeredFactory<L> {
     }
     fn state_bytes(&self) -> Option<deepinfer_model::state_bytes::StateBytes> {
         self.inner.state_bytes()
+    }
+    fn prefix_geometry(&self) -> Option<PrefixGeometry> {
+        self.inner.prefix_geometry()
     }
     fn expert_parallel(&self) -> Option<Arc<crate::experts::parallel::ExpertParallel>> {
         self.inner.expert_parallel()

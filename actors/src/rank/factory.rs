@@ -11,6 +11,7 @@ use deepinfer_model::backend::Backend;
 use deepinfer_model::config::ModelFamily;
 use deepinfer_model::state_bytes::StateBytes;
 
+use crate::prefix_cache::PrefixGeometry;
 use crate::rank::executor::{ExecError, ExecutorFactory, RankExecutor};
 use crate::rank::model_executor::ModelExecutor;
 
@@ -104,6 +105,14 @@ impl ExecutorFactory for ModelFactory {
 
     fn state_bytes(&self) -> Option<StateBytes> {
         Some(StateBytes::of(self.model.config()))
+    }
+
+    /// V4.1's executors keep prefix blocks; V4's state has none.
+    fn prefix_geometry(&self) -> Option<PrefixGeometry> {
+        match &self.model {
+            AnyModel::V41(model) => Some(PrefixGeometry::of(model.config())),
+            AnyModel::V4(_) => None,
+        }
     }
 }
 

@@ -13,6 +13,8 @@
 //! block has no confidence head and does not draft here). A sequence with a planned decoder
 //! start (`plan_replay`, V4.1 decoder bounded replay) runs its prefill as
 //! `Model::forward_replay` does.
+//! The prefix cache's blocks of this rank live here (`store_prefix_block`, `attach_prefix`,
+//! `drop_prefix_block`, as the plans order them; the scheduler keeps the index; V4.1 sequences).
 //! Context parallelism (`[parallel] context_parallel`, V4.1): a plain prefill chunk of at least
 //! the threshold runs as `Model::prefill_context_parallel` over the CP group (the ranks are
 //! threads on this rank's CPU backend, the window KV and compressor inputs all-gathered per
@@ -29,13 +31,15 @@ use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry, StepOption
 use deepinfer_model::backend::LogprobPick;
 use deepinfer_model::expert_dispatch::RoutedExperts;
 use deepinfer_model::sampling::TokenLogprobs;
+use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v41::context_parallel::CpSplit;
-use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted};
+use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, PrefixBlock};
 use deepinfer_topology::{ContextParallel, DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
+use crate::prefix_cache::BlockHash;
 use crate::rank::executor::{
     Draft, ExecError, RankExecutor, SeqTokens, logprobs_on_host, sample_logits_on_host,
 };
@@ -52,6 +56,8 @@ pub struct ModelExecutor {
     ep: Option<RankExperts>,
     /// Context parallelism of long prefill chunks.
     cp: Option<ContextParallel>,
+    /// The prefix-cache blocks this rank keeps (the scheduler's index decides which).
+    prefix_blocks: HashMap<BlockHash, PrefixBlock>,
 }
 
 /// How long a CP rank waits for the others at one all-gather.
@@ -72,6 +78,7 @@ impl ModelExecutor {
             replay_from: HashMap::new(),
             ep: None,
             cp: None,
+            prefix_blocks: HashMap::new(),
         }
     }
 
@@ -127,7 +134,10 @@ impl ModelExecutor {
             .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
         // Expert parallelism: this step's placement epoch, read once at the step boundary.
         let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
-        let experts = comm.as_deref().map(|comm| StepExperts::new(comm));
+        let experts = match (&self.ep, comm.as_deref()) {
+            (Some(ep), Some(comm)) => Some(StepExperts::new(comm, ep.dp, ep.steps)),
+            _ => None,
+        };
         // One forward over the whole step, entries in the batch's order.
         let mut entries = Vec::with_capacity(batch.len());
         for (i, (entry, seq)) in batch.iter().zip(seqs).enumerate() {
@@ -172,6 +182,11 @@ impl ModelExecutor {
             }
             Ok(outputs.into_iter().flatten().collect())
         });
+        // An exchange that failed left meaningless rows: the step fails (the supervisor's rule 3).
+        let rows = match experts.as_ref().and_then(StepExperts::failure) {
+            Some(failure) => Err(ExecError::Backend(format!("expert parallelism: {failure}"))),
+            None => rows,
+        };
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {
                 dp: ep.dp,
@@ -183,6 +198,15 @@ impl ModelExecutor {
             ep.steps += 1;
         }
         rows
+    }
+}
+
+/// The prefix cache keeps V4.1 sequences only (the factory gives a V4 model no prefix geometry, so
+/// the engine never turns the cache on for one).
+fn no_v4_prefix(id: RequestId) -> ExecError {
+    ExecError::Sequence {
+        id,
+        message: "the prefix cache keeps V4.1 sequences only".to_string(),
     }
 }
 
@@ -299,6 +323,53 @@ impl RankExecutor for ModelExecutor {
             self.replay_from.insert(id, decoder_from);
         }
         Ok(())
+    }
+
+    fn attach_prefix(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockHash],
+        replay_from: usize,
+    ) -> Result<(), ExecError> {
+        let held = blocks
+            .iter()
+            .map(|hash| {
+                self.prefix_blocks
+                    .get(hash)
+                    .ok_or_else(|| ExecError::Sequence {
+                        id,
+                        message: format!("prefix block {hash:?} is not kept on this rank"),
+                    })
+            })
+            .collect::<Result<Vec<&PrefixBlock>, _>>()?;
+        let ratios = &self.model.config().compress_ratios;
+        let AnySequence::V41(seq) = self.sequences.get_mut(id)? else {
+            return Err(no_v4_prefix(id));
+        };
+        seq.attach_prefix(&held, replay_from, ratios)
+            .map_err(|e| sequence_error(id, e))
+    }
+
+    fn store_prefix_block(
+        &mut self,
+        id: RequestId,
+        hash: BlockHash,
+        start: usize,
+    ) -> Result<(), ExecError> {
+        let cfg = self.model.config();
+        let block_tokens = StateBytes::of(cfg).block_tokens;
+        let AnySequence::V41(seq) = self.sequences.get(id)? else {
+            return Err(no_v4_prefix(id));
+        };
+        let block = seq
+            .prefix_block(start, block_tokens, &cfg.compress_ratios)
+            .map_err(|e| sequence_error(id, e))?;
+        self.prefix_blocks.insert(hash, block);
+        Ok(())
+    }
+
+    fn drop_prefix_block(&mut self, hash: BlockHash) {
+        self.prefix_blocks.remove(&hash);
     }
 
     fn draft(&mut self, requests: &[(RequestId, u32)]) -> Result<Vec<Option<Draft>>, ExecError> {
@@ -477,5 +548,74 @@ mod tests {
         );
         executor.free_sequence(a);
         assert_eq!(executor.live_sequences(), 1);
+    }
+
+    /// The rank keeps the blocks the plans store (their bytes are the geometry's, what the
+    /// scheduler's index accounts), a new sequence attaches them and continues bitwise as
+    /// `SequenceState::attach_prefix` does, and unknown or dropped blocks are refused naming
+    /// the request.
+    #[test]
+    fn stored_blocks_attach_to_new_sequences_and_weigh_what_the_index_counts() {
+        use crate::prefix_cache::PrefixGeometry;
+        use deepinfer_model::StepOptions;
+        let (_dir, model) = tiny_test_model();
+        let geometry = PrefixGeometry::of(model.config());
+        let n = geometry.block_tokens;
+        let prompt: Vec<u32> = (0..2 * n as u32 + 5).map(|t| t * 13 % 97 + 2).collect();
+        let mut executor = ModelExecutor::new(model.clone());
+        let (writer, reader) = (RequestId(1), RequestId(2));
+        executor.new_sequence(writer).expect("new");
+        let cold = execute_rows(&mut executor, &[entry(writer, &prompt)]).expect("prefill");
+        let hashes = [BlockHash(7), BlockHash(8)];
+        for (i, hash) in hashes.iter().enumerate() {
+            executor
+                .store_prefix_block(writer, *hash, i * n)
+                .expect("stored");
+            assert_eq!(
+                executor.prefix_blocks[hash].held_bytes(),
+                geometry.block_bytes
+            );
+        }
+        executor.free_sequence(writer);
+        let from = n;
+        executor.new_sequence(reader).expect("new");
+        executor
+            .attach_prefix(reader, &hashes, from)
+            .expect("attached");
+        let expected = {
+            let cfg = model.config();
+            let mut seq = model.new_sequence();
+            let blocks: Vec<&PrefixBlock> =
+                hashes.iter().map(|h| &executor.prefix_blocks[h]).collect();
+            seq.attach_prefix(&blocks, from, &cfg.compress_ratios)
+                .expect("attached");
+            let mut replay = [deepinfer_model::StepEntry::new(
+                &mut seq,
+                &prompt[from..],
+                LogitsWanted::Last,
+            )];
+            let outputs = model.forward_step(&mut replay, StepOptions::default());
+            outputs
+                .expect("replay")
+                .pop()
+                .and_then(EntryOutput::into_logits)
+        };
+        let hit = execute_rows(&mut executor, &[entry(reader, &prompt[from..])]).expect("replay");
+        assert_eq!(Some(&hit[0]), expected.as_ref());
+        assert_eq!(hit[0].len(), cold[0].len());
+        executor.drop_prefix_block(hashes[1]);
+        executor.new_sequence(RequestId(3)).expect("new");
+        let error = executor
+            .attach_prefix(RequestId(3), &hashes, from)
+            .unwrap_err();
+        assert!(
+            matches!(&error, ExecError::Sequence { id, message }
+                if *id == RequestId(3) && message.contains("not kept on this rank")),
+            "{error}"
+        );
+        let early = executor
+            .store_prefix_block(reader, BlockHash(9), 2 * n)
+            .unwrap_err();
+        assert!(early.to_string().contains("reaches past"), "{early}");
     }
 }

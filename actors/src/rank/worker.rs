@@ -27,6 +27,11 @@
 //! the sampling); only the proposal's confidences leave the thread (in the step output).
 //! Grammar-constrained sequences are never drafted for: the scheduler gives them plain `Decode`s,
 //! and a `Verify` of one runs as a decode.
+//!
+//! Prefix cache: a new sequence attaches its hit's blocks right after it is created (before the
+//! step's work); the plan's cache ops (stores and the drops of the blocks they evicted, in the
+//! scheduler's order) run after the work and the drafting, before the finished sequences are
+//! freed.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -39,7 +44,8 @@ use deepinfer_topology::{DpRank, RequestId};
 use crate::dspark::accept::{accept_block, accept_sampled};
 use crate::grammar::{GrammarError, MaskBatch, MaskJob, MaskWorkers, StepMask};
 use crate::messages::rank::{
-    DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming, VerifyOutcome,
+    CacheOp, DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming,
+    VerifyOutcome,
 };
 use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
 use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
@@ -261,6 +267,10 @@ impl RankWorker {
             if let Some(from) = new.decoder_from {
                 self.executor.plan_replay(new.id, from as usize)?;
             }
+            if let Some(prefix) = &new.prefix {
+                self.executor
+                    .attach_prefix(new.id, &prefix.blocks, prefix.replay_from)?;
+            }
             self.sequences.insert(
                 new.id,
                 SeqSampling {
@@ -415,6 +425,14 @@ impl RankWorker {
             }
         }
         let drafts = self.propose(&to_draft)?;
+        for op in &plan.cache_ops {
+            match *op {
+                CacheOp::Store { id, hash, start } => {
+                    self.executor.store_prefix_block(id, hash, start)?
+                }
+                CacheOp::Drop(hash) => self.executor.drop_prefix_block(hash),
+            }
+        }
         for id in &plan.finished {
             self.executor.free_sequence(*id);
             self.sequences.remove(id);
@@ -747,6 +765,7 @@ mod tests {
                     decoder_from: None,
                     speculative: false,
                     logprobs: None,
+                    prefix: None,
                 })
                 .collect(),
             work: work
@@ -756,6 +775,7 @@ mod tests {
                     input,
                 })
                 .collect(),
+            cache_ops: Vec::new(),
             finished: finished.iter().map(|&id| RequestId(id)).collect(),
         }
     }

@@ -9,13 +9,15 @@
 //! with bounded replay, `ReplayMsg::Admit` (awaited: its decoder start travels to the rank in
 //! `NewSeq`) on `Submit`, each completed step's position updates of its decoding requests
 //! (`Written`, `Rewind` after rejected drafts, `Commit`: `SchedulerState::replay_updates`) and
-//! `ReplayMsg::Finish` when a request ends.
+//! `ReplayMsg::Finish` when a request ends. With the prefix cache, its hits and stores ride in
+//! the plans (`NewSeq::prefix`, `StepPlan::cache_ops`; see `scheduler::prefix`).
 //! Ordering: plans carry increasing `StepId`s and outputs are applied in that order.
 //! Failure: a lost rank fails this rank's requests with `RankFailed` and refuses new ones; the
 //! actor itself keeps running so callers get errors rather than a dead mailbox. Every rank steps
 //! while the engine has admitted requests, with `Idle` plans when it has none of its own.
 
 pub mod pool;
+pub mod prefix;
 pub mod state;
 
 use std::collections::HashMap;
@@ -35,6 +37,7 @@ use crate::messages::request::{RawEvent, RequestSpec};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
 use pool::StatePool;
+use prefix::{PrefixSettings, RankPrefixCache};
 use state::{Emission, ReplayUpdate, SchedulerLimits, SchedulerState, VerifySettings};
 
 /// Arguments of `SchedulerActor`.
@@ -50,6 +53,8 @@ pub struct SchedulerArgs {
     pub dspark: Option<VerifySettings>,
     /// Decoder bounded replay (plans each request's decoder start); `None` = off.
     pub replay: Option<ActorRef<ReplayMsg>>,
+    /// The rank's prefix cache; `None` = off.
+    pub prefix: Option<PrefixSettings>,
 }
 
 pub struct SchedulerShell {
@@ -223,6 +228,7 @@ impl SchedulerShell {
         let stats = self.state.stats();
         m::record_queue(&self.dp_label, stats.waiting, stats.running);
         m::record_state_pool(&self.dp_label, &stats);
+        m::record_prefix_cache(&self.dp_label, &stats.prefix);
     }
 }
 
@@ -242,6 +248,9 @@ impl Actor for SchedulerActor {
         let mut state = SchedulerState::new(args.dp, args.limits);
         if let Some(pool) = args.pool {
             state = state.with_pool(pool);
+        }
+        if let Some(settings) = args.prefix {
+            state = state.with_prefix_cache(RankPrefixCache::new(settings));
         }
         Ok(SchedulerShell {
             state: match args.dspark {

@@ -33,6 +33,14 @@
 //! prompt followed by the tokens it delivered. Sampling noise is a pure function of (seed,
 //! request, position) and prefill, decode and verify give the same rows, so it continues with
 //! exactly the tokens it would have produced.
+//!
+//! Prefix cache (with a [`RankPrefixCache`], `with_prefix_cache`; the rule is in
+//! `scheduler::prefix`): an admitted request whose prompt hits the cache attaches the cached
+//! blocks and its prefill starts at the hit's replay start, so only the replayed and the new
+//! tokens are planned and counted against `max_batched_tokens` (and reserved in the pool).
+//! Admission prefers hits: among the first [`PREFER_HIT_WINDOW`] waiting requests the first
+//! one a hit would serve is admitted before the queue's head, which is passed over at most
+//! [`PREFER_HIT_WINDOW`] times (then FIFO again); a preempted head is never passed over.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -44,11 +52,18 @@ use crate::dspark::schedule::{
 };
 use crate::error::EngineError;
 use crate::messages::dspark::ProposalBatch;
-use crate::messages::rank::{NewSeq, SeqInput, SeqWork, StepMode, StepOutput, StepPlan};
+use crate::messages::rank::{
+    NewSeq, PrefixAttach, SeqInput, SeqWork, StepMode, StepOutput, StepPlan,
+};
 use crate::messages::request::{FinishReason, RequestSpec, Usage};
-use crate::messages::scheduler::SchedulerStats;
+use crate::messages::scheduler::{PrefixStats, SchedulerStats};
 use crate::sampling::TokenLogprobs;
 use crate::scheduler::pool::StatePool;
+use crate::scheduler::prefix::RankPrefixCache;
+
+/// Waiting requests the admission looks through for a prefix-cache hit, and the most times the
+/// queue's head is passed over for one.
+pub const PREFER_HIT_WINDOW: usize = 8;
 
 /// The scheduler's limits (from the topology's `[scheduler]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +197,10 @@ struct Seq {
     preempted: bool,
     /// Decoder bounded replay start (see `NewSeq::decoder_from`).
     decoder_from: Option<u32>,
+    /// The prefix-cache hit of its admission, until `NewSeq` carries it to the rank.
+    prefix: Option<PrefixAttach>,
+    /// Times a prefix-cache hit was admitted before it while it headed the queue.
+    passed_over: usize,
 }
 
 impl Seq {
@@ -252,6 +271,8 @@ pub struct SchedulerState {
     preemptions: u64,
     resumed: u64,
     verifier: Option<Verifier>,
+    /// The rank's prefix cache; `None` = off.
+    prefix: Option<RankPrefixCache>,
     drafts: DraftCounters,
     steps_done: u64,
     idle_steps_done: u64,
@@ -276,6 +297,7 @@ impl SchedulerState {
             preemptions: 0,
             resumed: 0,
             verifier: None,
+            prefix: None,
             drafts: DraftCounters::default(),
             steps_done: 0,
             idle_steps_done: 0,
@@ -299,6 +321,12 @@ impl SchedulerState {
     /// Accounts the rank's state memory in `pool` (admission, growth and preemption by blocks).
     pub fn with_pool(mut self, pool: StatePool) -> Self {
         self.pool = Some(pool);
+        self
+    }
+
+    /// Serves prompts from `cache` (see the module docs).
+    pub fn with_prefix_cache(mut self, cache: RankPrefixCache) -> Self {
+        self.prefix = Some(cache);
         self
     }
 
@@ -369,6 +397,8 @@ impl SchedulerState {
                 constrained: spec.grammar.is_some(),
                 preempted: false,
                 decoder_from,
+                prefix: None,
+                passed_over: 0,
                 spec,
             },
         );
@@ -395,6 +425,9 @@ impl SchedulerState {
         if let Some(pool) = self.pool.as_mut() {
             self.retired_blocks += pool.retire(id);
         }
+        if let Some(cache) = self.prefix.as_mut() {
+            cache.release(id);
+        }
         Some(seq)
     }
 
@@ -408,6 +441,10 @@ impl SchedulerState {
         seq.prefilled = 0;
         seq.held_max = 0;
         seq.preempted = true;
+        seq.prefix = None;
+        if let Some(cache) = self.prefix.as_mut() {
+            cache.release(id);
+        }
         if std::mem::take(&mut seq.on_rank) {
             self.pending_frees.push(id);
         }
@@ -593,6 +630,11 @@ impl SchedulerState {
             (true, true) => StepMode::Mixed,
         };
         let finished = std::mem::take(&mut self.pending_frees);
+        let cache_ops = self
+            .prefix
+            .as_mut()
+            .map(RankPrefixCache::finish_plan)
+            .unwrap_or_default();
         let produces = work
             .iter()
             .filter_map(|w| {
@@ -614,40 +656,87 @@ impl SchedulerState {
             mode,
             new_seqs,
             work,
+            cache_ops,
             finished,
         })
     }
 
-    /// Moves the head of the queue to the running set when its first chunk (at most `budget`
-    /// tokens; a constrained request: its whole length) fits in the free blocks, and returns
-    /// it with that chunk's size. A preempted request waits until its last steps are back and
-    /// its old state is freed.
+    /// Moves the next waiting request ([`SchedulerState::next_admission`]) to the running set
+    /// when its first chunk (at most `budget` tokens, after a prefix-cache hit's replay start; a
+    /// constrained request: its whole length) fits in the free blocks, and returns it with that
+    /// chunk's size. A preempted request waits until its last steps are back and its old state
+    /// is freed.
     fn admit_next(&mut self, budget: usize) -> Option<(RequestId, usize)> {
-        let id = *self.waiting.front()?;
+        let index = self.next_admission();
+        let id = *self.waiting.get(index)?;
         let seq = self.seqs.get(&id)?;
         if seq.outputs_in_flight > 0 || self.pending_frees.contains(&id) {
             return None;
         }
         let prefill_len = seq.spec.prompt.len() + seq.output.len();
-        let n = prefill_len
-            .min(self.limits.chunk_cap(prefill_len))
-            .min(budget);
-        let reserve = if seq.constrained { seq.max_len() } else { n };
+        let hit = self
+            .prefix
+            .as_ref()
+            .map(|cache| cache.hit(&seq.spec.prompt, seq.decoder_from))
+            .unwrap_or_default();
+        let remaining = prefill_len - hit.replay_from;
+        let n = remaining.min(self.limits.chunk_cap(remaining)).min(budget);
+        let reserve = if seq.constrained {
+            seq.max_len()
+        } else {
+            hit.replay_from + n
+        };
         if let Some(pool) = self.pool.as_mut()
             && !pool.reserve(id, reserve)
         {
             return None;
         }
+        let prefix = match self.prefix.as_mut() {
+            Some(cache) => cache.admit(id, &seq.spec.prompt, seq.decoder_from),
+            None => None,
+        };
         let seq = self.seqs.get_mut(&id)?;
         seq.prefill_len = prefill_len;
-        seq.prefilled = 0;
-        seq.held_max = 0;
+        seq.prefilled = hit.replay_from;
+        seq.held_max = hit.replay_from;
+        seq.prefix = prefix;
         if std::mem::take(&mut seq.preempted) {
             self.resumed += 1;
         }
-        self.waiting.pop_front();
+        if index > 0
+            && let Some(head) = self.waiting.front().and_then(|h| self.seqs.get_mut(h))
+        {
+            head.passed_over += 1;
+        }
+        self.waiting.remove(index);
         self.running.push(id);
         Some((id, n))
+    }
+
+    /// The index in the queue of the request to admit next: the head, unless a prefix-cache
+    /// hit waits among the first [`PREFER_HIT_WINDOW`] and the head is neither preempted nor
+    /// passed over that many times already (then the first such hit).
+    fn next_admission(&self) -> usize {
+        let Some(cache) = self.prefix.as_ref() else {
+            return 0;
+        };
+        let head_waits = self
+            .waiting
+            .front()
+            .and_then(|id| self.seqs.get(id))
+            .is_some_and(|head| !head.preempted && head.passed_over < PREFER_HIT_WINDOW);
+        if !head_waits {
+            return 0;
+        }
+        self.waiting
+            .iter()
+            .take(PREFER_HIT_WINDOW)
+            .position(|id| {
+                self.seqs.get(id).is_some_and(|seq| {
+                    !seq.preempted && cache.hit(&seq.spec.prompt, seq.decoder_from).cached > 0
+                })
+            })
+            .unwrap_or(0)
     }
 
     /// The entry of `id`'s next prefill chunk of `n` tokens (blocks reserved), introducing the
@@ -663,6 +752,9 @@ impl SchedulerState {
         let tokens = seq.next_prefill(n);
         seq.prefilled += n;
         seq.held_max += n;
+        if let Some(cache) = self.prefix.as_mut() {
+            cache.prefilled(id, seq.prefilled);
+        }
         let last = seq.prefill_done();
         if last {
             seq.outputs_in_flight += 1;
@@ -676,6 +768,7 @@ impl SchedulerState {
                 decoder_from: seq.decoder_from,
                 speculative: speculative && !seq.constrained,
                 logprobs: seq.spec.logprobs,
+                prefix: seq.prefix.take(),
             });
         }
         Some(SeqWork {
@@ -748,6 +841,7 @@ impl SchedulerState {
             mode: StepMode::Idle,
             new_seqs: Vec::new(),
             work: Vec::new(),
+            cache_ops: Vec::new(),
             finished,
         })
     }
@@ -897,6 +991,9 @@ impl SchedulerState {
         if let Some(verifier) = self.verifier.as_mut() {
             verifier.confidences.clear();
         }
+        if let Some(cache) = self.prefix.as_mut() {
+            cache.clear();
+        }
         ids.into_iter()
             .map(|id| Emission::Failed(id, error.clone()))
             .collect()
@@ -904,6 +1001,20 @@ impl SchedulerState {
 
     pub fn stats(&self) -> SchedulerStats {
         let usage = self.pool.as_ref().map(StatePool::usage).unwrap_or_default();
+        let prefix = self
+            .prefix
+            .as_ref()
+            .map(|cache| {
+                let (bytes, blocks, evictions) = cache.usage();
+                PrefixStats {
+                    counters: cache.counters(),
+                    cached_bytes: bytes,
+                    cached_blocks: blocks,
+                    evictions,
+                    budget_bytes: cache.budget_bytes(),
+                }
+            })
+            .unwrap_or_default();
         SchedulerStats {
             waiting: self.waiting.len(),
             running: self.running.len(),
@@ -922,6 +1033,7 @@ impl SchedulerState {
             state_blocks_used: usage.used_blocks,
             preemptions: self.preemptions,
             resumed: self.resumed,
+            prefix,
         }
     }
 
@@ -932,7 +1044,7 @@ impl SchedulerState {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::messages::rank::StepTiming;
     use crate::sampling::SamplingParams;
@@ -963,7 +1075,7 @@ mod tests {
     }
 
     /// Plays the rank: every producing entry samples `token`.
-    fn output_for(plan: &StepPlan, token: u32) -> StepOutput {
+    pub(crate) fn output_for(plan: &StepPlan, token: u32) -> StepOutput {
         let sampled = plan
             .work
             .iter()

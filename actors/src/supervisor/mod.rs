@@ -40,6 +40,7 @@ use crate::rank::{RankActor, RankArgs};
 use crate::replay::ReplayActor;
 use crate::replay::state::ReplayState;
 use crate::scheduler::pool::StatePool;
+use crate::scheduler::prefix::PrefixSettings;
 use crate::scheduler::state::{SchedulerLimits, VerifySettings};
 use crate::scheduler::{SchedulerActor, SchedulerArgs};
 use policy::{ChildRole, Decision, Service, SupervisionPolicy};
@@ -69,6 +70,8 @@ pub struct SupervisorArgs {
     pub dspark: deepinfer_topology::DSparkConfig,
     /// Decoder bounded replay, validated against the model; `None` = off (no `ReplayActor`).
     pub replay: Option<ReplayState>,
+    /// Each rank's prefix cache; `None` = off.
+    pub prefix: Option<PrefixSettings>,
 }
 
 /// Profiles the step rate on a scratch executor (off the async workers) for DSpark's planner.
@@ -208,6 +211,7 @@ impl Actor for NodeSupervisor {
                 engine_inflight: engine_inflight.clone(),
                 dspark: dspark.clone(),
                 replay: replay.clone(),
+                prefix: args.prefix,
             };
             let scheduler =
                 match Actor::spawn_linked(None, SchedulerActor, scheduler_args, myself.get_cell())
@@ -266,6 +270,7 @@ impl Actor for NodeSupervisor {
             grammar: args.grammar,
             limits: args.frontend,
             engine_inflight,
+            prefix: args.prefix,
         };
         let frontend = match Actor::spawn_linked(
             None,

@@ -8,7 +8,11 @@
 //!    `Degraded` and the other ranks keep serving. When the last rank fails the engine is
 //!    `Stopped`.
 //! 3. A rank fails while expert parallelism spans ranks (`ep > 1`): every rank's requests fail
-//!    (the survivors could not complete a collective) and the engine is `Stopped`.
+//!    (the survivors could not complete a collective) and the engine is `Stopped`. An exchange of
+//!    expert rows that fails or times out (a peer rank, or another node, gone or silent) fails
+//!    the step, so the rank: this rule. Across nodes, each node applies it to itself: the
+//!    others stop at their next exchange with the lost node (refused or timed out); nothing
+//!    rejoins a running deployment.
 //! 4. A scheduler or the frontend fails: the control plane lost state it cannot rebuild; the
 //!    engine is `Stopped` and all requests fail.
 //! 5. An expert group fails: its shard of the routed experts (and its placement state) is gone

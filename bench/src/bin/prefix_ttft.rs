@@ -1,30 +1,33 @@
-//! Time to first token with the prefix cache off and on (CPU reference backend): a 2048-token
-//! shared system prompt plus a 50-token question, on the demo model's architecture (the v41-tiny
-//! config, random weights) with its context raised to 4096. Cache off: the whole prompt is
-//! prefilled. Cache on: an earlier request with the same system prompt filled the cache; the
+//! Time to first token with the prefix cache off and on, through the engine (CPU reference
+//! backend, one DP rank): a 2048-token shared system prompt plus a 50-token question, on the
+//! demo model's architecture (the v41-tiny config, random weights) with its context raised to
+//! 4096. Cache off: the whole prompt is prefilled. Cache on (`[prefix_cache]`, the default
+//! bounded replay): an earlier request with the same system prompt filled the cache; the
 //! question's request attaches the cached blocks that end before the decoder's kept suffix,
 //! replays the last `keep` (140) of them and prefills the rest. Both run decoder bounded replay
-//! (keep 140). Prints the median of `--runs N` (default 5) of each and the ratio off / on.
+//! (keep 140). TTFT: from `generate` to the first token event. Prints the median of `--runs N`
+//! (default 5) of each and the ratio off / on.
 //!
 //! `cargo run -p deepinfer-bench --bin prefix_ttft [-- --runs N]` (the model crate is optimised
 //! in dev builds too).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use deepinfer_actors::prefix_cache::{PrefillRule, PrefixCache, prefill};
+use deepinfer_actors::rank::factory::ModelFactory;
+use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, GenerationEvent, ModelFacts};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
-use deepinfer_model::state_bytes::StateBytes;
-use deepinfer_model::{LogitsWanted, Model, checkpoint};
+use deepinfer_model::{Model, checkpoint};
+use deepinfer_topology::NodeConfig;
 
 const SYSTEM_TOKENS: usize = 2048;
 const QUESTION_TOKENS: usize = 50;
 const KEEP: usize = 140;
-const CHUNK: usize = 512;
-const SALT: u64 = 1;
 
-fn main() -> Result<()> {
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<()> {
     let runs = parse_runs()?;
     let dir = tempfile_dir()?;
     let mut cfg = ModelConfig::tiny_v41();
@@ -32,65 +35,94 @@ fn main() -> Result<()> {
     checkpoint::write_random_checkpoint(&cfg, 7, &dir, 1).context("random checkpoint")?;
     let pad = cfg.engram.as_ref().map_or(0, |e| e.pad_token_id);
     let vocab = CompressedVocab::halving_stub(cfg.vocab_size, pad).context("Engram vocabulary")?;
-    let model = Model::load_with_vocab(&dir, Some(vocab)).context("model loads")?;
+    let model = Arc::new(Model::load_with_vocab(&dir, Some(vocab)).context("model loads")?);
     let tokens = |n: usize, seed: u32| -> Vec<u32> {
         (0..n as u32)
             .map(|i| (i.wrapping_mul(7919).wrapping_add(seed)) % cfg.vocab_size as u32)
             .collect()
     };
     let system = tokens(SYSTEM_TOKENS, 31);
-    let rule = PrefillRule {
-        replay_tokens: KEEP,
-        decoder_keep: Some(KEEP),
-    };
-    let block_tokens = StateBytes::of(model.config()).block_tokens;
-
-    let run_prefill = |cache: &mut PrefixCache<_>, prompt: &[u32]| {
-        prefill(&model, cache, SALT, prompt, rule, CHUNK, LogitsWanted::Last)
-    };
+    let (off_engine, on_engine) = (engine(&model, "").await?, engine(&model, CACHE_ON).await?);
     let (mut off, mut on) = (Vec::new(), Vec::new());
-    let mut fed = (0, 0);
+    let mut skipped = 0;
     for run in 0..runs as u32 {
         let prompt = [&system[..], &tokens(QUESTION_TOKENS, 1000 + run)].concat();
-        // Cache off: a cache that never holds anything.
-        let mut empty = PrefixCache::new(block_tokens, 0);
-        let start = Instant::now();
-        let cold = run_prefill(&mut empty, &prompt)?;
-        off.push(start.elapsed());
-        // Cache on: an earlier question filled it with the system prompt's blocks.
-        let mut cache = PrefixCache::new(block_tokens, 1 << 32);
+        off.push(ttft(&off_engine, &prompt).await?);
+        // An earlier question fills the cache with the system prompt's blocks (evicting none:
+        // the budget holds them all).
         let earlier = [&system[..], &tokens(QUESTION_TOKENS, 5000 + run)].concat();
-        run_prefill(&mut cache, &earlier)?;
-        let start = Instant::now();
-        let hit = run_prefill(&mut cache, &prompt)?;
-        on.push(start.elapsed());
-        if hit.hit_tokens == 0 {
-            bail!("the second request missed the cache");
+        ttft(&on_engine, &earlier).await?;
+        let before = skipped_tokens(&on_engine).await?;
+        on.push(ttft(&on_engine, &prompt).await?);
+        skipped = skipped_tokens(&on_engine).await? - before;
+        if skipped == 0 {
+            bail!("the question missed the cache");
         }
-        fed = (
-            prompt.len() - cold.replay_from,
-            prompt.len() - hit.replay_from,
-        );
         println!(
-            "run {run}: off {:.1} ms, on {:.1} ms (hit {} tokens, replay from {})",
+            "run {run}: off {:.1} ms, on {:.1} ms ({skipped} cached tokens not fed)",
             ms(off[off.len() - 1]),
             ms(on[on.len() - 1]),
-            hit.hit_tokens,
-            hit.replay_from
         );
     }
+    for engine in [off_engine, on_engine] {
+        engine
+            .shutdown(Duration::from_secs(60))
+            .await
+            .context("shutdown")?;
+    }
     let (off, on) = (median(&mut off), median(&mut on));
+    let prompt_len = SYSTEM_TOKENS + QUESTION_TOKENS;
     println!(
         "prefix_ttft: prompt {SYSTEM_TOKENS}+{QUESTION_TOKENS} tokens, keep {KEEP}: TTFT cache off \
-         {:.1} ms ({} tokens fed), cache on {:.1} ms ({} tokens fed), ratio off/on {:.2}",
+         {:.1} ms ({prompt_len} tokens fed), cache on {:.1} ms ({} tokens fed), ratio off/on {:.2}",
         ms(off),
-        fed.0,
         ms(on),
-        fed.1,
+        prompt_len as u64 - skipped,
         off.as_secs_f64() / on.as_secs_f64()
     );
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
+}
+
+const CACHE_ON: &str = "[prefix_cache]\nbytes_per_rank = 4294967296\n";
+
+/// A one-rank CPU engine over `model` with `extra` topology sections.
+async fn engine(model: &Arc<Model>, extra: &str) -> Result<Engine> {
+    let text = format!(
+        "[device]\nbackend = \"cpu\"\n[parallel]\ndp = 1\nep = 1\n\
+         [replay]\ndecoder_keep_tokens = {KEEP}\n{extra}"
+    );
+    let node = NodeConfig::from_toml_str(&text, "prefix_ttft").context("topology")?;
+    let config = EngineConfig {
+        node,
+        executor: Arc::new(ModelFactory::new(model.clone(), "prefix_ttft")),
+        model: ModelFacts::of(model.config()),
+        tokenizer: None,
+    };
+    Engine::start(config).await.context("engine starts")
+}
+
+/// From submission to the first token of a one-token request.
+async fn ttft(engine: &Engine, prompt: &[u32]) -> Result<Duration> {
+    let request = GenerateRequest::from_tokens(prompt.to_vec())
+        .max_tokens(1)
+        .ignore_eos(true);
+    let start = Instant::now();
+    let mut stream = engine.generate(request).await.context("admitted")?;
+    while let Some(event) = stream.next().await {
+        match event {
+            GenerationEvent::Token { .. } => return Ok(start.elapsed()),
+            GenerationEvent::Error(error) => bail!("the request failed: {error}"),
+            _ => {}
+        }
+    }
+    bail!("the request ended without a token")
+}
+
+/// The tokens the rank's prefix-cache hits did not feed so far.
+async fn skipped_tokens(engine: &Engine) -> Result<u64> {
+    let stats = engine.handle().scheduler_stats().await.context("stats")?;
+    Ok(stats[0].prefix.counters.skipped_tokens)
 }
 
 fn parse_runs() -> Result<usize> {

@@ -198,21 +198,28 @@ pub fn forward_rows(
         }
     };
     match ctx.routed {
-        // Expert parallelism: each row's picks go to the expert site, in increasing expert id.
+        // Expert parallelism: every row's picks (in increasing expert id) go to the expert site
+        // in one call per layer; each row's outputs are added in that order.
         Some(site) => {
-            for (t, route) in routes.iter().enumerate() {
-                let mut picks: Vec<ExpertPick> = route
-                    .experts
-                    .iter()
-                    .zip(&route.weights)
-                    .map(|(&expert, &weight)| ExpertPick { expert, weight })
-                    .collect();
-                picks.sort_by_key(|pick| pick.expert);
-                for output in site
-                    .experts
-                    .run(site.layer, &x[t * dim..(t + 1) * dim], &picks)
-                {
-                    add(t, &output);
+            let picks: Vec<Vec<ExpertPick>> = routes
+                .iter()
+                .map(|route| {
+                    let mut picks: Vec<ExpertPick> = route
+                        .experts
+                        .iter()
+                        .zip(&route.weights)
+                        .map(|(&expert, &weight)| ExpertPick { expert, weight })
+                        .collect();
+                    picks.sort_by_key(|pick| pick.expert);
+                    picks
+                })
+                .collect();
+            let outputs = site
+                .experts
+                .run(site.layer, &x[..routes.len() * dim], &picks);
+            for (t, row) in outputs.iter().enumerate() {
+                for output in row {
+                    add(t, output);
                 }
             }
         }

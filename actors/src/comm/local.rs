@@ -1,128 +1,130 @@
-//! MoE dispatch and combine between DP ranks and EP ranks, inside a rank's step.
-//!
-//! Owns: the `Comm` trait (how one token's routed pick reaches the EP rank holding a replica of
-//! its expert and comes back), `LocalComm` (every EP rank's shard in this process, on the CPU:
-//! the caller's thread computes with the owning shard's own copy of the weights), `StepExperts`
-//! (the model's `RoutedExperts` hook for one step over one `Comm`, recording which placement
-//! epochs served it) and `EpError`.
-//! Ordering: a `LocalComm` is immutable and belongs to one `PlacementEpoch`; a new placement is a
-//! new `LocalComm`, adopted by a rank at its next step boundary, so no step mixes epochs.
-//! Numerics: the model sums the outputs in increasing logical expert id whatever served them, and
-//! every replica holds the model's weights, so the placement never changes a bit.
-//! Replica choice: a pure function of (layer, expert, the token's activation bits), so it does
-//! not depend on the batch, the DP rank or the timing (NCCL's all-to-all comes with the CUDA
-//! backend and must keep this rule).
+//! `LocalComm`: the shards of this process's EP ranks for one placement epoch (every EP rank in a
+//! one-process engine), computed on the caller's thread; the rows of the other processes' EP
+//! ranks go through its `RemoteRanks`. Also the per-layer dispatch plan (`LayerPlan`) and the
+//! replica choice.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::ops::Range;
 use std::sync::{Arc, RwLock};
 
-use deepinfer_model::expert_dispatch::{ExpertPick, RoutedExperts};
-use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch, PlacementError};
+use deepinfer_model::expert_dispatch::ExpertPick;
+use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch};
 
+use super::remote::RemoteRanks;
+use super::{Comm, EpError, LayerAt, ServedLayer};
 use crate::experts::shard::{ExpertShard, ExpertSource};
 use crate::messages::experts::ShardLoads;
 
-/// An expert-parallel failure: a placement or shard that does not fit the model, a stale epoch.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum EpError {
-    #[error("expert placement: {0}")]
-    Placement(#[from] PlacementError),
-    #[error("expert placement: {what} (expected {expected}, found {found})")]
-    Shape {
-        what: &'static str,
-        expected: usize,
-        found: usize,
-    },
-    #[error("expert placement layer {layer}: {message}")]
-    Layer { layer: usize, message: String },
-    #[error("{rank}: shard of {found}, but the placement being built is {expected}")]
-    ShardEpoch {
-        rank: EpRank,
-        expected: PlacementEpoch,
-        found: PlacementEpoch,
-    },
-    #[error("{rank} layer {layer} slot {slot}: holds {found}, the placement says {expected}")]
-    ShardSlot {
-        rank: EpRank,
-        layer: usize,
-        slot: usize,
-        expected: String,
-        found: String,
-    },
-    #[error("{rank}: cannot commit {epoch}: {message}")]
-    Commit {
-        rank: EpRank,
-        epoch: PlacementEpoch,
-        message: String,
-    },
-    #[error("EPLB cannot commit {epoch}: {message}")]
-    Staging {
-        epoch: PlacementEpoch,
-        message: String,
-    },
-    #[error("model: {0}")]
-    Model(String),
-    #[error("expert-parallel actor unreachable: {0}")]
-    Actor(String),
-}
-
-/// What serving one pick produced.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Served {
-    /// The expert's output row (`x.len()` wide, the routing weight applied).
-    pub output: Vec<f32>,
-    /// The EP rank that computed it.
-    pub rank: EpRank,
-    /// The placement epoch of the shard that computed it.
-    pub epoch: PlacementEpoch,
-}
-
-/// The MoE transport of one placement epoch.
-pub trait Comm: Send + Sync {
-    /// The placement epoch this transport serves.
-    fn epoch(&self) -> PlacementEpoch;
-    /// EP ranks it spans.
-    fn ep_ranks(&self) -> usize;
-    /// Sends each pick of one token of backbone layer `layer` to the EP rank holding the chosen
-    /// replica of its expert, runs it there, and brings the outputs back, in pick order.
-    fn serve(&self, layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Served>;
-}
-
-/// Every EP rank's shard in one process, for one placement epoch.
+/// This process's EP ranks' shards, for one placement epoch.
 #[derive(Debug)]
 pub struct LocalComm {
     epoch: PlacementEpoch,
     source: ExpertSource,
     placement: Arc<ExpertPlacement>,
+    /// EP ranks in the placement.
+    ranks: usize,
+    /// The EP ranks whose shards are here (`shards[i]` is rank `local.start + i`).
+    local: Range<usize>,
     shards: Vec<Arc<ExpertShard>>,
+    /// The other EP ranks (`None`: every EP rank is here).
+    remote: Option<Arc<RemoteRanks>>,
     /// Held shared while a batch of counts is added (`count_batch`) and exclusively while every
     /// shard's counters are read (`take_loads`), so no batch is split between two windows.
     counting: RwLock<()>,
 }
 
+/// One layer's routed rows, grouped by the EP rank that serves them.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RankRows {
+    /// `(row, pick)` of each routed row, in increasing order (the order of the rows sent).
+    pub from: Vec<(usize, usize)>,
+    /// The EP rank's local slot serving each.
+    pub slots: Vec<u32>,
+    /// The routing weight of each.
+    pub weights: Vec<f32>,
+}
+
+/// Where every pick of one layer's rows goes: `per_rank[e]` holds EP rank `e`'s rows, so the
+/// counts (`per_rank[e].from.len()`) are known before any row moves.
+///
+/// What any transport sends (the socket one per remote EP rank; an NCCL one as one all-to-all):
+/// first `counts()` (one number per EP rank: the receive sizes), then for EP rank `e` its rows
+/// `gather(e, ..)` packed in plan order with `slots` and `weights` alongside; `e` answers with as
+/// many output rows in the same order, and `from` puts each back at its (row, pick). The send
+/// buffer of a collective is the ranks' gathers one after another (offsets: the prefix sums of
+/// the counts).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerPlan {
+    pub per_rank: Vec<RankRows>,
+}
+
+impl LayerPlan {
+    /// Rows sent to each EP rank.
+    pub fn counts(&self) -> Vec<usize> {
+        self.per_rank.iter().map(|r| r.from.len()).collect()
+    }
+
+    /// The rows of EP rank `rank`, gathered from `x` (`dim` wide) in its order.
+    pub fn gather(&self, rank: usize, x: &[f32], dim: usize) -> Vec<f32> {
+        let rows = &self.per_rank[rank];
+        let mut out = Vec::with_capacity(rows.from.len() * dim);
+        for &(row, _) in &rows.from {
+            out.extend_from_slice(&x[row * dim..(row + 1) * dim]);
+        }
+        out
+    }
+}
+
 impl LocalComm {
-    /// Checks that `placement` covers every backbone layer and logical expert of `source` and
-    /// that `shards` (one per EP rank, in rank order) are this epoch's and hold what it says.
+    /// Every EP rank in this process: checks that `placement` covers every backbone layer and
+    /// logical expert of `source` and that `shards` (one per EP rank, in rank order) are this
+    /// epoch's and hold what it says.
     pub fn new(
         epoch: PlacementEpoch,
         source: impl Into<ExpertSource>,
         placement: Arc<ExpertPlacement>,
         shards: Vec<Arc<ExpertShard>>,
     ) -> Result<LocalComm, EpError> {
-        let source = source.into();
-        check_placement(&source, &placement)?;
-        let ranks = placement
-            .layers
-            .first()
-            .map_or(0, |l| l.phy2log.len() / placement.slots_per_gpu.max(1));
-        if shards.len() != ranks {
+        let ranks = ranks_of(&placement);
+        LocalComm::build(epoch, source.into(), placement, 0..ranks, shards, None)
+    }
+
+    /// This node's EP ranks (`remote.local_ranks()`, one shard each in rank order); the others
+    /// are served through `remote`.
+    pub fn across_nodes(
+        epoch: PlacementEpoch,
+        source: impl Into<ExpertSource>,
+        placement: Arc<ExpertPlacement>,
+        shards: Vec<Arc<ExpertShard>>,
+        remote: Arc<RemoteRanks>,
+    ) -> Result<LocalComm, EpError> {
+        if remote.ranks() != ranks_of(&placement) {
             return Err(EpError::Shape {
-                what: "expert shards (one per EP rank)",
-                expected: ranks,
+                what: "EP ranks of the nodes",
+                expected: ranks_of(&placement),
+                found: remote.ranks(),
+            });
+        }
+        let local = remote.local_ranks();
+        LocalComm::build(epoch, source.into(), placement, local, shards, Some(remote))
+    }
+
+    fn build(
+        epoch: PlacementEpoch,
+        source: ExpertSource,
+        placement: Arc<ExpertPlacement>,
+        local: Range<usize>,
+        shards: Vec<Arc<ExpertShard>>,
+        remote: Option<Arc<RemoteRanks>>,
+    ) -> Result<LocalComm, EpError> {
+        check_placement(&source, &placement)?;
+        if shards.len() != local.len() {
+            return Err(EpError::Shape {
+                what: "expert shards (one per EP rank of this process)",
+                expected: local.len(),
                 found: shards.len(),
             });
         }
-        for (index, shard) in shards.iter().enumerate() {
+        for (rank, shard) in local.clone().zip(&shards) {
             if shard.epoch() != epoch {
                 return Err(EpError::ShardEpoch {
                     rank: shard.rank(),
@@ -130,13 +132,16 @@ impl LocalComm {
                     found: shard.epoch(),
                 });
             }
-            shard.check_holds(&placement, EpRank(index as u16))?;
+            shard.check_holds(&placement, EpRank(rank as u16))?;
         }
         Ok(LocalComm {
             epoch,
             source,
+            ranks: ranks_of(&placement),
             placement,
+            local,
             shards,
+            remote,
             counting: RwLock::new(()),
         })
     }
@@ -166,7 +171,7 @@ impl LocalComm {
         &self.placement
     }
 
-    /// The shards, in EP rank order.
+    /// The shards of this process's EP ranks, in EP rank order.
     pub fn shards(&self) -> &[Arc<ExpertShard>] {
         &self.shards
     }
@@ -180,6 +185,85 @@ impl LocalComm {
         let replicas = &self.placement.layers[layer].log2phy[expert];
         replicas[replica_index(layer, expert, token, replicas.len())]
     }
+
+    /// Where every pick of the rows `x` of `layer` goes (see [`LayerPlan`]).
+    pub fn plan(&self, layer: usize, x: &[f32], picks: &[Vec<ExpertPick>]) -> LayerPlan {
+        let dim = x.len() / picks.len().max(1);
+        let per_rank_slots = self.placement.slots_per_gpu.max(1);
+        let mut per_rank = vec![RankRows::default(); self.ranks];
+        for (row, row_picks) in picks.iter().enumerate() {
+            let token = token_key(&x[row * dim..(row + 1) * dim]);
+            for (k, pick) in row_picks.iter().enumerate() {
+                let slot = self.slot_for(layer, pick.expert, token) as usize;
+                let rows = &mut per_rank[slot / per_rank_slots];
+                rows.from.push((row, k));
+                rows.slots.push((slot % per_rank_slots) as u32);
+                rows.weights.push(pick.weight);
+            }
+        }
+        LayerPlan { per_rank }
+    }
+
+    /// Runs the rows `rows` (`[slots.len(), dim]`) of `layer` on EP rank `rank` of this process,
+    /// row `i` with local slot `slots[i]` and weight `weights[i]`: the output rows in that order.
+    /// Refuses a rank, layer or slot this process does not hold (what a peer sends is checked).
+    pub fn serve_rows(
+        &self,
+        rank: usize,
+        layer: usize,
+        slots: &[u32],
+        weights: &[f32],
+        rows: &[f32],
+    ) -> Result<Vec<f32>, EpError> {
+        let ExpertSource::Model(model) = &self.source else {
+            return Err(EpError::Model(
+                "a simulated expert-parallel transport holds no weights".into(),
+            ));
+        };
+        let shard = rank
+            .checked_sub(self.local.start)
+            .and_then(|i| self.shards.get(i))
+            .ok_or_else(|| EpError::Layer {
+                layer,
+                message: format!(
+                    "EP rank {rank} is not one of this process's {:?}",
+                    self.local
+                ),
+            })?;
+        let dim = model.config().dim;
+        if layer >= self.placement.layers.len()
+            || slots.len() != weights.len()
+            || rows.len() != slots.len() * dim
+        {
+            return Err(EpError::Layer {
+                layer,
+                message: format!(
+                    "{} slots, {} weights and {} values of {dim}-wide rows do not match the model",
+                    slots.len(),
+                    weights.len(),
+                    rows.len()
+                ),
+            });
+        }
+        let mut out = Vec::with_capacity(rows.len());
+        for ((&slot, &weight), row) in slots.iter().zip(weights).zip(rows.chunks_exact(dim)) {
+            if slot as usize >= self.placement.slots_per_gpu {
+                return Err(EpError::Layer {
+                    layer,
+                    message: format!("EP rank {rank} has no local slot {slot}"),
+                });
+            }
+            out.extend(shard.run(model, layer, slot as usize, row, weight));
+        }
+        Ok(out)
+    }
+}
+
+fn ranks_of(placement: &ExpertPlacement) -> usize {
+    placement
+        .layers
+        .first()
+        .map_or(0, |l| l.phy2log.len() / placement.slots_per_gpu.max(1))
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -255,69 +339,50 @@ impl Comm for LocalComm {
     }
 
     fn ep_ranks(&self) -> usize {
-        self.shards.len()
+        self.ranks
     }
 
-    /// Panics on a simulated transport, which holds no weights: only a model-backed
-    /// `ExpertParallel` hands its transport to a model's forward (`ModelExecutor`).
-    fn serve(&self, layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Served> {
-        let ExpertSource::Model(model) = &self.source else {
-            panic!("a simulated expert-parallel transport was asked to compute an expert");
-        };
-        let token = token_key(x);
-        let per_rank = self.placement.slots_per_gpu.max(1);
-        picks
+    /// This process's EP ranks compute in place, the others are asked through `RemoteRanks` (in
+    /// increasing EP rank); each EP rank's outputs go back to their (row, pick).
+    fn serve_layer(
+        &self,
+        at: LayerAt,
+        x: &[f32],
+        picks: &[Vec<ExpertPick>],
+    ) -> Result<ServedLayer, EpError> {
+        let dim = x.len() / picks.len().max(1);
+        let plan = self.plan(at.layer, x, picks);
+        let mut outputs: Vec<Vec<Vec<f32>>> = picks
             .iter()
-            .map(|pick| {
-                let slot = self.slot_for(layer, pick.expert, token) as usize;
-                let shard = &self.shards[slot / per_rank];
-                Served {
-                    output: shard.run(model, layer, slot % per_rank, x, pick.weight),
-                    rank: shard.rank(),
-                    epoch: shard.epoch(),
-                }
-            })
-            .collect()
-    }
-}
-
-/// The model's routed-expert hook for one step: every pick goes through one `Comm`, and the
-/// epochs of the shards that served the step are recorded.
-pub struct StepExperts<'c> {
-    comm: &'c dyn Comm,
-    lowest: AtomicU32,
-    highest: AtomicU32,
-}
-
-impl<'c> StepExperts<'c> {
-    pub fn new(comm: &'c dyn Comm) -> Self {
-        StepExperts {
-            comm,
-            lowest: AtomicU32::new(u32::MAX),
-            highest: AtomicU32::new(0),
+            .map(|row| vec![Vec::new(); row.len()])
+            .collect();
+        let mut any = false;
+        for (rank, rows) in plan.per_rank.iter().enumerate() {
+            if rows.from.is_empty() {
+                continue;
+            }
+            any = true;
+            let gathered = plan.gather(rank, x, dim);
+            let out = match &self.remote {
+                Some(remote) if !self.local.contains(&rank) => remote.serve(
+                    at,
+                    self.epoch,
+                    rank,
+                    &rows.slots,
+                    &rows.weights,
+                    &gathered,
+                    dim,
+                )?,
+                _ => self.serve_rows(rank, at.layer, &rows.slots, &rows.weights, &gathered)?,
+            };
+            for (&(row, k), output) in rows.from.iter().zip(out.chunks_exact(dim)) {
+                outputs[row][k] = output.to_vec();
+            }
         }
-    }
-
-    /// The lowest and highest epoch that served a pick of this step (`None` before any pick).
-    pub fn epochs_seen(&self) -> Option<(PlacementEpoch, PlacementEpoch)> {
-        let lowest = self.lowest.load(Ordering::Relaxed);
-        let highest = self.highest.load(Ordering::Relaxed);
-        (lowest <= highest).then_some((PlacementEpoch(lowest), PlacementEpoch(highest)))
-    }
-}
-
-impl RoutedExperts for StepExperts<'_> {
-    fn run(&self, layer: usize, x: &[f32], picks: &[ExpertPick]) -> Vec<Vec<f32>> {
-        self.comm
-            .serve(layer, x, picks)
-            .into_iter()
-            .map(|served| {
-                self.lowest.fetch_min(served.epoch.get(), Ordering::Relaxed);
-                self.highest
-                    .fetch_max(served.epoch.get(), Ordering::Relaxed);
-                served.output
-            })
-            .collect()
+        Ok(ServedLayer {
+            outputs,
+            epochs: any.then_some((self.epoch, self.epoch)),
+        })
     }
 }
 
@@ -531,15 +596,21 @@ mod placement_properties {
                     expert,
                     weight: 0.75,
                 };
-                let served = comm.serve(layer, &x, &[pick]);
+                let at = LayerAt {
+                    dp: deepinfer_topology::DpRank(0),
+                    step: 0,
+                    layer,
+                };
+                let served = comm.serve_layer(at, &x, &[vec![pick]]).expect("served");
                 let own = model.routed_expert(layer, expert).expect("in range");
                 let expected = model.run_routed_expert(&own, &x, 0.75);
-                prop_assert_eq!(served.len(), 1);
-                prop_assert_eq!(served[0].rank, placement.rank_of_slot(slot));
-                prop_assert_eq!(served[0].epoch, PlacementEpoch(3));
+                let plan = comm.plan(layer, &x, &[vec![pick]]);
+                let rank = placement.rank_of_slot(slot).0 as usize;
+                prop_assert_eq!(plan.per_rank[rank].from.clone(), vec![(0, 0)]);
+                prop_assert_eq!(plan.counts().iter().sum::<usize>(), 1);
+                prop_assert_eq!(served.epochs, Some((PlacementEpoch(3), PlacementEpoch(3))));
                 prop_assert_eq!(
-                    served[0]
-                        .output
+                    served.outputs[0][0]
                         .iter()
                         .map(|v| v.to_bits())
                         .collect::<Vec<_>>(),

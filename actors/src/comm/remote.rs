@@ -1,0 +1,398 @@
+//! The socket transport between `deepinfer-node` processes: `RemoteRanks` (a DP rank's side:
+//! one connection per remote EP rank, a request and its answer per layer) and `ExpertServer`
+//! (an EP rank's side: answers every peer's rows with this process's shards).
+//!
+//! Every wait has the exchange timeout (`[cluster] exchange_timeout_ms`), every frame carries the
+//! deployment's session id, the step, layer and placement epoch, and an answer for another
+//! exchange is refused. A peer that fails or times out stays failed: later calls fail at once
+//! (the engine stops anyway, the supervisor's rule 3).
+//! The server needs no step lockstep between nodes: it serves whichever DP rank asks, at any
+//! time, with the placement epoch the rows name (refusing any other).
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread;
+use std::time::Duration;
+
+use deepinfer_topology::{EpRank, PlacementEpoch};
+
+use super::wire::{Dispatch, FrameTag, Reply};
+use super::{Comm, EpError, LayerAt};
+use crate::experts::parallel::ExpertParallel;
+
+/// One remote EP rank: its node, address and connection.
+#[derive(Debug)]
+struct Peer {
+    node: usize,
+    addr: SocketAddr,
+    /// The open connection (`None` before the first exchange); `Err` once it failed.
+    conn: Mutex<Result<Option<TcpStream>, String>>,
+}
+
+/// The EP ranks of the other nodes, as seen from this one.
+#[derive(Debug)]
+pub struct RemoteRanks {
+    session: u64,
+    timeout: Duration,
+    local: Range<usize>,
+    /// Per EP rank: `None` for this node's ranks.
+    peers: Vec<Option<Peer>>,
+}
+
+impl RemoteRanks {
+    /// Node `node` of `experts.len()` nodes (each holding `ranks_per_node` contiguous EP ranks,
+    /// its expert server at `experts[n]`), in deployment `session`.
+    pub fn new(
+        session: u64,
+        timeout: Duration,
+        node: usize,
+        ranks_per_node: usize,
+        experts: &[SocketAddr],
+    ) -> RemoteRanks {
+        let peers = (0..experts.len() * ranks_per_node)
+            .map(|rank| {
+                let owner = rank / ranks_per_node;
+                (owner != node).then(|| Peer {
+                    node: owner,
+                    addr: experts[owner],
+                    conn: Mutex::new(Ok(None)),
+                })
+            })
+            .collect();
+        RemoteRanks {
+            session,
+            timeout,
+            local: node * ranks_per_node..(node + 1) * ranks_per_node,
+            peers,
+        }
+    }
+
+    /// Every EP rank of the deployment.
+    pub fn ranks(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// This node's EP ranks.
+    pub fn local_ranks(&self) -> Range<usize> {
+        self.local.clone()
+    }
+
+    /// Sends the rows of one layer to remote EP rank `rank` and waits for its outputs (the
+    /// `wire::Dispatch` / `wire::Reply` exchange): `[slots.len(), dim]` in the rows' order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn serve(
+        &self,
+        at: LayerAt,
+        epoch: PlacementEpoch,
+        rank: usize,
+        slots: &[u32],
+        weights: &[f32],
+        rows: &[f32],
+        dim: usize,
+    ) -> Result<Vec<f32>, EpError> {
+        let Some(Some(peer)) = self.peers.get(rank) else {
+            return Err(EpError::Layer {
+                layer: at.layer,
+                message: format!("EP rank {rank} is not a remote rank of this deployment"),
+            });
+        };
+        let fail = |reason: String| EpError::PeerFailed {
+            at,
+            rank: EpRank(rank as u16),
+            node: peer.node,
+            addr: peer.addr.to_string(),
+            reason,
+        };
+        let mut conn = peer.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let stream = match &mut *conn {
+            Err(earlier) => return Err(fail(format!("failed earlier: {earlier}"))),
+            Ok(Some(stream)) => stream,
+            Ok(slot @ None) => match self.connect(peer.addr) {
+                Ok(stream) => slot.insert(stream),
+                Err(e) => {
+                    let error = fail(format!("cannot connect: {e}"));
+                    *conn = Err(error.to_string());
+                    return Err(error);
+                }
+            },
+        };
+        let tag = FrameTag {
+            session: self.session,
+            step: at.step,
+            layer: at.layer as u32,
+            epoch: epoch.get(),
+        };
+        let dispatch = Dispatch {
+            tag,
+            rank: rank as u16,
+            dim: dim as u32,
+            slots: slots.to_vec(),
+            weights: weights.to_vec(),
+            rows: rows.to_vec(),
+        };
+        let answer = dispatch.send(stream).and_then(|()| Reply::receive(stream));
+        let result = match answer {
+            Ok(Reply::Combine { tag: got, outputs }) if got == tag => {
+                if outputs.len() == rows.len() {
+                    Ok(outputs)
+                } else {
+                    Err(fail(format!(
+                        "answered {} values for {} rows of {dim}",
+                        outputs.len(),
+                        slots.len()
+                    )))
+                }
+            }
+            Ok(Reply::Combine { tag: got, .. }) => Err(fail(format!(
+                "answered the exchange of step {} layer {} epoch {} (session {:x})",
+                got.step, got.layer, got.epoch, got.session
+            ))),
+            Ok(Reply::Failure(reason)) => Err(fail(reason)),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(EpError::Timeout {
+                    at,
+                    rank: EpRank(rank as u16),
+                    node: peer.node,
+                    addr: peer.addr.to_string(),
+                    waited_ms: self.timeout.as_millis(),
+                })
+            }
+            Err(e) => Err(fail(e.to_string())),
+        };
+        if let Err(error) = &result {
+            *conn = Err(error.to_string());
+        }
+        result
+    }
+
+    fn connect(&self, addr: SocketAddr) -> std::io::Result<TcpStream> {
+        let stream = TcpStream::connect_timeout(&addr, self.timeout)?;
+        stream.set_read_timeout(Some(self.timeout))?;
+        stream.set_write_timeout(Some(self.timeout))?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    }
+}
+
+/// This node's expert server: answers the rows other nodes send its EP ranks, with the
+/// committed shards of `ExpertParallel` (one thread per connection). Stops accepting when
+/// dropped; a connection's thread ends when its peer closes it or the engine is gone.
+#[derive(Debug)]
+pub struct ExpertServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl ExpertServer {
+    /// Serves the connections of `listener` for deployment `session` with `parallel`'s shards.
+    pub fn start(
+        listener: TcpListener,
+        session: u64,
+        parallel: Weak<ExpertParallel>,
+    ) -> Result<ExpertServer, EpError> {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| EpError::Bootstrap(format!("expert server address: {e}")))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        thread::Builder::new()
+            .name("expert-server".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stopping.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let parallel = parallel.clone();
+                    let _ = thread::Builder::new()
+                        .name("expert-peer".into())
+                        .spawn(move || serve_peer(conn, session, parallel));
+                }
+            })
+            .map_err(|e| EpError::Bootstrap(format!("expert server thread: {e}")))?;
+        Ok(ExpertServer { addr, stop })
+    }
+}
+
+impl Drop for ExpertServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wakes the accept loop so it sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+    }
+}
+
+/// Answers one peer's dispatches until it closes the connection.
+fn serve_peer(mut conn: TcpStream, session: u64, parallel: Weak<ExpertParallel>) {
+    let _ = conn.set_nodelay(true);
+    while let Ok(Some(dispatch)) = Dispatch::receive(&mut conn) {
+        let reply = match answer(&dispatch, session, &parallel) {
+            Ok(outputs) => Reply::Combine {
+                tag: dispatch.tag,
+                outputs,
+            },
+            Err(reason) => Reply::Failure(reason),
+        };
+        if reply.send(&mut conn).is_err() {
+            return;
+        }
+    }
+}
+
+fn answer(
+    dispatch: &Dispatch,
+    session: u64,
+    parallel: &Weak<ExpertParallel>,
+) -> Result<Vec<f32>, String> {
+    let tag = dispatch.tag;
+    if tag.session != session {
+        return Err(format!(
+            "rows of session {:x}, this deployment is {session:x}",
+            tag.session
+        ));
+    }
+    let parallel = parallel
+        .upgrade()
+        .ok_or("the engine of this node has stopped")?;
+    let comm = parallel.current();
+    let epoch = comm.epoch();
+    if epoch.get() != tag.epoch {
+        return Err(format!(
+            "rows of placement epoch {}, this node serves {epoch}",
+            tag.epoch
+        ));
+    }
+    comm.serve_rows(
+        usize::from(dispatch.rank),
+        tag.layer as usize,
+        &dispatch.slots,
+        &dispatch.weights,
+        &dispatch.rows,
+    )
+    .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::free_loopback;
+    use crate::comm::{Comm, StepExperts};
+    use crate::experts::parallel::{EpSettings, EplbSchedule};
+    use crate::experts::tiny_test_model;
+    use deepinfer_model::LogitsWanted;
+    use deepinfer_topology::{ClusterConfig, DpRank};
+    use std::time::Instant;
+
+    fn bits(values: &[f32]) -> Vec<u32> {
+        values.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Two nodes in one process over real loopback sockets (ep = 4, two EP ranks each): each
+    /// node's forward through its `LocalComm` (half the experts here, half over the socket) gives
+    /// the model's own logits bit for bit, and both nodes' shards served picks.
+    #[test]
+    fn two_nodes_over_sockets_give_the_model_bits() {
+        let (_dir, model) = tiny_test_model();
+        let settings = EpSettings {
+            ep_ranks: 4,
+            redundant_experts: 4,
+            num_groups: 1,
+            num_nodes: 2,
+            eplb: EplbSchedule {
+                enabled: false,
+                window_steps: 1,
+                interval_steps: 1,
+            },
+        };
+        let bootstrap = Some(free_loopback());
+        let cluster = move |node: u16| ClusterConfig {
+            node,
+            bootstrap,
+            expert_listen: "127.0.0.1:0".parse().expect("address"),
+            exchange_timeout: Duration::from_secs(20),
+            bootstrap_timeout: Duration::from_secs(20),
+        };
+        let other = {
+            let model = model.clone();
+            thread::spawn(move || ExpertParallel::on_node(model, settings, &cluster(1)))
+        };
+        let first = ExpertParallel::on_node(model.clone(), settings, &cluster(0)).expect("node 0");
+        let second = other.join().expect("thread").expect("node 1");
+        assert_eq!(first.current().shards().len(), 2);
+        assert_eq!(second.current().shards()[0].rank(), EpRank(2));
+
+        let tokens = [5u32, 9, 300, 41, 41, 7, 7, 200, 13];
+        let mut plain = model.new_sequence();
+        let expected = model
+            .forward(&mut plain, &tokens, LogitsWanted::All)
+            .expect("forward");
+        for (dp, node) in [&first, &second].into_iter().enumerate() {
+            let comm = node.current();
+            let step = StepExperts::new(comm.as_ref(), DpRank(dp as u16), 0);
+            let mut seq = model.new_sequence();
+            let got = model
+                .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &step)
+                .expect("forward with experts");
+            assert_eq!(step.failure(), None);
+            assert_eq!(bits(&got), bits(&expected), "node {dp}");
+            assert_eq!(comm.ep_ranks(), 4);
+        }
+        for node in [&first, &second] {
+            for shard in node.current().shards() {
+                let served: u64 = shard.take_loads().iter().flatten().sum();
+                assert!(served > 0, "{} served nothing", shard.rank());
+            }
+        }
+    }
+
+    /// A peer that accepts but never answers: the exchange fails after the timeout with an error
+    /// naming the DP rank, step, layer and EP rank; the next call fails at once. A peer that is
+    /// gone (connection refused) fails at once too.
+    #[test]
+    fn a_silent_or_gone_peer_fails_the_exchange_by_name_without_a_hang() {
+        let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
+        let gone = free_loopback();
+        let experts = [
+            "127.0.0.1:1".parse().expect("address"),
+            silent.local_addr().expect("address"),
+            gone,
+        ];
+        let remote = RemoteRanks::new(9, Duration::from_millis(300), 0, 1, &experts);
+        assert_eq!((remote.ranks(), remote.local_ranks()), (3, 0..1));
+        let at = LayerAt {
+            dp: deepinfer_topology::DpRank(0),
+            step: 12,
+            layer: 3,
+        };
+        let started = Instant::now();
+        let err = remote
+            .serve(at, PlacementEpoch(0), 1, &[0], &[1.0], &[0.5; 4], 4)
+            .expect_err("silent peer");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(matches!(err, EpError::Timeout { .. }), "{err}");
+        let text = err.to_string();
+        for part in ["DP rank 0", "step 12", "layer 3", "EP rank 1", "node 1"] {
+            assert!(text.contains(part), "{text} lacks {part}");
+        }
+        let again = Instant::now();
+        let err = remote
+            .serve(at, PlacementEpoch(0), 1, &[0], &[1.0], &[0.5; 4], 4)
+            .expect_err("stays failed");
+        assert!(err.to_string().contains("failed earlier"), "{err}");
+        assert!(again.elapsed() < Duration::from_millis(100));
+        let err = remote
+            .serve(at, PlacementEpoch(0), 2, &[0], &[1.0], &[0.5; 4], 4)
+            .expect_err("gone peer");
+        assert!(matches!(err, EpError::PeerFailed { .. }), "{err}");
+        assert!(err.to_string().contains("EP rank 2 on node 2"), "{err}");
+        drop(silent);
+    }
+}

@@ -1,0 +1,413 @@
+//! The byte format of the messages between `deepinfer-node` processes (little-endian, one frame
+//! per message, every length bounds-checked before anything is allocated).
+//!
+//! Every frame starts with `MAGIC` and a kind byte. Expert traffic: `Dispatch` (a DP rank's rows
+//! of one layer for one EP rank: the count first, then per row its local slot and routing
+//! weight, then the rows) answered by `Combine` (the output rows, same count and order) or
+//! `Failure` (why the EP rank could not serve them). Start-up: `Hello` (a node joining) answered
+//! by `Welcome` (the session id and every node's expert address) or `Failure`.
+
+use std::io::{self, Read, Write};
+
+/// "DIEP": the first bytes of every frame.
+const MAGIC: u32 = 0x5045_4944;
+/// Most rows in one frame.
+const MAX_ROWS: u32 = 1 << 22;
+/// Widest row (f32 values).
+const MAX_DIM: u32 = 1 << 16;
+/// Most f32 values in one frame (1 GiB).
+const MAX_VALUES: u32 = 1 << 28;
+/// Longest text (an address, a failure message) or node table.
+const MAX_TEXT: u32 = 1 << 16;
+
+const DISPATCH: u8 = 1;
+const COMBINE: u8 = 2;
+const FAILURE: u8 = 3;
+const HELLO: u8 = 4;
+const WELCOME: u8 = 5;
+
+/// Which exchange a frame belongs to: the session, the sender's step, the layer and epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameTag {
+    /// The deployment's session id (node 0 draws it at the bootstrap).
+    pub session: u64,
+    /// The sending DP rank's step.
+    pub step: u64,
+    pub layer: u32,
+    pub epoch: u32,
+}
+
+/// A DP rank's rows of one layer for one EP rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dispatch {
+    pub tag: FrameTag,
+    /// The EP rank that is to serve them.
+    pub rank: u16,
+    pub dim: u32,
+    /// Per row: the EP rank's local slot (the replica of the row's expert).
+    pub slots: Vec<u32>,
+    /// Per row: the routing weight.
+    pub weights: Vec<f32>,
+    /// `[slots.len(), dim]`.
+    pub rows: Vec<f32>,
+}
+
+/// An answer to a `Dispatch`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// The output rows (`[count, dim]`, in the dispatch's row order).
+    Combine {
+        tag: FrameTag,
+        outputs: Vec<f32>,
+    },
+    Failure(String),
+}
+
+/// A node joining the deployment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hello {
+    pub node: u16,
+    pub nodes: u16,
+    /// What every node must agree on (model and topology), hashed.
+    pub fingerprint: u64,
+    /// Where this node's expert server listens.
+    pub expert_addr: String,
+}
+
+/// Node 0's answer to a `Hello` once every node joined.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Welcome {
+    Joined {
+        session: u64,
+        /// Every node's expert address, by node index.
+        experts: Vec<String>,
+    },
+    Failure(String),
+}
+
+#[derive(Default)]
+struct Frame(Vec<u8>);
+
+impl Frame {
+    fn new(kind: u8) -> Frame {
+        let mut frame = Frame(Vec::new());
+        frame.u32(MAGIC);
+        frame.0.push(kind);
+        frame
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn f32s(&mut self, values: &[f32]) {
+        for v in values {
+            self.0.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    fn text(&mut self, text: &str) {
+        // Cut at a character boundary, so a long message stays UTF-8.
+        let end = (0..=text.len().min(MAX_TEXT as usize))
+            .rev()
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        let bytes = &text.as_bytes()[..end];
+        self.u32(bytes.len() as u32);
+        self.0.extend_from_slice(bytes);
+    }
+    fn tag(&mut self, tag: FrameTag) {
+        self.u64(tag.session);
+        self.u64(tag.step);
+        self.u32(tag.layer);
+        self.u32(tag.epoch);
+    }
+    fn send(self, w: &mut impl Write) -> io::Result<()> {
+        w.write_all(&self.0)?;
+        w.flush()
+    }
+}
+
+fn bad(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, message)
+}
+
+fn u16_of(r: &mut impl Read) -> io::Result<u16> {
+    let mut b = [0u8; 2];
+    r.read_exact(&mut b)?;
+    Ok(u16::from_le_bytes(b))
+}
+fn u32_of(r: &mut impl Read) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+fn u64_of(r: &mut impl Read) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+fn bounded(value: u32, max: u32, what: &str) -> io::Result<usize> {
+    if value > max {
+        return Err(bad(format!("{what} {value} is over the limit {max}")));
+    }
+    Ok(value as usize)
+}
+fn f32s_of(r: &mut impl Read, count: usize) -> io::Result<Vec<f32>> {
+    let mut bytes = vec![0u8; count * 4];
+    r.read_exact(&mut bytes)?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+fn text_of(r: &mut impl Read) -> io::Result<String> {
+    let len = bounded(u32_of(r)?, MAX_TEXT, "text length")?;
+    let mut bytes = vec![0u8; len];
+    r.read_exact(&mut bytes)?;
+    String::from_utf8(bytes).map_err(|_| bad("text is not UTF-8".into()))
+}
+fn tag_of(r: &mut impl Read) -> io::Result<FrameTag> {
+    Ok(FrameTag {
+        session: u64_of(r)?,
+        step: u64_of(r)?,
+        layer: u32_of(r)?,
+        epoch: u32_of(r)?,
+    })
+}
+/// Reads the magic and the kind byte (`None`: the peer closed the connection between frames).
+fn kind_of(r: &mut impl Read) -> io::Result<Option<u8>> {
+    let mut b = [0u8; 4];
+    match r.read_exact(&mut b) {
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        other => other?,
+    }
+    if u32::from_le_bytes(b) != MAGIC {
+        return Err(bad("not a deepinfer frame (wrong magic)".into()));
+    }
+    let mut kind = [0u8; 1];
+    r.read_exact(&mut kind)?;
+    Ok(Some(kind[0]))
+}
+fn expect_kind(r: &mut impl Read, kinds: &[u8]) -> io::Result<u8> {
+    match kind_of(r)? {
+        Some(kind) if kinds.contains(&kind) => Ok(kind),
+        Some(kind) => Err(bad(format!("unexpected frame kind {kind}"))),
+        None => Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the peer closed the connection",
+        )),
+    }
+}
+
+impl Dispatch {
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        let mut f = Frame::new(DISPATCH);
+        f.tag(self.tag);
+        f.u16(self.rank);
+        f.u32(self.slots.len() as u32);
+        f.u32(self.dim);
+        for (&slot, &weight) in self.slots.iter().zip(&self.weights) {
+            f.u32(slot);
+            f.f32s(&[weight]);
+        }
+        f.f32s(&self.rows);
+        f.send(w)
+    }
+
+    /// The next dispatch on a connection (`None`: the peer closed it between frames).
+    pub fn receive(r: &mut impl Read) -> io::Result<Option<Dispatch>> {
+        match kind_of(r)? {
+            None => return Ok(None),
+            Some(DISPATCH) => {}
+            Some(kind) => return Err(bad(format!("expected a dispatch, got frame kind {kind}"))),
+        }
+        let tag = tag_of(r)?;
+        let rank = u16_of(r)?;
+        let count = bounded(u32_of(r)?, MAX_ROWS, "row count")?;
+        let dim = bounded(u32_of(r)?, MAX_DIM, "row width")?;
+        bounded(
+            u32::try_from(count * dim).unwrap_or(u32::MAX),
+            MAX_VALUES,
+            "rows x width",
+        )?;
+        let mut slots = Vec::with_capacity(count);
+        let mut weights = Vec::with_capacity(count);
+        for _ in 0..count {
+            slots.push(u32_of(r)?);
+            weights.push(f32s_of(r, 1)?[0]);
+        }
+        let rows = f32s_of(r, count * dim)?;
+        Ok(Some(Dispatch {
+            tag,
+            rank,
+            dim: dim as u32,
+            slots,
+            weights,
+            rows,
+        }))
+    }
+}
+
+impl Reply {
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        match self {
+            Reply::Combine { tag, outputs } => {
+                let mut f = Frame::new(COMBINE);
+                f.tag(*tag);
+                f.u32(outputs.len() as u32);
+                f.f32s(outputs);
+                f.send(w)
+            }
+            Reply::Failure(message) => {
+                let mut f = Frame::new(FAILURE);
+                f.text(message);
+                f.send(w)
+            }
+        }
+    }
+
+    pub fn receive(r: &mut impl Read) -> io::Result<Reply> {
+        match expect_kind(r, &[COMBINE, FAILURE])? {
+            COMBINE => {
+                let tag = tag_of(r)?;
+                let values = bounded(u32_of(r)?, MAX_VALUES, "output values")?;
+                Ok(Reply::Combine {
+                    tag,
+                    outputs: f32s_of(r, values)?,
+                })
+            }
+            _ => Ok(Reply::Failure(text_of(r)?)),
+        }
+    }
+}
+
+impl Hello {
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        let mut f = Frame::new(HELLO);
+        f.u16(self.node);
+        f.u16(self.nodes);
+        f.u64(self.fingerprint);
+        f.text(&self.expert_addr);
+        f.send(w)
+    }
+
+    pub fn receive(r: &mut impl Read) -> io::Result<Hello> {
+        expect_kind(r, &[HELLO])?;
+        Ok(Hello {
+            node: u16_of(r)?,
+            nodes: u16_of(r)?,
+            fingerprint: u64_of(r)?,
+            expert_addr: text_of(r)?,
+        })
+    }
+}
+
+impl Welcome {
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        match self {
+            Welcome::Joined { session, experts } => {
+                let mut f = Frame::new(WELCOME);
+                f.u64(*session);
+                f.u32(experts.len() as u32);
+                for addr in experts {
+                    f.text(addr);
+                }
+                f.send(w)
+            }
+            Welcome::Failure(message) => {
+                let mut f = Frame::new(FAILURE);
+                f.text(message);
+                f.send(w)
+            }
+        }
+    }
+
+    pub fn receive(r: &mut impl Read) -> io::Result<Welcome> {
+        match expect_kind(r, &[WELCOME, FAILURE])? {
+            WELCOME => {
+                let session = u64_of(r)?;
+                let nodes = bounded(u32_of(r)?, u32::from(u16::MAX), "node count")?;
+                let experts = (0..nodes).map(|_| text_of(r)).collect::<io::Result<_>>()?;
+                Ok(Welcome::Joined { session, experts })
+            }
+            _ => Ok(Welcome::Failure(text_of(r)?)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_bad_bytes_are_errors() {
+        let tag = FrameTag {
+            session: 7,
+            step: 3,
+            layer: 2,
+            epoch: 1,
+        };
+        let dispatch = Dispatch {
+            tag,
+            rank: 1,
+            dim: 2,
+            slots: vec![0, 3],
+            weights: vec![0.5, -1.25],
+            rows: vec![1.0, 2.0, f32::MIN_POSITIVE, -0.0],
+        };
+        let mut bytes = Vec::new();
+        dispatch.send(&mut bytes).expect("written");
+        let back = Dispatch::receive(&mut bytes.as_slice()).expect("read");
+        assert_eq!(back, Some(dispatch));
+        assert_eq!(Dispatch::receive(&mut &[][..]).expect("closed"), None);
+
+        let reply = Reply::Combine {
+            tag,
+            outputs: vec![3.0, 4.0],
+        };
+        let mut bytes = Vec::new();
+        reply.send(&mut bytes).expect("written");
+        assert_eq!(Reply::receive(&mut bytes.as_slice()).expect("read"), reply);
+
+        let welcome = Welcome::Joined {
+            session: 9,
+            experts: vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()],
+        };
+        let mut bytes = Vec::new();
+        welcome.send(&mut bytes).expect("written");
+        assert_eq!(
+            Welcome::receive(&mut bytes.as_slice()).expect("read"),
+            welcome
+        );
+
+        // A wrong magic, a truncated frame and an oversized count are errors, not panics.
+        assert!(Hello::receive(&mut &b"GET / HTTP/1.1\r\n"[..]).is_err());
+        let mut bytes = Vec::new();
+        Hello {
+            node: 1,
+            nodes: 2,
+            fingerprint: 5,
+            expert_addr: "127.0.0.1:3".into(),
+        }
+        .send(&mut bytes)
+        .expect("written");
+        assert!(Hello::receive(&mut &bytes[..bytes.len() - 1]).is_err());
+        let mut huge = Frame::new(DISPATCH);
+        huge.tag(tag);
+        huge.u16(0);
+        huge.u32(u32::MAX);
+        let err = Dispatch::receive(&mut huge.0.as_slice()).expect_err("too many rows");
+        assert!(err.to_string().contains("row count"), "{err}");
+        let mut wide = Frame::new(DISPATCH);
+        wide.tag(tag);
+        wide.u16(0);
+        wide.u32(MAX_ROWS);
+        wide.u32(MAX_DIM);
+        let err = Dispatch::receive(&mut wide.0.as_slice()).expect_err("too many values");
+        assert!(err.to_string().contains("rows x width"), "{err}");
+    }
+}
