@@ -499,20 +499,15 @@ mod tests {
     use super::*;
     use crate::rank::fake::{FakeConfig, FakeDrafter, FakeExecutor};
 
-    /// Counts steps and drafts nothing; hooks nothing else.
+    /// Counts the sequences freed and drafts nothing; hooks nothing else.
     struct Counting {
-        steps: usize,
+        freed: usize,
     }
 
     impl ExecutorLayer for Counting {
-        fn execute(
-            &mut self,
-            inner: &mut dyn RankExecutor,
-            batch: &[SeqTokens<'_>],
-            sampling: &[Option<SamplingParams>],
-        ) -> Result<Vec<EntryOutput>, ExecError> {
-            self.steps += 1;
-            inner.execute(batch, sampling)
+        fn free_sequence(&mut self, inner: &mut dyn RankExecutor, id: RequestId) {
+            self.freed += 1;
+            inner.free_sequence(id)
         }
         fn draft(
             &mut self,
@@ -542,7 +537,7 @@ mod tests {
     #[test]
     fn a_layer_changes_only_what_it_hooks() {
         let mut bare = fake();
-        let mut layered = Layered::new(Box::new(fake()), Counting { steps: 0 });
+        let mut layered = Layered::new(Box::new(fake()), Counting { freed: 0 });
         let id = RequestId(4);
         let prompt = [SeqTokens {
             id,
@@ -556,14 +551,13 @@ mod tests {
             executor.rollback(id, 2).expect("rollback");
         }
         assert_eq!(rows[0], rows[1]);
-        assert_eq!(layered.layer.steps, 1);
         assert_eq!(layered.sequence_len(id), Ok(2));
         assert_eq!(layered.device_latency(8), bare.device_latency(8));
         let plain = bare.draft(&[(id, 3)]).expect("drafts");
         assert_eq!(plain[0].as_ref().map(|d| d.tokens.len()), Some(3));
         assert_eq!(layered.draft(&[(id, 3)]), Ok(vec![None]));
         layered.free_sequence(id);
-        assert_eq!(layered.live_sequences(), 0);
+        assert_eq!((layered.live_sequences(), layered.layer.freed), (0, 1));
     }
 
     /// Host sampling samples each wanted row at the position after its token: the last row of
