@@ -325,6 +325,33 @@ pub fn sparse_attention_sink_rows_ptr_f32(
     )
 }
 
+/// The checks and parameters every row-batched entry shares: `heads` from the sink, `head_dim`
+/// in range, q and out of `lists.queries` queries.
+#[allow(clippy::too_many_arguments)]
+fn rows_params(
+    op: &'static str,
+    q: &CudaSlice<f32>,
+    lists: &DeviceKeyLists,
+    sink: &CudaSlice<f32>,
+    out: &CudaSlice<f32>,
+    head_dim: usize,
+    scale: f32,
+    rounding: Rounding,
+) -> Result<AttentionParams, KernelError> {
+    let heads = sink.len();
+    check_heads(op, heads, head_dim)?;
+    let width = heads * head_dim;
+    expect_len(op, "q", q.len(), lists.queries * width)?;
+    expect_len(op, "out", out.len(), lists.queries * width)?;
+    Ok(AttentionParams {
+        heads: dim(op, "heads", heads)?,
+        head_dim: dim(op, "head_dim", head_dim)?,
+        keys: dim(op, "key rows", lists.key_buffer_rows)?,
+        scale,
+        round_bf16: rounding.flag(),
+    })
+}
+
 /// The row-batched launch of either key source (whose rows the caller has checked against
 /// `lists`' row count and `head_dim`).
 #[allow(clippy::too_many_arguments)]
@@ -340,18 +367,7 @@ fn launch_rows(
     scale: f32,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    let heads = sink.len();
-    check_heads(op, heads, head_dim)?;
-    let width = heads * head_dim;
-    expect_len(op, "q", q.len(), lists.queries * width)?;
-    expect_len(op, "out", out.len(), lists.queries * width)?;
-    let params = AttentionParams {
-        heads: dim(op, "heads", heads)?,
-        head_dim: dim(op, "head_dim", head_dim)?,
-        keys: dim(op, "key rows", lists.key_buffer_rows)?,
-        scale,
-        round_bf16: rounding.flag(),
-    };
+    let params = rows_params(op, q, lists, sink, out, head_dim, scale, rounding)?;
     let cfg = LaunchConfig {
         grid_dim: (params.heads, dim(op, "queries", lists.queries)?, 1),
         block_dim: (THREADS, 1, 1),
@@ -417,18 +433,17 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         });
     }
     key_ptrs.check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
-    let heads = sink.len();
-    check_heads(FAST_OP, heads, head_dim)?;
-    let width = heads * head_dim;
-    expect_len(FAST_OP, "q", q.len(), lists.queries * width)?;
-    expect_len(FAST_OP, "out", out.len(), lists.queries * width)?;
-    let params = AttentionParams {
-        heads: dim(FAST_OP, "heads", heads)?,
-        head_dim: dim(FAST_OP, "head_dim", head_dim)?,
-        keys: dim(FAST_OP, "key rows", lists.key_buffer_rows)?,
+    let params = rows_params(
+        FAST_OP,
+        q,
+        lists,
+        sink,
+        out,
+        head_dim,
         scale,
-        round_bf16: Rounding::Bf16.flag(),
-    };
+        Rounding::Bf16,
+    )?;
+    let heads = sink.len();
     let cfg = LaunchConfig {
         grid_dim: (
             dim(FAST_OP, "head blocks", heads.div_ceil(FAST_HEADS_PER_BLOCK))?,
