@@ -71,17 +71,18 @@ pub fn block_config(
     }
 }
 
-/// The released V4-Flash config (the repository's copy of its `config.json`).
-const V4_FLASH_CONFIG: &str = include_str!("../../tests/data/deepseek-v4-flash.config.json");
+/// The released V4-Flash config (the shipped copy of its `config.json`, `tests/data`).
+pub fn v4_flash_config() -> ModelConfig {
+    deepinfer_actors::sim::shipped_config("deepseek-ai/DeepSeek-V4-Flash")
+        .expect("V4-Flash is a shipped config")
+        .expect("the shipped V4-Flash config parses")
+}
 
 /// A V4 one-block config: the released V4-Flash config (or the reduced V4 at `Narrow`) cut to one
 /// CSA layer with score routing, no MTP.
 fn v4_block(width: BlockWidth, vocab_size: usize, max_positions: usize) -> ModelConfig {
     let mut cfg = match width {
-        BlockWidth::Real => {
-            ModelConfig::from_json_str(V4_FLASH_CONFIG, Path::new("deepseek-v4-flash.config.json"))
-                .expect("the repository's V4-Flash config parses")
-        }
+        BlockWidth::Real => v4_flash_config(),
         BlockWidth::Narrow => ModelConfig::reduced_v4(),
     };
     let csa = cfg.v4.as_ref().map_or(4, |v4| v4.csa_ratio);

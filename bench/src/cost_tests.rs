@@ -1,7 +1,7 @@
 //! Tests of the cost model (`deepinfer_model::cost`) against the spec's figures, and its
 //! calibration against the H200 whole-step measurements of bench/README.md.
 
-use crate::block::{BlockFamily, BlockWidth, block_config};
+use crate::block::{BlockFamily, BlockWidth, block_config, v4_flash_config as v4_flash};
 use crate::cost::device::{DeviceModel, DevicePeaks, Efficiency};
 use crate::cost::step::{StepEntry, StepWork};
 use crate::cost::*;
@@ -153,13 +153,6 @@ fn calibration_predicts_the_h200_steps() {
         "worst calibration error {:.1}%",
         worst * 100.0
     );
-}
-
-/// The released V4-Flash config (the repository's copy).
-fn v4_flash() -> deepinfer_model::config::ModelConfig {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/data/deepseek-v4-flash.config.json");
-    deepinfer_model::config::ModelConfig::from_file(&path).expect("the V4-Flash config")
 }
 
 #[test]

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, CpuBackend};
 use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, ModelFamily};
 use crate::engram::CompressedVocab;
@@ -78,10 +78,8 @@ impl AnyModel {
     /// vocabulary (V4.1 models with Engram layers need it; V4 ignores it).
     pub fn load(dir: &Path, vocab: Option<CompressedVocab>) -> Result<AnyModel, ModelError> {
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-        Ok(match cfg.family {
-            ModelFamily::V41 => AnyModel::V41(Arc::new(v41::Model::load_with_vocab(dir, vocab)?)),
-            ModelFamily::V4 => AnyModel::V4(Arc::new(v4::Model::load(dir)?)),
-        })
+        let ckpt = Checkpoint::open(dir)?;
+        AnyModel::from_checkpoint(cfg, &ckpt, vocab, Box::new(CpuBackend::new()))
     }
 
     /// Builds the model of `cfg`'s family from an opened checkpoint on `backend` (`vocab` as in

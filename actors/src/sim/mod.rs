@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::cost::device::{DeviceModel, DevicePeaks, Efficiency, FabricLayout};
+use deepinfer_model::error::ModelError;
 use deepinfer_topology::{Arch, Backend, ModelSource, NodeConfig, RequestId};
 use tokio::task::JoinSet;
 
@@ -131,22 +132,28 @@ pub fn model_config(node: &NodeConfig) -> Result<ModelConfig, SimError> {
         ModelSource::LocalDir(dir) => ModelConfig::from_file(&dir.join("config.json"))
             .map_err(|e| bad(format!("{}: {e}", dir.display()))),
         ModelSource::Hub { repo_id, .. } => {
-            let name = repo_id.to_ascii_lowercase();
-            let (_, text) = SHIPPED_CONFIGS
-                .iter()
-                .find(|(fragment, _)| name.contains(fragment))
+            shipped_config(repo_id)
                 .ok_or_else(|| {
                     bad(format!(
                         "{repo_id}: no shipped config for this repository; point model.source at a local checkpoint directory"
                     ))
-                })?;
-            ModelConfig::from_json_str(text, std::path::Path::new(repo_id))
+                })?
                 .map_err(|e| bad(e.to_string()))
         }
         ModelSource::Demo => Err(bad(
             "the demo model is not simulated (its costs mean nothing); name a real model".into(),
         )),
     }
+}
+
+/// The shipped config (parsed) of the Hub repository `repo_id`: the first of
+/// [`SHIPPED_CONFIGS`] whose name fragment it contains, ignoring case (`None`: no shipped config).
+pub fn shipped_config(repo_id: &str) -> Option<Result<ModelConfig, ModelError>> {
+    let name = repo_id.to_ascii_lowercase();
+    SHIPPED_CONFIGS
+        .iter()
+        .find(|(fragment, _)| name.contains(fragment))
+        .map(|(_, text)| ModelConfig::from_json_str(text, std::path::Path::new(repo_id)))
 }
 
 /// The default trace for `node`: 4 requests per DP rank arriving as a Poisson stream over about
