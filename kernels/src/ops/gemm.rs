@@ -251,15 +251,7 @@ pub fn gemm_fp4_split(
     split: GemmSplit,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4";
-    if a.group != ActGroup::G32 {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "FP4 GEMM needs 32-element activation groups, got {}",
-                a.group.elements()
-            ),
-        });
-    }
+    a.group.require_g32(OP, "FP4 GEMMs")?;
     launch_gemm(
         rt,
         OP,

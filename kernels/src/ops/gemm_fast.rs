@@ -421,15 +421,7 @@ pub fn gemm_fp4_fast_tiled(
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_fast";
-    if a.group != ActGroup::G32 {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "FP4 weights need 32-element activation groups, got {}",
-                a.group.elements()
-            ),
-        });
-    }
+    a.group.require_g32(OP, "FP4 weights")?;
     launch_dense(
         rt,
         OP,

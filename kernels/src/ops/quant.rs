@@ -30,6 +30,21 @@ impl ActGroup {
         }
     }
 
+    /// `Ok` when `self` is `G32`, else a shape error of `op`: `what` (e.g. "FP4 weights") needs
+    /// 32-element activation groups.
+    pub(crate) fn require_g32(self, op: &'static str, what: &str) -> Result<(), KernelError> {
+        if self == ActGroup::G32 {
+            return Ok(());
+        }
+        Err(KernelError::Shape {
+            op,
+            message: format!(
+                "{what} need 32-element activation groups, got {}",
+                self.elements()
+            ),
+        })
+    }
+
     fn kernel(self) -> KernelId {
         match self {
             ActGroup::G32 => KernelId::ActQuantFp8G32,

@@ -13,7 +13,7 @@ use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
 use super::gemm_fast::FastFp4Weight;
-use super::quant::{ActGroup, DeviceActFp8};
+use super::quant::DeviceActFp8;
 use super::{Rounding, dim as kernel_dim, expect_len};
 use crate::error::KernelError;
 use crate::id::KernelId;
@@ -623,15 +623,7 @@ pub(super) fn check_routed(
             message: format!("the table holds {:?} experts", table.format),
         });
     }
-    if x.group != ActGroup::G32 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!(
-                "expert GEMMs need 32-element activation groups, got {}",
-                x.group.elements()
-            ),
-        });
-    }
+    x.group.require_g32(op, "expert GEMMs")?;
     let (n, k) = table.shape_of(which);
     if x.cols != k {
         return Err(KernelError::Shape {
