@@ -63,6 +63,10 @@ fn single_topology(dir: &Path) -> String {
     path.to_str().expect("utf-8 path").to_string()
 }
 
+/// Every request's sampling seed: a job's lines reach the engine concurrently, so without one a
+/// line's seed (derived from its request id) would depend on which line arrived first.
+const SEED: u64 = 7;
+
 fn write_input(dir: &Path, lines: &[(&str, &str, u32)]) -> String {
     let text: String = lines
         .iter()
@@ -70,7 +74,7 @@ fn write_input(dir: &Path, lines: &[(&str, &str, u32)]) -> String {
             format!(
                 "{{\"custom_id\":\"{id}\",\"method\":\"POST\",\"url\":\"/v1/completions\",\
                  \"body\":{{\"model\":\"demo\",\"prompt\":\"{prompt}\",\"max_tokens\":{max_tokens},\
-                 \"logprobs\":3}}}}\n"
+                 \"logprobs\":3,\"seed\":{SEED}}}}}\n"
             )
         })
         .collect();
