@@ -50,7 +50,9 @@ use deepinfer_model::config::ModelConfig;
 use deepinfer_model::error::ModelError;
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v41::MAX_BACKTRACK;
-use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState};
+use deepinfer_model::{
+    EntryOutput, LogitsWanted, Model, PrefixBlock, SequenceState, StepEntry, StepOptions,
+};
 
 /// The salt of an engine's caches: one model per engine, no adapters, so every prompt shares it.
 pub const ENGINE_SALT: u64 = 0x7072_6566_6978;
@@ -455,12 +457,15 @@ pub fn feed(
 ) -> Result<Vec<f32>, ModelError> {
     let mut logits = Vec::new();
     for piece in tokens[from..].chunks(chunk.max(1)) {
-        let rows = match rule.decoder_keep {
-            Some(keep) => {
-                model.forward_replay(seq, piece, want, tokens.len().saturating_sub(keep))?
-            }
-            None => model.forward(seq, piece, want)?,
+        let entry = StepEntry {
+            decoder_from: rule
+                .decoder_keep
+                .map(|keep| tokens.len().saturating_sub(keep)),
+            ..StepEntry::new(seq, piece, want)
         };
+        let rows = model
+            .forward_step(&mut [entry], StepOptions::default())
+            .and_then(EntryOutput::one_entry_logits)?;
         if want == LogitsWanted::Last && !rows.is_empty() {
             logits = rows;
         } else {

@@ -176,7 +176,7 @@ impl AnyModel {
                         sample: entry.sample,
                     });
                 }
-                model.forward_step(&mut steps, options)
+                model.forward_step(&mut steps, options.with_family(v41::StepExtras::default()))
             }
             AnyModel::V4(model) => {
                 if options.experts.is_some() {

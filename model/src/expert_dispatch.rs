@@ -7,7 +7,7 @@
 //! an expert runs (which EP rank, which replica) can never change a bit of the result, as long as
 //! every copy of an expert holds the model's weights and runs [`Model::run_routed_expert`].
 //!
-//! Without a hook (`Model::forward`) the model runs its own weights. The runtime's expert
+//! Without a hook (`StepOptions::experts` unset) the model runs its own weights. The runtime's expert
 //! parallelism (`deepinfer-actors`' `LocalComm`) implements the trait over per-EP-rank copies
 //! obtained with [`Model::routed_expert`]. DSpark stages always run their own experts locally.
 
@@ -66,7 +66,7 @@ mod tests {
     use super::*;
     use crate::checkpoint::synth::write_random_checkpoint;
     use crate::config::ModelConfig;
-    use crate::v41::LogitsWanted;
+    use crate::v41::{EntryOutput, LogitsWanted, StepEntry, StepOptions};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn tiny_model() -> (tempfile::TempDir, Model) {
@@ -129,7 +129,11 @@ mod tests {
         let tokens = [3u32, 9, 4, 1, 7, 7, 2];
         let mut plain_seq = model.new_sequence();
         let plain = model
-            .forward(&mut plain_seq, &tokens, LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut plain_seq, &tokens, LogitsWanted::All)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("forward");
         for reverse in [false, true] {
             let copies = Copies {
@@ -140,7 +144,14 @@ mod tests {
             };
             let mut seq = model.new_sequence();
             let hooked = model
-                .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &copies)
+                .forward_step(
+                    &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
+                    StepOptions {
+                        experts: Some(&copies),
+                        ..StepOptions::default()
+                    },
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("forward with experts");
             assert_eq!(
                 plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -202,7 +213,14 @@ mod tests {
         let run = |zeros: bool| {
             let mut seq = model.new_sequence();
             model
-                .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &Fixed { zeros })
+                .forward_step(
+                    &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
+                    StepOptions {
+                        experts: Some(&Fixed { zeros }),
+                        ..StepOptions::default()
+                    },
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("forward")
                 .iter()
                 .map(|v| v.to_bits())

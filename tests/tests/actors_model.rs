@@ -1,6 +1,6 @@
 //! The engine on the real V4.1 model code (CPU backend, tiny random checkpoint written through
 //! the loader's synthesiser): greedy tokens through 2 DP ranks with chunked prefill equal a
-//! direct `Model::forward` loop with the same chunks (the runtime adds no numerical difference).
+//! direct one-entry `Model::forward_step` loop with the same chunks (the runtime adds no numerical difference).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +10,7 @@ use deepinfer_actors::{Engine, EngineConfig, FinishReason, GenerateRequest, Mode
 use deepinfer_model::backend::cpu::argmax;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{LogitsWanted, Model, checkpoint};
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::NodeConfig;
@@ -21,7 +22,13 @@ fn reference(model: &Model, prompt: &[u32], n: usize, eos: u32) -> Vec<u32> {
     let mut seq = model.new_sequence();
     let mut logits = Vec::new();
     for chunk in prompt.chunks(CHUNK) {
-        logits = model.forward(&mut seq, chunk, LogitsWanted::Last).unwrap();
+        logits = model
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, chunk, LogitsWanted::Last)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
+            .unwrap();
     }
     let mut out = Vec::new();
     for _ in 0..n {
@@ -31,7 +38,11 @@ fn reference(model: &Model, prompt: &[u32], n: usize, eos: u32) -> Vec<u32> {
         }
         out.push(token);
         logits = model
-            .forward(&mut seq, &[token], LogitsWanted::Last)
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &[token], LogitsWanted::Last)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .unwrap();
     }
     out

@@ -16,6 +16,7 @@ use deepinfer_actors::rank::executor::ExecutorFactory;
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
 use deepinfer_model::v41::context_parallel::{CpSplit, rank_rows};
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{LogitsWanted, Model, SequenceState};
 use deepinfer_tests::drift;
 use deepinfer_topology::NodeConfig;
@@ -40,7 +41,11 @@ fn decode(model: &Model, seq: &mut SequenceState, last: &[f32]) -> Vec<Vec<f32>>
     (0..DECODE_STEPS)
         .map(|_| {
             let logits = model
-                .forward(seq, &[next], LogitsWanted::Last)
+                .forward_step(
+                    &mut [StepEntry::new(seq, &[next], LogitsWanted::Last)],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("decode step");
             next = drift::argmax(&logits) as u32;
             logits
@@ -66,13 +71,25 @@ fn cp_equals_single_rank(model: &Model, tokens: &[u32], prefix: usize, want: Log
     let mut single = model.new_sequence();
     if prefix > 0 {
         model
-            .forward(&mut single, &tokens[..prefix], LogitsWanted::Last)
+            .forward_step(
+                &mut [StepEntry::new(
+                    &mut single,
+                    &tokens[..prefix],
+                    LogitsWanted::Last,
+                )],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("prefix");
     }
     let before = single.clone();
     let chunk = &tokens[prefix..];
     let logits = model
-        .forward(&mut single, chunk, want)
+        .forward_step(
+            &mut [StepEntry::new(&mut single, chunk, want)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("single-rank prefill");
     let single_decode = decode(model, &mut single.clone(), &logits[logits.len() - vocab..]);
     for ranks in [2, 4] {

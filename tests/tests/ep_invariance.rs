@@ -13,6 +13,7 @@ use deepinfer_actors::experts::parallel::{EpSettings, EplbSchedule, ExpertParall
 use deepinfer_actors::experts::shard::ExpertShard;
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_model::LogitsWanted;
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_topology::{EpRank, EplbPolicy, PlacementEpoch, rebalance_experts};
 use ep_support::{bits, facts, model, node, run_engine};
 
@@ -30,7 +31,7 @@ fn settings(ep_ranks: usize, redundant_experts: usize) -> EpSettings {
     }
 }
 
-/// Model-level: `forward_with_experts` over a `LocalComm` equals `forward` bit for bit, for a
+/// Model-level: `forward_step` with `StepOptions::experts` over a `LocalComm` equals it without bit for bit, for a
 /// prefill in chunks then decode steps, under the start-up and under a skewed placement, with the
 /// global policy and with the hierarchical one (2 nodes, 2 expert groups).
 #[test]
@@ -51,7 +52,11 @@ fn local_comm_logits_equal_the_model_bitwise() {
     for chunk in chunks {
         expected.push(
             model
-                .forward(&mut plain, chunk, LogitsWanted::All)
+                .forward_step(
+                    &mut [StepEntry::new(&mut plain, chunk, LogitsWanted::All)],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("forward"),
         );
     }
@@ -105,7 +110,14 @@ fn local_comm_logits_equal_the_model_bitwise() {
             for (chunk, want) in chunks.iter().zip(&expected) {
                 let step = StepExperts::new(comm, deepinfer_topology::DpRank(0), 0);
                 let got = model
-                    .forward_with_experts(&mut seq, chunk, LogitsWanted::All, &step)
+                    .forward_step(
+                        &mut [StepEntry::new(&mut seq, chunk, LogitsWanted::All)],
+                        StepOptions {
+                            experts: Some(&step),
+                            ..StepOptions::default()
+                        },
+                    )
+                    .and_then(EntryOutput::one_entry_logits)
                     .expect("forward with experts");
                 assert_eq!(bits(&got), bits(want), "{policy:?} {}", comm.epoch());
                 assert_eq!(step.epochs_seen(), Some((comm.epoch(), comm.epoch())));

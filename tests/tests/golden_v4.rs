@@ -12,6 +12,7 @@ use std::path::Path;
 use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry, StepOptions};
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
+use deepinfer_model::v4::StepEntry;
 use deepinfer_model::v4::{Model, SequenceState};
 use deepinfer_model::{EntryOutput, LogitsWanted};
 use golden_support::{Expected, argmax, ids};
@@ -76,7 +77,12 @@ fn run_schedule_with_state(
     let mut start = 0;
     for &chunk in chunks {
         let rows = model
-            .forward(&mut seq, &tokens[start..start + chunk], LogitsWanted::All)
+            .forward_step(&mut [StepEntry::new(
+                &mut seq,
+                &tokens[start..start + chunk],
+                LogitsWanted::All,
+            )])
+            .and_then(EntryOutput::one_entry_logits)
             .expect("forward");
         logits.extend(rows);
         start += chunk;
@@ -144,14 +150,16 @@ fn greedy_continuation_matches_transformers() {
     let model = &fx.model;
     let mut seq = model.new_sequence();
     let mut last = model
-        .forward(&mut seq, &tokens, LogitsWanted::Last)
+        .forward_step(&mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::Last)])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let mut greedy = Vec::with_capacity(expected.len());
     for _ in 0..expected.len() {
         let next = argmax(&last);
         greedy.push(next);
         last = model
-            .forward(&mut seq, &[next], LogitsWanted::Last)
+            .forward_step(&mut [StepEntry::new(&mut seq, &[next], LogitsWanted::Last)])
+            .and_then(EntryOutput::one_entry_logits)
             .expect("decode");
     }
     assert_eq!(greedy, expected);
@@ -171,7 +179,12 @@ fn run_with_rollbacks(model: &Model, tokens: &[u32], prefix: usize) -> Vec<f32> 
     let vocab = model.config().vocab_size;
     let mut seq = model.new_sequence();
     let mut logits = model
-        .forward(&mut seq, &tokens[..prefix], LogitsWanted::All)
+        .forward_step(&mut [StepEntry::new(
+            &mut seq,
+            &tokens[..prefix],
+            LogitsWanted::All,
+        )])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let mut position = prefix;
     let mut step = 0usize;
@@ -181,7 +194,8 @@ fn run_with_rollbacks(model: &Model, tokens: &[u32], prefix: usize) -> Vec<f32> 
         let mut chunk = tokens[position..position + accept].to_vec();
         chunk.extend((0..reject).map(|i| ((tokens[position] as usize + 7 * i + 3) % vocab) as u32));
         let rows = model
-            .forward(&mut seq, &chunk, LogitsWanted::All)
+            .forward_step(&mut [StepEntry::new(&mut seq, &chunk, LogitsWanted::All)])
+            .and_then(EntryOutput::one_entry_logits)
             .expect("verify");
         logits.extend_from_slice(&rows[..accept * vocab]);
         model

@@ -12,6 +12,7 @@
 mod golden_support;
 
 use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use golden_support::v41_rules::{
     Golden, SAME_ARITHMETIC_LOGITS, check_decode_run, check_prefill_dumps, row_errors, summary,
@@ -46,7 +47,11 @@ fn free_running_follows_the_readme_rules(name: &str) {
     let mut trace = ForwardTrace::default();
     let logits = fx
         .model
-        .forward_traced(&mut seq, &tokens, LogitsWanted::All, Some(&mut trace))
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
+            StepOptions::traced(&mut trace),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let errors = row_errors(&logits, &fx.f32("logits_full"), vocab, g.range());
     eprintln!("{name} free-running logits_full: {}", summary(&errors));
@@ -68,7 +73,11 @@ fn free_running_follows_the_readme_rules(name: &str) {
     );
     check_decode_run(&g, &logits, |seq, len| {
         fx.model
-            .forward(seq, &tokens[..len], LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(seq, &tokens[..len], LogitsWanted::All)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("prefill")
     });
 }
@@ -104,7 +113,11 @@ fn blocks_match_given_reference_inputs(name: &str) {
     inject_reference_streams(&g, &mut trace, n);
     let logits = fx
         .model
-        .forward_traced(&mut seq, &tokens, LogitsWanted::All, Some(&mut trace))
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
+            StepOptions::traced(&mut trace),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let errors = row_errors(&logits, &fx.f32("logits_full"), cfg.vocab_size, g.range());
     eprintln!(
@@ -159,7 +172,15 @@ fn run_chunked(model: &Model, tokens: &[u32], chunks: &[usize]) -> (Vec<f32>, Se
     for &size in chunks {
         logits.extend(
             model
-                .forward(&mut seq, &tokens[at..at + size], LogitsWanted::All)
+                .forward_step(
+                    &mut [StepEntry::new(
+                        &mut seq,
+                        &tokens[at..at + size],
+                        LogitsWanted::All,
+                    )],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("chunk"),
         );
         at += size;
@@ -200,7 +221,11 @@ fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
     // `Last` returns exactly the last row of `All`.
     let mut seq = model.new_sequence();
     let last = model
-        .forward(&mut seq, &tokens[..50], LogitsWanted::Last)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens[..50], LogitsWanted::Last)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     assert_eq!(last, one_shot[49 * vocab..50 * vocab]);
 }
@@ -218,7 +243,15 @@ fn rollback_after_partial_verify_equals_never_drafted() {
     for (prefill, accepted) in [(75, 2), (75, 1), (76, 0), (80, 5), (81, 3)] {
         let mut seq = model.new_sequence();
         model
-            .forward(&mut seq, &tokens[..prefill], LogitsWanted::Last)
+            .forward_step(
+                &mut [StepEntry::new(
+                    &mut seq,
+                    &tokens[..prefill],
+                    LogitsWanted::Last,
+                )],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("prefill");
         let mut verify = tokens[prefill..prefill + 1 + accepted].to_vec();
         verify.extend(
@@ -226,7 +259,11 @@ fn rollback_after_partial_verify_equals_never_drafted() {
                 .map(|i| (tokens[prefill + 1 + accepted] + 1 + i as u32) % vocab as u32),
         );
         let verified = model
-            .forward(&mut seq, &verify, LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &verify, LogitsWanted::All)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("verify");
         let keep = prefill + 1 + accepted;
         assert_eq!(
@@ -236,7 +273,11 @@ fn rollback_after_partial_verify_equals_never_drafted() {
         model.rollback(&mut seq, keep).expect("rollback");
         assert_eq!(seq.len(), keep);
         let rest = model
-            .forward(&mut seq, &tokens[keep..], LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &tokens[keep..], LogitsWanted::All)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("continue");
         let differing = rest
             .iter()
@@ -252,14 +293,30 @@ fn rollback_after_partial_verify_equals_never_drafted() {
     // Rolling back further than the rings keep is refused, not silently wrong.
     let mut seq = model.new_sequence();
     model
-        .forward(&mut seq, &tokens[..60], LogitsWanted::Last)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens[..60], LogitsWanted::Last)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     assert!(model.rollback(&mut seq, 30).is_err());
     assert!(model.rollback(&mut seq, 61).is_err());
-    assert!(model.forward(&mut seq, &[], LogitsWanted::All).is_err());
     assert!(
         model
-            .forward(&mut seq, &[vocab as u32], LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &[], LogitsWanted::All)],
+                StepOptions::default()
+            )
+            .and_then(EntryOutput::one_entry_logits)
+            .is_err()
+    );
+    assert!(
+        model
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &[vocab as u32], LogitsWanted::All)],
+                StepOptions::default()
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .is_err()
     );
 }
@@ -304,16 +361,28 @@ fn random_checkpoint_is_chunking_and_rollback_invariant() {
     let vocab_size = cfg.vocab_size;
     let mut seq = model.new_sequence();
     model
-        .forward(&mut seq, &tokens[..31], LogitsWanted::Last)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens[..31], LogitsWanted::Last)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let mut verify = tokens[31..33].to_vec();
     verify.extend([5, 6, 7, 8]);
     model
-        .forward(&mut seq, &verify, LogitsWanted::All)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &verify, LogitsWanted::All)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("verify");
     model.rollback(&mut seq, 33).expect("rollback");
     let rest = model
-        .forward(&mut seq, &tokens[33..], LogitsWanted::All)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens[33..], LogitsWanted::All)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("continue");
     assert!(
         rest.iter()
@@ -340,32 +409,25 @@ fn bounded_replay_truncates_only_the_decoder() {
     let minimum = cfg.window_size + deepinfer_model::v41::MAX_BACKTRACK;
     let (full, full_seq) = run_chunked(model, &tokens, &[n]);
 
-    assert!(
+    // Keep `keep` tokens: the decoder starts at `n - keep` (the runtime's replay bound checks
+    // `keep >= minimum`).
+    let bounded_prefill = |seq: &mut SequenceState, keep: usize| {
         model
-            .prefill_bounded(
-                &mut model.new_sequence(),
-                &tokens,
-                LogitsWanted::All,
-                minimum - 1
+            .forward_step(
+                &mut [StepEntry {
+                    decoder_from: Some(n - keep),
+                    ..StepEntry::new(seq, &tokens, LogitsWanted::All)
+                }],
+                StepOptions::default(),
             )
-            .is_err()
-    );
+            .and_then(EntryOutput::one_entry_logits)
+    };
     let mut seq = model.new_sequence();
-    let untouched = model
-        .prefill_bounded(&mut seq, &tokens, LogitsWanted::All, n)
-        .expect("keep everything");
+    let untouched = bounded_prefill(&mut seq, n).expect("keep everything");
     assert_eq!(untouched, full);
-    assert!(
-        model
-            .prefill_bounded(&mut seq, &tokens[..1], LogitsWanted::All, n)
-            .is_err(),
-        "only a prefill"
-    );
 
     let mut seq = model.new_sequence();
-    let tail = model
-        .prefill_bounded(&mut seq, &tokens, LogitsWanted::All, minimum)
-        .expect("bounded prefill");
+    let tail = bounded_prefill(&mut seq, minimum).expect("bounded prefill");
     assert_eq!(tail.len(), minimum * vocab);
     assert_eq!(seq.len(), n);
     for &source in &cfg.kv_source_layers {
@@ -393,7 +455,11 @@ fn bounded_replay_truncates_only_the_decoder() {
         "bounded replay keep {minimum}: last row max|Δ|/range {last_err:.3e}, same top-1: {same_top1}"
     );
     let next = model
-        .forward(&mut seq, &[tokens[5]], LogitsWanted::Last)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &[tokens[5]], LogitsWanted::Last)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("decode after bounded prefill");
     assert!(next.iter().all(|v| v.is_finite()));
     model

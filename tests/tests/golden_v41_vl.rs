@@ -7,9 +7,11 @@
 mod golden_support;
 
 use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::v41::StepExtras;
 use deepinfer_model::v41::vision::{
     self, EncodedImage, ImageInput, PlacedImage, TokenType, VisionError,
 };
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use golden_support::v41_rules::{
     COEFF_RMS, Golden, SAME_ARITHMETIC_LOGITS, STREAM_RMS, check_compressed_caches,
@@ -84,7 +86,20 @@ fn run_chunk(
     } else {
         Vec::new()
     };
-    model.forward_with_images_traced(seq, &tokens[range], &placed, LogitsWanted::All, trace)
+    let chunk = &tokens[range];
+    let images = model.place_images(chunk, &placed)?;
+    let options = StepOptions {
+        family: StepExtras {
+            trace,
+            images: Some(&images),
+            cp: None,
+        },
+        ..StepOptions::default()
+    };
+    let entry = StepEntry::new(seq, chunk, LogitsWanted::All);
+    Ok(model
+        .forward_step(&mut [entry], options)
+        .and_then(EntryOutput::one_entry_logits)?)
 }
 
 #[test]
@@ -366,12 +381,7 @@ fn chunking_around_an_image_span_is_bitwise_invariant() {
         image: &image,
     }];
     assert!(matches!(
-        model.forward_with_images(
-            &mut model.new_sequence(),
-            &tokens[..start + 3],
-            &cut,
-            LogitsWanted::Last
-        ),
+        model.place_images(&tokens[..start + 3], &cut),
         Err(VisionError::SpanOutsideChunk { .. })
     ));
     let shifted = [PlacedImage {
@@ -379,24 +389,42 @@ fn chunking_around_an_image_span_is_bitwise_invariant() {
         image: &image,
     }];
     assert!(matches!(
-        model.forward_with_images(
-            &mut model.new_sequence(),
-            &tokens,
-            &shifted,
-            LogitsWanted::Last
-        ),
+        model.place_images(&tokens, &shifted),
         Err(VisionError::SpanToken { .. })
     ));
-    // Without images the entry is `Model::forward`.
+    // Spans placed in one chunk do not run with another.
+    let placed = [PlacedImage {
+        start,
+        image: &image,
+    }];
+    let images = model.place_images(&tokens, &placed).expect("placed");
+    let mut seq = model.new_sequence();
+    let other = [tokens.clone(), vec![tokens[0]]].concat();
+    let entry = StepEntry::new(&mut seq, &other[1..], LogitsWanted::Last);
+    let error = model
+        .forward_step(&mut [entry], StepOptions::with_images(&images))
+        .expect_err("spans of another chunk");
+    assert!(error.to_string().contains("image spans"), "{error}");
+    assert!(seq.is_empty(), "a refused step changes nothing");
+    // Without images the entry is a plain step.
     let text = &tokens[..start];
     let mut a = model.new_sequence();
     let mut b = model.new_sequence();
+    let none = model.place_images(text, &[]).expect("no spans");
     assert_eq!(
         model
-            .forward_with_images(&mut a, text, &[], LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut a, text, LogitsWanted::All)],
+                StepOptions::with_images(&none)
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("text"),
         model
-            .forward(&mut b, text, LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut b, text, LogitsWanted::All)],
+                StepOptions::default()
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("text")
     );
 }

@@ -60,6 +60,7 @@ use deepinfer_model::sampling::{
     AllowedTokens, MAX_TOP_LOGPROBS, MaskError, SamplingParams, TokenLogprobs, sample_allowed,
     token_logprobs,
 };
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use half::bf16;
 
 mod gpu_support;
@@ -1000,7 +1001,11 @@ fn prefill_and_decode(model: &deepinfer_model::Model, tokens: &[u32], decode: us
     let mut seq = model.new_sequence();
     let started = std::time::Instant::now();
     let mut logits = model
-        .forward(&mut seq, tokens, LogitsWanted::All)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, tokens, LogitsWanted::All)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
     let started = std::time::Instant::now();
@@ -1011,7 +1016,11 @@ fn prefill_and_decode(model: &deepinfer_model::Model, tokens: &[u32], decode: us
         generated.push(next);
         logits.extend(
             model
-                .forward(&mut seq, &[next], LogitsWanted::All)
+                .forward_step(
+                    &mut [StepEntry::new(&mut seq, &[next], LogitsWanted::All)],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("decode"),
         );
     }
@@ -1124,17 +1133,29 @@ fn v41_tiny_on_cuda_is_batch_invariant() {
     let run_alone = |prompt: &[u32]| {
         let mut seq = model.new_sequence();
         let mut out = model
-            .forward(&mut seq, &prompt[..half], LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &prompt[..half], LogitsWanted::All)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("chunk 1");
         out.extend(
             model
-                .forward(&mut seq, &prompt[half..], LogitsWanted::All)
+                .forward_step(
+                    &mut [StepEntry::new(&mut seq, &prompt[half..], LogitsWanted::All)],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("chunk 2"),
         );
         for t in decode {
             out.extend(
                 model
-                    .forward(&mut seq, &[t], LogitsWanted::All)
+                    .forward_step(
+                        &mut [StepEntry::new(&mut seq, &[t], LogitsWanted::All)],
+                        StepOptions::default(),
+                    )
+                    .and_then(EntryOutput::one_entry_logits)
                     .expect("decode"),
             );
         }
@@ -1145,27 +1166,47 @@ fn v41_tiny_on_cuda_is_batch_invariant() {
     let mut seq = model.new_sequence();
     let mut other_seqs: Vec<_> = others.iter().map(|_| model.new_sequence()).collect();
     let mut interleaved = model
-        .forward(&mut seq, &tokens[..half], LogitsWanted::All)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens[..half], LogitsWanted::All)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("chunk 1");
     for (other, other_tokens) in other_seqs.iter_mut().zip(&others) {
         model
-            .forward(other, other_tokens, LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(other, other_tokens, LogitsWanted::All)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("other prefill");
     }
     interleaved.extend(
         model
-            .forward(&mut seq, &tokens[half..], LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &tokens[half..], LogitsWanted::All)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("chunk 2"),
     );
     for t in decode {
         for other in other_seqs.iter_mut() {
             model
-                .forward(other, &[t + 1], LogitsWanted::All)
+                .forward_step(
+                    &mut [StepEntry::new(other, &[t + 1], LogitsWanted::All)],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("other decode");
         }
         interleaved.extend(
             model
-                .forward(&mut seq, &[t], LogitsWanted::All)
+                .forward_step(
+                    &mut [StepEntry::new(&mut seq, &[t], LogitsWanted::All)],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("decode"),
         );
     }

@@ -47,6 +47,7 @@ use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, moe_combine, swiglu_rows,
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
+use deepinfer_model::EntryOutput;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -995,7 +996,11 @@ fn v41_tiny_fast_is_batch_invariant() {
     let prefill_alone = probe_step(&model, &fresh, &tokens, &[], 0);
     let mut prefilled = model.new_sequence();
     model
-        .forward(&mut prefilled, &tokens, LogitsWanted::Last)
+        .forward_step(
+            &mut [StepEntry::new(&mut prefilled, &tokens, LogitsWanted::Last)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let decode_alone = probe_step(&model, &prefilled, &[17], &[], 0);
     let mut checked = 0;
@@ -1021,7 +1026,11 @@ fn v41_tiny_fast_is_batch_invariant() {
             .enumerate()
             .map(|(i, (mut seq, p))| {
                 model
-                    .forward(&mut seq, &p, LogitsWanted::Last)
+                    .forward_step(
+                        &mut [StepEntry::new(&mut seq, &p, LogitsWanted::Last)],
+                        StepOptions::default(),
+                    )
+                    .and_then(EntryOutput::one_entry_logits)
                     .expect("other prefill");
                 (seq, vec![(i as u32 * 31 + 5) % vocab as u32])
             })

@@ -13,6 +13,7 @@ use deepinfer_actors::prefix_cache::{
     CachedPrefill, PrefillRule, PrefixCache, exact_replay_tokens, feed, insert_blocks, prefill,
 };
 use deepinfer_model::state_bytes::StateBytes;
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState};
 use deepinfer_tests::drift::{
     Bounds, Drift, Rows, argmax, check_bounds, demo_model, drift, fixture_bounds, prompt, report,
@@ -48,7 +49,11 @@ fn decode(
         let token = tokens.get(step).copied().unwrap_or(next);
         fed.push(token);
         let row = model
-            .forward(seq, &[token], LogitsWanted::Last)
+            .forward_step(
+                &mut [StepEntry::new(seq, &[token], LogitsWanted::Last)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("decode");
         next = argmax(&row) as u32;
         rows.extend(row);
@@ -293,7 +298,14 @@ fn a_hit_on_a_prefix_another_sequence_is_extending() {
     for (i, piece) in writer.chunks(CHUNK).enumerate() {
         rows.extend(
             model
-                .forward_replay(&mut seq, piece, LogitsWanted::All, writer.len() - keep)
+                .forward_step(
+                    &mut [StepEntry {
+                        decoder_from: Some(writer.len() - keep),
+                        ..StepEntry::new(&mut seq, piece, LogitsWanted::All)
+                    }],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("writer chunk"),
         );
         insert_blocks(&mut cache, SALT, &writer, &seq, ratios).expect("insert");

@@ -14,6 +14,7 @@ use deepinfer_actors::replay::state::ReplayState;
 use deepinfer_actors::replay::suffix::ReplayError;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
 use deepinfer_model::v41::MAX_BACKTRACK;
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{LogitsWanted, Model, SequenceState};
 use deepinfer_tests::drift::{
     Rows, argmax, check, demo_bounds, demo_model, dependency_halo, drift, fixture_bounds, prompt,
@@ -37,18 +38,34 @@ fn run_off(model: &Model, tokens: &[u32], from: usize, steps: usize) -> (Rows, V
     let mut seq = model.new_sequence();
     if from > 0 {
         model
-            .forward(&mut seq, &tokens[..from], LogitsWanted::Last)
+            .forward_step(
+                &mut [StepEntry::new(
+                    &mut seq,
+                    &tokens[..from],
+                    LogitsWanted::Last,
+                )],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("prefix");
     }
     let prompt = model
-        .forward(&mut seq, &tokens[from..], LogitsWanted::All)
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens[from..], LogitsWanted::All)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("kept rows");
     let mut next = argmax(&prompt[prompt.len() - vocab..]) as u32;
     let (mut decode, mut greedy) = (Vec::new(), Vec::new());
     for _ in 0..steps {
         greedy.push(next);
         let row = model
-            .forward(&mut seq, &[next], LogitsWanted::Last)
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &[next], LogitsWanted::Last)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("decode");
         next = argmax(&row) as u32;
         decode.extend(row);
@@ -72,7 +89,14 @@ fn run_replay(
         let end = (start + size).min(tokens.len());
         prompt.extend(
             model
-                .forward_replay(&mut seq, &tokens[start..end], LogitsWanted::All, from)
+                .forward_step(
+                    &mut [StepEntry {
+                        decoder_from: Some(from),
+                        ..StepEntry::new(&mut seq, &tokens[start..end], LogitsWanted::All)
+                    }],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("replay chunk"),
         );
         start = end;
@@ -82,7 +106,14 @@ fn run_replay(
         .iter()
         .flat_map(|&t| {
             model
-                .forward_replay(&mut seq, &[t], LogitsWanted::Last, from)
+                .forward_step(
+                    &mut [StepEntry {
+                        decoder_from: Some(from),
+                        ..StepEntry::new(&mut seq, &[t], LogitsWanted::Last)
+                    }],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("decode")
         })
         .collect();
@@ -158,14 +189,25 @@ fn chunked_replay_equals_one_shot_replay_bitwise() {
     let decode = [5u32, 77, 300];
     let mut one_shot_seq = model.new_sequence();
     let one_shot = model
-        .prefill_bounded(&mut one_shot_seq, &tokens, LogitsWanted::All, keep)
+        .forward_step(
+            &mut [StepEntry {
+                decoder_from: Some(from),
+                ..StepEntry::new(&mut one_shot_seq, &tokens, LogitsWanted::All)
+            }],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("one-shot bounded prefill");
     assert_eq!(one_shot.len(), keep * vocab);
     let one_shot_decode: Vec<f32> = decode
         .iter()
         .flat_map(|&t| {
             model
-                .forward(&mut one_shot_seq, &[t], LogitsWanted::Last)
+                .forward_step(
+                    &mut [StepEntry::new(&mut one_shot_seq, &[t], LogitsWanted::Last)],
+                    StepOptions::default(),
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("decode")
         })
         .collect();
@@ -195,7 +237,14 @@ fn chunked_replay_equals_one_shot_replay_bitwise() {
     // A chunk entirely before the decoder start returns no rows, even for `Last`.
     let mut seq = model.new_sequence();
     let none = model
-        .forward_replay(&mut seq, &tokens[..100], LogitsWanted::Last, from)
+        .forward_step(
+            &mut [StepEntry {
+                decoder_from: Some(from),
+                ..StepEntry::new(&mut seq, &tokens[..100], LogitsWanted::Last)
+            }],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("early chunk");
     assert!(none.is_empty());
     assert_eq!(seq.len(), 100);
@@ -263,16 +312,25 @@ fn replay_bounds_are_enforced() {
     let from = replay.admit(id, 200).expect("admitted").start as usize;
     let mut seq = model.new_sequence();
     model
-        .forward_replay(&mut seq, &tokens, LogitsWanted::Last, from)
+        .forward_step(
+            &mut [StepEntry {
+                decoder_from: Some(from),
+                ..StepEntry::new(&mut seq, &tokens, LogitsWanted::Last)
+            }],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("bounded prefill");
     let drafts = MAX_BACKTRACK as u32 + 1;
     model
-        .forward_replay(
-            &mut seq,
-            &tokens[..drafts as usize],
-            LogitsWanted::All,
-            from,
+        .forward_step(
+            &mut [StepEntry {
+                decoder_from: Some(from),
+                ..StepEntry::new(&mut seq, &tokens[..drafts as usize], LogitsWanted::All)
+            }],
+            StepOptions::default(),
         )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("a verify block");
     replay.written(id, drafts).expect("written");
     assert_eq!(
@@ -354,7 +412,14 @@ fn direct_greedy(model: &Model, prompt: &[u32], from: usize, n: usize) -> Vec<u3
     let mut logits = Vec::new();
     for chunk in prompt.chunks(48) {
         logits = model
-            .forward_replay(&mut seq, chunk, LogitsWanted::Last, from)
+            .forward_step(
+                &mut [StepEntry {
+                    decoder_from: Some(from),
+                    ..StepEntry::new(&mut seq, chunk, LogitsWanted::Last)
+                }],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("prefill");
     }
     let mut out = Vec::new();
@@ -365,7 +430,11 @@ fn direct_greedy(model: &Model, prompt: &[u32], from: usize, n: usize) -> Vec<u3
         }
         out.push(token);
         logits = model
-            .forward(&mut seq, &[token], LogitsWanted::Last)
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &[token], LogitsWanted::Last)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("decode");
     }
     out

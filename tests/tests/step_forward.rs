@@ -50,8 +50,21 @@ fn alone(model: &Model, seq: &mut SequenceState, plan: &Plan, tokens: &[u32]) ->
         LogitsWanted::Last
     };
     match plan.decoder_from {
-        Some(from) => model.forward_replay(seq, tokens, want, from),
-        None => model.forward(seq, tokens, want),
+        Some(from) => model
+            .forward_step(
+                &mut [StepEntry {
+                    decoder_from: Some(from),
+                    ..StepEntry::new(seq, tokens, want)
+                }],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits),
+        None => model
+            .forward_step(
+                &mut [StepEntry::new(seq, tokens, want)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits),
     }
     .expect("forward alone")
 }
@@ -220,10 +233,18 @@ fn a_bad_entry_fails_the_step_by_index_and_changes_no_sequence() {
     assert_eq!((first.len(), second.len()), (0, 0));
     let mut fresh = model.new_sequence();
     let expected = model
-        .forward(&mut fresh, &good, LogitsWanted::Last)
+        .forward_step(
+            &mut [StepEntry::new(&mut fresh, &good, LogitsWanted::Last)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("fresh");
     let again = model
-        .forward(&mut first, &good, LogitsWanted::Last)
+        .forward_step(
+            &mut [StepEntry::new(&mut first, &good, LogitsWanted::Last)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("the untouched sequence");
     assert_eq!(
         again.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -282,7 +303,13 @@ fn sampled_entries_get_the_tokens_of_their_logits_rows() {
         .zip(outputs)
         .enumerate()
     {
-        let logits = model.forward(seq, prompt, want).expect("alone");
+        let logits = model
+            .forward_step(
+                &mut [StepEntry::new(seq, prompt, want)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
+            .expect("alone");
         let first_row_position = match want {
             LogitsWanted::All => 0,
             LogitsWanted::Last => len - 1,

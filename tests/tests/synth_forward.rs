@@ -8,6 +8,7 @@ use std::path::Path;
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model};
 
 fn rms(values: &[f32]) -> f64 {
@@ -25,7 +26,11 @@ fn prefill_magnitudes(dir: &Path) -> (Vec<f64>, f64) {
     let mut seq = model.new_sequence();
     let mut trace = ForwardTrace::default();
     let logits = model
-        .forward_traced(&mut seq, &tokens, LogitsWanted::All, Some(&mut trace))
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
+            StepOptions::traced(&mut trace),
+        )
+        .and_then(EntryOutput::one_entry_logits)
         .expect("forward");
     assert_eq!(logits.len(), 64 * cfg.vocab_size);
     assert!(

@@ -30,6 +30,7 @@ use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::sampling::{SamplingParams, sample};
 use deepinfer_model::v4;
+use deepinfer_model::v4::{EntryOutput, StepEntry};
 use deepinfer_tests::confident::Confident;
 use deepinfer_tests::forward;
 use deepinfer_topology::NodeConfig;
@@ -74,7 +75,8 @@ fn alone(
     let mut logits = Vec::new();
     for chunk in prompt.chunks(CHUNK) {
         logits = model
-            .forward(&mut seq, chunk, LogitsWanted::Last)
+            .forward_step(&mut [StepEntry::new(&mut seq, chunk, LogitsWanted::Last)])
+            .and_then(EntryOutput::one_entry_logits)
             .expect("prefill alone");
     }
     let mut out = Vec::new();
@@ -86,7 +88,8 @@ fn alone(
             break;
         }
         logits = model
-            .forward(&mut seq, &[token], LogitsWanted::Last)
+            .forward_step(&mut [StepEntry::new(&mut seq, &[token], LogitsWanted::Last)])
+            .and_then(EntryOutput::one_entry_logits)
             .expect("decode alone");
     }
     out

@@ -18,6 +18,7 @@ use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::checkpoint::{Checkpoint, write_random_checkpoint};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::v4::{DraftProposal, Model, SequenceState};
+use deepinfer_model::v4::{EntryOutput, StepEntry};
 use safetensors::Dtype;
 
 mod checkpoint_patch;
@@ -50,7 +51,12 @@ fn prefill(model: &Model, tokens: &[u32], chunks: &[usize]) -> (SequenceState, V
     for &chunk in chunks {
         rows.extend(
             model
-                .forward(&mut seq, &tokens[start..start + chunk], LogitsWanted::All)
+                .forward_step(&mut [StepEntry::new(
+                    &mut seq,
+                    &tokens[start..start + chunk],
+                    LogitsWanted::All,
+                )])
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("forward"),
         );
         start += chunk;
@@ -120,19 +126,30 @@ fn mtp_logits_are_stable_under_chunking_rollback_and_drafting() {
     let (mut rolled, _) = prefill(&model, &text[..CONTEXT], &[CONTEXT]);
     let wrong: Vec<u32> = (0..5).map(|i| (anchor + 3 + i) % vocab as u32).collect();
     model
-        .forward(&mut rolled, &wrong, LogitsWanted::All)
+        .forward_step(&mut [StepEntry::new(&mut rolled, &wrong, LogitsWanted::All)])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("verify");
     model.rollback(&mut rolled, CONTEXT).expect("rollback");
     assert_eq!(logits, model.mtp_logits(&rolled, anchor).expect("rolled"));
     model
-        .forward(&mut rolled, &text[CONTEXT..], LogitsWanted::All)
+        .forward_step(&mut [StepEntry::new(
+            &mut rolled,
+            &text[CONTEXT..],
+            LogitsWanted::All,
+        )])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("accepted tokens after the rollback");
 
     // Drafting does not change what follows: later rows and later MTP logits.
     let (mut drafted, _) = prefill(&model, &text[..CONTEXT], &[CONTEXT]);
     model.mtp_logits(&drafted, anchor).expect("draft");
     let after = model
-        .forward(&mut drafted, &text[CONTEXT..], LogitsWanted::All)
+        .forward_step(&mut [StepEntry::new(
+            &mut drafted,
+            &text[CONTEXT..],
+            LogitsWanted::All,
+        )])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("after drafting");
     let (straight, rows) = prefill(&model, &text, &[CONTEXT + 6]);
     assert_eq!(after, rows[CONTEXT * vocab..]);
@@ -184,18 +201,33 @@ fn dspark_proposals_are_stable_under_chunking_rollback_and_drafting() {
 
     let (mut rolled, _) = prefill(&model, &text[..CONTEXT], &[CONTEXT]);
     model
-        .forward(&mut rolled, &proposal.tokens, LogitsWanted::All)
+        .forward_step(&mut [StepEntry::new(
+            &mut rolled,
+            &proposal.tokens,
+            LogitsWanted::All,
+        )])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("verify the whole block");
     model.rollback(&mut rolled, CONTEXT).expect("rollback");
     assert_eq!(proposal, model.draft(&rolled, anchor).expect("rolled"));
     model
-        .forward(&mut rolled, &text[CONTEXT..], LogitsWanted::All)
+        .forward_step(&mut [StepEntry::new(
+            &mut rolled,
+            &text[CONTEXT..],
+            LogitsWanted::All,
+        )])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("accepted tokens after the rollback");
 
     let (mut drafted, _) = prefill(&model, &text[..CONTEXT], &[CONTEXT]);
     model.draft(&drafted, anchor).expect("draft");
     let after = model
-        .forward(&mut drafted, &text[CONTEXT..], LogitsWanted::All)
+        .forward_step(&mut [StepEntry::new(
+            &mut drafted,
+            &text[CONTEXT..],
+            LogitsWanted::All,
+        )])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("after drafting");
     let (straight, all_rows) = prefill(&model, &text, &[CONTEXT + 6]);
     assert_eq!(after, all_rows[CONTEXT * vocab..]);

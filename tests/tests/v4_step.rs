@@ -63,7 +63,10 @@ fn assert_steps_equal_alone(model: &Model, schedule: &[Vec<Vec<u32>>], wants: &[
     for (k, chunks) in schedule.iter().enumerate() {
         let stepped = step(model, &mut together, chunks, wants);
         for (s, ((seq, chunk), &want)) in alone.iter_mut().zip(chunks).zip(wants).enumerate() {
-            let single = model.forward(seq, chunk, want).expect("alone");
+            let single = model
+                .forward_step(&mut [StepEntry::new(seq, chunk, want)])
+                .and_then(EntryOutput::one_entry_logits)
+                .expect("alone");
             assert_eq!(
                 bits(&stepped[s]),
                 bits(&single),
@@ -126,7 +129,8 @@ fn a_step_after_a_rollback_equals_each_alone() {
     step(&model, &mut together, &prompts, &all);
     for (seq, prompt) in alone.iter_mut().zip(&prompts) {
         model
-            .forward(seq, prompt, LogitsWanted::All)
+            .forward_step(&mut [StepEntry::new(seq, prompt, LogitsWanted::All)])
+            .and_then(EntryOutput::one_entry_logits)
             .expect("alone");
     }
     for seqs in [&mut together, &mut alone] {
@@ -135,7 +139,10 @@ fn a_step_after_a_rollback_equals_each_alone() {
     let next = vec![tokens(50, 2, vocab), tokens(51, 4, vocab)];
     let stepped = step(&model, &mut together, &next, &all);
     for (s, (seq, chunk)) in alone.iter_mut().zip(&next).enumerate() {
-        let single = model.forward(seq, chunk, LogitsWanted::All).expect("alone");
+        let single = model
+            .forward_step(&mut [StepEntry::new(seq, chunk, LogitsWanted::All)])
+            .and_then(EntryOutput::one_entry_logits)
+            .expect("alone");
         assert_eq!(bits(&stepped[s]), bits(&single), "sequence {s}");
     }
 }
@@ -153,7 +160,8 @@ fn negative_control_one_changed_token_changes_the_logits() {
     let stepped = step(&model, &mut seqs, &[prompt, tokens(9, 5, vocab)], &wants);
     let mut seq = model.new_sequence();
     let single = model
-        .forward(&mut seq, &changed, LogitsWanted::Last)
+        .forward_step(&mut [StepEntry::new(&mut seq, &changed, LogitsWanted::Last)])
+        .and_then(EntryOutput::one_entry_logits)
         .expect("alone");
     assert_ne!(bits(&stepped[0]), bits(&single));
 }
@@ -196,7 +204,8 @@ fn sampled_entries_equal_sampling_the_logits_alone() {
     for (s, ((prompt, out), asked)) in prompts.iter().zip(outputs).zip(params).enumerate() {
         let mut seq = model.new_sequence();
         let logits = model
-            .forward(&mut seq, prompt, LogitsWanted::Last)
+            .forward_step(&mut [StepEntry::new(&mut seq, prompt, LogitsWanted::Last)])
+            .and_then(EntryOutput::one_entry_logits)
             .expect("alone");
         match (out, asked) {
             (EntryOutput::Tokens(ids), Some(params)) => {
@@ -233,7 +242,8 @@ fn reduced_v4_with_mtp_steps_equal_each_alone() {
         step(&model, &mut together, chunks, &wants);
         for (seq, chunk) in alone.iter_mut().zip(chunks) {
             model
-                .forward(seq, chunk, LogitsWanted::Last)
+                .forward_step(&mut [StepEntry::new(seq, chunk, LogitsWanted::Last)])
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("alone");
         }
     }

@@ -287,6 +287,7 @@ mod tests {
     use crate::experts::parallel::{EpSettings, EplbSchedule};
     use crate::experts::tiny_test_model;
     use deepinfer_model::LogitsWanted;
+    use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
     use deepinfer_topology::{ClusterConfig, DpRank};
     use std::time::Instant;
 
@@ -331,14 +332,25 @@ mod tests {
         let tokens = [5u32, 9, 300, 41, 41, 7, 7, 200, 13];
         let mut plain = model.new_sequence();
         let expected = model
-            .forward(&mut plain, &tokens, LogitsWanted::All)
+            .forward_step(
+                &mut [StepEntry::new(&mut plain, &tokens, LogitsWanted::All)],
+                StepOptions::default(),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("forward");
         for (dp, node) in [&first, &second].into_iter().enumerate() {
             let comm = node.current();
             let step = StepExperts::new(comm.as_ref(), DpRank(dp as u16), 0);
             let mut seq = model.new_sequence();
             let got = model
-                .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &step)
+                .forward_step(
+                    &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
+                    StepOptions {
+                        experts: Some(&step),
+                        ..StepOptions::default()
+                    },
+                )
+                .and_then(EntryOutput::one_entry_logits)
                 .expect("forward with experts");
             assert_eq!(step.failure(), None);
             assert_eq!(bits(&got), bits(&expected), "node {dp}");

@@ -121,7 +121,7 @@ pub trait RankExecutor: Send {
         Ok(vec![None; requests.len()])
     }
     /// Decoder bounded replay for sequence `id`: from now on its prefill runs the decoder layers
-    /// only on positions `>= decoder_from` (`Model::forward_replay`). Executors without bounded
+    /// only on positions `>= decoder_from` (`StepEntry::decoder_from`). Executors without bounded
     /// replay ignore it and run the full prefill (exact).
     fn plan_replay(&mut self, _id: RequestId, _decoder_from: usize) -> Result<(), ExecError> {
         Ok(())

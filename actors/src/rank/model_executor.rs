@@ -12,7 +12,7 @@
 //! every requested sequence (`AnyModel::draft_step`) when the model has them (V4-Flash's MTP
 //! block has no confidence head and does not draft here). A sequence with a planned decoder
 //! start (`plan_replay`, V4.1 decoder bounded replay) runs its prefill as
-//! `Model::forward_replay` does.
+//! `Model::forward_step` does with `StepEntry::decoder_from`.
 //! The prefix cache's blocks of this rank live here (`store_prefix_block`, `attach_prefix`,
 //! `drop_prefix_block`, as the plans order them; the scheduler keeps the index; V4.1 sequences).
 //! Context parallelism (`[parallel] context_parallel`, V4.1): a plain prefill chunk of at least
@@ -156,6 +156,7 @@ impl ModelExecutor {
         let options = StepOptions {
             experts: experts.as_ref().map(|e| e as &dyn RoutedExperts),
             logits_on_device: true,
+            family: (),
         };
         // Context-parallel entries run one by one over the CP group, the others as one step.
         let (cp_entries, mut entries): (Vec<_>, Vec<_>) = entries

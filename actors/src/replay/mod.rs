@@ -4,8 +4,8 @@
 //! suffix: the prompt position the decoder layers start at, and the cursor that says what a
 //! rewind after a rejected draft may undo).
 //! Accepts: `Admit` (answers the planned [`suffix::DecoderSuffix`]: its `start` travels with the
-//! request's prefill chunks to the rank, whose executor runs `Model::forward_replay`),
-//! `Written`, `Commit`, `Rewind` (answers; beyond `max_backtracking` it is an error, never a
+//! request's prefill chunks to the rank, whose executor runs them with that
+//! `StepEntry::decoder_from`), `Written`, `Commit`, `Rewind` (answers; beyond `max_backtracking` it is an error, never a
 //! silent truncation), `Finish`, `Stats`.
 //! Sends: nothing; it answers.
 //! Failure: a refused message fails that request's operation, never the actor. Spawned by the

@@ -24,7 +24,7 @@ pub struct RequestSuffix {
 }
 
 impl RequestSuffix {
-    /// The first prompt position the decoder layers run on (`Model::forward_replay`'s
+    /// The first prompt position the decoder layers run on (`StepEntry::decoder_from`'s
     /// `decoder_from`).
     pub fn decoder_from(&self) -> u32 {
         self.suffix.start

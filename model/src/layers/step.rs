@@ -30,8 +30,14 @@ pub struct StepEntry<'a, S> {
     /// Appended at the sequence's next positions.
     pub tokens: &'a [u32],
     pub want: LogitsWanted,
-    /// Decoder bounded replay (V4.1, `v41::Model::forward_replay`): rows at positions below it
-    /// stop at the decoder boundary. `None`: every layer sees every row.
+    /// Decoder bounded replay (V4.1, spec §3.5, an approximation): rows at positions below it
+    /// stop at the decoder boundary (the first ratio-1 layer, whose compressor still sees them),
+    /// so layers from there on run only on positions `>= decoder_from`. Pass the same
+    /// `decoder_from` (`prompt_len - keep`, see the runtime's `ReplayBound::plan_prefill`, which
+    /// validates `keep >= window + max backtracking`) with every chunk of the prompt: the result
+    /// is the same bit for bit however the prompt is chunked; decode steps (positions past it)
+    /// are unaffected. Rows are returned for the kept positions only (a chunk entirely before
+    /// `decoder_from` returns none). `None`: every layer sees every row.
     pub decoder_from: Option<usize>,
     /// Sample the wanted rows where the logits are computed and return token ids
     /// ([`EntryOutput::Tokens`]) instead of logits: the row of the token at position `p` gives the
@@ -54,23 +60,38 @@ impl<'a, S> StepEntry<'a, S> {
     }
 }
 
-/// How a step runs beyond its entries (the defaults: every expert here, logits read on the host).
+/// How a step runs beyond its entries (the defaults: every expert here, logits read on the host,
+/// nothing of the family's own). `F` is what only one family runs (`v41::StepExtras`: a trace,
+/// image spans, a context-parallel rank); `()` where a family has none.
 #[derive(Clone, Copy, Default)]
-pub struct StepOptions<'a> {
+pub struct StepOptions<'a, F = ()> {
     /// Runs the routed experts elsewhere (expert parallelism, V4.1 only).
     pub experts: Option<&'a dyn RoutedExperts>,
     /// Leave the unsampled entries' rows where the backend computed them
     /// ([`EntryOutput::DeviceLogits`], V4.1; a V4 model reads them on the host), to be sampled
     /// once their masks are known (`v41::Model::sample_rows`).
     pub logits_on_device: bool,
+    /// The family's own options.
+    pub family: F,
 }
 
-impl StepOptions<'_> {
+impl<F: Default> StepOptions<'_, F> {
     /// Every expert here, the unsampled rows left on the backend.
     pub fn on_device() -> Self {
         StepOptions {
             logits_on_device: true,
             ..StepOptions::default()
+        }
+    }
+}
+
+impl<'a> StepOptions<'a> {
+    /// These options with the family's own `family` options.
+    pub fn with_family<F>(self, family: F) -> StepOptions<'a, F> {
+        StepOptions {
+            experts: self.experts,
+            logits_on_device: self.logits_on_device,
+            family,
         }
     }
 }
@@ -95,6 +116,21 @@ impl EntryOutput {
             EntryOutput::Logits(logits) => Some(logits),
             EntryOutput::DeviceLogits(logits) => Some(logits.into_vec()),
             EntryOutput::Tokens(_) => None,
+        }
+    }
+
+    /// The logits rows of a one-entry step's `outputs` (the form of a single sequence's forward):
+    /// a sampled entry or a step of another size is an error.
+    pub fn one_entry_logits(outputs: Vec<EntryOutput>) -> Result<Vec<f32>, ModelError> {
+        let entries = outputs.len();
+        let mut outputs = outputs.into_iter();
+        match (outputs.next().and_then(EntryOutput::into_logits), entries) {
+            (Some(logits), 1) => Ok(logits),
+            _ => Err(ModelError::Sequence {
+                message: format!(
+                    "a one-entry step returned {entries} outputs, not one entry's logits"
+                ),
+            }),
         }
     }
 

@@ -32,7 +32,6 @@ use crate::config::{ModelConfig, ModelFamily, V4Attention};
 use crate::error::ModelError;
 use crate::layers::ctx::Ctx;
 use crate::layers::rope::RopeTables;
-use crate::layers::step::LogitsWanted;
 use dspark::{DsparkWeights, ProposalInputs};
 use mtp::MtpWeights;
 use state::{CompressorCache, LayerState};
@@ -153,24 +152,6 @@ impl Model {
                 .collect();
         let stages = self.dspark.as_ref().map_or(0, |d| d.stages.len());
         SequenceState::new(layers, self.mtp.is_some(), stages)
-    }
-
-    /// Appends `tokens` at the sequence's next positions and returns fp32 logits rows
-    /// (`[n, vocab]` for [`LogitsWanted::All`], `[vocab]` for [`LogitsWanted::Last`]): the
-    /// one-entry [`Model::forward_step`].
-    pub fn forward(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-    ) -> Result<Vec<f32>, ModelError> {
-        let mut entries = [StepEntry::new(seq, tokens, want)];
-        self.forward_step(&mut entries)?
-            .pop()
-            .and_then(EntryOutput::into_logits)
-            .ok_or_else(|| ModelError::Sequence {
-                message: "a one-entry step returned no logits".to_string(),
-            })
     }
 
     /// Feeds the speculative heads the chunk just run (one sequence's rows of a step): the MTP

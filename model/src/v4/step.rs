@@ -23,7 +23,7 @@ pub type StepEntry<'a> = crate::layers::step::StepEntry<'a, SequenceState>;
 impl Model {
     /// One forward over several sequences at once: each entry's tokens are appended at its
     /// sequence's next positions; returns, per entry and in order, its logits rows (as
-    /// [`Model::forward`] returns them for that entry alone, bit for bit) or, for an entry that
+    /// a one-entry step returns them for that entry alone, bit for bit) or, for an entry that
     /// asks to `sample`, the tokens sampled from them on the backend (the logits then never leave
     /// the device). Every entry is checked before any state changes: a bad entry fails the step
     /// naming its index.

@@ -26,8 +26,8 @@ use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
 
 use super::state::SequenceState;
-use super::step::StepEntry;
-use super::{LogitsWanted, Model};
+use super::step::{StepEntry, StepExtras, StepOptions};
+use super::{EntryOutput, LogitsWanted, Model};
 use crate::backend::{Backend, Tensor};
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
@@ -164,6 +164,23 @@ impl<'a> CpRank<'a> {
         backend.gather(&pieces, width)
     }
 
+    /// Whether this split is of the chunk of `len` tokens from position `start`, with at least
+    /// two tokens per rank.
+    pub(crate) fn check_chunk(&self, start: usize, len: usize) -> Result<(), ModelError> {
+        let ranks = self.rows.len();
+        if self.len() != len || self.start != start || self.len() < 2 * ranks {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "context-parallel split of {} tokens from position {} over {ranks} ranks \
+                     for a chunk of {len} tokens from position {start} (at least 2 per rank)",
+                    self.len(),
+                    self.start,
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// The collective failure met so far, if any.
     pub(crate) fn failure(&self) -> Option<ModelError> {
         self.failed
@@ -187,43 +204,9 @@ pub struct CpPrefill {
 }
 
 impl Model {
-    /// One rank's part of a context-parallel prefill: `entry.tokens` is the whole chunk, every
-    /// rank of `cp` calls this at once with its own copy of the sequence state. Returns the
-    /// wanted logits rows this rank computed (`LogitsWanted::Last`: only the rank owning the
-    /// chunk's last token has a row); `entry.seq` ends as the single-rank prefill leaves it.
-    /// Decoder bounded replay and sampling are refused (a CP chunk is a plain prefill).
-    pub fn forward_context_parallel(
-        &self,
-        entry: StepEntry<'_>,
-        cp: &CpRank<'_>,
-        experts: Option<&dyn RoutedExperts>,
-    ) -> Result<Vec<f32>, ModelError> {
-        if entry.decoder_from.is_some() || entry.sample.is_some() {
-            return Err(ModelError::Unsupported {
-                what: "a context-parallel chunk with decoder replay or in-step sampling"
-                    .to_string(),
-            });
-        }
-        let ranks = cp.rows.len();
-        if cp.len() != entry.tokens.len() || cp.start != entry.seq.len || cp.len() < 2 * ranks {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "context-parallel split of {} tokens from position {} over {ranks} ranks \
-                     for a chunk of {} tokens from position {} (at least 2 per rank)",
-                    cp.len(),
-                    cp.start,
-                    entry.tokens.len(),
-                    entry.seq.len
-                ),
-            });
-        }
-        let mut entries = [entry];
-        let output = self.run_context_parallel(&mut entries, cp, experts)?;
-        Ok(output.into_logits().unwrap_or_default())
-    }
-
     /// A prefill of `tokens` after `seq` over `ranks` CP ranks in this process (one thread per
-    /// rank, the ranks' exchange waiting at most `timeout`), split by `split`; `experts` runs the
+    /// rank, the ranks' exchange waiting at most `timeout`), split by `split`: every rank runs
+    /// [`Model::forward_step`] with its [`CpRank`] ([`StepExtras::cp`]); `experts` runs the
     /// routed experts elsewhere (expert parallelism), for every rank.
     #[allow(clippy::too_many_arguments)]
     pub fn prefill_context_parallel(
@@ -251,14 +234,18 @@ impl Model {
                     scope.spawn(move || {
                         let started = Instant::now();
                         let cp = CpRank::new(rank, seq.len, tokens.len(), split, exchange);
-                        let entry = StepEntry {
-                            seq: &mut state,
-                            tokens,
-                            want,
-                            decoder_from: None,
-                            sample: None,
+                        let options = StepOptions {
+                            experts,
+                            family: StepExtras {
+                                cp: Some(&cp),
+                                ..StepExtras::default()
+                            },
+                            ..StepOptions::default()
                         };
-                        let result = self.forward_context_parallel(entry, &cp, experts);
+                        let mut entry = [StepEntry::new(&mut state, tokens, want)];
+                        let result = self
+                            .forward_step(&mut entry, options)
+                            .and_then(EntryOutput::one_entry_logits);
                         if let Err(err) = &result {
                             exchange.abort(rank, &err.to_string());
                         }

@@ -1,27 +1,13 @@
-//! The model side of [`crate::expert_dispatch`]: the per-layer routed-expert site carried in
-//! `Ctx`, the forward entry that takes a [`RoutedExperts`], and the accessors an expert shard
-//! needs (its weights, and running one expert exactly as the model does).
+//! The model side of [`crate::expert_dispatch`] beyond the step's `StepOptions::experts`: the
+//! idle step of an expert-parallel rank and the accessors an expert shard needs (its weights,
+//! and running one expert exactly as the model does).
 
-use super::{LogitsWanted, Model, SequenceState};
+use super::Model;
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
-use crate::error::ModelError;
-use crate::expert_dispatch::{RoutedExpert, RoutedExperts};
+use crate::expert_dispatch::RoutedExpert;
 use crate::layers::moe;
 
 impl Model {
-    /// [`Model::forward`] with every backbone block's routed experts run by `experts` (the
-    /// router, the combine order and the shared expert stay here, so the logits are bitwise those
-    /// of [`Model::forward`] when `experts` honours the [`RoutedExperts`] contract).
-    pub fn forward_with_experts(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        experts: &dyn RoutedExperts,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.run_chunk_with(seq, tokens, want, None, None, Some(experts))
-    }
-
     /// One routed expert on one token exactly as the model's MoE computes it (SwiGLU with the
     /// config's clamp, `weight` applied before `w2`), on this model's backend.
     pub fn run_routed_expert(&self, expert: &RoutedExpert, x: &[f32], weight: f32) -> Vec<f32> {

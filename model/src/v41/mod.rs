@@ -1,6 +1,7 @@
 //! The DeepSeek-V4.1 text model and its DSpark drafter on a [`Backend`] (spec §3): the public
-//! [`Model`] / [`SequenceState`] API (one sequence's chunk, or every sequence of a step through
-//! [`Model::forward_step`], whose body is `step`), rollback, and greedy DSpark proposals.
+//! [`Model`] / [`SequenceState`] API (every forward is a step, [`Model::forward_step`], whose
+//! body is `step`; one sequence's chunk is a one-entry step), rollback, and greedy DSpark
+//! proposals.
 
 mod attention;
 mod block;
@@ -21,7 +22,7 @@ pub use crate::layers::markov::DraftProposal;
 pub use crate::layers::step::{EntryOutput, LogitsWanted};
 pub use csa::top_k_lowest_index;
 pub use state::{MAX_BACKTRACK, PrefixBlock, SequenceState};
-pub use step::{LogitsRow, StepEntry};
+pub use step::{LogitsRow, StepEntry, StepExtras, StepOptions};
 pub use trace::{ForwardTrace, Injection};
 
 use crate::backend::{Backend, CpuBackend};
@@ -29,7 +30,6 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
-use crate::expert_dispatch::RoutedExperts;
 use crate::layers::ctx::Ctx;
 use crate::layers::rope::RopeTables;
 use state::{CompressorState, LayerState};
@@ -158,79 +158,6 @@ impl Model {
         SequenceState::new(layers, self.dspark.as_ref().map_or(0, |d| d.stages.len()))
     }
 
-    /// Appends `tokens` at the sequence's next positions and returns fp32 logits rows
-    /// (`[n, vocab]` for [`LogitsWanted::All`], `[vocab]` for [`LogitsWanted::Last`]).
-    pub fn forward(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.forward_traced(seq, tokens, want, None)
-    }
-
-    /// [`Model::forward`] that also records intermediates into `trace` when given.
-    pub fn forward_traced(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        trace: Option<&mut ForwardTrace>,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.run_chunk(seq, tokens, want, None, trace)
-    }
-
-    /// A prefill with decoder bounded replay (spec §3.5, an approximation, off in [`Model::forward`]):
-    /// layers from the first ratio-1 layer on run only on the last `keep` tokens (that layer's
-    /// compressor still sees every token). `keep` must be at least `window + MAX_BACKTRACK` so the
-    /// decoder windows survive a rollback. `LogitsWanted::All` returns the kept rows only.
-    pub fn prefill_bounded(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        keep: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        let minimum = self.cfg.window_size + MAX_BACKTRACK;
-        if keep < minimum {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "bounded replay keeps {keep} tokens; at least window + max backtracking = {minimum} are needed"
-                ),
-            });
-        }
-        if !seq.is_empty() {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "bounded replay is a prefill option, but the sequence already holds {} tokens",
-                    seq.len
-                ),
-            });
-        }
-        self.check_replay_boundary()?;
-        let decoder_from = tokens.len().saturating_sub(keep);
-        self.run_chunk(seq, tokens, want, Some(decoder_from), None)
-    }
-
-    /// [`Model::forward`] with decoder bounded replay for chunked prefill (spec §3.5, an
-    /// approximation): rows at positions `< decoder_from` stop at the first ratio-1 layer (whose
-    /// compressor still sees them), so layers from there on run only on positions
-    /// `>= decoder_from`. Pass the same `decoder_from` (`prompt_len - keep`, see the runtime's
-    /// `ReplayBound::plan_prefill`) with every chunk of the prompt and the result equals a one-shot
-    /// [`Model::prefill_bounded`] bit for bit; decode steps (positions past it) are unaffected.
-    /// Rows are returned for the kept positions only: a chunk entirely before `decoder_from`
-    /// returns no logits. The caller validates `keep >= window + max backtracking`.
-    pub fn forward_replay(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        decoder_from: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.check_replay_boundary()?;
-        self.run_chunk(seq, tokens, want, Some(decoder_from), None)
-    }
-
     /// The first ratio-1 layer (the decoder boundary of bounded replay), if any.
     fn replay_boundary(&self) -> Option<usize> {
         self.cfg.compress_ratios.iter().position(|&r| r == 1)
@@ -265,68 +192,6 @@ impl Model {
             });
         }
         Ok(())
-    }
-
-    fn run_chunk(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        decoder_from: Option<usize>,
-        trace: Option<&mut ForwardTrace>,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.run_chunk_with(seq, tokens, want, decoder_from, trace, None)
-    }
-
-    /// [`Model::run_chunk`] with the routed experts of the backbone blocks run by `experts`.
-    fn run_chunk_with(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        decoder_from: Option<usize>,
-        trace: Option<&mut ForwardTrace>,
-        experts: Option<&dyn RoutedExperts>,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.run_chunk_inner(seq, tokens, want, decoder_from, trace, experts, None)
-    }
-
-    /// [`Model::run_chunk`] of a chunk with image spans (`vl`).
-    pub(crate) fn run_chunk_vl(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        trace: Option<&mut ForwardTrace>,
-        vl: Option<&vision::VlChunk<'_>>,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.run_chunk_inner(seq, tokens, want, None, trace, None, vl)
-    }
-
-    /// A chunk of one sequence through [`Model::run_step`]: `experts` runs the routed experts
-    /// elsewhere, `vl` places image spans.
-    #[allow(clippy::too_many_arguments)]
-    fn run_chunk_inner(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        want: LogitsWanted,
-        decoder_from: Option<usize>,
-        trace: Option<&mut ForwardTrace>,
-        experts: Option<&dyn RoutedExperts>,
-        vl: Option<&vision::VlChunk<'_>>,
-    ) -> Result<Vec<f32>, ModelError> {
-        let mut entry = [StepEntry {
-            seq,
-            tokens,
-            want,
-            decoder_from,
-            sample: None,
-        }];
-        let output = self.run_step(&mut entry, trace, experts, vl)?.pop();
-        Ok(output
-            .and_then(EntryOutput::into_logits)
-            .unwrap_or_default())
     }
 
     /// Drops everything after the first `len` tokens. Only the last [`MAX_BACKTRACK`] tokens can be

@@ -8,21 +8,63 @@ use super::context_parallel::CpRank;
 use super::csa::{self, ChunkShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
-use super::{Model, attention, block, dspark, vision};
+use super::vision::ImageChunk;
+use super::{Model, attention, block, dspark};
 use crate::backend::{Backend, LogprobPick, Precision, RowSampling, Tensor};
 use crate::engram::EngramPart;
 use crate::error::ModelError;
-use crate::expert_dispatch::RoutedExperts;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows, entry_outputs,
-    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, entry_outputs, gather_rows,
+    row_sampling, rows_of, step_error, wanted_rows,
 };
 use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
 /// One sequence's part of a V4.1 step ([`Model::forward_step`]).
 pub type StepEntry<'a> = crate::layers::step::StepEntry<'a, SequenceState>;
+
+/// How a V4.1 step runs beyond its entries: the shared options and [`StepExtras`].
+pub type StepOptions<'a> = crate::layers::step::StepOptions<'a, StepExtras<'a>>;
+
+/// What only a V4.1 step runs. Each applies to a one-entry step; the default is none of them.
+#[derive(Default)]
+pub struct StepExtras<'a> {
+    /// Records the entry's intermediates (and forces its injected decisions).
+    pub trace: Option<&'a mut ForwardTrace>,
+    /// The image spans of the entry's chunk ([`Model::place_images`]).
+    pub images: Option<&'a ImageChunk<'a>>,
+    /// This rank's part of a context-parallel chunk: the entry's tokens are the whole chunk, every
+    /// rank of the group runs the step at once with its own copy of the sequence state; only the
+    /// rank's own rows are computed (`LogitsWanted::Last`: only the rank owning the chunk's last
+    /// token gets a row) and the sequence ends as the single-rank prefill leaves it
+    /// (`context_parallel`). Not with bounded replay, sampling, a trace or images.
+    pub cp: Option<&'a CpRank<'a>>,
+}
+
+impl<'a> StepOptions<'a> {
+    /// A one-entry step that records its intermediates into `trace`.
+    pub fn traced(trace: &'a mut ForwardTrace) -> Self {
+        StepOptions {
+            family: StepExtras {
+                trace: Some(trace),
+                ..StepExtras::default()
+            },
+            ..StepOptions::default()
+        }
+    }
+
+    /// A one-entry step whose chunk holds the image spans `images`.
+    pub fn with_images(images: &'a ImageChunk<'a>) -> Self {
+        StepOptions {
+            family: StepExtras {
+                images: Some(images),
+                ..StepExtras::default()
+            },
+            ..StepOptions::default()
+        }
+    }
+}
 
 /// One logits row to sample after its step ([`Model::sample_rows`]), typically the last row of
 /// an [`EntryOutput::DeviceLogits`] once a grammar's mask for it is known.
@@ -46,148 +88,38 @@ fn retain_rows(backend: &dyn Backend, values: &mut Tensor, kept: &[bool], width:
 
 impl Model {
     /// One forward over several sequences at once: each entry's tokens are appended at its
-    /// sequence's next positions; returns, per entry and in order, its logits rows (as
-    /// [`Model::forward`] / [`Model::forward_replay`] return them for that entry alone, bit for
-    /// bit) or, for an entry that asks to `sample`, the tokens sampled from them on the backend
-    /// (the logits then never leave the device). `options.experts` runs the routed experts
-    /// elsewhere (expert parallelism); with `options.logits_on_device` the unsampled entries'
-    /// rows stay on the backend ([`EntryOutput::DeviceLogits`]), so that a grammar-constrained
-    /// row can be sampled by [`Model::sample_rows`] once its mask is known, with nothing but the
-    /// ids ever copied to the host. Every entry is checked before any state changes: a bad entry
+    /// sequence's next positions (from `decoder_from` on with bounded replay); returns, per entry
+    /// and in order, its logits rows (`[n, vocab]` for [`LogitsWanted::All`], `[vocab]` for
+    /// [`LogitsWanted::Last`]; bit for bit those of the entry run alone) or, for an entry that
+    /// asks to `sample`, the tokens sampled from them on the backend (the logits then never leave
+    /// the device). `options.experts` runs the routed experts elsewhere (expert parallelism: the
+    /// router, the combine order and the shared expert stay here, so the logits are bitwise the
+    /// same when it honours the [`crate::expert_dispatch::RoutedExperts`] contract); with
+    /// `options.logits_on_device` the unsampled entries' rows stay on the backend
+    /// ([`EntryOutput::DeviceLogits`]), so that a grammar-constrained row can be sampled by
+    /// [`Model::sample_rows`] once its mask is known, with nothing but the ids ever copied to the
+    /// host; `options.family` traces, places images or runs a context-parallel rank's part
+    /// ([`StepExtras`], one entry). Every entry is checked before any state changes: a bad entry
     /// fails the step naming its index.
+    ///
+    /// [`LogitsWanted::All`]: crate::layers::step::LogitsWanted::All
+    /// [`LogitsWanted::Last`]: crate::layers::step::LogitsWanted::Last
     pub fn forward_step(
         &self,
         entries: &mut [StepEntry<'_>],
         options: StepOptions<'_>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
-        self.run_step_at(
-            entries,
-            None,
-            options.experts,
-            None,
-            options.logits_on_device,
-            None,
-        )
-    }
-
-    /// One token per row, each row sampled with its parameters at its position after its mask
-    /// (if any) set its disallowed logits to −∞ ([`crate::sampling::sample_allowed`] is the
-    /// definition): one sampling op over all rows, reading them where they are; only the ids
-    /// reach the host. A row that is not one vocabulary wide, or whose mask allows nothing, fails
-    /// the call naming the row.
-    pub fn sample_rows(&self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ModelError> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let vocab = self.cfg.vocab_size;
-        let logits = self.gather_logits_rows("sample_rows", rows)?;
-        let backend = self.ctx().backend;
-        let sampling: Vec<RowSampling> = rows
-            .iter()
-            .map(|r| RowSampling {
-                params: r.params,
-                position: r.position,
-            })
-            .collect();
-        let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
-        backend
-            .sample_masked(&logits, vocab, &sampling, &allowed)
-            .map_err(|e| ModelError::Sequence {
-                message: e.to_string(),
-            })
-    }
-
-    /// The log-probabilities of `picks[i].token` sampled from row `i` (after its mask, with
-    /// `picks[i].top` alternatives; [`crate::sampling::token_logprobs`] is the definition): one
-    /// op over all rows, reading them where they are; only the log-probabilities reach the host.
-    /// A row that is not one vocabulary wide, or whose mask allows nothing, fails the call naming
-    /// the row.
-    pub fn token_logprobs_rows(
-        &self,
-        rows: &[LogitsRow<'_>],
-        picks: &[LogprobPick],
-    ) -> Result<Vec<TokenLogprobs>, ModelError> {
-        if rows.is_empty() && picks.is_empty() {
-            return Ok(Vec::new());
-        }
-        let logits = self.gather_logits_rows("token_logprobs_rows", rows)?;
-        let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
-        self.ctx()
-            .backend
-            .token_logprobs_masked(&logits, self.cfg.vocab_size, picks, &allowed)
-            .map_err(|e| ModelError::Sequence {
-                message: e.to_string(),
-            })
-    }
-
-    /// The rows gathered into one `[rows, vocab]` tensor on the backend; a row that is not one
-    /// vocabulary wide fails `op` naming it.
-    fn gather_logits_rows(&self, op: &str, rows: &[LogitsRow<'_>]) -> Result<Tensor, ModelError> {
-        let vocab = self.cfg.vocab_size;
-        if let Some(r) = rows.iter().position(|r| r.logits.len() != vocab) {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "{op}: row {r} holds {} logits, not one row of {vocab}",
-                    rows[r].logits.len()
-                ),
-            });
-        }
-        let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
-        Ok(self.ctx().backend.gather(&pieces, vocab))
-    }
-
-    /// The one body behind every forward entry: `trace` and `vl` (image spans) only with a single
-    /// entry, `experts` runs the routed experts elsewhere.
-    pub(super) fn run_step(
-        &self,
-        entries: &mut [StepEntry<'_>],
-        trace: Option<&mut ForwardTrace>,
-        experts: Option<&dyn RoutedExperts>,
-        vl: Option<&vision::VlChunk<'_>>,
-    ) -> Result<Vec<EntryOutput>, ModelError> {
-        self.run_step_at(entries, trace, experts, vl, false, None)
-    }
-
-    /// One rank's part of a context-parallel chunk (one entry, see
-    /// [`Model::forward_context_parallel`]).
-    pub(super) fn run_context_parallel(
-        &self,
-        entries: &mut [StepEntry<'_>],
-        cp: &CpRank<'_>,
-        experts: Option<&dyn RoutedExperts>,
-    ) -> Result<EntryOutput, ModelError> {
-        let mut outputs = self.run_step_at(entries, None, experts, None, false, Some(cp))?;
-        outputs.pop().ok_or_else(|| ModelError::Sequence {
-            message: "a context-parallel chunk is one entry".to_string(),
-        })
-    }
-
-    /// [`Model::run_step`]; with `logits_on_device` the unsampled entries' rows stay on the
-    /// backend ([`EntryOutput::DeviceLogits`]); with `cp` (one entry) only the CP rank's own rows
-    /// are computed, the others' attention inputs all-gathered (`context_parallel`).
-    fn run_step_at(
-        &self,
-        entries: &mut [StepEntry<'_>],
-        mut trace: Option<&mut ForwardTrace>,
-        experts: Option<&dyn RoutedExperts>,
-        vl: Option<&vision::VlChunk<'_>>,
-        logits_on_device: bool,
-        cp: Option<&CpRank<'_>>,
-    ) -> Result<Vec<EntryOutput>, ModelError> {
-        if cp.is_some() && (entries.len() != 1 || trace.is_some() || vl.is_some()) {
-            return Err(ModelError::Unsupported {
-                what: "a context-parallel step over several sequences, traced or with images"
-                    .to_string(),
-            });
-        }
-        if entries.len() != 1 && (trace.is_some() || vl.is_some()) {
-            return Err(ModelError::Unsupported {
-                what: format!(
-                    "a traced or image-bearing forward over {} sequences (one at a time)",
-                    entries.len()
-                ),
-            });
-        }
+        let StepOptions {
+            experts,
+            logits_on_device,
+            family:
+                StepExtras {
+                    mut trace,
+                    images,
+                    cp,
+                },
+        } = options;
+        self.check_extras(entries, trace.is_some(), images, cp)?;
         for (e, entry) in entries.iter().enumerate() {
             self.check_chunk(entry.seq, entry.tokens)
                 .map_err(|err| step_error(e, entries.len(), err))?;
@@ -239,7 +171,7 @@ impl Model {
 
         // Image-span rows: dead to Engram, routed with bias_vl (spec §3.1, §3.6).
         let n_rows = rows.positions.len();
-        let dead = vl.map_or_else(|| vec![false; n_rows], |vl| vl.image_rows.to_vec());
+        let dead = images.map_or_else(|| vec![false; n_rows], |chunk| chunk.image_rows().to_vec());
         let mut image_rows = dead.clone();
         let engram_rows: Option<Vec<_>> = self.engram.as_ref().map(|engram| {
             seqs.iter_mut()
@@ -256,8 +188,8 @@ impl Model {
         });
         let mut streams = Vec::with_capacity(n_rows * width);
         for (i, &token) in row_tokens.iter().enumerate() {
-            let row = vl
-                .and_then(|vl| vl.embeddings.get(i).copied().flatten())
+            let row = images
+                .and_then(|chunk| chunk.embeddings().get(i).copied().flatten())
                 .unwrap_or(&self.embed[token as usize * dim..(token as usize + 1) * dim]);
             for _ in 0..hc {
                 streams.extend_from_slice(row);
@@ -358,8 +290,8 @@ impl Model {
                 .and_then(|t| t.inject.routes.get(l).cloned().flatten());
             let attn_trace = trace.as_deref_mut();
             let block_ctx = Ctx {
-                image_routing: vl.and_then(|vl| {
-                    let bias_vl = vl.router_bias.get(l)?;
+                image_routing: images.and_then(|chunk| {
+                    let bias_vl = chunk.router_bias().get(l)?;
                     Some(ImageRouting::new(&image_rows, bias_vl))
                 }),
                 ..at_layer(ctx, experts, l)
@@ -460,6 +392,108 @@ impl Model {
             }
         }
         Ok(outputs)
+    }
+
+    /// One token per row, each row sampled with its parameters at its position after its mask
+    /// (if any) set its disallowed logits to −∞ ([`crate::sampling::sample_allowed`] is the
+    /// definition): one sampling op over all rows, reading them where they are; only the ids
+    /// reach the host. A row that is not one vocabulary wide, or whose mask allows nothing, fails
+    /// the call naming the row.
+    pub fn sample_rows(&self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ModelError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let vocab = self.cfg.vocab_size;
+        let logits = self.gather_logits_rows("sample_rows", rows)?;
+        let backend = self.ctx().backend;
+        let sampling: Vec<RowSampling> = rows
+            .iter()
+            .map(|r| RowSampling {
+                params: r.params,
+                position: r.position,
+            })
+            .collect();
+        let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
+        backend
+            .sample_masked(&logits, vocab, &sampling, &allowed)
+            .map_err(|e| ModelError::Sequence {
+                message: e.to_string(),
+            })
+    }
+
+    /// The log-probabilities of `picks[i].token` sampled from row `i` (after its mask, with
+    /// `picks[i].top` alternatives; [`crate::sampling::token_logprobs`] is the definition): one
+    /// op over all rows, reading them where they are; only the log-probabilities reach the host.
+    /// A row that is not one vocabulary wide, or whose mask allows nothing, fails the call naming
+    /// the row.
+    pub fn token_logprobs_rows(
+        &self,
+        rows: &[LogitsRow<'_>],
+        picks: &[LogprobPick],
+    ) -> Result<Vec<TokenLogprobs>, ModelError> {
+        if rows.is_empty() && picks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let logits = self.gather_logits_rows("token_logprobs_rows", rows)?;
+        let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
+        self.ctx()
+            .backend
+            .token_logprobs_masked(&logits, self.cfg.vocab_size, picks, &allowed)
+            .map_err(|e| ModelError::Sequence {
+                message: e.to_string(),
+            })
+    }
+
+    /// The rows gathered into one `[rows, vocab]` tensor on the backend; a row that is not one
+    /// vocabulary wide fails `op` naming it.
+    fn gather_logits_rows(&self, op: &str, rows: &[LogitsRow<'_>]) -> Result<Tensor, ModelError> {
+        let vocab = self.cfg.vocab_size;
+        if let Some(r) = rows.iter().position(|r| r.logits.len() != vocab) {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "{op}: row {r} holds {} logits, not one row of {vocab}",
+                    rows[r].logits.len()
+                ),
+            });
+        }
+        let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|r| (r.logits, 0)).collect();
+        Ok(self.ctx().backend.gather(&pieces, vocab))
+    }
+
+    /// Refuses what [`StepExtras`] cannot run: a trace, images or a CP rank with several entries,
+    /// a CP rank with a trace, images, bounded replay, sampling or a split of another chunk, and
+    /// image spans that do not match their entry's chunk.
+    fn check_extras(
+        &self,
+        entries: &[StepEntry<'_>],
+        traced: bool,
+        images: Option<&ImageChunk<'_>>,
+        cp: Option<&CpRank<'_>>,
+    ) -> Result<(), ModelError> {
+        let unsupported = |what: String| Err(ModelError::Unsupported { what });
+        if entries.len() != 1 && (traced || images.is_some() || cp.is_some()) {
+            return unsupported(format!(
+                "a traced, image-bearing or context-parallel step over {} sequences (one at a time)",
+                entries.len()
+            ));
+        }
+        let Some(entry) = entries.first() else {
+            return Ok(());
+        };
+        if let Some(chunk) = images {
+            chunk.check_tokens(entry.tokens)?;
+        }
+        if let Some(cp) = cp {
+            if traced || images.is_some() || entry.decoder_from.is_some() || entry.sample.is_some()
+            {
+                return unsupported(
+                    "a context-parallel chunk traced, with images, decoder replay or in-step sampling"
+                        .to_string(),
+                );
+            }
+            cp.check_chunk(entry.seq.len, entry.tokens.len())?;
+        }
+        Ok(())
     }
 
     /// The final collapse, norm and head over the rows each entry wants: one head GEMM for the

@@ -3,6 +3,7 @@
 //! decode run with its DSpark proposals.
 
 use deepinfer_model::backend::Tensor;
+use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{ForwardTrace, LogitsWanted, SequenceState};
 use serde_json::Value;
 
@@ -257,7 +258,11 @@ pub fn check_decode_run(
     for (s, &token) in fed.iter().enumerate() {
         let mut trace = ForwardTrace::default();
         let row = model
-            .forward_traced(&mut seq, &[token], LogitsWanted::Last, Some(&mut trace))
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &[token], LogitsWanted::Last)],
+                StepOptions::traced(&mut trace),
+            )
+            .and_then(EntryOutput::one_entry_logits)
             .expect("decode step");
         if prefill_len + s < n {
             let t = prefill_len + s;

@@ -14,7 +14,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, VisionConfig};
 use crate::error::ModelError;
 
-use super::{ForwardTrace, LogitsWanted, Model, SequenceState};
+use super::Model;
 use aligner::AlignerWeights;
 pub use layout::{
     ExpandedPrompt, PlacedImage, TokenType, expand_image_placeholders, span_token_types,
@@ -192,55 +192,72 @@ impl Model {
         self.require_vision()?.encode(self.backend.as_ref(), image)
     }
 
-    /// [`Model::forward`] for a chunk that contains image spans: each [`PlacedImage`] overwrites
-    /// the embeddings of its span (`image_start`, aligner rows with one `image_newline` per grid
-    /// row, `image_end`), and the span's rows route with `bias_vl` and are dead to Engram. The
-    /// span's tokens must be the config's `image_token_id`; a span must lie inside the chunk (a
-    /// prompt may be chunked anywhere outside its spans, with the same results as one shot).
-    pub fn forward_with_images(
-        &self,
-        seq: &mut SequenceState,
+    /// Lays out the image spans of a chunk of `tokens` for its step (`StepOptions::with_images`):
+    /// each [`PlacedImage`] overwrites the embeddings of its span (`image_start`, aligner rows
+    /// with one `image_newline` per grid row, `image_end`), and the span's rows route with
+    /// `bias_vl` and are dead to Engram. The span's tokens must be the config's
+    /// `image_token_id`; a span must lie inside the chunk (a prompt may be chunked anywhere
+    /// outside its spans, with the same results as one shot).
+    pub fn place_images<'a>(
+        &'a self,
         tokens: &[u32],
-        images: &[PlacedImage<'_>],
-        want: LogitsWanted,
-    ) -> Result<Vec<f32>, VisionError> {
-        self.forward_with_images_traced(seq, tokens, images, want, None)
-    }
-
-    /// [`Model::forward_with_images`] that also records intermediates into `trace` when given.
-    pub fn forward_with_images_traced(
-        &self,
-        seq: &mut SequenceState,
-        tokens: &[u32],
-        images: &[PlacedImage<'_>],
-        want: LogitsWanted,
-        trace: Option<&mut ForwardTrace>,
-    ) -> Result<Vec<f32>, VisionError> {
-        if images.is_empty() {
-            return Ok(self.forward_traced(seq, tokens, want, trace)?);
-        }
+        images: &[PlacedImage<'a>],
+    ) -> Result<ImageChunk<'a>, VisionError> {
         let tower = self.require_vision()?;
         let image_token = self.cfg.image_token_id.ok_or(VisionError::NoVisionTower {
             missing: "the config's image_token_id",
         })?;
-        let chunk =
-            layout::ChunkImages::new(tokens, images, image_token, self.cfg.dim, &tower.delimiters)?;
-        let vl = VlChunk {
-            image_rows: chunk.image_rows(),
-            embeddings: chunk.embeddings(),
+        Ok(ImageChunk {
+            layout: layout::ChunkImages::new(
+                tokens,
+                images,
+                image_token,
+                self.cfg.dim,
+                &tower.delimiters,
+            )?,
+            tokens: tokens.to_vec(),
             router_bias: &tower.router_bias,
-        };
-        Ok(self.run_chunk_vl(seq, tokens, want, trace, Some(&vl))?)
+        })
     }
 }
 
-/// What the forward pass needs to know about the image spans of one chunk.
+/// The image spans of one chunk laid out for its step ([`Model::place_images`]).
 #[derive(Debug)]
-pub(crate) struct VlChunk<'a> {
-    /// One flag per chunk row: inside an image span (bias_vl, dead to Engram).
-    pub image_rows: &'a [bool],
-    /// One entry per chunk row: the embedding that replaces `embed[token]`.
-    pub embeddings: &'a [Option<&'a [f32]>],
+pub struct ImageChunk<'a> {
+    layout: layout::ChunkImages<'a>,
+    /// The chunk the spans were placed in.
+    tokens: Vec<u32>,
     /// `[layer] → bias_vl`.
-    pub router_bias: &'a [Vec<f32>],
+    router_bias: &'a [Vec<f32>],
+}
+
+impl ImageChunk<'_> {
+    /// One flag per chunk row: inside an image span (bias_vl, dead to Engram).
+    pub(crate) fn image_rows(&self) -> &[bool] {
+        self.layout.image_rows()
+    }
+
+    /// One entry per chunk row: the embedding that replaces `embed[token]`.
+    pub(crate) fn embeddings(&self) -> &[Option<&[f32]>] {
+        self.layout.embeddings()
+    }
+
+    /// `[layer] → bias_vl`.
+    pub(crate) fn router_bias(&self) -> &[Vec<f32>] {
+        self.router_bias
+    }
+
+    /// Whether a step's entry runs the chunk these spans were placed in.
+    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<(), ModelError> {
+        if tokens != self.tokens {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "image spans placed in a chunk of {} tokens given with another chunk of {} tokens",
+                    self.tokens.len(),
+                    tokens.len()
+                ),
+            });
+        }
+        Ok(())
+    }
 }
