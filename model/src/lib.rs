@@ -22,6 +22,7 @@ mod layers;
 pub mod v4;
 pub mod v41;
 
+pub use layers::loaded::Loaded;
 pub use layers::step::StepOptions;
 pub use v41::{
     DraftProposal, EntryOutput, ForwardTrace, Injection, LogitsRow, LogitsWanted, Model,

@@ -73,8 +73,8 @@ fn run_off(model: &Model, tokens: &[u32], from: usize, steps: usize) -> (Rows, V
     (Rows { prompt, decode }, greedy)
 }
 
-/// Replay on: the prompt through `forward_replay` in chunks of `chunks` sizes, then the given
-/// decode tokens teacher-forced.
+/// Replay on: the prompt through one-entry steps with `decoder_from`, in chunks of `chunks` sizes,
+/// then the given decode tokens teacher-forced.
 fn run_replay(
     model: &Model,
     tokens: &[u32],
@@ -442,7 +442,8 @@ fn direct_greedy(model: &Model, prompt: &[u32], from: usize, n: usize) -> Vec<u3
 
 /// The engine wiring: the ReplayActor plans each request's decoder start at admission, the start
 /// travels with the request to its rank, and the rank's executor runs the bounded forward: the
-/// engine's greedy tokens equal a direct `forward_replay` loop; a short prompt keeps everything.
+/// engine's greedy tokens equal a direct loop of one-entry steps with `decoder_from`; a short
+/// prompt keeps everything.
 /// A keep below window + max_backtracking refuses to start the engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_runs_bounded_replay_planned_at_admission() {

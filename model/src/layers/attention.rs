@@ -1,15 +1,79 @@
-//! The attention pieces both families share: the queries of a step's rows ([`Queries`]) and the
-//! grouped low-rank output projection's first half ([`grouped_low_rank`]); each family applies its
-//! own `wo_b` (V4.1: FP8, V4: its stored linear) in its model's precision.
+//! The attention pieces both families share, each projection applied the family's way
+//! ([`Projection`]) in its model's precision: the queries of a step's rows ([`queries`]), the K=V
+//! rows ([`kv_rows`]) and the grouped low-rank output projection ([`output`]).
 
 use crate::backend::{Precision, RopeTable, Tensor};
 use crate::layers::ctx::Ctx;
+use crate::layers::weights::{AttentionWeights, Projection};
 
 /// The queries of some rows: the `q_norm`-ed low-rank latent `qr [n, q_lora_rank]` (the indexer
 /// reads it) and the rotated per-head queries `q [n, heads · head_dim]`.
 pub struct Queries {
     pub qr: Tensor,
     pub q: Tensor,
+}
+
+/// `qr = q_norm(wq_a · xn)` and the rotated per-head queries `q = RoPE(wq_b · qr)` of the normed
+/// inputs `xn [n, dim]` at `positions`; with `head_norm` (V4: `[head_dim]` ones, an unweighted
+/// RMSNorm) every head of `q` is normed before RoPE.
+pub fn queries<W: Projection, C, I>(
+    ctx: &Ctx,
+    w: &AttentionWeights<W, C, I>,
+    xn: &Tensor,
+    positions: &[usize],
+    table: &RopeTable,
+    head_norm: Option<&[f32]>,
+) -> Queries {
+    let cfg = ctx.cfg;
+    let (backend, precision, eps) = (ctx.backend, cfg.precision(), cfg.norm_eps);
+    let qr = backend.rms_norm(&w.wq_a.project(backend, xn), &w.q_norm, eps, precision);
+    let q = w.wq_b.project(backend, &qr);
+    let q = match head_norm {
+        Some(unit) => backend.rms_norm(&q, unit, eps, precision),
+        None => q,
+    };
+    let q = backend.rope(
+        q,
+        cfg.head_dim,
+        cfg.n_heads,
+        positions,
+        table,
+        false,
+        precision,
+    );
+    Queries { qr, q }
+}
+
+/// The K=V rows `[n, head_dim]` of the normed inputs `xn [n, dim]`: `RoPE(kv_norm(wkv · xn))`.
+pub fn kv_rows<W: Projection, C, I>(
+    ctx: &Ctx,
+    w: &AttentionWeights<W, C, I>,
+    xn: &Tensor,
+    positions: &[usize],
+    table: &RopeTable,
+) -> Tensor {
+    let cfg = ctx.cfg;
+    let (backend, precision) = (ctx.backend, cfg.precision());
+    let kv = backend.rms_norm(
+        &w.wkv.project(backend, xn),
+        &w.kv_norm,
+        cfg.norm_eps,
+        precision,
+    );
+    backend.rope(kv, cfg.head_dim, 1, positions, table, false, precision)
+}
+
+/// De-rotates the attention outputs `o [n, heads · head_dim]` and applies the grouped low-rank
+/// output projection → `[n, dim]`: [`grouped_low_rank`], then `wo_b`.
+pub fn output<W: Projection, C, I>(
+    ctx: &Ctx,
+    w: &AttentionWeights<W, C, I>,
+    o: Tensor,
+    positions: &[usize],
+    table: &RopeTable,
+) -> Tensor {
+    let z = grouped_low_rank(ctx, &w.wo_a, o, positions, table);
+    w.wo_b.project(ctx.backend, &z)
 }
 
 /// Inverse RoPE on every head of the attention outputs `o [n, heads · head_dim]` at `positions`,

@@ -18,6 +18,9 @@ pub struct MoeWeights {
     pub n_activated: usize,
     pub experts: Vec<ExpertWeights<ExpertLinear>>,
     pub shared: ExpertWeights<ExpertLinear>,
+    /// A hash layer's `tid2eid` `[vocab, n_activated]` (V4): the experts of every token id,
+    /// chosen instead of the biased top-k.
+    pub tid2eid: Option<Vec<usize>>,
 }
 
 /// The router's bias choice for the rows of one block call: row `t` of the chunk selects its

@@ -8,53 +8,9 @@ use super::compressor;
 use super::state::LayerState;
 use super::weights::AttentionWeights;
 use crate::backend::{QueryKeys, RopeTable, SelectedKeys, Tensor};
-use crate::layers::attention::{Queries, grouped_low_rank};
+use crate::layers::attention::{Queries, kv_rows, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
-
-/// Queries of the normed inputs `xn [n, dim]` at `positions`.
-pub fn queries(
-    ctx: &Ctx,
-    w: &AttentionWeights,
-    xn: &Tensor,
-    positions: &[usize],
-    table: &RopeTable,
-    unit: &[f32],
-) -> Queries {
-    let cfg = ctx.cfg;
-    let (backend, precision, eps) = (ctx.backend, cfg.precision(), cfg.norm_eps);
-    let qr = backend.rms_norm(&w.wq_a.apply(backend, xn), &w.q_norm, eps, precision);
-    let q = backend.rms_norm(&w.wq_b.apply(backend, &qr), unit, eps, precision);
-    let q = backend.rope(
-        q,
-        cfg.head_dim,
-        cfg.n_heads,
-        positions,
-        table,
-        false,
-        precision,
-    );
-    Queries { qr, q }
-}
-
-/// The K=V rows `[n, head_dim]` (after `kv_norm` and RoPE) of the normed inputs `xn [n, dim]`.
-pub fn kv_rows(
-    ctx: &Ctx,
-    w: &AttentionWeights,
-    xn: &Tensor,
-    positions: &[usize],
-    table: &RopeTable,
-) -> Tensor {
-    let cfg = ctx.cfg;
-    let (backend, precision) = (ctx.backend, cfg.precision());
-    let kv = backend.rms_norm(
-        &w.wkv.apply(backend, xn),
-        &w.kv_norm,
-        cfg.norm_eps,
-        precision,
-    );
-    backend.rope(kv, cfg.head_dim, 1, positions, table, false, precision)
-}
 
 /// Attention of the query rows `q [n, heads · head_dim]`, query `t` over its own `keys[t]` (K = V),
 /// with the layer's sinks.
@@ -62,19 +18,6 @@ pub fn attend(ctx: &Ctx, w: &AttentionWeights, q: &Tensor, keys: &[QueryKeys<'_>
     let scale = (ctx.cfg.head_dim as f32).powf(-0.5);
     ctx.backend
         .sparse_attention_selected(q, keys, &w.sink, scale, ctx.cfg.precision())
-}
-
-/// De-rotates the attention outputs `o [n, heads · head_dim]` and applies the grouped low-rank
-/// output projection → `[n, dim]` (each group's product over all rows at once).
-pub fn output(
-    ctx: &Ctx,
-    w: &AttentionWeights,
-    o: Tensor,
-    positions: &[usize],
-    table: &RopeTable,
-) -> Tensor {
-    let z = grouped_low_rank(ctx, &w.wo_a, o, positions, table);
-    w.wo_b.apply(ctx.backend, &z)
 }
 
 /// Causal attention over the normed inputs `xn [n, dim]` of a step's rows (sequence `e`'s rows at
@@ -94,7 +37,7 @@ pub fn forward_rows(
     let cfg = ctx.cfg;
     let head_dim = cfg.head_dim;
     let positions = &rows.positions[..];
-    let Queries { qr, q } = queries(ctx, w, xn, positions, table, unit);
+    let Queries { qr, q } = queries(ctx, w, xn, positions, table, Some(unit));
     let kv = kv_rows(ctx, w, xn, positions, table);
     for (span, state) in rows.spans.iter().zip(states.iter_mut()) {
         for t in span.clone() {

@@ -43,7 +43,7 @@ pub fn forward(
     let xn = backend.rms_norm(&x, &w.ffn_norm, cfg.norm_eps, precision);
     // Hash layers: every row's experts come from its token id (`tid2eid`).
     let k = w.moe.n_activated;
-    let hashed: Option<Vec<Vec<usize>>> = w.tid2eid.as_ref().map(|table| {
+    let hashed: Option<Vec<Vec<usize>>> = w.moe.tid2eid.as_ref().map(|table| {
         tokens
             .iter()
             .map(|&token| table[token as usize * k..(token as usize + 1) * k].to_vec())

@@ -12,6 +12,7 @@ use crate::backend::weights::Linear;
 use crate::backend::{QueryKeys, RopeTable, Tensor};
 use crate::config::{DsparkConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
+use crate::layers;
 use crate::layers::attention::Queries;
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
@@ -94,7 +95,7 @@ pub(crate) fn feed_context(
         cfg.precision(),
     );
     for (stage, ring) in w.stages.iter().zip(rings.iter_mut()) {
-        let rows = attention::kv_rows(ctx, &stage.attn, &main_x, positions, &ctx.rope.main);
+        let rows = layers::attention::kv_rows(ctx, &stage.attn, &main_x, positions, &ctx.rope.main);
         for (row, &position) in rows.split_rows(cfg.head_dim).into_iter().zip(positions) {
             ring.push_at(position, row);
         }
@@ -114,8 +115,9 @@ fn stage_attention(
 ) -> Tensor {
     let cfg = ctx.cfg;
     let table: &RopeTable = &ctx.rope.main;
-    let Queries { q, .. } = attention::queries(ctx, w, xn, positions, table, unit);
-    let block_kv = attention::kv_rows(ctx, w, xn, positions, table).split_rows(cfg.head_dim);
+    let Queries { q, .. } = layers::attention::queries(ctx, w, xn, positions, table, Some(unit));
+    let block_kv =
+        layers::attention::kv_rows(ctx, w, xn, positions, table).split_rows(cfg.head_dim);
     let first = (last + 1).saturating_sub(cfg.window_size);
     let mut keys: Vec<&Tensor> = (first..=last).filter_map(|p| ring.get(p)).collect();
     keys.extend(&block_kv);
@@ -124,7 +126,7 @@ fn stage_attention(
         .map(|_| QueryKeys::listed(keys.clone()))
         .collect();
     let o = attention::attend(ctx, w, &q, &queries);
-    attention::output(ctx, w, o, positions, table)
+    layers::attention::output(ctx, w, o, positions, table)
 }
 
 /// What a proposal reads besides the drafter's weights.

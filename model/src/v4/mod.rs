@@ -31,19 +31,19 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, ModelFamily, V4Attention};
 use crate::error::ModelError;
 use crate::layers::ctx::Ctx;
-use crate::layers::rope::RopeTables;
+use crate::layers::loaded::Loaded;
 use dspark::{DsparkWeights, ProposalInputs};
 use mtp::MtpWeights;
 use state::{CompressorCache, LayerState};
 use weights::{HyperHeadWeights, LayerWeights, Loader};
 
 /// A loaded V4 model on a backend.
-#[derive(Debug)]
-pub struct Model {
-    cfg: ModelConfig,
-    backend: Box<dyn Backend>,
-    rope: RopeTables,
-    /// `[vocab, dim]`. The large weights are shared by the models [`Model::on_backend`] makes.
+pub type Model = Loaded<ModelWeights>;
+
+/// The V4 host weights; the large ones behind `Arc`s so that [`Loaded::on_backend`] shares them.
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    /// `[vocab, dim]`.
     embed: Arc<Vec<f32>>,
     head: Arc<Linear>,
     norm: Vec<f32>,
@@ -86,8 +86,7 @@ impl Model {
             .filter(|d| d.n_stages > 0)
             .map(|d| DsparkWeights::load(&loader, d))
             .transpose()?;
-        Ok(Model {
-            rope: RopeTables::new(&cfg),
+        let weights = ModelWeights {
             embed: Arc::new(loader.vector("embed.weight", &[vocab, dim])?),
             head: Arc::new(loader.linear("head", vocab, dim)?),
             norm: loader.vector("norm.weight", &[dim])?,
@@ -96,47 +95,20 @@ impl Model {
             mtp: mtp.map(Arc::new),
             dspark: dspark.map(Arc::new),
             unit: vec![1.0; cfg.head_dim],
-            backend,
-            cfg,
-        })
-    }
-
-    pub fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    /// The backend this model runs on.
-    pub fn backend(&self) -> &dyn Backend {
-        self.backend.as_ref()
-    }
-
-    /// The same loaded weights run on `backend` (e.g. one DP rank's GPU). The host weights are
-    /// shared, not copied; the new model's sequences are its own ([`Model::new_sequence`]).
-    pub fn on_backend(&self, backend: Box<dyn Backend>) -> Model {
-        Model {
-            cfg: self.cfg.clone(),
-            backend,
-            rope: self.rope.clone(),
-            embed: self.embed.clone(),
-            head: self.head.clone(),
-            norm: self.norm.clone(),
-            hyper_head: self.hyper_head.clone(),
-            layers: self.layers.clone(),
-            mtp: self.mtp.clone(),
-            dspark: self.dspark.clone(),
-            unit: self.unit.clone(),
-        }
+        };
+        Ok(Loaded::new(cfg, backend, weights))
     }
 
     /// Whether the model has a DSpark drafter ([`Model::draft`] proposes).
     pub fn has_dspark(&self) -> bool {
-        self.dspark.is_some()
+        self.weights.dspark.is_some()
     }
 
     /// A fresh, empty sequence.
     pub fn new_sequence(&self) -> SequenceState {
         let layers =
-            self.layers
+            self.weights
+                .layers
                 .iter()
                 .map(|layer| LayerState {
                     window: Default::default(),
@@ -150,8 +122,8 @@ impl Model {
                     }),
                 })
                 .collect();
-        let stages = self.dspark.as_ref().map_or(0, |d| d.stages.len());
-        SequenceState::new(layers, self.mtp.is_some(), stages)
+        let stages = self.weights.dspark.as_ref().map_or(0, |d| d.stages.len());
+        SequenceState::new(layers, self.weights.mtp.is_some(), stages)
     }
 
     /// Feeds the speculative heads the chunk just run (one sequence's rows of a step): the MTP
@@ -169,7 +141,7 @@ impl Model {
         positions: &[usize],
     ) {
         let width = self.cfg.hc.mult * self.cfg.dim;
-        if let (Some(weights), Some(state)) = (&self.mtp, seq.mtp.as_mut()) {
+        if let (Some(weights), Some(state)) = (&self.weights.mtp, seq.mtp.as_mut()) {
             let start = seq.len;
             // The entry of the previous chunk's last position (checked held by `check_chunk`).
             let carried: Option<Tensor> = start
@@ -191,10 +163,10 @@ impl Model {
                 mtp::run(
                     ctx,
                     weights,
-                    &self.embed,
+                    &self.weights.embed,
                     &entries,
                     &mut state.layer,
-                    &self.unit,
+                    &self.weights.unit,
                 );
             }
             for (t, &position) in positions.iter().enumerate() {
@@ -203,7 +175,7 @@ impl Model {
                     .push_at(position, streams.rows(t..t + 1, width));
             }
         }
-        if let Some(weights) = &self.dspark {
+        if let Some(weights) = &self.weights.dspark {
             let dim = self.cfg.dim;
             // Per row, its taps side by side: `[n, targets · dim]`.
             let pieces: Vec<(&Tensor, usize)> = (0..tokens.len())
@@ -219,7 +191,7 @@ impl Model {
     /// the last processed position's streams). Leaves `seq` untouched; the entry is computed
     /// again, and kept, when the next forward appends `anchor`.
     pub fn mtp_logits(&self, seq: &SequenceState, anchor: u32) -> Result<Vec<f32>, ModelError> {
-        let (Some(weights), Some(state)) = (&self.mtp, seq.mtp.as_ref()) else {
+        let (Some(weights), Some(state)) = (&self.weights.mtp, seq.mtp.as_ref()) else {
             return Err(ModelError::Unsupported {
                 what: "MTP drafting on a model (or sequence) without an MTP block".to_string(),
             });
@@ -236,8 +208,15 @@ impl Model {
             next: &[anchor],
             positions: &[last],
         };
-        let out = mtp::run(&ctx, weights, &self.embed, &entry, &mut scratch, &self.unit);
-        Ok(mtp::logits(&ctx, weights, &self.head, &out))
+        let out = mtp::run(
+            &ctx,
+            weights,
+            &self.weights.embed,
+            &entry,
+            &mut scratch,
+            &self.weights.unit,
+        );
+        Ok(mtp::logits(&ctx, weights, &self.weights.head, &out))
     }
 
     /// A greedy DSpark proposal after the sequence's last token: `anchor` is the token just sampled
@@ -245,7 +224,7 @@ impl Model {
     /// logits `[block_size, vocab]` (Markov bias included) and the raw confidences. Leaves `seq`
     /// untouched.
     pub fn draft(&self, seq: &SequenceState, anchor: u32) -> Result<DraftProposal, ModelError> {
-        let (Some(weights), Some(dspark)) = (&self.dspark, self.cfg.dspark.as_ref()) else {
+        let (Some(weights), Some(dspark)) = (&self.weights.dspark, self.cfg.dspark.as_ref()) else {
             return Err(ModelError::Unsupported {
                 what: "DSpark drafting on a model without DSpark stages".to_string(),
             });
@@ -270,11 +249,11 @@ impl Model {
             });
         }
         let inputs = ProposalInputs {
-            embed: &self.embed,
-            head: &self.head,
+            embed: &self.weights.embed,
+            head: &self.weights.head,
             rings: &seq.dspark,
             last: seq.len - 1,
-            unit: &self.unit,
+            unit: &self.weights.unit,
         };
         Ok(dspark::propose(
             &self.ctx(),
@@ -285,16 +264,6 @@ impl Model {
         ))
     }
 
-    fn ctx(&self) -> Ctx<'_> {
-        Ctx {
-            cfg: &self.cfg,
-            backend: self.backend.as_ref(),
-            rope: &self.rope,
-            routed: None,
-            image_routing: None,
-        }
-    }
-
     /// A draft needs a processed token and an anchor inside the vocabulary.
     fn check_draft(&self, seq: &SequenceState, anchor: u32) -> Result<(), ModelError> {
         if seq.len == 0 {
@@ -302,15 +271,7 @@ impl Model {
                 message: "drafting needs at least one processed token".to_string(),
             });
         }
-        if anchor as usize >= self.cfg.vocab_size {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "anchor {anchor} is outside the vocabulary of {}",
-                    self.cfg.vocab_size
-                ),
-            });
-        }
-        Ok(())
+        self.check_token(anchor)
     }
 
     /// Drops everything after the first `len` tokens (a partially accepted verify). Only the last
@@ -322,30 +283,18 @@ impl Model {
     /// Whether `tokens` can be appended to `seq` (what [`Model::forward_step`] checks per entry
     /// before any state changes).
     pub fn check_chunk(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
-        if tokens.is_empty() {
-            return Err(ModelError::Sequence {
-                message: "empty chunk".to_string(),
-            });
-        }
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "token id {token} is outside the vocabulary of {}",
-                    self.cfg.vocab_size
-                ),
-            });
-        }
-        if seq.layers.len() != self.layers.len() {
+        self.check_tokens(seq.len, tokens)?;
+        if seq.layers.len() != self.weights.layers.len() {
             return Err(ModelError::Sequence {
                 message: format!(
                     "the sequence has {} layers, the model {}",
                     seq.layers.len(),
-                    self.layers.len()
+                    self.weights.layers.len()
                 ),
             });
         }
-        let stages = self.dspark.as_ref().map_or(0, |d| d.stages.len());
-        if seq.mtp.is_some() != self.mtp.is_some() || seq.dspark.len() != stages {
+        let stages = self.weights.dspark.as_ref().map_or(0, |d| d.stages.len());
+        if seq.mtp.is_some() != self.weights.mtp.is_some() || seq.dspark.len() != stages {
             return Err(ModelError::Sequence {
                 message: "the sequence was not made by this model (speculative state)".to_string(),
             });
@@ -358,15 +307,6 @@ impl Model {
                 message: format!(
                     "the MTP streams of position {} are no longer held",
                     seq.len - 1
-                ),
-            });
-        }
-        let end = seq.len + tokens.len();
-        if end > self.cfg.max_position_embeddings {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "positions up to {end} exceed max_position_embeddings {}",
-                    self.cfg.max_position_embeddings
                 ),
             });
         }

@@ -63,7 +63,7 @@ impl Model {
 
         let mut streams = Vec::with_capacity(tokens.len() * width);
         for &token in &tokens {
-            let row = &self.embed[token as usize * dim..(token as usize + 1) * dim];
+            let row = &self.weights.embed[token as usize * dim..(token as usize + 1) * dim];
             for _ in 0..hc {
                 streams.extend_from_slice(row);
             }
@@ -73,11 +73,11 @@ impl Model {
         let targets = cfg
             .dspark
             .as_ref()
-            .filter(|_| self.dspark.is_some())
+            .filter(|_| self.weights.dspark.is_some())
             .map_or(&[][..], |d| &d.target_layers[..]);
         // The mean streams entering each target layer `[n, dim]`, in the config's target order.
         let mut taps: Vec<Tensor> = vec![Tensor::empty(); targets.len()];
-        for (l, layer) in self.layers.iter().enumerate() {
+        for (l, layer) in self.weights.layers.iter().enumerate() {
             for (tap, _) in taps.iter_mut().zip(targets).filter(|(_, t)| **t == l) {
                 *tap = ctx.backend.stream_means_at(&streams, hc, dim, precision);
             }
@@ -92,11 +92,11 @@ impl Model {
                     xn,
                     &rows,
                     &mut states,
-                    &self.unit,
+                    &self.weights.unit,
                 )
             });
         }
-        if self.mtp.is_some() || self.dspark.is_some() {
+        if self.weights.mtp.is_some() || self.weights.dspark.is_some() {
             for ((seq, span), entry_tokens) in seqs
                 .iter_mut()
                 .zip(&rows.spans)
@@ -141,14 +141,17 @@ impl Model {
         let wanted = wanted_rows(rows, wants, true);
         let hidden_of = |selected: &[usize]| {
             let x = gather_rows(backend, streams, selected.iter().copied(), width);
-            let h = block::hyper_head(ctx, &self.hyper_head, &x);
-            backend.rms_norm(&h, &self.norm, cfg.norm_eps, cfg.precision())
+            let h = block::hyper_head(ctx, &self.weights.hyper_head, &x);
+            backend.rms_norm(&h, &self.weights.norm, cfg.norm_eps, cfg.precision())
         };
         let logit_rows: Vec<usize> = rows_of(&wanted, wants, false).collect();
         let logits = if logit_rows.is_empty() {
             Vec::new()
         } else {
-            self.head.apply(backend, &hidden_of(&logit_rows)).into_vec()
+            self.weights
+                .head
+                .apply(backend, &hidden_of(&logit_rows))
+                .into_vec()
         };
         let sampled_rows: Vec<usize> = rows_of(&wanted, wants, true).collect();
         let sampling = row_sampling(rows, &wanted, wants);
@@ -156,7 +159,7 @@ impl Model {
             Vec::new()
         } else {
             let hidden = hidden_of(&sampled_rows);
-            match &*self.head {
+            match &*self.weights.head {
                 Linear::Dense { out, inp, values } => {
                     backend.sample_linear(&hidden, values, *out, *inp, &sampling)
                 }

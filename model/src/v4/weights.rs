@@ -59,36 +59,12 @@ pub struct IndexerWeights {
     pub compressor: CompressorWeights,
 }
 
-/// Attention of one layer.
-#[derive(Debug, Clone)]
-pub struct AttentionWeights {
-    pub wq_a: Linear,
-    pub q_norm: Vec<f32>,
-    pub wq_b: Linear,
-    pub wkv: Linear,
-    pub kv_norm: Vec<f32>,
-    /// `[o_groups · o_lora_rank, n_heads · head_dim / o_groups]`, dequantised (used per group).
-    pub wo_a: Vec<f32>,
-    pub wo_b: Linear,
-    /// `[n_heads]`.
-    pub sink: Vec<f32>,
-    pub compressor: Option<CompressorWeights>,
-    pub indexer: Option<IndexerWeights>,
-}
+/// Attention of one layer (any stored projection format).
+pub type AttentionWeights =
+    crate::layers::weights::AttentionWeights<Linear, CompressorWeights, IndexerWeights>;
 
-/// One backbone layer.
-#[derive(Debug, Clone)]
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    pub ffn_norm: Vec<f32>,
-    pub hc_attn: HcParams,
-    pub hc_ffn: HcParams,
-    pub attn: AttentionWeights,
-    /// Router (bias all zero on hash layers), routed and shared experts.
-    pub moe: MoeWeights,
-    /// Hash layers: `tid2eid` `[vocab, n_activated]`, the experts of every token id.
-    pub tid2eid: Option<Vec<usize>>,
-}
+/// One block (a backbone layer, the MTP block or a DSpark stage).
+pub type LayerWeights = crate::layers::weights::BlockWeights<AttentionWeights>;
 
 /// The learned final collapse `hc_head_{fn,base,scale}`.
 #[derive(Debug, Clone)]
@@ -277,7 +253,7 @@ impl Loader<'_> {
         kind: V4Mlp,
         n_experts: usize,
         n_activated: usize,
-    ) -> Result<(MoeWeights, Option<Vec<usize>>), ModelError> {
+    ) -> Result<MoeWeights, ModelError> {
         let cfg = self.cfg;
         let p = format!("{prefix}ffn.");
         let (bias, tid2eid) = match kind {
@@ -290,7 +266,7 @@ impl Loader<'_> {
         let experts = (0..n_experts)
             .map(|e| self.expert(&format!("{p}experts.{e}."), cfg.moe_inter_dim))
             .collect::<Result<Vec<_>, ModelError>>()?;
-        let moe = MoeWeights {
+        Ok(MoeWeights {
             gate: self.vector(&format!("{p}gate.weight"), &[n_experts, cfg.dim])?,
             bias,
             n_activated,
@@ -299,8 +275,8 @@ impl Loader<'_> {
                 &format!("{p}shared_experts."),
                 cfg.moe_inter_dim * cfg.n_shared_experts,
             )?,
-        };
-        Ok((moe, tid2eid))
+            tid2eid,
+        })
     }
 
     /// Backbone layer `layer`.
@@ -330,15 +306,13 @@ impl Loader<'_> {
         let cfg = self.cfg;
         let hc = cfg.hc.mult;
         let mix = (2 + hc) * hc;
-        let (moe, tid2eid) = self.moe(prefix, mlp, n_experts, n_activated)?;
         Ok(LayerWeights {
             attn_norm: self.vector(&format!("{prefix}attn_norm.weight"), &[cfg.dim])?,
             ffn_norm: self.vector(&format!("{prefix}ffn_norm.weight"), &[cfg.dim])?,
             hc_attn: self.hc(&format!("{prefix}hc_attn_"), mix, 3)?,
             hc_ffn: self.hc(&format!("{prefix}hc_ffn_"), mix, 3)?,
             attn: self.attention(prefix, attention)?,
-            moe,
-            tid2eid,
+            moe: self.moe(prefix, mlp, n_experts, n_activated)?,
         })
     }
 }

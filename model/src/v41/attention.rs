@@ -8,37 +8,12 @@ use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
 use crate::backend::{Precision, QueryKeys, RopeTable, SelectedKeys, Selection, Tensor};
-use crate::layers::attention::{Queries, grouped_low_rank};
+use crate::layers::attention::{Queries, kv_rows, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
 
-/// `qr = q_norm(wq_a · x)`, `q = RoPE(wq_b · qr)`.
-pub fn queries(
-    ctx: &Ctx,
-    w: &AttentionWeights,
-    xn: &Tensor,
-    positions: &[usize],
-    table: &RopeTable,
-) -> Queries {
-    let qr = ctx.backend.rms_norm(
-        &ctx.backend.gemm_fp8(xn, &w.wq_a),
-        &w.q_norm,
-        ctx.cfg.norm_eps,
-        Precision::Bf16,
-    );
-    let q = ctx.backend.rope(
-        ctx.backend.gemm_fp8(&qr, &w.wq_b),
-        ctx.cfg.head_dim,
-        ctx.cfg.n_heads,
-        positions,
-        table,
-        false,
-        Precision::Bf16,
-    );
-    Queries { qr, q }
-}
-
-/// Window K=V entries of a chunk: `Q8(RoPE(kv_norm(wkv · x)))`, one `head_dim` row per token.
+/// Window K=V entries of a chunk: `Q8(RoPE(kv_norm(wkv · x)))`, one `head_dim` row per token
+/// (rows are whole QDQ groups: head_dim is a multiple of 32).
 pub fn window_entries(
     ctx: &Ctx,
     w: &AttentionWeights,
@@ -46,31 +21,7 @@ pub fn window_entries(
     positions: &[usize],
     table: &RopeTable,
 ) -> Tensor {
-    let head_dim = ctx.cfg.head_dim;
-    let kv = ctx.backend.rms_norm(
-        &ctx.backend.gemm_fp8(xn, &w.wkv),
-        &w.kv_norm,
-        ctx.cfg.norm_eps,
-        Precision::Bf16,
-    );
-    let kv = ctx
-        .backend
-        .rope(kv, head_dim, 1, positions, table, false, Precision::Bf16);
-    // Rows are whole QDQ groups (head_dim is a multiple of 32), so one call covers all of them.
-    ctx.backend.q8_qdq(kv)
-}
-
-/// Inverse RoPE on every head, `z_g = wo_a[g] · o_g` (bf16, one call per group over all rows),
-/// `out = wo_b · z`.
-pub fn output_projection(
-    ctx: &Ctx,
-    w: &AttentionWeights,
-    o: Tensor,
-    positions: &[usize],
-    table: &RopeTable,
-) -> Tensor {
-    let z = grouped_low_rank(ctx, &w.wo_a, o, positions, table);
-    ctx.backend.gemm_fp8(&z, &w.wo_b)
+    ctx.backend.q8_qdq(kv_rows(ctx, w, xn, positions, table))
 }
 
 /// Attention of backbone layer `layer` over the normed inputs `xn [n, dim]` of a step's rows
@@ -96,7 +47,7 @@ pub fn forward(
     let positions = &rows.positions[..];
     let n = positions.len();
     let table = ctx.rope.for_layer(cfg, layer);
-    let Queries { qr, q } = queries(ctx, w, xn, positions, table);
+    let Queries { qr, q } = queries(ctx, w, xn, positions, table, None);
     let kv = window_entries(ctx, w, xn, positions, table);
     // The rows whose window entries and compressor inputs enter the state, and their spans.
     let chunk_positions = cp.map(CpRank::chunk_positions);
@@ -207,5 +158,5 @@ pub fn forward(
     let o = ctx
         .backend
         .sparse_attention_selected(&q, &queries, &w.sink, scale, Precision::Bf16);
-    output_projection(ctx, w, o, positions, table)
+    output(ctx, w, o, positions, table)
 }

@@ -6,13 +6,13 @@
 //! (a sequence's own context ring) and the argmax chains are per request. No op mixes rows, so
 //! each proposal is bitwise the one its sequence gets alone.
 
-use super::attention::{output_projection, queries, window_entries};
+use super::attention::window_entries;
 use super::block;
 use super::state::{PositionRing, SequenceState};
 use super::weights::{AttentionWeights, DsparkWeights};
 use crate::backend::{Precision, Tensor};
 use crate::config::DsparkConfig;
-use crate::layers::attention::Queries;
+use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
 
@@ -73,7 +73,7 @@ fn stage_attention(
 ) -> Tensor {
     let cfg = ctx.cfg;
     let table = &ctx.rope.main;
-    let Queries { q, .. } = queries(ctx, w, xn, positions, table);
+    let Queries { q, .. } = queries(ctx, w, xn, positions, table, None);
     let block_kv = window_entries(ctx, w, xn, positions, table);
     let block_rows = block_kv.split_rows(cfg.head_dim);
     let mut keys: Vec<Vec<&Tensor>> = Vec::with_capacity(requests.len() * size);
@@ -90,7 +90,7 @@ fn stage_attention(
     let o = ctx
         .backend
         .sparse_attention_rows_at(&q, &keys, &w.sink, scale, Precision::Bf16);
-    output_projection(ctx, w, o, positions, table)
+    output(ctx, w, o, positions, table)
 }
 
 /// The greedy proposals after the last processed token of every request's sequence, in request

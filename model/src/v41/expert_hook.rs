@@ -21,7 +21,7 @@ impl Model {
     pub fn idle_expert_step(&self) {
         let ctx = self.ctx();
         let empty = crate::backend::Tensor::empty();
-        for block in self.layers.iter() {
+        for block in self.weights.layers.iter() {
             let _ = ctx
                 .backend
                 .moe_rows(&empty, &moe::layer_op(&ctx, &block.moe));
@@ -30,7 +30,8 @@ impl Model {
 
     /// Each backbone layer's routed experts (the lists an expert rank places).
     pub fn expert_lists(&self) -> Vec<&[ExpertWeights<ExpertLinear>]> {
-        self.layers
+        self.weights
+            .layers
             .iter()
             .map(|b| b.moe.experts.as_slice())
             .collect()
@@ -42,6 +43,6 @@ impl Model {
         layer: usize,
         expert: usize,
     ) -> Option<&ExpertWeights<ExpertLinear>> {
-        self.layers.get(layer)?.moe.experts.get(expert)
+        self.weights.layers.get(layer)?.moe.experts.get(expert)
     }
 }

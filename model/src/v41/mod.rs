@@ -30,18 +30,16 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
-use crate::layers::ctx::Ctx;
-use crate::layers::rope::RopeTables;
+use crate::layers::loaded::Loaded;
 use state::{CompressorState, LayerState};
 use weights::{BlockWeights, DsparkWeights};
 
-/// A loaded V4.1 model (text backbone + DSpark heads) on a backend. The host weights sit behind
-/// `Arc`s so that [`Model::on_backend`] can run the same weights on another backend.
-#[derive(Debug)]
-pub struct Model {
-    cfg: ModelConfig,
-    backend: Box<dyn Backend>,
-    rope: RopeTables,
+/// A loaded V4.1 model (text backbone + DSpark heads) on a backend.
+pub type Model = Loaded<ModelWeights>;
+
+/// The V4.1 host weights, behind `Arc`s so that [`Loaded::on_backend`] shares them.
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
     /// `[vocab, dim]` bf16.
     embed: Arc<Vec<f32>>,
     /// `[vocab, dim]` bf16 values, used in fp32.
@@ -93,8 +91,7 @@ impl Model {
                 });
             }
         };
-        Ok(Model {
-            rope: RopeTables::new(&cfg),
+        let weights = ModelWeights {
             embed: Arc::new(ckpt.bf16("embed.weight", &[vocab_size, dim])?),
             head: Arc::new(ckpt.bf16("head.weight", &[vocab_size, dim])?),
             norm: Arc::new(ckpt.bf16("norm.weight", &[dim])?),
@@ -102,45 +99,8 @@ impl Model {
             engram,
             dspark: weights::load_dspark(ckpt, &cfg)?.map(Arc::new),
             vision: vision::VisionTower::load(ckpt, &cfg)?.map(Arc::new),
-            backend,
-            cfg,
-        })
-    }
-
-    pub fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    /// The backend this model runs on.
-    pub fn backend(&self) -> &dyn Backend {
-        self.backend.as_ref()
-    }
-
-    /// The same loaded weights run on `backend` (e.g. one DP rank's GPU). The host weights are
-    /// shared, not copied; the new model's sequences are its own ([`Model::new_sequence`]).
-    pub fn on_backend(&self, backend: Box<dyn Backend>) -> Model {
-        Model {
-            cfg: self.cfg.clone(),
-            backend,
-            rope: self.rope.clone(),
-            embed: self.embed.clone(),
-            head: self.head.clone(),
-            norm: self.norm.clone(),
-            layers: self.layers.clone(),
-            engram: self.engram.clone(),
-            dspark: self.dspark.clone(),
-            vision: self.vision.clone(),
-        }
-    }
-
-    fn ctx(&self) -> Ctx<'_> {
-        Ctx {
-            cfg: &self.cfg,
-            backend: self.backend.as_ref(),
-            rope: &self.rope,
-            routed: None,
-            image_routing: None,
-        }
+        };
+        Ok(Loaded::new(cfg, backend, weights))
     }
 
     /// A fresh, empty sequence.
@@ -148,14 +108,17 @@ impl Model {
         let layers = (0..self.cfg.n_layers)
             .map(|l| LayerState {
                 window: Default::default(),
-                compressor: self.layers[l]
+                compressor: self.weights.layers[l]
                     .attn
                     .compressor
                     .as_ref()
                     .map(|_| CompressorState::default()),
             })
             .collect();
-        SequenceState::new(layers, self.dspark.as_ref().map_or(0, |d| d.stages.len()))
+        SequenceState::new(
+            layers,
+            self.weights.dspark.as_ref().map_or(0, |d| d.stages.len()),
+        )
     }
 
     /// The first ratio-1 layer (the decoder boundary of bounded replay), if any.
@@ -223,7 +186,9 @@ impl Model {
         &self,
         requests: &[(&SequenceState, u32)],
     ) -> Vec<Result<DraftProposal, ModelError>> {
-        let Some((weights, cfg_dspark)) = self.dspark.as_ref().zip(self.cfg.dspark.as_ref()) else {
+        let Some((weights, cfg_dspark)) =
+            self.weights.dspark.as_ref().zip(self.cfg.dspark.as_ref())
+        else {
             return requests
                 .iter()
                 .map(|_| {
@@ -247,8 +212,8 @@ impl Model {
             &self.ctx(),
             weights,
             cfg_dspark,
-            &self.embed,
-            &self.head,
+            &self.weights.embed,
+            &self.weights.head,
             &valid,
         )
         .into_iter();
@@ -302,39 +267,10 @@ impl Model {
         Ok(())
     }
 
-    fn check_token(&self, token: u32) -> Result<(), ModelError> {
-        if token as usize >= self.cfg.vocab_size {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "token id {token} is outside the vocabulary of {}",
-                    self.cfg.vocab_size
-                ),
-            });
-        }
-        Ok(())
-    }
-
     /// Whether `tokens` can be appended to `seq` (known ids, non-empty, within the positions):
     /// the check every forward runs first.
     pub fn check_chunk(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
-        if tokens.is_empty() {
-            return Err(ModelError::Sequence {
-                message: "empty chunk".to_string(),
-            });
-        }
-        for &token in tokens {
-            self.check_token(token)?;
-        }
-        let end = seq.len + tokens.len();
-        if end > self.cfg.max_position_embeddings {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "positions up to {end} exceed max_position_embeddings {}",
-                    self.cfg.max_position_embeddings
-                ),
-            });
-        }
-        Ok(())
+        self.check_tokens(seq.len, tokens)
     }
 }
 

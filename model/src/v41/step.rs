@@ -173,7 +173,7 @@ impl Model {
         let n_rows = rows.positions.len();
         let dead = images.map_or_else(|| vec![false; n_rows], |chunk| chunk.image_rows().to_vec());
         let mut image_rows = dead.clone();
-        let engram_rows: Option<Vec<_>> = self.engram.as_ref().map(|engram| {
+        let engram_rows: Option<Vec<_>> = self.weights.engram.as_ref().map(|engram| {
             seqs.iter_mut()
                 .zip(&chunks)
                 .zip(&rows.spans)
@@ -190,7 +190,7 @@ impl Model {
         for (i, &token) in row_tokens.iter().enumerate() {
             let row = images
                 .and_then(|chunk| chunk.embeddings().get(i).copied().flatten())
-                .unwrap_or(&self.embed[token as usize * dim..(token as usize + 1) * dim]);
+                .unwrap_or(&self.weights.embed[token as usize * dim..(token as usize + 1) * dim]);
             for _ in 0..hc {
                 streams.extend_from_slice(row);
             }
@@ -210,7 +210,7 @@ impl Model {
         let mut taps: Vec<Tensor> = Vec::new();
         let mut shared: Vec<ChunkShared> = seqs.iter().map(|_| ChunkShared::default()).collect();
 
-        for (l, block_weights) in self.layers.iter().enumerate() {
+        for (l, block_weights) in self.weights.layers.iter().enumerate() {
             if truncate_at == Some(l) {
                 // Decoder boundary: its compressor sees every token, everything else only the tail.
                 if let Some(weights) = &block_weights.attn.compressor {
@@ -262,7 +262,7 @@ impl Model {
                 .as_ref()
                 .and_then(|e| e.layer_ids.iter().position(|&id| id == l));
             if let (Some(engram), Some(hashed), Some(index)) =
-                (&self.engram, &engram_rows, engram_index)
+                (&self.weights.engram, &engram_rows, engram_index)
             {
                 let parts: Vec<EngramPart<'_>> = rows
                     .spans
@@ -341,7 +341,12 @@ impl Model {
             logits_on_device,
         )?;
 
-        if let Some(weights) = self.dspark.as_ref().filter(|_| !rows.positions.is_empty()) {
+        if let Some(weights) = self
+            .weights
+            .dspark
+            .as_ref()
+            .filter(|_| !rows.positions.is_empty())
+        {
             // Per row, its taps side by side: `[rows, taps · dim]`.
             let main_hidden: Tensor =
                 match trace.as_deref().and_then(|t| t.inject.main_hidden.clone()) {
@@ -526,7 +531,7 @@ impl Model {
             );
             hidden = ctx
                 .backend
-                .rms_norm(&x, &self.norm, cfg.norm_eps, Precision::Bf16);
+                .rms_norm(&x, &self.weights.norm, cfg.norm_eps, Precision::Bf16);
         }
         // `needed` is ascending: a row's place in it by binary search.
         let slot = |row: usize| needed.binary_search(&row).ok();
@@ -538,7 +543,7 @@ impl Model {
                     rows_of(wanted, wants, false).filter_map(slot),
                     dim,
                 ),
-                &self.head,
+                &self.weights.head,
                 vocab,
                 dim,
             ),
@@ -562,7 +567,7 @@ impl Model {
                         rows_of(wanted, wants, true).filter_map(slot),
                         dim,
                     ),
-                    &self.head,
+                    &self.weights.head,
                     vocab,
                     dim,
                     &sampling,

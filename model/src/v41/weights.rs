@@ -34,33 +34,12 @@ pub struct IndexerWeights {
     pub weights_proj: Vec<f32>,
 }
 
-/// Attention of one block.
-#[derive(Debug, Clone)]
-pub struct AttentionWeights {
-    pub wq_a: Fp8Weight,
-    pub q_norm: Vec<f32>,
-    pub wq_b: Fp8Weight,
-    pub wkv: Fp8Weight,
-    pub kv_norm: Vec<f32>,
-    /// Dequantised `[o_groups · o_lora_rank, n_heads · head_dim / o_groups]` (bf16-exact).
-    pub wo_a: Vec<f32>,
-    pub wo_b: Fp8Weight,
-    /// `[n_heads]` fp32.
-    pub sink: Vec<f32>,
-    pub compressor: Option<CompressorWeights>,
-    pub indexer: Option<IndexerWeights>,
-}
+/// Attention of one block (FP8 projections).
+pub type AttentionWeights =
+    crate::layers::weights::AttentionWeights<Fp8Weight, CompressorWeights, IndexerWeights>;
 
 /// One block (backbone layer or DSpark stage).
-#[derive(Debug, Clone)]
-pub struct BlockWeights {
-    pub attn_norm: Vec<f32>,
-    pub ffn_norm: Vec<f32>,
-    pub hc_attn: HcParams,
-    pub hc_ffn: HcParams,
-    pub attn: AttentionWeights,
-    pub moe: MoeWeights,
-}
+pub type BlockWeights = crate::layers::weights::BlockWeights<AttentionWeights>;
 
 /// The DSpark drafter's extra tensors (spec §3.10).
 #[derive(Debug, Clone)]
@@ -134,6 +113,7 @@ fn moe(
             w2: ExpertLinear::Fp8(ckpt.fp8_weight(&format!("{shared}w2"), dim, inter)?),
             w3: ExpertLinear::Fp8(ckpt.fp8_weight(&format!("{shared}w3"), inter, dim)?),
         },
+        tid2eid: None,
     })
 }
 

@@ -173,17 +173,20 @@ impl VisionTower {
 impl Model {
     /// The loaded vision tower, if the model has one.
     pub fn vision_tower(&self) -> Option<&VisionTower> {
-        self.vision.as_deref()
+        self.weights.vision.as_deref()
     }
 
     fn require_vision(&self) -> Result<&VisionTower, VisionError> {
-        self.vision.as_deref().ok_or(VisionError::NoVisionTower {
-            missing: if self.cfg.vision.is_none() {
-                "the config's vision_config"
-            } else {
-                "the checkpoint's vision.* tensors"
-            },
-        })
+        self.weights
+            .vision
+            .as_deref()
+            .ok_or(VisionError::NoVisionTower {
+                missing: if self.cfg.vision.is_none() {
+                    "the config's vision_config"
+                } else {
+                    "the checkpoint's vision.* tensors"
+                },
+            })
     }
 
     /// Runs an image through the ViT and the aligner (spec §4.1-4.3), letterboxing it first
