@@ -51,6 +51,23 @@ pub fn v41_model(rel: &str) -> deepinfer_model::Model {
         .unwrap_or_else(|e| panic!("{rel} loads: {e}"))
 }
 
+/// The test form of one sequence's forward: `tokens` appended to `seq` by a one-entry
+/// `forward_step` of `model` with the default options; its `want`ed logits rows.
+pub fn forward_one(
+    model: &deepinfer_model::Model,
+    seq: &mut deepinfer_model::SequenceState,
+    tokens: &[u32],
+    want: deepinfer_model::LogitsWanted,
+) -> Result<Vec<f32>, deepinfer_model::error::ModelError> {
+    use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
+    model
+        .forward_step(
+            &mut [StepEntry::new(seq, tokens, want)],
+            StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
+}
+
 /// The v41-tiny fixture model ([`v41_model`]).
 pub fn v41_tiny_model() -> deepinfer_model::Model {
     v41_model("v41/v41-tiny")

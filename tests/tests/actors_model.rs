@@ -10,8 +10,8 @@ use deepinfer_actors::{Engine, EngineConfig, FinishReason, GenerateRequest, Mode
 use deepinfer_model::backend::cpu::argmax;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
-use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{LogitsWanted, Model, checkpoint};
+use deepinfer_tests::forward_one;
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::NodeConfig;
 
@@ -22,13 +22,7 @@ fn reference(model: &Model, prompt: &[u32], n: usize, eos: u32) -> Vec<u32> {
     let mut seq = model.new_sequence();
     let mut logits = Vec::new();
     for chunk in prompt.chunks(CHUNK) {
-        logits = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, chunk, LogitsWanted::Last)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .unwrap();
+        logits = forward_one(model, &mut seq, chunk, LogitsWanted::Last).unwrap();
     }
     let mut out = Vec::new();
     for _ in 0..n {
@@ -37,13 +31,7 @@ fn reference(model: &Model, prompt: &[u32], n: usize, eos: u32) -> Vec<u32> {
             break;
         }
         out.push(token);
-        logits = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &[token], LogitsWanted::Last)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .unwrap();
+        logits = forward_one(model, &mut seq, &[token], LogitsWanted::Last).unwrap();
     }
     out
 }

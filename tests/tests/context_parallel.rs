@@ -16,9 +16,9 @@ use deepinfer_actors::rank::executor::ExecutorFactory;
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
 use deepinfer_model::v41::context_parallel::{CpSplit, rank_rows};
-use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{LogitsWanted, Model, SequenceState};
 use deepinfer_tests::drift;
+use deepinfer_tests::forward_one;
 use deepinfer_topology::NodeConfig;
 
 const DECODE_STEPS: usize = 3;
@@ -40,13 +40,7 @@ fn decode(model: &Model, seq: &mut SequenceState, last: &[f32]) -> Vec<Vec<f32>>
     let mut next = drift::argmax(last) as u32;
     (0..DECODE_STEPS)
         .map(|_| {
-            let logits = model
-                .forward_step(
-                    &mut [StepEntry::new(seq, &[next], LogitsWanted::Last)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("decode step");
+            let logits = forward_one(model, seq, &[next], LogitsWanted::Last).expect("decode step");
             next = drift::argmax(&logits) as u32;
             logits
         })
@@ -70,27 +64,11 @@ fn cp_equals_single_rank(model: &Model, tokens: &[u32], prefix: usize, want: Log
     let vocab = model.config().vocab_size;
     let mut single = model.new_sequence();
     if prefix > 0 {
-        model
-            .forward_step(
-                &mut [StepEntry::new(
-                    &mut single,
-                    &tokens[..prefix],
-                    LogitsWanted::Last,
-                )],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("prefix");
+        forward_one(model, &mut single, &tokens[..prefix], LogitsWanted::Last).expect("prefix");
     }
     let before = single.clone();
     let chunk = &tokens[prefix..];
-    let logits = model
-        .forward_step(
-            &mut [StepEntry::new(&mut single, chunk, want)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("single-rank prefill");
+    let logits = forward_one(model, &mut single, chunk, want).expect("single-rank prefill");
     let single_decode = decode(model, &mut single.clone(), &logits[logits.len() - vocab..]);
     for ranks in [2, 4] {
         assert!(splits_a_group(prefix, chunk.len(), ranks), "cp {ranks}");

@@ -9,7 +9,7 @@ use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{DraftProposal, LogitsWanted, Model, SequenceState};
-use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
+use deepinfer_tests::forward_one;
 use deepinfer_topology::RequestId;
 use std::sync::Arc;
 
@@ -38,28 +38,15 @@ fn sequences(model: &Model) -> Vec<(SequenceState, u32)> {
         .enumerate()
         .map(|(i, &len)| {
             let mut seq = model.new_sequence();
-            model
-                .forward_step(
-                    &mut [StepEntry::new(
-                        &mut seq,
-                        &tokens(i as u32 + 1, len, vocab),
-                        LogitsWanted::Last,
-                    )],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("prompt");
+            forward_one(
+                model,
+                &mut seq,
+                &tokens(i as u32 + 1, len, vocab),
+                LogitsWanted::Last,
+            )
+            .expect("prompt");
             if i >= 3 {
-                model
-                    .forward_step(
-                        &mut [StepEntry::new(
-                            &mut seq,
-                            &[(7 * i) as u32],
-                            LogitsWanted::Last,
-                        )],
-                        StepOptions::default(),
-                    )
-                    .and_then(EntryOutput::one_entry_logits)
+                forward_one(model, &mut seq, &[(7 * i) as u32], LogitsWanted::Last)
                     .expect("decode");
             }
             (seq, (37 * i as u32 + 5) % vocab as u32)

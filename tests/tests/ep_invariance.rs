@@ -14,6 +14,7 @@ use deepinfer_actors::experts::shard::ExpertShard;
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
+use deepinfer_tests::forward_one;
 use deepinfer_topology::{EpRank, EplbPolicy, PlacementEpoch, rebalance_experts};
 use ep_support::{bits, facts, model, node, run_engine};
 
@@ -50,15 +51,7 @@ fn local_comm_logits_equal_the_model_bitwise() {
     let mut plain = model.new_sequence();
     let mut expected = Vec::new();
     for chunk in chunks {
-        expected.push(
-            model
-                .forward_step(
-                    &mut [StepEntry::new(&mut plain, chunk, LogitsWanted::All)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("forward"),
-        );
+        expected.push(forward_one(&model, &mut plain, chunk, LogitsWanted::All).expect("forward"));
     }
 
     let hierarchical = EpSettings {

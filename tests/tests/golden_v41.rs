@@ -14,6 +14,7 @@ mod golden_support;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
+use deepinfer_tests::forward_one;
 use golden_support::v41_rules::{
     Golden, SAME_ARITHMETIC_LOGITS, check_decode_run, check_prefill_dumps, row_errors, summary,
 };
@@ -72,13 +73,7 @@ fn free_running_follows_the_readme_rules(name: &str) {
             .expect("greedy_next") as u32
     );
     check_decode_run(&g, &logits, |seq, len| {
-        fx.model
-            .forward_step(
-                &mut [StepEntry::new(seq, &tokens[..len], LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("prefill")
+        forward_one(&fx.model, seq, &tokens[..len], LogitsWanted::All).expect("prefill")
     });
 }
 
@@ -171,17 +166,7 @@ fn run_chunked(model: &Model, tokens: &[u32], chunks: &[usize]) -> (Vec<f32>, Se
     let mut at = 0;
     for &size in chunks {
         logits.extend(
-            model
-                .forward_step(
-                    &mut [StepEntry::new(
-                        &mut seq,
-                        &tokens[at..at + size],
-                        LogitsWanted::All,
-                    )],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("chunk"),
+            forward_one(model, &mut seq, &tokens[at..at + size], LogitsWanted::All).expect("chunk"),
         );
         at += size;
     }
@@ -220,13 +205,7 @@ fn chunked_prefill_decode_and_verify_are_bitwise_equal_to_one_shot() {
     }
     // `Last` returns exactly the last row of `All`.
     let mut seq = model.new_sequence();
-    let last = model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &tokens[..50], LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("prefill");
+    let last = forward_one(model, &mut seq, &tokens[..50], LogitsWanted::Last).expect("prefill");
     assert_eq!(last, one_shot[49 * vocab..50 * vocab]);
 }
 
@@ -242,29 +221,13 @@ fn rollback_after_partial_verify_equals_never_drafted() {
     // Accept 0..=5 of 5 wrong drafts after the true token, at odd and even boundaries.
     for (prefill, accepted) in [(75, 2), (75, 1), (76, 0), (80, 5), (81, 3)] {
         let mut seq = model.new_sequence();
-        model
-            .forward_step(
-                &mut [StepEntry::new(
-                    &mut seq,
-                    &tokens[..prefill],
-                    LogitsWanted::Last,
-                )],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("prefill");
+        forward_one(model, &mut seq, &tokens[..prefill], LogitsWanted::Last).expect("prefill");
         let mut verify = tokens[prefill..prefill + 1 + accepted].to_vec();
         verify.extend(
             (0..5 - accepted)
                 .map(|i| (tokens[prefill + 1 + accepted] + 1 + i as u32) % vocab as u32),
         );
-        let verified = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &verify, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("verify");
+        let verified = forward_one(model, &mut seq, &verify, LogitsWanted::All).expect("verify");
         let keep = prefill + 1 + accepted;
         assert_eq!(
             verified[..(1 + accepted) * vocab],
@@ -272,13 +235,8 @@ fn rollback_after_partial_verify_equals_never_drafted() {
         );
         model.rollback(&mut seq, keep).expect("rollback");
         assert_eq!(seq.len(), keep);
-        let rest = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &tokens[keep..], LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("continue");
+        let rest =
+            forward_one(model, &mut seq, &tokens[keep..], LogitsWanted::All).expect("continue");
         let differing = rest
             .iter()
             .zip(&one_shot[keep * vocab..])
@@ -292,33 +250,11 @@ fn rollback_after_partial_verify_equals_never_drafted() {
     }
     // Rolling back further than the rings keep is refused, not silently wrong.
     let mut seq = model.new_sequence();
-    model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &tokens[..60], LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("prefill");
+    forward_one(model, &mut seq, &tokens[..60], LogitsWanted::Last).expect("prefill");
     assert!(model.rollback(&mut seq, 30).is_err());
     assert!(model.rollback(&mut seq, 61).is_err());
-    assert!(
-        model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &[], LogitsWanted::All)],
-                StepOptions::default()
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .is_err()
-    );
-    assert!(
-        model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &[vocab as u32], LogitsWanted::All)],
-                StepOptions::default()
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .is_err()
-    );
+    assert!(forward_one(model, &mut seq, &[], LogitsWanted::All).is_err());
+    assert!(forward_one(model, &mut seq, &[vocab as u32], LogitsWanted::All).is_err());
 }
 
 /// The same invariances on a random checkpoint of a differently shaped config (window 8, top-4
@@ -360,30 +296,12 @@ fn random_checkpoint_is_chunking_and_rollback_invariant() {
     }
     let vocab_size = cfg.vocab_size;
     let mut seq = model.new_sequence();
-    model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &tokens[..31], LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("prefill");
+    forward_one(&model, &mut seq, &tokens[..31], LogitsWanted::Last).expect("prefill");
     let mut verify = tokens[31..33].to_vec();
     verify.extend([5, 6, 7, 8]);
-    model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &verify, LogitsWanted::All)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("verify");
+    forward_one(&model, &mut seq, &verify, LogitsWanted::All).expect("verify");
     model.rollback(&mut seq, 33).expect("rollback");
-    let rest = model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &tokens[33..], LogitsWanted::All)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("continue");
+    let rest = forward_one(&model, &mut seq, &tokens[33..], LogitsWanted::All).expect("continue");
     assert!(
         rest.iter()
             .zip(&one_shot[33 * vocab_size..])

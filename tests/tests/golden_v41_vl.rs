@@ -13,6 +13,7 @@ use deepinfer_model::v41::vision::{
 };
 use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
+use deepinfer_tests::forward_one;
 use golden_support::v41_rules::{
     COEFF_RMS, Golden, SAME_ARITHMETIC_LOGITS, STREAM_RMS, check_compressed_caches,
     check_decode_run, check_prefill_selections, row_errors, summary,
@@ -419,12 +420,6 @@ fn chunking_around_an_image_span_is_bitwise_invariant() {
             )
             .and_then(EntryOutput::one_entry_logits)
             .expect("text"),
-        model
-            .forward_step(
-                &mut [StepEntry::new(&mut b, text, LogitsWanted::All)],
-                StepOptions::default()
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("text")
+        forward_one(model, &mut b, text, LogitsWanted::All).expect("text")
     );
 }

@@ -60,7 +60,7 @@ use deepinfer_model::sampling::{
     AllowedTokens, MAX_TOP_LOGPROBS, MaskError, SamplingParams, TokenLogprobs, sample_allowed,
     token_logprobs,
 };
-use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
+use deepinfer_tests::forward_one;
 use half::bf16;
 
 mod gpu_support;
@@ -1000,13 +1000,7 @@ fn prefill_and_decode(model: &deepinfer_model::Model, tokens: &[u32], decode: us
     let vocab = model.config().vocab_size;
     let mut seq = model.new_sequence();
     let started = std::time::Instant::now();
-    let mut logits = model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, tokens, LogitsWanted::All)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("prefill");
+    let mut logits = forward_one(model, &mut seq, tokens, LogitsWanted::All).expect("prefill");
     let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
     let started = std::time::Instant::now();
     let mut generated = Vec::new();
@@ -1014,15 +1008,7 @@ fn prefill_and_decode(model: &deepinfer_model::Model, tokens: &[u32], decode: us
         let last = &logits[logits.len() - vocab..];
         let next = argmax(last);
         generated.push(next);
-        logits.extend(
-            model
-                .forward_step(
-                    &mut [StepEntry::new(&mut seq, &[next], LogitsWanted::All)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("decode"),
-        );
+        logits.extend(forward_one(model, &mut seq, &[next], LogitsWanted::All).expect("decode"));
     }
     GreedyRun {
         logits,
@@ -1132,32 +1118,13 @@ fn v41_tiny_on_cuda_is_batch_invariant() {
     let decode = [3u32, 11];
     let run_alone = |prompt: &[u32]| {
         let mut seq = model.new_sequence();
-        let mut out = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &prompt[..half], LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("chunk 1");
+        let mut out =
+            forward_one(&model, &mut seq, &prompt[..half], LogitsWanted::All).expect("chunk 1");
         out.extend(
-            model
-                .forward_step(
-                    &mut [StepEntry::new(&mut seq, &prompt[half..], LogitsWanted::All)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("chunk 2"),
+            forward_one(&model, &mut seq, &prompt[half..], LogitsWanted::All).expect("chunk 2"),
         );
         for t in decode {
-            out.extend(
-                model
-                    .forward_step(
-                        &mut [StepEntry::new(&mut seq, &[t], LogitsWanted::All)],
-                        StepOptions::default(),
-                    )
-                    .and_then(EntryOutput::one_entry_logits)
-                    .expect("decode"),
-            );
+            out.extend(forward_one(&model, &mut seq, &[t], LogitsWanted::All).expect("decode"));
         }
         out
     };
@@ -1165,50 +1132,19 @@ fn v41_tiny_on_cuda_is_batch_invariant() {
     // Interleaved: the other sequences' prefill and decode steps run between this sequence's.
     let mut seq = model.new_sequence();
     let mut other_seqs: Vec<_> = others.iter().map(|_| model.new_sequence()).collect();
-    let mut interleaved = model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &tokens[..half], LogitsWanted::All)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("chunk 1");
+    let mut interleaved =
+        forward_one(&model, &mut seq, &tokens[..half], LogitsWanted::All).expect("chunk 1");
     for (other, other_tokens) in other_seqs.iter_mut().zip(&others) {
-        model
-            .forward_step(
-                &mut [StepEntry::new(other, other_tokens, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("other prefill");
+        forward_one(&model, other, other_tokens, LogitsWanted::All).expect("other prefill");
     }
     interleaved.extend(
-        model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &tokens[half..], LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("chunk 2"),
+        forward_one(&model, &mut seq, &tokens[half..], LogitsWanted::All).expect("chunk 2"),
     );
     for t in decode {
         for other in other_seqs.iter_mut() {
-            model
-                .forward_step(
-                    &mut [StepEntry::new(other, &[t + 1], LogitsWanted::All)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("other decode");
+            forward_one(&model, other, &[t + 1], LogitsWanted::All).expect("other decode");
         }
-        interleaved.extend(
-            model
-                .forward_step(
-                    &mut [StepEntry::new(&mut seq, &[t], LogitsWanted::All)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("decode"),
-        );
+        interleaved.extend(forward_one(&model, &mut seq, &[t], LogitsWanted::All).expect("decode"));
     }
     assert_bitwise("v41-tiny logits alone vs interleaved", &interleaved, &alone);
     // Negative control: the comparison sees a one-token change of the sequence.

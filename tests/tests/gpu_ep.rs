@@ -33,7 +33,7 @@ use deepinfer_model::backend::cuda::ep::ExpertRank;
 use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::v41::LogitsWanted;
-use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
+use deepinfer_tests::forward_one;
 use deepinfer_topology::{ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
 
 mod gpu_support;
@@ -112,13 +112,7 @@ fn one_rank(model: &Model, schedule: &[Vec<Option<Vec<u32>>>; RANKS]) -> Vec<Vec
                 .iter()
                 .flatten()
                 .map(|chunk| {
-                    model
-                        .forward_step(
-                            &mut [StepEntry::new(&mut seq, chunk, LogitsWanted::All)],
-                            StepOptions::default(),
-                        )
-                        .and_then(EntryOutput::one_entry_logits)
-                        .expect("forward")
+                    forward_one(model, &mut seq, chunk, LogitsWanted::All).expect("forward")
                 })
                 .collect()
         })
@@ -235,12 +229,7 @@ fn ep_ranks(
                         }
                         match chunk {
                             Some(chunk) => logits.push(
-                                model
-                                    .forward_step(
-                                        &mut [StepEntry::new(&mut seq, chunk, LogitsWanted::All)],
-                                        StepOptions::default(),
-                                    )
-                                    .and_then(EntryOutput::one_entry_logits)
+                                forward_one(&model, &mut seq, chunk, LogitsWanted::All)
                                     .expect("forward"),
                             ),
                             None => model.idle_expert_step(),
@@ -362,12 +351,7 @@ fn a_failing_rank_stops_its_peer_without_a_hang() {
         let started = Instant::now();
         let failed = std::panic::catch_unwind(AssertUnwindSafe(|| {
             let mut seq = model.new_sequence();
-            model
-                .forward_step(
-                    &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::Last)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
+            forward_one(&model, &mut seq, &tokens, LogitsWanted::Last)
         }));
         let waited = started.elapsed();
         let message = match failed {

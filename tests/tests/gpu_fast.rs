@@ -47,7 +47,6 @@ use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, moe_combine, swiglu_rows,
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
-use deepinfer_model::EntryOutput;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -58,6 +57,7 @@ use deepinfer_model::quant;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight, e2m1_to_f32};
 use deepinfer_model::{LogitsWanted, Model, SequenceState, StepEntry, StepOptions};
 use deepinfer_tests::forward;
+use deepinfer_tests::forward_one;
 use half::bf16;
 
 mod fast_attention;
@@ -995,13 +995,7 @@ fn v41_tiny_fast_is_batch_invariant() {
     let fresh = model.new_sequence();
     let prefill_alone = probe_step(&model, &fresh, &tokens, &[], 0);
     let mut prefilled = model.new_sequence();
-    model
-        .forward_step(
-            &mut [StepEntry::new(&mut prefilled, &tokens, LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("prefill");
+    forward_one(&model, &mut prefilled, &tokens, LogitsWanted::Last).expect("prefill");
     let decode_alone = probe_step(&model, &prefilled, &[17], &[], 0);
     let mut checked = 0;
     for batch in [2usize, 9, 33, 64] {
@@ -1025,13 +1019,7 @@ fn v41_tiny_fast_is_batch_invariant() {
             .into_iter()
             .enumerate()
             .map(|(i, (mut seq, p))| {
-                model
-                    .forward_step(
-                        &mut [StepEntry::new(&mut seq, &p, LogitsWanted::Last)],
-                        StepOptions::default(),
-                    )
-                    .and_then(EntryOutput::one_entry_logits)
-                    .expect("other prefill");
+                forward_one(&model, &mut seq, &p, LogitsWanted::Last).expect("other prefill");
                 (seq, vec![(i as u32 * 31 + 5) % vocab as u32])
             })
             .collect();

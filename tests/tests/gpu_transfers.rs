@@ -17,6 +17,7 @@ use deepinfer_model::sampling::{AllowedTokens, sample};
 use deepinfer_model::{
     EntryOutput, LogitsRow, LogitsWanted, Model, SequenceState, StepEntry, StepOptions,
 };
+use deepinfer_tests::forward_one;
 
 mod gpu_support;
 use gpu_support::{cuda_backend, host_fixture_model, mixed_sampling, prompt};
@@ -125,12 +126,7 @@ fn a_decode_step_copies_only_the_sampled_ids_to_the_host() {
     // the host (one copy of each per slot), the draft logits stay on the device until read; the
     // proposals equal the CPU's bit for bit.
     for (seq, &token) in on_cpu.iter_mut().zip(&next_gpu) {
-        cpu.forward_step(
-            &mut [StepEntry::new(seq, &[token], LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("cpu step");
+        forward_one(&cpu, seq, &[token], LogitsWanted::Last).expect("cpu step");
     }
     let requests_cpu: Vec<(&SequenceState, u32)> =
         on_cpu.iter().zip(next_gpu.iter().copied()).collect();

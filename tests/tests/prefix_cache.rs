@@ -18,6 +18,7 @@ use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState};
 use deepinfer_tests::drift::{
     Bounds, Drift, Rows, argmax, check_bounds, demo_model, drift, fixture_bounds, prompt, report,
 };
+use deepinfer_tests::forward_one;
 
 const SALT: u64 = 0x5eed;
 const CHUNK: usize = 64;
@@ -48,13 +49,7 @@ fn decode(
     for step in 0..steps {
         let token = tokens.get(step).copied().unwrap_or(next);
         fed.push(token);
-        let row = model
-            .forward_step(
-                &mut [StepEntry::new(seq, &[token], LogitsWanted::Last)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("decode");
+        let row = forward_one(model, seq, &[token], LogitsWanted::Last).expect("decode");
         next = argmax(&row) as u32;
         rows.extend(row);
     }

@@ -20,6 +20,7 @@ use deepinfer_tests::drift::{
     Rows, argmax, check, demo_bounds, demo_model, dependency_halo, drift, fixture_bounds, prompt,
     report,
 };
+use deepinfer_tests::forward_one;
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{ModelDims, NodeConfig, ReplayConfig, RequestId};
 
@@ -37,36 +38,15 @@ fn run_off(model: &Model, tokens: &[u32], from: usize, steps: usize) -> (Rows, V
     let vocab = model.config().vocab_size;
     let mut seq = model.new_sequence();
     if from > 0 {
-        model
-            .forward_step(
-                &mut [StepEntry::new(
-                    &mut seq,
-                    &tokens[..from],
-                    LogitsWanted::Last,
-                )],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("prefix");
+        forward_one(model, &mut seq, &tokens[..from], LogitsWanted::Last).expect("prefix");
     }
-    let prompt = model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &tokens[from..], LogitsWanted::All)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("kept rows");
+    let prompt =
+        forward_one(model, &mut seq, &tokens[from..], LogitsWanted::All).expect("kept rows");
     let mut next = argmax(&prompt[prompt.len() - vocab..]) as u32;
     let (mut decode, mut greedy) = (Vec::new(), Vec::new());
     for _ in 0..steps {
         greedy.push(next);
-        let row = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &[next], LogitsWanted::Last)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("decode");
+        let row = forward_one(model, &mut seq, &[next], LogitsWanted::Last).expect("decode");
         next = argmax(&row) as u32;
         decode.extend(row);
     }
@@ -202,13 +182,7 @@ fn chunked_replay_equals_one_shot_replay_bitwise() {
     let one_shot_decode: Vec<f32> = decode
         .iter()
         .flat_map(|&t| {
-            model
-                .forward_step(
-                    &mut [StepEntry::new(&mut one_shot_seq, &[t], LogitsWanted::Last)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("decode")
+            forward_one(&model, &mut one_shot_seq, &[t], LogitsWanted::Last).expect("decode")
         })
         .collect();
     let one_shot_draft = model
@@ -429,13 +403,7 @@ fn direct_greedy(model: &Model, prompt: &[u32], from: usize, n: usize) -> Vec<u3
             break;
         }
         out.push(token);
-        logits = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &[token], LogitsWanted::Last)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("decode");
+        logits = forward_one(model, &mut seq, &[token], LogitsWanted::Last).expect("decode");
     }
     out
 }

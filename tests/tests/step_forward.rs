@@ -8,6 +8,7 @@ use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::sampling::{SamplingParams, sample};
 use deepinfer_model::{EntryOutput, LogitsWanted, Model, SequenceState, StepEntry, StepOptions};
+use deepinfer_tests::forward_one;
 
 fn synthetic_model(dir: &std::path::Path) -> Model {
     let cfg = ModelConfig::tiny_v41();
@@ -59,12 +60,7 @@ fn alone(model: &Model, seq: &mut SequenceState, plan: &Plan, tokens: &[u32]) ->
                 StepOptions::default(),
             )
             .and_then(EntryOutput::one_entry_logits),
-        None => model
-            .forward_step(
-                &mut [StepEntry::new(seq, tokens, want)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits),
+        None => forward_one(model, seq, tokens, want),
     }
     .expect("forward alone")
 }
@@ -232,20 +228,9 @@ fn a_bad_entry_fails_the_step_by_index_and_changes_no_sequence() {
     );
     assert_eq!((first.len(), second.len()), (0, 0));
     let mut fresh = model.new_sequence();
-    let expected = model
-        .forward_step(
-            &mut [StepEntry::new(&mut fresh, &good, LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("fresh");
-    let again = model
-        .forward_step(
-            &mut [StepEntry::new(&mut first, &good, LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("the untouched sequence");
+    let expected = forward_one(&model, &mut fresh, &good, LogitsWanted::Last).expect("fresh");
+    let again =
+        forward_one(&model, &mut first, &good, LogitsWanted::Last).expect("the untouched sequence");
     assert_eq!(
         again.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
@@ -303,13 +288,7 @@ fn sampled_entries_get_the_tokens_of_their_logits_rows() {
         .zip(outputs)
         .enumerate()
     {
-        let logits = model
-            .forward_step(
-                &mut [StepEntry::new(seq, prompt, want)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("alone");
+        let logits = forward_one(&model, seq, prompt, want).expect("alone");
         let first_row_position = match want {
             LogitsWanted::All => 0,
             LogitsWanted::Last => len - 1,
