@@ -14,6 +14,7 @@
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::error::ModelError;
 use crate::v41::Model;
+use crate::v41::weights::routed_expert;
 
 /// One routed pick of a token: the logical expert and its routing weight.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -65,6 +66,30 @@ impl Model {
             )
         };
         Err(ModelError::Unsupported { what })
+    }
+
+    /// Copies of the routed experts `wanted` ((backbone layer, expert) pairs, in that order):
+    /// those this model holds from memory, the others read from the checkpoint it was loaded
+    /// from (a model loaded with an `ExpertFilter` keeps it open). An expert it neither
+    /// holds nor can read is an error naming it.
+    pub fn copy_routed_experts(
+        &self,
+        wanted: &[(usize, usize)],
+    ) -> Result<Vec<RoutedExpert>, ModelError> {
+        let cfg = self.config();
+        wanted
+            .iter()
+            .map(
+                |&(layer, expert)| match (&self.checkpoint, self.routed_weights(layer, expert)) {
+                    (_, Some(held)) => Ok(RoutedExpert(held.clone())),
+                    (Some(ckpt), None) if layer < cfg.n_layers && expert < cfg.n_routed_experts => {
+                        routed_expert(ckpt, &format!("layers.{layer}."), cfg, expert)
+                            .map(RoutedExpert)
+                    }
+                    _ => self.routed_expert(layer, expert),
+                },
+            )
+            .collect()
     }
 }
 
@@ -261,6 +286,16 @@ mod tests {
         }
         let total = cfg.n_layers * cfg.n_routed_experts;
         assert!(kept > 0 && kept < total);
+        // What it does not hold it reads from its checkpoint when asked (an EPLB staging).
+        let every: Vec<(usize, usize)> = (0..cfg.n_layers)
+            .flat_map(|l| (0..cfg.n_routed_experts).map(move |e| (l, e)))
+            .collect();
+        let copies = partial.copy_routed_experts(&every).expect("copies");
+        for (&(layer, expert), copy) in every.iter().zip(&copies) {
+            let original = whole.routed_expert(layer, expert).expect("whole");
+            assert_eq!(format!("{:?}", copy.0), format!("{:?}", original.0));
+        }
+        assert!(partial.copy_routed_experts(&[(cfg.n_layers, 0)]).is_err());
         let (whole_bytes, whole_count) = whole.routed_expert_bytes();
         let (held_bytes, held_count) = partial.routed_expert_bytes();
         assert_eq!((whole_count, held_count), (total, kept));

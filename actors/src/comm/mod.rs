@@ -116,6 +116,12 @@ pub enum EpError {
     },
     #[error("node bootstrap: {0}")]
     Bootstrap(String),
+    #[error("EPLB: node {node} ({addr}) failed: {reason}")]
+    Control {
+        node: usize,
+        addr: String,
+        reason: String,
+    },
 }
 
 /// Where one layer's exchange is: the DP rank, its step (the rank's own counter) and the

@@ -7,7 +7,10 @@
 //! exchange is refused. A peer that fails or times out stays failed: later calls fail at once
 //! (the engine stops anyway, the supervisor's rule 3).
 //! The server needs no step lockstep between nodes: it serves whichever DP rank asks, at any
-//! time, with the placement epoch the rows name (refusing any other).
+//! time, with the placement epoch the rows name: the current one, the staged one (a peer that
+//! adopted it first) or the one before (a peer that has not adopted the current yet); any
+//! other is refused. It also runs node 0's EPLB requests (`wire::Control`) on this node's
+//! `EplbActor`; `RemoteRanks::control_all` is node 0's side.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
@@ -18,7 +21,7 @@ use std::time::Duration;
 
 use deepinfer_topology::{EpRank, PlacementEpoch};
 
-use super::wire::{Dispatch, FrameTag, Reply};
+use super::wire::{Control, ControlReply, ControlRequest, Dispatch, FrameTag, Reply, Request};
 use super::{Comm, EpError, LayerAt};
 use crate::experts::parallel::ExpertParallel;
 
@@ -31,11 +34,23 @@ struct Peer {
     conn: Mutex<Result<Option<TcpStream>, String>>,
 }
 
+/// How long a node waits for another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// One layer's exchange, and node 0's EPLB requests but staging (`[cluster]
+    /// exchange_timeout_ms`).
+    pub exchange: Duration,
+    /// Node 0's EPLB waiting for a node to stage a placement (it reads weights:
+    /// `[cluster] bootstrap_timeout_seconds`).
+    pub staging: Duration,
+}
+
 /// The EP ranks of the other nodes, as seen from this one.
 #[derive(Debug)]
 pub struct RemoteRanks {
     session: u64,
     timeout: Duration,
+    staging_timeout: Duration,
     local: Range<usize>,
     /// Per EP rank: `None` for this node's ranks.
     peers: Vec<Option<Peer>>,
@@ -46,7 +61,7 @@ impl RemoteRanks {
     /// its expert server at `experts[n]`), in deployment `session`.
     pub fn new(
         session: u64,
-        timeout: Duration,
+        timeouts: Timeouts,
         node: usize,
         ranks_per_node: usize,
         experts: &[SocketAddr],
@@ -63,7 +78,8 @@ impl RemoteRanks {
             .collect();
         RemoteRanks {
             session,
-            timeout,
+            timeout: timeouts.exchange,
+            staging_timeout: timeouts.staging,
             local: node * ranks_per_node..(node + 1) * ranks_per_node,
             peers,
         }
@@ -173,12 +189,72 @@ impl RemoteRanks {
     }
 
     fn connect(&self, addr: SocketAddr) -> std::io::Result<TcpStream> {
-        let stream = TcpStream::connect_timeout(&addr, self.timeout)?;
-        stream.set_read_timeout(Some(self.timeout))?;
-        stream.set_write_timeout(Some(self.timeout))?;
-        stream.set_nodelay(true)?;
-        Ok(stream)
+        connect(addr, self.timeout)
     }
+
+    /// The other nodes, in node order: (node, expert server address).
+    pub fn other_nodes(&self) -> Vec<(usize, SocketAddr)> {
+        let mut nodes: Vec<(usize, SocketAddr)> = self
+            .peers
+            .iter()
+            .flatten()
+            .map(|peer| (peer.node, peer.addr))
+            .collect();
+        nodes.dedup();
+        nodes
+    }
+
+    /// Sends `control` (node 0's EPLB) to every other node in node order, each on a connection
+    /// of its own, and returns their answers; the first node that refuses, fails or does not
+    /// answer in time (staging: the staging timeout) ends it with an error naming the node.
+    pub fn control_all(&self, control: &Control) -> Result<Vec<ControlReply>, EpError> {
+        let wait = match control {
+            Control::Stage { .. } => self.staging_timeout,
+            _ => self.timeout,
+        };
+        let request = ControlRequest {
+            session: self.session,
+            control: control.clone(),
+        };
+        self.other_nodes()
+            .into_iter()
+            .map(|(node, addr)| {
+                let fail = |reason: String| EpError::Control {
+                    node,
+                    addr: addr.to_string(),
+                    reason,
+                };
+                let answer = connect(addr, wait).and_then(|mut stream| {
+                    request.send(&mut stream)?;
+                    ControlReply::receive(&mut stream)
+                });
+                match answer {
+                    Ok(ControlReply::Failure(reason)) => Err(fail(reason)),
+                    Ok(reply) => Ok(reply),
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        Err(fail(format!(
+                            "did not answer within {} ms",
+                            wait.as_millis()
+                        )))
+                    }
+                    Err(e) => Err(fail(e.to_string())),
+                }
+            })
+            .collect()
+    }
+}
+
+fn connect(addr: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    let stream = TcpStream::connect_timeout(&addr, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
 }
 
 /// This node's expert server: answers the rows other nodes send its EP ranks, with the
@@ -229,20 +305,38 @@ impl Drop for ExpertServer {
     }
 }
 
-/// Answers one peer's dispatches until it closes the connection.
+/// Answers one peer's requests (dispatches, or node 0's EPLB) until it closes the connection.
 fn serve_peer(mut conn: TcpStream, session: u64, parallel: Weak<ExpertParallel>) {
     let _ = conn.set_nodelay(true);
-    while let Ok(Some(dispatch)) = Dispatch::receive(&mut conn) {
-        let reply = match answer(&dispatch, session, &parallel) {
-            Ok(outputs) => Reply::Combine {
-                tag: dispatch.tag,
-                outputs,
-            },
-            Err(reason) => Reply::Failure(reason),
+    while let Ok(Some(request)) = Request::receive(&mut conn) {
+        let sent = match request {
+            Request::Dispatch(dispatch) => match answer(&dispatch, session, &parallel) {
+                Ok(outputs) => Reply::Combine {
+                    tag: dispatch.tag,
+                    outputs,
+                },
+                Err(reason) => Reply::Failure(reason),
+            }
+            .send(&mut conn),
+            Request::Control(request) => follow(request, session, &parallel).send(&mut conn),
         };
-        if reply.send(&mut conn).is_err() {
+        if sent.is_err() {
             return;
         }
+    }
+}
+
+/// Node 0's EPLB request, run by this node's `EplbActor`.
+fn follow(request: ControlRequest, session: u64, parallel: &Weak<ExpertParallel>) -> ControlReply {
+    if request.session != session {
+        return ControlReply::Failure(format!(
+            "an EPLB request of session {:x}, this deployment is {session:x}",
+            request.session
+        ));
+    }
+    match parallel.upgrade() {
+        Some(parallel) => parallel.follow(request.control),
+        None => ControlReply::Failure("the engine of this node has stopped".into()),
     }
 }
 
@@ -261,14 +355,14 @@ fn answer(
     let parallel = parallel
         .upgrade()
         .ok_or("the engine of this node has stopped")?;
-    let comm = parallel.current();
-    let epoch = comm.epoch();
-    if epoch.get() != tag.epoch {
-        return Err(format!(
-            "rows of placement epoch {}, this node serves {epoch}",
-            tag.epoch
-        ));
-    }
+    let comm = parallel.comm_of(PlacementEpoch(tag.epoch)).ok_or_else(|| {
+        format!(
+            "rows of placement epoch {}, this node serves {} (and no staged or previous \
+                 placement of that epoch)",
+            tag.epoch,
+            parallel.current().epoch()
+        )
+    })?;
     comm.serve_rows(
         usize::from(dispatch.rank),
         tag.layer as usize,
@@ -367,7 +461,11 @@ mod tests {
         // The timeout is long against scheduling noise on a loaded machine, so "at once" (below
         // half of it) and "after the timeout" cannot be confused.
         let timeout = Duration::from_secs(2);
-        let remote = RemoteRanks::new(9, timeout, 0, 1, &experts);
+        let timeouts = Timeouts {
+            exchange: timeout,
+            staging: timeout,
+        };
+        let remote = RemoteRanks::new(9, timeouts, 0, 1, &experts);
         assert_eq!((remote.ranks(), remote.local_ranks()), (3, 0..1));
         let at = LayerAt {
             dp: deepinfer_topology::DpRank(0),
@@ -397,5 +495,68 @@ mod tests {
         assert!(matches!(err, EpError::PeerFailed { .. }), "{err}");
         assert!(err.to_string().contains("EP rank 2 on node 2"), "{err}");
         drop(silent);
+    }
+
+    /// Node 0's EPLB request to a node that accepts but never answers fails naming the node
+    /// after the timeout (staging: the staging timeout), one to a gone node at once, and the
+    /// nodes are asked in node order (the first failure ends the round).
+    #[test]
+    fn an_eplb_request_to_a_silent_or_gone_node_fails_naming_it() {
+        let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
+        let gone = free_loopback();
+        let experts = [
+            "127.0.0.1:1".parse().expect("address"),
+            silent.local_addr().expect("address"),
+            gone,
+        ];
+        let timeouts = Timeouts {
+            exchange: Duration::from_millis(300),
+            staging: Duration::from_secs(2),
+        };
+        let remote = RemoteRanks::new(9, timeouts, 0, 1, &experts);
+        assert_eq!(remote.other_nodes(), vec![(1, experts[1]), (2, experts[2])]);
+        let started = Instant::now();
+        let err = remote
+            .control_all(&Control::Commit { epoch: 3 })
+            .expect_err("silent node");
+        assert!(started.elapsed() >= timeouts.exchange);
+        assert!(started.elapsed() < timeouts.staging);
+        let text = err.to_string();
+        assert!(
+            text.contains("node 1") && text.contains("did not answer within 300 ms"),
+            "{text}"
+        );
+        let placement = deepinfer_topology::ExpertPlacement::uniform(
+            2,
+            4,
+            deepinfer_topology::PlacementShape {
+                num_replicas: 6,
+                num_groups: 1,
+                num_nodes: 3,
+                num_gpus: 3,
+            },
+        )
+        .expect("placement");
+        let started = Instant::now();
+        let err = remote
+            .control_all(&Control::Stage {
+                epoch: 3,
+                placement,
+            })
+            .expect_err("silent node");
+        assert!(
+            started.elapsed() >= timeouts.staging,
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(err.to_string().contains("within 2000 ms"), "{err}");
+        drop(silent);
+        let gone_only = RemoteRanks::new(9, timeouts, 0, 1, &[experts[0], gone]);
+        let started = Instant::now();
+        let err = gone_only
+            .control_all(&Control::TakeLoads)
+            .expect_err("gone node");
+        assert!(started.elapsed() < timeouts.exchange);
+        assert!(matches!(err, EpError::Control { node: 1, .. }), "{err}");
     }
 }

@@ -52,6 +52,40 @@ impl From<Arc<Model>> for ExpertSource {
     }
 }
 
+/// `[layer][local slot]` weights of the experts `held`: those `previous` holds shared, the others
+/// copied from `model` in one call (one checkpoint opening for those it reads).
+fn shard_weights(
+    model: &Model,
+    held: &[Vec<ExpertId>],
+    previous: Option<&ExpertShard>,
+) -> Result<Vec<Vec<Arc<RoutedExpert>>>, EpError> {
+    let kept = |layer: usize, expert: ExpertId| previous.and_then(|p| p.weights_of(layer, expert));
+    let wanted: Vec<(usize, usize)> = held
+        .iter()
+        .enumerate()
+        .flat_map(|(layer, row)| row.iter().map(move |&expert| (layer, expert)))
+        .filter(|&(layer, expert)| kept(layer, expert).is_none())
+        .map(|(layer, expert)| (layer, expert.index()))
+        .collect();
+    let mut copies = model
+        .copy_routed_experts(&wanted)
+        .map_err(|e| EpError::Model(e.to_string()))?
+        .into_iter();
+    held.iter()
+        .enumerate()
+        .map(|(layer, row)| {
+            row.iter()
+                .map(|&expert| match kept(layer, expert) {
+                    Some(weights) => Ok(weights),
+                    None => copies.next().map(Arc::new).ok_or_else(|| {
+                        EpError::Model(format!("no copy of expert {expert} of layer {layer}"))
+                    }),
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// One EP rank's experts in one epoch.
 #[derive(Debug)]
 pub struct ExpertShard {
@@ -77,7 +111,8 @@ pub struct StageReport {
 
 impl ExpertShard {
     /// The shard of `rank` under `placement` for `epoch`: weights of experts `previous` holds in
-    /// the same layer are shared, the rest are copied from the model of `source`.
+    /// the same layer are shared, the rest are copied from the model of `source` (read from its
+    /// checkpoint when the model was loaded without them: `Model::copy_routed_experts`).
     pub fn build(
         source: &ExpertSource,
         placement: &ExpertPlacement,
@@ -87,7 +122,6 @@ impl ExpertShard {
     ) -> Result<(ExpertShard, StageReport), EpError> {
         let mut report = StageReport::default();
         let mut held = Vec::with_capacity(placement.layers.len());
-        let mut weights = Vec::with_capacity(placement.layers.len());
         for layer in 0..placement.layers.len() {
             let experts = placement.experts_on_rank(layer, rank).to_vec();
             if experts.len() != placement.slots_per_gpu {
@@ -97,30 +131,19 @@ impl ExpertShard {
                     found: experts.len(),
                 });
             }
-            let mut row = Vec::with_capacity(experts.len());
             for &expert in &experts {
-                let held_before = previous.is_some_and(|p| p.holds(layer, expert));
-                if held_before {
+                if previous.is_some_and(|p| p.holds(layer, expert)) {
                     report.reused += 1;
                 } else {
                     report.copied += 1;
                 }
-                let ExpertSource::Model(model) = source else {
-                    continue;
-                };
-                match previous.and_then(|p| p.weights_of(layer, expert)) {
-                    Some(kept) => row.push(kept),
-                    None => {
-                        let copy = model
-                            .routed_expert(layer, expert.index())
-                            .map_err(|e| EpError::Model(e.to_string()))?;
-                        row.push(Arc::new(copy));
-                    }
-                }
             }
             held.push(experts);
-            weights.push(row);
         }
+        let weights = match source {
+            ExpertSource::Model(model) => shard_weights(model, &held, previous)?,
+            ExpertSource::Simulated { .. } => held.iter().map(|_| Vec::new()).collect(),
+        };
         let served = held
             .iter()
             .map(|row| row.iter().map(|_| AtomicU64::new(0)).collect())

@@ -51,6 +51,10 @@ pub struct Model {
     engram: Option<Arc<Engram>>,
     dspark: Option<Arc<DsparkWeights>>,
     vision: Option<Arc<vision::VisionTower>>,
+    /// The checkpoint of a model loaded with an `ExpertFilter` that left experts out, kept open
+    /// (mapped, nothing resident until read) so that they can be read when asked for
+    /// (`Model::copy_routed_experts`), even once its files are unlinked.
+    pub(crate) checkpoint: Option<Arc<Checkpoint>>,
 }
 
 impl Model {
@@ -123,6 +127,10 @@ impl Model {
             layers: Arc::new(layers),
             engram,
             dspark: weights::load_dspark(ckpt, &cfg)?.map(Arc::new),
+            checkpoint: match experts.is_all() {
+                true => None,
+                false => Some(Arc::new(Checkpoint::open(ckpt.dir())?)),
+            },
             vision: vision::VisionTower::load(ckpt, &cfg)?.map(Arc::new),
             backend,
             cfg,
@@ -152,6 +160,7 @@ impl Model {
             engram: self.engram.clone(),
             dspark: self.dspark.clone(),
             vision: self.vision.clone(),
+            checkpoint: self.checkpoint.clone(),
         }
     }
 

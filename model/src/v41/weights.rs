@@ -105,6 +105,22 @@ fn expert_linear(
     })
 }
 
+/// Routed expert `expert` of the block at `prefix` (`layers.{l}.` or `mtp.{s}.`).
+pub(crate) fn routed_expert(
+    ckpt: &Checkpoint,
+    prefix: &str,
+    cfg: &ModelConfig,
+    expert: usize,
+) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
+    let (dim, inter, dtype) = (cfg.dim, cfg.moe_inter_dim, cfg.quant.expert_dtype);
+    let p = format!("{prefix}ffn.experts.{expert}.");
+    Ok(ExpertWeights {
+        w1: expert_linear(ckpt, &format!("{p}w1"), inter, dim, dtype)?,
+        w2: expert_linear(ckpt, &format!("{p}w2"), dim, inter, dtype)?,
+        w3: expert_linear(ckpt, &format!("{p}w3"), inter, dim, dtype)?,
+    })
+}
+
 /// The MoE of a block; `keeps(e)` says which routed experts are read (the others stay in the
 /// checkpoint).
 fn moe(
@@ -118,14 +134,7 @@ fn moe(
     let ids: Vec<usize> = (0..n_experts).filter(|&e| keeps(e)).collect();
     let experts = ids
         .iter()
-        .map(|e| {
-            let p = format!("{prefix}ffn.experts.{e}.");
-            Ok(ExpertWeights {
-                w1: expert_linear(ckpt, &format!("{p}w1"), inter, dim, cfg.quant.expert_dtype)?,
-                w2: expert_linear(ckpt, &format!("{p}w2"), dim, inter, cfg.quant.expert_dtype)?,
-                w3: expert_linear(ckpt, &format!("{p}w3"), inter, dim, cfg.quant.expert_dtype)?,
-            })
-        })
+        .map(|&e| routed_expert(ckpt, prefix, cfg, e))
         .collect::<Result<Vec<_>, ModelError>>()?;
     let shared = format!("{prefix}ffn.shared_experts.");
     Ok(MoeWeights {
