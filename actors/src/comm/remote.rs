@@ -379,6 +379,7 @@ mod tests {
     use crate::comm::free_loopback;
     use crate::comm::{Comm, StepExperts};
     use crate::experts::parallel::{EpSettings, EplbSchedule};
+    use crate::experts::shard::ExpertShard;
     use crate::experts::tiny_test_model;
     use deepinfer_model::LogitsWanted;
     use deepinfer_topology::{ClusterConfig, DpRank};
@@ -444,6 +445,101 @@ mod tests {
                 assert!(served > 0, "{} served nothing", shard.rank());
             }
         }
+    }
+
+    /// Across an EPLB commit, a node serves rows of its staged epoch (a peer adopted it first)
+    /// and of the epoch before its current one (a peer has not adopted it yet), with the model's
+    /// bits; rows of any other epoch are refused, naming it.
+    #[test]
+    fn a_node_serves_its_staged_current_and_previous_epochs_only() {
+        let (_dir, model) = tiny_test_model();
+        let settings = EpSettings {
+            ep_ranks: 2,
+            redundant_experts: 2,
+            num_groups: 1,
+            num_nodes: 2,
+            eplb: EplbSchedule {
+                enabled: false,
+                window_steps: 1,
+                interval_steps: 1,
+            },
+        };
+        let bootstrap = Some(free_loopback());
+        let cluster = move |node: u16| ClusterConfig {
+            node,
+            bootstrap,
+            expert_listen: "127.0.0.1:0".parse().expect("address"),
+            exchange_timeout: Duration::from_secs(20),
+            bootstrap_timeout: Duration::from_secs(20),
+        };
+        let other = {
+            let model = model.clone();
+            thread::spawn(move || ExpertParallel::on_node(model, settings, &cluster(1)))
+        };
+        let first = ExpertParallel::on_node(model.clone(), settings, &cluster(0)).expect("node 0");
+        let second = other.join().expect("thread").expect("node 1");
+        assert!(second.follower() && !first.follower());
+
+        let layers = model.config().n_layers;
+        let loads = vec![vec![40.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 20.0]; layers];
+        let placement = Arc::new(
+            deepinfer_topology::rebalance_experts(&loads, second.shape()).expect("solved"),
+        );
+        let next = |node: &ExpertParallel, epoch: u32| {
+            let current = node.current();
+            let shards = current
+                .shards()
+                .iter()
+                .map(|shard| {
+                    let (built, _) = ExpertShard::build(
+                        node.source(),
+                        &placement,
+                        shard.rank(),
+                        PlacementEpoch(epoch),
+                        Some(shard),
+                    )
+                    .expect("shard");
+                    Arc::new(built)
+                })
+                .collect();
+            Arc::new(
+                current
+                    .next_epoch(PlacementEpoch(epoch), placement.clone(), shards)
+                    .expect("next epoch"),
+            )
+        };
+        let tokens = [5u32, 9, 300, 41, 7, 200];
+        let mut plain = model.new_sequence();
+        let expected = model
+            .forward(&mut plain, &tokens, LogitsWanted::All)
+            .expect("forward");
+        let run = |comm: &dyn Comm| {
+            let step = StepExperts::new(comm, DpRank(0), 0);
+            let mut seq = model.new_sequence();
+            let got = model
+                .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &step)
+                .expect("forward with experts");
+            (bits(&got), step.failure())
+        };
+        let epoch0 = first.current();
+        let epoch1 = next(&first, 1);
+        // Node 1 staged epoch 1: node 0's rows of epoch 1 (it adopted it first) are served.
+        let served = |comm: &dyn Comm| {
+            let (got, failure) = run(comm);
+            assert_eq!(failure, None);
+            assert!(got == bits(&expected), "the bits differ from the model's");
+        };
+        second.stage(next(&second, 1));
+        served(epoch1.as_ref());
+        // Node 1 committed it: rows of epoch 0 (node 0 not yet adopted) are still served.
+        let staged = second.comm_of(PlacementEpoch(1)).expect("staged");
+        second.commit(staged);
+        assert_eq!(second.current().epoch(), PlacementEpoch(1));
+        served(epoch0.as_ref());
+        // An epoch node 1 neither runs, staged nor ran last is refused by name.
+        let (_, failure) = run(next(&first, 5).as_ref());
+        let failure = failure.expect("refused").to_string();
+        assert!(failure.contains("placement epoch 5"), "{failure}");
     }
 
     /// A peer that accepts but never answers: the exchange fails after the timeout with an error
