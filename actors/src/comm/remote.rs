@@ -389,15 +389,16 @@ mod tests {
         values.iter().map(|v| v.to_bits()).collect()
     }
 
-    /// Two nodes in one process over real loopback sockets (ep = 4, two EP ranks each): each
-    /// node's forward through its `LocalComm` (half the experts here, half over the socket) gives
-    /// the model's own logits bit for bit, and both nodes' shards served picks.
-    #[test]
-    fn two_nodes_over_sockets_give_the_model_bits() {
-        let (_dir, model) = tiny_test_model();
+    /// Nodes 0 and 1 of two in this process, joined over loopback sockets, with `ep_ranks` EP
+    /// ranks and `redundant` redundant slots per layer over `model`.
+    fn two_nodes(
+        model: &Arc<deepinfer_model::Model>,
+        ep_ranks: usize,
+        redundant: usize,
+    ) -> (Arc<ExpertParallel>, Arc<ExpertParallel>) {
         let settings = EpSettings {
-            ep_ranks: 4,
-            redundant_experts: 4,
+            ep_ranks,
+            redundant_experts: redundant,
             num_groups: 1,
             num_nodes: 2,
             eplb: EplbSchedule {
@@ -420,6 +421,16 @@ mod tests {
         };
         let first = ExpertParallel::on_node(model.clone(), settings, &cluster(0)).expect("node 0");
         let second = other.join().expect("thread").expect("node 1");
+        (first, second)
+    }
+
+    /// Two nodes in one process over real loopback sockets (ep = 4, two EP ranks each): each
+    /// node's forward through its `LocalComm` (half the experts here, half over the socket) gives
+    /// the model's own logits bit for bit, and both nodes' shards served picks.
+    #[test]
+    fn two_nodes_over_sockets_give_the_model_bits() {
+        let (_dir, model) = tiny_test_model();
+        let (first, second) = two_nodes(&model, 4, 4);
         assert_eq!(first.current().shards().len(), 2);
         assert_eq!(second.current().shards()[0].rank(), EpRank(2));
 
@@ -453,31 +464,7 @@ mod tests {
     #[test]
     fn a_node_serves_its_staged_current_and_previous_epochs_only() {
         let (_dir, model) = tiny_test_model();
-        let settings = EpSettings {
-            ep_ranks: 2,
-            redundant_experts: 2,
-            num_groups: 1,
-            num_nodes: 2,
-            eplb: EplbSchedule {
-                enabled: false,
-                window_steps: 1,
-                interval_steps: 1,
-            },
-        };
-        let bootstrap = Some(free_loopback());
-        let cluster = move |node: u16| ClusterConfig {
-            node,
-            bootstrap,
-            expert_listen: "127.0.0.1:0".parse().expect("address"),
-            exchange_timeout: Duration::from_secs(20),
-            bootstrap_timeout: Duration::from_secs(20),
-        };
-        let other = {
-            let model = model.clone();
-            thread::spawn(move || ExpertParallel::on_node(model, settings, &cluster(1)))
-        };
-        let first = ExpertParallel::on_node(model.clone(), settings, &cluster(0)).expect("node 0");
-        let second = other.join().expect("thread").expect("node 1");
+        let (first, second) = two_nodes(&model, 2, 2);
         assert!(second.follower() && !first.follower());
 
         let layers = model.config().n_layers;
@@ -542,18 +529,25 @@ mod tests {
         assert!(failure.contains("placement epoch 5"), "{failure}");
     }
 
+    /// The expert addresses of three nodes as node 0 sees them: its own (unused), node 1's (a
+    /// listener that accepts but never answers: kept open by the returned listener) and node
+    /// 2's (nothing listens).
+    fn silent_and_gone() -> (TcpListener, [SocketAddr; 3]) {
+        let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
+        let experts = [
+            "127.0.0.1:1".parse().expect("address"),
+            silent.local_addr().expect("address"),
+            free_loopback(),
+        ];
+        (silent, experts)
+    }
+
     /// A peer that accepts but never answers: the exchange fails after the timeout with an error
     /// naming the DP rank, step, layer and EP rank; the next call fails at once. A peer that is
     /// gone (connection refused) fails at once too.
     #[test]
     fn a_silent_or_gone_peer_fails_the_exchange_by_name_without_a_hang() {
-        let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
-        let gone = free_loopback();
-        let experts = [
-            "127.0.0.1:1".parse().expect("address"),
-            silent.local_addr().expect("address"),
-            gone,
-        ];
+        let (silent, experts) = silent_and_gone();
         // The timeout is long against scheduling noise on a loaded machine, so "at once" (below
         // half of it) and "after the timeout" cannot be confused.
         let timeout = Duration::from_secs(2);
@@ -598,13 +592,8 @@ mod tests {
     /// nodes are asked in node order (the first failure ends the round).
     #[test]
     fn an_eplb_request_to_a_silent_or_gone_node_fails_naming_it() {
-        let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
-        let gone = free_loopback();
-        let experts = [
-            "127.0.0.1:1".parse().expect("address"),
-            silent.local_addr().expect("address"),
-            gone,
-        ];
+        let (silent, experts) = silent_and_gone();
+        let gone = experts[2];
         let timeouts = Timeouts {
             exchange: Duration::from_millis(300),
             staging: Duration::from_secs(2),
