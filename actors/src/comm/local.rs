@@ -276,7 +276,7 @@ impl LocalComm {
                     message: format!("EP rank {rank} has no local slot {slot}"),
                 });
             }
-            out.extend(shard.run(model, layer, slot as usize, row, weight));
+            out.extend(shard.run(model, layer, slot as usize, row, weight)?);
         }
         Ok(out)
     }

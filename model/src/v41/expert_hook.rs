@@ -28,6 +28,25 @@ impl Model {
         moe::expert(&self.ctx(), &expert.0, &x.into(), Some(&[weight])).into_vec()
     }
 
+    /// [`Model::run_routed_expert`] with this model's own weights of routed expert `expert` of
+    /// backbone layer `layer` (`None`: it does not hold that expert).
+    pub fn run_held_expert(
+        &self,
+        layer: usize,
+        expert: usize,
+        x: &[f32],
+        weight: f32,
+    ) -> Option<Vec<f32>> {
+        let weights = self.routed_weights(layer, expert)?;
+        Some(moe::expert(&self.ctx(), weights, &x.into(), Some(&[weight])).into_vec())
+    }
+
+    /// Whether this model holds routed expert `expert` of backbone layer `layer` (an
+    /// `ExpertFilter` may have left it out).
+    pub fn holds_routed_expert(&self, layer: usize, expert: usize) -> bool {
+        self.routed_weights(layer, expert).is_some()
+    }
+
     /// Takes part in one step's expert-parallel collectives with no rows of its own: every
     /// backbone layer's MoE over zero rows, so that the backend (an EP rank, see
     /// `backend::cuda::ep`) serves its experts to the other ranks. A no-op on a backend that
