@@ -102,6 +102,24 @@ mod tests {
     use crate::v41::{EntryOutput, LogitsWanted, StepEntry, StepOptions};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    /// Every logits row of `tokens` as a fresh sequence's one-entry step, the routed experts
+    /// run by `experts` when given.
+    fn all_logits(
+        model: &Model,
+        tokens: &[u32],
+        experts: Option<&dyn RoutedExperts>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut seq = model.new_sequence();
+        let options = StepOptions {
+            experts,
+            ..StepOptions::default()
+        };
+        let entry = StepEntry::new(&mut seq, tokens, LogitsWanted::All);
+        model
+            .forward_step(&mut [entry], options)
+            .and_then(EntryOutput::one_entry_logits)
+    }
+
     fn tiny_model() -> (tempfile::TempDir, Model) {
         let mut cfg = ModelConfig::tiny_v41();
         cfg.engram = None;
@@ -160,14 +178,7 @@ mod tests {
             })
             .collect();
         let tokens = [3u32, 9, 4, 1, 7, 7, 2];
-        let mut plain_seq = model.new_sequence();
-        let plain = model
-            .forward_step(
-                &mut [StepEntry::new(&mut plain_seq, &tokens, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("forward");
+        let plain = all_logits(&model, &tokens, None).expect("forward");
         for reverse in [false, true] {
             let copies = Copies {
                 model: &model,
@@ -175,17 +186,7 @@ mod tests {
                 calls: AtomicUsize::new(0),
                 reverse,
             };
-            let mut seq = model.new_sequence();
-            let hooked = model
-                .forward_step(
-                    &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
-                    StepOptions {
-                        experts: Some(&copies),
-                        ..StepOptions::default()
-                    },
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("forward with experts");
+            let hooked = all_logits(&model, &tokens, Some(&copies)).expect("forward with experts");
             assert_eq!(
                 plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 hooked.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
@@ -244,16 +245,7 @@ mod tests {
         let model = Model::load(dir.path()).expect("model loads");
         let tokens = [11u32, 5, 300];
         let run = |zeros: bool| {
-            let mut seq = model.new_sequence();
-            model
-                .forward_step(
-                    &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
-                    StepOptions {
-                        experts: Some(&Fixed { zeros }),
-                        ..StepOptions::default()
-                    },
-                )
-                .and_then(EntryOutput::one_entry_logits)
+            all_logits(&model, &tokens, Some(&Fixed { zeros }))
                 .expect("forward")
                 .iter()
                 .map(|v| v.to_bits())
@@ -349,24 +341,8 @@ mod tests {
             reverse: false,
         };
         let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let mut seq = whole.new_sequence();
-        let expected = whole
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("whole");
-        let mut seq = partial.new_sequence();
-        let hooked = partial
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
-                StepOptions {
-                    experts: Some(&copies),
-                    ..StepOptions::default()
-                },
-            )
-            .and_then(EntryOutput::one_entry_logits)
+        let expected = all_logits(&whole, &tokens, None).expect("whole");
+        let hooked = all_logits(&partial, &tokens, Some(&copies))
             .expect("partial model with an expert hook");
         assert_eq!(bits(hooked), bits(expected));
     }

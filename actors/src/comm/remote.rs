@@ -381,10 +381,29 @@ mod tests {
     use crate::experts::parallel::{EpSettings, EplbSchedule};
     use crate::experts::shard::ExpertShard;
     use crate::experts::tiny_test_model;
-    use deepinfer_model::LogitsWanted;
-    use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
+    use deepinfer_model::error::ModelError;
+    use deepinfer_model::expert_dispatch::RoutedExperts;
+    use deepinfer_model::{EntryOutput, LogitsWanted, Model, StepEntry, StepOptions};
     use deepinfer_topology::{ClusterConfig, DpRank};
     use std::time::Instant;
+
+    /// Every logits row of `tokens` as a fresh sequence's one-entry step, the routed experts
+    /// run by `experts` when given.
+    fn all_logits(
+        model: &Model,
+        tokens: &[u32],
+        experts: Option<&dyn RoutedExperts>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut seq = model.new_sequence();
+        let options = StepOptions {
+            experts,
+            ..StepOptions::default()
+        };
+        let entry = StepEntry::new(&mut seq, tokens, LogitsWanted::All);
+        model
+            .forward_step(&mut [entry], options)
+            .and_then(EntryOutput::one_entry_logits)
+    }
 
     fn bits(values: &[f32]) -> Vec<u32> {
         values.iter().map(|v| v.to_bits()).collect()
@@ -436,28 +455,11 @@ mod tests {
         assert_eq!(second.current().shards()[0].rank(), EpRank(2));
 
         let tokens = [5u32, 9, 300, 41, 41, 7, 7, 200, 13];
-        let mut plain = model.new_sequence();
-        let expected = model
-            .forward_step(
-                &mut [StepEntry::new(&mut plain, &tokens, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("forward");
+        let expected = all_logits(&model, &tokens, None).expect("forward");
         for (dp, node) in [&first, &second].into_iter().enumerate() {
             let comm = node.current();
             let step = StepExperts::new(comm.as_ref(), DpRank(dp as u16), 0);
-            let mut seq = model.new_sequence();
-            let got = model
-                .forward_step(
-                    &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
-                    StepOptions {
-                        experts: Some(&step),
-                        ..StepOptions::default()
-                    },
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("forward with experts");
+            let got = all_logits(&model, &tokens, Some(&step)).expect("forward with experts");
             assert_eq!(step.failure(), None);
             assert_eq!(bits(&got), bits(&expected), "node {dp}");
             assert_eq!(comm.ep_ranks(), 4);
@@ -508,27 +510,10 @@ mod tests {
             )
         };
         let tokens = [5u32, 9, 300, 41, 7, 200];
-        let mut plain = model.new_sequence();
-        let expected = model
-            .forward_step(
-                &mut [StepEntry::new(&mut plain, &tokens, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("forward");
+        let expected = all_logits(&model, &tokens, None).expect("forward");
         let run = |comm: &dyn Comm| {
             let step = StepExperts::new(comm, DpRank(0), 0);
-            let mut seq = model.new_sequence();
-            let got = model
-                .forward_step(
-                    &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::All)],
-                    StepOptions {
-                        experts: Some(&step),
-                        ..StepOptions::default()
-                    },
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("forward with experts");
+            let got = all_logits(&model, &tokens, Some(&step)).expect("forward with experts");
             (bits(&got), step.failure())
         };
         let epoch0 = first.current();
