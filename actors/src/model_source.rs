@@ -29,9 +29,9 @@ use std::sync::Arc;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
-use deepinfer_model::memory_plan::{GpuMemoryPlan, plan_gpu};
+use deepinfer_model::memory_plan::{GpuMemoryPlan, plan_node};
 use deepinfer_model::{Model, checkpoint, v4};
-use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig, PlacementShape};
+use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
 
 use crate::engine::{EngineConfig, ModelFacts};
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
@@ -243,19 +243,18 @@ fn load_dir(
     })
 }
 
-/// The memory plan of one GPU of `gpu_bytes` for `node`'s expert layout over `cfg`'s model
-/// (`memory_plan`); a model that does not fit is a `device` config error naming the numbers.
+/// The memory plan of the busiest GPU (of `gpu_bytes`) of `node` over `cfg`'s model
+/// (`memory_plan::plan_node`: the ranks on it, their EP slots); a model that does not fit is a
+/// `device` config error naming the numbers.
 pub fn check_memory(
     node: &NodeConfig,
     cfg: &ModelConfig,
     gpu_bytes: u64,
 ) -> Result<GpuMemoryPlan, EngineError> {
-    let experts = u16::try_from(cfg.n_routed_experts).unwrap_or(u16::MAX);
-    let slots = PlacementShape::from_config(node, experts).slots_per_gpu();
-    plan_gpu(cfg, slots, gpu_bytes).map_err(|e| EngineError::Config {
+    plan_node(node, cfg, gpu_bytes).map_err(|e| EngineError::Config {
         field: "device".to_string(),
         message: format!(
-            "{}: {e} (parallel.ep = {}, device.gpus_per_node = {})",
+            "{}: {e} (parallel.dp = parallel.ep = {}, device.gpus_per_node = {})",
             node.origin, node.parallel.ep, node.device.gpus_per_node
         ),
     })
@@ -580,7 +579,7 @@ mod tests {
             "384 slots of 384",
             "Engram 188.8",
             "short",
-            "parallel.ep = 1",
+            "parallel.dp = parallel.ep = 1",
         ] {
             assert!(message.contains(part), "{part}: {message}");
         }

@@ -29,7 +29,7 @@ use std::sync::{Arc, RwLock};
 
 use deepinfer_kernels::ops::key_table::key_row_address;
 use deepinfer_kernels::ops::routed::moe_combine;
-use deepinfer_topology::ExpertPlacement;
+use deepinfer_topology::{EpRank, ExpertPlacement};
 
 use super::ep_transport::{RowMeta, RowTransport};
 use super::moe::DeviceExperts;
@@ -135,39 +135,25 @@ impl ExpertRank {
     }
 
     /// After this epoch was committed in place of `previous`: drops from `backend`'s weight
-    /// cache the experts `previous` held and this epoch does not, so that the device keeps only
-    /// this rank's experts (their memory is freed when `previous`'s last step ends). Returns how
-    /// many (layer, expert) pairs were released.
+    /// cache the experts `previous` held and this epoch does not
+    /// (`ExpertPlacement::released_by`), so that the device keeps only this rank's experts
+    /// (their memory is freed when `previous`'s last step ends). Returns how many (layer,
+    /// expert) pairs were released.
     pub fn release_moved(
         &self,
         backend: &CudaBackend,
         lists: &[&[ExpertWeights<ExpertLinear>]],
         previous: &ExpertRank,
     ) -> usize {
-        let mut released = 0;
-        for (layer, experts) in lists.iter().enumerate() {
-            let now = self.held(layer);
-            for expert in previous.held(layer) {
-                if !now.contains(&expert) {
-                    backend.forget_expert(&experts[expert]);
-                    released += 1;
-                }
+        let released = previous
+            .placement
+            .released_by(&self.placement, EpRank(self.rank as u16));
+        for &(layer, expert) in &released {
+            if let Some(weights) = lists.get(layer).and_then(|experts| experts.get(expert)) {
+                backend.forget_expert(weights);
             }
         }
-        released
-    }
-
-    /// The logical experts this rank holds in `layer` (distinct, increasing).
-    fn held(&self, layer: usize) -> Vec<usize> {
-        let per_rank = self.placement.slots_per_gpu;
-        let mut held: Vec<usize> = self.placement.layers[layer].phy2log
-            [self.rank * per_rank..(self.rank + 1) * per_rank]
-            .iter()
-            .map(|e| e.index())
-            .collect();
-        held.sort_unstable();
-        held.dedup();
-        held
+        released.len()
     }
 
     pub fn rank(&self) -> usize {
