@@ -2,13 +2,20 @@
 //!
 //! Owns: counting the devices for the topology's `NotEnoughGpus` check (0 without the `cuda`
 //! feature or without a driver, with the reason), a device's memory for the memory plan, and
-//! opening a `CudaBackend` on a rank's device.
+//! opening a `CudaBackend` on a rank's device (as one EP rank of several, with expert
+//! parallelism: `experts::device`).
 //! The engine's path chooses by the `cuda` feature here and nowhere else. Never panics: cudarc's
 //! dynamic loading panics on a missing `libcuda`, so the library is probed first and the first
 //! call into it runs under `catch_unwind`.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use deepinfer_model::Model;
 use deepinfer_model::backend::Backend;
-use deepinfer_topology::{Backend as DeviceBackend, NodeConfig, Numerics};
+use deepinfer_topology::{Backend as DeviceBackend, ExpertPlacement, NodeConfig, Numerics};
+
+use crate::rank::factory::OpenBackend;
 
 /// The devices found, and why there are none when there are none.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,6 +129,53 @@ pub fn open_cuda_backend(ordinal: usize, numerics: Numerics) -> Result<Box<dyn B
 #[cfg(not(feature = "cuda"))]
 pub fn open_cuda_backend(ordinal: usize, _numerics: Numerics) -> Result<Box<dyn Backend>, String> {
     Err(format!("device {ordinal}: {NO_CUDA_BUILD}"))
+}
+
+/// How DP = EP ranks on CUDA open their backends (`experts::device`): DP rank r opens its
+/// device with `numerics` and serves as EP rank r of `placement`, its slots' experts of `model`
+/// uploaded there and nothing else of the routed experts; the ranks move rows through one
+/// transport (device copies: every rank on one device), whose every wait lasts at most
+/// `timeout`.
+#[cfg(feature = "cuda")]
+pub fn cuda_expert_ranks(
+    model: Arc<Model>,
+    numerics: Numerics,
+    placement: Arc<ExpertPlacement>,
+    ranks: usize,
+    timeout: Duration,
+) -> OpenBackend {
+    use deepinfer_model::backend::cuda::CudaBackend;
+    use deepinfer_model::backend::cuda::ep::ExpertRank;
+    use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
+
+    let transport: Arc<dyn RowTransport> = SharedDevice::new(ranks, timeout);
+    Arc::new(move |dp, ordinal| {
+        let backend = CudaBackend::open(ordinal, numerics).map_err(|e| e.to_string())?;
+        let rank = ExpertRank::new(
+            &backend,
+            &model.expert_lists(),
+            placement.clone(),
+            0,
+            dp,
+            dp,
+            transport.clone(),
+        )
+        .map_err(|e| format!("EP rank {dp} of {ranks}: {e}"))?;
+        backend.expert_slot().set(Some(Arc::new(rank)));
+        Ok(Box::new(backend) as Box<dyn Backend>)
+    })
+}
+
+/// DP = EP ranks on CUDA: every rank fails to open in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_expert_ranks(
+    _model: Arc<Model>,
+    _numerics: Numerics,
+    _placement: Arc<ExpertPlacement>,
+    _ranks: usize,
+    _timeout: Duration,
+) -> OpenBackend {
+    Arc::new(|_dp, ordinal| Err(format!("device {ordinal}: {NO_CUDA_BUILD}")))
 }
 
 #[cfg(test)]

@@ -166,6 +166,12 @@ pub trait RankExecutor: Send {
     fn modelled_step_time(&self, _batch_tokens: usize) -> Option<Duration> {
         None
     }
+    /// Ranks whose MoE layers are collectives (`experts::lockstep`): runs the idle steps the
+    /// peers have begun and this rank has not, and returns how soon to look again while the rank
+    /// has nothing to run (`None`: this executor never follows peers).
+    fn follow_peers(&mut self) -> Result<Option<Duration>, ExecError> {
+        Ok(None)
+    }
 }
 
 /// [`RankExecutor::sample_logits`] on the host: each row read and sampled there.
@@ -397,6 +403,9 @@ impl<L: ExecutorLayer> RankExecutor for Layered<L> {
     }
     fn modelled_step_time(&self, batch_tokens: usize) -> Option<Duration> {
         self.inner.modelled_step_time(batch_tokens)
+    }
+    fn follow_peers(&mut self) -> Result<Option<Duration>, ExecError> {
+        self.inner.follow_peers()
     }
 }
 

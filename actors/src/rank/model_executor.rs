@@ -21,6 +21,11 @@
 //! layer); this rank keeps the sequence's state, which is bitwise the one-rank prefill's, and
 //! decodes it.
 //!
+//! Expert parallelism on CUDA (the model's backend is one EP rank, `backend::cuda::ep`): its MoE
+//! layers are collectives of every EP rank, so each step begins one step of the group's
+//! `Lockstep`, and an empty batch (an `Idle` plan) or an idle thread only follows the peers'
+//! steps with idle ones (`Model::idle_expert_step`).
+//!
 //! Built per rank by `rank::factory::ModelFactory` (or `ExpertParallelFactory`).
 
 use std::collections::HashMap;
@@ -37,6 +42,7 @@ use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, PrefixBlock};
 use deepinfer_topology::{ContextParallel, DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
+use crate::experts::lockstep::{FOLLOW_POLL, Lockstep};
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
 use crate::prefix_cache::BlockHash;
@@ -56,6 +62,8 @@ pub struct ModelExecutor {
     ep: Option<RankExperts>,
     /// Context parallelism of long prefill chunks.
     cp: Option<ContextParallel>,
+    /// Expert parallelism on devices: the group's lockstep and this rank's index in it.
+    lockstep: Option<(Arc<Lockstep>, usize)>,
     /// The prefix-cache blocks this rank keeps (the scheduler's index decides which).
     prefix_blocks: HashMap<BlockHash, PrefixBlock>,
 }
@@ -78,8 +86,15 @@ impl ModelExecutor {
             replay_from: HashMap::new(),
             ep: None,
             cp: None,
+            lockstep: None,
             prefix_blocks: HashMap::new(),
         }
+    }
+
+    /// This executor as rank `rank` of `lockstep`'s group (its backend an EP rank whose MoE
+    /// layers are collectives; `None`: off).
+    pub fn with_lockstep(self, lockstep: Option<(Arc<Lockstep>, usize)>) -> Self {
+        ModelExecutor { lockstep, ..self }
     }
 
     /// This executor with context parallelism of long prefill chunks (`None`: off).
@@ -123,6 +138,11 @@ impl ModelExecutor {
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
+        if batch.is_empty() && self.lockstep.is_some() {
+            // Nothing of its own: the rank only follows the steps its peers began.
+            self.follow_peers()?;
+            return Ok(Vec::new());
+        }
         let model = &self.model;
         let cp_ranks = self.cp.map_or(1, |cp| usize::from(cp.ranks));
         let in_cp: Vec<bool> = batch
@@ -132,6 +152,9 @@ impl ModelExecutor {
         let seqs = self
             .sequences
             .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
+        if let Some((lockstep, rank)) = &self.lockstep {
+            lockstep.begin(*rank);
+        }
         // Expert parallelism: this step's placement epoch, read once at the step boundary.
         let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
         let experts = match (&self.ep, comm.as_deref()) {
@@ -293,6 +316,22 @@ impl RankExecutor for ModelExecutor {
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
         self.step(batch, sampling)
+    }
+
+    fn follow_peers(&mut self) -> Result<Option<Duration>, ExecError> {
+        let Some((lockstep, rank)) = &self.lockstep else {
+            return Ok(None);
+        };
+        let AnyModel::V41(model) = &self.model else {
+            return Err(ExecError::Backend(
+                "expert parallelism runs V4.1 models only".to_string(),
+            ));
+        };
+        while lockstep.behind(*rank) > 0 {
+            lockstep.begin(*rank);
+            model.idle_expert_step();
+        }
+        Ok(Some(FOLLOW_POLL))
     }
 
     fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {

@@ -1,0 +1,114 @@
+//! `Lockstep`: the step count of DP ranks whose MoE layers are collectives (expert parallelism
+//! on CUDA, `deepinfer_model::backend::cuda::ep`: every layer an all-to-all of every EP rank).
+//!
+//! Such ranks must run the same number of steps, each one pass over every backbone layer. A rank
+//! leads a step when it has work of its own (`begin`); a rank with none follows: while a peer has
+//! begun more steps than it (`behind`), it runs idle steps (every layer's collective with no
+//! rows, `Model::idle_expert_step`), so a busy rank never waits for an idle one past one poll of
+//! its thread (`FOLLOW_POLL`). The scheduler's `Idle` plans only make a rank follow; they never
+//! begin a step, so idle ranks never lead one another. Placement epochs change at a step index
+//! every rank reaches (`commit_at`), so every rank swaps at the same boundary.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// How often an idle rank thread looks for peers' steps to follow.
+pub const FOLLOW_POLL: Duration = Duration::from_micros(200);
+
+/// Steps begun by each rank of one expert-parallel group.
+#[derive(Debug)]
+pub struct Lockstep {
+    started: Mutex<Vec<u64>>,
+}
+
+impl Lockstep {
+    /// `ranks` ranks, none stepped yet.
+    pub fn new(ranks: usize) -> Lockstep {
+        Lockstep {
+            started: Mutex::new(vec![0; ranks]),
+        }
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+        // The counts stay consistent under a panic (each update is one assignment).
+        self.started.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Rank `rank` begins a step: the step's index (0-based, the same on every rank for the same
+    /// collectives).
+    pub fn begin(&self, rank: usize) -> u64 {
+        let mut started = self.lock();
+        let index = started[rank];
+        started[rank] += 1;
+        index
+    }
+
+    /// Steps rank `rank` must still run to reach the furthest peer (0: none is ahead).
+    pub fn behind(&self, rank: usize) -> u64 {
+        let started = self.lock();
+        let furthest = started.iter().copied().max().unwrap_or(0);
+        furthest - started[rank]
+    }
+
+    /// The first step index no rank has begun yet: a placement committed "at" it is adopted by
+    /// every rank at the same boundary (no step already begun changes epoch).
+    pub fn commit_at(&self) -> u64 {
+        self.lock().iter().copied().max().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// A leader's steps make the others behind by as many; following catches them up and
+    /// gives them the leader's step indices; nobody is behind an idle group.
+    #[test]
+    fn followers_catch_up_with_the_leader() {
+        let lockstep = Lockstep::new(3);
+        assert_eq!((lockstep.ranks(), lockstep.behind(1), lockstep.commit_at()), (3, 0, 0));
+        assert_eq!(lockstep.begin(0), 0);
+        assert_eq!(lockstep.begin(0), 1);
+        assert_eq!((lockstep.behind(0), lockstep.behind(1), lockstep.behind(2)), (0, 2, 2));
+        assert_eq!(lockstep.commit_at(), 2);
+        // Rank 2 runs work of its own meanwhile: its step pairs with the leader's step 0.
+        assert_eq!(lockstep.begin(2), 0);
+        assert_eq!((lockstep.behind(1), lockstep.behind(2)), (2, 1));
+        let followed: Vec<u64> = (0..lockstep.behind(1)).map(|_| lockstep.begin(1)).collect();
+        assert_eq!(followed, vec![0, 1]);
+        assert_eq!(lockstep.begin(2), 1);
+        assert!((0..3).all(|r| lockstep.behind(r) == 0));
+        assert_eq!(lockstep.commit_at(), 2);
+    }
+
+    /// Ranks on threads, each leading a different number of steps, then following the others
+    /// until none is behind, end on the same count: the most steps any rank led.
+    #[test]
+    fn threads_that_follow_end_on_the_same_step() {
+        let lockstep = Arc::new(Lockstep::new(4));
+        std::thread::scope(|s| {
+            for rank in 0..4 {
+                let lockstep = lockstep.clone();
+                s.spawn(move || {
+                    for _ in 0..(rank * 5) {
+                        lockstep.begin(rank);
+                    }
+                });
+            }
+        });
+        // Nobody followed yet: the counts are the steps each led.
+        assert_eq!(lockstep.behind(0), 15);
+        for rank in 0..4 {
+            while lockstep.behind(rank) > 0 {
+                lockstep.begin(rank);
+            }
+        }
+        assert!((0..4).all(|r| lockstep.behind(r) == 0));
+        assert_eq!(lockstep.commit_at(), 15);
+    }
+}
