@@ -308,8 +308,13 @@ pub fn resolve(node: &NodeConfig) -> Result<ResolvedModel, EngineError> {
 pub fn resolve_with(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, EngineError> {
     check_nodes(node)?;
     check_devices(node)?;
-    resolve_source(node, hub)
-        .and_then(|resolved| on_node_devices(node, resolved))
+    resolve_source(node, hub).and_then(|resolved| on_node(node, resolved))
+}
+
+/// A loaded model's ranks as `node` lays them out: on its devices (each rank's EP rank on CUDA),
+/// with expert parallelism on the CPU, with context parallelism.
+pub fn on_node(node: &NodeConfig, resolved: ResolvedModel) -> Result<ResolvedModel, EngineError> {
+    on_node_devices(node, resolved)
         .and_then(|resolved| with_expert_parallel(node, resolved))
         .and_then(|resolved| with_context_parallel(node, resolved))
 }
