@@ -388,8 +388,7 @@ fn on_node_devices(
         AnyModel::V41(_) => "V4.1",
         AnyModel::V4(_) => "V4",
     };
-    let placement =
-        format!("on the CUDA backend (DP rank r on GPU r % {per_node} of its node)");
+    let placement = format!("on the CUDA backend (DP rank r on GPU r % {per_node} of its node)");
     let mut devices = RankDevices {
         per_node,
         open: Arc::new(move |_dp, ordinal| gpu::open_cuda_backend(ordinal, numerics)),

@@ -74,7 +74,8 @@ impl GpuShare {
     /// the placement (every expert and the redundant slots with `ep = 1`).
     pub fn of_node(node: &NodeConfig, routed_experts: usize) -> GpuShare {
         let experts = u16::try_from(routed_experts).unwrap_or(u16::MAX);
-        let gpus = usize::from(node.device.nodes.max(1)) * usize::from(node.device.gpus_per_node.max(1));
+        let gpus =
+            usize::from(node.device.nodes.max(1)) * usize::from(node.device.gpus_per_node.max(1));
         GpuShare {
             ranks: usize::from(node.parallel.dp.max(1)).div_ceil(gpus),
             slots_per_rank: PlacementShape::from_config(node, experts).slots_per_gpu(),
@@ -200,7 +201,11 @@ pub fn plan_node(
     cfg: &ModelConfig,
     gpu_bytes: u64,
 ) -> Result<GpuMemoryPlan, MemoryPlanError> {
-    plan_gpu(cfg, GpuShare::of_node(node, cfg.n_routed_experts), gpu_bytes)
+    plan_gpu(
+        cfg,
+        GpuShare::of_node(node, cfg.n_routed_experts),
+        gpu_bytes,
+    )
 }
 
 #[cfg(test)]
@@ -230,7 +235,8 @@ mod tests {
     fn the_real_model_splits_as_the_spec_counts_and_one_h200_is_short() {
         let cfg = real_v41();
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let err = plan_gpu(&cfg, one_rank(cfg.n_routed_experts), H200).expect_err("475 GiB on one H200");
+        let err =
+            plan_gpu(&cfg, one_rank(cfg.n_routed_experts), H200).expect_err("475 GiB on one H200");
         let text = err.to_string();
         let (plan, short) = (err.plan, err.needed - H200);
         assert!(gib(short) > 330.0, "{}", gib(short));
@@ -302,6 +308,9 @@ mod tests {
         assert_eq!((two.experts, two.engram), (split.routed, 2 * split.engram));
         assert!(split.engram > 0 && split.dense > 0);
         assert_eq!(two.kv_budget, H200 - two.weights() - WORKSPACE_BYTES);
-        assert!(two.to_string().contains("(for 2 ranks on the GPU)"), "{two}");
+        assert!(
+            two.to_string().contains("(for 2 ranks on the GPU)"),
+            "{two}"
+        );
     }
 }

@@ -44,10 +44,8 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
         },
     );
     let rows = Arc::new(RowLog::new());
-    let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
-        Arc::new(two),
-        rows.clone(),
-    )));
+    let (executor, freed) =
+        FreedLengths::track(Arc::new(ObservedFactory::new(Arc::new(two), rows.clone())));
     let config = EngineConfig {
         node: node(2, 2, ""),
         executor,
@@ -71,11 +69,15 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     let steps = lockstep.commit_at();
     freed.shutdown_and_check_replay(engine).await;
 
-    let (got_first, got_second): (Vec<_>, Vec<_>) =
-        got.into_iter().partition(|(id, _)| expected.contains_key(id));
+    let (got_first, got_second): (Vec<_>, Vec<_>) = got
+        .into_iter()
+        .partition(|(id, _)| expected.contains_key(id));
     assert_eq!(got_first.into_iter().collect::<BTreeMap<_, _>>(), expected);
     let (_, alone) = &got_second[0];
-    assert_eq!(alone, &expected.values().nth(3).cloned().expect("request 4"));
+    assert_eq!(
+        alone,
+        &expected.values().nth(3).cloned().expect("request 4")
+    );
     let rows = rows.snapshot();
     let mut compared = 0;
     for (key, reference) in &expected_rows {
@@ -85,5 +87,7 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     }
     // Each wave needs at least one step per generated token, both ranks in each.
     assert!(steps as usize >= 2 * max_tokens, "{steps} lockstep steps");
-    println!("two ranks in lockstep: {steps} steps each, {compared} rows bitwise equal to one rank");
+    println!(
+        "two ranks in lockstep: {steps} steps each, {compared} rows bitwise equal to one rank"
+    );
 }

@@ -33,9 +33,7 @@ use deepinfer_model::backend::cuda::ep::ExpertRank;
 use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::v41::LogitsWanted;
-use deepinfer_topology::{
-    EpRank, ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts,
-};
+use deepinfer_topology::{EpRank, ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
 
 mod gpu_support;
 use gpu_support::{cuda_backend, differing, host_fixture_model, prompt};

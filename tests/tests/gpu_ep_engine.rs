@@ -76,7 +76,12 @@ type Served = (
 );
 
 /// `prompts` (then the first one alone, leaving a rank idle) served on `node`.
-async fn serve(source: Source, node: NodeConfig, prompts: &[Vec<u32>], max_tokens: usize) -> Served {
+async fn serve(
+    source: Source,
+    node: NodeConfig,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Served {
     let origin = node.origin.clone();
     let resolved = tokio::task::spawn_blocking(move || {
         let resolved = match source {

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use deepinfer_actors::tools::memory_plan::{self, MemoryPlan, default_gpu_memory};
 use deepinfer_model::checkpoint::inventory_for;
-use deepinfer_model::memory_plan::WORKSPACE_BYTES;
 use deepinfer_model::config::{ModelConfig, ModelFamily, V4Attention};
+use deepinfer_model::memory_plan::WORKSPACE_BYTES;
 use deepinfer_topology::{Backend, NodeConfig};
 
 const CONTEXTS: [usize; 3] = [8192, 32768, 131072];
@@ -67,16 +67,24 @@ fn weights_per_gpu_by_hand(node: &NodeConfig, cfg: &ModelConfig) -> (u64, u64, u
             .map(|t| t.stored_bytes() as u64)
             .sum()
     };
-    let backbone_expert = |name: &str| name.starts_with("layers.") && name.contains(".ffn.experts.");
+    let backbone_expert =
+        |name: &str| name.starts_with("layers.") && name.contains(".ffn.experts.");
     let all = sum(&|_| true);
     let experts = sum(&backbone_expert);
     let engram = sum(&|name| name.ends_with(".engram.embed"));
     let dense = sum(&|name| !backbone_expert(name) && !name.ends_with(".engram.embed"));
     assert_eq!(dense + experts + engram, all);
-    assert_eq!(node.parallel.dp, node.device.nodes * node.device.gpus_per_node);
+    assert_eq!(
+        node.parallel.dp,
+        node.device.nodes * node.device.gpus_per_node
+    );
     let slots = cfg.n_routed_experts as u64 + u64::from(node.eplb.redundant_experts);
     let ep = u64::from(node.parallel.ep);
-    (all, dense + experts * slots / (cfg.n_routed_experts as u64 * ep), engram)
+    (
+        all,
+        dense + experts * slots / (cfg.n_routed_experts as u64 * ep),
+        engram,
+    )
 }
 
 fn check(topology: &str, config_name: &str) -> MemoryPlan {

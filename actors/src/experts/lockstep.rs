@@ -71,10 +71,16 @@ mod tests {
     #[test]
     fn followers_catch_up_with_the_leader() {
         let lockstep = Lockstep::new(3);
-        assert_eq!((lockstep.ranks(), lockstep.behind(1), lockstep.commit_at()), (3, 0, 0));
+        assert_eq!(
+            (lockstep.ranks(), lockstep.behind(1), lockstep.commit_at()),
+            (3, 0, 0)
+        );
         assert_eq!(lockstep.begin(0), 0);
         assert_eq!(lockstep.begin(0), 1);
-        assert_eq!((lockstep.behind(0), lockstep.behind(1), lockstep.behind(2)), (0, 2, 2));
+        assert_eq!(
+            (lockstep.behind(0), lockstep.behind(1), lockstep.behind(2)),
+            (0, 2, 2)
+        );
         assert_eq!(lockstep.commit_at(), 2);
         // Rank 2 runs work of its own meanwhile: its step pairs with the leader's step 0.
         assert_eq!(lockstep.begin(2), 0);

@@ -147,8 +147,11 @@ mod tests {
         rows.concat()
     }
 
-    /// Per-rank CPU backends that record the (DP rank, device ordinal) of each opened.
-    fn recording_devices(per_node: usize) -> (RankDevices, Arc<Mutex<Vec<(usize, usize)>>>) {
+    /// The (DP rank, device ordinal) of each backend opened.
+    type Opened = Arc<Mutex<Vec<(usize, usize)>>>;
+
+    /// Per-rank CPU backends that record what they open.
+    fn recording_devices(per_node: usize) -> (RankDevices, Opened) {
         let opened = Arc::new(Mutex::new(Vec::new()));
         let log = opened.clone();
         let devices = RankDevices {
