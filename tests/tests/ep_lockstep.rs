@@ -66,7 +66,7 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let steps = lockstep.commit_at();
+    let steps = lockstep.steps();
     freed.shutdown_and_check_replay(engine).await;
 
     let (got_first, got_second): (Vec<_>, Vec<_>) = got

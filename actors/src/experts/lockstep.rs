@@ -6,8 +6,7 @@
 //! begun more steps than it (`behind`), it runs idle steps (every layer's collective with no
 //! rows, `Model::idle_expert_step`), so a busy rank never waits for an idle one past one poll of
 //! its thread (`FOLLOW_POLL`). The scheduler's `Idle` plans only make a rank follow; they never
-//! begin a step, so idle ranks never lead one another. Placement epochs change at a step index
-//! every rank reaches (`commit_at`), so every rank swaps at the same boundary.
+//! begin a step, so idle ranks never lead one another.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -54,9 +53,8 @@ impl Lockstep {
         furthest - started[rank]
     }
 
-    /// The first step index no rank has begun yet: a placement committed "at" it is adopted by
-    /// every rank at the same boundary (no step already begun changes epoch).
-    pub fn commit_at(&self) -> u64 {
+    /// The most steps any rank has begun (the group's step count once none is behind).
+    pub fn steps(&self) -> u64 {
         self.lock().iter().copied().max().unwrap_or(0)
     }
 }
@@ -72,7 +70,7 @@ mod tests {
     fn followers_catch_up_with_the_leader() {
         let lockstep = Lockstep::new(3);
         assert_eq!(
-            (lockstep.ranks(), lockstep.behind(1), lockstep.commit_at()),
+            (lockstep.ranks(), lockstep.behind(1), lockstep.steps()),
             (3, 0, 0)
         );
         assert_eq!(lockstep.begin(0), 0);
@@ -81,7 +79,7 @@ mod tests {
             (lockstep.behind(0), lockstep.behind(1), lockstep.behind(2)),
             (0, 2, 2)
         );
-        assert_eq!(lockstep.commit_at(), 2);
+        assert_eq!(lockstep.steps(), 2);
         // Rank 2 runs work of its own meanwhile: its step pairs with the leader's step 0.
         assert_eq!(lockstep.begin(2), 0);
         assert_eq!((lockstep.behind(1), lockstep.behind(2)), (2, 1));
@@ -89,7 +87,7 @@ mod tests {
         assert_eq!(followed, vec![0, 1]);
         assert_eq!(lockstep.begin(2), 1);
         assert!((0..3).all(|r| lockstep.behind(r) == 0));
-        assert_eq!(lockstep.commit_at(), 2);
+        assert_eq!(lockstep.steps(), 2);
     }
 
     /// Ranks on threads, each leading a different number of steps, then following the others
@@ -115,6 +113,6 @@ mod tests {
             }
         }
         assert!((0..4).all(|r| lockstep.behind(r) == 0));
-        assert_eq!(lockstep.commit_at(), 15);
+        assert_eq!(lockstep.steps(), 15);
     }
 }
