@@ -14,8 +14,8 @@
 //! weight loads, that the model fits the busiest GPU (the memory plan per GPU, one line logged:
 //! the ranks on it, dense, their EP slots' experts, Engram whole, KV budget; a model that does
 //! not fit fails naming the numbers). Expert parallelism on CUDA (`dp = ep > 1`,
-//! `experts::device`): each rank's backend is its EP rank, holding only its slots' experts, and
-//! the ranks step in `Lockstep`; what it does not run yet (ranks on several GPUs, live EPLB) is
+//! `experts::device`): each rank's backend is its EP rank, holding only its slots' experts, the
+//! ranks step in `Lockstep` and live EPLB swaps placements by epoch; ranks on several GPUs are
 //! refused naming the field.
 //!
 //! Family (`model_type` in `config.json`): a V4.1 checkpoint and a V4-family one (V4-Flash,
@@ -38,9 +38,8 @@ use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
 use crate::engine::{EngineConfig, ModelFacts};
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
-use crate::experts::device::{check_cuda_expert_parallel, starting_placement};
+use crate::experts::device::{DeviceExperts, check_cuda_expert_parallel, starting_placement};
 use crate::experts::factory::ExpertParallelFactory;
-use crate::experts::lockstep::Lockstep;
 use crate::experts::parallel::EpSettings;
 use crate::frontend::codec::load_v41_tokenizer;
 use crate::gpu;
@@ -392,7 +391,7 @@ fn on_node_devices(
     let mut devices = RankDevices {
         per_node,
         open: Arc::new(move |_dp, ordinal| gpu::open_cuda_backend(ordinal, numerics)),
-        lockstep: None,
+        experts: None,
     };
     let mut experts = String::new();
     if node.parallel.ep > 1 {
@@ -403,17 +402,19 @@ fn on_node_devices(
         let ranks = usize::from(node.parallel.ep);
         let starting = starting_placement(node, model.config())?;
         experts = format!(
-            ", each its EP rank of {ranks} ({} expert slots per layer on each, equal loads)",
-            starting.slots_per_gpu
+            ", each its EP rank of {ranks} ({} expert slots per layer on each, EPLB {})",
+            starting.slots_per_gpu,
+            if node.eplb.enabled { "on" } else { "off" }
         );
+        let group = Arc::new(DeviceExperts::new(node, ranks, starting.clone()));
         devices.open = gpu::cuda_expert_ranks(
             model.clone(),
             numerics,
             starting,
-            ranks,
+            group.clone(),
             node.cluster.exchange_timeout,
         );
-        devices.lockstep = Some(Arc::new(Lockstep::new(ranks)));
+        devices.experts = Some(group);
     }
     resolved.factory = Arc::new(ModelFactory::per_device(
         resolved.model.clone(),

@@ -1,4 +1,4 @@
-//! DP ranks in `Lockstep` (how expert parallelism on CUDA steps, `experts::lockstep`), on CPU
+//! DP ranks in `Lockstep` (how expert parallelism on CUDA steps, `experts::device`), on CPU
 //! backends so that CI runs the engine side of it: two ranks, often one busy and one idle, serve
 //! the requests with the tokens and logits rows of one rank, bitwise, and once the traffic is
 //! done no rank is behind: the idle rank followed every step its peer began (on CUDA each such
@@ -10,12 +10,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deepinfer_actors::experts::lockstep::Lockstep;
+use deepinfer_actors::experts::device::{DeviceExperts, starting_placement};
 use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::{Engine, EngineConfig};
 use deepinfer_model::backend::{Backend, CpuBackend};
 use deepinfer_tests::freed::FreedLengths;
+use deepinfer_topology::PlacementEpoch;
 use ep_support::{bits, facts, model, node, run_engine, run_requests, skewed_prompts};
 
 /// How long the idle rank may take to catch up once the traffic is done (it polls every
@@ -33,21 +34,24 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     let (expected, expected_rows) =
         run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
 
-    let lockstep = Arc::new(Lockstep::new(2));
+    let topology = node(2, 2, "");
+    let placement = starting_placement(&topology, model.config()).expect("placement");
+    let group = Arc::new(DeviceExperts::new(&topology, 2, placement));
+    let lockstep = group.lockstep();
     let two = ModelFactory::per_device(
         model.clone(),
         "two ranks in lockstep",
         RankDevices {
             per_node: 1,
             open: Arc::new(|_dp, _device| Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)),
-            lockstep: Some(lockstep.clone()),
+            experts: Some(group.clone()),
         },
     );
     let rows = Arc::new(RowLog::new());
     let (executor, freed) =
         FreedLengths::track(Arc::new(ObservedFactory::new(Arc::new(two), rows.clone())));
     let config = EngineConfig {
-        node: node(2, 2, ""),
+        node: topology,
         executor,
         model: facts,
         tokenizer: None,
@@ -87,6 +91,17 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     }
     // Each wave needs at least one step per generated token, both ranks in each.
     assert!(steps as usize >= 2 * max_tokens, "{steps} lockstep steps");
+    // The step log: both ranks ran every step index, on epoch 0 (no EPLB).
+    let log = group.step_log();
+    for rank in 0..2 {
+        let indices: Vec<u64> = log
+            .iter()
+            .filter(|s| s.dp == rank)
+            .map(|s| s.index)
+            .collect();
+        assert_eq!(indices, (0..steps).collect::<Vec<_>>(), "rank {rank}");
+    }
+    assert!(log.iter().all(|s| s.epoch == PlacementEpoch(0)));
     println!(
         "two ranks in lockstep: {steps} steps each, {compared} rows bitwise equal to one rank"
     );

@@ -3,26 +3,44 @@
 //!
 //! DP rank r runs on GPU `r % gpus_per_node` of its node and is EP rank r: its backend holds
 //! only the experts of its slots (`deepinfer_model::backend::cuda::ep::ExpertRank`, uploaded
-//! when the rank's backend opens) and moves routed rows to the other ranks inside each MoE layer.
-//! Built: every rank on one GPU (`device.gpus_per_node = 1`, rows moved by device copies), the
-//! placement of equal loads (epoch 0). Refused before anything loads, naming the field: ranks on
-//! several GPUs (the NCCL transport exists at the model level, not wired into the engine's rank
-//! start) and live EPLB on CUDA.
+//! when the rank's backend opens, registered here as a [`DeviceRank`]) and moves routed rows to
+//! the other ranks inside each MoE layer; the ranks step in `Lockstep`.
+//! Live EPLB ([`DeviceExperts`], `[eplb] enabled`): the EPLB's state machine (`EplbState`, the
+//! `EplbActor`'s logic) is advanced by rank 0 at the end of each of its steps (every rank runs
+//! the same steps); a rebalance measures the ranks' per-slot counts and solves the placement,
+//! then each rank builds its next `ExpertRank` (the experts it lacks uploaded) at the start of
+//! its next step, and once every rank has, the epoch is committed at the first step no rank has
+//! begun: every rank adopts it there (dropping the experts it no longer holds), so no step mixes
+//! epochs and no request is lost or changed. While a rank stages, its device holds both epochs'
+//! experts.
+//! Built: every rank on one GPU (`device.gpus_per_node = 1`, rows moved by device copies).
+//! Refused before anything loads, naming the field: ranks on several GPUs (the NCCL transport
+//! exists at the model level, not wired into the engine's rank start).
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use deepinfer_model::backend::Backend;
 use deepinfer_model::config::ModelConfig;
-use deepinfer_topology::{ExpertPlacement, NodeConfig, PlacementShape};
+use deepinfer_topology::{DpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape};
 
+use crate::eplb::state::{EplbAction, EplbState};
 use crate::error::EngineError;
+use crate::experts::lockstep::Lockstep;
+use crate::experts::parallel::EpSettings;
+use crate::messages::eplb::{EplbStatus, RebalanceReport};
+use crate::messages::experts::ShardLoads;
+
+/// Rank steps kept in the step log.
+const STEP_LOG_CAPACITY: usize = 1 << 16;
 
 /// The device of DP rank `dp` with `per_node` GPUs per node.
 pub fn device_of(dp: usize, per_node: usize) -> usize {
     dp % per_node.max(1)
 }
 
-/// Refuses, for a CUDA topology with expert parallelism (`ep > 1` or `[eplb] enabled`), what the
-/// engine does not run on CUDA yet, naming the field (`dp = ep` is the topology's own rule).
+/// Refuses, for a CUDA topology with expert parallelism, what the engine does not run on CUDA
+/// yet, naming the field (`dp = ep` is the topology's own rule).
 pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> {
     let refuse = |field: &str, message: String| {
         Err(EngineError::Config {
@@ -30,14 +48,6 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
             message: format!("{}: {message}", node.origin),
         })
     };
-    if node.eplb.enabled {
-        return refuse(
-            "eplb.enabled",
-            "live EPLB runs on the CPU backend only so far; with device.backend = \"cuda\" the \
-             placement of equal loads is served (eplb.enabled = false)"
-                .to_string(),
-        );
-    }
     if node.parallel.ep == 1 {
         return Ok(());
     }
@@ -75,6 +85,253 @@ pub fn starting_placement(
         })
 }
 
+/// One rank's experts on its device, as the engine drives them (`gpu.rs` implements it over the
+/// CUDA `ExpertRank`); `backend` is always the rank's own.
+pub trait DeviceRank: Send + Sync {
+    /// The epoch the rank serves.
+    fn epoch(&self) -> PlacementEpoch;
+    /// Routed rows each slot served since the last call, the counters reset.
+    fn take_loads(&self) -> ShardLoads;
+    /// Builds the rank of `placement` as `epoch` (uploading the experts it lacks), not in use
+    /// until `adopt`; returns the (layer, expert) pairs uploaded.
+    fn stage(
+        &self,
+        backend: &dyn Backend,
+        placement: Arc<ExpertPlacement>,
+        epoch: PlacementEpoch,
+    ) -> Result<usize, String>;
+    /// Serves the staged `epoch` from the next MoE layer on and drops the experts it no longer
+    /// holds; returns how many.
+    fn adopt(&self, backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String>;
+}
+
+/// Which epoch one rank step ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceStep {
+    pub dp: usize,
+    /// The step's lockstep index (the same on every rank for the same collectives).
+    pub index: u64,
+    pub epoch: PlacementEpoch,
+}
+
+/// A rebalance whose placement the ranks are building.
+struct Staged {
+    epoch: PlacementEpoch,
+    placement: Arc<ExpertPlacement>,
+    built: Vec<bool>,
+    report: RebalanceReport,
+}
+
+struct Eplb {
+    state: EplbState,
+    staged: Option<Staged>,
+}
+
+/// The engine-wide side of expert parallelism on CUDA (module doc).
+pub struct DeviceExperts {
+    lockstep: Lockstep,
+    ranks: Mutex<Vec<Option<Arc<dyn DeviceRank>>>>,
+    /// `None`: the placement of epoch 0 stays.
+    eplb: Mutex<Option<Eplb>>,
+    log: Mutex<VecDeque<DeviceStep>>,
+}
+
+impl std::fmt::Debug for DeviceExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceExperts")
+            .field("ranks", &self.lockstep.ranks())
+            .finish_non_exhaustive()
+    }
+}
+
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every update under these locks is complete or not made.
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl DeviceExperts {
+    /// `ranks` EP ranks serving `placement` as epoch 0, rebalanced live when `node`'s
+    /// `[eplb] enabled`.
+    pub fn new(node: &NodeConfig, ranks: usize, placement: Arc<ExpertPlacement>) -> DeviceExperts {
+        let settings = EpSettings::from_node(node);
+        let eplb = settings.eplb.enabled.then(|| Eplb {
+            state: EplbState::new(
+                settings.eplb,
+                PlacementShape {
+                    num_replicas: placement.layers.first().map_or(0, |l| l.phy2log.len()),
+                    num_groups: settings.num_groups,
+                    num_nodes: settings.num_nodes,
+                    num_gpus: ranks,
+                },
+                PlacementEpoch(0),
+                placement,
+            ),
+            staged: None,
+        });
+        DeviceExperts {
+            lockstep: Lockstep::new(ranks),
+            ranks: Mutex::new(vec![None; ranks]),
+            eplb: Mutex::new(eplb),
+            log: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    pub fn lockstep(&self) -> &Lockstep {
+        &self.lockstep
+    }
+
+    /// Rank `rank`'s experts, once its backend opened.
+    pub fn register(&self, rank: usize, experts: Arc<dyn DeviceRank>) {
+        if let Some(entry) = locked(&self.ranks).get_mut(rank) {
+            *entry = Some(experts);
+        }
+    }
+
+    fn rank(&self, rank: usize) -> Option<Arc<dyn DeviceRank>> {
+        locked(&self.ranks).get(rank).cloned().flatten()
+    }
+
+    /// Rank `rank` begins a step on `backend`: it first builds a staged placement it has not
+    /// (committing it when it is the last rank to), then adopts the step's epoch if new.
+    /// Returns the step's lockstep index and epoch.
+    pub fn begin(
+        &self,
+        rank: usize,
+        backend: &dyn Backend,
+    ) -> Result<(u64, PlacementEpoch), String> {
+        self.stage(rank, backend)?;
+        let (index, epoch) = self.lockstep.begin(rank);
+        if let Some(experts) = self.rank(rank)
+            && experts.epoch() != epoch
+        {
+            let released = experts.adopt(backend, epoch)?;
+            tracing::info!(rank, %epoch, index, released, "EP rank adopted a placement");
+        }
+        let mut log = locked(&self.log);
+        if log.len() == STEP_LOG_CAPACITY {
+            log.pop_front();
+        }
+        log.push_back(DeviceStep {
+            dp: rank,
+            index,
+            epoch,
+        });
+        Ok((index, epoch))
+    }
+
+    /// Builds the staged placement on rank `rank` if it has not yet (the upload runs without
+    /// the EPLB's lock held); the last rank to build it commits it.
+    fn stage(&self, rank: usize, backend: &dyn Backend) -> Result<(), String> {
+        let pending = locked(&self.eplb).as_ref().and_then(|eplb| {
+            let staged = eplb.staged.as_ref()?;
+            (!staged.built[rank]).then(|| (staged.epoch, staged.placement.clone()))
+        });
+        let (Some((epoch, placement)), Some(experts)) = (pending, self.rank(rank)) else {
+            return Ok(());
+        };
+        let uploaded = experts.stage(backend, placement, epoch)?;
+        let mut eplb = locked(&self.eplb);
+        let Some(eplb) = eplb.as_mut() else {
+            return Ok(());
+        };
+        let Some(staged) = eplb.staged.as_mut().filter(|s| s.epoch == epoch) else {
+            return Ok(());
+        };
+        staged.built[rank] = true;
+        staged.report.copied_experts += uploaded;
+        if staged.built.iter().all(|&b| b) {
+            let staged = eplb.staged.take().expect("checked above");
+            let from = self.lockstep.commit(epoch);
+            eplb.state
+                .commit(epoch, staged.placement)
+                .map_err(|e| e.to_string())?;
+            let mut report = staged.report;
+            report.committed = true;
+            report.epoch = epoch;
+            tracing::info!(%epoch, from, copied = report.copied_experts, "expert placement committed");
+            eplb.state.record(report);
+        }
+        Ok(())
+    }
+
+    /// After a step of rank `rank`: rank 0 (every rank runs the same steps) advances the EPLB's
+    /// schedule, which may start a load window or measure one and stage a new placement. A
+    /// failed measure or plan keeps the placement in use (logged, never fatal).
+    pub fn finish(&self, rank: usize, epoch: PlacementEpoch) {
+        if rank != 0 {
+            return;
+        }
+        let mut eplb = locked(&self.eplb);
+        let Some(eplb) = eplb.as_mut() else {
+            return;
+        };
+        match eplb.state.on_step(DpRank(0), epoch) {
+            Some(EplbAction::StartWindow) => {
+                self.take_loads();
+            }
+            Some(EplbAction::Rebalance) if eplb.staged.is_none() => {
+                if let Err(error) = self.plan(eplb) {
+                    tracing::warn!(%error, "EPLB rebalance failed; the placement stays");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn take_loads(&self) -> Vec<ShardLoads> {
+        let ranks = locked(&self.ranks).clone();
+        ranks
+            .iter()
+            .flatten()
+            .map(|experts| experts.take_loads())
+            .collect()
+    }
+
+    /// Measures the window and, when the placement should change, stages the new one. A window
+    /// a rank served partly on another epoch (it adopts a commit at its next step) is skipped.
+    fn plan(&self, eplb: &mut Eplb) -> Result<(), String> {
+        let loads = self.take_loads();
+        if loads.iter().any(|l| l.epoch != eplb.state.epoch()) {
+            return Ok(());
+        }
+        let measured = eplb.state.measure(&loads).map_err(|e| e.to_string())?;
+        let measured_epoch = eplb.state.epoch();
+        let mut report = RebalanceReport {
+            measured_epoch,
+            epoch: measured_epoch,
+            measured_imbalance: measured.imbalance.clone(),
+            planned_imbalance: measured.imbalance.clone(),
+            measured_picks: measured.picks,
+            copied_experts: 0,
+            committed: false,
+        };
+        match eplb.state.plan(&measured).map_err(|e| e.to_string())? {
+            None => eplb.state.record(report),
+            Some((placement, planned)) => {
+                report.planned_imbalance = planned;
+                let epoch = eplb.state.begin_stage();
+                eplb.staged = Some(Staged {
+                    epoch,
+                    placement: Arc::new(placement),
+                    built: vec![false; self.lockstep.ranks()],
+                    report,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The most recent rank steps (oldest first, at most 65536).
+    pub fn step_log(&self) -> Vec<DeviceStep> {
+        locked(&self.log).iter().copied().collect()
+    }
+
+    /// The EPLB's status (`None`: off).
+    pub fn eplb_status(&self) -> Option<EplbStatus> {
+        locked(&self.eplb).as_ref().map(|eplb| eplb.state.status())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,8 +352,8 @@ mod tests {
         }
     }
 
-    /// Two ranks on one GPU run; ranks over several GPUs and live EPLB are refused naming their
-    /// field; `ep != dp` (and context parallelism) never get here: the topology refuses them.
+    /// Two ranks on one GPU run, with live EPLB too; ranks over several GPUs are refused naming
+    /// the field; `ep != dp` (and context parallelism) never get here: the topology refuses them.
     #[test]
     fn what_cuda_expert_parallelism_runs_and_refuses() {
         let shared = "gpus_per_node = 1\n[parallel]\ndp = 2\nep = 2\n";
@@ -106,9 +363,8 @@ mod tests {
             refused_field(&cuda("gpus_per_node = 2\n[parallel]\ndp = 2\nep = 2\n")),
             "device.gpus_per_node"
         );
-        assert_eq!(
-            refused_field(&cuda(&format!("{shared}[eplb]\nenabled = true\n"))),
-            "eplb.enabled"
+        assert!(
+            check_cuda_expert_parallel(&cuda(&format!("{shared}[eplb]\nenabled = true\n"))).is_ok()
         );
         let err = NodeConfig::from_toml_str(
             "[device]\nbackend = \"cuda\"\ngpus_per_node = 1\n[parallel]\ndp = 2\nep = 1\n",
@@ -143,5 +399,104 @@ mod tests {
             assert_eq!(a.len() + b.len(), cfg.n_routed_experts, "layer {layer}");
             assert!(a.iter().all(|e| !b.contains(e)), "layer {layer}");
         }
+    }
+
+    /// A rank that records what the group asks of it: its loads are skewed toward slot 0.
+    struct FakeRank {
+        layers: usize,
+        slots: usize,
+        state: Mutex<(PlacementEpoch, Option<PlacementEpoch>)>,
+    }
+
+    impl DeviceRank for FakeRank {
+        fn epoch(&self) -> PlacementEpoch {
+            locked(&self.state).0
+        }
+        fn take_loads(&self) -> ShardLoads {
+            let mut per_slot = vec![vec![1; self.slots]; self.layers];
+            for layer in &mut per_slot {
+                layer[0] = 100;
+            }
+            ShardLoads {
+                epoch: self.epoch(),
+                per_slot,
+            }
+        }
+        fn stage(
+            &self,
+            _backend: &dyn Backend,
+            _placement: Arc<ExpertPlacement>,
+            epoch: PlacementEpoch,
+        ) -> Result<usize, String> {
+            locked(&self.state).1 = Some(epoch);
+            Ok(3)
+        }
+        fn adopt(&self, _backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String> {
+            let mut state = locked(&self.state);
+            if state.1.take() != Some(epoch) {
+                return Err(format!("{epoch} adopted without being staged"));
+            }
+            state.0 = epoch;
+            Ok(2)
+        }
+    }
+
+    /// Live EPLB over two ranks (rebalance every 3 steps over a 1-step window): a rebalance
+    /// stages the new placement on each rank at its next step, the last rank to build it commits
+    /// it at the first step no rank has begun, and both ranks adopt it at that same step index;
+    /// no step index runs on two epochs.
+    #[test]
+    fn a_rebalance_is_staged_on_every_rank_then_adopted_at_one_step() {
+        let cfg = ModelConfig::tiny_v41();
+        let text = "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 2\nep = 2\n\
+                    [eplb]\nenabled = true\nredundant_experts = 2\nwindow_steps = 1\n\
+                    rebalance_interval_steps = 3\n";
+        let node = NodeConfig::from_toml_str(text, "device eplb test").expect("topology");
+        let placement = starting_placement(&node, &cfg).expect("placement");
+        let slots = placement.slots_per_gpu;
+        let group = DeviceExperts::new(&node, 2, placement);
+        let ranks: Vec<Arc<FakeRank>> = (0..2)
+            .map(|_| {
+                Arc::new(FakeRank {
+                    layers: cfg.n_layers,
+                    slots,
+                    state: Mutex::new((PlacementEpoch(0), None)),
+                })
+            })
+            .collect();
+        for (rank, fake) in ranks.iter().enumerate() {
+            group.register(rank, fake.clone());
+        }
+        let backend = deepinfer_model::backend::CpuBackend::new();
+        // Rank 1 runs one step behind rank 0, as a follower would.
+        for _ in 0..12 {
+            for rank in 0..2 {
+                let (_, epoch) = group.begin(rank, &backend).expect("step begins");
+                group.finish(rank, epoch);
+            }
+        }
+        let log = group.step_log();
+        let epoch_of = |rank: usize, index: u64| {
+            log.iter()
+                .find(|s| s.dp == rank && s.index == index)
+                .map(|s| s.epoch)
+                .expect("step logged")
+        };
+        let epochs: Vec<u32> = (0..12).map(|i| epoch_of(0, i).get()).collect();
+        assert!((0..12).all(|i| epoch_of(1, i) == epoch_of(0, i)), "{log:?}");
+        // Rank 0's third step (index 2) rebalances; rank 1 stages at its index 2, rank 0 at its
+        // index 3 and commits from index 3, which neither had begun: both run it on epoch 1.
+        assert_eq!(&epochs[..4], &[0, 0, 0, 1], "{epochs:?}");
+        assert!(epochs.windows(2).all(|w| w[1] - w[0] <= 1), "{epochs:?}");
+        assert!(
+            ranks
+                .iter()
+                .all(|r| r.epoch() == PlacementEpoch(epochs[11]))
+        );
+        let status = group.eplb_status().expect("EPLB on");
+        assert_eq!(status.epoch, PlacementEpoch(epochs[11]));
+        assert_eq!(u64::from(epochs[11]), status.rebalances, "{status:?}");
+        let last = status.last.expect("a rebalance report");
+        assert!(!last.committed || last.copied_experts == 6, "{last:?}");
     }
 }

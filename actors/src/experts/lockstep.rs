@@ -6,56 +6,84 @@
 //! begun more steps than it (`behind`), it runs idle steps (every layer's collective with no
 //! rows, `Model::idle_expert_step`), so a busy rank never waits for an idle one past one poll of
 //! its thread (`FOLLOW_POLL`). The scheduler's `Idle` plans only make a rank follow; they never
-//! begin a step, so idle ranks never lead one another.
+//! begin a step, so idle ranks never lead one another. A placement epoch is committed at the
+//! first step index no rank has begun (`commit`, under the same lock as `begin`), so every rank
+//! adopts it at the same step boundary and no step mixes epochs.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
+use deepinfer_topology::PlacementEpoch;
+
 /// How often an idle rank thread looks for peers' steps to follow.
 pub const FOLLOW_POLL: Duration = Duration::from_micros(200);
 
-/// Steps begun by each rank of one expert-parallel group.
+/// Steps begun by each rank of one expert-parallel group, and the placement epoch of each step.
 #[derive(Debug)]
 pub struct Lockstep {
-    started: Mutex<Vec<u64>>,
+    state: Mutex<Steps>,
+}
+
+#[derive(Debug)]
+struct Steps {
+    started: Vec<u64>,
+    /// `(first step, epoch)` of every commit, in order (epoch 0 from step 0).
+    commits: Vec<(u64, PlacementEpoch)>,
 }
 
 impl Lockstep {
-    /// `ranks` ranks, none stepped yet.
+    /// `ranks` ranks, none stepped yet, on epoch 0.
     pub fn new(ranks: usize) -> Lockstep {
         Lockstep {
-            started: Mutex::new(vec![0; ranks]),
+            state: Mutex::new(Steps {
+                started: vec![0; ranks],
+                commits: vec![(0, PlacementEpoch(0))],
+            }),
         }
     }
 
     pub fn ranks(&self) -> usize {
-        self.lock().len()
+        self.lock().started.len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Steps> {
         // The counts stay consistent under a panic (each update is one assignment).
-        self.started.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Rank `rank` begins a step: the step's index (0-based, the same on every rank for the same
-    /// collectives).
-    pub fn begin(&self, rank: usize) -> u64 {
-        let mut started = self.lock();
-        let index = started[rank];
-        started[rank] += 1;
-        index
+    /// collectives) and the placement epoch it runs on.
+    pub fn begin(&self, rank: usize) -> (u64, PlacementEpoch) {
+        let mut steps = self.lock();
+        let index = steps.started[rank];
+        steps.started[rank] += 1;
+        let epoch = steps
+            .commits
+            .iter()
+            .rev()
+            .find(|(from, _)| *from <= index)
+            .map_or(PlacementEpoch(0), |&(_, epoch)| epoch);
+        (index, epoch)
     }
 
     /// Steps rank `rank` must still run to reach the furthest peer (0: none is ahead).
     pub fn behind(&self, rank: usize) -> u64 {
-        let started = self.lock();
-        let furthest = started.iter().copied().max().unwrap_or(0);
-        furthest - started[rank]
+        let steps = self.lock();
+        let furthest = steps.started.iter().copied().max().unwrap_or(0);
+        furthest - steps.started[rank]
     }
 
     /// The most steps any rank has begun (the group's step count once none is behind).
     pub fn steps(&self) -> u64 {
-        self.lock().iter().copied().max().unwrap_or(0)
+        self.lock().started.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Every step from the first one no rank has begun yet runs on `epoch`; returns that step.
+    pub fn commit(&self, epoch: PlacementEpoch) -> u64 {
+        let mut steps = self.lock();
+        let from = steps.started.iter().copied().max().unwrap_or(0);
+        steps.commits.push((from, epoch));
+        from
     }
 }
 
@@ -73,21 +101,41 @@ mod tests {
             (lockstep.ranks(), lockstep.behind(1), lockstep.steps()),
             (3, 0, 0)
         );
-        assert_eq!(lockstep.begin(0), 0);
-        assert_eq!(lockstep.begin(0), 1);
+        assert_eq!(lockstep.begin(0), (0, PlacementEpoch(0)));
+        assert_eq!(lockstep.begin(0), (1, PlacementEpoch(0)));
         assert_eq!(
             (lockstep.behind(0), lockstep.behind(1), lockstep.behind(2)),
             (0, 2, 2)
         );
         assert_eq!(lockstep.steps(), 2);
         // Rank 2 runs work of its own meanwhile: its step pairs with the leader's step 0.
-        assert_eq!(lockstep.begin(2), 0);
+        assert_eq!(lockstep.begin(2).0, 0);
         assert_eq!((lockstep.behind(1), lockstep.behind(2)), (2, 1));
-        let followed: Vec<u64> = (0..lockstep.behind(1)).map(|_| lockstep.begin(1)).collect();
+        let followed: Vec<u64> = (0..lockstep.behind(1))
+            .map(|_| lockstep.begin(1).0)
+            .collect();
         assert_eq!(followed, vec![0, 1]);
-        assert_eq!(lockstep.begin(2), 1);
+        assert_eq!(lockstep.begin(2).0, 1);
         assert!((0..3).all(|r| lockstep.behind(r) == 0));
         assert_eq!(lockstep.steps(), 2);
+    }
+
+    /// A commit takes effect at the first step no rank has begun: a rank already in that
+    /// step's predecessor finishes it on the old epoch, every rank runs that step on the new one.
+    #[test]
+    fn a_commit_starts_at_a_step_no_rank_has_begun() {
+        let lockstep = Lockstep::new(2);
+        lockstep.begin(0);
+        lockstep.begin(0);
+        lockstep.begin(1);
+        assert_eq!(lockstep.commit(PlacementEpoch(1)), 2);
+        // Rank 1 catches up on epoch 0, then both run step 2 on epoch 1.
+        assert_eq!(lockstep.begin(1), (1, PlacementEpoch(0)));
+        assert_eq!(lockstep.begin(1), (2, PlacementEpoch(1)));
+        assert_eq!(lockstep.begin(0), (2, PlacementEpoch(1)));
+        assert_eq!(lockstep.commit(PlacementEpoch(2)), 3);
+        assert_eq!(lockstep.begin(0), (3, PlacementEpoch(2)));
+        assert_eq!(lockstep.begin(1), (3, PlacementEpoch(2)));
     }
 
     /// Ranks on threads, each leading a different number of steps, then following the others

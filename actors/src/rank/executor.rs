@@ -439,6 +439,11 @@ pub trait ExecutorFactory: Send + Sync {
     fn expert_parallel(&self) -> Option<std::sync::Arc<crate::experts::parallel::ExpertParallel>> {
         None
     }
+    /// The group its executors' device EP ranks step and swap placements through (expert
+    /// parallelism on CUDA), for its step log and EPLB status.
+    fn device_experts(&self) -> Option<Arc<crate::experts::device::DeviceExperts>> {
+        None
+    }
     /// The context parallelism its executors run (the engine refuses a topology that asks for
     /// another: `[parallel] context_parallel` is never accepted and ignored).
     fn context_parallel(&self) -> Option<deepinfer_topology::ContextParallel> {
@@ -497,6 +502,9 @@ impl<L: ExecutorLayer + 'static> ExecutorFactory for LayeredFactory<L> {
     }
     fn expert_parallel(&self) -> Option<Arc<crate::experts::parallel::ExpertParallel>> {
         self.inner.expert_parallel()
+    }
+    fn device_experts(&self) -> Option<Arc<crate::experts::device::DeviceExperts>> {
+        self.inner.device_experts()
     }
     fn context_parallel(&self) -> Option<deepinfer_topology::ContextParallel> {
         self.inner.context_parallel()

@@ -2,7 +2,7 @@
 //! ([`AnyModel`]). Each DP rank gets a `ModelExecutor` over the shared weights: on the loaded
 //! model's own backend (the CPU), or, with [`RankDevices`], rebound (`Model::on_backend`) to a
 //! backend opened on the rank's own device, on the rank's thread (with expert parallelism on
-//! CUDA, a backend serving as the rank's EP rank, the ranks stepping in `Lockstep`).
+//! CUDA, a backend serving as the rank's EP rank, the ranks stepping through `DeviceExperts`).
 
 use std::sync::Arc;
 
@@ -11,8 +11,7 @@ use deepinfer_model::backend::Backend;
 use deepinfer_model::config::ModelFamily;
 use deepinfer_model::state_bytes::StateBytes;
 
-use crate::experts::device::device_of;
-use crate::experts::lockstep::Lockstep;
+use crate::experts::device::{DeviceExperts, device_of};
 use crate::prefix_cache::PrefixGeometry;
 use crate::rank::executor::{ExecError, ExecutorFactory, RankExecutor};
 use crate::rank::model_executor::ModelExecutor;
@@ -28,8 +27,9 @@ pub struct RankDevices {
     /// Devices of one node (`[device] gpus_per_node`), at least 1.
     pub per_node: usize,
     pub open: OpenBackend,
-    /// The backends are EP ranks whose MoE layers are collectives: the ranks step together.
-    pub lockstep: Option<Arc<Lockstep>>,
+    /// The backends are EP ranks whose MoE layers are collectives: the ranks step together
+    /// (and swap placements) through this group.
+    pub experts: Option<Arc<DeviceExperts>>,
 }
 
 /// Hands every DP rank an executor over the shared loaded weights.
@@ -85,9 +85,9 @@ impl ExecutorFactory for ModelFactory {
         let backend = (devices.open)(dp, device)
             .map_err(|e| ExecError::Backend(format!("DP rank {dp} on device {device}: {e}")))?;
         tracing::info!(dp, backend = backend.name(), "rank model on its device");
-        let lockstep = devices.lockstep.clone().map(|lockstep| (lockstep, dp));
+        let experts = devices.experts.clone().map(|experts| (experts, dp));
         Ok(Box::new(
-            ModelExecutor::new(self.model.on_backend(backend)).with_lockstep(lockstep),
+            ModelExecutor::new(self.model.on_backend(backend)).with_device_experts(experts),
         ))
     }
 
@@ -109,6 +109,10 @@ impl ExecutorFactory for ModelFactory {
 
     fn state_bytes(&self) -> Option<StateBytes> {
         Some(StateBytes::of(self.model.config()))
+    }
+
+    fn device_experts(&self) -> Option<Arc<DeviceExperts>> {
+        self.devices.as_ref().and_then(|d| d.experts.clone())
     }
 
     /// V4.1's executors keep prefix blocks; V4's state has none.
@@ -160,7 +164,7 @@ mod tests {
                 log.lock().expect("not poisoned").push((dp, device));
                 Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
             }),
-            lockstep: None,
+            experts: None,
         };
         (devices, opened)
     }
@@ -206,7 +210,7 @@ mod tests {
         let devices = RankDevices {
             per_node: 4,
             open: Arc::new(|_dp, device| Err(format!("no CUDA driver for device {device}"))),
-            lockstep: None,
+            experts: None,
         };
         let factory = ModelFactory::per_device(model, "no device", devices);
         let err = factory.build(5).err().expect("the device does not open");

@@ -23,8 +23,9 @@
 //!
 //! Expert parallelism on CUDA (the model's backend is one EP rank, `backend::cuda::ep`): its MoE
 //! layers are collectives of every EP rank, so each step begins one step of the group's
-//! `Lockstep`, and an empty batch (an `Idle` plan) or an idle thread only follows the peers'
-//! steps with idle ones (`Model::idle_expert_step`).
+//! `Lockstep` through `DeviceExperts` (which swaps the rank's placement epoch there), and an
+//! empty batch (an `Idle` plan) or an idle thread only follows the peers' steps with idle ones
+//! (`Model::idle_expert_step`).
 //!
 //! Built per rank by `rank::factory::ModelFactory` (or `ExpertParallelFactory`).
 
@@ -42,7 +43,8 @@ use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, PrefixBlock};
 use deepinfer_topology::{ContextParallel, DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
-use crate::experts::lockstep::{FOLLOW_POLL, Lockstep};
+use crate::experts::device::DeviceExperts;
+use crate::experts::lockstep::FOLLOW_POLL;
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
 use crate::prefix_cache::BlockHash;
@@ -62,8 +64,8 @@ pub struct ModelExecutor {
     ep: Option<RankExperts>,
     /// Context parallelism of long prefill chunks.
     cp: Option<ContextParallel>,
-    /// Expert parallelism on devices: the group's lockstep and this rank's index in it.
-    lockstep: Option<(Arc<Lockstep>, usize)>,
+    /// Expert parallelism on devices: the group's state and this rank's index in it.
+    device: Option<(Arc<DeviceExperts>, usize)>,
     /// The prefix-cache blocks this rank keeps (the scheduler's index decides which).
     prefix_blocks: HashMap<BlockHash, PrefixBlock>,
 }
@@ -86,15 +88,15 @@ impl ModelExecutor {
             replay_from: HashMap::new(),
             ep: None,
             cp: None,
-            lockstep: None,
+            device: None,
             prefix_blocks: HashMap::new(),
         }
     }
 
-    /// This executor as rank `rank` of `lockstep`'s group (its backend an EP rank whose MoE
-    /// layers are collectives; `None`: off).
-    pub fn with_lockstep(self, lockstep: Option<(Arc<Lockstep>, usize)>) -> Self {
-        ModelExecutor { lockstep, ..self }
+    /// This executor as rank `rank` of a `DeviceExperts` group (its backend an EP rank whose
+    /// MoE layers are collectives; `None`: off).
+    pub fn with_device_experts(self, device: Option<(Arc<DeviceExperts>, usize)>) -> Self {
+        ModelExecutor { device, ..self }
     }
 
     /// This executor with context parallelism of long prefill chunks (`None`: off).
@@ -128,6 +130,26 @@ impl ModelExecutor {
             ..ModelExecutor::new(model)
         }
     }
+
+    /// Runs the idle steps the device expert group's peers began and this rank has not.
+    fn follow_device_peers(&self) -> Result<Option<Duration>, ExecError> {
+        let Some((device, rank)) = &self.device else {
+            return Ok(None);
+        };
+        let AnyModel::V41(model) = &self.model else {
+            return Err(ExecError::Backend(
+                "expert parallelism runs V4.1 models only".to_string(),
+            ));
+        };
+        while device.lockstep().behind(*rank) > 0 {
+            let (_, epoch) = device
+                .begin(*rank, model.backend())
+                .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))?;
+            model.idle_expert_step();
+            device.finish(*rank, epoch);
+        }
+        Ok(Some(FOLLOW_POLL))
+    }
 }
 
 impl ModelExecutor {
@@ -138,9 +160,9 @@ impl ModelExecutor {
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        if batch.is_empty() && self.lockstep.is_some() {
+        if batch.is_empty() && self.device.is_some() {
             // Nothing of its own: the rank only follows the steps its peers began.
-            self.follow_peers()?;
+            self.follow_device_peers()?;
             return Ok(Vec::new());
         }
         let model = &self.model;
@@ -152,9 +174,14 @@ impl ModelExecutor {
         let seqs = self
             .sequences
             .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
-        if let Some((lockstep, rank)) = &self.lockstep {
-            lockstep.begin(*rank);
-        }
+        let device_step = match &self.device {
+            Some((device, rank)) => Some(
+                device
+                    .begin(*rank, model.backend())
+                    .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))?,
+            ),
+            None => None,
+        };
         // Expert parallelism: this step's placement epoch, read once at the step boundary.
         let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
         let experts = match (&self.ep, comm.as_deref()) {
@@ -210,6 +237,9 @@ impl ModelExecutor {
             Some(failure) => Err(ExecError::Backend(format!("expert parallelism: {failure}"))),
             None => rows,
         };
+        if let (Some((device, rank)), Some((_, epoch))) = (&self.device, device_step) {
+            device.finish(*rank, epoch);
+        }
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {
                 dp: ep.dp,
@@ -319,19 +349,7 @@ impl RankExecutor for ModelExecutor {
     }
 
     fn follow_peers(&mut self) -> Result<Option<Duration>, ExecError> {
-        let Some((lockstep, rank)) = &self.lockstep else {
-            return Ok(None);
-        };
-        let AnyModel::V41(model) = &self.model else {
-            return Err(ExecError::Backend(
-                "expert parallelism runs V4.1 models only".to_string(),
-            ));
-        };
-        while lockstep.behind(*rank) > 0 {
-            lockstep.begin(*rank);
-            model.idle_expert_step();
-        }
-        Ok(Some(FOLLOW_POLL))
+        self.follow_device_peers()
     }
 
     fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {

@@ -50,6 +50,9 @@ pub struct ExpertRank {
     layers: HashMap<(usize, usize), usize>,
     /// This rank's experts of each layer, in slot order.
     tables: Vec<DeviceExperts>,
+    /// Routed rows each of its slots received since the last `take_loads`, `[layer][slot]`
+    /// flattened (the EPLB's measure).
+    loads: Vec<AtomicU64>,
 }
 
 impl std::fmt::Debug for ExpertRank {
@@ -102,6 +105,9 @@ impl ExpertRank {
             .enumerate()
             .map(|(layer, experts)| ((experts.as_ptr() as usize, experts.len()), layer))
             .collect();
+        let loads = (0..lists.len() * per_rank)
+            .map(|_| AtomicU64::new(0))
+            .collect();
         Ok(ExpertRank {
             rank,
             dp,
@@ -111,6 +117,7 @@ impl ExpertRank {
             rounds: Arc::new(AtomicU64::new(0)),
             layers,
             tables,
+            loads,
         })
     }
 
@@ -167,6 +174,26 @@ impl ExpertRank {
     /// MoE layer collectives this rank (and its earlier epochs) took part in.
     pub fn collectives(&self) -> u64 {
         self.rounds.load(AtomicOrdering::Relaxed)
+    }
+
+    /// Routed rows each of this rank's slots received since the last call, `[layer][slot]`,
+    /// the counters reset.
+    pub fn take_loads(&self) -> Vec<Vec<u64>> {
+        let per_rank = self.placement.slots_per_gpu;
+        let counts: Vec<u64> = self
+            .loads
+            .iter()
+            .map(|c| c.swap(0, AtomicOrdering::Relaxed))
+            .collect();
+        counts
+            .chunks(per_rank.max(1))
+            .map(<[u64]>::to_vec)
+            .collect()
+    }
+
+    /// The placement this rank serves.
+    pub fn placement(&self) -> &Arc<ExpertPlacement> {
+        &self.placement
     }
 
     /// Logical experts whose weights this rank holds on its device, per layer.
@@ -351,6 +378,11 @@ impl CudaBackend {
         if let Some(received) = &inbox.rows {
             let n = received.len() / dim;
             let ids_in: Vec<u32> = inbox.meta.iter().flat_map(|m| m.experts.clone()).collect();
+            for &slot in &ids_in {
+                if let Some(count) = ep.loads.get(layer_index * per_rank + slot as usize) {
+                    count.fetch_add(1, AtomicOrdering::Relaxed);
+                }
+            }
             let weights_in: Vec<f32> = inbox.meta.iter().flat_map(|m| m.weights.clone()).collect();
             if ids_in.len() != n || weights_in.len() != n {
                 return Err(shape_err(
