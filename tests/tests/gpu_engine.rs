@@ -150,7 +150,7 @@ fn cuda_factory(model: &Arc<Model>) -> Arc<dyn ExecutorFactory> {
         RankDevices {
             per_node: 1,
             open: Arc::new(|_dp, ordinal| gpu::open_cuda_backend(ordinal, Numerics::Exact)),
-            lockstep: None,
+            experts: None,
         },
     ))
 }
