@@ -1,7 +1,7 @@
 //! A CUDA topology on a machine without the GPUs it needs: `deepinfer-node` says so in one line
 //! and exits 1 (never a panic), and model resolution refuses it before loading anything; the
-//! expert parallelism CUDA does not run yet (ranks on several GPUs, live EPLB) is refused naming
-//! the field. Where the GPUs exist (the H200 with a
+//! expert parallelism CUDA does not run yet (EP ranks on several GPUs) is refused naming the
+//! field. Where the GPUs exist (the H200 with a
 //! `cuda` build) the shortage checks are skipped, and say so.
 
 use std::process::Command;
@@ -79,7 +79,7 @@ fn unsupported_expert_parallelism_on_cuda_is_refused_naming_the_field() {
         NodeConfig::from_file_with_env(std::path::Path::new(ROOT).join("configs/h200x2.toml"))
             .expect("shipped topology");
     let message = resolve(&shipped).err().expect("refused").to_string();
-    assert!(message.contains("eplb.enabled"), "{message}");
+    assert!(message.contains("device.gpus_per_node"), "{message}");
 }
 
 #[test]
