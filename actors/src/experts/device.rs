@@ -199,7 +199,7 @@ impl DeviceExperts {
         rank: usize,
         backend: &dyn Backend,
     ) -> Result<(u64, PlacementEpoch), String> {
-        self.stage(rank, backend)?;
+        self.stage(rank, backend);
         let (index, epoch) = self.lockstep.begin(rank);
         if let Some(experts) = self.rank(rank)
             && experts.epoch() != epoch
@@ -220,38 +220,56 @@ impl DeviceExperts {
     }
 
     /// Builds the staged placement on rank `rank` if it has not yet (the upload runs without
-    /// the EPLB's lock held); the last rank to build it commits it.
-    fn stage(&self, rank: usize, backend: &dyn Backend) -> Result<(), String> {
+    /// the EPLB's lock held); the last rank to build it commits it. A rank that cannot build it
+    /// (e.g. out of device memory) aborts the rebalance: the placement in use stays, as with the
+    /// CPU's `EplbActor` (logged, never fatal).
+    fn stage(&self, rank: usize, backend: &dyn Backend) {
         let pending = locked(&self.eplb).as_ref().and_then(|eplb| {
             let staged = eplb.staged.as_ref()?;
             (!staged.built[rank]).then(|| (staged.epoch, staged.placement.clone()))
         });
         let (Some((epoch, placement)), Some(experts)) = (pending, self.rank(rank)) else {
-            return Ok(());
+            return;
         };
-        let uploaded = experts.stage(backend, placement, epoch)?;
+        let built = experts.stage(backend, placement, epoch);
         let mut eplb = locked(&self.eplb);
+        let uploaded = match built {
+            Ok(uploaded) => uploaded,
+            Err(error) => {
+                tracing::warn!(rank, %epoch, %error, "EPLB staging failed; the placement stays");
+                if let Some(eplb) = eplb.as_mut()
+                    && eplb.staged.as_ref().is_some_and(|s| s.epoch == epoch)
+                {
+                    eplb.staged = None;
+                    eplb.state.abort();
+                }
+                return;
+            }
+        };
         let Some(eplb) = eplb.as_mut() else {
-            return Ok(());
+            return;
         };
         let Some(staged) = eplb.staged.as_mut().filter(|s| s.epoch == epoch) else {
-            return Ok(());
+            return;
         };
         staged.built[rank] = true;
         staged.report.copied_experts += uploaded;
-        if staged.built.iter().all(|&b| b) {
-            let staged = eplb.staged.take().expect("checked above");
+        if staged.built.iter().all(|&b| b)
+            && let Some(staged) = eplb.staged.take()
+        {
+            // The state stages exactly `epoch` (`plan` began it): its commit cannot refuse.
+            if let Err(error) = eplb.state.commit(epoch, staged.placement) {
+                tracing::warn!(%error, "EPLB commit refused; the placement stays");
+                eplb.state.abort();
+                return;
+            }
             let from = self.lockstep.commit(epoch);
-            eplb.state
-                .commit(epoch, staged.placement)
-                .map_err(|e| e.to_string())?;
             let mut report = staged.report;
             report.committed = true;
             report.epoch = epoch;
             tracing::info!(%epoch, from, copied = report.copied_experts, "expert placement committed");
             eplb.state.record(report);
         }
-        Ok(())
     }
 
     /// After a step of rank `rank`: rank 0 (every rank runs the same steps) advances the EPLB's
@@ -406,6 +424,8 @@ mod tests {
         layers: usize,
         slots: usize,
         state: Mutex<(PlacementEpoch, Option<PlacementEpoch>)>,
+        /// Staging fails (out of device memory).
+        full: bool,
     }
 
     impl DeviceRank for FakeRank {
@@ -428,6 +448,9 @@ mod tests {
             _placement: Arc<ExpertPlacement>,
             epoch: PlacementEpoch,
         ) -> Result<usize, String> {
+            if self.full {
+                return Err("out of device memory".to_string());
+            }
             locked(&self.state).1 = Some(epoch);
             Ok(3)
         }
@@ -441,12 +464,10 @@ mod tests {
         }
     }
 
-    /// Live EPLB over two ranks (rebalance every 3 steps over a 1-step window): a rebalance
-    /// stages the new placement on each rank at its next step, the last rank to build it commits
-    /// it at the first step no rank has begun, and both ranks adopt it at that same step index;
-    /// no step index runs on two epochs.
-    #[test]
-    fn a_rebalance_is_staged_on_every_rank_then_adopted_at_one_step() {
+    /// Two fake ranks (rank 1's staging fails when `full`) in a group rebalancing every 3
+    /// steps over a 1-step window, run 12 steps with rank 1 one step behind rank 0; the epoch
+    /// of each step index on each rank, and the group.
+    fn run_group(full: bool) -> (Vec<u32>, Vec<u32>, DeviceExperts, Vec<Arc<FakeRank>>) {
         let cfg = ModelConfig::tiny_v41();
         let text = "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 2\nep = 2\n\
                     [eplb]\nenabled = true\nredundant_experts = 2\nwindow_steps = 1\n\
@@ -456,11 +477,12 @@ mod tests {
         let slots = placement.slots_per_gpu;
         let group = DeviceExperts::new(&node, 2, placement);
         let ranks: Vec<Arc<FakeRank>> = (0..2)
-            .map(|_| {
+            .map(|rank| {
                 Arc::new(FakeRank {
                     layers: cfg.n_layers,
                     slots,
                     state: Mutex::new((PlacementEpoch(0), None)),
+                    full: full && rank == 1,
                 })
             })
             .collect();
@@ -468,7 +490,6 @@ mod tests {
             group.register(rank, fake.clone());
         }
         let backend = deepinfer_model::backend::CpuBackend::new();
-        // Rank 1 runs one step behind rank 0, as a follower would.
         for _ in 0..12 {
             for rank in 0..2 {
                 let (_, epoch) = group.begin(rank, &backend).expect("step begins");
@@ -476,14 +497,26 @@ mod tests {
             }
         }
         let log = group.step_log();
-        let epoch_of = |rank: usize, index: u64| {
-            log.iter()
-                .find(|s| s.dp == rank && s.index == index)
-                .map(|s| s.epoch)
-                .expect("step logged")
+        let epochs = |rank: usize| -> Vec<u32> {
+            (0..12)
+                .map(|index| {
+                    log.iter()
+                        .find(|s| s.dp == rank && s.index == index)
+                        .map(|s| s.epoch.get())
+                        .expect("step logged")
+                })
+                .collect()
         };
-        let epochs: Vec<u32> = (0..12).map(|i| epoch_of(0, i).get()).collect();
-        assert!((0..12).all(|i| epoch_of(1, i) == epoch_of(0, i)), "{log:?}");
+        (epochs(0), epochs(1), group, ranks)
+    }
+
+    /// A rebalance is staged on each rank at its next step; the last rank to build it commits
+    /// it at the first step no rank has begun, and both ranks adopt it at that same step index;
+    /// no step index runs on two epochs, and epochs never go back.
+    #[test]
+    fn a_rebalance_is_staged_on_every_rank_then_adopted_at_one_step() {
+        let (epochs, rank1, group, ranks) = run_group(false);
+        assert_eq!(epochs, rank1);
         // Rank 0's third step (index 2) rebalances; rank 1 stages at its index 2, rank 0 at its
         // index 3 and commits from index 3, which neither had begun: both run it on epoch 1.
         assert_eq!(&epochs[..4], &[0, 0, 0, 1], "{epochs:?}");
@@ -498,5 +531,19 @@ mod tests {
         assert_eq!(u64::from(epochs[11]), status.rebalances, "{status:?}");
         let last = status.last.expect("a rebalance report");
         assert!(!last.committed || last.copied_experts == 6, "{last:?}");
+    }
+
+    /// A rank that cannot build the new placement aborts the rebalance: every step stays on
+    /// epoch 0, nothing fails, and the rank that did build it never adopts it.
+    #[test]
+    fn a_failed_staging_keeps_the_placement() {
+        let (epochs, rank1, group, ranks) = run_group(true);
+        assert!(
+            epochs.iter().chain(&rank1).all(|&e| e == 0),
+            "{epochs:?} {rank1:?}"
+        );
+        assert!(ranks.iter().all(|r| r.epoch() == PlacementEpoch(0)));
+        let status = group.eplb_status().expect("EPLB on");
+        assert_eq!((status.epoch, status.rebalances), (PlacementEpoch(0), 0));
     }
 }
