@@ -131,7 +131,10 @@ impl ModelExecutor {
         }
     }
 
-    /// Runs the idle steps the device expert group's peers began and this rank has not.
+    /// Runs the idle steps the device expert group's peers had begun, and this rank had not,
+    /// when it looked: a peer that keeps leading is followed over several calls, so a plan of
+    /// this rank's own that arrives meanwhile runs as its next step (pairing with the peer's)
+    /// instead of waiting for the peer to go idle.
     fn follow_device_peers(&self) -> Result<Option<Duration>, ExecError> {
         let Some((device, rank)) = &self.device else {
             return Ok(None);
@@ -141,7 +144,7 @@ impl ModelExecutor {
                 "expert parallelism runs V4.1 models only".to_string(),
             ));
         };
-        while device.lockstep().behind(*rank) > 0 {
+        for _ in 0..device.lockstep().behind(*rank) {
             let (_, epoch) = device
                 .begin(*rank, model.backend())
                 .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))?;
