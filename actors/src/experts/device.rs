@@ -15,7 +15,7 @@
 //! experts.
 //! Built: every rank on one GPU (`device.gpus_per_node = 1`, rows moved by device copies).
 //! Refused before anything loads, naming the field: ranks on several GPUs (the NCCL transport
-//! exists at the model level, not wired into the engine's rank start).
+//! exists at the model level, not wired into the engine's rank start), live EPLB with one rank.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -49,6 +49,14 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
         })
     };
     if node.parallel.ep == 1 {
+        if node.eplb.enabled {
+            return refuse(
+                "eplb.enabled",
+                "live EPLB on CUDA balances the experts over EP ranks: it needs parallel.dp = \
+                 parallel.ep > 1"
+                    .to_string(),
+            );
+        }
         return Ok(());
     }
     let gpus = u32::from(node.device.nodes) * u32::from(node.device.gpus_per_node);
@@ -370,13 +378,18 @@ mod tests {
         }
     }
 
-    /// Two ranks on one GPU run, with live EPLB too; ranks over several GPUs are refused naming
-    /// the field; `ep != dp` (and context parallelism) never get here: the topology refuses them.
+    /// Two ranks on one GPU run, with live EPLB too; ranks over several GPUs, and live EPLB
+    /// over one rank, are refused naming the field; `ep != dp` (and context parallelism) never
+    /// get here: the topology refuses them.
     #[test]
     fn what_cuda_expert_parallelism_runs_and_refuses() {
         let shared = "gpus_per_node = 1\n[parallel]\ndp = 2\nep = 2\n";
         assert!(check_cuda_expert_parallel(&cuda(shared)).is_ok());
         assert!(check_cuda_expert_parallel(&cuda("")).is_ok());
+        assert_eq!(
+            refused_field(&cuda("[eplb]\nenabled = true\n")),
+            "eplb.enabled"
+        );
         assert_eq!(
             refused_field(&cuda("gpus_per_node = 2\n[parallel]\ndp = 2\nep = 2\n")),
             "device.gpus_per_node"
