@@ -30,6 +30,7 @@ use crate::experts::lockstep::Lockstep;
 use crate::experts::parallel::EpSettings;
 use crate::messages::eplb::{EplbStatus, RebalanceReport};
 use crate::messages::experts::ShardLoads;
+use crate::metrics as m;
 
 /// Rank steps kept in the step log.
 const STEP_LOG_CAPACITY: usize = 1 << 16;
@@ -176,6 +177,7 @@ impl DeviceExperts {
             ),
             staged: None,
         });
+        m::record_eplb_commit(PlacementEpoch(0));
         DeviceExperts {
             lockstep: Lockstep::new(ranks),
             ranks: Mutex::new(vec![None; ranks]),
@@ -272,6 +274,7 @@ impl DeviceExperts {
                 return;
             }
             let from = self.lockstep.commit(epoch);
+            m::record_eplb_commit(epoch);
             let mut report = staged.report;
             report.committed = true;
             report.epoch = epoch;
@@ -321,6 +324,7 @@ impl DeviceExperts {
             return Ok(());
         }
         let measured = eplb.state.measure(&loads).map_err(|e| e.to_string())?;
+        m::record_eplb_imbalance(&measured.imbalance);
         let measured_epoch = eplb.state.epoch();
         let mut report = RebalanceReport {
             measured_epoch,
