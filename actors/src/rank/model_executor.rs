@@ -145,9 +145,7 @@ impl ModelExecutor {
             ));
         };
         for _ in 0..device.lockstep().behind(*rank) {
-            let (_, epoch) = device
-                .begin(*rank, model.backend())
-                .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))?;
+            let (_, epoch) = begin_device_step(device, *rank, model.backend())?;
             model.idle_expert_step();
             device.finish(*rank, epoch);
         }
@@ -178,11 +176,7 @@ impl ModelExecutor {
             .sequences
             .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
         let device_step = match &self.device {
-            Some((device, rank)) => Some(
-                device
-                    .begin(*rank, model.backend())
-                    .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))?,
-            ),
+            Some((device, rank)) => Some(begin_device_step(device, *rank, model.backend())?),
             None => None,
         };
         // Expert parallelism: this step's placement epoch, read once at the step boundary.
@@ -255,6 +249,17 @@ impl ModelExecutor {
         }
         rows
     }
+}
+
+/// Rank `rank` begins a step of its device expert group on `backend` (`DeviceExperts::begin`).
+fn begin_device_step(
+    device: &DeviceExperts,
+    rank: usize,
+    backend: &dyn deepinfer_model::backend::Backend,
+) -> Result<(u64, deepinfer_topology::PlacementEpoch), ExecError> {
+    device
+        .begin(rank, backend)
+        .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))
 }
 
 /// The prefix cache keeps V4.1 sequences only (the factory gives a V4 model no prefix geometry, so
