@@ -14,7 +14,8 @@
 //!    placement gives the bits of `ep = 1`.
 //! 3. Finish: the buffers offered to peers may be freed.
 //!
-//! Activations never leave the device; only route ids and weights reach the host.
+//! Activations never leave the device; only route ids and weights reach the host. Each rank
+//! counts the rows its slots receive ([`ExpertRank::take_loads`], what the EPLB measures).
 //! Replica choice: the replica on this rank when it holds one, else replica `dp % replicas`: a
 //! pure function of (layer, expert, DP rank), independent of the batch and the timing.
 //! Placement epochs: an [`ExpertRank`] serves one epoch; a new placement is a new rank object
