@@ -1,22 +1,28 @@
 //! DP ranks in `Lockstep` (how expert parallelism on CUDA steps, `experts::device`), on CPU
-//! backends so that CI runs the engine side of it: two ranks, often one busy and one idle, serve
-//! the requests with the tokens and logits rows of one rank, bitwise, and once the traffic is
-//! done no rank is behind: the idle rank followed every step its peer began (on CUDA each such
-//! step is every MoE layer's collective, which the busy rank cannot finish alone).
+//! backends so that CI runs the engine side of it:
+//! - two ranks, often one busy and one idle, serve the requests with the tokens and logits rows
+//!   of one rank, bitwise, and once the traffic is done no rank is behind: the idle rank
+//!   followed every step its peer began (on CUDA each such step is every MoE layer's
+//!   collective, which the busy rank cannot finish alone);
+//! - with live EPLB over stand-in device ranks (skewed load counts; staging and adoption
+//!   recorded, the CPU backends computing every expert), placements are staged and adopted by
+//!   the rank threads under traffic: both ranks run every step index on the same epoch, the
+//!   epochs advance, and the outputs stay those of one rank.
 
 mod ep_support;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use deepinfer_actors::experts::device::{DeviceExperts, starting_placement};
+use deepinfer_actors::experts::device::{DeviceExperts, DeviceRank, starting_placement};
+use deepinfer_actors::messages::experts::ShardLoads;
 use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::{Engine, EngineConfig};
 use deepinfer_model::backend::{Backend, CpuBackend};
 use deepinfer_tests::freed::FreedLengths;
-use deepinfer_topology::PlacementEpoch;
+use deepinfer_topology::{ExpertPlacement, PlacementEpoch};
 use ep_support::{bits, facts, model, node, run_engine, run_requests, skewed_prompts};
 
 /// How long the idle rank may take to catch up once the traffic is done (it polls every
@@ -104,5 +110,107 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     assert!(log.iter().all(|s| s.epoch == PlacementEpoch(0)));
     println!(
         "two ranks in lockstep: {steps} steps each, {compared} rows bitwise equal to one rank"
+    );
+}
+
+/// Stands in for a CUDA EP rank: skewed load counts, staging and adoption recorded.
+struct StandIn {
+    layers: usize,
+    slots: usize,
+    /// `(epoch in use, staged epoch)`.
+    state: Mutex<(PlacementEpoch, Option<PlacementEpoch>)>,
+}
+
+impl DeviceRank for StandIn {
+    fn epoch(&self) -> PlacementEpoch {
+        self.state.lock().expect("not poisoned").0
+    }
+    fn take_loads(&self) -> ShardLoads {
+        let mut per_slot = vec![vec![1; self.slots]; self.layers];
+        for layer in &mut per_slot {
+            layer[0] = 50;
+        }
+        ShardLoads {
+            epoch: self.epoch(),
+            per_slot,
+        }
+    }
+    fn stage(
+        &self,
+        _backend: &dyn Backend,
+        _placement: Arc<ExpertPlacement>,
+        epoch: PlacementEpoch,
+    ) -> Result<usize, String> {
+        self.state.lock().expect("not poisoned").1 = Some(epoch);
+        Ok(1)
+    }
+    fn adopt(&self, _backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String> {
+        let mut state = self.state.lock().expect("not poisoned");
+        if state.1.take() != Some(epoch) {
+            return Err(format!("{epoch} adopted without being staged"));
+        }
+        state.0 = epoch;
+        Ok(1)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_eplb_swaps_epochs_at_one_step_under_traffic() {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let prompts = skewed_prompts(6);
+    let max_tokens = 6;
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, _) =
+        run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
+
+    let topology = node(
+        2,
+        2,
+        "enabled = true\nredundant_experts = 2\nwindow_steps = 1\nrebalance_interval_steps = 2",
+    );
+    let placement = starting_placement(&topology, model.config()).expect("placement");
+    let (layers, slots) = (placement.layers.len(), placement.slots_per_gpu);
+    let group = Arc::new(DeviceExperts::new(&topology, 2, placement));
+    let registry = group.clone();
+    let two = ModelFactory::per_device(
+        model.clone(),
+        "two ranks with stand-in device experts",
+        RankDevices {
+            per_node: 1,
+            open: Arc::new(move |dp, _device| {
+                let stand_in = StandIn {
+                    layers,
+                    slots,
+                    state: Mutex::new((PlacementEpoch(0), None)),
+                };
+                registry.register(dp, Arc::new(stand_in));
+                Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
+            }),
+            experts: Some(group.clone()),
+        },
+    );
+    let (got, _) = run_engine(topology, Arc::new(two), facts, &prompts, max_tokens).await;
+    assert_eq!(got, expected);
+
+    let log = group.step_log();
+    let mut epoch_of: BTreeMap<u64, PlacementEpoch> = BTreeMap::new();
+    for step in &log {
+        let first = *epoch_of.entry(step.index).or_insert(step.epoch);
+        assert_eq!(first, step.epoch, "step {} on two epochs", step.index);
+    }
+    let epochs: Vec<PlacementEpoch> = epoch_of.values().copied().collect();
+    assert!(epochs.windows(2).all(|w| w[0] <= w[1]), "{epochs:?}");
+    let status = group.eplb_status().expect("EPLB on");
+    let last = *epochs.last().expect("steps ran");
+    assert!(
+        last > PlacementEpoch(0),
+        "no placement was committed: {status:?}"
+    );
+    assert_eq!(u64::from(last.get()), status.rebalances, "{status:?}");
+    println!(
+        "live EPLB over stand-in ranks: {} steps, {} rebalances committed under traffic",
+        epochs.len(),
+        status.rebalances
     );
 }
