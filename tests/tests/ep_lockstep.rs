@@ -7,7 +7,9 @@
 //! - with live EPLB over stand-in device ranks (skewed load counts; staging and adoption
 //!   recorded, the CPU backends computing every expert), placements are staged and adopted by
 //!   the rank threads under traffic: both ranks run every step index on the same epoch, the
-//!   epochs advance, and the outputs stay those of one rank.
+//!   epochs advance, and the outputs stay those of one rank;
+//! - the same group driven step by step: where the commit lands, and a rank that cannot stage
+//!   aborting the rebalance.
 
 mod ep_support;
 
@@ -18,12 +20,13 @@ use std::time::{Duration, Instant};
 use deepinfer_actors::experts::device::{DeviceExperts, DeviceRank, starting_placement};
 use deepinfer_actors::messages::experts::ShardLoads;
 use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
-use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
-use deepinfer_actors::{Engine, EngineConfig};
+use deepinfer_model::Model;
 use deepinfer_model::backend::{Backend, CpuBackend};
-use deepinfer_tests::freed::FreedLengths;
+use deepinfer_model::config::ModelConfig;
 use deepinfer_topology::{ExpertPlacement, PlacementEpoch};
-use ep_support::{bits, facts, model, node, run_engine, run_requests, skewed_prompts};
+use ep_support::{
+    bits, facts, model, node, run_engine, run_requests, skewed_prompts, start_engine,
+};
 
 /// How long the idle rank may take to catch up once the traffic is done (it polls every
 /// `FOLLOW_POLL`).
@@ -44,25 +47,8 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     let placement = starting_placement(&topology, model.config()).expect("placement");
     let group = Arc::new(DeviceExperts::new(&topology, 2, placement));
     let lockstep = group.lockstep();
-    let two = ModelFactory::per_device(
-        model.clone(),
-        "two ranks in lockstep",
-        RankDevices {
-            per_node: 1,
-            open: Arc::new(|_dp, _device| Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)),
-            experts: Some(group.clone()),
-        },
-    );
-    let rows = Arc::new(RowLog::new());
-    let (executor, freed) =
-        FreedLengths::track(Arc::new(ObservedFactory::new(Arc::new(two), rows.clone())));
-    let config = EngineConfig {
-        node: topology,
-        executor,
-        model: facts,
-        tokenizer: None,
-    };
-    let engine = Engine::start(config).await.expect("engine starts");
+    let two = two_ranks(&model, &group, |_| {});
+    let (engine, rows, freed) = start_engine(topology, Arc::new(two), facts).await;
     // Two waves: the second's single request leaves one rank with nothing to do.
     let mut got = run_requests(&engine, &prompts, max_tokens).await;
     got.extend(run_requests(&engine, &prompts[3..4], max_tokens).await);
@@ -113,12 +99,46 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     );
 }
 
+/// Two ranks on CPU backends stepping through `group`; `opened(dp)` runs as rank `dp`'s backend
+/// opens (on its thread).
+fn two_ranks(
+    model: &Arc<Model>,
+    group: &Arc<DeviceExperts>,
+    opened: impl Fn(usize) + Send + Sync + 'static,
+) -> ModelFactory {
+    ModelFactory::per_device(
+        model.clone(),
+        "two CPU ranks stepping as device EP ranks",
+        RankDevices {
+            per_node: 1,
+            open: Arc::new(move |dp, _device| {
+                opened(dp);
+                Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
+            }),
+            experts: Some(group.clone()),
+        },
+    )
+}
+
 /// Stands in for a CUDA EP rank: skewed load counts, staging and adoption recorded.
 struct StandIn {
     layers: usize,
     slots: usize,
     /// `(epoch in use, staged epoch)`.
     state: Mutex<(PlacementEpoch, Option<PlacementEpoch>)>,
+    /// Staging fails (out of device memory).
+    full: bool,
+}
+
+impl StandIn {
+    fn new(layers: usize, slots: usize, full: bool) -> StandIn {
+        StandIn {
+            layers,
+            slots,
+            state: Mutex::new((PlacementEpoch(0), None)),
+            full,
+        }
+    }
 }
 
 impl DeviceRank for StandIn {
@@ -141,8 +161,11 @@ impl DeviceRank for StandIn {
         _placement: Arc<ExpertPlacement>,
         epoch: PlacementEpoch,
     ) -> Result<usize, String> {
+        if self.full {
+            return Err("out of device memory".to_string());
+        }
         self.state.lock().expect("not poisoned").1 = Some(epoch);
-        Ok(1)
+        Ok(3)
     }
     fn adopt(&self, _backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String> {
         let mut state = self.state.lock().expect("not poisoned");
@@ -173,23 +196,9 @@ async fn live_eplb_swaps_epochs_at_one_step_under_traffic() {
     let (layers, slots) = (placement.layers.len(), placement.slots_per_gpu);
     let group = Arc::new(DeviceExperts::new(&topology, 2, placement));
     let registry = group.clone();
-    let two = ModelFactory::per_device(
-        model.clone(),
-        "two ranks with stand-in device experts",
-        RankDevices {
-            per_node: 1,
-            open: Arc::new(move |dp, _device| {
-                let stand_in = StandIn {
-                    layers,
-                    slots,
-                    state: Mutex::new((PlacementEpoch(0), None)),
-                };
-                registry.register(dp, Arc::new(stand_in));
-                Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
-            }),
-            experts: Some(group.clone()),
-        },
-    );
+    let two = two_ranks(&model, &group, move |dp| {
+        registry.register(dp, Arc::new(StandIn::new(layers, slots, false)));
+    });
     let (got, _) = run_engine(topology, Arc::new(two), facts, &prompts, max_tokens).await;
     assert_eq!(got, expected);
 
@@ -213,4 +222,81 @@ async fn live_eplb_swaps_epochs_at_one_step_under_traffic() {
         epochs.len(),
         status.rebalances
     );
+}
+
+/// Two stand-ins (rank 1's staging fails when `full`) in a group rebalancing every 3 steps over
+/// a 1-step window, driven on this thread for 12 steps with rank 1 one step behind rank 0: the
+/// epoch of each step index on each rank, the group and the stand-ins.
+fn run_group(full: bool) -> (Vec<u32>, Vec<u32>, DeviceExperts, Vec<Arc<StandIn>>) {
+    let cfg = ModelConfig::tiny_v41();
+    let topology = node(
+        2,
+        2,
+        "enabled = true\nredundant_experts = 2\nwindow_steps = 1\nrebalance_interval_steps = 3",
+    );
+    let placement = starting_placement(&topology, &cfg).expect("placement");
+    let slots = placement.slots_per_gpu;
+    let group = DeviceExperts::new(&topology, 2, placement);
+    let ranks: Vec<Arc<StandIn>> = (0..2)
+        .map(|rank| Arc::new(StandIn::new(cfg.n_layers, slots, full && rank == 1)))
+        .collect();
+    for (rank, stand_in) in ranks.iter().enumerate() {
+        group.register(rank, stand_in.clone());
+    }
+    let backend = CpuBackend::new();
+    for _ in 0..12 {
+        for rank in 0..2 {
+            let (_, epoch) = group.begin(rank, &backend).expect("step begins");
+            group.finish(rank, epoch);
+        }
+    }
+    let log = group.step_log();
+    let epochs = |rank: usize| -> Vec<u32> {
+        (0..12)
+            .map(|index| {
+                log.iter()
+                    .find(|s| s.dp == rank && s.index == index)
+                    .map(|s| s.epoch.get())
+                    .expect("step logged")
+            })
+            .collect()
+    };
+    (epochs(0), epochs(1), group, ranks)
+}
+
+/// A rebalance is staged on each rank at its next step; the last rank to build it commits it
+/// at the first step no rank has begun, and both ranks adopt it at that same step index; no
+/// step index runs on two epochs, and epochs never go back.
+#[test]
+fn a_rebalance_is_staged_on_every_rank_then_adopted_at_one_step() {
+    let (epochs, rank1, group, ranks) = run_group(false);
+    assert_eq!(epochs, rank1);
+    // Rank 0's third step (index 2) rebalances; rank 1 stages at its index 2, rank 0 at its
+    // index 3 and commits from index 3, which neither had begun: both run it on epoch 1.
+    assert_eq!(&epochs[..4], &[0, 0, 0, 1], "{epochs:?}");
+    assert!(epochs.windows(2).all(|w| w[1] - w[0] <= 1), "{epochs:?}");
+    assert!(
+        ranks
+            .iter()
+            .all(|r| r.epoch() == PlacementEpoch(epochs[11]))
+    );
+    let status = group.eplb_status().expect("EPLB on");
+    assert_eq!(status.epoch, PlacementEpoch(epochs[11]));
+    assert_eq!(u64::from(epochs[11]), status.rebalances, "{status:?}");
+    let last = status.last.expect("a rebalance report");
+    assert!(!last.committed || last.copied_experts == 6, "{last:?}");
+}
+
+/// A rank that cannot build the new placement aborts the rebalance: every step stays on epoch
+/// 0, nothing fails, and the rank that did build it never adopts it.
+#[test]
+fn a_failed_staging_keeps_the_placement() {
+    let (epochs, rank1, group, ranks) = run_group(true);
+    assert!(
+        epochs.iter().chain(&rank1).all(|&e| e == 0),
+        "{epochs:?} {rank1:?}"
+    );
+    assert!(ranks.iter().all(|r| r.epoch() == PlacementEpoch(0)));
+    let status = group.eplb_status().expect("EPLB on");
+    assert_eq!((status.epoch, status.rebalances), (PlacementEpoch(0), 0));
 }
