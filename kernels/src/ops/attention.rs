@@ -6,7 +6,7 @@
 //! invariant). The `fast` numerics' row-batched entry ([`sparse_attention_sink_rows_ptr_fast`])
 //! runs the same operation on tensor cores (`sparse_attention_fast.cuh`).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::key_table::DeviceKeyTable;
 use super::{Rounding, dim, expect_len};
@@ -93,16 +93,12 @@ pub fn sparse_attention_sink_f32(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::SparseAttentionSinkF32)?);
+    let mut launch = rt.launcher(KernelId::SparseAttentionSinkF32)?;
     launch.arg(q).arg(keys).arg(sink).arg(out).arg(&params);
     // SAFETY: signature (const float* q, const float* keys, const float* sink, float* out,
     // AttentionParams); q/out hold heads * head_dim, keys >= n_keys * head_dim, sink heads values (checked
     // above); head_dim <= 4 * THREADS as the kernel's per-thread accumulators require.
     unsafe { launch.launch(cfg) }
-        .map_err(KernelError::driver("launching sparse_attention_sink_f32"))?;
-    Ok(())
 }
 
 /// The key lists of a batch of attention queries on the device: query `t` attends to the key
@@ -221,16 +217,12 @@ impl DeviceKeyLists {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = rt
-            .stream()
-            .launch_builder(rt.function(KernelId::ComposeSelectedRows)?);
+        let mut launch = rt.launcher(KernelId::ComposeSelectedRows)?;
         launch.arg(&dplan).arg(&n_plan).arg(&mut self.key_rows);
         // SAFETY: signature (const SelectedRows* plan, u32 n_plan, u32* key_rows); every entry's
         // rows [dst, dst + count) lie inside key_rows (checked above) and its source is readable
         // (the caller's contract).
         unsafe { launch.launch(cfg) }
-            .map_err(KernelError::driver("launching compose_selected_rows"))?;
-        Ok(())
     }
 }
 
@@ -377,7 +369,7 @@ fn launch_rows(
         KeyRowSource::Flat(_) => KernelId::SparseAttentionSinkRowsF32,
         KeyRowSource::Table(_) => KernelId::SparseAttentionSinkRowsPtrF32,
     };
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(q);
     match keys {
         KeyRowSource::Flat(keys) => launch.arg(keys),
@@ -396,8 +388,7 @@ fn launch_rows(
     // (DeviceKeyLists::upload), and the key source holds that many head_dim-wide rows (checked by
     // the caller; a table's addresses are live rows by its unsafe constructor's contract);
     // grid.y = queries <= the grid limit; head_dim <= 4 * THREADS.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Whether [`sparse_attention_sink_rows_ptr_fast`] takes rows of `head_dim` from `key_ptrs`: a
@@ -453,9 +444,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         block_dim: (dim(FAST_OP, "threads", head_dim / 2)?, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::SparseAttentionSinkRowsPtrFast)?);
+    let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
     launch
         .arg(q)
         .arg(key_ptrs.addresses())
@@ -470,6 +459,5 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     // (DeviceKeyLists::upload) and the table covers them with 16-byte aligned rows of head_dim
     // floats (checked above; live by the table's contract); head_dim / 2 threads (32..256, a
     // multiple of 32); grid.y = queries <= the grid limit.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {FAST_OP}")))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -7,7 +7,7 @@
 //! pinned, device-mapped host memory instead (`cuMemHostAlloc` with `DEVICEMAP`) and read by the
 //! same gather kernel through its device pointer, each lookup then crossing PCIe/NVLink-C2C.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::{dim, expect_len};
 use crate::error::KernelError;
@@ -145,9 +145,7 @@ pub fn engram_hash_rows(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::EngramHashRows)?);
+    let mut launch = rt.launcher(KernelId::EngramHashRows)?;
     launch
         .arg(contexts)
         .arg(&hasher.multipliers)
@@ -157,8 +155,7 @@ pub fn engram_hash_rows(
         .arg(&params);
     // SAFETY: signature (const u64* contexts, const u64* multipliers, const u64* primes,
     // const u64* offsets, u32* rows, HashParams); lengths checked here and at upload.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching engram_hash_rows"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// An Engram table in device memory: `[rows, head_dim]` E4M3 codes, `[rows, head_dim / 32]`
@@ -229,9 +226,7 @@ pub fn engram_gather_f32(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::EngramGatherF32)?);
+    let mut launch = rt.launcher(KernelId::EngramGatherF32)?;
     launch
         .arg(&table.codes)
         .arg(&table.scales)
@@ -240,8 +235,7 @@ pub fn engram_gather_f32(
         .arg(&params);
     // SAFETY: signature (const u8* codes, const u8* scales, const u32* ids, float* out,
     // GatherParams); lengths checked here and at upload; ids beyond the table are not read.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching engram_gather_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! are added in K order in fp32 (see `cuda/gemm/gemm_block_scaled.cuh`): bit-exact with
 //! `deepinfer_model::quant::gemm_fp8` / `gemm_fp4`, and batch invariant by construction.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
 
 use super::quant::{ActGroup, DeviceActFp8};
@@ -332,8 +332,7 @@ fn launch_gemm(
         block_dim: (WARPS * 32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&a.codes)
         .arg(&a.scales)
@@ -345,9 +344,5 @@ fn launch_gemm(
     // bf16* y, GemmParams). The activation buffers hold rows * k codes and rows * k / group scales
     // (DeviceActFp8's invariant), the weight buffers were length-checked at upload for [n, k], k is
     // a multiple of 32 (so every 16-byte load is aligned and in bounds), and y holds m * n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -15,7 +15,7 @@
 //! rounding at most `2^-9 |y|`.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use half::bf16;
 
 use super::gemm::{check_fp4_weight, check_fp8_weight};
@@ -488,8 +488,7 @@ fn launch_dense<S: DeviceRepr>(
     // with one part the kernel never touches the buffer.
     let mut partials = unsafe { stream.alloc::<f32>(if parts > 1 { parts * count } else { 1 }) }
         .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
-    let function = rt.function(kernel)?;
-    let mut launch = stream.launch_builder(function);
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&a.codes)
         .arg(&a.scales)
@@ -506,10 +505,7 @@ fn launch_dense<S: DeviceRepr>(
     // reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span); every load is
     // bounds-checked against m, n, k in the kernel; y holds m * n values, partials parts * m * n
     // when parts > 1.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
+    unsafe { launch.launch(cfg) }?;
     if parts > 1 {
         reduce_parts(rt, op, &partials, y, count, parts)?;
     }
@@ -535,16 +531,12 @@ fn reduce_parts(
         shared_mem_bytes: 0,
     };
     let kernel = KernelId::GemmFastReduce;
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(partials).arg(y).arg(&params);
     // SAFETY: signature (const float* partials, bf16* y, FastReduceParams); partials holds parts
     // * count values (allocated so by the caller), y count (checked: m * n); the kernel strides
     // over i < count.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]

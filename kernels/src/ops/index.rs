@@ -4,7 +4,7 @@
 //! the reference's bf16 rounding points: bit-exact, one block per (key, query), a key's score a
 //! function of that query and key alone (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::key_table::DeviceKeyTable;
 use super::{Rounding, dim, expect_len};
@@ -62,14 +62,11 @@ pub fn index_scores_f32(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: params.heads * 4,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::IndexScoresF32)?);
+    let mut launch = rt.launcher(KernelId::IndexScoresF32)?;
     launch.arg(q).arg(w).arg(keys).arg(scores).arg(&params);
     // SAFETY: signature (const float* q, const float* w, const float* keys, float* scores,
     // IndexParams); lengths checked above; the dynamic shared memory holds one float per head.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching index_scores_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `head_dim` and `heads` positive, `heads` within the kernel's shared memory.
@@ -279,7 +276,7 @@ fn launch_rows(
         KeyRowSource::Flat(_) => KernelId::IndexScoresRowsF32,
         KeyRowSource::Table(_) => KernelId::IndexScoresRowsPtrF32,
     };
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(q).arg(w);
     match keys {
         KeyRowSource::Flat(keys) => launch.arg(keys),
@@ -293,6 +290,5 @@ fn launch_rows(
     // the caller; a table's addresses are live rows by its unsafe constructor's contract), the
     // offsets place each query's scores inside `scores` (DeviceVisiblePrefixes::upload);
     // grid.y = queries <= the grid limit; the dynamic shared memory holds one float per head.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -7,7 +7,7 @@
 //! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`), and a
 //! token's results never depend on the others (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Rounding, dim, expect_len, sgemm_chains};
 use crate::error::KernelError;
@@ -138,24 +138,19 @@ pub fn hc_mixes_rows_f32(
         block_dim: (dim(OP, "partial threads", PARTIALS_PER_BLOCK)?, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::HcMixesPartialsF32)?);
+    let mut launch = rt.launcher(KernelId::HcMixesPartialsF32)?;
     launch.arg(x).arg(proj).arg(&mut scratch).arg(&params);
     // SAFETY: signature (const float* x, const float* proj, float* scratch, HcMixesParams); x
     // holds tokens * n and proj projections * n values (checked above), scratch tokens * (tasks +
     // 1); grid.x covers every task in 32-task warps plus the last (sum-of-squares) block, grid.y
     // = tokens <= the grid limit.
-    unsafe { launch.launch(partials_cfg) }
-        .map_err(KernelError::driver("launching hc_mixes_partials_f32"))?;
+    unsafe { launch.launch(partials_cfg) }?;
     let cfg = LaunchConfig {
         grid_dim: (token_grid, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: dim(OP, "shared memory", per_token_scratch * 4)?,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::HcMixesF32)?);
+    let mut launch = rt.launcher(KernelId::HcMixesF32)?;
     launch
         .arg(&scratch)
         .arg(base)
@@ -167,8 +162,7 @@ pub fn hc_mixes_rows_f32(
     // by the launch above and out tokens * (2hc + hc²) (checked above), the dynamic shared memory
     // holding one token's tasks + 1 values; hc <= MAX_HC as the
     // kernel's local arrays require and projections <= THREADS.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_mixes_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 fn elementwise_params(
@@ -237,15 +231,12 @@ pub fn hc_collapse_rows_f32(
         block_dim: (ELEMENTWISE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::HcCollapseF32)?);
+    let mut launch = rt.launcher(KernelId::HcCollapseF32)?;
     launch.arg(x).arg(w).arg(y).arg(&params);
     // SAFETY: signature (const float* x, const float* w, float* y, HcElementwiseParams); x holds
     // tokens * hc * dim, w tokens * hc and y tokens * dim values (checked above), grid.y = tokens
     // <= the grid limit; the kernel bounds-checks d.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_collapse_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `out [k, dim] = round(post_k · y + Σ_j comb[j, k] · residual [j, dim])` with
@@ -302,14 +293,11 @@ pub fn hc_expand_rows_f32(
         block_dim: (ELEMENTWISE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::HcExpandF32)?);
+    let mut launch = rt.launcher(KernelId::HcExpandF32)?;
     launch.arg(y).arg(residual).arg(mix).arg(out).arg(&params);
     // SAFETY: signature (const float* y, const float* residual, const float* mix, float* out,
     // HcElementwiseParams); y holds tokens * dim, residual and out tokens * hc * dim, mix tokens *
     // (hc + hc²) values (checked above), grid.y = tokens <= the grid limit; the kernel
     // bounds-checks its index.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_expand_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -2,7 +2,7 @@
 //! sqrt-softplus scores, biased top-k (or a forced list), normalised weights; bit-exact, one block
 //! per token.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::{dim, expect_len};
 use crate::error::KernelError;
@@ -110,7 +110,7 @@ pub fn route_experts_f32(
             &placeholder
         }
     };
-    let mut launch = stream.launch_builder(rt.function(KernelId::RouteExpertsF32)?);
+    let mut launch = rt.launcher(KernelId::RouteExpertsF32)?;
     launch
         .arg(logits)
         .arg(bias)
@@ -122,8 +122,7 @@ pub fn route_experts_f32(
     // u32* experts, float* weights, RouteParams); lengths checked above (a shared forced list
     // holds `selected` ids, per-row lists rows * selected); the dynamic shared memory
     // holds 2 · experts + selected 32-bit words.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching route_experts_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Experts chosen per token for `selection` over `n_experts`.

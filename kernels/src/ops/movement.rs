@@ -3,7 +3,7 @@
 //! bf16 GEMM outputs widened to f32 storage ([`bf16_to_f32`]), selected key rows written into
 //! attention lists, and the one elementwise sum the drafter needs ([`add_f32`]).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use half::bf16;
 
 use super::{dim, expect_len};
@@ -93,9 +93,7 @@ fn launch_gather(
         shared_mem_bytes: 0,
     };
     let null_table = 0u64;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::GatherPtrsF32)?);
+    let mut launch = rt.launcher(KernelId::GatherPtrsF32)?;
     match pieces {
         Some(table) => launch.arg(table),
         None => launch.arg(&null_table),
@@ -110,8 +108,7 @@ fn launch_gather(
     // `inline` (all set above); out holds n_pieces * width values (checked) and the loops stop at
     // n_pieces and width; each address points at `width` readable floats of a live device buffer
     // (the caller's contract, see `key_table`).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching gather_ptrs_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `out[i] = f32(x[i])` (exact).
@@ -132,14 +129,11 @@ pub fn bf16_to_f32(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::Bf16ToF32)?);
+    let mut launch = rt.launcher(KernelId::Bf16ToF32)?;
     launch.arg(x).arg(out).arg(&n);
     // SAFETY: signature (const u16* x, float* out, u64 n); both hold n values (checked), the
     // kernel's grid-stride loop stops at n.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching bf16_to_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `x[i] += y[i]` in fp32 (exact as the host's f32 add).
@@ -160,10 +154,9 @@ pub fn add_f32(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt.stream().launch_builder(rt.function(KernelId::AddF32)?);
+    let mut launch = rt.launcher(KernelId::AddF32)?;
     launch.arg(x).arg(y).arg(&n);
     // SAFETY: signature (float* x, const float* y, u64 n); both hold n values (checked), the
     // kernel's grid-stride loop stops at n.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching add_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -1,6 +1,6 @@
 //! FP8 activation quantisation `Q8` (v41-architecture.md §3.0) on the device.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use half::bf16;
 
 use super::{dim, expect_len};
@@ -152,8 +152,7 @@ fn launch_act_quant<T: DeviceRepr>(
         block_dim: (WARPS_PER_BLOCK * 32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(x)
         .arg(&mut out.codes)
@@ -163,8 +162,7 @@ fn launch_act_quant<T: DeviceRepr>(
     // type of `kernel` (matching `x`); the buffer
     // lengths were checked against rows * cols above and the grid covers exactly `groups` warps
     // (the kernel bounds-checks the last block).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching act_quant_fp8"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Allocating form of [`quantize_act_fp8_into`].

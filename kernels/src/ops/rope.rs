@@ -1,7 +1,7 @@
 //! Interleaved-pair partial RoPE on the device, in place, on bf16 storage or on f32 storage of
 //! bf16 values (the model's host layout).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use half::bf16;
 
 use super::{Rounding, dim, expect_len};
@@ -116,12 +116,10 @@ fn launch_rope<T: DeviceRepr>(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(x).arg(positions).arg(cos).arg(sin).arg(&params);
     // SAFETY: signature (T* x, const int* positions, const float* cos, const float* sin,
     // RopeParams) with T the element type of `kernel` (matching `x`); lengths checked above; the
     // kernel bounds-checks pair indices and positions.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -8,7 +8,7 @@
 //! ([`moe_combine`]). Each reproduces `deepinfer_model::layers::moe::forward_rows` bit for bit (see
 //! `cuda/moe/routed.cu`).
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
@@ -510,14 +510,13 @@ fn launch_routed(
             });
         }
     };
-    let stream = rt.stream();
     if per_row {
         let cfg = LaunchConfig {
             grid_dim: (params.m, col_blocks, 1),
             block_dim: (WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = stream.launch_builder(rt.function(rows_kernel)?);
+        let mut launch = rt.launcher(rows_kernel)?;
         launch
             .arg(&x.codes)
             .arg(&x.scales)
@@ -530,10 +529,7 @@ fn launch_routed(
         // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the
         // table holds 3 * n_experts address pairs of live weights of this shape and format (the
         // constructors' contract), ids >= n_experts are never looked up; out holds m * n values.
-        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-            "launching {}",
-            rows_kernel.symbol()
-        )))?;
+        unsafe { launch.launch(cfg) }?;
         return Ok(());
     }
     let tile_rows = if expert_major {
@@ -552,7 +548,7 @@ fn launch_routed(
                 * kernel_dim(op, "tile rows", tile_rows)?
                 * EXPERT_PARTIAL_STRIDE,
         };
-        let mut launch = stream.launch_builder(rt.function(kernel)?);
+        let mut launch = rt.launcher(kernel)?;
         launch
             .arg(&x.codes)
             .arg(&x.scales)
@@ -570,10 +566,7 @@ fn launch_routed(
         // codes and x.rows * k / 32 scales); column n < p.n is checked per warp; the table holds
         // 3 * n_experts address pairs of live weights of this shape and format (the
         // constructors' contract), the bucket of unknown ids is never looked up; out holds m * n.
-        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-            "launching {}",
-            kernel.symbol()
-        )))?;
+        unsafe { launch.launch(cfg) }?;
         return Ok(());
     }
     let cfg = LaunchConfig {
@@ -582,7 +575,7 @@ fn launch_routed(
         shared_mem_bytes: 0,
     };
     let kernel = tiles_kernel;
-    let mut launch = stream.launch_builder(rt.function(kernel)?);
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&x.codes)
         .arg(&x.scales)
@@ -599,11 +592,7 @@ fn launch_routed(
     // scales); the table holds 3 * n_experts address pairs of live weights of this shape and
     // format (the constructors' contract) and the bucket of unknown ids is never looked up;
     // out holds m * n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// The checks of a routed launch of `format` experts: the table's format, 32-element groups,
@@ -690,7 +679,7 @@ pub(super) fn group_rows(
         block_dim: (GROUP_THREADS, 1, 1),
         shared_mem_bytes: 4 * 2 * (group.n_experts + 1),
     };
-    let mut launch = stream.launch_builder(rt.function(KernelId::GroupRoutedRows)?);
+    let mut launch = rt.launcher(KernelId::GroupRoutedRows)?;
     launch
         .arg(experts)
         .arg(&mut order)
@@ -700,8 +689,7 @@ pub(super) fn group_rows(
     // SAFETY: signature (const u32* experts, u32* order, u32* tiles, u32* tile_count,
     // GroupParams); experts and order hold m values, tiles 3 * max_tiles (the kernel writes at
     // most that many tiles, see above), the dynamic shared memory 2 * (n_experts + 1) counters.
-    unsafe { launch.launch(group_cfg) }
-        .map_err(KernelError::driver("launching group_routed_rows"))?;
+    unsafe { launch.launch(group_cfg) }?;
     Ok(RowGroups {
         order,
         tiles,
@@ -792,16 +780,12 @@ pub fn swiglu_rows<T: ExpertRowValue>(
         block_dim: (SWIGLU_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = stream.launch_builder(rt.function(T::SWIGLU)?);
+    let mut launch = rt.launcher(T::SWIGLU)?;
     launch.arg(gate).arg(up).arg(weights).arg(out).arg(&params);
     // SAFETY: signature (const T* gate, const T* up, const float* weights, float* out,
     // SwigluParams); gate, up and out hold n values; with has_weights the kernel reads
     // weights[i / inter] < n / inter = weights.len().
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        T::SWIGLU.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Per token `t` of `out [rows, dim]`: from 0.0f32, add its slot outputs `routed[t, s]`
@@ -868,7 +852,7 @@ pub fn moe_combine<T: ExpertRowValue>(
         block_dim: (COMBINE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt.stream().launch_builder(rt.function(T::COMBINE)?);
+    let mut launch = rt.launcher(T::COMBINE)?;
     launch
         .arg(routed)
         .arg(experts)
@@ -878,11 +862,7 @@ pub fn moe_combine<T: ExpertRowValue>(
     // SAFETY: signature (const T* slot_out, const u32* experts, const T* shared_out,
     // float* out, CombineParams); lengths checked above (rows * k * dim, rows * k, rows * dim,
     // rows * dim); k <= MAX_SLOTS, the kernel's shared order array.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        T::COMBINE.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! gives for it, whichever rows share its tile. The SwiGLU and the combine are
 //! [`super::routed::swiglu_rows`] / [`super::routed::moe_combine`] over f32 rows.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::sgemm_reduce;
@@ -288,7 +288,6 @@ pub fn gemm_exact_routed(
     let mut partials = stream
         .alloc_zeros::<f32>(blocks * chunk_rows * n)
         .map_err(KernelError::driver("allocating the routed block partials"))?;
-    let kernel = rt.function(KernelId::GemmExactRoutedPartialsF32)?;
     for first in (0..m).step_by(chunk_rows) {
         let count = chunk_rows.min(m - first);
         let ids = experts.slice(first..first + count);
@@ -314,7 +313,7 @@ pub fn gemm_exact_routed(
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = stream.launch_builder(kernel);
+        let mut launch = rt.launcher(KernelId::GemmExactRoutedPartialsF32)?;
         launch
             .arg(&x_rows)
             .arg(&groups.order)
@@ -330,9 +329,7 @@ pub fn gemm_exact_routed(
         // rows of k values: chunks start at a multiple of x_row_div); the table holds 3 *
         // n_experts address pairs of live weights of this shape and format (the constructor's
         // contract; the bucket of unknown ids reads none); partials holds blocks * count * n.
-        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(
-            "launching gemm_exact_routed_partials_f32",
-        ))?;
+        unsafe { launch.launch(cfg) }?;
         let reduce = LinearParams {
             rows: params.m,
             out: params.n,

@@ -9,7 +9,7 @@
 //! ([`FastTile`], picked by the mean rows per expert) and the rows sharing it change which
 //! thread computes it, never how (the GPU tests check a row alone against inside 2 … 64 tokens).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
 
 use super::dim;
@@ -91,7 +91,7 @@ pub fn gemm_fp4_routed_fast_tiled(
         block_dim: (warps * 32, 1, 1),
         shared_mem_bytes: FastKernels::Fp4Routed.shared_bytes(tile),
     };
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&x.codes)
         .arg(&x.scales)
@@ -109,9 +109,5 @@ pub fn gemm_fp4_routed_fast_tiled(
     // holds 3 * n_experts address pairs of live FastFp4Weights of this shape (the constructor's
     // contract: chunks and band scales built for n, k), the bucket of unknown ids is never looked
     // up; every load is bounds-checked against n, k and the tile's count; out holds m * n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

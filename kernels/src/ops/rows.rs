@@ -12,7 +12,7 @@
 //!
 //! Every output depends only on its own row or token (batch invariant).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::{Rounding, dim, expect_len};
 use crate::error::KernelError;
@@ -130,14 +130,11 @@ pub fn stream_means_f32(
         round_bf16: rounding.flag(),
     };
     let cfg = stride_config(OP, tokens * dim_)?;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::StreamMeansF32)?);
+    let mut launch = rt.launcher(KernelId::StreamMeansF32)?;
     launch.arg(streams).arg(out).arg(&params);
     // SAFETY: signature (const float* streams, float* out, StreamMeansParams); streams holds
     // tokens * hc * dim and out tokens * dim values (checked above).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching stream_means_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `x[i] = round(x[i] · scale)` in place (rounded to bf16 with [`Rounding::Bf16`], as
@@ -158,13 +155,10 @@ pub fn scale_round_f32(
         round_bf16: rounding.flag(),
     };
     let cfg = stride_config(OP, x.len())?;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::ScaleRoundF32)?);
+    let mut launch = rt.launcher(KernelId::ScaleRoundF32)?;
     launch.arg(x).arg(&params);
     // SAFETY: signature (float* x, ScaleParams); x holds n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching scale_round_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `x[i] = exp(x[i])` in place, bit for bit as Rust's std `f32::exp` on x86-64 Linux (glibc's
@@ -176,13 +170,10 @@ pub fn exp_std_f32(rt: &KernelRuntime, x: &mut CudaSlice<f32>) -> Result<(), Ker
     }
     let n = x.len() as u64;
     let cfg = stride_config(OP, x.len())?;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::ExpStdF32)?);
+    let mut launch = rt.launcher(KernelId::ExpStdF32)?;
     launch.arg(x).arg(&n);
     // SAFETY: signature (float* x, unsigned long long n); x holds n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching exp_std_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `out [groups, head_dim]`: the gated pooling of every channel of every group, as the model's
@@ -220,15 +211,12 @@ pub unsafe fn gated_pool_f32(
         head_dim: dim(OP, "head_dim", head_dim)?,
     };
     let cfg = stride_config(OP, groups * head_dim)?;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::GatedPoolF32)?);
+    let mut launch = rt.launcher(KernelId::GatedPoolF32)?;
     launch.arg(members).arg(out).arg(&params);
     // SAFETY: signature (const u64* members, float* out, PoolParams); members holds groups *
     // ratio addresses, each valid for 2 * head_dim values by the caller's contract, out groups *
     // head_dim values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching gated_pool_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// The shape and settings of [`engram_inject_f32`].
@@ -310,9 +298,7 @@ pub fn engram_inject_f32(
         block_dim: (INJECT_THREADS, 1, 1),
         shared_mem_bytes: dim(OP, "shared memory", dim_ * size_of::<f32>())?,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::EngramInjectF32)?);
+    let mut launch = rt.launcher(KernelId::EngramInjectF32)?;
     launch
         .arg(streams)
         .arg(kv)
@@ -323,8 +309,7 @@ pub fn engram_inject_f32(
     // InjectParams); one block per live entry, streams tokens * hc * dim, kv live * kv_stride,
     // weight hc * dim values (checked above); live ids >= tokens are skipped by the kernel; the
     // dynamic shared memory holds dim floats (<= 32 KiB).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching engram_inject_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! gives sampled tokens their log-probabilities and alternatives (`sampling::token_logprobs`),
 //! bit for bit, for the requests that ask.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::{dim, expect_len};
 use crate::error::KernelError;
@@ -138,9 +138,7 @@ pub fn token_logprobs_f32(
         block_dim: (LOGPROB_LANES, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::TokenLogprobsF32)?);
+    let mut launch = rt.launcher(KernelId::TokenLogprobsF32)?;
     launch
         .arg(logits)
         .arg(tokens)
@@ -150,8 +148,7 @@ pub fn token_logprobs_f32(
         .arg(&params);
     // SAFETY: signature (const float* logits, const u32* chosen, float* chosen_logprob,
     // u32* top_ids, float* top_logprobs, LogprobParams); lengths checked above, one block per row.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching token_logprobs_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Bitset words of one row's mask in [`mask_logits_f32`]: one bit per token.
@@ -189,14 +186,11 @@ pub fn mask_logits_f32(
         block_dim: (MASK_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::MaskLogitsF32)?);
+    let mut launch = rt.launcher(KernelId::MaskLogitsF32)?;
     launch.arg(logits).arg(words).arg(&params);
     // SAFETY: signature (float* logits, const u32* words, MaskParams); lengths checked above, and
     // the grid covers exactly rows · vocab logits (the kernel bounds-checks the last block).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching mask_logits_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Length of one row's sort scratch: the power of two at or above `vocab`.
@@ -277,9 +271,7 @@ pub fn sample_rows_f32(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::SampleRowsF32)?);
+    let mut launch = rt.launcher(KernelId::SampleRowsF32)?;
     launch
         .arg(logits)
         .arg(rows)
@@ -290,8 +282,7 @@ pub fn sample_rows_f32(
     // SAFETY: signature (const float* logits, const SampleRow* rows, u64* sort_scratch,
     // double* weight_scratch, u32* tokens, SampleParams); lengths checked above, the scratch of
     // every restricting row included.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching sample_rows_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! index layer ([`apply_mask_rows`]). Nothing comes back to the host. One block per query; a
 //! query's result depends on its own scores alone (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::index::DeviceVisiblePrefixes;
 use super::{dim, expect_len};
@@ -56,9 +56,7 @@ pub fn top_k_rows(
         shared_mem_bytes: 0,
     };
     let (counts_of, starts) = counts_and_starts(visible);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::TopKRowsF32)?);
+    let mut launch = rt.launcher(KernelId::TopKRowsF32)?;
     launch
         .arg(scores)
         .arg(&counts_of)
@@ -70,8 +68,7 @@ pub fn top_k_rows(
     // u32_t* out, u32_t* counts); every query's scores lie inside `scores` (its length is the
     // prefixes' total, checked above, and DeviceVisiblePrefixes::upload checked the offsets), `out`
     // holds queries * k and `counts` queries values; the shared memory is static.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching top_k_rows_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Level one of the two-level top-k (`csa::candidate_mask`) of every query of `visible`: its
@@ -108,9 +105,7 @@ pub fn candidate_mask_rows(
         shared_mem_bytes: 0,
     };
     let (counts, starts) = counts_and_starts(visible);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::CandidateMaskRowsF32)?);
+    let mut launch = rt.launcher(KernelId::CandidateMaskRowsF32)?;
     launch
         .arg(scores)
         .arg(&counts)
@@ -123,8 +118,6 @@ pub fn candidate_mask_rows(
     // prefixes' total (checked above), so every query's row lies inside both; block_size > 0;
     // the shared memory is static.
     unsafe { launch.launch(cfg) }
-        .map_err(KernelError::driver("launching candidate_mask_rows_f32"))?;
-    Ok(())
 }
 
 /// A later index layer's restriction to the candidates: for every query `t`, score `i` of its row
@@ -174,9 +167,7 @@ pub fn apply_mask_rows(
     };
     let (score_counts, score_starts) = counts_and_starts(scores_visible);
     let (mask_counts, mask_starts) = counts_and_starts(mask_visible);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::ApplyMaskRowsF32)?);
+    let mut launch = rt.launcher(KernelId::ApplyMaskRowsF32)?;
     launch
         .arg(scores)
         .arg(&score_counts)
@@ -188,8 +179,7 @@ pub fn apply_mask_rows(
     // const u8_t* mask, const u32_t* mask_visible, const u32_t* mask_starts); both buffers hold
     // their prefixes' totals (checked above) and the kernel touches position i of query t only
     // below both of its visible counts; grid.y = queries <= the grid limit (upload checks it).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching apply_mask_rows_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// The device views of a batch's visible counts and its score offsets.

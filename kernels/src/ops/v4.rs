@@ -2,7 +2,7 @@
 //! over slots given by device address ([`v4_pool_f32`]) and the hyper-head's collapse weights
 //! ([`v4_hyper_head_f32`]). The MoE's fp32 experts are routed ops (`ops::routed_exact`).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{dim, expect_len};
 use crate::error::KernelError;
@@ -47,9 +47,7 @@ pub unsafe fn v4_pool_f32(
         return Ok(());
     }
     let (entries_u32, width_u32) = (dim(OP, "entries", entries)?, dim(OP, "width", width)?);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::V4PoolF32)?);
+    let mut launch = rt.launcher(KernelId::V4PoolF32)?;
     launch
         .arg(kv)
         .arg(gate)
@@ -61,8 +59,6 @@ pub unsafe fn v4_pool_f32(
     // SAFETY: signature (const u64* kv, const u64* gate, const float* bias, const u32* slot_start,
     // u32 entries, u32 width, float* out); lengths checked above, the addresses by the caller.
     unsafe { launch.launch(launch_config(entries * width)) }
-        .map_err(KernelError::driver("launching v4_pool_f32"))?;
-    Ok(())
 }
 
 /// The hyper-head's collapse weights `pre [rows, hc]` of `x [rows, width]` with `proj [hc, width]`,
@@ -104,9 +100,7 @@ pub fn v4_hyper_head_f32(
         dim(OP, "width", width)?,
         dim(OP, "hc", hc)?,
     );
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::V4HyperHeadF32)?);
+    let mut launch = rt.launcher(KernelId::V4HyperHeadF32)?;
     launch
         .arg(x)
         .arg(proj)
@@ -125,6 +119,5 @@ pub fn v4_hyper_head_f32(
     };
     // SAFETY: signature (const float* x, const float* proj, const float* base, u32 rows,
     // u32 width, u32 hc, float scale, float hc_eps, float norm_eps, float* pre); lengths checked.
-    unsafe { launch.launch(config) }.map_err(KernelError::driver("launching v4_hyper_head_f32"))?;
-    Ok(())
+    unsafe { launch.launch(config) }
 }
