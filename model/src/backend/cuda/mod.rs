@@ -153,6 +153,17 @@ fn shape_err(op: &'static str, message: String) -> CudaBackendError {
     }
 }
 
+/// How many rows of `width` values `x` holds, or a shape error of `op` unless they are whole.
+fn whole_rows(op: &'static str, x: &Tensor, width: usize) -> Result<usize, CudaBackendError> {
+    if width == 0 || !x.len().is_multiple_of(width) {
+        return Err(shape_err(
+            op,
+            format!("x holds {} values, not whole rows of {width}", x.len()),
+        ));
+    }
+    Ok(x.len() / width)
+}
+
 /// A host weight's identity: address, length, content fingerprint (see the module header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct HostKey {
@@ -589,14 +600,9 @@ impl CudaBackend {
         inp: usize,
         group: ActGroup,
     ) -> Result<DeviceActFp8, CudaBackendError> {
-        if inp == 0 || !x.len().is_multiple_of(inp) {
-            return Err(shape_err(
-                op,
-                format!("x holds {} values, not whole rows of {inp}", x.len()),
-            ));
-        }
+        let rows = whole_rows(op, x, inp)?;
         let dx = self.input(op, x)?;
-        quantize_act_fp8_f32(&self.rt, &dx, x.len() / inp, inp, group).map_err(op_err(op))
+        quantize_act_fp8_f32(&self.rt, &dx, rows, inp, group).map_err(op_err(op))
     }
 
     /// A device result as a tensor.
