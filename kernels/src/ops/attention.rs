@@ -6,10 +6,10 @@
 //! invariant). The `fast` numerics' row-batched entry ([`sparse_attention_sink_rows_ptr_fast`])
 //! runs the same operation on tensor cores (`sparse_attention_fast.cuh`).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
 use super::key_table::DeviceKeyTable;
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::AttentionParams;
@@ -88,11 +88,7 @@ pub fn sparse_attention_sink_f32(
         scale,
         round_bf16: rounding.flag(),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.heads, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((params.heads, 1, 1), THREADS, 0);
     let mut launch = rt.launcher(KernelId::SparseAttentionSinkF32)?;
     launch.arg(q).arg(keys).arg(sink).arg(out).arg(&params);
     // SAFETY: signature (const float* q, const float* keys, const float* sink, float* out,
@@ -212,11 +208,7 @@ impl DeviceKeyLists {
         let dplan = rt
             .htod(plan)
             .map_err(KernelError::driver("uploading the selected-row plan"))?;
-        let cfg = LaunchConfig {
-            grid_dim: (n_plan.min(1024), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = launch_config((n_plan.min(1024), 1, 1), 256, 0);
         let mut launch = rt.launcher(KernelId::ComposeSelectedRows)?;
         launch.arg(&dplan).arg(&n_plan).arg(&mut self.key_rows);
         // SAFETY: signature (const SelectedRows* plan, u32 n_plan, u32* key_rows); every entry's
@@ -360,11 +352,11 @@ fn launch_rows(
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     let params = rows_params(op, q, lists, sink, out, head_dim, scale, rounding)?;
-    let cfg = LaunchConfig {
-        grid_dim: (params.heads, dim(op, "queries", lists.queries)?, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (params.heads, dim(op, "queries", lists.queries)?, 1),
+        THREADS,
+        0,
+    );
     let kernel = match keys {
         KeyRowSource::Flat(_) => KernelId::SparseAttentionSinkRowsF32,
         KeyRowSource::Table(_) => KernelId::SparseAttentionSinkRowsPtrF32,
@@ -435,15 +427,15 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         Rounding::Bf16,
     )?;
     let heads = sink.len();
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             dim(FAST_OP, "head blocks", heads.div_ceil(FAST_HEADS_PER_BLOCK))?,
             dim(FAST_OP, "queries", lists.queries)?,
             1,
         ),
-        block_dim: (dim(FAST_OP, "threads", head_dim / 2)?, 1, 1),
-        shared_mem_bytes: 0,
-    };
+        dim(FAST_OP, "threads", head_dim / 2)?,
+        0,
+    );
     let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
     launch
         .arg(q)

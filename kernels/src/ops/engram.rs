@@ -7,9 +7,9 @@
 //! pinned, device-mapped host memory instead (`cuMemHostAlloc` with `DEVICEMAP`) and read by the
 //! same gather kernel through its device pointer, each lookup then crossing PCIe/NVLink-C2C.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -140,11 +140,11 @@ pub fn engram_hash_rows(
         columns: dim(OP, "columns", hasher.columns)?,
         heads: dim(OP, "heads", hasher.columns / (hasher.max_ngram - 1))?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (dim(OP, "blocks", total.div_ceil(THREADS as usize))?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (dim(OP, "blocks", total.div_ceil(THREADS as usize))?, 1, 1),
+        THREADS,
+        0,
+    );
     let mut launch = rt.launcher(KernelId::EngramHashRows)?;
     launch
         .arg(contexts)
@@ -221,11 +221,11 @@ pub fn engram_gather_f32(
         table_rows: dim(OP, "table rows", table.rows)?,
         head_dim: dim(OP, "head_dim", table.head_dim)?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (dim(OP, "blocks", total.div_ceil(THREADS as usize))?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (dim(OP, "blocks", total.div_ceil(THREADS as usize))?, 1, 1),
+        THREADS,
+        0,
+    );
     let mut launch = rt.launcher(KernelId::EngramGatherF32)?;
     launch
         .arg(&table.codes)

@@ -4,11 +4,11 @@
 //! are added in K order in fp32 (see `cuda/gemm/gemm_block_scaled.cuh`): bit-exact with
 //! `deepinfer_model::quant::gemm_fp8` / `gemm_fp4`, and batch invariant by construction.
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::quant::{ActGroup, DeviceActFp8};
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::GemmParams;
@@ -327,11 +327,11 @@ fn launch_gemm(
             message: format!("n = {n} needs {col_blocks} column blocks (> 65535)"),
         });
     }
-    let cfg = LaunchConfig {
-        grid_dim: (params.m.div_ceil(ROWS_PER_BLOCK), col_blocks, 1),
-        block_dim: (WARPS * 32, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (params.m.div_ceil(ROWS_PER_BLOCK), col_blocks, 1),
+        WARPS * 32,
+        0,
+    );
     let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&a.codes)

@@ -15,12 +15,12 @@
 //! rounding at most `2^-9 |y|`.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{check_fp4_weight, check_fp8_weight};
 use super::quant::{ActGroup, DeviceActFp8};
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{FastGemmParams, FastReduceParams};
@@ -475,11 +475,11 @@ fn launch_dense<S: DeviceRepr>(
         });
     }
     let kernel = kernels.kernel(tile);
-    let cfg = LaunchConfig {
-        grid_dim: (params.n.div_ceil(16 * warps), row_blocks, params.parts),
-        block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: kernels.shared_bytes(tile),
-    };
+    let cfg = launch_config(
+        (params.n.div_ceil(16 * warps), row_blocks, params.parts),
+        warps * 32,
+        kernels.shared_bytes(tile),
+    );
     let stream = rt.stream();
     // The parts' sums [parts][m][n] (one value, unread, with one part).
     let count = a.rows * n;
@@ -525,11 +525,11 @@ fn reduce_parts(
         count: dim(op, "outputs", count)?,
         parts: dim(op, "parts", parts)?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
-        block_dim: (REDUCE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
+        REDUCE_THREADS,
+        0,
+    );
     let kernel = KernelId::GemmFastReduce;
     let mut launch = rt.launcher(kernel)?;
     launch.arg(partials).arg(y).arg(&params);

@@ -4,10 +4,10 @@
 //! the reference's bf16 rounding points: bit-exact, one block per (key, query), a key's score a
 //! function of that query and key alone (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::CudaSlice;
 
 use super::key_table::DeviceKeyTable;
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::IndexParams;
@@ -57,11 +57,7 @@ pub fn index_scores_f32(
         keys: dim(OP, "keys", n)?,
         round_bf16: rounding.flag(),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.keys, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: params.heads * 4,
-    };
+    let cfg = launch_config((params.keys, 1, 1), THREADS, params.heads * 4);
     let mut launch = rt.launcher(KernelId::IndexScoresF32)?;
     launch.arg(q).arg(w).arg(keys).arg(scores).arg(&params);
     // SAFETY: signature (const float* q, const float* w, const float* keys, float* scores,
@@ -261,15 +257,15 @@ fn launch_rows(
         keys: dim(op, "keys", visible.keys)?,
         round_bf16: rounding.flag(),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             dim(op, "max visible", visible.max_visible)?,
             dim(op, "queries", visible.queries)?,
             1,
         ),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: params.heads * 4,
-    };
+        THREADS,
+        params.heads * 4,
+    );
     let counts = visible.counts_and_starts.slice(..visible.queries);
     let starts = visible.counts_and_starts.slice(visible.queries..);
     let kernel = match keys {

@@ -3,11 +3,11 @@
 //! `linear_bf16`, and a row's values never depend on the other rows. Also the exact f32
 //! dequantisation of weight rows that the fp32 linears over FP8 / FP4 weights consume.
 
-use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaViewMut};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 
-use super::{Rounding, dim, expect_len, sgemm_chains};
+use super::{Rounding, dim, expect_len, launch_config, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{DequantParams, LinearParams};
@@ -72,15 +72,15 @@ pub fn linear_sgemm_f32(
         };
         let x_rows = x.slice(first * inp..(first + count) * inp);
         let mut y_rows = y.slice_mut(first * out..(first + count) * out);
-        let tiles = LaunchConfig {
-            grid_dim: (
+        let tiles = launch_config(
+            (
                 params.out.div_ceil(TILE_COLS),
                 dim(OP, "chains", blocks)?,
                 params.rows.div_ceil(TILE_ROWS),
             ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+            THREADS,
+            0,
+        );
         let mut launch = rt.launcher(KernelId::LinearSgemmF32)?;
         launch.arg(&x_rows).arg(w).arg(&mut partials).arg(&params);
         // SAFETY: signature (const float* x, const float* w, float* partials, LinearParams); x
@@ -125,11 +125,11 @@ pub(crate) fn sgemm_reduce(
             ),
         });
     }
-    let reduce = LaunchConfig {
-        grid_dim: (dim(OP, "rows * out", outputs)?.div_ceil(THREADS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let reduce = launch_config(
+        (dim(OP, "rows * out", outputs)?.div_ceil(THREADS), 1, 1),
+        THREADS,
+        0,
+    );
     let mut launch = rt.launcher(KernelId::LinearSgemmReduceF32)?;
     launch.arg(partials).arg(y).arg(&params);
     // SAFETY: signature (const float* partials, float* y, LinearParams); partials holds at least
@@ -226,11 +226,7 @@ fn launch_dequant(
     params: DequantParams,
 ) -> Result<(), KernelError> {
     let total = dim(kernel.symbol(), "rows * k", out.len())?;
-    let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(THREADS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((total.div_ceil(THREADS), 1, 1), THREADS, 0);
     let mut launch = rt.launcher(kernel)?;
     launch.arg(codes).arg(scales).arg(out).arg(&params);
     // SAFETY: signature (const u8* codes, const u8* scales, float* out, DequantParams); the weight

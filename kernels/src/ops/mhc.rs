@@ -7,9 +7,9 @@
 //! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`), and a
 //! token's results never depend on the others (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::CudaSlice;
 
-use super::{Rounding, dim, expect_len, sgemm_chains};
+use super::{Rounding, dim, expect_len, launch_config, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{HcElementwiseParams, HcMixesParams};
@@ -129,15 +129,15 @@ pub fn hc_mixes_rows_f32(
             message: format!("{tokens} tokens exceed {MAX_TOKENS_PER_LAUNCH} per launch"),
         });
     }
-    let partials_cfg = LaunchConfig {
-        grid_dim: (
+    let partials_cfg = launch_config(
+        (
             dim(OP, "partial blocks", tasks.div_ceil(PARTIALS_PER_BLOCK) + 1)?,
             token_grid,
             1,
         ),
-        block_dim: (dim(OP, "partial threads", PARTIALS_PER_BLOCK)?, 1, 1),
-        shared_mem_bytes: 0,
-    };
+        dim(OP, "partial threads", PARTIALS_PER_BLOCK)?,
+        0,
+    );
     let mut launch = rt.launcher(KernelId::HcMixesPartialsF32)?;
     launch.arg(x).arg(proj).arg(&mut scratch).arg(&params);
     // SAFETY: signature (const float* x, const float* proj, float* scratch, HcMixesParams); x
@@ -145,11 +145,11 @@ pub fn hc_mixes_rows_f32(
     // 1); grid.x covers every task in 32-task warps plus the last (sum-of-squares) block, grid.y
     // = tokens <= the grid limit.
     unsafe { launch.launch(partials_cfg) }?;
-    let cfg = LaunchConfig {
-        grid_dim: (token_grid, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: dim(OP, "shared memory", per_token_scratch * 4)?,
-    };
+    let cfg = launch_config(
+        (token_grid, 1, 1),
+        THREADS,
+        dim(OP, "shared memory", per_token_scratch * 4)?,
+    );
     let mut launch = rt.launcher(KernelId::HcMixesF32)?;
     launch
         .arg(&scratch)
@@ -222,15 +222,15 @@ pub fn hc_collapse_rows_f32(
     let params = elementwise_params(OP, hc, width, tokens, rounding)?;
     expect_len(OP, "y", y.len(), tokens * width)?;
     expect_len(OP, "x", x.len(), tokens * hc * width)?;
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             params.dim.div_ceil(ELEMENTWISE_THREADS),
             dim(OP, "tokens", tokens)?,
             1,
         ),
-        block_dim: (ELEMENTWISE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+        ELEMENTWISE_THREADS,
+        0,
+    );
     let mut launch = rt.launcher(KernelId::HcCollapseF32)?;
     launch.arg(x).arg(w).arg(y).arg(&params);
     // SAFETY: signature (const float* x, const float* w, float* y, HcElementwiseParams); x holds
@@ -284,15 +284,15 @@ pub fn hc_expand_rows_f32(
     expect_len(OP, "residual", residual.len(), tokens * hc * width)?;
     expect_len(OP, "out", out.len(), tokens * hc * width)?;
     let total = dim(OP, "hc * dim", hc * width)?;
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             total.div_ceil(ELEMENTWISE_THREADS),
             dim(OP, "tokens", tokens)?,
             1,
         ),
-        block_dim: (ELEMENTWISE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+        ELEMENTWISE_THREADS,
+        0,
+    );
     let mut launch = rt.launcher(KernelId::HcExpandF32)?;
     launch.arg(y).arg(residual).arg(mix).arg(out).arg(&params);
     // SAFETY: signature (const float* y, const float* residual, const float* mix, float* out,

@@ -23,6 +23,8 @@ pub mod sampling;
 pub mod topk;
 pub mod v4;
 
+use cudarc::driver::LaunchConfig;
+
 use crate::error::KernelError;
 
 /// How an op on f32 storage rounds its outputs: to bf16 at the reference's rounding points
@@ -38,6 +40,26 @@ impl Rounding {
     pub(crate) fn flag(self) -> u32 {
         u32::from(self == Rounding::Bf16)
     }
+}
+
+/// `grid` blocks of `threads` threads each, with `shared_bytes` of dynamic shared memory.
+pub(crate) fn launch_config(
+    grid: (u32, u32, u32),
+    threads: u32,
+    shared_bytes: u32,
+) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared_bytes,
+    }
+}
+
+/// A grid-stride launch over `n` values: blocks of `threads` threads, at least one and at most
+/// 4096 blocks (the kernel loops over the rest).
+pub(crate) fn grid_stride_config(n: usize, threads: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(threads as usize).clamp(1, 4096) as u32;
+    launch_config((blocks, 1, 1), threads, 0)
 }
 
 /// `value` as a u32 kernel dimension, or a shape error naming it.

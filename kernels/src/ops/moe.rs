@@ -2,9 +2,9 @@
 //! sqrt-softplus scores, biased top-k (or a forced list), normalised weights; bit-exact, one block
 //! per token.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -93,11 +93,11 @@ pub fn route_experts_f32(
         },
         route_scale,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 4 * (2 * params.experts + params.selected),
-    };
+    let cfg = launch_config(
+        (params.rows, 1, 1),
+        THREADS,
+        4 * (2 * params.experts + params.selected),
+    );
     let stream = rt.stream();
     // The forced list, or a one-element placeholder the kernel does not read.
     let placeholder;

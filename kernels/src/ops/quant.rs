@@ -1,9 +1,9 @@
 //! FP8 activation quantisation `Q8` (v41-architecture.md §3.0) on the device.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::ActQuantParams;
@@ -147,11 +147,11 @@ fn launch_act_quant<T: DeviceRepr>(
         cols: dim(OP, "cols", out.cols)?,
     };
     let groups = dim(OP, "groups", out.rows * out.cols / out.group.elements())?;
-    let cfg = LaunchConfig {
-        grid_dim: (groups.div_ceil(WARPS_PER_BLOCK), 1, 1),
-        block_dim: (WARPS_PER_BLOCK * 32, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (groups.div_ceil(WARPS_PER_BLOCK), 1, 1),
+        WARPS_PER_BLOCK * 32,
+        0,
+    );
     let mut launch = rt.launcher(kernel)?;
     launch
         .arg(x)

@@ -1,10 +1,10 @@
 //! Interleaved-pair partial RoPE on the device, in place, on bf16 storage or on f32 storage of
 //! bf16 values (the model's host layout).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::RopeParams;
@@ -111,11 +111,7 @@ fn launch_rope<T: DeviceRepr>(
         table_rows: dim(op, "table_rows", table_rows)?,
         inverse: u32::from(inverse),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (pairs.div_ceil(THREADS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((pairs.div_ceil(THREADS), 1, 1), THREADS, 0);
     let mut launch = rt.launcher(kernel)?;
     launch.arg(x).arg(positions).arg(cos).arg(sin).arg(&params);
     // SAFETY: signature (T* x, const int* positions, const float* cos, const float* sin,

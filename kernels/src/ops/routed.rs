@@ -8,13 +8,13 @@
 //! ([`moe_combine`]). Each reproduces `deepinfer_model::layers::moe::forward_rows` bit for bit (see
 //! `cuda/moe/routed.cu`).
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
 use super::gemm_fast::FastFp4Weight;
 use super::quant::DeviceActFp8;
-use super::{Rounding, dim as kernel_dim, expect_len};
+use super::{Rounding, dim as kernel_dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -511,11 +511,7 @@ fn launch_routed(
         }
     };
     if per_row {
-        let cfg = LaunchConfig {
-            grid_dim: (params.m, col_blocks, 1),
-            block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = launch_config((params.m, col_blocks, 1), WARPS * 32, 0);
         let mut launch = rt.launcher(rows_kernel)?;
         launch
             .arg(&x.codes)
@@ -540,14 +536,11 @@ fn launch_routed(
     let groups = group_rows(rt, op, &experts.slice(..), table.n_experts, tile_rows)?;
     if expert_major {
         let kernel = experts_kernel;
-        let cfg = LaunchConfig {
-            grid_dim: (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
-            block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: 4
-                * WARPS
-                * kernel_dim(op, "tile rows", tile_rows)?
-                * EXPERT_PARTIAL_STRIDE,
-        };
+        let cfg = launch_config(
+            (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
+            WARPS * 32,
+            4 * WARPS * kernel_dim(op, "tile rows", tile_rows)? * EXPERT_PARTIAL_STRIDE,
+        );
         let mut launch = rt.launcher(kernel)?;
         launch
             .arg(&x.codes)
@@ -569,11 +562,11 @@ fn launch_routed(
         unsafe { launch.launch(cfg) }?;
         return Ok(());
     }
-    let cfg = LaunchConfig {
-        grid_dim: (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
-        block_dim: (WARPS * 32, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
+        WARPS * 32,
+        0,
+    );
     let kernel = tiles_kernel;
     let mut launch = rt.launcher(kernel)?;
     launch
@@ -674,11 +667,7 @@ pub(super) fn group_rows(
         n_experts: kernel_dim(op, "experts", n_experts)?,
         tile_rows: kernel_dim(op, "tile rows", tile_rows)?,
     };
-    let group_cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (GROUP_THREADS, 1, 1),
-        shared_mem_bytes: 4 * 2 * (group.n_experts + 1),
-    };
+    let group_cfg = launch_config((1, 1, 1), GROUP_THREADS, 4 * 2 * (group.n_experts + 1));
     let mut launch = rt.launcher(KernelId::GroupRoutedRows)?;
     launch
         .arg(experts)
@@ -771,15 +760,15 @@ pub fn swiglu_rows<T: ExpertRowValue>(
             &placeholder
         }
     };
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             params.n.div_ceil(SWIGLU_THREADS).min(SWIGLU_MAX_BLOCKS),
             1,
             1,
         ),
-        block_dim: (SWIGLU_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+        SWIGLU_THREADS,
+        0,
+    );
     let mut launch = rt.launcher(T::SWIGLU)?;
     launch.arg(gate).arg(up).arg(weights).arg(out).arg(&params);
     // SAFETY: signature (const T* gate, const T* up, const float* weights, float* out,
@@ -847,11 +836,7 @@ pub fn moe_combine<T: ExpertRowValue>(
             message: format!("dim = {dim} needs {col_blocks} column blocks (> 65535)"),
         });
     }
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, col_blocks, 1),
-        block_dim: (COMBINE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((params.rows, col_blocks, 1), COMBINE_THREADS, 0);
     let mut launch = rt.launcher(T::COMBINE)?;
     launch
         .arg(routed)

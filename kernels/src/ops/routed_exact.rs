@@ -8,12 +8,12 @@
 //! gives for it, whichever rows share its tile. The SwiGLU and the combine are
 //! [`super::routed::swiglu_rows`] / [`super::routed::moe_combine`] over f32 rows.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::sgemm_reduce;
 use super::routed::{ExpertProjection, group_rows};
-use super::{dim as kernel_dim, expect_len, sgemm_chains};
+use super::{dim as kernel_dim, expect_len, launch_config, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::LinearParams;
@@ -304,15 +304,15 @@ pub fn gemm_exact_routed(
             which: slot as u32,
         };
         let x_rows = x.slice(first / x_row_div * k..(first + count).div_ceil(x_row_div) * k);
-        let cfg = LaunchConfig {
-            grid_dim: (
+        let cfg = launch_config(
+            (
                 kernel_dim(OP, "tiles", groups.max_tiles)?,
                 params.n.div_ceil(TILE_COLS),
                 kernel_dim(OP, "chains", blocks)?,
             ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+            THREADS,
+            0,
+        );
         let mut launch = rt.launcher(KernelId::GemmExactRoutedPartialsF32)?;
         launch
             .arg(&x_rows)

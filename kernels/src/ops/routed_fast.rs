@@ -9,13 +9,13 @@
 //! ([`FastTile`], picked by the mean rows per expert) and the rows sharing it change which
 //! thread computes it, never how (the GPU tests check a row alone against inside 2 … 64 tokens).
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::dim;
 use super::gemm_fast::{FastKernels, FastTile};
 use super::quant::DeviceActFp8;
 use super::routed::{DeviceExpertTable, ExpertFormat, ExpertProjection, check_routed, group_rows};
+use super::{dim, launch_config};
 use crate::error::KernelError;
 use crate::params::FastRoutedParams;
 use crate::runtime::KernelRuntime;
@@ -86,11 +86,11 @@ pub fn gemm_fp4_routed_fast_tiled(
         });
     }
     let kernel = FastKernels::Fp4Routed.kernel(tile);
-    let cfg = LaunchConfig {
-        grid_dim: (params.n.div_ceil(16 * warps), tiles, 1),
-        block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: FastKernels::Fp4Routed.shared_bytes(tile),
-    };
+    let cfg = launch_config(
+        (params.n.div_ceil(16 * warps), tiles, 1),
+        warps * 32,
+        FastKernels::Fp4Routed.shared_bytes(tile),
+    );
     let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&x.codes)

@@ -14,7 +14,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -85,11 +85,11 @@ unsafe impl DeviceRepr for InjectParams {}
 /// A grid-stride launch over `total` elements.
 fn stride_config(op: &'static str, total: usize) -> Result<LaunchConfig, KernelError> {
     let blocks = total.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS);
-    Ok(LaunchConfig {
-        grid_dim: (dim(op, "blocks", blocks)?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    })
+    Ok(launch_config(
+        (dim(op, "blocks", blocks)?, 1, 1),
+        THREADS,
+        0,
+    ))
 }
 
 fn shape_error(op: &'static str, message: String) -> KernelError {
@@ -293,11 +293,11 @@ pub fn engram_inject_f32(
         // As EngramGate::gates computes it.
         inv_sqrt_dim: (dim_ as f64).powf(-0.5) as f32,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.live, 1, 1),
-        block_dim: (INJECT_THREADS, 1, 1),
-        shared_mem_bytes: dim(OP, "shared memory", dim_ * size_of::<f32>())?,
-    };
+    let cfg = launch_config(
+        (params.live, 1, 1),
+        INJECT_THREADS,
+        dim(OP, "shared memory", dim_ * size_of::<f32>())?,
+    );
     let mut launch = rt.launcher(KernelId::EngramInjectF32)?;
     launch
         .arg(streams)

@@ -8,9 +8,9 @@
 //! gives sampled tokens their log-probabilities and alternatives (`sampling::token_logprobs`),
 //! bit for bit, for the requests that ask.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -133,11 +133,7 @@ pub fn token_logprobs_f32(
         vocab: dim(LOGPROB_OP, "vocab", vocab)?,
         top: dim(LOGPROB_OP, "top", top)?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, 1, 1),
-        block_dim: (LOGPROB_LANES, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((params.rows, 1, 1), LOGPROB_LANES, 0);
     let mut launch = rt.launcher(KernelId::TokenLogprobsF32)?;
     launch
         .arg(logits)
@@ -181,11 +177,7 @@ pub fn mask_logits_f32(
         "blocks",
         (rows * vocab).div_ceil(MASK_THREADS as usize),
     )?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (MASK_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((blocks, 1, 1), MASK_THREADS, 0);
     let mut launch = rt.launcher(KernelId::MaskLogitsF32)?;
     launch.arg(logits).arg(words).arg(&params);
     // SAFETY: signature (float* logits, const u32* words, MaskParams); lengths checked above, and
@@ -266,11 +258,7 @@ pub fn sample_rows_f32(
         vocab: dim(OP, "vocab", vocab)?,
         padded: dim(OP, "padded vocab", padded)?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((params.rows, 1, 1), THREADS, 0);
     let mut launch = rt.launcher(KernelId::SampleRowsF32)?;
     launch
         .arg(logits)

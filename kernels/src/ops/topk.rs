@@ -4,10 +4,10 @@
 //! index layer ([`apply_mask_rows`]). Nothing comes back to the host. One block per query; a
 //! query's result depends on its own scores alone (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::CudaSlice;
 
 use super::index::DeviceVisiblePrefixes;
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -50,11 +50,7 @@ pub fn top_k_rows(
     expect_len(TOP_K_OP, "out", out.len(), out_len)?;
     expect_len(TOP_K_OP, "counts", counts.len(), queries)?;
     let k = dim(TOP_K_OP, "k", k)?;
-    let cfg = LaunchConfig {
-        grid_dim: (dim(TOP_K_OP, "queries", queries)?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((dim(TOP_K_OP, "queries", queries)?, 1, 1), THREADS, 0);
     let (counts_of, starts) = counts_and_starts(visible);
     let mut launch = rt.launcher(KernelId::TopKRowsF32)?;
     launch
@@ -99,11 +95,11 @@ pub fn candidate_mask_rows(
     // both keeps them within u32 without changing the result.
     let block_size = dim(MASK_OP, "block_size", block_size.min(visible.max_visible))?;
     let topk_blocks = dim(MASK_OP, "topk_blocks", topk_blocks.min(visible.max_visible))?;
-    let cfg = LaunchConfig {
-        grid_dim: (dim(MASK_OP, "queries", visible.queries())?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (dim(MASK_OP, "queries", visible.queries())?, 1, 1),
+        THREADS,
+        0,
+    );
     let (counts, starts) = counts_and_starts(visible);
     let mut launch = rt.launcher(KernelId::CandidateMaskRowsF32)?;
     launch
@@ -152,8 +148,8 @@ pub fn apply_mask_rows(
     if reach == 0 {
         return Ok(());
     }
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             dim(
                 APPLY_OP,
                 "positions",
@@ -162,9 +158,9 @@ pub fn apply_mask_rows(
             dim(APPLY_OP, "queries", scores_visible.queries())?,
             1,
         ),
-        block_dim: (APPLY_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+        APPLY_THREADS,
+        0,
+    );
     let (score_counts, score_starts) = counts_and_starts(scores_visible);
     let (mask_counts, mask_starts) = counts_and_starts(mask_visible);
     let mut launch = rt.launcher(KernelId::ApplyMaskRowsF32)?;
