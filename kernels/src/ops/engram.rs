@@ -245,15 +245,15 @@ mod tests {
     #[test]
     fn params_mirror_the_cuda_structs() {
         let header = include_str!("../../cuda/engram/engram.cuh");
-        assert_eq!(std::mem::size_of::<HashParams>(), 20);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "HashParams"),
-            ["tokens", "layers", "max_ngram", "columns", "heads"]
+        super::super::assert_mirrors::<HashParams>(
+            header,
+            20,
+            &["tokens", "layers", "max_ngram", "columns", "heads"],
         );
-        assert_eq!(std::mem::size_of::<GatherParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "GatherParams"),
-            ["ids", "table_rows", "head_dim"]
+        super::super::assert_mirrors::<GatherParams>(
+            header,
+            12,
+            &["ids", "table_rows", "head_dim"],
         );
     }
 }

@@ -113,3 +113,16 @@ pub(crate) fn cuda_struct_fields(header: &str, name: &str) -> Vec<String> {
         .filter_map(|decl| decl.split_whitespace().last().map(str::to_string))
         .collect()
 }
+
+/// Asserts that `T` is `size` bytes and mirrors the CUDA struct of its name in `header`: the same
+/// `fields`, in order.
+#[cfg(test)]
+#[track_caller]
+pub(crate) fn assert_mirrors<T>(header: &str, size: usize, fields: &[&str]) {
+    let name = std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default();
+    assert_eq!(std::mem::size_of::<T>(), size, "{name}");
+    assert_eq!(cuda_struct_fields(header, name), fields, "{name}");
+}

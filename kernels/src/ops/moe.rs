@@ -141,10 +141,10 @@ mod tests {
     #[test]
     fn params_mirror_the_cuda_struct() {
         let header = include_str!("../../cuda/moe/route.cuh");
-        assert_eq!(std::mem::size_of::<RouteParams>(), 20);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "RouteParams"),
-            ["rows", "experts", "selected", "forced", "route_scale"]
+        super::super::assert_mirrors::<RouteParams>(
+            header,
+            20,
+            &["rows", "experts", "selected", "forced", "route_scale"],
         );
     }
 }

@@ -858,10 +858,10 @@ mod tests {
 
     #[test]
     fn params_mirror_the_cuda_structs() {
-        assert_eq!(std::mem::size_of::<RoutedGemmParams>(), 32);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "RoutedGemmParams"),
-            [
+        super::super::assert_mirrors::<RoutedGemmParams>(
+            SOURCE,
+            32,
+            &[
                 "m",
                 "n",
                 "k",
@@ -869,28 +869,24 @@ mod tests {
                 "warps_per_col",
                 "x_row_div",
                 "n_experts",
-                "which"
-            ]
+                "which",
+            ],
         );
-        assert_eq!(std::mem::size_of::<SwigluParams>(), 20);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "SwigluParams"),
-            ["n", "inter", "has_weights", "limit", "round_bf16"]
+        super::super::assert_mirrors::<SwigluParams>(
+            SOURCE,
+            20,
+            &["n", "inter", "has_weights", "limit", "round_bf16"],
         );
-        assert_eq!(std::mem::size_of::<CombineParams>(), 20);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "CombineParams"),
-            ["rows", "k", "dim", "n_experts", "round_bf16"]
+        super::super::assert_mirrors::<CombineParams>(
+            SOURCE,
+            20,
+            &["rows", "k", "dim", "n_experts", "round_bf16"],
         );
     }
 
     #[test]
     fn group_params_mirror_the_cuda_struct() {
-        assert_eq!(std::mem::size_of::<GroupParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "GroupParams"),
-            ["m", "n_experts", "tile_rows"]
-        );
+        super::super::assert_mirrors::<GroupParams>(SOURCE, 12, &["m", "n_experts", "tile_rows"]);
     }
 
     #[test]

@@ -350,10 +350,10 @@ mod tests {
 
     #[test]
     fn params_mirror_the_cuda_struct() {
-        assert_eq!(std::mem::size_of::<ExactRoutedParams>(), 36);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "ExactRoutedParams"),
-            [
+        super::super::assert_mirrors::<ExactRoutedParams>(
+            SOURCE,
+            36,
+            &[
                 "m",
                 "n",
                 "k",
@@ -362,8 +362,8 @@ mod tests {
                 "scale_cols",
                 "x_row_div",
                 "n_experts",
-                "which"
-            ]
+                "which",
+            ],
         );
         assert!(SOURCE.contains("EXACT_F32 = 0;"));
         assert!(SOURCE.contains("EXACT_FP8 = 1;"));

@@ -293,22 +293,10 @@ mod tests {
                 "reserved"
             ]
         );
-        assert_eq!(std::mem::size_of::<SampleParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "SampleParams"),
-            ["rows", "vocab", "padded"]
-        );
-        assert_eq!(std::mem::size_of::<MaskParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "MaskParams"),
-            ["rows", "vocab", "words"]
-        );
+        super::super::assert_mirrors::<SampleParams>(header, 12, &["rows", "vocab", "padded"]);
+        super::super::assert_mirrors::<MaskParams>(header, 12, &["rows", "vocab", "words"]);
         assert!(header.contains(&format!("MASK_THREADS = {MASK_THREADS};")));
-        assert_eq!(std::mem::size_of::<LogprobParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "LogprobParams"),
-            ["rows", "vocab", "top"]
-        );
+        super::super::assert_mirrors::<LogprobParams>(header, 12, &["rows", "vocab", "top"]);
         assert!(header.contains(&format!("LOGPROB_LANES = {LOGPROB_LANES};")));
         assert!(header.contains(&format!("MAX_TOP_LOGPROBS = {MAX_TOP_LOGPROBS};")));
         assert_eq!(mask_words_per_row(129_280), 4040);
