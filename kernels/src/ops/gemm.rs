@@ -280,13 +280,7 @@ fn launch_gemm(
     y: &mut CudaSlice<bf16>,
     split: GemmSplit,
 ) -> Result<(), KernelError> {
-    if a.cols != k {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("activation has {} columns, weight has {k} inputs", a.cols),
-        });
-    }
-    expect_len(op, "y", y.len(), a.rows * n)?;
+    a.check_gemm(op, (n, k), y.len())?;
     if a.rows == 0 {
         return Ok(());
     }

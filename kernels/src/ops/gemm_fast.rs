@@ -20,7 +20,7 @@ use half::bf16;
 
 use super::gemm::{check_fp4_weight, check_fp8_weight};
 use super::quant::{ActGroup, DeviceActFp8};
-use super::{dim, expect_len, launch_config};
+use super::{dim, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{FastGemmParams, FastReduceParams};
@@ -447,13 +447,7 @@ fn launch_dense<S: DeviceRepr>(
     y: &mut CudaSlice<bf16>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
-    if a.cols != k {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("activation has {} columns, weight has {k} inputs", a.cols),
-        });
-    }
-    expect_len(op, "y", y.len(), a.rows * n)?;
+    a.check_gemm(op, (n, k), y.len())?;
     if a.rows == 0 {
         return Ok(());
     }

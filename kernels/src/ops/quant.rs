@@ -72,6 +72,26 @@ pub struct DeviceActFp8 {
 }
 
 impl DeviceActFp8 {
+    /// Checks these activations against a GEMM's weight `[n, k]` and its output of `y_len`
+    /// values (`[rows, n]`).
+    pub(crate) fn check_gemm(
+        &self,
+        op: &'static str,
+        (n, k): (usize, usize),
+        y_len: usize,
+    ) -> Result<(), KernelError> {
+        if self.cols != k {
+            return Err(KernelError::Shape {
+                op,
+                message: format!(
+                    "activation has {} columns, weight has {k} inputs",
+                    self.cols
+                ),
+            });
+        }
+        expect_len(op, "y", y_len, self.rows * n)
+    }
+
     /// Allocates (zeroed) buffers for `[rows, cols]`; `cols` must be a multiple of the group.
     pub fn alloc(
         rt: &KernelRuntime,
