@@ -63,8 +63,7 @@ use deepinfer_kernels::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
     DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
-    fast_attention_supports, sparse_attention_sink_rows_ptr_f32,
-    sparse_attention_sink_rows_ptr_fast,
+    fast_attention_supports, sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
@@ -73,9 +72,9 @@ use deepinfer_kernels::ops::gemm_fast::{
 };
 use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
-    index_scores_rows_ptr_f32,
+    index_scores_rows_f32,
 };
-use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
+use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_kernels::ops::linear::{
     dequant_fp4_rows_f32, dequant_fp8_rows_f32, linear_sgemm_f32,
 };
