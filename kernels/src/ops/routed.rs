@@ -534,40 +534,17 @@ fn launch_routed(
         TILE_ROWS
     };
     let groups = group_rows(rt, op, &experts.slice(..), table.n_experts, tile_rows)?;
-    if expert_major {
-        let kernel = experts_kernel;
-        let cfg = launch_config(
-            (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
-            WARPS * 32,
-            4 * WARPS * kernel_dim(op, "tile rows", tile_rows)? * EXPERT_PARTIAL_STRIDE,
-        );
-        let mut launch = rt.launcher(kernel)?;
-        launch
-            .arg(&x.codes)
-            .arg(&x.scales)
-            .arg(&groups.order)
-            .arg(&groups.tiles)
-            .arg(&groups.tile_count)
-            .arg(&table.addresses)
-            .arg(out)
-            .arg(&params);
-        // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-        // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams). Blocks past
-        // *tile_count return; a tile holds at most tile_rows rows, for which the dynamic shared
-        // memory holds WARPS * tile_rows * 33 partials; its rows are output rows < m (order is a
-        // permutation of 0..m), each reading x row j / x_row_div < x.rows (x holds x.rows * k
-        // codes and x.rows * k / 32 scales); column n < p.n is checked per warp; the table holds
-        // 3 * n_experts address pairs of live weights of this shape and format (the
-        // constructors' contract), the bucket of unknown ids is never looked up; out holds m * n.
-        unsafe { launch.launch(cfg) }?;
-        return Ok(());
-    }
+    let (kernel, shared_bytes) = if expert_major {
+        let partials = WARPS * kernel_dim(op, "tile rows", tile_rows)? * EXPERT_PARTIAL_STRIDE;
+        (experts_kernel, 4 * partials)
+    } else {
+        (tiles_kernel, 0)
+    };
     let cfg = launch_config(
         (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
         WARPS * 32,
-        0,
+        shared_bytes,
     );
-    let kernel = tiles_kernel;
     let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&x.codes)
@@ -579,12 +556,14 @@ fn launch_routed(
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams). Blocks past
-    // *tile_count return; a tile's rows are output rows < m (order is a permutation of 0..m),
-    // each reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
+    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams), both kernels. Blocks
+    // past *tile_count return; a tile holds at most tile_rows rows (for the expert-major kernel
+    // the dynamic shared memory holds WARPS * tile_rows * 33 partials, and it checks column
+    // n < p.n per warp); its rows are output rows < m (order is a permutation of 0..m), each
+    // reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
     // scales); the table holds 3 * n_experts address pairs of live weights of this shape and
-    // format (the constructors' contract) and the bucket of unknown ids is never looked up;
-    // out holds m * n values.
+    // format (the constructors' contract), the bucket of unknown ids is never looked up; out
+    // holds m * n.
     unsafe { launch.launch(cfg) }
 }
 
