@@ -13,7 +13,7 @@ use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::AttentionParams;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, Launch};
 
 const OP: &str = "sparse_attention_sink_f32";
 const FAST_OP: &str = "sparse_attention_sink_rows_ptr_fast";
@@ -247,14 +247,7 @@ pub fn sparse_attention_sink_rows_f32(
         0,
     );
     let mut launch = rt.launcher(kernel)?;
-    launch.arg(q);
-    keys.push(&mut launch);
-    launch
-        .arg(&lists.key_rows)
-        .arg(&lists.row_starts)
-        .arg(sink)
-        .arg(out)
-        .arg(&params);
+    push_rows_args(&mut launch, q, keys, lists, sink, out, &params);
     // SAFETY: signature (const float* q, const float* keys | const unsigned long long* key_ptrs,
     // const u32_t* key_rows, const u32_t* row_starts, const float* sink, float* out,
     // AttentionParams); q/out hold queries * heads * head_dim values, row_starts queries + 1
@@ -263,6 +256,28 @@ pub fn sparse_attention_sink_rows_f32(
     // above; a table's addresses are live rows by its unsafe constructor's contract);
     // grid.y = queries <= the grid limit; head_dim <= 4 * THREADS.
     unsafe { launch.launch(cfg) }
+}
+
+/// Pushes the arguments of every row-batched attention kernel, in their order: `(const float* q,
+/// const float* keys | const unsigned long long* key_ptrs, const u32_t* key_rows, const u32_t*
+/// row_starts, const float* sink, float* out, AttentionParams)`.
+fn push_rows_args<'a>(
+    launch: &mut Launch<'a>,
+    q: &'a CudaSlice<f32>,
+    keys: KeyRows<'a>,
+    lists: &'a DeviceKeyLists,
+    sink: &'a CudaSlice<f32>,
+    out: &'a mut CudaSlice<f32>,
+    params: &'a AttentionParams,
+) {
+    launch.arg(q);
+    keys.push(launch);
+    launch
+        .arg(&lists.key_rows)
+        .arg(&lists.row_starts)
+        .arg(sink)
+        .arg(out)
+        .arg(params);
 }
 
 /// The checks and parameters every row-batched entry shares: `heads` from the sink, `head_dim`
@@ -325,7 +340,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
             ),
         });
     }
-    key_ptrs.check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
+    KeyRows::Table(key_ptrs).check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
     let params = rows_params(
         FAST_OP,
         q,
@@ -347,14 +362,15 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         0,
     );
     let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
-    launch
-        .arg(q)
-        .arg(key_ptrs.addresses())
-        .arg(&lists.key_rows)
-        .arg(&lists.row_starts)
-        .arg(sink)
-        .arg(out)
-        .arg(&params);
+    push_rows_args(
+        &mut launch,
+        q,
+        KeyRows::Table(key_ptrs),
+        lists,
+        sink,
+        out,
+        &params,
+    );
     // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
     // key_rows, const u32_t* row_starts, const float* sink, float* out, AttentionParams); q/out
     // hold queries * heads * head_dim values, every listed row is below key_buffer_rows

@@ -147,25 +147,6 @@ impl DeviceKeyTable {
     pub fn addresses(&self) -> &CudaSlice<u64> {
         &self.addresses
     }
-
-    /// A shape error unless this table's rows are `head_dim` wide and it has at least `rows`.
-    pub(crate) fn check_covers(
-        &self,
-        op: &'static str,
-        rows: usize,
-        head_dim: usize,
-    ) -> Result<(), KernelError> {
-        if self.row_len != head_dim || self.rows < rows {
-            return Err(KernelError::Shape {
-                op,
-                message: format!(
-                    "the key table has {} rows of {} values; the launch needs {rows} rows of {head_dim}",
-                    self.rows, self.row_len
-                ),
-            });
-        }
-        Ok(())
-    }
 }
 
 /// Where a row-batched attention or index-score launch reads its key rows.
@@ -194,8 +175,17 @@ impl<'k> KeyRows<'k> {
                     keys.len()
                 ),
             }),
-            KeyRows::Flat(_) => Ok(()),
-            KeyRows::Table(table) => table.check_covers(op, rows, head_dim),
+            KeyRows::Table(table) if table.row_len != head_dim || table.rows < rows => {
+                Err(KernelError::Shape {
+                    op,
+                    message: format!(
+                        "the key table has {} rows of {} values; the launch needs {rows} rows of \
+                         {head_dim}",
+                        table.rows, table.row_len
+                    ),
+                })
+            }
+            KeyRows::Flat(_) | KeyRows::Table(_) => Ok(()),
         }
     }
 
