@@ -1,9 +1,8 @@
-//! mHC on the device (`CpuBackend::hc_mixes` / `hc_collapse` / `hc_expand`) for one token or a
-//! batch of tokens in one launch: the coefficients (projection in the CPU sgemm order, sigmoids,
+//! mHC on the device (`CpuBackend::hc_mixes_rows` / `hc_collapse_rows_at` / `hc_expand_rows_at`)
+//! for a batch of tokens in one launch: the coefficients (projection in the CPU sgemm order, sigmoids,
 //! Sinkhorn; many blocks per token compute the fixed-order projection partials, then one block
 //! per token combines them), the collapse of `hc` streams into one bf16 row and the
-//! expansion back (grid.y = token, each token with its own weights / mixes). The one-token
-//! launchers are the one-row case of the row launchers. All f32 storage; bit-exact with the CPU
+//! expansion back (grid.y = token, each token with its own weights / mixes). All f32 storage; bit-exact with the CPU
 //! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`), and a
 //! token's results never depend on the others (batch invariant).
 
@@ -27,28 +26,13 @@ pub const MAX_HC: usize = 8;
 /// The most tokens one collapse / expand launch takes (the grid's y limit).
 pub const MAX_TOKENS_PER_LAUNCH: usize = 65_535;
 
-/// The scalar settings of [`hc_mixes_f32`].
+/// The scalar settings of [`hc_mixes_rows_f32`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HcMixesConfig {
     pub hc: usize,
     pub sinkhorn_iters: usize,
     pub hc_eps: f32,
     pub norm_eps: f32,
-}
-
-/// `out = pre [hc] ++ post [hc] ++ comb [hc, hc]` of the streams `x [hc · dim]`, with
-/// `proj [(2 + hc) · hc, hc · dim]`, `base [(2 + hc) · hc]`, `scale [3]` (the one-token case of
-/// [`hc_mixes_rows_f32`]).
-pub fn hc_mixes_f32(
-    rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    proj: &CudaSlice<f32>,
-    base: &CudaSlice<f32>,
-    scale: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    config: HcMixesConfig,
-) -> Result<(), KernelError> {
-    hc_mixes_rows_f32(rt, x, x.len(), proj, base, scale, out, config)
 }
 
 /// The mHC coefficients of every token of `x [tokens, width]` (`width = hc · dim` values per
@@ -188,18 +172,6 @@ fn elementwise_params(
     })
 }
 
-/// `y [dim] = round(Σ_k w_k · x [k, dim])` over `w.len()` streams (the one-token case of
-/// [`hc_collapse_rows_f32`]).
-pub fn hc_collapse_f32(
-    rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    w: &CudaSlice<f32>,
-    y: &mut CudaSlice<f32>,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
-    hc_collapse_rows_f32(rt, x, w, y, w.len(), rounding)
-}
-
 /// `y [t, dim] = round(Σ_k w [t, k] · x [t, k, dim])` for every token `t` of `w [tokens, hc]`, in
 /// one launch (grid.y = token).
 pub fn hc_collapse_rows_f32(
@@ -237,21 +209,6 @@ pub fn hc_collapse_rows_f32(
     // tokens * hc * dim, w tokens * hc and y tokens * dim values (checked above), grid.y = tokens
     // <= the grid limit; the kernel bounds-checks d.
     unsafe { launch.launch(cfg) }
-}
-
-/// `out [k, dim] = round(post_k · y + Σ_j comb[j, k] · residual [j, dim])` with
-/// `mix = post [hc] ++ comb [hc, hc]` (the one-token case of [`hc_expand_rows_f32`]).
-pub fn hc_expand_f32(
-    rt: &KernelRuntime,
-    y: &CudaSlice<f32>,
-    residual: &CudaSlice<f32>,
-    mix: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    hc: usize,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
-    expect_len("hc_expand_f32", "mix", mix.len(), hc + hc * hc)?;
-    hc_expand_rows_f32(rt, y, residual, mix, out, hc, rounding)
 }
 
 /// `out [t, k, dim] = round(post_k · y [t] + Σ_j comb[j, k] · residual [t, j, dim])` for every

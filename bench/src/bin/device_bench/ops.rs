@@ -20,7 +20,7 @@ use deepinfer_kernels::ops::gemm::{
 };
 use deepinfer_kernels::ops::index::index_scores_f32;
 use deepinfer_kernels::ops::linear::linear_sgemm_f32;
-use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_f32, hc_mixes_f32};
+use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_rows_f32, hc_mixes_rows_f32};
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
@@ -531,8 +531,15 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
         norm_eps: 1e-6,
     };
     let micros = time_launches(rt, timer, |_| {
-        Ok(hc_mixes_f32(
-            rt, &x, &proj, &base, &scale, &mut mix, config,
+        Ok(hc_mixes_rows_f32(
+            rt,
+            &x,
+            x.len(),
+            &proj,
+            &base,
+            &scale,
+            &mut mix,
+            config,
         )?)
     })?;
     rows.push(Row {
@@ -549,7 +556,7 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
     let coefficients = f32_values(rt, 32, hc + hc * hc)?;
     let mut expanded = rt.stream().alloc_zeros::<f32>(n)?;
     let micros = time_launches(rt, timer, |_| {
-        Ok(hc_expand_f32(
+        Ok(hc_expand_rows_f32(
             rt,
             &y,
             &x,
