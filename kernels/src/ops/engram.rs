@@ -240,20 +240,17 @@ pub fn engram_gather_f32(
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     #[test]
     fn params_mirror_the_cuda_structs() {
         let header = include_str!("../../cuda/engram/engram.cuh");
-        super::super::assert_mirrors::<HashParams>(
+        assert_mirrors::<HashParams>(
             header,
             20,
             &["tokens", "layers", "max_ngram", "columns", "heads"],
         );
-        super::super::assert_mirrors::<GatherParams>(
-            header,
-            12,
-            &["ids", "table_rows", "head_dim"],
-        );
+        assert_mirrors::<GatherParams>(header, 12, &["ids", "table_rows", "head_dim"]);
     }
 }

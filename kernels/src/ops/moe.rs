@@ -136,12 +136,13 @@ pub fn selected_count(selection: Selection<'_>, n_experts: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     #[test]
     fn params_mirror_the_cuda_struct() {
         let header = include_str!("../../cuda/moe/route.cuh");
-        super::super::assert_mirrors::<RouteParams>(
+        assert_mirrors::<RouteParams>(
             header,
             20,
             &["rows", "experts", "selected", "forced", "route_scale"],

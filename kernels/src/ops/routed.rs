@@ -828,13 +828,14 @@ pub fn moe_combine<T: ExpertRowValue>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     const SOURCE: &str = include_str!("../../cuda/moe/routed.cu");
 
     #[test]
     fn params_mirror_the_cuda_structs() {
-        super::super::assert_mirrors::<RoutedGemmParams>(
+        assert_mirrors::<RoutedGemmParams>(
             SOURCE,
             32,
             &[
@@ -848,12 +849,12 @@ mod tests {
                 "which",
             ],
         );
-        super::super::assert_mirrors::<SwigluParams>(
+        assert_mirrors::<SwigluParams>(
             SOURCE,
             20,
             &["n", "inter", "has_weights", "limit", "round_bf16"],
         );
-        super::super::assert_mirrors::<CombineParams>(
+        assert_mirrors::<CombineParams>(
             SOURCE,
             20,
             &["rows", "k", "dim", "n_experts", "round_bf16"],
@@ -862,7 +863,7 @@ mod tests {
 
     #[test]
     fn group_params_mirror_the_cuda_struct() {
-        super::super::assert_mirrors::<GroupParams>(SOURCE, 12, &["m", "n_experts", "tile_rows"]);
+        assert_mirrors::<GroupParams>(SOURCE, 12, &["m", "n_experts", "tile_rows"]);
     }
 
     #[test]

@@ -344,13 +344,14 @@ pub fn gemm_exact_routed(
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     const SOURCE: &str = include_str!("../../cuda/moe/routed.cu");
 
     #[test]
     fn params_mirror_the_cuda_struct() {
-        super::super::assert_mirrors::<ExactRoutedParams>(
+        assert_mirrors::<ExactRoutedParams>(
             SOURCE,
             36,
             &[

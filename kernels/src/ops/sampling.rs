@@ -275,6 +275,7 @@ pub fn sample_rows_f32(
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     #[test]
@@ -293,10 +294,10 @@ mod tests {
                 "reserved"
             ]
         );
-        super::super::assert_mirrors::<SampleParams>(header, 12, &["rows", "vocab", "padded"]);
-        super::super::assert_mirrors::<MaskParams>(header, 12, &["rows", "vocab", "words"]);
+        assert_mirrors::<SampleParams>(header, 12, &["rows", "vocab", "padded"]);
+        assert_mirrors::<MaskParams>(header, 12, &["rows", "vocab", "words"]);
         assert!(header.contains(&format!("MASK_THREADS = {MASK_THREADS};")));
-        super::super::assert_mirrors::<LogprobParams>(header, 12, &["rows", "vocab", "top"]);
+        assert_mirrors::<LogprobParams>(header, 12, &["rows", "vocab", "top"]);
         assert!(header.contains(&format!("LOGPROB_LANES = {LOGPROB_LANES};")));
         assert!(header.contains(&format!("MAX_TOP_LOGPROBS = {MAX_TOP_LOGPROBS};")));
         assert_eq!(mask_words_per_row(129_280), 4040);
