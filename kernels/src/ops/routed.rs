@@ -1,7 +1,7 @@
 //! The routed experts of an MoE layer driven by device routes (`route_experts_f32`'s `experts`
 //! and `weights`), with no copy to the host: a device table of the layer's expert weights
 //! ([`DeviceExpertTable`]), the routed GEMM whose every output row takes its own expert's weight
-//! ([`gemm_fp4_routed`], [`gemm_fp8_routed`]; one row per block for decode, or rows grouped by
+//! ([`gemm_routed`] for FP4 and FP8 experts; one row per block for decode, or rows grouped by
 //! expert on the device into tiles of up to 32 rows whose expert's weights are read once, see
 //! [`RoutedBlocks`]), the SwiGLU of expert
 //! rows ([`swiglu_rows`]) and the combine of a token's slot outputs with the shared expert
@@ -12,8 +12,9 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
-use super::gemm_fast::FastFp4Weight;
+use super::gemm_fast::{FastFp4Weight, FastTile};
 use super::quant::DeviceActFp8;
+use super::routed_fast::gemm_fp4_routed_fast_tiled;
 use super::{Rounding, dim as kernel_dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
@@ -144,7 +145,7 @@ pub enum ExpertFormat {
     /// FP8 E4M3 with 32×32 UE8M0 tiles ([`DeviceFp8Weight`] of tile 32).
     Fp8T32,
     /// FP4 E2M1 laid out for the `fast` tensor-core GEMM ([`FastFp4Weight`]; launched by
-    /// [`super::routed_fast::gemm_fp4_routed_fast`]).
+    /// [`super::routed_fast::gemm_fp4_routed_fast_tiled`]).
     Fp4Fast,
 }
 
@@ -342,11 +343,13 @@ impl DeviceExpertTable {
     }
 }
 
-/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the FP4 `which` projection of `table`:
-/// `x` `[rows, inp]` (32-groups), `experts` `[m]` with `m = rows · x_row_div`, `out` bf16
-/// `[m, out]`. Every row is bitwise what [`super::gemm::gemm_fp4`] gives for that x row and
-/// that expert's weight; a row whose id is `>= table.n_experts()` is zero.
-pub fn gemm_fp4_routed(
+/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the `which` projection of `table`'s
+/// experts: `x` `[rows, inp]` (32-groups), `experts` `[m]` with `m = rows · x_row_div`, `out` bf16
+/// `[m, out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the table's
+/// format's: FP4 and FP8 (32×32 tiles) rows are bitwise what [`super::gemm::gemm_fp4`] /
+/// [`super::gemm::gemm_fp8`] give for that x row and that expert's weight ([`RoutedBlocks::Auto`]);
+/// a fast FP4 table runs the tensor-core kernel of [`super::routed_fast`] ([`FastTile::Auto`]).
+pub fn gemm_routed(
     rt: &KernelRuntime,
     x: &DeviceActFp8,
     experts: &CudaSlice<u32>,
@@ -355,21 +358,22 @@ pub fn gemm_fp4_routed(
     which: ExpertProjection,
     out: &mut CudaSlice<bf16>,
 ) -> Result<(), KernelError> {
-    gemm_fp4_routed_with(
-        rt,
-        x,
-        experts,
-        x_row_div,
-        table,
-        which,
-        out,
-        RoutedBlocks::Auto,
-    )
+    match table.format {
+        ExpertFormat::Fp4Fast => {
+            let tile = FastTile::Auto;
+            gemm_fp4_routed_fast_tiled(rt, x, experts, x_row_div, table, which, out, tile)
+        }
+        ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => {
+            let blocks = RoutedBlocks::Auto;
+            gemm_routed_with(rt, x, experts, x_row_div, table, which, out, blocks)
+        }
+    }
 }
 
-/// [`gemm_fp4_routed`] with an explicit block assignment (the result does not depend on it).
+/// [`gemm_routed`] on an FP4 or FP8 table with an explicit block assignment (the result does not
+/// depend on it).
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_fp4_routed_with(
+pub fn gemm_routed_with(
     rt: &KernelRuntime,
     x: &DeviceActFp8,
     experts: &CudaSlice<u32>,
@@ -379,57 +383,14 @@ pub fn gemm_fp4_routed_with(
     out: &mut CudaSlice<bf16>,
     blocks: RoutedBlocks,
 ) -> Result<(), KernelError> {
+    let op = match table.format {
+        ExpertFormat::Fp8T32 => "gemm_fp8_routed",
+        ExpertFormat::Fp4 | ExpertFormat::Fp4Fast => "gemm_fp4_routed",
+    };
     launch_routed(
         rt,
-        "gemm_fp4_routed",
-        ExpertFormat::Fp4,
-        (x, experts, x_row_div),
-        table,
-        which,
-        out,
-        blocks,
-    )
-}
-
-/// [`gemm_fp4_routed`] for a table of FP8 experts (32×32 tiles): rows bitwise equal to
-/// [`super::gemm::gemm_fp8`].
-pub fn gemm_fp8_routed(
-    rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
-    table: &DeviceExpertTable,
-    which: ExpertProjection,
-    out: &mut CudaSlice<bf16>,
-) -> Result<(), KernelError> {
-    gemm_fp8_routed_with(
-        rt,
-        x,
-        experts,
-        x_row_div,
-        table,
-        which,
-        out,
-        RoutedBlocks::Auto,
-    )
-}
-
-/// [`gemm_fp8_routed`] with an explicit block assignment (the result does not depend on it).
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_fp8_routed_with(
-    rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
-    table: &DeviceExpertTable,
-    which: ExpertProjection,
-    out: &mut CudaSlice<bf16>,
-    blocks: RoutedBlocks,
-) -> Result<(), KernelError> {
-    launch_routed(
-        rt,
-        "gemm_fp8_routed",
-        ExpertFormat::Fp8T32,
+        op,
+        table.format,
         (x, experts, x_row_div),
         table,
         which,
@@ -503,7 +464,7 @@ fn launch_routed(
         ExpertFormat::Fp4Fast => {
             return Err(KernelError::Shape {
                 op,
-                message: "fast FP4 tables run through gemm_fp4_routed_fast".to_string(),
+                message: "fast FP4 tables take a FastTile (gemm_routed, routed_fast)".to_string(),
             });
         }
     };

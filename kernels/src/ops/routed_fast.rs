@@ -21,23 +21,9 @@ use crate::params::FastRoutedParams;
 use crate::runtime::KernelRuntime;
 
 /// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the `which` projection of a
-/// [`DeviceExpertTable::fp4_fast`] table: `x` `[rows, inp]` (32-groups), `experts` `[m]` with
-/// `m = rows · x_row_div`, `out` bf16 `[m, out]`. A row whose id is `>= table.n_experts()` is
-/// zero.
-pub fn gemm_fp4_routed_fast(
-    rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
-    table: &DeviceExpertTable,
-    which: ExpertProjection,
-    out: &mut CudaSlice<bf16>,
-) -> Result<(), KernelError> {
-    gemm_fp4_routed_fast_tiled(rt, x, experts, x_row_div, table, which, out, FastTile::Auto)
-}
-
-/// [`gemm_fp4_routed_fast`] with an explicit tile (the result does not depend on it);
-/// [`FastTile::Auto`] takes the smallest tile that holds the mean rows per expert.
+/// [`DeviceExpertTable::fp4_fast`] table (as [`super::routed::gemm_routed`], which runs this with
+/// [`FastTile::Auto`]) with an explicit tile (the result does not depend on it); `Auto` takes the
+/// smallest tile that holds the mean rows per expert.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_fp4_routed_fast_tiled(
     rt: &KernelRuntime,

@@ -25,7 +25,7 @@ use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_fp4_routed_with,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_routed_with,
 };
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use half::bf16;
@@ -297,7 +297,7 @@ fn bench_routed_w1(
     let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
     let (route_sets, distinct) = route_sets(rt, tokens)?;
     let micros = time_launches(rt, timer, |i| {
-        Ok(gemm_fp4_routed_with(
+        Ok(gemm_routed_with(
             rt,
             &a,
             &route_sets[i % ROUTE_SETS],

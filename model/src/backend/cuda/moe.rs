@@ -8,10 +8,8 @@
 //! activation quantisation between and the combine are the same kernels.
 
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertFormat, ExpertProjection, ExpertRefs, gemm_fp4_routed,
-    gemm_fp8_routed, moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, gemm_routed, moe_combine, swiglu_rows,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
@@ -187,18 +185,7 @@ impl CudaBackend {
                 .stream()
                 .alloc_zeros::<bf16>(slots * width)
                 .map_err(driver_err(op, "allocating an expert output"))?;
-            match table.format() {
-                ExpertFormat::Fp4 => {
-                    gemm_fp4_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
-                }
-                ExpertFormat::Fp8T32 => {
-                    gemm_fp8_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
-                }
-                ExpertFormat::Fp4Fast => {
-                    gemm_fp4_routed_fast(&self.rt, x, ids, x_row_div, table, which, &mut out)
-                }
-            }
-            .map_err(op_err(op))?;
+            gemm_routed(&self.rt, x, ids, x_row_div, table, which, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
         let gate = routed(a, x_row_div, ExpertProjection::W1, inter)?;
