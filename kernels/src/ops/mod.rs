@@ -126,3 +126,32 @@ pub(crate) fn assert_mirrors<T>(header: &str, size: usize, fields: &[&str]) {
     assert_eq!(std::mem::size_of::<T>(), size, "{name}");
     assert_eq!(cuda_struct_fields(header, name), fields, "{name}");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grid_stride_launch_covers_n_in_one_to_4096_blocks() {
+        let blocks = |n| grid_stride_config(n, 256).grid_dim;
+        assert_eq!(blocks(0), (1, 1, 1), "an empty launch still has a block");
+        assert_eq!(blocks(256), (1, 1, 1));
+        assert_eq!(blocks(257), (2, 1, 1));
+        assert_eq!(blocks(4096 * 256), (4096, 1, 1));
+        assert_eq!(
+            blocks(4096 * 256 + 1),
+            (4096, 1, 1),
+            "the kernel strides over the rest"
+        );
+        let cfg = grid_stride_config(1000, 128);
+        assert_eq!((cfg.block_dim, cfg.shared_mem_bytes), ((128, 1, 1), 0));
+    }
+
+    #[test]
+    fn a_launch_config_is_its_grid_threads_and_shared_bytes() {
+        let cfg = launch_config((3, 5, 7), 96, 4096);
+        assert_eq!(cfg.grid_dim, (3, 5, 7));
+        assert_eq!(cfg.block_dim, (96, 1, 1));
+        assert_eq!(cfg.shared_mem_bytes, 4096);
+    }
+}

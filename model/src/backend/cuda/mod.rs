@@ -1084,6 +1084,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn whole_rows_counts_rows_or_names_the_op_and_the_length() {
+        let x = Tensor::from(&[0.0f32; 12][..]);
+        assert_eq!(whole_rows("op", &x, 4).expect("3 rows of 4"), 3);
+        assert_eq!(whole_rows("op", &Tensor::empty(), 4).expect("no rows"), 0);
+        for width in [0, 5] {
+            let err = whole_rows("gemm_fp8", &x, width).expect_err("not whole rows");
+            let text = err.to_string();
+            assert!(
+                text.contains("gemm_fp8") && text.contains("x holds 12 values"),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
     fn a_weight_changed_in_place_gets_a_new_cache_key() {
         let mut small = vec![0.5f32; 100];
         let before = HostKey::f32s(&small);
