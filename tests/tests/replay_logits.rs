@@ -13,6 +13,7 @@ use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver
 use deepinfer_actors::replay::state::ReplayState;
 use deepinfer_actors::replay::suffix::ReplayError;
 use deepinfer_actors::{Engine, EngineConfig, EngineError, GenerateRequest, ModelFacts};
+use deepinfer_model::error::ModelError;
 use deepinfer_model::v41::MAX_BACKTRACK;
 use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{LogitsWanted, Model, SequenceState};
@@ -53,6 +54,23 @@ fn run_off(model: &Model, tokens: &[u32], from: usize, steps: usize) -> (Rows, V
     (Rows { prompt, decode }, greedy)
 }
 
+/// One chunk of `seq` as a one-entry step whose decoder starts at `from` (bounded replay).
+fn replay_step(
+    model: &Model,
+    seq: &mut SequenceState,
+    tokens: &[u32],
+    want: LogitsWanted,
+    from: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let entry = StepEntry {
+        decoder_from: Some(from),
+        ..StepEntry::new(seq, tokens, want)
+    };
+    model
+        .forward_step(&mut [entry], StepOptions::default())
+        .and_then(EntryOutput::one_entry_logits)
+}
+
 /// Replay on: the prompt through one-entry steps with `decoder_from`, in chunks of `chunks` sizes,
 /// then the given decode tokens teacher-forced.
 fn run_replay(
@@ -68,16 +86,14 @@ fn run_replay(
     for &size in chunks {
         let end = (start + size).min(tokens.len());
         prompt.extend(
-            model
-                .forward_step(
-                    &mut [StepEntry {
-                        decoder_from: Some(from),
-                        ..StepEntry::new(&mut seq, &tokens[start..end], LogitsWanted::All)
-                    }],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("replay chunk"),
+            replay_step(
+                model,
+                &mut seq,
+                &tokens[start..end],
+                LogitsWanted::All,
+                from,
+            )
+            .expect("replay chunk"),
         );
         start = end;
     }
@@ -85,16 +101,7 @@ fn run_replay(
     let decode = decode_tokens
         .iter()
         .flat_map(|&t| {
-            model
-                .forward_step(
-                    &mut [StepEntry {
-                        decoder_from: Some(from),
-                        ..StepEntry::new(&mut seq, &[t], LogitsWanted::Last)
-                    }],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("decode")
+            replay_step(model, &mut seq, &[t], LogitsWanted::Last, from).expect("decode")
         })
         .collect();
     (Rows { prompt, decode }, seq)
@@ -168,15 +175,7 @@ fn chunked_replay_equals_one_shot_replay_bitwise() {
     let from = 200 - keep;
     let decode = [5u32, 77, 300];
     let mut one_shot_seq = model.new_sequence();
-    let one_shot = model
-        .forward_step(
-            &mut [StepEntry {
-                decoder_from: Some(from),
-                ..StepEntry::new(&mut one_shot_seq, &tokens, LogitsWanted::All)
-            }],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
+    let one_shot = replay_step(&model, &mut one_shot_seq, &tokens, LogitsWanted::All, from)
         .expect("one-shot bounded prefill");
     assert_eq!(one_shot.len(), keep * vocab);
     let one_shot_decode: Vec<f32> = decode
@@ -210,15 +209,7 @@ fn chunked_replay_equals_one_shot_replay_bitwise() {
     }
     // A chunk entirely before the decoder start returns no rows, even for `Last`.
     let mut seq = model.new_sequence();
-    let none = model
-        .forward_step(
-            &mut [StepEntry {
-                decoder_from: Some(from),
-                ..StepEntry::new(&mut seq, &tokens[..100], LogitsWanted::Last)
-            }],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
+    let none = replay_step(&model, &mut seq, &tokens[..100], LogitsWanted::Last, from)
         .expect("early chunk");
     assert!(none.is_empty());
     assert_eq!(seq.len(), 100);
@@ -285,27 +276,16 @@ fn replay_bounds_are_enforced() {
     let id = RequestId(4);
     let from = replay.admit(id, 200).expect("admitted").start as usize;
     let mut seq = model.new_sequence();
-    model
-        .forward_step(
-            &mut [StepEntry {
-                decoder_from: Some(from),
-                ..StepEntry::new(&mut seq, &tokens, LogitsWanted::Last)
-            }],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("bounded prefill");
+    replay_step(&model, &mut seq, &tokens, LogitsWanted::Last, from).expect("bounded prefill");
     let drafts = MAX_BACKTRACK as u32 + 1;
-    model
-        .forward_step(
-            &mut [StepEntry {
-                decoder_from: Some(from),
-                ..StepEntry::new(&mut seq, &tokens[..drafts as usize], LogitsWanted::All)
-            }],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("a verify block");
+    replay_step(
+        &model,
+        &mut seq,
+        &tokens[..drafts as usize],
+        LogitsWanted::All,
+        from,
+    )
+    .expect("a verify block");
     replay.written(id, drafts).expect("written");
     assert_eq!(
         replay.rewind(id, 200),
@@ -385,16 +365,7 @@ fn direct_greedy(model: &Model, prompt: &[u32], from: usize, n: usize) -> Vec<u3
     let mut seq = model.new_sequence();
     let mut logits = Vec::new();
     for chunk in prompt.chunks(48) {
-        logits = model
-            .forward_step(
-                &mut [StepEntry {
-                    decoder_from: Some(from),
-                    ..StepEntry::new(&mut seq, chunk, LogitsWanted::Last)
-                }],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("prefill");
+        logits = replay_step(model, &mut seq, chunk, LogitsWanted::Last, from).expect("prefill");
     }
     let mut out = Vec::new();
     for _ in 0..n {
