@@ -46,7 +46,7 @@ use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
-use deepinfer_model::config::ModelConfig;
+use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::error::ModelError;
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v41::MAX_BACKTRACK;
@@ -56,31 +56,53 @@ use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState};
 pub const ENGINE_SALT: u64 = 0x7072_6566_6978;
 
 /// What a rank's prefix cache needs of the model: block size and bytes, the replay alignment
-/// and the two replay lengths.
+/// and how a hit rebuilds what the blocks do not keep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefixGeometry {
     /// Tokens per block (`StateBytes::block_tokens`).
     pub block_tokens: usize,
-    /// Bytes of one block's entries (`StateBytes::block_bytes`, what `PrefixBlock::held_bytes`
-    /// holds), without its kept tokens.
+    /// Bytes of one block (what `PrefixBlock::held_bytes` holds, at most), without its kept
+    /// tokens: `StateBytes::block_bytes` (V4.1), `StateBytes::prefix_block_bytes` (V4).
     pub block_bytes: u64,
-    /// A replay starts at a multiple of this (every compression ratio).
+    /// A hit ends or replays from a multiple of this (every compression ratio).
     pub align: usize,
-    /// The shortest replay that rebuilds the rings: window + max backtracking.
-    pub min_replay: usize,
-    /// [`exact_replay_tokens`]: `None` without a decoder boundary.
-    pub exact_replay: Option<usize>,
+    pub hits: HitRule,
+}
+
+/// How a hit rebuilds the state its blocks do not keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HitRule {
+    /// V4.1: the blocks keep the caches; a hit ends at or before the decoder start and replays
+    /// a suffix of it: at least `min_replay` tokens (window + max backtracking), bitwise from
+    /// `exact_replay` on ([`exact_replay_tokens`]; `None` without a decoder boundary).
+    Replay {
+        min_replay: usize,
+        exact_replay: Option<usize>,
+    },
+    /// V4 family: the blocks keep the rings' rows the next token reads too
+    /// (`v4::PrefixBlock`); a hit covers the prompt up to before its last token and resumes at
+    /// its end, bitwise a cold prefill, replaying nothing.
+    Resume,
 }
 
 impl PrefixGeometry {
     pub fn of(cfg: &ModelConfig) -> PrefixGeometry {
         let bytes = StateBytes::of(cfg);
+        let (block_bytes, hits) = match cfg.family {
+            ModelFamily::V41 => (
+                bytes.block_bytes(),
+                HitRule::Replay {
+                    min_replay: cfg.window_size + MAX_BACKTRACK,
+                    exact_replay: exact_replay_tokens(cfg),
+                },
+            ),
+            ModelFamily::V4 => (bytes.prefix_block_bytes(), HitRule::Resume),
+        };
         PrefixGeometry {
             block_tokens: bytes.block_tokens,
-            block_bytes: bytes.block_bytes(),
+            block_bytes,
             align: alignment(cfg),
-            min_replay: cfg.window_size + MAX_BACKTRACK,
-            exact_replay: exact_replay_tokens(cfg),
+            hits,
         }
     }
 

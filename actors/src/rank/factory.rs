@@ -107,12 +107,9 @@ impl ExecutorFactory for ModelFactory {
         Some(StateBytes::of(self.model.config()))
     }
 
-    /// V4.1's executors keep prefix blocks; V4's state has none.
+    /// Either family's executors keep prefix blocks (`ModelExecutor`).
     fn prefix_geometry(&self) -> Option<PrefixGeometry> {
-        match &self.model {
-            AnyModel::V41(model) => Some(PrefixGeometry::of(model.config())),
-            AnyModel::V4(_) => None,
-        }
+        Some(PrefixGeometry::of(self.model.config()))
     }
 }
 

@@ -283,6 +283,11 @@ impl RankWorker {
                 },
             );
         }
+        for op in &plan.cache_ops {
+            if let CacheOp::Store { id, start, .. } = *op {
+                self.executor.prepare_prefix_store(id, start)?;
+            }
+        }
         let inputs = plan
             .work
             .iter()

@@ -26,7 +26,7 @@ use deepinfer_topology::{PrefixCacheConfig, PrefixReplay, ReplayConfig, RequestI
 use crate::error::EngineError;
 use crate::messages::rank::{CacheOp, PrefixAttach};
 use crate::prefix_cache::{
-    BlockHash, ENGINE_SALT, Inserted, PrefixCache, PrefixGeometry, plan_hit,
+    BlockHash, ENGINE_SALT, HitRule, Inserted, PrefixCache, PrefixGeometry, plan_hit,
 };
 
 /// A rank's prefix-cache settings (from `[prefix_cache]` and the model).
@@ -34,7 +34,8 @@ use crate::prefix_cache::{
 pub struct PrefixSettings {
     pub budget_bytes: u64,
     pub geometry: PrefixGeometry,
-    /// Tokens a hit replays (`replay.decoder_keep_tokens`, or the exact halo).
+    /// Tokens a hit replays (`replay.decoder_keep_tokens`, or the exact halo; 0 when it
+    /// resumes).
     pub replay_tokens: usize,
 }
 
@@ -60,8 +61,8 @@ impl PrefixSettings {
             error(
                 "prefix_cache.bytes_per_rank",
                 format!(
-                    "the executors ({executor}) keep no prefix-cache blocks (a V4.1 model's \
-                     do); set it to 0"
+                    "the executors ({executor}) keep no prefix-cache blocks (a model's do); \
+                     set it to 0"
                 ),
             )
         })?;
@@ -75,28 +76,44 @@ impl PrefixSettings {
                 ),
             ));
         }
-        let replay_tokens = match cache.replay {
-            PrefixReplay::Bounded => replay.decoder_keep_tokens.map(|keep| keep as usize),
-            PrefixReplay::Exact => geometry.exact_replay,
-        }
-        .ok_or_else(|| {
-            error(
-                "prefix_cache.replay",
-                match cache.replay {
-                    PrefixReplay::Bounded => "\"bounded\" replays replay.decoder_keep_tokens, \
-                                              which is off"
-                        .to_string(),
-                    PrefixReplay::Exact => "the model has no decoder boundary (no ratio-1 \
-                                            layer), so no exact replay; use \"bounded\""
-                        .to_string(),
+        let replay_tokens = match (geometry.hits, cache.replay) {
+            (HitRule::Replay { min_replay, .. }, PrefixReplay::Bounded) => replay
+                .decoder_keep_tokens
+                .map(|keep| (keep as usize).max(min_replay))
+                .ok_or("\"bounded\" replays replay.decoder_keep_tokens, which is off".to_string()),
+            (
+                HitRule::Replay {
+                    min_replay,
+                    exact_replay,
                 },
-            )
-        })?;
+                PrefixReplay::Exact,
+            ) => exact_replay.map(|exact| exact.max(min_replay)).ok_or(
+                "the model has no decoder boundary (no ratio-1 layer), so no exact replay; use \
+                 \"bounded\""
+                    .to_string(),
+            ),
+            (HitRule::Resume, PrefixReplay::Exact) => Ok(0),
+            (HitRule::Resume, PrefixReplay::Bounded) => Err(
+                "a V4-family model's blocks keep the rings, so a hit replays nothing and is \
+                 exact: set it to \"exact\""
+                    .to_string(),
+            ),
+        }
+        .map_err(|message| error("prefix_cache.replay", message))?;
         Ok(Some(PrefixSettings {
             budget_bytes,
             geometry,
-            replay_tokens: replay_tokens.max(geometry.min_replay),
+            replay_tokens,
         }))
+    }
+
+    /// The most prompt tokens a hit may cover: up to the decoder start (none without one) when
+    /// a hit replays, up to before the last token when it resumes.
+    fn hit_limit(&self, prompt: &[u32], decoder_from: Option<u32>) -> usize {
+        match self.geometry.hits {
+            HitRule::Replay { .. } => decoder_from.map_or(0, |from| from as usize),
+            HitRule::Resume => prompt.len().saturating_sub(1),
+        }
     }
 }
 
@@ -157,7 +174,7 @@ impl RankPrefixCache {
 
     /// What admitting `prompt` (decoder start `decoder_from`) would attach now; no side effect.
     pub fn hit(&self, prompt: &[u32], decoder_from: Option<u32>) -> Hit {
-        let limit = decoder_from.map_or(0, |from| from as usize);
+        let limit = self.settings.hit_limit(prompt, decoder_from);
         let cached = self.index.peek(ENGINE_SALT, prompt, limit) * self.index.block_tokens();
         self.adopt(cached)
     }
@@ -183,7 +200,7 @@ impl RankPrefixCache {
         decoder_from: Option<u32>,
     ) -> Option<PrefixAttach> {
         self.release(id);
-        let limit = decoder_from.map_or(0, |from| from as usize);
+        let limit = self.settings.hit_limit(prompt, decoder_from);
         let found = self.index.lookup(ENGINE_SALT, prompt, limit);
         let hit = self.adopt(found.len() * self.index.block_tokens());
         let pinned: Vec<BlockHash> = match hit.replay_from {
@@ -299,8 +316,10 @@ pub(crate) mod tests {
             block_tokens: 4,
             block_bytes: 10,
             align: 2,
-            min_replay: 2,
-            exact_replay: None,
+            hits: HitRule::Replay {
+                min_replay: 2,
+                exact_replay: None,
+            },
         };
         PrefixSettings {
             budget_bytes: budget_blocks * geometry.cached_block_bytes(),
@@ -390,12 +409,57 @@ pub(crate) mod tests {
         ));
         assert!(exact.starts_with("prefix_cache.replay: the model has no decoder boundary"));
         let with_halo = PrefixGeometry {
-            exact_replay: Some(112),
+            hits: HitRule::Replay {
+                min_replay: 2,
+                exact_replay: Some(112),
+            },
             ..geometry
         };
         let exact = cache(Some(1000), PrefixReplay::Exact);
         let exact = PrefixSettings::for_engine(&exact, &replay, Some(with_halo), "x");
         assert_eq!(exact.expect("valid").map(|s| s.replay_tokens), Some(112));
+        // A V4-family model's hits resume: exact, nothing replayed; "bounded" is refused.
+        let resume = Some(PrefixGeometry {
+            hits: HitRule::Resume,
+            ..geometry
+        });
+        let exact = cache(Some(1000), PrefixReplay::Exact);
+        let exact = PrefixSettings::for_engine(&exact, &replay, resume, "x");
+        assert_eq!(exact.expect("valid").map(|s| s.replay_tokens), Some(0));
+        let bounded = field(PrefixSettings::for_engine(&on, &replay, resume, "x"));
+        assert!(
+            bounded.starts_with("prefix_cache.replay: a V4-family model's blocks keep the rings"),
+            "{bounded}"
+        );
+    }
+
+    /// A resuming hit (V4 family) needs no decoder start: it covers whole blocks up to before
+    /// the prompt's last token and the prefill starts at its end.
+    #[test]
+    fn a_resuming_hit_covers_the_prompt_up_to_its_last_token() {
+        let mut settings = settings(100);
+        settings.geometry.hits = HitRule::Resume;
+        settings.replay_tokens = 0;
+        let mut cache = RankPrefixCache::new(settings);
+        let shared = prompt(16, 1);
+        assert_eq!(cache.admit(RequestId(1), &shared, None), None);
+        cache.prefilled(RequestId(1), 16);
+        assert_eq!(cache.finish_plan().len(), 4, "the writer's 4 blocks");
+        let hit = |cached| Hit {
+            cached,
+            replay_from: cached,
+        };
+        assert_eq!(
+            cache.hit(&shared, None),
+            hit(12),
+            "the last token is computed"
+        );
+        assert_eq!(cache.hit(&[&shared[..], &[7]].concat(), None), hit(16));
+        assert_eq!(cache.hit(&shared[..11], None), hit(8));
+        let attach = cache
+            .admit(RequestId(2), &shared[..9], None)
+            .expect("a hit");
+        assert_eq!((attach.blocks.len(), attach.replay_from), (2, 8));
     }
 
     /// Under a budget of two blocks, stores evict unpinned least recently used leaves and the
