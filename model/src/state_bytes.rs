@@ -228,6 +228,12 @@ fn cache(kind: &str, what: &'static str, copies: usize, width: usize, ratio: usi
     }
 }
 
+/// The window ring of `layers` layers of one kind.
+fn window_rows(kind: &str, layers: usize, cfg: &ModelConfig) -> StatePart {
+    let rows = (window_capacity(cfg), cfg.window_size);
+    ring(kind, "window rows", layers, cfg.head_dim, rows)
+}
+
 /// The backbone layers grouped by `label`, in first-seen order: (label, layers, first layer).
 fn layer_kinds(cfg: &ModelConfig, label: impl Fn(usize) -> String) -> Vec<(String, usize, usize)> {
     let mut kinds: Vec<(String, usize, usize)> = Vec::new();
@@ -259,7 +265,7 @@ fn dspark_part(cfg: &ModelConfig) -> Option<StatePart> {
 /// its pending group (`kv ‖ gate`, trimmed like the window), and every KV source one entry and
 /// one index key per group; DSpark stages a context ring each; Engram one entry per token.
 fn v41_parts(cfg: &ModelConfig) -> Vec<StatePart> {
-    let (head_dim, capacity, window) = (cfg.head_dim, window_capacity(cfg), cfg.window_size);
+    let (head_dim, capacity) = (cfg.head_dim, window_capacity(cfg));
     let label = |l: usize| match (cfg.compress_ratio(l), cfg.is_kv_source(l)) {
         (0, _) => "window-only".to_string(),
         (r, true) => format!("ratio-{r} KV source"),
@@ -267,13 +273,7 @@ fn v41_parts(cfg: &ModelConfig) -> Vec<StatePart> {
     };
     let mut parts = Vec::new();
     for (kind, layers, l) in layer_kinds(cfg, label) {
-        parts.push(ring(
-            &kind,
-            "window rows",
-            layers,
-            head_dim,
-            (capacity, window),
-        ));
+        parts.push(window_rows(&kind, layers, cfg));
         let ratio = cfg.compress_ratio(l);
         if !cfg.is_kv_source(l) || ratio == 0 {
             continue;
@@ -330,13 +330,7 @@ fn v4_parts(cfg: &ModelConfig) -> Vec<StatePart> {
     };
     let mut parts = Vec::new();
     for (kind, layers, l) in layer_kinds(cfg, label) {
-        parts.push(ring(
-            &kind,
-            "window rows",
-            layers,
-            head_dim,
-            (capacity, window),
-        ));
+        parts.push(window_rows(&kind, layers, cfg));
         let ratio = cfg.compress_ratio(l);
         match kind_of(l) {
             V4Attention::Sliding => {}

@@ -4,9 +4,11 @@
 //! order: a new sequence attaches its hit before the step's work (`NewSeq::prefix`), the
 //! stores and drops (`CacheOp`) run after it.
 //!
-//! - **Admission** ([`RankPrefixCache::hit`], [`RankPrefixCache::admit`]): the longest chain
-//!   of cached blocks that ends at or before the decoder start the `ReplayActor` planned (none
-//!   without one) is attached when [`plan_hit`] gives a replay start after 0; the prefill then
+//! - **Admission** ([`RankPrefixCache::hit`], [`RankPrefixCache::admit`], walking the chain
+//!   the frontend computed, `RequestSpec::prefix_chain`): the longest chain of cached blocks
+//!   that ends at or before the decoder start the `ReplayActor` planned (none without one; a V4
+//!   model's hits resume instead and end before the prompt's last token) is attached when
+//!   [`plan_hit`] gives a replay start after 0 (a resuming hit's end); the prefill then
 //!   begins there: only the replayed and the new tokens are planned, so only they count
 //!   against the step's token budget. The request pins its blocks until it finishes, is
 //!   aborted or preempted ([`RankPrefixCache::release`]).
@@ -25,9 +27,7 @@ use deepinfer_topology::{PrefixCacheConfig, PrefixReplay, ReplayConfig, RequestI
 
 use crate::error::EngineError;
 use crate::messages::rank::{CacheOp, PrefixAttach};
-use crate::prefix_cache::{
-    BlockHash, ENGINE_SALT, HitRule, Inserted, PrefixCache, PrefixGeometry, plan_hit,
-};
+use crate::prefix_cache::{BlockHash, HitRule, Inserted, PrefixCache, PrefixGeometry, plan_hit};
 
 /// A rank's prefix-cache settings (from `[prefix_cache]` and the model).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,10 +172,11 @@ impl RankPrefixCache {
         }
     }
 
-    /// What admitting `prompt` (decoder start `decoder_from`) would attach now; no side effect.
-    pub fn hit(&self, prompt: &[u32], decoder_from: Option<u32>) -> Hit {
+    /// What admitting `prompt` (its blocks' keys `chain`, `RequestSpec::prefix_chain`; decoder
+    /// start `decoder_from`) would attach now; no side effect.
+    pub fn hit(&self, prompt: &[u32], chain: &[BlockHash], decoder_from: Option<u32>) -> Hit {
         let limit = self.settings.hit_limit(prompt, decoder_from);
-        let cached = self.index.peek(ENGINE_SALT, prompt, limit) * self.index.block_tokens();
+        let cached = self.index.peek(chain, prompt, limit) * self.index.block_tokens();
         self.adopt(cached)
     }
 
@@ -197,11 +198,12 @@ impl RankPrefixCache {
         &mut self,
         id: RequestId,
         prompt: &[u32],
+        chain: &[BlockHash],
         decoder_from: Option<u32>,
     ) -> Option<PrefixAttach> {
         self.release(id);
         let limit = self.settings.hit_limit(prompt, decoder_from);
-        let found = self.index.lookup(ENGINE_SALT, prompt, limit);
+        let found = self.index.lookup(chain, prompt, limit);
         let hit = self.adopt(found.len() * self.index.block_tokens());
         let pinned: Vec<BlockHash> = match hit.replay_from {
             0 => Vec::new(),
@@ -222,7 +224,7 @@ impl RankPrefixCache {
         self.requests.insert(
             id,
             Tracked {
-                chain: self.index.chain(ENGINE_SALT, prompt),
+                chain: chain.to_vec(),
                 prompt: prompt.to_vec(),
                 covered: pinned.len(),
                 pinned,
@@ -309,6 +311,7 @@ impl RankPrefixCache {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::prefix_cache::{ENGINE_SALT, block_chain};
 
     /// 4-token blocks of 10 bytes (26 with their tokens), replays of 2 tokens aligned to 2.
     pub(crate) fn settings(budget_blocks: u64) -> PrefixSettings {
@@ -332,6 +335,26 @@ pub(crate) mod tests {
         (0..n).map(|i| i * 7 + seed).collect()
     }
 
+    /// The keys of `prompt`'s blocks of 4 (what the frontend puts in `RequestSpec::prefix_chain`).
+    pub(crate) fn keys(prompt: &[u32]) -> Vec<BlockHash> {
+        block_chain(4, ENGINE_SALT, prompt)
+    }
+
+    impl RankPrefixCache {
+        fn hit_of(&self, prompt: &[u32], decoder_from: Option<u32>) -> Hit {
+            self.hit(prompt, &keys(prompt), decoder_from)
+        }
+
+        fn admit_of(
+            &mut self,
+            id: RequestId,
+            prompt: &[u32],
+            decoder_from: Option<u32>,
+        ) -> Option<PrefixAttach> {
+            self.admit(id, prompt, &keys(prompt), decoder_from)
+        }
+    }
+
     /// A writer's blocks are stored plan by plan as its chunks complete them; a reader admitted
     /// meanwhile hits the blocks of the earlier plans only, replays the bounded suffix, and
     /// pins what it attached until it is released.
@@ -340,7 +363,7 @@ pub(crate) mod tests {
         let mut cache = RankPrefixCache::new(settings(100));
         let (a, b) = (RequestId(1), RequestId(2));
         let shared = prompt(16, 1);
-        assert_eq!(cache.admit(a, &shared, Some(14)), None, "an empty cache");
+        assert_eq!(cache.admit_of(a, &shared, Some(14)), None, "an empty cache");
         cache.prefilled(a, 6);
         let ops = cache.finish_plan();
         assert!(matches!(ops.as_slice(), [CacheOp::Store { id, start: 0, .. }] if *id == a));
@@ -348,13 +371,13 @@ pub(crate) mod tests {
         // B is admitted in the plan that completes A's blocks 1 and 2: it sees block 0 only.
         let reader = [&shared[..], &prompt(8, 9)].concat();
         assert_eq!(
-            cache.hit(&reader, Some(20)),
+            cache.hit_of(&reader, Some(20)),
             Hit {
                 cached: 4,
                 replay_from: 2
             }
         );
-        let attach = cache.admit(b, &reader, Some(20)).expect("a hit");
+        let attach = cache.admit_of(b, &reader, Some(20)).expect("a hit");
         assert_eq!((attach.blocks.len(), attach.replay_from), (1, 2));
         assert_eq!(cache.finish_plan().len(), 2, "A's blocks 1 and 2");
         cache.prefilled(b, 12);
@@ -363,8 +386,8 @@ pub(crate) mod tests {
         assert_eq!((c.requests, c.hit_requests, c.hit_tokens), (2, 1, 4));
         assert_eq!(cache.usage().1, 3);
         // The decoder start bounds the hit; without one nothing is attached.
-        assert_eq!(cache.hit(&reader, Some(9)).cached, 8);
-        assert_eq!(cache.hit(&reader, None), Hit::default());
+        assert_eq!(cache.hit_of(&reader, Some(9)).cached, 8);
+        assert_eq!(cache.hit_of(&reader, None), Hit::default());
     }
 
     #[test]
@@ -442,7 +465,7 @@ pub(crate) mod tests {
         settings.replay_tokens = 0;
         let mut cache = RankPrefixCache::new(settings);
         let shared = prompt(16, 1);
-        assert_eq!(cache.admit(RequestId(1), &shared, None), None);
+        assert_eq!(cache.admit_of(RequestId(1), &shared, None), None);
         cache.prefilled(RequestId(1), 16);
         assert_eq!(cache.finish_plan().len(), 4, "the writer's 4 blocks");
         let hit = |cached| Hit {
@@ -450,14 +473,14 @@ pub(crate) mod tests {
             replay_from: cached,
         };
         assert_eq!(
-            cache.hit(&shared, None),
+            cache.hit_of(&shared, None),
             hit(12),
             "the last token is computed"
         );
-        assert_eq!(cache.hit(&[&shared[..], &[7]].concat(), None), hit(16));
-        assert_eq!(cache.hit(&shared[..11], None), hit(8));
+        assert_eq!(cache.hit_of(&[&shared[..], &[7]].concat(), None), hit(16));
+        assert_eq!(cache.hit_of(&shared[..11], None), hit(8));
         let attach = cache
-            .admit(RequestId(2), &shared[..9], None)
+            .admit_of(RequestId(2), &shared[..9], None)
             .expect("a hit");
         assert_eq!((attach.blocks.len(), attach.replay_from), (2, 8));
     }
@@ -472,7 +495,7 @@ pub(crate) mod tests {
         let mut stores = 0;
         for seed in 0..6 {
             let id = RequestId(seed);
-            cache.admit(id, &prompt(8, 100 * seed as u32), Some(8));
+            cache.admit_of(id, &prompt(8, 100 * seed as u32), Some(8));
             cache.prefilled(id, 8);
             let ops = cache.finish_plan();
             stores += ops
@@ -493,16 +516,16 @@ pub(crate) mod tests {
         // A pinned hit survives later stores; its request's own later blocks are refused.
         let kept = prompt(8, 500);
         let pinned = RequestId(10);
-        let attach = cache.admit(pinned, &[&kept[..], &[1, 2, 3, 4]].concat(), Some(8));
+        let attach = cache.admit_of(pinned, &[&kept[..], &[1, 2, 3, 4]].concat(), Some(8));
         assert_eq!(attach.map(|a| a.blocks.len()), Some(2));
         let other = RequestId(11);
-        cache.admit(other, &prompt(8, 900), Some(8));
+        cache.admit_of(other, &prompt(8, 900), Some(8));
         cache.prefilled(other, 8);
         assert!(
             cache.finish_plan().is_empty(),
             "no room: refused, nothing evicted"
         );
-        assert_eq!(cache.hit(&kept, Some(8)).cached, 8);
+        assert_eq!(cache.hit_of(&kept, Some(8)).cached, 8);
     }
 
     /// The scheduler over a prefix cache, playing the rank's side of the protocol.
@@ -534,6 +557,7 @@ pub(crate) mod tests {
             let decoder_from = Some(prompt.len() as u32 - 2);
             let spec = RequestSpec {
                 id: RequestId(id),
+                prefix_chain: keys(&prompt),
                 prompt,
                 sampling: SamplingParams::greedy(),
                 max_tokens: 2,

@@ -333,24 +333,9 @@ pub struct PrefixBlock {
 }
 
 impl PrefixBlock {
-    /// First position of the block.
-    pub fn start(&self) -> usize {
-        self.start
-    }
-
-    /// Positions in the block.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the block holds no position.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Bytes of the entries and rows kept (f32 values).
     pub fn held_bytes(&self) -> u64 {
-        let entries: u64 = self.entries.iter().flatten().map(|e| tensor_bytes(e)).sum();
+        let entries: u64 = self.entries.iter().flatten().map(tensor_bytes).sum();
         entries + self.rings.iter().map(PositionRing::held_bytes).sum::<u64>()
     }
 }
