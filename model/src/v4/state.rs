@@ -10,11 +10,11 @@
 //! Prefix-cache blocks ([`PrefixBlock`]) are exact: a block of positions `[start, end)` (both
 //! multiples of every compression ratio) keeps its groups' compressed entries and index keys and,
 //! of every ring, the rows of its positions the next token reads once the sequence ends at `end`
-//! (the window's last `window` rows, an overlapping compressor's previous group, the MTP rows, the
-//! DSpark context), so a hit resumes at its end with every row the next token reads as a cold prefill
-//! left it, and replays nothing ([`SequenceState::attach_prefix`]). The rings drop those rows at the end of the forward
-//! that computes them, so a block is taken after a forward that held them
-//! ([`SequenceState::hold_block_rows`]).
+//! (the window's last `window` rows, an overlapping compressor's previous group, the MTP rows,
+//! the DSpark context). A hit resumes at its end with every row the next token reads as a cold
+//! prefill left it, and replays nothing ([`SequenceState::attach_prefix`]). The rings drop those
+//! rows at the end of the forward that computes them, so a block is taken after a forward that
+//! held them ([`SequenceState::hold_block_rows`]).
 
 use std::ops::Range;
 
@@ -459,17 +459,15 @@ impl SequenceState {
             let need = need.positions(end, window);
             let mut rebuilt = PositionRing::starting_at(need.start);
             for p in need.clone() {
-                let row = blocks
-                    .iter()
-                    .find_map(|b| b.rings[r].get(p))
-                    .ok_or_else(|| {
-                        sequence_error(format!(
-                            "the prefix blocks lack the row of position {p} of ring {r}, which the \
-                         next token reads ({}..{})",
-                            need.start, need.end
-                        ))
-                    })?;
-                rebuilt.push(row.clone());
+                let lacking = || {
+                    let (from, to) = (need.start, need.end);
+                    sequence_error(format!(
+                        "the prefix blocks lack the row of position {p} of ring {r}, whose rows \
+                         {from}..{to} the next token reads"
+                    ))
+                };
+                let row = blocks.iter().find_map(|b| b.rings[r].get(p));
+                rebuilt.push(row.ok_or_else(lacking)?.clone());
             }
             rings.push(rebuilt);
         }
@@ -510,6 +508,64 @@ mod tests {
         seq.len = len;
         seq.trim(window);
         seq
+    }
+
+    /// One CSA-like layer (ratio 4, overlapping) fed 16 tokens with window 8 in one forward,
+    /// which completes two blocks of 8 whose rows it holds when `held`.
+    fn fed_sixteen(held: bool) -> SequenceState {
+        let mut seq = SequenceState::new(vec![LayerState::default()], false, 0);
+        seq.layers[0].main = Some(CompressorCache::new(4, true));
+        if held {
+            seq.hold_block_rows(8);
+            seq.hold_block_rows(0);
+        }
+        let layer = &mut seq.layers[0];
+        for p in 0..16 {
+            layer.window.push_at(p, vec![p as f32]);
+            let cache = layer.main.as_mut().expect("compressor");
+            cache.pending.push_at(p, vec![p as f32]);
+            if (p + 1) % 4 == 0 {
+                cache.entries.push(Tensor::from(vec![p as f32]));
+            }
+        }
+        seq.len = 16;
+        seq.trim(8);
+        seq
+    }
+
+    #[test]
+    fn prefix_blocks_keep_what_the_next_token_reads_and_attach_whole() {
+        let unheld = fed_sixteen(false);
+        let error = unheld.prefix_block(0, 8, 8).expect_err("rows 0, 1 trimmed");
+        assert!(
+            error.to_string().contains("position 0 is no longer held"),
+            "{error}"
+        );
+        let seq = fed_sixteen(true);
+        let misaligned = seq.prefix_block(2, 8, 8).expect_err("misaligned");
+        assert!(misaligned.to_string().contains("ratio 4"), "{misaligned}");
+        let blocks = [seq.prefix_block(0, 8, 8), seq.prefix_block(8, 8, 8)]
+            .map(|block| block.expect("held block"));
+        // Window rows 8..16, the compressor's previous group 12..16, entries 2 and 3.
+        assert_eq!(blocks[1].held_bytes(), (8 + 4 + 2) * 4);
+        let mut fresh = SequenceState::new(vec![LayerState::default()], false, 0);
+        fresh.layers[0].main = Some(CompressorCache::new(4, true));
+        let gap = fresh
+            .attach_prefix(&[&blocks[1]], 8, 8)
+            .expect_err("no block 0");
+        assert!(gap.to_string().contains("does not continue"), "{gap}");
+        fresh
+            .attach_prefix(&[&blocks[0], &blocks[1]], 16, 8)
+            .expect("attached");
+        let layer = &fresh.layers[0];
+        let cache = layer.main.as_ref().expect("compressor");
+        assert_eq!(
+            (fresh.len(), layer.window.start(), layer.window.end()),
+            (16, 8, 16)
+        );
+        assert_eq!((cache.pending.start(), cache.pending.end()), (12, 16));
+        assert_eq!(fresh.compressed_entries(0), seq.compressed_entries(0));
+        assert_eq!(layer.window.get(9), seq.layers[0].window.get(9));
     }
 
     #[test]
