@@ -43,7 +43,8 @@ impl PrefixSettings {
     /// The settings of an engine whose executors (`executor`, keeping blocks of `geometry` when
     /// `Some`) serve the topology's `[prefix_cache]` with its `[replay]`; `None` when the cache
     /// is off. Errors name the field: a cache the executors cannot keep, an exact replay the
-    /// model has none of, a budget below one block.
+    /// model has none of, a bounded replay of a model whose hits resume (V4), a budget below
+    /// one block.
     pub fn for_engine(
         cache: &PrefixCacheConfig,
         replay: &ReplayConfig,
