@@ -54,7 +54,8 @@
 //!   An attach copies the block's rows into the sequence (the state pool counts them there);
 //!   the cache's own budget comes out of the rank's state budget.
 //! - **Not yet:** not run on CUDA (the blocks are backend tensors, so it goes through the
-//!   `Backend` trait, untested there); the standalone [`prefill`] is V4.1's.
+//!   `Backend` trait, untested there; a V4-family model's cache is refused there); the
+//!   standalone [`prefill`] is V4.1's.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};

@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 
-use deepinfer_topology::{PrefixCacheConfig, PrefixReplay, ReplayConfig, RequestId};
+use deepinfer_topology::{Backend, PrefixCacheConfig, PrefixReplay, ReplayConfig, RequestId};
 
 use crate::error::EngineError;
 use crate::messages::rank::{CacheOp, PrefixAttach};
@@ -40,16 +40,16 @@ pub struct PrefixSettings {
 }
 
 impl PrefixSettings {
-    /// The settings of an engine whose executors (`executor`, keeping blocks of `geometry` when
-    /// `Some`) serve the topology's `[prefix_cache]` with its `[replay]`; `None` when the cache
-    /// is off. Errors name the field: a cache the executors cannot keep, an exact replay the
-    /// model has none of, a bounded replay of a model whose hits resume (V4), a budget below
-    /// one block.
+    /// The settings of an engine whose executors (`executor` on `backend`, keeping blocks of
+    /// `geometry` when `Some`) serve the topology's `[prefix_cache]` with its `[replay]`; `None`
+    /// when the cache is off. Errors name the field: a cache the executors cannot keep (a V4
+    /// model's off the CPU), an exact replay the model has none of, a bounded replay of a model
+    /// whose hits resume (V4), a budget below one block.
     pub fn for_engine(
         cache: &PrefixCacheConfig,
         replay: &ReplayConfig,
         geometry: Option<PrefixGeometry>,
-        executor: &str,
+        (executor, backend): (&str, &Backend),
     ) -> Result<Option<PrefixSettings>, EngineError> {
         let Some(budget_bytes) = cache.bytes_per_rank else {
             return Ok(None);
@@ -67,6 +67,14 @@ impl PrefixSettings {
                 ),
             )
         })?;
+        if geometry.hits == HitRule::Resume && *backend != Backend::Cpu {
+            return Err(error(
+                "prefix_cache.bytes_per_rank",
+                "a V4-family model's prefix cache runs on the CPU backend only (its blocks' \
+                 rows are not checked on CUDA yet); set it to 0"
+                    .to_string(),
+            ));
+        }
         if budget_bytes < geometry.cached_block_bytes() {
             return Err(error(
                 "prefix_cache.bytes_per_rank",
@@ -407,18 +415,29 @@ pub(crate) mod tests {
             other => panic!("expected a config error, got {other:?}"),
         };
         let on = cache(Some(1000), PrefixReplay::Bounded);
-        let off = PrefixSettings::for_engine(&cache(None, PrefixReplay::Exact), &replay, None, "x");
+        let off = PrefixSettings::for_engine(
+            &cache(None, PrefixReplay::Exact),
+            &replay,
+            None,
+            ("x", &Backend::Cpu),
+        );
         assert_eq!(off.expect("off"), None);
-        let bounded = PrefixSettings::for_engine(&on, &replay, Some(geometry), "x");
+        let bounded =
+            PrefixSettings::for_engine(&on, &replay, Some(geometry), ("x", &Backend::Cpu));
         assert_eq!(bounded.expect("valid").map(|s| s.replay_tokens), Some(140));
-        let fake = field(PrefixSettings::for_engine(&on, &replay, None, "fake"));
+        let fake = field(PrefixSettings::for_engine(
+            &on,
+            &replay,
+            None,
+            ("fake", &Backend::Cpu),
+        ));
         assert!(fake.starts_with("prefix_cache.bytes_per_rank: the executors (fake)"));
         let small = cache(Some(10), PrefixReplay::Bounded);
         let small = field(PrefixSettings::for_engine(
             &small,
             &replay,
             Some(geometry),
-            "x",
+            ("x", &Backend::Cpu),
         ));
         assert!(
             small.contains("10 bytes hold no block of 4 tokens (26 bytes)"),
@@ -429,7 +448,7 @@ pub(crate) mod tests {
             &exact,
             &replay,
             Some(geometry),
-            "x",
+            ("x", &Backend::Cpu),
         ));
         assert!(exact.starts_with("prefix_cache.replay: the model has no decoder boundary"));
         let with_halo = PrefixGeometry {
@@ -440,7 +459,8 @@ pub(crate) mod tests {
             ..geometry
         };
         let exact = cache(Some(1000), PrefixReplay::Exact);
-        let exact = PrefixSettings::for_engine(&exact, &replay, Some(with_halo), "x");
+        let exact =
+            PrefixSettings::for_engine(&exact, &replay, Some(with_halo), ("x", &Backend::Cpu));
         assert_eq!(exact.expect("valid").map(|s| s.replay_tokens), Some(112));
         // A V4-family model's hits resume: exact, nothing replayed; "bounded" is refused.
         let resume = Some(PrefixGeometry {
@@ -448,9 +468,31 @@ pub(crate) mod tests {
             ..geometry
         });
         let exact = cache(Some(1000), PrefixReplay::Exact);
-        let exact = PrefixSettings::for_engine(&exact, &replay, resume, "x");
+        let exact = PrefixSettings::for_engine(&exact, &replay, resume, ("x", &Backend::Cpu));
         assert_eq!(exact.expect("valid").map(|s| s.replay_tokens), Some(0));
-        let bounded = field(PrefixSettings::for_engine(&on, &replay, resume, "x"));
+        let bounded = field(PrefixSettings::for_engine(
+            &on,
+            &replay,
+            resume,
+            ("x", &Backend::Cpu),
+        ));
+        let gpu = Backend::Cuda {
+            arch: deepinfer_topology::Arch::Sm90,
+            numerics: deepinfer_topology::Numerics::Exact,
+        };
+        let exact = cache(Some(1000), PrefixReplay::Exact);
+        let cuda = field(PrefixSettings::for_engine(
+            &exact,
+            &replay,
+            resume,
+            ("x", &gpu),
+        ));
+        assert!(
+            cuda.starts_with(
+                "prefix_cache.bytes_per_rank: a V4-family model's prefix cache runs on the CPU"
+            ),
+            "{cuda}"
+        );
         assert!(
             bounded.starts_with("prefix_cache.replay: a V4-family model's blocks keep the rings"),
             "{bounded}"
