@@ -213,6 +213,20 @@ enum KeptBlock {
 }
 
 impl KeptBlock {
+    fn v41(&self) -> Option<&PrefixBlock> {
+        match self {
+            KeptBlock::V41(block) => Some(block),
+            KeptBlock::V4(_) => None,
+        }
+    }
+
+    fn v4(&self) -> Option<&v4::PrefixBlock> {
+        match self {
+            KeptBlock::V4(block) => Some(block),
+            KeptBlock::V41(_) => None,
+        }
+    }
+
     #[cfg(test)]
     fn held_bytes(&self) -> u64 {
         match self {
@@ -355,29 +369,19 @@ impl RankExecutor for ModelExecutor {
             })
             .collect::<Result<Vec<&KeptBlock>, _>>()?;
         let cfg = self.model.config();
-        let mismatch = || ExecError::Sequence {
+        let other_family = || ExecError::Sequence {
             id,
             message: "a prefix block of the other model family".to_string(),
         };
         match self.sequences.get_mut(id)? {
             AnySequence::V41(seq) => {
-                let blocks = held
-                    .iter()
-                    .map(|b| match b {
-                        KeptBlock::V41(block) => Ok(block),
-                        KeptBlock::V4(_) => Err(mismatch()),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
+                let blocks: Option<Vec<&PrefixBlock>> = held.iter().map(|b| b.v41()).collect();
+                let blocks = blocks.ok_or_else(other_family)?;
                 seq.attach_prefix(&blocks, replay_from, &cfg.compress_ratios)
             }
             AnySequence::V4(seq) => {
-                let blocks = held
-                    .iter()
-                    .map(|b| match b {
-                        KeptBlock::V4(block) => Ok(block),
-                        KeptBlock::V41(_) => Err(mismatch()),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
+                let blocks: Option<Vec<&v4::PrefixBlock>> = held.iter().map(|b| b.v4()).collect();
+                let blocks = blocks.ok_or_else(other_family)?;
                 seq.attach_prefix(&blocks, replay_from, cfg.window_size)
             }
         }
@@ -631,10 +635,7 @@ mod tests {
             let mut seq = model.new_sequence();
             let blocks: Vec<&PrefixBlock> = hashes
                 .iter()
-                .map(|h| match &executor.prefix_blocks[h] {
-                    KeptBlock::V41(block) => block,
-                    KeptBlock::V4(_) => panic!("a V4.1 sequence's block"),
-                })
+                .filter_map(|h| executor.prefix_blocks[h].v41())
                 .collect();
             seq.attach_prefix(&blocks, from, &cfg.compress_ratios)
                 .expect("attached");
