@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::checkpoint::ExpertFilter;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::memory_plan::{GpuMemoryPlan, plan_gpu};
@@ -37,7 +38,7 @@ use crate::engine::{EngineConfig, ModelFacts};
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
 use crate::experts::factory::ExpertParallelFactory;
-use crate::experts::parallel::EpSettings;
+use crate::experts::parallel::{EpSettings, node_expert_filter, node_holdings};
 use crate::frontend::codec::load_v41_tokenizer;
 use crate::gpu;
 use crate::hub::{HubOptions, resolve_hub_checkpoint};
@@ -60,7 +61,7 @@ pub struct ResolvedModel {
     pub model: AnyModel,
     pub facts: ModelFacts,
     pub tokenizer: PathBuf,
-    /// A line to show the user (the demo's random-weights notice).
+    /// Lines to show the user (the demo's random-weights notice; what a node of several holds).
     pub notice: Option<String>,
     /// The model name reported in outputs.
     pub name: String,
@@ -228,8 +229,24 @@ fn load_dir(
         return load_v4_dir(dir, &cfg, node, tokenizer, name, notice);
     }
     let vocab = engram_vocab(&cfg, &tokenizer, known)?;
-    let model = Model::load_with_vocab(dir, vocab).map_err(|e| model_error(&what, e))?;
+    // One node of several loads only its EP ranks' routed experts.
+    let experts = match node.filter(|n| n.cluster.bootstrap.is_some() && EpSettings::is_needed(n)) {
+        Some(node) => node_expert_filter(node, cfg.n_layers, cfg.n_routed_experts)
+            .map_err(|e| model_error("expert parallelism", e))?,
+        None => ExpertFilter::all(),
+    };
+    let model = Model::load_experts(dir, vocab, &experts).map_err(|e| model_error(&what, e))?;
     tracing::info!(model = %what, "model loaded");
+    let notice = match node.filter(|_| !experts.is_all()) {
+        Some(node) => Some(
+            notice
+                .into_iter()
+                .chain([node_holdings(node, &model)])
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        None => notice,
+    };
     let facts = ModelFacts::of(model.config());
     let description = format!("V4.1 model from {what} on the CPU backend");
     let model = Arc::new(model);
@@ -277,6 +294,12 @@ pub fn demo_config(compressed_vocab_size: usize) -> ModelConfig {
 
 /// Writes the demo checkpoint into `dir` and loads it.
 pub fn build_demo(dir: &Path) -> Result<ResolvedModel, EngineError> {
+    demo_for(dir, None)
+}
+
+/// [`build_demo`] for `node` (when given: one node of several loads only its EP ranks' routed
+/// experts, as from any checkpoint directory).
+fn demo_for(dir: &Path, node: Option<&NodeConfig>) -> Result<ResolvedModel, EngineError> {
     let tokenizer = shipped_tokenizer();
     let tok = load_v41_tokenizer(&tokenizer)?;
     let map = compressed_token_map(&tok).map_err(|e| model_error("engram vocabulary", e))?;
@@ -285,7 +308,7 @@ pub fn build_demo(dir: &Path) -> Result<ResolvedModel, EngineError> {
         .map_err(|e| model_error("demo checkpoint", e))?;
     load_dir(
         dir,
-        None,
+        node,
         "deepinfer-demo".to_string(),
         Some(
             "note: the built-in demo model has random weights (seeded); its text is meaningless"
@@ -312,8 +335,8 @@ pub fn resolve_with(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel
 }
 
 /// Before any loading: a topology over several nodes is one node of a deployment of one process
-/// per node (`[cluster] bootstrap`), on the CPU backend, without live EPLB (what is built so far;
-/// `--simulate` runs every node in one process and does not come here).
+/// per node (`[cluster] bootstrap`), on the CPU backend (what is built so far; `--simulate` runs
+/// every node in one process and does not come here).
 fn check_nodes(node: &NodeConfig) -> Result<(), EngineError> {
     let nodes = node.device.nodes;
     let refuse = |field: &str, message: String| {
@@ -340,12 +363,6 @@ fn check_nodes(node: &NodeConfig) -> Result<(), EngineError> {
             "several nodes run on the CPU backend only so far (the NCCL transport of CUDA ranks \
              across nodes is designed in README.md, not built)"
                 .to_string(),
-        );
-    }
-    if node.eplb.enabled {
-        return refuse(
-            "eplb.enabled",
-            "live EPLB across nodes is not built yet; use false with device.nodes > 1".to_string(),
         );
     }
     Ok(())
@@ -473,7 +490,7 @@ fn resolve_source(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, 
             ));
             std::fs::create_dir_all(&dir)
                 .map_err(|e| model_error(&dir.display().to_string(), e))?;
-            let resolved = build_demo(&dir);
+            let resolved = demo_for(&dir, Some(node));
             let _ = std::fs::remove_dir_all(&dir);
             resolved
         }
@@ -499,10 +516,10 @@ mod tests {
         NodeConfig::from_toml_str(&text, "model source test").unwrap()
     }
 
-    /// Several nodes serve only as one node of a deployment (a bootstrap address), on the CPU,
-    /// without live EPLB: refused before anything loads, naming the field.
+    /// Several nodes serve only as one node of a deployment (a bootstrap address), on the CPU
+    /// (live EPLB included): refused before anything loads, naming the field.
     #[test]
-    fn several_nodes_need_a_bootstrap_the_cpu_and_no_eplb() {
+    fn several_nodes_need_a_bootstrap_and_the_cpu() {
         let topology = |extra: &str| {
             let text = format!(
                 "[model]\nsource = \"demo\"\n[device]\nnodes = 2\n[parallel]\ndp = 2\nep = 2\n{extra}"
@@ -516,10 +533,7 @@ mod tests {
         assert_eq!(field(&topology("")), "cluster.bootstrap");
         let joined = "[cluster]\nbootstrap = \"127.0.0.1:29500\"\n";
         assert!(check_nodes(&topology(joined)).is_ok());
-        assert_eq!(
-            field(&topology(&format!("[eplb]\nenabled = true\n{joined}"))),
-            "eplb.enabled"
-        );
+        assert!(check_nodes(&topology(&format!("[eplb]\nenabled = true\n{joined}"))).is_ok());
         let cuda = "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\nnodes = 2\n\
                     [parallel]\ndp = 2\nep = 2\n[cluster]\nbootstrap = \"127.0.0.1:29500\"\n";
         let cuda = NodeConfig::from_toml_str(cuda, "nodes test").unwrap();

@@ -14,6 +14,7 @@
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::error::ModelError;
 use crate::v41::Model;
+use crate::v41::weights::routed_expert;
 
 /// One routed pick of a token: the logical expert and its routing weight.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -46,24 +47,56 @@ pub trait RoutedExperts: Sync {
 pub struct RoutedExpert(pub(crate) ExpertWeights<ExpertLinear>);
 
 impl Model {
-    /// A copy of routed expert `expert` of backbone layer `layer`.
+    /// A copy of routed expert `expert` of backbone layer `layer`; an expert this model was
+    /// loaded without (its `ExpertFilter`) is an error naming it.
     pub fn routed_expert(&self, layer: usize, expert: usize) -> Result<RoutedExpert, ModelError> {
         let layers = self.config().n_layers;
         let experts = self.config().n_routed_experts;
-        self.routed_weights(layer, expert)
-            .cloned()
-            .map(RoutedExpert)
-            .ok_or_else(|| ModelError::Unsupported {
-                what: format!(
-                    "routed expert {expert} of layer {layer} (the model has {layers} layers of {experts} experts)"
-                ),
-            })
+        if let Some(weights) = self.routed_weights(layer, expert) {
+            return Ok(RoutedExpert(weights.clone()));
+        }
+        let what = if layer < layers && expert < experts {
+            format!(
+                "routed expert {expert} of layer {layer}: the expert filter it was loaded with left \
+                 it out (it is held by the process of another EP rank)"
+            )
+        } else {
+            format!(
+                "routed expert {expert} of layer {layer} (the model has {layers} layers of {experts} experts)"
+            )
+        };
+        Err(ModelError::Unsupported { what })
+    }
+
+    /// Copies of the routed experts `wanted` ((backbone layer, expert) pairs, in that order):
+    /// those this model holds from memory, the others read from the checkpoint it was loaded
+    /// from (a model loaded with an `ExpertFilter` keeps it open). An expert it neither
+    /// holds nor can read is an error naming it.
+    pub fn copy_routed_experts(
+        &self,
+        wanted: &[(usize, usize)],
+    ) -> Result<Vec<RoutedExpert>, ModelError> {
+        let cfg = self.config();
+        wanted
+            .iter()
+            .map(
+                |&(layer, expert)| match (&self.checkpoint, self.routed_weights(layer, expert)) {
+                    (_, Some(held)) => Ok(RoutedExpert(held.clone())),
+                    (Some(ckpt), None) if layer < cfg.n_layers && expert < cfg.n_routed_experts => {
+                        routed_expert(ckpt, &format!("layers.{layer}."), cfg, expert)
+                            .map(RoutedExpert)
+                    }
+                    _ => self.routed_expert(layer, expert),
+                },
+            )
+            .collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::ExpertFilter;
     use crate::checkpoint::synth::write_random_checkpoint;
     use crate::config::ModelConfig;
     use crate::v41::LogitsWanted;
@@ -209,6 +242,100 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(false), run(true));
+    }
+
+    /// A load with an `ExpertFilter` reads only the routed experts it keeps (bit for bit those of
+    /// the whole model), holds their share of the routed-expert bytes, refuses to run its experts
+    /// itself or to hand out one it lacks, and with the missing experts served through a hook
+    /// gives the whole model's logits (everything but the routed experts loaded as usual).
+    #[test]
+    fn a_filtered_load_holds_only_the_kept_experts() {
+        let (dir, whole) = tiny_model();
+        let cfg = whole.config().clone();
+        let keeps = |layer: usize, expert: usize| (layer + expert) % 4 == 1;
+        let partial = Model::load_experts(dir.path(), None, &ExpertFilter::new(keeps))
+            .expect("filtered load");
+        assert!(whole.holds_every_expert() && !partial.holds_every_expert());
+        let mut kept = 0;
+        for layer in 0..cfg.n_layers {
+            for expert in 0..cfg.n_routed_experts {
+                match partial.routed_expert(layer, expert) {
+                    Ok(held) => {
+                        assert!(
+                            keeps(layer, expert),
+                            "layer {layer} expert {expert} was read"
+                        );
+                        let original = whole.routed_expert(layer, expert).expect("whole");
+                        assert_eq!(format!("{:?}", held.0), format!("{:?}", original.0));
+                        kept += 1;
+                    }
+                    Err(err) => {
+                        assert!(
+                            !keeps(layer, expert),
+                            "layer {layer} expert {expert} missing"
+                        );
+                        let message = err.to_string();
+                        assert!(message.contains("expert filter"), "{message}");
+                        assert!(
+                            message.contains(&format!("routed expert {expert} of layer {layer}")),
+                            "{message}"
+                        );
+                    }
+                }
+            }
+        }
+        let total = cfg.n_layers * cfg.n_routed_experts;
+        assert!(kept > 0 && kept < total);
+        // What it does not hold it reads from its checkpoint when asked (an EPLB staging).
+        let every: Vec<(usize, usize)> = (0..cfg.n_layers)
+            .flat_map(|l| (0..cfg.n_routed_experts).map(move |e| (l, e)))
+            .collect();
+        let copies = partial.copy_routed_experts(&every).expect("copies");
+        for (&(layer, expert), copy) in every.iter().zip(&copies) {
+            let original = whole.routed_expert(layer, expert).expect("whole");
+            assert_eq!(format!("{:?}", copy.0), format!("{:?}", original.0));
+        }
+        assert!(partial.copy_routed_experts(&[(cfg.n_layers, 0)]).is_err());
+        let (whole_bytes, whole_count) = whole.routed_expert_bytes();
+        let (held_bytes, held_count) = partial.routed_expert_bytes();
+        assert_eq!((whole_count, held_count), (total, kept));
+        // Every expert has the same shapes: the held bytes are exactly the kept share.
+        assert_eq!(held_bytes * total as u64, whole_bytes * kept as u64);
+        println!("routed expert bytes held: {held_bytes} of {whole_bytes} ({kept} of {total})");
+
+        let tokens = [3u32, 9, 4, 1, 7];
+        let mut seq = partial.new_sequence();
+        let refused = partial
+            .forward(&mut seq, &tokens, LogitsWanted::All)
+            .expect_err("a partial model cannot run its routed experts itself");
+        assert!(refused.to_string().contains("expert filter"), "{refused}");
+        assert!(
+            seq.is_empty(),
+            "a refused forward leaves the sequence as it was"
+        );
+
+        let copies = Copies {
+            model: &whole,
+            experts: (0..cfg.n_layers)
+                .map(|l| {
+                    (0..cfg.n_routed_experts)
+                        .map(|e| whole.routed_expert(l, e).expect("whole"))
+                        .collect()
+                })
+                .collect(),
+            calls: AtomicUsize::new(0),
+            reverse: false,
+        };
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut seq = whole.new_sequence();
+        let expected = whole
+            .forward(&mut seq, &tokens, LogitsWanted::All)
+            .expect("whole");
+        let mut seq = partial.new_sequence();
+        let hooked = partial
+            .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &copies)
+            .expect("partial model with an expert hook");
+        assert_eq!(bits(hooked), bits(expected));
     }
 
     #[test]

@@ -146,6 +146,29 @@ impl LocalComm {
         })
     }
 
+    /// The transport of the next placement `epoch` over the same EP ranks and nodes: this
+    /// process's `shards` (one per EP rank here, in rank order) of `placement`.
+    pub fn next_epoch(
+        &self,
+        epoch: PlacementEpoch,
+        placement: Arc<ExpertPlacement>,
+        shards: Vec<Arc<ExpertShard>>,
+    ) -> Result<LocalComm, EpError> {
+        LocalComm::build(
+            epoch,
+            self.source.clone(),
+            placement,
+            self.local.clone(),
+            shards,
+            self.remote.clone(),
+        )
+    }
+
+    /// The other processes' EP ranks (`None`: every EP rank is here).
+    pub fn remote(&self) -> Option<Arc<RemoteRanks>> {
+        self.remote.clone()
+    }
+
     /// Runs `count` (which adds picks to the shards' counters, e.g. a whole simulated step)
     /// so that `take_loads` sees all of its counts or none.
     pub fn count_batch<R>(&self, count: impl FnOnce(&[Arc<ExpertShard>]) -> R) -> R {
@@ -253,7 +276,7 @@ impl LocalComm {
                     message: format!("EP rank {rank} has no local slot {slot}"),
                 });
             }
-            out.extend(shard.run(model, layer, slot as usize, row, weight));
+            out.extend(shard.run(model, layer, slot as usize, row, weight)?);
         }
         Ok(out)
     }

@@ -24,7 +24,8 @@
 //! the supervisor stops the engine (its rule 3: ep > 1).
 //! Ordering: a `LocalComm` is immutable and belongs to one `PlacementEpoch`; a new placement is a
 //! new `LocalComm`, adopted by a rank at its next step boundary, so no step mixes epochs; a
-//! remote EP rank refuses rows of another epoch.
+//! remote EP rank serves rows of its current, staged or previous epoch (nodes adopt a new one at
+//! their own step boundaries, see `remote.rs`) and refuses any other.
 //! Replica choice: a pure function of (layer, expert, the token's activation bits), so it does
 //! not depend on the batch, the DP rank or the timing.
 
@@ -116,6 +117,12 @@ pub enum EpError {
     },
     #[error("node bootstrap: {0}")]
     Bootstrap(String),
+    #[error("EPLB: node {node} ({addr}) failed: {reason}")]
+    Control {
+        node: usize,
+        addr: String,
+        reason: String,
+    },
 }
 
 /// Where one layer's exchange is: the DP rank, its step (the rank's own counter) and the

@@ -7,7 +7,10 @@
 //! exchange is refused. A peer that fails or times out stays failed: later calls fail at once
 //! (the engine stops anyway, the supervisor's rule 3).
 //! The server needs no step lockstep between nodes: it serves whichever DP rank asks, at any
-//! time, with the placement epoch the rows name (refusing any other).
+//! time, with the placement epoch the rows name: the current one, the staged one (a peer that
+//! adopted it first) or the one before (a peer that has not adopted the current yet); any
+//! other is refused. It also runs node 0's EPLB requests (`wire::Control`) on this node's
+//! `EplbActor`; `RemoteRanks::control_all` is node 0's side.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
@@ -18,7 +21,7 @@ use std::time::Duration;
 
 use deepinfer_topology::{EpRank, PlacementEpoch};
 
-use super::wire::{Dispatch, FrameTag, Reply};
+use super::wire::{Control, ControlReply, ControlRequest, Dispatch, FrameTag, Reply, Request};
 use super::{Comm, EpError, LayerAt};
 use crate::experts::parallel::ExpertParallel;
 
@@ -31,11 +34,23 @@ struct Peer {
     conn: Mutex<Result<Option<TcpStream>, String>>,
 }
 
+/// How long a node waits for another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// One layer's exchange, and node 0's EPLB requests but staging (`[cluster]
+    /// exchange_timeout_ms`).
+    pub exchange: Duration,
+    /// Node 0's EPLB waiting for a node to stage a placement (it reads weights:
+    /// `[cluster] bootstrap_timeout_seconds`).
+    pub staging: Duration,
+}
+
 /// The EP ranks of the other nodes, as seen from this one.
 #[derive(Debug)]
 pub struct RemoteRanks {
     session: u64,
     timeout: Duration,
+    staging_timeout: Duration,
     local: Range<usize>,
     /// Per EP rank: `None` for this node's ranks.
     peers: Vec<Option<Peer>>,
@@ -46,7 +61,7 @@ impl RemoteRanks {
     /// its expert server at `experts[n]`), in deployment `session`.
     pub fn new(
         session: u64,
-        timeout: Duration,
+        timeouts: Timeouts,
         node: usize,
         ranks_per_node: usize,
         experts: &[SocketAddr],
@@ -63,7 +78,8 @@ impl RemoteRanks {
             .collect();
         RemoteRanks {
             session,
-            timeout,
+            timeout: timeouts.exchange,
+            staging_timeout: timeouts.staging,
             local: node * ranks_per_node..(node + 1) * ranks_per_node,
             peers,
         }
@@ -173,12 +189,72 @@ impl RemoteRanks {
     }
 
     fn connect(&self, addr: SocketAddr) -> std::io::Result<TcpStream> {
-        let stream = TcpStream::connect_timeout(&addr, self.timeout)?;
-        stream.set_read_timeout(Some(self.timeout))?;
-        stream.set_write_timeout(Some(self.timeout))?;
-        stream.set_nodelay(true)?;
-        Ok(stream)
+        connect(addr, self.timeout)
     }
+
+    /// The other nodes, in node order: (node, expert server address).
+    pub fn other_nodes(&self) -> Vec<(usize, SocketAddr)> {
+        let mut nodes: Vec<(usize, SocketAddr)> = self
+            .peers
+            .iter()
+            .flatten()
+            .map(|peer| (peer.node, peer.addr))
+            .collect();
+        nodes.dedup();
+        nodes
+    }
+
+    /// Sends `control` (node 0's EPLB) to every other node in node order, each on a connection
+    /// of its own, and returns their answers; the first node that refuses, fails or does not
+    /// answer in time (staging: the staging timeout) ends it with an error naming the node.
+    pub fn control_all(&self, control: &Control) -> Result<Vec<ControlReply>, EpError> {
+        let wait = match control {
+            Control::Stage { .. } => self.staging_timeout,
+            _ => self.timeout,
+        };
+        let request = ControlRequest {
+            session: self.session,
+            control: control.clone(),
+        };
+        self.other_nodes()
+            .into_iter()
+            .map(|(node, addr)| {
+                let fail = |reason: String| EpError::Control {
+                    node,
+                    addr: addr.to_string(),
+                    reason,
+                };
+                let answer = connect(addr, wait).and_then(|mut stream| {
+                    request.send(&mut stream)?;
+                    ControlReply::receive(&mut stream)
+                });
+                match answer {
+                    Ok(ControlReply::Failure(reason)) => Err(fail(reason)),
+                    Ok(reply) => Ok(reply),
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        Err(fail(format!(
+                            "did not answer within {} ms",
+                            wait.as_millis()
+                        )))
+                    }
+                    Err(e) => Err(fail(e.to_string())),
+                }
+            })
+            .collect()
+    }
+}
+
+fn connect(addr: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    let stream = TcpStream::connect_timeout(&addr, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
 }
 
 /// This node's expert server: answers the rows other nodes send its EP ranks, with the
@@ -229,20 +305,38 @@ impl Drop for ExpertServer {
     }
 }
 
-/// Answers one peer's dispatches until it closes the connection.
+/// Answers one peer's requests (dispatches, or node 0's EPLB) until it closes the connection.
 fn serve_peer(mut conn: TcpStream, session: u64, parallel: Weak<ExpertParallel>) {
     let _ = conn.set_nodelay(true);
-    while let Ok(Some(dispatch)) = Dispatch::receive(&mut conn) {
-        let reply = match answer(&dispatch, session, &parallel) {
-            Ok(outputs) => Reply::Combine {
-                tag: dispatch.tag,
-                outputs,
-            },
-            Err(reason) => Reply::Failure(reason),
+    while let Ok(Some(request)) = Request::receive(&mut conn) {
+        let sent = match request {
+            Request::Dispatch(dispatch) => match answer(&dispatch, session, &parallel) {
+                Ok(outputs) => Reply::Combine {
+                    tag: dispatch.tag,
+                    outputs,
+                },
+                Err(reason) => Reply::Failure(reason),
+            }
+            .send(&mut conn),
+            Request::Control(request) => follow(request, session, &parallel).send(&mut conn),
         };
-        if reply.send(&mut conn).is_err() {
+        if sent.is_err() {
             return;
         }
+    }
+}
+
+/// Node 0's EPLB request, run by this node's `EplbActor`.
+fn follow(request: ControlRequest, session: u64, parallel: &Weak<ExpertParallel>) -> ControlReply {
+    if request.session != session {
+        return ControlReply::Failure(format!(
+            "an EPLB request of session {:x}, this deployment is {session:x}",
+            request.session
+        ));
+    }
+    match parallel.upgrade() {
+        Some(parallel) => parallel.follow(request.control),
+        None => ControlReply::Failure("the engine of this node has stopped".into()),
     }
 }
 
@@ -261,14 +355,14 @@ fn answer(
     let parallel = parallel
         .upgrade()
         .ok_or("the engine of this node has stopped")?;
-    let comm = parallel.current();
-    let epoch = comm.epoch();
-    if epoch.get() != tag.epoch {
-        return Err(format!(
-            "rows of placement epoch {}, this node serves {epoch}",
-            tag.epoch
-        ));
-    }
+    let comm = parallel.comm_of(PlacementEpoch(tag.epoch)).ok_or_else(|| {
+        format!(
+            "rows of placement epoch {}, this node serves {} (and no staged or previous \
+                 placement of that epoch)",
+            tag.epoch,
+            parallel.current().epoch()
+        )
+    })?;
     comm.serve_rows(
         usize::from(dispatch.rank),
         tag.layer as usize,
@@ -285,6 +379,7 @@ mod tests {
     use crate::comm::free_loopback;
     use crate::comm::{Comm, StepExperts};
     use crate::experts::parallel::{EpSettings, EplbSchedule};
+    use crate::experts::shard::ExpertShard;
     use crate::experts::tiny_test_model;
     use deepinfer_model::LogitsWanted;
     use deepinfer_topology::{ClusterConfig, DpRank};
@@ -294,15 +389,16 @@ mod tests {
         values.iter().map(|v| v.to_bits()).collect()
     }
 
-    /// Two nodes in one process over real loopback sockets (ep = 4, two EP ranks each): each
-    /// node's forward through its `LocalComm` (half the experts here, half over the socket) gives
-    /// the model's own logits bit for bit, and both nodes' shards served picks.
-    #[test]
-    fn two_nodes_over_sockets_give_the_model_bits() {
-        let (_dir, model) = tiny_test_model();
+    /// Nodes 0 and 1 of two in this process, joined over loopback sockets, with `ep_ranks` EP
+    /// ranks and `redundant` redundant slots per layer over `model`.
+    fn two_nodes(
+        model: &Arc<deepinfer_model::Model>,
+        ep_ranks: usize,
+        redundant: usize,
+    ) -> (Arc<ExpertParallel>, Arc<ExpertParallel>) {
         let settings = EpSettings {
-            ep_ranks: 4,
-            redundant_experts: 4,
+            ep_ranks,
+            redundant_experts: redundant,
             num_groups: 1,
             num_nodes: 2,
             eplb: EplbSchedule {
@@ -325,6 +421,16 @@ mod tests {
         };
         let first = ExpertParallel::on_node(model.clone(), settings, &cluster(0)).expect("node 0");
         let second = other.join().expect("thread").expect("node 1");
+        (first, second)
+    }
+
+    /// Two nodes in one process over real loopback sockets (ep = 4, two EP ranks each): each
+    /// node's forward through its `LocalComm` (half the experts here, half over the socket) gives
+    /// the model's own logits bit for bit, and both nodes' shards served picks.
+    #[test]
+    fn two_nodes_over_sockets_give_the_model_bits() {
+        let (_dir, model) = tiny_test_model();
+        let (first, second) = two_nodes(&model, 4, 4);
         assert_eq!(first.current().shards().len(), 2);
         assert_eq!(second.current().shards()[0].rank(), EpRank(2));
 
@@ -352,22 +458,104 @@ mod tests {
         }
     }
 
+    /// Across an EPLB commit, a node serves rows of its staged epoch (a peer adopted it first)
+    /// and of the epoch before its current one (a peer has not adopted it yet), with the model's
+    /// bits; rows of any other epoch are refused, naming it.
+    #[test]
+    fn a_node_serves_its_staged_current_and_previous_epochs_only() {
+        let (_dir, model) = tiny_test_model();
+        let (first, second) = two_nodes(&model, 2, 2);
+        assert!(second.follower() && !first.follower());
+
+        let layers = model.config().n_layers;
+        let loads = vec![vec![40.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 20.0]; layers];
+        let placement = Arc::new(
+            deepinfer_topology::rebalance_experts(&loads, second.shape()).expect("solved"),
+        );
+        let next = |node: &ExpertParallel, epoch: u32| {
+            let current = node.current();
+            let shards = current
+                .shards()
+                .iter()
+                .map(|shard| {
+                    let (built, _) = ExpertShard::build(
+                        node.source(),
+                        &placement,
+                        shard.rank(),
+                        PlacementEpoch(epoch),
+                        Some(shard),
+                    )
+                    .expect("shard");
+                    Arc::new(built)
+                })
+                .collect();
+            Arc::new(
+                current
+                    .next_epoch(PlacementEpoch(epoch), placement.clone(), shards)
+                    .expect("next epoch"),
+            )
+        };
+        let tokens = [5u32, 9, 300, 41, 7, 200];
+        let mut plain = model.new_sequence();
+        let expected = model
+            .forward(&mut plain, &tokens, LogitsWanted::All)
+            .expect("forward");
+        let run = |comm: &dyn Comm| {
+            let step = StepExperts::new(comm, DpRank(0), 0);
+            let mut seq = model.new_sequence();
+            let got = model
+                .forward_with_experts(&mut seq, &tokens, LogitsWanted::All, &step)
+                .expect("forward with experts");
+            (bits(&got), step.failure())
+        };
+        let epoch0 = first.current();
+        let epoch1 = next(&first, 1);
+        // Node 1 staged epoch 1: node 0's rows of epoch 1 (it adopted it first) are served.
+        let served = |comm: &dyn Comm| {
+            let (got, failure) = run(comm);
+            assert_eq!(failure, None);
+            assert!(got == bits(&expected), "the bits differ from the model's");
+        };
+        second.stage(next(&second, 1));
+        served(epoch1.as_ref());
+        // Node 1 committed it: rows of epoch 0 (node 0 not yet adopted) are still served.
+        let staged = second.comm_of(PlacementEpoch(1)).expect("staged");
+        second.commit(staged);
+        assert_eq!(second.current().epoch(), PlacementEpoch(1));
+        served(epoch0.as_ref());
+        // An epoch node 1 neither runs, staged nor ran last is refused by name.
+        let (_, failure) = run(next(&first, 5).as_ref());
+        let failure = failure.expect("refused").to_string();
+        assert!(failure.contains("placement epoch 5"), "{failure}");
+    }
+
+    /// The expert addresses of three nodes as node 0 sees them: its own (unused), node 1's (a
+    /// listener that accepts but never answers: kept open by the returned listener) and node
+    /// 2's (nothing listens).
+    fn silent_and_gone() -> (TcpListener, [SocketAddr; 3]) {
+        let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
+        let experts = [
+            "127.0.0.1:1".parse().expect("address"),
+            silent.local_addr().expect("address"),
+            free_loopback(),
+        ];
+        (silent, experts)
+    }
+
     /// A peer that accepts but never answers: the exchange fails after the timeout with an error
     /// naming the DP rank, step, layer and EP rank; the next call fails at once. A peer that is
     /// gone (connection refused) fails at once too.
     #[test]
     fn a_silent_or_gone_peer_fails_the_exchange_by_name_without_a_hang() {
-        let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
-        let gone = free_loopback();
-        let experts = [
-            "127.0.0.1:1".parse().expect("address"),
-            silent.local_addr().expect("address"),
-            gone,
-        ];
+        let (silent, experts) = silent_and_gone();
         // The timeout is long against scheduling noise on a loaded machine, so "at once" (below
         // half of it) and "after the timeout" cannot be confused.
         let timeout = Duration::from_secs(2);
-        let remote = RemoteRanks::new(9, timeout, 0, 1, &experts);
+        let timeouts = Timeouts {
+            exchange: timeout,
+            staging: timeout,
+        };
+        let remote = RemoteRanks::new(9, timeouts, 0, 1, &experts);
         assert_eq!((remote.ranks(), remote.local_ranks()), (3, 0..1));
         let at = LayerAt {
             dp: deepinfer_topology::DpRank(0),
@@ -397,5 +585,63 @@ mod tests {
         assert!(matches!(err, EpError::PeerFailed { .. }), "{err}");
         assert!(err.to_string().contains("EP rank 2 on node 2"), "{err}");
         drop(silent);
+    }
+
+    /// Node 0's EPLB request to a node that accepts but never answers fails naming the node
+    /// after the timeout (staging: the staging timeout), one to a gone node at once, and the
+    /// nodes are asked in node order (the first failure ends the round).
+    #[test]
+    fn an_eplb_request_to_a_silent_or_gone_node_fails_naming_it() {
+        let (silent, experts) = silent_and_gone();
+        let gone = experts[2];
+        let timeouts = Timeouts {
+            exchange: Duration::from_millis(300),
+            staging: Duration::from_secs(2),
+        };
+        let remote = RemoteRanks::new(9, timeouts, 0, 1, &experts);
+        assert_eq!(remote.other_nodes(), vec![(1, experts[1]), (2, experts[2])]);
+        let started = Instant::now();
+        let err = remote
+            .control_all(&Control::Commit { epoch: 3 })
+            .expect_err("silent node");
+        assert!(started.elapsed() >= timeouts.exchange);
+        assert!(started.elapsed() < timeouts.staging);
+        let text = err.to_string();
+        assert!(
+            text.contains("node 1") && text.contains("did not answer within 300 ms"),
+            "{text}"
+        );
+        let placement = deepinfer_topology::ExpertPlacement::uniform(
+            2,
+            4,
+            deepinfer_topology::PlacementShape {
+                num_replicas: 6,
+                num_groups: 1,
+                num_nodes: 3,
+                num_gpus: 3,
+            },
+        )
+        .expect("placement");
+        let started = Instant::now();
+        let err = remote
+            .control_all(&Control::Stage {
+                epoch: 3,
+                placement,
+            })
+            .expect_err("silent node");
+        assert!(
+            started.elapsed() >= timeouts.staging,
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(err.to_string().contains("within 2000 ms"), "{err}");
+        drop(silent);
+        let gone_only = RemoteRanks::new(9, timeouts, 0, 1, &[experts[0], gone]);
+        let started = Instant::now();
+        let err = gone_only
+            .control_all(&Control::TakeLoads)
+            .expect_err("gone node");
+        assert!(started.elapsed() < timeouts.exchange);
+        assert!(matches!(err, EpError::Control { node: 1, .. }), "{err}");
     }
 }

@@ -5,9 +5,14 @@
 //! of one layer for one EP rank: the count first, then per row its local slot and routing
 //! weight, then the rows) answered by `Combine` (the output rows, same count and order) or
 //! `Failure` (why the EP rank could not serve them). Start-up: `Hello` (a node joining) answered
-//! by `Welcome` (the session id and every node's expert address) or `Failure`.
+//! by `Welcome` (the session id and every node's expert address) or `Failure`. Live EPLB: node
+//! 0's `Control` requests (take the loads, stage a placement, commit or abort an epoch) to the
+//! other nodes' expert servers, answered by `ControlReply`. An expert server reads either kind of
+//! request on a connection (`Request`).
 
 use std::io::{self, Read, Write};
+
+use deepinfer_topology::{EplbPolicy, ExpertId, ExpertPlacement, LayerPlacement};
 
 /// "DIEP": the first bytes of every frame.
 const MAGIC: u32 = 0x5045_4944;
@@ -25,6 +30,12 @@ const COMBINE: u8 = 2;
 const FAILURE: u8 = 3;
 const HELLO: u8 = 4;
 const WELCOME: u8 = 5;
+const CONTROL: u8 = 6;
+const LOADS: u8 = 7;
+const STAGED: u8 = 8;
+const DONE: u8 = 9;
+/// Most layers, slots, EP ranks or replicas in a placement or a load table.
+const MAX_TABLE: u32 = 1 << 20;
 
 /// Which exchange a frame belongs to: the session, the sender's step, the layer and epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +94,51 @@ pub enum Welcome {
         experts: Vec<String>,
     },
     Failure(String),
+}
+
+/// What node 0's EPLB asks another node's expert server (one request per connection).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Control {
+    /// Read and reset the load counters of the node's EP ranks.
+    TakeLoads,
+    /// Build the node's shards of `placement` as `epoch` (experts it lacks read from its own
+    /// checkpoint), kept staged: served to rows of that epoch, not yet adopted by its steps.
+    Stage {
+        epoch: u32,
+        placement: ExpertPlacement,
+    },
+    /// The staged `epoch` becomes the one the node's steps adopt from their next boundary.
+    Commit { epoch: u32 },
+    /// Drop the staged `epoch`.
+    Abort { epoch: u32 },
+}
+
+/// A `Control` request of deployment `session`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControlRequest {
+    pub session: u64,
+    pub control: Control,
+}
+
+/// An expert server's answer to a `ControlRequest`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ControlReply {
+    /// Per EP rank of the node, in rank order: its shard's epoch and `[layer][local slot]` picks.
+    Loads(Vec<(u32, Vec<Vec<u64>>)>),
+    /// The placement is staged; `copied` expert slots were read in.
+    Staged {
+        copied: u64,
+    },
+    /// Committed or aborted.
+    Done,
+    Failure(String),
+}
+
+/// What an expert server reads on a connection.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Request {
+    Dispatch(Dispatch),
+    Control(ControlRequest),
 }
 
 #[derive(Default)]
@@ -203,6 +259,173 @@ fn expect_kind(r: &mut impl Read, kinds: &[u8]) -> io::Result<u8> {
     }
 }
 
+impl Frame {
+    fn placement(&mut self, placement: &ExpertPlacement) {
+        self.0.push(match placement.policy {
+            EplbPolicy::Hierarchical => 0,
+            EplbPolicy::Global => 1,
+        });
+        self.u32(placement.slots_per_gpu as u32);
+        self.u32(placement.layers.len() as u32);
+        for layer in &placement.layers {
+            self.u32(layer.phy2log.len() as u32);
+            for expert in &layer.phy2log {
+                self.u16(expert.get());
+            }
+            self.u32(layer.log2phy.len() as u32);
+            for replicas in &layer.log2phy {
+                self.u32(replicas.len() as u32);
+                for &slot in replicas {
+                    self.u32(slot);
+                }
+            }
+        }
+    }
+}
+
+fn table_len(r: &mut impl Read, what: &str) -> io::Result<usize> {
+    bounded(u32_of(r)?, MAX_TABLE, what)
+}
+
+fn placement_of(r: &mut impl Read) -> io::Result<ExpertPlacement> {
+    let mut policy = [0u8; 1];
+    r.read_exact(&mut policy)?;
+    let policy = match policy[0] {
+        0 => EplbPolicy::Hierarchical,
+        1 => EplbPolicy::Global,
+        other => return Err(bad(format!("placement policy {other} is not 0 or 1"))),
+    };
+    let slots_per_gpu = table_len(r, "slots per EP rank")?;
+    let layers = (0..table_len(r, "placement layers")?)
+        .map(|_| {
+            let phy2log = (0..table_len(r, "physical slots")?)
+                .map(|_| u16_of(r).map(ExpertId))
+                .collect::<io::Result<Vec<_>>>()?;
+            let log2phy = (0..table_len(r, "logical experts")?)
+                .map(|_| {
+                    (0..table_len(r, "replicas")?)
+                        .map(|_| u32_of(r))
+                        .collect::<io::Result<Vec<_>>>()
+                })
+                .collect::<io::Result<Vec<_>>>()?;
+            Ok(LayerPlacement { phy2log, log2phy })
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    Ok(ExpertPlacement {
+        policy,
+        slots_per_gpu,
+        layers,
+    })
+}
+
+impl Request {
+    /// The next request on a connection (`None`: the peer closed it between frames).
+    pub fn receive(r: &mut impl Read) -> io::Result<Option<Request>> {
+        match kind_of(r)? {
+            None => Ok(None),
+            Some(DISPATCH) => Dispatch::body(r).map(|d| Some(Request::Dispatch(d))),
+            Some(CONTROL) => ControlRequest::body(r).map(|c| Some(Request::Control(c))),
+            Some(kind) => Err(bad(format!("expected a request, got frame kind {kind}"))),
+        }
+    }
+}
+
+impl ControlRequest {
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        let mut f = Frame::new(CONTROL);
+        f.u64(self.session);
+        match &self.control {
+            Control::TakeLoads => f.0.push(0),
+            Control::Stage { epoch, placement } => {
+                f.0.push(1);
+                f.u32(*epoch);
+                f.placement(placement);
+            }
+            Control::Commit { epoch } => {
+                f.0.push(2);
+                f.u32(*epoch);
+            }
+            Control::Abort { epoch } => {
+                f.0.push(3);
+                f.u32(*epoch);
+            }
+        }
+        f.send(w)
+    }
+
+    fn body(r: &mut impl Read) -> io::Result<ControlRequest> {
+        let session = u64_of(r)?;
+        let mut which = [0u8; 1];
+        r.read_exact(&mut which)?;
+        let control = match which[0] {
+            0 => Control::TakeLoads,
+            1 => Control::Stage {
+                epoch: u32_of(r)?,
+                placement: placement_of(r)?,
+            },
+            2 => Control::Commit { epoch: u32_of(r)? },
+            3 => Control::Abort { epoch: u32_of(r)? },
+            other => return Err(bad(format!("control request {other} is not 0 to 3"))),
+        };
+        Ok(ControlRequest { session, control })
+    }
+}
+
+impl ControlReply {
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        let mut f;
+        match self {
+            ControlReply::Loads(ranks) => {
+                f = Frame::new(LOADS);
+                f.u32(ranks.len() as u32);
+                for (epoch, per_slot) in ranks {
+                    f.u32(*epoch);
+                    f.u32(per_slot.len() as u32);
+                    for layer in per_slot {
+                        f.u32(layer.len() as u32);
+                        for &count in layer {
+                            f.u64(count);
+                        }
+                    }
+                }
+            }
+            ControlReply::Staged { copied } => {
+                f = Frame::new(STAGED);
+                f.u64(*copied);
+            }
+            ControlReply::Done => f = Frame::new(DONE),
+            ControlReply::Failure(message) => {
+                f = Frame::new(FAILURE);
+                f.text(message);
+            }
+        }
+        f.send(w)
+    }
+
+    pub fn receive(r: &mut impl Read) -> io::Result<ControlReply> {
+        Ok(match expect_kind(r, &[LOADS, STAGED, DONE, FAILURE])? {
+            LOADS => ControlReply::Loads(
+                (0..table_len(r, "EP ranks")?)
+                    .map(|_| {
+                        let epoch = u32_of(r)?;
+                        let per_slot = (0..table_len(r, "load layers")?)
+                            .map(|_| {
+                                (0..table_len(r, "load slots")?)
+                                    .map(|_| u64_of(r))
+                                    .collect::<io::Result<Vec<_>>>()
+                            })
+                            .collect::<io::Result<Vec<_>>>()?;
+                        Ok((epoch, per_slot))
+                    })
+                    .collect::<io::Result<Vec<_>>>()?,
+            ),
+            STAGED => ControlReply::Staged { copied: u64_of(r)? },
+            DONE => ControlReply::Done,
+            _ => ControlReply::Failure(text_of(r)?),
+        })
+    }
+}
+
 impl Dispatch {
     pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
         let mut f = Frame::new(DISPATCH);
@@ -218,13 +441,8 @@ impl Dispatch {
         f.send(w)
     }
 
-    /// The next dispatch on a connection (`None`: the peer closed it between frames).
-    pub fn receive(r: &mut impl Read) -> io::Result<Option<Dispatch>> {
-        match kind_of(r)? {
-            None => return Ok(None),
-            Some(DISPATCH) => {}
-            Some(kind) => return Err(bad(format!("expected a dispatch, got frame kind {kind}"))),
-        }
+    /// A dispatch's fields after its kind byte.
+    fn body(r: &mut impl Read) -> io::Result<Dispatch> {
         let tag = tag_of(r)?;
         let rank = u16_of(r)?;
         let count = bounded(u32_of(r)?, MAX_ROWS, "row count")?;
@@ -241,14 +459,14 @@ impl Dispatch {
             weights.push(f32s_of(r, 1)?[0]);
         }
         let rows = f32s_of(r, count * dim)?;
-        Ok(Some(Dispatch {
+        Ok(Dispatch {
             tag,
             rank,
             dim: dim as u32,
             slots,
             weights,
             rows,
-        }))
+        })
     }
 }
 
@@ -361,9 +579,9 @@ mod tests {
         };
         let mut bytes = Vec::new();
         dispatch.send(&mut bytes).expect("written");
-        let back = Dispatch::receive(&mut bytes.as_slice()).expect("read");
-        assert_eq!(back, Some(dispatch));
-        assert_eq!(Dispatch::receive(&mut &[][..]).expect("closed"), None);
+        let back = Request::receive(&mut bytes.as_slice()).expect("read");
+        assert_eq!(back, Some(Request::Dispatch(dispatch)));
+        assert_eq!(Request::receive(&mut &[][..]).expect("closed"), None);
 
         let reply = Reply::Combine {
             tag,
@@ -400,14 +618,73 @@ mod tests {
         huge.tag(tag);
         huge.u16(0);
         huge.u32(u32::MAX);
-        let err = Dispatch::receive(&mut huge.0.as_slice()).expect_err("too many rows");
+        let err = Request::receive(&mut huge.0.as_slice()).expect_err("too many rows");
         assert!(err.to_string().contains("row count"), "{err}");
         let mut wide = Frame::new(DISPATCH);
         wide.tag(tag);
         wide.u16(0);
         wide.u32(MAX_ROWS);
         wide.u32(MAX_DIM);
-        let err = Dispatch::receive(&mut wide.0.as_slice()).expect_err("too many values");
+        let err = Request::receive(&mut wide.0.as_slice()).expect_err("too many values");
         assert!(err.to_string().contains("rows x width"), "{err}");
+    }
+
+    #[test]
+    fn control_frames_round_trip_and_bad_bytes_are_errors() {
+        let shape = deepinfer_topology::PlacementShape {
+            num_replicas: 10,
+            num_groups: 1,
+            num_nodes: 2,
+            num_gpus: 2,
+        };
+        let loads = vec![vec![9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0]; 3];
+        let placement = deepinfer_topology::rebalance_experts(&loads, shape).expect("solved");
+        let requests = [
+            Control::TakeLoads,
+            Control::Stage {
+                epoch: 4,
+                placement,
+            },
+            Control::Commit { epoch: 4 },
+            Control::Abort { epoch: 5 },
+        ];
+        for control in requests {
+            let request = ControlRequest {
+                session: 11,
+                control,
+            };
+            let mut bytes = Vec::new();
+            request.send(&mut bytes).expect("written");
+            let back = Request::receive(&mut bytes.as_slice()).expect("read");
+            assert_eq!(back, Some(Request::Control(request)));
+        }
+        let replies = [
+            ControlReply::Loads(vec![(3, vec![vec![1, 2], vec![0, 7]]), (3, vec![])]),
+            ControlReply::Staged { copied: 6 },
+            ControlReply::Done,
+            ControlReply::Failure("no".into()),
+        ];
+        for reply in replies {
+            let mut bytes = Vec::new();
+            reply.send(&mut bytes).expect("written");
+            assert_eq!(
+                ControlReply::receive(&mut bytes.as_slice()).expect("read"),
+                reply
+            );
+        }
+        let mut unknown = Frame::new(CONTROL);
+        unknown.u64(11);
+        unknown.0.push(9);
+        let err = Request::receive(&mut unknown.0.as_slice()).expect_err("unknown request");
+        assert!(err.to_string().contains("control request 9"), "{err}");
+        let mut huge = Frame::new(CONTROL);
+        huge.u64(11);
+        huge.0.push(1);
+        huge.u32(1);
+        huge.0.push(0);
+        huge.u32(5);
+        huge.u32(u32::MAX);
+        let err = Request::receive(&mut huge.0.as_slice()).expect_err("too many layers");
+        assert!(err.to_string().contains("placement layers"), "{err}");
     }
 }

@@ -6,12 +6,18 @@
 //! each rank step ran on, and the `EplbActor`'s ref once the supervisor spawned it.
 //! Ordering: `commit` swaps the current transport; a rank reads it once at the start of a step
 //! (`begin_step`) and keeps it to the end, so a step never mixes epochs; the old transport lives
-//! until its last step finishes.
+//! until its last step finishes (across nodes, until the next commit: peers that have not
+//! adopted the new epoch yet still send rows of the old one, and a staged transport is served
+//! to peers that adopted it first: `comm_of`). Across nodes it also loads only this node's
+//! experts (`node_expert_filter`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use deepinfer_model::Model;
+use deepinfer_model::checkpoint::ExpertFilter;
+use deepinfer_model::memory_plan::plan_gpu;
 use deepinfer_topology::{
     ClusterConfig, DpRank, EpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape,
 };
@@ -19,8 +25,9 @@ use ractor::ActorRef;
 use ractor::rpc::CallResult;
 
 use crate::comm::bootstrap::{self, Member};
-use crate::comm::remote::{ExpertServer, RemoteRanks};
-use crate::comm::{EpError, LocalComm};
+use crate::comm::remote::{ExpertServer, RemoteRanks, Timeouts};
+use crate::comm::wire::{Control, ControlReply};
+use crate::comm::{Comm, EpError, LocalComm};
 use crate::experts::shard::{ExpertShard, ExpertSource};
 use crate::messages::eplb::{EplbMsg, EplbStatus, RebalanceReport};
 
@@ -110,12 +117,13 @@ pub struct StepRecord {
     pub tokens: usize,
 }
 
-/// The shape and the placement for equal loads (epoch 0) of `settings` over `source`.
+/// The shape and the placement for equal loads (epoch 0) of `settings` over `layers` backbone
+/// layers of `experts` routed experts.
 fn epoch_zero(
-    source: &ExpertSource,
+    layers: usize,
+    experts: usize,
     settings: EpSettings,
 ) -> Result<(PlacementShape, Arc<ExpertPlacement>), EpError> {
-    let (layers, experts) = (source.layers(), source.routed_experts());
     let shape = PlacementShape {
         num_replicas: experts + settings.redundant_experts,
         num_groups: settings.num_groups,
@@ -133,6 +141,54 @@ fn epoch_zero(
     Ok((shape, placement))
 }
 
+/// The routed experts the process of node `node.cluster.node` loads (a model of `layers`
+/// backbone layers of `experts` routed experts): those its EP ranks' slots hold in the epoch-0
+/// placement, redundant replicas included — what [`ExpertParallel::on_node`] builds its shards
+/// from.
+pub fn node_expert_filter(
+    node: &NodeConfig,
+    layers: usize,
+    experts: usize,
+) -> Result<ExpertFilter, EpError> {
+    let (_, placement) = epoch_zero(layers, experts, EpSettings::from_node(node))?;
+    let kept: Vec<Vec<bool>> = (0..layers)
+        .map(|layer| {
+            let mut row = vec![false; experts];
+            for rank in node.ep_ranks_on_node() {
+                for expert in placement.experts_on_rank(layer, EpRank(rank)) {
+                    row[expert.index()] = true;
+                }
+            }
+            row
+        })
+        .collect();
+    Ok(ExpertFilter::new(move |layer, expert| {
+        kept.get(layer)
+            .and_then(|row| row.get(expert))
+            .copied()
+            .unwrap_or(false)
+    }))
+}
+
+/// What the process of node `node.cluster.node` holds in host memory after a load with
+/// [`node_expert_filter`]: its routed experts' bytes against the whole model's, and the weights
+/// every node holds (the memory plan's dense and Engram shares of `model`'s config).
+pub fn node_holdings(node: &NodeConfig, model: &Model) -> String {
+    let cfg = model.config();
+    let (held, held_count) = model.routed_expert_bytes();
+    let whole = plan_gpu(cfg, cfg.n_routed_experts, u64::MAX);
+    let (dense, routed, engram) = whole.map_or((0, 0, 0), |p| (p.dense, p.experts, p.engram));
+    format!(
+        "node {} of {} holds the routed experts of EP ranks {:?}: {held} of {routed} host bytes \
+         ({held_count} of {} layer-experts); dense weights {dense} and Engram {engram} host \
+         bytes, as every node",
+        node.cluster.node,
+        node.device.nodes,
+        node.ep_ranks_on_node(),
+        cfg.n_layers * cfg.n_routed_experts,
+    )
+}
+
 /// The epoch-0 shards of EP ranks `ranks`.
 fn build_shards(
     source: &ExpertSource,
@@ -147,6 +203,11 @@ fn build_shards(
         .collect()
 }
 
+/// A poisoned lock still holds a whole value (every update is one assignment).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The shared expert-parallel state of one engine.
 #[derive(Debug)]
 pub struct ExpertParallel {
@@ -154,7 +215,16 @@ pub struct ExpertParallel {
     shape: PlacementShape,
     settings: EpSettings,
     current: RwLock<Arc<LocalComm>>,
+    /// Across nodes: the staged transport (served to peers' rows of its epoch before this node
+    /// adopts it) and the one before the current (served to rows of peers that have not
+    /// adopted the current yet).
+    staged: Mutex<Option<Arc<LocalComm>>>,
+    previous: Mutex<Option<Arc<LocalComm>>>,
     eplb: Mutex<Option<ActorRef<EplbMsg>>>,
+    /// The runtime the `EplbActor` runs on (the expert server's threads call it from outside).
+    runtime: Mutex<Option<tokio::runtime::Handle>>,
+    /// A node other than 0 of several: its EPLB follows node 0's.
+    follower: bool,
     log: Mutex<VecDeque<StepRecord>>,
     /// Across nodes: this node's expert server (stops accepting when the engine is dropped).
     server: Mutex<Option<ExpertServer>>,
@@ -167,10 +237,12 @@ impl ExpertParallel {
         settings: EpSettings,
     ) -> Result<Arc<ExpertParallel>, EpError> {
         let source = source.into();
-        let (shape, placement) = epoch_zero(&source, settings)?;
+        let (shape, placement) = epoch_zero(source.layers(), source.routed_experts(), settings)?;
         let shards = build_shards(&source, &placement, 0..settings.ep_ranks)?;
         let comm = LocalComm::new(PlacementEpoch(0), source.clone(), placement, shards)?;
-        Ok(ExpertParallel::with_comm(source, shape, settings, comm))
+        Ok(ExpertParallel::with_comm(
+            source, shape, settings, comm, false,
+        ))
     }
 
     /// Epoch 0 on node `cluster.node` of `settings.num_nodes`: only this node's EP ranks get
@@ -183,7 +255,10 @@ impl ExpertParallel {
         cluster: &ClusterConfig,
     ) -> Result<Arc<ExpertParallel>, EpError> {
         let source = source.into();
-        let (shape, placement) = epoch_zero(&source, settings)?;
+        let (shape, placement) = epoch_zero(source.layers(), source.routed_experts(), settings)?;
+        // Node 0's EPLB rebalances every node; the others follow it (`EplbMsg::Follow`).
+        let mut settings = settings;
+        settings.eplb.enabled &= cluster.node == 0;
         let bootstrap_addr = cluster
             .bootstrap
             .ok_or_else(|| EpError::Bootstrap("several nodes need [cluster] bootstrap".into()))?;
@@ -206,7 +281,10 @@ impl ExpertParallel {
         let joined = bootstrap::join(bootstrap_addr, me, cluster.bootstrap_timeout)?;
         let remote = RemoteRanks::new(
             joined.session,
-            cluster.exchange_timeout,
+            Timeouts {
+                exchange: cluster.exchange_timeout,
+                staging: cluster.bootstrap_timeout,
+            },
             node,
             per_node,
             &joined.experts,
@@ -218,7 +296,7 @@ impl ExpertParallel {
             shards,
             Arc::new(remote),
         )?;
-        let parallel = ExpertParallel::with_comm(source, shape, settings, comm);
+        let parallel = ExpertParallel::with_comm(source, shape, settings, comm, node != 0);
         let server = ExpertServer::start(listener, joined.session, Arc::downgrade(&parallel))?;
         *parallel.server.lock().unwrap_or_else(|p| p.into_inner()) = Some(server);
         Ok(parallel)
@@ -229,13 +307,18 @@ impl ExpertParallel {
         shape: PlacementShape,
         settings: EpSettings,
         comm: LocalComm,
+        follower: bool,
     ) -> Arc<ExpertParallel> {
         Arc::new(ExpertParallel {
             source,
             shape,
             settings,
             current: RwLock::new(Arc::new(comm)),
+            staged: Mutex::new(None),
+            previous: Mutex::new(None),
             eplb: Mutex::new(None),
+            runtime: Mutex::new(None),
+            follower,
             log: Mutex::new(VecDeque::new()),
             server: Mutex::new(None),
         })
@@ -263,12 +346,69 @@ impl ExpertParallel {
         }
     }
 
-    /// Makes `comm` the transport of every step that starts from now on.
+    /// Makes `comm` the transport of every step that starts from now on (the one it replaces
+    /// is still served to peers' rows of its epoch until the next commit).
     pub(crate) fn commit(&self, comm: Arc<LocalComm>) {
-        match self.current.write() {
-            Ok(mut guard) => *guard = comm,
-            Err(poisoned) => *poisoned.into_inner() = comm,
+        let replaced = {
+            let mut guard = self.current.write().unwrap_or_else(|p| p.into_inner());
+            std::mem::replace(&mut *guard, comm.clone())
+        };
+        // In one process no peer sends rows: the old transport lives until its last step ends.
+        *lock(&self.previous) = replaced.remote().is_some().then_some(replaced);
+        let mut staged = lock(&self.staged);
+        if staged.as_ref().is_some_and(|s| s.epoch() == comm.epoch()) {
+            *staged = None;
         }
+    }
+
+    /// Serves `comm` (a staged placement) to peers' rows of its epoch; steps here keep the
+    /// current one until `commit`.
+    pub(crate) fn stage(&self, comm: Arc<LocalComm>) {
+        *lock(&self.staged) = Some(comm);
+    }
+
+    /// Drops the staged transport of `epoch`, if it is the one staged.
+    pub(crate) fn abort_staged(&self, epoch: PlacementEpoch) {
+        let mut staged = lock(&self.staged);
+        if staged.as_ref().is_some_and(|s| s.epoch() == epoch) {
+            *staged = None;
+        }
+    }
+
+    /// The transport that serves rows of placement `epoch`: the current one, the staged one or
+    /// the one before the current (`None`: none of them).
+    pub fn comm_of(&self, epoch: PlacementEpoch) -> Option<Arc<LocalComm>> {
+        let current = self.current();
+        if current.epoch() == epoch {
+            return Some(current);
+        }
+        [&self.staged, &self.previous]
+            .into_iter()
+            .find_map(|slot| lock(slot).clone().filter(|comm| comm.epoch() == epoch))
+    }
+
+    /// Runs a request of node 0's EPLB (from this node's expert server thread) on this node's
+    /// `EplbActor`.
+    pub(crate) fn follow(&self, control: Control) -> ControlReply {
+        let eplb = self.eplb();
+        let runtime = lock(&self.runtime).clone();
+        let (Some(eplb), Some(runtime)) = (eplb, runtime) else {
+            return ControlReply::Failure("this node's EPLB has not started".into());
+        };
+        let call = eplb.call(
+            |reply| EplbMsg::Follow { control, reply },
+            Some(EPLB_TIMEOUT),
+        );
+        match runtime.block_on(call) {
+            Ok(CallResult::Success(reply)) => reply,
+            Ok(_) => ControlReply::Failure("this node's EPLB did not answer".into()),
+            Err(e) => ControlReply::Failure(format!("this node's EPLB: {e}")),
+        }
+    }
+
+    /// Whether this is a node other than 0 of several (its EPLB follows node 0's).
+    pub fn follower(&self) -> bool {
+        self.follower
     }
 
     /// The `EplbActor`, once spawned.
@@ -279,11 +419,10 @@ impl ExpertParallel {
             .unwrap_or_else(|p| p.into_inner().clone())
     }
 
+    /// Attaches the spawned `EplbActor` (called on its runtime).
     pub(crate) fn attach_eplb(&self, eplb: ActorRef<EplbMsg>) {
-        match self.eplb.lock() {
-            Ok(mut guard) => *guard = Some(eplb),
-            Err(poisoned) => *poisoned.into_inner() = Some(eplb),
-        }
+        *lock(&self.runtime) = tokio::runtime::Handle::try_current().ok();
+        *lock(&self.eplb) = Some(eplb);
     }
 
     /// Records a finished rank step and tells the EPLB (one message per step).

@@ -1,9 +1,10 @@
 //! `ExpertShard`: what one EP rank holds for one placement epoch — the logical expert of each of
-//! its physical slots in every backbone layer, its own copy of their weights, and a load counter
-//! per physical slot (tokens served), read by the EPLB.
+//! its physical slots in every backbone layer, their weights (the model's own where the model
+//! holds the expert, else a copy read for the shard from the checkpoint), and a load counter per
+//! physical slot (tokens served), read by the EPLB.
 //!
 //! A shard is immutable but for its counters; a new placement builds a new shard (reusing the
-//! weights of experts this rank already held, copying the others), so the shard of a running
+//! weights of experts this rank already held, reading the others), so the shard of a running
 //! step never changes under it. A simulated shard (`ExpertSource::Simulated`) holds no weights:
 //! its simulated device adds its picks to the counters (`count`).
 
@@ -19,7 +20,7 @@ use crate::comm::EpError;
 /// Where the expert weights of an engine's shards come from.
 #[derive(Debug, Clone)]
 pub enum ExpertSource {
-    /// The served model: every shard holds its own copy of its experts' weights.
+    /// The served model: shards run its weights of the experts it holds, copies of the others.
     Model(Arc<Model>),
     /// Simulated devices (`deepinfer-node --simulate`): placements and load counters only.
     Simulated {
@@ -52,6 +53,60 @@ impl From<Arc<Model>> for ExpertSource {
     }
 }
 
+/// Where a slot's weights are.
+#[derive(Debug, Clone)]
+enum SlotWeights {
+    /// The model's own (it holds the expert): nothing copied.
+    Model,
+    /// A copy read for the shard (an expert the model was loaded without).
+    Copy(Arc<RoutedExpert>),
+}
+
+/// `[layer][local slot]` weights of the experts `held`: those `previous` holds shared, the
+/// model's own where it holds the expert, the others read by `model` in one call.
+fn shard_weights(
+    model: &Model,
+    held: &[Vec<ExpertId>],
+    previous: Option<&ExpertShard>,
+) -> Result<Vec<Vec<SlotWeights>>, EpError> {
+    let kept = |layer: usize, expert: ExpertId| {
+        previous
+            .and_then(|p| p.weights_of(layer, expert))
+            .or_else(|| {
+                model
+                    .holds_routed_expert(layer, expert.index())
+                    .then_some(SlotWeights::Model)
+            })
+    };
+    let wanted: Vec<(usize, usize)> = held
+        .iter()
+        .enumerate()
+        .flat_map(|(layer, row)| row.iter().map(move |&expert| (layer, expert)))
+        .filter(|&(layer, expert)| kept(layer, expert).is_none())
+        .map(|(layer, expert)| (layer, expert.index()))
+        .collect();
+    let mut copies = model
+        .copy_routed_experts(&wanted)
+        .map_err(|e| EpError::Model(e.to_string()))?
+        .into_iter();
+    held.iter()
+        .enumerate()
+        .map(|(layer, row)| {
+            row.iter()
+                .map(|&expert| match kept(layer, expert) {
+                    Some(weights) => Ok(weights),
+                    None => copies
+                        .next()
+                        .map(|c| SlotWeights::Copy(Arc::new(c)))
+                        .ok_or_else(|| {
+                            EpError::Model(format!("no copy of expert {expert} of layer {layer}"))
+                        }),
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// One EP rank's experts in one epoch.
 #[derive(Debug)]
 pub struct ExpertShard {
@@ -60,7 +115,7 @@ pub struct ExpertShard {
     /// `[layer][local slot]`: the logical expert held.
     held: Vec<Vec<ExpertId>>,
     /// `[layer][local slot]`: its weights (empty rows for a simulated shard).
-    weights: Vec<Vec<Arc<RoutedExpert>>>,
+    weights: Vec<Vec<SlotWeights>>,
     /// `[layer][local slot]`: picks served since the last `take_loads`.
     served: Vec<Vec<AtomicU64>>,
 }
@@ -77,7 +132,8 @@ pub struct StageReport {
 
 impl ExpertShard {
     /// The shard of `rank` under `placement` for `epoch`: weights of experts `previous` holds in
-    /// the same layer are shared, the rest are copied from the model of `source`.
+    /// the same layer are shared, the rest are copied from the model of `source` (read from its
+    /// checkpoint when the model was loaded without them: `Model::copy_routed_experts`).
     pub fn build(
         source: &ExpertSource,
         placement: &ExpertPlacement,
@@ -87,7 +143,6 @@ impl ExpertShard {
     ) -> Result<(ExpertShard, StageReport), EpError> {
         let mut report = StageReport::default();
         let mut held = Vec::with_capacity(placement.layers.len());
-        let mut weights = Vec::with_capacity(placement.layers.len());
         for layer in 0..placement.layers.len() {
             let experts = placement.experts_on_rank(layer, rank).to_vec();
             if experts.len() != placement.slots_per_gpu {
@@ -97,30 +152,19 @@ impl ExpertShard {
                     found: experts.len(),
                 });
             }
-            let mut row = Vec::with_capacity(experts.len());
             for &expert in &experts {
-                let held_before = previous.is_some_and(|p| p.holds(layer, expert));
-                if held_before {
+                if previous.is_some_and(|p| p.holds(layer, expert)) {
                     report.reused += 1;
                 } else {
                     report.copied += 1;
                 }
-                let ExpertSource::Model(model) = source else {
-                    continue;
-                };
-                match previous.and_then(|p| p.weights_of(layer, expert)) {
-                    Some(kept) => row.push(kept),
-                    None => {
-                        let copy = model
-                            .routed_expert(layer, expert.index())
-                            .map_err(|e| EpError::Model(e.to_string()))?;
-                        row.push(Arc::new(copy));
-                    }
-                }
             }
             held.push(experts);
-            weights.push(row);
         }
+        let weights = match source {
+            ExpertSource::Model(model) => shard_weights(model, &held, previous)?,
+            ExpertSource::Simulated { .. } => held.iter().map(|_| Vec::new()).collect(),
+        };
         let served = held
             .iter()
             .map(|row| row.iter().map(|_| AtomicU64::new(0)).collect())
@@ -145,6 +189,15 @@ impl ExpertShard {
         self.epoch
     }
 
+    /// Slots whose weights are a copy read for this shard (not the model's own).
+    pub fn copies(&self) -> usize {
+        self.weights
+            .iter()
+            .flatten()
+            .filter(|w| matches!(w, SlotWeights::Copy(_)))
+            .count()
+    }
+
     /// `[layer][local slot]`: the logical expert each slot holds.
     pub fn held(&self) -> &[Vec<ExpertId>] {
         &self.held
@@ -158,7 +211,7 @@ impl ExpertShard {
     }
 
     /// The weights this shard holds for `expert` in `layer`, if any slot holds it.
-    fn weights_of(&self, layer: usize, expert: ExpertId) -> Option<Arc<RoutedExpert>> {
+    fn weights_of(&self, layer: usize, expert: ExpertId) -> Option<SlotWeights> {
         let local = self.held.get(layer)?.iter().position(|&e| e == expert)?;
         self.weights.get(layer)?.get(local).cloned()
     }
@@ -193,8 +246,9 @@ impl ExpertShard {
         Ok(())
     }
 
-    /// Runs the expert of local slot `local` of `layer` on one token and counts the pick.
-    /// The caller (`LocalComm`) only names slots its validated placement puts on this rank.
+    /// Runs the expert of local slot `local` of `layer` on one token and counts the pick (on
+    /// `model`, the model the shard was built from). The caller (`LocalComm`) only names slots
+    /// its validated placement puts on this rank.
     pub fn run(
         &self,
         model: &Model,
@@ -202,9 +256,21 @@ impl ExpertShard {
         local: usize,
         x: &[f32],
         weight: f32,
-    ) -> Vec<f32> {
+    ) -> Result<Vec<f32>, EpError> {
         self.served[layer][local].fetch_add(1, Ordering::Relaxed);
-        model.run_routed_expert(&self.weights[layer][local], x, weight)
+        let expert = self.held[layer][local];
+        let output = match self.weights.get(layer).and_then(|row| row.get(local)) {
+            Some(SlotWeights::Model) => model.run_held_expert(layer, expert.index(), x, weight),
+            Some(SlotWeights::Copy(copy)) => Some(model.run_routed_expert(copy, x, weight)),
+            None => None,
+        };
+        output.ok_or_else(|| EpError::Layer {
+            layer,
+            message: format!(
+                "{} slot {local}: {expert} has no weights in this shard or its model",
+                self.rank
+            ),
+        })
     }
 
     /// Counts `picks` served by local slot `local` of `layer` without computing them (a

@@ -166,6 +166,49 @@ mod tests {
         assert_eq!(group.current().epoch(), PlacementEpoch(1));
     }
 
+    /// A shard runs the model's own weights of the experts the model holds and reads a copy of
+    /// the others only (a model loaded with an expert filter), with the same outputs.
+    #[test]
+    fn shards_copy_only_what_the_model_lacks() {
+        let (dir, whole) = tiny_test_model();
+        let layers = whole.config().n_layers;
+        let even = deepinfer_model::checkpoint::ExpertFilter::new(|_, expert| expert % 2 == 0);
+        let partial = Arc::new(
+            deepinfer_model::Model::load_experts(dir.path(), None, &even).expect("filtered"),
+        );
+        let uniform = ExpertPlacement::uniform(layers, 8, SHAPE).expect("uniform");
+        let rank = EpRank(1);
+        let build = |model: &Arc<deepinfer_model::Model>| {
+            ExpertShard::build(
+                &model.clone().into(),
+                &uniform,
+                rank,
+                PlacementEpoch(0),
+                None,
+            )
+            .expect("built")
+            .0
+        };
+        let (own, read) = (build(&whole), build(&partial));
+        assert_eq!(own.copies(), 0);
+        let odd = own
+            .held()
+            .iter()
+            .flatten()
+            .filter(|e| e.index() % 2 == 1)
+            .count();
+        assert!(odd > 0);
+        assert_eq!(read.copies(), odd);
+        let x = vec![0.25f32; whole.config().dim];
+        for layer in 0..layers {
+            for local in 0..3 {
+                let a = own.run(&whole, layer, local, &x, 0.5).expect("runs");
+                let b = read.run(&partial, layer, local, &x, 0.5).expect("runs");
+                assert_eq!(a, b, "layer {layer} slot {local}");
+            }
+        }
+    }
+
     #[test]
     fn load_counters_count_served_picks_and_reset() {
         let (_dir, model) = tiny_test_model();
@@ -182,9 +225,9 @@ mod tests {
         let group = ExpertGroupState::new(Arc::new(shard));
         let x = vec![0.5f32; model.config().dim];
         for _ in 0..3 {
-            group.current().run(&model, 2, 1, &x, 0.25);
+            group.current().run(&model, 2, 1, &x, 0.25).expect("runs");
         }
-        group.current().run(&model, 0, 0, &x, 0.25);
+        group.current().run(&model, 0, 0, &x, 0.25).expect("runs");
         let loads = group.current().take_loads();
         assert_eq!(loads[2][1], 3);
         assert_eq!(loads[0][0], 1);

@@ -4,6 +4,7 @@ use deepinfer_topology::{DpRank, PlacementEpoch};
 use ractor::RpcReplyPort;
 
 use crate::comm::EpError;
+use crate::comm::wire::{Control, ControlReply};
 
 /// What one rebalance measured and did.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,4 +51,10 @@ pub enum EplbMsg {
     /// Measure the loads since the last measurement and rebalance now.
     RebalanceNow(RpcReplyPort<Result<RebalanceReport, EpError>>),
     Status(RpcReplyPort<EplbStatus>),
+    /// On a node other than 0: node 0's EPLB asks (through this node's expert server) for this
+    /// node's loads, or to stage, commit or abort a placement epoch on its EP ranks.
+    Follow {
+        control: Control,
+        reply: RpcReplyPort<ControlReply>,
+    },
 }

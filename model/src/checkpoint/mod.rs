@@ -9,6 +9,7 @@
 //! whatever format it is stored (FP8 tiles, packed FP4, BF16/F32); `inventory_v4` lists the V4
 //! tensors.
 
+mod expert_filter;
 pub mod inventory;
 pub mod inventory_v4;
 mod linear;
@@ -19,6 +20,7 @@ pub mod synth;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+pub use expert_filter::ExpertFilter;
 pub use inventory::{Init, TensorKind, TensorSpec, v41_inventory};
 pub use inventory_v4::{inventory_for, v4_inventory};
 pub use linear::StoredLinear;

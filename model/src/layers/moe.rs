@@ -16,8 +16,32 @@ pub struct MoeWeights {
     /// Selection bias `[n_experts]` (fp32).
     pub bias: Vec<f32>,
     pub n_activated: usize,
+    /// The routed experts this model holds, in increasing expert id: all of them, or those the
+    /// loader's `ExpertFilter` kept (see `held`).
     pub experts: Vec<ExpertWeights<ExpertLinear>>,
+    /// The expert id of each entry of `experts` when the loader kept only some (increasing);
+    /// `None`: entry `e` is expert `e`, every expert is here.
+    pub held: Option<Vec<usize>>,
     pub shared: ExpertWeights<ExpertLinear>,
+}
+
+impl MoeWeights {
+    /// The weights of routed expert `expert`, if this model holds it.
+    pub fn expert(&self, expert: usize) -> Option<&ExpertWeights<ExpertLinear>> {
+        match &self.held {
+            None => self.experts.get(expert),
+            Some(ids) => ids
+                .binary_search(&expert)
+                .ok()
+                .and_then(|i| self.experts.get(i)),
+        }
+    }
+
+    /// The first routed expert (of `n_experts`) this model does not hold, if any.
+    pub fn first_missing(&self) -> Option<usize> {
+        let n_experts = self.bias.len();
+        (0..n_experts).find(|&e| self.expert(e).is_none())
+    }
 }
 
 /// The router's bias choice for the rows of one block call: row `t` of the chunk selects its
@@ -226,7 +250,9 @@ pub fn forward_rows(
         None => {
             // Rows (with their weights) of every expert; visiting experts in increasing id adds
             // each row's outputs in that order.
-            let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); w.experts.len()];
+            // (The model refuses to run a layer whose experts it does not all hold here:
+            // `Model::check_experts_held`.)
+            let mut users: Vec<Vec<(usize, f32)>> = vec![Vec::new(); w.bias.len()];
             for (t, route) in routes.iter().enumerate() {
                 for (&expert, &weight) in route.experts.iter().zip(&route.weights) {
                     if let Some(rows) = users.get_mut(expert) {
@@ -234,10 +260,10 @@ pub fn forward_rows(
                     }
                 }
             }
-            for (rows, weights) in users.iter().zip(w.experts.iter()) {
-                if rows.is_empty() {
+            for (id, rows) in users.iter().enumerate() {
+                let Some(weights) = w.expert(id).filter(|_| !rows.is_empty()) else {
                     continue;
-                }
+                };
                 let pieces: Vec<(&Tensor, usize)> =
                     rows.iter().map(|&(t, _)| (x, t * dim)).collect();
                 let xe = ctx.backend.gather(&pieces, dim);

@@ -295,6 +295,7 @@ impl Loader<'_> {
             bias,
             n_activated,
             experts,
+            held: None,
             shared: self.expert(
                 &format!("{p}shared_experts."),
                 cfg.moe_inter_dim * cfg.n_shared_experts,

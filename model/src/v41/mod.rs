@@ -25,7 +25,7 @@ pub use step::{LogitsRow, StepEntry};
 pub use trace::{ForwardTrace, Injection};
 
 use crate::backend::{Backend, CpuBackend};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
@@ -51,6 +51,10 @@ pub struct Model {
     engram: Option<Arc<Engram>>,
     dspark: Option<Arc<DsparkWeights>>,
     vision: Option<Arc<vision::VisionTower>>,
+    /// The checkpoint of a model loaded with an `ExpertFilter` that left experts out, kept open
+    /// (mapped, nothing resident until read) so that they can be read when asked for
+    /// (`Model::copy_routed_experts`), even once its files are unlinked.
+    pub(crate) checkpoint: Option<Arc<Checkpoint>>,
 }
 
 impl Model {
@@ -66,9 +70,20 @@ impl Model {
         dir: &Path,
         vocab: Option<CompressedVocab>,
     ) -> Result<Model, ModelError> {
+        Self::load_experts(dir, vocab, &ExpertFilter::all())
+    }
+
+    /// Like [`Model::load_with_vocab`], reading only the backbone routed experts `experts` keeps
+    /// (an expert-parallel process: the experts of its EP ranks); such a model runs its routed
+    /// experts through an expert hook only ([`Model::forward_with_experts`]).
+    pub fn load_experts(
+        dir: &Path,
+        vocab: Option<CompressedVocab>,
+        experts: &ExpertFilter,
+    ) -> Result<Model, ModelError> {
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
-        Self::from_checkpoint(cfg, &ckpt, vocab, Box::new(CpuBackend::new()))
+        Self::from_checkpoint_experts(cfg, &ckpt, vocab, Box::new(CpuBackend::new()), experts)
     }
 
     /// Builds the model from an opened checkpoint on `backend`.
@@ -78,10 +93,21 @@ impl Model {
         vocab: Option<CompressedVocab>,
         backend: Box<dyn Backend>,
     ) -> Result<Model, ModelError> {
+        Self::from_checkpoint_experts(cfg, ckpt, vocab, backend, &ExpertFilter::all())
+    }
+
+    /// [`Model::from_checkpoint`] reading only the backbone routed experts `experts` keeps.
+    pub fn from_checkpoint_experts(
+        cfg: ModelConfig,
+        ckpt: &Checkpoint,
+        vocab: Option<CompressedVocab>,
+        backend: Box<dyn Backend>,
+        experts: &ExpertFilter,
+    ) -> Result<Model, ModelError> {
         check_supported(&cfg)?;
         let (vocab_size, dim) = (cfg.vocab_size, cfg.dim);
         let layers = (0..cfg.n_layers)
-            .map(|l| weights::load_block(ckpt, &cfg, &format!("layers.{l}."), Some(l)))
+            .map(|l| weights::load_block(ckpt, &cfg, &format!("layers.{l}."), Some(l), experts))
             .collect::<Result<Vec<_>, ModelError>>()?;
         let engram = match (&cfg.engram, vocab) {
             (None, _) => None,
@@ -101,6 +127,10 @@ impl Model {
             layers: Arc::new(layers),
             engram,
             dspark: weights::load_dspark(ckpt, &cfg)?.map(Arc::new),
+            checkpoint: match experts.is_all() {
+                true => None,
+                false => Some(Arc::new(Checkpoint::open(ckpt.dir())?)),
+            },
             vision: vision::VisionTower::load(ckpt, &cfg)?.map(Arc::new),
             backend,
             cfg,
@@ -130,6 +160,7 @@ impl Model {
             engram: self.engram.clone(),
             dspark: self.dspark.clone(),
             vision: self.vision.clone(),
+            checkpoint: self.checkpoint.clone(),
         }
     }
 

@@ -188,6 +188,9 @@ impl Model {
                 ),
             });
         }
+        if experts.is_none() {
+            self.check_experts_held()?;
+        }
         for (e, entry) in entries.iter().enumerate() {
             self.check_chunk(entry.seq, entry.tokens)
                 .map_err(|err| step_error(e, entries.len(), err))?;

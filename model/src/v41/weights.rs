@@ -4,7 +4,7 @@
 
 use crate::backend::HcParams;
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::{ExpertDtype, ModelConfig};
 use crate::error::ModelError;
 use crate::layers::moe::MoeWeights;
@@ -105,23 +105,36 @@ fn expert_linear(
     })
 }
 
+/// Routed expert `expert` of the block at `prefix` (`layers.{l}.` or `mtp.{s}.`).
+pub(crate) fn routed_expert(
+    ckpt: &Checkpoint,
+    prefix: &str,
+    cfg: &ModelConfig,
+    expert: usize,
+) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
+    let (dim, inter, dtype) = (cfg.dim, cfg.moe_inter_dim, cfg.quant.expert_dtype);
+    let p = format!("{prefix}ffn.experts.{expert}.");
+    Ok(ExpertWeights {
+        w1: expert_linear(ckpt, &format!("{p}w1"), inter, dim, dtype)?,
+        w2: expert_linear(ckpt, &format!("{p}w2"), dim, inter, dtype)?,
+        w3: expert_linear(ckpt, &format!("{p}w3"), inter, dim, dtype)?,
+    })
+}
+
+/// The MoE of a block; `keeps(e)` says which routed experts are read (the others stay in the
+/// checkpoint).
 fn moe(
     ckpt: &Checkpoint,
     prefix: &str,
     cfg: &ModelConfig,
-    n_experts: usize,
-    n_activated: usize,
+    (n_experts, n_activated): (usize, usize),
+    keeps: impl Fn(usize) -> bool,
 ) -> Result<MoeWeights, ModelError> {
     let (dim, inter) = (cfg.dim, cfg.moe_inter_dim);
-    let experts = (0..n_experts)
-        .map(|e| {
-            let p = format!("{prefix}ffn.experts.{e}.");
-            Ok(ExpertWeights {
-                w1: expert_linear(ckpt, &format!("{p}w1"), inter, dim, cfg.quant.expert_dtype)?,
-                w2: expert_linear(ckpt, &format!("{p}w2"), dim, inter, cfg.quant.expert_dtype)?,
-                w3: expert_linear(ckpt, &format!("{p}w3"), inter, dim, cfg.quant.expert_dtype)?,
-            })
-        })
+    let ids: Vec<usize> = (0..n_experts).filter(|&e| keeps(e)).collect();
+    let experts = ids
+        .iter()
+        .map(|&e| routed_expert(ckpt, prefix, cfg, e))
         .collect::<Result<Vec<_>, ModelError>>()?;
     let shared = format!("{prefix}ffn.shared_experts.");
     Ok(MoeWeights {
@@ -129,6 +142,7 @@ fn moe(
         bias: ckpt.f32(&format!("{prefix}ffn.gate.bias"), &[n_experts])?,
         n_activated,
         experts,
+        held: (ids.len() < n_experts).then_some(ids),
         shared: ExpertWeights {
             w1: ExpertLinear::Fp8(ckpt.fp8_weight(&format!("{shared}w1"), inter, dim)?),
             w2: ExpertLinear::Fp8(ckpt.fp8_weight(&format!("{shared}w2"), dim, inter)?),
@@ -137,12 +151,14 @@ fn moe(
     })
 }
 
-/// Loads block `layer` (a backbone layer) or a DSpark stage (`prefix` = `mtp.{s}.`, `layer` = None).
+/// Loads block `layer` (a backbone layer, its routed experts those `filter` keeps) or a DSpark
+/// stage (`prefix` = `mtp.{s}.`, `layer` = None, every expert).
 pub fn load_block(
     ckpt: &Checkpoint,
     cfg: &ModelConfig,
     prefix: &str,
     layer: Option<usize>,
+    filter: &ExpertFilter,
 ) -> Result<BlockWeights, ModelError> {
     let (dim, heads, head_dim) = (cfg.dim, cfg.n_heads, cfg.head_dim);
     let a = format!("{prefix}attn.");
@@ -213,7 +229,9 @@ pub fn load_block(
         hc_attn: hc_params(ckpt, prefix, "attn", cfg)?,
         hc_ffn: hc_params(ckpt, prefix, "ffn", cfg)?,
         attn,
-        moe: moe(ckpt, prefix, cfg, n_experts, n_activated)?,
+        moe: moe(ckpt, prefix, cfg, (n_experts, n_activated), |e| {
+            layer.is_none_or(|l| filter.keeps(l, e))
+        })?,
     })
 }
 
@@ -229,7 +247,7 @@ pub fn load_dspark(
         return Ok(None);
     }
     let stages = (0..dspark.n_stages)
-        .map(|s| load_block(ckpt, cfg, &format!("mtp.{s}."), None))
+        .map(|s| load_block(ckpt, cfg, &format!("mtp.{s}."), None, &ExpertFilter::all()))
         .collect::<Result<Vec<_>, ModelError>>()?;
     let last = format!("mtp.{}.", dspark.n_stages - 1);
     let (dim, vocab, rank) = (cfg.dim, cfg.vocab_size, dspark.markov_rank);
