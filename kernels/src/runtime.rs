@@ -11,7 +11,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchArgs,
+    LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 
 use crate::compile::{Compiler, panic_text};
@@ -195,6 +198,15 @@ impl KernelRuntime {
         })
     }
 
+    /// A launch of kernel `id` on the runtime's stream: push its arguments, then
+    /// [`Launch::launch`].
+    pub(crate) fn launcher(&self, id: KernelId) -> Result<Launch<'_>, KernelError> {
+        Ok(Launch {
+            args: self.stream.launch_builder(self.function(id)?),
+            kernel: id,
+        })
+    }
+
     /// Copies `values` into a new device buffer on the runtime's stream, counted in
     /// [`KernelRuntime::counts`].
     pub fn htod<T: DeviceRepr>(&self, values: &[T]) -> Result<CudaSlice<T>, DriverError> {
@@ -219,6 +231,39 @@ impl KernelRuntime {
         self.stream
             .synchronize()
             .map_err(KernelError::driver("synchronising the stream"))
+    }
+}
+
+/// One kernel launch being prepared ([`KernelRuntime::launcher`]): its arguments in the order of
+/// the kernel's signature, then [`Launch::launch`].
+pub(crate) struct Launch<'a> {
+    args: LaunchArgs<'a>,
+    kernel: KernelId,
+}
+
+impl<'a> Launch<'a> {
+    /// Pushes the kernel's next argument.
+    pub(crate) fn arg<T>(&mut self, arg: T) -> &mut Self
+    where
+        LaunchArgs<'a>: PushKernelArg<T>,
+    {
+        self.args.arg(arg);
+        self
+    }
+
+    /// Launches the kernel with `cfg`; a driver failure names the kernel.
+    ///
+    /// # Safety
+    /// As [`LaunchArgs::launch`]: the arguments match the kernel's signature and every buffer
+    /// holds what the kernel reads and writes under `cfg`.
+    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), KernelError> {
+        // SAFETY: the caller's contract above.
+        unsafe { self.args.launch(cfg) }
+            .map(drop)
+            .map_err(KernelError::driver(format!(
+                "launching {}",
+                self.kernel.symbol()
+            )))
     }
 }
 

@@ -1,11 +1,11 @@
 //! GPU tests of the key pointer tables (`deepinfer_kernels::ops::key_table`): the sink attention
 //! and the indexer scores with key rows read through a device pointer table
-//! (`sparse_attention_sink_rows_ptr_f32`, `index_scores_rows_ptr_f32`).
+//! (`KeyRows::Table` in `sparse_attention_sink_rows_f32`, `index_scores_rows_f32`).
 //!
 //! The key rows are scattered over several separately allocated device buffers at odd element
 //! offsets, with filler values between them (a wrong address reads filler, not a neighbouring
 //! key), and the table repeats some rows' addresses. Each result is compared bitwise with the
-//! flat launchers (`*_rows_f32`) on the same keys gathered into one buffer and with
+//! flat rows (`KeyRows::Flat`) on the same keys gathered into one buffer and with
 //! `CpuBackend::sparse_attention_rows_at` / `index_scores_rows_at`, over heads 1/3/64 × head_dim
 //! 32/96/512, 0/1/7/300 keys per query (and repeated keys), both roundings. Negative controls: one
 //! table entry moved by one element changes exactly the results that read it; bad tables and
@@ -19,13 +19,9 @@ use deepinfer_kernels::KernelError;
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_f32,
-};
-use deepinfer_kernels::ops::index::{
-    DeviceVisiblePrefixes, index_scores_rows_f32, index_scores_rows_ptr_f32,
-};
-use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
+use deepinfer_kernels::ops::attention::{DeviceKeyLists, sparse_attention_sink_rows_f32};
+use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, index_scores_rows_f32};
+use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_model::backend::{Backend, CpuBackend, Precision, Tensor};
 use deepinfer_model::quant;
 
@@ -157,10 +153,10 @@ fn run_attention(
     let sink_device = stream.clone_htod(sink).expect("sink");
     let mut out_ptr = stream.alloc_zeros::<f32>(q.len()).expect("out");
     let mut out_flat = stream.alloc_zeros::<f32>(q.len()).expect("out");
-    sparse_attention_sink_rows_ptr_f32(
+    sparse_attention_sink_rows_f32(
         rt,
         &q_device,
-        table,
+        KeyRows::Table(table),
         &device_lists,
         &sink_device,
         &mut out_ptr,
@@ -172,7 +168,7 @@ fn run_attention(
     sparse_attention_sink_rows_f32(
         rt,
         &q_device,
-        &keys.flat_device,
+        KeyRows::Flat(&keys.flat_device),
         &device_lists,
         &sink_device,
         &mut out_flat,
@@ -254,11 +250,11 @@ fn run_index(
     let len = prefixes.total().max(1);
     let mut scores_ptr = stream.alloc_zeros::<f32>(len).expect("scores");
     let mut scores_flat = stream.alloc_zeros::<f32>(len).expect("scores");
-    index_scores_rows_ptr_f32(
+    index_scores_rows_f32(
         rt,
         &q_device,
         &w_device,
-        table,
+        KeyRows::Table(table),
         &prefixes,
         &mut scores_ptr,
         heads,
@@ -270,7 +266,7 @@ fn run_index(
         rt,
         &q_device,
         &w_device,
-        &keys.flat_device,
+        KeyRows::Flat(&keys.flat_device),
         &prefixes,
         &mut scores_flat,
         heads,
@@ -470,10 +466,10 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
     let lists = DeviceKeyLists::upload(&rt, &[vec![0u32, 4]], 5).expect("lists");
     shape_error(
         "lists beyond the table",
-        sparse_attention_sink_rows_ptr_f32(
+        sparse_attention_sink_rows_f32(
             &rt,
             &q,
-            &table,
+            KeyRows::Table(&table),
             &lists,
             &sink,
             &mut out,
@@ -487,10 +483,10 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
     let mut wide_out = stream.alloc_zeros::<f32>(4).expect("out");
     shape_error(
         "row width differs from head_dim",
-        sparse_attention_sink_rows_ptr_f32(
+        sparse_attention_sink_rows_f32(
             &rt,
             &stream.clone_htod(&[0.25f32; 4]).expect("q"),
-            &table,
+            KeyRows::Table(&table),
             &lists,
             &sink,
             &mut wide_out,
@@ -505,11 +501,11 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
     let prefixes = DeviceVisiblePrefixes::upload(&rt, &[5], 5).expect("prefixes");
     shape_error(
         "visible beyond the table",
-        index_scores_rows_ptr_f32(
+        index_scores_rows_f32(
             &rt,
             &q,
             &w,
-            &table,
+            KeyRows::Table(&table),
             &prefixes,
             &mut scores,
             1,
@@ -521,11 +517,11 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
     // The accepted shapes run and agree with the keys' values: q · k = 8 · 0.25 · 0.5 = 1.
     let prefixes = DeviceVisiblePrefixes::upload(&rt, &[4], 4).expect("prefixes");
     let mut scores = stream.alloc_zeros::<f32>(4).expect("scores");
-    index_scores_rows_ptr_f32(
+    index_scores_rows_f32(
         &rt,
         &q,
         &w,
-        &table,
+        KeyRows::Table(&table),
         &prefixes,
         &mut scores,
         1,

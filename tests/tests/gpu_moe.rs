@@ -58,8 +58,8 @@ use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8_f32_into, quantize_act_fp8_into,
 };
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_fp4_routed,
-    gemm_fp4_routed_with, gemm_fp8_routed_with, moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_routed_with, moe_combine,
+    swiglu_rows,
 };
 use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision};
 use deepinfer_model::quant;
@@ -392,7 +392,7 @@ impl DeviceMoe {
         assert_eq!(shared.w1.out, self.shared_inter);
         quantize_act_fp8_into(rt, &self.x, &mut self.qx).expect("quantise x");
         let k = self.k;
-        gemm_fp4_routed_with(
+        gemm_routed_with(
             rt,
             &self.qx,
             &self.experts,
@@ -403,7 +403,7 @@ impl DeviceMoe {
             self.blocks,
         )
         .expect("routed w1");
-        gemm_fp4_routed_with(
+        gemm_routed_with(
             rt,
             &self.qx,
             &self.experts,
@@ -425,7 +425,7 @@ impl DeviceMoe {
         )
         .expect("routed swiglu");
         quantize_act_fp8_f32_into(rt, &self.hidden, &mut self.qh).expect("quantise hidden");
-        gemm_fp4_routed_with(
+        gemm_routed_with(
             rt,
             &self.qh,
             &self.experts,
@@ -739,7 +739,7 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
         RoutedBlocks::Experts,
     ] {
         let mut out = nan_bf16(&rt, rows * k * inter);
-        gemm_fp8_routed_with(
+        gemm_routed_with(
             &rt,
             &qx,
             &d_ids,
@@ -778,11 +778,6 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
             rows * k
         );
     }
-    // The FP4 launcher refuses an FP8 table.
-    let mut out = nan_bf16(&rt, rows * k * inter);
-    let err = gemm_fp4_routed(&rt, &qx, &d_ids, k, &table, ExpertProjection::W3, &mut out)
-        .expect_err("FP4 launch on an FP8 table");
-    assert!(err.to_string().contains("Fp8T32"), "{err}");
 }
 
 #[test]
@@ -881,7 +876,7 @@ fn time_routed_w1(
     iterations: usize,
 ) -> f64 {
     let launch = |moe: &mut DeviceMoe| {
-        gemm_fp4_routed_with(
+        gemm_routed_with(
             rt,
             &moe.qx,
             &moe.experts,
@@ -1086,7 +1081,7 @@ fn routed_gemm_adds_k_groups_in_k_order() {
         RoutedBlocks::Experts,
     ] {
         let mut out = nan_bf16(&rt, rows * k * inter);
-        gemm_fp4_routed_with(
+        gemm_routed_with(
             &rt,
             &qx,
             &d_ids,
@@ -1364,7 +1359,7 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
             RoutedBlocks::Experts,
         ] {
             let mut out = nan_bf16(&rt, rows * slots * n_cols);
-            gemm_fp4_routed_with(
+            gemm_routed_with(
                 &rt,
                 &qx,
                 &d_ids,

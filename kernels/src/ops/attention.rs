@@ -6,18 +6,16 @@
 //! invariant). The `fast` numerics' row-batched entry ([`sparse_attention_sink_rows_ptr_fast`])
 //! runs the same operation on tensor cores (`sparse_attention_fast.cuh`).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::key_table::DeviceKeyTable;
-use super::{Rounding, dim, expect_len};
+use super::key_table::{DeviceKeyTable, KeyRows};
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::AttentionParams;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, Launch};
 
 const OP: &str = "sparse_attention_sink_f32";
-const ROWS_OP: &str = "sparse_attention_sink_rows_f32";
-const ROWS_PTR_OP: &str = "sparse_attention_sink_rows_ptr_f32";
 const FAST_OP: &str = "sparse_attention_sink_rows_ptr_fast";
 /// The fast kernel's head dims (one warp per 64; the softmax's half-warps need a power of two).
 const FAST_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
@@ -42,25 +40,6 @@ fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), Ke
     Ok(())
 }
 
-/// `keys` must hold at least `rows` keys of `head_dim`.
-fn check_key_rows(
-    op: &'static str,
-    keys: &CudaSlice<f32>,
-    rows: usize,
-    head_dim: usize,
-) -> Result<(), KernelError> {
-    if keys.len() < rows * head_dim {
-        return Err(KernelError::Shape {
-            op,
-            message: format!(
-                "keys hold {} values, fewer than {rows} keys of {head_dim}",
-                keys.len()
-            ),
-        });
-    }
-    Ok(())
-}
-
 /// `out [heads, head_dim] = attention(q [heads, head_dim], keys [n_keys, head_dim], sink [heads])`,
 /// f32 storage; `rounding` applies to the probabilities' weights and the outputs. `n_keys` may be 0 (only the sink: output 0); `keys` holds at least
 /// `n_keys · head_dim` values (a device buffer cannot be empty).
@@ -78,7 +57,7 @@ pub fn sparse_attention_sink_f32(
 ) -> Result<(), KernelError> {
     let heads = sink.len();
     check_heads(OP, heads, head_dim)?;
-    check_key_rows(OP, keys, n_keys, head_dim)?;
+    KeyRows::Flat(keys).check_covers(OP, n_keys, head_dim)?;
     expect_len(OP, "q", q.len(), heads * head_dim)?;
     expect_len(OP, "out", out.len(), heads * head_dim)?;
     let params = AttentionParams {
@@ -88,21 +67,13 @@ pub fn sparse_attention_sink_f32(
         scale,
         round_bf16: rounding.flag(),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.heads, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::SparseAttentionSinkF32)?);
+    let cfg = launch_config((params.heads, 1, 1), THREADS, 0);
+    let mut launch = rt.launcher(KernelId::SparseAttentionSinkF32)?;
     launch.arg(q).arg(keys).arg(sink).arg(out).arg(&params);
     // SAFETY: signature (const float* q, const float* keys, const float* sink, float* out,
     // AttentionParams); q/out hold heads * head_dim, keys >= n_keys * head_dim, sink heads values (checked
     // above); head_dim <= 4 * THREADS as the kernel's per-thread accumulators require.
     unsafe { launch.launch(cfg) }
-        .map_err(KernelError::driver("launching sparse_attention_sink_f32"))?;
-    Ok(())
 }
 
 /// The key lists of a batch of attention queries on the device: query `t` attends to the key
@@ -216,21 +187,13 @@ impl DeviceKeyLists {
         let dplan = rt
             .htod(plan)
             .map_err(KernelError::driver("uploading the selected-row plan"))?;
-        let cfg = LaunchConfig {
-            grid_dim: (n_plan.min(1024), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = rt
-            .stream()
-            .launch_builder(rt.function(KernelId::ComposeSelectedRows)?);
+        let cfg = launch_config((n_plan.min(1024), 1, 1), 256, 0);
+        let mut launch = rt.launcher(KernelId::ComposeSelectedRows)?;
         launch.arg(&dplan).arg(&n_plan).arg(&mut self.key_rows);
         // SAFETY: signature (const SelectedRows* plan, u32 n_plan, u32* key_rows); every entry's
         // rows [dst, dst + count) lie inside key_rows (checked above) and its source is readable
         // (the caller's contract).
         unsafe { launch.launch(cfg) }
-            .map_err(KernelError::driver("launching compose_selected_rows"))?;
-        Ok(())
     }
 }
 
@@ -252,24 +215,18 @@ pub struct SelectedRows {
 // SAFETY: a plain `#[repr(C)]` struct of integers, laid out as its CUDA mirror.
 unsafe impl DeviceRepr for SelectedRows {}
 
-/// Where a row-batched launch reads its key rows.
-enum KeyRowSource<'a> {
-    /// Rows of one buffer `[rows, head_dim]`.
-    Flat(&'a CudaSlice<f32>),
-    /// One device address per row.
-    Table(&'a DeviceKeyTable),
-}
-
 /// `out [t] = attention(q [t], its listed keys, sink)` for every query `t` of `lists`, in one
-/// launch (grid: heads × queries): `q`, `out` `[queries, heads, head_dim]`, `keys` the shared
-/// buffer of at least `lists`' row count of `head_dim`-wide keys, `sink [heads]`. A query with no
-/// keys gets 0 (only the sink). Each `(head, query)` computes exactly what
-/// [`sparse_attention_sink_f32`] computes for that query alone.
+/// launch (grid: heads × queries): `q`, `out` `[queries, heads, head_dim]`, `keys` at least
+/// `lists`' row count of `head_dim`-wide key rows, `sink [heads]`. A query with no keys gets 0
+/// (only the sink). Each `(head, query)` computes exactly what [`sparse_attention_sink_f32`]
+/// computes for that query alone. Rows read through a pointer table ([`KeyRows::Table`]) may lie
+/// in many separately allocated buffers, which must stay allocated until this launch has run (the
+/// table's constructors are `unsafe` for that promise; see [`super::key_table`]).
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sink_rows_f32(
     rt: &KernelRuntime,
     q: &CudaSlice<f32>,
-    keys: &CudaSlice<f32>,
+    keys: KeyRows<'_>,
     lists: &DeviceKeyLists,
     sink: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
@@ -277,52 +234,50 @@ pub fn sparse_attention_sink_rows_f32(
     scale: f32,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    check_key_rows(ROWS_OP, keys, lists.key_buffer_rows, head_dim)?;
-    launch_rows(
-        rt,
-        ROWS_OP,
-        q,
-        KeyRowSource::Flat(keys),
-        lists,
-        sink,
-        out,
-        head_dim,
-        scale,
-        rounding,
-    )
+    let kernel = keys.kernel(
+        KernelId::SparseAttentionSinkRowsF32,
+        KernelId::SparseAttentionSinkRowsPtrF32,
+    );
+    let op = kernel.symbol();
+    keys.check_covers(op, lists.key_buffer_rows, head_dim)?;
+    let params = rows_params(op, q, lists, sink, out, head_dim, scale, rounding)?;
+    let cfg = launch_config(
+        (params.heads, dim(op, "queries", lists.queries)?, 1),
+        THREADS,
+        0,
+    );
+    let mut launch = rt.launcher(kernel)?;
+    push_rows_args(&mut launch, q, keys, lists, sink, out, &params);
+    // SAFETY: signature (const float* q, const float* keys | const unsigned long long* key_ptrs,
+    // const u32_t* key_rows, const u32_t* row_starts, const float* sink, float* out,
+    // AttentionParams); q/out hold queries * heads * head_dim values, row_starts queries + 1
+    // non-decreasing offsets into key_rows, every listed row is below key_buffer_rows
+    // (DeviceKeyLists::upload), and the key source holds that many head_dim-wide rows (checked
+    // above; a table's addresses are live rows by its unsafe constructor's contract);
+    // grid.y = queries <= the grid limit; head_dim <= 4 * THREADS.
+    unsafe { launch.launch(cfg) }
 }
 
-/// As [`sparse_attention_sink_rows_f32`], with the key rows read through a pointer table: row
-/// `r` of `lists` (uploaded with `key_buffer_rows` at most `key_ptrs.rows()`) is the
-/// `head_dim` values at `key_ptrs`' address `r`, so a query's keys may lie in many separately
-/// allocated buffers. The same kernel body: bitwise the same outputs as the flat launcher on the
-/// same key values. The buffers behind the table must stay allocated until this launch has run
-/// (the table's constructors are `unsafe` for that promise; see [`super::key_table`]).
-#[allow(clippy::too_many_arguments)]
-pub fn sparse_attention_sink_rows_ptr_f32(
-    rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
-    key_ptrs: &DeviceKeyTable,
-    lists: &DeviceKeyLists,
-    sink: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    head_dim: usize,
-    scale: f32,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
-    key_ptrs.check_covers(ROWS_PTR_OP, lists.key_buffer_rows, head_dim)?;
-    launch_rows(
-        rt,
-        ROWS_PTR_OP,
-        q,
-        KeyRowSource::Table(key_ptrs),
-        lists,
-        sink,
-        out,
-        head_dim,
-        scale,
-        rounding,
-    )
+/// Pushes the arguments of every row-batched attention kernel, in their order: `(const float* q,
+/// const float* keys | const unsigned long long* key_ptrs, const u32_t* key_rows, const u32_t*
+/// row_starts, const float* sink, float* out, AttentionParams)`.
+fn push_rows_args<'a>(
+    launch: &mut Launch<'a>,
+    q: &'a CudaSlice<f32>,
+    keys: KeyRows<'a>,
+    lists: &'a DeviceKeyLists,
+    sink: &'a CudaSlice<f32>,
+    out: &'a mut CudaSlice<f32>,
+    params: &'a AttentionParams,
+) {
+    launch.arg(q);
+    keys.push(launch);
+    launch
+        .arg(&lists.key_rows)
+        .arg(&lists.row_starts)
+        .arg(sink)
+        .arg(out)
+        .arg(params);
 }
 
 /// The checks and parameters every row-batched entry shares: `heads` from the sink, `head_dim`
@@ -352,61 +307,14 @@ fn rows_params(
     })
 }
 
-/// The row-batched launch of either key source (whose rows the caller has checked against
-/// `lists`' row count and `head_dim`).
-#[allow(clippy::too_many_arguments)]
-fn launch_rows(
-    rt: &KernelRuntime,
-    op: &'static str,
-    q: &CudaSlice<f32>,
-    keys: KeyRowSource<'_>,
-    lists: &DeviceKeyLists,
-    sink: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    head_dim: usize,
-    scale: f32,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
-    let params = rows_params(op, q, lists, sink, out, head_dim, scale, rounding)?;
-    let cfg = LaunchConfig {
-        grid_dim: (params.heads, dim(op, "queries", lists.queries)?, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let kernel = match keys {
-        KeyRowSource::Flat(_) => KernelId::SparseAttentionSinkRowsF32,
-        KeyRowSource::Table(_) => KernelId::SparseAttentionSinkRowsPtrF32,
-    };
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
-    launch.arg(q);
-    match keys {
-        KeyRowSource::Flat(keys) => launch.arg(keys),
-        KeyRowSource::Table(table) => launch.arg(table.addresses()),
-    };
-    launch
-        .arg(&lists.key_rows)
-        .arg(&lists.row_starts)
-        .arg(sink)
-        .arg(out)
-        .arg(&params);
-    // SAFETY: signature (const float* q, const float* keys | const unsigned long long* key_ptrs,
-    // const u32_t* key_rows, const u32_t* row_starts, const float* sink, float* out,
-    // AttentionParams); q/out hold queries * heads * head_dim values, row_starts queries + 1
-    // non-decreasing offsets into key_rows, every listed row is below key_buffer_rows
-    // (DeviceKeyLists::upload), and the key source holds that many head_dim-wide rows (checked by
-    // the caller; a table's addresses are live rows by its unsafe constructor's contract);
-    // grid.y = queries <= the grid limit; head_dim <= 4 * THREADS.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
-    Ok(())
-}
-
 /// Whether [`sparse_attention_sink_rows_ptr_fast`] takes rows of `head_dim` from `key_ptrs`: a
 /// head_dim of 64, 128, 256 or 512 and every row 16-byte aligned (the kernel's float4 loads).
 pub fn fast_attention_supports(head_dim: usize, key_ptrs: &DeviceKeyTable) -> bool {
     FAST_HEAD_DIMS.contains(&head_dim) && key_ptrs.rows_aligned_16()
 }
 
-/// The row-batched sink attention of [`sparse_attention_sink_rows_ptr_f32`] with bf16 rounding,
+/// The row-batched sink attention of [`sparse_attention_sink_rows_f32`] (rows read through a
+/// pointer table) with bf16 rounding,
 /// on tensor cores (the `fast` numerics, `sparse_attention_fast.cuh`): q and the keys as bf16
 /// (exact for the V4.1 rounding points), scores and outputs accumulated in fp32 in a fixed
 /// order, the weights rounded to bf16, the outputs too. Deterministic and batch invariant; not
@@ -432,7 +340,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
             ),
         });
     }
-    key_ptrs.check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
+    KeyRows::Table(key_ptrs).check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
     let params = rows_params(
         FAST_OP,
         q,
@@ -444,32 +352,30 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         Rounding::Bf16,
     )?;
     let heads = sink.len();
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             dim(FAST_OP, "head blocks", heads.div_ceil(FAST_HEADS_PER_BLOCK))?,
             dim(FAST_OP, "queries", lists.queries)?,
             1,
         ),
-        block_dim: (dim(FAST_OP, "threads", head_dim / 2)?, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::SparseAttentionSinkRowsPtrFast)?);
-    launch
-        .arg(q)
-        .arg(key_ptrs.addresses())
-        .arg(&lists.key_rows)
-        .arg(&lists.row_starts)
-        .arg(sink)
-        .arg(out)
-        .arg(&params);
+        dim(FAST_OP, "threads", head_dim / 2)?,
+        0,
+    );
+    let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
+    push_rows_args(
+        &mut launch,
+        q,
+        KeyRows::Table(key_ptrs),
+        lists,
+        sink,
+        out,
+        &params,
+    );
     // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
     // key_rows, const u32_t* row_starts, const float* sink, float* out, AttentionParams); q/out
     // hold queries * heads * head_dim values, every listed row is below key_buffer_rows
     // (DeviceKeyLists::upload) and the table covers them with 16-byte aligned rows of head_dim
     // floats (checked above; live by the table's contract); head_dim / 2 threads (32..256, a
     // multiple of 32); grid.y = queries <= the grid limit.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {FAST_OP}")))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

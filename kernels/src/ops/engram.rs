@@ -7,9 +7,9 @@
 //! pinned, device-mapped host memory instead (`cuMemHostAlloc` with `DEVICEMAP`) and read by the
 //! same gather kernel through its device pointer, each lookup then crossing PCIe/NVLink-C2C.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -140,14 +140,12 @@ pub fn engram_hash_rows(
         columns: dim(OP, "columns", hasher.columns)?,
         heads: dim(OP, "heads", hasher.columns / (hasher.max_ngram - 1))?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (dim(OP, "blocks", total.div_ceil(THREADS as usize))?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::EngramHashRows)?);
+    let cfg = launch_config(
+        (dim(OP, "blocks", total.div_ceil(THREADS as usize))?, 1, 1),
+        THREADS,
+        0,
+    );
+    let mut launch = rt.launcher(KernelId::EngramHashRows)?;
     launch
         .arg(contexts)
         .arg(&hasher.multipliers)
@@ -157,8 +155,7 @@ pub fn engram_hash_rows(
         .arg(&params);
     // SAFETY: signature (const u64* contexts, const u64* multipliers, const u64* primes,
     // const u64* offsets, u32* rows, HashParams); lengths checked here and at upload.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching engram_hash_rows"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// An Engram table in device memory: `[rows, head_dim]` E4M3 codes, `[rows, head_dim / 32]`
@@ -224,14 +221,12 @@ pub fn engram_gather_f32(
         table_rows: dim(OP, "table rows", table.rows)?,
         head_dim: dim(OP, "head_dim", table.head_dim)?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (dim(OP, "blocks", total.div_ceil(THREADS as usize))?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::EngramGatherF32)?);
+    let cfg = launch_config(
+        (dim(OP, "blocks", total.div_ceil(THREADS as usize))?, 1, 1),
+        THREADS,
+        0,
+    );
+    let mut launch = rt.launcher(KernelId::EngramGatherF32)?;
     launch
         .arg(&table.codes)
         .arg(&table.scales)
@@ -240,26 +235,22 @@ pub fn engram_gather_f32(
         .arg(&params);
     // SAFETY: signature (const u8* codes, const u8* scales, const u32* ids, float* out,
     // GatherParams); lengths checked here and at upload; ids beyond the table are not read.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching engram_gather_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     #[test]
     fn params_mirror_the_cuda_structs() {
         let header = include_str!("../../cuda/engram/engram.cuh");
-        assert_eq!(std::mem::size_of::<HashParams>(), 20);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "HashParams"),
-            ["tokens", "layers", "max_ngram", "columns", "heads"]
+        assert_mirrors::<HashParams>(
+            header,
+            20,
+            &["tokens", "layers", "max_ngram", "columns", "heads"],
         );
-        assert_eq!(std::mem::size_of::<GatherParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "GatherParams"),
-            ["ids", "table_rows", "head_dim"]
-        );
+        assert_mirrors::<GatherParams>(header, 12, &["ids", "table_rows", "head_dim"]);
     }
 }

@@ -4,11 +4,11 @@
 //! are added in K order in fp32 (see `cuda/gemm/gemm_block_scaled.cuh`): bit-exact with
 //! `deepinfer_model::quant::gemm_fp8` / `gemm_fp4`, and batch invariant by construction.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::quant::{ActGroup, DeviceActFp8};
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::GemmParams;
@@ -280,13 +280,7 @@ fn launch_gemm(
     y: &mut CudaSlice<bf16>,
     split: GemmSplit,
 ) -> Result<(), KernelError> {
-    if a.cols != k {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("activation has {} columns, weight has {k} inputs", a.cols),
-        });
-    }
-    expect_len(op, "y", y.len(), a.rows * n)?;
+    a.check_gemm(op, (n, k), y.len())?;
     if a.rows == 0 {
         return Ok(());
     }
@@ -327,13 +321,12 @@ fn launch_gemm(
             message: format!("n = {n} needs {col_blocks} column blocks (> 65535)"),
         });
     }
-    let cfg = LaunchConfig {
-        grid_dim: (params.m.div_ceil(ROWS_PER_BLOCK), col_blocks, 1),
-        block_dim: (WARPS * 32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let cfg = launch_config(
+        (params.m.div_ceil(ROWS_PER_BLOCK), col_blocks, 1),
+        WARPS * 32,
+        0,
+    );
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&a.codes)
         .arg(&a.scales)
@@ -345,9 +338,5 @@ fn launch_gemm(
     // bf16* y, GemmParams). The activation buffers hold rows * k codes and rows * k / group scales
     // (DeviceActFp8's invariant), the weight buffers were length-checked at upload for [n, k], k is
     // a multiple of 32 (so every 16-byte load is aligned and in bounds), and y holds m * n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -15,12 +15,12 @@
 //! rounding at most `2^-9 |y|`.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{check_fp4_weight, check_fp8_weight};
 use super::quant::{ActGroup, DeviceActFp8};
-use super::{dim, expect_len};
+use super::{dim, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{FastGemmParams, FastReduceParams};
@@ -447,13 +447,7 @@ fn launch_dense<S: DeviceRepr>(
     y: &mut CudaSlice<bf16>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
-    if a.cols != k {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("activation has {} columns, weight has {k} inputs", a.cols),
-        });
-    }
-    expect_len(op, "y", y.len(), a.rows * n)?;
+    a.check_gemm(op, (n, k), y.len())?;
     if a.rows == 0 {
         return Ok(());
     }
@@ -475,11 +469,11 @@ fn launch_dense<S: DeviceRepr>(
         });
     }
     let kernel = kernels.kernel(tile);
-    let cfg = LaunchConfig {
-        grid_dim: (params.n.div_ceil(16 * warps), row_blocks, params.parts),
-        block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: kernels.shared_bytes(tile),
-    };
+    let cfg = launch_config(
+        (params.n.div_ceil(16 * warps), row_blocks, params.parts),
+        warps * 32,
+        kernels.shared_bytes(tile),
+    );
     let stream = rt.stream();
     // The parts' sums [parts][m][n] (one value, unread, with one part).
     let count = a.rows * n;
@@ -488,8 +482,7 @@ fn launch_dense<S: DeviceRepr>(
     // with one part the kernel never touches the buffer.
     let mut partials = unsafe { stream.alloc::<f32>(if parts > 1 { parts * count } else { 1 }) }
         .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
-    let function = rt.function(kernel)?;
-    let mut launch = stream.launch_builder(function);
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&a.codes)
         .arg(&a.scales)
@@ -506,10 +499,7 @@ fn launch_dense<S: DeviceRepr>(
     // reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span); every load is
     // bounds-checked against m, n, k in the kernel; y holds m * n values, partials parts * m * n
     // when parts > 1.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
+    unsafe { launch.launch(cfg) }?;
     if parts > 1 {
         reduce_parts(rt, op, &partials, y, count, parts)?;
     }
@@ -529,22 +519,18 @@ fn reduce_parts(
         count: dim(op, "outputs", count)?,
         parts: dim(op, "parts", parts)?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
-        block_dim: (REDUCE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
+        REDUCE_THREADS,
+        0,
+    );
     let kernel = KernelId::GemmFastReduce;
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(partials).arg(y).arg(&params);
     // SAFETY: signature (const float* partials, bf16* y, FastReduceParams); partials holds parts
     // * count values (allocated so by the caller), y count (checked: m * n); the kernel strides
     // over i < count.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]

@@ -4,18 +4,16 @@
 //! the reference's bf16 rounding points: bit-exact, one block per (key, query), a key's score a
 //! function of that query and key alone (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 
-use super::key_table::DeviceKeyTable;
-use super::{Rounding, dim, expect_len};
+use super::key_table::KeyRows;
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::IndexParams;
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "index_scores_f32";
-const ROWS_OP: &str = "index_scores_rows_f32";
-const ROWS_PTR_OP: &str = "index_scores_rows_ptr_f32";
 const THREADS: u32 = 64;
 /// Heads whose terms fit the kernel's shared memory comfortably.
 const MAX_HEADS: usize = 4096;
@@ -57,19 +55,12 @@ pub fn index_scores_f32(
         keys: dim(OP, "keys", n)?,
         round_bf16: rounding.flag(),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.keys, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: params.heads * 4,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::IndexScoresF32)?);
+    let cfg = launch_config((params.keys, 1, 1), THREADS, params.heads * 4);
+    let mut launch = rt.launcher(KernelId::IndexScoresF32)?;
     launch.arg(q).arg(w).arg(keys).arg(scores).arg(&params);
     // SAFETY: signature (const float* q, const float* w, const float* keys, float* scores,
     // IndexParams); lengths checked above; the dynamic shared memory holds one float per head.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching index_scores_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `head_dim` and `heads` positive, `heads` within the kernel's shared memory.
@@ -154,103 +145,30 @@ impl DeviceVisiblePrefixes {
     }
 }
 
-/// Where a row-batched launch reads its key rows.
-enum KeyRowSource<'a> {
-    /// Rows of one buffer `[n, head_dim]`.
-    Flat(&'a CudaSlice<f32>),
-    /// One device address per row.
-    Table(&'a DeviceKeyTable),
-}
-
 /// Index scores of every query `t` of `visible` (`q [queries, heads, head_dim]`, head weights
-/// `w [queries, heads]`) against its first `visible[t]` keys of `keys [n, head_dim]`, in one
-/// launch (grid: max visible × queries), into the flat `scores [visible.total()]` (query after
-/// query). Each score is exactly what [`index_scores_f32`] gives that query alone.
+/// `w [queries, heads]`) against its first `visible[t]` key rows of `keys` (`head_dim` values
+/// each), in one launch (grid: max visible × queries), into the flat `scores [visible.total()]`
+/// (query after query). Each score is exactly what [`index_scores_f32`] gives that query alone.
+/// Rows read through a pointer table ([`KeyRows::Table`]) may lie in many separately allocated
+/// buffers, which must stay allocated until this launch has run (see [`super::key_table`]).
 #[allow(clippy::too_many_arguments)]
 pub fn index_scores_rows_f32(
     rt: &KernelRuntime,
     q: &CudaSlice<f32>,
     w: &CudaSlice<f32>,
-    keys: &CudaSlice<f32>,
+    keys: KeyRows<'_>,
     visible: &DeviceVisiblePrefixes,
     scores: &mut CudaSlice<f32>,
     heads: usize,
     head_dim: usize,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    if keys.len() < visible.keys * head_dim {
-        return Err(KernelError::Shape {
-            op: ROWS_OP,
-            message: format!(
-                "keys hold {} values, fewer than {} keys of {head_dim}",
-                keys.len(),
-                visible.keys
-            ),
-        });
-    }
-    launch_rows(
-        rt,
-        ROWS_OP,
-        q,
-        w,
-        KeyRowSource::Flat(keys),
-        visible,
-        scores,
-        heads,
-        head_dim,
-        rounding,
-    )
-}
-
-/// As [`index_scores_rows_f32`], with the key rows read through a pointer table: query `t`
-/// scores rows `0..visible[t]` of `key_ptrs` (each the `head_dim` values at its address;
-/// `visible` uploaded with `keys` at most `key_ptrs.rows()`), so the keys may lie in many
-/// separately allocated buffers. The same kernel body: bitwise the same scores as the flat
-/// launcher on the same key values. The buffers behind the table must stay allocated until this
-/// launch has run (the table's constructors are `unsafe` for that promise; see
-/// [`super::key_table`]).
-#[allow(clippy::too_many_arguments)]
-pub fn index_scores_rows_ptr_f32(
-    rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
-    w: &CudaSlice<f32>,
-    key_ptrs: &DeviceKeyTable,
-    visible: &DeviceVisiblePrefixes,
-    scores: &mut CudaSlice<f32>,
-    heads: usize,
-    head_dim: usize,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
-    key_ptrs.check_covers(ROWS_PTR_OP, visible.keys, head_dim)?;
-    launch_rows(
-        rt,
-        ROWS_PTR_OP,
-        q,
-        w,
-        KeyRowSource::Table(key_ptrs),
-        visible,
-        scores,
-        heads,
-        head_dim,
-        rounding,
-    )
-}
-
-/// The row-batched launch of either key source (whose rows the caller has checked against
-/// `visible`'s key count and `head_dim`).
-#[allow(clippy::too_many_arguments)]
-fn launch_rows(
-    rt: &KernelRuntime,
-    op: &'static str,
-    q: &CudaSlice<f32>,
-    w: &CudaSlice<f32>,
-    keys: KeyRowSource<'_>,
-    visible: &DeviceVisiblePrefixes,
-    scores: &mut CudaSlice<f32>,
-    heads: usize,
-    head_dim: usize,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
+    let kernel = keys.kernel(
+        KernelId::IndexScoresRowsF32,
+        KernelId::IndexScoresRowsPtrF32,
+    );
+    let op = kernel.symbol();
+    keys.check_covers(op, visible.keys, head_dim)?;
     check_heads(op, heads, head_dim)?;
     expect_len(op, "q", q.len(), visible.queries * heads * head_dim)?;
     expect_len(op, "w", w.len(), visible.queries * heads)?;
@@ -264,35 +182,27 @@ fn launch_rows(
         keys: dim(op, "keys", visible.keys)?,
         round_bf16: rounding.flag(),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             dim(op, "max visible", visible.max_visible)?,
             dim(op, "queries", visible.queries)?,
             1,
         ),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: params.heads * 4,
-    };
+        THREADS,
+        params.heads * 4,
+    );
     let counts = visible.counts_and_starts.slice(..visible.queries);
     let starts = visible.counts_and_starts.slice(visible.queries..);
-    let kernel = match keys {
-        KeyRowSource::Flat(_) => KernelId::IndexScoresRowsF32,
-        KeyRowSource::Table(_) => KernelId::IndexScoresRowsPtrF32,
-    };
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(q).arg(w);
-    match keys {
-        KeyRowSource::Flat(keys) => launch.arg(keys),
-        KeyRowSource::Table(table) => launch.arg(table.addresses()),
-    };
+    keys.push(&mut launch);
     launch.arg(&counts).arg(&starts).arg(scores).arg(&params);
     // SAFETY: signature (const float* q, const float* w, const float* keys | const unsigned long
     // long* key_ptrs, const u32_t* visible, const u32_t* score_starts, float* scores,
     // IndexParams); q holds queries * heads * head_dim, w queries * heads values, every visible
-    // count is <= visible.keys and the key source holds that many head_dim-wide rows (checked by
-    // the caller; a table's addresses are live rows by its unsafe constructor's contract), the
+    // count is <= visible.keys and the key source holds that many head_dim-wide rows (checked
+    // above; a table's addresses are live rows by its unsafe constructor's contract), the
     // offsets place each query's scores inside `scores` (DeviceVisiblePrefixes::upload);
     // grid.y = queries <= the grid limit; the dynamic shared memory holds one float per head.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -1,7 +1,7 @@
 //! Device pointer tables of key rows. A sequence's keys (window entries, compressed entries,
 //! index keys) may lie in many separately allocated device buffers, a row being (buffer, element
 //! offset); [`DeviceKeyTable`] holds one device address per row so that the attention and
-//! index-score launchers (`*_rows_ptr_f32`) read them where they are, without a gather copy.
+//! index-score launchers ([`KeyRows::Table`]) read them where they are, without a gather copy.
 //! [`key_row_address`] gives a row's address; [`DeviceKeyTable::upload`] puts a table on the
 //! device.
 //!
@@ -16,7 +16,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use crate::error::KernelError;
-use crate::runtime::KernelRuntime;
+use crate::id::KernelId;
+use crate::runtime::{KernelRuntime, Launch};
 
 /// The device address of the `row_len` f32 values starting at element `offset` of `buffer`.
 /// The address stays valid while `buffer` is allocated; taking it costs no driver call (the
@@ -146,23 +147,65 @@ impl DeviceKeyTable {
     pub fn addresses(&self) -> &CudaSlice<u64> {
         &self.addresses
     }
+}
 
-    /// A shape error unless this table's rows are `head_dim` wide and it has at least `rows`.
+/// Where a row-batched attention or index-score launch reads its key rows.
+#[derive(Clone, Copy)]
+pub enum KeyRows<'a> {
+    /// Rows of one buffer `[rows, head_dim]`.
+    Flat(&'a CudaSlice<f32>),
+    /// One device address per row ([`DeviceKeyTable`]; the same kernel body, bitwise the same
+    /// results as the flat rows on the same key values).
+    Table(&'a DeviceKeyTable),
+}
+
+impl<'k> KeyRows<'k> {
+    /// Checks that the source holds `rows` rows of `head_dim` values.
     pub(crate) fn check_covers(
         &self,
         op: &'static str,
         rows: usize,
         head_dim: usize,
     ) -> Result<(), KernelError> {
-        if self.row_len != head_dim || self.rows < rows {
-            return Err(KernelError::Shape {
+        match self {
+            KeyRows::Flat(keys) if keys.len() < rows * head_dim => Err(KernelError::Shape {
                 op,
                 message: format!(
-                    "the key table has {} rows of {} values; the launch needs {rows} rows of {head_dim}",
-                    self.rows, self.row_len
+                    "keys hold {} values, fewer than {rows} keys of {head_dim}",
+                    keys.len()
                 ),
-            });
+            }),
+            KeyRows::Table(table) if table.row_len != head_dim || table.rows < rows => {
+                Err(KernelError::Shape {
+                    op,
+                    message: format!(
+                        "the key table has {} rows of {} values; the launch needs {rows} rows of \
+                         {head_dim}",
+                        table.rows, table.row_len
+                    ),
+                })
+            }
+            KeyRows::Flat(_) | KeyRows::Table(_) => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The kernel of this source: `flat` or `table`.
+    pub(crate) fn kernel(&self, flat: KernelId, table: KernelId) -> KernelId {
+        match self {
+            KeyRows::Flat(_) => flat,
+            KeyRows::Table(_) => table,
+        }
+    }
+
+    /// Pushes the source as the kernel's `keys` (`const float*`) or `key_ptrs`
+    /// (`const unsigned long long*`) argument.
+    pub(crate) fn push<'a>(self, launch: &mut Launch<'a>)
+    where
+        'k: 'a,
+    {
+        match self {
+            KeyRows::Flat(keys) => launch.arg(keys),
+            KeyRows::Table(table) => launch.arg(table.addresses()),
+        };
     }
 }

@@ -3,11 +3,11 @@
 //! `linear_bf16`, and a row's values never depend on the other rows. Also the exact f32
 //! dequantisation of weight rows that the fp32 linears over FP8 / FP4 weights consume.
 
-use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaViewMut};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 
-use super::{Rounding, dim, expect_len, sgemm_chains};
+use super::{Rounding, dim, expect_len, launch_config, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{DequantParams, LinearParams};
@@ -62,7 +62,6 @@ pub fn linear_sgemm_f32(
         .map_err(KernelError::driver(
             "allocating the linear's block partials",
         ))?;
-    let partials_fn = rt.function(KernelId::LinearSgemmF32)?;
     for first in (0..rows).step_by(chunk_rows) {
         let count = chunk_rows.min(rows - first);
         let params = LinearParams {
@@ -73,23 +72,22 @@ pub fn linear_sgemm_f32(
         };
         let x_rows = x.slice(first * inp..(first + count) * inp);
         let mut y_rows = y.slice_mut(first * out..(first + count) * out);
-        let tiles = LaunchConfig {
-            grid_dim: (
+        let tiles = launch_config(
+            (
                 params.out.div_ceil(TILE_COLS),
                 dim(OP, "chains", blocks)?,
                 params.rows.div_ceil(TILE_ROWS),
             ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = rt.stream().launch_builder(partials_fn);
+            THREADS,
+            0,
+        );
+        let mut launch = rt.launcher(KernelId::LinearSgemmF32)?;
         launch.arg(&x_rows).arg(w).arg(&mut partials).arg(&params);
         // SAFETY: signature (const float* x, const float* w, float* partials, LinearParams); x
         // holds params.rows * inp values, w out * inp (checked above), partials blocks *
         // chunk_rows * out >= blocks * params.rows * out; the kernel bounds-checks rows, columns
         // and the last block's length; grid.z = ceil(rows / 8) <= MAX_GRID_Z by the chunking.
-        unsafe { launch.launch(tiles) }
-            .map_err(KernelError::driver("launching linear_sgemm_f32"))?;
+        unsafe { launch.launch(tiles) }?;
         sgemm_reduce(rt, &partials, &mut y_rows, params)?;
     }
     Ok(())
@@ -127,21 +125,17 @@ pub(crate) fn sgemm_reduce(
             ),
         });
     }
-    let reduce = LaunchConfig {
-        grid_dim: (dim(OP, "rows * out", outputs)?.div_ceil(THREADS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::LinearSgemmReduceF32)?);
+    let reduce = launch_config(
+        (dim(OP, "rows * out", outputs)?.div_ceil(THREADS), 1, 1),
+        THREADS,
+        0,
+    );
+    let mut launch = rt.launcher(KernelId::LinearSgemmReduceF32)?;
     launch.arg(partials).arg(y).arg(&params);
     // SAFETY: signature (const float* partials, float* y, LinearParams); partials holds at least
     // blocks * rows * out values and y rows * out (checked above); the kernel bounds-checks its
     // output index.
     unsafe { launch.launch(reduce) }
-        .map_err(KernelError::driver("launching linear_sgemm_reduce_f32"))?;
-    Ok(())
 }
 
 /// Rows `row_start..row_start + rows` of an FP8 weight, dequantised exactly to f32 into
@@ -232,19 +226,11 @@ fn launch_dequant(
     params: DequantParams,
 ) -> Result<(), KernelError> {
     let total = dim(kernel.symbol(), "rows * k", out.len())?;
-    let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(THREADS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let cfg = launch_config((total.div_ceil(THREADS), 1, 1), THREADS, 0);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(codes).arg(scales).arg(out).arg(&params);
     // SAFETY: signature (const u8* codes, const u8* scales, float* out, DequantParams); the weight
     // buffers were length-checked at upload for [n, k], the rows lie inside n and out holds
     // rows * k values (checked by dequant_params); the kernel bounds-checks its index.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

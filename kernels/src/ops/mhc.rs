@@ -1,15 +1,14 @@
-//! mHC on the device (`CpuBackend::hc_mixes` / `hc_collapse` / `hc_expand`) for one token or a
-//! batch of tokens in one launch: the coefficients (projection in the CPU sgemm order, sigmoids,
+//! mHC on the device (`CpuBackend::hc_mixes_rows` / `hc_collapse_rows_at` / `hc_expand_rows_at`)
+//! for a batch of tokens in one launch: the coefficients (projection in the CPU sgemm order, sigmoids,
 //! Sinkhorn; many blocks per token compute the fixed-order projection partials, then one block
 //! per token combines them), the collapse of `hc` streams into one bf16 row and the
-//! expansion back (grid.y = token, each token with its own weights / mixes). The one-token
-//! launchers are the one-row case of the row launchers. All f32 storage; bit-exact with the CPU
+//! expansion back (grid.y = token, each token with its own weights / mixes). All f32 storage; bit-exact with the CPU
 //! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`), and a
 //! token's results never depend on the others (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 
-use super::{Rounding, dim, expect_len, sgemm_chains};
+use super::{Rounding, dim, expect_len, launch_config, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{HcElementwiseParams, HcMixesParams};
@@ -27,28 +26,13 @@ pub const MAX_HC: usize = 8;
 /// The most tokens one collapse / expand launch takes (the grid's y limit).
 pub const MAX_TOKENS_PER_LAUNCH: usize = 65_535;
 
-/// The scalar settings of [`hc_mixes_f32`].
+/// The scalar settings of [`hc_mixes_rows_f32`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HcMixesConfig {
     pub hc: usize,
     pub sinkhorn_iters: usize,
     pub hc_eps: f32,
     pub norm_eps: f32,
-}
-
-/// `out = pre [hc] ++ post [hc] ++ comb [hc, hc]` of the streams `x [hc · dim]`, with
-/// `proj [(2 + hc) · hc, hc · dim]`, `base [(2 + hc) · hc]`, `scale [3]` (the one-token case of
-/// [`hc_mixes_rows_f32`]).
-pub fn hc_mixes_f32(
-    rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    proj: &CudaSlice<f32>,
-    base: &CudaSlice<f32>,
-    scale: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    config: HcMixesConfig,
-) -> Result<(), KernelError> {
-    hc_mixes_rows_f32(rt, x, x.len(), proj, base, scale, out, config)
 }
 
 /// The mHC coefficients of every token of `x [tokens, width]` (`width = hc · dim` values per
@@ -129,33 +113,28 @@ pub fn hc_mixes_rows_f32(
             message: format!("{tokens} tokens exceed {MAX_TOKENS_PER_LAUNCH} per launch"),
         });
     }
-    let partials_cfg = LaunchConfig {
-        grid_dim: (
+    let partials_cfg = launch_config(
+        (
             dim(OP, "partial blocks", tasks.div_ceil(PARTIALS_PER_BLOCK) + 1)?,
             token_grid,
             1,
         ),
-        block_dim: (dim(OP, "partial threads", PARTIALS_PER_BLOCK)?, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::HcMixesPartialsF32)?);
+        dim(OP, "partial threads", PARTIALS_PER_BLOCK)?,
+        0,
+    );
+    let mut launch = rt.launcher(KernelId::HcMixesPartialsF32)?;
     launch.arg(x).arg(proj).arg(&mut scratch).arg(&params);
     // SAFETY: signature (const float* x, const float* proj, float* scratch, HcMixesParams); x
     // holds tokens * n and proj projections * n values (checked above), scratch tokens * (tasks +
     // 1); grid.x covers every task in 32-task warps plus the last (sum-of-squares) block, grid.y
     // = tokens <= the grid limit.
-    unsafe { launch.launch(partials_cfg) }
-        .map_err(KernelError::driver("launching hc_mixes_partials_f32"))?;
-    let cfg = LaunchConfig {
-        grid_dim: (token_grid, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: dim(OP, "shared memory", per_token_scratch * 4)?,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::HcMixesF32)?);
+    unsafe { launch.launch(partials_cfg) }?;
+    let cfg = launch_config(
+        (token_grid, 1, 1),
+        THREADS,
+        dim(OP, "shared memory", per_token_scratch * 4)?,
+    );
+    let mut launch = rt.launcher(KernelId::HcMixesF32)?;
     launch
         .arg(&scratch)
         .arg(base)
@@ -167,8 +146,7 @@ pub fn hc_mixes_rows_f32(
     // by the launch above and out tokens * (2hc + hc²) (checked above), the dynamic shared memory
     // holding one token's tasks + 1 values; hc <= MAX_HC as the
     // kernel's local arrays require and projections <= THREADS.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_mixes_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 fn elementwise_params(
@@ -194,18 +172,6 @@ fn elementwise_params(
     })
 }
 
-/// `y [dim] = round(Σ_k w_k · x [k, dim])` over `w.len()` streams (the one-token case of
-/// [`hc_collapse_rows_f32`]).
-pub fn hc_collapse_f32(
-    rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    w: &CudaSlice<f32>,
-    y: &mut CudaSlice<f32>,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
-    hc_collapse_rows_f32(rt, x, w, y, w.len(), rounding)
-}
-
 /// `y [t, dim] = round(Σ_k w [t, k] · x [t, k, dim])` for every token `t` of `w [tokens, hc]`, in
 /// one launch (grid.y = token).
 pub fn hc_collapse_rows_f32(
@@ -228,39 +194,21 @@ pub fn hc_collapse_rows_f32(
     let params = elementwise_params(OP, hc, width, tokens, rounding)?;
     expect_len(OP, "y", y.len(), tokens * width)?;
     expect_len(OP, "x", x.len(), tokens * hc * width)?;
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             params.dim.div_ceil(ELEMENTWISE_THREADS),
             dim(OP, "tokens", tokens)?,
             1,
         ),
-        block_dim: (ELEMENTWISE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::HcCollapseF32)?);
+        ELEMENTWISE_THREADS,
+        0,
+    );
+    let mut launch = rt.launcher(KernelId::HcCollapseF32)?;
     launch.arg(x).arg(w).arg(y).arg(&params);
     // SAFETY: signature (const float* x, const float* w, float* y, HcElementwiseParams); x holds
     // tokens * hc * dim, w tokens * hc and y tokens * dim values (checked above), grid.y = tokens
     // <= the grid limit; the kernel bounds-checks d.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_collapse_f32"))?;
-    Ok(())
-}
-
-/// `out [k, dim] = round(post_k · y + Σ_j comb[j, k] · residual [j, dim])` with
-/// `mix = post [hc] ++ comb [hc, hc]` (the one-token case of [`hc_expand_rows_f32`]).
-pub fn hc_expand_f32(
-    rt: &KernelRuntime,
-    y: &CudaSlice<f32>,
-    residual: &CudaSlice<f32>,
-    mix: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    hc: usize,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
-    expect_len("hc_expand_f32", "mix", mix.len(), hc + hc * hc)?;
-    hc_expand_rows_f32(rt, y, residual, mix, out, hc, rounding)
+    unsafe { launch.launch(cfg) }
 }
 
 /// `out [t, k, dim] = round(post_k · y [t] + Σ_j comb[j, k] · residual [t, j, dim])` for every
@@ -293,23 +241,20 @@ pub fn hc_expand_rows_f32(
     expect_len(OP, "residual", residual.len(), tokens * hc * width)?;
     expect_len(OP, "out", out.len(), tokens * hc * width)?;
     let total = dim(OP, "hc * dim", hc * width)?;
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             total.div_ceil(ELEMENTWISE_THREADS),
             dim(OP, "tokens", tokens)?,
             1,
         ),
-        block_dim: (ELEMENTWISE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::HcExpandF32)?);
+        ELEMENTWISE_THREADS,
+        0,
+    );
+    let mut launch = rt.launcher(KernelId::HcExpandF32)?;
     launch.arg(y).arg(residual).arg(mix).arg(out).arg(&params);
     // SAFETY: signature (const float* y, const float* residual, const float* mix, float* out,
     // HcElementwiseParams); y holds tokens * dim, residual and out tokens * hc * dim, mix tokens *
     // (hc + hc²) values (checked above), grid.y = tokens <= the grid limit; the kernel
     // bounds-checks its index.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching hc_expand_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -23,6 +23,8 @@ pub mod sampling;
 pub mod topk;
 pub mod v4;
 
+use cudarc::driver::LaunchConfig;
+
 use crate::error::KernelError;
 
 /// How an op on f32 storage rounds its outputs: to bf16 at the reference's rounding points
@@ -38,6 +40,26 @@ impl Rounding {
     pub(crate) fn flag(self) -> u32 {
         u32::from(self == Rounding::Bf16)
     }
+}
+
+/// `grid` blocks of `threads` threads each, with `shared_bytes` of dynamic shared memory.
+pub(crate) fn launch_config(
+    grid: (u32, u32, u32),
+    threads: u32,
+    shared_bytes: u32,
+) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared_bytes,
+    }
+}
+
+/// A grid-stride launch over `n` values: blocks of `threads` threads, at least one and at most
+/// 4096 blocks (the kernel loops over the rest).
+pub(crate) fn grid_stride_config(n: usize, threads: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(threads as usize).clamp(1, 4096) as u32;
+    launch_config((blocks, 1, 1), threads, 0)
 }
 
 /// `value` as a u32 kernel dimension, or a shape error naming it.
@@ -90,4 +112,46 @@ pub(crate) fn cuda_struct_fields(header: &str, name: &str) -> Vec<String> {
         .filter_map(|line| line.split_once(';').map(|(decl, _)| decl))
         .filter_map(|decl| decl.split_whitespace().last().map(str::to_string))
         .collect()
+}
+
+/// Asserts that `T` is `size` bytes and mirrors the CUDA struct of its name in `header`: the same
+/// `fields`, in order.
+#[cfg(test)]
+#[track_caller]
+pub(crate) fn assert_mirrors<T>(header: &str, size: usize, fields: &[&str]) {
+    let name = std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default();
+    assert_eq!(std::mem::size_of::<T>(), size, "{name}");
+    assert_eq!(cuda_struct_fields(header, name), fields, "{name}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grid_stride_launch_covers_n_in_one_to_4096_blocks() {
+        let blocks = |n| grid_stride_config(n, 256).grid_dim;
+        assert_eq!(blocks(0), (1, 1, 1), "an empty launch still has a block");
+        assert_eq!(blocks(256), (1, 1, 1));
+        assert_eq!(blocks(257), (2, 1, 1));
+        assert_eq!(blocks(4096 * 256), (4096, 1, 1));
+        assert_eq!(
+            blocks(4096 * 256 + 1),
+            (4096, 1, 1),
+            "the kernel strides over the rest"
+        );
+        let cfg = grid_stride_config(1000, 128);
+        assert_eq!((cfg.block_dim, cfg.shared_mem_bytes), ((128, 1, 1), 0));
+    }
+
+    #[test]
+    fn a_launch_config_is_its_grid_threads_and_shared_bytes() {
+        let cfg = launch_config((3, 5, 7), 96, 4096);
+        assert_eq!(cfg.grid_dim, (3, 5, 7));
+        assert_eq!(cfg.block_dim, (96, 1, 1));
+        assert_eq!(cfg.shared_mem_bytes, 4096);
+    }
 }

@@ -2,9 +2,9 @@
 //! sqrt-softplus scores, biased top-k (or a forced list), normalised weights; bit-exact, one block
 //! per token.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -93,11 +93,11 @@ pub fn route_experts_f32(
         },
         route_scale,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 4 * (2 * params.experts + params.selected),
-    };
+    let cfg = launch_config(
+        (params.rows, 1, 1),
+        THREADS,
+        4 * (2 * params.experts + params.selected),
+    );
     let stream = rt.stream();
     // The forced list, or a one-element placeholder the kernel does not read.
     let placeholder;
@@ -110,7 +110,7 @@ pub fn route_experts_f32(
             &placeholder
         }
     };
-    let mut launch = stream.launch_builder(rt.function(KernelId::RouteExpertsF32)?);
+    let mut launch = rt.launcher(KernelId::RouteExpertsF32)?;
     launch
         .arg(logits)
         .arg(bias)
@@ -122,8 +122,7 @@ pub fn route_experts_f32(
     // u32* experts, float* weights, RouteParams); lengths checked above (a shared forced list
     // holds `selected` ids, per-row lists rows * selected); the dynamic shared memory
     // holds 2 · experts + selected 32-bit words.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching route_experts_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Experts chosen per token for `selection` over `n_experts`.
@@ -137,15 +136,16 @@ pub fn selected_count(selection: Selection<'_>, n_experts: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     #[test]
     fn params_mirror_the_cuda_struct() {
         let header = include_str!("../../cuda/moe/route.cuh");
-        assert_eq!(std::mem::size_of::<RouteParams>(), 20);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "RouteParams"),
-            ["rows", "experts", "selected", "forced", "route_scale"]
+        assert_mirrors::<RouteParams>(
+            header,
+            20,
+            &["rows", "experts", "selected", "forced", "route_scale"],
         );
     }
 }

@@ -3,10 +3,10 @@
 //! bf16 GEMM outputs widened to f32 storage ([`bf16_to_f32`]), selected key rows written into
 //! attention lists, and the one elementwise sum the drafter needs ([`add_f32`]).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, grid_stride_config, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -87,15 +87,9 @@ fn launch_gather(
         }
         by_value.pieces[..n_pieces].copy_from_slice(inline);
     }
-    let cfg = LaunchConfig {
-        grid_dim: (n_pieces_u32.min(GATHER_BLOCKS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((n_pieces_u32.min(GATHER_BLOCKS), 1, 1), THREADS, 0);
     let null_table = 0u64;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::GatherPtrsF32)?);
+    let mut launch = rt.launcher(KernelId::GatherPtrsF32)?;
     match pieces {
         Some(table) => launch.arg(table),
         None => launch.arg(&null_table),
@@ -110,8 +104,7 @@ fn launch_gather(
     // `inline` (all set above); out holds n_pieces * width values (checked) and the loops stop at
     // n_pieces and width; each address points at `width` readable floats of a live device buffer
     // (the caller's contract, see `key_table`).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching gather_ptrs_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `out[i] = f32(x[i])` (exact).
@@ -126,20 +119,12 @@ pub fn bf16_to_f32(
         return Ok(());
     }
     let n = x.len() as u64;
-    let blocks = x.len().div_ceil(THREADS as usize).min(4096) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::Bf16ToF32)?);
+    let cfg = grid_stride_config(x.len(), THREADS);
+    let mut launch = rt.launcher(KernelId::Bf16ToF32)?;
     launch.arg(x).arg(out).arg(&n);
     // SAFETY: signature (const u16* x, float* out, u64 n); both hold n values (checked), the
     // kernel's grid-stride loop stops at n.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching bf16_to_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `x[i] += y[i]` in fp32 (exact as the host's f32 add).
@@ -154,16 +139,10 @@ pub fn add_f32(
         return Ok(());
     }
     let n = x.len() as u64;
-    let blocks = x.len().div_ceil(THREADS as usize).min(4096) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt.stream().launch_builder(rt.function(KernelId::AddF32)?);
+    let cfg = grid_stride_config(x.len(), THREADS);
+    let mut launch = rt.launcher(KernelId::AddF32)?;
     launch.arg(x).arg(y).arg(&n);
     // SAFETY: signature (float* x, const float* y, u64 n); both hold n values (checked), the
     // kernel's grid-stride loop stops at n.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching add_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

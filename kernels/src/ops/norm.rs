@@ -1,10 +1,10 @@
 //! RMSNorm on the device: `y = bf16(w · (x · rsqrt(mean(x²) + eps)))`, fp32 math, on bf16
 //! storage or on f32 storage of bf16 values (the model's host layout).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::RmsNormParams;
@@ -79,17 +79,11 @@ fn launch_rms_norm<T: DeviceRepr>(
         cols: dim(op, "cols", cols)?,
         eps,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let cfg = launch_config((params.rows, 1, 1), THREADS, 0);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(x).arg(w).arg(y).arg(&params);
     // SAFETY: signature (const T* x, const T* w, T* y, RmsNormParams) with T the element type of
     // `kernel` (bf16 or f32, matching the slices); lengths checked above; one block per row, each
     // thread strides within its row.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

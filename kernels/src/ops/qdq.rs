@@ -3,9 +3,9 @@
 //! allowed, as in the CPU reference). Bit-exact with `deepinfer_model::quant::{q8_qdq_group32,
 //! q4_qdq_e8m0_group32, q4_qdq_e4m3_group16}`; every group is independent (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 
-use super::dim;
+use super::{dim, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::QdqParams;
@@ -45,19 +45,11 @@ pub fn qdq_f32(
     if n == 0 {
         return Ok(());
     }
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(THREADS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((n.div_ceil(THREADS), 1, 1), THREADS, 0);
     let params = QdqParams { n };
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(x).arg(&params);
     // SAFETY: signature (float* x, QdqParams); the grid covers n threads and the kernel checks
     // i < n before touching x (which holds n values). Whole warps stay converged for the shuffles.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -1,9 +1,9 @@
 //! FP8 activation quantisation `Q8` (v41-architecture.md §3.0) on the device.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::ActQuantParams;
@@ -72,6 +72,26 @@ pub struct DeviceActFp8 {
 }
 
 impl DeviceActFp8 {
+    /// Checks these activations against a GEMM's weight `[n, k]` and its output of `y_len`
+    /// values (`[rows, n]`).
+    pub(crate) fn check_gemm(
+        &self,
+        op: &'static str,
+        (n, k): (usize, usize),
+        y_len: usize,
+    ) -> Result<(), KernelError> {
+        if self.cols != k {
+            return Err(KernelError::Shape {
+                op,
+                message: format!(
+                    "activation has {} columns, weight has {k} inputs",
+                    self.cols
+                ),
+            });
+        }
+        expect_len(op, "y", y_len, self.rows * n)
+    }
+
     /// Allocates (zeroed) buffers for `[rows, cols]`; `cols` must be a multiple of the group.
     pub fn alloc(
         rt: &KernelRuntime,
@@ -147,13 +167,12 @@ fn launch_act_quant<T: DeviceRepr>(
         cols: dim(OP, "cols", out.cols)?,
     };
     let groups = dim(OP, "groups", out.rows * out.cols / out.group.elements())?;
-    let cfg = LaunchConfig {
-        grid_dim: (groups.div_ceil(WARPS_PER_BLOCK), 1, 1),
-        block_dim: (WARPS_PER_BLOCK * 32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let cfg = launch_config(
+        (groups.div_ceil(WARPS_PER_BLOCK), 1, 1),
+        WARPS_PER_BLOCK * 32,
+        0,
+    );
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(x)
         .arg(&mut out.codes)
@@ -163,8 +182,7 @@ fn launch_act_quant<T: DeviceRepr>(
     // type of `kernel` (matching `x`); the buffer
     // lengths were checked against rows * cols above and the grid covers exactly `groups` warps
     // (the kernel bounds-checks the last block).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching act_quant_fp8"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Allocating form of [`quantize_act_fp8_into`].

@@ -1,10 +1,10 @@
 //! Interleaved-pair partial RoPE on the device, in place, on bf16 storage or on f32 storage of
 //! bf16 values (the model's host layout).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::RopeParams;
@@ -111,17 +111,11 @@ fn launch_rope<T: DeviceRepr>(
         table_rows: dim(op, "table_rows", table_rows)?,
         inverse: u32::from(inverse),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (pairs.div_ceil(THREADS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let function = rt.function(kernel)?;
-    let mut launch = rt.stream().launch_builder(function);
+    let cfg = launch_config((pairs.div_ceil(THREADS), 1, 1), THREADS, 0);
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(x).arg(positions).arg(cos).arg(sin).arg(&params);
     // SAFETY: signature (T* x, const int* positions, const float* cos, const float* sin,
     // RopeParams) with T the element type of `kernel` (matching `x`); lengths checked above; the
     // kernel bounds-checks pair indices and positions.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!("launching {op}")))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

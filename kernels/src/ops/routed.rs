@@ -1,20 +1,21 @@
 //! The routed experts of an MoE layer driven by device routes (`route_experts_f32`'s `experts`
 //! and `weights`), with no copy to the host: a device table of the layer's expert weights
 //! ([`DeviceExpertTable`]), the routed GEMM whose every output row takes its own expert's weight
-//! ([`gemm_fp4_routed`], [`gemm_fp8_routed`]; one row per block for decode, or rows grouped by
+//! ([`gemm_routed`] for FP4 and FP8 experts; one row per block for decode, or rows grouped by
 //! expert on the device into tiles of up to 32 rows whose expert's weights are read once, see
 //! [`RoutedBlocks`]), the SwiGLU of expert
 //! rows ([`swiglu_rows`]) and the combine of a token's slot outputs with the shared expert
 //! ([`moe_combine`]). Each reproduces `deepinfer_model::layers::moe::forward_rows` bit for bit (see
 //! `cuda/moe/routed.cu`).
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
-use super::gemm_fast::FastFp4Weight;
+use super::gemm_fast::{FastFp4Weight, FastTile};
 use super::quant::DeviceActFp8;
-use super::{Rounding, dim as kernel_dim, expect_len};
+use super::routed_fast::gemm_fp4_routed_fast_tiled;
+use super::{Rounding, dim as kernel_dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -144,7 +145,7 @@ pub enum ExpertFormat {
     /// FP8 E4M3 with 32×32 UE8M0 tiles ([`DeviceFp8Weight`] of tile 32).
     Fp8T32,
     /// FP4 E2M1 laid out for the `fast` tensor-core GEMM ([`FastFp4Weight`]; launched by
-    /// [`super::routed_fast::gemm_fp4_routed_fast`]).
+    /// [`super::routed_fast::gemm_fp4_routed_fast_tiled`]).
     Fp4Fast,
 }
 
@@ -161,7 +162,10 @@ trait TableWeight {
     const FORMAT: ExpertFormat;
     fn shape(&self) -> (usize, usize);
     fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>);
-    fn check(&self, op: &'static str) -> Result<(), KernelError>;
+    /// A shape error unless the weight's format is one the routed kernels read.
+    fn check(&self, _op: &'static str) -> Result<(), KernelError> {
+        Ok(())
+    }
 }
 
 impl TableWeight for DeviceFp4Weight {
@@ -172,9 +176,6 @@ impl TableWeight for DeviceFp4Weight {
     fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
         (&self.packed, &self.scales)
     }
-    fn check(&self, _op: &'static str) -> Result<(), KernelError> {
-        Ok(())
-    }
 }
 
 impl TableWeight for FastFp4Weight {
@@ -184,9 +185,6 @@ impl TableWeight for FastFp4Weight {
     }
     fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
         (&self.chunks, &self.band_scales)
-    }
-    fn check(&self, _op: &'static str) -> Result<(), KernelError> {
-        Ok(())
     }
 }
 
@@ -345,11 +343,13 @@ impl DeviceExpertTable {
     }
 }
 
-/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the FP4 `which` projection of `table`:
-/// `x` `[rows, inp]` (32-groups), `experts` `[m]` with `m = rows · x_row_div`, `out` bf16
-/// `[m, out]`. Every row is bitwise what [`super::gemm::gemm_fp4`] gives for that x row and
-/// that expert's weight; a row whose id is `>= table.n_experts()` is zero.
-pub fn gemm_fp4_routed(
+/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the `which` projection of `table`'s
+/// experts: `x` `[rows, inp]` (32-groups), `experts` `[m]` with `m = rows · x_row_div`, `out` bf16
+/// `[m, out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the table's
+/// format's: FP4 and FP8 (32×32 tiles) rows are bitwise what [`super::gemm::gemm_fp4`] /
+/// [`super::gemm::gemm_fp8`] give for that x row and that expert's weight ([`RoutedBlocks::Auto`]);
+/// a fast FP4 table runs the tensor-core kernel of [`super::routed_fast`] ([`FastTile::Auto`]).
+pub fn gemm_routed(
     rt: &KernelRuntime,
     x: &DeviceActFp8,
     experts: &CudaSlice<u32>,
@@ -358,21 +358,22 @@ pub fn gemm_fp4_routed(
     which: ExpertProjection,
     out: &mut CudaSlice<bf16>,
 ) -> Result<(), KernelError> {
-    gemm_fp4_routed_with(
-        rt,
-        x,
-        experts,
-        x_row_div,
-        table,
-        which,
-        out,
-        RoutedBlocks::Auto,
-    )
+    match table.format {
+        ExpertFormat::Fp4Fast => {
+            let tile = FastTile::Auto;
+            gemm_fp4_routed_fast_tiled(rt, x, experts, x_row_div, table, which, out, tile)
+        }
+        ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => {
+            let blocks = RoutedBlocks::Auto;
+            gemm_routed_with(rt, x, experts, x_row_div, table, which, out, blocks)
+        }
+    }
 }
 
-/// [`gemm_fp4_routed`] with an explicit block assignment (the result does not depend on it).
+/// [`gemm_routed`] on an FP4 or FP8 table with an explicit block assignment (the result does not
+/// depend on it).
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_fp4_routed_with(
+pub fn gemm_routed_with(
     rt: &KernelRuntime,
     x: &DeviceActFp8,
     experts: &CudaSlice<u32>,
@@ -382,57 +383,14 @@ pub fn gemm_fp4_routed_with(
     out: &mut CudaSlice<bf16>,
     blocks: RoutedBlocks,
 ) -> Result<(), KernelError> {
+    let op = match table.format {
+        ExpertFormat::Fp8T32 => "gemm_fp8_routed",
+        ExpertFormat::Fp4 | ExpertFormat::Fp4Fast => "gemm_fp4_routed",
+    };
     launch_routed(
         rt,
-        "gemm_fp4_routed",
-        ExpertFormat::Fp4,
-        (x, experts, x_row_div),
-        table,
-        which,
-        out,
-        blocks,
-    )
-}
-
-/// [`gemm_fp4_routed`] for a table of FP8 experts (32×32 tiles): rows bitwise equal to
-/// [`super::gemm::gemm_fp8`].
-pub fn gemm_fp8_routed(
-    rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
-    table: &DeviceExpertTable,
-    which: ExpertProjection,
-    out: &mut CudaSlice<bf16>,
-) -> Result<(), KernelError> {
-    gemm_fp8_routed_with(
-        rt,
-        x,
-        experts,
-        x_row_div,
-        table,
-        which,
-        out,
-        RoutedBlocks::Auto,
-    )
-}
-
-/// [`gemm_fp8_routed`] with an explicit block assignment (the result does not depend on it).
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_fp8_routed_with(
-    rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
-    table: &DeviceExpertTable,
-    which: ExpertProjection,
-    out: &mut CudaSlice<bf16>,
-    blocks: RoutedBlocks,
-) -> Result<(), KernelError> {
-    launch_routed(
-        rt,
-        "gemm_fp8_routed",
-        ExpertFormat::Fp8T32,
+        op,
+        table.format,
         (x, experts, x_row_div),
         table,
         which,
@@ -506,18 +464,13 @@ fn launch_routed(
         ExpertFormat::Fp4Fast => {
             return Err(KernelError::Shape {
                 op,
-                message: "fast FP4 tables run through gemm_fp4_routed_fast".to_string(),
+                message: "fast FP4 tables take a FastTile (gemm_routed, routed_fast)".to_string(),
             });
         }
     };
-    let stream = rt.stream();
     if per_row {
-        let cfg = LaunchConfig {
-            grid_dim: (params.m, col_blocks, 1),
-            block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = stream.launch_builder(rt.function(rows_kernel)?);
+        let cfg = launch_config((params.m, col_blocks, 1), WARPS * 32, 0);
+        let mut launch = rt.launcher(rows_kernel)?;
         launch
             .arg(&x.codes)
             .arg(&x.scales)
@@ -530,10 +483,7 @@ fn launch_routed(
         // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the
         // table holds 3 * n_experts address pairs of live weights of this shape and format (the
         // constructors' contract), ids >= n_experts are never looked up; out holds m * n values.
-        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-            "launching {}",
-            rows_kernel.symbol()
-        )))?;
+        unsafe { launch.launch(cfg) }?;
         return Ok(());
     }
     let tile_rows = if expert_major {
@@ -542,47 +492,18 @@ fn launch_routed(
         TILE_ROWS
     };
     let groups = group_rows(rt, op, &experts.slice(..), table.n_experts, tile_rows)?;
-    if expert_major {
-        let kernel = experts_kernel;
-        let cfg = LaunchConfig {
-            grid_dim: (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
-            block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: 4
-                * WARPS
-                * kernel_dim(op, "tile rows", tile_rows)?
-                * EXPERT_PARTIAL_STRIDE,
-        };
-        let mut launch = stream.launch_builder(rt.function(kernel)?);
-        launch
-            .arg(&x.codes)
-            .arg(&x.scales)
-            .arg(&groups.order)
-            .arg(&groups.tiles)
-            .arg(&groups.tile_count)
-            .arg(&table.addresses)
-            .arg(out)
-            .arg(&params);
-        // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-        // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams). Blocks past
-        // *tile_count return; a tile holds at most tile_rows rows, for which the dynamic shared
-        // memory holds WARPS * tile_rows * 33 partials; its rows are output rows < m (order is a
-        // permutation of 0..m), each reading x row j / x_row_div < x.rows (x holds x.rows * k
-        // codes and x.rows * k / 32 scales); column n < p.n is checked per warp; the table holds
-        // 3 * n_experts address pairs of live weights of this shape and format (the
-        // constructors' contract), the bucket of unknown ids is never looked up; out holds m * n.
-        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-            "launching {}",
-            kernel.symbol()
-        )))?;
-        return Ok(());
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
-        block_dim: (WARPS * 32, 1, 1),
-        shared_mem_bytes: 0,
+    let (kernel, shared_bytes) = if expert_major {
+        let partials = WARPS * kernel_dim(op, "tile rows", tile_rows)? * EXPERT_PARTIAL_STRIDE;
+        (experts_kernel, 4 * partials)
+    } else {
+        (tiles_kernel, 0)
     };
-    let kernel = tiles_kernel;
-    let mut launch = stream.launch_builder(rt.function(kernel)?);
+    let cfg = launch_config(
+        (kernel_dim(op, "tiles", groups.max_tiles)?, col_blocks, 1),
+        WARPS * 32,
+        shared_bytes,
+    );
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&x.codes)
         .arg(&x.scales)
@@ -593,17 +514,15 @@ fn launch_routed(
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams). Blocks past
-    // *tile_count return; a tile's rows are output rows < m (order is a permutation of 0..m),
-    // each reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
+    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams), both kernels. Blocks
+    // past *tile_count return; a tile holds at most tile_rows rows (for the expert-major kernel
+    // the dynamic shared memory holds WARPS * tile_rows * 33 partials, and it checks column
+    // n < p.n per warp); its rows are output rows < m (order is a permutation of 0..m), each
+    // reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
     // scales); the table holds 3 * n_experts address pairs of live weights of this shape and
-    // format (the constructors' contract) and the bucket of unknown ids is never looked up;
-    // out holds m * n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    // format (the constructors' contract), the bucket of unknown ids is never looked up; out
+    // holds m * n.
+    unsafe { launch.launch(cfg) }
 }
 
 /// The checks of a routed launch of `format` experts: the table's format, 32-element groups,
@@ -685,12 +604,8 @@ pub(super) fn group_rows(
         n_experts: kernel_dim(op, "experts", n_experts)?,
         tile_rows: kernel_dim(op, "tile rows", tile_rows)?,
     };
-    let group_cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (GROUP_THREADS, 1, 1),
-        shared_mem_bytes: 4 * 2 * (group.n_experts + 1),
-    };
-    let mut launch = stream.launch_builder(rt.function(KernelId::GroupRoutedRows)?);
+    let group_cfg = launch_config((1, 1, 1), GROUP_THREADS, 4 * 2 * (group.n_experts + 1));
+    let mut launch = rt.launcher(KernelId::GroupRoutedRows)?;
     launch
         .arg(experts)
         .arg(&mut order)
@@ -700,8 +615,7 @@ pub(super) fn group_rows(
     // SAFETY: signature (const u32* experts, u32* order, u32* tiles, u32* tile_count,
     // GroupParams); experts and order hold m values, tiles 3 * max_tiles (the kernel writes at
     // most that many tiles, see above), the dynamic shared memory 2 * (n_experts + 1) counters.
-    unsafe { launch.launch(group_cfg) }
-        .map_err(KernelError::driver("launching group_routed_rows"))?;
+    unsafe { launch.launch(group_cfg) }?;
     Ok(RowGroups {
         order,
         tiles,
@@ -783,25 +697,21 @@ pub fn swiglu_rows<T: ExpertRowValue>(
             &placeholder
         }
     };
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             params.n.div_ceil(SWIGLU_THREADS).min(SWIGLU_MAX_BLOCKS),
             1,
             1,
         ),
-        block_dim: (SWIGLU_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = stream.launch_builder(rt.function(T::SWIGLU)?);
+        SWIGLU_THREADS,
+        0,
+    );
+    let mut launch = rt.launcher(T::SWIGLU)?;
     launch.arg(gate).arg(up).arg(weights).arg(out).arg(&params);
     // SAFETY: signature (const T* gate, const T* up, const float* weights, float* out,
     // SwigluParams); gate, up and out hold n values; with has_weights the kernel reads
     // weights[i / inter] < n / inter = weights.len().
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        T::SWIGLU.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Per token `t` of `out [rows, dim]`: from 0.0f32, add its slot outputs `routed[t, s]`
@@ -863,12 +773,8 @@ pub fn moe_combine<T: ExpertRowValue>(
             message: format!("dim = {dim} needs {col_blocks} column blocks (> 65535)"),
         });
     }
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, col_blocks, 1),
-        block_dim: (COMBINE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt.stream().launch_builder(rt.function(T::COMBINE)?);
+    let cfg = launch_config((params.rows, col_blocks, 1), COMBINE_THREADS, 0);
+    let mut launch = rt.launcher(T::COMBINE)?;
     launch
         .arg(routed)
         .arg(experts)
@@ -878,25 +784,22 @@ pub fn moe_combine<T: ExpertRowValue>(
     // SAFETY: signature (const T* slot_out, const u32* experts, const T* shared_out,
     // float* out, CombineParams); lengths checked above (rows * k * dim, rows * k, rows * dim,
     // rows * dim); k <= MAX_SLOTS, the kernel's shared order array.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        T::COMBINE.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     const SOURCE: &str = include_str!("../../cuda/moe/routed.cu");
 
     #[test]
     fn params_mirror_the_cuda_structs() {
-        assert_eq!(std::mem::size_of::<RoutedGemmParams>(), 32);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "RoutedGemmParams"),
-            [
+        assert_mirrors::<RoutedGemmParams>(
+            SOURCE,
+            32,
+            &[
                 "m",
                 "n",
                 "k",
@@ -904,28 +807,24 @@ mod tests {
                 "warps_per_col",
                 "x_row_div",
                 "n_experts",
-                "which"
-            ]
+                "which",
+            ],
         );
-        assert_eq!(std::mem::size_of::<SwigluParams>(), 20);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "SwigluParams"),
-            ["n", "inter", "has_weights", "limit", "round_bf16"]
+        assert_mirrors::<SwigluParams>(
+            SOURCE,
+            20,
+            &["n", "inter", "has_weights", "limit", "round_bf16"],
         );
-        assert_eq!(std::mem::size_of::<CombineParams>(), 20);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "CombineParams"),
-            ["rows", "k", "dim", "n_experts", "round_bf16"]
+        assert_mirrors::<CombineParams>(
+            SOURCE,
+            20,
+            &["rows", "k", "dim", "n_experts", "round_bf16"],
         );
     }
 
     #[test]
     fn group_params_mirror_the_cuda_struct() {
-        assert_eq!(std::mem::size_of::<GroupParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "GroupParams"),
-            ["m", "n_experts", "tile_rows"]
-        );
+        assert_mirrors::<GroupParams>(SOURCE, 12, &["m", "n_experts", "tile_rows"]);
     }
 
     #[test]

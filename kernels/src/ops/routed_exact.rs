@@ -8,12 +8,12 @@
 //! gives for it, whichever rows share its tile. The SwiGLU and the combine are
 //! [`super::routed::swiglu_rows`] / [`super::routed::moe_combine`] over f32 rows.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::sgemm_reduce;
 use super::routed::{ExpertProjection, group_rows};
-use super::{dim as kernel_dim, expect_len, sgemm_chains};
+use super::{dim as kernel_dim, expect_len, launch_config, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::LinearParams;
@@ -288,7 +288,6 @@ pub fn gemm_exact_routed(
     let mut partials = stream
         .alloc_zeros::<f32>(blocks * chunk_rows * n)
         .map_err(KernelError::driver("allocating the routed block partials"))?;
-    let kernel = rt.function(KernelId::GemmExactRoutedPartialsF32)?;
     for first in (0..m).step_by(chunk_rows) {
         let count = chunk_rows.min(m - first);
         let ids = experts.slice(first..first + count);
@@ -305,16 +304,16 @@ pub fn gemm_exact_routed(
             which: slot as u32,
         };
         let x_rows = x.slice(first / x_row_div * k..(first + count).div_ceil(x_row_div) * k);
-        let cfg = LaunchConfig {
-            grid_dim: (
+        let cfg = launch_config(
+            (
                 kernel_dim(OP, "tiles", groups.max_tiles)?,
                 params.n.div_ceil(TILE_COLS),
                 kernel_dim(OP, "chains", blocks)?,
             ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = stream.launch_builder(kernel);
+            THREADS,
+            0,
+        );
+        let mut launch = rt.launcher(KernelId::GemmExactRoutedPartialsF32)?;
         launch
             .arg(&x_rows)
             .arg(&groups.order)
@@ -330,9 +329,7 @@ pub fn gemm_exact_routed(
         // rows of k values: chunks start at a multiple of x_row_div); the table holds 3 *
         // n_experts address pairs of live weights of this shape and format (the constructor's
         // contract; the bucket of unknown ids reads none); partials holds blocks * count * n.
-        unsafe { launch.launch(cfg) }.map_err(KernelError::driver(
-            "launching gemm_exact_routed_partials_f32",
-        ))?;
+        unsafe { launch.launch(cfg) }?;
         let reduce = LinearParams {
             rows: params.m,
             out: params.n,
@@ -347,16 +344,17 @@ pub fn gemm_exact_routed(
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     const SOURCE: &str = include_str!("../../cuda/moe/routed.cu");
 
     #[test]
     fn params_mirror_the_cuda_struct() {
-        assert_eq!(std::mem::size_of::<ExactRoutedParams>(), 36);
-        assert_eq!(
-            super::super::cuda_struct_fields(SOURCE, "ExactRoutedParams"),
-            [
+        assert_mirrors::<ExactRoutedParams>(
+            SOURCE,
+            36,
+            &[
                 "m",
                 "n",
                 "k",
@@ -365,8 +363,8 @@ mod tests {
                 "scale_cols",
                 "x_row_div",
                 "n_experts",
-                "which"
-            ]
+                "which",
+            ],
         );
         assert!(SOURCE.contains("EXACT_F32 = 0;"));
         assert!(SOURCE.contains("EXACT_FP8 = 1;"));

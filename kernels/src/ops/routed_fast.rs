@@ -9,35 +9,21 @@
 //! ([`FastTile`], picked by the mean rows per expert) and the rows sharing it change which
 //! thread computes it, never how (the GPU tests check a row alone against inside 2 … 64 tokens).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::dim;
 use super::gemm_fast::{FastKernels, FastTile};
 use super::quant::DeviceActFp8;
 use super::routed::{DeviceExpertTable, ExpertFormat, ExpertProjection, check_routed, group_rows};
+use super::{dim, launch_config};
 use crate::error::KernelError;
 use crate::params::FastRoutedParams;
 use crate::runtime::KernelRuntime;
 
 /// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the `which` projection of a
-/// [`DeviceExpertTable::fp4_fast`] table: `x` `[rows, inp]` (32-groups), `experts` `[m]` with
-/// `m = rows · x_row_div`, `out` bf16 `[m, out]`. A row whose id is `>= table.n_experts()` is
-/// zero.
-pub fn gemm_fp4_routed_fast(
-    rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
-    table: &DeviceExpertTable,
-    which: ExpertProjection,
-    out: &mut CudaSlice<bf16>,
-) -> Result<(), KernelError> {
-    gemm_fp4_routed_fast_tiled(rt, x, experts, x_row_div, table, which, out, FastTile::Auto)
-}
-
-/// [`gemm_fp4_routed_fast`] with an explicit tile (the result does not depend on it);
-/// [`FastTile::Auto`] takes the smallest tile that holds the mean rows per expert.
+/// [`DeviceExpertTable::fp4_fast`] table (as [`super::routed::gemm_routed`], which runs this with
+/// [`FastTile::Auto`]) with an explicit tile (the result does not depend on it); `Auto` takes the
+/// smallest tile that holds the mean rows per expert.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_fp4_routed_fast_tiled(
     rt: &KernelRuntime,
@@ -86,12 +72,12 @@ pub fn gemm_fp4_routed_fast_tiled(
         });
     }
     let kernel = FastKernels::Fp4Routed.kernel(tile);
-    let cfg = LaunchConfig {
-        grid_dim: (params.n.div_ceil(16 * warps), tiles, 1),
-        block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: FastKernels::Fp4Routed.shared_bytes(tile),
-    };
-    let mut launch = rt.stream().launch_builder(rt.function(kernel)?);
+    let cfg = launch_config(
+        (params.n.div_ceil(16 * warps), tiles, 1),
+        warps * 32,
+        FastKernels::Fp4Routed.shared_bytes(tile),
+    );
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(&x.codes)
         .arg(&x.scales)
@@ -109,9 +95,5 @@ pub fn gemm_fp4_routed_fast_tiled(
     // holds 3 * n_experts address pairs of live FastFp4Weights of this shape (the constructor's
     // contract: chunks and band scales built for n, k), the bucket of unknown ids is never looked
     // up; every load is bounds-checked against n, k and the tile's count; out holds m * n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver(format!(
-        "launching {}",
-        kernel.symbol()
-    )))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }

@@ -12,9 +12,9 @@
 //!
 //! Every output depends only on its own row or token (batch invariant).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
-use super::{Rounding, dim, expect_len};
+use super::{Rounding, dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -85,11 +85,11 @@ unsafe impl DeviceRepr for InjectParams {}
 /// A grid-stride launch over `total` elements.
 fn stride_config(op: &'static str, total: usize) -> Result<LaunchConfig, KernelError> {
     let blocks = total.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS);
-    Ok(LaunchConfig {
-        grid_dim: (dim(op, "blocks", blocks)?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    })
+    Ok(launch_config(
+        (dim(op, "blocks", blocks)?, 1, 1),
+        THREADS,
+        0,
+    ))
 }
 
 fn shape_error(op: &'static str, message: String) -> KernelError {
@@ -130,14 +130,11 @@ pub fn stream_means_f32(
         round_bf16: rounding.flag(),
     };
     let cfg = stride_config(OP, tokens * dim_)?;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::StreamMeansF32)?);
+    let mut launch = rt.launcher(KernelId::StreamMeansF32)?;
     launch.arg(streams).arg(out).arg(&params);
     // SAFETY: signature (const float* streams, float* out, StreamMeansParams); streams holds
     // tokens * hc * dim and out tokens * dim values (checked above).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching stream_means_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `x[i] = round(x[i] · scale)` in place (rounded to bf16 with [`Rounding::Bf16`], as
@@ -158,13 +155,10 @@ pub fn scale_round_f32(
         round_bf16: rounding.flag(),
     };
     let cfg = stride_config(OP, x.len())?;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::ScaleRoundF32)?);
+    let mut launch = rt.launcher(KernelId::ScaleRoundF32)?;
     launch.arg(x).arg(&params);
     // SAFETY: signature (float* x, ScaleParams); x holds n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching scale_round_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `x[i] = exp(x[i])` in place, bit for bit as Rust's std `f32::exp` on x86-64 Linux (glibc's
@@ -176,13 +170,10 @@ pub fn exp_std_f32(rt: &KernelRuntime, x: &mut CudaSlice<f32>) -> Result<(), Ker
     }
     let n = x.len() as u64;
     let cfg = stride_config(OP, x.len())?;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::ExpStdF32)?);
+    let mut launch = rt.launcher(KernelId::ExpStdF32)?;
     launch.arg(x).arg(&n);
     // SAFETY: signature (float* x, unsigned long long n); x holds n values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching exp_std_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// `out [groups, head_dim]`: the gated pooling of every channel of every group, as the model's
@@ -220,15 +211,12 @@ pub unsafe fn gated_pool_f32(
         head_dim: dim(OP, "head_dim", head_dim)?,
     };
     let cfg = stride_config(OP, groups * head_dim)?;
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::GatedPoolF32)?);
+    let mut launch = rt.launcher(KernelId::GatedPoolF32)?;
     launch.arg(members).arg(out).arg(&params);
     // SAFETY: signature (const u64* members, float* out, PoolParams); members holds groups *
     // ratio addresses, each valid for 2 * head_dim values by the caller's contract, out groups *
     // head_dim values.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching gated_pool_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// The shape and settings of [`engram_inject_f32`].
@@ -305,14 +293,12 @@ pub fn engram_inject_f32(
         // As EngramGate::gates computes it.
         inv_sqrt_dim: (dim_ as f64).powf(-0.5) as f32,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.live, 1, 1),
-        block_dim: (INJECT_THREADS, 1, 1),
-        shared_mem_bytes: dim(OP, "shared memory", dim_ * size_of::<f32>())?,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::EngramInjectF32)?);
+    let cfg = launch_config(
+        (params.live, 1, 1),
+        INJECT_THREADS,
+        dim(OP, "shared memory", dim_ * size_of::<f32>())?,
+    );
+    let mut launch = rt.launcher(KernelId::EngramInjectF32)?;
     launch
         .arg(streams)
         .arg(kv)
@@ -323,8 +309,7 @@ pub fn engram_inject_f32(
     // InjectParams); one block per live entry, streams tokens * hc * dim, kv live * kv_stride,
     // weight hc * dim values (checked above); live ids >= tokens are skipped by the kernel; the
     // dynamic shared memory holds dim floats (<= 32 KiB).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching engram_inject_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]

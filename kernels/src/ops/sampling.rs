@@ -8,9 +8,9 @@
 //! gives sampled tokens their log-probabilities and alternatives (`sampling::token_logprobs`),
 //! bit for bit, for the requests that ask.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -133,14 +133,8 @@ pub fn token_logprobs_f32(
         vocab: dim(LOGPROB_OP, "vocab", vocab)?,
         top: dim(LOGPROB_OP, "top", top)?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, 1, 1),
-        block_dim: (LOGPROB_LANES, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::TokenLogprobsF32)?);
+    let cfg = launch_config((params.rows, 1, 1), LOGPROB_LANES, 0);
+    let mut launch = rt.launcher(KernelId::TokenLogprobsF32)?;
     launch
         .arg(logits)
         .arg(tokens)
@@ -150,8 +144,7 @@ pub fn token_logprobs_f32(
         .arg(&params);
     // SAFETY: signature (const float* logits, const u32* chosen, float* chosen_logprob,
     // u32* top_ids, float* top_logprobs, LogprobParams); lengths checked above, one block per row.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching token_logprobs_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Bitset words of one row's mask in [`mask_logits_f32`]: one bit per token.
@@ -184,19 +177,12 @@ pub fn mask_logits_f32(
         "blocks",
         (rows * vocab).div_ceil(MASK_THREADS as usize),
     )?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (MASK_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::MaskLogitsF32)?);
+    let cfg = launch_config((blocks, 1, 1), MASK_THREADS, 0);
+    let mut launch = rt.launcher(KernelId::MaskLogitsF32)?;
     launch.arg(logits).arg(words).arg(&params);
     // SAFETY: signature (float* logits, const u32* words, MaskParams); lengths checked above, and
     // the grid covers exactly rows · vocab logits (the kernel bounds-checks the last block).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching mask_logits_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Length of one row's sort scratch: the power of two at or above `vocab`.
@@ -272,14 +258,8 @@ pub fn sample_rows_f32(
         vocab: dim(OP, "vocab", vocab)?,
         padded: dim(OP, "padded vocab", padded)?,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::SampleRowsF32)?);
+    let cfg = launch_config((params.rows, 1, 1), THREADS, 0);
+    let mut launch = rt.launcher(KernelId::SampleRowsF32)?;
     launch
         .arg(logits)
         .arg(rows)
@@ -290,12 +270,12 @@ pub fn sample_rows_f32(
     // SAFETY: signature (const float* logits, const SampleRow* rows, u64* sort_scratch,
     // double* weight_scratch, u32* tokens, SampleParams); lengths checked above, the scratch of
     // every restricting row included.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching sample_rows_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::assert_mirrors;
     use super::*;
 
     #[test]
@@ -314,22 +294,10 @@ mod tests {
                 "reserved"
             ]
         );
-        assert_eq!(std::mem::size_of::<SampleParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "SampleParams"),
-            ["rows", "vocab", "padded"]
-        );
-        assert_eq!(std::mem::size_of::<MaskParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "MaskParams"),
-            ["rows", "vocab", "words"]
-        );
+        assert_mirrors::<SampleParams>(header, 12, &["rows", "vocab", "padded"]);
+        assert_mirrors::<MaskParams>(header, 12, &["rows", "vocab", "words"]);
         assert!(header.contains(&format!("MASK_THREADS = {MASK_THREADS};")));
-        assert_eq!(std::mem::size_of::<LogprobParams>(), 12);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "LogprobParams"),
-            ["rows", "vocab", "top"]
-        );
+        assert_mirrors::<LogprobParams>(header, 12, &["rows", "vocab", "top"]);
         assert!(header.contains(&format!("LOGPROB_LANES = {LOGPROB_LANES};")));
         assert!(header.contains(&format!("MAX_TOP_LOGPROBS = {MAX_TOP_LOGPROBS};")));
         assert_eq!(mask_words_per_row(129_280), 4040);

@@ -4,10 +4,10 @@
 //! index layer ([`apply_mask_rows`]). Nothing comes back to the host. One block per query; a
 //! query's result depends on its own scores alone (batch invariant).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 
 use super::index::DeviceVisiblePrefixes;
-use super::{dim, expect_len};
+use super::{dim, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -50,15 +50,9 @@ pub fn top_k_rows(
     expect_len(TOP_K_OP, "out", out.len(), out_len)?;
     expect_len(TOP_K_OP, "counts", counts.len(), queries)?;
     let k = dim(TOP_K_OP, "k", k)?;
-    let cfg = LaunchConfig {
-        grid_dim: (dim(TOP_K_OP, "queries", queries)?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((dim(TOP_K_OP, "queries", queries)?, 1, 1), THREADS, 0);
     let (counts_of, starts) = counts_and_starts(visible);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::TopKRowsF32)?);
+    let mut launch = rt.launcher(KernelId::TopKRowsF32)?;
     launch
         .arg(scores)
         .arg(&counts_of)
@@ -70,8 +64,7 @@ pub fn top_k_rows(
     // u32_t* out, u32_t* counts); every query's scores lie inside `scores` (its length is the
     // prefixes' total, checked above, and DeviceVisiblePrefixes::upload checked the offsets), `out`
     // holds queries * k and `counts` queries values; the shared memory is static.
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching top_k_rows_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// Level one of the two-level top-k (`csa::candidate_mask`) of every query of `visible`: its
@@ -102,15 +95,13 @@ pub fn candidate_mask_rows(
     // both keeps them within u32 without changing the result.
     let block_size = dim(MASK_OP, "block_size", block_size.min(visible.max_visible))?;
     let topk_blocks = dim(MASK_OP, "topk_blocks", topk_blocks.min(visible.max_visible))?;
-    let cfg = LaunchConfig {
-        grid_dim: (dim(MASK_OP, "queries", visible.queries())?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config(
+        (dim(MASK_OP, "queries", visible.queries())?, 1, 1),
+        THREADS,
+        0,
+    );
     let (counts, starts) = counts_and_starts(visible);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::CandidateMaskRowsF32)?);
+    let mut launch = rt.launcher(KernelId::CandidateMaskRowsF32)?;
     launch
         .arg(scores)
         .arg(&counts)
@@ -123,8 +114,6 @@ pub fn candidate_mask_rows(
     // prefixes' total (checked above), so every query's row lies inside both; block_size > 0;
     // the shared memory is static.
     unsafe { launch.launch(cfg) }
-        .map_err(KernelError::driver("launching candidate_mask_rows_f32"))?;
-    Ok(())
 }
 
 /// A later index layer's restriction to the candidates: for every query `t`, score `i` of its row
@@ -159,8 +148,8 @@ pub fn apply_mask_rows(
     if reach == 0 {
         return Ok(());
     }
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = launch_config(
+        (
             dim(
                 APPLY_OP,
                 "positions",
@@ -169,14 +158,12 @@ pub fn apply_mask_rows(
             dim(APPLY_OP, "queries", scores_visible.queries())?,
             1,
         ),
-        block_dim: (APPLY_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+        APPLY_THREADS,
+        0,
+    );
     let (score_counts, score_starts) = counts_and_starts(scores_visible);
     let (mask_counts, mask_starts) = counts_and_starts(mask_visible);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::ApplyMaskRowsF32)?);
+    let mut launch = rt.launcher(KernelId::ApplyMaskRowsF32)?;
     launch
         .arg(scores)
         .arg(&score_counts)
@@ -188,8 +175,7 @@ pub fn apply_mask_rows(
     // const u8_t* mask, const u32_t* mask_visible, const u32_t* mask_starts); both buffers hold
     // their prefixes' totals (checked above) and the kernel touches position i of query t only
     // below both of its visible counts; grid.y = queries <= the grid limit (upload checks it).
-    unsafe { launch.launch(cfg) }.map_err(KernelError::driver("launching apply_mask_rows_f32"))?;
-    Ok(())
+    unsafe { launch.launch(cfg) }
 }
 
 /// The device views of a batch's visible counts and its score offsets.

@@ -2,23 +2,14 @@
 //! over slots given by device address ([`v4_pool_f32`]) and the hyper-head's collapse weights
 //! ([`v4_hyper_head_f32`]). The MoE's fp32 experts are routed ops (`ops::routed_exact`).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 
-use super::{dim, expect_len};
+use super::{dim, expect_len, grid_stride_config, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
 
 const THREADS: u32 = 256;
-
-/// A grid-stride launch over `n` values.
-fn launch_config(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n.div_ceil(THREADS as usize).clamp(1, 4096) as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
 
 /// Pools `entries = slot_start.len() − 1` entries of `width` channels into `out [entries, width]`:
 /// entry `e` takes the softmax over its slots `slot_start[e] .. slot_start[e + 1]` of
@@ -47,9 +38,7 @@ pub unsafe fn v4_pool_f32(
         return Ok(());
     }
     let (entries_u32, width_u32) = (dim(OP, "entries", entries)?, dim(OP, "width", width)?);
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::V4PoolF32)?);
+    let mut launch = rt.launcher(KernelId::V4PoolF32)?;
     launch
         .arg(kv)
         .arg(gate)
@@ -60,9 +49,7 @@ pub unsafe fn v4_pool_f32(
         .arg(out);
     // SAFETY: signature (const u64* kv, const u64* gate, const float* bias, const u32* slot_start,
     // u32 entries, u32 width, float* out); lengths checked above, the addresses by the caller.
-    unsafe { launch.launch(launch_config(entries * width)) }
-        .map_err(KernelError::driver("launching v4_pool_f32"))?;
-    Ok(())
+    unsafe { launch.launch(grid_stride_config(entries * width, THREADS)) }
 }
 
 /// The hyper-head's collapse weights `pre [rows, hc]` of `x [rows, width]` with `proj [hc, width]`,
@@ -104,9 +91,7 @@ pub fn v4_hyper_head_f32(
         dim(OP, "width", width)?,
         dim(OP, "hc", hc)?,
     );
-    let mut launch = rt
-        .stream()
-        .launch_builder(rt.function(KernelId::V4HyperHeadF32)?);
+    let mut launch = rt.launcher(KernelId::V4HyperHeadF32)?;
     launch
         .arg(x)
         .arg(proj)
@@ -118,13 +103,8 @@ pub fn v4_hyper_head_f32(
         .arg(&hc_eps)
         .arg(&norm_eps)
         .arg(pre);
-    let config = LaunchConfig {
-        grid_dim: (rows_u32, 1, 1),
-        block_dim: (32, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let config = launch_config((rows_u32, 1, 1), 32, 0);
     // SAFETY: signature (const float* x, const float* proj, const float* base, u32 rows,
     // u32 width, u32 hc, float scale, float hc_eps, float norm_eps, float* pre); lengths checked.
-    unsafe { launch.launch(config) }.map_err(KernelError::driver("launching v4_hyper_head_f32"))?;
-    Ok(())
+    unsafe { launch.launch(config) }
 }

@@ -24,9 +24,8 @@ use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
 };
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, gemm_fp4_routed, swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, gemm_routed, swiglu_rows,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
 
@@ -194,22 +193,10 @@ fn time_fp8<W>(
     time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
 }
 
-/// A routed GEMM launcher: `gemm_fp4_routed` (exact) or `gemm_fp4_routed_fast`, same arguments.
-type RoutedGemm = fn(
-    &KernelRuntime,
-    &DeviceActFp8,
-    &CudaSlice<u32>,
-    usize,
-    &DeviceExpertTable,
-    ExpertProjection,
-    &mut CudaSlice<bf16>,
-) -> Result<(), KernelError>;
-
-/// The real-width layer's routed experts in one numerics: its table and the weights it points
-/// into (the table is dropped first).
+/// The real-width layer's routed experts in one numerics: its table (whose format picks the
+/// routed kernels) and the weights it points into (the table is dropped first).
 struct Experts<W> {
     label: &'static str,
-    gemm: RoutedGemm,
     table: DeviceExpertTable,
     _weights: Vec<[W; 3]>,
 }
@@ -258,13 +245,11 @@ fn expert_tables(rt: &KernelRuntime) -> Result<(Experts<DeviceFp4Weight>, Expert
     Ok((
         Experts {
             label: "exact",
-            gemm: gemm_fp4_routed,
             table: exact_table,
             _weights: exact,
         },
         Experts {
             label: "fast",
-            gemm: gemm_fp4_routed_fast,
             table: fast_table,
             _weights: fast,
         },
@@ -298,7 +283,7 @@ fn bench_routed_chain<W>(
             (ExpertProjection::W1, &mut gate),
             (ExpertProjection::W3, &mut up),
         ] {
-            (experts.gemm)(rt, &a, ids, ROUTED_TOP_K, table, which, y)?;
+            gemm_routed(rt, &a, ids, ROUTED_TOP_K, table, which, y)?;
         }
         swiglu_rows(
             rt,
@@ -310,7 +295,7 @@ fn bench_routed_chain<W>(
             &mut hidden,
         )?;
         quantize_act_fp8_f32_into(rt, &hidden, &mut a_hidden)?;
-        (experts.gemm)(rt, &a_hidden, ids, 1, table, ExpertProjection::W2, &mut out)?;
+        gemm_routed(rt, &a_hidden, ids, 1, table, ExpertProjection::W2, &mut out)?;
         Ok(())
     })?;
     let weight_bytes = 3 * (inter * dim / 2 + inter * dim / 32);

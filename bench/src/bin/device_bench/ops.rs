@@ -20,12 +20,12 @@ use deepinfer_kernels::ops::gemm::{
 };
 use deepinfer_kernels::ops::index::index_scores_f32;
 use deepinfer_kernels::ops::linear::linear_sgemm_f32;
-use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_f32, hc_mixes_f32};
+use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_rows_f32, hc_mixes_rows_f32};
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_fp4_routed_with,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_routed_with,
 };
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use half::bf16;
@@ -297,7 +297,7 @@ fn bench_routed_w1(
     let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
     let (route_sets, distinct) = route_sets(rt, tokens)?;
     let micros = time_launches(rt, timer, |i| {
-        Ok(gemm_fp4_routed_with(
+        Ok(gemm_routed_with(
             rt,
             &a,
             &route_sets[i % ROUTE_SETS],
@@ -531,8 +531,15 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
         norm_eps: 1e-6,
     };
     let micros = time_launches(rt, timer, |_| {
-        Ok(hc_mixes_f32(
-            rt, &x, &proj, &base, &scale, &mut mix, config,
+        Ok(hc_mixes_rows_f32(
+            rt,
+            &x,
+            x.len(),
+            &proj,
+            &base,
+            &scale,
+            &mut mix,
+            config,
         )?)
     })?;
     rows.push(Row {
@@ -549,7 +556,7 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
     let coefficients = f32_values(rt, 32, hc + hc * hc)?;
     let mut expanded = rt.stream().alloc_zeros::<f32>(n)?;
     let micros = time_launches(rt, timer, |_| {
-        Ok(hc_expand_f32(
+        Ok(hc_expand_rows_f32(
             rt,
             &y,
             &x,

@@ -18,42 +18,49 @@ impl CudaBackend {
                 ));
             }
         };
-        if x.is_empty() {
-            return Ok(Tensor::empty());
-        }
-        let a = self.quantised_activations(OP, x, w.inp, group)?;
-        let mut y = self
-            .rt
-            .stream()
-            .alloc_zeros::<bf16>(a.rows * w.out)
-            .map_err(driver_err(OP, "allocating an output"))?;
-        match self.numerics {
-            Numerics::Exact => gemm_fp8(&self.rt, &a, &*self.cached_fp8(w)?, &mut y),
-            Numerics::Fast => gemm_fp8_fast(&self.rt, &a, &*self.cached_fp8_fast(w)?, &mut y),
-        }
-        .map_err(op_err(OP))?;
-        self.widen(OP, &y)
+        self.block_scaled_gemm(OP, x, (w.out, w.inp), group, |a, y| {
+            match self.numerics {
+                Numerics::Exact => gemm_fp8(&self.rt, a, &*self.cached_fp8(w)?, y),
+                Numerics::Fast => gemm_fp8_fast(&self.rt, a, &*self.cached_fp8_fast(w)?, y),
+            }
+            .map_err(op_err(OP))
+        })
     }
 
     /// [`Backend::gemm_fp4`], with errors: the exact CUDA-core kernel, or the tensor-core kernel
     /// of the `fast` numerics.
     pub fn try_gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "gemm_fp4";
+        self.block_scaled_gemm(OP, x, (w.out, w.inp), ActGroup::G32, |a, y| {
+            match self.numerics {
+                Numerics::Exact => gemm_fp4(&self.rt, a, &*self.cached_fp4(w)?, y),
+                Numerics::Fast => gemm_fp4_fast(&self.rt, a, &*self.cached_fp4_fast(w)?, y),
+            }
+            .map_err(op_err(OP))
+        })
+    }
+
+    /// `x · wᵀ` of a block-scaled weight `[out, inp]` in f32: `x` quantised to FP8 in `group`s,
+    /// then `gemm` into a bf16 output `[rows, out]`, widened.
+    fn block_scaled_gemm(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        (out, inp): (usize, usize),
+        group: ActGroup,
+        gemm: impl FnOnce(&DeviceActFp8, &mut CudaSlice<bf16>) -> Result<(), CudaBackendError>,
+    ) -> Result<Tensor, CudaBackendError> {
         if x.is_empty() {
             return Ok(Tensor::empty());
         }
-        let a = self.quantised_activations(OP, x, w.inp, ActGroup::G32)?;
+        let a = self.quantised_activations(op, x, inp, group)?;
         let mut y = self
             .rt
             .stream()
-            .alloc_zeros::<bf16>(a.rows * w.out)
-            .map_err(driver_err(OP, "allocating an output"))?;
-        match self.numerics {
-            Numerics::Exact => gemm_fp4(&self.rt, &a, &*self.cached_fp4(w)?, &mut y),
-            Numerics::Fast => gemm_fp4_fast(&self.rt, &a, &*self.cached_fp4_fast(w)?, &mut y),
-        }
-        .map_err(op_err(OP))?;
-        self.widen(OP, &y)
+            .alloc_zeros::<bf16>(a.rows * out)
+            .map_err(driver_err(op, "allocating an output"))?;
+        gemm(&a, &mut y)?;
+        self.widen(op, &y)
     }
 
     /// [`Backend::linear_f32`] / [`Backend::linear_bf16`], with errors. Like the CPU reference, a
@@ -67,13 +74,7 @@ impl CudaBackend {
         output: Rounding,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "linear";
-        if inp == 0 || !x.len().is_multiple_of(inp) {
-            return Err(shape_err(
-                OP,
-                format!("x holds {} values, not whole rows of {inp}", x.len()),
-            ));
-        }
-        let rows = x.len() / inp;
+        let rows = whole_rows(OP, x, inp)?;
         let out = out.min(w.len() / inp);
         if rows == 0 || out == 0 {
             return Ok(Tensor::empty());
@@ -125,13 +126,7 @@ impl CudaBackend {
         (out, inp): (usize, usize),
         dequant: impl Fn(usize, usize, &mut CudaSlice<f32>) -> Result<(), KernelError>,
     ) -> Result<Tensor, CudaBackendError> {
-        if inp == 0 || !x.len().is_multiple_of(inp) {
-            return Err(shape_err(
-                op,
-                format!("x holds {} values, not whole rows of {inp}", x.len()),
-            ));
-        }
-        let rows = x.len() / inp;
+        let rows = whole_rows(op, x, inp)?;
         if rows == 0 || out == 0 {
             return Ok(Tensor::empty());
         }
@@ -172,12 +167,7 @@ impl CudaBackend {
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "rms_norm";
         let cols = weight.len();
-        if cols == 0 || !x.len().is_multiple_of(cols) {
-            return Err(shape_err(
-                OP,
-                format!("x holds {} values, not whole rows of {cols}", x.len()),
-            ));
-        }
+        whole_rows(OP, x, cols)?;
         if x.is_empty() {
             return Ok(Tensor::empty());
         }

@@ -63,8 +63,7 @@ use deepinfer_kernels::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
     DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
-    fast_attention_supports, sparse_attention_sink_rows_ptr_f32,
-    sparse_attention_sink_rows_ptr_fast,
+    fast_attention_supports, sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
@@ -73,9 +72,9 @@ use deepinfer_kernels::ops::gemm_fast::{
 };
 use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
-    index_scores_rows_ptr_f32,
+    index_scores_rows_f32,
 };
-use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
+use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_kernels::ops::linear::{
     dequant_fp4_rows_f32, dequant_fp8_rows_f32, linear_sgemm_f32,
 };
@@ -151,6 +150,17 @@ fn shape_err(op: &'static str, message: String) -> CudaBackendError {
         op,
         source: KernelError::Shape { op, message },
     }
+}
+
+/// How many rows of `width` values `x` holds, or a shape error of `op` unless they are whole.
+fn whole_rows(op: &'static str, x: &Tensor, width: usize) -> Result<usize, CudaBackendError> {
+    if width == 0 || !x.len().is_multiple_of(width) {
+        return Err(shape_err(
+            op,
+            format!("x holds {} values, not whole rows of {width}", x.len()),
+        ));
+    }
+    Ok(x.len() / width)
 }
 
 /// A host weight's identity: address, length, content fingerprint (see the module header).
@@ -474,6 +484,13 @@ impl CudaBackend {
             + cache.exact_expert_tables.len()
     }
 
+    /// Runs the fallible body of the [`Backend`] op `name` in its profile scope. A device failure
+    /// is a panic: the trait has no error channel (module header).
+    fn run<T>(&self, name: &'static str, body: impl FnOnce() -> Result<T, CudaBackendError>) -> T {
+        let _op = self.op_scope(name);
+        body().unwrap_or_else(|err| panic!("{err}"))
+    }
+
     fn upload(&self, op: &'static str, values: &[f32]) -> Result<CudaSlice<f32>, CudaBackendError> {
         self.rt
             .htod(values)
@@ -589,14 +606,9 @@ impl CudaBackend {
         inp: usize,
         group: ActGroup,
     ) -> Result<DeviceActFp8, CudaBackendError> {
-        if inp == 0 || !x.len().is_multiple_of(inp) {
-            return Err(shape_err(
-                op,
-                format!("x holds {} values, not whole rows of {inp}", x.len()),
-            ));
-        }
+        let rows = whole_rows(op, x, inp)?;
         let dx = self.input(op, x)?;
-        quantize_act_fp8_f32(&self.rt, &dx, x.len() / inp, inp, group).map_err(op_err(op))
+        quantize_act_fp8_f32(&self.rt, &dx, rows, inp, group).map_err(op_err(op))
     }
 
     /// A device result as a tensor.
@@ -726,11 +738,6 @@ fn rounding(precision: Precision) -> Rounding {
     }
 }
 
-/// A device failure inside a [`Backend`] method, which has no error channel (module header).
-fn device_fault<T>(err: CudaBackendError) -> T {
-    panic!("{err}")
-}
-
 impl Backend for CudaBackend {
     fn name(&self) -> &str {
         &self.name
@@ -741,46 +748,39 @@ impl Backend for CudaBackend {
     }
 
     fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
-        let _op = self.op_scope("gemm_fp8");
-        self.try_gemm_fp8(x, w).unwrap_or_else(device_fault)
+        self.run("gemm_fp8", || self.try_gemm_fp8(x, w))
     }
 
     fn gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
-        let _op = self.op_scope("gemm_fp4");
-        self.try_gemm_fp4(x, w).unwrap_or_else(device_fault)
+        self.run("gemm_fp4", || self.try_gemm_fp4(x, w))
     }
 
     fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
-        let _op = self.op_scope("linear_bf16");
-        self.try_linear(x, w, out, inp, Rounding::Bf16)
-            .unwrap_or_else(device_fault)
+        self.run("linear_bf16", || {
+            self.try_linear(x, w, out, inp, Rounding::Bf16)
+        })
     }
 
     fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
-        let _op = self.op_scope("linear_f32");
-        self.try_linear(x, w, out, inp, Rounding::F32)
-            .unwrap_or_else(device_fault)
+        self.run("linear_f32", || {
+            self.try_linear(x, w, out, inp, Rounding::F32)
+        })
     }
 
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
-        let _op = self.op_scope("gather");
-        self.try_gather(pieces, width).unwrap_or_else(device_fault)
+        self.run("gather", || self.try_gather(pieces, width))
     }
 
     fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
-        let _op = self.op_scope("linear_fp8_f32");
-        self.try_linear_fp8_f32(x, w).unwrap_or_else(device_fault)
+        self.run("linear_fp8_f32", || self.try_linear_fp8_f32(x, w))
     }
 
     fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
-        let _op = self.op_scope("linear_fp4_f32");
-        self.try_linear_fp4_f32(x, w).unwrap_or_else(device_fault)
+        self.run("linear_fp4_f32", || self.try_linear_fp4_f32(x, w))
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
-        let _op = self.op_scope("rms_norm");
-        self.try_rms_norm(x, weight, eps, precision)
-            .unwrap_or_else(device_fault)
+        self.run("rms_norm", || self.try_rms_norm(x, weight, eps, precision))
     }
 
     fn rope(
@@ -793,32 +793,29 @@ impl Backend for CudaBackend {
         inverse: bool,
         precision: Precision,
     ) -> Tensor {
-        let _op = self.op_scope("rope");
-        self.try_rope(
-            x,
-            stride,
-            vectors_per_row,
-            positions,
-            table,
-            inverse,
-            precision,
-        )
-        .unwrap_or_else(device_fault)
+        self.run("rope", || {
+            self.try_rope(
+                x,
+                stride,
+                vectors_per_row,
+                positions,
+                table,
+                inverse,
+                precision,
+            )
+        })
     }
 
     fn q8_qdq(&self, x: Tensor) -> Tensor {
-        let _op = self.op_scope("q8_qdq");
-        self.try_qdq(x, QdqPoint::Q8).unwrap_or_else(device_fault)
+        self.run("q8_qdq", || self.try_qdq(x, QdqPoint::Q8))
     }
 
     fn q4e_qdq(&self, x: Tensor) -> Tensor {
-        let _op = self.op_scope("q4e_qdq");
-        self.try_qdq(x, QdqPoint::Q4e).unwrap_or_else(device_fault)
+        self.run("q4e_qdq", || self.try_qdq(x, QdqPoint::Q4e))
     }
 
     fn q4m_qdq(&self, x: Tensor) -> Tensor {
-        let _op = self.op_scope("q4m_qdq");
-        self.try_qdq(x, QdqPoint::Q4m).unwrap_or_else(device_fault)
+        self.run("q4m_qdq", || self.try_qdq(x, QdqPoint::Q4m))
     }
 
     fn hc_mixes_rows(
@@ -830,9 +827,9 @@ impl Backend for CudaBackend {
         hc_eps: f32,
         norm_eps: f32,
     ) -> HcMixes {
-        let _op = self.op_scope("hc_mixes_rows");
-        self.try_hc_mixes_rows(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
-            .unwrap_or_else(device_fault)
+        self.run("hc_mixes_rows", || {
+            self.try_hc_mixes_rows(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
+        })
     }
 
     fn hc_collapse_rows_at(
@@ -842,9 +839,9 @@ impl Backend for CudaBackend {
         hc: usize,
         precision: Precision,
     ) -> Tensor {
-        let _op = self.op_scope("hc_collapse_rows_at");
-        self.try_hc_collapse_rows(x, weights, hc, precision)
-            .unwrap_or_else(device_fault)
+        self.run("hc_collapse_rows_at", || {
+            self.try_hc_collapse_rows(x, weights, hc, precision)
+        })
     }
 
     fn hc_expand_rows_at(
@@ -854,9 +851,9 @@ impl Backend for CudaBackend {
         mixes: &HcMixes,
         precision: Precision,
     ) -> Tensor {
-        let _op = self.op_scope("hc_expand_rows_at");
-        self.try_hc_expand_rows(y, residual, mixes, precision)
-            .unwrap_or_else(device_fault)
+        self.run("hc_expand_rows_at", || {
+            self.try_hc_expand_rows(y, residual, mixes, precision)
+        })
     }
 
     fn sparse_attention_rows_at(
@@ -867,9 +864,9 @@ impl Backend for CudaBackend {
         scale: f32,
         precision: Precision,
     ) -> Tensor {
-        let _op = self.op_scope("sparse_attention_rows_at");
-        self.try_sparse_attention_rows(q, keys, sink, scale, precision)
-            .unwrap_or_else(device_fault)
+        self.run("sparse_attention_rows_at", || {
+            self.try_sparse_attention_rows(q, keys, sink, scale, precision)
+        })
     }
 
     fn sparse_attention_selected(
@@ -880,9 +877,9 @@ impl Backend for CudaBackend {
         scale: f32,
         precision: Precision,
     ) -> Tensor {
-        let _op = self.op_scope("sparse_attention_selected");
-        self.try_sparse_attention_selected(q, queries, sink, scale, precision)
-            .unwrap_or_else(device_fault)
+        self.run("sparse_attention_selected", || {
+            self.try_sparse_attention_selected(q, queries, sink, scale, precision)
+        })
     }
 
     fn select_rows(
@@ -896,11 +893,11 @@ impl Backend for CudaBackend {
         candidates: Candidates<'_>,
         precision: Precision,
     ) -> (Selection, Option<CandidateMask>) {
-        let _op = self.op_scope("select_rows");
-        self.try_select_rows(
-            q, weights, keys, head_dim, visible, k, candidates, precision,
-        )
-        .unwrap_or_else(device_fault)
+        self.run("select_rows", || {
+            self.try_select_rows(
+                q, weights, keys, head_dim, visible, k, candidates, precision,
+            )
+        })
     }
 
     fn index_scores_rows_at(
@@ -912,9 +909,9 @@ impl Backend for CudaBackend {
         visible: &[usize],
         precision: Precision,
     ) -> Vec<Vec<f32>> {
-        let _op = self.op_scope("index_scores_rows_at");
-        self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)
-            .unwrap_or_else(device_fault)
+        self.run("index_scores_rows_at", || {
+            self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)
+        })
     }
 
     fn sample_rows(
@@ -923,11 +920,8 @@ impl Backend for CudaBackend {
         vocab: usize,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
-        let _op = self.op_scope("sample_rows");
         check_sample_rows(logits, vocab, rows)?;
-        Ok(self
-            .try_sample_rows(logits, vocab, rows)
-            .unwrap_or_else(device_fault))
+        Ok(self.run("sample_rows", || self.try_sample_rows(logits, vocab, rows)))
     }
 
     fn sample_masked(
@@ -937,11 +931,10 @@ impl Backend for CudaBackend {
         rows: &[RowSampling],
         allowed: &[Option<&crate::sampling::AllowedTokens>],
     ) -> Result<Vec<u32>, SampleRowsError> {
-        let _op = self.op_scope("sample_masked");
         super::check_sample_masked(logits.len(), vocab, rows, allowed)?;
-        Ok(self
-            .try_sample_masked(logits, vocab, rows, allowed)
-            .unwrap_or_else(device_fault))
+        Ok(self.run("sample_masked", || {
+            self.try_sample_masked(logits, vocab, rows, allowed)
+        }))
     }
 
     fn token_logprobs_masked(
@@ -951,11 +944,10 @@ impl Backend for CudaBackend {
         picks: &[super::LogprobPick],
         allowed: &[Option<&crate::sampling::AllowedTokens>],
     ) -> Result<Vec<crate::sampling::TokenLogprobs>, SampleRowsError> {
-        let _op = self.op_scope("token_logprobs_masked");
         super::check_logprob_picks(logits.len(), vocab, picks, allowed)?;
-        Ok(self
-            .try_token_logprobs_masked(logits, vocab, picks, allowed)
-            .unwrap_or_else(device_fault))
+        Ok(self.run("token_logprobs_masked", || {
+            self.try_token_logprobs_masked(logits, vocab, picks, allowed)
+        }))
     }
 
     fn sample_linear(
@@ -966,7 +958,6 @@ impl Backend for CudaBackend {
         inp: usize,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
-        let _op = self.op_scope("sample_linear");
         if rows.is_empty() && x.is_empty() {
             return Ok(Vec::new());
         }
@@ -980,9 +971,9 @@ impl Backend for CudaBackend {
                 vocab: out,
             });
         }
-        Ok(self
-            .try_sample_linear(x, w, out, inp, rows)
-            .unwrap_or_else(device_fault))
+        Ok(self.run("sample_linear", || {
+            self.try_sample_linear(x, w, out, inp, rows)
+        }))
     }
 
     fn route_experts(
@@ -992,9 +983,9 @@ impl Backend for CudaBackend {
         selection: ExpertSelection<'_>,
         route_scale: f32,
     ) -> Vec<ExpertRoute> {
-        let _op = self.op_scope("route_experts");
-        self.try_route_experts(logits, bias, selection, route_scale)
-            .unwrap_or_else(device_fault)
+        self.run("route_experts", || {
+            self.try_route_experts(logits, bias, selection, route_scale)
+        })
     }
 
     // Engram hashing is not a backend op: its inputs are the step's token ids, which are on the
@@ -1003,35 +994,27 @@ impl Backend for CudaBackend {
     // `tests/tests/gpu.rs`.
 
     fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
-        let _op = self.op_scope("add");
-        self.try_add(x, y).unwrap_or_else(device_fault)
+        self.run("add", || self.try_add(x, y))
     }
 
     fn resident(&self, x: Tensor) -> Tensor {
-        let _op = self.op_scope("resident");
-        self.try_resident(x).unwrap_or_else(device_fault)
+        self.run("resident", || self.try_resident(x))
     }
 
     fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
-        let _op = self.op_scope("argmax_rows");
-        self.try_argmax_rows(x, width).unwrap_or_else(device_fault)
+        self.run("argmax_rows", || self.try_argmax_rows(x, width))
     }
 
     fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor> {
-        let _op = self.op_scope("moe_rows");
-        self.try_moe_rows(x, layer).unwrap_or_else(device_fault)
+        self.run("moe_rows", || self.try_moe_rows(x, layer))
     }
 
     fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor {
-        let _op = self.op_scope("engram_gather");
-        self.try_engram_gather(table, row_ids)
-            .unwrap_or_else(device_fault)
+        self.run("engram_gather", || self.try_engram_gather(table, row_ids))
     }
 
     fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
-        let _op = self.op_scope("scale_at");
-        self.try_scale(x, scale, precision)
-            .unwrap_or_else(device_fault)
+        self.run("scale_at", || self.try_scale(x, scale, precision))
     }
 
     fn stream_means_at(
@@ -1041,15 +1024,15 @@ impl Backend for CudaBackend {
         dim: usize,
         precision: Precision,
     ) -> Tensor {
-        let _op = self.op_scope("stream_means_at");
-        self.try_stream_means(streams, hc, dim, precision)
-            .unwrap_or_else(device_fault)
+        self.run("stream_means_at", || {
+            self.try_stream_means(streams, hc, dim, precision)
+        })
     }
 
     fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor {
-        let _op = self.op_scope("gated_pool_rows");
-        self.try_gated_pool_rows(groups, head_dim)
-            .unwrap_or_else(device_fault)
+        self.run("gated_pool_rows", || {
+            self.try_gated_pool_rows(groups, head_dim)
+        })
     }
 
     fn engram_inject(
@@ -1059,9 +1042,9 @@ impl Backend for CudaBackend {
         live: &[usize],
         gate: &EngramGate,
     ) -> Tensor {
-        let _op = self.op_scope("engram_inject");
-        self.try_engram_inject(streams, kv, live, gate)
-            .unwrap_or_else(device_fault)
+        self.run("engram_inject", || {
+            self.try_engram_inject(streams, kv, live, gate)
+        })
     }
 
     fn hyper_head_weights_rows(
@@ -1073,15 +1056,15 @@ impl Backend for CudaBackend {
         hc_eps: f32,
         norm_eps: f32,
     ) -> Tensor {
-        let _op = self.op_scope("hyper_head_weights_rows");
-        self.try_hyper_head_weights_rows(x, proj, base, scale, hc_eps, norm_eps)
-            .unwrap_or_else(device_fault)
+        self.run("hyper_head_weights_rows", || {
+            self.try_hyper_head_weights_rows(x, proj, base, scale, hc_eps, norm_eps)
+        })
     }
 
     fn compressor_pool_rows(&self, entries: &[Vec<PoolSlot<'_>>], width: usize) -> Tensor {
-        let _op = self.op_scope("compressor_pool_rows");
-        self.try_compressor_pool_rows(entries, width)
-            .unwrap_or_else(device_fault)
+        self.run("compressor_pool_rows", || {
+            self.try_compressor_pool_rows(entries, width)
+        })
     }
 
     fn moe_rows_exact(
@@ -1090,15 +1073,30 @@ impl Backend for CudaBackend {
         layer: &MoeLayer<'_>,
         hashed: Option<&[Vec<usize>]>,
     ) -> Option<Tensor> {
-        let _op = self.op_scope("moe_rows_exact");
-        self.try_moe_rows_exact(x, layer, hashed)
-            .unwrap_or_else(device_fault)
+        self.run("moe_rows_exact", || {
+            self.try_moe_rows_exact(x, layer, hashed)
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whole_rows_counts_rows_or_names_the_op_and_the_length() {
+        let x = Tensor::from(&[0.0f32; 12][..]);
+        assert_eq!(whole_rows("op", &x, 4).expect("3 rows of 4"), 3);
+        assert_eq!(whole_rows("op", &Tensor::empty(), 4).expect("no rows"), 0);
+        for width in [0, 5] {
+            let err = whole_rows("gemm_fp8", &x, width).expect_err("not whole rows");
+            let text = err.to_string();
+            assert!(
+                text.contains("gemm_fp8") && text.contains("x holds 12 values"),
+                "{text}"
+            );
+        }
+    }
 
     #[test]
     fn a_weight_changed_in_place_gets_a_new_cache_key() {

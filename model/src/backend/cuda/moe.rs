@@ -8,10 +8,8 @@
 //! activation quantisation between and the combine are the same kernels.
 
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertFormat, ExpertProjection, ExpertRefs, gemm_fp4_routed,
-    gemm_fp8_routed, moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, gemm_routed, moe_combine, swiglu_rows,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
@@ -37,13 +35,7 @@ impl CudaBackend {
             return Ok(None);
         }
         let dim = layer.gate.len() / n_experts;
-        if dim == 0 || !x.len().is_multiple_of(dim) {
-            return Err(shape_err(
-                OP,
-                format!("x holds {} values, not whole rows of {dim}", x.len()),
-            ));
-        }
-        let rows = x.len() / dim;
+        let rows = whole_rows(OP, x, dim)?;
         if !shared_fits(layer.shared) {
             return Ok(None);
         }
@@ -87,7 +79,7 @@ impl CudaBackend {
         Ok(Some(self.tensor(out)))
     }
 
-    /// The router on the device: each row's `k` expert ids `[rows, k]` and route weights.
+    /// The router's top-k on the device: each row's `k` expert ids `[rows, k]` and route weights.
     pub(super) fn device_routes(
         &self,
         op: &'static str,
@@ -95,30 +87,75 @@ impl CudaBackend {
         layer: &MoeLayer<'_>,
         rows: usize,
     ) -> Result<(CudaSlice<u32>, CudaSlice<f32>, usize), CudaBackendError> {
+        self.routes(op, x, layer, None, rows)
+    }
+
+    /// Every row's `k` experts `[rows, k]` and route weights `[rows, k]` on the device: the
+    /// router's top-k of the layer's bias, or each row's hashed experts with their weights.
+    pub(super) fn routes(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        hashed: Option<&[Vec<usize>]>,
+        rows: usize,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<f32>, usize), CudaBackendError> {
         let n_experts = layer.bias.len();
         let dim = layer.gate.len() / n_experts;
         let logits = self.try_linear(x, layer.gate, n_experts, dim, Rounding::F32)?;
-        let dlogits = self.input(op, &logits)?;
         let dbias = self.cached_f32(op, layer.bias)?;
-        let selection = RouteSelection::TopK(layer.n_activated);
+        // A hash layer's experts of every row, checked and uploaded (the router reads each named
+        // expert's score: every id must name one).
+        let forced = match hashed {
+            None => None,
+            Some(hashed) => {
+                let k = hashed.first().map_or(0, Vec::len);
+                if hashed.len() != rows || hashed.iter().any(|h| h.len() != k) || k == 0 {
+                    return Err(shape_err(
+                        op,
+                        format!(
+                            "hashed routes for {} rows (of {k}), {rows} rows",
+                            hashed.len()
+                        ),
+                    ));
+                }
+                if let Some(bad) = hashed.iter().flatten().find(|&&e| e >= n_experts) {
+                    return Err(shape_err(
+                        op,
+                        format!("hashed route names expert {bad} of {n_experts}"),
+                    ));
+                }
+                let host_ids: Vec<u32> = hashed.iter().flatten().map(|&e| e as u32).collect();
+                let ids = self
+                    .rt
+                    .htod(&host_ids)
+                    .map_err(driver_err(op, "uploading the hashed experts"))?;
+                Some((ids, k))
+            }
+        };
+        // Each row's weights from its own scores over its own experts.
+        let selection = match &forced {
+            None => RouteSelection::TopK(layer.n_activated),
+            Some((ids, k)) => RouteSelection::ForcedRows { ids, per_row: *k },
+        };
         let k = selected_count(selection, n_experts);
         let mut ids = self
             .rt
             .stream()
             .alloc_zeros::<u32>(rows * k)
             .map_err(driver_err(op, "allocating the routes"))?;
-        let mut route_weights = self.alloc(op, rows * k)?;
+        let mut weights = self.alloc(op, rows * k)?;
         route_experts_f32(
             &self.rt,
-            &dlogits,
+            &*self.input(op, &logits)?,
             &dbias,
             selection,
             layer.route_scale,
             &mut ids,
-            &mut route_weights,
+            &mut weights,
         )
         .map_err(op_err(op))?;
-        Ok((ids, route_weights, k))
+        Ok((ids, weights, k))
     }
 
     /// The routed experts of `ids.len()` slots: slot `j` runs expert `ids[j]` of `table` on the
@@ -148,18 +185,7 @@ impl CudaBackend {
                 .stream()
                 .alloc_zeros::<bf16>(slots * width)
                 .map_err(driver_err(op, "allocating an expert output"))?;
-            match table.format() {
-                ExpertFormat::Fp4 => {
-                    gemm_fp4_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
-                }
-                ExpertFormat::Fp8T32 => {
-                    gemm_fp8_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
-                }
-                ExpertFormat::Fp4Fast => {
-                    gemm_fp4_routed_fast(&self.rt, x, ids, x_row_div, table, which, &mut out)
-                }
-            }
-            .map_err(op_err(op))?;
+            gemm_routed(&self.rt, x, ids, x_row_div, table, which, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
         let gate = routed(a, x_row_div, ExpertProjection::W1, inter)?;

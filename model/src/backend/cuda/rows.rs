@@ -362,10 +362,10 @@ impl CudaBackend {
                 &self.rt, &dq, &table, &dlists, &dsink, &mut dout, head_dim, scale,
             )
         } else {
-            sparse_attention_sink_rows_ptr_f32(
+            sparse_attention_sink_rows_f32(
                 &self.rt,
                 &dq,
-                &table,
+                KeyRows::Table(&table),
                 &dlists,
                 &dsink,
                 &mut dout,
@@ -550,11 +550,11 @@ impl CudaBackend {
         let dq = self.input(op, q)?;
         let dw = self.input(op, weights)?;
         let mut scores = self.alloc(op, dvisible.total().max(1))?;
-        index_scores_rows_ptr_f32(
+        index_scores_rows_f32(
             &self.rt,
             &dq,
             &dw,
-            &table,
+            KeyRows::Table(&table),
             &dvisible,
             &mut scores,
             heads,

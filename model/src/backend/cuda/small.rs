@@ -201,12 +201,7 @@ impl CudaBackend {
     /// as the trait's definition on rows without NaN); only the ids come back.
     pub fn try_argmax_rows(&self, x: &Tensor, width: usize) -> Result<Vec<u32>, CudaBackendError> {
         const OP: &str = "argmax_rows";
-        if width == 0 || !x.len().is_multiple_of(width) {
-            return Err(shape_err(
-                OP,
-                format!("{} values are not whole rows of {width}", x.len()),
-            ));
-        }
+        whole_rows(OP, x, width)?;
         if x.is_empty() {
             return Ok(Vec::new());
         }

@@ -90,12 +90,7 @@ impl CudaBackend {
             return Ok(Tensor::empty());
         }
         let width = proj.len() / hc;
-        if width == 0 || !x.len().is_multiple_of(width) {
-            return Err(shape_err(
-                OP,
-                format!("{} values are not whole rows of {width}", x.len()),
-            ));
-        }
+        whole_rows(OP, x, width)?;
         let input = self.input(OP, x)?;
         let proj = self.cached_f32(OP, proj)?;
         let base = self.cached_f32(OP, base)?;
@@ -185,20 +180,14 @@ impl CudaBackend {
         else {
             return Ok(None);
         };
-        if dim == 0 || !x.len().is_multiple_of(dim) {
-            return Err(shape_err(
-                OP,
-                format!("x holds {} values, not whole rows of {dim}", x.len()),
-            ));
-        }
+        let rows = whole_rows(OP, x, dim)?;
         let Some(experts) = self.exact_experts(OP, layer.experts, dim)? else {
             return Ok(None);
         };
-        let rows = x.len() / dim;
         if rows == 0 {
             return Ok(Some(Tensor::empty()));
         }
-        let (ids, route_weights) = self.routes(OP, x, layer, hashed, rows, dim)?;
+        let (ids, route_weights, _) = self.routes(OP, x, layer, hashed, rows)?;
         let slots = ids.len();
         let inter = experts.table.inter();
         let routed = |x: &CudaSlice<f32>,
@@ -344,73 +333,5 @@ impl CudaBackend {
             .exact_expert_tables
             .insert(key, built.clone());
         Ok(Some(built))
-    }
-
-    /// Every row's experts `[rows, k]` and route weights `[rows, k]` on the device: the router's
-    /// top-k of the layer's bias, or each row's hashed experts with their weights.
-    fn routes(
-        &self,
-        op: &'static str,
-        x: &Tensor,
-        layer: &MoeLayer<'_>,
-        hashed: Option<&[Vec<usize>]>,
-        rows: usize,
-        dim: usize,
-    ) -> Result<(CudaSlice<u32>, CudaSlice<f32>), CudaBackendError> {
-        let n_experts = layer.bias.len();
-        let logits = self.try_linear(x, layer.gate, n_experts, dim, Rounding::F32)?;
-        let dbias = self.cached_f32(op, layer.bias)?;
-        // A hash layer's experts of every row, checked and uploaded (the router reads each named
-        // expert's score: every id must name one).
-        let forced = match hashed {
-            None => None,
-            Some(hashed) => {
-                let k = hashed.first().map_or(0, Vec::len);
-                if hashed.len() != rows || hashed.iter().any(|h| h.len() != k) || k == 0 {
-                    return Err(shape_err(
-                        op,
-                        format!(
-                            "hashed routes for {} rows (of {k}), {rows} rows",
-                            hashed.len()
-                        ),
-                    ));
-                }
-                if let Some(bad) = hashed.iter().flatten().find(|&&e| e >= n_experts) {
-                    return Err(shape_err(
-                        op,
-                        format!("hashed route names expert {bad} of {n_experts}"),
-                    ));
-                }
-                let host_ids: Vec<u32> = hashed.iter().flatten().map(|&e| e as u32).collect();
-                let ids = self
-                    .rt
-                    .htod(&host_ids)
-                    .map_err(driver_err(op, "uploading the hashed experts"))?;
-                Some((ids, k))
-            }
-        };
-        // Each row's weights from its own scores over its own experts.
-        let selection = match &forced {
-            None => RouteSelection::TopK(layer.n_activated),
-            Some((ids, k)) => RouteSelection::ForcedRows { ids, per_row: *k },
-        };
-        let k = selected_count(selection, n_experts);
-        let mut ids = self
-            .rt
-            .stream()
-            .alloc_zeros::<u32>(rows * k)
-            .map_err(driver_err(op, "allocating the routes"))?;
-        let mut weights = self.alloc(op, rows * k)?;
-        route_experts_f32(
-            &self.rt,
-            &*self.input(op, &logits)?,
-            &dbias,
-            selection,
-            layer.route_scale,
-            &mut ids,
-            &mut weights,
-        )
-        .map_err(op_err(op))?;
-        Ok((ids, weights))
     }
 }
