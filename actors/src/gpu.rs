@@ -2,13 +2,21 @@
 //!
 //! Owns: counting the devices for the topology's `NotEnoughGpus` check (0 without the `cuda`
 //! feature or without a driver, with the reason), a device's memory for the memory plan, and
-//! opening a `CudaBackend` on a rank's device.
+//! opening a `CudaBackend` on a rank's device (as one EP rank of several, with expert
+//! parallelism: `experts::device`).
 //! The engine's path chooses by the `cuda` feature here and nowhere else. Never panics: cudarc's
 //! dynamic loading panics on a missing `libcuda`, so the library is probed first and the first
 //! call into it runs under `catch_unwind`.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use deepinfer_model::Model;
 use deepinfer_model::backend::Backend;
-use deepinfer_topology::{Backend as DeviceBackend, NodeConfig, Numerics};
+use deepinfer_topology::{Backend as DeviceBackend, ExpertPlacement, NodeConfig, Numerics};
+
+use crate::experts::device::DeviceExperts;
+use crate::rank::factory::OpenBackend;
 
 /// The devices found, and why there are none when there are none.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,6 +130,156 @@ pub fn open_cuda_backend(ordinal: usize, numerics: Numerics) -> Result<Box<dyn B
 #[cfg(not(feature = "cuda"))]
 pub fn open_cuda_backend(ordinal: usize, _numerics: Numerics) -> Result<Box<dyn Backend>, String> {
     Err(format!("device {ordinal}: {NO_CUDA_BUILD}"))
+}
+
+/// How DP = EP ranks on CUDA open their backends (`experts::device`): DP rank r opens its
+/// device with `numerics` and serves as EP rank r of `placement` (epoch 0), its slots' experts
+/// of `model` uploaded there and nothing else of the routed experts, registered in `group`
+/// (which swaps its placements); the ranks move rows through one transport (device copies:
+/// every rank on one device), whose every wait lasts at most `timeout`.
+#[cfg(feature = "cuda")]
+pub fn cuda_expert_ranks(
+    model: Arc<Model>,
+    numerics: Numerics,
+    placement: Arc<ExpertPlacement>,
+    group: Arc<DeviceExperts>,
+    timeout: Duration,
+) -> OpenBackend {
+    use deepinfer_model::backend::cuda::CudaBackend;
+    use deepinfer_model::backend::cuda::ep::ExpertRank;
+    use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
+
+    let ranks = group.lockstep().ranks();
+    let transport: Arc<dyn RowTransport> = SharedDevice::new(ranks, timeout);
+    Arc::new(move |dp, ordinal| {
+        let backend = CudaBackend::open(ordinal, numerics).map_err(|e| e.to_string())?;
+        let rank = ExpertRank::new(
+            &backend,
+            &model.expert_lists(),
+            placement.clone(),
+            0,
+            dp,
+            dp,
+            transport.clone(),
+        )
+        .map_err(|e| format!("EP rank {dp} of {ranks}: {e}"))?;
+        let rank = Arc::new(rank);
+        let slot = backend.expert_slot();
+        slot.set(Some(rank.clone()));
+        group.register(
+            dp,
+            Arc::new(cuda_rank::CudaRank::new(model.clone(), slot, rank)),
+        );
+        Ok(Box::new(backend) as Box<dyn Backend>)
+    })
+}
+
+/// DP = EP ranks on CUDA: every rank fails to open in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_expert_ranks(
+    _model: Arc<Model>,
+    _numerics: Numerics,
+    _placement: Arc<ExpertPlacement>,
+    _group: Arc<DeviceExperts>,
+    _timeout: Duration,
+) -> OpenBackend {
+    Arc::new(|_dp, ordinal| Err(format!("device {ordinal}: {NO_CUDA_BUILD}")))
+}
+
+/// A CUDA `ExpertRank` as the engine's `DeviceRank`: the rank in use (in its backend's slot) and
+/// the one staged for the next epoch.
+#[cfg(feature = "cuda")]
+mod cuda_rank {
+    use std::sync::{Arc, Mutex, MutexGuard};
+
+    use deepinfer_model::Model;
+    use deepinfer_model::backend::Backend;
+    use deepinfer_model::backend::cuda::CudaBackend;
+    use deepinfer_model::backend::cuda::ep::{ExpertRank, ExpertSlot};
+    use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch};
+
+    use crate::experts::device::DeviceRank;
+    use crate::messages::experts::ShardLoads;
+
+    pub struct CudaRank {
+        model: Arc<Model>,
+        slot: Arc<ExpertSlot>,
+        /// `(in use, staged)`.
+        ranks: Mutex<(Arc<ExpertRank>, Option<ExpertRank>)>,
+    }
+
+    impl CudaRank {
+        pub fn new(model: Arc<Model>, slot: Arc<ExpertSlot>, rank: Arc<ExpertRank>) -> CudaRank {
+            CudaRank {
+                model,
+                slot,
+                ranks: Mutex::new((rank, None)),
+            }
+        }
+
+        fn ranks(&self) -> MutexGuard<'_, (Arc<ExpertRank>, Option<ExpertRank>)> {
+            self.ranks.lock().unwrap_or_else(|p| p.into_inner())
+        }
+    }
+
+    fn cuda(backend: &dyn Backend) -> Result<&CudaBackend, String> {
+        backend
+            .as_any()
+            .downcast_ref::<CudaBackend>()
+            .ok_or_else(|| format!("an EP rank on a {} backend, not CUDA", backend.name()))
+    }
+
+    impl DeviceRank for CudaRank {
+        fn epoch(&self) -> PlacementEpoch {
+            PlacementEpoch(self.ranks().0.epoch())
+        }
+
+        fn take_loads(&self) -> ShardLoads {
+            let current = self.ranks().0.clone();
+            ShardLoads {
+                epoch: PlacementEpoch(current.epoch()),
+                per_slot: current.take_loads(),
+            }
+        }
+
+        fn stage(
+            &self,
+            backend: &dyn Backend,
+            placement: Arc<ExpertPlacement>,
+            epoch: PlacementEpoch,
+        ) -> Result<usize, String> {
+            let current = self.ranks().0.clone();
+            let rank = EpRank(current.rank() as u16);
+            let uploaded = placement.released_by(current.placement(), rank).len();
+            let next = current
+                .next_epoch(
+                    cuda(backend)?,
+                    &self.model.expert_lists(),
+                    placement,
+                    epoch.get(),
+                )
+                .map_err(|e| format!("staging {epoch} on EP rank {}: {e}", current.rank()))?;
+            self.ranks().1 = Some(next);
+            Ok(uploaded)
+        }
+
+        fn adopt(&self, backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String> {
+            let mut ranks = self.ranks();
+            let next = match ranks.1.take() {
+                Some(next) if next.epoch() == epoch.get() => Arc::new(next),
+                other => {
+                    return Err(format!(
+                        "EP rank {}: {epoch} committed, but the staged rank is {:?}",
+                        ranks.0.rank(),
+                        other.map(|r| r.epoch())
+                    ));
+                }
+            };
+            let previous = std::mem::replace(&mut ranks.0, next.clone());
+            self.slot.set(Some(next.clone()));
+            Ok(next.release_moved(cuda(backend)?, &self.model.expert_lists(), &previous))
+        }
+    }
 }
 
 #[cfg(test)]

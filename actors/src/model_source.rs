@@ -9,12 +9,14 @@
 //!
 //! Backend (`[device] backend`): the model is loaded once on the host. With `"cpu"` every rank
 //! runs it on the CPU backend; with `"cuda"` each DP rank runs the same host weights on a
-//! `CudaBackend` of its own GPU (rank r -> GPU r of its node), after a check that this machine
-//! has the GPUs the topology needs and, once `config.json` is read and before any weight loads,
-//! that the model fits a GPU (the memory plan per GPU: dense, experts, Engram, KV budget,
-//! logged; a model that does not fit fails naming the numbers). Expert parallelism (`ep > 1`,
-//! the EPLB) runs on the CPU backend only, so a CUDA topology that asks for it is refused,
-//! naming the field.
+//! `CudaBackend` of its GPU (rank r -> GPU `r % gpus_per_node` of its node), after a check that
+//! this machine has the GPUs the topology needs and, once `config.json` is read and before any
+//! weight loads, that the model fits the busiest GPU (the memory plan per GPU, one line logged:
+//! the ranks on it, dense, their EP slots' experts, Engram whole, KV budget; a model that does
+//! not fit fails naming the numbers). Expert parallelism on CUDA (`dp = ep > 1`,
+//! `experts::device`): each rank's backend is its EP rank, holding only its slots' experts, the
+//! ranks step in `Lockstep` and live EPLB swaps placements by epoch; ranks on several GPUs are
+//! refused naming the field.
 //!
 //! Family (`model_type` in `config.json`): a V4.1 checkpoint and a V4-family one (V4-Flash,
 //! V4-Flash-0731) both run on `ModelExecutor`s, on either backend. What only V4.1 has is
@@ -30,13 +32,14 @@ use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::checkpoint::ExpertFilter;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
-use deepinfer_model::memory_plan::{GpuMemoryPlan, plan_gpu};
+use deepinfer_model::memory_plan::{GpuMemoryPlan, plan_node};
 use deepinfer_model::{Model, checkpoint, v4};
-use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig, PlacementShape};
+use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
 
 use crate::engine::{EngineConfig, ModelFacts};
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
+use crate::experts::device::{DeviceExperts, check_cuda_expert_parallel, starting_placement};
 use crate::experts::factory::ExpertParallelFactory;
 use crate::experts::parallel::{EpSettings, node_expert_filter, node_holdings};
 use crate::frontend::codec::load_v41_tokenizer;
@@ -260,19 +263,18 @@ fn load_dir(
     })
 }
 
-/// The memory plan of one GPU of `gpu_bytes` for `node`'s expert layout over `cfg`'s model
-/// (`memory_plan`); a model that does not fit is a `device` config error naming the numbers.
+/// The memory plan of the busiest GPU (of `gpu_bytes`) of `node` over `cfg`'s model
+/// (`memory_plan::plan_node`: the ranks on it, their EP slots); a model that does not fit is a
+/// `device` config error naming the numbers.
 pub fn check_memory(
     node: &NodeConfig,
     cfg: &ModelConfig,
     gpu_bytes: u64,
 ) -> Result<GpuMemoryPlan, EngineError> {
-    let experts = u16::try_from(cfg.n_routed_experts).unwrap_or(u16::MAX);
-    let slots = PlacementShape::from_config(node, experts).slots_per_gpu();
-    plan_gpu(cfg, slots, gpu_bytes).map_err(|e| EngineError::Config {
+    plan_node(node, cfg, gpu_bytes).map_err(|e| EngineError::Config {
         field: "device".to_string(),
         message: format!(
-            "{}: {e} (parallel.ep = {}, device.gpus_per_node = {})",
+            "{}: {e} (parallel.dp = parallel.ep = {}, device.gpus_per_node = {})",
             node.origin, node.parallel.ep, node.device.gpus_per_node
         ),
     })
@@ -328,8 +330,13 @@ pub fn resolve(node: &NodeConfig) -> Result<ResolvedModel, EngineError> {
 pub fn resolve_with(node: &NodeConfig, hub: &HubOptions) -> Result<ResolvedModel, EngineError> {
     check_nodes(node)?;
     check_devices(node)?;
-    resolve_source(node, hub)
-        .map(|resolved| on_node_devices(node, resolved))
+    resolve_source(node, hub).and_then(|resolved| on_node(node, resolved))
+}
+
+/// A loaded model's ranks as `node` lays them out: on its devices (each rank's EP rank on CUDA),
+/// with expert parallelism on the CPU, with context parallelism.
+pub fn on_node(node: &NodeConfig, resolved: ResolvedModel) -> Result<ResolvedModel, EngineError> {
+    on_node_devices(node, resolved)
         .and_then(|resolved| with_expert_parallel(node, resolved))
         .and_then(|resolved| with_context_parallel(node, resolved))
 }
@@ -368,28 +375,13 @@ fn check_nodes(node: &NodeConfig) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Before any loading: the GPUs of a CUDA topology exist here, and it asks for nothing the CUDA
-/// path does not run (expert parallelism).
+/// Before any loading: the GPUs of a CUDA topology exist here, and it asks for no expert
+/// parallelism the CUDA path does not run (`experts::device`).
 fn check_devices(node: &NodeConfig) -> Result<(), EngineError> {
     if node.device.backend == DeviceBackend::Cpu {
         return Ok(());
     }
-    if EpSettings::is_needed(node) {
-        let field = if node.parallel.ep > 1 {
-            "parallel.ep"
-        } else {
-            "eplb.enabled"
-        };
-        return Err(EngineError::Config {
-            field: field.to_string(),
-            message: format!(
-                "{}: expert parallelism (parallel.ep = {}, eplb.enabled = {}) runs on the CPU \
-                 backend only so far; with device.backend = \"cuda\" use one GPU \
-                 (parallel.dp = parallel.ep = 1, eplb.enabled = false)",
-                node.origin, node.parallel.ep, node.eplb.enabled
-            ),
-        });
-    }
+    check_cuda_expert_parallel(node)?;
     gpu::check_node(node).map_err(|e| EngineError::Config {
         field: "device".to_string(),
         message: e.to_string(),
@@ -397,28 +389,56 @@ fn check_devices(node: &NodeConfig) -> Result<(), EngineError> {
 }
 
 /// With `[device] backend = "cuda"`: each rank runs the loaded weights on its own GPU, in the
-/// topology's `[device] numerics`.
-fn on_node_devices(node: &NodeConfig, mut resolved: ResolvedModel) -> ResolvedModel {
+/// topology's `[device] numerics`; with `ep > 1` each rank's backend is its EP rank of the
+/// starting placement.
+fn on_node_devices(
+    node: &NodeConfig,
+    mut resolved: ResolvedModel,
+) -> Result<ResolvedModel, EngineError> {
     let numerics = match node.device.backend {
         DeviceBackend::Cuda { numerics, .. } => numerics,
-        DeviceBackend::Cpu => return resolved,
+        DeviceBackend::Cpu => return Ok(resolved),
     };
     let per_node = usize::from(node.device.gpus_per_node);
-    let placement =
-        format!("on the CUDA backend (DP rank r on GPU r of its node, {per_node} per node)");
     let family = match &resolved.model {
         AnyModel::V41(_) => "V4.1",
         AnyModel::V4(_) => "V4",
     };
+    let placement = format!("on the CUDA backend (DP rank r on GPU r % {per_node} of its node)");
+    let mut devices = RankDevices {
+        per_node,
+        open: Arc::new(move |_dp, ordinal| gpu::open_cuda_backend(ordinal, numerics)),
+        experts: None,
+    };
+    let mut experts = String::new();
+    if node.parallel.ep > 1 {
+        let AnyModel::V41(model) = &resolved.model else {
+            // Already refused before loading (`check_v4_features`).
+            return Err(v4_expert_parallel_refusal(node));
+        };
+        let ranks = usize::from(node.parallel.ep);
+        let starting = starting_placement(node, model.config())?;
+        experts = format!(
+            ", each its EP rank of {ranks} ({} expert slots per layer on each, EPLB {})",
+            starting.slots_per_gpu,
+            if node.eplb.enabled { "on" } else { "off" }
+        );
+        let group = Arc::new(DeviceExperts::new(node, ranks, starting.clone()));
+        devices.open = gpu::cuda_expert_ranks(
+            model.clone(),
+            numerics,
+            starting,
+            group.clone(),
+            node.cluster.exchange_timeout,
+        );
+        devices.experts = Some(group);
+    }
     resolved.factory = Arc::new(ModelFactory::per_device(
         resolved.model.clone(),
-        format!("{family} model {} {placement}", resolved.name),
-        RankDevices {
-            per_node,
-            open: Arc::new(move |ordinal| gpu::open_cuda_backend(ordinal, numerics)),
-        },
+        format!("{family} model {} {placement}{experts}", resolved.name),
+        devices,
     ));
-    resolved
+    Ok(resolved)
 }
 
 /// Expert parallelism when the topology asks for it (`[parallel] ep > 1` or `[eplb] enabled`):
@@ -427,7 +447,8 @@ fn with_expert_parallel(
     node: &NodeConfig,
     mut resolved: ResolvedModel,
 ) -> Result<ResolvedModel, EngineError> {
-    if !EpSettings::is_needed(node) {
+    // On CUDA the ranks' backends are the EP ranks (`on_node_devices`).
+    if !EpSettings::is_needed(node) || node.device.backend != DeviceBackend::Cpu {
         return Ok(resolved);
     }
     let AnyModel::V41(model) = &resolved.model else {
@@ -594,7 +615,7 @@ mod tests {
             "384 slots of 384",
             "Engram 188.8",
             "short",
-            "parallel.ep = 1",
+            "parallel.dp = parallel.ep = 1",
         ] {
             assert!(message.contains(part), "{part}: {message}");
         }

@@ -1,6 +1,7 @@
 //! A CUDA topology on a machine without the GPUs it needs: `deepinfer-node` says so in one line
-//! and exits 1 (never a panic), and model resolution refuses it before loading anything; expert
-//! parallelism on CUDA is refused naming the field. Where the GPUs exist (the H200 with a
+//! and exits 1 (never a panic), and model resolution refuses it before loading anything; the
+//! expert parallelism CUDA does not run yet (EP ranks on several GPUs) is refused naming the
+//! field. Where the GPUs exist (the H200 with a
 //! `cuda` build) the shortage checks are skipped, and say so.
 
 use std::process::Command;
@@ -61,24 +62,24 @@ fn cuda_node(parallel: &str, eplb: &str) -> NodeConfig {
 }
 
 #[test]
-fn expert_parallelism_on_cuda_is_refused_naming_the_field() {
+fn unsupported_expert_parallelism_on_cuda_is_refused_naming_the_field() {
     if std::env::var_os(deepinfer_actors::model_source::MODEL_DIR_ENV).is_some() {
         return; // the checks run before any loading, but keep the environment's model out
     }
     let err = resolve(&cuda_node("dp = 2\nep = 2", ""))
         .err()
-        .expect("ep = 2 on cuda is refused");
+        .expect("EP ranks on two GPUs are refused");
     assert_eq!(err.code(), "config");
     let message = err.to_string();
-    assert!(message.contains("parallel.ep"), "{message}");
+    assert!(message.contains("device.gpus_per_node"), "{message}");
     assert!(message.contains("cuda node test"), "{message}");
-    assert!(message.contains("CPU backend only"), "{message}");
+    assert!(message.contains("NCCL"), "{message}");
 
     let shipped =
         NodeConfig::from_file_with_env(std::path::Path::new(ROOT).join("configs/h200x2.toml"))
             .expect("shipped topology");
     let message = resolve(&shipped).err().expect("refused").to_string();
-    assert!(message.contains("parallel.ep"), "{message}");
+    assert!(message.contains("device.gpus_per_node"), "{message}");
 }
 
 #[test]

@@ -149,7 +149,8 @@ fn cuda_factory(model: &Arc<Model>) -> Arc<dyn ExecutorFactory> {
         "v41-tiny on the CUDA backend",
         RankDevices {
             per_node: 1,
-            open: Arc::new(|ordinal| gpu::open_cuda_backend(ordinal, Numerics::Exact)),
+            open: Arc::new(|_dp, ordinal| gpu::open_cuda_backend(ordinal, Numerics::Exact)),
+            experts: None,
         },
     ))
 }

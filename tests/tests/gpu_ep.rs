@@ -33,7 +33,7 @@ use deepinfer_model::backend::cuda::ep::ExpertRank;
 use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::v41::LogitsWanted;
-use deepinfer_topology::{ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
+use deepinfer_topology::{EpRank, ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
 
 mod gpu_support;
 use gpu_support::{cuda_backend, differing, host_fixture_model, prompt};
@@ -120,26 +120,6 @@ fn one_rank(model: &Model, schedule: &[Vec<Option<Vec<u32>>>; RANKS]) -> Vec<Vec
         .collect()
 }
 
-/// The (layer, expert) pairs rank `rank` holds under `from` and not under `to`.
-fn moved(from: &ExpertPlacement, to: &ExpertPlacement, rank: usize) -> usize {
-    let held = |p: &ExpertPlacement, layer: usize| {
-        let per = p.slots_per_gpu;
-        let mut experts: Vec<usize> = p.layers[layer].phy2log[rank * per..(rank + 1) * per]
-            .iter()
-            .map(|e| e.index())
-            .collect();
-        experts.sort_unstable();
-        experts.dedup();
-        experts
-    };
-    (0..from.layers.len())
-        .map(|l| {
-            let now = held(to, l);
-            held(from, l).iter().filter(|e| !now.contains(e)).count()
-        })
-        .sum()
-}
-
 /// What one EP rank ran.
 struct RankRun {
     /// Logits of each chunk it ran.
@@ -217,7 +197,9 @@ fn ep_ranks(
                             let epoch = step / EPOCH_STEPS;
                             assert_eq!(
                                 released,
-                                moved(&placements[epoch - 1], &placements[epoch], rank),
+                                placements[epoch - 1]
+                                    .released_by(&placements[epoch], EpRank(rank as u16))
+                                    .len(),
                                 "rank {rank} epoch {epoch}: experts released"
                             );
                             assert_eq!(

@@ -1,14 +1,16 @@
 //! `deepinfer-node memory-plan` for the released V4.1-Flash and V4-Flash configs on the shipped
 //! SM100 ×64 and H200 ×8 topologies: its arithmetic checked against the checkpoint inventory and
 //! against the bytes per token derived by hand from the config (one compressed-KV entry and one
-//! index key per group of every KV source), and the README's copy of the V4.1 plans kept equal
-//! to the tool's output.
+//! index key per group of every KV source), and the README's copy of the V4-Flash plans kept
+//! equal to the tool's output. V4.1-Flash fits neither: the engine holds its Engram tables
+//! (188.8 GiB) whole on every GPU, and the plan says so, naming the numbers.
 
 use std::path::{Path, PathBuf};
 
 use deepinfer_actors::tools::memory_plan::{self, MemoryPlan, default_gpu_memory};
 use deepinfer_model::checkpoint::inventory_for;
 use deepinfer_model::config::{ModelConfig, ModelFamily, V4Attention};
+use deepinfer_model::memory_plan::WORKSPACE_BYTES;
 use deepinfer_topology::{Backend, NodeConfig};
 
 const CONTEXTS: [usize; 3] = [8192, 32768, 131072];
@@ -21,12 +23,11 @@ fn config(name: &str) -> ModelConfig {
     ModelConfig::from_file(&root().join("tests/data").join(name)).expect("released config")
 }
 
-fn plan(topology: &str, cfg: &ModelConfig) -> (NodeConfig, MemoryPlan) {
+fn plan(topology: &str, cfg: &ModelConfig) -> (NodeConfig, Result<MemoryPlan, String>) {
     let node = NodeConfig::from_file(root().join("configs").join(topology)).expect("topology");
     let plan = memory_plan::plan(&node, cfg, None, &CONTEXTS, || {
         Err("a GPU topology needs no host budget".to_string())
-    })
-    .expect("plan");
+    });
     (node, plan)
 }
 
@@ -54,12 +55,11 @@ fn bytes_per_token_by_hand(cfg: &ModelConfig) -> f64 {
     }
 }
 
-fn check(topology: &str, config_name: &str) -> MemoryPlan {
-    let cfg = config(config_name);
-    let (node, plan) = plan(topology, &cfg);
-    // Weights: every inventory tensor; routed experts split over the EP ranks' slots, Engram
-    // tables over the EP ranks.
-    let inventory = inventory_for(&cfg);
+/// The weights on one GPU of `node` by hand from the inventory: dense weights, the routed
+/// experts of one EP rank's slots, the Engram tables whole (one rank per GPU in the shipped
+/// topologies).
+fn weights_per_gpu_by_hand(node: &NodeConfig, cfg: &ModelConfig) -> (u64, u64, u64) {
+    let inventory = inventory_for(cfg);
     let sum = |keep: &dyn Fn(&str) -> bool| -> u64 {
         inventory
             .iter()
@@ -67,17 +67,43 @@ fn check(topology: &str, config_name: &str) -> MemoryPlan {
             .map(|t| t.stored_bytes() as u64)
             .sum()
     };
+    let backbone_expert =
+        |name: &str| name.starts_with("layers.") && name.contains(".ffn.experts.");
     let all = sum(&|_| true);
-    let experts = sum(&|name| name.contains(".ffn.experts."));
-    let engram = sum(&|name| name.contains(".engram."));
-    let replicated = sum(&|name| !name.contains(".ffn.experts.") && !name.contains(".engram."));
-    assert_eq!(replicated + experts + engram, all);
+    let experts = sum(&backbone_expert);
+    let engram = sum(&|name| name.ends_with(".engram.embed"));
+    let dense = sum(&|name| !backbone_expert(name) && !name.ends_with(".engram.embed"));
+    assert_eq!(dense + experts + engram, all);
+    assert_eq!(
+        node.parallel.dp,
+        node.device.nodes * node.device.gpus_per_node
+    );
     let slots = cfg.n_routed_experts as u64 + u64::from(node.eplb.redundant_experts);
     let ep = u64::from(node.parallel.ep);
-    let per_gpu = replicated
-        + (experts * slots).div_ceil(cfg.n_routed_experts as u64 * ep)
-        + engram.div_ceil(ep);
-    assert_eq!((plan.weights_bytes, plan.weights_per_gpu), (all, per_gpu));
+    (
+        all,
+        dense + experts * slots / (cfg.n_routed_experts as u64 * ep),
+        engram,
+    )
+}
+
+fn check(topology: &str, config_name: &str) -> MemoryPlan {
+    let cfg = config(config_name);
+    let (node, plan) = plan(topology, &cfg);
+    let plan = plan.expect("the plan fits");
+    let (all, per_gpu, engram) = weights_per_gpu_by_hand(&node, &cfg);
+    let gpu = plan.gpu.expect("a GPU plan");
+    assert_eq!(
+        (plan.weights.total(), gpu.weights(), gpu.engram),
+        (all, per_gpu + engram, engram)
+    );
+    let Backend::Cuda { arch, .. } = node.device.backend else {
+        panic!("a GPU topology")
+    };
+    assert_eq!(
+        gpu.kv_budget,
+        default_gpu_memory(arch) - per_gpu - engram - WORKSPACE_BYTES
+    );
     // The state: bytes per token by hand; the budget and the blocks from the GPU.
     let by_hand = bytes_per_token_by_hand(&cfg);
     assert!(
@@ -85,10 +111,7 @@ fn check(topology: &str, config_name: &str) -> MemoryPlan {
         "{config_name}: {} bytes per token vs {by_hand} by hand",
         plan.bytes.bytes_per_token()
     );
-    let Backend::Cuda { arch, .. } = node.device.backend else {
-        panic!("a GPU topology")
-    };
-    let budget = ((default_gpu_memory(arch) - per_gpu) as f64 * 0.9) as u64;
+    let budget = (gpu.kv_budget as f64 * 0.9) as u64;
     assert_eq!(plan.state_budget, budget);
     let blocks = (budget / plan.bytes.block_bytes()) as usize;
     assert_eq!(plan.blocks, blocks);
@@ -112,16 +135,33 @@ fn check(topology: &str, config_name: &str) -> MemoryPlan {
 fn memory_plans_of_the_released_configs_follow_the_inventory() {
     let readme = std::fs::read_to_string(root().join("README.md")).expect("README");
     for topology in ["sm100x64.toml", "h200x8.toml"] {
-        let v41 = check(topology, "deepseek-v4.1-flash.config.json");
-        // V4.1-Flash holds a 1M-token context on one rank of either topology.
-        assert!(v41.longest_context >= v41.max_position, "{v41}");
-        let text = v41
+        let v4 = check(topology, "deepseek-v4-flash.config.json");
+        // V4-Flash holds a 1M-token context on one rank of either topology.
+        assert!(v4.longest_context >= v4.max_position, "{v4}");
+        let text = v4
             .to_string()
-            .replace(&v41.origin, &format!("configs/{topology}"));
+            .replace(&v4.origin, &format!("configs/{topology}"));
         assert!(
             readme.contains(&text),
-            "README lacks the memory plan of V4.1-Flash on {topology}:\n{text}"
+            "README lacks the memory plan of V4-Flash on {topology}:\n{text}"
         );
-        check(topology, "deepseek-v4-flash.config.json");
+        // V4.1-Flash: its Engram tables alone exceed an H200, and with the rest a B200.
+        let cfg = config("deepseek-v4.1-flash.config.json");
+        let (node, plan) = plan(topology, &cfg);
+        let err = plan.expect_err("V4.1-Flash with its Engram tables whole on every GPU");
+        let (_, per_gpu, engram) = weights_per_gpu_by_hand(&node, &cfg);
+        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        for part in [
+            "does not fit".to_string(),
+            format!("Engram {} (whole per GPU)", gib(engram)),
+            format!("= {}", gib(per_gpu + engram + WORKSPACE_BYTES)),
+        ] {
+            assert!(err.contains(&part), "{topology}: {part}: {err}");
+        }
+        println!("V4.1-Flash on {topology}: {err}");
+        assert!(
+            readme.contains(&format!("configs/{topology}: {err}")),
+            "README lacks V4.1-Flash's refusal on {topology}:\n{err}"
+        );
     }
 }

@@ -130,11 +130,12 @@ pub enum RawNumerics {
 #[serde(deny_unknown_fields)]
 pub struct RawParallelConfig {
     /// Attention data-parallel ranks (count, one scheduler per rank). Default: 1. With `cuda`
-    /// it must equal `device.nodes * device.gpus_per_node` (one rank per GPU).
+    /// it must be a multiple of `device.nodes * device.gpus_per_node` (rank r on GPU
+    /// `r % gpus_per_node` of its node: one rank per GPU, or several sharing each).
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub dp: Option<u16>,
     /// Expert-parallel ranks (count). Default: `parallel.dp`. With `cuda` it must equal
-    /// `device.nodes * device.gpus_per_node`.
+    /// `parallel.dp` (one EP rank per DP rank).
     #[serde(default, deserialize_with = "crate::strict::uint")]
     pub ep: Option<u16>,
     /// Context-parallel group size (ranks, >= 1): a long prefill chunk of a DP rank is computed by

@@ -667,18 +667,26 @@ fn parallel_config(
     let dp = check.at_least("parallel.dp", raw.dp.unwrap_or(1), 1)?;
     let ep = check.at_least("parallel.ep", raw.ep.unwrap_or(dp), 1)?;
     if let Backend::Cuda { .. } = device.backend {
+        // DEP: one EP rank per DP rank; DP rank r on GPU r % gpus_per_node of its node, so a
+        // multiple of the GPUs puts several ranks on each.
         let gpus = u32::from(device.nodes) * u32::from(device.gpus_per_node);
-        for (field, value) in [("parallel.dp", dp), ("parallel.ep", ep)] {
-            if u32::from(value) != gpus {
-                return Err(check.invalid(
-                    field,
-                    format!(
-                        "must equal device.nodes x device.gpus_per_node = {} x {} = {gpus} \
-                         (one rank per GPU), got {value}",
-                        device.nodes, device.gpus_per_node
-                    ),
-                ));
-            }
+        if !u32::from(dp).is_multiple_of(gpus) {
+            return Err(check.invalid(
+                "parallel.dp",
+                format!(
+                    "must be a multiple of device.nodes x device.gpus_per_node = {} x {} = {gpus} \
+                     (rank r on GPU r % gpus_per_node), got {dp}",
+                    device.nodes, device.gpus_per_node
+                ),
+            ));
+        }
+        if ep != dp {
+            return Err(check.invalid(
+                "parallel.ep",
+                format!(
+                    "must equal parallel.dp = {dp} with cuda (one EP rank per DP rank), got {ep}"
+                ),
+            ));
         }
     }
     let context_parallel = context_parallel(check, &raw, device, scheduler)?;

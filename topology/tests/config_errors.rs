@@ -153,7 +153,12 @@ fn cuda_ranks_must_match_the_gpus() {
     assert_blames(
         "[device]\nbackend = \"cuda\"\ngpus_per_node = 8\n[parallel]\ndp = 4\n",
         "parallel.dp",
-        "= 8 (one rank per GPU), got 4",
+        "multiple of device.nodes x device.gpus_per_node = 1 x 8 = 8",
+    );
+    assert_blames(
+        "[device]\nbackend = \"cuda\"\ngpus_per_node = 2\n[parallel]\ndp = 4\nep = 2\n",
+        "parallel.ep",
+        "must equal parallel.dp = 4 with cuda (one EP rank per DP rank), got 2",
     );
     assert_blames(
         "[device]\nbackend = \"cpu\"\ngpus_per_node = 8\n",

@@ -53,6 +53,30 @@ fn reproduces_the_deepseek_eplb_readme_example() {
     assert_eq!(placement.layers[0].log2phy[1], vec![15, 13]);
 }
 
+/// What a rank's device holds (distinct experts, increasing) and what it releases or uploads
+/// when a placement replaces another, on the README example (8 ranks of 2 slots).
+#[test]
+fn held_and_released_experts_follow_the_slots() {
+    use deepinfer_topology::{EpRank, ExpertId};
+    let placement = rebalance_experts(&readme_loads(), README_SHAPE).unwrap();
+    assert_eq!(placement.held_experts(0, EpRank(0)), vec![5, 6]);
+    assert_eq!(placement.held_experts(0, EpRank(7)), vec![1, 11]);
+    assert_eq!(placement.held_experts(1, EpRank(1)), vec![6, 8]);
+    assert!(placement.released_by(&placement, EpRank(3)).is_empty());
+    // Rank 0 of layer 0 now holds expert 5 twice, rank 3 of layer 1 expert 2 instead of 9.
+    let mut next = placement.clone();
+    next.layers[0].phy2log[1] = ExpertId(5);
+    next.layers[1].phy2log[6] = ExpertId(2);
+    assert_eq!(next.held_experts(0, EpRank(0)), vec![5]);
+    assert_eq!(placement.released_by(&next, EpRank(0)), vec![(0, 6)]);
+    assert!(next.released_by(&placement, EpRank(0)).is_empty());
+    assert_eq!(placement.released_by(&next, EpRank(3)), vec![(1, 8)]);
+    assert_eq!(next.released_by(&placement, EpRank(3)), vec![(1, 2)]);
+    for rank in [1, 2, 4, 5, 6, 7] {
+        assert!(placement.released_by(&next, EpRank(rank)).is_empty());
+    }
+}
+
 #[test]
 fn rebalancing_beats_the_uniform_placement_on_skewed_load() {
     let loads = readme_loads();

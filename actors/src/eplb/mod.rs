@@ -85,15 +85,7 @@ impl EplbActorState {
         let measured = self.eplb.measure(&loads)?;
         let measured_epoch = self.eplb.epoch();
         m::record_eplb_imbalance(&measured.imbalance);
-        let mut report = RebalanceReport {
-            measured_epoch,
-            epoch: measured_epoch,
-            measured_imbalance: measured.imbalance.clone(),
-            planned_imbalance: measured.imbalance.clone(),
-            measured_picks: measured.picks,
-            copied_experts: 0,
-            committed: false,
-        };
+        let mut report = measured.report(measured_epoch);
         let Some((placement, planned)) = self.eplb.plan(&measured)? else {
             self.eplb.record(report.clone());
             return Ok(report);

@@ -40,6 +40,21 @@ pub struct Measured {
     pub picks: u64,
 }
 
+impl Measured {
+    /// The report of a rebalance that measured this under `epoch` and has changed nothing yet.
+    pub fn report(&self, epoch: PlacementEpoch) -> RebalanceReport {
+        RebalanceReport {
+            measured_epoch: epoch,
+            epoch,
+            measured_imbalance: self.imbalance.clone(),
+            planned_imbalance: self.imbalance.clone(),
+            measured_picks: self.picks,
+            copied_experts: 0,
+            committed: false,
+        }
+    }
+}
+
 /// Busiest / mean of per-rank loads (1 for no load).
 pub fn imbalance(per_rank: &[f64]) -> f64 {
     let total: f64 = per_rank.iter().sum();

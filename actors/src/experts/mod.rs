@@ -12,7 +12,9 @@
 //! Failure: errors are replied, never panics; the supervisor does not restart this actor (its
 //! shards stay in use by the committed `LocalComm`).
 
+pub mod device;
 pub mod factory;
+pub mod lockstep;
 pub mod parallel;
 pub mod shard;
 pub mod state;

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use deepinfer_model::Model;
 use deepinfer_model::checkpoint::ExpertFilter;
-use deepinfer_model::memory_plan::plan_gpu;
+use deepinfer_model::memory_plan::WeightSplit;
 use deepinfer_topology::{
     ClusterConfig, DpRank, EpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape,
 };
@@ -172,12 +172,16 @@ pub fn node_expert_filter(
 
 /// What the process of node `node.cluster.node` holds in host memory after a load with
 /// [`node_expert_filter`]: its routed experts' bytes against the whole model's, and the weights
-/// every node holds (the memory plan's dense and Engram shares of `model`'s config).
+/// every node holds (the memory plan's dense and Engram shares of `model`'s config,
+/// `memory_plan::WeightSplit`).
 pub fn node_holdings(node: &NodeConfig, model: &Model) -> String {
     let cfg = model.config();
     let (held, held_count) = model.routed_expert_bytes();
-    let whole = plan_gpu(cfg, cfg.n_routed_experts, u64::MAX);
-    let (dense, routed, engram) = whole.map_or((0, 0, 0), |p| (p.dense, p.experts, p.engram));
+    let WeightSplit {
+        dense,
+        routed,
+        engram,
+    } = WeightSplit::of(cfg);
     format!(
         "node {} of {} holds the routed experts of EP ranks {:?}: {held} of {routed} host bytes \
          ({held_count} of {} layer-experts); dense weights {dense} and Engram {engram} host \

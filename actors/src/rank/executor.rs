@@ -173,6 +173,12 @@ pub trait RankExecutor: Send {
     fn modelled_step_time(&self, _batch_tokens: usize) -> Option<Duration> {
         None
     }
+    /// Ranks whose MoE layers are collectives (`experts::lockstep`): runs the idle steps the
+    /// peers have begun and this rank has not, and returns how soon to look again while the rank
+    /// has nothing to run (`None`: this executor never follows peers).
+    fn follow_peers(&mut self) -> Result<Option<Duration>, ExecError> {
+        Ok(None)
+    }
 }
 
 /// [`RankExecutor::sample_logits`] on the host: each row read and sampled there.
@@ -408,6 +414,9 @@ impl<L: ExecutorLayer> RankExecutor for Layered<L> {
     fn modelled_step_time(&self, batch_tokens: usize) -> Option<Duration> {
         self.inner.modelled_step_time(batch_tokens)
     }
+    fn follow_peers(&mut self) -> Result<Option<Duration>, ExecError> {
+        self.inner.follow_peers()
+    }
 }
 
 /// Builds one executor per rank, on that rank's thread (a model load happens there, never on
@@ -438,6 +447,11 @@ pub trait ExecutorFactory: Send + Sync {
     /// The expert-parallel state its executors share, when they run expert parallelism (the
     /// supervisor then spawns the expert groups and the EPLB over it).
     fn expert_parallel(&self) -> Option<std::sync::Arc<crate::experts::parallel::ExpertParallel>> {
+        None
+    }
+    /// The group its executors' device EP ranks step and swap placements through (expert
+    /// parallelism on CUDA), for its step log and EPLB status.
+    fn device_experts(&self) -> Option<Arc<crate::experts::device::DeviceExperts>> {
         None
     }
     /// The context parallelism its executors run (the engine refuses a topology that asks for
@@ -498,6 +512,9 @@ impl<L: ExecutorLayer + 'static> ExecutorFactory for LayeredFactory<L> {
     }
     fn expert_parallel(&self) -> Option<Arc<crate::experts::parallel::ExpertParallel>> {
         self.inner.expert_parallel()
+    }
+    fn device_experts(&self) -> Option<Arc<crate::experts::device::DeviceExperts>> {
+        self.inner.device_experts()
     }
     fn context_parallel(&self) -> Option<deepinfer_topology::ContextParallel> {
         self.inner.context_parallel()

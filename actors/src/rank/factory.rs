@@ -1,8 +1,8 @@
 //! [`ModelFactory`]: the one `ExecutorFactory` over a loaded model of either family
 //! ([`AnyModel`]). Each DP rank gets a `ModelExecutor` over the shared weights: on the loaded
-//! model's own backend (the CPU), or,
-//! with [`RankDevices`], rebound (`Model::on_backend`) to a backend opened on the rank's own device,
-//! on the rank's thread.
+//! model's own backend (the CPU), or, with [`RankDevices`], rebound (`Model::on_backend`) to a
+//! backend opened on the rank's own device, on the rank's thread (with expert parallelism on
+//! CUDA, a backend serving as the rank's EP rank, the ranks stepping through `DeviceExperts`).
 
 use std::sync::Arc;
 
@@ -11,20 +11,25 @@ use deepinfer_model::backend::Backend;
 use deepinfer_model::config::ModelFamily;
 use deepinfer_model::state_bytes::StateBytes;
 
+use crate::experts::device::{DeviceExperts, device_of};
 use crate::prefix_cache::PrefixGeometry;
 use crate::rank::executor::{ExecError, ExecutorFactory, RankExecutor};
 use crate::rank::model_executor::ModelExecutor;
 
-/// Opens the backend of one device ordinal; called on the rank thread that will use it.
-pub type OpenBackend = Arc<dyn Fn(usize) -> Result<Box<dyn Backend>, String> + Send + Sync>;
+/// Opens the backend of DP rank `dp` (first argument) on device ordinal `device` (second);
+/// called on the rank thread that will use it.
+pub type OpenBackend = Arc<dyn Fn(usize, usize) -> Result<Box<dyn Backend>, String> + Send + Sync>;
 
 /// Where the ranks run when each has a device of its own: DP rank `r` on device
-/// `r % per_node` of its node (rank r -> GPU r with one node).
+/// `r % per_node` of its node (`experts::device::device_of`).
 #[derive(Clone)]
 pub struct RankDevices {
     /// Devices of one node (`[device] gpus_per_node`), at least 1.
     pub per_node: usize,
     pub open: OpenBackend,
+    /// The backends are EP ranks whose MoE layers are collectives: the ranks step together
+    /// (and swap placements) through this group.
+    pub experts: Option<Arc<DeviceExperts>>,
 }
 
 /// Hands every DP rank an executor over the shared loaded weights.
@@ -73,18 +78,17 @@ impl std::fmt::Debug for ModelFactory {
 
 impl ExecutorFactory for ModelFactory {
     fn build(&self, dp: usize) -> Result<Box<dyn RankExecutor>, ExecError> {
-        let model = match &self.devices {
-            None => self.model.clone(),
-            Some(devices) => {
-                let device = dp % devices.per_node.max(1);
-                let backend = (devices.open)(device).map_err(|e| {
-                    ExecError::Backend(format!("DP rank {dp} on device {device}: {e}"))
-                })?;
-                tracing::info!(dp, backend = backend.name(), "rank model on its device");
-                self.model.on_backend(backend)
-            }
+        let Some(devices) = &self.devices else {
+            return Ok(Box::new(ModelExecutor::new(self.model.clone())));
         };
-        Ok(Box::new(ModelExecutor::new(model)))
+        let device = device_of(dp, devices.per_node);
+        let backend = (devices.open)(dp, device)
+            .map_err(|e| ExecError::Backend(format!("DP rank {dp} on device {device}: {e}")))?;
+        tracing::info!(dp, backend = backend.name(), "rank model on its device");
+        let experts = devices.experts.clone().map(|experts| (experts, dp));
+        Ok(Box::new(
+            ModelExecutor::new(self.model.on_backend(backend)).with_device_experts(experts),
+        ))
     }
 
     fn describe(&self) -> String {
@@ -105,6 +109,10 @@ impl ExecutorFactory for ModelFactory {
 
     fn state_bytes(&self) -> Option<StateBytes> {
         Some(StateBytes::of(self.model.config()))
+    }
+
+    fn device_experts(&self) -> Option<Arc<DeviceExperts>> {
+        self.devices.as_ref().and_then(|d| d.experts.clone())
     }
 
     /// Either family's executors keep prefix blocks (`ModelExecutor`).
@@ -140,16 +148,20 @@ mod tests {
         rows.concat()
     }
 
-    /// Per-rank CPU backends that record the device ordinals opened.
-    fn recording_devices(per_node: usize) -> (RankDevices, Arc<Mutex<Vec<usize>>>) {
+    /// The (DP rank, device ordinal) of each backend opened.
+    type Opened = Arc<Mutex<Vec<(usize, usize)>>>;
+
+    /// Per-rank CPU backends that record what they open.
+    fn recording_devices(per_node: usize) -> (RankDevices, Opened) {
         let opened = Arc::new(Mutex::new(Vec::new()));
         let log = opened.clone();
         let devices = RankDevices {
             per_node,
-            open: Arc::new(move |device| {
-                log.lock().expect("not poisoned").push(device);
+            open: Arc::new(move |dp, device| {
+                log.lock().expect("not poisoned").push((dp, device));
                 Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
             }),
+            experts: None,
         };
         (devices, opened)
     }
@@ -178,7 +190,10 @@ mod tests {
                 let got = run(factory.build(dp).expect("per device").as_mut(), &prompt);
                 assert_eq!(got, expected, "{family:?} rank {dp}");
             }
-            assert_eq!(*opened.lock().expect("not poisoned"), vec![0, 1, 0]);
+            assert_eq!(
+                *opened.lock().expect("not poisoned"),
+                vec![(0, 0), (1, 1), (2, 0)]
+            );
             for f in [&plain, &factory] {
                 assert_eq!(f.family(), family);
                 assert_eq!(f.sliding_window(), sliding_window);
@@ -191,7 +206,8 @@ mod tests {
         let (_dir, model) = tiny_test_model();
         let devices = RankDevices {
             per_node: 4,
-            open: Arc::new(|device| Err(format!("no CUDA driver for device {device}"))),
+            open: Arc::new(|_dp, device| Err(format!("no CUDA driver for device {device}"))),
+            experts: None,
         };
         let factory = ModelFactory::per_device(model, "no device", devices);
         let err = factory.build(5).err().expect("the device does not open");

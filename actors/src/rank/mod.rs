@@ -149,7 +149,8 @@ impl Actor for RankActor {
 }
 
 /// The loop of the rank thread: launch plans as they come (the scheduler bounds how many are
-/// outstanding), release each step's output when the device has finished it.
+/// outstanding), release each step's output when the device has finished it; while waiting,
+/// follow the expert-parallel peers' steps (`RankWorker::follow_peers`).
 fn rank_thread(
     dp: DpRank,
     mut worker: RankWorker,
@@ -164,20 +165,43 @@ fn rank_thread(
                 let _ = s.cast(SchedulerMsg::StepDone(Box::new(output)));
             }
         }
-        let message = match worker.next_ready_at() {
+        let followed = match catch_unwind(AssertUnwindSafe(|| worker.follow_peers())) {
+            Ok(result) => result.map_err(|e| RankError::Backend {
+                message: format!("following the expert-parallel peers: {e}"),
+            }),
+            Err(panic) => Err(RankError::Panicked {
+                message: format!(
+                    "following the expert-parallel peers: {}",
+                    panic_message(&*panic)
+                ),
+            }),
+        };
+        let poll = match followed {
+            Ok(poll) => poll,
+            Err(error) => {
+                tracing::error!(%error, "idle step failed; the rank thread exits");
+                let _ = rank.cast(RankMsg::ThreadExited(error));
+                return;
+            }
+        };
+        let wake_at = [worker.next_ready_at(), poll.map(|p| Instant::now() + p)]
+            .into_iter()
+            .flatten()
+            .min();
+        let message = match wake_at {
             None => match plans.recv() {
                 Ok(message) => message,
                 Err(_) => return,
             },
-            Some(ready_at) => {
-                match plans.recv_timeout(ready_at.saturating_duration_since(Instant::now())) {
+            Some(wake_at) => {
+                match plans.recv_timeout(wake_at.saturating_duration_since(Instant::now())) {
                     Ok(message) => message,
                     Err(RecvTimeoutError::Timeout) => continue,
                     Err(RecvTimeoutError::Disconnected) => {
                         if worker.launched_count() == 0 {
                             return;
                         }
-                        std::thread::sleep(ready_at.saturating_duration_since(Instant::now()));
+                        std::thread::sleep(wake_at.saturating_duration_since(Instant::now()));
                         continue;
                     }
                 }

@@ -23,6 +23,12 @@
 //! layer); this rank keeps the sequence's state, which is bitwise the one-rank prefill's, and
 //! decodes it.
 //!
+//! Expert parallelism on CUDA (the model's backend is one EP rank, `backend::cuda::ep`): its MoE
+//! layers are collectives of every EP rank, so each step begins one step of the group's
+//! `Lockstep` through `DeviceExperts` (which swaps the rank's placement epoch there), and an
+//! empty batch (an `Idle` plan) or an idle thread only follows the peers' steps with idle ones
+//! (`Model::idle_expert_step`).
+//!
 //! Built per rank by `rank::factory::ModelFactory` (or `ExpertParallelFactory`).
 
 use std::collections::HashMap;
@@ -39,6 +45,8 @@ use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, PrefixBlock, v4};
 use deepinfer_topology::{ContextParallel, DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
+use crate::experts::device::DeviceExperts;
+use crate::experts::lockstep::FOLLOW_POLL;
 use crate::experts::parallel::{ExpertParallel, StepRecord};
 
 use crate::prefix_cache::BlockHash;
@@ -58,6 +66,8 @@ pub struct ModelExecutor {
     ep: Option<RankExperts>,
     /// Context parallelism of long prefill chunks.
     cp: Option<ContextParallel>,
+    /// Expert parallelism on devices: the group's state and this rank's index in it.
+    device: Option<(Arc<DeviceExperts>, usize)>,
     /// The prefix-cache blocks this rank keeps (the scheduler's index decides which).
     prefix_blocks: HashMap<BlockHash, KeptBlock>,
 }
@@ -80,8 +90,15 @@ impl ModelExecutor {
             replay_from: HashMap::new(),
             ep: None,
             cp: None,
+            device: None,
             prefix_blocks: HashMap::new(),
         }
+    }
+
+    /// This executor as rank `rank` of a `DeviceExperts` group (its backend an EP rank whose
+    /// MoE layers are collectives; `None`: off).
+    pub fn with_device_experts(self, device: Option<(Arc<DeviceExperts>, usize)>) -> Self {
+        ModelExecutor { device, ..self }
     }
 
     /// This executor with context parallelism of long prefill chunks (`None`: off).
@@ -115,6 +132,27 @@ impl ModelExecutor {
             ..ModelExecutor::new(model)
         }
     }
+
+    /// Runs the idle steps the device expert group's peers had begun, and this rank had not,
+    /// when it looked: a peer that keeps leading is followed over several calls, so a plan of
+    /// this rank's own that arrives meanwhile runs as its next step (pairing with the peer's)
+    /// instead of waiting for the peer to go idle.
+    fn follow_device_peers(&self) -> Result<Option<Duration>, ExecError> {
+        let Some((device, rank)) = &self.device else {
+            return Ok(None);
+        };
+        let AnyModel::V41(model) = &self.model else {
+            return Err(ExecError::Backend(
+                "expert parallelism runs V4.1 models only".to_string(),
+            ));
+        };
+        for _ in 0..device.lockstep().behind(*rank) {
+            let (_, epoch) = begin_device_step(device, *rank, model.backend())?;
+            model.idle_expert_step();
+            device.finish(*rank, epoch);
+        }
+        Ok(Some(FOLLOW_POLL))
+    }
 }
 
 impl ModelExecutor {
@@ -125,6 +163,11 @@ impl ModelExecutor {
         batch: &[SeqTokens<'_>],
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
+        if batch.is_empty() && self.device.is_some() {
+            // Nothing of its own: the rank only follows the steps its peers began.
+            self.follow_device_peers()?;
+            return Ok(Vec::new());
+        }
         let model = &self.model;
         let cp_ranks = self.cp.map_or(1, |cp| usize::from(cp.ranks));
         let in_cp: Vec<bool> = batch
@@ -134,6 +177,10 @@ impl ModelExecutor {
         let seqs = self
             .sequences
             .for_step(batch, |seq, tokens| model.check_chunk(seq, tokens))?;
+        let device_step = match &self.device {
+            Some((device, rank)) => Some(begin_device_step(device, *rank, model.backend())?),
+            None => None,
+        };
         // Expert parallelism: this step's placement epoch, read once at the step boundary.
         let comm = self.ep.as_ref().map(|ep| ep.parallel.current());
         let experts = match (&self.ep, comm.as_deref()) {
@@ -189,6 +236,9 @@ impl ModelExecutor {
             Some(failure) => Err(ExecError::Backend(format!("expert parallelism: {failure}"))),
             None => rows,
         };
+        if let (Some((device, rank)), Some((_, epoch))) = (&self.device, device_step) {
+            device.finish(*rank, epoch);
+        }
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {
                 dp: ep.dp,
@@ -201,6 +251,17 @@ impl ModelExecutor {
         }
         rows
     }
+}
+
+/// Rank `rank` begins a step of its device expert group on `backend` (`DeviceExperts::begin`).
+fn begin_device_step(
+    device: &DeviceExperts,
+    rank: usize,
+    backend: &dyn deepinfer_model::backend::Backend,
+) -> Result<(u64, deepinfer_topology::PlacementEpoch), ExecError> {
+    device
+        .begin(rank, backend)
+        .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))
 }
 
 /// The prefix cache keeps V4.1 sequences only (the factory gives a V4 model no prefix geometry, so
@@ -319,6 +380,10 @@ impl RankExecutor for ModelExecutor {
         sampling: &[Option<SamplingParams>],
     ) -> Result<Vec<EntryOutput>, ExecError> {
         self.step(batch, sampling)
+    }
+
+    fn follow_peers(&mut self) -> Result<Option<Duration>, ExecError> {
+        self.follow_device_peers()
     }
 
     fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {

@@ -729,6 +729,12 @@ impl RankWorker {
         self.launched.front().map(|l| l.ready_at)
     }
 
+    /// Runs the idle steps expert-parallel peers wait for (`RankExecutor::follow_peers`);
+    /// returns how soon to look again while idle.
+    pub fn follow_peers(&mut self) -> Result<Option<Duration>, ExecError> {
+        self.executor.follow_peers()
+    }
+
     /// Steps launched and not yet collected.
     pub fn launched_count(&self) -> usize {
         self.launched.len()

@@ -1,16 +1,17 @@
 //! `deepinfer-node memory-plan`: how a checkpoint's sequence states fit a topology, without a
 //! GPU. From the model's `config.json` and the topology: the state bytes per token and per
-//! sequence by layer kind (`deepinfer_model::state_bytes`), the weights per GPU (the checkpoint
-//! inventory: attention, dense and shared weights on every DP rank; routed experts split over
-//! the EP ranks with `eplb.redundant_experts` extra slots, and Engram tables split over the EP
-//! ranks as DeepInfer shards them), each rank's state budget (`[memory]`
-//! bytes, or its fraction of the GPU memory left after the weights), the pool's blocks, the
-//! longest context one sequence may reach and how many sequences of a given length fit at once.
+//! sequence by layer kind (`deepinfer_model::state_bytes`), the weights per GPU as the engine
+//! places them (`deepinfer_model::memory_plan`, the computation the engine's start-up check
+//! uses: dense weights on every DP rank, the routed experts of its EP rank's slots, the Engram
+//! tables whole on every rank, the workspace), each rank's state budget (`[memory]` bytes, or
+//! its fraction of the GPU's KV budget), the pool's blocks, the longest context one sequence
+//! may reach and how many sequences of a given length fit at once. A topology whose weights do
+//! not fit its GPUs is an error naming the numbers.
 
 use std::fmt;
 
-use deepinfer_model::checkpoint::inventory_v4::inventory_for;
 use deepinfer_model::config::ModelConfig;
+use deepinfer_model::memory_plan::{GpuMemoryPlan, WeightSplit, plan_node};
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_topology::{Arch, Backend, MemoryConfig, NodeConfig};
 
@@ -41,13 +42,10 @@ pub struct MemoryPlan {
     pub origin: String,
     pub kinds: Vec<KindRow>,
     pub bytes: StateBytes,
-    /// Checkpoint bytes: all weights, routed experts and Engram tables among them.
-    pub weights_bytes: u64,
-    pub expert_bytes: u64,
-    pub engram_bytes: u64,
-    pub weights_per_gpu: u64,
-    /// Memory of one GPU (`None` on the CPU backend).
-    pub gpu_memory: Option<u64>,
+    /// Checkpoint bytes by placement: dense, the backbone's routed experts, Engram tables.
+    pub weights: WeightSplit,
+    /// The busiest GPU's plan (`None` on the CPU backend).
+    pub gpu: Option<GpuMemoryPlan>,
     /// Each DP rank's state budget.
     pub state_budget: u64,
     pub blocks: usize,
@@ -85,38 +83,17 @@ pub fn plan(
         row.bytes_per_token += part.bytes_per_token();
         row.ring_bytes += part.ring_bytes();
     }
-    let inventory = inventory_for(cfg);
-    let weights_bytes: u64 = inventory.iter().map(|t| t.stored_bytes() as u64).sum();
-    let bytes_of = |part: &str| -> u64 {
-        inventory
-            .iter()
-            .filter(|t| t.name.contains(part))
-            .map(|t| t.stored_bytes() as u64)
-            .sum()
-    };
-    let (expert_bytes, engram_bytes) = (bytes_of(".ffn.experts."), bytes_of(".engram."));
-    let routed = cfg.n_routed_experts.max(1) as u64;
-    let slots = routed + u64::from(node.eplb.redundant_experts);
-    let ep = u64::from(node.parallel.ep.max(1));
-    let weights_per_gpu = weights_bytes - expert_bytes - engram_bytes
-        + (expert_bytes * slots).div_ceil(routed * ep)
-        + engram_bytes.div_ceil(ep);
-    let gpu_memory = match node.device.backend {
+    let weights = WeightSplit::of(cfg);
+    let gpu = match node.device.backend {
         Backend::Cpu => None,
-        Backend::Cuda { arch, .. } => Some(gpu_memory.unwrap_or_else(|| default_gpu_memory(arch))),
-    };
-    let state_budget = match (node.memory, gpu_memory) {
-        (MemoryConfig::StateBytes(budget), _) => budget,
-        (MemoryConfig::Fraction(fraction), Some(gpu)) => {
-            let left = gpu.checked_sub(weights_per_gpu).ok_or_else(|| {
-                format!(
-                    "the weights per GPU ({:.1} GiB) exceed the GPU memory ({:.1} GiB)",
-                    weights_per_gpu as f64 / GIB,
-                    gpu as f64 / GIB
-                )
-            })?;
-            (left as f64 * fraction) as u64
+        Backend::Cuda { arch, .. } => {
+            let memory = gpu_memory.unwrap_or_else(|| default_gpu_memory(arch));
+            Some(plan_node(node, cfg, memory).map_err(|e| e.to_string())?)
         }
+    };
+    let state_budget = match (node.memory, gpu) {
+        (MemoryConfig::StateBytes(budget), _) => budget,
+        (MemoryConfig::Fraction(fraction), Some(gpu)) => (gpu.kv_budget as f64 * fraction) as u64,
         (MemoryConfig::Fraction(_), None) => host_budget()?,
     };
     let blocks = (state_budget / bytes.block_bytes()) as usize;
@@ -128,11 +105,8 @@ pub fn plan(
     Ok(MemoryPlan {
         origin: node.origin.clone(),
         kinds,
-        weights_bytes,
-        expert_bytes,
-        engram_bytes,
-        weights_per_gpu,
-        gpu_memory,
+        weights,
+        gpu,
         state_budget,
         blocks,
         longest_context,
@@ -176,14 +150,13 @@ impl fmt::Display for MemoryPlan {
         writeln!(
             f,
             "weights: {:.2} GiB in the checkpoint ({:.2} GiB routed experts, {:.2} GiB Engram \
-             tables); {:.2} GiB per GPU",
-            gib(self.weights_bytes),
-            gib(self.expert_bytes),
-            gib(self.engram_bytes),
-            gib(self.weights_per_gpu)
+             tables)",
+            gib(self.weights.total()),
+            gib(self.weights.routed),
+            gib(self.weights.engram)
         )?;
-        if let Some(gpu) = self.gpu_memory {
-            writeln!(f, "GPU memory: {:.1} GiB", gib(gpu))?;
+        if let Some(gpu) = &self.gpu {
+            writeln!(f, "{gpu}")?;
         }
         writeln!(
             f,
@@ -216,6 +189,6 @@ mod tests {
         .unwrap();
         let cfg = ModelConfig::tiny_v41();
         let err = plan(&node, &cfg, Some(1), &[], || Ok(0)).unwrap_err();
-        assert!(err.contains("exceed the GPU memory"), "{err}");
+        assert!(err.contains("does not fit a GPU of 0.00 GiB"), "{err}");
     }
 }

@@ -52,9 +52,16 @@ impl Model {
     /// `backend::cuda::ep`) serves its experts to the other ranks. A no-op on a backend that
     /// runs every expert itself. Every DP rank calls this on a step it has nothing to run.
     pub fn idle_expert_step(&self) {
+        self.idle_expert_layers(0);
+    }
+
+    /// [`Model::idle_expert_step`] for backbone layers `from..` only: a step whose rows all
+    /// ended before layer `from` (a chunk wholly before its decoder start) still takes part in
+    /// the remaining layers' collectives, so every step runs every layer's exchange once.
+    pub(crate) fn idle_expert_layers(&self, from: usize) {
         let ctx = self.ctx();
         let empty = crate::backend::Tensor::empty();
-        for block in self.layers.iter() {
+        for block in self.layers.iter().skip(from) {
             let _ = ctx
                 .backend
                 .moe_rows(&empty, &moe::layer_op(&ctx, &block.moe));

@@ -324,6 +324,7 @@ impl Model {
                     .map(|(&image, _)| image)
                     .collect::<Vec<bool>>();
                 if rows.positions.is_empty() {
+                    self.idle_expert_layers(l);
                     break;
                 }
             }

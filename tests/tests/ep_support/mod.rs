@@ -91,6 +91,26 @@ pub async fn run_requests(
     out
 }
 
+/// Starts an engine over `factory` that keeps every row its ranks return and tracks the lengths
+/// the `ReplayActor` frees (check them with `FreedLengths::shutdown_and_check_replay`).
+pub async fn start_engine(
+    node: NodeConfig,
+    factory: Arc<dyn ExecutorFactory>,
+    facts: ModelFacts,
+) -> (Engine, Arc<RowLog>, Arc<FreedLengths>) {
+    let rows = Arc::new(RowLog::new());
+    let (executor, freed) =
+        FreedLengths::track(Arc::new(ObservedFactory::new(factory, rows.clone())));
+    let config = EngineConfig {
+        node,
+        executor,
+        model: facts,
+        tokenizer: None,
+    };
+    let engine = Engine::start(config).await.expect("engine starts");
+    (engine, rows, freed)
+}
+
 /// Starts an engine over `factory`, runs `prompts`, shuts it down; returns the tokens and rows.
 pub async fn run_engine(
     node: NodeConfig,
@@ -102,16 +122,7 @@ pub async fn run_engine(
     BTreeMap<RequestId, Vec<u32>>,
     HashMap<(RequestId, usize), Vec<f32>>,
 ) {
-    let rows = Arc::new(RowLog::new());
-    let (executor, freed) =
-        FreedLengths::track(Arc::new(ObservedFactory::new(factory, rows.clone())));
-    let config = EngineConfig {
-        node,
-        executor,
-        model: facts,
-        tokenizer: None,
-    };
-    let engine = Engine::start(config).await.expect("engine starts");
+    let (engine, rows, freed) = start_engine(node, factory, facts).await;
     let tokens = run_requests(&engine, prompts, max_tokens).await;
     freed.shutdown_and_check_replay(engine).await;
     let rows = rows.snapshot();

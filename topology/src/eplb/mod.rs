@@ -118,6 +118,34 @@ impl ExpertPlacement {
             .unwrap_or(&[])
     }
 
+    /// The distinct logical experts EP rank `rank` holds in `layer`, increasing: the weights
+    /// its device holds for this placement (a replicated expert once).
+    pub fn held_experts(&self, layer: usize, rank: EpRank) -> Vec<usize> {
+        let mut held: Vec<usize> = self
+            .experts_on_rank(layer, rank)
+            .iter()
+            .map(|e| e.index())
+            .collect();
+        held.sort_unstable();
+        held.dedup();
+        held
+    }
+
+    /// The `(layer, expert)` pairs EP rank `rank` holds under this placement and not under
+    /// `next`, by layer then expert: what it releases when `next` is committed (and, read the
+    /// other way, `next.released_by(self, rank)` is what it must upload before).
+    pub fn released_by(&self, next: &ExpertPlacement, rank: EpRank) -> Vec<(usize, usize)> {
+        (0..self.layers.len())
+            .flat_map(|layer| {
+                let kept = next.held_experts(layer, rank);
+                self.held_experts(layer, rank)
+                    .into_iter()
+                    .filter(move |e| !kept.contains(e))
+                    .map(move |e| (layer, e))
+            })
+            .collect()
+    }
+
     /// Largest replica count of any expert in any layer (the `log2phy` padding width).
     pub fn max_replicas(&self) -> usize {
         self.layers

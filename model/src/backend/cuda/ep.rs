@@ -14,7 +14,8 @@
 //!    placement gives the bits of `ep = 1`.
 //! 3. Finish: the buffers offered to peers may be freed.
 //!
-//! Activations never leave the device; only route ids and weights reach the host.
+//! Activations never leave the device; only route ids and weights reach the host. Each rank
+//! counts the rows its slots receive ([`ExpertRank::take_loads`], what the EPLB measures).
 //! Replica choice: the replica on this rank when it holds one, else replica `dp % replicas`: a
 //! pure function of (layer, expert, DP rank), independent of the batch and the timing.
 //! Placement epochs: an [`ExpertRank`] serves one epoch; a new placement is a new rank object
@@ -29,7 +30,7 @@ use std::sync::{Arc, RwLock};
 
 use deepinfer_kernels::ops::key_table::key_row_address;
 use deepinfer_kernels::ops::routed::moe_combine;
-use deepinfer_topology::ExpertPlacement;
+use deepinfer_topology::{EpRank, ExpertPlacement};
 
 use super::ep_transport::{RowMeta, RowTransport};
 use super::moe::DeviceExperts;
@@ -50,6 +51,9 @@ pub struct ExpertRank {
     layers: HashMap<(usize, usize), usize>,
     /// This rank's experts of each layer, in slot order.
     tables: Vec<DeviceExperts>,
+    /// Routed rows each of its slots received since the last `take_loads`, `[layer][slot]`
+    /// flattened (the EPLB's measure).
+    loads: Vec<AtomicU64>,
 }
 
 impl std::fmt::Debug for ExpertRank {
@@ -102,6 +106,9 @@ impl ExpertRank {
             .enumerate()
             .map(|(layer, experts)| ((experts.as_ptr() as usize, experts.len()), layer))
             .collect();
+        let loads = (0..lists.len() * per_rank)
+            .map(|_| AtomicU64::new(0))
+            .collect();
         Ok(ExpertRank {
             rank,
             dp,
@@ -111,6 +118,7 @@ impl ExpertRank {
             rounds: Arc::new(AtomicU64::new(0)),
             layers,
             tables,
+            loads,
         })
     }
 
@@ -135,39 +143,25 @@ impl ExpertRank {
     }
 
     /// After this epoch was committed in place of `previous`: drops from `backend`'s weight
-    /// cache the experts `previous` held and this epoch does not, so that the device keeps only
-    /// this rank's experts (their memory is freed when `previous`'s last step ends). Returns how
-    /// many (layer, expert) pairs were released.
+    /// cache the experts `previous` held and this epoch does not
+    /// (`ExpertPlacement::released_by`), so that the device keeps only this rank's experts
+    /// (their memory is freed when `previous`'s last step ends). Returns how many (layer,
+    /// expert) pairs were released.
     pub fn release_moved(
         &self,
         backend: &CudaBackend,
         lists: &[&[ExpertWeights<ExpertLinear>]],
         previous: &ExpertRank,
     ) -> usize {
-        let mut released = 0;
-        for (layer, experts) in lists.iter().enumerate() {
-            let now = self.held(layer);
-            for expert in previous.held(layer) {
-                if !now.contains(&expert) {
-                    backend.forget_expert(&experts[expert]);
-                    released += 1;
-                }
+        let released = previous
+            .placement
+            .released_by(&self.placement, EpRank(self.rank as u16));
+        for &(layer, expert) in &released {
+            if let Some(weights) = lists.get(layer).and_then(|experts| experts.get(expert)) {
+                backend.forget_expert(weights);
             }
         }
-        released
-    }
-
-    /// The logical experts this rank holds in `layer` (distinct, increasing).
-    fn held(&self, layer: usize) -> Vec<usize> {
-        let per_rank = self.placement.slots_per_gpu;
-        let mut held: Vec<usize> = self.placement.layers[layer].phy2log
-            [self.rank * per_rank..(self.rank + 1) * per_rank]
-            .iter()
-            .map(|e| e.index())
-            .collect();
-        held.sort_unstable();
-        held.dedup();
-        held
+        released.len()
     }
 
     pub fn rank(&self) -> usize {
@@ -181,6 +175,26 @@ impl ExpertRank {
     /// MoE layer collectives this rank (and its earlier epochs) took part in.
     pub fn collectives(&self) -> u64 {
         self.rounds.load(AtomicOrdering::Relaxed)
+    }
+
+    /// Routed rows each of this rank's slots received since the last call, `[layer][slot]`,
+    /// the counters reset.
+    pub fn take_loads(&self) -> Vec<Vec<u64>> {
+        let per_rank = self.placement.slots_per_gpu;
+        let counts: Vec<u64> = self
+            .loads
+            .iter()
+            .map(|c| c.swap(0, AtomicOrdering::Relaxed))
+            .collect();
+        counts
+            .chunks(per_rank.max(1))
+            .map(<[u64]>::to_vec)
+            .collect()
+    }
+
+    /// The placement this rank serves.
+    pub fn placement(&self) -> &Arc<ExpertPlacement> {
+        &self.placement
     }
 
     /// Logical experts whose weights this rank holds on its device, per layer.
@@ -365,6 +379,11 @@ impl CudaBackend {
         if let Some(received) = &inbox.rows {
             let n = received.len() / dim;
             let ids_in: Vec<u32> = inbox.meta.iter().flat_map(|m| m.experts.clone()).collect();
+            for &slot in &ids_in {
+                if let Some(count) = ep.loads.get(layer_index * per_rank + slot as usize) {
+                    count.fetch_add(1, AtomicOrdering::Relaxed);
+                }
+            }
             let weights_in: Vec<f32> = inbox.meta.iter().flat_map(|m| m.weights.clone()).collect();
             if ids_in.len() != n || weights_in.len() != n {
                 return Err(shape_err(

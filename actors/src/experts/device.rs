@@ -1,0 +1,429 @@
+//! Expert parallelism on CUDA ranks (DEP: one EP rank per DP rank, `[parallel] dp = ep`): which
+//! layouts the engine runs, where each rank runs, and the placement its backend serves.
+//!
+//! DP rank r runs on GPU `r % gpus_per_node` of its node and is EP rank r: its backend holds
+//! only the experts of its slots (`deepinfer_model::backend::cuda::ep::ExpertRank`, uploaded
+//! when the rank's backend opens, registered here as a [`DeviceRank`]) and moves routed rows to
+//! the other ranks inside each MoE layer; the ranks step in `Lockstep`.
+//! Live EPLB ([`DeviceExperts`], `[eplb] enabled`): the EPLB's state machine (`EplbState`, the
+//! `EplbActor`'s logic) is advanced by rank 0 at the end of each of its steps (every rank runs
+//! the same steps); a rebalance measures the ranks' per-slot counts and solves the placement,
+//! then each rank builds its next `ExpertRank` (the experts it lacks uploaded) at the start of
+//! its next step, and once every rank has, the epoch is committed at the first step no rank has
+//! begun: every rank adopts it there (dropping the experts it no longer holds), so no step mixes
+//! epochs and no request is lost or changed. While a rank stages, its device holds both epochs'
+//! experts.
+//! Built: every rank on one GPU (`device.gpus_per_node = 1`, rows moved by device copies).
+//! Refused before anything loads, naming the field: ranks on several GPUs (the NCCL transport
+//! exists at the model level, not wired into the engine's rank start), live EPLB with one rank.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use deepinfer_model::backend::Backend;
+use deepinfer_model::config::ModelConfig;
+use deepinfer_topology::{DpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape};
+
+use crate::eplb::state::{EplbAction, EplbState};
+use crate::error::EngineError;
+use crate::experts::lockstep::Lockstep;
+use crate::experts::parallel::EpSettings;
+use crate::messages::eplb::{EplbStatus, RebalanceReport};
+use crate::messages::experts::ShardLoads;
+use crate::metrics as m;
+
+/// Rank steps kept in the step log.
+const STEP_LOG_CAPACITY: usize = 1 << 16;
+
+/// The device of DP rank `dp` with `per_node` GPUs per node.
+pub fn device_of(dp: usize, per_node: usize) -> usize {
+    dp % per_node.max(1)
+}
+
+/// Refuses, for a CUDA topology with expert parallelism, what the engine does not run on CUDA
+/// yet, naming the field (`dp = ep` is the topology's own rule).
+pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> {
+    let refuse = |field: &str, message: String| {
+        Err(EngineError::Config {
+            field: field.to_string(),
+            message: format!("{}: {message}", node.origin),
+        })
+    };
+    if node.parallel.ep == 1 {
+        if node.eplb.enabled {
+            return refuse(
+                "eplb.enabled",
+                "live EPLB on CUDA balances the experts over EP ranks: it needs parallel.dp = \
+                 parallel.ep > 1"
+                    .to_string(),
+            );
+        }
+        return Ok(());
+    }
+    let gpus = u32::from(node.device.nodes) * u32::from(node.device.gpus_per_node);
+    if gpus > 1 {
+        return refuse(
+            "device.gpus_per_node",
+            format!(
+                "expert parallelism on CUDA runs its {} EP ranks on one GPU so far (rows moved by \
+                 device copies); EP ranks on {gpus} GPUs need the NCCL transport, not wired into \
+                 the engine yet: use device.nodes = 1 and device.gpus_per_node = 1",
+                node.parallel.ep
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The placement the EP ranks of `node` serve at start (epoch 0): equal loads over `cfg`'s
+/// routed experts and the topology's redundant slots.
+pub fn starting_placement(
+    node: &NodeConfig,
+    cfg: &ModelConfig,
+) -> Result<Arc<ExpertPlacement>, EngineError> {
+    let experts = u16::try_from(cfg.n_routed_experts).map_err(|_| EngineError::Model {
+        what: "expert parallelism".to_string(),
+        message: format!("{} routed experts exceed u16", cfg.n_routed_experts),
+    })?;
+    let shape = PlacementShape::from_config(node, experts);
+    ExpertPlacement::uniform(cfg.n_layers, cfg.n_routed_experts, shape)
+        .map(Arc::new)
+        .map_err(|e| EngineError::Config {
+            field: "parallel.ep".to_string(),
+            message: format!("{}: {e}", node.origin),
+        })
+}
+
+/// One rank's experts on its device, as the engine drives them (`gpu.rs` implements it over the
+/// CUDA `ExpertRank`); `backend` is always the rank's own.
+pub trait DeviceRank: Send + Sync {
+    /// The epoch the rank serves.
+    fn epoch(&self) -> PlacementEpoch;
+    /// Routed rows each slot served since the last call, the counters reset.
+    fn take_loads(&self) -> ShardLoads;
+    /// Builds the rank of `placement` as `epoch` (uploading the experts it lacks), not in use
+    /// until `adopt`; returns the (layer, expert) pairs uploaded.
+    fn stage(
+        &self,
+        backend: &dyn Backend,
+        placement: Arc<ExpertPlacement>,
+        epoch: PlacementEpoch,
+    ) -> Result<usize, String>;
+    /// Serves the staged `epoch` from the next MoE layer on and drops the experts it no longer
+    /// holds; returns how many.
+    fn adopt(&self, backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String>;
+}
+
+/// Which epoch one rank step ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceStep {
+    pub dp: usize,
+    /// The step's lockstep index (the same on every rank for the same collectives).
+    pub index: u64,
+    pub epoch: PlacementEpoch,
+}
+
+/// A rebalance whose placement the ranks are building.
+struct Staged {
+    epoch: PlacementEpoch,
+    placement: Arc<ExpertPlacement>,
+    built: Vec<bool>,
+    report: RebalanceReport,
+}
+
+struct Eplb {
+    state: EplbState,
+    staged: Option<Staged>,
+}
+
+/// The engine-wide side of expert parallelism on CUDA (module doc).
+pub struct DeviceExperts {
+    lockstep: Lockstep,
+    ranks: Mutex<Vec<Option<Arc<dyn DeviceRank>>>>,
+    /// `None`: the placement of epoch 0 stays.
+    eplb: Mutex<Option<Eplb>>,
+    log: Mutex<VecDeque<DeviceStep>>,
+}
+
+impl std::fmt::Debug for DeviceExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceExperts")
+            .field("ranks", &self.lockstep.ranks())
+            .finish_non_exhaustive()
+    }
+}
+
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every update under these locks is complete or not made.
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl DeviceExperts {
+    /// `ranks` EP ranks serving `placement` as epoch 0, rebalanced live when `node`'s
+    /// `[eplb] enabled`.
+    pub fn new(node: &NodeConfig, ranks: usize, placement: Arc<ExpertPlacement>) -> DeviceExperts {
+        let settings = EpSettings::from_node(node);
+        let eplb = settings.eplb.enabled.then(|| Eplb {
+            state: EplbState::new(
+                settings.eplb,
+                PlacementShape {
+                    num_replicas: placement.layers.first().map_or(0, |l| l.phy2log.len()),
+                    num_groups: settings.num_groups,
+                    num_nodes: settings.num_nodes,
+                    num_gpus: ranks,
+                },
+                PlacementEpoch(0),
+                placement,
+            ),
+            staged: None,
+        });
+        m::record_eplb_commit(PlacementEpoch(0));
+        DeviceExperts {
+            lockstep: Lockstep::new(ranks),
+            ranks: Mutex::new(vec![None; ranks]),
+            eplb: Mutex::new(eplb),
+            log: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    pub fn lockstep(&self) -> &Lockstep {
+        &self.lockstep
+    }
+
+    /// Rank `rank`'s experts, once its backend opened.
+    pub fn register(&self, rank: usize, experts: Arc<dyn DeviceRank>) {
+        if let Some(entry) = locked(&self.ranks).get_mut(rank) {
+            *entry = Some(experts);
+        }
+    }
+
+    fn rank(&self, rank: usize) -> Option<Arc<dyn DeviceRank>> {
+        locked(&self.ranks).get(rank).cloned().flatten()
+    }
+
+    /// Rank `rank` begins a step on `backend`: it first builds a staged placement it has not
+    /// (committing it when it is the last rank to), then adopts the step's epoch if new.
+    /// Returns the step's lockstep index and epoch.
+    pub fn begin(
+        &self,
+        rank: usize,
+        backend: &dyn Backend,
+    ) -> Result<(u64, PlacementEpoch), String> {
+        self.stage(rank, backend);
+        let (index, epoch) = self.lockstep.begin(rank);
+        if let Some(experts) = self.rank(rank)
+            && experts.epoch() != epoch
+        {
+            let released = experts.adopt(backend, epoch)?;
+            tracing::info!(rank, %epoch, index, released, "EP rank adopted a placement");
+        }
+        let mut log = locked(&self.log);
+        if log.len() == STEP_LOG_CAPACITY {
+            log.pop_front();
+        }
+        log.push_back(DeviceStep {
+            dp: rank,
+            index,
+            epoch,
+        });
+        Ok((index, epoch))
+    }
+
+    /// Builds the staged placement on rank `rank` if it has not yet (the upload runs without
+    /// the EPLB's lock held); the last rank to build it commits it. A rank that cannot build it
+    /// (e.g. out of device memory) aborts the rebalance: the placement in use stays, as with the
+    /// CPU's `EplbActor` (logged, never fatal).
+    fn stage(&self, rank: usize, backend: &dyn Backend) {
+        let pending = locked(&self.eplb).as_ref().and_then(|eplb| {
+            let staged = eplb.staged.as_ref()?;
+            (!staged.built[rank]).then(|| (staged.epoch, staged.placement.clone()))
+        });
+        let (Some((epoch, placement)), Some(experts)) = (pending, self.rank(rank)) else {
+            return;
+        };
+        let built = experts.stage(backend, placement, epoch);
+        let mut eplb = locked(&self.eplb);
+        let uploaded = match built {
+            Ok(uploaded) => uploaded,
+            Err(error) => {
+                tracing::warn!(rank, %epoch, %error, "EPLB staging failed; the placement stays");
+                if let Some(eplb) = eplb.as_mut()
+                    && eplb.staged.as_ref().is_some_and(|s| s.epoch == epoch)
+                {
+                    eplb.staged = None;
+                    eplb.state.abort();
+                }
+                return;
+            }
+        };
+        let Some(eplb) = eplb.as_mut() else {
+            return;
+        };
+        let Some(staged) = eplb.staged.as_mut().filter(|s| s.epoch == epoch) else {
+            return;
+        };
+        staged.built[rank] = true;
+        staged.report.copied_experts += uploaded;
+        if staged.built.iter().all(|&b| b)
+            && let Some(staged) = eplb.staged.take()
+        {
+            // The state stages exactly `epoch` (`plan` began it): its commit cannot refuse.
+            if let Err(error) = eplb.state.commit(epoch, staged.placement) {
+                tracing::warn!(%error, "EPLB commit refused; the placement stays");
+                eplb.state.abort();
+                return;
+            }
+            let from = self.lockstep.commit(epoch);
+            m::record_eplb_commit(epoch);
+            let mut report = staged.report;
+            report.committed = true;
+            report.epoch = epoch;
+            tracing::info!(%epoch, from, copied = report.copied_experts, "expert placement committed");
+            eplb.state.record(report);
+        }
+    }
+
+    /// After a step of rank `rank`: rank 0 (every rank runs the same steps) advances the EPLB's
+    /// schedule, which may start a load window or measure one and stage a new placement. A
+    /// failed measure or plan keeps the placement in use (logged, never fatal).
+    pub fn finish(&self, rank: usize, epoch: PlacementEpoch) {
+        if rank != 0 {
+            return;
+        }
+        let mut eplb = locked(&self.eplb);
+        let Some(eplb) = eplb.as_mut() else {
+            return;
+        };
+        match eplb.state.on_step(DpRank(0), epoch) {
+            Some(EplbAction::StartWindow) => {
+                self.take_loads();
+            }
+            Some(EplbAction::Rebalance) if eplb.staged.is_none() => {
+                if let Err(error) = self.plan(eplb) {
+                    tracing::warn!(%error, "EPLB rebalance failed; the placement stays");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn take_loads(&self) -> Vec<ShardLoads> {
+        let ranks = locked(&self.ranks).clone();
+        ranks
+            .iter()
+            .flatten()
+            .map(|experts| experts.take_loads())
+            .collect()
+    }
+
+    /// Measures the window and, when the placement should change, stages the new one. A window
+    /// a rank served partly on another epoch (it adopts a commit at its next step) is skipped.
+    fn plan(&self, eplb: &mut Eplb) -> Result<(), String> {
+        let loads = self.take_loads();
+        if loads.iter().any(|l| l.epoch != eplb.state.epoch()) {
+            return Ok(());
+        }
+        let measured = eplb.state.measure(&loads).map_err(|e| e.to_string())?;
+        m::record_eplb_imbalance(&measured.imbalance);
+        let mut report = measured.report(eplb.state.epoch());
+        match eplb.state.plan(&measured).map_err(|e| e.to_string())? {
+            None => eplb.state.record(report),
+            Some((placement, planned)) => {
+                report.planned_imbalance = planned;
+                let epoch = eplb.state.begin_stage();
+                eplb.staged = Some(Staged {
+                    epoch,
+                    placement: Arc::new(placement),
+                    built: vec![false; self.lockstep.ranks()],
+                    report,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The most recent rank steps (oldest first, at most 65536).
+    pub fn step_log(&self) -> Vec<DeviceStep> {
+        locked(&self.log).iter().copied().collect()
+    }
+
+    /// The EPLB's status (`None`: off).
+    pub fn eplb_status(&self) -> Option<EplbStatus> {
+        locked(&self.eplb).as_ref().map(|eplb| eplb.state.status())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deepinfer_topology::EpRank;
+
+    fn cuda(extra: &str) -> NodeConfig {
+        let text = format!("[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\n{extra}");
+        NodeConfig::from_toml_str(&text, "cuda ep test").expect("topology")
+    }
+
+    fn refused_field(node: &NodeConfig) -> String {
+        match check_cuda_expert_parallel(node) {
+            Err(EngineError::Config { field, message }) => {
+                assert!(message.starts_with("cuda ep test: "), "{message}");
+                field
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    /// Two ranks on one GPU run, with live EPLB too; ranks over several GPUs, and live EPLB
+    /// over one rank, are refused naming the field; `ep != dp` (and context parallelism) never
+    /// get here: the topology refuses them.
+    #[test]
+    fn what_cuda_expert_parallelism_runs_and_refuses() {
+        let shared = "gpus_per_node = 1\n[parallel]\ndp = 2\nep = 2\n";
+        assert!(check_cuda_expert_parallel(&cuda(shared)).is_ok());
+        assert!(check_cuda_expert_parallel(&cuda("")).is_ok());
+        assert_eq!(
+            refused_field(&cuda("[eplb]\nenabled = true\n")),
+            "eplb.enabled"
+        );
+        assert_eq!(
+            refused_field(&cuda("gpus_per_node = 2\n[parallel]\ndp = 2\nep = 2\n")),
+            "device.gpus_per_node"
+        );
+        assert!(
+            check_cuda_expert_parallel(&cuda(&format!("{shared}[eplb]\nenabled = true\n"))).is_ok()
+        );
+        let err = NodeConfig::from_toml_str(
+            "[device]\nbackend = \"cuda\"\ngpus_per_node = 1\n[parallel]\ndp = 2\nep = 1\n",
+            "ep below dp",
+        )
+        .expect_err("ep != dp on cuda");
+        assert!(err.to_string().contains("parallel.ep"), "{err}");
+    }
+
+    #[test]
+    fn ranks_wrap_over_the_gpus_of_a_node() {
+        let devices: Vec<usize> = (0..5).map(|dp| device_of(dp, 2)).collect();
+        assert_eq!(devices, vec![0, 1, 0, 1, 0]);
+        assert!((0..4).all(|dp| device_of(dp, 1) == 0));
+        assert_eq!(device_of(3, 0), 0);
+    }
+
+    /// Epoch 0 splits every layer's experts over the ranks (the tiny model: 8 experts, 2 ranks
+    /// of 4 slots, no redundant slot): each rank uploads half, the halves disjoint.
+    #[test]
+    fn the_starting_placement_gives_each_rank_its_share() {
+        let cfg = ModelConfig::tiny_v41();
+        let node = cuda("gpus_per_node = 1\n[parallel]\ndp = 2\nep = 2\n");
+        let placement = starting_placement(&node, &cfg).expect("placement");
+        assert_eq!(placement.slots_per_gpu, cfg.n_routed_experts / 2);
+        assert_eq!(placement.layers.len(), cfg.n_layers);
+        for layer in 0..cfg.n_layers {
+            let (a, b) = (
+                placement.held_experts(layer, EpRank(0)),
+                placement.held_experts(layer, EpRank(1)),
+            );
+            assert_eq!(a.len() + b.len(), cfg.n_routed_experts, "layer {layer}");
+            assert!(a.iter().all(|e| !b.contains(e)), "layer {layer}");
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! DP ranks in `Lockstep` (how expert parallelism on CUDA steps, `experts::device`), on CPU
+//! backends so that CI runs the engine side of it:
+//! - two ranks, often one busy and one idle, serve the requests with the tokens and logits rows
+//!   of one rank, bitwise, and once the traffic is done no rank is behind: the idle rank
+//!   followed every step its peer began (on CUDA each such step is every MoE layer's
+//!   collective, which the busy rank cannot finish alone);
+//! - with live EPLB over stand-in device ranks (skewed load counts; staging and adoption
+//!   recorded, the CPU backends computing every expert), placements are staged and adopted by
+//!   the rank threads under traffic: both ranks run every step index on the same epoch, the
+//!   epochs advance, and the outputs stay those of one rank;
+//! - the same group driven step by step: where the commit lands, and a rank that cannot stage
+//!   aborting the rebalance.
+
+mod ep_support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use deepinfer_actors::experts::device::{DeviceExperts, DeviceRank, starting_placement};
+use deepinfer_actors::messages::experts::ShardLoads;
+use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
+use deepinfer_model::Model;
+use deepinfer_model::backend::{Backend, CpuBackend};
+use deepinfer_model::config::ModelConfig;
+use deepinfer_topology::{ExpertPlacement, PlacementEpoch};
+use ep_support::{
+    bits, facts, model, node, run_engine, run_requests, skewed_prompts, start_engine,
+};
+
+/// How long the idle rank may take to catch up once the traffic is done (it polls every
+/// `FOLLOW_POLL`).
+const CATCH_UP: Duration = Duration::from_secs(10);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_in_lockstep_serve_what_one_rank_serves() {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let mut prompts = skewed_prompts(3);
+    prompts.extend([(10..24).collect(), vec![300, 1, 44, 500, 2]]);
+    let max_tokens = 5;
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, expected_rows) =
+        run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
+
+    let topology = node(2, 2, "");
+    let placement = starting_placement(&topology, model.config()).expect("placement");
+    let group = Arc::new(DeviceExperts::new(&topology, 2, placement));
+    let lockstep = group.lockstep();
+    let two = two_ranks(&model, &group, |_| {});
+    let (engine, rows, freed) = start_engine(topology, Arc::new(two), facts).await;
+    // Two waves: the second's single request leaves one rank with nothing to do.
+    let mut got = run_requests(&engine, &prompts, max_tokens).await;
+    got.extend(run_requests(&engine, &prompts[3..4], max_tokens).await);
+    let started = Instant::now();
+    while (0..2).any(|rank| lockstep.behind(rank) > 0) {
+        assert!(
+            started.elapsed() < CATCH_UP,
+            "a rank stays behind: {} and {} steps",
+            lockstep.behind(0),
+            lockstep.behind(1)
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let steps = lockstep.steps();
+    freed.shutdown_and_check_replay(engine).await;
+
+    let (got_first, got_second): (Vec<_>, Vec<_>) = got
+        .into_iter()
+        .partition(|(id, _)| expected.contains_key(id));
+    assert_eq!(got_first.into_iter().collect::<BTreeMap<_, _>>(), expected);
+    let (_, alone) = &got_second[0];
+    assert_eq!(
+        alone,
+        &expected.values().nth(3).cloned().expect("request 4")
+    );
+    let rows = rows.snapshot();
+    let mut compared = 0;
+    for (key, reference) in &expected_rows {
+        let live = rows.get(key).expect("every row of the one-rank run");
+        assert_eq!(bits(live), bits(reference), "{key:?}");
+        compared += 1;
+    }
+    // Each wave needs at least one step per generated token, both ranks in each.
+    assert!(steps as usize >= 2 * max_tokens, "{steps} lockstep steps");
+    // The step log: both ranks ran every step index, on epoch 0 (no EPLB).
+    let log = group.step_log();
+    for rank in 0..2 {
+        let indices: Vec<u64> = log
+            .iter()
+            .filter(|s| s.dp == rank)
+            .map(|s| s.index)
+            .collect();
+        assert_eq!(indices, (0..steps).collect::<Vec<_>>(), "rank {rank}");
+    }
+    assert!(log.iter().all(|s| s.epoch == PlacementEpoch(0)));
+    println!(
+        "two ranks in lockstep: {steps} steps each, {compared} rows bitwise equal to one rank"
+    );
+}
+
+/// Two ranks on CPU backends stepping through `group`; `opened(dp)` runs as rank `dp`'s backend
+/// opens (on its thread).
+fn two_ranks(
+    model: &Arc<Model>,
+    group: &Arc<DeviceExperts>,
+    opened: impl Fn(usize) + Send + Sync + 'static,
+) -> ModelFactory {
+    ModelFactory::per_device(
+        model.clone(),
+        "two CPU ranks stepping as device EP ranks",
+        RankDevices {
+            per_node: 1,
+            open: Arc::new(move |dp, _device| {
+                opened(dp);
+                Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
+            }),
+            experts: Some(group.clone()),
+        },
+    )
+}
+
+/// Stands in for a CUDA EP rank: skewed load counts, staging and adoption recorded.
+struct StandIn {
+    layers: usize,
+    slots: usize,
+    /// `(epoch in use, staged epoch)`.
+    state: Mutex<(PlacementEpoch, Option<PlacementEpoch>)>,
+    /// Staging fails (out of device memory).
+    full: bool,
+}
+
+impl StandIn {
+    fn new(layers: usize, slots: usize, full: bool) -> StandIn {
+        StandIn {
+            layers,
+            slots,
+            state: Mutex::new((PlacementEpoch(0), None)),
+            full,
+        }
+    }
+}
+
+impl DeviceRank for StandIn {
+    fn epoch(&self) -> PlacementEpoch {
+        self.state.lock().expect("not poisoned").0
+    }
+    fn take_loads(&self) -> ShardLoads {
+        let mut per_slot = vec![vec![1; self.slots]; self.layers];
+        for layer in &mut per_slot {
+            layer[0] = 50;
+        }
+        ShardLoads {
+            epoch: self.epoch(),
+            per_slot,
+        }
+    }
+    fn stage(
+        &self,
+        _backend: &dyn Backend,
+        _placement: Arc<ExpertPlacement>,
+        epoch: PlacementEpoch,
+    ) -> Result<usize, String> {
+        if self.full {
+            return Err("out of device memory".to_string());
+        }
+        self.state.lock().expect("not poisoned").1 = Some(epoch);
+        Ok(3)
+    }
+    fn adopt(&self, _backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String> {
+        let mut state = self.state.lock().expect("not poisoned");
+        if state.1.take() != Some(epoch) {
+            return Err(format!("{epoch} adopted without being staged"));
+        }
+        state.0 = epoch;
+        Ok(1)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_eplb_swaps_epochs_at_one_step_under_traffic() {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let prompts = skewed_prompts(6);
+    let max_tokens = 6;
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, _) =
+        run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
+
+    let topology = node(
+        2,
+        2,
+        "enabled = true\nredundant_experts = 2\nwindow_steps = 1\nrebalance_interval_steps = 2",
+    );
+    let placement = starting_placement(&topology, model.config()).expect("placement");
+    let (layers, slots) = (placement.layers.len(), placement.slots_per_gpu);
+    let group = Arc::new(DeviceExperts::new(&topology, 2, placement));
+    let registry = group.clone();
+    let two = two_ranks(&model, &group, move |dp| {
+        registry.register(dp, Arc::new(StandIn::new(layers, slots, false)));
+    });
+    let (got, _) = run_engine(topology, Arc::new(two), facts, &prompts, max_tokens).await;
+    assert_eq!(got, expected);
+
+    let log = group.step_log();
+    let mut epoch_of: BTreeMap<u64, PlacementEpoch> = BTreeMap::new();
+    for step in &log {
+        let first = *epoch_of.entry(step.index).or_insert(step.epoch);
+        assert_eq!(first, step.epoch, "step {} on two epochs", step.index);
+    }
+    let epochs: Vec<PlacementEpoch> = epoch_of.values().copied().collect();
+    assert!(epochs.windows(2).all(|w| w[0] <= w[1]), "{epochs:?}");
+    let status = group.eplb_status().expect("EPLB on");
+    let last = *epochs.last().expect("steps ran");
+    assert!(
+        last > PlacementEpoch(0),
+        "no placement was committed: {status:?}"
+    );
+    assert_eq!(u64::from(last.get()), status.rebalances, "{status:?}");
+    println!(
+        "live EPLB over stand-in ranks: {} steps, {} rebalances committed under traffic",
+        epochs.len(),
+        status.rebalances
+    );
+}
+
+/// Two stand-ins (rank 1's staging fails when `full`) in a group rebalancing every 3 steps over
+/// a 1-step window, driven on this thread for 12 steps with rank 1 one step behind rank 0: the
+/// epoch of each step index on each rank, the group and the stand-ins.
+fn run_group(full: bool) -> (Vec<u32>, Vec<u32>, DeviceExperts, Vec<Arc<StandIn>>) {
+    let cfg = ModelConfig::tiny_v41();
+    let topology = node(
+        2,
+        2,
+        "enabled = true\nredundant_experts = 2\nwindow_steps = 1\nrebalance_interval_steps = 3",
+    );
+    let placement = starting_placement(&topology, &cfg).expect("placement");
+    let slots = placement.slots_per_gpu;
+    let group = DeviceExperts::new(&topology, 2, placement);
+    let ranks: Vec<Arc<StandIn>> = (0..2)
+        .map(|rank| Arc::new(StandIn::new(cfg.n_layers, slots, full && rank == 1)))
+        .collect();
+    for (rank, stand_in) in ranks.iter().enumerate() {
+        group.register(rank, stand_in.clone());
+    }
+    let backend = CpuBackend::new();
+    for _ in 0..12 {
+        for rank in 0..2 {
+            let (_, epoch) = group.begin(rank, &backend).expect("step begins");
+            group.finish(rank, epoch);
+        }
+    }
+    let log = group.step_log();
+    let epochs = |rank: usize| -> Vec<u32> {
+        (0..12)
+            .map(|index| {
+                log.iter()
+                    .find(|s| s.dp == rank && s.index == index)
+                    .map(|s| s.epoch.get())
+                    .expect("step logged")
+            })
+            .collect()
+    };
+    (epochs(0), epochs(1), group, ranks)
+}
+
+/// A rebalance is staged on each rank at its next step; the last rank to build it commits it
+/// at the first step no rank has begun, and both ranks adopt it at that same step index; no
+/// step index runs on two epochs, and epochs never go back.
+#[test]
+fn a_rebalance_is_staged_on_every_rank_then_adopted_at_one_step() {
+    let (epochs, rank1, group, ranks) = run_group(false);
+    assert_eq!(epochs, rank1);
+    // Rank 0's third step (index 2) rebalances; rank 1 stages at its index 2, rank 0 at its
+    // index 3 and commits from index 3, which neither had begun: both run it on epoch 1.
+    assert_eq!(&epochs[..4], &[0, 0, 0, 1], "{epochs:?}");
+    assert!(epochs.windows(2).all(|w| w[1] - w[0] <= 1), "{epochs:?}");
+    assert!(
+        ranks
+            .iter()
+            .all(|r| r.epoch() == PlacementEpoch(epochs[11]))
+    );
+    let status = group.eplb_status().expect("EPLB on");
+    assert_eq!(status.epoch, PlacementEpoch(epochs[11]));
+    assert_eq!(u64::from(epochs[11]), status.rebalances, "{status:?}");
+    let last = status.last.expect("a rebalance report");
+    assert!(!last.committed || last.copied_experts == 6, "{last:?}");
+}
+
+/// A rank that cannot build the new placement aborts the rebalance: every step stays on epoch
+/// 0, nothing fails, and the rank that did build it never adopts it.
+#[test]
+fn a_failed_staging_keeps_the_placement() {
+    let (epochs, rank1, group, ranks) = run_group(true);
+    assert!(
+        epochs.iter().chain(&rank1).all(|&e| e == 0),
+        "{epochs:?} {rank1:?}"
+    );
+    assert!(ranks.iter().all(|r| r.epoch() == PlacementEpoch(0)));
+    let status = group.eplb_status().expect("EPLB on");
+    assert_eq!((status.epoch, status.rebalances), (PlacementEpoch(0), 0));
+}
