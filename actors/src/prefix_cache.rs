@@ -4,13 +4,17 @@
 //!
 //! Design:
 //! - **Blocks.** A block is `StateBytes::block_tokens` tokens (derived from the config: a multiple
-//!   of 64 and of every compression ratio; 64 for V4.1's ratios 2 and 1), so a block holds whole
-//!   compressed entries and index keys of every KV / index source.
+//!   of 64 and of every compression ratio; 64 for V4.1's ratios 2 and 1, 128 for V4-Flash's 4 and
+//!   128), so a block holds whole compressed entries and index keys of every KV / index source
+//!   and never ends inside a compression group: a prompt that diverges inside one hits the blocks
+//!   before it and prefills the group's tokens again.
 //! - **Keys.** Block `i` of a prompt is keyed by a hash chain `h_i = H(h_{i-1}, salt, tokens of
 //!   block i)`; `salt` names everything else the state depends on (the model and its adapter).
 //!   An entry also keeps its tokens and its parent's key, and a lookup compares both, so a hash
-//!   collision is a miss, never a wrong hit.
-//! - **What a block holds** ([`PrefixBlock`]): every KV source's compressed-KV entries and index
+//!   collision is a miss, never a wrong hit. In the engine a prompt's chain ([`block_chain`]) is
+//!   computed once, by the frontend, and travels with the request (`RequestSpec::prefix_chain`)
+//!   to the affinity mirrors and the rank's index.
+//! - **V4.1: what a block holds** ([`PrefixBlock`]): every KV source's compressed-KV entries and index
 //!   keys of its groups (the inputs of the indexer and of the candidate pool, which is recomputed
 //!   per query from them) and the Engram history of its positions. **What a hit rebuilds:** the
 //!   window rings of every layer, the compressor tails, the decoder and the DSpark rings, by
@@ -18,7 +22,17 @@
 //!   `window + max_backtracking` at least, 140 by default) through the model. The replayed
 //!   positions' windows read nothing below the replay start and the attached entries are never
 //!   rewritten.
-//! - **Exact and approximate parts.** The attached entries are bitwise the ones the sequence that
+//! - **V4 family** (`v4::PrefixBlock`, [`HitRule::Resume`]; `replay = "exact"` required): no
+//!   decoder bounded replay, and a window layer's output depends on the whole past through the
+//!   layers below it, so a bounded replay would never be exact. A block keeps, besides its
+//!   groups' entries (attention and indexer), the rows of every ring the next token reads once
+//!   the sequence ends at the block's end (the last `window` window rows of every layer, the
+//!   previous group of an overlapping (CSA) compressor, the MTP block's rows, the DSpark
+//!   context): `StateBytes::prefix_block_bytes`. A hit covers the prompt up to before its last
+//!   token and resumes at its end, replaying nothing: bitwise a cold prefill. The rings drop
+//!   those rows in the forward that computes them, so the step that completes a block holds
+//!   them (`RankExecutor::prepare_prefix_store`) until the block is taken after it.
+//! - **Exact and approximate parts (V4.1).** The attached entries are bitwise the ones the sequence that
 //!   wrote them computed. A hit whose replay covers [`exact_replay_tokens`] (the layers below the
 //!   decoder boundary times their window) is bitwise a cold prefill. A shorter replay (the
 //!   ReplayActor's `keep`, 140 by default) is an approximation like decoder bounded replay: the
@@ -39,14 +53,15 @@
 //!   [`PrefixGeometry`] is what they need of the model.
 //!   An attach copies the block's rows into the sequence (the state pool counts them there);
 //!   the cache's own budget comes out of the rank's state budget.
-//! - **Not yet:** V4.1 only; not run on CUDA (the blocks are backend tensors, so it goes
-//!   through the `Backend` trait, untested there).
+//! - **Not yet:** not run on CUDA (the blocks are backend tensors, so it goes through the
+//!   `Backend` trait, untested there; a V4-family model's cache is refused there); the
+//!   standalone [`prefill`] is V4.1's.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
-use deepinfer_model::config::ModelConfig;
+use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::error::ModelError;
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v41::MAX_BACKTRACK;
@@ -58,31 +73,53 @@ use deepinfer_model::{
 pub const ENGINE_SALT: u64 = 0x7072_6566_6978;
 
 /// What a rank's prefix cache needs of the model: block size and bytes, the replay alignment
-/// and the two replay lengths.
+/// and how a hit rebuilds what the blocks do not keep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefixGeometry {
     /// Tokens per block (`StateBytes::block_tokens`).
     pub block_tokens: usize,
-    /// Bytes of one block's entries (`StateBytes::block_bytes`, what `PrefixBlock::held_bytes`
-    /// holds), without its kept tokens.
+    /// Bytes of one block (what `PrefixBlock::held_bytes` holds, at most), without its kept
+    /// tokens: `StateBytes::block_bytes` (V4.1), `StateBytes::prefix_block_bytes` (V4).
     pub block_bytes: u64,
-    /// A replay starts at a multiple of this (every compression ratio).
+    /// A hit ends or replays from a multiple of this (every compression ratio).
     pub align: usize,
-    /// The shortest replay that rebuilds the rings: window + max backtracking.
-    pub min_replay: usize,
-    /// [`exact_replay_tokens`]: `None` without a decoder boundary.
-    pub exact_replay: Option<usize>,
+    pub hits: HitRule,
+}
+
+/// How a hit rebuilds the state its blocks do not keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HitRule {
+    /// V4.1: the blocks keep the caches; a hit ends at or before the decoder start and replays
+    /// a suffix of it: at least `min_replay` tokens (window + max backtracking), bitwise from
+    /// `exact_replay` on ([`exact_replay_tokens`]; `None` without a decoder boundary).
+    Replay {
+        min_replay: usize,
+        exact_replay: Option<usize>,
+    },
+    /// V4 family: the blocks keep the rings' rows the next token reads too
+    /// (`v4::PrefixBlock`); a hit covers the prompt up to before its last token and resumes at
+    /// its end, bitwise a cold prefill, replaying nothing.
+    Resume,
 }
 
 impl PrefixGeometry {
     pub fn of(cfg: &ModelConfig) -> PrefixGeometry {
         let bytes = StateBytes::of(cfg);
+        let (block_bytes, hits) = match cfg.family {
+            ModelFamily::V41 => (
+                bytes.block_bytes(),
+                HitRule::Replay {
+                    min_replay: cfg.window_size + MAX_BACKTRACK,
+                    exact_replay: exact_replay_tokens(cfg),
+                },
+            ),
+            ModelFamily::V4 => (bytes.prefix_block_bytes(), HitRule::Resume),
+        };
         PrefixGeometry {
             block_tokens: bytes.block_tokens,
-            block_bytes: bytes.block_bytes(),
+            block_bytes,
             align: alignment(cfg),
-            min_replay: cfg.window_size + MAX_BACKTRACK,
-            exact_replay: exact_replay_tokens(cfg),
+            hits,
         }
     }
 
@@ -95,6 +132,22 @@ impl PrefixGeometry {
 /// The key of a block: the hash chain over the blocks up to it ([module docs](self)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockHash(pub u64);
+
+/// The keys of every complete `block_tokens`-token block of `tokens` under `salt`, in order: a
+/// prompt's chain is computed once (by the frontend, carried by its `RequestSpec`) and every
+/// lookup walks it.
+pub fn block_chain(block_tokens: usize, salt: u64, tokens: &[u32]) -> Vec<BlockHash> {
+    let mut parent = salt;
+    tokens
+        .chunks_exact(block_tokens.max(1))
+        .map(|block| {
+            let mut h = DefaultHasher::new();
+            (parent, salt, block).hash(&mut h);
+            parent = h.finish();
+            BlockHash(parent)
+        })
+        .collect()
+}
 
 #[derive(Debug)]
 struct Entry<B> {
@@ -161,32 +214,17 @@ impl<B> PrefixCache<B> {
         self.block_tokens
     }
 
-    /// The keys of every complete block of `tokens` under `salt`, in order.
-    pub fn chain(&self, salt: u64, tokens: &[u32]) -> Vec<BlockHash> {
-        self.keys(salt, tokens).map(|(hash, _)| hash).collect()
-    }
-
-    /// Each complete block of `tokens` with its key, computed as the walk goes.
-    fn keys<'t>(
-        &self,
-        salt: u64,
-        tokens: &'t [u32],
-    ) -> impl Iterator<Item = (BlockHash, &'t [u32])> + use<'t, B> {
-        let mut parent = salt;
-        tokens.chunks_exact(self.block_tokens).map(move |block| {
-            let mut h = DefaultHasher::new();
-            (parent, salt, block).hash(&mut h);
-            parent = h.finish();
-            (BlockHash(parent), block)
-        })
-    }
-
-    /// The longest chain of cached blocks that starts `tokens` and covers at most `limit` tokens:
-    /// each block's key and its cached block, marked as used now. Counts a lookup of `limit`
-    /// tokens.
-    pub fn lookup(&mut self, salt: u64, tokens: &[u32], limit: usize) -> Vec<(BlockHash, Arc<B>)> {
+    /// The longest chain of cached blocks that starts `tokens` (whose blocks' keys are `chain`,
+    /// [`block_chain`]) and covers at most `limit` tokens: each block's key and its cached block,
+    /// marked as used now. Counts a lookup of `limit` tokens.
+    pub fn lookup(
+        &mut self,
+        chain: &[BlockHash],
+        tokens: &[u32],
+        limit: usize,
+    ) -> Vec<(BlockHash, Arc<B>)> {
         let limit = limit.min(tokens.len());
-        let found = self.find(salt, tokens, limit);
+        let found = self.find(chain, tokens, limit);
         self.touch(found.iter().map(|(hash, _)| *hash));
         self.stats.lookups += 1;
         self.stats.looked_up_tokens += limit as u64;
@@ -198,15 +236,16 @@ impl<B> PrefixCache<B> {
     }
 
     /// How many blocks [`PrefixCache::lookup`] would find now, without using or counting them.
-    pub fn peek(&self, salt: u64, tokens: &[u32], limit: usize) -> usize {
-        self.find(salt, tokens, limit.min(tokens.len())).len()
+    pub fn peek(&self, chain: &[BlockHash], tokens: &[u32], limit: usize) -> usize {
+        self.find(chain, tokens, limit.min(tokens.len())).len()
     }
 
-    /// The walk stops at the first block not cached: a miss hashes one block.
-    fn find(&self, salt: u64, tokens: &[u32], limit: usize) -> Vec<(BlockHash, Arc<B>)> {
+    /// The walk stops at the first block not cached.
+    fn find(&self, chain: &[BlockHash], tokens: &[u32], limit: usize) -> Vec<(BlockHash, Arc<B>)> {
         let mut found = Vec::new();
         let mut parent = None;
-        for (hash, block_tokens) in self.keys(salt, &tokens[..limit]) {
+        let blocks = tokens[..limit].chunks_exact(self.block_tokens);
+        for (&hash, block_tokens) in chain.iter().zip(blocks) {
             match self.entries.get(&hash) {
                 Some(e) if e.parent == parent && e.tokens == block_tokens => {
                     found.push((hash, e.block.clone()));
@@ -420,7 +459,8 @@ pub fn prefill(
         Some(keep) => tokens.len().saturating_sub(keep.max(1)),
         None => tokens.len().saturating_sub(1),
     };
-    let found = cache.lookup(salt, tokens, limit);
+    let chain = block_chain(cache.block_tokens(), salt, tokens);
+    let found = cache.lookup(&chain, tokens, limit);
     let cached = found.len() * cache.block_tokens();
     let mut seq = model.new_sequence();
     let replay_from = match plan_hit(cached, rule.replay_tokens, align) {
@@ -487,7 +527,8 @@ pub fn insert_blocks(
     let n = cache.block_tokens();
     let held = seq.len().min(tokens.len());
     let mut parent = None;
-    for (i, hash) in cache.chain(salt, &tokens[..held]).into_iter().enumerate() {
+    let chain = block_chain(n, salt, &tokens[..held]);
+    for (i, hash) in chain.into_iter().enumerate() {
         if !cache.contains(hash) {
             let block = seq.prefix_block(i * n, n, ratios)?;
             let bytes = block.held_bytes();
@@ -521,9 +562,15 @@ mod tests {
             .collect()
     }
 
+    /// [`PrefixCache::lookup`] of `t`'s chain under `salt` (blocks of 4).
+    fn lookup(cache: &mut PrefixCache<u32>, salt: u64, t: &[u32], limit: usize) -> Vec<BlockHash> {
+        let found = cache.lookup(&block_chain(4, salt, t), t, limit);
+        found.into_iter().map(|(hash, _)| hash).collect()
+    }
+
     fn fill(cache: &mut PrefixCache<u32>, salt: u64, t: &[u32], bytes: u64) {
         let mut parent = None;
-        for (i, hash) in cache.chain(salt, t).into_iter().enumerate() {
+        for (i, hash) in block_chain(4, salt, t).into_iter().enumerate() {
             let block = &t[i * 4..(i + 1) * 4];
             cache.insert(hash, parent, block, i as u32, bytes);
             parent = Some(hash);
@@ -536,18 +583,22 @@ mod tests {
         let a = tokens(12, 1);
         fill(&mut cache, 7, &a, 10);
         assert_eq!(cache.stats().blocks, 3);
-        assert_eq!(cache.lookup(7, &a, 12).len(), 3);
+        assert_eq!(lookup(&mut cache, 7, &a, 12).len(), 3);
         assert_eq!(
-            cache.lookup(7, &a, 11).len(),
+            lookup(&mut cache, 7, &a, 11).len(),
             2,
             "the limit cuts the last block"
         );
         let mut b = a.clone();
         b[5] += 1;
-        assert_eq!(cache.lookup(7, &b, 12).len(), 1, "diverges in block 1");
-        assert_eq!(cache.lookup(8, &a, 12).len(), 0, "another salt");
         assert_eq!(
-            cache.lookup(7, &a[4..], 8).len(),
+            lookup(&mut cache, 7, &b, 12).len(),
+            1,
+            "diverges in block 1"
+        );
+        assert_eq!(lookup(&mut cache, 8, &a, 12).len(), 0, "another salt");
+        assert_eq!(
+            lookup(&mut cache, 7, &a[4..], 8).len(),
             0,
             "keys chain from the start"
         );
@@ -565,16 +616,20 @@ mod tests {
         let mut cache = PrefixCache::new(4, 26 * 5);
         let a = tokens(12, 1);
         fill(&mut cache, 0, &a, 10);
-        let pinned: Vec<BlockHash> = cache.lookup(0, &a, 12).iter().map(|x| x.0).collect();
+        let pinned = lookup(&mut cache, 0, &a, 12);
         cache.acquire(&pinned);
         fill(&mut cache, 0, &tokens(12, 2), 10);
         assert_eq!(cache.stats().bytes, 26 * 5);
-        assert_eq!(cache.lookup(0, &a, 12).len(), 3, "pinned blocks stay");
-        assert_eq!(cache.lookup(0, &tokens(12, 2), 12).len(), 2, "no room");
+        assert_eq!(lookup(&mut cache, 0, &a, 12).len(), 3, "pinned blocks stay");
+        assert_eq!(
+            lookup(&mut cache, 0, &tokens(12, 2), 12).len(),
+            2,
+            "no room"
+        );
         cache.release(&pinned);
         fill(&mut cache, 0, &tokens(8, 3), 10);
         // The least recently used leaves went first: never a parent before its child.
-        assert_eq!(cache.lookup(0, &tokens(8, 3), 8).len(), 2);
+        assert_eq!(lookup(&mut cache, 0, &tokens(8, 3), 8).len(), 2);
         assert!(cache.stats().bytes <= 26 * 5);
         assert!(cache.stats().evictions >= 2);
         let (big, evicted) = cache.insert(BlockHash(1), None, &[1; 4], 9, 1000);
@@ -591,9 +646,9 @@ mod tests {
     fn a_colliding_key_is_a_miss() {
         let mut cache = PrefixCache::new(4, 1000);
         let (a, b) = (tokens(4, 1), tokens(4, 2));
-        let key = cache.chain(0, &a)[0];
+        let key = block_chain(4, 0, &a)[0];
         assert_eq!(cache.insert(key, None, &b, 0, 1).0, Inserted::Cached);
-        assert!(cache.lookup(0, &a, 4).is_empty());
+        assert!(lookup(&mut cache, 0, &a, 4).is_empty());
     }
 
     #[test]

@@ -42,8 +42,13 @@ pub struct StatePart {
 /// How many rows a [`StatePart`] holds after `len` tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Growth {
-    /// A ring: `min(len − lag, capacity)` rows.
-    Ring { capacity: usize, lag: usize },
+    /// A ring: `min(len − lag, capacity)` rows, of which the next token reads the last `read`
+    /// once `len` is a multiple of every compression ratio (what a V4 prefix block keeps).
+    Ring {
+        capacity: usize,
+        lag: usize,
+        read: usize,
+    },
     /// An append-only cache: `len / ratio` entries.
     PerGroup { ratio: usize },
 }
@@ -52,7 +57,7 @@ impl StatePart {
     /// Rows held after `len` tokens.
     pub fn rows(&self, len: usize) -> usize {
         match self.growth {
-            Growth::Ring { capacity, lag } => len.saturating_sub(lag).min(capacity),
+            Growth::Ring { capacity, lag, .. } => len.saturating_sub(lag).min(capacity),
             Growth::PerGroup { ratio } => len / ratio.max(1),
         }
     }
@@ -148,6 +153,21 @@ impl StateBytes {
         }
     }
 
+    /// Bytes of one V4 prefix block (`v4::PrefixBlock::held_bytes`; the first block of a sequence
+    /// may keep a row fewer): the caches of a block of tokens plus, of every ring, the rows of
+    /// the block the next token reads after it.
+    pub fn prefix_block_bytes(&self) -> u64 {
+        self.parts
+            .iter()
+            .map(|p| match p.growth {
+                Growth::Ring { read, .. } => {
+                    p.copies as u64 * read.min(self.block_tokens) as u64 * p.row_bytes()
+                }
+                Growth::PerGroup { .. } => p.bytes(self.block_tokens),
+            })
+            .sum()
+    }
+
     /// Blocks the rings of one sequence take.
     pub fn ring_blocks(&self) -> usize {
         self.ring_bytes().div_ceil(self.block_bytes()) as usize
@@ -177,13 +197,24 @@ fn window_capacity(cfg: &ModelConfig) -> usize {
     cfg.window_size + MAX_BACKTRACK
 }
 
-fn ring(kind: &str, what: &'static str, copies: usize, width: usize, capacity: usize) -> StatePart {
+/// A ring of `capacity` rows whose last `read` the next token reads after an aligned length.
+fn ring(
+    kind: &str,
+    what: &'static str,
+    copies: usize,
+    width: usize,
+    (capacity, read): (usize, usize),
+) -> StatePart {
     StatePart {
         kind: kind.to_string(),
         what,
         copies,
         width,
-        growth: Growth::Ring { capacity, lag: 0 },
+        growth: Growth::Ring {
+            capacity,
+            lag: 0,
+            read,
+        },
     }
 }
 
@@ -195,6 +226,12 @@ fn cache(kind: &str, what: &'static str, copies: usize, width: usize, ratio: usi
         width,
         growth: Growth::PerGroup { ratio },
     }
+}
+
+/// The window ring of `layers` layers of one kind.
+fn window_rows(kind: &str, layers: usize, cfg: &ModelConfig) -> StatePart {
+    let rows = (window_capacity(cfg), cfg.window_size);
+    ring(kind, "window rows", layers, cfg.head_dim, rows)
 }
 
 /// The backbone layers grouped by `label`, in first-seen order: (label, layers, first layer).
@@ -219,7 +256,7 @@ fn dspark_part(cfg: &ModelConfig) -> Option<StatePart> {
             "context rows",
             stages,
             cfg.head_dim,
-            window_capacity(cfg),
+            (window_capacity(cfg), cfg.window_size),
         )
     })
 }
@@ -236,7 +273,7 @@ fn v41_parts(cfg: &ModelConfig) -> Vec<StatePart> {
     };
     let mut parts = Vec::new();
     for (kind, layers, l) in layer_kinds(cfg, label) {
-        parts.push(ring(&kind, "window rows", layers, head_dim, capacity));
+        parts.push(window_rows(&kind, layers, cfg));
         let ratio = cfg.compress_ratio(l);
         if !cfg.is_kv_source(l) || ratio == 0 {
             continue;
@@ -247,7 +284,7 @@ fn v41_parts(cfg: &ModelConfig) -> Vec<StatePart> {
                 "compressor rows",
                 layers,
                 2 * head_dim,
-                capacity,
+                (capacity, 0),
             ));
         }
         parts.push(cache(&kind, "compressed KV", layers, head_dim, ratio));
@@ -272,7 +309,7 @@ fn v41_parts(cfg: &ModelConfig) -> Vec<StatePart> {
 /// indexer keys; the MTP block its window (one row behind) and the newest streams; DSpark stages
 /// a context ring each.
 fn v4_parts(cfg: &ModelConfig) -> Vec<StatePart> {
-    let (head_dim, capacity) = (cfg.head_dim, window_capacity(cfg));
+    let (head_dim, capacity, window) = (cfg.head_dim, window_capacity(cfg), cfg.window_size);
     let kind_of = |l: usize| cfg.v4_attention(l).unwrap_or(V4Attention::Sliding);
     let label = |l: usize| match kind_of(l) {
         V4Attention::Sliding => "sliding".to_string(),
@@ -287,13 +324,13 @@ fn v4_parts(cfg: &ModelConfig) -> Vec<StatePart> {
                       overlapping: bool,
                       width: usize| {
         let series = if overlapping { 2 } else { 1 };
-        let rows = series * ratio + MAX_BACKTRACK;
+        let rows = (series * ratio + MAX_BACKTRACK, (series - 1) * ratio);
         parts.push(ring(kind, what_rows, layers, 2 * series * width, rows));
         parts.push(cache(kind, what_entries, layers, width, ratio));
     };
     let mut parts = Vec::new();
     for (kind, layers, l) in layer_kinds(cfg, label) {
-        parts.push(ring(&kind, "window rows", layers, head_dim, capacity));
+        parts.push(window_rows(&kind, layers, cfg));
         let ratio = cfg.compress_ratio(l);
         match kind_of(l) {
             V4Attention::Sliding => {}
@@ -334,10 +371,20 @@ fn v4_parts(cfg: &ModelConfig) -> Vec<StatePart> {
             what: "window rows",
             copies: 1,
             width: head_dim,
-            growth: Growth::Ring { capacity, lag: 1 },
+            growth: Growth::Ring {
+                capacity,
+                lag: 1,
+                read: window - 1,
+            },
         });
         let streams = cfg.hc.mult * cfg.dim;
-        parts.push(ring("MTP block", "streams", 1, streams, MAX_BACKTRACK + 1));
+        parts.push(ring(
+            "MTP block",
+            "streams",
+            1,
+            streams,
+            (MAX_BACKTRACK + 1, 1),
+        ));
     }
     parts.extend(dspark_part(cfg));
     parts

@@ -6,15 +6,22 @@
 //! logits rows after a hit, whose replayed windows saw a truncated past, drift no more than
 //! decoder bounded replay's rows drift at the same keep (`replay_logits.rs`'s bounds, shared in
 //! `deepinfer_tests::drift`): the hit replays `keep` tokens (the ReplayActor's rule).
+//!
+//! V4 family (`deepinfer_model::v4::PrefixBlock`): a block keeps the rows of every ring the next
+//! token reads too, so a hit resumes at its end and is bitwise the cold sequence, MTP logits and
+//! DSpark drafts included (`v4_blocks_resume_bitwise_with_every_ring`).
 
 use std::collections::HashMap;
 
 use deepinfer_actors::prefix_cache::{
     CachedPrefill, PrefillRule, PrefixCache, exact_replay_tokens, feed, insert_blocks, prefill,
 };
+use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::checkpoint::write_random_checkpoint;
+use deepinfer_model::config::ModelConfig;
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
-use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState};
+use deepinfer_model::{LogitsWanted, Model, PrefixBlock, SequenceState, v4};
 use deepinfer_tests::drift::{
     Bounds, Drift, Rows, argmax, check_bounds, demo_model, drift, fixture_bounds, prompt, report,
 };
@@ -432,4 +439,123 @@ fn hits_on_the_demo_model_are_exact_at_the_default_keep_and_within_the_rule_at_6
     report("prefix hit, demo", keep as u32, reader.len(), &d);
     assert!(d.prompt_max > 0.0, "{d:?}");
     check_bounds(&d, &hit_bounds(keep));
+}
+
+/// A V4 writer fed `2 · block + 37` tokens in chunks that do not end at block ends, holding the
+/// rows of the blocks each chunk completes and taking them after it; a fresh sequence attached to
+/// the two blocks and the writer then get the same chunks: every logits row, the MTP block's
+/// logits and the DSpark drafts after each chunk are bitwise equal. Block bytes are
+/// `StateBytes::prefix_block_bytes` (the first block at most); a block whose rows the forward did
+/// not hold, and an attach that would not resume at the blocks' end, are refused.
+fn check_v4_resume(name: &str, model: &v4::Model) {
+    let cfg = model.config();
+    let bytes = StateBytes::of(cfg);
+    let (n, window) = (bytes.block_tokens, cfg.window_size);
+    let vocab = cfg.vocab_size as u32;
+    let tokens: Vec<u32> = (0..(2 * n + 38) as u32)
+        .map(|i| (i * 37 + 11) % vocab)
+        .collect();
+    let mut writer = model.new_sequence();
+    let mut blocks = Vec::new();
+    for chunk in [0..n - 3, n - 3..2 * n - 6, 2 * n - 6..2 * n] {
+        let completed = chunk.start / n..chunk.end / n;
+        for b in completed.clone() {
+            writer.hold_block_rows(b * n);
+        }
+        model
+            .forward_step(&mut [v4::StepEntry::new(
+                &mut writer,
+                &tokens[chunk],
+                LogitsWanted::Last,
+            )])
+            .and_then(EntryOutput::one_entry_logits)
+            .expect("writer forward");
+        for b in completed {
+            blocks.push(writer.prefix_block(b * n, n, window).expect("held block"));
+        }
+    }
+    assert_eq!(blocks.len(), 2, "{name}");
+    assert_eq!(blocks[1].held_bytes(), bytes.prefix_block_bytes(), "{name}");
+    assert!(
+        blocks[0].held_bytes() <= bytes.prefix_block_bytes(),
+        "{name}"
+    );
+
+    let refs: Vec<&v4::PrefixBlock> = blocks.iter().collect();
+    let mut hit = model.new_sequence();
+    let error = hit
+        .attach_prefix(&refs, n, window)
+        .expect_err("not the end");
+    assert!(error.to_string().contains("resumes at the end"), "{error}");
+    hit.attach_prefix(&refs, 2 * n, window).expect("attached");
+    assert_eq!(hit.len(), 2 * n);
+    let again = hit
+        .attach_prefix(&refs, 2 * n, window)
+        .expect_err("not empty");
+    assert!(again.to_string().contains("empty sequence"), "{again}");
+
+    let mut fed = 2 * n;
+    for len in [5, 1, 31] {
+        let chunk = &tokens[fed..fed + len];
+        let want = LogitsWanted::All;
+        let cold = model
+            .forward_step(&mut [v4::StepEntry::new(&mut writer, chunk, want)])
+            .and_then(EntryOutput::one_entry_logits)
+            .expect("cold");
+        let resumed = model
+            .forward_step(&mut [v4::StepEntry::new(&mut hit, chunk, want)])
+            .and_then(EntryOutput::one_entry_logits)
+            .expect("resumed");
+        assert!(cold == resumed, "{name}: rows of the chunk at {fed}");
+        fed += len;
+        let anchor = tokens[fed];
+        if cfg.n_mtp_layers() > 0 {
+            let mtp = |seq: &v4::SequenceState| model.mtp_logits(seq, anchor).expect("mtp");
+            assert!(mtp(&writer) == mtp(&hit), "{name}: MTP logits at {fed}");
+        }
+        if model.has_dspark() {
+            let draft = |seq: &v4::SequenceState| model.draft(seq, anchor).expect("draft");
+            assert_eq!(draft(&writer), draft(&hit), "{name}: drafts at {fed}");
+        }
+    }
+
+    let mut unheld = model.new_sequence();
+    model
+        .forward_step(&mut [v4::StepEntry::new(
+            &mut unheld,
+            &tokens[..2 * n],
+            LogitsWanted::Last,
+        )])
+        .and_then(EntryOutput::one_entry_logits)
+        .expect("forward");
+    let error = unheld.prefix_block(0, n, window).expect_err("rows dropped");
+    assert!(
+        error.to_string().contains("no longer held"),
+        "{name}: {error}"
+    );
+    println!(
+        "{name}: blocks of {n} tokens, {} bytes each, resume bitwise",
+        bytes.prefix_block_bytes()
+    );
+}
+
+#[test]
+fn v4_blocks_resume_bitwise_with_every_ring() {
+    let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
+    let AnyModel::V4(fixture) = AnyModel::load(&dir, None).expect("the v4-tiny fixture loads")
+    else {
+        panic!("v4-tiny is a V4 checkpoint");
+    };
+    check_v4_resume("v4-tiny", &fixture);
+    for (name, cfg) in [
+        ("reduced V4 (MTP block)", ModelConfig::reduced_v4()),
+        ("reduced V4 (DSpark)", ModelConfig::reduced_v4_dspark()),
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_random_checkpoint(&cfg, 11, dir.path(), 1).expect("checkpoint written");
+        let AnyModel::V4(model) = AnyModel::load(dir.path(), None).expect("loads") else {
+            panic!("{name} is a V4 checkpoint");
+        };
+        check_v4_resume(name, &model);
+    }
 }

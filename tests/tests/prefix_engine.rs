@@ -1,11 +1,12 @@
 //! The prefix cache in the engine (`[prefix_cache]`): the same requests through an engine with
-//! the cache off and on, on the v41-tiny fixture and the demo model.
+//! the cache off and on, on the v41-tiny fixture, the demo model and the v4-tiny fixture.
 //!
 //! The rule (`actors/src/prefix_cache.rs`): with `replay = "exact"` (or a bounded replay that
 //! covers the model's exact halo, the demo at the default keep 140) a hit's tokens and every
 //! logits row the rank computes are bitwise the cache-off run's; with a shorter bounded replay
 //! the rows drift within the rule `prefix_cache.rs` asserts for it (`replay_logits.rs`'s prompt
-//! bounds at the same keep, KL <= 0.4 nats), compared up to the first differing token.
+//! bounds at the same keep, KL <= 0.4 nats), compared up to the first differing token. A
+//! V4-family hit replays nothing and is always bitwise (`replay = "exact"` is required).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use deepinfer_actors::messages::scheduler::PrefixStats;
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
-use deepinfer_model::Model;
+use deepinfer_model::any_model::AnyModel;
 use deepinfer_tests::drift::{Rows, demo_model, drift, fixture_bounds, prompt, report};
 use deepinfer_topology::{NodeConfig, RequestId};
 
@@ -47,7 +48,7 @@ fn keep_only(keep: usize) -> String {
 }
 
 /// An engine over `model` whose ranks' rows go to `rows`.
-async fn start(model: &Arc<Model>, node: NodeConfig, rows: &Arc<RowLog>) -> Engine {
+async fn start(model: &AnyModel, node: NodeConfig, rows: &Arc<RowLog>) -> Engine {
     let factory = ModelFactory::new(model.clone(), "prefix engine test");
     let config = EngineConfig {
         node,
@@ -56,6 +57,16 @@ async fn start(model: &Arc<Model>, node: NodeConfig, rows: &Arc<RowLog>) -> Engi
         tokenizer: None,
     };
     Engine::start(config).await.expect("engine starts")
+}
+
+fn v41_tiny() -> AnyModel {
+    Arc::new(deepinfer_tests::v41_tiny_model()).into()
+}
+
+/// The v4-tiny fixture (window 8, ratios 4 and 8, blocks of 64; a missing one fails).
+fn v4_tiny() -> AnyModel {
+    let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
+    AnyModel::load(&dir, None).expect("the v4-tiny fixture loads")
 }
 
 fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
@@ -96,7 +107,7 @@ struct Run {
 }
 
 async fn run_on(
-    model: &Arc<Model>,
+    model: &AnyModel,
     node: NodeConfig,
     batches: &[Vec<Vec<u32>>],
     max_tokens: usize,
@@ -168,7 +179,7 @@ fn fixture_prompts() -> (Vec<u32>, Vec<Vec<u32>>) {
 /// rows drift within the rule and the hits skip more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v41_tiny_hits_are_exact_with_the_exact_replay_and_within_the_rule_bounded() {
-    let model = Arc::new(deepinfer_tests::v41_tiny_model());
+    let model = v41_tiny();
     let (writer, readers) = fixture_prompts();
     let batches = vec![vec![writer], readers.clone()];
     let scheduler = "max_batched_tokens = 256\nprefill_chunk_tokens = 64";
@@ -240,7 +251,7 @@ async fn v41_tiny_hits_are_exact_with_the_exact_replay_and_within_the_rule_bound
 /// writer's earlier chunks completed while the writer is still prefilling, bitwise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hit_on_a_prefix_another_running_sequence_is_still_prefilling() {
-    let model = Arc::new(deepinfer_tests::v41_tiny_model());
+    let model = v41_tiny();
     let (writer, readers) = fixture_prompts();
     let batches = vec![vec![writer, readers[0].clone()]];
     let scheduler = "max_batched_tokens = 64\nprefill_chunk_tokens = 64\nmax_running_requests = 4";
@@ -252,12 +263,10 @@ async fn a_hit_on_a_prefix_another_running_sequence_is_still_prefilling() {
     assert_eq!((s.hit_requests, s.hit_tokens), (1, 192), "{s:?}");
 }
 
-/// Twelve requests over four prompts of two blocks each, five blocks of budget: blocks are evicted and stored
-/// again, the bytes stay within the budget after every batch, and the outputs stay bitwise the
-/// cache-off run's (the exact replay).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn eviction_under_a_tiny_budget_keeps_the_outputs_and_the_bound() {
-    let model = Arc::new(deepinfer_tests::v41_tiny_model());
+/// Twelve requests over four prompts of two blocks each, five blocks of budget: blocks are
+/// evicted and stored again, the bytes stay within the budget after every batch, and the outputs
+/// stay bitwise the cache-off run's (`off` and `on(budget)`: the topologies' extra sections).
+async fn evict_under_a_tiny_budget(model: &AnyModel, off: &str, on: impl Fn(u64) -> String) {
     let geometry = deepinfer_actors::prefix_cache::PrefixGeometry::of(model.config());
     let budget = 5 * geometry.cached_block_bytes();
     let prompts: Vec<Vec<u32>> = (0..4)
@@ -265,13 +274,8 @@ async fn eviction_under_a_tiny_budget_keeps_the_outputs_and_the_bound() {
         .collect();
     let scheduler = "max_batched_tokens = 512\nprefill_chunk_tokens = 64";
     let (off_rows, on_rows) = (Arc::new(RowLog::new()), Arc::new(RowLog::new()));
-    let off = start(&model, node(1, scheduler, &keep_only(22)), &off_rows).await;
-    let on = start(
-        &model,
-        node(1, scheduler, &cache(budget, "exact", 22)),
-        &on_rows,
-    )
-    .await;
+    let off = start(model, node(1, scheduler, off), &off_rows).await;
+    let on = start(model, node(1, scheduler, &on(budget)), &on_rows).await;
     let mut evictions = 0;
     for round in 0..3 {
         let batch: Vec<Vec<u32>> = (0..4).map(|i| prompts[(i + round) % 4].clone()).collect();
@@ -287,11 +291,19 @@ async fn eviction_under_a_tiny_budget_keeps_the_outputs_and_the_bound() {
     shutdown(on).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_under_a_tiny_budget_keeps_the_outputs_and_the_bound() {
+    evict_under_a_tiny_budget(&v41_tiny(), &keep_only(22), |budget| {
+        cache(budget, "exact", 22)
+    })
+    .await;
+}
+
 /// Two DP ranks: the repeat of a prompt goes to the rank that cached it although a filler made
 /// that rank the more loaded one (its extra work is below the cached tokens), and hits there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dp2_places_the_repeat_on_the_rank_holding_its_prefix() {
-    let model = Arc::new(deepinfer_tests::v41_tiny_model());
+    let model = v41_tiny();
     let rows = Arc::new(RowLog::new());
     let scheduler = "max_batched_tokens = 256\nprefill_chunk_tokens = 64";
     let engine = start(
@@ -345,7 +357,7 @@ async fn dp2_places_the_repeat_on_the_rank_holding_its_prefix() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_requests_sharing_a_system_prompt_hit_and_stay_exact_at_the_default_keep() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = Arc::new(demo_model(dir.path()));
+    let model = AnyModel::from(Arc::new(demo_model(dir.path())));
     let system = prompt(400, 1000, 60_000);
     let first = [&system[..], &prompt(30, 7, 50_000)].concat();
     let second = [&system[..], &prompt(30, 300, 50_000)].concat();
@@ -377,7 +389,7 @@ async fn demo_requests_sharing_a_system_prompt_hit_and_stay_exact_at_the_default
 /// and a cache that leaves nothing is refused naming the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_state_pool_gets_the_rank_budget_less_the_cache() {
-    let model = Arc::new(deepinfer_tests::v41_tiny_model());
+    let model = v41_tiny();
     let bytes = deepinfer_model::state_bytes::StateBytes::of(model.config());
     let block = bytes.block_bytes();
     let rows = Arc::new(RowLog::new());
@@ -413,4 +425,80 @@ async fn the_state_pool_gets_the_rank_budget_less_the_cache() {
         matches!(&error, EngineError::Config { field, .. } if field == "prefix_cache.bytes_per_rank"),
         "{error}"
     );
+}
+
+/// The cache-on section of a V4 engine (its hits resume: `replay = "exact"`).
+fn v4_cache(bytes: u64) -> String {
+    format!("[prefix_cache]\nbytes_per_rank = {bytes}\nreplay = \"exact\"\n")
+}
+
+/// Shared 200 tokens, then a writer and readers diverging at 200, at 133 (inside a ratio-4 and a
+/// ratio-8 group) and at the end of the third block (the reader is the writer's first 192).
+fn v4_prompts() -> (Vec<u32>, Vec<Vec<u32>>) {
+    let shared = prompt(200, 3, 900);
+    let writer = [&shared[..], &prompt(36, 11, 800)].concat();
+    let readers = vec![
+        [&shared[..], &prompt(30, 40, 700)].concat(),
+        [&shared[..133], &prompt(90, 90, 700)].concat(),
+        shared[..192].to_vec(),
+    ];
+    (writer, readers)
+}
+
+/// v4-tiny (blocks of 64; a hit resumes at its end, replaying nothing): the readers hit 3, 2
+/// and 2 blocks: blocks end at multiples of every ratio, so the reader diverging inside a
+/// compression group hits up to the block before it and prefills the group's tokens again, and
+/// the exact repeat of 3 blocks hits 2 (its last token is computed). Tokens and every row both
+/// runs computed are bitwise the cache-off run's. The prefill chunks (60 tokens) end inside
+/// blocks, so a block's rows come from two plans.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v4_tiny_hits_resume_bitwise_including_inside_a_compression_group() {
+    let model = v4_tiny();
+    let (writer, readers) = v4_prompts();
+    let batches = vec![vec![writer], readers];
+    let scheduler = "max_batched_tokens = 256\nprefill_chunk_tokens = 60";
+    let off = run_on(&model, node(1, scheduler, ""), &batches, 4).await;
+    let on = node(1, scheduler, &v4_cache(1 << 30));
+    let compared = compare(&off, run_on(&model, on, &batches, 4).await);
+    let rows = compared.assert_bitwise();
+    assert!(rows >= 4 * 4, "the decode rows of every request: {rows}");
+    let s = compared.stats[0];
+    assert_eq!(
+        (s.counters.requests, s.counters.hit_requests),
+        (4, 3),
+        "{s:?}"
+    );
+    assert_eq!(s.counters.hit_tokens, 192 + 128 + 128);
+    assert_eq!(
+        s.counters.skipped_tokens, s.counters.hit_tokens,
+        "no replay"
+    );
+    assert_eq!(
+        s.cached_blocks,
+        3 + 1,
+        "the writer's 3, the diverging reader's own block after 128"
+    );
+    assert_eq!(s.evictions, 0);
+}
+
+/// A v4-tiny reader submitted right after the writer waits while the writer's chunks fill the
+/// step budget, is admitted in the plan of the writer's last chunk and hits the 3 blocks the
+/// writer's earlier chunks completed, bitwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v4_hit_on_a_prefix_another_running_sequence_is_still_prefilling() {
+    let model = v4_tiny();
+    let (writer, readers) = v4_prompts();
+    let batches = vec![vec![writer, readers[0].clone()]];
+    let scheduler = "max_batched_tokens = 64\nprefill_chunk_tokens = 64\nmax_running_requests = 4";
+    let off = run_on(&model, node(1, scheduler, ""), &batches, 4).await;
+    let on = node(1, scheduler, &v4_cache(1 << 30));
+    let compared = compare(&off, run_on(&model, on, &batches, 4).await);
+    compared.assert_bitwise();
+    let s = compared.stats[0].counters;
+    assert_eq!((s.hit_requests, s.hit_tokens), (1, 192), "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v4_eviction_under_a_tiny_budget_keeps_the_outputs_and_the_bound() {
+    evict_under_a_tiny_budget(&v4_tiny(), "", v4_cache).await;
 }

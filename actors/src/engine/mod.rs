@@ -345,7 +345,7 @@ impl Engine {
             &config.node.prefix_cache,
             &config.node.replay,
             config.executor.prefix_geometry(),
-            &config.executor.describe(),
+            (&config.executor.describe(), &config.node.device.backend),
         )?;
         let state_pool = state_pool(&config, dp_ranks, prefix.as_ref())?;
         let (handles_tx, handles_rx) = oneshot::channel();

@@ -27,6 +27,7 @@ use crate::messages::frontend::FrontendMsg;
 use crate::messages::request::Admitted;
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
+use crate::prefix_cache::{ENGINE_SALT, block_chain};
 use crate::scheduler::prefix::PrefixSettings;
 use affinity::Affinity;
 use codec::TextCodec;
@@ -97,7 +98,7 @@ impl Actor for FrontendActor {
             FrontendMsg::Submit(request, reply) => {
                 let id = s.admission.next_id();
                 let _span = tracing::debug_span!("request", %id).entered();
-                let prepared = match prepare(
+                let mut prepared = match prepare(
                     id,
                     &request,
                     s.args.codec.as_deref(),
@@ -111,11 +112,17 @@ impl Actor for FrontendActor {
                         return Ok(());
                     }
                 };
-                let work_tokens = prepared.spec.prompt.len() + prepared.spec.max_tokens;
+                if let Some(settings) = &s.args.prefix {
+                    let spec = &mut prepared.spec;
+                    let n = settings.geometry.block_tokens;
+                    spec.prefix_chain = block_chain(n, ENGINE_SALT, &spec.prompt);
+                }
+                let spec = &prepared.spec;
+                let work_tokens = spec.prompt.len() + spec.max_tokens;
                 let cached = s
                     .affinity
                     .as_ref()
-                    .map(|a| a.cached_tokens(&prepared.spec.prompt))
+                    .map(|a| a.cached_tokens(&spec.prompt, &spec.prefix_chain))
                     .unwrap_or_default();
                 let dp = match s.admission.admit(work_tokens, &cached) {
                     Ok(dp) => dp,
@@ -126,7 +133,7 @@ impl Actor for FrontendActor {
                     }
                 };
                 if let Some(affinity) = s.affinity.as_mut() {
-                    affinity.placed(dp.index(), &prepared.spec.prompt);
+                    affinity.placed(dp.index(), &spec.prompt, &spec.prefix_chain);
                 }
                 s.publish_inflight();
                 m::record_request("admitted");

@@ -202,6 +202,7 @@ pub fn prepare(
             stop_token_ids,
             grammar,
             logprobs: request.logprobs,
+            prefix_chain: Vec::new(),
         },
         stop,
     })

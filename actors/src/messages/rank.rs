@@ -80,7 +80,8 @@ pub struct PrefixAttach {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheOp {
     /// Keep the block of sequence `id`'s positions `[start, start + block_tokens)` as `hash`
-    /// (the sequence has processed them by the end of this step's work).
+    /// (the sequence has processed them by the end of this step's work; the rank is told before
+    /// the work, `RankExecutor::prepare_prefix_store`, so a V4 sequence holds the rows it takes).
     Store {
         id: RequestId,
         hash: BlockHash,

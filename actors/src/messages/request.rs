@@ -6,6 +6,7 @@ use tokio::sync::mpsc;
 
 use crate::error::EngineError;
 use crate::messages::rank::SeqGrammar;
+use crate::prefix_cache::BlockHash;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 
 /// Why a generation ended.
@@ -50,6 +51,9 @@ pub struct RequestSpec {
     pub grammar: Option<Box<SeqGrammar>>,
     /// Alternatives to report with each token's log-probability; `None` = no log-probabilities.
     pub logprobs: Option<usize>,
+    /// The keys of the prompt's complete blocks in the ranks' prefix caches
+    /// (`prefix_cache::block_chain`), computed once by the frontend; empty with the cache off.
+    pub prefix_chain: Vec<BlockHash>,
 }
 
 /// A validated request routed to a rank. Built by the frontend only.

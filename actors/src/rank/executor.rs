@@ -138,6 +138,13 @@ pub trait RankExecutor: Send {
     ) -> Result<(), ExecError> {
         Err(no_prefix_blocks(id))
     }
+    /// Prefix cache: the step about to run completes sequence `id`'s block at `start`, which
+    /// [`RankExecutor::store_prefix_block`] takes after the step: keep through the step what it
+    /// takes (a V4 sequence's ring rows, `v4::SequenceState::hold_block_rows`). The default keeps
+    /// nothing (a V4.1 block is append-only caches).
+    fn prepare_prefix_store(&mut self, _id: RequestId, _start: usize) -> Result<(), ExecError> {
+        Ok(())
+    }
     /// Prefix cache: keeps sequence `id`'s block of positions `[start, start + block tokens)`
     /// as `hash` (`SequenceState::prefix_block`).
     fn store_prefix_block(
@@ -383,6 +390,9 @@ impl<L: ExecutorLayer> RankExecutor for Layered<L> {
         replay_from: usize,
     ) -> Result<(), ExecError> {
         self.inner.attach_prefix(id, blocks, replay_from)
+    }
+    fn prepare_prefix_store(&mut self, id: RequestId, start: usize) -> Result<(), ExecError> {
+        self.inner.prepare_prefix_store(id, start)
     }
     fn store_prefix_block(
         &mut self,

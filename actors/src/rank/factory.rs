@@ -115,12 +115,9 @@ impl ExecutorFactory for ModelFactory {
         self.devices.as_ref().and_then(|d| d.experts.clone())
     }
 
-    /// V4.1's executors keep prefix blocks; V4's state has none.
+    /// Either family's executors keep prefix blocks (`ModelExecutor`).
     fn prefix_geometry(&self) -> Option<PrefixGeometry> {
-        match &self.model {
-            AnyModel::V41(model) => Some(PrefixGeometry::of(model.config())),
-            AnyModel::V4(_) => None,
-        }
+        Some(PrefixGeometry::of(self.model.config()))
     }
 }
 

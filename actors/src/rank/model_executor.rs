@@ -14,7 +14,9 @@
 //! start (`plan_replay`, V4.1 decoder bounded replay) runs its prefill as
 //! `Model::forward_step` does with `StepEntry::decoder_from`.
 //! The prefix cache's blocks of this rank live here (`store_prefix_block`, `attach_prefix`,
-//! `drop_prefix_block`, as the plans order them; the scheduler keeps the index; V4.1 sequences).
+//! `drop_prefix_block`, as the plans order them; the scheduler keeps the index): a V4.1
+//! sequence's (caches, a hit replays) or a V4 sequence's (caches and ring rows, held through the
+//! step that completes the block by `prepare_prefix_store`; a hit resumes at its end).
 //! Context parallelism (`[parallel] context_parallel`, V4.1): a plain prefill chunk of at least
 //! the threshold runs as `Model::prefill_context_parallel` over the CP group (the ranks are
 //! threads on this rank's CPU backend, the window KV and compressor inputs all-gathered per
@@ -39,7 +41,7 @@ use deepinfer_model::expert_dispatch::RoutedExperts;
 use deepinfer_model::sampling::TokenLogprobs;
 use deepinfer_model::state_bytes::StateBytes;
 use deepinfer_model::v41::context_parallel::CpSplit;
-use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, PrefixBlock};
+use deepinfer_model::{EntryOutput, LogitsRow, LogitsWanted, PrefixBlock, v4};
 use deepinfer_topology::{ContextParallel, DpRank, RequestId};
 
 use crate::comm::{Comm, StepExperts};
@@ -67,7 +69,7 @@ pub struct ModelExecutor {
     /// Expert parallelism on devices: the group's state and this rank's index in it.
     device: Option<(Arc<DeviceExperts>, usize)>,
     /// The prefix-cache blocks this rank keeps (the scheduler's index decides which).
-    prefix_blocks: HashMap<BlockHash, PrefixBlock>,
+    prefix_blocks: HashMap<BlockHash, KeptBlock>,
 }
 
 /// How long a CP rank waits for the others at one all-gather.
@@ -265,10 +267,34 @@ fn begin_device_step(
 
 /// The prefix cache keeps V4.1 sequences only (the factory gives a V4 model no prefix geometry, so
 /// the engine never turns the cache on for one).
-fn no_v4_prefix(id: RequestId) -> ExecError {
-    ExecError::Sequence {
-        id,
-        message: "the prefix cache keeps V4.1 sequences only".to_string(),
+/// A prefix-cache block of either family's sequences.
+#[derive(Debug)]
+enum KeptBlock {
+    V41(PrefixBlock),
+    V4(v4::PrefixBlock),
+}
+
+impl KeptBlock {
+    fn v41(&self) -> Option<&PrefixBlock> {
+        match self {
+            KeptBlock::V41(block) => Some(block),
+            KeptBlock::V4(_) => None,
+        }
+    }
+
+    fn v4(&self) -> Option<&v4::PrefixBlock> {
+        match self {
+            KeptBlock::V4(block) => Some(block),
+            KeptBlock::V41(_) => None,
+        }
+    }
+
+    #[cfg(test)]
+    fn held_bytes(&self) -> u64 {
+        match self {
+            KeptBlock::V41(block) => block.held_bytes(),
+            KeptBlock::V4(block) => block.held_bytes(),
+        }
     }
 }
 
@@ -407,13 +433,32 @@ impl RankExecutor for ModelExecutor {
                         message: format!("prefix block {hash:?} is not kept on this rank"),
                     })
             })
-            .collect::<Result<Vec<&PrefixBlock>, _>>()?;
-        let ratios = &self.model.config().compress_ratios;
-        let AnySequence::V41(seq) = self.sequences.get_mut(id)? else {
-            return Err(no_v4_prefix(id));
+            .collect::<Result<Vec<&KeptBlock>, _>>()?;
+        let cfg = self.model.config();
+        let other_family = || ExecError::Sequence {
+            id,
+            message: "a prefix block of the other model family".to_string(),
         };
-        seq.attach_prefix(&held, replay_from, ratios)
-            .map_err(|e| sequence_error(id, e))
+        match self.sequences.get_mut(id)? {
+            AnySequence::V41(seq) => {
+                let blocks: Option<Vec<&PrefixBlock>> = held.iter().map(|b| b.v41()).collect();
+                let blocks = blocks.ok_or_else(other_family)?;
+                seq.attach_prefix(&blocks, replay_from, &cfg.compress_ratios)
+            }
+            AnySequence::V4(seq) => {
+                let blocks: Option<Vec<&v4::PrefixBlock>> = held.iter().map(|b| b.v4()).collect();
+                let blocks = blocks.ok_or_else(other_family)?;
+                seq.attach_prefix(&blocks, replay_from, cfg.window_size)
+            }
+        }
+        .map_err(|e| sequence_error(id, e))
+    }
+
+    fn prepare_prefix_store(&mut self, id: RequestId, start: usize) -> Result<(), ExecError> {
+        if let AnySequence::V4(seq) = self.sequences.get_mut(id)? {
+            seq.hold_block_rows(start);
+        }
+        Ok(())
     }
 
     fn store_prefix_block(
@@ -424,12 +469,15 @@ impl RankExecutor for ModelExecutor {
     ) -> Result<(), ExecError> {
         let cfg = self.model.config();
         let block_tokens = StateBytes::of(cfg).block_tokens;
-        let AnySequence::V41(seq) = self.sequences.get(id)? else {
-            return Err(no_v4_prefix(id));
-        };
-        let block = seq
-            .prefix_block(start, block_tokens, &cfg.compress_ratios)
-            .map_err(|e| sequence_error(id, e))?;
+        let block = match self.sequences.get(id)? {
+            AnySequence::V41(seq) => seq
+                .prefix_block(start, block_tokens, &cfg.compress_ratios)
+                .map(KeptBlock::V41),
+            AnySequence::V4(seq) => seq
+                .prefix_block(start, block_tokens, cfg.window_size)
+                .map(KeptBlock::V4),
+        }
+        .map_err(|e| sequence_error(id, e))?;
         self.prefix_blocks.insert(hash, block);
         Ok(())
     }
@@ -651,8 +699,10 @@ mod tests {
         let expected = {
             let cfg = model.config();
             let mut seq = model.new_sequence();
-            let blocks: Vec<&PrefixBlock> =
-                hashes.iter().map(|h| &executor.prefix_blocks[h]).collect();
+            let blocks: Vec<&PrefixBlock> = hashes
+                .iter()
+                .filter_map(|h| executor.prefix_blocks[h].v41())
+                .collect();
             seq.attach_prefix(&blocks, from, &cfg.compress_ratios)
                 .expect("attached");
             let mut replay = [deepinfer_model::StepEntry::new(

@@ -283,6 +283,12 @@ impl RankWorker {
                 },
             );
         }
+        // The stores after the work take what the work computes: the executor keeps it.
+        for op in &plan.cache_ops {
+            if let CacheOp::Store { id, start, .. } = *op {
+                self.executor.prepare_prefix_store(id, start)?;
+            }
+        }
         let inputs = plan
             .work
             .iter()

@@ -4,9 +4,11 @@
 //! order: a new sequence attaches its hit before the step's work (`NewSeq::prefix`), the
 //! stores and drops (`CacheOp`) run after it.
 //!
-//! - **Admission** ([`RankPrefixCache::hit`], [`RankPrefixCache::admit`]): the longest chain
-//!   of cached blocks that ends at or before the decoder start the `ReplayActor` planned (none
-//!   without one) is attached when [`plan_hit`] gives a replay start after 0; the prefill then
+//! - **Admission** ([`RankPrefixCache::hit`], [`RankPrefixCache::admit`], walking the chain
+//!   the frontend computed, `RequestSpec::prefix_chain`): the longest chain of cached blocks
+//!   that ends at or before the decoder start the `ReplayActor` planned (none without one; a V4
+//!   model's hits resume instead and end before the prompt's last token) is attached when
+//!   [`plan_hit`] gives a replay start after 0 (a resuming hit's end); the prefill then
 //!   begins there: only the replayed and the new tokens are planned, so only they count
 //!   against the step's token budget. The request pins its blocks until it finishes, is
 //!   aborted or preempted ([`RankPrefixCache::release`]).
@@ -21,33 +23,33 @@
 
 use std::collections::HashMap;
 
-use deepinfer_topology::{PrefixCacheConfig, PrefixReplay, ReplayConfig, RequestId};
+use deepinfer_topology::{Backend, PrefixCacheConfig, PrefixReplay, ReplayConfig, RequestId};
 
 use crate::error::EngineError;
 use crate::messages::rank::{CacheOp, PrefixAttach};
-use crate::prefix_cache::{
-    BlockHash, ENGINE_SALT, Inserted, PrefixCache, PrefixGeometry, plan_hit,
-};
+use crate::prefix_cache::{BlockHash, HitRule, Inserted, PrefixCache, PrefixGeometry, plan_hit};
 
 /// A rank's prefix-cache settings (from `[prefix_cache]` and the model).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefixSettings {
     pub budget_bytes: u64,
     pub geometry: PrefixGeometry,
-    /// Tokens a hit replays (`replay.decoder_keep_tokens`, or the exact halo).
+    /// Tokens a hit replays (`replay.decoder_keep_tokens`, or the exact halo; 0 when it
+    /// resumes).
     pub replay_tokens: usize,
 }
 
 impl PrefixSettings {
-    /// The settings of an engine whose executors (`executor`, keeping blocks of `geometry` when
-    /// `Some`) serve the topology's `[prefix_cache]` with its `[replay]`; `None` when the cache
-    /// is off. Errors name the field: a cache the executors cannot keep, an exact replay the
-    /// model has none of, a budget below one block.
+    /// The settings of an engine whose executors (`executor` on `backend`, keeping blocks of
+    /// `geometry` when `Some`) serve the topology's `[prefix_cache]` with its `[replay]`; `None`
+    /// when the cache is off. Errors name the field: a cache the executors cannot keep (a V4
+    /// model's off the CPU), an exact replay the model has none of, a bounded replay of a model
+    /// whose hits resume (V4), a budget below one block.
     pub fn for_engine(
         cache: &PrefixCacheConfig,
         replay: &ReplayConfig,
         geometry: Option<PrefixGeometry>,
-        executor: &str,
+        (executor, backend): (&str, &Backend),
     ) -> Result<Option<PrefixSettings>, EngineError> {
         let Some(budget_bytes) = cache.bytes_per_rank else {
             return Ok(None);
@@ -60,11 +62,19 @@ impl PrefixSettings {
             error(
                 "prefix_cache.bytes_per_rank",
                 format!(
-                    "the executors ({executor}) keep no prefix-cache blocks (a V4.1 model's \
-                     do); set it to 0"
+                    "the executors ({executor}) keep no prefix-cache blocks (a model's do); \
+                     set it to 0"
                 ),
             )
         })?;
+        if geometry.hits == HitRule::Resume && *backend != Backend::Cpu {
+            return Err(error(
+                "prefix_cache.bytes_per_rank",
+                "a V4-family model's prefix cache runs on the CPU backend only (its blocks' \
+                 rows are not checked on CUDA yet); set it to 0"
+                    .to_string(),
+            ));
+        }
         if budget_bytes < geometry.cached_block_bytes() {
             return Err(error(
                 "prefix_cache.bytes_per_rank",
@@ -75,28 +85,44 @@ impl PrefixSettings {
                 ),
             ));
         }
-        let replay_tokens = match cache.replay {
-            PrefixReplay::Bounded => replay.decoder_keep_tokens.map(|keep| keep as usize),
-            PrefixReplay::Exact => geometry.exact_replay,
-        }
-        .ok_or_else(|| {
-            error(
-                "prefix_cache.replay",
-                match cache.replay {
-                    PrefixReplay::Bounded => "\"bounded\" replays replay.decoder_keep_tokens, \
-                                              which is off"
-                        .to_string(),
-                    PrefixReplay::Exact => "the model has no decoder boundary (no ratio-1 \
-                                            layer), so no exact replay; use \"bounded\""
-                        .to_string(),
+        let replay_tokens = match (geometry.hits, cache.replay) {
+            (HitRule::Replay { min_replay, .. }, PrefixReplay::Bounded) => replay
+                .decoder_keep_tokens
+                .map(|keep| (keep as usize).max(min_replay))
+                .ok_or("\"bounded\" replays replay.decoder_keep_tokens, which is off".to_string()),
+            (
+                HitRule::Replay {
+                    min_replay,
+                    exact_replay,
                 },
-            )
-        })?;
+                PrefixReplay::Exact,
+            ) => exact_replay.map(|exact| exact.max(min_replay)).ok_or(
+                "the model has no decoder boundary (no ratio-1 layer), so no exact replay; use \
+                 \"bounded\""
+                    .to_string(),
+            ),
+            (HitRule::Resume, PrefixReplay::Exact) => Ok(0),
+            (HitRule::Resume, PrefixReplay::Bounded) => Err(
+                "a V4-family model's blocks keep the rings, so a hit replays nothing and is \
+                 exact: set it to \"exact\""
+                    .to_string(),
+            ),
+        }
+        .map_err(|message| error("prefix_cache.replay", message))?;
         Ok(Some(PrefixSettings {
             budget_bytes,
             geometry,
-            replay_tokens: replay_tokens.max(geometry.min_replay),
+            replay_tokens,
         }))
+    }
+
+    /// The most prompt tokens a hit may cover: up to the decoder start (none without one) when
+    /// a hit replays, up to before the last token when it resumes.
+    fn hit_limit(&self, prompt: &[u32], decoder_from: Option<u32>) -> usize {
+        match self.geometry.hits {
+            HitRule::Replay { .. } => decoder_from.map_or(0, |from| from as usize),
+            HitRule::Resume => prompt.len().saturating_sub(1),
+        }
     }
 }
 
@@ -155,10 +181,11 @@ impl RankPrefixCache {
         }
     }
 
-    /// What admitting `prompt` (decoder start `decoder_from`) would attach now; no side effect.
-    pub fn hit(&self, prompt: &[u32], decoder_from: Option<u32>) -> Hit {
-        let limit = decoder_from.map_or(0, |from| from as usize);
-        let cached = self.index.peek(ENGINE_SALT, prompt, limit) * self.index.block_tokens();
+    /// What admitting `prompt` (its blocks' keys `chain`, `RequestSpec::prefix_chain`; decoder
+    /// start `decoder_from`) would attach now; no side effect.
+    pub fn hit(&self, prompt: &[u32], chain: &[BlockHash], decoder_from: Option<u32>) -> Hit {
+        let limit = self.settings.hit_limit(prompt, decoder_from);
+        let cached = self.index.peek(chain, prompt, limit) * self.index.block_tokens();
         self.adopt(cached)
     }
 
@@ -180,11 +207,12 @@ impl RankPrefixCache {
         &mut self,
         id: RequestId,
         prompt: &[u32],
+        chain: &[BlockHash],
         decoder_from: Option<u32>,
     ) -> Option<PrefixAttach> {
         self.release(id);
-        let limit = decoder_from.map_or(0, |from| from as usize);
-        let found = self.index.lookup(ENGINE_SALT, prompt, limit);
+        let limit = self.settings.hit_limit(prompt, decoder_from);
+        let found = self.index.lookup(chain, prompt, limit);
         let hit = self.adopt(found.len() * self.index.block_tokens());
         let pinned: Vec<BlockHash> = match hit.replay_from {
             0 => Vec::new(),
@@ -205,7 +233,7 @@ impl RankPrefixCache {
         self.requests.insert(
             id,
             Tracked {
-                chain: self.index.chain(ENGINE_SALT, prompt),
+                chain: chain.to_vec(),
                 prompt: prompt.to_vec(),
                 covered: pinned.len(),
                 pinned,
@@ -292,6 +320,7 @@ impl RankPrefixCache {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::prefix_cache::{ENGINE_SALT, block_chain};
 
     /// 4-token blocks of 10 bytes (26 with their tokens), replays of 2 tokens aligned to 2.
     pub(crate) fn settings(budget_blocks: u64) -> PrefixSettings {
@@ -299,8 +328,10 @@ pub(crate) mod tests {
             block_tokens: 4,
             block_bytes: 10,
             align: 2,
-            min_replay: 2,
-            exact_replay: None,
+            hits: HitRule::Replay {
+                min_replay: 2,
+                exact_replay: None,
+            },
         };
         PrefixSettings {
             budget_bytes: budget_blocks * geometry.cached_block_bytes(),
@@ -313,6 +344,26 @@ pub(crate) mod tests {
         (0..n).map(|i| i * 7 + seed).collect()
     }
 
+    /// The keys of `prompt`'s blocks of 4 (what the frontend puts in `RequestSpec::prefix_chain`).
+    pub(crate) fn keys(prompt: &[u32]) -> Vec<BlockHash> {
+        block_chain(4, ENGINE_SALT, prompt)
+    }
+
+    impl RankPrefixCache {
+        fn hit_of(&self, prompt: &[u32], decoder_from: Option<u32>) -> Hit {
+            self.hit(prompt, &keys(prompt), decoder_from)
+        }
+
+        fn admit_of(
+            &mut self,
+            id: RequestId,
+            prompt: &[u32],
+            decoder_from: Option<u32>,
+        ) -> Option<PrefixAttach> {
+            self.admit(id, prompt, &keys(prompt), decoder_from)
+        }
+    }
+
     /// A writer's blocks are stored plan by plan as its chunks complete them; a reader admitted
     /// meanwhile hits the blocks of the earlier plans only, replays the bounded suffix, and
     /// pins what it attached until it is released.
@@ -321,7 +372,7 @@ pub(crate) mod tests {
         let mut cache = RankPrefixCache::new(settings(100));
         let (a, b) = (RequestId(1), RequestId(2));
         let shared = prompt(16, 1);
-        assert_eq!(cache.admit(a, &shared, Some(14)), None, "an empty cache");
+        assert_eq!(cache.admit_of(a, &shared, Some(14)), None, "an empty cache");
         cache.prefilled(a, 6);
         let ops = cache.finish_plan();
         assert!(matches!(ops.as_slice(), [CacheOp::Store { id, start: 0, .. }] if *id == a));
@@ -329,13 +380,13 @@ pub(crate) mod tests {
         // B is admitted in the plan that completes A's blocks 1 and 2: it sees block 0 only.
         let reader = [&shared[..], &prompt(8, 9)].concat();
         assert_eq!(
-            cache.hit(&reader, Some(20)),
+            cache.hit_of(&reader, Some(20)),
             Hit {
                 cached: 4,
                 replay_from: 2
             }
         );
-        let attach = cache.admit(b, &reader, Some(20)).expect("a hit");
+        let attach = cache.admit_of(b, &reader, Some(20)).expect("a hit");
         assert_eq!((attach.blocks.len(), attach.replay_from), (1, 2));
         assert_eq!(cache.finish_plan().len(), 2, "A's blocks 1 and 2");
         cache.prefilled(b, 12);
@@ -344,8 +395,8 @@ pub(crate) mod tests {
         assert_eq!((c.requests, c.hit_requests, c.hit_tokens), (2, 1, 4));
         assert_eq!(cache.usage().1, 3);
         // The decoder start bounds the hit; without one nothing is attached.
-        assert_eq!(cache.hit(&reader, Some(9)).cached, 8);
-        assert_eq!(cache.hit(&reader, None), Hit::default());
+        assert_eq!(cache.hit_of(&reader, Some(9)).cached, 8);
+        assert_eq!(cache.hit_of(&reader, None), Hit::default());
     }
 
     #[test]
@@ -364,18 +415,29 @@ pub(crate) mod tests {
             other => panic!("expected a config error, got {other:?}"),
         };
         let on = cache(Some(1000), PrefixReplay::Bounded);
-        let off = PrefixSettings::for_engine(&cache(None, PrefixReplay::Exact), &replay, None, "x");
+        let off = PrefixSettings::for_engine(
+            &cache(None, PrefixReplay::Exact),
+            &replay,
+            None,
+            ("x", &Backend::Cpu),
+        );
         assert_eq!(off.expect("off"), None);
-        let bounded = PrefixSettings::for_engine(&on, &replay, Some(geometry), "x");
+        let bounded =
+            PrefixSettings::for_engine(&on, &replay, Some(geometry), ("x", &Backend::Cpu));
         assert_eq!(bounded.expect("valid").map(|s| s.replay_tokens), Some(140));
-        let fake = field(PrefixSettings::for_engine(&on, &replay, None, "fake"));
+        let fake = field(PrefixSettings::for_engine(
+            &on,
+            &replay,
+            None,
+            ("fake", &Backend::Cpu),
+        ));
         assert!(fake.starts_with("prefix_cache.bytes_per_rank: the executors (fake)"));
         let small = cache(Some(10), PrefixReplay::Bounded);
         let small = field(PrefixSettings::for_engine(
             &small,
             &replay,
             Some(geometry),
-            "x",
+            ("x", &Backend::Cpu),
         ));
         assert!(
             small.contains("10 bytes hold no block of 4 tokens (26 bytes)"),
@@ -386,16 +448,84 @@ pub(crate) mod tests {
             &exact,
             &replay,
             Some(geometry),
-            "x",
+            ("x", &Backend::Cpu),
         ));
         assert!(exact.starts_with("prefix_cache.replay: the model has no decoder boundary"));
         let with_halo = PrefixGeometry {
-            exact_replay: Some(112),
+            hits: HitRule::Replay {
+                min_replay: 2,
+                exact_replay: Some(112),
+            },
             ..geometry
         };
         let exact = cache(Some(1000), PrefixReplay::Exact);
-        let exact = PrefixSettings::for_engine(&exact, &replay, Some(with_halo), "x");
+        let exact =
+            PrefixSettings::for_engine(&exact, &replay, Some(with_halo), ("x", &Backend::Cpu));
         assert_eq!(exact.expect("valid").map(|s| s.replay_tokens), Some(112));
+        // A V4-family model's hits resume: exact, nothing replayed; "bounded" is refused.
+        let resume = Some(PrefixGeometry {
+            hits: HitRule::Resume,
+            ..geometry
+        });
+        let exact = cache(Some(1000), PrefixReplay::Exact);
+        let exact = PrefixSettings::for_engine(&exact, &replay, resume, ("x", &Backend::Cpu));
+        assert_eq!(exact.expect("valid").map(|s| s.replay_tokens), Some(0));
+        let bounded = field(PrefixSettings::for_engine(
+            &on,
+            &replay,
+            resume,
+            ("x", &Backend::Cpu),
+        ));
+        let gpu = Backend::Cuda {
+            arch: deepinfer_topology::Arch::Sm90,
+            numerics: deepinfer_topology::Numerics::Exact,
+        };
+        let exact = cache(Some(1000), PrefixReplay::Exact);
+        let cuda = field(PrefixSettings::for_engine(
+            &exact,
+            &replay,
+            resume,
+            ("x", &gpu),
+        ));
+        assert!(
+            cuda.starts_with(
+                "prefix_cache.bytes_per_rank: a V4-family model's prefix cache runs on the CPU"
+            ),
+            "{cuda}"
+        );
+        assert!(
+            bounded.starts_with("prefix_cache.replay: a V4-family model's blocks keep the rings"),
+            "{bounded}"
+        );
+    }
+
+    /// A resuming hit (V4 family) needs no decoder start: it covers whole blocks up to before
+    /// the prompt's last token and the prefill starts at its end.
+    #[test]
+    fn a_resuming_hit_covers_the_prompt_up_to_its_last_token() {
+        let mut settings = settings(100);
+        settings.geometry.hits = HitRule::Resume;
+        settings.replay_tokens = 0;
+        let mut cache = RankPrefixCache::new(settings);
+        let shared = prompt(16, 1);
+        assert_eq!(cache.admit_of(RequestId(1), &shared, None), None);
+        cache.prefilled(RequestId(1), 16);
+        assert_eq!(cache.finish_plan().len(), 4, "the writer's 4 blocks");
+        let hit = |cached| Hit {
+            cached,
+            replay_from: cached,
+        };
+        assert_eq!(
+            cache.hit_of(&shared, None),
+            hit(12),
+            "the last token is computed"
+        );
+        assert_eq!(cache.hit_of(&[&shared[..], &[7]].concat(), None), hit(16));
+        assert_eq!(cache.hit_of(&shared[..11], None), hit(8));
+        let attach = cache
+            .admit_of(RequestId(2), &shared[..9], None)
+            .expect("a hit");
+        assert_eq!((attach.blocks.len(), attach.replay_from), (2, 8));
     }
 
     /// Under a budget of two blocks, stores evict unpinned least recently used leaves and the
@@ -408,7 +538,7 @@ pub(crate) mod tests {
         let mut stores = 0;
         for seed in 0..6 {
             let id = RequestId(seed);
-            cache.admit(id, &prompt(8, 100 * seed as u32), Some(8));
+            cache.admit_of(id, &prompt(8, 100 * seed as u32), Some(8));
             cache.prefilled(id, 8);
             let ops = cache.finish_plan();
             stores += ops
@@ -429,16 +559,16 @@ pub(crate) mod tests {
         // A pinned hit survives later stores; its request's own later blocks are refused.
         let kept = prompt(8, 500);
         let pinned = RequestId(10);
-        let attach = cache.admit(pinned, &[&kept[..], &[1, 2, 3, 4]].concat(), Some(8));
+        let attach = cache.admit_of(pinned, &[&kept[..], &[1, 2, 3, 4]].concat(), Some(8));
         assert_eq!(attach.map(|a| a.blocks.len()), Some(2));
         let other = RequestId(11);
-        cache.admit(other, &prompt(8, 900), Some(8));
+        cache.admit_of(other, &prompt(8, 900), Some(8));
         cache.prefilled(other, 8);
         assert!(
             cache.finish_plan().is_empty(),
             "no room: refused, nothing evicted"
         );
-        assert_eq!(cache.hit(&kept, Some(8)).cached, 8);
+        assert_eq!(cache.hit_of(&kept, Some(8)).cached, 8);
     }
 
     /// The scheduler over a prefix cache, playing the rank's side of the protocol.
@@ -470,6 +600,7 @@ pub(crate) mod tests {
             let decoder_from = Some(prompt.len() as u32 - 2);
             let spec = RequestSpec {
                 id: RequestId(id),
+                prefix_chain: keys(&prompt),
                 prompt,
                 sampling: SamplingParams::greedy(),
                 max_tokens: 2,

@@ -677,7 +677,7 @@ impl SchedulerState {
         let hit = self
             .prefix
             .as_ref()
-            .map(|cache| cache.hit(&seq.spec.prompt, seq.decoder_from))
+            .map(|cache| cache.hit(&seq.spec.prompt, &seq.spec.prefix_chain, seq.decoder_from))
             .unwrap_or_default();
         let remaining = prefill_len - hit.replay_from;
         let n = remaining.min(self.limits.chunk_cap(remaining)).min(budget);
@@ -692,7 +692,12 @@ impl SchedulerState {
             return None;
         }
         let prefix = match self.prefix.as_mut() {
-            Some(cache) => cache.admit(id, &seq.spec.prompt, seq.decoder_from),
+            Some(cache) => cache.admit(
+                id,
+                &seq.spec.prompt,
+                &seq.spec.prefix_chain,
+                seq.decoder_from,
+            ),
             None => None,
         };
         let seq = self.seqs.get_mut(&id)?;
@@ -733,7 +738,12 @@ impl SchedulerState {
             .take(PREFER_HIT_WINDOW)
             .position(|id| {
                 self.seqs.get(id).is_some_and(|seq| {
-                    !seq.preempted && cache.hit(&seq.spec.prompt, seq.decoder_from).cached > 0
+                    let spec = &seq.spec;
+                    !seq.preempted
+                        && cache
+                            .hit(&spec.prompt, &spec.prefix_chain, seq.decoder_from)
+                            .cached
+                            > 0
                 })
             })
             .unwrap_or(0)
@@ -1071,6 +1081,7 @@ pub(crate) mod tests {
             stop_token_ids: vec![EOS],
             grammar: None,
             logprobs: None,
+            prefix_chain: Vec::new(),
         }
     }
 

@@ -5,11 +5,13 @@
 //! bounded replay): an earlier request with the same system prompt filled the cache; the
 //! question's request attaches the cached blocks that end before the decoder's kept suffix,
 //! replays the last `keep` (140) of them and prefills the rest. Both run decoder bounded replay
-//! (keep 140). TTFT: from `generate` to the first token event. Prints the median of `--runs N`
-//! (default 5) of each and the ratio off / on.
+//! (keep 140). With `--v4`: the v4-tiny fixture (`tests/fixtures/v4/v4-tiny`), no decoder
+//! bounded replay, `replay = "exact"`: the hit attaches 32 blocks (2048 tokens: their ring rows
+//! included) and resumes at their end, so only the question is fed. TTFT: from `generate` to the
+//! first token event. Prints the median of `--runs N` (default 5) of each and the ratio off / on.
 //!
-//! `cargo run -p deepinfer-bench --bin prefix_ttft [-- --runs N]` (the model crate is optimised
-//! in dev builds too).
+//! `cargo run -p deepinfer-bench --bin prefix_ttft [-- [--v4] [--runs N]]` (the model crate is
+//! optimised in dev builds too).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,6 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, GenerationEvent, ModelFacts};
+use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{Model, checkpoint};
@@ -28,21 +31,35 @@ const KEEP: usize = 140;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
-    let runs = parse_runs()?;
+    let (runs, v4) = parse_args()?;
     let dir = tempfile_dir()?;
-    let mut cfg = ModelConfig::tiny_v41();
-    cfg.max_position_embeddings = 4096;
-    checkpoint::write_random_checkpoint(&cfg, 7, &dir, 1).context("random checkpoint")?;
-    let pad = cfg.engram.as_ref().map_or(0, |e| e.pad_token_id);
-    let vocab = CompressedVocab::halving_stub(cfg.vocab_size, pad).context("Engram vocabulary")?;
-    let model = Arc::new(Model::load_with_vocab(&dir, Some(vocab)).context("model loads")?);
+    let (model, off_sections, on_sections) = if v4 {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/v4/v4-tiny");
+        let model = AnyModel::load(std::path::Path::new(fixture), None)
+            .with_context(|| format!("the v4-tiny fixture at {fixture}"))?;
+        (model, String::new(), V4_CACHE_ON.to_string())
+    } else {
+        let mut cfg = ModelConfig::tiny_v41();
+        cfg.max_position_embeddings = 4096;
+        checkpoint::write_random_checkpoint(&cfg, 7, &dir, 1).context("random checkpoint")?;
+        let pad = cfg.engram.as_ref().map_or(0, |e| e.pad_token_id);
+        let vocab =
+            CompressedVocab::halving_stub(cfg.vocab_size, pad).context("Engram vocabulary")?;
+        let model = Model::load_with_vocab(&dir, Some(vocab)).context("model loads")?;
+        let keep = format!("[replay]\ndecoder_keep_tokens = {KEEP}\n");
+        (Arc::new(model).into(), keep.clone(), keep + CACHE_ON)
+    };
+    let vocab = model.config().vocab_size as u32;
     let tokens = |n: usize, seed: u32| -> Vec<u32> {
         (0..n as u32)
-            .map(|i| (i.wrapping_mul(7919).wrapping_add(seed)) % cfg.vocab_size as u32)
+            .map(|i| (i.wrapping_mul(7919).wrapping_add(seed)) % vocab)
             .collect()
     };
     let system = tokens(SYSTEM_TOKENS, 31);
-    let (off_engine, on_engine) = (engine(&model, "").await?, engine(&model, CACHE_ON).await?);
+    let (off_engine, on_engine) = (
+        engine(&model, &off_sections).await?,
+        engine(&model, &on_sections).await?,
+    );
     let (mut off, mut on) = (Vec::new(), Vec::new());
     let mut skipped = 0;
     for run in 0..runs as u32 {
@@ -72,8 +89,13 @@ async fn main() -> Result<()> {
     }
     let (off, on) = (median(&mut off), median(&mut on));
     let prompt_len = SYSTEM_TOKENS + QUESTION_TOKENS;
+    let rule = if v4 {
+        "v4-tiny, hits resume".to_string()
+    } else {
+        format!("keep {KEEP}")
+    };
     println!(
-        "prefix_ttft: prompt {SYSTEM_TOKENS}+{QUESTION_TOKENS} tokens, keep {KEEP}: TTFT cache off \
+        "prefix_ttft: prompt {SYSTEM_TOKENS}+{QUESTION_TOKENS} tokens, {rule}: TTFT cache off \
          {:.1} ms ({prompt_len} tokens fed), cache on {:.1} ms ({} tokens fed), ratio off/on {:.2}",
         ms(off),
         ms(on),
@@ -85,13 +107,11 @@ async fn main() -> Result<()> {
 }
 
 const CACHE_ON: &str = "[prefix_cache]\nbytes_per_rank = 4294967296\n";
+const V4_CACHE_ON: &str = "[prefix_cache]\nbytes_per_rank = 4294967296\nreplay = \"exact\"\n";
 
 /// A one-rank CPU engine over `model` with `extra` topology sections.
-async fn engine(model: &Arc<Model>, extra: &str) -> Result<Engine> {
-    let text = format!(
-        "[device]\nbackend = \"cpu\"\n[parallel]\ndp = 1\nep = 1\n\
-         [replay]\ndecoder_keep_tokens = {KEEP}\n{extra}"
-    );
+async fn engine(model: &AnyModel, extra: &str) -> Result<Engine> {
+    let text = format!("[device]\nbackend = \"cpu\"\n[parallel]\ndp = 1\nep = 1\n{extra}");
     let node = NodeConfig::from_toml_str(&text, "prefix_ttft").context("topology")?;
     let config = EngineConfig {
         node,
@@ -125,10 +145,15 @@ async fn skipped_tokens(engine: &Engine) -> Result<u64> {
     Ok(stats[0].prefix.counters.skipped_tokens)
 }
 
-fn parse_runs() -> Result<usize> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.as_slice() {
-        [] => Ok(5),
+/// `[--v4] [--runs N]`: the runs (default 5) and whether to time the v4-tiny fixture.
+fn parse_args() -> Result<(usize, bool)> {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let v4 = args.first().is_some_and(|a| a == "--v4");
+    if v4 {
+        args.remove(0);
+    }
+    let runs = match args.as_slice() {
+        [] => 5,
         [flag, n] if flag == "--runs" => {
             let n: usize = n
                 .parse()
@@ -136,10 +161,11 @@ fn parse_runs() -> Result<usize> {
             if n == 0 {
                 bail!("--runs must be at least 1");
             }
-            Ok(n)
+            n
         }
-        other => bail!("usage: prefix_ttft [--runs N], got {other:?}"),
-    }
+        other => bail!("usage: prefix_ttft [--v4] [--runs N], got {other:?}"),
+    };
+    Ok((runs, v4))
 }
 
 fn tempfile_dir() -> Result<std::path::PathBuf> {

@@ -32,6 +32,11 @@ impl PositionRing {
         self.start
     }
 
+    /// The position after the newest one held.
+    pub fn end(&self) -> usize {
+        self.start + self.rows.len()
+    }
+
     /// Appends the row of the position after the newest one held.
     pub fn push(&mut self, row: impl Into<Tensor>) {
         self.rows.push_back(row.into());
@@ -56,7 +61,12 @@ impl PositionRing {
 
     /// Drops the oldest rows until at most `capacity` remain.
     pub fn trim(&mut self, capacity: usize) {
-        while self.rows.len() > capacity {
+        self.trim_before(capacity, usize::MAX);
+    }
+
+    /// [`PositionRing::trim`], but keeps every row of a position `>= keep_from`.
+    pub fn trim_before(&mut self, capacity: usize, keep_from: usize) {
+        while self.rows.len() > capacity && self.start < keep_from {
             self.rows.pop_front();
             self.start += 1;
         }
@@ -122,6 +132,12 @@ mod tests {
         for p in 0..10 {
             ring.push_at(p, vec![p as f32]);
         }
+        ring.trim_before(4, 3);
+        assert_eq!(
+            (ring.start(), ring.end()),
+            (3, 10),
+            "rows from 3 on are kept"
+        );
         ring.trim(4);
         assert_eq!(ring.start(), 6);
         assert_eq!(ring.get(5), None);

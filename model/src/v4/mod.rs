@@ -20,7 +20,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::backend::weights::Linear;
-pub use state::SequenceState;
+pub use state::{PrefixBlock, SequenceState};
 pub use step::StepEntry;
 
 pub use crate::layers::markov::DraftProposal;

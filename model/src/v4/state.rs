@@ -6,6 +6,17 @@
 //! The speculative heads keep their own rings: the MTP block its window (the entry of position
 //! `i` pairs the last-layer streams of `i` with token `i+1`) and the last-layer streams of the
 //! newest positions; a DSpark drafter one context ring per stage.
+//!
+//! Prefix-cache blocks ([`PrefixBlock`]) are exact: a block of positions `[start, end)` (both
+//! multiples of every compression ratio) keeps its groups' compressed entries and index keys and,
+//! of every ring, the rows of its positions the next token reads once the sequence ends at `end`
+//! (the window's last `window` rows, an overlapping compressor's previous group, the MTP rows,
+//! the DSpark context). A hit resumes at its end with every row the next token reads as a cold
+//! prefill left it, and replays nothing ([`SequenceState::attach_prefix`]). The rings drop those
+//! rows at the end of the forward that computes them, so a block is taken after a forward that
+//! held them ([`SequenceState::hold_block_rows`]).
+
+use std::ops::Range;
 
 use crate::backend::{Backend, Tensor};
 use crate::error::ModelError;
@@ -81,6 +92,43 @@ pub struct SequenceState {
     pub(crate) mtp: Option<Box<MtpState>>,
     /// One context ring per DSpark stage (`kv_s(p)` of every processed position).
     pub(crate) dspark: Vec<PositionRing>,
+    /// The next forward's trim keeps every ring row of a position at or after it.
+    hold_from: Option<usize>,
+}
+
+/// What the next token reads of one ring.
+#[derive(Debug, Clone, Copy)]
+enum RingNeed {
+    /// The last `window` rows (backbone and MTP windows, DSpark context).
+    Window { lag: usize },
+    /// The rows of the groups a future entry pools.
+    Compressor { ratio: usize, overlapping: bool },
+    /// The streams of the last position (the MTP block's next entry).
+    LastRow,
+}
+
+impl RingNeed {
+    /// The positions of the ring the next token reads after `len` tokens (`len` a multiple of
+    /// every ratio).
+    fn positions(self, len: usize, window: usize) -> Range<usize> {
+        match self {
+            RingNeed::Window { lag } => len.saturating_sub(window)..len.saturating_sub(lag),
+            RingNeed::Compressor { ratio, overlapping } => {
+                let windows = if overlapping { 1 } else { 0 };
+                len.saturating_sub(windows * ratio)..len
+            }
+            RingNeed::LastRow => len.saturating_sub(1)..len,
+        }
+    }
+}
+
+impl CompressorCache {
+    fn need(&self) -> RingNeed {
+        RingNeed::Compressor {
+            ratio: self.ratio,
+            overlapping: self.overlapping,
+        }
+    }
 }
 
 impl SequenceState {
@@ -90,7 +138,53 @@ impl SequenceState {
             layers,
             mtp: mtp.then(Box::default),
             dspark: vec![PositionRing::default(); dspark_stages],
+            hold_from: None,
         }
+    }
+
+    /// Every ring with what the next token reads of it, in one fixed order (per layer its window,
+    /// compressor and indexer rows; the MTP window and streams; the DSpark stages).
+    fn rings(&self) -> Vec<(RingNeed, &PositionRing)> {
+        let window = RingNeed::Window { lag: 0 };
+        let mut rings = Vec::new();
+        for layer in &self.layers {
+            rings.push((window, &layer.window));
+            for cache in [&layer.main, &layer.index].into_iter().flatten() {
+                rings.push((cache.need(), &cache.pending));
+            }
+        }
+        if let Some(mtp) = &self.mtp {
+            rings.push((RingNeed::Window { lag: 1 }, &mtp.layer.window));
+            rings.push((RingNeed::LastRow, &mtp.hidden));
+        }
+        rings.extend(self.dspark.iter().map(|ring| (window, ring)));
+        rings
+    }
+
+    /// The rings of [`SequenceState::rings`], in its order.
+    fn rings_mut(&mut self) -> Vec<&mut PositionRing> {
+        let mut rings = Vec::new();
+        for layer in &mut self.layers {
+            rings.push(&mut layer.window);
+            for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
+                rings.push(&mut cache.pending);
+            }
+        }
+        if let Some(mtp) = &mut self.mtp {
+            rings.push(&mut mtp.layer.window);
+            rings.push(&mut mtp.hidden);
+        }
+        rings.extend(self.dspark.iter_mut());
+        rings
+    }
+
+    /// Keeps through the next forward (whose trim then drops none of them; the forward after it
+    /// trims as usual) every ring row the [`PrefixBlock`] starting at `start` takes: the step
+    /// that completes that block calls it first, [`SequenceState::prefix_block`] after it.
+    pub fn hold_block_rows(&mut self, start: usize) {
+        // The MTP window lags one position behind the block.
+        let from = start.saturating_sub(1);
+        self.hold_from = Some(self.hold_from.map_or(from, |held| held.min(from)));
     }
 
     /// Tokens seen so far.
@@ -141,21 +235,23 @@ impl SequenceState {
         layers + mtp + dspark
     }
 
-    /// Drops ring rows no future token (or rollback) needs.
+    /// Drops ring rows no future token (or rollback) needs, except those a hold keeps
+    /// ([`SequenceState::hold_block_rows`], released here).
     pub(crate) fn trim(&mut self, window: usize) {
+        let keep = self.hold_from.take().unwrap_or(usize::MAX);
         for layer in &mut self.layers {
-            layer.window.trim(window + MAX_BACKTRACK);
+            layer.window.trim_before(window + MAX_BACKTRACK, keep);
             for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
                 let capacity = cache.capacity();
-                cache.pending.trim(capacity);
+                cache.pending.trim_before(capacity, keep);
             }
         }
         if let Some(mtp) = &mut self.mtp {
-            mtp.layer.window.trim(window + MAX_BACKTRACK);
-            mtp.hidden.trim(MAX_BACKTRACK + 1);
+            mtp.layer.window.trim_before(window + MAX_BACKTRACK, keep);
+            mtp.hidden.trim_before(MAX_BACKTRACK + 1, keep);
         }
         for ring in &mut self.dspark {
-            ring.trim(window + MAX_BACKTRACK);
+            ring.trim_before(window + MAX_BACKTRACK, keep);
         }
     }
 
@@ -221,6 +317,177 @@ impl SequenceState {
     }
 }
 
+/// What a prefix cache keeps of one block of a V4 sequence's positions `[start, start + len)`
+/// (`start` and `len` multiples of every compression ratio; [module docs](self)): every
+/// compressor's entries of the block's groups and, per ring, the rows of the block's positions
+/// that the next token reads once the sequence ends at the block's end. All exact: a hit attaches
+/// them as first computed and replays nothing.
+#[derive(Debug, Clone)]
+pub struct PrefixBlock {
+    start: usize,
+    len: usize,
+    /// Per layer, per compressor (attention, then indexer): the block's entries.
+    entries: Vec<Vec<Vec<Tensor>>>,
+    /// Per ring ([`SequenceState::rings`] order): the rows the block contributes.
+    rings: Vec<PositionRing>,
+}
+
+impl PrefixBlock {
+    /// Bytes of the entries and rows kept (f32 values).
+    pub fn held_bytes(&self) -> u64 {
+        let entries: u64 = self.entries.iter().flatten().map(tensor_bytes).sum();
+        entries + self.rings.iter().map(PositionRing::held_bytes).sum::<u64>()
+    }
+}
+
+fn sequence_error(message: String) -> ModelError {
+    ModelError::Sequence { message }
+}
+
+impl SequenceState {
+    /// The [`PrefixBlock`] of positions `[start, start + len)` of a model with window `window`;
+    /// an error when the sequence has not processed them all, a bound is not a multiple of a
+    /// compressor's ratio, or a row the block keeps is no longer held (take a block after the
+    /// forward that completes it, with its rows held: [`SequenceState::hold_block_rows`]).
+    pub fn prefix_block(
+        &self,
+        start: usize,
+        len: usize,
+        window: usize,
+    ) -> Result<PrefixBlock, ModelError> {
+        let end = start + len;
+        if end > self.len {
+            return Err(sequence_error(format!(
+                "prefix block [{start}, {end}) reaches past the {} tokens processed",
+                self.len
+            )));
+        }
+        let mut entries = Vec::with_capacity(self.layers.len());
+        for (l, layer) in self.layers.iter().enumerate() {
+            let mut caches = Vec::new();
+            for cache in [&layer.main, &layer.index].into_iter().flatten() {
+                let ratio = cache.ratio.max(1);
+                if !start.is_multiple_of(ratio) || !len.is_multiple_of(ratio) {
+                    return Err(sequence_error(format!(
+                        "prefix block [{start}, {end}) is not aligned to layer {l}'s \
+                         compression ratio {ratio}"
+                    )));
+                }
+                caches.push(cache.entries[start / ratio..end / ratio].to_vec());
+            }
+            entries.push(caches);
+        }
+        let mut rings = Vec::new();
+        for (need, ring) in self.rings() {
+            let after = need.positions(end, window);
+            let from = need.positions(start, window).end.max(after.start);
+            let mut kept = PositionRing::starting_at(from);
+            for p in from..after.end {
+                let row = ring.get(p).ok_or_else(|| {
+                    sequence_error(format!(
+                        "prefix block [{start}, {end}): the row of position {p} is no longer \
+                         held (a ring holds {}..{})",
+                        ring.start(),
+                        ring.end()
+                    ))
+                })?;
+                kept.push(row.clone());
+            }
+            rings.push(kept);
+        }
+        Ok(PrefixBlock {
+            start,
+            len,
+            entries,
+            rings,
+        })
+    }
+
+    /// Attaches consecutive prefix `blocks` (from position 0) of a model with window `window` to
+    /// an empty sequence, which then holds exactly what a cold prefill of their positions left
+    /// for the next token: `resume_at` must be the blocks' end (a V4 hit replays nothing).
+    pub fn attach_prefix(
+        &mut self,
+        blocks: &[&PrefixBlock],
+        resume_at: usize,
+        window: usize,
+    ) -> Result<(), ModelError> {
+        if self.len != 0 {
+            return Err(sequence_error(format!(
+                "a prefix attaches to an empty sequence, this one holds {} tokens",
+                self.len
+            )));
+        }
+        let ring_count = self.rings().len();
+        let mut end = 0;
+        for block in blocks {
+            if block.start != end
+                || block.entries.len() != self.layers.len()
+                || block.rings.len() != ring_count
+            {
+                return Err(sequence_error(format!(
+                    "prefix block at {} ({} layers, {} rings) does not continue a prefix of \
+                     {end} tokens of this model ({} layers, {ring_count} rings)",
+                    block.start,
+                    block.entries.len(),
+                    block.rings.len(),
+                    self.layers.len()
+                )));
+            }
+            end += block.len;
+        }
+        if resume_at != end {
+            return Err(sequence_error(format!(
+                "a V4 hit resumes at the end of its blocks ({end}), not at {resume_at}"
+            )));
+        }
+        for block in blocks {
+            for (l, layer) in self.layers.iter().enumerate() {
+                let caches = [&layer.main, &layer.index].into_iter().flatten().count();
+                if block.entries[l].len() != caches {
+                    return Err(sequence_error(format!(
+                        "prefix block at {} keeps {} compressors of layer {l}, the model has \
+                         {caches}",
+                        block.start,
+                        block.entries[l].len()
+                    )));
+                }
+            }
+        }
+        let mut rings = Vec::with_capacity(ring_count);
+        for (r, (need, _)) in self.rings().into_iter().enumerate() {
+            let need = need.positions(end, window);
+            let mut rebuilt = PositionRing::starting_at(need.start);
+            for p in need.clone() {
+                let lacking = || {
+                    let (from, to) = (need.start, need.end);
+                    sequence_error(format!(
+                        "the prefix blocks lack the row of position {p} of ring {r}, whose rows \
+                         {from}..{to} the next token reads"
+                    ))
+                };
+                let row = blocks.iter().find_map(|b| b.rings[r].get(p));
+                rebuilt.push(row.ok_or_else(lacking)?.clone());
+            }
+            rings.push(rebuilt);
+        }
+        for (ring, rebuilt) in self.rings_mut().into_iter().zip(rings) {
+            *ring = rebuilt;
+        }
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let caches = [&mut layer.main, &mut layer.index].into_iter().flatten();
+            for (c, cache) in caches.enumerate() {
+                cache.entries = blocks
+                    .iter()
+                    .flat_map(|block| block.entries[l][c].iter().cloned())
+                    .collect();
+            }
+        }
+        self.len = end;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,6 +508,64 @@ mod tests {
         seq.len = len;
         seq.trim(window);
         seq
+    }
+
+    /// One CSA-like layer (ratio 4, overlapping) fed 16 tokens with window 8 in one forward,
+    /// which completes two blocks of 8 whose rows it holds when `held`.
+    fn fed_sixteen(held: bool) -> SequenceState {
+        let mut seq = SequenceState::new(vec![LayerState::default()], false, 0);
+        seq.layers[0].main = Some(CompressorCache::new(4, true));
+        if held {
+            seq.hold_block_rows(8);
+            seq.hold_block_rows(0);
+        }
+        let layer = &mut seq.layers[0];
+        for p in 0..16 {
+            layer.window.push_at(p, vec![p as f32]);
+            let cache = layer.main.as_mut().expect("compressor");
+            cache.pending.push_at(p, vec![p as f32]);
+            if (p + 1) % 4 == 0 {
+                cache.entries.push(Tensor::from(vec![p as f32]));
+            }
+        }
+        seq.len = 16;
+        seq.trim(8);
+        seq
+    }
+
+    #[test]
+    fn prefix_blocks_keep_what_the_next_token_reads_and_attach_whole() {
+        let unheld = fed_sixteen(false);
+        let error = unheld.prefix_block(0, 8, 8).expect_err("rows 0, 1 trimmed");
+        assert!(
+            error.to_string().contains("position 0 is no longer held"),
+            "{error}"
+        );
+        let seq = fed_sixteen(true);
+        let misaligned = seq.prefix_block(2, 8, 8).expect_err("misaligned");
+        assert!(misaligned.to_string().contains("ratio 4"), "{misaligned}");
+        let blocks = [seq.prefix_block(0, 8, 8), seq.prefix_block(8, 8, 8)]
+            .map(|block| block.expect("held block"));
+        // Window rows 8..16, the compressor's previous group 12..16, entries 2 and 3.
+        assert_eq!(blocks[1].held_bytes(), (8 + 4 + 2) * 4);
+        let mut fresh = SequenceState::new(vec![LayerState::default()], false, 0);
+        fresh.layers[0].main = Some(CompressorCache::new(4, true));
+        let gap = fresh
+            .attach_prefix(&[&blocks[1]], 8, 8)
+            .expect_err("no block 0");
+        assert!(gap.to_string().contains("does not continue"), "{gap}");
+        fresh
+            .attach_prefix(&[&blocks[0], &blocks[1]], 16, 8)
+            .expect("attached");
+        let layer = &fresh.layers[0];
+        let cache = layer.main.as_ref().expect("compressor");
+        assert_eq!(
+            (fresh.len(), layer.window.start(), layer.window.end()),
+            (16, 8, 16)
+        );
+        assert_eq!((cache.pending.start(), cache.pending.end()), (12, 16));
+        assert_eq!(fresh.compressed_entries(0), seq.compressed_entries(0));
+        assert_eq!(layer.window.get(9), seq.layers[0].window.get(9));
     }
 
     #[test]
