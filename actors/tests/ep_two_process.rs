@@ -185,7 +185,8 @@ fn finish(mut job: Running) -> (String, bool) {
     }
 }
 
-/// Per `custom_id`: the whole response body but its creation time and ids.
+/// Per `custom_id`: the whole response but its creation time and ids (the engine numbers
+/// requests in arrival order, and a job's lines arrive concurrently).
 fn results(path: &Path) -> BTreeMap<String, Value> {
     std::fs::read_to_string(path)
         .expect("output")
@@ -193,6 +194,9 @@ fn results(path: &Path) -> BTreeMap<String, Value> {
         .map(|line| {
             let mut value: Value = serde_json::from_str(line).expect("a JSON line");
             let id = value["custom_id"].as_str().expect("custom_id").to_string();
+            if let Some(response) = value["response"].as_object_mut() {
+                response.remove("request_id");
+            }
             let body = &mut value["response"]["body"];
             if let Some(body) = body.as_object_mut() {
                 body.remove("created");

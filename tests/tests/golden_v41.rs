@@ -16,25 +16,10 @@ use deepinfer_model::{EntryOutput, StepEntry, StepOptions};
 use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use deepinfer_tests::forward_one;
 use golden_support::v41_rules::{
-    Golden, SAME_ARITHMETIC_LOGITS, check_decode_run, check_prefill_dumps, row_errors, summary,
+    Golden, SAME_ARITHMETIC_LOGITS, check_decode_run, check_prefill_dumps,
+    inject_reference_streams, row_errors, summary,
 };
 use golden_support::{V41Fixture as Fixture, argmax, bit_equal, max_abs_diff};
-
-/// Injects the reference's streams and collapse weights at the entry of every block (and of the
-/// final collapse), so each block is compared on the reference's own inputs.
-fn inject_reference_streams(g: &Golden, trace: &mut ForwardTrace, n: usize) {
-    let cfg = g.fx.model.config();
-    let (hc, dim, layers) = (cfg.hc.mult, cfg.dim, cfg.n_layers);
-    let layer_out = g.f32("prefill.layer_out");
-    let layer_pre = g.f32("prefill.layer_pre");
-    let (size, pre_size) = (n * hc * dim, n * hc);
-    trace.inject.streams = vec![None; layers + 1];
-    trace.inject.pre = vec![None; layers + 1];
-    for l in 1..=layers {
-        trace.inject.streams[l] = Some(layer_out[(l - 1) * size..l * size].to_vec());
-        trace.inject.pre[l] = Some(layer_pre[(l - 1) * pre_size..l * pre_size].to_vec());
-    }
-}
 
 /// Free-running prefill and decode of a fixture's primary case against the README's rules, and
 /// every `logits_full` row within issue #27's target for the same arithmetic.

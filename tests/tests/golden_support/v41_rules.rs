@@ -99,6 +99,22 @@ pub fn summary(errors: &[f32]) -> String {
     )
 }
 
+/// Injects the reference's streams and collapse weights at the entry of every block (and of the
+/// final collapse), so each block is compared on the reference's own inputs.
+pub fn inject_reference_streams(g: &Golden, trace: &mut ForwardTrace, n: usize) {
+    let cfg = g.fx.model.config();
+    let (hc, dim, layers) = (cfg.hc.mult, cfg.dim, cfg.n_layers);
+    let layer_out = g.f32("prefill.layer_out");
+    let layer_pre = g.f32("prefill.layer_pre");
+    let (size, pre_size) = (n * hc * dim, n * hc);
+    trace.inject.streams = vec![None; layers + 1];
+    trace.inject.pre = vec![None; layers + 1];
+    for l in 1..=layers {
+        trace.inject.streams[l] = Some(layer_out[(l - 1) * size..l * size].to_vec());
+        trace.inject.pre[l] = Some(layer_pre[(l - 1) * pre_size..l * pre_size].to_vec());
+    }
+}
+
 /// Rows of a selection tensor that differ from ours: `(row, tie flag)`.
 pub fn selection_mismatches(
     ours: &[Vec<usize>],
