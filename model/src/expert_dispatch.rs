@@ -140,7 +140,7 @@ mod tests {
 
     /// Serves every pick from copies of the weights and counts what it ran.
     struct Copies<'m> {
-        model: &'m Model,
+        model: &'m dyn ExpertHost,
         experts: Vec<Vec<RoutedExpert>>,
         calls: AtomicUsize,
         reverse: bool,
@@ -366,6 +366,72 @@ mod tests {
         assert!(
             err.to_string()
                 .contains(&format!("routed expert {experts}"))
+        );
+    }
+
+    /// The V4 family's filtered load: it holds only the kept routed experts (bit for bit the
+    /// whole model's), reads the others from its checkpoint when asked, refuses to run its
+    /// experts itself, and with every expert served through a hook gives the whole model's
+    /// logits (hash layers included).
+    #[test]
+    fn a_filtered_v4_load_holds_only_the_kept_experts() {
+        use crate::v4;
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_random_checkpoint(&ModelConfig::tiny_v4(), 8, dir.path(), 1).expect("written");
+        let whole = v4::Model::load(dir.path()).expect("whole V4 model");
+        let cfg = whole.config().clone();
+        let keeps = |layer: usize, expert: usize| (layer + expert).is_multiple_of(3);
+        let partial =
+            v4::Model::load_experts(dir.path(), &ExpertFilter::new(keeps)).expect("filtered");
+        assert!(whole.holds_every_expert() && !partial.holds_every_expert());
+        let every: Vec<(usize, usize)> = (0..cfg.n_layers)
+            .flat_map(|l| (0..cfg.n_routed_experts).map(move |e| (l, e)))
+            .collect();
+        for &(layer, expert) in &every {
+            assert_eq!(
+                partial.holds_routed_expert(layer, expert),
+                keeps(layer, expert)
+            );
+        }
+        let copies = partial.copy_routed_experts(&every).expect("copies");
+        for (&(layer, expert), copy) in every.iter().zip(&copies) {
+            let original = whole.routed_expert(layer, expert).expect("whole");
+            assert_eq!(format!("{:?}", copy.0), format!("{:?}", original.0));
+        }
+
+        let tokens = [3u32, 9, 4, 1, 7, 300];
+        let step = |model: &v4::Model, experts: Option<&dyn RoutedExperts>| {
+            let mut seq = model.new_sequence();
+            let options = crate::StepOptions {
+                experts,
+                ..crate::StepOptions::default()
+            };
+            let entry = v4::StepEntry::new(&mut seq, &tokens, LogitsWanted::All);
+            model
+                .forward_step(&mut [entry], options)
+                .and_then(EntryOutput::one_entry_logits)
+        };
+        let refused = step(&partial, None).expect_err("a partial model runs no experts itself");
+        assert!(refused.to_string().contains("expert filter"), "{refused}");
+        let hook = Copies {
+            model: &whole,
+            experts: (0..cfg.n_layers)
+                .map(|l| {
+                    (0..cfg.n_routed_experts)
+                        .map(|e| whole.routed_expert(l, e).expect("whole"))
+                        .collect()
+                })
+                .collect(),
+            calls: AtomicUsize::new(0),
+            reverse: true,
+        };
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let expected = bits(step(&whole, None).expect("whole"));
+        assert_eq!(bits(step(&partial, Some(&hook)).expect("hooked")), expected);
+        assert_eq!(
+            hook.calls.load(Ordering::Relaxed),
+            tokens.len() * cfg.n_layers * cfg.n_activated_experts,
+            "every pick of every layer, hash layers included, goes through the hook"
         );
     }
 }

@@ -3,7 +3,8 @@
 //! [`SequenceState`] API, the forward pass over a chunk at the sequence's next positions (one
 //! sequence, or several in one step: [`Model::forward_step`]), and rollback. Shared with V4.1:
 //! the backend ops (RMSNorm, RoPE, mHC/Sinkhorn, attention with sink), the RoPE/YaRN tables, the
-//! MoE and the checkpoint loader. The speculative heads (which transformers does not load): the
+//! MoE with its expert-parallel side (`StepOptions::experts`, `ExpertHost`; a load with an
+//! `ExpertFilter`: [`Model::load_experts`]) and the checkpoint loader. The speculative heads (which transformers does not load): the
 //! V4-Flash MTP block ([`Model::mtp_logits`]) and the V4-Flash-0731 DSpark drafter
 //! ([`Model::draft`]); their state lives in the [`SequenceState`].
 
