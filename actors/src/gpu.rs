@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_model::Model;
+use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::Backend;
 use deepinfer_topology::{Backend as DeviceBackend, ExpertPlacement, NodeConfig, Numerics};
 
@@ -139,7 +139,7 @@ pub fn open_cuda_backend(ordinal: usize, _numerics: Numerics) -> Result<Box<dyn 
 /// every rank on one device), whose every wait lasts at most `timeout`.
 #[cfg(feature = "cuda")]
 pub fn cuda_expert_ranks(
-    model: Arc<Model>,
+    model: AnyModel,
     numerics: Numerics,
     placement: Arc<ExpertPlacement>,
     group: Arc<DeviceExperts>,
@@ -155,7 +155,7 @@ pub fn cuda_expert_ranks(
         let backend = CudaBackend::open(ordinal, numerics).map_err(|e| e.to_string())?;
         let rank = ExpertRank::new(
             &backend,
-            &model.expert_lists(),
+            &model.experts().expert_lists(),
             placement.clone(),
             0,
             dp,
@@ -177,7 +177,7 @@ pub fn cuda_expert_ranks(
 /// DP = EP ranks on CUDA: every rank fails to open in a build without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
 pub fn cuda_expert_ranks(
-    _model: Arc<Model>,
+    _model: AnyModel,
     _numerics: Numerics,
     _placement: Arc<ExpertPlacement>,
     _group: Arc<DeviceExperts>,
@@ -192,7 +192,7 @@ pub fn cuda_expert_ranks(
 mod cuda_rank {
     use std::sync::{Arc, Mutex, MutexGuard};
 
-    use deepinfer_model::Model;
+    use deepinfer_model::any_model::AnyModel;
     use deepinfer_model::backend::Backend;
     use deepinfer_model::backend::cuda::CudaBackend;
     use deepinfer_model::backend::cuda::ep::{ExpertRank, ExpertSlot};
@@ -202,14 +202,14 @@ mod cuda_rank {
     use crate::messages::experts::ShardLoads;
 
     pub struct CudaRank {
-        model: Arc<Model>,
+        model: AnyModel,
         slot: Arc<ExpertSlot>,
         /// `(in use, staged)`.
         ranks: Mutex<(Arc<ExpertRank>, Option<ExpertRank>)>,
     }
 
     impl CudaRank {
-        pub fn new(model: Arc<Model>, slot: Arc<ExpertSlot>, rank: Arc<ExpertRank>) -> CudaRank {
+        pub fn new(model: AnyModel, slot: Arc<ExpertSlot>, rank: Arc<ExpertRank>) -> CudaRank {
             CudaRank {
                 model,
                 slot,
@@ -254,7 +254,7 @@ mod cuda_rank {
             let next = current
                 .next_epoch(
                     cuda(backend)?,
-                    &self.model.expert_lists(),
+                    &self.model.experts().expert_lists(),
                     placement,
                     epoch.get(),
                 )
@@ -277,7 +277,11 @@ mod cuda_rank {
             };
             let previous = std::mem::replace(&mut ranks.0, next.clone());
             self.slot.set(Some(next.clone()));
-            Ok(next.release_moved(cuda(backend)?, &self.model.expert_lists(), &previous))
+            Ok(next.release_moved(
+                cuda(backend)?,
+                &self.model.experts().expert_lists(),
+                &previous,
+            ))
         }
     }
 }

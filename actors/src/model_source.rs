@@ -14,26 +14,29 @@
 //! weight loads, that the model fits the busiest GPU (the memory plan per GPU, one line logged:
 //! the ranks on it, dense, their EP slots' experts, Engram whole, KV budget; a model that does
 //! not fit fails naming the numbers). Expert parallelism on CUDA (`dp = ep > 1`,
-//! `experts::device`): each rank's backend is its EP rank, holding only its slots' experts, the
-//! ranks step in `Lockstep` and live EPLB swaps placements by epoch; ranks on several GPUs are
-//! refused naming the field.
+//! `experts::device`, V4.1): each rank's backend is its EP rank, holding only its slots'
+//! experts, the ranks step in `Lockstep` and live EPLB swaps placements by epoch; ranks on
+//! several GPUs are refused naming the field.
 //!
 //! Family (`model_type` in `config.json`): a V4.1 checkpoint and a V4-family one (V4-Flash,
-//! V4-Flash-0731) both run on `ModelExecutor`s, on either backend. What only V4.1 has is
-//! refused for a V4 checkpoint before its weights load, naming the field (expert parallelism:
-//! `parallel.ep` / `eplb.enabled`; `dspark.enabled` unless the checkpoint has a DSpark drafter),
-//! except decoder bounded replay (`replay.decoder_keep_tokens`, on by default), which V4 models
-//! simply run without (exact: the full prefill).
+//! V4-Flash-0731) both run on `ModelExecutor`s, on either backend, and both run expert
+//! parallelism with live EPLB on the CPU (`ExpertParallelFactory`; across nodes each node loads
+//! only its EP ranks' routed experts, either family). What a V4 checkpoint lacks is refused
+//! before its weights load, naming the field (`dspark.enabled` unless the checkpoint has a
+//! DSpark drafter; expert parallelism on CUDA, `parallel.ep` / `eplb.enabled`: the device EP
+//! ranks serve the FP4/FP8 MoE of V4.1, not V4's exact one), except decoder bounded replay
+//! (`replay.decoder_keep_tokens`, on by default), which V4 models simply run without (exact:
+//! the full prefill).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::checkpoint;
 use deepinfer_model::checkpoint::ExpertFilter;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::memory_plan::{GpuMemoryPlan, plan_node};
-use deepinfer_model::{Model, checkpoint, v4};
 use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
 
 use crate::engine::{EngineConfig, ModelFacts};
@@ -129,8 +132,9 @@ fn engram_vocab(
         .map_err(|e| model_error("engram vocabulary", e))
 }
 
-/// The refusal of expert parallelism (`node` asks for it) for a V4-family checkpoint.
-fn v4_expert_parallel_refusal(node: &NodeConfig) -> EngineError {
+/// The refusal of expert parallelism on CUDA ranks (`node` asks for it) for a V4-family
+/// checkpoint.
+fn v4_cuda_expert_parallel_refusal(node: &NodeConfig) -> EngineError {
     let field = if node.parallel.ep > 1 {
         "parallel.ep"
     } else {
@@ -139,8 +143,11 @@ fn v4_expert_parallel_refusal(node: &NodeConfig) -> EngineError {
     EngineError::Config {
         field: field.to_string(),
         message: format!(
-            "{}: expert parallelism (parallel.ep = {}, eplb.enabled = {}) runs V4.1 models only; \
-             this V4-family checkpoint needs parallel.ep = 1 and eplb.enabled = false",
+            "{}: expert parallelism on CUDA (parallel.ep = {}, eplb.enabled = {}) runs V4.1 \
+             models only: a V4-family model's routed experts are exact fp32 linears, run on the \
+             device by moe_rows_exact, which has no expert-parallel path (the EP ranks serve \
+             V4.1's FP4/FP8 MoE); use parallel.ep = 1 and eplb.enabled = false on CUDA, or \
+             device.backend = \"cpu\"",
             node.origin, node.parallel.ep, node.eplb.enabled
         ),
     }
@@ -149,8 +156,8 @@ fn v4_expert_parallel_refusal(node: &NodeConfig) -> EngineError {
 /// Refuses, for a V4-family checkpoint, what the topology `node` asks for that only V4.1 runs,
 /// naming the field; decoder bounded replay is not refused (it is on by default) but left off.
 pub fn check_v4_features(node: &NodeConfig, cfg: &ModelConfig) -> Result<(), EngineError> {
-    if EpSettings::is_needed(node) {
-        return Err(v4_expert_parallel_refusal(node));
+    if EpSettings::is_needed(node) && node.device.backend != DeviceBackend::Cpu {
+        return Err(v4_cuda_expert_parallel_refusal(node));
     }
     let has_drafter = cfg.dspark.as_ref().is_some_and(|d| d.n_stages > 0);
     if node.dspark.enabled && !has_drafter {
@@ -170,34 +177,6 @@ pub fn check_v4_features(node: &NodeConfig, cfg: &ModelConfig) -> Result<(), Eng
         );
     }
     Ok(())
-}
-
-fn load_v4_dir(
-    dir: &Path,
-    cfg: &ModelConfig,
-    node: Option<&NodeConfig>,
-    tokenizer: PathBuf,
-    name: String,
-    notice: Option<String>,
-) -> Result<ResolvedModel, EngineError> {
-    if let Some(node) = node {
-        check_v4_features(node, cfg)?;
-    }
-    let what = dir.display().to_string();
-    let model = v4::Model::load(dir).map_err(|e| model_error(&what, e))?;
-    tracing::info!(model = %what, "V4-family model loaded");
-    let model = Arc::new(model);
-    Ok(ResolvedModel {
-        factory: Arc::new(ModelFactory::new(
-            model.clone(),
-            format!("V4 model from {what} on the CPU backend"),
-        )),
-        facts: ModelFacts::of(model.config()),
-        model: AnyModel::V4(model),
-        tokenizer,
-        notice,
-        name,
-    })
 }
 
 /// Loads the checkpoint in `dir` as the family its config names; `node` (when given) is checked
@@ -228,8 +207,10 @@ fn load_dir(
     } else {
         shipped_tokenizer()
     };
-    if cfg.family == ModelFamily::V4 {
-        return load_v4_dir(dir, &cfg, node, tokenizer, name, notice);
+    if let Some(node) = node
+        && cfg.family == ModelFamily::V4
+    {
+        check_v4_features(node, &cfg)?;
     }
     let vocab = engram_vocab(&cfg, &tokenizer, known)?;
     // One node of several loads only its EP ranks' routed experts.
@@ -238,8 +219,12 @@ fn load_dir(
             .map_err(|e| model_error("expert parallelism", e))?,
         None => ExpertFilter::all(),
     };
-    let model = Model::load_experts(dir, vocab, &experts).map_err(|e| model_error(&what, e))?;
-    tracing::info!(model = %what, "model loaded");
+    let model = AnyModel::load_experts(dir, vocab, &experts).map_err(|e| model_error(&what, e))?;
+    let family = match cfg.family {
+        ModelFamily::V41 => "V4.1",
+        ModelFamily::V4 => "V4",
+    };
+    tracing::info!(model = %what, "{family} model loaded");
     let notice = match node.filter(|_| !experts.is_all()) {
         Some(node) => Some(
             notice
@@ -250,13 +235,13 @@ fn load_dir(
         ),
         None => notice,
     };
-    let facts = ModelFacts::of(model.config());
-    let description = format!("V4.1 model from {what} on the CPU backend");
-    let model = Arc::new(model);
     Ok(ResolvedModel {
-        factory: Arc::new(ModelFactory::new(model.clone(), description)),
-        model: AnyModel::V41(model),
-        facts,
+        factory: Arc::new(ModelFactory::new(
+            model.clone(),
+            format!("{family} model from {what} on the CPU backend"),
+        )),
+        facts: ModelFacts::of(model.config()),
+        model,
         tokenizer,
         notice,
         name,
@@ -412,10 +397,11 @@ fn on_node_devices(
     };
     let mut experts = String::new();
     if node.parallel.ep > 1 {
-        let AnyModel::V41(model) = &resolved.model else {
+        if let AnyModel::V4(_) = &resolved.model {
             // Already refused before loading (`check_v4_features`).
-            return Err(v4_expert_parallel_refusal(node));
-        };
+            return Err(v4_cuda_expert_parallel_refusal(node));
+        }
+        let model = &resolved.model;
         let ranks = usize::from(node.parallel.ep);
         let starting = starting_placement(node, model.config())?;
         experts = format!(
@@ -442,7 +428,7 @@ fn on_node_devices(
 }
 
 /// Expert parallelism when the topology asks for it (`[parallel] ep > 1` or `[eplb] enabled`):
-/// the ranks' routed experts then run through an `ExpertParallelFactory`.
+/// the ranks' routed experts (either family's) then run through an `ExpertParallelFactory`.
 fn with_expert_parallel(
     node: &NodeConfig,
     mut resolved: ResolvedModel,
@@ -451,11 +437,8 @@ fn with_expert_parallel(
     if !EpSettings::is_needed(node) || node.device.backend != DeviceBackend::Cpu {
         return Ok(resolved);
     }
-    let AnyModel::V41(model) = &resolved.model else {
-        // Already refused before loading (`check_v4_features`).
-        return Err(v4_expert_parallel_refusal(node));
-    };
-    let factory = ExpertParallelFactory::new(model.clone(), node, resolved.factory.describe())
+    let model = resolved.model.clone();
+    let factory = ExpertParallelFactory::new(model, node, resolved.factory.describe())
         .map_err(|e| model_error("expert parallelism", e))?;
     resolved.factory = Arc::new(factory);
     Ok(resolved)

@@ -6,11 +6,12 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::backend::{Backend, CpuBackend};
-use crate::checkpoint::Checkpoint;
+use crate::backend::Backend;
+use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::{ModelConfig, ModelFamily};
 use crate::engram::CompressedVocab;
 use crate::error::ModelError;
+use crate::expert_dispatch::ExpertHost;
 use crate::{DraftProposal, EntryOutput, v4, v41};
 
 /// A loaded model of either family, shareable (a runtime's rank factories hold clones).
@@ -77,9 +78,23 @@ impl AnyModel {
     /// Loads `dir` as the family its `config.json` names. `vocab` is the Engram compressed
     /// vocabulary (V4.1 models with Engram layers need it; V4 ignores it).
     pub fn load(dir: &Path, vocab: Option<CompressedVocab>) -> Result<AnyModel, ModelError> {
+        AnyModel::load_experts(dir, vocab, &ExpertFilter::all())
+    }
+
+    /// [`AnyModel::load`] reading only the backbone routed experts `experts` keeps (the process
+    /// of some EP ranks of several nodes): the family's `Model::load_experts`.
+    pub fn load_experts(
+        dir: &Path,
+        vocab: Option<CompressedVocab>,
+        experts: &ExpertFilter,
+    ) -> Result<AnyModel, ModelError> {
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-        let ckpt = Checkpoint::open(dir)?;
-        AnyModel::from_checkpoint(cfg, &ckpt, vocab, Box::new(CpuBackend::new()))
+        Ok(match cfg.family {
+            ModelFamily::V41 => {
+                AnyModel::V41(Arc::new(v41::Model::load_experts(dir, vocab, experts)?))
+            }
+            ModelFamily::V4 => AnyModel::V4(Arc::new(v4::Model::load_experts(dir, experts)?)),
+        })
     }
 
     /// Builds the model of `cfg`'s family from an opened checkpoint on `backend` (`vocab` as in
@@ -112,6 +127,15 @@ impl AnyModel {
         match self {
             AnyModel::V41(model) => model.config(),
             AnyModel::V4(model) => model.config(),
+        }
+    }
+
+    /// The model as expert parallelism sees it (its routed experts, running one of them, the
+    /// idle step of an EP rank): the same for either family.
+    pub fn experts(&self) -> &dyn ExpertHost {
+        match self {
+            AnyModel::V41(model) => model.as_ref(),
+            AnyModel::V4(model) => model.as_ref(),
         }
     }
 
@@ -150,9 +174,9 @@ impl AnyModel {
     }
 
     /// One forward over several sequences at once, as the family's `forward_step` runs it: per
-    /// entry its logits rows or its sampled tokens. A sequence of the other family, or what the
-    /// V4 family does not run (bounded replay, an expert site), fails the step before anything
-    /// runs.
+    /// entry its logits rows or its sampled tokens (`options.experts`: the routed experts run
+    /// through that hook, in either family). A sequence of the other family, or what the V4
+    /// family does not run (decoder bounded replay), fails the step before anything runs.
     pub fn forward_step(
         &self,
         entries: &mut [AnyStepEntry<'_>],
@@ -179,11 +203,6 @@ impl AnyModel {
                 model.forward_step(&mut steps, options.with_family(v41::StepExtras::default()))
             }
             AnyModel::V4(model) => {
-                if options.experts.is_some() {
-                    return Err(ModelError::Unsupported {
-                        what: "expert parallelism on a V4-family model".to_string(),
-                    });
-                }
                 let mut steps = Vec::with_capacity(entries.len());
                 for (e, entry) in entries.iter_mut().enumerate() {
                     let AnySequence::V4(seq) = &mut *entry.seq else {
@@ -197,7 +216,7 @@ impl AnyModel {
                         sample: entry.sample,
                     });
                 }
-                model.forward_step(&mut steps)
+                model.forward_step(&mut steps, options)
             }
         }
     }

@@ -9,12 +9,12 @@
 //!
 //! Without a hook (`StepOptions::experts` unset) the model runs its own weights. The runtime's expert
 //! parallelism (`deepinfer-actors`' `LocalComm`) implements the trait over per-EP-rank copies
-//! obtained with [`Model::routed_expert`]. DSpark stages always run their own experts locally.
+//! obtained through [`ExpertHost`], which both families' models are (V4.1 and V4: a V4 hash
+//! layer's picks come from its token ids, the rest is the same). DSpark stages and the V4 MTP
+//! block always run their own experts locally.
 
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::error::ModelError;
-use crate::v41::Model;
-use crate::v41::weights::routed_expert;
 
 /// One routed pick of a token: the logical expert and its routing weight.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,7 +30,8 @@ pub struct ExpertPick {
 ///
 /// Contract: `run` returns, for every row `r` of `x`, exactly one output row (`dim` wide) per
 /// pick of `picks[r]`, in pick order, each equal to
-/// `Model::run_routed_expert(&model.routed_expert(layer, pick.expert)?, row, pick.weight)`.
+/// `model.run_routed_expert(&model.routed_expert(layer, pick.expert)?, row, pick.weight)`
+/// ([`ExpertHost`]).
 /// Implementations validate their placement when built, so every (layer, expert) of the model can
 /// be served. A transport that fails (a peer gone) cannot stop the forward from here: it returns
 /// rows of zeros and reports the failure to its own caller, which discards the forward's outputs.
@@ -46,56 +47,64 @@ pub trait RoutedExperts: Sync {
 #[derive(Debug, Clone)]
 pub struct RoutedExpert(pub(crate) ExpertWeights<ExpertLinear>);
 
-impl Model {
+/// A loaded model of either family as expert parallelism sees it: its backbone layers' routed
+/// experts, copies of them for an expert shard, and running one exactly as the model's MoE
+/// does. Every [`crate::Loaded`] model is one (`layers/expert_hook.rs`), so the runtime's shards
+/// and EP ranks hold `&dyn ExpertHost` (`AnyModel::experts`) whatever the family.
+pub trait ExpertHost: Send + Sync {
     /// A copy of routed expert `expert` of backbone layer `layer`; an expert this model was
     /// loaded without (its `ExpertFilter`) is an error naming it.
-    pub fn routed_expert(&self, layer: usize, expert: usize) -> Result<RoutedExpert, ModelError> {
-        let layers = self.config().n_layers;
-        let experts = self.config().n_routed_experts;
-        if let Some(weights) = self.routed_weights(layer, expert) {
-            return Ok(RoutedExpert(weights.clone()));
-        }
-        let what = if layer < layers && expert < experts {
-            format!(
-                "routed expert {expert} of layer {layer}: the expert filter it was loaded with left \
-                 it out (it is held by the process of another EP rank)"
-            )
-        } else {
-            format!(
-                "routed expert {expert} of layer {layer} (the model has {layers} layers of {experts} experts)"
-            )
-        };
-        Err(ModelError::Unsupported { what })
-    }
+    fn routed_expert(&self, layer: usize, expert: usize) -> Result<RoutedExpert, ModelError>;
 
     /// Copies of the routed experts `wanted` ((backbone layer, expert) pairs, in that order):
     /// those this model holds from memory, the others read from the checkpoint it was loaded
     /// from (a model loaded with an `ExpertFilter` keeps it open). An expert it neither
     /// holds nor can read is an error naming it.
-    pub fn copy_routed_experts(
+    fn copy_routed_experts(
         &self,
         wanted: &[(usize, usize)],
-    ) -> Result<Vec<RoutedExpert>, ModelError> {
-        let cfg = self.config();
-        wanted
-            .iter()
-            .map(|&(layer, expert)| {
-                match (&self.weights.checkpoint, self.routed_weights(layer, expert)) {
-                    (_, Some(held)) => Ok(RoutedExpert(held.clone())),
-                    (Some(ckpt), None) if layer < cfg.n_layers && expert < cfg.n_routed_experts => {
-                        routed_expert(ckpt, &format!("layers.{layer}."), cfg, expert)
-                            .map(RoutedExpert)
-                    }
-                    _ => self.routed_expert(layer, expert),
-                }
-            })
-            .collect()
-    }
+    ) -> Result<Vec<RoutedExpert>, ModelError>;
+
+    /// One routed expert on one token exactly as the model's MoE computes it (SwiGLU with the
+    /// config's clamp, `weight` applied before `w2`), on this model's backend.
+    fn run_routed_expert(&self, expert: &RoutedExpert, x: &[f32], weight: f32) -> Vec<f32>;
+
+    /// [`ExpertHost::run_routed_expert`] with this model's own weights of routed expert `expert`
+    /// of backbone layer `layer` (`None`: it does not hold that expert).
+    fn run_held_expert(
+        &self,
+        layer: usize,
+        expert: usize,
+        x: &[f32],
+        weight: f32,
+    ) -> Option<Vec<f32>>;
+
+    /// Whether this model holds routed expert `expert` of backbone layer `layer` (an
+    /// `ExpertFilter` may have left it out).
+    fn holds_routed_expert(&self, layer: usize, expert: usize) -> bool;
+
+    /// Whether this model holds every backbone routed expert (no `ExpertFilter` left one out).
+    fn holds_every_expert(&self) -> bool;
+
+    /// Host bytes of the backbone routed experts this model holds, and how many (layer,
+    /// expert) pairs they are.
+    fn routed_expert_bytes(&self) -> (u64, usize);
+
+    /// Each backbone layer's routed experts (the lists an expert rank places), entry `e` being
+    /// expert `e` in a model that holds every expert ([`ExpertHost::holds_every_expert`]).
+    fn expert_lists(&self) -> Vec<&[ExpertWeights<ExpertLinear>]>;
+
+    /// Takes part in one step's expert-parallel collectives with no rows of its own: every
+    /// backbone layer's MoE over zero rows, so that the backend (an EP rank, see
+    /// `backend::cuda::ep`) serves its experts to the other ranks. A no-op on a backend that
+    /// runs every expert itself. Every DP rank calls this on a step it has nothing to run.
+    fn idle_expert_step(&self);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Model;
     use crate::checkpoint::ExpertFilter;
     use crate::checkpoint::synth::write_random_checkpoint;
     use crate::config::ModelConfig;
@@ -131,7 +140,7 @@ mod tests {
 
     /// Serves every pick from copies of the weights and counts what it ran.
     struct Copies<'m> {
-        model: &'m Model,
+        model: &'m dyn ExpertHost,
         experts: Vec<Vec<RoutedExpert>>,
         calls: AtomicUsize,
         reverse: bool,
@@ -357,6 +366,72 @@ mod tests {
         assert!(
             err.to_string()
                 .contains(&format!("routed expert {experts}"))
+        );
+    }
+
+    /// The V4 family's filtered load: it holds only the kept routed experts (bit for bit the
+    /// whole model's), reads the others from its checkpoint when asked, refuses to run its
+    /// experts itself, and with every expert served through a hook gives the whole model's
+    /// logits (hash layers included).
+    #[test]
+    fn a_filtered_v4_load_holds_only_the_kept_experts() {
+        use crate::v4;
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_random_checkpoint(&ModelConfig::tiny_v4(), 8, dir.path(), 1).expect("written");
+        let whole = v4::Model::load(dir.path()).expect("whole V4 model");
+        let cfg = whole.config().clone();
+        let keeps = |layer: usize, expert: usize| (layer + expert).is_multiple_of(3);
+        let partial =
+            v4::Model::load_experts(dir.path(), &ExpertFilter::new(keeps)).expect("filtered");
+        assert!(whole.holds_every_expert() && !partial.holds_every_expert());
+        let every: Vec<(usize, usize)> = (0..cfg.n_layers)
+            .flat_map(|l| (0..cfg.n_routed_experts).map(move |e| (l, e)))
+            .collect();
+        for &(layer, expert) in &every {
+            assert_eq!(
+                partial.holds_routed_expert(layer, expert),
+                keeps(layer, expert)
+            );
+        }
+        let copies = partial.copy_routed_experts(&every).expect("copies");
+        for (&(layer, expert), copy) in every.iter().zip(&copies) {
+            let original = whole.routed_expert(layer, expert).expect("whole");
+            assert_eq!(format!("{:?}", copy.0), format!("{:?}", original.0));
+        }
+
+        let tokens = [3u32, 9, 4, 1, 7, 300];
+        let step = |model: &v4::Model, experts: Option<&dyn RoutedExperts>| {
+            let mut seq = model.new_sequence();
+            let options = crate::StepOptions {
+                experts,
+                ..crate::StepOptions::default()
+            };
+            let entry = v4::StepEntry::new(&mut seq, &tokens, LogitsWanted::All);
+            model
+                .forward_step(&mut [entry], options)
+                .and_then(EntryOutput::one_entry_logits)
+        };
+        let refused = step(&partial, None).expect_err("a partial model runs no experts itself");
+        assert!(refused.to_string().contains("expert filter"), "{refused}");
+        let hook = Copies {
+            model: &whole,
+            experts: (0..cfg.n_layers)
+                .map(|l| {
+                    (0..cfg.n_routed_experts)
+                        .map(|e| whole.routed_expert(l, e).expect("whole"))
+                        .collect()
+                })
+                .collect(),
+            calls: AtomicUsize::new(0),
+            reverse: true,
+        };
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let expected = bits(step(&whole, None).expect("whole"));
+        assert_eq!(bits(step(&partial, Some(&hook)).expect("hooked")), expected);
+        assert_eq!(
+            hook.calls.load(Ordering::Relaxed),
+            tokens.len() * cfg.n_layers * cfg.n_activated_experts,
+            "every pick of every layer, hash layers included, goes through the hook"
         );
     }
 }

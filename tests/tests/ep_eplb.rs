@@ -1,7 +1,8 @@
 //! Live EPLB on the engine: under skewed routing a rebalance lowers the load imbalance measured
 //! on the EP ranks, and placements swapped by epoch under traffic lose and change nothing (every
 //! request finishes with the tokens of a run without rebalancing, every sampled logits row
-//! bitwise equal to that run's) while no step mixes epochs.
+//! bitwise equal to that run's) while no step mixes epochs — for a V4.1 model on 4 EP ranks and
+//! for the V4 family's v4-tiny fixture on 2.
 
 mod ep_support;
 
@@ -10,12 +11,17 @@ use std::sync::Arc;
 
 use deepinfer_actors::experts::factory::ExpertParallelFactory;
 use deepinfer_actors::messages::eplb::{EplbStatus, RebalanceReport};
+use deepinfer_actors::rank::executor::ExecutorFactory;
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::{Engine, EngineConfig};
+use deepinfer_model::any_model::AnyModel;
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::PlacementEpoch;
-use ep_support::{bits, facts, model, node, run_engine, run_requests, skewed_prompts};
+use ep_support::{
+    bits, facts, facts_of, model, node, run_engine, run_requests, shut_down, skewed_prompts,
+    v4_tiny,
+};
 
 fn mean(values: &[f64]) -> f64 {
     values.iter().sum::<f64>() / values.len() as f64
@@ -79,7 +85,22 @@ async fn rebalance_lowers_the_measured_imbalance_under_skewed_routing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn epoch_swaps_under_traffic_lose_and_change_nothing() {
     let (_dir, model) = model();
-    let facts = facts(&model);
+    epoch_swaps_lose_and_change_nothing(AnyModel::from(model), 4, 4).await;
+}
+
+/// The V4 family: the v4-tiny fixture (hash-routed first layers) on dp = ep = 2 with 2 redundant
+/// slots, rebalanced under traffic as above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v4_tiny_epoch_swaps_under_traffic_lose_and_change_nothing() {
+    epoch_swaps_lose_and_change_nothing(AnyModel::from(v4_tiny()), 2, 2).await;
+}
+
+/// `model` on dp = 2 over `ep` EP ranks with `redundant` redundant slots, rebalancing every 3
+/// engine steps over a 2-step window while skewed and plain requests run, against dp = ep = 1:
+/// every request finishes with the same tokens, every sampled logits row bitwise equal; at least
+/// one placement was committed under traffic and no step mixed epochs.
+async fn epoch_swaps_lose_and_change_nothing(model: AnyModel, ep: u16, redundant: u16) {
+    let facts = facts_of(model.config());
     let mut prompts = skewed_prompts(6);
     prompts.extend([
         (10..24).collect(),
@@ -101,11 +122,15 @@ async fn epoch_swaps_under_traffic_lose_and_change_nothing() {
     // Rebalance every 3 engine steps over a 2-step window, while the requests run.
     let topology = node(
         2,
-        4,
-        "enabled = true\nredundant_experts = 4\nwindow_steps = 2\nrebalance_interval_steps = 3",
+        ep,
+        &format!(
+            "enabled = true\nredundant_experts = {redundant}\nwindow_steps = 2\n\
+             rebalance_interval_steps = 3"
+        ),
     );
     let factory = ExpertParallelFactory::new(model.clone(), &topology, "eplb test".into())
         .expect("ep factory");
+    let replays = factory.sliding_window().is_some();
     let rows = Arc::new(RowLog::new());
     let (executor, freed) = FreedLengths::track(Arc::new(ObservedFactory::new(
         Arc::new(factory.clone()),
@@ -120,7 +145,7 @@ async fn epoch_swaps_under_traffic_lose_and_change_nothing() {
     let engine = Engine::start(config).await.expect("engine starts");
     let got = run_requests(&engine, &prompts, max_tokens).await;
     let st = status(&factory).await;
-    freed.shutdown_and_check_replay(engine).await;
+    shut_down(engine, &freed, replays).await;
 
     // Zero lost or changed requests, and every row a token was sampled from bitwise the
     // reference's (request ids are given in submission order by both engines).

@@ -46,7 +46,7 @@ async fn a_silent_node_fails_the_step_by_name_and_stops_the_engine() {
     let member = Member {
         node: 1,
         nodes: 2,
-        fingerprint: EpSettings::from_node(&node).fingerprint(&ExpertSource::Model(model.clone())),
+        fingerprint: EpSettings::from_node(&node).fingerprint(&ExpertSource::from(model.clone())),
         expert_addr: loopback(&silent),
     };
     let peer = std::thread::spawn(move || bootstrap::join(boot, member, Duration::from_secs(60)));
@@ -178,7 +178,7 @@ async fn a_node_that_never_stages_fails_the_rebalance_by_name_and_the_placement_
     let member = Member {
         node: 1,
         nodes: 2,
-        fingerprint: EpSettings::from_node(&node).fingerprint(&ExpertSource::Model(model.clone())),
+        fingerprint: EpSettings::from_node(&node).fingerprint(&ExpertSource::from(model.clone())),
         expert_addr: loopback(&listener),
     };
     let layers = model.config().n_layers;

@@ -77,11 +77,14 @@ fn run_schedule_with_state(
     let mut start = 0;
     for &chunk in chunks {
         let rows = model
-            .forward_step(&mut [StepEntry::new(
-                &mut seq,
-                &tokens[start..start + chunk],
-                LogitsWanted::All,
-            )])
+            .forward_step(
+                &mut [StepEntry::new(
+                    &mut seq,
+                    &tokens[start..start + chunk],
+                    LogitsWanted::All,
+                )],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("forward");
         logits.extend(rows);
@@ -150,7 +153,10 @@ fn greedy_continuation_matches_transformers() {
     let model = &fx.model;
     let mut seq = model.new_sequence();
     let mut last = model
-        .forward_step(&mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::Last)])
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::Last)],
+            StepOptions::default(),
+        )
         .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let mut greedy = Vec::with_capacity(expected.len());
@@ -158,7 +164,10 @@ fn greedy_continuation_matches_transformers() {
         let next = argmax(&last);
         greedy.push(next);
         last = model
-            .forward_step(&mut [StepEntry::new(&mut seq, &[next], LogitsWanted::Last)])
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &[next], LogitsWanted::Last)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("decode");
     }
@@ -179,11 +188,14 @@ fn run_with_rollbacks(model: &Model, tokens: &[u32], prefix: usize) -> Vec<f32> 
     let vocab = model.config().vocab_size;
     let mut seq = model.new_sequence();
     let mut logits = model
-        .forward_step(&mut [StepEntry::new(
-            &mut seq,
-            &tokens[..prefix],
-            LogitsWanted::All,
-        )])
+        .forward_step(
+            &mut [StepEntry::new(
+                &mut seq,
+                &tokens[..prefix],
+                LogitsWanted::All,
+            )],
+            StepOptions::default(),
+        )
         .and_then(EntryOutput::one_entry_logits)
         .expect("prefill");
     let mut position = prefix;
@@ -194,7 +206,10 @@ fn run_with_rollbacks(model: &Model, tokens: &[u32], prefix: usize) -> Vec<f32> 
         let mut chunk = tokens[position..position + accept].to_vec();
         chunk.extend((0..reject).map(|i| ((tokens[position] as usize + 7 * i + 3) % vocab) as u32));
         let rows = model
-            .forward_step(&mut [StepEntry::new(&mut seq, &chunk, LogitsWanted::All)])
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &chunk, LogitsWanted::All)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("verify");
         logits.extend_from_slice(&rows[..accept * vocab]);

@@ -32,6 +32,7 @@ use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::ep::ExpertRank;
 use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
+use deepinfer_model::expert_dispatch::ExpertHost;
 use deepinfer_model::v41::LogitsWanted;
 use deepinfer_tests::forward_one;
 use deepinfer_topology::{EpRank, ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};

@@ -14,6 +14,12 @@
 //!   (at least one), no request lost or changed (tokens and rows bitwise those of one rank), both
 //!   ranks ran every step index on the same epoch, epochs never going back.
 //!
+//! V4-family models (v4-tiny) are not served here: CUDA EP ranks are refused for them at start
+//! (`model_source::check_v4_features`, naming `parallel.ep`), because their MoE runs as exact
+//! fp32 linears through `moe_rows_exact`, which has no expert-parallel path, and an `ExpertRank`
+//! builds FP4/FP8 expert tables only; their EP runs on the CPU (`ep_invariance.rs`,
+//! `ep_eplb.rs`).
+//!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 //! Not run yet (written without a GPU, session of 2026-12-05).
 #![cfg(feature = "cuda")]

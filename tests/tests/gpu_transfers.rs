@@ -337,7 +337,7 @@ fn a_v4_decode_step_copies_only_the_sampled_ids_to_the_host() {
             })
             .collect();
         model
-            .forward_step(&mut entries)
+            .forward_step(&mut entries, StepOptions::default())
             .expect("step")
             .into_iter()
             .map(|out| match out {
@@ -399,7 +399,9 @@ fn a_v4_decode_step_copies_only_the_sampled_ids_to_the_host() {
             sample: None,
         })
         .collect();
-    let logits = gpu.forward_step(&mut entries).expect("step");
+    let logits = gpu
+        .forward_step(&mut entries, StepOptions::default())
+        .expect("step");
     assert_eq!(logits.len(), lengths.len());
     let counted = counters.snapshot() - before;
     assert!(counted.to_host_copies >= 1, "{counted:?}");

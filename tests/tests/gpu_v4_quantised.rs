@@ -16,7 +16,7 @@ use std::path::Path;
 use deepinfer_model::checkpoint::{Checkpoint, write_random_checkpoint};
 use deepinfer_model::config::{ExpertDtype, ModelConfig, V4Mlp};
 use deepinfer_model::v4;
-use deepinfer_model::{EntryOutput, LogitsWanted};
+use deepinfer_model::{EntryOutput, LogitsWanted, StepOptions};
 use safetensors::Dtype;
 
 mod checkpoint_patch;
@@ -44,7 +44,9 @@ fn step(
             sample: sampled.then(|| mixed_sampling(s)),
         })
         .collect();
-    model.forward_step(&mut entries).expect("step")
+    model
+        .forward_step(&mut entries, StepOptions::default())
+        .expect("step")
 }
 
 fn logits(outputs: Vec<EntryOutput>) -> Vec<Vec<f32>> {

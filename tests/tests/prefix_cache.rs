@@ -463,11 +463,14 @@ fn check_v4_resume(name: &str, model: &v4::Model) {
             writer.hold_block_rows(b * n);
         }
         model
-            .forward_step(&mut [v4::StepEntry::new(
-                &mut writer,
-                &tokens[chunk],
-                LogitsWanted::Last,
-            )])
+            .forward_step(
+                &mut [v4::StepEntry::new(
+                    &mut writer,
+                    &tokens[chunk],
+                    LogitsWanted::Last,
+                )],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("writer forward");
         for b in completed {
@@ -499,11 +502,17 @@ fn check_v4_resume(name: &str, model: &v4::Model) {
         let chunk = &tokens[fed..fed + len];
         let want = LogitsWanted::All;
         let cold = model
-            .forward_step(&mut [v4::StepEntry::new(&mut writer, chunk, want)])
+            .forward_step(
+                &mut [v4::StepEntry::new(&mut writer, chunk, want)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("cold");
         let resumed = model
-            .forward_step(&mut [v4::StepEntry::new(&mut hit, chunk, want)])
+            .forward_step(
+                &mut [v4::StepEntry::new(&mut hit, chunk, want)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("resumed");
         assert!(cold == resumed, "{name}: rows of the chunk at {fed}");
@@ -521,11 +530,14 @@ fn check_v4_resume(name: &str, model: &v4::Model) {
 
     let mut unheld = model.new_sequence();
     model
-        .forward_step(&mut [v4::StepEntry::new(
-            &mut unheld,
-            &tokens[..2 * n],
-            LogitsWanted::Last,
-        )])
+        .forward_step(
+            &mut [v4::StepEntry::new(
+                &mut unheld,
+                &tokens[..2 * n],
+                LogitsWanted::Last,
+            )],
+            StepOptions::default(),
+        )
         .and_then(EntryOutput::one_entry_logits)
         .expect("forward");
     let error = unheld.prefix_block(0, n, window).expect_err("rows dropped");

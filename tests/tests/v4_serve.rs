@@ -11,7 +11,9 @@
 //!   with `dspark.enabled`: its drafts are proposed and verified (every one, with a wrapper that
 //!   reports them confident on an emulated fixed-cost device), rejected ones rolled back, and the
 //!   greedy tokens equal running the model alone.
-//! - V4.1-only features asked of a V4 checkpoint are refused at start, naming the field.
+//! - V4.1-only features asked of a V4 checkpoint are refused at start, naming the field (a DSpark
+//!   drafter it lacks; expert parallelism on CUDA ranks), while expert parallelism with live EPLB
+//!   on the CPU resolves.
 //!
 //! Fixture: `tests/fixtures/v4/v4-tiny` (a missing one fails).
 
@@ -21,16 +23,18 @@ use std::time::Duration;
 
 use deepinfer_actors::frontend::codec::TextCodec;
 use deepinfer_actors::job::{JobOptions, run_job};
-use deepinfer_actors::model_source::{MODEL_DIR_ENV, resolve, shipped_tokenizer};
+use deepinfer_actors::model_source::{
+    MODEL_DIR_ENV, check_v4_features, resolve, shipped_tokenizer,
+};
 use deepinfer_actors::openai::ServedModel;
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest};
-use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::{ModelConfig, ModelFamily};
 use deepinfer_model::sampling::{SamplingParams, sample};
 use deepinfer_model::v4;
 use deepinfer_model::v4::{EntryOutput, StepEntry};
+use deepinfer_model::{LogitsWanted, StepOptions};
 use deepinfer_tests::confident::Confident;
 use deepinfer_tests::forward;
 use deepinfer_topology::NodeConfig;
@@ -75,7 +79,10 @@ fn alone(
     let mut logits = Vec::new();
     for chunk in prompt.chunks(CHUNK) {
         logits = model
-            .forward_step(&mut [StepEntry::new(&mut seq, chunk, LogitsWanted::Last)])
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, chunk, LogitsWanted::Last)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("prefill alone");
     }
@@ -88,7 +95,10 @@ fn alone(
             break;
         }
         logits = model
-            .forward_step(&mut [StepEntry::new(&mut seq, &[token], LogitsWanted::Last)])
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, &[token], LogitsWanted::Last)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("decode alone");
     }
@@ -318,23 +328,41 @@ fn v41_only_features_on_a_v4_checkpoint_are_refused_naming_the_field() {
     if overridden(test) {
         return;
     }
-    let cases = [
-        ("[dspark]\nenabled = true\n", "dspark.enabled"),
+    let err = resolve(&topology(&dir, 1, "[dspark]\nenabled = true\n"))
+        .err()
+        .expect("dspark.enabled was not refused");
+    assert_eq!(err.code(), "config", "{err}");
+    assert!(err.to_string().contains("dspark.enabled"), "{err}");
+    // Expert parallelism and live EPLB run on the CPU (`tests/tests/ep_invariance.rs`,
+    // `ep_eplb.rs`: bitwise the tokens of one rank).
+    let mut node = topology(&dir, 2, "[eplb]\nenabled = true\n");
+    node.parallel.ep = 2;
+    let resolved = resolve(&node).expect("a V4 checkpoint resolves with expert parallelism");
+    assert!(resolved.factory.expert_parallel().is_some());
+    assert_eq!(resolved.factory.family(), ModelFamily::V4);
+    assert_eq!(resolved.factory.sliding_window(), None, "no bounded replay");
+    let description = resolved.factory.describe();
+    assert!(
+        description.contains("experts over 2 EP ranks"),
+        "{description}"
+    );
+    // Not on CUDA ranks: the device EP ranks serve V4.1's FP4/FP8 MoE, not V4's exact one.
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
+    for (extra, field) in [
+        ("[parallel]\ndp = 2\nep = 2\n", "parallel.ep"),
         ("[eplb]\nenabled = true\n", "eplb.enabled"),
-    ];
-    for (extra, field) in cases {
-        let err = resolve(&topology(&dir, 1, extra))
-            .err()
-            .unwrap_or_else(|| panic!("{field} was not refused"));
+    ] {
+        let text = format!(
+            "[model]\nsource = \"{}\"\n[device]\nbackend = \"cuda\"\n{extra}",
+            dir.display()
+        );
+        let cuda = NodeConfig::from_toml_str(&text, "v4 cuda ep").expect("topology parses");
+        let err = check_v4_features(&cuda, &cfg).expect_err("CUDA expert parallelism on V4");
         assert_eq!(err.code(), "config", "{err}");
         let message = err.to_string();
         assert!(message.contains(field), "{field}: {message}");
+        assert!(message.contains("moe_rows_exact"), "{message}");
     }
-    // Expert parallelism over two ranks.
-    let mut node = topology(&dir, 2, "");
-    node.parallel.ep = 2;
-    let err = resolve(&node).err().expect("parallel.ep was not refused");
-    assert!(err.to_string().contains("parallel.ep"), "{err}");
     // Bounded replay (on by default) is not refused: V4 runs the full prefill.
     assert!(topology(&dir, 1, "").replay.decoder_keep_tokens.is_some());
 }

@@ -6,12 +6,12 @@
 //! `sampling::sample` picks from the logits of running alone. A negative control shows the bitwise
 //! comparison sees a one-token change; a bad entry fails the step naming its index.
 
-use deepinfer_model::LogitsWanted;
 use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::checkpoint::{Checkpoint, write_random_checkpoint};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::sampling::{SamplingParams, sample};
 use deepinfer_model::v4::{EntryOutput, Model, SequenceState, StepEntry};
+use deepinfer_model::{LogitsWanted, StepOptions};
 
 fn fixture_model() -> Model {
     Model::load(&deepinfer_tests::fixture_dir("v4/v4-tiny")).expect("fixture model loads")
@@ -47,7 +47,7 @@ fn step(
         })
         .collect();
     model
-        .forward_step(&mut entries)
+        .forward_step(&mut entries, StepOptions::default())
         .expect("step")
         .into_iter()
         .map(|out| out.into_logits().expect("logits"))
@@ -64,7 +64,10 @@ fn assert_steps_equal_alone(model: &Model, schedule: &[Vec<Vec<u32>>], wants: &[
         let stepped = step(model, &mut together, chunks, wants);
         for (s, ((seq, chunk), &want)) in alone.iter_mut().zip(chunks).zip(wants).enumerate() {
             let single = model
-                .forward_step(&mut [StepEntry::new(seq, chunk, want)])
+                .forward_step(
+                    &mut [StepEntry::new(seq, chunk, want)],
+                    StepOptions::default(),
+                )
                 .and_then(EntryOutput::one_entry_logits)
                 .expect("alone");
             assert_eq!(
@@ -129,7 +132,10 @@ fn a_step_after_a_rollback_equals_each_alone() {
     step(&model, &mut together, &prompts, &all);
     for (seq, prompt) in alone.iter_mut().zip(&prompts) {
         model
-            .forward_step(&mut [StepEntry::new(seq, prompt, LogitsWanted::All)])
+            .forward_step(
+                &mut [StepEntry::new(seq, prompt, LogitsWanted::All)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("alone");
     }
@@ -140,7 +146,10 @@ fn a_step_after_a_rollback_equals_each_alone() {
     let stepped = step(&model, &mut together, &next, &all);
     for (s, (seq, chunk)) in alone.iter_mut().zip(&next).enumerate() {
         let single = model
-            .forward_step(&mut [StepEntry::new(seq, chunk, LogitsWanted::All)])
+            .forward_step(
+                &mut [StepEntry::new(seq, chunk, LogitsWanted::All)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("alone");
         assert_eq!(bits(&stepped[s]), bits(&single), "sequence {s}");
@@ -160,7 +169,10 @@ fn negative_control_one_changed_token_changes_the_logits() {
     let stepped = step(&model, &mut seqs, &[prompt, tokens(9, 5, vocab)], &wants);
     let mut seq = model.new_sequence();
     let single = model
-        .forward_step(&mut [StepEntry::new(&mut seq, &changed, LogitsWanted::Last)])
+        .forward_step(
+            &mut [StepEntry::new(&mut seq, &changed, LogitsWanted::Last)],
+            StepOptions::default(),
+        )
         .and_then(EntryOutput::one_entry_logits)
         .expect("alone");
     assert_ne!(bits(&stepped[0]), bits(&single));
@@ -200,11 +212,16 @@ fn sampled_entries_equal_sampling_the_logits_alone() {
             sample,
         })
         .collect();
-    let outputs = model.forward_step(&mut entries).expect("step");
+    let outputs = model
+        .forward_step(&mut entries, StepOptions::default())
+        .expect("step");
     for (s, ((prompt, out), asked)) in prompts.iter().zip(outputs).zip(params).enumerate() {
         let mut seq = model.new_sequence();
         let logits = model
-            .forward_step(&mut [StepEntry::new(&mut seq, prompt, LogitsWanted::Last)])
+            .forward_step(
+                &mut [StepEntry::new(&mut seq, prompt, LogitsWanted::Last)],
+                StepOptions::default(),
+            )
             .and_then(EntryOutput::one_entry_logits)
             .expect("alone");
         match (out, asked) {
@@ -242,7 +259,10 @@ fn reduced_v4_with_mtp_steps_equal_each_alone() {
         step(&model, &mut together, chunks, &wants);
         for (seq, chunk) in alone.iter_mut().zip(chunks) {
             model
-                .forward_step(&mut [StepEntry::new(seq, chunk, LogitsWanted::Last)])
+                .forward_step(
+                    &mut [StepEntry::new(seq, chunk, LogitsWanted::Last)],
+                    StepOptions::default(),
+                )
                 .and_then(EntryOutput::one_entry_logits)
                 .expect("alone");
         }
@@ -276,13 +296,15 @@ fn a_bad_entry_fails_the_step_naming_it() {
             sample: None,
         })
         .collect();
-    let err = model.forward_step(&mut entries).expect_err("a bad token");
+    let err = model
+        .forward_step(&mut entries, StepOptions::default())
+        .expect_err("a bad token");
     assert!(err.to_string().contains("step entry 1"), "{err}");
     // Decoder bounded replay is V4.1's: asked of a V4 step, it fails naming the entry.
     entries[1].tokens = &chunks[0];
     entries[1].decoder_from = Some(1);
     let err = model
-        .forward_step(&mut entries)
+        .forward_step(&mut entries, StepOptions::default())
         .expect_err("no bounded replay");
     let text = err.to_string();
     assert!(

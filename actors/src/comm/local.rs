@@ -254,6 +254,7 @@ impl LocalComm {
                 ),
             })?;
         let dim = model.config().dim;
+        let model = model.experts();
         if layer >= self.placement.layers.len()
             || slots.len() != weights.len()
             || rows.len() != slots.len() * dim
@@ -563,7 +564,7 @@ mod comm_checks {
 mod placement_properties {
     use super::*;
     use crate::experts::tiny_test_model;
-    use deepinfer_model::expert_dispatch::ExpertPick;
+    use deepinfer_model::expert_dispatch::{ExpertHost, ExpertPick};
     use deepinfer_topology::{PlacementShape, rebalance_experts};
     use proptest::prelude::*;
     use proptest::test_runner::{Config, TestRunner};

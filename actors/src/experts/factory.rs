@@ -1,10 +1,11 @@
-//! `ExpertParallelFactory`: rank executors over one shared model whose routed experts run
-//! through an engine's `ExpertParallel` (its presence makes the supervisor spawn the expert
-//! groups and the EPLB).
+//! `ExpertParallelFactory`: rank executors over one shared model of either family whose routed
+//! experts run through an engine's `ExpertParallel` (its presence makes the supervisor spawn the
+//! expert groups and the EPLB).
 
 use std::sync::Arc;
 
-use deepinfer_model::Model;
+use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::config::ModelFamily;
 use deepinfer_topology::{DpRank, NodeConfig};
 
 use crate::comm::EpError;
@@ -16,7 +17,7 @@ use crate::rank::model_executor::ModelExecutor;
 #[derive(Debug, Clone)]
 pub struct ExpertParallelFactory {
     /// The model every rank runs (the shards copy their experts from it).
-    pub model: Arc<Model>,
+    pub model: AnyModel,
     pub parallel: Arc<ExpertParallel>,
     pub description: String,
 }
@@ -26,10 +27,11 @@ impl ExpertParallelFactory {
     /// placement for equal loads); with several `[device] nodes`, this node's EP ranks only,
     /// after every node joined (`ExpertParallel::on_node`).
     pub fn new(
-        model: Arc<Model>,
+        model: impl Into<AnyModel>,
         node: &NodeConfig,
         description: String,
     ) -> Result<ExpertParallelFactory, EpError> {
+        let model = model.into();
         let settings = EpSettings::from_node(node);
         let parallel = if node.cluster.bootstrap.is_some() {
             ExpertParallel::on_node(model.clone(), settings, &node.cluster)?
@@ -88,9 +90,17 @@ impl ExecutorFactory for ExpertParallelFactory {
         Some(crate::prefix_cache::PrefixGeometry::of(self.model.config()))
     }
 
-    /// The model's window, so bounded replay is planned under expert parallelism too (the
-    /// executor's steps run the decoder start with the routed experts on the expert shards).
+    /// A V4.1 model's window, so bounded replay is planned under expert parallelism too (the
+    /// executor's steps run the decoder start with the routed experts on the expert shards); a
+    /// V4-family model has no decoder bounded replay.
     fn sliding_window(&self) -> Option<usize> {
-        Some(self.model.config().window_size)
+        match &self.model {
+            AnyModel::V41(model) => Some(model.config().window_size),
+            AnyModel::V4(_) => None,
+        }
+    }
+
+    fn family(&self) -> ModelFamily {
+        self.model.config().family
     }
 }

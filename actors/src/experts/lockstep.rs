@@ -4,7 +4,7 @@
 //! Such ranks must run the same number of steps, each one pass over every backbone layer. A rank
 //! leads a step when it has work of its own (`begin`); a rank with none follows: while a peer has
 //! begun more steps than it (`behind`), it runs idle steps (every layer's collective with no
-//! rows, `Model::idle_expert_step`), so a busy rank never waits for an idle one past one poll of
+//! rows, `ExpertHost::idle_expert_step`), so a busy rank never waits for an idle one past one poll of
 //! its thread (`FOLLOW_POLL`). The scheduler's `Idle` plans only make a rank follow; they never
 //! begin a step, so idle ranks never lead one another. A placement epoch is committed at the
 //! first step index no rank has begun (`commit`, under the same lock as `begin`), so every rank

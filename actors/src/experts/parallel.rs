@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use deepinfer_model::Model;
+use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::checkpoint::ExpertFilter;
 use deepinfer_model::memory_plan::WeightSplit;
 use deepinfer_topology::{
@@ -85,7 +85,8 @@ impl EpSettings {
         (source.layers(), source.routed_experts()).hash(&mut hasher);
         if let ExpertSource::Model(model) = source {
             let cfg = model.config();
-            (cfg.dim, cfg.vocab_size, cfg.n_activated_experts).hash(&mut hasher);
+            let family = format!("{:?}", cfg.family);
+            (family, cfg.dim, cfg.vocab_size, cfg.n_activated_experts).hash(&mut hasher);
         }
         (
             self.ep_ranks,
@@ -174,9 +175,9 @@ pub fn node_expert_filter(
 /// [`node_expert_filter`]: its routed experts' bytes against the whole model's, and the weights
 /// every node holds (the memory plan's dense and Engram shares of `model`'s config,
 /// `memory_plan::WeightSplit`).
-pub fn node_holdings(node: &NodeConfig, model: &Model) -> String {
+pub fn node_holdings(node: &NodeConfig, model: &AnyModel) -> String {
     let cfg = model.config();
-    let (held, held_count) = model.routed_expert_bytes();
+    let (held, held_count) = model.experts().routed_expert_bytes();
     let WeightSplit {
         dense,
         routed,

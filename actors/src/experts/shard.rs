@@ -1,7 +1,8 @@
 //! `ExpertShard`: what one EP rank holds for one placement epoch — the logical expert of each of
 //! its physical slots in every backbone layer, their weights (the model's own where the model
 //! holds the expert, else a copy read for the shard from the checkpoint), and a load counter per
-//! physical slot (tokens served), read by the EPLB.
+//! physical slot (tokens served), read by the EPLB. The model is either family's (`AnyModel`,
+//! seen through `ExpertHost`): a shard only runs experts on the rows and picks it is handed.
 //!
 //! A shard is immutable but for its counters; a new placement builds a new shard (reusing the
 //! weights of experts this rank already held, reading the others), so the shard of a running
@@ -11,8 +12,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use deepinfer_model::Model;
-use deepinfer_model::expert_dispatch::RoutedExpert;
+use deepinfer_model::any_model::AnyModel;
+use deepinfer_model::expert_dispatch::{ExpertHost, RoutedExpert};
+use deepinfer_model::{Model, v4};
 use deepinfer_topology::{EpRank, ExpertId, ExpertPlacement, PlacementEpoch};
 
 use crate::comm::EpError;
@@ -20,8 +22,9 @@ use crate::comm::EpError;
 /// Where the expert weights of an engine's shards come from.
 #[derive(Debug, Clone)]
 pub enum ExpertSource {
-    /// The served model: shards run its weights of the experts it holds, copies of the others.
-    Model(Arc<Model>),
+    /// The served model (either family): shards run its weights of the experts it holds,
+    /// copies of the others.
+    Model(AnyModel),
     /// Simulated devices (`deepinfer-node --simulate`): placements and load counters only.
     Simulated {
         layers: usize,
@@ -47,9 +50,21 @@ impl ExpertSource {
     }
 }
 
+impl From<AnyModel> for ExpertSource {
+    fn from(model: AnyModel) -> Self {
+        ExpertSource::Model(model)
+    }
+}
+
 impl From<Arc<Model>> for ExpertSource {
     fn from(model: Arc<Model>) -> Self {
-        ExpertSource::Model(model)
+        ExpertSource::Model(model.into())
+    }
+}
+
+impl From<Arc<v4::Model>> for ExpertSource {
+    fn from(model: Arc<v4::Model>) -> Self {
+        ExpertSource::Model(model.into())
     }
 }
 
@@ -65,7 +80,7 @@ enum SlotWeights {
 /// `[layer][local slot]` weights of the experts `held`: those `previous` holds shared, the
 /// model's own where it holds the expert, the others read by `model` in one call.
 fn shard_weights(
-    model: &Model,
+    model: &dyn ExpertHost,
     held: &[Vec<ExpertId>],
     previous: Option<&ExpertShard>,
 ) -> Result<Vec<Vec<SlotWeights>>, EpError> {
@@ -133,7 +148,7 @@ pub struct StageReport {
 impl ExpertShard {
     /// The shard of `rank` under `placement` for `epoch`: weights of experts `previous` holds in
     /// the same layer are shared, the rest are copied from the model of `source` (read from its
-    /// checkpoint when the model was loaded without them: `Model::copy_routed_experts`).
+    /// checkpoint when the model was loaded without them: `ExpertHost::copy_routed_experts`).
     pub fn build(
         source: &ExpertSource,
         placement: &ExpertPlacement,
@@ -162,7 +177,7 @@ impl ExpertShard {
             held.push(experts);
         }
         let weights = match source {
-            ExpertSource::Model(model) => shard_weights(model, &held, previous)?,
+            ExpertSource::Model(model) => shard_weights(model.experts(), &held, previous)?,
             ExpertSource::Simulated { .. } => held.iter().map(|_| Vec::new()).collect(),
         };
         let served = held
@@ -251,7 +266,7 @@ impl ExpertShard {
     /// its validated placement puts on this rank.
     pub fn run(
         &self,
-        model: &Model,
+        model: &dyn ExpertHost,
         layer: usize,
         local: usize,
         x: &[f32],

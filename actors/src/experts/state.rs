@@ -202,8 +202,12 @@ mod tests {
         let x = vec![0.25f32; whole.config().dim];
         for layer in 0..layers {
             for local in 0..3 {
-                let a = own.run(&whole, layer, local, &x, 0.5).expect("runs");
-                let b = read.run(&partial, layer, local, &x, 0.5).expect("runs");
+                let a = own
+                    .run(whole.as_ref(), layer, local, &x, 0.5)
+                    .expect("runs");
+                let b = read
+                    .run(partial.as_ref(), layer, local, &x, 0.5)
+                    .expect("runs");
                 assert_eq!(a, b, "layer {layer} slot {local}");
             }
         }
@@ -225,9 +229,15 @@ mod tests {
         let group = ExpertGroupState::new(Arc::new(shard));
         let x = vec![0.5f32; model.config().dim];
         for _ in 0..3 {
-            group.current().run(&model, 2, 1, &x, 0.25).expect("runs");
+            group
+                .current()
+                .run(model.as_ref(), 2, 1, &x, 0.25)
+                .expect("runs");
         }
-        group.current().run(&model, 0, 0, &x, 0.25).expect("runs");
+        group
+            .current()
+            .run(model.as_ref(), 0, 0, &x, 0.25)
+            .expect("runs");
         let loads = group.current().take_loads();
         assert_eq!(loads[2][1], 3);
         assert_eq!(loads[0][0], 1);

@@ -27,7 +27,8 @@
 //! layers are collectives of every EP rank, so each step begins one step of the group's
 //! `Lockstep` through `DeviceExperts` (which swaps the rank's placement epoch there), and an
 //! empty batch (an `Idle` plan) or an idle thread only follows the peers' steps with idle ones
-//! (`Model::idle_expert_step`).
+//! (`ExpertHost::idle_expert_step`). On the CPU (`ExpertParallelFactory`) each step's routed
+//! experts go through the committed `LocalComm` (`StepOptions::experts`), for either family.
 //!
 //! Built per rank by `rank::factory::ModelFactory` (or `ExpertParallelFactory`).
 
@@ -141,14 +142,9 @@ impl ModelExecutor {
         let Some((device, rank)) = &self.device else {
             return Ok(None);
         };
-        let AnyModel::V41(model) = &self.model else {
-            return Err(ExecError::Backend(
-                "expert parallelism runs V4.1 models only".to_string(),
-            ));
-        };
         for _ in 0..device.lockstep().behind(*rank) {
-            let (_, epoch) = begin_device_step(device, *rank, model.backend())?;
-            model.idle_expert_step();
+            let (_, epoch) = begin_device_step(device, *rank, self.model.backend())?;
+            self.model.experts().idle_expert_step();
             device.finish(*rank, epoch);
         }
         Ok(Some(FOLLOW_POLL))

@@ -65,7 +65,7 @@ impl<'a, S> StepEntry<'a, S> {
 /// image spans, a context-parallel rank); `()` where a family has none.
 #[derive(Clone, Copy, Default)]
 pub struct StepOptions<'a, F = ()> {
-    /// Runs the routed experts elsewhere (expert parallelism, V4.1 only).
+    /// Runs the backbone's routed experts elsewhere (expert parallelism, either family).
     pub experts: Option<&'a dyn RoutedExperts>,
     /// Leave the unsampled entries' rows where the backend computed them
     /// ([`EntryOutput::DeviceLogits`], V4.1; a V4 model reads them on the host), to be sampled

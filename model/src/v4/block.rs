@@ -10,7 +10,9 @@ use crate::layers::ctx::Ctx;
 use crate::layers::moe;
 
 /// Runs one layer over the rows: `streams` is `[n, hc, dim]`, `tokens` the rows' ids (hash
-/// routing); `attention` maps the normed attention inputs `[n, dim]` to its outputs `[n, dim]`.
+/// routing); `attention` maps the normed attention inputs `[n, dim]` to its outputs `[n, dim]`;
+/// the routed experts run at `ctx.routed` when set (expert parallelism: the hash layers' picks
+/// are handed over like the router's, so where they run cannot change a bit).
 pub fn forward(
     ctx: &Ctx,
     w: &LayerWeights,
@@ -59,7 +61,12 @@ pub fn forward(
         swiglu_limit: cfg.swiglu_limit,
         precision,
     };
-    let f = match backend.moe_rows_exact(&xn, &layer, hashed.as_deref()) {
+    // With an expert site (expert parallelism) the routed experts run there, never fused here.
+    let fused = match ctx.routed {
+        None => backend.moe_rows_exact(&xn, &layer, hashed.as_deref()),
+        Some(_) => None,
+    };
+    let f = match fused {
         Some(f) => f,
         None => moe::forward_rows(ctx, &w.moe, &xn, hashed.as_deref(), false).0,
     };

@@ -3,7 +3,8 @@
 //! [`SequenceState`] API, the forward pass over a chunk at the sequence's next positions (one
 //! sequence, or several in one step: [`Model::forward_step`]), and rollback. Shared with V4.1:
 //! the backend ops (RMSNorm, RoPE, mHC/Sinkhorn, attention with sink), the RoPE/YaRN tables, the
-//! MoE and the checkpoint loader. The speculative heads (which transformers does not load): the
+//! MoE with its expert-parallel side (`StepOptions::experts`, `ExpertHost`; a load with an
+//! `ExpertFilter`: [`Model::load_experts`]) and the checkpoint loader. The speculative heads (which transformers does not load): the
 //! V4-Flash MTP block ([`Model::mtp_logits`]) and the V4-Flash-0731 DSpark drafter
 //! ([`Model::draft`]); their state lives in the [`SequenceState`].
 
@@ -19,7 +20,7 @@ mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::backend::weights::Linear;
+use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
 pub use state::{PrefixBlock, SequenceState};
 pub use step::StepEntry;
 
@@ -27,10 +28,11 @@ pub use crate::layers::markov::DraftProposal;
 pub use crate::layers::step::EntryOutput;
 
 use crate::backend::{Backend, CpuBackend, Tensor};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::{ModelConfig, ModelFamily, V4Attention};
 use crate::error::ModelError;
 use crate::layers::ctx::Ctx;
+use crate::layers::expert_hook::BackboneMoe;
 use crate::layers::loaded::Loaded;
 use dspark::{DsparkWeights, ProposalInputs};
 use mtp::MtpWeights;
@@ -55,15 +57,47 @@ pub struct ModelWeights {
     dspark: Option<Arc<DsparkWeights>>,
     /// `[head_dim]` ones: the weight of the unweighted per-head query RMSNorm.
     unit: Vec<f32>,
+    /// The checkpoint of a model loaded with an `ExpertFilter` that left experts out, kept open
+    /// (mapped, nothing resident until read) so that they can be read when asked for
+    /// (`ExpertHost::copy_routed_experts`).
+    checkpoint: Option<Arc<Checkpoint>>,
+}
+
+impl BackboneMoe for ModelWeights {
+    type Attention = weights::AttentionWeights;
+
+    fn backbone(&self) -> &[LayerWeights] {
+        &self.layers
+    }
+
+    fn expert_checkpoint(&self) -> Option<&Checkpoint> {
+        self.checkpoint.as_deref()
+    }
+
+    fn read_routed_expert(
+        ckpt: &Checkpoint,
+        cfg: &ModelConfig,
+        layer: usize,
+        expert: usize,
+    ) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
+        Loader { ckpt, cfg }.routed_expert(layer, expert)
+    }
 }
 
 impl Model {
     /// Loads `dir/config.json` and the checkpoint in `dir` (official names or the transformers
     /// spelling; FP8/FP4/BF16/F32) onto the CPU backend.
     pub fn load(dir: &Path) -> Result<Model, ModelError> {
+        Model::load_experts(dir, &ExpertFilter::all())
+    }
+
+    /// Like [`Model::load`], reading only the backbone routed experts `experts` keeps (an
+    /// expert-parallel process: the experts of its EP ranks); such a model runs its routed
+    /// experts through an expert hook only (`StepOptions::experts`).
+    pub fn load_experts(dir: &Path, experts: &ExpertFilter) -> Result<Model, ModelError> {
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
-        Model::from_checkpoint(cfg, &ckpt, Box::new(CpuBackend::new()))
+        Model::from_checkpoint_experts(cfg, &ckpt, Box::new(CpuBackend::new()), experts)
     }
 
     /// Builds the model from an opened checkpoint on `backend`.
@@ -72,11 +106,21 @@ impl Model {
         ckpt: &Checkpoint,
         backend: Box<dyn Backend>,
     ) -> Result<Model, ModelError> {
+        Model::from_checkpoint_experts(cfg, ckpt, backend, &ExpertFilter::all())
+    }
+
+    /// [`Model::from_checkpoint`] reading only the backbone routed experts `experts` keeps.
+    pub fn from_checkpoint_experts(
+        cfg: ModelConfig,
+        ckpt: &Checkpoint,
+        backend: Box<dyn Backend>,
+        experts: &ExpertFilter,
+    ) -> Result<Model, ModelError> {
         check_supported(&cfg)?;
         let loader = Loader { ckpt, cfg: &cfg };
         let (vocab, dim) = (cfg.vocab_size, cfg.dim);
         let layers = (0..cfg.n_layers)
-            .map(|l| loader.layer(l))
+            .map(|l| loader.layer(l, experts))
             .collect::<Result<Vec<_>, ModelError>>()?;
         let has_mtp = cfg.v4.as_ref().is_some_and(|v4| v4.mtp_layers > 0);
         let mtp = has_mtp.then(|| MtpWeights::load(&loader)).transpose()?;
@@ -95,6 +139,10 @@ impl Model {
             mtp: mtp.map(Arc::new),
             dspark: dspark.map(Arc::new),
             unit: vec![1.0; cfg.head_dim],
+            checkpoint: match experts.is_all() {
+                true => None,
+                false => Some(Arc::new(Checkpoint::open(ckpt.dir())?)),
+            },
         };
         Ok(Loaded::new(cfg, backend, weights))
     }

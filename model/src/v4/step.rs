@@ -10,10 +10,10 @@ use super::{Model, attention, block};
 use crate::backend::Tensor;
 use crate::backend::weights::Linear;
 use crate::error::ModelError;
-use crate::layers::ctx::Ctx;
+use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, entry_outputs, gather_rows,
-    row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows, entry_outputs,
+    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
 };
 
 /// One sequence's part of a V4 step ([`Model::forward_step`]); the V4 family has no decoder
@@ -25,12 +25,21 @@ impl Model {
     /// sequence's next positions; returns, per entry and in order, its logits rows (as
     /// a one-entry step returns them for that entry alone, bit for bit) or, for an entry that
     /// asks to `sample`, the tokens sampled from them on the backend (the logits then never leave
-    /// the device). Every entry is checked before any state changes: a bad entry fails the step
-    /// naming its index.
+    /// the device). `options.experts` runs the backbone's routed experts elsewhere (expert
+    /// parallelism: the router — a hash layer's `tid2eid` picks included —, the combine order and
+    /// the shared expert stay here, so the logits are bitwise the same when it honours the
+    /// [`crate::expert_dispatch::RoutedExperts`] contract); a V4 model reads every logits row on
+    /// the host (`options.logits_on_device` has no effect). Every entry is checked before any
+    /// state changes: a bad entry fails the step naming its index.
     pub fn forward_step(
         &self,
         entries: &mut [StepEntry<'_>],
+        options: StepOptions<'_>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
+        let experts = options.experts;
+        if experts.is_none() {
+            self.check_experts_held()?;
+        }
         for (e, entry) in entries.iter().enumerate() {
             if entry.decoder_from.is_some() {
                 return Err(ModelError::Unsupported {
@@ -84,17 +93,23 @@ impl Model {
             let table = ctx.rope.for_layer(cfg, l);
             let mut states: Vec<&mut LayerState> =
                 seqs.iter_mut().map(|seq| &mut seq.layers[l]).collect();
-            block::forward(&ctx, layer, &mut streams, &tokens, |xn| {
-                attention::forward_rows(
-                    &ctx,
-                    &layer.attn,
-                    table,
-                    xn,
-                    &rows,
-                    &mut states,
-                    &self.weights.unit,
-                )
-            });
+            block::forward(
+                &at_layer(ctx, experts, l),
+                layer,
+                &mut streams,
+                &tokens,
+                |xn| {
+                    attention::forward_rows(
+                        &ctx,
+                        &layer.attn,
+                        table,
+                        xn,
+                        &rows,
+                        &mut states,
+                        &self.weights.unit,
+                    )
+                },
+            );
         }
         if self.weights.mtp.is_some() || self.weights.dspark.is_some() {
             for ((seq, span), entry_tokens) in seqs

@@ -7,7 +7,7 @@
 
 use crate::backend::HcParams;
 use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
-use crate::checkpoint::{Checkpoint, StoredLinear};
+use crate::checkpoint::{Checkpoint, ExpertFilter, StoredLinear};
 use crate::config::{ModelConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
 use crate::layers::moe::MoeWeights;
@@ -245,14 +245,25 @@ impl Loader<'_> {
             .collect()
     }
 
+    /// Routed expert `expert` of backbone layer `layer`.
+    pub fn routed_expert(
+        &self,
+        layer: usize,
+        expert: usize,
+    ) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
+        let prefix = format!("layers.{layer}.ffn.experts.{expert}.");
+        self.expert(&prefix, self.cfg.moe_inter_dim)
+    }
+
     /// The MoE of the block under `prefix` over `n_experts` routed experts, `n_activated` per
-    /// token (hash layers: the backbone's `n_activated_experts`, the width of `tid2eid`).
+    /// token (hash layers: the backbone's `n_activated_experts`, the width of `tid2eid`); only
+    /// the routed experts `keeps(e)` are read (the others stay in the checkpoint).
     fn moe(
         &self,
         prefix: &str,
         kind: V4Mlp,
-        n_experts: usize,
-        n_activated: usize,
+        (n_experts, n_activated): (usize, usize),
+        keeps: &dyn Fn(usize) -> bool,
     ) -> Result<MoeWeights, ModelError> {
         let cfg = self.cfg;
         let p = format!("{prefix}ffn.");
@@ -263,7 +274,9 @@ impl Loader<'_> {
                 Some(self.tid2eid(&format!("{p}gate.tid2eid"))?),
             ),
         };
-        let experts = (0..n_experts)
+        let ids: Vec<usize> = (0..n_experts).filter(|&e| keeps(e)).collect();
+        let experts = ids
+            .iter()
             .map(|e| self.expert(&format!("{p}experts.{e}."), cfg.moe_inter_dim))
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(MoeWeights {
@@ -271,7 +284,7 @@ impl Loader<'_> {
             bias,
             n_activated,
             experts,
-            held: None,
+            held: (ids.len() < n_experts).then_some(ids),
             shared: self.expert(
                 &format!("{p}shared_experts."),
                 cfg.moe_inter_dim * cfg.n_shared_experts,
@@ -280,8 +293,8 @@ impl Loader<'_> {
         })
     }
 
-    /// Backbone layer `layer`.
-    pub fn layer(&self, layer: usize) -> Result<LayerWeights, ModelError> {
+    /// Backbone layer `layer`, its routed experts those `filter` keeps.
+    pub fn layer(&self, layer: usize, filter: &ExpertFilter) -> Result<LayerWeights, ModelError> {
         let cfg = self.cfg;
         let (attention, mlp) = match (cfg.v4_attention(layer), cfg.v4_mlp(layer)) {
             (Some(attention), Some(mlp)) => (attention, mlp),
@@ -292,17 +305,30 @@ impl Loader<'_> {
             }
         };
         let experts = (cfg.n_routed_experts, cfg.n_activated_experts);
-        self.block(&format!("layers.{layer}."), attention, mlp, experts)
+        let keeps = |e: usize| filter.keeps(layer, e);
+        self.block_keeping(&format!("layers.{layer}."), attention, mlp, experts, &keeps)
     }
 
-    /// The decoder block under `prefix` (a backbone layer, the MTP block or a DSpark stage) with
-    /// `(routed, activated)` experts.
+    /// The decoder block under `prefix` (the MTP block or a DSpark stage) with `(routed,
+    /// activated)` experts, all of them read.
     pub fn block(
         &self,
         prefix: &str,
         attention: V4Attention,
         mlp: V4Mlp,
-        (n_experts, n_activated): (usize, usize),
+        experts: (usize, usize),
+    ) -> Result<LayerWeights, ModelError> {
+        self.block_keeping(prefix, attention, mlp, experts, &|_| true)
+    }
+
+    /// [`Loader::block`] reading only the routed experts `keeps(e)`.
+    fn block_keeping(
+        &self,
+        prefix: &str,
+        attention: V4Attention,
+        mlp: V4Mlp,
+        experts: (usize, usize),
+        keeps: &dyn Fn(usize) -> bool,
     ) -> Result<LayerWeights, ModelError> {
         let cfg = self.cfg;
         let hc = cfg.hc.mult;
@@ -313,7 +339,7 @@ impl Loader<'_> {
             hc_attn: self.hc(&format!("{prefix}hc_attn_"), mix, 3)?,
             hc_ffn: self.hc(&format!("{prefix}hc_ffn_"), mix, 3)?,
             attn: self.attention(prefix, attention)?,
-            moe: self.moe(prefix, mlp, n_experts, n_activated)?,
+            moe: self.moe(prefix, mlp, experts, keeps)?,
         })
     }
 }

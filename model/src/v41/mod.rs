@@ -8,7 +8,6 @@ mod block;
 pub mod context_parallel;
 pub(crate) mod csa;
 pub(crate) mod dspark;
-mod expert_hook;
 pub(crate) mod state;
 pub(crate) mod step;
 mod trace;
@@ -25,11 +24,13 @@ pub use state::{MAX_BACKTRACK, PrefixBlock, SequenceState};
 pub use step::{LogitsRow, StepEntry, StepExtras, StepOptions};
 pub use trace::{ForwardTrace, Injection};
 
+use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::backend::{Backend, CpuBackend};
 use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
+use crate::layers::expert_hook::BackboneMoe;
 use crate::layers::loaded::Loaded;
 use state::{CompressorState, LayerState};
 use weights::{BlockWeights, DsparkWeights};
@@ -51,8 +52,29 @@ pub struct ModelWeights {
     vision: Option<Arc<vision::VisionTower>>,
     /// The checkpoint of a model loaded with an `ExpertFilter` that left experts out, kept open
     /// (mapped, nothing resident until read) so that they can be read when asked for
-    /// (`Model::copy_routed_experts`), even once its files are unlinked.
+    /// (`ExpertHost::copy_routed_experts`), even once its files are unlinked.
     pub(crate) checkpoint: Option<Arc<Checkpoint>>,
+}
+
+impl BackboneMoe for ModelWeights {
+    type Attention = weights::AttentionWeights;
+
+    fn backbone(&self) -> &[BlockWeights] {
+        &self.layers
+    }
+
+    fn expert_checkpoint(&self) -> Option<&Checkpoint> {
+        self.checkpoint.as_deref()
+    }
+
+    fn read_routed_expert(
+        ckpt: &Checkpoint,
+        cfg: &ModelConfig,
+        layer: usize,
+        expert: usize,
+    ) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
+        weights::routed_expert(ckpt, &format!("layers.{layer}."), cfg, expert)
+    }
 }
 
 impl Model {

@@ -1,7 +1,9 @@
 //! Shared by the expert-parallel tests: a small random V4.1 model (4 of 8 experts per token, so
-//! the combine order matters), a node topology, an observed executor factory that keeps every
-//! logits row by (request, position), and a driver that runs a fixed set of requests (and
-//! checks the `ReplayActor`'s lengths against the ranks' at the end).
+//! the combine order matters), the V4 family's v4-tiny fixture (`tests/fixtures/v4/v4-tiny`: its
+//! first three layers hash-routed by token id, 2 of 8 experts per token) and a random tiny V4
+//! with 4 of 8 active, a node topology, an observed executor factory that keeps every logits row
+//! by (request, position), and a driver that runs a fixed set of requests (and checks the
+//! `ReplayActor`'s lengths against the ranks' at the end).
 
 #![allow(dead_code)]
 
@@ -12,9 +14,9 @@ use std::time::Duration;
 use deepinfer_actors::rank::executor::ExecutorFactory;
 use deepinfer_actors::rank::observe::{ObservedFactory, RowLog};
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, ModelFacts};
-use deepinfer_model::Model;
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
+use deepinfer_model::{Model, v4};
 use deepinfer_tests::freed::FreedLengths;
 use deepinfer_topology::{NodeConfig, RequestId};
 
@@ -29,8 +31,29 @@ pub fn model() -> (tempfile::TempDir, Arc<Model>) {
     (dir, Arc::new(model))
 }
 
+/// The v4-tiny fixture (a missing one fails).
+pub fn v4_tiny() -> Arc<v4::Model> {
+    let dir = deepinfer_tests::fixture_dir("v4/v4-tiny");
+    Arc::new(v4::Model::load(&dir).expect("the v4-tiny fixture loads"))
+}
+
+/// A random tiny V4 (the v4-tiny architecture) with 4 of its 8 experts active per token, the
+/// hash layers' `tid2eid` as wide: with more than two picks the combine order matters.
+pub fn v4_four_of_eight() -> (tempfile::TempDir, Arc<v4::Model>) {
+    let mut cfg = ModelConfig::tiny_v4();
+    cfg.n_activated_experts = 4;
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_random_checkpoint(&cfg, 6, dir.path(), 1).expect("random V4 checkpoint");
+    let model = v4::Model::load(dir.path()).expect("V4 model loads");
+    (dir, Arc::new(model))
+}
+
 pub fn facts(model: &Model) -> ModelFacts {
-    let cfg = model.config();
+    facts_of(model.config())
+}
+
+/// The facts of a model of either family with config `cfg`.
+pub fn facts_of(cfg: &ModelConfig) -> ModelFacts {
     ModelFacts {
         vocab_size: cfg.vocab_size,
         bos_token_id: cfg.bos_token_id,
@@ -111,7 +134,8 @@ pub async fn start_engine(
     (engine, rows, freed)
 }
 
-/// Starts an engine over `factory`, runs `prompts`, shuts it down; returns the tokens and rows.
+/// Starts an engine over `factory`, runs `prompts`, shuts it down (checking the `ReplayActor`'s
+/// lengths when the model runs bounded replay); returns the tokens and rows.
 pub async fn run_engine(
     node: NodeConfig,
     factory: Arc<dyn ExecutorFactory>,
@@ -122,11 +146,25 @@ pub async fn run_engine(
     BTreeMap<RequestId, Vec<u32>>,
     HashMap<(RequestId, usize), Vec<f32>>,
 ) {
+    let replays = factory.sliding_window().is_some();
     let (engine, rows, freed) = start_engine(node, factory, facts).await;
     let tokens = run_requests(&engine, prompts, max_tokens).await;
-    freed.shutdown_and_check_replay(engine).await;
+    shut_down(engine, &freed, replays).await;
     let rows = rows.snapshot();
     (tokens, rows)
+}
+
+/// Shuts `engine` down; when its model runs bounded replay (`replays`: V4.1; a V4-family model
+/// has none, so no `ReplayActor`), checks the `ReplayActor`'s lengths against the ranks'.
+pub async fn shut_down(engine: Engine, freed: &FreedLengths, replays: bool) {
+    if replays {
+        freed.shutdown_and_check_replay(engine).await;
+    } else {
+        engine
+            .shutdown(Duration::from_secs(30))
+            .await
+            .expect("shuts down");
+    }
 }
 
 /// Bit patterns of a row (so equality is bitwise, NaN included).

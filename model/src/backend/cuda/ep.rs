@@ -3,7 +3,7 @@
 //! (`ep_transport.rs`: device copies between ranks sharing a device; `nccl.rs`: NCCL).
 //!
 //! Per MoE layer, every rank (with rows or none: an idle rank still calls it, see
-//! `Model::idle_expert_step`) runs the same three collectives:
+//! `ExpertHost::idle_expert_step`) runs the same three collectives:
 //! 1. Dispatch: the router runs here; each routed slot (row, pick) goes to the EP rank of the
 //!    replica that serves it; the rows for each rank are gathered into one device buffer and
 //!    sent with their counts, receiver-local expert ids and route weights; each rank runs its
@@ -68,7 +68,7 @@ impl std::fmt::Debug for ExpertRank {
 
 impl ExpertRank {
     /// EP rank `rank` (serving DP rank `dp`) of `placement` at `epoch` for the backbone layers'
-    /// experts `lists` (one list per MoE layer, `Model::expert_lists`), its experts uploaded to `backend`'s device (only those its slots hold), its rows
+    /// experts `lists` (one list per MoE layer, `ExpertHost::expert_lists`), its experts uploaded to `backend`'s device (only those its slots hold), its rows
     /// moved by `transport`.
     pub fn new(
         backend: &CudaBackend,
