@@ -195,6 +195,12 @@ pub enum KernelId {
     Q4mQdqF32,
     /// fp32 linear `x · Wᵀ` in the CPU sgemm summation order, f32 or bf16-rounded output.
     LinearSgemmF32,
+    /// The `fast` bf16 linear on tensor cores, one 16 x 8 mma tile per warp (up to 16 rows).
+    LinearBf16FastT1x1,
+    /// The `fast` bf16 linear, 2 x 2 mma tiles per warp (17 to 64 rows).
+    LinearBf16FastT2x2,
+    /// The `fast` bf16 linear, 4 x 2 mma tiles per warp (more rows).
+    LinearBf16FastT4x2,
     /// The pairwise tree over the block partials of `LinearSgemmF32`.
     LinearSgemmReduceF32,
     /// Rows of an FP8 weight dequantised to f32.
@@ -292,7 +298,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 83] = [
+    pub const ALL: [KernelId; 86] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -330,6 +336,9 @@ impl KernelId {
         KernelId::Q4eQdqF32,
         KernelId::Q4mQdqF32,
         KernelId::LinearSgemmF32,
+        KernelId::LinearBf16FastT1x1,
+        KernelId::LinearBf16FastT2x2,
+        KernelId::LinearBf16FastT4x2,
         KernelId::LinearSgemmReduceF32,
         KernelId::DequantFp8RowsF32,
         KernelId::DequantFp4RowsF32,
@@ -418,6 +427,9 @@ impl KernelId {
             KernelId::Q4eQdqF32 => "q4e_qdq_f32",
             KernelId::Q4mQdqF32 => "q4m_qdq_f32",
             KernelId::LinearSgemmF32 => "linear_sgemm_f32",
+            KernelId::LinearBf16FastT1x1 => "linear_bf16_fast_t1x1",
+            KernelId::LinearBf16FastT2x2 => "linear_bf16_fast_t2x2",
+            KernelId::LinearBf16FastT4x2 => "linear_bf16_fast_t4x2",
             KernelId::LinearSgemmReduceF32 => "linear_sgemm_reduce_f32",
             KernelId::DequantFp8RowsF32 => "dequant_fp8_rows_f32",
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
@@ -504,6 +516,9 @@ impl KernelId {
             | KernelId::RopeInterleavedF32Exact => SourceFile::Rope,
             KernelId::Q8QdqF32 | KernelId::Q4eQdqF32 | KernelId::Q4mQdqF32 => SourceFile::Qdq,
             KernelId::LinearSgemmF32
+            | KernelId::LinearBf16FastT1x1
+            | KernelId::LinearBf16FastT2x2
+            | KernelId::LinearBf16FastT4x2
             | KernelId::LinearSgemmReduceF32
             | KernelId::DequantFp8RowsF32
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,

@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 19] = [
+pub const HEADERS: [(&str, &str); 20] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/numerics.cuh",
@@ -35,6 +35,10 @@ pub const HEADERS: [(&str, &str); 19] = [
     (
         "linear/linear_sgemm.cuh",
         include_str!("../cuda/linear/linear_sgemm.cuh"),
+    ),
+    (
+        "linear/linear_fast.cuh",
+        include_str!("../cuda/linear/linear_fast.cuh"),
     ),
     (
         "attention/sparse_attention.cuh",

@@ -1,5 +1,7 @@
-// Instantiations of the sgemm-order fp32 linear (block partials, then their pairwise tree) (f32 in, f32 weights, f32 or bf16-rounded out).
+// Instantiations of the sgemm-order fp32 linear (block partials, then their pairwise tree) (f32 in, f32 weights, f32 or bf16-rounded out),
+// and of the `fast` bf16 linear on tensor cores (one tile per row class; every tile gives the same bits).
 #include "linear/linear_sgemm.cuh"
+#include "linear/linear_fast.cuh"
 
 extern "C" __global__ void __launch_bounds__(linear::THREADS)
     linear_sgemm_f32(const float* x, const float* w, float* partials, LinearParams p) {
@@ -19,4 +21,19 @@ extern "C" __global__ void __launch_bounds__(linear::THREADS)
 extern "C" __global__ void __launch_bounds__(linear::THREADS)
     dequant_fp4_rows_f32(const u8_t* packed, const u8_t* scales, float* out, DequantParams p) {
     linear::dequant_fp4_rows(packed, scales, out, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
+    linear_bf16_fast_t1x1(const float* x, const uint4* w, float* y, LinearParams p) {
+    linear_fast::linear_bf16<1, 1>(x, w, y, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
+    linear_bf16_fast_t2x2(const float* x, const uint4* w, float* y, LinearParams p) {
+    linear_fast::linear_bf16<2, 2>(x, w, y, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
+    linear_bf16_fast_t4x2(const float* x, const uint4* w, float* y, LinearParams p) {
+    linear_fast::linear_bf16<4, 2>(x, w, y, p);
 }

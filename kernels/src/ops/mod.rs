@@ -8,6 +8,7 @@ pub mod gemm_fast;
 pub mod index;
 pub mod key_table;
 pub mod linear;
+pub mod linear_fast;
 pub mod mhc;
 pub mod moe;
 pub mod movement;

@@ -12,6 +12,10 @@
 //! activation quantisation, routed w2 — in both numerics at 1, 8, 64 tokens (decode) and 1024
 //! (prefill): the fast tensor-core kernels (`ops::routed_fast`) beside the exact CUDA-core ones
 //! (`ops::routed`), on the same routes in the same run.
+//!
+//! Then the bf16 linear of one grouped `wo_a` (1024 × 4096, the op `linear_bf16` of the block
+//! profile) at 1, 8, 64 and 1024 rows: the fast tensor-core linear (`ops::linear_fast`) beside
+//! cuBLAS bf16 on the same shape and the exact sgemm-order kernel (`ops::linear`).
 
 use anyhow::{Context, Result};
 use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
@@ -20,6 +24,8 @@ use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, gemm_fp8_fast};
+use deepinfer_kernels::ops::linear::linear_sgemm_f32;
+use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
 };
@@ -383,5 +389,109 @@ pub fn run(quick: bool) -> Result<()> {
         "\nM = routed rows (tokens x 6); bytes = the distinct experts' w1, w3, w2 (FP4 codes + \
          scales, mean over {ROUTE_SETS} route sets) + activations + bf16 outputs; FLOPs = 3 GEMMs."
     );
+
+    let mut linear = Vec::new();
+    let linear_rows: &[usize] = if quick { &[1, 1024] } else { &[1, 8, 64, 1024] };
+    for &m in linear_rows {
+        linear.push(bench_bf16_linear(rt, &mut timer, LinearKernel::Fast, m)?);
+        linear.push(bench(
+            rt,
+            &blas,
+            &blas_lt,
+            &mut timer,
+            Kernel::CublasBf16,
+            WO_A,
+            m,
+        )?);
+        linear.push(bench_bf16_linear(rt, &mut timer, LinearKernel::Exact, m)?);
+    }
+    println!(
+        "\nfast numerics: the bf16 linear of one grouped wo_a (1024 x 4096) beside cuBLAS bf16 and \
+         the exact kernel"
+    );
+    print_rows(&linear);
+    println!(
+        "\nbytes = bf16 weights (exact: f32 storage, 4 bytes each) + f32 activations + outputs; \
+         roofline peak 790 TFLOP/s bf16."
+    );
     Ok(())
+}
+
+/// One grouped `wo_a` of the V4.1 block: 1024 outputs over 4096 inputs.
+const WO_A: (&str, usize, usize) = ("wo_a", 1024, 4096);
+
+/// Which bf16 linear a row times.
+#[derive(Clone, Copy)]
+enum LinearKernel {
+    Fast,
+    Exact,
+}
+
+/// Times the fast or exact bf16 linear of [`WO_A`] at `m` rows, weights rotated through more
+/// than twice the L2.
+fn bench_bf16_linear(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    kernel: LinearKernel,
+    m: usize,
+) -> Result<Row> {
+    let (name, n, k) = WO_A;
+    // bf16 values in f32 storage (the model's layout): the top 16 bits of random words.
+    let values = |seed: u64, len: usize| -> Vec<f32> {
+        random_bytes(seed, 4 * len, false)
+            .chunks_exact(4)
+            .map(|b| {
+                let bits = u32::from_le_bytes([0, 0, b[2], b[3] & 0x3f]);
+                f32::from_bits(bits) - 1.5
+            })
+            .collect()
+    };
+    let x = rt.htod(&values(900, m * k))?;
+    let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
+    let (label, weight_bytes, micros) = match kernel {
+        LinearKernel::Fast => {
+            let copies = ROTATION_BYTES.div_ceil(2 * n * k).max(2);
+            let weights = (0..copies)
+                .map(|c| FastBf16Weight::upload(rt, n, k, &values(c as u64, n * k)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let micros = time_launches(rt, timer, |i| {
+                Ok(linear_bf16_fast(
+                    rt,
+                    &x,
+                    &weights[i % copies],
+                    &mut y,
+                    m,
+                    Rounding::Bf16,
+                )?)
+            })?;
+            ("fast bf16", 2 * n * k, micros)
+        }
+        LinearKernel::Exact => {
+            let copies = ROTATION_BYTES.div_ceil(4 * n * k).max(2);
+            let weights = (0..copies)
+                .map(|c| rt.htod(&values(c as u64, n * k)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let micros = time_launches(rt, timer, |i| {
+                Ok(linear_sgemm_f32(
+                    rt,
+                    &x,
+                    &weights[i % copies],
+                    &mut y,
+                    (m, n, k),
+                    Rounding::Bf16,
+                )?)
+            })?;
+            ("exact bf16", 4 * n * k, micros)
+        }
+    };
+    Ok(Row {
+        op: format!("{name} {label}"),
+        m,
+        n,
+        k,
+        micros,
+        bytes: (weight_bytes + 4 * m * k + 4 * m * n) as f64,
+        flops: (2 * m * n * k) as f64,
+        peak_flops: BF16_FLOPS,
+    })
 }

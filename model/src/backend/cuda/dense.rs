@@ -64,7 +64,8 @@ impl CudaBackend {
     }
 
     /// [`Backend::linear_f32`] / [`Backend::linear_bf16`], with errors. Like the CPU reference, a
-    /// weight shorter than `out` rows yields only the rows it has.
+    /// weight shorter than `out` rows yields only the rows it has. In `fast` numerics the bf16
+    /// linear runs on tensor cores (`ops::linear_fast`); the fp32 linears stay exact.
     pub fn try_linear(
         &self,
         x: &Tensor,
@@ -79,11 +80,16 @@ impl CudaBackend {
         if rows == 0 || out == 0 {
             return Ok(Tensor::empty());
         }
-        let dw = self.cached_f32(OP, &w[..out * inp])?;
         let dx = self.input(OP, x)?;
         let mut dy = self.alloc(OP, rows * out)?;
-        linear_sgemm_f32(&self.rt, &dx, &dw, &mut dy, (rows, out, inp), output)
-            .map_err(op_err(OP))?;
+        if self.numerics == Numerics::Fast && output == Rounding::Bf16 {
+            let dw = self.cached_bf16_fast(&w[..out * inp], out, inp)?;
+            linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, output).map_err(op_err(OP))?;
+        } else {
+            let dw = self.cached_f32(OP, &w[..out * inp])?;
+            linear_sgemm_f32(&self.rt, &dx, &dw, &mut dy, (rows, out, inp), output)
+                .map_err(op_err(OP))?;
+        }
         Ok(self.tensor(dy))
     }
 

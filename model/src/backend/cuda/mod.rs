@@ -78,6 +78,7 @@ use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address
 use deepinfer_kernels::ops::linear::{
     dequant_fp4_rows_f32, dequant_fp8_rows_f32, linear_sgemm_f32,
 };
+use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
 use deepinfer_kernels::ops::mhc::{
     HcMixesConfig, MAX_TOKENS_PER_LAUNCH, hc_collapse_rows_f32, hc_expand_rows_f32,
     hc_mixes_rows_f32,
@@ -214,6 +215,8 @@ impl HostKey {
 #[derive(Default)]
 struct WeightCache {
     f32s: HashMap<HostKey, Arc<CudaSlice<f32>>>,
+    /// bf16 linear weights prepared for the tensor-core linear of the `fast` numerics.
+    bf16_fast: HashMap<HostKey, Arc<FastBf16Weight>>,
     fp8: HashMap<(HostKey, HostKey), Arc<DeviceFp8Weight>>,
     /// FP8 weights prepared for the tensor-core GEMM of the `fast` numerics.
     fp8_fast: HashMap<(HostKey, HostKey), Arc<FastFp8Weight>>,
@@ -551,6 +554,19 @@ impl CudaBackend {
                     .htod(weight)
                     .map_err(driver_err(op, "uploading a weight"))
             },
+        )
+    }
+
+    fn cached_bf16_fast(
+        &self,
+        weight: &[f32],
+        out: usize,
+        inp: usize,
+    ) -> Result<Arc<FastBf16Weight>, CudaBackendError> {
+        self.cached(
+            HostKey::f32s(weight),
+            |cache| &mut cache.bf16_fast,
+            || FastBf16Weight::upload(&self.rt, out, inp, weight).map_err(op_err("linear_bf16")),
         )
     }
 

@@ -1,0 +1,201 @@
+//! The `fast` bf16 linear (`ops::linear_fast`, tensor cores) against an f64 computation of its
+//! bf16 operands within the bound derived in `kernels/src/ops/linear_fast.rs`
+//! (`e = (17 · ⌈K / 16⌉ + PARTS) · 2^-23 · Σ|x w|`, plus `2^-8 (|y| + e)` for the bf16 output);
+//! every tile gives the same bits, run after run; a row alone equals itself inside batches of
+//! 2 … 300 rows (negative control: a one-element change is seen); and `CudaBackend::linear_bf16`
+//! takes it in `fast` numerics while `exact` stays bitwise the CPU reference.
+
+use deepinfer_kernels::KernelRuntime;
+use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::linear_fast::{
+    FastBf16Weight, PARTS, linear_bf16_fast, linear_bf16_fast_as_if,
+};
+use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
+use deepinfer_model::backend::{Backend, CpuBackend, Tensor};
+
+use crate::gpu_support::{Rng, bf16_unit, differing};
+
+/// Row counts that pick every tile (1 × 1 up to 16 rows, 2 × 2 up to 64, 4 × 2 beyond).
+const TILE_ROWS: [usize; 3] = [1, 64, 65];
+
+/// `rows × inp` bf16 values in f32 storage, of mixed magnitudes and signs.
+fn bf16_values(rng: &mut Rng, count: usize) -> Vec<f32> {
+    let mut values = bf16_unit(rng, count);
+    // Every 7th ×16 (exact in bf16): products of mixed magnitudes.
+    values.iter_mut().step_by(7).for_each(|v| *v *= 16.0);
+    values
+}
+
+fn run(
+    rt: &KernelRuntime,
+    x: &[f32],
+    rows: usize,
+    w: &FastBf16Weight,
+    tile_rows: Option<usize>,
+) -> Vec<f32> {
+    let dx = rt.htod(x).expect("upload x");
+    let mut dy = rt
+        .stream()
+        .alloc_zeros::<f32>(rows * w.out)
+        .expect("alloc y");
+    match tile_rows {
+        None => linear_bf16_fast(rt, &dx, w, &mut dy, rows, Rounding::Bf16),
+        Some(tile) => linear_bf16_fast_as_if(rt, &dx, w, &mut dy, rows, Rounding::Bf16, tile),
+    }
+    .expect("linear_bf16_fast");
+    rt.stream().clone_dtoh(&dy).expect("download y")
+}
+
+/// The exact values (f64) of `x · wᵀ` and each output's bound.
+fn exact_and_bound(
+    x: &[f32],
+    rows: usize,
+    w: &[f32],
+    out: usize,
+    inp: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let steps = inp.div_ceil(16) as f64;
+    let unit = (17.0 * steps + PARTS as f64) * 2f64.powi(-23);
+    let mut exact = Vec::with_capacity(rows * out);
+    let mut bound = Vec::with_capacity(rows * out);
+    for r in 0..rows {
+        let xr = &x[r * inp..(r + 1) * inp];
+        for o in 0..out {
+            let wr = &w[o * inp..(o + 1) * inp];
+            let (mut y, mut s) = (0.0f64, 0.0f64);
+            for (a, b) in xr.iter().zip(wr) {
+                let p = f64::from(*a) * f64::from(*b);
+                y += p;
+                s += p.abs();
+            }
+            let e = unit * s;
+            exact.push(y);
+            bound.push(e + 2f64.powi(-8) * (y.abs() + e));
+        }
+    }
+    (exact, bound)
+}
+
+#[test]
+fn fast_bf16_linear_is_within_its_bound_and_every_tile_gives_the_same_bits() {
+    let rt = crate::open();
+    let mut rng = Rng(41);
+    // (out, inp): inp not a multiple of the 32-element chunk or of PARTS chunks, out not a
+    // multiple of a warp's columns; the real grouped wo_a (1024 × 4096).
+    for (out, inp) in [(203usize, 544usize), (37, 70), (64, 8), (1024, 4096)] {
+        let w = bf16_values(&mut rng, out * inp);
+        let dw = FastBf16Weight::upload(&rt, out, inp, &w).expect("upload w");
+        for rows in [1usize, 7, 16, 17, 64, 65, 130] {
+            let x = bf16_values(&mut rng, rows * inp);
+            let (exact, bound) = exact_and_bound(&x, rows, &w, out, inp);
+            let got = run(&rt, &x, rows, &dw, None);
+            crate::assert_within(
+                &format!("fast bf16 linear [{rows}x{inp}]·[{inp}x{out}]"),
+                &got,
+                &exact,
+                &bound,
+            );
+            for tile in TILE_ROWS {
+                let other = run(&rt, &x, rows, &dw, Some(tile));
+                assert_eq!(
+                    differing(&other, &got),
+                    0,
+                    "[{out}x{inp}] M={rows}: the tile of {tile} rows gives other bits"
+                );
+            }
+            let again = run(&rt, &x, rows, &dw, None);
+            assert_eq!(differing(&again, &got), 0, "M={rows}: a second run differs");
+        }
+    }
+}
+
+#[test]
+fn fast_bf16_linear_is_batch_invariant() {
+    let rt = crate::open();
+    let mut rng = Rng(42);
+    let (out, inp) = (300usize, 1000usize);
+    let w = bf16_values(&mut rng, out * inp);
+    let dw = FastBf16Weight::upload(&rt, out, inp, &w).expect("upload w");
+    let probe = bf16_values(&mut rng, inp);
+    let alone = run(&rt, &probe, 1, &dw, None);
+    for batch in [2usize, 3, 16, 17, 31, 64, 65, 300] {
+        let mut x = bf16_values(&mut rng, batch * inp);
+        let at = (batch * 7 / 11).min(batch - 1);
+        x[at * inp..(at + 1) * inp].copy_from_slice(&probe);
+        let y = run(&rt, &x, batch, &dw, None);
+        assert_eq!(
+            differing(&y[at * out..(at + 1) * out], &alone),
+            0,
+            "the probe row differs alone and at row {at} of {batch}"
+        );
+    }
+    let mut nudged = probe.clone();
+    nudged[inp / 2] = -nudged[inp / 2] + 1.0;
+    let y = run(&rt, &nudged, 1, &dw, None);
+    assert!(
+        differing(&y, &alone) > 0,
+        "the invariance check cannot see a changed input"
+    );
+    println!(
+        "fast bf16 linear: a row alone is bitwise equal to itself in 8 batches of 2..300 rows"
+    );
+}
+
+/// `CudaBackend::linear_bf16` in `fast` numerics is the tensor-core linear (one launch, within
+/// its bound; on bf16 outputs it mostly rounds to the CPU's bits, so the launches tell the
+/// paths apart: the exact kernel is two, partials and their tree); in `exact` numerics it stays
+/// bitwise the CPU reference; `linear_f32` stays exact in both.
+#[test]
+fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
+    let mut rng = Rng(43);
+    let (rows, out, inp) = (5usize, 96usize, 4096usize);
+    let w = bf16_values(&mut rng, out * inp);
+    let x = bf16_values(&mut rng, rows * inp);
+    let cpu = CpuBackend::new();
+    let exact = CudaBackend::open(0, Numerics::Exact).expect("the CUDA device");
+    let fast = CudaBackend::open(0, Numerics::Fast).expect("the CUDA device");
+    let launches = |backend: &CudaBackend, run: &dyn Fn(&CudaBackend) -> Vec<f32>| {
+        let profile = backend.op_profile();
+        run(backend); // uploads the weight
+        profile.set_enabled(true);
+        let y = run(backend);
+        profile.set_enabled(false);
+        let stats = profile.take();
+        (y, stats.get("linear_bf16").map_or(0, |s| s.launches))
+    };
+    let bf16_linear = |b: &CudaBackend| {
+        b.linear_bf16(&Tensor::from(x.clone()), &w, out, inp)
+            .into_vec()
+    };
+    let reference = cpu
+        .linear_bf16(&Tensor::from(x.clone()), &w, out, inp)
+        .into_vec();
+    let (exact_y, exact_launches) = launches(&exact, &bf16_linear);
+    assert_eq!(
+        differing(&exact_y, &reference),
+        0,
+        "exact linear_bf16 is not the CPU's"
+    );
+    let (fast_y, fast_launches) = launches(&fast, &bf16_linear);
+    let (values, bound) = exact_and_bound(&x, rows, &w, out, inp);
+    crate::assert_within("backend fast linear_bf16", &fast_y, &values, &bound);
+    println!(
+        "backend linear_bf16: exact {exact_launches} launches, fast {fast_launches}; {} of {} fast \
+         outputs differ from the CPU's bits",
+        differing(&fast_y, &reference),
+        fast_y.len()
+    );
+    assert!(
+        fast_launches == 1 && exact_launches >= 2,
+        "linear_bf16 launches: exact {exact_launches}, fast {fast_launches} (the fast path is one)"
+    );
+    let f32_ref = cpu
+        .linear_f32(&Tensor::from(x.clone()), &w, out, inp)
+        .into_vec();
+    let f32_fast = fast.linear_f32(&Tensor::from(x), &w, out, inp).into_vec();
+    assert_eq!(
+        differing(&f32_fast, &f32_ref),
+        0,
+        "fast linear_f32 is not exact"
+    );
+}
