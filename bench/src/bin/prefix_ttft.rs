@@ -9,21 +9,26 @@
 //! bounded replay, `replay = "exact"`: the hit attaches 32 blocks (2048 tokens: their ring rows
 //! included) and resumes at their end, so only the question is fed. TTFT: from `generate` to the
 //! first token event. Prints the median of `--runs N` (default 5) of each and the ratio off / on.
+//! With `--cuda` (a build with the `cuda` feature, on a GPU): the same V4.1 workload on the CUDA
+//! backend (device 0, `fast` numerics, the cache's `replay = "exact"`: the hit attaches every
+//! cached block and resumes at its end, as on the CPU with `--v4`).
 //!
-//! `cargo run -p deepinfer-bench --bin prefix_ttft [-- [--v4] [--runs N]]` (the model crate is
-//! optimised in dev builds too).
+//! `cargo run -p deepinfer-bench --bin prefix_ttft [-- [--v4 | --cuda] [--runs N]]` (the model
+//! crate is optimised in dev builds too).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use deepinfer_actors::rank::factory::ModelFactory;
+use deepinfer_actors::gpu::open_cuda_backend;
+use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest, GenerationEvent, ModelFacts};
 use deepinfer_model::any_model::AnyModel;
+
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
 use deepinfer_model::{Model, checkpoint};
-use deepinfer_topology::NodeConfig;
+use deepinfer_topology::{NodeConfig, Numerics};
 
 const SYSTEM_TOKENS: usize = 2048;
 const QUESTION_TOKENS: usize = 50;
@@ -31,7 +36,8 @@ const KEEP: usize = 140;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
-    let (runs, v4) = parse_args()?;
+    let (runs, target) = parse_args()?;
+    let v4 = target == Target::V4;
     let dir = tempfile_dir()?;
     let (model, off_sections, on_sections) = if v4 {
         let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/v4/v4-tiny");
@@ -47,7 +53,13 @@ async fn main() -> Result<()> {
             CompressedVocab::halving_stub(cfg.vocab_size, pad).context("Engram vocabulary")?;
         let model = Model::load_with_vocab(&dir, Some(vocab)).context("model loads")?;
         let keep = format!("[replay]\ndecoder_keep_tokens = {KEEP}\n");
-        (Arc::new(model).into(), keep.clone(), keep + CACHE_ON)
+        let on = keep.clone()
+            + if target == Target::Cuda {
+                V4_CACHE_ON
+            } else {
+                CACHE_ON
+            };
+        (Arc::new(model).into(), keep, on)
     };
     let vocab = model.config().vocab_size as u32;
     let tokens = |n: usize, seed: u32| -> Vec<u32> {
@@ -57,8 +69,8 @@ async fn main() -> Result<()> {
     };
     let system = tokens(SYSTEM_TOKENS, 31);
     let (off_engine, on_engine) = (
-        engine(&model, &off_sections).await?,
-        engine(&model, &on_sections).await?,
+        engine(&model, target, &off_sections).await?,
+        engine(&model, target, &on_sections).await?,
     );
     let (mut off, mut on) = (Vec::new(), Vec::new());
     let mut skipped = 0;
@@ -89,10 +101,10 @@ async fn main() -> Result<()> {
     }
     let (off, on) = (median(&mut off), median(&mut on));
     let prompt_len = SYSTEM_TOKENS + QUESTION_TOKENS;
-    let rule = if v4 {
-        "v4-tiny, hits resume".to_string()
-    } else {
-        format!("keep {KEEP}")
+    let rule = match target {
+        Target::V4 => "v4-tiny, hits resume".to_string(),
+        Target::Cpu => format!("keep {KEEP}"),
+        Target::Cuda => format!("CUDA, fast numerics, keep {KEEP}, hits resume"),
     };
     println!(
         "prefix_ttft: prompt {SYSTEM_TOKENS}+{QUESTION_TOKENS} tokens, {rule}: TTFT cache off \
@@ -109,13 +121,43 @@ async fn main() -> Result<()> {
 const CACHE_ON: &str = "[prefix_cache]\nbytes_per_rank = 4294967296\n";
 const V4_CACHE_ON: &str = "[prefix_cache]\nbytes_per_rank = 4294967296\nreplay = \"exact\"\n";
 
-/// A one-rank CPU engine over `model` with `extra` topology sections.
-async fn engine(model: &AnyModel, extra: &str) -> Result<Engine> {
-    let text = format!("[device]\nbackend = \"cpu\"\n[parallel]\ndp = 1\nep = 1\n{extra}");
+/// What the benchmark times.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// The V4.1 workload on the CPU reference backend.
+    Cpu,
+    /// The v4-tiny fixture on the CPU.
+    V4,
+    /// The V4.1 workload on CUDA device 0.
+    Cuda,
+}
+
+/// A one-rank engine over `model` (on CUDA device 0 for [`Target::Cuda`]) with `extra` topology
+/// sections.
+async fn engine(model: &AnyModel, target: Target, extra: &str) -> Result<Engine> {
+    let device = match target {
+        Target::Cuda => {
+            "backend = \"cuda\"\narch = \"sm90\"\ngpus_per_node = 1\nnumerics = \"fast\""
+        }
+        Target::Cpu | Target::V4 => "backend = \"cpu\"",
+    };
+    let text = format!("[device]\n{device}\n[parallel]\ndp = 1\nep = 1\n{extra}");
     let node = NodeConfig::from_toml_str(&text, "prefix_ttft").context("topology")?;
+    let executor = match target {
+        Target::Cuda => ModelFactory::per_device(
+            model.clone(),
+            "prefix_ttft on CUDA",
+            RankDevices {
+                per_node: 1,
+                open: Arc::new(|_dp, ordinal| open_cuda_backend(ordinal, Numerics::Fast)),
+                experts: None,
+            },
+        ),
+        Target::Cpu | Target::V4 => ModelFactory::new(model.clone(), "prefix_ttft"),
+    };
     let config = EngineConfig {
         node,
-        executor: Arc::new(ModelFactory::new(model.clone(), "prefix_ttft")),
+        executor: Arc::new(executor),
         model: ModelFacts::of(model.config()),
         tokenizer: None,
     };
@@ -145,11 +187,15 @@ async fn skipped_tokens(engine: &Engine) -> Result<u64> {
     Ok(stats[0].prefix.counters.skipped_tokens)
 }
 
-/// `[--v4] [--runs N]`: the runs (default 5) and whether to time the v4-tiny fixture.
-fn parse_args() -> Result<(usize, bool)> {
+/// `[--v4 | --cuda] [--runs N]`: the runs (default 5) and what to time.
+fn parse_args() -> Result<(usize, Target)> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let v4 = args.first().is_some_and(|a| a == "--v4");
-    if v4 {
+    let target = match args.first().map(String::as_str) {
+        Some("--v4") => Target::V4,
+        Some("--cuda") => Target::Cuda,
+        _ => Target::Cpu,
+    };
+    if target != Target::Cpu {
         args.remove(0);
     }
     let runs = match args.as_slice() {
@@ -163,9 +209,9 @@ fn parse_args() -> Result<(usize, bool)> {
             }
             n
         }
-        other => bail!("usage: prefix_ttft [--v4] [--runs N], got {other:?}"),
+        other => bail!("usage: prefix_ttft [--v4 | --cuda] [--runs N], got {other:?}"),
     };
-    Ok((runs, v4))
+    Ok((runs, target))
 }
 
 fn tempfile_dir() -> Result<std::path::PathBuf> {
