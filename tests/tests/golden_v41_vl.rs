@@ -16,7 +16,7 @@ use deepinfer_model::{ForwardTrace, LogitsWanted, Model, SequenceState};
 use deepinfer_tests::forward_one;
 use golden_support::v41_rules::{
     COEFF_RMS, Golden, SAME_ARITHMETIC_LOGITS, STREAM_RMS, check_compressed_caches,
-    check_decode_run, check_prefill_selections, row_errors, summary,
+    check_decode_run, check_prefill_selections, inject_reference_topk, row_errors, summary,
 };
 use golden_support::{
     V41Fixture as Fixture, argmax, bit_equal, expected_rows, ids, max_abs_diff, rel_rms,
@@ -308,14 +308,7 @@ fn vl_prefill_matches_reference_given_reference_selections() {
     let n = tokens.len();
     let image = model.encode_image(&fx.image()).expect("encode");
     let mut trace = ForwardTrace::default();
-    trace.inject.topk = vec![None; cfg.n_layers];
-    for &source in &cfg.index_source_layers {
-        let width = cfg.index_topk.min(n / cfg.compress_ratio(source));
-        trace.inject.topk[source] = Some(expected_rows(
-            &fx.i32(&format!("vl.prefill.topk.L{source}")),
-            width,
-        ));
-    }
+    inject_reference_topk(&Golden::vl(&fx), &mut trace, n);
     let logits = run_chunk(
         model,
         &mut model.new_sequence(),

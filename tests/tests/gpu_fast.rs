@@ -68,6 +68,7 @@ mod golden_support;
 mod gpu_support;
 use golden_support::v41_rules::{
     Golden, check_prefill_dumps, check_prefill_selections, inject_reference_streams,
+    inject_reference_topk,
 };
 use golden_support::{Expected, V41Fixture, expected_rows};
 use gpu_support::gemm_data::{
@@ -1073,14 +1074,7 @@ fn v41_tiny_fast_blocks_meet_the_teacher_forced_rule() {
 
     let mut pinned = ForwardTrace::default();
     inject_reference_streams(&g, &mut pinned, n);
-    pinned.inject.topk = vec![None; cfg.n_layers];
-    for &source in &cfg.index_source_layers {
-        let width = cfg.index_topk.min(n / cfg.compress_ratio(source));
-        pinned.inject.topk[source] = Some(expected_rows(
-            &g.i32(&format!("prefill.topk.L{source}")),
-            width,
-        ));
-    }
+    inject_reference_topk(&g, &mut pinned, n);
     let seq = prefill(&mut pinned);
     check_prefill_dumps(&g, &pinned, &seq, n);
     let route_idx = g.i32("prefill.route_idx");

@@ -38,20 +38,6 @@ constexpr u32_t P_STRIDE = TILE + 8;            // bf16 per shared weight row
 // float4 loads per thread and tile: TILE keys x head_dim / 4 float4 over head_dim / 2 threads.
 constexpr u32_t LOADS = TILE / 2;
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32_t (&a)[4], u32_t b0, u32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats as a bf16 pair (lo in the low half), round to nearest even.
-__device__ __forceinline__ u32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const u32_t*>(&v);
-}
-
 // Two bf16 values from shared memory as one pair.
 __device__ __forceinline__ u32_t pair(const __nv_bfloat16& lo, const __nv_bfloat16& hi) {
     const __nv_bfloat162 v = __halves2bfloat162(lo, hi);

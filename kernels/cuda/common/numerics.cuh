@@ -76,3 +76,21 @@ __device__ __forceinline__ T store_f32(float v) {
         return v;
     }
 }
+
+// Tensor-core helpers of the `fast` kernels (attention/sparse_attention_fast.cuh,
+// linear/linear_fast.cuh).
+// Two floats as a bf16 pair (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const u32_t*>(&v);
+}
+
+// d += a · b on tensor cores: mma.sync m16n8k16, bf16 operands, fp32 accumulation (fragments in
+// PTX's m16n8k16 layouts: a rows g and g + 8, k 2q.. and 2q + 8..; b k 2q.., n g).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32_t (&a)[4], u32_t b0, u32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}

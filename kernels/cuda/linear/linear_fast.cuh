@@ -27,19 +27,6 @@ constexpr int THREADS = 32 * PARTS;
 constexpr u32_t CHUNK = 32;  // k per lane step (two mma k16 steps)
 constexpr int UNROLL = 4;    // chunks whose weights are loaded before their mma steps
 
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-    return *reinterpret_cast<unsigned*>(&v);
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // x[row, k .. k + 8) as f32, zero past inp or for a row past `rows`.
 __device__ __forceinline__ void load_x8(const float* x, u32_t row, u32_t k, const LinearParams& p, float (&v)[8]) {
     if (row >= p.rows) {

@@ -89,31 +89,20 @@ pub fn linear_bf16_fast(
     rows: usize,
     output: Rounding,
 ) -> Result<(), KernelError> {
-    linear_bf16_fast_tiled(rt, x, w, y, rows, output, tile_for(rows))
+    linear_bf16_fast_as_if(rt, x, w, y, (rows, rows), output)
 }
 
-/// [`linear_bf16_fast`] with the tile of `tile_rows` rows (tests: every tile gives the same bits).
+/// [`linear_bf16_fast`] of `rows` rows with the tile it would take for `tile_rows` rows (tests:
+/// every tile gives the same bits).
 pub fn linear_bf16_fast_as_if(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
     w: &FastBf16Weight,
     y: &mut CudaSlice<f32>,
-    rows: usize,
+    (rows, tile_rows): (usize, usize),
     output: Rounding,
-    tile_rows: usize,
 ) -> Result<(), KernelError> {
-    linear_bf16_fast_tiled(rt, x, w, y, rows, output, tile_for(tile_rows))
-}
-
-fn linear_bf16_fast_tiled(
-    rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    w: &FastBf16Weight,
-    y: &mut CudaSlice<f32>,
-    rows: usize,
-    output: Rounding,
-    (kernel, mt, nt): (KernelId, usize, usize),
-) -> Result<(), KernelError> {
+    let (kernel, mt, nt) = tile_for(tile_rows);
     expect_len(OP, "x", x.len(), rows * w.inp)?;
     expect_len(OP, "y", y.len(), rows * w.out)?;
     if rows == 0 || w.out == 0 {

@@ -40,7 +40,7 @@ fn run(
         .expect("alloc y");
     match tile_rows {
         None => linear_bf16_fast(rt, &dx, w, &mut dy, rows, Rounding::Bf16),
-        Some(tile) => linear_bf16_fast_as_if(rt, &dx, w, &mut dy, rows, Rounding::Bf16, tile),
+        Some(tile) => linear_bf16_fast_as_if(rt, &dx, w, &mut dy, (rows, tile), Rounding::Bf16),
     }
     .expect("linear_bf16_fast");
     rt.stream().clone_dtoh(&dy).expect("download y")

@@ -115,6 +115,20 @@ pub fn inject_reference_streams(g: &Golden, trace: &mut ForwardTrace, n: usize) 
     }
 }
 
+/// Pins every index source's top-k of an `n`-row prefill to the reference's (the README: "an
+/// implementation may also inject the recorded selections to test everything downstream").
+pub fn inject_reference_topk(g: &Golden, trace: &mut ForwardTrace, n: usize) {
+    let cfg = g.fx.model.config();
+    trace.inject.topk = vec![None; cfg.n_layers];
+    for &source in &cfg.index_source_layers {
+        let width = cfg.index_topk.min(n / cfg.compress_ratio(source));
+        trace.inject.topk[source] = Some(expected_rows(
+            &g.i32(&format!("prefill.topk.L{source}")),
+            width,
+        ));
+    }
+}
+
 /// Rows of a selection tensor that differ from ours: `(row, tie flag)`.
 pub fn selection_mismatches(
     ours: &[Vec<usize>],

@@ -24,7 +24,6 @@ use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, gemm_fp8_fast};
-use deepinfer_kernels::ops::linear::linear_sgemm_f32;
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
@@ -38,8 +37,8 @@ use half::bf16;
 use crate::cublaslt_fp8::LtFp8;
 use crate::ops::{
     BF16_FLOPS, FP8_FLOPS, ROTATION_BYTES, ROUTE_SETS, ROUTED_DIM, ROUTED_EXPERTS, ROUTED_INTER,
-    ROUTED_TOP_K, Row, Timer, activations, print_rows, random_bytes, route_sets, scale_bytes,
-    time_launches,
+    ROUTED_TOP_K, Row, Timer, activations, bench_linear, f32_values, print_rows, random_bytes,
+    route_sets, scale_bytes, time_launches,
 };
 
 /// Dense FP8 shapes (name, N, K): the 5120 → 6144 decode case of shared/tools/gpu.md and the
@@ -393,7 +392,7 @@ pub fn run(quick: bool) -> Result<()> {
     let mut linear = Vec::new();
     let linear_rows: &[usize] = if quick { &[1, 1024] } else { &[1, 8, 64, 1024] };
     for &m in linear_rows {
-        linear.push(bench_bf16_linear(rt, &mut timer, LinearKernel::Fast, m)?);
+        linear.push(bench_fast_linear(rt, &mut timer, m)?);
         linear.push(bench(
             rt,
             &blas,
@@ -403,7 +402,12 @@ pub fn run(quick: bool) -> Result<()> {
             WO_A,
             m,
         )?);
-        linear.push(bench_bf16_linear(rt, &mut timer, LinearKernel::Exact, m)?);
+        linear.push(bench_linear(
+            rt,
+            &mut timer,
+            ("wo_a exact bf16", Rounding::Bf16),
+            (m, WO_A.1, WO_A.2),
+        )?);
     }
     println!(
         "\nfast numerics: the bf16 linear of one grouped wo_a (1024 x 4096) beside cuBLAS bf16 and \
@@ -420,77 +424,43 @@ pub fn run(quick: bool) -> Result<()> {
 /// One grouped `wo_a` of the V4.1 block: 1024 outputs over 4096 inputs.
 const WO_A: (&str, usize, usize) = ("wo_a", 1024, 4096);
 
-/// Which bf16 linear a row times.
-#[derive(Clone, Copy)]
-enum LinearKernel {
-    Fast,
-    Exact,
-}
-
-/// Times the fast or exact bf16 linear of [`WO_A`] at `m` rows, weights rotated through more
-/// than twice the L2.
-fn bench_bf16_linear(
-    rt: &KernelRuntime,
-    timer: &mut Timer,
-    kernel: LinearKernel,
-    m: usize,
-) -> Result<Row> {
+/// Times the fast bf16 linear of [`WO_A`] at `m` rows, weights rotated through more than twice
+/// the L2.
+fn bench_fast_linear(rt: &KernelRuntime, timer: &mut Timer, m: usize) -> Result<Row> {
     let (name, n, k) = WO_A;
-    // bf16 values in f32 storage (the model's layout): the top 16 bits of random words.
-    let values = |seed: u64, len: usize| -> Vec<f32> {
-        random_bytes(seed, 4 * len, false)
-            .chunks_exact(4)
-            .map(|b| {
-                let bits = u32::from_le_bytes([0, 0, b[2], b[3] & 0x3f]);
-                f32::from_bits(bits) - 1.5
-            })
-            .collect()
+    let host = |seed: u64, len: usize| -> Result<Vec<f32>> {
+        Ok(rt.stream().clone_dtoh(&f32_values(rt, seed, len)?)?)
     };
-    let x = rt.htod(&values(900, m * k))?;
+    let x = f32_values(rt, 900, m * k)?;
     let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
-    let (label, weight_bytes, micros) = match kernel {
-        LinearKernel::Fast => {
-            let copies = ROTATION_BYTES.div_ceil(2 * n * k).max(2);
-            let weights = (0..copies)
-                .map(|c| FastBf16Weight::upload(rt, n, k, &values(c as u64, n * k)))
-                .collect::<Result<Vec<_>, _>>()?;
-            let micros = time_launches(rt, timer, |i| {
-                Ok(linear_bf16_fast(
-                    rt,
-                    &x,
-                    &weights[i % copies],
-                    &mut y,
-                    m,
-                    Rounding::Bf16,
-                )?)
-            })?;
-            ("fast bf16", 2 * n * k, micros)
-        }
-        LinearKernel::Exact => {
-            let copies = ROTATION_BYTES.div_ceil(4 * n * k).max(2);
-            let weights = (0..copies)
-                .map(|c| rt.htod(&values(c as u64, n * k)))
-                .collect::<Result<Vec<_>, _>>()?;
-            let micros = time_launches(rt, timer, |i| {
-                Ok(linear_sgemm_f32(
-                    rt,
-                    &x,
-                    &weights[i % copies],
-                    &mut y,
-                    (m, n, k),
-                    Rounding::Bf16,
-                )?)
-            })?;
-            ("exact bf16", 4 * n * k, micros)
-        }
-    };
+    let copies = ROTATION_BYTES.div_ceil(2 * n * k).max(2);
+    let weights = (0..copies)
+        .map(|c| {
+            Ok(FastBf16Weight::upload(
+                rt,
+                n,
+                k,
+                &host(300 + c as u64, n * k)?,
+            )?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let micros = time_launches(rt, timer, |i| {
+        Ok(linear_bf16_fast(
+            rt,
+            &x,
+            &weights[i % copies],
+            &mut y,
+            m,
+            Rounding::Bf16,
+        )?)
+    })?;
     Ok(Row {
-        op: format!("{name} {label}"),
+        op: format!("{name} fast bf16"),
         m,
         n,
         k,
         micros,
-        bytes: (weight_bytes + 4 * m * k + 4 * m * n) as f64,
+        bytes: (2 * n * k + 4 * m * k + 4 * m * n) as f64,
         flops: (2 * m * n * k) as f64,
         peak_flops: BF16_FLOPS,
     })

@@ -412,7 +412,7 @@ fn bench_rms_norm(rt: &KernelRuntime, timer: &mut Timer, m: usize, k: usize) -> 
 }
 
 /// f32 values in [-1, 1) on the device (bf16-representable).
-fn f32_values(rt: &KernelRuntime, seed: u64, len: usize) -> Result<CudaSlice<f32>> {
+pub(crate) fn f32_values(rt: &KernelRuntime, seed: u64, len: usize) -> Result<CudaSlice<f32>> {
     let host: Vec<f32> = random_bytes(seed, len, false)
         .iter()
         .map(|&b| (f32::from(b) - 127.5) / 128.0)
@@ -420,13 +420,13 @@ fn f32_values(rt: &KernelRuntime, seed: u64, len: usize) -> Result<CudaSlice<f32
     Ok(rt.stream().clone_htod(&host)?)
 }
 
-/// Plain fp32 linear in the CPU sgemm order (router-shaped: [M x 5120]·[5120 x 384]).
-fn bench_linear(
+/// Plain fp32 linear in the CPU sgemm order (`Rounding::F32`), or in its bf16 GEMM order with
+/// bf16 outputs, as row `op`.
+pub(crate) fn bench_linear(
     rt: &KernelRuntime,
     timer: &mut Timer,
-    m: usize,
-    n: usize,
-    k: usize,
+    (op, rounding): (&str, Rounding),
+    (m, n, k): (usize, usize, usize),
 ) -> Result<Row> {
     let copies = ROTATION_BYTES.div_ceil(n * k * 4).max(2);
     let weights = (0..copies)
@@ -441,11 +441,11 @@ fn bench_linear(
             &weights[i % copies],
             &mut y,
             (m, n, k),
-            Rounding::F32,
+            rounding,
         )?)
     })?;
     Ok(Row {
-        op: "linear sgemm f32".to_string(),
+        op: op.to_string(),
         m,
         n,
         k,
@@ -721,7 +721,12 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
         }
         rows.push(bench_act_quant(rt, &mut timer, m, 5120)?);
         rows.push(bench_rms_norm(rt, &mut timer, m, 5120)?);
-        rows.push(bench_linear(rt, &mut timer, m, 384, 5120)?);
+        rows.push(bench_linear(
+            rt,
+            &mut timer,
+            ("linear sgemm f32", Rounding::F32),
+            (m, 384, 5120),
+        )?);
     }
     rows.extend(bench_routed(rt, &mut timer, quick)?);
     rows.extend(bench_token_ops(rt, &mut timer)?);
