@@ -146,6 +146,25 @@ mod tests {
         reverse: bool,
     }
 
+    impl<'m> Copies<'m> {
+        /// Copies of every routed expert of `model` (`layers` × `experts`), computed in pick
+        /// order or, with `reverse`, backwards.
+        fn of(model: &'m dyn ExpertHost, (layers, experts): (usize, usize), reverse: bool) -> Self {
+            Copies {
+                model,
+                experts: (0..layers)
+                    .map(|l| {
+                        (0..experts)
+                            .map(|e| model.routed_expert(l, e).expect("in range"))
+                            .collect()
+                    })
+                    .collect(),
+                calls: AtomicUsize::new(0),
+                reverse,
+            }
+        }
+    }
+
     impl RoutedExperts for Copies<'_> {
         fn run(&self, layer: usize, x: &[f32], picks: &[Vec<ExpertPick>]) -> Vec<Vec<Vec<f32>>> {
             let dim = x.len() / picks.len().max(1);
@@ -179,22 +198,10 @@ mod tests {
     fn copies_of_the_experts_give_the_same_bits() {
         let (_dir, model) = tiny_model();
         let cfg = model.config().clone();
-        let experts: Vec<Vec<RoutedExpert>> = (0..cfg.n_layers)
-            .map(|l| {
-                (0..cfg.n_routed_experts)
-                    .map(|e| model.routed_expert(l, e).expect("in range"))
-                    .collect()
-            })
-            .collect();
         let tokens = [3u32, 9, 4, 1, 7, 7, 2];
         let plain = all_logits(&model, &tokens, None).expect("forward");
         for reverse in [false, true] {
-            let copies = Copies {
-                model: &model,
-                experts: experts.clone(),
-                calls: AtomicUsize::new(0),
-                reverse,
-            };
+            let copies = Copies::of(&model, (cfg.n_layers, cfg.n_routed_experts), reverse);
             let hooked = all_logits(&model, &tokens, Some(&copies)).expect("forward with experts");
             assert_eq!(
                 plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -337,18 +344,7 @@ mod tests {
             "a refused forward leaves the sequence as it was"
         );
 
-        let copies = Copies {
-            model: &whole,
-            experts: (0..cfg.n_layers)
-                .map(|l| {
-                    (0..cfg.n_routed_experts)
-                        .map(|e| whole.routed_expert(l, e).expect("whole"))
-                        .collect()
-                })
-                .collect(),
-            calls: AtomicUsize::new(0),
-            reverse: false,
-        };
+        let copies = Copies::of(&whole, (cfg.n_layers, cfg.n_routed_experts), false);
         let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let expected = all_logits(&whole, &tokens, None).expect("whole");
         let hooked = all_logits(&partial, &tokens, Some(&copies))
@@ -413,18 +409,7 @@ mod tests {
         };
         let refused = step(&partial, None).expect_err("a partial model runs no experts itself");
         assert!(refused.to_string().contains("expert filter"), "{refused}");
-        let hook = Copies {
-            model: &whole,
-            experts: (0..cfg.n_layers)
-                .map(|l| {
-                    (0..cfg.n_routed_experts)
-                        .map(|e| whole.routed_expert(l, e).expect("whole"))
-                        .collect()
-                })
-                .collect(),
-            calls: AtomicUsize::new(0),
-            reverse: true,
-        };
+        let hook = Copies::of(&whole, (cfg.n_layers, cfg.n_routed_experts), true);
         let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let expected = bits(step(&whole, None).expect("whole"));
         assert_eq!(bits(step(&partial, Some(&hook)).expect("hooked")), expected);

@@ -139,7 +139,7 @@ fn loads_but_never_stages(listener: TcpListener, layers: usize, slots: usize) {
     std::thread::spawn(move || {
         let mut held = Vec::new();
         for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { return };
+            let Ok(mut conn) = conn else { continue };
             match Request::receive(&mut conn) {
                 Ok(Some(Request::Control(request))) if request.control == Control::TakeLoads => {
                     let per_slot: Vec<Vec<u64>> = (0..layers)
