@@ -68,6 +68,22 @@ pub fn forward_one(
         .and_then(EntryOutput::one_entry_logits)
 }
 
+/// [`forward_one`] for a V4-family model.
+pub fn forward_one_v4(
+    model: &deepinfer_model::v4::Model,
+    seq: &mut deepinfer_model::v4::SequenceState,
+    tokens: &[u32],
+    want: deepinfer_model::LogitsWanted,
+) -> Result<Vec<f32>, deepinfer_model::error::ModelError> {
+    use deepinfer_model::v4::{EntryOutput, StepEntry};
+    model
+        .forward_step(
+            &mut [StepEntry::new(seq, tokens, want)],
+            deepinfer_model::StepOptions::default(),
+        )
+        .and_then(EntryOutput::one_entry_logits)
+}
+
 /// The v41-tiny fixture model ([`v41_model`]).
 pub fn v41_tiny_model() -> deepinfer_model::Model {
     v41_model("v41/v41-tiny")

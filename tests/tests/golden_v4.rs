@@ -12,9 +12,9 @@ use std::path::Path;
 use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry, StepOptions};
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
-use deepinfer_model::v4::StepEntry;
 use deepinfer_model::v4::{Model, SequenceState};
 use deepinfer_model::{EntryOutput, LogitsWanted};
+use deepinfer_tests::forward_one_v4;
 use golden_support::{Expected, argmax, ids};
 use serde_json::Value;
 
@@ -76,17 +76,13 @@ fn run_schedule_with_state(
     let mut logits = Vec::new();
     let mut start = 0;
     for &chunk in chunks {
-        let rows = model
-            .forward_step(
-                &mut [StepEntry::new(
-                    &mut seq,
-                    &tokens[start..start + chunk],
-                    LogitsWanted::All,
-                )],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("forward");
+        let rows = forward_one_v4(
+            model,
+            &mut seq,
+            &tokens[start..start + chunk],
+            LogitsWanted::All,
+        )
+        .expect("forward");
         logits.extend(rows);
         start += chunk;
     }
@@ -152,24 +148,12 @@ fn greedy_continuation_matches_transformers() {
     let expected = fx.ids("greedy_tokens");
     let model = &fx.model;
     let mut seq = model.new_sequence();
-    let mut last = model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &tokens, LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("prefill");
+    let mut last = forward_one_v4(model, &mut seq, &tokens, LogitsWanted::Last).expect("prefill");
     let mut greedy = Vec::with_capacity(expected.len());
     for _ in 0..expected.len() {
         let next = argmax(&last);
         greedy.push(next);
-        last = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &[next], LogitsWanted::Last)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("decode");
+        last = forward_one_v4(model, &mut seq, &[next], LogitsWanted::Last).expect("decode");
     }
     assert_eq!(greedy, expected);
 }
@@ -187,17 +171,8 @@ fn assert_identical(what: &str, ours: &[f32], reference: &[f32], vocab: usize) {
 fn run_with_rollbacks(model: &Model, tokens: &[u32], prefix: usize) -> Vec<f32> {
     let vocab = model.config().vocab_size;
     let mut seq = model.new_sequence();
-    let mut logits = model
-        .forward_step(
-            &mut [StepEntry::new(
-                &mut seq,
-                &tokens[..prefix],
-                LogitsWanted::All,
-            )],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("prefill");
+    let mut logits =
+        forward_one_v4(model, &mut seq, &tokens[..prefix], LogitsWanted::All).expect("prefill");
     let mut position = prefix;
     let mut step = 0usize;
     while position < tokens.len() {
@@ -205,13 +180,7 @@ fn run_with_rollbacks(model: &Model, tokens: &[u32], prefix: usize) -> Vec<f32> 
         let reject = 6 - accept.min(5);
         let mut chunk = tokens[position..position + accept].to_vec();
         chunk.extend((0..reject).map(|i| ((tokens[position] as usize + 7 * i + 3) % vocab) as u32));
-        let rows = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, &chunk, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("verify");
+        let rows = forward_one_v4(model, &mut seq, &chunk, LogitsWanted::All).expect("verify");
         logits.extend_from_slice(&rows[..accept * vocab]);
         model
             .rollback(&mut seq, position + accept)

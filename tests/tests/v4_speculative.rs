@@ -13,12 +13,12 @@
 
 use std::path::Path;
 
+use deepinfer_model::LogitsWanted;
 use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::checkpoint::{Checkpoint, write_random_checkpoint};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::v4::{DraftProposal, Model, SequenceState};
-use deepinfer_model::v4::{EntryOutput, StepEntry};
-use deepinfer_model::{LogitsWanted, StepOptions};
+use deepinfer_tests::forward_one_v4;
 use safetensors::Dtype;
 
 mod checkpoint_patch;
@@ -50,17 +50,13 @@ fn prefill(model: &Model, tokens: &[u32], chunks: &[usize]) -> (SequenceState, V
     let mut start = 0;
     for &chunk in chunks {
         rows.extend(
-            model
-                .forward_step(
-                    &mut [StepEntry::new(
-                        &mut seq,
-                        &tokens[start..start + chunk],
-                        LogitsWanted::All,
-                    )],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("forward"),
+            forward_one_v4(
+                model,
+                &mut seq,
+                &tokens[start..start + chunk],
+                LogitsWanted::All,
+            )
+            .expect("forward"),
         );
         start += chunk;
     }
@@ -128,40 +124,16 @@ fn mtp_logits_are_stable_under_chunking_rollback_and_drafting() {
     // A verify of five wrong tokens rolled back.
     let (mut rolled, _) = prefill(&model, &text[..CONTEXT], &[CONTEXT]);
     let wrong: Vec<u32> = (0..5).map(|i| (anchor + 3 + i) % vocab as u32).collect();
-    model
-        .forward_step(
-            &mut [StepEntry::new(&mut rolled, &wrong, LogitsWanted::All)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("verify");
+    forward_one_v4(&model, &mut rolled, &wrong, LogitsWanted::All).expect("verify");
     model.rollback(&mut rolled, CONTEXT).expect("rollback");
     assert_eq!(logits, model.mtp_logits(&rolled, anchor).expect("rolled"));
-    model
-        .forward_step(
-            &mut [StepEntry::new(
-                &mut rolled,
-                &text[CONTEXT..],
-                LogitsWanted::All,
-            )],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
+    forward_one_v4(&model, &mut rolled, &text[CONTEXT..], LogitsWanted::All)
         .expect("accepted tokens after the rollback");
 
     // Drafting does not change what follows: later rows and later MTP logits.
     let (mut drafted, _) = prefill(&model, &text[..CONTEXT], &[CONTEXT]);
     model.mtp_logits(&drafted, anchor).expect("draft");
-    let after = model
-        .forward_step(
-            &mut [StepEntry::new(
-                &mut drafted,
-                &text[CONTEXT..],
-                LogitsWanted::All,
-            )],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
+    let after = forward_one_v4(&model, &mut drafted, &text[CONTEXT..], LogitsWanted::All)
         .expect("after drafting");
     let (straight, rows) = prefill(&model, &text, &[CONTEXT + 6]);
     assert_eq!(after, rows[CONTEXT * vocab..]);
@@ -212,43 +184,16 @@ fn dspark_proposals_are_stable_under_chunking_rollback_and_drafting() {
     assert_eq!(proposal, model.draft(&chunked, anchor).expect("chunked"));
 
     let (mut rolled, _) = prefill(&model, &text[..CONTEXT], &[CONTEXT]);
-    model
-        .forward_step(
-            &mut [StepEntry::new(
-                &mut rolled,
-                &proposal.tokens,
-                LogitsWanted::All,
-            )],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
+    forward_one_v4(&model, &mut rolled, &proposal.tokens, LogitsWanted::All)
         .expect("verify the whole block");
     model.rollback(&mut rolled, CONTEXT).expect("rollback");
     assert_eq!(proposal, model.draft(&rolled, anchor).expect("rolled"));
-    model
-        .forward_step(
-            &mut [StepEntry::new(
-                &mut rolled,
-                &text[CONTEXT..],
-                LogitsWanted::All,
-            )],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
+    forward_one_v4(&model, &mut rolled, &text[CONTEXT..], LogitsWanted::All)
         .expect("accepted tokens after the rollback");
 
     let (mut drafted, _) = prefill(&model, &text[..CONTEXT], &[CONTEXT]);
     model.draft(&drafted, anchor).expect("draft");
-    let after = model
-        .forward_step(
-            &mut [StepEntry::new(
-                &mut drafted,
-                &text[CONTEXT..],
-                LogitsWanted::All,
-            )],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
+    let after = forward_one_v4(&model, &mut drafted, &text[CONTEXT..], LogitsWanted::All)
         .expect("after drafting");
     let (straight, all_rows) = prefill(&model, &text, &[CONTEXT + 6]);
     assert_eq!(after, all_rows[CONTEXT * vocab..]);

@@ -12,6 +12,7 @@ use deepinfer_model::config::ModelConfig;
 use deepinfer_model::sampling::{SamplingParams, sample};
 use deepinfer_model::v4::{EntryOutput, Model, SequenceState, StepEntry};
 use deepinfer_model::{LogitsWanted, StepOptions};
+use deepinfer_tests::forward_one_v4;
 
 fn fixture_model() -> Model {
     Model::load(&deepinfer_tests::fixture_dir("v4/v4-tiny")).expect("fixture model loads")
@@ -131,13 +132,7 @@ fn a_step_after_a_rollback_equals_each_alone() {
     let mut alone: Vec<SequenceState> = (0..2).map(|_| model.new_sequence()).collect();
     step(&model, &mut together, &prompts, &all);
     for (seq, prompt) in alone.iter_mut().zip(&prompts) {
-        model
-            .forward_step(
-                &mut [StepEntry::new(seq, prompt, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("alone");
+        forward_one_v4(&model, seq, prompt, LogitsWanted::All).expect("alone");
     }
     for seqs in [&mut together, &mut alone] {
         model.rollback(&mut seqs[1], 27).expect("rollback");
@@ -145,13 +140,7 @@ fn a_step_after_a_rollback_equals_each_alone() {
     let next = vec![tokens(50, 2, vocab), tokens(51, 4, vocab)];
     let stepped = step(&model, &mut together, &next, &all);
     for (s, (seq, chunk)) in alone.iter_mut().zip(&next).enumerate() {
-        let single = model
-            .forward_step(
-                &mut [StepEntry::new(seq, chunk, LogitsWanted::All)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("alone");
+        let single = forward_one_v4(&model, seq, chunk, LogitsWanted::All).expect("alone");
         assert_eq!(bits(&stepped[s]), bits(&single), "sequence {s}");
     }
 }
@@ -168,13 +157,7 @@ fn negative_control_one_changed_token_changes_the_logits() {
     let wants = [LogitsWanted::Last, LogitsWanted::Last];
     let stepped = step(&model, &mut seqs, &[prompt, tokens(9, 5, vocab)], &wants);
     let mut seq = model.new_sequence();
-    let single = model
-        .forward_step(
-            &mut [StepEntry::new(&mut seq, &changed, LogitsWanted::Last)],
-            StepOptions::default(),
-        )
-        .and_then(EntryOutput::one_entry_logits)
-        .expect("alone");
+    let single = forward_one_v4(&model, &mut seq, &changed, LogitsWanted::Last).expect("alone");
     assert_ne!(bits(&stepped[0]), bits(&single));
 }
 
@@ -217,13 +200,7 @@ fn sampled_entries_equal_sampling_the_logits_alone() {
         .expect("step");
     for (s, ((prompt, out), asked)) in prompts.iter().zip(outputs).zip(params).enumerate() {
         let mut seq = model.new_sequence();
-        let logits = model
-            .forward_step(
-                &mut [StepEntry::new(&mut seq, prompt, LogitsWanted::Last)],
-                StepOptions::default(),
-            )
-            .and_then(EntryOutput::one_entry_logits)
-            .expect("alone");
+        let logits = forward_one_v4(&model, &mut seq, prompt, LogitsWanted::Last).expect("alone");
         match (out, asked) {
             (EntryOutput::Tokens(ids), Some(params)) => {
                 let expected = sample(&logits, &params, prompt.len() as u64).expect("sample");
@@ -258,13 +235,7 @@ fn reduced_v4_with_mtp_steps_equal_each_alone() {
     for chunks in &schedule {
         step(&model, &mut together, chunks, &wants);
         for (seq, chunk) in alone.iter_mut().zip(chunks) {
-            model
-                .forward_step(
-                    &mut [StepEntry::new(seq, chunk, LogitsWanted::Last)],
-                    StepOptions::default(),
-                )
-                .and_then(EntryOutput::one_entry_logits)
-                .expect("alone");
+            forward_one_v4(&model, seq, chunk, LogitsWanted::Last).expect("alone");
         }
     }
     for (s, (a, b)) in together.iter().zip(&alone).enumerate() {
