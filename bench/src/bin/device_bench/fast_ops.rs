@@ -37,8 +37,8 @@ use half::bf16;
 use crate::cublaslt_fp8::LtFp8;
 use crate::ops::{
     BF16_FLOPS, FP8_FLOPS, ROTATION_BYTES, ROUTE_SETS, ROUTED_DIM, ROUTED_EXPERTS, ROUTED_INTER,
-    ROUTED_TOP_K, Row, Timer, activations, bench_linear, f32_values, print_rows, random_bytes,
-    route_sets, scale_bytes, time_launches,
+    ROUTED_TOP_K, Row, Timer, activations, bench_linear, f32_host_values, f32_values, print_rows,
+    random_bytes, route_sets, scale_bytes, time_launches,
 };
 
 /// Dense FP8 shapes (name, N, K): the 5120 → 6144 decode case of shared/tools/gpu.md and the
@@ -428,22 +428,12 @@ const WO_A: (&str, usize, usize) = ("wo_a", 1024, 4096);
 /// the L2.
 fn bench_fast_linear(rt: &KernelRuntime, timer: &mut Timer, m: usize) -> Result<Row> {
     let (name, n, k) = WO_A;
-    let host = |seed: u64, len: usize| -> Result<Vec<f32>> {
-        Ok(rt.stream().clone_dtoh(&f32_values(rt, seed, len)?)?)
-    };
     let x = f32_values(rt, 900, m * k)?;
     let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
     let copies = ROTATION_BYTES.div_ceil(2 * n * k).max(2);
     let weights = (0..copies)
-        .map(|c| {
-            Ok(FastBf16Weight::upload(
-                rt,
-                n,
-                k,
-                &host(300 + c as u64, n * k)?,
-            )?)
-        })
-        .collect::<Result<Vec<_>>>()?;
+        .map(|c| FastBf16Weight::upload(rt, n, k, &f32_host_values(300 + c as u64, n * k)))
+        .collect::<Result<Vec<_>, _>>()?;
     let micros = time_launches(rt, timer, |i| {
         Ok(linear_bf16_fast(
             rt,

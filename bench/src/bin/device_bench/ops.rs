@@ -412,12 +412,17 @@ fn bench_rms_norm(rt: &KernelRuntime, timer: &mut Timer, m: usize, k: usize) -> 
 }
 
 /// f32 values in [-1, 1) on the device (bf16-representable).
-pub(crate) fn f32_values(rt: &KernelRuntime, seed: u64, len: usize) -> Result<CudaSlice<f32>> {
-    let host: Vec<f32> = random_bytes(seed, len, false)
+/// `len` values in (-1, 1) with 8 significant bits (exact in bf16) from `seed`.
+pub(crate) fn f32_host_values(seed: u64, len: usize) -> Vec<f32> {
+    random_bytes(seed, len, false)
         .iter()
         .map(|&b| (f32::from(b) - 127.5) / 128.0)
-        .collect();
-    Ok(rt.stream().clone_htod(&host)?)
+        .collect()
+}
+
+/// [`f32_host_values`] on the device.
+pub(crate) fn f32_values(rt: &KernelRuntime, seed: u64, len: usize) -> Result<CudaSlice<f32>> {
+    Ok(rt.stream().clone_htod(&f32_host_values(seed, len))?)
 }
 
 /// Plain fp32 linear in the CPU sgemm order (`Rounding::F32`), or in its bf16 GEMM order with
