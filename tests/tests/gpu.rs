@@ -1859,12 +1859,17 @@ fn row_ops_reject_mismatched_shapes() {
             .contains("query 0 lists key row 3, beyond the 3 rows"),
         "{err}"
     );
-    let err = DeviceVisiblePrefixes::upload(rt, &[2, 9], 8)
-        .err()
-        .expect("9 visible of 8 keys");
+    let err = DeviceVisiblePrefixes::upload(rt, &[2, 9], 8).expect_err("9 visible of 8 keys");
     assert!(
         err.to_string()
-            .contains("query 1 sees 9 keys, beyond the 8"),
+            .contains("query 1 sees 9 keys from row 0, beyond the 8"),
+        "{err}"
+    );
+    let err = DeviceVisiblePrefixes::upload_from(rt, &[0, 5], &[2, 4], 8)
+        .expect_err("rows 5..9 of 8 keys");
+    assert!(
+        err.to_string()
+            .contains("query 1 sees 4 keys from row 5, beyond the 8"),
         "{err}"
     );
     let err = gpu

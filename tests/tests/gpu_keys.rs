@@ -224,7 +224,9 @@ fn pointer_table_attention_matches_the_flat_launcher_and_the_cpu() {
     );
 }
 
-/// Index scores of `visible` over `keys` through the table and flat (device), and the CPU's.
+/// Index scores of the queries' key windows (query `t`: `visible[t]` rows from row `first[t]`)
+/// over `keys` through the table and flat (device), and the CPU's (each query alone over its
+/// window).
 struct IndexRun {
     ptr: Vec<f32>,
     flat: Vec<f32>,
@@ -236,6 +238,7 @@ fn run_index(
     rt: &KernelRuntime,
     keys: &ScatteredKeys,
     table: &DeviceKeyTable,
+    first: &[usize],
     visible: &[usize],
     q: &[f32],
     w: &[f32],
@@ -244,7 +247,8 @@ fn run_index(
     precision: Precision,
 ) -> IndexRun {
     let stream = rt.stream();
-    let prefixes = DeviceVisiblePrefixes::upload(rt, visible, TABLE_ROWS).expect("prefixes");
+    let prefixes =
+        DeviceVisiblePrefixes::upload_from(rt, first, visible, TABLE_ROWS).expect("prefixes");
     let q_device = stream.clone_htod(q).expect("q");
     let w_device = stream.clone_htod(w).expect("w");
     let len = prefixes.total().max(1);
@@ -281,16 +285,20 @@ fn run_index(
     flat.truncate(total);
     let key_rows = Tensor::from(&keys.flat[..]).split_rows(head_dim);
     let key_refs: Vec<&Tensor> = key_rows.iter().collect();
-    let cpu = CpuBackend::new()
-        .index_scores_rows_at(
-            &Tensor::from(q),
-            &Tensor::from(w),
-            &key_refs,
-            head_dim,
-            visible,
-            precision,
-        )
-        .concat();
+    let cpu: Vec<f32> = (0..visible.len())
+        .flat_map(|t| {
+            CpuBackend::new()
+                .index_scores_rows_at(
+                    &Tensor::from(&q[t * heads * head_dim..(t + 1) * heads * head_dim]),
+                    &Tensor::from(&w[t * heads..(t + 1) * heads]),
+                    &key_refs[first[t]..],
+                    head_dim,
+                    &visible[t..=t],
+                    precision,
+                )
+                .concat()
+        })
+        .collect();
     IndexRun { ptr, flat, cpu }
 }
 
@@ -313,6 +321,7 @@ fn pointer_table_index_scores_match_the_flat_launcher_and_the_cpu() {
                 &rt,
                 &keys,
                 &keys.table,
+                &[0; 5],
                 &visible,
                 &q,
                 &w,
@@ -330,6 +339,40 @@ fn pointer_table_index_scores_match_the_flat_launcher_and_the_cpu() {
                 let original = original.expect("the repeated place is in the table");
                 assert_eq!(last[row].to_bits(), last[original].to_bits(), "{what}");
             }
+            // Windows that start past row 0 (the queries of several sequences over one table):
+            // each query scores exactly its window.
+            let first = [3, TABLE_ROWS - 1, 100, 9, 0];
+            let windows = [2, 1, 7, 300, TABLE_ROWS];
+            let run = run_index(
+                &rt,
+                &keys,
+                &keys.table,
+                &first,
+                &windows,
+                &q,
+                &w,
+                heads,
+                head_dim,
+                precision,
+            );
+            assert_eq!(run.ptr.len(), windows.iter().sum::<usize>(), "{what}");
+            checked += assert_bitwise(
+                &format!("{what}: windows, table vs flat"),
+                &run.ptr,
+                &run.flat,
+            );
+            assert_bitwise(
+                &format!("{what}: windows, table vs cpu"),
+                &run.ptr,
+                &run.cpu,
+            );
+            // Query 1's one key is the table's last row: the full-table query scores it last.
+            let last_row = run.ptr[2];
+            assert_eq!(
+                last_row.to_bits(),
+                run.ptr[run.ptr.len() - 1].to_bits(),
+                "{what}"
+            );
         }
     }
     println!(
@@ -402,6 +445,7 @@ fn a_moved_table_entry_changes_exactly_the_results_that_read_it() {
         &rt,
         &keys,
         &table,
+        &[0; 3],
         &visible,
         &q,
         &w,

@@ -1,6 +1,7 @@
 // Instantiations of the indexer scores on f32 storage: one query, and a batch of queries that
-// each see a prefix of one table of key rows, the rows either rows of one key buffer or entries
-// of a device pointer table (one address per row). One kernel body (index_scores.cuh).
+// each see a window of one table of key rows (a prefix of their own sequence's keys), the rows
+// either rows of one key buffer or entries of a device pointer table (one address per row). One
+// kernel body (index_scores.cuh).
 #include "indexer/index_scores.cuh"
 
 // One query: grid (p.keys); scores [p.keys].
@@ -10,22 +11,26 @@ extern "C" __global__ void __launch_bounds__(indexer::THREADS)
 }
 
 // Queries q [queries, heads, head_dim], w [queries, heads]: grid (max visible, queries); query t
-// scores the first visible[t] (<= p.keys) keys into scores[score_starts[t] ..].
+// scores the visible[t] keys from row first_keys[t] (first + visible <= p.keys) into
+// scores[score_starts[t] ..].
 extern "C" __global__ void __launch_bounds__(indexer::THREADS)
     index_scores_rows_f32(const float* q, const float* w, const float* keys, const u32_t* visible,
-                          const u32_t* score_starts, float* scores, IndexParams p) {
+                          const u32_t* first_keys, const u32_t* score_starts, float* scores,
+                          IndexParams p) {
     const size_t query = blockIdx.y;
     indexer::index_scores(q + query * p.heads * p.head_dim, w + query * p.heads,
-                          indexer::FlatKeys{keys, p.head_dim}, visible[query], scores + score_starts[query], p);
+                          indexer::FlatKeys{keys + size_t(first_keys[query]) * p.head_dim, p.head_dim},
+                          visible[query], scores + score_starts[query], p);
 }
 
 // As index_scores_rows_f32, with key row r the head_dim floats at the device address
 // key_ptrs[r] (r < p.keys).
 extern "C" __global__ void __launch_bounds__(indexer::THREADS)
     index_scores_rows_ptr_f32(const float* q, const float* w, const unsigned long long* key_ptrs,
-                              const u32_t* visible, const u32_t* score_starts, float* scores,
-                              IndexParams p) {
+                              const u32_t* visible, const u32_t* first_keys,
+                              const u32_t* score_starts, float* scores, IndexParams p) {
     const size_t query = blockIdx.y;
     indexer::index_scores(q + query * p.heads * p.head_dim, w + query * p.heads,
-                          indexer::KeyPointers{key_ptrs}, visible[query], scores + score_starts[query], p);
+                          indexer::KeyPointers{key_ptrs + first_keys[query]}, visible[query],
+                          scores + score_starts[query], p);
 }

@@ -1,6 +1,7 @@
 //! Lightning-indexer scores (`CpuBackend::index_scores`) of one query against compressed keys,
-//! or of a batch of queries in one launch, each against its own prefix of the rows of one shared
-//! key buffer or of a device pointer table ([`DeviceVisiblePrefixes`], [`DeviceKeyTable`]), with
+//! or of a batch of queries in one launch, each against its own window of the rows of one shared
+//! key buffer or of a device pointer table ([`DeviceVisiblePrefixes`], [`DeviceKeyTable`]: the
+//! queries of several sequences each see their own sequence's keys), with
 //! the reference's bf16 rounding points: bit-exact, one block per (key, query), a key's score a
 //! function of that query and key alone (batch invariant).
 
@@ -76,24 +77,39 @@ fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), Ke
     Ok(())
 }
 
-/// How many keys each query of a batch sees, on the device: query `t` scores the first
-/// `visible[t]` keys of a shared key buffer, into `scores[starts[t] .. starts[t] + visible[t])`
-/// of one flat output of [`DeviceVisiblePrefixes::total`] scores. Built only by
-/// [`DeviceVisiblePrefixes::upload`], which checks every count against the buffer's key count.
+/// Which keys each query of a batch sees, on the device: query `t` scores the `visible[t]` key rows
+/// from row `first[t]` of a shared key buffer or table (its own sequence's keys in a batch of
+/// several; row 0 when the queries share one prefix), into
+/// `scores[starts[t] .. starts[t] + visible[t])` of one flat output of
+/// [`DeviceVisiblePrefixes::total`] scores. Built only by [`DeviceVisiblePrefixes::upload`] or
+/// [`DeviceVisiblePrefixes::upload_from`], which check every window against the key count.
+#[derive(Debug)]
 pub struct DeviceVisiblePrefixes {
     queries: usize,
     keys: usize,
     pub(super) max_visible: usize,
     total: usize,
-    /// `[queries]` visible counts, then `[queries]` output offsets: one upload.
+    /// `[queries]` visible counts, `[queries]` output offsets, then `[queries]` first key rows:
+    /// one upload.
     pub(super) counts_and_starts: CudaSlice<u32>,
 }
 
 impl DeviceVisiblePrefixes {
-    /// Uploads the visible counts of a batch of queries over a key buffer of `keys` keys (each
-    /// count at most `keys`).
+    /// Uploads the visible counts of a batch of queries that each see a prefix of one key buffer
+    /// of `keys` keys (each count at most `keys`).
     pub fn upload(
         rt: &KernelRuntime,
+        visible: &[usize],
+        keys: usize,
+    ) -> Result<DeviceVisiblePrefixes, KernelError> {
+        DeviceVisiblePrefixes::upload_from(rt, &vec![0; visible.len()], visible, keys)
+    }
+
+    /// Uploads the key windows of a batch of queries over a key buffer of `keys` keys: query `t`
+    /// sees `visible[t]` keys from row `first[t]` (`first[t] + visible[t]` at most `keys`).
+    pub fn upload_from(
+        rt: &KernelRuntime,
+        first: &[usize],
         visible: &[usize],
         keys: usize,
     ) -> Result<DeviceVisiblePrefixes, KernelError> {
@@ -107,22 +123,36 @@ impl DeviceVisiblePrefixes {
                 ),
             });
         }
-        if let Some((query, &seen)) = visible.iter().enumerate().find(|(_, v)| **v > keys) {
+        if first.len() != visible.len() {
             return Err(KernelError::Shape {
                 op: UPLOAD,
-                message: format!("query {query} sees {seen} keys, beyond the {keys} given"),
+                message: format!("{} first rows for {} queries", first.len(), visible.len()),
+            });
+        }
+        if let Some(query) =
+            (0..visible.len()).find(|&t| first[t].saturating_add(visible[t]) > keys)
+        {
+            return Err(KernelError::Shape {
+                op: UPLOAD,
+                message: format!(
+                    "query {query} sees {} keys from row {}, beyond the {keys} given",
+                    visible[query], first[query]
+                ),
             });
         }
         let total: usize = visible.iter().sum();
         dim(UPLOAD, "scores", total)?;
-        let mut counts_and_starts = Vec::with_capacity(2 * visible.len());
-        // Every count is <= keys and the total fits u32 (checked above), so each value does.
+        dim(UPLOAD, "keys", keys)?;
+        let mut counts_and_starts = Vec::with_capacity(3 * visible.len());
+        // Every count and first row is <= keys and the total fits u32 (checked above), so each
+        // value does.
         counts_and_starts.extend(visible.iter().map(|&v| v as u32));
         let mut start = 0u32;
         for &v in visible {
             counts_and_starts.push(start);
             start += v as u32;
         }
+        counts_and_starts.extend(first.iter().map(|&f| f as u32));
         Ok(DeviceVisiblePrefixes {
             queries: visible.len(),
             keys,
@@ -132,6 +162,22 @@ impl DeviceVisiblePrefixes {
                 .htod(&counts_and_starts)
                 .map_err(KernelError::driver("uploading the visible counts"))?,
         })
+    }
+
+    /// The device views of the visible counts, the score offsets and the first key rows.
+    pub(super) fn views(
+        &self,
+    ) -> (
+        cudarc::driver::CudaView<'_, u32>,
+        cudarc::driver::CudaView<'_, u32>,
+        cudarc::driver::CudaView<'_, u32>,
+    ) {
+        let q = self.queries;
+        (
+            self.counts_and_starts.slice(..q),
+            self.counts_and_starts.slice(q..2 * q),
+            self.counts_and_starts.slice(2 * q..),
+        )
     }
 
     /// Number of queries.
@@ -146,7 +192,7 @@ impl DeviceVisiblePrefixes {
 }
 
 /// Index scores of every query `t` of `visible` (`q [queries, heads, head_dim]`, head weights
-/// `w [queries, heads]`) against its first `visible[t]` key rows of `keys` (`head_dim` values
+/// `w [queries, heads]`) against its `visible[t]` key rows of `keys` from row `first[t]` (`head_dim` values
 /// each), in one launch (grid: max visible × queries), into the flat `scores [visible.total()]`
 /// (query after query). Each score is exactly what [`index_scores_f32`] gives that query alone.
 /// Rows read through a pointer table ([`KeyRows::Table`]) may lie in many separately allocated
@@ -191,16 +237,21 @@ pub fn index_scores_rows_f32(
         THREADS,
         params.heads * 4,
     );
-    let counts = visible.counts_and_starts.slice(..visible.queries);
-    let starts = visible.counts_and_starts.slice(visible.queries..);
+    let (counts, starts, first) = visible.views();
     let mut launch = rt.launcher(kernel)?;
     launch.arg(q).arg(w);
     keys.push(&mut launch);
-    launch.arg(&counts).arg(&starts).arg(scores).arg(&params);
+    launch
+        .arg(&counts)
+        .arg(&first)
+        .arg(&starts)
+        .arg(scores)
+        .arg(&params);
     // SAFETY: signature (const float* q, const float* w, const float* keys | const unsigned long
-    // long* key_ptrs, const u32_t* visible, const u32_t* score_starts, float* scores,
-    // IndexParams); q holds queries * heads * head_dim, w queries * heads values, every visible
-    // count is <= visible.keys and the key source holds that many head_dim-wide rows (checked
+    // long* key_ptrs, const u32_t* visible, const u32_t* first_keys, const u32_t* score_starts,
+    // float* scores, IndexParams); q holds queries * heads * head_dim, w queries * heads values,
+    // every window first + visible is <= visible.keys and the key source holds that many
+    // head_dim-wide rows (checked
     // above; a table's addresses are live rows by its unsafe constructor's contract), the
     // offsets place each query's scores inside `scores` (DeviceVisiblePrefixes::upload);
     // grid.y = queries <= the grid limit; the dynamic shared memory holds one float per head.

@@ -185,9 +185,6 @@ fn counts_and_starts(
     cudarc::driver::CudaView<'_, u32>,
     cudarc::driver::CudaView<'_, u32>,
 ) {
-    let queries = visible.queries();
-    (
-        visible.counts_and_starts.slice(..queries),
-        visible.counts_and_starts.slice(queries..),
-    )
+    let (counts, starts, _) = visible.views();
+    (counts, starts)
 }

@@ -22,7 +22,7 @@ use self::pool::pool_channel;
 use super::{
     Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcParams,
     LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
-    Selection, Tensor, check_logprob_picks, check_sample_masked, check_sample_rows,
+    SelectPart, Selection, Tensor, check_logprob_picks, check_sample_masked, check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -400,19 +400,26 @@ impl Backend for CpuBackend {
         let keys: Vec<Vec<&Tensor>> = queries.iter().map(QueryKeys::flattened).collect();
         self.sparse_attention_rows_at(q, &keys, sink, scale, precision)
     }
-    #[allow(clippy::too_many_arguments)]
     fn select_rows(
         &self,
         q: &Tensor,
         weights: &Tensor,
-        keys: &[&Tensor],
+        parts: &[SelectPart<'_>],
         head_dim: usize,
-        visible: &[usize],
         k: usize,
         candidates: Candidates<'_>,
         precision: Precision,
     ) -> (Selection, Option<CandidateMask>) {
-        let scores = self.index_scores_rows_at(q, weights, keys, head_dim, visible, precision);
+        let Ok(scores) = super::select::scores_by_part(q, weights, parts, |q, w, part| {
+            Ok::<_, std::convert::Infallible>(self.index_scores_rows_at(
+                q,
+                w,
+                part.keys,
+                head_dim,
+                part.visible,
+                precision,
+            ))
+        });
         super::select::select_host(scores, k, candidates)
     }
     fn index_scores_rows_at(

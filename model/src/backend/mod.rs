@@ -21,7 +21,7 @@ pub mod tensor;
 pub mod weights;
 
 pub use cpu::CpuBackend;
-pub use select::{CandidateMask, Candidates, QueryKeys, SelectedKeys, Selection};
+pub use select::{CandidateMask, Candidates, QueryKeys, SelectPart, SelectedKeys, Selection};
 pub use tensor::{DeviceBuffer, DeviceView, Tensor};
 
 use crate::engram::gate::EngramGate;
@@ -327,19 +327,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         scale: f32,
         precision: Precision,
     ) -> Tensor;
-    /// The indexer's selection of one sequence's queries (`q [n, heads · head_dim]`, head
-    /// weights `[n, heads]`, query `t` scoring the first `visible[t]` of `keys`): the top
-    /// `min(k, visible)` scores of each (ties: lower index), ascending, restricted or accompanied
-    /// by the two-level top-k's candidate mask as `candidates` says ([`select::select_host`] is
-    /// the definition).
+    /// The indexer's selection of a step's queries (`q [n, heads · head_dim]`, head weights
+    /// `[n, heads]`: the queries of `parts` in order, `n` in all; query `t` of a part scores the
+    /// first `visible[t]` of its part's keys): the top `min(k, visible)` scores of each (ties:
+    /// lower index), ascending, one selection row per query; restricted or accompanied by the
+    /// two-level top-k's candidate mask (one row per query) as `candidates` says
+    /// ([`select::select_host`] is the definition).
     #[allow(clippy::too_many_arguments)]
     fn select_rows(
         &self,
         q: &Tensor,
         weights: &Tensor,
-        keys: &[&Tensor],
+        parts: &[SelectPart<'_>],
         head_dim: usize,
-        visible: &[usize],
         k: usize,
         candidates: Candidates<'_>,
         precision: Precision,

@@ -18,8 +18,8 @@ pub trait DeviceRows: Send + Sync + fmt::Debug {
     fn as_any(&self) -> &dyn Any;
 }
 
-/// Per query of one sequence's rows, the ascending compressed positions it selected: query `t`
-/// holds `counts[t]` of them (at most `k`).
+/// Per query of a step's rows, the ascending compressed positions it selected: query `t` holds
+/// `counts[t]` of them (at most `k`).
 #[derive(Clone)]
 pub struct Selection {
     pub k: usize,
@@ -144,6 +144,43 @@ pub enum Candidates<'a> {
     },
     /// A later index source: scores outside the source's mask do not compete.
     Apply(&'a CandidateMask),
+}
+
+/// One sequence's queries in a step's index selection ([`super::Backend::select_rows`]): the
+/// sequence's index keys (one `head_dim` row each) and, per query, how many of them it scores
+/// (the first `visible[t]`, at most all of them).
+#[derive(Debug, Clone, Copy)]
+pub struct SelectPart<'a> {
+    pub keys: &'a [&'a Tensor],
+    pub visible: &'a [usize],
+}
+
+/// The index scores of a step's queries, part by part (`score(q, weights, part)`: the scores of
+/// one part's queries, given its rows of `q` and `weights`), in query order; the first error ends
+/// it.
+pub fn scores_by_part<E>(
+    q: &Tensor,
+    weights: &Tensor,
+    parts: &[SelectPart<'_>],
+    mut score: impl FnMut(&Tensor, &Tensor, &SelectPart<'_>) -> Result<Vec<Vec<f32>>, E>,
+) -> Result<Vec<Vec<f32>>, E> {
+    let queries: usize = parts.iter().map(|part| part.visible.len()).sum();
+    let (q_width, w_width) = (q.len() / queries.max(1), weights.len() / queries.max(1));
+    let mut first = 0;
+    let mut scores = Vec::with_capacity(queries);
+    for part in parts {
+        let rows = first..first + part.visible.len();
+        first = rows.end;
+        if rows.is_empty() {
+            continue;
+        }
+        scores.extend(score(
+            &q.rows(rows.clone(), q_width),
+            &weights.rows(rows, w_width),
+            part,
+        )?);
+    }
+    Ok(scores)
 }
 
 /// The keys of one attention query: `listed` in order, then `compressed[i]` for every position

@@ -51,29 +51,29 @@ pub fn forward_rows(
         let caches = states.iter_mut().map(|s| s.main.as_mut()).collect();
         compressor::append_rows(ctx, weights, caches, rows, xn, table);
     }
-    let selections = w.indexer.as_ref().map(|indexer| {
+    let selection = w.indexer.as_ref().map(|indexer| {
         let caches = states.iter_mut().map(|s| s.index.as_mut()).collect();
         compressor::append_rows(ctx, &indexer.compressor, caches, rows, xn, table);
         compressor::select_rows(ctx, indexer, states, &qr, xn, rows, table)
     });
 
     let mut keys: Vec<QueryKeys<'_>> = Vec::with_capacity(positions.len());
-    for (e, (span, state)) in rows.spans.iter().zip(states.iter()).enumerate() {
+    for (span, state) in rows.spans.iter().zip(states.iter()) {
         let (entries, ratio) = state
             .main
             .as_ref()
             .map_or((&[][..], 1), |c| (c.entries.as_slice(), c.ratio));
-        for (row, t) in span.clone().enumerate() {
+        for t in span.clone() {
             let position = positions[t];
             let first = (position + 1).saturating_sub(cfg.window_size);
             let mut listed: Vec<&Tensor> = (first..=position)
                 .filter_map(|p| state.window.get(p))
                 .collect();
-            let selected = match &selections {
-                Some(selections) => Some(SelectedKeys {
+            let selected = match &selection {
+                Some(selection) => Some(SelectedKeys {
                     compressed: entries,
-                    selection: &selections[e],
-                    row,
+                    selection,
+                    row: t,
                 }),
                 None => {
                     let visible = ((position + 1) / ratio).min(entries.len());

@@ -5,7 +5,7 @@
 
 use super::state::{CompressorCache, LayerState};
 use super::weights::{CompressorWeights, IndexerWeights};
-use crate::backend::{Candidates, PoolSlot, RopeTable, Selection, Tensor};
+use crate::backend::{Candidates, PoolSlot, RopeTable, SelectPart, Selection, Tensor};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
 
@@ -106,7 +106,8 @@ fn entry_slots<'a>(
 /// The indexer's selection for every query of the step (`qr`, `xn` its rows; sequence `e`'s rows
 /// at `rows.spans[e]` score `states[e]`'s indexer keys): among the visible CSA entries
 /// (`w < ⌊(t+1)/ratio⌋`), the `index_topk` with the highest `Σ_h ω_h · ReLU(q_h · k_w)`, ties to the
-/// lower entry; ascending. One selection per sequence, where the backend computed it.
+/// lower entry; ascending. One selection row per query of the step, in one backend op, where the
+/// backend computed it.
 pub fn select_rows(
     ctx: &Ctx,
     w: &IndexerWeights,
@@ -115,7 +116,7 @@ pub fn select_rows(
     xn: &Tensor,
     rows: &StepRows,
     table: &RopeTable,
-) -> Vec<Selection> {
+) -> Selection {
     let cfg = ctx.cfg;
     let backend = ctx.backend;
     let precision = cfg.precision();
@@ -131,33 +132,39 @@ pub fn select_rows(
     );
     let scale = (heads as f32).powf(-0.5) * (head_dim as f32).powf(-0.5);
     let head_weights = backend.scale_at(w.weights_proj.apply(backend, xn), scale, precision);
-    let row = heads * head_dim;
-    rows.spans
+    let keys: Vec<Vec<&Tensor>> = states
         .iter()
-        .zip(states)
-        .map(|(span, state)| {
-            let keys: Vec<&Tensor> = state
+        .map(|state| {
+            state
                 .index
                 .as_ref()
-                .map_or_else(Vec::new, |cache| cache.entries.iter().collect());
-            let visible: Vec<usize> = rows.positions[span.clone()]
-                .iter()
-                .map(|&p| ((p + 1) / w.compressor.ratio).min(keys.len()))
-                .collect();
-            backend
-                .select_rows(
-                    &q.rows(span.clone(), row),
-                    &head_weights.rows(span.clone(), heads),
-                    &keys,
-                    head_dim,
-                    &visible,
-                    cfg.index_topk,
-                    Candidates::None,
-                    precision,
-                )
-                .0
+                .map_or_else(Vec::new, |cache| cache.entries.iter().collect())
         })
-        .collect()
+        .collect();
+    let visible: Vec<usize> = rows
+        .positions
+        .iter()
+        .map(|&p| (p + 1) / w.compressor.ratio)
+        .collect();
+    let parts: Vec<SelectPart<'_>> = keys
+        .iter()
+        .zip(&rows.spans)
+        .map(|(keys, span)| SelectPart {
+            keys,
+            visible: &visible[span.clone()],
+        })
+        .collect();
+    backend
+        .select_rows(
+            &q,
+            &head_weights,
+            &parts,
+            head_dim,
+            cfg.index_topk,
+            Candidates::None,
+            precision,
+        )
+        .0
 }
 
 /// The pooled entry `entry` of `cache` (the unit tests' view of

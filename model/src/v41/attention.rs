@@ -3,7 +3,7 @@
 //! inverse RoPE and the grouped low-rank output projection.
 
 use super::context_parallel::CpRank;
-use super::csa::{self, ChunkShared};
+use super::csa::{self, StepShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
@@ -38,7 +38,7 @@ pub fn forward(
     xn: &Tensor,
     rows: &StepRows,
     seqs: &mut [&mut SequenceState],
-    shared: &mut [ChunkShared],
+    shared: &mut StepShared,
     trace: Option<&mut ForwardTrace>,
     cp: Option<&CpRank<'_>>,
 ) -> Tensor {
@@ -89,68 +89,64 @@ pub fn forward(
         }
         if let Some(indexer) = &w.indexer {
             let index = csa::index_queries(ctx, indexer, &qr, xn, positions, layer);
-            let q_width = index.q.len() / n.max(1);
-            let w_width = index.head_weights.len() / n.max(1);
             let forced = trace
                 .as_deref()
                 .and_then(|t| t.inject.topk.get(layer).cloned().flatten());
-            for ((span, seq), shared) in rows.spans.iter().zip(seqs.iter()).zip(shared.iter_mut()) {
-                let keys = kv_source
-                    .and_then(|s| seq.layers[s].compressor.as_ref())
-                    .map_or(&[][..], |c| &c.index_keys[..]);
-                let selection = csa::select_chunk(
-                    ctx,
-                    keys,
-                    &index.q.rows(span.clone(), q_width),
-                    &index.head_weights.rows(span.clone(), w_width),
-                    &positions[span.clone()],
-                    layer,
-                    shared,
-                );
-                shared.selection = Some(match &forced {
-                    Some(forced) => Selection::host(forced.clone()),
-                    None => selection,
-                });
-            }
+            let keys: Vec<&[Tensor]> = seqs
+                .iter()
+                .map(|seq| {
+                    kv_source
+                        .and_then(|s| seq.layers[s].compressor.as_ref())
+                        .map_or(&[][..], |c| &c.index_keys[..])
+                })
+                .collect();
+            let selection = csa::select_step(
+                ctx,
+                &keys,
+                &rows.spans,
+                &index.q,
+                &index.head_weights,
+                positions,
+                layer,
+                shared,
+            );
+            shared.selection = Some(match forced {
+                Some(forced) => Selection::host(forced),
+                None => selection,
+            });
         }
     }
-    // Each query's compressed selection: its sequence's latest index source's, row by row.
-    let selection_of = |e: usize, row: usize| {
-        shared[e]
-            .selection
-            .as_ref()
-            .filter(|s| ratio > 0 && row < s.len())
-    };
+    // Each query's compressed selection: the step's latest index source's, row by row.
+    let selection = shared.selection.as_ref().filter(|_| ratio > 0);
     if let Some(trace) = trace {
         trace.window_kv[layer] = kv.to_vec();
-        trace.topk[layer] = rows
-            .spans
-            .iter()
-            .enumerate()
-            .flat_map(|(e, span)| {
-                (0..span.len()).map(move |row| {
-                    selection_of(e, row).map_or_else(Vec::new, |s| s.rows()[row].clone())
-                })
+        trace.topk[layer] = (0..n)
+            .map(|t| {
+                selection
+                    .filter(|s| t < s.len())
+                    .map_or_else(Vec::new, |s| s.rows()[t].clone())
             })
             .collect();
     }
 
     let mut queries: Vec<QueryKeys<'_>> = Vec::with_capacity(n);
-    for (e, (span, seq)) in rows.spans.iter().zip(seqs.iter()).enumerate() {
+    for (span, seq) in rows.spans.iter().zip(seqs.iter()) {
         let window = &seq.layers[layer].window;
         let compressed = kv_source
             .and_then(|s| seq.layers[s].compressor.as_ref())
             .map_or(&[][..], |c| &c.compressed[..]);
-        for (row, t) in span.clone().enumerate() {
+        for t in span.clone() {
             let position = positions[t];
             let first = (position + 1).saturating_sub(cfg.window_size);
             queries.push(QueryKeys {
                 listed: (first..=position).filter_map(|p| window.get(p)).collect(),
-                selected: selection_of(e, row).map(|selection| SelectedKeys {
-                    compressed,
-                    selection,
-                    row,
-                }),
+                selected: selection
+                    .filter(|s| t < s.len())
+                    .map(|selection| SelectedKeys {
+                        compressed,
+                        selection,
+                        row: t,
+                    }),
             });
         }
     }

@@ -2,15 +2,18 @@
 //! ratio-1 projection), the index keys it derives, the indexer of an index source, the two-level
 //! candidate blocks of the candidate source and the lowest-index-on-ties top-k.
 
+use std::ops::Range;
+
 use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
-use crate::backend::{CandidateMask, Candidates, Precision, Selection, Tensor};
+use crate::backend::{CandidateMask, Candidates, Precision, SelectPart, Selection, Tensor};
 use crate::layers::ctx::Ctx;
 
-/// Per-chunk products handed from sources to the layers that reuse them.
+/// A step's products handed from sources to the layers that reuse them, one row per query of
+/// the step.
 #[derive(Debug, Default)]
-pub struct ChunkShared {
+pub struct StepShared {
     /// Compressed positions selected per query by the latest index source (ascending).
     pub selection: Option<Selection>,
     /// The candidate source's mask (over each query's visible compressed positions).
@@ -188,23 +191,37 @@ pub fn index_queries(
     IndexQueries { q, head_weights }
 }
 
-/// The indexer of an index source over one sequence's rows (`q` and `head_weights` its rows of
-/// [`index_queries`]): per query, the selected compressed positions (ascending), where the backend
-/// computed them. A candidate source also publishes its candidate mask; a later index source is
-/// restricted by it.
-pub fn select_chunk(
+/// The indexer of an index source over a step's rows (`q` and `head_weights` their rows of
+/// [`index_queries`]; the rows of sequence `e` at `spans[e]` score `index_keys[e]`, its source's
+/// keys): per query, the selected compressed positions (ascending), one backend op for the step,
+/// where the backend computed them. A candidate source also publishes its candidate mask (one row
+/// per query); a later index source of the same step is restricted by it.
+#[allow(clippy::too_many_arguments)]
+pub fn select_step(
     ctx: &Ctx,
-    index_keys: &[Tensor],
+    index_keys: &[&[Tensor]],
+    spans: &[Range<usize>],
     q: &Tensor,
     head_weights: &Tensor,
     positions: &[usize],
     layer: usize,
-    shared: &mut ChunkShared,
+    shared: &mut StepShared,
 ) -> Selection {
     let cfg = ctx.cfg;
     let ratio = cfg.compress_ratio(layer);
-    let keys: Vec<&Tensor> = index_keys.iter().collect();
+    let keys: Vec<Vec<&Tensor>> = index_keys
+        .iter()
+        .map(|keys| keys.iter().collect())
+        .collect();
     let visible: Vec<usize> = positions.iter().map(|&p| (p + 1) / ratio).collect();
+    let parts: Vec<SelectPart<'_>> = keys
+        .iter()
+        .zip(spans)
+        .map(|(keys, span)| SelectPart {
+            keys,
+            visible: &visible[span.clone()],
+        })
+        .collect();
     let candidate_source = cfg.candidate.as_ref().filter(|c| c.source_layer == layer);
     let candidates = match (candidate_source, &shared.candidates) {
         (Some(c), _) => Candidates::Produce {
@@ -217,9 +234,8 @@ pub fn select_chunk(
     let (selection, mask) = ctx.backend.select_rows(
         q,
         head_weights,
-        &keys,
+        &parts,
         cfg.index_head_dim,
-        &visible,
         cfg.index_topk,
         candidates,
         Precision::Bf16,

@@ -5,7 +5,7 @@
 //! sequence's logits are bitwise those of running it alone (batch invariance).
 
 use super::context_parallel::CpRank;
-use super::csa::{self, ChunkShared};
+use super::csa::{self, StepShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::vision::ImageChunk;
@@ -211,7 +211,7 @@ impl Model {
             .as_ref()
             .map_or(&[][..], |d| &d.target_layers[..]);
         let mut taps: Vec<Tensor> = Vec::new();
-        let mut shared: Vec<ChunkShared> = seqs.iter().map(|_| ChunkShared::default()).collect();
+        let mut shared = StepShared::default();
 
         for (l, block_weights) in self.weights.layers.iter().enumerate() {
             if truncate_at == Some(l) {

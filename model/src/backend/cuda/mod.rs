@@ -99,7 +99,7 @@ use super::select::DeviceRows;
 use super::{
     Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
     HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
-    Selection, Tensor, check_sample_rows, select,
+    SelectPart, Selection, Tensor, check_sample_rows, select,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -902,17 +902,14 @@ impl Backend for CudaBackend {
         &self,
         q: &Tensor,
         weights: &Tensor,
-        keys: &[&Tensor],
+        parts: &[SelectPart<'_>],
         head_dim: usize,
-        visible: &[usize],
         k: usize,
         candidates: Candidates<'_>,
         precision: Precision,
     ) -> (Selection, Option<CandidateMask>) {
         self.run("select_rows", || {
-            self.try_select_rows(
-                q, weights, keys, head_dim, visible, k, candidates, precision,
-            )
+            self.try_select_rows(q, weights, parts, head_dim, k, candidates, precision)
         })
     }
 

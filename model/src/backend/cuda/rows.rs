@@ -378,24 +378,26 @@ impl CudaBackend {
         Ok(self.tensor(dout))
     }
 
-    /// [`Backend::select_rows`], with errors: the index scores, the candidate mask (produced or
-    /// applied) and the top-k all on the device; the selection stays there
-    /// ([`DeviceSelectionRows`]).
+    /// [`Backend::select_rows`], with errors: the index scores of every part's queries in one
+    /// launch (one key table over all parts' keys), the candidate mask (produced or applied) and
+    /// the top-k all on the device; the selection stays there ([`DeviceSelectionRows`]).
     #[allow(clippy::too_many_arguments)]
     pub fn try_select_rows(
         &self,
         q: &Tensor,
         weights: &Tensor,
-        keys: &[&Tensor],
+        parts: &[SelectPart<'_>],
         head_dim: usize,
-        visible: &[usize],
         k: usize,
         candidates: Candidates<'_>,
         precision: Precision,
     ) -> Result<(Selection, Option<CandidateMask>), CudaBackendError> {
         const OP: &str = "select_rows";
-        let queries = visible.len();
-        let seen: Vec<usize> = visible.iter().map(|&v| v.min(keys.len())).collect();
+        let seen: Vec<usize> = parts
+            .iter()
+            .flat_map(|part| part.visible.iter().map(|&v| v.min(part.keys.len())))
+            .collect();
+        let queries = seen.len();
         let max_seen = seen.iter().copied().max().unwrap_or(0);
         let device_mask = match candidates {
             Candidates::Apply(mask) => match mask.device_mask() {
@@ -409,13 +411,14 @@ impl CudaBackend {
         let host_mask = matches!(candidates, Candidates::Apply(_)) && device_mask.is_none();
         if k == 0 || max_seen == 0 || host_mask || queries > MAX_QUERIES_PER_INDEX_LAUNCH {
             // Nothing to select on the device (or a host mask): the definition, on the host.
-            let scores =
-                self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)?;
+            let scores = select::scores_by_part(q, weights, parts, |q, w, part| {
+                self.try_index_scores_rows(q, w, part.keys, head_dim, part.visible, precision)
+            })?;
             return Ok(select::select_host(scores, k, candidates));
         }
         let heads = index_heads(OP, q, weights, queries, head_dim)?;
         let (mut scores, dvisible, table_rows) =
-            self.device_index_scores(OP, q, weights, keys, (heads, head_dim), &seen, precision)?;
+            self.device_index_scores(OP, q, weights, parts, (heads, head_dim), precision)?;
         let stream = self.rt.stream();
         let mut produced = None;
         match candidates {
@@ -513,8 +516,9 @@ impl CudaBackend {
         if max_seen == 0 {
             return Ok(vec![Vec::new(); queries]);
         }
+        let part = SelectPart { keys, visible };
         let (dscores, _, _) =
-            self.device_index_scores(OP, q, weights, keys, (heads, head_dim), &seen, precision)?;
+            self.device_index_scores(OP, q, weights, &[part], (heads, head_dim), precision)?;
         let flat = self.download(OP, &dscores)?;
         let mut rest = flat.as_slice();
         Ok(seen
@@ -535,18 +539,25 @@ impl CudaBackend {
         op: &'static str,
         q: &Tensor,
         weights: &Tensor,
-        keys: &[&Tensor],
+        parts: &[SelectPart<'_>],
         (heads, head_dim): (usize, usize),
-        seen: &[usize],
         precision: Precision,
     ) -> Result<(CudaSlice<f32>, DeviceVisiblePrefixes, usize), CudaBackendError> {
-        let max_seen = seen.iter().copied().max().unwrap_or(0);
+        // One table over the parts' keys, each part's rows in key order (as many as its queries
+        // see); a query scores its part's rows from the part's first.
+        let (mut first, mut seen) = (Vec::new(), Vec::new());
+        let mut table_keys: Vec<&Tensor> = Vec::new();
+        for part in parts {
+            let part_seen = part.visible.iter().map(|&v| v.min(part.keys.len()));
+            let used = part_seen.clone().max().unwrap_or(0);
+            first.extend(std::iter::repeat_n(table_keys.len(), part.visible.len()));
+            seen.extend(part_seen);
+            table_keys.extend(&part.keys[..used]);
+        }
         let mut keep = Vec::new();
-        // The scorer reads table rows 0..seen[t]: one row per key, in key order.
-        let table =
-            self.key_table_in_order(op, keys[..max_seen].iter().copied(), head_dim, &mut keep)?;
-        let dvisible =
-            DeviceVisiblePrefixes::upload(&self.rt, seen, table.rows()).map_err(op_err(op))?;
+        let table = self.key_table_in_order(op, table_keys.into_iter(), head_dim, &mut keep)?;
+        let dvisible = DeviceVisiblePrefixes::upload_from(&self.rt, &first, &seen, table.rows())
+            .map_err(op_err(op))?;
         let dq = self.input(op, q)?;
         let dw = self.input(op, weights)?;
         let mut scores = self.alloc(op, dvisible.total().max(1))?;
