@@ -14,6 +14,27 @@ use crate::sampling::SamplingParams;
 /// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
 pub(crate) const COMPACT_AFTER: usize = 4 * MAX_BACKTRACK;
 
+/// The residual streams a step starts from, `[n, hc · dim]`: each of the `n` embedding `rows`
+/// (`dim` values each) in all `hc` streams. Only the `n` rows become resident (on a device
+/// backend: one upload of `n · dim` values); the streams are copied from them where they live.
+pub fn embedded_streams<'r>(
+    backend: &dyn Backend,
+    rows: impl Iterator<Item = &'r [f32]>,
+    dim: usize,
+    hc: usize,
+) -> Tensor {
+    let mut flat = Vec::new();
+    for row in rows {
+        flat.extend_from_slice(row);
+    }
+    let n = flat.len() / dim.max(1);
+    let embedded = backend.resident(Tensor::from(flat));
+    let pieces: Vec<(&Tensor, usize)> = (0..n)
+        .flat_map(|r| std::iter::repeat_n((&embedded, r * dim), hc))
+        .collect();
+    backend.gather(&pieces, dim)
+}
+
 /// Which logits rows a forward call returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsWanted {

@@ -17,6 +17,7 @@ use crate::layers::attention::Queries;
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
 use crate::layers::ring::PositionRing;
+use crate::layers::step::embedded_streams;
 
 /// The drafter's tensors.
 #[derive(Debug, Clone)]
@@ -160,14 +161,10 @@ pub(crate) fn propose(
     let ids: Vec<u32> = std::iter::once(anchor)
         .chain(std::iter::repeat_n(dspark.noise_token_id, size - 1))
         .collect();
-    let mut streams = Vec::with_capacity(size * hc * dim);
-    for &id in &ids {
-        let row = &inputs.embed[id as usize * dim..(id as usize + 1) * dim];
-        for _ in 0..hc {
-            streams.extend_from_slice(row);
-        }
-    }
-    let mut streams = Tensor::from(streams);
+    let embedded = ids
+        .iter()
+        .map(|&id| &inputs.embed[id as usize * dim..(id as usize + 1) * dim]);
+    let mut streams = embedded_streams(ctx.backend, embedded, dim, hc);
     for (stage, ring) in w.stages.iter().zip(inputs.rings) {
         block::forward(ctx, stage, &mut streams, &ids, |xn| {
             stage_attention(ctx, &stage.attn, xn, &positions, ring, last, inputs.unit)

@@ -12,8 +12,8 @@ use crate::backend::weights::Linear;
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows, entry_outputs,
-    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows, embedded_streams,
+    entry_outputs, gather_rows, row_sampling, rows_of, step_error, wanted_rows,
 };
 
 /// One sequence's part of a V4 step ([`Model::forward_step`]); the V4 family has no decoder
@@ -70,15 +70,10 @@ impl Model {
         let mut seqs: Vec<&mut SequenceState> =
             entries.iter_mut().map(|entry| &mut *entry.seq).collect();
 
-        let mut streams = Vec::with_capacity(tokens.len() * width);
-        for &token in &tokens {
-            let row = &self.weights.embed[token as usize * dim..(token as usize + 1) * dim];
-            for _ in 0..hc {
-                streams.extend_from_slice(row);
-            }
-        }
-        // Uploaded once on a device backend: the first layer's ops all read them.
-        let mut streams = ctx.backend.resident(Tensor::from(streams));
+        let embedded = tokens
+            .iter()
+            .map(|&token| &self.weights.embed[token as usize * dim..(token as usize + 1) * dim]);
+        let mut streams = embedded_streams(ctx.backend, embedded, dim, hc);
         let targets = cfg
             .dspark
             .as_ref()

@@ -15,6 +15,7 @@ use crate::config::DsparkConfig;
 use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
+use crate::layers::step::embedded_streams;
 
 /// One proposal to draft: the sequence (its last processed token is the context's end) and the
 /// anchor, the token just sampled for it.
@@ -115,17 +116,12 @@ pub(crate) fn propose_many(
         .iter()
         .flat_map(|request| request.seq.len..request.seq.len + size)
         .collect();
-    let mut streams = Vec::with_capacity(rows * hc * dim);
-    for request in requests {
-        let ids = std::iter::once(request.anchor)
-            .chain(std::iter::repeat_n(cfg.noise_token_id, size - 1));
-        for id in ids {
-            for _ in 0..hc {
-                streams.extend_from_slice(&embed[id as usize * dim..(id as usize + 1) * dim]);
-            }
-        }
-    }
-    let mut streams = Tensor::from(streams);
+    let embedded = requests.iter().flat_map(|request| {
+        std::iter::once(request.anchor)
+            .chain(std::iter::repeat_n(cfg.noise_token_id, size - 1))
+            .map(|id| &embed[id as usize * dim..(id as usize + 1) * dim])
+    });
+    let mut streams = embedded_streams(ctx.backend, embedded, dim, hc);
     let mut pre: Tensor = (0..rows * hc)
         .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
         .collect::<Vec<f32>>()

@@ -16,8 +16,8 @@ use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, entry_outputs, gather_rows,
-    row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, embedded_streams, entry_outputs,
+    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
 };
 use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
@@ -189,17 +189,12 @@ impl Model {
                 })
                 .collect()
         });
-        let mut streams = Vec::with_capacity(n_rows * width);
-        for (i, &token) in row_tokens.iter().enumerate() {
-            let row = images
+        let embedded = row_tokens.iter().enumerate().map(|(i, &token)| {
+            images
                 .and_then(|chunk| chunk.embeddings().get(i).copied().flatten())
-                .unwrap_or(&self.weights.embed[token as usize * dim..(token as usize + 1) * dim]);
-            for _ in 0..hc {
-                streams.extend_from_slice(row);
-            }
-        }
-        // Uploaded once on a device backend: the first layer's ops all read them.
-        let mut streams = ctx.backend.resident(Tensor::from(streams));
+                .unwrap_or(&self.weights.embed[token as usize * dim..(token as usize + 1) * dim])
+        });
+        let mut streams = embedded_streams(ctx.backend, embedded, dim, hc);
         let mut pre = ctx.backend.resident(
             (0..n_rows * hc)
                 .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
