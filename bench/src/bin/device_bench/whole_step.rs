@@ -350,14 +350,15 @@ pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f6
         "\nprofile: {title} (per step, {steps} steps, each op synchronised; step {step_us:.0} us)"
     );
     println!(
-        "{:<28} {:>7} {:>10} {:>7} {:>9} {:>8} {:>10}",
-        "op", "calls", "time_us", "share", "launches", "h2d", "h2d_KB"
+        "{:<28} {:>7} {:>10} {:>7} {:>9} {:>8} {:>10} {:>10}",
+        "op", "calls", "time_us", "share", "launches", "h2d", "h2d_KB", "before_us"
     );
-    let mut inside = 0.0;
+    let (mut inside, mut before) = (0.0, 0.0);
     for (name, stats) in &ops {
         inside += stats.seconds;
+        before += stats.before_seconds;
         println!(
-            "{:<28} {:>7.1} {:>10.1} {:>6.1}% {:>9.1} {:>8.1} {:>10.1}",
+            "{:<28} {:>7.1} {:>10.1} {:>6.1}% {:>9.1} {:>8.1} {:>10.1} {:>10.1}",
             name,
             per_step(stats.calls as f64),
             per_step(stats.seconds) * 1e6,
@@ -365,14 +366,17 @@ pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f6
             per_step(stats.launches as f64),
             per_step(stats.htod_copies as f64),
             per_step(stats.htod_bytes as f64) / 1e3,
+            per_step(stats.before_seconds) * 1e6,
         );
     }
     println!(
-        "{:<28} {:>7} {:>10.1} {:>6.1}%",
+        "{:<28} {:>7} {:>10.1} {:>6.1}%   (before the ops: {:.1} us; before_us: the host time \
+         between the op before and this one's start)",
         "(outside ops)",
         "",
         per_step(seconds - inside) * 1e6,
         100.0 * (seconds - inside) / seconds,
+        per_step(before) * 1e6,
     );
 }
 

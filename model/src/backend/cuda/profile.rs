@@ -5,7 +5,10 @@
 //! backend with `DEEPINFER_CUDA_PROFILE=1`. The waits change what they measure (no overlap of host
 //! work and kernels), so a profile explains a step's time but is not the step's time.
 //!
-//! An op that calls another [`Backend`] op of this backend is timed once, as the outer op.
+//! An op that calls another [`Backend`] op of this backend is timed once, as the outer op. The
+//! host time between two ops (the model's own work, or a wait for device work queued outside
+//! any op) is charged to the op that follows it (`before`), so a step's time outside its ops can
+//! be placed in the code.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -28,6 +31,9 @@ pub struct OpStats {
     pub launches: u64,
     pub htod_copies: u64,
     pub htod_bytes: u64,
+    /// Wall seconds between the end of the op before (this backend's, profile on) and this one's
+    /// start, the wait for the device included.
+    pub before_seconds: f64,
 }
 
 /// The per-op table of one backend (shared: keep a clone to read it after the backend was handed
@@ -38,6 +44,8 @@ pub struct OpProfile {
     /// Ops in progress on this backend (an op inside another is not timed apart).
     depth: AtomicUsize,
     ops: Mutex<BTreeMap<&'static str, OpStats>>,
+    /// When the last outermost op ended (cleared when the profile is turned on).
+    last_end: Mutex<Option<Instant>>,
 }
 
 impl OpProfile {
@@ -48,6 +56,7 @@ impl OpProfile {
 
     /// Turns the profile on or off (what was gathered stays).
     pub fn set_enabled(&self, on: bool) {
+        *self.last_end.lock().unwrap_or_else(PoisonError::into_inner) = None;
         self.enabled.store(on, Ordering::Relaxed);
     }
 
@@ -56,10 +65,11 @@ impl OpProfile {
         std::mem::take(&mut *self.ops.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    fn add(&self, name: &'static str, seconds: f64, counts: RuntimeCounts) {
+    fn add(&self, name: &'static str, before: f64, seconds: f64, counts: RuntimeCounts) {
         let mut ops = self.ops.lock().unwrap_or_else(PoisonError::into_inner);
         let entry = ops.entry(name).or_default();
         entry.calls += 1;
+        entry.before_seconds += before;
         entry.seconds += seconds;
         entry.launches += counts.launches;
         entry.htod_copies += counts.htod_copies;
@@ -71,9 +81,10 @@ impl OpProfile {
 pub(super) struct OpScope<'a> {
     backend: &'a CudaBackend,
     name: &'static str,
-    /// Set when this scope counts (profile on); `Some` start when it is the outermost op.
+    /// Set when this scope counts (profile on); `Some` start when it is the outermost op, with
+    /// the host time since the op before.
     entered: bool,
-    start: Option<(Instant, RuntimeCounts)>,
+    start: Option<(Instant, RuntimeCounts, f64)>,
 }
 
 impl CudaBackend {
@@ -92,7 +103,13 @@ impl CudaBackend {
         let start = outermost.then(|| {
             // A failed wait shows up again in the op itself, which reports it.
             let _ = self.rt.synchronize();
-            (Instant::now(), self.rt.counts())
+            let now = Instant::now();
+            let last_end = *profile
+                .last_end
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let before = last_end.map_or(0.0, |end| now.duration_since(end).as_secs_f64());
+            (now, self.rt.counts(), before)
         });
         OpScope {
             backend: self,
@@ -109,13 +126,19 @@ impl Drop for OpScope<'_> {
             return;
         }
         let backend = self.backend;
-        if let Some((started, counts)) = self.start {
+        if let Some((started, counts, before)) = self.start {
             let _ = backend.rt.synchronize();
             backend.profile.add(
                 self.name,
+                before,
                 started.elapsed().as_secs_f64(),
                 backend.rt.counts() - counts,
             );
+            *backend
+                .profile
+                .last_end
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
         }
         backend.profile.depth.fetch_sub(1, Ordering::Relaxed);
     }
@@ -139,9 +162,9 @@ mod tests {
         assert!(!profile.enabled(), "off by default");
         profile.set_enabled(true);
         assert!(profile.enabled());
-        profile.add("gemm_fp8", 0.25, counts(3, 0, 0));
-        profile.add("gemm_fp8", 0.5, counts(3, 1, 64));
-        profile.add("gather", 0.125, counts(1, 1, 8));
+        profile.add("gemm_fp8", 0.0, 0.25, counts(3, 0, 0));
+        profile.add("gemm_fp8", 0.0625, 0.5, counts(3, 1, 64));
+        profile.add("gather", 0.03125, 0.125, counts(1, 1, 8));
         let table = profile.take();
         assert_eq!(
             table["gemm_fp8"],
@@ -151,10 +174,12 @@ mod tests {
                 launches: 6,
                 htod_copies: 1,
                 htod_bytes: 64,
+                before_seconds: 0.0625,
             }
         );
         assert_eq!(table["gather"].calls, 1);
         assert_eq!(table["gather"].htod_bytes, 8);
+        assert_eq!(table["gather"].before_seconds, 0.03125);
         assert_eq!(table.len(), 2);
         assert!(profile.take().is_empty(), "take empties the table");
     }
