@@ -14,17 +14,17 @@
 //! weight loads, that the model fits the busiest GPU (the memory plan per GPU, one line logged:
 //! the ranks on it, dense, their EP slots' experts, Engram whole, KV budget; a model that does
 //! not fit fails naming the numbers). Expert parallelism on CUDA (`dp = ep > 1`,
-//! `experts::device`, V4.1): each rank's backend is its EP rank, holding only its slots'
-//! experts, the ranks step in `Lockstep` and live EPLB swaps placements by epoch; ranks on
-//! several GPUs are refused naming the field.
+//! `experts::device`, either family: V4.1's FP4/FP8 experts or the V4 family's exact ones):
+//! each rank's backend is its EP rank, holding only its slots' experts, the ranks step in
+//! `Lockstep` and live EPLB swaps placements by epoch; ranks on several GPUs are refused naming
+//! the field.
 //!
 //! Family (`model_type` in `config.json`): a V4.1 checkpoint and a V4-family one (V4-Flash,
 //! V4-Flash-0731) both run on `ModelExecutor`s, on either backend, and both run expert
 //! parallelism with live EPLB on the CPU (`ExpertParallelFactory`; across nodes each node loads
-//! only its EP ranks' routed experts, either family). What a V4 checkpoint lacks is refused
-//! before its weights load, naming the field (`dspark.enabled` unless the checkpoint has a
-//! DSpark drafter; expert parallelism on CUDA, `parallel.ep` / `eplb.enabled`: the device EP
-//! ranks serve the FP4/FP8 MoE of V4.1, not V4's exact one), except decoder bounded replay
+//! only its EP ranks' routed experts, either family) and on CUDA ranks (above). What a V4
+//! checkpoint lacks is refused before its weights load, naming the field (`dspark.enabled`
+//! unless the checkpoint has a DSpark drafter), except decoder bounded replay
 //! (`replay.decoder_keep_tokens`, on by default), which V4 models simply run without (exact:
 //! the full prefill).
 
@@ -132,33 +132,9 @@ fn engram_vocab(
         .map_err(|e| model_error("engram vocabulary", e))
 }
 
-/// The refusal of expert parallelism on CUDA ranks (`node` asks for it) for a V4-family
-/// checkpoint.
-fn v4_cuda_expert_parallel_refusal(node: &NodeConfig) -> EngineError {
-    let field = if node.parallel.ep > 1 {
-        "parallel.ep"
-    } else {
-        "eplb.enabled"
-    };
-    EngineError::Config {
-        field: field.to_string(),
-        message: format!(
-            "{}: expert parallelism on CUDA (parallel.ep = {}, eplb.enabled = {}) runs V4.1 \
-             models only: a V4-family model's routed experts are exact fp32 linears, run on the \
-             device by moe_rows_exact, which has no expert-parallel path (the EP ranks serve \
-             V4.1's FP4/FP8 MoE); use parallel.ep = 1 and eplb.enabled = false on CUDA, or \
-             device.backend = \"cpu\"",
-            node.origin, node.parallel.ep, node.eplb.enabled
-        ),
-    }
-}
-
 /// Refuses, for a V4-family checkpoint, what the topology `node` asks for that only V4.1 runs,
 /// naming the field; decoder bounded replay is not refused (it is on by default) but left off.
 pub fn check_v4_features(node: &NodeConfig, cfg: &ModelConfig) -> Result<(), EngineError> {
-    if EpSettings::is_needed(node) && node.device.backend != DeviceBackend::Cpu {
-        return Err(v4_cuda_expert_parallel_refusal(node));
-    }
     let has_drafter = cfg.dspark.as_ref().is_some_and(|d| d.n_stages > 0);
     if node.dspark.enabled && !has_drafter {
         return Err(EngineError::Config {
@@ -397,10 +373,6 @@ fn on_node_devices(
     };
     let mut experts = String::new();
     if node.parallel.ep > 1 {
-        if let AnyModel::V4(_) = &resolved.model {
-            // Already refused before loading (`check_v4_features`).
-            return Err(v4_cuda_expert_parallel_refusal(node));
-        }
         let model = &resolved.model;
         let ranks = usize::from(node.parallel.ep);
         let starting = starting_placement(node, model.config())?;

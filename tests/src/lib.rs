@@ -84,6 +84,22 @@ pub fn forward_one_v4(
         .and_then(EntryOutput::one_entry_logits)
 }
 
+/// [`forward_one`] for a model of either family.
+pub fn forward_one_any(
+    model: &deepinfer_model::any_model::AnyModel,
+    seq: &mut deepinfer_model::any_model::AnySequence,
+    tokens: &[u32],
+    want: deepinfer_model::LogitsWanted,
+) -> Result<Vec<f32>, deepinfer_model::error::ModelError> {
+    use deepinfer_model::any_model::{AnyStepEntry, StepOptions};
+    model
+        .forward_step(
+            &mut [AnyStepEntry::new(seq, tokens, want)],
+            StepOptions::default(),
+        )
+        .and_then(deepinfer_model::EntryOutput::one_entry_logits)
+}
+
 /// The v41-tiny fixture model ([`v41_model`]).
 pub fn v41_tiny_model() -> deepinfer_model::Model {
     v41_model("v41/v41-tiny")

@@ -3,21 +3,27 @@
 //! placement's experts and moving routed rows through the shared-device transport (device-to-device gathers).
 //!
 //! - `two_ep_ranks_on_one_device_give_the_logits_of_one_rank`: the v41-tiny fixture and the demo
-//!   model; rank 0 and rank 1 run different sequences (prefill chunks, then decode tokens) on
-//!   steps where the other rank is sometimes idle (it serves its experts with no rows); the
-//!   placement changes every 3 steps (epoch 0 = equal loads, then EPLB plans of skewed loads with
-//!   redundant replicas, each rank's next experts uploaded two steps before the boundary,
-//!   committed by both ranks at the same step boundary, and the experts a rank no longer holds
-//!   then dropped from its device). Every logit of every step is bitwise the one a single
-//!   CUDA rank holding every expert gives for the same sequence.
+//!   model (V4.1's FP4/FP8 experts, `moe_rows`); rank 0 and rank 1 run different sequences
+//!   (prefill chunks, then decode tokens) on steps where the other rank is sometimes idle (it
+//!   serves its experts with no rows); the placement changes every 3 steps (epoch 0 = equal
+//!   loads, then EPLB plans of skewed loads with redundant replicas, each rank's next experts
+//!   uploaded two steps before the boundary, committed by both ranks at the same step boundary,
+//!   and the experts a rank no longer holds then dropped from its device). Every logit of every
+//!   step is bitwise the one a single CUDA rank holding every expert gives for the same
+//!   sequence (and that one is the CPU reference's).
+//! - `v4_exact_experts_on_two_ep_ranks_give_the_logits_of_one_rank`: the same for the V4
+//!   family's exact fp32 experts (`moe_rows_exact`): the v4-tiny fixture (hash-routed layers
+//!   first, 2 of 8 experts per token) and a random tiny V4 with 4 of 8 active (the combine order
+//!   matters).
 //! - `a_failing_rank_stops_its_peer_without_a_hang`: one rank aborts mid-run; the other's next
 //!   MoE layer fails at once naming it; a rank that never comes is a timeout naming it.
 //!
-//! Measured on the H200 (2026-12-04, helper ep): both pass; v41-tiny 22 528 and the demo model
-//! 5 688 320 logits bitwise equal, 108 MoE collectives per rank, 6 of 8 experts per rank and
-//! layer, 82 experts released over 2 epoch changes; an aborted peer fails the other rank after
-//! 1.6 ms, a missing one after the 3 s timeout. With the receiver-local expert id shifted by one
-//! (a dispatch bug), 4608 of the first chunk's logits differ.
+//! Measured on the H200 (2026-12-04, helper ep): the V4.1 tests pass; v41-tiny 22 528 and the
+//! demo model 5 688 320 logits bitwise equal, 108 MoE collectives per rank, 6 of 8 experts per
+//! rank and layer, 82 experts released over 2 epoch changes; an aborted peer fails the other
+//! rank after 1.6 ms, a missing one after the 3 s timeout. With the receiver-local expert id
+//! shifted by one (a dispatch bug), 4608 of the first chunk's logits differ. The V4 test was
+//! written without a GPU and has not run yet.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
@@ -27,17 +33,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use deepinfer_actors::model_source::resolve;
-use deepinfer_model::Model;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::ep::ExpertRank;
 use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
+use deepinfer_model::config::ModelConfig;
 use deepinfer_model::expert_dispatch::ExpertHost;
 use deepinfer_model::v41::LogitsWanted;
-use deepinfer_tests::forward_one;
+use deepinfer_tests::{forward_one, forward_one_any};
 use deepinfer_topology::{EpRank, ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
 
+mod ep_support;
 mod gpu_support;
+use ep_support::{v4_four_of_eight, v4_tiny};
 use gpu_support::{cuda_backend, differing, host_fixture_model, prompt};
 
 const RANKS: usize = 2;
@@ -74,8 +82,7 @@ fn schedule(vocab: usize) -> [Vec<Option<Vec<u32>>>; RANKS] {
 }
 
 /// The placements of the run: equal loads, then EPLB plans of skewed loads, one per epoch.
-fn placements(model: &Model, epochs: usize) -> Vec<Arc<ExpertPlacement>> {
-    let cfg = model.config();
+fn placements(cfg: &ModelConfig, epochs: usize) -> Vec<Arc<ExpertPlacement>> {
     let (layers, experts) = (cfg.n_layers, cfg.n_routed_experts);
     let shape = PlacementShape {
         num_replicas: experts + 2 * RANKS,
@@ -104,7 +111,7 @@ fn placements(model: &Model, epochs: usize) -> Vec<Arc<ExpertPlacement>> {
 
 /// Every rank's logits of every step it ran, each rank's sequence run by `model` alone (every
 /// expert on its backend).
-fn one_rank(model: &Model, schedule: &[Vec<Option<Vec<u32>>>; RANKS]) -> Vec<Vec<Vec<f32>>> {
+fn one_rank(model: &AnyModel, schedule: &[Vec<Option<Vec<u32>>>; RANKS]) -> Vec<Vec<Vec<f32>>> {
     schedule
         .iter()
         .map(|steps| {
@@ -113,7 +120,7 @@ fn one_rank(model: &Model, schedule: &[Vec<Option<Vec<u32>>>; RANKS]) -> Vec<Vec
                 .iter()
                 .flatten()
                 .map(|chunk| {
-                    forward_one(model, &mut seq, chunk, LogitsWanted::All).expect("forward")
+                    forward_one_any(model, &mut seq, chunk, LogitsWanted::All).expect("forward")
                 })
                 .collect()
         })
@@ -134,7 +141,7 @@ struct RankRun {
 
 /// The same schedule on `RANKS` EP ranks sharing device 0.
 fn ep_ranks(
-    host: &Model,
+    host: &AnyModel,
     schedule: &[Vec<Option<Vec<u32>>>; RANKS],
     placements: &[Arc<ExpertPlacement>],
 ) -> Vec<RankRun> {
@@ -149,7 +156,7 @@ fn ep_ranks(
                     let slot = backend.expert_slot();
                     let first = ExpertRank::new(
                         &backend,
-                        &host.expert_lists(),
+                        &host.experts().expert_lists(),
                         placements[0].clone(),
                         0,
                         rank,
@@ -178,7 +185,7 @@ fn ep_ranks(
                                 current
                                     .next_epoch(
                                         cuda,
-                                        &host.expert_lists(),
+                                        &host.experts().expert_lists(),
                                         placements[epoch].clone(),
                                         epoch as u32,
                                     )
@@ -192,8 +199,11 @@ fn ep_ranks(
                             current = Arc::new(staged.take().expect("a staged epoch"));
                             slot.set(Some(current.clone()));
                             let cached = cuda.cached_weights();
-                            let released =
-                                current.release_moved(cuda, &host.expert_lists(), &previous);
+                            let released = current.release_moved(
+                                cuda,
+                                &host.experts().expert_lists(),
+                                &previous,
+                            );
                             let epoch = step / EPOCH_STEPS;
                             assert_eq!(
                                 released,
@@ -212,10 +222,10 @@ fn ep_ranks(
                         }
                         match chunk {
                             Some(chunk) => logits.push(
-                                forward_one(&model, &mut seq, chunk, LogitsWanted::All)
+                                forward_one_any(&model, &mut seq, chunk, LogitsWanted::All)
                                     .expect("forward"),
                             ),
-                            None => model.idle_expert_step(),
+                            None => model.experts().idle_expert_step(),
                         }
                     }
                     RankRun {
@@ -234,24 +244,13 @@ fn ep_ranks(
     })
 }
 
-fn check_model(name: &str, host: &Model) {
+fn check_model(name: &str, host: &AnyModel) {
     let cfg = host.config();
     let schedule = schedule(cfg.vocab_size);
     let epochs = schedule[0].len().div_ceil(EPOCH_STEPS);
-    let placements = placements(host, epochs);
+    let placements = placements(cfg, epochs);
     let backend = cuda_backend("gpu_ep");
     let expected = one_rank(&host.on_backend(Box::new(backend)), &schedule);
-    // The one-rank CUDA run is the CPU reference's (exact numerics), so the chain holds to it.
-    let cpu = one_rank(host, &schedule);
-    for (rank, (gpu, cpu)) in expected.iter().zip(&cpu).enumerate() {
-        for (step, (g, c)) in gpu.iter().zip(cpu).enumerate() {
-            let diff = differing(g, c);
-            assert_eq!(
-                diff, 0,
-                "{name} rank {rank} chunk {step}: CUDA vs CPU, {diff} differ"
-            );
-        }
-    }
     let got = ep_ranks(host, &schedule, &placements);
     let mut compared = 0;
     let collectives = (schedule[0].len() * cfg.n_layers) as u64;
@@ -284,6 +283,17 @@ fn check_model(name: &str, host: &Model) {
             cfg.n_routed_experts
         );
     }
+    // The one-rank CUDA run is the CPU reference's (exact numerics), so the chain holds to it.
+    let cpu = one_rank(host, &schedule);
+    for (rank, (gpu, cpu)) in expected.iter().zip(&cpu).enumerate() {
+        for (step, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+            let diff = differing(g, c);
+            assert_eq!(
+                diff, 0,
+                "{name} rank {rank} chunk {step}: CUDA vs CPU, {diff} differ"
+            );
+        }
+    }
     println!(
         "gpu_ep {name}: {RANKS} EP ranks on one device, {epochs} placement epochs, {} of {} \
          experts per rank and layer, {moves} experts released at epoch changes, {collectives} MoE \
@@ -295,23 +305,31 @@ fn check_model(name: &str, host: &Model) {
 #[test]
 fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
     let (host, _) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
-    check_model("v41-tiny", &host);
+    check_model("v41-tiny", &AnyModel::V41(Arc::new(host)));
     let node = NodeConfig::from_toml_str(
         "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n",
         "gpu_ep demo",
     )
     .expect("demo topology");
     let resolved = resolve(&node).expect("demo model");
-    let AnyModel::V41(demo) = resolved.model else {
-        panic!("the demo model is V4.1");
-    };
-    check_model("demo", &demo);
+    assert!(
+        matches!(resolved.model, AnyModel::V41(_)),
+        "the demo model is V4.1"
+    );
+    check_model("demo", &resolved.model);
+}
+
+#[test]
+fn v4_exact_experts_on_two_ep_ranks_give_the_logits_of_one_rank() {
+    check_model("v4-tiny", &AnyModel::V4(v4_tiny()));
+    let (_dir, four_of_eight) = v4_four_of_eight();
+    check_model("v4 (4 of 8 experts)", &AnyModel::V4(four_of_eight));
 }
 
 #[test]
 fn a_failing_rank_stops_its_peer_without_a_hang() {
     let (host, cfg) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
-    let placement = placements(&host, 1).remove(0);
+    let placement = placements(&cfg, 1).remove(0);
     let tokens = prompt(5, 6, cfg.vocab_size);
     for abort in [true, false] {
         let exchange: Arc<dyn RowTransport> = SharedDevice::new(RANKS, Duration::from_secs(3));

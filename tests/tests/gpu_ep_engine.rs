@@ -1,27 +1,26 @@
 //! The engine with expert parallelism on CUDA (`deepinfer_actors::experts::device`), laid out
 //! from a topology as `deepinfer-node` does (`model_source::resolve`, or `on_node` for the
-//! fixture loaded with its stub Engram vocabulary): `parallel.dp = parallel.ep = 2` on one GPU
+//! fixtures loaded as `resolve` would hand them over): `parallel.dp = parallel.ep = 2` on one GPU
 //! (`device.gpus_per_node = 1`), each rank's backend its EP rank holding half of every layer's
 //! experts, rows moved between the ranks by device copies, the ranks in `Lockstep` (one rank is
 //! often idle and follows the other's steps).
 //!
-//! - `two_ep_ranks_on_one_gpu_serve_what_one_rank_serves`: the v41-tiny fixture and the demo
-//!   model, in the `exact` and `fast` numerics: the workload of the CPU EP tests (`ep_support`:
-//!   skewed prompts, all in flight at once, then a lone request) gives the tokens and every
-//!   logits row of `dp = ep = 1` on CUDA, bitwise.
+//! Models: the v41-tiny fixture and the demo model (V4.1: FP4/FP8 experts, `moe_rows`), and the
+//! v4-tiny fixture (the V4 family: exact fp32 experts through `moe_rows_exact`, its first three
+//! layers hash-routed by token id).
+//!
+//! - `two_ep_ranks_on_one_gpu_serve_what_one_rank_serves`: each model, in the `exact` and `fast`
+//!   numerics: the workload of the CPU EP tests (`ep_support`: skewed prompts, all in flight at
+//!   once, then a lone request) gives the tokens and every logits row of `dp = ep = 1` on CUDA,
+//!   bitwise.
 //! - `live_eplb_under_traffic_changes_no_output`: the same with `[eplb] enabled` (2 redundant
 //!   slots, a rebalance every 4 steps over a 3-step window): placements committed under traffic
 //!   (at least one), no request lost or changed (tokens and rows bitwise those of one rank), both
 //!   ranks ran every step index on the same epoch, epochs never going back.
 //!
-//! V4-family models (v4-tiny) are not served here: CUDA EP ranks are refused for them at start
-//! (`model_source::check_v4_features`, naming `parallel.ep`), because their MoE runs as exact
-//! fp32 linears through `moe_rows_exact`, which has no expert-parallel path, and an `ExpertRank`
-//! builds FP4/FP8 expert tables only; their EP runs on the CPU (`ep_invariance.rs`,
-//! `ep_eplb.rs`).
-//!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
-//! Not run yet (written without a GPU, session of 2026-12-05).
+//! The V4.1 models passed on the H200 (2026-12-05); the v4-tiny cases were written without a
+//! GPU and have not run yet.
 #![cfg(feature = "cuda")]
 
 mod ep_support;
@@ -36,7 +35,7 @@ use deepinfer_actors::model_source::{self, MODEL_DIR_ENV, ResolvedModel, resolve
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_topology::{NodeConfig, PlacementEpoch, RequestId};
-use ep_support::{bits, facts, run_engine, skewed_prompts};
+use ep_support::{bits, facts_of, run_engine, skewed_prompts, v4_tiny};
 
 mod gpu_support;
 use gpu_support::host_fixture_model;
@@ -48,6 +47,8 @@ enum Source {
     Fixture,
     /// The built-in demo model (`[model] source = "demo"`).
     Demo,
+    /// The v4-tiny fixture (the V4 family's exact experts).
+    V4Tiny,
 }
 
 /// A CUDA topology of `ranks` DP = EP ranks on one GPU, `extra` sections appended.
@@ -64,21 +65,25 @@ fn topology(ranks: u16, numerics: &str, extra: &str) -> NodeConfig {
     .expect("topology")
 }
 
-/// The v41-tiny fixture as `resolve` would hand it over (its stub Engram vocabulary), laid out
-/// on `node` by `model_source::on_node`.
-fn fixture_on(node: &NodeConfig) -> ResolvedModel {
-    let dir = deepinfer_tests::fixture_dir("v41/v41-tiny");
-    let (model, _) = host_fixture_model(&dir);
-    let model = Arc::new(model);
+/// `model` (a fixture, named `name`) as `resolve` would hand it over, laid out on `node` by
+/// `model_source::on_node`.
+fn loaded_on(node: &NodeConfig, model: AnyModel, name: &str) -> ResolvedModel {
     let loaded = ResolvedModel {
-        factory: Arc::new(ModelFactory::new(model.clone(), "v41-tiny")),
-        facts: facts(&model),
-        model: AnyModel::V41(model),
+        factory: Arc::new(ModelFactory::new(model.clone(), name)),
+        facts: facts_of(model.config()),
+        model,
         tokenizer: PathBuf::from(model_source::SHIPPED_TOKENIZER),
         notice: None,
-        name: "v41-tiny".to_string(),
+        name: name.to_string(),
     };
-    model_source::on_node(node, loaded).expect("v41-tiny on the topology's devices")
+    model_source::on_node(node, loaded)
+        .unwrap_or_else(|e| panic!("{name} on the topology's devices: {e}"))
+}
+
+/// The v41-tiny fixture with its stub Engram vocabulary.
+fn v41_tiny() -> AnyModel {
+    let (model, _) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
+    AnyModel::V41(Arc::new(model))
 }
 
 type Served = (
@@ -97,8 +102,9 @@ async fn serve(
     let origin = node.origin.clone();
     let resolved = tokio::task::spawn_blocking(move || {
         let resolved = match source {
-            Source::Fixture => Ok(fixture_on(&node)),
+            Source::Fixture => Ok(loaded_on(&node, v41_tiny(), "v41-tiny")),
             Source::Demo => resolve(&node),
+            Source::V4Tiny => Ok(loaded_on(&node, AnyModel::V4(v4_tiny()), "v4-tiny")),
         };
         resolved.map(|r| (r, node))
     })
@@ -145,7 +151,11 @@ fn check_same(what: &str, got: &Served, expected: &Served, requests: usize) -> u
     compared
 }
 
-const SOURCES: [(Source, &str); 2] = [(Source::Fixture, "v41-tiny"), (Source::Demo, "demo")];
+const SOURCES: [(Source, &str); 3] = [
+    (Source::Fixture, "v41-tiny"),
+    (Source::Demo, "demo"),
+    (Source::V4Tiny, "v4-tiny"),
+];
 
 fn workload() -> Vec<Vec<u32>> {
     let mut prompts = skewed_prompts(6);

@@ -12,8 +12,8 @@
 //!   reports them confident on an emulated fixed-cost device), rejected ones rolled back, and the
 //!   greedy tokens equal running the model alone.
 //! - V4.1-only features asked of a V4 checkpoint are refused at start, naming the field (a DSpark
-//!   drafter it lacks; expert parallelism on CUDA ranks), while expert parallelism with live EPLB
-//!   on the CPU resolves.
+//!   drafter it lacks), while expert parallelism with live EPLB resolves on the CPU and is laid
+//!   out on CUDA ranks (each rank's backend its EP rank).
 //!
 //! Fixture: `tests/fixtures/v4/v4-tiny` (a missing one fails).
 
@@ -24,7 +24,7 @@ use std::time::Duration;
 use deepinfer_actors::frontend::codec::TextCodec;
 use deepinfer_actors::job::{JobOptions, run_job};
 use deepinfer_actors::model_source::{
-    MODEL_DIR_ENV, check_v4_features, resolve, shipped_tokenizer,
+    MODEL_DIR_ENV, check_v4_features, on_node, resolve, shipped_tokenizer,
 };
 use deepinfer_actors::openai::ServedModel;
 use deepinfer_actors::{Engine, EngineConfig, GenerateRequest};
@@ -346,23 +346,38 @@ fn v41_only_features_on_a_v4_checkpoint_are_refused_naming_the_field() {
         description.contains("experts over 2 EP ranks"),
         "{description}"
     );
-    // Not on CUDA ranks: the device EP ranks serve V4.1's FP4/FP8 MoE, not V4's exact one.
+    // And on CUDA ranks: each rank's backend is its EP rank of the exact experts, live EPLB on
+    // them (laid out here without a GPU: the backends open when the ranks start).
     let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("fixture config");
-    for (extra, field) in [
-        ("[parallel]\ndp = 2\nep = 2\n", "parallel.ep"),
-        ("[eplb]\nenabled = true\n", "eplb.enabled"),
-    ] {
-        let text = format!(
-            "[model]\nsource = \"{}\"\n[device]\nbackend = \"cuda\"\n{extra}",
-            dir.display()
-        );
-        let cuda = NodeConfig::from_toml_str(&text, "v4 cuda ep").expect("topology parses");
-        let err = check_v4_features(&cuda, &cfg).expect_err("CUDA expert parallelism on V4");
-        assert_eq!(err.code(), "config", "{err}");
-        let message = err.to_string();
-        assert!(message.contains(field), "{field}: {message}");
-        assert!(message.contains("moe_rows_exact"), "{message}");
-    }
+    let text = format!(
+        "[model]\nsource = \"{}\"\n[device]\nbackend = \"cuda\"\ngpus_per_node = 1\n\
+         [parallel]\ndp = 2\nep = 2\n[eplb]\nenabled = true\n",
+        dir.display()
+    );
+    let cuda = NodeConfig::from_toml_str(&text, "v4 cuda ep").expect("topology parses");
+    check_v4_features(&cuda, &cfg).expect("CUDA expert parallelism on V4");
+    let loaded = resolve(&topology(&dir, 1, "")).expect("v4-tiny resolves");
+    let laid_out = on_node(&cuda, loaded).expect("V4 on CUDA EP ranks");
+    let group = laid_out
+        .factory
+        .device_experts()
+        .expect("the ranks are EP ranks");
+    assert_eq!(group.lockstep().ranks(), 2);
+    assert!(
+        group.eplb_status().is_some(),
+        "live EPLB on the device ranks"
+    );
+    assert!(
+        laid_out.factory.expert_parallel().is_none(),
+        "the device ranks, not the CPU's expert parallelism"
+    );
+    let description = laid_out.factory.describe();
+    assert!(
+        description.contains("V4 model")
+            && description
+                .contains("each its EP rank of 2 (4 expert slots per layer on each, EPLB on)"),
+        "{description}"
+    );
     // Bounded replay (on by default) is not refused: V4 runs the full prefill.
     assert!(topology(&dir, 1, "").replay.decoder_keep_tokens.is_some());
 }

@@ -4,14 +4,16 @@
 //! DP rank r runs on GPU `r % gpus_per_node` of its node and is EP rank r: its backend holds
 //! only the experts of its slots (`deepinfer_model::backend::cuda::ep::ExpertRank`, uploaded
 //! when the rank's backend opens, registered here as a [`DeviceRank`]) and moves routed rows to
-//! the other ranks inside each MoE layer; the ranks step in `Lockstep`.
+//! the other ranks inside each MoE layer; the ranks step in `Lockstep`. Either family: V4.1's
+//! FP4/FP8 experts (`moe_rows`) or the V4 family's exact fp32 ones (`moe_rows_exact`, hash
+//! layers included), every placement giving the outputs of one rank bit for bit.
 //! Live EPLB ([`DeviceExperts`], `[eplb] enabled`): the EPLB's state machine (`EplbState`, the
 //! `EplbActor`'s logic) is advanced by rank 0 at the end of each of its steps (every rank runs
 //! the same steps); a rebalance measures the ranks' per-slot counts and solves the placement,
-//! then each rank builds its next `ExpertRank` (the experts it lacks uploaded) at the start of
-//! its next step, and once every rank has, the epoch is committed at the first step no rank has
-//! begun: every rank adopts it there (dropping the experts it no longer holds), so no step mixes
-//! epochs and no request is lost or changed. While a rank stages, its device holds both epochs'
+//! then each rank builds its next `ExpertRank` (the experts it lacks uploaded, of either kind)
+//! at the start of its next step, and once every rank has, the epoch is committed at the first
+//! step no rank has begun: every rank adopts it there (dropping the experts it no longer holds),
+//! so no step mixes epochs and no request is lost or changed. While a rank stages, its device holds both epochs'
 //! experts.
 //! Built: every rank on one GPU (`device.gpus_per_node = 1`, rows moved by device copies).
 //! Refused before anything loads, naming the field: ranks on several GPUs (the NCCL transport
@@ -408,22 +410,30 @@ mod tests {
         assert_eq!(device_of(3, 0), 0);
     }
 
-    /// Epoch 0 splits every layer's experts over the ranks (the tiny model: 8 experts, 2 ranks
-    /// of 4 slots, no redundant slot): each rank uploads half, the halves disjoint.
+    /// Epoch 0 splits every layer's experts over the ranks, for either family (the tiny models:
+    /// 8 experts, 2 ranks of 4 slots, no redundant slot): each rank uploads half, the halves
+    /// disjoint.
     #[test]
     fn the_starting_placement_gives_each_rank_its_share() {
-        let cfg = ModelConfig::tiny_v41();
         let node = cuda("gpus_per_node = 1\n[parallel]\ndp = 2\nep = 2\n");
-        let placement = starting_placement(&node, &cfg).expect("placement");
-        assert_eq!(placement.slots_per_gpu, cfg.n_routed_experts / 2);
-        assert_eq!(placement.layers.len(), cfg.n_layers);
-        for layer in 0..cfg.n_layers {
-            let (a, b) = (
-                placement.held_experts(layer, EpRank(0)),
-                placement.held_experts(layer, EpRank(1)),
-            );
-            assert_eq!(a.len() + b.len(), cfg.n_routed_experts, "layer {layer}");
-            assert!(a.iter().all(|e| !b.contains(e)), "layer {layer}");
+        for cfg in [ModelConfig::tiny_v41(), ModelConfig::tiny_v4()] {
+            let family = cfg.family;
+            let placement = starting_placement(&node, &cfg).expect("placement");
+            assert_eq!(placement.slots_per_gpu, 4, "{family:?}");
+            assert_eq!(placement.layers.len(), cfg.n_layers, "{family:?}");
+            for layer in 0..cfg.n_layers {
+                let (a, b) = (
+                    placement.held_experts(layer, EpRank(0)),
+                    placement.held_experts(layer, EpRank(1)),
+                );
+                assert_eq!(a.len(), 4, "{family:?} layer {layer}");
+                assert_eq!(
+                    a.len() + b.len(),
+                    cfg.n_routed_experts,
+                    "{family:?} layer {layer}"
+                );
+                assert!(a.iter().all(|e| !b.contains(e)), "{family:?} layer {layer}");
+            }
         }
     }
 }

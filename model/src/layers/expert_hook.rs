@@ -5,6 +5,7 @@
 //! running one exactly as the model does, the idle step of an expert-parallel rank).
 
 use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
+use crate::backend::{Backend, MoeLayer};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
@@ -34,6 +35,12 @@ pub trait BackboneMoe {
         layer: usize,
         expert: usize,
     ) -> Result<ExpertWeights<ExpertLinear>, ModelError>;
+
+    /// The family's fused MoE op over no rows ([`Backend::moe_rows`] for V4.1's FP4/FP8
+    /// experts, [`Backend::moe_rows_exact`] for the V4 family's exact ones): what an idle step
+    /// runs for `layer`, so that an expert-parallel backend takes part in the collective a busy
+    /// rank's layer runs.
+    fn idle_moe(backend: &dyn Backend, layer: &MoeLayer<'_>);
 }
 
 impl<W: BackboneMoe + Clone> Loaded<W> {
@@ -51,11 +58,8 @@ impl<W: BackboneMoe + Clone> Loaded<W> {
     /// the remaining layers' collectives, so every step runs every layer's exchange once.
     pub(crate) fn idle_expert_layers(&self, from: usize) {
         let ctx = self.ctx();
-        let empty = crate::backend::Tensor::empty();
         for block in self.weights.backbone().iter().skip(from) {
-            let _ = ctx
-                .backend
-                .moe_rows(&empty, &moe::layer_op(&ctx, &block.moe));
+            W::idle_moe(ctx.backend, &moe::layer_op(&ctx, &block.moe));
         }
     }
 

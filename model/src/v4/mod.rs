@@ -27,7 +27,7 @@ pub use step::StepEntry;
 pub use crate::layers::markov::DraftProposal;
 pub use crate::layers::step::EntryOutput;
 
-use crate::backend::{Backend, CpuBackend, Tensor};
+use crate::backend::{Backend, CpuBackend, MoeLayer, Tensor};
 use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::{ModelConfig, ModelFamily, V4Attention};
 use crate::error::ModelError;
@@ -81,6 +81,10 @@ impl BackboneMoe for ModelWeights {
         expert: usize,
     ) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
         Loader { ckpt, cfg }.routed_expert(layer, expert)
+    }
+
+    fn idle_moe(backend: &dyn Backend, layer: &MoeLayer<'_>) {
+        let _ = backend.moe_rows_exact(&Tensor::empty(), layer, None);
     }
 }
 

@@ -25,7 +25,7 @@ pub use step::{LogitsRow, StepEntry, StepExtras, StepOptions};
 pub use trace::{ForwardTrace, Injection};
 
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Backend, CpuBackend, MoeLayer, Tensor};
 use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
@@ -74,6 +74,10 @@ impl BackboneMoe for ModelWeights {
         expert: usize,
     ) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
         weights::routed_expert(ckpt, &format!("layers.{layer}."), cfg, expert)
+    }
+
+    fn idle_moe(backend: &dyn Backend, layer: &MoeLayer<'_>) {
+        let _ = backend.moe_rows(&Tensor::empty(), layer);
     }
 }
 

@@ -1,19 +1,26 @@
-//! Expert parallelism on the device: [`Backend::moe_rows`] when this backend is one EP rank of
-//! several ([`ExpertRank`]), the routed rows moving between ranks through a [`RowTransport`]
-//! (`ep_transport.rs`: device copies between ranks sharing a device; `nccl.rs`: NCCL).
+//! Expert parallelism on the device: the fused MoE ([`Backend::moe_rows`] of V4.1's FP4/FP8
+//! experts, [`Backend::moe_rows_exact`] of the V4 family's exact fp32 ones) when this backend
+//! is one EP rank of several ([`ExpertRank`]), the routed rows moving between ranks through a
+//! [`RowTransport`] (`ep_transport.rs`: device copies between ranks sharing a device; `nccl.rs`:
+//! NCCL).
 //!
 //! Per MoE layer, every rank (with rows or none: an idle rank still calls it, see
 //! `ExpertHost::idle_expert_step`) runs the same three collectives:
-//! 1. Dispatch: the router runs here; each routed slot (row, pick) goes to the EP rank of the
-//!    replica that serves it; the rows for each rank are gathered into one device buffer and
-//!    sent with their counts, receiver-local expert ids and route weights; each rank runs its
-//!    experts on the rows it received.
+//! 1. Dispatch: the router runs here (a hash layer's experts come with the rows); each routed
+//!    slot (row, pick) goes to the EP rank of the replica that serves it; the rows for each rank
+//!    are gathered into one device buffer and sent with their counts, receiver-local expert ids
+//!    and route weights; each rank runs its experts on the rows it received, by the kernels of
+//!    one rank (`moe.rs` `routed_slots`, `v4.rs` `exact_slots`: a slot's bits do not depend on
+//!    the slots it runs with, so not on the rank that runs it).
 //! 2. Combine: the output rows (f32) go back the same way; every sender gathers its slots' rows
-//!    into slot order and runs the same combine as one rank does (`moe_combine`: a row's slots
-//!    in increasing logical expert id, then the shared expert, one rounding), so every
-//!    placement gives the bits of `ep = 1`.
+//!    into slot order and runs the same shared expert and combine as one rank does
+//!    (`moe_combine`: a row's slots in increasing logical expert id, then the shared expert, one
+//!    rounding), so every placement gives the bits of `ep = 1`.
 //! 3. Finish: the buffers offered to peers may be freed.
 //!
+//! A rank's experts of each layer ([`SlotExperts`]) are of the kind its checkpoint holds:
+//! FP4/FP8 tables (V4.1) or exact tables (the V4 family: dense, FP8 or FP4 weights dequantised
+//! exactly); the collectives are the same for both.
 //! Activations never leave the device; only route ids and weights reach the host. Each rank
 //! counts the rows its slots receive ([`ExpertRank::take_loads`], what the EPLB measures).
 //! Replica choice: the replica on this rank when it holds one, else replica `dp % replicas`: a
@@ -34,6 +41,7 @@ use deepinfer_topology::{EpRank, ExpertPlacement};
 
 use super::ep_transport::{RowMeta, RowTransport};
 use super::moe::DeviceExperts;
+use super::v4::DeviceExactExperts;
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::expert_exchange::{ExchangePhase, ExchangeTag};
@@ -50,7 +58,7 @@ pub struct ExpertRank {
     /// Host address and length of each backbone layer's expert list → layer index.
     layers: HashMap<(usize, usize), usize>,
     /// This rank's experts of each layer, in slot order.
-    tables: Vec<DeviceExperts>,
+    tables: Vec<SlotExperts>,
     /// Routed rows each of its slots received since the last `take_loads`, `[layer][slot]`
     /// flattened (the EPLB's measure).
     loads: Vec<AtomicU64>,
@@ -68,8 +76,9 @@ impl std::fmt::Debug for ExpertRank {
 
 impl ExpertRank {
     /// EP rank `rank` (serving DP rank `dp`) of `placement` at `epoch` for the backbone layers'
-    /// experts `lists` (one list per MoE layer, `ExpertHost::expert_lists`), its experts uploaded to `backend`'s device (only those its slots hold), its rows
-    /// moved by `transport`.
+    /// experts `lists` (one list per MoE layer, `ExpertHost::expert_lists`): its experts (FP4/FP8
+    /// or exact, [`SlotExperts`]) uploaded to `backend`'s device, only those its slots hold; its
+    /// rows moved by `transport`.
     pub fn new(
         backend: &CudaBackend,
         lists: &[&[ExpertWeights<ExpertLinear>]],
@@ -93,12 +102,7 @@ impl ExpertRank {
                     .iter()
                     .map(|e| &experts[e.index()])
                     .collect();
-                backend.expert_table_of(OP, &mine)?.ok_or_else(|| {
-                    shape_err(
-                        OP,
-                        format!("layer {layer}: experts not all FP4 or all FP8 with 32x32 tiles"),
-                    )
-                })
+                backend.slot_experts(OP, layer, &mine)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let layers = lists
@@ -199,7 +203,7 @@ impl ExpertRank {
 
     /// Logical experts whose weights this rank holds on its device, per layer.
     pub fn resident_experts(&self) -> Vec<usize> {
-        self.tables.iter().map(|t| t.table.n_experts()).collect()
+        self.tables.iter().map(SlotExperts::n_experts).collect()
     }
 
     /// The physical slot that serves `expert` of `layer` for this rank's rows (module doc).
@@ -253,6 +257,31 @@ fn check_placement(
     Ok(())
 }
 
+/// One layer's experts of an EP rank on its device, in slot order.
+pub(super) enum SlotExperts {
+    /// V4.1's FP4 or FP8 experts (`moe_rows`).
+    Quantised(DeviceExperts),
+    /// The V4 family's exact experts (`moe_rows_exact`).
+    Exact(DeviceExactExperts),
+}
+
+impl SlotExperts {
+    fn n_experts(&self) -> usize {
+        match self {
+            SlotExperts::Quantised(experts) => experts.table.n_experts(),
+            SlotExperts::Exact(experts) => experts.table.n_experts(),
+        }
+    }
+
+    /// The op whose collectives these experts serve, for errors.
+    fn op(&self) -> &'static str {
+        match self {
+            SlotExperts::Quantised(_) => "moe_rows (expert parallel)",
+            SlotExperts::Exact(_) => "moe_rows_exact (expert parallel)",
+        }
+    }
+}
+
 /// The expert rank a backend serves as, swapped between steps (shared: keep a clone after the
 /// backend was handed to a model).
 #[derive(Debug, Default)]
@@ -296,16 +325,41 @@ impl CudaBackend {
         Some((ep, layer))
     }
 
-    /// [`Backend::moe_rows`] as EP rank `ep` of backbone layer `layer_index` (module doc); an
-    /// error aborts the transport so that no peer waits for this rank.
+    /// This rank's `experts` of one layer (those of its slots, in slot order) on the device, of
+    /// the kind they are: FP4/FP8 tables, or exact ones; an error naming `layer` otherwise.
+    fn slot_experts(
+        &self,
+        op: &'static str,
+        layer: usize,
+        experts: &[&ExpertWeights<ExpertLinear>],
+    ) -> Result<SlotExperts, CudaBackendError> {
+        if let Some(table) = self.expert_table_of(op, experts)? {
+            return Ok(SlotExperts::Quantised(table));
+        }
+        if let Some(table) = self.exact_expert_table_of(op, experts)? {
+            return Ok(SlotExperts::Exact(table));
+        }
+        Err(shape_err(
+            op,
+            format!(
+                "layer {layer}: experts neither all FP4 or all FP8 with 32x32 tiles, nor all \
+                 exact with each projection in one format and shape"
+            ),
+        ))
+    }
+
+    /// The fused MoE (`moe_rows`, or `moe_rows_exact` with a hash layer's `hashed` experts) as
+    /// EP rank `ep` of backbone layer `layer_index` (module doc); an error aborts the transport
+    /// so that no peer waits for this rank.
     pub(super) fn try_moe_rows_ep(
         &self,
         x: &Tensor,
         layer: &MoeLayer<'_>,
+        hashed: Option<&[Vec<usize>]>,
         ep: &ExpertRank,
         layer_index: usize,
     ) -> Result<Tensor, CudaBackendError> {
-        let result = self.moe_rows_ep(x, layer, ep, layer_index);
+        let result = self.moe_rows_ep(x, layer, hashed, ep, layer_index);
         if let Err(err) = &result {
             ep.transport.abort(ep.rank, &err.to_string());
         }
@@ -316,15 +370,21 @@ impl CudaBackend {
         &self,
         x: &Tensor,
         layer: &MoeLayer<'_>,
+        hashed: Option<&[Vec<usize>]>,
         ep: &ExpertRank,
         layer_index: usize,
     ) -> Result<Tensor, CudaBackendError> {
-        const OP: &str = "moe_rows (expert parallel)";
+        let experts = ep.tables.get(layer_index).ok_or_else(|| {
+            shape_err(
+                "moe_rows (expert parallel)",
+                format!("layer {layer_index} of {}", ep.tables.len()),
+            )
+        })?;
+        let op = experts.op();
         let n_experts = layer.bias.len();
         let dim = layer.gate.len() / n_experts;
         let rows = x.len() / dim;
         let row_bytes = (dim * std::mem::size_of::<f32>()) as u64;
-        let rounding = rounding(layer.precision);
         let round = ep.rounds.fetch_add(1, AtomicOrdering::Relaxed);
         let tag = |phase| ExchangeTag {
             round,
@@ -340,9 +400,9 @@ impl CudaBackend {
         let mut routes = None;
         let mut send = None;
         if rows > 0 {
-            let (ids, weights, k) = self.device_routes(OP, x, layer, rows)?;
-            let ids_host = self.routes_to_host(OP, &ids)?;
-            let weights_host = self.routes_to_host(OP, &weights)?;
+            let (ids, weights, k) = self.routes(op, x, layer, hashed, rows)?;
+            let ids_host = self.routes_to_host(op, &ids)?;
+            let weights_host = self.routes_to_host(op, &weights)?;
             for (slot, (&expert, &weight)) in ids_host.iter().zip(&weights_host).enumerate() {
                 if expert as usize >= n_experts {
                     continue;
@@ -353,13 +413,13 @@ impl CudaBackend {
                 to.meta.experts.push((phys % per_rank) as u32);
                 to.meta.weights.push(weight);
             }
-            let dx = self.input(OP, x)?;
-            let base = key_row_address(&self.rt, &dx, 0, dim).map_err(op_err(OP))?;
+            let dx = self.input(op, x)?;
+            let base = key_row_address(&self.rt, &dx, 0, dim).map_err(op_err(op))?;
             let addresses: Vec<u64> = plan
                 .iter()
                 .flat_map(|d| d.slots.iter().map(|&s| base + (s / k) as u64 * row_bytes))
                 .collect();
-            send = self.gathered(OP, &addresses, dim)?;
+            send = self.gathered(op, &addresses, dim)?;
             routes = Some((ids, k));
         }
         let counts: Vec<usize> = plan.iter().map(|d| d.slots.len()).collect();
@@ -387,7 +447,7 @@ impl CudaBackend {
             let weights_in: Vec<f32> = inbox.meta.iter().flat_map(|m| m.weights.clone()).collect();
             if ids_in.len() != n || weights_in.len() != n {
                 return Err(shape_err(
-                    OP,
+                    op,
                     format!(
                         "received {n} rows with {} expert ids and {} weights",
                         ids_in.len(),
@@ -398,23 +458,17 @@ impl CudaBackend {
             let ids_in = self
                 .rt
                 .htod(&ids_in)
-                .map_err(driver_err(OP, "uploading received expert ids"))?;
-            let weights_in = self.upload(OP, &weights_in)?;
-            let a = quantize_act_fp8_f32(&self.rt, received, n, dim, ActGroup::G32)
-                .map_err(op_err(OP))?;
-            let out = self.routed_slots(
-                OP,
-                &a,
+                .map_err(driver_err(op, "uploading received expert ids"))?;
+            let weights_in = self.upload(op, &weights_in)?;
+            outbox = Some(self.received_slots(
+                op,
+                experts,
+                received,
+                dim,
                 &ids_in,
-                1,
                 &weights_in,
-                &ep.tables[layer_index].table,
-                layer.swiglu_limit,
-                rounding,
-            )?;
-            let mut wide = self.alloc(OP, out.len())?;
-            bf16_to_f32(&self.rt, &out, &mut wide).map_err(op_err(OP))?;
-            outbox = Some(wide);
+                layer,
+            )?);
         }
         let back = ep.transport.all_to_all_rows(
             self,
@@ -427,7 +481,7 @@ impl CudaBackend {
         )?;
         if back.counts != counts {
             return Err(shape_err(
-                OP,
+                op,
                 format!("sent rows {counts:?}, got outputs {:?}", back.counts),
             ));
         }
@@ -435,7 +489,7 @@ impl CudaBackend {
         // 3. Slot outputs in slot order, the shared expert, the combine of one rank.
         let mut result = Tensor::empty();
         if let (Some((ids, k)), Some(outputs)) = (&routes, &back.rows) {
-            let base = key_row_address(&self.rt, outputs, 0, dim).map_err(op_err(OP))?;
+            let base = key_row_address(&self.rt, outputs, 0, dim).map_err(op_err(op))?;
             // A dropped slot (id beyond the experts, skipped by the combine) reads row 0.
             let mut addresses = vec![base; rows * k];
             let mut position = 0u64;
@@ -446,29 +500,101 @@ impl CudaBackend {
                 }
             }
             let slot_out = self
-                .gathered(OP, &addresses, dim)?
-                .ok_or_else(|| shape_err(OP, "rows without routed slots".to_string()))?;
-            let a = self.quantised_activations(OP, x, dim, ActGroup::G32)?;
-            let shared = self.shared_expert(OP, &a, layer.shared, layer.swiglu_limit, rounding)?;
-            let mut shared_wide = self.alloc(OP, shared.len())?;
-            bf16_to_f32(&self.rt, &shared, &mut shared_wide).map_err(op_err(OP))?;
-            let mut out = self.alloc(OP, rows * dim)?;
-            moe_combine(
-                &self.rt,
-                &slot_out,
-                ids,
-                n_experts,
-                &shared_wide,
-                dim,
-                rounding,
-                &mut out,
-            )
-            .map_err(op_err(OP))?;
-            result = self.tensor(out);
+                .gathered(op, &addresses, dim)?
+                .ok_or_else(|| shape_err(op, "rows without routed slots".to_string()))?;
+            result = self.combined(op, experts, x, layer, &slot_out, ids)?;
         }
         ep.transport.finish(ep.rank, tag(ExchangePhase::Done))?;
         drop((send, outbox));
         Ok(result)
+    }
+
+    /// This rank's `experts` on the `received` rows `[n, dim]` (f32): row `j` through its
+    /// local expert `ids[j]` weighted by `weights[j]`, as one rank runs a slot → f32 `[n, dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn received_slots(
+        &self,
+        op: &'static str,
+        experts: &SlotExperts,
+        received: &CudaSlice<f32>,
+        dim: usize,
+        ids: &CudaSlice<u32>,
+        weights: &CudaSlice<f32>,
+        layer: &MoeLayer<'_>,
+    ) -> Result<CudaSlice<f32>, CudaBackendError> {
+        let n = ids.len();
+        match experts {
+            SlotExperts::Quantised(experts) => {
+                let a = quantize_act_fp8_f32(&self.rt, received, n, dim, ActGroup::G32)
+                    .map_err(op_err(op))?;
+                let out = self.routed_slots(
+                    op,
+                    &a,
+                    ids,
+                    1,
+                    weights,
+                    &experts.table,
+                    layer.swiglu_limit,
+                    rounding(layer.precision),
+                )?;
+                let mut wide = self.alloc(op, out.len())?;
+                bf16_to_f32(&self.rt, &out, &mut wide).map_err(op_err(op))?;
+                Ok(wide)
+            }
+            SlotExperts::Exact(experts) => {
+                if experts.table.dim() != dim {
+                    return Err(shape_err(
+                        op,
+                        format!("experts of width {}, rows of {dim}", experts.table.dim()),
+                    ));
+                }
+                self.exact_slots(
+                    op,
+                    received,
+                    ids,
+                    1,
+                    weights,
+                    &experts.table,
+                    layer.swiglu_limit,
+                )
+            }
+        }
+    }
+
+    /// The shared expert on the rows `x` and the combine with their slots' outputs `slot_out`
+    /// (f32, slot order, experts `ids`), as one rank runs them for the kind of `experts`.
+    fn combined(
+        &self,
+        op: &'static str,
+        experts: &SlotExperts,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        slot_out: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+    ) -> Result<Tensor, CudaBackendError> {
+        if let SlotExperts::Exact(_) = experts {
+            return self.exact_shared_combine(op, x, layer, slot_out, ids);
+        }
+        let n_experts = layer.bias.len();
+        let dim = layer.gate.len() / n_experts;
+        let rounding = rounding(layer.precision);
+        let a = self.quantised_activations(op, x, dim, ActGroup::G32)?;
+        let shared = self.shared_expert(op, &a, layer.shared, layer.swiglu_limit, rounding)?;
+        let mut shared_wide = self.alloc(op, shared.len())?;
+        bf16_to_f32(&self.rt, &shared, &mut shared_wide).map_err(op_err(op))?;
+        let mut out = self.alloc(op, x.len())?;
+        moe_combine(
+            &self.rt,
+            slot_out,
+            ids,
+            n_experts,
+            &shared_wide,
+            dim,
+            rounding,
+            &mut out,
+        )
+        .map_err(op_err(op))?;
+        Ok(self.tensor(out))
     }
 
     /// `[addresses.len(), width]` f32 rows gathered from device addresses; `None` for none.

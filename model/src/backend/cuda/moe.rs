@@ -12,7 +12,7 @@ use deepinfer_kernels::ops::routed::{
 };
 
 use super::*;
-use crate::backend::weights::{ExpertLinear, ExpertWeights};
+use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
 
 /// A layer's experts on the device: their address table and the weights it points into (held
 /// here so that the addresses stay valid as long as the table).
@@ -40,7 +40,9 @@ impl CudaBackend {
             return Ok(None);
         }
         if let Some((ep, layer_index)) = self.expert_rank_of(layer.experts) {
-            return self.try_moe_rows_ep(x, layer, &ep, layer_index).map(Some);
+            return self
+                .try_moe_rows_ep(x, layer, None, &ep, layer_index)
+                .map(Some);
         }
         let Some(experts) = self.device_experts(OP, layer.experts)? else {
             return Ok(None);
@@ -278,22 +280,26 @@ impl CudaBackend {
         Ok(Some(built))
     }
 
-    /// Drops the cached device copies of `expert`'s weights (an EP rank no longer holds it).
+    /// Drops the cached device copies of `expert`'s weights (an EP rank no longer holds it),
+    /// whichever form they take: FP4/FP8 (and their tensor-core layouts), or exact (dense f32,
+    /// FP8, FP4).
     pub(super) fn forget_expert(&self, expert: &ExpertWeights<ExpertLinear>) {
         let mut cache = self.lock_weights();
         for w in [&expert.w1, &expert.w3, &expert.w2] {
             match w {
-                ExpertLinear::Fp4(w) => {
+                ExpertLinear::Fp4(w) | ExpertLinear::Exact(Linear::Fp4(w)) => {
                     let key = (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales));
                     cache.fp4.remove(&key);
                     cache.fp4_fast.remove(&key);
                 }
-                ExpertLinear::Fp8(w) => {
-                    cache
-                        .fp8
-                        .remove(&(HostKey::bytes(&w.data), HostKey::bytes(&w.scales)));
+                ExpertLinear::Fp8(w) | ExpertLinear::Exact(Linear::Fp8(w)) => {
+                    let key = (HostKey::bytes(&w.data), HostKey::bytes(&w.scales));
+                    cache.fp8.remove(&key);
+                    cache.fp8_fast.remove(&key);
                 }
-                ExpertLinear::Exact(_) => {}
+                ExpertLinear::Exact(Linear::Dense { values, .. }) => {
+                    cache.f32s.remove(&HostKey::f32s(values));
+                }
             }
         }
     }

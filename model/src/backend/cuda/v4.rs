@@ -4,8 +4,10 @@
 //! weights dequantised exactly): device routes (top-k, or a hash layer's experts with their
 //! router weights), each (row, slot) through its own expert by the routed exact linears
 //! (`ops::routed_exact`, rows grouped by expert on the device), SwiGLU weighted by the route,
-//! the combine in increasing expert id, then the shared expert. Numerics: bit for bit the CPU's
-//! (its sgemm order for every product, its exponential, its sums in its order).
+//! the combine in increasing expert id, then the shared expert; on a backend that is one EP rank
+//! of several the routed slots run on the ranks holding their experts, by the same kernels
+//! (`ep.rs`). Numerics: bit for bit the CPU's (its sgemm order for every product, its
+//! exponential, its sums in its order).
 
 use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
 use deepinfer_kernels::ops::routed_exact::{
@@ -21,7 +23,7 @@ use crate::backend::weights::{ExpertLinear, ExpertWeights};
 /// A layer's exact experts on the device: their address table and the weights it points into
 /// (held here so that the addresses stay valid as long as the table).
 pub(super) struct DeviceExactExperts {
-    table: DeviceExactExpertTable,
+    pub(super) table: DeviceExactExpertTable,
     _held: Vec<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -70,6 +72,30 @@ fn exact_kind(w: &ExpertLinear) -> Option<(u8, usize, usize, usize)> {
         ExpertLinear::Exact(Linear::Fp4(w)) => Some((2, 32, w.out, w.inp)),
         _ => None,
     }
+}
+
+/// The shared expert's exact projections `[w1, w3, w2]`, if all three are exact.
+fn exact_shared(shared: &ExpertWeights<ExpertLinear>) -> Option<[&Linear; 3]> {
+    Some([exact(&shared.w1)?, exact(&shared.w3)?, exact(&shared.w2)?])
+}
+
+/// The `(dim, inter)` of `experts` when every projection is exact, each in one format and shape
+/// across them (`w1`, `w3`: `[inter, dim]`; `w2`: `[dim, inter]`), as the routed table requires;
+/// `None` otherwise (or for no experts).
+fn exact_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)> {
+    let kinds =
+        |e: &ExpertWeights<ExpertLinear>| [exact_kind(&e.w1), exact_kind(&e.w3), exact_kind(&e.w2)];
+    let expected = kinds(experts.first()?);
+    let [
+        Some((_, _, i1, d1)),
+        Some((_, _, i3, d3)),
+        Some((_, _, d2, i2)),
+    ] = expected
+    else {
+        return None;
+    };
+    let fits = d1 == d3 && d1 == d2 && i1 == i3 && i1 == i2 && i1 > 0 && d1 > 0;
+    (fits && experts.iter().all(|e| kinds(e) == expected)).then_some((d1, i1))
 }
 
 impl CudaBackend {
@@ -161,7 +187,8 @@ impl CudaBackend {
 
     /// [`Backend::moe_rows_exact`], with errors; `None` unless every expert (and the shared one)
     /// is exact (dense, FP8 or FP4, each projection in one format and shape across the experts)
-    /// and the layer keeps fp32 activations.
+    /// and the layer keeps fp32 activations. On an EP rank (`ep.rs`) the routed experts run on
+    /// the ranks that hold them.
     pub fn try_moe_rows_exact(
         &self,
         x: &Tensor,
@@ -174,85 +201,119 @@ impl CudaBackend {
             return Ok(None);
         }
         let dim = layer.gate.len() / n_experts;
-        let shared = layer.shared;
-        let (Some(s1), Some(s3), Some(s2)) =
-            (exact(&shared.w1), exact(&shared.w3), exact(&shared.w2))
-        else {
+        if exact_shared(layer.shared).is_none() {
             return Ok(None);
-        };
+        }
         let rows = whole_rows(OP, x, dim)?;
+        if let Some((ep, layer_index)) = self.expert_rank_of(layer.experts) {
+            return self
+                .try_moe_rows_ep(x, layer, hashed, &ep, layer_index)
+                .map(Some);
+        }
         let Some(experts) = self.exact_experts(OP, layer.experts, dim)? else {
             return Ok(None);
         };
         if rows == 0 {
             return Ok(Some(Tensor::empty()));
         }
-        let (ids, route_weights, _) = self.routes(OP, x, layer, hashed, rows)?;
-        let slots = ids.len();
-        let inter = experts.table.inter();
+        let (ids, route_weights, k) = self.routes(OP, x, layer, hashed, rows)?;
+        let expert_out = self.exact_slots(
+            OP,
+            &*self.input(OP, x)?,
+            &ids,
+            k,
+            &route_weights,
+            &experts.table,
+            layer.swiglu_limit,
+        )?;
+        self.exact_shared_combine(OP, x, layer, &expert_out, &ids)
+            .map(Some)
+    }
+
+    /// The routed exact experts of `ids.len()` slots: slot `j` runs expert `ids[j]` of `table`
+    /// on the f32 row `j / x_row_div` of `x` — `w1` and `w3`, SwiGLU weighted by
+    /// `route_weights[j]`, `w2` — into f32 `[slots, dim]` (each slot bitwise the CPU's fp32
+    /// linears for it, whichever slots run with it).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn exact_slots(
+        &self,
+        op: &'static str,
+        x: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+        x_row_div: usize,
+        route_weights: &CudaSlice<f32>,
+        table: &DeviceExactExpertTable,
+        limit: f32,
+    ) -> Result<CudaSlice<f32>, CudaBackendError> {
+        let (slots, inter, dim) = (ids.len(), table.inter(), table.dim());
         let routed = |x: &CudaSlice<f32>,
                       x_row_div: usize,
                       which: ExpertProjection,
                       width: usize|
          -> Result<CudaSlice<f32>, CudaBackendError> {
-            let mut out = self.alloc(OP, slots * width)?;
-            gemm_exact_routed(
-                &self.rt,
-                x,
-                &ids,
-                x_row_div,
-                &experts.table,
-                which,
-                &mut out,
-            )
-            .map_err(op_err(OP))?;
+            let mut out = self.alloc(op, slots * width)?;
+            gemm_exact_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
+                .map_err(op_err(op))?;
             Ok(out)
         };
-        let dx = self.input(OP, x)?;
-        let k = slots / rows;
-        let gate = routed(&dx, k, ExpertProjection::W1, inter)?;
-        let up = routed(&dx, k, ExpertProjection::W3, inter)?;
-        let mut hidden = self.alloc(OP, slots * inter)?;
+        let gate = routed(x, x_row_div, ExpertProjection::W1, inter)?;
+        let up = routed(x, x_row_div, ExpertProjection::W3, inter)?;
+        let mut hidden = self.alloc(op, slots * inter)?;
         swiglu_rows(
             &self.rt,
             &gate,
             &up,
-            Some(&route_weights),
-            layer.swiglu_limit,
+            Some(route_weights),
+            limit,
             Rounding::F32,
             &mut hidden,
         )
-        .map_err(op_err(OP))?;
-        let expert_out = routed(&hidden, 1, ExpertProjection::W2, dim)?;
+        .map_err(op_err(op))?;
+        routed(&hidden, 1, ExpertProjection::W2, dim)
+    }
 
-        // The shared expert on every row, then the combine.
+    /// The exact shared expert on every row of `x`, then the combine with the routed slots'
+    /// outputs `expert_out` (f32 `[rows · k, dim]`, slot order, experts `ids`): each row's slots
+    /// in increasing expert id, then the shared expert, in fp32.
+    pub(super) fn exact_shared_combine(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        expert_out: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+    ) -> Result<Tensor, CudaBackendError> {
+        let n_experts = layer.bias.len();
+        let dim = layer.gate.len() / n_experts.max(1);
+        let [s1, s3, s2] = exact_shared(layer.shared)
+            .ok_or_else(|| shape_err(op, "a shared expert that is not exact".to_string()))?;
         let shared_gate = self.try_exact_linear(x, s1)?;
         let shared_up = self.try_exact_linear(x, s3)?;
-        let mut shared_hidden = self.alloc(OP, shared_gate.len())?;
+        let mut shared_hidden = self.alloc(op, shared_gate.len())?;
         swiglu_rows(
             &self.rt,
-            &*self.input(OP, &shared_gate)?,
-            &*self.input(OP, &shared_up)?,
+            &*self.input(op, &shared_gate)?,
+            &*self.input(op, &shared_up)?,
             None,
             layer.swiglu_limit,
             Rounding::F32,
             &mut shared_hidden,
         )
-        .map_err(op_err(OP))?;
+        .map_err(op_err(op))?;
         let shared_out = self.try_exact_linear(&self.tensor(shared_hidden), s2)?;
-        let mut out = self.alloc(OP, rows * dim)?;
+        let mut out = self.alloc(op, whole_rows(op, x, dim)? * dim)?;
         moe_combine(
             &self.rt,
-            &expert_out,
-            &ids,
+            expert_out,
+            ids,
             n_experts,
-            &*self.input(OP, &shared_out)?,
+            &*self.input(op, &shared_out)?,
             dim,
             Rounding::F32,
             &mut out,
         )
-        .map_err(op_err(OP))?;
-        Ok(Some(self.tensor(out)))
+        .map_err(op_err(op))?;
+        Ok(self.tensor(out))
     }
 
     /// [`Linear::apply`] on this backend, with errors.
@@ -267,7 +328,8 @@ impl CudaBackend {
     }
 
     /// The device table of a layer's exact experts, built once and cached with the weights;
-    /// `None` when a projection is not exact or not of one format and shape across the experts.
+    /// `None` when a projection is not exact or not of one format and shape across the experts,
+    /// or their width is not `dim`.
     fn exact_experts(
         &self,
         op: &'static str,
@@ -278,22 +340,29 @@ impl CudaBackend {
         if let Some(found) = self.lock_weights().exact_expert_tables.get(&key) {
             return Ok(Some(found.clone()));
         }
-        let Some(first) = experts.first() else {
+        let all: Vec<&ExpertWeights<ExpertLinear>> = experts.iter().collect();
+        if exact_shape(&all).is_none_or(|(width, _)| width != dim) {
+            return Ok(None);
+        }
+        let Some(built) = self.exact_expert_table_of(op, &all)? else {
             return Ok(None);
         };
-        let kinds = |e: &ExpertWeights<ExpertLinear>| {
-            [exact_kind(&e.w1), exact_kind(&e.w3), exact_kind(&e.w2)]
-        };
-        let expected = kinds(first);
-        let shapes_fit = match expected {
-            [
-                Some((_, _, i1, d1)),
-                Some((_, _, i3, d3)),
-                Some((_, _, d2, i2)),
-            ] => d1 == dim && d3 == dim && d2 == dim && i1 == i3 && i1 == i2 && i1 > 0,
-            _ => false,
-        };
-        if !shapes_fit || experts.iter().any(|e| kinds(e) != expected) {
+        let built = Arc::new(built);
+        self.lock_weights()
+            .exact_expert_tables
+            .insert(key, built.clone());
+        Ok(Some(built))
+    }
+
+    /// The device table of exact `experts` (table index = position in the list), each weight
+    /// uploaded (or found) in the weight cache; `None` when a projection is not exact or not of
+    /// one format and shape across them ([`exact_shape`]).
+    pub(super) fn exact_expert_table_of(
+        &self,
+        op: &'static str,
+        experts: &[&ExpertWeights<ExpertLinear>],
+    ) -> Result<Option<DeviceExactExperts>, CudaBackendError> {
+        if exact_shape(experts).is_none() {
             return Ok(None);
         }
         let device = |w: &ExpertLinear| -> Result<DeviceLinear, CudaBackendError> {
@@ -321,17 +390,80 @@ impl CudaBackend {
         // SAFETY: the table is stored next to `weights` (the Arcs it points into) in one
         // `DeviceExactExperts`, which outlives every launch that reads it.
         let table = unsafe { DeviceExactExpertTable::new(&self.rt, &refs) }.map_err(op_err(op))?;
-        let built = Arc::new(DeviceExactExperts {
+        Ok(Some(DeviceExactExperts {
             table,
             _held: weights
                 .into_iter()
                 .flatten()
                 .map(DeviceLinear::held)
                 .collect(),
-        });
-        self.lock_weights()
-            .exact_expert_tables
-            .insert(key, built.clone());
-        Ok(Some(built))
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dense(out: usize, inp: usize) -> ExpertLinear {
+        ExpertLinear::Exact(Linear::Dense {
+            out,
+            inp,
+            values: vec![0.0; out * inp],
+        })
+    }
+
+    fn fp8(out: usize, inp: usize) -> Fp8Weight {
+        Fp8Weight {
+            out,
+            inp,
+            block: 32,
+            data: vec![0; out * inp],
+            scales: vec![127; out.div_ceil(32) * inp.div_ceil(32)],
+        }
+    }
+
+    fn expert(w1: ExpertLinear, w3: ExpertLinear, w2: ExpertLinear) -> ExpertWeights<ExpertLinear> {
+        ExpertWeights { w1, w2, w3 }
+    }
+
+    /// What an EP rank's slots may hold as one exact table (`ep.rs` `slot_experts`): exact
+    /// projections of one format and shape across the experts give `(dim, inter)`; a quantised
+    /// (V4.1) expert, a second format or another shape among them gives none, so the rank takes
+    /// them as FP4/FP8 tables or refuses the layer.
+    #[test]
+    fn exact_tables_need_one_exact_format_and_shape() {
+        let (dim, inter) = (64, 32);
+        let plain = || expert(dense(inter, dim), dense(inter, dim), dense(dim, inter));
+        let a = plain();
+        let b = plain();
+        assert_eq!(exact_shape(&[&a, &b]), Some((dim, inter)));
+        let quantised = || {
+            expert(
+                ExpertLinear::Exact(Linear::Fp8(fp8(inter, dim))),
+                ExpertLinear::Exact(Linear::Fp8(fp8(inter, dim))),
+                ExpertLinear::Exact(Linear::Fp8(fp8(dim, inter))),
+            )
+        };
+        let c = quantised();
+        assert_eq!(exact_shape(&[&c, &quantised()]), Some((dim, inter)));
+        assert_eq!(exact_shape(&[&a, &c]), None, "two formats");
+        let wide = expert(
+            dense(2 * inter, dim),
+            dense(2 * inter, dim),
+            dense(dim, 2 * inter),
+        );
+        assert_eq!(exact_shape(&[&wide]), Some((dim, 2 * inter)));
+        assert_eq!(exact_shape(&[&a, &wide]), None, "two shapes");
+        let v41 = expert(
+            ExpertLinear::Fp8(fp8(inter, dim)),
+            ExpertLinear::Fp8(fp8(inter, dim)),
+            ExpertLinear::Fp8(fp8(dim, inter)),
+        );
+        assert_eq!(exact_shape(&[&v41]), None, "V4.1's FP8 experts");
+        let odd = expert(dense(inter, dim), dense(inter, dim), dense(dim, inter + 1));
+        assert_eq!(exact_shape(&[&odd]), None, "w2 does not read w1's outputs");
+        assert_eq!(exact_shape(&[]), None);
+        assert!(exact_shared(&a).is_some() && exact_shared(&v41).is_none());
     }
 }
