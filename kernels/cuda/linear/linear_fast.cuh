@@ -16,6 +16,11 @@
 // w is bf16 [out, stride] with stride = inp rounded up to CHUNK (zero padding), x f32 [rows, inp]
 // converted to bf16 (round to nearest even: exact for the bf16 values these linears receive),
 // y f32 storage, rounded to bf16 when p.round_bf16.
+//
+// Groups (grid.z, the grouped wo_a): group g is an independent linear of p.out rows of w (rows
+// [g p.out, (g + 1) p.out)) over the columns [g p.inp, (g + 1) p.inp) of x [rows, groups p.inp]
+// into the columns [g p.out, (g + 1) p.out) of y [rows, groups p.out]. One group (grid.z = 1) is
+// the plain linear; a group's outputs are bitwise those of its linear launched alone.
 #pragma once
 #include "common/numerics.cuh"
 #include "common/params.h"
@@ -27,14 +32,15 @@ constexpr int THREADS = 32 * PARTS;
 constexpr u32_t CHUNK = 32;  // k per lane step (two mma k16 steps)
 constexpr int UNROLL = 4;    // chunks whose weights are loaded before their mma steps
 
-// x[row, k .. k + 8) as f32, zero past inp or for a row past `rows`.
-__device__ __forceinline__ void load_x8(const float* x, u32_t row, u32_t k, const LinearParams& p, float (&v)[8]) {
+// x[row, k .. k + 8) as f32 (rows x_stride apart), zero past inp or for a row past `rows`.
+__device__ __forceinline__ void load_x8(const float* x, size_t x_stride, u32_t row, u32_t k, const LinearParams& p,
+                                        float (&v)[8]) {
     if (row >= p.rows) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = 0.0f;
         return;
     }
-    const float* at = x + static_cast<size_t>(row) * p.inp + k;
+    const float* at = x + static_cast<size_t>(row) * x_stride + k;
     if ((p.inp & 3u) == 0 && k + 8 <= p.inp) {
         const float4 lo = *reinterpret_cast<const float4*>(at);
         const float4 hi = *reinterpret_cast<const float4*>(at + 4);
@@ -55,6 +61,11 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
     const u32_t row0 = blockIdx.y * (MT * 16), col0 = blockIdx.x * (NT * 8);
     const u32_t chunks = (p.inp + CHUNK - 1) / CHUNK;
     const u32_t first = warp * chunks / PARTS, last = (warp + 1) * chunks / PARTS;
+    // This block's group: its columns of x and y, its rows of w.
+    const size_t x_stride = static_cast<size_t>(gridDim.z) * p.inp, y_stride = static_cast<size_t>(gridDim.z) * p.out;
+    x += static_cast<size_t>(blockIdx.z) * p.inp;
+    y += static_cast<size_t>(blockIdx.z) * p.out;
+    w += static_cast<size_t>(blockIdx.z) * p.out * chunks * 4;
     // uint4 units: a weight row holds `chunks` chunks of 4 uint4 (32 bf16), lane q reads the q-th.
     const uint4* w_rows[NT];
     bool col_ok[NT];
@@ -89,7 +100,7 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     float v[8];
-                    load_x8(x, row0 + mt * 16 + g + 8 * half, k, p, v);
+                    load_x8(x, x_stride, row0 + mt * 16 + g + 8 * half, k, p, v);
                     a[mt][0][half] = pack_bf16(v[0], v[1]);
                     a[mt][0][2 + half] = pack_bf16(v[2], v[3]);
                     a[mt][1][half] = pack_bf16(v[4], v[5]);
@@ -123,7 +134,7 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
         float sum = partials[0][r][c];
 #pragma unroll
         for (int part = 1; part < PARTS; ++part) sum += partials[part][r][c];
-        y[static_cast<size_t>(row) * p.out + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
+        y[static_cast<size_t>(row) * y_stride + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
     }
 }
 

@@ -3,7 +3,9 @@
 //! (`Backend::linear_bf16`: the grouped `wo_a`, the compressor and indexer projections) in
 //! `Numerics::Fast`. Not bitwise equal to the CPU's bf16 GEMM order, but deterministic and batch
 //! invariant: K is cut into [`PARTS`] parts by `inp` alone, each summed in K order, the parts
-//! added in order, and the tile chosen by the row count never changes an output's arithmetic.
+//! added in order, and the tile chosen by the row count never changes an output's arithmetic. A
+//! grouped weight ([`FastBf16Weight::upload_grouped`]: `wo_a`'s 8 groups) runs its groups as
+//! independent linears in one launch (grid z), each group bitwise its linear alone.
 //!
 //! Error bound against the exact value (f64) of the bf16 operands — what the GPU tests assert:
 //! with `S = Σ_k |x_k w_k|`, the products are exact in fp32; each mma step adds 16 of them to the
@@ -30,14 +32,20 @@ const CHUNK: usize = 32;
 const MAX_INP: usize = 65_536;
 /// The grid's y limit (row tiles of one launch).
 const MAX_GRID_Y: usize = 65_535;
+/// The grid's z limit (groups of one launch).
+const MAX_GROUPS: usize = 65_535;
 
 /// A bf16 weight `[out, inp]` on the device for [`linear_bf16_fast`]: rows padded with zeros to
-/// a multiple of 32 elements (16-byte aligned chunks).
+/// a multiple of 32 elements (16-byte aligned chunks). With `groups > 1` it is `groups`
+/// independent weights of `out / groups` rows each: group `g` maps columns
+/// `[g · inp, (g + 1) · inp)` of the input to columns `[g · out / groups, (g + 1) · out / groups)`
+/// of the output.
 pub struct FastBf16Weight {
     /// `out` rows of `inp.div_ceil(32) · 32` bf16 values.
     pub codes: CudaSlice<bf16>,
     pub out: usize,
     pub inp: usize,
+    pub groups: usize,
 }
 
 impl FastBf16Weight {
@@ -48,10 +56,29 @@ impl FastBf16Weight {
         inp: usize,
         w: &[f32],
     ) -> Result<FastBf16Weight, KernelError> {
+        FastBf16Weight::upload_grouped(rt, 1, out, inp, w)
+    }
+
+    /// Uploads `groups` weights `[out / groups, inp]`, one after the other in `w [out, inp]`.
+    pub fn upload_grouped(
+        rt: &KernelRuntime,
+        groups: usize,
+        out: usize,
+        inp: usize,
+        w: &[f32],
+    ) -> Result<FastBf16Weight, KernelError> {
         if inp == 0 || inp > MAX_INP {
             return Err(KernelError::Shape {
                 op: OP,
                 message: format!("inp = {inp} must be in 1..={MAX_INP}"),
+            });
+        }
+        if groups == 0 || !out.is_multiple_of(groups) || groups > MAX_GROUPS {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!(
+                    "{groups} groups must divide out = {out} (at most {MAX_GROUPS} groups)"
+                ),
             });
         }
         expect_len(OP, "w", w.len(), out * inp)?;
@@ -65,7 +92,12 @@ impl FastBf16Weight {
         let codes = rt
             .htod(&codes)
             .map_err(KernelError::driver("uploading a fast bf16 weight"))?;
-        Ok(FastBf16Weight { codes, out, inp })
+        Ok(FastBf16Weight {
+            codes,
+            out,
+            inp,
+            groups,
+        })
     }
 }
 
@@ -79,8 +111,9 @@ fn tile_for(rows: usize) -> (KernelId, usize, usize) {
     }
 }
 
-/// `y [rows, w.out] = x [rows, w.inp] · wᵀ` (f32 storage; `x` converted to bf16 by rounding to
-/// nearest, exact for bf16 values), `y` rounded to bf16 when `output` is [`Rounding::Bf16`].
+/// `y [rows, w.out] = x [rows, w.groups · w.inp] · wᵀ`, group by group (f32 storage; `x`
+/// converted to bf16 by rounding to nearest, exact for bf16 values), `y` rounded to bf16 when
+/// `output` is [`Rounding::Bf16`].
 pub fn linear_bf16_fast(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
@@ -103,7 +136,8 @@ pub fn linear_bf16_fast_as_if(
     output: Rounding,
 ) -> Result<(), KernelError> {
     let (kernel, mt, nt) = tile_for(tile_rows);
-    expect_len(OP, "x", x.len(), rows * w.inp)?;
+    let (x_width, group_out) = (w.groups * w.inp, w.out / w.groups);
+    expect_len(OP, "x", x.len(), rows * x_width)?;
     expect_len(OP, "y", y.len(), rows * w.out)?;
     if rows == 0 || w.out == 0 {
         return Ok(());
@@ -114,17 +148,17 @@ pub fn linear_bf16_fast_as_if(
         let count = chunk_rows.min(rows - first);
         let params = LinearParams {
             rows: dim(OP, "rows", count)?,
-            out: dim(OP, "out", w.out)?,
+            out: dim(OP, "out", group_out)?,
             inp: dim(OP, "inp", w.inp)?,
             round_bf16: output.flag(),
         };
-        let x_rows = x.slice(first * w.inp..(first + count) * w.inp);
+        let x_rows = x.slice(first * x_width..(first + count) * x_width);
         let mut y_rows = y.slice_mut(first * w.out..(first + count) * w.out);
         let grid = launch_config(
             (
-                dim(OP, "column tiles", w.out.div_ceil(tile_cols))?,
+                dim(OP, "column tiles", group_out.div_ceil(tile_cols))?,
                 dim(OP, "row tiles", count.div_ceil(tile_rows))?,
-                1,
+                dim(OP, "groups", w.groups)?,
             ),
             (32 * PARTS) as u32,
             0,
@@ -136,10 +170,11 @@ pub fn linear_bf16_fast_as_if(
             .arg(&mut y_rows)
             .arg(&params);
         // SAFETY: signature (const float* x, const uint4* w, float* y, LinearParams); x holds
-        // params.rows * inp values and y params.rows * out (checked above); w holds out rows of
-        // inp.div_ceil(32) * 32 bf16 (FastBf16Weight::upload), read 16 bytes at a time from
-        // 16-byte aligned chunks (the allocation is aligned, a row is a multiple of 64 bytes);
-        // the kernel bounds-checks rows, columns and k against params.
+        // params.rows * groups * inp values and y params.rows * groups * params.out (checked
+        // above; grid.z = groups); w holds groups * params.out rows of inp.div_ceil(32) * 32
+        // bf16 (FastBf16Weight::upload_grouped), read 16 bytes at a time from 16-byte aligned
+        // chunks (the allocation is aligned, a row is a multiple of 64 bytes); the kernel
+        // bounds-checks rows, columns and k against params and offsets each group by them.
         unsafe { launch.launch(grid) }?;
     }
     Ok(())

@@ -240,6 +240,19 @@ impl Backend for CpuBackend {
         y.into()
     }
 
+    fn linear_grouped_bf16(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        groups: usize,
+        out: usize,
+        inp: usize,
+    ) -> Tensor {
+        super::linear_by_groups(self, x, (groups, inp, out), |inputs, g| {
+            self.linear_bf16(inputs, &w[g * out * inp..(g + 1) * out * inp], out, inp)
+        })
+    }
+
     fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
         let rows = x.len() / inp;
         let mut y = Vec::with_capacity(rows * out);

@@ -101,6 +101,28 @@ impl HcMixes {
     }
 }
 
+/// A grouped linear from its groups: `x [n, groups · inp]`; `linear(inputs, g)` maps group `g`'s
+/// columns `[n, inp]` to `[n, out]`; the groups' outputs side by side, `[n, groups · out]`.
+pub fn linear_by_groups(
+    backend: &dyn Backend,
+    x: &Tensor,
+    (groups, inp, out): (usize, usize, usize),
+    linear: impl Fn(&Tensor, usize) -> Tensor,
+) -> Tensor {
+    let n = x.len() / (groups * inp).max(1);
+    let outputs: Vec<Tensor> = (0..groups)
+        .map(|g| {
+            let pieces: Vec<(&Tensor, usize)> =
+                (0..n).map(|t| (x, (t * groups + g) * inp)).collect();
+            linear(&backend.gather(&pieces, inp), g)
+        })
+        .collect();
+    let pieces: Vec<(&Tensor, usize)> = (0..n)
+        .flat_map(|t| outputs.iter().map(move |y| (y, t * out)))
+        .collect();
+    backend.gather(&pieces, out)
+}
+
 /// Parameters of one mHC site (`hc_{site}_fn/base/scale`).
 #[derive(Debug, Clone)]
 pub struct HcParams {
@@ -249,6 +271,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor;
     /// Plain `x · Wᵀ` with fp32 output (no rounding).
     fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor;
+    /// The grouped bf16 linear (V4.1's grouped `wo_a`): `x [n, groups · inp]`, `w` the `groups`
+    /// weights `[out, inp]` one after another; group `g` is [`Backend::linear_bf16`] of the
+    /// columns `[g · inp, (g + 1) · inp)` of `x` into the columns `[g · out, (g + 1) · out)` of
+    /// the result `[n, groups · out]` ([`linear_by_groups`] is the definition).
+    fn linear_grouped_bf16(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        groups: usize,
+        out: usize,
+        inp: usize,
+    ) -> Tensor;
     /// `width` values from each `(tensor, offset)` of `pieces`, one after another: the row
     /// movement between ops (gathering rows, columns, interleaving) without leaving the device.
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor;

@@ -2,7 +2,7 @@
 //! ([`Projection`]) in its model's precision: the queries of a step's rows ([`queries`]), the K=V
 //! rows ([`kv_rows`]) and the grouped low-rank output projection ([`output`]).
 
-use crate::backend::{Precision, RopeTable, Tensor};
+use crate::backend::{Precision, RopeTable, Tensor, linear_by_groups};
 use crate::layers::ctx::Ctx;
 use crate::layers::weights::{AttentionWeights, Projection};
 
@@ -92,24 +92,13 @@ pub fn grouped_low_rank(
     let precision = cfg.precision();
     let (heads, head_dim) = (cfg.n_heads, cfg.head_dim);
     let o = backend.rope(o, head_dim, heads, positions, table, true, precision);
-    let row = heads * head_dim;
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
-    let group_width = row / groups;
-    let n = positions.len();
-    let z_groups: Vec<Tensor> = (0..groups)
-        .map(|g| {
-            let pieces: Vec<(&Tensor, usize)> =
-                (0..n).map(|t| (&o, t * row + g * group_width)).collect();
-            let inputs = backend.gather(&pieces, group_width);
+    let group_width = heads * head_dim / groups;
+    match precision {
+        Precision::Bf16 => backend.linear_grouped_bf16(&o, wo_a, groups, rank, group_width),
+        Precision::F32 => linear_by_groups(backend, &o, (groups, group_width, rank), |x, g| {
             let weights = &wo_a[g * rank * group_width..(g + 1) * rank * group_width];
-            match precision {
-                Precision::Bf16 => backend.linear_bf16(&inputs, weights, rank, group_width),
-                Precision::F32 => backend.linear_f32(&inputs, weights, rank, group_width),
-            }
-        })
-        .collect();
-    let pieces: Vec<(&Tensor, usize)> = (0..n)
-        .flat_map(|t| z_groups.iter().map(move |zg| (zg, t * rank)))
-        .collect();
-    backend.gather(&pieces, rank)
+            backend.linear_f32(x, weights, rank, group_width)
+        }),
+    }
 }

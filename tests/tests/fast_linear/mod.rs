@@ -3,7 +3,10 @@
 //! (`e = (17 · ⌈K / 16⌉ + PARTS) · 2^-23 · Σ|x w|`, plus `2^-8 (|y| + e)` for the bf16 output);
 //! every tile gives the same bits, run after run; a row alone equals itself inside batches of
 //! 2 … 300 rows (negative control: a one-element change is seen); and `CudaBackend::linear_bf16`
-//! takes it in `fast` numerics while `exact` stays bitwise the CPU reference.
+//! takes it in `fast` numerics while `exact` stays bitwise the CPU reference. The grouped form
+//! (`wo_a`'s groups in one launch) gives each group the bits of its linear alone, and
+//! `CudaBackend::linear_grouped_bf16` is that one launch in `fast` numerics and the CPU's bits in
+//! `exact`.
 
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::ops::Rounding;
@@ -198,4 +201,132 @@ fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
         0,
         "fast linear_f32 is not exact"
     );
+}
+
+/// The columns `[g · inp, (g + 1) · inp)` of `rows` rows of `x [rows, groups · inp]`.
+fn group_columns(x: &[f32], rows: usize, groups: usize, inp: usize, g: usize) -> Vec<f32> {
+    (0..rows)
+        .flat_map(|r| {
+            x[(r * groups + g) * inp..(r * groups + g + 1) * inp]
+                .iter()
+                .copied()
+        })
+        .collect()
+}
+
+/// A grouped weight in one launch gives every group the bits of that group's linear launched
+/// alone on its columns (the real `wo_a`: 8 groups of [1024, 4096]; and odd sizes: inp off the
+/// chunk, a group's rows off a warp's columns), for every tile.
+#[test]
+fn grouped_fast_bf16_linear_gives_each_group_the_bits_of_its_linear_alone() {
+    let rt = crate::open();
+    let mut rng = Rng(44);
+    for (groups, out, inp) in [(8usize, 1024usize, 4096usize), (3, 37, 70), (5, 64, 544)] {
+        let w = bf16_values(&mut rng, groups * out * inp);
+        let grouped = FastBf16Weight::upload_grouped(&rt, groups, groups * out, inp, &w)
+            .expect("upload the grouped weight");
+        let alone: Vec<FastBf16Weight> = (0..groups)
+            .map(|g| {
+                FastBf16Weight::upload(&rt, out, inp, &w[g * out * inp..(g + 1) * out * inp])
+                    .expect("upload a group")
+            })
+            .collect();
+        for rows in [1usize, 7, 64, 65, 130] {
+            let x = bf16_values(&mut rng, rows * groups * inp);
+            let got = run(&rt, &x, rows, &grouped, None);
+            assert_eq!(got.len(), rows * groups * out);
+            for (g, weight) in alone.iter().enumerate() {
+                let expect = run(
+                    &rt,
+                    &group_columns(&x, rows, groups, inp, g),
+                    rows,
+                    weight,
+                    None,
+                );
+                let ours: Vec<f32> = (0..rows)
+                    .flat_map(|r| {
+                        got[(r * groups + g) * out..(r * groups + g + 1) * out]
+                            .iter()
+                            .copied()
+                    })
+                    .collect();
+                assert_eq!(
+                    differing(&ours, &expect),
+                    0,
+                    "{groups} groups of [{out}x{inp}], M={rows}: group {g} differs from its linear alone"
+                );
+            }
+            for tile in TILE_ROWS {
+                let other = run(&rt, &x, rows, &grouped, Some(tile));
+                assert_eq!(
+                    differing(&other, &got),
+                    0,
+                    "{groups} groups, M={rows}: the tile of {tile} rows gives other bits"
+                );
+            }
+        }
+    }
+    let err = FastBf16Weight::upload_grouped(&rt, 3, 10, 4, &[0.0; 40])
+        .err()
+        .expect("3 groups do not divide 10 rows");
+    assert!(
+        err.to_string().contains("3 groups must divide out = 10"),
+        "{err}"
+    );
+}
+
+/// `CudaBackend::linear_grouped_bf16`: `fast` numerics runs the groups in one launch, each group
+/// bitwise the backend's fast `linear_bf16` of its columns; `exact` numerics is bitwise the CPU
+/// reference (the groups one by one).
+#[test]
+fn the_backend_runs_the_grouped_linear_in_one_launch_in_fast_numerics() {
+    let mut rng = Rng(45);
+    let (rows, groups, out, inp) = (5usize, 8usize, 64usize, 512usize);
+    let w = bf16_values(&mut rng, groups * out * inp);
+    let x = bf16_values(&mut rng, rows * groups * inp);
+    let cpu = CpuBackend::new();
+    let exact = CudaBackend::open(0, Numerics::Exact).expect("the CUDA device");
+    let fast = CudaBackend::open(0, Numerics::Fast).expect("the CUDA device");
+    let grouped = |b: &dyn Backend| {
+        b.linear_grouped_bf16(&Tensor::from(x.clone()), &w, groups, out, inp)
+            .into_vec()
+    };
+    let reference = grouped(&cpu);
+    assert_eq!(
+        differing(&grouped(&exact), &reference),
+        0,
+        "exact linear_grouped_bf16 is not the CPU's"
+    );
+    let profile = fast.op_profile();
+    grouped(&fast); // uploads the weight
+    profile.set_enabled(true);
+    let fast_y = grouped(&fast);
+    profile.set_enabled(false);
+    let launches = profile
+        .take()
+        .get("linear_grouped_bf16")
+        .map_or(0, |s| s.launches);
+    assert_eq!(launches, 1, "fast linear_grouped_bf16 launches");
+    for g in 0..groups {
+        let alone = fast
+            .linear_bf16(
+                &Tensor::from(group_columns(&x, rows, groups, inp, g)),
+                &w[g * out * inp..(g + 1) * out * inp],
+                out,
+                inp,
+            )
+            .into_vec();
+        let ours: Vec<f32> = (0..rows)
+            .flat_map(|r| {
+                fast_y[(r * groups + g) * out..(r * groups + g + 1) * out]
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        assert_eq!(
+            differing(&ours, &alone),
+            0,
+            "fast group {g} differs from its linear_bf16"
+        );
+    }
 }

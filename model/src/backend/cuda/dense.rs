@@ -83,13 +83,55 @@ impl CudaBackend {
         let dx = self.input(OP, x)?;
         let mut dy = self.alloc(OP, rows * out)?;
         if self.numerics == Numerics::Fast && output == Rounding::Bf16 {
-            let dw = self.cached_bf16_fast(&w[..out * inp], out, inp)?;
+            let dw = self.cached_bf16_fast(&w[..out * inp], 1, out, inp)?;
             linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, output).map_err(op_err(OP))?;
         } else {
             let dw = self.cached_f32(OP, &w[..out * inp])?;
             linear_sgemm_f32(&self.rt, &dx, &dw, &mut dy, (rows, out, inp), output)
                 .map_err(op_err(OP))?;
         }
+        Ok(self.tensor(dy))
+    }
+
+    /// [`Backend::linear_grouped_bf16`], with errors: in `fast` numerics every group in one
+    /// launch of the fast bf16 linear (grid z, each group bitwise its linear alone); in `exact`
+    /// numerics the groups one by one ([`linear_by_groups`]), bitwise the CPU reference.
+    pub fn try_linear_grouped_bf16(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        groups: usize,
+        out: usize,
+        inp: usize,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "linear_grouped_bf16";
+        if groups == 0 || w.len() != groups * out * inp {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{} weight values for {groups} groups of [{out}, {inp}]",
+                    w.len()
+                ),
+            ));
+        }
+        let rows = whole_rows(OP, x, groups * inp)?;
+        if self.numerics != Numerics::Fast {
+            return Ok(linear_by_groups(
+                self,
+                x,
+                (groups, inp, out),
+                |inputs, g| {
+                    self.linear_bf16(inputs, &w[g * out * inp..(g + 1) * out * inp], out, inp)
+                },
+            ));
+        }
+        if rows == 0 || out == 0 {
+            return Ok(Tensor::empty());
+        }
+        let dx = self.input(OP, x)?;
+        let mut dy = self.alloc(OP, rows * groups * out)?;
+        let dw = self.cached_bf16_fast(w, groups, groups * out, inp)?;
+        linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, Rounding::Bf16).map_err(op_err(OP))?;
         Ok(self.tensor(dy))
     }
 

@@ -99,7 +99,7 @@ use super::select::DeviceRows;
 use super::{
     Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
     HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
-    SelectPart, Selection, Tensor, check_sample_rows, select,
+    SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -216,7 +216,7 @@ impl HostKey {
 struct WeightCache {
     f32s: HashMap<HostKey, Arc<CudaSlice<f32>>>,
     /// bf16 linear weights prepared for the tensor-core linear of the `fast` numerics.
-    bf16_fast: HashMap<HostKey, Arc<FastBf16Weight>>,
+    bf16_fast: HashMap<(HostKey, usize), Arc<FastBf16Weight>>,
     fp8: HashMap<(HostKey, HostKey), Arc<DeviceFp8Weight>>,
     /// FP8 weights prepared for the tensor-core GEMM of the `fast` numerics.
     fp8_fast: HashMap<(HostKey, HostKey), Arc<FastFp8Weight>>,
@@ -557,16 +557,22 @@ impl CudaBackend {
         )
     }
 
+    /// The fast bf16 weight of `groups` weights `[out / groups, inp]` in `weight` (one group: a
+    /// plain linear's), cached by the host values and the grouping.
     fn cached_bf16_fast(
         &self,
         weight: &[f32],
+        groups: usize,
         out: usize,
         inp: usize,
     ) -> Result<Arc<FastBf16Weight>, CudaBackendError> {
         self.cached(
-            HostKey::f32s(weight),
+            (HostKey::f32s(weight), groups),
             |cache| &mut cache.bf16_fast,
-            || FastBf16Weight::upload(&self.rt, out, inp, weight).map_err(op_err("linear_bf16")),
+            || {
+                FastBf16Weight::upload_grouped(&self.rt, groups, out, inp, weight)
+                    .map_err(op_err("linear_bf16"))
+            },
         )
     }
 
@@ -774,6 +780,19 @@ impl Backend for CudaBackend {
     fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
         self.run("linear_bf16", || {
             self.try_linear(x, w, out, inp, Rounding::Bf16)
+        })
+    }
+
+    fn linear_grouped_bf16(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        groups: usize,
+        out: usize,
+        inp: usize,
+    ) -> Tensor {
+        self.run("linear_grouped_bf16", || {
+            self.try_linear_grouped_bf16(x, w, groups, out, inp)
         })
     }
 
