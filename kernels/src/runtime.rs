@@ -6,6 +6,12 @@
 //! Every launch, copy, allocation and free of a runtime happens on its one stream, in order; so
 //! cudarc's cross-stream event tracking is turned off (it cost host time per buffer, kernel
 //! argument and key address). Buffers must not be shared with another stream or runtime.
+//!
+//! Allocations are stream-ordered from the device's default memory pool, which by default hands
+//! every unused byte back to the driver at each synchronisation, so the next step maps it again.
+//! The runtime raises the pool's release threshold to keep what a step freed
+//! ([`keep_freed_memory`]); [`release_pooled_memory`] hands it back where free device memory is
+//! measured.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,13 +19,61 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchArgs,
-    LaunchConfig, PushKernelArg,
+    LaunchConfig, PushKernelArg, result, sys,
 };
 use cudarc::nvrtc::Ptx;
 
 use crate::compile::{Compiler, panic_text};
 use crate::error::KernelError;
 use crate::id::{Arch, KernelId, SourceFile};
+
+/// The default memory pool of `ctx`'s device, when the device allocates stream-ordered.
+fn default_pool(ctx: &CudaContext) -> Result<Option<sys::CUmemoryPool>, KernelError> {
+    if !ctx.has_async_alloc() {
+        return Ok(None);
+    }
+    // SAFETY: the device is the context's own.
+    unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }
+        .map(Some)
+        .map_err(KernelError::driver(
+            "reading the device's default memory pool",
+        ))
+}
+
+/// Makes `ctx`'s device keep the memory its stream-ordered frees return (release threshold: all
+/// of it) instead of handing it to the driver at every synchronisation: a step's temporaries
+/// are then reused by the next step without mapping memory again.
+pub fn keep_freed_memory(ctx: &CudaContext) -> Result<(), KernelError> {
+    let Some(pool) = default_pool(ctx)? else {
+        return Ok(());
+    };
+    let mut threshold = u64::MAX;
+    // SAFETY: the pool is the device's default one; the release threshold is a u64 attribute.
+    unsafe {
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .map_err(KernelError::driver(
+        "raising the memory pool's release threshold",
+    ))
+}
+
+/// Hands the memory `stream`'s device keeps for reuse back to the driver (after the stream is
+/// idle), so that the driver's free-memory figure counts it as free again.
+pub fn release_pooled_memory(stream: &CudaStream) -> Result<(), KernelError> {
+    stream
+        .synchronize()
+        .map_err(KernelError::driver("synchronising the stream"))?;
+    let Some(pool) = default_pool(stream.context())? else {
+        return Ok(());
+    };
+    // SAFETY: the pool is the device's default one and no allocation of the stream is pending.
+    unsafe { result::mem_pool::trim_to(pool, 0) }
+        .map_err(KernelError::driver("trimming the memory pool"))
+}
 
 /// Whether the CUDA driver library (`libcuda`) can be loaded; never panics.
 pub fn driver_available() -> Result<(), KernelError> {
@@ -117,6 +171,7 @@ impl KernelRuntime {
         // SAFETY: every buffer of this context is allocated, used and freed (stream-ordered) on
         // the runtime's one stream (module header), so no cross-stream ordering is lost.
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx)?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(KernelError::driver("reading the compute capability"))?;

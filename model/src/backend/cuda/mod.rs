@@ -91,6 +91,7 @@ use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32
 use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::ops::topk::{apply_mask_rows, candidate_mask_rows, top_k_rows};
+use deepinfer_kernels::runtime::release_pooled_memory;
 use deepinfer_kernels::{KernelError, KernelRuntime};
 pub use deepinfer_topology::Numerics;
 use half::bf16;
@@ -252,12 +253,11 @@ pub struct DeviceMemoryProbe {
 }
 
 impl DeviceMemoryProbe {
-    /// `(free, total)` bytes of the device once its stream is idle.
+    /// `(free, total)` bytes of the device once its stream is idle, the memory the runtime keeps
+    /// for reuse counted as free (handed back first).
     pub fn free_and_total(&self) -> Result<(u64, u64), CudaBackendError> {
         const OP: &str = "memory_probe";
-        self.stream
-            .synchronize()
-            .map_err(driver_err(OP, "synchronising the stream"))?;
+        release_pooled_memory(&self.stream).map_err(op_err(OP))?;
         let (free, total) = self
             .stream
             .context()
