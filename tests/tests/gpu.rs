@@ -2326,3 +2326,35 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
     ));
     println!("backend sample_masked: {checked} masked rows equal to the CPU");
 }
+
+/// The runtime's memory pool keeps what a stream frees (its release threshold is raised at open):
+/// 1 GiB allocated and freed stays out of the driver's free memory after a synchronisation, and
+/// `release_pooled_memory` hands it back. Negative control: the release does give it back, so
+/// the first figure is not a probe that never moves.
+#[test]
+fn the_memory_pool_keeps_freed_memory_until_released() {
+    use deepinfer_kernels::runtime::release_pooled_memory;
+    let rt = runtime("the_memory_pool_keeps_freed_memory_until_released");
+    const BYTES: usize = 1 << 30;
+    let free = || rt.context().mem_get_info().expect("mem_get_info").0;
+    release_pooled_memory(rt.stream()).expect("release");
+    let before = free();
+    let buffer = rt.stream().alloc_zeros::<u8>(BYTES).expect("alloc 1 GiB");
+    drop(buffer);
+    rt.stream().synchronize().expect("sync");
+    let kept = free();
+    release_pooled_memory(rt.stream()).expect("release");
+    let released = free();
+    println!(
+        "memory pool: free {before} before, {kept} after a freed 1 GiB and a sync, {released} after \
+         the release"
+    );
+    assert!(
+        before.saturating_sub(kept) >= BYTES * 9 / 10,
+        "the pool handed the freed GiB back at the sync: free {before} -> {kept}"
+    );
+    assert!(
+        released.saturating_sub(kept) >= BYTES * 9 / 10,
+        "release_pooled_memory did not hand the GiB back: free {kept} -> {released}"
+    );
+}
