@@ -675,16 +675,16 @@ fn quantised_v4(dir: &std::path::Path, backend: Box<dyn Backend>) -> (AnyModel, 
     (model, tokens)
 }
 
-/// The logits of one step of `model`: a fresh sequence with `probe` beside fresh sequences with
-/// `others` (the probe is entry `at`), then each sequence's `decode` token: the probe's prefill
-/// and decode logits.
+/// The probe's logits of two steps of `model`: a fresh sequence prefilling `probe` beside fresh
+/// sequences prefilling `others` (the probe is entry `at`), then every sequence decoding one
+/// token (the probe token 17): the probe's prefill and decode logits.
 fn probe_logits(model: &AnyModel, probe: &[u32], others: &[Vec<u32>], at: usize) -> Vec<f32> {
     use deepinfer_model::any_model::{AnyStepEntry, StepOptions};
     let mut seqs: Vec<_> = (0..=others.len()).map(|_| model.new_sequence()).collect();
     let mut feeds: Vec<Vec<u32>> = others.to_vec();
     feeds.insert(at, probe.to_vec());
     let mut logits = Vec::new();
-    for step in 0..2 {
+    for _ in 0..2 {
         let mut entries: Vec<AnyStepEntry<'_>> = seqs
             .iter_mut()
             .zip(&feeds)
@@ -699,8 +699,15 @@ fn probe_logits(model: &AnyModel, probe: &[u32], others: &[Vec<u32>], at: usize)
                 .into_logits()
                 .expect("the probe's logits"),
         );
+        // The decode tokens: the probe's the same wherever it stands, the others' their own.
         feeds = (0..seqs.len())
-            .map(|s| vec![(17 + 5 * s as u32 + step) % 97])
+            .map(|s| {
+                vec![if s == at {
+                    17
+                } else {
+                    (23 + 5 * s as u32) % 97
+                }]
+            })
             .collect();
     }
     logits
