@@ -479,6 +479,35 @@ impl KernelId {
         }
     }
 
+    /// Whether the kernel runs on tensor cores (the `fast` numerics' GEMMs, bf16 linear and sink
+    /// attention); every other kernel is a CUDA-core kernel of the exact numerics or shared by
+    /// both (quantisation, SwiGLU, combine, movement).
+    pub fn on_tensor_cores(self) -> bool {
+        matches!(
+            self,
+            KernelId::GemmFp8FastT32B8
+                | KernelId::GemmFp8FastT32B32
+                | KernelId::GemmFp8FastT32B64
+                | KernelId::GemmFp8FastT32B128
+                | KernelId::GemmFp8FastT128B8
+                | KernelId::GemmFp8FastT128B32
+                | KernelId::GemmFp8FastT128B64
+                | KernelId::GemmFp8FastT128B128
+                | KernelId::GemmFp4FastB8
+                | KernelId::GemmFp4FastB32
+                | KernelId::GemmFp4FastB64
+                | KernelId::GemmFp4FastB128
+                | KernelId::GemmFp4FastRoutedB8
+                | KernelId::GemmFp4FastRoutedB32
+                | KernelId::GemmFp4FastRoutedB64
+                | KernelId::GemmFp4FastRoutedB128
+                | KernelId::LinearBf16FastT1x1
+                | KernelId::LinearBf16FastT2x2
+                | KernelId::LinearBf16FastT4x2
+                | KernelId::SparseAttentionSinkRowsPtrFast
+        )
+    }
+
     /// The translation unit that defines the kernel.
     pub fn source(self) -> SourceFile {
         match self {
@@ -591,6 +620,21 @@ mod tests {
         symbols.sort_unstable();
         symbols.dedup();
         assert_eq!(symbols.len(), KernelId::ALL.len());
+    }
+
+    /// The tensor-core kernels are the `fast` ones (named so), less the part reduction of the
+    /// fast GEMMs (plain fp32 adds): 20 of them.
+    #[test]
+    fn tensor_core_kernels_are_the_fast_kernels_but_the_reduction() {
+        for id in KernelId::ALL {
+            let fast = id.symbol().contains("fast") && id != KernelId::GemmFastReduce;
+            assert_eq!(id.on_tensor_cores(), fast, "{}", id.symbol());
+        }
+        let count = KernelId::ALL
+            .iter()
+            .filter(|id| id.on_tensor_cores())
+            .count();
+        assert_eq!(count, 20);
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub struct GemmParams {
 }
 
 /// `FastGemmParams`: the fast FP8 / FP4 GEMM's `y[m, n] = a[m, k] · w[n, k]ᵀ`, K cut into
-/// `parts` spans of `span` codes.
+/// `parts` spans of `span` codes; `y` bf16, or f32 when `out_f32` is 1.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastGemmParams {
@@ -32,14 +32,16 @@ pub struct FastGemmParams {
     pub k: u32,
     pub span: u32,
     pub parts: u32,
+    pub out_f32: u32,
 }
 
-/// `FastReduceParams`: the fast GEMM's part sums added in part order.
+/// `FastReduceParams`: the fast GEMM's part sums added in part order, stored as `out_f32` says.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastReduceParams {
     pub count: u32,
     pub parts: u32,
+    pub out_f32: u32,
 }
 
 /// `FastRoutedParams`: the fast routed-expert GEMM, output row `j < m` = x row `j / x_row_div`
@@ -53,6 +55,7 @@ pub struct FastRoutedParams {
     pub x_row_div: u32,
     pub n_experts: u32,
     pub which: u32,
+    pub out_f32: u32,
 }
 
 /// `RmsNormParams`.
@@ -187,11 +190,12 @@ mod tests {
         assert_eq!(size_of::<GemmParams>(), 20);
         assert_eq!(offset_of!(GemmParams, warps_per_col), 16);
         assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
-        assert_eq!(size_of::<FastGemmParams>(), 20);
-        assert_eq!(offset_of!(FastGemmParams, parts), 16);
-        assert_eq!(size_of::<FastReduceParams>(), 8);
-        assert_eq!(size_of::<FastRoutedParams>(), 24);
-        assert_eq!(offset_of!(FastRoutedParams, which), 20);
+        assert_eq!(size_of::<FastGemmParams>(), 24);
+        assert_eq!(offset_of!(FastGemmParams, out_f32), 20);
+        assert_eq!(size_of::<FastReduceParams>(), 12);
+        assert_eq!(offset_of!(FastReduceParams, out_f32), 8);
+        assert_eq!(size_of::<FastRoutedParams>(), 28);
+        assert_eq!(offset_of!(FastRoutedParams, out_f32), 24);
         assert_eq!(size_of::<RmsNormParams>(), 12);
         assert_eq!(offset_of!(RmsNormParams, eps), 8);
         assert_eq!(size_of::<RopeParams>(), 24);
@@ -232,11 +236,14 @@ mod tests {
             fields("GemmParams"),
             ["m", "n", "k", "w_scale_cols", "warps_per_col"]
         );
-        assert_eq!(fields("FastGemmParams"), ["m", "n", "k", "span", "parts"]);
-        assert_eq!(fields("FastReduceParams"), ["count", "parts"]);
+        assert_eq!(
+            fields("FastGemmParams"),
+            ["m", "n", "k", "span", "parts", "out_f32"]
+        );
+        assert_eq!(fields("FastReduceParams"), ["count", "parts", "out_f32"]);
         assert_eq!(
             fields("FastRoutedParams"),
-            ["m", "n", "k", "x_row_div", "n_experts", "which"]
+            ["m", "n", "k", "x_row_div", "n_experts", "which", "out_f32"]
         );
         assert_eq!(fields("RmsNormParams"), ["rows", "cols", "eps"]);
         assert_eq!(

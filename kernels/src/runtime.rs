@@ -110,11 +110,13 @@ pub struct KernelRuntime {
 }
 
 /// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
-/// kernel up through [`KernelRuntime::function`] right before launching it) and host-to-device
+/// kernel up through [`KernelRuntime::function`] right before launching it), those of them on
+/// tensor cores ([`KernelId::on_tensor_cores`]: the `fast` numerics' kernels) and host-to-device
 /// copies made through [`KernelRuntime::htod`]. For profiles; reading them costs nothing.
 #[derive(Debug, Default)]
 struct RuntimeCounters {
     launches: AtomicU64,
+    tensor_core_launches: AtomicU64,
     htod_copies: AtomicU64,
     htod_bytes: AtomicU64,
 }
@@ -123,6 +125,8 @@ struct RuntimeCounters {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RuntimeCounts {
     pub launches: u64,
+    /// Launches of tensor-core kernels (the `fast` numerics'), counted in `launches` too.
+    pub tensor_core_launches: u64,
     pub htod_copies: u64,
     pub htod_bytes: u64,
 }
@@ -132,6 +136,7 @@ impl std::ops::Sub for RuntimeCounts {
     fn sub(self, earlier: RuntimeCounts) -> RuntimeCounts {
         RuntimeCounts {
             launches: self.launches - earlier.launches,
+            tensor_core_launches: self.tensor_core_launches - earlier.tensor_core_launches,
             htod_copies: self.htod_copies - earlier.htod_copies,
             htod_bytes: self.htod_bytes - earlier.htod_bytes,
         }
@@ -248,6 +253,11 @@ impl KernelRuntime {
     /// The loaded kernel `id` (all ids are loaded by `open`).
     pub fn function(&self, id: KernelId) -> Result<&CudaFunction, KernelError> {
         self.counters.launches.fetch_add(1, Ordering::Relaxed);
+        if id.on_tensor_cores() {
+            self.counters
+                .tensor_core_launches
+                .fetch_add(1, Ordering::Relaxed);
+        }
         self.functions.get(&id).ok_or(KernelError::NotLoaded {
             symbol: id.symbol(),
         })
@@ -276,6 +286,7 @@ impl KernelRuntime {
     pub fn counts(&self) -> RuntimeCounts {
         RuntimeCounts {
             launches: self.counters.launches.load(Ordering::Relaxed),
+            tensor_core_launches: self.counters.tensor_core_launches.load(Ordering::Relaxed),
             htod_copies: self.counters.htod_copies.load(Ordering::Relaxed),
             htod_bytes: self.counters.htod_bytes.load(Ordering::Relaxed),
         }

@@ -50,6 +50,7 @@ use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
+use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
     Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcParams, LogprobPick, Precision,
     RopeTable, RowSampling, SampleRowsError, Tensor,
@@ -878,7 +879,7 @@ fn backend_gemms_are_bit_exact_and_upload_weights_once() {
 
 /// The fp32 linears over FP8 / FP4 weights (V4's float32 path): dequantised on the device from the
 /// cached FP8 / FP4 copy (the whole weight, or equal blocks of rows past 2^26 values: the
-/// 8200 × 8192 case runs as two blocks of 4100 rows) against the trait's host default; the result
+/// 8200 × 8192 case runs as two blocks of 4100 rows) against the CPU reference; the result
 /// stays on the device (no copy until the comparison reads it).
 #[test]
 fn backend_fp32_linears_over_quantised_weights_are_bit_exact() {
@@ -894,33 +895,33 @@ fn backend_fp32_linears_over_quantised_weights_are_bit_exact() {
         (131, 384, 128, &[1, 3]),
         (8200, 8192, 128, &[2]),
     ] {
-        let w = random_fp8_weight(&mut rng, out, inp, block);
+        let w = Linear::Fp8(random_fp8_weight(&mut rng, out, inp, block));
         for &rows in rows {
             let x = Tensor::from(fp32_values(&mut rng, rows * inp));
             let before = counters.snapshot();
-            let y = gpu.linear_fp8_f32(&x, &w);
+            let y = gpu.linear(&x, &w);
             assert_eq!(
                 counters.snapshot().to_host_copies,
                 before.to_host_copies,
-                "linear_fp8_f32 copied its result to the host"
+                "linear over FP8 copied its result to the host"
             );
             checked += assert_bitwise(
-                &format!("linear_fp8_f32 [{rows}x{inp}]·[{inp}x{out}] t{block}"),
+                &format!("linear FP8 [{rows}x{inp}]·[{inp}x{out}] t{block}"),
                 &y,
-                &cpu.linear_fp8_f32(&x, &w),
+                &cpu.linear(&x, &w),
             );
         }
     }
     for (out, inp) in [(70usize, 320usize), (1030, 64)] {
-        let w = random_fp4_weight(&mut rng, out, inp);
+        let w = Linear::Fp4(random_fp4_weight(&mut rng, out, inp));
         let x = Tensor::from(fp32_values(&mut rng, 2 * inp));
         checked += assert_bitwise(
-            &format!("linear_fp4_f32 [2x{inp}]·[{inp}x{out}]"),
-            &gpu.linear_fp4_f32(&x, &w),
-            &cpu.linear_fp4_f32(&x, &w),
+            &format!("linear FP4 [2x{inp}]·[{inp}x{out}]"),
+            &gpu.linear(&x, &w),
+            &cpu.linear(&x, &w),
         );
     }
-    println!("backend linear_fp8_f32 / linear_fp4_f32: {checked} values bit-exact");
+    println!("backend linear over FP8 / FP4 weights: {checked} values bit-exact");
 }
 
 /// `Backend::resident`: a host tensor (a step's embedded streams) is uploaded once and comes back

@@ -15,6 +15,9 @@
 //!   family's exact fp32 experts (`moe_rows_exact`): the v4-tiny fixture (hash-routed layers
 //!   first, 2 of 8 experts per token) and a random tiny V4 with 4 of 8 active (the combine order
 //!   matters).
+//! - `v4_fast_experts_on_two_ep_ranks_give_the_logits_of_one_fast_rank`: the V4 family in fast
+//!   numerics (a quantised V4's FP4 experts on the fast routed chain; dense experts on the exact
+//!   routed linears beside a fast shared expert): every logit bitwise one fast rank's.
 //! - `a_failing_rank_stops_its_peer_without_a_hang`: one rank aborts mid-run; the other's next
 //!   MoE layer fails at once naming it; a rank that never comes is a timeout naming it.
 //!
@@ -37,8 +40,10 @@ use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::ep::ExpertRank;
 use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
+use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::expert_dispatch::ExpertHost;
+use deepinfer_model::v4;
 use deepinfer_model::v41::LogitsWanted;
 use deepinfer_tests::{forward_one, forward_one_any};
 use deepinfer_topology::{EpRank, ExpertPlacement, NodeConfig, PlacementShape, rebalance_experts};
@@ -144,6 +149,7 @@ fn ep_ranks(
     host: &AnyModel,
     schedule: &[Vec<Option<Vec<u32>>>; RANKS],
     placements: &[Arc<ExpertPlacement>],
+    numerics: Numerics,
 ) -> Vec<RankRun> {
     let exchange: Arc<dyn RowTransport> = SharedDevice::new(RANKS, Duration::from_secs(60));
     std::thread::scope(|s| {
@@ -152,7 +158,7 @@ fn ep_ranks(
                 let exchange = exchange.clone();
                 let steps = &schedule[rank];
                 s.spawn(move || {
-                    let backend = CudaBackend::open(0, Numerics::Exact).expect("device 0");
+                    let backend = CudaBackend::open(0, numerics).expect("device 0");
                     let slot = backend.expert_slot();
                     let first = ExpertRank::new(
                         &backend,
@@ -244,14 +250,19 @@ fn ep_ranks(
     })
 }
 
-fn check_model(name: &str, host: &AnyModel) {
+/// `host` on `RANKS` EP ranks of `numerics` against one rank of the same numerics holding every
+/// expert: every logit bitwise equal; in exact numerics that one rank is the CPU reference's.
+fn check_model(name: &str, host: &AnyModel, numerics: Numerics) {
     let cfg = host.config();
     let schedule = schedule(cfg.vocab_size);
     let epochs = schedule[0].len().div_ceil(EPOCH_STEPS);
     let placements = placements(cfg, epochs);
-    let backend = cuda_backend("gpu_ep");
+    let backend = match numerics {
+        Numerics::Exact => cuda_backend("gpu_ep"),
+        Numerics::Fast => CudaBackend::open(0, numerics).expect("device 0"),
+    };
     let expected = one_rank(&host.on_backend(Box::new(backend)), &schedule);
-    let got = ep_ranks(host, &schedule, &placements);
+    let got = ep_ranks(host, &schedule, &placements, numerics);
     let mut compared = 0;
     let collectives = (schedule[0].len() * cfg.n_layers) as u64;
     let moves: usize = got.iter().map(|r| r.moves).sum();
@@ -284,20 +295,22 @@ fn check_model(name: &str, host: &AnyModel) {
         );
     }
     // The one-rank CUDA run is the CPU reference's (exact numerics), so the chain holds to it.
-    let cpu = one_rank(host, &schedule);
-    for (rank, (gpu, cpu)) in expected.iter().zip(&cpu).enumerate() {
-        for (step, (g, c)) in gpu.iter().zip(cpu).enumerate() {
-            let diff = differing(g, c);
-            assert_eq!(
-                diff, 0,
-                "{name} rank {rank} chunk {step}: CUDA vs CPU, {diff} differ"
-            );
+    if numerics == Numerics::Exact {
+        let cpu = one_rank(host, &schedule);
+        for (rank, (gpu, cpu)) in expected.iter().zip(&cpu).enumerate() {
+            for (step, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+                let diff = differing(g, c);
+                assert_eq!(
+                    diff, 0,
+                    "{name} rank {rank} chunk {step}: CUDA vs CPU, {diff} differ"
+                );
+            }
         }
     }
     println!(
-        "gpu_ep {name}: {RANKS} EP ranks on one device, {epochs} placement epochs, {} of {} \
-         experts per rank and layer, {moves} experts released at epoch changes, {collectives} MoE \
-         collectives per rank: {compared} logits bitwise equal to one rank",
+        "gpu_ep {name} ({numerics:?}): {RANKS} EP ranks on one device, {epochs} placement epochs, \
+         {} of {} experts per rank and layer, {moves} experts released at epoch changes, \
+         {collectives} MoE collectives per rank: {compared} logits bitwise equal to one rank",
         placements[0].slots_per_gpu, cfg.n_routed_experts
     );
 }
@@ -305,7 +318,7 @@ fn check_model(name: &str, host: &AnyModel) {
 #[test]
 fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
     let (host, _) = host_fixture_model(&deepinfer_tests::fixture_dir("v41/v41-tiny"));
-    check_model("v41-tiny", &AnyModel::V41(Arc::new(host)));
+    check_model("v41-tiny", &AnyModel::V41(Arc::new(host)), Numerics::Exact);
     let node = NodeConfig::from_toml_str(
         "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n",
         "gpu_ep demo",
@@ -316,14 +329,43 @@ fn two_ep_ranks_on_one_device_give_the_logits_of_one_rank() {
         matches!(resolved.model, AnyModel::V41(_)),
         "the demo model is V4.1"
     );
-    check_model("demo", &resolved.model);
+    check_model("demo", &resolved.model, Numerics::Exact);
 }
 
 #[test]
 fn v4_exact_experts_on_two_ep_ranks_give_the_logits_of_one_rank() {
-    check_model("v4-tiny", &AnyModel::V4(v4_tiny()));
+    check_model("v4-tiny", &AnyModel::V4(v4_tiny()), Numerics::Exact);
     let (_dir, four_of_eight) = v4_four_of_eight();
-    check_model("v4 (4 of 8 experts)", &AnyModel::V4(four_of_eight));
+    check_model(
+        "v4 (4 of 8 experts)",
+        &AnyModel::V4(four_of_eight),
+        Numerics::Exact,
+    );
+}
+
+/// The V4 family in fast numerics on two EP ranks: a quantised V4's FP4 experts on the fast
+/// routed chain (each rank quantises the rows it receives and runs the same kernels), and
+/// v4-tiny's dense experts (the exact routed linears, the shared expert on the fast bf16
+/// linear): every logit bitwise the one fast rank's (which `gpu_fast` holds to the reference by
+/// rule 4).
+#[test]
+fn v4_fast_experts_on_two_ep_ranks_give_the_logits_of_one_fast_rank() {
+    check_model("v4-tiny", &AnyModel::V4(v4_tiny()), Numerics::Fast);
+    let (_dir, four_of_eight) = v4_four_of_eight();
+    check_model(
+        "v4 (4 of 8 experts)",
+        &AnyModel::V4(four_of_eight),
+        Numerics::Fast,
+    );
+    let cfg = ModelConfig::reduced_v4();
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_random_checkpoint(&cfg, 46, dir.path(), 2).expect("quantised V4 checkpoint");
+    let model = v4::Model::load(dir.path()).expect("quantised V4 loads");
+    check_model(
+        "quantised v4",
+        &AnyModel::V4(Arc::new(model)),
+        Numerics::Fast,
+    );
 }
 
 #[test]

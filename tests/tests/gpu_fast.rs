@@ -23,10 +23,13 @@
 //! top token is among the other's top 5, median KL(reference ‖ fast) ≤ 1e-2; teacher-forced
 //! decode rows included); the same logits run after run; a sequence's prefill and decode logits
 //! bitwise equal alone and inside batched steps with 2 … 64 other sequences of different lengths
-//! (negative control: another token is seen). The v4-tiny model by the same rule (V4's fp32
-//! experts and linears have no fast kernel yet).
+//! (negative control: another token is seen). The v4-tiny model by the same rule, its
+//! projections and shared experts on the fast kernels (asserted through the op profile's
+//! tensor-core launches).
 //!
-//! The fast sink attention: `fast_attention/mod.rs`; the fast bf16 linear: `fast_linear/mod.rs`.
+//! The fast sink attention: `fast_attention/mod.rs`; the fast bf16 linear: `fast_linear/mod.rs`;
+//! the V4 family in fast numerics (f32-output GEMMs, V4's routed experts, the backend's fast
+//! path, a quantised V4 checkpoint): `fast_v4/mod.rs`.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
@@ -37,7 +40,7 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast,
+    FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast,
     gemm_fp8_fast_tiled, k_parts,
 };
 use deepinfer_kernels::ops::quant::{
@@ -64,6 +67,7 @@ use half::bf16;
 
 mod fast_attention;
 mod fast_linear;
+mod fast_v4;
 mod golden_support;
 mod gpu_support;
 use golden_support::v41_rules::{
@@ -91,7 +95,13 @@ fn open() -> KernelRuntime {
 trait FastWeight {
     fn shape(&self) -> (usize, usize);
     fn group(&self) -> ActGroup;
-    fn gemm(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut CudaSlice<bf16>, tile: FastTile);
+    fn gemm<T: FastOutput>(
+        &self,
+        rt: &KernelRuntime,
+        a: &DeviceActFp8,
+        y: &mut CudaSlice<T>,
+        tile: FastTile,
+    );
 }
 
 impl FastWeight for FastFp8Weight {
@@ -105,7 +115,13 @@ impl FastWeight for FastFp8Weight {
             ActGroup::G128
         }
     }
-    fn gemm(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut CudaSlice<bf16>, tile: FastTile) {
+    fn gemm<T: FastOutput>(
+        &self,
+        rt: &KernelRuntime,
+        a: &DeviceActFp8,
+        y: &mut CudaSlice<T>,
+        tile: FastTile,
+    ) {
         gemm_fp8_fast_tiled(rt, a, self, y, tile).expect("gemm_fp8_fast");
     }
 }
@@ -117,7 +133,13 @@ impl FastWeight for FastFp4Weight {
     fn group(&self) -> ActGroup {
         ActGroup::G32
     }
-    fn gemm(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut CudaSlice<bf16>, tile: FastTile) {
+    fn gemm<T: FastOutput>(
+        &self,
+        rt: &KernelRuntime,
+        a: &DeviceActFp8,
+        y: &mut CudaSlice<T>,
+        tile: FastTile,
+    ) {
         gemm_fp4_fast_tiled(rt, a, self, y, tile).expect("gemm_fp4_fast");
     }
 }
@@ -200,15 +222,16 @@ impl HostWeight for Fp4Weight {
 }
 
 /// One output's exact value `y = Σ_g s_a s_w Σ_{k ∈ g} a_k w_k` (f64) and its bound
-/// `e + 2^-9 (|y| + e)`, `e = ((G − 1) 2^-13 + (K / G + P − 1) 2^-24 (1 + 2^-8)) · S` with
-/// `S = Σ_g s_a s_w Σ_{k ∈ g} |a_k w_k|` and `P` K parts (kernels/README.md): activation row
-/// `codes`, `scales` (E4M3 codes, one f32 scale per group), weight row `n`.
+/// `e = ((G − 1) 2^-13 + (K / G + P − 1) 2^-24 (1 + 2^-8)) · S` with
+/// `S = Σ_g s_a s_w Σ_{k ∈ g} |a_k w_k|` and `P` K parts (kernels/README.md), plus
+/// `2^-9 (|y| + e)` for a bf16 `output` (an f32 output is the fp32 sum as it is): activation
+/// row `codes`, `scales` (E4M3 codes, one f32 scale per group), weight row `n`.
 fn exact_output(
     codes: &[u8],
     scales: &[f32],
     w: &impl HostWeight,
     n: usize,
-    parts: usize,
+    (parts, output): (usize, Rounding),
 ) -> (f64, f64) {
     let (k, g) = (w.inp(), w.group());
     let table = quant::e4m3_table();
@@ -229,7 +252,10 @@ fn exact_output(
     let per_sum =
         (g - 1) as f64 * 2f64.powi(-13) + promotions * 2f64.powi(-24) * (1.0 + 2f64.powi(-8));
     let e = per_sum * s;
-    (y, e + 2f64.powi(-9) * (y.abs() + e))
+    match output {
+        Rounding::Bf16 => (y, e + 2f64.powi(-9) * (y.abs() + e)),
+        Rounding::F32 => (y, e),
+    }
 }
 
 /// The exact value and bound of every output of the dense fast GEMM `x · wᵀ` (f64 over the
@@ -245,7 +271,7 @@ fn exact_and_bound(x: &[f32], rows: usize, w: &impl HostWeight) -> (Vec<f64>, Ve
                 &codes[m * k..(m + 1) * k],
                 &scales[m * groups..(m + 1) * groups],
             );
-            (0..w.out()).map(move |n| exact_output(codes, scales, w, n, parts))
+            (0..w.out()).map(move |n| exact_output(codes, scales, w, n, (parts, Rounding::Bf16)))
         })
         .unzip()
 }
@@ -399,8 +425,8 @@ fn fast_gemm_is_batch_invariant() {
 // The MoE layer in fast numerics: FP4 routed experts and the FP8 shared expert on tensor cores.
 
 /// A small MoE layer: FP4 routed experts (`[w1, w3, w2]`, `w1`/`w3` `[inter, dim]`, `w2` `[dim,
-/// inter]`) and an FP8 shared expert with 32×32 tiles, on the host and uploaded for the fast
-/// kernels, with the device table of the routed experts.
+/// inter]`) and an FP8 shared expert with square tiles (32: V4.1, 128: V4), on the host and
+/// uploaded for the fast kernels, with the device table of the routed experts.
 struct FastMoe {
     dim: usize,
     inter: usize,
@@ -413,7 +439,12 @@ struct FastMoe {
 }
 
 impl FastMoe {
-    fn new(rt: &KernelRuntime, rng: &mut Rng, n_experts: usize, dim: usize, inter: usize) -> Self {
+    fn new(
+        rt: &KernelRuntime,
+        rng: &mut Rng,
+        (n_experts, dim, inter): (usize, usize, usize),
+        shared_tile: usize,
+    ) -> Self {
         let experts: Vec<[Fp4Weight; 3]> = (0..n_experts)
             .map(|_| {
                 [
@@ -424,9 +455,9 @@ impl FastMoe {
             })
             .collect();
         let shared = [
-            random_fp8_weight(rng, inter, dim, 32),
-            random_fp8_weight(rng, inter, dim, 32),
-            random_fp8_weight(rng, dim, inter, 32),
+            random_fp8_weight(rng, inter, dim, shared_tile),
+            random_fp8_weight(rng, inter, dim, shared_tile),
+            random_fp8_weight(rng, dim, inter, shared_tile),
         ];
         let device: Vec<[FastFp4Weight; 3]> = experts
             .iter()
@@ -571,17 +602,18 @@ fn run_chain(
     }
 }
 
-/// The exact values and bounds of `rows` GEMM outputs of `parts` K parts: row `r` multiplies
-/// activation row `x_row(r)` of `act` by `weight(r)` (`None`: an unknown expert, whose row must
-/// be zero).
+/// The exact values and bounds of `rows` GEMM outputs of `parts` K parts and `output` rounding:
+/// row `r` multiplies activation row `x_row(r)` of `act` (in `group`s) by `weight(r)` (`None`:
+/// an unknown expert, whose row must be zero).
 fn exact_rows<'w, W: HostWeight + 'w>(
     act: &(Vec<u8>, Vec<f32>),
     rows: usize,
     x_row: impl Fn(usize) -> usize,
     weight: impl Fn(usize) -> Option<&'w W>,
-    (width, inp, parts): (usize, usize, usize),
+    (width, inp, group): (usize, usize, usize),
+    launch: (usize, Rounding),
 ) -> (Vec<f64>, Vec<f64>) {
-    let groups = inp / 32;
+    let groups = inp / group;
     (0..rows)
         .flat_map(|r| {
             let x = x_row(r);
@@ -591,7 +623,7 @@ fn exact_rows<'w, W: HostWeight + 'w>(
             );
             let w = weight(r);
             (0..width)
-                .map(move |n| w.map_or((0.0, 0.0), |w| exact_output(codes, scales, w, n, parts)))
+                .map(move |n| w.map_or((0.0, 0.0), |w| exact_output(codes, scales, w, n, launch)))
         })
         .unzip()
 }
@@ -614,7 +646,8 @@ fn check_chain(moe: &FastMoe, ids: &[u32], run: &ChainRun, what: &str) -> f64 {
             slots,
             |s| s / k,
             |s| expert(s, which),
-            (inter, dim, 1),
+            (inter, dim, 32),
+            (1, Rounding::Bf16),
         );
         worst = worst.max(assert_within(
             &format!("{what}: routed {name}"),
@@ -623,8 +656,14 @@ fn check_chain(moe: &FastMoe, ids: &[u32], run: &ChainRun, what: &str) -> f64 {
             &bound,
         ));
     }
-    let (routed_exact, routed_bound) =
-        exact_rows(&run.hidden, slots, |s| s, |s| expert(s, 2), (dim, inter, 1));
+    let (routed_exact, routed_bound) = exact_rows(
+        &run.hidden,
+        slots,
+        |s| s,
+        |s| expert(s, 2),
+        (dim, inter, 32),
+        (1, Rounding::Bf16),
+    );
     worst = worst.max(assert_within(
         &format!("{what}: routed w2"),
         &run.routed,
@@ -636,7 +675,8 @@ fn check_chain(moe: &FastMoe, ids: &[u32], run: &ChainRun, what: &str) -> f64 {
         tokens,
         |t| t,
         |_| Some(&moe.shared[2]),
-        (dim, inter, k_parts(dim, inter).1),
+        (dim, inter, 32),
+        (k_parts(dim, inter).1, Rounding::Bf16),
     );
     worst = worst.max(assert_within(
         &format!("{what}: shared w2"),
@@ -712,7 +752,7 @@ fn fast_routed_moe_chain_is_within_its_bounds_every_tile_gives_the_same_bits() {
         (16usize, 160usize, 96usize, 4usize, &[1usize, 5, 33, 70][..]),
         (24, 544, 224, 6, &[1, 9, 64][..]),
     ] {
-        let moe = FastMoe::new(&rt, &mut rng, n_experts, dim, inter);
+        let moe = FastMoe::new(&rt, &mut rng, (n_experts, dim, inter), 32);
         for &tokens in token_counts {
             let x = activations(&mut rng, tokens, dim);
             let (mut ids, weights) = random_routes(&mut rng, tokens, k, n_experts, None);
@@ -750,7 +790,7 @@ fn fast_routed_moe_is_batch_invariant() {
     let rt = open();
     let mut rng = Rng(42);
     let (n_experts, dim, inter, k) = (16usize, 160usize, 96usize, 4usize);
-    let moe = FastMoe::new(&rt, &mut rng, n_experts, dim, inter);
+    let moe = FastMoe::new(&rt, &mut rng, (n_experts, dim, inter), 32);
     let probe = activations(&mut rng, 1, dim);
     let probe_ids = [3u32, 7, 11, 2];
     let probe_weights = [0.4f32, 0.3, 0.2, 0.1];
@@ -895,18 +935,24 @@ fn kl(p_logits: &[f32], q_logits: &[f32]) -> f64 {
 fn check_independent_rule(fixture: &str) {
     let (fast, tokens) = tiny(fixture, fast_backend());
     let (cpu, _) = tiny(fixture, Box::new(CpuBackend::new()));
+    check_rule(fixture, &fast, &cpu, &tokens);
+}
+
+/// Rule 4 (see the header) for the fast model `fast` against the reference `cpu` on the prompt
+/// `tokens` and four teacher-forced decode tokens, and the same fast logits run after run.
+fn check_rule(fixture: &str, fast: &AnyModel, cpu: &AnyModel, tokens: &[u32]) {
     let vocab = cpu.config().vocab_size;
     // Teacher-forced decode: the CPU's greedy continuation, fed to both.
     let mut decode = Vec::new();
     let mut seq = cpu.new_sequence();
-    let mut last = forward(&cpu, &mut seq, &tokens, LogitsWanted::Last).expect("cpu prefill");
+    let mut last = forward(cpu, &mut seq, tokens, LogitsWanted::Last).expect("cpu prefill");
     for _ in 0..4 {
         let next = top(&last, 1)[0] as u32;
         decode.push(next);
-        last = forward(&cpu, &mut seq, &[next], LogitsWanted::Last).expect("cpu decode");
+        last = forward(cpu, &mut seq, &[next], LogitsWanted::Last).expect("cpu decode");
     }
-    let reference = logits_rows(&cpu, &tokens, &decode);
-    let got = logits_rows(&fast, &tokens, &decode);
+    let reference = logits_rows(cpu, tokens, &decode);
+    let got = logits_rows(fast, tokens, &decode);
     assert_eq!(got.len(), reference.len());
     let rows = reference.len() / vocab;
     let (mut kls, mut top1_equal) = (Vec::with_capacity(rows), 0);
@@ -938,7 +984,7 @@ fn check_independent_rule(fixture: &str) {
         got.len()
     );
     assert!(median <= 1e-2, "median KL {median} exceeds 1e-2");
-    let again = logits_rows(&fast, &tokens, &decode);
+    let again = logits_rows(fast, tokens, &decode);
     assert!(
         differing(&again, &got) == 0,
         "{fixture}: fast logits differ run to run"
@@ -1091,9 +1137,15 @@ fn v41_tiny_fast_blocks_meet_the_teacher_forced_rule() {
     }
 }
 
+/// v4-tiny (float32 dense weights) in fast numerics: rule 4 and determinism, and the fast path
+/// taken: its projections (`linear`: the fast bf16 linear with f32 outputs) and its MoE
+/// (`moe_rows_exact`: the shared expert on the fast bf16 linear; its dense routed experts keep
+/// the exact routed linears) launch tensor-core kernels, which the exact backend never does.
 #[test]
 fn v4_tiny_fast_meets_the_independent_implementation_rule_and_is_deterministic() {
     check_independent_rule("v4/v4-tiny");
+    let load = |backend: Box<CudaBackend>| tiny("v4/v4-tiny", backend);
+    fast_v4::assert_fast_path_taken("v4-tiny", &["linear", "moe_rows_exact"], load);
 }
 
 /// The probe's logits of one step with `others` beside it (the probe is entry `at`).

@@ -2,7 +2,11 @@
 // accumulation, sm_89+) with DeepGEMM-style promotion once per scale group along K:
 //
 //   P_p = 0;  for every k-group g of K part p, in K order:  P_p = fma( T_g(m, n), s_w(n, g) * s_a(m, g), P_p )
-//   y[m, n] = bf16( (((P_0 + P_1) + P_2) + ...) )
+//   y[m, n] = out( (((P_0 + P_1) + P_2) + ...) )
+//
+// where out() is the launch's output (params' out_f32): bf16 rounded to nearest even (V4.1's
+// rounding point), or the fp32 sum as it is (V4's float32 linears); the sum is the same, so a bf16
+// output is always its f32 output rounded once.
 //
 // The K parts are consecutive spans of `span` codes (a multiple of 512; the last part may be
 // shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
@@ -80,6 +84,15 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32_t (&a)[4], u32
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
           "f"(c[3]));
+}
+
+// y[i] = v as the launch's output: f32 as it is (out_f32), else bf16 rounded to nearest even.
+__device__ __forceinline__ void store_out(void* y, size_t i, float v, u32_t out_f32) {
+    if (out_f32) {
+        static_cast<float*>(y)[i] = v;
+    } else {
+        static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
+    }
 }
 
 // FP8 weights: a lane's piece of a group is 16 bytes (8 of row g, 8 of row g + 8); the scale of a
@@ -179,13 +192,13 @@ struct GatheredRows {
 // codes of K per pipeline stage (a multiple of 128: only how much each barrier covers, never the
 // order of any addition). a: E4M3 activation codes [*, k]; sa: f32 [*, k / G]; w: weight chunks
 // [ceil(n / 16)][ceil(k / 128)][CHUNK]; ws: weight scales per band [ceil(n / 16)][k / G]
-// [SCALE_BYTES]; the part's sums go to `partial` (f32 [*, n]) when it is not null, else rounded
-// to y (bf16 [*, n]: the launch has one part). k % G == 0, k % 32 == 0.
+// [SCALE_BYTES]; the part's sums go to `partial` (f32 [*, n]) when it is not null, else to y
+// ([*, n], bf16 or f32 by out_f32: the launch has one part). k % G == 0, k % 32 == 0.
 template <class W, int G, int WARPS, int BT, int STAGES, int STEP, class Rows>
 __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
-                               const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
-                               __nv_bfloat16* __restrict__ y, float* __restrict__ partial, u32_t n, u32_t k,
-                               u32_t k_begin, u32_t k_end, u32_t n0, const Rows& rows) {
+                               const u8_t* __restrict__ w, const u8_t* __restrict__ ws, void* __restrict__ y,
+                               u32_t out_f32, float* __restrict__ partial, u32_t n, u32_t k, u32_t k_begin,
+                               u32_t k_end, u32_t n0, const Rows& rows) {
     static_assert(G == 32 || G == 128, "32- or 128-groups");
     static_assert(BT % 8 == 0 && STAGES >= 2 && STEP % STEP_K == 0, "tile");
     typedef Stage<W, G, WARPS, BT, STEP> L;
@@ -328,7 +341,7 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
                 if (partial != nullptr) {
                     partial[rows.y_row(row) * n + col] = acc[i][r];
                 } else {
-                    y[rows.y_row(row) * n + col] = __float2bfloat16_rn(acc[i][r]);
+                    store_out(y, rows.y_row(row) * n + col, acc[i][r], out_f32);
                 }
             }
         }
@@ -343,7 +356,7 @@ template <class W, int WARPS, int BT, int STAGES, int STEP>
 __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                  const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
                                  const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
-                                 __nv_bfloat16* __restrict__ y, FastRoutedParams p) {
+                                 void* __restrict__ y, FastRoutedParams p) {
     __shared__ u32_t tile_rows[BT];
     const u32_t tile = blockIdx.y;
     if (tile >= *tile_count) return;
@@ -357,24 +370,24 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
     if (bucket >= p.n_experts) {
         for (u32_t i = threadIdx.x; i < count * 16 * WARPS; i += blockDim.x) {
             const u32_t col = n0 + i % (16 * WARPS);
-            if (col < p.n) y[rows.y_row(i / (16 * WARPS)) * p.n + col] = __float2bfloat16_rn(0.0f);
+            if (col < p.n) store_out(y, rows.y_row(i / (16 * WARPS)) * p.n + col, 0.0f, p.out_f32);
         }
         return;
     }
     const unsigned long long* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
     const u8_t* w = reinterpret_cast<const u8_t*>(entry[0]);
     const u8_t* ws = reinterpret_cast<const u8_t*>(entry[1]);
-    gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, nullptr, p.n, p.k, 0, p.k, n0, rows);
+    gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.out_f32, nullptr, p.n, p.k, 0, p.k, n0,
+                                                   rows);
 }
 
-// y[i] = bf16( ((P_0[i] + P_1[i]) + P_2[i]) + ... ) over the parts' sums partials[p][i], in part
+// y[i] = out( ((P_0[i] + P_1[i]) + P_2[i]) + ... ) over the parts' sums partials[p][i], in part
 // order (the numerics definition above), i < p.count.
-__device__ void gemm_fast_reduce(const float* __restrict__ partials, __nv_bfloat16* __restrict__ y,
-                                 FastReduceParams p) {
+__device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __restrict__ y, FastReduceParams p) {
     for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += gridDim.x * blockDim.x) {
         float total = partials[i];
         for (u32_t part = 1; part < p.parts; ++part) total = __fadd_rn(total, partials[(size_t)part * p.count + i]);
-        y[i] = __float2bfloat16_rn(total);
+        store_out(y, i, total, p.out_f32);
     }
 }
 

@@ -1,6 +1,6 @@
 // The `fast` bf16 linear y[r, o] = sum_k x[r, k] * w[o, k] on tensor cores (mma.sync m16n8k16,
 // bf16 operands, fp32 accumulation): the V4.1 linears the reference runs in bf16 (the grouped
-// wo_a, the compressor and indexer projections).
+// wo_a, the compressor and indexer projections) and V4's dense projections (f32 out).
 //
 // K is read in chunks of CHUNK = 32: lane (g, q) (g = lane / 4, q = lane % 4) loads the 8
 // consecutive k values [8q, 8q + 8) of its weight row and of its x rows (one 16-byte load of
@@ -14,7 +14,7 @@
 // warp carries: deterministic and batch invariant.
 //
 // w is bf16 [out, stride] with stride = inp rounded up to CHUNK (zero padding), x f32 [rows, inp]
-// converted to bf16 (round to nearest even: exact for the bf16 values these linears receive),
+// converted to bf16 (round to nearest even: exact for V4.1's bf16 values; V4's f32 rounded),
 // y f32 storage, rounded to bf16 when p.round_bf16.
 //
 // Groups (grid.z, the grouped wo_a): group g is an independent linear of p.out rows of w (rows

@@ -7,12 +7,16 @@
 //! sum is not the exact one), but deterministic and batch invariant: every [`FastTile`] computes
 //! the same bits for a row, so the tile chosen by M never shows.
 //!
+//! The output ([`FastOutput`]) is bf16 (rounded to nearest even once: V4.1's rounding point) or
+//! f32 (the fp32 sum as it is: V4's float32 linears); both come from the same sum, so a bf16
+//! output is always its f32 output rounded once.
+//!
 //! Error bound against the exact value (f64) — what the GPU tests assert: with `P = Σ_k |a_k w_k|`
 //! over a group, the tensor core's fp32-range sum of the group's exact products is within
 //! `(G - 1) · 2^-13 · P` (it keeps at least 13 fraction bits per addition on Hopper, DeepSeek-V3
 //! §3.3.2 observes ~14), each of the `K / G` promotions and each of the `parts - 1` additions of
-//! a K part's sum ([`k_parts`]) adds at most `2^-24` times the running sum, and the bf16 output
-//! rounding at most `2^-9 |y|`.
+//! a K part's sum ([`k_parts`]) adds at most `2^-24` times the running sum, and a bf16 output
+//! rounding at most `2^-9 |y|` (an f32 output adds nothing).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DeviceRepr};
@@ -25,6 +29,27 @@ use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{FastGemmParams, FastReduceParams};
 use crate::runtime::KernelRuntime;
+
+/// The element type of a fast GEMM's output (`out_f32` in the kernels' params): bf16, rounded to
+/// nearest even, or f32, the fp32 sum as it is. Sealed: the kernels write only these two.
+pub trait FastOutput: DeviceRepr + sealed::Sealed {
+    /// The kernels' `out_f32` flag.
+    const OUT_F32: u32;
+}
+
+impl FastOutput for bf16 {
+    const OUT_F32: u32 = 0;
+}
+
+impl FastOutput for f32 {
+    const OUT_F32: u32 = 1;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for f32 {}
+}
 
 /// K codes of one weight chunk (`STEP_K` in the kernel).
 const STEP_K: usize = 128;
@@ -359,23 +384,23 @@ fn e8m0_value(e: u8) -> f32 {
     }
 }
 
-/// `y = a · wᵀ` on tensor cores, bf16 `y [a.rows, w.out]`. The activation group must be the
-/// weight's tile side (32: V4.1, 128: V4).
-pub fn gemm_fp8_fast(
+/// `y = a · wᵀ` on tensor cores, `y [a.rows, w.out]` bf16 or f32 ([`FastOutput`]). The
+/// activation group must be the weight's tile side (32: V4.1, 128: V4).
+pub fn gemm_fp8_fast<T: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp8Weight,
-    y: &mut CudaSlice<bf16>,
+    y: &mut CudaSlice<T>,
 ) -> Result<(), KernelError> {
     gemm_fp8_fast_tiled(rt, a, w, y, FastTile::Auto)
 }
 
 /// [`gemm_fp8_fast`] with an explicit tile (the result does not depend on it).
-pub fn gemm_fp8_fast_tiled(
+pub fn gemm_fp8_fast_tiled<T: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp8Weight,
-    y: &mut CudaSlice<bf16>,
+    y: &mut CudaSlice<T>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast";
@@ -401,23 +426,23 @@ pub fn gemm_fp8_fast_tiled(
         tile,
     )
 }
-/// `y = a · wᵀ` on tensor cores for an FP4 weight, bf16 `y [a.rows, w.out]`; `a` in 32-element
-/// groups.
-pub fn gemm_fp4_fast(
+/// `y = a · wᵀ` on tensor cores for an FP4 weight, `y [a.rows, w.out]` bf16 or f32
+/// ([`FastOutput`]); `a` in 32-element groups.
+pub fn gemm_fp4_fast<T: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp4Weight,
-    y: &mut CudaSlice<bf16>,
+    y: &mut CudaSlice<T>,
 ) -> Result<(), KernelError> {
     gemm_fp4_fast_tiled(rt, a, w, y, FastTile::Auto)
 }
 
 /// [`gemm_fp4_fast`] with an explicit tile (the result does not depend on it).
-pub fn gemm_fp4_fast_tiled(
+pub fn gemm_fp4_fast_tiled<T: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp4Weight,
-    y: &mut CudaSlice<bf16>,
+    y: &mut CudaSlice<T>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_fast";
@@ -437,14 +462,14 @@ pub fn gemm_fp4_fast_tiled(
 /// Launches the dense kernel of `kernels` with `tile` on a weight `(n, k)` = `(out, inp)` given
 /// as its fragment chunks and band scales.
 #[allow(clippy::too_many_arguments)]
-fn launch_dense<S: DeviceRepr>(
+fn launch_dense<S: DeviceRepr, T: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
     kernels: FastKernels,
     a: &DeviceActFp8,
     (n, k): (usize, usize),
     (chunks, band_scales): (&CudaSlice<u8>, &CudaSlice<S>),
-    y: &mut CudaSlice<bf16>,
+    y: &mut CudaSlice<T>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     a.check_gemm(op, (n, k), y.len())?;
@@ -460,6 +485,7 @@ fn launch_dense<S: DeviceRepr>(
         k: dim(op, "k", k)?,
         span: dim(op, "span", span)?,
         parts: dim(op, "parts", parts)?,
+        out_f32: T::OUT_F32,
     };
     let row_blocks = params.m.div_ceil(tokens);
     if row_blocks > 65_535 {
@@ -492,7 +518,8 @@ fn launch_dense<S: DeviceRepr>(
         .arg(&mut partials)
         .arg(&params);
     // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const u8*
-    // ws, bf16* y, float* partials, FastGemmParams). The activation buffers hold rows * k codes
+    // ws, void* y, float* partials, FastGemmParams): y is written as f32 exactly when out_f32 =
+    // T::OUT_F32 is 1, else as bf16 (FastOutput is sealed to these two). The activation buffers hold rows * k codes
     // and rows * k / group scales (DeviceActFp8's invariant), the weight chunks hold ceil(n / 16)
     // * ceil(k / 128) chunks and the band scales ceil(n / 16) * k / group entries of the
     // kernel's scale size (built at upload from n, k: FastFp8Weight, FastFp4Weight); block z
@@ -506,18 +533,20 @@ fn launch_dense<S: DeviceRepr>(
     Ok(())
 }
 
-/// `y[i] = bf16(((P_0[i] + P_1[i]) + …))` over the `parts` part sums `partials` `[parts][count]`.
-fn reduce_parts(
+/// `y[i] = out(((P_0[i] + P_1[i]) + …))` over the `parts` part sums `partials` `[parts][count]`
+/// (`out`: [`FastOutput`]).
+fn reduce_parts<T: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
     partials: &CudaSlice<f32>,
-    y: &mut CudaSlice<bf16>,
+    y: &mut CudaSlice<T>,
     count: usize,
     parts: usize,
 ) -> Result<(), KernelError> {
     let params = FastReduceParams {
         count: dim(op, "outputs", count)?,
         parts: dim(op, "parts", parts)?,
+        out_f32: T::OUT_F32,
     };
     let cfg = launch_config(
         (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
@@ -527,9 +556,9 @@ fn reduce_parts(
     let kernel = KernelId::GemmFastReduce;
     let mut launch = rt.launcher(kernel)?;
     launch.arg(partials).arg(y).arg(&params);
-    // SAFETY: signature (const float* partials, bf16* y, FastReduceParams); partials holds parts
-    // * count values (allocated so by the caller), y count (checked: m * n); the kernel strides
-    // over i < count.
+    // SAFETY: signature (const float* partials, void* y, FastReduceParams), y written as T
+    // (out_f32 = T::OUT_F32); partials holds parts * count values (allocated so by the caller),
+    // y count (checked: m * n); the kernel strides over i < count.
     unsafe { launch.launch(cfg) }
 }
 

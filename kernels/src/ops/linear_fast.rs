@@ -1,8 +1,9 @@
 //! The `fast` bf16 linear `y = x · Wᵀ` on tensor cores (mma.sync m16n8k16, bf16 operands, fp32
 //! accumulation; `cuda/linear/linear_fast.cuh`): the V4.1 linears the reference runs in bf16
-//! (`Backend::linear_bf16`: the grouped `wo_a`, the compressor and indexer projections) in
-//! `Numerics::Fast`. Not bitwise equal to the CPU's bf16 GEMM order, but deterministic and batch
-//! invariant: K is cut into [`PARTS`] parts by `inp` alone, each summed in K order, the parts
+//! (`Backend::linear_bf16`, `Backend::linear_grouped_bf16`: the grouped `wo_a`, the compressor
+//! and indexer projections) and V4's dense projections (`Backend::linear`, f32 outputs; V4's
+//! float32 activations rounded to bf16 on the way in) in `Numerics::Fast`. Not bitwise equal to
+//! the CPU's bf16 GEMM order, but deterministic and batch invariant: K is cut into [`PARTS`] parts by `inp` alone, each summed in K order, the parts
 //! added in order, and the tile chosen by the row count never changes an output's arithmetic. A
 //! grouped weight ([`FastBf16Weight::upload_grouped`]: `wo_a`'s 8 groups) runs its groups as
 //! independent linears in one launch (grid z), each group bitwise its linear alone.
@@ -112,8 +113,8 @@ fn tile_for(rows: usize) -> (KernelId, usize, usize) {
 }
 
 /// `y [rows, w.out] = x [rows, w.groups · w.inp] · wᵀ`, group by group (f32 storage; `x`
-/// converted to bf16 by rounding to nearest, exact for bf16 values), `y` rounded to bf16 when
-/// `output` is [`Rounding::Bf16`].
+/// converted to bf16 by rounding to nearest even, exact for bf16 values), `y` rounded to bf16
+/// when `output` is [`Rounding::Bf16`], else the fp32 sum as it is.
 pub fn linear_bf16_fast(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,

@@ -528,13 +528,13 @@ fn launch_routed(
 /// The checks of a routed launch of `format` experts: the table's format, 32-element groups,
 /// `x`'s columns, `x_row_div > 0` and the lengths of `experts` and `out`; gives (m, n, k): output
 /// rows, the projection's out and in features.
-pub(super) fn check_routed(
+pub(super) fn check_routed<T>(
     op: &'static str,
     format: ExpertFormat,
     (x, experts, x_row_div): (&DeviceActFp8, &CudaSlice<u32>, usize),
     table: &DeviceExpertTable,
     which: ExpertProjection,
-    out: &CudaSlice<bf16>,
+    out: &CudaSlice<T>,
 ) -> Result<(usize, usize, usize), KernelError> {
     if table.format != format {
         return Err(KernelError::Shape {

@@ -10,9 +10,8 @@
 //! thread computes it, never how (the GPU tests check a row alone against inside 2 … 64 tokens).
 
 use cudarc::driver::CudaSlice;
-use half::bf16;
 
-use super::gemm_fast::{FastKernels, FastTile};
+use super::gemm_fast::{FastKernels, FastOutput, FastTile};
 use super::quant::DeviceActFp8;
 use super::routed::{DeviceExpertTable, ExpertFormat, ExpertProjection, check_routed, group_rows};
 use super::{dim, launch_config};
@@ -23,16 +22,17 @@ use crate::runtime::KernelRuntime;
 /// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the `which` projection of a
 /// [`DeviceExpertTable::fp4_fast`] table (as [`super::routed::gemm_routed`], which runs this with
 /// [`FastTile::Auto`]) with an explicit tile (the result does not depend on it); `Auto` takes the
-/// smallest tile that holds the mean rows per expert.
+/// smallest tile that holds the mean rows per expert. `out` bf16 (V4.1) or f32 (V4): see
+/// [`FastOutput`].
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_fp4_routed_fast_tiled(
+pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
     rt: &KernelRuntime,
     x: &DeviceActFp8,
     experts: &CudaSlice<u32>,
     x_row_div: usize,
     table: &DeviceExpertTable,
     which: ExpertProjection,
-    out: &mut CudaSlice<bf16>,
+    out: &mut CudaSlice<T>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_routed_fast";
@@ -56,6 +56,7 @@ pub fn gemm_fp4_routed_fast_tiled(
         x_row_div: dim(OP, "x_row_div", x_row_div)?,
         n_experts: dim(OP, "experts", table.n_experts())?,
         which: which.slot(),
+        out_f32: T::OUT_F32,
     };
     let groups = group_rows(
         rt,
@@ -88,7 +89,8 @@ pub fn gemm_fp4_routed_fast_tiled(
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-    // const u32* tile_count, const u64* table, bf16* y, FastRoutedParams). group_rows wrote
+    // const u32* tile_count, const u64* table, void* y, FastRoutedParams), y written as T
+    // (out_f32 = T::OUT_F32, FastOutput sealed to bf16 and f32). group_rows wrote
     // tiles of at most `tokens` rows (the kernel's BT), blocks past *tile_count return; a tile's
     // rows are output rows < m (order is a permutation of 0..m), each reading x row
     // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the table

@@ -19,6 +19,7 @@ pub use pool::pool_entry;
 
 use self::dequant::{dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
+use super::weights::Linear;
 use super::{
     Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcParams,
     LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
@@ -541,25 +542,26 @@ impl Backend for CpuBackend {
         table.gather(row_ids, &mut out);
         out.into()
     }
-    fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
-        dequantised_linear(
-            x.len(),
-            w.out,
-            w.inp,
-            |row, block| fp8_row(w, row, block),
-            |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
-        )
-        .into()
-    }
-    fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
-        dequantised_linear(
-            x.len(),
-            w.out,
-            w.inp,
-            |row, block| fp4_row(w, row, block),
-            |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
-        )
-        .into()
+    fn linear(&self, x: &Tensor, w: &Linear) -> Tensor {
+        match w {
+            Linear::Dense { out, inp, values } => self.linear_f32(x, values, *out, *inp),
+            Linear::Fp8(w) => dequantised_linear(
+                x.len(),
+                w.out,
+                w.inp,
+                |row, block| fp8_row(w, row, block),
+                |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
+            )
+            .into(),
+            Linear::Fp4(w) => dequantised_linear(
+                x.len(),
+                w.out,
+                w.inp,
+                |row, block| fp4_row(w, row, block),
+                |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
+            )
+            .into(),
+        }
     }
     fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
         x.iter()

@@ -28,7 +28,7 @@ use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
 use crate::sampling::{AllowedTokens, MaskError, SamplingParams, TokenLogprobs};
 use crate::weights::{Fp4Weight, Fp8Weight};
-use weights::{ExpertLinear, ExpertWeights};
+use weights::{ExpertLinear, ExpertWeights, Linear};
 
 /// The pre/post/comb coefficients of one mHC site for one token (spec §3.2), all fp32.
 #[derive(Debug, Clone, PartialEq)]
@@ -462,12 +462,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// another ([`EngramTable::gather`]: FP8 codes times their row scales; foreign ids give zeros).
     fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor;
 
-    /// `x [rows, w.inp] · Wᵀ` in fp32 with the FP8 weight dequantised exactly and the activations
-    /// left as they are (the transformers float32 numerics of V4); equals [`Backend::linear_f32`]
-    /// on `w.to_f32()` without materialising it.
-    fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor;
-    /// [`Backend::linear_fp8_f32`] for a packed FP4 weight.
-    fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor;
+    /// `x [rows, inp] · Wᵀ` → fp32 `[rows, out]` for a V4 projection in its stored format
+    /// ([`Linear`]: dense, FP8 or FP4). The reference: fp32 with the weight dequantised exactly
+    /// and the activations left as they are (the transformers float32 numerics of V4), i.e.
+    /// [`Backend::linear_f32`] on the dense weight without materialising it. A `fast` CUDA
+    /// backend runs it on tensor cores instead (`cuda/dense.rs`), within its error bound.
+    fn linear(&self, x: &Tensor, w: &Linear) -> Tensor;
 
     /// `round(x · scale)` of every value, rounded at `precision` (the indexer's head weights,
     /// `v41::csa::index_queries`).

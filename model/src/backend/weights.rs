@@ -20,13 +20,10 @@ pub enum Linear {
 }
 
 impl Linear {
-    /// `x [rows, inp] · Wᵀ` → `[rows, out]`, fp32, weights dequantised exactly, where `x` is.
+    /// `x [rows, inp] · Wᵀ` → `[rows, out]` in fp32 where `x` is ([`Backend::linear`]: the
+    /// weight dequantised exactly, or a `fast` backend's tensor cores).
     pub fn apply(&self, backend: &dyn Backend, x: &Tensor) -> Tensor {
-        match self {
-            Linear::Dense { out, inp, values } => backend.linear_f32(x, values, *out, *inp),
-            Linear::Fp8(w) => backend.linear_fp8_f32(x, w),
-            Linear::Fp4(w) => backend.linear_fp4_f32(x, w),
-        }
+        backend.linear(x, self)
     }
 }
 

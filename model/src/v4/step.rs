@@ -155,13 +155,19 @@ impl Model {
             backend.rms_norm(&h, &self.weights.norm, cfg.norm_eps, cfg.precision())
         };
         let logit_rows: Vec<usize> = rows_of(&wanted, wants, false).collect();
+        // A dense head is fp32 in both numerics (as V4.1's): the sampled rows below take it
+        // through `sample_linear`, so the logits returned are those the tokens are sampled from.
         let logits = if logit_rows.is_empty() {
             Vec::new()
         } else {
-            self.weights
-                .head
-                .apply(backend, &hidden_of(&logit_rows))
-                .into_vec()
+            let hidden = hidden_of(&logit_rows);
+            match &*self.weights.head {
+                Linear::Dense { out, inp, values } => {
+                    backend.linear_f32(&hidden, values, *out, *inp)
+                }
+                quantised => quantised.apply(backend, &hidden),
+            }
+            .into_vec()
         };
         let sampled_rows: Vec<usize> = rows_of(&wanted, wants, true).collect();
         let sampling = row_sampling(rows, &wanted, wants);

@@ -50,12 +50,12 @@ fn run(
 }
 
 /// The exact values (f64) of `x · wᵀ` and each output's bound.
-fn exact_and_bound(
+pub(crate) fn exact_and_bound(
     x: &[f32],
     rows: usize,
     w: &[f32],
-    out: usize,
-    inp: usize,
+    (out, inp): (usize, usize),
+    output: Rounding,
 ) -> (Vec<f64>, Vec<f64>) {
     let steps = inp.div_ceil(16) as f64;
     let unit = (17.0 * steps + PARTS as f64) * 2f64.powi(-23);
@@ -73,7 +73,10 @@ fn exact_and_bound(
             }
             let e = unit * s;
             exact.push(y);
-            bound.push(e + 2f64.powi(-8) * (y.abs() + e));
+            bound.push(match output {
+                Rounding::Bf16 => e + 2f64.powi(-8) * (y.abs() + e),
+                Rounding::F32 => e,
+            });
         }
     }
     (exact, bound)
@@ -90,7 +93,7 @@ fn fast_bf16_linear_is_within_its_bound_and_every_tile_gives_the_same_bits() {
         let dw = FastBf16Weight::upload(&rt, out, inp, &w).expect("upload w");
         for rows in [1usize, 7, 16, 17, 64, 65, 130] {
             let x = bf16_values(&mut rng, rows * inp);
-            let (exact, bound) = exact_and_bound(&x, rows, &w, out, inp);
+            let (exact, bound) = exact_and_bound(&x, rows, &w, (out, inp), Rounding::Bf16);
             let got = run(&rt, &x, rows, &dw, None);
             crate::assert_within(
                 &format!("fast bf16 linear [{rows}x{inp}]·[{inp}x{out}]"),
@@ -180,7 +183,7 @@ fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
         "exact linear_bf16 is not the CPU's"
     );
     let (fast_y, fast_launches) = launches(&fast, &bf16_linear);
-    let (values, bound) = exact_and_bound(&x, rows, &w, out, inp);
+    let (values, bound) = exact_and_bound(&x, rows, &w, (out, inp), Rounding::Bf16);
     crate::assert_within("backend fast linear_bf16", &fast_y, &values, &bound);
     println!(
         "backend linear_bf16: exact {exact_launches} launches, fast {fast_launches}; {} of {} fast \

@@ -1,7 +1,9 @@
 //! The `fast` section of the device benchmark: the tensor-core FP8 GEMM of the `fast` numerics
 //! (`deepinfer_kernels::ops::gemm_fast`) at decode shapes (M = 1, 8, 64: weight bytes per second
 //! against the 4.28 TB/s copy rate) and prefill shapes (M = 1024, 4096: TFLOP/s against the
-//! 1216 TFLOP/s FP8 peak), each beside peers timed in the same run on the same shape: cuBLAS
+//! 1216 TFLOP/s FP8 peak) — V4.1's 32×32 tiles with 1×32 activation groups and bf16 outputs, and
+//! V4's 128×128 tiles with 1×128 groups and f32 outputs (`CudaBackend::linear` in fast
+//! numerics) — each beside peers timed in the same run on the same shape: cuBLAS
 //! bf16 GEMM (`y = x · Wᵀ`, bf16 weights: twice the weight bytes of FP8), cuBLASLt's
 //! per-tensor-scaled FP8 GEMM (`cublaslt_fp8`), and the exact CUDA-core FP8 kernel of the `exact`
 //! numerics. Weights are rotated through > 2 × L2 as in `ops`.
@@ -20,7 +22,7 @@
 use anyhow::{Context, Result};
 use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
 use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use deepinfer_kernels::cudarc::driver::CudaSlice;
+use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, gemm_fp8_fast};
@@ -41,12 +43,15 @@ use crate::ops::{
     random_bytes, route_sets, scale_bytes, time_launches,
 };
 
-/// Dense FP8 shapes (name, N, K): the 5120 → 6144 decode case of shared/tools/gpu.md and the
-/// V4.1 block's wq_a and wq_b.
-const SHAPES: [(&str, usize, usize); 3] = [
-    ("d5120 n6144", 6144, 5120),
-    ("wq_a", 1280, 5120),
-    ("wq_b", 32768, 1280),
+/// Dense FP8 shapes (name, N, K, weight tile): the 5120 → 6144 decode case of
+/// shared/tools/gpu.md, the V4.1 block's wq_a and wq_b (32×32 tiles), and V4-Flash's wq_a and
+/// wq_b (dim 4096, q_lora_rank 1024, 64 heads of 512: 128×128 tiles).
+const SHAPES: [(&str, usize, usize, usize); 5] = [
+    ("d5120 n6144", 6144, 5120, 32),
+    ("wq_a", 1280, 5120, 32),
+    ("wq_b", 32768, 1280, 32),
+    ("v4 wq_a t128", 1024, 4096, 128),
+    ("v4 wq_b t128", 32768, 1024, 128),
 ];
 
 /// Which kernel a row times.
@@ -76,11 +81,11 @@ fn bench(
     blas_lt: &LtFp8,
     timer: &mut Timer,
     kernel: Kernel,
-    (name, n, k): (&str, usize, usize),
+    (name, n, k, tile): (&str, usize, usize, usize),
     m: usize,
 ) -> Result<Row> {
     let x = activations(rt, m, k)?;
-    let scales_len = n.div_ceil(32) * k.div_ceil(32);
+    let scales_len = n.div_ceil(tile) * k.div_ceil(tile);
     let weight_bytes = match kernel {
         Kernel::Fast | Kernel::Exact => n * k + scales_len,
         Kernel::CublasBf16 => 2 * n * k,
@@ -88,20 +93,29 @@ fn bench(
     };
     let mut label = format!("{name} {}", kernel.label());
     let micros = match kernel {
-        Kernel::Fast => time_fp8(
+        // V4's tiles: f32 outputs, as `CudaBackend::linear` writes them.
+        Kernel::Fast if tile == 128 => time_fp8::<_, f32>(
             rt,
             timer,
             &x,
-            (m, n, k),
-            |codes, scales| FastFp8Weight::upload(rt, n, k, 32, codes, scales),
+            (m, n, k, tile),
+            |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
             |a, w, y| gemm_fp8_fast(rt, a, w, y),
         )?,
-        Kernel::Exact => time_fp8(
+        Kernel::Fast => time_fp8::<_, bf16>(
             rt,
             timer,
             &x,
-            (m, n, k),
-            |codes, scales| DeviceFp8Weight::upload(rt, n, k, 32, codes, scales),
+            (m, n, k, tile),
+            |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
+            |a, w, y| gemm_fp8_fast(rt, a, w, y),
+        )?,
+        Kernel::Exact => time_fp8::<_, bf16>(
+            rt,
+            timer,
+            &x,
+            (m, n, k, tile),
+            |codes, scales| DeviceFp8Weight::upload(rt, n, k, tile, codes, scales),
             |a, w, y| gemm_fp8(rt, a, w, y),
         )?,
         Kernel::CublasBf16 => {
@@ -156,7 +170,11 @@ fn bench(
     let act_bytes = match kernel {
         Kernel::CublasBf16 => 2 * m * k,
         Kernel::CublasLtFp8 => m * k + 4,
-        _ => m * k + m * k / 32 * 4,
+        _ => m * k + m * k / tile * 4,
+    };
+    let out_bytes = match kernel {
+        Kernel::Fast if tile == 128 => 4 * m * n,
+        _ => 2 * m * n,
     };
     Ok(Row {
         op: label,
@@ -164,7 +182,7 @@ fn bench(
         n,
         k,
         micros,
-        bytes: (weight_bytes + act_bytes + 2 * m * n) as f64,
+        bytes: (weight_bytes + act_bytes + out_bytes) as f64,
         flops: (2 * m * n * k) as f64,
         peak_flops: match kernel {
             Kernel::CublasBf16 => BF16_FLOPS,
@@ -173,19 +191,25 @@ fn bench(
     })
 }
 
-/// Times `gemm` over random FP8 weights made by `upload` (codes, scales), rotated through more
-/// than twice the L2, with `x` quantised to FP8 (32-groups).
-fn time_fp8<W>(
+/// Times `gemm` over random FP8 weights with square `tile`s made by `upload` (codes, scales),
+/// rotated through more than twice the L2, with `x` quantised to FP8 in groups of the tile side,
+/// into an output of `T`.
+fn time_fp8<W, T: DeviceRepr + ValidAsZeroBits>(
     rt: &KernelRuntime,
     timer: &mut Timer,
     x: &CudaSlice<bf16>,
-    (m, n, k): (usize, usize, usize),
+    (m, n, k, tile): (usize, usize, usize, usize),
     upload: impl Fn(&[u8], &[u8]) -> Result<W, KernelError>,
-    gemm: impl Fn(&DeviceActFp8, &W, &mut CudaSlice<bf16>) -> Result<(), KernelError>,
+    gemm: impl Fn(&DeviceActFp8, &W, &mut CudaSlice<T>) -> Result<(), KernelError>,
 ) -> Result<f64> {
-    let scales_len = n.div_ceil(32) * k.div_ceil(32);
+    let scales_len = n.div_ceil(tile) * k.div_ceil(tile);
     let copies = ROTATION_BYTES.div_ceil(n * k + scales_len).max(2);
-    let a = quantize_act_fp8(rt, x, m, k, ActGroup::G32)?;
+    let group = if tile == 128 {
+        ActGroup::G128
+    } else {
+        ActGroup::G32
+    };
+    let a = quantize_act_fp8(rt, x, m, k, group)?;
     let weights = (0..copies)
         .map(|c| {
             upload(
@@ -194,7 +218,7 @@ fn time_fp8<W>(
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
+    let mut y = rt.stream().alloc_zeros::<T>(m * n)?;
     time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
 }
 
@@ -367,7 +391,7 @@ pub fn run(quick: bool) -> Result<()> {
     print_rows(&rows);
     println!(
         "\nbytes = weights (FP8 codes + scales; cuBLAS: bf16; cuBLASLt: FP8, one scale) + activations \
-         + bf16 outputs; cuBLASLt FP8 has per-tensor scales only (no block scales); \
+         + outputs (bf16; f32 for the fast t128 rows); cuBLASLt FP8 has per-tensor scales only (no block scales); \
          %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
          peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
     );
@@ -399,7 +423,7 @@ pub fn run(quick: bool) -> Result<()> {
             &blas_lt,
             &mut timer,
             Kernel::CublasBf16,
-            WO_A,
+            (WO_A.0, WO_A.1, WO_A.2, 32),
             m,
         )?);
         linear.push(bench_linear(

@@ -339,7 +339,8 @@ fn write_block_checkpoint(cfg: &ModelConfig, dir: &Path) -> Result<()> {
 
 /// Prints (and empties) the per-op profile gathered over `steps` steps that took `seconds` in
 /// all with the profile on: per op and step its calls, wall time, share of the step, kernel
-/// launches and host-to-device copies; the last line is the step's time outside every op (the
+/// launches (and of them on tensor cores: `tc`, the fast numerics' kernels) and host-to-device
+/// copies; the last line is the step's time outside every op (the
 /// model's host code between ops and the trait's default methods).
 pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f64) {
     let mut ops: Vec<(&'static str, OpStats)> = profile.take().into_iter().collect();
@@ -350,20 +351,21 @@ pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f6
         "\nprofile: {title} (per step, {steps} steps, each op synchronised; step {step_us:.0} us)"
     );
     println!(
-        "{:<28} {:>7} {:>10} {:>7} {:>9} {:>8} {:>10} {:>10}",
-        "op", "calls", "time_us", "share", "launches", "h2d", "h2d_KB", "before_us"
+        "{:<28} {:>7} {:>10} {:>7} {:>9} {:>7} {:>8} {:>10} {:>10}",
+        "op", "calls", "time_us", "share", "launches", "tc", "h2d", "h2d_KB", "before_us"
     );
     let (mut inside, mut before) = (0.0, 0.0);
     for (name, stats) in &ops {
         inside += stats.seconds;
         before += stats.before_seconds;
         println!(
-            "{:<28} {:>7.1} {:>10.1} {:>6.1}% {:>9.1} {:>8.1} {:>10.1} {:>10.1}",
+            "{:<28} {:>7.1} {:>10.1} {:>6.1}% {:>9.1} {:>7.1} {:>8.1} {:>10.1} {:>10.1}",
             name,
             per_step(stats.calls as f64),
             per_step(stats.seconds) * 1e6,
             100.0 * stats.seconds / seconds,
             per_step(stats.launches as f64),
+            per_step(stats.tensor_core_launches as f64),
             per_step(stats.htod_copies as f64),
             per_step(stats.htod_bytes as f64) / 1e3,
             per_step(stats.before_seconds) * 1e6,

@@ -1,5 +1,5 @@
 //! The exact dequantisation of FP8/FP4 weights for the fp32 linears of V4
-//! ([`crate::backend::Backend::linear_fp8_f32`]), a bounded block of weight rows at a time.
+//! ([`crate::backend::Backend::linear`]), a bounded block of weight rows at a time.
 
 use crate::weights::{FP4_GROUP, Fp4Weight, Fp8Weight, e2m1_to_f32, e8m0_to_f32};
 

@@ -1,5 +1,15 @@
-//! The whole-tensor ops of [`CudaBackend`]: the block-scaled FP8/FP4 GEMMs, the plain and
-//! dequantised fp32 linears, RMSNorm, RoPE and the QDQ points.
+//! The whole-tensor ops of [`CudaBackend`]: the block-scaled FP8/FP4 GEMMs, the plain linears,
+//! the V4 family's projections ([`Backend::linear`]), RMSNorm, RoPE and the QDQ points.
+//!
+//! V4's projections in the `fast` numerics (exact: fp32 with the weight dequantised exactly, the
+//! CPU's bits): FP8 weights with 128×128 (or 32×32) tiles on the fast FP8 GEMM, the activations
+//! quantised to E4M3 with one power-of-two scale per 1×128 (1×32) group along K, as DeepSeek's V4
+//! inference and DeepGEMM do; FP4 weights on the fast FP4 GEMM with 1×32 activation groups; dense
+//! weights on the fast bf16 linear (activations and weights rounded to bf16, exact for a
+//! checkpoint's BF16 weights). Every output is the fp32 sum as it is (f32 storage, no bf16
+//! rounding: V4's float32 activations); the fast kernels' K order is fixed by the weight's shape,
+//! so a row's result never depends on the batch. Weights whose K is not a multiple of the tile
+//! (which the FP8 GEMM and its activation groups cannot take) keep the exact kernel.
 
 use super::*;
 
@@ -46,21 +56,74 @@ impl CudaBackend {
         &self,
         op: &'static str,
         x: &Tensor,
-        (out, inp): (usize, usize),
+        shape: (usize, usize),
         group: ActGroup,
         gemm: impl FnOnce(&DeviceActFp8, &mut CudaSlice<bf16>) -> Result<(), CudaBackendError>,
     ) -> Result<Tensor, CudaBackendError> {
         if x.is_empty() {
             return Ok(Tensor::empty());
         }
+        self.widen(op, &self.quantised_gemm(op, x, shape, group, gemm)?)
+    }
+
+    /// `x` (not empty) quantised to FP8 in `group`s, then `gemm` into a new output `[rows, out]`
+    /// of `T` (bf16 or f32).
+    fn quantised_gemm<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        (out, inp): (usize, usize),
+        group: ActGroup,
+        gemm: impl FnOnce(&DeviceActFp8, &mut CudaSlice<T>) -> Result<(), CudaBackendError>,
+    ) -> Result<CudaSlice<T>, CudaBackendError> {
         let a = self.quantised_activations(op, x, inp, group)?;
         let mut y = self
             .rt
             .stream()
-            .alloc_zeros::<bf16>(a.rows * out)
+            .alloc_zeros::<T>(a.rows * out)
             .map_err(driver_err(op, "allocating an output"))?;
         gemm(&a, &mut y)?;
-        self.widen(op, &y)
+        Ok(y)
+    }
+
+    /// [`Backend::linear`], with errors: exact (the CPU's bits) or, in the `fast` numerics, on
+    /// tensor cores with f32 outputs (module doc).
+    pub fn try_linear_v4(&self, x: &Tensor, w: &Linear) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "linear";
+        let fast = self.numerics == Numerics::Fast;
+        match w {
+            Linear::Dense { out, inp, values } => {
+                self.dense_linear(OP, x, values, (*out, *inp), Rounding::F32, fast)
+            }
+            Linear::Fp8(w) => match fast_fp8_group(w).filter(|_| fast) {
+                Some(group) => self.fast_linear_f32(OP, x, (w.out, w.inp), group, |a, y| {
+                    gemm_fp8_fast(&self.rt, a, &*self.cached_fp8_fast(w)?, y).map_err(op_err(OP))
+                }),
+                None => self.exact_linear_fp8(x, w),
+            },
+            Linear::Fp4(w) if fast => {
+                self.fast_linear_f32(OP, x, (w.out, w.inp), ActGroup::G32, |a, y| {
+                    gemm_fp4_fast(&self.rt, a, &*self.cached_fp4_fast(w)?, y).map_err(op_err(OP))
+                })
+            }
+            Linear::Fp4(w) => self.exact_linear_fp4(x, w),
+        }
+    }
+
+    /// A fast block-scaled GEMM with f32 output `[rows, out]` on `x` quantised in `group`s.
+    fn fast_linear_f32(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        shape: (usize, usize),
+        group: ActGroup,
+        gemm: impl FnOnce(&DeviceActFp8, &mut CudaSlice<f32>) -> Result<(), CudaBackendError>,
+    ) -> Result<Tensor, CudaBackendError> {
+        whole_rows(op, x, shape.1)?;
+        if x.is_empty() || shape.0 == 0 {
+            return Ok(Tensor::empty());
+        }
+        Ok(self.tensor(self.quantised_gemm(op, x, shape, group, gemm)?))
     }
 
     /// [`Backend::linear_f32`] / [`Backend::linear_bf16`], with errors. Like the CPU reference, a
@@ -74,21 +137,35 @@ impl CudaBackend {
         inp: usize,
         output: Rounding,
     ) -> Result<Tensor, CudaBackendError> {
-        const OP: &str = "linear";
-        let rows = whole_rows(OP, x, inp)?;
+        let fast = self.numerics == Numerics::Fast && output == Rounding::Bf16;
+        self.dense_linear("linear", x, w, (out, inp), output, fast)
+    }
+
+    /// `x · Wᵀ` of a dense weight (at most `out` rows of it, as the CPU reference), rounded at
+    /// `output`: on the fast bf16 linear (tensor cores) when `fast`, else the exact sgemm order.
+    fn dense_linear(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        w: &[f32],
+        (out, inp): (usize, usize),
+        output: Rounding,
+        fast: bool,
+    ) -> Result<Tensor, CudaBackendError> {
+        let rows = whole_rows(op, x, inp)?;
         let out = out.min(w.len() / inp);
         if rows == 0 || out == 0 {
             return Ok(Tensor::empty());
         }
-        let dx = self.input(OP, x)?;
-        let mut dy = self.alloc(OP, rows * out)?;
-        if self.numerics == Numerics::Fast && output == Rounding::Bf16 {
+        let dx = self.input(op, x)?;
+        let mut dy = self.alloc(op, rows * out)?;
+        if fast {
             let dw = self.cached_bf16_fast(&w[..out * inp], 1, out, inp)?;
-            linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, output).map_err(op_err(OP))?;
+            linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, output).map_err(op_err(op))?;
         } else {
-            let dw = self.cached_f32(OP, &w[..out * inp])?;
+            let dw = self.cached_f32(op, &w[..out * inp])?;
             linear_sgemm_f32(&self.rt, &dx, &dw, &mut dy, (rows, out, inp), output)
-                .map_err(op_err(OP))?;
+                .map_err(op_err(op))?;
         }
         Ok(self.tensor(dy))
     }
@@ -135,29 +212,21 @@ impl CudaBackend {
         Ok(self.tensor(dy))
     }
 
-    /// [`Backend::linear_fp8_f32`], with errors: the FP8 weight (cached on the device) is
-    /// dequantised exactly to f32 on the device in blocks of rows ([`dequant_block_rows`]) and
-    /// multiplied in the CPU sgemm order, as the default method does on the host; `x` and the
-    /// result stay on the device.
-    pub fn try_linear_fp8_f32(
-        &self,
-        x: &Tensor,
-        w: &Fp8Weight,
-    ) -> Result<Tensor, CudaBackendError> {
-        const OP: &str = "linear_fp8_f32";
+    /// The exact `linear` of an FP8 weight: the weight (cached on the device) is dequantised
+    /// exactly to f32 on the device in blocks of rows ([`dequant_block_rows`]) and multiplied in
+    /// the CPU sgemm order, as the CPU reference does on the host; `x` and the result stay on
+    /// the device.
+    fn exact_linear_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "linear";
         let dw = self.cached_fp8(w)?;
         self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
             dequant_fp8_rows_f32(&self.rt, &dw, start, rows, block)
         })
     }
 
-    /// [`Backend::linear_fp4_f32`], with errors (see [`CudaBackend::try_linear_fp8_f32`]).
-    pub fn try_linear_fp4_f32(
-        &self,
-        x: &Tensor,
-        w: &Fp4Weight,
-    ) -> Result<Tensor, CudaBackendError> {
-        const OP: &str = "linear_fp4_f32";
+    /// The exact `linear` of an FP4 weight (see [`CudaBackend::exact_linear_fp8`]).
+    fn exact_linear_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "linear";
         let dw = self.cached_fp4(w)?;
         self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
             dequant_fp4_rows_f32(&self.rt, &dw, start, rows, block)
@@ -323,6 +392,17 @@ impl CudaBackend {
     }
 }
 
+/// The activation group of the fast FP8 GEMM for `w`: its tile side (32 or 128), when `inp` is
+/// whole tiles; `None` (the exact kernel) otherwise.
+pub(crate) fn fast_fp8_group(w: &Fp8Weight) -> Option<ActGroup> {
+    let group = match w.block {
+        32 => ActGroup::G32,
+        128 => ActGroup::G128,
+        _ => return None,
+    };
+    (w.inp > 0 && w.inp.is_multiple_of(w.block)).then_some(group)
+}
+
 /// Weight rows dequantised at a time by the fp32 linears over FP8 / FP4 weights: the whole weight
 /// when it has at most [`DEQUANT_ELEMENTS`] values, else the largest divisor of `out` whose rows
 /// fit (equal blocks, so their columns interleave with one gather).
@@ -340,6 +420,31 @@ pub(crate) fn dequant_block_rows(out: usize, inp: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fp8(out: usize, inp: usize, block: usize) -> Fp8Weight {
+        Fp8Weight {
+            out,
+            inp,
+            block,
+            data: vec![0; out * inp],
+            scales: vec![127; out.div_ceil(block) * inp.div_ceil(block)],
+        }
+    }
+
+    /// V4's FP8 projections take the fast GEMM with activation groups of their tile side when K
+    /// is whole tiles; any other K or tile keeps the exact kernel.
+    #[test]
+    fn fp8_weights_take_the_fast_gemm_with_groups_of_their_tile_side() {
+        assert_eq!(fast_fp8_group(&fp8(256, 7168, 128)), Some(ActGroup::G128));
+        assert_eq!(fast_fp8_group(&fp8(96, 160, 32)), Some(ActGroup::G32));
+        assert_eq!(
+            fast_fp8_group(&fp8(256, 200, 128)),
+            None,
+            "K of 1.5625 tiles"
+        );
+        assert_eq!(fast_fp8_group(&fp8(64, 128, 64)), None, "64x64 tiles");
+        assert_eq!(fast_fp8_group(&fp8(64, 0, 128)), None, "no K");
+    }
 
     #[test]
     fn dequant_blocks_are_equal_divisors_of_the_rows_within_the_budget() {

@@ -18,9 +18,11 @@
 //!    rounding), so every placement gives the bits of `ep = 1`.
 //! 3. Finish: the buffers offered to peers may be freed.
 //!
-//! A rank's experts of each layer ([`SlotExperts`]) are of the kind its checkpoint holds:
-//! FP4/FP8 tables (V4.1) or exact tables (the V4 family: dense, FP8 or FP4 weights dequantised
-//! exactly); the collectives are the same for both.
+//! A rank's experts of each layer ([`SlotExperts`]) are of the kind its checkpoint holds and the
+//! backend's numerics take: FP4/FP8 tables (V4.1), the V4 family's FP4 experts on the fast
+//! routed chain (fast numerics), or exact tables (the V4 family: dense, FP8 or FP4 weights
+//! dequantised exactly); the collectives are the same for all, and each kind runs the kernels of
+//! one rank in the same numerics (`moe.rs`, `v4.rs`).
 //! Activations never leave the device; only route ids and weights reach the host. Each rank
 //! counts the rows its slots receive ([`ExpertRank::take_loads`], what the EPLB measures).
 //! Replica choice: the replica on this rank when it holds one, else replica `dp % replicas`: a
@@ -261,6 +263,8 @@ fn check_placement(
 pub(super) enum SlotExperts {
     /// V4.1's FP4 or FP8 experts (`moe_rows`).
     Quantised(DeviceExperts),
+    /// The V4 family's FP4 experts on the fast routed chain (`moe_rows_exact`, fast numerics).
+    V4Fast(DeviceExperts),
     /// The V4 family's exact experts (`moe_rows_exact`).
     Exact(DeviceExactExperts),
 }
@@ -268,7 +272,9 @@ pub(super) enum SlotExperts {
 impl SlotExperts {
     fn n_experts(&self) -> usize {
         match self {
-            SlotExperts::Quantised(experts) => experts.table.n_experts(),
+            SlotExperts::Quantised(experts) | SlotExperts::V4Fast(experts) => {
+                experts.table.n_experts()
+            }
             SlotExperts::Exact(experts) => experts.table.n_experts(),
         }
     }
@@ -277,7 +283,7 @@ impl SlotExperts {
     fn op(&self) -> &'static str {
         match self {
             SlotExperts::Quantised(_) => "moe_rows (expert parallel)",
-            SlotExperts::Exact(_) => "moe_rows_exact (expert parallel)",
+            SlotExperts::V4Fast(_) | SlotExperts::Exact(_) => "moe_rows_exact (expert parallel)",
         }
     }
 }
@@ -326,13 +332,20 @@ impl CudaBackend {
     }
 
     /// This rank's `experts` of one layer (those of its slots, in slot order) on the device, of
-    /// the kind they are: FP4/FP8 tables, or exact ones; an error naming `layer` otherwise.
+    /// the kind they are: FP4/FP8 tables, V4 FP4 experts on the fast chain (fast numerics), or
+    /// exact ones — what one rank of these numerics takes for them; an error naming `layer`
+    /// otherwise.
     fn slot_experts(
         &self,
         op: &'static str,
         layer: usize,
         experts: &[&ExpertWeights<ExpertLinear>],
     ) -> Result<SlotExperts, CudaBackendError> {
+        if self.numerics == Numerics::Fast
+            && let Some(table) = self.v4_fast_expert_table_of(op, experts)?
+        {
+            return Ok(SlotExperts::V4Fast(table));
+        }
         if let Some(table) = self.expert_table_of(op, experts)? {
             return Ok(SlotExperts::Quantised(table));
         }
@@ -510,7 +523,8 @@ impl CudaBackend {
     }
 
     /// This rank's `experts` on the `received` rows `[n, dim]` (f32): row `j` through its
-    /// local expert `ids[j]` weighted by `weights[j]`, as one rank runs a slot → f32 `[n, dim]`.
+    /// local expert `ids[j]` weighted by `weights[j]`, as one rank runs a slot → f32 `[n, dim]`
+    /// (the same quantiser and kernels on the same row values: the same bits).
     #[allow(clippy::too_many_arguments)]
     fn received_slots(
         &self,
@@ -540,6 +554,13 @@ impl CudaBackend {
                 let mut wide = self.alloc(op, out.len())?;
                 bf16_to_f32(&self.rt, &out, &mut wide).map_err(op_err(op))?;
                 Ok(wide)
+            }
+            SlotExperts::V4Fast(experts) => {
+                let a = quantize_act_fp8_f32(&self.rt, received, n, dim, ActGroup::G32)
+                    .map_err(op_err(op))?;
+                let limit = layer.swiglu_limit;
+                let table = &experts.table;
+                self.routed_slots::<f32>(op, &a, ids, 1, weights, table, limit, Rounding::F32)
             }
             SlotExperts::Exact(experts) => {
                 if experts.table.dim() != dim {
@@ -572,8 +593,8 @@ impl CudaBackend {
         slot_out: &CudaSlice<f32>,
         ids: &CudaSlice<u32>,
     ) -> Result<Tensor, CudaBackendError> {
-        if let SlotExperts::Exact(_) = experts {
-            return self.exact_shared_combine(op, x, layer, slot_out, ids);
+        if let SlotExperts::Exact(_) | SlotExperts::V4Fast(_) = experts {
+            return self.v4_shared_combine(op, x, layer, slot_out, ids);
         }
         let n_experts = layer.bias.len();
         let dim = layer.gate.len() / n_experts;

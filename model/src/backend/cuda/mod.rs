@@ -5,10 +5,14 @@
 //! sequential f64 sums of attention and the indexer, the vectorised `exp`). `Fast`: the FP8 and
 //! FP4 block-scaled GEMMs (`gemm_fp8`, `gemm_fp4`, the shared expert and the FP4 routed experts
 //! of `moe_rows`) run on tensor cores (`ops::gemm_fast`, `ops::routed_fast`, within a stated
-//! error bound of the exact value), and so does the row-batched sink attention at the bf16
-//! rounding points of V4.1 (`ops::attention::sparse_attention_sink_rows_ptr_fast`, where its
-//! shape allows); every other op is still the exact one. No kernel of either splits a reduction by
-//! the batch, so a sequence's numbers do not depend on what else runs (batch invariance).
+//! error bound of the exact value), and so do the bf16 linears (`ops::linear_fast`), the V4
+//! family's projections (`linear`: FP8/FP4 on the fast GEMMs with f32 outputs, dense ones on the
+//! fast bf16 linear; `dense.rs`), V4's FP4 routed experts and its shared expert (`v4.rs`), and the
+//! row-batched sink attention at the bf16 rounding points of V4.1
+//! (`ops::attention::sparse_attention_sink_rows_ptr_fast`, where its shape allows); every other
+//! op is still the exact one (the fp32 `linear_f32`: router gates, heads, V4's grouped `wo_a`).
+//! No kernel of either splits a reduction by the batch, so a sequence's numbers do not depend on
+//! what else runs (batch invariance).
 //!
 //! Beyond the layer math: token sampling (only the ids come back), the whole MoE layer
 //! (`moe.rs`), the indexer's selection (`rows.rs`: top-k and candidate mask left on the device and
@@ -27,9 +31,9 @@
 //! Expert tables (`moe.rs`) are cached per layer by the host address and length of its expert
 //! list, under the same rule as the weights below.
 //!
-//! Weight cache: only the weights the model passes (never temporaries: the fp32 linears over FP8 /
-//! FP4 weights are overridden to dequantise on the device from the cached FP8 / FP4 copy, so the
-//! trait's default, which hands dequantised host blocks to `linear_f32`, never reaches the cache).
+//! Weight cache: only the weights the model passes (never temporaries: `linear` over FP8 / FP4
+//! weights dequantises on the device from the cached FP8 / FP4 copy; no dequantised host block
+//! reaches the cache).
 //! The model's weights are immutable host buffers that live as long as the model, so
 //! a weight is keyed by its host address and length plus a content fingerprint (every element of a
 //! buffer up to 4096 elements, 64 evenly spaced ones beyond). A host buffer that is freed and
@@ -59,7 +63,9 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use deepinfer_kernels::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use deepinfer_kernels::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
     DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
@@ -97,6 +103,7 @@ pub use deepinfer_topology::Numerics;
 use half::bf16;
 
 use super::select::DeviceRows;
+use super::weights::Linear;
 use super::{
     Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
     HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
@@ -806,12 +813,8 @@ impl Backend for CudaBackend {
         self.run("gather", || self.try_gather(pieces, width))
     }
 
-    fn linear_fp8_f32(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
-        self.run("linear_fp8_f32", || self.try_linear_fp8_f32(x, w))
-    }
-
-    fn linear_fp4_f32(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
-        self.run("linear_fp4_f32", || self.try_linear_fp4_f32(x, w))
+    fn linear(&self, x: &Tensor, w: &Linear) -> Tensor {
+        self.run("linear", || self.try_linear_v4(x, w))
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {

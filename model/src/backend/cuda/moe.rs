@@ -5,11 +5,16 @@
 //! row's expert outputs in increasing expert id, then the shared expert — the order of the host
 //! path, so the result is bitwise equal to it. In the `fast` numerics the FP4 routed experts
 //! (`ops::routed_fast`) and the shared expert's GEMMs run on tensor cores instead; SwiGLU, the
-//! activation quantisation between and the combine are the same kernels.
+//! activation quantisation between and the combine are the same kernels. The routed chain
+//! ([`CudaBackend::routed_slots`]) also serves V4's FP4 experts in the fast numerics (`v4.rs`),
+//! with f32 outputs and no bf16 rounding ([`RoutedRow`]).
 
+use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, gemm_routed, moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, ExpertRowValue, gemm_routed, moe_combine,
+    swiglu_rows,
 };
+use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
 
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
@@ -19,6 +24,51 @@ use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
 pub(super) struct DeviceExperts {
     pub(super) table: DeviceExpertTable,
     _held: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+/// The element type of the routed GEMMs' output rows: bf16 from any FP4/FP8 table (V4.1's
+/// rounding point), f32 from a fast FP4 table alone (V4's float32 experts in the fast numerics;
+/// the exact routed kernels write bf16, and a launch on another table fails naming its format).
+pub(super) trait RoutedRow: ExpertRowValue + FastOutput + ValidAsZeroBits + Sized {
+    /// `out[j] = x[j / x_row_div] · W_{ids[j]}ᵀ` for the `which` projection of `table`.
+    fn gemm(
+        rt: &KernelRuntime,
+        x: &DeviceActFp8,
+        ids: &CudaSlice<u32>,
+        x_row_div: usize,
+        table: &DeviceExpertTable,
+        which: ExpertProjection,
+        out: &mut CudaSlice<Self>,
+    ) -> Result<(), KernelError>;
+}
+
+impl RoutedRow for bf16 {
+    fn gemm(
+        rt: &KernelRuntime,
+        x: &DeviceActFp8,
+        ids: &CudaSlice<u32>,
+        x_row_div: usize,
+        table: &DeviceExpertTable,
+        which: ExpertProjection,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        gemm_routed(rt, x, ids, x_row_div, table, which, out)
+    }
+}
+
+impl RoutedRow for f32 {
+    fn gemm(
+        rt: &KernelRuntime,
+        x: &DeviceActFp8,
+        ids: &CudaSlice<u32>,
+        x_row_div: usize,
+        table: &DeviceExpertTable,
+        which: ExpertProjection,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let tile = FastTile::Auto;
+        gemm_fp4_routed_fast_tiled(rt, x, ids, x_row_div, table, which, out, tile)
+    }
 }
 
 impl CudaBackend {
@@ -161,11 +211,12 @@ impl CudaBackend {
     }
 
     /// The routed experts of `ids.len()` slots: slot `j` runs expert `ids[j]` of `table` on the
-    /// FP8 row `j / x_row_div` of `a` — `w1` and `w3`, SwiGLU weighted by `route_weights[j]`,
-    /// `w2` — into bf16 `[slots, dim]` (each slot what the dense GEMMs of the table's numerics
-    /// give for it).
+    /// FP8 row `j / x_row_div` of `a` — `w1` and `w3`, SwiGLU weighted by `route_weights[j]`
+    /// (rounded at `rounding`), its rows quantised in 32-groups, `w2` — into `[slots, dim]` of
+    /// `T` (bf16: V4.1; f32: V4 in the fast numerics). Each slot is what the dense GEMMs of the
+    /// table's numerics give for it, whichever slots run with it.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn routed_slots(
+    pub(super) fn routed_slots<T: RoutedRow>(
         &self,
         op: &'static str,
         a: &DeviceActFp8,
@@ -175,19 +226,19 @@ impl CudaBackend {
         table: &DeviceExpertTable,
         limit: f32,
         rounding: Rounding,
-    ) -> Result<CudaSlice<bf16>, CudaBackendError> {
+    ) -> Result<CudaSlice<T>, CudaBackendError> {
         let (slots, inter, dim) = (ids.len(), table.inter(), table.dim());
         let routed = |x: &DeviceActFp8,
                       x_row_div: usize,
                       which: ExpertProjection,
                       width: usize|
-         -> Result<CudaSlice<bf16>, CudaBackendError> {
+         -> Result<CudaSlice<T>, CudaBackendError> {
             let mut out = self
                 .rt
                 .stream()
-                .alloc_zeros::<bf16>(slots * width)
+                .alloc_zeros::<T>(slots * width)
                 .map_err(driver_err(op, "allocating an expert output"))?;
-            gemm_routed(&self.rt, x, ids, x_row_div, table, which, &mut out).map_err(op_err(op))?;
+            T::gemm(&self.rt, x, ids, x_row_div, table, which, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
         let gate = routed(a, x_row_div, ExpertProjection::W1, inter)?;
@@ -258,6 +309,53 @@ impl CudaBackend {
         let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, a.rows, inter, ActGroup::G32)
             .map_err(op_err(op))?;
         dense(&a_hidden, &shared.w2)
+    }
+
+    /// The fast table of a V4 layer's routed experts (the fast numerics), built once and cached
+    /// with the weights; `None` unless every projection is FP4 (`ExpertLinear::Exact`), each in
+    /// one shape across the experts, of width `dim` ([`v4_fast_shape`]).
+    pub(super) fn v4_fast_experts(
+        &self,
+        op: &'static str,
+        experts: &[ExpertWeights<ExpertLinear>],
+        dim: usize,
+    ) -> Result<Option<Arc<DeviceExperts>>, CudaBackendError> {
+        let key = (experts.as_ptr() as usize, experts.len());
+        if let Some(found) = self.lock_weights().expert_tables.get(&key) {
+            return Ok(Some(found.clone()));
+        }
+        let all: Vec<&ExpertWeights<ExpertLinear>> = experts.iter().collect();
+        if v4_fast_shape(&all).is_none_or(|(width, _)| width != dim) {
+            return Ok(None);
+        }
+        let Some(built) = self.v4_fast_expert_table_of(op, &all)? else {
+            return Ok(None);
+        };
+        let built = Arc::new(built);
+        self.lock_weights().expert_tables.insert(key, built.clone());
+        Ok(Some(built))
+    }
+
+    /// The fast table of V4 FP4 `experts` (table index = position in the list), laid out for
+    /// the tensor-core routed GEMM; `None` unless [`v4_fast_shape`] takes them.
+    pub(super) fn v4_fast_expert_table_of(
+        &self,
+        op: &'static str,
+        experts: &[&ExpertWeights<ExpertLinear>],
+    ) -> Result<Option<DeviceExperts>, CudaBackendError> {
+        if v4_fast_shape(experts).is_none() {
+            return Ok(None);
+        }
+        let fp4: Option<Vec<[&Fp4Weight; 3]>> = experts
+            .iter()
+            .map(|e| Some([v4_fp4(&e.w1)?, v4_fp4(&e.w3)?, v4_fp4(&e.w2)?]))
+            .collect();
+        let Some(fp4) = fp4 else {
+            return Ok(None);
+        };
+        let build = DeviceExpertTable::fp4_fast;
+        self.expert_table(op, &fp4, |w| self.cached_fp4_fast(w), build)
+            .map(Some)
     }
 
     /// The device table of a layer's experts, built once and cached with the weights; `None`
@@ -401,6 +499,27 @@ fn held<W: Send + Sync + 'static>(weights: Vec<[Arc<W>; 3]>) -> Vec<Arc<dyn Any 
         .collect()
 }
 
+/// The FP4 weight of a V4 projection (`ExpertLinear::Exact`), if it is one.
+fn v4_fp4(w: &ExpertLinear) -> Option<&Fp4Weight> {
+    match w {
+        ExpertLinear::Exact(Linear::Fp4(w)) => Some(w),
+        _ => None,
+    }
+}
+
+/// The `(dim, inter)` of V4 experts the fast routed chain takes: every projection FP4, one shape
+/// across them (`w1`, `w3`: `[inter, dim]`; `w2`: `[dim, inter]`); `None` otherwise (or for no
+/// experts).
+fn v4_fast_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)> {
+    let shapes = |e: &ExpertWeights<ExpertLinear>| {
+        Some([v4_fp4(&e.w1)?, v4_fp4(&e.w3)?, v4_fp4(&e.w2)?].map(|w| (w.out, w.inp)))
+    };
+    let expected = shapes(experts.first()?)?;
+    let [(i1, d1), (i3, d3), (d2, i2)] = expected;
+    let fits = d1 == d3 && d1 == d2 && i1 == i3 && i1 == i2 && i1 > 0 && d1 > 0;
+    (fits && experts.iter().all(|e| shapes(e) == Some(expected))).then_some((d1, i1))
+}
+
 /// The shared expert runs on the rows' FP8 32-group activations: FP4, or FP8 with 32×32 tiles.
 fn shared_fits(shared: &ExpertWeights<ExpertLinear>) -> bool {
     [&shared.w1, &shared.w3, &shared.w2]
@@ -410,4 +529,65 @@ fn shared_fits(shared: &ExpertWeights<ExpertLinear>) -> bool {
             ExpertLinear::Fp8(w) => w.block == 32,
             ExpertLinear::Exact(_) => false,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp4(out: usize, inp: usize) -> ExpertLinear {
+        ExpertLinear::Exact(Linear::Fp4(Fp4Weight {
+            out,
+            inp,
+            packed: vec![0; out * inp / 2],
+            scales: vec![127; out * inp / 32],
+        }))
+    }
+
+    fn expert(w1: ExpertLinear, w3: ExpertLinear, w2: ExpertLinear) -> ExpertWeights<ExpertLinear> {
+        ExpertWeights { w1, w2, w3 }
+    }
+
+    /// What the fast routed chain takes of V4's experts (`moe_rows_exact` and an EP rank's
+    /// slots in the fast numerics): FP4 projections of one shape across the experts give `(dim,
+    /// inter)`; a dense projection, V4.1's FP4 experts, a second shape, or `w2` not reading
+    /// `w1`'s outputs give none (those experts keep the exact routed linears, or V4.1's chain).
+    #[test]
+    fn v4_fast_tables_need_fp4_projections_of_one_shape() {
+        let (dim, inter) = (128, 64);
+        let plain = || expert(fp4(inter, dim), fp4(inter, dim), fp4(dim, inter));
+        let (a, b) = (plain(), plain());
+        assert_eq!(v4_fast_shape(&[&a, &b]), Some((dim, inter)));
+        let dense = ExpertLinear::Exact(Linear::Dense {
+            out: inter,
+            inp: dim,
+            values: vec![0.0; inter * dim],
+        });
+        let mixed = expert(dense, fp4(inter, dim), fp4(dim, inter));
+        assert_eq!(v4_fast_shape(&[&mixed]), None, "a dense w1");
+        assert_eq!(
+            v4_fast_shape(&[&a, &mixed]),
+            None,
+            "one expert of another format"
+        );
+        let v41 = |out, inp| match fp4(out, inp) {
+            ExpertLinear::Exact(Linear::Fp4(w)) => ExpertLinear::Fp4(w),
+            _ => unreachable!("fp4 builds an exact FP4 projection"),
+        };
+        let v41 = expert(v41(inter, dim), v41(inter, dim), v41(dim, inter));
+        assert_eq!(v4_fast_shape(&[&v41]), None, "V4.1's FP4 experts");
+        let wide = expert(
+            fp4(2 * inter, dim),
+            fp4(2 * inter, dim),
+            fp4(dim, 2 * inter),
+        );
+        assert_eq!(v4_fast_shape(&[&a, &wide]), None, "two shapes");
+        let odd = expert(fp4(inter, dim), fp4(inter, dim), fp4(dim, 2 * inter));
+        assert_eq!(
+            v4_fast_shape(&[&odd]),
+            None,
+            "w2 does not read w1's outputs"
+        );
+        assert_eq!(v4_fast_shape(&[]), None);
+    }
 }

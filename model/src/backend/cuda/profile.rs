@@ -1,6 +1,7 @@
 //! The opt-in per-op profile of [`CudaBackend`]: when on, every [`Backend`] op waits for the
-//! device before and after it runs and adds its wall time, kernel launches and host-to-device
-//! copies (counted by the kernel runtime) to a table keyed by the op's name. Off by default (then an
+//! device before and after it runs and adds its wall time, kernel launches (and how many of them
+//! ran on tensor cores: which numerics' kernels an op took) and host-to-device copies (counted
+//! by the kernel runtime) to a table keyed by the op's name. Off by default (then an
 //! op pays one relaxed atomic load); turn it on with [`OpProfile::set_enabled`] or by opening the
 //! backend with `DEEPINFER_CUDA_PROFILE=1`. The waits change what they measure (no overlap of host
 //! work and kernels), so a profile explains a step's time but is not the step's time.
@@ -29,6 +30,9 @@ pub struct OpStats {
     /// Wall seconds from the device being idle before the op to it being idle after.
     pub seconds: f64,
     pub launches: u64,
+    /// Of `launches`, those of tensor-core kernels (the `fast` numerics' GEMMs, linear and
+    /// attention): zero for an op that ran on the exact kernels alone.
+    pub tensor_core_launches: u64,
     pub htod_copies: u64,
     pub htod_bytes: u64,
     /// Wall seconds between the end of the op before (this backend's, profile on) and this one's
@@ -72,6 +76,7 @@ impl OpProfile {
         entry.before_seconds += before;
         entry.seconds += seconds;
         entry.launches += counts.launches;
+        entry.tensor_core_launches += counts.tensor_core_launches;
         entry.htod_copies += counts.htod_copies;
         entry.htod_bytes += counts.htod_bytes;
     }
@@ -151,6 +156,7 @@ mod tests {
     fn counts(launches: u64, htod_copies: u64, htod_bytes: u64) -> RuntimeCounts {
         RuntimeCounts {
             launches,
+            tensor_core_launches: launches / 3,
             htod_copies,
             htod_bytes,
         }
@@ -172,6 +178,7 @@ mod tests {
                 calls: 2,
                 seconds: 0.75,
                 launches: 6,
+                tensor_core_launches: 2,
                 htod_copies: 1,
                 htod_bytes: 64,
                 before_seconds: 0.0625,
@@ -186,6 +193,8 @@ mod tests {
 
     #[test]
     fn runtime_counts_subtract_field_by_field() {
-        assert_eq!(counts(10, 4, 4096) - counts(7, 1, 1024), counts(3, 3, 3072));
+        let difference = counts(12, 4, 4096) - counts(6, 1, 1024);
+        assert_eq!(difference, counts(6, 3, 3072));
+        assert_eq!(difference.tensor_core_launches, 2);
     }
 }

@@ -1,13 +1,19 @@
 //! The V4 family's ops on [`CudaBackend`], so that a V4 step's activations stay on the device: the
 //! hyper-head's collapse weights (`v4_hyper_head_f32`), the compressor's softmax pooling over
-//! slots read in place (`v4_pool_f32`), and the MoE with exact fp32 experts (dense, FP8 or FP4
-//! weights dequantised exactly): device routes (top-k, or a hash layer's experts with their
-//! router weights), each (row, slot) through its own expert by the routed exact linears
-//! (`ops::routed_exact`, rows grouped by expert on the device), SwiGLU weighted by the route,
-//! the combine in increasing expert id, then the shared expert; on a backend that is one EP rank
-//! of several the routed slots run on the ranks holding their experts, by the same kernels
-//! (`ep.rs`). Numerics: bit for bit the CPU's (its sgemm order for every product, its
-//! exponential, its sums in its order).
+//! slots read in place (`v4_pool_f32`), and the MoE (`moe_rows_exact`): device routes (top-k, or a
+//! hash layer's experts with their router weights; the router gate in exact fp32 in both
+//! numerics), each (row, slot) through its own expert (rows grouped by expert on the device),
+//! SwiGLU weighted by the route, the combine in increasing expert id, then the shared expert; on
+//! a backend that is one EP rank of several the routed slots run on the ranks holding their
+//! experts, by the same kernels (`ep.rs`).
+//!
+//! Exact numerics: bit for bit the CPU's (the routed exact linears, `ops::routed_exact`, in its
+//! sgemm order; its exponential; its sums in its order). Fast numerics: FP4 routed experts run
+//! V4.1's fast routed chain (`moe.rs` `routed_slots`: the rows quantised to E4M3 in 1×32 groups,
+//! the tensor-core FP4 GEMM per expert tile, SwiGLU, the hidden rows quantised again, `w2`) with
+//! V4's float32 rounding points: every GEMM output, the SwiGLU and the combine stay f32 (no bf16
+//! rounding); the shared expert's projections take [`Backend::linear`]'s fast kernels; dense or
+//! FP8 routed experts keep the exact routed linears (no fast grouped kernel reads them).
 
 use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
 use deepinfer_kernels::ops::routed_exact::{
@@ -15,6 +21,7 @@ use deepinfer_kernels::ops::routed_exact::{
 };
 use deepinfer_kernels::ops::v4::{v4_hyper_head_f32, v4_pool_f32};
 
+use super::moe::DeviceExperts;
 use super::*;
 use crate::backend::PoolSlot;
 use crate::backend::weights::Linear;
@@ -25,6 +32,13 @@ use crate::backend::weights::{ExpertLinear, ExpertWeights};
 pub(super) struct DeviceExactExperts {
     pub(super) table: DeviceExactExpertTable,
     _held: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+/// A layer's routed experts as one rank of this backend runs them: FP4 experts on the fast
+/// routed chain (fast numerics), or the exact routed linears.
+enum V4Experts {
+    Fast(Arc<DeviceExperts>),
+    Exact(Arc<DeviceExactExperts>),
 }
 
 /// One projection's device copy, kept while the table is built.
@@ -186,9 +200,10 @@ impl CudaBackend {
     }
 
     /// [`Backend::moe_rows_exact`], with errors; `None` unless every expert (and the shared one)
-    /// is exact (dense, FP8 or FP4, each projection in one format and shape across the experts)
-    /// and the layer keeps fp32 activations. On an EP rank (`ep.rs`) the routed experts run on
-    /// the ranks that hold them.
+    /// is a V4 projection (dense, FP8 or FP4, each projection in one format and shape across the
+    /// experts) and the layer keeps fp32 activations. In the fast numerics FP4 experts take the
+    /// fast routed chain (module doc). On an EP rank (`ep.rs`) the routed experts run on the
+    /// ranks that hold them.
     pub fn try_moe_rows_exact(
         &self,
         x: &Tensor,
@@ -210,23 +225,34 @@ impl CudaBackend {
                 .try_moe_rows_ep(x, layer, hashed, &ep, layer_index)
                 .map(Some);
         }
-        let Some(experts) = self.exact_experts(OP, layer.experts, dim)? else {
-            return Ok(None);
+        let fast = match self.numerics {
+            Numerics::Fast => self.v4_fast_experts(OP, layer.experts, dim)?,
+            Numerics::Exact => None,
+        };
+        let experts = match fast {
+            Some(fast) => V4Experts::Fast(fast),
+            None => match self.exact_experts(OP, layer.experts, dim)? {
+                Some(exact) => V4Experts::Exact(exact),
+                None => return Ok(None),
+            },
         };
         if rows == 0 {
             return Ok(Some(Tensor::empty()));
         }
         let (ids, route_weights, k) = self.routes(OP, x, layer, hashed, rows)?;
-        let expert_out = self.exact_slots(
-            OP,
-            &*self.input(OP, x)?,
-            &ids,
-            k,
-            &route_weights,
-            &experts.table,
-            layer.swiglu_limit,
-        )?;
-        self.exact_shared_combine(OP, x, layer, &expert_out, &ids)
+        let limit = layer.swiglu_limit;
+        let expert_out = match &experts {
+            V4Experts::Fast(fast) => {
+                let a = self.quantised_activations(OP, x, dim, ActGroup::G32)?;
+                let (table, rounding) = (&fast.table, Rounding::F32);
+                self.routed_slots::<f32>(OP, &a, &ids, k, &route_weights, table, limit, rounding)?
+            }
+            V4Experts::Exact(exact) => {
+                let x = &*self.input(OP, x)?;
+                self.exact_slots(OP, x, &ids, k, &route_weights, &exact.table, limit)?
+            }
+        };
+        self.v4_shared_combine(OP, x, layer, &expert_out, &ids)
             .map(Some)
     }
 
@@ -272,10 +298,11 @@ impl CudaBackend {
         routed(&hidden, 1, ExpertProjection::W2, dim)
     }
 
-    /// The exact shared expert on every row of `x`, then the combine with the routed slots'
-    /// outputs `expert_out` (f32 `[rows · k, dim]`, slot order, experts `ids`): each row's slots
-    /// in increasing expert id, then the shared expert, in fp32.
-    pub(super) fn exact_shared_combine(
+    /// The shared expert on every row of `x` (its projections by [`Backend::linear`]: exact, or
+    /// the fast kernels of the fast numerics; SwiGLU in fp32), then the combine with the routed
+    /// slots' outputs `expert_out` (f32 `[rows · k, dim]`, slot order, experts `ids`): each row's
+    /// slots in increasing expert id, then the shared expert, in fp32.
+    pub(super) fn v4_shared_combine(
         &self,
         op: &'static str,
         x: &Tensor,
@@ -287,8 +314,8 @@ impl CudaBackend {
         let dim = layer.gate.len() / n_experts.max(1);
         let [s1, s3, s2] = exact_shared(layer.shared)
             .ok_or_else(|| shape_err(op, "a shared expert that is not exact".to_string()))?;
-        let shared_gate = self.try_exact_linear(x, s1)?;
-        let shared_up = self.try_exact_linear(x, s3)?;
+        let shared_gate = self.try_linear_v4(x, s1)?;
+        let shared_up = self.try_linear_v4(x, s3)?;
         let mut shared_hidden = self.alloc(op, shared_gate.len())?;
         swiglu_rows(
             &self.rt,
@@ -300,7 +327,7 @@ impl CudaBackend {
             &mut shared_hidden,
         )
         .map_err(op_err(op))?;
-        let shared_out = self.try_exact_linear(&self.tensor(shared_hidden), s2)?;
+        let shared_out = self.try_linear_v4(&self.tensor(shared_hidden), s2)?;
         let mut out = self.alloc(op, whole_rows(op, x, dim)? * dim)?;
         moe_combine(
             &self.rt,
@@ -314,17 +341,6 @@ impl CudaBackend {
         )
         .map_err(op_err(op))?;
         Ok(self.tensor(out))
-    }
-
-    /// [`Linear::apply`] on this backend, with errors.
-    fn try_exact_linear(&self, x: &Tensor, w: &Linear) -> Result<Tensor, CudaBackendError> {
-        match w {
-            Linear::Dense { out, inp, values } => {
-                self.try_linear(x, values, *out, *inp, Rounding::F32)
-            }
-            Linear::Fp8(w) => self.try_linear_fp8_f32(x, w),
-            Linear::Fp4(w) => self.try_linear_fp4_f32(x, w),
-        }
     }
 
     /// The device table of a layer's exact experts, built once and cached with the weights;
