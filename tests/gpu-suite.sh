@@ -4,9 +4,11 @@
 # NVIDIA GPU (the H200: CUDA 13, no Rust toolchain). Its last line is `N passed, M failed`.
 #
 #   tests/gpu-suite.sh stage [TEST...]   here, from the repository root: builds the gpu* test
-#                                        binaries (release, cuda; or only the TESTs named) and
-#                                        stages them, stripped and xz-compressed, with this script
-#                                        in .gpu/suite/ (git-ignored)
+#                                        binaries of one GPU (release, cuda; or only the TESTs
+#                                        named) and stages them, stripped and xz-compressed, with
+#                                        this script in .gpu/suite/ (git-ignored); gpu_two (two
+#                                        GPUs, NCCL) only when named: `stage gpu_two` for a
+#                                        two-GPU machine
 #   bash .gpu/suite/gpu-suite.sh run     on the GPU machine, from the repository root with .gpu/
 #                                        carried along: runs every staged binary one test at a time
 #                                        and prints a table, then `N passed, M failed`
@@ -20,7 +22,9 @@ set -euo pipefail
 stage() {
   local tests=("$@")
   if [ ${#tests[@]} -eq 0 ]; then
-    for f in tests/tests/gpu*.rs; do tests+=("$(basename "$f" .rs)"); done
+    for f in tests/tests/gpu*.rs; do
+      [ "$f" = tests/tests/gpu_two.rs ] || tests+=("$(basename "$f" .rs)")
+    done
   fi
   local args=()
   for t in "${tests[@]}"; do args+=(--test "$t"); done
@@ -92,5 +96,5 @@ run() {
 case "${1:-}" in
   stage) shift; stage "$@" ;;
   run) shift; run "$@" ;;
-  *) sed -n 2,15p "$0"; exit 2 ;;
+  *) sed -n 2,17p "$0"; exit 2 ;;
 esac

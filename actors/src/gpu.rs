@@ -3,7 +3,8 @@
 //! Owns: counting the devices for the topology's `NotEnoughGpus` check (0 without the `cuda`
 //! feature or without a driver, with the reason), a device's memory for the memory plan, and
 //! opening a `CudaBackend` on a rank's device (as one EP rank of several, with expert
-//! parallelism: `experts::device`).
+//! parallelism: `experts::device`, its rows moved by device copies or NCCL, whose library is
+//! probed here).
 //! The engine's path chooses by the `cuda` feature here and nowhere else. Never panics: cudarc's
 //! dynamic loading panics on a missing `libcuda`, so the library is probed first and the first
 //! call into it runs under `catch_unwind`.
@@ -15,7 +16,7 @@ use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::Backend;
 use deepinfer_topology::{Backend as DeviceBackend, ExpertPlacement, NodeConfig, Numerics};
 
-use crate::experts::device::DeviceExperts;
+use crate::experts::device::{DeviceExperts, RankLinks};
 use crate::rank::factory::OpenBackend;
 
 /// The devices found, and why there are none when there are none.
@@ -132,27 +133,60 @@ pub fn open_cuda_backend(ordinal: usize, _numerics: Numerics) -> Result<Box<dyn 
     Err(format!("device {ordinal}: {NO_CUDA_BUILD}"))
 }
 
+/// Whether the NCCL library loads (EP ranks on several GPUs need it), checked before anything
+/// loads; never panics.
+#[cfg(feature = "cuda")]
+pub fn nccl_available() -> Result<(), String> {
+    deepinfer_model::backend::cuda::nccl::library_available()
+}
+
+/// Whether the NCCL library loads: never in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub fn nccl_available() -> Result<(), String> {
+    Err(NO_CUDA_BUILD.to_string())
+}
+
 /// How DP = EP ranks on CUDA open their backends (`experts::device`): DP rank r opens its
 /// device with `numerics` and serves as EP rank r of `placement` (epoch 0), its slots' experts
 /// of `model` uploaded there and nothing else of the routed experts, registered in `group`
-/// (which swaps its placements); the ranks move rows through one transport (device copies:
-/// every rank on one device), whose every wait lasts at most `timeout`.
+/// (which swaps its placements); the ranks move rows through `links` (device copies, or NCCL
+/// communicators created by the last rank to open), whose every wait lasts at most `timeout`.
 #[cfg(feature = "cuda")]
 pub fn cuda_expert_ranks(
     model: AnyModel,
     numerics: Numerics,
     placement: Arc<ExpertPlacement>,
     group: Arc<DeviceExperts>,
+    links: RankLinks,
     timeout: Duration,
 ) -> OpenBackend {
     use deepinfer_model::backend::cuda::CudaBackend;
     use deepinfer_model::backend::cuda::ep::ExpertRank;
     use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
+    use deepinfer_model::backend::cuda::nccl::NcclDevices;
 
+    enum Transport {
+        Shared(Arc<dyn RowTransport>),
+        Nccl(Arc<NcclDevices>),
+    }
     let ranks = group.lockstep().ranks();
-    let transport: Arc<dyn RowTransport> = SharedDevice::new(ranks, timeout);
+    let transport = match links {
+        RankLinks::SharedDevice => Transport::Shared(SharedDevice::new(ranks, timeout)),
+        RankLinks::Nccl => Transport::Nccl(NcclDevices::new(ranks, timeout)),
+    };
     Arc::new(move |dp, ordinal| {
         let backend = CudaBackend::open(ordinal, numerics).map_err(|e| e.to_string())?;
+        let transport = match &transport {
+            Transport::Shared(transport) => transport.clone(),
+            Transport::Nccl(devices) => devices
+                .open_rank(dp, backend.runtime().stream().clone())
+                .map_err(|e| {
+                    format!(
+                        "EP rank {dp} of {ranks} on GPU {ordinal} (one rank per GPU, \
+                         device.gpus_per_node = {ranks}: rows move through NCCL): {e}"
+                    )
+                })? as Arc<dyn RowTransport>,
+        };
         let rank = ExpertRank::new(
             &backend,
             &model.experts().expert_lists(),
@@ -160,7 +194,7 @@ pub fn cuda_expert_ranks(
             0,
             dp,
             dp,
-            transport.clone(),
+            transport,
         )
         .map_err(|e| format!("EP rank {dp} of {ranks}: {e}"))?;
         let rank = Arc::new(rank);
@@ -181,6 +215,7 @@ pub fn cuda_expert_ranks(
     _numerics: Numerics,
     _placement: Arc<ExpertPlacement>,
     _group: Arc<DeviceExperts>,
+    _links: RankLinks,
     _timeout: Duration,
 ) -> OpenBackend {
     Arc::new(|_dp, ordinal| Err(format!("device {ordinal}: {NO_CUDA_BUILD}")))

@@ -16,8 +16,9 @@
 //! not fit fails naming the numbers). Expert parallelism on CUDA (`dp = ep > 1`,
 //! `experts::device`, either family: V4.1's FP4/FP8 experts or the V4 family's exact ones):
 //! each rank's backend is its EP rank, holding only its slots' experts, the ranks step in
-//! `Lockstep` and live EPLB swaps placements by epoch; ranks on several GPUs are refused naming
-//! the field.
+//! `Lockstep` and live EPLB swaps placements by epoch; the ranks share one GPU (device copies)
+//! or have one GPU each (NCCL, its library probed before anything loads); other layouts are
+//! refused naming the field.
 //!
 //! Family (`model_type` in `config.json`): a V4.1 checkpoint and a V4-family one (V4-Flash,
 //! V4-Flash-0731) both run on `ModelExecutor`s, on either backend, and both run expert
@@ -42,7 +43,9 @@ use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
 use crate::engine::{EngineConfig, ModelFacts};
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
-use crate::experts::device::{DeviceExperts, check_cuda_expert_parallel, starting_placement};
+use crate::experts::device::{
+    DeviceExperts, RankLinks, check_cuda_expert_parallel, rank_links, starting_placement,
+};
 use crate::experts::factory::ExpertParallelFactory;
 use crate::experts::parallel::{EpSettings, node_expert_filter, node_holdings};
 use crate::frontend::codec::load_v41_tokenizer;
@@ -336,8 +339,9 @@ fn check_nodes(node: &NodeConfig) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Before any loading: the GPUs of a CUDA topology exist here, and it asks for no expert
-/// parallelism the CUDA path does not run (`experts::device`).
+/// Before any loading: the GPUs of a CUDA topology exist here, it asks for no expert
+/// parallelism the CUDA path does not run (`experts::device`), and EP ranks on several GPUs
+/// find the NCCL library.
 fn check_devices(node: &NodeConfig) -> Result<(), EngineError> {
     if node.device.backend == DeviceBackend::Cpu {
         return Ok(());
@@ -346,7 +350,22 @@ fn check_devices(node: &NodeConfig) -> Result<(), EngineError> {
     gpu::check_node(node).map_err(|e| EngineError::Config {
         field: "device".to_string(),
         message: e.to_string(),
-    })
+    })?;
+    if rank_links(node) == Some(RankLinks::Nccl) {
+        gpu::nccl_available().map_err(|reason| nccl_missing(node, &reason))?;
+    }
+    Ok(())
+}
+
+/// The NCCL library did not load (`reason`) for `node`'s EP ranks on several GPUs.
+fn nccl_missing(node: &NodeConfig, reason: &str) -> EngineError {
+    EngineError::Config {
+        field: "device.gpus_per_node".to_string(),
+        message: format!(
+            "{}: {} EP ranks on device.gpus_per_node = {} GPUs move rows through NCCL: {reason}",
+            node.origin, node.parallel.ep, node.device.gpus_per_node
+        ),
+    }
 }
 
 /// With `[device] backend = "cuda"`: each rank runs the loaded weights on its own GPU, in the
@@ -372,13 +391,19 @@ fn on_node_devices(
         experts: None,
     };
     let mut experts = String::new();
-    if node.parallel.ep > 1 {
+    if let Some(links) = rank_links(node) {
+        check_cuda_expert_parallel(node)?;
         let model = &resolved.model;
         let ranks = usize::from(node.parallel.ep);
         let starting = starting_placement(node, model.config())?;
         experts = format!(
-            ", each its EP rank of {ranks} ({} expert slots per layer on each, EPLB {})",
+            ", each its EP rank of {ranks} ({} expert slots per layer on each, rows moved by {}, \
+             EPLB {})",
             starting.slots_per_gpu,
+            match links {
+                RankLinks::SharedDevice => "device copies",
+                RankLinks::Nccl => "NCCL",
+            },
             if node.eplb.enabled { "on" } else { "off" }
         );
         let group = Arc::new(DeviceExperts::new(node, ranks, starting.clone()));
@@ -387,6 +412,7 @@ fn on_node_devices(
             numerics,
             starting,
             group.clone(),
+            links,
             node.cluster.exchange_timeout,
         );
         devices.experts = Some(group);
@@ -577,6 +603,74 @@ mod tests {
         let plan = check_memory(&node, &ModelConfig::tiny_v41(), h200).unwrap();
         assert!(plan.kv_budget > h200 - (5 << 30), "{plan}");
         assert!(plan.to_string().contains("KV budget"), "{plan}");
+    }
+
+    /// The shipped two-GPU topology (one EP rank per GPU): the plan checked at start is one
+    /// GPU's, holding one rank and half of every layer's experts.
+    #[test]
+    fn the_two_gpu_memory_plan_holds_half_the_experts_per_gpu() {
+        let two = NodeConfig::from_file(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/h200x2.toml"),
+        )
+        .unwrap();
+        let one = NodeConfig::from_toml_str(
+            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\n",
+            "one gpu",
+        )
+        .unwrap();
+        let cfg = ModelConfig::from_file(
+            &Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/data/deepseek-v4-flash.config.json"),
+        )
+        .unwrap();
+        let huge = u64::MAX / 4;
+        let (split, whole) = (
+            check_memory(&two, &cfg, huge).unwrap(),
+            check_memory(&one, &cfg, huge).unwrap(),
+        );
+        assert_eq!(
+            (split.ranks, split.slots),
+            (1, cfg.n_routed_experts / 2),
+            "{split}"
+        );
+        assert_eq!(split.experts * 2, whole.experts, "{split} / {whole}");
+        assert_eq!(split.dense, whole.dense);
+        assert!(
+            split.to_string().contains(&format!(
+                "({} slots of {} per layer)",
+                cfg.n_routed_experts / 2,
+                cfg.n_routed_experts
+            )),
+            "{split}"
+        );
+    }
+
+    /// EP ranks on two GPUs without the NCCL library (this machine: no CUDA, or no libnccl):
+    /// the error names the field, the layout and the library.
+    #[test]
+    fn a_missing_nccl_library_names_the_field_and_the_library() {
+        let Err(reason) = gpu::nccl_available() else {
+            return; // libnccl loads here: nothing to refuse
+        };
+        let node = NodeConfig::from_toml_str(
+            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\ngpus_per_node = 2\n\
+             [parallel]\ndp = 2\nep = 2\n",
+            "nccl test topology",
+        )
+        .unwrap();
+        let err = nccl_missing(&node, &reason);
+        assert_eq!(err.code(), "config");
+        let message = err.to_string();
+        for part in [
+            "device.gpus_per_node",
+            "nccl test topology: 2 EP ranks on device.gpus_per_node = 2 GPUs move rows through NCCL",
+        ] {
+            assert!(message.contains(part), "{part}: {message}");
+        }
+        assert!(
+            message.contains("libnccl.so") || message.contains("no CUDA support"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! A CUDA topology on a machine without the GPUs it needs: `deepinfer-node` says so in one line
 //! and exits 1 (never a panic), and model resolution refuses it before loading anything; the
-//! expert parallelism CUDA does not run yet (EP ranks on several GPUs) is refused naming the
-//! field. Where the GPUs exist (the H200 with a
-//! `cuda` build) the shortage checks are skipped, and say so.
+//! expert parallelism CUDA does not run (several EP ranks per GPU over several GPUs) is refused
+//! naming the field, and the shipped two-GPU topology passes the checks that need no GPU.
+//! Where the GPUs exist (the H200 with a `cuda` build) the shortage checks are skipped, and say
+//! so.
 
 use std::process::Command;
 
+use deepinfer_actors::experts::device::{RankLinks, check_cuda_expert_parallel, rank_links};
 use deepinfer_actors::gpu;
 use deepinfer_actors::model_source::resolve;
 use deepinfer_topology::NodeConfig;
@@ -61,25 +63,43 @@ fn cuda_node(parallel: &str, eplb: &str) -> NodeConfig {
     .expect("topology")
 }
 
+/// Several EP ranks per GPU over two GPUs are refused before the GPUs are counted, naming the
+/// field and the numbers; the shipped two-GPU topology (one EP rank per GPU, NCCL) passes the
+/// checks that run without a GPU and, here without its GPUs, fails only for the shortage.
 #[test]
-fn unsupported_expert_parallelism_on_cuda_is_refused_naming_the_field() {
+fn expert_parallelism_over_two_gpus_runs_one_rank_per_gpu() {
     if std::env::var_os(deepinfer_actors::model_source::MODEL_DIR_ENV).is_some() {
         return; // the checks run before any loading, but keep the environment's model out
     }
-    let err = resolve(&cuda_node("dp = 2\nep = 2", ""))
+    let err = resolve(&cuda_node("dp = 4\nep = 4", ""))
         .err()
-        .expect("EP ranks on two GPUs are refused");
+        .expect("two EP ranks per GPU over two GPUs are refused");
     assert_eq!(err.code(), "config");
     let message = err.to_string();
-    assert!(message.contains("device.gpus_per_node"), "{message}");
+    assert!(message.contains("parallel.ep"), "{message}");
     assert!(message.contains("cuda node test"), "{message}");
+    assert!(
+        message.contains("parallel.dp = parallel.ep = 4 ranks on device.gpus_per_node = 2 GPUs"),
+        "{message}"
+    );
     assert!(message.contains("NCCL"), "{message}");
 
     let shipped =
         NodeConfig::from_file_with_env(std::path::Path::new(ROOT).join("configs/h200x2.toml"))
             .expect("shipped topology");
+    assert_eq!(check_cuda_expert_parallel(&shipped), Ok(()));
+    assert_eq!(rank_links(&shipped), Some(RankLinks::Nccl));
+    let gpus = gpu::inventory();
+    if gpus.count >= 2 {
+        eprintln!(
+            "skipped resolving h200x2.toml: this machine has {} GPUs",
+            gpus.count
+        );
+        return;
+    }
     let message = resolve(&shipped).err().expect("refused").to_string();
-    assert!(message.contains("device.gpus_per_node"), "{message}");
+    assert!(message.contains("needs 2 GPUs"), "{message}");
+    assert!(!message.contains("parallel.ep"), "{message}");
 }
 
 #[test]

@@ -10,14 +10,18 @@
 //! Live EPLB ([`DeviceExperts`], `[eplb] enabled`): the EPLB's state machine (`EplbState`, the
 //! `EplbActor`'s logic) is advanced by rank 0 at the end of each of its steps (every rank runs
 //! the same steps); a rebalance measures the ranks' per-slot counts and solves the placement,
-//! then each rank builds its next `ExpertRank` (the experts it lacks uploaded, of either kind)
-//! at the start of its next step, and once every rank has, the epoch is committed at the first
-//! step no rank has begun: every rank adopts it there (dropping the experts it no longer holds),
-//! so no step mixes epochs and no request is lost or changed. While a rank stages, its device holds both epochs'
-//! experts.
-//! Built: every rank on one GPU (`device.gpus_per_node = 1`, rows moved by device copies).
-//! Refused before anything loads, naming the field: ranks on several GPUs (the NCCL transport
-//! exists at the model level, not wired into the engine's rank start), live EPLB with one rank.
+//! then each rank builds its next `ExpertRank` (the experts it lacks uploaded from the host
+//! weights every rank holds, of either kind; the same transport) at the start of its next step,
+//! and once every rank has, the epoch is committed at the first step no rank has begun: every
+//! rank adopts it there (dropping the experts it no longer holds), so no step mixes epochs and
+//! no request is lost or changed. While a rank stages, its device holds both epochs' experts.
+//! Built ([`RankLinks`]): every rank on one GPU (`device.gpus_per_node = 1`, rows moved by
+//! device copies), or one rank per GPU of one node (`parallel.dp = parallel.ep =
+//! device.gpus_per_node`, rows moved by NCCL, the communicators created once every rank's
+//! backend opened; not run on two GPUs yet).
+//! Refused before anything loads, naming the field: several ranks per GPU over several GPUs
+//! (`parallel.ep`: NCCL and the device copies do not mix), several nodes (`device.nodes`: the
+//! bootstrap does not hand over NCCL's unique id), live EPLB with one rank.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -51,7 +55,8 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
             message: format!("{}: {message}", node.origin),
         })
     };
-    if node.parallel.ep == 1 {
+    let ep = node.parallel.ep;
+    if ep == 1 {
         if node.eplb.enabled {
             return refuse(
                 "eplb.enabled",
@@ -62,19 +67,51 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
         }
         return Ok(());
     }
-    let gpus = u32::from(node.device.nodes) * u32::from(node.device.gpus_per_node);
-    if gpus > 1 {
+    if node.device.nodes > 1 {
         return refuse(
-            "device.gpus_per_node",
+            "device.nodes",
             format!(
-                "expert parallelism on CUDA runs its {} EP ranks on one GPU so far (rows moved by \
-                 device copies); EP ranks on {gpus} GPUs need the NCCL transport, not wired into \
-                 the engine yet: use device.nodes = 1 and device.gpus_per_node = 1",
-                node.parallel.ep
+                "expert parallelism on CUDA runs on one node so far: the {ep} EP ranks over \
+                 {} nodes would need each node's NCCL communicators joined through node 0's \
+                 unique id (NcclTransport::join), which the node bootstrap does not hand over \
+                 yet; use device.nodes = 1",
+                node.device.nodes
+            ),
+        );
+    }
+    let gpus = node.device.gpus_per_node;
+    if gpus > 1 && ep != gpus {
+        return refuse(
+            "parallel.ep",
+            format!(
+                "EP ranks on several GPUs move rows through NCCL, one rank per GPU (a NCCL \
+                 communicator holds one rank per GPU, and the device copies of ranks sharing a \
+                 GPU do not mix with it): parallel.dp = parallel.ep = {ep} ranks on \
+                 device.gpus_per_node = {gpus} GPUs; use parallel.dp = parallel.ep = {gpus}, or \
+                 device.gpus_per_node = 1"
             ),
         );
     }
     Ok(())
+}
+
+/// How the EP ranks of a CUDA topology move routed rows between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankLinks {
+    /// Every rank on one GPU: device copies (`SharedDevice`).
+    SharedDevice,
+    /// One rank per GPU of the node: NCCL (`NcclDevices`).
+    Nccl,
+}
+
+/// The links of `node`'s EP ranks once [`check_cuda_expert_parallel`] accepted it; `None`
+/// without expert parallelism.
+pub fn rank_links(node: &NodeConfig) -> Option<RankLinks> {
+    match (node.parallel.ep, node.device.gpus_per_node) {
+        (1, _) => None,
+        (_, 1) => Some(RankLinks::SharedDevice),
+        _ => Some(RankLinks::Nccl),
+    }
 }
 
 /// The placement the EP ranks of `node` serve at start (epoch 0): equal loads over `cfg`'s
@@ -365,35 +402,68 @@ mod tests {
         NodeConfig::from_toml_str(&text, "cuda ep test").expect("topology")
     }
 
-    fn refused_field(node: &NodeConfig) -> String {
+    fn refusal(node: &NodeConfig) -> (String, String) {
         match check_cuda_expert_parallel(node) {
             Err(EngineError::Config { field, message }) => {
                 assert!(message.starts_with("cuda ep test: "), "{message}");
-                field
+                (field, message)
             }
             other => panic!("expected a refusal, got {other:?}"),
         }
     }
 
-    /// Two ranks on one GPU run, with live EPLB too; ranks over several GPUs, and live EPLB
-    /// over one rank, are refused naming the field; `ep != dp` (and context parallelism) never
-    /// get here: the topology refuses them.
+    fn ranks(gpus: u16, ranks: u16) -> String {
+        format!("gpus_per_node = {gpus}\n[parallel]\ndp = {ranks}\nep = {ranks}\n")
+    }
+
+    /// Ranks on one GPU (device copies) and one rank per GPU of one node (NCCL) run, with
+    /// live EPLB too; several ranks per GPU over several GPUs, several nodes, and live EPLB
+    /// over one rank are refused naming the field and the numbers; `ep != dp` (and context
+    /// parallelism) never get here: the topology refuses them.
     #[test]
     fn what_cuda_expert_parallelism_runs_and_refuses() {
-        let shared = "gpus_per_node = 1\n[parallel]\ndp = 2\nep = 2\n";
-        assert!(check_cuda_expert_parallel(&cuda(shared)).is_ok());
+        let eplb = "[eplb]\nenabled = true\n";
+        for (gpus, count, links) in [
+            (1, 2, RankLinks::SharedDevice),
+            (1, 4, RankLinks::SharedDevice),
+            (2, 2, RankLinks::Nccl),
+            (8, 8, RankLinks::Nccl),
+        ] {
+            for extra in ["", eplb] {
+                let node = cuda(&format!("{}{extra}", ranks(gpus, count)));
+                assert!(
+                    check_cuda_expert_parallel(&node).is_ok(),
+                    "{count} ranks on {gpus} GPUs {extra}"
+                );
+                assert_eq!(
+                    rank_links(&node),
+                    Some(links),
+                    "{count} ranks on {gpus} GPUs"
+                );
+            }
+        }
         assert!(check_cuda_expert_parallel(&cuda("")).is_ok());
-        assert_eq!(
-            refused_field(&cuda("[eplb]\nenabled = true\n")),
-            "eplb.enabled"
+        assert_eq!(rank_links(&cuda("")), None);
+        assert_eq!(refusal(&cuda(eplb)).0, "eplb.enabled");
+
+        let (field, message) = refusal(&cuda(&ranks(2, 4)));
+        assert_eq!(field, "parallel.ep");
+        for part in [
+            "parallel.dp = parallel.ep = 4 ranks on device.gpus_per_node = 2 GPUs",
+            "one rank per GPU",
+            "use parallel.dp = parallel.ep = 2",
+        ] {
+            assert!(message.contains(part), "{part}: {message}");
+        }
+
+        let nodes = format!(
+            "nodes = 2\n{}[cluster]\nbootstrap = \"127.0.0.1:29500\"\n",
+            ranks(1, 2)
         );
-        assert_eq!(
-            refused_field(&cuda("gpus_per_node = 2\n[parallel]\ndp = 2\nep = 2\n")),
-            "device.gpus_per_node"
-        );
-        assert!(
-            check_cuda_expert_parallel(&cuda(&format!("{shared}[eplb]\nenabled = true\n"))).is_ok()
-        );
+        let (field, message) = refusal(&cuda(&nodes));
+        assert_eq!(field, "device.nodes");
+        assert!(message.contains("NcclTransport::join"), "{message}");
+
         let err = NodeConfig::from_toml_str(
             "[device]\nbackend = \"cuda\"\ngpus_per_node = 1\n[parallel]\ndp = 2\nep = 1\n",
             "ep below dp",

@@ -2,19 +2,25 @@
 //! run time like the rest of CUDA).
 //!
 //! Communicators are created once at start: [`NcclTransport::for_devices`] for every GPU this
-//! process drives (one rank thread each), [`NcclTransport::join`] for a rank of a multi-node
-//! deployment (the unique id created on node 0 and handed over by the node bootstrap). On the
-//! backend's own stream, each all-to-all first all-gathers every rank's header (its collective
-//! tag and its row counts for every rank), checks that all ranks are at the same collective,
-//! then runs one NCCL group of sends and receives of the rows, their expert ids and weights.
-//! NCCL has no timeout: the rank polls the group's completion up to the deadline and, past it,
-//! drops (aborts) the communicator, so that every peer's NCCL call fails too; the transport
-//! stays failed (the supervisor stops the engine, its rule 3).
+//! process drives (one rank thread each, one rank per GPU: NCCL holds no two ranks of one
+//! communicator on one GPU), [`NcclTransport::join`] for a rank of a multi-node deployment (the
+//! unique id created on node 0 and handed over by the node bootstrap). The engine's ranks open
+//! their backends one after another, each on its own thread, so [`NcclDevices`] collects their
+//! streams and the last rank to open creates every communicator with one `for_devices`
+//! (`ncclCommInitAll`); each rank's [`NcclRank`] takes its communicator at its first collective.
+//! On the backend's own stream, each all-to-all first all-gathers every rank's header (its
+//! collective tag and its row counts for every rank), checks that all ranks are at the same
+//! collective, then runs one NCCL group of sends and receives of the rows, their expert ids and
+//! weights. NCCL has no timeout: the rank polls the group's completion up to the deadline and,
+//! past it, drops (aborts) the communicator, so that every peer's NCCL call fails too; the
+//! transport stays failed (the supervisor stops the engine, its rule 3). A missing `libnccl.so`
+//! is an error ([`library_available`], and every first NCCL call runs under `catch_unwind`).
 //!
-//! Not run yet: it needs two GPUs (the two-GPU machine kind was not lent while this was
-//! written); the one-device transport (`ep_transport.rs`) exercises everything above it.
+//! Not run yet: it needs two GPUs (no multi-GPU machine was lent while this and the engine's
+//! wiring, `NcclDevices`, were written); the one-device transport (`ep_transport.rs`) exercises
+//! everything above it, and `tests/tests/gpu_two.rs` is the two-GPU test waiting for a run.
 
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, MutexGuard};
 use std::time::{Duration, Instant};
 
 use deepinfer_kernels::cudarc::driver::CudaStream;
@@ -33,6 +39,23 @@ fn nccl_err(
     during: &str,
 ) -> impl FnOnce(deepinfer_kernels::cudarc::nccl::result::NcclError) -> CudaBackendError + '_ {
     move |e| shape_err(OP, format!("NCCL failed while {during}: {e:?}"))
+}
+
+/// Whether the NCCL library (`libnccl.so`) loads; never panics (cudarc's first NCCL call panics
+/// without it).
+pub fn library_available() -> Result<(), String> {
+    // SAFETY: `is_culib_present` only tries to dlopen the candidate names.
+    let present = std::panic::catch_unwind(|| unsafe {
+        deepinfer_kernels::cudarc::nccl::sys::is_culib_present()
+    })
+    .unwrap_or(false);
+    if present {
+        return Ok(());
+    }
+    Err(format!(
+        "the NCCL library (libnccl.so) did not load: tried {} (LD_LIBRARY_PATH must reach it)",
+        deepinfer_kernels::cudarc::get_lib_name_candidates("nccl").join(", ")
+    ))
 }
 
 /// Runs `init` (cudarc panics when `libnccl.so` is missing) as an error, not a panic.
@@ -345,5 +368,200 @@ impl RowTransport for NcclTransport {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+    }
+}
+
+/// Where the communicators of [`NcclDevices`] are.
+enum Creation {
+    /// The stream of each rank whose backend has opened.
+    Opening(Vec<Option<Arc<CudaStream>>>),
+    /// Rank r's transport at r.
+    Created(Vec<Arc<NcclTransport>>),
+    /// Why there are none (creating them failed, or a rank failed before they existed).
+    Failed(String),
+}
+
+/// The EP ranks of this process, one GPU each, whose backends open one by one on their own
+/// threads: the communicators are created together (one [`NcclTransport::for_devices`]) by the
+/// last rank to open (module doc).
+pub struct NcclDevices {
+    ranks: usize,
+    timeout: Duration,
+    state: Mutex<Creation>,
+    created: Condvar,
+}
+
+impl std::fmt::Debug for NcclDevices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclDevices")
+            .field("ranks", &self.ranks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NcclDevices {
+    /// `ranks` EP ranks, each on its own GPU; every wait (for the communicators, and each
+    /// collective's) lasts at most `timeout`.
+    pub fn new(ranks: usize, timeout: Duration) -> Arc<NcclDevices> {
+        Arc::new(NcclDevices {
+            ranks,
+            timeout,
+            state: Mutex::new(Creation::Opening(vec![None; ranks])),
+            created: Condvar::new(),
+        })
+    }
+
+    fn state(&self) -> MutexGuard<'_, Creation> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// EP rank `rank`'s backend has opened; its collectives run on `stream` (the backend's).
+    /// The last rank to open creates every communicator on this thread: its error (e.g. no
+    /// `libnccl.so`) is this call's, and the other ranks' first collective fails with it.
+    /// A rank opened again before then replaces its stream; after, it is an error.
+    pub fn open_rank(
+        self: &Arc<Self>,
+        rank: usize,
+        stream: Arc<CudaStream>,
+    ) -> Result<Arc<NcclRank>, CudaBackendError> {
+        let mut state = self.state();
+        let streams = match &mut *state {
+            Creation::Opening(streams) if rank < streams.len() => streams,
+            Creation::Opening(_) => {
+                return Err(CudaBackendError::Exchange {
+                    op: OP,
+                    source: ExchangeError::Rank {
+                        rank,
+                        ranks: self.ranks,
+                    },
+                });
+            }
+            Creation::Created(_) => {
+                return Err(shape_err(
+                    OP,
+                    format!(
+                        "EP rank {rank} opened again after the communicators were created \
+                         (they run on the streams of the backends first opened)"
+                    ),
+                ));
+            }
+            Creation::Failed(reason) => {
+                return Err(shape_err(OP, format!("no NCCL communicators: {reason}")));
+            }
+        };
+        streams[rank] = Some(stream);
+        if streams.iter().all(Option::is_some) {
+            let streams: Vec<Arc<CudaStream>> = streams.iter_mut().flat_map(Option::take).collect();
+            let created = NcclTransport::for_devices(streams, self.timeout);
+            *state = match &created {
+                Ok(transports) => Creation::Created(transports.clone()),
+                Err(e) => Creation::Failed(format!("creating the communicators failed: {e}")),
+            };
+            self.created.notify_all();
+            created?;
+        }
+        Ok(Arc::new(NcclRank {
+            devices: self.clone(),
+            rank,
+        }))
+    }
+
+    /// Rank `rank`'s transport, waiting for the communicators up to the deadline.
+    fn transport(
+        &self,
+        rank: usize,
+        tag: ExchangeTag,
+    ) -> Result<Arc<NcclTransport>, CudaBackendError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut state = self.state();
+        loop {
+            let missing = match &*state {
+                Creation::Created(transports) => {
+                    return transports
+                        .get(rank)
+                        .cloned()
+                        .ok_or(CudaBackendError::Exchange {
+                            op: OP,
+                            source: ExchangeError::Rank {
+                                rank,
+                                ranks: self.ranks,
+                            },
+                        });
+                }
+                Creation::Failed(reason) => {
+                    return Err(shape_err(OP, format!("no NCCL communicators: {reason}")));
+                }
+                Creation::Opening(streams) => (0..streams.len())
+                    .filter(|&r| streams[r].is_none())
+                    .collect(),
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CudaBackendError::Exchange {
+                    op: OP,
+                    source: ExchangeError::Timeout {
+                        rank,
+                        tag,
+                        missing,
+                        waited_ms: self.timeout.as_millis(),
+                    },
+                });
+            }
+            state = self
+                .created
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+/// One EP rank of [`NcclDevices`]: its [`NcclTransport`] once the communicators exist.
+#[derive(Debug)]
+pub struct NcclRank {
+    devices: Arc<NcclDevices>,
+    rank: usize,
+}
+
+impl RowTransport for NcclRank {
+    fn ranks(&self) -> usize {
+        self.devices.ranks
+    }
+
+    fn all_to_all_rows(
+        &self,
+        backend: &CudaBackend,
+        rank: usize,
+        tag: ExchangeTag,
+        rows: Option<&CudaSlice<f32>>,
+        width: usize,
+        counts: &[usize],
+        meta: Vec<RowMeta>,
+    ) -> Result<Delivered, CudaBackendError> {
+        self.devices
+            .transport(self.rank, tag)?
+            .all_to_all_rows(backend, rank, tag, rows, width, counts, meta)
+    }
+
+    fn finish(&self, rank: usize, tag: ExchangeTag) -> Result<(), CudaBackendError> {
+        self.devices.transport(self.rank, tag)?.finish(rank, tag)
+    }
+
+    /// Before the communicators exist, no rank will get one (the others' waits end at once).
+    fn abort(&self, rank: usize, reason: &str) {
+        let mut state = self.devices.state();
+        let transport = match &*state {
+            Creation::Created(transports) => transports.get(self.rank).cloned(),
+            Creation::Opening(_) => {
+                *state = Creation::Failed(format!("EP rank {} failed first: {reason}", self.rank));
+                self.devices.created.notify_all();
+                None
+            }
+            Creation::Failed(_) => None,
+        };
+        drop(state);
+        if let Some(transport) = transport {
+            transport.abort(rank, reason);
+        }
     }
 }
