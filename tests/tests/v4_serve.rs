@@ -375,7 +375,7 @@ fn v41_only_features_on_a_v4_checkpoint_are_refused_naming_the_field() {
     assert!(
         description.contains("V4 model")
             && description
-                .contains("each its EP rank of 2 (4 expert slots per layer on each, EPLB on)"),
+                .contains("each its EP rank of 2 (4 expert slots per layer on each, rows moved by device copies, EPLB on)"),
         "{description}"
     );
     // Bounded replay (on by default) is not refused: V4 runs the full prefill.
