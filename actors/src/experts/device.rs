@@ -79,6 +79,14 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
             ),
         );
     }
+    if node.dspark.enabled {
+        return refuse(
+            "dspark.enabled",
+            format!(
+                "DSpark profiles its steps-per-second table on a scratch executor of rank 0                  before the ranks start; with {ep} EP ranks on CUDA that executor's first MoE                  collective would wait for ranks that are not up (and fail the ranks' shared                  transport), so DSpark with CUDA expert parallelism needs the profile moved into                  the ranks; use dspark.enabled = false, or parallel.dp = parallel.ep = 1"
+            ),
+        );
+    }
     let gpus = node.device.gpus_per_node;
     if gpus > 1 && ep != gpus {
         return refuse(
@@ -463,6 +471,13 @@ mod tests {
         let (field, message) = refusal(&cuda(&nodes));
         assert_eq!(field, "device.nodes");
         assert!(message.contains("NcclTransport::join"), "{message}");
+
+        // DSpark's start-up profile runs rank 0 alone: refused with EP ranks, allowed without.
+        let dspark = "[dspark]\nenabled = true\n";
+        let (field, message) = refusal(&cuda(&format!("{}{dspark}", ranks(1, 2))));
+        assert_eq!(field, "dspark.enabled");
+        assert!(message.contains("scratch executor of rank 0"), "{message}");
+        assert!(check_cuda_expert_parallel(&cuda(dspark)).is_ok());
 
         let err = NodeConfig::from_toml_str(
             "[device]\nbackend = \"cuda\"\ngpus_per_node = 1\n[parallel]\ndp = 2\nep = 1\n",
