@@ -483,29 +483,14 @@ impl KernelId {
     /// attention); every other kernel is a CUDA-core kernel of the exact numerics or shared by
     /// both (quantisation, SwiGLU, combine, movement).
     pub fn on_tensor_cores(self) -> bool {
-        matches!(
-            self,
-            KernelId::GemmFp8FastT32B8
-                | KernelId::GemmFp8FastT32B32
-                | KernelId::GemmFp8FastT32B64
-                | KernelId::GemmFp8FastT32B128
-                | KernelId::GemmFp8FastT128B8
-                | KernelId::GemmFp8FastT128B32
-                | KernelId::GemmFp8FastT128B64
-                | KernelId::GemmFp8FastT128B128
-                | KernelId::GemmFp4FastB8
-                | KernelId::GemmFp4FastB32
-                | KernelId::GemmFp4FastB64
-                | KernelId::GemmFp4FastB128
-                | KernelId::GemmFp4FastRoutedB8
-                | KernelId::GemmFp4FastRoutedB32
-                | KernelId::GemmFp4FastRoutedB64
-                | KernelId::GemmFp4FastRoutedB128
-                | KernelId::LinearBf16FastT1x1
-                | KernelId::LinearBf16FastT2x2
-                | KernelId::LinearBf16FastT4x2
-                | KernelId::SparseAttentionSinkRowsPtrFast
-        )
+        match self {
+            KernelId::GemmFastReduce => false,
+            KernelId::LinearBf16FastT1x1
+            | KernelId::LinearBf16FastT2x2
+            | KernelId::LinearBf16FastT4x2
+            | KernelId::SparseAttentionSinkRowsPtrFast => true,
+            id => id.source() == SourceFile::GemmFast,
+        }
     }
 
     /// The translation unit that defines the kernel.
