@@ -100,16 +100,7 @@ pub fn forward(
                         .map_or(&[][..], |c| &c.index_keys[..])
                 })
                 .collect();
-            let selection = csa::select_step(
-                ctx,
-                &keys,
-                &rows.spans,
-                &index.q,
-                &index.head_weights,
-                positions,
-                layer,
-                shared,
-            );
+            let selection = csa::select_step(ctx, &keys, rows, &index, layer, shared);
             shared.selection = Some(match forced {
                 Some(forced) => Selection::host(forced),
                 None => selection,

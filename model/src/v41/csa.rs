@@ -2,13 +2,12 @@
 //! ratio-1 projection), the index keys it derives, the indexer of an index source, the two-level
 //! candidate blocks of the candidate source and the lowest-index-on-ties top-k.
 
-use std::ops::Range;
-
 use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
 use crate::backend::{CandidateMask, Candidates, Precision, SelectPart, Selection, Tensor};
 use crate::layers::ctx::Ctx;
+use crate::layers::step::StepRows;
 
 /// A step's products handed from sources to the layers that reuse them, one row per query of
 /// the step.
@@ -191,19 +190,15 @@ pub fn index_queries(
     IndexQueries { q, head_weights }
 }
 
-/// The indexer of an index source over a step's rows (`q` and `head_weights` their rows of
-/// [`index_queries`]; the rows of sequence `e` at `spans[e]` score `index_keys[e]`, its source's
-/// keys): per query, the selected compressed positions (ascending), one backend op for the step,
+/// The indexer of an index source over a step's `rows` (`index` their [`index_queries`]; the rows
+/// of sequence `e` at `rows.spans[e]` score `index_keys[e]`, its source's keys): per query, the selected compressed positions (ascending), one backend op for the step,
 /// where the backend computed them. A candidate source also publishes its candidate mask (one row
 /// per query); a later index source of the same step is restricted by it.
-#[allow(clippy::too_many_arguments)]
 pub fn select_step(
     ctx: &Ctx,
     index_keys: &[&[Tensor]],
-    spans: &[Range<usize>],
-    q: &Tensor,
-    head_weights: &Tensor,
-    positions: &[usize],
+    rows: &StepRows,
+    index: &IndexQueries,
     layer: usize,
     shared: &mut StepShared,
 ) -> Selection {
@@ -213,10 +208,10 @@ pub fn select_step(
         .iter()
         .map(|keys| keys.iter().collect())
         .collect();
-    let visible: Vec<usize> = positions.iter().map(|&p| (p + 1) / ratio).collect();
+    let visible: Vec<usize> = rows.positions.iter().map(|&p| (p + 1) / ratio).collect();
     let parts: Vec<SelectPart<'_>> = keys
         .iter()
-        .zip(spans)
+        .zip(&rows.spans)
         .map(|(keys, span)| SelectPart {
             keys,
             visible: &visible[span.clone()],
@@ -232,8 +227,8 @@ pub fn select_step(
         _ => Candidates::None,
     };
     let (selection, mask) = ctx.backend.select_rows(
-        q,
-        head_weights,
+        &index.q,
+        &index.head_weights,
         &parts,
         cfg.index_head_dim,
         cfg.index_topk,
