@@ -213,8 +213,11 @@ pub enum KernelId {
     SparseAttentionSinkRowsF32,
     /// The row-batched sink attention with key rows read through a device pointer table.
     SparseAttentionSinkRowsPtrF32,
-    /// The same on tensor cores (`fast` numerics, bf16 rounding points).
+    /// The same on tensor cores (`fast` numerics, bf16 rounding points), a query's keys in
+    /// splits.
     SparseAttentionSinkRowsPtrFast,
+    /// Merges the splits of the fast attention's queries of several splits.
+    SparseAttentionSplitCombine,
     /// mHC projection partials (one fixed-order chain per projection and K block) and the
     /// sum of squares, many blocks per token.
     HcMixesPartialsF32,
@@ -298,7 +301,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 86] = [
+    pub const ALL: [KernelId; 87] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -346,6 +349,7 @@ impl KernelId {
         KernelId::SparseAttentionSinkRowsF32,
         KernelId::SparseAttentionSinkRowsPtrF32,
         KernelId::SparseAttentionSinkRowsPtrFast,
+        KernelId::SparseAttentionSplitCombine,
         KernelId::HcMixesPartialsF32,
         KernelId::HcMixesF32,
         KernelId::HcCollapseF32,
@@ -437,6 +441,7 @@ impl KernelId {
             KernelId::SparseAttentionSinkRowsF32 => "sparse_attention_sink_rows_f32",
             KernelId::SparseAttentionSinkRowsPtrF32 => "sparse_attention_sink_rows_ptr_f32",
             KernelId::SparseAttentionSinkRowsPtrFast => "sparse_attention_sink_rows_ptr_fast",
+            KernelId::SparseAttentionSplitCombine => "sparse_attention_split_combine",
             KernelId::HcMixesPartialsF32 => "hc_mixes_partials_f32",
             KernelId::HcMixesF32 => "hc_mixes_f32",
             KernelId::HcCollapseF32 => "hc_collapse_f32",
@@ -539,7 +544,8 @@ impl KernelId {
             KernelId::SparseAttentionSinkF32
             | KernelId::SparseAttentionSinkRowsF32
             | KernelId::SparseAttentionSinkRowsPtrF32
-            | KernelId::SparseAttentionSinkRowsPtrFast => SourceFile::Attention,
+            | KernelId::SparseAttentionSinkRowsPtrFast
+            | KernelId::SparseAttentionSplitCombine => SourceFile::Attention,
             KernelId::HcMixesPartialsF32
             | KernelId::HcMixesF32
             | KernelId::HcCollapseF32

@@ -20,9 +20,16 @@
 //      weights' sum by a fixed shuffle tree, l = l * rescale + sum; bf16(p) to shared memory.
 //   4. Outputs: each warp rescales its accumulators [16 heads x 64 dims] and adds bf16(p) · V
 //      for its dims (V = the tile's keys).
-// Finally out = acc / (l + exp(sink - m)), rounded to bf16. Every output depends only on its
-// query's q, its key list and the fixed tile and reduction order: deterministic and batch
-// invariant. n_keys = 0 gives 0, as the exact kernel does.
+// Finally out = acc / (l + exp(sink - m)), rounded to bf16.
+//
+// Split keys (flash-decoding): a query's list is cut into splits of SPLIT_TILES tiles, one block
+// each (grid z), so that a decode step of few queries still fills the GPU. A query of one split
+// writes its output as above; a query of several writes each split's (m, l, acc) to scratch and
+// `combine` merges them in split order: M = max m_s, L = sum l_s exp(m_s - M), out = sum acc_s
+// exp(m_s - M) / (L + exp(sink - M)). The split count depends only on the query's key count, so
+// every output depends only on its query's q, its key list and the fixed tile, split and
+// reduction order: deterministic and batch invariant. n_keys = 0 gives 0, as the exact kernel
+// does.
 #pragma once
 #include "common/numerics.cuh"
 
@@ -37,6 +44,20 @@ constexpr u32_t KEY_STRIDE = MAX_HEAD_DIM + 8;  // bf16 per shared key row (conf
 constexpr u32_t P_STRIDE = TILE + 8;            // bf16 per shared weight row
 // float4 loads per thread and tile: TILE keys x head_dim / 4 float4 over head_dim / 2 threads.
 constexpr u32_t LOADS = TILE / 2;
+constexpr u32_t SPLIT_TILES = 4;                 // tiles per split of a query's keys
+constexpr u32_t SPLIT_KEYS = SPLIT_TILES * TILE;
+
+// The splits of a list of n_keys keys (one for an empty list).
+__device__ __forceinline__ u32_t splits_of(u32_t n_keys) {
+    return n_keys <= SPLIT_KEYS ? 1u : (n_keys + SPLIT_KEYS - 1) / SPLIT_KEYS;
+}
+
+// One split's results of a query of several splits: acc [heads, head_dim] (unnormalised) and
+// stats [heads, 2] = (running max m, weight sum l).
+struct SplitOut {
+    float* acc;
+    float* stats;
+};
 
 // Two bf16 values from shared memory as one pair.
 __device__ __forceinline__ u32_t pair(const __nv_bfloat16& lo, const __nv_bfloat16& hi) {
@@ -81,11 +102,13 @@ __device__ __forceinline__ void fetch(float4 (&staged)[LOADS], u32_t tile, u32_t
     }
 }
 
-// Query `query` of the row-batched entry: q [queries, heads, head_dim] (f32 storage, bf16
-// values), key j of the query at the address key_ptrs[key_rows[first + j]] for j < n_keys.
+// Split `split` of `splits` of query `query` of the row-batched entry: q [queries, heads,
+// head_dim] (f32 storage, bf16 values), key j of the query at the address
+// key_ptrs[key_rows[first + j]] for j < n_keys. One split writes out; several write `part`.
 __device__ void attention(const float* __restrict__ q, const unsigned long long* __restrict__ key_ptrs,
-                          const u32_t* __restrict__ key_rows, u32_t n_keys,
-                          const float* __restrict__ sink, float* __restrict__ out, AttentionParams p) {
+                          const u32_t* __restrict__ key_rows, u32_t n_keys, u32_t split, u32_t splits,
+                          const float* __restrict__ sink, float* __restrict__ out, SplitOut part,
+                          AttentionParams p) {
     __shared__ Shared sh;
     const u32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32_t g = lane / 4, t = lane % 4;
@@ -118,11 +141,13 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         sh.row_sum[threadIdx.x] = 0.0f;
     }
 
-    const u32_t tiles = (n_keys + TILE - 1) / TILE;
+    const u32_t all_tiles = (n_keys + TILE - 1) / TILE;
+    const u32_t first_tile = split * SPLIT_TILES;
+    const u32_t tiles = splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES);
     float4 staged[LOADS];
-    if (tiles > 0) fetch(staged, 0, n_keys, key_ptrs, key_rows, threads, quads);
+    if (first_tile < tiles) fetch(staged, first_tile, n_keys, key_ptrs, key_rows, threads, quads);
 
-    for (u32_t tile = 0; tile < tiles; ++tile) {
+    for (u32_t tile = first_tile; tile < tiles; ++tile) {
         const u32_t buf = tile & 1;
 #pragma unroll
         for (u32_t i = 0; i < LOADS; ++i) {
@@ -207,6 +232,28 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     }
     __syncthreads();  // the row statistics of the last tile are final
 
+    if (splits > 1) {
+        // This split's (m, l, acc) for `combine`.
+#pragma unroll
+        for (u32_t half = 0; half < 2; ++half) {
+            const u32_t h = head0 + g + 8 * half;
+            if (h >= p.heads) continue;
+            const u32_t local = g + 8 * half;
+            float* acc_h = part.acc + (size_t)h * p.head_dim;
+#pragma unroll
+            for (u32_t nt = 0; nt < 8; ++nt) {
+                const u32_t d = dim0 + nt * 8 + 2 * t;
+                acc_h[d] = acc[nt][2 * half];
+                acc_h[d + 1] = acc[nt][2 * half + 1];
+            }
+            if (warp == 0 && t == 0) {
+                part.stats[2 * h] = sh.row_max[local];
+                part.stats[2 * h + 1] = sh.row_sum[local];
+            }
+        }
+        return;
+    }
+
     // out = acc / (l + exp(sink - m)), rounded to bf16 (the V4.1 rounding point).
 #pragma unroll
     for (u32_t half = 0; half < 2; ++half) {
@@ -222,6 +269,32 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
             out_h[d] = round_bf16_f32(acc[nt][2 * half] / denominator);
             out_h[d + 1] = round_bf16_f32(acc[nt][2 * half + 1] / denominator);
         }
+    }
+}
+
+// Merges the splits of head `h` of a query of `splits` > 1 splits (stride `heads` split
+// results apart in `acc` / `stats`, as `attention` wrote them) into out [heads, head_dim], in
+// split order; each thread writes the dims threadIdx.x, + blockDim.x, ...
+__device__ void combine(const float* __restrict__ acc, const float* __restrict__ stats, u32_t splits,
+                        u32_t h, float sink, float* __restrict__ out, AttentionParams p) {
+    const size_t split_acc = (size_t)p.heads * p.head_dim;
+    const size_t split_stats = (size_t)p.heads * 2;
+    float m = -1e30f;
+    for (u32_t s = 0; s < splits; ++s) m = fmaxf(m, stats[s * split_stats + 2 * h]);
+    float l = 0.0f;
+    for (u32_t s = 0; s < splits; ++s) {
+        const float* st = stats + s * split_stats + 2 * h;
+        l += st[1] * expf(st[0] - m);
+    }
+    const float denominator = l + expf(sink - m);
+    float* out_h = out + (size_t)h * p.head_dim;
+    for (u32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (u32_t s = 0; s < splits; ++s) {
+            const float weight = expf(stats[s * split_stats + 2 * h] - m);
+            o += acc[s * split_acc + (size_t)h * p.head_dim + d] * weight;
+        }
+        out_h[d] = round_bf16_f32(o / denominator);
     }
 }
 

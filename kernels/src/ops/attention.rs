@@ -4,7 +4,8 @@
 //! keys are shared by all heads (K = V), bit-exact with the CPU reference, one block per
 //! (head, query) with one fixed reduction order that depends only on that query's keys (batch
 //! invariant). The `fast` numerics' row-batched entry ([`sparse_attention_sink_rows_ptr_fast`])
-//! runs the same operation on tensor cores (`sparse_attention_fast.cuh`).
+//! runs the same operation on tensor cores (`sparse_attention_fast.cuh`), a query's keys in
+//! splits of 64 (one block each) merged in split order by a second launch.
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
@@ -21,6 +22,13 @@ const FAST_OP: &str = "sparse_attention_sink_rows_ptr_fast";
 const FAST_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 /// Heads per block of the fast kernel (`fast_attention::HEADS`).
 const FAST_HEADS_PER_BLOCK: usize = 16;
+/// Keys per split of a query's list in the fast kernel (`fast_attention::SPLIT_KEYS`).
+const FAST_SPLIT_KEYS: usize = 64;
+/// The most bytes of split results one fast launch writes (its queries are launched in groups
+/// that fit).
+const FAST_SPLIT_SCRATCH_BYTES: usize = 128 << 20;
+/// Threads of a split-combine block.
+const COMBINE_THREADS: u32 = 128;
 const THREADS: u32 = 512;
 /// Must match `attention::MAX_DIMS_PER_THREAD`.
 const MAX_HEAD_DIM: usize = 4 * THREADS as usize;
@@ -84,6 +92,8 @@ pub fn sparse_attention_sink_f32(
 pub struct DeviceKeyLists {
     queries: usize,
     key_buffer_rows: usize,
+    /// The longest list's length.
+    longest: usize,
     /// Flattened row indices (at least one element: a device buffer cannot be empty).
     key_rows: CudaSlice<u32>,
     /// `[queries + 1]` prefix offsets into `key_rows`.
@@ -136,6 +146,7 @@ impl DeviceKeyLists {
         Ok(DeviceKeyLists {
             queries: lists.len(),
             key_buffer_rows,
+            longest: lists.iter().map(|l| l.as_ref().len()).max().unwrap_or(0),
             key_rows: rt
                 .htod(&key_rows)
                 .map_err(KernelError::driver("uploading the key rows"))?,
@@ -317,8 +328,10 @@ pub fn fast_attention_supports(head_dim: usize, key_ptrs: &DeviceKeyTable) -> bo
 /// pointer table) with bf16 rounding,
 /// on tensor cores (the `fast` numerics, `sparse_attention_fast.cuh`): q and the keys as bf16
 /// (exact for the V4.1 rounding points), scores and outputs accumulated in fp32 in a fixed
-/// order, the weights rounded to bf16, the outputs too. Deterministic and batch invariant; not
-/// bitwise equal to the exact kernel. Needs [`fast_attention_supports`].
+/// order, the weights rounded to bf16, the outputs too. A query's keys go in splits of
+/// [`FAST_SPLIT_KEYS`], one block each, merged in split order by a second launch; the split count
+/// depends only on the query's key count. Deterministic and batch invariant; not bitwise equal to
+/// the exact kernel. Needs [`fast_attention_supports`].
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sink_rows_ptr_fast(
     rt: &KernelRuntime,
@@ -352,30 +365,89 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         Rounding::Bf16,
     )?;
     let heads = sink.len();
-    let cfg = launch_config(
-        (
-            dim(FAST_OP, "head blocks", heads.div_ceil(FAST_HEADS_PER_BLOCK))?,
-            dim(FAST_OP, "queries", lists.queries)?,
-            1,
-        ),
-        dim(FAST_OP, "threads", head_dim / 2)?,
-        0,
-    );
-    let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
-    push_rows_args(
-        &mut launch,
-        q,
-        KeyRows::Table(key_ptrs),
-        lists,
-        sink,
-        out,
-        &params,
-    );
-    // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
-    // key_rows, const u32_t* row_starts, const float* sink, float* out, AttentionParams); q/out
-    // hold queries * heads * head_dim values, every listed row is below key_buffer_rows
-    // (DeviceKeyLists::upload) and the table covers them with 16-byte aligned rows of head_dim
-    // floats (checked above; live by the table's contract); head_dim / 2 threads (32..256, a
-    // multiple of 32); grid.y = queries <= the grid limit.
-    unsafe { launch.launch(cfg) }
+    let head_blocks = dim(FAST_OP, "head blocks", heads.div_ceil(FAST_HEADS_PER_BLOCK))?;
+    let threads = dim(FAST_OP, "threads", head_dim / 2)?;
+    let max_splits = lists.longest.div_ceil(FAST_SPLIT_KEYS).max(1);
+    let grid_z = dim(FAST_OP, "splits", max_splits)?;
+    if grid_z > 65_535 {
+        return Err(KernelError::Shape {
+            op: FAST_OP,
+            message: format!(
+                "a list of {} keys needs {max_splits} splits of {FAST_SPLIT_KEYS} (at most 65535)",
+                lists.longest
+            ),
+        });
+    }
+    // Each launch's queries write their splits' results (acc and stats of every head) to scratch.
+    let split_values = (heads * head_dim + 2 * heads) * max_splits;
+    let per_launch = if max_splits == 1 {
+        lists.queries
+    } else {
+        (FAST_SPLIT_SCRATCH_BYTES / (4 * split_values)).clamp(1, lists.queries)
+    };
+    let scratch_values = |values: usize| if max_splits == 1 { 1 } else { values };
+    let stream = rt.stream();
+    // SAFETY: the scratch is written by the attention launch before the combine reads it (same
+    // stream); nothing reads it uninitialised.
+    let mut split_acc =
+        unsafe { stream.alloc::<f32>(scratch_values(per_launch * max_splits * heads * head_dim)) }
+            .map_err(KernelError::driver(
+                "allocating the attention's split scratch",
+            ))?;
+    let mut split_stats =
+        unsafe { stream.alloc::<f32>(scratch_values(per_launch * max_splits * heads * 2)) }
+            .map_err(KernelError::driver(
+                "allocating the attention's split statistics",
+            ))?;
+    for query0 in (0..lists.queries).step_by(per_launch) {
+        let count = dim(FAST_OP, "queries", per_launch.min(lists.queries - query0))?;
+        let query0 = dim(FAST_OP, "first query", query0)?;
+        let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
+        launch.arg(q);
+        KeyRows::Table(key_ptrs).push(&mut launch);
+        launch
+            .arg(&lists.key_rows)
+            .arg(&lists.row_starts)
+            .arg(sink)
+            .arg(&mut *out)
+            .arg(&mut split_acc)
+            .arg(&mut split_stats)
+            .arg(&query0)
+            .arg(&grid_z)
+            .arg(&params);
+        // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
+        // key_rows, const u32_t* row_starts, const float* sink, float* out, float* split_acc,
+        // float* split_stats, u32_t query0, u32_t max_splits, AttentionParams); q/out hold
+        // queries * heads * head_dim values, every listed row is below key_buffer_rows
+        // (DeviceKeyLists::upload) and the table covers them with 16-byte aligned rows of
+        // head_dim floats (checked above; live by the table's contract); head_dim / 2 threads
+        // (32..256, a multiple of 32); queries query0 .. query0 + count exist and the scratch
+        // holds count * max_splits split results when a list has several splits (each list has
+        // at most max_splits: `longest`); grid.y = count <= per_launch, grid.z = max_splits <=
+        // 65535.
+        unsafe {
+            launch.launch(launch_config((head_blocks, count, grid_z), threads, 0))?;
+        }
+        if max_splits == 1 {
+            continue;
+        }
+        let mut combine = rt.launcher(KernelId::SparseAttentionSplitCombine)?;
+        combine
+            .arg(&lists.row_starts)
+            .arg(sink)
+            .arg(&mut *out)
+            .arg(&split_acc)
+            .arg(&split_stats)
+            .arg(&query0)
+            .arg(&grid_z)
+            .arg(&params);
+        // SAFETY: signature (const u32_t* row_starts, const float* sink, float* out, const float*
+        // split_acc, const float* split_stats, u32_t query0, u32_t max_splits, AttentionParams),
+        // the attention launch's arguments: it reads only the split results that launch wrote
+        // (the queries of several splits) and writes their outputs; grid (heads, count).
+        unsafe {
+            combine.launch(launch_config((params.heads, count, 1), COMBINE_THREADS, 0))?;
+        }
+    }
+    Ok(())
 }
