@@ -305,8 +305,9 @@ impl CudaBackend {
         Ok(self.tensor(dy))
     }
 
-    /// [`Backend::rope`], with errors. The cos/sin rows of the rows' positions are built on the host
-    /// with the CPU reference's angle rule (f64 sine and cosine of `f32(position · freq)`).
+    /// [`Backend::rope`], with errors. The rows index a device table of `table`'s cos/sin rows
+    /// from position 0 ([`DeviceRopeTable`], built on the host with the CPU reference's angle
+    /// rule and cached): a call uploads only its rows' positions.
     #[allow(clippy::too_many_arguments)]
     pub fn try_rope(
         &self,
@@ -342,44 +343,72 @@ impl CudaBackend {
         if rows == 0 || pairs == 0 {
             return Ok(x);
         }
-        let mut cos = Vec::with_capacity(rows * pairs);
-        let mut sin = Vec::with_capacity(rows * pairs);
-        for &position in &positions[..rows] {
-            for pair in 0..pairs {
-                let (c, s) = table.cos_sin(position, pair);
-                cos.push(c);
-                sin.push(s);
-            }
-        }
-        let row_index: Vec<i32> = (0..rows)
-            .map(|r| i32::try_from(r).map_err(|_| shape_err(OP, format!("{rows} rows"))))
+        let positions = &positions[..rows];
+        let row_index: Vec<i32> = positions
+            .iter()
+            .map(|&p| i32::try_from(p).map_err(|_| shape_err(OP, format!("position {p}"))))
             .collect::<Result<_, _>>()?;
+        let longest = positions.iter().copied().max().unwrap_or(0) + 1;
+        let rope = self.rope_table(table, longest)?;
         let dpos = self
             .rt
             .htod(&row_index)
             .map_err(driver_err(OP, "uploading positions"))?;
-        let dcos = self.upload(OP, &cos)?;
-        let dsin = self.upload(OP, &sin)?;
         let shape = RopeShape {
             tokens: rows,
             heads: vectors_per_row,
             head_dim: stride,
             rope_dim: 2 * pairs,
-            table_rows: rows,
+            table_rows: rope.positions,
         };
         self.in_place(OP, x, |dx| {
             rope_interleaved_f32(
                 &self.rt,
                 dx,
                 &dpos,
-                &dcos,
-                &dsin,
+                &rope.cos,
+                &rope.sin,
                 shape,
                 inverse,
                 rounding(precision),
             )
             .map_err(op_err(OP))
         })
+    }
+
+    /// The device cos/sin rows of `table` covering positions `0..positions`: the cached ones, or
+    /// (the first time, or when longer positions come) rows for the next power of two of
+    /// positions (at least [`MIN_ROPE_POSITIONS`]), built on the host once.
+    fn rope_table(
+        &self,
+        table: &RopeTable,
+        positions: usize,
+    ) -> Result<Arc<DeviceRopeTable>, CudaBackendError> {
+        let key = HostKey::f32s(&table.freqs);
+        let mut cache = self.lock_weights();
+        if let Some(found) = cache.rope_tables.get(&key)
+            && found.positions >= positions
+        {
+            return Ok(found.clone());
+        }
+        let covered = positions.next_power_of_two().max(MIN_ROPE_POSITIONS);
+        let pairs = table.freqs.len();
+        let mut cos = Vec::with_capacity(covered * pairs);
+        let mut sin = Vec::with_capacity(covered * pairs);
+        for position in 0..covered {
+            for pair in 0..pairs {
+                let (c, s) = table.cos_sin(position, pair);
+                cos.push(c);
+                sin.push(s);
+            }
+        }
+        let built = Arc::new(DeviceRopeTable {
+            positions: covered,
+            cos: self.upload("rope", &cos)?,
+            sin: self.upload("rope", &sin)?,
+        });
+        cache.rope_tables.insert(key, built.clone());
+        Ok(built)
     }
 
     /// The QDQ points, with errors.
@@ -415,6 +444,17 @@ pub(crate) fn dequant_block_rows(out: usize, inp: usize) -> usize {
         .rev()
         .find(|d| out.is_multiple_of(*d))
         .unwrap_or(1)
+}
+
+/// The fewest positions a device RoPE table covers (the table of a short context is built once).
+const MIN_ROPE_POSITIONS: usize = 4096;
+
+/// One RoPE table's `(cos, sin)` rows for positions `0..positions` on the device, `[positions,
+/// pairs]` each, the values of [`RopeTable::cos_sin`].
+pub(super) struct DeviceRopeTable {
+    positions: usize,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
 }
 
 #[cfg(test)]

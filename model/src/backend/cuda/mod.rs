@@ -238,6 +238,10 @@ struct WeightCache {
     expert_tables: HashMap<(usize, usize), Arc<moe::DeviceExperts>>,
     /// The exact (V4) expert tables, keyed alike.
     exact_expert_tables: HashMap<(usize, usize), Arc<v4::DeviceExactExperts>>,
+    /// The cos/sin rows of each RoPE table (by its frequencies) from position 0, grown by
+    /// doubling as longer positions come (`dense.rs`, `try_rope`). Not weights: not counted by
+    /// [`CudaBackend::cached_weights`].
+    rope_tables: HashMap<HostKey, Arc<dense::DeviceRopeTable>>,
 }
 
 /// The CUDA implementation of [`Backend`] on one device.
