@@ -8,6 +8,9 @@
 //!   recorded, the CPU backends computing every expert), placements are staged and adopted by
 //!   the rank threads under traffic: both ranks run every step index on the same epoch, the
 //!   epochs advance, and the outputs stay those of one rank;
+//! - with DSpark on, every rank profiles the steps-per-second table on its own executor (each
+//!   rank's backend opened once, no scratch executor), the same steps on both ranks in lockstep,
+//!   before it serves the tokens of one rank;
 //! - the same group driven step by step: where the commit lands, and a rank that cannot stage
 //!   aborting the rebalance.
 
@@ -20,12 +23,14 @@ use std::time::{Duration, Instant};
 use deepinfer_actors::experts::device::{DeviceExperts, DeviceRank, starting_placement};
 use deepinfer_actors::messages::experts::ShardLoads;
 use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
+use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
+use deepinfer_actors::{Engine, EngineConfig};
 use deepinfer_model::Model;
 use deepinfer_model::backend::{Backend, CpuBackend};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_topology::{ExpertPlacement, PlacementEpoch};
 use ep_support::{
-    bits, facts, model, node, run_engine, run_requests, skewed_prompts, start_engine,
+    bits, dspark_node, facts, model, node, run_engine, run_requests, skewed_prompts, start_engine,
 };
 
 /// How long the idle rank may take to catch up once the traffic is done (it polls every
@@ -97,6 +102,82 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     println!(
         "two ranks in lockstep: {steps} steps each, {compared} rows bitwise equal to one rank"
     );
+}
+
+/// The logits rows each of two ranks computed.
+#[derive(Default)]
+struct RowsPerRank(Mutex<[usize; 2]>);
+
+impl RankObserver for RowsPerRank {
+    fn row(&self, row: ObservedRow<'_>) {
+        self.0.lock().expect("not poisoned")[row.dp] += 1;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dspark_profiles_on_every_rank_in_lockstep() {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let prompts = skewed_prompts(3);
+    let max_tokens = 5;
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, _) =
+        run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
+
+    let topology = dspark_node(2, 2);
+    let placement = starting_placement(&topology, model.config()).expect("placement");
+    let group = Arc::new(DeviceExperts::new(&topology, 2, placement));
+    let lockstep = group.lockstep();
+    let opened = Arc::new(Mutex::new(Vec::new()));
+    let log = opened.clone();
+    let two = two_ranks(&model, &group, move |dp| {
+        log.lock().expect("not poisoned").push(dp)
+    });
+    let rows = Arc::new(RowsPerRank::default());
+    let engine = Engine::start(EngineConfig {
+        node: topology,
+        executor: Arc::new(ObservedFactory::new(Arc::new(two), rows.clone())),
+        model: facts,
+        tokenizer: None,
+    })
+    .await
+    .expect("engine starts");
+    // Started: both ranks ran the whole profile (a seeding step, then one per batch size) as
+    // steps of their own, pairing up; no scratch executor opened a backend.
+    assert_eq!(*opened.lock().expect("not poisoned"), vec![0, 1]);
+    assert_eq!(lockstep.steps(), 1 + 6);
+    assert!((0..2).all(|rank| lockstep.behind(rank) == 0));
+    let profiled = *rows.0.lock().expect("not poisoned");
+    assert!(
+        profiled[0] > 0 && profiled[0] == profiled[1],
+        "rows per rank: {profiled:?}"
+    );
+
+    let got = run_requests(&engine, &prompts, max_tokens).await;
+    let started = Instant::now();
+    while (0..2).any(|rank| lockstep.behind(rank) > 0) {
+        assert!(started.elapsed() < CATCH_UP, "a rank stays behind");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let steps = lockstep.steps();
+    engine
+        .shutdown(Duration::from_secs(30))
+        .await
+        .expect("shuts down");
+    assert_eq!(
+        got, expected,
+        "DSpark on, two ranks in lockstep vs one rank"
+    );
+    let log = group.step_log();
+    for rank in 0..2 {
+        let indices: Vec<u64> = log
+            .iter()
+            .filter(|s| s.dp == rank)
+            .map(|s| s.index)
+            .collect();
+        assert_eq!(indices, (0..steps).collect::<Vec<_>>(), "rank {rank}");
+    }
+    println!("DSpark over two ranks in lockstep: {profiled:?} profile rows, {steps} steps");
 }
 
 /// Two ranks on CPU backends stepping through `group`; `opened(dp)` runs as rank `dp`'s backend

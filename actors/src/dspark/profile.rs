@@ -1,5 +1,9 @@
 //! The steps-per-second table DSpark's verify-length planner needs, measured at engine start on
-//! a scratch executor built by the rank factory (never a serving rank's executor).
+//! every DP rank's own executor, before its first plan (`RankMsg::Profile`; the supervisor hands
+//! rank 0's table to the schedulers). Every rank runs the same [`ProfileRequest`], so the ranks
+//! run the same steps in the same order: with expert parallelism on CUDA, where every step is a
+//! collective of the EP ranks in `Lockstep`, their steps pair up one for one. The profile leaves
+//! the executor holding no sequence.
 //!
 //! For each batch size `b` (powers of two up to the largest verify batch, and that size), the
 //! profile fills a step with verify-shaped entries (anchor + up to `block` drafts per sequence,
@@ -12,10 +16,11 @@
 
 use std::time::{Duration, Instant};
 
-use deepinfer_topology::RequestId;
+use deepinfer_topology::{DSparkConfig, RequestId};
 
 use crate::dspark::schedule::{StepRatePoint, StepRateTable, VerifyScheduleError};
 use crate::rank::executor::{ExecError, RankExecutor, SeqTokens, execute_rows};
+use crate::scheduler::state::SchedulerLimits;
 
 /// Why profiling failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -36,16 +41,41 @@ pub fn batch_sizes(largest: u32) -> Vec<u32> {
     sizes
 }
 
-/// Measures `steps` verify-shaped steps at every size of `sizes` (strictly increasing) with
-/// entries of at most `1 + block` tokens. Sequence ids used: `RequestId(0..)` on `executor`,
-/// which must be a fresh executor.
+/// What every rank profiles (owned data: it travels in `RankMsg::Profile`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfileRequest {
+    /// Batch sizes (tokens), strictly increasing ([`batch_sizes`]).
+    pub sizes: Vec<u32>,
+    /// Most drafts per entry: entries of up to `1 + block` tokens.
+    pub block: usize,
+    /// Timed steps per batch size (at least 1 runs).
+    pub steps: u32,
+}
+
+impl ProfileRequest {
+    /// The profile of `[dspark]` under `limits`: sizes up to the largest verify batch (the
+    /// plan's token budget, or every running request verifying all its drafts).
+    pub fn for_engine(dspark: &DSparkConfig, limits: &SchedulerLimits) -> ProfileRequest {
+        let block = usize::from(dspark.max_draft_tokens);
+        let largest = limits
+            .max_batched_tokens
+            .min(limits.max_running.saturating_mul(1 + block));
+        ProfileRequest {
+            sizes: batch_sizes(u32::try_from(largest).unwrap_or(u32::MAX)),
+            block,
+            steps: dspark.profile_steps,
+        }
+    }
+}
+
+/// Measures `request` on `executor`, which must hold no sequence yet (the profile's sequences
+/// are `RequestId(0..)`); every sequence it made is freed, whether it succeeds or fails.
 pub fn profile_step_rates(
     executor: &mut dyn RankExecutor,
-    sizes: &[u32],
-    block: usize,
-    steps: u32,
+    request: &ProfileRequest,
 ) -> Result<StepRateTable, ProfileError> {
-    let modelled: Option<Vec<(u32, f64)>> = sizes
+    let modelled: Option<Vec<(u32, f64)>> = request
+        .sizes
         .iter()
         .map(|&size| {
             executor
@@ -56,24 +86,39 @@ pub fn profile_step_rates(
     if let Some(measured) = modelled {
         return Ok(StepRateTable::new(interpolate(&measured))?);
     }
-    let width = block + 1;
-    let largest = sizes.iter().copied().max().unwrap_or(1) as usize;
-    let sequences = largest.div_ceil(width);
+    let largest = request.sizes.iter().copied().max().unwrap_or(1) as usize;
+    let sequences = largest.div_ceil(request.block + 1);
     let ids: Vec<RequestId> = (0..sequences as u64).map(RequestId).collect();
-    // Every sequence holds one token; each timed step appends and is rolled back.
-    let seed_token = [0u32];
+    let measured = time_steps(executor, request, &ids);
     for &id in &ids {
+        executor.free_sequence(id);
+    }
+    Ok(StepRateTable::new(interpolate(&measured?))?)
+}
+
+/// The timed steps of [`profile_step_rates`] over the sequences `ids` (created here).
+fn time_steps(
+    executor: &mut dyn RankExecutor,
+    request: &ProfileRequest,
+    ids: &[RequestId],
+) -> Result<Vec<(u32, f64)>, ExecError> {
+    let width = request.block + 1;
+    // Every sequence holds one token (one step seeds them all); each timed step appends and is
+    // rolled back.
+    let seed_token = [0u32];
+    let mut seeds = Vec::with_capacity(ids.len());
+    for &id in ids {
         executor.new_sequence(id)?;
-        let entry = SeqTokens {
+        seeds.push(SeqTokens {
             id,
             tokens: &seed_token,
             all_rows: false,
-        };
-        execute_rows(executor, &[entry])?;
+        });
     }
+    execute_rows(executor, &seeds)?;
     let tokens = vec![0u32; width];
-    let mut measured: Vec<(u32, f64)> = Vec::with_capacity(sizes.len());
-    for &size in sizes {
+    let mut measured: Vec<(u32, f64)> = Vec::with_capacity(request.sizes.len());
+    for &size in &request.sizes {
         let mut left = size as usize;
         let batch: Vec<SeqTokens<'_>> = ids
             .iter()
@@ -87,8 +132,8 @@ pub fn profile_step_rates(
                 })
             })
             .collect();
-        let mut times = Vec::with_capacity(steps.max(1) as usize);
-        for _ in 0..steps.max(1) {
+        let mut times = Vec::with_capacity(request.steps.max(1) as usize);
+        for _ in 0..request.steps.max(1) {
             let start = Instant::now();
             // Read on the host: the time includes the step's end on a device.
             execute_rows(executor, &batch)?;
@@ -101,10 +146,7 @@ pub fn profile_step_rates(
         let step = times[times.len() / 2] + executor.device_latency(size as usize);
         measured.push((size, step.max(Duration::from_nanos(1)).as_secs_f64()));
     }
-    for id in ids {
-        executor.free_sequence(id);
-    }
-    Ok(StepRateTable::new(interpolate(&measured))?)
+    Ok(measured)
 }
 
 /// A point at every batch size from 1 to the largest measured one: the step time of the
@@ -138,7 +180,99 @@ fn interpolate(measured: &[(u32, f64)]) -> Vec<StepRatePoint> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rank::executor::{ExecutorLayer, Layered};
     use crate::rank::fake::{FakeConfig, FakeExecutor};
+    use crate::sampling::SamplingParams;
+    use deepinfer_model::EntryOutput;
+    use deepinfer_topology::NodeConfig;
+
+    /// Counts the steps; fails the `fail_at`-th (1-based).
+    struct Steps {
+        count: usize,
+        fail_at: Option<usize>,
+    }
+
+    impl ExecutorLayer for Steps {
+        fn execute(
+            &mut self,
+            inner: &mut dyn RankExecutor,
+            batch: &[SeqTokens<'_>],
+            sampling: &[Option<SamplingParams>],
+        ) -> Result<Vec<EntryOutput>, ExecError> {
+            self.count += 1;
+            if self.fail_at == Some(self.count) {
+                return Err(ExecError::Backend("injected".into()));
+            }
+            inner.execute(batch, sampling)
+        }
+    }
+
+    fn request() -> ProfileRequest {
+        ProfileRequest {
+            sizes: batch_sizes(12),
+            block: 5,
+            steps: 2,
+        }
+    }
+
+    /// The sizes go up to the largest verify batch: the plan's token budget, or every running
+    /// request verifying all its drafts.
+    #[test]
+    fn the_engine_profiles_up_to_its_largest_verify_batch() {
+        let mut dspark = NodeConfig::from_toml_str("", "defaults")
+            .expect("defaults")
+            .dspark;
+        dspark.max_draft_tokens = 5;
+        dspark.profile_steps = 3;
+        let limits = |max_running| SchedulerLimits {
+            max_batched_tokens: 64,
+            max_running,
+            prefill_chunk_tokens: 16,
+            overlap_depth: 1,
+            context_parallel: None,
+        };
+        let request = ProfileRequest::for_engine(&dspark, &limits(4));
+        assert_eq!(
+            request,
+            ProfileRequest {
+                sizes: vec![1, 2, 4, 8, 16, 24],
+                block: 5,
+                steps: 3,
+            }
+        );
+        let request = ProfileRequest::for_engine(&dspark, &limits(100));
+        assert_eq!(request.sizes, vec![1, 2, 4, 8, 16, 32, 64]);
+    }
+
+    /// One step seeds every sequence, then `steps` per size: the same count on every rank. A
+    /// failing step fails the profile naming why, and leaves no sequence behind either.
+    #[test]
+    fn the_profile_runs_a_fixed_number_of_steps_and_frees_its_sequences() {
+        let run = |fail_at| {
+            let fake = Box::new(FakeExecutor::new(FakeConfig::default(), 0));
+            let mut executor = Layered::new(fake, Steps { count: 0, fail_at });
+            let profiled = profile_step_rates(&mut executor, &request());
+            assert_eq!(executor.live_sequences(), 0, "failing at {fail_at:?}");
+            (profiled, executor.layer.count)
+        };
+        let (table, steps) = run(None);
+        assert_eq!(table.expect("profiled").points().len(), 12);
+        assert_eq!(
+            steps,
+            1 + 5 * 2,
+            "a seeding step, then 2 per size of 1, 2, 4, 8, 12"
+        );
+        for fail_at in [1, 2, 11] {
+            let (profiled, steps) = run(Some(fail_at));
+            assert_eq!(
+                profiled,
+                Err(ProfileError::Executor(ExecError::Backend(
+                    "injected".into()
+                )))
+            );
+            assert_eq!(steps, fail_at);
+        }
+    }
 
     #[test]
     fn sizes_are_powers_of_two_then_the_largest() {
@@ -157,7 +291,7 @@ mod tests {
             },
             0,
         );
-        let table = profile_step_rates(&mut executor, &batch_sizes(12), 5, 2).unwrap();
+        let table = profile_step_rates(&mut executor, &request()).unwrap();
         let rates: Vec<f64> = table.points().iter().map(|p| p.steps_per_second).collect();
         assert_eq!(rates.len(), 12, "a point per batch size");
         // 10 ms + 1 ms per token (+ a little host time): 1 token ~ 90.9/s, 12 tokens ~ 45.5/s;

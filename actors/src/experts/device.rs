@@ -79,14 +79,6 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
             ),
         );
     }
-    if node.dspark.enabled {
-        return refuse(
-            "dspark.enabled",
-            format!(
-                "DSpark profiles its steps-per-second table on a scratch executor of rank 0                  before the ranks start; with {ep} EP ranks on CUDA that executor's first MoE                  collective would wait for ranks that are not up (and fail the ranks' shared                  transport), so DSpark with CUDA expert parallelism needs the profile moved into                  the ranks; use dspark.enabled = false, or parallel.dp = parallel.ep = 1"
-            ),
-        );
-    }
     let gpus = node.device.gpus_per_node;
     if gpus > 1 && ep != gpus {
         return refuse(
@@ -425,19 +417,22 @@ mod tests {
     }
 
     /// Ranks on one GPU (device copies) and one rank per GPU of one node (NCCL) run, with
-    /// live EPLB too; several ranks per GPU over several GPUs, several nodes, and live EPLB
-    /// over one rank are refused naming the field and the numbers; `ep != dp` (and context
-    /// parallelism) never get here: the topology refuses them.
+    /// live EPLB and DSpark too (the ranks profile DSpark's step rate together); several ranks
+    /// per GPU over several GPUs, several nodes, and live EPLB over one rank are refused naming
+    /// the field and the numbers; `ep != dp` (and context parallelism) never get here: the
+    /// topology refuses them.
     #[test]
     fn what_cuda_expert_parallelism_runs_and_refuses() {
         let eplb = "[eplb]\nenabled = true\n";
+        let dspark = "[dspark]\nenabled = true\n";
+        let both = format!("{eplb}{dspark}");
         for (gpus, count, links) in [
             (1, 2, RankLinks::SharedDevice),
             (1, 4, RankLinks::SharedDevice),
             (2, 2, RankLinks::Nccl),
             (8, 8, RankLinks::Nccl),
         ] {
-            for extra in ["", eplb] {
+            for extra in ["", eplb, dspark, &both] {
                 let node = cuda(&format!("{}{extra}", ranks(gpus, count)));
                 assert!(
                     check_cuda_expert_parallel(&node).is_ok(),
@@ -451,6 +446,7 @@ mod tests {
             }
         }
         assert!(check_cuda_expert_parallel(&cuda("")).is_ok());
+        assert!(check_cuda_expert_parallel(&cuda(dspark)).is_ok());
         assert_eq!(rank_links(&cuda("")), None);
         assert_eq!(refusal(&cuda(eplb)).0, "eplb.enabled");
 
@@ -471,13 +467,6 @@ mod tests {
         let (field, message) = refusal(&cuda(&nodes));
         assert_eq!(field, "device.nodes");
         assert!(message.contains("NcclTransport::join"), "{message}");
-
-        // DSpark's start-up profile runs rank 0 alone: refused with EP ranks, allowed without.
-        let dspark = "[dspark]\nenabled = true\n";
-        let (field, message) = refusal(&cuda(&format!("{}{dspark}", ranks(1, 2))));
-        assert_eq!(field, "dspark.enabled");
-        assert!(message.contains("scratch executor of rank 0"), "{message}");
-        assert!(check_cuda_expert_parallel(&cuda(dspark)).is_ok());
 
         let err = NodeConfig::from_toml_str(
             "[device]\nbackend = \"cuda\"\ngpus_per_node = 1\n[parallel]\ndp = 2\nep = 1\n",

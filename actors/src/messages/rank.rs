@@ -11,8 +11,10 @@
 use std::time::Duration;
 
 use deepinfer_topology::{DpRank, RequestId, StepId};
-use ractor::ActorRef;
+use ractor::{ActorRef, RpcReplyPort};
 
+use crate::dspark::profile::ProfileRequest;
+use crate::dspark::schedule::StepRateTable;
 use crate::grammar::GrammarMatcher;
 use crate::messages::scheduler::SchedulerMsg;
 use crate::prefix_cache::BlockHash;
@@ -206,6 +208,12 @@ pub enum RankError {
 /// Messages of `RankActor`.
 #[derive(Debug)]
 pub enum RankMsg {
+    /// DSpark: measure the steps-per-second table on the rank's executor (sent once, by the
+    /// supervisor to every rank at the same time, before `Attach`).
+    Profile(
+        ProfileRequest,
+        RpcReplyPort<Result<StepRateTable, RankError>>,
+    ),
     /// Connect the rank thread to its scheduler (sent once, before any plan).
     Attach(ActorRef<SchedulerMsg>),
     /// Run a plan; at most `overlap_depth` are outstanding (the scheduler's credit count).

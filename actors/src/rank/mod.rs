@@ -1,9 +1,12 @@
 //! `RankActor`: one per DP rank; owns a dedicated OS thread that owns the executor.
 //!
 //! Owns: the rank thread (and through it the executor and its device context).
-//! Accepts: `RankMsg::Attach` (once), `Execute(plan)`, `ThreadExited` (from its own thread).
-//! Sends: `SchedulerMsg::StepDone` / `StepFailed` straight from the thread to the scheduler.
-//! Ordering: plans run in the order received; outputs are released in the same order.
+//! Accepts: `RankMsg::Profile` (with DSpark on, once, from the supervisor), `Attach` (once),
+//! `Execute(plan)`, `ThreadExited` (from its own thread).
+//! Sends: `SchedulerMsg::StepDone` / `StepFailed` straight from the thread to the scheduler; the
+//! profiled table to the supervisor's reply port.
+//! Ordering: the actor is up once its thread built the executor; the thread runs what it is sent
+//! in order (the profile before any plan), and releases the outputs in the plans' order.
 //! Failure: a panic or backend error on the thread fails the step (`StepFailed` with the panic
 //! message), ends the thread, and makes this actor fail, so `NodeSupervisor` applies its policy.
 //! The actor is never killed mid-step: stopping it closes the plan channel and joins the thread.
@@ -24,9 +27,11 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::Instant;
 
 use deepinfer_topology::DpRank;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::oneshot;
 
+use crate::dspark::profile::ProfileRequest;
+use crate::dspark::schedule::StepRateTable;
 use crate::messages::rank::{RankError, RankMsg, StepPlan};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
@@ -35,6 +40,10 @@ use worker::RankWorker;
 
 /// What the actor sends its thread.
 enum ThreadMsg {
+    Profile(
+        ProfileRequest,
+        RpcReplyPort<Result<StepRateTable, RankError>>,
+    ),
     Attach(ActorRef<SchedulerMsg>),
     Plan(Box<StepPlan>),
 }
@@ -61,6 +70,18 @@ pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
         s.clone()
     } else {
         "a non-string panic payload".to_string()
+    }
+}
+
+/// Runs `work` on the rank thread; its error, or its panic, as a `RankError`.
+fn guarded<T, E: std::fmt::Display>(work: impl FnOnce() -> Result<T, E>) -> Result<T, RankError> {
+    match catch_unwind(AssertUnwindSafe(work)) {
+        Ok(result) => result.map_err(|e| RankError::Backend {
+            message: e.to_string(),
+        }),
+        Err(panic) => Err(RankError::Panicked {
+            message: panic_message(&*panic),
+        }),
     }
 }
 
@@ -119,6 +140,7 @@ impl Actor for RankActor {
         state: &mut RankState,
     ) -> Result<(), ActorProcessingErr> {
         let to_thread = match message {
+            RankMsg::Profile(request, reply) => ThreadMsg::Profile(request, reply),
             RankMsg::Attach(scheduler) => ThreadMsg::Attach(scheduler),
             RankMsg::Execute(plan) => ThreadMsg::Plan(plan),
             RankMsg::ThreadExited(error) => {
@@ -208,6 +230,11 @@ fn rank_thread(
             }
         };
         let plan = match message {
+            ThreadMsg::Profile(request, reply) => {
+                // A failed profile fails the engine's start, which stops this rank.
+                let _ = reply.send(guarded(|| worker.profile(&request)));
+                continue;
+            }
             ThreadMsg::Attach(s) => {
                 scheduler = Some(s);
                 continue;
@@ -216,15 +243,8 @@ fn rank_thread(
         };
         let span =
             tracing::debug_span!("step", dp = %dp, id = %plan.step, mode = plan.mode.as_str());
-        let launched = span.in_scope(|| catch_unwind(AssertUnwindSafe(|| worker.launch(&plan))));
-        let error = match launched {
-            Ok(Ok(())) => continue,
-            Ok(Err(e)) => RankError::Backend {
-                message: e.to_string(),
-            },
-            Err(panic) => RankError::Panicked {
-                message: panic_message(&*panic),
-            },
+        let Err(error) = span.in_scope(|| guarded(|| worker.launch(&plan))) else {
+            continue;
         };
         tracing::error!(step = %plan.step, %error, "rank step failed; the rank thread exits");
         if let Some(s) = &scheduler {

@@ -28,6 +28,9 @@
 //! Grammar-constrained sequences are never drafted for: the scheduler gives them plain `Decode`s,
 //! and a `Verify` of one runs as a decode.
 //!
+//! DSpark's start-up profile (`dspark::profile`) runs on this executor before the first plan
+//! (`profile`) and leaves it holding no sequence.
+//!
 //! Prefix cache: a new sequence attaches its hit's blocks right after it is created (before the
 //! step's work); the plan's cache ops (stores and the drops of the blocks they evicted, in the
 //! scheduler's order) run after the work and the drafting, before the finished sequences are
@@ -42,6 +45,8 @@ use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::{DpRank, RequestId};
 
 use crate::dspark::accept::{accept_block, accept_sampled};
+use crate::dspark::profile::{ProfileError, ProfileRequest, profile_step_rates};
+use crate::dspark::schedule::StepRateTable;
 use crate::grammar::{GrammarError, MaskBatch, MaskJob, MaskWorkers, StepMask};
 use crate::messages::rank::{
     CacheOp, DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming,
@@ -691,6 +696,11 @@ impl RankWorker {
             });
         }
         Ok(summaries)
+    }
+
+    /// Measures DSpark's steps-per-second table on the executor; runs before the first plan.
+    pub fn profile(&mut self, request: &ProfileRequest) -> Result<StepRateTable, ProfileError> {
+        profile_step_rates(self.executor.as_mut(), request)
     }
 
     /// Launches a plan: runs it now (host work) and schedules its results for when the

@@ -6,10 +6,14 @@
 //! for the policy itself).
 //! Accepts: `Health`, `Drain`; supervision events from its children (it overrides ractor's
 //! default, which would stop the supervisor on any child exit).
-//! Sends: `SchedulerMsg::RankLost` and `FrontendMsg::RankDown` to apply a decision.
-//! Ordering: spawn order is rank, then its scheduler (which gets the rank's ref), then `Attach`
-//! to the rank, then the frontend, so no plan can reach a rank before its scheduler is known.
-//! With bounded replay on, the `ReplayActor` is spawned first and every scheduler gets its ref.
+//! Sends: `RankMsg::Profile` to every rank at start (DSpark on); `SchedulerMsg::RankLost` and
+//! `FrontendMsg::RankDown` to apply a decision.
+//! Ordering: every rank is spawned first (a rank is up once its thread built its executor);
+//! with DSpark on, all of them then profile the step rate at once on their own executors, and
+//! rank 0's table goes to every scheduler. Then each rank's scheduler (which gets the rank's ref)
+//! and `Attach` to the rank, then the `DSparkActor`, the expert actors, and the frontend last, so
+//! no plan can reach a rank before its profile and its scheduler. With bounded replay on, the
+//! `ReplayActor` is spawned first and every scheduler gets its ref.
 //! Failure: nothing restarts; see `policy.rs`. Shutdown closes admission, waits for the
 //! schedulers to drain (bounded), then stops the children (ranks join their threads).
 
@@ -24,6 +28,7 @@ use deepinfer_topology::DpRank;
 use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::oneshot;
 
+use crate::dspark::profile::ProfileRequest;
 use crate::dspark::{DSparkActor, DSparkArgs};
 use crate::frontend::codec::TextCodec;
 use crate::frontend::state::FrontendLimits;
@@ -66,7 +71,7 @@ pub struct SupervisorArgs {
     pub codec: Option<Arc<TextCodec>>,
     pub grammar: Option<Arc<GrammarEngine>>,
     pub handles: oneshot::Sender<EngineHandles>,
-    /// `[dspark]`: when enabled, the step rate is profiled and a `DSparkActor` spawned.
+    /// `[dspark]`: when enabled, the ranks profile the step rate and a `DSparkActor` is spawned.
     pub dspark: deepinfer_topology::DSparkConfig,
     /// Decoder bounded replay, validated against the model; `None` = off (no `ReplayActor`).
     pub replay: Option<ReplayState>,
@@ -74,34 +79,36 @@ pub struct SupervisorArgs {
     pub prefix: Option<PrefixSettings>,
 }
 
-/// Profiles the step rate on a scratch executor (off the async workers) for DSpark's planner.
-async fn dspark_settings(args: &SupervisorArgs) -> Result<Option<VerifySettings>, String> {
+/// DSpark's planner settings: every rank profiles its own executor at once (the same steps on
+/// each, so the EP ranks' collectives pair up: `dspark::profile`), and rank 0's table is the
+/// engine's; `None` with DSpark off.
+async fn dspark_settings(
+    args: &SupervisorArgs,
+    ranks: &[ActorRef<RankMsg>],
+) -> Result<Option<VerifySettings>, String> {
     if !args.dspark.enabled {
         return Ok(None);
     }
-    let max_draft_tokens = usize::from(args.dspark.max_draft_tokens);
-    let largest = args
-        .scheduler
-        .max_batched_tokens
-        .min(args.scheduler.max_running * (1 + max_draft_tokens));
-    let factory = args.factory.clone();
-    let steps = args.dspark.profile_steps;
-    let table = tokio::task::spawn_blocking(move || {
-        let mut executor = factory.build(0).map_err(|e| e.to_string())?;
-        let sizes = crate::dspark::profile::batch_sizes(u32::try_from(largest).unwrap_or(u32::MAX));
-        crate::dspark::profile::profile_step_rates(
-            executor.as_mut(),
-            &sizes,
-            max_draft_tokens,
-            steps,
-        )
-        .map_err(|e| e.to_string())
-    })
-    .await
-    .map_err(|e| format!("DSpark step-rate profile panicked: {e}"))??;
-    tracing::info!(points = ?table.points(), "DSpark steps-per-second table profiled");
+    let request = ProfileRequest::for_engine(&args.dspark, &args.scheduler);
+    let mut replies = Vec::with_capacity(ranks.len());
+    for rank in ranks {
+        let (reply, profiled) = ractor::concurrency::oneshot();
+        rank.cast(RankMsg::Profile(request.clone(), reply.into()))
+            .map_err(|e| format!("DSpark step-rate profile: {e}"))?;
+        replies.push(profiled);
+    }
+    let mut first = None;
+    for (dp, profiled) in replies.into_iter().enumerate() {
+        let table = profiled
+            .await
+            .map_err(|_| format!("DP rank {dp} stopped during the DSpark step-rate profile"))?
+            .map_err(|e| format!("DSpark step-rate profile on DP rank {dp}: {e}"))?;
+        first.get_or_insert(table);
+    }
+    let table = first.ok_or("DSpark step-rate profile: no DP rank")?;
+    tracing::info!(points = ?table.points(), "DSpark steps-per-second table profiled (DP rank 0)");
     Ok(Some(VerifySettings {
-        max_draft_tokens,
+        max_draft_tokens: request.block,
         table,
     }))
 }
@@ -170,10 +177,8 @@ impl Actor for NodeSupervisor {
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
         let engine_inflight = Arc::new(AtomicUsize::new(0));
-        let dspark = dspark_settings(&args).await?;
         let mut roles = HashMap::new();
         let mut started: Vec<ActorCell> = Vec::new();
-        let mut schedulers = Vec::with_capacity(args.dp_ranks);
         let replay = match args.replay.clone() {
             Some(state) => {
                 match Actor::spawn_linked(None, ReplayActor, state, myself.get_cell()).await {
@@ -187,6 +192,7 @@ impl Actor for NodeSupervisor {
             }
             None => None,
         };
+        let mut ranks = Vec::with_capacity(args.dp_ranks);
         for index in 0..args.dp_ranks {
             let dp = DpRank(index as u16);
             let rank_args = RankArgs {
@@ -203,6 +209,18 @@ impl Actor for NodeSupervisor {
                 };
             started.push(rank.get_cell());
             roles.insert(rank.get_id(), ChildRole::Rank(dp));
+            ranks.push(rank);
+        }
+        let dspark = match dspark_settings(&args, &ranks).await {
+            Ok(dspark) => dspark,
+            Err(e) => {
+                stop_all(&started).await;
+                return Err(e.into());
+            }
+        };
+        let mut schedulers = Vec::with_capacity(args.dp_ranks);
+        for (index, rank) in ranks.into_iter().enumerate() {
+            let dp = DpRank(index as u16);
             let scheduler_args = SchedulerArgs {
                 dp,
                 limits: args.scheduler,
@@ -361,31 +379,141 @@ impl Actor for NodeSupervisor {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::Ordering;
+
     use super::*;
+    use crate::experts::factory::ExpertParallelFactory;
+    use crate::experts::tiny_test_model;
     use crate::messages::dspark::DSparkMsg;
-    use crate::rank::fake::{FakeConfig, FakeDrafter};
-    use crate::{Engine, EngineConfig, GenerateRequest};
+    use crate::rank::executor::{ExecutorLayer, LayeredFactory};
+    use crate::rank::fake::{FakeConfig, FakeDrafter, FakeFactory};
+    use crate::{Engine, EngineConfig, GenerateRequest, ModelFacts};
     use deepinfer_topology::NodeConfig;
     use policy::EngineHealth;
 
-    fn speculative_engine() -> EngineConfig {
-        let node = NodeConfig::from_toml_str(
-            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = 1\nep = 1\n\
-             [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 16\n\
-             overlap_depth = 1\nadmission_queue_capacity = 8\n\
-             [dspark]\nenabled = true\nmax_draft_tokens = 5\nprofile_steps = 2\n",
+    /// A CPU topology of `dp` DP and `ep` EP ranks, DSpark on or off.
+    fn node(dp: usize, ep: usize, dspark: bool) -> NodeConfig {
+        NodeConfig::from_toml_str(
+            &format!(
+                "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = {dp}\nep = {ep}\n\
+                 [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 16\n\
+                 overlap_depth = 1\nadmission_queue_capacity = 8\n\
+                 [dspark]\nenabled = {dspark}\nmax_draft_tokens = 5\nprofile_steps = 2\n"
+            ),
             "supervisor test",
         )
-        .expect("topology");
-        let fake = FakeConfig {
+        .expect("topology")
+    }
+
+    /// The fake backend with a drafter whose first three drafts are right, always confident.
+    fn drafting() -> FakeConfig {
+        FakeConfig {
             drafter: Some(FakeDrafter {
                 block_size: 5,
                 correct: 3,
                 confidence: 30.0,
             }),
             ..FakeConfig::default()
-        };
-        EngineConfig::fake(node, fake)
+        }
+    }
+
+    fn speculative_engine() -> EngineConfig {
+        EngineConfig::fake(node(1, 1, true), drafting())
+    }
+
+    /// A layer that changes nothing: its factory counts the executors built.
+    struct Unchanged;
+
+    impl ExecutorLayer for Unchanged {}
+
+    /// `inner` with a count of the executors it builds.
+    fn counted(inner: Arc<dyn ExecutorFactory>) -> (Arc<dyn ExecutorFactory>, Arc<AtomicUsize>) {
+        let builds = Arc::new(AtomicUsize::new(0));
+        let count = builds.clone();
+        let factory = LayeredFactory::layered(inner, "counted", move |_| {
+            count.fetch_add(1, Ordering::SeqCst);
+            Unchanged
+        });
+        (Arc::new(factory), builds)
+    }
+
+    /// Starts an engine of `node` over `factory`, generates greedily after each prompt (all in
+    /// flight at once) and shuts it down; the outputs, the drafts the schedulers accepted and
+    /// the executors the factory built.
+    async fn serve(
+        node: NodeConfig,
+        factory: Arc<dyn ExecutorFactory>,
+        model: ModelFacts,
+        prompts: &[Vec<u32>],
+    ) -> (Vec<Vec<u32>>, u64, usize) {
+        let (executor, builds) = counted(factory);
+        let engine = Engine::start(EngineConfig {
+            node,
+            executor,
+            model,
+            tokenizer: None,
+        })
+        .await
+        .expect("engine starts");
+        let mut streams = Vec::new();
+        for prompt in prompts {
+            let request = GenerateRequest::from_tokens(prompt.clone())
+                .max_tokens(12)
+                .ignore_eos(true);
+            streams.push(engine.generate(request).await.expect("admitted"));
+        }
+        let mut outputs = Vec::new();
+        for stream in streams {
+            let done = tokio::time::timeout(Duration::from_secs(60), stream.collect())
+                .await
+                .expect("finishes in time")
+                .expect("completes");
+            outputs.push(done.tokens);
+        }
+        let stats = engine.handle().scheduler_stats().await.expect("stats");
+        let accepted = stats.iter().map(|s| s.draft_tokens_accepted).sum();
+        engine
+            .shutdown(Duration::from_secs(10))
+            .await
+            .expect("shuts down");
+        (outputs, accepted, builds.load(Ordering::SeqCst))
+    }
+
+    /// DSpark profiles on the ranks' own executors: the factory builds one executor per rank
+    /// (no scratch executor for the profile), and the engine verifies drafts with the table
+    /// and serves the tokens of DSpark off.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dspark_builds_one_executor_per_rank() {
+        let fake = drafting();
+        let facts = EngineConfig::fake(node(2, 1, true), fake.clone()).model;
+        let prompts = [vec![5, 6, 7], vec![40, 41], vec![9]];
+        let factory: Arc<dyn ExecutorFactory> = Arc::new(FakeFactory(fake));
+        let (on, accepted, builds) =
+            serve(node(2, 1, true), factory.clone(), facts, &prompts).await;
+        let (off, _, _) = serve(node(2, 1, false), factory, facts, &prompts).await;
+        assert_eq!(builds, 2, "one executor per DP rank");
+        assert_eq!(on, off);
+        assert!(accepted > 0, "DSpark verified drafts");
+    }
+
+    /// The same with expert parallelism on the CPU (dp = ep = 2, `LocalComm`): both ranks
+    /// profile on their own executors, whose experts run on the shared shards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dspark_with_cpu_expert_parallelism_builds_one_executor_per_rank() {
+        let (_dir, model) = tiny_test_model();
+        let facts = ModelFacts::of(model.config());
+        let prompts = [vec![5, 6, 7, 8], vec![40, 41]];
+        let mut outputs = Vec::new();
+        for dspark in [true, false] {
+            let node = node(2, 2, dspark);
+            let factory = ExpertParallelFactory::new(model.clone(), &node, "tiny".into())
+                .expect("expert-parallel factory");
+            let (out, _, builds) = serve(node, Arc::new(factory), facts, &prompts).await;
+            assert_eq!(builds, 2, "one executor per DP rank (DSpark {dspark})");
+            outputs.push(out);
+        }
+        assert_eq!(outputs[0], outputs[1], "DSpark on vs off");
+        assert!(outputs[0].iter().all(|out| out.len() == 12));
     }
 
     async fn generate(engine: &Engine, prompt: &[u32]) -> Vec<u32> {

@@ -64,11 +64,26 @@ pub fn facts_of(cfg: &ModelConfig) -> ModelFacts {
 
 /// A CPU topology with `dp` / `ep` ranks and the given `[eplb]` body.
 pub fn node(dp: u16, ep: u16, eplb: &str) -> NodeConfig {
+    topology(dp, ep, &format!("[eplb]\n{eplb}\n"))
+}
+
+/// `node(dp, ep, "")` with DSpark on: 5 drafts at most, one timed step per profiled batch size
+/// (1, 2, 4, 8, 16 and 24 tokens: 4 running requests verifying 5 drafts each).
+pub fn dspark_node(dp: u16, ep: u16) -> NodeConfig {
+    topology(
+        dp,
+        ep,
+        "[dspark]\nenabled = true\nmax_draft_tokens = 5\nprofile_steps = 1\n",
+    )
+}
+
+/// A CPU topology with `dp` / `ep` ranks and the given tables.
+fn topology(dp: u16, ep: u16, tables: &str) -> NodeConfig {
     NodeConfig::from_toml_str(
         &format!(
             "[model]\nsource = \"demo\"\n[device]\nbackend = \"cpu\"\n[parallel]\ndp = {dp}\nep = {ep}\n\
              [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 5\n\
-             overlap_depth = 2\nadmission_queue_capacity = 32\n[eplb]\n{eplb}\n"
+             overlap_depth = 2\nadmission_queue_capacity = 32\n{tables}"
         ),
         "ep test",
     )
