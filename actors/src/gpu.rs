@@ -4,7 +4,7 @@
 //! feature or without a driver, with the reason), a device's memory for the memory plan, and
 //! opening a `CudaBackend` on a rank's device (as one EP rank of several, with expert
 //! parallelism: `experts::device`, its rows moved by device copies or NCCL, whose library is
-//! probed here).
+//! probed here and whose unique id node 0 of several creates here).
 //! The engine's path chooses by the `cuda` feature here and nowhere else. Never panics: cudarc's
 //! dynamic loading panics on a missing `libcuda`, so the library is probed first and the first
 //! call into it runs under `catch_unwind`.
@@ -16,7 +16,8 @@ use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::Backend;
 use deepinfer_topology::{Backend as DeviceBackend, ExpertPlacement, NodeConfig, Numerics};
 
-use crate::experts::device::{DeviceExperts, RankLinks};
+use crate::comm::bootstrap::UniqueId;
+use crate::experts::device::{DeviceExperts, NodeLinks, RankLinks};
 use crate::rank::factory::OpenBackend;
 
 /// The devices found, and why there are none when there are none.
@@ -146,11 +147,28 @@ pub fn nccl_available() -> Result<(), String> {
     Err(NO_CUDA_BUILD.to_string())
 }
 
-/// How DP = EP ranks on CUDA open their backends (`experts::device`): DP rank r opens its
-/// device with `numerics` and serves as EP rank r of `placement` (epoch 0), its slots' experts
-/// of `model` uploaded there and nothing else of the routed experts, registered in `group`
+/// NCCL's unique id for the nodes of a deployment (`ncclGetUniqueId`, on node 0 at the node
+/// bootstrap, `experts::device::join_nodes`); a missing `libnccl.so` is an error naming it.
+#[cfg(feature = "cuda")]
+pub fn nccl_unique_id() -> Result<UniqueId, String> {
+    deepinfer_model::backend::cuda::nccl::unique_id()
+        .map(|id| id.map(|c| c as u8))
+        .map_err(|e| e.to_string())
+}
+
+/// NCCL's unique id: an error in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub fn nccl_unique_id() -> Result<UniqueId, String> {
+    Err(NO_CUDA_BUILD.to_string())
+}
+
+/// How DP = EP ranks on CUDA open their backends (`experts::device`): this process's DP rank r
+/// opens its device with `numerics` and serves as EP rank r of `placement` (epoch 0; across
+/// nodes, global EP rank `nodes.first_rank + r` of `nodes.ranks`), its slots' experts of
+/// `model` uploaded there and nothing else of the routed experts, registered in `group`
 /// (which swaps its placements); the ranks move rows through `links` (device copies, or NCCL
-/// communicators created by the last rank to open), whose every wait lasts at most `timeout`.
+/// communicators created by the last rank to open, across nodes joined through node 0's unique
+/// id), whose every wait lasts at most `timeout`.
 #[cfg(feature = "cuda")]
 pub fn cuda_expert_ranks(
     model: AnyModel,
@@ -158,32 +176,40 @@ pub fn cuda_expert_ranks(
     placement: Arc<ExpertPlacement>,
     group: Arc<DeviceExperts>,
     links: RankLinks,
+    nodes: Option<&NodeLinks>,
     timeout: Duration,
 ) -> OpenBackend {
     use deepinfer_model::backend::cuda::CudaBackend;
     use deepinfer_model::backend::cuda::ep::ExpertRank;
     use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
-    use deepinfer_model::backend::cuda::nccl::NcclDevices;
+    use deepinfer_model::backend::cuda::nccl::{NcclDevices, NcclWorld};
 
     enum Transport {
         Shared(Arc<dyn RowTransport>),
         Nccl(Arc<NcclDevices>),
     }
-    let ranks = group.lockstep().ranks();
+    let local = group.lockstep().ranks();
+    let (first, ranks) = nodes.map_or((0, local), |n| (n.first_rank, n.ranks));
+    let world = nodes.map(|n| NcclWorld {
+        id: n.unique_id.map(|b| b as std::ffi::c_char),
+        first: n.first_rank,
+        ranks: n.ranks,
+    });
     let transport = match links {
-        RankLinks::SharedDevice => Transport::Shared(SharedDevice::new(ranks, timeout)),
-        RankLinks::Nccl => Transport::Nccl(NcclDevices::new(ranks, timeout)),
+        RankLinks::SharedDevice => Transport::Shared(SharedDevice::new(local, timeout)),
+        RankLinks::Nccl => Transport::Nccl(NcclDevices::new(local, timeout, world)),
     };
     Arc::new(move |dp, ordinal| {
         let backend = CudaBackend::open(ordinal, numerics).map_err(|e| e.to_string())?;
+        let ep = first + dp;
         let transport = match &transport {
             Transport::Shared(transport) => transport.clone(),
             Transport::Nccl(devices) => devices
                 .open_rank(dp, backend.runtime().stream().clone())
                 .map_err(|e| {
                     format!(
-                        "EP rank {dp} of {ranks} on GPU {ordinal} (one rank per GPU, \
-                         device.gpus_per_node = {ranks}: rows move through NCCL): {e}"
+                        "EP rank {ep} of {ranks} on GPU {ordinal} (one rank per GPU, {local} \
+                         on this node: rows move through NCCL): {e}"
                     )
                 })? as Arc<dyn RowTransport>,
         };
@@ -192,11 +218,11 @@ pub fn cuda_expert_ranks(
             &model.experts().expert_lists(),
             placement.clone(),
             0,
-            dp,
-            dp,
+            ep,
+            ep,
             transport,
         )
-        .map_err(|e| format!("EP rank {dp} of {ranks}: {e}"))?;
+        .map_err(|e| format!("EP rank {ep} of {ranks}: {e}"))?;
         let rank = Arc::new(rank);
         let slot = backend.expert_slot();
         slot.set(Some(rank.clone()));
@@ -216,6 +242,7 @@ pub fn cuda_expert_ranks(
     _placement: Arc<ExpertPlacement>,
     _group: Arc<DeviceExperts>,
     _links: RankLinks,
+    _nodes: Option<&NodeLinks>,
     _timeout: Duration,
 ) -> OpenBackend {
     Arc::new(|_dp, ordinal| Err(format!("device {ordinal}: {NO_CUDA_BUILD}")))

@@ -17,8 +17,11 @@
 //! `experts::device`, either family: V4.1's FP4/FP8 experts or the V4 family's exact ones):
 //! each rank's backend is its EP rank, holding only its slots' experts, the ranks step in
 //! `Lockstep` and live EPLB swaps placements by epoch; the ranks share one GPU (device copies)
-//! or have one GPU each (NCCL, its library probed before anything loads); other layouts are
-//! refused naming the field.
+//! or have one GPU each (NCCL, its library probed before anything loads), on one node or on
+//! every node of a deployment of one process per node (`[cluster] bootstrap`: after loading,
+//! the node joins the others, node 0 handing every node NCCL's unique id, and the nodes'
+//! ranks form one communicator and keep one lockstep, `experts::device::join_nodes`); other
+//! layouts are refused naming the field.
 //!
 //! Family (`model_type` in `config.json`): a V4.1 checkpoint and a V4-family one (V4-Flash,
 //! V4-Flash-0731) both run on `ModelExecutor`s, on either backend, and both run expert
@@ -44,7 +47,8 @@ use crate::engine::{EngineConfig, ModelFacts};
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
 use crate::experts::device::{
-    DeviceExperts, RankLinks, check_cuda_expert_parallel, rank_links, starting_placement,
+    DeviceExperts, RankLinks, check_cuda_expert_parallel, cuda_fingerprint, join_nodes, rank_links,
+    starting_placement,
 };
 use crate::experts::factory::ExpertParallelFactory;
 use crate::experts::parallel::{EpSettings, node_expert_filter, node_holdings};
@@ -306,8 +310,8 @@ pub fn on_node(node: &NodeConfig, resolved: ResolvedModel) -> Result<ResolvedMod
 }
 
 /// Before any loading: a topology over several nodes is one node of a deployment of one process
-/// per node (`[cluster] bootstrap`), on the CPU backend (what is built so far; `--simulate` runs
-/// every node in one process and does not come here).
+/// per node (`[cluster] bootstrap`; `--simulate` runs every node in one process and does not
+/// come here). Which CUDA layouts run over several nodes is `check_devices`'.
 fn check_nodes(node: &NodeConfig) -> Result<(), EngineError> {
     let nodes = node.device.nodes;
     let refuse = |field: &str, message: String| {
@@ -326,14 +330,6 @@ fn check_nodes(node: &NodeConfig) -> Result<(), EngineError> {
                 "device.nodes = {nodes} runs one deepinfer-node per node, joined through node 0's \
                  address: set [cluster] bootstrap and node (--simulate runs every node here)"
             ),
-        );
-    }
-    if node.device.backend != DeviceBackend::Cpu {
-        return refuse(
-            "device.nodes",
-            "several nodes run on the CPU backend only so far (the NCCL transport of CUDA ranks \
-             across nodes is designed in README.md, not built)"
-                .to_string(),
         );
     }
     Ok(())
@@ -357,13 +353,30 @@ fn check_devices(node: &NodeConfig) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// The NCCL library did not load (`reason`) for `node`'s EP ranks on several GPUs.
+/// The NCCL library did not load (`reason`) for `node`'s EP ranks on several GPUs (of one
+/// node, or of several).
 fn nccl_missing(node: &NodeConfig, reason: &str) -> EngineError {
+    let (ep, nodes, gpus) = (
+        node.parallel.ep,
+        node.device.nodes,
+        node.device.gpus_per_node,
+    );
+    let (field, layout) = if nodes > 1 {
+        (
+            "device.nodes",
+            format!("device.nodes = {nodes} x device.gpus_per_node = {gpus} GPUs"),
+        )
+    } else {
+        (
+            "device.gpus_per_node",
+            format!("device.gpus_per_node = {gpus} GPUs"),
+        )
+    };
     EngineError::Config {
-        field: "device.gpus_per_node".to_string(),
+        field: field.to_string(),
         message: format!(
-            "{}: {} EP ranks on device.gpus_per_node = {} GPUs move rows through NCCL: {reason}",
-            node.origin, node.parallel.ep, node.device.gpus_per_node
+            "{}: {ep} EP ranks on {layout} move rows through NCCL: {reason}",
+            node.origin
         ),
     }
 }
@@ -395,10 +408,28 @@ fn on_node_devices(
         check_cuda_expert_parallel(node)?;
         let model = &resolved.model;
         let ranks = usize::from(node.parallel.ep);
+        let local = usize::from(node.dp_on_node());
         let starting = starting_placement(node, model.config())?;
+        // One node of several: join the others (blocks until all did) before any rank opens.
+        let nodes = match node.cluster.bootstrap {
+            Some(_) => Some(
+                join_nodes(node, cuda_fingerprint(node, model), &gpu::nccl_unique_id)
+                    .map_err(|e| model_error("expert parallelism across nodes", e))?,
+            ),
+            None => None,
+        };
+        let which = match &nodes {
+            Some(joined) => format!(
+                "EP ranks {}..{} of {ranks} (node {} of {})",
+                joined.first_rank,
+                joined.first_rank + local,
+                node.cluster.node,
+                node.device.nodes
+            ),
+            None => format!("EP rank of {ranks}"),
+        };
         experts = format!(
-            ", each its EP rank of {ranks} ({} expert slots per layer on each, rows moved by {}, \
-             EPLB {})",
+            ", each its {which} ({} expert slots per layer on each, rows moved by {}, EPLB {})",
             starting.slots_per_gpu,
             match links {
                 RankLinks::SharedDevice => "device copies",
@@ -406,13 +437,19 @@ fn on_node_devices(
             },
             if node.eplb.enabled { "on" } else { "off" }
         );
-        let group = Arc::new(DeviceExperts::new(node, ranks, starting.clone()));
+        let group = Arc::new(match &nodes {
+            Some(joined) => {
+                DeviceExperts::across_nodes(node, local, starting.clone(), joined.peers.clone())
+            }
+            None => DeviceExperts::new(node, local, starting.clone()),
+        });
         devices.open = gpu::cuda_expert_ranks(
             model.clone(),
             numerics,
             starting,
             group.clone(),
             links,
+            nodes.as_ref(),
             node.cluster.exchange_timeout,
         );
         devices.experts = Some(group);
@@ -518,10 +555,11 @@ mod tests {
         NodeConfig::from_toml_str(&text, "model source test").unwrap()
     }
 
-    /// Several nodes serve only as one node of a deployment (a bootstrap address), on the CPU
-    /// (live EPLB included): refused before anything loads, naming the field.
+    /// Several nodes serve only as one node of a deployment (a bootstrap address), on either
+    /// backend (live EPLB included on the CPU; which CUDA layouts run is
+    /// `experts::device`'s): refused before anything loads, naming the field.
     #[test]
-    fn several_nodes_need_a_bootstrap_and_the_cpu() {
+    fn several_nodes_need_a_bootstrap() {
         let topology = |extra: &str| {
             let text = format!(
                 "[model]\nsource = \"demo\"\n[device]\nnodes = 2\n[parallel]\ndp = 2\nep = 2\n{extra}"
@@ -536,10 +574,15 @@ mod tests {
         let joined = "[cluster]\nbootstrap = \"127.0.0.1:29500\"\n";
         assert!(check_nodes(&topology(joined)).is_ok());
         assert!(check_nodes(&topology(&format!("[eplb]\nenabled = true\n{joined}"))).is_ok());
-        let cuda = "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\nnodes = 2\n\
-                    [parallel]\ndp = 2\nep = 2\n[cluster]\nbootstrap = \"127.0.0.1:29500\"\n";
-        let cuda = NodeConfig::from_toml_str(cuda, "nodes test").unwrap();
-        assert_eq!(field(&cuda), "device.nodes");
+        let cuda = |cluster: &str| {
+            let text = format!(
+                "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\nnodes = 2\n\
+                 [parallel]\ndp = 2\nep = 2\n{cluster}"
+            );
+            NodeConfig::from_toml_str(&text, "nodes test").unwrap()
+        };
+        assert!(check_nodes(&cuda(joined)).is_ok());
+        assert_eq!(field(&cuda("")), "cluster.bootstrap");
     }
 
     #[test]
@@ -645,8 +688,8 @@ mod tests {
         );
     }
 
-    /// EP ranks on two GPUs without the NCCL library (this machine: no CUDA, or no libnccl):
-    /// the error names the field, the layout and the library.
+    /// EP ranks on two GPUs, or on the GPUs of two nodes, without the NCCL library (this
+    /// machine: no CUDA, or no libnccl): the error names the field, the layout and the library.
     #[test]
     fn a_missing_nccl_library_names_the_field_and_the_library() {
         let Err(reason) = gpu::nccl_available() else {
@@ -671,6 +714,26 @@ mod tests {
             message.contains("libnccl.so") || message.contains("no CUDA support"),
             "{message}"
         );
+        let nodes = NodeConfig::from_toml_str(
+            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\nnodes = 2\n\
+             gpus_per_node = 2\n[parallel]\ndp = 4\nep = 4\n\
+             [cluster]\nbootstrap = \"127.0.0.1:29500\"\n",
+            "nccl test topology",
+        )
+        .unwrap();
+        match nccl_missing(&nodes, &reason) {
+            EngineError::Config { field, message } => {
+                assert_eq!(field, "device.nodes");
+                assert!(
+                    message.contains(
+                        "nccl test topology: 4 EP ranks on device.nodes = 2 x \
+                         device.gpus_per_node = 2 GPUs move rows through NCCL"
+                    ),
+                    "{message}"
+                );
+            }
+            other => panic!("expected a config error, got {other:?}"),
+        }
     }
 
     #[test]

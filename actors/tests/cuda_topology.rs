@@ -1,7 +1,8 @@
 //! A CUDA topology on a machine without the GPUs it needs: `deepinfer-node` says so in one line
 //! and exits 1 (never a panic), and model resolution refuses it before loading anything; the
 //! expert parallelism CUDA does not run (several EP ranks per GPU over several GPUs) is refused
-//! naming the field, and the shipped two-GPU topology passes the checks that need no GPU.
+//! naming the field, and the shipped two-GPU topology passes the checks that need no GPU, as
+//! does one node of a CUDA deployment over two nodes (which needs only its own GPUs).
 //! Where the GPUs exist (the H200 with a `cuda` build) the shortage checks are skipped, and say
 //! so.
 
@@ -99,6 +100,51 @@ fn expert_parallelism_over_two_gpus_runs_one_rank_per_gpu() {
     }
     let message = resolve(&shipped).err().expect("refused").to_string();
     assert!(message.contains("needs 2 GPUs"), "{message}");
+    assert!(!message.contains("parallel.ep"), "{message}");
+}
+
+/// Node 1 of a CUDA deployment over two nodes of two GPUs (one EP rank per GPU on each, NCCL
+/// across the nodes) passes the checks that run without a GPU and, here without its GPUs, fails
+/// only for the shortage of its own two GPUs (not the deployment's four); two ranks per GPU over
+/// the nodes are refused naming `parallel.ep` before the GPUs are counted.
+#[test]
+fn one_node_of_a_cuda_deployment_needs_its_own_gpus_only() {
+    if std::env::var_os(deepinfer_actors::model_source::MODEL_DIR_ENV).is_some() {
+        return;
+    }
+    let node = |ranks: u16| {
+        NodeConfig::from_toml_str(
+            &format!(
+                "[model]\nsource = \"/nonexistent/checkpoint\"\n[device]\nbackend = \"cuda\"\n\
+                 nodes = 2\ngpus_per_node = 2\n[parallel]\ndp = {ranks}\nep = {ranks}\n\
+                 [cluster]\nnode = 1\nbootstrap = \"127.0.0.1:29500\"\n"
+            ),
+            "two node test",
+        )
+        .expect("topology")
+    };
+    let one_per_gpu = node(4);
+    assert_eq!(check_cuda_expert_parallel(&one_per_gpu), Ok(()));
+    assert_eq!(rank_links(&one_per_gpu), Some(RankLinks::Nccl));
+    let message = resolve(&node(8)).err().expect("refused").to_string();
+    assert!(message.contains("parallel.ep"), "{message}");
+    assert!(
+        message.contains("8 ranks on device.nodes x device.gpus_per_node = 2 x 2 = 4 GPUs"),
+        "{message}"
+    );
+    let gpus = gpu::inventory();
+    if gpus.count >= 2 {
+        eprintln!(
+            "skipped resolving node 1: this machine has {} GPUs",
+            gpus.count
+        );
+        return;
+    }
+    let message = resolve(&one_per_gpu).err().expect("refused").to_string();
+    assert!(
+        message.contains("needs 2 GPUs (1 node(s) x 2 GPUs per node)"),
+        "{message}"
+    );
     assert!(!message.contains("parallel.ep"), "{message}");
 }
 

@@ -12,7 +12,11 @@
 //!   rank's backend opened once, no scratch executor), the same steps on both ranks in lockstep,
 //!   before it serves the tokens of one rank;
 //! - the same group driven step by step: where the commit lands, and a rank that cannot stage
-//!   aborting the rebalance.
+//!   aborting the rebalance;
+//! - two engines as two nodes (one rank each, their lockstep linked by `StepBeacon`s over
+//!   loopback, as `deepinfer-node`s of a CUDA deployment over two nodes are): one serves, the
+//!   other has no request, and its rank follows every step the busy node's rank began (each
+//!   a collective over both nodes on CUDA), with nothing announced back and forth once idle.
 
 mod ep_support;
 
@@ -20,6 +24,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use deepinfer_actors::comm::steps::StepBeacon;
 use deepinfer_actors::experts::device::{DeviceExperts, DeviceRank, starting_placement};
 use deepinfer_actors::messages::experts::ShardLoads;
 use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
@@ -30,7 +35,8 @@ use deepinfer_model::backend::{Backend, CpuBackend};
 use deepinfer_model::config::ModelConfig;
 use deepinfer_topology::{ExpertPlacement, PlacementEpoch};
 use ep_support::{
-    bits, dspark_node, facts, model, node, run_engine, run_requests, skewed_prompts, start_engine,
+    bits, dspark_node, facts, model, node, run_engine, run_requests, shut_down, skewed_prompts,
+    start_engine,
 };
 
 /// How long the idle rank may take to catch up once the traffic is done (it polls every
@@ -102,6 +108,82 @@ async fn ranks_in_lockstep_serve_what_one_rank_serves() {
     println!(
         "two ranks in lockstep: {steps} steps each, {compared} rows bitwise equal to one rank"
     );
+}
+
+/// Node 0's engine serves the requests, node 1's none: node 1's rank follows every step node
+/// 0's rank began, as heard through the step counts, and both step logs hold every index once;
+/// the outputs are one rank's; idle, neither node steps again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_node_follows_the_steps_of_a_busy_one() {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let prompts = skewed_prompts(3);
+    let max_tokens = 4;
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, _) =
+        run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
+
+    let listeners: Vec<std::net::TcpListener> = (0..2)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a port"))
+        .collect();
+    let addrs: Vec<std::net::SocketAddr> = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("address"))
+        .collect();
+    let topology = node(1, 1, "");
+    let groups: Vec<Arc<DeviceExperts>> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(n, listener)| {
+            let beacon = StepBeacon::start(listener, 11, n as u16, &addrs, Duration::from_secs(5))
+                .expect("step counts");
+            let placement = starting_placement(&topology, model.config()).expect("placement");
+            Arc::new(DeviceExperts::across_nodes(&topology, 1, placement, beacon))
+        })
+        .collect();
+    let mut engines = Vec::new();
+    for group in &groups {
+        let one_rank = ModelFactory::per_device(
+            model.clone(),
+            "one CPU rank of a node",
+            RankDevices {
+                per_node: 1,
+                open: Arc::new(|_dp, _device| Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)),
+                experts: Some(group.clone()),
+            },
+        );
+        engines.push(start_engine(node(1, 1, ""), Arc::new(one_rank), facts).await);
+    }
+    let got = run_requests(&engines[0].0, &prompts, max_tokens).await;
+    assert_eq!(got, expected);
+    let (busy, idle) = (groups[0].lockstep(), groups[1].lockstep());
+    let started = Instant::now();
+    while idle.behind(0) > 0 || idle.steps() < busy.steps() {
+        assert!(
+            started.elapsed() < CATCH_UP,
+            "node 1 stays behind node 0: {} of {} steps",
+            idle.steps() - idle.behind(0),
+            busy.steps()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let steps = busy.steps();
+    assert!(steps as usize >= max_tokens, "{steps} steps");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        (busy.steps(), idle.steps()),
+        (steps, steps),
+        "idle nodes stepped on"
+    );
+    for (n, group) in groups.iter().enumerate() {
+        let indices: Vec<u64> = group.step_log().iter().map(|s| s.index).collect();
+        assert_eq!(indices, (0..steps).collect::<Vec<_>>(), "node {n}");
+    }
+    for (n, (engine, _, freed)) in engines.into_iter().enumerate() {
+        // Node 1 ran no sequence: nothing of its own to check against the `ReplayActor`.
+        shut_down(engine, &freed, n == 0).await;
+    }
+    println!("two nodes in lockstep: node 1 followed all {steps} steps of node 0");
 }
 
 /// The logits rows each of two ranks computed.

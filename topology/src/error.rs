@@ -46,11 +46,12 @@ pub enum TopologyError {
     NotEnoughGpus {
         /// The file (or other origin) of the config.
         origin: String,
-        /// `device.nodes * device.gpus_per_node`.
+        /// The GPUs this process drives (`NodeConfig::gpus_here`: `nodes * gpus_per_node`).
         required: usize,
         /// What the caller found on this machine.
         available: usize,
-        /// `device.nodes`.
+        /// The nodes whose ranks this process runs: `device.nodes`, or 1 on one node of a
+        /// deployment of one process per node (`cluster.bootstrap`).
         nodes: u16,
         /// `device.gpus_per_node`.
         gpus_per_node: u16,

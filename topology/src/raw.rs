@@ -340,9 +340,10 @@ pub struct RawClusterConfig {
     /// `device.nodes > 1`.
     #[serde(default, deserialize_with = "crate::strict::text")]
     pub bootstrap: Option<String>,
-    /// IP:port this node's expert server listens on (the other nodes send it the rows of its EP
-    /// ranks); port 0 picks a free port, which the bootstrap tells the others. Must be reachable
-    /// from every node. Default: `"127.0.0.1:0"`.
+    /// IP:port this node listens on for the other nodes: its expert server on the CPU backend
+    /// (they send it the rows of its EP ranks), its step counts with CUDA (they tell it how many
+    /// collective steps their ranks began); port 0 picks a free port, which the bootstrap tells
+    /// the others. Must be reachable from every node. Default: `"127.0.0.1:0"`.
     #[serde(default, deserialize_with = "crate::strict::text")]
     pub expert_listen: Option<String>,
     /// Longest wait of one exchange between nodes: one EP rank's answer for the rows of one

@@ -295,7 +295,8 @@ pub struct ClusterConfig {
     pub node: u16,
     /// Where node 0 listens while the nodes join (`Some` exactly when `device.nodes > 1`).
     pub bootstrap: Option<SocketAddr>,
-    /// Where this node's expert server listens (port 0: any free port). Default: 127.0.0.1:0.
+    /// Where this node listens for the others: its expert server (CPU), its step counts (CUDA)
+    /// (port 0: any free port). Default: 127.0.0.1:0.
     pub expert_listen: SocketAddr,
     /// Longest wait of one exchange between nodes. Default: 30 s.
     pub exchange_timeout: std::time::Duration,
@@ -489,18 +490,26 @@ impl NodeConfig {
         usize::from(self.device.nodes) * usize::from(self.device.gpus_per_node)
     }
 
-    /// Fails unless this machine has the GPUs the topology needs. The CPU backend always fits.
+    /// GPUs this process drives: every node's (one node, or `--simulate`), or one node's when
+    /// the topology is one node of a deployment of one `deepinfer-node` per node
+    /// (`cluster.bootstrap`); 0 for the CPU backend.
+    pub fn gpus_here(&self) -> usize {
+        usize::from(self.nodes_per_process()) * usize::from(self.device.gpus_per_node)
+    }
+
+    /// Fails unless this machine has the GPUs this process needs ([`Self::gpus_here`]). The
+    /// CPU backend always fits.
     pub fn can_run_here(&self, available_gpus: usize) -> Result<(), TopologyError> {
         if self.device.backend == Backend::Cpu {
             return Ok(());
         }
-        let required = self.gpu_count();
+        let required = self.gpus_here();
         if available_gpus < required {
             return Err(TopologyError::NotEnoughGpus {
                 origin: self.origin.clone(),
                 required,
                 available: available_gpus,
-                nodes: self.device.nodes,
+                nodes: self.nodes_per_process(),
                 gpus_per_node: self.device.gpus_per_node,
             });
         }

@@ -463,6 +463,27 @@ fn server_section_defaults_and_errors_name_the_field() {
     );
 }
 
+/// A CUDA node of a deployment of one process per node needs its own node's GPUs only; one
+/// process running every node (`--simulate`, no bootstrap) needs every node's; the shortage
+/// names what this process needs.
+#[test]
+fn a_node_of_a_deployment_needs_its_own_gpus_only() {
+    let two = "[device]\nbackend = \"cuda\"\nnodes = 2\ngpus_per_node = 4\n\
+               [parallel]\ndp = 8\nep = 8\n";
+    let all = NodeConfig::from_toml_str(two, ORIGIN).expect("one process runs both nodes");
+    assert_eq!((all.gpu_count(), all.gpus_here()), (8, 8));
+    assert!(all.can_run_here(4).is_err());
+    let joined = format!("{two}[cluster]\nbootstrap = \"127.0.0.1:29500\"\nnode = 1\n");
+    let node = NodeConfig::from_toml_str(&joined, ORIGIN).expect("node 1");
+    assert_eq!((node.gpu_count(), node.gpus_here()), (8, 4));
+    assert!(node.can_run_here(4).is_ok());
+    let short = node.can_run_here(3).expect_err("3 of 4 GPUs").to_string();
+    assert!(
+        short.contains("needs 4 GPUs (1 node(s) x 4 GPUs per node), but only 3"),
+        "{short}"
+    );
+}
+
 /// `[cluster]`: a node of a deployment (`bootstrap` set) needs ranks that divide over the nodes
 /// and a node index in range, and runs its share of the ranks; without `bootstrap` one process
 /// runs every node (`--simulate`); timeouts in range; the defaults hold.

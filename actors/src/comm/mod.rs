@@ -4,7 +4,9 @@
 //! their experts and come back), `LocalComm` (`local.rs`: the shards of this process's EP ranks,
 //! computed on the caller's thread; the other processes' EP ranks through `RemoteRanks`),
 //! `RemoteRanks` and `ExpertServer` (`remote.rs`: the socket transport), the node bootstrap
-//! (`bootstrap.rs`), the byte format (`wire.rs`), `StepExperts` (the model's `RoutedExperts` hook
+//! (`bootstrap.rs`, which also hands CUDA nodes NCCL's unique id), `StepBeacon` (`steps.rs`:
+//! across CUDA nodes, the step counts that keep the nodes' ranks in lockstep), the byte format
+//! (`wire.rs`), `StepExperts` (the model's `RoutedExperts` hook
 //! for one step over one `Comm`) and `EpError`.
 //!
 //! The protocol, per DP rank, step and backbone layer (one `Comm::serve_layer` call):
@@ -32,6 +34,7 @@
 pub mod bootstrap;
 mod local;
 pub mod remote;
+pub mod steps;
 pub mod wire;
 
 use std::sync::Mutex;

@@ -8,7 +8,11 @@
 //! by `Welcome` (the session id and every node's expert address) or `Failure`. Live EPLB: node
 //! 0's `Control` requests (take the loads, stage a placement, commit or abort an epoch) to the
 //! other nodes' expert servers, answered by `ControlReply`. An expert server reads either kind of
-//! request on a connection (`Request`).
+//! request on a connection (`Request`). Start-up frames carry `BOOTSTRAP_VERSION` (nodes of
+//! another build are refused by name), and `Welcome` carries node 0's opaque unique id when the
+//! deployment has one (NCCL's 128 bytes, for CUDA ranks across nodes: `UNIQUE_ID_BYTES`, length
+//! checked). Across CUDA nodes, each node tells the others how many collective steps its ranks
+//! began (`StepCount`, `comm::steps`).
 
 use std::io::{self, Read, Write};
 
@@ -34,6 +38,13 @@ const CONTROL: u8 = 6;
 const LOADS: u8 = 7;
 const STAGED: u8 = 8;
 const DONE: u8 = 9;
+const STEPS: u8 = 10;
+/// The layout of `Hello` and `Welcome` (2: `Welcome` carries a unique id).
+pub const BOOTSTRAP_VERSION: u16 = 2;
+/// Bytes of the unique id `Welcome` may carry (NCCL's `ncclUniqueId`).
+pub const UNIQUE_ID_BYTES: usize = 128;
+/// The opaque id node 0 hands every node (NCCL's unique id, for CUDA ranks across nodes).
+pub type UniqueId = [u8; UNIQUE_ID_BYTES];
 /// Most layers, slots, EP ranks or replicas in a placement or a load table.
 const MAX_TABLE: u32 = 1 << 20;
 
@@ -92,8 +103,19 @@ pub enum Welcome {
         session: u64,
         /// Every node's expert address, by node index.
         experts: Vec<String>,
+        /// The unique id node 0 created for the deployment (`None`: it has none, the CPU).
+        unique_id: Option<UniqueId>,
     },
     Failure(String),
+}
+
+/// Across CUDA nodes: the most collective steps a rank of node `node` has begun
+/// (`experts::lockstep`), sent to every other node each time it grows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepCount {
+    pub session: u64,
+    pub node: u16,
+    pub began: u64,
 }
 
 /// What node 0's EPLB asks another node's expert server (one request per connection).
@@ -503,9 +525,44 @@ impl Reply {
     }
 }
 
+/// Reads a start-up frame's version: another build's frame is an error naming both versions.
+fn version_of(r: &mut impl Read, frame: &str) -> io::Result<()> {
+    let version = u16_of(r)?;
+    if version != BOOTSTRAP_VERSION {
+        return Err(bad(format!(
+            "{frame} of bootstrap version {version}, this node speaks version \
+             {BOOTSTRAP_VERSION} (every node must run the same deepinfer build)"
+        )));
+    }
+    Ok(())
+}
+
+/// Reads `Welcome`'s unique id: its length (0: none, or `UNIQUE_ID_BYTES`), then the bytes.
+fn unique_id_of(r: &mut impl Read) -> io::Result<Option<UniqueId>> {
+    let len = u32_of(r).map_err(|e| cut_short("the unique id's length", e))?;
+    match len as usize {
+        0 => Ok(None),
+        UNIQUE_ID_BYTES => {
+            let mut id = [0u8; UNIQUE_ID_BYTES];
+            r.read_exact(&mut id)
+                .map_err(|e| cut_short("the unique id (128 bytes)", e))?;
+            Ok(Some(id))
+        }
+        other => Err(bad(format!(
+            "the unique id is {other} bytes long, expected 0 (none) or {UNIQUE_ID_BYTES}"
+        ))),
+    }
+}
+
+/// A frame that ends before `what`: the same error kind, naming what was missing.
+fn cut_short(what: &str, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("the frame was cut short in {what}: {e}"))
+}
+
 impl Hello {
     pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
         let mut f = Frame::new(HELLO);
+        f.u16(BOOTSTRAP_VERSION);
         f.u16(self.node);
         f.u16(self.nodes);
         f.u64(self.fingerprint);
@@ -515,6 +572,7 @@ impl Hello {
 
     pub fn receive(r: &mut impl Read) -> io::Result<Hello> {
         expect_kind(r, &[HELLO])?;
+        version_of(r, "Hello")?;
         Ok(Hello {
             node: u16_of(r)?,
             nodes: u16_of(r)?,
@@ -527,12 +585,24 @@ impl Hello {
 impl Welcome {
     pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
         match self {
-            Welcome::Joined { session, experts } => {
+            Welcome::Joined {
+                session,
+                experts,
+                unique_id,
+            } => {
                 let mut f = Frame::new(WELCOME);
+                f.u16(BOOTSTRAP_VERSION);
                 f.u64(*session);
                 f.u32(experts.len() as u32);
                 for addr in experts {
                     f.text(addr);
+                }
+                match unique_id {
+                    None => f.u32(0),
+                    Some(id) => {
+                        f.u32(UNIQUE_ID_BYTES as u32);
+                        f.0.extend_from_slice(id);
+                    }
                 }
                 f.send(w)
             }
@@ -547,12 +617,41 @@ impl Welcome {
     pub fn receive(r: &mut impl Read) -> io::Result<Welcome> {
         match expect_kind(r, &[WELCOME, FAILURE])? {
             WELCOME => {
+                version_of(r, "Welcome")?;
                 let session = u64_of(r)?;
                 let nodes = bounded(u32_of(r)?, u32::from(u16::MAX), "node count")?;
                 let experts = (0..nodes).map(|_| text_of(r)).collect::<io::Result<_>>()?;
-                Ok(Welcome::Joined { session, experts })
+                let unique_id = unique_id_of(r)?;
+                Ok(Welcome::Joined {
+                    session,
+                    experts,
+                    unique_id,
+                })
             }
             _ => Ok(Welcome::Failure(text_of(r)?)),
+        }
+    }
+}
+
+impl StepCount {
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        let mut f = Frame::new(STEPS);
+        f.u64(self.session);
+        f.u16(self.node);
+        f.u64(self.began);
+        f.send(w)
+    }
+
+    /// The next count on a connection (`None`: the peer closed it between frames).
+    pub fn receive(r: &mut impl Read) -> io::Result<Option<StepCount>> {
+        match kind_of(r)? {
+            None => Ok(None),
+            Some(STEPS) => Ok(Some(StepCount {
+                session: u64_of(r)?,
+                node: u16_of(r)?,
+                began: u64_of(r)?,
+            })),
+            Some(kind) => Err(bad(format!("expected a step count, got frame kind {kind}"))),
         }
     }
 }
@@ -591,16 +690,31 @@ mod tests {
         reply.send(&mut bytes).expect("written");
         assert_eq!(Reply::receive(&mut bytes.as_slice()).expect("read"), reply);
 
-        let welcome = Welcome::Joined {
+        for unique_id in [None, Some(std::array::from_fn(|i| (i * 7 + 3) as u8))] {
+            let welcome = Welcome::Joined {
+                session: 9,
+                experts: vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()],
+                unique_id,
+            };
+            let mut bytes = Vec::new();
+            welcome.send(&mut bytes).expect("written");
+            assert_eq!(
+                Welcome::receive(&mut bytes.as_slice()).expect("read"),
+                welcome
+            );
+        }
+        let count = StepCount {
             session: 9,
-            experts: vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()],
+            node: 1,
+            began: 1 << 40,
         };
         let mut bytes = Vec::new();
-        welcome.send(&mut bytes).expect("written");
-        assert_eq!(
-            Welcome::receive(&mut bytes.as_slice()).expect("read"),
-            welcome
-        );
+        count.send(&mut bytes).expect("written");
+        count.send(&mut bytes).expect("written");
+        let mut r = bytes.as_slice();
+        assert_eq!(StepCount::receive(&mut r).expect("read"), Some(count));
+        assert_eq!(StepCount::receive(&mut r).expect("read"), Some(count));
+        assert_eq!(StepCount::receive(&mut r).expect("closed"), None);
 
         // A wrong magic, a truncated frame and an oversized count are errors, not panics.
         assert!(Hello::receive(&mut &b"GET / HTTP/1.1\r\n"[..]).is_err());
@@ -627,6 +741,73 @@ mod tests {
         wide.u32(MAX_DIM);
         let err = Request::receive(&mut wide.0.as_slice()).expect_err("too many values");
         assert!(err.to_string().contains("rows x width"), "{err}");
+    }
+
+    /// `Welcome` with its table, then `id_len` and `id`, as a node 0 might send it.
+    fn welcome_frame(version: u16, id_len: u32, id: &[u8]) -> Vec<u8> {
+        let mut f = Frame::new(WELCOME);
+        f.u16(version);
+        f.u64(9);
+        f.u32(1);
+        f.text("127.0.0.1:1");
+        f.u32(id_len);
+        f.0.extend_from_slice(id);
+        f.0
+    }
+
+    /// A unique id cut short, of a length other than 0 or 128, or a frame of another bootstrap
+    /// version is refused naming what is wrong, never read as a shorter or padded id.
+    #[test]
+    fn a_malformed_unique_id_or_version_is_refused_naming_it() {
+        let id = [5u8; UNIQUE_ID_BYTES];
+        let whole = welcome_frame(BOOTSTRAP_VERSION, 128, &id);
+        match Welcome::receive(&mut whole.as_slice()).expect("read") {
+            Welcome::Joined { unique_id, .. } => assert_eq!(unique_id, Some(id)),
+            other => panic!("{other:?}"),
+        }
+        let short = welcome_frame(BOOTSTRAP_VERSION, 128, &id[..100]);
+        let err = Welcome::receive(&mut short.as_slice()).expect_err("cut short");
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        assert!(
+            err.to_string()
+                .contains("cut short in the unique id (128 bytes)"),
+            "{err}"
+        );
+        let no_length = &whole[..whole.len() - UNIQUE_ID_BYTES - 2];
+        let err = Welcome::receive(&mut &no_length[..]).expect_err("no length");
+        assert!(err.to_string().contains("the unique id's length"), "{err}");
+        for len in [1, 64, 127, 129, u32::MAX] {
+            let odd = welcome_frame(BOOTSTRAP_VERSION, len, &id);
+            let err = Welcome::receive(&mut odd.as_slice()).expect_err("odd length");
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+            assert!(
+                err.to_string()
+                    .contains(&format!("the unique id is {len} bytes long, expected 0")),
+                "{err}"
+            );
+        }
+        let old = welcome_frame(1, 128, &id);
+        let err = Welcome::receive(&mut old.as_slice()).expect_err("another version");
+        assert!(
+            err.to_string()
+                .contains("Welcome of bootstrap version 1, this node speaks version 2"),
+            "{err}"
+        );
+        let mut hello = Vec::new();
+        Hello {
+            node: 1,
+            nodes: 2,
+            fingerprint: 5,
+            expert_addr: "127.0.0.1:3".into(),
+        }
+        .send(&mut hello)
+        .expect("written");
+        hello[5] = 7; // the version's low byte
+        let err = Hello::receive(&mut hello.as_slice()).expect_err("another version");
+        assert!(
+            err.to_string().contains("Hello of bootstrap version 7"),
+            "{err}"
+        );
     }
 
     #[test]

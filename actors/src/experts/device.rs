@@ -16,24 +16,38 @@
 //! rank adopts it there (dropping the experts it no longer holds), so no step mixes epochs and
 //! no request is lost or changed. While a rank stages, its device holds both epochs' experts.
 //! Built ([`RankLinks`]): every rank on one GPU (`device.gpus_per_node = 1`, rows moved by
-//! device copies), or one rank per GPU of one node (`parallel.dp = parallel.ep =
+//! device copies), one rank per GPU of one node (`parallel.dp = parallel.ep =
 //! device.gpus_per_node`, rows moved by NCCL, the communicators created once every rank's
-//! backend opened; not run on two GPUs yet).
-//! Refused before anything loads, naming the field: several ranks per GPU over several GPUs
-//! (`parallel.ep`: NCCL and the device copies do not mix), several nodes (`device.nodes`: the
-//! bootstrap does not hand over NCCL's unique id), live EPLB with one rank.
+//! backend opened), or one rank per GPU of every node of a deployment of one `deepinfer-node`
+//! per node (`parallel.dp = parallel.ep = device.nodes x device.gpus_per_node`,
+//! `[cluster] bootstrap`): [`join_nodes`] runs the node bootstrap, in which node 0 creates
+//! NCCL's unique id and hands it to every node, and each node creates its ranks'
+//! communicators as global ranks `node * gpus_per_node + local` of one NCCL communicator
+//! (`NcclDevices` with an `NcclWorld`); the nodes' lockstep is kept by their step counts
+//! (`comm::steps::StepBeacon`), so an idle rank follows a busy one of another node. None of the
+//! NCCL layouts has run on two GPUs yet.
+//! Refused before anything loads, naming the field and the numbers: several ranks per GPU over
+//! several GPUs or nodes (`parallel.ep`: NCCL and the device copies do not mix), live EPLB with
+//! one rank, live EPLB over several nodes (`eplb.enabled`: the commit step is agreed within one
+//! process only), DSpark with EP ranks (`dspark.enabled`).
 
 use std::collections::VecDeque;
+use std::net::TcpListener;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::Backend;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_topology::{DpRank, ExpertPlacement, NodeConfig, PlacementEpoch, PlacementShape};
 
+use crate::comm::EpError;
+use crate::comm::bootstrap::{self, Member, UniqueId, UniqueIdSource};
+use crate::comm::steps::StepBeacon;
 use crate::eplb::state::{EplbAction, EplbState};
 use crate::error::EngineError;
-use crate::experts::lockstep::Lockstep;
+use crate::experts::lockstep::{Lockstep, NodePeers};
 use crate::experts::parallel::EpSettings;
+use crate::experts::shard::ExpertSource;
 use crate::messages::eplb::{EplbStatus, RebalanceReport};
 use crate::messages::experts::ShardLoads;
 use crate::metrics as m;
@@ -67,19 +81,44 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
         }
         return Ok(());
     }
-    if node.device.nodes > 1 {
-        return refuse(
-            "device.nodes",
-            format!(
-                "expert parallelism on CUDA runs on one node so far: the {ep} EP ranks over \
-                 {} nodes would need each node's NCCL communicators joined through node 0's \
-                 unique id (NcclTransport::join), which the node bootstrap does not hand over \
-                 yet; use device.nodes = 1",
-                node.device.nodes
-            ),
-        );
-    }
     let gpus = node.device.gpus_per_node;
+    let nodes = node.device.nodes;
+    if nodes > 1 {
+        if node.dspark.enabled {
+            return refuse(
+                "dspark.enabled",
+                format!(
+                    "DSpark's start-up profile runs on every rank at once, in lockstep within \
+                     one process; over device.nodes = {nodes} nodes that profile has not been \
+                     run yet; use dspark.enabled = false, or device.nodes = 1"
+                ),
+            );
+        }
+        if node.eplb.enabled {
+            return refuse(
+                "eplb.enabled",
+                format!(
+                    "live EPLB on CUDA commits a placement at the first step no rank of its \
+                     process has begun; over device.nodes = {nodes} nodes the nodes would have \
+                     to agree on that step, which they do not yet; use eplb.enabled = false, or \
+                     device.nodes = 1"
+                ),
+            );
+        }
+        let all = u32::from(nodes) * u32::from(gpus);
+        if u32::from(ep) != all {
+            return refuse(
+                "parallel.ep",
+                format!(
+                    "EP ranks over several nodes share one NCCL communicator, one rank per GPU \
+                     on every node: parallel.dp = parallel.ep = {ep} ranks on device.nodes x \
+                     device.gpus_per_node = {nodes} x {gpus} = {all} GPUs; use \
+                     parallel.dp = parallel.ep = {all}"
+                ),
+            );
+        }
+        return Ok(());
+    }
     if gpus > 1 && ep != gpus {
         return refuse(
             "parallel.ep",
@@ -100,18 +139,99 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
 pub enum RankLinks {
     /// Every rank on one GPU: device copies (`SharedDevice`).
     SharedDevice,
-    /// One rank per GPU of the node: NCCL (`NcclDevices`).
+    /// One rank per GPU of the node, or of every node: NCCL (`NcclDevices`).
     Nccl,
 }
 
 /// The links of `node`'s EP ranks once [`check_cuda_expert_parallel`] accepted it; `None`
 /// without expert parallelism.
 pub fn rank_links(node: &NodeConfig) -> Option<RankLinks> {
-    match (node.parallel.ep, node.device.gpus_per_node) {
-        (1, _) => None,
-        (_, 1) => Some(RankLinks::SharedDevice),
+    match (
+        node.parallel.ep,
+        node.device.gpus_per_node,
+        node.device.nodes,
+    ) {
+        (1, _, _) => None,
+        (_, 1, 1) => Some(RankLinks::SharedDevice),
         _ => Some(RankLinks::Nccl),
     }
+}
+
+/// What every node of a CUDA deployment must agree on (checked at the bootstrap): the model's
+/// expert shape and the expert-parallel layout (as on the CPU, `EpSettings::fingerprint`), the
+/// backend with its numerics, and the GPUs per node.
+pub fn cuda_fingerprint(node: &NodeConfig, model: &AnyModel) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    EpSettings::from_node(node)
+        .fingerprint(&ExpertSource::from(model.clone()))
+        .hash(&mut hasher);
+    (
+        format!("{:?}", node.device.backend),
+        node.device.gpus_per_node,
+    )
+        .hash(&mut hasher);
+    hasher.finish()
+}
+
+/// What one node of a CUDA deployment over several nodes got from the others ([`join_nodes`]).
+#[derive(Debug)]
+pub struct NodeLinks {
+    /// NCCL's unique id, created by node 0.
+    pub unique_id: UniqueId,
+    /// The global EP rank of this node's first rank (`node * gpus_per_node`).
+    pub first_rank: usize,
+    /// EP ranks of all nodes (the communicator's size).
+    pub ranks: usize,
+    /// The other nodes' step counts, which this node's `Lockstep` follows
+    /// ([`DeviceExperts::across_nodes`]).
+    pub peers: Arc<StepBeacon>,
+}
+
+/// Node `[cluster] node` of a CUDA deployment over `device.nodes` nodes joins the others:
+/// binds its peer address (`[cluster] expert_listen`), goes through node 0's bootstrap
+/// (`[cluster] bootstrap`; every node must agree on `fingerprint`, [`cuda_fingerprint`]; node 0
+/// creates NCCL's unique id from `source` and every node gets it), then links its step counts
+/// to theirs. Blocks until every node joined or `[cluster] bootstrap_timeout_seconds` passed.
+pub fn join_nodes(
+    node: &NodeConfig,
+    fingerprint: u64,
+    source: &dyn UniqueIdSource,
+) -> Result<NodeLinks, EpError> {
+    let cluster = &node.cluster;
+    let bootstrap_addr = cluster
+        .bootstrap
+        .ok_or_else(|| EpError::Bootstrap("several nodes need [cluster] bootstrap".into()))?;
+    let listener = TcpListener::bind(cluster.expert_listen).map_err(|e| {
+        EpError::Bootstrap(format!("step counts on {}: {e}", cluster.expert_listen))
+    })?;
+    let expert_addr = listener
+        .local_addr()
+        .map_err(|e| EpError::Bootstrap(format!("step counts address: {e}")))?;
+    let me = Member {
+        node: cluster.node,
+        nodes: node.device.nodes,
+        fingerprint,
+        expert_addr,
+    };
+    let joined =
+        bootstrap::join_with_unique_id(bootstrap_addr, me, cluster.bootstrap_timeout, source)?;
+    let unique_id = joined
+        .unique_id
+        .ok_or_else(|| EpError::Bootstrap("node 0 sent no unique id".into()))?;
+    let peers = StepBeacon::start(
+        listener,
+        joined.session,
+        cluster.node,
+        &joined.experts,
+        cluster.bootstrap_timeout,
+    )?;
+    Ok(NodeLinks {
+        unique_id,
+        first_rank: usize::from(node.ep_ranks_on_node().start),
+        ranks: usize::from(node.parallel.ep),
+        peers,
+    })
 }
 
 /// The placement the EP ranks of `node` serve at start (epoch 0): equal loads over `cfg`'s
@@ -222,6 +342,20 @@ impl DeviceExperts {
             ranks: Mutex::new(vec![None; ranks]),
             eplb: Mutex::new(eplb),
             log: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// This node's `ranks` ranks of a group spanning several nodes (the other nodes' ranks are
+    /// `peers`, [`NodeLinks::peers`]); no live EPLB (refused over several nodes).
+    pub fn across_nodes(
+        node: &NodeConfig,
+        ranks: usize,
+        placement: Arc<ExpertPlacement>,
+        peers: Arc<dyn NodePeers>,
+    ) -> DeviceExperts {
+        DeviceExperts {
+            lockstep: Lockstep::across_nodes(ranks, peers),
+            ..DeviceExperts::new(node, ranks, placement)
         }
     }
 
@@ -418,9 +552,9 @@ mod tests {
 
     /// Ranks on one GPU (device copies) and one rank per GPU of one node (NCCL) run, with
     /// live EPLB and DSpark too (the ranks profile DSpark's step rate together); several ranks
-    /// per GPU over several GPUs, several nodes, and live EPLB over one rank are refused naming
-    /// the field and the numbers; `ep != dp` (and context parallelism) never get here: the
-    /// topology refuses them.
+    /// per GPU over several GPUs, and live EPLB over one rank are refused naming the field and
+    /// the numbers; `ep != dp` (and context parallelism) never get here: the topology refuses
+    /// them. (Several nodes: the next test.)
     #[test]
     fn what_cuda_expert_parallelism_runs_and_refuses() {
         let eplb = "[eplb]\nenabled = true\n";
@@ -460,20 +594,148 @@ mod tests {
             assert!(message.contains(part), "{part}: {message}");
         }
 
-        let nodes = format!(
-            "nodes = 2\n{}[cluster]\nbootstrap = \"127.0.0.1:29500\"\n",
-            ranks(1, 2)
-        );
-        let (field, message) = refusal(&cuda(&nodes));
-        assert_eq!(field, "device.nodes");
-        assert!(message.contains("NcclTransport::join"), "{message}");
-
         let err = NodeConfig::from_toml_str(
             "[device]\nbackend = \"cuda\"\ngpus_per_node = 1\n[parallel]\ndp = 2\nep = 1\n",
             "ep below dp",
         )
         .expect_err("ep != dp on cuda");
         assert!(err.to_string().contains("parallel.ep"), "{err}");
+    }
+
+    /// Node `node` of `nodes` with `gpus` GPUs each and `count` DP = EP ranks in all.
+    fn on_nodes(nodes: u16, node: u16, gpus: u16, count: u16, extra: &str) -> NodeConfig {
+        cuda(&format!(
+            "nodes = {nodes}\n{}{extra}[cluster]\nnode = {node}\nbootstrap = \"127.0.0.1:29500\"\n",
+            ranks(gpus, count)
+        ))
+    }
+
+    /// Over several nodes, one rank per GPU on every node runs (NCCL, whatever the GPUs per
+    /// node), on every node of the deployment; several ranks per GPU, live EPLB and DSpark are
+    /// refused naming the field and the numbers.
+    #[test]
+    fn what_cuda_expert_parallelism_runs_over_several_nodes() {
+        for (nodes, gpus) in [(2, 1), (2, 2), (2, 8), (4, 8)] {
+            for node in [0, nodes - 1] {
+                let topology = on_nodes(nodes, node, gpus, nodes * gpus, "");
+                let what = format!("node {node} of {nodes} with {gpus} GPUs each");
+                assert_eq!(check_cuda_expert_parallel(&topology), Ok(()), "{what}");
+                assert_eq!(rank_links(&topology), Some(RankLinks::Nccl), "{what}");
+                assert_eq!(
+                    usize::from(topology.dp_on_node()),
+                    usize::from(gpus),
+                    "{what}"
+                );
+            }
+        }
+
+        for (gpus, count, uses) in [(1, 4, 2), (2, 8, 4)] {
+            let (field, message) = refusal(&on_nodes(2, 1, gpus, count, ""));
+            assert_eq!(field, "parallel.ep");
+            for part in [
+                format!(
+                    "parallel.dp = parallel.ep = {count} ranks on device.nodes x \
+                     device.gpus_per_node = 2 x {gpus} = {uses} GPUs"
+                ),
+                "one rank per GPU on every node".to_string(),
+                format!("use parallel.dp = parallel.ep = {uses}"),
+            ] {
+                assert!(message.contains(&part), "{part}: {message}");
+            }
+        }
+
+        let (field, message) = refusal(&on_nodes(2, 0, 2, 4, "[eplb]\nenabled = true\n"));
+        assert_eq!(field, "eplb.enabled");
+        assert!(message.contains("over device.nodes = 2 nodes"), "{message}");
+        let (field, message) = refusal(&on_nodes(2, 0, 2, 4, "[dspark]\nenabled = true\n"));
+        assert_eq!(field, "dspark.enabled");
+        assert!(message.contains("over device.nodes = 2 nodes"), "{message}");
+    }
+
+    /// Two nodes of two GPUs each join over loopback (a fake unique id for NCCL's): both get
+    /// node 0's id, their first global ranks (0 and 2) and the communicator's size, and each
+    /// hears the steps the other's ranks lead; nodes of another layout are refused.
+    #[test]
+    fn nodes_join_with_the_unique_id_and_hear_each_others_steps() {
+        let boot = crate::comm::free_loopback();
+        let topology = move |node: u16| {
+            cuda(&format!(
+                "nodes = 2\n{}[cluster]\nnode = {node}\nbootstrap = \"{boot}\"\n\
+                 bootstrap_timeout_seconds = 20\n",
+                ranks(2, 4)
+            ))
+        };
+        let id: UniqueId = std::array::from_fn(|i| (255 - i) as u8);
+        let fake = move || -> Result<UniqueId, String> { Ok(id) };
+        let never = || -> Result<UniqueId, String> { Err("a follower creates no id".into()) };
+        let second = std::thread::spawn(move || join_nodes(&topology(1), 9, &never));
+        let first = join_nodes(&topology(0), 9, &fake).expect("node 0");
+        let second = second.join().expect("thread").expect("node 1");
+        assert_eq!((first.unique_id, second.unique_id), (id, id));
+        assert_eq!((first.first_rank, second.first_rank), (0, 2));
+        assert_eq!((first.ranks, second.ranks), (4, 4));
+        let group = DeviceExperts::across_nodes(
+            &topology(1),
+            2,
+            ExpertPlacement::uniform(1, 8, PlacementShape::from_config(&topology(1), 8))
+                .map(Arc::new)
+                .expect("placement"),
+            second.peers.clone(),
+        );
+        first.peers.announce(3);
+        let started = std::time::Instant::now();
+        while group.lockstep().behind(0) < 3 {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(10),
+                "node 1 hears 3"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(
+            (group.lockstep().behind(1), group.lockstep().steps()),
+            (3, 3)
+        );
+
+        let boot = crate::comm::free_loopback();
+        let topology = move |node: u16, fingerprint: u64| {
+            let text = format!(
+                "nodes = 2\n{}[cluster]\nnode = {node}\nbootstrap = \"{boot}\"\n\
+                 bootstrap_timeout_seconds = 20\n",
+                ranks(2, 4)
+            );
+            (cuda(&text), fingerprint)
+        };
+        let other = std::thread::spawn(move || {
+            let (node, fingerprint) = topology(1, 8);
+            join_nodes(&node, fingerprint, &never)
+        });
+        let (node, fingerprint) = topology(0, 9);
+        let err = join_nodes(&node, fingerprint, &fake).expect_err("another fingerprint");
+        assert!(
+            err.to_string().contains("another model or topology"),
+            "{err}"
+        );
+        assert!(other.join().expect("thread").is_err());
+    }
+
+    /// Every node of one deployment has the same fingerprint; another layout, GPU count or
+    /// numerics does not.
+    #[test]
+    fn nodes_agree_on_the_fingerprint_of_what_they_run() {
+        let (_dir, model) = crate::experts::tiny_test_model();
+        let model = AnyModel::from(model);
+        let of = |node: u16, gpus: u16, count: u16| {
+            cuda_fingerprint(&on_nodes(2, node, gpus, count, ""), &model)
+        };
+        let node0 = of(0, 2, 4);
+        assert_eq!(of(1, 2, 4), node0);
+        assert_ne!(of(1, 1, 2), node0);
+        let exact = cuda(&format!(
+            "numerics = \"exact\"\nnodes = 2\n{}[cluster]\nnode = 1\n\
+             bootstrap = \"127.0.0.1:29500\"\n",
+            ranks(2, 4)
+        ));
+        assert_ne!(cuda_fingerprint(&exact, &model), node0);
     }
 
     #[test]

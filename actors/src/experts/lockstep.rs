@@ -9,8 +9,14 @@
 //! begin a step, so idle ranks never lead one another. A placement epoch is committed at the
 //! first step index no rank has begun (`commit`, under the same lock as `begin`), so every rank
 //! adopts it at the same step boundary and no step mixes epochs.
+//!
+//! Across nodes (CUDA ranks of several `deepinfer-node` processes, `Lockstep::across_nodes`)
+//! the other nodes' ranks count too: `NodePeers` says how many steps they began (as last heard,
+//! `comm::steps::StepBeacon`) and hears of each step a rank of this node leads beyond that,
+//! so an idle rank of one node follows a busy rank of another. Placements are committed only
+//! within one process (live EPLB over several nodes is refused on CUDA).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deepinfer_topology::PlacementEpoch;
@@ -18,10 +24,21 @@ use deepinfer_topology::PlacementEpoch;
 /// How often an idle rank thread looks for peers' steps to follow.
 pub const FOLLOW_POLL: Duration = Duration::from_micros(200);
 
+/// The ranks of the other nodes of a deployment, whose collectives this group's ranks join.
+pub trait NodePeers: Send + Sync + std::fmt::Debug {
+    /// The most steps a rank of another node has begun, as last heard.
+    fn began(&self) -> u64;
+    /// A rank of this node began step `steps - 1`, which no rank heard of had: tell the other
+    /// nodes (called under the lockstep's lock: must not block).
+    fn announce(&self, steps: u64);
+}
+
 /// Steps begun by each rank of one expert-parallel group, and the placement epoch of each step.
 #[derive(Debug)]
 pub struct Lockstep {
     state: Mutex<Steps>,
+    /// The other nodes' ranks (`None`: every rank of the group is in this process).
+    peers: Option<Arc<dyn NodePeers>>,
 }
 
 #[derive(Debug)]
@@ -39,7 +56,23 @@ impl Lockstep {
                 started: vec![0; ranks],
                 commits: vec![(0, PlacementEpoch(0))],
             }),
+            peers: None,
         }
+    }
+
+    /// This node's `ranks` ranks of a group spanning several nodes, whose other ranks are
+    /// `peers`.
+    pub fn across_nodes(ranks: usize, peers: Arc<dyn NodePeers>) -> Lockstep {
+        Lockstep {
+            peers: Some(peers),
+            ..Lockstep::new(ranks)
+        }
+    }
+
+    /// The most steps a rank of this node or (as heard) another has begun.
+    fn furthest(&self, steps: &Steps) -> u64 {
+        let here = steps.started.iter().copied().max().unwrap_or(0);
+        here.max(self.peers.as_ref().map_or(0, |p| p.began()))
     }
 
     pub fn ranks(&self) -> usize {
@@ -56,6 +89,11 @@ impl Lockstep {
     pub fn begin(&self, rank: usize) -> (u64, PlacementEpoch) {
         let mut steps = self.lock();
         let index = steps.started[rank];
+        if let Some(peers) = &self.peers
+            && index >= self.furthest(&steps)
+        {
+            peers.announce(index + 1);
+        }
         steps.started[rank] += 1;
         let epoch = steps
             .commits
@@ -66,22 +104,22 @@ impl Lockstep {
         (index, epoch)
     }
 
-    /// Steps rank `rank` must still run to reach the furthest peer (0: none is ahead).
+    /// Steps rank `rank` must still run to reach the furthest peer, of this node or another
+    /// (0: none is ahead).
     pub fn behind(&self, rank: usize) -> u64 {
         let steps = self.lock();
-        let furthest = steps.started.iter().copied().max().unwrap_or(0);
-        furthest - steps.started[rank]
+        self.furthest(&steps).saturating_sub(steps.started[rank])
     }
 
     /// The most steps any rank has begun (the group's step count once none is behind).
     pub fn steps(&self) -> u64 {
-        self.lock().started.iter().copied().max().unwrap_or(0)
+        self.furthest(&self.lock())
     }
 
     /// Every step from the first one no rank has begun yet runs on `epoch`; returns that step.
     pub fn commit(&self, epoch: PlacementEpoch) -> u64 {
         let mut steps = self.lock();
-        let from = steps.started.iter().copied().max().unwrap_or(0);
+        let from = self.furthest(&steps);
         steps.commits.push((from, epoch));
         from
     }
@@ -162,5 +200,60 @@ mod tests {
         }
         assert!((0..4).all(|r| lockstep.behind(r) == 0));
         assert_eq!(lockstep.steps(), 15);
+    }
+
+    /// Another node as this node's lockstep sees it: what it began (set by the test) and what
+    /// this node announced to it.
+    #[derive(Debug, Default)]
+    struct OtherNode {
+        began: std::sync::atomic::AtomicU64,
+        announced: Mutex<Vec<u64>>,
+    }
+
+    impl NodePeers for OtherNode {
+        fn began(&self) -> u64 {
+            self.began.load(std::sync::atomic::Ordering::SeqCst)
+        }
+        fn announce(&self, steps: u64) {
+            self.announced.lock().expect("not poisoned").push(steps);
+        }
+    }
+
+    /// Across nodes: steps another node's ranks began make this node's ranks behind, and
+    /// following them announces nothing; a step a rank of this node leads beyond every rank
+    /// heard of is announced once, whichever local rank leads it.
+    #[test]
+    fn ranks_follow_and_lead_the_ranks_of_other_nodes() {
+        let other = Arc::new(OtherNode::default());
+        let lockstep = Lockstep::across_nodes(2, other.clone());
+        let announced = || other.announced.lock().expect("not poisoned").clone();
+        other.began.store(3, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            (lockstep.behind(0), lockstep.behind(1), lockstep.steps()),
+            (3, 3, 3)
+        );
+        for rank in 0..2 {
+            let followed: Vec<u64> = (0..lockstep.behind(rank))
+                .map(|_| lockstep.begin(rank).0)
+                .collect();
+            assert_eq!(followed, vec![0, 1, 2]);
+        }
+        assert_eq!(announced(), Vec::<u64>::new());
+        // Rank 1 leads steps 3 and 4, rank 0 follows them: two announcements.
+        assert_eq!(lockstep.begin(1).0, 3);
+        assert_eq!(lockstep.begin(1).0, 4);
+        assert_eq!(lockstep.behind(0), 2);
+        lockstep.begin(0);
+        lockstep.begin(0);
+        assert_eq!(announced(), vec![4, 5]);
+        // The other node catches up (hears 5): nobody is behind, nothing more is announced;
+        // then it leads past this node and both local ranks follow.
+        other.began.store(5, std::sync::atomic::Ordering::SeqCst);
+        assert!((0..2).all(|r| lockstep.behind(r) == 0));
+        other.began.store(6, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!((lockstep.behind(0), lockstep.behind(1)), (1, 1));
+        assert_eq!((lockstep.begin(0).0, lockstep.begin(1).0), (5, 5));
+        assert_eq!(announced(), vec![4, 5]);
+        assert_eq!(lockstep.steps(), 6);
     }
 }

@@ -47,6 +47,32 @@ pub fn topology(ranks: u16, gpus: u16, numerics: &str, extra: &str) -> NodeConfi
     .expect("topology")
 }
 
+/// Node `node` of two (`device.nodes = 2`, one GPU and one DP = EP rank each, `exact`),
+/// joining through node 0's bootstrap address `boot`: one process of a two-node deployment.
+pub fn node_of_two(node: u16, boot: std::net::SocketAddr) -> NodeConfig {
+    NodeConfig::from_toml_str(
+        &format!(
+            "[model]\nsource = \"demo\"\n[device]\nbackend = \"cuda\"\narch = \"sm90\"\n\
+             nodes = 2\ngpus_per_node = 1\nnumerics = \"exact\"\n[parallel]\ndp = 2\nep = 2\n\
+             [scheduler]\nmax_batched_tokens = 64\nmax_running_requests = 4\nprefill_chunk_tokens = 5\n\
+             overlap_depth = 2\nadmission_queue_capacity = 32\n\
+             [cluster]\nnode = {node}\nbootstrap = \"{boot}\"\nbootstrap_timeout_seconds = 300\n"
+        ),
+        &format!("gpu ep engine (node {node} of 2, one GPU each, exact)"),
+    )
+    .expect("topology")
+}
+
+/// `source`'s model laid out on `node` (blocking: across nodes it waits for the others at the
+/// bootstrap).
+pub fn resolve_on(source: Source, node: &NodeConfig) -> ResolvedModel {
+    match source {
+        Source::Fixture => loaded_on(node, v41_tiny(), "v41-tiny"),
+        Source::Demo => resolve(node).unwrap_or_else(|e| panic!("{}: {e}", node.origin)),
+        Source::V4Tiny => loaded_on(node, AnyModel::V4(v4_tiny()), "v4-tiny"),
+    }
+}
+
 /// `model` (a fixture, named `name`) as `resolve` would hand it over, laid out on `node` by
 /// `model_source::on_node`.
 fn loaded_on(node: &NodeConfig, model: AnyModel, name: &str) -> ResolvedModel {
@@ -90,17 +116,9 @@ pub async fn serve(
     max_tokens: usize,
 ) -> Run {
     let origin = node.origin.clone();
-    let resolved = tokio::task::spawn_blocking(move || {
-        let resolved = match source {
-            Source::Fixture => Ok(loaded_on(&node, v41_tiny(), "v41-tiny")),
-            Source::Demo => resolve(&node),
-            Source::V4Tiny => Ok(loaded_on(&node, AnyModel::V4(v4_tiny()), "v4-tiny")),
-        };
-        resolved.map(|r| (r, node))
-    })
-    .await
-    .expect("resolving thread");
-    let (resolved, node) = resolved.unwrap_or_else(|e| panic!("{origin}: {e}"));
+    let (resolved, node) = tokio::task::spawn_blocking(move || (resolve_on(source, &node), node))
+        .await
+        .expect("resolving thread");
     let layout = resolved.factory.describe();
     println!("{origin}: {layout}");
     let group = resolved.factory.device_experts();

@@ -1,13 +1,19 @@
 //! [`RowTransport`] between EP ranks on different GPUs, over NCCL (cudarc's bindings, loaded at
 //! run time like the rest of CUDA).
 //!
-//! Communicators are created once at start: [`NcclTransport::for_devices`] for every GPU this
-//! process drives (one rank thread each, one rank per GPU: NCCL holds no two ranks of one
-//! communicator on one GPU), [`NcclTransport::join`] for a rank of a multi-node deployment (the
-//! unique id created on node 0 and handed over by the node bootstrap). The engine's ranks open
-//! their backends one after another, each on its own thread, so [`NcclDevices`] collects their
-//! streams and the last rank to open creates every communicator with one `for_devices`
-//! (`ncclCommInitAll`); each rank's [`NcclRank`] takes its communicator at its first collective.
+//! Communicators are created once at start, by [`NcclDevices`]: the engine's ranks open their
+//! backends one after another, each on its own thread, so it collects their streams and the
+//! last rank to open creates every communicator of this process (each rank's [`NcclRank`]
+//! takes its communicator at its first collective). One node ([`NcclDevices::new`] without a
+//! world): [`NcclTransport::for_devices`] (`ncclCommInitAll`), one rank per GPU (NCCL holds no
+//! two ranks of one communicator on one GPU). Several nodes (an [`NcclWorld`]: node 0's unique
+//! id from [`unique_id`], handed to every node by the node bootstrap, this process's first
+//! global rank and the communicator's size): [`NcclTransport::join`], one `ncclCommInitRank`
+//! per GPU of this process as global rank `first + local`, grouped (`ncclGroupStart/End`, each
+//! GPU's context current for its call) as NCCL requires when one thread inits several ranks;
+//! every node's init joins the same communicator, which exists once every rank of every node
+//! called it (NCCL's init has no timeout: a node that passed the bootstrap but never inits,
+//! e.g. hung, keeps the others waiting; one that exits fails their init).
 //! On the backend's own stream, each all-to-all first all-gathers every rank's header (its
 //! collective tag and its row counts for every rank), checks that all ranks are at the same
 //! collective, then runs one NCCL group of sends and receives of the rows, their expert ids and
@@ -16,9 +22,10 @@
 //! transport stays failed (the supervisor stops the engine, its rule 3). A missing `libnccl.so`
 //! is an error ([`library_available`], and every first NCCL call runs under `catch_unwind`).
 //!
-//! Not run yet: it needs two GPUs (no multi-GPU machine was lent while this and the engine's
-//! wiring, `NcclDevices`, were written); the one-device transport (`ep_transport.rs`) exercises
-//! everything above it, and `tests/tests/gpu_two.rs` is the two-GPU test waiting for a run.
+//! Not run yet: it needs two GPUs (no multi-GPU machine was lent while this, the engine's
+//! wiring, `NcclDevices`, and the multi-node join were written); the one-device transport
+//! (`ep_transport.rs`) exercises everything above it, and `tests/tests/gpu_two.rs` holds the
+//! two-GPU tests (one process, and two processes as two nodes) waiting for a run.
 
 use std::sync::{Arc, Condvar, MutexGuard};
 use std::time::{Duration, Instant};
@@ -56,6 +63,15 @@ pub fn library_available() -> Result<(), String> {
         "the NCCL library (libnccl.so) did not load: tried {} (LD_LIBRARY_PATH must reach it)",
         deepinfer_kernels::cudarc::get_lib_name_candidates("nccl").join(", ")
     ))
+}
+
+/// A fresh NCCL unique id (`ncclGetUniqueId`): node 0 of a deployment over several nodes
+/// creates it, and the node bootstrap hands its 128 bytes to every node ([`NcclWorld`]). A
+/// missing `libnccl.so` is an error naming it, never a panic.
+pub fn unique_id() -> Result<[std::ffi::c_char; 128], CudaBackendError> {
+    library_available()
+        .map_err(|reason| shape_err(OP, format!("creating the unique id: {reason}")))?;
+    guarded("creating the unique id", Id::new).map(|id| *id.internal())
 }
 
 /// Runs `init` (cudarc panics when `libnccl.so` is missing) as an error, not a panic.
@@ -115,24 +131,69 @@ impl NcclTransport {
             .collect())
     }
 
-    /// Rank `rank` of `ranks`, joined through the unique id node 0 created
-    /// (`Id::new().internal()`), on `stream` (the rank backend's stream).
+    /// This process's ranks of `world`, one per stream (global rank `world.first + position`),
+    /// joined through node 0's unique id: one `ncclCommInitRank` per stream in one group, each
+    /// with its stream's context current (the last one stays current: the caller restores its
+    /// own). Returns once every rank of every node has joined.
     pub fn join(
-        stream: Arc<CudaStream>,
-        rank: usize,
-        ranks: usize,
-        id: [std::ffi::c_char; 128],
+        streams: Vec<Arc<CudaStream>>,
+        world: &NcclWorld,
         timeout: Duration,
-    ) -> Result<Arc<NcclTransport>, CudaBackendError> {
-        let comm = guarded("joining the communicator", || {
-            Comm::from_rank(stream, rank, ranks, Id::uninit(id))
+    ) -> Result<Vec<Arc<NcclTransport>>, CudaBackendError> {
+        let last = world.first + streams.len();
+        if streams.is_empty() || last > world.ranks {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "global ranks {}..{last} of a communicator of {} ranks",
+                    world.first, world.ranks
+                ),
+            ));
+        }
+        let comms = guarded("joining the communicator", || {
+            group_start()?;
+            let mut comms = Vec::with_capacity(streams.len());
+            let mut joined = Ok(());
+            for (local, stream) in streams.iter().enumerate() {
+                if let Err(e) = stream.context().bind_to_thread() {
+                    joined = Err(format!(
+                        "making GPU {}'s context current: {e}",
+                        stream.context().ordinal()
+                    ));
+                    break;
+                }
+                match Comm::from_rank(
+                    stream.clone(),
+                    world.first + local,
+                    world.ranks,
+                    Id::uninit(world.id),
+                ) {
+                    Ok(comm) => comms.push(comm),
+                    Err(e) => {
+                        joined = Err(format!("{e:?}"));
+                        break;
+                    }
+                }
+            }
+            // Always ended: the group's inits run (and every rank's collective init completes) here.
+            let ended = group_end();
+            Ok((comms, joined, ended))
         })?;
-        Ok(Arc::new(NcclTransport {
-            comm: Mutex::new(Some(Owned(comm))),
-            rank,
-            ranks,
-            timeout,
-        }))
+        let (comms, joined, ended) = comms;
+        joined.map_err(|e| shape_err(OP, format!("joining the communicator: {e}")))?;
+        ended.map_err(nccl_err("joining the communicator (ending the group)"))?;
+        Ok(comms
+            .into_iter()
+            .enumerate()
+            .map(|(local, comm)| {
+                Arc::new(NcclTransport {
+                    comm: Mutex::new(Some(Owned(comm))),
+                    rank: world.first + local,
+                    ranks: world.ranks,
+                    timeout,
+                })
+            })
+            .collect())
     }
 
     /// Waits for the work queued on `stream` until the deadline; past it the communicator is
@@ -371,6 +432,16 @@ impl RowTransport for NcclTransport {
     }
 }
 
+/// The communicator a deployment over several nodes shares: this process's ranks are global
+/// ranks `first..first + local ranks` of `ranks`, joined through node 0's unique id `id`
+/// ([`unique_id`], handed over by the node bootstrap).
+#[derive(Debug, Clone, Copy)]
+pub struct NcclWorld {
+    pub id: [std::ffi::c_char; 128],
+    pub first: usize,
+    pub ranks: usize,
+}
+
 /// Where the communicators of [`NcclDevices`] are.
 enum Creation {
     /// The stream of each rank whose backend has opened.
@@ -382,10 +453,13 @@ enum Creation {
 }
 
 /// The EP ranks of this process, one GPU each, whose backends open one by one on their own
-/// threads: the communicators are created together (one [`NcclTransport::for_devices`]) by the
-/// last rank to open (module doc).
+/// threads: the communicators are created together (one [`NcclTransport::for_devices`], or
+/// across nodes one [`NcclTransport::join`]) by the last rank to open (module doc).
 pub struct NcclDevices {
+    /// This process's ranks.
     ranks: usize,
+    /// `None`: every rank of the communicator is in this process.
+    world: Option<NcclWorld>,
     timeout: Duration,
     state: Mutex<Creation>,
     created: Condvar,
@@ -395,16 +469,20 @@ impl std::fmt::Debug for NcclDevices {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NcclDevices")
             .field("ranks", &self.ranks)
+            .field("world", &self.world.map(|w| (w.first, w.ranks)))
             .finish_non_exhaustive()
     }
 }
 
 impl NcclDevices {
-    /// `ranks` EP ranks, each on its own GPU; every wait (for the communicators, and each
+    /// `ranks` EP ranks of this process, each on its own GPU: all the communicator's, or with
+    /// `world` this process's share of a communicator over several nodes (local rank r is
+    /// global rank `world.first + r`); every wait (for the communicators, and each
     /// collective's) lasts at most `timeout`.
-    pub fn new(ranks: usize, timeout: Duration) -> Arc<NcclDevices> {
+    pub fn new(ranks: usize, timeout: Duration, world: Option<NcclWorld>) -> Arc<NcclDevices> {
         Arc::new(NcclDevices {
             ranks,
+            world,
             timeout,
             state: Mutex::new(Creation::Opening(vec![None; ranks])),
             created: Condvar::new(),
@@ -415,10 +493,16 @@ impl NcclDevices {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// EP rank `rank`'s backend has opened; its collectives run on `stream` (the backend's).
-    /// The last rank to open creates every communicator on this thread: its error (e.g. no
-    /// `libnccl.so`) is this call's, and the other ranks' first collective fails with it.
-    /// A rank opened again before then replaces its stream; after, it is an error.
+    /// The communicator's size: this process's ranks, or every node's.
+    pub fn world_size(&self) -> usize {
+        self.world.map_or(self.ranks, |w| w.ranks)
+    }
+
+    /// This process's EP rank `rank`'s backend has opened; its collectives run on `stream`
+    /// (the backend's). The last rank to open creates every communicator of this process on
+    /// this thread (across nodes, waiting there until every node's ranks joined): its error
+    /// (e.g. no `libnccl.so`) is this call's, and the other ranks' first collective fails with
+    /// it. A rank opened again before then replaces its stream; after, it is an error.
     pub fn open_rank(
         self: &Arc<Self>,
         rank: usize,
@@ -449,10 +533,21 @@ impl NcclDevices {
                 return Err(shape_err(OP, format!("no NCCL communicators: {reason}")));
             }
         };
+        let own = stream.context().clone();
         streams[rank] = Some(stream);
         if streams.iter().all(Option::is_some) {
             let streams: Vec<Arc<CudaStream>> = streams.iter_mut().flat_map(Option::take).collect();
-            let created = NcclTransport::for_devices(streams, self.timeout);
+            let created = match &self.world {
+                None => NcclTransport::for_devices(streams, self.timeout),
+                Some(world) => {
+                    let joined = NcclTransport::join(streams, world, self.timeout);
+                    // The join made each GPU's context current in turn: this rank's again.
+                    let restored = own
+                        .bind_to_thread()
+                        .map_err(driver_err(OP, "restoring the rank's context"));
+                    joined.and_then(|transports| restored.map(|()| transports))
+                }
+            };
             *state = match &created {
                 Ok(transports) => Creation::Created(transports.clone()),
                 Err(e) => Creation::Failed(format!("creating the communicators failed: {e}")),
@@ -525,7 +620,7 @@ pub struct NcclRank {
 
 impl RowTransport for NcclRank {
     fn ranks(&self) -> usize {
-        self.devices.ranks
+        self.devices.world_size()
     }
 
     fn all_to_all_rows(
