@@ -5,7 +5,7 @@
 
 use super::state::{CompressorCache, LayerState};
 use super::weights::{CompressorWeights, IndexerWeights};
-use crate::backend::{Candidates, PoolSlot, RopeTable, SelectPart, Selection, Tensor};
+use crate::backend::{Candidates, PoolSlot, RopeTable, Selection, Tensor};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
 
@@ -141,19 +141,8 @@ pub fn select_rows(
                 .map_or_else(Vec::new, |cache| cache.entries.iter().collect())
         })
         .collect();
-    let visible: Vec<usize> = rows
-        .positions
-        .iter()
-        .map(|&p| (p + 1) / w.compressor.ratio)
-        .collect();
-    let parts: Vec<SelectPart<'_>> = keys
-        .iter()
-        .zip(&rows.spans)
-        .map(|(keys, span)| SelectPart {
-            keys,
-            visible: &visible[span.clone()],
-        })
-        .collect();
+    let visible = rows.visible_entries(w.compressor.ratio);
+    let parts = rows.select_parts(&keys, &visible);
     backend
         .select_rows(
             &q,

@@ -5,7 +5,7 @@
 use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
-use crate::backend::{CandidateMask, Candidates, Precision, SelectPart, Selection, Tensor};
+use crate::backend::{CandidateMask, Candidates, Precision, Selection, Tensor};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
 
@@ -208,15 +208,8 @@ pub fn select_step(
         .iter()
         .map(|keys| keys.iter().collect())
         .collect();
-    let visible: Vec<usize> = rows.positions.iter().map(|&p| (p + 1) / ratio).collect();
-    let parts: Vec<SelectPart<'_>> = keys
-        .iter()
-        .zip(&rows.spans)
-        .map(|(keys, span)| SelectPart {
-            keys,
-            visible: &visible[span.clone()],
-        })
-        .collect();
+    let visible = rows.visible_entries(ratio);
+    let parts = rows.select_parts(&keys, &visible);
     let candidate_source = cfg.candidate.as_ref().filter(|c| c.source_layer == layer);
     let candidates = match (candidate_source, &shared.candidates) {
         (Some(c), _) => Candidates::Produce {
