@@ -103,7 +103,7 @@ pub use deepinfer_topology::Numerics;
 use half::bf16;
 
 use super::select::DeviceRows;
-use super::weights::Linear;
+use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
     Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
     HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
@@ -546,6 +546,29 @@ impl CudaBackend {
         let uploaded = Arc::new(upload()?);
         entries.insert(key, uploaded.clone());
         Ok(uploaded)
+    }
+
+    /// The device table of a layer's expert list `experts`, built by `build` (from the list) once
+    /// and cached with the weights (in the map `map` picks) under the list's host address and
+    /// length; `None`, and nothing cached, when `build` finds the experts unfit. The cache is not
+    /// held while `build` runs (it caches the experts' weights).
+    fn cached_expert_table<V>(
+        &self,
+        experts: &[ExpertWeights<ExpertLinear>],
+        map: impl Fn(&mut WeightCache) -> &mut HashMap<(usize, usize), Arc<V>>,
+        build: impl FnOnce(&[&ExpertWeights<ExpertLinear>]) -> Result<Option<V>, CudaBackendError>,
+    ) -> Result<Option<Arc<V>>, CudaBackendError> {
+        let key = (experts.as_ptr() as usize, experts.len());
+        if let Some(found) = map(&mut self.lock_weights()).get(&key) {
+            return Ok(Some(found.clone()));
+        }
+        let all: Vec<&ExpertWeights<ExpertLinear>> = experts.iter().collect();
+        let Some(built) = build(&all)? else {
+            return Ok(None);
+        };
+        let built = Arc::new(built);
+        map(&mut self.lock_weights()).insert(key, built.clone());
+        Ok(Some(built))
     }
 
     fn cached_f32(
