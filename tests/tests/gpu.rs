@@ -53,7 +53,7 @@ use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
     Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcParams, LogprobPick, Precision,
-    RopeTable, RowSampling, SampleRowsError, Tensor,
+    RopeTable, Rotation, RowSampling, SampleRowsError, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
@@ -517,15 +517,13 @@ fn rope_matches_the_cpu_reference_bit_exact() {
             };
             rope_interleaved_bf16(&rt, &mut dx, &dpos, &dcos, &dsin, shape, inverse).expect("rope");
             let gpu = download_bf16(&rt, &dx);
-            let want = cpu.rope(
-                Tensor::from(&x),
-                head_dim,
-                heads,
-                &positions,
-                &table,
+            let rotation = Rotation {
+                table: &table,
+                positions: &positions,
                 inverse,
-                Precision::Bf16,
-            );
+                precision: Precision::Bf16,
+            };
+            let want = cpu.rope(Tensor::from(&x), (head_dim, heads), &rotation);
             let (exact, worst) = compare_bf16(&gpu, &want);
             assert_eq!(
                 exact,
@@ -655,24 +653,14 @@ fn backend_rms_norm_and_rope_match() {
             for (rows, vectors, stride) in [(1usize, 1usize, 16usize), (5, 3, 48), (9, 4, 64)] {
                 let x = fp32_values(&mut rng, rows * vectors * stride);
                 let positions: Vec<usize> = (0..rows).map(|_| rng.below(70_000) as usize).collect();
-                let g = gpu.rope(
-                    Tensor::from(&x),
-                    stride,
-                    vectors,
-                    &positions,
-                    &table,
+                let rotation = Rotation {
+                    table: &table,
+                    positions: &positions,
                     inverse,
                     precision,
-                );
-                let c = cpu.rope(
-                    Tensor::from(&x),
-                    stride,
-                    vectors,
-                    &positions,
-                    &table,
-                    inverse,
-                    precision,
-                );
+                };
+                let g = gpu.rope(Tensor::from(&x), (stride, vectors), &rotation);
+                let c = cpu.rope(Tensor::from(&x), (stride, vectors), &rotation);
                 checked += assert_bitwise(
                     &format!("rope {rows}x{vectors}x{stride} inverse={inverse} {precision:?}"),
                     &g,

@@ -22,7 +22,7 @@ use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
     Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcParams,
-    LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
+    LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError,
     SelectPart, Selection, Tensor, check_logprob_picks, check_sample_masked, check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
@@ -280,16 +280,14 @@ impl Backend for CpuBackend {
         y.into()
     }
 
-    fn rope(
-        &self,
-        mut x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-        precision: Precision,
-    ) -> Tensor {
+    fn rope(&self, mut x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor {
+        let (stride, vectors_per_row) = layout;
+        let Rotation {
+            table,
+            positions,
+            inverse,
+            precision,
+        } = *rotation;
         let pairs = table.freqs.len();
         let tail = stride - 2 * pairs;
         for (vector_index, vector) in x.host_mut().chunks_exact_mut(stride).enumerate() {
@@ -770,6 +768,7 @@ fn normalise_columns(comb: &mut [f32], hc: usize, eps: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::RopeTable;
     use crate::quant::round_bf16;
 
     #[test]
@@ -938,18 +937,11 @@ mod tests {
             freqs: vec![1.0, 0.1],
         };
         let original = vec![0.5f32, -0.25, 1.0, 2.0, 0.75, -1.5];
-        let x = CpuBackend.rope(
-            original.clone().into(),
-            6,
-            1,
-            &[7],
-            &table,
-            false,
-            Precision::Bf16,
-        );
+        let rotation = Rotation::new(&table, &[7], Precision::Bf16);
+        let x = CpuBackend.rope(original.clone().into(), (6, 1), &rotation);
         assert_eq!(&x[..2], &original[..2]);
         assert_ne!(&x[2..], &original[2..]);
-        let x = CpuBackend.rope(x, 6, 1, &[7], &table, true, Precision::Bf16);
+        let x = CpuBackend.rope(x, (6, 1), &rotation.inverse());
         for (a, b) in x.iter().zip(&original) {
             assert!((a - b).abs() < 0.02, "{a} vs {b}");
         }

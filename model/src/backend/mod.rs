@@ -170,6 +170,36 @@ impl RopeTable {
     }
 }
 
+/// How [`Backend::rope`] rotates the rows of a step: channel pair `i` of row `r` by the angle
+/// `±positions[r] · table.freqs[i]` (`inverse`: the negative one), rounding at `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct Rotation<'a> {
+    pub table: &'a RopeTable,
+    pub positions: &'a [usize],
+    pub inverse: bool,
+    pub precision: Precision,
+}
+
+impl<'a> Rotation<'a> {
+    /// The rotation by `+position · freq` of rows at `positions`.
+    pub fn new(table: &'a RopeTable, positions: &'a [usize], precision: Precision) -> Rotation<'a> {
+        Rotation {
+            table,
+            positions,
+            inverse: false,
+            precision,
+        }
+    }
+
+    /// The same rotation by the negative angle.
+    pub fn inverse(self) -> Rotation<'a> {
+        Rotation {
+            inverse: true,
+            ..self
+        }
+    }
+}
+
 /// One row of [`Backend::sample_rows`]: its sequence's sampling parameters and the absolute
 /// position of the token being sampled (the noise's counter).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -295,20 +325,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Row-wise RMSNorm over rows of `weight.len()`, `round(w · (x · rsqrt(mean(x²) + eps)))`
     /// rounded at `precision`.
     fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor;
-    /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`
-    /// (consecutive vectors of one row share `positions[row]`) by `±position · freq`, rounding at
-    /// `precision`. `vectors_per_row` vectors make up one row.
-    #[allow(clippy::too_many_arguments)]
-    fn rope(
-        &self,
-        x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-        precision: Precision,
-    ) -> Tensor;
+    /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`,
+    /// `layout = (stride, vectors_per_row)`: the `vectors_per_row` consecutive vectors of row `r`
+    /// by `rotation` at `positions[r]` ([`Rotation`]).
+    fn rope(&self, x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor;
 
     /// The mHC coefficients ([`HcMix`]) of every token's streams `x [n, hc · dim]` (a token's
     /// width `hc · dim` is the projection's input width).

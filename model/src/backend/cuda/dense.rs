@@ -307,18 +307,19 @@ impl CudaBackend {
 
     /// [`Backend::rope`], with errors. The cos/sin rows of the rows' positions are built on the host
     /// with the CPU reference's angle rule (f64 sine and cosine of `f32(position · freq)`).
-    #[allow(clippy::too_many_arguments)]
     pub fn try_rope(
         &self,
         x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-        precision: Precision,
+        (stride, vectors_per_row): (usize, usize),
+        rotation: &Rotation<'_>,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "rope";
+        let Rotation {
+            table,
+            positions,
+            inverse,
+            precision,
+        } = *rotation;
         let pairs = table.freqs.len();
         let row_width = stride * vectors_per_row;
         if row_width == 0 || 2 * pairs > stride || !x.len().is_multiple_of(row_width) {

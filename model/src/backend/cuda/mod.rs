@@ -106,7 +106,7 @@ use super::select::DeviceRows;
 use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
     Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
-    HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
+    HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError,
     SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
@@ -844,27 +844,8 @@ impl Backend for CudaBackend {
         self.run("rms_norm", || self.try_rms_norm(x, weight, eps, precision))
     }
 
-    fn rope(
-        &self,
-        x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-        precision: Precision,
-    ) -> Tensor {
-        self.run("rope", || {
-            self.try_rope(
-                x,
-                stride,
-                vectors_per_row,
-                positions,
-                table,
-                inverse,
-                precision,
-            )
-        })
+    fn rope(&self, x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor {
+        self.run("rope", || self.try_rope(x, layout, rotation))
     }
 
     fn q8_qdq(&self, x: Tensor) -> Tensor {
