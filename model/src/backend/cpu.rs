@@ -21,9 +21,10 @@ use self::dequant::{dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
-    Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcParams,
-    LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError,
-    SelectPart, Selection, Tensor, check_logprob_picks, check_sample_masked, check_sample_rows,
+    Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcMixing,
+    HcParams, LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling,
+    SampleRowsError, SelectPart, Selection, Tensor, check_logprob_picks, check_sample_masked,
+    check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -54,15 +55,13 @@ fn sigmoid(x: f32) -> f32 {
 /// The one-token (one-query) cases the row ops of the [`Backend`] impl are made of.
 impl CpuBackend {
     /// The mHC coefficients of one token's streams `x [hc, dim]`.
-    fn hc_mixes(
-        &self,
-        x: &[f32],
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMix {
+    fn hc_mixes(&self, x: &[f32], params: &HcParams, mixing: &HcMixing) -> HcMix {
+        let HcMixing {
+            hc,
+            sinkhorn_iters,
+            hc_eps,
+            norm_eps,
+        } = *mixing;
         let n = x.len();
         let mean_square = sum_squares_f32_torch(x) / n as f32;
         let inv = 1.0 / (mean_square + norm_eps).sqrt();
@@ -326,22 +325,15 @@ impl Backend for CpuBackend {
         }
         out.into()
     }
-    fn hc_mixes_rows(
-        &self,
-        x: &Tensor,
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMixes {
+    fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes {
+        let hc = mixing.hc;
         let width = params.proj.len() / ((2 + hc) * hc).max(1);
         if width == 0 {
             return HcMixes::from_host(hc, &[]);
         }
         let mixes: Vec<HcMix> = x
             .chunks_exact(width)
-            .map(|token| self.hc_mixes(token, params, hc, sinkhorn_iters, hc_eps, norm_eps))
+            .map(|token| self.hc_mixes(token, params, mixing))
             .collect();
         HcMixes::from_host(hc, &mixes)
     }
@@ -785,7 +777,13 @@ mod tests {
             base: vec![0.1; (2 + hc) * hc],
             scale: vec![1.0, 0.5, 2.0],
         };
-        let mix = CpuBackend.hc_mixes(&x, &params, hc, 20, 1e-6, 1e-20);
+        let mixing = HcMixing {
+            hc,
+            sinkhorn_iters: 20,
+            hc_eps: 1e-6,
+            norm_eps: 1e-20,
+        };
+        let mix = CpuBackend.hc_mixes(&x, &params, &mixing);
         for j in 0..hc {
             let row: f32 = mix.comb[j * hc..(j + 1) * hc].iter().sum();
             let col: f32 = (0..hc).map(|r| mix.comb[r * hc + j]).sum();

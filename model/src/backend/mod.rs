@@ -101,6 +101,16 @@ impl HcMixes {
     }
 }
 
+/// The constants of [`Backend::hc_mixes_rows`]: `hc` streams, `sinkhorn_iters` Sinkhorn
+/// iterations, the mixes' `hc_eps` and the RMSNorm's `norm_eps`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HcMixing {
+    pub hc: usize,
+    pub sinkhorn_iters: usize,
+    pub hc_eps: f32,
+    pub norm_eps: f32,
+}
+
 /// A grouped linear from its groups: `x [n, groups · inp]`; `linear(inputs, g)` maps group `g`'s
 /// columns `[n, inp]` to `[n, out]`; the groups' outputs side by side, `[n, groups · out]`.
 pub fn linear_by_groups(
@@ -332,15 +342,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// The mHC coefficients ([`HcMix`]) of every token's streams `x [n, hc · dim]` (a token's
     /// width `hc · dim` is the projection's input width).
-    fn hc_mixes_rows(
-        &self,
-        x: &Tensor,
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMixes;
+    fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes;
     /// `round(Σ_k w_k · x_k)` over the `hc` streams of every token: `x [n, hc, dim]` with its own
     /// weights `weights [n, hc]` → `[n, dim]`, rounded at `precision`.
     fn hc_collapse_rows_at(

@@ -106,8 +106,8 @@ use super::select::DeviceRows;
 use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
     Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
-    HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError,
-    SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
+    HcMixing, HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling,
+    SampleRowsError, SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -860,17 +860,9 @@ impl Backend for CudaBackend {
         self.run("q4m_qdq", || self.try_qdq(x, QdqPoint::Q4m))
     }
 
-    fn hc_mixes_rows(
-        &self,
-        x: &Tensor,
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMixes {
+    fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes {
         self.run("hc_mixes_rows", || {
-            self.try_hc_mixes_rows(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
+            self.try_hc_mixes_rows(x, params, mixing)
         })
     }
 
