@@ -749,15 +749,6 @@ impl CudaBackend {
         Ok(address)
     }
 
-    /// [`Backend::resident`], with errors: a device tensor as it is, a host one uploaded.
-    pub fn try_resident(&self, x: Tensor) -> Result<Tensor, CudaBackendError> {
-        if x.is_empty() || x.device_view().is_some() {
-            return Ok(x);
-        }
-        let data = self.upload("resident", x.as_host())?;
-        Ok(self.tensor(data))
-    }
-
     /// [`Backend::gather`], with errors: one launch over the pieces' addresses (in its parameters
     /// up to `GATHER_INLINE` pieces, else an uploaded table).
     pub fn try_gather(
@@ -1028,8 +1019,15 @@ impl Backend for CudaBackend {
         self.run("add", || self.try_add(x, y))
     }
 
+    /// A device tensor as it is, a host one uploaded.
     fn resident(&self, x: Tensor) -> Tensor {
-        self.run("resident", || self.try_resident(x))
+        self.run("resident", || {
+            if x.is_empty() || x.device_view().is_some() {
+                return Ok(x);
+            }
+            let data = self.upload("resident", x.as_host())?;
+            Ok(self.tensor(data))
+        })
     }
 
     fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
