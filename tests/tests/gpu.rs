@@ -52,8 +52,8 @@ use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcParams, LogprobPick, Precision,
-    RopeTable, RowSampling, SampleRowsError, Tensor,
+    Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcMixing, HcParams, LogprobPick,
+    Precision, RopeTable, Rotation, RowSampling, SampleRowsError, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
@@ -117,16 +117,8 @@ fn attention_of_one(
 }
 
 /// One token's mHC mixes: the one-row case of [`Backend::hc_mixes_rows`].
-fn mixes_of_one(
-    backend: &dyn Backend,
-    x: &[f32],
-    params: &HcParams,
-    hc: usize,
-    sinkhorn_iters: usize,
-    hc_eps: f32,
-    norm_eps: f32,
-) -> HcMix {
-    let mixes = backend.hc_mixes_rows(&x.into(), params, hc, sinkhorn_iters, hc_eps, norm_eps);
+fn mixes_of_one(backend: &dyn Backend, x: &[f32], params: &HcParams, mixing: &HcMixing) -> HcMix {
+    let mixes = backend.hc_mixes_rows(&x.into(), params, mixing);
     assert_eq!(mixes.tokens(), 1, "x is one token's streams");
     mixes.token(0)
 }
@@ -517,15 +509,13 @@ fn rope_matches_the_cpu_reference_bit_exact() {
             };
             rope_interleaved_bf16(&rt, &mut dx, &dpos, &dcos, &dsin, shape, inverse).expect("rope");
             let gpu = download_bf16(&rt, &dx);
-            let want = cpu.rope(
-                Tensor::from(&x),
-                head_dim,
-                heads,
-                &positions,
-                &table,
+            let rotation = Rotation {
+                table: &table,
+                positions: &positions,
                 inverse,
-                Precision::Bf16,
-            );
+                precision: Precision::Bf16,
+            };
+            let want = cpu.rope(Tensor::from(&x), (head_dim, heads), &rotation);
             let (exact, worst) = compare_bf16(&gpu, &want);
             assert_eq!(
                 exact,
@@ -655,24 +645,14 @@ fn backend_rms_norm_and_rope_match() {
             for (rows, vectors, stride) in [(1usize, 1usize, 16usize), (5, 3, 48), (9, 4, 64)] {
                 let x = fp32_values(&mut rng, rows * vectors * stride);
                 let positions: Vec<usize> = (0..rows).map(|_| rng.below(70_000) as usize).collect();
-                let g = gpu.rope(
-                    Tensor::from(&x),
-                    stride,
-                    vectors,
-                    &positions,
-                    &table,
+                let rotation = Rotation {
+                    table: &table,
+                    positions: &positions,
                     inverse,
                     precision,
-                );
-                let c = cpu.rope(
-                    Tensor::from(&x),
-                    stride,
-                    vectors,
-                    &positions,
-                    &table,
-                    inverse,
-                    precision,
-                );
+                };
+                let g = gpu.rope(Tensor::from(&x), (stride, vectors), &rotation);
+                let c = cpu.rope(Tensor::from(&x), (stride, vectors), &rotation);
                 checked += assert_bitwise(
                     &format!("rope {rows}x{vectors}x{stride} inverse={inverse} {precision:?}"),
                     &g,
@@ -763,8 +743,14 @@ fn backend_mhc_matches() {
             } else {
                 bf16_unit(&mut rng, hc * dim)
             };
-            let g = mixes_of_one(&gpu, &x, &params, hc, iters, 1e-6, 1e-6);
-            let c = mixes_of_one(&cpu, &x, &params, hc, iters, 1e-6, 1e-6);
+            let mixing = HcMixing {
+                hc,
+                sinkhorn_iters: iters,
+                hc_eps: 1e-6,
+                norm_eps: 1e-6,
+            };
+            let g = mixes_of_one(&gpu, &x, &params, &mixing);
+            let c = mixes_of_one(&cpu, &x, &params, &mixing);
             for (name, a, b) in [
                 ("pre", &g.pre, &c.pre),
                 ("post", &g.post, &c.post),
@@ -1643,8 +1629,14 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
                 bf16_unit(&mut rng, n * width)
             });
             let iters = 1 + n % 20;
-            let rows = gpu.hc_mixes_rows(&x, &params, hc, iters, 1e-6, 1e-6);
-            let reference = cpu.hc_mixes_rows(&x, &params, hc, iters, 1e-6, 1e-6);
+            let mixing = HcMixing {
+                hc,
+                sinkhorn_iters: iters,
+                hc_eps: 1e-6,
+                norm_eps: 1e-6,
+            };
+            let rows = gpu.hc_mixes_rows(&x, &params, &mixing);
+            let reference = cpu.hc_mixes_rows(&x, &params, &mixing);
             assert_eq!(
                 rows.tokens(),
                 n,
@@ -1652,7 +1644,7 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
             );
             for (t, token) in x.chunks_exact(width).enumerate() {
                 let (row, cpu_mix) = (rows.token(t), reference.token(t));
-                let alone = mixes_of_one(&gpu, token, &params, hc, iters, 1e-6, 1e-6);
+                let alone = mixes_of_one(&gpu, token, &params, &mixing);
                 for (name, got, cpu_value, alone_value) in [
                     ("pre", &row.pre, &cpu_mix.pre, &alone.pre),
                     ("post", &row.post, &cpu_mix.post, &alone.post),

@@ -21,9 +21,10 @@ use self::dequant::{dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
-    Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcParams,
-    LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
-    SelectPart, Selection, Tensor, check_logprob_picks, check_sample_masked, check_sample_rows,
+    Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcMixing,
+    HcParams, LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling,
+    SampleRowsError, SelectPart, Selection, Tensor, check_logprob_picks, check_sample_masked,
+    check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -54,15 +55,13 @@ fn sigmoid(x: f32) -> f32 {
 /// The one-token (one-query) cases the row ops of the [`Backend`] impl are made of.
 impl CpuBackend {
     /// The mHC coefficients of one token's streams `x [hc, dim]`.
-    fn hc_mixes(
-        &self,
-        x: &[f32],
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMix {
+    fn hc_mixes(&self, x: &[f32], params: &HcParams, mixing: &HcMixing) -> HcMix {
+        let HcMixing {
+            hc,
+            sinkhorn_iters,
+            hc_eps,
+            norm_eps,
+        } = *mixing;
         let n = x.len();
         let mean_square = sum_squares_f32_torch(x) / n as f32;
         let inv = 1.0 / (mean_square + norm_eps).sqrt();
@@ -280,16 +279,14 @@ impl Backend for CpuBackend {
         y.into()
     }
 
-    fn rope(
-        &self,
-        mut x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-        precision: Precision,
-    ) -> Tensor {
+    fn rope(&self, mut x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor {
+        let (stride, vectors_per_row) = layout;
+        let Rotation {
+            table,
+            positions,
+            inverse,
+            precision,
+        } = *rotation;
         let pairs = table.freqs.len();
         let tail = stride - 2 * pairs;
         for (vector_index, vector) in x.host_mut().chunks_exact_mut(stride).enumerate() {
@@ -328,22 +325,15 @@ impl Backend for CpuBackend {
         }
         out.into()
     }
-    fn hc_mixes_rows(
-        &self,
-        x: &Tensor,
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMixes {
+    fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes {
+        let hc = mixing.hc;
         let width = params.proj.len() / ((2 + hc) * hc).max(1);
         if width == 0 {
             return HcMixes::from_host(hc, &[]);
         }
         let mixes: Vec<HcMix> = x
             .chunks_exact(width)
-            .map(|token| self.hc_mixes(token, params, hc, sinkhorn_iters, hc_eps, norm_eps))
+            .map(|token| self.hc_mixes(token, params, mixing))
             .collect();
         HcMixes::from_host(hc, &mixes)
     }
@@ -770,6 +760,7 @@ fn normalise_columns(comb: &mut [f32], hc: usize, eps: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::RopeTable;
     use crate::quant::round_bf16;
 
     #[test]
@@ -786,7 +777,13 @@ mod tests {
             base: vec![0.1; (2 + hc) * hc],
             scale: vec![1.0, 0.5, 2.0],
         };
-        let mix = CpuBackend.hc_mixes(&x, &params, hc, 20, 1e-6, 1e-20);
+        let mixing = HcMixing {
+            hc,
+            sinkhorn_iters: 20,
+            hc_eps: 1e-6,
+            norm_eps: 1e-20,
+        };
+        let mix = CpuBackend.hc_mixes(&x, &params, &mixing);
         for j in 0..hc {
             let row: f32 = mix.comb[j * hc..(j + 1) * hc].iter().sum();
             let col: f32 = (0..hc).map(|r| mix.comb[r * hc + j]).sum();
@@ -938,18 +935,11 @@ mod tests {
             freqs: vec![1.0, 0.1],
         };
         let original = vec![0.5f32, -0.25, 1.0, 2.0, 0.75, -1.5];
-        let x = CpuBackend.rope(
-            original.clone().into(),
-            6,
-            1,
-            &[7],
-            &table,
-            false,
-            Precision::Bf16,
-        );
+        let rotation = Rotation::new(&table, &[7], Precision::Bf16);
+        let x = CpuBackend.rope(original.clone().into(), (6, 1), &rotation);
         assert_eq!(&x[..2], &original[..2]);
         assert_ne!(&x[2..], &original[2..]);
-        let x = CpuBackend.rope(x, 6, 1, &[7], &table, true, Precision::Bf16);
+        let x = CpuBackend.rope(x, (6, 1), &rotation.inverse());
         for (a, b) in x.iter().zip(&original) {
             assert!((a - b).abs() < 0.02, "{a} vs {b}");
         }

@@ -101,6 +101,16 @@ impl HcMixes {
     }
 }
 
+/// The constants of [`Backend::hc_mixes_rows`]: `hc` streams, `sinkhorn_iters` Sinkhorn
+/// iterations, the mixes' `hc_eps` and the RMSNorm's `norm_eps`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HcMixing {
+    pub hc: usize,
+    pub sinkhorn_iters: usize,
+    pub hc_eps: f32,
+    pub norm_eps: f32,
+}
+
 /// A grouped linear from its groups: `x [n, groups · inp]`; `linear(inputs, g)` maps group `g`'s
 /// columns `[n, inp]` to `[n, out]`; the groups' outputs side by side, `[n, groups · out]`.
 pub fn linear_by_groups(
@@ -167,6 +177,36 @@ impl RopeTable {
     pub fn cos_sin(&self, position: usize, pair: usize) -> (f32, f32) {
         let angle = position as f32 * self.freqs[pair];
         (angle.cos(), angle.sin())
+    }
+}
+
+/// How [`Backend::rope`] rotates the rows of a step: channel pair `i` of row `r` by the angle
+/// `±positions[r] · table.freqs[i]` (`inverse`: the negative one), rounding at `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct Rotation<'a> {
+    pub table: &'a RopeTable,
+    pub positions: &'a [usize],
+    pub inverse: bool,
+    pub precision: Precision,
+}
+
+impl<'a> Rotation<'a> {
+    /// The rotation by `+position · freq` of rows at `positions`.
+    pub fn new(table: &'a RopeTable, positions: &'a [usize], precision: Precision) -> Rotation<'a> {
+        Rotation {
+            table,
+            positions,
+            inverse: false,
+            precision,
+        }
+    }
+
+    /// The same rotation by the negative angle.
+    pub fn inverse(self) -> Rotation<'a> {
+        Rotation {
+            inverse: true,
+            ..self
+        }
     }
 }
 
@@ -295,32 +335,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Row-wise RMSNorm over rows of `weight.len()`, `round(w · (x · rsqrt(mean(x²) + eps)))`
     /// rounded at `precision`.
     fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor;
-    /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`
-    /// (consecutive vectors of one row share `positions[row]`) by `±position · freq`, rounding at
-    /// `precision`. `vectors_per_row` vectors make up one row.
-    #[allow(clippy::too_many_arguments)]
-    fn rope(
-        &self,
-        x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-        precision: Precision,
-    ) -> Tensor;
+    /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`,
+    /// `layout = (stride, vectors_per_row)`: the `vectors_per_row` consecutive vectors of row `r`
+    /// by `rotation` at `positions[r]` ([`Rotation`]).
+    fn rope(&self, x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor;
 
     /// The mHC coefficients ([`HcMix`]) of every token's streams `x [n, hc · dim]` (a token's
     /// width `hc · dim` is the projection's input width).
-    fn hc_mixes_rows(
-        &self,
-        x: &Tensor,
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMixes;
+    fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes;
     /// `round(Σ_k w_k · x_k)` over the `hc` streams of every token: `x [n, hc, dim]` with its own
     /// weights `weights [n, hc]` → `[n, dim]`, rounded at `precision`.
     fn hc_collapse_rows_at(

@@ -2,7 +2,7 @@
 //! ([`Projection`]) in its model's precision: the queries of a step's rows ([`queries`]), the K=V
 //! rows ([`kv_rows`]) and the grouped low-rank output projection ([`output`]).
 
-use crate::backend::{Precision, RopeTable, Tensor, linear_by_groups};
+use crate::backend::{Precision, RopeTable, Rotation, Tensor, linear_by_groups};
 use crate::layers::ctx::Ctx;
 use crate::layers::weights::{AttentionWeights, Projection};
 
@@ -32,15 +32,8 @@ pub fn queries<W: Projection, C, I>(
         Some(unit) => backend.rms_norm(&q, unit, eps, precision),
         None => q,
     };
-    let q = backend.rope(
-        q,
-        cfg.head_dim,
-        cfg.n_heads,
-        positions,
-        table,
-        false,
-        precision,
-    );
+    let rotation = Rotation::new(table, positions, precision);
+    let q = backend.rope(q, (cfg.head_dim, cfg.n_heads), &rotation);
     Queries { qr, q }
 }
 
@@ -60,7 +53,8 @@ pub fn kv_rows<W: Projection, C, I>(
         cfg.norm_eps,
         precision,
     );
-    backend.rope(kv, cfg.head_dim, 1, positions, table, false, precision)
+    let rotation = Rotation::new(table, positions, precision);
+    backend.rope(kv, (cfg.head_dim, 1), &rotation)
 }
 
 /// De-rotates the attention outputs `o [n, heads · head_dim]` and applies the grouped low-rank
@@ -91,7 +85,8 @@ pub fn grouped_low_rank(
     let backend = ctx.backend;
     let precision = cfg.precision();
     let (heads, head_dim) = (cfg.n_heads, cfg.head_dim);
-    let o = backend.rope(o, head_dim, heads, positions, table, true, precision);
+    let inverse = Rotation::new(table, positions, precision).inverse();
+    let o = backend.rope(o, (head_dim, heads), &inverse);
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
     let group_width = heads * head_dim / groups;
     match precision {

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, RowSampling, Tensor};
+use crate::backend::{Backend, RowSampling, SelectPart, Tensor};
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
 use crate::layers::ring::MAX_BACKTRACK;
@@ -192,6 +192,28 @@ impl StepRows {
             positions: positions.to_vec(),
             spans: std::iter::once(0..positions.len()).collect(),
         }
+    }
+
+    /// How many compressed entries (of `ratio` positions each) every row sees: `(position + 1) /
+    /// ratio`.
+    pub(crate) fn visible_entries(&self, ratio: usize) -> Vec<usize> {
+        self.positions.iter().map(|&p| (p + 1) / ratio).collect()
+    }
+
+    /// The parts of an index selection over the rows ([`Backend::select_rows`]): entry `e`'s rows
+    /// score `keys[e]`, row `t` the first `visible[t]` of them.
+    pub(crate) fn select_parts<'a>(
+        &self,
+        keys: &'a [Vec<&'a Tensor>],
+        visible: &'a [usize],
+    ) -> Vec<SelectPart<'a>> {
+        keys.iter()
+            .zip(&self.spans)
+            .map(|(keys, span)| SelectPart {
+                keys,
+                visible: &visible[span.clone()],
+            })
+            .collect()
     }
 
     /// Drops the first `dropped[e]` rows of every entry; returns the kept flag of every old row.

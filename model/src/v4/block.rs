@@ -5,9 +5,9 @@
 //! sequence) and no op mixes rows.
 
 use super::weights::{HyperHeadWeights, LayerWeights};
-use crate::backend::{HcParams, MoeLayer, Tensor};
+use crate::backend::{MoeLayer, Tensor};
 use crate::layers::ctx::Ctx;
-use crate::layers::moe;
+use crate::layers::{mhc, moe};
 
 /// Runs one layer over the rows: `streams` is `[n, hc, dim]`, `tokens` the rows' ids (hash
 /// routing); `attention` maps the normed attention inputs `[n, dim]` to its outputs `[n, dim]`;
@@ -24,23 +24,13 @@ pub fn forward(
     let precision = cfg.precision();
     let hc = cfg.hc.mult;
     let backend = ctx.backend;
-    let mixes = |streams: &Tensor, params: &HcParams| {
-        backend.hc_mixes_rows(
-            streams,
-            params,
-            hc,
-            cfg.hc.sinkhorn_iters,
-            cfg.hc.eps,
-            cfg.norm_eps,
-        )
-    };
 
-    let attn_mix = mixes(streams, &w.hc_attn);
+    let attn_mix = mhc::mixes(ctx, streams, &w.hc_attn);
     let x = backend.hc_collapse_rows_at(streams, &attn_mix.pre(backend), hc, precision);
     let y = attention(&backend.rms_norm(&x, &w.attn_norm, cfg.norm_eps, precision));
     *streams = backend.hc_expand_rows_at(&y, streams, &attn_mix, precision);
 
-    let ffn_mix = mixes(streams, &w.hc_ffn);
+    let ffn_mix = mhc::mixes(ctx, streams, &w.hc_ffn);
     let x = backend.hc_collapse_rows_at(streams, &ffn_mix.pre(backend), hc, precision);
     let xn = backend.rms_norm(&x, &w.ffn_norm, cfg.norm_eps, precision);
     // Hash layers: every row's experts come from its token id (`tid2eid`).

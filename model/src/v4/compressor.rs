@@ -5,7 +5,7 @@
 
 use super::state::{CompressorCache, LayerState};
 use super::weights::{CompressorWeights, IndexerWeights};
-use crate::backend::{Candidates, PoolSlot, RopeTable, SelectPart, Selection, Tensor};
+use crate::backend::{Candidates, PoolSlot, RopeTable, Rotation, Selection, Tensor};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
 
@@ -61,7 +61,8 @@ pub fn append_rows(
         .iter()
         .map(|&(_, entry)| entry * w.ratio)
         .collect();
-    let rotated = backend.rope(normed, w.width, 1, &starts, table, false, precision);
+    let rotation = Rotation::new(table, &starts, precision);
+    let rotated = backend.rope(normed, (w.width, 1), &rotation);
     for (&(c, _), entry) in completed.iter().zip(rotated.split_rows(w.width)) {
         if let Some(cache) = caches[c].as_deref_mut() {
             cache.entries.push(entry);
@@ -121,15 +122,8 @@ pub fn select_rows(
     let backend = ctx.backend;
     let precision = cfg.precision();
     let (heads, head_dim) = (cfg.index_n_heads, cfg.index_head_dim);
-    let q = backend.rope(
-        w.wq_b.apply(backend, qr),
-        head_dim,
-        heads,
-        &rows.positions,
-        table,
-        false,
-        precision,
-    );
+    let rotation = Rotation::new(table, &rows.positions, precision);
+    let q = backend.rope(w.wq_b.apply(backend, qr), (head_dim, heads), &rotation);
     let scale = (heads as f32).powf(-0.5) * (head_dim as f32).powf(-0.5);
     let head_weights = backend.scale_at(w.weights_proj.apply(backend, xn), scale, precision);
     let keys: Vec<Vec<&Tensor>> = states
@@ -141,19 +135,8 @@ pub fn select_rows(
                 .map_or_else(Vec::new, |cache| cache.entries.iter().collect())
         })
         .collect();
-    let visible: Vec<usize> = rows
-        .positions
-        .iter()
-        .map(|&p| (p + 1) / w.compressor.ratio)
-        .collect();
-    let parts: Vec<SelectPart<'_>> = keys
-        .iter()
-        .zip(&rows.spans)
-        .map(|(keys, span)| SelectPart {
-            keys,
-            visible: &visible[span.clone()],
-        })
-        .collect();
+    let visible = rows.visible_entries(w.compressor.ratio);
+    let parts = rows.select_parts(&keys, &visible);
     backend
         .select_rows(
             &q,

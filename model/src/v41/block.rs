@@ -3,8 +3,9 @@
 //! Every op runs once over all rows of a step (each row is one token of some sequence).
 
 use super::weights::BlockWeights;
-use crate::backend::{HcMixes, HcParams, Precision, Tensor};
+use crate::backend::{Precision, Tensor};
 use crate::layers::ctx::Ctx;
+use crate::layers::mhc;
 use crate::layers::moe::{self, Route};
 
 /// The normed attention inputs `RMSNorm_attn(collapse(X, pre))` `[n, dim]` of the rows.
@@ -14,19 +15,6 @@ pub fn attention_inputs(ctx: &Ctx, w: &BlockWeights, streams: &Tensor, pre: &Ten
         .hc_collapse_rows_at(streams, pre, ctx.cfg.hc.mult, Precision::Bf16);
     ctx.backend
         .rms_norm(&x, &w.attn_norm, ctx.cfg.norm_eps, Precision::Bf16)
-}
-
-/// The mHC coefficients of every row at one site.
-fn mixes(ctx: &Ctx, streams: &Tensor, params: &HcParams) -> HcMixes {
-    let hc = &ctx.cfg.hc;
-    ctx.backend.hc_mixes_rows(
-        streams,
-        params,
-        hc.mult,
-        hc.sinkhorn_iters,
-        hc.eps,
-        ctx.cfg.norm_eps,
-    )
 }
 
 /// Runs one block over the rows. `streams` is `[n, hc, dim]`, `pre` is `[n, hc]` (the previous
@@ -46,13 +34,13 @@ pub fn forward(
     let cfg = ctx.cfg;
     let hc = cfg.hc.mult;
 
-    let attn_mix = mixes(ctx, streams, &w.hc_attn);
+    let attn_mix = mhc::mixes(ctx, streams, &w.hc_attn);
     let y = attention(&attention_inputs(ctx, w, streams, pre));
     *streams = ctx
         .backend
         .hc_expand_rows_at(&y, streams, &attn_mix, Precision::Bf16);
 
-    let ffn_mix = mixes(ctx, streams, &w.hc_ffn);
+    let ffn_mix = mhc::mixes(ctx, streams, &w.hc_ffn);
     let x =
         ctx.backend
             .hc_collapse_rows_at(streams, &attn_mix.pre(ctx.backend), hc, Precision::Bf16);

@@ -5,7 +5,7 @@
 use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
-use crate::backend::{CandidateMask, Candidates, Precision, SelectPart, Selection, Tensor};
+use crate::backend::{CandidateMask, Candidates, Precision, Rotation, Selection, Tensor};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
 
@@ -117,26 +117,11 @@ pub fn compress_chunk(
         ctx.cfg.norm_eps,
         Precision::Bf16,
     );
-    let keys = ctx.backend.rope(
-        keys,
-        index_dim,
-        1,
-        &group_positions,
-        table,
-        false,
-        Precision::Bf16,
-    );
+    let rotation = Rotation::new(table, &group_positions, Precision::Bf16);
+    let keys = ctx.backend.rope(keys, (index_dim, 1), &rotation);
     // Rows are whole QDQ groups (index_head_dim and head_dim are multiples of 32).
     let keys = ctx.backend.q4e_qdq(keys);
-    let entries = ctx.backend.rope(
-        latents,
-        head_dim,
-        1,
-        &group_positions,
-        table,
-        false,
-        Precision::Bf16,
-    );
+    let entries = ctx.backend.rope(latents, (head_dim, 1), &rotation);
     let entries = ctx.backend.q4m_qdq(entries);
     for ((&(j, group), key), entry) in groups
         .iter()
@@ -169,15 +154,9 @@ pub fn index_queries(
     let cfg = ctx.cfg;
     let (heads, head_dim) = (cfg.index_n_heads, cfg.index_head_dim);
     let table = ctx.rope.for_layer(cfg, layer);
-    let q = ctx.backend.rope(
-        ctx.backend.gemm_fp8(qr, &weights.wq_b),
-        head_dim,
-        heads,
-        positions,
-        table,
-        false,
-        Precision::Bf16,
-    );
+    let rotation = Rotation::new(table, positions, Precision::Bf16);
+    let q = ctx.backend.gemm_fp8(qr, &weights.wq_b);
+    let q = ctx.backend.rope(q, (head_dim, heads), &rotation);
     // Rows are whole QDQ groups (index_head_dim is a multiple of 32).
     let q = ctx.backend.q4e_qdq(q);
     let weight_scale = (head_dim as f32).powf(-0.5) * (heads as f32).powf(-0.5);
@@ -208,15 +187,8 @@ pub fn select_step(
         .iter()
         .map(|keys| keys.iter().collect())
         .collect();
-    let visible: Vec<usize> = rows.positions.iter().map(|&p| (p + 1) / ratio).collect();
-    let parts: Vec<SelectPart<'_>> = keys
-        .iter()
-        .zip(&rows.spans)
-        .map(|(keys, span)| SelectPart {
-            keys,
-            visible: &visible[span.clone()],
-        })
-        .collect();
+    let visible = rows.visible_entries(ratio);
+    let parts = rows.select_parts(&keys, &visible);
     let candidate_source = cfg.candidate.as_ref().filter(|c| c.source_layer == layer);
     let candidates = match (candidate_source, &shared.candidates) {
         (Some(c), _) => Candidates::Produce {

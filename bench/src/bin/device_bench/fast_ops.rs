@@ -25,7 +25,7 @@ use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
-use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, gemm_fp8_fast};
+use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, FastOutput, gemm_fp8_fast};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
@@ -94,22 +94,8 @@ fn bench(
     let mut label = format!("{name} {}", kernel.label());
     let micros = match kernel {
         // V4's tiles: f32 outputs, as `CudaBackend::linear` writes them.
-        Kernel::Fast if tile == 128 => time_fp8::<_, f32>(
-            rt,
-            timer,
-            &x,
-            (m, n, k, tile),
-            |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
-            |a, w, y| gemm_fp8_fast(rt, a, w, y),
-        )?,
-        Kernel::Fast => time_fp8::<_, bf16>(
-            rt,
-            timer,
-            &x,
-            (m, n, k, tile),
-            |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
-            |a, w, y| gemm_fp8_fast(rt, a, w, y),
-        )?,
+        Kernel::Fast if tile == 128 => time_fast_fp8::<f32>(rt, timer, &x, (m, n, k, tile))?,
+        Kernel::Fast => time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile))?,
         Kernel::Exact => time_fp8::<_, bf16>(
             rt,
             timer,
@@ -220,6 +206,23 @@ fn time_fp8<W, T: DeviceRepr + ValidAsZeroBits>(
         .collect::<Result<Vec<_>, _>>()?;
     let mut y = rt.stream().alloc_zeros::<T>(m * n)?;
     time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
+}
+
+/// [`time_fp8`] of the fast FP8 GEMM writing `T` outputs.
+fn time_fast_fp8<T: FastOutput + ValidAsZeroBits>(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    x: &CudaSlice<bf16>,
+    (m, n, k, tile): (usize, usize, usize, usize),
+) -> Result<f64> {
+    time_fp8::<_, T>(
+        rt,
+        timer,
+        x,
+        (m, n, k, tile),
+        |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
+        |a, w, y| gemm_fp8_fast(rt, a, w, y),
+    )
 }
 
 /// The real-width layer's routed experts in one numerics: its table (whose format picks the

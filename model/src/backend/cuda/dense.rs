@@ -305,21 +305,22 @@ impl CudaBackend {
         Ok(self.tensor(dy))
     }
 
-    /// [`Backend::rope`], with errors. The rows index a device table of `table`'s cos/sin rows
+    /// [`Backend::rope`], with errors. The rows index a device table of the table's cos/sin rows
     /// from position 0 ([`DeviceRopeTable`], built on the host with the CPU reference's angle
     /// rule and cached): a call uploads only its rows' positions.
-    #[allow(clippy::too_many_arguments)]
     pub fn try_rope(
         &self,
         x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-        precision: Precision,
+        (stride, vectors_per_row): (usize, usize),
+        rotation: &Rotation<'_>,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "rope";
+        let Rotation {
+            table,
+            positions,
+            inverse,
+            precision,
+        } = *rotation;
         let pairs = table.freqs.len();
         let row_width = stride * vectors_per_row;
         if row_width == 0 || 2 * pairs > stride || !x.len().is_multiple_of(row_width) {
@@ -381,7 +382,7 @@ impl CudaBackend {
     /// positions (at least [`MIN_ROPE_POSITIONS`]), built on the host once.
     fn rope_table(
         &self,
-        table: &RopeTable,
+        table: &crate::backend::RopeTable,
         positions: usize,
     ) -> Result<Arc<DeviceRopeTable>, CudaBackendError> {
         let key = HostKey::f32s(&table.freqs);
@@ -450,7 +451,7 @@ pub(crate) fn dequant_block_rows(out: usize, inp: usize) -> usize {
 const MIN_ROPE_POSITIONS: usize = 4096;
 
 /// One RoPE table's `(cos, sin)` rows for positions `0..positions` on the device, `[positions,
-/// pairs]` each, the values of [`RopeTable::cos_sin`].
+/// pairs]` each, the values of [`crate::backend::RopeTable::cos_sin`].
 pub(super) struct DeviceRopeTable {
     positions: usize,
     cos: CudaSlice<f32>,

@@ -103,11 +103,11 @@ pub use deepinfer_topology::Numerics;
 use half::bf16;
 
 use super::select::DeviceRows;
-use super::weights::Linear;
+use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
     Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
-    HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, RopeTable, RowSampling, SampleRowsError,
-    SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
+    HcMixing, HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling,
+    SampleRowsError, SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -552,6 +552,29 @@ impl CudaBackend {
         Ok(uploaded)
     }
 
+    /// The device table of a layer's expert list `experts`, built by `build` (from the list) once
+    /// and cached with the weights (in the map `map` picks) under the list's host address and
+    /// length; `None`, and nothing cached, when `build` finds the experts unfit. The cache is not
+    /// held while `build` runs (it caches the experts' weights).
+    fn cached_expert_table<V>(
+        &self,
+        experts: &[ExpertWeights<ExpertLinear>],
+        map: impl Fn(&mut WeightCache) -> &mut HashMap<(usize, usize), Arc<V>>,
+        build: impl FnOnce(&[&ExpertWeights<ExpertLinear>]) -> Result<Option<V>, CudaBackendError>,
+    ) -> Result<Option<Arc<V>>, CudaBackendError> {
+        let key = (experts.as_ptr() as usize, experts.len());
+        if let Some(found) = map(&mut self.lock_weights()).get(&key) {
+            return Ok(Some(found.clone()));
+        }
+        let all: Vec<&ExpertWeights<ExpertLinear>> = experts.iter().collect();
+        let Some(built) = build(&all)? else {
+            return Ok(None);
+        };
+        let built = Arc::new(built);
+        map(&mut self.lock_weights()).insert(key, built.clone());
+        Ok(Some(built))
+    }
+
     fn cached_f32(
         &self,
         op: &'static str,
@@ -730,15 +753,6 @@ impl CudaBackend {
         Ok(address)
     }
 
-    /// [`Backend::resident`], with errors: a device tensor as it is, a host one uploaded.
-    pub fn try_resident(&self, x: Tensor) -> Result<Tensor, CudaBackendError> {
-        if x.is_empty() || x.device_view().is_some() {
-            return Ok(x);
-        }
-        let data = self.upload("resident", x.as_host())?;
-        Ok(self.tensor(data))
-    }
-
     /// [`Backend::gather`], with errors: one launch over the pieces' addresses (in its parameters
     /// up to `GATHER_INLINE` pieces, else an uploaded table).
     pub fn try_gather(
@@ -825,27 +839,8 @@ impl Backend for CudaBackend {
         self.run("rms_norm", || self.try_rms_norm(x, weight, eps, precision))
     }
 
-    fn rope(
-        &self,
-        x: Tensor,
-        stride: usize,
-        vectors_per_row: usize,
-        positions: &[usize],
-        table: &RopeTable,
-        inverse: bool,
-        precision: Precision,
-    ) -> Tensor {
-        self.run("rope", || {
-            self.try_rope(
-                x,
-                stride,
-                vectors_per_row,
-                positions,
-                table,
-                inverse,
-                precision,
-            )
-        })
+    fn rope(&self, x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor {
+        self.run("rope", || self.try_rope(x, layout, rotation))
     }
 
     fn q8_qdq(&self, x: Tensor) -> Tensor {
@@ -860,17 +855,9 @@ impl Backend for CudaBackend {
         self.run("q4m_qdq", || self.try_qdq(x, QdqPoint::Q4m))
     }
 
-    fn hc_mixes_rows(
-        &self,
-        x: &Tensor,
-        params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> HcMixes {
+    fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes {
         self.run("hc_mixes_rows", || {
-            self.try_hc_mixes_rows(x, params, hc, sinkhorn_iters, hc_eps, norm_eps)
+            self.try_hc_mixes_rows(x, params, mixing)
         })
     }
 
@@ -1036,8 +1023,15 @@ impl Backend for CudaBackend {
         self.run("add", || self.try_add(x, y))
     }
 
+    /// A device tensor as it is, a host one uploaded.
     fn resident(&self, x: Tensor) -> Tensor {
-        self.run("resident", || self.try_resident(x))
+        self.run("resident", || {
+            if x.is_empty() || x.device_view().is_some() {
+                return Ok(x);
+            }
+            let data = self.upload("resident", x.as_host())?;
+            Ok(self.tensor(data))
+        })
     }
 
     fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {

@@ -320,20 +320,16 @@ impl CudaBackend {
         experts: &[ExpertWeights<ExpertLinear>],
         dim: usize,
     ) -> Result<Option<Arc<DeviceExperts>>, CudaBackendError> {
-        let key = (experts.as_ptr() as usize, experts.len());
-        if let Some(found) = self.lock_weights().expert_tables.get(&key) {
-            return Ok(Some(found.clone()));
-        }
-        let all: Vec<&ExpertWeights<ExpertLinear>> = experts.iter().collect();
-        if v4_fast_shape(&all).is_none_or(|(width, _)| width != dim) {
-            return Ok(None);
-        }
-        let Some(built) = self.v4_fast_expert_table_of(op, &all)? else {
-            return Ok(None);
-        };
-        let built = Arc::new(built);
-        self.lock_weights().expert_tables.insert(key, built.clone());
-        Ok(Some(built))
+        self.cached_expert_table(
+            experts,
+            |cache| &mut cache.expert_tables,
+            |all| {
+                if v4_fast_shape(all).is_none_or(|(width, _)| width != dim) {
+                    return Ok(None);
+                }
+                self.v4_fast_expert_table_of(op, all)
+            },
+        )
     }
 
     /// The fast table of V4 FP4 `experts` (table index = position in the list), laid out for
@@ -365,17 +361,11 @@ impl CudaBackend {
         op: &'static str,
         experts: &[ExpertWeights<ExpertLinear>],
     ) -> Result<Option<Arc<DeviceExperts>>, CudaBackendError> {
-        let key = (experts.as_ptr() as usize, experts.len());
-        if let Some(found) = self.lock_weights().expert_tables.get(&key) {
-            return Ok(Some(found.clone()));
-        }
-        let all: Vec<&ExpertWeights<ExpertLinear>> = experts.iter().collect();
-        let Some(built) = self.expert_table_of(op, &all)? else {
-            return Ok(None);
-        };
-        let built = Arc::new(built);
-        self.lock_weights().expert_tables.insert(key, built.clone());
-        Ok(Some(built))
+        self.cached_expert_table(
+            experts,
+            |cache| &mut cache.expert_tables,
+            |all| self.expert_table_of(op, all),
+        )
     }
 
     /// Drops the cached device copies of `expert`'s weights (an EP rank no longer holds it),

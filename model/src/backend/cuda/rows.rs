@@ -15,12 +15,15 @@ impl CudaBackend {
         &self,
         x: &Tensor,
         params: &HcParams,
-        hc: usize,
-        sinkhorn_iters: usize,
-        hc_eps: f32,
-        norm_eps: f32,
+        mixing: &HcMixing,
     ) -> Result<HcMixes, CudaBackendError> {
         const OP: &str = "hc_mixes_rows";
+        let HcMixing {
+            hc,
+            sinkhorn_iters,
+            hc_eps,
+            norm_eps,
+        } = *mixing;
         let projections = (2 + hc) * hc;
         if hc == 0 || params.proj.is_empty() || !params.proj.len().is_multiple_of(projections) {
             return Err(shape_err(

@@ -352,22 +352,16 @@ impl CudaBackend {
         experts: &[ExpertWeights<ExpertLinear>],
         dim: usize,
     ) -> Result<Option<Arc<DeviceExactExperts>>, CudaBackendError> {
-        let key = (experts.as_ptr() as usize, experts.len());
-        if let Some(found) = self.lock_weights().exact_expert_tables.get(&key) {
-            return Ok(Some(found.clone()));
-        }
-        let all: Vec<&ExpertWeights<ExpertLinear>> = experts.iter().collect();
-        if exact_shape(&all).is_none_or(|(width, _)| width != dim) {
-            return Ok(None);
-        }
-        let Some(built) = self.exact_expert_table_of(op, &all)? else {
-            return Ok(None);
-        };
-        let built = Arc::new(built);
-        self.lock_weights()
-            .exact_expert_tables
-            .insert(key, built.clone());
-        Ok(Some(built))
+        self.cached_expert_table(
+            experts,
+            |cache| &mut cache.exact_expert_tables,
+            |all| {
+                if exact_shape(all).is_none_or(|(width, _)| width != dim) {
+                    return Ok(None);
+                }
+                self.exact_expert_table_of(op, all)
+            },
+        )
     }
 
     /// The device table of exact `experts` (table index = position in the list), each weight
