@@ -36,7 +36,8 @@
 //! reaches the cache).
 //! The model's weights are immutable host buffers that live as long as the model, so
 //! a weight is keyed by its host address and length plus a content fingerprint (every element of a
-//! buffer up to 4096 elements, 64 evenly spaced ones beyond). A host buffer that is freed and
+//! buffer up to 256 elements, 16 evenly spaced ones and the last beyond: a lookup reads at most
+//! 17 of a large weight's pages, since every weight op looks its weights up). A host buffer that is freed and
 //! replaced by another of the same length at the same address with the same sampled content would
 //! hit a stale entry: do not pass short-lived buffers as weights, or call
 //! [`CudaBackend::clear_weight_cache`] after freeing them.
@@ -185,9 +186,9 @@ struct HostKey {
 const DEQUANT_ELEMENTS: usize = 1 << 26;
 
 /// Buffers up to this many elements are fingerprinted in full.
-const FULL_FINGERPRINT_LEN: usize = 4096;
+const FULL_FINGERPRINT_LEN: usize = 256;
 /// Elements sampled from a longer buffer.
-const FINGERPRINT_SAMPLES: usize = 64;
+const FINGERPRINT_SAMPLES: usize = 16;
 
 impl HostKey {
     fn of<T: Copy>(values: &[T], bits: impl Fn(T) -> u64) -> HostKey {
