@@ -64,6 +64,7 @@ use crate::comm::bootstrap::{self, Member, UniqueId, UniqueIdSource};
 use crate::comm::steps::{NodeInbox, StepBeacon};
 use crate::comm::wire::NodeEplb;
 use crate::eplb::state::{EplbAction, EplbState};
+use crate::dspark::profile::ProfileRequest;
 use crate::error::EngineError;
 use crate::experts::lockstep::{Held, Lockstep};
 use crate::experts::parallel::EpSettings;
@@ -71,6 +72,7 @@ use crate::experts::shard::ExpertSource;
 use crate::messages::eplb::{EplbStatus, RebalanceReport};
 use crate::messages::experts::ShardLoads;
 use crate::metrics as m;
+use crate::scheduler::state::SchedulerLimits;
 
 /// Rank steps kept in the step log.
 const STEP_LOG_CAPACITY: usize = 1 << 16;
@@ -360,6 +362,8 @@ pub struct DeviceExperts {
     /// Why the group can no longer step (live EPLB across nodes failed: a node lost, an
     /// exchange past its timeout); every later step fails with it.
     failure: Mutex<Option<String>>,
+    /// Steps each rank leads before it follows any peer: DSpark's start-up profile (0: off).
+    profile_steps: u64,
 }
 
 impl std::fmt::Debug for DeviceExperts {
@@ -445,6 +449,11 @@ impl DeviceExperts {
             log: Mutex::new(VecDeque::new()),
             nodes: None,
             failure: Mutex::new(None),
+            profile_steps: match node.dspark.enabled {
+                true => ProfileRequest::for_engine(&node.dspark, &SchedulerLimits::from_node(node))
+                    .executor_steps(),
+                false => 0,
+            },
         }
     }
 
@@ -611,6 +620,14 @@ impl DeviceExperts {
             epoch,
         });
         Ok((index, epoch))
+    }
+
+    /// Whether idle rank `rank` may follow its peers' steps: once it ran DSpark's start-up
+    /// profile (with DSpark on), so that the profile's steps pair up one for one on every rank
+    /// of every node, however late a node starts, instead of a late node's ranks first
+    /// following an earlier node's profile as idle steps and then profiling alone.
+    pub fn may_follow(&self, rank: usize) -> bool {
+        self.lockstep.started(rank) >= self.profile_steps
     }
 
     /// An idle rank `rank` builds a staged placement it has not (so that staging never waits

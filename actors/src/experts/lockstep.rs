@@ -218,6 +218,11 @@ impl Lockstep {
         self.lock().commits.clone()
     }
 
+    /// Steps rank `rank` has begun.
+    pub fn started(&self, rank: usize) -> u64 {
+        self.lock().started.get(rank).copied().unwrap_or(0)
+    }
+
     /// Steps rank `rank` must still run to reach the furthest peer, of this node or another
     /// (0: none is ahead).
     pub fn behind(&self, rank: usize) -> u64 {

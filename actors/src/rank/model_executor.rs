@@ -145,6 +145,9 @@ impl ModelExecutor {
         device
             .idle(*rank, self.model.backend())
             .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))?;
+        if !device.may_follow(*rank) {
+            return Ok(Some(FOLLOW_POLL));
+        }
         for _ in 0..device.lockstep().behind(*rank) {
             let (_, epoch) = begin_device_step(device, *rank, self.model.backend())?;
             self.model.experts().idle_expert_step();
