@@ -519,10 +519,7 @@ fn one_rank_of(
 async fn settle(groups: &[Arc<DeviceExperts>]) -> u64 {
     let (a, b) = (groups[0].lockstep(), groups[1].lockstep());
     let started = Instant::now();
-    while a.behind(0) > 0
-        || b.behind(0) > 0
-        || a.steps() != b.steps()
-        || a.commits() != b.commits()
+    while a.behind(0) > 0 || b.behind(0) > 0 || a.steps() != b.steps() || a.commits() != b.commits()
     {
         assert!(
             started.elapsed() < CATCH_UP,
@@ -611,8 +608,14 @@ async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() 
     let prompts = skewed_prompts(6);
     let max_tokens = 6;
     let one = ModelFactory::new(model.clone(), "one rank");
-    let (expected, _) =
-        run_engine(node(1, 1, ""), Arc::new(one), facts(&model), &prompts, max_tokens).await;
+    let (expected, _) = run_engine(
+        node(1, 1, ""),
+        Arc::new(one),
+        facts(&model),
+        &prompts,
+        max_tokens,
+    )
+    .await;
     let expected: Vec<Vec<u32>> = expected.into_values().collect();
 
     let (got, groups, _beacons) = serve_on_two_nodes(false, &prompts, max_tokens).await;
@@ -647,8 +650,14 @@ async fn a_node_that_cannot_stage_aborts_the_rebalance_on_both_nodes() {
     let prompts = skewed_prompts(4);
     let max_tokens = 6;
     let one = ModelFactory::new(model.clone(), "one rank");
-    let (expected, _) =
-        run_engine(node(1, 1, ""), Arc::new(one), facts(&model), &prompts, max_tokens).await;
+    let (expected, _) = run_engine(
+        node(1, 1, ""),
+        Arc::new(one),
+        facts(&model),
+        &prompts,
+        max_tokens,
+    )
+    .await;
     let expected: Vec<Vec<u32>> = expected.into_values().collect();
 
     let (got, groups, _beacons) = serve_on_two_nodes(true, &prompts, max_tokens).await;
@@ -737,7 +746,10 @@ fn a_node_that_never_answers_fails_the_step_within_the_timeout() {
     let backend = CpuBackend::new();
     let started = Instant::now();
     let error = loop {
-        assert!(started.elapsed() < Duration::from_secs(10), "no failure: a hang");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no failure: a hang"
+        );
         let stepped = group
             .begin(0, &backend)
             .and_then(|(_, epoch)| group.finish(0, epoch));

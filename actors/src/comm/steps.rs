@@ -156,12 +156,8 @@ impl StepBeacon {
             .name("step-counts-out".into())
             .spawn(move || sender.run(conns, out))
             .map_err(|e| failed(format!("sending thread: {e}")))?;
-        let (hearing, stopping, delivering, accepted) = (
-            heard.clone(),
-            stop.clone(),
-            inbox.clone(),
-            incoming.clone(),
-        );
+        let (hearing, stopping, delivering, accepted) =
+            (heard.clone(), stop.clone(), inbox.clone(), incoming.clone());
         thread::Builder::new()
             .name("step-counts-in".into())
             .spawn(move || {
@@ -212,7 +208,11 @@ impl StepBeacon {
     /// blocks; a node that cannot be written to is reported lost to the inbox).
     pub fn send_eplb(&self, to: u16, message: NodeEplb) {
         if self.outbox.send(Out::Eplb(to, message)).is_err() {
-            tracing::warn!(node = self.node, to, "EPLB message: the sending thread is gone");
+            tracing::warn!(
+                node = self.node,
+                to,
+                "EPLB message: the sending thread is gone"
+            );
         }
     }
 
@@ -297,7 +297,8 @@ impl Sender {
                             node,
                             began,
                         });
-                        conns.retain_mut(|(peer, addr, conn)| self.write(&count, *peer, addr, conn));
+                        conns
+                            .retain_mut(|(peer, addr, conn)| self.write(&count, *peer, addr, conn));
                     }
                     Out::Eplb(to, message) => {
                         let frame = PeerFrame::Eplb(NodeEplbFrame {
@@ -525,6 +526,10 @@ mod tests {
         );
         beacons[0].close();
         eventually("node 1 hears node 0 lost", || locked(&heard.0).len() == 3);
-        assert!(locked(&heard.0)[2].starts_with("lost 0: "), "{:?}", locked(&heard.0));
+        assert!(
+            locked(&heard.0)[2].starts_with("lost 0: "),
+            "{:?}",
+            locked(&heard.0)
+        );
     }
 }

@@ -714,7 +714,6 @@ impl StepCount {
     }
 }
 
-
 impl NodeEplb {
     fn body(&self) -> Frame {
         let mut f = Frame(Vec::new());
@@ -1232,7 +1231,11 @@ mod tests {
         );
         let mut huge = propose_frame();
         huge[length..length + 4].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(refused(&huge).contains("EPLB frame length"), "{}", refused(&huge));
+        assert!(
+            refused(&huge).contains("EPLB frame length"),
+            "{}",
+            refused(&huge)
+        );
         let whole = propose_frame();
         let short = &whole[..whole.len() - 3];
         assert!(

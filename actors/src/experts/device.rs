@@ -63,8 +63,8 @@ use crate::comm::EpError;
 use crate::comm::bootstrap::{self, Member, UniqueId, UniqueIdSource};
 use crate::comm::steps::{NodeInbox, StepBeacon};
 use crate::comm::wire::NodeEplb;
-use crate::eplb::state::{EplbAction, EplbState};
 use crate::dspark::profile::ProfileRequest;
+use crate::eplb::state::{EplbAction, EplbState};
 use crate::error::EngineError;
 use crate::experts::lockstep::{Held, Lockstep};
 use crate::experts::parallel::EpSettings;
@@ -184,7 +184,12 @@ pub fn cuda_fingerprint(node: &NodeConfig, model: &AnyModel) -> u64 {
         scheduler.max_running_requests,
     )
         .hash(&mut hasher);
-    (eplb.enabled, eplb.window_steps, eplb.rebalance_interval_steps).hash(&mut hasher);
+    (
+        eplb.enabled,
+        eplb.window_steps,
+        eplb.rebalance_interval_steps,
+    )
+        .hash(&mut hasher);
     hasher.finish()
 }
 
@@ -716,7 +721,13 @@ impl DeviceExperts {
         self.committed(eplb, epoch, from, staged.report);
     }
 
-    fn committed(&self, eplb: &mut Eplb, epoch: PlacementEpoch, from: u64, report: RebalanceReport) {
+    fn committed(
+        &self,
+        eplb: &mut Eplb,
+        epoch: PlacementEpoch,
+        from: u64,
+        report: RebalanceReport,
+    ) {
         m::record_eplb_commit(epoch);
         let mut report = report;
         report.committed = true;
@@ -1006,7 +1017,11 @@ impl DeviceExperts {
                 self.abort(eplb, PlacementEpoch(epoch), reason, true);
             }
             other => {
-                tracing::warn!(from, ?other, "EPLB: node 0 ignores a message meant for a follower");
+                tracing::warn!(
+                    from,
+                    ?other,
+                    "EPLB: node 0 ignores a message meant for a follower"
+                );
             }
         }
     }
@@ -1088,7 +1103,11 @@ impl DeviceExperts {
                 self.abort(eplb, PlacementEpoch(epoch), reason, false);
             }
             other => {
-                tracing::warn!(me, ?other, "EPLB: a follower ignores a message meant for node 0");
+                tracing::warn!(
+                    me,
+                    ?other,
+                    "EPLB: a follower ignores a message meant for node 0"
+                );
             }
         }
     }
@@ -1121,7 +1140,9 @@ impl NodeInbox for DeviceExperts {
     }
 
     fn lost(&self, node: u16, why: String) {
-        self.fail(format!("live EPLB across nodes: node {node} is lost: {why}"));
+        self.fail(format!(
+            "live EPLB across nodes: node {node} is lost: {why}"
+        ));
     }
 }
 
@@ -1287,7 +1308,12 @@ mod tests {
                     path.display()
                 );
             }
-            checked.push(path.file_name().expect("a name").to_string_lossy().into_owned());
+            checked.push(
+                path.file_name()
+                    .expect("a name")
+                    .to_string_lossy()
+                    .into_owned(),
+            );
         }
         checked.sort();
         for name in ["h200x1.toml", "h200x2.toml", "h200x8.toml", "sm100x64.toml"] {

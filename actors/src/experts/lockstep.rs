@@ -395,10 +395,7 @@ mod tests {
         };
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(lockstep.commit_at(2, PlacementEpoch(1)), Ok(()));
-        assert_eq!(
-            waiting.join().expect("thread"),
-            Ok((2, PlacementEpoch(1)))
-        );
+        assert_eq!(waiting.join().expect("thread"), Ok((2, PlacementEpoch(1))));
         assert_eq!(lockstep.commit_at(2, PlacementEpoch(2)), Err(3));
         assert_eq!(
             lockstep.commits(),
