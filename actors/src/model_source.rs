@@ -437,12 +437,12 @@ fn on_node_devices(
             },
             if node.eplb.enabled { "on" } else { "off" }
         );
-        let group = Arc::new(match &nodes {
+        let group = match &nodes {
             Some(joined) => {
                 DeviceExperts::across_nodes(node, local, starting.clone(), joined.peers.clone())
             }
-            None => DeviceExperts::new(node, local, starting.clone()),
-        });
+            None => Arc::new(DeviceExperts::new(node, local, starting.clone())),
+        };
         devices.open = gpu::cuda_expert_ranks(
             model.clone(),
             numerics,

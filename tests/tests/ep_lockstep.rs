@@ -29,7 +29,7 @@ use deepinfer_actors::experts::device::{DeviceExperts, DeviceRank, starting_plac
 use deepinfer_actors::messages::experts::ShardLoads;
 use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};
-use deepinfer_actors::{Engine, EngineConfig};
+use deepinfer_actors::{Engine, EngineConfig, GenerateRequest};
 use deepinfer_model::Model;
 use deepinfer_model::backend::{Backend, CpuBackend};
 use deepinfer_model::config::ModelConfig;
@@ -138,7 +138,7 @@ async fn an_idle_node_follows_the_steps_of_a_busy_one() {
             let beacon = StepBeacon::start(listener, 11, n as u16, &addrs, Duration::from_secs(5))
                 .expect("step counts");
             let placement = starting_placement(&topology, model.config()).expect("placement");
-            Arc::new(DeviceExperts::across_nodes(&topology, 1, placement, beacon))
+            DeviceExperts::across_nodes(&topology, 1, placement, beacon)
         })
         .collect();
     let mut engines = Vec::new();
@@ -410,7 +410,7 @@ fn run_group(full: bool) -> (Vec<u32>, Vec<u32>, DeviceExperts, Vec<Arc<StandIn>
     for _ in 0..12 {
         for rank in 0..2 {
             let (_, epoch) = group.begin(rank, &backend).expect("step begins");
-            group.finish(rank, epoch);
+            group.finish(rank, epoch).expect("step finishes");
         }
     }
     let log = group.step_log();
@@ -462,4 +462,358 @@ fn a_failed_staging_keeps_the_placement() {
     assert!(ranks.iter().all(|r| r.epoch() == PlacementEpoch(0)));
     let status = group.eplb_status().expect("EPLB on");
     assert_eq!((status.epoch, status.rebalances), (PlacementEpoch(0), 0));
+}
+
+/// Two linked groups of one rank each, as two nodes of one deployment (`StepBeacon`s over
+/// loopback, session 11): `topology` gives the EPLB and its timeouts; the beacons are returned
+/// too (closing one is its node's process ending).
+fn two_nodes(
+    model: &Arc<Model>,
+    topology: &deepinfer_topology::NodeConfig,
+) -> (Vec<Arc<DeviceExperts>>, Vec<Arc<StepBeacon>>) {
+    let listeners: Vec<std::net::TcpListener> = (0..2)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a port"))
+        .collect();
+    let addrs: Vec<std::net::SocketAddr> = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("address"))
+        .collect();
+    let mut groups = Vec::new();
+    let mut beacons = Vec::new();
+    for (n, listener) in listeners.into_iter().enumerate() {
+        let beacon = StepBeacon::start(listener, 11, n as u16, &addrs, Duration::from_secs(5))
+            .expect("step counts");
+        let placement = starting_placement(topology, model.config()).expect("placement");
+        groups.push(DeviceExperts::across_nodes(
+            topology,
+            1,
+            placement,
+            beacon.clone(),
+        ));
+        beacons.push(beacon);
+    }
+    (groups, beacons)
+}
+
+/// One CPU rank of a node stepping through `group`; `opened` runs as its backend opens.
+fn one_rank_of(
+    model: &Arc<Model>,
+    group: &Arc<DeviceExperts>,
+    opened: impl Fn() + Send + Sync + 'static,
+) -> ModelFactory {
+    ModelFactory::per_device(
+        model.clone(),
+        "one CPU rank of a node",
+        RankDevices {
+            per_node: 1,
+            open: Arc::new(move |_dp, _device| {
+                opened();
+                Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)
+            }),
+            experts: Some(group.clone()),
+        },
+    )
+}
+
+/// Waits until both nodes ran the same steps, neither behind, and agree on their commits.
+async fn settle(groups: &[Arc<DeviceExperts>]) -> u64 {
+    let (a, b) = (groups[0].lockstep(), groups[1].lockstep());
+    let started = Instant::now();
+    while a.behind(0) > 0 || b.behind(0) > 0 || a.steps() != b.steps() || a.commits() != b.commits()
+    {
+        assert!(
+            started.elapsed() < CATCH_UP,
+            "the nodes do not settle: {} and {} steps, commits {:?} and {:?}",
+            a.steps(),
+            b.steps(),
+            a.commits(),
+            b.commits()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    a.steps()
+}
+
+/// The epoch of every step index, the same on both nodes' ranks (each index logged once per
+/// node, every index from 0 to `steps`).
+fn epochs_of_both(groups: &[Arc<DeviceExperts>], steps: u64) -> Vec<u32> {
+    let per_node: Vec<Vec<u32>> = groups
+        .iter()
+        .map(|group| {
+            let log = group.step_log();
+            let indices: Vec<u64> = log.iter().map(|s| s.index).collect();
+            assert_eq!(indices, (0..steps).collect::<Vec<_>>());
+            log.iter().map(|s| s.epoch.get()).collect()
+        })
+        .collect();
+    assert_eq!(per_node[0], per_node[1], "a step index on two epochs");
+    per_node[0].clone()
+}
+
+/// The EPLB topology of the two-node tests: rebalancing every 2 steps over 1, each exchange
+/// at most `timeout_ms`.
+fn eplb_topology(timeout_ms: u64) -> deepinfer_topology::NodeConfig {
+    node(
+        2,
+        2,
+        &format!(
+            "enabled = true\nredundant_experts = 2\nwindow_steps = 1\n\
+             rebalance_interval_steps = 2\n[cluster]\nexchange_timeout_ms = {timeout_ms}\n\
+             bootstrap_timeout_seconds = 10\n"
+        ),
+    )
+}
+
+/// Runs `prompts` split over two engines as two nodes (the first half on node 0, the rest on
+/// node 1), their ranks' stand-ins registered (node 1's staging fails when `full`): the
+/// outputs in prompt order, the groups and beacons.
+async fn serve_on_two_nodes(
+    full: bool,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> (Vec<Vec<u32>>, Vec<Arc<DeviceExperts>>, Vec<Arc<StepBeacon>>) {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let topology = eplb_topology(5000);
+    let placement = starting_placement(&topology, model.config()).expect("placement");
+    let (layers, slots) = (placement.layers.len(), placement.slots_per_gpu);
+    let (groups, beacons) = two_nodes(&model, &topology);
+    let mut engines = Vec::new();
+    for (n, group) in groups.iter().enumerate() {
+        let registry = group.clone();
+        let factory = one_rank_of(&model, group, move || {
+            registry.register(0, Arc::new(StandIn::new(layers, slots, full && n == 1)));
+        });
+        engines.push(start_engine(node(1, 1, ""), Arc::new(factory), facts).await);
+    }
+    let half = prompts.len() / 2;
+    let (first, second) = tokio::join!(
+        run_requests(&engines[0].0, &prompts[..half], max_tokens),
+        run_requests(&engines[1].0, &prompts[half..], max_tokens)
+    );
+    let got = first.into_values().chain(second.into_values()).collect();
+    settle(&groups).await;
+    for (engine, _, freed) in engines {
+        shut_down(engine, &freed, true).await;
+    }
+    (got, groups, beacons)
+}
+
+/// Two engines as two nodes, live EPLB rebalancing every 2 steps under traffic on both: the
+/// outputs are those of one rank, every step index runs on one epoch on both nodes, both commit
+/// the same epochs at the same steps, and the epoch advances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() {
+    let (_dir, model) = model();
+    let prompts = skewed_prompts(6);
+    let max_tokens = 6;
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, _) = run_engine(
+        node(1, 1, ""),
+        Arc::new(one),
+        facts(&model),
+        &prompts,
+        max_tokens,
+    )
+    .await;
+    let expected: Vec<Vec<u32>> = expected.into_values().collect();
+
+    let (got, groups, _beacons) = serve_on_two_nodes(false, &prompts, max_tokens).await;
+    assert_eq!(got, expected, "two nodes with live EPLB vs one rank");
+    let steps = groups[0].lockstep().steps();
+    let epochs = epochs_of_both(&groups, steps);
+    assert!(epochs.windows(2).all(|w| w[0] <= w[1]), "{epochs:?}");
+    let commits = groups[0].lockstep().commits();
+    assert_eq!(commits, groups[1].lockstep().commits());
+    // The stand-ins' counts never change, so the first rebalance's placement is the solver's
+    // answer from then on: one commit (as over one process), later windows planning no change.
+    assert!(commits.len() >= 2, "no commit: {commits:?}");
+    let (lead, follow) = (
+        groups[0].eplb_status().expect("EPLB on"),
+        groups[1].eplb_status().expect("EPLB on"),
+    );
+    assert_eq!(lead.epoch, follow.epoch);
+    assert_eq!(lead.rebalances, follow.rebalances);
+    assert_eq!(lead.rebalances as usize, commits.len() - 1, "{lead:?}");
+    assert!(groups.iter().all(|g| g.failure().is_none()));
+    println!(
+        "live EPLB over two nodes: {steps} steps, commits at {commits:?}, epochs by step \
+         {epochs:?}"
+    );
+}
+
+/// Node 1 cannot stage (out of device memory): every rebalance is aborted on both nodes, every
+/// step stays on epoch 0, nothing fails, and the outputs are those of one rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_stage_aborts_the_rebalance_on_both_nodes() {
+    let (_dir, model) = model();
+    let prompts = skewed_prompts(4);
+    let max_tokens = 6;
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, _) = run_engine(
+        node(1, 1, ""),
+        Arc::new(one),
+        facts(&model),
+        &prompts,
+        max_tokens,
+    )
+    .await;
+    let expected: Vec<Vec<u32>> = expected.into_values().collect();
+
+    let (got, groups, _beacons) = serve_on_two_nodes(true, &prompts, max_tokens).await;
+    assert_eq!(got, expected);
+    let steps = groups[0].lockstep().steps();
+    let epochs = epochs_of_both(&groups, steps);
+    assert!(epochs.iter().all(|&e| e == 0), "{epochs:?}");
+    for group in &groups {
+        assert_eq!(group.lockstep().commits(), vec![(0, PlacementEpoch(0))]);
+        let status = group.eplb_status().expect("EPLB on");
+        assert_eq!((status.epoch, status.rebalances), (PlacementEpoch(0), 0));
+        assert!(group.failure().is_none());
+    }
+    let last = groups[0]
+        .eplb_status()
+        .and_then(|s| s.last)
+        .expect("a rebalance was tried");
+    assert!(!last.committed, "{last:?}");
+}
+
+/// Node 1's process ends (its beacon closes) while both serve: node 0's next request fails
+/// within the timeout, and its group names node 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_disappears_fails_the_other_naming_it() {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let topology = eplb_topology(2000);
+    let placement = starting_placement(&topology, model.config()).expect("placement");
+    let (layers, slots) = (placement.layers.len(), placement.slots_per_gpu);
+    let (groups, beacons) = two_nodes(&model, &topology);
+    let mut engines = Vec::new();
+    for group in &groups {
+        let registry = group.clone();
+        let factory = one_rank_of(&model, group, move || {
+            registry.register(0, Arc::new(StandIn::new(layers, slots, false)));
+        });
+        engines.push(start_engine(node(1, 1, ""), Arc::new(factory), facts).await);
+    }
+    let prompts = skewed_prompts(2);
+    run_requests(&engines[0].0, &prompts, 4).await;
+    settle(&groups).await;
+    beacons[1].close();
+    let started = Instant::now();
+    let stream = engines[0]
+        .0
+        .generate(GenerateRequest::from_tokens(prompts[0].clone()).max_tokens(4))
+        .await;
+    let failed = match stream {
+        Err(_) => true,
+        Ok(stream) => tokio::time::timeout(Duration::from_secs(20), stream.collect())
+            .await
+            .expect("fails in time, no hang")
+            .is_err(),
+    };
+    assert!(failed, "node 0 served without node 1");
+    let failure = groups[0].failure().expect("node 0's group failed");
+    assert!(failure.contains("node 1 is lost"), "{failure}");
+    println!(
+        "node 1 gone: node 0 failed in {:?}: {failure}",
+        started.elapsed()
+    );
+    for (engine, _, _) in engines {
+        let _ = engine.shutdown(Duration::from_secs(30)).await;
+    }
+}
+
+/// Node 1 is up but never answers (a hung host: its address accepts, nothing comes back):
+/// node 0's rebalance asks for its counts and its step fails within the exchange timeout,
+/// naming node 1.
+#[test]
+fn a_node_that_never_answers_fails_the_step_within_the_timeout() {
+    let cfg = ModelConfig::tiny_v41();
+    let topology = eplb_topology(300);
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let addrs = [
+        listener.local_addr().expect("address"),
+        silent.local_addr().expect("address"),
+    ];
+    let beacon =
+        StepBeacon::start(listener, 11, 0, &addrs, Duration::from_secs(5)).expect("step counts");
+    let placement = starting_placement(&topology, &cfg).expect("placement");
+    let slots = placement.slots_per_gpu;
+    let group = DeviceExperts::across_nodes(&topology, 1, placement, beacon);
+    group.register(0, Arc::new(StandIn::new(cfg.n_layers, slots, false)));
+    let backend = CpuBackend::new();
+    let started = Instant::now();
+    let error = loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no failure: a hang"
+        );
+        let stepped = group
+            .begin(0, &backend)
+            .and_then(|(_, epoch)| group.finish(0, epoch));
+        if let Err(error) = stepped {
+            break error;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let waited = started.elapsed();
+    assert!(
+        error.contains("node 1 sent no load counts within 300 ms"),
+        "{error}"
+    );
+    assert!(waited < Duration::from_secs(3), "{waited:?}");
+    let again = group.begin(0, &backend).expect_err("failed for good");
+    assert_eq!(again, error);
+    println!("node 1 silent: node 0 failed after {waited:?}: {error}");
+}
+
+/// Two engines as two nodes with DSpark on: each node's rank runs the whole profile (a seeding
+/// step, then one per batch size) as its own steps at start, which pair up across the nodes
+/// (both count the same 7 steps), then both serve the tokens of one rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dspark_profiles_on_both_nodes_in_lockstep() {
+    let (_dir, model) = model();
+    let facts = facts(&model);
+    let prompts = skewed_prompts(4);
+    let max_tokens = 5;
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, _) =
+        run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
+    let expected: Vec<Vec<u32>> = expected.into_values().collect();
+
+    let topology = dspark_node(1, 1);
+    let (groups, _beacons) = two_nodes(&model, &topology);
+    let mut engines = Vec::new();
+    for group in &groups {
+        let factory = one_rank_of(&model, group, || {});
+        engines.push(
+            Engine::start(EngineConfig {
+                node: dspark_node(1, 1),
+                executor: Arc::new(factory),
+                model: facts,
+                tokenizer: None,
+            })
+            .await
+            .expect("engine starts"),
+        );
+    }
+    assert_eq!(settle(&groups).await, 1 + 6, "the profile's steps");
+    let half = prompts.len() / 2;
+    let (first, second) = tokio::join!(
+        run_requests(&engines[0], &prompts[..half], max_tokens),
+        run_requests(&engines[1], &prompts[half..], max_tokens)
+    );
+    let got: Vec<Vec<u32>> = first.into_values().chain(second.into_values()).collect();
+    assert_eq!(got, expected, "DSpark on two nodes vs one rank");
+    let steps = settle(&groups).await;
+    epochs_of_both(&groups, steps);
+    for engine in engines {
+        engine
+            .shutdown(Duration::from_secs(30))
+            .await
+            .expect("shuts down");
+    }
+    println!("DSpark over two nodes: both profiled 7 steps, {steps} steps in all");
 }

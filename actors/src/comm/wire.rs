@@ -12,7 +12,10 @@
 //! another build are refused by name), and `Welcome` carries node 0's opaque unique id when the
 //! deployment has one (NCCL's 128 bytes, for CUDA ranks across nodes: `UNIQUE_ID_BYTES`, length
 //! checked). Across CUDA nodes, each node tells the others how many collective steps its ranks
-//! began (`StepCount`, `comm::steps`).
+//! began (`StepCount`, `comm::steps`), and live EPLB of CUDA ranks agrees its placements over
+//! the same connections (`NodeEplb`, `experts::device`: node 0's requests and the other nodes'
+//! answers; each frame carries `NODE_EPLB_VERSION` and its body's length, both checked before
+//! the body is read, and a body that does not parse to exactly that length is refused by name).
 
 use std::io::{self, Read, Write};
 
@@ -39,6 +42,11 @@ const LOADS: u8 = 7;
 const STAGED: u8 = 8;
 const DONE: u8 = 9;
 const STEPS: u8 = 10;
+const NODE_EPLB: u8 = 11;
+/// The layout of `NodeEplb` frames.
+pub const NODE_EPLB_VERSION: u16 = 1;
+/// Longest `NodeEplb` body (a placement of 64 layers x 65536 slots fits).
+const MAX_NODE_EPLB_BYTES: u32 = 1 << 28;
 /// The layout of `Hello` and `Welcome` (2: `Welcome` carries a unique id).
 pub const BOOTSTRAP_VERSION: u16 = 2;
 /// Bytes of the unique id `Welcome` may carry (NCCL's `ncclUniqueId`).
@@ -116,6 +124,52 @@ pub struct StepCount {
     pub session: u64,
     pub node: u16,
     pub began: u64,
+}
+
+/// Live EPLB of CUDA ranks across nodes (`experts::device`): what node 0, which runs the EPLB,
+/// and the other nodes tell each other over their step-count connections.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NodeEplb {
+    /// Node 0 to the others: read and reset your ranks' load counters, answer `Loads`.
+    TakeLoads { round: u64 },
+    /// Per EP rank of the node, in rank order: its epoch and `[layer][local slot]` picks.
+    Loads {
+        round: u64,
+        ranks: Vec<(u32, Vec<Vec<u64>>)>,
+    },
+    /// Node 0 to the others: build your ranks' experts of `placement` as `epoch`.
+    Stage {
+        epoch: u32,
+        placement: ExpertPlacement,
+    },
+    /// Every rank of the node built `epoch` (`copied`: experts uploaded).
+    Staged { epoch: u32, copied: u64 },
+    /// Node 0 to the others: hold your ranks before `step` if none has begun it.
+    Propose { epoch: u32, step: u64 },
+    /// No rank of the node has begun `step`; they are held before it.
+    Ready { epoch: u32, step: u64 },
+    /// A rank of the node has begun `step` already: `began` steps.
+    Late { epoch: u32, step: u64, began: u64 },
+    /// Node 0 to the others: every step from `step` on runs on `epoch`.
+    Commit { epoch: u32, step: u64 },
+    /// `epoch` is dropped and the placement in use stays (node 0 to the others; or a node that
+    /// cannot stage, to node 0).
+    Abort { epoch: u32, reason: String },
+}
+
+/// A `NodeEplb` message of deployment `session` from node `node`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeEplbFrame {
+    pub session: u64,
+    pub node: u16,
+    pub message: NodeEplb,
+}
+
+/// What one node sends another over its step-count connection.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PeerFrame {
+    Count(StepCount),
+    Eplb(NodeEplbFrame),
 }
 
 /// What node 0's EPLB asks another node's expert server (one request per connection).
@@ -646,12 +700,223 @@ impl StepCount {
     pub fn receive(r: &mut impl Read) -> io::Result<Option<StepCount>> {
         match kind_of(r)? {
             None => Ok(None),
-            Some(STEPS) => Ok(Some(StepCount {
-                session: u64_of(r)?,
-                node: u16_of(r)?,
-                began: u64_of(r)?,
-            })),
+            Some(STEPS) => Ok(Some(StepCount::after_kind(r)?)),
             Some(kind) => Err(bad(format!("expected a step count, got frame kind {kind}"))),
+        }
+    }
+
+    fn after_kind(r: &mut impl Read) -> io::Result<StepCount> {
+        Ok(StepCount {
+            session: u64_of(r)?,
+            node: u16_of(r)?,
+            began: u64_of(r)?,
+        })
+    }
+}
+
+impl NodeEplb {
+    fn body(&self) -> Frame {
+        let mut f = Frame(Vec::new());
+        match self {
+            NodeEplb::TakeLoads { round } => {
+                f.0.push(0);
+                f.u64(*round);
+            }
+            NodeEplb::Loads { round, ranks } => {
+                f.0.push(1);
+                f.u64(*round);
+                f.u32(ranks.len() as u32);
+                for (epoch, per_slot) in ranks {
+                    f.u32(*epoch);
+                    f.u32(per_slot.len() as u32);
+                    for layer in per_slot {
+                        f.u32(layer.len() as u32);
+                        for &count in layer {
+                            f.u64(count);
+                        }
+                    }
+                }
+            }
+            NodeEplb::Stage { epoch, placement } => {
+                f.0.push(2);
+                f.u32(*epoch);
+                f.placement(placement);
+            }
+            NodeEplb::Staged { epoch, copied } => {
+                f.0.push(3);
+                f.u32(*epoch);
+                f.u64(*copied);
+            }
+            NodeEplb::Propose { epoch, step } => {
+                f.0.push(4);
+                f.u32(*epoch);
+                f.u64(*step);
+            }
+            NodeEplb::Ready { epoch, step } => {
+                f.0.push(5);
+                f.u32(*epoch);
+                f.u64(*step);
+            }
+            NodeEplb::Late { epoch, step, began } => {
+                f.0.push(6);
+                f.u32(*epoch);
+                f.u64(*step);
+                f.u64(*began);
+            }
+            NodeEplb::Commit { epoch, step } => {
+                f.0.push(7);
+                f.u32(*epoch);
+                f.u64(*step);
+            }
+            NodeEplb::Abort { epoch, reason } => {
+                f.0.push(8);
+                f.u32(*epoch);
+                f.text(reason);
+            }
+        }
+        f
+    }
+
+    fn of(r: &mut impl Read) -> io::Result<NodeEplb> {
+        let mut which = [0u8; 1];
+        r.read_exact(&mut which)?;
+        Ok(match which[0] {
+            0 => NodeEplb::TakeLoads { round: u64_of(r)? },
+            1 => NodeEplb::Loads {
+                round: u64_of(r)?,
+                ranks: (0..table_len(r, "EP ranks")?)
+                    .map(|_| {
+                        let epoch = u32_of(r)?;
+                        let per_slot = (0..table_len(r, "load layers")?)
+                            .map(|_| {
+                                (0..table_len(r, "load slots")?)
+                                    .map(|_| u64_of(r))
+                                    .collect::<io::Result<Vec<_>>>()
+                            })
+                            .collect::<io::Result<Vec<_>>>()?;
+                        Ok((epoch, per_slot))
+                    })
+                    .collect::<io::Result<Vec<_>>>()?,
+            },
+            2 => NodeEplb::Stage {
+                epoch: u32_of(r)?,
+                placement: placement_of(r)?,
+            },
+            3 => NodeEplb::Staged {
+                epoch: u32_of(r)?,
+                copied: u64_of(r)?,
+            },
+            4 => NodeEplb::Propose {
+                epoch: u32_of(r)?,
+                step: u64_of(r)?,
+            },
+            5 => NodeEplb::Ready {
+                epoch: u32_of(r)?,
+                step: u64_of(r)?,
+            },
+            6 => NodeEplb::Late {
+                epoch: u32_of(r)?,
+                step: u64_of(r)?,
+                began: u64_of(r)?,
+            },
+            7 => NodeEplb::Commit {
+                epoch: u32_of(r)?,
+                step: u64_of(r)?,
+            },
+            8 => NodeEplb::Abort {
+                epoch: u32_of(r)?,
+                reason: text_of(r)?,
+            },
+            other => return Err(bad(format!("EPLB message {other} is not 0 to 8"))),
+        })
+    }
+}
+
+impl NodeEplbFrame {
+    /// The frame: magic, kind, `NODE_EPLB_VERSION`, session, node, the body's length, the body.
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        let body = self.message.body().0;
+        let len = u32::try_from(body.len())
+            .ok()
+            .filter(|&len| len <= MAX_NODE_EPLB_BYTES)
+            .ok_or_else(|| {
+                bad(format!(
+                    "an EPLB message of {} bytes is over the limit {MAX_NODE_EPLB_BYTES}",
+                    body.len()
+                ))
+            })?;
+        let mut f = Frame::new(NODE_EPLB);
+        f.u16(NODE_EPLB_VERSION);
+        f.u64(self.session);
+        f.u16(self.node);
+        f.u32(len);
+        f.0.extend_from_slice(&body);
+        f.send(w)
+    }
+
+    /// A frame's fields after its kind byte: the version and length are checked before the
+    /// body is read, and the body must parse to exactly its length.
+    fn after_kind(r: &mut impl Read) -> io::Result<NodeEplbFrame> {
+        let version = u16_of(r).map_err(|e| cut_short("an EPLB frame's version", e))?;
+        if version != NODE_EPLB_VERSION {
+            return Err(bad(format!(
+                "an EPLB frame of version {version}, this node speaks version \
+                 {NODE_EPLB_VERSION} (every node must run the same deepinfer build)"
+            )));
+        }
+        let session = u64_of(r).map_err(|e| cut_short("an EPLB frame's session", e))?;
+        let node = u16_of(r).map_err(|e| cut_short("an EPLB frame's node", e))?;
+        let len = bounded(
+            u32_of(r).map_err(|e| cut_short("an EPLB frame's length", e))?,
+            MAX_NODE_EPLB_BYTES,
+            "EPLB frame length",
+        )?;
+        let mut body = Vec::new();
+        r.take(len as u64).read_to_end(&mut body)?;
+        if body.len() != len {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "the frame was cut short in an EPLB message from node {node}: {} of {len} \
+                     bytes",
+                    body.len()
+                ),
+            ));
+        }
+        let mut rest = body.as_slice();
+        let message = NodeEplb::of(&mut rest)
+            .map_err(|e| bad(format!("a malformed EPLB message from node {node}: {e}")))?;
+        if !rest.is_empty() {
+            return Err(bad(format!(
+                "an EPLB message from node {node} has {} bytes past its end (length {len})",
+                rest.len()
+            )));
+        }
+        Ok(NodeEplbFrame {
+            session,
+            node,
+            message,
+        })
+    }
+}
+
+impl PeerFrame {
+    pub fn send(&self, w: &mut impl Write) -> io::Result<()> {
+        match self {
+            PeerFrame::Count(count) => count.send(w),
+            PeerFrame::Eplb(frame) => frame.send(w),
+        }
+    }
+
+    /// The next frame on a step-count connection (`None`: the peer closed it between frames).
+    pub fn receive(r: &mut impl Read) -> io::Result<Option<PeerFrame>> {
+        match kind_of(r)? {
+            None => Ok(None),
+            Some(STEPS) => Ok(Some(PeerFrame::Count(StepCount::after_kind(r)?))),
+            Some(NODE_EPLB) => Ok(Some(PeerFrame::Eplb(NodeEplbFrame::after_kind(r)?))),
+            Some(kind) => Err(bad(format!(
+                "expected a step count or an EPLB message, got frame kind {kind}"
+            ))),
         }
     }
 }
@@ -867,5 +1132,153 @@ mod tests {
         huge.u32(u32::MAX);
         let err = Request::receive(&mut huge.0.as_slice()).expect_err("too many layers");
         assert!(err.to_string().contains("placement layers"), "{err}");
+    }
+
+    /// Every live-EPLB message between CUDA nodes round-trips on a step-count connection, among
+    /// the counts, in order.
+    #[test]
+    fn node_eplb_frames_round_trip_among_the_counts() {
+        let shape = deepinfer_topology::PlacementShape {
+            num_replicas: 10,
+            num_groups: 1,
+            num_nodes: 2,
+            num_gpus: 2,
+        };
+        let loads = vec![vec![9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0]; 3];
+        let placement = deepinfer_topology::rebalance_experts(&loads, shape).expect("solved");
+        let messages = [
+            NodeEplb::TakeLoads { round: 3 },
+            NodeEplb::Loads {
+                round: 3,
+                ranks: vec![(2, vec![vec![1, 2], vec![0, 7]]), (2, vec![])],
+            },
+            NodeEplb::Stage {
+                epoch: 4,
+                placement,
+            },
+            NodeEplb::Staged {
+                epoch: 4,
+                copied: 6,
+            },
+            NodeEplb::Propose { epoch: 4, step: 90 },
+            NodeEplb::Ready { epoch: 4, step: 90 },
+            NodeEplb::Late {
+                epoch: 4,
+                step: 90,
+                began: 92,
+            },
+            NodeEplb::Commit { epoch: 4, step: 93 },
+            NodeEplb::Abort {
+                epoch: 5,
+                reason: "out of device memory".into(),
+            },
+        ];
+        let mut bytes = Vec::new();
+        let mut sent = Vec::new();
+        for (i, message) in messages.into_iter().enumerate() {
+            let frame = PeerFrame::Eplb(NodeEplbFrame {
+                session: 11,
+                node: 1,
+                message,
+            });
+            frame.send(&mut bytes).expect("written");
+            sent.push(frame);
+            let count = PeerFrame::Count(StepCount {
+                session: 11,
+                node: 1,
+                began: i as u64,
+            });
+            count.send(&mut bytes).expect("written");
+            sent.push(count);
+        }
+        let mut r = bytes.as_slice();
+        for frame in sent {
+            assert_eq!(PeerFrame::receive(&mut r).expect("read"), Some(frame));
+        }
+        assert_eq!(PeerFrame::receive(&mut r).expect("closed"), None);
+    }
+
+    fn propose_frame() -> Vec<u8> {
+        let mut bytes = Vec::new();
+        NodeEplbFrame {
+            session: 11,
+            node: 1,
+            message: NodeEplb::Propose { epoch: 4, step: 90 },
+        }
+        .send(&mut bytes)
+        .expect("written");
+        bytes
+    }
+
+    /// A corrupted EPLB frame is refused naming what is wrong: another version, a length over
+    /// the limit, a body cut short, bytes past the body's end, an unknown message, another
+    /// frame kind.
+    #[test]
+    fn corrupted_node_eplb_frames_are_refused_naming_what() {
+        // magic (4), kind (1), version (2), session (8), node (2), length (4), body.
+        let (version, length, body) = (5, 5 + 2 + 8 + 2, 5 + 2 + 8 + 2 + 4);
+        let refused = |bytes: &[u8]| -> String {
+            PeerFrame::receive(&mut &bytes[..])
+                .expect_err("refused")
+                .to_string()
+        };
+        let mut other = propose_frame();
+        other[version] = 9;
+        assert!(
+            refused(&other).contains("an EPLB frame of version 9, this node speaks version 1"),
+            "{}",
+            refused(&other)
+        );
+        let mut huge = propose_frame();
+        huge[length..length + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(
+            refused(&huge).contains("EPLB frame length"),
+            "{}",
+            refused(&huge)
+        );
+        let whole = propose_frame();
+        let short = &whole[..whole.len() - 3];
+        assert!(
+            refused(short).contains("cut short in an EPLB message from node 1: 10 of 13 bytes"),
+            "{}",
+            refused(short)
+        );
+        let mut longer = propose_frame();
+        longer[length..length + 4].copy_from_slice(&14u32.to_le_bytes());
+        longer.push(0);
+        assert!(
+            refused(&longer).contains("1 bytes past its end"),
+            "{}",
+            refused(&longer)
+        );
+        let mut unknown = propose_frame();
+        unknown[body] = 42;
+        assert!(
+            refused(&unknown).contains("malformed EPLB message from node 1: EPLB message 42"),
+            "{}",
+            refused(&unknown)
+        );
+        let mut cut = propose_frame();
+        cut[length..length + 4].copy_from_slice(&5u32.to_le_bytes());
+        cut.truncate(body + 5);
+        assert!(
+            refused(&cut).contains("malformed EPLB message from node 1"),
+            "{}",
+            refused(&cut)
+        );
+        let mut hello = Vec::new();
+        Hello {
+            node: 1,
+            nodes: 2,
+            fingerprint: 5,
+            expert_addr: "127.0.0.1:3".into(),
+        }
+        .send(&mut hello)
+        .expect("written");
+        assert!(
+            refused(&hello).contains("expected a step count or an EPLB message, got frame kind 4"),
+            "{}",
+            refused(&hello)
+        );
     }
 }

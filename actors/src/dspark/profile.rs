@@ -66,6 +66,13 @@ impl ProfileRequest {
             steps: dspark.profile_steps,
         }
     }
+
+    /// Steps the profile runs on an executor that times them: one seeding the sequences, then
+    /// `steps` (at least 1) per batch size. With expert parallelism on CUDA every rank leads
+    /// exactly these before it follows any peer (`experts::device::DeviceExperts::may_follow`).
+    pub fn executor_steps(&self) -> u64 {
+        1 + self.sizes.len() as u64 * u64::from(self.steps.max(1))
+    }
 }
 
 /// Measures `request` on `executor`, which must hold no sequence yet (the profile's sequences

@@ -98,14 +98,7 @@ impl EngineConfig {
     }
 
     fn scheduler_limits(&self) -> SchedulerLimits {
-        let s = &self.node.scheduler;
-        SchedulerLimits {
-            max_batched_tokens: s.max_batched_tokens as usize,
-            max_running: s.max_running_requests as usize,
-            prefill_chunk_tokens: s.prefill_chunk_tokens as usize,
-            overlap_depth: usize::from(s.overlap_depth.max(1)),
-            context_parallel: self.node.parallel.context_parallel,
-        }
+        SchedulerLimits::from_node(&self.node)
     }
 
     fn frontend_limits(&self) -> FrontendLimits {

@@ -11,10 +11,27 @@
 //! `EplbActor`'s logic) is advanced by rank 0 at the end of each of its steps (every rank runs
 //! the same steps); a rebalance measures the ranks' per-slot counts and solves the placement,
 //! then each rank builds its next `ExpertRank` (the experts it lacks uploaded from the host
-//! weights every rank holds, of either kind; the same transport) at the start of its next step,
-//! and once every rank has, the epoch is committed at the first step no rank has begun: every
-//! rank adopts it there (dropping the experts it no longer holds), so no step mixes epochs and
-//! no request is lost or changed. While a rank stages, its device holds both epochs' experts.
+//! weights every rank holds, of either kind; the same transport) at the start of its next step
+//! or at its next idle poll, and once every rank has, the epoch is committed at the first step
+//! no rank has begun: every rank adopts it there (dropping the experts it no longer holds), so
+//! no step mixes epochs and no request is lost or changed. While a rank stages, its device
+//! holds both epochs' experts.
+//! Across nodes (one `deepinfer-node` per node) node 0's rank 0 runs the state machine and the
+//! nodes agree over their step-count connections (`comm::steps::StepBeacon`, `wire::NodeEplb`):
+//! (1) at a rebalance node 0 takes its ranks' counts and sends `TakeLoads` to every node, which
+//! answers `Loads` (its ranks' counts, in rank order); (2) with all of them, node 0 solves the
+//! placement over every EP rank, stages it on its ranks and sends `Stage` to every node; each
+//! builds it on its ranks and answers `Staged` (or `Abort` with why: the rebalance is then
+//! dropped on every node, node 0 sending `Abort` to all, and the placement stays); (3) once its
+//! ranks and every node staged, node 0 holds its ranks before step S, one past every step it
+//! knows begun, and sends `Propose(S)`; each node holds its ranks before S if none has begun it
+//! and answers `Ready`, or `Late` with its count (node 0 then proposes past it); (4) with every
+//! `Ready`, node 0 commits at S and sends `Commit(S)`; each node commits at S and lets its ranks
+//! go. So every rank of every node runs steps before S on the old epoch and S on, the new.
+//! Waits: loads, the proposal and a held rank at most `[cluster] exchange_timeout_ms`; staging
+//! `bootstrap_timeout_seconds` more. A node lost (its connection closed or failed) or an
+//! exchange past its timeout fails the group: every later step of every rank fails naming the
+//! node (the supervisor's rule 3 stops the engine), never a hang.
 //! Built ([`RankLinks`]): every rank on one GPU (`device.gpus_per_node = 1`, rows moved by
 //! device copies), one rank per GPU of one node (`parallel.dp = parallel.ep =
 //! device.gpus_per_node`, rows moved by NCCL, the communicators created once every rank's
@@ -24,16 +41,18 @@
 //! NCCL's unique id and hands it to every node, and each node creates its ranks'
 //! communicators as global ranks `node * gpus_per_node + local` of one NCCL communicator
 //! (`NcclDevices` with an `NcclWorld`); the nodes' lockstep is kept by their step counts
-//! (`comm::steps::StepBeacon`), so an idle rank follows a busy one of another node. None of the
-//! NCCL layouts has run on two GPUs yet.
+//! (`comm::steps::StepBeacon`), so an idle rank follows a busy one of another node; DSpark's
+//! start-up profile runs the same steps on every rank of every node (the profile's shape and
+//! the EPLB schedule are part of the nodes' fingerprint, so that every node counts the same
+//! steps). None of the NCCL layouts has run on two GPUs yet.
 //! Refused before anything loads, naming the field and the numbers: several ranks per GPU over
 //! several GPUs or nodes (`parallel.ep`: NCCL and the device copies do not mix), live EPLB with
-//! one rank, live EPLB over several nodes (`eplb.enabled`: the commit step is agreed within one
-//! process only), DSpark with EP ranks (`dspark.enabled`).
+//! one rank.
 
 use std::collections::VecDeque;
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::Backend;
@@ -42,15 +61,18 @@ use deepinfer_topology::{DpRank, ExpertPlacement, NodeConfig, PlacementEpoch, Pl
 
 use crate::comm::EpError;
 use crate::comm::bootstrap::{self, Member, UniqueId, UniqueIdSource};
-use crate::comm::steps::StepBeacon;
+use crate::comm::steps::{NodeInbox, StepBeacon};
+use crate::comm::wire::NodeEplb;
+use crate::dspark::profile::ProfileRequest;
 use crate::eplb::state::{EplbAction, EplbState};
 use crate::error::EngineError;
-use crate::experts::lockstep::{Lockstep, NodePeers};
+use crate::experts::lockstep::{Held, Lockstep};
 use crate::experts::parallel::EpSettings;
 use crate::experts::shard::ExpertSource;
 use crate::messages::eplb::{EplbStatus, RebalanceReport};
 use crate::messages::experts::ShardLoads;
 use crate::metrics as m;
+use crate::scheduler::state::SchedulerLimits;
 
 /// Rank steps kept in the step log.
 const STEP_LOG_CAPACITY: usize = 1 << 16;
@@ -84,27 +106,6 @@ pub fn check_cuda_expert_parallel(node: &NodeConfig) -> Result<(), EngineError> 
     let gpus = node.device.gpus_per_node;
     let nodes = node.device.nodes;
     if nodes > 1 {
-        if node.dspark.enabled {
-            return refuse(
-                "dspark.enabled",
-                format!(
-                    "DSpark's start-up profile runs on every rank at once, in lockstep within \
-                     one process; over device.nodes = {nodes} nodes that profile has not been \
-                     run yet; use dspark.enabled = false, or device.nodes = 1"
-                ),
-            );
-        }
-        if node.eplb.enabled {
-            return refuse(
-                "eplb.enabled",
-                format!(
-                    "live EPLB on CUDA commits a placement at the first step no rank of its \
-                     process has begun; over device.nodes = {nodes} nodes the nodes would have \
-                     to agree on that step, which they do not yet; use eplb.enabled = false, or \
-                     device.nodes = 1"
-                ),
-            );
-        }
         let all = u32::from(nodes) * u32::from(gpus);
         if u32::from(ep) != all {
             return refuse(
@@ -159,7 +160,8 @@ pub fn rank_links(node: &NodeConfig) -> Option<RankLinks> {
 
 /// What every node of a CUDA deployment must agree on (checked at the bootstrap): the model's
 /// expert shape and the expert-parallel layout (as on the CPU, `EpSettings::fingerprint`), the
-/// backend with its numerics, and the GPUs per node.
+/// backend with its numerics, the GPUs per node, DSpark's profile (its settings and the
+/// scheduler limits that size it) and the EPLB's schedule.
 pub fn cuda_fingerprint(node: &NodeConfig, model: &AnyModel) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -169,6 +171,23 @@ pub fn cuda_fingerprint(node: &NodeConfig, model: &AnyModel) -> u64 {
     (
         format!("{:?}", node.device.backend),
         node.device.gpus_per_node,
+    )
+        .hash(&mut hasher);
+    // What decides how many collective steps each node runs outside of traffic (DSpark's
+    // start-up profile) and when node 0 rebalances, which every node follows.
+    let (dspark, scheduler, eplb) = (&node.dspark, &node.scheduler, &node.eplb);
+    (
+        dspark.enabled,
+        dspark.max_draft_tokens,
+        dspark.profile_steps,
+        scheduler.max_batched_tokens,
+        scheduler.max_running_requests,
+    )
+        .hash(&mut hasher);
+    (
+        eplb.enabled,
+        eplb.window_steps,
+        eplb.rebalance_interval_steps,
     )
         .hash(&mut hasher);
     hasher.finish()
@@ -286,13 +305,54 @@ pub struct DeviceStep {
 struct Staged {
     epoch: PlacementEpoch,
     placement: Arc<ExpertPlacement>,
+    /// This node's ranks that built it.
     built: Vec<bool>,
     report: RebalanceReport,
+    /// Across nodes: by node, those that said their ranks built it (node 0's own entry: its
+    /// ranks, `built`); a node other than 0 keeps only its own.
+    staged: Vec<bool>,
+    /// Across nodes: the staging and the commit must be over by then.
+    deadline: Instant,
+    /// Node 0: the step proposed to commit at, awaiting every node's `Ready`.
+    proposal: Option<Proposal>,
+    /// A node other than 0 told node 0 that its ranks built it.
+    told: bool,
+}
+
+/// Node 0's proposed commit step.
+struct Proposal {
+    step: u64,
+    /// By node: it said no rank of it began `step` and holds them before it.
+    ready: Vec<bool>,
+    deadline: Instant,
+}
+
+/// Node 0's request for every node's load counts.
+struct PendingLoads {
+    round: u64,
+    /// By node, in node order (node 0's own taken as it asked).
+    loads: Vec<Option<Vec<ShardLoads>>>,
+    deadline: Instant,
 }
 
 struct Eplb {
     state: EplbState,
     staged: Option<Staged>,
+    /// Node 0 across nodes: the load counts it waits for.
+    loads: Option<PendingLoads>,
+    /// Node 0 across nodes: the last `TakeLoads` round.
+    round: u64,
+}
+
+/// This node's place among the nodes of a deployment, for live EPLB across nodes.
+struct Nodes {
+    beacon: Arc<StepBeacon>,
+    me: u16,
+    count: u16,
+    /// Longest wait of one exchange (loads, the commit step): `[cluster] exchange_timeout_ms`.
+    exchange: Duration,
+    /// Longest staging (reads weights): `[cluster] bootstrap_timeout_seconds`.
+    staging: Duration,
 }
 
 /// The engine-wide side of expert parallelism on CUDA (module doc).
@@ -302,6 +362,13 @@ pub struct DeviceExperts {
     /// `None`: the placement of epoch 0 stays.
     eplb: Mutex<Option<Eplb>>,
     log: Mutex<VecDeque<DeviceStep>>,
+    /// Live EPLB across nodes (`None`: one process, or EPLB off).
+    nodes: Option<Nodes>,
+    /// Why the group can no longer step (live EPLB across nodes failed: a node lost, an
+    /// exchange past its timeout); every later step fails with it.
+    failure: Mutex<Option<String>>,
+    /// Steps each rank leads before it follows any peer: DSpark's start-up profile (0: off).
+    profile_steps: u64,
 }
 
 impl std::fmt::Debug for DeviceExperts {
@@ -317,10 +384,51 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// `ranks` as the wire carries them.
+fn wire_loads(ranks: &[ShardLoads]) -> Vec<(u32, Vec<Vec<u64>>)> {
+    ranks
+        .iter()
+        .map(|l| (l.epoch.get(), l.per_slot.clone()))
+        .collect()
+}
+
+/// Nodes whose entry is `false`, as "node 1, node 3".
+fn missing(by_node: impl IntoIterator<Item = bool>) -> String {
+    by_node
+        .into_iter()
+        .enumerate()
+        .filter(|(_, done)| !done)
+        .map(|(node, _)| format!("node {node}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn empty_report(epoch: PlacementEpoch) -> RebalanceReport {
+    RebalanceReport {
+        measured_epoch: epoch,
+        epoch,
+        measured_imbalance: Vec::new(),
+        planned_imbalance: Vec::new(),
+        measured_picks: 0,
+        copied_experts: 0,
+        committed: false,
+    }
+}
+
 impl DeviceExperts {
     /// `ranks` EP ranks serving `placement` as epoch 0, rebalanced live when `node`'s
     /// `[eplb] enabled`.
     pub fn new(node: &NodeConfig, ranks: usize, placement: Arc<ExpertPlacement>) -> DeviceExperts {
+        DeviceExperts::with_ranks(node, ranks, ranks, placement)
+    }
+
+    /// `ranks` EP ranks here of `all` in the group.
+    fn with_ranks(
+        node: &NodeConfig,
+        ranks: usize,
+        all: usize,
+        placement: Arc<ExpertPlacement>,
+    ) -> DeviceExperts {
         let settings = EpSettings::from_node(node);
         let eplb = settings.eplb.enabled.then(|| Eplb {
             state: EplbState::new(
@@ -329,12 +437,14 @@ impl DeviceExperts {
                     num_replicas: placement.layers.first().map_or(0, |l| l.phy2log.len()),
                     num_groups: settings.num_groups,
                     num_nodes: settings.num_nodes,
-                    num_gpus: ranks,
+                    num_gpus: all,
                 },
                 PlacementEpoch(0),
                 placement,
             ),
             staged: None,
+            loads: None,
+            round: 0,
         });
         m::record_eplb_commit(PlacementEpoch(0));
         DeviceExperts {
@@ -342,21 +452,46 @@ impl DeviceExperts {
             ranks: Mutex::new(vec![None; ranks]),
             eplb: Mutex::new(eplb),
             log: Mutex::new(VecDeque::new()),
+            nodes: None,
+            failure: Mutex::new(None),
+            profile_steps: match node.dspark.enabled {
+                true => ProfileRequest::for_engine(&node.dspark, &SchedulerLimits::from_node(node))
+                    .executor_steps(),
+                false => 0,
+            },
         }
     }
 
-    /// This node's `ranks` ranks of a group spanning several nodes (the other nodes' ranks are
-    /// `peers`, [`NodeLinks::peers`]); no live EPLB (refused over several nodes).
+    /// This node's `ranks` ranks of a group spanning `beacon.nodes()` nodes with as many ranks
+    /// each (the other nodes' ranks are heard through `beacon`, [`NodeLinks::peers`]). With
+    /// live EPLB, node 0 leads the rebalances and the other nodes follow it over the beacon's
+    /// connections (module doc); `[cluster] exchange_timeout_ms` bounds each exchange and
+    /// `bootstrap_timeout_seconds` a staging.
     pub fn across_nodes(
         node: &NodeConfig,
         ranks: usize,
         placement: Arc<ExpertPlacement>,
-        peers: Arc<dyn NodePeers>,
-    ) -> DeviceExperts {
-        DeviceExperts {
-            lockstep: Lockstep::across_nodes(ranks, peers),
-            ..DeviceExperts::new(node, ranks, placement)
+        beacon: Arc<StepBeacon>,
+    ) -> Arc<DeviceExperts> {
+        let all = ranks * usize::from(beacon.nodes().max(1));
+        let mut group = DeviceExperts::with_ranks(node, ranks, all, placement);
+        group.lockstep = Lockstep::across_nodes(ranks, beacon.clone());
+        let live = locked(&group.eplb).is_some();
+        if live {
+            group.nodes = Some(Nodes {
+                me: beacon.node(),
+                count: beacon.nodes(),
+                exchange: node.cluster.exchange_timeout,
+                staging: node.cluster.bootstrap_timeout,
+                beacon: beacon.clone(),
+            });
         }
+        let group = Arc::new(group);
+        if live {
+            let inbox: Arc<dyn NodeInbox> = group.clone();
+            beacon.deliver_to(Arc::downgrade(&inbox));
+        }
+        group
     }
 
     pub fn lockstep(&self) -> &Lockstep {
@@ -374,16 +509,106 @@ impl DeviceExperts {
         locked(&self.ranks).get(rank).cloned().flatten()
     }
 
+    /// Why the group can no longer step, if it cannot (live EPLB across nodes failed).
+    pub fn failure(&self) -> Option<String> {
+        locked(&self.failure).clone()
+    }
+
+    /// The group cannot step any more: every later step fails with `why` (the first kept).
+    fn fail(&self, why: String) -> String {
+        let mut failure = locked(&self.failure);
+        if failure.is_none() {
+            tracing::error!(%why, "expert parallelism across nodes failed");
+            *failure = Some(why);
+        }
+        self.lockstep.interrupt();
+        failure.clone().unwrap_or_default()
+    }
+
+    /// A failure, or an exchange across nodes past its timeout (which then fails the group).
+    fn check(&self) -> Result<(), String> {
+        if let Some(failure) = self.failure() {
+            return Err(failure);
+        }
+        let Some(nodes) = &self.nodes else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        let late = {
+            let eplb = locked(&self.eplb);
+            let Some(eplb) = eplb.as_ref() else {
+                return Ok(());
+            };
+            let ms = nodes.exchange.as_millis();
+            let loads = eplb.loads.as_ref().filter(|l| now >= l.deadline).map(|l| {
+                format!(
+                    "{} sent no load counts within {ms} ms",
+                    missing(l.loads.iter().map(Option::is_some))
+                )
+            });
+            let staged = eplb.staged.as_ref().and_then(|s| {
+                let epoch = s.epoch;
+                match &s.proposal {
+                    Some(p) if now >= p.deadline => Some(format!(
+                        "{} did not answer the commit of {epoch} at step {} within {ms} ms",
+                        missing(p.ready.iter().copied()),
+                        p.step
+                    )),
+                    Some(_) => None,
+                    None if now < s.deadline => None,
+                    None if nodes.me != 0 => Some(format!(
+                        "node 0 neither committed nor aborted {epoch} within {} ms",
+                        (nodes.staging + nodes.exchange).as_millis()
+                    )),
+                    None => Some(format!(
+                        "{} did not stage {epoch} within {} ms",
+                        missing(s.staged.iter().copied()),
+                        (nodes.staging + nodes.exchange).as_millis()
+                    )),
+                }
+            });
+            loads.or(staged)
+        };
+        match late {
+            Some(late) => Err(self.fail(format!("live EPLB across nodes: {late}"))),
+            None => Ok(()),
+        }
+    }
+
     /// Rank `rank` begins a step on `backend`: it first builds a staged placement it has not
     /// (committing it when it is the last rank to), then adopts the step's epoch if new.
-    /// Returns the step's lockstep index and epoch.
+    /// Returns the step's lockstep index and epoch. Across nodes with live EPLB, a rank held
+    /// before the step the nodes agree to commit at waits for the commit (at most
+    /// `[cluster] exchange_timeout_ms`), and a failed agreement fails the step naming the node.
     pub fn begin(
         &self,
         rank: usize,
         backend: &dyn Backend,
     ) -> Result<(u64, PlacementEpoch), String> {
+        self.check()?;
         self.stage(rank, backend);
-        let (index, epoch) = self.lockstep.begin(rank);
+        let (index, epoch) = match &self.nodes {
+            None => self.lockstep.begin(rank),
+            Some(nodes) => match self.lockstep.begin_within(rank, nodes.exchange) {
+                Ok(begun) => begun,
+                Err(held) => {
+                    self.check()?;
+                    let step = match held {
+                        Held::TimedOut(step) | Held::Interrupted(step) => step,
+                    };
+                    let who = match nodes.me {
+                        0 => "the other nodes",
+                        _ => "node 0",
+                    };
+                    return Err(self.fail(format!(
+                        "live EPLB across nodes: node {} rank {rank} waited {} ms before step \
+                         {step} for {who} to commit or abort a placement",
+                        nodes.me,
+                        nodes.exchange.as_millis()
+                    )));
+                }
+            },
+        };
         if let Some(experts) = self.rank(rank)
             && experts.epoch() != epoch
         {
@@ -402,82 +627,243 @@ impl DeviceExperts {
         Ok((index, epoch))
     }
 
+    /// Whether idle rank `rank` may follow its peers' steps: once it ran DSpark's start-up
+    /// profile (with DSpark on), so that the profile's steps pair up one for one on every rank
+    /// of every node, however late a node starts, instead of a late node's ranks first
+    /// following an earlier node's profile as idle steps and then profiling alone.
+    pub fn may_follow(&self, rank: usize) -> bool {
+        self.lockstep.started(rank) >= self.profile_steps
+    }
+
+    /// An idle rank `rank` builds a staged placement it has not (so that staging never waits
+    /// for traffic), and sees a failure of the group.
+    pub fn idle(&self, rank: usize, backend: &dyn Backend) -> Result<(), String> {
+        self.check()?;
+        self.stage(rank, backend);
+        Ok(())
+    }
+
     /// Builds the staged placement on rank `rank` if it has not yet (the upload runs without
-    /// the EPLB's lock held); the last rank to build it commits it. A rank that cannot build it
-    /// (e.g. out of device memory) aborts the rebalance: the placement in use stays, as with the
-    /// CPU's `EplbActor` (logged, never fatal).
+    /// the EPLB's lock held); the last rank to build it commits it (one process), proposes the
+    /// commit step (node 0 of several, once every node staged) or tells node 0 (another node).
+    /// A rank that cannot build it (e.g. out of device memory) aborts the rebalance on every
+    /// node: the placement in use stays, as with the CPU's `EplbActor` (logged, never fatal).
     fn stage(&self, rank: usize, backend: &dyn Backend) {
         let pending = locked(&self.eplb).as_ref().and_then(|eplb| {
             let staged = eplb.staged.as_ref()?;
-            (!staged.built[rank]).then(|| (staged.epoch, staged.placement.clone()))
+            (!staged.built.get(rank).copied().unwrap_or(true))
+                .then(|| (staged.epoch, staged.placement.clone()))
         });
         let (Some((epoch, placement)), Some(experts)) = (pending, self.rank(rank)) else {
             return;
         };
         let built = experts.stage(backend, placement, epoch);
         let mut eplb = locked(&self.eplb);
-        let uploaded = match built {
-            Ok(uploaded) => uploaded,
-            Err(error) => {
-                tracing::warn!(rank, %epoch, %error, "EPLB staging failed; the placement stays");
-                if let Some(eplb) = eplb.as_mut()
-                    && eplb.staged.as_ref().is_some_and(|s| s.epoch == epoch)
-                {
-                    eplb.staged = None;
-                    eplb.state.abort();
-                }
-                return;
-            }
-        };
         let Some(eplb) = eplb.as_mut() else {
             return;
         };
-        let Some(staged) = eplb.staged.as_mut().filter(|s| s.epoch == epoch) else {
+        if eplb.staged.as_ref().is_none_or(|s| s.epoch != epoch) {
+            return;
+        }
+        let uploaded = match built {
+            Ok(uploaded) => uploaded,
+            Err(error) => {
+                let me = self.nodes.as_ref().map_or(0, |n| n.me);
+                let reason = format!("node {me} EP rank {rank}: {error}");
+                tracing::warn!(rank, %epoch, %error, "EPLB staging failed; the placement stays");
+                self.abort(eplb, epoch, reason, true);
+                return;
+            }
+        };
+        let Some(staged) = eplb.staged.as_mut() else {
             return;
         };
         staged.built[rank] = true;
         staged.report.copied_experts += uploaded;
-        if staged.built.iter().all(|&b| b)
-            && let Some(staged) = eplb.staged.take()
-        {
-            // The state stages exactly `epoch` (`plan` began it): its commit cannot refuse.
-            if let Err(error) = eplb.state.commit(epoch, staged.placement) {
-                tracing::warn!(%error, "EPLB commit refused; the placement stays");
-                eplb.state.abort();
-                return;
+        if !staged.built.iter().all(|&b| b) {
+            return;
+        }
+        match &self.nodes {
+            None => self.commit_here(eplb),
+            Some(nodes) if nodes.me == 0 => {
+                staged.staged[0] = true;
+                self.propose(eplb, nodes, None);
             }
-            let from = self.lockstep.commit(epoch);
-            m::record_eplb_commit(epoch);
-            let mut report = staged.report;
-            report.committed = true;
-            report.epoch = epoch;
-            tracing::info!(%epoch, from, copied = report.copied_experts, "expert placement committed");
-            eplb.state.record(report);
+            Some(nodes) => {
+                if !staged.told {
+                    staged.told = true;
+                    nodes.beacon.send_eplb(
+                        0,
+                        NodeEplb::Staged {
+                            epoch: epoch.get(),
+                            copied: staged.report.copied_experts as u64,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// One process: every rank built the staged placement; it is committed at the first step
+    /// no rank has begun.
+    fn commit_here(&self, eplb: &mut Eplb) {
+        let Some(staged) = eplb.staged.take() else {
+            return;
+        };
+        let epoch = staged.epoch;
+        // The state stages exactly `epoch` (`plan` began it): its commit cannot refuse.
+        if let Err(error) = eplb.state.commit(epoch, staged.placement) {
+            tracing::warn!(%error, "EPLB commit refused; the placement stays");
+            eplb.state.abort();
+            return;
+        }
+        let from = self.lockstep.commit(epoch);
+        self.committed(eplb, epoch, from, staged.report);
+    }
+
+    fn committed(
+        &self,
+        eplb: &mut Eplb,
+        epoch: PlacementEpoch,
+        from: u64,
+        report: RebalanceReport,
+    ) {
+        m::record_eplb_commit(epoch);
+        let mut report = report;
+        report.committed = true;
+        report.epoch = epoch;
+        tracing::info!(%epoch, from, copied = report.copied_experts, "expert placement committed");
+        eplb.state.record(report);
+    }
+
+    /// The staged `epoch` is dropped (`reason`) and the placement in use stays; node 0 tells
+    /// every other node, another node tells node 0 when the failure is its own (`tell`).
+    fn abort(&self, eplb: &mut Eplb, epoch: PlacementEpoch, reason: String, tell: bool) {
+        let Some(staged) = eplb.staged.take_if(|s| s.epoch == epoch) else {
+            return;
+        };
+        eplb.state.abort();
+        self.lockstep.release();
+        tracing::warn!(%epoch, %reason, "EPLB rebalance aborted; the placement stays");
+        let mut report = staged.report;
+        report.epoch = eplb.state.epoch();
+        eplb.state.record(report);
+        let Some(nodes) = &self.nodes else {
+            return;
+        };
+        let message = NodeEplb::Abort {
+            epoch: epoch.get(),
+            reason,
+        };
+        match nodes.me {
+            0 => (1..nodes.count).for_each(|n| nodes.beacon.send_eplb(n, message.clone())),
+            _ if tell => nodes.beacon.send_eplb(0, message),
+            _ => {}
+        }
+    }
+
+    /// Node 0: once its ranks and every node staged, holds its ranks before a step none heard
+    /// of has begun (`after`: past the most steps a node said it began) and proposes it.
+    fn propose(&self, eplb: &mut Eplb, nodes: &Nodes, after: Option<u64>) {
+        let Some(epoch) = eplb
+            .staged
+            .as_ref()
+            .filter(|s| s.staged.iter().all(|&s| s))
+            .map(|s| s.epoch)
+        else {
+            return;
+        };
+        let step = match after {
+            None => self.lockstep.hold_beyond(1),
+            Some(began) => {
+                let step = (began + 1).max(self.lockstep.steps() + 1);
+                if let Err(here) = self.lockstep.hold_at(step) {
+                    // Cannot be: `step` is past every step begun here.
+                    let reason = format!("node 0 began {here} steps, past step {step}");
+                    self.abort(eplb, epoch, reason, true);
+                    return;
+                }
+                step
+            }
+        };
+        let mut ready = vec![false; usize::from(nodes.count)];
+        ready[0] = true;
+        if let Some(staged) = eplb.staged.as_mut() {
+            staged.proposal = Some(Proposal {
+                step,
+                ready,
+                deadline: Instant::now() + nodes.exchange,
+            });
+        }
+        for n in 1..nodes.count {
+            nodes.beacon.send_eplb(
+                n,
+                NodeEplb::Propose {
+                    epoch: epoch.get(),
+                    step,
+                },
+            );
         }
     }
 
     /// After a step of rank `rank`: rank 0 (every rank runs the same steps) advances the EPLB's
-    /// schedule, which may start a load window or measure one and stage a new placement. A
-    /// failed measure or plan keeps the placement in use (logged, never fatal).
-    pub fn finish(&self, rank: usize, epoch: PlacementEpoch) {
-        if rank != 0 {
-            return;
+    /// schedule, which may start a load window or measure one and stage a new placement (node
+    /// 0 of several asks every node for its counts first). A failed measure or plan keeps the
+    /// placement in use (logged, never fatal); an exchange across nodes past its timeout fails
+    /// the step naming the node.
+    pub fn finish(&self, rank: usize, epoch: PlacementEpoch) -> Result<(), String> {
+        self.check()?;
+        if rank != 0 || self.nodes.as_ref().is_some_and(|n| n.me != 0) {
+            return Ok(());
         }
         let mut eplb = locked(&self.eplb);
         let Some(eplb) = eplb.as_mut() else {
-            return;
+            return Ok(());
         };
-        match eplb.state.on_step(DpRank(0), epoch) {
+        let action = eplb.state.on_step(DpRank(0), epoch);
+        let Some(nodes) = &self.nodes else {
+            match action {
+                Some(EplbAction::StartWindow) => {
+                    self.take_loads();
+                }
+                Some(EplbAction::Rebalance) if eplb.staged.is_none() => {
+                    let loads = self.take_loads();
+                    if let Err(error) = self.plan(eplb, loads) {
+                        tracing::warn!(%error, "EPLB rebalance failed; the placement stays");
+                    }
+                }
+                _ => {}
+            }
+            return Ok(());
+        };
+        match action {
             Some(EplbAction::StartWindow) => {
                 self.take_loads();
+                eplb.round += 1;
+                for n in 1..nodes.count {
+                    nodes
+                        .beacon
+                        .send_eplb(n, NodeEplb::TakeLoads { round: eplb.round });
+                }
             }
-            Some(EplbAction::Rebalance) if eplb.staged.is_none() => {
-                if let Err(error) = self.plan(eplb) {
-                    tracing::warn!(%error, "EPLB rebalance failed; the placement stays");
+            Some(EplbAction::Rebalance) if eplb.staged.is_none() && eplb.loads.is_none() => {
+                eplb.round += 1;
+                let mut loads = vec![None; usize::from(nodes.count)];
+                loads[0] = Some(self.take_loads());
+                eplb.loads = Some(PendingLoads {
+                    round: eplb.round,
+                    loads,
+                    deadline: Instant::now() + nodes.exchange,
+                });
+                for n in 1..nodes.count {
+                    nodes
+                        .beacon
+                        .send_eplb(n, NodeEplb::TakeLoads { round: eplb.round });
                 }
             }
             _ => {}
         }
+        Ok(())
     }
 
     fn take_loads(&self) -> Vec<ShardLoads> {
@@ -489,10 +875,11 @@ impl DeviceExperts {
             .collect()
     }
 
-    /// Measures the window and, when the placement should change, stages the new one. A window
-    /// a rank served partly on another epoch (it adopts a commit at its next step) is skipped.
-    fn plan(&self, eplb: &mut Eplb) -> Result<(), String> {
-        let loads = self.take_loads();
+    /// Measures the window (every EP rank's counts, in rank order) and, when the placement
+    /// should change, stages the new one (across nodes: node 0 sends it to every node). A
+    /// window a rank served partly on another epoch (it adopts a commit at its next step) is
+    /// skipped.
+    fn plan(&self, eplb: &mut Eplb, loads: Vec<ShardLoads>) -> Result<(), String> {
         if loads.iter().any(|l| l.epoch != eplb.state.epoch()) {
             return Ok(());
         }
@@ -504,15 +891,225 @@ impl DeviceExperts {
             Some((placement, planned)) => {
                 report.planned_imbalance = planned;
                 let epoch = eplb.state.begin_stage();
+                let count = self.nodes.as_ref().map_or(1, |n| usize::from(n.count));
+                let wait = self
+                    .nodes
+                    .as_ref()
+                    .map_or(Duration::ZERO, |n| n.staging + n.exchange);
                 eplb.staged = Some(Staged {
                     epoch,
                     placement: Arc::new(placement),
                     built: vec![false; self.lockstep.ranks()],
                     report,
+                    staged: vec![false; count],
+                    deadline: Instant::now() + wait,
+                    proposal: None,
+                    told: false,
                 });
+                if let (Some(nodes), Some(staged)) = (&self.nodes, &eplb.staged) {
+                    for n in 1..nodes.count {
+                        nodes.beacon.send_eplb(
+                            n,
+                            NodeEplb::Stage {
+                                epoch: epoch.get(),
+                                placement: (*staged.placement).clone(),
+                            },
+                        );
+                    }
+                }
             }
         }
         Ok(())
+    }
+
+    /// Node 0 hears node `from`.
+    fn lead(&self, eplb: &mut Eplb, nodes: &Nodes, from: u16, message: NodeEplb) {
+        let node = usize::from(from);
+        match message {
+            NodeEplb::Loads { round, ranks } => {
+                let Some(pending) = eplb.loads.as_mut().filter(|p| p.round == round) else {
+                    return;
+                };
+                if let Some(entry) = pending.loads.get_mut(node) {
+                    *entry = Some(
+                        ranks
+                            .into_iter()
+                            .map(|(epoch, per_slot)| ShardLoads {
+                                epoch: PlacementEpoch(epoch),
+                                per_slot,
+                            })
+                            .collect(),
+                    );
+                }
+                if pending.loads.iter().all(Option::is_some)
+                    && let Some(pending) = eplb.loads.take()
+                {
+                    let loads = pending.loads.into_iter().flatten().flatten().collect();
+                    if let Err(error) = self.plan(eplb, loads) {
+                        tracing::warn!(%error, "EPLB rebalance failed; the placement stays");
+                    }
+                }
+            }
+            NodeEplb::Staged { epoch, copied } => {
+                let Some(staged) = eplb
+                    .staged
+                    .as_mut()
+                    .filter(|s| s.epoch.get() == epoch && s.proposal.is_none())
+                else {
+                    return;
+                };
+                if let Some(entry) = staged.staged.get_mut(node) {
+                    *entry = true;
+                }
+                staged.report.copied_experts += copied as usize;
+                self.propose(eplb, nodes, None);
+            }
+            NodeEplb::Ready { epoch, step } => {
+                let Some(staged) = eplb.staged.as_mut().filter(|s| s.epoch.get() == epoch) else {
+                    return;
+                };
+                let Some(proposal) = staged.proposal.as_mut().filter(|p| p.step == step) else {
+                    return;
+                };
+                if let Some(entry) = proposal.ready.get_mut(node) {
+                    *entry = true;
+                }
+                if !proposal.ready.iter().all(|&r| r) {
+                    return;
+                }
+                let Some(staged) = eplb.staged.take() else {
+                    return;
+                };
+                let epoch = staged.epoch;
+                if let Err(error) = eplb.state.commit(epoch, staged.placement.clone()) {
+                    eplb.staged = Some(staged);
+                    self.abort(eplb, epoch, format!("node 0: {error}"), true);
+                    return;
+                }
+                if let Err(began) = self.lockstep.commit_at(step, epoch) {
+                    // Cannot be: node 0's ranks are held before `step`.
+                    self.fail(format!(
+                        "live EPLB across nodes: node 0 committed {epoch} at step {step}, which \
+                         its ranks had begun ({began} steps)"
+                    ));
+                    return;
+                }
+                for n in 1..nodes.count {
+                    nodes.beacon.send_eplb(
+                        n,
+                        NodeEplb::Commit {
+                            epoch: epoch.get(),
+                            step,
+                        },
+                    );
+                }
+                self.committed(eplb, epoch, step, staged.report);
+            }
+            NodeEplb::Late { epoch, step, began } => {
+                let proposed = eplb.staged.as_ref().is_some_and(|s| {
+                    s.epoch.get() == epoch && s.proposal.as_ref().is_some_and(|p| p.step == step)
+                });
+                if proposed {
+                    self.propose(eplb, nodes, Some(began));
+                }
+            }
+            NodeEplb::Abort { epoch, reason } => {
+                self.abort(eplb, PlacementEpoch(epoch), reason, true);
+            }
+            other => {
+                tracing::warn!(
+                    from,
+                    ?other,
+                    "EPLB: node 0 ignores a message meant for a follower"
+                );
+            }
+        }
+    }
+
+    /// A node other than 0 hears node 0.
+    fn follow(&self, eplb: &mut Eplb, nodes: &Nodes, message: NodeEplb) {
+        let me = nodes.me;
+        let reply = |message: NodeEplb| nodes.beacon.send_eplb(0, message);
+        match message {
+            NodeEplb::TakeLoads { round } => reply(NodeEplb::Loads {
+                round,
+                ranks: wire_loads(&self.take_loads()),
+            }),
+            NodeEplb::Stage { epoch, placement } => {
+                let expected = eplb.state.epoch().next();
+                if eplb.staged.is_some() || expected.get() != epoch {
+                    reply(NodeEplb::Abort {
+                        epoch,
+                        reason: format!(
+                            "node {me} cannot stage epoch {epoch}: it is at {}, staging {:?}",
+                            eplb.state.epoch(),
+                            eplb.staged.as_ref().map(|s| s.epoch)
+                        ),
+                    });
+                    return;
+                }
+                let epoch = eplb.state.begin_stage();
+                eplb.staged = Some(Staged {
+                    epoch,
+                    placement: Arc::new(placement),
+                    built: vec![false; self.lockstep.ranks()],
+                    report: empty_report(eplb.state.epoch()),
+                    staged: Vec::new(),
+                    deadline: Instant::now() + nodes.staging + nodes.exchange,
+                    proposal: None,
+                    told: false,
+                });
+            }
+            NodeEplb::Propose { epoch, step } => {
+                let built = eplb
+                    .staged
+                    .as_ref()
+                    .is_some_and(|s| s.epoch.get() == epoch && s.built.iter().all(|&b| b));
+                if !built {
+                    reply(NodeEplb::Abort {
+                        epoch,
+                        reason: format!("node {me} has not staged epoch {epoch}"),
+                    });
+                    return;
+                }
+                match self.lockstep.hold_at(step) {
+                    Ok(()) => reply(NodeEplb::Ready { epoch, step }),
+                    Err(began) => reply(NodeEplb::Late { epoch, step, began }),
+                }
+            }
+            NodeEplb::Commit { epoch, step } => {
+                let Some(staged) = eplb.staged.take_if(|s| s.epoch.get() == epoch) else {
+                    self.fail(format!(
+                        "live EPLB across nodes: node 0 committed epoch {epoch}, which node \
+                         {me} has not staged"
+                    ));
+                    return;
+                };
+                let epoch = staged.epoch;
+                if let Err(error) = eplb.state.commit(epoch, staged.placement) {
+                    self.fail(format!("live EPLB across nodes: node {me}: {error}"));
+                    return;
+                }
+                if let Err(began) = self.lockstep.commit_at(step, epoch) {
+                    self.fail(format!(
+                        "live EPLB across nodes: node 0 committed {epoch} at step {step}, which \
+                         a rank of node {me} had begun ({began} steps)"
+                    ));
+                    return;
+                }
+                self.committed(eplb, epoch, step, staged.report);
+            }
+            NodeEplb::Abort { epoch, reason } => {
+                self.abort(eplb, PlacementEpoch(epoch), reason, false);
+            }
+            other => {
+                tracing::warn!(
+                    me,
+                    ?other,
+                    "EPLB: a follower ignores a message meant for node 0"
+                );
+            }
+        }
     }
 
     /// The most recent rank steps (oldest first, at most 65536).
@@ -526,9 +1123,33 @@ impl DeviceExperts {
     }
 }
 
+impl NodeInbox for DeviceExperts {
+    fn receive(&self, from: u16, message: NodeEplb) {
+        let Some(nodes) = &self.nodes else {
+            return;
+        };
+        let mut eplb = locked(&self.eplb);
+        let Some(eplb) = eplb.as_mut() else {
+            return;
+        };
+        if nodes.me == 0 {
+            self.lead(eplb, nodes, from, message);
+        } else if from == 0 {
+            self.follow(eplb, nodes, message);
+        }
+    }
+
+    fn lost(&self, node: u16, why: String) {
+        self.fail(format!(
+            "live EPLB across nodes: node {node} is lost: {why}"
+        ));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::experts::lockstep::NodePeers;
     use deepinfer_topology::EpRank;
 
     fn cuda(extra: &str) -> NodeConfig {
@@ -611,8 +1232,8 @@ mod tests {
     }
 
     /// Over several nodes, one rank per GPU on every node runs (NCCL, whatever the GPUs per
-    /// node), on every node of the deployment; several ranks per GPU, live EPLB and DSpark are
-    /// refused naming the field and the numbers.
+    /// node), on every node of the deployment, with live EPLB and DSpark too; several ranks per
+    /// GPU are refused naming the field and the numbers.
     #[test]
     fn what_cuda_expert_parallelism_runs_over_several_nodes() {
         for (nodes, gpus) in [(2, 1), (2, 2), (2, 8), (4, 8)] {
@@ -644,12 +1265,67 @@ mod tests {
             }
         }
 
-        let (field, message) = refusal(&on_nodes(2, 0, 2, 4, "[eplb]\nenabled = true\n"));
-        assert_eq!(field, "eplb.enabled");
-        assert!(message.contains("over device.nodes = 2 nodes"), "{message}");
-        let (field, message) = refusal(&on_nodes(2, 0, 2, 4, "[dspark]\nenabled = true\n"));
-        assert_eq!(field, "dspark.enabled");
-        assert!(message.contains("over device.nodes = 2 nodes"), "{message}");
+        for extra in [
+            "[eplb]\nenabled = true\n",
+            "[dspark]\nenabled = true\n",
+            "[eplb]\nenabled = true\n[dspark]\nenabled = true\n",
+        ] {
+            for node in [0, 1] {
+                let topology = on_nodes(2, node, 2, 4, extra);
+                assert_eq!(check_cuda_expert_parallel(&topology), Ok(()), "{extra}");
+            }
+        }
+    }
+
+    /// Every shipped topology with `backend = "cuda"` passes the start check on every one of its
+    /// nodes (as each node of a real deployment runs it), the flagship `sm100x64.toml` (8 nodes
+    /// of 8 GPUs, live EPLB and DSpark on) included.
+    #[test]
+    fn every_shipped_cuda_config_passes_the_start_check_on_every_node() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let mut checked = Vec::new();
+        for entry in std::fs::read_dir(&dir).expect("configs/") {
+            let path = entry.expect("an entry").path();
+            if path.extension().is_none_or(|e| e != "toml") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("readable");
+            let node = NodeConfig::from_toml_str(&text, &path.display().to_string())
+                .unwrap_or_else(|e| panic!("{e}"));
+            if node.device.backend == deepinfer_topology::Backend::Cpu {
+                continue;
+            }
+            for index in 0..node.device.nodes {
+                let mut on = node.clone();
+                on.cluster.node = index;
+                if on.device.nodes > 1 {
+                    on.cluster.bootstrap = Some("127.0.0.1:29500".parse().expect("address"));
+                }
+                assert_eq!(
+                    check_cuda_expert_parallel(&on),
+                    Ok(()),
+                    "{} node {index}",
+                    path.display()
+                );
+            }
+            checked.push(
+                path.file_name()
+                    .expect("a name")
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+        }
+        checked.sort();
+        for name in ["h200x1.toml", "h200x2.toml", "h200x8.toml", "sm100x64.toml"] {
+            assert!(checked.iter().any(|c| c == name), "{name}: {checked:?}");
+        }
+        let flagship = NodeConfig::from_toml_str(
+            &std::fs::read_to_string(dir.join("sm100x64.toml")).expect("readable"),
+            "sm100x64",
+        )
+        .expect("valid");
+        assert!(flagship.eplb.enabled && flagship.dspark.enabled);
+        assert_eq!((flagship.device.nodes, flagship.parallel.ep), (8, 64));
     }
 
     /// Two nodes of two GPUs each join over loopback (a fake unique id for NCCL's): both get

@@ -13,11 +13,14 @@
 //! Across nodes (CUDA ranks of several `deepinfer-node` processes, `Lockstep::across_nodes`)
 //! the other nodes' ranks count too: `NodePeers` says how many steps they began (as last heard,
 //! `comm::steps::StepBeacon`) and hears of each step a rank of this node leads beyond that,
-//! so an idle rank of one node follows a busy rank of another. Placements are committed only
-//! within one process (live EPLB over several nodes is refused on CUDA).
+//! so an idle rank of one node follows a busy rank of another. A placement is committed across
+//! nodes at a step agreed by all of them (`experts::device`): each node holds its ranks before
+//! the proposed step if none of them has begun it (`hold_at`: a rank reaching it waits in
+//! `begin_within`, at most its timeout), then commits there (`commit_at`) or lets them go
+//! (`release`); `interrupt` wakes the held ranks for good when the agreement fails.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use deepinfer_topology::PlacementEpoch;
 
@@ -37,6 +40,8 @@ pub trait NodePeers: Send + Sync + std::fmt::Debug {
 #[derive(Debug)]
 pub struct Lockstep {
     state: Mutex<Steps>,
+    /// Wakes ranks held before a step.
+    released: Condvar,
     /// The other nodes' ranks (`None`: every rank of the group is in this process).
     peers: Option<Arc<dyn NodePeers>>,
 }
@@ -46,6 +51,19 @@ struct Steps {
     started: Vec<u64>,
     /// `(first step, epoch)` of every commit, in order (epoch 0 from step 0).
     commits: Vec<(u64, PlacementEpoch)>,
+    /// No rank begins this step until it is released or committed at.
+    hold: Option<u64>,
+    /// Held ranks stop waiting (the agreement failed).
+    interrupted: bool,
+}
+
+/// Why a rank did not begin its step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// It waited before this step for the whole timeout.
+    TimedOut(u64),
+    /// The hold before this step was interrupted.
+    Interrupted(u64),
 }
 
 impl Lockstep {
@@ -55,7 +73,10 @@ impl Lockstep {
             state: Mutex::new(Steps {
                 started: vec![0; ranks],
                 commits: vec![(0, PlacementEpoch(0))],
+                hold: None,
+                interrupted: false,
             }),
+            released: Condvar::new(),
             peers: None,
         }
     }
@@ -85,12 +106,43 @@ impl Lockstep {
     }
 
     /// Rank `rank` begins a step: the step's index (0-based, the same on every rank for the same
-    /// collectives) and the placement epoch it runs on.
+    /// collectives) and the placement epoch it runs on. (Never held: see `begin_within`.)
     pub fn begin(&self, rank: usize) -> (u64, PlacementEpoch) {
         let mut steps = self.lock();
+        self.take_step(&mut steps, rank)
+    }
+
+    /// `begin`, waiting first, at most `wait`, while this node's ranks are held before the
+    /// step (`hold_at`).
+    pub fn begin_within(&self, rank: usize, wait: Duration) -> Result<(u64, PlacementEpoch), Held> {
+        let deadline = Instant::now() + wait;
+        let mut steps = self.lock();
+        loop {
+            let index = steps.started[rank];
+            match steps.hold {
+                Some(held) if index >= held => {
+                    if steps.interrupted {
+                        return Err(Held::Interrupted(held));
+                    }
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Held::TimedOut(held));
+                    }
+                    steps = self
+                        .released
+                        .wait_timeout(steps, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                _ => return Ok(self.take_step(&mut steps, rank)),
+            }
+        }
+    }
+
+    fn take_step(&self, steps: &mut Steps, rank: usize) -> (u64, PlacementEpoch) {
         let index = steps.started[rank];
         if let Some(peers) = &self.peers
-            && index >= self.furthest(&steps)
+            && index >= self.furthest(steps)
         {
             peers.announce(index + 1);
         }
@@ -102,6 +154,73 @@ impl Lockstep {
             .find(|(from, _)| *from <= index)
             .map_or(PlacementEpoch(0), |&(_, epoch)| epoch);
         (index, epoch)
+    }
+
+    /// Holds this node's ranks before `step` unless one of them has begun it: `Err` with the
+    /// most steps a rank of this node began. A hold already set moves to `step`.
+    pub fn hold_at(&self, step: u64) -> Result<(), u64> {
+        let mut steps = self.lock();
+        let began = steps.started.iter().copied().max().unwrap_or(0);
+        if began > step {
+            return Err(began);
+        }
+        steps.hold = Some(step);
+        steps.interrupted = false;
+        self.released.notify_all();
+        Ok(())
+    }
+
+    /// Holds this node's ranks before the step `margin` past the first one no rank, of this node
+    /// or heard of, has begun; returns that step.
+    pub fn hold_beyond(&self, margin: u64) -> u64 {
+        let mut steps = self.lock();
+        let step = self.furthest(&steps) + margin;
+        steps.hold = Some(step);
+        steps.interrupted = false;
+        self.released.notify_all();
+        step
+    }
+
+    /// The held ranks go on (the hold is dropped).
+    pub fn release(&self) {
+        let mut steps = self.lock();
+        steps.hold = None;
+        steps.interrupted = false;
+        self.released.notify_all();
+    }
+
+    /// Held ranks stop waiting, and ranks reaching the hold later do not wait.
+    pub fn interrupt(&self) {
+        let mut steps = self.lock();
+        steps.interrupted = true;
+        self.released.notify_all();
+    }
+
+    /// Every step from `step` on runs on `epoch`, and the hold is dropped; refused (`Err`: the
+    /// most steps a rank of this node began) if a rank of this node has begun `step` or a later
+    /// commit exists.
+    pub fn commit_at(&self, step: u64, epoch: PlacementEpoch) -> Result<(), u64> {
+        let mut steps = self.lock();
+        let began = steps.started.iter().copied().max().unwrap_or(0);
+        let last = steps.commits.last().map_or(0, |&(from, _)| from);
+        if began > step || last > step {
+            return Err(began);
+        }
+        steps.commits.push((step, epoch));
+        steps.hold = None;
+        steps.interrupted = false;
+        self.released.notify_all();
+        Ok(())
+    }
+
+    /// `(first step, epoch)` of every commit, in order (epoch 0 from step 0).
+    pub fn commits(&self) -> Vec<(u64, PlacementEpoch)> {
+        self.lock().commits.clone()
+    }
+
+    /// Steps rank `rank` has begun.
+    pub fn started(&self, rank: usize) -> u64 {
+        self.lock().started.get(rank).copied().unwrap_or(0)
     }
 
     /// Steps rank `rank` must still run to reach the furthest peer, of this node or another
@@ -255,5 +374,42 @@ mod tests {
         assert_eq!((lockstep.begin(0).0, lockstep.begin(1).0), (5, 5));
         assert_eq!(announced(), vec![4, 5]);
         assert_eq!(lockstep.steps(), 6);
+    }
+
+    /// A hold before step 2 (no rank began it) stops a rank there for its timeout, lets it run
+    /// to it, and is refused once a rank began it; committing at the held step releases the
+    /// ranks onto the new epoch; an interrupted hold fails the waits at once.
+    #[test]
+    fn ranks_held_before_a_step_begin_it_on_the_epoch_committed_there() {
+        let lockstep = Arc::new(Lockstep::new(2));
+        lockstep.begin(0);
+        assert_eq!(lockstep.hold_at(0), Err(1));
+        assert_eq!(lockstep.hold_at(2), Ok(()));
+        let wait = Duration::from_millis(50);
+        assert_eq!(lockstep.begin_within(0, wait), Ok((1, PlacementEpoch(0))));
+        assert_eq!(lockstep.begin_within(0, wait), Err(Held::TimedOut(2)));
+        assert_eq!(lockstep.begin_within(1, wait), Ok((0, PlacementEpoch(0))));
+        let waiting = {
+            let lockstep = lockstep.clone();
+            std::thread::spawn(move || lockstep.begin_within(0, Duration::from_secs(10)))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(lockstep.commit_at(2, PlacementEpoch(1)), Ok(()));
+        assert_eq!(waiting.join().expect("thread"), Ok((2, PlacementEpoch(1))));
+        assert_eq!(lockstep.commit_at(2, PlacementEpoch(2)), Err(3));
+        assert_eq!(
+            lockstep.commits(),
+            vec![(0, PlacementEpoch(0)), (2, PlacementEpoch(1))]
+        );
+        assert_eq!(lockstep.hold_beyond(1), 4);
+        lockstep.interrupt();
+        assert_eq!(lockstep.begin_within(1, wait), Ok((1, PlacementEpoch(0))));
+        assert_eq!(lockstep.begin_within(0, wait), Ok((3, PlacementEpoch(1))));
+        assert_eq!(
+            lockstep.begin_within(0, Duration::from_secs(10)),
+            Err(Held::Interrupted(4))
+        );
+        lockstep.release();
+        assert_eq!(lockstep.begin_within(0, wait), Ok((4, PlacementEpoch(1))));
     }
 }

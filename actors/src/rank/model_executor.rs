@@ -142,10 +142,18 @@ impl ModelExecutor {
         let Some((device, rank)) = &self.device else {
             return Ok(None);
         };
+        device
+            .idle(*rank, self.model.backend())
+            .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))?;
+        if !device.may_follow(*rank) {
+            return Ok(Some(FOLLOW_POLL));
+        }
         for _ in 0..device.lockstep().behind(*rank) {
             let (_, epoch) = begin_device_step(device, *rank, self.model.backend())?;
             self.model.experts().idle_expert_step();
-            device.finish(*rank, epoch);
+            device
+                .finish(*rank, epoch)
+                .map_err(|e| ExecError::Backend(format!("expert parallelism: {e}")))?;
         }
         Ok(Some(FOLLOW_POLL))
     }
@@ -233,9 +241,13 @@ impl ModelExecutor {
             Some(failure) => Err(ExecError::Backend(format!("expert parallelism: {failure}"))),
             None => rows,
         };
-        if let (Some((device, rank)), Some((_, epoch))) = (&self.device, device_step) {
-            device.finish(*rank, epoch);
-        }
+        let rows = match (&self.device, device_step) {
+            (Some((device, rank)), Some((_, epoch))) => match device.finish(*rank, epoch) {
+                Ok(()) => rows,
+                Err(e) => Err(ExecError::Backend(format!("expert parallelism: {e}"))),
+            },
+            _ => rows,
+        };
         if let (Some(ep), Some(comm), Some(experts)) = (self.ep.as_mut(), &comm, &experts) {
             ep.parallel.finish_step(StepRecord {
                 dp: ep.dp,

@@ -82,6 +82,18 @@ pub struct SchedulerLimits {
 }
 
 impl SchedulerLimits {
+    /// The limits of `node`'s `[scheduler]` (and its context parallelism).
+    pub fn from_node(node: &deepinfer_topology::NodeConfig) -> SchedulerLimits {
+        let s = &node.scheduler;
+        SchedulerLimits {
+            max_batched_tokens: s.max_batched_tokens as usize,
+            max_running: s.max_running_requests as usize,
+            prefill_chunk_tokens: s.prefill_chunk_tokens as usize,
+            overlap_depth: usize::from(s.overlap_depth.max(1)),
+            context_parallel: node.parallel.context_parallel,
+        }
+    }
+
     /// The largest next chunk of a prompt with `remaining` tokens left to prefill.
     fn chunk_cap(&self, remaining: usize) -> usize {
         match self.context_parallel {
