@@ -17,7 +17,8 @@ use deepinfer_model::backend::Backend;
 use deepinfer_topology::{Backend as DeviceBackend, ExpertPlacement, NodeConfig, Numerics};
 
 use crate::comm::bootstrap::UniqueId;
-use crate::experts::device::{DeviceExperts, NodeLinks, RankLinks};
+use crate::experts::cuda_layout::{NodeLinks, RankLinks};
+use crate::experts::device::DeviceExperts;
 use crate::rank::factory::OpenBackend;
 
 /// The devices found, and why there are none when there are none.
@@ -148,7 +149,7 @@ pub fn nccl_available() -> Result<(), String> {
 }
 
 /// NCCL's unique id for the nodes of a deployment (`ncclGetUniqueId`, on node 0 at the node
-/// bootstrap, `experts::device::join_nodes`); a missing `libnccl.so` is an error naming it.
+/// bootstrap, `experts::cuda_layout::join_nodes`); a missing `libnccl.so` is an error naming it.
 #[cfg(feature = "cuda")]
 pub fn nccl_unique_id() -> Result<UniqueId, String> {
     deepinfer_model::backend::cuda::nccl::unique_id()

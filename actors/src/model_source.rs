@@ -20,7 +20,7 @@
 //! or have one GPU each (NCCL, its library probed before anything loads), on one node or on
 //! every node of a deployment of one process per node (`[cluster] bootstrap`: after loading,
 //! the node joins the others, node 0 handing every node NCCL's unique id, and the nodes'
-//! ranks form one communicator and keep one lockstep, `experts::device::join_nodes`); other
+//! ranks form one communicator and keep one lockstep, `experts::cuda_layout::join_nodes`); other
 //! layouts are refused naming the field.
 //!
 //! Family (`model_type` in `config.json`): a V4.1 checkpoint and a V4-family one (V4-Flash,
@@ -46,10 +46,11 @@ use deepinfer_topology::{Backend as DeviceBackend, ModelSource, NodeConfig};
 use crate::engine::{EngineConfig, ModelFacts};
 use crate::engram_vocab::{CompressedTokenMap, compressed_token_map};
 use crate::error::EngineError;
-use crate::experts::device::{
-    DeviceExperts, RankLinks, check_cuda_expert_parallel, cuda_fingerprint, join_nodes, rank_links,
+use crate::experts::cuda_layout::{
+    RankLinks, check_cuda_expert_parallel, cuda_fingerprint, join_nodes, rank_links,
     starting_placement,
 };
+use crate::experts::device::DeviceExperts;
 use crate::experts::factory::ExpertParallelFactory;
 use crate::experts::parallel::{EpSettings, node_expert_filter, node_holdings};
 use crate::frontend::codec::load_v41_tokenizer;

@@ -8,7 +8,7 @@
 
 use std::process::Command;
 
-use deepinfer_actors::experts::device::{RankLinks, check_cuda_expert_parallel, rank_links};
+use deepinfer_actors::experts::cuda_layout::{RankLinks, check_cuda_expert_parallel, rank_links};
 use deepinfer_actors::gpu;
 use deepinfer_actors::model_source::resolve;
 use deepinfer_topology::NodeConfig;

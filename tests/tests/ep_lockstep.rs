@@ -25,7 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use deepinfer_actors::comm::steps::StepBeacon;
-use deepinfer_actors::experts::device::{DeviceExperts, DeviceRank, starting_placement};
+use deepinfer_actors::experts::cuda_layout::starting_placement;
+use deepinfer_actors::experts::device::{DeviceExperts, DeviceRank};
 use deepinfer_actors::messages::experts::ShardLoads;
 use deepinfer_actors::rank::factory::{ModelFactory, RankDevices};
 use deepinfer_actors::rank::observe::{ObservedFactory, ObservedRow, RankObserver};

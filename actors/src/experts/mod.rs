@@ -12,6 +12,7 @@
 //! Failure: errors are replied, never panics; the supervisor does not restart this actor (its
 //! shards stay in use by the committed `LocalComm`).
 
+pub mod cuda_layout;
 pub mod device;
 pub mod factory;
 pub mod lockstep;

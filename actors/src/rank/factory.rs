@@ -11,7 +11,8 @@ use deepinfer_model::backend::Backend;
 use deepinfer_model::config::ModelFamily;
 use deepinfer_model::state_bytes::StateBytes;
 
-use crate::experts::device::{DeviceExperts, device_of};
+use crate::experts::cuda_layout::device_of;
+use crate::experts::device::DeviceExperts;
 use crate::prefix_cache::PrefixGeometry;
 use crate::rank::executor::{ExecError, ExecutorFactory, RankExecutor};
 use crate::rank::model_executor::ModelExecutor;
@@ -21,7 +22,7 @@ use crate::rank::model_executor::ModelExecutor;
 pub type OpenBackend = Arc<dyn Fn(usize, usize) -> Result<Box<dyn Backend>, String> + Send + Sync>;
 
 /// Where the ranks run when each has a device of its own: DP rank `r` on device
-/// `r % per_node` of its node (`experts::device::device_of`).
+/// `r % per_node` of its node (`experts::cuda_layout::device_of`).
 #[derive(Clone)]
 pub struct RankDevices {
     /// Devices of one node (`[device] gpus_per_node`), at least 1.
