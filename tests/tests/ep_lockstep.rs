@@ -565,6 +565,25 @@ fn eplb_topology(timeout_ms: u64) -> deepinfer_topology::NodeConfig {
     )
 }
 
+/// The tokens one rank serves for `prompts`, in prompt order (what the two-node runs compare
+/// with).
+async fn one_rank_tokens(
+    model: &Arc<Model>,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Vec<Vec<u32>> {
+    let one = ModelFactory::new(model.clone(), "one rank");
+    let (expected, _) = run_engine(
+        node(1, 1, ""),
+        Arc::new(one),
+        facts(model),
+        prompts,
+        max_tokens,
+    )
+    .await;
+    expected.into_values().collect()
+}
+
 /// Runs `prompts` split over two engines as two nodes (the first half on node 0, the rest on
 /// node 1), their ranks' stand-ins registered (node 1's staging fails when `full`): the
 /// outputs in prompt order, the groups and beacons.
@@ -608,16 +627,7 @@ async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() 
     let (_dir, model) = model();
     let prompts = skewed_prompts(6);
     let max_tokens = 6;
-    let one = ModelFactory::new(model.clone(), "one rank");
-    let (expected, _) = run_engine(
-        node(1, 1, ""),
-        Arc::new(one),
-        facts(&model),
-        &prompts,
-        max_tokens,
-    )
-    .await;
-    let expected: Vec<Vec<u32>> = expected.into_values().collect();
+    let expected = one_rank_tokens(&model, &prompts, max_tokens).await;
 
     let (got, groups, _beacons) = serve_on_two_nodes(false, &prompts, max_tokens).await;
     assert_eq!(got, expected, "two nodes with live EPLB vs one rank");
@@ -650,16 +660,7 @@ async fn a_node_that_cannot_stage_aborts_the_rebalance_on_both_nodes() {
     let (_dir, model) = model();
     let prompts = skewed_prompts(4);
     let max_tokens = 6;
-    let one = ModelFactory::new(model.clone(), "one rank");
-    let (expected, _) = run_engine(
-        node(1, 1, ""),
-        Arc::new(one),
-        facts(&model),
-        &prompts,
-        max_tokens,
-    )
-    .await;
-    let expected: Vec<Vec<u32>> = expected.into_values().collect();
+    let expected = one_rank_tokens(&model, &prompts, max_tokens).await;
 
     let (got, groups, _beacons) = serve_on_two_nodes(true, &prompts, max_tokens).await;
     assert_eq!(got, expected);
@@ -779,10 +780,7 @@ async fn dspark_profiles_on_both_nodes_in_lockstep() {
     let facts = facts(&model);
     let prompts = skewed_prompts(4);
     let max_tokens = 5;
-    let one = ModelFactory::new(model.clone(), "one rank");
-    let (expected, _) =
-        run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
-    let expected: Vec<Vec<u32>> = expected.into_values().collect();
+    let expected = one_rank_tokens(&model, &prompts, max_tokens).await;
 
     let topology = dspark_node(1, 1);
     let (groups, _beacons) = two_nodes(&model, &topology);

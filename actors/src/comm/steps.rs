@@ -420,6 +420,19 @@ mod tests {
         (listeners, addrs)
     }
 
+    /// `count` beacons of session 5 linked over loopback, node `i` the `i`-th.
+    fn beacons(count: usize) -> Vec<Arc<StepBeacon>> {
+        let (listeners, addrs) = listeners(count);
+        listeners
+            .into_iter()
+            .enumerate()
+            .map(|(node, listener)| {
+                StepBeacon::start(listener, 5, node as u16, &addrs, Duration::from_secs(5))
+                    .expect("beacon")
+            })
+            .collect()
+    }
+
     fn eventually(what: &str, cond: impl Fn() -> bool) {
         let started = Instant::now();
         while !cond() {
@@ -432,15 +445,7 @@ mod tests {
     /// a node never hears its own.
     #[test]
     fn every_node_hears_the_most_steps_the_others_began() {
-        let (listeners, addrs) = listeners(3);
-        let beacons: Vec<Arc<StepBeacon>> = listeners
-            .into_iter()
-            .enumerate()
-            .map(|(node, listener)| {
-                StepBeacon::start(listener, 5, node as u16, &addrs, Duration::from_secs(5))
-                    .expect("beacon")
-            })
-            .collect();
+        let beacons = beacons(3);
         beacons[0].announce(3);
         beacons[0].announce(7);
         eventually("nodes 1 and 2 hear 7", || {
@@ -498,15 +503,7 @@ mod tests {
     /// set wait for it); a node that closes its beacon is heard lost, named.
     #[test]
     fn eplb_messages_reach_their_node_and_a_closed_node_is_lost() {
-        let (listeners, addrs) = listeners(2);
-        let beacons: Vec<Arc<StepBeacon>> = listeners
-            .into_iter()
-            .enumerate()
-            .map(|(node, listener)| {
-                StepBeacon::start(listener, 5, node as u16, &addrs, Duration::from_secs(5))
-                    .expect("beacon")
-            })
-            .collect();
+        let beacons = beacons(2);
         assert_eq!((beacons[1].node(), beacons[1].nodes()), (1, 2));
         beacons[0].send_eplb(1, NodeEplb::TakeLoads { round: 1 });
         beacons[0].announce(4);
