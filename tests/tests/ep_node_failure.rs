@@ -49,7 +49,8 @@ async fn a_silent_node_fails_the_step_by_name_and_stops_the_engine() {
         fingerprint: EpSettings::from_node(&node).fingerprint(&ExpertSource::from(model.clone())),
         expert_addr: loopback(&silent),
     };
-    let peer = std::thread::spawn(move || bootstrap::join(boot, member, Duration::from_secs(60)));
+    let peer =
+        std::thread::spawn(move || bootstrap::join(boot, member, Duration::from_secs(60), None));
     let factory = {
         let (model, node) = (model.clone(), node.clone());
         tokio::task::spawn_blocking(move || ExpertParallelFactory::new(model, &node, "test".into()))
@@ -183,7 +184,8 @@ async fn a_node_that_never_stages_fails_the_rebalance_by_name_and_the_placement_
     };
     let layers = model.config().n_layers;
     loads_but_never_stages(listener, layers, 5);
-    let peer = std::thread::spawn(move || bootstrap::join(boot, member, Duration::from_secs(60)));
+    let peer =
+        std::thread::spawn(move || bootstrap::join(boot, member, Duration::from_secs(60), None));
     let factory = {
         let (model, node) = (model.clone(), node.clone());
         tokio::task::spawn_blocking(move || ExpertParallelFactory::new(model, &node, "test".into()))

@@ -4,7 +4,7 @@
 //! fingerprint of what all must agree on, the address it listens on for its peers: its expert
 //! server on the CPU, its step counts with CUDA ranks, `comm::steps`); once all nodes joined,
 //! node 0 draws the session id and, for a deployment whose ranks share one NCCL communicator
-//! (CUDA ranks across nodes, [`join_with_unique_id`]), creates the unique id from its
+//! (CUDA ranks across nodes, [`join`] with a source), creates the unique id from its
 //! [`UniqueIdSource`] (`ncclGetUniqueId`; tests pass a fake: the bootstrap only carries the
 //! bytes and needs no CUDA), then answers each with `Welcome` (the session id, every node's
 //! address by node index, the unique id). A node that disagrees (another fingerprint or node
@@ -31,7 +31,7 @@ pub struct Joined {
     pub session: u64,
     /// Every node's peer address (its expert server, or its step counts), by node index.
     pub experts: Vec<SocketAddr>,
-    /// The unique id node 0 created (`Some` exactly with [`join_with_unique_id`]).
+    /// The unique id node 0 created (`Some` exactly when [`join`] had a source).
     pub unique_id: Option<UniqueId>,
 }
 
@@ -60,25 +60,11 @@ impl<F: Fn() -> Result<UniqueId, String> + Sync> UniqueIdSource for F {
     }
 }
 
-/// Joins the deployment whose node 0 listens on `bootstrap`, within `timeout` (no unique id:
-/// the CPU's socket transport needs none).
-pub fn join(bootstrap: SocketAddr, me: Member, timeout: Duration) -> Result<Joined, EpError> {
-    join_any(bootstrap, me, timeout, None)
-}
-
-/// [`join`] for a deployment whose ranks share one NCCL communicator: node 0 creates the unique
-/// id from `source` and every node gets it (`Joined::unique_id`); every node passes a source
-/// (only node 0's is called), and a node that gets no id is refused.
-pub fn join_with_unique_id(
-    bootstrap: SocketAddr,
-    me: Member,
-    timeout: Duration,
-    source: &dyn UniqueIdSource,
-) -> Result<Joined, EpError> {
-    join_any(bootstrap, me, timeout, Some(source))
-}
-
-fn join_any(
+/// Joins the deployment whose node 0 listens on `bootstrap`, within `timeout`. With a `source`
+/// (a deployment whose ranks share one NCCL communicator) node 0 creates the unique id from it
+/// and every node gets it (`Joined::unique_id`); every node then passes one (only node 0's is
+/// called), and a node that gets no id is refused. Without (the CPU's socket transport), no id.
+pub fn join(
     bootstrap: SocketAddr,
     me: Member,
     timeout: Duration,
@@ -283,16 +269,18 @@ mod tests {
     #[test]
     fn nodes_join_or_fail_with_a_reason() {
         let boot = free_loopback();
-        let second = thread::spawn(move || join(boot, member(1, 7, 2002), Duration::from_secs(20)));
+        let second =
+            thread::spawn(move || join(boot, member(1, 7, 2002), Duration::from_secs(20), None));
         thread::sleep(Duration::from_millis(200));
-        let first = join(boot, member(0, 7, 2001), Duration::from_secs(20)).expect("node 0");
+        let first = join(boot, member(0, 7, 2001), Duration::from_secs(20), None).expect("node 0");
         let second = second.join().expect("thread").expect("node 1");
         assert_eq!(first, second);
         assert_eq!(first.experts[1].port(), 2002);
 
         let boot = free_loopback();
-        let other = thread::spawn(move || join(boot, member(1, 8, 2002), Duration::from_secs(20)));
-        let lead = join(boot, member(0, 7, 2001), Duration::from_secs(20));
+        let other =
+            thread::spawn(move || join(boot, member(1, 8, 2002), Duration::from_secs(20), None));
+        let lead = join(boot, member(0, 7, 2001), Duration::from_secs(20), None);
         let err = lead.expect_err("another fingerprint").to_string();
         assert!(err.contains("another model or topology"), "{err}");
         let err = other
@@ -304,7 +292,7 @@ mod tests {
 
         let boot = free_loopback();
         let started = Instant::now();
-        let err = join(boot, member(0, 7, 2001), Duration::from_millis(300))
+        let err = join(boot, member(0, 7, 2001), Duration::from_millis(300), None)
             .expect_err("nobody joins")
             .to_string();
         assert!(err.contains("nodes [1] did not join"), "{err}");
@@ -334,7 +322,7 @@ mod tests {
                         nodes: 3,
                         ..member(node, 7, 2000 + node)
                     };
-                    join_with_unique_id(boot, me, Duration::from_secs(20), &other_id)
+                    join(boot, me, Duration::from_secs(20), Some(&other_id))
                 })
             })
             .collect();
@@ -343,8 +331,7 @@ mod tests {
             nodes: 3,
             ..member(0, 7, 2000)
         };
-        let lead =
-            join_with_unique_id(boot, me, Duration::from_secs(20), &node0_id).expect("node 0");
+        let lead = join(boot, me, Duration::from_secs(20), Some(&node0_id)).expect("node 0");
         assert_eq!(lead.unique_id, Some(node0_id().expect("an id")));
         for follower in followers {
             let joined = follower.join().expect("thread").expect("a follower");
@@ -360,12 +347,22 @@ mod tests {
     fn a_missing_unique_id_fails_the_start_naming_why() {
         let boot = free_loopback();
         let other = thread::spawn(move || {
-            join_with_unique_id(boot, member(1, 7, 2002), Duration::from_secs(20), &other_id)
+            join(
+                boot,
+                member(1, 7, 2002),
+                Duration::from_secs(20),
+                Some(&other_id),
+            )
         });
         let no_nccl = || -> Result<UniqueId, String> { Err("libnccl.so did not load".into()) };
-        let err = join_with_unique_id(boot, member(0, 7, 2001), Duration::from_secs(20), &no_nccl)
-            .expect_err("no id")
-            .to_string();
+        let err = join(
+            boot,
+            member(0, 7, 2001),
+            Duration::from_secs(20),
+            Some(&no_nccl),
+        )
+        .expect_err("no id")
+        .to_string();
         assert!(
             err.contains("node 0 could not create the unique id: libnccl.so did not load"),
             "{err}"
@@ -383,16 +380,16 @@ mod tests {
             let other = thread::spawn(move || {
                 let me = member(1, 7, 2002);
                 if follower_wants_id {
-                    join_with_unique_id(boot, me, Duration::from_secs(20), &other_id)
+                    join(boot, me, Duration::from_secs(20), Some(&other_id))
                 } else {
-                    join(boot, me, Duration::from_secs(20))
+                    join(boot, me, Duration::from_secs(20), None)
                 }
             });
             let me = member(0, 7, 2001);
             let lead = if follower_wants_id {
-                join(boot, me, Duration::from_secs(20))
+                join(boot, me, Duration::from_secs(20), None)
             } else {
-                join_with_unique_id(boot, me, Duration::from_secs(20), &node0_id)
+                join(boot, me, Duration::from_secs(20), Some(&node0_id))
             };
             lead.expect("node 0 answered");
             let err = other
@@ -440,10 +437,14 @@ mod tests {
                 std::io::Write::write_all(&mut conn, &sent).expect("sent");
                 hello
             });
-            let err =
-                join_with_unique_id(boot, member(1, 7, 2002), Duration::from_secs(20), &other_id)
-                    .expect_err("a malformed welcome")
-                    .to_string();
+            let err = join(
+                boot,
+                member(1, 7, 2002),
+                Duration::from_secs(20),
+                Some(&other_id),
+            )
+            .expect_err("a malformed welcome")
+            .to_string();
             assert_eq!(stand_in.join().expect("stand-in").node, 1);
             assert!(
                 err.contains(&format!("node 1 with node 0 at {boot}")),

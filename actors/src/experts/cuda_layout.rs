@@ -190,8 +190,7 @@ pub fn join_nodes(
         fingerprint,
         expert_addr,
     };
-    let joined =
-        bootstrap::join_with_unique_id(bootstrap_addr, me, cluster.bootstrap_timeout, source)?;
+    let joined = bootstrap::join(bootstrap_addr, me, cluster.bootstrap_timeout, Some(source))?;
     let unique_id = joined
         .unique_id
         .ok_or_else(|| EpError::Bootstrap("node 0 sent no unique id".into()))?;

@@ -283,7 +283,7 @@ impl ExpertParallel {
             fingerprint: settings.fingerprint(&source),
             expert_addr,
         };
-        let joined = bootstrap::join(bootstrap_addr, me, cluster.bootstrap_timeout)?;
+        let joined = bootstrap::join(bootstrap_addr, me, cluster.bootstrap_timeout, None)?;
         let remote = RemoteRanks::new(
             joined.session,
             Timeouts {
