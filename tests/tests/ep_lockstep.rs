@@ -124,35 +124,10 @@ async fn an_idle_node_follows_the_steps_of_a_busy_one() {
     let (expected, _) =
         run_engine(node(1, 1, ""), Arc::new(one), facts, &prompts, max_tokens).await;
 
-    let listeners: Vec<std::net::TcpListener> = (0..2)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a port"))
-        .collect();
-    let addrs: Vec<std::net::SocketAddr> = listeners
-        .iter()
-        .map(|l| l.local_addr().expect("address"))
-        .collect();
-    let topology = node(1, 1, "");
-    let groups: Vec<Arc<DeviceExperts>> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(n, listener)| {
-            let beacon = StepBeacon::start(listener, 11, n as u16, &addrs, Duration::from_secs(5))
-                .expect("step counts");
-            let placement = starting_placement(&topology, model.config()).expect("placement");
-            DeviceExperts::across_nodes(&topology, 1, placement, beacon)
-        })
-        .collect();
+    let (groups, _beacons) = two_nodes(&model, &node(1, 1, ""));
     let mut engines = Vec::new();
     for group in &groups {
-        let one_rank = ModelFactory::per_device(
-            model.clone(),
-            "one CPU rank of a node",
-            RankDevices {
-                per_node: 1,
-                open: Arc::new(|_dp, _device| Ok(Box::new(CpuBackend::new()) as Box<dyn Backend>)),
-                experts: Some(group.clone()),
-            },
-        );
+        let one_rank = one_rank_of(&model, group, || {});
         engines.push(start_engine(node(1, 1, ""), Arc::new(one_rank), facts).await);
     }
     let got = run_requests(&engines[0].0, &prompts, max_tokens).await;
