@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::id::{Arch, SourceFile};
+use crate::id::Arch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -31,16 +31,17 @@ pub enum KernelError {
         source: cudarc::driver::DriverError,
     },
     /// An NVRTC call (other than the compilation itself) failed.
-    #[error("NVRTC error during {during} of {file}: {message}")]
+    #[error("NVRTC error during {during} of {source_name}: {message}")]
     Nvrtc {
         during: &'static str,
-        file: &'static str,
+        source_name: String,
         message: String,
     },
-    /// NVRTC rejected a source file; `log` is its compiler log.
-    #[error("NVRTC could not compile {} for {arch}:\n{log}", file.path())]
+    /// NVRTC rejected a source (an embedded file's path, or a generated source's name); `log` is
+    /// its compiler log.
+    #[error("NVRTC could not compile {source_name} for {arch}:\n{log}")]
     Compile {
-        file: SourceFile,
+        source_name: String,
         arch: Arch,
         log: String,
     },

@@ -266,10 +266,20 @@ impl KernelRuntime {
     /// A launch of kernel `id` on the runtime's stream: push its arguments, then
     /// [`Launch::launch`].
     pub(crate) fn launcher(&self, id: KernelId) -> Result<Launch<'_>, KernelError> {
-        Ok(Launch {
-            args: self.stream.launch_builder(self.function(id)?),
-            kernel: id,
-        })
+        Ok(self.launcher_of(self.function(id)?, id.symbol()))
+    }
+
+    /// A launch of `function` (named `name` in errors) on the runtime's stream: a function this
+    /// runtime looked up ([`KernelRuntime::function`], counted there) or one the caller loaded.
+    pub(crate) fn launcher_of<'a>(
+        &'a self,
+        function: &'a CudaFunction,
+        name: &'a str,
+    ) -> Launch<'a> {
+        Launch {
+            args: self.stream.launch_builder(function),
+            name,
+        }
     }
 
     /// Copies `values` into a new device buffer on the runtime's stream, counted in
@@ -304,7 +314,7 @@ impl KernelRuntime {
 /// the kernel's signature, then [`Launch::launch`].
 pub(crate) struct Launch<'a> {
     args: LaunchArgs<'a>,
-    kernel: KernelId,
+    name: &'a str,
 }
 
 impl<'a> Launch<'a> {
@@ -326,10 +336,7 @@ impl<'a> Launch<'a> {
         // SAFETY: the caller's contract above.
         unsafe { self.args.launch(cfg) }
             .map(drop)
-            .map_err(KernelError::driver(format!(
-                "launching {}",
-                self.kernel.symbol()
-            )))
+            .map_err(KernelError::driver(format!("launching {}", self.name)))
     }
 }
 

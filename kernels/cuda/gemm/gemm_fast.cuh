@@ -392,3 +392,29 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
 }
 
 }  // namespace fastgemm
+
+// The kernels of one tile configuration (gemm_fast.cu instantiates the production ones; the
+// benchmark compiles others to time them).
+// Grid (column blocks, row blocks, K parts): part blockIdx.z = codes [z span, (z + 1) span) of K;
+// with one part the block stores y (bf16 or f32, p.out_f32), else it writes its part's sums to
+// partials[z] ([m, n]).
+#define GEMM_FAST(NAME, WEIGHTS, G, WARPS, BT, STAGES, STEP)                                           \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
+        NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
+             FastGemmParams p) {                                                                    \
+        const fastgemm::DenseRows rows{blockIdx.y * BT, p.m};                                        \
+        const u32_t k_begin = blockIdx.z * p.span;                                                   \
+        const u32_t k_end = min(p.k, k_begin + p.span);                                              \
+        float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
+        fastgemm::gemm_fast_tile<WEIGHTS, G, WARPS, BT, STAGES, STEP>(                               \
+            a, sa, w, ws, y, p.out_f32, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
+    }
+
+#define GEMM_FAST_ROUTED(NAME, WEIGHTS, WARPS, BT, STAGES, STEP)                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
+        NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \
+             const u32_t* tile_count, const unsigned long long* table, void* y,                      \
+             FastRoutedParams p) {                                                                  \
+        fastgemm::gemm_fast_routed<WEIGHTS, WARPS, BT, STAGES, STEP>(a, sa, order, tiles, tile_count, \
+                                                                     table, y, p);                  \
+    }

@@ -19,7 +19,7 @@
 //! rounding at most `2^-9 |y|` (an f32 output adds nothing).
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{check_fp4_weight, check_fp8_weight};
@@ -93,13 +93,57 @@ pub enum FastTile {
     Rows128,
 }
 
-/// (token rows, warps, stages, K codes per stage) of each tile, in [`FastTile`] order after
-/// `Auto`. The decode tiles take 512 or 256 codes of K per barrier: fewer, larger steps.
-const TILES: [(FastTile, u32, u32, u32, u32); 4] = [
-    (FastTile::Rows8, 8, 2, 4, 512),
-    (FastTile::Rows32, 32, 2, 3, 512),
-    (FastTile::Rows64, 64, 2, 4, 256),
-    (FastTile::Rows128, 128, 8, 3, 128),
+/// The shape of a fast GEMM kernel build (the `GEMM_FAST` macro's arguments in
+/// `cuda/gemm/gemm_fast.cuh`): token rows per block, warps per block (16 output features each),
+/// pipeline stages and K codes per stage (a multiple of 128). It changes which thread computes an
+/// output, never how: every shape gives the same bits for the same K parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileShape {
+    pub tokens: u32,
+    pub warps: u32,
+    pub stages: u32,
+    pub step: u32,
+}
+
+/// The shape of each tile, in [`FastTile`] order after `Auto`. The decode tiles take 512 or 256
+/// codes of K per barrier: fewer, larger steps.
+const TILES: [(FastTile, TileShape); 4] = [
+    (
+        FastTile::Rows8,
+        TileShape {
+            tokens: 8,
+            warps: 2,
+            stages: 4,
+            step: 512,
+        },
+    ),
+    (
+        FastTile::Rows32,
+        TileShape {
+            tokens: 32,
+            warps: 2,
+            stages: 3,
+            step: 512,
+        },
+    ),
+    (
+        FastTile::Rows64,
+        TileShape {
+            tokens: 64,
+            warps: 2,
+            stages: 4,
+            step: 256,
+        },
+    ),
+    (
+        FastTile::Rows128,
+        TileShape {
+            tokens: 128,
+            warps: 8,
+            stages: 3,
+            step: 128,
+        },
+    ),
 ];
 
 impl FastTile {
@@ -108,20 +152,17 @@ impl FastTile {
         match self {
             FastTile::Auto => TILES
                 .iter()
-                .find(|(_, tokens, ..)| rows <= *tokens as usize)
+                .find(|(_, shape)| rows <= shape.tokens as usize)
                 .map_or(FastTile::Rows128, |t| t.0),
             tile => tile,
         }
     }
 
-    /// (token rows, warps, stages, K codes per stage).
-    pub(crate) fn shape(self) -> (u32, u32, u32, u32) {
-        let (_, tokens, warps, stages, step) = TILES
+    pub(crate) fn shape(self) -> TileShape {
+        TILES
             .iter()
-            .copied()
             .find(|t| t.0 == self)
-            .unwrap_or(TILES[3]);
-        (tokens, warps, stages, step)
+            .map_or(TILES[3].1, |t| t.1)
     }
 }
 
@@ -190,9 +231,14 @@ impl FastKernels {
         }
     }
 
-    /// Dynamic shared memory of a launch with `tile` (`Stage::BYTES · STAGES` in the kernel).
-    pub(crate) fn shared_bytes(self, tile: FastTile) -> u32 {
-        let (tokens, warps, stages, step) = tile.shape();
+    /// Dynamic shared memory of a launch with `shape` (`Stage::BYTES · STAGES` in the kernel).
+    pub(crate) fn shared_bytes(self, shape: TileShape) -> u32 {
+        let TileShape {
+            tokens,
+            warps,
+            stages,
+            step,
+        } = shape;
         let groups_per_stage = step / self.group();
         let stage = warps * 128 * self.piece() * (step / STEP_K as u32)
             + tokens * (step + 32)
@@ -209,7 +255,7 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
         TILES
             .iter()
             .find(|t| kernels.kernel(t.0) == id)
-            .map(|t| kernels.shared_bytes(t.0))
+            .map(|t| kernels.shared_bytes(t.1))
     })
 }
 
@@ -415,15 +461,87 @@ pub fn gemm_fp8_fast_tiled<T: FastOutput>(
             ),
         });
     }
+    let kernel =
+        DenseKernel::production(rt, FastKernels::Fp8(a.group), tile, a.rows, (w.out, w.inp))?;
     launch_dense(
         rt,
         OP,
-        FastKernels::Fp8(a.group),
+        &kernel,
         a,
         (w.out, w.inp),
         (&w.chunks, &w.band_scales),
         y,
-        tile,
+    )
+}
+
+/// A build of the dense FP8 fast GEMM with another tile, for the benchmark's tile sweep:
+/// `function` is `GEMM_FAST(name, fastgemm::Fp8Chunks<G>, G, warps, tokens, stages, step)`
+/// (`cuda/gemm/gemm_fast.cuh`) compiled for `group` (G) and `shape`, loaded by the caller with
+/// [`fp8_shared_bytes`] of dynamic shared memory allowed; `span` the K codes of each part (a
+/// multiple of `shape.step`). With the production's span ([`k_parts`]) it gives the production's
+/// bits; with another span, another (equally valid) sum order.
+pub struct FastFp8Variant {
+    pub name: String,
+    pub function: CudaFunction,
+    pub group: ActGroup,
+    pub shape: TileShape,
+    pub span: usize,
+}
+
+/// The dynamic shared memory of a dense FP8 fast GEMM build with activation groups `group` and
+/// tile `shape`.
+pub fn fp8_shared_bytes(group: ActGroup, shape: TileShape) -> u32 {
+    FastKernels::Fp8(group).shared_bytes(shape)
+}
+
+/// [`gemm_fp8_fast`] through a [`FastFp8Variant`] (checked as the production launch is, and
+/// the variant's group and span against the activations and its stage).
+pub fn gemm_fp8_fast_variant<T: FastOutput>(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &FastFp8Weight,
+    y: &mut CudaSlice<T>,
+    variant: &FastFp8Variant,
+) -> Result<(), KernelError> {
+    const OP: &str = "gemm_fp8_fast_variant";
+    let step = variant.shape.step as usize;
+    if variant.group != a.group
+        || a.group.elements() != w.tile
+        || step == 0
+        || !step.is_multiple_of(STEP_K)
+        || variant.span == 0
+        || !variant.span.is_multiple_of(step)
+    {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "{}: {}-element groups for {}-element activations and {}x{} tiles, span {} \
+                 with {step} codes per stage (the groups must match, the span a multiple of \
+                 the stage, the stage of 128)",
+                variant.name,
+                variant.group.elements(),
+                a.group.elements(),
+                w.tile,
+                w.tile,
+                variant.span
+            ),
+        });
+    }
+    let kernel = DenseKernel {
+        name: &variant.name,
+        function: &variant.function,
+        shape: variant.shape,
+        shared_bytes: fp8_shared_bytes(variant.group, variant.shape),
+        span: variant.span,
+    };
+    launch_dense(
+        rt,
+        OP,
+        &kernel,
+        a,
+        (w.out, w.inp),
+        (&w.chunks, &w.band_scales),
+        y,
     )
 }
 /// `y = a · wᵀ` on tensor cores for an FP4 weight, `y [a.rows, w.out]` bf16 or f32
@@ -447,38 +565,68 @@ pub fn gemm_fp4_fast_tiled<T: FastOutput>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_fast";
     a.group.require_g32(OP, "FP4 weights")?;
+    let kernel = DenseKernel::production(rt, FastKernels::Fp4, tile, a.rows, (w.out, w.inp))?;
     launch_dense(
         rt,
         OP,
-        FastKernels::Fp4,
+        &kernel,
         a,
         (w.out, w.inp),
         (&w.chunks, &w.band_scales),
         y,
-        tile,
     )
 }
 
-/// Launches the dense kernel of `kernels` with `tile` on a weight `(n, k)` = `(out, inp)` given
-/// as its fragment chunks and band scales.
-#[allow(clippy::too_many_arguments)]
+/// The dense kernel a launch runs: its function and name, tile shape, dynamic shared memory and
+/// K codes per part.
+struct DenseKernel<'a> {
+    name: &'a str,
+    function: &'a CudaFunction,
+    shape: TileShape,
+    shared_bytes: u32,
+    span: usize,
+}
+
+impl<'a> DenseKernel<'a> {
+    /// The production kernel of `kernels` for `rows` token rows with `tile`, on a weight `(n,
+    /// k)`: K cut by [`k_parts`].
+    fn production(
+        rt: &'a KernelRuntime,
+        kernels: FastKernels,
+        tile: FastTile,
+        rows: usize,
+        (n, k): (usize, usize),
+    ) -> Result<DenseKernel<'a>, KernelError> {
+        let tile = tile.resolve(rows);
+        let id = kernels.kernel(tile);
+        Ok(DenseKernel {
+            name: id.symbol(),
+            function: rt.function(id)?,
+            shape: tile.shape(),
+            shared_bytes: kernels.shared_bytes(tile.shape()),
+            span: k_parts(n, k).0,
+        })
+    }
+}
+
+/// Launches a dense fast GEMM `kernel` on a weight `(n, k)` = `(out, inp)` given as its fragment
+/// chunks and band scales.
 fn launch_dense<S: DeviceRepr, T: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
-    kernels: FastKernels,
+    kernel: &DenseKernel,
     a: &DeviceActFp8,
     (n, k): (usize, usize),
     (chunks, band_scales): (&CudaSlice<u8>, &CudaSlice<S>),
     y: &mut CudaSlice<T>,
-    tile: FastTile,
 ) -> Result<(), KernelError> {
     a.check_gemm(op, (n, k), y.len())?;
     if a.rows == 0 {
         return Ok(());
     }
-    let tile = tile.resolve(a.rows);
-    let (tokens, warps, ..) = tile.shape();
-    let (span, parts) = k_parts(n, k);
+    let TileShape { tokens, warps, .. } = kernel.shape;
+    let span = kernel.span;
+    let parts = k.div_ceil(span).max(1);
     let params = FastGemmParams {
         m: dim(op, "m", a.rows)?,
         n: dim(op, "n", n)?,
@@ -494,11 +642,10 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
             message: format!("m = {} needs {row_blocks} row blocks (> 65535)", a.rows),
         });
     }
-    let kernel = kernels.kernel(tile);
     let cfg = launch_config(
         (params.n.div_ceil(16 * warps), row_blocks, params.parts),
         warps * 32,
-        kernels.shared_bytes(tile),
+        kernel.shared_bytes,
     );
     let stream = rt.stream();
     // The parts' sums [parts][m][n] (one value, unread, with one part).
@@ -508,7 +655,7 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
     // with one part the kernel never touches the buffer.
     let mut partials = unsafe { stream.alloc::<f32>(if parts > 1 { parts * count } else { 1 }) }
         .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
-    let mut launch = rt.launcher(kernel)?;
+    let mut launch = rt.launcher_of(kernel.function, kernel.name);
     launch
         .arg(&a.codes)
         .arg(&a.scales)
@@ -581,21 +728,24 @@ mod tests {
         // Stage::BYTES for FP8, G = 32, 2 warps, 8 tokens, 512 codes of K:
         // 2 * 4 * 2048 + 8 * 544 + 4 * 8 * 16 + 4 * 2 * 16, four stages.
         let fp8 = FastKernels::Fp8(ActGroup::G32);
-        assert_eq!(fp8.shared_bytes(FastTile::Rows8), 21_376 * 4);
+        assert_eq!(fp8.shared_bytes(FastTile::Rows8.shape()), 21_376 * 4);
         // FP4: 1 KiB chunks and 16 scale bytes per band and group:
         // 2 * 4 * 1024 + 8 * 544 + 4 * 8 * 16 + 16 * 2 * 16, four stages.
-        assert_eq!(FastKernels::Fp4.shared_bytes(FastTile::Rows8), 13_568 * 4);
+        assert_eq!(
+            FastKernels::Fp4.shared_bytes(FastTile::Rows8.shape()),
+            13_568 * 4
+        );
         let mut ids = Vec::new();
         for kernels in FastKernels::ALL {
-            for (tile, ..) in TILES {
+            for (tile, shape) in TILES {
                 // The routed kernels' static rows (at most 128 u32) come on top.
                 assert!(
-                    kernels.shared_bytes(tile) + 512 <= 227 * 1024,
+                    kernels.shared_bytes(shape) + 512 <= 227 * 1024,
                     "{kernels:?} {tile:?}"
                 );
                 assert_eq!(
                     dynamic_shared_bytes(kernels.kernel(tile)),
-                    Some(kernels.shared_bytes(tile))
+                    Some(kernels.shared_bytes(shape))
                 );
                 ids.push(kernels.kernel(tile));
             }
@@ -610,7 +760,13 @@ mod tests {
     fn tiles_and_kernels_match_the_instantiations() {
         let source = include_str!("../../cuda/gemm/gemm_fast.cu");
         for kernels in FastKernels::ALL {
-            for (tile, tokens, warps, stages, step) in TILES {
+            for (tile, shape) in TILES {
+                let TileShape {
+                    tokens,
+                    warps,
+                    stages,
+                    step,
+                } = shape;
                 let weights = match kernels {
                     FastKernels::Fp8(g) => {
                         format!("fastgemm::Fp8Chunks<{0}>, {0}, ", g.elements())

@@ -356,7 +356,7 @@ fn push_row(rows: &mut Vec<Row>, kernel: Kernel, row: Result<Row>) -> Result<()>
 }
 
 /// Times the fast GEMM and its peers at decode and prefill shapes, and prints the table.
-pub fn run(quick: bool) -> Result<()> {
+pub fn run(quick: bool, sweep: bool) -> Result<()> {
     let rt = KernelRuntime::open(0).context("opening the CUDA device")?;
     let rt = &rt;
     let blas = CudaBlas::new(rt.stream().clone()).context("opening cuBLAS")?;
@@ -398,6 +398,9 @@ pub fn run(quick: bool) -> Result<()> {
          %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
          peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
     );
+    if sweep {
+        crate::fast_sweep::run(rt, &mut timer, quick)?;
+    }
 
     let (exact, fast) = expert_tables(rt)?;
     let mut chain = Vec::new();

@@ -18,7 +18,7 @@
 //! `fast` times the tensor-core FP8 GEMM of the `fast` numerics beside cuBLAS bf16 and the exact
 //! kernel. `profile` (in `--sections`) runs the block section with a per-op profile of each phase.
 //! `--quick` runs few iterations (a cheap first try), `--sweep` adds the GEMM work-split sweep to
-//! the per-op section, `--context` is the prefilled length of the block's sequences (1024; 128
+//! the per-op section and the fast FP8 GEMM's tile sweep to `fast` (`fast_sweep`), `--context` is the prefilled length of the block's sequences (1024; 128
 //! with `--quick`), `--block-dir` where the block's random checkpoint is written (and reused by a
 //! later run on the same machine; default /tmp/deepinfer-bench-v41-block; the V4 block's goes
 //! beside it, `<DIR>-v4`). `state` fills the
@@ -27,6 +27,7 @@
 
 mod cublaslt_fp8;
 mod fast_ops;
+mod fast_sweep;
 mod ops;
 mod whole_step;
 
@@ -167,7 +168,7 @@ fn main() -> Result<()> {
         ops::run(options.quick, options.sweep)?;
     }
     if options.fast {
-        fast_ops::run(options.quick)?;
+        fast_ops::run(options.quick, options.sweep)?;
     }
     let mut rows = Vec::new();
     if let Some(dir) = &fixture {
