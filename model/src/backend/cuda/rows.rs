@@ -268,7 +268,19 @@ impl CudaBackend {
         let mut listed_so_far = 0usize;
         for (t, query) in queries.iter().enumerate() {
             let mut list = Vec::with_capacity(query.len());
+            // A window slides by one key per query of a sequence: the keys this query shares
+            // with the one before keep their rows without a lookup.
+            let previous = t
+                .checked_sub(1)
+                .map(|p| (&queries[p].listed[..], &lists[p][..]));
+            let shift = previous.and_then(|(keys, _)| sliding_shift(keys, &query.listed));
             for (i, key) in query.listed.iter().enumerate() {
+                if let (Some((keys, rows)), Some(shift)) = (previous, shift)
+                    && keys.get(shift + i).is_some_and(|k| std::ptr::eq(*k, *key))
+                {
+                    list.push(rows[shift + i]);
+                    continue;
+                }
                 if key.len() != head_dim {
                     return Err(shape_err(
                         OP,
@@ -702,4 +714,11 @@ fn index_heads(
         ));
     }
     Ok(heads)
+}
+
+/// Where `current`'s first key stands in `previous` (the same tensor, 0 or 1 places on: a
+/// window that grew or slid by one key), for reusing the rows of the keys the two share.
+fn sliding_shift(previous: &[&Tensor], current: &[&Tensor]) -> Option<usize> {
+    let first = current.first()?;
+    (0..previous.len().min(2)).find(|&d| std::ptr::eq(previous[d], *first))
 }
