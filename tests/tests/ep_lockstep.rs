@@ -11,8 +11,8 @@
 //! - with DSpark on, every rank profiles the steps-per-second table on its own executor (each
 //!   rank's backend opened once, no scratch executor), the same steps on both ranks in lockstep,
 //!   before it serves the tokens of one rank;
-//! - the same group driven step by step: where the commit lands, and a rank that cannot stage
-//!   aborting the rebalance;
+//! - the same group driven step by step: where the commit lands, a rank that cannot stage
+//!   aborting the rebalance, and DSpark's start-up profile left out of the first window;
 //! - two engines as two nodes (one rank each, their lockstep linked by `StepBeacon`s over
 //!   loopback, as `deepinfer-node`s of a CUDA deployment over two nodes are): one serves, the
 //!   other has no request, and its rank follows every step the busy node's rank began (each
@@ -259,24 +259,59 @@ fn two_ranks(
     )
 }
 
+/// The load counts a [`StandIn`] reports.
+enum Loads {
+    /// Slot 0 of every layer ten times as busy as the others, every window.
+    Fixed,
+    /// What the test served on the rank ([`StandIn::serve`]) since the last window.
+    Served(Vec<Vec<u64>>),
+}
+
 /// Stands in for a CUDA EP rank: skewed load counts, staging and adoption recorded.
 struct StandIn {
     layers: usize,
     slots: usize,
+    loads: Mutex<Loads>,
     /// `(epoch in use, staged epoch)`.
     state: Mutex<(PlacementEpoch, Option<PlacementEpoch>)>,
+    /// Every placement staged, with its epoch.
+    staged: Mutex<Vec<(PlacementEpoch, Arc<ExpertPlacement>)>>,
     /// Staging fails (out of device memory).
     full: bool,
 }
 
 impl StandIn {
     fn new(layers: usize, slots: usize, full: bool) -> StandIn {
+        StandIn::with_loads(layers, slots, full, Loads::Fixed)
+    }
+
+    fn with_loads(layers: usize, slots: usize, full: bool, loads: Loads) -> StandIn {
         StandIn {
             layers,
             slots,
+            loads: Mutex::new(loads),
             state: Mutex::new((PlacementEpoch(0), None)),
+            staged: Mutex::new(Vec::new()),
             full,
         }
+    }
+
+    /// Counts `picks` routed rows on slot `slot` of every layer (a [`Loads::Served`] rank).
+    fn serve(&self, slot: usize, picks: u64) {
+        if let Loads::Served(per_slot) = &mut *self.loads.lock().expect("not poisoned") {
+            for layer in per_slot {
+                layer[slot] += picks;
+            }
+        }
+    }
+
+    /// The placement staged as `epoch`.
+    fn placement_of(&self, epoch: PlacementEpoch) -> Option<Arc<ExpertPlacement>> {
+        let staged = self.staged.lock().expect("not poisoned");
+        staged
+            .iter()
+            .find(|(e, _)| *e == epoch)
+            .map(|(_, p)| p.clone())
     }
 }
 
@@ -285,10 +320,19 @@ impl DeviceRank for StandIn {
         self.state.lock().expect("not poisoned").0
     }
     fn take_loads(&self) -> ShardLoads {
-        let mut per_slot = vec![vec![1; self.slots]; self.layers];
-        for layer in &mut per_slot {
-            layer[0] = 50;
-        }
+        let busy = |slot: usize| {
+            let mut per_slot = vec![vec![1; self.slots]; self.layers];
+            for layer in &mut per_slot {
+                layer[slot] = 50;
+            }
+            per_slot
+        };
+        let per_slot = match &mut *self.loads.lock().expect("not poisoned") {
+            Loads::Fixed => busy(0),
+            Loads::Served(per_slot) => {
+                std::mem::replace(per_slot, vec![vec![0; self.slots]; self.layers])
+            }
+        };
         ShardLoads {
             epoch: self.epoch(),
             per_slot,
@@ -297,13 +341,17 @@ impl DeviceRank for StandIn {
     fn stage(
         &self,
         _backend: &dyn Backend,
-        _placement: Arc<ExpertPlacement>,
+        placement: Arc<ExpertPlacement>,
         epoch: PlacementEpoch,
     ) -> Result<usize, String> {
         if self.full {
             return Err("out of device memory".to_string());
         }
         self.state.lock().expect("not poisoned").1 = Some(epoch);
+        self.staged
+            .lock()
+            .expect("not poisoned")
+            .push((epoch, placement));
         Ok(3)
     }
     fn adopt(&self, _backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String> {
@@ -438,6 +486,72 @@ fn a_failed_staging_keeps_the_placement() {
     assert!(ranks.iter().all(|r| r.epoch() == PlacementEpoch(0)));
     let status = group.eplb_status().expect("EPLB on");
     assert_eq!((status.epoch, status.rebalances), (PlacementEpoch(0), 0));
+}
+
+/// DSpark's start-up profile is no traffic: with a load window as long as the rebalance
+/// interval (so that the first window starts at step 0), the first rebalance measures only the
+/// steps served after the profile, and plans for their busy expert, not the profile's. Two
+/// stand-ins counting what this test serves: 1000 picks a step on slot 0 during the profile,
+/// 10 on slot 1 after it.
+#[test]
+fn the_first_rebalance_measures_traffic_not_the_profile() {
+    let cfg = ModelConfig::tiny_v41();
+    let topology = node(
+        2,
+        2,
+        "enabled = true\nredundant_experts = 2\nwindow_steps = 4\nrebalance_interval_steps = 4\n\
+         [dspark]\nenabled = true\nmax_draft_tokens = 5\nprofile_steps = 1\n",
+    );
+    let placement = starting_placement(&topology, &cfg).expect("placement");
+    let slots = placement.slots_per_gpu;
+    let group = DeviceExperts::new(&topology, 2, placement.clone());
+    let profile = group.profile_steps();
+    assert!(profile > 0, "DSpark on profiles");
+    let served = || Loads::Served(vec![vec![0; slots]; cfg.n_layers]);
+    let ranks: Vec<Arc<StandIn>> = (0..2)
+        .map(|_| Arc::new(StandIn::with_loads(cfg.n_layers, slots, false, served())))
+        .collect();
+    for (rank, stand_in) in ranks.iter().enumerate() {
+        group.register(rank, stand_in.clone());
+    }
+    let backend = CpuBackend::new();
+    let step = |slot: usize, picks: u64| {
+        for (rank, stand_in) in ranks.iter().enumerate() {
+            let (_, epoch) = group.begin(rank, &backend).expect("step begins");
+            stand_in.serve(slot, picks);
+            group.finish(rank, epoch).expect("step finishes");
+        }
+    };
+    for _ in 0..profile {
+        step(0, 1000);
+    }
+    // Four steps of traffic end the first window; two more stage and commit its placement.
+    for _ in 0..6 {
+        step(1, 10);
+    }
+    let status = group.eplb_status().expect("EPLB on");
+    assert_eq!(status.epoch, PlacementEpoch(1), "{status:?}");
+    let first = status.last.expect("a rebalance report");
+    // Rank 0 ends the window at its fourth step of traffic, rank 1 having run three.
+    let traffic = (4 + 3) * 10 * cfg.n_layers as u64;
+    assert_eq!(
+        first.measured_picks, traffic,
+        "the first window counted more than the traffic: {first:?}"
+    );
+    // The traffic's busy experts (slot 1 of each rank) got the redundant slots; the
+    // profile's (slot 0) did not.
+    let planned = ranks[0]
+        .placement_of(PlacementEpoch(1))
+        .expect("epoch 1 staged");
+    for (layer, (before, after)) in placement.layers.iter().zip(&planned.layers).enumerate() {
+        let replicas = after.logcnt();
+        for rank in 0..2 {
+            let busy = before.phy2log[rank * slots + 1].index();
+            let profiled = before.phy2log[rank * slots].index();
+            assert_eq!(replicas[busy], 2, "layer {layer}: {replicas:?}");
+            assert_eq!(replicas[profiled], 1, "layer {layer}: {replicas:?}");
+        }
+    }
 }
 
 /// Two linked groups of one rank each, as two nodes of one deployment (`StepBeacon`s over
