@@ -16,7 +16,9 @@
 //! - two engines as two nodes (one rank each, their lockstep linked by `StepBeacon`s over
 //!   loopback, as `deepinfer-node`s of a CUDA deployment over two nodes are): one serves, the
 //!   other has no request, and its rank follows every step the busy node's rank began (each
-//!   a collective over both nodes on CUDA), with nothing announced back and forth once idle.
+//!   a collective over both nodes on CUDA), with nothing announced back and forth once idle;
+//!   with live EPLB under loads that move, both nodes commit several placements at the same
+//!   steps.
 
 mod ep_support;
 
@@ -263,6 +265,9 @@ fn two_ranks(
 enum Loads {
     /// Slot 0 of every layer ten times as busy as the others, every window.
     Fixed,
+    /// The busy slot moves on by one at every window (`windows` taken so far), so that every
+    /// window plans a new placement.
+    Shifting { windows: usize },
     /// What the test served on the rank ([`StandIn::serve`]) since the last window.
     Served(Vec<Vec<u64>>),
 }
@@ -329,6 +334,10 @@ impl DeviceRank for StandIn {
         };
         let per_slot = match &mut *self.loads.lock().expect("not poisoned") {
             Loads::Fixed => busy(0),
+            Loads::Shifting { windows } => {
+                *windows += 1;
+                busy(*windows % self.slots)
+            }
             Loads::Served(per_slot) => {
                 std::mem::replace(per_slot, vec![vec![0; self.slots]; self.layers])
             }
@@ -673,25 +682,38 @@ async fn one_rank_tokens(
     expected.into_values().collect()
 }
 
+/// What one run over two nodes gave: the outputs in prompt order, the groups, the beacons and
+/// each node's stand-in rank.
+struct TwoNodeRun {
+    got: Vec<Vec<u32>>,
+    groups: Vec<Arc<DeviceExperts>>,
+    _beacons: Vec<Arc<StepBeacon>>,
+    stand_ins: Vec<Arc<StandIn>>,
+}
+
 /// Runs `prompts` split over two engines as two nodes (the first half on node 0, the rest on
-/// node 1), their ranks' stand-ins registered (node 1's staging fails when `full`): the
-/// outputs in prompt order, the groups and beacons.
+/// node 1), each node's rank a stand-in counting `loads()` (node 1's staging fails when
+/// `full`).
 async fn serve_on_two_nodes(
     full: bool,
+    loads: fn() -> Loads,
     prompts: &[Vec<u32>],
     max_tokens: usize,
-) -> (Vec<Vec<u32>>, Vec<Arc<DeviceExperts>>, Vec<Arc<StepBeacon>>) {
+) -> TwoNodeRun {
     let (_dir, model) = model();
     let facts = facts(&model);
     let topology = eplb_topology(5000);
     let placement = starting_placement(&topology, model.config()).expect("placement");
     let (layers, slots) = (placement.layers.len(), placement.slots_per_gpu);
     let (groups, beacons) = two_nodes(&model, &topology);
+    let stand_ins: Vec<Arc<StandIn>> = (0..2)
+        .map(|n| Arc::new(StandIn::with_loads(layers, slots, full && n == 1, loads())))
+        .collect();
     let mut engines = Vec::new();
-    for (n, group) in groups.iter().enumerate() {
-        let registry = group.clone();
+    for (group, stand_in) in groups.iter().zip(&stand_ins) {
+        let (registry, stand_in) = (group.clone(), stand_in.clone());
         let factory = one_rank_of(&model, group, move || {
-            registry.register(0, Arc::new(StandIn::new(layers, slots, full && n == 1)));
+            registry.register(0, stand_in.clone());
         });
         engines.push(start_engine(node(1, 1, ""), Arc::new(factory), facts).await);
     }
@@ -705,12 +727,19 @@ async fn serve_on_two_nodes(
     for (engine, _, freed) in engines {
         shut_down(engine, &freed, true).await;
     }
-    (got, groups, beacons)
+    TwoNodeRun {
+        got,
+        groups,
+        _beacons: beacons,
+        stand_ins,
+    }
 }
 
-/// Two engines as two nodes, live EPLB rebalancing every 2 steps under traffic on both: the
-/// outputs are those of one rank, every step index runs on one epoch on both nodes, both commit
-/// the same epochs at the same steps, and the epoch advances.
+/// Two engines as two nodes, live EPLB rebalancing every 2 steps under traffic whose busy
+/// expert moves at every window: the outputs are those of one rank, every step index runs on
+/// one epoch on both nodes, both commit the same epochs at the same steps, and the placement
+/// changes at least twice (each commit a placement unlike the one before, the same on both
+/// nodes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() {
     let (_dir, model) = model();
@@ -718,16 +747,16 @@ async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() 
     let max_tokens = 6;
     let expected = one_rank_tokens(&model, &prompts, max_tokens).await;
 
-    let (got, groups, _beacons) = serve_on_two_nodes(false, &prompts, max_tokens).await;
-    assert_eq!(got, expected, "two nodes with live EPLB vs one rank");
+    let shifting = || Loads::Shifting { windows: 0 };
+    let run = serve_on_two_nodes(false, shifting, &prompts, max_tokens).await;
+    let groups = &run.groups;
+    assert_eq!(run.got, expected, "two nodes with live EPLB vs one rank");
     let steps = groups[0].lockstep().steps();
-    let epochs = epochs_of_both(&groups, steps);
+    let epochs = epochs_of_both(groups, steps);
     assert!(epochs.windows(2).all(|w| w[0] <= w[1]), "{epochs:?}");
     let commits = groups[0].lockstep().commits();
     assert_eq!(commits, groups[1].lockstep().commits());
-    // The stand-ins' counts never change, so the first rebalance's placement is the solver's
-    // answer from then on: one commit (as over one process), later windows planning no change.
-    assert!(commits.len() >= 2, "no commit: {commits:?}");
+    assert!(commits.len() >= 3, "fewer than two rebalances: {commits:?}");
     let (lead, follow) = (
         groups[0].eplb_status().expect("EPLB on"),
         groups[1].eplb_status().expect("EPLB on"),
@@ -736,6 +765,28 @@ async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() 
     assert_eq!(lead.rebalances, follow.rebalances);
     assert_eq!(lead.rebalances as usize, commits.len() - 1, "{lead:?}");
     assert!(groups.iter().all(|g| g.failure().is_none()));
+    // Each committed epoch's placement, the same on both nodes, unlike the one before it.
+    let mut placements =
+        vec![starting_placement(&eplb_topology(5000), model.config()).expect("placement")];
+    for &(step, epoch) in &commits[1..] {
+        let on_node = |n: usize| {
+            run.stand_ins[n]
+                .placement_of(epoch)
+                .unwrap_or_else(|| panic!("node {n} never staged {epoch} (committed at {step})"))
+        };
+        let placement = on_node(0);
+        assert_eq!(
+            placement,
+            on_node(1),
+            "the nodes committed different placements"
+        );
+        assert_ne!(
+            placements.last(),
+            Some(&placement),
+            "{epoch} committed at step {step} changed nothing"
+        );
+        placements.push(placement);
+    }
     println!(
         "live EPLB over two nodes: {steps} steps, commits at {commits:?}, epochs by step \
          {epochs:?}"
@@ -751,8 +802,9 @@ async fn a_node_that_cannot_stage_aborts_the_rebalance_on_both_nodes() {
     let max_tokens = 6;
     let expected = one_rank_tokens(&model, &prompts, max_tokens).await;
 
-    let (got, groups, _beacons) = serve_on_two_nodes(true, &prompts, max_tokens).await;
-    assert_eq!(got, expected);
+    let run = serve_on_two_nodes(true, || Loads::Fixed, &prompts, max_tokens).await;
+    assert_eq!(run.got, expected);
+    let groups = run.groups;
     let steps = groups[0].lockstep().steps();
     let epochs = epochs_of_both(&groups, steps);
     assert!(epochs.iter().all(|&e| e == 0), "{epochs:?}");
