@@ -169,7 +169,8 @@ pub fn nccl_unique_id() -> Result<UniqueId, String> {
 /// `model` uploaded there and nothing else of the routed experts, registered in `group`
 /// (which swaps its placements); the ranks move rows through `links` (device copies, or NCCL
 /// communicators created by the last rank to open, across nodes joined through node 0's unique
-/// id), whose every wait lasts at most `timeout`.
+/// id): every collective's wait lasts at most `timeout`, creating the NCCL communicators (every
+/// rank of every node joining) at most `join`.
 #[cfg(feature = "cuda")]
 pub fn cuda_expert_ranks(
     model: AnyModel,
@@ -179,11 +180,12 @@ pub fn cuda_expert_ranks(
     links: RankLinks,
     nodes: Option<&NodeLinks>,
     timeout: Duration,
+    join: Duration,
 ) -> OpenBackend {
     use deepinfer_model::backend::cuda::CudaBackend;
     use deepinfer_model::backend::cuda::ep::ExpertRank;
     use deepinfer_model::backend::cuda::ep_transport::{RowTransport, SharedDevice};
-    use deepinfer_model::backend::cuda::nccl::{NcclDevices, NcclWorld};
+    use deepinfer_model::backend::cuda::nccl::{NcclDevices, NcclTimeouts, NcclWorld};
 
     enum Transport {
         Shared(Arc<dyn RowTransport>),
@@ -198,7 +200,13 @@ pub fn cuda_expert_ranks(
     });
     let transport = match links {
         RankLinks::SharedDevice => Transport::Shared(SharedDevice::new(local, timeout)),
-        RankLinks::Nccl => Transport::Nccl(NcclDevices::new(local, timeout, world)),
+        RankLinks::Nccl => {
+            let timeouts = NcclTimeouts {
+                exchange: timeout,
+                join,
+            };
+            Transport::Nccl(NcclDevices::new(local, timeouts, world))
+        }
     };
     Arc::new(move |dp, ordinal| {
         let backend = CudaBackend::open(ordinal, numerics).map_err(|e| e.to_string())?;
@@ -245,6 +253,7 @@ pub fn cuda_expert_ranks(
     _links: RankLinks,
     _nodes: Option<&NodeLinks>,
     _timeout: Duration,
+    _join: Duration,
 ) -> OpenBackend {
     Arc::new(|_dp, ordinal| Err(format!("device {ordinal}: {NO_CUDA_BUILD}")))
 }

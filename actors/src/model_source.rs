@@ -452,6 +452,7 @@ fn on_node_devices(
             links,
             nodes.as_ref(),
             node.cluster.exchange_timeout,
+            node.cluster.bootstrap_timeout,
         );
         devices.experts = Some(group);
     }

@@ -11,12 +11,14 @@
 //! - with DSpark on, every rank profiles the steps-per-second table on its own executor (each
 //!   rank's backend opened once, no scratch executor), the same steps on both ranks in lockstep,
 //!   before it serves the tokens of one rank;
-//! - the same group driven step by step: where the commit lands, and a rank that cannot stage
-//!   aborting the rebalance;
+//! - the same group driven step by step: where the commit lands, a rank that cannot stage
+//!   aborting the rebalance, and DSpark's start-up profile left out of the first window;
 //! - two engines as two nodes (one rank each, their lockstep linked by `StepBeacon`s over
 //!   loopback, as `deepinfer-node`s of a CUDA deployment over two nodes are): one serves, the
 //!   other has no request, and its rank follows every step the busy node's rank began (each
-//!   a collective over both nodes on CUDA), with nothing announced back and forth once idle.
+//!   a collective over both nodes on CUDA), with nothing announced back and forth once idle;
+//!   with live EPLB under loads that move, both nodes commit several placements at the same
+//!   steps.
 
 mod ep_support;
 
@@ -259,24 +261,62 @@ fn two_ranks(
     )
 }
 
+/// The load counts a [`StandIn`] reports.
+enum Loads {
+    /// Slot 0 of every layer ten times as busy as the others, every window.
+    Fixed,
+    /// The busy slot moves on by one at every window (`windows` taken so far), so that every
+    /// window plans a new placement.
+    Shifting { windows: usize },
+    /// What the test served on the rank ([`StandIn::serve`]) since the last window.
+    Served(Vec<Vec<u64>>),
+}
+
 /// Stands in for a CUDA EP rank: skewed load counts, staging and adoption recorded.
 struct StandIn {
     layers: usize,
     slots: usize,
+    loads: Mutex<Loads>,
     /// `(epoch in use, staged epoch)`.
     state: Mutex<(PlacementEpoch, Option<PlacementEpoch>)>,
+    /// Every placement staged, with its epoch.
+    staged: Mutex<Vec<(PlacementEpoch, Arc<ExpertPlacement>)>>,
     /// Staging fails (out of device memory).
     full: bool,
 }
 
 impl StandIn {
     fn new(layers: usize, slots: usize, full: bool) -> StandIn {
+        StandIn::with_loads(layers, slots, full, Loads::Fixed)
+    }
+
+    fn with_loads(layers: usize, slots: usize, full: bool, loads: Loads) -> StandIn {
         StandIn {
             layers,
             slots,
+            loads: Mutex::new(loads),
             state: Mutex::new((PlacementEpoch(0), None)),
+            staged: Mutex::new(Vec::new()),
             full,
         }
+    }
+
+    /// Counts `picks` routed rows on slot `slot` of every layer (a [`Loads::Served`] rank).
+    fn serve(&self, slot: usize, picks: u64) {
+        if let Loads::Served(per_slot) = &mut *self.loads.lock().expect("not poisoned") {
+            for layer in per_slot {
+                layer[slot] += picks;
+            }
+        }
+    }
+
+    /// The placement staged as `epoch`.
+    fn placement_of(&self, epoch: PlacementEpoch) -> Option<Arc<ExpertPlacement>> {
+        let staged = self.staged.lock().expect("not poisoned");
+        staged
+            .iter()
+            .find(|(e, _)| *e == epoch)
+            .map(|(_, p)| p.clone())
     }
 }
 
@@ -285,10 +325,23 @@ impl DeviceRank for StandIn {
         self.state.lock().expect("not poisoned").0
     }
     fn take_loads(&self) -> ShardLoads {
-        let mut per_slot = vec![vec![1; self.slots]; self.layers];
-        for layer in &mut per_slot {
-            layer[0] = 50;
-        }
+        let busy = |slot: usize| {
+            let mut per_slot = vec![vec![1; self.slots]; self.layers];
+            for layer in &mut per_slot {
+                layer[slot] = 50;
+            }
+            per_slot
+        };
+        let per_slot = match &mut *self.loads.lock().expect("not poisoned") {
+            Loads::Fixed => busy(0),
+            Loads::Shifting { windows } => {
+                *windows += 1;
+                busy(*windows % self.slots)
+            }
+            Loads::Served(per_slot) => {
+                std::mem::replace(per_slot, vec![vec![0; self.slots]; self.layers])
+            }
+        };
         ShardLoads {
             epoch: self.epoch(),
             per_slot,
@@ -297,13 +350,17 @@ impl DeviceRank for StandIn {
     fn stage(
         &self,
         _backend: &dyn Backend,
-        _placement: Arc<ExpertPlacement>,
+        placement: Arc<ExpertPlacement>,
         epoch: PlacementEpoch,
     ) -> Result<usize, String> {
         if self.full {
             return Err("out of device memory".to_string());
         }
         self.state.lock().expect("not poisoned").1 = Some(epoch);
+        self.staged
+            .lock()
+            .expect("not poisoned")
+            .push((epoch, placement));
         Ok(3)
     }
     fn adopt(&self, _backend: &dyn Backend, epoch: PlacementEpoch) -> Result<usize, String> {
@@ -440,6 +497,72 @@ fn a_failed_staging_keeps_the_placement() {
     assert_eq!((status.epoch, status.rebalances), (PlacementEpoch(0), 0));
 }
 
+/// DSpark's start-up profile is no traffic: with a load window as long as the rebalance
+/// interval (so that the first window starts at step 0), the first rebalance measures only the
+/// steps served after the profile, and plans for their busy expert, not the profile's. Two
+/// stand-ins counting what this test serves: 1000 picks a step on slot 0 during the profile,
+/// 10 on slot 1 after it.
+#[test]
+fn the_first_rebalance_measures_traffic_not_the_profile() {
+    let cfg = ModelConfig::tiny_v41();
+    let topology = node(
+        2,
+        2,
+        "enabled = true\nredundant_experts = 2\nwindow_steps = 4\nrebalance_interval_steps = 4\n\
+         [dspark]\nenabled = true\nmax_draft_tokens = 5\nprofile_steps = 1\n",
+    );
+    let placement = starting_placement(&topology, &cfg).expect("placement");
+    let slots = placement.slots_per_gpu;
+    let group = DeviceExperts::new(&topology, 2, placement.clone());
+    let profile = group.profile_steps();
+    assert!(profile > 0, "DSpark on profiles");
+    let served = || Loads::Served(vec![vec![0; slots]; cfg.n_layers]);
+    let ranks: Vec<Arc<StandIn>> = (0..2)
+        .map(|_| Arc::new(StandIn::with_loads(cfg.n_layers, slots, false, served())))
+        .collect();
+    for (rank, stand_in) in ranks.iter().enumerate() {
+        group.register(rank, stand_in.clone());
+    }
+    let backend = CpuBackend::new();
+    let step = |slot: usize, picks: u64| {
+        for (rank, stand_in) in ranks.iter().enumerate() {
+            let (_, epoch) = group.begin(rank, &backend).expect("step begins");
+            stand_in.serve(slot, picks);
+            group.finish(rank, epoch).expect("step finishes");
+        }
+    };
+    for _ in 0..profile {
+        step(0, 1000);
+    }
+    // Four steps of traffic end the first window; two more stage and commit its placement.
+    for _ in 0..6 {
+        step(1, 10);
+    }
+    let status = group.eplb_status().expect("EPLB on");
+    assert_eq!(status.epoch, PlacementEpoch(1), "{status:?}");
+    let first = status.last.expect("a rebalance report");
+    // Rank 0 ends the window at its fourth step of traffic, rank 1 having run three.
+    let traffic = (4 + 3) * 10 * cfg.n_layers as u64;
+    assert_eq!(
+        first.measured_picks, traffic,
+        "the first window counted more than the traffic: {first:?}"
+    );
+    // The traffic's busy experts (slot 1 of each rank) got the redundant slots; the
+    // profile's (slot 0) did not.
+    let planned = ranks[0]
+        .placement_of(PlacementEpoch(1))
+        .expect("epoch 1 staged");
+    for (layer, (before, after)) in placement.layers.iter().zip(&planned.layers).enumerate() {
+        let replicas = after.logcnt();
+        for rank in 0..2 {
+            let busy = before.phy2log[rank * slots + 1].index();
+            let profiled = before.phy2log[rank * slots].index();
+            assert_eq!(replicas[busy], 2, "layer {layer}: {replicas:?}");
+            assert_eq!(replicas[profiled], 1, "layer {layer}: {replicas:?}");
+        }
+    }
+}
+
 /// Two linked groups of one rank each, as two nodes of one deployment (`StepBeacon`s over
 /// loopback, session 11): `topology` gives the EPLB and its timeouts; the beacons are returned
 /// too (closing one is its node's process ending).
@@ -559,25 +682,38 @@ async fn one_rank_tokens(
     expected.into_values().collect()
 }
 
+/// What one run over two nodes gave: the outputs in prompt order, the groups, the beacons and
+/// each node's stand-in rank.
+struct TwoNodeRun {
+    got: Vec<Vec<u32>>,
+    groups: Vec<Arc<DeviceExperts>>,
+    _beacons: Vec<Arc<StepBeacon>>,
+    stand_ins: Vec<Arc<StandIn>>,
+}
+
 /// Runs `prompts` split over two engines as two nodes (the first half on node 0, the rest on
-/// node 1), their ranks' stand-ins registered (node 1's staging fails when `full`): the
-/// outputs in prompt order, the groups and beacons.
+/// node 1), each node's rank a stand-in counting `loads()` (node 1's staging fails when
+/// `full`).
 async fn serve_on_two_nodes(
     full: bool,
+    loads: fn() -> Loads,
     prompts: &[Vec<u32>],
     max_tokens: usize,
-) -> (Vec<Vec<u32>>, Vec<Arc<DeviceExperts>>, Vec<Arc<StepBeacon>>) {
+) -> TwoNodeRun {
     let (_dir, model) = model();
     let facts = facts(&model);
     let topology = eplb_topology(5000);
     let placement = starting_placement(&topology, model.config()).expect("placement");
     let (layers, slots) = (placement.layers.len(), placement.slots_per_gpu);
     let (groups, beacons) = two_nodes(&model, &topology);
+    let stand_ins: Vec<Arc<StandIn>> = (0..2)
+        .map(|n| Arc::new(StandIn::with_loads(layers, slots, full && n == 1, loads())))
+        .collect();
     let mut engines = Vec::new();
-    for (n, group) in groups.iter().enumerate() {
-        let registry = group.clone();
+    for (group, stand_in) in groups.iter().zip(&stand_ins) {
+        let (registry, stand_in) = (group.clone(), stand_in.clone());
         let factory = one_rank_of(&model, group, move || {
-            registry.register(0, Arc::new(StandIn::new(layers, slots, full && n == 1)));
+            registry.register(0, stand_in.clone());
         });
         engines.push(start_engine(node(1, 1, ""), Arc::new(factory), facts).await);
     }
@@ -591,12 +727,19 @@ async fn serve_on_two_nodes(
     for (engine, _, freed) in engines {
         shut_down(engine, &freed, true).await;
     }
-    (got, groups, beacons)
+    TwoNodeRun {
+        got,
+        groups,
+        _beacons: beacons,
+        stand_ins,
+    }
 }
 
-/// Two engines as two nodes, live EPLB rebalancing every 2 steps under traffic on both: the
-/// outputs are those of one rank, every step index runs on one epoch on both nodes, both commit
-/// the same epochs at the same steps, and the epoch advances.
+/// Two engines as two nodes, live EPLB rebalancing every 2 steps under traffic whose busy
+/// expert moves at every window: the outputs are those of one rank, every step index runs on
+/// one epoch on both nodes, both commit the same epochs at the same steps, and the placement
+/// changes at least twice (each commit a placement unlike the one before, the same on both
+/// nodes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() {
     let (_dir, model) = model();
@@ -604,16 +747,16 @@ async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() 
     let max_tokens = 6;
     let expected = one_rank_tokens(&model, &prompts, max_tokens).await;
 
-    let (got, groups, _beacons) = serve_on_two_nodes(false, &prompts, max_tokens).await;
-    assert_eq!(got, expected, "two nodes with live EPLB vs one rank");
+    let shifting = || Loads::Shifting { windows: 0 };
+    let run = serve_on_two_nodes(false, shifting, &prompts, max_tokens).await;
+    let groups = &run.groups;
+    assert_eq!(run.got, expected, "two nodes with live EPLB vs one rank");
     let steps = groups[0].lockstep().steps();
-    let epochs = epochs_of_both(&groups, steps);
+    let epochs = epochs_of_both(groups, steps);
     assert!(epochs.windows(2).all(|w| w[0] <= w[1]), "{epochs:?}");
     let commits = groups[0].lockstep().commits();
     assert_eq!(commits, groups[1].lockstep().commits());
-    // The stand-ins' counts never change, so the first rebalance's placement is the solver's
-    // answer from then on: one commit (as over one process), later windows planning no change.
-    assert!(commits.len() >= 2, "no commit: {commits:?}");
+    assert!(commits.len() >= 3, "fewer than two rebalances: {commits:?}");
     let (lead, follow) = (
         groups[0].eplb_status().expect("EPLB on"),
         groups[1].eplb_status().expect("EPLB on"),
@@ -622,6 +765,28 @@ async fn live_eplb_across_two_nodes_commits_the_same_epochs_at_the_same_steps() 
     assert_eq!(lead.rebalances, follow.rebalances);
     assert_eq!(lead.rebalances as usize, commits.len() - 1, "{lead:?}");
     assert!(groups.iter().all(|g| g.failure().is_none()));
+    // Each committed epoch's placement, the same on both nodes, unlike the one before it.
+    let mut placements =
+        vec![starting_placement(&eplb_topology(5000), model.config()).expect("placement")];
+    for &(step, epoch) in &commits[1..] {
+        let on_node = |n: usize| {
+            run.stand_ins[n]
+                .placement_of(epoch)
+                .unwrap_or_else(|| panic!("node {n} never staged {epoch} (committed at {step})"))
+        };
+        let placement = on_node(0);
+        assert_eq!(
+            placement,
+            on_node(1),
+            "the nodes committed different placements"
+        );
+        assert_ne!(
+            placements.last(),
+            Some(&placement),
+            "{epoch} committed at step {step} changed nothing"
+        );
+        placements.push(placement);
+    }
     println!(
         "live EPLB over two nodes: {steps} steps, commits at {commits:?}, epochs by step \
          {epochs:?}"
@@ -637,8 +802,9 @@ async fn a_node_that_cannot_stage_aborts_the_rebalance_on_both_nodes() {
     let max_tokens = 6;
     let expected = one_rank_tokens(&model, &prompts, max_tokens).await;
 
-    let (got, groups, _beacons) = serve_on_two_nodes(true, &prompts, max_tokens).await;
-    assert_eq!(got, expected);
+    let run = serve_on_two_nodes(true, || Loads::Fixed, &prompts, max_tokens).await;
+    assert_eq!(run.got, expected);
+    let groups = run.groups;
     let steps = groups[0].lockstep().steps();
     let epochs = epochs_of_both(&groups, steps);
     assert!(epochs.iter().all(|&e| e == 0), "{epochs:?}");

@@ -10,7 +10,8 @@
 //! layers included), every placement giving the outputs of one rank bit for bit.
 //! Live EPLB ([`DeviceExperts`], `[eplb] enabled`): the EPLB's state machine (`EplbState`, the
 //! `EplbActor`'s logic) is advanced by rank 0 at the end of each of its steps (every rank runs
-//! the same steps); a rebalance measures the ranks' per-slot counts and solves the placement,
+//! the same steps), DSpark's start-up profile excepted (no traffic: its steps are not counted,
+//! and each rank's load counters are reset after them); a rebalance measures the ranks' per-slot counts and solves the placement,
 //! then each rank builds its next `ExpertRank` (the experts it lacks uploaded from the host
 //! weights every rank holds, of either kind; the same transport) at the start of its next step
 //! or at its next idle poll, and once every rank has, the epoch is committed at the first step
@@ -595,6 +596,9 @@ impl DeviceExperts {
     /// the step naming the node.
     pub fn finish(&self, rank: usize, epoch: PlacementEpoch) -> Result<(), String> {
         self.check()?;
+        if self.profiling(rank) {
+            return Ok(());
+        }
         if rank != 0 || self.nodes.as_ref().is_some_and(|n| n.me != 0) {
             return Ok(());
         }
@@ -646,6 +650,28 @@ impl DeviceExperts {
             _ => {}
         }
         Ok(())
+    }
+
+    /// Whether the step rank `rank` just finished was one of DSpark's start-up profile (its
+    /// first [`DeviceExperts::profile_steps`]): no traffic, so the EPLB's schedule does not
+    /// count it, and after the last one the rank's load counters are reset, so that the first
+    /// window measures traffic only, however long it is.
+    fn profiling(&self, rank: usize) -> bool {
+        let started = self.lockstep.started(rank);
+        if started > self.profile_steps {
+            return false;
+        }
+        if started == self.profile_steps
+            && let Some(experts) = self.rank(rank)
+        {
+            experts.take_loads();
+        }
+        true
+    }
+
+    /// Steps each rank runs for DSpark's start-up profile before any traffic (0: DSpark off).
+    pub fn profile_steps(&self) -> u64 {
+        self.profile_steps
     }
 
     fn take_loads(&self) -> Vec<ShardLoads> {

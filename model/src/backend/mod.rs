@@ -13,6 +13,7 @@
 //! [`CpuBackend`] (`cpu.rs`) defines every op (the reference), `cuda/` implements them on the
 //! device. The backend imports nothing from the model families (`model/tests/backend_floor.rs`).
 
+pub mod comm_init;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

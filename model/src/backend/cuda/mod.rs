@@ -52,6 +52,7 @@ pub mod ep;
 pub mod ep_transport;
 mod moe;
 pub mod nccl;
+mod nccl_comm;
 mod profile;
 mod rows;
 mod small;

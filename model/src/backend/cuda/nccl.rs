@@ -4,20 +4,23 @@
 //! Communicators are created once at start, by [`NcclDevices`]: the engine's ranks open their
 //! backends one after another, each on its own thread, so it collects their streams and the
 //! last rank to open creates every communicator of this process (each rank's [`NcclRank`]
-//! takes its communicator at its first collective). One node ([`NcclDevices::new`] without a
-//! world): [`NcclTransport::for_devices`] (`ncclCommInitAll`), one rank per GPU (NCCL holds no
-//! two ranks of one communicator on one GPU). Several nodes (an [`NcclWorld`]: node 0's unique
-//! id from [`unique_id`], handed to every node by the node bootstrap, this process's first
-//! global rank and the communicator's size): [`NcclTransport::join`], one `ncclCommInitRank`
-//! per GPU of this process as global rank `first + local`, grouped (`ncclGroupStart/End`, each
-//! GPU's context current for its call) as NCCL requires when one thread inits several ranks;
-//! every node's init joins the same communicator, which exists once every rank of every node
-//! called it (NCCL's init has no timeout: a node that passed the bootstrap but never inits,
-//! e.g. hung, keeps the others waiting; one that exits fails their init).
+//! takes its communicator at its first collective). Several nodes (an [`NcclWorld`]: node 0's
+//! unique id from [`unique_id`], handed to every node by the node bootstrap, this process's
+//! first global rank and the communicator's size): [`NcclTransport::join`], one non-blocking
+//! `ncclCommInitRankConfig` per GPU of this process as global rank `first + local`
+//! (`nccl_comm`), grouped (`ncclGroupStart/End`, each GPU's context current for its call) as
+//! NCCL requires when one thread inits several ranks; one node ([`NcclDevices::new`] without a
+//! world): the same through a fresh unique id ([`NcclTransport::for_devices`]), one rank per
+//! GPU (NCCL holds no two ranks of one communicator on one GPU). Every node's init joins the
+//! same communicator, which exists once every rank of every node called it: the ranks are
+//! polled (`backend::comm_init`) up to `[cluster] bootstrap_timeout_seconds`, past which (or
+//! on a rank's error, or a rank of this process failing meanwhile) every communicator of this
+//! process is aborted and the error names its ranks, the wait and the ranks that never joined.
 //! On the backend's own stream, each all-to-all first all-gathers every rank's header (its
 //! collective tag and its row counts for every rank), checks that all ranks are at the same
 //! collective, then runs one NCCL group of sends and receives of the rows, their expert ids and
-//! weights. NCCL has no timeout: the rank polls the group's completion up to the deadline and,
+//! weights. NCCL has no timeout: the rank polls the calls' queueing (a non-blocking
+//! communicator's calls may return first) and the group's completion up to the deadline and,
 //! past it, drops (aborts) the communicator, so that every peer's NCCL call fails too; the
 //! transport stays failed (the supervisor stops the engine, its rule 3). A missing `libnccl.so`
 //! is an error ([`library_available`], and every first NCCL call runs under `catch_unwind`).
@@ -32,10 +35,12 @@ use std::time::{Duration, Instant};
 
 use deepinfer_kernels::cudarc::driver::CudaStream;
 use deepinfer_kernels::cudarc::nccl::result::{group_end, group_start};
-use deepinfer_kernels::cudarc::nccl::safe::{Comm, Id};
+use deepinfer_kernels::cudarc::nccl::safe::Id;
 
 use super::ep_transport::{Delivered, RowMeta, RowTransport};
+use super::nccl_comm::{NcclComm, Unsettled};
 use super::*;
+use crate::backend::comm_init::{InitWait, wait_for_init};
 use crate::expert_exchange::{ExchangeError, ExchangePhase, ExchangeTag};
 
 const OP: &str = "NCCL all-to-all";
@@ -45,7 +50,7 @@ const HEADER: usize = 4;
 fn nccl_err(
     during: &str,
 ) -> impl FnOnce(deepinfer_kernels::cudarc::nccl::result::NcclError) -> CudaBackendError + '_ {
-    move |e| shape_err(OP, format!("NCCL failed while {during}: {e:?}"))
+    move |e| shape_err(OP, format!("NCCL failed while {during}: {:?}", e.0))
 }
 
 /// Whether the NCCL library (`libnccl.so`) loads; never panics (cudarc's first NCCL call panics
@@ -89,56 +94,45 @@ fn guarded<T>(
         .map_err(nccl_err(during))
 }
 
-/// A communicator behind [`NcclTransport`]'s mutex. NCCL lets any thread use a communicator as
-/// long as one thread at a time does.
-#[derive(Debug)]
-struct Owned(Comm);
-
-// SAFETY: every use of the communicator goes through `NcclTransport::comm`'s lock (one thread at
-// a time, NCCL's rule); the raw handle is never copied out.
-unsafe impl Send for Owned {}
-
 /// One EP rank's NCCL communicator.
 #[derive(Debug)]
 pub struct NcclTransport {
     /// `None` once aborted.
-    comm: Mutex<Option<Owned>>,
+    comm: Mutex<Option<NcclComm>>,
     rank: usize,
     ranks: usize,
     timeout: Duration,
 }
 
 impl NcclTransport {
-    /// One communicator per stream (one per GPU of this process, rank = position), created
-    /// together (`ncclCommInitAll`).
+    /// One communicator per stream (one per GPU of this process, rank = position), joined
+    /// through a fresh unique id as [`NcclTransport::join`] does (what `ncclCommInitAll` does,
+    /// with its wait bounded).
     pub fn for_devices(
         streams: Vec<Arc<CudaStream>>,
-        timeout: Duration,
+        timeouts: NcclTimeouts,
+        stop: impl Fn() -> Option<String>,
     ) -> Result<Vec<Arc<NcclTransport>>, CudaBackendError> {
-        let ranks = streams.len();
-        let comms = guarded("creating the communicators", || Comm::from_devices(streams))?;
-        Ok(comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                Arc::new(NcclTransport {
-                    comm: Mutex::new(Some(Owned(comm))),
-                    rank,
-                    ranks,
-                    timeout,
-                })
-            })
-            .collect())
+        let world = NcclWorld {
+            id: unique_id()?,
+            first: 0,
+            ranks: streams.len(),
+        };
+        NcclTransport::join(streams, &world, timeouts, stop)
     }
 
     /// This process's ranks of `world`, one per stream (global rank `world.first + position`),
-    /// joined through node 0's unique id: one `ncclCommInitRank` per stream in one group, each
-    /// with its stream's context current (the last one stays current: the caller restores its
-    /// own). Returns once every rank of every node has joined.
+    /// joined through node 0's unique id: one non-blocking `ncclCommInitRankConfig` per stream
+    /// in one group, each with its stream's context current (the last one stays current: the
+    /// caller restores its own), then polled until every rank of every node has joined. Past
+    /// `timeouts.join`, on a rank's error, or when `stop` gives a reason, every communicator
+    /// of this process is aborted and the error names the ranks and the wait
+    /// (`backend::comm_init`).
     pub fn join(
         streams: Vec<Arc<CudaStream>>,
         world: &NcclWorld,
-        timeout: Duration,
+        timeouts: NcclTimeouts,
+        stop: impl Fn() -> Option<String>,
     ) -> Result<Vec<Arc<NcclTransport>>, CudaBackendError> {
         let last = world.first + streams.len();
         if streams.is_empty() || last > world.ranks {
@@ -150,8 +144,8 @@ impl NcclTransport {
                 ),
             ));
         }
-        let comms = guarded("joining the communicator", || {
-            group_start()?;
+        let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            group_start().map_err(|e| format!("starting the group: {:?}", e.0))?;
             let mut comms = Vec::with_capacity(streams.len());
             let mut joined = Ok(());
             for (local, stream) in streams.iter().enumerate() {
@@ -162,35 +156,40 @@ impl NcclTransport {
                     ));
                     break;
                 }
-                match Comm::from_rank(
-                    stream.clone(),
-                    world.first + local,
-                    world.ranks,
-                    Id::uninit(world.id),
-                ) {
+                match NcclComm::start(stream.clone(), world.first + local, world.ranks, world.id) {
                     Ok(comm) => comms.push(comm),
                     Err(e) => {
-                        joined = Err(format!("{e:?}"));
+                        joined = Err(e);
                         break;
                     }
                 }
             }
-            // Always ended: the group's inits run (and every rank's collective init completes) here.
-            let ended = group_end();
-            Ok((comms, joined, ended))
-        })?;
-        let (comms, joined, ended) = comms;
-        joined.map_err(|e| shape_err(OP, format!("joining the communicator: {e}")))?;
-        ended.map_err(nccl_err("joining the communicator (ending the group)"))?;
+            // Always ended: the group's inits start here (and complete in the background).
+            let ended = group_end().map_err(|e| format!("ending the group: {:?}", e.0));
+            joined.and(ended).map(|_| comms)
+        }))
+        .map_err(|_| "the NCCL library (libnccl.so) did not load".to_string())
+        .and_then(|started| started);
+        // A failed start drops (aborts) the communicators started.
+        let mut comms =
+            started.map_err(|e| shape_err(OP, format!("joining the communicator: {e}")))?;
+        let wait = InitWait {
+            first: world.first,
+            world: world.ranks,
+            timeout: timeouts.join,
+            every: Duration::from_millis(1),
+        };
+        wait_for_init(&mut comms, wait, stop)
+            .map_err(|e| shape_err(OP, format!("joining the communicator: {e}")))?;
         Ok(comms
             .into_iter()
             .enumerate()
             .map(|(local, comm)| {
                 Arc::new(NcclTransport {
-                    comm: Mutex::new(Some(Owned(comm))),
+                    comm: Mutex::new(Some(comm)),
                     rank: world.first + local,
                     ranks: world.ranks,
-                    timeout,
+                    timeout: timeouts.exchange,
                 })
             })
             .collect())
@@ -200,17 +199,29 @@ impl NcclTransport {
     /// aborted.
     fn wait(
         &self,
-        comm: &mut Option<Owned>,
+        comm: &mut Option<NcclComm>,
         stream: &CudaStream,
         tag: ExchangeTag,
     ) -> Result<(), CudaBackendError> {
+        let deadline = Instant::now() + self.timeout;
+        // A non-blocking communicator's calls may not be queued yet: first until they are.
+        let settled = match comm.as_ref() {
+            Some(comm) => comm.settle(deadline),
+            None => return Err(self.failed(tag)),
+        };
+        if let Err(Unsettled::Failed(reason)) = settled {
+            comm.take(); // dropping it aborts it: the peers' calls fail too
+            return Err(shape_err(
+                OP,
+                format!("rank {} at {tag}: {reason}", self.rank),
+            ));
+        }
         let done = stream
             .record_event(None)
             .map_err(driver_err(OP, "recording the collective's end"))?;
-        let deadline = Instant::now() + self.timeout;
         while !done.is_complete() {
             if Instant::now() >= deadline {
-                comm.take(); // dropping a Comm aborts it: the peers' calls fail too
+                comm.take(); // dropping it aborts it: the peers' calls fail too
                 return Err(CudaBackendError::Exchange {
                     op: OP,
                     source: ExchangeError::Timeout {
@@ -264,10 +275,10 @@ impl RowTransport for NcclTransport {
         meta: Vec<RowMeta>,
     ) -> Result<Delivered, CudaBackendError> {
         let mut guard = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(Owned(comm)) = guard.as_ref() else {
+        let Some(comm) = guard.as_ref() else {
             return Err(self.failed(tag));
         };
-        let stream = comm.stream();
+        let stream = comm.stream().clone();
         let ranks = self.ranks;
 
         // Headers first: every rank's tag and counts.
@@ -280,7 +291,7 @@ impl RowTransport for NcclTransport {
             .alloc_zeros::<u64>(ranks * (HEADER + ranks))
             .map_err(driver_err(OP, "allocating the headers"))?;
         comm.all_gather(&header, &mut headers)
-            .map_err(nccl_err("gathering the headers"))?;
+            .map_err(|e| shape_err(OP, format!("gathering the headers: {e}")))?;
         self.wait(&mut guard, &stream, tag)?;
         let headers = stream
             .clone_dtoh(&headers)
@@ -338,7 +349,7 @@ impl RowTransport for NcclTransport {
         let weights_out = stream
             .clone_htod(&weights)
             .map_err(driver_err(OP, "uploading the weights"))?;
-        let Some(Owned(comm)) = guard.as_ref() else {
+        let Some(comm) = guard.as_ref() else {
             return Err(self.failed(tag));
         };
         group_start().map_err(nccl_err("starting the group"))?;
@@ -346,22 +357,15 @@ impl RowTransport for NcclTransport {
         let mut queued = Ok(());
         for peer in 0..ranks {
             let (n_out, n_in) = (counts[peer], incoming[peer]);
-            let p = peer as i32;
+            let p = peer;
             if let Some(rows) = rows.filter(|_| n_out > 0) {
                 queued = queued.and_then(|_| {
                     comm.send(&rows.slice(at_out * width..(at_out + n_out) * width), p)
-                        .map(|_| ())
                 });
                 if with_meta {
                     queued = queued
-                        .and_then(|_| {
-                            comm.send(&ids_out.slice(at_out..at_out + n_out), p)
-                                .map(|_| ())
-                        })
-                        .and_then(|_| {
-                            comm.send(&weights_out.slice(at_out..at_out + n_out), p)
-                                .map(|_| ())
-                        });
+                        .and_then(|_| comm.send(&ids_out.slice(at_out..at_out + n_out), p))
+                        .and_then(|_| comm.send(&weights_out.slice(at_out..at_out + n_out), p));
                 }
             }
             if n_in > 0 {
@@ -370,25 +374,18 @@ impl RowTransport for NcclTransport {
                         &mut inbox.slice_mut(at_in * width..(at_in + n_in) * width),
                         p,
                     )
-                    .map(|_| ())
                 });
                 if with_meta {
                     queued = queued
-                        .and_then(|_| {
-                            comm.recv(&mut ids_in.slice_mut(at_in..at_in + n_in), p)
-                                .map(|_| ())
-                        })
-                        .and_then(|_| {
-                            comm.recv(&mut weights_in.slice_mut(at_in..at_in + n_in), p)
-                                .map(|_| ())
-                        });
+                        .and_then(|_| comm.recv(&mut ids_in.slice_mut(at_in..at_in + n_in), p))
+                        .and_then(|_| comm.recv(&mut weights_in.slice_mut(at_in..at_in + n_in), p));
                 }
             }
             at_out += n_out;
             at_in += n_in;
         }
         let ended = group_end();
-        queued.map_err(nccl_err("queueing the sends and receives"))?;
+        queued.map_err(|e| shape_err(OP, format!("queueing the sends and receives: {e}")))?;
         ended.map_err(nccl_err("ending the group"))?;
         self.wait(&mut guard, &stream, tag)?;
 
@@ -442,10 +439,22 @@ pub struct NcclWorld {
     pub ranks: usize,
 }
 
+/// How long the ranks of [`NcclDevices`] wait.
+#[derive(Debug, Clone, Copy)]
+pub struct NcclTimeouts {
+    /// One collective, and a rank's wait for the communicators once the last rank opened.
+    pub exchange: Duration,
+    /// Creating the communicators: every rank of every node joining.
+    pub join: Duration,
+}
+
 /// Where the communicators of [`NcclDevices`] are.
 enum Creation {
     /// The stream of each rank whose backend has opened.
     Opening(Vec<Option<Arc<CudaStream>>>),
+    /// The last rank to open creates them (the lock not held); `Some(why)` once a rank failed
+    /// meanwhile, which gives the creation up.
+    Creating(Option<String>),
     /// Rank r's transport at r.
     Created(Vec<Arc<NcclTransport>>),
     /// Why there are none (creating them failed, or a rank failed before they existed).
@@ -460,7 +469,7 @@ pub struct NcclDevices {
     ranks: usize,
     /// `None`: every rank of the communicator is in this process.
     world: Option<NcclWorld>,
-    timeout: Duration,
+    timeouts: NcclTimeouts,
     state: Mutex<Creation>,
     created: Condvar,
 }
@@ -477,13 +486,13 @@ impl std::fmt::Debug for NcclDevices {
 impl NcclDevices {
     /// `ranks` EP ranks of this process, each on its own GPU: all the communicator's, or with
     /// `world` this process's share of a communicator over several nodes (local rank r is
-    /// global rank `world.first + r`); every wait (for the communicators, and each
-    /// collective's) lasts at most `timeout`.
-    pub fn new(ranks: usize, timeout: Duration, world: Option<NcclWorld>) -> Arc<NcclDevices> {
+    /// global rank `world.first + r`); creating the communicators lasts at most
+    /// `timeouts.join`, each collective `timeouts.exchange`.
+    pub fn new(ranks: usize, timeouts: NcclTimeouts, world: Option<NcclWorld>) -> Arc<NcclDevices> {
         Arc::new(NcclDevices {
             ranks,
             world,
-            timeout,
+            timeouts,
             state: Mutex::new(Creation::Opening(vec![None; ranks])),
             created: Condvar::new(),
         })
@@ -520,7 +529,7 @@ impl NcclDevices {
                     },
                 });
             }
-            Creation::Created(_) => {
+            Creation::Created(_) | Creation::Creating(_) => {
                 return Err(shape_err(
                     OP,
                     format!(
@@ -537,22 +546,29 @@ impl NcclDevices {
         streams[rank] = Some(stream);
         if streams.iter().all(Option::is_some) {
             let streams: Vec<Arc<CudaStream>> = streams.iter_mut().flat_map(Option::take).collect();
-            let created = match &self.world {
-                None => NcclTransport::for_devices(streams, self.timeout),
-                Some(world) => {
-                    let joined = NcclTransport::join(streams, world, self.timeout);
-                    // The join made each GPU's context current in turn: this rank's again.
-                    let restored = own
-                        .bind_to_thread()
-                        .map_err(driver_err(OP, "restoring the rank's context"));
-                    joined.and_then(|transports| restored.map(|()| transports))
-                }
+            // Created without the lock held: a rank failing meanwhile gives the creation up.
+            *state = Creation::Creating(None);
+            drop(state);
+            let stop = || match &*self.state() {
+                Creation::Creating(Some(why)) => Some(why.clone()),
+                _ => None,
             };
+            let created = match &self.world {
+                None => NcclTransport::for_devices(streams, self.timeouts, stop),
+                Some(world) => NcclTransport::join(streams, world, self.timeouts, stop),
+            };
+            // Joining made each GPU's context current in turn: this rank's again.
+            let restored = own
+                .bind_to_thread()
+                .map_err(driver_err(OP, "restoring the rank's context"));
+            let created = created.and_then(|transports| restored.map(|()| transports));
+            let mut state = self.state();
             *state = match &created {
                 Ok(transports) => Creation::Created(transports.clone()),
                 Err(e) => Creation::Failed(format!("creating the communicators failed: {e}")),
             };
             self.created.notify_all();
+            drop(state);
             created?;
         }
         Ok(Arc::new(NcclRank {
@@ -561,13 +577,15 @@ impl NcclDevices {
         }))
     }
 
-    /// Rank `rank`'s transport, waiting for the communicators up to the deadline.
+    /// Rank `rank`'s transport, waiting for the communicators up to the deadline (their
+    /// creation's, then a collective's).
     fn transport(
         &self,
         rank: usize,
         tag: ExchangeTag,
     ) -> Result<Arc<NcclTransport>, CudaBackendError> {
-        let deadline = Instant::now() + self.timeout;
+        let waited = self.timeouts.join + self.timeouts.exchange;
+        let deadline = Instant::now() + waited;
         let mut state = self.state();
         loop {
             let missing = match &*state {
@@ -589,6 +607,7 @@ impl NcclDevices {
                 Creation::Opening(streams) => (0..streams.len())
                     .filter(|&r| streams[r].is_none())
                     .collect(),
+                Creation::Creating(_) => Vec::new(),
             };
             let now = Instant::now();
             if now >= deadline {
@@ -598,7 +617,7 @@ impl NcclDevices {
                         rank,
                         tag,
                         missing,
-                        waited_ms: self.timeout.as_millis(),
+                        waited_ms: waited.as_millis(),
                     },
                 });
             }
@@ -645,11 +664,15 @@ impl RowTransport for NcclRank {
     /// Before the communicators exist, no rank will get one (the others' waits end at once).
     fn abort(&self, rank: usize, reason: &str) {
         let mut state = self.devices.state();
-        let transport = match &*state {
+        let transport = match &mut *state {
             Creation::Created(transports) => transports.get(self.rank).cloned(),
             Creation::Opening(_) => {
                 *state = Creation::Failed(format!("EP rank {} failed first: {reason}", self.rank));
                 self.devices.created.notify_all();
+                None
+            }
+            Creation::Creating(why) => {
+                why.get_or_insert_with(|| format!("EP rank {} failed: {reason}", self.rank));
                 None
             }
             Creation::Failed(_) => None,
