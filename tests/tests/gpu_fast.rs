@@ -80,11 +80,12 @@ use gpu_support::gemm_data::{
 };
 use gpu_support::{Rng, differing, prompt};
 
-const TILES: [FastTile; 4] = [
+const TILES: [FastTile; 5] = [
     FastTile::Rows8,
     FastTile::Rows32,
     FastTile::Rows64,
     FastTile::Rows128,
+    FastTile::Direct8,
 ];
 
 fn open() -> KernelRuntime {

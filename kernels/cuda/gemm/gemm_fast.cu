@@ -23,6 +23,13 @@ GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b32, fastgemm::Fp4Chunks, 2, 32, 3, 512)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b64, fastgemm::Fp4Chunks, 2, 64, 4, 256)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b128, fastgemm::Fp4Chunks, 8, 128, 3, 128)
 
+// The direct decode tiles (8 token rows, 4 bands per block, 16 groups ahead; same bits as b8).
+GEMM_FAST_DIRECT(gemm_fp8_fast_t32_d8, fastgemm::Fp8Chunks<32>, 32, 4, 16)
+GEMM_FAST_DIRECT(gemm_fp8_fast_t128_d8, fastgemm::Fp8Chunks<128>, 128, 4, 16)
+GEMM_FAST_DIRECT(gemm_fp4_fast_d8, fastgemm::Fp4Chunks, 32, 4, 16)
+GEMM_FAST_ROUTED_DIRECT(gemm_fp4_fast_routed_d8, fastgemm::Fp4Chunks, 4, 16)
+
 extern "C" __global__ void gemm_fast_reduce(const float* partials, void* y, FastReduceParams p) {
     fastgemm::gemm_fast_reduce(partials, y, p);
 }
+

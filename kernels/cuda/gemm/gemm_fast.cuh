@@ -75,6 +75,22 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
+// 16 / 8 bytes of global memory that no thread writes during the kernel, read once: through the
+// non-coherent path and not kept in L1 (the weights streamed by the direct tile).
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
 // d = A (16 x 32, row) * B (32 x 8, col) + c, E4M3 inputs, fp32 accumulation.
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32_t (&a)[4], u32_t b0, u32_t b1,
                                          const float (&c)[4]) {
@@ -101,13 +117,18 @@ template <int G>
 struct Fp8Chunks {
     static constexpr u32_t PIECE = 16;
     static constexpr u32_t SCALE_BYTES = 4;
-    // The A fragment of the piece at `piece` (rows g / g + 8, codes 8t .. 8t + 8 of the group).
-    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
-        const uint4 v = *reinterpret_cast<const uint4*>(piece);
+    typedef uint4 Raw;  // a lane's piece as loaded
+    // The piece at `piece` in global memory, streamed (read once: not kept in L1).
+    static __device__ __forceinline__ Raw stream(const u8_t* piece) { return ld_stream_v4(piece); }
+    // The A fragment of a piece (rows g / g + 8, codes 8t .. 8t + 8 of the group).
+    static __device__ __forceinline__ void unpack(const Raw& v, u32_t (&frag)[4]) {
         frag[0] = v.x;
         frag[1] = v.z;
         frag[2] = v.y;
         frag[3] = v.w;
+    }
+    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
+        unpack(*reinterpret_cast<const Raw*>(piece), frag);
     }
     // The weight scales of rows g and g + 8 of the band for the stage's group gq.
     static __device__ __forceinline__ float2 scales(const u8_t* band_scales, u32_t gq, u32_t /*g*/) {
@@ -142,15 +163,47 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(u32_t w, u32_t& lo, u32_t& hi) {
 struct Fp4Chunks {
     static constexpr u32_t PIECE = 8;
     static constexpr u32_t SCALE_BYTES = 16;
-    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
-        const uint2 v = *reinterpret_cast<const uint2*>(piece);
+    typedef uint2 Raw;
+    static __device__ __forceinline__ Raw stream(const u8_t* piece) { return ld_stream_v2(piece); }
+    static __device__ __forceinline__ void unpack(const Raw& v, u32_t (&frag)[4]) {
         e2m1x8_to_e4m3(v.x, frag[0], frag[2]);
         e2m1x8_to_e4m3(v.y, frag[1], frag[3]);
+    }
+    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
+        unpack(*reinterpret_cast<const Raw*>(piece), frag);
     }
     static __device__ __forceinline__ float2 scales(const u8_t* band_scales, u32_t gq, u32_t g) {
         return make_float2(e8m0_decode(band_scales[16 * gq + g]), e8m0_decode(band_scales[16 * gq + g + 8]));
     }
 };
+
+// acc[r] += c[r] * s_w(row of r) * s_a(token of r), the promotion of one group's tensor-core sum:
+// r = 0, 1 are row g, r = 2, 3 row g + 8; r = 0, 2 token 2t, r = 1, 3 token 2t + 1 of the n8 tile.
+__device__ __forceinline__ void promote(float (&acc)[4], const float (&c)[4], float2 sw, float sa0, float sa1) {
+    acc[0] = __fmaf_rn(c[0], __fmul_rn(sw.x, sa0), acc[0]);
+    acc[1] = __fmaf_rn(c[1], __fmul_rn(sw.x, sa1), acc[1]);
+    acc[2] = __fmaf_rn(c[2], __fmul_rn(sw.y, sa0), acc[2]);
+    acc[3] = __fmaf_rn(c[3], __fmul_rn(sw.y, sa1), acc[3]);
+}
+
+// Stores the n8 tile's sums acc of output features n0 + 16 w + g (+ 8) and token rows 2t, 2t + 1
+// (+ 8 i): to `partial` (f32 [*, n]) when it is not null, else to y as the launch's output.
+template <class Rows>
+__device__ __forceinline__ void store_tile(const float (&acc)[4], u32_t feature, u32_t row0, const Rows& rows,
+                                           u32_t n, void* y, u32_t out_f32, float* partial) {
+#pragma unroll
+    for (u32_t r = 0; r < 4; ++r) {
+        const u32_t col = feature + (r / 2) * 8;
+        const u32_t row = row0 + r % 2;
+        if (col < n && rows.valid(row)) {
+            if (partial != nullptr) {
+                partial[rows.y_row(row) * n + col] = acc[r];
+            } else {
+                store_out(y, rows.y_row(row) * n + col, acc[r], out_f32);
+            }
+        }
+    }
+}
 
 // Shared-memory layout of one stage of STEP codes of K.
 template <class W, int G, int WARPS, int BT, int STEP>
@@ -261,14 +314,6 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
         if (s < steps) load_stage(s, s);
         cp_async_commit();
     }
-    // acc[i][r] += c[r] * s_w(row of r) * s_a(token of r): r = 0, 1 are row g, r = 2, 3 row g + 8;
-    // r = 0, 2 token 2t, r = 1, 3 token 2t + 1 of the n8 tile.
-    auto promote = [&](float (&acc_i)[4], const float (&c)[4], float2 sw, float sa0, float sa1) {
-        acc_i[0] = __fmaf_rn(c[0], __fmul_rn(sw.x, sa0), acc_i[0]);
-        acc_i[1] = __fmaf_rn(c[1], __fmul_rn(sw.x, sa1), acc_i[1]);
-        acc_i[2] = __fmaf_rn(c[2], __fmul_rn(sw.y, sa0), acc_i[2]);
-        acc_i[3] = __fmaf_rn(c[3], __fmul_rn(sw.y, sa1), acc_i[3]);
-    };
     for (u32_t step = 0; step < steps; ++step) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // this stage is in; every thread is done with the slot refilled below
@@ -332,31 +377,124 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
 
     const u32_t feature = n0 + warp * 16 + g;
 #pragma unroll
-    for (u32_t i = 0; i < TILES; ++i) {
+    for (u32_t i = 0; i < TILES; ++i) store_tile(acc[i], feature, i * 8 + 2 * t, rows, n, y, out_f32, partial);
+}
+
+// The direct decode tile: 8 token rows, one 16-row weight band per warp, the same sums as
+// gemm_fast_tile (the same mma per group from zero, the same promotions in K order, so the same
+// bits) with the weights loaded straight into registers instead of through shared memory: a
+// warp's band of a K part is one contiguous range (the chunk layout), which it streams UNROLL
+// groups ahead (two register batches: the next batch loads while the current one multiplies).
+// Only the block's activation rows of the part and their scales go through shared memory, once
+// ([8][codes + 32] bytes, then [8][codes / G] f32: dynamic shared memory of
+// 8 (codes + 32) + 32 codes / G bytes, codes = the part's span).
+template <class W, int G, int WARPS, int UNROLL, class Rows>
+__device__ void gemm_fast_direct(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                 const u8_t* __restrict__ w, const u8_t* __restrict__ ws, void* __restrict__ y,
+                                 u32_t out_f32, float* __restrict__ partial, u32_t n, u32_t k, u32_t k_begin,
+                                 u32_t k_end, u32_t n0, const Rows& rows) {
+    static_assert(G == 32 || G == 128, "32- or 128-groups");
+    static_assert(UNROLL % 4 == 0, "a 128-group's chain stays in one batch");
+    constexpr u32_t BT = 8;
+    constexpr u32_t THREADS = WARPS * 32;
+    constexpr u32_t GROUP_BYTES = 32 * W::PIECE;  // one 32-code group of a band, every lane's piece
+    typedef typename W::Raw Raw;
+    extern __shared__ __align__(16) u8_t smem[];
+
+    const u32_t warp = threadIdx.x / 32;
+    const u32_t lane = threadIdx.x % 32;
+    const u32_t g = lane / 4;
+    const u32_t t = lane % 4;
+    const u32_t groups = k / G;
+    const u32_t bands = (n + 15) / 16;
+    const u32_t chunks = (k + STEP_K - 1) / STEP_K;  // per band
+    const u32_t codes = k_end - k_begin;             // a multiple of 32
+    const u32_t row_bytes = codes + 32;              // padded as a stage's rows
+    const u32_t part_groups = codes / G;
+    u8_t* const acts = smem;
+    float* const act_scales = reinterpret_cast<float*>(smem + BT * row_bytes);
+
+    for (u32_t c = threadIdx.x; c < BT * (codes / 16); c += THREADS) {
+        const u32_t row = c / (codes / 16), col = (c % (codes / 16)) * 16;
+        const bool ok = rows.valid(row);
+        cp_async16(acts + row * row_bytes + col, ok ? a + rows.a_row(row) * k + k_begin + col : a, ok);
+    }
+    for (u32_t c = threadIdx.x; c < BT * part_groups; c += THREADS) {
+        const u32_t row = c / part_groups, gi = k_begin / G + c % part_groups;
+        const bool ok = rows.valid(row);
+        cp_async4(act_scales + c, ok ? sa + rows.a_row(row) * groups + gi : sa, ok);
+    }
+    cp_async_commit();
+
+    const u32_t band = n0 / 16 + warp;
+    const bool live = band < bands;
+    const u32_t q_begin = k_begin / 32;  // the part's 32-code groups [q_begin, q_end)
+    const u32_t q_end = k_end / 32;
+    // Group q of the band: chunk q / 4, group q % 4 in it, i.e. q * GROUP_BYTES from the band.
+    const u8_t* const w_lane = w + (size_t)band * chunks * (STEP_K * W::PIECE) + lane * W::PIECE;
+    Raw cur[UNROLL], next[UNROLL];
+    auto load = [&](u32_t q0, Raw (&batch)[UNROLL]) {
 #pragma unroll
-        for (u32_t r = 0; r < 4; ++r) {
-            const u32_t col = feature + (r / 2) * 8;
-            const u32_t row = i * 8 + 2 * t + r % 2;
-            if (col < n && rows.valid(row)) {
-                if (partial != nullptr) {
-                    partial[rows.y_row(row) * n + col] = acc[i][r];
-                } else {
-                    store_out(y, rows.y_row(row) * n + col, acc[i][r], out_f32);
+        for (u32_t j = 0; j < UNROLL; ++j) {
+            if (live && q0 + j < q_end) batch[j] = W::stream(w_lane + (size_t)(q0 + j) * GROUP_BYTES);
+        }
+    };
+    load(q_begin, cur);  // in flight while the activations land
+    cp_async_wait<0>();
+    __syncthreads();
+    if (!live) return;  // past the last band (no barrier follows)
+
+    const u8_t* const b_row = acts + g * row_bytes + 8 * t;  // token row g, codes 8t.. of each group
+    const float* const sa0 = act_scales + (2 * t) * part_groups;
+    const float* const sa1 = act_scales + (2 * t + 1) * part_groups;
+    const u8_t* const ws_band = ws + (size_t)band * groups * W::SCALE_BYTES;
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (u32_t q0 = q_begin; q0 < q_end; q0 += UNROLL) {
+        if (q0 + UNROLL < q_end) load(q0 + UNROLL, next);
+        if constexpr (G == 32) {
+#pragma unroll
+            for (u32_t j = 0; j < UNROLL; ++j) {
+                const u32_t q = q0 + j;
+                if (q >= q_end) break;  // uniform: the group is past the part
+                u32_t frag[4];
+                W::unpack(cur[j], frag);
+                const uint2 b = *reinterpret_cast<const uint2*>(b_row + (q - q_begin) * 32);
+                float c[4];
+                mma_e4m3(c, frag, b.x, b.y, zero);
+                promote(acc, c, W::scales(ws_band, q, g), sa0[q - q_begin], sa1[q - q_begin]);
+            }
+        } else {
+#pragma unroll
+            for (u32_t j4 = 0; j4 < UNROLL; j4 += 4) {
+                const u32_t q = q0 + j4;
+                if (q >= q_end) break;  // uniform: the 128-group is past the part
+                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (u32_t j = 0; j < 4; ++j) {
+                    u32_t frag[4];
+                    W::unpack(cur[j4 + j], frag);
+                    const uint2 b = *reinterpret_cast<const uint2*>(b_row + (q + j - q_begin) * 32);
+                    mma_e4m3(c, frag, b.x, b.y, c);
                 }
+                const u32_t gq = q / 4;  // the 128-group
+                promote(acc, c, W::scales(ws_band, gq, g), sa0[gq - q_begin / 4], sa1[gq - q_begin / 4]);
             }
         }
+#pragma unroll
+        for (u32_t j = 0; j < UNROLL; ++j) cur[j] = next[j];
     }
+    store_tile(acc, n0 + warp * 16 + g, 2 * t, rows, n, y, out_f32, partial);
 }
 
 // One block per (tile of group_routed_rows with up to BT rows of one expert, blockIdx.y; blocks
-// past *tile_count return) and 16 WARPS output features (blockIdx.x): the tile's expert weights
-// from the table ([3][n_experts][2] device addresses: weight chunks, band scales), or zeros for
-// the bucket of unknown ids (the combine skips those rows).
-template <class W, int WARPS, int BT, int STAGES, int STEP>
-__device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __restrict__ sa,
-                                 const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
-                                 const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
-                                 void* __restrict__ y, FastRoutedParams p) {
+// past *tile_count return) and 16 WARPS output features (blockIdx.x): `body(w, ws, rows, n0)`
+// on the tile's expert weights from the table ([3][n_experts][2] device addresses: weight chunks,
+// band scales), or zeros for the bucket of unknown ids (the combine skips those rows).
+template <int WARPS, int BT, class Body>
+__device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
+                            const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
+                            void* __restrict__ y, const FastRoutedParams& p, Body body) {
     __shared__ u32_t tile_rows[BT];
     const u32_t tile = blockIdx.y;
     if (tile >= *tile_count) return;
@@ -375,10 +513,33 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
         return;
     }
     const unsigned long long* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
-    const u8_t* w = reinterpret_cast<const u8_t*>(entry[0]);
-    const u8_t* ws = reinterpret_cast<const u8_t*>(entry[1]);
-    gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.out_f32, nullptr, p.n, p.k, 0, p.k, n0,
-                                                   rows);
+    body(reinterpret_cast<const u8_t*>(entry[0]), reinterpret_cast<const u8_t*>(entry[1]), rows, n0);
+}
+
+template <class W, int WARPS, int BT, int STAGES, int STEP>
+__device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                 const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
+                                 const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
+                                 void* __restrict__ y, FastRoutedParams p) {
+    routed_tile<WARPS, BT>(order, tiles, tile_count, table, y, p,
+                           [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0) {
+                               gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.out_f32, nullptr,
+                                                                              p.n, p.k, 0, p.k, n0, rows);
+                           });
+}
+
+// The routed experts' direct decode tile (8 rows of one expert; gemm_fast_direct over all of K).
+template <class W, int WARPS, int UNROLL>
+__device__ void gemm_fast_routed_direct(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                                        const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
+                                        const u32_t* __restrict__ tile_count,
+                                        const unsigned long long* __restrict__ table, void* __restrict__ y,
+                                        FastRoutedParams p) {
+    routed_tile<WARPS, 8>(order, tiles, tile_count, table, y, p,
+                          [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0) {
+                              gemm_fast_direct<W, 32, WARPS, UNROLL>(a, sa, w, ws, y, p.out_f32, nullptr, p.n,
+                                                                     p.k, 0, p.k, n0, rows);
+                          });
 }
 
 // y[i] = out( ((P_0[i] + P_1[i]) + P_2[i]) + ... ) over the parts' sums partials[p][i], in part
@@ -408,6 +569,28 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
         float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
         fastgemm::gemm_fast_tile<WEIGHTS, G, WARPS, BT, STAGES, STEP>(                               \
             a, sa, w, ws, y, p.out_f32, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
+    }
+
+// The direct decode tile (gemm_fast_direct): 8 token rows, WARPS bands, UNROLL groups ahead.
+#define GEMM_FAST_DIRECT(NAME, WEIGHTS, G, WARPS, UNROLL)                                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
+        NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
+             FastGemmParams p) {                                                                    \
+        const fastgemm::DenseRows rows{blockIdx.y * 8, p.m};                                         \
+        const u32_t k_begin = blockIdx.z * p.span;                                                   \
+        const u32_t k_end = min(p.k, k_begin + p.span);                                              \
+        float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
+        fastgemm::gemm_fast_direct<WEIGHTS, G, WARPS, UNROLL>(                                       \
+            a, sa, w, ws, y, p.out_f32, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
+    }
+
+#define GEMM_FAST_ROUTED_DIRECT(NAME, WEIGHTS, WARPS, UNROLL)                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
+        NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \
+             const u32_t* tile_count, const unsigned long long* table, void* y,                      \
+             FastRoutedParams p) {                                                                  \
+        fastgemm::gemm_fast_routed_direct<WEIGHTS, WARPS, UNROLL>(a, sa, order, tiles, tile_count,   \
+                                                                  table, y, p);                     \
     }
 
 #define GEMM_FAST_ROUTED(NAME, WEIGHTS, WARPS, BT, STAGES, STEP)                                       \

@@ -91,6 +91,24 @@ pub enum FastTile {
     Rows32,
     Rows64,
     Rows128,
+    /// The direct decode tile: 8 token rows, each warp streaming one weight band straight into
+    /// registers (`gemm_fast_direct`); the same bits as every other tile. Taken only when asked
+    /// for (its first GPU measurement decides whether `Auto` takes it), and replaced by `Rows8`
+    /// where its activations would not fit [`DIRECT_MAX_SHARED`].
+    Direct8,
+}
+
+/// Warps (weight bands of 16 output features) per block of the direct tile: `GEMM_FAST_DIRECT`'s
+/// `WARPS` in `gemm_fast.cu`.
+const DIRECT_WARPS: u32 = 4;
+/// The dynamic shared memory the direct kernels are allowed: their K part's 8 activation rows
+/// and scales ([`direct_shared_bytes`]), a part of up to ~13k codes.
+pub const DIRECT_MAX_SHARED: u32 = 112 * 1024;
+
+/// Dynamic shared memory of a direct-tile launch over K parts of `span` codes with activation
+/// groups of `group` codes: 8 rows of `span + 32` bytes, then 8 rows of `span / group` f32.
+fn direct_shared_bytes(group: u32, span: usize) -> usize {
+    (8 * (span + 32) + 32 * span / group as usize).div_ceil(16) * 16
 }
 
 /// The shape of a fast GEMM kernel build (the `GEMM_FAST` macro's arguments in
@@ -158,11 +176,33 @@ impl FastTile {
         }
     }
 
+    /// The staged tile's shape (the direct tile has none: [`FastTile::block`]).
     pub(crate) fn shape(self) -> TileShape {
         TILES
             .iter()
             .find(|t| t.0 == self)
             .map_or(TILES[3].1, |t| t.1)
+    }
+
+    /// Token rows and warps per block.
+    pub(crate) fn block(self) -> (u32, u32) {
+        match self {
+            FastTile::Direct8 => (8, DIRECT_WARPS),
+            tile => (tile.shape().tokens, tile.shape().warps),
+        }
+    }
+
+    /// This tile for `kernels` over K parts of `span` codes, or `Rows8` (the same bits) for a
+    /// direct tile whose activations would not fit its shared memory.
+    pub(crate) fn fitting(self, kernels: FastKernels, span: usize) -> FastTile {
+        match self {
+            FastTile::Direct8
+                if direct_shared_bytes(kernels.group(), span) > DIRECT_MAX_SHARED as usize =>
+            {
+                FastTile::Rows8
+            }
+            tile => tile,
+        }
     }
 }
 
@@ -210,8 +250,12 @@ impl FastKernels {
     }
 
     pub(crate) fn kernel(self, tile: FastTile) -> KernelId {
-        use FastTile::{Rows8, Rows32, Rows64};
+        use FastTile::{Direct8, Rows8, Rows32, Rows64};
         match (self, tile) {
+            (FastKernels::Fp8(ActGroup::G32), Direct8) => KernelId::GemmFp8FastT32D8,
+            (FastKernels::Fp8(ActGroup::G128), Direct8) => KernelId::GemmFp8FastT128D8,
+            (FastKernels::Fp4, Direct8) => KernelId::GemmFp4FastD8,
+            (FastKernels::Fp4Routed, Direct8) => KernelId::GemmFp4FastRoutedD8,
             (FastKernels::Fp8(ActGroup::G32), Rows8) => KernelId::GemmFp8FastT32B8,
             (FastKernels::Fp8(ActGroup::G32), Rows32) => KernelId::GemmFp8FastT32B32,
             (FastKernels::Fp8(ActGroup::G32), Rows64) => KernelId::GemmFp8FastT32B64,
@@ -231,7 +275,17 @@ impl FastKernels {
         }
     }
 
-    /// Dynamic shared memory of a launch with `shape` (`Stage::BYTES · STAGES` in the kernel).
+    /// Dynamic shared memory of a launch of `tile` over K parts of `span` codes.
+    pub(crate) fn launch_shared_bytes(self, tile: FastTile, span: usize) -> u32 {
+        match tile {
+            // At most DIRECT_MAX_SHARED (`FastTile::fitting`).
+            FastTile::Direct8 => direct_shared_bytes(self.group(), span) as u32,
+            tile => self.shared_bytes(tile.shape()),
+        }
+    }
+
+    /// Dynamic shared memory of a staged launch with `shape` (`Stage::BYTES · STAGES` in the
+    /// kernel).
     pub(crate) fn shared_bytes(self, shape: TileShape) -> u32 {
         let TileShape {
             tokens,
@@ -252,6 +306,9 @@ impl FastKernels {
 /// for every kernel that is not a fast GEMM).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
     FastKernels::ALL.into_iter().find_map(|kernels| {
+        if kernels.kernel(FastTile::Direct8) == id {
+            return Some(DIRECT_MAX_SHARED);
+        }
         TILES
             .iter()
             .find(|t| kernels.kernel(t.0) == id)
@@ -530,7 +587,7 @@ pub fn gemm_fp8_fast_variant<T: FastOutput>(
     let kernel = DenseKernel {
         name: &variant.name,
         function: &variant.function,
-        shape: variant.shape,
+        block: (variant.shape.tokens, variant.shape.warps),
         shared_bytes: fp8_shared_bytes(variant.group, variant.shape),
         span: variant.span,
     };
@@ -582,7 +639,8 @@ pub fn gemm_fp4_fast_tiled<T: FastOutput>(
 struct DenseKernel<'a> {
     name: &'a str,
     function: &'a CudaFunction,
-    shape: TileShape,
+    /// Token rows and warps per block.
+    block: (u32, u32),
     shared_bytes: u32,
     span: usize,
 }
@@ -597,14 +655,15 @@ impl<'a> DenseKernel<'a> {
         rows: usize,
         (n, k): (usize, usize),
     ) -> Result<DenseKernel<'a>, KernelError> {
-        let tile = tile.resolve(rows);
+        let span = k_parts(n, k).0;
+        let tile = tile.resolve(rows).fitting(kernels, span);
         let id = kernels.kernel(tile);
         Ok(DenseKernel {
             name: id.symbol(),
             function: rt.function(id)?,
-            shape: tile.shape(),
-            shared_bytes: kernels.shared_bytes(tile.shape()),
-            span: k_parts(n, k).0,
+            block: tile.block(),
+            shared_bytes: kernels.launch_shared_bytes(tile, span),
+            span,
         })
     }
 }
@@ -624,7 +683,7 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
     if a.rows == 0 {
         return Ok(());
     }
-    let TileShape { tokens, warps, .. } = kernel.shape;
+    let (tokens, warps) = kernel.block;
     let span = kernel.span;
     let parts = k.div_ceil(span).max(1);
     let params = FastGemmParams {
@@ -750,15 +809,58 @@ mod tests {
                 ids.push(kernels.kernel(tile));
             }
         }
+        for kernels in FastKernels::ALL {
+            let id = kernels.kernel(FastTile::Direct8);
+            assert_eq!(dynamic_shared_bytes(id), Some(DIRECT_MAX_SHARED));
+            ids.push(id);
+        }
         ids.sort_by_key(|id| id.symbol());
         ids.dedup();
-        assert_eq!(ids.len(), 16, "every (kernels, tile) has its own kernel");
+        assert_eq!(ids.len(), 20, "every (kernels, tile) has its own kernel");
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
+    }
+
+    #[test]
+    fn the_direct_tile_fits_its_activations_or_falls_back_to_rows8() {
+        let fp8 = FastKernels::Fp8(ActGroup::G32);
+        // 8 rows of 2560 + 32 codes, then 8 rows of 80 f32 scales.
+        assert_eq!(direct_shared_bytes(32, 2560), 8 * 2592 + 8 * 80 * 4);
+        assert_eq!(direct_shared_bytes(128, 4096), 8 * 4128 + 8 * 32 * 4);
+        assert_eq!(
+            fp8.launch_shared_bytes(FastTile::Direct8, 2560),
+            8 * 2592 + 8 * 80 * 4
+        );
+        assert_eq!(FastTile::Direct8.fitting(fp8, 5120), FastTile::Direct8);
+        assert_eq!(FastTile::Direct8.fitting(fp8, 16_384), FastTile::Rows8);
+        assert_eq!(FastTile::Rows32.fitting(fp8, 16_384), FastTile::Rows32);
+        assert_eq!(FastTile::Direct8.resolve(40), FastTile::Direct8);
+        assert_eq!(FastTile::Direct8.block(), (8, DIRECT_WARPS));
+        assert_eq!(FastTile::Rows64.block(), (64, 2));
+        // Every real-width K part fits: V4.1's dim 5120 and V4's wo_b 8192 as one part.
+        for span in [1280, 2304, 5120, 8192] {
+            assert_eq!(
+                FastTile::Direct8.fitting(FastKernels::Fp4Routed, span),
+                FastTile::Direct8
+            );
+        }
     }
 
     #[test]
     fn tiles_and_kernels_match_the_instantiations() {
         let source = include_str!("../../cuda/gemm/gemm_fast.cu");
+        // The direct tiles: warps, then groups loaded ahead (16).
+        for kernels in FastKernels::ALL {
+            let weights = match kernels {
+                FastKernels::Fp8(g) => format!("fastgemm::Fp8Chunks<{0}>, {0}, ", g.elements()),
+                FastKernels::Fp4 => "fastgemm::Fp4Chunks, 32, ".to_string(),
+                FastKernels::Fp4Routed => "fastgemm::Fp4Chunks, ".to_string(),
+            };
+            let line = format!(
+                "({}, {weights}{DIRECT_WARPS}, 16)",
+                kernels.kernel(FastTile::Direct8).symbol()
+            );
+            assert!(source.contains(&line), "{line} not in gemm_fast.cu");
+        }
         for kernels in FastKernels::ALL {
             for (tile, shape) in TILES {
                 let TileShape {

@@ -11,7 +11,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::gemm_fast::{FastKernels, FastOutput, FastTile, TileShape};
+use super::gemm_fast::{FastKernels, FastOutput, FastTile};
 use super::quant::DeviceActFp8;
 use super::routed::{DeviceExpertTable, ExpertFormat, ExpertProjection, check_routed, group_rows};
 use super::{dim, launch_config};
@@ -47,8 +47,10 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
     if m == 0 {
         return Ok(());
     }
-    let tile = tile.resolve(m.div_ceil(table.n_experts()));
-    let TileShape { tokens, warps, .. } = tile.shape();
+    let tile = tile
+        .resolve(m.div_ceil(table.n_experts()))
+        .fitting(FastKernels::Fp4Routed, k);
+    let (tokens, warps) = tile.block();
     let params = FastRoutedParams {
         m: dim(OP, "m", m)?,
         n: dim(OP, "n", n)?,
@@ -76,7 +78,7 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
     let cfg = launch_config(
         (params.n.div_ceil(16 * warps), tiles, 1),
         warps * 32,
-        FastKernels::Fp4Routed.shared_bytes(tile.shape()),
+        FastKernels::Fp4Routed.launch_shared_bytes(tile, k),
     );
     let mut launch = rt.launcher(kernel)?;
     launch

@@ -25,7 +25,9 @@ use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
-use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, FastOutput, gemm_fp8_fast};
+use deepinfer_kernels::ops::gemm_fast::{
+    FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp8_fast_tiled,
+};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
@@ -33,6 +35,7 @@ use deepinfer_kernels::ops::quant::{
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, gemm_routed, swiglu_rows,
 };
+use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
 use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
 
@@ -58,6 +61,8 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
 #[derive(Clone, Copy)]
 enum Kernel {
     Fast,
+    /// The fast GEMM's direct decode tile (`FastTile::Direct8`), timed until `Auto` takes it.
+    FastDirect,
     Exact,
     CublasBf16,
     CublasLtFp8,
@@ -67,6 +72,7 @@ impl Kernel {
     fn label(self) -> &'static str {
         match self {
             Kernel::Fast => "fast fp8",
+            Kernel::FastDirect => "fast fp8 direct",
             Kernel::Exact => "exact fp8",
             Kernel::CublasBf16 => "cublas bf16",
             Kernel::CublasLtFp8 => "cublaslt fp8",
@@ -87,15 +93,23 @@ fn bench(
     let x = activations(rt, m, k)?;
     let scales_len = n.div_ceil(tile) * k.div_ceil(tile);
     let weight_bytes = match kernel {
-        Kernel::Fast | Kernel::Exact => n * k + scales_len,
+        Kernel::Fast | Kernel::FastDirect | Kernel::Exact => n * k + scales_len,
         Kernel::CublasBf16 => 2 * n * k,
         Kernel::CublasLtFp8 => n * k + 4,
     };
     let mut label = format!("{name} {}", kernel.label());
     let micros = match kernel {
         // V4's tiles: f32 outputs, as `CudaBackend::linear` writes them.
-        Kernel::Fast if tile == 128 => time_fast_fp8::<f32>(rt, timer, &x, (m, n, k, tile))?,
-        Kernel::Fast => time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile))?,
+        Kernel::Fast if tile == 128 => {
+            time_fast_fp8::<f32>(rt, timer, &x, (m, n, k, tile), FastTile::Auto)?
+        }
+        Kernel::Fast => time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile), FastTile::Auto)?,
+        Kernel::FastDirect if tile == 128 => {
+            time_fast_fp8::<f32>(rt, timer, &x, (m, n, k, tile), FastTile::Direct8)?
+        }
+        Kernel::FastDirect => {
+            time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile), FastTile::Direct8)?
+        }
         Kernel::Exact => time_fp8::<_, bf16>(
             rt,
             timer,
@@ -159,7 +173,7 @@ fn bench(
         _ => m * k + m * k / tile * 4,
     };
     let out_bytes = match kernel {
-        Kernel::Fast if tile == 128 => 4 * m * n,
+        Kernel::Fast | Kernel::FastDirect if tile == 128 => 4 * m * n,
         _ => 2 * m * n,
     };
     Ok(Row {
@@ -208,12 +222,13 @@ fn time_fp8<W, T: DeviceRepr + ValidAsZeroBits>(
     time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
 }
 
-/// [`time_fp8`] of the fast FP8 GEMM writing `T` outputs.
+/// [`time_fp8`] of the fast FP8 GEMM with `fast_tile` writing `T` outputs.
 fn time_fast_fp8<T: FastOutput + ValidAsZeroBits>(
     rt: &KernelRuntime,
     timer: &mut Timer,
     x: &CudaSlice<bf16>,
     (m, n, k, tile): (usize, usize, usize, usize),
+    fast_tile: FastTile,
 ) -> Result<f64> {
     time_fp8::<_, T>(
         rt,
@@ -221,7 +236,7 @@ fn time_fast_fp8<T: FastOutput + ValidAsZeroBits>(
         x,
         (m, n, k, tile),
         |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
-        |a, w, y| gemm_fp8_fast(rt, a, w, y),
+        |a, w, y| gemm_fp8_fast_tiled(rt, a, w, y, fast_tile),
     )
 }
 
@@ -295,6 +310,7 @@ fn bench_routed_chain<W>(
     timer: &mut Timer,
     experts: &Experts<W>,
     tokens: usize,
+    fast_tile: Option<FastTile>,
 ) -> Result<Row> {
     let (inter, dim) = (ROUTED_INTER, ROUTED_DIM);
     let slots = tokens * ROUTED_TOP_K;
@@ -308,14 +324,23 @@ fn bench_routed_chain<W>(
     let mut hidden = stream.alloc_zeros::<f32>(slots * inter)?;
     let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32)?;
     let mut out = stream.alloc_zeros::<bf16>(slots * dim)?;
+    let table = &experts.table;
+    // The table's own kernels, or the fast ones with an explicit tile.
+    let routed = |x: &DeviceActFp8,
+                  ids: &CudaSlice<u32>,
+                  x_row_div: usize,
+                  which: ExpertProjection,
+                  y: &mut CudaSlice<bf16>| match fast_tile {
+        None => gemm_routed(rt, x, ids, x_row_div, table, which, y),
+        Some(tile) => gemm_fp4_routed_fast_tiled(rt, x, ids, x_row_div, table, which, y, tile),
+    };
     let micros = time_launches(rt, timer, |i| {
         let ids = &routes[i % ROUTE_SETS];
-        let table = &experts.table;
         for (which, y) in [
             (ExpertProjection::W1, &mut gate),
             (ExpertProjection::W3, &mut up),
         ] {
-            gemm_routed(rt, &a, ids, ROUTED_TOP_K, table, which, y)?;
+            routed(&a, ids, ROUTED_TOP_K, which, y)?;
         }
         swiglu_rows(
             rt,
@@ -327,12 +352,16 @@ fn bench_routed_chain<W>(
             &mut hidden,
         )?;
         quantize_act_fp8_f32_into(rt, &hidden, &mut a_hidden)?;
-        gemm_routed(rt, &a_hidden, ids, 1, table, ExpertProjection::W2, &mut out)?;
+        routed(&a_hidden, ids, 1, ExpertProjection::W2, &mut out)?;
         Ok(())
     })?;
     let weight_bytes = 3 * (inter * dim / 2 + inter * dim / 32);
     Ok(Row {
-        op: format!("moe chain {}", experts.label),
+        op: format!(
+            "moe chain {}{}",
+            experts.label,
+            if fast_tile.is_some() { " direct" } else { "" }
+        ),
         m: slots,
         n: inter,
         k: dim,
@@ -368,6 +397,7 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
         for &m in decode {
             for kernel in [
                 Kernel::Fast,
+                Kernel::FastDirect,
                 Kernel::CublasBf16,
                 Kernel::CublasLtFp8,
                 Kernel::Exact,
@@ -406,8 +436,12 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
     let mut chain = Vec::new();
     let token_counts: &[usize] = if quick { &[1, 1024] } else { &[1, 8, 64, 1024] };
     for &tokens in token_counts {
-        chain.push(bench_routed_chain(rt, &mut timer, &fast, tokens)?);
-        chain.push(bench_routed_chain(rt, &mut timer, &exact, tokens)?);
+        chain.push(bench_routed_chain(rt, &mut timer, &fast, tokens, None)?);
+        if tokens <= 64 {
+            let direct = Some(FastTile::Direct8);
+            chain.push(bench_routed_chain(rt, &mut timer, &fast, tokens, direct)?);
+        }
+        chain.push(bench_routed_chain(rt, &mut timer, &exact, tokens, None)?);
     }
     println!(
         "\nfast numerics: the routed experts of a real-width MoE layer (384 FP4 experts 5120 -> \

@@ -13,8 +13,8 @@ use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::nvrtc::Ptx;
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp8Variant, FastFp8Weight, TileShape, fp8_shared_bytes, gemm_fp8_fast,
-    gemm_fp8_fast_variant, k_parts,
+    FastFp8Variant, FastFp8Weight, FastTile, TileShape, fp8_shared_bytes, gemm_fp8_fast,
+    gemm_fp8_fast_tiled, gemm_fp8_fast_variant, k_parts,
 };
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use half::bf16;
@@ -176,6 +176,23 @@ pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
                 })?,
                 same_bits: Some(true),
             }];
+            // The direct decode tile (same K parts: the same bits).
+            gemm_fp8_fast_tiled(rt, &a, &weights[0], &mut y, FastTile::Direct8)?;
+            let direct_bits = bits(rt, &y)?;
+            rows.push(Measured {
+                label: "direct d8".to_string(),
+                parts: k.div_ceil(production_span),
+                micros: time_launches(rt, timer, |i| {
+                    Ok(gemm_fp8_fast_tiled(
+                        rt,
+                        &a,
+                        &weights[i % copies],
+                        &mut y,
+                        FastTile::Direct8,
+                    )?)
+                })?,
+                same_bits: Some(direct_bits == production_bits),
+            });
             for (shape, variant) in &mut variants {
                 for span in spans(n, k, shape.step as usize) {
                     variant.span = span;
@@ -248,7 +265,7 @@ fn print_table(name: &str, m: usize, weight_bytes: usize, rows: &mut [Measured])
     let shown = rows
         .iter()
         .enumerate()
-        .filter(|(i, r)| *i < SHOWN || r.label == "production");
+        .filter(|(i, r)| *i < SHOWN || r.label == "production" || r.label == "direct d8");
     for (_, r) in shown {
         let rate = weight_bytes as f64 / (r.micros * 1e-6);
         let bits = match r.same_bits {
