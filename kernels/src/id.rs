@@ -646,7 +646,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 20);
+        assert_eq!(count, 24);
     }
 
     #[test]
