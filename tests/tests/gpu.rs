@@ -52,8 +52,9 @@ use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcMixing, HcParams, LogprobPick,
-    Precision, RopeTable, Rotation, RowSampling, SampleRowsError, Tensor,
+    AttentionQueries, Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcMixing, HcParams,
+    IndexQueries, LogprobPick, Precision, RopeTable, Rotation, RowSampling, SampleRowsError,
+    SelectPart, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
@@ -112,7 +113,15 @@ fn attention_of_one(
     let keys: Vec<Tensor> = keys.iter().map(|&k| Tensor::from(k)).collect();
     let list: Vec<&Tensor> = keys.iter().collect();
     backend
-        .sparse_attention_rows_at(&q.into(), &[list], sink, scale, precision)
+        .sparse_attention_rows_at(
+            AttentionQueries {
+                q: &q.into(),
+                sink,
+                scale,
+                precision,
+            },
+            &[list],
+        )
         .into_vec()
 }
 
@@ -164,12 +173,16 @@ fn scores_of_one(
     let visible = [keys.len()];
     backend
         .index_scores_rows_at(
-            &q.into(),
-            &weights.into(),
-            &keys,
-            head_dim,
-            &visible,
-            precision,
+            IndexQueries {
+                q: &q.into(),
+                weights: &weights.into(),
+                head_dim,
+                precision,
+            },
+            SelectPart {
+                keys: &keys,
+                visible: &visible,
+            },
         )
         .remove(0)
 }
@@ -1758,11 +1771,17 @@ fn backend_sparse_attention_rows_match_the_cpu_and_the_one_query_op() {
             let q = Tensor::from(bf16_unit(&mut rng, n * heads * head_dim));
             for precision in PRECISIONS {
                 let what = format!("attention rows h{heads} d{head_dim} n{n} {precision:?}");
-                let rows = gpu.sparse_attention_rows_at(&q, &keys, &sink, scale, precision);
+                let attention = AttentionQueries {
+                    q: &q,
+                    sink: &sink,
+                    scale,
+                    precision,
+                };
+                let rows = gpu.sparse_attention_rows_at(attention, &keys);
                 checked += assert_bitwise(
                     &format!("{what} vs cpu"),
                     &rows,
-                    &cpu.sparse_attention_rows_at(&q, &keys, &sink, scale, precision),
+                    &cpu.sparse_attention_rows_at(attention, &keys),
                 );
                 let width = heads * head_dim;
                 for (t, query_keys) in keys.iter().enumerate() {
@@ -1811,10 +1830,18 @@ fn backend_index_scores_rows_match_the_cpu_and_the_one_query_op() {
                 for precision in PRECISIONS {
                     let what =
                         format!("index rows h{heads} d{head_dim} keys{n_keys} n{n} {precision:?}");
-                    let rows =
-                        gpu.index_scores_rows_at(&q, &w, &key_refs, head_dim, &visible, precision);
-                    let reference =
-                        cpu.index_scores_rows_at(&q, &w, &key_refs, head_dim, &visible, precision);
+                    let queries = IndexQueries {
+                        q: &q,
+                        weights: &w,
+                        head_dim,
+                        precision,
+                    };
+                    let part = SelectPart {
+                        keys: &key_refs,
+                        visible: &visible,
+                    };
+                    let rows = gpu.index_scores_rows_at(queries, part);
+                    let reference = cpu.index_scores_rows_at(queries, part);
                     assert_eq!(rows.len(), n, "{what}: queries");
                     for (t, (row, cpu_row)) in rows.iter().zip(&reference).enumerate() {
                         checked +=
@@ -1887,11 +1914,13 @@ fn row_ops_reject_mismatched_shapes() {
     let short_key = key.range(0..4);
     let err = gpu
         .try_sparse_attention_rows(
-            &Tensor::from(vec![0.5; 16]),
+            AttentionQueries {
+                q: &Tensor::from(vec![0.5; 16]),
+                sink: &[0.0],
+                scale: 1.0,
+                precision: Precision::Bf16,
+            },
             &[vec![&key], vec![&short_key]],
-            &[0.0],
-            1.0,
-            Precision::Bf16,
         )
         .expect_err("a 4-value key among 8-value heads");
     assert!(
@@ -1901,12 +1930,16 @@ fn row_ops_reject_mismatched_shapes() {
     );
     let err = gpu
         .try_index_scores_rows(
-            &Tensor::from(vec![0.5; 10]),
-            &Tensor::from(vec![1.0; 2]),
-            &[&Tensor::from(vec![0.5; 4]), &Tensor::from(vec![0.5; 4])],
-            4,
-            &[1, 2],
-            Precision::F32,
+            IndexQueries {
+                q: &Tensor::from(vec![0.5; 10]),
+                weights: &Tensor::from(vec![1.0; 2]),
+                head_dim: 4,
+                precision: Precision::F32,
+            },
+            SelectPart {
+                keys: &[&Tensor::from(vec![0.5; 4]), &Tensor::from(vec![0.5; 4])],
+                visible: &[1, 2],
+            },
         )
         .expect_err("10 query values for 2 queries of 1 head of 4");
     assert!(err.to_string().contains("q has 10 values"), "{err}");
@@ -2062,10 +2095,16 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
         .map(|t| pool[t % 5..t % 5 + t % 4].iter().collect())
         .collect();
     let q = Tensor::from(bf16_unit(&mut rng, n * head_dim));
+    let attention = AttentionQueries {
+        q: &q,
+        sink: &[0.5],
+        scale: 0.5,
+        precision: Precision::Bf16,
+    };
     checked += assert_bitwise(
         &format!("sparse_attention_rows n{n}"),
-        &gpu.sparse_attention_rows_at(&q, &keys, &[0.5], 0.5, Precision::Bf16),
-        &cpu.sparse_attention_rows_at(&q, &keys, &[0.5], 0.5, Precision::Bf16),
+        &gpu.sparse_attention_rows_at(attention, &keys),
+        &cpu.sparse_attention_rows_at(attention, &keys),
     );
     let heads = 2;
     let index_rows = Tensor::from(bf16_unit(&mut rng, 5 * head_dim)).split_rows(head_dim);
@@ -2073,8 +2112,18 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
     let iq = Tensor::from(bf16_unit(&mut rng, n * heads * head_dim));
     let iw = Tensor::from(bf16_unit(&mut rng, n * heads));
     let visible: Vec<usize> = (0..n).map(|t| t % 7).collect();
-    let got = gpu.index_scores_rows_at(&iq, &iw, &index_keys, head_dim, &visible, Precision::Bf16);
-    let want = cpu.index_scores_rows_at(&iq, &iw, &index_keys, head_dim, &visible, Precision::Bf16);
+    let queries = IndexQueries {
+        q: &iq,
+        weights: &iw,
+        head_dim,
+        precision: Precision::Bf16,
+    };
+    let part = SelectPart {
+        keys: &index_keys,
+        visible: &visible,
+    };
+    let got = gpu.index_scores_rows_at(queries, part);
+    let want = cpu.index_scores_rows_at(queries, part);
     assert_eq!(got.len(), n, "index_scores_rows n{n}: queries");
     checked += assert_bitwise(
         &format!("index_scores_rows n{n}"),

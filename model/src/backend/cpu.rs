@@ -21,10 +21,10 @@ use self::dequant::{dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
-    Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcMixing,
-    HcParams, LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling,
-    SampleRowsError, SelectPart, Selection, Tensor, check_logprob_picks, check_sample_masked,
-    check_sample_rows,
+    AttentionQueries, Backend, CandidateMask, ExpertRoute, ExpertSelection, HcMix, HcMixes,
+    HcMixing, HcParams, IndexQueries, LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys,
+    Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection, Tensor,
+    check_logprob_picks, check_sample_masked, check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -375,76 +375,57 @@ impl Backend for CpuBackend {
     }
     fn sparse_attention_rows_at(
         &self,
-        q: &Tensor,
+        queries: AttentionQueries<'_>,
         keys: &[Vec<&Tensor>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
     ) -> Tensor {
         if keys.is_empty() {
             return Tensor::empty();
         }
+        let AttentionQueries { q, sink, .. } = queries;
         q.chunks_exact(q.len() / keys.len())
             .zip(keys)
             .flat_map(|(q, keys)| {
                 let keys: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
-                self.sparse_attention(q, &keys, sink, scale, precision)
+                self.sparse_attention(q, &keys, sink, queries.scale, queries.precision)
             })
             .collect::<Vec<f32>>()
             .into()
     }
     fn sparse_attention_selected(
         &self,
-        q: &Tensor,
-        queries: &[QueryKeys<'_>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
+        queries: AttentionQueries<'_>,
+        keys: &[QueryKeys<'_>],
     ) -> Tensor {
-        let keys: Vec<Vec<&Tensor>> = queries.iter().map(QueryKeys::flattened).collect();
-        self.sparse_attention_rows_at(q, &keys, sink, scale, precision)
+        let keys: Vec<Vec<&Tensor>> = keys.iter().map(QueryKeys::flattened).collect();
+        self.sparse_attention_rows_at(queries, &keys)
     }
     fn select_rows(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        parts: &[SelectPart<'_>],
-        head_dim: usize,
-        k: usize,
-        candidates: Candidates<'_>,
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        from: SelectFrom<'_>,
     ) -> (Selection, Option<CandidateMask>) {
-        let Ok(scores) = super::select::scores_by_part(q, weights, parts, |q, w, part| {
-            Ok::<_, std::convert::Infallible>(self.index_scores_rows_at(
-                q,
-                w,
-                part.keys,
-                head_dim,
-                part.visible,
-                precision,
-            ))
+        let Ok(scores) = super::select::scores_by_part(queries, from.parts, |queries, part| {
+            Ok::<_, std::convert::Infallible>(self.index_scores_rows_at(queries, part))
         });
-        super::select::select_host(scores, k, candidates)
+        super::select::select_host(scores, from.k, from.candidates)
     }
     fn index_scores_rows_at(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        keys: &[&Tensor],
-        head_dim: usize,
-        visible: &[usize],
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        part: SelectPart<'_>,
     ) -> Vec<Vec<f32>> {
+        let (visible, head_dim) = (part.visible, queries.head_dim);
         if visible.is_empty() {
             return Vec::new();
         }
-        let flat: Vec<f32> = keys.iter().flat_map(|k| k.iter().copied()).collect();
+        let flat: Vec<f32> = part.keys.iter().flat_map(|k| k.iter().copied()).collect();
+        let (q, weights) = (queries.q, queries.weights);
         q.chunks_exact(q.len() / visible.len())
             .zip(weights.chunks_exact(weights.len() / visible.len()))
             .zip(visible)
             .map(|((q, w), &seen)| {
                 let seen = (seen * head_dim).min(flat.len());
-                self.index_scores(q, w, &flat[..seen], head_dim, precision)
+                self.index_scores(q, w, &flat[..seen], head_dim, queries.precision)
             })
             .collect()
     }

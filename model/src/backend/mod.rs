@@ -22,7 +22,10 @@ pub mod tensor;
 pub mod weights;
 
 pub use cpu::CpuBackend;
-pub use select::{CandidateMask, Candidates, QueryKeys, SelectPart, SelectedKeys, Selection};
+pub use select::{
+    CandidateMask, Candidates, IndexQueries, QueryKeys, SelectFrom, SelectPart, SelectedKeys,
+    Selection,
+};
 pub use tensor::{DeviceBuffer, DeviceView, Tensor};
 
 use crate::engram::gate::EngramGate;
@@ -110,6 +113,17 @@ pub struct HcMixing {
     pub sinkhorn_iters: usize,
     pub hc_eps: f32,
     pub norm_eps: f32,
+}
+
+/// The queries of a sparse attention ([`Backend::sparse_attention_rows_at`]): `q [n, heads ·
+/// head_dim]`, a per-head `sink` in the softmax denominator, the logits' `scale`; probabilities
+/// and output rounded at `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionQueries<'a> {
+    pub q: &'a Tensor,
+    pub sink: &'a [f32],
+    pub scale: f32,
+    pub precision: Precision,
 }
 
 /// A grouped linear from its groups: `x [n, groups · inp]`; `linear(inputs, g)` maps group `g`'s
@@ -362,56 +376,37 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         mixes: &HcMixes,
         precision: Precision,
     ) -> Tensor;
-    /// Multi-head attention of `keys.len()` queries `q [n, heads · head_dim]`, query `t` over its
-    /// own `keys[t]` (K = V, each key one `head_dim` row) with a per-head sink in the
-    /// denominator → `[n, heads · head_dim]`, probabilities and output rounded at `precision`.
+    /// Multi-head attention of `keys.len()` queries ([`AttentionQueries`]), query `t` over its
+    /// own `keys[t]` (K = V, each key one `head_dim` row) → `[n, heads · head_dim]`.
     fn sparse_attention_rows_at(
         &self,
-        q: &Tensor,
+        queries: AttentionQueries<'_>,
         keys: &[Vec<&Tensor>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
     ) -> Tensor;
     /// [`Backend::sparse_attention_rows_at`] with each query's keys given as listed keys and a
     /// selection of compressed keys ([`QueryKeys`]), so a selection left on the device is read
     /// there.
     fn sparse_attention_selected(
         &self,
-        q: &Tensor,
-        queries: &[QueryKeys<'_>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
+        queries: AttentionQueries<'_>,
+        keys: &[QueryKeys<'_>],
     ) -> Tensor;
-    /// The indexer's selection of a step's queries (`q [n, heads · head_dim]`, head weights
-    /// `[n, heads]`: the queries of `parts` in order, `n` in all; query `t` of a part scores the
-    /// first `visible[t]` of its part's keys): the top `min(k, visible)` scores of each (ties:
-    /// lower index), ascending, one selection row per query; restricted or accompanied by the
-    /// two-level top-k's candidate mask (one row per query) as `candidates` says
-    /// ([`select::select_host`] is the definition).
-    #[allow(clippy::too_many_arguments)]
+    /// The indexer's selection of a step's queries ([`IndexQueries`], the queries of `from.parts`
+    /// in order; query `t` of a part scores the first `visible[t]` of its part's keys): the top
+    /// `min(k, visible)` scores of each (ties: lower index), ascending, one selection row per
+    /// query; restricted or accompanied by the two-level top-k's candidate mask (one row per
+    /// query) as `from.candidates` says ([`select::select_host`] is the definition).
     fn select_rows(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        parts: &[SelectPart<'_>],
-        head_dim: usize,
-        k: usize,
-        candidates: Candidates<'_>,
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        from: SelectFrom<'_>,
     ) -> (Selection, Option<CandidateMask>);
-    /// Index scores `Σ_h w_h · ReLU(q_h · k)` of `visible.len()` queries `q [n, heads · head_dim]`
-    /// with their head weights `[n, heads]`: query `t` scores the first `visible[t]` of `keys`
-    /// (each one `head_dim` row), rounded at `precision`.
+    /// Index scores `Σ_h w_h · ReLU(q_h · k)` of `part.visible.len()` queries ([`IndexQueries`]):
+    /// query `t` scores the first `part.visible[t]` of `part.keys` (each one `head_dim` row).
     fn index_scores_rows_at(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        keys: &[&Tensor],
-        head_dim: usize,
-        visible: &[usize],
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        part: SelectPart<'_>,
     ) -> Vec<Vec<f32>>;
 
     /// The whole MoE of every row of `x [n, dim]` in one op — the router (top-k on the layer's

@@ -107,9 +107,10 @@ use half::bf16;
 use super::select::DeviceRows;
 use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
-    Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
-    HcMixing, HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling,
-    SampleRowsError, SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
+    AttentionQueries, Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute,
+    ExpertSelection, HcMixes, HcMixing, HcParams, IndexQueries, MoeLayer, PoolSlot, Precision,
+    QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection, Tensor,
+    check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -889,56 +890,39 @@ impl Backend for CudaBackend {
 
     fn sparse_attention_rows_at(
         &self,
-        q: &Tensor,
+        queries: AttentionQueries<'_>,
         keys: &[Vec<&Tensor>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
     ) -> Tensor {
         self.run("sparse_attention_rows_at", || {
-            self.try_sparse_attention_rows(q, keys, sink, scale, precision)
+            self.try_sparse_attention_rows(queries, keys)
         })
     }
 
     fn sparse_attention_selected(
         &self,
-        q: &Tensor,
-        queries: &[QueryKeys<'_>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
+        queries: AttentionQueries<'_>,
+        keys: &[QueryKeys<'_>],
     ) -> Tensor {
         self.run("sparse_attention_selected", || {
-            self.try_sparse_attention_selected(q, queries, sink, scale, precision)
+            self.try_sparse_attention_selected(queries, keys)
         })
     }
 
     fn select_rows(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        parts: &[SelectPart<'_>],
-        head_dim: usize,
-        k: usize,
-        candidates: Candidates<'_>,
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        from: SelectFrom<'_>,
     ) -> (Selection, Option<CandidateMask>) {
-        self.run("select_rows", || {
-            self.try_select_rows(q, weights, parts, head_dim, k, candidates, precision)
-        })
+        self.run("select_rows", || self.try_select_rows(queries, from))
     }
 
     fn index_scores_rows_at(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        keys: &[&Tensor],
-        head_dim: usize,
-        visible: &[usize],
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        part: SelectPart<'_>,
     ) -> Vec<Vec<f32>> {
         self.run("index_scores_rows_at", || {
-            self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)
+            self.try_index_scores_rows(queries, part)
         })
     }
 
