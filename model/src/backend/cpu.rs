@@ -22,8 +22,8 @@ use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
     AttentionQueries, Backend, CandidateMask, ExpertRoute, ExpertSelection, HcMix, HcMixes,
-    HcMixing, HcParams, IndexQueries, LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys,
-    Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection, Tensor,
+    HcMixing, HcParams, HyperHead, IndexQueries, LogprobPick, MoeLayer, PoolSlot, Precision,
+    QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection, Tensor,
     check_logprob_picks, check_sample_masked, check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
@@ -610,21 +610,13 @@ impl Backend for CpuBackend {
         }
         x.chunks_exact(width).map(argmax).collect()
     }
-    fn hyper_head_weights_rows(
-        &self,
-        x: &Tensor,
-        proj: &[f32],
-        base: &[f32],
-        scale: f32,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> Tensor {
-        let width = proj.len() / base.len().max(1);
+    fn hyper_head_weights_rows(&self, x: &Tensor, head: &HyperHead<'_>) -> Tensor {
+        let width = head.proj.len() / head.base.len().max(1);
         if width == 0 {
             return Tensor::empty();
         }
         x.chunks_exact(width)
-            .flat_map(|x| hyper_head_weights(x, proj, base, scale, hc_eps, norm_eps))
+            .flat_map(|x| hyper_head_weights(x, head))
             .collect::<Vec<f32>>()
             .into()
     }
@@ -646,22 +638,16 @@ impl Backend for CpuBackend {
     }
 }
 
-/// The hyper-head's collapse weights of one token's streams `x [hc · dim]` (`proj [hc, hc · dim]`):
+/// The hyper-head's collapse weights of one token's streams `x [hc · dim]` ([`HyperHead`]):
 /// `pre_k = σ(m_k · scale + base_k) + hc_eps` with `m = proj · RMSNorm_u(x)`.
-pub fn hyper_head_weights(
-    x: &[f32],
-    proj: &[f32],
-    base: &[f32],
-    scale: f32,
-    hc_eps: f32,
-    norm_eps: f32,
-) -> Vec<f32> {
-    let inv = 1.0 / (sum_squares_f32(x) / x.len() as f32 + norm_eps).sqrt();
-    proj.chunks_exact(x.len())
-        .zip(base)
+pub fn hyper_head_weights(x: &[f32], head: &HyperHead<'_>) -> Vec<f32> {
+    let inv = 1.0 / (sum_squares_f32(x) / x.len() as f32 + head.norm_eps).sqrt();
+    head.proj
+        .chunks_exact(x.len())
+        .zip(head.base)
         .map(|(row, base)| {
-            let logit = dot_f32_sgemm(x, row) * inv * scale + base;
-            1.0 / (1.0 + exp_f32(-logit)) + hc_eps
+            let logit = dot_f32_sgemm(x, row) * inv * head.scale + base;
+            1.0 / (1.0 + exp_f32(-logit)) + head.hc_eps
         })
         .collect()
 }

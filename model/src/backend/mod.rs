@@ -115,6 +115,17 @@ pub struct HcMixing {
     pub norm_eps: f32,
 }
 
+/// The V4 hyper-head's constants ([`Backend::hyper_head_weights_rows`]): `proj [hc, hc · dim]`,
+/// `base [hc]`, the logits' `scale`, the weights' `hc_eps` and the RMSNorm's `norm_eps`.
+#[derive(Debug, Clone, Copy)]
+pub struct HyperHead<'a> {
+    pub proj: &'a [f32],
+    pub base: &'a [f32],
+    pub scale: f32,
+    pub hc_eps: f32,
+    pub norm_eps: f32,
+}
+
 /// The queries of a sparse attention ([`Backend::sparse_attention_rows_at`]): `q [n, heads ·
 /// head_dim]`, a per-head `sink` in the softmax denominator, the logits' `scale`; probabilities
 /// and output rounded at `precision`.
@@ -526,15 +537,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// The V4 hyper-head's collapse weights of every token of `x [n, hc · dim]` (`proj
     /// [hc, hc · dim]`, `base [hc]`): `σ(m_k · scale + base_k) + hc_eps` with
     /// `m = proj · x · rsqrt(mean(x²) + norm_eps)` → `[n, hc]` fp32 ([`cpu::hyper_head_weights`]).
-    fn hyper_head_weights_rows(
-        &self,
-        x: &Tensor,
-        proj: &[f32],
-        base: &[f32],
-        scale: f32,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> Tensor;
+    fn hyper_head_weights_rows(&self, x: &Tensor, head: &HyperHead<'_>) -> Tensor;
     /// The V4 compressor's pooled entries → fp32 `[entries.len(), width]`: per channel, the softmax
     /// over an entry's slots of `gate + bias` weighting the slots' `kv` ([`PoolSlot`],
     /// [`cpu::pool_entry`]).

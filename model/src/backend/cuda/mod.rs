@@ -108,9 +108,9 @@ use super::select::DeviceRows;
 use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
     AttentionQueries, Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute,
-    ExpertSelection, HcMixes, HcMixing, HcParams, IndexQueries, MoeLayer, PoolSlot, Precision,
-    QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection, Tensor,
-    check_sample_rows, linear_by_groups, select,
+    ExpertSelection, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, MoeLayer, PoolSlot,
+    Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
+    Selection, Tensor, check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -1066,17 +1066,9 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn hyper_head_weights_rows(
-        &self,
-        x: &Tensor,
-        proj: &[f32],
-        base: &[f32],
-        scale: f32,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> Tensor {
+    fn hyper_head_weights_rows(&self, x: &Tensor, head: &HyperHead<'_>) -> Tensor {
         self.run("hyper_head_weights_rows", || {
-            self.try_hyper_head_weights_rows(x, proj, base, scale, hc_eps, norm_eps)
+            self.try_hyper_head_weights_rows(x, head)
         })
     }
 

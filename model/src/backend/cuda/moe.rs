@@ -311,27 +311,6 @@ impl CudaBackend {
         dense(&a_hidden, &shared.w2)
     }
 
-    /// The fast table of a V4 layer's routed experts (the fast numerics), built once and cached
-    /// with the weights; `None` unless every projection is FP4 (`ExpertLinear::Exact`), each in
-    /// one shape across the experts, of width `dim` ([`v4_fast_shape`]).
-    pub(super) fn v4_fast_experts(
-        &self,
-        op: &'static str,
-        experts: &[ExpertWeights<ExpertLinear>],
-        dim: usize,
-    ) -> Result<Option<Arc<DeviceExperts>>, CudaBackendError> {
-        self.cached_expert_table(
-            experts,
-            |cache| &mut cache.expert_tables,
-            |all| {
-                if v4_fast_shape(all).is_none_or(|(width, _)| width != dim) {
-                    return Ok(None);
-                }
-                self.v4_fast_expert_table_of(op, all)
-            },
-        )
-    }
-
     /// The fast table of V4 FP4 `experts` (table index = position in the list), laid out for
     /// the tensor-core routed GEMM; `None` unless [`v4_fast_shape`] takes them.
     pub(super) fn v4_fast_expert_table_of(
@@ -500,7 +479,7 @@ fn v4_fp4(w: &ExpertLinear) -> Option<&Fp4Weight> {
 /// The `(dim, inter)` of V4 experts the fast routed chain takes: every projection FP4, one shape
 /// across them (`w1`, `w3`: `[inter, dim]`; `w2`: `[dim, inter]`); `None` otherwise (or for no
 /// experts).
-fn v4_fast_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)> {
+pub(super) fn v4_fast_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)> {
     let shapes = |e: &ExpertWeights<ExpertLinear>| {
         Some([v4_fp4(&e.w1)?, v4_fp4(&e.w3)?, v4_fp4(&e.w2)?].map(|w| (w.out, w.inp)))
     };
