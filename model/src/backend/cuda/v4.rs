@@ -15,7 +15,7 @@
 //! rounding); the shared expert's projections take [`Backend::linear`]'s fast kernels; dense or
 //! FP8 routed experts keep the exact routed linears (no fast grouped kernel reads them).
 
-use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
+use deepinfer_kernels::ops::routed::{ExpertProjection, RoutedRows, moe_combine, swiglu_rows};
 use deepinfer_kernels::ops::routed_exact::{
     DeviceExactExpertTable, ExactExpertRefs, ExactWeight, gemm_exact_routed,
 };
@@ -310,23 +310,17 @@ impl CudaBackend {
                       width: usize|
          -> Result<CudaSlice<f32>, CudaBackendError> {
             let mut out = self.alloc(op, slots * width)?;
-            gemm_exact_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
-                .map_err(op_err(op))?;
+            let rows = RoutedRows {
+                x,
+                experts: ids,
+                x_row_div,
+                which,
+            };
+            gemm_exact_routed(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
-        let gate = routed(x, x_row_div, ExpertProjection::W1, inter)?;
-        let up = routed(x, x_row_div, ExpertProjection::W3, inter)?;
-        let mut hidden = self.alloc(op, slots * inter)?;
-        swiglu_rows(
-            &self.rt,
-            &gate,
-            &up,
-            Some(route_weights),
-            limit,
-            Rounding::F32,
-            &mut hidden,
-        )
-        .map_err(op_err(op))?;
+        let gate_up = |which| routed(x, x_row_div, which, inter);
+        let hidden = self.routed_swiglu(op, gate_up, route_weights, (limit, Rounding::F32))?;
         routed(&hidden, 1, ExpertProjection::W2, dim)
     }
 
