@@ -52,9 +52,9 @@ use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcMixing, HcParams,
-    IndexQueries, LogprobPick, Precision, RopeTable, Rotation, RowSampling, SampleRowsError,
-    SelectPart, Tensor,
+    AttentionQueries, Backend, CpuBackend, DenseWeight, ExpertSelection, HcMix, HcMixes, HcMixing,
+    HcParams, IndexQueries, LogprobPick, Precision, RopeTable, Rotation, RowSampling,
+    SampleRowsError, SelectPart, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
@@ -2164,13 +2164,18 @@ fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
             position: 17 + 3 * r as u64,
         })
         .collect();
+    let head_weight = DenseWeight {
+        values: &head,
+        out: vocab,
+        inp: dim,
+    };
     let cpu = CpuBackend::new()
-        .sample_linear(&hidden, &head, vocab, dim, &params)
+        .sample_linear(&hidden, head_weight, &params)
         .expect("cpu");
     let transfers = gpu.transfer_counters();
     let before = transfers.snapshot();
     let device = gpu
-        .sample_linear(&hidden, &head, vocab, dim, &params)
+        .sample_linear(&hidden, head_weight, &params)
         .expect("device");
     assert_eq!(device, cpu, "sample_linear ids");
     // Only the ids came back: no op result, no logits.
@@ -2194,7 +2199,7 @@ fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
     );
     assert_eq!(gpu.sample_rows(&logits, vocab, &params).expect("rows"), cpu);
     assert!(matches!(
-        gpu.try_sample_linear(&hidden.rows(0..2, dim), &head, vocab, dim, &params),
+        gpu.try_sample_linear(&hidden.rows(0..2, dim), head_weight, &params),
         Err(CudaBackendError::Op { .. })
     ));
     println!("sample_linear: {rows} rows at vocab {vocab} equal to the CPU");

@@ -21,10 +21,10 @@ use self::dequant::{dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
-    AttentionQueries, Backend, CandidateMask, ExpertRoute, ExpertSelection, HcMix, HcMixes,
-    HcMixing, HcParams, HyperHead, IndexQueries, LogprobPick, MoeLayer, PoolSlot, Precision,
-    QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection, Tensor,
-    check_logprob_picks, check_sample_masked, check_sample_rows,
+    AttentionQueries, Backend, CandidateMask, DenseWeight, ExpertRoute, ExpertSelection, Groups,
+    HcMix, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, LogprobPick, MoeLayer, PoolSlot,
+    Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
+    Selection, Tensor, check_logprob_picks, check_sample_masked, check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -240,16 +240,9 @@ impl Backend for CpuBackend {
         y.into()
     }
 
-    fn linear_grouped_bf16(
-        &self,
-        x: &Tensor,
-        w: &[f32],
-        groups: usize,
-        out: usize,
-        inp: usize,
-    ) -> Tensor {
-        super::linear_by_groups(self, x, (groups, inp, out), |inputs, g| {
-            self.linear_bf16(inputs, &w[g * out * inp..(g + 1) * out * inp], out, inp)
+    fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor {
+        super::linear_by_groups(self, x, shape, |inputs, g| {
+            self.linear_bf16(inputs, shape.weight(w, g), shape.out, shape.inp)
         })
     }
 
@@ -492,12 +485,11 @@ impl Backend for CpuBackend {
     fn sample_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
-        self.sample_rows(&self.linear_f32(x, w, out, inp), out, rows)
+        let logits = self.linear_f32(x, head.values, head.out, head.inp);
+        self.sample_rows(&logits, head.out, rows)
     }
     fn route_experts(
         &self,

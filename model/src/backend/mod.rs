@@ -137,14 +137,42 @@ pub struct AttentionQueries<'a> {
     pub precision: Precision,
 }
 
-/// A grouped linear from its groups: `x [n, groups · inp]`; `linear(inputs, g)` maps group `g`'s
-/// columns `[n, inp]` to `[n, out]`; the groups' outputs side by side, `[n, groups · out]`.
+/// A plain weight `W [out, inp]` (row-major fp32 values), by reference.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseWeight<'a> {
+    pub values: &'a [f32],
+    pub out: usize,
+    pub inp: usize,
+}
+
+/// The shape of a grouped linear ([`Backend::linear_grouped_bf16`], [`linear_by_groups`]):
+/// `groups` weights `[out, inp]` one after another; group `g` maps its `inp` columns of the input
+/// to its `out` columns of the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Groups {
+    pub groups: usize,
+    pub out: usize,
+    pub inp: usize,
+}
+
+impl Groups {
+    /// Group `g`'s weight `[out, inp]` among the grouped weights `w`.
+    pub fn weight<'w>(&self, w: &'w [f32], g: usize) -> &'w [f32] {
+        let size = self.out * self.inp;
+        &w[g * size..(g + 1) * size]
+    }
+}
+
+/// A grouped linear from its groups ([`Groups`]): `x [n, groups · inp]`; `linear(inputs, g)` maps
+/// group `g`'s columns `[n, inp]` to `[n, out]`; the groups' outputs side by side, `[n, groups ·
+/// out]`.
 pub fn linear_by_groups(
     backend: &dyn Backend,
     x: &Tensor,
-    (groups, inp, out): (usize, usize, usize),
+    shape: Groups,
     linear: impl Fn(&Tensor, usize) -> Tensor,
 ) -> Tensor {
+    let Groups { groups, out, inp } = shape;
     let n = x.len() / (groups * inp).max(1);
     let outputs: Vec<Tensor> = (0..groups)
         .map(|g| {
@@ -341,14 +369,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// weights `[out, inp]` one after another; group `g` is [`Backend::linear_bf16`] of the
     /// columns `[g · inp, (g + 1) · inp)` of `x` into the columns `[g · out, (g + 1) · out)` of
     /// the result `[n, groups · out]` ([`linear_by_groups`] is the definition).
-    fn linear_grouped_bf16(
-        &self,
-        x: &Tensor,
-        w: &[f32],
-        groups: usize,
-        out: usize,
-        inp: usize,
-    ) -> Tensor;
+    fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor;
     /// `width` values from each `(tensor, offset)` of `pieces`, one after another: the row
     /// movement between ops (gathering rows, columns, interleaving) without leaving the device.
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor;
@@ -468,9 +489,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn sample_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError>;
 

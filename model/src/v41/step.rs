@@ -10,7 +10,7 @@ use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::vision::ImageChunk;
 use super::{Model, attention, block, dspark};
-use crate::backend::{Backend, LogprobPick, Precision, RowSampling, Tensor};
+use crate::backend::{Backend, DenseWeight, LogprobPick, Precision, RowSampling, Tensor};
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
@@ -566,9 +566,11 @@ impl Model {
                         rows_of(wanted, wants, true).filter_map(slot),
                         dim,
                     ),
-                    &self.weights.head,
-                    vocab,
-                    dim,
+                    DenseWeight {
+                        values: &self.weights.head,
+                        out: vocab,
+                        inp: dim,
+                    },
                     &sampling,
                 )
                 .map_err(|e| ModelError::Sequence {

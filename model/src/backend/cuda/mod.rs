@@ -107,9 +107,9 @@ use half::bf16;
 use super::select::DeviceRows;
 use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
-    AttentionQueries, Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute,
-    ExpertSelection, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, MoeLayer, PoolSlot,
-    Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
+    AttentionQueries, Backend, CandidateMask, Candidates, DenseWeight, DeviceBuffer, ExpertRoute,
+    ExpertSelection, Groups, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, MoeLayer,
+    PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
     Selection, Tensor, check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
@@ -811,16 +811,9 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn linear_grouped_bf16(
-        &self,
-        x: &Tensor,
-        w: &[f32],
-        groups: usize,
-        out: usize,
-        inp: usize,
-    ) -> Tensor {
+    fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor {
         self.run("linear_grouped_bf16", || {
-            self.try_linear_grouped_bf16(x, w, groups, out, inp)
+            self.try_linear_grouped_bf16(x, w, shape)
         })
     }
 
@@ -965,11 +958,10 @@ impl Backend for CudaBackend {
     fn sample_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
+        let (out, inp) = (head.out, head.inp);
         if rows.is_empty() && x.is_empty() {
             return Ok(Vec::new());
         }
@@ -983,9 +975,7 @@ impl Backend for CudaBackend {
                 vocab: out,
             });
         }
-        Ok(self.run("sample_linear", || {
-            self.try_sample_linear(x, w, out, inp, rows)
-        }))
+        Ok(self.run("sample_linear", || self.try_sample_linear(x, head, rows)))
     }
 
     fn route_experts(

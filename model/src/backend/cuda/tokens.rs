@@ -39,12 +39,11 @@ impl CudaBackend {
     pub fn try_sample_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, CudaBackendError> {
         const OP: &str = "sample_linear";
+        let (w, out, inp) = (head.values, head.out, head.inp);
         if inp == 0 || out == 0 || x.len() != rows.len() * inp || w.len() < out * inp {
             return Err(shape_err(
                 OP,
