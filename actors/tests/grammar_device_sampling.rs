@@ -21,7 +21,7 @@ use deepinfer_actors::rank::executor::{
 };
 use deepinfer_actors::rank::fake::{FakeConfig, FakeExecutor};
 use deepinfer_actors::rank::worker::RankWorker;
-use deepinfer_model::backend::{Backend, CpuBackend, RowSampling, Tensor};
+use deepinfer_model::backend::{Backend, CpuBackend, MaskedRows, RowSampling, Tensor};
 use deepinfer_model::sampling::AllowedTokens;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::{DpRank, RequestId, StepId};
@@ -86,7 +86,12 @@ impl ExecutorLayer for Device {
             log.masked_rows += allowed.iter().filter(|a| a.is_some()).count();
         }
         CpuBackend
-            .sample_masked(&logits, vocab, &sampling, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &sampling,
+                allowed: &allowed,
+            })
             .map_err(|e| ExecError::Backend(e.to_string()))
     }
 }

@@ -53,7 +53,7 @@ use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
     AttentionQueries, Backend, CpuBackend, DenseWeight, ExpertSelection, HcMix, HcMixes, HcMixing,
-    HcParams, IndexQueries, LogprobPick, Precision, RopeTable, Rotation, RowSampling,
+    HcParams, IndexQueries, LogprobPick, MaskedRows, Precision, RopeTable, Rotation, RowSampling,
     SampleRowsError, SelectPart, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
@@ -2267,10 +2267,20 @@ fn backend_token_logprobs_equal_the_cpu_bit_for_bit() {
         let logits = Tensor::from(logits);
         let allowed: Vec<Option<&AllowedTokens>> = masks.iter().map(Option::as_ref).collect();
         let on_gpu = gpu
-            .token_logprobs_masked(&logits, vocab, &picks, &allowed)
+            .token_logprobs_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &picks,
+                allowed: &allowed,
+            })
             .expect("masks fit");
         let on_cpu = cpu
-            .token_logprobs_masked(&logits, vocab, &picks, &allowed)
+            .token_logprobs_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &picks,
+                allowed: &allowed,
+            })
             .expect("masks fit");
         assert_eq!(on_gpu.len(), picks.len());
         for (r, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
@@ -2282,7 +2292,12 @@ fn backend_token_logprobs_equal_the_cpu_bit_for_bit() {
         }
         if vocab > 100 {
             let unmasked = gpu
-                .token_logprobs_masked(&logits, vocab, &picks, &vec![None; picks.len()])
+                .token_logprobs_masked(MaskedRows {
+                    logits: &logits,
+                    vocab,
+                    rows: &picks,
+                    allowed: &vec![None; picks.len()],
+                })
                 .expect("shapes fit");
             let moved = unmasked.iter().zip(&on_gpu).filter(|(a, b)| a != b).count();
             assert!(
@@ -2322,7 +2337,12 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
         let allowed: Vec<Option<&AllowedTokens>> = masks.iter().map(Option::as_ref).collect();
         let before = transfers.snapshot();
         let on_gpu = gpu
-            .sample_masked(&logits, vocab, &params, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &params,
+                allowed: &allowed,
+            })
             .expect("masks fit");
         let copied = transfers.snapshot() - before;
         assert_eq!(
@@ -2331,7 +2351,12 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
             "vocab {vocab}: only the ids come back"
         );
         let on_cpu = cpu
-            .sample_masked(&logits, vocab, &params, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &params,
+                allowed: &allowed,
+            })
             .expect("masks fit");
         for (r, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
             assert_eq!(
@@ -2346,7 +2371,12 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
         checked += rows;
         if vocab > 100 {
             let unmasked = gpu
-                .sample_masked(&logits, vocab, &params, &vec![None; rows])
+                .sample_masked(MaskedRows {
+                    logits: &logits,
+                    vocab,
+                    rows: &params,
+                    allowed: &vec![None; rows],
+                })
                 .expect("shapes fit");
             let moved = unmasked.iter().zip(&on_gpu).filter(|(a, b)| a != b).count();
             assert!(moved > 0, "vocab {vocab}: the masks changed no token");
@@ -2358,14 +2388,24 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
     let nothing = AllowedTokens::from_tokens(7, &[]);
     let wide = AllowedTokens::from_tokens(8, &[7]);
     assert!(matches!(
-        gpu.sample_masked(&logits, 7, &params, &[None, Some(&nothing)]),
+        gpu.sample_masked(MaskedRows {
+            logits: &logits,
+            vocab: 7,
+            rows: &params,
+            allowed: &[None, Some(&nothing)]
+        }),
         Err(SampleRowsError::Mask {
             row: 1,
             source: MaskError::NothingAllowed { .. }
         })
     ));
     assert!(matches!(
-        gpu.sample_masked(&logits, 7, &params, &[Some(&wide), None]),
+        gpu.sample_masked(MaskedRows {
+            logits: &logits,
+            vocab: 7,
+            rows: &params,
+            allowed: &[Some(&wide), None]
+        }),
         Err(SampleRowsError::Mask {
             row: 0,
             source: MaskError::RowTooShort { .. }

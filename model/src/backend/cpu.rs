@@ -22,9 +22,9 @@ use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
     AttentionQueries, Backend, CandidateMask, DenseWeight, ExpertRoute, ExpertSelection, Groups,
-    HcMix, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, LogprobPick, MoeLayer, PoolSlot,
-    Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
-    Selection, Tensor, check_logprob_picks, check_sample_masked, check_sample_rows,
+    HcMix, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, LogprobPick, MaskedRows, MoeLayer,
+    PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
+    Selection, Tensor, check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -32,7 +32,7 @@ use crate::quant::{
     self, dot_bf16_gemm, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
     sum_f32_torch, sum_squares_f32, sum_squares_f32_torch,
 };
-use crate::sampling::{AllowedTokens, TokenLogprobs};
+use crate::sampling::TokenLogprobs;
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 /// Probabilities are accumulated in blocks of this many keys (the reference kernel's block).
@@ -444,18 +444,15 @@ impl Backend for CpuBackend {
     }
     fn sample_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        rows: &[RowSampling],
-        allowed: &[Option<&AllowedTokens>],
+        rows: MaskedRows<'_, RowSampling>,
     ) -> Result<Vec<u32>, SampleRowsError> {
-        check_sample_masked(logits.len(), vocab, rows, allowed)?;
-        if rows.is_empty() {
+        rows.check()?;
+        if rows.rows.is_empty() {
             return Ok(Vec::new());
         }
-        logits
-            .chunks_exact(vocab)
-            .zip(rows.iter().zip(allowed))
+        rows.logits
+            .chunks_exact(rows.vocab)
+            .zip(rows.rows.iter().zip(rows.allowed))
             .enumerate()
             .map(|(row, (values, (r, allowed)))| {
                 crate::sampling::sample_allowed(values, &r.params, r.position, *allowed)
@@ -465,15 +462,13 @@ impl Backend for CpuBackend {
     }
     fn token_logprobs_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        picks: &[LogprobPick],
-        allowed: &[Option<&AllowedTokens>],
+        picks: MaskedRows<'_, LogprobPick>,
     ) -> Result<Vec<TokenLogprobs>, SampleRowsError> {
-        check_logprob_picks(logits.len(), vocab, picks, allowed)?;
-        logits
-            .chunks_exact(vocab)
-            .zip(picks.iter().zip(allowed))
+        picks.check()?;
+        picks
+            .logits
+            .chunks_exact(picks.vocab)
+            .zip(picks.rows.iter().zip(picks.allowed))
             .enumerate()
             .map(|(row, (values, (pick, allowed)))| {
                 crate::sampling::token_logprobs(values, *allowed, pick.token, pick.top)

@@ -458,29 +458,21 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError>;
 
-    /// [`Backend::sample_rows`] of the logits rows `logits` (`[rows.len(), vocab]`, a tensor:
-    /// on a device backend they are read where they are) with row `r` restricted to
-    /// `allowed[r]` when given: its disallowed logits are −∞ before the sampling math
-    /// ([`crate::sampling::sample_allowed`] is the definition). A mask wider than the vocabulary
-    /// or allowing nothing is [`SampleRowsError::Mask`] naming the row.
-    fn sample_masked(
-        &self,
-        logits: &Tensor,
-        vocab: usize,
-        rows: &[RowSampling],
-        allowed: &[Option<&AllowedTokens>],
-    ) -> Result<Vec<u32>, SampleRowsError>;
+    /// [`Backend::sample_rows`] of the [`MaskedRows`] `rows` (the logits read where they are on
+    /// a device backend) with row `r` restricted to `allowed[r]` when given: its disallowed
+    /// logits are −∞ before the sampling math ([`crate::sampling::sample_allowed`] is the
+    /// definition). A mask wider than the vocabulary or allowing nothing is
+    /// [`SampleRowsError::Mask`] naming the row.
+    fn sample_masked(&self, rows: MaskedRows<'_, RowSampling>)
+    -> Result<Vec<u32>, SampleRowsError>;
 
-    /// The log-probabilities of `picks[r].token` under row `r` of `logits` (`[picks.len(),
-    /// vocab]`, read where they are) after `allowed[r]` (if any) set its disallowed logits to −∞,
-    /// with `picks[r].top` alternatives ([`crate::sampling::token_logprobs`] is the definition;
-    /// a device implementation returns the same bits). Checked as [`Backend::sample_masked`].
+    /// The log-probabilities of `picks.rows[r].token` under row `r` of the [`MaskedRows`] `picks`
+    /// after `allowed[r]` (if any) set its disallowed logits to −∞, with `picks.rows[r].top`
+    /// alternatives ([`crate::sampling::token_logprobs`] is the definition; a device
+    /// implementation returns the same bits). Checked as [`Backend::sample_masked`].
     fn token_logprobs_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        picks: &[LogprobPick],
-        allowed: &[Option<&AllowedTokens>],
+        picks: MaskedRows<'_, LogprobPick>,
     ) -> Result<Vec<TokenLogprobs>, SampleRowsError>;
 
     /// One token per row of the fp32 logits `x · Wᵀ` ([`Backend::linear_f32`], `W [out, inp]`),
@@ -573,17 +565,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Option<Tensor>;
 }
 
-/// The checks of [`Backend::token_logprobs_masked`]: those of [`check_sample_masked`] (the
-/// picks are its rows).
-pub fn check_logprob_picks(
-    logits_len: usize,
-    vocab: usize,
-    picks: &[LogprobPick],
-    allowed: &[Option<&AllowedTokens>],
-) -> Result<(), SampleRowsError> {
-    check_masked_rows(logits_len, vocab, picks.len(), allowed)
-}
-
 /// The shape check of [`Backend::sample_rows`], shared by every implementation.
 pub fn check_sample_rows(
     logits: &[f32],
@@ -606,16 +587,30 @@ pub fn check_sample_rows(
     Ok(())
 }
 
-/// The checks of [`Backend::sample_masked`] (`logits_len` values), shared by every
-/// implementation: the shape of [`check_sample_rows`], one mask entry per row, each mask within
-/// the vocabulary and allowing some token.
-pub fn check_sample_masked(
-    logits_len: usize,
-    vocab: usize,
-    rows: &[RowSampling],
-    allowed: &[Option<&AllowedTokens>],
-) -> Result<(), SampleRowsError> {
-    check_masked_rows(logits_len, vocab, rows.len(), allowed)
+/// Logits rows `logits` (`[rows.len(), vocab]`, a tensor) with one entry of `rows` (a row's
+/// sampling, or a token whose log-probability is asked) and one optional mask of `allowed` per
+/// row ([`Backend::sample_masked`], [`Backend::token_logprobs_masked`]).
+pub struct MaskedRows<'a, R> {
+    pub logits: &'a Tensor,
+    pub vocab: usize,
+    pub rows: &'a [R],
+    pub allowed: &'a [Option<&'a AllowedTokens>],
+}
+
+impl<R> Clone for MaskedRows<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R> Copy for MaskedRows<'_, R> {}
+
+impl<R> MaskedRows<'_, R> {
+    /// The checks every implementation shares: the shape of [`check_sample_rows`], one mask
+    /// entry per row, each mask within the vocabulary and allowing some token.
+    pub fn check(&self) -> Result<(), SampleRowsError> {
+        check_masked_rows(self.logits.len(), self.vocab, self.rows.len(), self.allowed)
+    }
 }
 
 /// `logits_len` values are `rows` rows of `vocab`, with one mask entry per row, each within the

@@ -10,7 +10,9 @@ use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::vision::ImageChunk;
 use super::{Model, attention, block, dspark};
-use crate::backend::{Backend, DenseWeight, LogprobPick, Precision, RowSampling, Tensor};
+use crate::backend::{
+    Backend, DenseWeight, LogprobPick, MaskedRows, Precision, RowSampling, Tensor,
+};
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
@@ -419,7 +421,12 @@ impl Model {
             .collect();
         let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
         backend
-            .sample_masked(&logits, vocab, &sampling, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &sampling,
+                allowed: &allowed,
+            })
             .map_err(|e| ModelError::Sequence {
                 message: e.to_string(),
             })
@@ -442,7 +449,12 @@ impl Model {
         let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
         self.ctx()
             .backend
-            .token_logprobs_masked(&logits, self.cfg.vocab_size, picks, &allowed)
+            .token_logprobs_masked(MaskedRows {
+                logits: &logits,
+                vocab: self.cfg.vocab_size,
+                rows: picks,
+                allowed: &allowed,
+            })
             .map_err(|e| ModelError::Sequence {
                 message: e.to_string(),
             })

@@ -108,9 +108,9 @@ use super::select::DeviceRows;
 use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
     AttentionQueries, Backend, CandidateMask, Candidates, DenseWeight, DeviceBuffer, ExpertRoute,
-    ExpertSelection, Groups, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, MoeLayer,
-    PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
-    Selection, Tensor, check_sample_rows, linear_by_groups, select,
+    ExpertSelection, Groups, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, MaskedRows,
+    MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom,
+    SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -931,27 +931,19 @@ impl Backend for CudaBackend {
 
     fn sample_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        rows: &[RowSampling],
-        allowed: &[Option<&crate::sampling::AllowedTokens>],
+        rows: MaskedRows<'_, RowSampling>,
     ) -> Result<Vec<u32>, SampleRowsError> {
-        super::check_sample_masked(logits.len(), vocab, rows, allowed)?;
-        Ok(self.run("sample_masked", || {
-            self.try_sample_masked(logits, vocab, rows, allowed)
-        }))
+        rows.check()?;
+        Ok(self.run("sample_masked", || self.try_sample_masked(rows)))
     }
 
     fn token_logprobs_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        picks: &[super::LogprobPick],
-        allowed: &[Option<&crate::sampling::AllowedTokens>],
+        picks: MaskedRows<'_, super::LogprobPick>,
     ) -> Result<Vec<crate::sampling::TokenLogprobs>, SampleRowsError> {
-        super::check_logprob_picks(logits.len(), vocab, picks, allowed)?;
+        picks.check()?;
         Ok(self.run("token_logprobs_masked", || {
-            self.try_token_logprobs_masked(logits, vocab, picks, allowed)
+            self.try_token_logprobs_masked(picks)
         }))
     }
 

@@ -79,12 +79,11 @@ impl CudaBackend {
     /// the mask kernel, the rows sampled by the sampling kernel; only the ids come back.
     pub fn try_sample_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        rows: &[RowSampling],
-        allowed: &[Option<&AllowedTokens>],
+        masked: MaskedRows<'_, RowSampling>,
     ) -> Result<Vec<u32>, CudaBackendError> {
         const OP: &str = "sample_masked";
+        let (logits, vocab, rows) = (masked.logits, masked.vocab, masked.rows);
+        let allowed = masked.allowed;
         if rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -135,12 +134,11 @@ impl CudaBackend {
     /// one block per row, and only each row's log-probability and alternatives come back.
     pub fn try_token_logprobs_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        picks: &[LogprobPick],
-        allowed: &[Option<&AllowedTokens>],
+        masked: MaskedRows<'_, LogprobPick>,
     ) -> Result<Vec<TokenLogprobs>, CudaBackendError> {
         const OP: &str = "token_logprobs_masked";
+        let (logits, vocab, picks) = (masked.logits, masked.vocab, masked.rows);
+        let allowed = masked.allowed;
         if picks.is_empty() {
             return Ok(Vec::new());
         }
