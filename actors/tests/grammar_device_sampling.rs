@@ -16,9 +16,7 @@ use common::grammar_set::{EOS, VOCAB, engine};
 use deepinfer_actors::SamplingParams;
 use deepinfer_actors::grammar::{Constraint, ConstraintStart, MaskWorkers};
 use deepinfer_actors::messages::rank::{NewSeq, SeqGrammar, SeqInput, SeqWork, StepMode, StepPlan};
-use deepinfer_actors::rank::executor::{
-    ExecError, ExecutorLayer, Layered, RankExecutor, SeqTokens,
-};
+use deepinfer_actors::rank::executor::{ExecError, ExecStep, ExecutorLayer, Layered, RankExecutor};
 use deepinfer_actors::rank::fake::{FakeConfig, FakeExecutor};
 use deepinfer_actors::rank::worker::RankWorker;
 use deepinfer_model::backend::{Backend, CpuBackend, MaskedRows, RowSampling, Tensor};
@@ -52,10 +50,9 @@ impl ExecutorLayer for Device {
     fn execute(
         &mut self,
         inner: &mut dyn RankExecutor,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        let sampled = inner.execute(batch, sampling)?;
+        let sampled = inner.execute(ExecStep { batch, sampling })?;
         Ok(sampled
             .into_iter()
             .map(|out| match out {
