@@ -185,9 +185,13 @@ impl Model {
                 .map(|((seq, tokens), span)| match cp {
                     // Every rank hashes the whole chunk (the history needs it), keeps its rows.
                     Some(cp) => engram
+                        .hasher()
                         .hash_chunk(&mut seq.engram, tokens, &[])
                         .select(cp.own_rows()),
-                    None => engram.hash_chunk(&mut seq.engram, tokens, &dead[span.clone()]),
+                    None => {
+                        let dead = &dead[span.clone()];
+                        engram.hasher().hash_chunk(&mut seq.engram, tokens, dead)
+                    }
                 })
                 .collect()
         });
