@@ -16,12 +16,10 @@ use common::grammar_set::{EOS, VOCAB, engine};
 use deepinfer_actors::SamplingParams;
 use deepinfer_actors::grammar::{Constraint, ConstraintStart, MaskWorkers};
 use deepinfer_actors::messages::rank::{NewSeq, SeqGrammar, SeqInput, SeqWork, StepMode, StepPlan};
-use deepinfer_actors::rank::executor::{
-    ExecError, ExecutorLayer, Layered, RankExecutor, SeqTokens,
-};
+use deepinfer_actors::rank::executor::{ExecError, ExecStep, ExecutorLayer, Layered, RankExecutor};
 use deepinfer_actors::rank::fake::{FakeConfig, FakeExecutor};
 use deepinfer_actors::rank::worker::RankWorker;
-use deepinfer_model::backend::{Backend, CpuBackend, RowSampling, Tensor};
+use deepinfer_model::backend::{Backend, CpuBackend, MaskedRows, RowSampling, Tensor};
 use deepinfer_model::sampling::AllowedTokens;
 use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::{DpRank, RequestId, StepId};
@@ -52,10 +50,9 @@ impl ExecutorLayer for Device {
     fn execute(
         &mut self,
         inner: &mut dyn RankExecutor,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        let sampled = inner.execute(batch, sampling)?;
+        let sampled = inner.execute(ExecStep { batch, sampling })?;
         Ok(sampled
             .into_iter()
             .map(|out| match out {
@@ -86,7 +83,12 @@ impl ExecutorLayer for Device {
             log.masked_rows += allowed.iter().filter(|a| a.is_some()).count();
         }
         CpuBackend
-            .sample_masked(&logits, vocab, &sampling, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &sampling,
+                allowed: &allowed,
+            })
             .map_err(|e| ExecError::Backend(e.to_string()))
     }
 }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use common::grammar_set::{Case, EOS, Generation, VOCAB, check_output, engine, test_set};
 use deepinfer_actors::grammar::{Constraint, ConstraintStart, MaskWorkers, TokenId};
 use deepinfer_actors::messages::rank::{NewSeq, SeqGrammar, SeqInput, SeqWork, StepMode, StepPlan};
-use deepinfer_actors::rank::executor::{ExecError, RankExecutor, SeqTokens, sample_on_host};
+use deepinfer_actors::rank::executor::{ExecError, ExecStep, RankExecutor, sample_on_host};
 use deepinfer_actors::rank::worker::RankWorker;
 use deepinfer_actors::{Completion, Engine, FinishReason, GenerateRequest, SamplingParams};
 use deepinfer_model::EntryOutput;
@@ -302,8 +302,7 @@ impl RankExecutor for RecordingExecutor {
 
     fn execute(
         &mut self,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         self.forwards += 1;
         // Every step of the test samples one constrained token, so by now the mask of this step

@@ -221,6 +221,14 @@ impl AnyModel {
         }
     }
 
+    /// V4.1's decoder window, the bound of a replay; `None` for V4 (no decoder bounded replay).
+    pub fn decoder_window(&self) -> Option<usize> {
+        match self {
+            AnyModel::V41(model) => Some(model.config().window_size),
+            AnyModel::V4(_) => None,
+        }
+    }
+
     /// Whether the model drafts ([`AnyModel::draft_step`] proposes).
     pub fn has_drafter(&self) -> bool {
         match self {

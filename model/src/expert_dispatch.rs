@@ -70,14 +70,8 @@ pub trait ExpertHost: Send + Sync {
     fn run_routed_expert(&self, expert: &RoutedExpert, x: &[f32], weight: f32) -> Vec<f32>;
 
     /// [`ExpertHost::run_routed_expert`] with this model's own weights of routed expert `expert`
-    /// of backbone layer `layer` (`None`: it does not hold that expert).
-    fn run_held_expert(
-        &self,
-        layer: usize,
-        expert: usize,
-        x: &[f32],
-        weight: f32,
-    ) -> Option<Vec<f32>>;
+    /// of backbone layer `layer`, `held = (layer, expert)` (`None`: it does not hold that expert).
+    fn run_held_expert(&self, held: (usize, usize), x: &[f32], weight: f32) -> Option<Vec<f32>>;
 
     /// Whether this model holds routed expert `expert` of backbone layer `layer` (an
     /// `ExpertFilter` may have left it out).

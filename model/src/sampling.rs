@@ -748,7 +748,9 @@ mod tests {
 
     #[test]
     fn the_cpu_backend_samples_masked_rows_and_names_a_bad_row() {
-        use crate::backend::{Backend, CpuBackend, RowSampling, SampleRowsError, Tensor};
+        use crate::backend::{
+            Backend, CpuBackend, MaskedRows, RowSampling, SampleRowsError, Tensor,
+        };
         let vocab = 64;
         let logits: Vec<f32> = (0..3 * vocab)
             .map(|i| ((i * 29 % 61) as f32) / 7.0)
@@ -768,7 +770,12 @@ mod tests {
         let few = AllowedTokens::from_tokens(vocab, &[1, 2, 60]);
         let allowed = [Some(&one), None, Some(&few)];
         let got = CpuBackend
-            .sample_masked(&Tensor::from(logits.clone()), vocab, &rows, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &Tensor::from(logits.clone()),
+                vocab,
+                rows: &rows,
+                allowed: &allowed,
+            })
             .expect("fits");
         let expected: Vec<u32> = logits
             .chunks_exact(vocab)
@@ -784,19 +791,34 @@ mod tests {
         let nothing = AllowedTokens::from_tokens(vocab, &[]);
         let tensor = Tensor::from(logits);
         assert_eq!(
-            CpuBackend.sample_masked(&tensor, vocab, &rows, &[None, Some(&nothing), None]),
+            CpuBackend.sample_masked(MaskedRows {
+                logits: &tensor,
+                vocab,
+                rows: &rows,
+                allowed: &[None, Some(&nothing), None]
+            }),
             Err(SampleRowsError::Mask {
                 row: 1,
                 source: MaskError::NothingAllowed { vocab }
             })
         );
         assert_eq!(
-            CpuBackend.sample_masked(&tensor, vocab, &rows, &[None, None]),
+            CpuBackend.sample_masked(MaskedRows {
+                logits: &tensor,
+                vocab,
+                rows: &rows,
+                allowed: &[None, None]
+            }),
             Err(SampleRowsError::MaskCount { found: 2, rows: 3 })
         );
         let wide = AllowedTokens::from_tokens(vocab + 1, &[0]);
         assert!(matches!(
-            CpuBackend.sample_masked(&tensor, vocab, &rows, &[None, None, Some(&wide)]),
+            CpuBackend.sample_masked(MaskedRows {
+                logits: &tensor,
+                vocab,
+                rows: &rows,
+                allowed: &[None, None, Some(&wide)]
+            }),
             Err(SampleRowsError::Mask {
                 row: 2,
                 source: MaskError::RowTooShort { .. }
@@ -902,7 +924,9 @@ mod tests {
 
     #[test]
     fn the_cpu_backend_reports_logprobs_of_masked_rows_and_names_a_bad_row() {
-        use crate::backend::{Backend, CpuBackend, LogprobPick, SampleRowsError, Tensor};
+        use crate::backend::{
+            Backend, CpuBackend, LogprobPick, MaskedRows, SampleRowsError, Tensor,
+        };
         let vocab = 40;
         let logits: Vec<f32> = (0..2 * vocab)
             .map(|i| ((i * 13 % 29) as f32) / 5.0)
@@ -914,7 +938,12 @@ mod tests {
         ];
         let tensor = Tensor::from(logits.clone());
         let got = CpuBackend
-            .token_logprobs_masked(&tensor, vocab, &picks, &[None, Some(&few)])
+            .token_logprobs_masked(MaskedRows {
+                logits: &tensor,
+                vocab,
+                rows: &picks,
+                allowed: &[None, Some(&few)],
+            })
             .expect("fits");
         let expected = [
             token_logprobs(&logits[..vocab], None, 7, 2),
@@ -924,14 +953,24 @@ mod tests {
         assert_eq!(got[1].top.len(), 3, "only the allowed tokens");
         let nothing = AllowedTokens::from_tokens(vocab, &[]);
         assert_eq!(
-            CpuBackend.token_logprobs_masked(&tensor, vocab, &picks, &[None, Some(&nothing)]),
+            CpuBackend.token_logprobs_masked(MaskedRows {
+                logits: &tensor,
+                vocab,
+                rows: &picks,
+                allowed: &[None, Some(&nothing)]
+            }),
             Err(SampleRowsError::Mask {
                 row: 1,
                 source: MaskError::NothingAllowed { vocab }
             })
         );
         assert_eq!(
-            CpuBackend.token_logprobs_masked(&tensor, vocab, &picks[..1], &[None]),
+            CpuBackend.token_logprobs_masked(MaskedRows {
+                logits: &tensor,
+                vocab,
+                rows: &picks[..1],
+                allowed: &[None]
+            }),
             Err(SampleRowsError::LogitsShape {
                 found: 2 * vocab,
                 rows: 1,

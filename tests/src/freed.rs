@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use deepinfer_actors::Engine;
 use deepinfer_actors::rank::executor::{
-    ExecError, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor, SeqTokens,
+    ExecError, ExecStep, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor,
 };
-use deepinfer_actors::{Engine, SamplingParams};
 use deepinfer_model::EntryOutput;
 use deepinfer_topology::RequestId;
 
@@ -93,13 +93,12 @@ impl ExecutorLayer for Tracking {
     fn execute(
         &mut self,
         inner: &mut dyn RankExecutor,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         if !sampling.is_empty() {
             self.requests.extend(batch.iter().map(|entry| entry.id));
         }
-        inner.execute(batch, sampling)
+        inner.execute(ExecStep { batch, sampling })
     }
     fn free_sequence(&mut self, inner: &mut dyn RankExecutor, id: RequestId) {
         self.record(inner, id);

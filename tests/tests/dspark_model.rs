@@ -21,12 +21,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use deepinfer_actors::SamplingParams;
 use deepinfer_actors::experts::factory::ExpertParallelFactory;
 use deepinfer_actors::messages::scheduler::SchedulerStats;
 use deepinfer_actors::model_source::build_demo;
 use deepinfer_actors::rank::executor::{
-    Draft, ExecError, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor, SeqTokens,
+    Draft, ExecError, ExecStep, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor,
 };
 use deepinfer_actors::rank::factory::ModelFactory;
 use deepinfer_actors::tools::logits;
@@ -127,8 +126,7 @@ impl ExecutorLayer for Oracle {
     fn execute(
         &mut self,
         inner: &mut dyn RankExecutor,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         for entry in batch.iter().filter(|e| e.all_rows) {
             let mut known = self.histories.get(&entry.id).cloned().unwrap_or_default();
@@ -150,7 +148,7 @@ impl ExecutorLayer for Oracle {
                 counts.partial.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let rows = inner.execute(batch, sampling)?;
+        let rows = inner.execute(ExecStep { batch, sampling })?;
         for entry in batch {
             if let Some(history) = self.histories.get_mut(&entry.id) {
                 history.extend_from_slice(entry.tokens);

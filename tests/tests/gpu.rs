@@ -52,8 +52,9 @@ use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    Backend, CpuBackend, ExpertSelection, HcMix, HcMixes, HcMixing, HcParams, LogprobPick,
-    Precision, RopeTable, Rotation, RowSampling, SampleRowsError, Tensor,
+    AttentionQueries, Backend, CpuBackend, DenseWeight, ExpertSelection, HcMix, HcMixes, HcMixing,
+    HcParams, IndexQueries, LogprobPick, MaskedRows, Precision, RopeTable, Rotation, RowSampling,
+    SampleRowsError, SelectPart, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
@@ -112,7 +113,15 @@ fn attention_of_one(
     let keys: Vec<Tensor> = keys.iter().map(|&k| Tensor::from(k)).collect();
     let list: Vec<&Tensor> = keys.iter().collect();
     backend
-        .sparse_attention_rows_at(&q.into(), &[list], sink, scale, precision)
+        .sparse_attention_rows_at(
+            AttentionQueries {
+                q: &q.into(),
+                sink,
+                scale,
+                precision,
+            },
+            &[list],
+        )
         .into_vec()
 }
 
@@ -164,12 +173,16 @@ fn scores_of_one(
     let visible = [keys.len()];
     backend
         .index_scores_rows_at(
-            &q.into(),
-            &weights.into(),
-            &keys,
-            head_dim,
-            &visible,
-            precision,
+            IndexQueries {
+                q: &q.into(),
+                weights: &weights.into(),
+                head_dim,
+                precision,
+            },
+            SelectPart {
+                keys: &keys,
+                visible: &visible,
+            },
         )
         .remove(0)
 }
@@ -1758,11 +1771,17 @@ fn backend_sparse_attention_rows_match_the_cpu_and_the_one_query_op() {
             let q = Tensor::from(bf16_unit(&mut rng, n * heads * head_dim));
             for precision in PRECISIONS {
                 let what = format!("attention rows h{heads} d{head_dim} n{n} {precision:?}");
-                let rows = gpu.sparse_attention_rows_at(&q, &keys, &sink, scale, precision);
+                let attention = AttentionQueries {
+                    q: &q,
+                    sink: &sink,
+                    scale,
+                    precision,
+                };
+                let rows = gpu.sparse_attention_rows_at(attention, &keys);
                 checked += assert_bitwise(
                     &format!("{what} vs cpu"),
                     &rows,
-                    &cpu.sparse_attention_rows_at(&q, &keys, &sink, scale, precision),
+                    &cpu.sparse_attention_rows_at(attention, &keys),
                 );
                 let width = heads * head_dim;
                 for (t, query_keys) in keys.iter().enumerate() {
@@ -1811,10 +1830,18 @@ fn backend_index_scores_rows_match_the_cpu_and_the_one_query_op() {
                 for precision in PRECISIONS {
                     let what =
                         format!("index rows h{heads} d{head_dim} keys{n_keys} n{n} {precision:?}");
-                    let rows =
-                        gpu.index_scores_rows_at(&q, &w, &key_refs, head_dim, &visible, precision);
-                    let reference =
-                        cpu.index_scores_rows_at(&q, &w, &key_refs, head_dim, &visible, precision);
+                    let queries = IndexQueries {
+                        q: &q,
+                        weights: &w,
+                        head_dim,
+                        precision,
+                    };
+                    let part = SelectPart {
+                        keys: &key_refs,
+                        visible: &visible,
+                    };
+                    let rows = gpu.index_scores_rows_at(queries, part);
+                    let reference = cpu.index_scores_rows_at(queries, part);
                     assert_eq!(rows.len(), n, "{what}: queries");
                     for (t, (row, cpu_row)) in rows.iter().zip(&reference).enumerate() {
                         checked +=
@@ -1887,11 +1914,13 @@ fn row_ops_reject_mismatched_shapes() {
     let short_key = key.range(0..4);
     let err = gpu
         .try_sparse_attention_rows(
-            &Tensor::from(vec![0.5; 16]),
+            AttentionQueries {
+                q: &Tensor::from(vec![0.5; 16]),
+                sink: &[0.0],
+                scale: 1.0,
+                precision: Precision::Bf16,
+            },
             &[vec![&key], vec![&short_key]],
-            &[0.0],
-            1.0,
-            Precision::Bf16,
         )
         .expect_err("a 4-value key among 8-value heads");
     assert!(
@@ -1901,12 +1930,16 @@ fn row_ops_reject_mismatched_shapes() {
     );
     let err = gpu
         .try_index_scores_rows(
-            &Tensor::from(vec![0.5; 10]),
-            &Tensor::from(vec![1.0; 2]),
-            &[&Tensor::from(vec![0.5; 4]), &Tensor::from(vec![0.5; 4])],
-            4,
-            &[1, 2],
-            Precision::F32,
+            IndexQueries {
+                q: &Tensor::from(vec![0.5; 10]),
+                weights: &Tensor::from(vec![1.0; 2]),
+                head_dim: 4,
+                precision: Precision::F32,
+            },
+            SelectPart {
+                keys: &[&Tensor::from(vec![0.5; 4]), &Tensor::from(vec![0.5; 4])],
+                visible: &[1, 2],
+            },
         )
         .expect_err("10 query values for 2 queries of 1 head of 4");
     assert!(err.to_string().contains("q has 10 values"), "{err}");
@@ -2062,10 +2095,16 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
         .map(|t| pool[t % 5..t % 5 + t % 4].iter().collect())
         .collect();
     let q = Tensor::from(bf16_unit(&mut rng, n * head_dim));
+    let attention = AttentionQueries {
+        q: &q,
+        sink: &[0.5],
+        scale: 0.5,
+        precision: Precision::Bf16,
+    };
     checked += assert_bitwise(
         &format!("sparse_attention_rows n{n}"),
-        &gpu.sparse_attention_rows_at(&q, &keys, &[0.5], 0.5, Precision::Bf16),
-        &cpu.sparse_attention_rows_at(&q, &keys, &[0.5], 0.5, Precision::Bf16),
+        &gpu.sparse_attention_rows_at(attention, &keys),
+        &cpu.sparse_attention_rows_at(attention, &keys),
     );
     let heads = 2;
     let index_rows = Tensor::from(bf16_unit(&mut rng, 5 * head_dim)).split_rows(head_dim);
@@ -2073,8 +2112,18 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
     let iq = Tensor::from(bf16_unit(&mut rng, n * heads * head_dim));
     let iw = Tensor::from(bf16_unit(&mut rng, n * heads));
     let visible: Vec<usize> = (0..n).map(|t| t % 7).collect();
-    let got = gpu.index_scores_rows_at(&iq, &iw, &index_keys, head_dim, &visible, Precision::Bf16);
-    let want = cpu.index_scores_rows_at(&iq, &iw, &index_keys, head_dim, &visible, Precision::Bf16);
+    let queries = IndexQueries {
+        q: &iq,
+        weights: &iw,
+        head_dim,
+        precision: Precision::Bf16,
+    };
+    let part = SelectPart {
+        keys: &index_keys,
+        visible: &visible,
+    };
+    let got = gpu.index_scores_rows_at(queries, part);
+    let want = cpu.index_scores_rows_at(queries, part);
     assert_eq!(got.len(), n, "index_scores_rows n{n}: queries");
     checked += assert_bitwise(
         &format!("index_scores_rows n{n}"),
@@ -2115,13 +2164,18 @@ fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
             position: 17 + 3 * r as u64,
         })
         .collect();
+    let head_weight = DenseWeight {
+        values: &head,
+        out: vocab,
+        inp: dim,
+    };
     let cpu = CpuBackend::new()
-        .sample_linear(&hidden, &head, vocab, dim, &params)
+        .sample_linear(&hidden, head_weight, &params)
         .expect("cpu");
     let transfers = gpu.transfer_counters();
     let before = transfers.snapshot();
     let device = gpu
-        .sample_linear(&hidden, &head, vocab, dim, &params)
+        .sample_linear(&hidden, head_weight, &params)
         .expect("device");
     assert_eq!(device, cpu, "sample_linear ids");
     // Only the ids came back: no op result, no logits.
@@ -2145,7 +2199,7 @@ fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
     );
     assert_eq!(gpu.sample_rows(&logits, vocab, &params).expect("rows"), cpu);
     assert!(matches!(
-        gpu.try_sample_linear(&hidden.rows(0..2, dim), &head, vocab, dim, &params),
+        gpu.try_sample_linear(&hidden.rows(0..2, dim), head_weight, &params),
         Err(CudaBackendError::Op { .. })
     ));
     println!("sample_linear: {rows} rows at vocab {vocab} equal to the CPU");
@@ -2213,10 +2267,20 @@ fn backend_token_logprobs_equal_the_cpu_bit_for_bit() {
         let logits = Tensor::from(logits);
         let allowed: Vec<Option<&AllowedTokens>> = masks.iter().map(Option::as_ref).collect();
         let on_gpu = gpu
-            .token_logprobs_masked(&logits, vocab, &picks, &allowed)
+            .token_logprobs_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &picks,
+                allowed: &allowed,
+            })
             .expect("masks fit");
         let on_cpu = cpu
-            .token_logprobs_masked(&logits, vocab, &picks, &allowed)
+            .token_logprobs_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &picks,
+                allowed: &allowed,
+            })
             .expect("masks fit");
         assert_eq!(on_gpu.len(), picks.len());
         for (r, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
@@ -2228,7 +2292,12 @@ fn backend_token_logprobs_equal_the_cpu_bit_for_bit() {
         }
         if vocab > 100 {
             let unmasked = gpu
-                .token_logprobs_masked(&logits, vocab, &picks, &vec![None; picks.len()])
+                .token_logprobs_masked(MaskedRows {
+                    logits: &logits,
+                    vocab,
+                    rows: &picks,
+                    allowed: &vec![None; picks.len()],
+                })
                 .expect("shapes fit");
             let moved = unmasked.iter().zip(&on_gpu).filter(|(a, b)| a != b).count();
             assert!(
@@ -2268,7 +2337,12 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
         let allowed: Vec<Option<&AllowedTokens>> = masks.iter().map(Option::as_ref).collect();
         let before = transfers.snapshot();
         let on_gpu = gpu
-            .sample_masked(&logits, vocab, &params, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &params,
+                allowed: &allowed,
+            })
             .expect("masks fit");
         let copied = transfers.snapshot() - before;
         assert_eq!(
@@ -2277,7 +2351,12 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
             "vocab {vocab}: only the ids come back"
         );
         let on_cpu = cpu
-            .sample_masked(&logits, vocab, &params, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &params,
+                allowed: &allowed,
+            })
             .expect("masks fit");
         for (r, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
             assert_eq!(
@@ -2292,7 +2371,12 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
         checked += rows;
         if vocab > 100 {
             let unmasked = gpu
-                .sample_masked(&logits, vocab, &params, &vec![None; rows])
+                .sample_masked(MaskedRows {
+                    logits: &logits,
+                    vocab,
+                    rows: &params,
+                    allowed: &vec![None; rows],
+                })
                 .expect("shapes fit");
             let moved = unmasked.iter().zip(&on_gpu).filter(|(a, b)| a != b).count();
             assert!(moved > 0, "vocab {vocab}: the masks changed no token");
@@ -2304,14 +2388,24 @@ fn backend_masked_sampling_picks_the_cpu_tokens() {
     let nothing = AllowedTokens::from_tokens(7, &[]);
     let wide = AllowedTokens::from_tokens(8, &[7]);
     assert!(matches!(
-        gpu.sample_masked(&logits, 7, &params, &[None, Some(&nothing)]),
+        gpu.sample_masked(MaskedRows {
+            logits: &logits,
+            vocab: 7,
+            rows: &params,
+            allowed: &[None, Some(&nothing)]
+        }),
         Err(SampleRowsError::Mask {
             row: 1,
             source: MaskError::NothingAllowed { .. }
         })
     ));
     assert!(matches!(
-        gpu.sample_masked(&logits, 7, &params, &[Some(&wide), None]),
+        gpu.sample_masked(MaskedRows {
+            logits: &logits,
+            vocab: 7,
+            rows: &params,
+            allowed: &[Some(&wide), None]
+        }),
         Err(SampleRowsError::Mask {
             row: 0,
             source: MaskError::RowTooShort { .. }

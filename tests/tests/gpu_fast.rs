@@ -47,7 +47,7 @@ use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32,
 };
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, moe_combine, swiglu_rows,
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
 use deepinfer_model::any_model::AnyModel;
@@ -538,8 +538,19 @@ fn run_chain(
     let weights_d = stream.clone_htod(route_weights).expect("route weights");
     let routed = |x: &DeviceActFp8, x_row_div: usize, which: ExpertProjection, width: usize| {
         let mut out = stream.alloc_zeros::<bf16>(slots * width).expect("alloc");
-        gemm_fp4_routed_fast_tiled(rt, x, &ids_d, x_row_div, &moe.table, which, &mut out, tile)
-            .expect("gemm_fp4_routed_fast");
+        gemm_fp4_routed_fast_tiled(
+            rt,
+            RoutedRows {
+                x,
+                experts: &ids_d,
+                x_row_div,
+                which,
+            },
+            &moe.table,
+            &mut out,
+            tile,
+        )
+        .expect("gemm_fp4_routed_fast");
         out
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);

@@ -22,7 +22,9 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{DeviceKeyLists, sparse_attention_sink_rows_f32};
 use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, index_scores_rows_f32};
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
-use deepinfer_model::backend::{Backend, CpuBackend, Precision, Tensor};
+use deepinfer_model::backend::{
+    AttentionQueries, Backend, CpuBackend, IndexQueries, Precision, SelectPart, Tensor,
+};
 use deepinfer_model::quant;
 
 mod gpu_support;
@@ -186,7 +188,15 @@ fn run_attention(
         ptr: stream.clone_dtoh(&out_ptr).expect("download"),
         flat: stream.clone_dtoh(&out_flat).expect("download"),
         cpu: CpuBackend::new()
-            .sparse_attention_rows_at(&Tensor::from(q), &key_refs, sink, scale, precision)
+            .sparse_attention_rows_at(
+                AttentionQueries {
+                    q: &Tensor::from(q),
+                    sink,
+                    scale,
+                    precision,
+                },
+                &key_refs,
+            )
             .into_vec(),
     }
 }
@@ -289,12 +299,16 @@ fn run_index(
         .flat_map(|t| {
             CpuBackend::new()
                 .index_scores_rows_at(
-                    &Tensor::from(&q[t * heads * head_dim..(t + 1) * heads * head_dim]),
-                    &Tensor::from(&w[t * heads..(t + 1) * heads]),
-                    &key_refs[first[t]..],
-                    head_dim,
-                    &visible[t..=t],
-                    precision,
+                    IndexQueries {
+                        q: &Tensor::from(&q[t * heads * head_dim..(t + 1) * heads * head_dim]),
+                        weights: &Tensor::from(&w[t * heads..(t + 1) * heads]),
+                        head_dim,
+                        precision,
+                    },
+                    SelectPart {
+                        keys: &key_refs[first[t]..],
+                        visible: &visible[t..=t],
+                    },
                 )
                 .concat()
         })

@@ -58,8 +58,8 @@ use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8_f32_into, quantize_act_fp8_into,
 };
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_routed_with, moe_combine,
-    swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows, gemm_routed_with,
+    moe_combine, swiglu_rows,
 };
 use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision};
 use deepinfer_model::quant;
@@ -394,22 +394,26 @@ impl DeviceMoe {
         let k = self.k;
         gemm_routed_with(
             rt,
-            &self.qx,
-            &self.experts,
-            k,
+            RoutedRows {
+                x: &self.qx,
+                experts: &self.experts,
+                x_row_div: k,
+                which: ExpertProjection::W1,
+            },
             table,
-            ExpertProjection::W1,
             &mut self.gate,
             self.blocks,
         )
         .expect("routed w1");
         gemm_routed_with(
             rt,
-            &self.qx,
-            &self.experts,
-            k,
+            RoutedRows {
+                x: &self.qx,
+                experts: &self.experts,
+                x_row_div: k,
+                which: ExpertProjection::W3,
+            },
             table,
-            ExpertProjection::W3,
             &mut self.up,
             self.blocks,
         )
@@ -427,11 +431,13 @@ impl DeviceMoe {
         quantize_act_fp8_f32_into(rt, &self.hidden, &mut self.qh).expect("quantise hidden");
         gemm_routed_with(
             rt,
-            &self.qh,
-            &self.experts,
-            1,
+            RoutedRows {
+                x: &self.qh,
+                experts: &self.experts,
+                x_row_div: 1,
+                which: ExpertProjection::W2,
+            },
             table,
-            ExpertProjection::W2,
             &mut self.routed,
             self.blocks,
         )
@@ -741,11 +747,13 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
         let mut out = nan_bf16(&rt, rows * k * inter);
         gemm_routed_with(
             &rt,
-            &qx,
-            &d_ids,
-            k,
+            RoutedRows {
+                x: &qx,
+                experts: &d_ids,
+                x_row_div: k,
+                which: ExpertProjection::W3,
+            },
             &table,
-            ExpertProjection::W3,
             &mut out,
             blocks,
         )
@@ -878,11 +886,13 @@ fn time_routed_w1(
     let launch = |moe: &mut DeviceMoe| {
         gemm_routed_with(
             rt,
-            &moe.qx,
-            &moe.experts,
-            moe.k,
+            RoutedRows {
+                x: &moe.qx,
+                experts: &moe.experts,
+                x_row_div: moe.k,
+                which: ExpertProjection::W1,
+            },
             table,
-            ExpertProjection::W1,
             &mut moe.gate,
             moe.blocks,
         )
@@ -1083,11 +1093,13 @@ fn routed_gemm_adds_k_groups_in_k_order() {
         let mut out = nan_bf16(&rt, rows * k * inter);
         gemm_routed_with(
             &rt,
-            &qx,
-            &d_ids,
-            k,
+            RoutedRows {
+                x: &qx,
+                experts: &d_ids,
+                x_row_div: k,
+                which: ExpertProjection::W1,
+            },
             &table,
-            ExpertProjection::W1,
             &mut out,
             blocks,
         )
@@ -1361,11 +1373,13 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
             let mut out = nan_bf16(&rt, rows * slots * n_cols);
             gemm_routed_with(
                 &rt,
-                &qx,
-                &d_ids,
-                slots,
+                RoutedRows {
+                    x: &qx,
+                    experts: &d_ids,
+                    x_row_div: slots,
+                    which: ExpertProjection::W1,
+                },
                 &table,
-                ExpertProjection::W1,
                 &mut out,
                 blocks,
             )

@@ -133,10 +133,7 @@ pub enum NodeEplb {
     /// Node 0 to the others: read and reset your ranks' load counters, answer `Loads`.
     TakeLoads { round: u64 },
     /// Per EP rank of the node, in rank order: its epoch and `[layer][local slot]` picks.
-    Loads {
-        round: u64,
-        ranks: Vec<(u32, Vec<Vec<u64>>)>,
-    },
+    Loads { round: u64, ranks: RankLoads },
     /// Node 0 to the others: build your ranks' experts of `placement` as `epoch`.
     Stage {
         epoch: u32,
@@ -200,7 +197,7 @@ pub struct ControlRequest {
 #[derive(Debug, Clone, PartialEq)]
 pub enum ControlReply {
     /// Per EP rank of the node, in rank order: its shard's epoch and `[layer][local slot]` picks.
-    Loads(Vec<(u32, Vec<Vec<u64>>)>),
+    Loads(RankLoads),
     /// The placement is staged; `copied` expert slots were read in.
     Staged {
         copied: u64,
@@ -335,7 +332,25 @@ fn expect_kind(r: &mut impl Read, kinds: &[u8]) -> io::Result<u8> {
     }
 }
 
+/// Per EP rank of a node, in rank order: its shard's epoch and `[layer][local slot]` picks (the
+/// loads of [`ControlReply::Loads`] and [`NodeEplb::Loads`]).
+pub type RankLoads = Vec<(u32, Vec<Vec<u64>>)>;
+
 impl Frame {
+    fn rank_loads(&mut self, ranks: &RankLoads) {
+        self.u32(ranks.len() as u32);
+        for (epoch, per_slot) in ranks {
+            self.u32(*epoch);
+            self.u32(per_slot.len() as u32);
+            for layer in per_slot {
+                self.u32(layer.len() as u32);
+                for &count in layer {
+                    self.u64(count);
+                }
+            }
+        }
+    }
+
     fn placement(&mut self, placement: &ExpertPlacement) {
         self.0.push(match placement.policy {
             EplbPolicy::Hierarchical => 0,
@@ -361,6 +376,22 @@ impl Frame {
 
 fn table_len(r: &mut impl Read, what: &str) -> io::Result<usize> {
     bounded(u32_of(r)?, MAX_TABLE, what)
+}
+
+fn rank_loads_of(r: &mut impl Read) -> io::Result<RankLoads> {
+    (0..table_len(r, "EP ranks")?)
+        .map(|_| {
+            let epoch = u32_of(r)?;
+            let per_slot = (0..table_len(r, "load layers")?)
+                .map(|_| {
+                    (0..table_len(r, "load slots")?)
+                        .map(|_| u64_of(r))
+                        .collect::<io::Result<Vec<_>>>()
+                })
+                .collect::<io::Result<Vec<_>>>()?;
+            Ok((epoch, per_slot))
+        })
+        .collect()
 }
 
 fn placement_of(r: &mut impl Read) -> io::Result<ExpertPlacement> {
@@ -453,17 +484,7 @@ impl ControlReply {
         match self {
             ControlReply::Loads(ranks) => {
                 f = Frame::new(LOADS);
-                f.u32(ranks.len() as u32);
-                for (epoch, per_slot) in ranks {
-                    f.u32(*epoch);
-                    f.u32(per_slot.len() as u32);
-                    for layer in per_slot {
-                        f.u32(layer.len() as u32);
-                        for &count in layer {
-                            f.u64(count);
-                        }
-                    }
-                }
+                f.rank_loads(ranks);
             }
             ControlReply::Staged { copied } => {
                 f = Frame::new(STAGED);
@@ -480,21 +501,7 @@ impl ControlReply {
 
     pub fn receive(r: &mut impl Read) -> io::Result<ControlReply> {
         Ok(match expect_kind(r, &[LOADS, STAGED, DONE, FAILURE])? {
-            LOADS => ControlReply::Loads(
-                (0..table_len(r, "EP ranks")?)
-                    .map(|_| {
-                        let epoch = u32_of(r)?;
-                        let per_slot = (0..table_len(r, "load layers")?)
-                            .map(|_| {
-                                (0..table_len(r, "load slots")?)
-                                    .map(|_| u64_of(r))
-                                    .collect::<io::Result<Vec<_>>>()
-                            })
-                            .collect::<io::Result<Vec<_>>>()?;
-                        Ok((epoch, per_slot))
-                    })
-                    .collect::<io::Result<Vec<_>>>()?,
-            ),
+            LOADS => ControlReply::Loads(rank_loads_of(r)?),
             STAGED => ControlReply::Staged { copied: u64_of(r)? },
             DONE => ControlReply::Done,
             _ => ControlReply::Failure(text_of(r)?),
@@ -725,17 +732,7 @@ impl NodeEplb {
             NodeEplb::Loads { round, ranks } => {
                 f.0.push(1);
                 f.u64(*round);
-                f.u32(ranks.len() as u32);
-                for (epoch, per_slot) in ranks {
-                    f.u32(*epoch);
-                    f.u32(per_slot.len() as u32);
-                    for layer in per_slot {
-                        f.u32(layer.len() as u32);
-                        for &count in layer {
-                            f.u64(count);
-                        }
-                    }
-                }
+                f.rank_loads(ranks);
             }
             NodeEplb::Stage { epoch, placement } => {
                 f.0.push(2);
@@ -784,19 +781,7 @@ impl NodeEplb {
             0 => NodeEplb::TakeLoads { round: u64_of(r)? },
             1 => NodeEplb::Loads {
                 round: u64_of(r)?,
-                ranks: (0..table_len(r, "EP ranks")?)
-                    .map(|_| {
-                        let epoch = u32_of(r)?;
-                        let per_slot = (0..table_len(r, "load layers")?)
-                            .map(|_| {
-                                (0..table_len(r, "load slots")?)
-                                    .map(|_| u64_of(r))
-                                    .collect::<io::Result<Vec<_>>>()
-                            })
-                            .collect::<io::Result<Vec<_>>>()?;
-                        Ok((epoch, per_slot))
-                    })
-                    .collect::<io::Result<Vec<_>>>()?,
+                ranks: rank_loads_of(r)?,
             },
             2 => NodeEplb::Stage {
                 epoch: u32_of(r)?,

@@ -187,9 +187,8 @@ fn interpolate(measured: &[(u32, f64)]) -> Vec<StepRatePoint> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rank::executor::{ExecutorLayer, Layered};
+    use crate::rank::executor::{ExecStep, ExecutorLayer, Layered};
     use crate::rank::fake::{FakeConfig, FakeExecutor};
-    use crate::sampling::SamplingParams;
     use deepinfer_model::EntryOutput;
     use deepinfer_topology::NodeConfig;
 
@@ -203,14 +202,13 @@ mod tests {
         fn execute(
             &mut self,
             inner: &mut dyn RankExecutor,
-            batch: &[SeqTokens<'_>],
-            sampling: &[Option<SamplingParams>],
+            ExecStep { batch, sampling }: ExecStep<'_>,
         ) -> Result<Vec<EntryOutput>, ExecError> {
             self.count += 1;
             if self.fail_at == Some(self.count) {
                 return Err(ExecError::Backend("injected".into()));
             }
-            inner.execute(batch, sampling)
+            inner.execute(ExecStep { batch, sampling })
         }
     }
 

@@ -94,10 +94,7 @@ impl ExecutorFactory for ExpertParallelFactory {
     /// executor's steps run the decoder start with the routed experts on the expert shards); a
     /// V4-family model has no decoder bounded replay.
     fn sliding_window(&self) -> Option<usize> {
-        match &self.model {
-            AnyModel::V41(model) => Some(model.config().window_size),
-            AnyModel::V4(_) => None,
-        }
+        self.model.decoder_window()
     }
 
     fn family(&self) -> ModelFamily {

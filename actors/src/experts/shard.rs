@@ -275,7 +275,7 @@ impl ExpertShard {
         self.served[layer][local].fetch_add(1, Ordering::Relaxed);
         let expert = self.held[layer][local];
         let output = match self.weights.get(layer).and_then(|row| row.get(local)) {
-            Some(SlotWeights::Model) => model.run_held_expert(layer, expert.index(), x, weight),
+            Some(SlotWeights::Model) => model.run_held_expert((layer, expert.index()), x, weight),
             Some(SlotWeights::Copy(copy)) => Some(model.run_routed_expert(copy, x, weight)),
             None => None,
         };

@@ -190,7 +190,7 @@ mod tests {
     /// token, a few and most, over rows wider than the mask (padding).
     #[test]
     fn sampling_with_the_converted_mask_equals_the_host_path() {
-        use deepinfer_model::backend::{Backend, CpuBackend, RowSampling, Tensor};
+        use deepinfer_model::backend::{Backend, CpuBackend, MaskedRows, RowSampling, Tensor};
         use deepinfer_model::sampling::{SamplingParams, sample};
         let (vocab, width) = (990usize, 1000usize);
         let logits: Vec<f32> = (0..width)
@@ -237,7 +237,12 @@ mod tests {
         }
         let refs: Vec<_> = allowed.iter().map(Some).collect();
         let device = CpuBackend
-            .sample_masked(&Tensor::from(values), width, &rows, &refs)
+            .sample_masked(MaskedRows {
+                logits: &Tensor::from(values),
+                vocab: width,
+                rows: &rows,
+                allowed: &refs,
+            })
             .expect("masks fit");
         assert_eq!(device, host);
         assert_eq!(device.len(), 4 * 5 * 12);

@@ -59,6 +59,15 @@ pub struct SeqTokens<'a> {
     pub all_rows: bool,
 }
 
+/// One step of [`RankExecutor::execute`]: the entries `batch` (distinct sequences) and, per
+/// entry, its sampling (`None`: its logits are returned); `sampling` may be empty (no entry
+/// sampled).
+#[derive(Debug, Clone, Copy)]
+pub struct ExecStep<'a> {
+    pub batch: &'a [SeqTokens<'a>],
+    pub sampling: &'a [Option<SamplingParams>],
+}
+
 /// A drafter's proposal for the tokens after a sequence's anchor (owned data).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Draft {
@@ -89,11 +98,7 @@ pub trait RankExecutor: Send {
     /// or for an `all_rows` entry every row concatenated, as [`EntryOutput::Logits`] or, on a
     /// device, [`EntryOutput::DeviceLogits`] (for [`RankExecutor::sample_logits`]). Entries
     /// name distinct sequences.
-    fn execute(
-        &mut self,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
-    ) -> Result<Vec<EntryOutput>, ExecError>;
+    fn execute(&mut self, step: ExecStep<'_>) -> Result<Vec<EntryOutput>, ExecError>;
     /// One token per row of [`EntryOutput::DeviceLogits`] rows, each sampled with its parameters
     /// at its position after its mask set the disallowed logits to −∞
     /// (`sampling::sample_allowed` is the definition); a device executor samples them all in one
@@ -214,7 +219,10 @@ pub fn execute_rows(
     batch: &[SeqTokens<'_>],
 ) -> Result<Vec<Vec<f32>>, ExecError> {
     executor
-        .execute(batch, &[])?
+        .execute(ExecStep {
+            batch,
+            sampling: &[],
+        })?
         .into_iter()
         .zip(batch)
         .map(|(output, entry)| {
@@ -288,10 +296,9 @@ pub trait ExecutorLayer: Send {
     fn execute(
         &mut self,
         inner: &mut dyn RankExecutor,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        step: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        inner.execute(batch, sampling)
+        inner.execute(step)
     }
     fn sample_logits(
         &mut self,
@@ -359,12 +366,8 @@ impl<L: ExecutorLayer> RankExecutor for Layered<L> {
     fn live_sequences(&self) -> usize {
         self.inner.live_sequences()
     }
-    fn execute(
-        &mut self,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
-    ) -> Result<Vec<EntryOutput>, ExecError> {
-        self.layer.execute(self.inner.as_mut(), batch, sampling)
+    fn execute(&mut self, step: ExecStep<'_>) -> Result<Vec<EntryOutput>, ExecError> {
+        self.layer.execute(self.inner.as_mut(), step)
     }
     fn sample_logits(&mut self, rows: &[LogitsRow<'_>]) -> Result<Vec<u32>, ExecError> {
         self.layer.sample_logits(self.inner.as_mut(), rows)

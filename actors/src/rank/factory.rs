@@ -98,10 +98,7 @@ impl ExecutorFactory for ModelFactory {
 
     /// V4.1's decoder window (bounded replay); V4 has no decoder bounded replay.
     fn sliding_window(&self) -> Option<usize> {
-        match &self.model {
-            AnyModel::V41(model) => Some(model.config().window_size),
-            AnyModel::V4(_) => None,
-        }
+        self.model.decoder_window()
     }
 
     fn family(&self) -> ModelFamily {

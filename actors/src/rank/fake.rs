@@ -18,9 +18,8 @@ use deepinfer_topology::RequestId;
 use deepinfer_model::EntryOutput;
 
 use crate::rank::executor::{
-    Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens, sample_on_host,
+    Draft, ExecError, ExecStep, ExecutorFactory, RankExecutor, SeqTokens, sample_on_host,
 };
-use crate::sampling::SamplingParams;
 
 /// A scripted drafter: each proposal has `block_size` drafts, of which the first `correct`
 /// follow the greedy chain and the rest are wrong; every draft has raw confidence `confidence`.
@@ -250,8 +249,7 @@ impl RankExecutor for FakeExecutor {
 
     fn execute(
         &mut self,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         let held = batch
             .iter()

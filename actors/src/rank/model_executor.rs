@@ -52,7 +52,7 @@ use crate::experts::parallel::{ExpertParallel, StepRecord};
 
 use crate::prefix_cache::BlockHash;
 use crate::rank::executor::{
-    Draft, ExecError, RankExecutor, SeqTokens, logprobs_on_host, sample_logits_on_host,
+    Draft, ExecError, ExecStep, RankExecutor, SeqTokens, logprobs_on_host, sample_logits_on_host,
 };
 use crate::rank::sequences::{Sequences, sequence_error};
 use crate::sampling::SamplingParams;
@@ -385,8 +385,7 @@ impl RankExecutor for ModelExecutor {
 
     fn execute(
         &mut self,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         self.step(batch, sampling)
     }
@@ -568,7 +567,10 @@ mod tests {
             seed: 21,
         };
         let outputs = deferred
-            .execute(&batch, &[None, Some(params)])
+            .execute(ExecStep {
+                batch: &batch,
+                sampling: &[None, Some(params)],
+            })
             .expect("step");
         let logits = execute_rows(&mut reference, &batch).expect("step");
         let EntryOutput::DeviceLogits(row) = &outputs[0] else {
@@ -615,7 +617,10 @@ mod tests {
         };
         let batch = [entry(a, &[3, 9, 27]), entry(b, &[5, 6])];
         let outputs = sampled
-            .execute(&batch, &[Some(params), None])
+            .execute(ExecStep {
+                batch: &batch,
+                sampling: &[Some(params), None],
+            })
             .expect("step");
         let logits = execute_rows(&mut reference, &batch).expect("step");
         let token = sample(&logits[0], &params, 3).expect("a token");

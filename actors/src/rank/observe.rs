@@ -15,10 +15,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::rank::executor::{
-    ExecError, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor, SeqTokens,
+    ExecError, ExecStep, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor,
     execute_rows, sample_on_host,
 };
-use crate::sampling::SamplingParams;
 
 /// One logits row as a rank returned it.
 #[derive(Debug, Clone, Copy)]
@@ -66,8 +65,7 @@ impl ExecutorLayer for Observed {
     fn execute(
         &mut self,
         inner: &mut dyn RankExecutor,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         let starts = batch
             .iter()
@@ -160,6 +158,7 @@ impl RankObserver for RowLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rank::executor::SeqTokens;
     use crate::rank::fake::{FakeConfig, FakeFactory};
 
     fn observed() -> (Box<dyn RankExecutor>, Arc<RowLog>, Arc<RowLog>) {

@@ -52,7 +52,7 @@ use crate::messages::rank::{
     CacheOp, DraftSummary, SeqGrammar, SeqInput, StepMode, StepOutput, StepPlan, StepTiming,
     VerifyOutcome,
 };
-use crate::rank::executor::{ExecError, RankExecutor, SeqTokens};
+use crate::rank::executor::{ExecError, ExecStep, RankExecutor, SeqTokens};
 use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
 
 /// The shortest an `Idle` step takes. On an EP deployment the collective paces idle ranks;
@@ -332,7 +332,10 @@ impl RankWorker {
             .collect();
         // Masks are computed while the forward runs and awaited right after it.
         let pending = self.start_masks(plan)?;
-        let outputs = self.executor.execute(&batch, &sampling);
+        let outputs = self.executor.execute(ExecStep {
+            batch: &batch,
+            sampling: &sampling,
+        });
         let mut masks = self.finish_masks(pending);
         let outputs = outputs?;
         if outputs.len() != plan.work.len() {
@@ -1127,15 +1130,17 @@ mod tests {
         fn execute(
             &mut self,
             inner: &mut dyn RankExecutor,
-            batch: &[SeqTokens<'_>],
-            sampling: &[Option<SamplingParams>],
+            ExecStep { batch, sampling }: ExecStep<'_>,
         ) -> Result<Vec<EntryOutput>, ExecError> {
             self.record(|log| log.asked.push(sampling.to_vec()));
             let Some(token) = self.device_token else {
-                return inner.execute(batch, sampling);
+                return inner.execute(ExecStep { batch, sampling });
             };
             Ok(inner
-                .execute(batch, &[])?
+                .execute(ExecStep {
+                    batch,
+                    sampling: &[],
+                })?
                 .into_iter()
                 .zip(sampling.iter().chain(std::iter::repeat(&None)))
                 .map(|(row, s)| match s {

@@ -22,7 +22,7 @@ use deepinfer_topology::{DpRank, RequestId};
 use crate::comm::Comm;
 use crate::dspark::accept::accept_sampled;
 use crate::experts::parallel::{ExpertParallel, StepRecord};
-use crate::rank::executor::{Draft, ExecError, ExecutorFactory, RankExecutor, SeqTokens};
+use crate::rank::executor::{Draft, ExecError, ExecStep, ExecutorFactory, RankExecutor, SeqTokens};
 use crate::rank::fake::{draft_chain, fake_logits, favoured_token, hash2};
 use crate::rank::sequences::Sequences;
 use crate::sampling::SamplingParams;
@@ -220,8 +220,7 @@ impl RankExecutor for SimulatedExecutor {
 
     fn execute(
         &mut self,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
         self.run(batch, sampling)
     }

@@ -343,43 +343,49 @@ impl DeviceExpertTable {
     }
 }
 
-/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the `which` projection of `table`'s
-/// experts: `x` `[rows, inp]` (32-groups), `experts` `[m]` with `m = rows · x_row_div`, `out` bf16
-/// `[m, out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the table's
+/// The rows of a routed GEMM: output row `j` is `x[j / x_row_div] · W_{experts[j]}ᵀ` for the
+/// `which` projection of a table's experts (`x` `[rows, inp]`, `experts` `[m]` with `m = rows ·
+/// x_row_div`).
+pub struct RoutedRows<'a, X> {
+    pub x: &'a X,
+    pub experts: &'a CudaSlice<u32>,
+    pub x_row_div: usize,
+    pub which: ExpertProjection,
+}
+
+impl<X> Clone for RoutedRows<'_, X> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<X> Copy for RoutedRows<'_, X> {}
+
+/// The [`RoutedRows`] `rows` of `table`'s experts into `out`: `x` 32-groups, `out` bf16 `[m,
+/// out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the table's
 /// format's: FP4 and FP8 (32×32 tiles) rows are bitwise what [`super::gemm::gemm_fp4`] /
 /// [`super::gemm::gemm_fp8`] give for that x row and that expert's weight ([`RoutedBlocks::Auto`]);
 /// a fast FP4 table runs the tensor-core kernel of [`super::routed_fast`] ([`FastTile::Auto`]).
 pub fn gemm_routed(
     rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
+    rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
-    which: ExpertProjection,
     out: &mut CudaSlice<bf16>,
 ) -> Result<(), KernelError> {
     match table.format {
-        ExpertFormat::Fp4Fast => {
-            let tile = FastTile::Auto;
-            gemm_fp4_routed_fast_tiled(rt, x, experts, x_row_div, table, which, out, tile)
-        }
+        ExpertFormat::Fp4Fast => gemm_fp4_routed_fast_tiled(rt, rows, table, out, FastTile::Auto),
         ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => {
-            let blocks = RoutedBlocks::Auto;
-            gemm_routed_with(rt, x, experts, x_row_div, table, which, out, blocks)
+            gemm_routed_with(rt, rows, table, out, RoutedBlocks::Auto)
         }
     }
 }
 
 /// [`gemm_routed`] on an FP4 or FP8 table with an explicit block assignment (the result does not
 /// depend on it).
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_routed_with(
     rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
+    rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
-    which: ExpertProjection,
     out: &mut CudaSlice<bf16>,
     blocks: RoutedBlocks,
 ) -> Result<(), KernelError> {
@@ -387,30 +393,8 @@ pub fn gemm_routed_with(
         ExpertFormat::Fp8T32 => "gemm_fp8_routed",
         ExpertFormat::Fp4 | ExpertFormat::Fp4Fast => "gemm_fp4_routed",
     };
-    launch_routed(
-        rt,
-        op,
-        table.format,
-        (x, experts, x_row_div),
-        table,
-        which,
-        out,
-        blocks,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn launch_routed(
-    rt: &KernelRuntime,
-    op: &'static str,
-    format: ExpertFormat,
-    (x, experts, x_row_div): (&DeviceActFp8, &CudaSlice<u32>, usize),
-    table: &DeviceExpertTable,
-    which: ExpertProjection,
-    out: &mut CudaSlice<bf16>,
-    blocks: RoutedBlocks,
-) -> Result<(), KernelError> {
-    let (m, n, k) = check_routed(op, format, (x, experts, x_row_div), table, which, out)?;
+    let (m, n, k) = check_routed(op, table.format, rows, table, out)?;
+    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
     if m == 0 {
         return Ok(());
     }
@@ -450,7 +434,7 @@ fn launch_routed(
             message: format!("n = {n} needs {col_blocks} column blocks (> 65535)"),
         });
     }
-    let (rows_kernel, tiles_kernel, experts_kernel) = match format {
+    let (rows_kernel, tiles_kernel, experts_kernel) = match table.format {
         ExpertFormat::Fp4 => (
             KernelId::GemmFp4RoutedRowsG32,
             KernelId::GemmFp4RoutedTilesG32,
@@ -531,11 +515,11 @@ fn launch_routed(
 pub(super) fn check_routed<T>(
     op: &'static str,
     format: ExpertFormat,
-    (x, experts, x_row_div): (&DeviceActFp8, &CudaSlice<u32>, usize),
+    rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
-    which: ExpertProjection,
     out: &CudaSlice<T>,
 ) -> Result<(usize, usize, usize), KernelError> {
+    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
     if table.format != format {
         return Err(KernelError::Shape {
             op,

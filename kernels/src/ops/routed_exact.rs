@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::sgemm_reduce;
-use super::routed::{ExpertProjection, group_rows};
+use super::routed::{ExpertProjection, RoutedRows, group_rows};
 use super::{dim as kernel_dim, expect_len, launch_config, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
@@ -244,21 +244,19 @@ fn check_format(op: &'static str, format: ExactFormat, inp: usize) -> Result<(),
     }
 }
 
-/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` in fp32 for the `which` projection of `table`:
-/// `x` `[rows, inp]` f32, `experts` `[m]` with `m = rows · x_row_div`, `out` `[m, out]` f32. Every
+/// The [`RoutedRows`] `rows` of `table` into `out` in fp32: `x` `[rows, inp]` f32, `out` `[m,
+/// out]` f32. Every
 /// row is bitwise the CPU reference's fp32 linear of that x row and that expert's weight
 /// (dequantised exactly); a row whose id is `>= table.n_experts()` holds zeros or garbage that
 /// [`super::routed::moe_combine`] skips.
 pub fn gemm_exact_routed(
     rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
+    rows: RoutedRows<'_, CudaSlice<f32>>,
     table: &DeviceExactExpertTable,
-    which: ExpertProjection,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_exact_routed";
+    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
     let slot = slot(which);
     let (n, k) = match which {
         ExpertProjection::W1 | ExpertProjection::W3 => (table.inter, table.dim),

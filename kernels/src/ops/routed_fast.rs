@@ -13,37 +13,26 @@ use cudarc::driver::CudaSlice;
 
 use super::gemm_fast::{FastKernels, FastOutput, FastTile};
 use super::quant::DeviceActFp8;
-use super::routed::{DeviceExpertTable, ExpertFormat, ExpertProjection, check_routed, group_rows};
+use super::routed::{DeviceExpertTable, ExpertFormat, RoutedRows, check_routed, group_rows};
 use super::{dim, launch_config};
 use crate::error::KernelError;
 use crate::params::FastRoutedParams;
 use crate::runtime::KernelRuntime;
 
-/// `out[j] = x[j / x_row_div] · W_{experts[j]}ᵀ` for the `which` projection of a
-/// [`DeviceExpertTable::fp4_fast`] table (as [`super::routed::gemm_routed`], which runs this with
-/// [`FastTile::Auto`]) with an explicit tile (the result does not depend on it); `Auto` takes the
-/// smallest tile that holds the mean rows per expert. `out` bf16 (V4.1) or f32 (V4): see
-/// [`FastOutput`].
-#[allow(clippy::too_many_arguments)]
+/// The [`RoutedRows`] `rows` of a [`DeviceExpertTable::fp4_fast`] table into `out` (as
+/// [`super::routed::gemm_routed`], which runs this with [`FastTile::Auto`]) with an explicit tile
+/// (the result does not depend on it); `Auto` takes the smallest tile that holds the mean rows
+/// per expert. `out` bf16 (V4.1) or f32 (V4): see [`FastOutput`].
 pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
     rt: &KernelRuntime,
-    x: &DeviceActFp8,
-    experts: &CudaSlice<u32>,
-    x_row_div: usize,
+    rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
-    which: ExpertProjection,
     out: &mut CudaSlice<T>,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_routed_fast";
-    let (m, n, k) = check_routed(
-        OP,
-        ExpertFormat::Fp4Fast,
-        (x, experts, x_row_div),
-        table,
-        which,
-        out,
-    )?;
+    let (m, n, k) = check_routed(OP, ExpertFormat::Fp4Fast, rows, table, out)?;
+    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
     if m == 0 {
         return Ok(());
     }

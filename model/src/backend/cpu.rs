@@ -21,10 +21,10 @@ use self::dequant::{dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
-    Backend, CandidateMask, Candidates, ExpertRoute, ExpertSelection, HcMix, HcMixes, HcMixing,
-    HcParams, LogprobPick, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling,
-    SampleRowsError, SelectPart, Selection, Tensor, check_logprob_picks, check_sample_masked,
-    check_sample_rows,
+    AttentionQueries, Backend, CandidateMask, DenseWeight, ExpertRoute, ExpertSelection, Groups,
+    HcMix, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, LogprobPick, MaskedRows, MoeLayer,
+    PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
+    Selection, Tensor, check_sample_rows,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -32,7 +32,7 @@ use crate::quant::{
     self, dot_bf16_gemm, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
     sum_f32_torch, sum_squares_f32, sum_squares_f32_torch,
 };
-use crate::sampling::{AllowedTokens, TokenLogprobs};
+use crate::sampling::TokenLogprobs;
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 /// Probabilities are accumulated in blocks of this many keys (the reference kernel's block).
@@ -240,16 +240,9 @@ impl Backend for CpuBackend {
         y.into()
     }
 
-    fn linear_grouped_bf16(
-        &self,
-        x: &Tensor,
-        w: &[f32],
-        groups: usize,
-        out: usize,
-        inp: usize,
-    ) -> Tensor {
-        super::linear_by_groups(self, x, (groups, inp, out), |inputs, g| {
-            self.linear_bf16(inputs, &w[g * out * inp..(g + 1) * out * inp], out, inp)
+    fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor {
+        super::linear_by_groups(self, x, shape, |inputs, g| {
+            self.linear_bf16(inputs, shape.weight(w, g), shape.out, shape.inp)
         })
     }
 
@@ -375,76 +368,57 @@ impl Backend for CpuBackend {
     }
     fn sparse_attention_rows_at(
         &self,
-        q: &Tensor,
+        queries: AttentionQueries<'_>,
         keys: &[Vec<&Tensor>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
     ) -> Tensor {
         if keys.is_empty() {
             return Tensor::empty();
         }
+        let AttentionQueries { q, sink, .. } = queries;
         q.chunks_exact(q.len() / keys.len())
             .zip(keys)
             .flat_map(|(q, keys)| {
                 let keys: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
-                self.sparse_attention(q, &keys, sink, scale, precision)
+                self.sparse_attention(q, &keys, sink, queries.scale, queries.precision)
             })
             .collect::<Vec<f32>>()
             .into()
     }
     fn sparse_attention_selected(
         &self,
-        q: &Tensor,
-        queries: &[QueryKeys<'_>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
+        queries: AttentionQueries<'_>,
+        keys: &[QueryKeys<'_>],
     ) -> Tensor {
-        let keys: Vec<Vec<&Tensor>> = queries.iter().map(QueryKeys::flattened).collect();
-        self.sparse_attention_rows_at(q, &keys, sink, scale, precision)
+        let keys: Vec<Vec<&Tensor>> = keys.iter().map(QueryKeys::flattened).collect();
+        self.sparse_attention_rows_at(queries, &keys)
     }
     fn select_rows(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        parts: &[SelectPart<'_>],
-        head_dim: usize,
-        k: usize,
-        candidates: Candidates<'_>,
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        from: SelectFrom<'_>,
     ) -> (Selection, Option<CandidateMask>) {
-        let Ok(scores) = super::select::scores_by_part(q, weights, parts, |q, w, part| {
-            Ok::<_, std::convert::Infallible>(self.index_scores_rows_at(
-                q,
-                w,
-                part.keys,
-                head_dim,
-                part.visible,
-                precision,
-            ))
+        let Ok(scores) = super::select::scores_by_part(queries, from.parts, |queries, part| {
+            Ok::<_, std::convert::Infallible>(self.index_scores_rows_at(queries, part))
         });
-        super::select::select_host(scores, k, candidates)
+        super::select::select_host(scores, from.k, from.candidates)
     }
     fn index_scores_rows_at(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        keys: &[&Tensor],
-        head_dim: usize,
-        visible: &[usize],
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        part: SelectPart<'_>,
     ) -> Vec<Vec<f32>> {
+        let (visible, head_dim) = (part.visible, queries.head_dim);
         if visible.is_empty() {
             return Vec::new();
         }
-        let flat: Vec<f32> = keys.iter().flat_map(|k| k.iter().copied()).collect();
+        let flat: Vec<f32> = part.keys.iter().flat_map(|k| k.iter().copied()).collect();
+        let (q, weights) = (queries.q, queries.weights);
         q.chunks_exact(q.len() / visible.len())
             .zip(weights.chunks_exact(weights.len() / visible.len()))
             .zip(visible)
             .map(|((q, w), &seen)| {
                 let seen = (seen * head_dim).min(flat.len());
-                self.index_scores(q, w, &flat[..seen], head_dim, precision)
+                self.index_scores(q, w, &flat[..seen], head_dim, queries.precision)
             })
             .collect()
     }
@@ -470,18 +444,15 @@ impl Backend for CpuBackend {
     }
     fn sample_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        rows: &[RowSampling],
-        allowed: &[Option<&AllowedTokens>],
+        rows: MaskedRows<'_, RowSampling>,
     ) -> Result<Vec<u32>, SampleRowsError> {
-        check_sample_masked(logits.len(), vocab, rows, allowed)?;
-        if rows.is_empty() {
+        rows.check()?;
+        if rows.rows.is_empty() {
             return Ok(Vec::new());
         }
-        logits
-            .chunks_exact(vocab)
-            .zip(rows.iter().zip(allowed))
+        rows.logits
+            .chunks_exact(rows.vocab)
+            .zip(rows.rows.iter().zip(rows.allowed))
             .enumerate()
             .map(|(row, (values, (r, allowed)))| {
                 crate::sampling::sample_allowed(values, &r.params, r.position, *allowed)
@@ -491,15 +462,13 @@ impl Backend for CpuBackend {
     }
     fn token_logprobs_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        picks: &[LogprobPick],
-        allowed: &[Option<&AllowedTokens>],
+        picks: MaskedRows<'_, LogprobPick>,
     ) -> Result<Vec<TokenLogprobs>, SampleRowsError> {
-        check_logprob_picks(logits.len(), vocab, picks, allowed)?;
-        logits
-            .chunks_exact(vocab)
-            .zip(picks.iter().zip(allowed))
+        picks.check()?;
+        picks
+            .logits
+            .chunks_exact(picks.vocab)
+            .zip(picks.rows.iter().zip(picks.allowed))
             .enumerate()
             .map(|(row, (values, (pick, allowed)))| {
                 crate::sampling::token_logprobs(values, *allowed, pick.token, pick.top)
@@ -511,12 +480,11 @@ impl Backend for CpuBackend {
     fn sample_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
-        self.sample_rows(&self.linear_f32(x, w, out, inp), out, rows)
+        let logits = self.linear_f32(x, head.values, head.out, head.inp);
+        self.sample_rows(&logits, head.out, rows)
     }
     fn route_experts(
         &self,
@@ -629,21 +597,13 @@ impl Backend for CpuBackend {
         }
         x.chunks_exact(width).map(argmax).collect()
     }
-    fn hyper_head_weights_rows(
-        &self,
-        x: &Tensor,
-        proj: &[f32],
-        base: &[f32],
-        scale: f32,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> Tensor {
-        let width = proj.len() / base.len().max(1);
+    fn hyper_head_weights_rows(&self, x: &Tensor, head: &HyperHead<'_>) -> Tensor {
+        let width = head.proj.len() / head.base.len().max(1);
         if width == 0 {
             return Tensor::empty();
         }
         x.chunks_exact(width)
-            .flat_map(|x| hyper_head_weights(x, proj, base, scale, hc_eps, norm_eps))
+            .flat_map(|x| hyper_head_weights(x, head))
             .collect::<Vec<f32>>()
             .into()
     }
@@ -665,22 +625,16 @@ impl Backend for CpuBackend {
     }
 }
 
-/// The hyper-head's collapse weights of one token's streams `x [hc · dim]` (`proj [hc, hc · dim]`):
+/// The hyper-head's collapse weights of one token's streams `x [hc · dim]` ([`HyperHead`]):
 /// `pre_k = σ(m_k · scale + base_k) + hc_eps` with `m = proj · RMSNorm_u(x)`.
-pub fn hyper_head_weights(
-    x: &[f32],
-    proj: &[f32],
-    base: &[f32],
-    scale: f32,
-    hc_eps: f32,
-    norm_eps: f32,
-) -> Vec<f32> {
-    let inv = 1.0 / (sum_squares_f32(x) / x.len() as f32 + norm_eps).sqrt();
-    proj.chunks_exact(x.len())
-        .zip(base)
+pub fn hyper_head_weights(x: &[f32], head: &HyperHead<'_>) -> Vec<f32> {
+    let inv = 1.0 / (sum_squares_f32(x) / x.len() as f32 + head.norm_eps).sqrt();
+    head.proj
+        .chunks_exact(x.len())
+        .zip(head.base)
         .map(|(row, base)| {
-            let logit = dot_f32_sgemm(x, row) * inv * scale + base;
-            1.0 / (1.0 + exp_f32(-logit)) + hc_eps
+            let logit = dot_f32_sgemm(x, row) * inv * head.scale + base;
+            1.0 / (1.0 + exp_f32(-logit)) + head.hc_eps
         })
         .collect()
 }

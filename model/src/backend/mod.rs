@@ -22,7 +22,10 @@ pub mod tensor;
 pub mod weights;
 
 pub use cpu::CpuBackend;
-pub use select::{CandidateMask, Candidates, QueryKeys, SelectPart, SelectedKeys, Selection};
+pub use select::{
+    CandidateMask, Candidates, IndexQueries, QueryKeys, SelectFrom, SelectPart, SelectedKeys,
+    Selection,
+};
 pub use tensor::{DeviceBuffer, DeviceView, Tensor};
 
 use crate::engram::gate::EngramGate;
@@ -112,14 +115,64 @@ pub struct HcMixing {
     pub norm_eps: f32,
 }
 
-/// A grouped linear from its groups: `x [n, groups · inp]`; `linear(inputs, g)` maps group `g`'s
-/// columns `[n, inp]` to `[n, out]`; the groups' outputs side by side, `[n, groups · out]`.
+/// The V4 hyper-head's constants ([`Backend::hyper_head_weights_rows`]): `proj [hc, hc · dim]`,
+/// `base [hc]`, the logits' `scale`, the weights' `hc_eps` and the RMSNorm's `norm_eps`.
+#[derive(Debug, Clone, Copy)]
+pub struct HyperHead<'a> {
+    pub proj: &'a [f32],
+    pub base: &'a [f32],
+    pub scale: f32,
+    pub hc_eps: f32,
+    pub norm_eps: f32,
+}
+
+/// The queries of a sparse attention ([`Backend::sparse_attention_rows_at`]): `q [n, heads ·
+/// head_dim]`, a per-head `sink` in the softmax denominator, the logits' `scale`; probabilities
+/// and output rounded at `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionQueries<'a> {
+    pub q: &'a Tensor,
+    pub sink: &'a [f32],
+    pub scale: f32,
+    pub precision: Precision,
+}
+
+/// A plain weight `W [out, inp]` (row-major fp32 values), by reference.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseWeight<'a> {
+    pub values: &'a [f32],
+    pub out: usize,
+    pub inp: usize,
+}
+
+/// The shape of a grouped linear ([`Backend::linear_grouped_bf16`], [`linear_by_groups`]):
+/// `groups` weights `[out, inp]` one after another; group `g` maps its `inp` columns of the input
+/// to its `out` columns of the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Groups {
+    pub groups: usize,
+    pub out: usize,
+    pub inp: usize,
+}
+
+impl Groups {
+    /// Group `g`'s weight `[out, inp]` among the grouped weights `w`.
+    pub fn weight<'w>(&self, w: &'w [f32], g: usize) -> &'w [f32] {
+        let size = self.out * self.inp;
+        &w[g * size..(g + 1) * size]
+    }
+}
+
+/// A grouped linear from its groups ([`Groups`]): `x [n, groups · inp]`; `linear(inputs, g)` maps
+/// group `g`'s columns `[n, inp]` to `[n, out]`; the groups' outputs side by side, `[n, groups ·
+/// out]`.
 pub fn linear_by_groups(
     backend: &dyn Backend,
     x: &Tensor,
-    (groups, inp, out): (usize, usize, usize),
+    shape: Groups,
     linear: impl Fn(&Tensor, usize) -> Tensor,
 ) -> Tensor {
+    let Groups { groups, out, inp } = shape;
     let n = x.len() / (groups * inp).max(1);
     let outputs: Vec<Tensor> = (0..groups)
         .map(|g| {
@@ -316,14 +369,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// weights `[out, inp]` one after another; group `g` is [`Backend::linear_bf16`] of the
     /// columns `[g · inp, (g + 1) · inp)` of `x` into the columns `[g · out, (g + 1) · out)` of
     /// the result `[n, groups · out]` ([`linear_by_groups`] is the definition).
-    fn linear_grouped_bf16(
-        &self,
-        x: &Tensor,
-        w: &[f32],
-        groups: usize,
-        out: usize,
-        inp: usize,
-    ) -> Tensor;
+    fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor;
     /// `width` values from each `(tensor, offset)` of `pieces`, one after another: the row
     /// movement between ops (gathering rows, columns, interleaving) without leaving the device.
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor;
@@ -362,56 +408,37 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         mixes: &HcMixes,
         precision: Precision,
     ) -> Tensor;
-    /// Multi-head attention of `keys.len()` queries `q [n, heads · head_dim]`, query `t` over its
-    /// own `keys[t]` (K = V, each key one `head_dim` row) with a per-head sink in the
-    /// denominator → `[n, heads · head_dim]`, probabilities and output rounded at `precision`.
+    /// Multi-head attention of `keys.len()` queries ([`AttentionQueries`]), query `t` over its
+    /// own `keys[t]` (K = V, each key one `head_dim` row) → `[n, heads · head_dim]`.
     fn sparse_attention_rows_at(
         &self,
-        q: &Tensor,
+        queries: AttentionQueries<'_>,
         keys: &[Vec<&Tensor>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
     ) -> Tensor;
     /// [`Backend::sparse_attention_rows_at`] with each query's keys given as listed keys and a
     /// selection of compressed keys ([`QueryKeys`]), so a selection left on the device is read
     /// there.
     fn sparse_attention_selected(
         &self,
-        q: &Tensor,
-        queries: &[QueryKeys<'_>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
+        queries: AttentionQueries<'_>,
+        keys: &[QueryKeys<'_>],
     ) -> Tensor;
-    /// The indexer's selection of a step's queries (`q [n, heads · head_dim]`, head weights
-    /// `[n, heads]`: the queries of `parts` in order, `n` in all; query `t` of a part scores the
-    /// first `visible[t]` of its part's keys): the top `min(k, visible)` scores of each (ties:
-    /// lower index), ascending, one selection row per query; restricted or accompanied by the
-    /// two-level top-k's candidate mask (one row per query) as `candidates` says
-    /// ([`select::select_host`] is the definition).
-    #[allow(clippy::too_many_arguments)]
+    /// The indexer's selection of a step's queries ([`IndexQueries`], the queries of `from.parts`
+    /// in order; query `t` of a part scores the first `visible[t]` of its part's keys): the top
+    /// `min(k, visible)` scores of each (ties: lower index), ascending, one selection row per
+    /// query; restricted or accompanied by the two-level top-k's candidate mask (one row per
+    /// query) as `from.candidates` says ([`select::select_host`] is the definition).
     fn select_rows(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        parts: &[SelectPart<'_>],
-        head_dim: usize,
-        k: usize,
-        candidates: Candidates<'_>,
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        from: SelectFrom<'_>,
     ) -> (Selection, Option<CandidateMask>);
-    /// Index scores `Σ_h w_h · ReLU(q_h · k)` of `visible.len()` queries `q [n, heads · head_dim]`
-    /// with their head weights `[n, heads]`: query `t` scores the first `visible[t]` of `keys`
-    /// (each one `head_dim` row), rounded at `precision`.
+    /// Index scores `Σ_h w_h · ReLU(q_h · k)` of `part.visible.len()` queries ([`IndexQueries`]):
+    /// query `t` scores the first `part.visible[t]` of `part.keys` (each one `head_dim` row).
     fn index_scores_rows_at(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        keys: &[&Tensor],
-        head_dim: usize,
-        visible: &[usize],
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        part: SelectPart<'_>,
     ) -> Vec<Vec<f32>>;
 
     /// The whole MoE of every row of `x [n, dim]` in one op — the router (top-k on the layer's
@@ -431,29 +458,21 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError>;
 
-    /// [`Backend::sample_rows`] of the logits rows `logits` (`[rows.len(), vocab]`, a tensor:
-    /// on a device backend they are read where they are) with row `r` restricted to
-    /// `allowed[r]` when given: its disallowed logits are −∞ before the sampling math
-    /// ([`crate::sampling::sample_allowed`] is the definition). A mask wider than the vocabulary
-    /// or allowing nothing is [`SampleRowsError::Mask`] naming the row.
-    fn sample_masked(
-        &self,
-        logits: &Tensor,
-        vocab: usize,
-        rows: &[RowSampling],
-        allowed: &[Option<&AllowedTokens>],
-    ) -> Result<Vec<u32>, SampleRowsError>;
+    /// [`Backend::sample_rows`] of the [`MaskedRows`] `rows` (the logits read where they are on
+    /// a device backend) with row `r` restricted to `allowed[r]` when given: its disallowed
+    /// logits are −∞ before the sampling math ([`crate::sampling::sample_allowed`] is the
+    /// definition). A mask wider than the vocabulary or allowing nothing is
+    /// [`SampleRowsError::Mask`] naming the row.
+    fn sample_masked(&self, rows: MaskedRows<'_, RowSampling>)
+    -> Result<Vec<u32>, SampleRowsError>;
 
-    /// The log-probabilities of `picks[r].token` under row `r` of `logits` (`[picks.len(),
-    /// vocab]`, read where they are) after `allowed[r]` (if any) set its disallowed logits to −∞,
-    /// with `picks[r].top` alternatives ([`crate::sampling::token_logprobs`] is the definition;
-    /// a device implementation returns the same bits). Checked as [`Backend::sample_masked`].
+    /// The log-probabilities of `picks.rows[r].token` under row `r` of the [`MaskedRows`] `picks`
+    /// after `allowed[r]` (if any) set its disallowed logits to −∞, with `picks.rows[r].top`
+    /// alternatives ([`crate::sampling::token_logprobs`] is the definition; a device
+    /// implementation returns the same bits). Checked as [`Backend::sample_masked`].
     fn token_logprobs_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        picks: &[LogprobPick],
-        allowed: &[Option<&AllowedTokens>],
+        picks: MaskedRows<'_, LogprobPick>,
     ) -> Result<Vec<TokenLogprobs>, SampleRowsError>;
 
     /// One token per row of the fp32 logits `x · Wᵀ` ([`Backend::linear_f32`], `W [out, inp]`),
@@ -462,9 +481,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn sample_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError>;
 
@@ -531,15 +548,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// The V4 hyper-head's collapse weights of every token of `x [n, hc · dim]` (`proj
     /// [hc, hc · dim]`, `base [hc]`): `σ(m_k · scale + base_k) + hc_eps` with
     /// `m = proj · x · rsqrt(mean(x²) + norm_eps)` → `[n, hc]` fp32 ([`cpu::hyper_head_weights`]).
-    fn hyper_head_weights_rows(
-        &self,
-        x: &Tensor,
-        proj: &[f32],
-        base: &[f32],
-        scale: f32,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> Tensor;
+    fn hyper_head_weights_rows(&self, x: &Tensor, head: &HyperHead<'_>) -> Tensor;
     /// The V4 compressor's pooled entries → fp32 `[entries.len(), width]`: per channel, the softmax
     /// over an entry's slots of `gate + bias` weighting the slots' `kv` ([`PoolSlot`],
     /// [`cpu::pool_entry`]).
@@ -554,17 +563,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         layer: &MoeLayer<'_>,
         hashed: Option<&[Vec<usize>]>,
     ) -> Option<Tensor>;
-}
-
-/// The checks of [`Backend::token_logprobs_masked`]: those of [`check_sample_masked`] (the
-/// picks are its rows).
-pub fn check_logprob_picks(
-    logits_len: usize,
-    vocab: usize,
-    picks: &[LogprobPick],
-    allowed: &[Option<&AllowedTokens>],
-) -> Result<(), SampleRowsError> {
-    check_masked_rows(logits_len, vocab, picks.len(), allowed)
 }
 
 /// The shape check of [`Backend::sample_rows`], shared by every implementation.
@@ -589,16 +587,30 @@ pub fn check_sample_rows(
     Ok(())
 }
 
-/// The checks of [`Backend::sample_masked`] (`logits_len` values), shared by every
-/// implementation: the shape of [`check_sample_rows`], one mask entry per row, each mask within
-/// the vocabulary and allowing some token.
-pub fn check_sample_masked(
-    logits_len: usize,
-    vocab: usize,
-    rows: &[RowSampling],
-    allowed: &[Option<&AllowedTokens>],
-) -> Result<(), SampleRowsError> {
-    check_masked_rows(logits_len, vocab, rows.len(), allowed)
+/// Logits rows `logits` (`[rows.len(), vocab]`, a tensor) with one entry of `rows` (a row's
+/// sampling, or a token whose log-probability is asked) and one optional mask of `allowed` per
+/// row ([`Backend::sample_masked`], [`Backend::token_logprobs_masked`]).
+pub struct MaskedRows<'a, R> {
+    pub logits: &'a Tensor,
+    pub vocab: usize,
+    pub rows: &'a [R],
+    pub allowed: &'a [Option<&'a AllowedTokens>],
+}
+
+impl<R> Clone for MaskedRows<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R> Copy for MaskedRows<'_, R> {}
+
+impl<R> MaskedRows<'_, R> {
+    /// The checks every implementation shares: the shape of [`check_sample_rows`], one mask
+    /// entry per row, each mask within the vocabulary and allowing some token.
+    pub fn check(&self) -> Result<(), SampleRowsError> {
+        check_masked_rows(self.logits.len(), self.vocab, self.rows.len(), self.allowed)
+    }
 }
 
 /// `logits_len` values are `rows` rows of `vocab`, with one mask entry per row, each within the

@@ -9,7 +9,7 @@ use std::any::Any;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
-use super::Tensor;
+use super::{Precision, Tensor};
 
 /// A selection or mask a device backend keeps in its own memory.
 pub trait DeviceRows: Send + Sync + fmt::Debug {
@@ -155,30 +155,51 @@ pub struct SelectPart<'a> {
     pub visible: &'a [usize],
 }
 
-/// The index scores of a step's queries, part by part (`score(q, weights, part)`: the scores of
-/// one part's queries, given its rows of `q` and `weights`), in query order; the first error ends
-/// it.
+/// The indexer's queries of a step ([`super::Backend::select_rows`],
+/// [`super::Backend::index_scores_rows_at`]): `q [n, heads · head_dim]` with their head weights
+/// `weights [n, heads]`, the scores rounded at `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct IndexQueries<'a> {
+    pub q: &'a Tensor,
+    pub weights: &'a Tensor,
+    pub head_dim: usize,
+    pub precision: Precision,
+}
+
+/// What [`super::Backend::select_rows`] selects from: each query's part of `parts` (the parts'
+/// queries in order), the top `k` of its scores, under the two-level top-k's `candidates`.
+#[derive(Debug, Clone, Copy)]
+pub struct SelectFrom<'a> {
+    pub parts: &'a [SelectPart<'a>],
+    pub k: usize,
+    pub candidates: Candidates<'a>,
+}
+
+/// The index scores of a step's queries, part by part (`score(queries, part)`: the scores of
+/// one part's queries, given its rows of `queries`), in query order; the first error ends it.
 pub fn scores_by_part<E>(
-    q: &Tensor,
-    weights: &Tensor,
+    queries: IndexQueries<'_>,
     parts: &[SelectPart<'_>],
-    mut score: impl FnMut(&Tensor, &Tensor, &SelectPart<'_>) -> Result<Vec<Vec<f32>>, E>,
+    mut score: impl FnMut(IndexQueries<'_>, SelectPart<'_>) -> Result<Vec<Vec<f32>>, E>,
 ) -> Result<Vec<Vec<f32>>, E> {
-    let queries: usize = parts.iter().map(|part| part.visible.len()).sum();
-    let (q_width, w_width) = (q.len() / queries.max(1), weights.len() / queries.max(1));
+    let n: usize = parts.iter().map(|part| part.visible.len()).sum();
+    let (q_width, w_width) = (queries.q.len() / n.max(1), queries.weights.len() / n.max(1));
     let mut first = 0;
-    let mut scores = Vec::with_capacity(queries);
+    let mut scores = Vec::with_capacity(n);
     for part in parts {
         let rows = first..first + part.visible.len();
         first = rows.end;
         if rows.is_empty() {
             continue;
         }
-        scores.extend(score(
-            &q.rows(rows.clone(), q_width),
-            &weights.rows(rows, w_width),
-            part,
-        )?);
+        let q = queries.q.rows(rows.clone(), q_width);
+        let weights = queries.weights.rows(rows, w_width);
+        let part_queries = IndexQueries {
+            q: &q,
+            weights: &weights,
+            ..queries
+        };
+        scores.extend(score(part_queries, *part)?);
     }
     Ok(scores)
 }

@@ -50,6 +50,16 @@ pub enum Init {
     NormWeight { mean: f32 },
 }
 
+impl TensorKind {
+    /// A plain F32 tensor of `shape` drawn from a normal distribution of `std`.
+    pub fn f32_normal(shape: Vec<usize>, std: f32) -> TensorKind {
+        TensorKind::F32 {
+            shape,
+            init: Init::Normal { std },
+        }
+    }
+}
+
 /// One inventory entry: a tensor name (or the `.weight`/`.scale` prefix of a quantised pair).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorSpec {
@@ -172,13 +182,7 @@ impl Inventory {
     }
 
     fn f32_tensor(&mut self, name: String, shape: Vec<usize>, std: f32) {
-        self.push(
-            name,
-            TensorKind::F32 {
-                shape,
-                init: Init::Normal { std },
-            },
-        );
+        self.push(name, TensorKind::f32_normal(shape, std));
     }
 
     /// Norms, mHC, attention (window part) and the MoE of one block; shared by backbone layers and

@@ -46,13 +46,7 @@ impl V4Inventory<'_> {
 
     /// A tensor every format stores as F32 (mHC, sinks, position biases, router bias).
     fn f32_tensor(&mut self, name: String, shape: Vec<usize>, std: f32) {
-        self.push(
-            name,
-            TensorKind::F32 {
-                shape,
-                init: Init::Normal { std },
-            },
-        );
+        self.push(name, TensorKind::f32_normal(shape, std));
     }
 
     fn norm(&mut self, prefix: &str, width: usize, mean: f32) {

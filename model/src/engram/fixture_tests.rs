@@ -110,7 +110,10 @@ fn check_hash(case: &str, chunks: &[usize]) -> TestResult {
     let mut rows = Vec::new();
     let mut start = 0;
     for &end in chunks.iter().chain(std::iter::once(&tokens.len())) {
-        let chunk = engram.hash_chunk(&mut history, &tokens[start..end], &dead[start..end]);
+        let chunk =
+            engram
+                .hasher()
+                .hash_chunk(&mut history, &tokens[start..end], &dead[start..end]);
         rows.extend(chunk.as_slice().iter().map(|&r| r as i32));
         start = end;
     }
@@ -162,7 +165,9 @@ fn engram_out_matches_reference() -> TestResult {
     let fixture = Fixture::open()?;
     let engram = load_engram()?;
     let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
-    let rows = engram.hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
+    let rows = engram
+        .hasher()
+        .hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
     let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
     let per_layer = shape[1..].iter().product::<usize>();
     for (engram_idx, layer_id) in [(0_usize, 1_usize), (1, 4)] {
@@ -198,7 +203,9 @@ fn dead_tokens_pass_through() -> TestResult {
     let fixture = Fixture::open()?;
     let engram = load_engram()?;
     let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
-    let rows = engram.hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
+    let rows = engram
+        .hasher()
+        .hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
     let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
     let per_layer = shape[1..].iter().product::<usize>();
     let before = layer_out[..per_layer].to_vec();

@@ -358,7 +358,9 @@ impl NgramHasher {
     /// Row ids of every engram layer for `tokens` at the positions after `history`, which is
     /// extended by the chunk: the contexts gathered from the history, hashed by
     /// [`NgramHasher::rows_of_contexts`] (on the host: the hashing is integer work on ids the
-    /// host holds).
+    /// host holds). `dead` is empty (no image tokens) or one flag per token. Token ids must be
+    /// below the model's vocabulary (the forward pass checks); an id beyond the compressed map
+    /// hashes as pad.
     pub fn hash_chunk(
         &self,
         history: &mut EngramHistory,

@@ -192,19 +192,6 @@ impl Engram {
         &self.hasher
     }
 
-    /// Row ids of every engram layer for `tokens` at the positions after `history`, which grows
-    /// by `tokens.len()`. `dead` is empty (no image tokens) or one flag per token. Token ids must
-    /// be below the model's vocabulary (the forward pass checks); an id beyond the compressed map
-    /// hashes as pad.
-    pub fn hash_chunk(
-        &self,
-        history: &mut EngramHistory,
-        tokens: &[u32],
-        dead: &[bool],
-    ) -> EngramRows {
-        self.hasher.hash_chunk(history, tokens, dead)
-    }
-
     /// Applies engram layer `engram_layer_idx` to the streams `x` (`[n_tokens, hc_mult, dim]`,
     /// bf16 values) of the chunk `rows` was hashed for ([`Engram::apply_step`] of one part, on
     /// host values). `dead` is empty or one flag per token; dead tokens have gate 0 and stay

@@ -2,7 +2,7 @@
 //! ([`Projection`]) in its model's precision: the queries of a step's rows ([`queries`]), the K=V
 //! rows ([`kv_rows`]) and the grouped low-rank output projection ([`output`]).
 
-use crate::backend::{Precision, RopeTable, Rotation, Tensor, linear_by_groups};
+use crate::backend::{Groups, Precision, RopeTable, Rotation, Tensor, linear_by_groups};
 use crate::layers::ctx::Ctx;
 use crate::layers::weights::{AttentionWeights, Projection};
 
@@ -87,13 +87,16 @@ pub fn grouped_low_rank(
     let (heads, head_dim) = (cfg.n_heads, cfg.head_dim);
     let inverse = Rotation::new(table, positions, precision).inverse();
     let o = backend.rope(o, (head_dim, heads), &inverse);
-    let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
-    let group_width = heads * head_dim / groups;
+    let groups = cfg.o_groups;
+    let shape = Groups {
+        groups,
+        out: cfg.o_lora_rank,
+        inp: heads * head_dim / groups,
+    };
     match precision {
-        Precision::Bf16 => backend.linear_grouped_bf16(&o, wo_a, groups, rank, group_width),
-        Precision::F32 => linear_by_groups(backend, &o, (groups, group_width, rank), |x, g| {
-            let weights = &wo_a[g * rank * group_width..(g + 1) * rank * group_width];
-            backend.linear_f32(x, weights, rank, group_width)
+        Precision::Bf16 => backend.linear_grouped_bf16(&o, wo_a, shape),
+        Precision::F32 => linear_by_groups(backend, &o, shape, |x, g| {
+            backend.linear_f32(x, shape.weight(wo_a, g), shape.out, shape.inp)
         }),
     }
 }

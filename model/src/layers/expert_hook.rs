@@ -131,8 +131,7 @@ impl<W: BackboneMoe + Clone + Send + Sync> ExpertHost for Loaded<W> {
 
     fn run_held_expert(
         &self,
-        layer: usize,
-        expert: usize,
+        (layer, expert): (usize, usize),
         x: &[f32],
         weight: f32,
     ) -> Option<Vec<f32>> {

@@ -7,7 +7,7 @@
 use super::compressor;
 use super::state::LayerState;
 use super::weights::AttentionWeights;
-use crate::backend::{QueryKeys, RopeTable, SelectedKeys, Tensor};
+use crate::backend::{AttentionQueries, QueryKeys, RopeTable, SelectedKeys, Tensor};
 use crate::layers::attention::{Queries, kv_rows, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
@@ -15,9 +15,13 @@ use crate::layers::step::StepRows;
 /// Attention of the query rows `q [n, heads · head_dim]`, query `t` over its own `keys[t]` (K = V),
 /// with the layer's sinks.
 pub fn attend(ctx: &Ctx, w: &AttentionWeights, q: &Tensor, keys: &[QueryKeys<'_>]) -> Tensor {
-    let scale = (ctx.cfg.head_dim as f32).powf(-0.5);
-    ctx.backend
-        .sparse_attention_selected(q, keys, &w.sink, scale, ctx.cfg.precision())
+    let queries = AttentionQueries {
+        q,
+        sink: &w.sink,
+        scale: (ctx.cfg.head_dim as f32).powf(-0.5),
+        precision: ctx.cfg.precision(),
+    };
+    ctx.backend.sparse_attention_selected(queries, keys)
 }
 
 /// Causal attention over the normed inputs `xn [n, dim]` of a step's rows (sequence `e`'s rows at

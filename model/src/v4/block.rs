@@ -5,7 +5,7 @@
 //! sequence) and no op mixes rows.
 
 use super::weights::{HyperHeadWeights, LayerWeights};
-use crate::backend::{MoeLayer, Tensor};
+use crate::backend::{HyperHead, MoeLayer, Tensor};
 use crate::layers::ctx::Ctx;
 use crate::layers::{mhc, moe};
 
@@ -67,14 +67,14 @@ pub fn forward(
 /// [`crate::backend::cpu::hyper_head_weights`] on the backend, then `Σ_k pre_k · x_k`.
 pub fn hyper_head(ctx: &Ctx, w: &HyperHeadWeights, x: &Tensor) -> Tensor {
     let cfg = ctx.cfg;
-    let pre = ctx.backend.hyper_head_weights_rows(
-        x,
-        &w.proj,
-        &w.base,
-        w.scale.first().copied().unwrap_or(1.0),
-        cfg.hc.eps,
-        cfg.norm_eps,
-    );
+    let head = HyperHead {
+        proj: &w.proj,
+        base: &w.base,
+        scale: w.scale.first().copied().unwrap_or(1.0),
+        hc_eps: cfg.hc.eps,
+        norm_eps: cfg.norm_eps,
+    };
+    let pre = ctx.backend.hyper_head_weights_rows(x, &head);
     ctx.backend
         .hc_collapse_rows_at(x, &pre, cfg.hc.mult, cfg.precision())
 }

@@ -5,7 +5,9 @@
 
 use super::state::{CompressorCache, LayerState};
 use super::weights::{CompressorWeights, IndexerWeights};
-use crate::backend::{Candidates, PoolSlot, RopeTable, Rotation, Selection, Tensor};
+use crate::backend::{
+    Candidates, IndexQueries, PoolSlot, RopeTable, Rotation, SelectFrom, Selection, Tensor,
+};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
 
@@ -137,17 +139,18 @@ pub fn select_rows(
         .collect();
     let visible = rows.visible_entries(w.compressor.ratio);
     let parts = rows.select_parts(&keys, &visible);
-    backend
-        .select_rows(
-            &q,
-            &head_weights,
-            &parts,
-            head_dim,
-            cfg.index_topk,
-            Candidates::None,
-            precision,
-        )
-        .0
+    let queries = IndexQueries {
+        q: &q,
+        weights: &head_weights,
+        head_dim,
+        precision,
+    };
+    let from = SelectFrom {
+        parts: &parts,
+        k: cfg.index_topk,
+        candidates: Candidates::None,
+    };
+    backend.select_rows(queries, from).0
 }
 
 /// The pooled entry `entry` of `cache` (the unit tests' view of

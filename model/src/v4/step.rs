@@ -7,8 +7,8 @@
 
 use super::state::{LayerState, SequenceState};
 use super::{Model, attention, block};
-use crate::backend::Tensor;
 use crate::backend::weights::Linear;
+use crate::backend::{DenseWeight, Tensor};
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
@@ -176,9 +176,15 @@ impl Model {
         } else {
             let hidden = hidden_of(&sampled_rows);
             match &*self.weights.head {
-                Linear::Dense { out, inp, values } => {
-                    backend.sample_linear(&hidden, values, *out, *inp, &sampling)
-                }
+                Linear::Dense { out, inp, values } => backend.sample_linear(
+                    &hidden,
+                    DenseWeight {
+                        values,
+                        out: *out,
+                        inp: *inp,
+                    },
+                    &sampling,
+                ),
                 quantised => {
                     let logits = quantised.apply(backend, &hidden);
                     backend.sample_rows(&logits, vocab, &sampling)

@@ -7,7 +7,9 @@ use super::csa::{self, StepShared};
 use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
-use crate::backend::{Precision, QueryKeys, RopeTable, SelectedKeys, Selection, Tensor};
+use crate::backend::{
+    AttentionQueries, Precision, QueryKeys, RopeTable, SelectedKeys, Selection, Tensor,
+};
 use crate::layers::attention::{Queries, kv_rows, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
@@ -141,9 +143,12 @@ pub fn forward(
             });
         }
     }
-    let scale = (head_dim as f32).powf(-0.5);
-    let o = ctx
-        .backend
-        .sparse_attention_selected(&q, &queries, &w.sink, scale, Precision::Bf16);
+    let attention = AttentionQueries {
+        q: &q,
+        sink: &w.sink,
+        scale: (head_dim as f32).powf(-0.5),
+        precision: Precision::Bf16,
+    };
+    let o = ctx.backend.sparse_attention_selected(attention, &queries);
     output(ctx, w, o, positions, table)
 }

@@ -5,7 +5,9 @@
 use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
-use crate::backend::{CandidateMask, Candidates, Precision, Rotation, Selection, Tensor};
+use crate::backend::{
+    CandidateMask, Candidates, Precision, Rotation, SelectFrom, Selection, Tensor,
+};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
 
@@ -198,15 +200,18 @@ pub fn select_step(
         (None, Some(mask)) if cfg.uses_candidates(layer) => Candidates::Apply(mask),
         _ => Candidates::None,
     };
-    let (selection, mask) = ctx.backend.select_rows(
-        &index.q,
-        &index.head_weights,
-        &parts,
-        cfg.index_head_dim,
-        cfg.index_topk,
+    let queries = crate::backend::IndexQueries {
+        q: &index.q,
+        weights: &index.head_weights,
+        head_dim: cfg.index_head_dim,
+        precision: Precision::Bf16,
+    };
+    let from = SelectFrom {
+        parts: &parts,
+        k: cfg.index_topk,
         candidates,
-        Precision::Bf16,
-    );
+    };
+    let (selection, mask) = ctx.backend.select_rows(queries, from);
     if candidate_source.is_some() {
         shared.candidates = mask;
     }

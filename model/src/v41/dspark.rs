@@ -10,7 +10,7 @@ use super::attention::window_entries;
 use super::block;
 use super::state::{PositionRing, SequenceState};
 use super::weights::{AttentionWeights, DsparkWeights};
-use crate::backend::{Precision, Tensor};
+use crate::backend::{AttentionQueries, Precision, Tensor};
 use crate::config::DsparkConfig;
 use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
@@ -87,10 +87,13 @@ fn stage_attention(
         row_keys.extend(block);
         keys.extend(std::iter::repeat_n(row_keys, size));
     }
-    let scale = (cfg.head_dim as f32).powf(-0.5);
-    let o = ctx
-        .backend
-        .sparse_attention_rows_at(&q, &keys, &w.sink, scale, Precision::Bf16);
+    let queries = AttentionQueries {
+        q: &q,
+        sink: &w.sink,
+        scale: (cfg.head_dim as f32).powf(-0.5),
+        precision: Precision::Bf16,
+    };
+    let o = ctx.backend.sparse_attention_rows_at(queries, &keys);
     output(ctx, w, o, positions, table)
 }
 

@@ -10,7 +10,9 @@ use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::vision::ImageChunk;
 use super::{Model, attention, block, dspark};
-use crate::backend::{Backend, LogprobPick, Precision, RowSampling, Tensor};
+use crate::backend::{
+    Backend, DenseWeight, LogprobPick, MaskedRows, Precision, RowSampling, Tensor,
+};
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
@@ -183,9 +185,13 @@ impl Model {
                 .map(|((seq, tokens), span)| match cp {
                     // Every rank hashes the whole chunk (the history needs it), keeps its rows.
                     Some(cp) => engram
+                        .hasher()
                         .hash_chunk(&mut seq.engram, tokens, &[])
                         .select(cp.own_rows()),
-                    None => engram.hash_chunk(&mut seq.engram, tokens, &dead[span.clone()]),
+                    None => {
+                        let dead = &dead[span.clone()];
+                        engram.hasher().hash_chunk(&mut seq.engram, tokens, dead)
+                    }
                 })
                 .collect()
         });
@@ -419,7 +425,12 @@ impl Model {
             .collect();
         let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
         backend
-            .sample_masked(&logits, vocab, &sampling, &allowed)
+            .sample_masked(MaskedRows {
+                logits: &logits,
+                vocab,
+                rows: &sampling,
+                allowed: &allowed,
+            })
             .map_err(|e| ModelError::Sequence {
                 message: e.to_string(),
             })
@@ -442,7 +453,12 @@ impl Model {
         let allowed: Vec<Option<&AllowedTokens>> = rows.iter().map(|r| r.allowed).collect();
         self.ctx()
             .backend
-            .token_logprobs_masked(&logits, self.cfg.vocab_size, picks, &allowed)
+            .token_logprobs_masked(MaskedRows {
+                logits: &logits,
+                vocab: self.cfg.vocab_size,
+                rows: picks,
+                allowed: &allowed,
+            })
             .map_err(|e| ModelError::Sequence {
                 message: e.to_string(),
             })
@@ -566,9 +582,11 @@ impl Model {
                         rows_of(wanted, wants, true).filter_map(slot),
                         dim,
                     ),
-                    &self.weights.head,
-                    vocab,
-                    dim,
+                    DenseWeight {
+                        values: &self.weights.head,
+                        out: vocab,
+                        inp: dim,
+                    },
                     &sampling,
                 )
                 .map_err(|e| ModelError::Sequence {

@@ -15,7 +15,7 @@
 //! bf16 once each (2^-8 together).
 
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
-use deepinfer_model::backend::{Backend, CpuBackend, Precision, Tensor};
+use deepinfer_model::backend::{AttentionQueries, Backend, CpuBackend, Precision, Tensor};
 
 use crate::gpu_support::{Rng, bf16_unit, differing};
 
@@ -62,11 +62,13 @@ impl Batch {
     fn run(&self, backend: &dyn Backend) -> Vec<f32> {
         backend
             .sparse_attention_rows_at(
-                &self.q,
+                AttentionQueries {
+                    q: &self.q,
+                    sink: &self.sink,
+                    scale: self.scale,
+                    precision: Precision::Bf16,
+                },
                 &self.key_refs(),
-                &self.sink,
-                self.scale,
-                Precision::Bf16,
             )
             .to_vec()
     }

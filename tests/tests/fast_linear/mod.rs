@@ -14,7 +14,7 @@ use deepinfer_kernels::ops::linear_fast::{
     FastBf16Weight, PARTS, linear_bf16_fast, linear_bf16_fast_as_if,
 };
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
-use deepinfer_model::backend::{Backend, CpuBackend, Tensor};
+use deepinfer_model::backend::{Backend, CpuBackend, Groups, Tensor};
 
 use crate::gpu_support::{Rng, bf16_unit, differing};
 
@@ -291,7 +291,7 @@ fn the_backend_runs_the_grouped_linear_in_one_launch_in_fast_numerics() {
     let exact = CudaBackend::open(0, Numerics::Exact).expect("the CUDA device");
     let fast = CudaBackend::open(0, Numerics::Fast).expect("the CUDA device");
     let grouped = |b: &dyn Backend| {
-        b.linear_grouped_bf16(&Tensor::from(x.clone()), &w, groups, out, inp)
+        b.linear_grouped_bf16(&Tensor::from(x.clone()), &w, Groups { groups, out, inp })
             .into_vec()
     };
     let reference = grouped(&cpu);

@@ -38,7 +38,7 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile, gemm_fp8_fast, k_parts};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
-use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
+use deepinfer_kernels::ops::routed::{ExpertProjection, RoutedRows, moe_combine, swiglu_rows};
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
@@ -242,8 +242,19 @@ fn run_v4_chain(
     let weights_d = stream.clone_htod(route_weights).expect("route weights");
     let routed = |x: &DeviceActFp8, x_row_div: usize, which: ExpertProjection, width: usize| {
         let mut out = stream.alloc_zeros::<f32>(slots * width).expect("alloc");
-        gemm_fp4_routed_fast_tiled(rt, x, &ids_d, x_row_div, &moe.table, which, &mut out, tile)
-            .expect("gemm_fp4_routed_fast");
+        gemm_fp4_routed_fast_tiled(
+            rt,
+            RoutedRows {
+                x,
+                experts: &ids_d,
+                x_row_div,
+                which,
+            },
+            &moe.table,
+            &mut out,
+            tile,
+        )
+        .expect("gemm_fp4_routed_fast");
         out
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use deepinfer_actors::messages::scheduler::SchedulerStats;
 use deepinfer_actors::rank::executor::{
-    ExecError, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor, SeqTokens,
+    ExecError, ExecStep, ExecutorFactory, ExecutorLayer, LayeredFactory, RankExecutor,
 };
-use deepinfer_actors::{Engine, EngineConfig, ModelFacts, SamplingParams};
+use deepinfer_actors::{Engine, EngineConfig, ModelFacts};
 use deepinfer_model::EntryOutput;
 use deepinfer_tests::confident::Confident;
 use deepinfer_topology::NodeConfig;
@@ -31,10 +31,9 @@ impl ExecutorLayer for Measured {
     fn execute(
         &mut self,
         inner: &mut dyn RankExecutor,
-        batch: &[SeqTokens<'_>],
-        sampling: &[Option<SamplingParams>],
+        ExecStep { batch, sampling }: ExecStep<'_>,
     ) -> Result<Vec<EntryOutput>, ExecError> {
-        let outputs = inner.execute(batch, sampling)?;
+        let outputs = inner.execute(ExecStep { batch, sampling })?;
         let held = inner.state_bytes_held().expect("a model executor");
         self.peak.fetch_max(held, Ordering::Relaxed);
         Ok(outputs)

@@ -33,7 +33,7 @@ use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
 };
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, gemm_routed, swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, gemm_routed, swiglu_rows,
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
 use deepinfer_kernels::{KernelError, KernelRuntime};
@@ -330,9 +330,17 @@ fn bench_routed_chain<W>(
                   ids: &CudaSlice<u32>,
                   x_row_div: usize,
                   which: ExpertProjection,
-                  y: &mut CudaSlice<bf16>| match fast_tile {
-        None => gemm_routed(rt, x, ids, x_row_div, table, which, y),
-        Some(tile) => gemm_fp4_routed_fast_tiled(rt, x, ids, x_row_div, table, which, y, tile),
+                  y: &mut CudaSlice<bf16>| {
+        let rows = RoutedRows {
+            x,
+            experts: ids,
+            x_row_div,
+            which,
+        };
+        match fast_tile {
+            None => gemm_routed(rt, rows, table, y),
+            Some(tile) => gemm_fp4_routed_fast_tiled(rt, rows, table, y, tile),
+        }
     };
     let micros = time_launches(rt, timer, |i| {
         let ids = &routes[i % ROUTE_SETS];

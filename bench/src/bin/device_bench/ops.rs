@@ -25,7 +25,7 @@ use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, gemm_routed_with,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows, gemm_routed_with,
 };
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use half::bf16;
@@ -299,11 +299,13 @@ fn bench_routed_w1(
     let micros = time_launches(rt, timer, |i| {
         Ok(gemm_routed_with(
             rt,
-            &a,
-            &route_sets[i % ROUTE_SETS],
-            ROUTED_TOP_K,
+            RoutedRows {
+                x: &a,
+                experts: &route_sets[i % ROUTE_SETS],
+                x_row_div: ROUTED_TOP_K,
+                which: ExpertProjection::W1,
+            },
             table,
-            ExpertProjection::W1,
             &mut y,
             blocks,
         )?)

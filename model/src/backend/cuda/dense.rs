@@ -177,11 +177,10 @@ impl CudaBackend {
         &self,
         x: &Tensor,
         w: &[f32],
-        groups: usize,
-        out: usize,
-        inp: usize,
+        shape: Groups,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "linear_grouped_bf16";
+        let Groups { groups, out, inp } = shape;
         if groups == 0 || w.len() != groups * out * inp {
             return Err(shape_err(
                 OP,
@@ -193,14 +192,9 @@ impl CudaBackend {
         }
         let rows = whole_rows(OP, x, groups * inp)?;
         if self.numerics != Numerics::Fast {
-            return Ok(linear_by_groups(
-                self,
-                x,
-                (groups, inp, out),
-                |inputs, g| {
-                    self.linear_bf16(inputs, &w[g * out * inp..(g + 1) * out * inp], out, inp)
-                },
-            ));
+            return Ok(linear_by_groups(self, x, shape, |inputs, g| {
+                self.linear_bf16(inputs, shape.weight(w, g), out, inp)
+            }));
         }
         if rows == 0 || out == 0 {
             return Ok(Tensor::empty());

@@ -41,7 +41,7 @@ use deepinfer_kernels::ops::key_table::key_row_address;
 use deepinfer_kernels::ops::routed::moe_combine;
 use deepinfer_topology::{EpRank, ExpertPlacement};
 
-use super::ep_transport::{RowMeta, RowTransport};
+use super::ep_transport::{RowExchange, RowMeta, RowTransport};
 use super::moe::DeviceExperts;
 use super::v4::DeviceExactExperts;
 use super::*;
@@ -437,15 +437,15 @@ impl CudaBackend {
         }
         let counts: Vec<usize> = plan.iter().map(|d| d.slots.len()).collect();
         let meta = plan.iter().map(|d| d.meta.clone()).collect();
-        let inbox = ep.transport.all_to_all_rows(
-            self,
-            ep.rank,
-            tag(ExchangePhase::Dispatch),
-            send.as_ref(),
-            dim,
-            &counts,
+        let dispatch = RowExchange {
+            rank: ep.rank,
+            tag: tag(ExchangePhase::Dispatch),
+            rows: send.as_ref(),
+            width: dim,
+            counts: &counts,
             meta,
-        )?;
+        };
+        let inbox = ep.transport.all_to_all_rows(self, dispatch)?;
 
         // 2. Run this rank's experts on what it received; send the outputs back.
         let mut outbox = None;
@@ -483,15 +483,15 @@ impl CudaBackend {
                 layer,
             )?);
         }
-        let back = ep.transport.all_to_all_rows(
-            self,
-            ep.rank,
-            tag(ExchangePhase::Combine),
-            outbox.as_ref(),
-            dim,
-            &inbox.counts,
-            vec![RowMeta::default(); ranks],
-        )?;
+        let combine = RowExchange {
+            rank: ep.rank,
+            tag: tag(ExchangePhase::Combine),
+            rows: outbox.as_ref(),
+            width: dim,
+            counts: &inbox.counts,
+            meta: vec![RowMeta::default(); ranks],
+        };
+        let back = ep.transport.all_to_all_rows(self, combine)?;
         if back.counts != counts {
             return Err(shape_err(
                 op,

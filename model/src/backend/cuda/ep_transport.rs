@@ -25,6 +25,18 @@ pub struct RowMeta {
     pub weights: Vec<f32>,
 }
 
+/// One all-to-all of this rank's rows (the module doc): as EP rank `rank` at `tag`, `counts[d]`
+/// consecutive `width`-wide rows of `rows` (destination-major) for rank `d`, with `meta[d]`.
+#[derive(Debug)]
+pub struct RowExchange<'a> {
+    pub rank: usize,
+    pub tag: ExchangeTag,
+    pub rows: Option<&'a CudaSlice<f32>>,
+    pub width: usize,
+    pub counts: &'a [usize],
+    pub meta: Vec<RowMeta>,
+}
+
 /// What one all-to-all delivered to this rank.
 #[derive(Debug)]
 pub struct Delivered {
@@ -41,18 +53,12 @@ pub trait RowTransport: Send + Sync + std::fmt::Debug {
     /// EP ranks it connects.
     fn ranks(&self) -> usize;
 
-    /// The all-to-all of the module doc, by `backend` as EP rank `rank`; `rows` was written on
+    /// The all-to-all `exchange` of the module doc, by `backend`; its rows were written on
     /// `backend`'s stream.
-    #[allow(clippy::too_many_arguments)]
     fn all_to_all_rows(
         &self,
         backend: &CudaBackend,
-        rank: usize,
-        tag: ExchangeTag,
-        rows: Option<&CudaSlice<f32>>,
-        width: usize,
-        counts: &[usize],
-        meta: Vec<RowMeta>,
+        exchange: RowExchange<'_>,
     ) -> Result<Delivered, CudaBackendError>;
 
     /// The layer is done on this rank: once every rank says so, offered buffers may be freed.
@@ -102,22 +108,19 @@ impl RowTransport for SharedDevice {
     fn all_to_all_rows(
         &self,
         backend: &CudaBackend,
-        rank: usize,
-        tag: ExchangeTag,
-        rows: Option<&CudaSlice<f32>>,
-        width: usize,
-        counts: &[usize],
-        meta: Vec<RowMeta>,
+        exchange: RowExchange<'_>,
     ) -> Result<Delivered, CudaBackendError> {
+        let (rank, tag, width) = (exchange.rank, exchange.tag, exchange.width);
         let row_bytes = (width * std::mem::size_of::<f32>()) as u64;
-        let base = match rows {
+        let base = match exchange.rows {
             Some(rows) => key_row_address(&backend.rt, rows, 0, width).map_err(op_err(OP))?,
             None => 0,
         };
         let mut offset = 0u64;
-        let offers = counts
+        let offers = exchange
+            .counts
             .iter()
-            .zip(meta)
+            .zip(exchange.meta)
             .map(|(&n, meta)| {
                 let offer = Offer {
                     addr: base + offset * row_bytes,

@@ -107,9 +107,10 @@ use half::bf16;
 use super::select::DeviceRows;
 use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
-    Backend, CandidateMask, Candidates, DeviceBuffer, ExpertRoute, ExpertSelection, HcMixes,
-    HcMixing, HcParams, MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling,
-    SampleRowsError, SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
+    AttentionQueries, Backend, CandidateMask, Candidates, DenseWeight, DeviceBuffer, ExpertRoute,
+    ExpertSelection, Groups, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, MaskedRows,
+    MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom,
+    SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
 };
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
@@ -810,16 +811,9 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn linear_grouped_bf16(
-        &self,
-        x: &Tensor,
-        w: &[f32],
-        groups: usize,
-        out: usize,
-        inp: usize,
-    ) -> Tensor {
+    fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor {
         self.run("linear_grouped_bf16", || {
-            self.try_linear_grouped_bf16(x, w, groups, out, inp)
+            self.try_linear_grouped_bf16(x, w, shape)
         })
     }
 
@@ -889,56 +883,39 @@ impl Backend for CudaBackend {
 
     fn sparse_attention_rows_at(
         &self,
-        q: &Tensor,
+        queries: AttentionQueries<'_>,
         keys: &[Vec<&Tensor>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
     ) -> Tensor {
         self.run("sparse_attention_rows_at", || {
-            self.try_sparse_attention_rows(q, keys, sink, scale, precision)
+            self.try_sparse_attention_rows(queries, keys)
         })
     }
 
     fn sparse_attention_selected(
         &self,
-        q: &Tensor,
-        queries: &[QueryKeys<'_>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
+        queries: AttentionQueries<'_>,
+        keys: &[QueryKeys<'_>],
     ) -> Tensor {
         self.run("sparse_attention_selected", || {
-            self.try_sparse_attention_selected(q, queries, sink, scale, precision)
+            self.try_sparse_attention_selected(queries, keys)
         })
     }
 
     fn select_rows(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        parts: &[SelectPart<'_>],
-        head_dim: usize,
-        k: usize,
-        candidates: Candidates<'_>,
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        from: SelectFrom<'_>,
     ) -> (Selection, Option<CandidateMask>) {
-        self.run("select_rows", || {
-            self.try_select_rows(q, weights, parts, head_dim, k, candidates, precision)
-        })
+        self.run("select_rows", || self.try_select_rows(queries, from))
     }
 
     fn index_scores_rows_at(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        keys: &[&Tensor],
-        head_dim: usize,
-        visible: &[usize],
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        part: SelectPart<'_>,
     ) -> Vec<Vec<f32>> {
         self.run("index_scores_rows_at", || {
-            self.try_index_scores_rows(q, weights, keys, head_dim, visible, precision)
+            self.try_index_scores_rows(queries, part)
         })
     }
 
@@ -954,38 +931,29 @@ impl Backend for CudaBackend {
 
     fn sample_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        rows: &[RowSampling],
-        allowed: &[Option<&crate::sampling::AllowedTokens>],
+        rows: MaskedRows<'_, RowSampling>,
     ) -> Result<Vec<u32>, SampleRowsError> {
-        super::check_sample_masked(logits.len(), vocab, rows, allowed)?;
-        Ok(self.run("sample_masked", || {
-            self.try_sample_masked(logits, vocab, rows, allowed)
-        }))
+        rows.check()?;
+        Ok(self.run("sample_masked", || self.try_sample_masked(rows)))
     }
 
     fn token_logprobs_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        picks: &[super::LogprobPick],
-        allowed: &[Option<&crate::sampling::AllowedTokens>],
+        picks: MaskedRows<'_, super::LogprobPick>,
     ) -> Result<Vec<crate::sampling::TokenLogprobs>, SampleRowsError> {
-        super::check_logprob_picks(logits.len(), vocab, picks, allowed)?;
+        picks.check()?;
         Ok(self.run("token_logprobs_masked", || {
-            self.try_token_logprobs_masked(logits, vocab, picks, allowed)
+            self.try_token_logprobs_masked(picks)
         }))
     }
 
     fn sample_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
+        let (out, inp) = (head.out, head.inp);
         if rows.is_empty() && x.is_empty() {
             return Ok(Vec::new());
         }
@@ -999,9 +967,7 @@ impl Backend for CudaBackend {
                 vocab: out,
             });
         }
-        Ok(self.run("sample_linear", || {
-            self.try_sample_linear(x, w, out, inp, rows)
-        }))
+        Ok(self.run("sample_linear", || self.try_sample_linear(x, head, rows)))
     }
 
     fn route_experts(
@@ -1082,17 +1048,9 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn hyper_head_weights_rows(
-        &self,
-        x: &Tensor,
-        proj: &[f32],
-        base: &[f32],
-        scale: f32,
-        hc_eps: f32,
-        norm_eps: f32,
-    ) -> Tensor {
+    fn hyper_head_weights_rows(&self, x: &Tensor, head: &HyperHead<'_>) -> Tensor {
         self.run("hyper_head_weights_rows", || {
-            self.try_hyper_head_weights_rows(x, proj, base, scale, hc_eps, norm_eps)
+            self.try_hyper_head_weights_rows(x, head)
         })
     }
 

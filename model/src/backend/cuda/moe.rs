@@ -11,8 +11,8 @@
 
 use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, ExpertRowValue, gemm_routed, moe_combine,
-    swiglu_rows,
+    DeviceExpertTable, ExpertProjection, ExpertRefs, ExpertRowValue, RoutedRows, gemm_routed,
+    moe_combine, swiglu_rows,
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
 
@@ -30,14 +30,11 @@ pub(super) struct DeviceExperts {
 /// rounding point), f32 from a fast FP4 table alone (V4's float32 experts in the fast numerics;
 /// the exact routed kernels write bf16, and a launch on another table fails naming its format).
 pub(super) trait RoutedRow: ExpertRowValue + FastOutput + ValidAsZeroBits + Sized {
-    /// `out[j] = x[j / x_row_div] · W_{ids[j]}ᵀ` for the `which` projection of `table`.
+    /// The routed GEMM of `rows` over `table` into `out`.
     fn gemm(
         rt: &KernelRuntime,
-        x: &DeviceActFp8,
-        ids: &CudaSlice<u32>,
-        x_row_div: usize,
+        rows: RoutedRows<'_, DeviceActFp8>,
         table: &DeviceExpertTable,
-        which: ExpertProjection,
         out: &mut CudaSlice<Self>,
     ) -> Result<(), KernelError>;
 }
@@ -45,29 +42,22 @@ pub(super) trait RoutedRow: ExpertRowValue + FastOutput + ValidAsZeroBits + Size
 impl RoutedRow for bf16 {
     fn gemm(
         rt: &KernelRuntime,
-        x: &DeviceActFp8,
-        ids: &CudaSlice<u32>,
-        x_row_div: usize,
+        rows: RoutedRows<'_, DeviceActFp8>,
         table: &DeviceExpertTable,
-        which: ExpertProjection,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
-        gemm_routed(rt, x, ids, x_row_div, table, which, out)
+        gemm_routed(rt, rows, table, out)
     }
 }
 
 impl RoutedRow for f32 {
     fn gemm(
         rt: &KernelRuntime,
-        x: &DeviceActFp8,
-        ids: &CudaSlice<u32>,
-        x_row_div: usize,
+        rows: RoutedRows<'_, DeviceActFp8>,
         table: &DeviceExpertTable,
-        which: ExpertProjection,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let tile = FastTile::Auto;
-        gemm_fp4_routed_fast_tiled(rt, x, ids, x_row_div, table, which, out, tile)
+        gemm_fp4_routed_fast_tiled(rt, rows, table, out, FastTile::Auto)
     }
 }
 
@@ -238,25 +228,39 @@ impl CudaBackend {
                 .stream()
                 .alloc_zeros::<T>(slots * width)
                 .map_err(driver_err(op, "allocating an expert output"))?;
-            T::gemm(&self.rt, x, ids, x_row_div, table, which, &mut out).map_err(op_err(op))?;
+            let rows = RoutedRows {
+                x,
+                experts: ids,
+                x_row_div,
+                which,
+            };
+            T::gemm(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
-        let gate = routed(a, x_row_div, ExpertProjection::W1, inter)?;
-        let up = routed(a, x_row_div, ExpertProjection::W3, inter)?;
-        let mut hidden = self.alloc(op, slots * inter)?;
-        swiglu_rows(
-            &self.rt,
-            &gate,
-            &up,
-            Some(route_weights),
-            limit,
-            rounding,
-            &mut hidden,
-        )
-        .map_err(op_err(op))?;
+        let gate_up = |which| routed(a, x_row_div, which, inter);
+        let hidden = self.routed_swiglu(op, gate_up, route_weights, (limit, rounding))?;
         let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, slots, inter, ActGroup::G32)
             .map_err(op_err(op))?;
         routed(&a_hidden, 1, ExpertProjection::W2, dim)
+    }
+
+    /// The SwiGLU rows (fp32) of routed slots: `gate_up(W1)` and `gate_up(W3)` are the slots'
+    /// gate and up projections; each slot weighted by its `route_weights` entry, clamped at
+    /// `limit`, rounded at `rounding`.
+    pub(super) fn routed_swiglu<T: ExpertRowValue>(
+        &self,
+        op: &'static str,
+        gate_up: impl Fn(ExpertProjection) -> Result<CudaSlice<T>, CudaBackendError>,
+        route_weights: &CudaSlice<f32>,
+        (limit, rounding): (f32, Rounding),
+    ) -> Result<CudaSlice<f32>, CudaBackendError> {
+        let gate = gate_up(ExpertProjection::W1)?;
+        let up = gate_up(ExpertProjection::W3)?;
+        let mut hidden = self.alloc(op, gate.len())?;
+        let weights = Some(route_weights);
+        swiglu_rows(&self.rt, &gate, &up, weights, limit, rounding, &mut hidden)
+            .map_err(op_err(op))?;
+        Ok(hidden)
     }
 
     /// The shared expert of the rows `a` (FP8 32-group activations): bf16 `[rows, dim]`.
@@ -309,27 +313,6 @@ impl CudaBackend {
         let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, a.rows, inter, ActGroup::G32)
             .map_err(op_err(op))?;
         dense(&a_hidden, &shared.w2)
-    }
-
-    /// The fast table of a V4 layer's routed experts (the fast numerics), built once and cached
-    /// with the weights; `None` unless every projection is FP4 (`ExpertLinear::Exact`), each in
-    /// one shape across the experts, of width `dim` ([`v4_fast_shape`]).
-    pub(super) fn v4_fast_experts(
-        &self,
-        op: &'static str,
-        experts: &[ExpertWeights<ExpertLinear>],
-        dim: usize,
-    ) -> Result<Option<Arc<DeviceExperts>>, CudaBackendError> {
-        self.cached_expert_table(
-            experts,
-            |cache| &mut cache.expert_tables,
-            |all| {
-                if v4_fast_shape(all).is_none_or(|(width, _)| width != dim) {
-                    return Ok(None);
-                }
-                self.v4_fast_expert_table_of(op, all)
-            },
-        )
     }
 
     /// The fast table of V4 FP4 `experts` (table index = position in the list), laid out for
@@ -500,7 +483,7 @@ fn v4_fp4(w: &ExpertLinear) -> Option<&Fp4Weight> {
 /// The `(dim, inter)` of V4 experts the fast routed chain takes: every projection FP4, one shape
 /// across them (`w1`, `w3`: `[inter, dim]`; `w2`: `[dim, inter]`); `None` otherwise (or for no
 /// experts).
-fn v4_fast_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)> {
+pub(super) fn v4_fast_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)> {
     let shapes = |e: &ExpertWeights<ExpertLinear>| {
         Some([v4_fp4(&e.w1)?, v4_fp4(&e.w3)?, v4_fp4(&e.w2)?].map(|w| (w.out, w.inp)))
     };

@@ -37,7 +37,7 @@ use deepinfer_kernels::cudarc::driver::CudaStream;
 use deepinfer_kernels::cudarc::nccl::result::{group_end, group_start};
 use deepinfer_kernels::cudarc::nccl::safe::Id;
 
-use super::ep_transport::{Delivered, RowMeta, RowTransport};
+use super::ep_transport::{Delivered, RowExchange, RowMeta, RowTransport};
 use super::nccl_comm::{NcclComm, Unsettled};
 use super::*;
 use crate::backend::comm_init::{InitWait, wait_for_init};
@@ -267,13 +267,16 @@ impl RowTransport for NcclTransport {
     fn all_to_all_rows(
         &self,
         _backend: &CudaBackend,
-        rank: usize,
-        tag: ExchangeTag,
-        rows: Option<&CudaSlice<f32>>,
-        width: usize,
-        counts: &[usize],
-        meta: Vec<RowMeta>,
+        exchange: RowExchange<'_>,
     ) -> Result<Delivered, CudaBackendError> {
+        let RowExchange {
+            rank,
+            tag,
+            rows,
+            width,
+            counts,
+            meta,
+        } = exchange;
         let mut guard = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(comm) = guard.as_ref() else {
             return Err(self.failed(tag));
@@ -645,16 +648,11 @@ impl RowTransport for NcclRank {
     fn all_to_all_rows(
         &self,
         backend: &CudaBackend,
-        rank: usize,
-        tag: ExchangeTag,
-        rows: Option<&CudaSlice<f32>>,
-        width: usize,
-        counts: &[usize],
-        meta: Vec<RowMeta>,
+        exchange: RowExchange<'_>,
     ) -> Result<Delivered, CudaBackendError> {
         self.devices
-            .transport(self.rank, tag)?
-            .all_to_all_rows(backend, rank, tag, rows, width, counts, meta)
+            .transport(self.rank, exchange.tag)?
+            .all_to_all_rows(backend, exchange)
     }
 
     fn finish(&self, rank: usize, tag: ExchangeTag) -> Result<(), CudaBackendError> {

@@ -190,15 +190,12 @@ impl CudaBackend {
     /// ([`CudaBackend::try_sparse_attention_selected`] without selections).
     pub fn try_sparse_attention_rows(
         &self,
-        q: &Tensor,
+        queries: AttentionQueries<'_>,
         keys: &[Vec<&Tensor>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
     ) -> Result<Tensor, CudaBackendError> {
-        let queries: Vec<QueryKeys<'_>> =
+        let listed: Vec<QueryKeys<'_>> =
             keys.iter().map(|k| QueryKeys::listed(k.clone())).collect();
-        self.try_sparse_attention_selected(q, &queries, sink, scale, precision)
+        self.try_sparse_attention_selected(queries, &listed)
     }
 
     /// [`Backend::sparse_attention_selected`], with errors: one table of the distinct listed
@@ -208,12 +205,10 @@ impl CudaBackend {
     /// and one launch computes every (head, query).
     pub fn try_sparse_attention_selected(
         &self,
-        q: &Tensor,
+        attention: AttentionQueries<'_>,
         queries: &[QueryKeys<'_>],
-        sink: &[f32],
-        scale: f32,
-        precision: Precision,
     ) -> Result<Tensor, CudaBackendError> {
+        let AttentionQueries { q, sink, .. } = attention;
         const OP: &str = "sparse_attention_rows";
         let n = queries.len();
         if n == 0 {
@@ -240,12 +235,10 @@ impl CudaBackend {
         let width = heads * head_dim;
         if n > MAX_QUERIES_PER_ATTENTION_LAUNCH {
             return self.join_rows(n, width, |rows| {
+                let q = q.rows(rows.clone(), width);
                 self.try_sparse_attention_selected(
-                    &q.rows(rows.clone(), width),
+                    AttentionQueries { q: &q, ..attention },
                     &queries[rows],
-                    sink,
-                    scale,
-                    precision,
                 )
             });
         }
@@ -370,11 +363,18 @@ impl CudaBackend {
         // the keys and the weights are bf16 values) when its shape allows; a call's choice
         // depends only on head_dim, the precision and the rows' alignment, never on the batch.
         let fast = self.numerics == Numerics::Fast
-            && precision == Precision::Bf16
+            && attention.precision == Precision::Bf16
             && fast_attention_supports(head_dim, &table);
         if fast {
             sparse_attention_sink_rows_ptr_fast(
-                &self.rt, &dq, &table, &dlists, &dsink, &mut dout, head_dim, scale,
+                &self.rt,
+                &dq,
+                &table,
+                &dlists,
+                &dsink,
+                &mut dout,
+                head_dim,
+                attention.scale,
             )
         } else {
             sparse_attention_sink_rows_f32(
@@ -385,8 +385,8 @@ impl CudaBackend {
                 &dsink,
                 &mut dout,
                 head_dim,
-                scale,
-                rounding(precision),
+                attention.scale,
+                rounding(attention.precision),
             )
         }
         .map_err(op_err(OP))?;
@@ -396,23 +396,22 @@ impl CudaBackend {
     /// [`Backend::select_rows`], with errors: the index scores of every part's queries in one
     /// launch (one key table over all parts' keys), the candidate mask (produced or applied) and
     /// the top-k all on the device; the selection stays there ([`DeviceSelectionRows`]).
-    #[allow(clippy::too_many_arguments)]
     pub fn try_select_rows(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        parts: &[SelectPart<'_>],
-        head_dim: usize,
-        k: usize,
-        candidates: Candidates<'_>,
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        from: SelectFrom<'_>,
     ) -> Result<(Selection, Option<CandidateMask>), CudaBackendError> {
         const OP: &str = "select_rows";
+        let SelectFrom {
+            parts,
+            k,
+            candidates,
+        } = from;
         let seen: Vec<usize> = parts
             .iter()
             .flat_map(|part| part.visible.iter().map(|&v| v.min(part.keys.len())))
             .collect();
-        let queries = seen.len();
+        let n = seen.len();
         let max_seen = seen.iter().copied().max().unwrap_or(0);
         let device_mask = match candidates {
             Candidates::Apply(mask) => match mask.device_mask() {
@@ -424,16 +423,16 @@ impl CudaBackend {
             _ => None,
         };
         let host_mask = matches!(candidates, Candidates::Apply(_)) && device_mask.is_none();
-        if k == 0 || max_seen == 0 || host_mask || queries > MAX_QUERIES_PER_INDEX_LAUNCH {
+        if k == 0 || max_seen == 0 || host_mask || n > MAX_QUERIES_PER_INDEX_LAUNCH {
             // Nothing to select on the device (or a host mask): the definition, on the host.
-            let scores = select::scores_by_part(q, weights, parts, |q, w, part| {
-                self.try_index_scores_rows(q, w, part.keys, head_dim, part.visible, precision)
+            let scores = select::scores_by_part(queries, parts, |queries, part| {
+                self.try_index_scores_rows(queries, part)
             })?;
             return Ok(select::select_host(scores, k, candidates));
         }
-        let heads = index_heads(OP, q, weights, queries, head_dim)?;
+        let heads = index_heads(OP, queries, n)?;
         let (mut scores, dvisible, table_rows) =
-            self.device_index_scores(OP, q, weights, parts, (heads, head_dim), precision)?;
+            self.device_index_scores(OP, queries, parts, heads)?;
         let stream = self.rt.stream();
         let mut produced = None;
         match candidates {
@@ -472,10 +471,10 @@ impl CudaBackend {
             }
         }
         let mut rows = stream
-            .alloc_zeros::<u32>(queries * k)
+            .alloc_zeros::<u32>(n * k)
             .map_err(driver_err(OP, "allocating the selection"))?;
         let mut counts = stream
-            .alloc_zeros::<u32>(queries)
+            .alloc_zeros::<u32>(n)
             .map_err(driver_err(OP, "allocating the selection counts"))?;
         top_k_rows(&self.rt, &scores, &dvisible, k, &mut rows, &mut counts).map_err(op_err(OP))?;
         let host_counts: Vec<usize> = seen.iter().map(|&s| s.min(k)).collect();
@@ -493,47 +492,42 @@ impl CudaBackend {
     }
 
     /// [`Backend::index_scores_rows_at`], with errors: `q [n, heads · head_dim]`, `weights
-    /// [n, heads]`; query `t` scores the first `visible[t]` keys (at most all of them, as the
-    /// trait's default clamps), one launch for all.
-    #[allow(clippy::too_many_arguments)]
+    /// [n, heads]`; query `t` scores the first `part.visible[t]` keys (at most all of them, as
+    /// the trait's default clamps), one launch for all.
     pub fn try_index_scores_rows(
         &self,
-        q: &Tensor,
-        weights: &Tensor,
-        keys: &[&Tensor],
-        head_dim: usize,
-        visible: &[usize],
-        precision: Precision,
+        queries: IndexQueries<'_>,
+        part: SelectPart<'_>,
     ) -> Result<Vec<Vec<f32>>, CudaBackendError> {
         const OP: &str = "index_scores_rows";
-        let queries = visible.len();
-        if queries == 0 {
+        let SelectPart { keys, visible } = part;
+        let n = visible.len();
+        if n == 0 {
             return Ok(Vec::new());
         }
-        let heads = index_heads(OP, q, weights, queries, head_dim)?;
-        if queries > MAX_QUERIES_PER_INDEX_LAUNCH {
-            let mut joined = Vec::with_capacity(queries);
-            for start in (0..queries).step_by(MAX_QUERIES_PER_INDEX_LAUNCH) {
-                let rows = start..(start + MAX_QUERIES_PER_INDEX_LAUNCH).min(queries);
-                joined.extend(self.try_index_scores_rows(
-                    &q.rows(rows.clone(), heads * head_dim),
-                    &weights.rows(rows.clone(), heads),
-                    keys,
-                    head_dim,
-                    &visible[rows],
-                    precision,
-                )?);
+        let heads = index_heads(OP, queries, n)?;
+        if n > MAX_QUERIES_PER_INDEX_LAUNCH {
+            let mut joined = Vec::with_capacity(n);
+            for start in (0..n).step_by(MAX_QUERIES_PER_INDEX_LAUNCH) {
+                let rows = start..(start + MAX_QUERIES_PER_INDEX_LAUNCH).min(n);
+                let q = queries.q.rows(rows.clone(), heads * queries.head_dim);
+                let weights = queries.weights.rows(rows.clone(), heads);
+                let chunk = IndexQueries {
+                    q: &q,
+                    weights: &weights,
+                    ..queries
+                };
+                let visible = &visible[rows];
+                joined.extend(self.try_index_scores_rows(chunk, SelectPart { keys, visible })?);
             }
             return Ok(joined);
         }
         let seen: Vec<usize> = visible.iter().map(|&v| v.min(keys.len())).collect();
         let max_seen = seen.iter().copied().max().unwrap_or(0);
         if max_seen == 0 {
-            return Ok(vec![Vec::new(); queries]);
+            return Ok(vec![Vec::new(); n]);
         }
-        let part = SelectPart { keys, visible };
-        let (dscores, _, _) =
-            self.device_index_scores(OP, q, weights, &[part], (heads, head_dim), precision)?;
+        let (dscores, _, _) = self.device_index_scores(OP, queries, &[part], heads)?;
         let flat = self.download(OP, &dscores)?;
         let mut rest = flat.as_slice();
         Ok(seen
@@ -546,18 +540,17 @@ impl CudaBackend {
             .collect())
     }
 
-    /// The index scores of query `t` over the first `seen[t]` of `keys`, left on the device in
-    /// the layout of the returned visible prefixes; also the key table's row count.
-    #[allow(clippy::too_many_arguments)]
+    /// The index scores (`heads` heads) of query `t` over the first `seen[t]` of its part's
+    /// keys, left on the device in the layout of the returned visible prefixes; also the key
+    /// table's row count.
     fn device_index_scores(
         &self,
         op: &'static str,
-        q: &Tensor,
-        weights: &Tensor,
+        queries: IndexQueries<'_>,
         parts: &[SelectPart<'_>],
-        (heads, head_dim): (usize, usize),
-        precision: Precision,
+        heads: usize,
     ) -> Result<(CudaSlice<f32>, DeviceVisiblePrefixes, usize), CudaBackendError> {
+        let head_dim = queries.head_dim;
         // One table over the parts' keys, each part's rows in key order (as many as its queries
         // see); a query scores its part's rows from the part's first.
         let (mut first, mut seen) = (Vec::new(), Vec::new());
@@ -573,8 +566,8 @@ impl CudaBackend {
         let table = self.key_table_in_order(op, table_keys.into_iter(), head_dim, &mut keep)?;
         let dvisible = DeviceVisiblePrefixes::upload_from(&self.rt, &first, &seen, table.rows())
             .map_err(op_err(op))?;
-        let dq = self.input(op, q)?;
-        let dw = self.input(op, weights)?;
+        let dq = self.input(op, queries.q)?;
+        let dw = self.input(op, queries.weights)?;
         let mut scores = self.alloc(op, dvisible.total().max(1))?;
         index_scores_rows_f32(
             &self.rt,
@@ -585,7 +578,7 @@ impl CudaBackend {
             &mut scores,
             heads,
             head_dim,
-            rounding(precision),
+            rounding(queries.precision),
         )
         .map_err(op_err(op))?;
         Ok((scores, dvisible, table.rows()))
@@ -689,11 +682,10 @@ struct DeviceMask {
 /// `[n, heads]`, or the shape error naming what does not fit.
 fn index_heads(
     op: &'static str,
-    q: &Tensor,
-    weights: &Tensor,
+    index: IndexQueries<'_>,
     queries: usize,
-    head_dim: usize,
 ) -> Result<usize, CudaBackendError> {
+    let (q, weights, head_dim) = (index.q, index.weights, index.head_dim);
     if weights.is_empty() || !weights.len().is_multiple_of(queries) {
         return Err(shape_err(
             op,

@@ -39,12 +39,11 @@ impl CudaBackend {
     pub fn try_sample_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, CudaBackendError> {
         const OP: &str = "sample_linear";
+        let (w, out, inp) = (head.values, head.out, head.inp);
         if inp == 0 || out == 0 || x.len() != rows.len() * inp || w.len() < out * inp {
             return Err(shape_err(
                 OP,
@@ -80,12 +79,11 @@ impl CudaBackend {
     /// the mask kernel, the rows sampled by the sampling kernel; only the ids come back.
     pub fn try_sample_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        rows: &[RowSampling],
-        allowed: &[Option<&AllowedTokens>],
+        masked: MaskedRows<'_, RowSampling>,
     ) -> Result<Vec<u32>, CudaBackendError> {
         const OP: &str = "sample_masked";
+        let (logits, vocab, rows) = (masked.logits, masked.vocab, masked.rows);
+        let allowed = masked.allowed;
         if rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -136,12 +134,11 @@ impl CudaBackend {
     /// one block per row, and only each row's log-probability and alternatives come back.
     pub fn try_token_logprobs_masked(
         &self,
-        logits: &Tensor,
-        vocab: usize,
-        picks: &[LogprobPick],
-        allowed: &[Option<&AllowedTokens>],
+        masked: MaskedRows<'_, LogprobPick>,
     ) -> Result<Vec<TokenLogprobs>, CudaBackendError> {
         const OP: &str = "token_logprobs_masked";
+        let (logits, vocab, picks) = (masked.logits, masked.vocab, masked.rows);
+        let allowed = masked.allowed;
         if picks.is_empty() {
             return Ok(Vec::new());
         }

@@ -15,13 +15,13 @@
 //! rounding); the shared expert's projections take [`Backend::linear`]'s fast kernels; dense or
 //! FP8 routed experts keep the exact routed linears (no fast grouped kernel reads them).
 
-use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
+use deepinfer_kernels::ops::routed::{ExpertProjection, RoutedRows, moe_combine, swiglu_rows};
 use deepinfer_kernels::ops::routed_exact::{
     DeviceExactExpertTable, ExactExpertRefs, ExactWeight, gemm_exact_routed,
 };
 use deepinfer_kernels::ops::v4::{v4_hyper_head_f32, v4_pool_f32};
 
-use super::moe::DeviceExperts;
+use super::moe::{DeviceExperts, v4_fast_shape};
 use super::*;
 use crate::backend::PoolSlot;
 use crate::backend::weights::Linear;
@@ -112,29 +112,43 @@ fn exact_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize
     (fits && experts.iter().all(|e| kinds(e) == expected)).then_some((d1, i1))
 }
 
+/// A list's `(dim, inter)` when a routed table takes it ([`exact_shape`], [`v4_fast_shape`]).
+type ExpertShape = fn(&[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)>;
+
+/// The `table` of `experts` when `shape` (their `(dim, inter)`) takes them at width `dim`, else
+/// `None` (the table's own shape check has no width to compare).
+fn of_width<T>(
+    experts: &[&ExpertWeights<ExpertLinear>],
+    dim: usize,
+    shape: ExpertShape,
+    table: impl FnOnce() -> Result<Option<T>, CudaBackendError>,
+) -> Result<Option<T>, CudaBackendError> {
+    if shape(experts).is_none_or(|(width, _)| width != dim) {
+        return Ok(None);
+    }
+    table()
+}
+
 impl CudaBackend {
     /// [`Backend::hyper_head_weights_rows`], with errors: one launch of `v4_hyper_head_f32`
     /// (the CPU's sum of squares, sgemm-order dot products and sigmoid, bit for bit).
     pub fn try_hyper_head_weights_rows(
         &self,
         x: &Tensor,
-        proj: &[f32],
-        base: &[f32],
-        scale: f32,
-        hc_eps: f32,
-        norm_eps: f32,
+        head: &HyperHead<'_>,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "hyper_head_weights_rows";
-        let hc = base.len();
+        let hc = head.base.len();
         if hc == 0 || x.is_empty() {
             return Ok(Tensor::empty());
         }
-        let width = proj.len() / hc;
+        let width = head.proj.len() / hc;
         whole_rows(OP, x, width)?;
         let input = self.input(OP, x)?;
-        let proj = self.cached_f32(OP, proj)?;
-        let base = self.cached_f32(OP, base)?;
+        let proj = self.cached_f32(OP, head.proj)?;
+        let base = self.cached_f32(OP, head.base)?;
         let mut pre = self.alloc(OP, x.len() / width * hc)?;
+        let (scale, hc_eps, norm_eps) = (head.scale, head.hc_eps, head.norm_eps);
         v4_hyper_head_f32(
             &self.rt, &input, &proj, &base, scale, hc_eps, norm_eps, &mut pre,
         )
@@ -225,13 +239,31 @@ impl CudaBackend {
                 .try_moe_rows_ep(x, layer, hashed, &ep, layer_index)
                 .map(Some);
         }
+        // The fast table (every projection FP4) in the fast numerics, else the exact one; each
+        // built once per layer and cached with the weights.
+        let fast_table = |all: &[&ExpertWeights<ExpertLinear>]| {
+            of_width(all, dim, v4_fast_shape, || {
+                self.v4_fast_expert_table_of(OP, all)
+            })
+        };
+        let exact_table = |all: &[&ExpertWeights<ExpertLinear>]| {
+            of_width(all, dim, exact_shape, || {
+                self.exact_expert_table_of(OP, all)
+            })
+        };
         let fast = match self.numerics {
-            Numerics::Fast => self.v4_fast_experts(OP, layer.experts, dim)?,
+            Numerics::Fast => {
+                self.cached_expert_table(layer.experts, |c| &mut c.expert_tables, fast_table)?
+            }
             Numerics::Exact => None,
         };
         let experts = match fast {
             Some(fast) => V4Experts::Fast(fast),
-            None => match self.exact_experts(OP, layer.experts, dim)? {
+            None => match self.cached_expert_table(
+                layer.experts,
+                |cache| &mut cache.exact_expert_tables,
+                exact_table,
+            )? {
                 Some(exact) => V4Experts::Exact(exact),
                 None => return Ok(None),
             },
@@ -278,23 +310,17 @@ impl CudaBackend {
                       width: usize|
          -> Result<CudaSlice<f32>, CudaBackendError> {
             let mut out = self.alloc(op, slots * width)?;
-            gemm_exact_routed(&self.rt, x, ids, x_row_div, table, which, &mut out)
-                .map_err(op_err(op))?;
+            let rows = RoutedRows {
+                x,
+                experts: ids,
+                x_row_div,
+                which,
+            };
+            gemm_exact_routed(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
-        let gate = routed(x, x_row_div, ExpertProjection::W1, inter)?;
-        let up = routed(x, x_row_div, ExpertProjection::W3, inter)?;
-        let mut hidden = self.alloc(op, slots * inter)?;
-        swiglu_rows(
-            &self.rt,
-            &gate,
-            &up,
-            Some(route_weights),
-            limit,
-            Rounding::F32,
-            &mut hidden,
-        )
-        .map_err(op_err(op))?;
+        let gate_up = |which| routed(x, x_row_div, which, inter);
+        let hidden = self.routed_swiglu(op, gate_up, route_weights, (limit, Rounding::F32))?;
         routed(&hidden, 1, ExpertProjection::W2, dim)
     }
 
@@ -341,27 +367,6 @@ impl CudaBackend {
         )
         .map_err(op_err(op))?;
         Ok(self.tensor(out))
-    }
-
-    /// The device table of a layer's exact experts, built once and cached with the weights;
-    /// `None` when a projection is not exact or not of one format and shape across the experts,
-    /// or their width is not `dim`.
-    fn exact_experts(
-        &self,
-        op: &'static str,
-        experts: &[ExpertWeights<ExpertLinear>],
-        dim: usize,
-    ) -> Result<Option<Arc<DeviceExactExperts>>, CudaBackendError> {
-        self.cached_expert_table(
-            experts,
-            |cache| &mut cache.exact_expert_tables,
-            |all| {
-                if exact_shape(all).is_none_or(|(width, _)| width != dim) {
-                    return Ok(None);
-                }
-                self.exact_expert_table_of(op, all)
-            },
-        )
     }
 
     /// The device table of exact `experts` (table index = position in the list), each weight
