@@ -253,6 +253,44 @@ impl<'a> QueryKeys<'a> {
     }
 }
 
+/// The rows of every query's listed keys in a table of keys: `row_of(t, i, key)` gives key `i` of
+/// query `t` its row, called only for the keys a query does not share with the query before it
+/// (a window slides by one key per query of a sequence, so the keys the two share, the same
+/// tensors, keep the rows they had).
+pub fn listed_key_rows<E>(
+    queries: &[QueryKeys<'_>],
+    mut row_of: impl FnMut(usize, usize, &Tensor) -> Result<u32, E>,
+) -> Result<Vec<Vec<u32>>, E> {
+    let mut lists: Vec<Vec<u32>> = Vec::with_capacity(queries.len());
+    for (t, query) in queries.iter().enumerate() {
+        let previous = t
+            .checked_sub(1)
+            .map(|p| (&queries[p].listed[..], &lists[p][..]));
+        let shift = previous.and_then(|(keys, _)| sliding_shift(keys, &query.listed));
+        let mut list = Vec::with_capacity(query.len());
+        for (i, key) in query.listed.iter().enumerate() {
+            let shared = previous.zip(shift).and_then(|((keys, rows), shift)| {
+                keys.get(shift + i)
+                    .filter(|k| std::ptr::eq(**k, *key))
+                    .map(|_| rows[shift + i])
+            });
+            list.push(match shared {
+                Some(row) => row,
+                None => row_of(t, i, key)?,
+            });
+        }
+        lists.push(list);
+    }
+    Ok(lists)
+}
+
+/// Where `current`'s first key stands in `previous` (the same tensor, 0 or 1 places on: a
+/// window that grew or slid by one key).
+fn sliding_shift(previous: &[&Tensor], current: &[&Tensor]) -> Option<usize> {
+    let first = current.first()?;
+    (0..previous.len().min(2)).find(|&d| std::ptr::eq(previous[d], *first))
+}
+
 /// Indices of the `k` largest scores, ties broken toward the lower index, returned ascending.
 pub fn top_k_lowest_index(scores: &[f32], k: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..scores.len()).collect();
@@ -326,6 +364,67 @@ pub fn select_host(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sliding and growing windows over two sequences' keys, a query with a key of its own in
+    /// the middle, a window that jumps, and an empty list: every key gets the row a lookup per
+    /// key would give it, and the lookup runs once per key a query does not share with the one
+    /// before.
+    #[test]
+    fn listed_key_rows_reuse_the_rows_of_a_sliding_window() {
+        let keys: Vec<Tensor> = (0..12).map(|i| Tensor::from(&[i as f32][..])).collect();
+        let other = Tensor::from(&[99.0f32][..]);
+        let window = |range: std::ops::Range<usize>| keys[range].iter().collect::<Vec<_>>();
+        let mut odd = window(3..7);
+        odd[2] = &other;
+        let queries: Vec<QueryKeys<'_>> = [
+            window(0..1),
+            window(0..2),
+            window(0..3),
+            window(1..4),
+            window(2..5),
+            odd,
+            window(4..7),
+            window(6..8),
+            Vec::new(),
+            window(8..10),
+            window(9..12),
+        ]
+        .into_iter()
+        .map(QueryKeys::listed)
+        .collect();
+        let row = |key: &Tensor| key.as_host()[0] as u32;
+        let mut lookups = Vec::new();
+        let lists = listed_key_rows(&queries, |t, i, key| {
+            lookups.push((t, i));
+            Ok::<u32, ()>(row(key))
+        })
+        .expect("rows");
+        for (query, list) in queries.iter().zip(&lists) {
+            let expected: Vec<u32> = query.listed.iter().map(|k| row(k)).collect();
+            assert_eq!(list, &expected);
+        }
+        assert_eq!(
+            lookups,
+            vec![
+                (0, 0),
+                (1, 1),
+                (2, 2),
+                (3, 2),
+                (4, 2),
+                (5, 2), // the odd query's own key, then its newest
+                (5, 3),
+                (6, 1), // the key the odd query replaced
+                (7, 0), // a jump of two keys: no reuse
+                (7, 1),
+                (9, 0), // a new sequence after an empty list
+                (9, 1),
+                (10, 1),
+                (10, 2),
+            ]
+        );
+        let failed = listed_key_rows(&queries, |t, _, _| if t == 3 { Err(t) } else { Ok(0) });
+        assert_eq!(failed, Err(3));
+    }
 
     #[test]
     fn top_k_prefers_the_lower_index_on_ties_and_returns_ascending() {

@@ -256,36 +256,22 @@ impl CudaBackend {
             };
         // The first table row of each selected-from compressed list (by its address and length).
         let mut base_of: HashMap<(usize, usize), u32> = HashMap::new();
-        let mut lists: Vec<Vec<u32>> = Vec::with_capacity(n);
         let mut plan: Vec<SelectedRows> = Vec::new();
         let mut listed_so_far = 0usize;
-        for (t, query) in queries.iter().enumerate() {
-            let mut list = Vec::with_capacity(query.len());
-            // A window slides by one key per query of a sequence: the keys this query shares
-            // with the one before keep their rows without a lookup.
-            let previous = t
-                .checked_sub(1)
-                .map(|p| (&queries[p].listed[..], &lists[p][..]));
-            let shift = previous.and_then(|(keys, _)| sliding_shift(keys, &query.listed));
-            for (i, key) in query.listed.iter().enumerate() {
-                if let (Some((keys, rows)), Some(shift)) = (previous, shift)
-                    && keys.get(shift + i).is_some_and(|k| std::ptr::eq(*k, *key))
-                {
-                    list.push(rows[shift + i]);
-                    continue;
-                }
-                if key.len() != head_dim {
-                    return Err(shape_err(
-                        OP,
-                        format!(
-                            "key {i} of query {t} has {} values, head_dim is {head_dim}",
-                            key.len()
-                        ),
-                    ));
-                }
-                let address = self.address_of(OP, key, 0, head_dim, &mut keep)?;
-                list.push(add_row(address, &mut addresses)?);
+        let mut lists = select::listed_key_rows(queries, |t, i, key| {
+            if key.len() != head_dim {
+                return Err(shape_err(
+                    OP,
+                    format!(
+                        "key {i} of query {t} has {} values, head_dim is {head_dim}",
+                        key.len()
+                    ),
+                ));
             }
+            let address = self.address_of(OP, key, 0, head_dim, &mut keep)?;
+            add_row(address, &mut addresses)
+        })?;
+        for ((t, query), list) in queries.iter().enumerate().zip(&mut lists) {
             if let Some(selected) = query.selected {
                 let compressed = selected.compressed;
                 let slice_key = (compressed.as_ptr() as usize, compressed.len());
@@ -344,7 +330,6 @@ impl CudaBackend {
                 }
             }
             listed_so_far += list.len();
-            lists.push(list);
         }
         // SAFETY: every address points at `head_dim` values (checked above) of a buffer the
         // query tensors, the compressed entries or `keep` hold until the launch is enqueued.
@@ -706,11 +691,4 @@ fn index_heads(
         ));
     }
     Ok(heads)
-}
-
-/// Where `current`'s first key stands in `previous` (the same tensor, 0 or 1 places on: a
-/// window that grew or slid by one key), for reusing the rows of the keys the two share.
-fn sliding_shift(previous: &[&Tensor], current: &[&Tensor]) -> Option<usize> {
-    let first = current.first()?;
-    (0..previous.len().min(2)).find(|&d| std::ptr::eq(previous[d], *first))
 }
