@@ -433,10 +433,11 @@ __device__ void gemm_fast_direct(const u8_t* __restrict__ a, const float* __rest
     // Group q of the band: chunk q / 4, group q % 4 in it, i.e. q * GROUP_BYTES from the band.
     const u8_t* const w_lane = w + (size_t)band * chunks * (STEP_K * W::PIECE) + lane * W::PIECE;
     Raw cur[UNROLL], next[UNROLL];
+    // A batch of groups from q0; the slots past the part are zero (never multiplied).
     auto load = [&](u32_t q0, Raw (&batch)[UNROLL]) {
 #pragma unroll
         for (u32_t j = 0; j < UNROLL; ++j) {
-            if (live && q0 + j < q_end) batch[j] = W::stream(w_lane + (size_t)(q0 + j) * GROUP_BYTES);
+            batch[j] = live && q0 + j < q_end ? W::stream(w_lane + (size_t)(q0 + j) * GROUP_BYTES) : Raw{};
         }
     };
     load(q_begin, cur);  // in flight while the activations land
@@ -481,8 +482,10 @@ __device__ void gemm_fast_direct(const u8_t* __restrict__ a, const float* __rest
                 promote(acc, c, W::scales(ws_band, gq, g), sa0[gq - q_begin / 4], sa1[gq - q_begin / 4]);
             }
         }
+        if (q0 + UNROLL < q_end) {
 #pragma unroll
-        for (u32_t j = 0; j < UNROLL; ++j) cur[j] = next[j];
+            for (u32_t j = 0; j < UNROLL; ++j) cur[j] = next[j];
+        }
     }
     store_tile(acc, n0 + warp * 16 + g, 2 * t, rows, n, y, out_f32, partial);
 }
