@@ -75,6 +75,31 @@ pub fn release_pooled_memory(stream: &CudaStream) -> Result<(), KernelError> {
         .map_err(KernelError::driver("trimming the memory pool"))
 }
 
+/// Bytes of the stream-ordered pool of `stream`'s device: `(used, reserved)`, what live
+/// allocations hold and what the pool has mapped (used plus what it keeps for reuse); `None`
+/// where the device has no such pool.
+pub fn pooled_memory(stream: &CudaStream) -> Result<Option<(u64, u64)>, KernelError> {
+    let Some(pool) = default_pool(stream.context())? else {
+        return Ok(None);
+    };
+    let read = |attr: sys::CUmemPool_attribute, what: &'static str| {
+        let mut value = 0u64;
+        // SAFETY: the pool is the device's default one; both attributes are u64 byte counts.
+        unsafe { result::mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }
+            .map(|()| value)
+            .map_err(KernelError::driver(what))
+    };
+    let used = read(
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+        "reading the memory pool's used bytes",
+    )?;
+    let reserved = read(
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        "reading the memory pool's reserved bytes",
+    )?;
+    Ok(Some((used, reserved)))
+}
+
 /// Whether the CUDA driver library (`libcuda`) can be loaded; never panics.
 pub fn driver_available() -> Result<(), KernelError> {
     // SAFETY: `is_culib_present` only tries to dlopen the candidate names.

@@ -357,14 +357,18 @@ fn pointer_table_index_scores_match_the_flat_launcher_and_the_cpu() {
             // each query scores exactly its window.
             let first = [3, TABLE_ROWS - 1, 100, 9, 0];
             let windows = [2, 1, 7, 300, TABLE_ROWS];
+            // Query 4 asks what query 1 asks, over the whole table.
+            let (row, mut q_same, mut w_same) = (heads * head_dim, q.clone(), w.clone());
+            q_same.copy_within(row..2 * row, 4 * row);
+            w_same.copy_within(heads..2 * heads, 4 * heads);
             let run = run_index(
                 &rt,
                 &keys,
                 &keys.table,
                 &first,
                 &windows,
-                &q,
-                &w,
+                &q_same,
+                &w_same,
                 heads,
                 head_dim,
                 precision,
@@ -380,7 +384,8 @@ fn pointer_table_index_scores_match_the_flat_launcher_and_the_cpu() {
                 &run.ptr,
                 &run.cpu,
             );
-            // Query 1's one key is the table's last row: the full-table query scores it last.
+            // Query 1's one key is the table's last row, which query 4 (the same query over the
+            // whole table) scores last.
             let last_row = run.ptr[2];
             assert_eq!(
                 last_row.to_bits(),

@@ -56,8 +56,8 @@ const STEP_K: usize = 128;
 /// Output features per weight band (one warp's mma rows).
 const BAND: usize = 16;
 
-/// Blocks a decode launch (8-row tiles of 2 warps: 32 output features per block) should have:
-/// two waves of the H200's 132 SMs.
+/// Blocks a launch counted in 32 output features per block should have: two waves of the H200's
+/// 132 SMs (the 8-row decode tile's 4 warps make it one wave of 64-feature blocks).
 const TARGET_BLOCKS: usize = 264;
 /// K codes per part are a multiple of this (the largest stage, so parts cut no stage).
 const PART_QUANTUM: usize = 512;
@@ -123,16 +123,18 @@ pub struct TileShape {
     pub step: u32,
 }
 
-/// The shape of each tile, in [`FastTile`] order after `Auto`. The decode tiles take 512 or 256
-/// codes of K per barrier: fewer, larger steps.
+/// The shape of each tile, in [`FastTile`] order after `Auto`. The 8-row tile is the fastest of
+/// `device_bench --sections fast --sweep` on the H200 at M = 1 and 8 with the production's K parts
+/// (wq_b 29.8 → 15.5 µs; bench/README.md, session 16); the other decode tile takes 512 codes of K
+/// per barrier: fewer, larger steps.
 const TILES: [(FastTile, TileShape); 4] = [
     (
         FastTile::Rows8,
         TileShape {
             tokens: 8,
-            warps: 2,
-            stages: 4,
-            step: 512,
+            warps: 4,
+            stages: 3,
+            step: 256,
         },
     ),
     (
@@ -784,15 +786,15 @@ mod tests {
 
     #[test]
     fn shared_memory_matches_the_kernel_layout_and_fits_the_h200() {
-        // Stage::BYTES for FP8, G = 32, 2 warps, 8 tokens, 512 codes of K:
-        // 2 * 4 * 2048 + 8 * 544 + 4 * 8 * 16 + 4 * 2 * 16, four stages.
+        // Stage::BYTES for FP8, G = 32, 4 warps, 8 tokens, 256 codes of K:
+        // 4 * 2 * 2048 + 8 * 288 + 4 * 8 * 8 + 4 * 4 * 8, three stages.
         let fp8 = FastKernels::Fp8(ActGroup::G32);
-        assert_eq!(fp8.shared_bytes(FastTile::Rows8.shape()), 21_376 * 4);
+        assert_eq!(fp8.shared_bytes(FastTile::Rows8.shape()), 19_072 * 3);
         // FP4: 1 KiB chunks and 16 scale bytes per band and group:
-        // 2 * 4 * 1024 + 8 * 544 + 4 * 8 * 16 + 16 * 2 * 16, four stages.
+        // 4 * 2 * 1024 + 8 * 288 + 4 * 8 * 8 + 16 * 4 * 8, three stages.
         assert_eq!(
             FastKernels::Fp4.shared_bytes(FastTile::Rows8.shape()),
-            13_568 * 4
+            11_264 * 3
         );
         let mut ids = Vec::new();
         for kernels in FastKernels::ALL {

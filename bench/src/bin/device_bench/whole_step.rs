@@ -264,7 +264,9 @@ pub fn block(
 /// prompt prefilled in chunks of [`STATE_PREFILL_CHUNK`] tokens, then the bytes the state holds
 /// (its own count), the device memory it took (free memory before minus after, the stream idle)
 /// and the byte model's prediction (`StateBytes`, what the state pool admits by) side by side,
-/// then [`STATE_DECODE_STEPS`] decode steps at batch 1 from that context.
+/// with the growth of the stream-ordered pool's used bytes (live allocations) and of what it
+/// keeps mapped after a trim (segments that live allocations pin: fragmentation), then
+/// [`STATE_DECODE_STEPS`] decode steps at batch 1 from that context.
 pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
     let longest = contexts.iter().copied().max().unwrap_or(0);
     let cfg = block_config(
@@ -289,11 +291,20 @@ pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
     drop(warm);
     let mut rows = Vec::new();
     println!(
-        "\n{:>8} {:>10} {:>10} {:>10} {:>11} {:>12} {:>10}",
-        "context", "plan_MB", "held_MB", "device_MB", "held/plan", "device/plan", "prefill_s"
+        "\n{:>8} {:>10} {:>10} {:>10} {:>11} {:>12} {:>10} {:>12} {:>12}",
+        "context",
+        "plan_MB",
+        "held_MB",
+        "device_MB",
+        "held/plan",
+        "device/plan",
+        "prefill_s",
+        "pool_used_MB",
+        "pool_kept_MB"
     );
     for &context in contexts {
         let (free_before, _) = memory.free_and_total()?;
+        let pool_before = memory.pool_used_and_reserved()?.unwrap_or_default();
         let prompt = prompt_tokens(8, context, 3, BLOCK_VOCAB);
         let mut seq = model.new_sequence();
         let started = Instant::now();
@@ -304,14 +315,18 @@ pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
         let prefill_seconds = started.elapsed().as_secs_f64();
         let (free_after, _) = memory.free_and_total()?;
         let device = free_before.saturating_sub(free_after);
+        let pool_after = memory.pool_used_and_reserved()?.unwrap_or_default();
         let (planned, held) = (plan.bytes(context), seq.held_bytes());
+        let mb = |bytes: u64| bytes as f64 / 1e6;
         println!(
-            "{context:>8} {:>10.1} {:>10.1} {:>10.1} {:>11.4} {:>12.4} {prefill_seconds:>10.1}",
-            planned as f64 / 1e6,
-            held as f64 / 1e6,
-            device as f64 / 1e6,
+            "{context:>8} {:>10.1} {:>10.1} {:>10.1} {:>11.4} {:>12.4} {prefill_seconds:>10.1} {:>12.1} {:>12.1}",
+            mb(planned),
+            mb(held),
+            mb(device),
             held as f64 / planned as f64,
             device as f64 / planned as f64,
+            mb(pool_after.0.saturating_sub(pool_before.0)),
+            mb(pool_after.1.saturating_sub(pool_before.1)),
         );
         let first = deepinfer_bench::steps::argmax(&logits);
         let run = measure_decode_from(&model, &seq, first, 1, STATE_DECODE_STEPS)?;
@@ -338,8 +353,8 @@ fn write_block_checkpoint(cfg: &ModelConfig, dir: &Path) -> Result<()> {
 }
 
 /// Prints (and empties) the per-op profile gathered over `steps` steps that took `seconds` in
-/// all with the profile on: per op and step its calls, wall time, share of the step, kernel
-/// launches (and of them on tensor cores: `tc`, the fast numerics' kernels) and host-to-device
+/// all with the profile on: per op and step its calls, wall time (and of it the time until the op
+/// returned, `host_us`: its host work), share of the step, kernel launches (and of them on tensor cores: `tc`, the fast numerics' kernels) and host-to-device
 /// copies; the last line is the step's time outside every op (the
 /// model's host code between ops and the trait's default methods).
 pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f64) {
@@ -351,18 +366,28 @@ pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f6
         "\nprofile: {title} (per step, {steps} steps, each op synchronised; step {step_us:.0} us)"
     );
     println!(
-        "{:<28} {:>7} {:>10} {:>7} {:>9} {:>7} {:>8} {:>10} {:>10}",
-        "op", "calls", "time_us", "share", "launches", "tc", "h2d", "h2d_KB", "before_us"
+        "{:<28} {:>7} {:>10} {:>10} {:>7} {:>9} {:>7} {:>8} {:>10} {:>10}",
+        "op",
+        "calls",
+        "time_us",
+        "host_us",
+        "share",
+        "launches",
+        "tc",
+        "h2d",
+        "h2d_KB",
+        "before_us"
     );
     let (mut inside, mut before) = (0.0, 0.0);
     for (name, stats) in &ops {
         inside += stats.seconds;
         before += stats.before_seconds;
         println!(
-            "{:<28} {:>7.1} {:>10.1} {:>6.1}% {:>9.1} {:>7.1} {:>8.1} {:>10.1} {:>10.1}",
+            "{:<28} {:>7.1} {:>10.1} {:>10.1} {:>6.1}% {:>9.1} {:>7.1} {:>8.1} {:>10.1} {:>10.1}",
             name,
             per_step(stats.calls as f64),
             per_step(stats.seconds) * 1e6,
+            per_step(stats.host_seconds) * 1e6,
             100.0 * stats.seconds / seconds,
             per_step(stats.launches as f64),
             per_step(stats.tensor_core_launches as f64),
@@ -372,11 +397,12 @@ pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f6
         );
     }
     println!(
-        "{:<28} {:>7} {:>10.1} {:>6.1}%   (before the ops: {:.1} us; before_us: the host time \
+        "{:<28} {:>7} {:>10.1} {:>10} {:>6.1}%   (before the ops: {:.1} us; before_us: the host time \
          between the op before and this one's start)",
         "(outside ops)",
         "",
         per_step(seconds - inside) * 1e6,
+        "",
         100.0 * (seconds - inside) / seconds,
         per_step(before) * 1e6,
     );

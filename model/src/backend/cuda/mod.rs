@@ -99,7 +99,7 @@ use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32
 use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::ops::topk::{apply_mask_rows, candidate_mask_rows, top_k_rows};
-use deepinfer_kernels::runtime::release_pooled_memory;
+use deepinfer_kernels::runtime::{pooled_memory, release_pooled_memory};
 use deepinfer_kernels::{KernelError, KernelRuntime};
 pub use deepinfer_topology::Numerics;
 use half::bf16;
@@ -278,6 +278,15 @@ impl DeviceMemoryProbe {
             .mem_get_info()
             .map_err(driver_err(OP, "reading the free device memory"))?;
         Ok((free as u64, total as u64))
+    }
+
+    /// `(used, reserved)` bytes of the device's stream-ordered pool once the stream is idle and
+    /// the pool trimmed: what live tensors hold, and what stays mapped because live tensors
+    /// share its segments (reserved − used: fragmentation); `None` without such a pool.
+    pub fn pool_used_and_reserved(&self) -> Result<Option<(u64, u64)>, CudaBackendError> {
+        const OP: &str = "memory_probe";
+        release_pooled_memory(&self.stream).map_err(op_err(OP))?;
+        pooled_memory(&self.stream).map_err(op_err(OP))
     }
 }
 

@@ -1,7 +1,8 @@
 //! The opt-in per-op profile of [`CudaBackend`]: when on, every [`Backend`] op waits for the
 //! device before and after it runs and adds its wall time, kernel launches (and how many of them
 //! ran on tensor cores: which numerics' kernels an op took) and host-to-device copies (counted
-//! by the kernel runtime) to a table keyed by the op's name. Off by default (then an
+//! by the kernel runtime) to a table keyed by the op's name, and of the wall time the part until
+//! the op returned (its host work) apart. Off by default (then an
 //! op pays one relaxed atomic load); turn it on with [`OpProfile::set_enabled`] or by opening the
 //! backend with `DEEPINFER_CUDA_PROFILE=1`. The waits change what they measure (no overlap of host
 //! work and kernels), so a profile explains a step's time but is not the step's time.
@@ -29,6 +30,10 @@ pub struct OpStats {
     pub calls: u64,
     /// Wall seconds from the device being idle before the op to it being idle after.
     pub seconds: f64,
+    /// Of `seconds`, those until the op returned to its caller, before the wait for the device:
+    /// the host's work (building tables, launching), plus any wait inside the op. Close to
+    /// `seconds`, the op is bound by the host; far below it, by its kernels.
+    pub host_seconds: f64,
     pub launches: u64,
     /// Of `launches`, those of tensor-core kernels (the `fast` numerics' GEMMs, linear and
     /// attention): zero for an op that ran on the exact kernels alone.
@@ -69,17 +74,27 @@ impl OpProfile {
         std::mem::take(&mut *self.ops.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    fn add(&self, name: &'static str, before: f64, seconds: f64, counts: RuntimeCounts) {
+    fn add(&self, name: &'static str, times: OpTimes, counts: RuntimeCounts) {
         let mut ops = self.ops.lock().unwrap_or_else(PoisonError::into_inner);
         let entry = ops.entry(name).or_default();
         entry.calls += 1;
-        entry.before_seconds += before;
-        entry.seconds += seconds;
+        entry.before_seconds += times.before;
+        entry.seconds += times.wall;
+        entry.host_seconds += times.host;
         entry.launches += counts.launches;
         entry.tensor_core_launches += counts.tensor_core_launches;
         entry.htod_copies += counts.htod_copies;
         entry.htod_bytes += counts.htod_bytes;
     }
+}
+
+/// The seconds of one op call: the host time before it, its wall time, and of that the time until
+/// it returned (fields of [`OpStats`]).
+#[derive(Debug, Clone, Copy)]
+struct OpTimes {
+    before: f64,
+    wall: f64,
+    host: f64,
 }
 
 /// One op in progress; adds itself to the profile when dropped.
@@ -132,13 +147,16 @@ impl Drop for OpScope<'_> {
         }
         let backend = self.backend;
         if let Some((started, counts, before)) = self.start {
+            let host = started.elapsed().as_secs_f64();
             let _ = backend.rt.synchronize();
-            backend.profile.add(
-                self.name,
+            let times = OpTimes {
                 before,
-                started.elapsed().as_secs_f64(),
-                backend.rt.counts() - counts,
-            );
+                wall: started.elapsed().as_secs_f64(),
+                host,
+            };
+            backend
+                .profile
+                .add(self.name, times, backend.rt.counts() - counts);
             *backend
                 .profile
                 .last_end
@@ -168,15 +186,17 @@ mod tests {
         assert!(!profile.enabled(), "off by default");
         profile.set_enabled(true);
         assert!(profile.enabled());
-        profile.add("gemm_fp8", 0.0, 0.25, counts(3, 0, 0));
-        profile.add("gemm_fp8", 0.0625, 0.5, counts(3, 1, 64));
-        profile.add("gather", 0.03125, 0.125, counts(1, 1, 8));
+        let times = |before, wall, host| OpTimes { before, wall, host };
+        profile.add("gemm_fp8", times(0.0, 0.25, 0.125), counts(3, 0, 0));
+        profile.add("gemm_fp8", times(0.0625, 0.5, 0.25), counts(3, 1, 64));
+        profile.add("gather", times(0.03125, 0.125, 0.125), counts(1, 1, 8));
         let table = profile.take();
         assert_eq!(
             table["gemm_fp8"],
             OpStats {
                 calls: 2,
                 seconds: 0.75,
+                host_seconds: 0.375,
                 launches: 6,
                 tensor_core_launches: 2,
                 htod_copies: 1,
