@@ -195,6 +195,29 @@ fn base_tokens(fixed_tokens: u32, requests: usize) -> Result<u32, VerifySchedule
         .ok_or(VerifyScheduleError::BatchTooLarge { requests })
 }
 
+/// The expected throughput with no draft admitted, and then with the first 1, 2, … ranked
+/// `candidates` admitted: `(requests + Σ survival) · steps_per_second(base + admitted)`.
+fn admitted_throughputs<'a>(
+    requests: usize,
+    candidates: &'a [Candidate],
+    base: u32,
+    table: &'a StepRateTable,
+) -> (f64, impl Iterator<Item = f64> + 'a) {
+    let throughput = move |accepted: f64, admitted: usize| {
+        let tokens = base.saturating_add(u32::try_from(admitted).unwrap_or(u32::MAX));
+        accepted * table.steps_per_second(tokens)
+    };
+    let none = requests as f64;
+    let more = candidates
+        .iter()
+        .enumerate()
+        .scan(none, move |accepted, (index, candidate)| {
+            *accepted += candidate.survival;
+            Some(throughput(*accepted, index + 1))
+        });
+    (throughput(none, 0), more)
+}
+
 /// Builds the plan that admits the first `admitted` ranked candidates.
 fn plan_from_prefix(
     requests: usize,
@@ -231,19 +254,16 @@ pub fn plan_verification<Row: AsRef<[f32]>>(
 ) -> Result<VerifyPlan, VerifyScheduleError> {
     let candidates = ranked_candidates(confidences, max_draft_tokens)?;
     let base = base_tokens(fixed_tokens, confidences.len())?;
-    let mut accepted = confidences.len() as f64;
-    let mut best = accepted * table.steps_per_second(base);
-    let mut admitted = 0;
-    for candidate in &candidates {
-        let tokens = base.saturating_add(u32::try_from(admitted + 1).unwrap_or(u32::MAX));
-        let throughput = (accepted + candidate.survival) * table.steps_per_second(tokens);
-        if throughput <= best {
-            break;
-        }
-        accepted += candidate.survival;
-        best = throughput;
-        admitted += 1;
-    }
+    let (mut best, more) = admitted_throughputs(confidences.len(), &candidates, base, table);
+    let admitted = more
+        .take_while(|&throughput| {
+            if throughput <= best {
+                return false;
+            }
+            best = throughput;
+            true
+        })
+        .count();
     Ok(plan_from_prefix(
         confidences.len(),
         &candidates,
@@ -265,12 +285,9 @@ pub fn verification_budget<Row: AsRef<[f32]>>(
 ) -> Result<usize, VerifyScheduleError> {
     let candidates = ranked_candidates(confidences, max_draft_tokens)?;
     let base = base_tokens(fixed_tokens, confidences.len())?;
-    let mut accepted = confidences.len() as f64;
-    let mut best = (accepted * table.steps_per_second(base), 0);
-    for (index, candidate) in candidates.iter().enumerate() {
-        accepted += candidate.survival;
-        let tokens = base.saturating_add(u32::try_from(index + 1).unwrap_or(u32::MAX));
-        let throughput = accepted * table.steps_per_second(tokens);
+    let (none, more) = admitted_throughputs(confidences.len(), &candidates, base, table);
+    let mut best = (none, 0);
+    for (index, throughput) in more.enumerate() {
         if throughput.total_cmp(&best.0) == Ordering::Greater {
             best = (throughput, index + 1);
         }

@@ -117,12 +117,7 @@ pub(crate) fn check_fp8_weight(
             message: format!("tile {tile} is neither 32 nor 128"),
         });
     }
-    if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
-        });
-    }
+    check_k_groups(op, out, inp)?;
     expect_len(op, "codes", codes.len(), out * inp)?;
     expect_len(
         op,
@@ -130,6 +125,18 @@ pub(crate) fn check_fp8_weight(
         scales.len(),
         out.div_ceil(tile) * inp.div_ceil(tile),
     )
+}
+
+/// Checks a block-scaled weight's shape `[out, inp]`: both positive, `inp` whole 32-element
+/// k-groups.
+fn check_k_groups(op: &'static str, out: usize, inp: usize) -> Result<(), KernelError> {
+    if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
+        return Err(KernelError::Shape {
+            op,
+            message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
+        });
+    }
+    Ok(())
 }
 
 /// Checks the checkpoint bytes of an FP4 weight `[out, inp]`: `inp` a positive multiple of 32,
@@ -141,12 +148,7 @@ pub(crate) fn check_fp4_weight(
     packed: &[u8],
     scales: &[u8],
 ) -> Result<(), KernelError> {
-    if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
-        });
-    }
+    check_k_groups(op, out, inp)?;
     expect_len(op, "packed", packed.len(), out * inp / 2)?;
     expect_len(op, "scales", scales.len(), out * inp / 32)
 }

@@ -1,10 +1,11 @@
 //! Serialisation of a [`ModelConfig`] to the Hugging Face `config.json` layout of the real
-//! checkpoint (top level + `text_config` + `vision_config`), the inverse of parsing.
+//! checkpoint (top level + `text_config` + `vision_config`), the inverse of parsing, and the
+//! backbone and DSpark keys V4's flat layout (`v4_json`) writes alike.
 
 use serde_json::{Map, Value, json};
 
 use super::{
-    ExpertDtype, ModelConfig, ModelFamily, V41_ARCHITECTURE, V41_MODEL_TYPE, V41_TEXT_MODEL_TYPE,
+    DsparkConfig, ModelConfig, ModelFamily, V41_ARCHITECTURE, V41_MODEL_TYPE, V41_TEXT_MODEL_TYPE,
     V41_VISION_MODEL_TYPE,
 };
 use crate::error::ModelError;
@@ -25,105 +26,53 @@ impl ModelConfig {
         let mut compress_ratios = self.compress_ratios.clone();
         compress_ratios.extend(std::iter::repeat_n(0, self.n_dspark_stages()));
         let mut fields = Map::new();
-        fields.insert("model_type".into(), json!(V41_TEXT_MODEL_TYPE));
-        fields.insert("vocab_size".into(), json!(self.vocab_size));
-        fields.insert("hidden_size".into(), json!(self.dim));
-        fields.insert("moe_intermediate_size".into(), json!(self.moe_inter_dim));
-        fields.insert("num_hidden_layers".into(), json!(self.n_layers));
-        fields.insert("num_attention_heads".into(), json!(self.n_heads));
-        fields.insert("num_key_value_heads".into(), json!(1));
-        fields.insert("head_dim".into(), json!(self.head_dim));
-        fields.insert("qk_rope_head_dim".into(), json!(self.rope_head_dim));
-        fields.insert("q_lora_rank".into(), json!(self.q_lora_rank));
-        fields.insert("o_lora_rank".into(), json!(self.o_lora_rank));
-        fields.insert("o_groups".into(), json!(self.o_groups));
-        fields.insert("hidden_act".into(), json!("silu"));
-        fields.insert("swiglu_limit".into(), json!(self.swiglu_limit));
-        fields.insert("rms_norm_eps".into(), json!(self.norm_eps));
-        fields.insert("attention_bias".into(), json!(false));
-        fields.insert("attention_dropout".into(), json!(0.0));
-        fields.insert("initializer_range".into(), json!(0.02));
-        fields.insert("use_cache".into(), json!(true));
-        fields.insert("tie_word_embeddings".into(), json!(false));
-        fields.insert(
-            "max_position_embeddings".into(),
-            json!(self.max_position_embeddings),
-        );
-        fields.insert("rope_theta".into(), json!(self.rope.theta));
-        fields.insert("rope_scaling".into(), json!(self.rope.yarn.as_ref().map(|yarn| json!({ "rope_type": "yarn", "factor": yarn.factor, "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow, "original_max_position_embeddings": yarn.original_max_position, }))));
-        fields.insert("n_routed_experts".into(), json!(self.n_routed_experts));
-        fields.insert("n_shared_experts".into(), json!(self.n_shared_experts));
-        fields.insert(
-            "num_experts_per_tok".into(),
-            json!(self.n_activated_experts),
-        );
-        fields.insert("scoring_func".into(), json!("sqrtsoftplus"));
-        fields.insert("topk_method".into(), json!("noaux_tc"));
-        fields.insert("norm_topk_prob".into(), json!(true));
-        fields.insert("routed_scaling_factor".into(), json!(self.route_scale));
-        fields.insert("sliding_window".into(), json!(self.window_size));
-        fields.insert("compress_ratios".into(), json!(compress_ratios));
-        fields.insert(
-            "compress_rope_theta".into(),
-            json!(self.rope.compress_theta),
-        );
-        fields.insert("kv_source_layer_ids".into(), json!(self.kv_source_layers));
-        fields.insert(
-            "index_source_layer_ids".into(),
-            json!(self.index_source_layers),
-        );
-        fields.insert("index_n_heads".into(), json!(self.index_n_heads));
-        fields.insert("index_head_dim".into(), json!(self.index_head_dim));
-        fields.insert("index_topk".into(), json!(self.index_topk));
-        fields.insert("hc_mult".into(), json!(self.hc.mult));
-        fields.insert("hc_sinkhorn_iters".into(), json!(self.hc.sinkhorn_iters));
-        fields.insert("hc_eps".into(), json!(self.hc.eps));
-        fields.insert(
-            "num_nextn_predict_layers".into(),
-            json!(self.n_dspark_stages()),
-        );
+        let mut put = |key: &str, value: Value| {
+            fields.insert(key.to_string(), value);
+        };
+        put("model_type", json!(V41_TEXT_MODEL_TYPE));
+        for (key, value) in shared_text_keys(self) {
+            put(key, value);
+        }
+        put("attention_bias", json!(false));
+        put("attention_dropout", json!(0.0));
+        put("initializer_range", json!(0.02));
+        put("use_cache", json!(true));
+        put("rope_theta", json!(self.rope.theta));
+        put("rope_scaling", json!(self.rope.yarn.as_ref().map(|yarn| json!({ "rope_type": "yarn", "factor": yarn.factor, "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow, "original_max_position_embeddings": yarn.original_max_position, }))));
+        put("topk_method", json!("noaux_tc"));
+        put("compress_ratios", json!(compress_ratios));
+        put("compress_rope_theta", json!(self.rope.compress_theta));
+        put("kv_source_layer_ids", json!(self.kv_source_layers));
+        put("index_source_layer_ids", json!(self.index_source_layers));
+        put("num_nextn_predict_layers", json!(self.n_dspark_stages()));
         if let Some(candidate) = &self.candidate {
-            fields.insert(
-                "candidate_source_layer_id".into(),
-                json!(candidate.source_layer),
-            );
-            fields.insert("candidate_topk_blocks".into(), json!(candidate.topk_blocks));
-            fields.insert("candidate_block_size".into(), json!(candidate.block_size));
+            put("candidate_source_layer_id", json!(candidate.source_layer));
+            put("candidate_topk_blocks", json!(candidate.topk_blocks));
+            put("candidate_block_size", json!(candidate.block_size));
         }
         if let Some(engram) = &self.engram {
-            fields.insert("engram_layer_ids".into(), json!(engram.layer_ids));
-            fields.insert("engram_num_embeddings".into(), json!(engram.num_embeddings));
-            fields.insert("engram_max_ngram_size".into(), json!(engram.max_ngram_size));
-            fields.insert("engram_vocab_size".into(), json!(engram.vocab_size));
-            fields.insert("engram_n_heads".into(), json!(engram.n_heads));
-            fields.insert("engram_head_dim".into(), json!(engram.head_dim));
-            fields.insert("engram_pad_token_id".into(), json!(engram.pad_token_id));
-            fields.insert(
-                "engram_compressed_vocab_size".into(),
+            put("engram_layer_ids", json!(engram.layer_ids));
+            put("engram_num_embeddings", json!(engram.num_embeddings));
+            put("engram_max_ngram_size", json!(engram.max_ngram_size));
+            put("engram_vocab_size", json!(engram.vocab_size));
+            put("engram_n_heads", json!(engram.n_heads));
+            put("engram_head_dim", json!(engram.head_dim));
+            put("engram_pad_token_id", json!(engram.pad_token_id));
+            put(
+                "engram_compressed_vocab_size",
                 json!(engram.compressed_vocab_size),
             );
         }
         if let Some(dspark) = &self.dspark {
-            fields.insert("dspark_block_size".into(), json!(dspark.block_size));
-            fields.insert("dspark_noise_token_id".into(), json!(dspark.noise_token_id));
-            fields.insert(
-                "dspark_target_layer_ids".into(),
-                json!(dspark.target_layers),
-            );
-            fields.insert("dspark_markov_rank".into(), json!(dspark.markov_rank));
-            fields.insert(
-                "dspark_n_routed_experts".into(),
-                json!(dspark.n_routed_experts),
-            );
-            fields.insert(
-                "dspark_num_experts_per_tok".into(),
+            for (key, value) in dspark_keys(dspark) {
+                put(key, value);
+            }
+            put("dspark_n_routed_experts", json!(dspark.n_routed_experts));
+            put(
+                "dspark_num_experts_per_tok",
                 json!(dspark.n_activated_experts),
             );
         }
-        let expert_dtype = match self.quant.expert_dtype {
-            ExpertDtype::Fp4 => "fp4",
-            ExpertDtype::Fp8 => "fp8",
-        };
         let mut root = json!({
             "architectures": [V41_ARCHITECTURE],
             "model_type": V41_MODEL_TYPE,
@@ -138,7 +87,7 @@ impl ModelConfig {
                 "activation_scheme": "dynamic",
                 "weight_block_size": self.quant.weight_block,
                 "scale_fmt": "ue8m0",
-                "expert_dtype": expert_dtype,
+                "expert_dtype": self.quant.expert_dtype.name(),
             },
             "text_config": Value::Object(fields),
         });
@@ -164,4 +113,52 @@ impl ModelConfig {
         }
         Ok(root)
     }
+}
+
+/// The text-backbone keys that V4.1's `text_config` and V4's flat layout spell and fill alike.
+pub(super) fn shared_text_keys(cfg: &ModelConfig) -> [(&'static str, Value); 29] {
+    [
+        ("vocab_size", json!(cfg.vocab_size)),
+        ("hidden_size", json!(cfg.dim)),
+        ("num_hidden_layers", json!(cfg.n_layers)),
+        ("num_attention_heads", json!(cfg.n_heads)),
+        ("num_key_value_heads", json!(1)),
+        ("head_dim", json!(cfg.head_dim)),
+        ("qk_rope_head_dim", json!(cfg.rope_head_dim)),
+        ("q_lora_rank", json!(cfg.q_lora_rank)),
+        ("o_lora_rank", json!(cfg.o_lora_rank)),
+        ("o_groups", json!(cfg.o_groups)),
+        ("moe_intermediate_size", json!(cfg.moe_inter_dim)),
+        ("n_routed_experts", json!(cfg.n_routed_experts)),
+        ("n_shared_experts", json!(cfg.n_shared_experts)),
+        ("num_experts_per_tok", json!(cfg.n_activated_experts)),
+        ("scoring_func", json!("sqrtsoftplus")),
+        ("norm_topk_prob", json!(true)),
+        ("routed_scaling_factor", json!(cfg.route_scale)),
+        ("swiglu_limit", json!(cfg.swiglu_limit)),
+        ("hidden_act", json!("silu")),
+        ("rms_norm_eps", json!(cfg.norm_eps)),
+        ("sliding_window", json!(cfg.window_size)),
+        (
+            "max_position_embeddings",
+            json!(cfg.max_position_embeddings),
+        ),
+        ("index_n_heads", json!(cfg.index_n_heads)),
+        ("index_head_dim", json!(cfg.index_head_dim)),
+        ("index_topk", json!(cfg.index_topk)),
+        ("hc_mult", json!(cfg.hc.mult)),
+        ("hc_sinkhorn_iters", json!(cfg.hc.sinkhorn_iters)),
+        ("hc_eps", json!(cfg.hc.eps)),
+        ("tie_word_embeddings", json!(false)),
+    ]
+}
+
+/// The DSpark keys both families write alike (each writes the expert counts its own way).
+pub(super) fn dspark_keys(dspark: &DsparkConfig) -> [(&'static str, Value); 4] {
+    [
+        ("dspark_block_size", json!(dspark.block_size)),
+        ("dspark_noise_token_id", json!(dspark.noise_token_id)),
+        ("dspark_target_layer_ids", json!(dspark.target_layers)),
+        ("dspark_markov_rank", json!(dspark.markov_rank)),
+    ]
 }

@@ -48,6 +48,16 @@ pub enum ExpertDtype {
     Fp8,
 }
 
+impl ExpertDtype {
+    /// The `expert_dtype` value of `config.json`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            ExpertDtype::Fp4 => "fp4",
+            ExpertDtype::Fp8 => "fp8",
+        }
+    }
+}
+
 /// Weight quantisation (`quantization_config`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantConfig {

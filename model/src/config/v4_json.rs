@@ -6,9 +6,10 @@
 
 use serde_json::{Map, Value, json};
 
+use super::hf_json::{dspark_keys, shared_text_keys};
 use super::v4::{LEGACY_CSA_RATIO, LEGACY_HCA_RATIO};
 use super::{
-    COMPRESSED_SPARSE_ATTENTION, ExpertDtype, HASH_MOE, HEAVILY_COMPRESSED_ATTENTION, ModelConfig,
+    COMPRESSED_SPARSE_ATTENTION, HASH_MOE, HEAVILY_COMPRESSED_ATTENTION, ModelConfig,
     SLIDING_ATTENTION, TOPK_MOE, V4_MODEL_TYPE, V4Attention, V4Config, V4Mlp, WeightStorage,
 };
 
@@ -30,38 +31,9 @@ pub(super) fn to_json(cfg: &ModelConfig, v4: &V4Config) -> Value {
     };
     put("architectures", json!([V4_ARCHITECTURE]));
     put("model_type", json!(V4_MODEL_TYPE));
-    put("vocab_size", json!(cfg.vocab_size));
-    put("hidden_size", json!(cfg.dim));
-    put("num_hidden_layers", json!(cfg.n_layers));
-    put("num_attention_heads", json!(cfg.n_heads));
-    put("num_key_value_heads", json!(1));
-    put("head_dim", json!(cfg.head_dim));
-    put("qk_rope_head_dim", json!(cfg.rope_head_dim));
-    put("q_lora_rank", json!(cfg.q_lora_rank));
-    put("o_lora_rank", json!(cfg.o_lora_rank));
-    put("o_groups", json!(cfg.o_groups));
-    put("moe_intermediate_size", json!(cfg.moe_inter_dim));
-    put("n_routed_experts", json!(cfg.n_routed_experts));
-    put("n_shared_experts", json!(cfg.n_shared_experts));
-    put("num_experts_per_tok", json!(cfg.n_activated_experts));
-    put("scoring_func", json!("sqrtsoftplus"));
-    put("norm_topk_prob", json!(true));
-    put("routed_scaling_factor", json!(cfg.route_scale));
-    put("swiglu_limit", json!(cfg.swiglu_limit));
-    put("hidden_act", json!("silu"));
-    put("rms_norm_eps", json!(cfg.norm_eps));
-    put("sliding_window", json!(cfg.window_size));
-    put(
-        "max_position_embeddings",
-        json!(cfg.max_position_embeddings),
-    );
-    put("index_n_heads", json!(cfg.index_n_heads));
-    put("index_head_dim", json!(cfg.index_head_dim));
-    put("index_topk", json!(cfg.index_topk));
-    put("hc_mult", json!(cfg.hc.mult));
-    put("hc_sinkhorn_iters", json!(cfg.hc.sinkhorn_iters));
-    put("hc_eps", json!(cfg.hc.eps));
-    put("tie_word_embeddings", json!(false));
+    for (key, value) in shared_text_keys(cfg) {
+        put(key, value);
+    }
     put("bos_token_id", json!(cfg.bos_token_id));
     put("eos_token_id", json!(cfg.eos_token_id));
     if let Some(pad) = cfg.pad_token_id {
@@ -152,10 +124,9 @@ pub(super) fn to_json(cfg: &ModelConfig, v4: &V4Config) -> Value {
         put("num_nextn_predict_layers", json!(speculative));
     }
     if let Some(dspark) = &cfg.dspark {
-        put("dspark_block_size", json!(dspark.block_size));
-        put("dspark_noise_token_id", json!(dspark.noise_token_id));
-        put("dspark_target_layer_ids", json!(dspark.target_layers));
-        put("dspark_markov_rank", json!(dspark.markov_rank));
+        for (key, value) in dspark_keys(dspark) {
+            put(key, value);
+        }
         if dspark.n_routed_experts != cfg.n_routed_experts {
             put("dspark_n_routed_experts", json!(dspark.n_routed_experts));
         }
@@ -179,11 +150,7 @@ pub(super) fn to_json(cfg: &ModelConfig, v4: &V4Config) -> Value {
                     "weight_block_size": cfg.quant.weight_block,
                 }),
             );
-            let expert_dtype = match cfg.quant.expert_dtype {
-                ExpertDtype::Fp4 => "fp4",
-                ExpertDtype::Fp8 => "fp8",
-            };
-            put("expert_dtype", json!(expert_dtype));
+            put("expert_dtype", json!(cfg.quant.expert_dtype.name()));
         }
         WeightStorage::Float32 => put("dtype", json!("float32")),
         WeightStorage::Bfloat16 => put("dtype", json!("bfloat16")),

@@ -484,13 +484,21 @@ fn v4_fp4(w: &ExpertLinear) -> Option<&Fp4Weight> {
 /// across them (`w1`, `w3`: `[inter, dim]`; `w2`: `[dim, inter]`); `None` otherwise (or for no
 /// experts).
 pub(super) fn v4_fast_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)> {
-    let shapes = |e: &ExpertWeights<ExpertLinear>| {
-        Some([v4_fp4(&e.w1)?, v4_fp4(&e.w3)?, v4_fp4(&e.w2)?].map(|w| (w.out, w.inp)))
-    };
-    let expected = shapes(experts.first()?)?;
-    let [(i1, d1), (i3, d3), (d2, i2)] = expected;
-    let fits = d1 == d3 && d1 == d2 && i1 == i3 && i1 == i2 && i1 > 0 && d1 > 0;
-    (fits && experts.iter().all(|e| shapes(e) == Some(expected))).then_some((d1, i1))
+    uniform_expert_shape(experts, |w| v4_fp4(w).map(|w| ((), w.out, w.inp)))
+}
+
+/// The `(dim, inter)` of `experts` when `kind` takes every projection (`Some((format, out,
+/// inp))`) and each projection has one kind across them (`w1`, `w3`: `[inter, dim]`; `w2`:
+/// `[dim, inter]`), as a routed table requires; `None` otherwise (or for no experts).
+pub(super) fn uniform_expert_shape<F: PartialEq>(
+    experts: &[&ExpertWeights<ExpertLinear>],
+    kind: impl Fn(&ExpertLinear) -> Option<(F, usize, usize)>,
+) -> Option<(usize, usize)> {
+    let kinds = |e: &ExpertWeights<ExpertLinear>| Some([kind(&e.w1)?, kind(&e.w3)?, kind(&e.w2)?]);
+    let expected = kinds(experts.first()?)?;
+    let [(_, i1, d1), (_, i3, d3), (_, d2, i2)] = &expected;
+    let fits = d1 == d3 && d1 == d2 && i1 == i3 && i1 == i2 && *i1 > 0 && *d1 > 0;
+    (fits && experts.iter().all(|e| kinds(e).as_ref() == Some(&expected))).then_some((*d1, *i1))
 }
 
 /// The shared expert runs on the rows' FP8 32-group activations: FP4, or FP8 with 32×32 tiles.

@@ -21,7 +21,7 @@ use deepinfer_kernels::ops::routed_exact::{
 };
 use deepinfer_kernels::ops::v4::{v4_hyper_head_f32, v4_pool_f32};
 
-use super::moe::{DeviceExperts, v4_fast_shape};
+use super::moe::{DeviceExperts, uniform_expert_shape, v4_fast_shape};
 use super::*;
 use crate::backend::PoolSlot;
 use crate::backend::weights::Linear;
@@ -78,12 +78,13 @@ fn exact(w: &ExpertLinear) -> Option<&Linear> {
     }
 }
 
-/// The format and shape of an exact projection, as the routed table requires them alike.
-fn exact_kind(w: &ExpertLinear) -> Option<(u8, usize, usize, usize)> {
+/// The format (kind, tile) and `(out, inp)` of an exact projection, as the routed table requires
+/// them alike.
+fn exact_kind(w: &ExpertLinear) -> Option<((u8, usize), usize, usize)> {
     match w {
-        ExpertLinear::Exact(Linear::Dense { out, inp, .. }) => Some((0, 0, *out, *inp)),
-        ExpertLinear::Exact(Linear::Fp8(w)) => Some((1, w.block, w.out, w.inp)),
-        ExpertLinear::Exact(Linear::Fp4(w)) => Some((2, 32, w.out, w.inp)),
+        ExpertLinear::Exact(Linear::Dense { out, inp, .. }) => Some(((0, 0), *out, *inp)),
+        ExpertLinear::Exact(Linear::Fp8(w)) => Some(((1, w.block), w.out, w.inp)),
+        ExpertLinear::Exact(Linear::Fp4(w)) => Some(((2, 32), w.out, w.inp)),
         _ => None,
     }
 }
@@ -97,19 +98,7 @@ fn exact_shared(shared: &ExpertWeights<ExpertLinear>) -> Option<[&Linear; 3]> {
 /// across them (`w1`, `w3`: `[inter, dim]`; `w2`: `[dim, inter]`), as the routed table requires;
 /// `None` otherwise (or for no experts).
 fn exact_shape(experts: &[&ExpertWeights<ExpertLinear>]) -> Option<(usize, usize)> {
-    let kinds =
-        |e: &ExpertWeights<ExpertLinear>| [exact_kind(&e.w1), exact_kind(&e.w3), exact_kind(&e.w2)];
-    let expected = kinds(experts.first()?);
-    let [
-        Some((_, _, i1, d1)),
-        Some((_, _, i3, d3)),
-        Some((_, _, d2, i2)),
-    ] = expected
-    else {
-        return None;
-    };
-    let fits = d1 == d3 && d1 == d2 && i1 == i3 && i1 == i2 && i1 > 0 && d1 > 0;
-    (fits && experts.iter().all(|e| kinds(e) == expected)).then_some((d1, i1))
+    uniform_expert_shape(experts, exact_kind)
 }
 
 /// A list's `(dim, inter)` when a routed table takes it ([`exact_shape`], [`v4_fast_shape`]).
