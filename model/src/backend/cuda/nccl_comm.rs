@@ -20,8 +20,10 @@ use crate::backend::comm_init::{InitPoll, PendingInit};
 const UNDEF: c_int = c_int::MIN;
 /// `ncclConfig_t`'s magic (`NCCL_CONFIG_INITIALIZER`).
 const CONFIG_MAGIC: c_uint = 0xcafe_beef;
-/// `NCCL_VERSION(2, 30, 0)`: the layout of cudarc's `ncclConfig_t` (feature `nccl-02030`); an
-/// older library reads the fields it knows.
+/// `NCCL_VERSION(2, 30, 0)`: the layout of cudarc's `ncclConfig_t` (feature `nccl-02030`). An
+/// older library (the H200 machine has 2.28) reads the fields it knows: NCCL's `parseCommConfig`
+/// copies `min(size, its own sizeof(ncclConfig_t))` bytes, checks only the magic, and uses the
+/// version to default fields that callers older than itself lacked; fields are only appended.
 const CONFIG_VERSION: c_uint = 2 * 10_000 + 30 * 100;
 
 /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`.
