@@ -4,7 +4,8 @@
 //!
 //! Layout: [`KernelId`] names every kernel and the source file that defines it ([`id`]);
 //! [`source`] embeds the sources; [`compile`] runs NVRTC and owns the CUBIN cache; [`runtime`]
-//! opens the device (refusing cleanly when no driver is present) and loads every kernel; [`ops`]
+//! opens the device (refusing cleanly when no driver is present) and loads every kernel, and copies
+//! large uploads through page-locked memory ([`staging`]); [`ops`]
 //! holds one typed launcher per operation, which checks shapes before it launches.
 
 #[cfg(feature = "cuda")]
@@ -21,6 +22,8 @@ pub mod params;
 pub mod runtime;
 #[cfg(feature = "cuda")]
 pub mod source;
+#[cfg(feature = "cuda")]
+pub mod staging;
 
 #[cfg(feature = "cuda")]
 pub use cudarc;

@@ -14,8 +14,8 @@
 //! measured.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchArgs,
@@ -26,6 +26,7 @@ use cudarc::nvrtc::Ptx;
 use crate::compile::{Compiler, panic_text};
 use crate::error::KernelError;
 use crate::id::{Arch, KernelId, SourceFile};
+use crate::staging::{PinnedStaging, STAGED_MIN_BYTES};
 
 /// The default memory pool of `ctx`'s device, when the device allocates stream-ordered.
 fn default_pool(ctx: &CudaContext) -> Result<Option<sys::CUmemoryPool>, KernelError> {
@@ -132,6 +133,8 @@ pub struct KernelRuntime {
     functions: HashMap<KernelId, CudaFunction>,
     report: LoadReport,
     counters: RuntimeCounters,
+    /// The page-locked ring large uploads go through ([`crate::staging`]).
+    staging: Mutex<PinnedStaging>,
 }
 
 /// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
@@ -248,6 +251,7 @@ impl KernelRuntime {
                 functions.insert(id, function);
             }
         }
+        let staging_ctx = ctx.clone();
         Ok(KernelRuntime {
             ctx,
             stream,
@@ -255,6 +259,7 @@ impl KernelRuntime {
             functions,
             report,
             counters: RuntimeCounters::default(),
+            staging: Mutex::new(PinnedStaging::new(staging_ctx)),
         })
     }
 
@@ -308,12 +313,20 @@ impl KernelRuntime {
     }
 
     /// Copies `values` into a new device buffer on the runtime's stream, counted in
-    /// [`KernelRuntime::counts`].
+    /// [`KernelRuntime::counts`]; from [`STAGED_MIN_BYTES`] on through page-locked memory, so that
+    /// the call returns without waiting for the stream.
     pub fn htod<T: DeviceRepr>(&self, values: &[T]) -> Result<CudaSlice<T>, DriverError> {
+        let bytes = std::mem::size_of_val(values);
         self.counters.htod_copies.fetch_add(1, Ordering::Relaxed);
         self.counters
             .htod_bytes
-            .fetch_add(std::mem::size_of_val(values) as u64, Ordering::Relaxed);
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        if bytes >= STAGED_MIN_BYTES {
+            let mut staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(staged) = staging.upload(&self.stream, values)? {
+                return Ok(staged);
+            }
+        }
         self.stream.clone_htod(values)
     }
 
