@@ -290,6 +290,14 @@ impl DeviceMemoryProbe {
     }
 }
 
+/// The host tensors one call uploaded to address their rows ([`CudaBackend::address_of`]): each
+/// once, keyed by its values' place in host memory, held until the call's kernels are launched.
+#[derive(Default)]
+struct HostUploads {
+    slices: Vec<CudaSlice<f32>>,
+    index: HashMap<(usize, usize), usize>,
+}
+
 /// Device-to-host copies a [`CudaBackend`] made: results of ops (activations, routes, Engram row
 /// ids) and, apart, the sampled token ids (the one copy a decode step is meant to have).
 #[derive(Debug, Default)]
@@ -738,14 +746,15 @@ impl CudaBackend {
     }
 
     /// The device address of the `len` values of `t` from `offset` (uploading a host tensor into
-    /// `keep`, which the caller holds until the kernels reading the address have been launched).
+    /// `keep`, once per call however many of its rows are addressed; the caller holds `keep`
+    /// until the kernels reading the address have been launched).
     fn address_of(
         &self,
         op: &'static str,
         t: &Tensor,
         offset: usize,
         len: usize,
-        keep: &mut Vec<CudaSlice<f32>>,
+        keep: &mut HostUploads,
     ) -> Result<u64, CudaBackendError> {
         if offset + len > t.len() {
             return Err(shape_err(
@@ -759,10 +768,17 @@ impl CudaBackend {
             return key_row_address(&self.rt, &buffer.data, view.offset + offset, len)
                 .map_err(op_err(op));
         }
-        let uploaded = self.upload(op, t.as_host())?;
-        let address = key_row_address(&self.rt, &uploaded, offset, len).map_err(op_err(op))?;
-        keep.push(uploaded);
-        Ok(address)
+        let host = t.as_host();
+        let key = (host.as_ptr() as usize, host.len());
+        let at = match keep.index.get(&key) {
+            Some(&at) => at,
+            None => {
+                keep.slices.push(self.upload(op, host)?);
+                keep.index.insert(key, keep.slices.len() - 1);
+                keep.slices.len() - 1
+            }
+        };
+        key_row_address(&self.rt, &keep.slices[at], offset, len).map_err(op_err(op))
     }
 
     /// [`Backend::gather`], with errors: one launch over the pieces' addresses (in its parameters
@@ -776,7 +792,7 @@ impl CudaBackend {
         if pieces.is_empty() || width == 0 {
             return Ok(Tensor::empty());
         }
-        let mut keep = Vec::new();
+        let mut keep = HostUploads::default();
         let addresses = pieces
             .iter()
             .map(|(t, offset)| self.address_of(OP, t, *offset, width, &mut keep))

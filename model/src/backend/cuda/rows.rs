@@ -242,7 +242,7 @@ impl CudaBackend {
                 )
             });
         }
-        let mut keep = Vec::new();
+        let mut keep = HostUploads::default();
         let mut addresses: Vec<u64> = Vec::new();
         let mut row_of: HashMap<u64, u32> = HashMap::new();
         let mut add_row =
@@ -547,7 +547,7 @@ impl CudaBackend {
             seen.extend(part_seen);
             table_keys.extend(&part.keys[..used]);
         }
-        let mut keep = Vec::new();
+        let mut keep = HostUploads::default();
         let table = self.key_table_in_order(op, table_keys.into_iter(), head_dim, &mut keep)?;
         let dvisible = DeviceVisiblePrefixes::upload_from(&self.rt, &first, &seen, table.rows())
             .map_err(op_err(op))?;
@@ -576,7 +576,7 @@ impl CudaBackend {
         op: &'static str,
         keys: impl Iterator<Item = &'k Tensor>,
         row_len: usize,
-        keep: &mut Vec<CudaSlice<f32>>,
+        keep: &mut HostUploads,
     ) -> Result<DeviceKeyTable, CudaBackendError> {
         let addresses = keys
             .enumerate()

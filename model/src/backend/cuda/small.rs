@@ -75,7 +75,7 @@ impl CudaBackend {
         if ratio == 0 || groups.iter().any(|members| members.len() != ratio) {
             return self.gated_pool_runs(groups, head_dim);
         }
-        let mut keep = Vec::new();
+        let mut keep = HostUploads::default();
         let addresses = groups
             .iter()
             .flatten()

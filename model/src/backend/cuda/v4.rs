@@ -156,7 +156,7 @@ impl CudaBackend {
         if entries.is_empty() || width == 0 {
             return Ok(Tensor::empty());
         }
-        let mut keep = Vec::new();
+        let mut keep = HostUploads::default();
         let (mut kv, mut gate, mut bias) = (Vec::new(), Vec::new(), Vec::new());
         let mut slot_start = vec![0u32];
         for slots in entries {
