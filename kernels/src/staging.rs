@@ -124,15 +124,7 @@ impl PinnedStaging {
         values: &[T],
     ) -> Result<Option<CudaSlice<T>>, DriverError> {
         let bytes = std::mem::size_of_val(values);
-        if bytes == 0 || bytes > RING_BYTES / 2 {
-            return Ok(None);
-        }
-        // SAFETY: the device buffer is written by the copy below before anything reads it.
-        let mut dst = unsafe { stream.alloc::<T>(values.len()) }?;
-        if self.base.is_null() {
-            // SAFETY: the context is current (`alloc` bound it); freed in `drop`.
-            self.base = unsafe { result::malloc_host(RING_BYTES, 0) }?.cast();
-        }
+        self.ctx.bind_to_thread()?;
         // SAFETY: a retired region's event was recorded on this context; querying it has no
         // effect (an error other than "not ready" leaves it in flight, waited for later).
         let retired = self
@@ -142,6 +134,12 @@ impl PinnedStaging {
         let Some((start, waits)) = self.ring.reserve(bytes, ALIGN) else {
             return Ok(None);
         };
+        // SAFETY: the device buffer is written by the copy below before anything reads it.
+        let mut dst = unsafe { stream.alloc::<T>(values.len()) }?;
+        if self.base.is_null() {
+            // SAFETY: the context is current (bound above); freed in `drop`.
+            self.base = unsafe { result::malloc_host(RING_BYTES, 0) }?.cast();
+        }
         for event in waits {
             // SAFETY: the event was recorded after the copy that last read this region.
             unsafe { result::event::synchronize(event) }?;
@@ -181,8 +179,8 @@ impl PinnedStaging {
 
 impl Drop for PinnedStaging {
     fn drop(&mut self) {
-        if self.base.is_null() && self.spare.is_empty() {
-            return;
+        if self.base.is_null() {
+            return; // nothing was staged: no memory, no event
         }
         // A failure here has no one to report to: the memory is the process's until it ends.
         let _ = self.ctx.bind_to_thread();
@@ -198,10 +196,8 @@ impl Drop for PinnedStaging {
             // SAFETY: no copy waits on a spare event.
             let _ = unsafe { result::event::destroy(event) };
         }
-        if !self.base.is_null() {
-            // SAFETY: allocated by `malloc_host`; every copy from it has ended (above).
-            let _ = unsafe { result::free_host(self.base.cast()) };
-        }
+        // SAFETY: allocated by `malloc_host`; every copy from it has ended (above).
+        let _ = unsafe { result::free_host(self.base.cast()) };
     }
 }
 

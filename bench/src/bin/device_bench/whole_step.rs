@@ -354,9 +354,10 @@ fn write_block_checkpoint(cfg: &ModelConfig, dir: &Path) -> Result<()> {
 
 /// Prints (and empties) the per-op profile gathered over `steps` steps that took `seconds` in
 /// all with the profile on: per op and step its calls, wall time (and of it the time until the op
-/// returned, `host_us`: its host work), share of the step, kernel launches (and of them on tensor cores: `tc`, the fast numerics' kernels) and host-to-device
-/// copies; the last line is the step's time outside every op (the
-/// model's host code between ops and the trait's default methods).
+/// returned, `host_us`: its host work), share of the step, kernel launches (and of them on tensor
+/// cores: `tc`, the fast numerics' kernels) and host-to-device copies; the last line is the
+/// step's time outside every op (the model's host code between ops and the trait's default
+/// methods).
 pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f64) {
     let mut ops: Vec<(&'static str, OpStats)> = profile.take().into_iter().collect();
     ops.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
