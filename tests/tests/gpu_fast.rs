@@ -37,7 +37,7 @@
 use std::sync::Arc;
 
 use deepinfer_kernels::KernelRuntime;
-use deepinfer_kernels::cudarc::driver::CudaSlice;
+use deepinfer_kernels::cudarc::driver::{CudaSlice, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{
     FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast,
@@ -517,6 +517,44 @@ fn download_act(rt: &KernelRuntime, a: &DeviceActFp8) -> (Vec<u8>, Vec<f32>) {
     )
 }
 
+/// One routed projection of a fast chain: activations `x` (row j reads `x` row j / `x_row_div`),
+/// the projection `which` and its `width` outputs per slot.
+struct RoutedFast<'a> {
+    x: &'a DeviceActFp8,
+    x_row_div: usize,
+    which: ExpertProjection,
+    width: usize,
+}
+
+/// [`RoutedFast`] of `moe`'s FP4 experts on the slots' expert ids `ids` with `tile`, its outputs
+/// `T` (bf16 for V4.1, f32 for V4).
+fn routed_fast<T: FastOutput + ValidAsZeroBits>(
+    rt: &KernelRuntime,
+    moe: &FastMoe,
+    ids: &CudaSlice<u32>,
+    projection: RoutedFast<'_>,
+    tile: FastTile,
+) -> CudaSlice<T> {
+    let RoutedFast {
+        x,
+        x_row_div,
+        which,
+        width,
+    } = projection;
+    let mut out = rt
+        .stream()
+        .alloc_zeros::<T>(ids.len() * width)
+        .expect("alloc");
+    let rows = RoutedRows {
+        x,
+        experts: ids,
+        x_row_div,
+        which,
+    };
+    gemm_fp4_routed_fast_tiled(rt, rows, &moe.table, &mut out, tile).expect("gemm_fp4_routed_fast");
+    out
+}
+
 /// The MoE chain of `CudaBackend::moe_rows` in fast numerics on `tokens` rows `x` with the
 /// routes `ids` / `route_weights` (`[tokens, k]`): quantise, routed `w1`/`w3` with `tile`,
 /// SwiGLU weighted by the route, quantise, routed `w2`; the shared expert on the fast FP8 GEMM;
@@ -537,21 +575,18 @@ fn run_chain(
     let ids_d = stream.clone_htod(ids).expect("ids");
     let weights_d = stream.clone_htod(route_weights).expect("route weights");
     let routed = |x: &DeviceActFp8, x_row_div: usize, which: ExpertProjection, width: usize| {
-        let mut out = stream.alloc_zeros::<bf16>(slots * width).expect("alloc");
-        gemm_fp4_routed_fast_tiled(
+        routed_fast::<bf16>(
             rt,
-            RoutedRows {
+            moe,
+            &ids_d,
+            RoutedFast {
                 x,
-                experts: &ids_d,
                 x_row_div,
                 which,
+                width,
             },
-            &moe.table,
-            &mut out,
             tile,
         )
-        .expect("gemm_fp4_routed_fast");
-        out
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);
     let up = routed(&a, slots / tokens, ExpertProjection::W3, inter);

@@ -38,8 +38,7 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile, gemm_fp8_fast, k_parts};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
-use deepinfer_kernels::ops::routed::{ExpertProjection, RoutedRows, moe_combine, swiglu_rows};
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
+use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -53,8 +52,9 @@ use half::bf16;
 use crate::gpu_support::gemm_data::{activations, random_fp4_weight, random_fp8_weight};
 use crate::gpu_support::{Rng, bf16_unit, differing, prompt};
 use crate::{
-    FastMoe, FastWeight, HostWeight, LIMIT, TILES, assert_within, download_act, exact_output,
-    exact_rows, fast_linear, nudged, random_routes, upload_fp4, upload_fp8,
+    FastMoe, FastWeight, HostWeight, LIMIT, RoutedFast, TILES, assert_within, download_act,
+    exact_output, exact_rows, fast_linear, nudged, random_routes, routed_fast, upload_fp4,
+    upload_fp8,
 };
 
 /// `rows × cols` float32 activations of a wide dynamic range: [`activations`] (magnitudes 2^-12
@@ -241,21 +241,18 @@ fn run_v4_chain(
     let ids_d = stream.clone_htod(ids).expect("ids");
     let weights_d = stream.clone_htod(route_weights).expect("route weights");
     let routed = |x: &DeviceActFp8, x_row_div: usize, which: ExpertProjection, width: usize| {
-        let mut out = stream.alloc_zeros::<f32>(slots * width).expect("alloc");
-        gemm_fp4_routed_fast_tiled(
+        routed_fast::<f32>(
             rt,
-            RoutedRows {
+            moe,
+            &ids_d,
+            RoutedFast {
                 x,
-                experts: &ids_d,
                 x_row_div,
                 which,
+                width,
             },
-            &moe.table,
-            &mut out,
             tile,
         )
-        .expect("gemm_fp4_routed_fast");
-        out
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);
     let up = routed(&a, slots / tokens, ExpertProjection::W3, inter);
