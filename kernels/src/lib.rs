@@ -5,8 +5,9 @@
 //! Layout: [`KernelId`] names every kernel and the source file that defines it ([`id`]);
 //! [`source`] embeds the sources; [`compile`] runs NVRTC and owns the CUBIN cache; [`runtime`]
 //! opens the device (refusing cleanly when no driver is present) and loads every kernel, and copies
-//! large uploads through page-locked memory ([`staging`]); [`ops`]
-//! holds one typed launcher per operation, which checks shapes before it launches.
+//! large uploads through page-locked memory ([`staging`]) and times launches on request
+//! ([`kernel_timer`]); [`ops`] holds one typed launcher per operation, which checks shapes before
+//! it launches.
 
 #[cfg(feature = "cuda")]
 pub mod compile;
@@ -14,6 +15,8 @@ pub mod compile;
 mod error;
 #[cfg(feature = "cuda")]
 pub mod id;
+#[cfg(feature = "cuda")]
+pub mod kernel_timer;
 #[cfg(feature = "cuda")]
 pub mod ops;
 #[cfg(feature = "cuda")]

@@ -135,6 +135,10 @@ pub struct IndexParams {
     pub head_dim: u32,
     pub keys: u32,
     pub round_bf16: u32,
+    /// Keys per block (`ops::index::IndexTile`).
+    pub tile_keys: u32,
+    /// Heads staged in shared memory at a time.
+    pub head_chunk: u32,
 }
 
 /// `DequantParams`: rows `[row_start, row_start + rows)` of a `[n, k]` weight.
@@ -208,7 +212,8 @@ mod tests {
         assert_eq!(size_of::<HcMixesParams>(), 20);
         assert_eq!(offset_of!(HcMixesParams, norm_eps), 16);
         assert_eq!(size_of::<HcElementwiseParams>(), 12);
-        assert_eq!(size_of::<IndexParams>(), 16);
+        assert_eq!(size_of::<IndexParams>(), 24);
+        assert_eq!(offset_of!(IndexParams, head_chunk), 20);
         assert_eq!(size_of::<DequantParams>(), 20);
     }
 
@@ -270,7 +275,14 @@ mod tests {
         assert_eq!(fields("HcElementwiseParams"), ["hc", "dim", "round_bf16"]);
         assert_eq!(
             fields("IndexParams"),
-            ["heads", "head_dim", "keys", "round_bf16"]
+            [
+                "heads",
+                "head_dim",
+                "keys",
+                "round_bf16",
+                "tile_keys",
+                "head_chunk"
+            ]
         );
         assert_eq!(
             fields("DequantParams"),

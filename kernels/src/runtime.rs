@@ -22,10 +22,12 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg, result, sys,
 };
 use cudarc::nvrtc::Ptx;
+use sys::CUevent_flags;
 
 use crate::compile::{Compiler, panic_text};
 use crate::error::KernelError;
 use crate::id::{Arch, KernelId, SourceFile};
+use crate::kernel_timer::KernelTimer;
 use crate::staging::{PinnedStaging, STAGED_MIN_BYTES};
 
 /// The default memory pool of `ctx`'s device, when the device allocates stream-ordered.
@@ -135,6 +137,8 @@ pub struct KernelRuntime {
     counters: RuntimeCounters,
     /// The page-locked ring large uploads go through ([`crate::staging`]).
     staging: Mutex<PinnedStaging>,
+    /// Device time per kernel, when turned on ([`crate::kernel_timer`]).
+    timer: Arc<KernelTimer>,
 }
 
 /// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
@@ -260,7 +264,13 @@ impl KernelRuntime {
             report,
             counters: RuntimeCounters::default(),
             staging: Mutex::new(PinnedStaging::new(staging_ctx)),
+            timer: Arc::default(),
         })
+    }
+
+    /// The per-kernel device times (off until turned on; shared: keep a clone to read them).
+    pub fn kernel_timer(&self) -> Arc<KernelTimer> {
+        self.timer.clone()
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -309,6 +319,7 @@ impl KernelRuntime {
         Launch {
             args: self.stream.launch_builder(function),
             name,
+            timer: &self.timer,
         }
     }
 
@@ -353,6 +364,7 @@ impl KernelRuntime {
 pub(crate) struct Launch<'a> {
     args: LaunchArgs<'a>,
     name: &'a str,
+    timer: &'a KernelTimer,
 }
 
 impl<'a> Launch<'a> {
@@ -370,11 +382,19 @@ impl<'a> Launch<'a> {
     /// # Safety
     /// As [`LaunchArgs::launch`]: the arguments match the kernel's signature and every buffer
     /// holds what the kernel reads and writes under `cfg`.
+    /// Timed launches ([`KernelTimer`] on) record an event before and after the kernel.
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), KernelError> {
+        if self.timer.enabled() {
+            self.args
+                .record_kernel_launch(CUevent_flags::CU_EVENT_DEFAULT);
+        }
         // SAFETY: the caller's contract above.
-        unsafe { self.args.launch(cfg) }
-            .map(drop)
-            .map_err(KernelError::driver(format!("launching {}", self.name)))
+        let events = unsafe { self.args.launch(cfg) }
+            .map_err(KernelError::driver(format!("launching {}", self.name)))?;
+        if let Some(events) = events {
+            self.timer.record(self.name, events);
+        }
+        Ok(())
     }
 }
 

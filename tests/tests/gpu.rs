@@ -938,6 +938,41 @@ fn resident_uploads_a_host_tensor_once_and_keeps_a_device_one() {
     assert_bitwise("resident", &kept, &values);
 }
 
+/// `Backend::table_rows`: a step's token embeddings read on the device from a table uploaded once
+/// (the weight cache), the CPU's rows bit for bit, repeated ids included; a row past the table
+/// is an error naming the id, not a read out of bounds.
+#[test]
+fn table_rows_read_the_resident_table_and_equal_the_cpu() {
+    let gpu = cuda_backend("table_rows_read_the_resident_table_and_equal_the_cpu");
+    let (rows, width) = (37, 96);
+    let table = fp32_values(&mut Rng(37), rows * width);
+    let ids = [36u32, 0, 5, 5, 17, 36];
+    let cached = gpu.cached_weights();
+    let expected = CpuBackend.table_rows(&table, width, &ids);
+    let got = gpu.table_rows(&table, width, &ids);
+    assert!(got.device_view().is_some(), "the rows stay on the device");
+    assert_bitwise("table_rows", &got, &expected);
+    assert_eq!(
+        gpu.cached_weights(),
+        cached + 1,
+        "the table is uploaded once"
+    );
+    let again = gpu.table_rows(&table, width, &ids[..2]);
+    assert_bitwise("table_rows again", &again, &expected[..2 * width]);
+    assert_eq!(
+        gpu.cached_weights(),
+        cached + 1,
+        "and found in the cache after"
+    );
+    let err = gpu
+        .try_table_rows(&table, width, &[3, rows as u32])
+        .expect_err("a row past the table");
+    assert!(
+        err.to_string().contains("id 1 is row 37 of a 37-row table"),
+        "{err}"
+    );
+}
+
 #[test]
 fn backend_open_is_an_error_without_a_driver() {
     if driver_available().is_ok() {

@@ -119,6 +119,8 @@ struct IndexParams {
     u32_t head_dim;
     u32_t keys;
     u32_t round_bf16;  // 1: the reference's bf16 rounding points; 0: fp32 throughout
+    u32_t tile_keys;   // keys per block
+    u32_t head_chunk;  // heads staged in shared memory at a time
 };
 
 // Rows [row_start, row_start + rows) of a block-scaled weight [n, k] dequantised to f32

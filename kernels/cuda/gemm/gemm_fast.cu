@@ -5,22 +5,22 @@
 #include "gemm/gemm_fast.cuh"
 
 GEMM_FAST(gemm_fp8_fast_t32_b8, fastgemm::Fp8Chunks<32>, 32, 4, 8, 3, 256)
-GEMM_FAST(gemm_fp8_fast_t32_b32, fastgemm::Fp8Chunks<32>, 32, 2, 32, 3, 512)
-GEMM_FAST(gemm_fp8_fast_t32_b64, fastgemm::Fp8Chunks<32>, 32, 2, 64, 4, 256)
+GEMM_FAST(gemm_fp8_fast_t32_b32, fastgemm::Fp8Chunks<32>, 32, 4, 32, 3, 256)
+GEMM_FAST(gemm_fp8_fast_t32_b64, fastgemm::Fp8Chunks<32>, 32, 4, 64, 3, 256)
 GEMM_FAST(gemm_fp8_fast_t32_b128, fastgemm::Fp8Chunks<32>, 32, 8, 128, 3, 128)
 GEMM_FAST(gemm_fp8_fast_t128_b8, fastgemm::Fp8Chunks<128>, 128, 4, 8, 3, 256)
-GEMM_FAST(gemm_fp8_fast_t128_b32, fastgemm::Fp8Chunks<128>, 128, 2, 32, 3, 512)
-GEMM_FAST(gemm_fp8_fast_t128_b64, fastgemm::Fp8Chunks<128>, 128, 2, 64, 4, 256)
+GEMM_FAST(gemm_fp8_fast_t128_b32, fastgemm::Fp8Chunks<128>, 128, 4, 32, 3, 256)
+GEMM_FAST(gemm_fp8_fast_t128_b64, fastgemm::Fp8Chunks<128>, 128, 4, 64, 3, 256)
 GEMM_FAST(gemm_fp8_fast_t128_b128, fastgemm::Fp8Chunks<128>, 128, 8, 128, 3, 128)
 
 GEMM_FAST(gemm_fp4_fast_b8, fastgemm::Fp4Chunks, 32, 4, 8, 3, 256)
-GEMM_FAST(gemm_fp4_fast_b32, fastgemm::Fp4Chunks, 32, 2, 32, 3, 512)
-GEMM_FAST(gemm_fp4_fast_b64, fastgemm::Fp4Chunks, 32, 2, 64, 4, 256)
+GEMM_FAST(gemm_fp4_fast_b32, fastgemm::Fp4Chunks, 32, 4, 32, 3, 256)
+GEMM_FAST(gemm_fp4_fast_b64, fastgemm::Fp4Chunks, 32, 4, 64, 3, 256)
 GEMM_FAST(gemm_fp4_fast_b128, fastgemm::Fp4Chunks, 32, 8, 128, 3, 128)
 
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b8, fastgemm::Fp4Chunks, 4, 8, 3, 256)
-GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b32, fastgemm::Fp4Chunks, 2, 32, 3, 512)
-GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b64, fastgemm::Fp4Chunks, 2, 64, 4, 256)
+GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b32, fastgemm::Fp4Chunks, 8, 32, 3, 256)
+GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b64, fastgemm::Fp4Chunks, 8, 64, 3, 128)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b128, fastgemm::Fp4Chunks, 8, 128, 3, 128)
 
 // The direct decode tiles (8 token rows, 4 bands per block, 16 groups ahead; same bits as b8).

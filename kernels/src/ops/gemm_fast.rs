@@ -123,74 +123,49 @@ pub struct TileShape {
     pub step: u32,
 }
 
-/// The shape of each tile, in [`FastTile`] order after `Auto`. The 8-row tile is the fastest of
-/// `device_bench --sections fast --sweep` on the H200 at M = 1 and 8 with the production's K parts
-/// (wq_b 29.8 → 15.5 µs; bench/README.md, session 16); the other decode tile takes 512 codes of K
-/// per barrier: fewer, larger steps.
-const TILES: [(FastTile, TileShape); 4] = [
-    (
-        FastTile::Rows8,
-        TileShape {
-            tokens: 8,
-            warps: 4,
-            stages: 3,
-            step: 256,
-        },
-    ),
-    (
-        FastTile::Rows32,
-        TileShape {
-            tokens: 32,
-            warps: 2,
-            stages: 3,
-            step: 512,
-        },
-    ),
-    (
-        FastTile::Rows64,
-        TileShape {
-            tokens: 64,
-            warps: 2,
-            stages: 4,
-            step: 256,
-        },
-    ),
-    (
-        FastTile::Rows128,
-        TileShape {
-            tokens: 128,
-            warps: 8,
-            stages: 3,
-            step: 128,
-        },
-    ),
+/// The shape of each dense tile, in [`FastTile`] order after `Auto`. The 8-row tile is the fastest
+/// of `device_bench --sections fast --sweep` on the H200 at M = 1 and 8 with the production's K
+/// parts (wq_b 29.8 → 15.5 µs; bench/README.md, session 16). The 32- and 64-row tiles take its 4
+/// warps and 256 codes per stage: two blocks of 8 warps in all fit an SM's shared memory (with 2
+/// warps, 512 codes or 4 stages, two blocks held 4 warps). The 128-row tile's 8 warps keep an SM's
+/// registers for one block.
+const DENSE_TILES: [(FastTile, TileShape); 4] = [
+    (FastTile::Rows8, tile(8, 4, 3, 256)),
+    (FastTile::Rows32, tile(32, 4, 3, 256)),
+    (FastTile::Rows64, tile(64, 4, 3, 256)),
+    (FastTile::Rows128, tile(128, 8, 3, 128)),
 ];
+
+/// The routed experts' tiles (same rows per tile as [`DENSE_TILES`]). A routed tile's block
+/// reads its expert's activation rows once for all of its features, so the 32- and 64-row tiles
+/// take 8 warps (128 features): at prefill (~16 rows per expert) their 2-warp blocks re-read the
+/// rows for every 32 features, and two of them filled an SM's shared memory with 4 warps. Now two
+/// 32-row blocks (82 KB each) or three 64-row ones (60 KB: 128 codes per stage) fit an SM.
+const ROUTED_TILES: [(FastTile, TileShape); 4] = [
+    (FastTile::Rows8, tile(8, 4, 3, 256)),
+    (FastTile::Rows32, tile(32, 8, 3, 256)),
+    (FastTile::Rows64, tile(64, 8, 3, 128)),
+    (FastTile::Rows128, tile(128, 8, 3, 128)),
+];
+
+const fn tile(tokens: u32, warps: u32, stages: u32, step: u32) -> TileShape {
+    TileShape {
+        tokens,
+        warps,
+        stages,
+        step,
+    }
+}
 
 impl FastTile {
     /// The tile [`FastTile::Auto`] takes for `rows` token rows (per expert, for routed launches).
     pub(crate) fn resolve(self, rows: usize) -> FastTile {
         match self {
-            FastTile::Auto => TILES
+            FastTile::Auto => DENSE_TILES
                 .iter()
                 .find(|(_, shape)| rows <= shape.tokens as usize)
                 .map_or(FastTile::Rows128, |t| t.0),
             tile => tile,
-        }
-    }
-
-    /// The staged tile's shape (the direct tile has none: [`FastTile::block`]).
-    pub(crate) fn shape(self) -> TileShape {
-        TILES
-            .iter()
-            .find(|t| t.0 == self)
-            .map_or(TILES[3].1, |t| t.1)
-    }
-
-    /// Token rows and warps per block.
-    pub(crate) fn block(self) -> (u32, u32) {
-        match self {
-            FastTile::Direct8 => (8, DIRECT_WARPS),
-            tile => (tile.shape().tokens, tile.shape().warps),
         }
     }
 
@@ -251,6 +226,31 @@ impl FastKernels {
         }
     }
 
+    /// The tiles of these kernels: the routed ones' or the dense ones'.
+    fn tiles(self) -> &'static [(FastTile, TileShape); 4] {
+        match self {
+            FastKernels::Fp4Routed => &ROUTED_TILES,
+            FastKernels::Fp8(_) | FastKernels::Fp4 => &DENSE_TILES,
+        }
+    }
+
+    /// The shape of staged `tile` (`Auto` and the direct tile, which has none: the 128-row one).
+    pub(crate) fn shape(self, tile: FastTile) -> TileShape {
+        let tiles = self.tiles();
+        tiles
+            .iter()
+            .find(|t| t.0 == tile)
+            .map_or(tiles[3].1, |t| t.1)
+    }
+
+    /// Token rows and warps per block of `tile`.
+    pub(crate) fn block(self, tile: FastTile) -> (u32, u32) {
+        match tile {
+            FastTile::Direct8 => (8, DIRECT_WARPS),
+            tile => (self.shape(tile).tokens, self.shape(tile).warps),
+        }
+    }
+
     pub(crate) fn kernel(self, tile: FastTile) -> KernelId {
         use FastTile::{Direct8, Rows8, Rows32, Rows64};
         match (self, tile) {
@@ -282,7 +282,7 @@ impl FastKernels {
         match tile {
             // At most DIRECT_MAX_SHARED (`FastTile::fitting`).
             FastTile::Direct8 => direct_shared_bytes(self.group(), span) as u32,
-            tile => self.shared_bytes(tile.shape()),
+            tile => self.shared_bytes(self.shape(tile)),
         }
     }
 
@@ -311,7 +311,8 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
         if kernels.kernel(FastTile::Direct8) == id {
             return Some(DIRECT_MAX_SHARED);
         }
-        TILES
+        kernels
+            .tiles()
             .iter()
             .find(|t| kernels.kernel(t.0) == id)
             .map(|t| kernels.shared_bytes(t.1))
@@ -663,7 +664,7 @@ impl<'a> DenseKernel<'a> {
         Ok(DenseKernel {
             name: id.symbol(),
             function: rt.function(id)?,
-            block: tile.block(),
+            block: kernels.block(tile),
             shared_bytes: kernels.launch_shared_bytes(tile, span),
             span,
         })
@@ -789,16 +790,22 @@ mod tests {
         // Stage::BYTES for FP8, G = 32, 4 warps, 8 tokens, 256 codes of K:
         // 4 * 2 * 2048 + 8 * 288 + 4 * 8 * 8 + 4 * 4 * 8, three stages.
         let fp8 = FastKernels::Fp8(ActGroup::G32);
-        assert_eq!(fp8.shared_bytes(FastTile::Rows8.shape()), 19_072 * 3);
+        assert_eq!(fp8.shared_bytes(fp8.shape(FastTile::Rows8)), 19_072 * 3);
+        // Two blocks of the 64-row dense tile and three of the routed one fit an SM (228 KiB,
+        // 1 KiB reserved per block; the routed kernels' 512 static bytes on top).
+        assert!(2 * (fp8.shared_bytes(fp8.shape(FastTile::Rows64)) + 1024) <= 228 * 1024);
+        let routed = FastKernels::Fp4Routed;
+        assert!(3 * (routed.shared_bytes(routed.shape(FastTile::Rows64)) + 1536) <= 228 * 1024);
+        assert!(2 * (routed.shared_bytes(routed.shape(FastTile::Rows32)) + 1536) <= 228 * 1024);
         // FP4: 1 KiB chunks and 16 scale bytes per band and group:
         // 4 * 2 * 1024 + 8 * 288 + 4 * 8 * 8 + 16 * 4 * 8, three stages.
         assert_eq!(
-            FastKernels::Fp4.shared_bytes(FastTile::Rows8.shape()),
+            FastKernels::Fp4.shared_bytes(FastKernels::Fp4.shape(FastTile::Rows8)),
             11_264 * 3
         );
         let mut ids = Vec::new();
         for kernels in FastKernels::ALL {
-            for (tile, shape) in TILES {
+            for &(tile, shape) in kernels.tiles() {
                 // The routed kernels' static rows (at most 128 u32) come on top.
                 assert!(
                     kernels.shared_bytes(shape) + 512 <= 227 * 1024,
@@ -836,8 +843,9 @@ mod tests {
         assert_eq!(FastTile::Direct8.fitting(fp8, 16_384), FastTile::Rows8);
         assert_eq!(FastTile::Rows32.fitting(fp8, 16_384), FastTile::Rows32);
         assert_eq!(FastTile::Direct8.resolve(40), FastTile::Direct8);
-        assert_eq!(FastTile::Direct8.block(), (8, DIRECT_WARPS));
-        assert_eq!(FastTile::Rows64.block(), (64, 2));
+        assert_eq!(fp8.block(FastTile::Direct8), (8, DIRECT_WARPS));
+        assert_eq!(fp8.block(FastTile::Rows64), (64, 4));
+        assert_eq!(FastKernels::Fp4Routed.block(FastTile::Rows64), (64, 8));
         // Every real-width K part fits: V4.1's dim 5120 and V4's wo_b 8192 as one part.
         for span in [1280, 2304, 5120, 8192] {
             assert_eq!(
@@ -864,7 +872,7 @@ mod tests {
             assert!(source.contains(&line), "{line} not in gemm_fast.cu");
         }
         for kernels in FastKernels::ALL {
-            for (tile, shape) in TILES {
+            for &(tile, shape) in kernels.tiles() {
                 let TileShape {
                     tokens,
                     warps,

@@ -2,8 +2,8 @@
 //! or of a batch of queries in one launch, each against its own window of the rows of one shared
 //! key buffer or of a device pointer table ([`DeviceVisiblePrefixes`], [`DeviceKeyTable`]: the
 //! queries of several sequences each see their own sequence's keys), with
-//! the reference's bf16 rounding points: bit-exact, one block per (key, query), a key's score a
-//! function of that query and key alone (batch invariant).
+//! the reference's bf16 rounding points: bit-exact, one block per query and tile of keys
+//! ([`IndexTile`]), a key's score a function of that query and key alone (batch invariant).
 
 use cudarc::driver::CudaSlice;
 
@@ -15,9 +15,60 @@ use crate::params::IndexParams;
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "index_scores_f32";
-const THREADS: u32 = 64;
-/// Heads whose terms fit the kernel's shared memory comfortably.
+/// `indexer::THREADS` in `cuda/indexer/index_scores.cuh`.
+const THREADS: u32 = 128;
+/// The most heads a launch takes.
 const MAX_HEADS: usize = 4096;
+/// Shared memory for a tile's key rows and for a chunk of the query's head rows.
+const KEY_ROWS_BYTES: usize = 16 * 1024;
+const HEAD_ROWS_BYTES: usize = 24 * 1024;
+/// The most keys per block.
+const MAX_TILE_KEYS: usize = 16;
+/// The default dynamic shared memory limit of a block.
+const SHARED_LIMIT: usize = 48 * 1024;
+
+/// How a launch splits the work: keys per block and heads staged at a time, from the shape alone
+/// (so a key's score never depends on the batch; the split never changes a sum's order), and the
+/// dynamic shared memory that takes (the kernel's layout: f64 sums, key rows, head rows padded to
+/// an odd stride, terms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct IndexTile {
+    keys: usize,
+    head_chunk: usize,
+}
+
+impl IndexTile {
+    fn of(heads: usize, head_dim: usize) -> IndexTile {
+        let stride = head_dim | 1;
+        IndexTile {
+            keys: (KEY_ROWS_BYTES / (4 * head_dim)).clamp(1, MAX_TILE_KEYS),
+            head_chunk: (HEAD_ROWS_BYTES / (4 * stride)).clamp(1, heads.max(1)),
+        }
+    }
+
+    fn shared_bytes(self, head_dim: usize) -> usize {
+        8 * self.keys
+            + 4 * self.keys * head_dim
+            + 4 * self.head_chunk * (head_dim | 1)
+            + 4 * self.keys * self.head_chunk
+    }
+
+    fn params(
+        self,
+        op: &'static str,
+        (heads, head_dim, keys): (usize, usize, usize),
+        rounding: Rounding,
+    ) -> Result<IndexParams, KernelError> {
+        Ok(IndexParams {
+            heads: dim(op, "heads", heads)?,
+            head_dim: dim(op, "head_dim", head_dim)?,
+            keys: dim(op, "keys", keys)?,
+            round_bf16: rounding.flag(),
+            tile_keys: dim(op, "tile keys", self.keys)?,
+            head_chunk: dim(op, "head chunk", self.head_chunk)?,
+        })
+    }
+}
 /// The most queries one row-batched launch takes (the grid's y limit).
 pub const MAX_QUERIES_PER_LAUNCH: usize = 65_535;
 
@@ -50,17 +101,17 @@ pub fn index_scores_f32(
     if n == 0 {
         return Ok(());
     }
-    let params = IndexParams {
-        heads: dim(OP, "heads", heads)?,
-        head_dim: dim(OP, "head_dim", head_dim)?,
-        keys: dim(OP, "keys", n)?,
-        round_bf16: rounding.flag(),
-    };
-    let cfg = launch_config((params.keys, 1, 1), THREADS, params.heads * 4);
+    let tile = IndexTile::of(heads, head_dim);
+    let params = tile.params(OP, (heads, head_dim, n), rounding)?;
+    let cfg = launch_config(
+        (dim(OP, "key tiles", n.div_ceil(tile.keys))?, 1, 1),
+        THREADS,
+        dim(OP, "shared bytes", tile.shared_bytes(head_dim))?,
+    );
     let mut launch = rt.launcher(KernelId::IndexScoresF32)?;
     launch.arg(q).arg(w).arg(keys).arg(scores).arg(&params);
     // SAFETY: signature (const float* q, const float* w, const float* keys, float* scores,
-    // IndexParams); lengths checked above; the dynamic shared memory holds one float per head.
+    // IndexParams); lengths checked above; the dynamic shared memory is the tile's layout.
     unsafe { launch.launch(cfg) }
 }
 
@@ -71,6 +122,15 @@ fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), Ke
             op,
             message: format!(
                 "head_dim = {head_dim} and heads = {heads} must be positive (heads <= {MAX_HEADS})"
+            ),
+        });
+    }
+    let shared = IndexTile::of(heads, head_dim).shared_bytes(head_dim);
+    if shared > SHARED_LIMIT {
+        return Err(KernelError::Shape {
+            op,
+            message: format!(
+                "head_dim = {head_dim} needs {shared} bytes of shared memory (at most {SHARED_LIMIT})"
             ),
         });
     }
@@ -222,20 +282,16 @@ pub fn index_scores_rows_f32(
     if visible.max_visible == 0 {
         return Ok(());
     }
-    let params = IndexParams {
-        heads: dim(op, "heads", heads)?,
-        head_dim: dim(op, "head_dim", head_dim)?,
-        keys: dim(op, "keys", visible.keys)?,
-        round_bf16: rounding.flag(),
-    };
+    let tile = IndexTile::of(heads, head_dim);
+    let params = tile.params(op, (heads, head_dim, visible.keys), rounding)?;
     let cfg = launch_config(
         (
-            dim(op, "max visible", visible.max_visible)?,
+            dim(op, "key tiles", visible.max_visible.div_ceil(tile.keys))?,
             dim(op, "queries", visible.queries)?,
             1,
         ),
         THREADS,
-        params.heads * 4,
+        dim(op, "shared bytes", tile.shared_bytes(head_dim))?,
     );
     let (counts, starts, first) = visible.views();
     let mut launch = rt.launcher(kernel)?;
@@ -254,6 +310,56 @@ pub fn index_scores_rows_f32(
     // head_dim-wide rows (checked
     // above; a table's addresses are live rows by its unsafe constructor's contract), the
     // offsets place each query's scores inside `scores` (DeviceVisiblePrefixes::upload);
-    // grid.y = queries <= the grid limit; the dynamic shared memory holds one float per head.
+    // grid.y = queries <= the grid limit; the dynamic shared memory is the tile's layout.
     unsafe { launch.launch(cfg) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_fit_the_default_shared_memory_and_take_whole_indexers_at_once() {
+        // V4.1 / V4: 32 or 64 heads of 128: 16 keys a block, every head (or 47) staged at once.
+        let v41 = IndexTile::of(32, 128);
+        assert_eq!(
+            v41,
+            IndexTile {
+                keys: 16,
+                head_chunk: 32
+            }
+        );
+        assert_eq!(
+            v41.shared_bytes(128),
+            8 * 16 + 4 * 16 * 128 + 4 * 32 * 129 + 4 * 16 * 32
+        );
+        assert_eq!(IndexTile::of(64, 128).head_chunk, 47);
+        // Odd and wide heads: the stride is odd, the tile shrinks, one key at the widest.
+        assert_eq!(
+            IndexTile::of(3, 72).shared_bytes(72),
+            8 * 16 + 4 * 16 * 72 + 4 * 3 * 73 + 4 * 16 * 3
+        );
+        assert_eq!(
+            IndexTile::of(8, 4096),
+            IndexTile {
+                keys: 1,
+                head_chunk: 1
+            }
+        );
+        for (heads, head_dim) in [
+            (1, 1),
+            (32, 128),
+            (64, 128),
+            (4096, 16),
+            (7, 2047),
+            (8, 4096),
+        ] {
+            assert!(
+                check_heads("test", heads, head_dim).is_ok(),
+                "{heads} x {head_dim}"
+            );
+        }
+        let err = check_heads("test", 1, 8192).expect_err("a 32 KiB key row");
+        assert!(err.to_string().contains("head_dim = 8192 needs"), "{err}");
+    }
 }

@@ -39,7 +39,7 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
     let tile = tile
         .resolve(m.div_ceil(table.n_experts()))
         .fitting(FastKernels::Fp4Routed, k);
-    let (tokens, warps) = tile.block();
+    let (tokens, warps) = FastKernels::Fp4Routed.block(tile);
     let params = FastRoutedParams {
         m: dim(OP, "m", m)?,
         n: dim(OP, "n", n)?,

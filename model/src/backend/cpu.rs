@@ -318,6 +318,14 @@ impl Backend for CpuBackend {
         }
         out.into()
     }
+    fn table_rows(&self, table: &[f32], width: usize, ids: &[u32]) -> Tensor {
+        let mut out = Vec::with_capacity(ids.len() * width);
+        for &id in ids {
+            let at = id as usize * width;
+            out.extend_from_slice(&table[at..at + width]);
+        }
+        out.into()
+    }
     fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes {
         let hc = mixing.hc;
         let width = params.proj.len() / ((2 + hc) * hc).max(1);

@@ -373,6 +373,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `width` values from each `(tensor, offset)` of `pieces`, one after another: the row
     /// movement between ops (gathering rows, columns, interleaving) without leaving the device.
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor;
+    /// Rows `ids` of the row-major host table `table` (`width` values a row), one after another:
+    /// a step's token embeddings. A device backend keeps the table resident from its first call
+    /// on, so a step uploads only its ids. Every id must be a row of the table (the model checks
+    /// token ids against the vocabulary before a step).
+    fn table_rows(&self, table: &[f32], width: usize, ids: &[u32]) -> Tensor;
     /// `Q8` QDQ (groups of 32, UE8M0).
     fn q8_qdq(&self, x: Tensor) -> Tensor;
     /// `Q4e` QDQ (groups of 32, UE8M0).

@@ -14,24 +14,61 @@ use crate::sampling::SamplingParams;
 /// ([`SequenceState::compact`]): the few rows a ring keeps then stop holding the chunk's buffers.
 pub(crate) const COMPACT_AFTER: usize = 4 * MAX_BACKTRACK;
 
-/// The residual streams a step starts from, `[n, hc · dim]`: each of the `n` embedding `rows`
-/// (`dim` values each) in all `hc` streams. Only the `n` rows become resident (on a device
-/// backend: one upload of `n · dim` values); the streams are copied from them where they live.
+/// Where a step row's embedding comes from: a row of the model's embedding table, or values given
+/// with the request (an image's patch embedding).
+#[derive(Debug, Clone, Copy)]
+pub enum EmbeddedRow<'r> {
+    Token(u32),
+    Given(&'r [f32]),
+}
+
+/// The residual streams a step starts from, `[n, hc · dim]`: each of the `n` `rows`' embedding
+/// (`dim` values) in all `hc` streams. Token rows are read from `table` where it lives (on a
+/// device backend: resident after the first step, so a step uploads only its ids); given rows
+/// are uploaded, `n_given · dim` values, and the streams gathered from both.
 pub fn embedded_streams<'r>(
     backend: &dyn Backend,
-    rows: impl Iterator<Item = &'r [f32]>,
+    table: &[f32],
+    rows: impl IntoIterator<Item = EmbeddedRow<'r>>,
     dim: usize,
     hc: usize,
 ) -> Tensor {
-    let mut flat = Vec::new();
-    for row in rows {
-        flat.extend_from_slice(row);
+    let rows: Vec<EmbeddedRow<'r>> = rows.into_iter().collect();
+    let token = |row: &EmbeddedRow<'r>| match row {
+        EmbeddedRow::Token(id) => Some(*id),
+        EmbeddedRow::Given(_) => None,
+    };
+    let ids: Vec<u32> = rows.iter().filter_map(token).collect();
+    if ids.len() == rows.len() {
+        let streams: Vec<u32> = ids
+            .iter()
+            .flat_map(|&id| std::iter::repeat_n(id, hc))
+            .collect();
+        return backend.table_rows(table, dim, &streams);
     }
-    let n = flat.len() / dim.max(1);
-    let embedded = backend.resident(Tensor::from(flat));
-    let pieces: Vec<(&Tensor, usize)> = (0..n)
-        .flat_map(|r| std::iter::repeat_n((&embedded, r * dim), hc))
-        .collect();
+    let tokens = backend.table_rows(table, dim, &ids);
+    let mut given = Vec::new();
+    for row in &rows {
+        if let EmbeddedRow::Given(values) = row {
+            given.extend_from_slice(values);
+        }
+    }
+    let given = backend.resident(Tensor::from(given));
+    let (mut next_token, mut next_given) = (0, 0);
+    let mut pieces: Vec<(&Tensor, usize)> = Vec::with_capacity(rows.len() * hc);
+    for row in &rows {
+        let piece = match row {
+            EmbeddedRow::Token(_) => {
+                next_token += 1;
+                (&tokens, (next_token - 1) * dim)
+            }
+            EmbeddedRow::Given(_) => {
+                next_given += 1;
+                (&given, (next_given - 1) * dim)
+            }
+        };
+        pieces.extend(std::iter::repeat_n(piece, hc));
+    }
     backend.gather(&pieces, dim)
 }
 
@@ -348,4 +385,34 @@ pub(crate) fn entry_outputs(
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+
+    /// Token rows come from the table, given rows as they are, each in all `hc` streams in row
+    /// order; all-token steps take the table path alone.
+    #[test]
+    fn embedded_streams_repeat_each_row_in_every_stream_in_row_order() {
+        let backend = CpuBackend;
+        let (dim, hc) = (2, 3);
+        let table: Vec<f32> = (0..8).map(|v| v as f32).collect(); // rows [0,1] [2,3] [4,5] [6,7]
+        let image = [10.0, 11.0];
+        let rows = [
+            EmbeddedRow::Token(3),
+            EmbeddedRow::Given(&image),
+            EmbeddedRow::Token(1),
+        ];
+        let streams = embedded_streams(&backend, &table, rows, dim, hc).into_vec();
+        let expected: Vec<f32> = [[6.0, 7.0], [10.0, 11.0], [2.0, 3.0]]
+            .iter()
+            .flat_map(|row| std::iter::repeat_n(row.to_vec(), hc).flatten())
+            .collect();
+        assert_eq!(streams, expected);
+        let tokens = [EmbeddedRow::Token(0), EmbeddedRow::Token(2)];
+        let streams = embedded_streams(&backend, &table, tokens, dim, 2).into_vec();
+        assert_eq!(streams, [0.0, 1.0, 0.0, 1.0, 4.0, 5.0, 4.0, 5.0]);
+    }
 }

@@ -17,7 +17,7 @@ use crate::layers::attention::Queries;
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
 use crate::layers::ring::PositionRing;
-use crate::layers::step::embedded_streams;
+use crate::layers::step::{EmbeddedRow, embedded_streams};
 
 /// The drafter's tensors.
 #[derive(Debug, Clone)]
@@ -161,10 +161,8 @@ pub(crate) fn propose(
     let ids: Vec<u32> = std::iter::once(anchor)
         .chain(std::iter::repeat_n(dspark.noise_token_id, size - 1))
         .collect();
-    let embedded = ids
-        .iter()
-        .map(|&id| &inputs.embed[id as usize * dim..(id as usize + 1) * dim]);
-    let mut streams = embedded_streams(ctx.backend, embedded, dim, hc);
+    let embedded = ids.iter().map(|&id| EmbeddedRow::Token(id));
+    let mut streams = embedded_streams(ctx.backend, inputs.embed, embedded, dim, hc);
     for (stage, ring) in w.stages.iter().zip(inputs.rings) {
         block::forward(ctx, stage, &mut streams, &ids, |xn| {
             stage_attention(ctx, &stage.attn, xn, &positions, ring, last, inputs.unit)

@@ -12,8 +12,8 @@ use crate::backend::{DenseWeight, Tensor};
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows, embedded_streams,
-    entry_outputs, gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EmbeddedRow, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows,
+    embedded_streams, entry_outputs, gather_rows, row_sampling, rows_of, step_error, wanted_rows,
 };
 
 /// One sequence's part of a V4 step ([`Model::forward_step`]); the V4 family has no decoder
@@ -70,10 +70,8 @@ impl Model {
         let mut seqs: Vec<&mut SequenceState> =
             entries.iter_mut().map(|entry| &mut *entry.seq).collect();
 
-        let embedded = tokens
-            .iter()
-            .map(|&token| &self.weights.embed[token as usize * dim..(token as usize + 1) * dim]);
-        let mut streams = embedded_streams(ctx.backend, embedded, dim, hc);
+        let embedded = tokens.iter().map(|&token| EmbeddedRow::Token(token));
+        let mut streams = embedded_streams(ctx.backend, &self.weights.embed, embedded, dim, hc);
         let targets = cfg
             .dspark
             .as_ref()

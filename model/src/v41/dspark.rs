@@ -15,7 +15,7 @@ use crate::config::DsparkConfig;
 use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
-use crate::layers::step::embedded_streams;
+use crate::layers::step::{EmbeddedRow, embedded_streams};
 
 /// One proposal to draft: the sequence (its last processed token is the context's end) and the
 /// anchor, the token just sampled for it.
@@ -122,9 +122,9 @@ pub(crate) fn propose_many(
     let embedded = requests.iter().flat_map(|request| {
         std::iter::once(request.anchor)
             .chain(std::iter::repeat_n(cfg.noise_token_id, size - 1))
-            .map(|id| &embed[id as usize * dim..(id as usize + 1) * dim])
+            .map(EmbeddedRow::Token)
     });
-    let mut streams = embedded_streams(ctx.backend, embedded, dim, hc);
+    let mut streams = embedded_streams(ctx.backend, embed, embedded, dim, hc);
     let mut pre: Tensor = (0..rows * hc)
         .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })
         .collect::<Vec<f32>>()

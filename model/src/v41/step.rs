@@ -18,8 +18,8 @@ use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
-    COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, embedded_streams, entry_outputs,
-    gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+    COMPACT_AFTER, EmbeddedRow, EntryOutput, EntryWant, HeadLogits, StepRows, embedded_streams,
+    entry_outputs, gather_rows, row_sampling, rows_of, step_error, wanted_rows,
 };
 use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
@@ -198,9 +198,9 @@ impl Model {
         let embedded = row_tokens.iter().enumerate().map(|(i, &token)| {
             images
                 .and_then(|chunk| chunk.embeddings().get(i).copied().flatten())
-                .unwrap_or(&self.weights.embed[token as usize * dim..(token as usize + 1) * dim])
+                .map_or(EmbeddedRow::Token(token), EmbeddedRow::Given)
         });
-        let mut streams = embedded_streams(ctx.backend, embedded, dim, hc);
+        let mut streams = embedded_streams(ctx.backend, &self.weights.embed, embedded, dim, hc);
         let mut pre = ctx.backend.resident(
             (0..n_rows * hc)
                 .map(|i| if i % hc == 0 { 1.0 } else { 0.0 })

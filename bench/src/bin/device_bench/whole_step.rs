@@ -20,6 +20,7 @@ use deepinfer_bench::steps::{
     BatchMeasurement, measure_batch, measure_decode_from, percentile, prefill, prompt_lengths,
     prompt_tokens,
 };
+use deepinfer_kernels::kernel_timer::{KernelStats, KernelTimer};
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics, OpProfile, OpStats};
 use deepinfer_model::checkpoint::Checkpoint;
@@ -173,6 +174,7 @@ pub fn block(
     let backend = CudaBackend::open(0, numerics)?;
     let transfers = backend.transfer_counters();
     let op_profile = backend.op_profile();
+    let kernel_timer = backend.kernel_timer();
     let model = AnyModel::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
     println!(
         "{name} block loaded on {} in {:.1} s",
@@ -207,18 +209,18 @@ pub fn block(
     });
     let first = deepinfer_bench::steps::argmax(&logits);
     if profile {
-        op_profile.set_enabled(true);
+        set_profiling(&op_profile, &kernel_timer, true);
         let mut profiled = model.new_sequence();
         let started = Instant::now();
         prefill(&model, &mut profiled, &prompt_tokens(8, context, 3, VOCAB))?;
         let seconds = started.elapsed().as_secs_f64();
-        op_profile.set_enabled(false);
+        set_profiling(&op_profile, &kernel_timer, false);
         print_profile(
             &format!("{name} block prefill, {context} tokens"),
-            &op_profile,
+            (&op_profile, &kernel_timer),
             1,
             seconds,
-        );
+        )?;
     }
     for &(batch, steps) in decode {
         let before = transfers.snapshot();
@@ -246,15 +248,15 @@ pub fn block(
         }
         rows.push(decode_row(label, &cfg, &run)?);
         if profile {
-            op_profile.set_enabled(true);
+            set_profiling(&op_profile, &kernel_timer, true);
             let profiled = measure_decode_from(&model, &seq, first, batch, PROFILED_DECODE_STEPS)?;
-            op_profile.set_enabled(false);
+            set_profiling(&op_profile, &kernel_timer, false);
             print_profile(
                 &format!("{name} block decode B={batch}"),
-                &op_profile,
+                (&op_profile, &kernel_timer),
                 PROFILED_DECODE_STEPS,
                 profiled.step_seconds.iter().sum(),
-            );
+            )?;
         }
     }
     Ok(rows)
@@ -352,13 +354,28 @@ fn write_block_checkpoint(cfg: &ModelConfig, dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Turns the per-op profile and the per-kernel device times on or off together.
+fn set_profiling(ops: &OpProfile, kernels: &KernelTimer, on: bool) {
+    ops.set_enabled(on);
+    kernels.set_enabled(on);
+}
+
+/// The kernels printed under a profile, the longest first.
+const PROFILED_KERNELS: usize = 16;
+
 /// Prints (and empties) the per-op profile gathered over `steps` steps that took `seconds` in
 /// all with the profile on: per op and step its calls, wall time (and of it the time until the op
 /// returned, `host_us`: its host work), share of the step, kernel launches (and of them on tensor
 /// cores: `tc`, the fast numerics' kernels) and host-to-device copies; the last line is the
 /// step's time outside every op (the model's host code between ops and the trait's default
-/// methods).
-pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f64) {
+/// methods). Then the [`PROFILED_KERNELS`] kernels with the most device time per step (between
+/// the events around each launch) and the device time of all launches.
+pub fn print_profile(
+    title: &str,
+    (profile, kernels): (&OpProfile, &KernelTimer),
+    steps: usize,
+    seconds: f64,
+) -> Result<()> {
     let mut ops: Vec<(&'static str, OpStats)> = profile.take().into_iter().collect();
     ops.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
     let per_step = |v: f64| v / steps as f64;
@@ -407,6 +424,30 @@ pub fn print_profile(title: &str, profile: &OpProfile, steps: usize, seconds: f6
         100.0 * (seconds - inside) / seconds,
         per_step(before) * 1e6,
     );
+    let mut by_kernel: Vec<(String, KernelStats)> = kernels.take()?.into_iter().collect();
+    by_kernel.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
+    let device: f64 = by_kernel.iter().map(|(_, k)| k.seconds).sum();
+    println!(
+        "{:<36} {:>9} {:>10} {:>7}   (device time per step between each launch's events)",
+        "kernel", "launches", "device_us", "share"
+    );
+    for (name, stats) in by_kernel.iter().take(PROFILED_KERNELS) {
+        println!(
+            "{:<36} {:>9.1} {:>10.1} {:>6.1}%",
+            name,
+            per_step(stats.launches as f64),
+            per_step(stats.seconds) * 1e6,
+            100.0 * stats.seconds / seconds,
+        );
+    }
+    println!(
+        "{:<36} {:>9.1} {:>10.1} {:>6.1}%",
+        "(all kernels)",
+        per_step(by_kernel.iter().map(|(_, k)| k.launches).sum::<u64>() as f64),
+        per_step(device) * 1e6,
+        100.0 * device / seconds,
+    );
+    Ok(())
 }
 
 /// Prints the whole-step table and what its columns mean.

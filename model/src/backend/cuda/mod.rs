@@ -68,6 +68,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use deepinfer_kernels::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
+use deepinfer_kernels::kernel_timer::KernelTimer;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
     DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
@@ -467,12 +468,19 @@ impl CudaBackend {
         .inspect(|backend| {
             let on = std::env::var_os(PROFILE_ENV).is_some_and(|v| v == "1");
             backend.profile.set_enabled(on);
+            backend.rt.kernel_timer().set_enabled(on);
         })
     }
 
     /// The per-op profile (off unless turned on; shared like [`CudaBackend::transfer_counters`]).
     pub fn op_profile(&self) -> Arc<OpProfile> {
         self.profile.clone()
+    }
+
+    /// The device time per kernel (off unless turned on, with the op profile by
+    /// [`PROFILE_ENV`]; shared like [`CudaBackend::op_profile`]).
+    pub fn kernel_timer(&self) -> Arc<KernelTimer> {
+        self.rt.kernel_timer()
     }
 
     /// The device-to-host copies this backend makes (shared: keep a clone to read them after the
@@ -803,6 +811,45 @@ impl CudaBackend {
         drop(keep);
         Ok(self.tensor(out))
     }
+
+    /// [`Backend::table_rows`], with errors: the table uploaded once (the weight cache), then one
+    /// gather launch over the rows' device addresses.
+    pub fn try_table_rows(
+        &self,
+        table: &[f32],
+        width: usize,
+        ids: &[u32],
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "table_rows";
+        if ids.is_empty() || width == 0 {
+            return Ok(Tensor::empty());
+        }
+        if !table.len().is_multiple_of(width) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "a {}-value table is not whole {width}-value rows",
+                    table.len()
+                ),
+            ));
+        }
+        let rows = table.len() / width;
+        if let Some((at, &id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= rows) {
+            return Err(shape_err(
+                OP,
+                format!("id {at} is row {id} of a {rows}-row table"),
+            ));
+        }
+        let resident = self.cached_f32(OP, table)?;
+        let addresses = ids
+            .iter()
+            .map(|&id| key_row_address(&self.rt, &resident, id as usize * width, width))
+            .collect::<Result<Vec<u64>, _>>()
+            .map_err(op_err(OP))?;
+        let mut out = self.alloc(OP, ids.len() * width)?;
+        gather_addresses_f32(&self.rt, &addresses, width, &mut out).map_err(op_err(OP))?;
+        Ok(self.tensor(out))
+    }
 }
 
 /// The kernels' rounding for a model precision.
@@ -850,6 +897,10 @@ impl Backend for CudaBackend {
 
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
         self.run("gather", || self.try_gather(pieces, width))
+    }
+
+    fn table_rows(&self, table: &[f32], width: usize, ids: &[u32]) -> Tensor {
+        self.run("table_rows", || self.try_table_rows(table, width, ids))
     }
 
     fn linear(&self, x: &Tensor, w: &Linear) -> Tensor {

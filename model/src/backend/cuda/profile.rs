@@ -21,7 +21,8 @@ use deepinfer_kernels::runtime::RuntimeCounts;
 
 use super::CudaBackend;
 
-/// The environment variable that turns the profile on when the backend is opened.
+/// The environment variable that turns the profile (and the per-kernel device times) on when the
+/// backend is opened.
 pub const PROFILE_ENV: &str = "DEEPINFER_CUDA_PROFILE";
 
 /// What one op name accumulated.
