@@ -8,7 +8,7 @@
 use super::state::{LayerState, SequenceState};
 use super::{Model, attention, block};
 use crate::backend::weights::Linear;
-use crate::backend::{DenseWeight, Tensor};
+use crate::backend::{DenseWeight, StreamShape, Tensor};
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
@@ -83,7 +83,9 @@ impl Model {
         let mut taps: Vec<Tensor> = vec![Tensor::empty(); targets.len()];
         for (l, layer) in self.weights.layers.iter().enumerate() {
             for (tap, _) in taps.iter_mut().zip(targets).filter(|(_, t)| **t == l) {
-                *tap = ctx.backend.stream_means_at(&streams, hc, dim, precision);
+                *tap = ctx
+                    .backend
+                    .stream_means_at(&streams, StreamShape { hc, dim }, precision);
             }
             let table = ctx.rope.for_layer(cfg, l);
             let mut states: Vec<&mut LayerState> =
@@ -152,7 +154,7 @@ impl Model {
         let hidden_of = |selected: &[usize]| {
             let x = gather_rows(backend, streams, selected.iter().copied(), width);
             let h = block::hyper_head(ctx, &self.weights.hyper_head, &x);
-            backend.rms_norm(&h, &self.weights.norm, cfg.norm_eps, cfg.precision())
+            backend.rms_norm(&h, ctx.norm(&self.weights.norm, cfg.precision()))
         };
         let logit_rows: Vec<usize> = rows_of(&wanted, wants, false).collect();
         // A dense head is fp32 in both numerics (as V4.1's): the sampled rows below take it
@@ -162,9 +164,14 @@ impl Model {
         } else {
             let hidden = hidden_of(&logit_rows);
             match &*self.weights.head {
-                Linear::Dense { out, inp, values } => {
-                    backend.linear_f32(&hidden, values, *out, *inp)
-                }
+                Linear::Dense { out, inp, values } => backend.linear_f32(
+                    &hidden,
+                    DenseWeight {
+                        values,
+                        out: *out,
+                        inp: *inp,
+                    },
+                ),
                 quantised => quantised.apply(backend, &hidden),
             }
             .into_vec()

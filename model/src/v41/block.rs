@@ -3,18 +3,23 @@
 //! Every op runs once over all rows of a step (each row is one token of some sequence).
 
 use super::weights::BlockWeights;
-use crate::backend::{Precision, Tensor};
+use crate::backend::{HcCollapse, HcExpand, Precision, Tensor};
 use crate::layers::ctx::Ctx;
 use crate::layers::mhc;
 use crate::layers::moe::{self, Route};
 
 /// The normed attention inputs `RMSNorm_attn(collapse(X, pre))` `[n, dim]` of the rows.
 pub fn attention_inputs(ctx: &Ctx, w: &BlockWeights, streams: &Tensor, pre: &Tensor) -> Tensor {
-    let x = ctx
-        .backend
-        .hc_collapse_rows_at(streams, pre, ctx.cfg.hc.mult, Precision::Bf16);
+    let x = ctx.backend.hc_collapse_rows_at(
+        streams,
+        HcCollapse {
+            weights: pre,
+            hc: ctx.cfg.hc.mult,
+            precision: Precision::Bf16,
+        },
+    );
     ctx.backend
-        .rms_norm(&x, &w.attn_norm, ctx.cfg.norm_eps, Precision::Bf16)
+        .rms_norm(&x, ctx.norm(&w.attn_norm, Precision::Bf16))
 }
 
 /// Runs one block over the rows. `streams` is `[n, hc, dim]`, `pre` is `[n, hc]` (the previous
@@ -36,21 +41,36 @@ pub fn forward(
 
     let attn_mix = mhc::mixes(ctx, streams, &w.hc_attn);
     let y = attention(&attention_inputs(ctx, w, streams, pre));
-    *streams = ctx
-        .backend
-        .hc_expand_rows_at(&y, streams, &attn_mix, Precision::Bf16);
+    *streams = ctx.backend.hc_expand_rows_at(
+        &y,
+        HcExpand {
+            residual: streams,
+            mixes: &attn_mix,
+            precision: Precision::Bf16,
+        },
+    );
 
     let ffn_mix = mhc::mixes(ctx, streams, &w.hc_ffn);
-    let x =
-        ctx.backend
-            .hc_collapse_rows_at(streams, &attn_mix.pre(ctx.backend), hc, Precision::Bf16);
+    let x = ctx.backend.hc_collapse_rows_at(
+        streams,
+        HcCollapse {
+            weights: &attn_mix.pre(ctx.backend),
+            hc,
+            precision: Precision::Bf16,
+        },
+    );
     let xn = ctx
         .backend
-        .rms_norm(&x, &w.ffn_norm, cfg.norm_eps, Precision::Bf16);
+        .rms_norm(&x, ctx.norm(&w.ffn_norm, Precision::Bf16));
     let (y, routes) = moe::forward_rows(ctx, &w.moe, &xn, forced_routes, need_routes);
-    *streams = ctx
-        .backend
-        .hc_expand_rows_at(&y, streams, &ffn_mix, Precision::Bf16);
+    *streams = ctx.backend.hc_expand_rows_at(
+        &y,
+        HcExpand {
+            residual: streams,
+            mixes: &ffn_mix,
+            precision: Precision::Bf16,
+        },
+    );
     *pre = ffn_mix.pre(ctx.backend);
     routes
 }

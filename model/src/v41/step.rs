@@ -11,7 +11,8 @@ use super::trace::ForwardTrace;
 use super::vision::ImageChunk;
 use super::{Model, attention, block, dspark};
 use crate::backend::{
-    Backend, DenseWeight, LogprobPick, MaskedRows, Precision, RowSampling, Tensor,
+    Backend, DenseWeight, HcCollapse, LogprobPick, MaskedRows, Precision, RowSampling, StreamShape,
+    Tensor,
 };
 use crate::engram::EngramPart;
 use crate::error::ModelError;
@@ -285,10 +286,11 @@ impl Model {
                 }
             }
             if targets.contains(&l) {
-                taps.push(
-                    ctx.backend
-                        .stream_means_at(&streams, hc, dim, Precision::Bf16),
-                );
+                taps.push(ctx.backend.stream_means_at(
+                    &streams,
+                    StreamShape { hc, dim },
+                    Precision::Bf16,
+                ));
             }
             let forced_routes = trace
                 .as_deref()
@@ -540,13 +542,15 @@ impl Model {
         if !needed.is_empty() {
             let x = ctx.backend.hc_collapse_rows_at(
                 &gather_rows(ctx.backend, streams, needed.iter().copied(), hc * dim),
-                &gather_rows(ctx.backend, pre, needed.iter().copied(), hc),
-                hc,
-                Precision::Bf16,
+                HcCollapse {
+                    weights: &gather_rows(ctx.backend, pre, needed.iter().copied(), hc),
+                    hc,
+                    precision: Precision::Bf16,
+                },
             );
             hidden = ctx
                 .backend
-                .rms_norm(&x, &self.weights.norm, cfg.norm_eps, Precision::Bf16);
+                .rms_norm(&x, ctx.norm(&self.weights.norm, Precision::Bf16));
         }
         // `needed` is ascending: a row's place in it by binary search.
         let slot = |row: usize| needed.binary_search(&row).ok();
@@ -558,9 +562,11 @@ impl Model {
                     rows_of(wanted, wants, false).filter_map(slot),
                     dim,
                 ),
-                &self.weights.head,
-                vocab,
-                dim,
+                DenseWeight {
+                    values: &self.weights.head,
+                    out: vocab,
+                    inp: dim,
+                },
             ),
             None => Tensor::empty(),
         };

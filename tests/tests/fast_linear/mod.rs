@@ -14,7 +14,7 @@ use deepinfer_kernels::ops::linear_fast::{
     FastBf16Weight, PARTS, linear_bf16_fast, linear_bf16_fast_as_if,
 };
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
-use deepinfer_model::backend::{Backend, CpuBackend, Groups, Tensor};
+use deepinfer_model::backend::{Backend, CpuBackend, DenseWeight, Groups, Tensor};
 
 use crate::gpu_support::{Rng, bf16_unit, differing};
 
@@ -170,11 +170,25 @@ fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
         (y, stats.get("linear_bf16").map_or(0, |s| s.launches))
     };
     let bf16_linear = |b: &CudaBackend| {
-        b.linear_bf16(&Tensor::from(x.clone()), &w, out, inp)
-            .into_vec()
+        b.linear_bf16(
+            &Tensor::from(x.clone()),
+            DenseWeight {
+                values: &w,
+                out,
+                inp,
+            },
+        )
+        .into_vec()
     };
     let reference = cpu
-        .linear_bf16(&Tensor::from(x.clone()), &w, out, inp)
+        .linear_bf16(
+            &Tensor::from(x.clone()),
+            DenseWeight {
+                values: &w,
+                out,
+                inp,
+            },
+        )
         .into_vec();
     let (exact_y, exact_launches) = launches(&exact, &bf16_linear);
     assert_eq!(
@@ -196,9 +210,25 @@ fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
         "linear_bf16 launches: exact {exact_launches}, fast {fast_launches} (the fast path is one)"
     );
     let f32_ref = cpu
-        .linear_f32(&Tensor::from(x.clone()), &w, out, inp)
+        .linear_f32(
+            &Tensor::from(x.clone()),
+            DenseWeight {
+                values: &w,
+                out,
+                inp,
+            },
+        )
         .into_vec();
-    let f32_fast = fast.linear_f32(&Tensor::from(x), &w, out, inp).into_vec();
+    let f32_fast = fast
+        .linear_f32(
+            &Tensor::from(x),
+            DenseWeight {
+                values: &w,
+                out,
+                inp,
+            },
+        )
+        .into_vec();
     assert_eq!(
         differing(&f32_fast, &f32_ref),
         0,
@@ -314,9 +344,11 @@ fn the_backend_runs_the_grouped_linear_in_one_launch_in_fast_numerics() {
         let alone = fast
             .linear_bf16(
                 &Tensor::from(group_columns(&x, rows, groups, inp, g)),
-                &w[g * out * inp..(g + 1) * out * inp],
-                out,
-                inp,
+                DenseWeight {
+                    values: &w[g * out * inp..(g + 1) * out * inp],
+                    out,
+                    inp,
+                },
             )
             .into_vec();
         let ours: Vec<f32> = (0..rows)
