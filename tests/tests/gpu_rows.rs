@@ -655,46 +655,28 @@ fn backend_engram_inject_matches_cpu() {
         let kv_stride = (hc + 1) * dim + extra_kv;
         let kv = rng.activations(live.len() * kv_stride);
 
-        let cpu = CpuBackend.engram_inject(
-            Tensor::from(&streams),
-            EngramInjection {
-                kv: &Tensor::from(&kv),
-                live: &live,
-                gate: &gate,
-            },
-        );
+        let kv_host = Tensor::from(&kv);
+        let injection = EngramInjection {
+            kv: &kv_host,
+            live: &live,
+            gate: &gate,
+        };
+        let cpu = CpuBackend.engram_inject(Tensor::from(&streams), injection);
         assert_ne!(differing(&cpu, &streams), 0, "live tokens must change");
-        let host = cuda.engram_inject(
-            Tensor::from(&streams),
-            EngramInjection {
-                kv: &Tensor::from(&kv),
-                live: &live,
-                gate: &gate,
-            },
-        );
+        let host = cuda.engram_inject(Tensor::from(&streams), injection);
         compared += assert_bitwise("engram_inject (host)", &host, &cpu);
         let kv_d = on_device(&cuda, &kv);
         let streams_d = on_device(&cuda, &streams);
         let kept = streams_d.clone();
         let before = copies(&cuda);
         // Streams shared with `kept`: injected into a copy, `kept` unchanged.
-        let gpu = cuda.engram_inject(
-            streams_d,
-            EngramInjection {
-                kv: &kv_d,
-                live: &live,
-                gate: &gate,
-            },
-        );
+        let injection = EngramInjection {
+            kv: &kv_d,
+            ..injection
+        };
+        let gpu = cuda.engram_inject(streams_d, injection);
         // The sole holder: injected in place.
-        let in_place = cuda.engram_inject(
-            on_device(&cuda, &streams),
-            EngramInjection {
-                kv: &kv_d,
-                live: &live,
-                gate: &gate,
-            },
-        );
+        let in_place = cuda.engram_inject(on_device(&cuda, &streams), injection);
         assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
         compared += assert_bitwise("engram_inject (device)", &gpu, &cpu);
         compared += assert_bitwise("engram_inject (in place)", &in_place, &cpu);
@@ -705,9 +687,8 @@ fn backend_engram_inject_matches_cpu() {
             &cuda.engram_inject(
                 Tensor::from(&streams),
                 EngramInjection {
-                    kv: &kv_d,
-                    live: &live,
                     gate: &other,
+                    ..injection
                 },
             ),
             &cpu,

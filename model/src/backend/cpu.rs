@@ -48,6 +48,20 @@ impl CpuBackend {
     }
 }
 
+/// `x · Wᵀ` row by row, output `(r, o)` the `dot` of row `r` of `x` and row `o` of `W` (of which at
+/// most `w.out` rows are read: a shorter weight yields the rows it has).
+fn linear_rows(x: &Tensor, w: DenseWeight<'_>, dot: impl Fn(&[f32], &[f32]) -> f32) -> Tensor {
+    let DenseWeight { values, out, inp } = w;
+    let rows = x.len() / inp;
+    let mut y = Vec::with_capacity(rows * out);
+    for row in x.chunks_exact(inp) {
+        for w_row in values.chunks_exact(inp).take(out) {
+            y.push(dot(row, w_row));
+        }
+    }
+    y.into()
+}
+
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp_f32(-x))
 }
@@ -230,19 +244,9 @@ impl Backend for CpuBackend {
     }
 
     fn linear_bf16(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor {
-        let DenseWeight {
-            values: w,
-            out,
-            inp,
-        } = w;
-        let rows = x.len() / inp;
-        let mut y = Vec::with_capacity(rows * out);
-        for row in x.chunks_exact(inp) {
-            for w_row in w.chunks_exact(inp).take(out) {
-                y.push(quant::round_bf16(dot_bf16_gemm(row, w_row)));
-            }
-        }
-        y.into()
+        linear_rows(x, w, |row, w_row| {
+            quant::round_bf16(dot_bf16_gemm(row, w_row))
+        })
     }
 
     fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor {
@@ -252,27 +256,11 @@ impl Backend for CpuBackend {
     }
 
     fn linear_f32(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor {
-        let DenseWeight {
-            values: w,
-            out,
-            inp,
-        } = w;
-        let rows = x.len() / inp;
-        let mut y = Vec::with_capacity(rows * out);
-        for row in x.chunks_exact(inp) {
-            for w_row in w.chunks_exact(inp).take(out) {
-                y.push(dot_f32_sgemm(row, w_row));
-            }
-        }
-        y.into()
+        linear_rows(x, w, dot_f32_sgemm)
     }
 
     fn rms_norm(&self, x: &Tensor, norm: RmsNorm<'_>) -> Tensor {
-        let RmsNorm {
-            weight,
-            eps,
-            precision,
-        } = norm;
+        let (weight, eps, precision) = (norm.weight, norm.eps, norm.precision);
         let dim = weight.len();
         let mut y = Vec::with_capacity(x.len());
         for row in x.chunks_exact(dim) {
@@ -346,11 +334,7 @@ impl Backend for CpuBackend {
         HcMixes::from_host(hc, &mixes)
     }
     fn hc_collapse_rows_at(&self, x: &Tensor, collapse: HcCollapse<'_>) -> Tensor {
-        let HcCollapse {
-            weights,
-            hc,
-            precision,
-        } = collapse;
+        let (weights, hc, precision) = (collapse.weights, collapse.hc, collapse.precision);
         let tokens = weights.len() / hc.max(1);
         if tokens == 0 {
             return Tensor::empty();

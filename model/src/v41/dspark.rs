@@ -10,11 +10,12 @@ use super::attention::window_entries;
 use super::block;
 use super::state::{PositionRing, SequenceState};
 use super::weights::{AttentionWeights, DsparkWeights};
-use crate::backend::{AttentionQueries, DenseWeight, HcCollapse, Precision, Tensor};
+use crate::backend::{AttentionQueries, DenseWeight, Precision, Tensor};
 use crate::config::DsparkConfig;
 use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
+use crate::layers::mhc;
 use crate::layers::step::embedded_streams;
 
 /// One proposal to draft: the sequence (its last processed token is the context's end) and the
@@ -133,14 +134,7 @@ pub(crate) fn propose_many(
         });
     }
 
-    let hidden = ctx.backend.hc_collapse_rows_at(
-        &streams,
-        HcCollapse {
-            weights: &pre,
-            hc,
-            precision: Precision::Bf16,
-        },
-    );
+    let hidden = mhc::collapse(ctx, &streams, &pre);
     let normed = ctx
         .backend
         .rms_norm(&hidden, ctx.norm(&w.norm, Precision::Bf16));

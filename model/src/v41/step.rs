@@ -11,12 +11,12 @@ use super::trace::ForwardTrace;
 use super::vision::ImageChunk;
 use super::{Model, attention, block, dspark};
 use crate::backend::{
-    Backend, DenseWeight, HcCollapse, LogprobPick, MaskedRows, Precision, RowSampling, StreamShape,
-    Tensor,
+    Backend, DenseWeight, LogprobPick, MaskedRows, Precision, RowSampling, StreamShape, Tensor,
 };
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
+use crate::layers::mhc;
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
     COMPACT_AFTER, EntryOutput, EntryWant, HeadLogits, StepRows, embedded_streams, entry_outputs,
@@ -540,13 +540,10 @@ impl Model {
         };
         let mut hidden = Tensor::empty();
         if !needed.is_empty() {
-            let x = ctx.backend.hc_collapse_rows_at(
+            let x = mhc::collapse(
+                ctx,
                 &gather_rows(ctx.backend, streams, needed.iter().copied(), hc * dim),
-                HcCollapse {
-                    weights: &gather_rows(ctx.backend, pre, needed.iter().copied(), hc),
-                    hc,
-                    precision: Precision::Bf16,
-                },
+                &gather_rows(ctx.backend, pre, needed.iter().copied(), hc),
             );
             hidden = ctx
                 .backend

@@ -169,27 +169,13 @@ fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
         let stats = profile.take();
         (y, stats.get("linear_bf16").map_or(0, |s| s.launches))
     };
-    let bf16_linear = |b: &CudaBackend| {
-        b.linear_bf16(
-            &Tensor::from(x.clone()),
-            DenseWeight {
-                values: &w,
-                out,
-                inp,
-            },
-        )
-        .into_vec()
+    let weight = DenseWeight {
+        values: &w,
+        out,
+        inp,
     };
-    let reference = cpu
-        .linear_bf16(
-            &Tensor::from(x.clone()),
-            DenseWeight {
-                values: &w,
-                out,
-                inp,
-            },
-        )
-        .into_vec();
+    let bf16_linear = |b: &CudaBackend| b.linear_bf16(&Tensor::from(x.clone()), weight).into_vec();
+    let reference = cpu.linear_bf16(&Tensor::from(x.clone()), weight).into_vec();
     let (exact_y, exact_launches) = launches(&exact, &bf16_linear);
     assert_eq!(
         differing(&exact_y, &reference),
@@ -209,26 +195,8 @@ fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
         fast_launches == 1 && exact_launches >= 2,
         "linear_bf16 launches: exact {exact_launches}, fast {fast_launches} (the fast path is one)"
     );
-    let f32_ref = cpu
-        .linear_f32(
-            &Tensor::from(x.clone()),
-            DenseWeight {
-                values: &w,
-                out,
-                inp,
-            },
-        )
-        .into_vec();
-    let f32_fast = fast
-        .linear_f32(
-            &Tensor::from(x),
-            DenseWeight {
-                values: &w,
-                out,
-                inp,
-            },
-        )
-        .into_vec();
+    let f32_ref = cpu.linear_f32(&Tensor::from(x.clone()), weight).into_vec();
+    let f32_fast = fast.linear_f32(&Tensor::from(x), weight).into_vec();
     assert_eq!(
         differing(&f32_fast, &f32_ref),
         0,
