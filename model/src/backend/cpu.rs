@@ -17,7 +17,7 @@ mod pool;
 
 pub use pool::pool_entry;
 
-use self::dequant::{dequantised_linear, fp4_row, fp8_row};
+use self::dequant::{DequantRow, dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
@@ -492,40 +492,20 @@ impl Backend for CpuBackend {
         out.into()
     }
     fn linear(&self, x: &Tensor, w: &Linear) -> Tensor {
-        match w {
-            Linear::Dense { out, inp, values } => self.linear_f32(
-                x,
-                DenseWeight {
-                    values,
-                    out: *out,
-                    inp: *inp,
-                },
-            ),
-            Linear::Fp8(w) => dequantised_linear(
-                x.len(),
-                w.out,
-                w.inp,
-                |row, block| fp8_row(w, row, block),
-                |values, out| {
-                    let inp = w.inp;
-                    self.linear_f32(x, DenseWeight { values, out, inp })
-                        .into_vec()
-                },
-            )
-            .into(),
-            Linear::Fp4(w) => dequantised_linear(
-                x.len(),
-                w.out,
-                w.inp,
-                |row, block| fp4_row(w, row, block),
-                |values, out| {
-                    let inp = w.inp;
-                    self.linear_f32(x, DenseWeight { values, out, inp })
-                        .into_vec()
-                },
-            )
-            .into(),
-        }
+        // The quantised formats: their shape and how one row is dequantised.
+        let (out, inp, dequant_row): (usize, usize, DequantRow<'_>) = match w {
+            Linear::Dense { out, inp, values } => {
+                let (out, inp) = (*out, *inp);
+                return self.linear_f32(x, DenseWeight { values, out, inp });
+            }
+            Linear::Fp8(w) => (w.out, w.inp, &|row, block| fp8_row(w, row, block)),
+            Linear::Fp4(w) => (w.out, w.inp, &|row, block| fp4_row(w, row, block)),
+        };
+        dequantised_linear(x.len(), out, inp, dequant_row, |values, out| {
+            let block = DenseWeight { values, out, inp };
+            self.linear_f32(x, block).into_vec()
+        })
+        .into()
     }
     fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
         x.iter()
@@ -667,11 +647,7 @@ pub fn router_scores(logits: &[f32]) -> Vec<f32> {
 /// [`Backend::route_experts`]'s reference: per token, the selection on `s + bias` in descending
 /// order (ties: the lower expert id, i.e. torch's sorted top-k), then `s / (Σs + 1e-20) · scale`.
 pub fn route_experts(logits: &[f32], routing: Routing<'_>) -> Vec<ExpertRoute> {
-    let Routing {
-        bias,
-        selection,
-        route_scale,
-    } = routing;
+    let (bias, route_scale) = (routing.bias, routing.route_scale);
     let n_experts = bias.len();
     if n_experts == 0 {
         return Vec::new();
@@ -681,7 +657,7 @@ pub fn route_experts(logits: &[f32], routing: Routing<'_>) -> Vec<ExpertRoute> {
         .map(|row| {
             let scores = router_scores(row);
             let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
-            let experts: Vec<usize> = match selection {
+            let experts: Vec<usize> = match routing.selection {
                 ExpertSelection::Forced(forced) => {
                     forced.iter().copied().filter(|&e| e < n_experts).collect()
                 }

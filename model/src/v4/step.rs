@@ -7,8 +7,7 @@
 
 use super::state::{LayerState, SequenceState};
 use super::{Model, attention, block};
-use crate::backend::weights::Linear;
-use crate::backend::{DenseWeight, StreamShape, Tensor};
+use crate::backend::{StreamShape, Tensor};
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
@@ -149,7 +148,7 @@ impl Model {
     ) -> Result<Vec<EntryOutput>, ModelError> {
         let cfg = &self.cfg;
         let (width, vocab) = (cfg.hc.mult * cfg.dim, cfg.vocab_size);
-        let backend = ctx.backend;
+        let (backend, head) = (ctx.backend, &*self.weights.head);
         let wanted = wanted_rows(rows, wants, true);
         let hidden_of = |selected: &[usize]| {
             let x = gather_rows(backend, streams, selected.iter().copied(), width);
@@ -163,16 +162,9 @@ impl Model {
             Vec::new()
         } else {
             let hidden = hidden_of(&logit_rows);
-            match &*self.weights.head {
-                Linear::Dense { out, inp, values } => backend.linear_f32(
-                    &hidden,
-                    DenseWeight {
-                        values,
-                        out: *out,
-                        inp: *inp,
-                    },
-                ),
-                quantised => quantised.apply(backend, &hidden),
+            match head.dense() {
+                Some(dense) => backend.linear_f32(&hidden, dense),
+                None => head.apply(backend, &hidden),
             }
             .into_vec()
         };
@@ -182,18 +174,10 @@ impl Model {
             Vec::new()
         } else {
             let hidden = hidden_of(&sampled_rows);
-            match &*self.weights.head {
-                Linear::Dense { out, inp, values } => backend.sample_linear(
-                    &hidden,
-                    DenseWeight {
-                        values,
-                        out: *out,
-                        inp: *inp,
-                    },
-                    &sampling,
-                ),
-                quantised => {
-                    let logits = quantised.apply(backend, &hidden);
+            match head.dense() {
+                Some(dense) => backend.sample_linear(&hidden, dense, &sampling),
+                None => {
+                    let logits = head.apply(backend, &hidden);
                     backend.sample_rows(&logits, vocab, &sampling)
                 }
             }

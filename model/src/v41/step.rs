@@ -549,6 +549,11 @@ impl Model {
                 .backend
                 .rms_norm(&x, ctx.norm(&self.weights.norm, Precision::Bf16));
         }
+        let head = DenseWeight {
+            values: &self.weights.head,
+            out: vocab,
+            inp: dim,
+        };
         // `needed` is ascending: a row's place in it by binary search.
         let slot = |row: usize| needed.binary_search(&row).ok();
         let logits = match rows_of(wanted, wants, false).next() {
@@ -559,11 +564,7 @@ impl Model {
                     rows_of(wanted, wants, false).filter_map(slot),
                     dim,
                 ),
-                DenseWeight {
-                    values: &self.weights.head,
-                    out: vocab,
-                    inp: dim,
-                },
+                head,
             ),
             None => Tensor::empty(),
         };
@@ -585,11 +586,7 @@ impl Model {
                         rows_of(wanted, wants, true).filter_map(slot),
                         dim,
                     ),
-                    DenseWeight {
-                        values: &self.weights.head,
-                        out: vocab,
-                        inp: dim,
-                    },
+                    head,
                     &sampling,
                 )
                 .map_err(|e| ModelError::Sequence {
