@@ -52,9 +52,9 @@ use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, DenseWeight, ExpertSelection, HcMix, HcMixes, HcMixing,
-    HcParams, IndexQueries, LogprobPick, MaskedRows, Precision, RopeTable, Rotation, RowSampling,
-    SampleRowsError, SelectPart, Tensor,
+    AttentionQueries, Backend, CpuBackend, DenseWeight, ExpertSelection, HcCollapse, HcExpand,
+    HcMix, HcMixes, HcMixing, HcParams, IndexQueries, LogprobPick, MaskedRows, Precision, RmsNorm,
+    RopeTable, Rotation, Routing, RowSampling, SampleRowsError, SelectPart, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
@@ -140,7 +140,14 @@ fn collapse_of_one(
     precision: Precision,
 ) -> Vec<f32> {
     backend
-        .hc_collapse_rows_at(&x.into(), &weights.into(), weights.len(), precision)
+        .hc_collapse_rows_at(
+            &x.into(),
+            HcCollapse {
+                weights: &weights.into(),
+                hc: weights.len(),
+                precision,
+            },
+        )
         .into_vec()
 }
 
@@ -154,7 +161,14 @@ fn expand_of_one(
 ) -> Vec<f32> {
     let mixes = HcMixes::from_host(mix.post.len(), std::slice::from_ref(mix));
     backend
-        .hc_expand_rows_at(&y.into(), &residual.into(), &mixes, precision)
+        .hc_expand_rows_at(
+            &y.into(),
+            HcExpand {
+                residual: &residual.into(),
+                mixes: &mixes,
+                precision,
+            },
+        )
         .into_vec()
 }
 
@@ -469,7 +483,14 @@ fn rms_norm_matches_the_cpu_reference() {
                 let mut dy = rt.stream().alloc_zeros::<bf16>(rows * cols).expect("alloc");
                 rms_norm_bf16(&rt, &dx, &dw, &mut dy, rows, cols, eps).expect("rms_norm");
                 let gpu = download_bf16(&rt, &dy);
-                let want = cpu.rms_norm(&Tensor::from(&x), &weight, eps, Precision::Bf16);
+                let want = cpu.rms_norm(
+                    &Tensor::from(&x),
+                    RmsNorm {
+                        weight: &weight,
+                        eps,
+                        precision: Precision::Bf16,
+                    },
+                );
                 let (exact, worst) = compare_bf16(&gpu, &want);
                 if rows == 64 {
                     println!(
@@ -591,13 +612,41 @@ fn backend_linears_are_bit_exact() {
             let x = Tensor::from(fp32_values(&mut rng, rows * inp));
             checked += assert_bitwise(
                 &format!("linear_f32 [{rows}x{inp}]·[{inp}x{out}]"),
-                &gpu.linear_f32(&x, &w, out, inp),
-                &cpu.linear_f32(&x, &w, out, inp),
+                &gpu.linear_f32(
+                    &x,
+                    DenseWeight {
+                        values: &w,
+                        out,
+                        inp,
+                    },
+                ),
+                &cpu.linear_f32(
+                    &x,
+                    DenseWeight {
+                        values: &w,
+                        out,
+                        inp,
+                    },
+                ),
             );
             checked += assert_bitwise(
                 &format!("linear_bf16 [{rows}x{inp}]·[{inp}x{out}]"),
-                &gpu.linear_bf16(&x, &w, out, inp),
-                &cpu.linear_bf16(&x, &w, out, inp),
+                &gpu.linear_bf16(
+                    &x,
+                    DenseWeight {
+                        values: &w,
+                        out,
+                        inp,
+                    },
+                ),
+                &cpu.linear_bf16(
+                    &x,
+                    DenseWeight {
+                        values: &w,
+                        out,
+                        inp,
+                    },
+                ),
             );
         }
     }
@@ -606,8 +655,22 @@ fn backend_linears_are_bit_exact() {
     let x = Tensor::from(fp32_values(&mut rng, 2 * 64));
     checked += assert_bitwise(
         "linear_f32 short weight",
-        &gpu.linear_f32(&x, &w, 5, 64),
-        &cpu.linear_f32(&x, &w, 5, 64),
+        &gpu.linear_f32(
+            &x,
+            DenseWeight {
+                values: &w,
+                out: 5,
+                inp: 64,
+            },
+        ),
+        &cpu.linear_f32(
+            &x,
+            DenseWeight {
+                values: &w,
+                out: 5,
+                inp: 64,
+            },
+        ),
     );
     println!("backend linear_f32/linear_bf16: {checked} values bit-exact");
 }
@@ -632,8 +695,22 @@ fn backend_rms_norm_and_rope_match() {
                 };
                 for x in [fp32_values(&mut rng, rows * cols), bf16_rows] {
                     let x = Tensor::from(x);
-                    let g = gpu.rms_norm(&x, &weight, 1e-6, precision);
-                    let c = cpu.rms_norm(&x, &weight, 1e-6, precision);
+                    let g = gpu.rms_norm(
+                        &x,
+                        RmsNorm {
+                            weight: &weight,
+                            eps: 1e-6,
+                            precision,
+                        },
+                    );
+                    let c = cpu.rms_norm(
+                        &x,
+                        RmsNorm {
+                            weight: &weight,
+                            eps: 1e-6,
+                            precision,
+                        },
+                    );
                     let (e, _) = compare_bf16(&g, &c);
                     exact += e;
                     total +=
@@ -1481,8 +1558,22 @@ fn backend_router_matches_the_cpu_bitwise() {
                 ExpertSelection::Forced(&forced),
             ] {
                 for route_scale in [1.0f32, 2.5] {
-                    let on_gpu = gpu.route_experts(&logits, bias, selection, route_scale);
-                    let on_cpu = cpu.route_experts(&logits, bias, selection, route_scale);
+                    let on_gpu = gpu.route_experts(
+                        &logits,
+                        Routing {
+                            bias,
+                            selection,
+                            route_scale,
+                        },
+                    );
+                    let on_cpu = cpu.route_experts(
+                        &logits,
+                        Routing {
+                            bias,
+                            selection,
+                            route_scale,
+                        },
+                    );
                     assert_eq!(on_gpu.len(), rows);
                     assert_eq!(on_cpu.len(), rows);
                     for (r, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
@@ -1497,8 +1588,22 @@ fn backend_router_matches_the_cpu_bitwise() {
         // Negative control: another bias moves the selection of some token.
         let shifted: Vec<f32> = (0..n_experts).map(|e| e as f32 * 0.01).collect();
         if n_experts > 6 {
-            let base = gpu.route_experts(&logits, &zero_bias, ExpertSelection::TopK(6), 1.0);
-            let moved = gpu.route_experts(&logits, &shifted, ExpertSelection::TopK(6), 1.0);
+            let base = gpu.route_experts(
+                &logits,
+                Routing {
+                    bias: &zero_bias,
+                    selection: ExpertSelection::TopK(6),
+                    route_scale: 1.0,
+                },
+            );
+            let moved = gpu.route_experts(
+                &logits,
+                Routing {
+                    bias: &shifted,
+                    selection: ExpertSelection::TopK(6),
+                    route_scale: 1.0,
+                },
+            );
             assert_ne!(
                 base, moved,
                 "{n_experts} experts: a new bias changed nothing"
@@ -1508,9 +1613,11 @@ fn backend_router_matches_the_cpu_bitwise() {
     // An all-ties row picks the lowest ids.
     let tied = gpu.route_experts(
         &Tensor::from(vec![0.5; 8]),
-        &[0.0; 8],
-        ExpertSelection::TopK(3),
-        1.0,
+        Routing {
+            bias: &[0.0; 8],
+            selection: ExpertSelection::TopK(3),
+            route_scale: 1.0,
+        },
     );
     assert_eq!(tied[0].experts, vec![0, 1, 2]);
     println!("backend route_experts: {routes} token routes bit-exact (experts and weights)");
@@ -1721,17 +1828,45 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
                 let streams = Tensor::from(fp32_values(&mut rng, n * width));
                 let y = Tensor::from(bf16_unit(&mut rng, n * dim));
                 let what = format!("hc{hc} dim{dim} n{n} {precision:?}");
-                let collapsed = gpu.hc_collapse_rows_at(&streams, &weights, hc, precision);
+                let collapsed = gpu.hc_collapse_rows_at(
+                    &streams,
+                    HcCollapse {
+                        weights: &weights,
+                        hc,
+                        precision,
+                    },
+                );
                 checked += assert_bitwise(
                     &format!("hc_collapse_rows {what} vs cpu"),
                     &collapsed,
-                    &cpu.hc_collapse_rows_at(&streams, &weights, hc, precision),
+                    &cpu.hc_collapse_rows_at(
+                        &streams,
+                        HcCollapse {
+                            weights: &weights,
+                            hc,
+                            precision,
+                        },
+                    ),
                 );
-                let expanded = gpu.hc_expand_rows_at(&y, &streams, &step_mixes, precision);
+                let expanded = gpu.hc_expand_rows_at(
+                    &y,
+                    HcExpand {
+                        residual: &streams,
+                        mixes: &step_mixes,
+                        precision,
+                    },
+                );
                 checked += assert_bitwise(
                     &format!("hc_expand_rows {what} vs cpu"),
                     &expanded,
-                    &cpu.hc_expand_rows_at(&y, &streams, &step_mixes, precision),
+                    &cpu.hc_expand_rows_at(
+                        &y,
+                        HcExpand {
+                            residual: &streams,
+                            mixes: &step_mixes,
+                            precision,
+                        },
+                    ),
                 );
                 for (t, mix) in mixes.iter().enumerate() {
                     let token = &streams[t * width..(t + 1) * width];
@@ -1930,9 +2065,11 @@ fn row_ops_reject_mismatched_shapes() {
     let err = gpu
         .try_hc_collapse_rows(
             &Tensor::from(vec![0.5; 12]),
-            &Tensor::from(vec![0.25; 5]),
-            2,
-            Precision::Bf16,
+            HcCollapse {
+                weights: &Tensor::from(vec![0.25; 5]),
+                hc: 2,
+                precision: Precision::Bf16,
+            },
         )
         .expect_err("5 weights are not whole tokens of hc = 2");
     assert!(
@@ -2114,13 +2251,41 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
     let mixes = HcMixes::from_host(hc, &mixes);
     let mut checked = assert_bitwise(
         &format!("hc_collapse_rows n{n}"),
-        &gpu.hc_collapse_rows_at(&streams, &weights, hc, Precision::Bf16),
-        &cpu.hc_collapse_rows_at(&streams, &weights, hc, Precision::Bf16),
+        &gpu.hc_collapse_rows_at(
+            &streams,
+            HcCollapse {
+                weights: &weights,
+                hc,
+                precision: Precision::Bf16,
+            },
+        ),
+        &cpu.hc_collapse_rows_at(
+            &streams,
+            HcCollapse {
+                weights: &weights,
+                hc,
+                precision: Precision::Bf16,
+            },
+        ),
     );
     checked += assert_bitwise(
         &format!("hc_expand_rows n{n}"),
-        &gpu.hc_expand_rows_at(&y, &streams, &mixes, Precision::F32),
-        &cpu.hc_expand_rows_at(&y, &streams, &mixes, Precision::F32),
+        &gpu.hc_expand_rows_at(
+            &y,
+            HcExpand {
+                residual: &streams,
+                mixes: &mixes,
+                precision: Precision::F32,
+            },
+        ),
+        &cpu.hc_expand_rows_at(
+            &y,
+            HcExpand {
+                residual: &streams,
+                mixes: &mixes,
+                precision: Precision::F32,
+            },
+        ),
     );
     let head_dim = 4;
     let pool: Vec<Tensor> = (0..9)
@@ -2225,7 +2390,16 @@ fn sample_linear_keeps_the_logits_on_the_device_and_equals_the_cpu() {
     );
     // The same ids as sampling the device's own logits through sample_rows.
     let before = transfers.snapshot();
-    let logits = gpu.linear_f32(&hidden, &head, vocab, dim).into_vec();
+    let logits = gpu
+        .linear_f32(
+            &hidden,
+            DenseWeight {
+                values: &head,
+                out: vocab,
+                inp: dim,
+            },
+        )
+        .into_vec();
     let copied = transfers.snapshot() - before;
     assert_eq!(
         (copied.to_host_copies, copied.to_host_bytes),

@@ -61,7 +61,7 @@ use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows, gemm_routed_with,
     moe_combine, swiglu_rows,
 };
-use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision};
+use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision, Routing};
 use deepinfer_model::quant;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight, e2m1_to_f32};
 use half::bf16;
@@ -593,9 +593,11 @@ fn routed_moe_chain_matches_the_cpu_bitwise() {
             // The device routes are the CPU router's.
             let cpu_routes = cpu.route_experts(
                 &logits.as_slice().into(),
-                &bias,
-                ExpertSelection::TopK(k),
-                1.5,
+                Routing {
+                    bias: &bias,
+                    selection: ExpertSelection::TopK(k),
+                    route_scale: 1.5,
+                },
             );
             for (t, (ids, weights)) in routes.iter().enumerate() {
                 let want: Vec<u32> = cpu_routes[t].experts.iter().map(|&e| e as u32).collect();

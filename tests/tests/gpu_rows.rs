@@ -34,7 +34,9 @@ use deepinfer_kernels::ops::rows::{
 };
 use deepinfer_kernels::{KernelError, KernelId};
 use deepinfer_model::backend::cuda::CudaBackend;
-use deepinfer_model::backend::{Backend, CpuBackend, Precision, Tensor};
+use deepinfer_model::backend::{
+    Backend, CpuBackend, EngramInjection, Precision, StreamShape, Tensor,
+};
 use deepinfer_model::engram::EngramGate;
 use deepinfer_model::quant::round_bf16;
 
@@ -77,7 +79,11 @@ fn download(rt: &KernelRuntime, values: &CudaSlice<f32>) -> Vec<f32> {
 /// fp32 variant).
 fn cpu_stream_means(streams: &[f32], hc: usize, dim: usize, rounding: Rounding) -> Vec<f32> {
     CpuBackend
-        .stream_means_at(&Tensor::from(streams), hc, dim, precision_of(rounding))
+        .stream_means_at(
+            &Tensor::from(streams),
+            StreamShape { hc, dim },
+            precision_of(rounding),
+        )
         .into_vec()
 }
 
@@ -484,14 +490,23 @@ fn backend_stream_means_match_cpu() {
     ] {
         let streams: Vec<f32> = (0..n * hc * dim).map(|_| rng.spread(-20, 20)).collect();
         for precision in [Precision::Bf16, Precision::F32] {
-            let cpu = CpuBackend.stream_means_at(&Tensor::from(&streams), hc, dim, precision);
-            let host = cuda.stream_means_at(&Tensor::from(&streams), hc, dim, precision);
+            let cpu = CpuBackend.stream_means_at(
+                &Tensor::from(&streams),
+                StreamShape { hc, dim },
+                precision,
+            );
+            let host =
+                cuda.stream_means_at(&Tensor::from(&streams), StreamShape { hc, dim }, precision);
             compared += assert_bitwise("stream_means_at (host)", &host, &cpu);
             let device = on_device(&cuda, &streams);
             let before = copies(&cuda);
-            let gpu = cuda.stream_means_at(&device, hc, dim, precision);
+            let gpu = cuda.stream_means_at(&device, StreamShape { hc, dim }, precision);
             // The last tokens only, through a view.
-            let tail = cuda.stream_means_at(&device.rows(n / 2..n, hc * dim), hc, dim, precision);
+            let tail = cuda.stream_means_at(
+                &device.rows(n / 2..n, hc * dim),
+                StreamShape { hc, dim },
+                precision,
+            );
             assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
             compared += assert_bitwise("stream_means_at (device)", &gpu, &cpu);
             compared += assert_bitwise("stream_means_at (view)", &tail, &cpu[n / 2 * dim..]);
@@ -640,19 +655,28 @@ fn backend_engram_inject_matches_cpu() {
         let kv_stride = (hc + 1) * dim + extra_kv;
         let kv = rng.activations(live.len() * kv_stride);
 
-        let cpu =
-            CpuBackend.engram_inject(Tensor::from(&streams), &Tensor::from(&kv), &live, &gate);
+        let kv_host = Tensor::from(&kv);
+        let injection = EngramInjection {
+            kv: &kv_host,
+            live: &live,
+            gate: &gate,
+        };
+        let cpu = CpuBackend.engram_inject(Tensor::from(&streams), injection);
         assert_ne!(differing(&cpu, &streams), 0, "live tokens must change");
-        let host = cuda.engram_inject(Tensor::from(&streams), &Tensor::from(&kv), &live, &gate);
+        let host = cuda.engram_inject(Tensor::from(&streams), injection);
         compared += assert_bitwise("engram_inject (host)", &host, &cpu);
         let kv_d = on_device(&cuda, &kv);
         let streams_d = on_device(&cuda, &streams);
         let kept = streams_d.clone();
         let before = copies(&cuda);
         // Streams shared with `kept`: injected into a copy, `kept` unchanged.
-        let gpu = cuda.engram_inject(streams_d, &kv_d, &live, &gate);
+        let injection = EngramInjection {
+            kv: &kv_d,
+            ..injection
+        };
+        let gpu = cuda.engram_inject(streams_d, injection);
         // The sole holder: injected in place.
-        let in_place = cuda.engram_inject(on_device(&cuda, &streams), &kv_d, &live, &gate);
+        let in_place = cuda.engram_inject(on_device(&cuda, &streams), injection);
         assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
         compared += assert_bitwise("engram_inject (device)", &gpu, &cpu);
         compared += assert_bitwise("engram_inject (in place)", &in_place, &cpu);
@@ -660,14 +684,27 @@ fn backend_engram_inject_matches_cpu() {
         // Negative control: another eps changes some gates' last bits.
         let other = EngramGate::new(dim, hc, &q, &k, eps * 1.5 + 1e-3).expect("gate shapes");
         other_eps_differs += differing(
-            &cuda.engram_inject(Tensor::from(&streams), &kv_d, &live, &other),
+            &cuda.engram_inject(
+                Tensor::from(&streams),
+                EngramInjection {
+                    gate: &other,
+                    ..injection
+                },
+            ),
             &cpu,
         );
     }
     assert!(other_eps_differs > 0, "eps must be visible");
     // No live token: the streams come back as they are.
     let gate = EngramGate::new(2, 1, &[1.0; 2], &[1.0; 2], 1e-6).expect("gate shapes");
-    let same = cuda.engram_inject(Tensor::from(vec![1.0, 2.0]), &Tensor::empty(), &[], &gate);
+    let same = cuda.engram_inject(
+        Tensor::from(vec![1.0, 2.0]),
+        EngramInjection {
+            kv: &Tensor::empty(),
+            live: &[],
+            gate: &gate,
+        },
+    );
     assert_bitwise("no live token", &same, &[1.0, 2.0]);
     println!(
         "Backend::engram_inject: {compared} stream values bitwise equal; another eps differs in \

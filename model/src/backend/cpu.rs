@@ -17,16 +17,16 @@ mod pool;
 
 pub use pool::pool_entry;
 
-use self::dequant::{dequantised_linear, fp4_row, fp8_row};
+use self::dequant::{DequantRow, dequantised_linear, fp4_row, fp8_row};
 use self::pool::pool_channel;
 use super::weights::Linear;
 use super::{
-    AttentionQueries, Backend, CandidateMask, DenseWeight, ExpertRoute, ExpertSelection, Groups,
-    HcMix, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, LogprobPick, MaskedRows, MoeLayer,
-    PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom, SelectPart,
-    Selection, Tensor, check_sample_rows,
+    AttentionQueries, Backend, CandidateMask, DenseWeight, EngramInjection, ExpertRoute,
+    ExpertSelection, Groups, HcCollapse, HcExpand, HcMix, HcMixes, HcMixing, HcParams, HyperHead,
+    IndexQueries, LogprobPick, MaskedRows, MoeLayer, PoolSlot, Precision, QueryKeys, RmsNorm,
+    Rotation, Routing, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection,
+    StreamShape, Tensor, check_sample_rows,
 };
-use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
 use crate::quant::{
     self, dot_bf16_gemm, dot_f32, dot_f32_sgemm, exp_f32, exp_f32_accurate, log1p_f32, sum_f32,
@@ -46,6 +46,20 @@ impl CpuBackend {
     pub fn new() -> CpuBackend {
         CpuBackend
     }
+}
+
+/// `x · Wᵀ` row by row, output `(r, o)` the `dot` of row `r` of `x` and row `o` of `W` (of which at
+/// most `w.out` rows are read: a shorter weight yields the rows it has).
+fn linear_rows(x: &Tensor, w: DenseWeight<'_>, dot: impl Fn(&[f32], &[f32]) -> f32) -> Tensor {
+    let DenseWeight { values, out, inp } = w;
+    let rows = x.len() / inp;
+    let mut y = Vec::with_capacity(rows * out);
+    for row in x.chunks_exact(inp) {
+        for w_row in values.chunks_exact(inp).take(out) {
+            y.push(dot(row, w_row));
+        }
+    }
+    y.into()
 }
 
 fn sigmoid(x: f32) -> f32 {
@@ -229,35 +243,24 @@ impl Backend for CpuBackend {
         quant::gemm_fp4(x, w).into()
     }
 
-    fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
-        let rows = x.len() / inp;
-        let mut y = Vec::with_capacity(rows * out);
-        for row in x.chunks_exact(inp) {
-            for w_row in w.chunks_exact(inp).take(out) {
-                y.push(quant::round_bf16(dot_bf16_gemm(row, w_row)));
-            }
-        }
-        y.into()
+    fn linear_bf16(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor {
+        linear_rows(x, w, |row, w_row| {
+            quant::round_bf16(dot_bf16_gemm(row, w_row))
+        })
     }
 
     fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor {
         super::linear_by_groups(self, x, shape, |inputs, g| {
-            self.linear_bf16(inputs, shape.weight(w, g), shape.out, shape.inp)
+            self.linear_bf16(inputs, shape.weight(w, g))
         })
     }
 
-    fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
-        let rows = x.len() / inp;
-        let mut y = Vec::with_capacity(rows * out);
-        for row in x.chunks_exact(inp) {
-            for w_row in w.chunks_exact(inp).take(out) {
-                y.push(dot_f32_sgemm(row, w_row));
-            }
-        }
-        y.into()
+    fn linear_f32(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor {
+        linear_rows(x, w, dot_f32_sgemm)
     }
 
-    fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
+    fn rms_norm(&self, x: &Tensor, norm: RmsNorm<'_>) -> Tensor {
+        let (weight, eps, precision) = (norm.weight, norm.eps, norm.precision);
         let dim = weight.len();
         let mut y = Vec::with_capacity(x.len());
         for row in x.chunks_exact(dim) {
@@ -338,13 +341,8 @@ impl Backend for CpuBackend {
             .collect();
         HcMixes::from_host(hc, &mixes)
     }
-    fn hc_collapse_rows_at(
-        &self,
-        x: &Tensor,
-        weights: &Tensor,
-        hc: usize,
-        precision: Precision,
-    ) -> Tensor {
+    fn hc_collapse_rows_at(&self, x: &Tensor, collapse: HcCollapse<'_>) -> Tensor {
+        let (weights, hc, precision) = (collapse.weights, collapse.hc, collapse.precision);
         let tokens = weights.len() / hc.max(1);
         if tokens == 0 {
             return Tensor::empty();
@@ -355,13 +353,12 @@ impl Backend for CpuBackend {
             .collect::<Vec<f32>>()
             .into()
     }
-    fn hc_expand_rows_at(
-        &self,
-        y: &Tensor,
-        residual: &Tensor,
-        mixes: &HcMixes,
-        precision: Precision,
-    ) -> Tensor {
+    fn hc_expand_rows_at(&self, y: &Tensor, expand: HcExpand<'_>) -> Tensor {
+        let HcExpand {
+            residual,
+            mixes,
+            precision,
+        } = expand;
         let tokens = mixes.tokens();
         if tokens == 0 {
             return Tensor::empty();
@@ -491,17 +488,11 @@ impl Backend for CpuBackend {
         head: DenseWeight<'_>,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError> {
-        let logits = self.linear_f32(x, head.values, head.out, head.inp);
+        let logits = self.linear_f32(x, head);
         self.sample_rows(&logits, head.out, rows)
     }
-    fn route_experts(
-        &self,
-        logits: &Tensor,
-        bias: &[f32],
-        selection: ExpertSelection<'_>,
-        route_scale: f32,
-    ) -> Vec<ExpertRoute> {
-        route_experts(logits, bias, selection, route_scale)
+    fn route_experts(&self, logits: &Tensor, routing: Routing<'_>) -> Vec<ExpertRoute> {
+        route_experts(logits, routing)
     }
     fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor {
         let mut out = vec![0.0f32; row_ids.len() * table.head_dim()];
@@ -509,25 +500,20 @@ impl Backend for CpuBackend {
         out.into()
     }
     fn linear(&self, x: &Tensor, w: &Linear) -> Tensor {
-        match w {
-            Linear::Dense { out, inp, values } => self.linear_f32(x, values, *out, *inp),
-            Linear::Fp8(w) => dequantised_linear(
-                x.len(),
-                w.out,
-                w.inp,
-                |row, block| fp8_row(w, row, block),
-                |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
-            )
-            .into(),
-            Linear::Fp4(w) => dequantised_linear(
-                x.len(),
-                w.out,
-                w.inp,
-                |row, block| fp4_row(w, row, block),
-                |rows, n| self.linear_f32(x, rows, n, w.inp).into_vec(),
-            )
-            .into(),
-        }
+        // The quantised formats: their shape and how one row is dequantised.
+        let (out, inp, dequant_row): (usize, usize, DequantRow<'_>) = match w {
+            Linear::Dense { out, inp, values } => {
+                let (out, inp) = (*out, *inp);
+                return self.linear_f32(x, DenseWeight { values, out, inp });
+            }
+            Linear::Fp8(w) => (w.out, w.inp, &|row, block| fp8_row(w, row, block)),
+            Linear::Fp4(w) => (w.out, w.inp, &|row, block| fp4_row(w, row, block)),
+        };
+        dequantised_linear(x.len(), out, inp, dequant_row, |values, out| {
+            let block = DenseWeight { values, out, inp };
+            self.linear_f32(x, block).into_vec()
+        })
+        .into()
     }
     fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
         x.iter()
@@ -538,10 +524,10 @@ impl Backend for CpuBackend {
     fn stream_means_at(
         &self,
         streams: &Tensor,
-        hc: usize,
-        dim: usize,
+        shape: StreamShape,
         precision: Precision,
     ) -> Tensor {
+        let StreamShape { hc, dim } = shape;
         if hc == 0 || dim == 0 {
             return Tensor::empty();
         }
@@ -567,13 +553,8 @@ impl Backend for CpuBackend {
             .collect::<Vec<f32>>()
             .into()
     }
-    fn engram_inject(
-        &self,
-        streams: Tensor,
-        kv: &Tensor,
-        live: &[usize],
-        gate: &EngramGate,
-    ) -> Tensor {
+    fn engram_inject(&self, streams: Tensor, injection: EngramInjection<'_>) -> Tensor {
+        let EngramInjection { kv, live, gate } = injection;
         if live.is_empty() {
             return streams;
         }
@@ -673,12 +654,8 @@ pub fn router_scores(logits: &[f32]) -> Vec<f32> {
 
 /// [`Backend::route_experts`]'s reference: per token, the selection on `s + bias` in descending
 /// order (ties: the lower expert id, i.e. torch's sorted top-k), then `s / (Σs + 1e-20) · scale`.
-pub fn route_experts(
-    logits: &[f32],
-    bias: &[f32],
-    selection: ExpertSelection<'_>,
-    route_scale: f32,
-) -> Vec<ExpertRoute> {
+pub fn route_experts(logits: &[f32], routing: Routing<'_>) -> Vec<ExpertRoute> {
+    let (bias, route_scale) = (routing.bias, routing.route_scale);
     let n_experts = bias.len();
     if n_experts == 0 {
         return Vec::new();
@@ -688,7 +665,7 @@ pub fn route_experts(
         .map(|row| {
             let scores = router_scores(row);
             let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
-            let experts: Vec<usize> = match selection {
+            let experts: Vec<usize> = match routing.selection {
                 ExpertSelection::Forced(forced) => {
                     forced.iter().copied().filter(|&e| e < n_experts).collect()
                 }
@@ -820,7 +797,14 @@ mod tests {
         // Token 0: experts 1 and 3 tie on z; the bias lifts expert 0 above both.
         let logits = [0.0f32, 2.0, -1.0, 2.0, 30.0, 30.0, 30.0, 30.0];
         let bias = [3.0f32, 0.0, 0.0, 0.0];
-        let routes = route_experts(&logits, &bias, ExpertSelection::TopK(3), 2.0);
+        fn routing<'a>(bias: &'a [f32], selection: ExpertSelection<'a>, scale: f32) -> Routing<'a> {
+            Routing {
+                bias,
+                selection,
+                route_scale: scale,
+            }
+        }
+        let routes = route_experts(&logits, routing(&bias, ExpertSelection::TopK(3), 2.0));
         assert_eq!(routes.len(), 2);
         assert_eq!(
             routes[0].experts,
@@ -838,16 +822,14 @@ mod tests {
         assert_eq!(routes[1].experts, vec![0, 1, 2]);
         assert_eq!(router_scores(&[30.0]), vec![30f32.sqrt()]);
         // A single expert is scaled, not normalised; forced ids keep their order, foreign ids drop.
-        let single = route_experts(&logits[..4], &bias, ExpertSelection::TopK(1), 2.0);
+        let single = route_experts(&logits[..4], routing(&bias, ExpertSelection::TopK(1), 2.0));
         assert_eq!(single[0].weights, vec![s[0] * 2.0]);
         let forced = route_experts(
             &logits[..4],
-            &bias,
-            ExpertSelection::Forced(&[3, 9, 2]),
-            1.0,
+            routing(&bias, ExpertSelection::Forced(&[3, 9, 2]), 1.0),
         );
         assert_eq!(forced[0].experts, vec![3, 2]);
-        assert!(route_experts(&logits, &[], ExpertSelection::TopK(2), 1.0).is_empty());
+        assert!(route_experts(&logits, routing(&[], ExpertSelection::TopK(2), 1.0)).is_empty());
     }
 
     #[test]

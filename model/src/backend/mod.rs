@@ -145,6 +145,40 @@ pub struct DenseWeight<'a> {
     pub inp: usize,
 }
 
+/// A row-wise RMSNorm ([`Backend::rms_norm`]): rows of `weight.len()`, `eps` under the root,
+/// results rounded at `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNorm<'a> {
+    pub weight: &'a [f32],
+    pub eps: f32,
+    pub precision: Precision,
+}
+
+/// How [`Backend::hc_collapse_rows_at`] collapses the `hc` streams of every token: by the
+/// token's own `weights [n, hc]`, rounding at `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct HcCollapse<'a> {
+    pub weights: &'a Tensor,
+    pub hc: usize,
+    pub precision: Precision,
+}
+
+/// How [`Backend::hc_expand_rows_at`] expands a sublayer's output back into the streams: the
+/// `residual [n, hc, dim]` streams, each token's mix of `mixes`, rounding at `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct HcExpand<'a> {
+    pub residual: &'a Tensor,
+    pub mixes: &'a HcMixes,
+    pub precision: Precision,
+}
+
+/// The layout of a step's mHC streams `[n, hc, dim]`: `hc` streams of `dim` per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamShape {
+    pub hc: usize,
+    pub dim: usize,
+}
+
 /// The shape of a grouped linear ([`Backend::linear_grouped_bf16`], [`linear_by_groups`]):
 /// `groups` weights `[out, inp]` one after another; group `g` maps its `inp` columns of the input
 /// to its `out` columns of the output.
@@ -157,9 +191,13 @@ pub struct Groups {
 
 impl Groups {
     /// Group `g`'s weight `[out, inp]` among the grouped weights `w`.
-    pub fn weight<'w>(&self, w: &'w [f32], g: usize) -> &'w [f32] {
+    pub fn weight<'w>(&self, w: &'w [f32], g: usize) -> DenseWeight<'w> {
         let size = self.out * self.inp;
-        &w[g * size..(g + 1) * size]
+        DenseWeight {
+            values: &w[g * size..(g + 1) * size],
+            out: self.out,
+            inp: self.inp,
+        }
     }
 }
 
@@ -305,6 +343,15 @@ pub enum SampleRowsError {
     },
 }
 
+/// How [`Backend::route_experts`] routes: selection on the scores plus `bias` (the layer's `bias`
+/// or `bias_vl`, one per expert) as `selection` says, the weights scaled by `route_scale`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Routing<'a> {
+    pub bias: &'a [f32],
+    pub selection: ExpertSelection<'a>,
+    pub route_scale: f32,
+}
+
 /// Which experts the MoE router takes for each token ([`Backend::route_experts`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExpertSelection<'a> {
@@ -349,6 +396,16 @@ pub struct PoolSlot<'a> {
     pub bias: &'a [f32],
 }
 
+/// What [`Backend::engram_inject`] adds to the streams: live entry `i` is token `live[i]`
+/// (distinct) with its `kv` row `i` (`kv [live.len(), kv_stride]`, the hc keys then the value),
+/// injected through `gate`.
+#[derive(Debug, Clone, Copy)]
+pub struct EngramInjection<'a> {
+    pub kv: &'a Tensor,
+    pub live: &'a [usize],
+    pub gate: &'a EngramGate,
+}
+
 /// The operations the model needs from a device. `CpuBackend` is the reference implementation.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Human-readable device name.
@@ -362,9 +419,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `x [rows, w.inp]` (bf16) · FP4 `Wᵀ` with FP8-quantised activations → bf16 `[rows, w.out]`.
     fn gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Tensor;
     /// Plain `x · Wᵀ` with `W [out, inp]`, fp32 accumulation, output rounded to bf16.
-    fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor;
+    fn linear_bf16(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor;
     /// Plain `x · Wᵀ` with fp32 output (no rounding).
-    fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor;
+    fn linear_f32(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor;
     /// The grouped bf16 linear (V4.1's grouped `wo_a`): `x [n, groups · inp]`, `w` the `groups`
     /// weights `[out, inp]` one after another; group `g` is [`Backend::linear_bf16`] of the
     /// columns `[g · inp, (g + 1) · inp)` of `x` into the columns `[g · out, (g + 1) · out)` of
@@ -384,9 +441,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn q4e_qdq(&self, x: Tensor) -> Tensor;
     /// `Q4m` QDQ (groups of 16, E4M3 scales).
     fn q4m_qdq(&self, x: Tensor) -> Tensor;
-    /// Row-wise RMSNorm over rows of `weight.len()`, `round(w · (x · rsqrt(mean(x²) + eps)))`
-    /// rounded at `precision`.
-    fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor;
+    /// Row-wise RMSNorm over rows of `norm.weight.len()`, `round(w · (x · rsqrt(mean(x²) +
+    /// eps)))` rounded at `norm.precision` ([`RmsNorm`]).
+    fn rms_norm(&self, x: &Tensor, norm: RmsNorm<'_>) -> Tensor;
     /// Rotates the last `2 · table.freqs.len()` channels of every `stride`-wide vector of `x`,
     /// `layout = (stride, vectors_per_row)`: the `vectors_per_row` consecutive vectors of row `r`
     /// by `rotation` at `positions[r]` ([`Rotation`]).
@@ -396,23 +453,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// width `hc · dim` is the projection's input width).
     fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes;
     /// `round(Σ_k w_k · x_k)` over the `hc` streams of every token: `x [n, hc, dim]` with its own
-    /// weights `weights [n, hc]` → `[n, dim]`, rounded at `precision`.
-    fn hc_collapse_rows_at(
-        &self,
-        x: &Tensor,
-        weights: &Tensor,
-        hc: usize,
-        precision: Precision,
-    ) -> Tensor;
+    /// weights `collapse.weights [n, hc]` → `[n, dim]`, rounded at `collapse.precision`.
+    fn hc_collapse_rows_at(&self, x: &Tensor, collapse: HcCollapse<'_>) -> Tensor;
     /// `X'_k = round(post_k · y + Σ_j comb[j][k] · X_j)` of every token: `y [n, dim]`,
-    /// `residual [n, hc, dim]`, each token's mix → `[n, hc, dim]`, rounded at `precision`.
-    fn hc_expand_rows_at(
-        &self,
-        y: &Tensor,
-        residual: &Tensor,
-        mixes: &HcMixes,
-        precision: Precision,
-    ) -> Tensor;
+    /// `expand.residual [n, hc, dim]`, each token's mix → `[n, hc, dim]`, rounded at
+    /// `expand.precision`.
+    fn hc_expand_rows_at(&self, y: &Tensor, expand: HcExpand<'_>) -> Tensor;
     /// Multi-head attention of `keys.len()` queries ([`AttentionQueries`]), query `t` over its
     /// own `keys[t]` (K = V, each key one `head_dim` row) → `[n, heads · head_dim]`.
     fn sparse_attention_rows_at(
@@ -490,18 +536,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         rows: &[RowSampling],
     ) -> Result<Vec<u32>, SampleRowsError>;
 
-    /// The MoE router after the gate linear, one token per `bias.len()`-wide row of `logits`
-    /// (`z`): scores `s = sqrt(softplus(z))` (the reference's vectorised softplus,
+    /// The MoE router after the gate linear, one token per `routing.bias.len()`-wide row of
+    /// `logits` (`z`): scores `s = sqrt(softplus(z))` (the reference's vectorised softplus,
     /// [`cpu::router_scores`]), selection on `s + bias` ([`ExpertSelection`]), weights
     /// `s_e / (Σ s + 1e-20) · route_scale` over the selected experts (not normalised for a single
-    /// expert). `bias` is the layer's `bias` or `bias_vl`. No logits (or no experts): no routes.
-    fn route_experts(
-        &self,
-        logits: &Tensor,
-        bias: &[f32],
-        selection: ExpertSelection<'_>,
-        route_scale: f32,
-    ) -> Vec<ExpertRoute>;
+    /// expert) ([`Routing`]). No logits (or no experts): no routes.
+    fn route_experts(&self, logits: &Tensor, routing: Routing<'_>) -> Vec<ExpertRoute>;
 
     /// The bf16 values of Engram table rows `row_ids`, one `table.head_dim()`-wide row after
     /// another ([`EngramTable::gather`]: FP8 codes times their row scales; foreign ids give zeros).
@@ -517,30 +557,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `round(x · scale)` of every value, rounded at `precision` (the indexer's head weights,
     /// `v41::csa::index_queries`).
     fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor;
-    /// `round(mean over the hc streams)` of every token of `streams [n, hc, dim]` → `[n, dim]`,
-    /// the sum folded from 0 in stream order, rounded at `precision` (the DSpark taps).
-    fn stream_means_at(
-        &self,
-        streams: &Tensor,
-        hc: usize,
-        dim: usize,
-        precision: Precision,
-    ) -> Tensor;
+    /// `round(mean over the hc streams)` of every token of `streams [n, hc, dim]` (`shape`) →
+    /// `[n, dim]`, the sum folded from 0 in stream order, rounded at `precision` (the DSpark
+    /// taps).
+    fn stream_means_at(&self, streams: &Tensor, shape: StreamShape, precision: Precision)
+    -> Tensor;
     /// Gated pooling of compressor groups → bf16 `[groups.len(), head_dim]`: group `g` pools its
     /// member rows `groups[g]` (each `kv ‖ gate`, `2 · head_dim` fp32 values, in position order,
     /// which is the fold order) channel by channel: the softmax of the gates over the members,
     /// the weighted sum of the values (`v41::csa::compress_chunk`).
     fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor;
-    /// [`EngramGate::inject`] of tokens `live` of `streams [tokens, hc, dim]`: live entry `i`
-    /// (token `live[i]`, distinct) with its `kv` row `i` (`kv [live.len(), kv_stride]`, the hc
-    /// keys then the value); the other tokens are left as they are.
-    fn engram_inject(
-        &self,
-        streams: Tensor,
-        kv: &Tensor,
-        live: &[usize],
-        gate: &EngramGate,
-    ) -> Tensor;
+    /// [`EngramGate::inject`] of the live tokens of `streams [tokens, hc, dim]`, each with its
+    /// `kv` row ([`EngramInjection`]); the other tokens are left as they are.
+    fn engram_inject(&self, streams: Tensor, injection: EngramInjection<'_>) -> Tensor;
     /// `x + y` elementwise in fp32 (`y` as long as `x`).
     fn add(&self, x: Tensor, y: &Tensor) -> Tensor;
     /// `x` where this backend's ops read it without a copy: as it is on the CPU; a host tensor

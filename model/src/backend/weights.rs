@@ -1,7 +1,7 @@
 //! The weight types the [`Backend`] ops name, as plain data: a V4 projection in its stored format
 //! ([`Linear`]) and the SwiGLU experts of an MoE layer ([`ExpertWeights`] of [`ExpertLinear`]).
 
-use super::{Backend, Tensor};
+use super::{Backend, DenseWeight, Tensor};
 use crate::weights::{Fp4Weight, Fp8Weight};
 
 /// A projection `[out, inp]` in its stored format, applied in fp32.
@@ -24,6 +24,18 @@ impl Linear {
     /// weight dequantised exactly, or a `fast` backend's tensor cores).
     pub fn apply(&self, backend: &dyn Backend, x: &Tensor) -> Tensor {
         backend.linear(x, self)
+    }
+
+    /// The weight as a plain [`DenseWeight`] when it is stored dense.
+    pub fn dense(&self) -> Option<DenseWeight<'_>> {
+        match self {
+            Linear::Dense { out, inp, values } => Some(DenseWeight {
+                values,
+                out: *out,
+                inp: *inp,
+            }),
+            Linear::Fp8(_) | Linear::Fp4(_) => None,
+        }
     }
 }
 

@@ -36,7 +36,7 @@ pub use hash::{CompressedVocab, EngramHistory, EngramRows, NgramHasher, hash_mul
 pub use lookup::EngramTable;
 pub use primes::EngramLayout;
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::{Backend, EngramInjection, Tensor};
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
@@ -267,7 +267,14 @@ impl Engram {
         // `[live, columns · head_dim]`: each token's gathered rows side by side.
         let embedded = backend.engram_gather(&layer.table, &row_ids);
         let kv = backend.gemm_fp8(&embedded, &layer.wkv);
-        backend.engram_inject(streams, &kv, &live, &layer.gate)
+        backend.engram_inject(
+            streams,
+            EngramInjection {
+                kv: &kv,
+                live: &live,
+                gate: &layer.gate,
+            },
+        )
     }
 }
 

@@ -25,11 +25,11 @@ pub fn queries<W: Projection, C, I>(
     head_norm: Option<&[f32]>,
 ) -> Queries {
     let cfg = ctx.cfg;
-    let (backend, precision, eps) = (ctx.backend, cfg.precision(), cfg.norm_eps);
-    let qr = backend.rms_norm(&w.wq_a.project(backend, xn), &w.q_norm, eps, precision);
+    let (backend, precision) = (ctx.backend, cfg.precision());
+    let qr = backend.rms_norm(&w.wq_a.project(backend, xn), ctx.norm(&w.q_norm, precision));
     let q = w.wq_b.project(backend, &qr);
     let q = match head_norm {
-        Some(unit) => backend.rms_norm(&q, unit, eps, precision),
+        Some(unit) => backend.rms_norm(&q, ctx.norm(unit, precision)),
         None => q,
     };
     let rotation = Rotation::new(table, positions, precision);
@@ -47,12 +47,7 @@ pub fn kv_rows<W: Projection, C, I>(
 ) -> Tensor {
     let cfg = ctx.cfg;
     let (backend, precision) = (ctx.backend, cfg.precision());
-    let kv = backend.rms_norm(
-        &w.wkv.project(backend, xn),
-        &w.kv_norm,
-        cfg.norm_eps,
-        precision,
-    );
+    let kv = backend.rms_norm(&w.wkv.project(backend, xn), ctx.norm(&w.kv_norm, precision));
     let rotation = Rotation::new(table, positions, precision);
     backend.rope(kv, (cfg.head_dim, 1), &rotation)
 }
@@ -96,7 +91,7 @@ pub fn grouped_low_rank(
     match precision {
         Precision::Bf16 => backend.linear_grouped_bf16(&o, wo_a, shape),
         Precision::F32 => linear_by_groups(backend, &o, shape, |x, g| {
-            backend.linear_f32(x, shape.weight(wo_a, g), shape.out, shape.inp)
+            backend.linear_f32(x, shape.weight(wo_a, g))
         }),
     }
 }

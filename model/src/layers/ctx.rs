@@ -1,7 +1,7 @@
 //! What every component of either family needs to run ([`Ctx`]): the config, the backend, the
 //! RoPE tables, and per block where its routed experts run and how image rows route.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Precision, RmsNorm};
 use crate::config::ModelConfig;
 use crate::expert_dispatch::RoutedExperts;
 use crate::layers::moe::ImageRouting;
@@ -17,6 +17,17 @@ pub(crate) struct Ctx<'a> {
     pub routed: Option<RoutedSite<'a>>,
     /// Image-span rows of the block being run: the router's `bias_vl` choice (spec §3.6).
     pub image_routing: Option<ImageRouting<'a>>,
+}
+
+impl Ctx<'_> {
+    /// The model's RMSNorm by `weight`: its `norm_eps`, rounded at `precision`.
+    pub fn norm<'w>(&self, weight: &'w [f32], precision: Precision) -> RmsNorm<'w> {
+        RmsNorm {
+            weight,
+            eps: self.cfg.norm_eps,
+            precision,
+        }
+    }
 }
 
 /// Where the routed experts of one backbone block run.

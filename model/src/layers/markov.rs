@@ -1,7 +1,7 @@
 //! The end of every DSpark drafter (V4.1 and V4-Flash-0731): the last stage's Markov and
 //! confidence heads decoding one greedy block per anchor into a [`DraftProposal`].
 
-use crate::backend::Tensor;
+use crate::backend::{DenseWeight, Tensor};
 use crate::layers::ctx::Ctx;
 
 /// One DSpark proposal.
@@ -129,9 +129,14 @@ fn decode_slot(
         })
         .collect::<Vec<f32>>()
         .into();
-    let bias = ctx
-        .backend
-        .linear_f32(&markov, heads.markov_head, vocab, rank);
+    let bias = ctx.backend.linear_f32(
+        &markov,
+        DenseWeight {
+            values: heads.markov_head,
+            out: vocab,
+            inp: rank,
+        },
+    );
     let logits = ctx.backend.add(base, &bias);
     // `h_k ‖ μ_k` per block, gathered in pieces of a width dividing both.
     let piece = gcd(dim, rank).max(1);
@@ -144,9 +149,14 @@ fn decode_slot(
         })
         .collect();
     let features = ctx.backend.gather(&features_pieces, piece);
-    let confidence = ctx
-        .backend
-        .linear_f32(&features, heads.confidence, 1, dim + rank);
+    let confidence = ctx.backend.linear_f32(
+        &features,
+        DenseWeight {
+            values: heads.confidence,
+            out: 1,
+            inp: dim + rank,
+        },
+    );
     let next = ctx.backend.argmax_rows(&logits, vocab);
     for ((tokens, confidences), (&token, &c)) in drafting
         .tokens

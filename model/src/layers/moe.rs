@@ -3,7 +3,9 @@
 //! Both families run it.
 
 use crate::backend::weights::{ExpertLinear, ExpertWeights};
-use crate::backend::{Backend, ExpertRoute, ExpertSelection, MoeLayer, Tensor};
+use crate::backend::{
+    Backend, DenseWeight, ExpertRoute, ExpertSelection, MoeLayer, Routing, Tensor,
+};
 use crate::expert_dispatch::ExpertPick;
 use crate::layers::ctx::Ctx;
 use crate::quant::exp_f32;
@@ -91,7 +93,14 @@ pub fn route_rows(
     forced: Option<&[Vec<usize>]>,
 ) -> Vec<Route> {
     let n_experts = w.bias.len();
-    let logits = ctx.backend.linear_f32(x, &w.gate, n_experts, ctx.cfg.dim);
+    let logits = ctx.backend.linear_f32(
+        x,
+        DenseWeight {
+            values: &w.gate,
+            out: n_experts,
+            inp: ctx.cfg.dim,
+        },
+    );
     let into_route = |r: ExpertRoute| Route {
         experts: r.experts,
         weights: r.weights,
@@ -108,7 +117,14 @@ pub fn route_rows(
         let selection = ExpertSelection::TopK(w.n_activated);
         return ctx
             .backend
-            .route_experts(&logits, &w.bias, selection, ctx.cfg.route_scale)
+            .route_experts(
+                &logits,
+                Routing {
+                    bias: &w.bias,
+                    selection,
+                    route_scale: ctx.cfg.route_scale,
+                },
+            )
             .into_iter()
             .map(into_route)
             .collect();
@@ -121,9 +137,14 @@ pub fn route_rows(
                 Some(forced) => ExpertSelection::Forced(forced),
                 None => ExpertSelection::TopK(w.n_activated),
             };
-            let routed =
-                ctx.backend
-                    .route_experts(&row.into(), bias_of(t), selection, ctx.cfg.route_scale);
+            let routed = ctx.backend.route_experts(
+                &row.into(),
+                Routing {
+                    bias: bias_of(t),
+                    selection,
+                    route_scale: ctx.cfg.route_scale,
+                },
+            );
             routed.into_iter().next().map_or(
                 Route {
                     experts: Vec::new(),

@@ -22,17 +22,16 @@ pub fn forward(
 ) {
     let cfg = ctx.cfg;
     let precision = cfg.precision();
-    let hc = cfg.hc.mult;
     let backend = ctx.backend;
 
     let attn_mix = mhc::mixes(ctx, streams, &w.hc_attn);
-    let x = backend.hc_collapse_rows_at(streams, &attn_mix.pre(backend), hc, precision);
-    let y = attention(&backend.rms_norm(&x, &w.attn_norm, cfg.norm_eps, precision));
-    *streams = backend.hc_expand_rows_at(&y, streams, &attn_mix, precision);
+    let x = mhc::collapse(ctx, streams, &attn_mix.pre(backend));
+    let y = attention(&backend.rms_norm(&x, ctx.norm(&w.attn_norm, precision)));
+    *streams = mhc::expand(ctx, &y, streams, &attn_mix);
 
     let ffn_mix = mhc::mixes(ctx, streams, &w.hc_ffn);
-    let x = backend.hc_collapse_rows_at(streams, &ffn_mix.pre(backend), hc, precision);
-    let xn = backend.rms_norm(&x, &w.ffn_norm, cfg.norm_eps, precision);
+    let x = mhc::collapse(ctx, streams, &ffn_mix.pre(backend));
+    let xn = backend.rms_norm(&x, ctx.norm(&w.ffn_norm, precision));
     // Hash layers: every row's experts come from its token id (`tid2eid`).
     let k = w.moe.n_activated;
     let hashed: Option<Vec<Vec<usize>>> = w.moe.tid2eid.as_ref().map(|table| {
@@ -60,7 +59,7 @@ pub fn forward(
         Some(f) => f,
         None => moe::forward_rows(ctx, &w.moe, &xn, hashed.as_deref(), false).0,
     };
-    *streams = backend.hc_expand_rows_at(&f, streams, &ffn_mix, precision);
+    *streams = mhc::expand(ctx, &f, streams, &ffn_mix);
 }
 
 /// The final collapse of every row's streams `x [n, hc, dim]` → `[n, dim]`: weights
@@ -75,6 +74,5 @@ pub fn hyper_head(ctx: &Ctx, w: &HyperHeadWeights, x: &Tensor) -> Tensor {
         norm_eps: cfg.norm_eps,
     };
     let pre = ctx.backend.hyper_head_weights_rows(x, &head);
-    ctx.backend
-        .hc_collapse_rows_at(x, &pre, cfg.hc.mult, cfg.precision())
+    mhc::collapse(ctx, x, &pre)
 }

@@ -58,7 +58,7 @@ pub fn append_rows(
         .collect();
     let pooled = backend.compressor_pool_rows(&slots, w.width);
     drop(slots);
-    let normed = backend.rms_norm(&pooled, &w.norm, ctx.cfg.norm_eps, precision);
+    let normed = backend.rms_norm(&pooled, ctx.norm(&w.norm, precision));
     let starts: Vec<usize> = completed
         .iter()
         .map(|&(_, entry)| entry * w.ratio)

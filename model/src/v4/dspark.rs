@@ -91,9 +91,7 @@ pub(crate) fn feed_context(
     let cfg = ctx.cfg;
     let main_x = ctx.backend.rms_norm(
         &w.main_proj.apply(ctx.backend, main_hidden),
-        &w.main_norm,
-        cfg.norm_eps,
-        cfg.precision(),
+        ctx.norm(&w.main_norm, cfg.precision()),
     );
     for (stage, ring) in w.stages.iter().zip(rings.iter_mut()) {
         let rows = layers::attention::kv_rows(ctx, &stage.attn, &main_x, positions, &ctx.rope.main);
@@ -179,7 +177,7 @@ pub(crate) fn propose(
     let hidden = block::hyper_head(ctx, &w.hyper_head, &streams);
     let normed = ctx
         .backend
-        .rms_norm(&hidden, &w.norm, cfg.norm_eps, cfg.precision());
+        .rms_norm(&hidden, ctx.norm(&w.norm, cfg.precision()));
     let base = inputs.head.apply(ctx.backend, &normed);
     decode_blocks(ctx, &heads, &[anchor], size, &hidden, &base)
         .pop()

@@ -88,11 +88,11 @@ pub(crate) fn run(
         .collect();
     let e = w.e_proj.apply(
         backend,
-        &backend.rms_norm(&embedded.into(), &w.enorm, cfg.norm_eps, precision),
+        &backend.rms_norm(&embedded.into(), ctx.norm(&w.enorm, precision)),
     );
     let h = w.h_proj.apply(
         backend,
-        &backend.rms_norm(hidden, &w.hnorm, cfg.norm_eps, precision),
+        &backend.rms_norm(hidden, ctx.norm(&w.hnorm, precision)),
     );
     // Every stream of entry t gets entry t's projected embedding added.
     let pieces: Vec<(&Tensor, usize)> = (0..h.len() / dim.max(1))
@@ -111,8 +111,6 @@ pub(crate) fn run(
 pub(crate) fn logits(ctx: &Ctx, w: &MtpWeights, head: &Linear, x: &Tensor) -> Vec<f32> {
     let cfg = ctx.cfg;
     let h = block::hyper_head(ctx, &w.hyper_head, x);
-    let h = ctx
-        .backend
-        .rms_norm(&h, &w.norm, cfg.norm_eps, cfg.precision());
+    let h = ctx.backend.rms_norm(&h, ctx.norm(&w.norm, cfg.precision()));
     head.apply(ctx.backend, &h).into_vec()
 }

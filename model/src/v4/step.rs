@@ -7,8 +7,7 @@
 
 use super::state::{LayerState, SequenceState};
 use super::{Model, attention, block};
-use crate::backend::weights::Linear;
-use crate::backend::{DenseWeight, Tensor};
+use crate::backend::{StreamShape, Tensor};
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
@@ -81,7 +80,9 @@ impl Model {
         let mut taps: Vec<Tensor> = vec![Tensor::empty(); targets.len()];
         for (l, layer) in self.weights.layers.iter().enumerate() {
             for (tap, _) in taps.iter_mut().zip(targets).filter(|(_, t)| **t == l) {
-                *tap = ctx.backend.stream_means_at(&streams, hc, dim, precision);
+                *tap = ctx
+                    .backend
+                    .stream_means_at(&streams, StreamShape { hc, dim }, precision);
             }
             let table = ctx.rope.for_layer(cfg, l);
             let mut states: Vec<&mut LayerState> =
@@ -145,12 +146,12 @@ impl Model {
     ) -> Result<Vec<EntryOutput>, ModelError> {
         let cfg = &self.cfg;
         let (width, vocab) = (cfg.hc.mult * cfg.dim, cfg.vocab_size);
-        let backend = ctx.backend;
+        let (backend, head) = (ctx.backend, &*self.weights.head);
         let wanted = wanted_rows(rows, wants, true);
         let hidden_of = |selected: &[usize]| {
             let x = gather_rows(backend, streams, selected.iter().copied(), width);
             let h = block::hyper_head(ctx, &self.weights.hyper_head, &x);
-            backend.rms_norm(&h, &self.weights.norm, cfg.norm_eps, cfg.precision())
+            backend.rms_norm(&h, ctx.norm(&self.weights.norm, cfg.precision()))
         };
         let logit_rows: Vec<usize> = rows_of(&wanted, wants, false).collect();
         // A dense head is fp32 in both numerics (as V4.1's): the sampled rows below take it
@@ -159,11 +160,9 @@ impl Model {
             Vec::new()
         } else {
             let hidden = hidden_of(&logit_rows);
-            match &*self.weights.head {
-                Linear::Dense { out, inp, values } => {
-                    backend.linear_f32(&hidden, values, *out, *inp)
-                }
-                quantised => quantised.apply(backend, &hidden),
+            match head.dense() {
+                Some(dense) => backend.linear_f32(&hidden, dense),
+                None => head.apply(backend, &hidden),
             }
             .into_vec()
         };
@@ -173,18 +172,10 @@ impl Model {
             Vec::new()
         } else {
             let hidden = hidden_of(&sampled_rows);
-            match &*self.weights.head {
-                Linear::Dense { out, inp, values } => backend.sample_linear(
-                    &hidden,
-                    DenseWeight {
-                        values,
-                        out: *out,
-                        inp: *inp,
-                    },
-                    &sampling,
-                ),
-                quantised => {
-                    let logits = quantised.apply(backend, &hidden);
+            match head.dense() {
+                Some(dense) => backend.sample_linear(&hidden, dense, &sampling),
+                None => {
+                    let logits = head.apply(backend, &hidden);
                     backend.sample_rows(&logits, vocab, &sampling)
                 }
             }

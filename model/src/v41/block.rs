@@ -10,11 +10,9 @@ use crate::layers::moe::{self, Route};
 
 /// The normed attention inputs `RMSNorm_attn(collapse(X, pre))` `[n, dim]` of the rows.
 pub fn attention_inputs(ctx: &Ctx, w: &BlockWeights, streams: &Tensor, pre: &Tensor) -> Tensor {
-    let x = ctx
-        .backend
-        .hc_collapse_rows_at(streams, pre, ctx.cfg.hc.mult, Precision::Bf16);
+    let x = mhc::collapse(ctx, streams, pre);
     ctx.backend
-        .rms_norm(&x, &w.attn_norm, ctx.cfg.norm_eps, Precision::Bf16)
+        .rms_norm(&x, ctx.norm(&w.attn_norm, Precision::Bf16))
 }
 
 /// Runs one block over the rows. `streams` is `[n, hc, dim]`, `pre` is `[n, hc]` (the previous
@@ -31,26 +29,17 @@ pub fn forward(
     need_routes: bool,
     attention: impl FnOnce(&Tensor) -> Tensor,
 ) -> Vec<Route> {
-    let cfg = ctx.cfg;
-    let hc = cfg.hc.mult;
-
     let attn_mix = mhc::mixes(ctx, streams, &w.hc_attn);
     let y = attention(&attention_inputs(ctx, w, streams, pre));
-    *streams = ctx
-        .backend
-        .hc_expand_rows_at(&y, streams, &attn_mix, Precision::Bf16);
+    *streams = mhc::expand(ctx, &y, streams, &attn_mix);
 
     let ffn_mix = mhc::mixes(ctx, streams, &w.hc_ffn);
-    let x =
-        ctx.backend
-            .hc_collapse_rows_at(streams, &attn_mix.pre(ctx.backend), hc, Precision::Bf16);
+    let x = mhc::collapse(ctx, streams, &attn_mix.pre(ctx.backend));
     let xn = ctx
         .backend
-        .rms_norm(&x, &w.ffn_norm, cfg.norm_eps, Precision::Bf16);
+        .rms_norm(&x, ctx.norm(&w.ffn_norm, Precision::Bf16));
     let (y, routes) = moe::forward_rows(ctx, &w.moe, &xn, forced_routes, need_routes);
-    *streams = ctx
-        .backend
-        .hc_expand_rows_at(&y, streams, &ffn_mix, Precision::Bf16);
+    *streams = mhc::expand(ctx, &y, streams, &ffn_mix);
     *pre = ffn_mix.pre(ctx.backend);
     routes
 }

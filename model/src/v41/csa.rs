@@ -6,7 +6,7 @@ use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
 use crate::backend::{
-    CandidateMask, Candidates, Precision, Rotation, SelectFrom, Selection, Tensor,
+    CandidateMask, Candidates, DenseWeight, Precision, Rotation, SelectFrom, Selection, Tensor,
 };
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
@@ -28,15 +28,34 @@ pub fn compressor_inputs(ctx: &Ctx, weights: &CompressorWeights, xn: &Tensor) ->
     let (dim, head_dim) = (ctx.cfg.dim, ctx.cfg.head_dim);
     if weights.ratio == 1 {
         return ctx.backend.rms_norm(
-            &ctx.backend.linear_bf16(xn, &weights.wkv, head_dim, dim),
-            &weights.norm,
-            ctx.cfg.norm_eps,
-            Precision::Bf16,
+            &ctx.backend.linear_bf16(
+                xn,
+                DenseWeight {
+                    values: &weights.wkv,
+                    out: head_dim,
+                    inp: dim,
+                },
+            ),
+            ctx.norm(&weights.norm, Precision::Bf16),
         );
     }
     let gate_weights = weights.wgate.as_deref().unwrap_or(&[]);
-    let kv = ctx.backend.linear_f32(xn, &weights.wkv, head_dim, dim);
-    let gate = ctx.backend.linear_f32(xn, gate_weights, head_dim, dim);
+    let kv = ctx.backend.linear_f32(
+        xn,
+        DenseWeight {
+            values: &weights.wkv,
+            out: head_dim,
+            inp: dim,
+        },
+    );
+    let gate = ctx.backend.linear_f32(
+        xn,
+        DenseWeight {
+            values: gate_weights,
+            out: head_dim,
+            inp: dim,
+        },
+    );
     let pieces: Vec<(&Tensor, usize)> = (0..kv.len() / head_dim.max(1))
         .flat_map(|t| [(&kv, t * head_dim), (&gate, t * head_dim)])
         .collect();
@@ -106,19 +125,21 @@ pub fn compress_chunk(
             .collect();
         let pooled = ctx.backend.gated_pool_rows(&members, head_dim);
         ctx.backend
-            .rms_norm(&pooled, &weights.norm, ctx.cfg.norm_eps, Precision::Bf16)
+            .rms_norm(&pooled, ctx.norm(&weights.norm, Precision::Bf16))
     };
     let group_positions: Vec<usize> = groups.iter().map(|&(_, g)| g * ratio).collect();
     let index_dim = ctx.cfg.index_head_dim;
+    let keys = ctx.backend.linear_bf16(
+        &latents,
+        DenseWeight {
+            values: &weights.index_wk,
+            out: index_dim,
+            inp: head_dim,
+        },
+    );
     let keys = ctx
         .backend
-        .linear_bf16(&latents, &weights.index_wk, index_dim, head_dim);
-    let keys = ctx.backend.rms_norm(
-        &keys,
-        &weights.index_k_norm,
-        ctx.cfg.norm_eps,
-        Precision::Bf16,
-    );
+        .rms_norm(&keys, ctx.norm(&weights.index_k_norm, Precision::Bf16));
     let rotation = Rotation::new(table, &group_positions, Precision::Bf16);
     let keys = ctx.backend.rope(keys, (index_dim, 1), &rotation);
     // Rows are whole QDQ groups (index_head_dim and head_dim are multiples of 32).
@@ -163,8 +184,14 @@ pub fn index_queries(
     let q = ctx.backend.q4e_qdq(q);
     let weight_scale = (head_dim as f32).powf(-0.5) * (heads as f32).powf(-0.5);
     let head_weights = ctx.backend.scale_at(
-        ctx.backend
-            .linear_bf16(xn, &weights.weights_proj, heads, cfg.dim),
+        ctx.backend.linear_bf16(
+            xn,
+            DenseWeight {
+                values: &weights.weights_proj,
+                out: heads,
+                inp: cfg.dim,
+            },
+        ),
         weight_scale,
         Precision::Bf16,
     );

@@ -10,11 +10,12 @@ use super::attention::window_entries;
 use super::block;
 use super::state::{PositionRing, SequenceState};
 use super::weights::{AttentionWeights, DsparkWeights};
-use crate::backend::{AttentionQueries, Precision, Tensor};
+use crate::backend::{AttentionQueries, DenseWeight, Precision, Tensor};
 use crate::config::DsparkConfig;
 use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
+use crate::layers::mhc;
 use crate::layers::step::{EmbeddedRow, embedded_streams};
 
 /// One proposal to draft: the sequence (its last processed token is the context's end) and the
@@ -36,9 +37,7 @@ pub fn context_entries(
 ) -> Vec<Tensor> {
     let main_x = ctx.backend.rms_norm(
         &ctx.backend.gemm_fp8(main_hidden, &w.main_proj),
-        &w.main_norm,
-        ctx.cfg.norm_eps,
-        Precision::Bf16,
+        ctx.norm(&w.main_norm, Precision::Bf16),
     );
     w.stages
         .iter()
@@ -135,13 +134,18 @@ pub(crate) fn propose_many(
         });
     }
 
-    let hidden = ctx
-        .backend
-        .hc_collapse_rows_at(&streams, &pre, hc, Precision::Bf16);
+    let hidden = mhc::collapse(ctx, &streams, &pre);
     let normed = ctx
         .backend
-        .rms_norm(&hidden, &w.norm, model.norm_eps, Precision::Bf16);
-    let base = ctx.backend.linear_f32(&normed, head, vocab, dim);
+        .rms_norm(&hidden, ctx.norm(&w.norm, Precision::Bf16));
+    let base = ctx.backend.linear_f32(
+        &normed,
+        DenseWeight {
+            values: head,
+            out: vocab,
+            inp: dim,
+        },
+    );
     let heads = MarkovHeads {
         markov_embed: &w.markov_embed,
         markov_head: &w.markov_head,

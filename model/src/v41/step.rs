@@ -11,11 +11,12 @@ use super::trace::ForwardTrace;
 use super::vision::ImageChunk;
 use super::{Model, attention, block, dspark};
 use crate::backend::{
-    Backend, DenseWeight, LogprobPick, MaskedRows, Precision, RowSampling, Tensor,
+    Backend, DenseWeight, LogprobPick, MaskedRows, Precision, RowSampling, StreamShape, Tensor,
 };
 use crate::engram::EngramPart;
 use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
+use crate::layers::mhc;
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
     COMPACT_AFTER, EmbeddedRow, EntryOutput, EntryWant, HeadLogits, StepRows, embedded_streams,
@@ -285,10 +286,11 @@ impl Model {
                 }
             }
             if targets.contains(&l) {
-                taps.push(
-                    ctx.backend
-                        .stream_means_at(&streams, hc, dim, Precision::Bf16),
-                );
+                taps.push(ctx.backend.stream_means_at(
+                    &streams,
+                    StreamShape { hc, dim },
+                    Precision::Bf16,
+                ));
             }
             let forced_routes = trace
                 .as_deref()
@@ -538,16 +540,20 @@ impl Model {
         };
         let mut hidden = Tensor::empty();
         if !needed.is_empty() {
-            let x = ctx.backend.hc_collapse_rows_at(
+            let x = mhc::collapse(
+                ctx,
                 &gather_rows(ctx.backend, streams, needed.iter().copied(), hc * dim),
                 &gather_rows(ctx.backend, pre, needed.iter().copied(), hc),
-                hc,
-                Precision::Bf16,
             );
             hidden = ctx
                 .backend
-                .rms_norm(&x, &self.weights.norm, cfg.norm_eps, Precision::Bf16);
+                .rms_norm(&x, ctx.norm(&self.weights.norm, Precision::Bf16));
         }
+        let head = DenseWeight {
+            values: &self.weights.head,
+            out: vocab,
+            inp: dim,
+        };
         // `needed` is ascending: a row's place in it by binary search.
         let slot = |row: usize| needed.binary_search(&row).ok();
         let logits = match rows_of(wanted, wants, false).next() {
@@ -558,9 +564,7 @@ impl Model {
                     rows_of(wanted, wants, false).filter_map(slot),
                     dim,
                 ),
-                &self.weights.head,
-                vocab,
-                dim,
+                head,
             ),
             None => Tensor::empty(),
         };
@@ -582,11 +586,7 @@ impl Model {
                         rows_of(wanted, wants, true).filter_map(slot),
                         dim,
                     ),
-                    DenseWeight {
-                        values: &self.weights.head,
-                        out: vocab,
-                        inp: dim,
-                    },
+                    head,
                     &sampling,
                 )
                 .map_err(|e| ModelError::Sequence {

@@ -14,7 +14,7 @@ use deepinfer_kernels::ops::linear_fast::{
     FastBf16Weight, PARTS, linear_bf16_fast, linear_bf16_fast_as_if,
 };
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
-use deepinfer_model::backend::{Backend, CpuBackend, Groups, Tensor};
+use deepinfer_model::backend::{Backend, CpuBackend, DenseWeight, Groups, Tensor};
 
 use crate::gpu_support::{Rng, bf16_unit, differing};
 
@@ -169,13 +169,13 @@ fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
         let stats = profile.take();
         (y, stats.get("linear_bf16").map_or(0, |s| s.launches))
     };
-    let bf16_linear = |b: &CudaBackend| {
-        b.linear_bf16(&Tensor::from(x.clone()), &w, out, inp)
-            .into_vec()
+    let weight = DenseWeight {
+        values: &w,
+        out,
+        inp,
     };
-    let reference = cpu
-        .linear_bf16(&Tensor::from(x.clone()), &w, out, inp)
-        .into_vec();
+    let bf16_linear = |b: &CudaBackend| b.linear_bf16(&Tensor::from(x.clone()), weight).into_vec();
+    let reference = cpu.linear_bf16(&Tensor::from(x.clone()), weight).into_vec();
     let (exact_y, exact_launches) = launches(&exact, &bf16_linear);
     assert_eq!(
         differing(&exact_y, &reference),
@@ -195,10 +195,8 @@ fn the_backend_takes_the_fast_bf16_linear_in_fast_numerics_only() {
         fast_launches == 1 && exact_launches >= 2,
         "linear_bf16 launches: exact {exact_launches}, fast {fast_launches} (the fast path is one)"
     );
-    let f32_ref = cpu
-        .linear_f32(&Tensor::from(x.clone()), &w, out, inp)
-        .into_vec();
-    let f32_fast = fast.linear_f32(&Tensor::from(x), &w, out, inp).into_vec();
+    let f32_ref = cpu.linear_f32(&Tensor::from(x.clone()), weight).into_vec();
+    let f32_fast = fast.linear_f32(&Tensor::from(x), weight).into_vec();
     assert_eq!(
         differing(&f32_fast, &f32_ref),
         0,
@@ -314,9 +312,11 @@ fn the_backend_runs_the_grouped_linear_in_one_launch_in_fast_numerics() {
         let alone = fast
             .linear_bf16(
                 &Tensor::from(group_columns(&x, rows, groups, inp, g)),
-                &w[g * out * inp..(g + 1) * out * inp],
-                out,
-                inp,
+                DenseWeight {
+                    values: &w[g * out * inp..(g + 1) * out * inp],
+                    out,
+                    inp,
+                },
             )
             .into_vec();
         let ours: Vec<f32> = (0..rows)

@@ -35,6 +35,9 @@ pub(super) fn fp4_row(w: &Fp4Weight, row: usize, block: &mut Vec<f32>) {
     }
 }
 
+/// Appends weight row `row`, dequantised, to a buffer.
+pub(super) type DequantRow<'a> = &'a dyn Fn(usize, &mut Vec<f32>);
+
 /// Weight rows dequantised at a time by [`dequantised_linear`] (bounds its memory).
 const DEQUANT_ROWS: usize = 256;
 

@@ -93,7 +93,12 @@ impl CudaBackend {
         let fast = self.numerics == Numerics::Fast;
         match w {
             Linear::Dense { out, inp, values } => {
-                self.dense_linear(OP, x, values, (*out, *inp), Rounding::F32, fast)
+                let w = DenseWeight {
+                    values,
+                    out: *out,
+                    inp: *inp,
+                };
+                self.dense_linear(OP, x, w, Rounding::F32, fast)
             }
             Linear::Fp8(w) => match fast_fp8_group(w).filter(|_| fast) {
                 Some(group) => self.fast_linear_f32(OP, x, (w.out, w.inp), group, |a, y| {
@@ -132,13 +137,11 @@ impl CudaBackend {
     pub fn try_linear(
         &self,
         x: &Tensor,
-        w: &[f32],
-        out: usize,
-        inp: usize,
+        w: DenseWeight<'_>,
         output: Rounding,
     ) -> Result<Tensor, CudaBackendError> {
         let fast = self.numerics == Numerics::Fast && output == Rounding::Bf16;
-        self.dense_linear("linear", x, w, (out, inp), output, fast)
+        self.dense_linear("linear", x, w, output, fast)
     }
 
     /// `x · Wᵀ` of a dense weight (at most `out` rows of it, as the CPU reference), rounded at
@@ -147,11 +150,15 @@ impl CudaBackend {
         &self,
         op: &'static str,
         x: &Tensor,
-        w: &[f32],
-        (out, inp): (usize, usize),
+        w: DenseWeight<'_>,
         output: Rounding,
         fast: bool,
     ) -> Result<Tensor, CudaBackendError> {
+        let DenseWeight {
+            values: w,
+            out,
+            inp,
+        } = w;
         let rows = whole_rows(op, x, inp)?;
         let out = out.min(w.len() / inp);
         if rows == 0 || out == 0 {
@@ -193,7 +200,7 @@ impl CudaBackend {
         let rows = whole_rows(OP, x, groups * inp)?;
         if self.numerics != Numerics::Fast {
             return Ok(linear_by_groups(self, x, shape, |inputs, g| {
-                self.linear_bf16(inputs, shape.weight(w, g), out, inp)
+                self.linear_bf16(inputs, shape.weight(w, g))
             }));
         }
         if rows == 0 || out == 0 {
@@ -269,14 +276,13 @@ impl CudaBackend {
     }
 
     /// [`Backend::rms_norm`], with errors.
-    pub fn try_rms_norm(
-        &self,
-        x: &Tensor,
-        weight: &[f32],
-        eps: f32,
-        precision: Precision,
-    ) -> Result<Tensor, CudaBackendError> {
+    pub fn try_rms_norm(&self, x: &Tensor, norm: RmsNorm<'_>) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "rms_norm";
+        let RmsNorm {
+            weight,
+            eps,
+            precision,
+        } = norm;
         let cols = weight.len();
         whole_rows(OP, x, cols)?;
         if x.is_empty() {

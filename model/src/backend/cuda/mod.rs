@@ -108,12 +108,12 @@ use half::bf16;
 use super::select::DeviceRows;
 use super::weights::{ExpertLinear, ExpertWeights, Linear};
 use super::{
-    AttentionQueries, Backend, CandidateMask, Candidates, DenseWeight, DeviceBuffer, ExpertRoute,
-    ExpertSelection, Groups, HcMixes, HcMixing, HcParams, HyperHead, IndexQueries, MaskedRows,
-    MoeLayer, PoolSlot, Precision, QueryKeys, Rotation, RowSampling, SampleRowsError, SelectFrom,
-    SelectPart, Selection, Tensor, check_sample_rows, linear_by_groups, select,
+    AttentionQueries, Backend, CandidateMask, Candidates, DenseWeight, DeviceBuffer,
+    EngramInjection, ExpertRoute, ExpertSelection, Groups, HcCollapse, HcExpand, HcMixes, HcMixing,
+    HcParams, HyperHead, IndexQueries, MaskedRows, MoeLayer, PoolSlot, Precision, QueryKeys,
+    RmsNorm, Rotation, Routing, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection,
+    StreamShape, Tensor, check_sample_rows, linear_by_groups, select,
 };
-use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;
 use crate::weights::{Fp4Weight, Fp8Weight};
 
@@ -877,10 +877,8 @@ impl Backend for CudaBackend {
         self.run("gemm_fp4", || self.try_gemm_fp4(x, w))
     }
 
-    fn linear_bf16(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
-        self.run("linear_bf16", || {
-            self.try_linear(x, w, out, inp, Rounding::Bf16)
-        })
+    fn linear_bf16(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor {
+        self.run("linear_bf16", || self.try_linear(x, w, Rounding::Bf16))
     }
 
     fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor {
@@ -889,10 +887,8 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn linear_f32(&self, x: &Tensor, w: &[f32], out: usize, inp: usize) -> Tensor {
-        self.run("linear_f32", || {
-            self.try_linear(x, w, out, inp, Rounding::F32)
-        })
+    fn linear_f32(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor {
+        self.run("linear_f32", || self.try_linear(x, w, Rounding::F32))
     }
 
     fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
@@ -907,8 +903,8 @@ impl Backend for CudaBackend {
         self.run("linear", || self.try_linear_v4(x, w))
     }
 
-    fn rms_norm(&self, x: &Tensor, weight: &[f32], eps: f32, precision: Precision) -> Tensor {
-        self.run("rms_norm", || self.try_rms_norm(x, weight, eps, precision))
+    fn rms_norm(&self, x: &Tensor, norm: RmsNorm<'_>) -> Tensor {
+        self.run("rms_norm", || self.try_rms_norm(x, norm))
     }
 
     fn rope(&self, x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor {
@@ -933,28 +929,14 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn hc_collapse_rows_at(
-        &self,
-        x: &Tensor,
-        weights: &Tensor,
-        hc: usize,
-        precision: Precision,
-    ) -> Tensor {
+    fn hc_collapse_rows_at(&self, x: &Tensor, collapse: HcCollapse<'_>) -> Tensor {
         self.run("hc_collapse_rows_at", || {
-            self.try_hc_collapse_rows(x, weights, hc, precision)
+            self.try_hc_collapse_rows(x, collapse)
         })
     }
 
-    fn hc_expand_rows_at(
-        &self,
-        y: &Tensor,
-        residual: &Tensor,
-        mixes: &HcMixes,
-        precision: Precision,
-    ) -> Tensor {
-        self.run("hc_expand_rows_at", || {
-            self.try_hc_expand_rows(y, residual, mixes, precision)
-        })
+    fn hc_expand_rows_at(&self, y: &Tensor, expand: HcExpand<'_>) -> Tensor {
+        self.run("hc_expand_rows_at", || self.try_hc_expand_rows(y, expand))
     }
 
     fn sparse_attention_rows_at(
@@ -1046,16 +1028,8 @@ impl Backend for CudaBackend {
         Ok(self.run("sample_linear", || self.try_sample_linear(x, head, rows)))
     }
 
-    fn route_experts(
-        &self,
-        logits: &Tensor,
-        bias: &[f32],
-        selection: ExpertSelection<'_>,
-        route_scale: f32,
-    ) -> Vec<ExpertRoute> {
-        self.run("route_experts", || {
-            self.try_route_experts(logits, bias, selection, route_scale)
-        })
+    fn route_experts(&self, logits: &Tensor, routing: Routing<'_>) -> Vec<ExpertRoute> {
+        self.run("route_experts", || self.try_route_experts(logits, routing))
     }
 
     // Engram hashing is not a backend op: its inputs are the step's token ids, which are on the
@@ -1097,12 +1071,11 @@ impl Backend for CudaBackend {
     fn stream_means_at(
         &self,
         streams: &Tensor,
-        hc: usize,
-        dim: usize,
+        shape: StreamShape,
         precision: Precision,
     ) -> Tensor {
         self.run("stream_means_at", || {
-            self.try_stream_means(streams, hc, dim, precision)
+            self.try_stream_means(streams, shape, precision)
         })
     }
 
@@ -1112,15 +1085,9 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn engram_inject(
-        &self,
-        streams: Tensor,
-        kv: &Tensor,
-        live: &[usize],
-        gate: &EngramGate,
-    ) -> Tensor {
+    fn engram_inject(&self, streams: Tensor, injection: EngramInjection<'_>) -> Tensor {
         self.run("engram_inject", || {
-            self.try_engram_inject(streams, kv, live, gate)
+            self.try_engram_inject(streams, injection)
         })
     }
 

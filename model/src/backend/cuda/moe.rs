@@ -144,7 +144,12 @@ impl CudaBackend {
     ) -> Result<(CudaSlice<u32>, CudaSlice<f32>, usize), CudaBackendError> {
         let n_experts = layer.bias.len();
         let dim = layer.gate.len() / n_experts;
-        let logits = self.try_linear(x, layer.gate, n_experts, dim, Rounding::F32)?;
+        let gate = DenseWeight {
+            values: layer.gate,
+            out: n_experts,
+            inp: dim,
+        };
+        let logits = self.try_linear(x, gate, Rounding::F32)?;
         let dbias = self.cached_f32(op, layer.bias)?;
         // A hash layer's experts of every row, checked and uploaded (the router reads each named
         // expert's score: every id must name one).

@@ -72,11 +72,14 @@ impl CudaBackend {
     pub fn try_hc_collapse_rows(
         &self,
         x: &Tensor,
-        weights: &Tensor,
-        hc: usize,
-        precision: Precision,
+        collapse: HcCollapse<'_>,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "hc_collapse_rows";
+        let HcCollapse {
+            weights,
+            hc,
+            precision,
+        } = collapse;
         if hc == 0 || !weights.len().is_multiple_of(hc) {
             return Err(shape_err(
                 OP,
@@ -102,12 +105,11 @@ impl CudaBackend {
         let stream_len = x.len() / (tokens * hc);
         if tokens > MAX_TOKENS_PER_LAUNCH {
             return self.join_rows(tokens, stream_len, |rows| {
-                self.try_hc_collapse_rows(
-                    &x.rows(rows.clone(), hc * stream_len),
-                    &weights.rows(rows, hc),
-                    hc,
-                    precision,
-                )
+                let part = HcCollapse {
+                    weights: &weights.rows(rows.clone(), hc),
+                    ..collapse
+                };
+                self.try_hc_collapse_rows(&x.rows(rows, hc * stream_len), part)
             });
         }
         let dx = self.input(OP, x)?;
@@ -123,11 +125,14 @@ impl CudaBackend {
     pub fn try_hc_expand_rows(
         &self,
         y: &Tensor,
-        residual: &Tensor,
-        mixes: &HcMixes,
-        precision: Precision,
+        expand: HcExpand<'_>,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "hc_expand_rows";
+        let HcExpand {
+            residual,
+            mixes,
+            precision,
+        } = expand;
         let (hc, tokens) = (mixes.hc, mixes.tokens());
         if tokens == 0 {
             return if y.is_empty() && residual.is_empty() {
@@ -162,12 +167,12 @@ impl CudaBackend {
                     hc,
                     values: mixes.values.rows(rows.clone(), mixes.width()),
                 };
-                self.try_hc_expand_rows(
-                    &y.rows(rows.clone(), dim),
-                    &residual.rows(rows, hc * dim),
-                    &part,
+                let expand = HcExpand {
+                    residual: &residual.rows(rows.clone(), hc * dim),
+                    mixes: &part,
                     precision,
-                )
+                };
+                self.try_hc_expand_rows(&y.rows(rows, dim), expand)
             });
         }
         let coefficients = mixes.post_comb(self);

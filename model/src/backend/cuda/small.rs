@@ -11,7 +11,6 @@ use deepinfer_kernels::ops::rows::{
 use deepinfer_kernels::ops::movement::add_f32;
 
 use super::*;
-use crate::engram::gate::EngramGate;
 
 impl CudaBackend {
     /// [`Backend::scale_at`], with errors: in place when `x` is the only holder of its buffer.
@@ -35,11 +34,11 @@ impl CudaBackend {
     pub fn try_stream_means(
         &self,
         streams: &Tensor,
-        hc: usize,
-        dim: usize,
+        shape: StreamShape,
         precision: Precision,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "stream_means";
+        let StreamShape { hc, dim } = shape;
         if hc == 0 || dim == 0 || streams.is_empty() {
             return Ok(Tensor::empty());
         }
@@ -132,11 +131,10 @@ impl CudaBackend {
     pub fn try_engram_inject(
         &self,
         streams: Tensor,
-        kv: &Tensor,
-        live: &[usize],
-        gate: &EngramGate,
+        injection: EngramInjection<'_>,
     ) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "engram_inject";
+        let EngramInjection { kv, live, gate } = injection;
         if live.is_empty() {
             return Ok(streams);
         }

@@ -241,11 +241,14 @@ impl CudaBackend {
     pub fn try_route_experts(
         &self,
         logits: &Tensor,
-        bias: &[f32],
-        selection: ExpertSelection<'_>,
-        route_scale: f32,
+        routing: Routing<'_>,
     ) -> Result<Vec<ExpertRoute>, CudaBackendError> {
         const OP: &str = "route_experts";
+        let Routing {
+            bias,
+            selection,
+            route_scale,
+        } = routing;
         let n_experts = bias.len();
         if n_experts == 0 || logits.len() < n_experts {
             return Ok(Vec::new());

@@ -5,7 +5,7 @@
 
 use super::VIT_NORM_EPS;
 use super::preprocess::ImageGrid;
-use crate::backend::{Backend, Precision, Tensor};
+use crate::backend::{Backend, Precision, RmsNorm, Tensor};
 use crate::checkpoint::Checkpoint;
 use crate::config::VisionConfig;
 use crate::error::ModelError;
@@ -121,27 +121,15 @@ impl VitWeights {
         let rope = VisionRope::new(grid, dim / self.n_heads, self.rope_theta);
         let mut x = self.patch_embed.apply(patches);
         for block in &self.blocks {
-            let h = backend.rms_norm(
-                &Tensor::from(&x),
-                &block.norm1,
-                VIT_NORM_EPS,
-                Precision::Bf16,
-            );
+            let h = backend.rms_norm(&Tensor::from(&x), vit_norm(&block.norm1));
             let attn = block.wo.apply(&self.attention(block, &h, &rope));
             add_bf16(&mut x, &attn);
-            let h = backend.rms_norm(
-                &Tensor::from(&x),
-                &block.norm2,
-                VIT_NORM_EPS,
-                Precision::Bf16,
-            );
+            let h = backend.rms_norm(&Tensor::from(&x), vit_norm(&block.norm2));
             let gate_up = block.w1.apply(&h);
             let mlp = block.w2.apply(&swiglu(&gate_up, block.w2.inp));
             add_bf16(&mut x, &mlp);
         }
-        backend
-            .rms_norm(&x.into(), &self.norm, VIT_NORM_EPS, Precision::Bf16)
-            .into_vec()
+        backend.rms_norm(&x.into(), vit_norm(&self.norm)).into_vec()
     }
 
     /// Full bidirectional multi-head attention of normed rows `h [n, dim]` → `[n, dim]` bf16.
@@ -188,6 +176,15 @@ impl VitWeights {
             }
         }
         out
+    }
+}
+
+/// The tower's RMSNorm by `weight` (its own eps, bf16 outputs).
+fn vit_norm(weight: &[f32]) -> RmsNorm<'_> {
+    RmsNorm {
+        weight,
+        eps: VIT_NORM_EPS,
+        precision: Precision::Bf16,
     }
 }
 
