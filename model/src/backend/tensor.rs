@@ -21,6 +21,12 @@ pub trait DeviceBuffer: Send + Sync + fmt::Debug {
     /// Copies `len` values from `offset` to the host (a device failure has no error channel here,
     /// like a [`super::Backend`] op: it panics naming the copy).
     fn download(&self, offset: usize, len: usize) -> Vec<f32>;
+    /// The device address of the buffer's first value, where the backend reads rows by address
+    /// (key tables): every view keeps it ([`DeviceView::address`]), so a row's address is found
+    /// without touching the buffer. `None` (the default) for buffers read otherwise.
+    fn device_address(&self) -> Option<u64> {
+        None
+    }
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
@@ -30,6 +36,16 @@ pub trait DeviceBuffer: Send + Sync + fmt::Debug {
 pub struct DeviceView {
     pub buffer: Arc<dyn DeviceBuffer>,
     pub offset: usize,
+    /// `buffer.device_address()`, read once when the buffer became a tensor.
+    base: Option<u64>,
+}
+
+impl DeviceView {
+    /// The device address of value `offset` of the view (f32 values), when its buffer has one.
+    pub fn address(&self, offset: usize) -> Option<u64> {
+        let bytes = (self.offset + offset) * std::mem::size_of::<f32>();
+        self.base.map(|base| base + bytes as u64)
+    }
 }
 
 /// Row-major f32 values on the host or on a device ([module docs](self)).
@@ -58,9 +74,14 @@ impl Tensor {
             "a device tensor of {len} values at {offset} passes the end of its {}-value buffer",
             buffer.len()
         );
+        let base = buffer.device_address();
         Tensor {
             len,
-            device: Some(DeviceView { buffer, offset }),
+            device: Some(DeviceView {
+                buffer,
+                offset,
+                base,
+            }),
             host: OnceLock::new(),
         }
     }
@@ -147,6 +168,7 @@ impl Tensor {
             device: self.device.as_ref().map(|view| DeviceView {
                 buffer: view.buffer.clone(),
                 offset: view.offset + range.start,
+                base: view.base,
             }),
             host,
         }
@@ -292,6 +314,47 @@ mod tests {
         owned.host_mut()[0] = -1.0;
         assert!(owned.device_view().is_none());
         assert_eq!((owned[0], t[0]), (-1.0, 2.0));
+    }
+
+    /// A buffer with a device address, as the CUDA backend's.
+    #[derive(Debug)]
+    struct Addressed(usize);
+
+    impl DeviceBuffer for Addressed {
+        fn len(&self) -> usize {
+            self.0
+        }
+        fn download(&self, _offset: usize, len: usize) -> Vec<f32> {
+            vec![0.0; len]
+        }
+        fn device_address(&self) -> Option<u64> {
+            Some(0x7f00_0000_1000)
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+
+    #[test]
+    fn views_keep_their_buffers_address_at_their_offset() {
+        let t = Tensor::device(Arc::new(Addressed(64)), 4, 40);
+        let row = t.rows(2..3, 8).range(3..8);
+        let view = row.device_view().expect("a view");
+        assert_eq!(view.offset, 4 + 16 + 3);
+        assert_eq!(view.address(0), Some(0x7f00_0000_1000 + 4 * 23));
+        assert_eq!(view.address(2), Some(0x7f00_0000_1000 + 4 * 25));
+        let counted = Tensor::device(
+            Arc::new(Counted {
+                values: vec![0.0; 8],
+                downloads: Arc::default(),
+            }),
+            0,
+            8,
+        );
+        assert_eq!(counted.device_view().and_then(|v| v.address(1)), None);
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //! weight bytes per second against the 4.28 TB/s copy rate. Each variant's output is compared
 //! with the production launch's: with the production's K parts it must have the same bits (the
 //! tile never changes a sum), with other parts it is another sum order and is only reported.
+//! Then the prefill tiles (64 and 128 token rows, M = 1024, the production's K parts) on the first
+//! shape: TFLOP/s against the FP8 peak, bits checked the same way.
 
 use anyhow::{Context, Result, bail};
 use deepinfer_kernels::KernelRuntime;
@@ -39,20 +41,31 @@ const HBM_BYTES_PER_S: f64 = 4.28e12;
 /// Rows printed per shape and M (fastest first), besides the production's.
 const SHOWN: usize = 8;
 
-/// Every tile of the sweep that fits the shared memory.
-fn shapes() -> Vec<TileShape> {
+/// The prefill sweep: token rows, warps, stages and codes per stage tried at [`PREFILL_M`].
+const PREFILL_TOKENS: [u32; 2] = [64, 128];
+const PREFILL_WARPS: [u32; 2] = [4, 8];
+const PREFILL_STAGES: [u32; 2] = [2, 3];
+const PREFILL_STEPS: [u32; 2] = [128, 256];
+const PREFILL_M: usize = 1024;
+/// The FP8 tensor-core peak of the H200 (`torch._scaled_mm` 4096³, ../shared/tools/gpu.md).
+const FP8_PEAK_FLOPS: f64 = 1216e12;
+
+/// Every tile of `tokens` × `warps` × `stages` × `steps` that fits the shared memory.
+fn shapes(tokens: &[u32], warps: &[u32], stages: &[u32], steps: &[u32]) -> Vec<TileShape> {
     let mut shapes = Vec::new();
-    for warps in WARPS {
-        for stages in STAGES {
-            for step in STEPS {
-                let shape = TileShape {
-                    tokens: 8,
-                    warps,
-                    stages,
-                    step,
-                };
-                if fp8_shared_bytes(ActGroup::G32, shape) <= MAX_SHARED {
-                    shapes.push(shape);
+    for &tokens in tokens {
+        for &warps in warps {
+            for &stages in stages {
+                for &step in steps {
+                    let shape = TileShape {
+                        tokens,
+                        warps,
+                        stages,
+                        step,
+                    };
+                    if fp8_shared_bytes(ActGroup::G32, shape) <= MAX_SHARED {
+                        shapes.push(shape);
+                    }
                 }
             }
         }
@@ -61,7 +74,10 @@ fn shapes() -> Vec<TileShape> {
 }
 
 fn kernel_name(shape: TileShape) -> String {
-    format!("sweep_w{}_s{}_k{}", shape.warps, shape.stages, shape.step)
+    format!(
+        "sweep_b{}_w{}_s{}_k{}",
+        shape.tokens, shape.warps, shape.stages, shape.step
+    )
 }
 
 /// Compiles every tile of `shapes` in one generated source and loads them as variants (span
@@ -139,7 +155,7 @@ struct Measured {
 
 /// Runs the sweep and prints a table per shape and M.
 pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
-    let tiles = shapes();
+    let tiles = shapes(&[8], &WARPS, &STAGES, &STEPS);
     let mut variants = build(rt, &tiles)?;
     let ms: &[usize] = if quick { &[1] } else { &[1, 8] };
     println!(
@@ -210,6 +226,81 @@ pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
                 bail!("{name} M = {m}: a tile changed the bits of the production's K split");
             }
         }
+    }
+    prefill(rt, timer)
+}
+
+/// The prefill tiles at M = [`PREFILL_M`] on the first shape, with the production's K parts:
+/// each build's time, TFLOP/s and bits beside the production launch's.
+fn prefill(rt: &KernelRuntime, timer: &mut Timer) -> Result<()> {
+    let tiles = shapes(
+        &PREFILL_TOKENS,
+        &PREFILL_WARPS,
+        &PREFILL_STAGES,
+        &PREFILL_STEPS,
+    );
+    let mut variants = build(rt, &tiles)?;
+    let (name, n, k) = SHAPES[0];
+    let m = PREFILL_M;
+    let weight = FastFp8Weight::upload(
+        rt,
+        n,
+        k,
+        32,
+        &random_bytes(0, n * k, true),
+        &scale_bytes(n.div_ceil(32) * k.div_ceil(32)),
+    )?;
+    let weights = std::slice::from_ref(&weight);
+    let x = activations(rt, m, k)?;
+    let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
+    let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
+    gemm_fp8_fast(rt, &a, &weight, &mut y)?;
+    let production_bits = bits(rt, &y)?;
+    let production_span = k_parts(n, k).0;
+    let mut rows = vec![Measured {
+        label: "production".to_string(),
+        parts: k.div_ceil(production_span),
+        micros: time_launches(rt, timer, |_| Ok(gemm_fp8_fast(rt, &a, &weight, &mut y)?))?,
+        same_bits: Some(true),
+    }];
+    for (shape, variant) in &mut variants {
+        if !production_span.is_multiple_of(shape.step as usize) {
+            continue;
+        }
+        variant.span = production_span;
+        let mut row = measure(rt, timer, (&a, weights, &mut y), variant, |bits| {
+            Some(*bits == production_bits)
+        })?;
+        row.label = format!("b{} {}", shape.tokens, row.label);
+        rows.push(row);
+    }
+    let flops = 2.0 * (m * n * k) as f64;
+    let production = rows[0].micros;
+    rows.sort_by(|a, b| a.micros.total_cmp(&b.micros));
+    println!(
+        "\nfast FP8 GEMM prefill tiles: {name}, M = {m} ({} builds; production {production:.1} µs)",
+        variants.len()
+    );
+    println!("| tile | parts | µs | TFLOP/s | % of FP8 peak | bits |");
+    println!("|---|--:|--:|--:|--:|:-:|");
+    for r in rows.iter().take(2 * SHOWN) {
+        let rate = flops / (r.micros * 1e-6);
+        println!(
+            "| {} | {} | {:.1} | {:.0} | {:.1}% | {} |",
+            r.label,
+            r.parts,
+            r.micros,
+            rate / 1e12,
+            100.0 * rate / FP8_PEAK_FLOPS,
+            if r.same_bits == Some(true) {
+                "="
+            } else {
+                "≠"
+            }
+        );
+    }
+    if rows.iter().any(|r| r.same_bits == Some(false)) {
+        bail!("{name} M = {m}: a prefill tile changed the bits of the production's K split");
     }
     Ok(())
 }

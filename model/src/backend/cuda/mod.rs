@@ -376,6 +376,10 @@ impl DeviceBuffer for CudaBuffer {
             .unwrap_or_else(|err| panic!("CUDA backend: copying a tensor to the host: {err}"))
     }
 
+    fn device_address(&self) -> Option<u64> {
+        Some(self.data.device_ptr(&self.stream).0)
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }
@@ -770,11 +774,18 @@ impl CudaBackend {
                 format!("{len} values at {offset} of a {}-value tensor", t.len()),
             ));
         }
-        if let Some(view) = t.device_view()
-            && let Some(buffer) = view.buffer.as_any().downcast_ref::<CudaBuffer>()
-        {
-            return key_row_address(&self.rt, &buffer.data, view.offset + offset, len)
-                .map_err(op_err(op));
+        if let Some(view) = t.device_view() {
+            // Only this backend's buffers have an address; the view's keeps the table's work
+            // to the tensors' own fields (a B = 64 step lists ~40k keys, each in its own buffer).
+            if len > 0
+                && let Some(address) = view.address(offset)
+            {
+                return Ok(address);
+            }
+            if let Some(buffer) = view.buffer.as_any().downcast_ref::<CudaBuffer>() {
+                return key_row_address(&self.rt, &buffer.data, view.offset + offset, len)
+                    .map_err(op_err(op));
+            }
         }
         let host = t.as_host();
         let key = (host.as_ptr() as usize, host.len());
