@@ -6,9 +6,8 @@
 //! the CPU's bf16 GEMM order, but deterministic and batch invariant: K is cut into [`PARTS`] parts
 //! by `inp` alone, each summed in K order, the parts added in order, and the tile chosen by the
 //! shape ([`FastLinearTile`]: three decode tiles, a wide prefill tile) never changes an output's
-//! arithmetic. A
-//! grouped weight ([`FastBf16Weight::upload_grouped`]: `wo_a`'s 8 groups) runs its groups as
-//! independent linears in one launch (grid z), each group bitwise its linear alone.
+//! arithmetic. A grouped weight ([`FastBf16Weight::upload_grouped`]: `wo_a`'s 8 groups) runs its
+//! groups as independent linears in one launch (grid z), each group bitwise its linear alone.
 //!
 //! Error bound against the exact value (f64) of the bf16 operands — what the GPU tests assert:
 //! with `S = Σ_k |x_k w_k|`, the products are exact in fp32; each mma step adds 16 of them to the
@@ -119,13 +118,17 @@ pub enum FastLinearTile {
     Wide,
 }
 
-/// Dynamic shared memory of the wide tile (`linear_fast::WIDE_SHARED_BYTES`: the running totals,
-/// 128 slots of 4 bytes per thread, and 3 stages of 128 x rows of 32 f32 and 256 weight rows of
-/// 32 bf16).
+/// Dynamic shared memory of the wide tile (`linear_fast::WIDE_SHARED_BYTES`): the running totals
+/// (128 f32 a thread, 256 threads), then 3 stages of a chunk each (128 rows of x, 32 f32 each,
+/// and 256 weight rows, 32 bf16 each).
 pub const WIDE_SHARED_BYTES: u32 = 128 * 4 * 256 + 3 * (128 * 32 * 4 + 256 * 32 * 2);
 /// The wide tile needs this many blocks (row tiles × column tiles × groups) to be taken: below,
 /// [`FastLinearTile::T4x2`]'s many blocks use more of the device.
 const WIDE_MIN_BLOCKS: usize = 32;
+const _: () = assert!(
+    WIDE_SHARED_BYTES <= 227 * 1024,
+    "a block's shared memory on sm_90 and sm_100"
+);
 
 impl FastLinearTile {
     pub const ALL: [FastLinearTile; 4] = [
@@ -308,7 +311,6 @@ mod tests {
         // The wide tile's shared memory: 224 KiB, under the 227 KiB a block may opt into on
         // sm_90 and sm_100; only it asks for dynamic shared memory.
         assert_eq!(WIDE_SHARED_BYTES, 224 * 1024);
-        assert!(WIDE_SHARED_BYTES <= 227 * 1024);
         for id in KernelId::ALL {
             let wide = id == KernelId::LinearBf16FastWide;
             assert_eq!(dynamic_shared_bytes(id).is_some(), wide, "{}", id.symbol());
