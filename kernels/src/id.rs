@@ -208,8 +208,10 @@ pub enum KernelId {
     LinearBf16FastT1x1,
     /// The `fast` bf16 linear, 2 x 2 mma tiles per warp (17 to 64 rows).
     LinearBf16FastT2x2,
-    /// The `fast` bf16 linear, 4 x 2 mma tiles per warp (more rows).
+    /// The `fast` bf16 linear, 4 x 2 mma tiles per warp (more rows, too few for the wide tile).
     LinearBf16FastT4x2,
+    /// The `fast` bf16 linear's prefill tile: 128 x 256 outputs a block, each warp all of K.
+    LinearBf16FastWide,
     /// The pairwise tree over the block partials of `LinearSgemmF32`.
     LinearSgemmReduceF32,
     /// Rows of an FP8 weight dequantised to f32.
@@ -310,7 +312,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 91] = [
+    pub const ALL: [KernelId; 92] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -355,6 +357,7 @@ impl KernelId {
         KernelId::LinearBf16FastT1x1,
         KernelId::LinearBf16FastT2x2,
         KernelId::LinearBf16FastT4x2,
+        KernelId::LinearBf16FastWide,
         KernelId::LinearSgemmReduceF32,
         KernelId::DequantFp8RowsF32,
         KernelId::DequantFp4RowsF32,
@@ -451,6 +454,7 @@ impl KernelId {
             KernelId::LinearBf16FastT1x1 => "linear_bf16_fast_t1x1",
             KernelId::LinearBf16FastT2x2 => "linear_bf16_fast_t2x2",
             KernelId::LinearBf16FastT4x2 => "linear_bf16_fast_t4x2",
+            KernelId::LinearBf16FastWide => "linear_bf16_fast_wide",
             KernelId::LinearSgemmReduceF32 => "linear_sgemm_reduce_f32",
             KernelId::DequantFp8RowsF32 => "dequant_fp8_rows_f32",
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
@@ -510,6 +514,7 @@ impl KernelId {
             KernelId::LinearBf16FastT1x1
             | KernelId::LinearBf16FastT2x2
             | KernelId::LinearBf16FastT4x2
+            | KernelId::LinearBf16FastWide
             | KernelId::SparseAttentionSinkRowsPtrFast => true,
             id => id.source() == SourceFile::GemmFast,
         }
@@ -559,6 +564,7 @@ impl KernelId {
             | KernelId::LinearBf16FastT1x1
             | KernelId::LinearBf16FastT2x2
             | KernelId::LinearBf16FastT4x2
+            | KernelId::LinearBf16FastWide
             | KernelId::LinearSgemmReduceF32
             | KernelId::DequantFp8RowsF32
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
@@ -635,7 +641,7 @@ mod tests {
     }
 
     /// The tensor-core kernels are the `fast` ones (named so), less the part reduction of the
-    /// fast GEMMs (plain fp32 adds): 20 of them.
+    /// fast GEMMs (plain fp32 adds): 25 of them.
     #[test]
     fn tensor_core_kernels_are_the_fast_kernels_but_the_reduction() {
         for id in KernelId::ALL {
@@ -646,7 +652,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 24);
+        assert_eq!(count, 25);
     }
 
     #[test]

@@ -94,3 +94,24 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const u32_t (&a)[4], u32
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// Asynchronous global -> shared copies (cp.async) of the staged tensor-core kernels
+// (gemm/gemm_fast.cuh, linear/linear_fast.cuh); an invalid copy reads nothing and zero-fills.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
+    const u32_t bytes = valid ? 16u : 0u;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
+    const u32_t bytes = valid ? 4u : 0u;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}

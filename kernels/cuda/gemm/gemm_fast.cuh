@@ -56,25 +56,6 @@ namespace fastgemm {
 
 constexpr u32_t STEP_K = 128;  // K codes of one weight chunk
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
-    const u32_t bytes = valid ? 16u : 0u;  // 0: zero-fill, nothing read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-    const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
-    const u32_t bytes = valid ? 4u : 0u;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
-}
-
 // 16 / 8 bytes of global memory that no thread writes during the kernel, read once: through the
 // non-coherent path and not kept in L1 (the weights streamed by the direct tile).
 __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {

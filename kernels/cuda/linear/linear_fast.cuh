@@ -2,20 +2,29 @@
 // bf16 operands, fp32 accumulation): the V4.1 linears the reference runs in bf16 (the grouped
 // wo_a, the compressor and indexer projections) and V4's dense projections (f32 out).
 //
-// K is read in chunks of CHUNK = 32: lane (g, q) (g = lane / 4, q = lane % 4) loads the 8
-// consecutive k values [8q, 8q + 8) of its weight row and of its x rows (one 16-byte load of
-// bf16 weights), and the chunk is two mma steps, step s taking k [8q + 4s, 8q + 4s + 4) into the
-// fragment slots (2q, 2q + 1, 2q + 8, 2q + 9). A and B use the same slot map, so each step is the
-// dot product of 16 distinct k of the chunk: the order of K is fixed by the kernel alone.
-// A block is PARTS warps; warp w sums the chunks [w C / PARTS, (w + 1) C / PARTS) (C = chunks of
-// inp) from zero in K order, and the PARTS partial sums are added in warp order. Each output's
-// arithmetic therefore depends on inp alone — never on the rows of the launch or on the tile
-// (MT x NT mma tiles of 16 rows x 8 columns per warp), which only changes how many outputs a
-// warp carries: deterministic and batch invariant.
+// The arithmetic of an output, the same in every tile. K is read in chunks of CHUNK = 32: lane
+// (g, q) (g = lane / 4, q = lane % 4) takes the 8 consecutive k values [8q, 8q + 8) of the
+// chunk in its weight row and x rows, and the chunk is two mma steps, step s taking k
+// [8q + 4s, 8q + 4s + 4) into the fragment slots (2q, 2q + 1, 2q + 8, 2q + 9). A and B use the
+// same slot map, so each step is the dot product of 16 distinct k of the chunk. K is cut into
+// PARTS parts, part p the chunks [p C / PARTS, (p + 1) C / PARTS) (C = chunks of inp), each
+// summed from zero in K order; then total = part 0, total += part 1, ... in part order (fp32),
+// rounded to bf16 when asked. An output sits at the same place of its 16 x 8 mma tile in every
+// tile (tiles start at multiples of 16 rows and 8 columns). So an output's bits depend on inp
+// alone — never on the rows of the launch or on the tile: deterministic and batch invariant.
+//
+// The tiles. linear_bf16<MT, NT> (decode): a block is PARTS warps, all on the same MT x NT mma
+// tiles (16 rows x 8 columns each), warp w summing part w; the block adds the PARTS partial sums
+// through shared memory in warp order. linear_bf16_wide (prefill): a block of WIDE_ROWS x
+// WIDE_COLS outputs, each warp WIDE_MT x WIDE_NT mma tiles (32 rows x 128 columns) of them over
+// all of K: part by part, the part's chunks staged in shared memory by cp.async (WIDE_STAGES
+// chunks in flight; x as f32, converted to bf16 when the fragments are read), the part's sum in
+// registers added to the running total, which waits in shared memory (one slot per thread and
+// output: no synchronisation).
 //
 // w is bf16 [out, stride] with stride = inp rounded up to CHUNK (zero padding), x f32 [rows, inp]
-// converted to bf16 (round to nearest even: exact for V4.1's bf16 values; V4's f32 rounded),
-// y f32 storage, rounded to bf16 when p.round_bf16.
+// converted to bf16 (round to nearest even: exact for V4.1's bf16 values; V4's f32 rounded; zero
+// past inp and for rows past `rows`), y f32 storage, rounded to bf16 when p.round_bf16.
 //
 // Groups (grid.z, the grouped wo_a): group g is an independent linear of p.out rows of w (rows
 // [g p.out, (g + 1) p.out)) over the columns [g p.inp, (g + 1) p.inp) of x [rows, groups p.inp]
@@ -52,7 +61,8 @@ __device__ __forceinline__ void load_x8(const float* x, size_t x_stride, u32_t r
     }
 }
 
-// One warp's MT x NT tiles over its K part, then the block's part sums in warp order.
+// The decode tile: one warp's MT x NT tiles over its K part, then the block's part sums in warp
+// order.
 template <int MT, int NT>
 __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, float* y, LinearParams p) {
     __shared__ float partials[PARTS][MT * 16][NT * 8];
@@ -136,6 +146,150 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
         for (int part = 1; part < PARTS; ++part) sum += partials[part][r][c];
         y[static_cast<size_t>(row) * y_stride + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
     }
+}
+
+// The prefill tile (layout of its dynamic shared memory: the running totals, then the stages).
+constexpr int WIDE_MT = 2, WIDE_NT = 16;  // mma tiles per warp: 32 rows x 128 columns
+constexpr u32_t WIDE_ROWS = 4 * WIDE_MT * 16, WIDE_COLS = 2 * WIDE_NT * 8;  // warps 4 x 2
+constexpr int WIDE_STAGES = 3;
+constexpr u32_t WIDE_OUTPUTS = WIDE_MT * WIDE_NT * 4;  // per thread
+constexpr u32_t WIDE_TOTAL_BYTES = WIDE_OUTPUTS * THREADS * 4;
+// A stage: x [WIDE_ROWS][CHUNK] f32, then w [WIDE_COLS][CHUNK] bf16, rows of 128 and 64 bytes.
+// The 16-byte x segment s of row r sits at segment s ^ (r & 1): the fragment loads (rows g and
+// g + 1 of a quarter warp, segments 2q or 2q + 1) hit distinct banks.
+constexpr u32_t WIDE_X_BYTES = WIDE_ROWS * CHUNK * 4, WIDE_W_BYTES = WIDE_COLS * CHUNK * 2;
+constexpr u32_t WIDE_STAGE_BYTES = WIDE_X_BYTES + WIDE_W_BYTES;
+constexpr u32_t WIDE_SHARED_BYTES = WIDE_TOTAL_BYTES + WIDE_STAGES * WIDE_STAGE_BYTES;
+static_assert(WIDE_SHARED_BYTES == 224 * 1024, "the launch's shared memory: ops/linear_fast.rs WIDE_SHARED_BYTES");
+
+// Stages chunk c of the block's x rows (zero past p.rows and p.inp) and weight rows (zero past
+// p.out; the padding of a row is zero) into `stage`, 16 bytes a copy (4 when inp is not a
+// multiple of 4: the rows are then not 16-byte aligned).
+__device__ __forceinline__ void wide_stage(u8_t* stage, const float* x, size_t x_stride, const uint4* w, u32_t chunks,
+                                           u32_t row0, u32_t col0, u32_t c, const LinearParams& p) {
+    constexpr u32_t X_SEGMENTS = CHUNK / 4, W_SEGMENTS = CHUNK / 8;  // 16-byte copies per row
+    static_assert(WIDE_ROWS * X_SEGMENTS % THREADS == 0 && WIDE_COLS * W_SEGMENTS % THREADS == 0);
+#pragma unroll
+    for (u32_t j = 0; j < WIDE_ROWS * X_SEGMENTS / THREADS; ++j) {
+        const u32_t i = threadIdx.x + j * THREADS, r = i / X_SEGMENTS, s = i % X_SEGMENTS;
+        const u32_t row = row0 + r, k = c * CHUNK + 4 * s;
+        u8_t* dst = stage + r * (CHUNK * 4) + ((s ^ (r & 1)) * 16);
+        const float* src = x + static_cast<size_t>(row < p.rows ? row : 0) * x_stride + k;
+        if ((p.inp & 3u) == 0) {
+            const bool ok = row < p.rows && k < p.inp;
+            cp_async16(dst, ok ? src : x, ok);
+        } else {
+#pragma unroll
+            for (u32_t e = 0; e < 4; ++e) {
+                const bool ok = row < p.rows && k + e < p.inp;
+                cp_async4(dst + 4 * e, ok ? src + e : x, ok);
+            }
+        }
+    }
+#pragma unroll
+    for (u32_t j = 0; j < WIDE_COLS * W_SEGMENTS / THREADS; ++j) {
+        const u32_t i = threadIdx.x + j * THREADS, n = i / W_SEGMENTS, s = i % W_SEGMENTS, col = col0 + n;
+        const bool ok = col < p.out;
+        cp_async16(stage + WIDE_X_BYTES + n * (CHUNK * 2) + s * 16,
+                   ok ? w + static_cast<size_t>(col) * chunks * 4 + c * 4 + s : w, ok);
+    }
+}
+
+// The prefill tile: warp (wr, wc) = (warp % 4, warp / 4) computes rows [32 wr, 32 wr + 32) x
+// columns [128 wc, 128 wc + 128) of the block's outputs.
+__device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w, float* y, LinearParams p) {
+    extern __shared__ __align__(16) u8_t wide_smem[];
+    float* totals = reinterpret_cast<float*>(wide_smem) + threadIdx.x;  // [WIDE_OUTPUTS][THREADS]
+    u8_t* stages = wide_smem + WIDE_TOTAL_BYTES;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32_t g = lane / 4, q = lane % 4;
+    const u32_t wr = warp % 4, wc = warp / 4;
+    const u32_t row0 = blockIdx.y * WIDE_ROWS, col0 = blockIdx.x * WIDE_COLS;
+    const u32_t chunks = (p.inp + CHUNK - 1) / CHUNK;
+    // This block's group: its columns of x and y, its rows of w.
+    const size_t x_stride = static_cast<size_t>(gridDim.z) * p.inp, y_stride = static_cast<size_t>(gridDim.z) * p.out;
+    x += static_cast<size_t>(blockIdx.z) * p.inp;
+    y += static_cast<size_t>(blockIdx.z) * p.out;
+    w += static_cast<size_t>(blockIdx.z) * p.out * chunks * 4;
+
+#pragma unroll
+    for (u32_t s = 0; s < WIDE_STAGES - 1; ++s) {
+        if (s < chunks) wide_stage(stages + s * WIDE_STAGE_BYTES, x, x_stride, w, chunks, row0, col0, s, p);
+        cp_async_commit();
+    }
+    u32_t c = 0;  // the next chunk; the parts follow each other through K
+    for (int part = 0; part < PARTS; ++part) {
+        const u32_t last = (part + 1) * chunks / PARTS;
+        float acc[WIDE_MT][WIDE_NT][4];
+#pragma unroll
+        for (int mt = 0; mt < WIDE_MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < WIDE_NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+        for (; c < last; ++c) {
+            // Chunk c has landed (this thread's copies; the barrier: everyone's), and every warp
+            // is done with chunk c - 1, whose stage takes chunk c + WIDE_STAGES - 1.
+            cp_async_wait<WIDE_STAGES - 2>();
+            __syncthreads();
+            const u32_t ahead = c + WIDE_STAGES - 1;
+            if (ahead < chunks)
+                wide_stage(stages + (ahead % WIDE_STAGES) * WIDE_STAGE_BYTES, x, x_stride, w, chunks, row0, col0,
+                           ahead, p);
+            cp_async_commit();
+            const u8_t* xs = stages + (c % WIDE_STAGES) * WIDE_STAGE_BYTES;
+            const u8_t* ws = xs + WIDE_X_BYTES;
+            unsigned a[WIDE_MT][2][4];  // [tile][step][fragment register], as in linear_bf16
+#pragma unroll
+            for (int mt = 0; mt < WIDE_MT; ++mt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    // x[r, 8q .. 8q + 8): segments 2q and 2q + 1 of row r.
+                    const u32_t r = wr * (WIDE_MT * 16) + mt * 16 + g + 8 * half;
+                    const u8_t* row = xs + r * (CHUNK * 4);
+                    const float4 lo = *reinterpret_cast<const float4*>(row + (((2 * q) ^ (r & 1)) * 16));
+                    const float4 hi = *reinterpret_cast<const float4*>(row + (((2 * q + 1) ^ (r & 1)) * 16));
+                    a[mt][0][half] = pack_bf16(lo.x, lo.y);
+                    a[mt][0][2 + half] = pack_bf16(lo.z, lo.w);
+                    a[mt][1][half] = pack_bf16(hi.x, hi.y);
+                    a[mt][1][2 + half] = pack_bf16(hi.z, hi.w);
+                }
+#pragma unroll
+            for (int nt = 0; nt < WIDE_NT; ++nt) {
+                // w[col, 8q .. 8q + 8) of column col = 128 wc + 8 nt + g.
+                const u32_t n = wc * (WIDE_NT * 8) + nt * 8 + g;
+                const uint4 b = *reinterpret_cast<const uint4*>(ws + n * (CHUNK * 2) + q * 16);
+#pragma unroll
+                for (int mt = 0; mt < WIDE_MT; ++mt) {
+                    mma_bf16(acc[mt][nt], a[mt][0], b.x, b.y);
+                    mma_bf16(acc[mt][nt], a[mt][1], b.z, b.w);
+                }
+            }
+        }
+        // total = part 0, then total + part p, in part order (this thread's own slots).
+#pragma unroll
+        for (int mt = 0; mt < WIDE_MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < WIDE_NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float& total = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
+                    total = part == 0 ? acc[mt][nt][i] : __fadd_rn(total, acc[mt][nt][i]);
+                }
+    }
+    // C fragment: (row g, columns 2q, 2q + 1) and (row g + 8, the same columns).
+#pragma unroll
+    for (int mt = 0; mt < WIDE_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < WIDE_NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32_t row = row0 + wr * (WIDE_MT * 16) + mt * 16 + g + 8 * (i / 2);
+                const u32_t col = col0 + wc * (WIDE_NT * 8) + nt * 8 + 2 * q + i % 2;
+                if (row >= p.rows || col >= p.out) continue;
+                const float sum = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
+                y[static_cast<size_t>(row) * y_stride + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
+            }
 }
 
 }  // namespace linear_fast

@@ -1,5 +1,6 @@
 // Instantiations of the sgemm-order fp32 linear (block partials, then their pairwise tree) (f32 in, f32 weights, f32 or bf16-rounded out),
-// and of the `fast` bf16 linear on tensor cores (one tile per row class; every tile gives the same bits).
+// and of the `fast` bf16 linear on tensor cores (three decode tiles by row count and the prefill tile;
+// every tile gives the same bits).
 #include "linear/linear_sgemm.cuh"
 #include "linear/linear_fast.cuh"
 
@@ -36,4 +37,9 @@ extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
 extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
     linear_bf16_fast_t4x2(const float* x, const uint4* w, float* y, LinearParams p) {
     linear_fast::linear_bf16<4, 2>(x, w, y, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear_fast::THREADS, 1)
+    linear_bf16_fast_wide(const float* x, const uint4* w, float* y, LinearParams p) {
+    linear_fast::linear_bf16_wide(x, w, y, p);
 }

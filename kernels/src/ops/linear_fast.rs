@@ -3,10 +3,11 @@
 //! (`Backend::linear_bf16`, `Backend::linear_grouped_bf16`: the grouped `wo_a`, the compressor
 //! and indexer projections) and V4's dense projections (`Backend::linear`, f32 outputs; V4's
 //! float32 activations rounded to bf16 on the way in) in `Numerics::Fast`. Not bitwise equal to
-//! the CPU's bf16 GEMM order, but deterministic and batch invariant: K is cut into [`PARTS`] parts by `inp` alone, each summed in K order, the parts
-//! added in order, and the tile chosen by the row count never changes an output's arithmetic. A
-//! grouped weight ([`FastBf16Weight::upload_grouped`]: `wo_a`'s 8 groups) runs its groups as
-//! independent linears in one launch (grid z), each group bitwise its linear alone.
+//! the CPU's bf16 GEMM order, but deterministic and batch invariant: K is cut into [`PARTS`] parts
+//! by `inp` alone, each summed in K order, the parts added in order, and the tile chosen by the
+//! shape ([`FastLinearTile`]: three decode tiles, a wide prefill tile) never changes an output's
+//! arithmetic. A grouped weight ([`FastBf16Weight::upload_grouped`]: `wo_a`'s 8 groups) runs its
+//! groups as independent linears in one launch (grid z), each group bitwise its linear alone.
 //!
 //! Error bound against the exact value (f64) of the bf16 operands — what the GPU tests assert:
 //! with `S = Σ_k |x_k w_k|`, the products are exact in fp32; each mma step adds 16 of them to the
@@ -102,14 +103,85 @@ impl FastBf16Weight {
     }
 }
 
-/// The mma tiles per warp (16 rows × 8 columns each) for `rows` rows: more rows share each
-/// weight load as they grow; the result never depends on it.
-fn tile_for(rows: usize) -> (KernelId, usize, usize) {
-    match rows {
-        0..=16 => (KernelId::LinearBf16FastT1x1, 1, 1),
-        17..=64 => (KernelId::LinearBf16FastT2x2, 2, 2),
-        _ => (KernelId::LinearBf16FastT4x2, 4, 2),
+/// A tile of [`linear_bf16_fast`]; every tile gives the same bits (`cuda/linear/linear_fast.cuh`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FastLinearTile {
+    /// Decode: 8 warps on one 16 × 8 mma tile, warp `p` summing K part `p`.
+    T1x1,
+    /// Decode: 8 warps on 2 × 2 mma tiles (32 rows × 16 columns).
+    T2x2,
+    /// 8 warps on 4 × 2 mma tiles (64 rows × 16 columns): many small blocks, for shapes too
+    /// narrow to fill the device with wide blocks.
+    T4x2,
+    /// Prefill: 128 rows × 256 columns a block, each warp 32 × 128 of them over all of K, the
+    /// chunks staged in shared memory ([`WIDE_SHARED_BYTES`]).
+    Wide,
+}
+
+/// Dynamic shared memory of the wide tile (`linear_fast::WIDE_SHARED_BYTES`): the running totals
+/// (128 f32 a thread, 256 threads), then 3 stages of a chunk each (128 rows of x, 32 f32 each,
+/// and 256 weight rows, 32 bf16 each).
+pub const WIDE_SHARED_BYTES: u32 = 128 * 4 * 256 + 3 * (128 * 32 * 4 + 256 * 32 * 2);
+/// The wide tile needs this many blocks (row tiles × column tiles × groups) to be taken: below,
+/// [`FastLinearTile::T4x2`]'s many blocks use more of the device.
+const WIDE_MIN_BLOCKS: usize = 32;
+const _: () = assert!(
+    WIDE_SHARED_BYTES <= 227 * 1024,
+    "a block's shared memory on sm_90 and sm_100"
+);
+
+impl FastLinearTile {
+    pub const ALL: [FastLinearTile; 4] = [
+        FastLinearTile::T1x1,
+        FastLinearTile::T2x2,
+        FastLinearTile::T4x2,
+        FastLinearTile::Wide,
+    ];
+
+    fn kernel(self) -> KernelId {
+        match self {
+            FastLinearTile::T1x1 => KernelId::LinearBf16FastT1x1,
+            FastLinearTile::T2x2 => KernelId::LinearBf16FastT2x2,
+            FastLinearTile::T4x2 => KernelId::LinearBf16FastT4x2,
+            FastLinearTile::Wide => KernelId::LinearBf16FastWide,
+        }
     }
+
+    /// The outputs of a block: (rows, columns).
+    fn block(self) -> (usize, usize) {
+        match self {
+            FastLinearTile::T1x1 => (16, 8),
+            FastLinearTile::T2x2 => (32, 16),
+            FastLinearTile::T4x2 => (64, 16),
+            FastLinearTile::Wide => (128, 256),
+        }
+    }
+
+    fn shared_bytes(self) -> u32 {
+        match self {
+            FastLinearTile::Wide => WIDE_SHARED_BYTES,
+            _ => 0,
+        }
+    }
+
+    /// The tile for `rows` rows of `groups` groups of `out` outputs each: by rows (more rows
+    /// share each weight load as they grow), the wide tile once it makes enough blocks.
+    fn choose(rows: usize, out: usize, groups: usize) -> FastLinearTile {
+        let (wide_rows, wide_cols) = FastLinearTile::Wide.block();
+        match rows {
+            0..=16 => FastLinearTile::T1x1,
+            17..=64 => FastLinearTile::T2x2,
+            _ if rows.div_ceil(wide_rows) * out.div_ceil(wide_cols) * groups >= WIDE_MIN_BLOCKS => {
+                FastLinearTile::Wide
+            }
+            _ => FastLinearTile::T4x2,
+        }
+    }
+}
+
+/// The dynamic shared memory kernel `id` needs, if it is the wide tile (`None` otherwise).
+pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
+    (id == KernelId::LinearBf16FastWide).then_some(WIDE_SHARED_BYTES)
 }
 
 /// `y [rows, w.out] = x [rows, w.groups · w.inp] · wᵀ`, group by group (f32 storage; `x`
@@ -123,27 +195,27 @@ pub fn linear_bf16_fast(
     rows: usize,
     output: Rounding,
 ) -> Result<(), KernelError> {
-    linear_bf16_fast_as_if(rt, x, w, y, (rows, rows), output)
+    let tile = FastLinearTile::choose(rows, w.out / w.groups, w.groups);
+    linear_bf16_fast_tiled(rt, x, w, y, rows, tile, output)
 }
 
-/// [`linear_bf16_fast`] of `rows` rows with the tile it would take for `tile_rows` rows (tests:
-/// every tile gives the same bits).
-pub fn linear_bf16_fast_as_if(
+/// [`linear_bf16_fast`] with the given tile (tests: every tile gives the same bits).
+pub fn linear_bf16_fast_tiled(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
     w: &FastBf16Weight,
     y: &mut CudaSlice<f32>,
-    (rows, tile_rows): (usize, usize),
+    rows: usize,
+    tile: FastLinearTile,
     output: Rounding,
 ) -> Result<(), KernelError> {
-    let (kernel, mt, nt) = tile_for(tile_rows);
     let (x_width, group_out) = (w.groups * w.inp, w.out / w.groups);
     expect_len(OP, "x", x.len(), rows * x_width)?;
     expect_len(OP, "y", y.len(), rows * w.out)?;
     if rows == 0 || w.out == 0 {
         return Ok(());
     }
-    let (tile_rows, tile_cols) = (16 * mt, 8 * nt);
+    let (tile_rows, tile_cols) = tile.block();
     let chunk_rows = MAX_GRID_Y * tile_rows;
     for first in (0..rows).step_by(chunk_rows) {
         let count = chunk_rows.min(rows - first);
@@ -162,9 +234,9 @@ pub fn linear_bf16_fast_as_if(
                 dim(OP, "groups", w.groups)?,
             ),
             (32 * PARTS) as u32,
-            0,
+            tile.shared_bytes(),
         );
-        let mut launch = rt.launcher(kernel)?;
+        let mut launch = rt.launcher(tile.kernel())?;
         launch
             .arg(&x_rows)
             .arg(&w.codes)
@@ -174,9 +246,74 @@ pub fn linear_bf16_fast_as_if(
         // params.rows * groups * inp values and y params.rows * groups * params.out (checked
         // above; grid.z = groups); w holds groups * params.out rows of inp.div_ceil(32) * 32
         // bf16 (FastBf16Weight::upload_grouped), read 16 bytes at a time from 16-byte aligned
-        // chunks (the allocation is aligned, a row is a multiple of 64 bytes); the kernel
-        // bounds-checks rows, columns and k against params and offsets each group by them.
+        // chunks (the allocation is aligned, a row is a multiple of 64 bytes); x is read 16
+        // bytes at a time only when inp is a multiple of 4 (a row chunk starts at a multiple of
+        // groups * inp values: 16-byte aligned); the kernel bounds-checks rows, columns and k
+        // against params and offsets each group by them; the wide tile's dynamic shared memory
+        // is allowed at load (`dynamic_shared_bytes`).
         unsafe { launch.launch(grid) }?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_rows_take_the_decode_tiles() {
+        for (rows, tile) in [
+            (1, FastLinearTile::T1x1),
+            (16, FastLinearTile::T1x1),
+            (17, FastLinearTile::T2x2),
+            (64, FastLinearTile::T2x2),
+        ] {
+            // Even where wide blocks would fill the device.
+            assert_eq!(FastLinearTile::choose(rows, 8192, 8), tile, "{rows} rows");
+        }
+    }
+
+    #[test]
+    fn prefill_takes_the_wide_tile_once_it_makes_enough_blocks() {
+        // The grouped wo_a (8 groups of 1024 outputs): 4 column tiles a group, 32 blocks from
+        // the first row tile on.
+        for rows in [65, 128, 129, 1024, 4096] {
+            assert_eq!(FastLinearTile::choose(rows, 1024, 8), FastLinearTile::Wide);
+        }
+        // One group of 1024 outputs: 4 column tiles, 8 row tiles (897 rows on) make 32 blocks.
+        assert_eq!(FastLinearTile::choose(896, 1024, 1), FastLinearTile::T4x2);
+        assert_eq!(FastLinearTile::choose(897, 1024, 1), FastLinearTile::Wide);
+        // Narrow outputs (one column tile) want 32 row tiles.
+        assert_eq!(FastLinearTile::choose(1024, 256, 1), FastLinearTile::T4x2);
+        assert_eq!(FastLinearTile::choose(4096, 256, 1), FastLinearTile::Wide);
+        assert_eq!(FastLinearTile::choose(4096, 257, 1), FastLinearTile::Wide);
+        assert_eq!(FastLinearTile::choose(65, 7168, 1), FastLinearTile::T4x2);
+        assert_eq!(FastLinearTile::choose(129, 7168, 1), FastLinearTile::Wide);
+    }
+
+    #[test]
+    fn tiles_have_their_kernels_blocks_and_shared_memory() {
+        let kernels: Vec<KernelId> = FastLinearTile::ALL.iter().map(|t| t.kernel()).collect();
+        assert_eq!(
+            kernels,
+            [
+                KernelId::LinearBf16FastT1x1,
+                KernelId::LinearBf16FastT2x2,
+                KernelId::LinearBf16FastT4x2,
+                KernelId::LinearBf16FastWide
+            ]
+        );
+        // Blocks start at multiples of the 16 x 8 mma tile: an output keeps its place in it.
+        for tile in FastLinearTile::ALL {
+            let (rows, cols) = tile.block();
+            assert!(rows % 16 == 0 && cols % 8 == 0, "{tile:?}");
+        }
+        // The wide tile's shared memory: 224 KiB, under the 227 KiB a block may opt into on
+        // sm_90 and sm_100; only it asks for dynamic shared memory.
+        assert_eq!(WIDE_SHARED_BYTES, 224 * 1024);
+        for id in KernelId::ALL {
+            let wide = id == KernelId::LinearBf16FastWide;
+            assert_eq!(dynamic_shared_bytes(id).is_some(), wide, "{}", id.symbol());
+        }
+    }
 }

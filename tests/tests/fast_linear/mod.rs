@@ -1,8 +1,10 @@
 //! The `fast` bf16 linear (`ops::linear_fast`, tensor cores) against an f64 computation of its
 //! bf16 operands within the bound derived in `kernels/src/ops/linear_fast.rs`
 //! (`e = (17 · ⌈K / 16⌉ + PARTS) · 2^-23 · Σ|x w|`, plus `2^-8 (|y| + e)` for the bf16 output);
-//! every tile gives the same bits, run after run; a row alone equals itself inside batches of
-//! 2 … 300 rows (negative control: a one-element change is seen); and `CudaBackend::linear_bf16`
+//! every tile gives the same bits, run after run — the wide prefill tile too, on rows, outputs
+//! and inputs off its block and chunk sizes, grouped and not, and on the real `wo_a` at 1024 rows;
+//! a row alone equals itself inside batches of 2 … 300 rows (negative control: a one-element
+//! change is seen); and `CudaBackend::linear_bf16`
 //! takes it in `fast` numerics while `exact` stays bitwise the CPU reference. The grouped form
 //! (`wo_a`'s groups in one launch) gives each group the bits of its linear alone, and
 //! `CudaBackend::linear_grouped_bf16` is that one launch in `fast` numerics and the CPU's bits in
@@ -11,15 +13,12 @@
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::linear_fast::{
-    FastBf16Weight, PARTS, linear_bf16_fast, linear_bf16_fast_as_if,
+    FastBf16Weight, FastLinearTile, PARTS, linear_bf16_fast, linear_bf16_fast_tiled,
 };
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::backend::{Backend, CpuBackend, DenseWeight, Groups, Tensor};
 
 use crate::gpu_support::{Rng, bf16_unit, differing};
-
-/// Row counts that pick every tile (1 × 1 up to 16 rows, 2 × 2 up to 64, 4 × 2 beyond).
-const TILE_ROWS: [usize; 3] = [1, 64, 65];
 
 /// `rows × inp` bf16 values in f32 storage, of mixed magnitudes and signs.
 fn bf16_values(rng: &mut Rng, count: usize) -> Vec<f32> {
@@ -29,21 +28,31 @@ fn bf16_values(rng: &mut Rng, count: usize) -> Vec<f32> {
     values
 }
 
+/// The linear with bf16 outputs, in the tile it picks (`None`) or in `tile`.
 fn run(
     rt: &KernelRuntime,
     x: &[f32],
     rows: usize,
     w: &FastBf16Weight,
-    tile_rows: Option<usize>,
+    tile: Option<FastLinearTile>,
+) -> Vec<f32> {
+    run_rounded(rt, x, rows, w, tile, Rounding::Bf16)
+}
+
+fn run_rounded(
+    rt: &KernelRuntime,
+    x: &[f32],
+    rows: usize,
+    w: &FastBf16Weight,
+    tile: Option<FastLinearTile>,
+    output: Rounding,
 ) -> Vec<f32> {
     let dx = rt.htod(x).expect("upload x");
-    let mut dy = rt
-        .stream()
-        .alloc_zeros::<f32>(rows * w.out)
-        .expect("alloc y");
-    match tile_rows {
-        None => linear_bf16_fast(rt, &dx, w, &mut dy, rows, Rounding::Bf16),
-        Some(tile) => linear_bf16_fast_as_if(rt, &dx, w, &mut dy, (rows, tile), Rounding::Bf16),
+    // NaN: an output the kernel leaves unwritten is seen.
+    let mut dy = rt.htod(&vec![f32::NAN; rows * w.out]).expect("alloc y");
+    match tile {
+        None => linear_bf16_fast(rt, &dx, w, &mut dy, rows, output),
+        Some(tile) => linear_bf16_fast_tiled(rt, &dx, w, &mut dy, rows, tile, output),
     }
     .expect("linear_bf16_fast");
     rt.stream().clone_dtoh(&dy).expect("download y")
@@ -101,12 +110,12 @@ fn fast_bf16_linear_is_within_its_bound_and_every_tile_gives_the_same_bits() {
                 &exact,
                 &bound,
             );
-            for tile in TILE_ROWS {
+            for tile in FastLinearTile::ALL {
                 let other = run(&rt, &x, rows, &dw, Some(tile));
                 assert_eq!(
                     differing(&other, &got),
                     0,
-                    "[{out}x{inp}] M={rows}: the tile of {tile} rows gives other bits"
+                    "[{out}x{inp}] M={rows}: the tile {tile:?} gives other bits"
                 );
             }
             let again = run(&rt, &x, rows, &dw, None);
@@ -145,6 +154,53 @@ fn fast_bf16_linear_is_batch_invariant() {
     println!(
         "fast bf16 linear: a row alone is bitwise equal to itself in 8 batches of 2..300 rows"
     );
+}
+
+/// The wide prefill tile gives, output for output, the bits of the one-row tile (T1x1) on the
+/// same rows, with bf16 and f32 outputs: rows off its 128-row blocks, outputs off its 256
+/// columns, inp off the 32-element chunk (a multiple of 4: 16-byte copies; not: 4-byte copies;
+/// fewer chunks than K parts: empty parts), grouped and not; and on the real grouped `wo_a`
+/// (8 groups of [1024, 4096]) at 1024 rows, where `linear_bf16_fast` takes it.
+#[test]
+fn the_wide_tile_gives_the_bits_of_the_one_row_tile() {
+    let rt = crate::open();
+    let mut rng = Rng(46);
+    let odd = [
+        (1usize, 203usize, 544usize),
+        (1, 300, 1000),
+        (1, 520, 77),
+        (1, 37, 70),
+        (1, 64, 8),
+        (3, 37, 70),
+        (2, 300, 1001),
+    ];
+    let shapes = odd
+        .iter()
+        .flat_map(|&shape| [65usize, 200, 300].map(|rows| (shape, rows)));
+    for ((groups, out, inp), rows) in shapes.chain([((8, 1024, 4096), 1024)]) {
+        let w = bf16_values(&mut rng, groups * out * inp);
+        let dw =
+            FastBf16Weight::upload_grouped(&rt, groups, groups * out, inp, &w).expect("upload w");
+        let x = bf16_values(&mut rng, rows * groups * inp);
+        for output in [Rounding::Bf16, Rounding::F32] {
+            let wide = run_rounded(&rt, &x, rows, &dw, Some(FastLinearTile::Wide), output);
+            let one = run_rounded(&rt, &x, rows, &dw, Some(FastLinearTile::T1x1), output);
+            assert!(
+                one.iter().all(|v| v.is_finite()),
+                "{groups} x [{out}x{inp}] M={rows}: T1x1 left outputs unwritten"
+            );
+            assert_eq!(
+                differing(&wide, &one),
+                0,
+                "{groups} x [{out}x{inp}] M={rows} {output:?}: the wide tile differs from T1x1"
+            );
+        }
+        if rows == 1024 {
+            let picked = run(&rt, &x, rows, &dw, None);
+            let wide = run(&rt, &x, rows, &dw, Some(FastLinearTile::Wide));
+            assert_eq!(differing(&picked, &wide), 0, "wo_a at 1024 rows");
+        }
+    }
 }
 
 /// `CudaBackend::linear_bf16` in `fast` numerics is the tensor-core linear (one launch, within
@@ -257,12 +313,12 @@ fn grouped_fast_bf16_linear_gives_each_group_the_bits_of_its_linear_alone() {
                     "{groups} groups of [{out}x{inp}], M={rows}: group {g} differs from its linear alone"
                 );
             }
-            for tile in TILE_ROWS {
+            for tile in FastLinearTile::ALL {
                 let other = run(&rt, &x, rows, &grouped, Some(tile));
                 assert_eq!(
                     differing(&other, &got),
                     0,
-                    "{groups} groups, M={rows}: the tile of {tile} rows gives other bits"
+                    "{groups} groups, M={rows}: the tile {tile:?} gives other bits"
                 );
             }
         }
