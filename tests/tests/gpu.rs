@@ -819,7 +819,18 @@ fn backend_mhc_matches() {
     let cpu = CpuBackend::new();
     let mut rng = Rng(15);
     let (mut exact, mut total) = (0usize, 0usize);
-    for (hc, dim) in [(1usize, 5usize), (4, 64), (4, 100), (2, 1000), (4, 4096)] {
+    // (4, 5120): the real V4.1 width, 64 K chains and two rounds of the split sum of squares;
+    // (5, 3500): 35 projections, K chains of 273 and 274 (a partial last K tile), two rounds of
+    // segments plus a tail of groups, leftover vectors and leftover values in the torch sum.
+    for (hc, dim) in [
+        (1usize, 5usize),
+        (4, 64),
+        (4, 100),
+        (2, 1000),
+        (4, 4096),
+        (4, 5120),
+        (5, 3500),
+    ] {
         let n = hc * dim;
         let rows = (2 + hc) * hc;
         let params = HcParams {
@@ -1776,7 +1787,13 @@ fn backend_hc_row_ops_match_the_cpu_and_the_one_token_ops() {
             base: (0..projections).map(|_| 0.5 * rng.uniform()).collect(),
             scale: vec![0.7, 0.3, 1.9],
         };
-        for n in ROW_COUNTS {
+        // 40 tokens: two token tiles of the partials launch, the second partial.
+        let counts: &[usize] = if dim == 1030 {
+            &[1, 3, 17, 40]
+        } else {
+            &ROW_COUNTS
+        };
+        for &n in counts {
             // `activations` needs rows of at least one 32-group.
             let x = Tensor::from(if dim >= 32 {
                 activations(&mut rng, n * hc, dim)

@@ -254,4 +254,134 @@ __device__ float torch_sum_thread(const T* x, u32_t n) {
     return total;
 }
 
+// --- torch_sum_block's order with the work spread over a whole block ---------------------------
+// torch_sum_chain is a fixed tree: acc[0] restarts from 0 after every level_step groups (each
+// flush sets it to 0), so the chain is a sequence of independent level-0 segments (level_step
+// groups each, summed from 0 in group order), then a tail of the leftover groups (also from 0).
+// The cascade above level 0 only ever sees the segment sums, in segment order. So the segment
+// sums can be computed by any threads in any order and fed to TorchSumCascade in segment order:
+// every fp32 operation, and its operands, stays exactly that of torch_sum_chain.
+constexpr u32_t TORCH_SUM_CHAINS = TORCH_SUM_ILP * TORCH_SUM_LANES;  // 32 chains of W = 8 lanes
+
+// Groups [first, first + count) of accumulator (lane, k) of torch_row_sum<W>, summed from 0 in
+// group order (torch_sum_chain's level-0 loop).
+template <class T, bool SQUARE>
+__device__ __forceinline__ float torch_sum_run(const T* x, u32_t W, u32_t lane, u32_t k, u32_t first, u32_t count) {
+    float acc = 0.0f;
+#pragma unroll 16
+    for (u32_t g = first; g < first + count; ++g)
+        acc = __fadd_rn(acc, torch_sum_element<T, SQUARE>(x, (g * TORCH_SUM_ILP + k) * W + lane));
+    return acc;
+}
+
+// torch_sum_chain's levels 1.. fed whole level-0 segment sums in segment order: push(s) is the
+// flush after a segment (acc[0] = s, the segment's sum from 0), finish(tail) the fold at the end
+// (acc[0] = the tail's sum from 0).
+struct TorchSumCascade {
+    float acc[TORCH_SUM_LEVELS];
+    u32_t group;
+    u32_t level_power;
+    u32_t level_step;
+    u32_t level_mask;
+    __device__ __forceinline__ explicit TorchSumCascade(u32_t groups) {
+        level_power = max(4u, ceil_log2(groups) / TORCH_SUM_LEVELS);
+        level_step = 1u << level_power;
+        level_mask = level_step - 1u;
+        group = 0;
+#pragma unroll
+        for (u32_t level = 0; level < TORCH_SUM_LEVELS; ++level) acc[level] = 0.0f;
+    }
+    __device__ __forceinline__ void push(float segment) {
+        group += level_step;
+        acc[0] = segment;
+#pragma unroll
+        for (u32_t level = 1; level < TORCH_SUM_LEVELS; ++level) {
+            acc[level] = __fadd_rn(acc[level], acc[level - 1]);
+            acc[level - 1] = 0.0f;
+            if ((group & (level_mask << (level * level_power))) != 0u) break;
+        }
+    }
+    __device__ __forceinline__ float finish(float tail) {
+        acc[0] = tail;
+#pragma unroll
+        for (u32_t level = 1; level < TORCH_SUM_LEVELS; ++level) acc[0] = __fadd_rn(acc[0], acc[level]);
+        return acc[0];
+    }
+};
+
+// Level-0 segments each thread sums per round of torch_sum_block_split.
+constexpr u32_t TORCH_SUM_SPLIT_SEGMENTS = 4;
+
+// Shared floats torch_sum_block_split needs for THREADS threads.
+constexpr u32_t torch_sum_split_scratch(u32_t threads) {
+    return threads * TORCH_SUM_SPLIT_SEGMENTS + TORCH_SUM_CHAINS + TORCH_SUM_LANES + 1;
+}
+
+// torch_sum_block's result, bit for bit, from a block of exactly THREADS threads (a multiple of 32;
+// every thread must call it): in rounds, every thread sums TORCH_SUM_SPLIT_SEGMENTS level-0
+// segments (chain q = t % 32 of 32 consecutive values per group, so a warp's loads are
+// coalesced), then warp 0 (lane q = chain q) pushes the round's segments into its chain's
+// cascade in segment order; then lane q adds its tail and folds (torch_sum_chain's result), and
+// the lanes and the total follow exactly as in torch_sum_block. `scratch`: shared memory of
+// torch_sum_split_scratch(THREADS) floats.
+template <class T, bool SQUARE, u32_t THREADS>
+__device__ float torch_sum_block_split(const T* x, u32_t n, float* scratch) {
+    static_assert(THREADS % 32 == 0 && THREADS >= 32, "whole warps");
+    constexpr u32_t WARPS = THREADS / 32;
+    constexpr u32_t PER_ROUND = WARPS * TORCH_SUM_SPLIT_SEGMENTS;  // segments of each chain per round
+    float* segments = scratch;                                      // [PER_ROUND][32 chains]
+    float* chains = scratch + THREADS * TORCH_SUM_SPLIT_SEGMENTS;   // [ILP][LANES]
+    float* lanes = chains + TORCH_SUM_CHAINS;                       // [LANES]
+    float* result = lanes + TORCH_SUM_LANES;
+    const u32_t t = threadIdx.x;
+    if (n < TORCH_SUM_LANES) {
+        if (t == 0) *result = torch_sum_thread<T, SQUARE>(x, n);
+        __syncthreads();
+        return *result;
+    }
+    const u32_t groups = n / TORCH_SUM_LANES / TORCH_SUM_ILP;
+    TorchSumCascade cascade(groups);
+    const u32_t step = cascade.level_step;
+    const u32_t full = groups / step;  // whole level-0 segments of every chain
+    const u32_t q = t % TORCH_SUM_CHAINS;
+    const u32_t lane = q % TORCH_SUM_LANES;
+    const u32_t k = q / TORCH_SUM_LANES;
+    for (u32_t round = 0; round < full; round += PER_ROUND) {
+#pragma unroll
+        for (u32_t s = 0; s < TORCH_SUM_SPLIT_SEGMENTS; ++s) {
+            const u32_t local = t / TORCH_SUM_CHAINS + WARPS * s;
+            const u32_t m = round + local;
+            if (m < full)
+                segments[local * TORCH_SUM_CHAINS + q] =
+                    torch_sum_run<T, SQUARE>(x, TORCH_SUM_LANES, lane, k, m * step, step);
+        }
+        __syncthreads();
+        if (t < TORCH_SUM_CHAINS) {
+            const u32_t count = min(PER_ROUND, full - round);
+            for (u32_t local = 0; local < count; ++local) cascade.push(segments[local * TORCH_SUM_CHAINS + t]);
+        }
+        __syncthreads();
+    }
+    if (t < TORCH_SUM_CHAINS)
+        chains[t] = cascade.finish(
+            torch_sum_run<T, SQUARE>(x, TORCH_SUM_LANES, lane, k, full * step, groups - full * step));
+    __syncthreads();
+    // From here exactly torch_sum_block.
+    if (t < TORCH_SUM_LANES) {
+        float acc[TORCH_SUM_ILP];
+        for (u32_t i = 0; i < TORCH_SUM_ILP; ++i) acc[i] = chains[i * TORCH_SUM_LANES + t];
+        lanes[t] = torch_sum_lane<T, SQUARE>(x, n, TORCH_SUM_LANES, t, acc);
+    }
+    __syncthreads();
+    if (t == 0) {
+        float total = 0.0f;
+        for (u32_t i = n / TORCH_SUM_LANES * TORCH_SUM_LANES; i < n; ++i)
+            total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, i));
+        for (u32_t l = 0; l < TORCH_SUM_LANES; ++l) total = __fadd_rn(total, lanes[l]);
+        *result = total;
+    }
+    __syncthreads();
+    return *result;
+}
+
 }  // namespace refmath

@@ -2,8 +2,8 @@
 #include "mhc/mhc.cuh"
 
 extern "C" __global__ void __launch_bounds__(mhc::PARTIAL_THREADS)
-    hc_mixes_partials_f32(const float* x, const float* proj, float* scratch, HcMixesParams p) {
-    mhc::hc_mixes_partials(x, proj, scratch, p);
+    hc_mixes_partials_f32(const float* x, const float* proj, float* scratch, HcMixesParams p, u32_t tokens) {
+    mhc::hc_mixes_partials(x, proj, scratch, p, tokens);
 }
 
 extern "C" __global__ void __launch_bounds__(mhc::THREADS)

@@ -1,7 +1,8 @@
 //! mHC on the device (`CpuBackend::hc_mixes_rows` / `hc_collapse_rows_at` / `hc_expand_rows_at`)
 //! for a batch of tokens in one launch: the coefficients (projection in the CPU sgemm order, sigmoids,
-//! Sinkhorn; many blocks per token compute the fixed-order projection partials, then one block
-//! per token combines them), the collapse of `hc` streams into one bf16 row and the
+//! Sinkhorn; one block per K chain of the sgemm order and tile of 32 tokens computes the
+//! fixed-order projection partials, one block per token its sum of squares, then one block per
+//! token combines them), the collapse of `hc` streams into one bf16 row and the
 //! expansion back (grid.y = token, each token with its own weights / mixes). All f32 storage; bit-exact with the CPU
 //! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`), and a
 //! token's results never depend on the others (batch invariant).
@@ -17,9 +18,11 @@ use crate::runtime::KernelRuntime;
 const THREADS: u32 = 256;
 /// Dynamic shared memory the combining block stages a token's partials in.
 const MAX_PARTIAL_BYTES: usize = 40 * 1024;
-/// Must match `mhc::PARTIAL_WARPS`: each warp owns 32 consecutive projection partials.
-const PARTIAL_WARPS: usize = 4;
-const PARTIALS_PER_BLOCK: usize = PARTIAL_WARPS * 32;
+/// Must match `mhc::PARTIAL_THREADS`.
+const PARTIAL_THREADS: u32 = 256;
+/// Must match `mhc::TOKEN_TILE`: the tokens of one K-chain block, and the sum-of-squares blocks
+/// in front of a token tile's K-chain blocks.
+const TOKEN_TILE: usize = 32;
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Must match `mhc::MAX_HC`.
 pub const MAX_HC: usize = 8;
@@ -36,9 +39,9 @@ pub struct HcMixesConfig {
 }
 
 /// The mHC coefficients of every token of `x [tokens, width]` (`width = hc · dim` values per
-/// token): a partials launch (grid: partial blocks × tokens, plus one block per token for the
-/// sum of squares) into a scratch buffer, then one block per token: `out [tokens, 2 · hc + hc²]`,
-/// each row `pre ++ post ++ comb`.
+/// token): a partials launch (grid: one block per K chain of the sgemm order plus one
+/// sum-of-squares block per token, × tiles of 32 tokens) into a scratch buffer, then one block
+/// per token: `out [tokens, 2 · hc + hc²]`, each row `pre ++ post ++ comb`.
 /// `proj [(2 + hc) · hc, width]`, `base [(2 + hc) · hc]`, `scale [3]` are shared by all tokens.
 #[allow(clippy::too_many_arguments)]
 pub fn hc_mixes_rows_f32(
@@ -113,21 +116,27 @@ pub fn hc_mixes_rows_f32(
             message: format!("{tokens} tokens exceed {MAX_TOKENS_PER_LAUNCH} per launch"),
         });
     }
+    let (blocks, token_tiles) = partials_grid(tokens, n);
     let partials_cfg = launch_config(
         (
-            dim(OP, "partial blocks", tasks.div_ceil(PARTIALS_PER_BLOCK) + 1)?,
-            token_grid,
+            dim(OP, "partial blocks", blocks)?,
+            dim(OP, "token tiles", token_tiles)?,
             1,
         ),
-        dim(OP, "partial threads", PARTIALS_PER_BLOCK)?,
+        PARTIAL_THREADS,
         0,
     );
     let mut launch = rt.launcher(KernelId::HcMixesPartialsF32)?;
-    launch.arg(x).arg(proj).arg(&mut scratch).arg(&params);
-    // SAFETY: signature (const float* x, const float* proj, float* scratch, HcMixesParams); x
-    // holds tokens * n and proj projections * n values (checked above), scratch tokens * (tasks +
-    // 1); grid.x covers every task in 32-task warps plus the last (sum-of-squares) block, grid.y
-    // = tokens <= the grid limit.
+    launch
+        .arg(x)
+        .arg(proj)
+        .arg(&mut scratch)
+        .arg(&params)
+        .arg(&token_grid);
+    // SAFETY: signature (const float* x, const float* proj, float* scratch, HcMixesParams,
+    // u32_t tokens); x holds tokens * n and proj projections * n values (checked above), scratch
+    // tokens * (tasks + 1); grid.x = TOKEN_TILE sum-of-squares blocks + one block per K chain,
+    // grid.y = the token tiles covering `tokens` (the kernel skips tokens >= tokens).
     unsafe { launch.launch(partials_cfg) }?;
     let cfg = launch_config(
         (token_grid, 1, 1),
@@ -147,6 +156,12 @@ pub fn hc_mixes_rows_f32(
     // holding one token's tasks + 1 values; hc <= MAX_HC as the
     // kernel's local arrays require and projections <= THREADS.
     unsafe { launch.launch(cfg) }
+}
+
+/// The partials launch's grid: (`TOKEN_TILE` sum-of-squares blocks + one block per K chain of the
+/// sgemm order, token tiles of `TOKEN_TILE` tokens covering `tokens`).
+fn partials_grid(tokens: usize, n: usize) -> (usize, usize) {
+    (TOKEN_TILE + sgemm_chains(n), tokens.div_ceil(TOKEN_TILE))
 }
 
 fn elementwise_params(
@@ -257,4 +272,35 @@ pub fn hc_expand_rows_f32(
     // (hc + hc²) values (checked above), grid.y = tokens <= the grid limit; the kernel
     // bounds-checks its index.
     unsafe { launch.launch(cfg) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SOURCE: &str = include_str!("../../cuda/mhc/mhc.cuh");
+
+    #[test]
+    fn launcher_constants_match_the_kernel() {
+        assert!(SOURCE.contains(&format!(" PARTIAL_THREADS = {PARTIAL_THREADS};")));
+        assert!(SOURCE.contains(&format!(" TOKEN_TILE = {TOKEN_TILE};")));
+        assert!(SOURCE.contains(&format!(" MAX_HC = {MAX_HC};")));
+        assert!(SOURCE.contains(&format!(" THREADS = {THREADS};")));
+    }
+
+    #[test]
+    fn the_partials_grid_covers_every_token_and_chain() {
+        // The real V4.1 width (hc 4 x dim 5120): 64 chains of 320 products.
+        assert_eq!(partials_grid(1, 20_480), (32 + 64, 1));
+        assert_eq!(partials_grid(32, 20_480), (32 + 64, 1));
+        assert_eq!(partials_grid(33, 20_480), (32 + 64, 2));
+        assert_eq!(partials_grid(1024, 20_480), (32 + 64, 32));
+        // Below 512 values a single chain.
+        assert_eq!(partials_grid(17, 7), (32 + 1, 1));
+        for tokens in 1..200 {
+            let (blocks, tiles) = partials_grid(tokens, 4120);
+            assert_eq!(blocks, TOKEN_TILE + sgemm_chains(4120));
+            assert!(tiles * TOKEN_TILE >= tokens && (tiles - 1) * TOKEN_TILE < tokens);
+        }
+    }
 }
