@@ -1,10 +1,11 @@
 //! The NVIDIA GPUs this process can use, and the CUDA backend on one of them.
 //!
 //! Owns: counting the devices for the topology's `NotEnoughGpus` check (0 without the `cuda`
-//! feature or without a driver, with the reason), a device's memory for the memory plan, and
-//! opening a `CudaBackend` on a rank's device (as one EP rank of several, with expert
-//! parallelism: `experts::device`, its rows moved by device copies or NCCL, whose library is
-//! probed here and whose unique id node 0 of several creates here).
+//! feature or without a driver, with the reason), a device's memory for the memory plan and its
+//! free memory for the state budget (`free_memory_of`), and opening a `CudaBackend` on a rank's
+//! device (as one EP rank of several, with expert parallelism: `experts::device`, its rows moved
+//! by device copies or NCCL, whose library is probed here and whose unique id node 0 of several
+//! creates here).
 //! The engine's path chooses by the `cuda` feature here and nowhere else. Never panics: cudarc's
 //! dynamic loading panics on a missing `libcuda`, so the library is probed first and the first
 //! call into it runs under `catch_unwind`.
@@ -20,6 +21,7 @@ use crate::comm::bootstrap::UniqueId;
 use crate::experts::cuda_layout::{NodeLinks, RankLinks};
 use crate::experts::device::DeviceExperts;
 use crate::rank::factory::OpenBackend;
+use crate::rank::memory::FreeMemory;
 
 /// The devices found, and why there are none when there are none.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,6 +135,35 @@ pub fn open_cuda_backend(ordinal: usize, numerics: Numerics) -> Result<Box<dyn B
 #[cfg(not(feature = "cuda"))]
 pub fn open_cuda_backend(ordinal: usize, _numerics: Numerics) -> Result<Box<dyn Backend>, String> {
     Err(format!("device {ordinal}: {NO_CUDA_BUILD}"))
+}
+
+/// How to read the free memory of `backend`'s device: a `CudaBackend`'s memory probe (the
+/// driver's count once its stream is idle, its pool's reusable memory handed back first);
+/// `None` for a host backend.
+#[cfg(feature = "cuda")]
+pub fn free_memory_of(backend: &dyn Backend) -> Option<Arc<dyn FreeMemory>> {
+    use deepinfer_model::backend::cuda::{CudaBackend, DeviceMemoryProbe};
+
+    struct Probe(DeviceMemoryProbe);
+
+    impl FreeMemory for Probe {
+        fn free_bytes(&self) -> Result<u64, String> {
+            self.0
+                .free_and_total()
+                .map(|(free, _)| free)
+                .map_err(|e| e.to_string())
+        }
+    }
+
+    let cuda = backend.as_any().downcast_ref::<CudaBackend>()?;
+    Some(Arc::new(Probe(cuda.memory_probe())))
+}
+
+/// How to read the free memory of `backend`'s device: never in a build without the `cuda`
+/// feature (every backend is a host one).
+#[cfg(not(feature = "cuda"))]
+pub fn free_memory_of(_backend: &dyn Backend) -> Option<Arc<dyn FreeMemory>> {
+    None
 }
 
 /// Whether the NCCL library loads (EP ranks on several GPUs need it), checked before anything

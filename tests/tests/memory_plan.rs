@@ -111,7 +111,7 @@ fn check(topology: &str, config_name: &str) -> MemoryPlan {
         "{config_name}: {} bytes per token vs {by_hand} by hand",
         plan.bytes.bytes_per_token()
     );
-    let budget = (gpu.kv_budget as f64 * 0.9) as u64;
+    let budget = (gpu.kv_budget as f64 * 0.9 / gpu.ranks as f64) as u64;
     assert_eq!(plan.state_budget, budget);
     let blocks = (budget / plan.bytes.block_bytes()) as usize;
     assert_eq!(plan.blocks, blocks);

@@ -253,9 +253,8 @@ pub struct RawMemoryConfig {
     pub state_bytes_per_rank: Option<u64>,
     /// Share of the memory left after the weights that the state pools take (0 < f <= 1):
     /// the host's available memory (split evenly over the DP ranks) with `cpu`; with `cuda`
-    /// the free device memory is not measured yet and the pool is off (warned at start) unless
-    /// `state_bytes_per_rank` is given; `memory-plan` applies it to the GPU's memory.
-    /// Default: 0.9.
+    /// each GPU's free memory once the weights of its ranks are resident (split evenly over
+    /// the DP ranks on it); `memory-plan` applies it to the GPU's memory. Default: 0.9.
     pub state_memory_fraction: Option<f64>,
 }
 

@@ -230,9 +230,10 @@ pub struct EplbConfig {
 pub enum MemoryConfig {
     /// `state_bytes_per_rank` (bytes, >= 1).
     StateBytes(u64),
-    /// `state_memory_fraction` (0 < f <= 1) of the memory left after the weights: the host's
-    /// available memory split over the ranks with the CPU (with CUDA the runtime does not
-    /// measure it yet; `memory-plan` applies it to the GPU's memory). Default: `Fraction(0.9)`.
+    /// `state_memory_fraction` (0 < f <= 1) of the memory left after the weights, split evenly
+    /// over the ranks sharing it: the host's available memory with the CPU, each GPU's free
+    /// memory (read at start once its ranks' weights are resident) with CUDA; `memory-plan`
+    /// applies it to the GPU's memory less the planned weights. Default: `Fraction(0.9)`.
     Fraction(f64),
 }
 

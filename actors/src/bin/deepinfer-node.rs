@@ -274,9 +274,14 @@ fn run_memory_plan(args: MemoryPlanArgs) -> anyhow::Result<()> {
         .map(|gib| (gib * (1u64 << 30) as f64) as u64);
     let dp = usize::from(node.parallel.dp);
     let plan = memory_plan::plan(&node, &cfg, gpu_memory, &contexts, || {
-        deepinfer_actors::scheduler::pool::rank_budget(node.memory, node.device.backend, dp)
-            .map_err(|e| e.to_string())
-            .map(|budget| budget.unwrap_or(0))
+        use deepinfer_actors::rank::memory::{HostMemory, StateMemory};
+        deepinfer_actors::scheduler::pool::rank_budgets(
+            node.memory,
+            &vec![StateMemory::Host; dp],
+            &HostMemory,
+        )
+        .map_err(|e| e.to_string())
+        .map(|budgets| budgets.first().map_or(0, |budget| budget.bytes))
     })
     .map_err(anyhow::Error::msg)?;
     print!("{plan}");

@@ -27,7 +27,7 @@ use crate::messages::supervisor::{DrainReport, SupervisorMsg};
 use crate::rank::executor::ExecutorFactory;
 use crate::rank::fake::{FakeConfig, FakeFactory};
 use crate::replay::state::ReplayStats;
-use crate::scheduler::pool::{StatePool, rank_budget};
+use crate::scheduler::pool::PoolPlan;
 use crate::scheduler::prefix::PrefixSettings;
 use crate::scheduler::state::SchedulerLimits;
 use crate::supervisor::policy::EngineHealth;
@@ -111,57 +111,6 @@ impl EngineConfig {
             base_seed: self.node.sampling.seed,
         }
     }
-}
-
-/// Each rank's state pool, when the executors have a byte model and the budget is known; the
-/// memory plan of one rank is logged. The prefix cache's bytes (`prefix`) come out of the
-/// rank's budget: the pool gets the rest, so the states and the cached blocks together stay
-/// within it.
-fn state_pool(
-    config: &EngineConfig,
-    dp_ranks: usize,
-    prefix: Option<&PrefixSettings>,
-) -> Result<Option<StatePool>, EngineError> {
-    let Some(model) = config.executor.state_bytes() else {
-        return Ok(None);
-    };
-    let node = &config.node;
-    let Some(budget) = rank_budget(node.memory, node.device.backend, dp_ranks)? else {
-        tracing::warn!(
-            "memory.state_memory_fraction is not measured on CUDA yet: the state pool is off \
-             (give memory.state_bytes_per_rank to bound the states)"
-        );
-        return Ok(None);
-    };
-    let budget = match prefix {
-        Some(cache) => budget
-            .checked_sub(cache.budget_bytes)
-            .filter(|&rest| rest > 0)
-            .ok_or_else(|| EngineError::Config {
-                field: "prefix_cache.bytes_per_rank".into(),
-                message: format!(
-                    "{} bytes leave nothing of the rank's state budget of {budget} bytes \
-                     ([memory]), which the cache shares",
-                    cache.budget_bytes
-                ),
-            })?,
-        None => budget,
-    };
-    let pool = StatePool::new(model, budget);
-    let usage = pool.usage();
-    let model = pool.model();
-    let longest = usage.total_blocks.saturating_sub(model.ring_blocks()) * model.block_tokens;
-    tracing::info!(
-        budget_bytes = budget,
-        blocks = usage.total_blocks,
-        block_tokens = usage.block_tokens,
-        block_bytes = usage.block_bytes,
-        ring_bytes = model.ring_bytes(),
-        bytes_per_token = model.bytes_per_token(),
-        longest_context_tokens = longest,
-        "state pool of each DP rank"
-    );
-    Ok(Some(pool))
 }
 
 /// The cloneable handle to a running engine.
@@ -340,13 +289,19 @@ impl Engine {
             config.executor.prefix_geometry(),
             (&config.executor.describe(), &config.node.device.backend),
         )?;
-        let state_pool = state_pool(&config, dp_ranks, prefix.as_ref())?;
+        // Each rank's pool is cut once the ranks are up (a fraction of the memory is read
+        // after their weights are resident: `supervisor::state_pools`).
+        let pools = config.executor.state_bytes().map(|bytes| PoolPlan {
+            bytes,
+            memory: config.node.memory,
+            prefix_bytes: prefix.as_ref().map_or(0, |cache| cache.budget_bytes),
+        });
         let (handles_tx, handles_rx) = oneshot::channel();
         let args = SupervisorArgs {
             dp_ranks,
             ep_ranks: usize::from(config.node.parallel.ep),
             scheduler: config.scheduler_limits(),
-            state_pool,
+            pools,
             frontend: config.frontend_limits(),
             factory: config.executor.clone(),
             codec: codec.clone(),
@@ -362,10 +317,7 @@ impl Engine {
         };
         let (supervisor, join) = Actor::spawn(None, NodeSupervisor, args)
             .await
-            .map_err(|e| EngineError::Startup {
-                dp: 0,
-                message: spawn_error_text(&e),
-            })?;
+            .map_err(|e| startup_error(&e))?;
         let handles = handles_rx
             .await
             .map_err(|_| EngineError::internal("the supervisor did not report its actors"))?;
@@ -414,6 +366,20 @@ impl Engine {
             let _ = tokio::time::timeout(Duration::from_secs(60), join).await;
         }
         Ok(report)
+    }
+}
+
+/// The engine's error for a start that failed: a config error found once the ranks were up
+/// (their state budget) as it is, anything else as `Startup`.
+fn startup_error(e: &ractor::SpawnErr) -> EngineError {
+    if let ractor::SpawnErr::StartupFailed(inner) = e
+        && let Some(config @ EngineError::Config { .. }) = inner.downcast_ref::<EngineError>()
+    {
+        return config.clone();
+    }
+    EngineError::Startup {
+        dp: 0,
+        message: spawn_error_text(e),
     }
 }
 

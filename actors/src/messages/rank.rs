@@ -18,6 +18,7 @@ use crate::dspark::schedule::StepRateTable;
 use crate::grammar::GrammarMatcher;
 use crate::messages::scheduler::SchedulerMsg;
 use crate::prefix_cache::BlockHash;
+use crate::rank::memory::StateMemory;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 
 /// What kind of step a plan is (a metric label, and `Idle` is mandatory for DP attention: every
@@ -214,6 +215,10 @@ pub enum RankMsg {
         ProfileRequest,
         RpcReplyPort<Result<StepRateTable, RankError>>,
     ),
+    /// `[memory] state_memory_fraction`: where the rank's states live and, on a device, its free
+    /// memory once the weights are resident (`RankExecutor::state_memory`; sent once, by the
+    /// supervisor to every rank at the same time, before `Attach`).
+    StateMemory(RpcReplyPort<Result<StateMemory, RankError>>),
     /// Connect the rank thread to its scheduler (sent once, before any plan).
     Attach(ActorRef<SchedulerMsg>),
     /// Run a plan; at most `overlap_depth` are outstanding (the scheduler's credit count).

@@ -27,6 +27,7 @@ use deepinfer_model::{EntryOutput, LogitsRow};
 use deepinfer_topology::RequestId;
 
 use crate::prefix_cache::{BlockHash, PrefixGeometry};
+use crate::rank::memory::StateMemory;
 use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
 
 /// The error of an executor that keeps no prefix blocks.
@@ -166,6 +167,15 @@ pub trait RankExecutor: Send {
     /// executor without model state.
     fn state_bytes_held(&self) -> Option<u64> {
         None
+    }
+    /// Where this rank's sequence states live, read now (`[memory] state_memory_fraction` is a
+    /// share of it): a device executor makes its weights resident first (a device backend
+    /// uploads each weight on first use), then reads its device's free memory. Sent to every
+    /// rank at once, once all are built and before any plan, so the ranks sharing a device all
+    /// loaded theirs by the last reading and EP ranks' steps pair up. The default: the host's
+    /// memory (the engine reads it).
+    fn state_memory(&mut self) -> Result<StateMemory, ExecError> {
+        Ok(StateMemory::Host)
     }
     /// Time the device still needs after `execute` returned before the step's results exist
     /// (an asynchronous device queue). Zero for the CPU backend, whose work is done on return.
@@ -322,6 +332,9 @@ pub trait ExecutorLayer: Send {
     ) -> Result<(), ExecError> {
         inner.plan_replay(id, decoder_from)
     }
+    fn state_memory(&mut self, inner: &mut dyn RankExecutor) -> Result<StateMemory, ExecError> {
+        inner.state_memory()
+    }
     fn device_latency(&self, inner: &dyn RankExecutor, batch_tokens: usize) -> Duration {
         inner.device_latency(batch_tokens)
     }
@@ -410,6 +423,9 @@ impl<L: ExecutorLayer> RankExecutor for Layered<L> {
     }
     fn state_bytes_held(&self) -> Option<u64> {
         self.inner.state_bytes_held()
+    }
+    fn state_memory(&mut self) -> Result<StateMemory, ExecError> {
+        self.layer.state_memory(self.inner.as_mut())
     }
     fn device_latency(&self, batch_tokens: usize) -> Duration {
         self.layer.device_latency(self.inner.as_ref(), batch_tokens)

@@ -2,7 +2,9 @@
 //! ([`AnyModel`]). Each DP rank gets a `ModelExecutor` over the shared weights: on the loaded
 //! model's own backend (the CPU), or, with [`RankDevices`], rebound (`Model::on_backend`) to a
 //! backend opened on the rank's own device, on the rank's thread (with expert parallelism on
-//! CUDA, a backend serving as the rank's EP rank, the ranks stepping through `DeviceExperts`).
+//! CUDA, a backend serving as the rank's EP rank, the ranks stepping through `DeviceExperts`);
+//! a device backend's free memory is read through its probe (`gpu::free_memory_of`) for the
+//! rank's state budget (`RankExecutor::state_memory`).
 
 use std::sync::Arc;
 
@@ -13,8 +15,10 @@ use deepinfer_model::state_bytes::StateBytes;
 
 use crate::experts::cuda_layout::device_of;
 use crate::experts::device::DeviceExperts;
+use crate::gpu;
 use crate::prefix_cache::PrefixGeometry;
 use crate::rank::executor::{ExecError, ExecutorFactory, RankExecutor};
+use crate::rank::memory::DeviceMemory;
 use crate::rank::model_executor::ModelExecutor;
 
 /// Opens the backend of DP rank `dp` (first argument) on device ordinal `device` (second);
@@ -87,8 +91,12 @@ impl ExecutorFactory for ModelFactory {
             .map_err(|e| ExecError::Backend(format!("DP rank {dp} on device {device}: {e}")))?;
         tracing::info!(dp, backend = backend.name(), "rank model on its device");
         let experts = devices.experts.clone().map(|experts| (experts, dp));
+        let memory =
+            gpu::free_memory_of(backend.as_ref()).map(|probe| DeviceMemory { device, probe });
         Ok(Box::new(
-            ModelExecutor::new(self.model.on_backend(backend)).with_device_experts(experts),
+            ModelExecutor::new(self.model.on_backend(backend))
+                .with_device_experts(experts)
+                .with_device_memory(memory),
         ))
     }
 

@@ -1,10 +1,11 @@
 //! `RankActor`: one per DP rank; owns a dedicated OS thread that owns the executor.
 //!
 //! Owns: the rank thread (and through it the executor and its device context).
-//! Accepts: `RankMsg::Profile` (with DSpark on, once, from the supervisor), `Attach` (once),
+//! Accepts: `RankMsg::Profile` (with DSpark on, once, from the supervisor), `StateMemory` (with
+//! `[memory] state_memory_fraction`, once, from the supervisor), `Attach` (once),
 //! `Execute(plan)`, `ThreadExited` (from its own thread).
 //! Sends: `SchedulerMsg::StepDone` / `StepFailed` straight from the thread to the scheduler; the
-//! profiled table to the supervisor's reply port.
+//! profiled table and the memory reading to the supervisor's reply ports.
 //! Ordering: the actor is up once its thread built the executor; the thread runs what it is sent
 //! in order (the profile before any plan), and releases the outputs in the plans' order.
 //! Failure: a panic or backend error on the thread fails the step (`StepFailed` with the panic
@@ -15,6 +16,7 @@ pub mod context_parallel;
 pub mod executor;
 pub mod factory;
 pub mod fake;
+pub mod memory;
 pub mod model_executor;
 pub mod observe;
 pub mod sequences;
@@ -36,6 +38,7 @@ use crate::messages::rank::{RankError, RankMsg, StepPlan};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
 use executor::ExecutorFactory;
+use memory::StateMemory;
 use worker::RankWorker;
 
 /// What the actor sends its thread.
@@ -44,6 +47,7 @@ enum ThreadMsg {
         ProfileRequest,
         RpcReplyPort<Result<StepRateTable, RankError>>,
     ),
+    StateMemory(RpcReplyPort<Result<StateMemory, RankError>>),
     Attach(ActorRef<SchedulerMsg>),
     Plan(Box<StepPlan>),
 }
@@ -141,6 +145,7 @@ impl Actor for RankActor {
     ) -> Result<(), ActorProcessingErr> {
         let to_thread = match message {
             RankMsg::Profile(request, reply) => ThreadMsg::Profile(request, reply),
+            RankMsg::StateMemory(reply) => ThreadMsg::StateMemory(reply),
             RankMsg::Attach(scheduler) => ThreadMsg::Attach(scheduler),
             RankMsg::Execute(plan) => ThreadMsg::Plan(plan),
             RankMsg::ThreadExited(error) => {
@@ -233,6 +238,11 @@ fn rank_thread(
             ThreadMsg::Profile(request, reply) => {
                 // A failed profile fails the engine's start, which stops this rank.
                 let _ = reply.send(guarded(|| worker.profile(&request)));
+                continue;
+            }
+            ThreadMsg::StateMemory(reply) => {
+                // A failed reading fails the engine's start, which stops this rank.
+                let _ = reply.send(guarded(|| worker.state_memory()));
                 continue;
             }
             ThreadMsg::Attach(s) => {

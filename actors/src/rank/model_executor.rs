@@ -52,8 +52,10 @@ use crate::experts::parallel::{ExpertParallel, StepRecord};
 
 use crate::prefix_cache::BlockHash;
 use crate::rank::executor::{
-    Draft, ExecError, ExecStep, RankExecutor, SeqTokens, logprobs_on_host, sample_logits_on_host,
+    Draft, ExecError, ExecStep, RankExecutor, SeqTokens, execute_rows, logprobs_on_host,
+    sample_logits_on_host,
 };
+use crate::rank::memory::{DeviceMemory, StateMemory};
 use crate::rank::sequences::{Sequences, sequence_error};
 use crate::sampling::SamplingParams;
 
@@ -71,7 +73,12 @@ pub struct ModelExecutor {
     device: Option<(Arc<DeviceExperts>, usize)>,
     /// The prefix-cache blocks this rank keeps (the scheduler's index decides which).
     prefix_blocks: HashMap<BlockHash, KeptBlock>,
+    /// The device the model's backend runs on and its free-memory reading (`None`: the host).
+    memory: Option<DeviceMemory>,
 }
+
+/// The sequence [`RankExecutor::state_memory`] steps once to make the weights resident.
+const WARM_UP: RequestId = RequestId(u64::MAX);
 
 /// How long a CP rank waits for the others at one all-gather.
 const CP_EXCHANGE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -93,7 +100,32 @@ impl ModelExecutor {
             cp: None,
             device: None,
             prefix_blocks: HashMap::new(),
+            memory: None,
         }
+    }
+
+    /// This executor's states on a device whose free memory `memory` reads (`None`: the host's
+    /// memory, the CPU backend).
+    pub fn with_device_memory(self, memory: Option<DeviceMemory>) -> Self {
+        ModelExecutor { memory, ..self }
+    }
+
+    /// Puts the weights on the device: a device backend uploads each on first use, so one
+    /// token through a scratch sequence reaches every layer (each MoE layer's expert table is
+    /// uploaded whole, an EP rank's slots at its opening), then frees it. With device expert
+    /// parallelism every rank runs this one step at once (`RankExecutor::state_memory`), so
+    /// the collectives pair up.
+    fn load_weights(&mut self) -> Result<(), ExecError> {
+        self.new_sequence(WARM_UP)?;
+        let token = self.model.config().bos_token_id;
+        let entry = SeqTokens {
+            id: WARM_UP,
+            tokens: &[token],
+            all_rows: false,
+        };
+        let stepped = execute_rows(self, &[entry]);
+        self.free_sequence(WARM_UP);
+        stepped.map(drop)
     }
 
     /// This executor as rank `rank` of a `DeviceExperts` group (its backend an EP rank whose
@@ -383,6 +415,17 @@ impl RankExecutor for ModelExecutor {
         Some(self.sequences.states().map(AnySequence::held_bytes).sum())
     }
 
+    fn state_memory(&mut self) -> Result<StateMemory, ExecError> {
+        let Some(DeviceMemory { device, probe }) = self.memory.clone() else {
+            return Ok(StateMemory::Host);
+        };
+        self.load_weights()?;
+        let free_bytes = probe.free_bytes().map_err(|e| {
+            ExecError::Backend(format!("reading the free memory of device {device}: {e}"))
+        })?;
+        Ok(StateMemory::Device { device, free_bytes })
+    }
+
     fn execute(
         &mut self,
         ExecStep { batch, sampling }: ExecStep<'_>,
@@ -542,6 +585,57 @@ mod tests {
             tokens,
             all_rows: false,
         }
+    }
+
+    /// A device of `free` bytes free that counts its readings.
+    struct Reading {
+        free: u64,
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl crate::rank::memory::FreeMemory for Reading {
+        fn free_bytes(&self) -> Result<u64, String> {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(self.free)
+        }
+    }
+
+    /// On a device, the executor reads the device's free memory (once, after its warm-up step,
+    /// which leaves no sequence and changes no later result); on the host it reads nothing.
+    #[test]
+    fn a_device_executor_reads_its_free_memory_after_a_warm_up_step() {
+        let (_dir, model) = tiny_test_model();
+        let probe = Arc::new(Reading {
+            free: 123 << 20,
+            reads: Default::default(),
+        });
+        let memory = DeviceMemory {
+            device: 3,
+            probe: probe.clone(),
+        };
+        let mut device = ModelExecutor::new(model.clone()).with_device_memory(Some(memory));
+        let mut host = ModelExecutor::new(model);
+        assert_eq!(host.state_memory(), Ok(StateMemory::Host));
+        assert_eq!(
+            device.state_memory(),
+            Ok(StateMemory::Device {
+                device: 3,
+                free_bytes: 123 << 20
+            })
+        );
+        assert_eq!(probe.reads.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(device.live_sequences(), 0, "the warm-up sequence is freed");
+        let id = RequestId(5);
+        let mut rows = Vec::new();
+        for executor in [&mut device, &mut host] {
+            executor.new_sequence(id).expect("new");
+            rows.push(execute_rows(executor, &[entry(id, &[3, 1, 4, 1, 5])]).expect("step"));
+        }
+        assert_eq!(
+            rows[0], rows[1],
+            "the warm-up leaves the numbers as they were"
+        );
     }
 
     /// An unsampled V4.1 entry's rows stay on the backend (bitwise the logits read on the

@@ -53,6 +53,7 @@ use crate::messages::rank::{
     VerifyOutcome,
 };
 use crate::rank::executor::{ExecError, ExecStep, RankExecutor, SeqTokens};
+use crate::rank::memory::StateMemory;
 use crate::sampling::{SamplingParams, TokenLogprobs, sample, token_logprobs};
 
 /// The shortest an `Idle` step takes. On an EP deployment the collective paces idle ranks;
@@ -704,6 +705,11 @@ impl RankWorker {
     /// Measures DSpark's steps-per-second table on the executor; runs before the first plan.
     pub fn profile(&mut self, request: &ProfileRequest) -> Result<StepRateTable, ProfileError> {
         profile_step_rates(self.executor.as_mut(), request)
+    }
+
+    /// Where the executor's states live, read now (`RankExecutor::state_memory`).
+    pub fn state_memory(&mut self) -> Result<StateMemory, ExecError> {
+        self.executor.state_memory()
     }
 
     /// Launches a plan: runs it now (host work) and schedules its results for when the

@@ -6,12 +6,15 @@
 //! for the policy itself).
 //! Accepts: `Health`, `Drain`; supervision events from its children (it overrides ractor's
 //! default, which would stop the supervisor on any child exit).
-//! Sends: `RankMsg::Profile` to every rank at start (DSpark on); `SchedulerMsg::RankLost` and
+//! Sends: `RankMsg::Profile` (DSpark on) and `RankMsg::StateMemory` (a fraction of the memory)
+//! to every rank at start; `SchedulerMsg::RankLost` and
 //! `FrontendMsg::RankDown` to apply a decision.
 //! Ordering: every rank is spawned first (a rank is up once its thread built its executor);
 //! with DSpark on, all of them then profile the step rate at once on their own executors, and
-//! rank 0's table goes to every scheduler. Then each rank's scheduler (which gets the rank's ref)
-//! and `Attach` to the rank, then the `DSparkActor`, the expert actors, and the frontend last, so
+//! rank 0's table goes to every scheduler. With `[memory] state_memory_fraction` all of them
+//! then read where their states live at once (a device rank after making its weights resident),
+//! and each rank's state pool is cut from its share. Then each rank's scheduler (which gets the
+//! rank's ref and its pool) and `Attach` to the rank, then the `DSparkActor`, the expert actors, and the frontend last, so
 //! no plan can reach a rank before its profile and its scheduler. With bounded replay on, the
 //! `ReplayActor` is spawned first and every scheduler gets its ref.
 //! Failure: nothing restarts; see `policy.rs`. Shutdown closes admission, waits for the
@@ -41,10 +44,11 @@ use crate::messages::scheduler::SchedulerMsg;
 use crate::messages::supervisor::{DrainReport, SupervisorMsg};
 use crate::metrics as m;
 use crate::rank::executor::ExecutorFactory;
+use crate::rank::memory::{HostMemory, StateMemory};
 use crate::rank::{RankActor, RankArgs};
 use crate::replay::ReplayActor;
 use crate::replay::state::ReplayState;
-use crate::scheduler::pool::StatePool;
+use crate::scheduler::pool::{PoolPlan, StatePool};
 use crate::scheduler::prefix::PrefixSettings;
 use crate::scheduler::state::{SchedulerLimits, VerifySettings};
 use crate::scheduler::{SchedulerActor, SchedulerArgs};
@@ -64,8 +68,8 @@ pub struct SupervisorArgs {
     pub dp_ranks: usize,
     pub ep_ranks: usize,
     pub scheduler: SchedulerLimits,
-    /// Each rank's state pool (cloned per rank); `None` = states unaccounted.
-    pub state_pool: Option<StatePool>,
+    /// How each rank's state pool is cut, once the ranks are up; `None` = states unaccounted.
+    pub pools: Option<PoolPlan>,
     pub frontend: FrontendLimits,
     pub factory: Arc<dyn ExecutorFactory>,
     pub codec: Option<Arc<TextCodec>>,
@@ -111,6 +115,37 @@ async fn dspark_settings(
         max_draft_tokens: request.block,
         table,
     }))
+}
+
+/// Each rank's state pool ([`PoolPlan::pools`]; `None`s without a plan). With a fraction of the
+/// memory, every rank reads where its states live at once (`RankMsg::StateMemory`, a device rank
+/// making its weights resident first), so by the last reading of a device every rank on it has
+/// loaded its weights, and EP ranks' steps pair up.
+async fn state_pools(
+    args: &SupervisorArgs,
+    ranks: &[ActorRef<RankMsg>],
+) -> Result<Vec<Option<StatePool>>, ActorProcessingErr> {
+    let Some(plan) = &args.pools else {
+        return Ok(vec![None; ranks.len()]);
+    };
+    let mut places = vec![StateMemory::Host; ranks.len()];
+    if plan.measures_memory() {
+        let mut replies = Vec::with_capacity(ranks.len());
+        for rank in ranks {
+            let (reply, read) = ractor::concurrency::oneshot();
+            rank.cast(RankMsg::StateMemory(reply.into()))
+                .map_err(|e| format!("reading the state memory: {e}"))?;
+            replies.push(read);
+        }
+        for (dp, (read, place)) in replies.into_iter().zip(&mut places).enumerate() {
+            *place = read
+                .await
+                .map_err(|_| format!("DP rank {dp} stopped while reading its state memory"))?
+                .map_err(|e| format!("reading the state memory of DP rank {dp}: {e}"))?;
+        }
+    }
+    let pools = plan.pools(&places, &HostMemory)?;
+    Ok(pools.into_iter().map(Some).collect())
 }
 
 pub struct SupervisorState {
@@ -218,13 +253,20 @@ impl Actor for NodeSupervisor {
                 return Err(e.into());
             }
         };
+        let pools = match state_pools(&args, &ranks).await {
+            Ok(pools) => pools,
+            Err(e) => {
+                stop_all(&started).await;
+                return Err(e);
+            }
+        };
         let mut schedulers = Vec::with_capacity(args.dp_ranks);
-        for (index, rank) in ranks.into_iter().enumerate() {
+        for (index, (rank, pool)) in ranks.into_iter().zip(pools).enumerate() {
             let dp = DpRank(index as u16);
             let scheduler_args = SchedulerArgs {
                 dp,
                 limits: args.scheduler,
-                pool: args.state_pool.clone(),
+                pool,
                 rank: rank.clone(),
                 engine_inflight: engine_inflight.clone(),
                 dspark: dspark.clone(),

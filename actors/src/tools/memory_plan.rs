@@ -93,7 +93,10 @@ pub fn plan(
     };
     let state_budget = match (node.memory, gpu) {
         (MemoryConfig::StateBytes(budget), _) => budget,
-        (MemoryConfig::Fraction(fraction), Some(gpu)) => (gpu.kv_budget as f64 * fraction) as u64,
+        // As the engine cuts it (`scheduler::pool::rank_budgets`): split over the GPU's ranks.
+        (MemoryConfig::Fraction(fraction), Some(gpu)) => {
+            (gpu.kv_budget as f64 * fraction / gpu.ranks.max(1) as f64) as u64
+        }
         (MemoryConfig::Fraction(_), None) => host_budget()?,
     };
     let blocks = (state_budget / bytes.block_bytes()) as usize;
