@@ -195,6 +195,31 @@ __device__ float torch_sum_lane(const T* x, u32_t n, u32_t W, u32_t lane, const 
     return total;
 }
 
+// The end of torch_sum_block once its TORCH_SUM_ILP x TORCH_SUM_LANES chain sums are in `chains`
+// (shared memory, visible to the block): lane t's sum of its chains and its tail, then thread 0
+// adds the leftover elements from 0 and the lanes in order; the total goes through `result` to
+// every thread (every thread must call it).
+template <class T, bool SQUARE>
+__device__ float torch_sum_lanes_total(const T* x, u32_t n, const float* chains, float* lanes, float* result) {
+    const u32_t t = threadIdx.x;
+    if (t < TORCH_SUM_LANES) {
+        float acc[TORCH_SUM_ILP];
+        for (u32_t k = 0; k < TORCH_SUM_ILP; ++k) acc[k] = chains[k * TORCH_SUM_LANES + t];
+        lanes[t] = torch_sum_lane<T, SQUARE>(x, n, TORCH_SUM_LANES, t, acc);
+    }
+    __syncthreads();
+    if (t == 0) {
+        // The leftover elements are summed from 0 first, then the lanes are added in order.
+        float total = 0.0f;
+        for (u32_t i = n / TORCH_SUM_LANES * TORCH_SUM_LANES; i < n; ++i)
+            total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, i));
+        for (u32_t lane = 0; lane < TORCH_SUM_LANES; ++lane) total = __fadd_rn(total, lanes[lane]);
+        *result = total;
+    }
+    __syncthreads();
+    return *result;
+}
+
 // sum_f32_torch of x[0..n) (of the squares when SQUARE), computed by the whole block (at least 32
 // threads, every thread must call it) and returned to every thread. `scratch` is shared memory of
 // TORCH_SUM_ILP * TORCH_SUM_LANES + TORCH_SUM_LANES + 1 floats.
@@ -216,22 +241,7 @@ __device__ float torch_sum_block(const T* x, u32_t n, float* scratch) {
     if (t < TORCH_SUM_ILP * TORCH_SUM_LANES)
         chains[t] = torch_sum_chain<T, SQUARE>(x, n, TORCH_SUM_LANES, t % TORCH_SUM_LANES, t / TORCH_SUM_LANES);
     __syncthreads();
-    if (t < TORCH_SUM_LANES) {
-        float acc[TORCH_SUM_ILP];
-        for (u32_t k = 0; k < TORCH_SUM_ILP; ++k) acc[k] = chains[k * TORCH_SUM_LANES + t];
-        lanes[t] = torch_sum_lane<T, SQUARE>(x, n, TORCH_SUM_LANES, t, acc);
-    }
-    __syncthreads();
-    if (t == 0) {
-        // The leftover elements are summed from 0 first, then the lanes are added in order.
-        float total = 0.0f;
-        for (u32_t i = n / TORCH_SUM_LANES * TORCH_SUM_LANES; i < n; ++i)
-            total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, i));
-        for (u32_t lane = 0; lane < TORCH_SUM_LANES; ++lane) total = __fadd_rn(total, lanes[lane]);
-        *result = total;
-    }
-    __syncthreads();
-    return *result;
+    return torch_sum_lanes_total<T, SQUARE>(x, n, chains, lanes, result);
 }
 
 // sum_f32_torch of x[0..n) (of the squares when SQUARE) in one thread: torch_sum_block's order.
@@ -367,21 +377,7 @@ __device__ float torch_sum_block_split(const T* x, u32_t n, float* scratch) {
             torch_sum_run<T, SQUARE>(x, TORCH_SUM_LANES, lane, k, full * step, groups - full * step));
     __syncthreads();
     // From here exactly torch_sum_block.
-    if (t < TORCH_SUM_LANES) {
-        float acc[TORCH_SUM_ILP];
-        for (u32_t i = 0; i < TORCH_SUM_ILP; ++i) acc[i] = chains[i * TORCH_SUM_LANES + t];
-        lanes[t] = torch_sum_lane<T, SQUARE>(x, n, TORCH_SUM_LANES, t, acc);
-    }
-    __syncthreads();
-    if (t == 0) {
-        float total = 0.0f;
-        for (u32_t i = n / TORCH_SUM_LANES * TORCH_SUM_LANES; i < n; ++i)
-            total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, i));
-        for (u32_t l = 0; l < TORCH_SUM_LANES; ++l) total = __fadd_rn(total, lanes[l]);
-        *result = total;
-    }
-    __syncthreads();
-    return *result;
+    return torch_sum_lanes_total<T, SQUARE>(x, n, chains, lanes, result);
 }
 
 }  // namespace refmath

@@ -61,6 +61,23 @@ __device__ __forceinline__ void load_x8(const float* x, size_t x_stride, u32_t r
     }
 }
 
+// f(mt, nt, i) for every C fragment register i of MT x NT mma tiles, unrolled.
+template <int MT, int NT, class F>
+__device__ __forceinline__ void for_tiles(F f) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) f(mt, nt, i);
+}
+
+// Every accumulator of MT x NT mma tiles set to 0.
+template <int MT, int NT>
+__device__ __forceinline__ void zero_tiles(float (&acc)[MT][NT][4]) {
+    for_tiles<MT, NT>([&](int mt, int nt, int i) { acc[mt][nt][i] = 0.0f; });
+}
+
 // The decode tile: one warp's MT x NT tiles over its K part, then the block's part sums in warp
 // order.
 template <int MT, int NT>
@@ -86,12 +103,7 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
         w_rows[nt] = w + static_cast<size_t>(col_ok[nt] ? col : 0) * chunks * 4 + q;
     }
     float acc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+    zero_tiles(acc);
 
     for (u32_t c0 = first; c0 < last; c0 += UNROLL) {
         uint4 b[UNROLL][NT];
@@ -221,12 +233,7 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
     for (int part = 0; part < PARTS; ++part) {
         const u32_t last = (part + 1) * chunks / PARTS;
         float acc[WIDE_MT][WIDE_NT][4];
-#pragma unroll
-        for (int mt = 0; mt < WIDE_MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < WIDE_NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+        zero_tiles(acc);
         for (; c < last; ++c) {
             // Chunk c has landed (this thread's copies; the barrier: everyone's), and every warp
             // is done with chunk c - 1, whose stage takes chunk c + WIDE_STAGES - 1.
@@ -267,29 +274,19 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
             }
         }
         // total = part 0, then total + part p, in part order (this thread's own slots).
-#pragma unroll
-        for (int mt = 0; mt < WIDE_MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < WIDE_NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float& total = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
-                    total = part == 0 ? acc[mt][nt][i] : __fadd_rn(total, acc[mt][nt][i]);
-                }
+        for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
+            float& total = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
+            total = part == 0 ? acc[mt][nt][i] : __fadd_rn(total, acc[mt][nt][i]);
+        });
     }
     // C fragment: (row g, columns 2q, 2q + 1) and (row g + 8, the same columns).
-#pragma unroll
-    for (int mt = 0; mt < WIDE_MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < WIDE_NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32_t row = row0 + wr * (WIDE_MT * 16) + mt * 16 + g + 8 * (i / 2);
-                const u32_t col = col0 + wc * (WIDE_NT * 8) + nt * 8 + 2 * q + i % 2;
-                if (row >= p.rows || col >= p.out) continue;
-                const float sum = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
-                y[static_cast<size_t>(row) * y_stride + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
-            }
+    for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
+        const u32_t row = row0 + wr * (WIDE_MT * 16) + mt * 16 + g + 8 * (i / 2);
+        const u32_t col = col0 + wc * (WIDE_NT * 8) + nt * 8 + 2 * q + i % 2;
+        if (row >= p.rows || col >= p.out) return;
+        const float sum = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
+        y[static_cast<size_t>(row) * y_stride + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
+    });
 }
 
 }  // namespace linear_fast
