@@ -379,18 +379,22 @@ impl<'a> Launch<'a> {
 
     /// Launches the kernel with `cfg`; a driver failure names the kernel.
     ///
+    /// Timed launches ([`KernelTimer`] on) record an event before and after the kernel.
+    ///
     /// # Safety
     /// As [`LaunchArgs::launch`]: the arguments match the kernel's signature and every buffer
     /// holds what the kernel reads and writes under `cfg`.
-    /// Timed launches ([`KernelTimer`] on) record an event before and after the kernel.
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), KernelError> {
         if self.timer.enabled() {
             self.args
                 .record_kernel_launch(CUevent_flags::CU_EVENT_DEFAULT);
         }
-        // SAFETY: the caller's contract above.
-        let events = unsafe { self.args.launch(cfg) }
-            .map_err(KernelError::driver(format!("launching {}", self.name)))?;
+        // SAFETY: the caller's contract above. The error's text is built only on failure (a
+        // launch is the hot path).
+        let events = unsafe { self.args.launch(cfg) }.map_err(|source| KernelError::Driver {
+            during: format!("launching {}", self.name),
+            source,
+        })?;
         if let Some(events) = events {
             self.timer.record(self.name, events);
         }

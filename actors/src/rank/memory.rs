@@ -4,7 +4,7 @@
 //! A rank on the CPU backend keeps its states in the host's memory, which every rank of the
 //! process shares ([`StateMemory::Host`], read by the engine from `/proc/meminfo`,
 //! [`HostMemory`]). A rank on a device reads its device's free memory through a [`FreeMemory`]
-//! (a `CudaBackend`'s memory probe, `gpu::device_free_memory`; a fixed figure in CPU tests) once
+//! (a `CudaBackend`'s memory probe, `gpu::free_memory_of`; a fixed figure in CPU tests) once
 //! its weights are resident ([`StateMemory::Device`], from `RankExecutor::state_memory`); the
 //! ranks on one device share what it has free.
 

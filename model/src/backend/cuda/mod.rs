@@ -774,18 +774,16 @@ impl CudaBackend {
                 format!("{len} values at {offset} of a {}-value tensor", t.len()),
             ));
         }
-        if let Some(view) = t.device_view() {
-            // Only this backend's buffers have an address; the view's keeps the table's work
-            // to the tensors' own fields (a B = 64 step lists ~40k keys, each in its own buffer).
-            if len > 0
-                && let Some(address) = view.address(offset)
-            {
-                return Ok(address);
+        // Only this backend's buffers have an address, kept in every view: the table's work stays
+        // in the tensors' own fields (a B = 64 step lists ~40k keys, each in its own buffer).
+        if let Some(address) = t.device_view().and_then(|view| view.address(offset)) {
+            if len == 0 {
+                return Err(shape_err(
+                    op,
+                    "a row of 0 values has no address".to_string(),
+                ));
             }
-            if let Some(buffer) = view.buffer.as_any().downcast_ref::<CudaBuffer>() {
-                return key_row_address(&self.rt, &buffer.data, view.offset + offset, len)
-                    .map_err(op_err(op));
-            }
+            return Ok(address);
         }
         let host = t.as_host();
         let key = (host.as_ptr() as usize, host.len());
