@@ -15,6 +15,9 @@
 #
 # The tests read the fixtures from tests/fixtures/ ($DEEPINFER_FIXTURES overrides the root). Logs
 # go to $GPU_SUITE_LOGS (default $OUT/gpu-suite when $OUT is set, else /tmp/gpu-suite).
+# `run` exports DEEPINFER_CUDA_POISON=1 (unless set): every output the CUDA code allocates
+# uninitialised (no zero fill) starts as 0xFF bytes, NaN in every float type, so an element a
+# kernel forgets to write fails its test.
 # GPU_SUITE_PROFILE=dev stages unoptimised binaries (a quick check of the staging; the suite's
 # numbers come from the default, release).
 set -euo pipefail
@@ -55,6 +58,9 @@ run() {
   logs=${logs:-/tmp/gpu-suite}
   mkdir -p "$bins" "$logs"
   export DEEPINFER_FIXTURES=${DEEPINFER_FIXTURES:-$PWD/tests/fixtures}
+  # Poisoned: outputs allocated uninitialised start as 0xFF bytes (NaN), so an unwritten element
+  # fails the bitwise tests (DEEPINFER_CUDA_POISON=0 in the environment turns it off).
+  export DEEPINFER_CUDA_POISON=${DEEPINFER_CUDA_POISON:-1}
   [ -f "$DEEPINFER_FIXTURES/v41/v41-tiny/config.json" ] \
     || { echo "gpu-suite: no fixtures at $DEEPINFER_FIXTURES (run from the repository root)" >&2; exit 2; }
   # The CUDA libraries: NVRTC needs $CUDA_HOME/include; cudarc looks for libnccl.so, the pip

@@ -21,6 +21,7 @@ pub mod kernel_timer;
 pub mod ops;
 #[cfg(feature = "cuda")]
 pub mod params;
+pub mod poison;
 #[cfg(feature = "cuda")]
 pub mod runtime;
 #[cfg(feature = "cuda")]

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchArgs,
-    LaunchConfig, PushKernelArg, result, sys,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DriverError,
+    LaunchArgs, LaunchConfig, PushKernelArg, result, sys,
 };
 use cudarc::nvrtc::Ptx;
 use sys::CUevent_flags;
@@ -28,6 +28,7 @@ use crate::compile::{Compiler, panic_text};
 use crate::error::KernelError;
 use crate::id::{Arch, KernelId, SourceFile};
 use crate::kernel_timer::KernelTimer;
+use crate::poison::{POISON_BYTE, Poison};
 use crate::staging::{PinnedStaging, STAGED_MIN_BYTES};
 
 /// The default memory pool of `ctx`'s device, when the device allocates stream-ordered.
@@ -139,6 +140,8 @@ pub struct KernelRuntime {
     staging: Mutex<PinnedStaging>,
     /// Device time per kernel, when turned on ([`crate::kernel_timer`]).
     timer: Arc<KernelTimer>,
+    /// What [`KernelRuntime::alloc_written`] fills new buffers with ([`crate::poison`]).
+    poison: Poison,
 }
 
 /// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
@@ -265,6 +268,7 @@ impl KernelRuntime {
             counters: RuntimeCounters::default(),
             staging: Mutex::new(PinnedStaging::new(staging_ctx)),
             timer: Arc::default(),
+            poison: Poison::from_env(),
         })
     }
 
@@ -339,6 +343,34 @@ impl KernelRuntime {
             }
         }
         self.stream.clone_htod(values)
+    }
+
+    /// A new buffer of `len` values, uninitialised (no memset), or filled with
+    /// [`POISON_BYTE`](crate::poison::POISON_BYTE) when the runtime was opened poisoned
+    /// ([`crate::poison`]).
+    ///
+    /// # Safety
+    ///
+    /// The caller's launches on this stream write every element before anything reads one (the
+    /// buffer holds whatever the memory held: any bits, never a zero to rely on).
+    pub unsafe fn alloc_written<T: DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, DriverError> {
+        // SAFETY: the caller's contract: every element is written before it is read.
+        let mut buffer = unsafe { self.stream.alloc::<T>(len) }?;
+        if self.poison == Poison::On {
+            let bytes = buffer.num_bytes();
+            let (ptr, _record) = buffer.device_ptr_mut(&self.stream);
+            // SAFETY: `ptr` is the start of `buffer`'s `bytes` bytes, on this stream.
+            unsafe { result::memset_d8_async(ptr, POISON_BYTE, bytes, self.stream.cu_stream()) }?;
+        }
+        Ok(buffer)
+    }
+
+    /// Whether new buffers of [`KernelRuntime::alloc_written`] are poisoned.
+    pub fn poison(&self) -> Poison {
+        self.poison
     }
 
     /// Kernel launches and host-to-device copies so far.

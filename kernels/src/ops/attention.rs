@@ -386,16 +386,16 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         (FAST_SPLIT_SCRATCH_BYTES / (4 * split_values)).clamp(1, lists.queries)
     };
     let scratch_values = |values: usize| if max_splits == 1 { 1 } else { values };
-    let stream = rt.stream();
     // SAFETY: the scratch is written by the attention launch before the combine reads it (same
     // stream); nothing reads it uninitialised.
-    let mut split_acc =
-        unsafe { stream.alloc::<f32>(scratch_values(per_launch * max_splits * heads * head_dim)) }
-            .map_err(KernelError::driver(
-                "allocating the attention's split scratch",
-            ))?;
+    let mut split_acc = unsafe {
+        rt.alloc_written::<f32>(scratch_values(per_launch * max_splits * heads * head_dim))
+    }
+    .map_err(KernelError::driver(
+        "allocating the attention's split scratch",
+    ))?;
     let mut split_stats =
-        unsafe { stream.alloc::<f32>(scratch_values(per_launch * max_splits * heads * 2)) }
+        unsafe { rt.alloc_written::<f32>(scratch_values(per_launch * max_splits * heads * 2)) }
             .map_err(KernelError::driver(
                 "allocating the attention's split statistics",
             ))?;

@@ -188,6 +188,7 @@ impl DeviceEngramTable {
         let stream = rt.stream();
         let upload = |bytes: &[u8]| {
             if bytes.is_empty() {
+                // Stays zeroed: a one-time placeholder of an empty table (never launched over).
                 stream.alloc_zeros::<u8>(1)
             } else {
                 rt.htod(bytes)

@@ -712,14 +712,14 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
         warps * 32,
         kernel.shared_bytes,
     );
-    let stream = rt.stream();
     // The parts' sums [parts][m][n] (one value, unread, with one part).
     let count = a.rows * n;
     // SAFETY: with parts > 1 every block writes its part's sums of its rows and columns, so the
     // launch writes all parts * m * n values before the reduction reads them, in stream order;
     // with one part the kernel never touches the buffer.
-    let mut partials = unsafe { stream.alloc::<f32>(if parts > 1 { parts * count } else { 1 }) }
-        .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
+    let mut partials =
+        unsafe { rt.alloc_written::<f32>(if parts > 1 { parts * count } else { 1 }) }
+            .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
     let mut launch = rt.launcher_of(kernel.function, kernel.name);
     launch
         .arg(&a.codes)

@@ -56,12 +56,12 @@ pub fn linear_sgemm_f32(
     let chunk_rows = (MAX_PARTIALS / (blocks * out))
         .min(MAX_GRID_Z * TILE_ROWS as usize)
         .clamp(1, rows);
-    let mut partials = rt
-        .stream()
-        .alloc_zeros::<f32>(blocks * chunk_rows * out)
-        .map_err(KernelError::driver(
-            "allocating the linear's block partials",
-        ))?;
+    // SAFETY: per chunk, linear_sgemm_f32 (grid: every column tile, chain and row tile) writes
+    // the partial of every (chain, row < count, column) before linear_sgemm_reduce reads exactly
+    // those; the tail past a short last chunk is never read.
+    let mut partials = unsafe { rt.alloc_written::<f32>(blocks * chunk_rows * out) }.map_err(
+        KernelError::driver("allocating the linear's block partials"),
+    )?;
     for first in (0..rows).step_by(chunk_rows) {
         let count = chunk_rows.min(rows - first);
         let params = LinearParams {

@@ -107,7 +107,7 @@ pub fn hc_mixes_rows_f32(
     }
     // SAFETY: every value is written by hc_mixes_partials_f32 (each task's partial and the sum of
     // squares of each token) before hc_mixes_f32 reads it, in stream order.
-    let mut scratch = unsafe { rt.stream().alloc::<f32>(tokens * per_token_scratch) }
+    let mut scratch = unsafe { rt.alloc_written::<f32>(tokens * per_token_scratch) }
         .map_err(KernelError::driver("allocating the hc_mixes partials"))?;
     let token_grid = dim(OP, "tokens", tokens)?;
     if token_grid > MAX_TOKENS_PER_LAUNCH as u32 {

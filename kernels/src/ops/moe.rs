@@ -98,13 +98,13 @@ pub fn route_experts_f32(
         THREADS,
         4 * (2 * params.experts + params.selected),
     );
-    let stream = rt.stream();
     // The forced list, or a one-element placeholder the kernel does not read.
     let placeholder;
     let forced = match selection {
         Selection::Forced(ids) | Selection::ForcedRows { ids, .. } => ids,
         Selection::TopK(_) => {
-            placeholder = stream.alloc_zeros::<u32>(1).map_err(KernelError::driver(
+            // SAFETY: never read (forced = 0).
+            placeholder = unsafe { rt.alloc_written::<u32>(1) }.map_err(KernelError::driver(
                 "allocating the forced-list placeholder",
             ))?;
             &placeholder

@@ -99,6 +99,27 @@ impl DeviceActFp8 {
         cols: usize,
         group: ActGroup,
     ) -> Result<DeviceActFp8, KernelError> {
+        // SAFETY: both buffers are zero-filled right below, before anything can read them.
+        let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
+        let stream = rt.stream();
+        stream
+            .memset_zeros(&mut out.codes)
+            .and_then(|()| stream.memset_zeros(&mut out.scales))
+            .map_err(KernelError::driver("zeroing activation buffers"))?;
+        Ok(out)
+    }
+
+    /// [`DeviceActFp8::alloc`] uninitialised (poisoned under `DEEPINFER_CUDA_POISON`).
+    ///
+    /// # Safety
+    ///
+    /// The caller's launches write every code and scale before anything reads one.
+    unsafe fn alloc_written(
+        rt: &KernelRuntime,
+        rows: usize,
+        cols: usize,
+        group: ActGroup,
+    ) -> Result<DeviceActFp8, KernelError> {
         if cols == 0 || !cols.is_multiple_of(group.elements()) {
             return Err(KernelError::Shape {
                 op: OP,
@@ -108,13 +129,10 @@ impl DeviceActFp8 {
                 ),
             });
         }
-        let codes = rt
-            .stream()
-            .alloc_zeros::<u8>(rows * cols)
+        // SAFETY (both): the caller's contract.
+        let codes = unsafe { rt.alloc_written::<u8>(rows * cols) }
             .map_err(KernelError::driver("allocating activation codes"))?;
-        let scales = rt
-            .stream()
-            .alloc_zeros::<f32>(rows * cols / group.elements())
+        let scales = unsafe { rt.alloc_written::<f32>(rows * cols / group.elements()) }
             .map_err(KernelError::driver("allocating activation scales"))?;
         Ok(DeviceActFp8 {
             rows,
@@ -193,7 +211,9 @@ pub fn quantize_act_fp8(
     cols: usize,
     group: ActGroup,
 ) -> Result<DeviceActFp8, KernelError> {
-    let mut out = DeviceActFp8::alloc(rt, rows, cols, group)?;
+    // SAFETY: act_quant_fp8 runs one warp per (row, group) over all rows * cols / group groups,
+    // each writing its group's codes and scale.
+    let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
     quantize_act_fp8_into(rt, x, &mut out)?;
     Ok(out)
 }
@@ -206,7 +226,9 @@ pub fn quantize_act_fp8_f32(
     cols: usize,
     group: ActGroup,
 ) -> Result<DeviceActFp8, KernelError> {
-    let mut out = DeviceActFp8::alloc(rt, rows, cols, group)?;
+    // SAFETY: act_quant_fp8 runs one warp per (row, group) over all rows * cols / group groups,
+    // each writing its group's codes and scale.
+    let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
     quantize_act_fp8_f32_into(rt, x, &mut out)?;
     Ok(out)
 }

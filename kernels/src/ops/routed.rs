@@ -573,15 +573,14 @@ pub(super) fn group_rows(
         });
     }
     let max_tiles = m.div_ceil(tile_rows) + m.min(n_experts + 1);
-    let stream = rt.stream();
     // SAFETY (the three allocations): group_routed_rows writes all of `order` (a permutation of
     // 0..m), `tile_count` and the first *tile_count tiles before any launch reads them, in stream
     // order; the routed kernels read no tile past *tile_count.
-    let mut order = unsafe { stream.alloc::<u32>(m) }
+    let mut order = unsafe { rt.alloc_written::<u32>(m) }
         .map_err(KernelError::driver("allocating the routed row order"))?;
-    let mut tiles = unsafe { stream.alloc::<u32>(3 * max_tiles) }
+    let mut tiles = unsafe { rt.alloc_written::<u32>(3 * max_tiles) }
         .map_err(KernelError::driver("allocating the routed tiles"))?;
-    let mut tile_count = unsafe { stream.alloc::<u32>(1) }
+    let mut tile_count = unsafe { rt.alloc_written::<u32>(1) }
         .map_err(KernelError::driver("allocating the routed tile count"))?;
     let group = GroupParams {
         m: kernel_dim(op, "m", m)?,
@@ -669,13 +668,13 @@ pub fn swiglu_rows<T: ExpertRowValue>(
         limit,
         round_bf16: rounding.flag(),
     };
-    let stream = rt.stream();
     // The route weights, or a one-element placeholder the kernel does not read.
     let placeholder;
     let weights = match route_weights {
         Some(w) => w,
         None => {
-            placeholder = stream.alloc_zeros::<f32>(1).map_err(KernelError::driver(
+            // SAFETY: never read (has_weights = 0).
+            placeholder = unsafe { rt.alloc_written::<f32>(1) }.map_err(KernelError::driver(
                 "allocating the route-weight placeholder",
             ))?;
             &placeholder

@@ -282,9 +282,10 @@ pub fn gemm_exact_routed(
     // Chunks of whole x rows (x_row_div output rows each) whose partials fit MAX_PARTIALS.
     let chunk_rows = ((MAX_PARTIALS / (blocks * n)) / x_row_div).max(1) * x_row_div;
     let chunk_rows = chunk_rows.min(m);
-    let stream = rt.stream();
-    let mut partials = stream
-        .alloc_zeros::<f32>(blocks * chunk_rows * n)
+    // SAFETY: per chunk, gemm_exact_routed_partials_f32 writes the partial of every (chain, row <
+    // count, column): group_rows puts every row in a tile and the unknown ids' tile computes with
+    // zero weights; sgemm_reduce reads exactly those.
+    let mut partials = unsafe { rt.alloc_written::<f32>(blocks * chunk_rows * n) }
         .map_err(KernelError::driver("allocating the routed block partials"))?;
     for first in (0..m).step_by(chunk_rows) {
         let count = chunk_rows.min(m - first);

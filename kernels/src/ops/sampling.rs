@@ -213,6 +213,7 @@ impl SampleScratch {
             1
         };
         let stream = rt.stream();
+        // Stay zeroed: the sort scratch is not audited for full writes before reads.
         Ok(SampleScratch {
             keys: stream
                 .alloc_zeros::<u64>(len)

@@ -68,7 +68,7 @@ impl CudaBackend {
 
     /// `x` (not empty) quantised to FP8 in `group`s, then `gemm` into a new output `[rows, out]`
     /// of `T` (bf16 or f32).
-    fn quantised_gemm<T: DeviceRepr + ValidAsZeroBits>(
+    fn quantised_gemm<T: DeviceRepr>(
         &self,
         op: &'static str,
         x: &Tensor,
@@ -77,11 +77,10 @@ impl CudaBackend {
         gemm: impl FnOnce(&DeviceActFp8, &mut CudaSlice<T>) -> Result<(), CudaBackendError>,
     ) -> Result<CudaSlice<T>, CudaBackendError> {
         let a = self.quantised_activations(op, x, inp, group)?;
-        let mut y = self
-            .rt
-            .stream()
-            .alloc_zeros::<T>(a.rows * out)
-            .map_err(driver_err(op, "allocating an output"))?;
+        // SAFETY: every `gemm` here (gemm_fp8/fp4: one summing thread or lane per (row, column)
+        // of its tile; gemm_fp8/fp4_fast: every tile row < m and feature < n stored, or the part
+        // sums reduced into every output) writes all a.rows * out values.
+        let mut y = unsafe { self.alloc_written::<T>(op, a.rows * out) }?;
         gemm(&a, &mut y)?;
         Ok(y)
     }
@@ -165,7 +164,9 @@ impl CudaBackend {
             return Ok(Tensor::empty());
         }
         let dx = self.input(op, x)?;
-        let mut dy = self.alloc(op, rows * out)?;
+        // SAFETY: linear_bf16_fast stores every (row < rows, column < out) of its tiles;
+        // linear_sgemm_f32's reduction writes each of the rows * out outputs.
+        let mut dy = unsafe { self.alloc_written(op, rows * out) }?;
         if fast {
             let dw = self.cached_bf16_fast(&w[..out * inp], 1, out, inp)?;
             linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, output).map_err(op_err(op))?;
@@ -207,7 +208,8 @@ impl CudaBackend {
             return Ok(Tensor::empty());
         }
         let dx = self.input(OP, x)?;
-        let mut dy = self.alloc(OP, rows * groups * out)?;
+        // SAFETY: linear_bf16_fast stores every (row, column) of every group (grid z).
+        let mut dy = unsafe { self.alloc_written(OP, rows * groups * out) }?;
         let dw = self.cached_bf16_fast(w, groups, groups * out, inp)?;
         linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, Rounding::Bf16).map_err(op_err(OP))?;
         Ok(self.tensor(dy))
@@ -252,9 +254,12 @@ impl CudaBackend {
         let count = dequant_block_rows(out, inp);
         let mut parts = Vec::with_capacity(out / count);
         for start in (0..out).step_by(count) {
-            let mut block = self.alloc(op, count * inp)?;
+            // SAFETY: dequant_fp8/fp4_rows_f32 write each of the count * inp values (one
+            // thread each).
+            let mut block = unsafe { self.alloc_written(op, count * inp) }?;
             dequant(start, count, &mut block).map_err(op_err(op))?;
-            let mut part = self.alloc(op, rows * count)?;
+            // SAFETY: linear_sgemm_f32's reduction writes each of the rows * count outputs.
+            let mut part = unsafe { self.alloc_written(op, rows * count) }?;
             linear_sgemm_f32(
                 &self.rt,
                 &dx,
@@ -290,7 +295,8 @@ impl CudaBackend {
         }
         let dw = self.cached_f32(OP, weight)?;
         let dx = self.input(OP, x)?;
-        let mut dy = self.alloc(OP, x.len())?;
+        // SAFETY: rms_norm_f32 runs one block per row, its threads covering every column.
+        let mut dy = unsafe { self.alloc_written(OP, x.len()) }?;
         rms_norm_f32(
             &self.rt,
             &dx,

@@ -551,7 +551,8 @@ impl CudaBackend {
                     layer.swiglu_limit,
                     rounding(layer.precision),
                 )?;
-                let mut wide = self.alloc(op, out.len())?;
+                // SAFETY: bf16_to_f32's grid-stride loop writes every value.
+                let mut wide = unsafe { self.alloc_written(op, out.len()) }?;
                 bf16_to_f32(&self.rt, &out, &mut wide).map_err(op_err(op))?;
                 Ok(wide)
             }
@@ -601,9 +602,11 @@ impl CudaBackend {
         let rounding = rounding(layer.precision);
         let a = self.quantised_activations(op, x, dim, ActGroup::G32)?;
         let shared = self.shared_expert(op, &a, layer.shared, layer.swiglu_limit, rounding)?;
-        let mut shared_wide = self.alloc(op, shared.len())?;
+        // SAFETY: bf16_to_f32's grid-stride loop writes every value.
+        let mut shared_wide = unsafe { self.alloc_written(op, shared.len()) }?;
         bf16_to_f32(&self.rt, &shared, &mut shared_wide).map_err(op_err(op))?;
-        let mut out = self.alloc(op, x.len())?;
+        // SAFETY: moe_combine runs one block per row and covers every column.
+        let mut out = unsafe { self.alloc_written(op, x.len()) }?;
         moe_combine(
             &self.rt,
             slot_out,
@@ -628,7 +631,8 @@ impl CudaBackend {
         if addresses.is_empty() {
             return Ok(None);
         }
-        let mut out = self.alloc(op, addresses.len() * width)?;
+        // SAFETY: gather_ptrs_f32 strides over every piece and every value of it.
+        let mut out = unsafe { self.alloc_written(op, addresses.len() * width) }?;
         gather_addresses_f32(&self.rt, addresses, width, &mut out).map_err(op_err(op))?;
         Ok(Some(out))
     }

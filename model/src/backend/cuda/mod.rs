@@ -117,6 +117,7 @@ use super::{
 use crate::engram::lookup::EngramTable;
 use crate::weights::{Fp4Weight, Fp8Weight};
 
+pub use deepinfer_kernels::poison::POISON_ENV;
 pub use profile::{OpProfile, OpStats, PROFILE_ENV};
 
 /// Why the CUDA backend could not open or run an op.
@@ -543,10 +544,30 @@ impl CudaBackend {
             .map_err(driver_err(op, "uploading an activation"))
     }
 
-    fn alloc(&self, op: &'static str, len: usize) -> Result<CudaSlice<f32>, CudaBackendError> {
+    /// A new output of `len` values that `op`'s launches write in full: uninitialised (no
+    /// memset), or poisoned under [`POISON_ENV`] ([`KernelRuntime::alloc_written`]).
+    ///
+    /// # Safety
+    ///
+    /// The op's launches write every element before anything reads one.
+    unsafe fn alloc_written<T: DeviceRepr>(
+        &self,
+        op: &'static str,
+        len: usize,
+    ) -> Result<CudaSlice<T>, CudaBackendError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.rt.alloc_written::<T>(len) }.map_err(driver_err(op, "allocating an output"))
+    }
+
+    /// A new output of `len` zeros (a memset): for launches that may leave elements unwritten.
+    fn alloc_zeroed<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        op: &'static str,
+        len: usize,
+    ) -> Result<CudaSlice<T>, CudaBackendError> {
         self.rt
             .stream()
-            .alloc_zeros::<f32>(len)
+            .alloc_zeros::<T>(len)
             .map_err(driver_err(op, "allocating an output"))
     }
 
@@ -712,7 +733,8 @@ impl CudaBackend {
 
     /// bf16 GEMM outputs widened into an f32 tensor on the device.
     fn widen(&self, op: &'static str, y: &CudaSlice<bf16>) -> Result<Tensor, CudaBackendError> {
-        let mut out = self.alloc(op, y.len())?;
+        // SAFETY: bf16_to_f32's grid-stride loop writes every value.
+        let mut out = unsafe { self.alloc_written(op, y.len()) }?;
         bf16_to_f32(&self.rt, y, &mut out).map_err(op_err(op))?;
         Ok(self.tensor(out))
     }
@@ -814,7 +836,8 @@ impl CudaBackend {
             .iter()
             .map(|(t, offset)| self.address_of(OP, t, *offset, width, &mut keep))
             .collect::<Result<Vec<u64>, _>>()?;
-        let mut out = self.alloc(OP, pieces.len() * width)?;
+        // SAFETY: gather_ptrs_f32 strides over every piece and every value of it.
+        let mut out = unsafe { self.alloc_written(OP, pieces.len() * width) }?;
         // Small tables travel in the launch's parameters: no upload per gather.
         gather_addresses_f32(&self.rt, &addresses, width, &mut out).map_err(op_err(OP))?;
         drop(keep);
@@ -855,7 +878,8 @@ impl CudaBackend {
             .map(|&id| key_row_address(&self.rt, &resident, id as usize * width, width))
             .collect::<Result<Vec<u64>, _>>()
             .map_err(op_err(OP))?;
-        let mut out = self.alloc(OP, ids.len() * width)?;
+        // SAFETY: gather_ptrs_f32 strides over every piece and every value of it.
+        let mut out = unsafe { self.alloc_written(OP, ids.len() * width) }?;
         gather_addresses_f32(&self.rt, &addresses, width, &mut out).map_err(op_err(OP))?;
         Ok(self.tensor(out))
     }

@@ -29,7 +29,7 @@ pub(super) struct DeviceExperts {
 /// The element type of the routed GEMMs' output rows: bf16 from any FP4/FP8 table (V4.1's
 /// rounding point), f32 from a fast FP4 table alone (V4's float32 experts in the fast numerics;
 /// the exact routed kernels write bf16, and a launch on another table fails naming its format).
-pub(super) trait RoutedRow: ExpertRowValue + FastOutput + ValidAsZeroBits + Sized {
+pub(super) trait RoutedRow: ExpertRowValue + FastOutput + Sized {
     /// The routed GEMM of `rows` over `table` into `out`.
     fn gemm(
         rt: &KernelRuntime,
@@ -106,7 +106,8 @@ impl CudaBackend {
 
         // The shared expert on every row, then the combine.
         let shared = self.shared_expert(OP, &a, layer.shared, layer.swiglu_limit, rounding)?;
-        let mut out = self.alloc(OP, rows * dim)?;
+        // SAFETY: moe_combine runs one block per row and covers every column.
+        let mut out = unsafe { self.alloc_written(OP, rows * dim) }?;
         moe_combine(
             &self.rt,
             &expert_out,
@@ -186,12 +187,10 @@ impl CudaBackend {
             Some((ids, k)) => RouteSelection::ForcedRows { ids, per_row: *k },
         };
         let k = selected_count(selection, n_experts);
-        let mut ids = self
-            .rt
-            .stream()
-            .alloc_zeros::<u32>(rows * k)
-            .map_err(driver_err(op, "allocating the routes"))?;
-        let mut weights = self.alloc(op, rows * k)?;
+        // SAFETY (both): route_experts_f32 runs one block per row whose thread 0 writes all k
+        // ids and weights of the row (the chosen ranks 0..k, each filled).
+        let mut ids = unsafe { self.alloc_written::<u32>(op, rows * k) }?;
+        let mut weights = unsafe { self.alloc_written(op, rows * k) }?;
         route_experts_f32(
             &self.rt,
             &*self.input(op, &logits)?,
@@ -228,11 +227,9 @@ impl CudaBackend {
                       which: ExpertProjection,
                       width: usize|
          -> Result<CudaSlice<T>, CudaBackendError> {
-            let mut out = self
-                .rt
-                .stream()
-                .alloc_zeros::<T>(slots * width)
-                .map_err(driver_err(op, "allocating an expert output"))?;
+            // SAFETY: the routed GEMMs write every slot row: each row lies in a tile (or its own
+            // block) whose kernel stores all its columns, rows of unknown ids as zeros.
+            let mut out = unsafe { self.alloc_written::<T>(op, slots * width) }?;
             let rows = RoutedRows {
                 x,
                 experts: ids,
@@ -261,7 +258,8 @@ impl CudaBackend {
     ) -> Result<CudaSlice<f32>, CudaBackendError> {
         let gate = gate_up(ExpertProjection::W1)?;
         let up = gate_up(ExpertProjection::W3)?;
-        let mut hidden = self.alloc(op, gate.len())?;
+        // SAFETY: swiglu_rows's grid-stride loop writes every value.
+        let mut hidden = unsafe { self.alloc_written(op, gate.len()) }?;
         let weights = Some(route_weights);
         swiglu_rows(&self.rt, &gate, &up, weights, limit, rounding, &mut hidden)
             .map_err(op_err(op))?;
@@ -284,11 +282,9 @@ impl CudaBackend {
                     ExpertLinear::Fp8(w) => w.out,
                     ExpertLinear::Exact(_) => 0,
                 };
-                let mut y = self
-                    .rt
-                    .stream()
-                    .alloc_zeros::<bf16>(x.rows * out_width)
-                    .map_err(driver_err(op, "allocating a shared-expert output"))?;
+                // SAFETY: the dense GEMMs below write all x.rows * out_width values (see
+                // `quantised_gemm`).
+                let mut y = unsafe { self.alloc_written::<bf16>(op, x.rows * out_width) }?;
                 match (w, self.numerics) {
                     (ExpertLinear::Fp4(w), Numerics::Exact) => {
                         gemm_fp4(&self.rt, x, &*self.cached_fp4(w)?, &mut y)
@@ -311,7 +307,8 @@ impl CudaBackend {
             };
         let gate = dense(a, &shared.w1)?;
         let up = dense(a, &shared.w3)?;
-        let mut hidden = self.alloc(op, gate.len())?;
+        // SAFETY: swiglu_rows's grid-stride loop writes every value.
+        let mut hidden = unsafe { self.alloc_written(op, gate.len()) }?;
         swiglu_rows(&self.rt, &gate, &up, None, limit, rounding, &mut hidden)
             .map_err(op_err(op))?;
         let inter = gate.len() / a.rows.max(1);

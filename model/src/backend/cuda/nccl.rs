@@ -290,6 +290,7 @@ impl RowTransport for NcclTransport {
         let header = stream
             .clone_htod(&header)
             .map_err(driver_err(OP, "uploading the header"))?;
+        // Stays zeroed: filled by an NCCL all-gather, not a kernel audited here.
         let mut headers = stream
             .alloc_zeros::<u64>(ranks * (HEADER + ranks))
             .map_err(driver_err(OP, "allocating the headers"))?;
@@ -336,6 +337,7 @@ impl RowTransport for NcclTransport {
         // Never a zero-length upload.
         ids.push(0);
         weights.push(0.0);
+        // Stay zeroed: filled by NCCL exchanges, not kernels audited here.
         let alloc_f32 = |n: usize| {
             stream
                 .alloc_zeros::<f32>(n.max(1))

@@ -24,6 +24,10 @@ use super::CudaBackend;
 /// The environment variable that turns the profile (and the per-kernel device times) on when the
 /// backend is opened.
 pub const PROFILE_ENV: &str = "DEEPINFER_CUDA_PROFILE";
+// Its sibling `DEEPINFER_CUDA_POISON=1` ([`super::POISON_ENV`], read when the kernel runtime
+// opens) fills every output the backend allocates uninitialised (`alloc_written`: the launches
+// write every element, so no zero fill) with 0xFF bytes, NaN in every float type, so an element
+// a kernel forgets shows in the GPU tests; `tests/gpu-suite.sh run` turns it on.
 
 /// What one op name accumulated.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -51,7 +51,8 @@ impl CudaBackend {
         let dbase = self.cached_f32(OP, &params.base)?;
         let dscale = self.cached_f32(OP, &params.scale)?;
         let dx = self.input(OP, x)?;
-        let mut dout = self.alloc(OP, tokens * projections)?;
+        // SAFETY: hc_mixes_f32 runs one block per token writing its pre, post and comb values.
+        let mut dout = unsafe { self.alloc_written(OP, tokens * projections) }?;
         let config = HcMixesConfig {
             hc,
             sinkhorn_iters,
@@ -114,7 +115,8 @@ impl CudaBackend {
         }
         let dx = self.input(OP, x)?;
         let dw = self.input(OP, weights)?;
-        let mut dy = self.alloc(OP, x.len() / hc)?;
+        // SAFETY: hc_collapse_f32 covers every (token, dim) with its grid.
+        let mut dy = unsafe { self.alloc_written(OP, x.len() / hc) }?;
         hc_collapse_rows_f32(&self.rt, &dx, &dw, &mut dy, hc, rounding(precision))
             .map_err(op_err(OP))?;
         Ok(self.tensor(dy))
@@ -179,7 +181,8 @@ impl CudaBackend {
         let dy = self.input(OP, y)?;
         let dres = self.input(OP, residual)?;
         let dmix = self.input(OP, &coefficients)?;
-        let mut dout = self.alloc(OP, hc * y.len())?;
+        // SAFETY: hc_expand_f32 covers every (token, stream, dim) with its grid.
+        let mut dout = unsafe { self.alloc_written(OP, hc * y.len()) }?;
         hc_expand_rows_f32(
             &self.rt,
             &dy,
@@ -354,7 +357,9 @@ impl CudaBackend {
         unsafe { dlists.write_selected(&self.rt, &plan) }.map_err(op_err(OP))?;
         let dsink = self.cached_f32(OP, sink)?;
         let dq = self.input(OP, q)?;
-        let mut dout = self.alloc(OP, q.len())?;
+        // SAFETY: both attention kernels write every head's head_dim outputs of every query
+        // (the fast one directly for one split, else through its split combine).
+        let mut dout = unsafe { self.alloc_written(OP, q.len()) }?;
         // The fast numerics take the tensor-core kernel at the bf16 rounding points (where q,
         // the keys and the weights are bf16 values) when its shape allows; a call's choice
         // depends only on head_dim, the precision and the rows' alignment, never on the batch.
@@ -437,9 +442,8 @@ impl CudaBackend {
                 block_size,
                 topk_blocks,
             } => {
-                let mut mask = stream
-                    .alloc_zeros::<u8>(dvisible.total().max(1))
-                    .map_err(driver_err(OP, "allocating the candidate mask"))?;
+                // Stays zeroed: candidate_mask_rows not audited for full coverage.
+                let mut mask = self.alloc_zeroed::<u8>(OP, dvisible.total().max(1))?;
                 candidate_mask_rows(
                     &self.rt,
                     &scores,
@@ -466,12 +470,9 @@ impl CudaBackend {
                 }
             }
         }
-        let mut rows = stream
-            .alloc_zeros::<u32>(n * k)
-            .map_err(driver_err(OP, "allocating the selection"))?;
-        let mut counts = stream
-            .alloc_zeros::<u32>(n)
-            .map_err(driver_err(OP, "allocating the selection counts"))?;
+        // Stay zeroed: top_k_rows fills only each query's first min(visible, k) rows.
+        let mut rows = self.alloc_zeroed::<u32>(OP, n * k)?;
+        let mut counts = self.alloc_zeroed::<u32>(OP, n)?;
         top_k_rows(&self.rt, &scores, &dvisible, k, &mut rows, &mut counts).map_err(op_err(OP))?;
         let host_counts: Vec<usize> = seen.iter().map(|&s| s.min(k)).collect();
         let device = DeviceSelectionRows {
@@ -564,7 +565,8 @@ impl CudaBackend {
             .map_err(op_err(op))?;
         let dq = self.input(op, queries.q)?;
         let dw = self.input(op, queries.weights)?;
-        let mut scores = self.alloc(op, dvisible.total().max(1))?;
+        // Stays zeroed: one unwritten value when nothing is visible (`max(1)`).
+        let mut scores = self.alloc_zeroed(op, dvisible.total().max(1))?;
         index_scores_rows_f32(
             &self.rt,
             &dq,

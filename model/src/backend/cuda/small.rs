@@ -52,7 +52,8 @@ impl CudaBackend {
             ));
         }
         let dstreams = self.input(OP, streams)?;
-        let mut out = self.alloc(OP, streams.len() / hc)?;
+        // SAFETY: stream_means_f32's grid-stride loop writes every (token, dim).
+        let mut out = unsafe { self.alloc_written(OP, streams.len() / hc) }?;
         stream_means_f32(&self.rt, &dstreams, hc, dim, rounding(precision), &mut out)
             .map_err(op_err(OP))?;
         Ok(self.tensor(out))
@@ -84,7 +85,8 @@ impl CudaBackend {
             .rt
             .htod(&addresses)
             .map_err(driver_err(OP, "uploading the member addresses"))?;
-        let mut out = self.alloc(OP, groups.len() * head_dim)?;
+        // SAFETY: gated_pool_f32's grid-stride loop writes every (group, channel).
+        let mut out = unsafe { self.alloc_written(OP, groups.len() * head_dim) }?;
         // SAFETY: every address is `2 · head_dim` values of a buffer of this context (checked by
         // `address_of`): a member tensor's, borrowed for this call, or an upload in `keep`, held
         // until the launch is enqueued; buffers are freed in order on the runtime's stream.

@@ -60,7 +60,8 @@ impl CudaBackend {
         }
         let dw = self.cached_f32(OP, &w[..out * inp])?;
         let dx = self.input(OP, x)?;
-        let mut dlogits = self.alloc(OP, rows.len() * out)?;
+        // SAFETY: linear_sgemm_f32's reduction writes each of the rows * out logits.
+        let mut dlogits = unsafe { self.alloc_written(OP, rows.len() * out) }?;
         linear_sgemm_f32(
             &self.rt,
             &dx,
@@ -150,11 +151,10 @@ impl CudaBackend {
         let dtokens = stream
             .clone_htod(&tokens)
             .map_err(driver_err(OP, "uploading the tokens"))?;
-        let mut dchosen = self.alloc(OP, picks.len())?;
-        let mut dtop_ids = stream
-            .alloc_zeros::<u32>(picks.len() * MAX_TOP_LOGPROBS)
-            .map_err(driver_err(OP, "allocating the alternatives"))?;
-        let mut dtop = self.alloc(OP, picks.len() * MAX_TOP_LOGPROBS)?;
+        // Stay zeroed: token_logprobs_f32 writes only `top` of each row's MAX_TOP_LOGPROBS.
+        let mut dchosen = self.alloc_zeroed(OP, picks.len())?;
+        let mut dtop_ids = self.alloc_zeroed::<u32>(OP, picks.len() * MAX_TOP_LOGPROBS)?;
+        let mut dtop = self.alloc_zeroed(OP, picks.len() * MAX_TOP_LOGPROBS)?;
         let out = LogprobOutputs {
             chosen: &mut dchosen,
             top_ids: &mut dtop_ids,
@@ -216,9 +216,8 @@ impl CudaBackend {
             .map_err(driver_err(OP, "uploading the row parameters"))?;
         let mut scratch =
             SampleScratch::new(&self.rt, rows.len(), vocab, restricted).map_err(op_err(OP))?;
-        let mut dtokens = stream
-            .alloc_zeros::<u32>(rows.len())
-            .map_err(driver_err(OP, "allocating the tokens"))?;
+        // Stays zeroed: sample_rows_f32's many paths not audited (one memset per step).
+        let mut dtokens = self.alloc_zeroed::<u32>(OP, rows.len())?;
         sample_rows_f32(
             &self.rt,
             dlogits,
@@ -290,10 +289,9 @@ impl CudaBackend {
             };
             return Ok(vec![empty; rows]);
         }
-        let mut dexperts = stream
-            .alloc_zeros::<u32>(rows * selected)
-            .map_err(driver_err(OP, "allocating the experts"))?;
-        let mut dweights = self.alloc(OP, rows * selected)?;
+        // SAFETY (both): route_experts_f32's block per row writes all its ids and weights.
+        let mut dexperts = unsafe { self.alloc_written::<u32>(OP, rows * selected) }?;
+        let mut dweights = unsafe { self.alloc_written(OP, rows * selected) }?;
         route_experts_f32(
             &self.rt,
             &dlogits,
@@ -352,7 +350,8 @@ impl CudaBackend {
             .stream()
             .clone_htod(row_ids)
             .map_err(driver_err(OP, "uploading the row ids"))?;
-        let mut dout = self.alloc(OP, row_ids.len() * table.head_dim())?;
+        // SAFETY: engram_gather_f32 writes every (id, channel), zeros for ids past the table.
+        let mut dout = unsafe { self.alloc_written(OP, row_ids.len() * table.head_dim()) }?;
         engram_gather_f32(&self.rt, &dtable, &dids, &mut dout).map_err(op_err(OP))?;
         Ok(self.tensor(dout))
     }

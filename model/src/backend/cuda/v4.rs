@@ -136,7 +136,8 @@ impl CudaBackend {
         let input = self.input(OP, x)?;
         let proj = self.cached_f32(OP, head.proj)?;
         let base = self.cached_f32(OP, head.base)?;
-        let mut pre = self.alloc(OP, x.len() / width * hc)?;
+        // SAFETY: v4_hyper_head_f32 runs one block per row writing its hc weights.
+        let mut pre = unsafe { self.alloc_written(OP, x.len() / width * hc) }?;
         let (scale, hc_eps, norm_eps) = (head.scale, head.hc_eps, head.norm_eps);
         v4_hyper_head_f32(
             &self.rt, &input, &proj, &base, scale, hc_eps, norm_eps, &mut pre,
@@ -192,7 +193,9 @@ impl CudaBackend {
             .rt
             .htod(&slot_start)
             .map_err(driver_err(OP, "uploading the slot starts"))?;
-        let mut out = self.alloc(OP, entries.len() * width)?;
+        // SAFETY: v4_pool_f32's grid-stride loop writes every (entry, channel), zeros for an
+        // entry without slots.
+        let mut out = unsafe { self.alloc_written(OP, entries.len() * width) }?;
         // SAFETY: every address is `width` values of a buffer of this context (checked by
         // `address_of`): a slot tensor's, borrowed for this call, or an upload in `keep`, held
         // until the launch is enqueued; buffers are freed in order on the runtime's stream.
@@ -298,7 +301,9 @@ impl CudaBackend {
                       which: ExpertProjection,
                       width: usize|
          -> Result<CudaSlice<f32>, CudaBackendError> {
-            let mut out = self.alloc(op, slots * width)?;
+            // SAFETY: gemm_exact_routed's reduction writes every (slot, column); every slot row
+            // lies in a tile of its partials launch.
+            let mut out = unsafe { self.alloc_written(op, slots * width) }?;
             let rows = RoutedRows {
                 x,
                 experts: ids,
@@ -331,7 +336,8 @@ impl CudaBackend {
             .ok_or_else(|| shape_err(op, "a shared expert that is not exact".to_string()))?;
         let shared_gate = self.try_linear_v4(x, s1)?;
         let shared_up = self.try_linear_v4(x, s3)?;
-        let mut shared_hidden = self.alloc(op, shared_gate.len())?;
+        // SAFETY: swiglu_rows's grid-stride loop writes every value.
+        let mut shared_hidden = unsafe { self.alloc_written(op, shared_gate.len()) }?;
         swiglu_rows(
             &self.rt,
             &*self.input(op, &shared_gate)?,
@@ -343,7 +349,8 @@ impl CudaBackend {
         )
         .map_err(op_err(op))?;
         let shared_out = self.try_linear_v4(&self.tensor(shared_hidden), s2)?;
-        let mut out = self.alloc(op, whole_rows(op, x, dim)? * dim)?;
+        // SAFETY: moe_combine runs one block per row and covers every column.
+        let mut out = unsafe { self.alloc_written(op, whole_rows(op, x, dim)? * dim) }?;
         moe_combine(
             &self.rt,
             expert_out,
