@@ -301,8 +301,8 @@ pub enum KernelId {
     GatherPtrsF32,
     /// bf16 values widened to f32 storage.
     Bf16ToF32,
-    /// Selected compressed-key rows written into attention key lists.
-    ComposeSelectedRows,
+    /// Attention key lists written from runs of table rows and device selections.
+    ComposeKeyLists,
     /// `x += y` elementwise in fp32.
     AddF32,
     /// V4 compressor pooling: softmax of biased gates over slots given by device address, fp32.
@@ -401,7 +401,7 @@ impl KernelId {
         KernelId::ApplyMaskRowsF32,
         KernelId::GatherPtrsF32,
         KernelId::Bf16ToF32,
-        KernelId::ComposeSelectedRows,
+        KernelId::ComposeKeyLists,
         KernelId::AddF32,
         KernelId::V4PoolF32,
         KernelId::V4HyperHeadF32,
@@ -498,7 +498,7 @@ impl KernelId {
             KernelId::ApplyMaskRowsF32 => "apply_mask_rows_f32",
             KernelId::GatherPtrsF32 => "gather_ptrs_f32",
             KernelId::Bf16ToF32 => "bf16_to_f32",
-            KernelId::ComposeSelectedRows => "compose_selected_rows",
+            KernelId::ComposeKeyLists => "compose_key_lists",
             KernelId::AddF32 => "add_f32",
             KernelId::V4PoolF32 => "v4_pool_f32",
             KernelId::V4HyperHeadF32 => "v4_hyper_head_f32",
@@ -607,7 +607,7 @@ impl KernelId {
             }
             KernelId::GatherPtrsF32
             | KernelId::Bf16ToF32
-            | KernelId::ComposeSelectedRows
+            | KernelId::ComposeKeyLists
             | KernelId::AddF32 => SourceFile::Movement,
             KernelId::V4PoolF32 | KernelId::V4HyperHeadF32 => SourceFile::V4,
         }

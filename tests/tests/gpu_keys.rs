@@ -9,7 +9,8 @@
 //! `CpuBackend::sparse_attention_rows_at` / `index_scores_rows_at`, over heads 1/3/64 × head_dim
 //! 32/96/512, 0/1/7/300 keys per query (and repeated keys), both roundings. Negative controls: one
 //! table entry moved by one element changes exactly the results that read it; bad tables and
-//! rows are shape errors.
+//! rows are shape errors. Key lists composed on the device from runs of rows and device
+//! selections (`DeviceKeyLists::compose`) are the explicit lists they describe.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 //! Without a CUDA driver every test fails, naming why.
@@ -19,7 +20,9 @@ use deepinfer_kernels::KernelError;
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::attention::{DeviceKeyLists, sparse_attention_sink_rows_f32};
+use deepinfer_kernels::ops::attention::{
+    DeviceKeyLists, ListSegment, sparse_attention_sink_rows_f32,
+};
 use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, index_scores_rows_f32};
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_model::backend::{
@@ -484,12 +487,6 @@ fn a_moved_table_entry_changes_exactly_the_results_that_read_it() {
 #[test]
 fn pointer_tables_reject_bad_rows_and_shapes() {
     let rt = runtime("pointer_tables_reject_bad_rows_and_shapes");
-    let shape_error = |what: &str, result: Result<(), KernelError>, needle: &str| match result {
-        Err(KernelError::Shape { message, .. }) => {
-            assert!(message.contains(needle), "{what}: {message}")
-        }
-        other => panic!("{what}: expected a shape error, got {other:?}"),
-    };
     let stream = rt.stream();
     let buffer = stream.clone_htod(&[0.5f32; 40]).expect("buffer");
     shape_error(
@@ -594,4 +591,130 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
     .expect("valid index launch");
     let scores = stream.clone_dtoh(&scores).expect("download");
     assert_eq!(scores, vec![1.0; 4]);
+}
+
+/// The attention over `lists` composed on the device (`DeviceKeyLists::compose`).
+fn attention_with(
+    rt: &KernelRuntime,
+    keys: &ScatteredKeys,
+    lists: &DeviceKeyLists,
+    q: &[f32],
+    sink: &[f32],
+    head_dim: usize,
+) -> Vec<f32> {
+    let stream = rt.stream();
+    let mut out = stream.alloc_zeros::<f32>(q.len()).expect("out");
+    sparse_attention_sink_rows_f32(
+        rt,
+        &stream.clone_htod(q).expect("q"),
+        KeyRows::Table(&keys.table),
+        lists,
+        &stream.clone_htod(sink).expect("sink"),
+        &mut out,
+        head_dim,
+        (head_dim as f32).powf(-0.5),
+        Rounding::Bf16,
+    )
+    .expect("attention");
+    stream.clone_dtoh(&out).expect("download")
+}
+
+#[test]
+fn composed_key_lists_are_the_lists_they_describe() {
+    let rt = runtime("composed_key_lists_are_the_lists_they_describe");
+    let stream = rt.stream();
+    let mut rng = Rng(11);
+    let (heads, head_dim) = (3, 96);
+    let keys = ScatteredKeys::new(&rt, &mut rng, head_dim);
+    // Query 0: a run, then a device selection from table row 100; query 1: nothing; query 2:
+    // two runs; query 3: a selection alone (repeated positions).
+    let picks = stream.clone_htod(&[3u32, 0, 7, 7, 9]).expect("selection");
+    let picks_at = key_row_address_u32(&rt, &picks);
+    let segments = [
+        ListSegment::rows(0, 5, 7),
+        ListSegment::selected(7, 100, 4, picks_at),
+        ListSegment::rows(11, 200, 3),
+        ListSegment::rows(14, 50, 2),
+        ListSegment::selected(16, 300, 5, picks_at),
+    ];
+    let row_starts = [0u32, 11, 11, 16, 21];
+    let explicit: Vec<Vec<u32>> = vec![
+        (5..12).chain([103, 100, 107, 107]).collect(),
+        vec![],
+        vec![200, 201, 202, 50, 51],
+        vec![303, 300, 307, 307, 309],
+    ];
+    // SAFETY: `picks` holds 5 positions, all below TABLE_ROWS - 300, alive until the downloads.
+    let composed = unsafe { DeviceKeyLists::compose(&rt, &segments, &row_starts, TABLE_ROWS) }
+        .expect("composed lists");
+    let uploaded = DeviceKeyLists::upload(&rt, &explicit, TABLE_ROWS).expect("explicit lists");
+    let q = bf16_unit(&mut rng, explicit.len() * heads * head_dim);
+    let sink: Vec<f32> = (0..heads).map(|_| 2.0 * rng.uniform()).collect();
+    let from_segments = attention_with(&rt, &keys, &composed, &q, &sink, head_dim);
+    let from_lists = attention_with(&rt, &keys, &uploaded, &q, &sink, head_dim);
+    let checked = assert_bitwise("composed vs explicit lists", &from_segments, &from_lists);
+    // The negative control: one selected position off changes query 0's output.
+    let shifted = [
+        ListSegment::rows(0, 5, 7),
+        ListSegment::selected(7, 101, 4, picks_at),
+        ListSegment::rows(11, 200, 3),
+        ListSegment::rows(14, 50, 2),
+        ListSegment::selected(16, 300, 5, picks_at),
+    ];
+    // SAFETY: as above (positions below TABLE_ROWS - 301).
+    let moved = unsafe { DeviceKeyLists::compose(&rt, &shifted, &row_starts, TABLE_ROWS) }
+        .expect("shifted lists");
+    let differs = attention_with(&rt, &keys, &moved, &q, &sink, head_dim);
+    let width = heads * head_dim;
+    assert_ne!(
+        differs[..width],
+        from_lists[..width],
+        "query 0 reads other rows"
+    );
+    assert_eq!(
+        differs[width..],
+        from_lists[width..],
+        "the other queries are unchanged"
+    );
+    // Segments that leave a gap, overlap, run past the table or miss positions are refused.
+    let refused = |segments: &[ListSegment], starts: &[u32], expected: &str| {
+        // SAFETY: rejected before anything is launched.
+        let result = unsafe { DeviceKeyLists::compose(&rt, segments, starts, TABLE_ROWS) };
+        shape_error("compose", result.map(|_| ()), expected);
+    };
+    refused(
+        &[ListSegment::rows(1, 0, 2)],
+        &[0, 3],
+        "do not follow position 0",
+    );
+    refused(
+        &[ListSegment::rows(0, 0, 2), ListSegment::rows(1, 0, 2)],
+        &[0, 3],
+        "do not follow position 2",
+    );
+    refused(
+        &[ListSegment::rows(0, TABLE_ROWS as u32 - 1, 2)],
+        &[0, 2],
+        "of a 310-row table",
+    );
+    refused(&[ListSegment::rows(0, 0, 2)], &[0, 3], "cover 2 of 3");
+    refused(&[], &[1, 1], "start at 0");
+    println!("composed key lists: {checked} values bitwise equal to the explicit lists");
+}
+
+/// The device address of a u32 buffer's first value.
+fn key_row_address_u32(rt: &KernelRuntime, values: &CudaSlice<u32>) -> u64 {
+    use deepinfer_kernels::cudarc::driver::DevicePtr;
+    let (address, _sync) = values.device_ptr(rt.stream());
+    address
+}
+
+/// Asserts `result` is a shape error whose message contains `needle`.
+fn shape_error(what: &str, result: Result<(), KernelError>, needle: &str) {
+    match result {
+        Err(KernelError::Shape { message, .. }) => {
+            assert!(message.contains(needle), "{what}: {message}")
+        }
+        other => panic!("{what}: expected a shape error, got {other:?}"),
+    }
 }

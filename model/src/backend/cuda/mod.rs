@@ -71,7 +71,7 @@ use deepinfer_kernels::cudarc::driver::{
 use deepinfer_kernels::kernel_timer::KernelTimer;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
+    DeviceKeyLists, ListSegment, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH,
     fast_attention_supports, sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
