@@ -303,6 +303,8 @@ pub enum KernelId {
     Bf16ToF32,
     /// Attention key lists written from runs of table rows and device selections.
     ComposeKeyLists,
+    /// Key-table addresses copied between device lists.
+    CopyAddresses,
     /// `x += y` elementwise in fp32.
     AddF32,
     /// V4 compressor pooling: softmax of biased gates over slots given by device address, fp32.
@@ -312,7 +314,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 92] = [
+    pub const ALL: [KernelId; 93] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -402,6 +404,7 @@ impl KernelId {
         KernelId::GatherPtrsF32,
         KernelId::Bf16ToF32,
         KernelId::ComposeKeyLists,
+        KernelId::CopyAddresses,
         KernelId::AddF32,
         KernelId::V4PoolF32,
         KernelId::V4HyperHeadF32,
@@ -499,6 +502,7 @@ impl KernelId {
             KernelId::GatherPtrsF32 => "gather_ptrs_f32",
             KernelId::Bf16ToF32 => "bf16_to_f32",
             KernelId::ComposeKeyLists => "compose_key_lists",
+            KernelId::CopyAddresses => "copy_addresses",
             KernelId::AddF32 => "add_f32",
             KernelId::V4PoolF32 => "v4_pool_f32",
             KernelId::V4HyperHeadF32 => "v4_hyper_head_f32",
@@ -608,6 +612,7 @@ impl KernelId {
             KernelId::GatherPtrsF32
             | KernelId::Bf16ToF32
             | KernelId::ComposeKeyLists
+            | KernelId::CopyAddresses
             | KernelId::AddF32 => SourceFile::Movement,
             KernelId::V4PoolF32 | KernelId::V4HyperHeadF32 => SourceFile::V4,
         }

@@ -26,7 +26,7 @@ use deepinfer_kernels::ops::attention::{
 use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, index_scores_rows_f32};
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, IndexQueries, Precision, SelectPart, Tensor,
+    AttentionQueries, Backend, CpuBackend, IndexQueries, KeyList, Precision, SelectPart, Tensor,
 };
 use deepinfer_model::quant;
 
@@ -297,9 +297,9 @@ fn run_index(
     ptr.truncate(total);
     flat.truncate(total);
     let key_rows = Tensor::from(&keys.flat[..]).split_rows(head_dim);
-    let key_refs: Vec<&Tensor> = key_rows.iter().collect();
     let cpu: Vec<f32> = (0..visible.len())
         .flat_map(|t| {
+            let part_keys = KeyList::from(key_rows[first[t]..].to_vec());
             CpuBackend::new()
                 .index_scores_rows_at(
                     IndexQueries {
@@ -309,7 +309,7 @@ fn run_index(
                         precision,
                     },
                     SelectPart {
-                        keys: &key_refs[first[t]..],
+                        keys: &part_keys,
                         visible: &visible[t..=t],
                     },
                 )

@@ -75,6 +75,27 @@ compose_key_lists(const ListSegment* segments, unsigned int n_segments, unsigned
     }
 }
 
+// A copy of `count` addresses (see `ops::key_table::AddressCopy`).
+struct AddressCopy {
+    unsigned long long src;
+    unsigned long long dst;
+    unsigned int count;
+    unsigned int reserved;
+};
+
+// Every copy of `copies` (disjoint destinations): a step's key table put together on the device
+// from the address lists kept there and the addresses the step uploads. Blocks stride over the
+// copies.
+extern "C" __global__ void __launch_bounds__(256)
+copy_addresses(const AddressCopy* copies, unsigned int n) {
+    for (unsigned int p = blockIdx.x; p < n; p += gridDim.x) {
+        const AddressCopy c = copies[p];
+        const unsigned long long* src = reinterpret_cast<const unsigned long long*>(c.src);
+        unsigned long long* dst = reinterpret_cast<unsigned long long*>(c.dst);
+        for (unsigned int i = threadIdx.x; i < c.count; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
 // x[i] += y[i] in fp32 (the drafter's Markov bias added to its base logits).
 extern "C" __global__ void __launch_bounds__(256)
 add_f32(float* x, const float* y, unsigned long long n) {

@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::{Backend, KeyList, Tensor};
 use crate::error::ModelError;
 use crate::layers::ring::{MAX_BACKTRACK, PositionRing, past_end, tensor_bytes, too_far};
 
@@ -32,7 +32,7 @@ pub struct CompressorCache {
     /// Per-token `kv ‖ gate` projections (before the position bias) of the recent positions.
     pub(crate) pending: PositionRing,
     /// Complete entries (normalised, rotated), one per `ratio` tokens.
-    pub(crate) entries: Vec<Tensor>,
+    pub(crate) entries: KeyList,
 }
 
 impl CompressorCache {
@@ -41,7 +41,7 @@ impl CompressorCache {
             ratio,
             overlapping,
             pending: PositionRing::default(),
-            entries: Vec::new(),
+            entries: KeyList::new(),
         }
     }
 
@@ -203,7 +203,7 @@ impl SequenceState {
             .get(layer)?
             .main
             .as_ref()
-            .map(|c| c.entries.as_slice())
+            .map(|c| c.entries.rows())
     }
 
     /// The indexer keys of CSA `layer`.
@@ -212,7 +212,7 @@ impl SequenceState {
             .get(layer)?
             .index
             .as_ref()
-            .map(|c| c.entries.as_slice())
+            .map(|c| c.entries.rows())
     }
 
     /// Bytes of every row and entry the state holds (`crate::state_bytes::StateBytes::bytes`
@@ -223,7 +223,7 @@ impl SequenceState {
                 + [&layer.main, &layer.index]
                     .into_iter()
                     .flatten()
-                    .map(|c| c.pending.held_bytes() + tensor_bytes(&c.entries))
+                    .map(|c| c.pending.held_bytes() + tensor_bytes(c.entries.iter()))
                     .sum::<u64>()
         };
         let layers: u64 = self.layers.iter().map(layer_bytes).sum();
@@ -477,10 +477,12 @@ impl SequenceState {
         for (l, layer) in self.layers.iter_mut().enumerate() {
             let caches = [&mut layer.main, &mut layer.index].into_iter().flatten();
             for (c, cache) in caches.enumerate() {
-                cache.entries = blocks
-                    .iter()
-                    .flat_map(|block| block.entries[l][c].iter().cloned())
-                    .collect();
+                cache.entries = KeyList::from(
+                    blocks
+                        .iter()
+                        .flat_map(|block| block.entries[l][c].iter().cloned())
+                        .collect::<Vec<Tensor>>(),
+                );
             }
         }
         self.len = end;

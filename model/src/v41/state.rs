@@ -3,7 +3,7 @@
 //! context rings. Rings keep `window + MAX_BACKTRACK` entries so that a rollback of up to
 //! `MAX_BACKTRACK` tokens (a partially accepted verify) restores exactly the never-drafted state.
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::{Backend, KeyList, Tensor};
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
 pub use crate::layers::ring::{MAX_BACKTRACK, PositionRing};
@@ -15,9 +15,9 @@ pub struct CompressorState {
     /// Per-token `kv ‖ gate` rows (fp32) of the recent positions, for the pending group.
     pub pending: PositionRing,
     /// Compressed KV entries (after RoPE and `Q4m`), one per complete group.
-    pub compressed: Vec<Tensor>,
+    pub compressed: KeyList,
     /// Index keys (after RoPE and `Q4e`), one per complete group.
-    pub index_keys: Vec<Tensor>,
+    pub index_keys: KeyList,
 }
 
 /// State of one backbone layer.
@@ -66,7 +66,7 @@ impl SequenceState {
             .get(layer)?
             .compressor
             .as_ref()
-            .map(|c| c.compressed.as_slice())
+            .map(|c| c.compressed.rows())
     }
 
     /// The index-key cache of KV-source `layer` (after RoPE and `Q4e`), if it is one.
@@ -75,7 +75,7 @@ impl SequenceState {
             .get(layer)?
             .compressor
             .as_ref()
-            .map(|c| c.index_keys.as_slice())
+            .map(|c| c.index_keys.rows())
     }
 
     /// Bytes of every row and entry the state holds (`crate::state_bytes::StateBytes::bytes`
@@ -88,8 +88,8 @@ impl SequenceState {
                 layer.window.held_bytes()
                     + layer.compressor.as_ref().map_or(0, |c| {
                         c.pending.held_bytes()
-                            + tensor_bytes(&c.compressed)
-                            + tensor_bytes(&c.index_keys)
+                            + tensor_bytes(c.compressed.iter())
+                            + tensor_bytes(c.index_keys.iter())
                     })
             })
             .sum();

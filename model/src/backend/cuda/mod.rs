@@ -48,6 +48,8 @@
 //! device) has no error channel: it panics with the op and the driver's message.
 
 mod dense;
+mod key_tables;
+use key_tables::KeyTableBuilder;
 pub mod ep;
 pub mod ep_transport;
 mod moe;
@@ -782,6 +784,12 @@ impl CudaBackend {
     /// The device address of the `len` values of `t` from `offset` (uploading a host tensor into
     /// `keep`, once per call however many of its rows are addressed; the caller holds `keep`
     /// until the kernels reading the address have been launched).
+    /// This backend's identity for device state it leaves in model-owned slots (a
+    /// [`KeyList`](crate::backend::KeyList)'s mirror): its CUDA context.
+    fn owner(&self) -> usize {
+        Arc::as_ptr(self.rt.context()) as usize
+    }
+
     fn address_of(
         &self,
         op: &'static str,

@@ -250,31 +250,12 @@ impl CudaBackend {
                 )
             });
         }
-        let mut keep = HostUploads::default();
-        // One table row per listed key a query does not share with the query before it (the
-        // keys a query shares with its predecessor — a sequence's consecutive queries, whose
-        // windows grow or slide by one — reuse its rows: `listed_key_rows`). No map of addresses:
-        // keys of other sequences are distinct, and a repeat elsewhere only costs a table row.
-        // Sized up front for the listed keys and every selected-from compressed list.
-        let listed: usize = queries.iter().map(|query| query.listed.len()).sum();
-        let mut last_list = None;
-        let selected_from: usize = queries
-            .iter()
-            .filter_map(|query| query.selected.map(|s| s.compressed))
-            .filter(|list| {
-                last_list.replace((list.as_ptr(), list.len())) != Some((list.as_ptr(), list.len()))
-            })
-            .map(<[Tensor]>::len)
-            .sum();
-        let mut addresses: Vec<u64> = Vec::with_capacity(listed + selected_from);
-        let add_row = |address: u64, addresses: &mut Vec<u64>| -> Result<u32, CudaBackendError> {
-            let next = u32::try_from(addresses.len())
-                .map_err(|_| shape_err(OP, "more than 2^32 key rows".to_string()))?;
-            addresses.push(address);
-            Ok(next)
-        };
-        // The first table row of each selected-from compressed list (by its address and length).
-        let mut base_of: HashMap<(usize, usize), u32> = HashMap::new();
+        // The key table: first one row per listed key a query does not share with the query
+        // before it (a sequence's consecutive queries, whose windows grow or slide by one, reuse
+        // its rows: `listed_key_rows`; keys of other sequences are distinct, and a repeat
+        // elsewhere only costs a row), then every selected-from compressed list once, whole,
+        // from its device mirror (`key_tables`).
+        let mut table = KeyTableBuilder::new(self, OP, head_dim);
         let lists = select::listed_key_rows(queries, |t, i, key| {
             if key.len() != head_dim {
                 return Err(shape_err(
@@ -285,36 +266,14 @@ impl CudaBackend {
                     ),
                 ));
             }
-            let address = self.address_of(OP, key, 0, head_dim, &mut keep)?;
-            add_row(address, &mut addresses)
+            table.listed(key)
         })?;
         let mut segments = ListSegments::with_queries(n);
         for ((t, query), list) in queries.iter().enumerate().zip(&lists) {
             segments.rows(list)?;
             if let Some(selected) = query.selected {
                 let compressed = selected.compressed;
-                let slice_key = (compressed.as_ptr() as usize, compressed.len());
-                let base = match base_of.get(&slice_key) {
-                    Some(&base) => base,
-                    None => {
-                        let base = u32::try_from(addresses.len())
-                            .map_err(|_| shape_err(OP, "more than 2^32 keys".to_string()))?;
-                        for (i, entry) in compressed.iter().enumerate() {
-                            if entry.len() != head_dim {
-                                return Err(shape_err(
-                                    OP,
-                                    format!(
-                                        "compressed entry {i} has {} values, head_dim is {head_dim}",
-                                        entry.len()
-                                    ),
-                                ));
-                            }
-                            addresses.push(self.address_of(OP, entry, 0, head_dim, &mut keep)?);
-                        }
-                        base_of.insert(slice_key, base);
-                        base
-                    }
-                };
+                let base = table.list(compressed)?;
                 let count = selected.selection.counts[selected.row];
                 match selected
                     .selection
@@ -347,10 +306,7 @@ impl CudaBackend {
             }
             segments.end_query();
         }
-        // SAFETY: every address points at `head_dim` values (checked above) of a buffer the
-        // query tensors, the compressed entries or `keep` hold until the launch is enqueued.
-        let table = unsafe { DeviceKeyTable::upload(&self.rt, &addresses, head_dim) }
-            .map_err(op_err(OP))?;
+        let (table, _uploads) = table.finish()?;
         // SAFETY: each selected segment reads `count` positions of a device selection below the
         // compressed list's visible count (the top-k's contract), so `base + position` is a row
         // of that list in the table; the selection is held by the caller's `QueryKeys`.
@@ -556,19 +512,16 @@ impl CudaBackend {
         heads: usize,
     ) -> Result<(CudaSlice<f32>, DeviceVisiblePrefixes, usize), CudaBackendError> {
         let head_dim = queries.head_dim;
-        // One table over the parts' keys, each part's rows in key order (as many as its queries
-        // see); a query scores its part's rows from the part's first.
+        // One table over the parts' key lists, each whole and in key order, from their device
+        // mirrors (`key_tables`); a query scores its part's rows from the part's first.
         let (mut first, mut seen) = (Vec::new(), Vec::new());
-        let mut table_keys: Vec<&Tensor> = Vec::new();
+        let mut table = KeyTableBuilder::new(self, op, head_dim);
         for part in parts {
-            let part_seen = part.visible.iter().map(|&v| v.min(part.keys.len()));
-            let used = part_seen.clone().max().unwrap_or(0);
-            first.extend(std::iter::repeat_n(table_keys.len(), part.visible.len()));
-            seen.extend(part_seen);
-            table_keys.extend(&part.keys[..used]);
+            let base = table.list(part.keys)? as usize;
+            first.extend(std::iter::repeat_n(base, part.visible.len()));
+            seen.extend(part.visible.iter().map(|&v| v.min(part.keys.len())));
         }
-        let mut keep = HostUploads::default();
-        let table = self.key_table_in_order(op, table_keys.into_iter(), head_dim, &mut keep)?;
+        let (table, _uploads) = table.finish()?;
         let dvisible = DeviceVisiblePrefixes::upload_from(&self.rt, &first, &seen, table.rows())
             .map_err(op_err(op))?;
         let dq = self.input(op, queries.q)?;
@@ -588,31 +541,6 @@ impl CudaBackend {
         )
         .map_err(op_err(op))?;
         Ok((scores, dvisible, table.rows()))
-    }
-
-    /// A table with one row per key, in key order (repeats kept). Every key must hold `row_len`
-    /// values.
-    fn key_table_in_order<'k>(
-        &self,
-        op: &'static str,
-        keys: impl Iterator<Item = &'k Tensor>,
-        row_len: usize,
-        keep: &mut HostUploads,
-    ) -> Result<DeviceKeyTable, CudaBackendError> {
-        let addresses = keys
-            .enumerate()
-            .map(|(i, key)| {
-                if key.len() != row_len {
-                    return Err(shape_err(
-                        op,
-                        format!("key {i} has {} values, rows are {row_len}", key.len()),
-                    ));
-                }
-                self.address_of(op, key, 0, row_len, keep)
-            })
-            .collect::<Result<Vec<u64>, _>>()?;
-        // SAFETY: as in `key_table`.
-        unsafe { DeviceKeyTable::upload(&self.rt, &addresses, row_len) }.map_err(op_err(op))
     }
 
     /// The outputs of `rows` in launches of at most a grid's worth each (`chunk` runs one range
