@@ -10,7 +10,9 @@
 //! 32/96/512, 0/1/7/300 keys per query (and repeated keys), both roundings. Negative controls: one
 //! table entry moved by one element changes exactly the results that read it; bad tables and
 //! rows are shape errors. Key lists composed on the device from runs of rows and device
-//! selections (`DeviceKeyLists::compose`) are the explicit lists they describe.
+//! selections (`DeviceKeyLists::compose`) are the explicit lists they describe; a key list's
+//! device mirror (`KeyList`, the CUDA backend's `key_tables`) follows its appends and
+//! truncations.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 //! Without a CUDA driver every test fails, naming why.
@@ -31,7 +33,7 @@ use deepinfer_model::backend::{
 use deepinfer_model::quant;
 
 mod gpu_support;
-use gpu_support::{PRECISIONS, Rng, assert_bitwise, bf16_unit, rounding_of, runtime};
+use gpu_support::{PRECISIONS, Rng, assert_bitwise, bf16_unit, cuda_backend, rounding_of, runtime};
 
 const SHAPES: [(usize, usize); 9] = [
     (1, 32),
@@ -717,4 +719,80 @@ fn shape_error(what: &str, result: Result<(), KernelError>, needle: &str) {
         }
         other => panic!("{what}: expected a shape error, got {other:?}"),
     }
+}
+
+/// The index scores of three queries (all of the list, half of it, its first row) over `keys`.
+fn scores_over(backend: &dyn Backend, keys: &KeyList, q: &Tensor, w: &Tensor) -> Vec<Vec<f32>> {
+    let n = keys.len();
+    backend.index_scores_rows_at(
+        IndexQueries {
+            q,
+            weights: w,
+            head_dim: MIRROR_HEAD_DIM,
+            precision: Precision::Bf16,
+        },
+        SelectPart {
+            keys,
+            visible: &[n, n / 2, n.min(1)],
+        },
+    )
+}
+
+const MIRROR_HEAD_DIM: usize = 32;
+
+#[test]
+fn a_key_lists_device_mirror_follows_its_appends_and_truncations() {
+    let gpu = cuda_backend("a_key_lists_device_mirror_follows_its_appends_and_truncations");
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(13);
+    let heads = 2;
+    let q = Tensor::from(bf16_unit(&mut rng, 3 * heads * MIRROR_HEAD_DIM));
+    let w = Tensor::from(bf16_unit(&mut rng, 3 * heads));
+    // The same rows as device tensors (each its own buffer, as a decode step leaves them) in
+    // the list the GPU scores, and on the host in the CPU's.
+    let (mut device, mut host) = (KeyList::new(), KeyList::new());
+    let push = |device: &mut KeyList, host: &mut KeyList, rows: usize, rng: &mut Rng| {
+        for _ in 0..rows {
+            let row = Tensor::from(bf16_unit(rng, MIRROR_HEAD_DIM));
+            device.push(gpu.gather(&[(&row, 0)], MIRROR_HEAD_DIM));
+            host.push(row);
+        }
+    };
+    let mut checked = 0;
+    let mut check = |device: &KeyList, host: &KeyList, what: &str| {
+        let on_gpu = scores_over(&gpu, device, &q, &w);
+        let on_cpu = scores_over(&cpu, host, &q, &w);
+        for (t, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+            checked += assert_bitwise(&format!("{what}: query {t}"), g, c);
+        }
+        assert_eq!(
+            device.mirror().covers,
+            device.len(),
+            "{what}: the mirror covers the list"
+        );
+    };
+    push(&mut device, &mut host, 5, &mut rng);
+    check(&device, &host, "5 rows (a new mirror)");
+    check(&device, &host, "the same 5 rows (all from the mirror)");
+    push(&mut device, &mut host, 1, &mut rng);
+    check(&device, &host, "one appended (written into the mirror)");
+    push(&mut device, &mut host, 70, &mut rng);
+    check(&device, &host, "76 rows (the mirror grown and moved)");
+    // Dropped rows free their buffers; new rows may take their addresses, so a mirror that still
+    // claimed the old rows would read other values.
+    device.truncate(20);
+    host.truncate(20);
+    assert_eq!(device.mirror().covers, 20);
+    push(&mut device, &mut host, 3, &mut rng);
+    check(&device, &host, "truncated to 20, then 3 new rows");
+    device.truncate(0);
+    host.truncate(0);
+    push(&mut device, &mut host, 2, &mut rng);
+    check(&device, &host, "emptied, then 2 new rows");
+    let copy = device.clone();
+    assert_eq!(copy.mirror().covers, 0, "a copy starts without a mirror");
+    check(&copy, &host, "a copy of the list");
+    println!(
+        "key-list mirror: {checked} scores bitwise equal to the CPU through appends and truncations"
+    );
 }
