@@ -96,6 +96,11 @@ pub enum FastTile {
     /// for (its first GPU measurement decides whether `Auto` takes it), and replaced by `Rows8`
     /// where its activations would not fit [`DIRECT_MAX_SHARED`].
     Direct8,
+    /// The warpgroup-MMA prefill tile (`gemm_fast_wgmma`, `cuda/gemm/gemm_wgmma.cuh`): 128 token
+    /// rows and two warpgroups of 64 output features per block, wgmma m64n128k32 with the weight
+    /// fragments in registers; the same bits as every other tile. Dense FP8 weights on sm_90a
+    /// only (an error elsewhere); taken only when asked for until the GPU tests prove its bits.
+    Wgmma128,
 }
 
 /// Warps (weight bands of 16 output features) per block of the direct tile: `GEMM_FAST_DIRECT`'s
@@ -147,6 +152,11 @@ const ROUTED_TILES: [(FastTile, TileShape); 4] = [
     (FastTile::Rows64, tile(64, 8, 3, 128)),
     (FastTile::Rows128, tile(128, 8, 3, 128)),
 ];
+
+/// The shape of [`FastTile::Wgmma128`] (`GEMM_FAST_WGMMA` in `gemm_fast.cu`): 128 token rows, 8
+/// warps (two warpgroups), 3 stages of 256 codes (8 groups of 32 or 2 of 128 between two drains of
+/// the wgmma pipeline).
+const WGMMA_TILE: TileShape = tile(128, 8, 3, 256);
 
 const fn tile(tokens: u32, warps: u32, stages: u32, step: u32) -> TileShape {
     TileShape {
@@ -236,6 +246,9 @@ impl FastKernels {
 
     /// The shape of staged `tile` (`Auto` and the direct tile, which has none: the 128-row one).
     pub(crate) fn shape(self, tile: FastTile) -> TileShape {
+        if tile == FastTile::Wgmma128 {
+            return WGMMA_TILE;
+        }
         let tiles = self.tiles();
         tiles
             .iter()
@@ -251,9 +264,13 @@ impl FastKernels {
         }
     }
 
-    pub(crate) fn kernel(self, tile: FastTile) -> KernelId {
-        use FastTile::{Direct8, Rows8, Rows32, Rows64};
-        match (self, tile) {
+    /// The kernel of `tile` (`None`: the wgmma tile of the FP4 kernels, which is not built).
+    pub(crate) fn kernel(self, tile: FastTile) -> Option<KernelId> {
+        use FastTile::{Direct8, Rows8, Rows32, Rows64, Wgmma128};
+        Some(match (self, tile) {
+            (FastKernels::Fp8(ActGroup::G32), Wgmma128) => KernelId::GemmFp8FastT32W128,
+            (FastKernels::Fp8(ActGroup::G128), Wgmma128) => KernelId::GemmFp8FastT128W128,
+            (FastKernels::Fp4 | FastKernels::Fp4Routed, Wgmma128) => return None,
             (FastKernels::Fp8(ActGroup::G32), Direct8) => KernelId::GemmFp8FastT32D8,
             (FastKernels::Fp8(ActGroup::G128), Direct8) => KernelId::GemmFp8FastT128D8,
             (FastKernels::Fp4, Direct8) => KernelId::GemmFp4FastD8,
@@ -274,7 +291,32 @@ impl FastKernels {
             (FastKernels::Fp4Routed, Rows32) => KernelId::GemmFp4FastRoutedB32,
             (FastKernels::Fp4Routed, Rows64) => KernelId::GemmFp4FastRoutedB64,
             (FastKernels::Fp4Routed, _) => KernelId::GemmFp4FastRoutedB128,
+        })
+    }
+
+    /// The kernel of `tile` for a launch of `op` on this device: an error for a tile these
+    /// kernels or the device's arch lack ([`KernelId::built_for`]).
+    pub(crate) fn launch_kernel(
+        self,
+        rt: &KernelRuntime,
+        op: &'static str,
+        tile: FastTile,
+    ) -> Result<KernelId, KernelError> {
+        let id = self.kernel(tile).ok_or_else(|| KernelError::Shape {
+            op,
+            message: format!("the {tile:?} tile is built for the dense FP8 weights only"),
+        })?;
+        if !id.built_for(rt.arch()) {
+            return Err(KernelError::Shape {
+                op,
+                message: format!(
+                    "the {tile:?} tile ({}) runs on sm_90a only, this device is {}",
+                    id.symbol(),
+                    rt.arch()
+                ),
+            });
         }
+        Ok(id)
     }
 
     /// Dynamic shared memory of a launch of `tile` over K parts of `span` codes.
@@ -282,8 +324,27 @@ impl FastKernels {
         match tile {
             // At most DIRECT_MAX_SHARED (`FastTile::fitting`).
             FastTile::Direct8 => direct_shared_bytes(self.group(), span) as u32,
+            FastTile::Wgmma128 => self.wgmma_shared_bytes(),
             tile => self.shared_bytes(self.shape(tile)),
         }
+    }
+
+    /// Dynamic shared memory of the wgmma tile (`WgmmaStage::BYTES · STAGES` in
+    /// `gemm_wgmma.cuh`): per stage the bands' weight chunks, the activation rows unpadded (K-major
+    /// core matrices), their scales and the weight scales.
+    pub(crate) fn wgmma_shared_bytes(self) -> u32 {
+        let TileShape {
+            tokens,
+            warps,
+            stages,
+            step,
+        } = WGMMA_TILE;
+        let groups_per_stage = step / self.group();
+        let stage = warps * 128 * self.piece() * (step / STEP_K as u32)
+            + tokens * step
+            + 4 * tokens * groups_per_stage
+            + self.scale_bytes() * warps * groups_per_stage;
+        stage.div_ceil(16) * 16 * stages
     }
 
     /// Dynamic shared memory of a staged launch with `shape` (`Stage::BYTES · STAGES` in the
@@ -308,13 +369,16 @@ impl FastKernels {
 /// for every kernel that is not a fast GEMM).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
     FastKernels::ALL.into_iter().find_map(|kernels| {
-        if kernels.kernel(FastTile::Direct8) == id {
+        if kernels.kernel(FastTile::Direct8) == Some(id) {
             return Some(DIRECT_MAX_SHARED);
+        }
+        if kernels.kernel(FastTile::Wgmma128) == Some(id) {
+            return Some(kernels.wgmma_shared_bytes());
         }
         kernels
             .tiles()
             .iter()
-            .find(|t| kernels.kernel(t.0) == id)
+            .find(|t| kernels.kernel(t.0) == Some(id))
             .map(|t| kernels.shared_bytes(t.1))
     })
 }
@@ -524,8 +588,14 @@ pub fn gemm_fp8_fast_tiled<T: FastOutput>(
             ),
         });
     }
-    let kernel =
-        DenseKernel::production(rt, FastKernels::Fp8(a.group), tile, a.rows, (w.out, w.inp))?;
+    let kernel = DenseKernel::production(
+        rt,
+        OP,
+        FastKernels::Fp8(a.group),
+        tile,
+        a.rows,
+        (w.out, w.inp),
+    )?;
     launch_dense(
         rt,
         OP,
@@ -628,7 +698,7 @@ pub fn gemm_fp4_fast_tiled<T: FastOutput>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_fast";
     a.group.require_g32(OP, "FP4 weights")?;
-    let kernel = DenseKernel::production(rt, FastKernels::Fp4, tile, a.rows, (w.out, w.inp))?;
+    let kernel = DenseKernel::production(rt, OP, FastKernels::Fp4, tile, a.rows, (w.out, w.inp))?;
     launch_dense(
         rt,
         OP,
@@ -656,6 +726,7 @@ impl<'a> DenseKernel<'a> {
     /// k)`: K cut by [`k_parts`].
     fn production(
         rt: &'a KernelRuntime,
+        op: &'static str,
         kernels: FastKernels,
         tile: FastTile,
         rows: usize,
@@ -663,7 +734,7 @@ impl<'a> DenseKernel<'a> {
     ) -> Result<DenseKernel<'a>, KernelError> {
         let span = k_parts(n, k).0;
         let tile = tile.resolve(rows).fitting(kernels, span);
-        let id = kernels.kernel(tile);
+        let id = kernels.launch_kernel(rt, op, tile)?;
         Ok(DenseKernel {
             name: id.symbol(),
             function: rt.function(id)?,
@@ -777,6 +848,7 @@ fn reduce_parts<T: FastOutput>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::id::Arch;
 
     #[test]
     fn auto_takes_the_smallest_tile_that_holds_the_rows() {
@@ -815,20 +887,41 @@ mod tests {
                     "{kernels:?} {tile:?}"
                 );
                 assert_eq!(
-                    dynamic_shared_bytes(kernels.kernel(tile)),
+                    dynamic_shared_bytes(built(kernels, tile)),
                     Some(kernels.shared_bytes(shape))
                 );
-                ids.push(kernels.kernel(tile));
+                ids.push(built(kernels, tile));
             }
         }
         for kernels in FastKernels::ALL {
-            let id = kernels.kernel(FastTile::Direct8);
+            let id = built(kernels, FastTile::Direct8);
             assert_eq!(dynamic_shared_bytes(id), Some(DIRECT_MAX_SHARED));
             ids.push(id);
         }
+        // The wgmma tiles: FP8 only. 3 stages of 32 KiB weights, 32 KiB activations, their
+        // scales (128 rows x 8 groups x 4 bytes for G = 32) and the weight scales (8 bands x 8
+        // groups x 4 bytes); one block of 8 warps per SM.
+        let fp8_128 = FastKernels::Fp8(ActGroup::G128);
+        assert_eq!(fp8.wgmma_shared_bytes(), 3 * (32_768 + 32_768 + 4096 + 256));
+        assert_eq!(fp8_128.wgmma_shared_bytes(), 3 * (65_536 + 1024 + 64));
+        for kernels in [fp8, fp8_128] {
+            let id = built(kernels, FastTile::Wgmma128);
+            assert!(kernels.wgmma_shared_bytes() + 1024 <= 228 * 1024);
+            assert_eq!(
+                kernels.launch_shared_bytes(FastTile::Wgmma128, 2560),
+                kernels.wgmma_shared_bytes()
+            );
+            assert_eq!(dynamic_shared_bytes(id), Some(kernels.wgmma_shared_bytes()));
+            assert!(id.built_for(Arch::Sm90a) && !id.built_for(Arch::Sm100a));
+            ids.push(id);
+        }
+        assert_eq!(FastKernels::Fp4.kernel(FastTile::Wgmma128), None);
+        assert_eq!(FastKernels::Fp4Routed.kernel(FastTile::Wgmma128), None);
+        assert_eq!(fp8.block(FastTile::Wgmma128), (128, 8));
+        assert_eq!(FastTile::Wgmma128.resolve(1), FastTile::Wgmma128);
         ids.sort_by_key(|id| id.symbol());
         ids.dedup();
-        assert_eq!(ids.len(), 20, "every (kernels, tile) has its own kernel");
+        assert_eq!(ids.len(), 22, "every (kernels, tile) has its own kernel");
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
     }
 
@@ -870,7 +963,7 @@ mod tests {
             };
             let line = format!(
                 "({}, {weights}{DIRECT_WARPS}, 16)",
-                kernels.kernel(FastTile::Direct8).symbol()
+                built(kernels, FastTile::Direct8).symbol()
             );
             assert!(source.contains(&line), "{line} not in gemm_fast.cu");
         }
@@ -891,11 +984,36 @@ mod tests {
                 };
                 let line = format!(
                     "({}, {weights}{warps}, {tokens}, {stages}, {step})",
-                    kernels.kernel(tile).symbol()
+                    built(kernels, tile).symbol()
                 );
                 assert!(source.contains(&line), "{line} not in gemm_fast.cu");
             }
         }
+        // The wgmma tiles: warpgroups (4 warps each), tokens, stages, step.
+        for group in [ActGroup::G32, ActGroup::G128] {
+            let TileShape {
+                tokens,
+                warps,
+                stages,
+                step,
+            } = WGMMA_TILE;
+            let (name, g) = (
+                built(FastKernels::Fp8(group), FastTile::Wgmma128).symbol(),
+                group.elements(),
+            );
+            let line = format!(
+                "GEMM_FAST_WGMMA({name}, fastgemm::Fp8Chunks<{g}>, {g}, {}, {tokens}, {stages}, {step})",
+                warps / 4
+            );
+            assert!(source.contains(&line), "{line} not in gemm_fast.cu");
+        }
+    }
+
+    /// The kernel of a (kernels, tile) pair that has one.
+    fn built(kernels: FastKernels, tile: FastTile) -> KernelId {
+        kernels
+            .kernel(tile)
+            .unwrap_or_else(|| panic!("{kernels:?} has no {tile:?} kernel"))
     }
 
     #[test]
