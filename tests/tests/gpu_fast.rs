@@ -1290,3 +1290,137 @@ fn v41_tiny_fast_is_batch_invariant() {
         tokens.len()
     );
 }
+
+// ---- The warpgroup-MMA prefill tile (FastTile::Wgmma128, cuda/gemm/gemm_wgmma.cuh) ----
+//
+// It must give the production's bits (gemm_fp8_fast: the mma.sync tiles) for every row, at every
+// M, so that a token's output is the same whether it runs in a decode tile or a prefill tile.
+
+/// `a · wᵀ` through `tile`, bf16 and f32 outputs (as f32).
+fn fp8_both_outputs(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &FastFp8Weight,
+    tile: FastTile,
+) -> (Vec<f32>, Vec<f32>) {
+    (
+        fast_v4::run_gemm::<bf16>(rt, a, w, tile, bf16::to_f32),
+        fast_v4::run_gemm::<f32>(rt, a, w, tile, |v| v),
+    )
+}
+
+/// The wgmma tile at V4.1's dense shapes (5120 -> 6144 in two K parts, wq_b 1280 -> 32768 in
+/// one, 4096 -> 5120 in two), both activation groups, M = 64, 200 (a partial second row block),
+/// 1024: bitwise the production's bf16 and f32 outputs (the 64-row and 128-row mma.sync tiles),
+/// and sampled rows bitwise the same row run alone (the 8-row decode tile).
+#[test]
+fn wgmma_tile_gives_the_production_bits_at_the_dense_shapes() {
+    let rt = open();
+    let mut rng = Rng(41);
+    let mut compared = 0usize;
+    for group in [ActGroup::G32, ActGroup::G128] {
+        let g = group.elements();
+        for (n, k) in [(6144usize, 5120usize), (32768, 1280), (5120, 4096)] {
+            let w = upload_fp8(&rt, &random_fp8_weight(&mut rng, n, k, g));
+            for rows in [64usize, 200, 1024] {
+                let what = format!("wgmma t{g} [{rows}x{k}]·[{k}x{n}]");
+                let x = activations(&mut rng, rows, k);
+                let a =
+                    quantize_act_fp8(&rt, &upload_bf16(&rt, &x), rows, k, group).expect("quantise");
+                let (prod_bf16, prod_f32) = fp8_both_outputs(&rt, &a, &w, FastTile::Auto);
+                let (wg_bf16, wg_f32) = fp8_both_outputs(&rt, &a, &w, FastTile::Wgmma128);
+                assert!(
+                    prod_f32.iter().any(|v| *v != 0.0),
+                    "{what}: an all-zero production output proves nothing"
+                );
+                let (d_bf16, d_f32) = (
+                    differing(&wg_bf16, &prod_bf16),
+                    differing(&wg_f32, &prod_f32),
+                );
+                assert!(
+                    d_bf16 == 0 && d_f32 == 0,
+                    "{what}: {d_f32} f32 and {d_bf16} bf16 outputs of {} differ from the \
+                     production tile's",
+                    rows * n
+                );
+                // Rows alone (the decode tile) against the same rows of the wgmma launch.
+                for r in [0, rows / 2 + 1, rows - 1] {
+                    let one = quantize_act_fp8(
+                        &rt,
+                        &upload_bf16(&rt, &x[r * k..(r + 1) * k]),
+                        1,
+                        k,
+                        group,
+                    )
+                    .expect("quantise");
+                    let alone = fast_v4::run_gemm::<f32>(&rt, &one, &w, FastTile::Auto, |v| v);
+                    assert!(
+                        differing(&alone, &wg_f32[r * n..(r + 1) * n]) == 0,
+                        "{what}: row {r} alone (decode tile) differs from the wgmma tile's"
+                    );
+                }
+                println!(
+                    "{what}: {} outputs bitwise the production tile's (bf16 and f32), rows alone too",
+                    rows * n
+                );
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 18);
+}
+
+/// The wgmma tile against the f64 value within the fast GEMM's bound (a wrong shared-memory
+/// descriptor, k-slot order or scale pairing puts outputs far outside it even where no bits are
+/// compared): K with a partial last stage (544 = 2 · 256 + 32, 384 = 256 + 128), N not a multiple
+/// of the block's 128 features, M across one and two row blocks; bitwise the production tile, a
+/// second run the same bits. The FP4 weights have no wgmma tile: a clear error.
+#[test]
+fn wgmma_tile_is_within_the_error_bound_of_the_exact_value() {
+    let rt = open();
+    let mut rng = Rng(43);
+    for (block, n, k) in [
+        (32usize, 203usize, 544usize),
+        (32, 640, 2048),
+        (128, 200, 384),
+        (128, 131, 1024),
+    ] {
+        let w = random_fp8_weight(&mut rng, n, k, block);
+        let dw = upload_fp8(&rt, &w);
+        for rows in [1usize, 130, 200] {
+            let what = format!("wgmma t{block} [{rows}x{k}]·[{k}x{n}]");
+            let x = activations(&mut rng, rows, k);
+            let (exact, bound) = exact_and_bound(&x, rows, &w);
+            let got = fast_gemm(&rt, &x, rows, &dw, FastTile::Wgmma128);
+            let worst = assert_within(&what, &got, &exact, &bound);
+            assert!(
+                worst > 0.0,
+                "{what}: no error at all is not a tensor-core sum"
+            );
+            let production = fast_gemm(&rt, &x, rows, &dw, FastTile::Auto);
+            assert!(
+                differing(&got, &production) == 0,
+                "{what}: other bits than the production tile"
+            );
+            let again = fast_gemm(&rt, &x, rows, &dw, FastTile::Wgmma128);
+            assert!(
+                differing(&again, &got) == 0,
+                "{what}: a second run differs (not deterministic)"
+            );
+        }
+    }
+    let w = random_fp4_weight(&mut rng, 64, 256);
+    let dw = upload_fp4(&rt, &w);
+    let a = quantize_act_fp8(
+        &rt,
+        &upload_bf16(&rt, &activations(&mut rng, 4, 256)),
+        4,
+        256,
+        ActGroup::G32,
+    )
+    .expect("quantise");
+    let mut y = rt.stream().alloc_zeros::<bf16>(4 * 64).expect("alloc y");
+    let err = gemm_fp4_fast_tiled(&rt, &a, &dw, &mut y, FastTile::Wgmma128)
+        .expect_err("FP4 weights have no wgmma tile");
+    assert!(err.to_string().contains("Wgmma128"), "{err}");
+}
