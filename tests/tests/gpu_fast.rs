@@ -31,6 +31,10 @@
 //! the V4 family in fast numerics (f32-output GEMMs, V4's routed experts, the backend's fast
 //! path, a quantised V4 checkpoint): `fast_v4/mod.rs`.
 //!
+//! The sm_90a warpgroup-MMA prefill tile (`FastTile::Wgmma128`): its group sums bitwise the
+//! mma.sync ones, its bf16 and f32 outputs at V4.1's dense shapes bitwise the production tile's
+//! (and a row's alone), within the bound of the f64 value where K, N and M leave partial tiles.
+//!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
 
@@ -1309,6 +1313,47 @@ fn fp8_both_outputs(
     )
 }
 
+/// The largest |a − b| / |b| over the outputs whose bits differ (0 when none do): how far apart
+/// two tiles are when they are not the same bits (a sum order: ~2^-20; a layout: ~1).
+fn largest_relative_difference(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).abs() / f64::from(y.abs()).max(1e-30))
+        .fold(0.0, f64::max)
+}
+
+/// The tensor core's group sums T_g themselves: one group of K (32 codes, or 128 as a chain of
+/// four k32 MMAs), so that an f32 output is the single rounding fma(T_g, s_w s_a, 0) of its
+/// group sum (exact for 32-groups, whose scales are powers of two). The wgmma tile's and the
+/// mma.sync tile's must be the same bits on random E4M3 codes of every magnitude (where the order
+/// of the in-group additions shows). A failure here (with the bound test passing) means wgmma's
+/// in-group sum differs from mma.sync's, which no layout can fix.
+#[test]
+fn wgmma_group_sums_are_the_mma_sync_ones() {
+    let rt = open();
+    let mut rng = Rng(42);
+    for (group, n) in [(ActGroup::G32, 256usize), (ActGroup::G128, 200)] {
+        let k = group.elements();
+        let w = upload_fp8(&rt, &random_fp8_weight(&mut rng, n, k, k));
+        for rows in [128usize, 300] {
+            let x = activations(&mut rng, rows, k);
+            let a = quantize_act_fp8(&rt, &upload_bf16(&rt, &x), rows, k, group).expect("quantise");
+            let mma = fast_v4::run_gemm::<f32>(&rt, &a, &w, FastTile::Rows128, |v| v);
+            let wgmma = fast_v4::run_gemm::<f32>(&rt, &a, &w, FastTile::Wgmma128, |v| v);
+            assert!(
+                differing(&wgmma, &mma) == 0,
+                "G = {k}, M = {rows}: {} of {} group sums differ from mma.sync's (largest \
+                 relative difference {:.2e})",
+                differing(&wgmma, &mma),
+                rows * n,
+                largest_relative_difference(&wgmma, &mma)
+            );
+        }
+        println!("G = {k}: the wgmma group sums are bitwise the mma.sync ones");
+    }
+}
+
 /// The wgmma tile at V4.1's dense shapes (5120 -> 6144 in two K parts, wq_b 1280 -> 32768 in
 /// one, 4096 -> 5120 in two), both activation groups, M = 64, 200 (a partial second row block),
 /// 1024: bitwise the production's bf16 and f32 outputs (the 64-row and 128-row mma.sync tiles),
@@ -1340,8 +1385,9 @@ fn wgmma_tile_gives_the_production_bits_at_the_dense_shapes() {
                 assert!(
                     d_bf16 == 0 && d_f32 == 0,
                     "{what}: {d_f32} f32 and {d_bf16} bf16 outputs of {} differ from the \
-                     production tile's",
-                    rows * n
+                     production tile's (largest relative difference {:.2e})",
+                    rows * n,
+                    largest_relative_difference(&wg_f32, &prod_f32)
                 );
                 // Rows alone (the decode tile) against the same rows of the wgmma launch.
                 for r in [0, rows / 2 + 1, rows - 1] {
