@@ -16,13 +16,18 @@
 // - T_g is one wgmma from zero (scale-d = 0) for a 32-group; for a 128-group the chain of its four
 //   k32 wgmmas in K order (scale-d 0, 1, 1, 1), as the mma.sync chain. The promotion is
 //   fastgemm::promote, the groups of a part in K order, the parts those of k_parts (the launcher
-//   passes the production's span), reduced by gemm_fast_reduce.
+//   passes the production's span).
+// - A block runs all of K and adds its parts' sums itself, in gemm_fast_reduce's order: at the end
+//   of part p > 0 of K, total = total + P_p (total = P_0 after part 0) in f32, kept in the
+//   launch's scratch ([m][n] f32, each output's own slot: the block's tile, read back by the
+//   thread that wrote it); y = out(total + P_last). No part-sum buffers, no reduction launch.
 //
 // Pipeline: STAGES slots of shared memory (WgmmaStage), filled by cp.async STAGES - 1 steps
-// ahead by all threads; after a slot lands, fence.proxy.async makes the copies visible to the
-// tensor core's (async proxy) reads. Each warpgroup keeps two sets of group sums: it issues the
-// wgmma(s) of group q + 1 into one while it promotes group q from the other (wgmma.wait_group 1),
-// and drains at the end of a stage (wait_group 0) before the slot can be refilled.
+// ahead by all threads (each stage's copies issued behind its first wgmma); after a slot lands,
+// fence.proxy.async makes the copies visible to the tensor core's (async proxy) reads. Each
+// warpgroup keeps two sets of group sums: it issues the wgmma(s) of group q + 1 into one while it
+// promotes group q from the other (wgmma.wait_group 1), and drains at the end of a stage
+// (wait_group 0) before the slot can be refilled.
 //
 // sm_90a only (wgmma): gemm_fast.cu instantiates it only where __CUDA_ARCH_FEAT_SM90_ALL is
 // defined; the runtime loads these kernels on sm_90a alone (KernelId::built_for).
@@ -102,13 +107,15 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[16][4], const u32_t (
 }
 
 // One block's tile on warpgroup MMAs: output features [n0, n0 + 64 WGS) (warp w: band n0 / 16 + w)
-// of the BT = 128 token rows `rows` over the K codes [k_begin, k_end) of one part; the arguments
-// and the result are gemm_fast_tile's (the same bits).
+// of the BT = 128 token rows `rows` over all K, in parts of `span` codes (a multiple of STEP):
+// y ([*, n], bf16 or f32 by out_f32) = gemm_fast_tile's parts added in part order (the same
+// bits); `total` (f32 [*, n]) holds the running sum of the parts when there are several. a, sa,
+// w, ws as gemm_fast_tile's.
 template <class W, int G, int WGS, int BT, int STAGES, int STEP, class Rows>
 __device__ void gemm_fast_wgmma(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                 const u8_t* __restrict__ w, const u8_t* __restrict__ ws, void* __restrict__ y,
-                                u32_t out_f32, float* __restrict__ partial, u32_t n, u32_t k, u32_t k_begin,
-                                u32_t k_end, u32_t n0, const Rows& rows) {
+                                u32_t out_f32, float* __restrict__ total, u32_t n, u32_t k, u32_t span, u32_t n0,
+                                const Rows& rows) {
     static_assert(G == 32 || G == 128, "32- or 128-groups");
     static_assert(BT == 128, "the m64n128k32 instruction: 128 token rows");
     static_assert(STAGES >= 2 && STEP % STEP_K == 0, "tile");
@@ -127,12 +134,11 @@ __device__ void gemm_fast_wgmma(const u8_t* __restrict__ a, const float* __restr
     const u32_t groups = k / G;
     const u32_t bands = (n + 15) / 16;
     const u32_t chunks = (k + STEP_K - 1) / STEP_K;  // per band
-    const u32_t step0 = k_begin / STEP;
-    const u32_t steps = (k_end + STEP - 1) / STEP - step0;  // of this part
+    const u32_t steps = (k + STEP - 1) / STEP;
+    const u32_t steps_per_part = span / STEP;
 
-    auto load_stage = [&](u32_t local, u32_t slot) {
+    auto load_stage = [&](u32_t step, u32_t slot) {
         u8_t* base = smem + slot * L::BYTES;
-        const u32_t step = step0 + local;
         const u32_t k0 = step * STEP;
         stage_weights<W, WARPS, L::SUB, THREADS>(base + L::W_OFF, w, n0, step, bands, chunks);
         // Word v (4 codes) of 32-group q of a row to K half v % 2 of the group, word v / 2 in it.
@@ -167,13 +173,24 @@ __device__ void gemm_fast_wgmma(const u8_t* __restrict__ a, const float* __restr
         if (s < steps) load_stage(s, s);
         cp_async_commit();
     }
+    const u32_t feature = n0 + warp * 16 + g;
+    // Each of this thread's outputs that exists: f(acc[i][r], its index in [*, n]).
+    auto for_outputs = [&](auto f) {
+#pragma unroll
+        for (u32_t i = 0; i < TILES; ++i) {
+#pragma unroll
+            for (u32_t r = 0; r < 4; ++r) {
+                const u32_t col = feature + (r / 2) * 8;
+                const u32_t row = i * 8 + 2 * t + r % 2;
+                if (col < n && rows.valid(row)) f(acc[i][r], rows.y_row(row) * n + col);
+            }
+        }
+    };
+
     for (u32_t step = 0; step < steps; ++step) {
         cp_async_wait<STAGES - 2>();
         fence_proxy_async();  // this thread's copies, visible to the tensor core's reads
         __syncthreads();      // this stage is in; every wgmma is done with the slot refilled below
-        const u32_t next = step + STAGES - 1;
-        if (next < steps) load_stage(next, next % STAGES);
-        cp_async_commit();
 
         const u8_t* base = smem + (step % STAGES) * L::BYTES;
         const u8_t* w_piece = base + L::W_OFF + warp * L::SUB * L::CHUNK + lane * W::PIECE;
@@ -219,6 +236,11 @@ __device__ void gemm_fast_wgmma(const u8_t* __restrict__ a, const float* __restr
         // fma(0, 0, acc) = acc (acc is never -0: it starts at +0, and a sum that rounds to zero
         // is +0), what the mma.sync tile's skipping it gives.
         issue(0, sums[0]);
+        // The copies of a stage STAGES - 1 on, into the slot the previous stage read, issued
+        // while the first group's wgmma runs.
+        const u32_t next = step + STAGES - 1;
+        if (next < steps) load_stage(next, next % STAGES);
+        cp_async_commit();
 #pragma unroll
         for (u32_t gq = 0; gq < L::GPS; ++gq) {
             if (gq + 1 < L::GPS) {
@@ -229,26 +251,32 @@ __device__ void gemm_fast_wgmma(const u8_t* __restrict__ a, const float* __restr
             }
             promote_group(gq, sums[gq % 2]);
         }
+        // The end of a part before the last: total = P_0, then total + P_p; the next part's
+        // sum starts from zero.
+        if ((step + 1) % steps_per_part == 0 && step + 1 < steps) {
+            const bool first = step + 1 == steps_per_part;
+            for_outputs([&](float v, size_t at) { total[at] = first ? v : __fadd_rn(total[at], v); });
+#pragma unroll
+            for (u32_t i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+        }
     }
     cp_async_wait<0>();
 
-    const u32_t feature = n0 + warp * 16 + g;
-#pragma unroll
-    for (u32_t i = 0; i < TILES; ++i) store_tile(acc[i], feature, i * 8 + 2 * t, rows, n, y, out_f32, partial);
+    const bool parted = steps > steps_per_part;
+    for_outputs([&](float v, size_t at) { store_out(y, at, parted ? __fadd_rn(total[at], v) : v, out_f32); });
 }
 
 }  // namespace fastgemm
 
 // The warpgroup-MMA prefill tile (gemm_fast_wgmma): WGS warpgroups (64 output features each), BT
-// token rows, STAGES pipeline stages of STEP codes; the grid and arguments of GEMM_FAST.
+// token rows, STAGES pipeline stages of STEP codes. Grid (column blocks, row blocks): every block
+// runs all of K, its parts of p.span codes (p.parts of them) added in part order in `total`
+// ([m, n] f32, read and written only with p.parts > 1); GEMM_FAST's arguments.
 #define GEMM_FAST_WGMMA(NAME, WEIGHTS, G, WGS, BT, STAGES, STEP)                                       \
     extern "C" __global__ void __launch_bounds__(WGS * 128, 1)                                       \
-        NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
+        NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* total,    \
              FastGemmParams p) {                                                                    \
         const fastgemm::DenseRows rows{blockIdx.y * BT, p.m};                                        \
-        const u32_t k_begin = blockIdx.z * p.span;                                                   \
-        const u32_t k_end = min(p.k, k_begin + p.span);                                              \
-        float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
         fastgemm::gemm_fast_wgmma<WEIGHTS, G, WGS, BT, STAGES, STEP>(                                \
-            a, sa, w, ws, y, p.out_f32, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 64 * WGS, rows); \
+            a, sa, w, ws, y, p.out_f32, total, p.n, p.k, p.span, blockIdx.x * 64 * WGS, rows);       \
     }

@@ -666,6 +666,7 @@ pub fn gemm_fp8_fast_variant<T: FastOutput>(
         block: (variant.shape.tokens, variant.shape.warps),
         shared_bytes: fp8_shared_bytes(variant.group, variant.shape),
         span: variant.span,
+        adds_parts: false,
     };
     launch_dense(
         rt,
@@ -710,8 +711,8 @@ pub fn gemm_fp4_fast_tiled<T: FastOutput>(
     )
 }
 
-/// The dense kernel a launch runs: its function and name, tile shape, dynamic shared memory and
-/// K codes per part.
+/// The dense kernel a launch runs: its function and name, tile shape, dynamic shared memory, K
+/// codes per part and who adds the parts' sums.
 struct DenseKernel<'a> {
     name: &'a str,
     function: &'a CudaFunction,
@@ -719,6 +720,10 @@ struct DenseKernel<'a> {
     block: (u32, u32),
     shared_bytes: u32,
     span: usize,
+    /// A block runs all of K and adds its parts itself (the wgmma tile: `GEMM_FAST_WGMMA`, one
+    /// `[m, n]` f32 running total), else a block runs one part (grid z) and `gemm_fast_reduce`
+    /// adds the `[parts][m, n]` part sums (`GEMM_FAST`, `GEMM_FAST_DIRECT`).
+    adds_parts: bool,
 }
 
 impl<'a> DenseKernel<'a> {
@@ -741,6 +746,7 @@ impl<'a> DenseKernel<'a> {
             block: kernels.block(tile),
             shared_bytes: kernels.launch_shared_bytes(tile, span),
             span,
+            adds_parts: tile == FastTile::Wgmma128,
         })
     }
 }
@@ -778,19 +784,27 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
             message: format!("m = {} needs {row_blocks} row blocks (> 65535)", a.rows),
         });
     }
+    // Blocks per column and row block: one per part, or one for all of K.
+    let block_parts = if kernel.adds_parts { 1 } else { params.parts };
     let cfg = launch_config(
-        (params.n.div_ceil(16 * warps), row_blocks, params.parts),
+        (params.n.div_ceil(16 * warps), row_blocks, block_parts),
         warps * 32,
         kernel.shared_bytes,
     );
-    // The parts' sums [parts][m][n] (one value, unread, with one part).
+    // The parts' sums [parts][m][n], or the running totals [m][n] of a kernel that adds its
+    // parts (one value, unread, with one part).
     let count = a.rows * n;
+    let partial_values = match (parts, kernel.adds_parts) {
+        (1, _) => 1,
+        (_, true) => count,
+        (_, false) => parts * count,
+    };
     // SAFETY: with parts > 1 every block writes its part's sums of its rows and columns, so the
     // launch writes all parts * m * n values before the reduction reads them, in stream order;
-    // with one part the kernel never touches the buffer.
-    let mut partials =
-        unsafe { rt.alloc_written::<f32>(if parts > 1 { parts * count } else { 1 }) }
-            .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
+    // a kernel that adds its parts writes each output's total (P_0) before it reads it back, in
+    // the thread that wrote it; with one part the kernel never touches the buffer.
+    let mut partials = unsafe { rt.alloc_written::<f32>(partial_values) }
+        .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
     let mut launch = rt.launcher_of(kernel.function, kernel.name);
     launch
         .arg(&a.codes)
@@ -806,11 +820,12 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
     // and rows * k / group scales (DeviceActFp8's invariant), the weight chunks hold ceil(n / 16)
     // * ceil(k / 128) chunks and the band scales ceil(n / 16) * k / group entries of the
     // kernel's scale size (built at upload from n, k: FastFp8Weight, FastFp4Weight); block z
-    // reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span); every load is
-    // bounds-checked against m, n, k in the kernel; y holds m * n values, partials parts * m * n
-    // when parts > 1.
+    // reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span) (a kernel that
+    // adds its parts: z = 0, all of K in parts of span codes); every load is bounds-checked
+    // against m, n, k in the kernel; y holds m * n values, partials parts * m * n when parts > 1
+    // (m * n for a kernel that adds its parts, the only ones it touches).
     unsafe { launch.launch(cfg) }?;
-    if parts > 1 {
+    if parts > 1 && !kernel.adds_parts {
         reduce_parts(rt, op, &partials, y, count, parts)?;
     }
     Ok(())
