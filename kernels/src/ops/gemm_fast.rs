@@ -3,7 +3,8 @@
 //! `acc = fma(T_g, s_w · s_a, acc)` in K order (`cuda/gemm/gemm_fast.cuh`), for FP8 weights
 //! ([`FastFp8Weight`], [`gemm_fp8_fast`]) and FP4 E2M1 weights, whose codes are converted exactly
 //! to E4M3 in registers ([`FastFp4Weight`], [`gemm_fp4_fast`]; the routed experts use the same
-//! body, `ops::routed_fast`). Not bitwise equal to the CPU reference (the tensor core's in-group
+//! body, `ops::routed_fast`); on sm_90a a prefill tile on warpgroup MMAs computes the same sums
+//! for FP8 weights ([`FastTile::Wgmma128`]). Not bitwise equal to the CPU reference (the tensor core's in-group
 //! sum is not the exact one), but deterministic and batch invariant: every [`FastTile`] computes
 //! the same bits for a row, so the tile chosen by M never shows.
 //!

@@ -38,7 +38,7 @@ use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, gemm_routed, swiglu_rows,
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
-use deepinfer_kernels::{KernelError, KernelRuntime};
+use deepinfer_kernels::{KernelError, KernelId, KernelRuntime};
 use half::bf16;
 
 use crate::cublaslt_fp8::LtFp8;
@@ -498,6 +498,17 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
          %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
          peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
     );
+    for id in [KernelId::GemmFp8FastT32W128, KernelId::GemmFp8FastT128W128] {
+        if id.built_for(rt.arch()) {
+            let function = rt.function(id)?;
+            println!(
+                "{}: {} registers, {} bytes of local memory (spills) per thread",
+                id.symbol(),
+                function.num_regs()?,
+                function.local_size_bytes()?
+            );
+        }
+    }
     if sweep {
         crate::fast_sweep::run(rt, &mut timer, quick)?;
     }
