@@ -185,6 +185,8 @@ pub enum KernelId {
     GemmFp8FastT32W128,
     /// Fast FP8 GEMM, 128x128 weight tiles, the sm_90a warpgroup-MMA prefill tile.
     GemmFp8FastT128W128,
+    /// Fast FP4 GEMM, the sm_90a warpgroup-MMA prefill tile.
+    GemmFp4FastW128,
     /// The fast GEMMs' K-part sums added in part order and rounded to bf16.
     GemmFastReduce,
     /// `GemmFp4G32` with one warp per output column over all of K (few rows).
@@ -317,7 +319,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 94] = [
+    pub const ALL: [KernelId; 95] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -349,6 +351,7 @@ impl KernelId {
         KernelId::GemmFp4FastRoutedD8,
         KernelId::GemmFp8FastT32W128,
         KernelId::GemmFp8FastT128W128,
+        KernelId::GemmFp4FastW128,
         KernelId::GemmFastReduce,
         KernelId::GemmFp4G32Warp,
         KernelId::RmsNormBf16,
@@ -448,6 +451,7 @@ impl KernelId {
             KernelId::GemmFp4FastRoutedD8 => "gemm_fp4_fast_routed_d8",
             KernelId::GemmFp8FastT32W128 => "gemm_fp8_fast_t32_w128",
             KernelId::GemmFp8FastT128W128 => "gemm_fp8_fast_t128_w128",
+            KernelId::GemmFp4FastW128 => "gemm_fp4_fast_w128",
             KernelId::GemmFastReduce => "gemm_fast_reduce",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormBf16 => "rms_norm_bf16",
@@ -534,7 +538,9 @@ impl KernelId {
     /// defined); every other kernel for every arch.
     pub fn built_for(self, arch: Arch) -> bool {
         match self {
-            KernelId::GemmFp8FastT32W128 | KernelId::GemmFp8FastT128W128 => arch == Arch::Sm90a,
+            KernelId::GemmFp8FastT32W128
+            | KernelId::GemmFp8FastT128W128
+            | KernelId::GemmFp4FastW128 => arch == Arch::Sm90a,
             _ => true,
         }
     }
@@ -572,6 +578,7 @@ impl KernelId {
             | KernelId::GemmFp4FastRoutedD8
             | KernelId::GemmFp8FastT32W128
             | KernelId::GemmFp8FastT128W128
+            | KernelId::GemmFp4FastW128
             | KernelId::GemmFastReduce => SourceFile::GemmFast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
             KernelId::RmsNormBf16 | KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => {
@@ -662,7 +669,7 @@ mod tests {
     }
 
     /// The tensor-core kernels are the `fast` ones (named so), less the part reduction of the
-    /// fast GEMMs (plain fp32 adds): 27 of them.
+    /// fast GEMMs (plain fp32 adds): 28 of them.
     #[test]
     fn tensor_core_kernels_are_the_fast_kernels_but_the_reduction() {
         for id in KernelId::ALL {
@@ -673,7 +680,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 27);
+        assert_eq!(count, 28);
     }
 
     #[test]

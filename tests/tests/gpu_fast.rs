@@ -33,7 +33,8 @@
 //!
 //! The sm_90a warpgroup-MMA prefill tile (`FastTile::Wgmma128`): its group sums bitwise the
 //! mma.sync ones, its bf16 and f32 outputs at V4.1's dense shapes bitwise the production tile's
-//! (and a row's alone), within the bound of the f64 value where K, N and M leave partial tiles.
+//! (and a row's alone), FP8 and FP4 weights, within the bound of the f64 value where K, N and M
+//! leave partial tiles.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
@@ -1301,10 +1302,10 @@ fn v41_tiny_fast_is_batch_invariant() {
 // M, so that a token's output is the same whether it runs in a decode tile or a prefill tile.
 
 /// `a · wᵀ` through `tile`, bf16 and f32 outputs (as f32).
-fn fp8_both_outputs(
+fn both_outputs(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
-    w: &FastFp8Weight,
+    w: &impl FastWeight,
     tile: FastTile,
 ) -> (Vec<f32>, Vec<f32>) {
     (
@@ -1354,73 +1355,106 @@ fn wgmma_group_sums_are_the_mma_sync_ones() {
     }
 }
 
+/// The wgmma tile of `dw` at M = 64, 200 (a partial second row block), 1024: bitwise the
+/// production's bf16 and f32 outputs (the 64-row and 128-row mma.sync tiles), and sampled rows
+/// bitwise the same row run alone (the 8-row decode tile).
+fn check_production_bits(rt: &KernelRuntime, rng: &mut Rng, what: &str, dw: &impl FastWeight) {
+    let ((n, k), group) = (dw.shape(), dw.group());
+    for rows in [64usize, 200, 1024] {
+        let what = format!("{what} [{rows}x{k}]·[{k}x{n}]");
+        let x = activations(rng, rows, k);
+        let a = quantize_act_fp8(rt, &upload_bf16(rt, &x), rows, k, group).expect("quantise");
+        let (prod_bf16, prod_f32) = both_outputs(rt, &a, dw, FastTile::Auto);
+        let (wg_bf16, wg_f32) = both_outputs(rt, &a, dw, FastTile::Wgmma128);
+        assert!(
+            prod_f32.iter().any(|v| *v != 0.0),
+            "{what}: an all-zero production output proves nothing"
+        );
+        let (d_bf16, d_f32) = (
+            differing(&wg_bf16, &prod_bf16),
+            differing(&wg_f32, &prod_f32),
+        );
+        assert!(
+            d_bf16 == 0 && d_f32 == 0,
+            "{what}: {d_f32} f32 and {d_bf16} bf16 outputs of {} differ from the production \
+             tile's (largest relative difference {:.2e})",
+            rows * n,
+            largest_relative_difference(&wg_f32, &prod_f32)
+        );
+        // Rows alone (the decode tile) against the same rows of the wgmma launch.
+        for r in [0, rows / 2 + 1, rows - 1] {
+            let x_row = upload_bf16(rt, &x[r * k..(r + 1) * k]);
+            let one = quantize_act_fp8(rt, &x_row, 1, k, group).expect("quantise");
+            let alone = fast_v4::run_gemm::<f32>(rt, &one, dw, FastTile::Auto, |v| v);
+            assert!(
+                differing(&alone, &wg_f32[r * n..(r + 1) * n]) == 0,
+                "{what}: row {r} alone (decode tile) differs from the wgmma tile's"
+            );
+        }
+        println!(
+            "{what}: {} outputs bitwise the production tile's (bf16 and f32), rows alone too",
+            rows * n
+        );
+    }
+}
+
 /// The wgmma tile at V4.1's dense shapes (5120 -> 6144 in two K parts, wq_b 1280 -> 32768 in
-/// one, 4096 -> 5120 in two), both activation groups, M = 64, 200 (a partial second row block),
-/// 1024: bitwise the production's bf16 and f32 outputs (the 64-row and 128-row mma.sync tiles),
-/// and sampled rows bitwise the same row run alone (the 8-row decode tile).
+/// one, 4096 -> 5120 in two) with FP8 weights in both activation groups, and FP4 weights (1×32
+/// scales) at two of them: the production's bits ([`check_production_bits`]).
 #[test]
 fn wgmma_tile_gives_the_production_bits_at_the_dense_shapes() {
     let rt = open();
     let mut rng = Rng(41);
-    let mut compared = 0usize;
-    for group in [ActGroup::G32, ActGroup::G128] {
-        let g = group.elements();
+    for g in [32usize, 128] {
         for (n, k) in [(6144usize, 5120usize), (32768, 1280), (5120, 4096)] {
             let w = upload_fp8(&rt, &random_fp8_weight(&mut rng, n, k, g));
-            for rows in [64usize, 200, 1024] {
-                let what = format!("wgmma t{g} [{rows}x{k}]·[{k}x{n}]");
-                let x = activations(&mut rng, rows, k);
-                let a =
-                    quantize_act_fp8(&rt, &upload_bf16(&rt, &x), rows, k, group).expect("quantise");
-                let (prod_bf16, prod_f32) = fp8_both_outputs(&rt, &a, &w, FastTile::Auto);
-                let (wg_bf16, wg_f32) = fp8_both_outputs(&rt, &a, &w, FastTile::Wgmma128);
-                assert!(
-                    prod_f32.iter().any(|v| *v != 0.0),
-                    "{what}: an all-zero production output proves nothing"
-                );
-                let (d_bf16, d_f32) = (
-                    differing(&wg_bf16, &prod_bf16),
-                    differing(&wg_f32, &prod_f32),
-                );
-                assert!(
-                    d_bf16 == 0 && d_f32 == 0,
-                    "{what}: {d_f32} f32 and {d_bf16} bf16 outputs of {} differ from the \
-                     production tile's (largest relative difference {:.2e})",
-                    rows * n,
-                    largest_relative_difference(&wg_f32, &prod_f32)
-                );
-                // Rows alone (the decode tile) against the same rows of the wgmma launch.
-                for r in [0, rows / 2 + 1, rows - 1] {
-                    let one = quantize_act_fp8(
-                        &rt,
-                        &upload_bf16(&rt, &x[r * k..(r + 1) * k]),
-                        1,
-                        k,
-                        group,
-                    )
-                    .expect("quantise");
-                    let alone = fast_v4::run_gemm::<f32>(&rt, &one, &w, FastTile::Auto, |v| v);
-                    assert!(
-                        differing(&alone, &wg_f32[r * n..(r + 1) * n]) == 0,
-                        "{what}: row {r} alone (decode tile) differs from the wgmma tile's"
-                    );
-                }
-                println!(
-                    "{what}: {} outputs bitwise the production tile's (bf16 and f32), rows alone too",
-                    rows * n
-                );
-                compared += 1;
-            }
+            check_production_bits(&rt, &mut rng, &format!("wgmma t{g}"), &w);
         }
     }
-    assert_eq!(compared, 18);
+    for (n, k) in [(6144usize, 5120usize), (5120, 4096)] {
+        let w = upload_fp4(&rt, &random_fp4_weight(&mut rng, n, k));
+        check_production_bits(&rt, &mut rng, "wgmma fp4", &w);
+    }
 }
 
-/// The wgmma tile against the f64 value within the fast GEMM's bound (a wrong shared-memory
-/// descriptor, k-slot order or scale pairing puts outputs far outside it even where no bits are
-/// compared): K with a partial last stage (544 = 2 · 256 + 32, 384 = 256 + 128), N not a multiple
-/// of the block's 128 features, M across one and two row blocks; bitwise the production tile, a
-/// second run the same bits. The FP4 weights have no wgmma tile: a clear error.
+/// The wgmma tile of `w` (uploaded as `dw`) at M = 1, 130, 200: within the bound of the f64
+/// value (a wrong shared-memory descriptor, k-slot order or scale pairing puts outputs far
+/// outside it even where no bits are compared), bitwise the production tile, a second run the
+/// same bits.
+fn check_wgmma_bound(
+    rt: &KernelRuntime,
+    rng: &mut Rng,
+    what: &str,
+    w: &impl HostWeight,
+    dw: &impl FastWeight,
+) {
+    let (n, k) = (w.out(), w.inp());
+    for rows in [1usize, 130, 200] {
+        let what = format!("{what} [{rows}x{k}]·[{k}x{n}]");
+        let x = activations(rng, rows, k);
+        let (exact, bound) = exact_and_bound(&x, rows, w);
+        let got = fast_gemm(rt, &x, rows, dw, FastTile::Wgmma128);
+        let worst = assert_within(&what, &got, &exact, &bound);
+        assert!(
+            worst > 0.0,
+            "{what}: no error at all is not a tensor-core sum"
+        );
+        let production = fast_gemm(rt, &x, rows, dw, FastTile::Auto);
+        assert!(
+            differing(&got, &production) == 0,
+            "{what}: other bits than the production tile"
+        );
+        let again = fast_gemm(rt, &x, rows, dw, FastTile::Wgmma128);
+        assert!(
+            differing(&again, &got) == 0,
+            "{what}: a second run differs (not deterministic)"
+        );
+    }
+}
+
+/// The wgmma tile against the f64 value within the fast GEMM's bound ([`check_wgmma_bound`]):
+/// K with a partial last stage (544 = 2 · 256 + 32, 384 = 256 + 128), N not a multiple of the
+/// block's 128 features, M across one and two row blocks; FP8 weights in both groups and FP4.
 #[test]
 fn wgmma_tile_is_within_the_error_bound_of_the_exact_value() {
     let rt = open();
@@ -1433,40 +1467,11 @@ fn wgmma_tile_is_within_the_error_bound_of_the_exact_value() {
     ] {
         let w = random_fp8_weight(&mut rng, n, k, block);
         let dw = upload_fp8(&rt, &w);
-        for rows in [1usize, 130, 200] {
-            let what = format!("wgmma t{block} [{rows}x{k}]·[{k}x{n}]");
-            let x = activations(&mut rng, rows, k);
-            let (exact, bound) = exact_and_bound(&x, rows, &w);
-            let got = fast_gemm(&rt, &x, rows, &dw, FastTile::Wgmma128);
-            let worst = assert_within(&what, &got, &exact, &bound);
-            assert!(
-                worst > 0.0,
-                "{what}: no error at all is not a tensor-core sum"
-            );
-            let production = fast_gemm(&rt, &x, rows, &dw, FastTile::Auto);
-            assert!(
-                differing(&got, &production) == 0,
-                "{what}: other bits than the production tile"
-            );
-            let again = fast_gemm(&rt, &x, rows, &dw, FastTile::Wgmma128);
-            assert!(
-                differing(&again, &got) == 0,
-                "{what}: a second run differs (not deterministic)"
-            );
-        }
+        check_wgmma_bound(&rt, &mut rng, &format!("wgmma t{block}"), &w, &dw);
     }
-    let w = random_fp4_weight(&mut rng, 64, 256);
-    let dw = upload_fp4(&rt, &w);
-    let a = quantize_act_fp8(
-        &rt,
-        &upload_bf16(&rt, &activations(&mut rng, 4, 256)),
-        4,
-        256,
-        ActGroup::G32,
-    )
-    .expect("quantise");
-    let mut y = rt.stream().alloc_zeros::<bf16>(4 * 64).expect("alloc y");
-    let err = gemm_fp4_fast_tiled(&rt, &a, &dw, &mut y, FastTile::Wgmma128)
-        .expect_err("FP4 weights have no wgmma tile");
-    assert!(err.to_string().contains("Wgmma128"), "{err}");
+    for (n, k) in [(203usize, 544usize), (1152, 512)] {
+        let w = random_fp4_weight(&mut rng, n, k);
+        let dw = upload_fp4(&rt, &w);
+        check_wgmma_bound(&rt, &mut rng, "wgmma fp4", &w, &dw);
+    }
 }

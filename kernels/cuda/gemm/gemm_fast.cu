@@ -40,4 +40,5 @@ extern "C" __global__ void gemm_fast_reduce(const float* partials, void* y, Fast
 #include "gemm/gemm_wgmma.cuh"
 GEMM_FAST_WGMMA(gemm_fp8_fast_t32_w128, fastgemm::Fp8Chunks<32>, 32, 2, 128, 3, 256)
 GEMM_FAST_WGMMA(gemm_fp8_fast_t128_w128, fastgemm::Fp8Chunks<128>, 128, 2, 128, 3, 256)
+GEMM_FAST_WGMMA(gemm_fp4_fast_w128, fastgemm::Fp4Chunks, 32, 2, 128, 3, 256)
 #endif

@@ -6,8 +6,9 @@
 // Why the sums are the same ones:
 // - A comes from registers, where wgmma's 8-bit A fragment is, warp by warp, mma.sync m16n8k32's
 //   (warp w of the warpgroup: rows 16 w + g and 16 w + g + 8, k 4t.. and 16 + 4t..); the
-//   fragments are read from the same weight chunks with W::fragment, so a weight code sits in the
-//   same k slot as in gemm_fast_tile.
+//   fragments are read from the same weight chunks with W::fragment (FP8 codes, or FP4 codes
+//   converted to E4M3 in registers, as there), so a weight code sits in the same k slot as in
+//   gemm_fast_tile.
 // - B comes from shared memory, K-major without swizzle (core matrices of 8 token rows x 16
 //   bytes). The mma.sync B fragment puts a group's activation codes 8t.. at k 4t.. and 8t + 4..
 //   at k 16 + 4t..: k slots 0..31 hold the 4-byte words [0, 2, 4, 6, 1, 3, 5, 7] of the group.

@@ -4,7 +4,7 @@
 //! ([`FastFp8Weight`], [`gemm_fp8_fast`]) and FP4 E2M1 weights, whose codes are converted exactly
 //! to E4M3 in registers ([`FastFp4Weight`], [`gemm_fp4_fast`]; the routed experts use the same
 //! body, `ops::routed_fast`); on sm_90a a prefill tile on warpgroup MMAs computes the same sums
-//! for FP8 weights ([`FastTile::Wgmma128`]). Not bitwise equal to the CPU reference (the tensor core's in-group
+//! for the dense GEMMs ([`FastTile::Wgmma128`]). Not bitwise equal to the CPU reference (the tensor core's in-group
 //! sum is not the exact one), but deterministic and batch invariant: every [`FastTile`] computes
 //! the same bits for a row, so the tile chosen by M never shows.
 //!
@@ -99,8 +99,9 @@ pub enum FastTile {
     Direct8,
     /// The warpgroup-MMA prefill tile (`gemm_fast_wgmma`, `cuda/gemm/gemm_wgmma.cuh`): 128 token
     /// rows and two warpgroups of 64 output features per block, wgmma m64n128k32 with the weight
-    /// fragments in registers; the same bits as every other tile. Dense FP8 weights on sm_90a
-    /// only (an error elsewhere); taken only when asked for until the GPU tests prove its bits.
+    /// fragments in registers; the same bits as every other tile. Dense FP8 and FP4 weights on
+    /// sm_90a only (an error elsewhere); taken only when asked for until the GPU tests prove its
+    /// bits.
     Wgmma128,
 }
 
@@ -265,13 +266,14 @@ impl FastKernels {
         }
     }
 
-    /// The kernel of `tile` (`None`: the wgmma tile of the FP4 kernels, which is not built).
+    /// The kernel of `tile` (`None`: the wgmma tile of the routed kernels, which is not built).
     pub(crate) fn kernel(self, tile: FastTile) -> Option<KernelId> {
         use FastTile::{Direct8, Rows8, Rows32, Rows64, Wgmma128};
         Some(match (self, tile) {
             (FastKernels::Fp8(ActGroup::G32), Wgmma128) => KernelId::GemmFp8FastT32W128,
             (FastKernels::Fp8(ActGroup::G128), Wgmma128) => KernelId::GemmFp8FastT128W128,
-            (FastKernels::Fp4 | FastKernels::Fp4Routed, Wgmma128) => return None,
+            (FastKernels::Fp4, Wgmma128) => KernelId::GemmFp4FastW128,
+            (FastKernels::Fp4Routed, Wgmma128) => return None,
             (FastKernels::Fp8(ActGroup::G32), Direct8) => KernelId::GemmFp8FastT32D8,
             (FastKernels::Fp8(ActGroup::G128), Direct8) => KernelId::GemmFp8FastT128D8,
             (FastKernels::Fp4, Direct8) => KernelId::GemmFp4FastD8,
@@ -305,7 +307,7 @@ impl FastKernels {
     ) -> Result<KernelId, KernelError> {
         let id = self.kernel(tile).ok_or_else(|| KernelError::Shape {
             op,
-            message: format!("the {tile:?} tile is built for the dense FP8 weights only"),
+            message: format!("the {tile:?} tile is built for the dense GEMMs only"),
         })?;
         if !id.built_for(rt.arch()) {
             return Err(KernelError::Shape {
@@ -914,13 +916,17 @@ mod tests {
             assert_eq!(dynamic_shared_bytes(id), Some(DIRECT_MAX_SHARED));
             ids.push(id);
         }
-        // The wgmma tiles: FP8 only. 3 stages of 32 KiB weights, 32 KiB activations, their
-        // scales (128 rows x 8 groups x 4 bytes for G = 32) and the weight scales (8 bands x 8
-        // groups x 4 bytes); one block of 8 warps per SM.
+        // The wgmma tiles: the dense ones. 3 stages of 32 KiB weights (FP4: 16 KiB), 32 KiB
+        // activations, their scales (128 rows x 8 groups x 4 bytes for G = 32) and the weight
+        // scales (8 bands x 8 groups x 4 bytes; FP4: 16 bytes); one block of 8 warps per SM.
         let fp8_128 = FastKernels::Fp8(ActGroup::G128);
         assert_eq!(fp8.wgmma_shared_bytes(), 3 * (32_768 + 32_768 + 4096 + 256));
         assert_eq!(fp8_128.wgmma_shared_bytes(), 3 * (65_536 + 1024 + 64));
-        for kernels in [fp8, fp8_128] {
+        assert_eq!(
+            FastKernels::Fp4.wgmma_shared_bytes(),
+            3 * (16_384 + 32_768 + 4096 + 1024)
+        );
+        for kernels in [fp8, fp8_128, FastKernels::Fp4] {
             let id = built(kernels, FastTile::Wgmma128);
             assert!(kernels.wgmma_shared_bytes() + 1024 <= 228 * 1024);
             assert_eq!(
@@ -931,13 +937,12 @@ mod tests {
             assert!(id.built_for(Arch::Sm90a) && !id.built_for(Arch::Sm100a));
             ids.push(id);
         }
-        assert_eq!(FastKernels::Fp4.kernel(FastTile::Wgmma128), None);
         assert_eq!(FastKernels::Fp4Routed.kernel(FastTile::Wgmma128), None);
         assert_eq!(fp8.block(FastTile::Wgmma128), (128, 8));
         assert_eq!(FastTile::Wgmma128.resolve(1), FastTile::Wgmma128);
         ids.sort_by_key(|id| id.symbol());
         ids.dedup();
-        assert_eq!(ids.len(), 22, "every (kernels, tile) has its own kernel");
+        assert_eq!(ids.len(), 23, "every (kernels, tile) has its own kernel");
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
     }
 
@@ -1006,19 +1011,24 @@ mod tests {
             }
         }
         // The wgmma tiles: warpgroups (4 warps each), tokens, stages, step.
-        for group in [ActGroup::G32, ActGroup::G128] {
+        for kernels in [
+            FastKernels::Fp8(ActGroup::G32),
+            FastKernels::Fp8(ActGroup::G128),
+            FastKernels::Fp4,
+        ] {
             let TileShape {
                 tokens,
                 warps,
                 stages,
                 step,
             } = WGMMA_TILE;
-            let (name, g) = (
-                built(FastKernels::Fp8(group), FastTile::Wgmma128).symbol(),
-                group.elements(),
-            );
+            let weights = match kernels {
+                FastKernels::Fp8(g) => format!("fastgemm::Fp8Chunks<{0}>, {0}", g.elements()),
+                _ => "fastgemm::Fp4Chunks, 32".to_string(),
+            };
             let line = format!(
-                "GEMM_FAST_WGMMA({name}, fastgemm::Fp8Chunks<{g}>, {g}, {}, {tokens}, {stages}, {step})",
+                "GEMM_FAST_WGMMA({}, {weights}, {}, {tokens}, {stages}, {step})",
+                built(kernels, FastTile::Wgmma128).symbol(),
                 warps / 4
             );
             assert!(source.contains(&line), "{line} not in gemm_fast.cu");

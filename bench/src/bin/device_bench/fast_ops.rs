@@ -498,7 +498,11 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
          %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
          peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
     );
-    for id in [KernelId::GemmFp8FastT32W128, KernelId::GemmFp8FastT128W128] {
+    for id in [
+        KernelId::GemmFp8FastT32W128,
+        KernelId::GemmFp8FastT128W128,
+        KernelId::GemmFp4FastW128,
+    ] {
         if id.built_for(rt.arch()) {
             let function = rt.function(id)?;
             println!(
