@@ -246,7 +246,10 @@ impl KernelRuntime {
                         "loading the module of {}",
                         file.path()
                     )))?;
-            for id in KernelId::ALL.into_iter().filter(|id| id.source() == file) {
+            for id in KernelId::ALL
+                .into_iter()
+                .filter(|id| id.source() == file && id.built_for(arch))
+            {
                 let function = module
                     .load_function(id.symbol())
                     .map_err(KernelError::driver(format!(
@@ -294,7 +297,8 @@ impl KernelRuntime {
         &self.report
     }
 
-    /// The loaded kernel `id` (all ids are loaded by `open`).
+    /// The loaded kernel `id` (`open` loads every id built for the device's arch:
+    /// [`KernelId::built_for`]).
     pub fn function(&self, id: KernelId) -> Result<&CudaFunction, KernelError> {
         self.counters.launches.fetch_add(1, Ordering::Relaxed);
         if id.on_tensor_cores() {

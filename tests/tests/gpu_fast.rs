@@ -31,6 +31,11 @@
 //! the V4 family in fast numerics (f32-output GEMMs, V4's routed experts, the backend's fast
 //! path, a quantised V4 checkpoint): `fast_v4/mod.rs`.
 //!
+//! The sm_90a warpgroup-MMA prefill tile (`FastTile::Wgmma128`): its group sums bitwise the
+//! mma.sync ones, its bf16 and f32 outputs at V4.1's dense shapes bitwise the production tile's
+//! (and a row's alone), FP8 and FP4 weights, within the bound of the f64 value where K, N and M
+//! leave partial tiles.
+//!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 #![cfg(feature = "cuda")]
 
@@ -1289,4 +1294,184 @@ fn v41_tiny_fast_is_batch_invariant() {
          {checked} batched steps beside 2..64 sequences of lengths 3..43; another token is detected",
         tokens.len()
     );
+}
+
+// ---- The warpgroup-MMA prefill tile (FastTile::Wgmma128, cuda/gemm/gemm_wgmma.cuh) ----
+//
+// It must give the production's bits (gemm_fp8_fast: the mma.sync tiles) for every row, at every
+// M, so that a token's output is the same whether it runs in a decode tile or a prefill tile.
+
+/// `a · wᵀ` through `tile`, bf16 and f32 outputs (as f32).
+fn both_outputs(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    w: &impl FastWeight,
+    tile: FastTile,
+) -> (Vec<f32>, Vec<f32>) {
+    (
+        fast_v4::run_gemm::<bf16>(rt, a, w, tile, bf16::to_f32),
+        fast_v4::run_gemm::<f32>(rt, a, w, tile, |v| v),
+    )
+}
+
+/// The largest |a − b| / |b| over the outputs whose bits differ (0 when none do): how far apart
+/// two tiles are when they are not the same bits (a sum order: ~2^-20; a layout: ~1).
+fn largest_relative_difference(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).abs() / f64::from(y.abs()).max(1e-30))
+        .fold(0.0, f64::max)
+}
+
+/// The tensor core's group sums T_g themselves: one group of K (32 codes, or 128 as a chain of
+/// four k32 MMAs), so that an f32 output is the single rounding fma(T_g, s_w s_a, 0) of its
+/// group sum (exact for 32-groups, whose scales are powers of two). The wgmma tile's and the
+/// mma.sync tile's must be the same bits on random E4M3 codes of every magnitude (where the order
+/// of the in-group additions shows). A failure here (with the bound test passing) means wgmma's
+/// in-group sum differs from mma.sync's, which no layout can fix.
+#[test]
+fn wgmma_group_sums_are_the_mma_sync_ones() {
+    let rt = open();
+    let mut rng = Rng(42);
+    for (group, n) in [(ActGroup::G32, 256usize), (ActGroup::G128, 200)] {
+        let k = group.elements();
+        let w = upload_fp8(&rt, &random_fp8_weight(&mut rng, n, k, k));
+        for rows in [128usize, 300] {
+            let x = activations(&mut rng, rows, k);
+            let a = quantize_act_fp8(&rt, &upload_bf16(&rt, &x), rows, k, group).expect("quantise");
+            let mma = fast_v4::run_gemm::<f32>(&rt, &a, &w, FastTile::Rows128, |v| v);
+            let wgmma = fast_v4::run_gemm::<f32>(&rt, &a, &w, FastTile::Wgmma128, |v| v);
+            assert!(
+                differing(&wgmma, &mma) == 0,
+                "G = {k}, M = {rows}: {} of {} group sums differ from mma.sync's (largest \
+                 relative difference {:.2e})",
+                differing(&wgmma, &mma),
+                rows * n,
+                largest_relative_difference(&wgmma, &mma)
+            );
+        }
+        println!("G = {k}: the wgmma group sums are bitwise the mma.sync ones");
+    }
+}
+
+/// The wgmma tile of `dw` at M = 64, 200 (a partial second row block), 1024: bitwise the
+/// production's bf16 and f32 outputs (the 64-row and 128-row mma.sync tiles), and sampled rows
+/// bitwise the same row run alone (the 8-row decode tile).
+fn check_production_bits(rt: &KernelRuntime, rng: &mut Rng, what: &str, dw: &impl FastWeight) {
+    let ((n, k), group) = (dw.shape(), dw.group());
+    for rows in [64usize, 200, 1024] {
+        let what = format!("{what} [{rows}x{k}]·[{k}x{n}]");
+        let x = activations(rng, rows, k);
+        let a = quantize_act_fp8(rt, &upload_bf16(rt, &x), rows, k, group).expect("quantise");
+        let (prod_bf16, prod_f32) = both_outputs(rt, &a, dw, FastTile::Auto);
+        let (wg_bf16, wg_f32) = both_outputs(rt, &a, dw, FastTile::Wgmma128);
+        assert!(
+            prod_f32.iter().any(|v| *v != 0.0),
+            "{what}: an all-zero production output proves nothing"
+        );
+        let (d_bf16, d_f32) = (
+            differing(&wg_bf16, &prod_bf16),
+            differing(&wg_f32, &prod_f32),
+        );
+        assert!(
+            d_bf16 == 0 && d_f32 == 0,
+            "{what}: {d_f32} f32 and {d_bf16} bf16 outputs of {} differ from the production \
+             tile's (largest relative difference {:.2e})",
+            rows * n,
+            largest_relative_difference(&wg_f32, &prod_f32)
+        );
+        // Rows alone (the decode tile) against the same rows of the wgmma launch.
+        for r in [0, rows / 2 + 1, rows - 1] {
+            let x_row = upload_bf16(rt, &x[r * k..(r + 1) * k]);
+            let one = quantize_act_fp8(rt, &x_row, 1, k, group).expect("quantise");
+            let alone = fast_v4::run_gemm::<f32>(rt, &one, dw, FastTile::Auto, |v| v);
+            assert!(
+                differing(&alone, &wg_f32[r * n..(r + 1) * n]) == 0,
+                "{what}: row {r} alone (decode tile) differs from the wgmma tile's"
+            );
+        }
+        println!(
+            "{what}: {} outputs bitwise the production tile's (bf16 and f32), rows alone too",
+            rows * n
+        );
+    }
+}
+
+/// The wgmma tile at V4.1's dense shapes (5120 -> 6144 in two K parts, wq_b 1280 -> 32768 in
+/// one, 4096 -> 5120 in two) with FP8 weights in both activation groups, and FP4 weights (1×32
+/// scales) at two of them: the production's bits ([`check_production_bits`]).
+#[test]
+fn wgmma_tile_gives_the_production_bits_at_the_dense_shapes() {
+    let rt = open();
+    let mut rng = Rng(41);
+    for g in [32usize, 128] {
+        for (n, k) in [(6144usize, 5120usize), (32768, 1280), (5120, 4096)] {
+            let w = upload_fp8(&rt, &random_fp8_weight(&mut rng, n, k, g));
+            check_production_bits(&rt, &mut rng, &format!("wgmma t{g}"), &w);
+        }
+    }
+    for (n, k) in [(6144usize, 5120usize), (5120, 4096)] {
+        let w = upload_fp4(&rt, &random_fp4_weight(&mut rng, n, k));
+        check_production_bits(&rt, &mut rng, "wgmma fp4", &w);
+    }
+}
+
+/// The wgmma tile of `w` (uploaded as `dw`) at M = 1, 130, 200: within the bound of the f64
+/// value (a wrong shared-memory descriptor, k-slot order or scale pairing puts outputs far
+/// outside it even where no bits are compared), bitwise the production tile, a second run the
+/// same bits.
+fn check_wgmma_bound(
+    rt: &KernelRuntime,
+    rng: &mut Rng,
+    what: &str,
+    w: &impl HostWeight,
+    dw: &impl FastWeight,
+) {
+    let (n, k) = (w.out(), w.inp());
+    for rows in [1usize, 130, 200] {
+        let what = format!("{what} [{rows}x{k}]·[{k}x{n}]");
+        let x = activations(rng, rows, k);
+        let (exact, bound) = exact_and_bound(&x, rows, w);
+        let got = fast_gemm(rt, &x, rows, dw, FastTile::Wgmma128);
+        let worst = assert_within(&what, &got, &exact, &bound);
+        assert!(
+            worst > 0.0,
+            "{what}: no error at all is not a tensor-core sum"
+        );
+        let production = fast_gemm(rt, &x, rows, dw, FastTile::Auto);
+        assert!(
+            differing(&got, &production) == 0,
+            "{what}: other bits than the production tile"
+        );
+        let again = fast_gemm(rt, &x, rows, dw, FastTile::Wgmma128);
+        assert!(
+            differing(&again, &got) == 0,
+            "{what}: a second run differs (not deterministic)"
+        );
+    }
+}
+
+/// The wgmma tile against the f64 value within the fast GEMM's bound ([`check_wgmma_bound`]):
+/// K with a partial last stage (544 = 2 · 256 + 32, 384 = 256 + 128), N not a multiple of the
+/// block's 128 features, M across one and two row blocks; FP8 weights in both groups and FP4.
+#[test]
+fn wgmma_tile_is_within_the_error_bound_of_the_exact_value() {
+    let rt = open();
+    let mut rng = Rng(43);
+    for (block, n, k) in [
+        (32usize, 203usize, 544usize),
+        (32, 640, 2048),
+        (128, 200, 384),
+        (128, 131, 1024),
+    ] {
+        let w = random_fp8_weight(&mut rng, n, k, block);
+        let dw = upload_fp8(&rt, &w);
+        check_wgmma_bound(&rt, &mut rng, &format!("wgmma t{block}"), &w, &dw);
+    }
+    for (n, k) in [(203usize, 544usize), (1152, 512)] {
+        let w = random_fp4_weight(&mut rng, n, k);
+        let dw = upload_fp4(&rt, &w);
+        check_wgmma_bound(&rt, &mut rng, "wgmma fp4", &w, &dw);
+    }
 }
