@@ -417,7 +417,6 @@ impl Fnv1a {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::id::KernelId;
 
     #[test]
     fn fnv1a_separates_fields_and_is_stable() {
@@ -449,19 +448,7 @@ mod tests {
             for file in SourceFile::ALL {
                 match compiler.compile_uncached(file, arch) {
                     Ok(cubin) => {
-                        assert!(cubin.len() > 1000, "{} for {arch}: tiny CUBIN", file.path());
-                        // Its kernels' symbols: exactly those built for the arch.
-                        for id in KernelId::ALL.into_iter().filter(|id| id.source() == file) {
-                            let name = format!("{}\0", id.symbol());
-                            let defined = cubin.windows(name.len()).any(|w| w == name.as_bytes());
-                            assert_eq!(
-                                defined,
-                                id.built_for(arch),
-                                "{} in the {arch} CUBIN of {}",
-                                id.symbol(),
-                                file.path()
-                            );
-                        }
+                        assert!(cubin.len() > 1000, "{} for {arch}: tiny CUBIN", file.path())
                     }
                     Err(err) => panic!("{err}"),
                 }

@@ -180,13 +180,6 @@ pub enum KernelId {
     GemmFp4FastD8,
     /// Fast routed-expert FP4 GEMM, the direct decode tile (up to 8 rows of one expert).
     GemmFp4FastRoutedD8,
-    /// Fast FP8 GEMM, 32x32 weight tiles, the sm_90a warpgroup-MMA prefill tile (128 token rows,
-    /// 128 output features per block; the same bits as every other tile).
-    GemmFp8FastT32W128,
-    /// Fast FP8 GEMM, 128x128 weight tiles, the sm_90a warpgroup-MMA prefill tile.
-    GemmFp8FastT128W128,
-    /// Fast FP4 GEMM, the sm_90a warpgroup-MMA prefill tile.
-    GemmFp4FastW128,
     /// The fast GEMMs' K-part sums added in part order and rounded to bf16.
     GemmFastReduce,
     /// `GemmFp4G32` with one warp per output column over all of K (few rows).
@@ -330,7 +323,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 100] = [
+    pub const ALL: [KernelId; 97] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -360,9 +353,6 @@ impl KernelId {
         KernelId::GemmFp8FastT128D8,
         KernelId::GemmFp4FastD8,
         KernelId::GemmFp4FastRoutedD8,
-        KernelId::GemmFp8FastT32W128,
-        KernelId::GemmFp8FastT128W128,
-        KernelId::GemmFp4FastW128,
         KernelId::GemmFastReduce,
         KernelId::GemmFp4G32Warp,
         KernelId::RmsNormBf16,
@@ -465,9 +455,6 @@ impl KernelId {
             KernelId::GemmFp8FastT128D8 => "gemm_fp8_fast_t128_d8",
             KernelId::GemmFp4FastD8 => "gemm_fp4_fast_d8",
             KernelId::GemmFp4FastRoutedD8 => "gemm_fp4_fast_routed_d8",
-            KernelId::GemmFp8FastT32W128 => "gemm_fp8_fast_t32_w128",
-            KernelId::GemmFp8FastT128W128 => "gemm_fp8_fast_t128_w128",
-            KernelId::GemmFp4FastW128 => "gemm_fp4_fast_w128",
             KernelId::GemmFastReduce => "gemm_fast_reduce",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormBf16 => "rms_norm_bf16",
@@ -558,18 +545,6 @@ impl KernelId {
         }
     }
 
-    /// Whether the module of `arch` defines the kernel: the warpgroup-MMA tiles (wgmma) exist
-    /// for sm_90a alone (their source is compiled only where `__CUDA_ARCH_FEAT_SM90_ALL` is
-    /// defined); every other kernel for every arch.
-    pub fn built_for(self, arch: Arch) -> bool {
-        match self {
-            KernelId::GemmFp8FastT32W128
-            | KernelId::GemmFp8FastT128W128
-            | KernelId::GemmFp4FastW128 => arch == Arch::Sm90a,
-            _ => true,
-        }
-    }
-
     /// The translation unit that defines the kernel.
     pub fn source(self) -> SourceFile {
         match self {
@@ -601,9 +576,6 @@ impl KernelId {
             | KernelId::GemmFp8FastT128D8
             | KernelId::GemmFp4FastD8
             | KernelId::GemmFp4FastRoutedD8
-            | KernelId::GemmFp8FastT32W128
-            | KernelId::GemmFp8FastT128W128
-            | KernelId::GemmFp4FastW128
             | KernelId::GemmFastReduce => SourceFile::GemmFast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
             KernelId::RmsNormBf16 | KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => {
@@ -699,7 +671,7 @@ mod tests {
     }
 
     /// The tensor-core kernels are the `fast` ones (named so), less the part reduction of the
-    /// fast GEMMs (plain fp32 adds): 32 of them.
+    /// fast GEMMs (plain fp32 adds): 29 of them.
     #[test]
     fn tensor_core_kernels_are_the_fast_kernels_but_the_reduction() {
         for id in KernelId::ALL {
@@ -710,7 +682,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 32);
+        assert_eq!(count, 29);
     }
 
     #[test]

@@ -246,10 +246,7 @@ impl KernelRuntime {
                         "loading the module of {}",
                         file.path()
                     )))?;
-            for id in KernelId::ALL
-                .into_iter()
-                .filter(|id| id.source() == file && id.built_for(arch))
-            {
+            for id in KernelId::ALL.into_iter().filter(|id| id.source() == file) {
                 let function = module
                     .load_function(id.symbol())
                     .map_err(KernelError::driver(format!(
@@ -297,8 +294,7 @@ impl KernelRuntime {
         &self.report
     }
 
-    /// The loaded kernel `id` (`open` loads every id built for the device's arch:
-    /// [`KernelId::built_for`]).
+    /// The loaded kernel `id` (all ids are loaded by `open`).
     pub fn function(&self, id: KernelId) -> Result<&CudaFunction, KernelError> {
         self.counters.launches.fetch_add(1, Ordering::Relaxed);
         if id.on_tensor_cores() {

@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 21] = [
+pub const HEADERS: [(&str, &str); 20] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/numerics.cuh",
@@ -21,10 +21,6 @@ pub const HEADERS: [(&str, &str); 21] = [
     (
         "gemm/gemm_fast.cuh",
         include_str!("../cuda/gemm/gemm_fast.cuh"),
-    ),
-    (
-        "gemm/gemm_wgmma.cuh",
-        include_str!("../cuda/gemm/gemm_wgmma.cuh"),
     ),
     (
         "norm/rms_norm.cuh",

@@ -33,12 +33,3 @@ extern "C" __global__ void gemm_fast_reduce(const float* partials, void* y, Fast
     fastgemm::gemm_fast_reduce(partials, y, p);
 }
 
-
-// The warpgroup-MMA prefill tiles (sm_90a only: KernelId::built_for): 2 warpgroups (128 output
-// features), 128 token rows, 3 stages of 256 codes; the same bits as every tile above.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#include "gemm/gemm_wgmma.cuh"
-GEMM_FAST_WGMMA(gemm_fp8_fast_t32_w128, fastgemm::Fp8Chunks<32>, 32, 2, 128, 3, 256)
-GEMM_FAST_WGMMA(gemm_fp8_fast_t128_w128, fastgemm::Fp8Chunks<128>, 128, 2, 128, 3, 256)
-GEMM_FAST_WGMMA(gemm_fp4_fast_w128, fastgemm::Fp4Chunks, 32, 2, 128, 3, 256)
-#endif

@@ -186,38 +186,6 @@ __device__ __forceinline__ void store_tile(const float (&acc)[4], u32_t feature,
     }
 }
 
-// Copies (cp.async) a stage's weight chunks: chunks [step SUB, (step + 1) SUB) of the WARPS bands
-// from n0 / 16, band after band, to dst; chunks past the weight are zero-filled.
-template <class W, u32_t WARPS, u32_t SUB, u32_t THREADS>
-__device__ __forceinline__ void stage_weights(u8_t* dst, const u8_t* __restrict__ w, u32_t n0, u32_t step,
-                                              u32_t bands, u32_t chunks) {
-    constexpr u32_t CHUNK = 128 * W::PIECE;
-    for (u32_t c = threadIdx.x; c < WARPS * SUB * (CHUNK / 16); c += THREADS) {
-        const u32_t band = n0 / 16 + c / (SUB * (CHUNK / 16));
-        const u32_t chunk = step * SUB + (c / (CHUNK / 16)) % SUB;
-        const bool ok = band < bands && chunk < chunks;
-        const size_t src = ((size_t)band * chunks + chunk) * CHUNK + (c % (CHUNK / 16)) * 16;
-        cp_async16(dst + c * 16, ok ? w + src : w, ok);
-    }
-}
-
-// Copies a stage's weight scales: groups [gi0, gi0 + GPS) of the WARPS bands from n0 / 16 to dst
-// ([WARPS][GPS] of SCALE_BYTES); groups past K are zero-filled.
-template <class W, u32_t WARPS, u32_t GPS, u32_t THREADS>
-__device__ __forceinline__ void stage_weight_scales(u8_t* dst, const u8_t* __restrict__ ws, u32_t n0, u32_t gi0,
-                                                    u32_t bands, u32_t groups) {
-    for (u32_t c = threadIdx.x; c < WARPS * GPS; c += THREADS) {
-        const u32_t band = n0 / 16 + c / GPS, gi = gi0 + c % GPS;
-        const bool ok = band < bands && gi < groups;
-        const u8_t* src = ws + ((size_t)band * groups + gi) * W::SCALE_BYTES;
-        if constexpr (W::SCALE_BYTES == 16) {
-            cp_async16(dst + W::SCALE_BYTES * c, ok ? src : ws, ok);
-        } else {
-            cp_async4(dst + W::SCALE_BYTES * c, ok ? src : ws, ok);
-        }
-    }
-}
-
 // Shared-memory layout of one stage of STEP codes of K.
 template <class W, int G, int WARPS, int BT, int STEP>
 struct Stage {
@@ -287,7 +255,13 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
         u8_t* base = smem + slot * L::BYTES;
         const u32_t step = step0 + local;
         const u32_t k0 = step * STEP;
-        stage_weights<W, WARPS, L::SUB, THREADS>(base + L::W_OFF, w, n0, step, bands, chunks);
+        for (u32_t c = threadIdx.x; c < WARPS * L::SUB * (CHUNK / 16); c += THREADS) {
+            const u32_t band = n0 / 16 + c / (L::SUB * (CHUNK / 16));
+            const u32_t chunk = step * L::SUB + (c / (CHUNK / 16)) % L::SUB;
+            const bool ok = band < bands && chunk < chunks;
+            const size_t src = ((size_t)band * chunks + chunk) * CHUNK + (c % (CHUNK / 16)) * 16;
+            cp_async16(base + L::W_OFF + c * 16, ok ? w + src : w, ok);
+        }
         for (u32_t c = threadIdx.x; c < BT * (STEP / 16); c += THREADS) {
             const u32_t row = c / (STEP / 16), col = (c % (STEP / 16)) * 16;
             const bool ok = rows.valid(row) && k0 + col < k;
@@ -298,7 +272,17 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
             const bool ok = rows.valid(row) && gi < groups;
             cp_async4(base + L::SA_OFF + 4 * c, ok ? sa + rows.a_row(row) * groups + gi : sa, ok);
         }
-        stage_weight_scales<W, WARPS, L::GPS, THREADS>(base + L::SW_OFF, ws, n0, k0 / G, bands, groups);
+        for (u32_t c = threadIdx.x; c < WARPS * L::GPS; c += THREADS) {
+            const u32_t band = n0 / 16 + c / L::GPS, gi = k0 / G + c % L::GPS;
+            const bool ok = band < bands && gi < groups;
+            const u8_t* src = ws + ((size_t)band * groups + gi) * W::SCALE_BYTES;
+            u8_t* dst = base + L::SW_OFF + W::SCALE_BYTES * c;
+            if constexpr (W::SCALE_BYTES == 16) {
+                cp_async16(dst, ok ? src : ws, ok);
+            } else {
+                cp_async4(dst, ok ? src : ws, ok);
+            }
+        }
     };
 
     float acc[TILES][4];

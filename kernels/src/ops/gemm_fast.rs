@@ -3,8 +3,7 @@
 //! `acc = fma(T_g, s_w · s_a, acc)` in K order (`cuda/gemm/gemm_fast.cuh`), for FP8 weights
 //! ([`FastFp8Weight`], [`gemm_fp8_fast`]) and FP4 E2M1 weights, whose codes are converted exactly
 //! to E4M3 in registers ([`FastFp4Weight`], [`gemm_fp4_fast`]; the routed experts use the same
-//! body, `ops::routed_fast`); on sm_90a a prefill tile on warpgroup MMAs computes the same sums
-//! for the dense GEMMs ([`FastTile::Wgmma128`]). Not bitwise equal to the CPU reference (the tensor core's in-group
+//! body, `ops::routed_fast`). Not bitwise equal to the CPU reference (the tensor core's in-group
 //! sum is not the exact one), but deterministic and batch invariant: every [`FastTile`] computes
 //! the same bits for a row, so the tile chosen by M never shows.
 //!
@@ -97,12 +96,6 @@ pub enum FastTile {
     /// for (its first GPU measurement decides whether `Auto` takes it), and replaced by `Rows8`
     /// where its activations would not fit [`DIRECT_MAX_SHARED`].
     Direct8,
-    /// The warpgroup-MMA prefill tile (`gemm_fast_wgmma`, `cuda/gemm/gemm_wgmma.cuh`): 128 token
-    /// rows and two warpgroups of 64 output features per block, wgmma m64n128k32 with the weight
-    /// fragments in registers; the same bits as every other tile. Dense FP8 and FP4 weights on
-    /// sm_90a only (an error elsewhere); taken only when asked for until the GPU tests prove its
-    /// bits.
-    Wgmma128,
 }
 
 /// Warps (weight bands of 16 output features) per block of the direct tile: `GEMM_FAST_DIRECT`'s
@@ -154,11 +147,6 @@ const ROUTED_TILES: [(FastTile, TileShape); 4] = [
     (FastTile::Rows64, tile(64, 8, 3, 128)),
     (FastTile::Rows128, tile(128, 8, 3, 128)),
 ];
-
-/// The shape of [`FastTile::Wgmma128`] (`GEMM_FAST_WGMMA` in `gemm_fast.cu`): 128 token rows, 8
-/// warps (two warpgroups), 3 stages of 256 codes (8 groups of 32 or 2 of 128 between two drains of
-/// the wgmma pipeline).
-const WGMMA_TILE: TileShape = tile(128, 8, 3, 256);
 
 const fn tile(tokens: u32, warps: u32, stages: u32, step: u32) -> TileShape {
     TileShape {
@@ -248,9 +236,6 @@ impl FastKernels {
 
     /// The shape of staged `tile` (`Auto` and the direct tile, which has none: the 128-row one).
     pub(crate) fn shape(self, tile: FastTile) -> TileShape {
-        if tile == FastTile::Wgmma128 {
-            return WGMMA_TILE;
-        }
         let tiles = self.tiles();
         tiles
             .iter()
@@ -266,14 +251,9 @@ impl FastKernels {
         }
     }
 
-    /// The kernel of `tile` (`None`: the wgmma tile of the routed kernels, which is not built).
-    pub(crate) fn kernel(self, tile: FastTile) -> Option<KernelId> {
-        use FastTile::{Direct8, Rows8, Rows32, Rows64, Wgmma128};
-        Some(match (self, tile) {
-            (FastKernels::Fp8(ActGroup::G32), Wgmma128) => KernelId::GemmFp8FastT32W128,
-            (FastKernels::Fp8(ActGroup::G128), Wgmma128) => KernelId::GemmFp8FastT128W128,
-            (FastKernels::Fp4, Wgmma128) => KernelId::GemmFp4FastW128,
-            (FastKernels::Fp4Routed, Wgmma128) => return None,
+    pub(crate) fn kernel(self, tile: FastTile) -> KernelId {
+        use FastTile::{Direct8, Rows8, Rows32, Rows64};
+        match (self, tile) {
             (FastKernels::Fp8(ActGroup::G32), Direct8) => KernelId::GemmFp8FastT32D8,
             (FastKernels::Fp8(ActGroup::G128), Direct8) => KernelId::GemmFp8FastT128D8,
             (FastKernels::Fp4, Direct8) => KernelId::GemmFp4FastD8,
@@ -294,32 +274,7 @@ impl FastKernels {
             (FastKernels::Fp4Routed, Rows32) => KernelId::GemmFp4FastRoutedB32,
             (FastKernels::Fp4Routed, Rows64) => KernelId::GemmFp4FastRoutedB64,
             (FastKernels::Fp4Routed, _) => KernelId::GemmFp4FastRoutedB128,
-        })
-    }
-
-    /// The kernel of `tile` for a launch of `op` on this device: an error for a tile these
-    /// kernels or the device's arch lack ([`KernelId::built_for`]).
-    pub(crate) fn launch_kernel(
-        self,
-        rt: &KernelRuntime,
-        op: &'static str,
-        tile: FastTile,
-    ) -> Result<KernelId, KernelError> {
-        let id = self.kernel(tile).ok_or_else(|| KernelError::Shape {
-            op,
-            message: format!("the {tile:?} tile is built for the dense GEMMs only"),
-        })?;
-        if !id.built_for(rt.arch()) {
-            return Err(KernelError::Shape {
-                op,
-                message: format!(
-                    "the {tile:?} tile ({}) runs on sm_90a only, this device is {}",
-                    id.symbol(),
-                    rt.arch()
-                ),
-            });
         }
-        Ok(id)
     }
 
     /// Dynamic shared memory of a launch of `tile` over K parts of `span` codes.
@@ -327,27 +282,8 @@ impl FastKernels {
         match tile {
             // At most DIRECT_MAX_SHARED (`FastTile::fitting`).
             FastTile::Direct8 => direct_shared_bytes(self.group(), span) as u32,
-            FastTile::Wgmma128 => self.wgmma_shared_bytes(),
             tile => self.shared_bytes(self.shape(tile)),
         }
-    }
-
-    /// Dynamic shared memory of the wgmma tile (`WgmmaStage::BYTES · STAGES` in
-    /// `gemm_wgmma.cuh`): per stage the bands' weight chunks, the activation rows unpadded (K-major
-    /// core matrices), their scales and the weight scales.
-    pub(crate) fn wgmma_shared_bytes(self) -> u32 {
-        let TileShape {
-            tokens,
-            warps,
-            stages,
-            step,
-        } = WGMMA_TILE;
-        let groups_per_stage = step / self.group();
-        let stage = warps * 128 * self.piece() * (step / STEP_K as u32)
-            + tokens * step
-            + 4 * tokens * groups_per_stage
-            + self.scale_bytes() * warps * groups_per_stage;
-        stage.div_ceil(16) * 16 * stages
     }
 
     /// Dynamic shared memory of a staged launch with `shape` (`Stage::BYTES · STAGES` in the
@@ -372,16 +308,13 @@ impl FastKernels {
 /// for every kernel that is not a fast GEMM).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
     FastKernels::ALL.into_iter().find_map(|kernels| {
-        if kernels.kernel(FastTile::Direct8) == Some(id) {
+        if kernels.kernel(FastTile::Direct8) == id {
             return Some(DIRECT_MAX_SHARED);
-        }
-        if kernels.kernel(FastTile::Wgmma128) == Some(id) {
-            return Some(kernels.wgmma_shared_bytes());
         }
         kernels
             .tiles()
             .iter()
-            .find(|t| kernels.kernel(t.0) == Some(id))
+            .find(|t| kernels.kernel(t.0) == id)
             .map(|t| kernels.shared_bytes(t.1))
     })
 }
@@ -591,14 +524,8 @@ pub fn gemm_fp8_fast_tiled<T: FastOutput>(
             ),
         });
     }
-    let kernel = DenseKernel::production(
-        rt,
-        OP,
-        FastKernels::Fp8(a.group),
-        tile,
-        a.rows,
-        (w.out, w.inp),
-    )?;
+    let kernel =
+        DenseKernel::production(rt, FastKernels::Fp8(a.group), tile, a.rows, (w.out, w.inp))?;
     launch_dense(
         rt,
         OP,
@@ -669,7 +596,6 @@ pub fn gemm_fp8_fast_variant<T: FastOutput>(
         block: (variant.shape.tokens, variant.shape.warps),
         shared_bytes: fp8_shared_bytes(variant.group, variant.shape),
         span: variant.span,
-        adds_parts: false,
     };
     launch_dense(
         rt,
@@ -702,7 +628,7 @@ pub fn gemm_fp4_fast_tiled<T: FastOutput>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_fast";
     a.group.require_g32(OP, "FP4 weights")?;
-    let kernel = DenseKernel::production(rt, OP, FastKernels::Fp4, tile, a.rows, (w.out, w.inp))?;
+    let kernel = DenseKernel::production(rt, FastKernels::Fp4, tile, a.rows, (w.out, w.inp))?;
     launch_dense(
         rt,
         OP,
@@ -714,8 +640,8 @@ pub fn gemm_fp4_fast_tiled<T: FastOutput>(
     )
 }
 
-/// The dense kernel a launch runs: its function and name, tile shape, dynamic shared memory, K
-/// codes per part and who adds the parts' sums.
+/// The dense kernel a launch runs: its function and name, tile shape, dynamic shared memory and
+/// K codes per part.
 struct DenseKernel<'a> {
     name: &'a str,
     function: &'a CudaFunction,
@@ -723,10 +649,6 @@ struct DenseKernel<'a> {
     block: (u32, u32),
     shared_bytes: u32,
     span: usize,
-    /// A block runs all of K and adds its parts itself (the wgmma tile: `GEMM_FAST_WGMMA`, one
-    /// `[m, n]` f32 running total), else a block runs one part (grid z) and `gemm_fast_reduce`
-    /// adds the `[parts][m, n]` part sums (`GEMM_FAST`, `GEMM_FAST_DIRECT`).
-    adds_parts: bool,
 }
 
 impl<'a> DenseKernel<'a> {
@@ -734,7 +656,6 @@ impl<'a> DenseKernel<'a> {
     /// k)`: K cut by [`k_parts`].
     fn production(
         rt: &'a KernelRuntime,
-        op: &'static str,
         kernels: FastKernels,
         tile: FastTile,
         rows: usize,
@@ -742,14 +663,13 @@ impl<'a> DenseKernel<'a> {
     ) -> Result<DenseKernel<'a>, KernelError> {
         let span = k_parts(n, k).0;
         let tile = tile.resolve(rows).fitting(kernels, span);
-        let id = kernels.launch_kernel(rt, op, tile)?;
+        let id = kernels.kernel(tile);
         Ok(DenseKernel {
             name: id.symbol(),
             function: rt.function(id)?,
             block: kernels.block(tile),
             shared_bytes: kernels.launch_shared_bytes(tile, span),
             span,
-            adds_parts: tile == FastTile::Wgmma128,
         })
     }
 }
@@ -787,27 +707,19 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
             message: format!("m = {} needs {row_blocks} row blocks (> 65535)", a.rows),
         });
     }
-    // Blocks per column and row block: one per part, or one for all of K.
-    let block_parts = if kernel.adds_parts { 1 } else { params.parts };
     let cfg = launch_config(
-        (params.n.div_ceil(16 * warps), row_blocks, block_parts),
+        (params.n.div_ceil(16 * warps), row_blocks, params.parts),
         warps * 32,
         kernel.shared_bytes,
     );
-    // The parts' sums [parts][m][n], or the running totals [m][n] of a kernel that adds its
-    // parts (one value, unread, with one part).
+    // The parts' sums [parts][m][n] (one value, unread, with one part).
     let count = a.rows * n;
-    let partial_values = match (parts, kernel.adds_parts) {
-        (1, _) => 1,
-        (_, true) => count,
-        (_, false) => parts * count,
-    };
     // SAFETY: with parts > 1 every block writes its part's sums of its rows and columns, so the
     // launch writes all parts * m * n values before the reduction reads them, in stream order;
-    // a kernel that adds its parts writes each output's total (P_0) before it reads it back, in
-    // the thread that wrote it; with one part the kernel never touches the buffer.
-    let mut partials = unsafe { rt.alloc_written::<f32>(partial_values) }
-        .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
+    // with one part the kernel never touches the buffer.
+    let mut partials =
+        unsafe { rt.alloc_written::<f32>(if parts > 1 { parts * count } else { 1 }) }
+            .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
     let mut launch = rt.launcher_of(kernel.function, kernel.name);
     launch
         .arg(&a.codes)
@@ -823,12 +735,11 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
     // and rows * k / group scales (DeviceActFp8's invariant), the weight chunks hold ceil(n / 16)
     // * ceil(k / 128) chunks and the band scales ceil(n / 16) * k / group entries of the
     // kernel's scale size (built at upload from n, k: FastFp8Weight, FastFp4Weight); block z
-    // reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span) (a kernel that
-    // adds its parts: z = 0, all of K in parts of span codes); every load is bounds-checked
-    // against m, n, k in the kernel; y holds m * n values, partials parts * m * n when parts > 1
-    // (m * n for a kernel that adds its parts, the only ones it touches).
+    // reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span); every load is
+    // bounds-checked against m, n, k in the kernel; y holds m * n values, partials parts * m * n
+    // when parts > 1.
     unsafe { launch.launch(cfg) }?;
-    if parts > 1 && !kernel.adds_parts {
+    if parts > 1 {
         reduce_parts(rt, op, &partials, y, count, parts)?;
     }
     Ok(())
@@ -866,7 +777,6 @@ fn reduce_parts<T: FastOutput>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::id::Arch;
 
     #[test]
     fn auto_takes_the_smallest_tile_that_holds_the_rows() {
@@ -905,44 +815,20 @@ mod tests {
                     "{kernels:?} {tile:?}"
                 );
                 assert_eq!(
-                    dynamic_shared_bytes(built(kernels, tile)),
+                    dynamic_shared_bytes(kernels.kernel(tile)),
                     Some(kernels.shared_bytes(shape))
                 );
-                ids.push(built(kernels, tile));
+                ids.push(kernels.kernel(tile));
             }
         }
         for kernels in FastKernels::ALL {
-            let id = built(kernels, FastTile::Direct8);
+            let id = kernels.kernel(FastTile::Direct8);
             assert_eq!(dynamic_shared_bytes(id), Some(DIRECT_MAX_SHARED));
             ids.push(id);
         }
-        // The wgmma tiles: the dense ones. 3 stages of 32 KiB weights (FP4: 16 KiB), 32 KiB
-        // activations, their scales (128 rows x 8 groups x 4 bytes for G = 32) and the weight
-        // scales (8 bands x 8 groups x 4 bytes; FP4: 16 bytes); one block of 8 warps per SM.
-        let fp8_128 = FastKernels::Fp8(ActGroup::G128);
-        assert_eq!(fp8.wgmma_shared_bytes(), 3 * (32_768 + 32_768 + 4096 + 256));
-        assert_eq!(fp8_128.wgmma_shared_bytes(), 3 * (65_536 + 1024 + 64));
-        assert_eq!(
-            FastKernels::Fp4.wgmma_shared_bytes(),
-            3 * (16_384 + 32_768 + 4096 + 1024)
-        );
-        for kernels in [fp8, fp8_128, FastKernels::Fp4] {
-            let id = built(kernels, FastTile::Wgmma128);
-            assert!(kernels.wgmma_shared_bytes() + 1024 <= 228 * 1024);
-            assert_eq!(
-                kernels.launch_shared_bytes(FastTile::Wgmma128, 2560),
-                kernels.wgmma_shared_bytes()
-            );
-            assert_eq!(dynamic_shared_bytes(id), Some(kernels.wgmma_shared_bytes()));
-            assert!(id.built_for(Arch::Sm90a) && !id.built_for(Arch::Sm100a));
-            ids.push(id);
-        }
-        assert_eq!(FastKernels::Fp4Routed.kernel(FastTile::Wgmma128), None);
-        assert_eq!(fp8.block(FastTile::Wgmma128), (128, 8));
-        assert_eq!(FastTile::Wgmma128.resolve(1), FastTile::Wgmma128);
         ids.sort_by_key(|id| id.symbol());
         ids.dedup();
-        assert_eq!(ids.len(), 23, "every (kernels, tile) has its own kernel");
+        assert_eq!(ids.len(), 20, "every (kernels, tile) has its own kernel");
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
     }
 
@@ -984,7 +870,7 @@ mod tests {
             };
             let line = format!(
                 "({}, {weights}{DIRECT_WARPS}, 16)",
-                built(kernels, FastTile::Direct8).symbol()
+                kernels.kernel(FastTile::Direct8).symbol()
             );
             assert!(source.contains(&line), "{line} not in gemm_fast.cu");
         }
@@ -1005,41 +891,11 @@ mod tests {
                 };
                 let line = format!(
                     "({}, {weights}{warps}, {tokens}, {stages}, {step})",
-                    built(kernels, tile).symbol()
+                    kernels.kernel(tile).symbol()
                 );
                 assert!(source.contains(&line), "{line} not in gemm_fast.cu");
             }
         }
-        // The wgmma tiles: warpgroups (4 warps each), tokens, stages, step.
-        for kernels in [
-            FastKernels::Fp8(ActGroup::G32),
-            FastKernels::Fp8(ActGroup::G128),
-            FastKernels::Fp4,
-        ] {
-            let TileShape {
-                tokens,
-                warps,
-                stages,
-                step,
-            } = WGMMA_TILE;
-            let weights = match kernels {
-                FastKernels::Fp8(g) => format!("fastgemm::Fp8Chunks<{0}>, {0}", g.elements()),
-                _ => "fastgemm::Fp4Chunks, 32".to_string(),
-            };
-            let line = format!(
-                "GEMM_FAST_WGMMA({}, {weights}, {}, {tokens}, {stages}, {step})",
-                built(kernels, FastTile::Wgmma128).symbol(),
-                warps / 4
-            );
-            assert!(source.contains(&line), "{line} not in gemm_fast.cu");
-        }
-    }
-
-    /// The kernel of a (kernels, tile) pair that has one.
-    fn built(kernels: FastKernels, tile: FastTile) -> KernelId {
-        kernels
-            .kernel(tile)
-            .unwrap_or_else(|| panic!("{kernels:?} has no {tile:?} kernel"))
     }
 
     #[test]

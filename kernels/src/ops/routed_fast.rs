@@ -39,7 +39,6 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
     let tile = tile
         .resolve(m.div_ceil(table.n_experts()))
         .fitting(FastKernels::Fp4Routed, k);
-    let kernel = FastKernels::Fp4Routed.launch_kernel(rt, OP, tile)?;
     let (tokens, warps) = FastKernels::Fp4Routed.block(tile);
     let params = FastRoutedParams {
         m: dim(OP, "m", m)?,
@@ -64,6 +63,7 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
             message: format!("m = {m} needs up to {tiles} expert tiles (> 65535)"),
         });
     }
+    let kernel = FastKernels::Fp4Routed.kernel(tile);
     let cfg = launch_config(
         (params.n.div_ceil(16 * warps), tiles, 1),
         warps * 32,

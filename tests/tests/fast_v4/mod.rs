@@ -75,7 +75,7 @@ fn quantise(rt: &KernelRuntime, x: &[f32], rows: usize, group: ActGroup) -> Devi
 }
 
 /// The fast GEMM of `w` on `a` with `tile`, output `T`, downloaded as f32.
-pub(super) fn run_gemm<T: FastOutput + ValidAsZeroBits + Copy>(
+fn run_gemm<T: FastOutput + ValidAsZeroBits + Copy>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &impl FastWeight,

@@ -1,9 +1,7 @@
 //! The `fast` section of the device benchmark: the tensor-core FP8 GEMM of the `fast` numerics
 //! (`deepinfer_kernels::ops::gemm_fast`) at decode shapes (M = 1, 8, 64: weight bytes per second
-//! against the 4.28 TB/s copy rate) and prefill shapes (M = 256, 1024, 4096: TFLOP/s against the
-//! 1216 TFLOP/s FP8 peak; there also the sm_90a warpgroup-MMA tile `FastTile::Wgmma128`, its row
-//! labelled with whether its bits equal the production tile's on that shape) — V4.1's 32×32
-//! tiles with 1×32 activation groups and bf16 outputs, and
+//! against the 4.28 TB/s copy rate) and prefill shapes (M = 1024, 4096: TFLOP/s against the
+//! 1216 TFLOP/s FP8 peak) — V4.1's 32×32 tiles with 1×32 activation groups and bf16 outputs, and
 //! V4's 128×128 tiles with 1×128 groups and f32 outputs (`CudaBackend::linear` in fast
 //! numerics) — each beside peers timed in the same run on the same shape: cuBLAS
 //! bf16 GEMM (`y = x · Wᵀ`, bf16 weights: twice the weight bytes of FP8), cuBLASLt's
@@ -41,7 +39,7 @@ use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, gemm_routed, swiglu_rows,
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
-use deepinfer_kernels::{KernelError, KernelId, KernelRuntime};
+use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
 
 use crate::cublaslt_fp8::LtFp8;
@@ -68,9 +66,6 @@ enum Kernel {
     Fast,
     /// The fast GEMM's direct decode tile (`FastTile::Direct8`), timed until `Auto` takes it.
     FastDirect,
-    /// The fast GEMM's warpgroup-MMA prefill tile (`FastTile::Wgmma128`, sm_90a), timed until
-    /// `Auto` takes it.
-    FastWgmma,
     Exact,
     CublasBf16,
     CublasLtFp8,
@@ -81,7 +76,6 @@ impl Kernel {
         match self {
             Kernel::Fast => "fast fp8",
             Kernel::FastDirect => "fast fp8 direct",
-            Kernel::FastWgmma => "fast fp8 wgmma",
             Kernel::Exact => "exact fp8",
             Kernel::CublasBf16 => "cublas bf16",
             Kernel::CublasLtFp8 => "cublaslt fp8",
@@ -102,7 +96,7 @@ fn bench(
     let x = activations(rt, m, k)?;
     let scales_len = n.div_ceil(tile) * k.div_ceil(tile);
     let weight_bytes = match kernel {
-        Kernel::Fast | Kernel::FastDirect | Kernel::FastWgmma | Kernel::Exact => n * k + scales_len,
+        Kernel::Fast | Kernel::FastDirect | Kernel::Exact => n * k + scales_len,
         Kernel::CublasBf16 => 2 * n * k,
         Kernel::CublasLtFp8 => n * k + 4,
     };
@@ -118,19 +112,6 @@ fn bench(
         }
         Kernel::FastDirect => {
             time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile), FastTile::Direct8)?
-        }
-        Kernel::FastWgmma => {
-            let differing = wgmma_differing_bits(rt, &x, (m, n, k, tile))?;
-            label.push_str(&if differing == 0 {
-                " (bits = production)".to_string()
-            } else {
-                format!(" (BITS DIFFER: {differing} of {} outputs)", m * n)
-            });
-            if tile == 128 {
-                time_fast_fp8::<f32>(rt, timer, &x, (m, n, k, tile), FastTile::Wgmma128)?
-            } else {
-                time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile), FastTile::Wgmma128)?
-            }
         }
         Kernel::Exact => time_fp8::<_, bf16>(
             rt,
@@ -195,7 +176,7 @@ fn bench(
         _ => m * k + m * k / tile * 4,
     };
     let out_bytes = match kernel {
-        Kernel::Fast | Kernel::FastDirect | Kernel::FastWgmma if tile == 128 => 4 * m * n,
+        Kernel::Fast | Kernel::FastDirect if tile == 128 => 4 * m * n,
         _ => 2 * m * n,
     };
     Ok(Row {
@@ -260,42 +241,6 @@ fn time_fast_fp8<T: FastOutput + ValidAsZeroBits>(
         |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
         |a, w, y| gemm_fp8_fast_tiled(rt, a, w, y, fast_tile),
     )
-}
-
-/// How many f32 outputs of the wgmma tile differ in bits from the production tile's (`Auto`) on
-/// one random weight of the shape and the activations `x` (f32 outputs: the bf16 ones are them
-/// rounded once).
-fn wgmma_differing_bits(
-    rt: &KernelRuntime,
-    x: &CudaSlice<bf16>,
-    (m, n, k, tile): (usize, usize, usize, usize),
-) -> Result<usize> {
-    let group = if tile == 128 {
-        ActGroup::G128
-    } else {
-        ActGroup::G32
-    };
-    let a = quantize_act_fp8(rt, x, m, k, group)?;
-    let scales_len = n.div_ceil(tile) * k.div_ceil(tile);
-    let w = FastFp8Weight::upload(
-        rt,
-        n,
-        k,
-        tile,
-        &random_bytes(0, n * k, true),
-        &scale_bytes(scales_len),
-    )?;
-    let run = |fast_tile: FastTile| -> Result<Vec<f32>> {
-        let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
-        gemm_fp8_fast_tiled(rt, &a, &w, &mut y, fast_tile)?;
-        Ok(rt.stream().clone_dtoh(&y)?)
-    };
-    let (production, wgmma) = (run(FastTile::Auto)?, run(FastTile::Wgmma128)?);
-    Ok(production
-        .iter()
-        .zip(&wgmma)
-        .filter(|(p, w)| p.to_bits() != w.to_bits())
-        .count())
 }
 
 /// The real-width layer's routed experts in one numerics: its table (whose format picks the
@@ -440,13 +385,11 @@ fn bench_routed_chain<W>(
 }
 
 /// Keeps a timed row; a cuBLASLt FP8 peer that cuBLASLt refuses on a shape is reported and
-/// skipped (the library decides which FP8 shapes it serves), as is the wgmma tile off sm_90a;
-/// any other failure ends the section.
+/// skipped (the library decides which FP8 shapes it serves), any other failure ends the section.
 fn push_row(rows: &mut Vec<Row>, kernel: Kernel, row: Result<Row>) -> Result<()> {
     match (row, kernel) {
         (Ok(row), _) => rows.push(row),
         (Err(e), Kernel::CublasLtFp8) => println!("cublaslt fp8 peer not timed: {e:#}"),
-        (Err(e), Kernel::FastWgmma) => println!("fast fp8 wgmma tile not timed: {e:#}"),
         (Err(e), _) => return Err(e),
     }
     Ok(())
@@ -478,14 +421,9 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
             }
         }
     }
-    let prefill: &[usize] = if quick { &[1024] } else { &[256, 1024, 4096] };
+    let prefill: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
     for &m in prefill {
-        for kernel in [
-            Kernel::Fast,
-            Kernel::FastWgmma,
-            Kernel::CublasBf16,
-            Kernel::CublasLtFp8,
-        ] {
+        for kernel in [Kernel::Fast, Kernel::CublasBf16, Kernel::CublasLtFp8] {
             push_row(
                 &mut rows,
                 kernel,
@@ -501,21 +439,6 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
          %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
          peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
     );
-    for id in [
-        KernelId::GemmFp8FastT32W128,
-        KernelId::GemmFp8FastT128W128,
-        KernelId::GemmFp4FastW128,
-    ] {
-        if id.built_for(rt.arch()) {
-            let function = rt.function(id)?;
-            println!(
-                "{}: {} registers, {} bytes of local memory (spills) per thread",
-                id.symbol(),
-                function.num_regs()?,
-                function.local_size_bytes()?
-            );
-        }
-    }
     if sweep {
         crate::fast_sweep::run(rt, &mut timer, quick)?;
     }
