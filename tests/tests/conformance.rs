@@ -17,7 +17,7 @@ use deepinfer_model::backend::{
 use deepinfer_model::engram::EngramTable;
 use deepinfer_model::sampling::TokenLogprobs;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
-use deepinfer_tests::conformance::{Case, Mode, assert_conforms, cases, check};
+use deepinfer_tests::conformance::{Case, Mode, assert_conforms, cases, check, rows, sampling};
 
 /// `CpuBackend` with the result of one op changed: its first non-zero value `v` replaced by
 /// `v · (1 + factor) + shift` (`route_experts`: the first route's first weight), every other op
@@ -242,6 +242,21 @@ fn families() -> Vec<(&'static str, Vec<Case>)> {
         ("hc_one", cases::hc_one()),
         ("hc_rows", cases::hc_rows()),
         ("routers", cases::routers()),
+        ("sample_rows", sampling::sample_rows()),
+        (
+            "sample_rows_at_the_real_vocab",
+            sampling::sample_rows_at_the_real_vocab(),
+        ),
+        ("sample_masked", sampling::sample_masked()),
+        ("token_logprobs_masked", sampling::token_logprobs_masked()),
+        ("sample_linear", sampling::sample_linear()),
+        ("scale_at", rows::scale_at()),
+        ("stream_means", rows::stream_means()),
+        ("gated_pool", rows::gated_pool()),
+        ("engram_inject", rows::engram_inject()),
+        ("engram_gather", rows::engram_gather()),
+        ("table_rows", rows::table_rows()),
+        ("split_launches", rows::split_launches()),
     ]
 }
 

@@ -13,6 +13,8 @@ use std::fmt::Write as _;
 use deepinfer_model::backend::{Backend, Precision};
 
 pub mod cases;
+pub mod rows;
+pub mod sampling;
 
 /// The numerics a device backend runs (ARCHITECTURE.md §3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
