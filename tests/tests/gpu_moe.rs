@@ -69,28 +69,28 @@ use half::bf16;
 mod gpu_support;
 use gpu_support::{Rng, assert_bitwise, differing, precision_of, runtime};
 
-/// The value distributions of these tests, on the shared SplitMix64 generator.
-impl Rng {
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let mut out = Vec::with_capacity(n + 8);
-        while out.len() < n {
-            out.extend_from_slice(&self.next_u64().to_le_bytes());
-        }
-        out.truncate(n);
-        out
+/// `n` random bytes.
+fn bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
-    /// bf16 activations of magnitudes 2^-8 .. 2^2, a few exact zeros.
-    fn activation(&mut self) -> f32 {
-        if self.below(40) == 0 {
-            return 0.0;
-        }
-        let exponent = self.below(11) as i32 - 8;
-        quant::round_bf16(self.uniform() * 2f32.powi(exponent))
+    out.truncate(n);
+    out
+}
+
+/// A bf16 activation of magnitude 2^-8 .. 2^2, a few exact zeros.
+fn moe_activation(rng: &mut Rng) -> f32 {
+    if rng.below(40) == 0 {
+        return 0.0;
     }
-    /// UE8M0 weight scales 2^-9 .. 2^-3 (gate/up values around the SwiGLU's interesting range).
-    fn scale_byte(&mut self) -> u8 {
-        (118 + self.below(7)) as u8
-    }
+    let exponent = rng.below(11) as i32 - 8;
+    quant::round_bf16(rng.uniform() * 2f32.powi(exponent))
+}
+
+/// A UE8M0 weight scale 2^-9 .. 2^-3 (gate/up values around the SwiGLU's interesting range).
+fn scale_byte(rng: &mut Rng) -> u8 {
+    (118 + rng.below(7)) as u8
 }
 
 /// An FP4 weight whose scales are `2^shift` times the usual ones.
@@ -98,9 +98,9 @@ fn fp4_weight(rng: &mut Rng, out: usize, inp: usize, shift: u8) -> Fp4Weight {
     Fp4Weight {
         out,
         inp,
-        packed: rng.bytes(out * inp / 2),
+        packed: bytes(rng, out * inp / 2),
         scales: (0..out * inp / 32)
-            .map(|_| rng.scale_byte() + shift)
+            .map(|_| scale_byte(rng) + shift)
             .collect(),
     }
 }
@@ -112,12 +112,11 @@ fn fp8_weight(rng: &mut Rng, out: usize, inp: usize) -> Fp8Weight {
         inp,
         block: 32,
         // 0x7f / 0xff are E4M3 NaN codes: map them to ±0.
-        data: rng
-            .bytes(out * inp)
+        data: bytes(rng, out * inp)
             .into_iter()
             .map(|b| if b & 0x7f == 0x7f { b & 0x80 } else { b })
             .collect(),
-        scales: (0..scales).map(|_| rng.scale_byte()).collect(),
+        scales: (0..scales).map(|_| scale_byte(rng)).collect(),
     }
 }
 
@@ -571,7 +570,7 @@ fn routed_moe_chain_matches_the_cpu_bitwise() {
     let cpu = CpuBackend::new();
     let (mut checked, mut clamped, mut slot_order_differs, mut shared_first_differs) = (0, 0, 0, 0);
     for (rows, k) in [(1usize, 6usize), (5, 4), (33, 6)] {
-        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
         let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
         let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
         for (rounding, limit, blocks) in [
@@ -645,7 +644,7 @@ fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
     let layer = Layer::new(&rt, &mut rng, (n_experts, n_experts, dim, inter));
     let table = layer.table(&rt);
     let rows = 3;
-    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
     // Row 0 takes expert 5 twice (slot order decides), row 1 an unknown id (dropped), row 2
     // descending ids (the combine reorders them).
     let ids: Vec<u32> = vec![5, 2, 5, 9, 3, 99, 0, 16, 15, 11, 4, 1];
@@ -730,7 +729,7 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
         .collect();
     // SAFETY: `device` outlives every launch below.
     let table = unsafe { DeviceExpertTable::fp8(&rt, &refs) }.expect("FP8 table");
-    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
     let ids: Vec<u32> = (0..rows * k)
         .map(|_| rng.below(n_experts as u64 + 1) as u32)
         .collect();
@@ -808,7 +807,7 @@ fn routed_moe_at_real_width_matches_the_cpu_and_is_timed() {
     let experts = layer.host_refs();
     let expert_bytes = 3 * (inter * dim / 2 + inter * dim / 32);
     for rows in [1usize, 8, 64] {
-        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
         let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
         let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
         let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
@@ -936,7 +935,7 @@ fn routed_gemm_tiles_crowded_and_scattered_experts_like_the_cpu() {
         ("crowded", crowded_rows, crowded),
         ("scattered", scattered_rows, scattered),
     ] {
-        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
         let weights: Vec<f32> = (0..rows * k)
             .map(|_| quant::round_bf16(0.5 + rng.uniform() * 0.25))
             .collect();
@@ -980,7 +979,7 @@ fn prefill_matches_the_row_kernel(
     rng: &mut Rng,
 ) {
     let (n_experts, dim, inter, k, rows) = (layer.n_experts, table.dim(), table.inter(), 6, 1024);
-    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(rng)).collect();
     let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
     let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
     let mut moe = DeviceMoe::new(rt, &x, (rows, k, dim, inter, inter));
