@@ -41,6 +41,12 @@ pub fn fp32_values(rng: &mut Rng, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// An fp32 value `uniform · 2^e`, e in `lo..=hi` (not bf16-representable).
+pub fn spread(rng: &mut Rng, lo: i32, hi: i32) -> f32 {
+    let e = lo + rng.below((hi - lo + 1) as u64) as i32;
+    rng.uniform() * 2f32.powi(e)
+}
+
 /// A bf16 activation with a wide dynamic range (magnitudes 2^-12 .. 2^6, some exact zeros).
 pub fn activation(rng: &mut Rng) -> f32 {
     if rng.below(50) == 0 {

@@ -316,33 +316,25 @@ fn a_nudged_op_fails_every_case_of_its_own_and_no_other() {
 /// both. The fp32 linears (no fast path) pass untouched.
 #[test]
 fn fast_bounds_admit_small_errors_and_catch_large_ones() {
-    let linears = cases::linears();
-    let bf16_linears: Vec<String> = names(&linears)
-        .into_iter()
-        .filter(|n| n.starts_with("linear_bf16"))
-        .collect();
-    assert_eq!(bf16_linears.len(), 18);
-    let small = Nudged::new("linear_bf16", 2f32.powi(-12));
-    assert_eq!(failing(&linears, &small, Mode::Exact), bf16_linears);
-    assert!(failing(&linears, &small, Mode::Fast).is_empty());
-    for large in [
-        Nudged::shifted("linear_bf16", 1e30),
-        Nudged::shifted("linear_bf16", f32::NAN),
-    ] {
-        assert_eq!(failing(&linears, &large, Mode::Fast), bf16_linears);
-    }
+    assert_bounded("linear_bf16", &cases::linears(), 18);
+    assert_bounded("gemm_fp8", &cases::gemms(), 16);
+}
 
-    let gemms = cases::gemms();
-    let fp8: Vec<String> = names(&gemms)
+/// The `count` cases of `op` among `cases` fail `exact` and pass `fast` with `op` nudged by 2^-12,
+/// and fail `fast` with 10^30 added or a NaN; the other cases pass.
+fn assert_bounded(op: &'static str, cases: &[Case], count: usize) {
+    let of_op: Vec<String> = names(cases)
         .into_iter()
-        .filter(|n| n.starts_with("gemm_fp8"))
+        .filter(|n| n.starts_with(op))
         .collect();
-    assert_eq!(fp8.len(), 5);
-    let small = Nudged::new("gemm_fp8", 2f32.powi(-12));
-    assert_eq!(failing(&gemms, &small, Mode::Exact), fp8);
-    assert!(failing(&gemms, &small, Mode::Fast).is_empty());
-    let large = Nudged::shifted("gemm_fp8", 1e30);
-    assert_eq!(failing(&gemms, &large, Mode::Fast), fp8);
+    assert_eq!(of_op.len(), count, "{op}");
+    let small = Nudged::new(op, 2f32.powi(-12));
+    assert_eq!(failing(cases, &small, Mode::Exact), of_op, "{op} exact");
+    assert!(failing(cases, &small, Mode::Fast).is_empty(), "{op} fast");
+    for shift in [1e30, f32::NAN] {
+        let large = Nudged::shifted(op, shift);
+        assert_eq!(failing(cases, &large, Mode::Fast), of_op, "{op} + {shift}");
+    }
 }
 
 /// A case's invariant broken on a backend (a row of a batch that is not the op on that row

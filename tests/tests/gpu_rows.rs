@@ -36,19 +36,10 @@ use deepinfer_model::engram::EngramGate;
 use deepinfer_model::quant::round_bf16;
 
 mod gpu_support;
+use deepinfer_tests::conformance::rows::{INJECT_SHAPES, InjectData};
+use deepinfer_tests::data::spread;
 use gpu_support::gemm_data::activation;
 use gpu_support::{Rng, assert_bitwise, differing, precision_of, runtime};
-
-/// An fp32 value `uniform · 2^e`, e in `lo..=hi` (not bf16-representable).
-fn spread(rng: &mut Rng, lo: i32, hi: i32) -> f32 {
-    let e = lo + rng.below((hi - lo + 1) as u64) as i32;
-    rng.uniform() * 2f32.powi(e)
-}
-
-/// `n` bf16 activations (magnitudes 2^-12 .. 2^6, some exact zeros).
-fn activations(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| activation(rng)).collect()
-}
 
 fn upload<T: deepinfer_kernels::cudarc::driver::DeviceRepr>(
     rt: &KernelRuntime,
@@ -357,27 +348,13 @@ fn engram_inject_matches_the_cpu_gate() {
     let mut rng = Rng(16);
     let mut compared = 0;
     let mut other_eps_differs = 0;
-    for (tokens, hc, dim, extra_kv, eps) in [
-        (1, 1, 1, 0, 1e-6f32),
-        (5, 4, 7, 0, 1e-6),
-        (6, 4, 64, 3, 1e-6),
-        (3, 2, 1031, 0, 1e-20),
-        (9, 4, 5120, 0, 1e-20),
-    ] {
-        let q: Vec<f32> = (0..hc * dim)
-            .map(|_| round_bf16(spread(&mut rng, -3, 1)))
-            .collect();
-        let k: Vec<f32> = (0..hc * dim)
-            .map(|_| round_bf16(spread(&mut rng, -3, 1)))
-            .collect();
-        let gate = EngramGate::new(dim, hc, &q, &k, eps).expect("gate shapes");
-        let weight: Vec<f32> = q.iter().zip(&k).map(|(q, k)| q * k).collect();
-        let mut streams = activations(&mut rng, tokens * hc * dim);
-        // One stream of zeros: d = 0, the gate at its clamp.
-        streams[..dim].fill(0.0);
-        let live: Vec<u32> = (0..tokens as u32).filter(|t| t % 3 != 1).collect();
-        let kv_stride = (hc + 1) * dim + extra_kv;
-        let kv = activations(&mut rng, live.len() * kv_stride);
+    for shape in INJECT_SHAPES {
+        let data = InjectData::random(&mut rng, shape);
+        let (hc, dim, eps, kv_stride) = (data.hc, data.dim, data.eps, data.kv_stride());
+        let gate = EngramGate::new(dim, hc, &data.q, &data.k, eps).expect("gate shapes");
+        let weight: Vec<f32> = data.q.iter().zip(&data.k).map(|(q, k)| q * k).collect();
+        let (streams, kv) = (&data.streams, &data.kv);
+        let live: Vec<u32> = data.live.iter().map(|&t| t as u32).collect();
 
         let mut cpu = streams.clone();
         let token_width = hc * dim;

@@ -124,55 +124,66 @@ pub fn linears() -> Vec<Case> {
     cases
 }
 
-/// The block-scaled GEMMs: FP8 at both weight blocks (t32, t128) and FP4, on one and seven rows
-/// of wide-range bf16 activations, and on fp32 activations (V4's float32 path quantises them
-/// from f32 storage).
+/// The block-scaled GEMMs on 1, 7 and 64 rows of wide-range bf16 activations: FP8 at both weight
+/// blocks (t32, t128; K a multiple of 32 but not of 128 where the block allows; N not a multiple
+/// of the tile or of the 8 columns a GPU block computes) and FP4; and on fp32 activations (V4's
+/// float32 path quantises them from f32 storage).
 pub fn gemms() -> Vec<Case> {
-    let mut rng = Rng(17);
-    let fp8 = random_fp8_weight(&mut rng, 203, 544, 32);
-    let fp8_v4 = random_fp8_weight(&mut rng, 131, 640, 128);
-    let fp4 = random_fp4_weight(&mut rng, 72, 2304);
+    let mut rng = Rng(2);
     let mut cases = Vec::new();
-    let mut fp8_case = |name: String, w: &Fp8Weight, x: Vec<f32>| {
+    let fp8 = |w: Fp8Weight, x: Vec<f32>, what: &str| {
         let m = CpuBackend
-            .gemm_fp8(&Tensor::from(abs(&x)), &abs_fp8(w))
+            .gemm_fp8(&Tensor::from(abs(&x)), &abs_fp8(&w))
             .into_vec();
-        let w = w.clone();
+        let name = format!(
+            "gemm_fp8 t{} [{what}x{}]·[{}x{}]",
+            w.block, w.inp, w.inp, w.out
+        );
         let op = Op::GemmFp8 {
             group: w.block,
             inp: w.inp,
         };
-        cases.push(Case::new(name, op, move |b, o| {
+        Case::new(name, op, move |b, o| {
             o.bounded("y", b.gemm_fp8(&Tensor::from(&x), &w), &m);
-        }));
+        })
     };
-    for rows in [1usize, 7] {
-        for w in [&fp8, &fp8_v4] {
-            let x = activations(&mut rng, rows, w.inp);
-            fp8_case(format!("gemm_fp8 t{} {rows} rows", w.block), w, x);
+    let fp4 = |w: Fp4Weight, x: Vec<f32>, what: &str| {
+        let m = CpuBackend
+            .gemm_fp4(&Tensor::from(abs(&x)), &abs_fp4(&w))
+            .into_vec();
+        let name = format!("gemm_fp4 [{what}x{}]·[{}x{}]", w.inp, w.inp, w.out);
+        Case::new(name, Op::GemmFp4 { inp: w.inp }, move |b, o| {
+            o.bounded("y", b.gemm_fp4(&Tensor::from(&x), &w), &m);
+        })
+    };
+    for (block, out, inp) in [
+        (32usize, 100usize, 160usize),
+        (32, 203, 544),
+        (32, 64, 1056),
+        (128, 200, 384),
+        (128, 131, 640),
+    ] {
+        let w = random_fp8_weight(&mut rng, out, inp, block);
+        for rows in [1usize, 7, 64] {
+            let x = activations(&mut rng, rows, inp);
+            cases.push(fp8(w.clone(), x, &rows.to_string()));
+        }
+        if out == 203 {
+            let x = fp32_values(&mut rng, 3 * inp);
+            cases.push(fp8(w, x, "3 f32"));
         }
     }
-    fp8_case(
-        "gemm_fp8 f32 input".into(),
-        &fp8,
-        fp32_values(&mut rng, 3 * fp8.inp),
-    );
-    let mut fp4_case = |name: String, x: Vec<f32>| {
-        let m = CpuBackend
-            .gemm_fp4(&Tensor::from(abs(&x)), &abs_fp4(&fp4))
-            .into_vec();
-        let w = fp4.clone();
-        cases.push(Case::new(name, Op::GemmFp4 { inp: w.inp }, move |b, o| {
-            o.bounded("y", b.gemm_fp4(&Tensor::from(&x), &w), &m);
-        }));
-    };
-    for rows in [1usize, 7] {
-        fp4_case(
-            format!("gemm_fp4 {rows} rows"),
-            activations(&mut rng, rows, 2304),
-        );
+    for (out, inp) in [(100usize, 160usize), (203, 544), (72, 2304)] {
+        let w = random_fp4_weight(&mut rng, out, inp);
+        for rows in [1usize, 7, 64] {
+            let x = activations(&mut rng, rows, inp);
+            cases.push(fp4(w.clone(), x, &rows.to_string()));
+        }
+        if out == 72 {
+            let x = fp32_values(&mut rng, 3 * inp);
+            cases.push(fp4(w, x, "3 f32"));
+        }
     }
-    fp4_case("gemm_fp4 f32 input".into(), fp32_values(&mut rng, 3 * 2304));
     cases
 }
 
@@ -720,6 +731,35 @@ struct HcData {
 }
 
 impl HcData {
+    /// `n` tokens of `hc` streams of `dim` with random inputs: wide-range bf16 activations (bf16
+    /// values in [-1, 1) below one 32-group), a mix a token, fp32 streams, bf16 `y`.
+    fn random(
+        rng: &mut Rng,
+        params: &HcParams,
+        (hc, dim): (usize, usize),
+        n: usize,
+        iters: usize,
+    ) -> HcData {
+        let x = if dim >= 32 {
+            activations(rng, n * hc, dim)
+        } else {
+            bf16_unit(rng, n * hc * dim)
+        };
+        let mixes = (0..n).map(|_| random_mix(rng, hc)).collect();
+        let streams = PRECISIONS.map(|_| fp32_values(rng, n * hc * dim)).to_vec();
+        let ys = PRECISIONS.map(|_| bf16_unit(rng, n * dim)).to_vec();
+        HcData {
+            hc,
+            dim,
+            params: params.clone(),
+            x,
+            iters,
+            mixes,
+            streams,
+            ys,
+        }
+    }
+
     fn case(self, name: String, alone: bool) -> Case {
         Case::new(name, Op::Hc, move |b, o| {
             let (hc, dim) = (self.hc, self.dim);
@@ -826,27 +866,7 @@ pub fn hc_one() -> Vec<Case> {
     ] {
         let params = hc_params(&mut rng, hc, dim);
         for iters in [0usize, 1, 20] {
-            let x = if dim >= 64 {
-                activations(&mut rng, hc, dim)
-            } else {
-                bf16_unit(&mut rng, hc * dim)
-            };
-            let data = HcData {
-                hc,
-                dim,
-                params: params.clone(),
-                x,
-                iters,
-                mixes: vec![random_mix(&mut rng, hc)],
-                streams: PRECISIONS
-                    .iter()
-                    .map(|_| fp32_values(&mut rng, hc * dim))
-                    .collect(),
-                ys: PRECISIONS
-                    .iter()
-                    .map(|_| bf16_unit(&mut rng, dim))
-                    .collect(),
-            };
+            let data = HcData::random(&mut rng, &params, (hc, dim), 1, iters);
             cases.push(data.case(format!("mhc hc{hc} dim{dim} iters{iters}"), false));
         }
     }
@@ -866,27 +886,7 @@ pub fn hc_rows() -> Vec<Case> {
             &ROW_COUNTS
         };
         for &n in counts {
-            let x = if dim >= 32 {
-                activations(&mut rng, n * hc, dim)
-            } else {
-                bf16_unit(&mut rng, n * hc * dim)
-            };
-            let data = HcData {
-                hc,
-                dim,
-                params: params.clone(),
-                x,
-                iters: 1 + n % 20,
-                mixes: (0..n).map(|_| random_mix(&mut rng, hc)).collect(),
-                streams: PRECISIONS
-                    .iter()
-                    .map(|_| fp32_values(&mut rng, n * hc * dim))
-                    .collect(),
-                ys: PRECISIONS
-                    .iter()
-                    .map(|_| bf16_unit(&mut rng, n * dim))
-                    .collect(),
-            };
+            let data = HcData::random(&mut rng, &params, (hc, dim), n, 1 + n % 20);
             cases.push(data.case(format!("mhc rows hc{hc} dim{dim} n{n}"), true));
         }
     }

@@ -13,13 +13,7 @@ use deepinfer_model::quant::round_bf16;
 
 use super::cases::PRECISIONS;
 use super::{Case, Op};
-use crate::data::{Rng, activation, bf16_unit, e4m3, e8m0, fp32_values};
-
-/// An fp32 value `uniform · 2^e`, e in `lo..=hi` (not bf16-representable).
-fn spread(rng: &mut Rng, lo: i32, hi: i32) -> f32 {
-    let e = lo + rng.below((hi - lo + 1) as u64) as i32;
-    rng.uniform() * 2f32.powi(e)
-}
+use crate::data::{Rng, activation, bf16_unit, e4m3, e8m0, fp32_values, spread};
 
 /// `values` resident on `b` (a device tensor on a device backend).
 fn resident(b: &dyn Backend, values: &[f32]) -> Tensor {
@@ -240,6 +234,67 @@ pub fn gated_pool() -> Vec<Case> {
     cases
 }
 
+/// The Engram injections' shapes: (tokens, hc, dim, kv values past the gate's, eps).
+pub const INJECT_SHAPES: [(usize, usize, usize, usize, f32); 5] = [
+    (1, 1, 1, 0, 1e-6),
+    (5, 4, 7, 0, 1e-6),
+    (6, 4, 64, 3, 1e-6),
+    (3, 2, 1031, 0, 1e-20),
+    (9, 4, 5120, 0, 1e-20),
+];
+
+/// An Engram injection's inputs: the gate's `q` and `k` (bf16, 2^-3 … 2^1), the streams of the
+/// tokens (bf16 activations, the first stream zeros: d = 0, the gate at its clamp), the live
+/// tokens (every token but each third from the second) and their `kv` rows.
+pub struct InjectData {
+    pub hc: usize,
+    pub dim: usize,
+    pub eps: f32,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub streams: Vec<f32>,
+    pub live: Vec<usize>,
+    pub kv: Vec<f32>,
+}
+
+impl InjectData {
+    pub fn random(rng: &mut Rng, shape: (usize, usize, usize, usize, f32)) -> InjectData {
+        let (tokens, hc, dim, extra_kv, eps) = shape;
+        let mut gate_values = || -> Vec<f32> {
+            (0..hc * dim)
+                .map(|_| round_bf16(spread(rng, -3, 1)))
+                .collect()
+        };
+        let (q, k) = (gate_values(), gate_values());
+        let mut streams: Vec<f32> = (0..tokens * hc * dim).map(|_| activation(rng)).collect();
+        streams[..dim].fill(0.0);
+        let live: Vec<usize> = (0..tokens).filter(|t| t % 3 != 1).collect();
+        let kv = (0..live.len() * Self::kv_stride_of(hc, dim, extra_kv))
+            .map(|_| activation(rng))
+            .collect();
+        InjectData {
+            hc,
+            dim,
+            eps,
+            q,
+            k,
+            streams,
+            live,
+            kv,
+        }
+    }
+
+    /// A live token's `kv` row: the `hc` keys and the value, then `extra` values the gate skips.
+    fn kv_stride_of(hc: usize, dim: usize, extra: usize) -> usize {
+        (hc + 1) * dim + extra
+    }
+
+    /// The width of each live token's `kv` row.
+    pub fn kv_stride(&self) -> usize {
+        self.kv.len() / self.live.len().max(1)
+    }
+}
+
 /// `engram_inject` of 1 … 9 tokens of 1 … 4 streams of 1 … 5120 (kv rows wider than the gate
 /// reads, one stream of zeros: the gate at its clamp, tokens left out), from the host, resident
 /// streams shared with another holder (left unchanged) and resident streams injected in place;
@@ -248,30 +303,20 @@ pub fn gated_pool() -> Vec<Case> {
 pub fn engram_inject() -> Vec<Case> {
     let mut rng = Rng(24);
     let mut cases = Vec::new();
-    for (tokens, hc, dim, extra_kv, eps) in [
-        (1usize, 1usize, 1usize, 0usize, 1e-6f32),
-        (5, 4, 7, 0, 1e-6),
-        (6, 4, 64, 3, 1e-6),
-        (3, 2, 1031, 0, 1e-20),
-        (9, 4, 5120, 0, 1e-20),
-    ] {
-        let q: Vec<f32> = (0..hc * dim)
-            .map(|_| round_bf16(spread(&mut rng, -3, 1)))
-            .collect();
-        let k: Vec<f32> = (0..hc * dim)
-            .map(|_| round_bf16(spread(&mut rng, -3, 1)))
-            .collect();
+    for shape in INJECT_SHAPES {
+        let InjectData {
+            hc,
+            dim,
+            eps,
+            q,
+            k,
+            streams,
+            live,
+            kv,
+        } = InjectData::random(&mut rng, shape);
+        let tokens = streams.len() / (hc * dim);
         let gate = EngramGate::new(dim, hc, &q, &k, eps).expect("gate shapes");
         let other = EngramGate::new(dim, hc, &q, &k, eps * 1.5 + 1e-3).expect("gate shapes");
-        let mut streams: Vec<f32> = (0..tokens * hc * dim)
-            .map(|_| activation(&mut rng))
-            .collect();
-        streams[..dim].fill(0.0);
-        let live: Vec<usize> = (0..tokens).filter(|t| t % 3 != 1).collect();
-        let kv_stride = (hc + 1) * dim + extra_kv;
-        let kv: Vec<f32> = (0..live.len() * kv_stride)
-            .map(|_| activation(&mut rng))
-            .collect();
         cases.push(Case::new(
             format!("engram_inject {tokens} tokens hc{hc} dim{dim}"),
             Op::EngramInject,

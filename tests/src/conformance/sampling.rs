@@ -5,7 +5,9 @@
 //! or dropped masks change some token (each comparison can fail), and a row sampled alone or in a
 //! reversed batch picks the same token.
 
-use deepinfer_model::backend::{DenseWeight, LogprobPick, MaskedRows, RowSampling, Tensor};
+use deepinfer_model::backend::{
+    Backend, DenseWeight, LogprobPick, MaskedRows, RowSampling, Tensor,
+};
 use deepinfer_model::sampling::{
     AllowedTokens, MAX_TOP_LOGPROBS, SamplingParams, sample_allowed, token_logprobs,
 };
@@ -243,6 +245,72 @@ fn row_mask(rng: &mut Rng, r: usize, vocab: usize) -> Option<AllowedTokens> {
     }
 }
 
+/// Logits rows (`[rows.len(), vocab]`) with one entry of `rows` and one optional mask each: the
+/// owned form of [`MaskedRows`].
+struct Masked<R> {
+    logits: Vec<f32>,
+    vocab: usize,
+    rows: Vec<R>,
+    masks: Vec<Option<AllowedTokens>>,
+}
+
+impl<R> Masked<R> {
+    fn new(
+        logits: Vec<f32>,
+        vocab: usize,
+        rows: Vec<R>,
+        masks: Vec<Option<AllowedTokens>>,
+    ) -> Self {
+        Masked {
+            logits,
+            vocab,
+            rows,
+            masks,
+        }
+    }
+
+    /// `op` of the rows with their masks, and of the rows unmasked.
+    fn masked_and_not<T>(&self, op: impl Fn(MaskedRows<'_, R>) -> T) -> (T, T) {
+        let logits = Tensor::from(&self.logits);
+        let masks: Vec<Option<&AllowedTokens>> = self.masks.iter().map(Option::as_ref).collect();
+        let none = vec![None; self.rows.len()];
+        let rows_of = |allowed| MaskedRows {
+            logits: &logits,
+            vocab: self.vocab,
+            rows: &self.rows,
+            allowed,
+        };
+        (op(rows_of(&masks)), op(rows_of(&none)))
+    }
+}
+
+/// The ids `sample_masked` picks from `batch` (each allowed by its row's mask; beyond 100 ids
+/// some token moves without the masks).
+fn masked_ids(batch: &Masked<RowSampling>, b: &dyn Backend, o: &mut Outputs) {
+    let (ids, unmasked) = batch.masked_and_not(|rows| b.sample_masked(rows));
+    let ids = ids.unwrap_or_default();
+    for (r, (id, mask)) in ids.iter().zip(&batch.masks).enumerate() {
+        if let Some(mask) = mask {
+            o.holds(format!("row {r}: {id} is allowed"), mask.is_allowed(*id));
+        }
+    }
+    if batch.vocab > 100 {
+        let moved = unmasked.map_or(0, |u| moved(&u, &ids));
+        o.holds("the masks change some token", moved > 0);
+    }
+    o.ids("ids", ids);
+}
+
+/// The log-probabilities of `batch`'s picks (beyond 100 ids some moves without the masks).
+fn logprobs(batch: &Masked<LogprobPick>, b: &dyn Backend, o: &mut Outputs) {
+    let (masked, unmasked) = batch.masked_and_not(|rows| b.token_logprobs_masked(rows));
+    if let (Ok(masked), Ok(unmasked), true) = (&masked, &unmasked, batch.vocab > 100) {
+        let moved = unmasked.iter().zip(masked).filter(|(a, b)| a != b).count();
+        o.holds("the masks change some log-probability", moved > 0);
+    }
+    push_logprobs(o, masked);
+}
+
 /// `sample_masked` over vocabularies of 1, 7, 513 and 129 280 (every id allowed by its row's
 /// mask; without the masks some token moves beyond 100 ids); a mask allowing nothing and one
 /// wider than the row are errors naming the row.
@@ -257,33 +325,11 @@ pub fn sample_masked() -> Vec<Case> {
         let params: Vec<RowSampling> = (0..rows).map(|i| row_sampling(i, vocab)).collect();
         let masks: Vec<Option<AllowedTokens>> =
             (0..rows).map(|r| row_mask(&mut rng, r, vocab)).collect();
-        cases.push(Case::new(
-            format!("sample_masked vocab {vocab} {rows} rows"),
-            Op::Sampling,
-            move |b, o| {
-                let logits = Tensor::from(&logits);
-                let allowed: Vec<Option<&AllowedTokens>> =
-                    masks.iter().map(Option::as_ref).collect();
-                let rows_of = |allowed| MaskedRows {
-                    logits: &logits,
-                    vocab,
-                    rows: &params,
-                    allowed,
-                };
-                let ids = b.sample_masked(rows_of(&allowed)).unwrap_or_default();
-                for (r, (id, mask)) in ids.iter().zip(&masks).enumerate() {
-                    if let Some(mask) = mask {
-                        o.holds(format!("row {r}: {id} is allowed"), mask.is_allowed(*id));
-                    }
-                }
-                if vocab > 100 {
-                    let unmasked = b.sample_masked(rows_of(&vec![None; rows]));
-                    let moved = unmasked.map_or(0, |u| moved(&u, &ids));
-                    o.holds("the masks change some token", moved > 0);
-                }
-                o.ids("ids", ids);
-            },
-        ));
+        let batch = Masked::new(logits, vocab, params, masks);
+        let name = format!("sample_masked vocab {vocab} {rows} rows");
+        cases.push(Case::new(name, Op::Sampling, move |b, o| {
+            masked_ids(&batch, b, o)
+        }));
     }
     cases.push(Case::new(
         "sample_masked bad masks",
@@ -335,29 +381,11 @@ pub fn token_logprobs_masked() -> Vec<Case> {
             masks.push(mask);
             picks.push(LogprobPick { token, top });
         }
-        cases.push(Case::new(
-            format!("token_logprobs vocab {vocab} {} rows", picks.len()),
-            Op::Sampling,
-            move |b, o| {
-                let logits = Tensor::from(&logits);
-                let allowed: Vec<Option<&AllowedTokens>> =
-                    masks.iter().map(Option::as_ref).collect();
-                let rows_of = |allowed| MaskedRows {
-                    logits: &logits,
-                    vocab,
-                    rows: &picks,
-                    allowed,
-                };
-                let masked = b.token_logprobs_masked(rows_of(&allowed));
-                if let (Ok(masked), true) = (&masked, vocab > 100) {
-                    let unmasked = b.token_logprobs_masked(rows_of(&vec![None; picks.len()]));
-                    let moved = unmasked
-                        .map_or(0, |u| u.iter().zip(masked).filter(|(a, b)| a != b).count());
-                    o.holds("the masks change some log-probability", moved > 0);
-                }
-                push_logprobs(o, masked);
-            },
-        ));
+        let name = format!("token_logprobs vocab {vocab} {} rows", picks.len());
+        let batch = Masked::new(logits, vocab, picks, masks);
+        cases.push(Case::new(name, Op::Sampling, move |b, o| {
+            logprobs(&batch, b, o)
+        }));
     }
     cases
 }
