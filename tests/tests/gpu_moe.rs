@@ -1021,6 +1021,64 @@ fn ue8m0(e: i32) -> u8 {
     (127 + e) as u8
 }
 
+/// An all-zero FP4 weight `[out, inp]` (the routed table's w2 slot where only w1 runs).
+fn zero_fp4(out: usize, inp: usize) -> Fp4Weight {
+    Fp4Weight {
+        out,
+        inp,
+        packed: vec![0; out * inp / 2],
+        scales: vec![ue8m0(0); out * inp / 32],
+    }
+}
+
+/// Runs the routed W1 GEMM of `qx` through `table` in every block layout (rows, tiles, experts),
+/// `ids` naming the expert of each of the output rows (`slots` a row of `qx`; every expert holds
+/// the same weight), into a NaN-filled output; asserts every output row bitwise `want_row`.
+fn assert_routed_w1_rows(
+    rt: &KernelRuntime,
+    qx: &DeviceActFp8,
+    table: &DeviceExpertTable,
+    (ids, slots): (&CudaSlice<u32>, usize),
+    want_row: &[f32],
+    what: &str,
+) {
+    let outputs = ids.len() * want_row.len();
+    for blocks in [
+        RoutedBlocks::Rows,
+        RoutedBlocks::Tiles,
+        RoutedBlocks::Experts,
+    ] {
+        let mut out = nan_bf16(rt, outputs);
+        gemm_routed_with(
+            rt,
+            RoutedRows {
+                x: qx,
+                experts: ids,
+                x_row_div: slots,
+                which: ExpertProjection::W1,
+            },
+            table,
+            &mut out,
+            blocks,
+        )
+        .expect("routed w1");
+        let gpu: Vec<f32> = rt
+            .stream()
+            .clone_dtoh(&out)
+            .expect("out")
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        for (j, row) in gpu.chunks_exact(want_row.len()).enumerate() {
+            assert_bitwise(
+                &format!("{what}, {blocks:?}, output row {j}"),
+                row,
+                want_row,
+            );
+        }
+    }
+}
+
 /// A routed GEMM whose K-order shows in every output: x = 1 everywhere (E4M3 code 256, scale
 /// 2^-8) and weights that are zero except k-groups of +1 or -1 codes scaled so that a group's
 /// partial is +P = 2^25, -P or s = 2^-5. Column n % 3 = 0: groups 0, 1, 2 = +P, -P, s (in K order
@@ -1055,12 +1113,7 @@ fn routed_gemm_adds_k_groups_in_k_order() {
         packed,
         scales,
     };
-    let zero_w2 = Fp4Weight {
-        out: dim,
-        inp: inter,
-        packed: vec![0; dim * inter / 2],
-        scales: vec![ue8m0(0); dim * inter / 32],
-    };
+    let zero_w2 = zero_fp4(dim, inter);
     let (d_w1, d_w2) = (upload_fp4(&rt, &w1), upload_fp4(&rt, &zero_w2));
     let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = (0..n_experts)
         .map(|_| ExpertRefs {
@@ -1086,43 +1139,11 @@ fn routed_gemm_adds_k_groups_in_k_order() {
     quantize_act_fp8_into(&rt, &dx, &mut qx).expect("quantise");
     let ids: Vec<u32> = (0..rows * k).map(|j| (j % n_experts) as u32).collect();
     let d_ids = s.clone_htod(&ids).expect("ids");
-    for blocks in [
-        RoutedBlocks::Rows,
-        RoutedBlocks::Tiles,
-        RoutedBlocks::Experts,
-    ] {
-        let mut out = nan_bf16(&rt, rows * k * inter);
-        gemm_routed_with(
-            &rt,
-            RoutedRows {
-                x: &qx,
-                experts: &d_ids,
-                x_row_div: k,
-                which: ExpertProjection::W1,
-            },
-            &table,
-            &mut out,
-            blocks,
-        )
-        .expect("routed w1");
-        let gpu: Vec<f32> = s
-            .clone_dtoh(&out)
-            .expect("out")
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
-        for j in 0..rows * k {
-            assert_bitwise(
-                &format!("K-order pattern, output row {j}, {blocks:?}"),
-                &gpu[j * inter..(j + 1) * inter],
-                &want_row,
-            );
-        }
-        println!(
-            "routed GEMM ({blocks:?}): {} outputs of the K-order patterns as the CPU",
-            gpu.len()
-        );
-    }
+    assert_routed_w1_rows(&rt, &qx, &table, (&d_ids, k), &want_row, "K-order pattern");
+    println!(
+        "routed GEMM (rows, tiles, experts blocks): {} outputs of the K-order patterns as the CPU",
+        rows * k * inter
+    );
 }
 
 /// The E4M3 value of `code` (never a NaN code here).
@@ -1317,12 +1338,7 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
     let rt = runtime("fp4_gemms_are_exact_on_extreme_activations");
     let d_weight = upload_fp4(&rt, &weight);
     // The routed table's w2 slot ([k, n_cols]); only w1 runs here.
-    let zero_w2 = Fp4Weight {
-        out: k,
-        inp: n_cols,
-        packed: vec![0; k * n_cols / 2],
-        scales: vec![ue8m0(0); k * n_cols / 32],
-    };
+    let zero_w2 = zero_fp4(k, n_cols);
     let d_w2 = upload_fp4(&rt, &zero_w2);
     let s = rt.stream();
     for rows in [1usize, 8] {
@@ -1366,39 +1382,8 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
         let table = unsafe { DeviceExpertTable::fp4(&rt, &refs) }.expect("table");
         let ids: Vec<u32> = (0..rows * slots).map(|j| (j % n_experts) as u32).collect();
         let d_ids = s.clone_htod(&ids).expect("ids");
-        for blocks in [
-            RoutedBlocks::Rows,
-            RoutedBlocks::Tiles,
-            RoutedBlocks::Experts,
-        ] {
-            let mut out = nan_bf16(&rt, rows * slots * n_cols);
-            gemm_routed_with(
-                &rt,
-                RoutedRows {
-                    x: &qx,
-                    experts: &d_ids,
-                    x_row_div: slots,
-                    which: ExpertProjection::W1,
-                },
-                &table,
-                &mut out,
-                blocks,
-            )
-            .expect("routed w1");
-            let gpu: Vec<f32> = s
-                .clone_dtoh(&out)
-                .expect("out")
-                .iter()
-                .map(|v| v.to_f32())
-                .collect();
-            for j in 0..rows * slots {
-                assert_bitwise(
-                    &format!("routed gemm_fp4 {blocks:?}, {rows} rows, output row {j}"),
-                    &gpu[j * n_cols..(j + 1) * n_cols],
-                    &want_row,
-                );
-            }
-        }
+        let what = format!("routed gemm_fp4, {rows} rows");
+        assert_routed_w1_rows(&rt, &qx, &table, (&d_ids, slots), &want_row, &what);
     }
     println!("extreme activations: every FP4 kernel bitwise equal to quant::gemm_fp4");
 }
