@@ -36,7 +36,7 @@ use deepinfer_model::engram::EngramGate;
 use deepinfer_model::quant::round_bf16;
 
 mod gpu_support;
-use deepinfer_tests::conformance::rows::{INJECT_SHAPES, InjectData};
+use deepinfer_tests::conformance::rows::{INJECT_SHAPES, InjectData, STREAM_SHAPES};
 use deepinfer_tests::data::spread;
 use gpu_support::gemm_data::activation;
 use gpu_support::{Rng, assert_bitwise, differing, precision_of, runtime};
@@ -104,13 +104,7 @@ fn stream_means_match_the_cpu_fold() {
     let mut rng = Rng(13);
     let mut compared = 0;
     let mut other_order_differs = 0;
-    for (n, hc, dim) in [
-        (1, 1, 1),
-        (3, 4, 37),
-        (7, 3, 129),
-        (2, 8, 1000),
-        (65, 4, 64),
-    ] {
+    for (n, hc, dim) in STREAM_SHAPES {
         // fp32 streams over a wide range, so the fold order shows in the last bits.
         let streams: Vec<f32> = (0..n * hc * dim)
             .map(|_| spread(&mut rng, -20, 20))

@@ -68,19 +68,22 @@ pub fn scale_at() -> Vec<Case> {
     cases
 }
 
+/// The stream means' shapes: (tokens, hc, dim).
+pub const STREAM_SHAPES: [(usize, usize, usize); 5] = [
+    (1, 1, 1),
+    (3, 4, 37),
+    (7, 3, 129),
+    (2, 8, 1000),
+    (65, 4, 64),
+];
+
 /// `stream_means_at` of 1 … 65 tokens of 1 … 8 streams, values 2^-20 … 2^20, both precisions;
 /// from the host, resident, and the last tokens through a view; at f32 the reversed fold differs
 /// from the op somewhere across the cases (counted in the last case's check).
 pub fn stream_means() -> Vec<Case> {
     let mut rng = Rng(22);
     let mut cases = Vec::new();
-    for (n, hc, dim) in [
-        (1usize, 1usize, 1usize),
-        (3, 4, 37),
-        (7, 3, 129),
-        (2, 8, 1000),
-        (65, 4, 64),
-    ] {
+    for (n, hc, dim) in STREAM_SHAPES {
         let streams: Vec<f32> = (0..n * hc * dim)
             .map(|_| spread(&mut rng, -20, 20))
             .collect();
