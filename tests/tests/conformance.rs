@@ -242,6 +242,7 @@ fn families() -> Vec<(&'static str, Vec<Case>)> {
         ("hc_one", cases::hc_one()),
         ("hc_rows", cases::hc_rows()),
         ("routers", cases::routers()),
+        ("selections", cases::selections()),
         ("sample_rows", sampling::sample_rows()),
         (
             "sample_rows_at_the_real_vocab",

@@ -77,6 +77,7 @@ conformance! {
     hc_one => super::cases::hc_one,
     hc_rows => super::cases::hc_rows,
     routers => super::cases::routers,
+    selections => super::cases::selections,
     sample_rows => super::sampling::sample_rows,
     sample_rows_at_the_real_vocab => super::sampling::sample_rows_at_the_real_vocab,
     sample_masked => super::sampling::sample_masked,

@@ -5,9 +5,9 @@
 
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, DenseWeight, ExpertSelection, HcCollapse, HcExpand,
-    HcMix, HcMixes, HcMixing, HcParams, IndexQueries, Precision, RmsNorm, RopeTable, Rotation,
-    Routing, SelectPart, Tensor,
+    AttentionQueries, Backend, CandidateMask, Candidates, CpuBackend, DenseWeight, ExpertSelection,
+    HcCollapse, HcExpand, HcMix, HcMixes, HcMixing, HcParams, IndexQueries, Precision, QueryKeys,
+    RmsNorm, RopeTable, Rotation, Routing, SelectFrom, SelectPart, SelectedKeys, Selection, Tensor,
 };
 use deepinfer_model::quant;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
@@ -969,6 +969,209 @@ pub fn routers() -> Vec<Case> {
                     o.holds("all ties pick ids 0, 1, 2", tied[0].experts == [0, 1, 2]);
                 },
             ));
+        }
+    }
+    cases
+}
+
+/// The index keys and queries of a step of two sequences (parts) for the indexer's selection.
+#[derive(Clone)]
+struct SelectData {
+    keys: [Vec<f32>; 2],
+    visible: [Vec<usize>; 2],
+    q: Vec<f32>,
+    w: Vec<f32>,
+    head_dim: usize,
+}
+
+impl SelectData {
+    fn random(rng: &mut Rng, heads: usize, head_dim: usize, n_keys: [usize; 2]) -> SelectData {
+        let keys = n_keys.map(|n| bf16_unit(rng, n * head_dim));
+        // Per part: no key, all of them, beyond them (clamped), and counts in between.
+        let visible = n_keys.map(|n| {
+            (0..5)
+                .map(|t| match t {
+                    0 => 0,
+                    1 => n,
+                    2 => n + 3,
+                    _ => rng.below(n as u64 + 1) as usize,
+                })
+                .collect::<Vec<usize>>()
+        });
+        let queries = visible.iter().map(Vec::len).sum::<usize>();
+        SelectData {
+            keys,
+            visible,
+            q: bf16_unit(rng, queries * heads * head_dim),
+            w: (0..queries * heads)
+                .map(|_| quant::round_bf16(rng.uniform()))
+                .collect(),
+            head_dim,
+        }
+    }
+
+    /// `select_rows` of every query at `k` under `candidates`.
+    fn select(
+        &self,
+        b: &dyn Backend,
+        k: usize,
+        candidates: Candidates<'_>,
+    ) -> (Selection, Option<CandidateMask>) {
+        let rows = self
+            .keys
+            .each_ref()
+            .map(|keys| Tensor::from(keys).split_rows(self.head_dim));
+        let refs = rows
+            .each_ref()
+            .map(|rows| rows.iter().collect::<Vec<&Tensor>>());
+        let parts = [0, 1].map(|p| SelectPart {
+            keys: &refs[p],
+            visible: &self.visible[p],
+        });
+        let (q, w) = (Tensor::from(&self.q), Tensor::from(&self.w));
+        let queries = IndexQueries {
+            q: &q,
+            weights: &w,
+            head_dim: self.head_dim,
+            precision: Precision::Bf16,
+        };
+        b.select_rows(
+            queries,
+            SelectFrom {
+                parts: &parts,
+                k,
+                candidates,
+            },
+        )
+    }
+}
+
+impl SelectData {
+    /// The sparse attention of every query (2 heads of `head_dim`, its own window of 3 listed
+    /// keys) over the window and the compressed entries `selection` picks of its part (the part's
+    /// key rows), and each output's magnitude (the largest |value| of any key the query may read).
+    fn attention_selected(
+        &self,
+        b: &dyn Backend,
+        selection: &Selection,
+        precision: Precision,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let d = self.head_dim;
+        let mut rng = Rng(46);
+        let queries = selection.len();
+        let q = Tensor::from(bf16_unit(&mut rng, queries * 2 * d));
+        let windows: Vec<Tensor> = (0..queries * 3)
+            .map(|_| Tensor::from(bf16_unit(&mut rng, d)))
+            .collect();
+        let compressed = self
+            .keys
+            .each_ref()
+            .map(|keys| Tensor::from(keys).split_rows(d));
+        let part_of = |t: usize| usize::from(t >= self.visible[0].len());
+        let keys: Vec<QueryKeys<'_>> = (0..queries)
+            .map(|t| QueryKeys {
+                listed: windows[3 * t..3 * t + 3].iter().collect(),
+                selected: Some(SelectedKeys {
+                    compressed: &compressed[part_of(t)],
+                    selection,
+                    row: t,
+                }),
+            })
+            .collect();
+        let sink = [0.25f32, -0.5];
+        let attention = AttentionQueries {
+            q: &q,
+            sink: &sink,
+            scale: (d as f32).powf(-0.5),
+            precision,
+        };
+        let y = b.sparse_attention_selected(attention, &keys).into_vec();
+        let m = (0..queries)
+            .flat_map(|t| {
+                let readable = windows[3 * t..3 * t + 3]
+                    .iter()
+                    .chain(&compressed[part_of(t)]);
+                let per_channel: Vec<f32> = (0..d)
+                    .map(|c| readable.clone().fold(0f32, |m, k| m.max(k[c].abs())))
+                    .collect();
+                [per_channel.clone(), per_channel].concat()
+            })
+            .collect();
+        (y, m)
+    }
+}
+
+/// Every query's selected positions as ids, and their counts.
+fn push_selection(o: &mut Outputs, what: &str, selection: &Selection) {
+    o.ids(
+        format!("{what} counts"),
+        selection.counts.iter().map(|&c| c as u32).collect(),
+    );
+    for (t, row) in selection.rows().iter().enumerate() {
+        o.ids(
+            format!("{what} query {t}"),
+            row.iter().map(|&i| i as u32).collect(),
+        );
+    }
+}
+
+/// The indexer's selection (`select_rows`) of two sequences' queries seeing no key, all, beyond
+/// them and counts in between, at k = 1, 7 and more than the keys: plain; as the two-level top-k's
+/// candidate source (blocks of 8, the best 3; its mask has each query's visible count); and a
+/// later source under that mask (read where the backend keeps it); at k = 7 the masked selection
+/// differs from the plain one somewhere (on every backend: the mask is seen). And the sparse
+/// attention of each query over a window of listed keys and the compressed entries its plain
+/// k = 7 selection picks (`sparse_attention_selected`, the selection read where it is), at both
+/// precisions.
+pub fn selections() -> Vec<Case> {
+    let mut rng = Rng(45);
+    let mut cases = Vec::new();
+    for (heads, head_dim, n_keys) in [(1usize, 32usize, [5usize, 40]), (4, 64, [130, 77])] {
+        let data = SelectData::random(&mut rng, heads, head_dim, n_keys);
+        for k in [1usize, 7, 150] {
+            let name = format!("select_rows h{heads} d{head_dim} keys {n_keys:?} k{k}");
+            let data = data.clone();
+            cases.push(Case::new(name, Op::IndexScores, move |b, o| {
+                let (plain, none) = data.select(b, k, Candidates::None);
+                o.holds("no mask without candidates", none.is_none());
+                push_selection(o, "plain", &plain);
+                let produce = Candidates::Produce {
+                    block_size: 8,
+                    topk_blocks: 3,
+                };
+                let (first, mask) = data.select(b, k, produce);
+                push_selection(o, "candidate source", &first);
+                let Some(mask) = mask else {
+                    o.holds("the candidate source returns its mask", false);
+                    return;
+                };
+                let visible = mask.visible.iter().map(|&v| v as u32).collect();
+                o.ids("mask visible counts", visible);
+                let (masked, _) = data.select(b, k, Candidates::Apply(&mask));
+                if k == 7 {
+                    o.holds(
+                        "the mask changes some selection",
+                        masked.rows() != plain.rows(),
+                    );
+                }
+                push_selection(o, "masked", &masked);
+            }));
+        }
+        for precision in PRECISIONS {
+            let name = format!("attention_selected h2 d{head_dim} keys {n_keys:?} {precision:?}");
+            let op = Op::Attention {
+                precision,
+                keys: 3 + n_keys[0].max(n_keys[1]),
+                head_dim,
+                // |q|, |k| < 1: scale · Σ_d |q_d k_d| < head_dim^-1/2 · head_dim.
+                score: (head_dim as f64).sqrt(),
+            };
+            let data = data.clone();
+            cases.push(Case::new(name, op, move |b, o| {
+                let (selection, _) = data.select(b, 7, Candidates::None);
+                let (y, m) = data.attention_selected(b, &selection, precision);
+                o.bounded("y", y, &m);
+            }));
         }
     }
     cases
