@@ -359,11 +359,11 @@ fn engram_inject_matches_the_cpu_gate() {
                 &kv[i * kv_stride..(i + 1) * kv_stride],
             );
         }
-        let kv_d = upload(&rt, &kv);
+        let kv_d = upload(&rt, kv);
         let live_d = upload(&rt, &live);
         let weight_d = upload(&rt, &weight);
         let run = |eps: f32| -> Vec<f32> {
-            let mut x = upload(&rt, &streams);
+            let mut x = upload(&rt, streams);
             let shape = EngramInjectShape {
                 hc,
                 dim,
@@ -376,7 +376,7 @@ fn engram_inject_matches_the_cpu_gate() {
         };
         let gpu = run(eps);
         compared += assert_bitwise("engram injection", &gpu, &cpu);
-        assert_ne!(differing(&gpu, &streams), 0, "live tokens must change");
+        assert_ne!(differing(&gpu, streams), 0, "live tokens must change");
         // Negative control: another eps changes some gates' last bits.
         other_eps_differs += differing(&run(eps * 1.5 + 1e-3), &cpu);
     }
