@@ -112,14 +112,15 @@ pub fn fast_bound(op: Op) -> (Bound, &'static str) {
         Op::GemmFp4 { inp } => (gemm_within(32, inp), GEMM_REASON),
         Op::LinearQuantised { group } => (
             Bound::Within {
-                of_magnitude: p(-4) + (group as f64 - 1.0) * p(-13) + p(-12),
+                of_magnitude: p(-4) + (group as f64 - 1.0) * p(-13) * (1.0 + p(-4)) + p(-10),
                 of_value: p(-22),
             },
             "the fast path quantises the activations to E4M3 in groups where the reference keeps \
              them f32: |â − a| ≤ 2^-4 |a| + 2^-10 s ≤ 2^-4 (|a| + 2^-13 amax) (s ≥ amax/448 a \
-             power of two below amax/224), the case's magnitude is Σ (|a| + 2^-13 amax) |w|; then \
-             the tensor core's in-group sum ((G − 1)·2^-13) and the fp32 sums of the parts and of \
-             the reference (2^-12 covers them to K = 2^11 groups); f32 outputs",
+             power of two below amax/224), the case's magnitude M is Σ (|a| + 2^-13 amax) |w|; \
+             then the tensor core's in-group sum ((G − 1)·2^-13 of Σ |â w| ≤ (1 + 2^-4) M), the \
+             fp32 sums of its parts and the reference's fp32 sum of K products (K·2^-24: 2^-10 \
+             covers both to K = 2^13); f32 outputs",
         ),
         Op::Attention {
             precision: Precision::Bf16,
