@@ -32,11 +32,12 @@ use deepinfer_kernels::ops::rows::{
 };
 use deepinfer_kernels::{KernelError, KernelId};
 use deepinfer_model::backend::{Backend, CpuBackend, StreamShape, Tensor};
-use deepinfer_model::engram::EngramGate;
 use deepinfer_model::quant::round_bf16;
 
 mod gpu_support;
-use deepinfer_tests::conformance::rows::{INJECT_SHAPES, InjectData, STREAM_SHAPES};
+use deepinfer_tests::conformance::rows::{
+    INJECT_SHAPES, InjectData, STREAM_SHAPES, reversed_stream_means,
+};
 use deepinfer_tests::data::spread;
 use gpu_support::gemm_data::activation;
 use gpu_support::{Rng, assert_bitwise, differing, precision_of, runtime};
@@ -117,14 +118,7 @@ fn stream_means_match_the_cpu_fold() {
             let cpu = cpu_stream_means(&streams, hc, dim, rounding);
             compared += assert_bitwise("stream_means", &gpu, &cpu);
             // Negative control: the streams folded in reverse order.
-            let reversed: Vec<f32> = streams
-                .chunks_exact(hc * dim)
-                .flat_map(|token| {
-                    (0..dim).map(move |d| {
-                        (0..hc).rev().fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32
-                    })
-                })
-                .collect();
+            let reversed = reversed_stream_means(&streams, hc, dim);
             if rounding == Rounding::F32 {
                 other_order_differs += differing(&gpu, &reversed);
             }
@@ -344,9 +338,11 @@ fn engram_inject_matches_the_cpu_gate() {
     let mut other_eps_differs = 0;
     for shape in INJECT_SHAPES {
         let data = InjectData::random(&mut rng, shape);
-        let (hc, dim, eps, kv_stride) = (data.hc, data.dim, data.eps, data.kv_stride());
-        let gate = EngramGate::new(dim, hc, &data.q, &data.k, eps).expect("gate shapes");
-        let weight: Vec<f32> = data.q.iter().zip(&data.k).map(|(q, k)| q * k).collect();
+        let (_, hc, dim, _, eps) = shape;
+        let kv_stride = data.kv_stride();
+        let gate = data.gate_with(eps);
+        let [q, k] = &data.gate;
+        let weight: Vec<f32> = q.iter().zip(k).map(|(q, k)| q * k).collect();
         let (streams, kv) = (&data.streams, &data.kv);
         let live: Vec<u32> = data.live.iter().map(|&t| t as u32).collect();
 

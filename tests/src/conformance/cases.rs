@@ -411,8 +411,11 @@ fn attention_magnitude(keys: &[Vec<&[f32]>], heads: usize, head_dim: usize) -> V
 /// into `pool` (K = V); with `alone`, every row also equals the op on that query alone.
 struct AttentionData {
     q: Vec<f32>,
+    /// The keys the queries' lists index.
     pool: Vec<Vec<f32>>,
+    /// Each query's keys, in order.
     lists: Vec<Vec<usize>>,
+    /// One sink logit a head.
     sink: Vec<f32>,
     heads: usize,
     head_dim: usize,
@@ -723,9 +726,12 @@ struct HcData {
     hc: usize,
     dim: usize,
     params: HcParams,
+    /// The streams the mixes are computed of, and the Sinkhorn rounds.
     x: Vec<f32>,
     iters: usize,
+    /// One mix a token, for the collapse (`pre`) and the expansion.
     mixes: Vec<HcMix>,
+    /// The collapsed and expanded streams and the expansion's `y`, one of each a precision.
     streams: Vec<Vec<f32>>,
     ys: Vec<Vec<f32>>,
 }
@@ -849,48 +855,57 @@ impl HcData {
     }
 }
 
+/// The mHC cases of every `(hc, dim)` of `shapes`, one a `(tokens, Sinkhorn rounds)` of
+/// `runs(dim)`, with random parameters a shape; with `alone`, every token also equals the
+/// one-token ops.
+fn hc_cases(
+    seed: u64,
+    shapes: &[(usize, usize)],
+    runs: impl Fn(usize) -> Vec<(usize, usize)>,
+    alone: bool,
+) -> Vec<Case> {
+    let mut rng = Rng(seed);
+    let mut cases = Vec::new();
+    for &(hc, dim) in shapes {
+        let params = hc_params(&mut rng, hc, dim);
+        for (n, iters) in runs(dim) {
+            let data = HcData::random(&mut rng, &params, (hc, dim), n, iters);
+            let name = format!("mhc hc{hc} dim{dim} n{n} iters{iters}");
+            cases.push(data.case(name, alone));
+        }
+    }
+    cases
+}
+
 /// The mHC ops of one token: (4, 5120) the real V4.1 width (64 K chains, two rounds of the split
 /// sum of squares); (5, 3500) 35 projections, K chains of 273 and 274 (a partial last K tile),
 /// leftover vectors and values in the torch sum; 0, 1 and 20 Sinkhorn rounds.
 pub fn hc_one() -> Vec<Case> {
-    let mut rng = Rng(15);
-    let mut cases = Vec::new();
-    for (hc, dim) in [
-        (1usize, 5usize),
+    let shapes = [
+        (1, 5),
         (4, 64),
         (4, 100),
         (2, 1000),
         (4, 4096),
         (4, 5120),
         (5, 3500),
-    ] {
-        let params = hc_params(&mut rng, hc, dim);
-        for iters in [0usize, 1, 20] {
-            let data = HcData::random(&mut rng, &params, (hc, dim), 1, iters);
-            cases.push(data.case(format!("mhc hc{hc} dim{dim} iters{iters}"), false));
-        }
-    }
-    cases
+    ];
+    hc_cases(15, &shapes, |_| vec![(1, 0), (1, 1), (1, 20)], false)
 }
 
 /// The mHC ops of 1, 3 and 17 tokens (40 at dim 1030: two token tiles of the partials launch);
 /// every token equals the one-token ops.
 pub fn hc_rows() -> Vec<Case> {
-    let mut rng = Rng(41);
-    let mut cases = Vec::new();
-    for (hc, dim) in [(4usize, 100usize), (1, 7), (3, 257), (4, 1030)] {
-        let params = hc_params(&mut rng, hc, dim);
+    let shapes = [(4, 100), (1, 7), (3, 257), (4, 1030)];
+    let runs = |dim: usize| {
         let counts: &[usize] = if dim == 1030 {
             &[1, 3, 17, 40]
         } else {
             &ROW_COUNTS
         };
-        for &n in counts {
-            let data = HcData::random(&mut rng, &params, (hc, dim), n, 1 + n % 20);
-            cases.push(data.case(format!("mhc rows hc{hc} dim{dim} n{n}"), true));
-        }
-    }
-    cases
+        counts.iter().map(|&n| (n, 1 + n % 20)).collect()
+    };
+    hc_cases(41, &shapes, runs, true)
 }
 
 /// The MoE router over 1 … 300 experts: logits across softplus's threshold (20) and far below, a

@@ -77,6 +77,18 @@ pub const STREAM_SHAPES: [(usize, usize, usize); 5] = [
     (65, 4, 64),
 ];
 
+/// The stream means of `streams [tokens, hc, dim]` folded in reverse stream order (in f32): the
+/// negative control of the fold order.
+pub fn reversed_stream_means(streams: &[f32], hc: usize, dim: usize) -> Vec<f32> {
+    streams
+        .chunks_exact(hc * dim)
+        .flat_map(|token| {
+            (0..dim)
+                .map(move |d| (0..hc).rev().fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32)
+        })
+        .collect()
+}
+
 /// `stream_means_at` of 1 … 65 tokens of 1 … 8 streams, values 2^-20 … 2^20, both precisions;
 /// from the host, resident, and the last tokens through a view; at f32 the reversed fold differs
 /// from the op somewhere across the cases (counted in the last case's check).
@@ -119,14 +131,7 @@ pub fn stream_means() -> Vec<Case> {
                 StreamShape { hc, dim },
                 Precision::F32,
             );
-            let reversed: Vec<f32> = streams
-                .chunks_exact(hc * dim)
-                .flat_map(|token| {
-                    (0..dim).map(move |d| {
-                        (0..hc).rev().fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32
-                    })
-                })
-                .collect();
+            let reversed = reversed_stream_means(&streams, hc, dim);
             o.holds("the reverse fold differs", differing(&means, &reversed) > 0);
             o.values("means", means);
         },
@@ -246,55 +251,55 @@ pub const INJECT_SHAPES: [(usize, usize, usize, usize, f32); 5] = [
     (9, 4, 5120, 0, 1e-20),
 ];
 
-/// An Engram injection's inputs: the gate's `q` and `k` (bf16, 2^-3 … 2^1), the streams of the
-/// tokens (bf16 activations, the first stream zeros: d = 0, the gate at its clamp), the live
-/// tokens (every token but each third from the second) and their `kv` rows.
+/// An Engram injection's inputs: the shape, the gate's `q` and `k` (bf16, 2^-3 … 2^1), the
+/// streams of the tokens (bf16 activations, the first stream zeros: d = 0, the gate at its clamp),
+/// the live tokens (every token but each third from the second) and their `kv` rows.
 pub struct InjectData {
-    pub hc: usize,
-    pub dim: usize,
-    pub eps: f32,
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
+    /// (tokens, hc, dim, kv values past the gate's, eps): one of [`INJECT_SHAPES`].
+    pub shape: (usize, usize, usize, usize, f32),
+    /// `q` and `k`, `[hc, dim]` each.
+    pub gate: [Vec<f32>; 2],
     pub streams: Vec<f32>,
+    /// The live tokens, each with its row of `kv`.
     pub live: Vec<usize>,
     pub kv: Vec<f32>,
 }
 
 impl InjectData {
     pub fn random(rng: &mut Rng, shape: (usize, usize, usize, usize, f32)) -> InjectData {
-        let (tokens, hc, dim, extra_kv, eps) = shape;
-        let mut gate_values = || -> Vec<f32> {
+        let (tokens, hc, dim, extra_kv, _) = shape;
+        let gate = [0, 1].map(|_| {
             (0..hc * dim)
                 .map(|_| round_bf16(spread(rng, -3, 1)))
-                .collect()
-        };
-        let (q, k) = (gate_values(), gate_values());
+                .collect::<Vec<f32>>()
+        });
         let mut streams: Vec<f32> = (0..tokens * hc * dim).map(|_| activation(rng)).collect();
         streams[..dim].fill(0.0);
         let live: Vec<usize> = (0..tokens).filter(|t| t % 3 != 1).collect();
-        let kv = (0..live.len() * Self::kv_stride_of(hc, dim, extra_kv))
+        let kv_stride = (hc + 1) * dim + extra_kv;
+        let kv = (0..live.len() * kv_stride)
             .map(|_| activation(rng))
             .collect();
         InjectData {
-            hc,
-            dim,
-            eps,
-            q,
-            k,
+            shape,
+            gate,
             streams,
             live,
             kv,
         }
     }
 
-    /// A live token's `kv` row: the `hc` keys and the value, then `extra` values the gate skips.
-    fn kv_stride_of(hc: usize, dim: usize, extra: usize) -> usize {
-        (hc + 1) * dim + extra
+    /// The gate with `eps` for its `d`.
+    pub fn gate_with(&self, eps: f32) -> EngramGate {
+        let (_, hc, dim, _, _) = self.shape;
+        EngramGate::new(dim, hc, &self.gate[0], &self.gate[1], eps).expect("gate shapes")
     }
 
-    /// The width of each live token's `kv` row.
+    /// The width of each live token's `kv` row: the `hc` keys and the value, then the values the
+    /// gate skips.
     pub fn kv_stride(&self) -> usize {
-        self.kv.len() / self.live.len().max(1)
+        let (_, hc, dim, extra_kv, _) = self.shape;
+        (hc + 1) * dim + extra_kv
     }
 }
 
@@ -307,19 +312,12 @@ pub fn engram_inject() -> Vec<Case> {
     let mut rng = Rng(24);
     let mut cases = Vec::new();
     for shape in INJECT_SHAPES {
+        let data = InjectData::random(&mut rng, shape);
+        let (tokens, hc, dim, _, eps) = shape;
+        let (gate, other) = (data.gate_with(eps), data.gate_with(eps * 1.5 + 1e-3));
         let InjectData {
-            hc,
-            dim,
-            eps,
-            q,
-            k,
-            streams,
-            live,
-            kv,
-        } = InjectData::random(&mut rng, shape);
-        let tokens = streams.len() / (hc * dim);
-        let gate = EngramGate::new(dim, hc, &q, &k, eps).expect("gate shapes");
-        let other = EngramGate::new(dim, hc, &q, &k, eps * 1.5 + 1e-3).expect("gate shapes");
+            streams, live, kv, ..
+        } = data;
         cases.push(Case::new(
             format!("engram_inject {tokens} tokens hc{hc} dim{dim}"),
             Op::EngramInject,
