@@ -124,6 +124,19 @@ pub fn linears() -> Vec<Case> {
     cases
 }
 
+/// The activations a GEMM weight of `inp` columns runs on, each with its rows: 1, 7 and 64 rows
+/// of wide-range bf16 values, and with `f32` 3 rows of fp32 values.
+fn gemm_inputs(rng: &mut Rng, inp: usize, f32: bool) -> Vec<(String, Vec<f32>)> {
+    let mut inputs: Vec<(String, Vec<f32>)> = [1usize, 7, 64]
+        .iter()
+        .map(|&rows| (rows.to_string(), activations(rng, rows, inp)))
+        .collect();
+    if f32 {
+        inputs.push(("3 f32".into(), fp32_values(rng, 3 * inp)));
+    }
+    inputs
+}
+
 /// The block-scaled GEMMs on 1, 7 and 64 rows of wide-range bf16 activations: FP8 at both weight
 /// blocks (t32, t128; K a multiple of 32 but not of 128 where the block allows; N not a multiple
 /// of the tile or of the 8 columns a GPU block computes) and FP4; and on fp32 activations (V4's
@@ -164,24 +177,14 @@ pub fn gemms() -> Vec<Case> {
         (128, 131, 640),
     ] {
         let w = random_fp8_weight(&mut rng, out, inp, block);
-        for rows in [1usize, 7, 64] {
-            let x = activations(&mut rng, rows, inp);
-            cases.push(fp8(w.clone(), x, &rows.to_string()));
-        }
-        if out == 203 {
-            let x = fp32_values(&mut rng, 3 * inp);
-            cases.push(fp8(w, x, "3 f32"));
+        for (what, x) in gemm_inputs(&mut rng, inp, out == 203) {
+            cases.push(fp8(w.clone(), x, &what));
         }
     }
     for (out, inp) in [(100usize, 160usize), (203, 544), (72, 2304)] {
         let w = random_fp4_weight(&mut rng, out, inp);
-        for rows in [1usize, 7, 64] {
-            let x = activations(&mut rng, rows, inp);
-            cases.push(fp4(w.clone(), x, &rows.to_string()));
-        }
-        if out == 72 {
-            let x = fp32_values(&mut rng, 3 * inp);
-            cases.push(fp4(w, x, "3 f32"));
+        for (what, x) in gemm_inputs(&mut rng, inp, out == 72) {
+            cases.push(fp4(w.clone(), x, &what));
         }
     }
     cases
