@@ -656,6 +656,14 @@ fn v41_tiny_on_cuda_is_batch_invariant() {
     );
 }
 
+/// Every `vocab`-wide row of `gpu` has the greedy token (first maximum) of that row of `cpu`.
+fn assert_greedy_rows_equal(gpu: &[f32], cpu: &[f32], vocab: usize) {
+    assert_eq!(gpu.len(), cpu.len(), "logits");
+    for (r, (g, c)) in gpu.chunks(vocab).zip(cpu.chunks(vocab)).enumerate() {
+        assert_eq!(argmax(g), argmax(c), "row {r}");
+    }
+}
+
 /// Reads tensor `logits` (F32) of a safetensors file written by the logits tool.
 fn read_logits(path: &std::path::Path) -> Vec<f32> {
     let bytes = std::fs::read(path).expect("logits file");
@@ -705,13 +713,7 @@ fn logits_tool_runs_on_cuda() {
         .zip(cpu.iter())
         .filter(|(a, b)| a.to_bits() == b.to_bits())
         .count();
-    for r in 0..n {
-        assert_eq!(
-            argmax(&gpu[r * vocab..(r + 1) * vocab]),
-            argmax(&cpu[r * vocab..(r + 1) * vocab]),
-            "row {r}"
-        );
-    }
+    assert_greedy_rows_equal(&gpu, &cpu, vocab);
     println!(
         "logits tool --device cuda, chunks [{}, 1, 2]: {bitwise}/{} logits bitwise equal to --device cpu, greedy argmax equal in every row",
         n - 3,
@@ -773,13 +775,7 @@ fn v4_tiny_on_cuda_matches_the_cpu_reference() {
         gpu.len(),
         hi - lo
     );
-    for r in 0..n {
-        assert_eq!(
-            argmax(&gpu[r * vocab..(r + 1) * vocab]),
-            argmax(&cpu[r * vocab..(r + 1) * vocab]),
-            "row {r}"
-        );
-    }
+    assert_greedy_rows_equal(&gpu, &cpu, vocab);
     assert_eq!(
         bitwise,
         gpu.len(),

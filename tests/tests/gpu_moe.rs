@@ -552,6 +552,39 @@ impl Layer {
         unsafe { DeviceExpertTable::fp4(rt, &refs) }.expect("expert table")
     }
 
+    /// The routed MoE of `x` (`rows` rows, top-`k`, experts of width `inter`) over the routes
+    /// `(ids, weights)` on the device in `blocks` (route scale 10, bf16), and the host MoE of the
+    /// routes the device read: (the device run, its output, the host's).
+    fn routed(
+        &self,
+        rt: &KernelRuntime,
+        table: &DeviceExpertTable,
+        x: &[f32],
+        (rows, k, inter): (usize, usize, usize),
+        (ids, weights): (&[u32], &[f32]),
+        blocks: RoutedBlocks,
+    ) -> (DeviceMoe, Vec<f32>, Vec<f32>) {
+        let dim = x.len() / rows;
+        let mut moe = DeviceMoe::new(rt, x, (rows, k, dim, inter, inter));
+        moe.blocks = blocks;
+        moe.experts = rt.stream().clone_htod(ids).expect("ids");
+        moe.weights = rt.stream().clone_htod(weights).expect("weights");
+        moe.run(rt, table, &self.shared, 10.0, Rounding::Bf16);
+        let routes = moe.routes(rt);
+        let gpu = moe.output(rt);
+        let (want, _) = host_moe(
+            x,
+            dim,
+            &routes,
+            &self.host_refs(),
+            &self.shared_host,
+            10.0,
+            Precision::Bf16,
+            CombineOrder::Reference,
+        );
+        (moe, gpu, want)
+    }
+
     fn host_refs(&self) -> Vec<&HostExpert<Fp4Weight>> {
         (0..self.n_experts)
             .map(|e| &self.host[e % self.host.len()])
@@ -656,23 +689,8 @@ fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
         RoutedBlocks::Tiles,
         RoutedBlocks::Experts,
     ] {
-        let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
-        moe.blocks = blocks;
-        moe.experts = rt.stream().clone_htod(&ids).expect("ids");
-        moe.weights = rt.stream().clone_htod(&weights).expect("weights");
-        moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
-        let routes = moe.routes(&rt);
-        let gpu = moe.output(&rt);
-        let (want, _) = host_moe(
-            &x,
-            dim,
-            &routes,
-            &layer.host_refs(),
-            &layer.shared_host,
-            10.0,
-            Precision::Bf16,
-            CombineOrder::Reference,
-        );
+        let routes = (ids.as_slice(), weights.as_slice());
+        let (moe, gpu, want) = layer.routed(&rt, &table, &x, (rows, k, inter), routes, blocks);
         assert_bitwise("repeats and unknown ids", &gpu, &want);
         // An unknown id's rows are zero in every projection.
         let gate: Vec<f32> = rt
@@ -941,23 +959,8 @@ fn routed_gemm_tiles_crowded_and_scattered_experts_like_the_cpu() {
             .collect();
         let mut outputs = Vec::new();
         for blocks in [RoutedBlocks::Experts, RoutedBlocks::Rows] {
-            let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
-            moe.blocks = blocks;
-            moe.experts = rt.stream().clone_htod(&ids).expect("ids");
-            moe.weights = rt.stream().clone_htod(&weights).expect("weights");
-            moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
-            let routes = moe.routes(&rt);
-            let gpu = moe.output(&rt);
-            let (want, _) = host_moe(
-                &x,
-                dim,
-                &routes,
-                &layer.host_refs(),
-                &layer.shared_host,
-                10.0,
-                Precision::Bf16,
-                CombineOrder::Reference,
-            );
+            let routes = (ids.as_slice(), weights.as_slice());
+            let (_, gpu, want) = layer.routed(&rt, &table, &x, (rows, k, inter), routes, blocks);
             assert_bitwise(&format!("{what} experts, {blocks:?}"), &gpu, &want);
             outputs.push(gpu);
         }
