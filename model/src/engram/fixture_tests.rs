@@ -61,26 +61,27 @@ impl Fixture {
         Ok((view.shape().to_vec(), view.data().to_vec()))
     }
 
+    /// Tensor `name` of `dtype`, its 4-byte values decoded by `decode`.
+    fn words<T>(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        decode: fn([u8; 4]) -> T,
+    ) -> Result<(Vec<usize>, Vec<T>), Box<dyn std::error::Error>> {
+        let (shape, bytes) = self.tensor(name, dtype)?;
+        let values = bytes
+            .chunks_exact(4)
+            .map(|b| decode([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok((shape, values))
+    }
+
     fn f32s(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), Box<dyn std::error::Error>> {
-        let (shape, bytes) = self.tensor(name, Dtype::F32)?;
-        Ok((
-            shape,
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ))
+        self.words(name, Dtype::F32, f32::from_le_bytes)
     }
 
     fn i32s(&self, name: &str) -> Result<(Vec<usize>, Vec<i32>), Box<dyn std::error::Error>> {
-        let (shape, bytes) = self.tensor(name, Dtype::I32)?;
-        Ok((
-            shape,
-            bytes
-                .chunks_exact(4)
-                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ))
+        self.words(name, Dtype::I32, i32::from_le_bytes)
     }
 }
 
