@@ -1034,17 +1034,23 @@ fn zero_fp4(out: usize, inp: usize) -> Fp4Weight {
     }
 }
 
-/// Runs the routed W1 GEMM of `qx` through `table` in every block layout (rows, tiles, experts),
-/// `ids` naming the expert of each of the output rows (`slots` a row of `qx`; every expert holds
-/// the same weight), into a NaN-filled output; asserts every output row bitwise `want_row`.
+/// Runs the routed W1 GEMM of `qx` (`slots` output rows a row) over `n` experts that all hold
+/// `w1` (and `w2`), output row `j` routed to expert `j % n`, in every block layout (rows, tiles,
+/// experts), into a NaN-filled output; asserts every output row bitwise `want_row`.
 fn assert_routed_w1_rows(
     rt: &KernelRuntime,
     qx: &DeviceActFp8,
-    table: &DeviceExpertTable,
-    (ids, slots): (&CudaSlice<u32>, usize),
+    (w1, w2, n): (&DeviceFp4Weight, &DeviceFp4Weight, usize),
+    slots: usize,
     want_row: &[f32],
     what: &str,
 ) {
+    let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> =
+        (0..n).map(|_| ExpertRefs { w1, w3: w1, w2 }).collect();
+    // SAFETY: the weights outlive every launch below.
+    let table = unsafe { DeviceExpertTable::fp4(rt, &refs) }.expect("table");
+    let ids: Vec<u32> = (0..qx.rows * slots).map(|j| (j % n) as u32).collect();
+    let ids = rt.stream().clone_htod(&ids).expect("ids");
     let outputs = ids.len() * want_row.len();
     for blocks in [
         RoutedBlocks::Rows,
@@ -1056,11 +1062,11 @@ fn assert_routed_w1_rows(
             rt,
             RoutedRows {
                 x: qx,
-                experts: ids,
+                experts: &ids,
                 x_row_div: slots,
                 which: ExpertProjection::W1,
             },
-            table,
+            &table,
             &mut out,
             blocks,
         )
@@ -1118,15 +1124,6 @@ fn routed_gemm_adds_k_groups_in_k_order() {
     };
     let zero_w2 = zero_fp4(dim, inter);
     let (d_w1, d_w2) = (upload_fp4(&rt, &w1), upload_fp4(&rt, &zero_w2));
-    let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = (0..n_experts)
-        .map(|_| ExpertRefs {
-            w1: &d_w1,
-            w3: &d_w1,
-            w2: &d_w2,
-        })
-        .collect();
-    // SAFETY: the weights outlive every launch below.
-    let table = unsafe { DeviceExpertTable::fp4(&rt, &refs) }.expect("table");
     let x = vec![1.0f32; rows * dim];
     let want_row = quant::gemm_fp4(&x[..dim], &w1);
     let s_value = 2f32.powi(-5);
@@ -1140,9 +1137,8 @@ fn routed_gemm_adds_k_groups_in_k_order() {
         .expect("x");
     let mut qx = DeviceActFp8::alloc(&rt, rows, dim, ActGroup::G32).expect("qx");
     quantize_act_fp8_into(&rt, &dx, &mut qx).expect("quantise");
-    let ids: Vec<u32> = (0..rows * k).map(|j| (j % n_experts) as u32).collect();
-    let d_ids = s.clone_htod(&ids).expect("ids");
-    assert_routed_w1_rows(&rt, &qx, &table, (&d_ids, k), &want_row, "K-order pattern");
+    let experts = (&d_w1, &d_w2, n_experts);
+    assert_routed_w1_rows(&rt, &qx, experts, k, &want_row, "K-order pattern");
     println!(
         "routed GEMM (rows, tiles, experts blocks): {} outputs of the K-order patterns as the CPU",
         rows * k * inter
@@ -1374,19 +1370,9 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
         // Routed: every expert is this weight; rows / slot pairs over the experts.
         let n_experts = 3;
         let slots = 2;
-        let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = (0..n_experts)
-            .map(|_| ExpertRefs {
-                w1: &d_weight,
-                w3: &d_weight,
-                w2: &d_w2,
-            })
-            .collect();
-        // SAFETY: the weights outlive every launch below.
-        let table = unsafe { DeviceExpertTable::fp4(&rt, &refs) }.expect("table");
-        let ids: Vec<u32> = (0..rows * slots).map(|j| (j % n_experts) as u32).collect();
-        let d_ids = s.clone_htod(&ids).expect("ids");
         let what = format!("routed gemm_fp4, {rows} rows");
-        assert_routed_w1_rows(&rt, &qx, &table, (&d_ids, slots), &want_row, &what);
+        let experts = (&d_weight, &d_w2, n_experts);
+        assert_routed_w1_rows(&rt, &qx, experts, slots, &want_row, &what);
     }
     println!("extreme activations: every FP4 kernel bitwise equal to quant::gemm_fp4");
 }
