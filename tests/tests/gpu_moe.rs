@@ -127,6 +127,18 @@ struct HostExpert<W> {
     w2: W,
 }
 
+/// The references of a routed table to each expert's three projections.
+fn expert_refs<W>(experts: &[HostExpert<W>]) -> Vec<ExpertRefs<'_, W>> {
+    experts
+        .iter()
+        .map(|e| ExpertRefs {
+            w1: &e.w1,
+            w3: &e.w3,
+            w2: &e.w2,
+        })
+        .collect()
+}
+
 trait HostGemm {
     fn apply(&self, x: &[f32]) -> Vec<f32>;
 }
@@ -539,17 +551,8 @@ impl Layer {
     }
 
     fn table(&self, rt: &KernelRuntime) -> DeviceExpertTable {
-        let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = self
-            .device
-            .iter()
-            .map(|e| ExpertRefs {
-                w1: &e.w1,
-                w3: &e.w3,
-                w2: &e.w2,
-            })
-            .collect();
         // SAFETY: the table is used only while `self` (which owns the weights) is alive.
-        unsafe { DeviceExpertTable::fp4(rt, &refs) }.expect("expert table")
+        unsafe { DeviceExpertTable::fp4(rt, &expert_refs(&self.device)) }.expect("expert table")
     }
 
     /// The routed MoE of `x` (`rows` rows, top-`k`, experts of width `inter`) over the routes
@@ -737,16 +740,8 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
             w2: upload_fp8(&rt, &h.w2),
         })
         .collect();
-    let refs: Vec<ExpertRefs<'_, DeviceFp8Weight>> = device
-        .iter()
-        .map(|e| ExpertRefs {
-            w1: &e.w1,
-            w3: &e.w3,
-            w2: &e.w2,
-        })
-        .collect();
     // SAFETY: `device` outlives every launch below.
-    let table = unsafe { DeviceExpertTable::fp8(&rt, &refs) }.expect("FP8 table");
+    let table = unsafe { DeviceExpertTable::fp8(&rt, &expert_refs(&device)) }.expect("FP8 table");
     let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
     let ids: Vec<u32> = (0..rows * k)
         .map(|_| rng.below(n_experts as u64 + 1) as u32)
