@@ -159,5 +159,7 @@ pub fn forward(
 }
 
 pub mod confident;
+pub mod conformance;
+pub mod data;
 pub mod drift;
 pub mod freed;

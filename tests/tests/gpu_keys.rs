@@ -559,40 +559,31 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
         "rows of 8 values; the launch needs 4 rows of 4",
     );
     let w = stream.clone_htod(&[1.0f32]).expect("w");
-    let mut scores = stream.alloc_zeros::<f32>(5).expect("scores");
-    let prefixes = DeviceVisiblePrefixes::upload(&rt, &[5], 5).expect("prefixes");
-    shape_error(
-        "visible beyond the table",
+    // One query of one head of 8 over the first `visible` rows of the table into `visible` scores.
+    let index = |visible: usize| -> Result<Vec<f32>, KernelError> {
+        let prefixes = DeviceVisiblePrefixes::upload(&rt, &[visible], visible).expect("prefixes");
+        let mut scores = stream.alloc_zeros::<f32>(visible).expect("scores");
+        let keys = KeyRows::Table(&table);
         index_scores_rows_f32(
             &rt,
             &q,
             &w,
-            KeyRows::Table(&table),
+            keys,
             &prefixes,
             &mut scores,
             1,
             8,
             Rounding::F32,
-        ),
+        )?;
+        Ok(stream.clone_dtoh(&scores).expect("download"))
+    };
+    shape_error(
+        "visible beyond the table",
+        index(5).map(drop),
         "needs 5 rows of 8",
     );
     // The accepted shapes run and agree with the keys' values: q · k = 8 · 0.25 · 0.5 = 1.
-    let prefixes = DeviceVisiblePrefixes::upload(&rt, &[4], 4).expect("prefixes");
-    let mut scores = stream.alloc_zeros::<f32>(4).expect("scores");
-    index_scores_rows_f32(
-        &rt,
-        &q,
-        &w,
-        KeyRows::Table(&table),
-        &prefixes,
-        &mut scores,
-        1,
-        8,
-        Rounding::F32,
-    )
-    .expect("valid index launch");
-    let scores = stream.clone_dtoh(&scores).expect("download");
-    assert_eq!(scores, vec![1.0; 4]);
+    assert_eq!(index(4).expect("valid index launch"), vec![1.0; 4]);
 }
 
 /// The attention over `lists` composed on the device (`DeviceKeyLists::compose`).

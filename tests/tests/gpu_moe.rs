@@ -69,28 +69,28 @@ use half::bf16;
 mod gpu_support;
 use gpu_support::{Rng, assert_bitwise, differing, precision_of, runtime};
 
-/// The value distributions of these tests, on the shared SplitMix64 generator.
-impl Rng {
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let mut out = Vec::with_capacity(n + 8);
-        while out.len() < n {
-            out.extend_from_slice(&self.next_u64().to_le_bytes());
-        }
-        out.truncate(n);
-        out
+/// `n` random bytes.
+fn bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
-    /// bf16 activations of magnitudes 2^-8 .. 2^2, a few exact zeros.
-    fn activation(&mut self) -> f32 {
-        if self.below(40) == 0 {
-            return 0.0;
-        }
-        let exponent = self.below(11) as i32 - 8;
-        quant::round_bf16(self.uniform() * 2f32.powi(exponent))
+    out.truncate(n);
+    out
+}
+
+/// A bf16 activation of magnitude 2^-8 .. 2^2, a few exact zeros.
+fn moe_activation(rng: &mut Rng) -> f32 {
+    if rng.below(40) == 0 {
+        return 0.0;
     }
-    /// UE8M0 weight scales 2^-9 .. 2^-3 (gate/up values around the SwiGLU's interesting range).
-    fn scale_byte(&mut self) -> u8 {
-        (118 + self.below(7)) as u8
-    }
+    let exponent = rng.below(11) as i32 - 8;
+    quant::round_bf16(rng.uniform() * 2f32.powi(exponent))
+}
+
+/// A UE8M0 weight scale 2^-9 .. 2^-3 (gate/up values around the SwiGLU's interesting range).
+fn scale_byte(rng: &mut Rng) -> u8 {
+    (118 + rng.below(7)) as u8
 }
 
 /// An FP4 weight whose scales are `2^shift` times the usual ones.
@@ -98,9 +98,9 @@ fn fp4_weight(rng: &mut Rng, out: usize, inp: usize, shift: u8) -> Fp4Weight {
     Fp4Weight {
         out,
         inp,
-        packed: rng.bytes(out * inp / 2),
+        packed: bytes(rng, out * inp / 2),
         scales: (0..out * inp / 32)
-            .map(|_| rng.scale_byte() + shift)
+            .map(|_| scale_byte(rng) + shift)
             .collect(),
     }
 }
@@ -112,12 +112,11 @@ fn fp8_weight(rng: &mut Rng, out: usize, inp: usize) -> Fp8Weight {
         inp,
         block: 32,
         // 0x7f / 0xff are E4M3 NaN codes: map them to ±0.
-        data: rng
-            .bytes(out * inp)
+        data: bytes(rng, out * inp)
             .into_iter()
             .map(|b| if b & 0x7f == 0x7f { b & 0x80 } else { b })
             .collect(),
-        scales: (0..scales).map(|_| rng.scale_byte()).collect(),
+        scales: (0..scales).map(|_| scale_byte(rng)).collect(),
     }
 }
 
@@ -126,6 +125,18 @@ struct HostExpert<W> {
     w1: W,
     w3: W,
     w2: W,
+}
+
+/// The references of a routed table to each expert's three projections.
+fn expert_refs<W>(experts: &[HostExpert<W>]) -> Vec<ExpertRefs<'_, W>> {
+    experts
+        .iter()
+        .map(|e| ExpertRefs {
+            w1: &e.w1,
+            w3: &e.w3,
+            w2: &e.w2,
+        })
+        .collect()
 }
 
 trait HostGemm {
@@ -540,17 +551,41 @@ impl Layer {
     }
 
     fn table(&self, rt: &KernelRuntime) -> DeviceExpertTable {
-        let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = self
-            .device
-            .iter()
-            .map(|e| ExpertRefs {
-                w1: &e.w1,
-                w3: &e.w3,
-                w2: &e.w2,
-            })
-            .collect();
         // SAFETY: the table is used only while `self` (which owns the weights) is alive.
-        unsafe { DeviceExpertTable::fp4(rt, &refs) }.expect("expert table")
+        unsafe { DeviceExpertTable::fp4(rt, &expert_refs(&self.device)) }.expect("expert table")
+    }
+
+    /// The routed MoE of `x` (`rows` rows, top-`k`, experts of width `inter`) over the routes
+    /// `(ids, weights)` on the device in `blocks` (route scale 10, bf16), and the host MoE of the
+    /// routes the device read: (the device run, its output, the host's).
+    fn routed(
+        &self,
+        rt: &KernelRuntime,
+        table: &DeviceExpertTable,
+        x: &[f32],
+        (rows, k, inter): (usize, usize, usize),
+        (ids, weights): (&[u32], &[f32]),
+        blocks: RoutedBlocks,
+    ) -> (DeviceMoe, Vec<f32>, Vec<f32>) {
+        let dim = x.len() / rows;
+        let mut moe = DeviceMoe::new(rt, x, (rows, k, dim, inter, inter));
+        moe.blocks = blocks;
+        moe.experts = rt.stream().clone_htod(ids).expect("ids");
+        moe.weights = rt.stream().clone_htod(weights).expect("weights");
+        moe.run(rt, table, &self.shared, 10.0, Rounding::Bf16);
+        let routes = moe.routes(rt);
+        let gpu = moe.output(rt);
+        let (want, _) = host_moe(
+            x,
+            dim,
+            &routes,
+            &self.host_refs(),
+            &self.shared_host,
+            10.0,
+            Precision::Bf16,
+            CombineOrder::Reference,
+        );
+        (moe, gpu, want)
     }
 
     fn host_refs(&self) -> Vec<&HostExpert<Fp4Weight>> {
@@ -571,7 +606,7 @@ fn routed_moe_chain_matches_the_cpu_bitwise() {
     let cpu = CpuBackend::new();
     let (mut checked, mut clamped, mut slot_order_differs, mut shared_first_differs) = (0, 0, 0, 0);
     for (rows, k) in [(1usize, 6usize), (5, 4), (33, 6)] {
-        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
         let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
         let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
         for (rounding, limit, blocks) in [
@@ -645,7 +680,7 @@ fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
     let layer = Layer::new(&rt, &mut rng, (n_experts, n_experts, dim, inter));
     let table = layer.table(&rt);
     let rows = 3;
-    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
     // Row 0 takes expert 5 twice (slot order decides), row 1 an unknown id (dropped), row 2
     // descending ids (the combine reorders them).
     let ids: Vec<u32> = vec![5, 2, 5, 9, 3, 99, 0, 16, 15, 11, 4, 1];
@@ -657,23 +692,8 @@ fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
         RoutedBlocks::Tiles,
         RoutedBlocks::Experts,
     ] {
-        let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
-        moe.blocks = blocks;
-        moe.experts = rt.stream().clone_htod(&ids).expect("ids");
-        moe.weights = rt.stream().clone_htod(&weights).expect("weights");
-        moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
-        let routes = moe.routes(&rt);
-        let gpu = moe.output(&rt);
-        let (want, _) = host_moe(
-            &x,
-            dim,
-            &routes,
-            &layer.host_refs(),
-            &layer.shared_host,
-            10.0,
-            Precision::Bf16,
-            CombineOrder::Reference,
-        );
+        let routes = (ids.as_slice(), weights.as_slice());
+        let (moe, gpu, want) = layer.routed(&rt, &table, &x, (rows, k, inter), routes, blocks);
         assert_bitwise("repeats and unknown ids", &gpu, &want);
         // An unknown id's rows are zero in every projection.
         let gate: Vec<f32> = rt
@@ -720,17 +740,9 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
             w2: upload_fp8(&rt, &h.w2),
         })
         .collect();
-    let refs: Vec<ExpertRefs<'_, DeviceFp8Weight>> = device
-        .iter()
-        .map(|e| ExpertRefs {
-            w1: &e.w1,
-            w3: &e.w3,
-            w2: &e.w2,
-        })
-        .collect();
     // SAFETY: `device` outlives every launch below.
-    let table = unsafe { DeviceExpertTable::fp8(&rt, &refs) }.expect("FP8 table");
-    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    let table = unsafe { DeviceExpertTable::fp8(&rt, &expert_refs(&device)) }.expect("FP8 table");
+    let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
     let ids: Vec<u32> = (0..rows * k)
         .map(|_| rng.below(n_experts as u64 + 1) as u32)
         .collect();
@@ -808,7 +820,7 @@ fn routed_moe_at_real_width_matches_the_cpu_and_is_timed() {
     let experts = layer.host_refs();
     let expert_bytes = 3 * (inter * dim / 2 + inter * dim / 32);
     for rows in [1usize, 8, 64] {
-        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
         let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
         let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
         let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
@@ -936,29 +948,14 @@ fn routed_gemm_tiles_crowded_and_scattered_experts_like_the_cpu() {
         ("crowded", crowded_rows, crowded),
         ("scattered", scattered_rows, scattered),
     ] {
-        let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+        let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(&mut rng)).collect();
         let weights: Vec<f32> = (0..rows * k)
             .map(|_| quant::round_bf16(0.5 + rng.uniform() * 0.25))
             .collect();
         let mut outputs = Vec::new();
         for blocks in [RoutedBlocks::Experts, RoutedBlocks::Rows] {
-            let mut moe = DeviceMoe::new(&rt, &x, (rows, k, dim, inter, inter));
-            moe.blocks = blocks;
-            moe.experts = rt.stream().clone_htod(&ids).expect("ids");
-            moe.weights = rt.stream().clone_htod(&weights).expect("weights");
-            moe.run(&rt, &table, &layer.shared, 10.0, Rounding::Bf16);
-            let routes = moe.routes(&rt);
-            let gpu = moe.output(&rt);
-            let (want, _) = host_moe(
-                &x,
-                dim,
-                &routes,
-                &layer.host_refs(),
-                &layer.shared_host,
-                10.0,
-                Precision::Bf16,
-                CombineOrder::Reference,
-            );
+            let routes = (ids.as_slice(), weights.as_slice());
+            let (_, gpu, want) = layer.routed(&rt, &table, &x, (rows, k, inter), routes, blocks);
             assert_bitwise(&format!("{what} experts, {blocks:?}"), &gpu, &want);
             outputs.push(gpu);
         }
@@ -980,7 +977,7 @@ fn prefill_matches_the_row_kernel(
     rng: &mut Rng,
 ) {
     let (n_experts, dim, inter, k, rows) = (layer.n_experts, table.dim(), table.inter(), 6, 1024);
-    let x: Vec<f32> = (0..rows * dim).map(|_| rng.activation()).collect();
+    let x: Vec<f32> = (0..rows * dim).map(|_| moe_activation(rng)).collect();
     let logits: Vec<f32> = (0..rows * n_experts).map(|_| rng.uniform() * 4.0).collect();
     let bias: Vec<f32> = (0..n_experts).map(|_| rng.uniform() * 0.25).collect();
     let mut moe = DeviceMoe::new(rt, &x, (rows, k, dim, inter, inter));
@@ -1022,6 +1019,70 @@ fn ue8m0(e: i32) -> u8 {
     (127 + e) as u8
 }
 
+/// An all-zero FP4 weight `[out, inp]` (the routed table's w2 slot where only w1 runs).
+fn zero_fp4(out: usize, inp: usize) -> Fp4Weight {
+    Fp4Weight {
+        out,
+        inp,
+        packed: vec![0; out * inp / 2],
+        scales: vec![ue8m0(0); out * inp / 32],
+    }
+}
+
+/// Runs the routed W1 GEMM of `qx` (`slots` output rows a row) over `n` experts that all hold
+/// `w1` (and `w2`), output row `j` routed to expert `j % n`, in every block layout (rows, tiles,
+/// experts), into a NaN-filled output; asserts every output row bitwise `want_row`.
+fn assert_routed_w1_rows(
+    rt: &KernelRuntime,
+    qx: &DeviceActFp8,
+    (w1, w2, n): (&DeviceFp4Weight, &DeviceFp4Weight, usize),
+    slots: usize,
+    want_row: &[f32],
+    what: &str,
+) {
+    let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> =
+        (0..n).map(|_| ExpertRefs { w1, w3: w1, w2 }).collect();
+    // SAFETY: the weights outlive every launch below.
+    let table = unsafe { DeviceExpertTable::fp4(rt, &refs) }.expect("table");
+    let ids: Vec<u32> = (0..qx.rows * slots).map(|j| (j % n) as u32).collect();
+    let ids = rt.stream().clone_htod(&ids).expect("ids");
+    let outputs = ids.len() * want_row.len();
+    for blocks in [
+        RoutedBlocks::Rows,
+        RoutedBlocks::Tiles,
+        RoutedBlocks::Experts,
+    ] {
+        let mut out = nan_bf16(rt, outputs);
+        gemm_routed_with(
+            rt,
+            RoutedRows {
+                x: qx,
+                experts: &ids,
+                x_row_div: slots,
+                which: ExpertProjection::W1,
+            },
+            &table,
+            &mut out,
+            blocks,
+        )
+        .expect("routed w1");
+        let gpu: Vec<f32> = rt
+            .stream()
+            .clone_dtoh(&out)
+            .expect("out")
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        for (j, row) in gpu.chunks_exact(want_row.len()).enumerate() {
+            assert_bitwise(
+                &format!("{what}, {blocks:?}, output row {j}"),
+                row,
+                want_row,
+            );
+        }
+    }
+}
+
 /// A routed GEMM whose K-order shows in every output: x = 1 everywhere (E4M3 code 256, scale
 /// 2^-8) and weights that are zero except k-groups of +1 or -1 codes scaled so that a group's
 /// partial is +P = 2^25, -P or s = 2^-5. Column n % 3 = 0: groups 0, 1, 2 = +P, -P, s (in K order
@@ -1056,22 +1117,8 @@ fn routed_gemm_adds_k_groups_in_k_order() {
         packed,
         scales,
     };
-    let zero_w2 = Fp4Weight {
-        out: dim,
-        inp: inter,
-        packed: vec![0; dim * inter / 2],
-        scales: vec![ue8m0(0); dim * inter / 32],
-    };
+    let zero_w2 = zero_fp4(dim, inter);
     let (d_w1, d_w2) = (upload_fp4(&rt, &w1), upload_fp4(&rt, &zero_w2));
-    let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = (0..n_experts)
-        .map(|_| ExpertRefs {
-            w1: &d_w1,
-            w3: &d_w1,
-            w2: &d_w2,
-        })
-        .collect();
-    // SAFETY: the weights outlive every launch below.
-    let table = unsafe { DeviceExpertTable::fp4(&rt, &refs) }.expect("table");
     let x = vec![1.0f32; rows * dim];
     let want_row = quant::gemm_fp4(&x[..dim], &w1);
     let s_value = 2f32.powi(-5);
@@ -1085,45 +1132,12 @@ fn routed_gemm_adds_k_groups_in_k_order() {
         .expect("x");
     let mut qx = DeviceActFp8::alloc(&rt, rows, dim, ActGroup::G32).expect("qx");
     quantize_act_fp8_into(&rt, &dx, &mut qx).expect("quantise");
-    let ids: Vec<u32> = (0..rows * k).map(|j| (j % n_experts) as u32).collect();
-    let d_ids = s.clone_htod(&ids).expect("ids");
-    for blocks in [
-        RoutedBlocks::Rows,
-        RoutedBlocks::Tiles,
-        RoutedBlocks::Experts,
-    ] {
-        let mut out = nan_bf16(&rt, rows * k * inter);
-        gemm_routed_with(
-            &rt,
-            RoutedRows {
-                x: &qx,
-                experts: &d_ids,
-                x_row_div: k,
-                which: ExpertProjection::W1,
-            },
-            &table,
-            &mut out,
-            blocks,
-        )
-        .expect("routed w1");
-        let gpu: Vec<f32> = s
-            .clone_dtoh(&out)
-            .expect("out")
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
-        for j in 0..rows * k {
-            assert_bitwise(
-                &format!("K-order pattern, output row {j}, {blocks:?}"),
-                &gpu[j * inter..(j + 1) * inter],
-                &want_row,
-            );
-        }
-        println!(
-            "routed GEMM ({blocks:?}): {} outputs of the K-order patterns as the CPU",
-            gpu.len()
-        );
-    }
+    let experts = (&d_w1, &d_w2, n_experts);
+    assert_routed_w1_rows(&rt, &qx, experts, k, &want_row, "K-order pattern");
+    println!(
+        "routed GEMM (rows, tiles, experts blocks): {} outputs of the K-order patterns as the CPU",
+        rows * k * inter
+    );
 }
 
 /// The E4M3 value of `code` (never a NaN code here).
@@ -1318,12 +1332,7 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
     let rt = runtime("fp4_gemms_are_exact_on_extreme_activations");
     let d_weight = upload_fp4(&rt, &weight);
     // The routed table's w2 slot ([k, n_cols]); only w1 runs here.
-    let zero_w2 = Fp4Weight {
-        out: k,
-        inp: n_cols,
-        packed: vec![0; k * n_cols / 2],
-        scales: vec![ue8m0(0); k * n_cols / 32],
-    };
+    let zero_w2 = zero_fp4(k, n_cols);
     let d_w2 = upload_fp4(&rt, &zero_w2);
     let s = rt.stream();
     for rows in [1usize, 8] {
@@ -1356,50 +1365,9 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
         // Routed: every expert is this weight; rows / slot pairs over the experts.
         let n_experts = 3;
         let slots = 2;
-        let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = (0..n_experts)
-            .map(|_| ExpertRefs {
-                w1: &d_weight,
-                w3: &d_weight,
-                w2: &d_w2,
-            })
-            .collect();
-        // SAFETY: the weights outlive every launch below.
-        let table = unsafe { DeviceExpertTable::fp4(&rt, &refs) }.expect("table");
-        let ids: Vec<u32> = (0..rows * slots).map(|j| (j % n_experts) as u32).collect();
-        let d_ids = s.clone_htod(&ids).expect("ids");
-        for blocks in [
-            RoutedBlocks::Rows,
-            RoutedBlocks::Tiles,
-            RoutedBlocks::Experts,
-        ] {
-            let mut out = nan_bf16(&rt, rows * slots * n_cols);
-            gemm_routed_with(
-                &rt,
-                RoutedRows {
-                    x: &qx,
-                    experts: &d_ids,
-                    x_row_div: slots,
-                    which: ExpertProjection::W1,
-                },
-                &table,
-                &mut out,
-                blocks,
-            )
-            .expect("routed w1");
-            let gpu: Vec<f32> = s
-                .clone_dtoh(&out)
-                .expect("out")
-                .iter()
-                .map(|v| v.to_f32())
-                .collect();
-            for j in 0..rows * slots {
-                assert_bitwise(
-                    &format!("routed gemm_fp4 {blocks:?}, {rows} rows, output row {j}"),
-                    &gpu[j * n_cols..(j + 1) * n_cols],
-                    &want_row,
-                );
-            }
-        }
+        let what = format!("routed gemm_fp4, {rows} rows");
+        let experts = (&d_weight, &d_w2, n_experts);
+        assert_routed_w1_rows(&rt, &qx, experts, slots, &want_row, &what);
     }
     println!("extreme activations: every FP4 kernel bitwise equal to quant::gemm_fp4");
 }

@@ -5,10 +5,11 @@
 //! - `exp` as Rust's std computes it (every float of [-104, 0], the gated pooling's domain, and a
 //!   sample of all others), then the compressor's gated pooling over member rows that lie in
 //!   separate buffers;
-//! - `EngramGate::inject` (called from the model) for the live tokens of a chunk;
-//! - then the `Backend` ops built on them (`scale_at`, `stream_means_at`, `gated_pool_rows`,
-//!   `engram_inject`): `CudaBackend` against `CpuBackend` (whose defaults are the model's host
-//!   code), on host and device inputs, with no device-to-host copy before the result is read.
+//! - `EngramGate::inject` (called from the model) for the live tokens of a chunk.
+//!
+//! The `Backend` ops built on them (`scale_at`, `stream_means_at`, `gated_pool_rows`,
+//! `engram_inject`), `CudaBackend` against `CpuBackend` on host and device inputs: `gpu_ops.rs`
+//! (the conformance harness), with no device-to-host copy inside the ops.
 //!
 //! The CPU side is always `CpuBackend`'s op (the one definition). Each numeric test also has a
 //! negative control: a nearby but different computation (another fold order, the correctly
@@ -16,10 +17,7 @@
 //! comparison can fail.
 //!
 //! Measured on the H200 (2026-11-30), all bitwise equal: 14 350 stream means, 4 798 scaled
-//! weights, 136 548 pooled values, 192 183 injected stream values (kernels); through the
-//! `Backend` ops 14 394 scaled values, 36 106 stream means, 1 540 pooled values (groups of one
-//! size and of mixed sizes with an empty one, members in device views, whole device rows and
-//! host rows) and 576 549 injected stream values, with no device-to-host copy inside the ops.
+//! weights, 136 548 pooled values, 192 183 injected stream values.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 //! Without a CUDA driver every test fails, naming why.
@@ -33,34 +31,16 @@ use deepinfer_kernels::ops::rows::{
     stream_means_f32,
 };
 use deepinfer_kernels::{KernelError, KernelId};
-use deepinfer_model::backend::cuda::CudaBackend;
-use deepinfer_model::backend::{
-    Backend, CpuBackend, EngramInjection, Precision, StreamShape, Tensor,
-};
-use deepinfer_model::engram::EngramGate;
+use deepinfer_model::backend::{Backend, CpuBackend, StreamShape, Tensor};
 use deepinfer_model::quant::round_bf16;
 
 mod gpu_support;
-use gpu_support::{Rng, assert_bitwise, cuda_backend, differing, precision_of, runtime};
-
-/// The value distributions of these tests, on the shared SplitMix64 generator.
-impl Rng {
-    /// An fp32 value `uniform · 2^e`, e in `lo..=hi` (not bf16-representable).
-    fn spread(&mut self, lo: i32, hi: i32) -> f32 {
-        let e = lo + self.below((hi - lo + 1) as u64) as i32;
-        self.uniform() * 2f32.powi(e)
-    }
-    /// A bf16 activation (magnitudes 2^-12 .. 2^6, some exact zeros).
-    fn activation(&mut self) -> f32 {
-        if self.below(50) == 0 {
-            return 0.0;
-        }
-        round_bf16(self.spread(-12, 6))
-    }
-    fn activations(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.activation()).collect()
-    }
-}
+use deepinfer_tests::conformance::rows::{
+    INJECT_SHAPES, InjectData, STREAM_SHAPES, reversed_stream_means,
+};
+use deepinfer_tests::data::spread;
+use gpu_support::gemm_data::activation;
+use gpu_support::{Rng, assert_bitwise, differing, precision_of, runtime};
 
 fn upload<T: deepinfer_kernels::cudarc::driver::DeviceRepr>(
     rt: &KernelRuntime,
@@ -125,15 +105,11 @@ fn stream_means_match_the_cpu_fold() {
     let mut rng = Rng(13);
     let mut compared = 0;
     let mut other_order_differs = 0;
-    for (n, hc, dim) in [
-        (1, 1, 1),
-        (3, 4, 37),
-        (7, 3, 129),
-        (2, 8, 1000),
-        (65, 4, 64),
-    ] {
+    for (n, hc, dim) in STREAM_SHAPES {
         // fp32 streams over a wide range, so the fold order shows in the last bits.
-        let streams: Vec<f32> = (0..n * hc * dim).map(|_| rng.spread(-20, 20)).collect();
+        let streams: Vec<f32> = (0..n * hc * dim)
+            .map(|_| spread(&mut rng, -20, 20))
+            .collect();
         let streams_d = upload(&rt, &streams);
         for rounding in [Rounding::Bf16, Rounding::F32] {
             let mut out = upload(&rt, &vec![0.0f32; n * dim]);
@@ -142,14 +118,7 @@ fn stream_means_match_the_cpu_fold() {
             let cpu = cpu_stream_means(&streams, hc, dim, rounding);
             compared += assert_bitwise("stream_means", &gpu, &cpu);
             // Negative control: the streams folded in reverse order.
-            let reversed: Vec<f32> = streams
-                .chunks_exact(hc * dim)
-                .flat_map(|token| {
-                    (0..dim).map(move |d| {
-                        (0..hc).rev().fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32
-                    })
-                })
-                .collect();
+            let reversed = reversed_stream_means(&streams, hc, dim);
             if rounding == Rounding::F32 {
                 other_order_differs += differing(&gpu, &reversed);
             }
@@ -170,7 +139,9 @@ fn scale_round_matches_the_index_head_weights() {
     for (heads, head_dim, n) in [(1, 1, 1), (3, 32, 5), (64, 128, 37)] {
         // As csa::index_queries computes it.
         let weight_scale = (head_dim as f32).powf(-0.5) * (heads as f32).powf(-0.5);
-        let mut w: Vec<f32> = (0..n * heads).map(|_| rng.spread(-130, 120)).collect();
+        let mut w: Vec<f32> = (0..n * heads)
+            .map(|_| spread(&mut rng, -130, 120))
+            .collect();
         w.extend([0.0, -0.0, f32::INFINITY, f32::MIN_POSITIVE / 3.0, 3.0e38]);
         let mut x = upload(&rt, &w);
         scale_round_f32(&rt, &mut x, weight_scale, Rounding::Bf16).expect("scale_round");
@@ -289,13 +260,13 @@ fn gated_pool_matches_pool_channel() {
                 (0..buffer_rows * width)
                     .map(|i| {
                         if i % width < head_dim {
-                            rng.activation()
+                            activation(&mut rng)
                         } else if rng.below(20) == 0 {
                             -150.0 + rng.uniform()
                         } else if rng.below(10) == 0 {
                             1.5
                         } else {
-                            rng.spread(-6, 5)
+                            spread(&mut rng, -6, 5)
                         }
                     })
                     .collect()
@@ -365,27 +336,15 @@ fn engram_inject_matches_the_cpu_gate() {
     let mut rng = Rng(16);
     let mut compared = 0;
     let mut other_eps_differs = 0;
-    for (tokens, hc, dim, extra_kv, eps) in [
-        (1, 1, 1, 0, 1e-6f32),
-        (5, 4, 7, 0, 1e-6),
-        (6, 4, 64, 3, 1e-6),
-        (3, 2, 1031, 0, 1e-20),
-        (9, 4, 5120, 0, 1e-20),
-    ] {
-        let q: Vec<f32> = (0..hc * dim)
-            .map(|_| round_bf16(rng.spread(-3, 1)))
-            .collect();
-        let k: Vec<f32> = (0..hc * dim)
-            .map(|_| round_bf16(rng.spread(-3, 1)))
-            .collect();
-        let gate = EngramGate::new(dim, hc, &q, &k, eps).expect("gate shapes");
-        let weight: Vec<f32> = q.iter().zip(&k).map(|(q, k)| q * k).collect();
-        let mut streams = rng.activations(tokens * hc * dim);
-        // One stream of zeros: d = 0, the gate at its clamp.
-        streams[..dim].fill(0.0);
-        let live: Vec<u32> = (0..tokens as u32).filter(|t| t % 3 != 1).collect();
-        let kv_stride = (hc + 1) * dim + extra_kv;
-        let kv = rng.activations(live.len() * kv_stride);
+    for shape in INJECT_SHAPES {
+        let data = InjectData::random(&mut rng, shape);
+        let (_, hc, dim, _, eps) = shape;
+        let kv_stride = data.kv_stride();
+        let gate = data.gate_with(eps);
+        let [q, k] = &data.gate;
+        let weight: Vec<f32> = q.iter().zip(k).map(|(q, k)| q * k).collect();
+        let (streams, kv) = (&data.streams, &data.kv);
+        let live: Vec<u32> = data.live.iter().map(|&t| t as u32).collect();
 
         let mut cpu = streams.clone();
         let token_width = hc * dim;
@@ -396,11 +355,11 @@ fn engram_inject_matches_the_cpu_gate() {
                 &kv[i * kv_stride..(i + 1) * kv_stride],
             );
         }
-        let kv_d = upload(&rt, &kv);
+        let kv_d = upload(&rt, kv);
         let live_d = upload(&rt, &live);
         let weight_d = upload(&rt, &weight);
         let run = |eps: f32| -> Vec<f32> {
-            let mut x = upload(&rt, &streams);
+            let mut x = upload(&rt, streams);
             let shape = EngramInjectShape {
                 hc,
                 dim,
@@ -413,301 +372,13 @@ fn engram_inject_matches_the_cpu_gate() {
         };
         let gpu = run(eps);
         compared += assert_bitwise("engram injection", &gpu, &cpu);
-        assert_ne!(differing(&gpu, &streams), 0, "live tokens must change");
+        assert_ne!(differing(&gpu, streams), 0, "live tokens must change");
         // Negative control: another eps changes some gates' last bits.
         other_eps_differs += differing(&run(eps * 1.5 + 1e-3), &cpu);
     }
     assert!(other_eps_differs > 0, "eps must be visible");
     println!(
         "engram injection: {compared} stream values bitwise equal; another eps differs in \
-         {other_eps_differs}"
-    );
-}
-
-// ---- the Backend ops: CudaBackend against CpuBackend -------------------------------------------
-
-/// `values` as a device tensor of `cuda` (gathered there from the host).
-fn on_device(cuda: &CudaBackend, values: &[f32]) -> Tensor {
-    let host = Tensor::from(values);
-    let device = cuda.gather(&[(&host, 0)], values.len());
-    assert!(device.device_view().is_some() && !device.on_host());
-    device
-}
-
-/// Device-to-host copies of `cuda`'s op results so far.
-fn copies(cuda: &CudaBackend) -> u64 {
-    cuda.transfer_counters().snapshot().to_host_copies
-}
-
-#[test]
-fn backend_scale_at_matches_cpu() {
-    let cuda = cuda_backend("backend_scale_at_matches_cpu");
-    let mut rng = Rng(21);
-    let mut compared = 0;
-    for (heads, head_dim, n) in [(1, 1, 1), (3, 32, 5), (64, 128, 37)] {
-        let scale = (head_dim as f32).powf(-0.5) * (heads as f32).powf(-0.5);
-        let mut w: Vec<f32> = (0..n * heads).map(|_| rng.spread(-130, 120)).collect();
-        w.extend([0.0, -0.0, f32::INFINITY, f32::MIN_POSITIVE / 3.0, 3.0e38]);
-        for precision in [Precision::Bf16, Precision::F32] {
-            let cpu = CpuBackend.scale_at(Tensor::from(&w), scale, precision);
-            // A host input, a device tensor scaled in place, and a view (copied first).
-            let host = cuda.scale_at(Tensor::from(&w), scale, precision);
-            compared += assert_bitwise("scale_at (host)", &host, &cpu);
-            let before = copies(&cuda);
-            let whole = cuda.scale_at(on_device(&cuda, &w), scale, precision);
-            let padded: Vec<f32> = [7.0].iter().chain(&w).copied().collect();
-            let shared = on_device(&cuda, &padded);
-            let view = cuda.scale_at(shared.range(1..padded.len()), scale, precision);
-            assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
-            compared += assert_bitwise("scale_at (device)", &whole, &cpu);
-            compared += assert_bitwise("scale_at (view)", &view, &cpu);
-            assert_bitwise("the viewed tensor is unchanged", &shared, &padded);
-        }
-        // Negative control: another scale differs.
-        let other = cuda.scale_at(Tensor::from(&w), scale * 1.001, Precision::F32);
-        let cpu = CpuBackend.scale_at(Tensor::from(&w), scale, Precision::F32);
-        assert_ne!(differing(&other, &cpu), 0, "the scale must be visible");
-    }
-    assert!(
-        cuda.scale_at(Tensor::empty(), 2.0, Precision::Bf16)
-            .is_empty()
-    );
-    println!("Backend::scale_at: {compared} values bitwise equal");
-}
-
-#[test]
-fn backend_stream_means_match_cpu() {
-    let cuda = cuda_backend("backend_stream_means_match_cpu");
-    let mut rng = Rng(22);
-    let mut compared = 0;
-    let mut reversed_differs = 0;
-    for (n, hc, dim) in [
-        (1, 1, 1),
-        (3, 4, 37),
-        (7, 3, 129),
-        (2, 8, 1000),
-        (65, 4, 64),
-    ] {
-        let streams: Vec<f32> = (0..n * hc * dim).map(|_| rng.spread(-20, 20)).collect();
-        for precision in [Precision::Bf16, Precision::F32] {
-            let cpu = CpuBackend.stream_means_at(
-                &Tensor::from(&streams),
-                StreamShape { hc, dim },
-                precision,
-            );
-            let host =
-                cuda.stream_means_at(&Tensor::from(&streams), StreamShape { hc, dim }, precision);
-            compared += assert_bitwise("stream_means_at (host)", &host, &cpu);
-            let device = on_device(&cuda, &streams);
-            let before = copies(&cuda);
-            let gpu = cuda.stream_means_at(&device, StreamShape { hc, dim }, precision);
-            // The last tokens only, through a view.
-            let tail = cuda.stream_means_at(
-                &device.rows(n / 2..n, hc * dim),
-                StreamShape { hc, dim },
-                precision,
-            );
-            assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
-            compared += assert_bitwise("stream_means_at (device)", &gpu, &cpu);
-            compared += assert_bitwise("stream_means_at (view)", &tail, &cpu[n / 2 * dim..]);
-            if precision == Precision::F32 {
-                // Negative control: the streams folded in reverse order.
-                let reversed: Vec<f32> = streams
-                    .chunks_exact(hc * dim)
-                    .flat_map(|token| {
-                        (0..dim).map(move |d| {
-                            (0..hc).rev().fold(0.0f32, |a, k| a + token[k * dim + d]) / hc as f32
-                        })
-                    })
-                    .collect();
-                reversed_differs += differing(&gpu, &reversed);
-            }
-        }
-    }
-    assert!(reversed_differs > 0, "the fold order must be visible");
-    println!(
-        "Backend::stream_means_at: {compared} values bitwise equal; the reverse fold differs in \
-         {reversed_differs}"
-    );
-}
-
-/// `rows` rows of `kv ‖ gate` (`2 · head_dim` values each) as the compressor stores them: bf16
-/// values, gates over a wide range (some far below the others: exp underflows) with ties.
-fn pooling_rows(rng: &mut Rng, rows: usize, head_dim: usize) -> Vec<f32> {
-    let width = 2 * head_dim;
-    (0..rows * width)
-        .map(|i| {
-            if i % width < head_dim {
-                rng.activation()
-            } else if rng.below(20) == 0 {
-                -150.0 + rng.uniform()
-            } else if rng.below(10) == 0 {
-                1.5
-            } else {
-                rng.spread(-6, 5)
-            }
-        })
-        .collect()
-}
-
-#[test]
-fn backend_gated_pool_rows_match_cpu() {
-    let cuda = cuda_backend("backend_gated_pool_rows_match_cpu");
-    let mut rng = Rng(23);
-    let mut compared = 0;
-    let (mut reversed_differs, mut replaced_differs) = (0, 0);
-    // (group sizes, head_dim): one size (the model's `ratio`), and mixed sizes with an empty
-    // group (members missing from a ring).
-    let cases: [(&[usize], usize); 5] = [
-        (&[1], 1),
-        (&[2, 2, 2], 33),
-        (&[4; 5], 128),
-        (&[128, 128], 64),
-        (&[4, 4, 3, 0, 1, 4, 4], 96),
-    ];
-    for (sizes, head_dim) in cases {
-        let width = 2 * head_dim;
-        let members: usize = sizes.iter().sum();
-        // Member rows from three sources, as a ring holds them: rows of an earlier step's device
-        // buffer (views), whole device rows, and host rows.
-        let buffer_rows = members.max(1);
-        let earlier = pooling_rows(&mut rng, buffer_rows, head_dim);
-        let earlier_d = on_device(&cuda, &earlier);
-        let views = earlier_d.split_rows(width);
-        let own: Vec<Tensor> = (0..members)
-            .map(|_| on_device(&cuda, &pooling_rows(&mut rng, 1, head_dim)))
-            .collect();
-        let hosts: Vec<Tensor> = (0..members)
-            .map(|_| Tensor::from(pooling_rows(&mut rng, 1, head_dim)))
-            .collect();
-        let picks: Vec<&Tensor> = (0..members)
-            .map(|m| match rng.below(3) {
-                0 => &views[rng.below(buffer_rows as u64) as usize],
-                1 => &own[m],
-                _ => &hosts[m],
-            })
-            .collect();
-        let mut groups: Vec<Vec<&Tensor>> = Vec::new();
-        let mut at = 0;
-        for &size in sizes {
-            groups.push(picks[at..at + size].to_vec());
-            at += size;
-        }
-        let cpu = CpuBackend.gated_pool_rows(&groups, head_dim);
-        let before = copies(&cuda);
-        let gpu = cuda.gated_pool_rows(&groups, head_dim);
-        assert_eq!(copies(&cuda), before, "no copy to the host inside the op");
-        assert_eq!(gpu.len(), sizes.len() * head_dim);
-        compared += assert_bitwise("gated_pool_rows", &gpu, &cpu);
-        // Negative control: the last member of every group replaced by another row.
-        let other = on_device(&cuda, &pooling_rows(&mut rng, 1, head_dim));
-        let replaced: Vec<Vec<&Tensor>> = groups
-            .iter()
-            .map(|g| {
-                let mut g = g.clone();
-                if let Some(last) = g.last_mut() {
-                    *last = &other;
-                }
-                g
-            })
-            .collect();
-        replaced_differs += differing(&cuda.gated_pool_rows(&replaced, head_dim), &cpu);
-        // The members in reverse order (another fold order): the bf16 rounding of the output
-        // hides most of the fp32 differences, so this is only counted.
-        let reversed: Vec<Vec<&Tensor>> = groups
-            .iter()
-            .map(|g| g.iter().rev().copied().collect())
-            .collect();
-        reversed_differs += differing(&cuda.gated_pool_rows(&reversed, head_dim), &cpu);
-    }
-    assert!(replaced_differs > 0, "every member must be read");
-    assert!(cuda.gated_pool_rows(&[], 8).is_empty());
-    println!(
-        "Backend::gated_pool_rows: {compared} values bitwise equal; a replaced member changes \
-         {replaced_differs}, reversed members (another fold order) {reversed_differs}"
-    );
-}
-
-#[test]
-fn backend_engram_inject_matches_cpu() {
-    let cuda = cuda_backend("backend_engram_inject_matches_cpu");
-    let mut rng = Rng(24);
-    let mut compared = 0;
-    let mut other_eps_differs = 0;
-    for (tokens, hc, dim, extra_kv, eps) in [
-        (1, 1, 1, 0, 1e-6f32),
-        (5, 4, 7, 0, 1e-6),
-        (6, 4, 64, 3, 1e-6),
-        (3, 2, 1031, 0, 1e-20),
-        (9, 4, 5120, 0, 1e-20),
-    ] {
-        let q: Vec<f32> = (0..hc * dim)
-            .map(|_| round_bf16(rng.spread(-3, 1)))
-            .collect();
-        let k: Vec<f32> = (0..hc * dim)
-            .map(|_| round_bf16(rng.spread(-3, 1)))
-            .collect();
-        let gate = EngramGate::new(dim, hc, &q, &k, eps).expect("gate shapes");
-        let mut streams = rng.activations(tokens * hc * dim);
-        // One stream of zeros: d = 0, the gate at its clamp.
-        streams[..dim].fill(0.0);
-        let live: Vec<usize> = (0..tokens).filter(|t| t % 3 != 1).collect();
-        let kv_stride = (hc + 1) * dim + extra_kv;
-        let kv = rng.activations(live.len() * kv_stride);
-
-        let kv_host = Tensor::from(&kv);
-        let injection = EngramInjection {
-            kv: &kv_host,
-            live: &live,
-            gate: &gate,
-        };
-        let cpu = CpuBackend.engram_inject(Tensor::from(&streams), injection);
-        assert_ne!(differing(&cpu, &streams), 0, "live tokens must change");
-        let host = cuda.engram_inject(Tensor::from(&streams), injection);
-        compared += assert_bitwise("engram_inject (host)", &host, &cpu);
-        let kv_d = on_device(&cuda, &kv);
-        let streams_d = on_device(&cuda, &streams);
-        let kept = streams_d.clone();
-        let before = copies(&cuda);
-        // Streams shared with `kept`: injected into a copy, `kept` unchanged.
-        let injection = EngramInjection {
-            kv: &kv_d,
-            ..injection
-        };
-        let gpu = cuda.engram_inject(streams_d, injection);
-        // The sole holder: injected in place.
-        let in_place = cuda.engram_inject(on_device(&cuda, &streams), injection);
-        assert_eq!(copies(&cuda), before, "no copy to the host inside the ops");
-        compared += assert_bitwise("engram_inject (device)", &gpu, &cpu);
-        compared += assert_bitwise("engram_inject (in place)", &in_place, &cpu);
-        assert_bitwise("the shared streams are unchanged", &kept, &streams);
-        // Negative control: another eps changes some gates' last bits.
-        let other = EngramGate::new(dim, hc, &q, &k, eps * 1.5 + 1e-3).expect("gate shapes");
-        other_eps_differs += differing(
-            &cuda.engram_inject(
-                Tensor::from(&streams),
-                EngramInjection {
-                    gate: &other,
-                    ..injection
-                },
-            ),
-            &cpu,
-        );
-    }
-    assert!(other_eps_differs > 0, "eps must be visible");
-    // No live token: the streams come back as they are.
-    let gate = EngramGate::new(2, 1, &[1.0; 2], &[1.0; 2], 1e-6).expect("gate shapes");
-    let same = cuda.engram_inject(
-        Tensor::from(vec![1.0, 2.0]),
-        EngramInjection {
-            kv: &Tensor::empty(),
-            live: &[],
-            gate: &gate,
-        },
-    );
-    assert_bitwise("no live token", &same, &[1.0, 2.0]);
-    println!(
-        "Backend::engram_inject: {compared} stream values bitwise equal; another eps differs in \
          {other_eps_differs}"
     );
 }

@@ -22,7 +22,7 @@ use deepinfer_kernels::ops::topk::{NO_INDEX, apply_mask_rows, candidate_mask_row
 use deepinfer_model::backend::select::{candidate_mask, top_k_lowest_index};
 
 mod gpu_support;
-use gpu_support::{Rng, runtime};
+use gpu_support::{Rng, assert_bitwise, runtime};
 
 /// The special values every distribution mixes in: ±inf, ±0 and NaNs of both signs (quiet,
 /// with payloads, and the largest-payload NaN whose total-order key is u32 max).
@@ -357,14 +357,10 @@ fn masked_two_level_top_k_matches_the_cpu() {
             }
         }
         let cpu_masked = later.flat();
-        let differing = gpu_masked
-            .iter()
-            .zip(&cpu_masked)
-            .filter(|(g, c)| g.to_bits() != c.to_bits())
-            .count();
-        assert_eq!(
-            differing, 0,
-            "{scores:?}: masked scores differ at {differing} positions"
+        assert_bitwise(
+            &format!("{scores:?}: masked scores"),
+            &gpu_masked,
+            &cpu_masked,
         );
         let gpu = device_top_k(&rt, &later_device, &later_prefixes, k);
         assert_rows_equal(&format!("masked {scores:?}"), &gpu, &later, k);

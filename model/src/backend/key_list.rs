@@ -84,6 +84,15 @@ impl Deref for KeyList {
     }
 }
 
+impl<'a> IntoIterator for &'a KeyList {
+    type Item = &'a Tensor;
+    type IntoIter = std::slice::Iter<'a, Tensor>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.rows.iter()
+    }
+}
+
 /// A copy holds the same rows and no mirror (a backend's copy belongs to one list).
 impl Clone for KeyList {
     fn clone(&self) -> KeyList {

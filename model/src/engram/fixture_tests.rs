@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use safetensors::{Dtype, SafeTensors};
 
-use super::{CompressedVocab, Engram, EngramHistory};
+use super::{CompressedVocab, Engram, EngramHistory, EngramRows};
 use crate::backend::CpuBackend;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
@@ -61,26 +61,27 @@ impl Fixture {
         Ok((view.shape().to_vec(), view.data().to_vec()))
     }
 
+    /// Tensor `name` of `dtype`, its 4-byte values decoded by `decode`.
+    fn words<T>(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        decode: fn([u8; 4]) -> T,
+    ) -> Result<(Vec<usize>, Vec<T>), Box<dyn std::error::Error>> {
+        let (shape, bytes) = self.tensor(name, dtype)?;
+        let values = bytes
+            .chunks_exact(4)
+            .map(|b| decode([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok((shape, values))
+    }
+
     fn f32s(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), Box<dyn std::error::Error>> {
-        let (shape, bytes) = self.tensor(name, Dtype::F32)?;
-        Ok((
-            shape,
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ))
+        self.words(name, Dtype::F32, f32::from_le_bytes)
     }
 
     fn i32s(&self, name: &str) -> Result<(Vec<usize>, Vec<i32>), Box<dyn std::error::Error>> {
-        let (shape, bytes) = self.tensor(name, Dtype::I32)?;
-        Ok((
-            shape,
-            bytes
-                .chunks_exact(4)
-                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ))
+        self.words(name, Dtype::I32, i32::from_le_bytes)
     }
 }
 
@@ -160,16 +161,48 @@ fn compare(ours: &[f32], reference: &[f32]) -> (f64, f32, usize) {
     ((diff2 / ref2).sqrt(), max_ulps, unequal)
 }
 
+/// The fixture's text prompt at the Engram: the Engram, the prompt's tokens and their table rows,
+/// and the prefill's layer outputs (`per_layer` values a layer).
+struct Prefill {
+    fixture: Fixture,
+    engram: Engram,
+    tokens: Vec<u32>,
+    rows: EngramRows,
+    layer_out: Vec<f32>,
+    per_layer: usize,
+}
+
+impl Prefill {
+    fn open() -> Result<Prefill, Box<dyn std::error::Error>> {
+        let fixture = Fixture::open()?;
+        let engram = load_engram()?;
+        let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
+        let rows = engram
+            .hasher()
+            .hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
+        let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
+        let per_layer = shape[1..].iter().product::<usize>();
+        Ok(Prefill {
+            fixture,
+            engram,
+            tokens,
+            rows,
+            layer_out,
+            per_layer,
+        })
+    }
+}
+
 #[test]
 fn engram_out_matches_reference() -> TestResult {
-    let fixture = Fixture::open()?;
-    let engram = load_engram()?;
-    let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
-    let rows = engram
-        .hasher()
-        .hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
-    let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
-    let per_layer = shape[1..].iter().product::<usize>();
+    let Prefill {
+        fixture,
+        engram,
+        rows,
+        layer_out,
+        per_layer,
+        ..
+    } = Prefill::open()?;
     for (engram_idx, layer_id) in [(0_usize, 1_usize), (1, 4)] {
         let mut x = layer_out[(layer_id - 1) * per_layer..layer_id * per_layer].to_vec();
         let before = x.clone();
@@ -200,14 +233,14 @@ fn engram_out_matches_reference() -> TestResult {
 
 #[test]
 fn dead_tokens_pass_through() -> TestResult {
-    let fixture = Fixture::open()?;
-    let engram = load_engram()?;
-    let tokens = tokens_of(&fixture.ids("text", "input_ids")?);
-    let rows = engram
-        .hasher()
-        .hash_chunk(&mut EngramHistory::new(), &tokens, &[]);
-    let (shape, layer_out) = fixture.f32s("text.prefill.layer_out")?;
-    let per_layer = shape[1..].iter().product::<usize>();
+    let Prefill {
+        engram,
+        tokens,
+        rows,
+        layer_out,
+        per_layer,
+        ..
+    } = Prefill::open()?;
     let before = layer_out[..per_layer].to_vec();
     let dead: Vec<bool> = (0..tokens.len()).map(|t| t % 3 == 0).collect();
     let mut x = before.clone();

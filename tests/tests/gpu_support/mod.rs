@@ -1,5 +1,5 @@
 //! Shared by the GPU test binaries (`gpu*.rs`): opening the device (or failing the test naming why),
-//! the SplitMix64 generator of test data, prompts and per-sequence sampling settings, bitwise
+//! the seeded test data (`deepinfer_tests::data`), prompts and per-sequence sampling settings, bitwise
 //! comparisons of device and host results, and a fixture's host model.
 
 // Each test binary uses its own subset of these helpers.
@@ -18,8 +18,10 @@ use deepinfer_model::Model;
 use deepinfer_model::backend::Precision;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::config::ModelConfig;
-use deepinfer_model::quant;
 use deepinfer_model::sampling::SamplingParams;
+// Each binary uses its own subset of these, as of the helpers below.
+#[allow(unused_imports)]
+pub use deepinfer_tests::data::{Rng, bf16_unit};
 
 /// Both precisions of the model's activations.
 pub const PRECISIONS: [Precision; 2] = [Precision::Bf16, Precision::F32];
@@ -44,31 +46,12 @@ pub fn runtime(test: &str) -> KernelRuntime {
 
 /// Opens the CUDA backend of device 0 (exact numerics; fails the test when it cannot).
 pub fn cuda_backend(test: &str) -> CudaBackend {
-    open_or_fail(test, "backend", || CudaBackend::open(0, Numerics::Exact))
+    cuda_backend_in(test, Numerics::Exact)
 }
 
-/// SplitMix64: a small deterministic generator for test data. A test file adds its own value
-/// distributions in an `impl Rng` block of its own.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    /// Uniform in `0..n`.
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
+/// Opens the CUDA backend of device 0 in `numerics` (fails the test when it cannot).
+pub fn cuda_backend_in(test: &str, numerics: Numerics) -> CudaBackend {
+    open_or_fail(test, "backend", || CudaBackend::open(0, numerics))
 }
 
 /// A deterministic prompt of `len` token ids below `vocab`.
@@ -90,11 +73,6 @@ pub fn mixed_sampling(s: usize) -> SamplingParams {
             seed: 11 + s as u64,
         }
     }
-}
-
-/// `n` bf16 values uniform in [-1, 1).
-pub fn bf16_unit(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| quant::round_bf16(rng.uniform())).collect()
 }
 
 /// The model's precision that rounds like `rounding`.

@@ -1,0 +1,379 @@
+//! The conformance harness checked on the CPU (no GPU needed): every op case of
+//! `deepinfer_tests::conformance::cases` run with `CpuBackend` on both sides conforms in both
+//! modes, and a backend with one op nudged (`Nudged`) fails the cases of that op — in `exact`
+//! numerics at a one-ulp change, in `fast` numerics only beyond the op's bound — while the cases
+//! of the other ops still pass (the harness can fail, and fails where it should).
+
+use deepinfer_model::backend::select::{
+    CandidateMask, IndexQueries, QueryKeys, SelectFrom, SelectPart, Selection,
+};
+use deepinfer_model::backend::weights::Linear;
+use deepinfer_model::backend::{
+    AttentionQueries, Backend, CpuBackend, DenseWeight, EngramInjection, ExpertRoute, Groups,
+    HcCollapse, HcExpand, HcMixes, HcMixing, HcParams, HyperHead, LogprobPick, MaskedRows,
+    MoeLayer, PoolSlot, Precision, RmsNorm, Rotation, Routing, RowSampling, SampleRowsError,
+    StreamShape, Tensor,
+};
+use deepinfer_model::engram::EngramTable;
+use deepinfer_model::sampling::TokenLogprobs;
+use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
+use deepinfer_tests::conformance::{Case, Mode, assert_conforms, cases, check, rows, sampling};
+
+/// `CpuBackend` with the result of one op changed: its first non-zero value `v` replaced by
+/// `v · (1 + factor) + shift` (`route_experts`: the first route's first weight), every other op
+/// the reference's.
+#[derive(Debug)]
+struct Nudged {
+    inner: CpuBackend,
+    op: &'static str,
+    factor: f32,
+    shift: f32,
+}
+
+impl Nudged {
+    fn new(op: &'static str, factor: f32) -> Nudged {
+        Nudged {
+            inner: CpuBackend,
+            op,
+            factor,
+            shift: 0.0,
+        }
+    }
+
+    fn shifted(op: &'static str, shift: f32) -> Nudged {
+        Nudged {
+            shift,
+            ..Nudged::new(op, 0.0)
+        }
+    }
+
+    fn nudge(&self, op: &str, y: Tensor) -> Tensor {
+        let mut y = y.into_vec();
+        if op == self.op
+            && let Some(first) = y.iter_mut().find(|v| **v != 0.0)
+        {
+            *first = *first * (1.0 + self.factor) + self.shift;
+        }
+        Tensor::from(y)
+    }
+}
+
+impl Backend for Nudged {
+    fn name(&self) -> &str {
+        "nudged cpu"
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn gemm_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Tensor {
+        self.nudge("gemm_fp8", self.inner.gemm_fp8(x, w))
+    }
+    fn linear_bf16(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor {
+        self.nudge("linear_bf16", self.inner.linear_bf16(x, w))
+    }
+    fn rms_norm(&self, x: &Tensor, norm: RmsNorm<'_>) -> Tensor {
+        self.nudge("rms_norm", self.inner.rms_norm(x, norm))
+    }
+    fn route_experts(&self, logits: &Tensor, routing: Routing<'_>) -> Vec<ExpertRoute> {
+        let mut routes = self.inner.route_experts(logits, routing);
+        if self.op == "route_experts"
+            && let Some(w) = routes.first_mut().and_then(|r| r.weights.first_mut())
+        {
+            *w *= 1.0 + self.factor;
+        }
+        routes
+    }
+    fn gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Tensor {
+        self.inner.gemm_fp4(x, w)
+    }
+    fn linear_f32(&self, x: &Tensor, w: DenseWeight<'_>) -> Tensor {
+        self.inner.linear_f32(x, w)
+    }
+    fn linear_grouped_bf16(&self, x: &Tensor, w: &[f32], shape: Groups) -> Tensor {
+        self.inner.linear_grouped_bf16(x, w, shape)
+    }
+    fn gather(&self, pieces: &[(&Tensor, usize)], width: usize) -> Tensor {
+        self.inner.gather(pieces, width)
+    }
+    fn table_rows(&self, table: &[f32], width: usize, ids: &[u32]) -> Tensor {
+        self.inner.table_rows(table, width, ids)
+    }
+    fn q8_qdq(&self, x: Tensor) -> Tensor {
+        self.inner.q8_qdq(x)
+    }
+    fn q4e_qdq(&self, x: Tensor) -> Tensor {
+        self.inner.q4e_qdq(x)
+    }
+    fn q4m_qdq(&self, x: Tensor) -> Tensor {
+        self.inner.q4m_qdq(x)
+    }
+    fn rope(&self, x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor {
+        self.inner.rope(x, layout, rotation)
+    }
+    fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes {
+        self.inner.hc_mixes_rows(x, params, mixing)
+    }
+    fn hc_collapse_rows_at(&self, x: &Tensor, collapse: HcCollapse<'_>) -> Tensor {
+        self.inner.hc_collapse_rows_at(x, collapse)
+    }
+    fn hc_expand_rows_at(&self, y: &Tensor, expand: HcExpand<'_>) -> Tensor {
+        self.inner.hc_expand_rows_at(y, expand)
+    }
+    fn sparse_attention_rows_at(
+        &self,
+        queries: AttentionQueries<'_>,
+        keys: &[Vec<&Tensor>],
+    ) -> Tensor {
+        self.inner.sparse_attention_rows_at(queries, keys)
+    }
+    fn sparse_attention_selected(
+        &self,
+        queries: AttentionQueries<'_>,
+        keys: &[QueryKeys<'_>],
+    ) -> Tensor {
+        self.inner.sparse_attention_selected(queries, keys)
+    }
+    fn select_rows(
+        &self,
+        queries: IndexQueries<'_>,
+        from: SelectFrom<'_>,
+    ) -> (Selection, Option<CandidateMask>) {
+        self.inner.select_rows(queries, from)
+    }
+    fn index_scores_rows_at(
+        &self,
+        queries: IndexQueries<'_>,
+        part: SelectPart<'_>,
+    ) -> Vec<Vec<f32>> {
+        self.inner.index_scores_rows_at(queries, part)
+    }
+    fn moe_rows(&self, x: &Tensor, layer: &MoeLayer<'_>) -> Option<Tensor> {
+        self.inner.moe_rows(x, layer)
+    }
+    fn sample_rows(
+        &self,
+        logits: &[f32],
+        vocab: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        self.inner.sample_rows(logits, vocab, rows)
+    }
+    fn sample_masked(
+        &self,
+        rows: MaskedRows<'_, RowSampling>,
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        self.inner.sample_masked(rows)
+    }
+    fn token_logprobs_masked(
+        &self,
+        picks: MaskedRows<'_, LogprobPick>,
+    ) -> Result<Vec<TokenLogprobs>, SampleRowsError> {
+        self.inner.token_logprobs_masked(picks)
+    }
+    fn sample_linear(
+        &self,
+        x: &Tensor,
+        head: DenseWeight<'_>,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>, SampleRowsError> {
+        self.inner.sample_linear(x, head, rows)
+    }
+    fn engram_gather(&self, table: &EngramTable, row_ids: &[u32]) -> Tensor {
+        self.inner.engram_gather(table, row_ids)
+    }
+    fn linear(&self, x: &Tensor, w: &Linear) -> Tensor {
+        self.inner.linear(x, w)
+    }
+    fn scale_at(&self, x: Tensor, scale: f32, precision: Precision) -> Tensor {
+        self.inner.scale_at(x, scale, precision)
+    }
+    fn stream_means_at(
+        &self,
+        streams: &Tensor,
+        shape: StreamShape,
+        precision: Precision,
+    ) -> Tensor {
+        self.inner.stream_means_at(streams, shape, precision)
+    }
+    fn gated_pool_rows(&self, groups: &[Vec<&Tensor>], head_dim: usize) -> Tensor {
+        self.inner.gated_pool_rows(groups, head_dim)
+    }
+    fn engram_inject(&self, streams: Tensor, injection: EngramInjection<'_>) -> Tensor {
+        self.inner.engram_inject(streams, injection)
+    }
+    fn add(&self, x: Tensor, y: &Tensor) -> Tensor {
+        self.inner.add(x, y)
+    }
+    fn resident(&self, x: Tensor) -> Tensor {
+        self.inner.resident(x)
+    }
+    fn argmax_rows(&self, x: &Tensor, width: usize) -> Vec<u32> {
+        self.inner.argmax_rows(x, width)
+    }
+    fn hyper_head_weights_rows(&self, x: &Tensor, head: &HyperHead<'_>) -> Tensor {
+        self.inner.hyper_head_weights_rows(x, head)
+    }
+    fn compressor_pool_rows(&self, entries: &[Vec<PoolSlot<'_>>], width: usize) -> Tensor {
+        self.inner.compressor_pool_rows(entries, width)
+    }
+    fn moe_rows_exact(
+        &self,
+        x: &Tensor,
+        layer: &MoeLayer<'_>,
+        hashed: Option<&[Vec<usize>]>,
+    ) -> Option<Tensor> {
+        self.inner.moe_rows_exact(x, layer, hashed)
+    }
+}
+
+/// Every op family of the harness.
+fn families() -> Vec<(&'static str, Vec<Case>)> {
+    vec![
+        ("linears", cases::linears()),
+        ("gemms", cases::gemms()),
+        ("quantised_linears", cases::quantised_linears()),
+        ("rms_norms", cases::rms_norms()),
+        ("ropes", cases::ropes()),
+        ("qdqs", cases::qdqs()),
+        ("attention_one", cases::attention_one()),
+        ("attention_rows", cases::attention_rows()),
+        ("index_scores_one", cases::index_scores_one()),
+        ("index_scores_rows", cases::index_scores_rows()),
+        ("hc_one", cases::hc_one()),
+        ("hc_rows", cases::hc_rows()),
+        ("routers", cases::routers()),
+        ("selections", cases::selections()),
+        ("sample_rows", sampling::sample_rows()),
+        (
+            "sample_rows_at_the_real_vocab",
+            sampling::sample_rows_at_the_real_vocab(),
+        ),
+        ("sample_masked", sampling::sample_masked()),
+        ("token_logprobs_masked", sampling::token_logprobs_masked()),
+        ("sample_linear", sampling::sample_linear()),
+        ("scale_at", rows::scale_at()),
+        ("stream_means", rows::stream_means()),
+        ("gated_pool", rows::gated_pool()),
+        ("engram_inject", rows::engram_inject()),
+        ("engram_gather", rows::engram_gather()),
+        ("table_rows", rows::table_rows()),
+        ("split_launches", rows::split_launches()),
+    ]
+}
+
+/// The cases of `cases` that fail against the reference in `mode` on `device`.
+fn failing(cases: &[Case], device: &dyn Backend, mode: Mode) -> Vec<String> {
+    cases
+        .iter()
+        .filter(|case| check(case, &CpuBackend, device, mode).is_err())
+        .map(|case| case.name.clone())
+        .collect()
+}
+
+#[test]
+fn every_case_conforms_on_the_reference_in_both_modes() {
+    for (family, cases) in families() {
+        for mode in [Mode::Exact, Mode::Fast] {
+            let checked = assert_conforms(&cases, &CpuBackend, &CpuBackend, mode);
+            assert!(checked.values > 0, "{family}: no values compared");
+            assert_eq!(
+                checked.worst, 0.0,
+                "{family}: the reference differs from itself"
+            );
+        }
+    }
+}
+
+/// An op without a fast path (RMSNorm): a one-ulp change of one value fails its cases in both
+/// modes, and no case of another op.
+#[test]
+fn a_nudged_op_fails_every_case_of_its_own_and_no_other() {
+    let nudged = Nudged::new("rms_norm", f32::EPSILON);
+    for mode in [Mode::Exact, Mode::Fast] {
+        let norms = cases::rms_norms();
+        assert_eq!(failing(&norms, &nudged, mode), names(&norms), "{mode:?}");
+        assert!(
+            failing(&cases::ropes(), &nudged, mode).is_empty(),
+            "{mode:?}"
+        );
+        assert!(
+            failing(&cases::linears(), &nudged, mode).is_empty(),
+            "{mode:?}"
+        );
+    }
+    let nudged = Nudged::new("route_experts", f32::EPSILON);
+    for mode in [Mode::Exact, Mode::Fast] {
+        let routers = cases::routers();
+        assert_eq!(
+            failing(&routers, &nudged, mode),
+            names(&routers),
+            "{mode:?}"
+        );
+    }
+}
+
+/// Ops with a fast path: a change far inside the bound (2^-12 relative, the bound allows 2^-8 of
+/// the value) fails `exact` but passes `fast`; a change beyond it (10^30 added, or a NaN) fails
+/// both. The fp32 linears (no fast path) pass untouched.
+#[test]
+fn fast_bounds_admit_small_errors_and_catch_large_ones() {
+    assert_bounded("linear_bf16", &cases::linears(), 18);
+    assert_bounded("gemm_fp8", &cases::gemms(), 16);
+}
+
+/// The `count` cases of `op` among `cases` fail `exact` and pass `fast` with `op` nudged by 2^-12,
+/// and fail `fast` with 10^30 added or a NaN; the other cases pass.
+fn assert_bounded(op: &'static str, cases: &[Case], count: usize) {
+    let of_op: Vec<String> = names(cases)
+        .into_iter()
+        .filter(|n| n.starts_with(op))
+        .collect();
+    assert_eq!(of_op.len(), count, "{op}");
+    let small = Nudged::new(op, 2f32.powi(-12));
+    assert_eq!(failing(cases, &small, Mode::Exact), of_op, "{op} exact");
+    assert!(failing(cases, &small, Mode::Fast).is_empty(), "{op} fast");
+    for shift in [1e30, f32::NAN] {
+        let large = Nudged::shifted(op, shift);
+        assert_eq!(failing(cases, &large, Mode::Fast), of_op, "{op} + {shift}");
+    }
+}
+
+/// A case's invariant broken on a backend (a row of a batch that is not the op on that row
+/// alone) fails the case in both modes, naming the side; outputs of another length, or ids that
+/// differ, fail too.
+#[test]
+fn broken_invariants_and_mismatched_outputs_fail() {
+    use deepinfer_tests::conformance::Op;
+    let broken = Case::new("broken invariant", Op::RmsNorm, |_, o| {
+        o.same("row 0 alone", &[1.0, 2.0], &[1.0, 2.5]);
+        o.values("y", vec![1.0]);
+    });
+    for mode in [Mode::Exact, Mode::Fast] {
+        let failures = check(&broken, &CpuBackend, &CpuBackend, mode).expect_err("broken");
+        assert_eq!(failures.len(), 2, "{failures:?}");
+        assert!(failures[0].starts_with("reference cpu"), "{failures:?}");
+        assert!(
+            failures[0].contains("1 of 2 values differ; first at 1"),
+            "{failures:?}"
+        );
+    }
+    let by_backend = Case::new("ids by backend", Op::RouteExperts, |b, o| {
+        o.ids("ids", vec![b.name().len() as u32]);
+        o.values("y", vec![0.5; b.name().len()]);
+    });
+    let nudged = Nudged::new("none", 0.0);
+    let failures = check(&by_backend, &CpuBackend, &nudged, Mode::Fast).expect_err("differ");
+    assert_eq!(failures.len(), 2, "{failures:?}");
+    assert!(
+        failures[0].starts_with("ids: device Ids([10]) reference Ids([3])"),
+        "{failures:?}"
+    );
+    assert!(
+        failures[1].starts_with("y: 10 values, 3 wanted"),
+        "{failures:?}"
+    );
+}
+
+fn names(cases: &[Case]) -> Vec<String> {
+    cases.iter().map(|c| c.name.clone()).collect()
+}
