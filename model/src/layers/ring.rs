@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::{Backend, Pinned, Tensor};
 use crate::error::ModelError;
 
 /// How many most recent tokens a rollback may drop (anchor + 5 drafts of DSpark).
@@ -89,6 +89,11 @@ impl PositionRing {
     /// Bytes of the rows held (f32 values).
     pub fn held_bytes(&self) -> u64 {
         tensor_bytes(&self.rows)
+    }
+
+    /// Counts the allocations the rows keep alive into `pinned`.
+    pub fn pin(&self, pinned: &mut Pinned) {
+        pinned.add_tensors(&self.rows);
     }
 
     /// Drops every row of a position `>= len`.

@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::{Backend, Pinned, Tensor};
 use crate::error::ModelError;
 use crate::layers::ring::{MAX_BACKTRACK, PositionRing, past_end, tensor_bytes, too_far};
 
@@ -235,6 +235,31 @@ impl SequenceState {
         layers + mtp + dspark
     }
 
+    /// Bytes of the distinct allocations the state keeps alive: every buffer a row or entry
+    /// views, whole (on a device, a view of a step's buffer pins all of it). At least
+    /// [`SequenceState::held_bytes`].
+    pub fn pinned_bytes(&self) -> u64 {
+        let mut pinned = Pinned::default();
+        let pin_layer = |layer: &LayerState, pinned: &mut Pinned| {
+            layer.window.pin(pinned);
+            for cache in [&layer.main, &layer.index].into_iter().flatten() {
+                cache.pending.pin(pinned);
+                pinned.add_tensors(&cache.entries);
+            }
+        };
+        for layer in &self.layers {
+            pin_layer(layer, &mut pinned);
+        }
+        if let Some(mtp) = &self.mtp {
+            pin_layer(&mtp.layer, &mut pinned);
+            mtp.hidden.pin(&mut pinned);
+        }
+        for ring in &self.dspark {
+            ring.pin(&mut pinned);
+        }
+        pinned.bytes()
+    }
+
     /// Drops ring rows no future token (or rollback) needs, except those a hold keeps
     /// ([`SequenceState::hold_block_rows`], released here).
     pub(crate) fn trim(&mut self, window: usize) {
@@ -258,11 +283,8 @@ impl SequenceState {
     /// Copies every ring's rows into buffers of their own when they are views into device memory,
     /// so that the few rows a long chunk leaves do not keep that chunk's whole buffers alive.
     pub(crate) fn compact(&mut self, backend: &dyn Backend) {
-        for layer in &mut self.layers {
-            layer.window.compact(backend);
-            for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
-                cache.pending.compact(backend);
-            }
+        for ring in self.rings_mut() {
+            ring.compact(backend);
         }
     }
 
@@ -606,6 +628,37 @@ mod tests {
         seq.len = len;
         seq.trim(window);
         seq
+    }
+
+    #[test]
+    fn compact_gives_every_ring_buffers_of_its_own() {
+        use crate::backend::CpuBackend;
+        use crate::backend::tensor::HostDeviceBuffer;
+        // A 64-token chunk on a device: every ring's rows are views of the chunk's buffers.
+        let (chunk, width) = (64, 4);
+        let buffer = || {
+            HostDeviceBuffer::tensor((0..chunk * width).map(|v| v as f32).collect())
+                .split_rows(width)
+        };
+        let mut seq = SequenceState::new(vec![LayerState::default()], true, 2);
+        seq.layers[0].main = Some(CompressorCache::new(4, true));
+        for ring in seq.rings_mut() {
+            for (p, row) in buffer().into_iter().enumerate() {
+                ring.push_at(p, row);
+            }
+        }
+        seq.len = chunk;
+        seq.trim(8);
+        // Six rings (window, compressor, MTP window and streams, two DSpark stages), each row of
+        // each a view that keeps its ring's whole chunk buffer alive.
+        assert_eq!(seq.pinned_bytes(), 6 * (chunk * width * 4) as u64);
+        seq.compact(&CpuBackend::new());
+        assert_eq!(seq.pinned_bytes(), seq.held_bytes());
+        let mtp = seq.mtp.as_ref().expect("mtp state");
+        assert_eq!(
+            mtp.hidden.get(chunk - 1).map(|r| r.to_vec()),
+            Some(vec![252.0, 253.0, 254.0, 255.0])
+        );
     }
 
     #[test]

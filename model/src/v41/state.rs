@@ -3,7 +3,7 @@
 //! context rings. Rings keep `window + MAX_BACKTRACK` entries so that a rollback of up to
 //! `MAX_BACKTRACK` tokens (a partially accepted verify) restores exactly the never-drafted state.
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::{Backend, Pinned, Tensor};
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
 pub use crate::layers::ring::{MAX_BACKTRACK, PositionRing};
@@ -95,6 +95,26 @@ impl SequenceState {
             .sum();
         let dspark: u64 = self.dspark.iter().map(PositionRing::held_bytes).sum();
         layers + dspark + self.engram.held_bytes()
+    }
+
+    /// Bytes of the distinct allocations the state keeps alive: every buffer a row or entry
+    /// views, whole (on a device, a view of a step's buffer pins all of it), and the Engram
+    /// history's capacity. At least [`SequenceState::held_bytes`].
+    pub fn pinned_bytes(&self) -> u64 {
+        let mut pinned = Pinned::default();
+        for layer in &self.layers {
+            layer.window.pin(&mut pinned);
+            if let Some(c) = &layer.compressor {
+                c.pending.pin(&mut pinned);
+                pinned.add_tensors(&c.compressed);
+                pinned.add_tensors(&c.index_keys);
+            }
+        }
+        for ring in &self.dspark {
+            ring.pin(&mut pinned);
+        }
+        pinned.add(self.engram.allocation());
+        pinned.bytes()
     }
 
     /// Keeps `window + MAX_BACKTRACK` entries of every ring.
