@@ -106,6 +106,32 @@ impl PositionRing {
     }
 }
 
+/// Entries an append-only cache (compressed KV, index keys) gathers at once ([`pack_rows`]): few
+/// enough that what a cache pins beyond what it holds stays small, many enough that a sequence
+/// of a batched decode copies its entries once every `PACK_ENTRIES` of them.
+pub(crate) const PACK_ENTRIES: usize = 32;
+
+/// Copies `rows` into one buffer of their own when they pin more than they hold: views of
+/// buffers that also hold rows the cache does not keep (a batched step's buffer shares the other
+/// sequences' rows, which would stay alive as long as this cache; a rollback drops rows of a
+/// buffer). Rows that are the whole of their buffers (a sequence's chunk, host rows) are left
+/// as they are. The values never change.
+pub(crate) fn pack_rows(rows: &mut [Tensor], backend: &dyn Backend) {
+    let Some(width) = rows.first().map(Tensor::len) else {
+        return;
+    };
+    let mut pinned = Pinned::default();
+    pinned.add_tensors(rows.iter());
+    if pinned.bytes() <= tensor_bytes(rows.iter()) || rows.iter().any(|r| r.len() != width) {
+        return;
+    }
+    let pieces: Vec<(&Tensor, usize)> = rows.iter().map(|row| (row, 0)).collect();
+    let packed = backend.gather(&pieces, width).split_rows(width);
+    for (row, own) in rows.iter_mut().zip(packed) {
+        *row = own;
+    }
+}
+
 /// Bytes of the f32 values of `rows`.
 pub(crate) fn tensor_bytes<'a>(rows: impl IntoIterator<Item = &'a Tensor>) -> u64 {
     rows.into_iter().map(|row| row.len() as u64 * 4).sum()
@@ -155,5 +181,36 @@ mod tests {
         // A gap restarts the ring at the new position.
         ring.push_at(20, vec![20.0]);
         assert_eq!((ring.start(), ring.get(8)), (20, None));
+    }
+
+    #[test]
+    fn pack_rows_copies_rows_out_of_shared_buffers_only() {
+        use crate::backend::CpuBackend;
+        use crate::backend::tensor::HostDeviceBuffer;
+        let pinned = |rows: &[Tensor]| {
+            let mut pinned = Pinned::default();
+            pinned.add_tensors(rows);
+            pinned.bytes()
+        };
+        // A sequence's own chunk: every row of the buffer is kept, nothing is copied.
+        let mut own = HostDeviceBuffer::tensor((0..12).map(|v| v as f32).collect()).split_rows(3);
+        pack_rows(&mut own, &CpuBackend::new());
+        assert!(own.iter().all(|row| row.device_view().is_some()));
+        assert_eq!(pinned(&own), 12 * 4);
+        // Four batched steps, each buffer shared with two other sequences' rows.
+        let mut shared: Vec<Tensor> = (0..4)
+            .map(|s| {
+                let values = (0..9).map(|v| (9 * s + v) as f32).collect();
+                HostDeviceBuffer::tensor(values).rows(1..2, 3)
+            })
+            .collect();
+        assert_eq!(pinned(&shared), 4 * 9 * 4);
+        pack_rows(&mut shared, &CpuBackend::new());
+        assert_eq!(pinned(&shared), tensor_bytes(&shared));
+        assert_eq!(
+            shared[2].to_vec(),
+            vec![21.0, 22.0, 23.0],
+            "the same values"
+        );
     }
 }

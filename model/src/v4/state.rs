@@ -20,7 +20,9 @@ use std::ops::Range;
 
 use crate::backend::{Backend, Pinned, Tensor};
 use crate::error::ModelError;
-use crate::layers::ring::{MAX_BACKTRACK, PositionRing, past_end, tensor_bytes, too_far};
+use crate::layers::ring::{
+    MAX_BACKTRACK, PACK_ENTRIES, PositionRing, pack_rows, past_end, tensor_bytes, too_far,
+};
 
 /// One compressor's cache.
 #[derive(Debug, Clone)]
@@ -33,6 +35,8 @@ pub struct CompressorCache {
     pub(crate) pending: PositionRing,
     /// Complete entries (normalised, rotated), one per `ratio` tokens.
     pub(crate) entries: Vec<Tensor>,
+    /// Entries [`CompressorCache::pack`] has seen (the rest came after).
+    packed: usize,
 }
 
 impl CompressorCache {
@@ -42,7 +46,20 @@ impl CompressorCache {
             overlapping,
             pending: PositionRing::default(),
             entries: Vec::new(),
+            packed: 0,
         }
+    }
+
+    /// Once [`PACK_ENTRIES`] entries came since the last look, copies them into a buffer of their
+    /// own if they pin more than they hold ([`pack_rows`]: after batched steps, whose buffers
+    /// hold every sequence's entries).
+    fn pack(&mut self, backend: &dyn Backend) {
+        let entries = self.entries.len();
+        if entries < self.packed + PACK_ENTRIES {
+            return;
+        }
+        pack_rows(&mut self.entries[self.packed..], backend);
+        self.packed = entries;
     }
 
     /// Raw rows a future entry may still need: the partial window, plus the previous window when
@@ -280,6 +297,15 @@ impl SequenceState {
         }
     }
 
+    /// [`CompressorCache::pack`] of every compressor (after every step).
+    pub(crate) fn pack_caches(&mut self, backend: &dyn Backend) {
+        for layer in &mut self.layers {
+            for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
+                cache.pack(backend);
+            }
+        }
+    }
+
     /// Copies every ring's rows into buffers of their own when they are views into device memory,
     /// so that the few rows a long chunk leaves do not keep that chunk's whole buffers alive.
     pub(crate) fn compact(&mut self, backend: &dyn Backend) {
@@ -325,6 +351,7 @@ impl SequenceState {
             for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
                 cache.pending.truncate(len);
                 cache.entries.truncate(len / cache.ratio);
+                cache.packed = cache.packed.min(cache.entries.len());
             }
         }
         if let Some(mtp) = &mut self.mtp {
@@ -503,6 +530,8 @@ impl SequenceState {
                     .iter()
                     .flat_map(|block| block.entries[l][c].iter().cloned())
                     .collect();
+                // The attached entries stay where the prefix cache keeps them (shared with it).
+                cache.packed = cache.entries.len();
             }
         }
         self.len = end;
