@@ -39,8 +39,11 @@ impl CompressorState {
         if groups < self.packed + PACK_ENTRIES {
             return;
         }
-        pack_rows(&mut self.compressed[self.packed..], backend);
-        pack_rows(&mut self.index_keys[self.packed..], backend);
+        for cache in [&mut self.compressed, &mut self.index_keys] {
+            if let Some(tail) = cache.get_mut(self.packed..) {
+                pack_rows(tail, backend);
+            }
+        }
         self.packed = groups;
     }
 }
