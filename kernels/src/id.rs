@@ -212,6 +212,15 @@ pub enum KernelId {
     LinearBf16FastT4x2,
     /// The `fast` bf16 linear's prefill tile: 128 x 256 outputs a block, each warp all of K.
     LinearBf16FastWide,
+    /// The `fast` split-x bf16x3 linear (x in three bf16 pieces: fp32-level accuracy) on tensor
+    /// cores, the tiles of the bf16 linear: one 16 x 8 mma tile per warp.
+    LinearBf16x3FastT1x1,
+    /// The split-x bf16x3 linear, 2 x 2 mma tiles per warp.
+    LinearBf16x3FastT2x2,
+    /// The split-x bf16x3 linear, 4 x 2 mma tiles per warp.
+    LinearBf16x3FastT4x2,
+    /// The split-x bf16x3 linear's prefill tile.
+    LinearBf16x3FastWide,
     /// The pairwise tree over the block partials of `LinearSgemmF32`.
     LinearSgemmReduceF32,
     /// Rows of an FP8 weight dequantised to f32.
@@ -301,8 +310,10 @@ pub enum KernelId {
     GatherPtrsF32,
     /// bf16 values widened to f32 storage.
     Bf16ToF32,
-    /// Selected compressed-key rows written into attention key lists.
-    ComposeSelectedRows,
+    /// Attention key lists written from runs of table rows and device selections.
+    ComposeKeyLists,
+    /// Key-table addresses copied between device lists.
+    CopyAddresses,
     /// `x += y` elementwise in fp32.
     AddF32,
     /// V4 compressor pooling: softmax of biased gates over slots given by device address, fp32.
@@ -312,7 +323,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 92] = [
+    pub const ALL: [KernelId; 97] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -358,6 +369,10 @@ impl KernelId {
         KernelId::LinearBf16FastT2x2,
         KernelId::LinearBf16FastT4x2,
         KernelId::LinearBf16FastWide,
+        KernelId::LinearBf16x3FastT1x1,
+        KernelId::LinearBf16x3FastT2x2,
+        KernelId::LinearBf16x3FastT4x2,
+        KernelId::LinearBf16x3FastWide,
         KernelId::LinearSgemmReduceF32,
         KernelId::DequantFp8RowsF32,
         KernelId::DequantFp4RowsF32,
@@ -401,7 +416,8 @@ impl KernelId {
         KernelId::ApplyMaskRowsF32,
         KernelId::GatherPtrsF32,
         KernelId::Bf16ToF32,
-        KernelId::ComposeSelectedRows,
+        KernelId::ComposeKeyLists,
+        KernelId::CopyAddresses,
         KernelId::AddF32,
         KernelId::V4PoolF32,
         KernelId::V4HyperHeadF32,
@@ -455,6 +471,10 @@ impl KernelId {
             KernelId::LinearBf16FastT2x2 => "linear_bf16_fast_t2x2",
             KernelId::LinearBf16FastT4x2 => "linear_bf16_fast_t4x2",
             KernelId::LinearBf16FastWide => "linear_bf16_fast_wide",
+            KernelId::LinearBf16x3FastT1x1 => "linear_bf16x3_fast_t1x1",
+            KernelId::LinearBf16x3FastT2x2 => "linear_bf16x3_fast_t2x2",
+            KernelId::LinearBf16x3FastT4x2 => "linear_bf16x3_fast_t4x2",
+            KernelId::LinearBf16x3FastWide => "linear_bf16x3_fast_wide",
             KernelId::LinearSgemmReduceF32 => "linear_sgemm_reduce_f32",
             KernelId::DequantFp8RowsF32 => "dequant_fp8_rows_f32",
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
@@ -498,7 +518,8 @@ impl KernelId {
             KernelId::ApplyMaskRowsF32 => "apply_mask_rows_f32",
             KernelId::GatherPtrsF32 => "gather_ptrs_f32",
             KernelId::Bf16ToF32 => "bf16_to_f32",
-            KernelId::ComposeSelectedRows => "compose_selected_rows",
+            KernelId::ComposeKeyLists => "compose_key_lists",
+            KernelId::CopyAddresses => "copy_addresses",
             KernelId::AddF32 => "add_f32",
             KernelId::V4PoolF32 => "v4_pool_f32",
             KernelId::V4HyperHeadF32 => "v4_hyper_head_f32",
@@ -515,6 +536,10 @@ impl KernelId {
             | KernelId::LinearBf16FastT2x2
             | KernelId::LinearBf16FastT4x2
             | KernelId::LinearBf16FastWide
+            | KernelId::LinearBf16x3FastT1x1
+            | KernelId::LinearBf16x3FastT2x2
+            | KernelId::LinearBf16x3FastT4x2
+            | KernelId::LinearBf16x3FastWide
             | KernelId::SparseAttentionSinkRowsPtrFast => true,
             id => id.source() == SourceFile::GemmFast,
         }
@@ -565,6 +590,10 @@ impl KernelId {
             | KernelId::LinearBf16FastT2x2
             | KernelId::LinearBf16FastT4x2
             | KernelId::LinearBf16FastWide
+            | KernelId::LinearBf16x3FastT1x1
+            | KernelId::LinearBf16x3FastT2x2
+            | KernelId::LinearBf16x3FastT4x2
+            | KernelId::LinearBf16x3FastWide
             | KernelId::LinearSgemmReduceF32
             | KernelId::DequantFp8RowsF32
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
@@ -607,7 +636,8 @@ impl KernelId {
             }
             KernelId::GatherPtrsF32
             | KernelId::Bf16ToF32
-            | KernelId::ComposeSelectedRows
+            | KernelId::ComposeKeyLists
+            | KernelId::CopyAddresses
             | KernelId::AddF32 => SourceFile::Movement,
             KernelId::V4PoolF32 | KernelId::V4HyperHeadF32 => SourceFile::V4,
         }
@@ -641,7 +671,7 @@ mod tests {
     }
 
     /// The tensor-core kernels are the `fast` ones (named so), less the part reduction of the
-    /// fast GEMMs (plain fp32 adds): 25 of them.
+    /// fast GEMMs (plain fp32 adds): 29 of them.
     #[test]
     fn tensor_core_kernels_are_the_fast_kernels_but_the_reduction() {
         for id in KernelId::ALL {
@@ -652,7 +682,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 25);
+        assert_eq!(count, 29);
     }
 
     #[test]

@@ -53,8 +53,8 @@ use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
     AttentionQueries, Backend, CpuBackend, DenseWeight, ExpertSelection, HcCollapse, HcExpand,
-    HcMix, HcMixes, HcMixing, HcParams, IndexQueries, LogprobPick, MaskedRows, Precision, RmsNorm,
-    RopeTable, Rotation, Routing, RowSampling, SampleRowsError, SelectPart, Tensor,
+    HcMix, HcMixes, HcMixing, HcParams, IndexQueries, KeyList, LogprobPick, MaskedRows, Precision,
+    RmsNorm, RopeTable, Rotation, Routing, RowSampling, SampleRowsError, SelectPart, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, EngramTable, NgramHasher};
 use deepinfer_model::quant;
@@ -182,8 +182,7 @@ fn scores_of_one(
     head_dim: usize,
     precision: Precision,
 ) -> Vec<f32> {
-    let rows = Tensor::from(keys).split_rows(head_dim);
-    let keys: Vec<&Tensor> = rows.iter().collect();
+    let keys = KeyList::from(Tensor::from(keys).split_rows(head_dim));
     let visible = [keys.len()];
     backend
         .index_scores_rows_at(
@@ -1995,8 +1994,9 @@ fn backend_index_scores_rows_match_the_cpu_and_the_one_query_op() {
     for (heads, head_dim) in [(1usize, 32usize), (5, 32), (64, 128)] {
         for n_keys in [0usize, 1, 37, 130] {
             let keys = bf16_unit(&mut rng, n_keys * head_dim);
-            let key_rows = Tensor::from(&keys).split_rows(head_dim);
-            let key_refs: Vec<&Tensor> = key_rows.iter().collect();
+            // One list for every row count and precision below: after the first launch its rows'
+            // addresses are read from the device mirror the first one left.
+            let key_list = KeyList::from(Tensor::from(&keys).split_rows(head_dim));
             for n in ROW_COUNTS {
                 // 0 keys, all of them, beyond them (clamped), and everything in between.
                 let visible: Vec<usize> = (0..n)
@@ -2024,7 +2024,7 @@ fn backend_index_scores_rows_match_the_cpu_and_the_one_query_op() {
                         precision,
                     };
                     let part = SelectPart {
-                        keys: &key_refs,
+                        keys: &key_list,
                         visible: &visible,
                     };
                     let rows = gpu.index_scores_rows_at(queries, part);
@@ -2126,7 +2126,7 @@ fn row_ops_reject_mismatched_shapes() {
                 precision: Precision::F32,
             },
             SelectPart {
-                keys: &[&Tensor::from(vec![0.5; 4]), &Tensor::from(vec![0.5; 4])],
+                keys: &KeyList::from(vec![Tensor::from(vec![0.5; 4]); 2]),
                 visible: &[1, 2],
             },
         )
@@ -2324,8 +2324,8 @@ fn backend_row_ops_split_calls_beyond_one_launch() {
         &cpu.sparse_attention_rows_at(attention, &keys),
     );
     let heads = 2;
-    let index_rows = Tensor::from(bf16_unit(&mut rng, 5 * head_dim)).split_rows(head_dim);
-    let index_keys: Vec<&Tensor> = index_rows.iter().collect();
+    let index_keys =
+        KeyList::from(Tensor::from(bf16_unit(&mut rng, 5 * head_dim)).split_rows(head_dim));
     let iq = Tensor::from(bf16_unit(&mut rng, n * heads * head_dim));
     let iw = Tensor::from(bf16_unit(&mut rng, n * heads));
     let visible: Vec<usize> = (0..n).map(|t| t % 7).collect();

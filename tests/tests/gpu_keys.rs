@@ -9,7 +9,10 @@
 //! `CpuBackend::sparse_attention_rows_at` / `index_scores_rows_at`, over heads 1/3/64 × head_dim
 //! 32/96/512, 0/1/7/300 keys per query (and repeated keys), both roundings. Negative controls: one
 //! table entry moved by one element changes exactly the results that read it; bad tables and
-//! rows are shape errors.
+//! rows are shape errors. Key lists composed on the device from runs of rows and device
+//! selections (`DeviceKeyLists::compose`) are the explicit lists they describe; a key list's
+//! device mirror (`KeyList`, the CUDA backend's `key_tables`) follows its appends and
+//! truncations.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 //! Without a CUDA driver every test fails, naming why.
@@ -19,16 +22,18 @@ use deepinfer_kernels::KernelError;
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::attention::{DeviceKeyLists, sparse_attention_sink_rows_f32};
+use deepinfer_kernels::ops::attention::{
+    DeviceKeyLists, ListSegment, sparse_attention_sink_rows_f32,
+};
 use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, index_scores_rows_f32};
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, IndexQueries, Precision, SelectPart, Tensor,
+    AttentionQueries, Backend, CpuBackend, IndexQueries, KeyList, Precision, SelectPart, Tensor,
 };
 use deepinfer_model::quant;
 
 mod gpu_support;
-use gpu_support::{PRECISIONS, Rng, assert_bitwise, bf16_unit, rounding_of, runtime};
+use gpu_support::{PRECISIONS, Rng, assert_bitwise, bf16_unit, cuda_backend, rounding_of, runtime};
 
 const SHAPES: [(usize, usize); 9] = [
     (1, 32),
@@ -294,9 +299,9 @@ fn run_index(
     ptr.truncate(total);
     flat.truncate(total);
     let key_rows = Tensor::from(&keys.flat[..]).split_rows(head_dim);
-    let key_refs: Vec<&Tensor> = key_rows.iter().collect();
     let cpu: Vec<f32> = (0..visible.len())
         .flat_map(|t| {
+            let part_keys = KeyList::from(key_rows[first[t]..].to_vec());
             CpuBackend::new()
                 .index_scores_rows_at(
                     IndexQueries {
@@ -306,7 +311,7 @@ fn run_index(
                         precision,
                     },
                     SelectPart {
-                        keys: &key_refs[first[t]..],
+                        keys: &part_keys,
                         visible: &visible[t..=t],
                     },
                 )
@@ -484,12 +489,6 @@ fn a_moved_table_entry_changes_exactly_the_results_that_read_it() {
 #[test]
 fn pointer_tables_reject_bad_rows_and_shapes() {
     let rt = runtime("pointer_tables_reject_bad_rows_and_shapes");
-    let shape_error = |what: &str, result: Result<(), KernelError>, needle: &str| match result {
-        Err(KernelError::Shape { message, .. }) => {
-            assert!(message.contains(needle), "{what}: {message}")
-        }
-        other => panic!("{what}: expected a shape error, got {other:?}"),
-    };
     let stream = rt.stream();
     let buffer = stream.clone_htod(&[0.5f32; 40]).expect("buffer");
     shape_error(
@@ -594,4 +593,206 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
     .expect("valid index launch");
     let scores = stream.clone_dtoh(&scores).expect("download");
     assert_eq!(scores, vec![1.0; 4]);
+}
+
+/// The attention over `lists` composed on the device (`DeviceKeyLists::compose`).
+fn attention_with(
+    rt: &KernelRuntime,
+    keys: &ScatteredKeys,
+    lists: &DeviceKeyLists,
+    q: &[f32],
+    sink: &[f32],
+    head_dim: usize,
+) -> Vec<f32> {
+    let stream = rt.stream();
+    let mut out = stream.alloc_zeros::<f32>(q.len()).expect("out");
+    sparse_attention_sink_rows_f32(
+        rt,
+        &stream.clone_htod(q).expect("q"),
+        KeyRows::Table(&keys.table),
+        lists,
+        &stream.clone_htod(sink).expect("sink"),
+        &mut out,
+        head_dim,
+        (head_dim as f32).powf(-0.5),
+        Rounding::Bf16,
+    )
+    .expect("attention");
+    stream.clone_dtoh(&out).expect("download")
+}
+
+#[test]
+fn composed_key_lists_are_the_lists_they_describe() {
+    let rt = runtime("composed_key_lists_are_the_lists_they_describe");
+    let stream = rt.stream();
+    let mut rng = Rng(11);
+    let (heads, head_dim) = (3, 96);
+    let keys = ScatteredKeys::new(&rt, &mut rng, head_dim);
+    // Query 0: a run, then a device selection from table row 100; query 1: nothing; query 2:
+    // two runs; query 3: a selection alone (repeated positions).
+    let picks = stream.clone_htod(&[3u32, 0, 7, 7, 9]).expect("selection");
+    let picks_at = key_row_address_u32(&rt, &picks);
+    let segments = [
+        ListSegment::rows(0, 5, 7),
+        ListSegment::selected(7, 100, 4, picks_at),
+        ListSegment::rows(11, 200, 3),
+        ListSegment::rows(14, 50, 2),
+        ListSegment::selected(16, 300, 5, picks_at),
+    ];
+    let row_starts = [0u32, 11, 11, 16, 21];
+    let explicit: Vec<Vec<u32>> = vec![
+        (5..12).chain([103, 100, 107, 107]).collect(),
+        vec![],
+        vec![200, 201, 202, 50, 51],
+        vec![303, 300, 307, 307, 309],
+    ];
+    // SAFETY: `picks` holds 5 positions, all below TABLE_ROWS - 300, alive until the downloads.
+    let composed = unsafe { DeviceKeyLists::compose(&rt, &segments, &row_starts, TABLE_ROWS) }
+        .expect("composed lists");
+    let uploaded = DeviceKeyLists::upload(&rt, &explicit, TABLE_ROWS).expect("explicit lists");
+    let q = bf16_unit(&mut rng, explicit.len() * heads * head_dim);
+    let sink: Vec<f32> = (0..heads).map(|_| 2.0 * rng.uniform()).collect();
+    let from_segments = attention_with(&rt, &keys, &composed, &q, &sink, head_dim);
+    let from_lists = attention_with(&rt, &keys, &uploaded, &q, &sink, head_dim);
+    let checked = assert_bitwise("composed vs explicit lists", &from_segments, &from_lists);
+    // The negative control: one selected position off changes query 0's output.
+    let shifted = [
+        ListSegment::rows(0, 5, 7),
+        ListSegment::selected(7, 101, 4, picks_at),
+        ListSegment::rows(11, 200, 3),
+        ListSegment::rows(14, 50, 2),
+        ListSegment::selected(16, 300, 5, picks_at),
+    ];
+    // SAFETY: as above (positions below TABLE_ROWS - 301).
+    let moved = unsafe { DeviceKeyLists::compose(&rt, &shifted, &row_starts, TABLE_ROWS) }
+        .expect("shifted lists");
+    let differs = attention_with(&rt, &keys, &moved, &q, &sink, head_dim);
+    let width = heads * head_dim;
+    assert_ne!(
+        differs[..width],
+        from_lists[..width],
+        "query 0 reads other rows"
+    );
+    assert_eq!(
+        differs[width..],
+        from_lists[width..],
+        "the other queries are unchanged"
+    );
+    // Segments that leave a gap, overlap, run past the table or miss positions are refused.
+    let refused = |segments: &[ListSegment], starts: &[u32], expected: &str| {
+        // SAFETY: rejected before anything is launched.
+        let result = unsafe { DeviceKeyLists::compose(&rt, segments, starts, TABLE_ROWS) };
+        shape_error("compose", result.map(|_| ()), expected);
+    };
+    refused(
+        &[ListSegment::rows(1, 0, 2)],
+        &[0, 3],
+        "do not follow position 0",
+    );
+    refused(
+        &[ListSegment::rows(0, 0, 2), ListSegment::rows(1, 0, 2)],
+        &[0, 3],
+        "do not follow position 2",
+    );
+    refused(
+        &[ListSegment::rows(0, TABLE_ROWS as u32 - 1, 2)],
+        &[0, 2],
+        "of a 310-row table",
+    );
+    refused(&[ListSegment::rows(0, 0, 2)], &[0, 3], "cover 2 of 3");
+    refused(&[], &[1, 1], "start at 0");
+    println!("composed key lists: {checked} values bitwise equal to the explicit lists");
+}
+
+/// The device address of a u32 buffer's first value.
+fn key_row_address_u32(rt: &KernelRuntime, values: &CudaSlice<u32>) -> u64 {
+    use deepinfer_kernels::cudarc::driver::DevicePtr;
+    let (address, _sync) = values.device_ptr(rt.stream());
+    address
+}
+
+/// Asserts `result` is a shape error whose message contains `needle`.
+fn shape_error(what: &str, result: Result<(), KernelError>, needle: &str) {
+    match result {
+        Err(KernelError::Shape { message, .. }) => {
+            assert!(message.contains(needle), "{what}: {message}")
+        }
+        other => panic!("{what}: expected a shape error, got {other:?}"),
+    }
+}
+
+/// The index scores of three queries (all of the list, half of it, its first row) over `keys`.
+fn scores_over(backend: &dyn Backend, keys: &KeyList, q: &Tensor, w: &Tensor) -> Vec<Vec<f32>> {
+    let n = keys.len();
+    backend.index_scores_rows_at(
+        IndexQueries {
+            q,
+            weights: w,
+            head_dim: MIRROR_HEAD_DIM,
+            precision: Precision::Bf16,
+        },
+        SelectPart {
+            keys,
+            visible: &[n, n / 2, n.min(1)],
+        },
+    )
+}
+
+const MIRROR_HEAD_DIM: usize = 32;
+
+#[test]
+fn a_key_lists_device_mirror_follows_its_appends_and_truncations() {
+    let gpu = cuda_backend("a_key_lists_device_mirror_follows_its_appends_and_truncations");
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(13);
+    let heads = 2;
+    let q = Tensor::from(bf16_unit(&mut rng, 3 * heads * MIRROR_HEAD_DIM));
+    let w = Tensor::from(bf16_unit(&mut rng, 3 * heads));
+    // The same rows as device tensors (each its own buffer, as a decode step leaves them) in
+    // the list the GPU scores, and on the host in the CPU's.
+    let (mut device, mut host) = (KeyList::new(), KeyList::new());
+    let push = |device: &mut KeyList, host: &mut KeyList, rows: usize, rng: &mut Rng| {
+        for _ in 0..rows {
+            let row = Tensor::from(bf16_unit(rng, MIRROR_HEAD_DIM));
+            device.push(gpu.gather(&[(&row, 0)], MIRROR_HEAD_DIM));
+            host.push(row);
+        }
+    };
+    let mut checked = 0;
+    let mut check = |device: &KeyList, host: &KeyList, what: &str| {
+        let on_gpu = scores_over(&gpu, device, &q, &w);
+        let on_cpu = scores_over(&cpu, host, &q, &w);
+        for (t, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+            checked += assert_bitwise(&format!("{what}: query {t}"), g, c);
+        }
+        assert_eq!(
+            device.mirror().covers,
+            device.len(),
+            "{what}: the mirror covers the list"
+        );
+    };
+    push(&mut device, &mut host, 5, &mut rng);
+    check(&device, &host, "5 rows (a new mirror)");
+    check(&device, &host, "the same 5 rows (all from the mirror)");
+    push(&mut device, &mut host, 1, &mut rng);
+    check(&device, &host, "one appended (written into the mirror)");
+    push(&mut device, &mut host, 70, &mut rng);
+    check(&device, &host, "76 rows (the mirror grown and moved)");
+    // Dropped rows free their buffers; new rows may take their addresses, so a mirror that still
+    // claimed the old rows would read other values.
+    device.truncate(20);
+    host.truncate(20);
+    assert_eq!(device.mirror().covers, 20);
+    push(&mut device, &mut host, 3, &mut rng);
+    check(&device, &host, "truncated to 20, then 3 new rows");
+    device.truncate(0);
+    host.truncate(0);
+    push(&mut device, &mut host, 2, &mut rng);
+    check(&device, &host, "emptied, then 2 new rows");
+    let copy = device.clone();
+    assert_eq!(copy.mirror().covers, 0, "a copy starts without a mirror");
+    check(&copy, &host, "a copy of the list");
+    println!(
+        "key-list mirror: {checked} scores bitwise equal to the CPU through appends and truncations"
+    );
 }

@@ -13,14 +13,31 @@ struct InlinePieces {
 
 // out[p * width + c] = pieces[p][c]: `pieces` holds one device address per piece (width floats);
 // a null `pieces` means the first n_pieces (<= GATHER_INLINE) addresses of `inline_pieces`.
-// Blocks stride over the pieces, threads over a piece's values.
-extern "C" __global__ void __launch_bounds__(256)
-gather_ptrs_f32(const unsigned long long* pieces, InlinePieces inline_pieces, float* out, unsigned int width,
-                unsigned int n_pieces) {
-    for (unsigned int p = blockIdx.x; p < n_pieces; p += gridDim.x) {
-        const float* src = reinterpret_cast<const float*>(pieces != nullptr ? pieces[p] : inline_pieces.pieces[p]);
-        for (unsigned int c = threadIdx.x; c < width; c += blockDim.x) {
-            out[static_cast<size_t>(p) * width + c] = src[c];
+// Block (x, y) copies columns [x * GATHER_TILE, (x + 1) * GATHER_TILE) of pieces y, y + gridDim.y,
+// ...; a thread's GATHER_UNROLL values are all loaded before any is stored, so a wide piece (a
+// decode step's mHC streams: 4 x 5120 values) is many blocks of independent loads, not one block's
+// chain of dependent ones.
+constexpr unsigned int GATHER_UNROLL = 4;
+constexpr unsigned int GATHER_THREADS = 256;
+constexpr unsigned int GATHER_TILE = GATHER_THREADS * GATHER_UNROLL;
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+gather_ptrs_f32(const unsigned long long* __restrict__ pieces, InlinePieces inline_pieces,
+                float* __restrict__ out, unsigned int width, unsigned int n_pieces) {
+    const unsigned int first = blockIdx.x * GATHER_TILE + threadIdx.x;
+    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {
+        const float* __restrict__ src =
+            reinterpret_cast<const float*>(pieces != nullptr ? pieces[p] : inline_pieces.pieces[p]);
+        float* __restrict__ dst = out + static_cast<size_t>(p) * width;
+        float values[GATHER_UNROLL];
+#pragma unroll
+        for (unsigned int j = 0; j < GATHER_UNROLL; ++j) {
+            const unsigned int c = first + j * GATHER_THREADS;
+            values[j] = c < width ? src[c] : 0.0f;
+        }
+#pragma unroll
+        for (unsigned int j = 0; j < GATHER_UNROLL; ++j) {
+            const unsigned int c = first + j * GATHER_THREADS;
+            if (c < width) dst[c] = values[j];
         }
     }
 }
@@ -34,26 +51,48 @@ bf16_to_f32(const unsigned short* x, float* out, unsigned long long n) {
     }
 }
 
-// One query's selected key rows (see `ops::attention::SelectedRows`).
-struct SelectedRows {
+// A run of attention key-list positions (see `ops::attention::ListSegment`).
+struct ListSegment {
     unsigned int dst;
     unsigned int count;
-    unsigned int base;
+    unsigned int first;
     unsigned int reserved;
     unsigned long long src;
 };
 
-// key_rows[plan[p].dst + i] = plan[p].base + src[i] for i < plan[p].count, where src is the
-// device address of a row of selected positions (u32): a query's selected compressed keys written
-// into its key list, as rows of the key table. Blocks stride over the plan.
+// key_rows[s.dst + i] = s.first + i for a run (s.src == 0), s.first + src[i] for a selection (src:
+// the device address of a row of selected positions, u32), i < s.count: a step's attention key
+// lists written on the device, the selected compressed keys straight from the top-k. Blocks stride
+// over the segments.
 extern "C" __global__ void __launch_bounds__(256)
-compose_selected_rows(const SelectedRows* plan, unsigned int n_plan, unsigned int* key_rows) {
-    for (unsigned int p = blockIdx.x; p < n_plan; p += gridDim.x) {
-        const SelectedRows entry = plan[p];
-        const unsigned int* src = reinterpret_cast<const unsigned int*>(entry.src);
-        for (unsigned int i = threadIdx.x; i < entry.count; i += blockDim.x) {
-            key_rows[entry.dst + i] = entry.base + src[i];
+compose_key_lists(const ListSegment* segments, unsigned int n_segments, unsigned int* key_rows) {
+    for (unsigned int p = blockIdx.x; p < n_segments; p += gridDim.x) {
+        const ListSegment s = segments[p];
+        const unsigned int* src = reinterpret_cast<const unsigned int*>(s.src);
+        for (unsigned int i = threadIdx.x; i < s.count; i += blockDim.x) {
+            key_rows[s.dst + i] = s.first + (src != nullptr ? src[i] : i);
         }
+    }
+}
+
+// A copy of `count` addresses (see `ops::key_table::AddressCopy`).
+struct AddressCopy {
+    unsigned long long src;
+    unsigned long long dst;
+    unsigned int count;
+    unsigned int reserved;
+};
+
+// Every copy of `copies` (disjoint destinations): a step's key table put together on the device
+// from the address lists kept there and the addresses the step uploads. Blocks stride over the
+// copies.
+extern "C" __global__ void __launch_bounds__(256)
+copy_addresses(const AddressCopy* copies, unsigned int n) {
+    for (unsigned int p = blockIdx.x; p < n; p += gridDim.x) {
+        const AddressCopy c = copies[p];
+        const unsigned long long* src = reinterpret_cast<const unsigned long long*>(c.src);
+        unsigned long long* dst = reinterpret_cast<unsigned long long*>(c.dst);
+        for (unsigned int i = threadIdx.x; i < c.count; i += blockDim.x) dst[i] = src[i];
     }
 }
 

@@ -1,30 +1,40 @@
-// The `fast` bf16 linear y[r, o] = sum_k x[r, k] * w[o, k] on tensor cores (mma.sync m16n8k16,
-// bf16 operands, fp32 accumulation): the V4.1 linears the reference runs in bf16 (the grouped
-// wo_a, the compressor and indexer projections) and V4's dense projections (f32 out).
+// The `fast` linears y[r, o] = sum_k x[r, k] * w[o, k] on tensor cores (mma.sync m16n8k16, bf16
+// operands, fp32 accumulation), w bf16, x f32 taken onto the tensor cores as PIECES bf16 pieces:
+//   PIECES = 1 (linear_bf16_fast_*): x rounded to bf16 — the V4.1 linears the reference runs in
+//     bf16 (the grouped wo_a, the compressor and indexer projections) and V4's dense projections;
+//   PIECES = 3 (linear_bf16x3_fast_*, the split-x bf16x3 product): x split exactly into
+//     x = x1 + x2 + x3, x1 = bf16(x), x2 = bf16(x - x1), x3 = bf16(x - x1 - x2) (round to nearest
+//     even; each remainder exact in fp32; x's 24 significant bits fit the three 8-bit pieces, so
+//     nothing is left unless a piece falls below bf16's normal range) — the fp32 linears
+//     (Backend::linear_f32: V4.1's router gate, the compressor's wkv and wgate, heads) with
+//     fp32-level accuracy on a bf16 weight. The pieces' products enter the sums in a fixed order:
+//     at every mma step (16 k of a chunk) x3·w, then x2·w, then x1·w, each one mma on the same
+//     accumulator (the small pieces first: in a part's first step they are not truncated against
+//     x1's products).
+// The bound of each is derived in kernels/src/ops/linear_fast.rs.
 //
 // The arithmetic of an output, the same in every tile. K is read in chunks of CHUNK = 32: lane
 // (g, q) (g = lane / 4, q = lane % 4) takes the 8 consecutive k values [8q, 8q + 8) of the
-// chunk in its weight row and x rows, and the chunk is two mma steps, step s taking k
-// [8q + 4s, 8q + 4s + 4) into the fragment slots (2q, 2q + 1, 2q + 8, 2q + 9). A and B use the
-// same slot map, so each step is the dot product of 16 distinct k of the chunk. K is cut into
-// PARTS parts, part p the chunks [p C / PARTS, (p + 1) C / PARTS) (C = chunks of inp), each
+// chunk in its weight row and x rows, and the chunk is two mma steps (PIECES mma each), step s
+// taking k [8q + 4s, 8q + 4s + 4) into the fragment slots (2q, 2q + 1, 2q + 8, 2q + 9). A and B
+// use the same slot map, so each mma is the dot product of 16 distinct k of the chunk. K is cut
+// into PARTS parts, part p the chunks [p C / PARTS, (p + 1) C / PARTS) (C = chunks of inp), each
 // summed from zero in K order; then total = part 0, total += part 1, ... in part order (fp32),
 // rounded to bf16 when asked. An output sits at the same place of its 16 x 8 mma tile in every
 // tile (tiles start at multiples of 16 rows and 8 columns). So an output's bits depend on inp
 // alone — never on the rows of the launch or on the tile: deterministic and batch invariant.
 //
-// The tiles. linear_bf16<MT, NT> (decode): a block is PARTS warps, all on the same MT x NT mma
-// tiles (16 rows x 8 columns each), warp w summing part w; the block adds the PARTS partial sums
-// through shared memory in warp order. linear_bf16_wide (prefill): a block of WIDE_ROWS x
-// WIDE_COLS outputs, each warp WIDE_MT x WIDE_NT mma tiles (32 rows x 128 columns) of them over
-// all of K: part by part, the part's chunks staged in shared memory by cp.async (WIDE_STAGES
-// chunks in flight; x as f32, converted to bf16 when the fragments are read), the part's sum in
-// registers added to the running total, which waits in shared memory (one slot per thread and
-// output: no synchronisation).
+// The tiles. linear_bf16<PIECES, MT, NT> (decode): a block is PARTS warps, all on the same MT x NT
+// mma tiles (16 rows x 8 columns each), warp w summing part w; the block adds the PARTS partial
+// sums through shared memory in warp order. linear_bf16_wide<PIECES> (prefill): a block of
+// WIDE_ROWS x WIDE_COLS outputs, each warp WIDE_MT x WIDE_NT mma tiles (32 rows x 128 columns) of
+// them over all of K: part by part, the part's chunks staged in shared memory by cp.async
+// (WIDE_STAGES chunks in flight; x as f32, split into its bf16 pieces when the fragments are
+// read), the part's sum in registers added to the running total, which waits in shared memory
+// (one slot per thread and output: no synchronisation).
 //
 // w is bf16 [out, stride] with stride = inp rounded up to CHUNK (zero padding), x f32 [rows, inp]
-// converted to bf16 (round to nearest even: exact for V4.1's bf16 values; V4's f32 rounded; zero
-// past inp and for rows past `rows`), y f32 storage, rounded to bf16 when p.round_bf16.
+// (zero past inp and for rows past `rows`), y f32 storage, rounded to bf16 when p.round_bf16.
 //
 // Groups (grid.z, the grouped wo_a): group g is an independent linear of p.out rows of w (rows
 // [g p.out, (g + 1) p.out)) over the columns [g p.inp, (g + 1) p.inp) of x [rows, groups p.inp]
@@ -61,6 +71,39 @@ __device__ __forceinline__ void load_x8(const float* x, size_t x_stride, u32_t r
     }
 }
 
+// The A fragment registers of mma tile mt from one row's 8 values v = x[row, 8q .. 8q + 8) (the
+// tile's row g for half = 0, row g + 8 for half = 1), for each of the PIECES bf16 pieces:
+// a[j][mt][s][r] holds piece j + 1 (piece 1 = bf16(v), piece j + 1 = bf16(v - pieces 1..j), each
+// difference exact in fp32) of the pair of k that step s puts in register r.
+template <int PIECES, int MT>
+__device__ __forceinline__ void split_row(const float (&v)[8], int mt, int half, u32_t (&a)[PIECES][MT][2][4]) {
+#pragma unroll
+    for (int pair = 0; pair < 4; ++pair) {
+        // pairs (v0, v1), (v2, v3) of step 0 and (v4, v5), (v6, v7) of step 1; the second pair of
+        // a step sits in register 2 + half (k + 8 of the mma).
+        const int s = pair / 2, r = (pair % 2) * 2 + half;
+        float lo = v[2 * pair], hi = v[2 * pair + 1];
+#pragma unroll
+        for (int j = 0; j < PIECES; ++j) {
+            const u32_t bits = pack_bf16(lo, hi);
+            a[j][mt][s][r] = bits;
+            if (j + 1 < PIECES) {
+                lo = __fsub_rn(lo, __uint_as_float(bits << 16));
+                hi = __fsub_rn(hi, __uint_as_float(bits & 0xffff0000u));
+            }
+        }
+    }
+}
+
+// acc += the PIECES pieces' products of step s, x3 · w first, x1 · w last (the order of the
+// header).
+template <int PIECES, int MT>
+__device__ __forceinline__ void mma_pieces(float (&acc)[4], const u32_t (&a)[PIECES][MT][2][4], int mt, int s,
+                                           u32_t b0, u32_t b1) {
+#pragma unroll
+    for (int j = PIECES - 1; j >= 0; --j) mma_bf16(acc, a[j][mt][s], b0, b1);
+}
+
 // f(mt, nt, i) for every C fragment register i of MT x NT mma tiles, unrolled.
 template <int MT, int NT, class F>
 __device__ __forceinline__ void for_tiles(F f) {
@@ -80,7 +123,7 @@ __device__ __forceinline__ void zero_tiles(float (&acc)[MT][NT][4]) {
 
 // The decode tile: one warp's MT x NT tiles over its K part, then the block's part sums in warp
 // order.
-template <int MT, int NT>
+template <int PIECES, int MT, int NT>
 __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, float* y, LinearParams p) {
     __shared__ float partials[PARTS][MT * 16][NT * 8];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -116,24 +159,21 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
         for (int u = 0; u < UNROLL; ++u) {
             if (c0 + u >= last) break;
             const u32_t k = (c0 + u) * CHUNK + 8 * q;
-            unsigned a[MT][2][4];  // [tile][step][fragment register]
+            u32_t a[PIECES][MT][2][4];  // [piece][tile][step][fragment register]
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     float v[8];
                     load_x8(x, x_stride, row0 + mt * 16 + g + 8 * half, k, p, v);
-                    a[mt][0][half] = pack_bf16(v[0], v[1]);
-                    a[mt][0][2 + half] = pack_bf16(v[2], v[3]);
-                    a[mt][1][half] = pack_bf16(v[4], v[5]);
-                    a[mt][1][2 + half] = pack_bf16(v[6], v[7]);
+                    split_row<PIECES, MT>(v, mt, half, a);
                 }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    mma_bf16(acc[mt][nt], a[mt][0], b[u][nt].x, b[u][nt].y);
-                    mma_bf16(acc[mt][nt], a[mt][1], b[u][nt].z, b[u][nt].w);
+                    mma_pieces<PIECES, MT>(acc[mt][nt], a, mt, 0, b[u][nt].x, b[u][nt].y);
+                    mma_pieces<PIECES, MT>(acc[mt][nt], a, mt, 1, b[u][nt].z, b[u][nt].w);
                 }
         }
     }
@@ -209,6 +249,7 @@ __device__ __forceinline__ void wide_stage(u8_t* stage, const float* x, size_t x
 
 // The prefill tile: warp (wr, wc) = (warp % 4, warp / 4) computes rows [32 wr, 32 wr + 32) x
 // columns [128 wc, 128 wc + 128) of the block's outputs.
+template <int PIECES>
 __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w, float* y, LinearParams p) {
     extern __shared__ __align__(16) u8_t wide_smem[];
     float* totals = reinterpret_cast<float*>(wide_smem) + threadIdx.x;  // [WIDE_OUTPUTS][THREADS]
@@ -246,7 +287,7 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
             cp_async_commit();
             const u8_t* xs = stages + (c % WIDE_STAGES) * WIDE_STAGE_BYTES;
             const u8_t* ws = xs + WIDE_X_BYTES;
-            unsigned a[WIDE_MT][2][4];  // [tile][step][fragment register], as in linear_bf16
+            u32_t a[PIECES][WIDE_MT][2][4];  // [piece][tile][step][fragment register], as in linear_bf16
 #pragma unroll
             for (int mt = 0; mt < WIDE_MT; ++mt)
 #pragma unroll
@@ -256,10 +297,8 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
                     const u8_t* row = xs + r * (CHUNK * 4);
                     const float4 lo = *reinterpret_cast<const float4*>(row + (((2 * q) ^ (r & 1)) * 16));
                     const float4 hi = *reinterpret_cast<const float4*>(row + (((2 * q + 1) ^ (r & 1)) * 16));
-                    a[mt][0][half] = pack_bf16(lo.x, lo.y);
-                    a[mt][0][2 + half] = pack_bf16(lo.z, lo.w);
-                    a[mt][1][half] = pack_bf16(hi.x, hi.y);
-                    a[mt][1][2 + half] = pack_bf16(hi.z, hi.w);
+                    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                    split_row<PIECES, WIDE_MT>(v, mt, half, a);
                 }
 #pragma unroll
             for (int nt = 0; nt < WIDE_NT; ++nt) {
@@ -268,8 +307,8 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
                 const uint4 b = *reinterpret_cast<const uint4*>(ws + n * (CHUNK * 2) + q * 16);
 #pragma unroll
                 for (int mt = 0; mt < WIDE_MT; ++mt) {
-                    mma_bf16(acc[mt][nt], a[mt][0], b.x, b.y);
-                    mma_bf16(acc[mt][nt], a[mt][1], b.z, b.w);
+                    mma_pieces<PIECES, WIDE_MT>(acc[mt][nt], a, mt, 0, b.x, b.y);
+                    mma_pieces<PIECES, WIDE_MT>(acc[mt][nt], a, mt, 1, b.z, b.w);
                 }
             }
         }

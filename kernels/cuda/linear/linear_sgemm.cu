@@ -1,6 +1,7 @@
 // Instantiations of the sgemm-order fp32 linear (block partials, then their pairwise tree) (f32 in, f32 weights, f32 or bf16-rounded out),
-// and of the `fast` bf16 linear on tensor cores (three decode tiles by row count and the prefill tile;
-// every tile gives the same bits).
+// and of the `fast` linears on tensor cores (linear_fast.cuh): the bf16 linear (x rounded to bf16) and the split-x
+// bf16x3 linear (x in three bf16 pieces), each in three decode tiles by row count and the prefill tile (every tile
+// gives the same bits).
 #include "linear/linear_sgemm.cuh"
 #include "linear/linear_fast.cuh"
 
@@ -26,20 +27,40 @@ extern "C" __global__ void __launch_bounds__(linear::THREADS)
 
 extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
     linear_bf16_fast_t1x1(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<1, 1>(x, w, y, p);
+    linear_fast::linear_bf16<1, 1, 1>(x, w, y, p);
 }
 
 extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
     linear_bf16_fast_t2x2(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<2, 2>(x, w, y, p);
+    linear_fast::linear_bf16<1, 2, 2>(x, w, y, p);
 }
 
 extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
     linear_bf16_fast_t4x2(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<4, 2>(x, w, y, p);
+    linear_fast::linear_bf16<1, 4, 2>(x, w, y, p);
 }
 
 extern "C" __global__ void __launch_bounds__(linear_fast::THREADS, 1)
     linear_bf16_fast_wide(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16_wide(x, w, y, p);
+    linear_fast::linear_bf16_wide<1>(x, w, y, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
+    linear_bf16x3_fast_t1x1(const float* x, const uint4* w, float* y, LinearParams p) {
+    linear_fast::linear_bf16<3, 1, 1>(x, w, y, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
+    linear_bf16x3_fast_t2x2(const float* x, const uint4* w, float* y, LinearParams p) {
+    linear_fast::linear_bf16<3, 2, 2>(x, w, y, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
+    linear_bf16x3_fast_t4x2(const float* x, const uint4* w, float* y, LinearParams p) {
+    linear_fast::linear_bf16<3, 4, 2>(x, w, y, p);
+}
+
+extern "C" __global__ void __launch_bounds__(linear_fast::THREADS, 1)
+    linear_bf16x3_fast_wide(const float* x, const uint4* w, float* y, LinearParams p) {
+    linear_fast::linear_bf16_wide<3>(x, w, y, p);
 }

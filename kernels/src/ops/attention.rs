@@ -87,8 +87,8 @@ pub fn sparse_attention_sink_f32(
 /// The key lists of a batch of attention queries on the device: query `t` attends to the key
 /// rows `key_rows[row_starts[t] .. row_starts[t + 1])` of a shared key buffer (or of a
 /// [`DeviceKeyTable`]), in that order.
-/// Built only by [`DeviceKeyLists::upload`], which checks every row against the buffer's row
-/// count, so the kernel never reads outside it.
+/// Built only by [`DeviceKeyLists::upload`] or [`DeviceKeyLists::compose`], which check every
+/// row against the buffer's row count, so the kernel never reads outside it.
 pub struct DeviceKeyLists {
     queries: usize,
     key_buffer_rows: usize,
@@ -161,70 +161,153 @@ impl DeviceKeyLists {
         self.queries
     }
 
-    /// Writes selected key rows computed on the device into the lists: for each entry of
-    /// `plan`, `count` rows `base + src[i]` at flattened position `dst` (where the upload left
-    /// room for them), in one launch.
+    /// Lists written on the device from `segments`, each `count` consecutive flattened
+    /// positions from `dst`: a run of table rows `first, first + 1, ...`
+    /// ([`ListSegment::rows`]) or a device selection's rows `first + src[i]`
+    /// ([`ListSegment::selected`]). Query `t`'s list is `[row_starts[t], row_starts[t + 1])`;
+    /// the segments follow each other in position order and cover every position once. One upload of the segments and one of the
+    /// offsets, one launch: a prefill's lists (a thousand queries of hundreds of keys) never
+    /// pass through the host.
     ///
     /// # Safety
-    /// Each `src` is the device address of `count` u32 values, each below `key_buffer_rows −
-    /// base`, in memory that stays allocated until the launches reading these lists have run.
-    pub unsafe fn write_selected(
-        &mut self,
+    /// Each selected segment's `src` is the device address of `count` u32 values, each below
+    /// `key_buffer_rows − first`, in memory that stays allocated until the launches reading
+    /// these lists have run.
+    pub unsafe fn compose(
         rt: &KernelRuntime,
-        plan: &[SelectedRows],
-    ) -> Result<(), KernelError> {
-        const OP: &str = "DeviceKeyLists::write_selected";
-        if let Some(bad) = plan.iter().find(|p| {
-            (p.dst as usize + p.count as usize) > self.key_rows.len()
-                || p.base as usize + usize::from(p.count > 0) > self.key_buffer_rows
-                || p.src == 0
-        }) {
+        segments: &[ListSegment],
+        row_starts: &[u32],
+        key_buffer_rows: usize,
+    ) -> Result<DeviceKeyLists, KernelError> {
+        const OP: &str = "DeviceKeyLists::compose";
+        let queries = row_starts.len().saturating_sub(1);
+        if queries == 0 || queries > MAX_QUERIES_PER_LAUNCH {
             return Err(KernelError::Shape {
                 op: OP,
-                message: format!(
-                    "{} rows from base {} at {} do not fit {} listed rows of a {}-row table",
-                    bad.count,
-                    bad.base,
-                    bad.dst,
-                    self.key_rows.len(),
-                    self.key_buffer_rows
-                ),
+                message: format!("{queries} queries (must be 1..={MAX_QUERIES_PER_LAUNCH})"),
             });
         }
-        if plan.is_empty() {
-            return Ok(());
+        if row_starts[0] != 0 || row_starts.windows(2).any(|w| w[1] < w[0]) {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: "list offsets that do not start at 0 and grow".to_string(),
+            });
         }
-        let n_plan = dim(OP, "plan entries", plan.len())?;
-        let dplan = rt
-            .htod(plan)
-            .map_err(KernelError::driver("uploading the selected-row plan"))?;
-        let cfg = launch_config((n_plan.min(1024), 1, 1), 256, 0);
-        let mut launch = rt.launcher(KernelId::ComposeSelectedRows)?;
-        launch.arg(&dplan).arg(&n_plan).arg(&mut self.key_rows);
-        // SAFETY: signature (const SelectedRows* plan, u32 n_plan, u32* key_rows); every entry's
-        // rows [dst, dst + count) lie inside key_rows (checked above) and its source is readable
-        // (the caller's contract).
-        unsafe { launch.launch(cfg) }
+        let total = row_starts[queries] as usize;
+        let mut covered = 0usize;
+        for (i, segment) in segments.iter().enumerate() {
+            let (dst, count, first) = (
+                segment.dst as usize,
+                segment.count as usize,
+                segment.first as usize,
+            );
+            let last_row = if segment.src == 0 {
+                first + count
+            } else {
+                first + usize::from(count > 0)
+            };
+            if dst != covered || dst + count > total || last_row > key_buffer_rows {
+                return Err(KernelError::Shape {
+                    op: OP,
+                    message: format!(
+                        "segment {i}: {count} rows from table row {first} at position {dst} do \
+                         not follow position {covered} inside {total} listed rows of a \
+                         {key_buffer_rows}-row table"
+                    ),
+                });
+            }
+            covered += count;
+        }
+        if covered != total {
+            return Err(KernelError::Shape {
+                op: OP,
+                message: format!("the segments cover {covered} of {total} listed positions"),
+            });
+        }
+        let key_rows = if total == 0 {
+            // One never-read row: a device buffer cannot be empty.
+            rt.stream().alloc_zeros::<u32>(1)
+        } else {
+            // SAFETY: the launch below writes every position: the segments cover the `total`
+            // positions of the buffer (checked above).
+            unsafe { rt.alloc_written::<u32>(total) }
+        }
+        .map_err(KernelError::driver("allocating the key lists"))?;
+        let mut lists = DeviceKeyLists {
+            queries,
+            key_buffer_rows,
+            longest: row_starts
+                .windows(2)
+                .map(|w| (w[1] - w[0]) as usize)
+                .max()
+                .unwrap_or(0),
+            row_starts: rt
+                .htod(row_starts)
+                .map_err(KernelError::driver("uploading the key-list offsets"))?,
+            key_rows,
+        };
+        if segments.is_empty() {
+            return Ok(lists);
+        }
+        let n_segments = dim(OP, "segments", segments.len())?;
+        let dsegments = rt
+            .htod(segments)
+            .map_err(KernelError::driver("uploading the key-list segments"))?;
+        let cfg = launch_config((n_segments.min(1024), 1, 1), 256, 0);
+        let mut launch = rt.launcher(KernelId::ComposeKeyLists)?;
+        launch
+            .arg(&dsegments)
+            .arg(&n_segments)
+            .arg(&mut lists.key_rows);
+        // SAFETY: signature (const ListSegment* segments, u32 n_segments, u32* key_rows); every
+        // segment's positions [dst, dst + count) lie inside key_rows and its rows inside the
+        // table (checked above); a selected segment's source is readable (the caller's contract).
+        unsafe { launch.launch(cfg) }?;
+        Ok(lists)
     }
 }
 
-/// One query's selected key rows for [`DeviceKeyLists::write_selected`]; mirrors `SelectedRows`
-/// in `cuda/common/movement.cu`.
+/// A run of consecutive positions of [`DeviceKeyLists`] written on the device
+/// ([`DeviceKeyLists::compose`]); mirrors `ListSegment` in `cuda/common/movement.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SelectedRows {
-    /// Flattened position of the first selected row in the lists.
+pub struct ListSegment {
+    /// Flattened position of the segment's first row.
     pub dst: u32,
     pub count: u32,
-    /// Table row of selected position 0.
-    pub base: u32,
+    /// The first table row (a run), or the table row of selected position 0 (a selection).
+    pub first: u32,
     pub reserved: u32,
-    /// Device address of the `count` selected positions (u32).
+    /// 0 for a run of rows; else the device address of the `count` selected positions (u32).
     pub src: u64,
 }
 
+impl ListSegment {
+    /// Table rows `first .. first + count` at positions `dst ..`.
+    pub fn rows(dst: u32, first: u32, count: u32) -> ListSegment {
+        ListSegment {
+            dst,
+            count,
+            first,
+            reserved: 0,
+            src: 0,
+        }
+    }
+
+    /// Table rows `first + src[i]` for the `count` positions at device address `src`.
+    pub fn selected(dst: u32, first: u32, count: u32, src: u64) -> ListSegment {
+        ListSegment {
+            dst,
+            count,
+            first,
+            reserved: 0,
+            src,
+        }
+    }
+}
+
 // SAFETY: a plain `#[repr(C)]` struct of integers, laid out as its CUDA mirror.
-unsafe impl DeviceRepr for SelectedRows {}
+unsafe impl DeviceRepr for ListSegment {}
 
 /// `out [t] = attention(q [t], its listed keys, sink)` for every query `t` of `lists`, in one
 /// launch (grid: heads × queries): `q`, `out` `[queries, heads, head_dim]`, `keys` at least

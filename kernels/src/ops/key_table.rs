@@ -13,11 +13,69 @@
 //! stream (cudarc frees a `CudaSlice` stream-ordered, on the stream it was allocated on);
 //! buffers of another stream must be held until the runtime's stream has been synchronised.
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::{KernelRuntime, Launch};
+
+/// A copy of `count` addresses (u64) from device address `src` to device address `dst`
+/// ([`copy_addresses`]); mirrors `AddressCopy` in `cuda/common/movement.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddressCopy {
+    pub src: u64,
+    pub dst: u64,
+    pub count: u32,
+    pub reserved: u32,
+}
+
+// SAFETY: a plain `#[repr(C)]` struct of integers, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for AddressCopy {}
+
+/// Runs every copy of `copies` in one launch (one upload of the list): how a step's key table
+/// is put together from the address lists that stay on the device between steps and the few
+/// addresses the step uploads.
+///
+/// # Safety
+/// Every `src` and `dst` range lies inside a live device allocation of this runtime's stream,
+/// 8-byte aligned; the `dst` ranges overlap neither each other nor any `src` range (the copies
+/// run concurrently).
+pub unsafe fn copy_addresses(
+    rt: &KernelRuntime,
+    copies: &[AddressCopy],
+) -> Result<(), KernelError> {
+    const OP: &str = "copy_addresses";
+    if let Some(bad) = copies
+        .iter()
+        .find(|c| c.count > 0 && (c.src == 0 || c.dst == 0 || (c.src | c.dst) % 8 != 0))
+    {
+        return Err(KernelError::Shape {
+            op: OP,
+            message: format!(
+                "a copy of {} addresses from {:#x} to {:#x} (null or not 8-byte aligned)",
+                bad.count, bad.src, bad.dst
+            ),
+        });
+    }
+    if copies.is_empty() {
+        return Ok(());
+    }
+    let n = u32::try_from(copies.len()).map_err(|_| KernelError::Shape {
+        op: OP,
+        message: format!("{} copies exceed u32", copies.len()),
+    })?;
+    let dcopies = rt
+        .htod(copies)
+        .map_err(KernelError::driver("uploading the address copies"))?;
+    let cfg = super::launch_config((n.min(1024), 1, 1), 256, 0);
+    let mut launch = rt.launcher(KernelId::CopyAddresses)?;
+    launch.arg(&dcopies).arg(&n);
+    // SAFETY: signature (const AddressCopy* copies, u32 n); every range is inside a live
+    // allocation and the destinations are disjoint from each other and from the sources (the
+    // caller's contract).
+    unsafe { launch.launch(cfg) }
+}
 
 /// The device address of the `row_len` f32 values starting at element `offset` of `buffer`.
 /// The address stays valid while `buffer` is allocated; taking it costs no driver call (the
@@ -101,15 +159,17 @@ impl DeviceKeyTable {
         })
     }
 
-    /// A table already on the device (e.g. written by a kernel): its first `rows` entries.
+    /// A table already on the device (e.g. written by [`copy_addresses`]): its first `rows`
+    /// entries, every one of them 16-byte aligned when `aligned_16` says so.
     ///
     /// # Safety
     /// As [`DeviceKeyTable::upload`], for each of the first `rows` entries of `addresses` at the
-    /// time each launch reading the table runs.
+    /// time each launch reading the table runs, and `aligned_16` true only if they are.
     pub unsafe fn from_device(
         addresses: CudaSlice<u64>,
         rows: usize,
         row_len: usize,
+        aligned_16: bool,
     ) -> Result<DeviceKeyTable, KernelError> {
         if row_len == 0 || rows > addresses.len() {
             return Err(KernelError::Shape {
@@ -123,7 +183,7 @@ impl DeviceKeyTable {
         Ok(DeviceKeyTable {
             rows,
             row_len,
-            aligned_16: false, // not known on the host
+            aligned_16,
             addresses,
         })
     }

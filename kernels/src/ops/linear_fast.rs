@@ -1,20 +1,43 @@
-//! The `fast` bf16 linear `y = x · Wᵀ` on tensor cores (mma.sync m16n8k16, bf16 operands, fp32
-//! accumulation; `cuda/linear/linear_fast.cuh`): the V4.1 linears the reference runs in bf16
-//! (`Backend::linear_bf16`, `Backend::linear_grouped_bf16`: the grouped `wo_a`, the compressor
-//! and indexer projections) and V4's dense projections (`Backend::linear`, f32 outputs; V4's
-//! float32 activations rounded to bf16 on the way in) in `Numerics::Fast`. Not bitwise equal to
-//! the CPU's bf16 GEMM order, but deterministic and batch invariant: K is cut into [`PARTS`] parts
-//! by `inp` alone, each summed in K order, the parts added in order, and the tile chosen by the
-//! shape ([`FastLinearTile`]: three decode tiles, a wide prefill tile) never changes an output's
+//! The `fast` linears `y = x · Wᵀ` of a bf16 weight on tensor cores (mma.sync m16n8k16, bf16
+//! operands, fp32 accumulation; `cuda/linear/linear_fast.cuh`), by [`FastProduct`]:
+//! - [`FastProduct::Bf16`], `x` rounded to bf16: the V4.1 linears the reference runs in bf16
+//!   (`Backend::linear_bf16`, `Backend::linear_grouped_bf16`: the grouped `wo_a`, the compressor
+//!   and indexer projections) and V4's dense projections (`Backend::linear`, f32 outputs; V4's
+//!   float32 activations rounded to bf16 on the way in);
+//! - [`FastProduct::SplitBf16x3`], the split-x bf16x3 product: `x` split exactly into three bf16
+//!   pieces `x = x₁ + x₂ + x₃` (`x₁ = bf16(x)`, `x₂ = bf16(x − x₁)`, `x₃ = bf16(x − x₁ − x₂)`),
+//!   three mma per step (`x₃ w`, `x₂ w`, then `x₁ w` on one accumulator) — `Backend::linear_f32`
+//!   (V4.1's router gate, the compressor's `wkv` and `wgate`, heads: fp32 in the reference, its
+//!   bf16 weights promoted) with fp32-level accuracy, for weights whose values are bf16.
+//!
+//! Both are one kernel body (the pieces a template parameter). Not bitwise equal to the CPU's
+//! sgemm order, but deterministic and batch invariant: K is cut into [`PARTS`] parts by `inp`
+//! alone, each summed in K order, the parts added in order, and the tile chosen by the shape
+//! ([`FastLinearTile`]: three decode tiles, a wide prefill tile) never changes an output's
 //! arithmetic. A grouped weight ([`FastBf16Weight::upload_grouped`]: `wo_a`'s 8 groups) runs its
 //! groups as independent linears in one launch (grid z), each group bitwise its linear alone.
 //!
-//! Error bound against the exact value (f64) of the bf16 operands — what the GPU tests assert:
-//! with `S = Σ_k |x_k w_k|`, the products are exact in fp32; each mma step adds 16 of them to the
-//! fp32 accumulator, within `17 · 2^-23` of the magnitudes it adds (every term aligned to the
-//! largest, fp32 precision; NVIDIA documents no more), each of the `PARTS - 1` part additions
-//! rounds once (`2^-24`), so `|ŷ - y| ≤ e` with `e = (17 · ⌈K / 16⌉ + PARTS) · 2^-23 · S`, and the
-//! bf16 output adds `2^-8 (|y| + e)`.
+//! Error bounds against the exact value `y` (f64) — what the GPU tests assert. The tensor core's
+//! model: the products of bf16 values are exact in fp32, and an mma adds 16 of them to its fp32
+//! accumulator within `17 · 2^-23` of the magnitudes it adds (every addend aligned to the
+//! largest and cut to fp32 precision, 16 of the 17 losing less than `2^-23` of the largest, and
+//! the result's normalisation as much of their sum; NVIDIA documents no more).
+//! - [`FastProduct::Bf16`], `y` of the bf16 operands, `S = Σ_k |x_k w_k|`: `⌈K / 16⌉` mma, each
+//!   within `17 · 2^-23 · S`, each of the `PARTS − 1` part additions rounds once (`2^-24`), so
+//!   `|ŷ − y| ≤ e` with `e = (17 · ⌈K / 16⌉ + PARTS) · 2^-23 · S`, and the bf16 output adds
+//!   `2^-8 (|y| + e)`.
+//! - [`FastProduct::SplitBf16x3`], `y` of the f32 `x` and the bf16 `w`, `S = Σ_k |x_k w_k|`:
+//!   the split is exact (`x` has 24 significant bits, each piece takes the next 8 of what is left
+//!   and each difference is exact in fp32) for `x_k`, `w_k` and `x_k w_k` in `[2^-100, 2^100]` or
+//!   zero, where every piece and piece product stays a normal fp32 (below that, bf16's subnormals
+//!   drop bits of `x₂`, `x₃`). With `T = Σ_k (|x₁| + |x₂| + |x₃|) |w_k| ≤ (1 + 2^-6) S`, part p
+//!   runs `n ≤ 6 ⌈K / 256⌉` mma (2 steps × 3 pieces per 32-element chunk, at most
+//!   `⌈⌈K / 32⌉ / PARTS⌉` chunks a part) on an accumulator bounded by its sum so far, `T_p`
+//!   (`1 + 17 n 2^-23 ≤ 1.01` for K ≤ 65 536), so its error is at most
+//!   `17 · 2^-23 · n · 1.01 · T_p`; the `PARTS − 1` part additions round once each
+//!   (`2^-24 · 1.02 T`). Summed over the parts, `|ŷ − y| ≤ e` with
+//!   `e = (105 · ⌈K / 256⌉ + 5) · 2^-23 · S` — about `0.41 · K · 2^-23 · S`, while rounding `x`
+//!   to bf16 alone may cost `2^-9 S` (x = 1 + 3 · 2^-9 → 1 + 2^-7).
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -103,6 +126,33 @@ impl FastBf16Weight {
     }
 }
 
+/// Whether every value is a bf16 value (f32 storage whose low 16 bits are zero): the weights the
+/// split-x bf16x3 product computes in fp32 accuracy ([`FastBf16Weight::upload`] would round any
+/// other).
+pub fn exactly_bf16(values: &[f32]) -> bool {
+    values.iter().all(|v| v.to_bits() & 0xffff == 0)
+}
+
+/// How [`linear_bf16_fast`] takes `x` (f32 storage) onto the tensor cores, and its output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FastProduct {
+    /// `x` rounded to bf16 (nearest even: exact for bf16 values); the fp32 sum rounded to bf16
+    /// when [`Rounding::Bf16`], else as it is.
+    Bf16(Rounding),
+    /// `x` split exactly into three bf16 pieces (module doc); the fp32 sum as it is.
+    SplitBf16x3,
+}
+
+impl FastProduct {
+    /// The rounding of the outputs.
+    fn output(self) -> Rounding {
+        match self {
+            FastProduct::Bf16(output) => output,
+            FastProduct::SplitBf16x3 => Rounding::F32,
+        }
+    }
+}
+
 /// A tile of [`linear_bf16_fast`]; every tile gives the same bits (`cuda/linear/linear_fast.cuh`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FastLinearTile {
@@ -138,12 +188,16 @@ impl FastLinearTile {
         FastLinearTile::Wide,
     ];
 
-    fn kernel(self) -> KernelId {
-        match self {
-            FastLinearTile::T1x1 => KernelId::LinearBf16FastT1x1,
-            FastLinearTile::T2x2 => KernelId::LinearBf16FastT2x2,
-            FastLinearTile::T4x2 => KernelId::LinearBf16FastT4x2,
-            FastLinearTile::Wide => KernelId::LinearBf16FastWide,
+    fn kernel(self, product: FastProduct) -> KernelId {
+        match (product, self) {
+            (FastProduct::Bf16(_), FastLinearTile::T1x1) => KernelId::LinearBf16FastT1x1,
+            (FastProduct::Bf16(_), FastLinearTile::T2x2) => KernelId::LinearBf16FastT2x2,
+            (FastProduct::Bf16(_), FastLinearTile::T4x2) => KernelId::LinearBf16FastT4x2,
+            (FastProduct::Bf16(_), FastLinearTile::Wide) => KernelId::LinearBf16FastWide,
+            (FastProduct::SplitBf16x3, FastLinearTile::T1x1) => KernelId::LinearBf16x3FastT1x1,
+            (FastProduct::SplitBf16x3, FastLinearTile::T2x2) => KernelId::LinearBf16x3FastT2x2,
+            (FastProduct::SplitBf16x3, FastLinearTile::T4x2) => KernelId::LinearBf16x3FastT4x2,
+            (FastProduct::SplitBf16x3, FastLinearTile::Wide) => KernelId::LinearBf16x3FastWide,
         }
     }
 
@@ -179,24 +233,27 @@ impl FastLinearTile {
     }
 }
 
-/// The dynamic shared memory kernel `id` needs, if it is the wide tile (`None` otherwise).
+/// The dynamic shared memory kernel `id` needs, if it is a wide tile (`None` otherwise).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
-    (id == KernelId::LinearBf16FastWide).then_some(WIDE_SHARED_BYTES)
+    matches!(
+        id,
+        KernelId::LinearBf16FastWide | KernelId::LinearBf16x3FastWide
+    )
+    .then_some(WIDE_SHARED_BYTES)
 }
 
-/// `y [rows, w.out] = x [rows, w.groups · w.inp] · wᵀ`, group by group (f32 storage; `x`
-/// converted to bf16 by rounding to nearest even, exact for bf16 values), `y` rounded to bf16
-/// when `output` is [`Rounding::Bf16`], else the fp32 sum as it is.
+/// `y [rows, w.out] = x [rows, w.groups · w.inp] · wᵀ`, group by group (f32 storage), `x` taken
+/// onto the tensor cores and `y` rounded as `product` says.
 pub fn linear_bf16_fast(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
     w: &FastBf16Weight,
     y: &mut CudaSlice<f32>,
     rows: usize,
-    output: Rounding,
+    product: FastProduct,
 ) -> Result<(), KernelError> {
     let tile = FastLinearTile::choose(rows, w.out / w.groups, w.groups);
-    linear_bf16_fast_tiled(rt, x, w, y, rows, tile, output)
+    linear_bf16_fast_tiled(rt, x, w, y, rows, tile, product)
 }
 
 /// [`linear_bf16_fast`] with the given tile (tests: every tile gives the same bits).
@@ -207,7 +264,7 @@ pub fn linear_bf16_fast_tiled(
     y: &mut CudaSlice<f32>,
     rows: usize,
     tile: FastLinearTile,
-    output: Rounding,
+    product: FastProduct,
 ) -> Result<(), KernelError> {
     let (x_width, group_out) = (w.groups * w.inp, w.out / w.groups);
     expect_len(OP, "x", x.len(), rows * x_width)?;
@@ -223,7 +280,7 @@ pub fn linear_bf16_fast_tiled(
             rows: dim(OP, "rows", count)?,
             out: dim(OP, "out", group_out)?,
             inp: dim(OP, "inp", w.inp)?,
-            round_bf16: output.flag(),
+            round_bf16: product.output().flag(),
         };
         let x_rows = x.slice(first * x_width..(first + count) * x_width);
         let mut y_rows = y.slice_mut(first * w.out..(first + count) * w.out);
@@ -236,7 +293,7 @@ pub fn linear_bf16_fast_tiled(
             (32 * PARTS) as u32,
             tile.shared_bytes(),
         );
-        let mut launch = rt.launcher(tile.kernel())?;
+        let mut launch = rt.launcher(tile.kernel(product))?;
         launch
             .arg(&x_rows)
             .arg(&w.codes)
@@ -250,7 +307,7 @@ pub fn linear_bf16_fast_tiled(
         // bytes at a time only when inp is a multiple of 4 (a row chunk starts at a multiple of
         // groups * inp values: 16-byte aligned); the kernel bounds-checks rows, columns and k
         // against params and offsets each group by them; the wide tile's dynamic shared memory
-        // is allowed at load (`dynamic_shared_bytes`).
+        // is allowed at load (`dynamic_shared_bytes`, both wide kernels).
         unsafe { launch.launch(grid) }?;
     }
     Ok(())
@@ -293,16 +350,33 @@ mod tests {
 
     #[test]
     fn tiles_have_their_kernels_blocks_and_shared_memory() {
-        let kernels: Vec<KernelId> = FastLinearTile::ALL.iter().map(|t| t.kernel()).collect();
+        let kernels = |product| -> Vec<KernelId> {
+            FastLinearTile::ALL
+                .iter()
+                .map(|t| t.kernel(product))
+                .collect()
+        };
+        let bf16 = [
+            KernelId::LinearBf16FastT1x1,
+            KernelId::LinearBf16FastT2x2,
+            KernelId::LinearBf16FastT4x2,
+            KernelId::LinearBf16FastWide,
+        ];
+        assert_eq!(kernels(FastProduct::Bf16(Rounding::Bf16)), bf16);
+        assert_eq!(kernels(FastProduct::Bf16(Rounding::F32)), bf16);
         assert_eq!(
-            kernels,
+            kernels(FastProduct::SplitBf16x3),
             [
-                KernelId::LinearBf16FastT1x1,
-                KernelId::LinearBf16FastT2x2,
-                KernelId::LinearBf16FastT4x2,
-                KernelId::LinearBf16FastWide
+                KernelId::LinearBf16x3FastT1x1,
+                KernelId::LinearBf16x3FastT2x2,
+                KernelId::LinearBf16x3FastT4x2,
+                KernelId::LinearBf16x3FastWide
             ]
         );
+        // Only a bf16 product rounded to bf16 asks the kernel to round.
+        assert_eq!(FastProduct::Bf16(Rounding::Bf16).output().flag(), 1);
+        assert_eq!(FastProduct::Bf16(Rounding::F32).output().flag(), 0);
+        assert_eq!(FastProduct::SplitBf16x3.output().flag(), 0);
         // Blocks start at multiples of the 16 x 8 mma tile: an output keeps its place in it.
         for tile in FastLinearTile::ALL {
             let (rows, cols) = tile.block();
@@ -312,8 +386,33 @@ mod tests {
         // sm_90 and sm_100; only it asks for dynamic shared memory.
         assert_eq!(WIDE_SHARED_BYTES, 224 * 1024);
         for id in KernelId::ALL {
-            let wide = id == KernelId::LinearBf16FastWide;
+            let wide = matches!(
+                id,
+                KernelId::LinearBf16FastWide | KernelId::LinearBf16x3FastWide
+            );
             assert_eq!(dynamic_shared_bytes(id).is_some(), wide, "{}", id.symbol());
         }
+    }
+
+    /// A weight takes the split-x product only when every value is bf16: one stray low bit, in
+    /// any place, keeps it off.
+    #[test]
+    fn exactly_bf16_sees_any_value_off_bf16() {
+        let mut values: Vec<f32> = [1.0f32, -0.0, 3.0e38, -1.5e-38, 0.0078125, 65280.0]
+            .iter()
+            .map(|&v| f32::from_bits(v.to_bits() & 0xffff_0000))
+            .collect();
+        assert!(exactly_bf16(&values));
+        assert!(exactly_bf16(&[]));
+        for at in 0..values.len() {
+            let kept = values[at];
+            values[at] = f32::from_bits(kept.to_bits() | 1);
+            assert!(
+                !exactly_bf16(&values),
+                "value {at} off bf16 by its last bit"
+            );
+            values[at] = kept;
+        }
+        assert!(!exactly_bf16(&[0.1]), "0.1 is not a bf16 value");
     }
 }

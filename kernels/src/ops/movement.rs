@@ -12,8 +12,10 @@ use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
 
 const THREADS: u32 = 256;
-/// Blocks of a gather launch (they stride over the pieces).
-const GATHER_BLOCKS: u32 = 1024;
+/// movement.cu's `GATHER_TILE`: the columns one gather block copies (256 threads, 4 values each).
+const GATHER_TILE: usize = 1024;
+/// Rows of gather blocks along the pieces (they stride over the rest).
+const GATHER_PIECE_BLOCKS: u32 = 4096;
 
 /// Piece addresses a gather takes in its kernel parameters instead of a device table.
 pub const GATHER_INLINE: usize = 128;
@@ -87,7 +89,14 @@ fn launch_gather(
         }
         by_value.pieces[..n_pieces].copy_from_slice(inline);
     }
-    let cfg = launch_config((n_pieces_u32.min(GATHER_BLOCKS), 1, 1), THREADS, 0);
+    // movement.cu's GATHER_TILE columns a block, pieces along y (at most GATHER_PIECE_BLOCKS
+    // rows of blocks; the kernel strides over the rest).
+    let column_blocks = dim(OP, "column tiles", width.div_ceil(GATHER_TILE))?;
+    let cfg = launch_config(
+        (column_blocks, n_pieces_u32.min(GATHER_PIECE_BLOCKS), 1),
+        THREADS,
+        0,
+    );
     let null_table = 0u64;
     let mut launch = rt.launcher(KernelId::GatherPtrsF32)?;
     match pieces {

@@ -17,11 +17,13 @@ pub mod comm_init;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod key_list;
 pub mod select;
 pub mod tensor;
 pub mod weights;
 
 pub use cpu::CpuBackend;
+pub use key_list::{KeyList, KeyMirror, NO_KEYS};
 pub use select::{
     CandidateMask, Candidates, IndexQueries, QueryKeys, SelectFrom, SelectPart, SelectedKeys,
     Selection,

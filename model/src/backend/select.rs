@@ -9,7 +9,7 @@ use std::any::Any;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
-use super::{Precision, Tensor};
+use super::{KeyList, Precision, Tensor};
 
 /// A selection or mask a device backend keeps in its own memory.
 pub trait DeviceRows: Send + Sync + fmt::Debug {
@@ -151,7 +151,7 @@ pub enum Candidates<'a> {
 /// (the first `visible[t]`, at most all of them).
 #[derive(Debug, Clone, Copy)]
 pub struct SelectPart<'a> {
-    pub keys: &'a [&'a Tensor],
+    pub keys: &'a KeyList,
     pub visible: &'a [usize],
 }
 
@@ -216,7 +216,7 @@ pub struct QueryKeys<'a> {
 #[derive(Debug, Clone, Copy)]
 pub struct SelectedKeys<'a> {
     /// A sequence's compressed entries (one `head_dim` row each).
-    pub compressed: &'a [Tensor],
+    pub compressed: &'a KeyList,
     pub selection: &'a Selection,
     pub row: usize,
 }

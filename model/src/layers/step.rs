@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, RowSampling, SelectPart, Tensor};
+use crate::backend::{Backend, KeyList, RowSampling, SelectPart, Tensor};
 use crate::error::ModelError;
 use crate::expert_dispatch::RoutedExperts;
 use crate::layers::ring::MAX_BACKTRACK;
@@ -241,7 +241,7 @@ impl StepRows {
     /// score `keys[e]`, row `t` the first `visible[t]` of them.
     pub(crate) fn select_parts<'a>(
         &self,
-        keys: &'a [Vec<&'a Tensor>],
+        keys: &'a [&'a KeyList],
         visible: &'a [usize],
     ) -> Vec<SelectPart<'a>> {
         keys.iter()

@@ -7,7 +7,7 @@
 use super::compressor;
 use super::state::LayerState;
 use super::weights::AttentionWeights;
-use crate::backend::{AttentionQueries, QueryKeys, RopeTable, SelectedKeys, Tensor};
+use crate::backend::{AttentionQueries, NO_KEYS, QueryKeys, RopeTable, SelectedKeys, Tensor};
 use crate::layers::attention::{Queries, kv_rows, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
@@ -66,7 +66,7 @@ pub fn forward_rows(
         let (entries, ratio) = state
             .main
             .as_ref()
-            .map_or((&[][..], 1), |c| (c.entries.as_slice(), c.ratio));
+            .map_or((&NO_KEYS, 1), |c| (&c.entries, c.ratio));
         for t in span.clone() {
             let position = positions[t];
             let first = (position + 1).saturating_sub(cfg.window_size);

@@ -6,7 +6,8 @@
 use super::state::{CompressorCache, LayerState};
 use super::weights::{CompressorWeights, IndexerWeights};
 use crate::backend::{
-    Candidates, IndexQueries, PoolSlot, RopeTable, Rotation, SelectFrom, Selection, Tensor,
+    Candidates, IndexQueries, KeyList, NO_KEYS, PoolSlot, RopeTable, Rotation, SelectFrom,
+    Selection, Tensor,
 };
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
@@ -128,13 +129,13 @@ pub fn select_rows(
     let q = backend.rope(w.wq_b.apply(backend, qr), (head_dim, heads), &rotation);
     let scale = (heads as f32).powf(-0.5) * (head_dim as f32).powf(-0.5);
     let head_weights = backend.scale_at(w.weights_proj.apply(backend, xn), scale, precision);
-    let keys: Vec<Vec<&Tensor>> = states
+    let keys: Vec<&KeyList> = states
         .iter()
         .map(|state| {
             state
                 .index
                 .as_ref()
-                .map_or_else(Vec::new, |cache| cache.entries.iter().collect())
+                .map_or(&NO_KEYS, |cache| &cache.entries)
         })
         .collect();
     let visible = rows.visible_entries(w.compressor.ratio);

@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, Pinned, Tensor};
+use crate::backend::{Backend, KeyList, Pinned, Tensor};
 use crate::error::ModelError;
 use crate::layers::ring::{
     MAX_BACKTRACK, PACK_ENTRIES, PositionRing, pack_rows, past_end, tensor_bytes, too_far,
@@ -34,7 +34,7 @@ pub struct CompressorCache {
     /// Per-token `kv ‖ gate` projections (before the position bias) of the recent positions.
     pub(crate) pending: PositionRing,
     /// Complete entries (normalised, rotated), one per `ratio` tokens.
-    pub(crate) entries: Vec<Tensor>,
+    pub(crate) entries: KeyList,
     /// Entries [`CompressorCache::pack`] has seen (the rest came after).
     packed: usize,
 }
@@ -45,7 +45,7 @@ impl CompressorCache {
             ratio,
             overlapping,
             pending: PositionRing::default(),
-            entries: Vec::new(),
+            entries: KeyList::new(),
             packed: 0,
         }
     }
@@ -58,7 +58,7 @@ impl CompressorCache {
         if entries < self.packed + PACK_ENTRIES {
             return;
         }
-        pack_rows(&mut self.entries[self.packed..], backend);
+        pack_rows(&mut self.entries, self.packed, backend);
         self.packed = entries;
     }
 
@@ -220,7 +220,7 @@ impl SequenceState {
             .get(layer)?
             .main
             .as_ref()
-            .map(|c| c.entries.as_slice())
+            .map(|c| c.entries.rows())
     }
 
     /// The indexer keys of CSA `layer`.
@@ -229,7 +229,7 @@ impl SequenceState {
             .get(layer)?
             .index
             .as_ref()
-            .map(|c| c.entries.as_slice())
+            .map(|c| c.entries.rows())
     }
 
     /// Bytes of every row and entry the state holds (`crate::state_bytes::StateBytes::bytes`
@@ -240,7 +240,7 @@ impl SequenceState {
                 + [&layer.main, &layer.index]
                     .into_iter()
                     .flatten()
-                    .map(|c| c.pending.held_bytes() + tensor_bytes(&c.entries))
+                    .map(|c| c.pending.held_bytes() + tensor_bytes(c.entries.iter()))
                     .sum::<u64>()
         };
         let layers: u64 = self.layers.iter().map(layer_bytes).sum();
@@ -261,7 +261,7 @@ impl SequenceState {
             layer.window.pin(pinned);
             for cache in [&layer.main, &layer.index].into_iter().flatten() {
                 cache.pending.pin(pinned);
-                pinned.add_tensors(&cache.entries);
+                pinned.add_tensors(cache.entries.iter());
             }
         };
         for layer in &self.layers {
@@ -526,10 +526,12 @@ impl SequenceState {
         for (l, layer) in self.layers.iter_mut().enumerate() {
             let caches = [&mut layer.main, &mut layer.index].into_iter().flatten();
             for (c, cache) in caches.enumerate() {
-                cache.entries = blocks
-                    .iter()
-                    .flat_map(|block| block.entries[l][c].iter().cloned())
-                    .collect();
+                cache.entries = KeyList::from(
+                    blocks
+                        .iter()
+                        .flat_map(|block| block.entries[l][c].iter().cloned())
+                        .collect::<Vec<Tensor>>(),
+                );
                 // The attached entries stay where the prefix cache keeps them (shared with it).
                 cache.packed = cache.entries.len();
             }

@@ -8,7 +8,8 @@ use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
 use crate::backend::{
-    AttentionQueries, Precision, QueryKeys, RopeTable, SelectedKeys, Selection, Tensor,
+    AttentionQueries, KeyList, NO_KEYS, Precision, QueryKeys, RopeTable, SelectedKeys, Selection,
+    Tensor,
 };
 use crate::layers::attention::{Queries, kv_rows, output, queries};
 use crate::layers::ctx::Ctx;
@@ -94,12 +95,12 @@ pub fn forward(
             let forced = trace
                 .as_deref()
                 .and_then(|t| t.inject.topk.get(layer).cloned().flatten());
-            let keys: Vec<&[Tensor]> = seqs
+            let keys: Vec<&KeyList> = seqs
                 .iter()
                 .map(|seq| {
                     kv_source
                         .and_then(|s| seq.layers[s].compressor.as_ref())
-                        .map_or(&[][..], |c| &c.index_keys[..])
+                        .map_or(&NO_KEYS, |c| &c.index_keys)
                 })
                 .collect();
             let selection = csa::select_step(ctx, &keys, rows, &index, layer, shared);
@@ -127,7 +128,7 @@ pub fn forward(
         let window = &seq.layers[layer].window;
         let compressed = kv_source
             .and_then(|s| seq.layers[s].compressor.as_ref())
-            .map_or(&[][..], |c| &c.compressed[..]);
+            .map_or(&NO_KEYS, |c| &c.compressed);
         for t in span.clone() {
             let position = positions[t];
             let first = (position + 1).saturating_sub(cfg.window_size);

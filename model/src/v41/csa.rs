@@ -6,7 +6,8 @@ use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
 use crate::backend::{
-    CandidateMask, Candidates, DenseWeight, Precision, Rotation, SelectFrom, Selection, Tensor,
+    CandidateMask, Candidates, DenseWeight, KeyList, Precision, Rotation, SelectFrom, Selection,
+    Tensor,
 };
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
@@ -204,7 +205,7 @@ pub fn index_queries(
 /// per query); a later index source of the same step is restricted by it.
 pub fn select_step(
     ctx: &Ctx,
-    index_keys: &[&[Tensor]],
+    index_keys: &[&KeyList],
     rows: &StepRows,
     index: &IndexQueries,
     layer: usize,
@@ -212,12 +213,8 @@ pub fn select_step(
 ) -> Selection {
     let cfg = ctx.cfg;
     let ratio = cfg.compress_ratio(layer);
-    let keys: Vec<Vec<&Tensor>> = index_keys
-        .iter()
-        .map(|keys| keys.iter().collect())
-        .collect();
     let visible = rows.visible_entries(ratio);
-    let parts = rows.select_parts(&keys, &visible);
+    let parts = rows.select_parts(index_keys, &visible);
     let candidate_source = cfg.candidate.as_ref().filter(|c| c.source_layer == layer);
     let candidates = match (candidate_source, &shared.candidates) {
         (Some(c), _) => Candidates::Produce {

@@ -3,7 +3,7 @@
 //! context rings. Rings keep `window + MAX_BACKTRACK` entries so that a rollback of up to
 //! `MAX_BACKTRACK` tokens (a partially accepted verify) restores exactly the never-drafted state.
 
-use crate::backend::{Backend, Pinned, Tensor};
+use crate::backend::{Backend, KeyList, Pinned, Tensor};
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
 pub use crate::layers::ring::{MAX_BACKTRACK, PositionRing};
@@ -16,9 +16,9 @@ pub struct CompressorState {
     /// Per-token `kv ‖ gate` rows (fp32) of the recent positions, for the pending group.
     pub pending: PositionRing,
     /// Compressed KV entries (after RoPE and `Q4m`), one per complete group.
-    pub compressed: Vec<Tensor>,
+    pub compressed: KeyList,
     /// Index keys (after RoPE and `Q4e`), one per complete group.
-    pub index_keys: Vec<Tensor>,
+    pub index_keys: KeyList,
     /// Groups whose entry and key [`CompressorState::pack`] has seen (the rest came after).
     packed: usize,
 }
@@ -39,11 +39,8 @@ impl CompressorState {
         if groups < self.packed + PACK_ENTRIES {
             return;
         }
-        for cache in [&mut self.compressed, &mut self.index_keys] {
-            if let Some(tail) = cache.get_mut(self.packed..) {
-                pack_rows(tail, backend);
-            }
-        }
+        pack_rows(&mut self.compressed, self.packed, backend);
+        pack_rows(&mut self.index_keys, self.packed, backend);
         self.packed = groups;
     }
 }
@@ -94,7 +91,7 @@ impl SequenceState {
             .get(layer)?
             .compressor
             .as_ref()
-            .map(|c| c.compressed.as_slice())
+            .map(|c| c.compressed.rows())
     }
 
     /// The index-key cache of KV-source `layer` (after RoPE and `Q4e`), if it is one.
@@ -103,7 +100,7 @@ impl SequenceState {
             .get(layer)?
             .compressor
             .as_ref()
-            .map(|c| c.index_keys.as_slice())
+            .map(|c| c.index_keys.rows())
     }
 
     /// Bytes of every row and entry the state holds (`crate::state_bytes::StateBytes::bytes`
@@ -116,8 +113,8 @@ impl SequenceState {
                 layer.window.held_bytes()
                     + layer.compressor.as_ref().map_or(0, |c| {
                         c.pending.held_bytes()
-                            + tensor_bytes(&c.compressed)
-                            + tensor_bytes(&c.index_keys)
+                            + tensor_bytes(c.compressed.iter())
+                            + tensor_bytes(c.index_keys.iter())
                     })
             })
             .sum();
@@ -134,8 +131,8 @@ impl SequenceState {
             layer.window.pin(&mut pinned);
             if let Some(c) = &layer.compressor {
                 c.pending.pin(&mut pinned);
-                pinned.add_tensors(&c.compressed);
-                pinned.add_tensors(&c.index_keys);
+                pinned.add_tensors(c.compressed.iter());
+                pinned.add_tensors(c.index_keys.iter());
             }
         }
         for ring in &self.dspark {

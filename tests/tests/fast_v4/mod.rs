@@ -36,7 +36,7 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::{CudaSlice, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile, gemm_fp8_fast, k_parts};
-use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
+use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
 use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
 use deepinfer_model::LogitsWanted;
@@ -599,7 +599,15 @@ fn the_backend_takes_the_fast_v4_linears_in_fast_numerics_only() {
     let dw = FastBf16Weight::upload(&rt, out, inp, &values).expect("upload");
     let mut direct = rt.stream().alloc_zeros::<f32>(rows * out).expect("alloc");
     let dx = rt.htod(&x).expect("upload x");
-    linear_bf16_fast(&rt, &dx, &dw, &mut direct, rows, Rounding::F32).expect("linear");
+    linear_bf16_fast(
+        &rt,
+        &dx,
+        &dw,
+        &mut direct,
+        rows,
+        FastProduct::Bf16(Rounding::F32),
+    )
+    .expect("linear");
     let direct = rt.stream().clone_dtoh(&direct).expect("download");
     assert_eq!(
         differing(&y, &direct),

@@ -17,7 +17,10 @@
 //!
 //! Then the bf16 linear of one grouped `wo_a` (1024 × 4096, the op `linear_bf16` of the block
 //! profile) at 1, 8, 64 and 1024 rows: the fast tensor-core linear (`ops::linear_fast`) beside
-//! cuBLAS bf16 on the same shape and the exact sgemm-order kernel (`ops::linear`).
+//! cuBLAS bf16 on the same shape and the exact sgemm-order kernel (`ops::linear`). Then the fp32
+//! linears of the block (`linear_f32`: the MoE router gate 5120 → 384 and the ratio-2
+//! compressor's `wkv` 5120 → 512, `wgate` alike) at the same rows: the split-x bf16x3 linear of
+//! the `fast` numerics beside the exact sgemm-order kernel.
 
 use anyhow::{Context, Result};
 use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
@@ -28,7 +31,7 @@ use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{
     FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp8_fast_tiled,
 };
-use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
+use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
 };
@@ -464,7 +467,13 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
     let mut linear = Vec::new();
     let linear_rows: &[usize] = if quick { &[1, 1024] } else { &[1, 8, 64, 1024] };
     for &m in linear_rows {
-        linear.push(bench_fast_linear(rt, &mut timer, m)?);
+        linear.push(bench_fast_linear(
+            rt,
+            &mut timer,
+            WO_A,
+            m,
+            FastProduct::Bf16(Rounding::Bf16),
+        )?);
         linear.push(bench(
             rt,
             &blas,
@@ -490,16 +499,56 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
         "\nbytes = bf16 weights (exact: f32 storage, 4 bytes each) + f32 activations + outputs; \
          roofline peak 790 TFLOP/s bf16."
     );
+
+    let mut f32_linear = Vec::new();
+    for shape in F32_LINEARS {
+        for &m in linear_rows {
+            f32_linear.push(bench_fast_linear(
+                rt,
+                &mut timer,
+                shape,
+                m,
+                FastProduct::SplitBf16x3,
+            )?);
+            let (name, n, k) = shape;
+            let exact = format!("{name} exact f32");
+            f32_linear.push(bench_linear(
+                rt,
+                &mut timer,
+                (&exact, Rounding::F32),
+                (m, n, k),
+            )?);
+        }
+    }
+    println!(
+        "\nfast numerics: the fp32 linears (linear_f32) of the block, the split-x bf16x3 linear \
+         beside the exact kernel"
+    );
+    print_rows(&f32_linear);
+    println!(
+        "\nFLOPs = 2 M N K (bf16x3: three bf16 products each, 3x the tensor-core work); bytes as \
+         above."
+    );
     Ok(())
 }
 
 /// One grouped `wo_a` of the V4.1 block: 1024 outputs over 4096 inputs.
 const WO_A: (&str, usize, usize) = ("wo_a", 1024, 4096);
 
-/// Times the fast bf16 linear of [`WO_A`] at `m` rows, weights rotated through more than twice
-/// the L2.
-fn bench_fast_linear(rt: &KernelRuntime, timer: &mut Timer, m: usize) -> Result<Row> {
-    let (name, n, k) = WO_A;
+/// The fp32 linears of the V4.1 block (name, N, K): the MoE router gate and the ratio-2
+/// compressor's `wkv` (its `wgate` has the same shape).
+const F32_LINEARS: [(&str, usize, usize); 2] =
+    [("router gate", 384, 5120), ("compressor wkv", 512, 5120)];
+
+/// Times the fast linear `product` of the weight `(name, n, k)` at `m` rows, weights rotated
+/// through more than twice the L2.
+fn bench_fast_linear(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    (name, n, k): (&str, usize, usize),
+    m: usize,
+    product: FastProduct,
+) -> Result<Row> {
     let x = f32_values(rt, 900, m * k)?;
     let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
     let copies = ROTATION_BYTES.div_ceil(2 * n * k).max(2);
@@ -513,11 +562,15 @@ fn bench_fast_linear(rt: &KernelRuntime, timer: &mut Timer, m: usize) -> Result<
             &weights[i % copies],
             &mut y,
             m,
-            Rounding::Bf16,
+            product,
         )?)
     })?;
+    let label = match product {
+        FastProduct::Bf16(_) => "bf16",
+        FastProduct::SplitBf16x3 => "bf16x3",
+    };
     Ok(Row {
-        op: format!("{name} fast bf16"),
+        op: format!("{name} fast {label}"),
         m,
         n,
         k,

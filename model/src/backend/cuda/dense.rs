@@ -10,6 +10,13 @@
 //! rounding: V4's float32 activations); the fast kernels' K order is fixed by the weight's shape,
 //! so a row's result never depends on the batch. Weights whose K is not a multiple of the tile
 //! (which the FP8 GEMM and its activation groups cannot take) keep the exact kernel.
+//!
+//! The plain linears in the `fast` numerics: [`Backend::linear_bf16`] on the fast bf16 linear
+//! (x rounded to bf16); [`Backend::linear_f32`] (V4.1's router gate, the compressor's `wkv` and
+//! `wgate`, heads, and `sample_linear`'s logits, the same computation) on the split-x bf16x3
+//! linear (x split exactly into three bf16 pieces: fp32-level accuracy, bound in
+//! `ops::linear_fast`) when every value of the weight is bf16 — checked once, when the weight is
+//! first cached on the device; a weight with any value off bf16 keeps the exact sgemm kernel.
 
 use super::*;
 
@@ -97,7 +104,12 @@ impl CudaBackend {
                     out: *out,
                     inp: *inp,
                 };
-                self.dense_linear(OP, x, w, Rounding::F32, fast)
+                let kernel = if fast {
+                    DenseKernel::Bf16(Rounding::F32)
+                } else {
+                    DenseKernel::Exact(Rounding::F32)
+                };
+                self.dense_linear(OP, x, w, kernel)
             }
             Linear::Fp8(w) => match fast_fp8_group(w).filter(|_| fast) {
                 Some(group) => self.fast_linear_f32(OP, x, (w.out, w.inp), group, |a, y| {
@@ -131,27 +143,29 @@ impl CudaBackend {
     }
 
     /// [`Backend::linear_f32`] / [`Backend::linear_bf16`], with errors. Like the CPU reference, a
-    /// weight shorter than `out` rows yields only the rows it has. In `fast` numerics the bf16
-    /// linear runs on tensor cores (`ops::linear_fast`); the fp32 linears stay exact.
+    /// weight shorter than `out` rows yields only the rows it has. In `fast` numerics both run on
+    /// tensor cores (module doc: `linear_f32` only on a weight of bf16 values).
     pub fn try_linear(
         &self,
         x: &Tensor,
         w: DenseWeight<'_>,
         output: Rounding,
     ) -> Result<Tensor, CudaBackendError> {
-        let fast = self.numerics == Numerics::Fast && output == Rounding::Bf16;
-        self.dense_linear("linear", x, w, output, fast)
+        let kernel = match (self.numerics, output) {
+            (Numerics::Exact, _) => DenseKernel::Exact(output),
+            (Numerics::Fast, Rounding::Bf16) => DenseKernel::Bf16(Rounding::Bf16),
+            (Numerics::Fast, Rounding::F32) => DenseKernel::F32,
+        };
+        self.dense_linear("linear", x, w, kernel)
     }
 
-    /// `x · Wᵀ` of a dense weight (at most `out` rows of it, as the CPU reference), rounded at
-    /// `output`: on the fast bf16 linear (tensor cores) when `fast`, else the exact sgemm order.
+    /// `x · Wᵀ` of a dense weight (at most `out` rows of it, as the CPU reference) on `kernel`.
     fn dense_linear(
         &self,
         op: &'static str,
         x: &Tensor,
         w: DenseWeight<'_>,
-        output: Rounding,
-        fast: bool,
+        kernel: DenseKernel,
     ) -> Result<Tensor, CudaBackendError> {
         let DenseWeight {
             values: w,
@@ -164,18 +178,51 @@ impl CudaBackend {
             return Ok(Tensor::empty());
         }
         let dx = self.input(op, x)?;
+        let w = &w[..out * inp];
         // SAFETY: linear_bf16_fast stores every (row < rows, column < out) of its tiles;
         // linear_sgemm_f32's reduction writes each of the rows * out outputs.
         let mut dy = unsafe { self.alloc_written(op, rows * out) }?;
-        if fast {
-            let dw = self.cached_bf16_fast(&w[..out * inp], 1, out, inp)?;
-            linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, output).map_err(op_err(op))?;
-        } else {
-            let dw = self.cached_f32(op, &w[..out * inp])?;
-            linear_sgemm_f32(&self.rt, &dx, &dw, &mut dy, (rows, out, inp), output)
-                .map_err(op_err(op))?;
+        match kernel {
+            DenseKernel::Exact(output) => {
+                let dw = self.cached_f32(op, w)?;
+                linear_sgemm_f32(&self.rt, &dx, &dw, &mut dy, (rows, out, inp), output)
+                    .map_err(op_err(op))?;
+            }
+            DenseKernel::Bf16(output) => {
+                let dw = self.cached_bf16_fast(w, 1, out, inp)?;
+                linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, FastProduct::Bf16(output))
+                    .map_err(op_err(op))?;
+            }
+            DenseKernel::F32 => self.linear_f32_into(op, &dx, w, &mut dy, (rows, out, inp))?,
         }
         Ok(self.tensor(dy))
+    }
+
+    /// `y [rows, out] = x [rows, inp] · Wᵀ` (`w` holding exactly `out · inp` values) as
+    /// [`Backend::linear_f32`] computes it in this backend's numerics (module doc): the exact
+    /// sgemm order, or in `fast` numerics the split-x bf16x3 linear on a weight of bf16 values.
+    pub(super) fn linear_f32_into(
+        &self,
+        op: &'static str,
+        x: &CudaSlice<f32>,
+        w: &[f32],
+        y: &mut CudaSlice<f32>,
+        (rows, out, inp): (usize, usize, usize),
+    ) -> Result<(), CudaBackendError> {
+        if self.numerics == Numerics::Exact {
+            let dw = self.cached_f32(op, w)?;
+            return linear_sgemm_f32(&self.rt, x, &dw, y, (rows, out, inp), Rounding::F32)
+                .map_err(op_err(op));
+        }
+        match &*self.cached_f32_linear_fast(op, w, out, inp)? {
+            FastF32Weight::Bf16x3(dw) => {
+                linear_bf16_fast(&self.rt, x, dw, y, rows, FastProduct::SplitBf16x3)
+            }
+            FastF32Weight::Sgemm(dw) => {
+                linear_sgemm_f32(&self.rt, x, dw, y, (rows, out, inp), Rounding::F32)
+            }
+        }
+        .map_err(op_err(op))
     }
 
     /// [`Backend::linear_grouped_bf16`], with errors: in `fast` numerics every group in one
@@ -211,7 +258,15 @@ impl CudaBackend {
         // SAFETY: linear_bf16_fast stores every (row, column) of every group (grid z).
         let mut dy = unsafe { self.alloc_written(OP, rows * groups * out) }?;
         let dw = self.cached_bf16_fast(w, groups, groups * out, inp)?;
-        linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, Rounding::Bf16).map_err(op_err(OP))?;
+        linear_bf16_fast(
+            &self.rt,
+            &dx,
+            &dw,
+            &mut dy,
+            rows,
+            FastProduct::Bf16(Rounding::Bf16),
+        )
+        .map_err(op_err(OP))?;
         Ok(self.tensor(dy))
     }
 
@@ -451,6 +506,25 @@ pub(crate) fn dequant_block_rows(out: usize, inp: usize) -> usize {
         .rev()
         .find(|d| out.is_multiple_of(*d))
         .unwrap_or(1)
+}
+
+/// The kernel of a dense linear.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DenseKernel {
+    /// The exact sgemm order (the CPU's bits), the output rounded as given.
+    Exact(Rounding),
+    /// The fast bf16 linear (x rounded to bf16), the output rounded as given.
+    Bf16(Rounding),
+    /// [`Backend::linear_f32`] in this backend's numerics ([`CudaBackend::linear_f32_into`]).
+    F32,
+}
+
+/// A weight of [`Backend::linear_f32`] in the `fast` numerics, sorted when first cached.
+pub(super) enum FastF32Weight {
+    /// Every value bf16: the split-x bf16x3 linear on tensor cores.
+    Bf16x3(FastBf16Weight),
+    /// A value off bf16 (which the bf16 weight would round): the exact sgemm kernel.
+    Sgemm(CudaSlice<f32>),
 }
 
 /// The fewest positions a device RoPE table covers (the table of a short context is built once).

@@ -48,6 +48,8 @@
 //! device) has no error channel: it panics with the op and the driver's message.
 
 mod dense;
+mod key_tables;
+use key_tables::KeyTableBuilder;
 pub mod ep;
 pub mod ep_transport;
 mod moe;
@@ -71,7 +73,7 @@ use deepinfer_kernels::cudarc::driver::{
 use deepinfer_kernels::kernel_timer::KernelTimer;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, SelectedRows,
+    DeviceKeyLists, ListSegment, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH,
     fast_attention_supports, sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
@@ -87,7 +89,9 @@ use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address
 use deepinfer_kernels::ops::linear::{
     dequant_fp4_rows_f32, dequant_fp8_rows_f32, linear_sgemm_f32,
 };
-use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, linear_bf16_fast};
+use deepinfer_kernels::ops::linear_fast::{
+    FastBf16Weight, FastProduct, exactly_bf16, linear_bf16_fast,
+};
 use deepinfer_kernels::ops::mhc::{
     HcMixesConfig, MAX_TOKENS_PER_LAUNCH, hc_collapse_rows_f32, hc_expand_rows_f32,
     hc_mixes_rows_f32,
@@ -230,6 +234,9 @@ struct WeightCache {
     f32s: HashMap<HostKey, Arc<CudaSlice<f32>>>,
     /// bf16 linear weights prepared for the tensor-core linear of the `fast` numerics.
     bf16_fast: HashMap<(HostKey, usize), Arc<FastBf16Weight>>,
+    /// The weights of `Backend::linear_f32` in the `fast` numerics, sorted once, when first
+    /// cached: bf16 ones for the split-x bf16x3 linear, any other for the exact kernel.
+    f32_linear_fast: HashMap<HostKey, Arc<dense::FastF32Weight>>,
     fp8: HashMap<(HostKey, HostKey), Arc<DeviceFp8Weight>>,
     /// FP8 weights prepared for the tensor-core GEMM of the `fast` numerics.
     fp8_fast: HashMap<(HostKey, HostKey), Arc<FastFp8Weight>>,
@@ -663,6 +670,35 @@ impl CudaBackend {
         )
     }
 
+    /// The device weight `[out, inp]` of `Backend::linear_f32` in the `fast` numerics, cached by
+    /// the host values: the split-x bf16x3 linear's when every value is bf16 (checked here, on
+    /// first use), else the f32 values for the exact kernel.
+    fn cached_f32_linear_fast(
+        &self,
+        op: &'static str,
+        weight: &[f32],
+        out: usize,
+        inp: usize,
+    ) -> Result<Arc<dense::FastF32Weight>, CudaBackendError> {
+        self.cached(
+            HostKey::f32s(weight),
+            |cache| &mut cache.f32_linear_fast,
+            || {
+                Ok(if exactly_bf16(weight) {
+                    dense::FastF32Weight::Bf16x3(
+                        FastBf16Weight::upload(&self.rt, out, inp, weight).map_err(op_err(op))?,
+                    )
+                } else {
+                    dense::FastF32Weight::Sgemm(
+                        self.rt
+                            .htod(weight)
+                            .map_err(driver_err(op, "uploading a weight"))?,
+                    )
+                })
+            },
+        )
+    }
+
     fn cached_fp8(&self, w: &Fp8Weight) -> Result<Arc<DeviceFp8Weight>, CudaBackendError> {
         self.cached(
             (HostKey::bytes(&w.data), HostKey::bytes(&w.scales)),
@@ -782,6 +818,12 @@ impl CudaBackend {
     /// The device address of the `len` values of `t` from `offset` (uploading a host tensor into
     /// `keep`, once per call however many of its rows are addressed; the caller holds `keep`
     /// until the kernels reading the address have been launched).
+    /// This backend's identity for device state it leaves in model-owned slots (a
+    /// [`KeyList`](crate::backend::KeyList)'s mirror): its CUDA context.
+    fn owner(&self) -> usize {
+        Arc::as_ptr(self.rt.context()) as usize
+    }
+
     fn address_of(
         &self,
         op: &'static str,

@@ -3,8 +3,6 @@
 //! would be alone (batch invariance). Keys are read through
 //! tables of device addresses, so a sequence's KV rows stay wherever its steps left them.
 
-use std::hash::BuildHasherDefault;
-
 use super::*;
 
 /// The row-batched ops (every token of every sequence of a step in one call): one launch per op
@@ -252,27 +250,13 @@ impl CudaBackend {
                 )
             });
         }
-        let mut keep = HostUploads::default();
-        // Sized for every listed key up front: a B = 64 decode step lists ~8k, and regrowing the
-        // map on the way was part of the host time this op spends (`host_us` in the profile).
-        let listed: usize = queries.iter().map(|query| query.listed.len()).sum();
-        let mut addresses: Vec<u64> = Vec::with_capacity(listed);
-        let mut row_of: HashMap<u64, u32, BuildHasherDefault<AddressHasher>> =
-            HashMap::with_capacity_and_hasher(listed, BuildHasherDefault::default());
-        let mut add_row =
-            |address: u64, addresses: &mut Vec<u64>| -> Result<u32, CudaBackendError> {
-                let next = u32::try_from(addresses.len())
-                    .map_err(|_| shape_err(OP, "more than 2^32 distinct keys".to_string()))?;
-                Ok(*row_of.entry(address).or_insert_with(|| {
-                    addresses.push(address);
-                    next
-                }))
-            };
-        // The first table row of each selected-from compressed list (by its address and length).
-        let mut base_of: HashMap<(usize, usize), u32> = HashMap::new();
-        let mut plan: Vec<SelectedRows> = Vec::new();
-        let mut listed_so_far = 0usize;
-        let mut lists = select::listed_key_rows(queries, |t, i, key| {
+        // The key table: first one row per listed key a query does not share with the query
+        // before it (a sequence's consecutive queries, whose windows grow or slide by one, reuse
+        // its rows: `listed_key_rows`; keys of other sequences are distinct, and a repeat
+        // elsewhere only costs a row), then every selected-from compressed list once, whole,
+        // from its device mirror (`key_tables`).
+        let mut table = KeyTableBuilder::new(self, OP, head_dim);
+        let lists = select::listed_key_rows(queries, |t, i, key| {
             if key.len() != head_dim {
                 return Err(shape_err(
                     OP,
@@ -282,53 +266,29 @@ impl CudaBackend {
                     ),
                 ));
             }
-            let address = self.address_of(OP, key, 0, head_dim, &mut keep)?;
-            add_row(address, &mut addresses)
+            table.listed(key)
         })?;
-        for ((t, query), list) in queries.iter().enumerate().zip(&mut lists) {
+        let mut segments = ListSegments::with_queries(n);
+        for ((t, query), list) in queries.iter().enumerate().zip(&lists) {
+            segments.rows(list)?;
             if let Some(selected) = query.selected {
                 let compressed = selected.compressed;
-                let slice_key = (compressed.as_ptr() as usize, compressed.len());
-                let base = match base_of.get(&slice_key) {
-                    Some(&base) => base,
-                    None => {
-                        let base = u32::try_from(addresses.len())
-                            .map_err(|_| shape_err(OP, "more than 2^32 keys".to_string()))?;
-                        for (i, entry) in compressed.iter().enumerate() {
-                            if entry.len() != head_dim {
-                                return Err(shape_err(
-                                    OP,
-                                    format!(
-                                        "compressed entry {i} has {} values, head_dim is {head_dim}",
-                                        entry.len()
-                                    ),
-                                ));
-                            }
-                            addresses.push(self.address_of(OP, entry, 0, head_dim, &mut keep)?);
-                        }
-                        base_of.insert(slice_key, base);
-                        base
-                    }
-                };
+                let base = table.list(compressed)?;
                 let count = selected.selection.counts[selected.row];
                 match selected
                     .selection
                     .device_rows()
                     .and_then(|rows| rows.as_any().downcast_ref::<DeviceSelectionRows>())
                 {
-                    Some(device) => {
-                        plan.push(SelectedRows {
-                            dst: u32::try_from(listed_so_far + list.len())
-                                .map_err(|_| shape_err(OP, "key lists beyond u32".to_string()))?,
-                            count: count as u32,
-                            base,
-                            reserved: 0,
-                            src: device.row_address(&self.rt, selected.row),
-                        });
-                        list.extend(std::iter::repeat_n(base, count));
-                    }
+                    Some(device) => segments.selected(
+                        base,
+                        count,
+                        device.row_address(&self.rt, selected.row),
+                    )?,
                     None => {
-                        for &i in &selected.selection.rows()[selected.row] {
+                        let rows = &selected.selection.rows()[selected.row];
+                        let mut table_rows = Vec::with_capacity(rows.len());
+                        for &i in rows {
                             if i >= compressed.len() {
                                 return Err(shape_err(
                                     OP,
@@ -338,23 +298,27 @@ impl CudaBackend {
                                     ),
                                 ));
                             }
-                            list.push(base + i as u32);
+                            table_rows.push(base + i as u32);
                         }
+                        segments.rows(&table_rows)?;
                     }
                 }
             }
-            listed_so_far += list.len();
+            segments.end_query();
         }
-        // SAFETY: every address points at `head_dim` values (checked above) of a buffer the
-        // query tensors, the compressed entries or `keep` hold until the launch is enqueued.
-        let table = unsafe { DeviceKeyTable::upload(&self.rt, &addresses, head_dim) }
-            .map_err(op_err(OP))?;
-        let mut dlists =
-            DeviceKeyLists::upload(&self.rt, &lists, table.rows()).map_err(op_err(OP))?;
-        // SAFETY: each plan entry reads `count` positions of a device selection below the
+        let (table, _uploads) = table.finish()?;
+        // SAFETY: each selected segment reads `count` positions of a device selection below the
         // compressed list's visible count (the top-k's contract), so `base + position` is a row
         // of that list in the table; the selection is held by the caller's `QueryKeys`.
-        unsafe { dlists.write_selected(&self.rt, &plan) }.map_err(op_err(OP))?;
+        let dlists = unsafe {
+            DeviceKeyLists::compose(
+                &self.rt,
+                &segments.segments,
+                &segments.row_starts,
+                table.rows(),
+            )
+        }
+        .map_err(op_err(OP))?;
         let dsink = self.cached_f32(OP, sink)?;
         let dq = self.input(OP, q)?;
         // SAFETY: both attention kernels write every head's head_dim outputs of every query
@@ -548,19 +512,16 @@ impl CudaBackend {
         heads: usize,
     ) -> Result<(CudaSlice<f32>, DeviceVisiblePrefixes, usize), CudaBackendError> {
         let head_dim = queries.head_dim;
-        // One table over the parts' keys, each part's rows in key order (as many as its queries
-        // see); a query scores its part's rows from the part's first.
+        // One table over the parts' key lists, each whole and in key order, from their device
+        // mirrors (`key_tables`); a query scores its part's rows from the part's first.
         let (mut first, mut seen) = (Vec::new(), Vec::new());
-        let mut table_keys: Vec<&Tensor> = Vec::new();
+        let mut table = KeyTableBuilder::new(self, op, head_dim);
         for part in parts {
-            let part_seen = part.visible.iter().map(|&v| v.min(part.keys.len()));
-            let used = part_seen.clone().max().unwrap_or(0);
-            first.extend(std::iter::repeat_n(table_keys.len(), part.visible.len()));
-            seen.extend(part_seen);
-            table_keys.extend(&part.keys[..used]);
+            let base = table.list(part.keys)? as usize;
+            first.extend(std::iter::repeat_n(base, part.visible.len()));
+            seen.extend(part.visible.iter().map(|&v| v.min(part.keys.len())));
         }
-        let mut keep = HostUploads::default();
-        let table = self.key_table_in_order(op, table_keys.into_iter(), head_dim, &mut keep)?;
+        let (table, _uploads) = table.finish()?;
         let dvisible = DeviceVisiblePrefixes::upload_from(&self.rt, &first, &seen, table.rows())
             .map_err(op_err(op))?;
         let dq = self.input(op, queries.q)?;
@@ -580,31 +541,6 @@ impl CudaBackend {
         )
         .map_err(op_err(op))?;
         Ok((scores, dvisible, table.rows()))
-    }
-
-    /// A table with one row per key, in key order (repeats kept). Every key must hold `row_len`
-    /// values.
-    fn key_table_in_order<'k>(
-        &self,
-        op: &'static str,
-        keys: impl Iterator<Item = &'k Tensor>,
-        row_len: usize,
-        keep: &mut HostUploads,
-    ) -> Result<DeviceKeyTable, CudaBackendError> {
-        let addresses = keys
-            .enumerate()
-            .map(|(i, key)| {
-                if key.len() != row_len {
-                    return Err(shape_err(
-                        op,
-                        format!("key {i} has {} values, rows are {row_len}", key.len()),
-                    ));
-                }
-                self.address_of(op, key, 0, row_len, keep)
-            })
-            .collect::<Result<Vec<u64>, _>>()?;
-        // SAFETY: as in `key_table`.
-        unsafe { DeviceKeyTable::upload(&self.rt, &addresses, row_len) }.map_err(op_err(op))
     }
 
     /// The outputs of `rows` in launches of at most a grid's worth each (`chunk` runs one range
@@ -628,25 +564,61 @@ impl CudaBackend {
     }
 }
 
-/// The hash of a key row's device address for the attention's row map: one multiply, its high
-/// bits folded into the low ones that pick the bucket (addresses of rows share their low bits).
-#[derive(Debug, Default)]
-struct AddressHasher(u64);
+/// The attention's key lists as [`ListSegment`]s, query by query: listed rows as runs of
+/// consecutive table rows (a sequence's window keys are one run: `listed_key_rows` appends a
+/// query's new keys after the ones it shares), device selections as they are.
+struct ListSegments {
+    segments: Vec<ListSegment>,
+    row_starts: Vec<u32>,
+    position: u32,
+}
 
-impl std::hash::Hasher for AddressHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.write_u64(u64::from(byte) ^ self.0.rotate_left(8));
+impl ListSegments {
+    fn with_queries(queries: usize) -> ListSegments {
+        let mut row_starts = Vec::with_capacity(queries + 1);
+        row_starts.push(0);
+        ListSegments {
+            segments: Vec::with_capacity(2 * queries),
+            row_starts,
+            position: 0,
         }
     }
 
-    fn write_u64(&mut self, address: u64) {
-        let mixed = address.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = mixed ^ (mixed >> 29);
+    /// Appends `rows` to the current query's list, one segment per run of consecutive rows.
+    fn rows(&mut self, rows: &[u32]) -> Result<(), CudaBackendError> {
+        let mut rest = rows;
+        while let Some(&first) = rest.first() {
+            let run = 1 + rest
+                .windows(2)
+                .take_while(|pair| pair[1] == pair[0].wrapping_add(1))
+                .count();
+            self.push(ListSegment::rows(self.position, first, 0), run)?;
+            rest = &rest[run..];
+        }
+        Ok(())
+    }
+
+    /// Appends `count` rows `first + src[i]` of a device selection to the current query's list.
+    fn selected(&mut self, first: u32, count: usize, src: u64) -> Result<(), CudaBackendError> {
+        if count == 0 {
+            return Ok(());
+        }
+        self.push(ListSegment::selected(self.position, first, 0, src), count)
+    }
+
+    fn push(&mut self, mut segment: ListSegment, count: usize) -> Result<(), CudaBackendError> {
+        let too_long = || shape_err("sparse_attention_rows", "key lists beyond u32".to_string());
+        segment.count = u32::try_from(count).map_err(|_| too_long())?;
+        self.position = self
+            .position
+            .checked_add(segment.count)
+            .ok_or_else(too_long)?;
+        self.segments.push(segment);
+        Ok(())
+    }
+
+    fn end_query(&mut self) {
+        self.row_starts.push(self.position);
     }
 }
 

@@ -33,9 +33,9 @@ impl CudaBackend {
         self.sample_device_rows(&dlogits, vocab, rows)
     }
 
-    /// [`Backend::sample_linear`], with errors: the fp32 logits `x · Wᵀ` (in the order of
-    /// [`Backend::linear_f32`]) are computed into a device buffer and sampled there; only the ids
-    /// come back to the host.
+    /// [`Backend::sample_linear`], with errors: the fp32 logits `x · Wᵀ` are computed into a
+    /// device buffer as [`Backend::linear_f32`] computes them (`linear_f32_into`, in either
+    /// numerics) and sampled there; only the ids come back to the host.
     pub fn try_sample_linear(
         &self,
         x: &Tensor,
@@ -58,19 +58,17 @@ impl CudaBackend {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        let dw = self.cached_f32(OP, &w[..out * inp])?;
         let dx = self.input(OP, x)?;
-        // SAFETY: linear_sgemm_f32's reduction writes each of the rows * out logits.
+        // SAFETY: linear_f32_into writes each of the rows * out logits (linear_sgemm_f32's
+        // reduction, or linear_bf16_fast storing every row < rows and column < out).
         let mut dlogits = unsafe { self.alloc_written(OP, rows.len() * out) }?;
-        linear_sgemm_f32(
-            &self.rt,
+        self.linear_f32_into(
+            OP,
             &dx,
-            &dw,
+            &w[..out * inp],
             &mut dlogits,
             (rows.len(), out, inp),
-            Rounding::F32,
-        )
-        .map_err(op_err(OP))?;
+        )?;
         self.sample_device_rows(&dlogits, out, rows)
     }
 

@@ -1,0 +1,309 @@
+//! A step's key tables, put together on the device. The row addresses of a sequence's
+//! append-only key lists ([`KeyList`]: compressed entries, index keys) stay on the device between
+//! steps, in the list's mirror slot ([`DeviceKeyMirror`]); a step uploads only the rows appended
+//! since and the keys it lists one by one (a window), and one launch ([`copy_addresses`]) copies
+//! the rest from the mirrors. A decode step's host work is then per sequence, not per key.
+
+use deepinfer_kernels::ops::key_table::{AddressCopy, copy_addresses};
+
+use std::sync::atomic::AtomicBool;
+
+use super::*;
+use crate::backend::KeyList;
+
+/// A key list's row addresses on the device, `addresses[..covers]` (the list's
+/// [`crate::backend::KeyMirror::covers`]) in row order; the capacity past them is unwritten.
+pub(super) struct DeviceKeyMirror {
+    /// The runtime whose stream owns `addresses` (another device's mirror is never read).
+    owner: usize,
+    row_len: usize,
+    /// Whether every address written so far is 16-byte aligned (only ever lowered).
+    aligned_16: AtomicBool,
+    /// The device address of `addresses`.
+    address: u64,
+    addresses: CudaSlice<u64>,
+}
+
+/// Where `count` consecutive table rows come from.
+enum Source {
+    /// The step's upload, from this offset.
+    Upload(usize),
+    /// A device list of addresses at this address.
+    Device(u64),
+}
+
+/// A mirror to store in its list once the copies are enqueued.
+struct MirrorUpdate<'k> {
+    list: &'k KeyList,
+    covers: usize,
+    mirror: Arc<DeviceKeyMirror>,
+}
+
+/// The key table of one launch: first the keys listed one by one ([`KeyTableBuilder::listed`]),
+/// then whole key lists ([`KeyTableBuilder::list`]), each list once.
+pub(super) struct KeyTableBuilder<'b, 'k> {
+    backend: &'b CudaBackend,
+    op: &'static str,
+    row_len: usize,
+    /// Addresses uploaded by the step: the listed keys.
+    listed: Vec<u64>,
+    /// Addresses uploaded by the step: the rows lists gained since their mirrors.
+    tails: Vec<u64>,
+    /// (first table row, rows, source) of the lists' rows.
+    pieces: Vec<(usize, usize, Source)>,
+    /// (device destination, addresses, offset in `tails`): mirrors' new rows.
+    mirror_writes: Vec<(u64, usize, usize)>,
+    /// Grown mirrors' earlier rows, copied from the old to the new.
+    mirror_moves: Vec<AddressCopy>,
+    /// The first table row of each list taken, by the list's address.
+    bases: HashMap<usize, u32>,
+    updates: Vec<MirrorUpdate<'k>>,
+    /// Mirrors the copies read from, kept until the launch is enqueued.
+    read: Vec<Arc<DeviceKeyMirror>>,
+    aligned_16: bool,
+    keep: HostUploads,
+}
+
+impl<'b, 'k> KeyTableBuilder<'b, 'k> {
+    pub(super) fn new(backend: &'b CudaBackend, op: &'static str, row_len: usize) -> Self {
+        KeyTableBuilder {
+            backend,
+            op,
+            row_len,
+            listed: Vec::new(),
+            tails: Vec::new(),
+            pieces: Vec::new(),
+            mirror_writes: Vec::new(),
+            mirror_moves: Vec::new(),
+            bases: HashMap::new(),
+            updates: Vec::new(),
+            read: Vec::new(),
+            aligned_16: true,
+            keep: HostUploads::default(),
+        }
+    }
+
+    /// Rows of the whole table so far.
+    pub(super) fn rows(&self) -> usize {
+        self.listed.len() + self.pieces.iter().map(|&(_, rows, _)| rows).sum::<usize>()
+    }
+
+    /// The table row of `key`, listed on its own (before any list is taken).
+    pub(super) fn listed(&mut self, key: &Tensor) -> Result<u32, CudaBackendError> {
+        if !self.pieces.is_empty() {
+            return Err(shape_err(
+                self.op,
+                "a listed key after a key list (listed keys come first)".to_string(),
+            ));
+        }
+        let address = self.address(key)?;
+        let row = u32::try_from(self.listed.len())
+            .map_err(|_| shape_err(self.op, "more than 2^32 key rows".to_string()))?;
+        self.listed.push(address);
+        Ok(row)
+    }
+
+    /// The first table row of `list`'s rows (all of them, in order).
+    pub(super) fn list(&mut self, list: &'k KeyList) -> Result<u32, CudaBackendError> {
+        let id = list as *const KeyList as usize;
+        if let Some(&base) = self.bases.get(&id) {
+            return Ok(base);
+        }
+        let base = self.rows();
+        let base_row = u32::try_from(base)
+            .map_err(|_| shape_err(self.op, "more than 2^32 key rows".to_string()))?;
+        let owner = self.backend.owner();
+        let (covered, mirror) = {
+            let slot = list.mirror();
+            let ours = slot
+                .device
+                .as_ref()
+                .and_then(|d| Arc::clone(d).downcast::<DeviceKeyMirror>().ok())
+                .filter(|m| m.owner == owner && m.row_len == self.row_len);
+            match ours {
+                Some(mirror) => (slot.covers.min(list.len()), Some(mirror)),
+                None => (0, None),
+            }
+        };
+        let n = list.len();
+        let tail_at = self.tails.len();
+        // Rows that live on the host are uploaded for this launch only: a list with one of them
+        // among its new rows keeps its mirror as it was.
+        let mut durable = true;
+        for row in &list[covered..] {
+            durable &= row.device_view().is_some();
+            let address = self.address(row)?;
+            self.tails.push(address);
+        }
+        let tail_aligned = self.tails[tail_at..].iter().all(|a| a % 16 == 0);
+        if let Some(mirror) = &mirror
+            && covered > 0
+        {
+            self.pieces
+                .push((base, covered, Source::Device(mirror.address)));
+            self.aligned_16 &= mirror.aligned_16.load(Ordering::Relaxed);
+            self.read.push(mirror.clone());
+        }
+        if n > covered {
+            self.pieces
+                .push((base + covered, n - covered, Source::Upload(tail_at)));
+        }
+        self.aligned_16 &= tail_aligned;
+        self.bases.insert(id, base_row);
+        if n == 0 || !durable {
+            return Ok(base_row);
+        }
+        let mirror = match mirror {
+            Some(mirror) if n == covered => mirror,
+            Some(mirror) if mirror.addresses.len() >= n => {
+                self.mirror_writes.push((
+                    mirror.address + 8 * covered as u64,
+                    n - covered,
+                    tail_at,
+                ));
+                if !tail_aligned {
+                    mirror.aligned_16.store(false, Ordering::Relaxed);
+                }
+                mirror
+            }
+            old => {
+                let capacity = (2 * n).max(MIRROR_MIN_ROWS);
+                // SAFETY: only `addresses[..covers]` is ever read; the copies below write the
+                // first `n` before the list's mirror claims them.
+                let addresses = unsafe { self.backend.rt.stream().alloc::<u64>(capacity) }
+                    .map_err(driver_err(self.op, "allocating a key-list mirror"))?;
+                let grown = DeviceKeyMirror {
+                    owner,
+                    row_len: self.row_len,
+                    aligned_16: AtomicBool::new(
+                        old.as_ref()
+                            .is_none_or(|m| m.aligned_16.load(Ordering::Relaxed))
+                            && tail_aligned,
+                    ),
+                    address: address_of_slice(&self.backend.rt, &addresses),
+                    addresses,
+                };
+                if let Some(old) = old
+                    && covered > 0
+                {
+                    self.mirror_moves.push(AddressCopy {
+                        src: old.address,
+                        dst: grown.address,
+                        count: rows_u32(self.op, covered)?,
+                        reserved: 0,
+                    });
+                    self.read.push(old);
+                }
+                if n > covered {
+                    self.mirror_writes.push((
+                        grown.address + 8 * covered as u64,
+                        n - covered,
+                        tail_at,
+                    ));
+                }
+                Arc::new(grown)
+            }
+        };
+        self.updates.push(MirrorUpdate {
+            list,
+            covers: n,
+            mirror,
+        });
+        Ok(base_row)
+    }
+
+    /// The table on the device: one upload of the listed keys and the lists' new rows, one
+    /// launch of the copies; then every list's mirror covers all its rows. The host rows the
+    /// table points at were uploaded into the returned [`HostUploads`]: hold them until the
+    /// launches reading the table are enqueued.
+    pub(super) fn finish(self) -> Result<(DeviceKeyTable, HostUploads), CudaBackendError> {
+        let (op, rt) = (self.op, &self.backend.rt);
+        let rows = self.rows();
+        let listed = self.listed.len();
+        if rows == 0 {
+            // SAFETY: an empty table is never read.
+            let table = unsafe { DeviceKeyTable::upload(rt, &[], self.row_len) };
+            return Ok((table.map_err(op_err(op))?, self.keep));
+        }
+        let mut uploaded = self.listed;
+        uploaded.extend_from_slice(&self.tails);
+        let upload = rt
+            .htod(&uploaded)
+            .map_err(driver_err(op, "uploading key addresses"))?;
+        // SAFETY: the copies below write every one of the `rows` entries (the listed keys and
+        // every list's pieces tile the table).
+        let table = unsafe { rt.stream().alloc::<u64>(rows) }
+            .map_err(driver_err(op, "allocating the key table"))?;
+        let (upload_at, table_at) = (address_of_slice(rt, &upload), address_of_slice(rt, &table));
+        let tail_at = |offset: usize| upload_at + 8 * (listed + offset) as u64;
+        let mut copies = Vec::with_capacity(1 + self.pieces.len() + self.mirror_writes.len());
+        if listed > 0 {
+            copies.push(AddressCopy {
+                src: upload_at,
+                dst: table_at,
+                count: rows_u32(op, listed)?,
+                reserved: 0,
+            });
+        }
+        for (first, count, source) in self.pieces {
+            copies.push(AddressCopy {
+                src: match source {
+                    Source::Upload(offset) => tail_at(offset),
+                    Source::Device(address) => address,
+                },
+                dst: table_at + 8 * first as u64,
+                count: rows_u32(op, count)?,
+                reserved: 0,
+            });
+        }
+        for (dst, count, offset) in self.mirror_writes {
+            copies.push(AddressCopy {
+                src: tail_at(offset),
+                dst,
+                count: rows_u32(op, count)?,
+                reserved: 0,
+            });
+        }
+        copies.extend(self.mirror_moves);
+        // SAFETY: the sources are the upload, kept until the launch is enqueued, and mirrors'
+        // first `covers` rows (held in `self.read`); the destinations are the new table, the
+        // mirrors' rows past what they cover (never read by these copies) and new mirrors: all
+        // disjoint, all allocated on the runtime's stream, 8-byte aligned.
+        unsafe { copy_addresses(rt, &copies) }.map_err(op_err(op))?;
+        for update in self.updates {
+            let mut slot = update.list.mirror();
+            slot.covers = update.covers;
+            slot.device = Some(update.mirror);
+        }
+        drop((upload, self.read));
+        // SAFETY: every entry is the address of a `row_len`-value row of a key the lists, the
+        // caller's tensors or the returned uploads hold (checked by `address_of`), 16-byte
+        // aligned where claimed.
+        let table =
+            unsafe { DeviceKeyTable::from_device(table, rows, self.row_len, self.aligned_16) };
+        Ok((table.map_err(op_err(op))?, self.keep))
+    }
+
+    fn address(&mut self, key: &Tensor) -> Result<u64, CudaBackendError> {
+        if key.len() != self.row_len {
+            return Err(shape_err(
+                self.op,
+                format!("a key of {} values; rows are {}", key.len(), self.row_len),
+            ));
+        }
+        self.backend
+            .address_of(self.op, key, 0, self.row_len, &mut self.keep)
+    }
+}
+
+/// The smallest mirror allocated (rows): a list grows by one row every few steps.
+const MIRROR_MIN_ROWS: usize = 64;
+
+fn rows_u32(op: &'static str, rows: usize) -> Result<u32, CudaBackendError> {
+    u32::try_from(rows).map_err(|_| shape_err(op, "more than 2^32 key rows".to_string()))
+}
+
+fn address_of_slice(rt: &KernelRuntime, slice: &CudaSlice<u64>) -> u64 {
+    let (address, _sync) = slice.device_ptr(rt.stream());
+    address
+}
