@@ -61,6 +61,15 @@ impl AnySequence {
             AnySequence::V4(seq) => seq.held_bytes(),
         }
     }
+
+    /// Bytes of the distinct allocations the state keeps alive (at least
+    /// [`AnySequence::held_bytes`]: a row that views a larger buffer pins all of it).
+    pub fn pinned_bytes(&self) -> u64 {
+        match self {
+            AnySequence::V41(seq) => seq.pinned_bytes(),
+            AnySequence::V4(seq) => seq.pinned_bytes(),
+        }
+    }
 }
 
 /// One sequence's part of an [`AnyModel::forward_step`].

@@ -2,12 +2,14 @@
 //! real state objects hold: both families, synthetic checkpoints with every state component
 //! (Engram, DSpark, the V4 MTP block) and DeepSeek's fixtures, fed in prefill chunks, decode steps
 //! and a rollback. The model is exact for a sequence fed forward and an upper bound after a
-//! rollback; a drift between what the state holds and what the pool accounts fails here.
+//! rollback; a drift between what the state holds and what the pool accounts fails here. At a
+//! long context the bytes the state keeps alive (`pinned_bytes`) are checked against the model
+//! too.
 
 use std::path::Path;
 
 use deepinfer_model::LogitsWanted;
-use deepinfer_model::any_model::{AnyModel, AnyStepEntry, StepOptions};
+use deepinfer_model::any_model::{AnyModel, AnySequence, AnyStepEntry, StepOptions};
 use deepinfer_model::checkpoint::write_random_checkpoint;
 use deepinfer_model::config::ModelConfig;
 use deepinfer_model::engram::CompressedVocab;
@@ -91,5 +93,68 @@ fn state_bytes_match_the_fixtures() {
         let len = (cfg.window_size + 2 * StateBytes::of(&cfg).block_tokens + 5)
             .min(cfg.max_position_embeddings);
         check(name, &model, len);
+    }
+}
+
+/// Tokens of the long context [`long_states_pin_what_the_model_predicts`] fills, in prefill
+/// chunks of [`LONG_CHUNK`] (as the device bench's `state` section fills its block, scaled to
+/// the small windows: a chunk is many windows long), then [`LONG_DECODE`] decode steps.
+const LONG_CONTEXT: usize = 2048;
+const LONG_CHUNK: usize = 512;
+const LONG_DECODE: usize = 16;
+
+/// `StateBytes::bytes(len)` against what the state holds (its own count: equal) and what it
+/// keeps alive (the distinct allocations its rows and entries pin, whole, and the Engram
+/// history's capacity: at most 5% more). On a device a row that views a step's buffer pins all
+/// of it: a ring left uncompacted after a long chunk pins the chunk's buffers.
+fn check_pinned(name: &str, seq: &AnySequence, bytes: &StateBytes) {
+    let (planned, held, pinned) = (bytes.bytes(seq.len()), seq.held_bytes(), seq.pinned_bytes());
+    println!(
+        "{name} at {}: plan {planned}, held {held}, pinned {pinned} ({:.4} x plan)",
+        seq.len(),
+        pinned as f64 / planned as f64
+    );
+    assert_eq!(held, planned, "{name}: held at {}", seq.len());
+    assert!(
+        pinned >= planned && pinned as f64 <= 1.05 * planned as f64,
+        "{name}: {pinned} bytes pinned for a plan of {planned} at {} tokens",
+        seq.len()
+    );
+}
+
+#[test]
+fn long_states_pin_what_the_model_predicts() {
+    let configs = [
+        ("tiny V4.1 (Engram, DSpark)", ModelConfig::tiny_v41()),
+        ("reduced V4 (MTP block)", ModelConfig::reduced_v4()),
+        ("reduced V4 (DSpark)", ModelConfig::reduced_v4_dspark()),
+    ];
+    for (name, mut cfg) in configs {
+        cfg.max_position_embeddings = cfg
+            .max_position_embeddings
+            .max(LONG_CONTEXT + LONG_DECODE + 1);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let model = synthetic(&cfg, dir.path());
+        let bytes = StateBytes::of(&cfg);
+        let vocab = cfg.vocab_size as u32;
+        let tokens: Vec<u32> = (0..LONG_CONTEXT as u32)
+            .map(|i| (i * 37 + 11) % vocab)
+            .collect();
+        let mut seq = model.new_sequence();
+        for chunk in tokens.chunks(LONG_CHUNK) {
+            let mut entry = [AnyStepEntry::new(&mut seq, chunk, LogitsWanted::Last)];
+            model
+                .forward_step(&mut entry, StepOptions::default())
+                .expect("prefill chunk");
+        }
+        check_pinned(name, &seq, &bytes);
+        for step in 0..LONG_DECODE as u32 {
+            let token = [(step * 13 + 5) % vocab];
+            let mut entry = [AnyStepEntry::new(&mut seq, &token, LogitsWanted::Last)];
+            model
+                .forward_step(&mut entry, StepOptions::default())
+                .expect("decode step");
+        }
+        check_pinned(name, &seq, &bytes);
     }
 }

@@ -28,7 +28,7 @@ pub use select::{
     CandidateMask, Candidates, IndexQueries, QueryKeys, SelectFrom, SelectPart, SelectedKeys,
     Selection,
 };
-pub use tensor::{DeviceBuffer, DeviceView, Tensor};
+pub use tensor::{Allocation, DeviceBuffer, DeviceView, Pinned, Tensor};
 
 use crate::engram::gate::EngramGate;
 use crate::engram::lookup::EngramTable;

@@ -3,8 +3,10 @@
 //! (a shared buffer and an offset), so a chain of ops never leaves the device. Reading a device
 //! tensor on the host (`Deref` to `[f32]`, [`Tensor::into_vec`]) copies it back once, keeps the
 //! copy, and the backend counts it: that is how a decode step proves it made no such copy.
+//! [`Pinned`] counts the memory tensors keep alive: whole allocations, not the values viewed.
 
 use std::any::Any;
+use std::collections::HashSet;
 use std::fmt;
 use std::ops::{Deref, Range};
 use std::sync::{Arc, OnceLock};
@@ -183,6 +185,67 @@ impl Tensor {
             .map(|r| self.rows(r..r + 1, width))
             .collect()
     }
+
+    /// The allocations the tensor keeps alive, each whole: its device buffer (all of it, however
+    /// few of its values the view covers) and its host values (their capacity), where it has
+    /// them.
+    pub fn allocations(&self) -> impl Iterator<Item = Allocation> + '_ {
+        let device = self.device.as_ref().map(|view| Allocation {
+            at: Arc::as_ptr(&view.buffer).cast::<u8>() as usize,
+            bytes: (view.buffer.len() * std::mem::size_of::<f32>()) as u64,
+        });
+        let host = self.host.get().map(Allocation::of_vec);
+        device.into_iter().chain(host)
+    }
+}
+
+/// One allocation: where it starts (which tells it apart from every other live one) and its
+/// bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Allocation {
+    pub at: usize,
+    pub bytes: u64,
+}
+
+impl Allocation {
+    /// The heap allocation of `values` (its capacity, not its length).
+    pub fn of_vec<T>(values: &Vec<T>) -> Allocation {
+        Allocation {
+            at: values.as_ptr() as usize,
+            bytes: (values.capacity() * std::mem::size_of::<T>()) as u64,
+        }
+    }
+}
+
+/// The bytes of the distinct allocations a set of tensors keeps alive, each counted once however
+/// many tensors view it: what freeing them all would return.
+#[derive(Debug, Clone, Default)]
+pub struct Pinned {
+    seen: HashSet<usize>,
+    bytes: u64,
+}
+
+impl Pinned {
+    /// Counts `allocation` unless counted before (an empty one adds nothing).
+    pub fn add(&mut self, allocation: Allocation) {
+        if allocation.bytes > 0 && self.seen.insert(allocation.at) {
+            self.bytes += allocation.bytes;
+        }
+    }
+
+    /// Counts the allocations of every tensor of `tensors`.
+    pub fn add_tensors<'a>(&mut self, tensors: impl IntoIterator<Item = &'a Tensor>) {
+        for tensor in tensors {
+            for allocation in tensor.allocations() {
+                self.add(allocation);
+            }
+        }
+    }
+
+    /// Bytes of the allocations counted.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
 }
 
 impl Default for Tensor {
@@ -260,6 +323,36 @@ impl PartialEq<Vec<f32>> for Tensor {
 impl PartialEq<[f32]> for Tensor {
     fn eq(&self, other: &[f32]) -> bool {
         self.as_host() == other
+    }
+}
+
+/// A "device" buffer in host memory, for the tests of what views of a device buffer pin.
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct HostDeviceBuffer(pub Vec<f32>);
+
+#[cfg(test)]
+impl HostDeviceBuffer {
+    /// `values` as a device tensor of a buffer of their own.
+    pub(crate) fn tensor(values: Vec<f32>) -> Tensor {
+        let len = values.len();
+        Tensor::device(Arc::new(HostDeviceBuffer(values)), 0, len)
+    }
+}
+
+#[cfg(test)]
+impl DeviceBuffer for HostDeviceBuffer {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn download(&self, offset: usize, len: usize) -> Vec<f32> {
+        self.0[offset..offset + len].to_vec()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
     }
 }
 
@@ -355,6 +448,27 @@ mod tests {
             8,
         );
         assert_eq!(counted.device_view().and_then(|v| v.address(1)), None);
+    }
+
+    #[test]
+    fn pinned_counts_each_whole_buffer_once() {
+        let buffer: Arc<dyn DeviceBuffer> = Arc::new(Addressed(64));
+        let rows = Tensor::device(buffer.clone(), 0, 64).split_rows(16);
+        let mut pinned = Pinned::default();
+        pinned.add_tensors(&rows[1..2]);
+        assert_eq!(pinned.bytes(), 64 * 4, "one row pins its whole buffer");
+        pinned.add_tensors(&rows);
+        assert_eq!(pinned.bytes(), 64 * 4, "counted once");
+        pinned.add_tensors(&[Tensor::device(Arc::new(Addressed(8)), 2, 2)]);
+        assert_eq!(pinned.bytes(), 72 * 4);
+        let mut values = Vec::with_capacity(10);
+        values.extend([1.0_f32, 2.0]);
+        let host = Tensor::host(values);
+        pinned.add_tensors([&host, &host.clone()]);
+        // The clone is a copy of its own (capacity 2); the original keeps its capacity of 10.
+        assert_eq!(pinned.bytes(), (72 + 10 + 2) * 4);
+        let row = host.range(0..1);
+        assert_eq!(row.allocations().map(|a| a.bytes).sum::<u64>(), 4);
     }
 
     #[test]

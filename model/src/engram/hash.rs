@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use super::numpy_rng::Pcg64;
 use super::primes::EngramLayout;
+use crate::backend::Allocation;
 use crate::error::ModelError;
 
 /// Token id → compressed id, plus the compressed id that fills n-gram slots with no history.
@@ -116,6 +117,11 @@ impl EngramHistory {
     /// Bytes of the entries recorded (one `Option<u32>` per position).
     pub fn held_bytes(&self) -> u64 {
         (self.compressed.len() * std::mem::size_of::<Option<u32>>()) as u64
+    }
+
+    /// The heap allocation of the entries (its capacity).
+    pub fn allocation(&self) -> Allocation {
+        Allocation::of_vec(&self.compressed)
     }
 
     /// Keeps the first `len` positions (no-op when `len >= self.len()`).

@@ -18,9 +18,11 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, KeyList, Tensor};
+use crate::backend::{Backend, KeyList, Pinned, Tensor};
 use crate::error::ModelError;
-use crate::layers::ring::{MAX_BACKTRACK, PositionRing, past_end, tensor_bytes, too_far};
+use crate::layers::ring::{
+    MAX_BACKTRACK, PACK_ENTRIES, PositionRing, pack_rows, past_end, tensor_bytes, too_far,
+};
 
 /// One compressor's cache.
 #[derive(Debug, Clone)]
@@ -33,6 +35,8 @@ pub struct CompressorCache {
     pub(crate) pending: PositionRing,
     /// Complete entries (normalised, rotated), one per `ratio` tokens.
     pub(crate) entries: KeyList,
+    /// Entries [`CompressorCache::pack`] has seen (the rest came after).
+    packed: usize,
 }
 
 impl CompressorCache {
@@ -42,7 +46,20 @@ impl CompressorCache {
             overlapping,
             pending: PositionRing::default(),
             entries: KeyList::new(),
+            packed: 0,
         }
+    }
+
+    /// Once [`PACK_ENTRIES`] entries came since the last look, copies them into a buffer of their
+    /// own if they pin more than they hold ([`pack_rows`]: after batched steps, whose buffers
+    /// hold every sequence's entries).
+    fn pack(&mut self, backend: &dyn Backend) {
+        let entries = self.entries.len();
+        if entries < self.packed + PACK_ENTRIES {
+            return;
+        }
+        pack_rows(&mut self.entries, self.packed, backend);
+        self.packed = entries;
     }
 
     /// Raw rows a future entry may still need: the partial window, plus the previous window when
@@ -235,6 +252,31 @@ impl SequenceState {
         layers + mtp + dspark
     }
 
+    /// Bytes of the distinct allocations the state keeps alive: every buffer a row or entry
+    /// views, whole (on a device, a view of a step's buffer pins all of it). At least
+    /// [`SequenceState::held_bytes`].
+    pub fn pinned_bytes(&self) -> u64 {
+        let mut pinned = Pinned::default();
+        let pin_layer = |layer: &LayerState, pinned: &mut Pinned| {
+            layer.window.pin(pinned);
+            for cache in [&layer.main, &layer.index].into_iter().flatten() {
+                cache.pending.pin(pinned);
+                pinned.add_tensors(cache.entries.iter());
+            }
+        };
+        for layer in &self.layers {
+            pin_layer(layer, &mut pinned);
+        }
+        if let Some(mtp) = &self.mtp {
+            pin_layer(&mtp.layer, &mut pinned);
+            mtp.hidden.pin(&mut pinned);
+        }
+        for ring in &self.dspark {
+            ring.pin(&mut pinned);
+        }
+        pinned.bytes()
+    }
+
     /// Drops ring rows no future token (or rollback) needs, except those a hold keeps
     /// ([`SequenceState::hold_block_rows`], released here).
     pub(crate) fn trim(&mut self, window: usize) {
@@ -255,14 +297,20 @@ impl SequenceState {
         }
     }
 
+    /// [`CompressorCache::pack`] of every compressor (after every step).
+    pub(crate) fn pack_caches(&mut self, backend: &dyn Backend) {
+        for layer in &mut self.layers {
+            for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
+                cache.pack(backend);
+            }
+        }
+    }
+
     /// Copies every ring's rows into buffers of their own when they are views into device memory,
     /// so that the few rows a long chunk leaves do not keep that chunk's whole buffers alive.
     pub(crate) fn compact(&mut self, backend: &dyn Backend) {
-        for layer in &mut self.layers {
-            layer.window.compact(backend);
-            for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
-                cache.pending.compact(backend);
-            }
+        for ring in self.rings_mut() {
+            ring.compact(backend);
         }
     }
 
@@ -303,6 +351,7 @@ impl SequenceState {
             for cache in [&mut layer.main, &mut layer.index].into_iter().flatten() {
                 cache.pending.truncate(len);
                 cache.entries.truncate(len / cache.ratio);
+                cache.packed = cache.packed.min(cache.entries.len());
             }
         }
         if let Some(mtp) = &mut self.mtp {
@@ -483,6 +532,8 @@ impl SequenceState {
                         .flat_map(|block| block.entries[l][c].iter().cloned())
                         .collect::<Vec<Tensor>>(),
                 );
+                // The attached entries stay where the prefix cache keeps them (shared with it).
+                cache.packed = cache.entries.len();
             }
         }
         self.len = end;
@@ -608,6 +659,37 @@ mod tests {
         seq.len = len;
         seq.trim(window);
         seq
+    }
+
+    #[test]
+    fn compact_gives_every_ring_buffers_of_its_own() {
+        use crate::backend::CpuBackend;
+        use crate::backend::tensor::HostDeviceBuffer;
+        // A 64-token chunk on a device: every ring's rows are views of the chunk's buffers.
+        let (chunk, width) = (64, 4);
+        let buffer = || {
+            HostDeviceBuffer::tensor((0..chunk * width).map(|v| v as f32).collect())
+                .split_rows(width)
+        };
+        let mut seq = SequenceState::new(vec![LayerState::default()], true, 2);
+        seq.layers[0].main = Some(CompressorCache::new(4, true));
+        for ring in seq.rings_mut() {
+            for (p, row) in buffer().into_iter().enumerate() {
+                ring.push_at(p, row);
+            }
+        }
+        seq.len = chunk;
+        seq.trim(8);
+        // Six rings (window, compressor, MTP window and streams, two DSpark stages), each row of
+        // each a view that keeps its ring's whole chunk buffer alive.
+        assert_eq!(seq.pinned_bytes(), 6 * (chunk * width * 4) as u64);
+        seq.compact(&CpuBackend::new());
+        assert_eq!(seq.pinned_bytes(), seq.held_bytes());
+        let mtp = seq.mtp.as_ref().expect("mtp state");
+        assert_eq!(
+            mtp.hidden.get(chunk - 1).map(|r| r.to_vec()),
+            Some(vec![252.0, 253.0, 254.0, 255.0])
+        );
     }
 
     #[test]

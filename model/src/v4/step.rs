@@ -131,6 +131,7 @@ impl Model {
             if span.len() > COMPACT_AFTER {
                 seq.compact(ctx.backend);
             }
+            seq.pack_caches(ctx.backend);
         }
         Ok(outputs)
     }

@@ -3,14 +3,15 @@
 //! context rings. Rings keep `window + MAX_BACKTRACK` entries so that a rollback of up to
 //! `MAX_BACKTRACK` tokens (a partially accepted verify) restores exactly the never-drafted state.
 
-use crate::backend::{Backend, KeyList, Tensor};
+use crate::backend::{Backend, KeyList, Pinned, Tensor};
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
 pub use crate::layers::ring::{MAX_BACKTRACK, PositionRing};
-use crate::layers::ring::{past_end, tensor_bytes, too_far};
+use crate::layers::ring::{PACK_ENTRIES, pack_rows, past_end, tensor_bytes, too_far};
 
-/// Compressor state of one KV-source layer.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// Compressor state of one KV-source layer (equal: the same values; where they are stored does
+/// not matter).
+#[derive(Debug, Clone, Default)]
 pub struct CompressorState {
     /// Per-token `kv ‖ gate` rows (fp32) of the recent positions, for the pending group.
     pub pending: PositionRing,
@@ -18,6 +19,30 @@ pub struct CompressorState {
     pub compressed: KeyList,
     /// Index keys (after RoPE and `Q4e`), one per complete group.
     pub index_keys: KeyList,
+    /// Groups whose entry and key [`CompressorState::pack`] has seen (the rest came after).
+    packed: usize,
+}
+
+impl PartialEq for CompressorState {
+    fn eq(&self, other: &CompressorState) -> bool {
+        (&self.pending, &self.compressed, &self.index_keys)
+            == (&other.pending, &other.compressed, &other.index_keys)
+    }
+}
+
+impl CompressorState {
+    /// Once [`PACK_ENTRIES`] groups came since the last look, copies their entries and keys into
+    /// buffers of their own if they pin more than they hold ([`pack_rows`]: after batched
+    /// steps, whose buffers hold every sequence's entries).
+    fn pack(&mut self, backend: &dyn Backend) {
+        let groups = self.compressed.len();
+        if groups < self.packed + PACK_ENTRIES {
+            return;
+        }
+        pack_rows(&mut self.compressed, self.packed, backend);
+        pack_rows(&mut self.index_keys, self.packed, backend);
+        self.packed = groups;
+    }
 }
 
 /// State of one backbone layer.
@@ -97,6 +122,26 @@ impl SequenceState {
         layers + dspark + self.engram.held_bytes()
     }
 
+    /// Bytes of the distinct allocations the state keeps alive: every buffer a row or entry
+    /// views, whole (on a device, a view of a step's buffer pins all of it), and the Engram
+    /// history's capacity. At least [`SequenceState::held_bytes`].
+    pub fn pinned_bytes(&self) -> u64 {
+        let mut pinned = Pinned::default();
+        for layer in &self.layers {
+            layer.window.pin(&mut pinned);
+            if let Some(c) = &layer.compressor {
+                c.pending.pin(&mut pinned);
+                pinned.add_tensors(c.compressed.iter());
+                pinned.add_tensors(c.index_keys.iter());
+            }
+        }
+        for ring in &self.dspark {
+            ring.pin(&mut pinned);
+        }
+        pinned.add(self.engram.allocation());
+        pinned.bytes()
+    }
+
     /// Keeps `window + MAX_BACKTRACK` entries of every ring.
     pub(crate) fn trim(&mut self, window: usize) {
         let capacity = window + MAX_BACKTRACK;
@@ -108,6 +153,13 @@ impl SequenceState {
         }
         for ring in &mut self.dspark {
             ring.trim(capacity);
+        }
+    }
+
+    /// [`CompressorState::pack`] of every KV source (after every step).
+    pub(crate) fn pack_caches(&mut self, backend: &dyn Backend) {
+        for compressor in self.layers.iter_mut().filter_map(|l| l.compressor.as_mut()) {
+            compressor.pack(backend);
         }
     }
 
@@ -159,6 +211,7 @@ impl SequenceState {
                 compressor.pending.truncate(len);
                 compressor.compressed.truncate(groups);
                 compressor.index_keys.truncate(groups);
+                compressor.packed = compressor.packed.min(groups);
             }
         }
         for ring in &mut self.dspark {
@@ -332,6 +385,8 @@ impl SequenceState {
                 attached.compressed.extend(compressed.iter().cloned());
                 attached.index_keys.extend(keys.iter().cloned());
             }
+            // The attached entries stay where the prefix cache keeps them (shared with it).
+            attached.packed = attached.compressed.len();
             *compressor = attached;
         }
         if engram_entries == end {
@@ -415,6 +470,43 @@ mod tests {
             10,
             "the replay refills the tail from its start"
         );
+    }
+
+    #[test]
+    fn batched_steps_leave_each_sequence_entries_of_its_own() {
+        use crate::backend::CpuBackend;
+        use crate::backend::tensor::HostDeviceBuffer;
+        let source = || LayerState {
+            window: PositionRing::default(),
+            compressor: Some(CompressorState::default()),
+        };
+        let mut seqs = [
+            SequenceState::new(vec![source()], 0),
+            SequenceState::new(vec![source()], 0),
+        ];
+        // 40 batched steps on a device, each completing a group of both sequences: one buffer of
+        // the step's two entries (and one of its two keys), of which each sequence views its row.
+        let steps = PACK_ENTRIES + 8;
+        for step in 0..steps {
+            let entries = HostDeviceBuffer::tensor(vec![step as f32, -(step as f32)]);
+            let keys = HostDeviceBuffer::tensor(vec![0.5, 0.25]);
+            for (s, seq) in seqs.iter_mut().enumerate() {
+                let c = seq.layers[0].compressor.as_mut().expect("source");
+                c.compressed.push(entries.range(s..s + 1));
+                c.index_keys.push(keys.range(s..s + 1));
+                seq.pack_caches(&CpuBackend::new());
+            }
+        }
+        let [first, _] = seqs;
+        // The first PACK_ENTRIES groups in buffers of their own, the last 8 still in the steps'.
+        assert_eq!(first.held_bytes(), (2 * steps * 4) as u64);
+        assert_eq!(first.pinned_bytes(), first.held_bytes() + 2 * 8 * 4);
+        let entries = first.compressed_kv(0).expect("source");
+        assert_eq!(
+            (entries[3][0], entries[steps - 1][0]),
+            (3.0, (steps - 1) as f32)
+        );
+        assert!(entries[0].device_view().is_none() && entries[steps - 1].device_view().is_some());
     }
 
     #[test]

@@ -402,6 +402,7 @@ impl Model {
             if tokens.len() > COMPACT_AFTER {
                 seq.compact(ctx.backend);
             }
+            seq.pack_caches(ctx.backend);
         }
         Ok(outputs)
     }

@@ -17,8 +17,8 @@ use anyhow::{Context, Result};
 use deepinfer_bench::block::{BlockFamily, BlockWidth, Prepared, block_config, prepare_checkpoint};
 use deepinfer_bench::cost::{self, Cost};
 use deepinfer_bench::steps::{
-    BatchMeasurement, measure_batch, measure_decode_from, percentile, prefill, prompt_lengths,
-    prompt_tokens,
+    BatchMeasurement, decode_steps, measure_batch, measure_decode_from, percentile, prefill,
+    prompt_lengths, prompt_tokens,
 };
 use deepinfer_kernels::kernel_timer::{KernelStats, KernelTimer};
 use deepinfer_model::any_model::AnyModel;
@@ -263,12 +263,16 @@ pub fn block(
 }
 
 /// The real-width block's sequence state at long contexts (fast numerics): for each context, a
-/// prompt prefilled in chunks of [`STATE_PREFILL_CHUNK`] tokens, then the bytes the state holds
-/// (its own count), the device memory it took (free memory before minus after, the stream idle)
-/// and the byte model's prediction (`StateBytes`, what the state pool admits by) side by side,
-/// with the growth of the stream-ordered pool's used bytes (live allocations) and of what it
-/// keeps mapped after a trim (segments that live allocations pin: fragmentation), then
-/// [`STATE_DECODE_STEPS`] decode steps at batch 1 from that context.
+/// prompt prefilled in chunks of [`STATE_PREFILL_CHUNK`] tokens, then [`STATE_DECODE_STEPS`]
+/// decode steps of that sequence (timed: one decode row per context). Then, side by side, the
+/// byte model's prediction (`StateBytes`, what the state pool admits by), the bytes the state
+/// holds (its own count of the values it keeps), the bytes it pins (the distinct allocations its
+/// rows and entries keep alive, whole) and the device bytes it takes: what the stream-ordered
+/// pool's used bytes fall by when the sequence is dropped. Growth of the pool that outlives the
+/// sequence is the backend's (its RoPE tables grow to the next power of two of the longest
+/// position seen: 256 bytes a position at RoPE dim 64), printed apart (`cached_MB`), as is the
+/// pool's mapped growth while the sequence lived (`reserved_MB`: live allocations pin whole
+/// segments).
 pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
     let longest = contexts.iter().copied().max().unwrap_or(0);
     let cfg = block_config(
@@ -293,19 +297,19 @@ pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
     drop(warm);
     let mut rows = Vec::new();
     println!(
-        "\n{:>8} {:>10} {:>10} {:>10} {:>11} {:>12} {:>10} {:>12} {:>12}",
-        "context",
+        "\n{:>8} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>11} {:>10}",
+        "tokens",
         "plan_MB",
         "held_MB",
-        "device_MB",
-        "held/plan",
-        "device/plan",
-        "prefill_s",
-        "pool_used_MB",
-        "pool_kept_MB"
+        "pinned_MB",
+        "freed_MB",
+        "pinned/plan",
+        "freed/plan",
+        "cached_MB",
+        "reserved_MB",
+        "prefill_s"
     );
     for &context in contexts {
-        let (free_before, _) = memory.free_and_total()?;
         let pool_before = memory.pool_used_and_reserved()?.unwrap_or_default();
         let prompt = prompt_tokens(8, context, 3, BLOCK_VOCAB);
         let mut seq = model.new_sequence();
@@ -315,23 +319,36 @@ pub fn state(dir: &Path, contexts: &[usize]) -> Result<Vec<StepRow>> {
             logits = prefill(&model, &mut seq, chunk)?;
         }
         let prefill_seconds = started.elapsed().as_secs_f64();
-        let (free_after, _) = memory.free_and_total()?;
-        let device = free_before.saturating_sub(free_after);
+        let mut next = [deepinfer_bench::steps::argmax(&logits)];
+        let step_seconds = decode_steps(
+            &model,
+            std::slice::from_mut(&mut seq),
+            &mut next,
+            STATE_DECODE_STEPS,
+        )?;
+        let tokens = seq.len();
+        let (planned, held, pinned) = (plan.bytes(tokens), seq.held_bytes(), seq.pinned_bytes());
+        let pool_live = memory.pool_used_and_reserved()?.unwrap_or_default();
+        drop(seq);
         let pool_after = memory.pool_used_and_reserved()?.unwrap_or_default();
-        let (planned, held) = (plan.bytes(context), seq.held_bytes());
+        let freed = pool_live.0.saturating_sub(pool_after.0);
         let mb = |bytes: u64| bytes as f64 / 1e6;
         println!(
-            "{context:>8} {:>10.1} {:>10.1} {:>10.1} {:>11.4} {:>12.4} {prefill_seconds:>10.1} {:>12.1} {:>12.1}",
+            "{tokens:>8} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.4} {:>10.4} {:>9.2} {:>11.2} {prefill_seconds:>10.1}",
             mb(planned),
             mb(held),
-            mb(device),
-            held as f64 / planned as f64,
-            device as f64 / planned as f64,
+            mb(pinned),
+            mb(freed),
+            pinned as f64 / planned as f64,
+            freed as f64 / planned as f64,
             mb(pool_after.0.saturating_sub(pool_before.0)),
-            mb(pool_after.1.saturating_sub(pool_before.1)),
+            mb(pool_live.1.saturating_sub(pool_before.1)),
         );
-        let first = deepinfer_bench::steps::argmax(&logits);
-        let run = measure_decode_from(&model, &seq, first, 1, STATE_DECODE_STEPS)?;
+        let run = BatchMeasurement {
+            prompt_lens: vec![context],
+            prefill_seconds,
+            step_seconds,
+        };
         rows.push(decode_row("v41 block state", &cfg, &run)?);
     }
     Ok(rows)
