@@ -623,13 +623,16 @@ fn composed_key_lists_are_the_lists_they_describe() {
     // two runs; query 3: a selection alone (repeated positions).
     let picks = stream.clone_htod(&[3u32, 0, 7, 7, 9]).expect("selection");
     let picks_at = key_row_address_u32(&rt, &picks);
-    let segments = [
-        ListSegment::rows(0, 5, 7),
-        ListSegment::selected(7, 100, 4, picks_at),
-        ListSegment::rows(11, 200, 3),
-        ListSegment::rows(14, 50, 2),
-        ListSegment::selected(16, 300, 5, picks_at),
-    ];
+    // Query 0's selection reads from table row `first`.
+    let segments = |first: u32| {
+        [
+            ListSegment::rows(0, 5, 7),
+            ListSegment::selected(7, first, 4, picks_at),
+            ListSegment::rows(11, 200, 3),
+            ListSegment::rows(14, 50, 2),
+            ListSegment::selected(16, 300, 5, picks_at),
+        ]
+    };
     let row_starts = [0u32, 11, 11, 16, 21];
     let explicit: Vec<Vec<u32>> = vec![
         (5..12).chain([103, 100, 107, 107]).collect(),
@@ -638,7 +641,7 @@ fn composed_key_lists_are_the_lists_they_describe() {
         vec![303, 300, 307, 307, 309],
     ];
     // SAFETY: `picks` holds 5 positions, all below TABLE_ROWS - 300, alive until the downloads.
-    let composed = unsafe { DeviceKeyLists::compose(&rt, &segments, &row_starts, TABLE_ROWS) }
+    let composed = unsafe { DeviceKeyLists::compose(&rt, &segments(100), &row_starts, TABLE_ROWS) }
         .expect("composed lists");
     let uploaded = DeviceKeyLists::upload(&rt, &explicit, TABLE_ROWS).expect("explicit lists");
     let q = bf16_unit(&mut rng, explicit.len() * heads * head_dim);
@@ -647,15 +650,8 @@ fn composed_key_lists_are_the_lists_they_describe() {
     let from_lists = attention_with(&rt, &keys, &uploaded, &q, &sink, head_dim);
     let checked = assert_bitwise("composed vs explicit lists", &from_segments, &from_lists);
     // The negative control: one selected position off changes query 0's output.
-    let shifted = [
-        ListSegment::rows(0, 5, 7),
-        ListSegment::selected(7, 101, 4, picks_at),
-        ListSegment::rows(11, 200, 3),
-        ListSegment::rows(14, 50, 2),
-        ListSegment::selected(16, 300, 5, picks_at),
-    ];
     // SAFETY: as above (positions below TABLE_ROWS - 301).
-    let moved = unsafe { DeviceKeyLists::compose(&rt, &shifted, &row_starts, TABLE_ROWS) }
+    let moved = unsafe { DeviceKeyLists::compose(&rt, &segments(101), &row_starts, TABLE_ROWS) }
         .expect("shifted lists");
     let differs = attention_with(&rt, &keys, &moved, &q, &sink, head_dim);
     let width = heads * head_dim;
