@@ -417,6 +417,7 @@ impl Fnv1a {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::id::KernelId;
 
     #[test]
     fn fnv1a_separates_fields_and_is_stable() {
@@ -448,7 +449,19 @@ mod tests {
             for file in SourceFile::ALL {
                 match compiler.compile_uncached(file, arch) {
                     Ok(cubin) => {
-                        assert!(cubin.len() > 1000, "{} for {arch}: tiny CUBIN", file.path())
+                        assert!(cubin.len() > 1000, "{} for {arch}: tiny CUBIN", file.path());
+                        // Every kernel of the file is in it under its symbol (the CUBIN's
+                        // symbol names are plain strings): a misspelt instantiation fails here,
+                        // not at load time on a GPU.
+                        for id in KernelId::ALL.iter().filter(|id| id.source() == file) {
+                            let symbol = id.symbol().as_bytes();
+                            assert!(
+                                cubin.windows(symbol.len()).any(|w| w == symbol),
+                                "{} for {arch}: no kernel {}",
+                                file.path(),
+                                id.symbol()
+                            );
+                        }
                     }
                     Err(err) => panic!("{err}"),
                 }

@@ -25,42 +25,24 @@ extern "C" __global__ void __launch_bounds__(linear::THREADS)
     linear::dequant_fp4_rows(packed, scales, out, p);
 }
 
-extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
-    linear_bf16_fast_t1x1(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<1, 1, 1>(x, w, y, p);
-}
+// The fast linears of a bf16 weight, per product (x as PIECES bf16 pieces: linear_bf16_fast_* one,
+// linear_bf16x3_fast_* three) and tile (ops/linear_fast.rs, FastLinearTile).
+#define LINEAR_FAST_DECODE(NAME, PIECES, MT, NT)                                                      \
+    extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)                               \
+        NAME(const float* x, const uint4* w, float* y, LinearParams p) {                             \
+        linear_fast::linear_bf16<PIECES, MT, NT>(x, w, y, p);                                        \
+    }
+#define LINEAR_FAST_WIDE(NAME, PIECES)                                                                \
+    extern "C" __global__ void __launch_bounds__(linear_fast::THREADS, 1)                            \
+        NAME(const float* x, const uint4* w, float* y, LinearParams p) {                             \
+        linear_fast::linear_bf16_wide<PIECES>(x, w, y, p);                                           \
+    }
 
-extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
-    linear_bf16_fast_t2x2(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<1, 2, 2>(x, w, y, p);
-}
-
-extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
-    linear_bf16_fast_t4x2(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<1, 4, 2>(x, w, y, p);
-}
-
-extern "C" __global__ void __launch_bounds__(linear_fast::THREADS, 1)
-    linear_bf16_fast_wide(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16_wide<1>(x, w, y, p);
-}
-
-extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
-    linear_bf16x3_fast_t1x1(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<3, 1, 1>(x, w, y, p);
-}
-
-extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
-    linear_bf16x3_fast_t2x2(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<3, 2, 2>(x, w, y, p);
-}
-
-extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)
-    linear_bf16x3_fast_t4x2(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16<3, 4, 2>(x, w, y, p);
-}
-
-extern "C" __global__ void __launch_bounds__(linear_fast::THREADS, 1)
-    linear_bf16x3_fast_wide(const float* x, const uint4* w, float* y, LinearParams p) {
-    linear_fast::linear_bf16_wide<3>(x, w, y, p);
-}
+LINEAR_FAST_DECODE(linear_bf16_fast_t1x1, 1, 1, 1)
+LINEAR_FAST_DECODE(linear_bf16_fast_t2x2, 1, 2, 2)
+LINEAR_FAST_DECODE(linear_bf16_fast_t4x2, 1, 4, 2)
+LINEAR_FAST_WIDE(linear_bf16_fast_wide, 1)
+LINEAR_FAST_DECODE(linear_bf16x3_fast_t1x1, 3, 1, 1)
+LINEAR_FAST_DECODE(linear_bf16x3_fast_t2x2, 3, 2, 2)
+LINEAR_FAST_DECODE(linear_bf16x3_fast_t4x2, 3, 4, 2)
+LINEAR_FAST_WIDE(linear_bf16x3_fast_wide, 3)
