@@ -12,7 +12,7 @@
 //! rows are shape errors. Key lists composed on the device from runs of rows and device
 //! selections (`DeviceKeyLists::compose`) are the explicit lists they describe; a key list's
 //! device mirror (`KeyList`, the CUDA backend's `key_tables`) follows its appends and
-//! truncations.
+//! truncations, and a window ring's (`PositionRing`) its slides, rollbacks, gaps and copies.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 //! Without a CUDA driver every test fails, naming why.
@@ -28,7 +28,8 @@ use deepinfer_kernels::ops::attention::{
 use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, index_scores_rows_f32};
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, IndexQueries, KeyList, Precision, SelectPart, Tensor,
+    AttentionQueries, Backend, CpuBackend, IndexQueries, KeyList, PositionRing, Precision,
+    QueryKeys, SelectPart, Tensor,
 };
 use deepinfer_model::quant;
 
@@ -781,5 +782,119 @@ fn a_key_lists_device_mirror_follows_its_appends_and_truncations() {
     check(&copy, &host, "a copy of the list");
     println!(
         "key-list mirror: {checked} scores bitwise equal to the CPU through appends and truncations"
+    );
+}
+
+/// The sink attention of three queries (2 heads) over windows of `ring`: the newest 8 positions,
+/// the 8 before the newest, and the oldest two with the 3 positions before them (none held).
+fn windows_over(backend: &dyn Backend, ring: &PositionRing, q: &Tensor) -> Vec<f32> {
+    let last = ring.end() - 1;
+    let windows = [
+        ring.window(last.saturating_sub(7), last),
+        ring.window(last.saturating_sub(8), last - 1),
+        ring.window(ring.start().saturating_sub(3), ring.start() + 1),
+    ];
+    let queries: Vec<QueryKeys<'_>> = windows
+        .into_iter()
+        .map(|window| QueryKeys {
+            window: Some(window),
+            listed: Vec::new(),
+            selected: None,
+        })
+        .collect();
+    let attention = AttentionQueries {
+        q,
+        sink: &[0.25, -0.5],
+        scale: (MIRROR_HEAD_DIM as f32).powf(-0.5),
+        precision: Precision::Bf16,
+    };
+    backend
+        .sparse_attention_selected(attention, &queries)
+        .into_vec()
+}
+
+#[test]
+fn a_window_rings_device_mirror_follows_its_slides_rollbacks_gaps_and_copies() {
+    let gpu =
+        cuda_backend("a_window_rings_device_mirror_follows_its_slides_rollbacks_gaps_and_copies");
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(17);
+    let q = Tensor::from(bf16_unit(&mut rng, 3 * 2 * MIRROR_HEAD_DIM));
+    // The same rows as device tensors (each its own buffer, as a decode step leaves them) in
+    // the ring the GPU reads, and on the host in the CPU's.
+    let (mut device, mut host) = (PositionRing::default(), PositionRing::default());
+    let push_at = |device: &mut PositionRing, host: &mut PositionRing, at: usize, rng: &mut Rng| {
+        let row = Tensor::from(bf16_unit(rng, MIRROR_HEAD_DIM));
+        device.push_at(at, gpu.gather(&[(&row, 0)], MIRROR_HEAD_DIM));
+        host.push_at(at, row);
+    };
+    let mut checked = 0;
+    let mut check = |device: &PositionRing, host: &PositionRing, what: &str| {
+        assert_eq!((device.start(), device.end()), (host.start(), host.end()));
+        let on_gpu = windows_over(&gpu, device, &q);
+        let on_cpu = windows_over(&cpu, host, &q);
+        checked += assert_bitwise(what, &on_gpu, &on_cpu);
+        assert_eq!(
+            device.mirror().covers,
+            device.start()..device.end(),
+            "{what}: the mirror covers the ring"
+        );
+    };
+    for p in 0..12 {
+        push_at(&mut device, &mut host, p, &mut rng);
+    }
+    check(&device, &host, "12 rows (a new mirror)");
+    check(&device, &host, "the same 12 rows (all from the mirror)");
+    // Decode steps: one row in, the oldest out; the slots wrap around the mirror's 64 more than
+    // once, so a slot taken by the wrong position would show.
+    for step in 0..150 {
+        let at = device.end();
+        push_at(&mut device, &mut host, at, &mut rng);
+        device.trim(10);
+        host.trim(10);
+        check(&device, &host, &format!("decode step {step}"));
+    }
+    // A rollback: dropped rows free their buffers, and new rows may take their addresses.
+    let end = device.end();
+    device.truncate(end - 3);
+    host.truncate(end - 3);
+    assert_eq!(
+        device.mirror().covers.end,
+        end - 3,
+        "a rollback narrows the mirror"
+    );
+    for _ in 0..2 {
+        let at = device.end();
+        push_at(&mut device, &mut host, at, &mut rng);
+    }
+    check(&device, &host, "3 rows rolled back, 2 new ones");
+    // A gap (a bounded replay) restarts the ring.
+    let resume = device.end() + 5;
+    for p in resume..resume + 4 {
+        push_at(&mut device, &mut host, p, &mut rng);
+    }
+    check(&device, &host, "a gap of 5 positions, then 4 rows");
+    // Compacting copies the rows into one buffer: new addresses, which the mirror must take.
+    device.compact(&gpu);
+    host.compact(&cpu);
+    assert!(
+        device.mirror().covers.is_empty(),
+        "a compact empties the mirror"
+    );
+    check(&device, &host, "compacted");
+    // More rows than the mirror holds: it is replaced by a larger one.
+    for _ in 0..100 {
+        let at = device.end();
+        push_at(&mut device, &mut host, at, &mut rng);
+    }
+    check(&device, &host, "104 rows (a larger mirror)");
+    let copy = device.clone();
+    assert!(
+        copy.mirror().device.is_none(),
+        "a copy starts without a mirror"
+    );
+    check(&copy, &host, "a copy of the ring");
+    println!(
+        "window-ring mirror: {checked} outputs bitwise equal to the CPU through 150 slides, a rollback, a gap, a compact and a copy"
     );
 }

@@ -18,12 +18,14 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod key_list;
+pub mod position_ring;
 pub mod select;
 pub mod tensor;
 pub mod weights;
 
 pub use cpu::CpuBackend;
 pub use key_list::{KeyList, KeyMirror, NO_KEYS};
+pub use position_ring::{PositionRing, RingMirror, WindowKeys};
 pub use select::{
     CandidateMask, Candidates, IndexQueries, QueryKeys, SelectFrom, SelectPart, SelectedKeys,
     Selection,

@@ -9,7 +9,7 @@ use std::any::Any;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
-use super::{KeyList, Precision, Tensor};
+use super::{KeyList, Precision, Tensor, WindowKeys};
 
 /// A selection or mask a device backend keeps in its own memory.
 pub trait DeviceRows: Send + Sync + fmt::Debug {
@@ -204,10 +204,11 @@ pub fn scores_by_part<E>(
     Ok(scores)
 }
 
-/// The keys of one attention query: `listed` in order, then `compressed[i]` for every position
-/// `i` that row `row` of `selection` holds.
+/// The keys of one attention query: its `window` (a run of a ring's positions), then `listed`
+/// in order, then `compressed[i]` for every position `i` that row `row` of `selection` holds.
 #[derive(Debug, Clone)]
 pub struct QueryKeys<'a> {
+    pub window: Option<WindowKeys<'a>>,
     pub listed: Vec<&'a Tensor>,
     pub selected: Option<SelectedKeys<'a>>,
 }
@@ -225,6 +226,7 @@ impl<'a> QueryKeys<'a> {
     /// Keys listed one by one.
     pub fn listed(listed: Vec<&'a Tensor>) -> QueryKeys<'a> {
         QueryKeys {
+            window: None,
             listed,
             selected: None,
         }
@@ -232,7 +234,8 @@ impl<'a> QueryKeys<'a> {
 
     /// Every key of the query in order, on the host side of the list (the selection read there).
     pub fn flattened(&self) -> Vec<&'a Tensor> {
-        let mut keys = self.listed.clone();
+        let mut keys: Vec<&'a Tensor> = self.window.iter().flat_map(WindowKeys::rows).collect();
+        keys.extend(&self.listed);
         if let Some(sel) = self.selected {
             keys.extend(
                 sel.selection.rows()[sel.row]
@@ -245,7 +248,9 @@ impl<'a> QueryKeys<'a> {
 
     /// How many keys the query has.
     pub fn len(&self) -> usize {
-        self.listed.len() + self.selected.map_or(0, |s| s.selection.counts[s.row])
+        self.window.as_ref().map_or(0, WindowKeys::len)
+            + self.listed.len()
+            + self.selected.map_or(0, |s| s.selection.counts[s.row])
     }
 
     pub fn is_empty(&self) -> bool {

@@ -70,22 +70,26 @@ pub fn forward_rows(
         for t in span.clone() {
             let position = positions[t];
             let first = (position + 1).saturating_sub(cfg.window_size);
-            let mut listed: Vec<&Tensor> = (first..=position)
-                .filter_map(|p| state.window.get(p))
-                .collect();
-            let selected = match &selection {
-                Some(selection) => Some(SelectedKeys {
-                    compressed: entries,
-                    selection,
-                    row: t,
-                }),
+            // Without an indexer, every compressed entry the position sees is listed.
+            let (listed, selected) = match &selection {
+                Some(selection) => {
+                    let selected = SelectedKeys {
+                        compressed: entries,
+                        selection,
+                        row: t,
+                    };
+                    (Vec::new(), Some(selected))
+                }
                 None => {
                     let visible = ((position + 1) / ratio).min(entries.len());
-                    listed.extend(&entries[..visible]);
-                    None
+                    (entries[..visible].iter().collect(), None)
                 }
             };
-            keys.push(QueryKeys { listed, selected });
+            keys.push(QueryKeys {
+                window: Some(state.window.window(first, position)),
+                listed,
+                selected,
+            });
         }
     }
     let o = attend(ctx, w, &q, &keys);

@@ -9,14 +9,13 @@ use super::attention;
 use super::block;
 use super::weights::{AttentionWeights, HyperHeadWeights, LayerWeights, Loader};
 use crate::backend::weights::Linear;
-use crate::backend::{QueryKeys, RopeTable, Tensor};
+use crate::backend::{PositionRing, QueryKeys, RopeTable, Tensor};
 use crate::config::{DsparkConfig, V4Attention, V4Mlp};
 use crate::error::ModelError;
 use crate::layers;
 use crate::layers::attention::Queries;
 use crate::layers::ctx::Ctx;
 use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
-use crate::layers::ring::PositionRing;
 use crate::layers::step::{EmbeddedRow, embedded_streams};
 
 /// The drafter's tensors.

@@ -18,10 +18,10 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, KeyList, Pinned, Tensor};
+use crate::backend::{Backend, KeyList, Pinned, PositionRing, Tensor};
 use crate::error::ModelError;
 use crate::layers::ring::{
-    MAX_BACKTRACK, PACK_ENTRIES, PositionRing, pack_rows, past_end, tensor_bytes, too_far,
+    MAX_BACKTRACK, PACK_ENTRIES, pack_rows, past_end, tensor_bytes, too_far,
 };
 
 /// One compressor's cache.

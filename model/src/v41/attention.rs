@@ -133,7 +133,8 @@ pub fn forward(
             let position = positions[t];
             let first = (position + 1).saturating_sub(cfg.window_size);
             queries.push(QueryKeys {
-                listed: (first..=position).filter_map(|p| window.get(p)).collect(),
+                window: Some(window.window(first, position)),
+                listed: Vec::new(),
                 selected: selection
                     .filter(|s| t < s.len())
                     .map(|selection| SelectedKeys {

@@ -8,9 +8,9 @@
 
 use super::attention::window_entries;
 use super::block;
-use super::state::{PositionRing, SequenceState};
+use super::state::SequenceState;
 use super::weights::{AttentionWeights, DsparkWeights};
-use crate::backend::{AttentionQueries, DenseWeight, Precision, Tensor};
+use crate::backend::{AttentionQueries, DenseWeight, PositionRing, Precision, Tensor};
 use crate::config::DsparkConfig;
 use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;

@@ -3,10 +3,10 @@
 //! context rings. Rings keep `window + MAX_BACKTRACK` entries so that a rollback of up to
 //! `MAX_BACKTRACK` tokens (a partially accepted verify) restores exactly the never-drafted state.
 
-use crate::backend::{Backend, KeyList, Pinned, Tensor};
+use crate::backend::{Backend, KeyList, Pinned, PositionRing, Tensor};
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
-pub use crate::layers::ring::{MAX_BACKTRACK, PositionRing};
+pub use crate::layers::ring::MAX_BACKTRACK;
 use crate::layers::ring::{PACK_ENTRIES, pack_rows, past_end, tensor_bytes, too_far};
 
 /// Compressor state of one KV-source layer (equal: the same values; where they are stored does

@@ -6,9 +6,9 @@
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
     AttentionQueries, Backend, CandidateMask, Candidates, CpuBackend, DenseWeight, ExpertSelection,
-    HcCollapse, HcExpand, HcMix, HcMixes, HcMixing, HcParams, IndexQueries, KeyList, Precision,
-    QueryKeys, RmsNorm, RopeTable, Rotation, Routing, SelectFrom, SelectPart, SelectedKeys,
-    Selection, Tensor,
+    HcCollapse, HcExpand, HcMix, HcMixes, HcMixing, HcParams, IndexQueries, KeyList, PositionRing,
+    Precision, QueryKeys, RmsNorm, RopeTable, Rotation, Routing, SelectFrom, SelectPart,
+    SelectedKeys, Selection, Tensor,
 };
 use deepinfer_model::quant;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
@@ -1064,9 +1064,10 @@ impl SelectData {
 }
 
 impl SelectData {
-    /// The sparse attention of every query (2 heads of `head_dim`, its own window of 3 listed
-    /// keys) over the window and the compressed entries `selection` picks of its part (the part's
-    /// key rows), and each output's magnitude (the largest |value| of any key the query may read).
+    /// The sparse attention of every query (2 heads of `head_dim`) over its window (3 positions
+    /// of its part's ring, sliding by one per query), one key listed on its own, and the
+    /// compressed entries `selection` picks of its part (the part's key rows); and each output's
+    /// magnitude (the largest |value| of any key the query may read).
     fn attention_selected(
         &self,
         b: &dyn Backend,
@@ -1077,17 +1078,31 @@ impl SelectData {
         let mut rng = Rng(46);
         let queries = selection.len();
         let q = Tensor::from(bf16_unit(&mut rng, queries * 2 * d));
-        let windows: Vec<Tensor> = (0..queries * 3)
+        let part_of = |t: usize| usize::from(t >= self.visible[0].len());
+        // Query t is its part's query i = t - first[part], whose window is positions i..=i+2.
+        let first = [0, self.visible[0].len()];
+        let rings = [0, 1].map(|p| {
+            let mut ring = PositionRing::starting_at(0);
+            for _ in 0..self.visible[p].len() + 2 {
+                ring.push(Tensor::from(bf16_unit(&mut rng, d)));
+            }
+            ring
+        });
+        let own: Vec<Tensor> = (0..queries)
             .map(|_| Tensor::from(bf16_unit(&mut rng, d)))
             .collect();
         let compressed = self
             .keys
             .each_ref()
             .map(|keys| KeyList::from(Tensor::from(keys).split_rows(d)));
-        let part_of = |t: usize| usize::from(t >= self.visible[0].len());
+        let window = |t: usize| {
+            let (p, i) = (part_of(t), t - first[part_of(t)]);
+            rings[p].window(i, i + 2)
+        };
         let keys: Vec<QueryKeys<'_>> = (0..queries)
             .map(|t| QueryKeys {
-                listed: windows[3 * t..3 * t + 3].iter().collect(),
+                window: Some(window(t)),
+                listed: vec![&own[t]],
                 selected: Some(SelectedKeys {
                     compressed: &compressed[part_of(t)],
                     selection,
@@ -1105,8 +1120,9 @@ impl SelectData {
         let y = b.sparse_attention_selected(attention, &keys).into_vec();
         let m = (0..queries)
             .flat_map(|t| {
-                let readable = windows[3 * t..3 * t + 3]
-                    .iter()
+                let readable = window(t)
+                    .rows()
+                    .chain([&own[t]])
                     .chain(&compressed[part_of(t)]);
                 let per_channel: Vec<f32> = (0..d)
                     .map(|c| readable.clone().fold(0f32, |m, k| m.max(k[c].abs())))

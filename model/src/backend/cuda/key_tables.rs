@@ -1,18 +1,21 @@
 //! A step's key tables, put together on the device. The row addresses of a sequence's
-//! append-only key lists ([`KeyList`]: compressed entries, index keys) stay on the device between
-//! steps, in the list's mirror slot ([`DeviceKeyMirror`]); a step uploads only the rows appended
-//! since and the keys it lists one by one (a window), and one launch ([`copy_addresses`]) copies
-//! the rest from the mirrors. A decode step's host work is then per sequence, not per key.
+//! append-only key lists ([`KeyList`]: compressed entries, index keys) and of its window rings
+//! ([`PositionRing`]) stay on the device between steps, in their mirror slots
+//! ([`DeviceKeyMirror`]); a step uploads only the rows appended since and the keys it lists one
+//! by one, and one launch ([`copy_addresses`]) copies the rest from the mirrors. A decode step's
+//! host work is then per sequence, not per key.
 
 use deepinfer_kernels::ops::key_table::{AddressCopy, copy_addresses};
 
+use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 
 use super::*;
-use crate::backend::KeyList;
+use crate::backend::{KeyList, PositionRing};
 
-/// A key list's row addresses on the device, `addresses[..covers]` (the list's
-/// [`crate::backend::KeyMirror::covers`]) in row order; the capacity past them is unwritten.
+/// Key rows' addresses on the device. A list's: `addresses[..covers]` (the list's
+/// [`crate::backend::KeyMirror::covers`]) in row order, the capacity past them unwritten. A
+/// ring's: position `p` of its [`crate::backend::RingMirror::covers`] in slot `p % capacity`.
 pub(super) struct DeviceKeyMirror {
     /// The runtime whose stream owns `addresses` (another device's mirror is never read).
     owner: usize,
@@ -32,11 +35,16 @@ enum Source {
     Device(u64),
 }
 
-/// A mirror to store in its list once the copies are enqueued.
+/// A mirror to store in its list or ring once the copies are enqueued.
 struct MirrorUpdate<'k> {
-    list: &'k KeyList,
-    covers: usize,
+    of: Mirrored<'k>,
     mirror: Arc<DeviceKeyMirror>,
+}
+
+/// What a mirror records, and what it will cover.
+enum Mirrored<'k> {
+    List(&'k KeyList, usize),
+    Ring(&'k PositionRing, Range<usize>),
 }
 
 /// The key table of one launch: first the keys listed one by one ([`KeyTableBuilder::listed`]),
@@ -112,15 +120,9 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
         let base = self.rows();
         let base_row = u32::try_from(base)
             .map_err(|_| shape_err(self.op, "more than 2^32 key rows".to_string()))?;
-        let owner = self.backend.owner();
         let (covered, mirror) = {
             let slot = list.mirror();
-            let ours = slot
-                .device
-                .as_ref()
-                .and_then(|d| Arc::clone(d).downcast::<DeviceKeyMirror>().ok())
-                .filter(|m| m.owner == owner && m.row_len == self.row_len);
-            match ours {
+            match self.ours(&slot.device) {
                 Some(mirror) => (slot.covers.min(list.len()), Some(mirror)),
                 None => (0, None),
             }
@@ -167,22 +169,11 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
                 mirror
             }
             old => {
-                let capacity = (2 * n).max(MIRROR_MIN_ROWS);
-                // SAFETY: only `addresses[..covers]` is ever read; the copies below write the
-                // first `n` before the list's mirror claims them.
-                let addresses = unsafe { self.backend.rt.stream().alloc::<u64>(capacity) }
-                    .map_err(driver_err(self.op, "allocating a key-list mirror"))?;
-                let grown = DeviceKeyMirror {
-                    owner,
-                    row_len: self.row_len,
-                    aligned_16: AtomicBool::new(
-                        old.as_ref()
-                            .is_none_or(|m| m.aligned_16.load(Ordering::Relaxed))
-                            && tail_aligned,
-                    ),
-                    address: address_of_slice(&self.backend.rt, &addresses),
-                    addresses,
-                };
+                let aligned = old
+                    .as_ref()
+                    .is_none_or(|m| m.aligned_16.load(Ordering::Relaxed));
+                let grown =
+                    self.new_mirror((2 * n).max(MIRROR_MIN_ROWS), aligned && tail_aligned)?;
                 if let Some(old) = old
                     && covered > 0
                 {
@@ -205,8 +196,78 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
             }
         };
         self.updates.push(MirrorUpdate {
-            list,
-            covers: n,
+            of: Mirrored::List(list, n),
+            mirror,
+        });
+        Ok(base_row)
+    }
+
+    /// The first table row of `ring`'s rows (every position it holds, in order).
+    pub(super) fn ring(&mut self, ring: &'k PositionRing) -> Result<u32, CudaBackendError> {
+        let id = ring as *const PositionRing as usize;
+        if let Some(&base) = self.bases.get(&id) {
+            return Ok(base);
+        }
+        let base = self.rows();
+        let base_row = rows_u32(self.op, base)?;
+        let (start, end) = (ring.start(), ring.end());
+        let n = end - start;
+        // A mirror too small for the rows held is replaced, whatever it covers.
+        let (covered_end, mirror) = {
+            let slot = ring.mirror();
+            match self.ours(&slot.device).filter(|m| m.addresses.len() >= n) {
+                Some(mirror) if slot.covers.start <= start => {
+                    (slot.covers.end.clamp(start, end), Some(mirror))
+                }
+                fits => (start, fits),
+            }
+        };
+        let tail_at = self.tails.len();
+        let mut durable = true;
+        for row in ring.rows().skip(covered_end - start) {
+            durable &= row.device_view().is_some();
+            let address = self.address(row)?;
+            self.tails.push(address);
+        }
+        let tail_aligned = self.tails[tail_at..].iter().all(|a| a % 16 == 0);
+        if let Some(mirror) = &mirror
+            && covered_end > start
+        {
+            let capacity = mirror.addresses.len();
+            for (offset, slot, count) in ring_runs(start, covered_end - start, capacity) {
+                let source = Source::Device(mirror.address + 8 * slot as u64);
+                self.pieces.push((base + offset, count, source));
+            }
+            self.aligned_16 &= mirror.aligned_16.load(Ordering::Relaxed);
+            self.read.push(mirror.clone());
+        }
+        if end > covered_end {
+            let first = base + (covered_end - start);
+            self.pieces
+                .push((first, end - covered_end, Source::Upload(tail_at)));
+        }
+        self.aligned_16 &= tail_aligned;
+        self.bases.insert(id, base_row);
+        if n == 0 || !durable {
+            return Ok(base_row);
+        }
+        let mirror = match mirror {
+            Some(mirror) => {
+                if !tail_aligned {
+                    mirror.aligned_16.store(false, Ordering::Relaxed);
+                }
+                mirror
+            }
+            None => Arc::new(self.new_mirror((2 * n).max(MIRROR_MIN_ROWS), tail_aligned)?),
+        };
+        let capacity = mirror.addresses.len();
+        for (offset, slot, count) in ring_runs(covered_end, end - covered_end, capacity) {
+            let destination = mirror.address + 8 * slot as u64;
+            self.mirror_writes
+                .push((destination, count, tail_at + offset));
+        }
+        self.updates.push(MirrorUpdate {
+            of: Mirrored::Ring(ring, start..end),
             mirror,
         });
         Ok(base_row)
@@ -270,10 +331,20 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
         // mirrors' rows past what they cover (never read by these copies) and new mirrors: all
         // disjoint, all allocated on the runtime's stream, 8-byte aligned.
         unsafe { copy_addresses(rt, &copies) }.map_err(op_err(op))?;
-        for update in self.updates {
-            let mut slot = update.list.mirror();
-            slot.covers = update.covers;
-            slot.device = Some(update.mirror);
+        for MirrorUpdate { of, mirror } in self.updates {
+            let device = Some(mirror as Arc<dyn Any + Send + Sync>);
+            match of {
+                Mirrored::List(list, covers) => {
+                    let mut slot = list.mirror();
+                    slot.covers = covers;
+                    slot.device = device;
+                }
+                Mirrored::Ring(ring, covers) => {
+                    let mut slot = ring.mirror();
+                    slot.covers = covers;
+                    slot.device = device;
+                }
+            }
         }
         drop((upload, self.read));
         // SAFETY: every entry is the address of a `row_len`-value row of a key the lists, the
@@ -282,6 +353,34 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
         let table =
             unsafe { DeviceKeyTable::from_device(table, rows, self.row_len, self.aligned_16) };
         Ok((table.map_err(op_err(op))?, self.keep))
+    }
+
+    /// This backend's mirror for rows of this table's length, if `device` holds one.
+    fn ours(&self, device: &Option<Arc<dyn Any + Send + Sync>>) -> Option<Arc<DeviceKeyMirror>> {
+        let owner = self.backend.owner();
+        device
+            .as_ref()
+            .and_then(|d| Arc::clone(d).downcast::<DeviceKeyMirror>().ok())
+            .filter(|m| m.owner == owner && m.row_len == self.row_len)
+    }
+
+    /// A mirror of `capacity` rows, none written yet.
+    fn new_mirror(
+        &self,
+        capacity: usize,
+        aligned_16: bool,
+    ) -> Result<DeviceKeyMirror, CudaBackendError> {
+        // SAFETY: only the rows a mirror covers are ever read; the copies of the step that
+        // creates it write them before its list or ring claims them.
+        let addresses = unsafe { self.backend.rt.stream().alloc::<u64>(capacity) }
+            .map_err(driver_err(self.op, "allocating a key mirror"))?;
+        Ok(DeviceKeyMirror {
+            owner: self.backend.owner(),
+            row_len: self.row_len,
+            aligned_16: AtomicBool::new(aligned_16),
+            address: address_of_slice(&self.backend.rt, &addresses),
+            addresses,
+        })
     }
 
     fn address(&mut self, key: &Tensor) -> Result<u64, CudaBackendError> {
@@ -299,7 +398,21 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
 /// The smallest mirror allocated (rows): a list grows by one row every few steps.
 const MIRROR_MIN_ROWS: usize = 64;
 
-fn rows_u32(op: &'static str, rows: usize) -> Result<u32, CudaBackendError> {
+/// The runs of a ring mirror's slots that hold `count` consecutive positions from `first`:
+/// (offset in the positions, first slot, slots), at most two (`count <= capacity`).
+fn ring_runs(
+    first: usize,
+    count: usize,
+    capacity: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    let slot = first % capacity;
+    let head = count.min(capacity - slot);
+    [(0, slot, head), (head, 0, count - head)]
+        .into_iter()
+        .filter(|&(_, _, slots)| slots > 0)
+}
+
+pub(super) fn rows_u32(op: &'static str, rows: usize) -> Result<u32, CudaBackendError> {
     u32::try_from(rows).map_err(|_| shape_err(op, "more than 2^32 key rows".to_string()))
 }
 

@@ -49,7 +49,7 @@
 
 mod dense;
 mod key_tables;
-use key_tables::KeyTableBuilder;
+use key_tables::{KeyTableBuilder, rows_u32};
 pub mod ep;
 pub mod ep_transport;
 mod moe;

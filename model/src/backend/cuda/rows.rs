@@ -251,10 +251,11 @@ impl CudaBackend {
             });
         }
         // The key table: first one row per listed key a query does not share with the query
-        // before it (a sequence's consecutive queries, whose windows grow or slide by one, reuse
+        // before it (a sequence's consecutive queries, whose lists grow or slide by one, reuse
         // its rows: `listed_key_rows`; keys of other sequences are distinct, and a repeat
-        // elsewhere only costs a row), then every selected-from compressed list once, whole,
-        // from its device mirror (`key_tables`).
+        // elsewhere only costs a row), then every window ring and every selected-from compressed
+        // list once, whole, from its device mirror (`key_tables`): a query's window is one run
+        // of its ring's rows.
         let mut table = KeyTableBuilder::new(self, OP, head_dim);
         let lists = select::listed_key_rows(queries, |t, i, key| {
             if key.len() != head_dim {
@@ -270,6 +271,11 @@ impl CudaBackend {
         })?;
         let mut segments = ListSegments::with_queries(n);
         for ((t, query), list) in queries.iter().enumerate().zip(&lists) {
+            if let Some(window) = query.window.as_ref().filter(|w| !w.is_empty()) {
+                let base = table.ring(window.ring)?;
+                let first = rows_u32(OP, window.positions.start - window.ring.start())?;
+                segments.run(base + first, window.len())?;
+            }
             segments.rows(list)?;
             if let Some(selected) = query.selected {
                 let compressed = selected.compressed;
@@ -592,10 +598,18 @@ impl ListSegments {
                 .windows(2)
                 .take_while(|pair| pair[1] == pair[0].wrapping_add(1))
                 .count();
-            self.push(ListSegment::rows(self.position, first, 0), run)?;
+            self.run(first, run)?;
             rest = &rest[run..];
         }
         Ok(())
+    }
+
+    /// Appends the `count` table rows from `first` on to the current query's list.
+    fn run(&mut self, first: u32, count: usize) -> Result<(), CudaBackendError> {
+        if count == 0 {
+            return Ok(());
+        }
+        self.push(ListSegment::rows(self.position, first, 0), count)
     }
 
     /// Appends `count` rows `first + src[i]` of a device selection to the current query's list.
