@@ -4,7 +4,7 @@
 //! sends the one row it appended, not every row of the window again.
 
 use std::any::Any;
-use std::collections::{VecDeque, vec_deque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -32,11 +32,14 @@ pub struct RingMirror {
     pub device: Option<Arc<dyn Any + Send + Sync>>,
 }
 
-/// The keys of a query's window: the rows of `ring` at `positions`, every one held.
+/// The keys of a query's window: the rows of `ring` at `positions` (every one held), listed
+/// from position `from` to the end, then from the start up to `from` (`from ==
+/// positions.start`: in position order).
 #[derive(Debug, Clone)]
 pub struct WindowKeys<'a> {
     pub ring: &'a PositionRing,
     pub positions: Range<usize>,
+    pub from: usize,
 }
 
 impl<'a> WindowKeys<'a> {
@@ -49,11 +52,21 @@ impl<'a> WindowKeys<'a> {
         self.positions.is_empty()
     }
 
-    /// The keys in position order.
-    pub fn rows(&self) -> vec_deque::Iter<'a, Tensor> {
+    /// The positions in the order the keys are listed: at most two runs.
+    pub fn runs(&self) -> [Range<usize>; 2] {
+        [
+            self.from..self.positions.end,
+            self.positions.start..self.from,
+        ]
+    }
+
+    /// The keys in listed order.
+    pub fn rows(&self) -> impl Iterator<Item = &'a Tensor> + Clone + 'a {
         let ring: &'a PositionRing = self.ring;
-        let at = self.positions.start - ring.start;
-        ring.rows.range(at..at + self.positions.len())
+        self.runs().into_iter().flat_map(move |run| {
+            ring.rows
+                .range(run.start - ring.start..run.end - ring.start)
+        })
     }
 }
 
@@ -99,14 +112,37 @@ impl PositionRing {
             .and_then(|i| self.rows.get(i))
     }
 
-    /// The keys of the held positions in `first..=last` (a window ending at `last`).
+    /// The keys of the held positions in `first..=last` (a window ending at `last`), in
+    /// position order.
     pub fn window(&self, first: usize, last: usize) -> WindowKeys<'_> {
-        let start = first.max(self.start);
-        let end = last.saturating_add(1).min(self.end());
+        let positions = self.held(first, last);
         WindowKeys {
             ring: self,
-            positions: start..end.max(start),
+            from: positions.start,
+            positions,
         }
+    }
+
+    /// [`PositionRing::window`], listed in the order of `slots` ring slots (position `p` in slot
+    /// `p % slots`, slot 0 first), as DeepSeek's DSpark lists a context window.
+    pub fn slot_window(&self, first: usize, last: usize, slots: usize) -> WindowKeys<'_> {
+        let positions = self.held(first, last);
+        let wrap = match slots {
+            0 => first,
+            _ => first + (slots - first % slots) % slots,
+        };
+        WindowKeys {
+            ring: self,
+            from: wrap.clamp(positions.start, positions.end),
+            positions,
+        }
+    }
+
+    /// The held positions of `first..=last` (an empty range inside the ring's when none is).
+    fn held(&self, first: usize, last: usize) -> Range<usize> {
+        let start = first.clamp(self.start, self.end());
+        let end = last.saturating_add(1).min(self.end());
+        start..end.max(start)
     }
 
     /// The rows held, oldest first.
@@ -264,6 +300,31 @@ mod tests {
         assert!(ring.window(0, 2).is_empty());
         let empty = PositionRing::starting_at(3);
         assert!(empty.window(0, 9).is_empty());
+    }
+
+    /// DSpark's context order: slot by slot of a `slots`-slot ring (position `p` in slot
+    /// `p % slots`), the slots of positions not held skipped; for every window end, ring extent
+    /// and slot count, the two runs of `slot_window` list exactly that.
+    #[test]
+    fn a_slot_window_lists_the_held_positions_slot_by_slot() {
+        for slots in [1, 3, 8] {
+            for held in [0..20, 4..20, 9..13] {
+                let ring = ring_of(held.clone());
+                for last in 0..24usize {
+                    let first = (last + 1).saturating_sub(slots);
+                    let by_slot: Vec<f32> = (0..=last - first)
+                        .filter_map(|slot| {
+                            let offset = (slot + slots - first % slots) % slots;
+                            ring.get(first + offset).map(|row| row[0])
+                        })
+                        .collect();
+                    let window = ring.slot_window(first, last, slots);
+                    let listed: Vec<f32> = window.rows().map(|row| row[0]).collect();
+                    assert_eq!(listed, by_slot, "slots {slots}, held {held:?}, last {last}");
+                    assert_eq!(window.len(), by_slot.len());
+                }
+            }
+        }
     }
 
     #[test]

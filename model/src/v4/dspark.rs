@@ -117,11 +117,13 @@ fn stage_attention(
     let block_kv =
         layers::attention::kv_rows(ctx, w, xn, positions, table).split_rows(cfg.head_dim);
     let first = (last + 1).saturating_sub(cfg.window_size);
-    let mut keys: Vec<&Tensor> = (first..=last).filter_map(|p| ring.get(p)).collect();
-    keys.extend(&block_kv);
     let queries: Vec<QueryKeys<'_>> = positions
         .iter()
-        .map(|_| QueryKeys::listed(keys.clone()))
+        .map(|_| QueryKeys {
+            window: Some(ring.window(first, last)),
+            listed: block_kv.iter().collect(),
+            selected: None,
+        })
         .collect();
     let o = attention::attend(ctx, w, &q, &queries);
     layers::attention::output(ctx, w, o, positions, table)

@@ -10,7 +10,7 @@ use super::attention::window_entries;
 use super::block;
 use super::state::SequenceState;
 use super::weights::{AttentionWeights, DsparkWeights};
-use crate::backend::{AttentionQueries, DenseWeight, PositionRing, Precision, Tensor};
+use crate::backend::{AttentionQueries, DenseWeight, Precision, QueryKeys, Tensor};
 use crate::config::DsparkConfig;
 use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
@@ -45,19 +45,6 @@ pub fn context_entries(
         .collect()
 }
 
-/// The context keys of a draft block after position `last`: the ring's entries at positions
-/// `last−w+1 … last`, listed by ring slot as the reference does.
-fn context_keys(ring: &PositionRing, last: usize, window: usize) -> Vec<&Tensor> {
-    let held = window.min(last + 1);
-    let first = last + 1 - held;
-    (0..held)
-        .filter_map(|slot| {
-            let offset = (slot + window - first % window) % window;
-            ring.get(first + offset)
-        })
-        .collect()
-}
-
 /// Attention of stage `stage` over the draft rows of every request (`xn [requests · size, dim]`,
 /// request `r` owning rows `r·size …`, at `positions`): queries, block K=V entries and the output
 /// projection over all rows at once; each row's keys are its request's context ring + every draft
@@ -76,14 +63,17 @@ fn stage_attention(
     let Queries { q, .. } = queries(ctx, w, xn, positions, table, None);
     let block_kv = window_entries(ctx, w, xn, positions, table);
     let block_rows = block_kv.split_rows(cfg.head_dim);
-    let mut keys: Vec<Vec<&Tensor>> = Vec::with_capacity(requests.len() * size);
+    // A row's keys: its request's context ring at positions `last−w+1 … last`, listed by ring
+    // slot as the reference does, then every draft slot of its own block.
+    let mut keys: Vec<QueryKeys<'_>> = Vec::with_capacity(requests.len() * size);
     for (request, block) in requests.iter().zip(block_rows.chunks_exact(size)) {
-        let mut row_keys = context_keys(
-            &request.seq.dspark[stage],
-            request.seq.len - 1,
-            cfg.window_size,
-        );
-        row_keys.extend(block);
+        let last = request.seq.len - 1;
+        let first = (last + 1).saturating_sub(cfg.window_size);
+        let row_keys = QueryKeys {
+            window: Some(request.seq.dspark[stage].slot_window(first, last, cfg.window_size)),
+            listed: block.iter().collect(),
+            selected: None,
+        };
         keys.extend(std::iter::repeat_n(row_keys, size));
     }
     let queries = AttentionQueries {
@@ -92,7 +82,7 @@ fn stage_attention(
         scale: (cfg.head_dim as f32).powf(-0.5),
         precision: Precision::Bf16,
     };
-    let o = ctx.backend.sparse_attention_rows_at(queries, &keys);
+    let o = ctx.backend.sparse_attention_selected(queries, &keys);
     output(ctx, w, o, positions, table)
 }
 

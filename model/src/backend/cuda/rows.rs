@@ -254,8 +254,8 @@ impl CudaBackend {
         // before it (a sequence's consecutive queries, whose lists grow or slide by one, reuse
         // its rows: `listed_key_rows`; keys of other sequences are distinct, and a repeat
         // elsewhere only costs a row), then every window ring and every selected-from compressed
-        // list once, whole, from its device mirror (`key_tables`): a query's window is one run
-        // of its ring's rows.
+        // list once, whole, from its device mirror (`key_tables`): a query's window is one or
+        // two runs of its ring's rows.
         let mut table = KeyTableBuilder::new(self, OP, head_dim);
         let lists = select::listed_key_rows(queries, |t, i, key| {
             if key.len() != head_dim {
@@ -273,8 +273,10 @@ impl CudaBackend {
         for ((t, query), list) in queries.iter().enumerate().zip(&lists) {
             if let Some(window) = query.window.as_ref().filter(|w| !w.is_empty()) {
                 let base = table.ring(window.ring)?;
-                let first = rows_u32(OP, window.positions.start - window.ring.start())?;
-                segments.run(base + first, window.len())?;
+                for run in window.runs() {
+                    let first = rows_u32(OP, run.start - window.ring.start())?;
+                    segments.run(base + first, run.len())?;
+                }
             }
             segments.rows(list)?;
             if let Some(selected) = query.selected {
