@@ -785,14 +785,16 @@ fn a_key_lists_device_mirror_follows_its_appends_and_truncations() {
     );
 }
 
-/// The sink attention of three queries (2 heads) over windows of `ring`: the newest 8 positions,
-/// the 8 before the newest, and the oldest two with the 3 positions before them (none held).
+/// The sink attention of four queries (2 heads) over windows of `ring`: the newest 8 positions,
+/// the 8 before the newest, the oldest two with the 3 positions before them (none held), and the
+/// newest 8 in the order of 8 ring slots (DSpark's context: two runs, split where the slots wrap).
 fn windows_over(backend: &dyn Backend, ring: &PositionRing, q: &Tensor) -> Vec<f32> {
     let last = ring.end() - 1;
     let windows = [
         ring.window(last.saturating_sub(7), last),
         ring.window(last.saturating_sub(8), last - 1),
         ring.window(ring.start().saturating_sub(3), ring.start() + 1),
+        ring.slot_window(last.saturating_sub(7), last, 8),
     ];
     let queries: Vec<QueryKeys<'_>> = windows
         .into_iter()
@@ -819,7 +821,7 @@ fn a_window_rings_device_mirror_follows_its_slides_rollbacks_gaps_and_copies() {
         cuda_backend("a_window_rings_device_mirror_follows_its_slides_rollbacks_gaps_and_copies");
     let cpu = CpuBackend::new();
     let mut rng = Rng(17);
-    let q = Tensor::from(bf16_unit(&mut rng, 3 * 2 * MIRROR_HEAD_DIM));
+    let q = Tensor::from(bf16_unit(&mut rng, 4 * 2 * MIRROR_HEAD_DIM));
     // The same rows as device tensors (each its own buffer, as a decode step leaves them) in
     // the ring the GPU reads, and on the host in the CPU's.
     let (mut device, mut host) = (PositionRing::default(), PositionRing::default());
