@@ -75,12 +75,39 @@ impl AnySequence {
 /// One sequence's part of an [`AnyModel::forward_step`].
 pub type AnyStepEntry<'a> = crate::layers::step::StepEntry<'a, AnySequence>;
 
+use crate::layers::step::StepEntry;
 pub use crate::layers::step::StepOptions;
 
 fn family_mismatch() -> ModelError {
     ModelError::Sequence {
         message: "the sequence belongs to a model of the other family".to_string(),
     }
+}
+
+/// `entries` as step entries of the family whose sequence `family_seq` finds in each, failing at
+/// the first entry whose sequence belongs to the other family.
+fn family_entries<'e, S>(
+    entries: &'e mut [AnyStepEntry<'_>],
+    family_seq: impl Fn(&mut AnySequence) -> Option<&mut Box<S>>,
+) -> Result<Vec<StepEntry<'e, S>>, ModelError> {
+    let mut steps = Vec::with_capacity(entries.len());
+    for (e, entry) in entries.iter_mut().enumerate() {
+        let Some(seq) = family_seq(&mut *entry.seq) else {
+            return Err(ModelError::Sequence {
+                message: format!(
+                    "step entry {e}: the sequence belongs to a model of the other family"
+                ),
+            });
+        };
+        steps.push(StepEntry {
+            seq: &mut **seq,
+            tokens: entry.tokens,
+            want: entry.want,
+            decoder_from: entry.decoder_from,
+            sample: entry.sample,
+        });
+    }
+    Ok(steps)
 }
 
 impl AnyModel {
@@ -191,40 +218,19 @@ impl AnyModel {
         entries: &mut [AnyStepEntry<'_>],
         options: StepOptions<'_>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
-        let mismatch = |e: usize| ModelError::Sequence {
-            message: format!("step entry {e}: the sequence belongs to a model of the other family"),
-        };
         match self {
             AnyModel::V41(model) => {
-                let mut steps = Vec::with_capacity(entries.len());
-                for (e, entry) in entries.iter_mut().enumerate() {
-                    let AnySequence::V41(seq) = &mut *entry.seq else {
-                        return Err(mismatch(e));
-                    };
-                    steps.push(v41::StepEntry {
-                        seq,
-                        tokens: entry.tokens,
-                        want: entry.want,
-                        decoder_from: entry.decoder_from,
-                        sample: entry.sample,
-                    });
-                }
+                let mut steps = family_entries(entries, |seq| match seq {
+                    AnySequence::V41(seq) => Some(seq),
+                    AnySequence::V4(_) => None,
+                })?;
                 model.forward_step(&mut steps, options.with_family(v41::StepExtras::default()))
             }
             AnyModel::V4(model) => {
-                let mut steps = Vec::with_capacity(entries.len());
-                for (e, entry) in entries.iter_mut().enumerate() {
-                    let AnySequence::V4(seq) = &mut *entry.seq else {
-                        return Err(mismatch(e));
-                    };
-                    steps.push(v4::StepEntry {
-                        seq,
-                        tokens: entry.tokens,
-                        want: entry.want,
-                        decoder_from: entry.decoder_from,
-                        sample: entry.sample,
-                    });
-                }
+                let mut steps = family_entries(entries, |seq| match seq {
+                    AnySequence::V4(seq) => Some(seq),
+                    AnySequence::V41(_) => None,
+                })?;
                 model.forward_step(&mut steps, options)
             }
         }

@@ -211,6 +211,27 @@ pub(crate) const V41_TEXT_MODEL_TYPE: &str = "deepseek_v41_text";
 pub(crate) const V41_VISION_MODEL_TYPE: &str = "deepseek_v41_vision";
 pub(crate) const V4_MODEL_TYPE: &str = "deepseek_v4";
 
+/// What each family's parser reads its own way (or not at all); [`ModelConfig::from_family`] adds the keys
+/// both families spell alike.
+struct FamilyFields {
+    family: ModelFamily,
+    n_layers: usize,
+    head_dim: usize,
+    rope_head_dim: usize,
+    rope: RopeConfig,
+    compress_ratios: Vec<usize>,
+    kv_source_layers: Vec<usize>,
+    index_source_layers: Vec<usize>,
+    candidate: Option<CandidateConfig>,
+    engram: Option<EngramConfig>,
+    dspark: Option<DsparkConfig>,
+    quant: QuantConfig,
+    storage: WeightStorage,
+    v4: Option<V4Config>,
+    image_token_id: Option<u32>,
+    vision: Option<VisionConfig>,
+}
+
 impl ModelConfig {
     /// Reads and validates a `config.json`.
     pub fn from_file(path: &Path) -> Result<ModelConfig, ModelError> {
@@ -242,6 +263,56 @@ impl ModelConfig {
         };
         config.validate(origin)?;
         Ok(config)
+    }
+
+    /// The [`ModelConfig`] of `family`'s fields and the keys V4 and V4.1 spell alike: the model
+    /// dimensions, MoE, indexer and mHC keys under `text` (`text_config` in V4.1, the top level in
+    /// V4) and the token ids under `top`.
+    fn from_family(
+        text: &Fields<'_>,
+        top: &Fields<'_>,
+        family: FamilyFields,
+    ) -> Result<ModelConfig, ModelError> {
+        Ok(ModelConfig {
+            family: family.family,
+            vocab_size: text.usize("vocab_size")?,
+            dim: text.usize("hidden_size")?,
+            n_layers: family.n_layers,
+            n_heads: text.usize("num_attention_heads")?,
+            head_dim: family.head_dim,
+            rope_head_dim: family.rope_head_dim,
+            q_lora_rank: text.usize("q_lora_rank")?,
+            o_lora_rank: text.usize("o_lora_rank")?,
+            o_groups: text.usize("o_groups")?,
+            moe_inter_dim: text.usize("moe_intermediate_size")?,
+            n_routed_experts: text.usize("n_routed_experts")?,
+            n_shared_experts: text.usize("n_shared_experts")?,
+            n_activated_experts: text.usize("num_experts_per_tok")?,
+            route_scale: text.f32("routed_scaling_factor")?,
+            swiglu_limit: text.f32("swiglu_limit")?,
+            norm_eps: text.f32("rms_norm_eps")?,
+            window_size: text.usize("sliding_window")?,
+            max_position_embeddings: text.usize("max_position_embeddings")?,
+            rope: family.rope,
+            compress_ratios: family.compress_ratios,
+            kv_source_layers: family.kv_source_layers,
+            index_source_layers: family.index_source_layers,
+            candidate: family.candidate,
+            index_n_heads: text.usize("index_n_heads")?,
+            index_head_dim: text.usize("index_head_dim")?,
+            index_topk: text.usize("index_topk")?,
+            hc: parse::parse_hc(text)?,
+            engram: family.engram,
+            dspark: family.dspark,
+            quant: family.quant,
+            storage: family.storage,
+            v4: family.v4,
+            bos_token_id: top.u32("bos_token_id")?,
+            eos_token_id: top.u32("eos_token_id")?,
+            pad_token_id: top.optional_u32("pad_token_id")?,
+            image_token_id: family.image_token_id,
+            vision: family.vision,
+        })
     }
 
     /// Compression ratio of backbone layer `layer` (0 = window only).

@@ -1,14 +1,15 @@
 //! Parsing of the nested V4.1 layout (top level, `quantization_config`, `text_config`,
 //! `vision_config`) into a [`ModelConfig`], with DeepInfer's fixed-value checks (dtype, activation,
-//! bias, KV heads, router and quantisation scheme) at the field where they are read.
+//! bias, KV heads, router and quantisation scheme) at the field where they are read; and what both
+//! families' parsers read alike ([`parse_dspark`], the YaRN and mHC keys).
 
 use serde_json::Value;
 
 use super::fields::Fields;
 use super::{
-    CandidateConfig, DsparkConfig, EngramConfig, ExpertDtype, HcConfig, ModelConfig, ModelFamily,
-    QuantConfig, RopeConfig, V41_ARCHITECTURE, V41_TEXT_MODEL_TYPE, V41_VISION_MODEL_TYPE,
-    VisionConfig, WeightStorage, YarnConfig,
+    CandidateConfig, DsparkConfig, EngramConfig, ExpertDtype, FamilyFields, HcConfig, ModelConfig,
+    ModelFamily, QuantConfig, RopeConfig, V41_ARCHITECTURE, V41_TEXT_MODEL_TYPE,
+    V41_VISION_MODEL_TYPE, VisionConfig, WeightStorage, YarnConfig,
 };
 use crate::error::ModelError;
 
@@ -119,15 +120,12 @@ pub(crate) fn parse_v41(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
     let dspark = if n_stages == 0 {
         None
     } else {
-        Some(DsparkConfig {
-            n_stages,
-            block_size: text.usize("dspark_block_size")?,
-            noise_token_id: text.u32("dspark_noise_token_id")?,
-            target_layers: text.usize_list("dspark_target_layer_ids")?,
-            markov_rank: text.usize("dspark_markov_rank")?,
-            n_routed_experts: text.usize("dspark_n_routed_experts")?,
-            n_activated_experts: text.usize("dspark_num_experts_per_tok")?,
-        })
+        Some(parse_dspark(&text, n_stages, || {
+            Ok((
+                text.usize("dspark_n_routed_experts")?,
+                text.usize("dspark_num_experts_per_tok")?,
+            ))
+        })?)
     };
 
     let vision = match top.optional("vision_config") {
@@ -135,45 +133,47 @@ pub(crate) fn parse_v41(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
         Some(value) => Some(parse_vision(&Fields::new(value, "vision_config.", file)?)?),
     };
 
-    Ok(ModelConfig {
+    let family = FamilyFields {
         family: ModelFamily::V41,
-        vocab_size: text.usize("vocab_size")?,
-        dim: text.usize("hidden_size")?,
         n_layers,
-        n_heads: text.usize("num_attention_heads")?,
         head_dim: text.usize("head_dim")?,
         rope_head_dim: text.usize("qk_rope_head_dim")?,
-        q_lora_rank: text.usize("q_lora_rank")?,
-        o_lora_rank: text.usize("o_lora_rank")?,
-        o_groups: text.usize("o_groups")?,
-        moe_inter_dim: text.usize("moe_intermediate_size")?,
-        n_routed_experts: text.usize("n_routed_experts")?,
-        n_shared_experts: text.usize("n_shared_experts")?,
-        n_activated_experts: text.usize("num_experts_per_tok")?,
-        route_scale: text.f32("routed_scaling_factor")?,
-        swiglu_limit: text.f32("swiglu_limit")?,
-        norm_eps: text.f32("rms_norm_eps")?,
-        window_size: text.usize("sliding_window")?,
-        max_position_embeddings: text.usize("max_position_embeddings")?,
         rope,
         compress_ratios,
         kv_source_layers: text.usize_list("kv_source_layer_ids")?,
         index_source_layers: text.usize_list("index_source_layer_ids")?,
         candidate,
-        index_n_heads: text.usize("index_n_heads")?,
-        index_head_dim: text.usize("index_head_dim")?,
-        index_topk: text.usize("index_topk")?,
-        hc: parse_hc(&text)?,
         engram,
         dspark,
         quant,
         storage: WeightStorage::Quantized,
         v4: None,
-        bos_token_id: top.u32("bos_token_id")?,
-        eos_token_id: top.u32("eos_token_id")?,
-        pad_token_id: top.optional_u32("pad_token_id")?,
         image_token_id: top.optional_u32("image_token_id")?,
         vision,
+    };
+    ModelConfig::from_family(&text, top, family)
+}
+
+/// The DSpark drafter keys both families spell alike, for `n_stages` stages; `experts` reads the
+/// drafter's `(routed, activated)` expert counts the family's way (after the other keys).
+pub(super) fn parse_dspark(
+    fields: &Fields<'_>,
+    n_stages: usize,
+    experts: impl FnOnce() -> Result<(usize, usize), ModelError>,
+) -> Result<DsparkConfig, ModelError> {
+    let block_size = fields.usize("dspark_block_size")?;
+    let noise_token_id = fields.u32("dspark_noise_token_id")?;
+    let target_layers = fields.usize_list("dspark_target_layer_ids")?;
+    let markov_rank = fields.usize("dspark_markov_rank")?;
+    let (n_routed_experts, n_activated_experts) = experts()?;
+    Ok(DsparkConfig {
+        n_stages,
+        block_size,
+        noise_token_id,
+        target_layers,
+        markov_rank,
+        n_routed_experts,
+        n_activated_experts,
     })
 }
 

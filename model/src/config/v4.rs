@@ -21,9 +21,9 @@
 use serde_json::Value;
 
 use super::fields::Fields;
-use super::parse::{parse_hc, speculative_ratios_are_zero, yarn_values};
+use super::parse::{parse_dspark, speculative_ratios_are_zero, yarn_values};
 use super::{
-    DsparkConfig, ExpertDtype, ModelConfig, ModelFamily, QuantConfig, RopeConfig, YarnConfig,
+    ExpertDtype, FamilyFields, ModelConfig, ModelFamily, QuantConfig, RopeConfig, YarnConfig,
 };
 use crate::backend::Precision;
 use crate::error::ModelError;
@@ -169,17 +169,14 @@ pub(crate) fn parse_v4(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
 
     let dspark = match top.optional("dspark_block_size") {
         None => None,
-        Some(_) => Some(DsparkConfig {
-            n_stages: schedule.speculative_layers,
-            block_size: top.usize("dspark_block_size")?,
-            noise_token_id: top.u32("dspark_noise_token_id")?,
-            target_layers: top.usize_list("dspark_target_layer_ids")?,
-            markov_rank: top.usize("dspark_markov_rank")?,
-            n_routed_experts: optional_usize(top, "dspark_n_routed_experts")?
-                .map_or_else(|| top.usize("n_routed_experts"), Ok)?,
-            n_activated_experts: optional_usize(top, "dspark_num_experts_per_tok")?
-                .map_or_else(|| top.usize("num_experts_per_tok"), Ok)?,
-        }),
+        Some(_) => Some(parse_dspark(top, schedule.speculative_layers, || {
+            Ok((
+                optional_usize(top, "dspark_n_routed_experts")?
+                    .map_or_else(|| top.usize("n_routed_experts"), Ok)?,
+                optional_usize(top, "dspark_num_experts_per_tok")?
+                    .map_or_else(|| top.usize("num_experts_per_tok"), Ok)?,
+            ))
+        })?),
     };
     let mtp_layers = if dspark.is_some() {
         0
@@ -204,35 +201,16 @@ pub(crate) fn parse_v4(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
         .filter(|&layer| schedule.attention[layer] == V4Attention::Csa)
         .collect();
 
-    Ok(ModelConfig {
+    let family = FamilyFields {
         family: ModelFamily::V4,
-        vocab_size: top.usize("vocab_size")?,
-        dim: top.usize("hidden_size")?,
         n_layers,
-        n_heads: top.usize("num_attention_heads")?,
         head_dim,
         rope_head_dim,
-        q_lora_rank: top.usize("q_lora_rank")?,
-        o_lora_rank: top.usize("o_lora_rank")?,
-        o_groups: top.usize("o_groups")?,
-        moe_inter_dim: top.usize("moe_intermediate_size")?,
-        n_routed_experts: top.usize("n_routed_experts")?,
-        n_shared_experts: top.usize("n_shared_experts")?,
-        n_activated_experts: top.usize("num_experts_per_tok")?,
-        route_scale: top.f32("routed_scaling_factor")?,
-        swiglu_limit: top.f32("swiglu_limit")?,
-        norm_eps: top.f32("rms_norm_eps")?,
-        window_size: top.usize("sliding_window")?,
-        max_position_embeddings: top.usize("max_position_embeddings")?,
         rope: parse_rope(top)?,
         compress_ratios,
         kv_source_layers,
         index_source_layers,
         candidate: None,
-        index_n_heads: top.usize("index_n_heads")?,
-        index_head_dim: top.usize("index_head_dim")?,
-        index_topk: top.usize("index_topk")?,
-        hc: parse_hc(top)?,
         engram: None,
         dspark,
         quant,
@@ -245,12 +223,10 @@ pub(crate) fn parse_v4(top: &Fields<'_>) -> Result<ModelConfig, ModelError> {
             mtp_layers,
             qat: V4Qat::OFFICIAL,
         }),
-        bos_token_id: top.u32("bos_token_id")?,
-        eos_token_id: top.u32("eos_token_id")?,
-        pad_token_id: top.optional_u32("pad_token_id")?,
         image_token_id: None,
         vision: None,
-    })
+    };
+    ModelConfig::from_family(top, top, family)
 }
 
 fn optional_usize(fields: &Fields<'_>, key: &str) -> Result<Option<usize>, ModelError> {

@@ -1,12 +1,14 @@
 //! The model side of [`crate::expert_dispatch`] beyond the step's `StepOptions::experts`, written
-//! once for both families: what a family's weights tell it ([`BackboneMoe`]: each backbone
-//! layer's MoE, the checkpoint an expert-filtered load keeps open), and from that, for every
+//! once for both families: what a family's weights tell it ([`BackboneMoe`], [`Backbone`]: each
+//! backbone layer's MoE, the experts an expert-filtered load left out), and from that, for every
 //! [`Loaded`] model, the [`ExpertHost`] an expert shard uses (copies of the routed experts,
 //! running one exactly as the model does, the idle step of an expert-parallel rank).
 
 use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
 use crate::backend::{Backend, MoeLayer};
-use crate::checkpoint::Checkpoint;
+use std::sync::Arc;
+
+use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::expert_dispatch::{ExpertHost, RoutedExpert};
@@ -14,27 +16,60 @@ use crate::layers::loaded::Loaded;
 use crate::layers::moe;
 use crate::layers::weights::BlockWeights;
 
+/// How a family reads routed expert `expert` of backbone layer `layer` from a checkpoint, exactly
+/// as its loader reads it.
+pub type ReadExpert =
+    fn(&Checkpoint, &ModelConfig, usize, usize) -> Result<ExpertWeights<ExpertLinear>, ModelError>;
+
+/// The routed experts an expert-filtered load left out: its checkpoint, kept open (mapped, nothing
+/// resident until read, even once its files are unlinked), and how the family reads one of them
+/// when asked for ([`ExpertHost::copy_routed_experts`]).
+#[derive(Debug, Clone)]
+pub struct LeftOutExperts {
+    checkpoint: Arc<Checkpoint>,
+    read: ReadExpert,
+}
+
+/// A family's backbone blocks, in order (their `moe` is what expert parallelism places), and the
+/// experts its load left out.
+#[derive(Debug, Clone)]
+pub struct Backbone<A> {
+    pub layers: Arc<Vec<BlockWeights<A>>>,
+    /// `None` for a whole model.
+    pub left_out: Option<LeftOutExperts>,
+}
+
+impl<A> Backbone<A> {
+    /// `layers`, read from `ckpt` keeping the routed experts `experts` keeps; a filter that left
+    /// experts out opens `ckpt`'s directory again so that `read` can read them later.
+    pub fn new(
+        layers: Vec<BlockWeights<A>>,
+        ckpt: &Checkpoint,
+        experts: &ExpertFilter,
+        read: ReadExpert,
+    ) -> Result<Backbone<A>, ModelError> {
+        let left_out = match experts.is_all() {
+            true => None,
+            false => Some(LeftOutExperts {
+                checkpoint: Arc::new(Checkpoint::open(ckpt.dir())?),
+                read,
+            }),
+        };
+        Ok(Backbone {
+            layers: Arc::new(layers),
+            left_out,
+        })
+    }
+}
+
 /// What expert parallelism needs of a family's host weights (`v41::ModelWeights`,
 /// `v4::ModelWeights`).
 pub trait BackboneMoe {
     /// The family's attention weights (the blocks' `A`).
     type Attention;
 
-    /// The backbone layers, in order (their `moe` is what expert parallelism places).
-    fn backbone(&self) -> &[BlockWeights<Self::Attention>];
-
-    /// The checkpoint of a load whose `ExpertFilter` left experts out, kept open so that they
-    /// can be read when asked for ([`ExpertHost::copy_routed_experts`]); `None` for a whole model.
-    fn expert_checkpoint(&self) -> Option<&Checkpoint>;
-
-    /// Routed expert `expert` of backbone layer `layer` read from `ckpt` exactly as the family's
-    /// loader reads it.
-    fn read_routed_expert(
-        ckpt: &Checkpoint,
-        cfg: &ModelConfig,
-        layer: usize,
-        expert: usize,
-    ) -> Result<ExpertWeights<ExpertLinear>, ModelError>;
+    /// The backbone and the experts its load left out.
+    fn backbone(&self) -> &Backbone<Self::Attention>;
 
     /// The family's fused MoE op over no rows ([`Backend::moe_rows`] for V4.1's FP4/FP8
     /// experts, [`Backend::moe_rows_exact`] for the V4 family's exact ones): what an idle step
@@ -50,7 +85,12 @@ impl<W: BackboneMoe + Clone> Loaded<W> {
         layer: usize,
         expert: usize,
     ) -> Option<&ExpertWeights<ExpertLinear>> {
-        self.weights.backbone().get(layer)?.moe.expert(expert)
+        self.weights
+            .backbone()
+            .layers
+            .get(layer)?
+            .moe
+            .expert(expert)
     }
 
     /// [`ExpertHost::idle_expert_step`] for backbone layers `from..` only: a step whose rows all
@@ -58,7 +98,7 @@ impl<W: BackboneMoe + Clone> Loaded<W> {
     /// the remaining layers' collectives, so every step runs every layer's exchange once.
     pub(crate) fn idle_expert_layers(&self, from: usize) {
         let ctx = self.ctx();
-        for block in self.weights.backbone().iter().skip(from) {
+        for block in self.weights.backbone().layers.iter().skip(from) {
             W::idle_moe(ctx.backend, &moe::layer_op(&ctx, &block.moe));
         }
     }
@@ -69,6 +109,7 @@ impl<W: BackboneMoe + Clone> Loaded<W> {
         let missing = self
             .weights
             .backbone()
+            .layers
             .iter()
             .enumerate()
             .find_map(|(layer, b)| b.moe.first_missing().map(|expert| (layer, expert)));
@@ -113,11 +154,13 @@ impl<W: BackboneMoe + Clone + Send + Sync> ExpertHost for Loaded<W> {
         wanted
             .iter()
             .map(|&(layer, expert)| {
-                let ckpt = self.weights.expert_checkpoint();
-                match (ckpt, self.routed_weights(layer, expert)) {
+                let left_out = self.weights.backbone().left_out.as_ref();
+                match (left_out, self.routed_weights(layer, expert)) {
                     (_, Some(held)) => Ok(RoutedExpert(held.clone())),
-                    (Some(ckpt), None) if layer < cfg.n_layers && expert < cfg.n_routed_experts => {
-                        W::read_routed_expert(ckpt, cfg, layer, expert).map(RoutedExpert)
+                    (Some(left_out), None)
+                        if layer < cfg.n_layers && expert < cfg.n_routed_experts =>
+                    {
+                        (left_out.read)(&left_out.checkpoint, cfg, layer, expert).map(RoutedExpert)
                     }
                     _ => self.routed_expert(layer, expert),
                 }
@@ -144,13 +187,17 @@ impl<W: BackboneMoe + Clone + Send + Sync> ExpertHost for Loaded<W> {
     }
 
     fn holds_every_expert(&self) -> bool {
-        self.weights.backbone().iter().all(|b| b.moe.held.is_none())
+        self.weights
+            .backbone()
+            .layers
+            .iter()
+            .all(|b| b.moe.held.is_none())
     }
 
     fn routed_expert_bytes(&self) -> (u64, usize) {
         let mut bytes = 0u64;
         let mut count = 0usize;
-        for block in self.weights.backbone() {
+        for block in self.weights.backbone().layers.iter() {
             for expert in &block.moe.experts {
                 count += 1;
                 bytes += [&expert.w1, &expert.w2, &expert.w3]
@@ -165,6 +212,7 @@ impl<W: BackboneMoe + Clone + Send + Sync> ExpertHost for Loaded<W> {
     fn expert_lists(&self) -> Vec<&[ExpertWeights<ExpertLinear>]> {
         self.weights
             .backbone()
+            .layers
             .iter()
             .map(|b| b.moe.experts.as_slice())
             .collect()

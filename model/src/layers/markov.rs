@@ -16,6 +16,39 @@ pub struct DraftProposal {
     pub confidence: Vec<f32>,
 }
 
+/// A DSpark drafter's tensors in either family (V4.1, V4-Flash-0731): `B` is a stage's block, `W`
+/// the `main_proj` format and `H` the family's collapse of the last stage's streams before `norm`
+/// (V4: the learned hyper-head; V4.1: none, `()`).
+#[derive(Debug, Clone)]
+pub struct DsparkWeights<B, W, H> {
+    /// `mtp.0 … mtp.{n−1}`.
+    pub stages: Vec<B>,
+    /// `[dim, targets · dim]`.
+    pub main_proj: W,
+    pub main_norm: Vec<f32>,
+    /// The last stage's norm before the shared head.
+    pub norm: Vec<f32>,
+    pub hyper_head: H,
+    /// `[vocab, rank]`, an embedding table (V4's `markov_head.markov_w1`).
+    pub markov_embed: Vec<f32>,
+    /// `[vocab, rank]`, a vocabulary projection (V4's `markov_head.markov_w2`).
+    pub markov_head: Vec<f32>,
+    /// `confidence_head.proj` `[dim + rank]`.
+    pub confidence: Vec<f32>,
+}
+
+impl<B, W, H> DsparkWeights<B, W, H> {
+    /// The drafter's Markov and confidence heads, of rank `rank`.
+    pub(crate) fn heads(&self, rank: usize) -> MarkovHeads<'_> {
+        MarkovHeads {
+            markov_embed: &self.markov_embed,
+            markov_head: &self.markov_head,
+            confidence: &self.confidence,
+            rank,
+        }
+    }
+}
+
 /// The Markov and confidence heads of a drafter's last stage (shared by V4.1 and V4-Flash-0731):
 /// `markov_embed`/`markov_head` `[vocab, rank]`, `confidence` `[dim + rank]`.
 pub(crate) struct MarkovHeads<'a> {

@@ -15,28 +15,12 @@ use crate::error::ModelError;
 use crate::layers;
 use crate::layers::attention::Queries;
 use crate::layers::ctx::Ctx;
-use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
+use crate::layers::markov::{DraftProposal, decode_blocks};
 use crate::layers::step::{EmbeddedRow, embedded_streams};
 
-/// The drafter's tensors.
-#[derive(Debug, Clone)]
-pub struct DsparkWeights {
-    /// `mtp.0 … mtp.{n−1}`: sliding attention, top-k MoE with bias.
-    pub stages: Vec<LayerWeights>,
-    /// `[dim, targets · dim]`.
-    pub main_proj: Linear,
-    pub main_norm: Vec<f32>,
-    /// The last stage's norm before the shared head.
-    pub norm: Vec<f32>,
-    /// The last stage's learned collapse of the block streams.
-    pub hyper_head: HyperHeadWeights,
-    /// `markov_head.markov_w1` `[vocab, rank]` (an embedding table).
-    pub markov_w1: Vec<f32>,
-    /// `markov_head.markov_w2` `[vocab, rank]` (a vocabulary projection).
-    pub markov_w2: Vec<f32>,
-    /// `confidence_head.proj` `[dim + rank]`.
-    pub confidence: Vec<f32>,
-}
+/// The drafter's tensors: `mtp.0 … mtp.{n−1}` (sliding attention, top-k MoE with bias) and the
+/// last stage's learned collapse of the block streams.
+pub type DsparkWeights = layers::markov::DsparkWeights<LayerWeights, Linear, HyperHeadWeights>;
 
 impl DsparkWeights {
     /// Reads `mtp.0 … mtp.{n−1}` for `dspark`; a missing tensor is an error naming it.
@@ -61,11 +45,11 @@ impl DsparkWeights {
             main_norm: loader.vector("mtp.0.main_norm.weight", &[dim])?,
             norm: loader.vector(&format!("{last}norm.weight"), &[dim])?,
             hyper_head: loader.hyper_head(&last)?,
-            markov_w1: loader.vector(
+            markov_embed: loader.vector(
                 &format!("{last}markov_head.markov_w1.weight"),
                 &[vocab, rank],
             )?,
-            markov_w2: loader.vector(
+            markov_head: loader.vector(
                 &format!("{last}markov_head.markov_w2.weight"),
                 &[vocab, rank],
             )?,
@@ -168,12 +152,7 @@ pub(crate) fn propose(
         });
     }
 
-    let heads = MarkovHeads {
-        markov_embed: &w.markov_w1,
-        markov_head: &w.markov_w2,
-        confidence: &w.confidence,
-        rank: dspark.markov_rank,
-    };
+    let heads = w.heads(dspark.markov_rank);
     // Every slot's hidden and base logits at once, where the backend computed them.
     let hidden = block::hyper_head(ctx, &w.hyper_head, &streams);
     let normed = ctx

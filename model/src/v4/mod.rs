@@ -20,7 +20,7 @@ mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
+use crate::backend::weights::Linear;
 pub use state::{PrefixBlock, SequenceState};
 pub use step::StepEntry;
 
@@ -32,12 +32,12 @@ use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::{ModelConfig, ModelFamily, V4Attention};
 use crate::error::ModelError;
 use crate::layers::ctx::Ctx;
-use crate::layers::expert_hook::BackboneMoe;
+use crate::layers::expert_hook::{Backbone, BackboneMoe};
 use crate::layers::loaded::Loaded;
 use dspark::{DsparkWeights, ProposalInputs};
 use mtp::MtpWeights;
 use state::{CompressorCache, LayerState};
-use weights::{HyperHeadWeights, LayerWeights, Loader};
+use weights::{HyperHeadWeights, Loader};
 
 /// A loaded V4 model on a backend.
 pub type Model = Loaded<ModelWeights>;
@@ -50,37 +50,20 @@ pub struct ModelWeights {
     head: Arc<Linear>,
     norm: Vec<f32>,
     hyper_head: Arc<HyperHeadWeights>,
-    layers: Arc<Vec<LayerWeights>>,
+    backbone: Backbone<weights::AttentionWeights>,
     /// The V4-Flash MTP block (`mtp.0`), when the config has `num_nextn_predict_layers = 1`.
     mtp: Option<Arc<MtpWeights>>,
     /// The V4-Flash-0731 DSpark drafter, when the config has one.
     dspark: Option<Arc<DsparkWeights>>,
     /// `[head_dim]` ones: the weight of the unweighted per-head query RMSNorm.
     unit: Vec<f32>,
-    /// The checkpoint of a model loaded with an `ExpertFilter` that left experts out, kept open
-    /// (mapped, nothing resident until read) so that they can be read when asked for
-    /// (`ExpertHost::copy_routed_experts`).
-    checkpoint: Option<Arc<Checkpoint>>,
 }
 
 impl BackboneMoe for ModelWeights {
     type Attention = weights::AttentionWeights;
 
-    fn backbone(&self) -> &[LayerWeights] {
-        &self.layers
-    }
-
-    fn expert_checkpoint(&self) -> Option<&Checkpoint> {
-        self.checkpoint.as_deref()
-    }
-
-    fn read_routed_expert(
-        ckpt: &Checkpoint,
-        cfg: &ModelConfig,
-        layer: usize,
-        expert: usize,
-    ) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
-        Loader { ckpt, cfg }.routed_expert(layer, expert)
+    fn backbone(&self) -> &Backbone<Self::Attention> {
+        &self.backbone
     }
 
     fn idle_moe(backend: &dyn Backend, layer: &MoeLayer<'_>) {
@@ -139,14 +122,12 @@ impl Model {
             head: Arc::new(loader.linear("head", vocab, dim)?),
             norm: loader.vector("norm.weight", &[dim])?,
             hyper_head: Arc::new(loader.hyper_head("")?),
-            layers: Arc::new(layers),
+            backbone: Backbone::new(layers, ckpt, experts, |ckpt, cfg, layer, expert| {
+                Loader { ckpt, cfg }.routed_expert(layer, expert)
+            })?,
             mtp: mtp.map(Arc::new),
             dspark: dspark.map(Arc::new),
             unit: vec![1.0; cfg.head_dim],
-            checkpoint: match experts.is_all() {
-                true => None,
-                false => Some(Arc::new(Checkpoint::open(ckpt.dir())?)),
-            },
         };
         Ok(Loaded::new(cfg, backend, weights))
     }
@@ -160,6 +141,7 @@ impl Model {
     pub fn new_sequence(&self) -> SequenceState {
         let layers =
             self.weights
+                .backbone
                 .layers
                 .iter()
                 .map(|layer| LayerState {
@@ -336,12 +318,12 @@ impl Model {
     /// before any state changes).
     pub fn check_chunk(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
         self.check_tokens(seq.len, tokens)?;
-        if seq.layers.len() != self.weights.layers.len() {
+        if seq.layers.len() != self.weights.backbone.layers.len() {
             return Err(ModelError::Sequence {
                 message: format!(
                     "the sequence has {} layers, the model {}",
                     seq.layers.len(),
-                    self.weights.layers.len()
+                    self.weights.backbone.layers.len()
                 ),
             });
         }

@@ -20,6 +20,7 @@ use std::ops::Range;
 
 use crate::backend::{Backend, KeyList, Pinned, PositionRing, Tensor};
 use crate::error::ModelError;
+use crate::layers::prefix::{attached_end, processed_block_end};
 use crate::layers::ring::{
     MAX_BACKTRACK, PACK_ENTRIES, pack_rows, past_end, tensor_bytes, too_far,
 };
@@ -371,10 +372,11 @@ impl SequenceState {
 /// compressor's entries of the block's groups and, per ring, the rows of the block's positions
 /// that the next token reads once the sequence ends at the block's end. All exact: a hit attaches
 /// them as first computed and replays nothing.
+pub type PrefixBlock = crate::layers::prefix::PrefixBlock<BlockCaches>;
+
+/// What a V4 [`PrefixBlock`] keeps.
 #[derive(Debug, Clone)]
-pub struct PrefixBlock {
-    start: usize,
-    len: usize,
+pub struct BlockCaches {
     /// Per layer, per compressor (attention, then indexer): the block's entries.
     entries: Vec<Vec<Vec<Tensor>>>,
     /// Per ring ([`SequenceState::rings`] order): the rows the block contributes.
@@ -384,8 +386,14 @@ pub struct PrefixBlock {
 impl PrefixBlock {
     /// Bytes of the entries and rows kept (f32 values).
     pub fn held_bytes(&self) -> u64 {
-        let entries: u64 = self.entries.iter().flatten().map(tensor_bytes).sum();
-        entries + self.rings.iter().map(PositionRing::held_bytes).sum::<u64>()
+        let entries: u64 = self.kept.entries.iter().flatten().map(tensor_bytes).sum();
+        entries
+            + self
+                .kept
+                .rings
+                .iter()
+                .map(PositionRing::held_bytes)
+                .sum::<u64>()
     }
 }
 
@@ -404,13 +412,7 @@ impl SequenceState {
         len: usize,
         window: usize,
     ) -> Result<PrefixBlock, ModelError> {
-        let end = start + len;
-        if end > self.len {
-            return Err(sequence_error(format!(
-                "prefix block [{start}, {end}) reaches past the {} tokens processed",
-                self.len
-            )));
-        }
+        let end = processed_block_end(start, len, self.len)?;
         let mut entries = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter().enumerate() {
             let mut caches = Vec::new();
@@ -444,12 +446,7 @@ impl SequenceState {
             }
             rings.push(kept);
         }
-        Ok(PrefixBlock {
-            start,
-            len,
-            entries,
-            rings,
-        })
+        Ok(PrefixBlock::new(start, len, BlockCaches { entries, rings }))
     }
 
     /// Attaches consecutive prefix `blocks` (from position 0) of a model with window `window` to
@@ -461,30 +458,22 @@ impl SequenceState {
         resume_at: usize,
         window: usize,
     ) -> Result<(), ModelError> {
-        if self.len != 0 {
-            return Err(sequence_error(format!(
-                "a prefix attaches to an empty sequence, this one holds {} tokens",
-                self.len
-            )));
-        }
         let ring_count = self.rings().len();
-        let mut end = 0;
-        for block in blocks {
-            if block.start != end
-                || block.entries.len() != self.layers.len()
-                || block.rings.len() != ring_count
-            {
-                return Err(sequence_error(format!(
+        let end = attached_end(
+            self.len,
+            blocks,
+            |kept| kept.entries.len() == self.layers.len() && kept.rings.len() == ring_count,
+            |block, end| {
+                sequence_error(format!(
                     "prefix block at {} ({} layers, {} rings) does not continue a prefix of \
                      {end} tokens of this model ({} layers, {ring_count} rings)",
-                    block.start,
-                    block.entries.len(),
-                    block.rings.len(),
+                    block.start(),
+                    block.kept.entries.len(),
+                    block.kept.rings.len(),
                     self.layers.len()
-                )));
-            }
-            end += block.len;
-        }
+                ))
+            },
+        )?;
         if resume_at != end {
             return Err(sequence_error(format!(
                 "a V4 hit resumes at the end of its blocks ({end}), not at {resume_at}"
@@ -493,12 +482,12 @@ impl SequenceState {
         for block in blocks {
             for (l, layer) in self.layers.iter().enumerate() {
                 let caches = [&layer.main, &layer.index].into_iter().flatten().count();
-                if block.entries[l].len() != caches {
+                if block.kept.entries[l].len() != caches {
                     return Err(sequence_error(format!(
                         "prefix block at {} keeps {} compressors of layer {l}, the model has \
                          {caches}",
-                        block.start,
-                        block.entries[l].len()
+                        block.start(),
+                        block.kept.entries[l].len()
                     )));
                 }
             }
@@ -515,7 +504,7 @@ impl SequenceState {
                          {from}..{to} the next token reads"
                     ))
                 };
-                let row = blocks.iter().find_map(|b| b.rings[r].get(p));
+                let row = blocks.iter().find_map(|b| b.kept.rings[r].get(p));
                 rebuilt.push(row.ok_or_else(lacking)?.clone());
             }
             rings.push(rebuilt);
@@ -529,7 +518,7 @@ impl SequenceState {
                 cache.entries = KeyList::from(
                     blocks
                         .iter()
-                        .flat_map(|block| block.entries[l][c].iter().cloned())
+                        .flat_map(|block| block.kept.entries[l][c].iter().cloned())
                         .collect::<Vec<Tensor>>(),
                 );
                 // The attached entries stay where the prefix cache keeps them (shared with it).

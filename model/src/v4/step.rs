@@ -78,7 +78,7 @@ impl Model {
             .map_or(&[][..], |d| &d.target_layers[..]);
         // The mean streams entering each target layer `[n, dim]`, in the config's target order.
         let mut taps: Vec<Tensor> = vec![Tensor::empty(); targets.len()];
-        for (l, layer) in self.weights.layers.iter().enumerate() {
+        for (l, layer) in self.weights.backbone.layers.iter().enumerate() {
             for (tap, _) in taps.iter_mut().zip(targets).filter(|(_, t)| **t == l) {
                 *tap = ctx
                     .backend

@@ -14,7 +14,7 @@ use crate::backend::{AttentionQueries, DenseWeight, Precision, QueryKeys, Tensor
 use crate::config::DsparkConfig;
 use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
-use crate::layers::markov::{DraftProposal, MarkovHeads, decode_blocks};
+use crate::layers::markov::{DraftProposal, decode_blocks};
 use crate::layers::mhc;
 use crate::layers::step::{EmbeddedRow, embedded_streams};
 
@@ -136,12 +136,7 @@ pub(crate) fn propose_many(
             inp: dim,
         },
     );
-    let heads = MarkovHeads {
-        markov_embed: &w.markov_embed,
-        markov_head: &w.markov_head,
-        confidence: &w.confidence,
-        rank: cfg.markov_rank,
-    };
+    let heads = w.heads(cfg.markov_rank);
     let anchors: Vec<u32> = requests.iter().map(|request| request.anchor).collect();
     decode_blocks(ctx, &heads, &anchors, size, &hidden, &base)
 }

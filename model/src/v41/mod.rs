@@ -24,16 +24,15 @@ pub use state::{MAX_BACKTRACK, PrefixBlock, SequenceState};
 pub use step::{LogitsRow, StepEntry, StepExtras, StepOptions};
 pub use trace::{ForwardTrace, Injection};
 
-use crate::backend::weights::{ExpertLinear, ExpertWeights};
 use crate::backend::{Backend, CpuBackend, MoeLayer, Tensor};
 use crate::checkpoint::{Checkpoint, ExpertFilter};
 use crate::config::ModelConfig;
 use crate::engram::{CompressedVocab, Engram};
 use crate::error::ModelError;
-use crate::layers::expert_hook::BackboneMoe;
+use crate::layers::expert_hook::{Backbone, BackboneMoe};
 use crate::layers::loaded::Loaded;
 use state::{CompressorState, LayerState};
-use weights::{BlockWeights, DsparkWeights};
+use weights::DsparkWeights;
 
 /// A loaded V4.1 model (text backbone + DSpark heads) on a backend.
 pub type Model = Loaded<ModelWeights>;
@@ -46,34 +45,17 @@ pub struct ModelWeights {
     /// `[vocab, dim]` bf16 values, used in fp32.
     head: Arc<Vec<f32>>,
     norm: Arc<Vec<f32>>,
-    layers: Arc<Vec<BlockWeights>>,
+    backbone: Backbone<weights::AttentionWeights>,
     engram: Option<Arc<Engram>>,
     dspark: Option<Arc<DsparkWeights>>,
     vision: Option<Arc<vision::VisionTower>>,
-    /// The checkpoint of a model loaded with an `ExpertFilter` that left experts out, kept open
-    /// (mapped, nothing resident until read) so that they can be read when asked for
-    /// (`ExpertHost::copy_routed_experts`), even once its files are unlinked.
-    pub(crate) checkpoint: Option<Arc<Checkpoint>>,
 }
 
 impl BackboneMoe for ModelWeights {
     type Attention = weights::AttentionWeights;
 
-    fn backbone(&self) -> &[BlockWeights] {
-        &self.layers
-    }
-
-    fn expert_checkpoint(&self) -> Option<&Checkpoint> {
-        self.checkpoint.as_deref()
-    }
-
-    fn read_routed_expert(
-        ckpt: &Checkpoint,
-        cfg: &ModelConfig,
-        layer: usize,
-        expert: usize,
-    ) -> Result<ExpertWeights<ExpertLinear>, ModelError> {
-        weights::routed_expert(ckpt, &format!("layers.{layer}."), cfg, expert)
+    fn backbone(&self) -> &Backbone<Self::Attention> {
+        &self.backbone
     }
 
     fn idle_moe(backend: &dyn Backend, layer: &MoeLayer<'_>) {
@@ -147,13 +129,11 @@ impl Model {
             embed: Arc::new(ckpt.bf16("embed.weight", &[vocab_size, dim])?),
             head: Arc::new(ckpt.bf16("head.weight", &[vocab_size, dim])?),
             norm: Arc::new(ckpt.bf16("norm.weight", &[dim])?),
-            layers: Arc::new(layers),
+            backbone: Backbone::new(layers, ckpt, experts, |ckpt, cfg, layer, expert| {
+                weights::routed_expert(ckpt, &format!("layers.{layer}."), cfg, expert)
+            })?,
             engram,
             dspark: weights::load_dspark(ckpt, &cfg)?.map(Arc::new),
-            checkpoint: match experts.is_all() {
-                true => None,
-                false => Some(Arc::new(Checkpoint::open(ckpt.dir())?)),
-            },
             vision: vision::VisionTower::load(ckpt, &cfg)?.map(Arc::new),
         };
         Ok(Loaded::new(cfg, backend, weights))
@@ -164,7 +144,7 @@ impl Model {
         let layers = (0..self.cfg.n_layers)
             .map(|l| LayerState {
                 window: Default::default(),
-                compressor: self.weights.layers[l]
+                compressor: self.weights.backbone.layers[l]
                     .attn
                     .compressor
                     .as_ref()

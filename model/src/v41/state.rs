@@ -6,6 +6,7 @@
 use crate::backend::{Backend, KeyList, Pinned, PositionRing, Tensor};
 use crate::engram::EngramHistory;
 use crate::error::ModelError;
+use crate::layers::prefix::{attached_end, processed_block_end};
 pub use crate::layers::ring::MAX_BACKTRACK;
 use crate::layers::ring::{PACK_ENTRIES, pack_rows, past_end, tensor_bytes, too_far};
 
@@ -229,10 +230,11 @@ impl SequenceState {
 /// and the Engram history entries of its positions (token-derived). The window, compressor-tail
 /// and DSpark rings are not kept: a hit rebuilds them by replaying a bounded suffix
 /// ([`SequenceState::attach_prefix`]).
+pub type PrefixBlock = crate::layers::prefix::PrefixBlock<BlockCaches>;
+
+/// What a V4.1 [`PrefixBlock`] keeps.
 #[derive(Debug, Clone)]
-pub struct PrefixBlock {
-    start: usize,
-    len: usize,
+pub struct BlockCaches {
     /// Per layer, for KV sources: the block's compressed entries and index keys.
     caches: Vec<Option<(Vec<Tensor>, Vec<Tensor>)>>,
     /// Empty for a model without Engram.
@@ -240,30 +242,16 @@ pub struct PrefixBlock {
 }
 
 impl PrefixBlock {
-    /// First position of the block.
-    pub fn start(&self) -> usize {
-        self.start
-    }
-
-    /// Positions in the block.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the block holds no position.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Bytes of the entries kept (f32 values and Engram entries).
     pub fn held_bytes(&self) -> u64 {
         let caches: u64 = self
+            .kept
             .caches
             .iter()
             .flatten()
             .map(|(compressed, keys)| tensor_bytes(compressed) + tensor_bytes(keys))
             .sum();
-        caches + (self.engram.len() * std::mem::size_of::<Option<u32>>()) as u64
+        caches + (self.kept.engram.len() * std::mem::size_of::<Option<u32>>()) as u64
     }
 }
 
@@ -276,15 +264,7 @@ impl SequenceState {
         len: usize,
         ratios: &[usize],
     ) -> Result<PrefixBlock, ModelError> {
-        let end = start + len;
-        if end > self.len {
-            return Err(ModelError::Sequence {
-                message: format!(
-                    "prefix block [{start}, {end}) reaches past the {} tokens processed",
-                    self.len
-                ),
-            });
-        }
+        let end = processed_block_end(start, len, self.len)?;
         let mut caches = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter().enumerate() {
             caches.push(match &layer.compressor {
@@ -314,12 +294,7 @@ impl SequenceState {
                 });
             }
         };
-        Ok(PrefixBlock {
-            start,
-            len,
-            caches,
-            engram,
-        })
+        Ok(PrefixBlock::new(start, len, BlockCaches { caches, engram }))
     }
 
     /// Attaches consecutive prefix `blocks` (from position 0) to an empty sequence and places it
@@ -334,30 +309,26 @@ impl SequenceState {
         ratios: &[usize],
     ) -> Result<(), ModelError> {
         let fail = |message: String| Err(ModelError::Sequence { message });
-        if self.len != 0 {
-            return fail(format!(
-                "a prefix attaches to an empty sequence, this one holds {} tokens",
-                self.len
-            ));
-        }
-        let mut end = 0;
-        for block in blocks {
-            if block.start != end || block.caches.len() != self.layers.len() {
-                return fail(format!(
-                    "prefix block at {} of {} layers does not continue a prefix of {end} tokens                      over {} layers",
-                    block.start,
-                    block.caches.len(),
+        let end = attached_end(
+            self.len,
+            blocks,
+            |kept| kept.caches.len() == self.layers.len(),
+            |block, end| ModelError::Sequence {
+                message: format!(
+                    "prefix block at {} of {} layers does not continue a prefix of {end} tokens \
+                     over {} layers",
+                    block.start(),
+                    block.kept.caches.len(),
                     self.layers.len()
-                ));
-            }
-            end += block.len;
-        }
+                ),
+            },
+        )?;
         if replay_from > end {
             return fail(format!(
                 "replay from {replay_from} lies past the attached prefix of {end} tokens"
             ));
         }
-        let engram_entries: usize = blocks.iter().map(|b| b.engram.len()).sum();
+        let engram_entries: usize = blocks.iter().map(|b| b.kept.engram.len()).sum();
         if engram_entries != 0 && engram_entries != end {
             return fail(format!(
                 "the prefix blocks hold {engram_entries} Engram entries for {end} positions"
@@ -376,10 +347,10 @@ impl SequenceState {
                 ..CompressorState::default()
             };
             for block in blocks {
-                let Some((compressed, keys)) = &block.caches[l] else {
+                let Some((compressed, keys)) = &block.kept.caches[l] else {
                     return fail(format!(
                         "prefix block at {} has no caches of layer {l}",
-                        block.start
+                        block.start()
                     ));
                 };
                 attached.compressed.extend(compressed.iter().cloned());
@@ -392,8 +363,8 @@ impl SequenceState {
         if engram_entries == end {
             let mut left = replay_from;
             for block in blocks {
-                let take = left.min(block.engram.len());
-                self.engram.extend(&block.engram[..take]);
+                let take = left.min(block.kept.engram.len());
+                self.engram.extend(&block.kept.engram[..take]);
                 left -= take;
             }
         }

@@ -215,7 +215,7 @@ impl Model {
         let mut taps: Vec<Tensor> = Vec::new();
         let mut shared = StepShared::default();
 
-        for (l, block_weights) in self.weights.layers.iter().enumerate() {
+        for (l, block_weights) in self.weights.backbone.layers.iter().enumerate() {
             if truncate_at == Some(l) {
                 // Decoder boundary: its compressor sees every token, everything else only the tail.
                 if let Some(weights) = &block_weights.attn.compressor {

@@ -41,20 +41,8 @@ pub type AttentionWeights =
 /// One block (backbone layer or DSpark stage).
 pub type BlockWeights = crate::layers::weights::BlockWeights<AttentionWeights>;
 
-/// The DSpark drafter's extra tensors (spec §3.10).
-#[derive(Debug, Clone)]
-pub struct DsparkWeights {
-    pub stages: Vec<BlockWeights>,
-    pub main_proj: Fp8Weight,
-    pub main_norm: Vec<f32>,
-    pub norm: Vec<f32>,
-    /// `[vocab, markov_rank]`.
-    pub markov_embed: Vec<f32>,
-    /// `[vocab, markov_rank]`.
-    pub markov_head: Vec<f32>,
-    /// `[dim + markov_rank]`.
-    pub confidence: Vec<f32>,
-}
+/// The DSpark drafter's extra tensors (spec §3.10); V4.1 has no learned collapse.
+pub type DsparkWeights = crate::layers::markov::DsparkWeights<BlockWeights, Fp8Weight, ()>;
 
 fn hc_params(
     ckpt: &Checkpoint,
@@ -236,6 +224,7 @@ pub fn load_dspark(
         main_proj: ckpt.fp8_weight("mtp.0.main_proj", dim, dim * dspark.target_layers.len())?,
         main_norm: ckpt.bf16("mtp.0.main_norm.weight", &[dim])?,
         norm: ckpt.bf16(&format!("{last}norm.weight"), &[dim])?,
+        hyper_head: (),
         markov_embed: ckpt.bf16(&format!("{last}markov_head.embed.weight"), &[vocab, rank])?,
         markov_head: ckpt.bf16(&format!("{last}markov_head.head.weight"), &[vocab, rank])?,
         confidence: ckpt.bf16(
