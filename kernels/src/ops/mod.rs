@@ -63,12 +63,31 @@ pub(crate) fn grid_stride_config(n: usize, threads: u32) -> LaunchConfig {
     launch_config((blocks, 1, 1), threads, 0)
 }
 
+/// The [`KernelError::Shape`] error of `op`: its arguments do not fit together, as `message` says.
+pub(crate) fn shape_error(op: &'static str, message: impl Into<String>) -> KernelError {
+    KernelError::Shape {
+        op,
+        message: message.into(),
+    }
+}
+
+/// `Ok` when `ok`, else the shape error of `op` with `message()` (built only on failure: the
+/// checks run on every launch).
+pub(crate) fn ensure<M: Into<String>>(
+    ok: bool,
+    op: &'static str,
+    message: impl FnOnce() -> M,
+) -> Result<(), KernelError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(shape_error(op, message()))
+    }
+}
+
 /// `value` as a u32 kernel dimension, or a shape error naming it.
 pub(crate) fn dim(op: &'static str, what: &str, value: usize) -> Result<u32, KernelError> {
-    u32::try_from(value).map_err(|_| KernelError::Shape {
-        op,
-        message: format!("{what} = {value} exceeds u32"),
-    })
+    u32::try_from(value).map_err(|_| shape_error(op, format!("{what} = {value} exceeds u32")))
 }
 
 /// Chains of the CPU reference's sgemm summation order for a dot product of `k` products
@@ -89,14 +108,9 @@ pub(crate) fn expect_len(
     found: usize,
     expected: usize,
 ) -> Result<(), KernelError> {
-    if found == expected {
-        Ok(())
-    } else {
-        Err(KernelError::Shape {
-            op,
-            message: format!("{what} has {found} elements, expected {expected}"),
-        })
-    }
+    ensure(found == expected, op, || {
+        format!("{what} has {found} elements, expected {expected}")
+    })
 }
 
 /// The field names, in order, of `struct name { ... };` in a CUDA header (for the layout tests of

@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{Rounding, dim, expect_len, launch_config};
+use super::{Rounding, dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::RmsNormParams;
@@ -56,18 +56,10 @@ fn launch_rms_norm<T: DeviceRepr>(
     eps: f32,
 ) -> Result<(), KernelError> {
     let op = kernel.symbol();
-    if cols == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: "cols = 0".to_string(),
-        });
-    }
-    if eps.is_nan() || eps < 0.0 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("eps = {eps} is not a non-negative number"),
-        });
-    }
+    ensure(cols != 0, op, || "cols = 0")?;
+    ensure(!eps.is_nan() && eps >= 0.0, op, || {
+        format!("eps = {eps} is not a non-negative number")
+    })?;
     expect_len(op, "x", x.len(), rows * cols)?;
     expect_len(op, "w", w.len(), cols)?;
     expect_len(op, "y", y.len(), rows * cols)?;
