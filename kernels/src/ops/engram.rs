@@ -9,7 +9,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, ensure, expect_len, launch_config};
+use super::{dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -116,14 +116,13 @@ pub fn engram_hash_rows(
     rows: &mut CudaSlice<u32>,
 ) -> Result<(), KernelError> {
     const OP: &str = "engram_hash_rows";
-    ensure(contexts.len().is_multiple_of(hasher.max_ngram), OP, || {
+    let tokens = whole_rows(OP, contexts.len(), hasher.max_ngram, || {
         format!(
             "{} context ids are not whole contexts of {}",
             contexts.len(),
             hasher.max_ngram
         )
     })?;
-    let tokens = contexts.len() / hasher.max_ngram;
     let total = tokens * hasher.layers * hasher.columns;
     expect_len(OP, "rows", rows.len(), total)?;
     if total == 0 {

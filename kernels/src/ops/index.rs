@@ -8,7 +8,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::key_table::KeyRows;
-use super::{Rounding, dim, ensure, expect_len, launch_config, shape_error};
+use super::{Rounding, dim, ensure, expect_len, launch_config, shape_error, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::IndexParams;
@@ -86,13 +86,12 @@ pub fn index_scores_f32(
 ) -> Result<(), KernelError> {
     let heads = w.len();
     check_heads(OP, heads, head_dim)?;
-    ensure(keys.len().is_multiple_of(head_dim), OP, || {
+    let n = whole_rows(OP, keys.len(), head_dim, || {
         format!(
             "keys hold {} values, not a whole number of {head_dim}-wide keys",
             keys.len()
         )
     })?;
-    let n = keys.len() / head_dim;
     expect_len(OP, "q", q.len(), heads * head_dim)?;
     expect_len(OP, "scores", scores.len(), n)?;
     if n == 0 {

@@ -9,7 +9,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{Rounding, dim, ensure, expect_len, launch_config, sgemm_chains};
+use super::{Rounding, dim, ensure, expect_len, launch_config, sgemm_chains, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{HcElementwiseParams, HcMixesParams};
@@ -191,10 +191,9 @@ pub fn hc_collapse_rows_f32(
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     const OP: &str = "hc_collapse_f32";
-    ensure(hc != 0 && w.len().is_multiple_of(hc), OP, || {
+    let tokens = whole_rows(OP, w.len(), hc, || {
         format!("w holds {} values, not whole tokens of hc = {hc}", w.len())
     })?;
-    let tokens = w.len() / hc;
     let width = y.len().checked_div(tokens).unwrap_or(0);
     let params = elementwise_params(OP, hc, width, tokens, rounding)?;
     expect_len(OP, "y", y.len(), tokens * width)?;
@@ -230,13 +229,12 @@ pub fn hc_expand_rows_f32(
 ) -> Result<(), KernelError> {
     const OP: &str = "hc_expand_f32";
     let mix_width = hc + hc * hc;
-    ensure(hc != 0 && mix.len().is_multiple_of(mix_width), OP, || {
+    let tokens = whole_rows(OP, mix.len(), mix_width, || {
         format!(
             "mix holds {} values, not whole tokens of {mix_width} (hc = {hc})",
             mix.len()
         )
     })?;
-    let tokens = mix.len() / mix_width;
     let width = y.len().checked_div(tokens).unwrap_or(0);
     let params = elementwise_params(OP, hc, width, tokens, rounding)?;
     expect_len(OP, "y", y.len(), tokens * width)?;

@@ -27,6 +27,7 @@ pub mod v4;
 use cudarc::driver::LaunchConfig;
 
 use crate::error::KernelError;
+use crate::id::KernelId;
 
 /// How an op on f32 storage rounds its outputs: to bf16 at the reference's rounding points
 /// (V4.1), or not at all (fp32, the float32 reference of V4).
@@ -40,6 +41,14 @@ impl Rounding {
     /// The kernels' `round_bf16` flag.
     pub(crate) fn flag(self) -> u32 {
         u32::from(self == Rounding::Bf16)
+    }
+
+    /// Of an op built once per rounding, the kernel of this one: `bf16` or `f32`.
+    pub(crate) fn kernel(self, bf16: KernelId, f32: KernelId) -> KernelId {
+        match self {
+            Rounding::Bf16 => bf16,
+            Rounding::F32 => f32,
+        }
     }
 }
 
@@ -83,6 +92,18 @@ pub(crate) fn ensure<M: Into<String>>(
     } else {
         Err(shape_error(op, message()))
     }
+}
+
+/// `len / width`, the number of `width`-wide rows in `len` values, or the shape error of `op`
+/// with `message()` unless `width` is positive and they are whole rows.
+pub(crate) fn whole_rows<M: Into<String>>(
+    op: &'static str,
+    len: usize,
+    width: usize,
+    message: impl FnOnce() -> M,
+) -> Result<usize, KernelError> {
+    ensure(width != 0 && len.is_multiple_of(width), op, message)?;
+    Ok(len / width)
 }
 
 /// `value` as a u32 kernel dimension, or a shape error naming it.

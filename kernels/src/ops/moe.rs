@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, ensure, expect_len, launch_config};
+use super::{dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -59,13 +59,12 @@ pub fn route_experts_f32(
     ensure(n_experts != 0 && n_experts <= MAX_EXPERTS, OP, || {
         format!("{n_experts} experts (1 to {MAX_EXPERTS})")
     })?;
-    ensure(logits.len().is_multiple_of(n_experts), OP, || {
+    let rows = whole_rows(OP, logits.len(), n_experts, || {
         format!(
             "logits hold {} values, not whole rows of {n_experts}",
             logits.len()
         )
     })?;
-    let rows = logits.len() / n_experts;
     // A forced list may repeat an expert (it is replayed as given), so it may outnumber them.
     let selected = selected_count(selection, n_experts);
     if let Selection::ForcedRows { ids, .. } = selection {

@@ -38,10 +38,7 @@ pub fn rms_norm_f32(
     eps: f32,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    let kernel = match rounding {
-        Rounding::Bf16 => KernelId::RmsNormF32,
-        Rounding::F32 => KernelId::RmsNormF32Exact,
-    };
+    let kernel = rounding.kernel(KernelId::RmsNormF32, KernelId::RmsNormF32Exact);
     launch_rms_norm(rt, kernel, x, w, y, rows, cols, eps)
 }
 

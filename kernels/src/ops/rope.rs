@@ -62,10 +62,10 @@ pub fn rope_interleaved_f32(
     inverse: bool,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    let kernel = match rounding {
-        Rounding::Bf16 => KernelId::RopeInterleavedF32,
-        Rounding::F32 => KernelId::RopeInterleavedF32Exact,
-    };
+    let kernel = rounding.kernel(
+        KernelId::RopeInterleavedF32,
+        KernelId::RopeInterleavedF32Exact,
+    );
     launch_rope(rt, kernel, x, positions, cos, sin, shape, inverse)
 }
 

@@ -15,10 +15,12 @@ use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
 use super::gemm_fast::{FastFp4Weight, FastTile};
 use super::quant::DeviceActFp8;
 use super::routed_fast::gemm_fp4_routed_fast_tiled;
-use super::{Rounding, dim as kernel_dim, ensure, expect_len, launch_config, shape_error};
+use super::{
+    Rounding, dim as kernel_dim, ensure, expect_len, launch_config, shape_error, whole_rows,
+};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, Launch};
 
 /// Rows of one expert per routed-GEMM tile (`routed::TILE_ROWS`).
 const TILE_ROWS: usize = 8;
@@ -471,13 +473,9 @@ pub fn gemm_routed_with(
         shared_bytes,
     );
     let mut launch = rt.launcher(kernel)?;
-    launch
-        .arg(&x.codes)
-        .arg(&x.scales)
-        .arg(&groups.order)
-        .arg(&groups.tiles)
-        .arg(&groups.tile_count)
-        .arg(&table.addresses)
+    launch.arg(&x.codes).arg(&x.scales);
+    groups
+        .push_args(&mut launch, &table.addresses)
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
@@ -527,6 +525,22 @@ pub(super) struct RowGroups {
     pub tiles: CudaSlice<u32>,
     pub tile_count: CudaSlice<u32>,
     pub max_tiles: usize,
+}
+
+impl RowGroups {
+    /// Pushes what every routed kernel takes after its activations: these rows' `order`,
+    /// `tiles` and `tile_count`, then the expert table's `addresses`.
+    pub(super) fn push_args<'a, 'l>(
+        &'a self,
+        launch: &'l mut Launch<'a>,
+        addresses: &'a CudaSlice<u64>,
+    ) -> &'l mut Launch<'a> {
+        launch
+            .arg(&self.order)
+            .arg(&self.tiles)
+            .arg(&self.tile_count)
+            .arg(addresses)
+    }
 }
 
 /// Groups the `experts.len()` rows by their expert id (see [`RowGroups`]).
@@ -677,22 +691,20 @@ pub fn moe_combine<T: ExpertRowValue>(
     out: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
     const OP: &str = "moe_combine";
-    ensure(dim != 0 && shared.len().is_multiple_of(dim), OP, || {
+    let rows = whole_rows(OP, shared.len(), dim, || {
         format!("shared has {} values, not rows of dim {dim}", shared.len())
     })?;
-    let rows = shared.len() / dim;
     expect_len(OP, "out", out.len(), rows * dim)?;
     if rows == 0 {
         expect_len(OP, "experts", experts.len(), 0)?;
         return expect_len(OP, "routed", routed.len(), 0);
     }
-    ensure(experts.len().is_multiple_of(rows), OP, || {
+    let k = whole_rows(OP, experts.len(), rows, || {
         format!(
             "experts has {} ids, not whole rows for {rows} tokens",
             experts.len()
         )
     })?;
-    let k = experts.len() / rows;
     ensure(k <= MAX_SLOTS, OP, || {
         format!("{k} experts per token (at most {MAX_SLOTS})")
     })?;

@@ -305,12 +305,9 @@ pub fn gemm_exact_routed(
             0,
         );
         let mut launch = rt.launcher(KernelId::GemmExactRoutedPartialsF32)?;
-        launch
-            .arg(&x_rows)
-            .arg(&groups.order)
-            .arg(&groups.tiles)
-            .arg(&groups.tile_count)
-            .arg(&table.addresses)
+        launch.arg(&x_rows);
+        groups
+            .push_args(&mut launch, &table.addresses)
             .arg(&mut partials)
             .arg(&params);
         // SAFETY: signature (const float* x, const u32* order, const u32* tiles, const u32*

@@ -67,13 +67,9 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
         FastKernels::Fp4Routed.launch_shared_bytes(tile, k),
     );
     let mut launch = rt.launcher(kernel)?;
-    launch
-        .arg(&x.codes)
-        .arg(&x.scales)
-        .arg(&groups.order)
-        .arg(&groups.tiles)
-        .arg(&groups.tile_count)
-        .arg(table.addresses())
+    launch.arg(&x.codes).arg(&x.scales);
+    groups
+        .push_args(&mut launch, table.addresses())
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,

@@ -14,7 +14,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
-use super::{Rounding, dim, ensure, expect_len, launch_config};
+use super::{Rounding, dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -257,7 +257,7 @@ pub fn engram_inject_f32(
         format!("kv rows of {kv_stride} values cannot hold {hc} keys and a value of {dim_} values")
     })?;
     let token_width = hc * dim_;
-    ensure(streams.len().is_multiple_of(token_width), OP, || {
+    let tokens = whole_rows(OP, streams.len(), token_width, || {
         format!(
             "streams ({} values) are not whole tokens of {hc} × {dim_}",
             streams.len()
@@ -269,7 +269,7 @@ pub fn engram_inject_f32(
         return Ok(());
     }
     let params = InjectParams {
-        tokens: dim(OP, "tokens", streams.len() / token_width)?,
+        tokens: dim(OP, "tokens", tokens)?,
         live: dim(OP, "live tokens", live.len())?,
         hc: dim(OP, "hc", hc)?,
         dim: dim(OP, "dim", dim_)?,
@@ -299,49 +299,28 @@ pub fn engram_inject_f32(
 
 #[cfg(test)]
 mod tests {
-    use super::super::cuda_struct_fields;
+    use super::super::assert_mirrors;
     use super::*;
 
     #[test]
     fn params_mirror_the_cuda_structs() {
         let header = include_str!("../../cuda/rows/rows.cuh");
-        let cases: [(&str, usize, &[&str]); 4] = [
-            (
-                "StreamMeansParams",
-                size_of::<StreamMeansParams>(),
-                &["tokens", "hc", "dim", "round_bf16"],
-            ),
-            (
-                "ScaleParams",
-                size_of::<ScaleParams>(),
-                &["n", "scale", "round_bf16"],
-            ),
-            (
-                "PoolParams",
-                size_of::<PoolParams>(),
-                &["groups", "ratio", "head_dim"],
-            ),
-            (
-                "InjectParams",
-                size_of::<InjectParams>(),
-                &[
-                    "tokens",
-                    "live",
-                    "hc",
-                    "dim",
-                    "kv_stride",
-                    "eps",
-                    "inv_sqrt_dim",
-                ],
-            ),
-        ];
-        for (name, size, fields) in cases {
-            assert_eq!(cuda_struct_fields(header, name), fields, "{name}");
-            // Every field is 4 or 8 bytes and the C layout has no padding but the tail.
-            assert!(size >= fields.len() * 4, "{name}: {size} bytes");
-        }
-        assert_eq!(size_of::<ScaleParams>(), 16);
-        assert_eq!(size_of::<InjectParams>(), 28);
+        assert_mirrors::<StreamMeansParams>(header, 16, &["tokens", "hc", "dim", "round_bf16"]);
+        assert_mirrors::<ScaleParams>(header, 16, &["n", "scale", "round_bf16"]);
+        assert_mirrors::<PoolParams>(header, 12, &["groups", "ratio", "head_dim"]);
+        assert_mirrors::<InjectParams>(
+            header,
+            28,
+            &[
+                "tokens",
+                "live",
+                "hc",
+                "dim",
+                "kv_stride",
+                "eps",
+                "inv_sqrt_dim",
+            ],
+        );
     }
 
     #[test]

@@ -274,19 +274,19 @@ mod tests {
     #[test]
     fn params_mirror_the_cuda_structs() {
         let header = include_str!("../../cuda/sampling/sampling.cuh");
-        assert_eq!(std::mem::size_of::<SampleRow>(), 32);
-        assert_eq!(std::mem::align_of::<SampleRow>(), 8);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "SampleRow"),
-            [
+        assert_mirrors::<SampleRow>(
+            header,
+            32,
+            &[
                 "seed",
                 "position",
                 "temperature",
                 "top_p",
                 "top_k",
-                "reserved"
-            ]
+                "reserved",
+            ],
         );
+        assert_eq!(std::mem::align_of::<SampleRow>(), 8);
         assert_mirrors::<SampleParams>(header, 12, &["rows", "vocab", "padded"]);
         assert_mirrors::<MaskParams>(header, 12, &["rows", "vocab", "words"]);
         assert!(header.contains(&format!("MASK_THREADS = {MASK_THREADS};")));

@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{dim, ensure, expect_len, grid_stride_config, launch_config};
+use super::{dim, ensure, expect_len, grid_stride_config, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -74,10 +74,9 @@ pub fn v4_hyper_head_f32(
         || format!("a {}-value projection for {hc} weights", proj.len()),
     )?;
     let width = proj.len() / hc;
-    ensure(x.len().is_multiple_of(width), OP, || {
+    let rows = whole_rows(OP, x.len(), width, || {
         format!("{} values are not whole rows of {width}", x.len())
     })?;
-    let rows = x.len() / width;
     expect_len(OP, "pre", pre.len(), rows * hc)?;
     if rows == 0 {
         return Ok(());
