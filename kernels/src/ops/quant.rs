@@ -205,11 +205,7 @@ pub fn quantize_act_fp8(
     cols: usize,
     group: ActGroup,
 ) -> Result<DeviceActFp8, KernelError> {
-    // SAFETY: act_quant_fp8 runs one warp per (row, group) over all rows * cols / group groups,
-    // each writing its group's codes and scale.
-    let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
-    quantize_act_fp8_into(rt, x, &mut out)?;
-    Ok(out)
+    quantize_new(rt, group.kernel(), x, rows, cols, group)
 }
 
 /// Allocating form of [`quantize_act_fp8_f32_into`].
@@ -220,9 +216,21 @@ pub fn quantize_act_fp8_f32(
     cols: usize,
     group: ActGroup,
 ) -> Result<DeviceActFp8, KernelError> {
+    quantize_new(rt, group.kernel_f32(), x, rows, cols, group)
+}
+
+/// `x` quantised by `kernel` (of `group`) into new buffers for `[rows, cols]`.
+fn quantize_new<T: DeviceRepr>(
+    rt: &KernelRuntime,
+    kernel: KernelId,
+    x: &CudaSlice<T>,
+    rows: usize,
+    cols: usize,
+    group: ActGroup,
+) -> Result<DeviceActFp8, KernelError> {
     // SAFETY: act_quant_fp8 runs one warp per (row, group) over all rows * cols / group groups,
     // each writing its group's codes and scale.
     let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
-    quantize_act_fp8_f32_into(rt, x, &mut out)?;
+    launch_act_quant(rt, kernel, x, &mut out)?;
     Ok(out)
 }
