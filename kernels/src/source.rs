@@ -4,8 +4,12 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 20] = [
+pub const HEADERS: [(&str, &str); 21] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
+    (
+        "common/key_rows.cuh",
+        include_str!("../cuda/common/key_rows.cuh"),
+    ),
     (
         "common/numerics.cuh",
         include_str!("../cuda/common/numerics.cuh"),

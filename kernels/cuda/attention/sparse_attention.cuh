@@ -19,6 +19,7 @@
 // max). Every reduction keeps the one fixed order of the reference that depends only on this
 // (head, query)'s data: bit-identical to the CPU and batch invariant by construction.
 #pragma once
+#include "common/key_rows.cuh"
 #include "common/reference_math.cuh"
 
 namespace attention {
@@ -40,20 +41,8 @@ struct ListedRows {
     __device__ u32_t operator()(u32_t j) const { return rows[j]; }
 };
 
-// Row r is at keys + r * head_dim of one buffer [rows, head_dim].
-struct FlatKeys {
-    const float* keys;
-    u32_t head_dim;
-    __device__ const float* operator()(u32_t row) const { return keys + (size_t)row * head_dim; }
-};
-
-// Row r is at the device address ptrs[r] (head_dim floats there; checked by the launcher's table).
-struct KeyPointers {
-    const unsigned long long* ptrs;
-    __device__ const float* operator()(u32_t row) const {
-        return reinterpret_cast<const float*>(ptrs[row]);
-    }
-};
+using keyrows::FlatKeys;
+using keyrows::KeyPointers;
 
 // Head blockIdx.x of one query: q and out point at the query's [heads, head_dim]; n_keys keys,
 // key j at the address key_at(key_row(j)).

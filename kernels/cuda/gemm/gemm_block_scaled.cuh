@@ -285,7 +285,7 @@ struct DenseRows {
 // One block's tile: the rows of `tile` (at most BM) and the output columns of column block
 // `col_block`. a: E4M3 codes with rows of p.k; sa: f32 power-of-two scales with rows of p.k / G;
 // w, ws: per Weights; y: bf16 with rows of p.n. Requires k % G == 0, G % 32 == 0, 16-byte
-// aligned rows (k % 32 == 0). gemm_block_scaled below takes dense rows from the block's grid
+// aligned rows (k % 32 == 0). gemm_dense below takes dense rows from the block's grid
 // position.
 template <class Weights, int G, int BM, class Rows>
 __device__ void gemm_block_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
@@ -380,16 +380,6 @@ __device__ void gemm_block_tile(const u8_t* __restrict__ a, const float* __restr
     if (summer) y[tile.y_row(sum_row) * p.n + sum_n] = __float2bfloat16_rn(acc);
 }
 
-// The tile of this block's grid position: rows from blockIdx.x * BM (< p.m by the grid), column
-// block blockIdx.y.
-template <class Weights, int G, int BM>
-__device__ void gemm_block_scaled(const u8_t* __restrict__ a, const float* __restrict__ sa,
-                                  const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
-                                  __nv_bfloat16* __restrict__ y, GemmParams p) {
-    const u32_t m0 = blockIdx.x * BM;
-    gemm_block_tile<Weights, G, BM>(a, sa, w, ws, y, p, DenseRows{m0, p.m - m0}, blockIdx.y);
-}
-
 // The column-per-warp path, for few rows (decode): warp w of the block computes output column
 // col_block * WARPS + w for every row of `tile` (at most BM) over the whole K range. Lane l reads
 // the 16 elements k0 + 16 l .. + 16 of each 512-element step k0 (one coalesced 512-byte FP8 or
@@ -459,14 +449,28 @@ __device__ void gemm_warp_tile(const u8_t* __restrict__ a, const float* __restri
     if (lane < rows) y[tile.y_row(lane) * p.n + n] = __float2bfloat16_rn(acc);
 }
 
-// The column-per-warp tile of this block's grid position: rows from blockIdx.x * BM, columns
-// blockIdx.y * WARPS ..
-template <class Weights, int G, int BM>
-__device__ void gemm_warp_scaled(const u8_t* __restrict__ a, const float* __restrict__ sa,
-                                 const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
-                                 __nv_bfloat16* __restrict__ y, GemmParams p) {
+// The tile of this block's grid position: rows from blockIdx.x * BM (< p.m by the grid), column
+// block blockIdx.y. COLUMN_PER_WARP: gemm_warp_tile (columns blockIdx.y * WARPS ..), else
+// gemm_block_tile; the same sums in the same order.
+template <class Weights, int G, int BM, bool COLUMN_PER_WARP>
+__device__ void gemm_dense(const u8_t* __restrict__ a, const float* __restrict__ sa,
+                           const u8_t* __restrict__ w, const u8_t* __restrict__ ws,
+                           __nv_bfloat16* __restrict__ y, GemmParams p) {
     const u32_t m0 = blockIdx.x * BM;
-    gemm_warp_tile<Weights, G, BM>(a, sa, w, ws, y, p, DenseRows{m0, p.m - m0}, blockIdx.y);
+    if constexpr (COLUMN_PER_WARP) {
+        gemm_warp_tile<Weights, G, BM>(a, sa, w, ws, y, p, DenseRows{m0, p.m - m0}, blockIdx.y);
+    } else {
+        gemm_block_tile<Weights, G, BM>(a, sa, w, ws, y, p, DenseRows{m0, p.m - m0}, blockIdx.y);
+    }
 }
 
 }  // namespace gemm
+
+// A dense GEMM kernel of gemm_fp8.cu / gemm_fp4.cu: NAME(a, sa, w, ws, y, p) runs gemm_dense
+// with 8 rows per block, at least MIN_BLOCKS blocks per SM.
+#define GEMM_DENSE(NAME, WEIGHTS, G, COLUMN_PER_WARP, MIN_BLOCKS)                                    \
+    extern "C" __global__ void __launch_bounds__(gemm::WARPS * 32, MIN_BLOCKS)                       \
+        NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, __nv_bfloat16* y,      \
+             GemmParams p) {                                                                          \
+        gemm::gemm_dense<WEIGHTS, G, 8, COLUMN_PER_WARP>(a, sa, w, ws, y, p);                       \
+    }

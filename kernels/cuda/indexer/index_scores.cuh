@@ -16,26 +16,15 @@
 // [rows, head_dim]; KeyPointers: the r-th address of a device pointer table); the arithmetic is
 // the same for both.
 #pragma once
+#include "common/key_rows.cuh"
 #include "common/reference_math.cuh"
 
 namespace indexer {
 
 constexpr int THREADS = 128;
 
-// Row r is at keys + r * head_dim of one buffer [rows, head_dim].
-struct FlatKeys {
-    const float* keys;
-    u32_t head_dim;
-    __device__ const float* operator()(u32_t row) const { return keys + (size_t)row * head_dim; }
-};
-
-// Row r is at the device address ptrs[r] (head_dim floats there; checked by the launcher's table).
-struct KeyPointers {
-    const unsigned long long* ptrs;
-    __device__ const float* operator()(u32_t row) const {
-        return reinterpret_cast<const float*>(ptrs[row]);
-    }
-};
+using keyrows::FlatKeys;
+using keyrows::KeyPointers;
 
 // The padded stride of a staged head row: the smallest odd count >= head_dim.
 __device__ __forceinline__ u32_t head_stride(u32_t head_dim) { return head_dim | 1u; }

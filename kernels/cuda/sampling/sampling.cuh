@@ -63,6 +63,15 @@ __device__ __forceinline__ double power_of_two(long long e) {
 constexpr double LN2_HEAD = 0x1.62e42feep-1;
 constexpr double LN2_TAIL = 0x1.a39ef35793c76p-33;
 
+// Horner's rule from `lead`: acc = fma(acc, x, c[i]) for i = 0 .. N - 1, in order.
+template <int N>
+__device__ __forceinline__ double horner(double lead, double x, const double (&c)[N]) {
+    double acc = lead;
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc = __fma_rn(acc, x, c[i]);
+    return acc;
+}
+
 // sampling::ln_f64.
 __device__ double ln_f64(double x) {
     if (isnan(x) || x < 0.0) return __longlong_as_double(0x7ff8000000000000ll);
@@ -88,9 +97,7 @@ __device__ double ln_f64(double x) {
         0x1.642c8590b2164p-5, 0x1.8618618618618p-5, 0x1.af286bca1af28p-5, 0x1.e1e1e1e1e1e1ep-5,
         0x1.1111111111111p-4, 0x1.3b13b13b13b14p-4, 0x1.745d1745d1746p-4, 0x1.c71c71c71c71cp-4,
         0x1.2492492492492p-3, 0x1.999999999999ap-3, 0x1.5555555555555p-2};
-    double series = 0x1.47ae147ae147bp-5;
-#pragma unroll
-    for (int i = 0; i < 11; ++i) series = __fma_rn(series, s2, series_terms[i]);
+    const double series = horner(0x1.47ae147ae147bp-5, s2, series_terms);
     const double two_s = __dmul_rn(2.0, s);
     const double ln_m = __fma_rn(two_s, __dmul_rn(s2, series), two_s);
     return __fma_rn(ed, LN2_HEAD, __fma_rn(ed, LN2_TAIL, ln_m));
@@ -108,9 +115,7 @@ __device__ double exp_f64(double x) {
         0x1.1eed8eff8d898p-29, 0x1.ae64567f544e4p-26, 0x1.27e4fb7789f5cp-22, 0x1.71de3a556c734p-19,
         0x1.a01a01a01a01ap-16, 0x1.a01a01a01a01ap-13, 0x1.6c16c16c16c17p-10, 0x1.1111111111111p-7,
         0x1.5555555555555p-5, 0x1.5555555555555p-3, 0x1.0000000000000p-1};
-    double poly = 0x1.6124613a86d09p-33;
-#pragma unroll
-    for (int i = 0; i < 11; ++i) poly = __fma_rn(poly, r, terms[i]);
+    const double poly = horner(0x1.6124613a86d09p-33, r, terms);
     const double mantissa = __dadd_rn(__fma_rn(__dmul_rn(r, r), poly, r), 1.0);
     const long long ki = (long long)k;
     const long long half = ki >> 1;
@@ -148,6 +153,30 @@ __device__ u32_t block_best(double value, u32_t token, double* values, u32_t* to
     const u32_t winner = tokens[0];
     __syncthreads();
     return winner;
+}
+
+// A thread's best candidate so far: `none()` (NaN, an id past every token) until one is offered.
+struct BestToken {
+    double value;
+    u32_t token;
+    __device__ __forceinline__ static BestToken none() {
+        return {__longlong_as_double(0x7ff8000000000000ll), 0xffffffffu};
+    }
+    // Takes candidate (v, t) when it beats the best so far.
+    __device__ __forceinline__ void offer(double v, u32_t t) {
+        if (beats(v, t, value, token)) {
+            value = v;
+            token = t;
+        }
+    }
+};
+
+// The block's best token t < vocab by score(t); every thread gets it.
+template <class Score>
+__device__ __forceinline__ u32_t best_token_of(Score score, u32_t vocab, double* values, u32_t* tokens) {
+    BestToken best = BestToken::none();
+    for (u32_t t = threadIdx.x; t < vocab; t += THREADS) best.offer(score(t), t);
+    return block_best(best.value, best.token, values, tokens);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -540,45 +569,29 @@ __device__ void sample_rows(const float* __restrict__ logits, const SampleRow* _
     if (row >= p.rows) return;
     const SampleRow r = rows[row];
     const float* l = logits + (size_t)row * p.vocab;
-    const double nan = __longlong_as_double(0x7ff8000000000000ll);
     const u32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
 
     if (r.temperature == 0.0f) {
-        double best = nan;
-        u32_t best_token = 0xffffffffu;
-        for (u32_t t = threadIdx.x; t < p.vocab; t += THREADS) {
-            const double v = (double)l[t];
-            if (beats(v, t, best, best_token)) {
-                best = v;
-                best_token = t;
-            }
-        }
-        const u32_t winner = block_best(best, best_token, values, ids);
+        const u32_t winner = best_token_of([&](u32_t t) { return (double)l[t]; }, p.vocab, values, ids);
         if (threadIdx.x == 0) tokens[row] = winner;
         return;
     }
 
     const double inv_t = __ddiv_rn(1.0, (double)r.temperature);
+    // Token t's sampling score: its logit over the temperature plus its Gumbel noise.
+    const auto noisy_score = [&](u32_t t) {
+        return __dadd_rn(__dmul_rn((double)l[t], inv_t), gumbel(r.seed, r.position, t));
+    };
     const bool restrict_k = r.top_k > 0u && r.top_k < p.vocab;
     const bool restrict_p = r.top_p < 1.0f;
     if (!restrict_k && !restrict_p) {
         // Every token is a candidate, considered by the CPU from id 0 up: a NaN score of token 0
         // stays best (nothing compares above it); later NaN scores never win.
-        const double first_score = __dadd_rn(__dmul_rn((double)l[0], inv_t), gumbel(r.seed, r.position, 0u));
-        if (isnan(first_score)) {
+        if (isnan(noisy_score(0u))) {
             if (threadIdx.x == 0) tokens[row] = 0u;
             return;
         }
-        double best = nan;
-        u32_t best_token = 0xffffffffu;
-        for (u32_t t = threadIdx.x; t < p.vocab; t += THREADS) {
-            const double score = __dadd_rn(__dmul_rn((double)l[t], inv_t), gumbel(r.seed, r.position, t));
-            if (beats(score, t, best, best_token)) {
-                best = score;
-                best_token = t;
-            }
-        }
-        const u32_t winner = block_best(best, best_token, values, ids);
+        const u32_t winner = best_token_of(noisy_score, p.vocab, values, ids);
         if (threadIdx.x == 0) tokens[row] = winner;
         return;
     }
@@ -653,16 +666,11 @@ __device__ void sample_rows(const float* __restrict__ logits, const SampleRow* _
         return;
     }
 
-    double best = nan;
-    u32_t best_token = 0xffffffffu;
+    BestToken best = BestToken::none();
     if (all_equal_kept) {
         for (u32_t t = threadIdx.x; t < p.vocab; t += THREADS) {
             if (descending_key(l[t]) > cut) continue;
-            const double score = __dadd_rn(__dmul_rn((double)l[t], inv_t), gumbel(r.seed, r.position, t));
-            if (beats(score, t, best, best_token)) {
-                best = score;
-                best_token = t;
-            }
+            best.offer(noisy_score(t), t);
         }
     } else {
         // Ties at the cut-off: a token equal to it is kept when fewer than `equal_kept` equal
@@ -678,13 +686,7 @@ __device__ void sample_rows(const float* __restrict__ logits, const SampleRow* _
             __syncthreads();
             u32_t before = row_shared.equal_before + (u32_t)__popc(ballot & lanes_below);
             for (u32_t w = 0; w < warp; ++w) before += row_shared.warp_counts[w];
-            if (valid && (key < cut || (equal && before < equal_kept))) {
-                const double score = __dadd_rn(__dmul_rn((double)l[t], inv_t), gumbel(r.seed, r.position, t));
-                if (beats(score, t, best, best_token)) {
-                    best = score;
-                    best_token = t;
-                }
-            }
+            if (valid && (key < cut || (equal && before < equal_kept))) best.offer(noisy_score(t), t);
             __syncthreads();
             if (threadIdx.x == 0) {
                 u32_t tile_equal = 0;
@@ -694,7 +696,7 @@ __device__ void sample_rows(const float* __restrict__ logits, const SampleRow* _
             __syncthreads();
         }
     }
-    const u32_t winner = block_best(best, best_token, values, ids);
+    const u32_t winner = block_best(best.value, best.token, values, ids);
     if (threadIdx.x == 0) tokens[row] = winner;
 }
 

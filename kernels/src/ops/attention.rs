@@ -10,7 +10,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
 use super::key_table::{DeviceKeyTable, KeyRows};
-use super::{Rounding, dim, expect_len, launch_config};
+use super::{Rounding, dim, ensure, expect_len, launch_config, shape_error};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::AttentionParams;
@@ -37,14 +37,15 @@ pub const MAX_QUERIES_PER_LAUNCH: usize = 65_535;
 
 /// The shape checks both launchers share: `heads` from the sink, `head_dim` in range.
 fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), KernelError> {
-    if head_dim == 0 || head_dim > MAX_HEAD_DIM || heads == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!(
+    ensure(
+        head_dim != 0 && head_dim <= MAX_HEAD_DIM && heads != 0,
+        op,
+        || {
+            format!(
                 "head_dim = {head_dim} must be in 1..={MAX_HEAD_DIM} and heads = {heads} positive"
-            ),
-        });
-    }
+            )
+        },
+    )?;
     Ok(())
 }
 
@@ -109,15 +110,16 @@ impl DeviceKeyLists {
         key_buffer_rows: usize,
     ) -> Result<DeviceKeyLists, KernelError> {
         const UPLOAD: &str = "DeviceKeyLists::upload";
-        if lists.is_empty() || lists.len() > MAX_QUERIES_PER_LAUNCH {
-            return Err(KernelError::Shape {
-                op: UPLOAD,
-                message: format!(
+        ensure(
+            !lists.is_empty() && lists.len() <= MAX_QUERIES_PER_LAUNCH,
+            UPLOAD,
+            || {
+                format!(
                     "{} queries (must be 1..={MAX_QUERIES_PER_LAUNCH})",
                     lists.len()
-                ),
-            });
-        }
+                )
+            },
+        )?;
         let total: usize = lists.iter().map(|l| l.as_ref().len()).sum();
         dim(UPLOAD, "listed keys", total)?;
         let mut row_starts = Vec::with_capacity(lists.len() + 1);
@@ -129,12 +131,12 @@ impl DeviceKeyLists {
                 .iter()
                 .find(|&&r| r as usize >= key_buffer_rows)
             {
-                return Err(KernelError::Shape {
-                    op: UPLOAD,
-                    message: format!(
+                return Err(shape_error(
+                    UPLOAD,
+                    format!(
                         "query {query} lists key row {bad}, beyond the {key_buffer_rows} rows of the key buffer"
                     ),
-                });
+                ));
             }
             key_rows.extend_from_slice(list.as_ref());
             // `total` fits u32 (checked above), so every prefix does.
@@ -181,18 +183,16 @@ impl DeviceKeyLists {
     ) -> Result<DeviceKeyLists, KernelError> {
         const OP: &str = "DeviceKeyLists::compose";
         let queries = row_starts.len().saturating_sub(1);
-        if queries == 0 || queries > MAX_QUERIES_PER_LAUNCH {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("{queries} queries (must be 1..={MAX_QUERIES_PER_LAUNCH})"),
-            });
-        }
-        if row_starts[0] != 0 || row_starts.windows(2).any(|w| w[1] < w[0]) {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: "list offsets that do not start at 0 and grow".to_string(),
-            });
-        }
+        ensure(
+            queries != 0 && queries <= MAX_QUERIES_PER_LAUNCH,
+            OP,
+            || format!("{queries} queries (must be 1..={MAX_QUERIES_PER_LAUNCH})"),
+        )?;
+        ensure(
+            row_starts[0] == 0 && !row_starts.windows(2).any(|w| w[1] < w[0]),
+            OP,
+            || "list offsets that do not start at 0 and grow",
+        )?;
         let total = row_starts[queries] as usize;
         let mut covered = 0usize;
         for (i, segment) in segments.iter().enumerate() {
@@ -206,24 +206,22 @@ impl DeviceKeyLists {
             } else {
                 first + usize::from(count > 0)
             };
-            if dst != covered || dst + count > total || last_row > key_buffer_rows {
-                return Err(KernelError::Shape {
-                    op: OP,
-                    message: format!(
+            ensure(
+                dst == covered && dst + count <= total && last_row <= key_buffer_rows,
+                OP,
+                || {
+                    format!(
                         "segment {i}: {count} rows from table row {first} at position {dst} do \
                          not follow position {covered} inside {total} listed rows of a \
                          {key_buffer_rows}-row table"
-                    ),
-                });
-            }
+                    )
+                },
+            )?;
             covered += count;
         }
-        if covered != total {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("the segments cover {covered} of {total} listed positions"),
-            });
-        }
+        ensure(covered == total, OP, || {
+            format!("the segments cover {covered} of {total} listed positions")
+        })?;
         let key_rows = if total == 0 {
             // One never-read row: a device buffer cannot be empty.
             rt.stream().alloc_zeros::<u32>(1)
@@ -426,16 +424,13 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     head_dim: usize,
     scale: f32,
 ) -> Result<(), KernelError> {
-    if !fast_attention_supports(head_dim, key_ptrs) {
-        return Err(KernelError::Shape {
-            op: FAST_OP,
-            message: format!(
-                "head_dim {head_dim} must be one of {FAST_HEAD_DIMS:?} and every key row 16-byte \
+    ensure(fast_attention_supports(head_dim, key_ptrs), FAST_OP, || {
+        format!(
+            "head_dim {head_dim} must be one of {FAST_HEAD_DIMS:?} and every key row 16-byte \
                  aligned (aligned: {})",
-                key_ptrs.rows_aligned_16()
-            ),
-        });
-    }
+            key_ptrs.rows_aligned_16()
+        )
+    })?;
     KeyRows::Table(key_ptrs).check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
     let params = rows_params(
         FAST_OP,
@@ -452,15 +447,12 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     let threads = dim(FAST_OP, "threads", head_dim / 2)?;
     let max_splits = lists.longest.div_ceil(FAST_SPLIT_KEYS).max(1);
     let grid_z = dim(FAST_OP, "splits", max_splits)?;
-    if grid_z > 65_535 {
-        return Err(KernelError::Shape {
-            op: FAST_OP,
-            message: format!(
-                "a list of {} keys needs {max_splits} splits of {FAST_SPLIT_KEYS} (at most 65535)",
-                lists.longest
-            ),
-        });
-    }
+    ensure(grid_z <= 65_535, FAST_OP, || {
+        format!(
+            "a list of {} keys needs {max_splits} splits of {FAST_SPLIT_KEYS} (at most 65535)",
+            lists.longest
+        )
+    })?;
     // Each launch's queries write their splits' results (acc and stats of every head) to scratch.
     let split_values = (heads * head_dim + 2 * heads) * max_splits;
     let per_launch = if max_splits == 1 {

@@ -9,7 +9,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len, launch_config};
+use super::{dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -64,35 +64,34 @@ impl DeviceEngramHasher {
         offsets: &[u64],
     ) -> Result<DeviceEngramHasher, KernelError> {
         const OP: &str = "DeviceEngramHasher::upload";
-        if max_ngram < 2 || multipliers.is_empty() || !multipliers.len().is_multiple_of(max_ngram) {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!(
+        ensure(
+            max_ngram >= 2
+                && !multipliers.is_empty()
+                && multipliers.len().is_multiple_of(max_ngram),
+            OP,
+            || {
+                format!(
                     "{} multipliers are not whole layers of max_ngram = {max_ngram} (>= 2)",
                     multipliers.len()
-                ),
-            });
-        }
+                )
+            },
+        )?;
         let layers = multipliers.len() / max_ngram;
         let columns = primes.len() / layers;
-        if columns == 0 || !columns.is_multiple_of(max_ngram - 1) {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!(
+        ensure(
+            columns != 0 && columns.is_multiple_of(max_ngram - 1),
+            OP,
+            || {
+                format!(
                     "{} primes over {layers} layers are not whole heads of {} n-gram sizes",
                     primes.len(),
                     max_ngram - 1
-                ),
-            });
-        }
+                )
+            },
+        )?;
         expect_len(OP, "primes", primes.len(), layers * columns)?;
         expect_len(OP, "offsets", offsets.len(), layers * columns)?;
-        if primes.contains(&0) {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: "a bucket modulus is 0".to_string(),
-            });
-        }
+        ensure(!primes.contains(&0), OP, || "a bucket modulus is 0")?;
         let upload = |values: &[u64]| {
             rt.htod(values).map_err(KernelError::driver(
                 "uploading the engram hashing parameters",
@@ -117,17 +116,13 @@ pub fn engram_hash_rows(
     rows: &mut CudaSlice<u32>,
 ) -> Result<(), KernelError> {
     const OP: &str = "engram_hash_rows";
-    if !contexts.len().is_multiple_of(hasher.max_ngram) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "{} context ids are not whole contexts of {}",
-                contexts.len(),
-                hasher.max_ngram
-            ),
-        });
-    }
-    let tokens = contexts.len() / hasher.max_ngram;
+    let tokens = whole_rows(OP, contexts.len(), hasher.max_ngram, || {
+        format!(
+            "{} context ids are not whole contexts of {}",
+            contexts.len(),
+            hasher.max_ngram
+        )
+    })?;
     let total = tokens * hasher.layers * hasher.columns;
     expect_len(OP, "rows", rows.len(), total)?;
     if total == 0 {
@@ -177,12 +172,11 @@ impl DeviceEngramTable {
         scales: &[u8],
     ) -> Result<DeviceEngramTable, KernelError> {
         const OP: &str = "DeviceEngramTable::upload";
-        if head_dim == 0 || !head_dim.is_multiple_of(SCALE_GROUP) {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("head_dim {head_dim} is not a positive multiple of {SCALE_GROUP}"),
-            });
-        }
+        ensure(
+            head_dim != 0 && head_dim.is_multiple_of(SCALE_GROUP),
+            OP,
+            || format!("head_dim {head_dim} is not a positive multiple of {SCALE_GROUP}"),
+        )?;
         expect_len(OP, "codes", codes.len(), rows * head_dim)?;
         expect_len(OP, "scales", scales.len(), rows * head_dim / SCALE_GROUP)?;
         let stream = rt.stream();

@@ -8,7 +8,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::quant::{ActGroup, DeviceActFp8};
-use super::{dim, expect_len, launch_config};
+use super::{dim, ensure, expect_len, launch_config, shape_error};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::GemmParams;
@@ -56,10 +56,10 @@ impl GemmSplit {
             GemmSplit::WarpsPerColumn(w @ (1 | 2 | 4 | 8)) => Ok(w),
             // Not a block-tiled split: the column-per-warp kernel ignores the field.
             GemmSplit::ColumnPerWarp => Ok(1),
-            GemmSplit::WarpsPerColumn(w) => Err(KernelError::Shape {
+            GemmSplit::WarpsPerColumn(w) => Err(shape_error(
                 op,
-                message: format!("{w} warps per column: must be 1, 2, 4 or 8"),
-            }),
+                format!("{w} warps per column: must be 1, 2, 4 or 8"),
+            )),
         }
     }
 }
@@ -111,12 +111,9 @@ pub(crate) fn check_fp8_weight(
     codes: &[u8],
     scales: &[u8],
 ) -> Result<(), KernelError> {
-    if tile != 32 && tile != 128 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("tile {tile} is neither 32 nor 128"),
-        });
-    }
+    ensure(tile == 32 || tile == 128, op, || {
+        format!("tile {tile} is neither 32 nor 128")
+    })?;
     check_k_groups(op, out, inp)?;
     expect_len(op, "codes", codes.len(), out * inp)?;
     expect_len(
@@ -130,12 +127,9 @@ pub(crate) fn check_fp8_weight(
 /// Checks a block-scaled weight's shape `[out, inp]`: both positive, `inp` whole 32-element
 /// k-groups.
 fn check_k_groups(op: &'static str, out: usize, inp: usize) -> Result<(), KernelError> {
-    if inp == 0 || !inp.is_multiple_of(32) || out == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("[{out}, {inp}]: inp must be a positive multiple of 32"),
-        });
-    }
+    ensure(inp != 0 && inp.is_multiple_of(32) && out != 0, op, || {
+        format!("[{out}, {inp}]: inp must be a positive multiple of 32")
+    })?;
     Ok(())
 }
 
@@ -210,13 +204,13 @@ pub fn gemm_fp8_split(
         (32, ActGroup::G32) => (KernelId::GemmFp8T32G32, KernelId::GemmFp8T32G32Warp),
         (128, ActGroup::G128) => (KernelId::GemmFp8T128G128, KernelId::GemmFp8T128G128Warp),
         (tile, group) => {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!(
+            return Err(shape_error(
+                OP,
+                format!(
                     "no kernel for {tile}x{tile} weight tiles with {}-element activation groups",
                     group.elements()
                 ),
-            });
+            ));
         }
     };
     let w_scale_cols = w.inp.div_ceil(w.tile);
@@ -317,12 +311,9 @@ fn launch_gemm(
     // Both kernels cover WARPS / warps_per_col columns per block (one warp per column in the
     // column-per-warp kernel, warps_per_col = 1).
     let col_blocks = params.n.div_ceil(WARPS / warps_per_col);
-    if col_blocks > 65_535 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("n = {n} needs {col_blocks} column blocks (> 65535)"),
-        });
-    }
+    ensure(col_blocks <= 65_535, op, || {
+        format!("n = {n} needs {col_blocks} column blocks (> 65535)")
+    })?;
     let cfg = launch_config(
         (params.m.div_ceil(ROWS_PER_BLOCK), col_blocks, 1),
         WARPS * 32,

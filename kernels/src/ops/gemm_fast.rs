@@ -24,7 +24,7 @@ use half::bf16;
 
 use super::gemm::{check_fp4_weight, check_fp8_weight};
 use super::quant::{ActGroup, DeviceActFp8};
-use super::{dim, launch_config};
+use super::{dim, ensure, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{FastGemmParams, FastReduceParams};
@@ -367,12 +367,9 @@ impl FastFp8Weight {
     ) -> Result<FastFp8Weight, KernelError> {
         const OP: &str = "FastFp8Weight::upload";
         check_fp8_weight(OP, out, inp, tile, codes, scales)?;
-        if !inp.is_multiple_of(tile) {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("[{out}, {inp}]: inp must be a multiple of the tile {tile}"),
-            });
-        }
+        ensure(inp.is_multiple_of(tile), OP, || {
+            format!("[{out}, {inp}]: inp must be a multiple of the tile {tile}")
+        })?;
         let groups = inp / tile;
         let bands = out.div_ceil(BAND);
         let mut band_scales = Vec::with_capacity(bands * groups);
@@ -513,17 +510,14 @@ pub fn gemm_fp8_fast_tiled<T: FastOutput>(
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast";
-    if a.group.elements() != w.tile {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "{}-element activation groups with {}x{} weight tiles (they must match)",
-                a.group.elements(),
-                w.tile,
-                w.tile
-            ),
-        });
-    }
+    ensure(a.group.elements() == w.tile, OP, || {
+        format!(
+            "{}-element activation groups with {}x{} weight tiles (they must match)",
+            a.group.elements(),
+            w.tile,
+            w.tile
+        )
+    })?;
     let kernel =
         DenseKernel::production(rt, FastKernels::Fp8(a.group), tile, a.rows, (w.out, w.inp))?;
     launch_dense(
@@ -568,16 +562,16 @@ pub fn gemm_fp8_fast_variant<T: FastOutput>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast_variant";
     let step = variant.shape.step as usize;
-    if variant.group != a.group
-        || a.group.elements() != w.tile
-        || step == 0
-        || !step.is_multiple_of(STEP_K)
-        || variant.span == 0
-        || !variant.span.is_multiple_of(step)
-    {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
+    ensure(
+        variant.group == a.group
+            && a.group.elements() == w.tile
+            && step != 0
+            && step.is_multiple_of(STEP_K)
+            && variant.span != 0
+            && variant.span.is_multiple_of(step),
+        OP,
+        || {
+            format!(
                 "{}: {}-element groups for {}-element activations and {}x{} tiles, span {} \
                  with {step} codes per stage (the groups must match, the span a multiple of \
                  the stage, the stage of 128)",
@@ -587,9 +581,9 @@ pub fn gemm_fp8_fast_variant<T: FastOutput>(
                 w.tile,
                 w.tile,
                 variant.span
-            ),
-        });
-    }
+            )
+        },
+    )?;
     let kernel = DenseKernel {
         name: &variant.name,
         function: &variant.function,
@@ -701,12 +695,9 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
         out_f32: T::OUT_F32,
     };
     let row_blocks = params.m.div_ceil(tokens);
-    if row_blocks > 65_535 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("m = {} needs {row_blocks} row blocks (> 65535)", a.rows),
-        });
-    }
+    ensure(row_blocks <= 65_535, op, || {
+        format!("m = {} needs {row_blocks} row blocks (> 65535)", a.rows)
+    })?;
     let cfg = launch_config(
         (params.n.div_ceil(16 * warps), row_blocks, params.parts),
         warps * 32,

@@ -8,7 +8,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::key_table::KeyRows;
-use super::{Rounding, dim, expect_len, launch_config};
+use super::{Rounding, dim, ensure, expect_len, launch_config, shape_error, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::IndexParams;
@@ -86,16 +86,12 @@ pub fn index_scores_f32(
 ) -> Result<(), KernelError> {
     let heads = w.len();
     check_heads(OP, heads, head_dim)?;
-    if !keys.len().is_multiple_of(head_dim) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "keys hold {} values, not a whole number of {head_dim}-wide keys",
-                keys.len()
-            ),
-        });
-    }
-    let n = keys.len() / head_dim;
+    let n = whole_rows(OP, keys.len(), head_dim, || {
+        format!(
+            "keys hold {} values, not a whole number of {head_dim}-wide keys",
+            keys.len()
+        )
+    })?;
     expect_len(OP, "q", q.len(), heads * head_dim)?;
     expect_len(OP, "scores", scores.len(), n)?;
     if n == 0 {
@@ -117,23 +113,21 @@ pub fn index_scores_f32(
 
 /// `head_dim` and `heads` positive, `heads` within the kernel's shared memory.
 fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), KernelError> {
-    if head_dim == 0 || heads == 0 || heads > MAX_HEADS {
-        return Err(KernelError::Shape {
-            op,
-            message: format!(
+    ensure(
+        head_dim != 0 && heads != 0 && heads <= MAX_HEADS,
+        op,
+        || {
+            format!(
                 "head_dim = {head_dim} and heads = {heads} must be positive (heads <= {MAX_HEADS})"
-            ),
-        });
-    }
+            )
+        },
+    )?;
     let shared = IndexTile::of(heads, head_dim).shared_bytes(head_dim);
-    if shared > SHARED_LIMIT {
-        return Err(KernelError::Shape {
-            op,
-            message: format!(
-                "head_dim = {head_dim} needs {shared} bytes of shared memory (at most {SHARED_LIMIT})"
-            ),
-        });
-    }
+    ensure(shared <= SHARED_LIMIT, op, || {
+        format!(
+            "head_dim = {head_dim} needs {shared} bytes of shared memory (at most {SHARED_LIMIT})"
+        )
+    })?;
     Ok(())
 }
 
@@ -174,31 +168,29 @@ impl DeviceVisiblePrefixes {
         keys: usize,
     ) -> Result<DeviceVisiblePrefixes, KernelError> {
         const UPLOAD: &str = "DeviceVisiblePrefixes::upload";
-        if visible.is_empty() || visible.len() > MAX_QUERIES_PER_LAUNCH {
-            return Err(KernelError::Shape {
-                op: UPLOAD,
-                message: format!(
+        ensure(
+            !visible.is_empty() && visible.len() <= MAX_QUERIES_PER_LAUNCH,
+            UPLOAD,
+            || {
+                format!(
                     "{} queries (must be 1..={MAX_QUERIES_PER_LAUNCH})",
                     visible.len()
-                ),
-            });
-        }
-        if first.len() != visible.len() {
-            return Err(KernelError::Shape {
-                op: UPLOAD,
-                message: format!("{} first rows for {} queries", first.len(), visible.len()),
-            });
-        }
+                )
+            },
+        )?;
+        ensure(first.len() == visible.len(), UPLOAD, || {
+            format!("{} first rows for {} queries", first.len(), visible.len())
+        })?;
         if let Some(query) =
             (0..visible.len()).find(|&t| first[t].saturating_add(visible[t]) > keys)
         {
-            return Err(KernelError::Shape {
-                op: UPLOAD,
-                message: format!(
+            return Err(shape_error(
+                UPLOAD,
+                format!(
                     "query {query} sees {} keys from row {}, beyond the {keys} given",
                     visible[query], first[query]
                 ),
-            });
+            ));
         }
         let total: usize = visible.iter().sum();
         dim(UPLOAD, "scores", total)?;

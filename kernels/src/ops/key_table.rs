@@ -15,6 +15,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
+use super::{ensure, shape_error};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::{KernelRuntime, Launch};
@@ -50,21 +51,19 @@ pub unsafe fn copy_addresses(
         .iter()
         .find(|c| c.count > 0 && (c.src == 0 || c.dst == 0 || (c.src | c.dst) % 8 != 0))
     {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
+        return Err(shape_error(
+            OP,
+            format!(
                 "a copy of {} addresses from {:#x} to {:#x} (null or not 8-byte aligned)",
                 bad.count, bad.src, bad.dst
             ),
-        });
+        ));
     }
     if copies.is_empty() {
         return Ok(());
     }
-    let n = u32::try_from(copies.len()).map_err(|_| KernelError::Shape {
-        op: OP,
-        message: format!("{} copies exceed u32", copies.len()),
-    })?;
+    let n = u32::try_from(copies.len())
+        .map_err(|_| shape_error(OP, format!("{} copies exceed u32", copies.len())))?;
     let dcopies = rt
         .htod(copies)
         .map_err(KernelError::driver("uploading the address copies"))?;
@@ -90,15 +89,12 @@ pub fn key_row_address(
     let fits = offset
         .checked_add(row_len)
         .is_some_and(|end| end <= buffer.len());
-    if row_len == 0 || !fits {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "a row of {row_len} values at element {offset} does not fit a buffer of {} values (rows must be non-empty)",
-                buffer.len()
-            ),
-        });
-    }
+    ensure(row_len != 0 && fits, OP, || {
+        format!(
+            "a row of {row_len} values at element {offset} does not fit a buffer of {} values (rows must be non-empty)",
+            buffer.len()
+        )
+    })?;
     let (base, _read_recorded) = buffer.device_ptr(rt.stream());
     // `offset < buffer.len()`, so the byte offset lies inside the allocation and cannot overflow.
     Ok(base + (offset * size_of::<f32>()) as u64)
@@ -129,21 +125,16 @@ impl DeviceKeyTable {
         row_len: usize,
     ) -> Result<DeviceKeyTable, KernelError> {
         const OP: &str = "DeviceKeyTable::upload";
-        if row_len == 0 {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: "rows of 0 values".to_string(),
-            });
-        }
+        ensure(row_len != 0, OP, || "rows of 0 values")?;
         if let Some((row, address)) = addresses
             .iter()
             .enumerate()
             .find(|&(_, &a)| a == 0 || !a.is_multiple_of(size_of::<f32>() as u64))
         {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("row {row} has address {address:#x} (null or not f32-aligned)"),
-            });
+            return Err(shape_error(
+                OP,
+                format!("row {row} has address {address:#x} (null or not f32-aligned)"),
+            ));
         }
         let device = if addresses.is_empty() {
             rt.htod(&[0u64]) // never read: no row can be listed
@@ -171,15 +162,16 @@ impl DeviceKeyTable {
         row_len: usize,
         aligned_16: bool,
     ) -> Result<DeviceKeyTable, KernelError> {
-        if row_len == 0 || rows > addresses.len() {
-            return Err(KernelError::Shape {
-                op: "DeviceKeyTable::from_device",
-                message: format!(
+        ensure(
+            row_len != 0 && rows <= addresses.len(),
+            "DeviceKeyTable::from_device",
+            || {
+                format!(
                     "{rows} rows of {row_len} values in a table of {} addresses (rows must be non-empty)",
                     addresses.len()
-                ),
-            });
-        }
+                )
+            },
+        )?;
         Ok(DeviceKeyTable {
             rows,
             row_len,
@@ -228,22 +220,22 @@ impl<'k> KeyRows<'k> {
         head_dim: usize,
     ) -> Result<(), KernelError> {
         match self {
-            KeyRows::Flat(keys) if keys.len() < rows * head_dim => Err(KernelError::Shape {
+            KeyRows::Flat(keys) if keys.len() < rows * head_dim => Err(shape_error(
                 op,
-                message: format!(
+                format!(
                     "keys hold {} values, fewer than {rows} keys of {head_dim}",
                     keys.len()
                 ),
-            }),
+            )),
             KeyRows::Table(table) if table.row_len != head_dim || table.rows < rows => {
-                Err(KernelError::Shape {
+                Err(shape_error(
                     op,
-                    message: format!(
+                    format!(
                         "the key table has {} rows of {} values; the launch needs {rows} rows of \
                          {head_dim}",
                         table.rows, table.row_len
                     ),
-                })
+                ))
             }
             KeyRows::Flat(_) | KeyRows::Table(_) => Ok(()),
         }

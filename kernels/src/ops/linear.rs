@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaViewMut};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 
-use super::{Rounding, dim, expect_len, launch_config, sgemm_chains};
+use super::{Rounding, dim, ensure, expect_len, launch_config, sgemm_chains};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{DequantParams, LinearParams};
@@ -40,12 +40,9 @@ pub fn linear_sgemm_f32(
     (rows, out, inp): (usize, usize, usize),
     output: Rounding,
 ) -> Result<(), KernelError> {
-    if inp == 0 || inp > MAX_INP {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("inp = {inp} must be in 1..={MAX_INP}"),
-        });
-    }
+    ensure(inp != 0 && inp <= MAX_INP, OP, || {
+        format!("inp = {inp} must be in 1..={MAX_INP}")
+    })?;
     expect_len(OP, "x", x.len(), rows * inp)?;
     expect_len(OP, "w", w.len(), out * inp)?;
     expect_len(OP, "y", y.len(), rows * out)?;
@@ -115,16 +112,17 @@ pub(crate) fn sgemm_reduce(
 ) -> Result<(), KernelError> {
     let outputs = params.rows as usize * params.out as usize;
     let blocks = linear_chains(params.inp as usize, params.round_bf16 != 0);
-    if partials.len() < blocks * outputs || y.len() != outputs {
-        return Err(KernelError::Shape {
-            op: "linear_sgemm_reduce_f32",
-            message: format!(
+    ensure(
+        partials.len() >= blocks * outputs && y.len() == outputs,
+        "linear_sgemm_reduce_f32",
+        || {
+            format!(
                 "{} partials and {} outputs for {blocks} blocks of {outputs}",
                 partials.len(),
                 y.len()
-            ),
-        });
-    }
+            )
+        },
+    )?;
     let reduce = launch_config(
         (dim(OP, "rows * out", outputs)?.div_ceil(THREADS), 1, 1),
         THREADS,
@@ -201,12 +199,9 @@ fn dequant_params(
     (tile, scale_cols): (usize, usize),
     out: &CudaSlice<f32>,
 ) -> Result<DequantParams, KernelError> {
-    if rows == 0 || row_start + rows > n {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("rows {row_start}..{} of a {n}-row weight", row_start + rows),
-        });
-    }
+    ensure(rows != 0 && row_start + rows <= n, op, || {
+        format!("rows {row_start}..{} of a {n}-row weight", row_start + rows)
+    })?;
     expect_len(op, "out", out.len(), rows * k)?;
     Ok(DequantParams {
         row_start: dim(op, "row_start", row_start)?,

@@ -42,7 +42,7 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::{Rounding, dim, expect_len, launch_config};
+use super::{Rounding, dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::LinearParams;
@@ -92,20 +92,14 @@ impl FastBf16Weight {
         inp: usize,
         w: &[f32],
     ) -> Result<FastBf16Weight, KernelError> {
-        if inp == 0 || inp > MAX_INP {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("inp = {inp} must be in 1..={MAX_INP}"),
-            });
-        }
-        if groups == 0 || !out.is_multiple_of(groups) || groups > MAX_GROUPS {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!(
-                    "{groups} groups must divide out = {out} (at most {MAX_GROUPS} groups)"
-                ),
-            });
-        }
+        ensure(inp != 0 && inp <= MAX_INP, OP, || {
+            format!("inp = {inp} must be in 1..={MAX_INP}")
+        })?;
+        ensure(
+            groups != 0 && out.is_multiple_of(groups) && groups <= MAX_GROUPS,
+            OP,
+            || format!("{groups} groups must divide out = {out} (at most {MAX_GROUPS} groups)"),
+        )?;
         expect_len(OP, "w", w.len(), out * inp)?;
         let stride = inp.div_ceil(CHUNK) * CHUNK;
         let mut codes = vec![bf16::ZERO; out * stride];

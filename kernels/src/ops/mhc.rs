@@ -9,7 +9,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{Rounding, dim, expect_len, launch_config, sgemm_chains};
+use super::{Rounding, dim, ensure, expect_len, launch_config, sgemm_chains, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::{HcElementwiseParams, HcMixesParams};
@@ -62,24 +62,22 @@ pub fn hc_mixes_rows_f32(
         norm_eps,
     } = config;
     let n = width;
-    if hc == 0 || hc > MAX_HC || n == 0 || !n.is_multiple_of(hc) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
+    ensure(
+        hc != 0 && hc <= MAX_HC && n != 0 && n.is_multiple_of(hc),
+        OP,
+        || {
+            format!(
                 "hc = {hc} must be in 1..={MAX_HC} and a token's width ({n} values) a positive \
                  multiple of it"
-            ),
-        });
-    }
-    if x.is_empty() || !x.len().is_multiple_of(n) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "x holds {} values, not a positive number of {n}-wide tokens",
-                x.len()
-            ),
-        });
-    }
+            )
+        },
+    )?;
+    ensure(!x.is_empty() && x.len().is_multiple_of(n), OP, || {
+        format!(
+            "x holds {} values, not a positive number of {n}-wide tokens",
+            x.len()
+        )
+    })?;
     let tokens = x.len() / n;
     let projections = (2 + hc) * hc;
     expect_len(OP, "proj", proj.len(), projections * n)?;
@@ -95,27 +93,21 @@ pub fn hc_mixes_rows_f32(
     };
     let tasks = projections * sgemm_chains(n);
     let per_token_scratch = tasks + 1;
-    if per_token_scratch * 4 > MAX_PARTIAL_BYTES {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "{projections} projections of {n} values need {} bytes of partials per token (> \
+    ensure(per_token_scratch * 4 <= MAX_PARTIAL_BYTES, OP, || {
+        format!(
+            "{projections} projections of {n} values need {} bytes of partials per token (> \
                  {MAX_PARTIAL_BYTES})",
-                per_token_scratch * 4
-            ),
-        });
-    }
+            per_token_scratch * 4
+        )
+    })?;
     // SAFETY: every value is written by hc_mixes_partials_f32 (each task's partial and the sum of
     // squares of each token) before hc_mixes_f32 reads it, in stream order.
     let mut scratch = unsafe { rt.alloc_written::<f32>(tokens * per_token_scratch) }
         .map_err(KernelError::driver("allocating the hc_mixes partials"))?;
     let token_grid = dim(OP, "tokens", tokens)?;
-    if token_grid > MAX_TOKENS_PER_LAUNCH as u32 {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("{tokens} tokens exceed {MAX_TOKENS_PER_LAUNCH} per launch"),
-        });
-    }
+    ensure(token_grid <= MAX_TOKENS_PER_LAUNCH as u32, OP, || {
+        format!("{tokens} tokens exceed {MAX_TOKENS_PER_LAUNCH} per launch")
+    })?;
     let (blocks, token_tiles) = partials_grid(tokens, n);
     let partials_cfg = launch_config(
         (
@@ -171,15 +163,16 @@ fn elementwise_params(
     tokens: usize,
     rounding: Rounding,
 ) -> Result<HcElementwiseParams, KernelError> {
-    if hc == 0 || dim_ == 0 || tokens == 0 || tokens > MAX_TOKENS_PER_LAUNCH {
-        return Err(KernelError::Shape {
-            op,
-            message: format!(
+    ensure(
+        hc != 0 && dim_ != 0 && tokens != 0 && tokens <= MAX_TOKENS_PER_LAUNCH,
+        op,
+        || {
+            format!(
                 "hc = {hc}, dim = {dim_} and tokens = {tokens} must be positive (tokens <= \
                  {MAX_TOKENS_PER_LAUNCH})"
-            ),
-        });
-    }
+            )
+        },
+    )?;
     Ok(HcElementwiseParams {
         hc: dim(op, "hc", hc)?,
         dim: dim(op, "dim", dim_)?,
@@ -198,13 +191,9 @@ pub fn hc_collapse_rows_f32(
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     const OP: &str = "hc_collapse_f32";
-    if hc == 0 || !w.len().is_multiple_of(hc) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("w holds {} values, not whole tokens of hc = {hc}", w.len()),
-        });
-    }
-    let tokens = w.len() / hc;
+    let tokens = whole_rows(OP, w.len(), hc, || {
+        format!("w holds {} values, not whole tokens of hc = {hc}", w.len())
+    })?;
     let width = y.len().checked_div(tokens).unwrap_or(0);
     let params = elementwise_params(OP, hc, width, tokens, rounding)?;
     expect_len(OP, "y", y.len(), tokens * width)?;
@@ -240,16 +229,12 @@ pub fn hc_expand_rows_f32(
 ) -> Result<(), KernelError> {
     const OP: &str = "hc_expand_f32";
     let mix_width = hc + hc * hc;
-    if hc == 0 || !mix.len().is_multiple_of(mix_width) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "mix holds {} values, not whole tokens of {mix_width} (hc = {hc})",
-                mix.len()
-            ),
-        });
-    }
-    let tokens = mix.len() / mix_width;
+    let tokens = whole_rows(OP, mix.len(), mix_width, || {
+        format!(
+            "mix holds {} values, not whole tokens of {mix_width} (hc = {hc})",
+            mix.len()
+        )
+    })?;
     let width = y.len().checked_div(tokens).unwrap_or(0);
     let params = elementwise_params(OP, hc, width, tokens, rounding)?;
     expect_len(OP, "y", y.len(), tokens * width)?;

@@ -27,6 +27,7 @@ pub mod v4;
 use cudarc::driver::LaunchConfig;
 
 use crate::error::KernelError;
+use crate::id::KernelId;
 
 /// How an op on f32 storage rounds its outputs: to bf16 at the reference's rounding points
 /// (V4.1), or not at all (fp32, the float32 reference of V4).
@@ -40,6 +41,14 @@ impl Rounding {
     /// The kernels' `round_bf16` flag.
     pub(crate) fn flag(self) -> u32 {
         u32::from(self == Rounding::Bf16)
+    }
+
+    /// Of an op built once per rounding, the kernel of this one: `bf16` or `f32`.
+    pub(crate) fn kernel(self, bf16: KernelId, f32: KernelId) -> KernelId {
+        match self {
+            Rounding::Bf16 => bf16,
+            Rounding::F32 => f32,
+        }
     }
 }
 
@@ -63,12 +72,43 @@ pub(crate) fn grid_stride_config(n: usize, threads: u32) -> LaunchConfig {
     launch_config((blocks, 1, 1), threads, 0)
 }
 
+/// The [`KernelError::Shape`] error of `op`: its arguments do not fit together, as `message` says.
+pub(crate) fn shape_error(op: &'static str, message: impl Into<String>) -> KernelError {
+    KernelError::Shape {
+        op,
+        message: message.into(),
+    }
+}
+
+/// `Ok` when `ok`, else the shape error of `op` with `message()` (built only on failure: the
+/// checks run on every launch).
+pub(crate) fn ensure<M: Into<String>>(
+    ok: bool,
+    op: &'static str,
+    message: impl FnOnce() -> M,
+) -> Result<(), KernelError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(shape_error(op, message()))
+    }
+}
+
+/// `len / width`, the number of `width`-wide rows in `len` values, or the shape error of `op`
+/// with `message()` unless `width` is positive and they are whole rows.
+pub(crate) fn whole_rows<M: Into<String>>(
+    op: &'static str,
+    len: usize,
+    width: usize,
+    message: impl FnOnce() -> M,
+) -> Result<usize, KernelError> {
+    ensure(width != 0 && len.is_multiple_of(width), op, message)?;
+    Ok(len / width)
+}
+
 /// `value` as a u32 kernel dimension, or a shape error naming it.
 pub(crate) fn dim(op: &'static str, what: &str, value: usize) -> Result<u32, KernelError> {
-    u32::try_from(value).map_err(|_| KernelError::Shape {
-        op,
-        message: format!("{what} = {value} exceeds u32"),
-    })
+    u32::try_from(value).map_err(|_| shape_error(op, format!("{what} = {value} exceeds u32")))
 }
 
 /// Chains of the CPU reference's sgemm summation order for a dot product of `k` products
@@ -89,14 +129,9 @@ pub(crate) fn expect_len(
     found: usize,
     expected: usize,
 ) -> Result<(), KernelError> {
-    if found == expected {
-        Ok(())
-    } else {
-        Err(KernelError::Shape {
-            op,
-            message: format!("{what} has {found} elements, expected {expected}"),
-        })
-    }
+    ensure(found == expected, op, || {
+        format!("{what} has {found} elements, expected {expected}")
+    })
 }
 
 /// The field names, in order, of `struct name { ... };` in a CUDA header (for the layout tests of

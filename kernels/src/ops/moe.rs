@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len, launch_config};
+use super::{dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -56,22 +56,15 @@ pub fn route_experts_f32(
     weights: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
     let n_experts = bias.len();
-    if n_experts == 0 || n_experts > MAX_EXPERTS {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("{n_experts} experts (1 to {MAX_EXPERTS})"),
-        });
-    }
-    if !logits.len().is_multiple_of(n_experts) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "logits hold {} values, not whole rows of {n_experts}",
-                logits.len()
-            ),
-        });
-    }
-    let rows = logits.len() / n_experts;
+    ensure(n_experts != 0 && n_experts <= MAX_EXPERTS, OP, || {
+        format!("{n_experts} experts (1 to {MAX_EXPERTS})")
+    })?;
+    let rows = whole_rows(OP, logits.len(), n_experts, || {
+        format!(
+            "logits hold {} values, not whole rows of {n_experts}",
+            logits.len()
+        )
+    })?;
     // A forced list may repeat an expert (it is replayed as given), so it may outnumber them.
     let selected = selected_count(selection, n_experts);
     if let Selection::ForcedRows { ids, .. } = selection {

@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{dim, expect_len, grid_stride_config, launch_config};
+use super::{dim, ensure, expect_len, grid_stride_config, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -78,15 +78,16 @@ fn launch_gather(
         pieces: [0; GATHER_INLINE],
     };
     if pieces.is_none() {
-        if inline.len() != n_pieces || n_pieces > GATHER_INLINE {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!(
+        ensure(
+            inline.len() == n_pieces && n_pieces <= GATHER_INLINE,
+            OP,
+            || {
+                format!(
                     "{} inline addresses for {n_pieces} pieces (at most {GATHER_INLINE})",
                     inline.len()
-                ),
-            });
-        }
+                )
+            },
+        )?;
         by_value.pieces[..n_pieces].copy_from_slice(inline);
     }
     // movement.cu's GATHER_TILE columns a block, pieces along y (at most GATHER_PIECE_BLOCKS

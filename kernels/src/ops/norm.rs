@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{Rounding, dim, expect_len, launch_config};
+use super::{Rounding, dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::RmsNormParams;
@@ -38,10 +38,7 @@ pub fn rms_norm_f32(
     eps: f32,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    let kernel = match rounding {
-        Rounding::Bf16 => KernelId::RmsNormF32,
-        Rounding::F32 => KernelId::RmsNormF32Exact,
-    };
+    let kernel = rounding.kernel(KernelId::RmsNormF32, KernelId::RmsNormF32Exact);
     launch_rms_norm(rt, kernel, x, w, y, rows, cols, eps)
 }
 
@@ -56,18 +53,10 @@ fn launch_rms_norm<T: DeviceRepr>(
     eps: f32,
 ) -> Result<(), KernelError> {
     let op = kernel.symbol();
-    if cols == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: "cols = 0".to_string(),
-        });
-    }
-    if eps.is_nan() || eps < 0.0 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("eps = {eps} is not a non-negative number"),
-        });
-    }
+    ensure(cols != 0, op, || "cols = 0")?;
+    ensure(!eps.is_nan() && eps >= 0.0, op, || {
+        format!("eps = {eps} is not a non-negative number")
+    })?;
     expect_len(op, "x", x.len(), rows * cols)?;
     expect_len(op, "w", w.len(), cols)?;
     expect_len(op, "y", y.len(), rows * cols)?;

@@ -3,7 +3,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{dim, expect_len, launch_config};
+use super::{dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::ActQuantParams;
@@ -33,15 +33,11 @@ impl ActGroup {
     /// `Ok` when `self` is `G32`, else a shape error of `op`: `what` (e.g. "FP4 weights") needs
     /// 32-element activation groups.
     pub(crate) fn require_g32(self, op: &'static str, what: &str) -> Result<(), KernelError> {
-        if self == ActGroup::G32 {
-            return Ok(());
-        }
-        Err(KernelError::Shape {
-            op,
-            message: format!(
+        ensure(self == ActGroup::G32, op, || {
+            format!(
                 "{what} need 32-element activation groups, got {}",
                 self.elements()
-            ),
+            )
         })
     }
 
@@ -80,15 +76,12 @@ impl DeviceActFp8 {
         (n, k): (usize, usize),
         y_len: usize,
     ) -> Result<(), KernelError> {
-        if self.cols != k {
-            return Err(KernelError::Shape {
-                op,
-                message: format!(
-                    "activation has {} columns, weight has {k} inputs",
-                    self.cols
-                ),
-            });
-        }
+        ensure(self.cols == k, op, || {
+            format!(
+                "activation has {} columns, weight has {k} inputs",
+                self.cols
+            )
+        })?;
         expect_len(op, "y", y_len, self.rows * n)
     }
 
@@ -120,15 +113,16 @@ impl DeviceActFp8 {
         cols: usize,
         group: ActGroup,
     ) -> Result<DeviceActFp8, KernelError> {
-        if cols == 0 || !cols.is_multiple_of(group.elements()) {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!(
+        ensure(
+            cols != 0 && cols.is_multiple_of(group.elements()),
+            OP,
+            || {
+                format!(
                     "cols = {cols} is not a positive multiple of the group {}",
                     group.elements()
-                ),
-            });
-        }
+                )
+            },
+        )?;
         // SAFETY (both): the caller's contract.
         let codes = unsafe { rt.alloc_written::<u8>(rows * cols) }
             .map_err(KernelError::driver("allocating activation codes"))?;
@@ -211,11 +205,7 @@ pub fn quantize_act_fp8(
     cols: usize,
     group: ActGroup,
 ) -> Result<DeviceActFp8, KernelError> {
-    // SAFETY: act_quant_fp8 runs one warp per (row, group) over all rows * cols / group groups,
-    // each writing its group's codes and scale.
-    let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
-    quantize_act_fp8_into(rt, x, &mut out)?;
-    Ok(out)
+    quantize_new(rt, group.kernel(), x, rows, cols, group)
 }
 
 /// Allocating form of [`quantize_act_fp8_f32_into`].
@@ -226,9 +216,21 @@ pub fn quantize_act_fp8_f32(
     cols: usize,
     group: ActGroup,
 ) -> Result<DeviceActFp8, KernelError> {
+    quantize_new(rt, group.kernel_f32(), x, rows, cols, group)
+}
+
+/// `x` quantised by `kernel` (of `group`) into new buffers for `[rows, cols]`.
+fn quantize_new<T: DeviceRepr>(
+    rt: &KernelRuntime,
+    kernel: KernelId,
+    x: &CudaSlice<T>,
+    rows: usize,
+    cols: usize,
+    group: ActGroup,
+) -> Result<DeviceActFp8, KernelError> {
     // SAFETY: act_quant_fp8 runs one warp per (row, group) over all rows * cols / group groups,
     // each writing its group's codes and scale.
     let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
-    quantize_act_fp8_f32_into(rt, x, &mut out)?;
+    launch_act_quant(rt, kernel, x, &mut out)?;
     Ok(out)
 }

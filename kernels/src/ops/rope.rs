@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::{Rounding, dim, expect_len, launch_config};
+use super::{Rounding, dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::RopeParams;
@@ -62,10 +62,10 @@ pub fn rope_interleaved_f32(
     inverse: bool,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
-    let kernel = match rounding {
-        Rounding::Bf16 => KernelId::RopeInterleavedF32,
-        Rounding::F32 => KernelId::RopeInterleavedF32Exact,
-    };
+    let kernel = rounding.kernel(
+        KernelId::RopeInterleavedF32,
+        KernelId::RopeInterleavedF32Exact,
+    );
     launch_rope(rt, kernel, x, positions, cos, sin, shape, inverse)
 }
 
@@ -87,14 +87,11 @@ fn launch_rope<T: DeviceRepr>(
         rope_dim,
         table_rows,
     } = shape;
-    if rope_dim == 0 || rope_dim % 2 != 0 || rope_dim > head_dim {
-        return Err(KernelError::Shape {
-            op,
-            message: format!(
-                "rope_dim = {rope_dim} must be even, positive and <= head_dim = {head_dim}"
-            ),
-        });
-    }
+    ensure(
+        rope_dim != 0 && rope_dim % 2 == 0 && rope_dim <= head_dim,
+        op,
+        || format!("rope_dim = {rope_dim} must be even, positive and <= head_dim = {head_dim}"),
+    )?;
     expect_len(op, "x", x.len(), tokens * heads * head_dim)?;
     expect_len(op, "positions", positions.len(), tokens)?;
     expect_len(op, "cos", cos.len(), table_rows * rope_dim / 2)?;

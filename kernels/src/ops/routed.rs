@@ -15,10 +15,12 @@ use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
 use super::gemm_fast::{FastFp4Weight, FastTile};
 use super::quant::DeviceActFp8;
 use super::routed_fast::gemm_fp4_routed_fast_tiled;
-use super::{Rounding, dim as kernel_dim, expect_len, launch_config};
+use super::{
+    Rounding, dim as kernel_dim, ensure, expect_len, launch_config, shape_error, whole_rows,
+};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, Launch};
 
 /// Rows of one expert per routed-GEMM tile (`routed::TILE_ROWS`).
 const TILE_ROWS: usize = 8;
@@ -197,14 +199,9 @@ impl TableWeight for DeviceFp8Weight {
         (&self.codes, &self.scales)
     }
     fn check(&self, op: &'static str) -> Result<(), KernelError> {
-        if self.tile == 32 {
-            Ok(())
-        } else {
-            Err(KernelError::Shape {
-                op,
-                message: format!("FP8 expert with {0}x{0} tiles (only 32x32)", self.tile),
-            })
-        }
+        ensure(self.tile == 32, op, || {
+            format!("FP8 expert with {0}x{0} tiles (only 32x32)", self.tile)
+        })
     }
 }
 
@@ -261,18 +258,12 @@ impl DeviceExpertTable {
         experts: &[ExpertRefs<'_, W>],
     ) -> Result<DeviceExpertTable, KernelError> {
         let Some(first) = experts.first() else {
-            return Err(KernelError::Shape {
-                op,
-                message: "no experts".to_string(),
-            });
+            return Err(shape_error(op, "no experts"));
         };
         let (inter, dim) = first.w1.shape();
-        if experts.len() > MAX_EXPERTS {
-            return Err(KernelError::Shape {
-                op,
-                message: format!("{} experts (at most {MAX_EXPERTS})", experts.len()),
-            });
-        }
+        ensure(experts.len() <= MAX_EXPERTS, op, || {
+            format!("{} experts (at most {MAX_EXPERTS})", experts.len())
+        })?;
         let stream = rt.stream();
         let mut addresses = vec![0u64; 3 * experts.len() * 2];
         for (e, expert) in experts.iter().enumerate() {
@@ -282,15 +273,12 @@ impl DeviceExpertTable {
                 (ExpertProjection::W2, expert.w2, (dim, inter)),
             ] {
                 weight.check(op)?;
-                if weight.shape() != expected {
-                    return Err(KernelError::Shape {
-                        op,
-                        message: format!(
-                            "expert {e} {projection:?} is {:?}, expected {expected:?} (as expert 0)",
-                            weight.shape()
-                        ),
-                    });
-                }
+                ensure(weight.shape() == expected, op, || {
+                    format!(
+                        "expert {e} {projection:?} is {:?}, expected {expected:?} (as expert 0)",
+                        weight.shape()
+                    )
+                })?;
                 let (codes, scales) = weight.buffers();
                 let (codes_ptr, _codes_read) = codes.device_ptr(stream);
                 let (scales_ptr, _scales_read) = scales.device_ptr(stream);
@@ -428,12 +416,9 @@ pub fn gemm_routed_with(
         which: which.slot(),
     };
     let col_blocks = params.n.div_ceil(WARPS / warps_per_col);
-    if col_blocks > 65_535 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("n = {n} needs {col_blocks} column blocks (> 65535)"),
-        });
-    }
+    ensure(col_blocks <= 65_535, op, || {
+        format!("n = {n} needs {col_blocks} column blocks (> 65535)")
+    })?;
     let (rows_kernel, tiles_kernel, experts_kernel) = match table.format {
         ExpertFormat::Fp4 => (
             KernelId::GemmFp4RoutedRowsG32,
@@ -446,10 +431,10 @@ pub fn gemm_routed_with(
             KernelId::GemmFp8T32RoutedExpertsG32,
         ),
         ExpertFormat::Fp4Fast => {
-            return Err(KernelError::Shape {
+            return Err(shape_error(
                 op,
-                message: "fast FP4 tables take a FastTile (gemm_routed, routed_fast)".to_string(),
-            });
+                "fast FP4 tables take a FastTile (gemm_routed, routed_fast)",
+            ));
         }
     };
     if per_row {
@@ -488,13 +473,9 @@ pub fn gemm_routed_with(
         shared_bytes,
     );
     let mut launch = rt.launcher(kernel)?;
-    launch
-        .arg(&x.codes)
-        .arg(&x.scales)
-        .arg(&groups.order)
-        .arg(&groups.tiles)
-        .arg(&groups.tile_count)
-        .arg(&table.addresses)
+    launch.arg(&x.codes).arg(&x.scales);
+    groups
+        .push_args(&mut launch, &table.addresses)
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
@@ -520,26 +501,15 @@ pub(super) fn check_routed<T>(
     out: &CudaSlice<T>,
 ) -> Result<(usize, usize, usize), KernelError> {
     let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
-    if table.format != format {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("the table holds {:?} experts", table.format),
-        });
-    }
+    ensure(table.format == format, op, || {
+        format!("the table holds {:?} experts", table.format)
+    })?;
     x.group.require_g32(op, "expert GEMMs")?;
     let (n, k) = table.shape_of(which);
-    if x.cols != k {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("x has {} columns, {which:?} has {k} inputs", x.cols),
-        });
-    }
-    if x_row_div == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: "x_row_div is 0".to_string(),
-        });
-    }
+    ensure(x.cols == k, op, || {
+        format!("x has {} columns, {which:?} has {k} inputs", x.cols)
+    })?;
+    ensure(x_row_div != 0, op, || "x_row_div is 0")?;
     let m = x.rows * x_row_div;
     expect_len(op, "experts", experts.len(), m)?;
     expect_len(op, "out", out.len(), m * n)?;
@@ -557,6 +527,22 @@ pub(super) struct RowGroups {
     pub max_tiles: usize,
 }
 
+impl RowGroups {
+    /// Pushes what every routed kernel takes after its activations: these rows' `order`,
+    /// `tiles` and `tile_count`, then the expert table's `addresses`.
+    pub(super) fn push_args<'a, 'l>(
+        &'a self,
+        launch: &'l mut Launch<'a>,
+        addresses: &'a CudaSlice<u64>,
+    ) -> &'l mut Launch<'a> {
+        launch
+            .arg(&self.order)
+            .arg(&self.tiles)
+            .arg(&self.tile_count)
+            .arg(addresses)
+    }
+}
+
 /// Groups the `experts.len()` rows by their expert id (see [`RowGroups`]).
 pub(super) fn group_rows(
     rt: &KernelRuntime,
@@ -566,12 +552,9 @@ pub(super) fn group_rows(
     tile_rows: usize,
 ) -> Result<RowGroups, KernelError> {
     let m = experts.len();
-    if n_experts > MAX_EXPERTS || tile_rows == 0 {
-        return Err(KernelError::Shape {
-            op,
-            message: format!("{n_experts} experts (at most {MAX_EXPERTS}), tiles of {tile_rows}"),
-        });
-    }
+    ensure(n_experts <= MAX_EXPERTS && tile_rows != 0, op, || {
+        format!("{n_experts} experts (at most {MAX_EXPERTS}), tiles of {tile_rows}")
+    })?;
     let max_tiles = m.div_ceil(tile_rows) + m.min(n_experts + 1);
     // SAFETY (the three allocations): group_routed_rows writes all of `order` (a permutation of
     // 0..m), `tile_count` and the first *tile_count tiles before any launch reads them, in stream
@@ -644,20 +627,15 @@ pub fn swiglu_rows<T: ExpertRowValue>(
     let inter = match route_weights {
         Some(w) if w.is_empty() && n == 0 => 1,
         Some(w) if w.is_empty() || !n.is_multiple_of(w.len()) => {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: format!("{n} values are not whole rows of {} route weights", w.len()),
-            });
+            return Err(shape_error(
+                OP,
+                format!("{n} values are not whole rows of {} route weights", w.len()),
+            ));
         }
         Some(w) => n / w.len(),
         None => n.max(1),
     };
-    if limit.is_nan() {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: "the SwiGLU limit is NaN".to_string(),
-        });
-    }
+    ensure(!limit.is_nan(), OP, || "the SwiGLU limit is NaN")?;
     if n == 0 {
         return Ok(());
     }
@@ -713,34 +691,23 @@ pub fn moe_combine<T: ExpertRowValue>(
     out: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
     const OP: &str = "moe_combine";
-    if dim == 0 || !shared.len().is_multiple_of(dim) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("shared has {} values, not rows of dim {dim}", shared.len()),
-        });
-    }
-    let rows = shared.len() / dim;
+    let rows = whole_rows(OP, shared.len(), dim, || {
+        format!("shared has {} values, not rows of dim {dim}", shared.len())
+    })?;
     expect_len(OP, "out", out.len(), rows * dim)?;
     if rows == 0 {
         expect_len(OP, "experts", experts.len(), 0)?;
         return expect_len(OP, "routed", routed.len(), 0);
     }
-    if !experts.len().is_multiple_of(rows) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
-                "experts has {} ids, not whole rows for {rows} tokens",
-                experts.len()
-            ),
-        });
-    }
-    let k = experts.len() / rows;
-    if k > MAX_SLOTS {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("{k} experts per token (at most {MAX_SLOTS})"),
-        });
-    }
+    let k = whole_rows(OP, experts.len(), rows, || {
+        format!(
+            "experts has {} ids, not whole rows for {rows} tokens",
+            experts.len()
+        )
+    })?;
+    ensure(k <= MAX_SLOTS, OP, || {
+        format!("{k} experts per token (at most {MAX_SLOTS})")
+    })?;
     expect_len(OP, "routed", routed.len(), rows * k * dim)?;
     let params = CombineParams {
         rows: kernel_dim(OP, "rows", rows)?,
@@ -750,12 +717,9 @@ pub fn moe_combine<T: ExpertRowValue>(
         round_bf16: rounding.flag(),
     };
     let col_blocks = params.dim.div_ceil(COMBINE_THREADS);
-    if col_blocks > 65_535 {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("dim = {dim} needs {col_blocks} column blocks (> 65535)"),
-        });
-    }
+    ensure(col_blocks <= 65_535, OP, || {
+        format!("dim = {dim} needs {col_blocks} column blocks (> 65535)")
+    })?;
     let cfg = launch_config((params.rows, col_blocks, 1), COMBINE_THREADS, 0);
     let mut launch = rt.launcher(T::COMBINE)?;
     launch

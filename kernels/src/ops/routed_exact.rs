@@ -13,7 +13,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::sgemm_reduce;
 use super::routed::{ExpertProjection, RoutedRows, group_rows};
-use super::{dim as kernel_dim, expect_len, launch_config, sgemm_chains};
+use super::{dim as kernel_dim, ensure, expect_len, launch_config, sgemm_chains, shape_error};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::LinearParams;
@@ -157,10 +157,7 @@ impl DeviceExactExpertTable {
     ) -> Result<DeviceExactExpertTable, KernelError> {
         const OP: &str = "DeviceExactExpertTable::new";
         let Some(first) = experts.first() else {
-            return Err(KernelError::Shape {
-                op: OP,
-                message: "no experts".to_string(),
-            });
+            return Err(shape_error(OP, "no experts"));
         };
         let (inter, dim) = first.w1.shape();
         let formats = [first.w1.format(), first.w3.format(), first.w2.format()];
@@ -172,17 +169,18 @@ impl DeviceExactExpertTable {
                 (ExpertProjection::W2, expert.w2, (dim, inter)),
             ] {
                 let slot = slot(projection);
-                if weight.shape() != expected || weight.format() != formats[slot] {
-                    return Err(KernelError::Shape {
-                        op: OP,
-                        message: format!(
+                ensure(
+                    weight.shape() == expected && weight.format() == formats[slot],
+                    OP,
+                    || {
+                        format!(
                             "expert {e} {projection:?} is {:?} {:?}, expected {expected:?} {:?} (as expert 0)",
                             weight.shape(),
                             weight.format(),
                             formats[slot]
-                        ),
-                    });
-                }
+                        )
+                    },
+                )?;
                 check_format(OP, weight.format(), expected.1)?;
                 let (codes, scales) = weight.addresses(rt, OP)?;
                 let at = (slot * experts.len() + e) * 2;
@@ -234,14 +232,7 @@ fn check_format(op: &'static str, format: ExactFormat, inp: usize) -> Result<(),
         ExactFormat::Fp8 { tile } => tile > 0,
         ExactFormat::Fp4 => inp.is_multiple_of(32),
     };
-    if fits {
-        Ok(())
-    } else {
-        Err(KernelError::Shape {
-            op,
-            message: format!("{format:?} weights of {inp} inputs"),
-        })
-    }
+    ensure(fits, op, || format!("{format:?} weights of {inp} inputs"))
 }
 
 /// The [`RoutedRows`] `rows` of `table` into `out` in fp32: `x` `[rows, inp]` f32, `out` `[m,
@@ -262,15 +253,16 @@ pub fn gemm_exact_routed(
         ExpertProjection::W1 | ExpertProjection::W3 => (table.inter, table.dim),
         ExpertProjection::W2 => (table.dim, table.inter),
     };
-    if k == 0 || k > MAX_INP || x_row_div == 0 || !x.len().is_multiple_of(k) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!(
+    ensure(
+        k != 0 && k <= MAX_INP && x_row_div != 0 && x.len().is_multiple_of(k),
+        OP,
+        || {
+            format!(
                 "x holds {} values for {k} inputs (at most {MAX_INP}), x_row_div {x_row_div}",
                 x.len()
-            ),
-        });
-    }
+            )
+        },
+    )?;
     let m = (x.len() / k) * x_row_div;
     expect_len(OP, "experts", experts.len(), m)?;
     expect_len(OP, "out", out.len(), m * n)?;
@@ -313,12 +305,9 @@ pub fn gemm_exact_routed(
             0,
         );
         let mut launch = rt.launcher(KernelId::GemmExactRoutedPartialsF32)?;
-        launch
-            .arg(&x_rows)
-            .arg(&groups.order)
-            .arg(&groups.tiles)
-            .arg(&groups.tile_count)
-            .arg(&table.addresses)
+        launch.arg(&x_rows);
+        groups
+            .push_args(&mut launch, &table.addresses)
             .arg(&mut partials)
             .arg(&params);
         // SAFETY: signature (const float* x, const u32* order, const u32* tiles, const u32*

@@ -14,7 +14,7 @@ use cudarc::driver::CudaSlice;
 use super::gemm_fast::{FastKernels, FastOutput, FastTile};
 use super::quant::DeviceActFp8;
 use super::routed::{DeviceExpertTable, ExpertFormat, RoutedRows, check_routed, group_rows};
-use super::{dim, launch_config};
+use super::{dim, ensure, launch_config};
 use crate::error::KernelError;
 use crate::params::FastRoutedParams;
 use crate::runtime::KernelRuntime;
@@ -57,12 +57,9 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
         tokens as usize,
     )?;
     let tiles = dim(OP, "tiles", groups.max_tiles)?;
-    if tiles > 65_535 {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("m = {m} needs up to {tiles} expert tiles (> 65535)"),
-        });
-    }
+    ensure(tiles <= 65_535, OP, || {
+        format!("m = {m} needs up to {tiles} expert tiles (> 65535)")
+    })?;
     let kernel = FastKernels::Fp4Routed.kernel(tile);
     let cfg = launch_config(
         (params.n.div_ceil(16 * warps), tiles, 1),
@@ -70,13 +67,9 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
         FastKernels::Fp4Routed.launch_shared_bytes(tile, k),
     );
     let mut launch = rt.launcher(kernel)?;
-    launch
-        .arg(&x.codes)
-        .arg(&x.scales)
-        .arg(&groups.order)
-        .arg(&groups.tiles)
-        .arg(&groups.tile_count)
-        .arg(table.addresses())
+    launch.arg(&x.codes).arg(&x.scales);
+    groups
+        .push_args(&mut launch, table.addresses())
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,

@@ -14,7 +14,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
-use super::{Rounding, dim, expect_len, launch_config};
+use super::{Rounding, dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -92,10 +92,6 @@ fn stride_config(op: &'static str, total: usize) -> Result<LaunchConfig, KernelE
     ))
 }
 
-fn shape_error(op: &'static str, message: String) -> KernelError {
-    KernelError::Shape { op, message }
-}
-
 /// `out [n, dim]` = `round(Σ_k streams[t, k, :] / hc)` of `streams [n, hc, dim]`, the sum folded
 /// from 0 in stream order (rounded to bf16 with [`Rounding::Bf16`], as the model's
 /// `Backend::stream_means_at`).
@@ -109,15 +105,16 @@ pub fn stream_means_f32(
 ) -> Result<(), KernelError> {
     const OP: &str = "stream_means_f32";
     let token_width = hc * dim_;
-    if hc == 0 || dim_ == 0 || !streams.len().is_multiple_of(token_width) {
-        return Err(shape_error(
-            OP,
+    ensure(
+        hc != 0 && dim_ != 0 && streams.len().is_multiple_of(token_width),
+        OP,
+        || {
             format!(
                 "streams ({} values) are not whole tokens of hc = {hc} × dim = {dim_} (both > 0)",
                 streams.len()
-            ),
-        ));
-    }
+            )
+        },
+    )?;
     let tokens = streams.len() / token_width;
     expect_len(OP, "out", out.len(), tokens * dim_)?;
     if tokens == 0 {
@@ -194,12 +191,9 @@ pub unsafe fn gated_pool_f32(
     out: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
     const OP: &str = "gated_pool_f32";
-    if ratio == 0 || head_dim == 0 {
-        return Err(shape_error(
-            OP,
-            format!("ratio = {ratio} and head_dim = {head_dim} must be positive"),
-        ));
-    }
+    ensure(ratio != 0 && head_dim != 0, OP, || {
+        format!("ratio = {ratio} and head_dim = {head_dim} must be positive")
+    })?;
     expect_len(OP, "members", members.len(), groups * ratio)?;
     expect_len(OP, "out", out.len(), groups * head_dim)?;
     if groups == 0 {
@@ -254,37 +248,28 @@ pub fn engram_inject_f32(
         kv_stride,
         eps,
     } = shape;
-    if hc == 0 || hc > MAX_HC || dim_ == 0 || dim_ > MAX_INJECT_DIM {
-        return Err(shape_error(
-            OP,
-            format!("hc = {hc} must be in 1..={MAX_HC} and dim = {dim_} in 1..={MAX_INJECT_DIM}"),
-        ));
-    }
-    if kv_stride < (hc + 1) * dim_ {
-        return Err(shape_error(
-            OP,
-            format!(
-                "kv rows of {kv_stride} values cannot hold {hc} keys and a value of {dim_} values"
-            ),
-        ));
-    }
+    ensure(
+        hc != 0 && hc <= MAX_HC && dim_ != 0 && dim_ <= MAX_INJECT_DIM,
+        OP,
+        || format!("hc = {hc} must be in 1..={MAX_HC} and dim = {dim_} in 1..={MAX_INJECT_DIM}"),
+    )?;
+    ensure(kv_stride >= (hc + 1) * dim_, OP, || {
+        format!("kv rows of {kv_stride} values cannot hold {hc} keys and a value of {dim_} values")
+    })?;
     let token_width = hc * dim_;
-    if !streams.len().is_multiple_of(token_width) {
-        return Err(shape_error(
-            OP,
-            format!(
-                "streams ({} values) are not whole tokens of {hc} × {dim_}",
-                streams.len()
-            ),
-        ));
-    }
+    let tokens = whole_rows(OP, streams.len(), token_width, || {
+        format!(
+            "streams ({} values) are not whole tokens of {hc} × {dim_}",
+            streams.len()
+        )
+    })?;
     expect_len(OP, "kv", kv.len(), live.len() * kv_stride)?;
     expect_len(OP, "weight", weight.len(), token_width)?;
     if live.is_empty() {
         return Ok(());
     }
     let params = InjectParams {
-        tokens: dim(OP, "tokens", streams.len() / token_width)?,
+        tokens: dim(OP, "tokens", tokens)?,
         live: dim(OP, "live tokens", live.len())?,
         hc: dim(OP, "hc", hc)?,
         dim: dim(OP, "dim", dim_)?,
@@ -314,49 +299,28 @@ pub fn engram_inject_f32(
 
 #[cfg(test)]
 mod tests {
-    use super::super::cuda_struct_fields;
+    use super::super::assert_mirrors;
     use super::*;
 
     #[test]
     fn params_mirror_the_cuda_structs() {
         let header = include_str!("../../cuda/rows/rows.cuh");
-        let cases: [(&str, usize, &[&str]); 4] = [
-            (
-                "StreamMeansParams",
-                size_of::<StreamMeansParams>(),
-                &["tokens", "hc", "dim", "round_bf16"],
-            ),
-            (
-                "ScaleParams",
-                size_of::<ScaleParams>(),
-                &["n", "scale", "round_bf16"],
-            ),
-            (
-                "PoolParams",
-                size_of::<PoolParams>(),
-                &["groups", "ratio", "head_dim"],
-            ),
-            (
-                "InjectParams",
-                size_of::<InjectParams>(),
-                &[
-                    "tokens",
-                    "live",
-                    "hc",
-                    "dim",
-                    "kv_stride",
-                    "eps",
-                    "inv_sqrt_dim",
-                ],
-            ),
-        ];
-        for (name, size, fields) in cases {
-            assert_eq!(cuda_struct_fields(header, name), fields, "{name}");
-            // Every field is 4 or 8 bytes and the C layout has no padding but the tail.
-            assert!(size >= fields.len() * 4, "{name}: {size} bytes");
-        }
-        assert_eq!(size_of::<ScaleParams>(), 16);
-        assert_eq!(size_of::<InjectParams>(), 28);
+        assert_mirrors::<StreamMeansParams>(header, 16, &["tokens", "hc", "dim", "round_bf16"]);
+        assert_mirrors::<ScaleParams>(header, 16, &["n", "scale", "round_bf16"]);
+        assert_mirrors::<PoolParams>(header, 12, &["groups", "ratio", "head_dim"]);
+        assert_mirrors::<InjectParams>(
+            header,
+            28,
+            &[
+                "tokens",
+                "live",
+                "hc",
+                "dim",
+                "kv_stride",
+                "eps",
+                "inv_sqrt_dim",
+            ],
+        );
     }
 
     #[test]

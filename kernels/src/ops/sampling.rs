@@ -10,7 +10,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{dim, expect_len, launch_config};
+use super::{dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -105,12 +105,9 @@ pub fn token_logprobs_f32(
     top: usize,
 ) -> Result<(), KernelError> {
     let rows = tokens.len();
-    if vocab == 0 || top > MAX_TOP_LOGPROBS {
-        return Err(KernelError::Shape {
-            op: LOGPROB_OP,
-            message: format!("a vocabulary of {vocab} with {top} alternatives per row"),
-        });
-    }
+    ensure(vocab != 0 && top <= MAX_TOP_LOGPROBS, LOGPROB_OP, || {
+        format!("a vocabulary of {vocab} with {top} alternatives per row")
+    })?;
     expect_len(LOGPROB_OP, "logits", logits.len(), rows * vocab)?;
     expect_len(LOGPROB_OP, "chosen", out.chosen.len(), rows)?;
     expect_len(
@@ -237,12 +234,7 @@ pub fn sample_rows_f32(
     vocab: usize,
 ) -> Result<(), KernelError> {
     let n = rows.len();
-    if vocab == 0 {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: "the vocabulary is empty".to_string(),
-        });
-    }
+    ensure(vocab != 0, OP, || "the vocabulary is empty")?;
     expect_len(OP, "rows (host copy)", host_rows.len(), n)?;
     expect_len(OP, "logits", logits.len(), n * vocab)?;
     expect_len(OP, "tokens", tokens.len(), n)?;
@@ -282,19 +274,19 @@ mod tests {
     #[test]
     fn params_mirror_the_cuda_structs() {
         let header = include_str!("../../cuda/sampling/sampling.cuh");
-        assert_eq!(std::mem::size_of::<SampleRow>(), 32);
-        assert_eq!(std::mem::align_of::<SampleRow>(), 8);
-        assert_eq!(
-            super::super::cuda_struct_fields(header, "SampleRow"),
-            [
+        assert_mirrors::<SampleRow>(
+            header,
+            32,
+            &[
                 "seed",
                 "position",
                 "temperature",
                 "top_p",
                 "top_k",
-                "reserved"
-            ]
+                "reserved",
+            ],
         );
+        assert_eq!(std::mem::align_of::<SampleRow>(), 8);
         assert_mirrors::<SampleParams>(header, 12, &["rows", "vocab", "padded"]);
         assert_mirrors::<MaskParams>(header, 12, &["rows", "vocab", "words"]);
         assert!(header.contains(&format!("MASK_THREADS = {MASK_THREADS};")));

@@ -7,7 +7,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::index::DeviceVisiblePrefixes;
-use super::{dim, expect_len, launch_config};
+use super::{dim, ensure, expect_len, launch_config, shape_error};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -35,18 +35,16 @@ pub fn top_k_rows(
     out: &mut CudaSlice<u32>,
     counts: &mut CudaSlice<u32>,
 ) -> Result<(), KernelError> {
-    if k == 0 {
-        return Err(KernelError::Shape {
-            op: TOP_K_OP,
-            message: "k = 0 selects nothing; k must be positive".to_string(),
-        });
-    }
+    ensure(
+        k != 0,
+        TOP_K_OP,
+        || "k = 0 selects nothing; k must be positive",
+    )?;
     let queries = visible.queries();
     expect_len(TOP_K_OP, "scores", scores.len(), visible.total().max(1))?;
-    let out_len = queries.checked_mul(k).ok_or_else(|| KernelError::Shape {
-        op: TOP_K_OP,
-        message: format!("{queries} queries x k = {k} overflows"),
-    })?;
+    let out_len = queries
+        .checked_mul(k)
+        .ok_or_else(|| shape_error(TOP_K_OP, format!("{queries} queries x k = {k} overflows")))?;
     expect_len(TOP_K_OP, "out", out.len(), out_len)?;
     expect_len(TOP_K_OP, "counts", counts.len(), queries)?;
     let k = dim(TOP_K_OP, "k", k)?;
@@ -80,12 +78,11 @@ pub fn candidate_mask_rows(
     topk_blocks: usize,
     mask: &mut CudaSlice<u8>,
 ) -> Result<(), KernelError> {
-    if block_size == 0 {
-        return Err(KernelError::Shape {
-            op: MASK_OP,
-            message: "block_size = 0: candidate blocks must hold at least one position".to_string(),
-        });
-    }
+    ensure(
+        block_size != 0,
+        MASK_OP,
+        || "block_size = 0: candidate blocks must hold at least one position",
+    )?;
     expect_len(MASK_OP, "scores", scores.len(), visible.total().max(1))?;
     expect_len(MASK_OP, "mask", mask.len(), visible.total().max(1))?;
     if visible.max_visible == 0 {
@@ -127,16 +124,17 @@ pub fn apply_mask_rows(
     mask: &CudaSlice<u8>,
     mask_visible: &DeviceVisiblePrefixes,
 ) -> Result<(), KernelError> {
-    if scores_visible.queries() != mask_visible.queries() {
-        return Err(KernelError::Shape {
-            op: APPLY_OP,
-            message: format!(
+    ensure(
+        scores_visible.queries() == mask_visible.queries(),
+        APPLY_OP,
+        || {
+            format!(
                 "{} queries of scores but {} of the mask",
                 scores_visible.queries(),
                 mask_visible.queries()
-            ),
-        });
-    }
+            )
+        },
+    )?;
     expect_len(
         APPLY_OP,
         "scores",

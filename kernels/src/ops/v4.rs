@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{dim, expect_len, grid_stride_config, launch_config};
+use super::{dim, ensure, expect_len, grid_stride_config, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
@@ -68,20 +68,15 @@ pub fn v4_hyper_head_f32(
 ) -> Result<(), KernelError> {
     const OP: &str = "v4_hyper_head_f32";
     let hc = base.len();
-    if hc == 0 || !proj.len().is_multiple_of(hc) || proj.is_empty() {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("a {}-value projection for {hc} weights", proj.len()),
-        });
-    }
+    ensure(
+        hc != 0 && proj.len().is_multiple_of(hc) && !proj.is_empty(),
+        OP,
+        || format!("a {}-value projection for {hc} weights", proj.len()),
+    )?;
     let width = proj.len() / hc;
-    if !x.len().is_multiple_of(width) {
-        return Err(KernelError::Shape {
-            op: OP,
-            message: format!("{} values are not whole rows of {width}", x.len()),
-        });
-    }
-    let rows = x.len() / width;
+    let rows = whole_rows(OP, x.len(), width, || {
+        format!("{} values are not whole rows of {width}", x.len())
+    })?;
     expect_len(OP, "pre", pre.len(), rows * hc)?;
     if rows == 0 {
         return Ok(());

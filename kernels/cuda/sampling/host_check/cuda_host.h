@@ -38,24 +38,21 @@ template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned delta) {
     __syncwarp();
     return r;
 }
-inline unsigned __match_any_sync(unsigned, unsigned v) {
+// Every lane of the warp publishes `v`; the mask of the lanes whose value `chosen` accepts.
+template <class Chosen> inline unsigned warp_mask(unsigned long long v, Chosen chosen) {
     unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
     emu.slots[w][lane] = v;
     __syncwarp();
     unsigned mask = 0;
-    for (unsigned l = 0; l < 32; ++l) if (emu.slots[w][l] == v) mask |= 1u << l;
+    for (unsigned l = 0; l < 32; ++l) if (chosen(emu.slots[w][l])) mask |= 1u << l;
     __syncwarp();
-    (void)lane;
     return mask;
 }
+inline unsigned __match_any_sync(unsigned, unsigned v) {
+    return warp_mask(v, [v](unsigned long long s) { return s == v; });
+}
 inline unsigned __ballot_sync(unsigned, bool p) {
-    unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    emu.slots[w][lane] = p;
-    __syncwarp();
-    unsigned mask = 0;
-    for (unsigned l = 0; l < 32; ++l) if (emu.slots[w][l]) mask |= 1u << l;
-    __syncwarp();
-    return mask;
+    return warp_mask(p, [](unsigned long long s) { return s != 0; });
 }
 inline bool __any_sync(unsigned m, bool p) { return __ballot_sync(m, p) != 0; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
