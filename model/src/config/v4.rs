@@ -39,6 +39,16 @@ pub const HASH_MOE: &str = "hash_moe";
 /// `mlp_layer_types` value of a top-k MoE with a bias-corrected router.
 pub const TOPK_MOE: &str = "moe";
 
+/// The `layer_types` spelling of each attention type.
+pub(super) const ATTENTION_TYPES: [(&str, V4Attention); 3] = [
+    (SLIDING_ATTENTION, V4Attention::Sliding),
+    (COMPRESSED_SPARSE_ATTENTION, V4Attention::Csa),
+    (HEAVILY_COMPRESSED_ATTENTION, V4Attention::Hca),
+];
+/// The `mlp_layer_types` spelling of each MLP type.
+pub(super) const MLP_TYPES: [(&str, V4Mlp); 2] =
+    [(HASH_MOE, V4Mlp::HashMoe), (TOPK_MOE, V4Mlp::TopkMoe)];
+
 /// Legacy `compress_ratios` value of a CSA layer.
 pub const LEGACY_CSA_RATIO: usize = 4;
 /// Legacy `compress_ratios` value of an HCA layer.
@@ -405,35 +415,13 @@ fn parse_layer_types(
     n_layers: usize,
 ) -> Result<(Vec<V4Attention>, usize, usize), ModelError> {
     let value = top.value("layer_types")?;
-    let items = value
-        .as_array()
-        .ok_or_else(|| top.mismatch("layer_types", "a list of layer type names", value))?;
-    if items.len() != n_layers {
-        return Err(top.error(
-            "layer_types",
-            format!(
-                "expected one entry per backbone layer ({n_layers}), found {}",
-                items.len()
-            ),
-        ));
-    }
-    let mut attention = Vec::with_capacity(n_layers);
-    for (layer, item) in items.iter().enumerate() {
-        attention.push(match item.as_str() {
-            Some(SLIDING_ATTENTION) => V4Attention::Sliding,
-            Some(COMPRESSED_SPARSE_ATTENTION) => V4Attention::Csa,
-            Some(HEAVILY_COMPRESSED_ATTENTION) => V4Attention::Hca,
-            _ => {
-                return Err(top.error(
-                    "layer_types",
-                    format!(
-                        "entry {layer} is {item}; expected \"{SLIDING_ATTENTION}\", \
-                         \"{COMPRESSED_SPARSE_ATTENTION}\" or \"{HEAVILY_COMPRESSED_ATTENTION}\""
-                    ),
-                ));
-            }
-        });
-    }
+    let attention = parse_type_list(
+        top,
+        ("layer_types", "a list of layer type names"),
+        value,
+        n_layers,
+        &ATTENTION_TYPES,
+    )?;
     let (csa, hca) = match top.optional("compress_rates") {
         None => (LEGACY_CSA_RATIO, LEGACY_HCA_RATIO),
         Some(value) => {
@@ -447,35 +435,70 @@ fn parse_layer_types(
     Ok((attention, csa, hca))
 }
 
-fn parse_mlp_types(
+/// A per-layer list of type names (`layer_types`, `mlp_layer_types`): one entry per backbone
+/// layer, each one of `names`' spellings. `(key, what)` names the key and what it must hold.
+fn parse_type_list<T: Copy>(
     top: &Fields<'_>,
+    (key, what): (&str, &str),
     value: &Value,
     n_layers: usize,
-) -> Result<Vec<V4Mlp>, ModelError> {
+    names: &[(&'static str, T)],
+) -> Result<Vec<T>, ModelError> {
     let items = value
         .as_array()
-        .ok_or_else(|| top.mismatch("mlp_layer_types", "a list of MLP type names", value))?;
+        .ok_or_else(|| top.mismatch(key, what, value))?;
     if items.len() != n_layers {
         return Err(top.error(
-            "mlp_layer_types",
+            key,
             format!(
                 "expected one entry per backbone layer ({n_layers}), found {}",
                 items.len()
             ),
         ));
     }
-    let mlp = items
+    items
         .iter()
         .enumerate()
-        .map(|(layer, item)| match item.as_str() {
-            Some(HASH_MOE) => Ok(V4Mlp::HashMoe),
-            Some(TOPK_MOE) => Ok(V4Mlp::TopkMoe),
-            _ => Err(top.error(
-                "mlp_layer_types",
-                format!("entry {layer} is {item}; expected \"{HASH_MOE}\" or \"{TOPK_MOE}\""),
-            )),
+        .map(|(layer, item)| {
+            let known = names.iter().find(|(name, _)| item.as_str() == Some(*name));
+            known.map(|&(_, kind)| kind).ok_or_else(|| {
+                top.error(
+                    key,
+                    format!(
+                        "entry {layer} is {item}; expected {}",
+                        quoted_choices(names)
+                    ),
+                )
+            })
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect()
+}
+
+/// `"a", "b" or "c"`: the spellings of `names`, for an error.
+fn quoted_choices<T>(names: &[(&str, T)]) -> String {
+    let quoted: Vec<String> = names
+        .iter()
+        .map(|(name, _)| format!("\"{name}\""))
+        .collect();
+    match quoted.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+fn parse_mlp_types(
+    top: &Fields<'_>,
+    value: &Value,
+    n_layers: usize,
+) -> Result<Vec<V4Mlp>, ModelError> {
+    let mlp = parse_type_list(
+        top,
+        ("mlp_layer_types", "a list of MLP type names"),
+        value,
+        n_layers,
+        &MLP_TYPES,
+    )?;
     if let Some(hash) = optional_usize(top, "num_hash_layers")? {
         let counted = mlp.iter().filter(|&&m| m == V4Mlp::HashMoe).count();
         if counted != hash {

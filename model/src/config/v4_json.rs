@@ -7,13 +7,19 @@
 use serde_json::{Map, Value, json};
 
 use super::hf_json::{dspark_keys, shared_text_keys};
-use super::v4::{LEGACY_CSA_RATIO, LEGACY_HCA_RATIO};
+use super::v4::{ATTENTION_TYPES, LEGACY_CSA_RATIO, LEGACY_HCA_RATIO, MLP_TYPES};
 use super::{
-    COMPRESSED_SPARSE_ATTENTION, HASH_MOE, HEAVILY_COMPRESSED_ATTENTION, ModelConfig,
-    SLIDING_ATTENTION, TOPK_MOE, V4_MODEL_TYPE, V4Attention, V4Config, V4Mlp, WeightStorage,
+    COMPRESSED_SPARSE_ATTENTION, HEAVILY_COMPRESSED_ATTENTION, ModelConfig, V4_MODEL_TYPE,
+    V4Config, V4Mlp, WeightStorage,
 };
 
 const V4_ARCHITECTURE: &str = "DeepseekV4ForCausalLM";
+
+/// The spelling in `names` of each of `kinds` (every kind has one).
+fn type_names<T: PartialEq>(kinds: &[T], names: &[(&'static str, T)]) -> Vec<&'static str> {
+    let name = |kind: &T| names.iter().find(|(_, k)| k == kind).map(|&(name, _)| name);
+    kinds.iter().filter_map(name).collect()
+}
 
 /// Whether `v4`'s schedule can be written with the legacy keys.
 fn fits_legacy(v4: &V4Config) -> bool {
@@ -65,23 +71,8 @@ pub(super) fn to_json(cfg: &ModelConfig, v4: &V4Config) -> Value {
             json!(if cfg.dspark.is_some() { 1 } else { speculative }),
         );
     } else {
-        let layer_types: Vec<&str> = v4
-            .attention
-            .iter()
-            .map(|attention| match attention {
-                V4Attention::Sliding => SLIDING_ATTENTION,
-                V4Attention::Csa => COMPRESSED_SPARSE_ATTENTION,
-                V4Attention::Hca => HEAVILY_COMPRESSED_ATTENTION,
-            })
-            .collect();
-        let mlp_types: Vec<&str> = v4
-            .mlp
-            .iter()
-            .map(|mlp| match mlp {
-                V4Mlp::HashMoe => HASH_MOE,
-                V4Mlp::TopkMoe => TOPK_MOE,
-            })
-            .collect();
+        let layer_types = type_names(&v4.attention, &ATTENTION_TYPES);
+        let mlp_types = type_names(&v4.mlp, &MLP_TYPES);
         put("layer_types", json!(layer_types));
         put(
             "compress_rates",
