@@ -163,35 +163,22 @@ impl Pcg64 {
         draw as u32
     }
 
-    /// Lemire's nearly-divisionless method on 64-bit draws, for a range `0..=max` with
-    /// `max < u64::MAX`.
-    fn bounded_lemire_u64(&mut self, max: u64) -> u64 {
-        let range = max + 1;
-        let mut product = u128::from(self.next_u64()) * u128::from(range);
-        let mut leftover = product as u64;
+    /// Lemire's nearly-divisionless method on `bits`-wide draws (`draw`: 32 or 64 bits, as
+    /// NumPy picks them by the range), for a range `0..=max` with `max` below the draws' largest
+    /// value.
+    fn bounded_lemire(&mut self, max: u64, bits: u32, draw: impl Fn(&mut Self) -> u64) -> u64 {
+        let word = u128::from(u64::MAX >> (64 - bits));
+        let range = u128::from(max) + 1;
+        let mut product = u128::from(draw(self)) * range;
+        let mut leftover = product & word;
         if leftover < range {
-            let threshold = (u64::MAX - max) % range;
+            let threshold = (word - u128::from(max)) % range;
             while leftover < threshold {
-                product = u128::from(self.next_u64()) * u128::from(range);
-                leftover = product as u64;
+                product = u128::from(draw(self)) * range;
+                leftover = product & word;
             }
         }
-        (product >> 64) as u64
-    }
-
-    /// Lemire's method on 32-bit draws, for `0..=max` with `max < u32::MAX`.
-    fn bounded_lemire_u32(&mut self, max: u32) -> u32 {
-        let range = max + 1;
-        let mut product = u64::from(self.next_u32()) * u64::from(range);
-        let mut leftover = product as u32;
-        if leftover < range {
-            let threshold = (u32::MAX - max) % range;
-            while leftover < threshold {
-                product = u64::from(self.next_u32()) * u64::from(range);
-                leftover = product as u32;
-            }
-        }
-        (product >> 32) as u32
+        (product >> bits) as u64
     }
 
     /// `Generator.integers(low, high, size=count, dtype=np.int64)` (half-open `[low, high)`,
@@ -210,12 +197,12 @@ impl Pcg64 {
                     if max == u64::from(u32::MAX) {
                         u64::from(self.next_u32())
                     } else {
-                        u64::from(self.bounded_lemire_u32(max as u32))
+                        self.bounded_lemire(max, 32, |rng| u64::from(rng.next_u32()))
                     }
                 } else if max == u64::MAX {
                     self.next_u64()
                 } else {
-                    self.bounded_lemire_u64(max)
+                    self.bounded_lemire(max, 64, Self::next_u64)
                 };
                 (i128::from(low) + i128::from(offset)) as i64
             })
