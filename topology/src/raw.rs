@@ -356,17 +356,23 @@ pub struct RawClusterConfig {
     pub bootstrap_timeout_seconds: Option<u32>,
 }
 
+/// The one of the two `choices` spelled `text`, else an error naming the `what` and both
+/// spellings.
+fn parse_choice<T: Copy>(what: &str, text: &str, choices: [(&str, T); 2]) -> Result<T, String> {
+    let [(first, _), (second, _)] = choices;
+    match choices.iter().find(|(name, _)| *name == text) {
+        Some(&(_, choice)) => Ok(choice),
+        None => Err(format!(
+            "unknown {what} {text:?}, expected \"{first}\" or \"{second}\""
+        )),
+    }
+}
+
 impl TryFrom<String> for RawBackend {
     type Error = String;
 
     fn try_from(text: String) -> Result<Self, Self::Error> {
-        match text.as_str() {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" => Ok(Self::Cuda),
-            _ => Err(format!(
-                "unknown backend {text:?}, expected \"cpu\" or \"cuda\""
-            )),
-        }
+        parse_choice("backend", &text, [("cpu", Self::Cpu), ("cuda", Self::Cuda)])
     }
 }
 
@@ -374,13 +380,11 @@ impl TryFrom<String> for RawNumerics {
     type Error = String;
 
     fn try_from(text: String) -> Result<Self, Self::Error> {
-        match text.as_str() {
-            "fast" => Ok(Self::Fast),
-            "exact" => Ok(Self::Exact),
-            _ => Err(format!(
-                "unknown numerics {text:?}, expected \"fast\" or \"exact\""
-            )),
-        }
+        parse_choice(
+            "numerics",
+            &text,
+            [("fast", Self::Fast), ("exact", Self::Exact)],
+        )
     }
 }
 
@@ -388,13 +392,8 @@ impl TryFrom<String> for RawPrefixReplay {
     type Error = String;
 
     fn try_from(text: String) -> Result<Self, Self::Error> {
-        match text.as_str() {
-            "bounded" => Ok(Self::Bounded),
-            "exact" => Ok(Self::Exact),
-            _ => Err(format!(
-                "unknown prefix replay {text:?}, expected \"bounded\" or \"exact\""
-            )),
-        }
+        let choices = [("bounded", Self::Bounded), ("exact", Self::Exact)];
+        parse_choice("prefix replay", &text, choices)
     }
 }
 
@@ -402,12 +401,7 @@ impl TryFrom<String> for RawArch {
     type Error = String;
 
     fn try_from(text: String) -> Result<Self, Self::Error> {
-        match text.as_str() {
-            "sm90" => Ok(Self::Sm90),
-            "sm100" => Ok(Self::Sm100),
-            _ => Err(format!(
-                "unknown GPU architecture {text:?}, expected \"sm90\" or \"sm100\""
-            )),
-        }
+        let choices = [("sm90", Self::Sm90), ("sm100", Self::Sm100)];
+        parse_choice("GPU architecture", &text, choices)
     }
 }
