@@ -201,7 +201,13 @@ pub fn prepare_checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use deepinfer_model::checkpoint::{inventory_for, v41_inventory};
+    use deepinfer_model::checkpoint::{TensorSpec, inventory_for, v41_inventory};
+
+    /// The stored bytes of the tensor `name` of `specs` (which must list it).
+    fn stored_bytes(specs: &[TensorSpec], name: &str) -> usize {
+        let spec = specs.iter().find(|s| s.name == name);
+        spec.unwrap_or_else(|| panic!("no {name}")).stored_bytes()
+    }
 
     #[test]
     fn every_block_validates_and_the_v41_block_has_the_spec_shapes() {
@@ -213,15 +219,9 @@ mod tests {
             }
         }
         let specs = v41_inventory(&block_config(BlockFamily::V41, BlockWidth::Real, 512, 4096));
-        let expert_w2 = specs
-            .iter()
-            .find(|s| s.name == "layers.0.ffn.experts.383.w2")
-            .expect("384 experts");
-        assert_eq!(
-            expert_w2.stored_bytes(),
-            5120 * 2304 / 2 + 5120 * 72,
-            "FP4 [5120, 2304] + scales"
-        );
+        let expert_w2 = "layers.0.ffn.experts.383.w2";
+        // FP4 [5120, 2304] + scales.
+        assert_eq!(stored_bytes(&specs, expert_w2), 5120 * 2304 / 2 + 5120 * 72);
         assert!(
             specs
                 .iter()
@@ -242,15 +242,9 @@ mod tests {
         assert_eq!(cfg.v4_attention(0), Some(V4Attention::Csa));
         assert_eq!(cfg.index_topk, 512);
         let specs = inventory_for(&cfg);
-        let expert_w2 = specs
-            .iter()
-            .find(|s| s.name == "layers.0.ffn.experts.255.w2")
-            .expect("256 experts");
-        assert_eq!(
-            expert_w2.stored_bytes(),
-            4096 * 2048 / 2 + 4096 * 64,
-            "FP4 [4096, 2048] + scales"
-        );
+        let expert_w2 = "layers.0.ffn.experts.255.w2";
+        // FP4 [4096, 2048] + scales.
+        assert_eq!(stored_bytes(&specs, expert_w2), 4096 * 2048 / 2 + 4096 * 64);
     }
 
     #[test]
