@@ -146,11 +146,7 @@ impl ModelConfig {
             index_head_dim: 128,
             index_topk: 64,
             engram: tiny.engram.clone().map(|engram| EngramConfig {
-                num_embeddings: layout
-                    .table_rows
-                    .iter()
-                    .map(|&rows| rows as usize)
-                    .collect(),
+                num_embeddings: layout.num_embeddings(),
                 n_heads: engram_heads,
                 head_dim: 256,
                 ..engram

@@ -385,11 +385,7 @@ impl Validator<'_> {
             engram.n_heads,
             engram.vocab_size as u64,
         );
-        let derived: Vec<usize> = layout
-            .table_rows
-            .iter()
-            .map(|&rows| rows as usize)
-            .collect();
+        let derived = layout.num_embeddings();
         if derived != engram.num_embeddings {
             return Err(self.fail(
                 "text_config.engram_num_embeddings",

@@ -112,11 +112,7 @@ impl Engram {
             vocab,
         )?;
         let layout = hasher.layout();
-        let derived: Vec<usize> = layout
-            .table_rows
-            .iter()
-            .map(|&rows| rows as usize)
-            .collect();
+        let derived = layout.num_embeddings();
         if derived != ecfg.num_embeddings {
             return Err(config_error(
                 "engram_num_embeddings",

@@ -102,6 +102,11 @@ impl EngramLayout {
         }
     }
 
+    /// The table rows per layer as counts (`EngramConfig::num_embeddings`' spelling).
+    pub fn num_embeddings(&self) -> Vec<usize> {
+        self.table_rows.iter().map(|&rows| rows as usize).collect()
+    }
+
     /// Hash columns per layer: `(max_ngram − 1) · n_heads`.
     pub fn columns(&self) -> usize {
         self.primes.first().map_or(0, Vec::len)
