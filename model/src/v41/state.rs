@@ -143,16 +143,20 @@ impl SequenceState {
         pinned.bytes()
     }
 
+    /// Every ring of the state: each layer's window and compressor pending rows, then the
+    /// DSpark rings.
+    fn rings_mut(&mut self) -> impl Iterator<Item = &mut PositionRing> {
+        let layers = self.layers.iter_mut().flat_map(|layer| {
+            let LayerState { window, compressor } = layer;
+            std::iter::once(window).chain(compressor.as_mut().map(|c| &mut c.pending))
+        });
+        layers.chain(&mut self.dspark)
+    }
+
     /// Keeps `window + MAX_BACKTRACK` entries of every ring.
     pub(crate) fn trim(&mut self, window: usize) {
         let capacity = window + MAX_BACKTRACK;
-        for layer in &mut self.layers {
-            layer.window.trim(capacity);
-            if let Some(compressor) = &mut layer.compressor {
-                compressor.pending.trim(capacity);
-            }
-        }
-        for ring in &mut self.dspark {
+        for ring in self.rings_mut() {
             ring.trim(capacity);
         }
     }
@@ -167,13 +171,7 @@ impl SequenceState {
     /// [`PositionRing::compact`] of every ring (after a long chunk: its window, pending and
     /// DSpark rows are the chunk's last few, views into buffers of the whole chunk).
     pub(crate) fn compact(&mut self, backend: &dyn Backend) {
-        for layer in &mut self.layers {
-            layer.window.compact(backend);
-            if let Some(compressor) = &mut layer.compressor {
-                compressor.pending.compact(backend);
-            }
-        }
-        for ring in &mut self.dspark {
+        for ring in self.rings_mut() {
             ring.compact(backend);
         }
     }
