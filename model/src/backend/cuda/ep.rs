@@ -414,8 +414,9 @@ impl CudaBackend {
         let mut send = None;
         if rows > 0 {
             let (ids, weights, k) = self.routes(op, x, layer, hashed, rows)?;
-            let ids_host = self.routes_to_host(op, &ids)?;
-            let weights_host = self.routes_to_host(op, &weights)?;
+            const ROUTES_TO_HOST: &str = "copying the routes to the host";
+            let ids_host = self.to_host(op, &ids, ROUTES_TO_HOST)?;
+            let weights_host = self.to_host(op, &weights, ROUTES_TO_HOST)?;
             for (slot, (&expert, &weight)) in ids_host.iter().zip(&weights_host).enumerate() {
                 if expert as usize >= n_experts {
                     continue;
@@ -635,18 +636,5 @@ impl CudaBackend {
         let mut out = unsafe { self.alloc_written(op, addresses.len() * width) }?;
         gather_addresses_f32(&self.rt, addresses, width, &mut out).map_err(op_err(op))?;
         Ok(Some(out))
-    }
-
-    /// A step's routes (ids or weights) on the host, counted as a transfer.
-    fn routes_to_host<T: deepinfer_kernels::cudarc::driver::DeviceRepr + Default + Clone>(
-        &self,
-        op: &'static str,
-        values: &CudaSlice<T>,
-    ) -> Result<Vec<T>, CudaBackendError> {
-        self.transfers.result::<T>(values.len());
-        self.rt
-            .stream()
-            .clone_dtoh(values)
-            .map_err(driver_err(op, "copying the routes to the host"))
     }
 }

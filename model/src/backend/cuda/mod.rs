@@ -578,16 +578,27 @@ impl CudaBackend {
             .map_err(driver_err(op, "allocating an output"))
     }
 
+    /// An f32 result on the host ([`CudaBackend::to_host`]).
     fn download(
         &self,
         op: &'static str,
         values: &CudaSlice<f32>,
     ) -> Result<Vec<f32>, CudaBackendError> {
-        self.transfers.result::<f32>(values.len());
+        self.to_host(op, values, "downloading a result")
+    }
+
+    /// `values` copied to the host and counted as a result transfer; a failure names `what`.
+    fn to_host<T: DeviceRepr + Default + Clone>(
+        &self,
+        op: &'static str,
+        values: &CudaSlice<T>,
+        what: &'static str,
+    ) -> Result<Vec<T>, CudaBackendError> {
+        self.transfers.result::<T>(values.len());
         self.rt
             .stream()
             .clone_dtoh(values)
-            .map_err(driver_err(op, "downloading a result"))
+            .map_err(driver_err(op, what))
     }
 
     /// The cached device copy of a weight under `key` in the cache `map` selects, uploading it

@@ -159,11 +159,8 @@ impl CudaBackend {
             top_logprobs: &mut dtop,
         };
         token_logprobs_f32(&self.rt, &dlogits, &dtokens, out, vocab, top).map_err(op_err(OP))?;
-        self.transfers.result::<u32>(dtop_ids.len());
         let chosen = self.download(OP, &dchosen)?;
-        let top_ids = stream
-            .clone_dtoh(&dtop_ids)
-            .map_err(driver_err(OP, "downloading the alternatives"))?;
+        let top_ids = self.to_host(OP, &dtop_ids, "downloading the alternatives")?;
         let top_logprobs = self.download(OP, &dtop)?;
         Ok(picks
             .iter()
@@ -300,10 +297,7 @@ impl CudaBackend {
             &mut dweights,
         )
         .map_err(op_err(OP))?;
-        self.transfers.result::<u32>(dexperts.len());
-        let experts = stream
-            .clone_dtoh(&dexperts)
-            .map_err(driver_err(OP, "downloading the experts"))?;
+        let experts = self.to_host(OP, &dexperts, "downloading the experts")?;
         let weights = self.download(OP, &dweights)?;
         Ok(experts
             .chunks_exact(selected)
