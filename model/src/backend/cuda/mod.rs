@@ -48,6 +48,8 @@
 //! device) has no error channel: it panics with the op and the driver's message.
 
 mod dense;
+#[cfg(test)]
+mod expert_fixtures;
 mod key_tables;
 use key_tables::{KeyTableBuilder, rows_u32};
 pub mod ep;

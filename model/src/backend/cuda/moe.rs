@@ -516,20 +516,8 @@ fn shared_fits(shared: &ExpertWeights<ExpertLinear>) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::super::expert_fixtures::{dense, expert, fp4, uniform};
     use super::*;
-
-    fn fp4(out: usize, inp: usize) -> ExpertLinear {
-        ExpertLinear::Exact(Linear::Fp4(Fp4Weight {
-            out,
-            inp,
-            packed: vec![0; out * inp / 2],
-            scales: vec![127; out * inp / 32],
-        }))
-    }
-
-    fn expert(w1: ExpertLinear, w3: ExpertLinear, w2: ExpertLinear) -> ExpertWeights<ExpertLinear> {
-        ExpertWeights { w1, w2, w3 }
-    }
 
     /// What the fast routed chain takes of V4's experts (`moe_rows_exact` and an EP rank's
     /// slots in the fast numerics): FP4 projections of one shape across the experts give `(dim,
@@ -538,15 +526,9 @@ mod tests {
     #[test]
     fn v4_fast_tables_need_fp4_projections_of_one_shape() {
         let (dim, inter) = (128, 64);
-        let plain = || expert(fp4(inter, dim), fp4(inter, dim), fp4(dim, inter));
-        let (a, b) = (plain(), plain());
+        let (a, b) = (uniform(fp4, dim, inter), uniform(fp4, dim, inter));
         assert_eq!(v4_fast_shape(&[&a, &b]), Some((dim, inter)));
-        let dense = ExpertLinear::Exact(Linear::Dense {
-            out: inter,
-            inp: dim,
-            values: vec![0.0; inter * dim],
-        });
-        let mixed = expert(dense, fp4(inter, dim), fp4(dim, inter));
+        let mixed = expert(dense(inter, dim), fp4(inter, dim), fp4(dim, inter));
         assert_eq!(v4_fast_shape(&[&mixed]), None, "a dense w1");
         assert_eq!(
             v4_fast_shape(&[&a, &mixed]),
@@ -557,13 +539,9 @@ mod tests {
             ExpertLinear::Exact(Linear::Fp4(w)) => ExpertLinear::Fp4(w),
             _ => unreachable!("fp4 builds an exact FP4 projection"),
         };
-        let v41 = expert(v41(inter, dim), v41(inter, dim), v41(dim, inter));
+        let v41 = uniform(v41, dim, inter);
         assert_eq!(v4_fast_shape(&[&v41]), None, "V4.1's FP4 experts");
-        let wide = expert(
-            fp4(2 * inter, dim),
-            fp4(2 * inter, dim),
-            fp4(dim, 2 * inter),
-        );
+        let wide = uniform(fp4, dim, 2 * inter);
         assert_eq!(v4_fast_shape(&[&a, &wide]), None, "two shapes");
         let odd = expert(fp4(inter, dim), fp4(inter, dim), fp4(dim, 2 * inter));
         assert_eq!(

@@ -414,29 +414,8 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::expert_fixtures::{dense, expert, fp8, uniform};
     use super::*;
-
-    fn dense(out: usize, inp: usize) -> ExpertLinear {
-        ExpertLinear::Exact(Linear::Dense {
-            out,
-            inp,
-            values: vec![0.0; out * inp],
-        })
-    }
-
-    fn fp8(out: usize, inp: usize) -> Fp8Weight {
-        Fp8Weight {
-            out,
-            inp,
-            block: 32,
-            data: vec![0; out * inp],
-            scales: vec![127; out.div_ceil(32) * inp.div_ceil(32)],
-        }
-    }
-
-    fn expert(w1: ExpertLinear, w3: ExpertLinear, w2: ExpertLinear) -> ExpertWeights<ExpertLinear> {
-        ExpertWeights { w1, w2, w3 }
-    }
 
     /// What an EP rank's slots may hold as one exact table (`ep.rs` `slot_experts`): exact
     /// projections of one format and shape across the experts give `(dim, inter)`; a quantised
@@ -445,32 +424,18 @@ mod tests {
     #[test]
     fn exact_tables_need_one_exact_format_and_shape() {
         let (dim, inter) = (64, 32);
-        let plain = || expert(dense(inter, dim), dense(inter, dim), dense(dim, inter));
-        let a = plain();
-        let b = plain();
+        let a = uniform(dense, dim, inter);
+        let b = uniform(dense, dim, inter);
         assert_eq!(exact_shape(&[&a, &b]), Some((dim, inter)));
-        let quantised = || {
-            expert(
-                ExpertLinear::Exact(Linear::Fp8(fp8(inter, dim))),
-                ExpertLinear::Exact(Linear::Fp8(fp8(inter, dim))),
-                ExpertLinear::Exact(Linear::Fp8(fp8(dim, inter))),
-            )
-        };
-        let c = quantised();
-        assert_eq!(exact_shape(&[&c, &quantised()]), Some((dim, inter)));
+        let exact_fp8 = |out, inp| ExpertLinear::Exact(Linear::Fp8(fp8(out, inp)));
+        let c = uniform(exact_fp8, dim, inter);
+        let d = uniform(exact_fp8, dim, inter);
+        assert_eq!(exact_shape(&[&c, &d]), Some((dim, inter)));
         assert_eq!(exact_shape(&[&a, &c]), None, "two formats");
-        let wide = expert(
-            dense(2 * inter, dim),
-            dense(2 * inter, dim),
-            dense(dim, 2 * inter),
-        );
+        let wide = uniform(dense, dim, 2 * inter);
         assert_eq!(exact_shape(&[&wide]), Some((dim, 2 * inter)));
         assert_eq!(exact_shape(&[&a, &wide]), None, "two shapes");
-        let v41 = expert(
-            ExpertLinear::Fp8(fp8(inter, dim)),
-            ExpertLinear::Fp8(fp8(inter, dim)),
-            ExpertLinear::Fp8(fp8(dim, inter)),
-        );
+        let v41 = uniform(|out, inp| ExpertLinear::Fp8(fp8(out, inp)), dim, inter);
         assert_eq!(exact_shape(&[&v41]), None, "V4.1's FP8 experts");
         let odd = expert(dense(inter, dim), dense(inter, dim), dense(dim, inter + 1));
         assert_eq!(exact_shape(&[&odd]), None, "w2 does not read w1's outputs");
