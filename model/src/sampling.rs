@@ -522,6 +522,13 @@ pub fn token_logprobs(
 mod tests {
     use super::*;
 
+    /// `len` test logits in a fixed scrambled order: `(i · mul mod modulus) / scale`.
+    fn scrambled_logits(len: usize, (mul, modulus): (usize, usize), scale: f32) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * mul % modulus) as f32) / scale)
+            .collect()
+    }
+
     fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
         SamplingParams {
             temperature,
@@ -651,7 +658,7 @@ mod tests {
 
     #[test]
     fn same_seed_same_tokens_different_seed_different_tokens() {
-        let logits: Vec<f32> = (0..512).map(|i| ((i * 37 % 101) as f32) / 50.0).collect();
+        let logits = scrambled_logits(512, (37, 101), 50.0);
         let run = |seed| {
             (0..64)
                 .map(|p| sample(&logits, &params(1.0, 0, 1.0, seed), p))
@@ -704,7 +711,7 @@ mod tests {
     #[test]
     fn a_masked_row_samples_as_the_row_with_its_disallowed_logits_at_minus_infinity() {
         let vocab = 300;
-        let logits: Vec<f32> = (0..vocab).map(|i| ((i * 53 % 97) as f32) / 9.0).collect();
+        let logits = scrambled_logits(vocab, (53, 97), 9.0);
         let masks = [
             AllowedTokens::from_tokens(vocab, &[17]),
             AllowedTokens::from_tokens(vocab, &[3, 90, 91, 250, 299]),
@@ -752,9 +759,7 @@ mod tests {
             Backend, CpuBackend, MaskedRows, RowSampling, SampleRowsError, Tensor,
         };
         let vocab = 64;
-        let logits: Vec<f32> = (0..3 * vocab)
-            .map(|i| ((i * 29 % 61) as f32) / 7.0)
-            .collect();
+        let logits = scrambled_logits(3 * vocab, (29, 61), 7.0);
         let rows: Vec<RowSampling> = (0..3)
             .map(|r| RowSampling {
                 params: params(
@@ -836,8 +841,9 @@ mod tests {
     #[test]
     fn token_logprobs_are_the_log_softmax_of_the_row_with_its_best_tokens_in_order() {
         let vocab = 1000;
-        let row: Vec<f32> = (0..vocab)
-            .map(|i| ((i * 7919 % 1009) as f32) / 37.0 - 12.0)
+        let row: Vec<f32> = scrambled_logits(vocab, (7919, 1009), 37.0)
+            .into_iter()
+            .map(|logit| logit - 12.0)
             .collect();
         let expected = log_softmax(&row);
         // f32 rounding of values up to ~40 in magnitude: a few ulps at most.
@@ -928,9 +934,7 @@ mod tests {
             Backend, CpuBackend, LogprobPick, MaskedRows, SampleRowsError, Tensor,
         };
         let vocab = 40;
-        let logits: Vec<f32> = (0..2 * vocab)
-            .map(|i| ((i * 13 % 29) as f32) / 5.0)
-            .collect();
+        let logits = scrambled_logits(2 * vocab, (13, 29), 5.0);
         let few = AllowedTokens::from_tokens(vocab, &[3, 4, 30]);
         let picks = [
             LogprobPick { token: 7, top: 2 },
