@@ -119,19 +119,12 @@ impl Backend for Nudged {
     fn hc_expand_rows_at(&self, y: &Tensor, expand: HcExpand<'_>) -> Tensor {
         self.inner.hc_expand_rows_at(y, expand)
     }
-    fn sparse_attention_rows_at(
-        &self,
-        queries: AttentionQueries<'_>,
-        keys: &[Vec<&Tensor>],
-    ) -> Tensor {
-        self.inner.sparse_attention_rows_at(queries, keys)
-    }
-    fn sparse_attention_selected(
+    fn sparse_attention_rows(
         &self,
         queries: AttentionQueries<'_>,
         keys: &[QueryKeys<'_>],
     ) -> Tensor {
-        self.inner.sparse_attention_selected(queries, keys)
+        self.inner.sparse_attention_rows(queries, keys)
     }
     fn select_rows(
         &self,

@@ -48,8 +48,8 @@ use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, HcCollapse, IndexQueries, KeyList, Precision, RmsNorm,
-    RopeTable, Rotation, SelectPart, Tensor,
+    AttentionQueries, Backend, CpuBackend, HcCollapse, IndexQueries, KeyList, Precision, QueryKeys,
+    RmsNorm, RopeTable, Rotation, SelectPart, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, NgramHasher};
 use deepinfer_model::quant;
@@ -944,7 +944,10 @@ fn row_ops_reject_mismatched_shapes() {
                 scale: 1.0,
                 precision: Precision::Bf16,
             },
-            &[vec![&key], vec![&short_key]],
+            &[
+                QueryKeys::listed(vec![&key]),
+                QueryKeys::listed(vec![&short_key]),
+            ],
         )
         .expect_err("a 4-value key among 8-value heads");
     assert!(

@@ -6,7 +6,7 @@
 //! offsets, with filler values between them (a wrong address reads filler, not a neighbouring
 //! key), and the table repeats some rows' addresses. Each result is compared bitwise with the
 //! flat rows (`KeyRows::Flat`) on the same keys gathered into one buffer and with
-//! `CpuBackend::sparse_attention_rows_at` / `index_scores_rows_at`, over heads 1/3/64 × head_dim
+//! `CpuBackend::sparse_attention_rows` / `index_scores_rows_at`, over heads 1/3/64 × head_dim
 //! 32/96/512, 0/1/7/300 keys per query (and repeated keys), both roundings. Negative controls: one
 //! table entry moved by one element changes exactly the results that read it; bad tables and
 //! rows are shape errors. Key lists composed on the device from runs of rows and device
@@ -186,15 +186,15 @@ fn run_attention(
     )
     .expect("flat attention");
     let key_rows = Tensor::from(&keys.flat[..]).split_rows(head_dim);
-    let key_refs: Vec<Vec<&Tensor>> = lists
+    let key_refs: Vec<QueryKeys<'_>> = lists
         .iter()
-        .map(|list| list.iter().map(|&r| &key_rows[r as usize]).collect())
+        .map(|list| QueryKeys::listed(list.iter().map(|&r| &key_rows[r as usize]).collect()))
         .collect();
     AttentionRun {
         ptr: stream.clone_dtoh(&out_ptr).expect("download"),
         flat: stream.clone_dtoh(&out_flat).expect("download"),
         cpu: CpuBackend::new()
-            .sparse_attention_rows_at(
+            .sparse_attention_rows(
                 AttentionQueries {
                     q: &Tensor::from(q),
                     sink,
@@ -811,7 +811,7 @@ fn windows_over(backend: &dyn Backend, ring: &PositionRing, q: &Tensor) -> Vec<f
         precision: Precision::Bf16,
     };
     backend
-        .sparse_attention_selected(attention, &queries)
+        .sparse_attention_rows(attention, &queries)
         .into_vec()
 }
 

@@ -371,10 +371,10 @@ impl Backend for CpuBackend {
             .collect::<Vec<f32>>()
             .into()
     }
-    fn sparse_attention_rows_at(
+    fn sparse_attention_rows(
         &self,
         queries: AttentionQueries<'_>,
-        keys: &[Vec<&Tensor>],
+        keys: &[QueryKeys<'_>],
     ) -> Tensor {
         if keys.is_empty() {
             return Tensor::empty();
@@ -383,19 +383,11 @@ impl Backend for CpuBackend {
         q.chunks_exact(q.len() / keys.len())
             .zip(keys)
             .flat_map(|(q, keys)| {
-                let keys: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
+                let keys: Vec<&[f32]> = keys.flattened().into_iter().map(|k| &k[..]).collect();
                 self.sparse_attention(q, &keys, sink, queries.scale, queries.precision)
             })
             .collect::<Vec<f32>>()
             .into()
-    }
-    fn sparse_attention_selected(
-        &self,
-        queries: AttentionQueries<'_>,
-        keys: &[QueryKeys<'_>],
-    ) -> Tensor {
-        let keys: Vec<Vec<&Tensor>> = keys.iter().map(QueryKeys::flattened).collect();
-        self.sparse_attention_rows_at(queries, &keys)
     }
     fn select_rows(
         &self,

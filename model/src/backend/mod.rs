@@ -130,7 +130,7 @@ pub struct HyperHead<'a> {
     pub norm_eps: f32,
 }
 
-/// The queries of a sparse attention ([`Backend::sparse_attention_rows_at`]): `q [n, heads ·
+/// The queries of a sparse attention ([`Backend::sparse_attention_rows`]): `q [n, heads ·
 /// head_dim]`, a per-head `sink` in the softmax denominator, the logits' `scale`; probabilities
 /// and output rounded at `precision`.
 #[derive(Debug, Clone, Copy)]
@@ -464,16 +464,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `expand.precision`.
     fn hc_expand_rows_at(&self, y: &Tensor, expand: HcExpand<'_>) -> Tensor;
     /// Multi-head attention of `keys.len()` queries ([`AttentionQueries`]), query `t` over its
-    /// own `keys[t]` (K = V, each key one `head_dim` row) → `[n, heads · head_dim]`.
-    fn sparse_attention_rows_at(
-        &self,
-        queries: AttentionQueries<'_>,
-        keys: &[Vec<&Tensor>],
-    ) -> Tensor;
-    /// [`Backend::sparse_attention_rows_at`] with each query's keys given as listed keys and a
-    /// selection of compressed keys ([`QueryKeys`]), so a selection left on the device is read
-    /// there.
-    fn sparse_attention_selected(
+    /// own keys `keys[t]` (K = V, each key one `head_dim` row: a run of a window ring, keys
+    /// listed one by one and a selection of compressed keys, [`QueryKeys`], so that the rings'
+    /// and lists' device mirrors and a selection left on the device are read there) →
+    /// `[n, heads · head_dim]`.
+    fn sparse_attention_rows(
         &self,
         queries: AttentionQueries<'_>,
         keys: &[QueryKeys<'_>],

@@ -21,7 +21,7 @@ pub fn attend(ctx: &Ctx, w: &AttentionWeights, q: &Tensor, keys: &[QueryKeys<'_>
         scale: (ctx.cfg.head_dim as f32).powf(-0.5),
         precision: ctx.cfg.precision(),
     };
-    ctx.backend.sparse_attention_selected(queries, keys)
+    ctx.backend.sparse_attention_rows(queries, keys)
 }
 
 /// Causal attention over the normed inputs `xn [n, dim]` of a step's rows (sequence `e`'s rows at

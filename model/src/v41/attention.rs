@@ -151,6 +151,6 @@ pub fn forward(
         scale: (head_dim as f32).powf(-0.5),
         precision: Precision::Bf16,
     };
-    let o = ctx.backend.sparse_attention_selected(attention, &queries);
+    let o = ctx.backend.sparse_attention_rows(attention, &queries);
     output(ctx, w, o, positions, table)
 }

@@ -82,7 +82,7 @@ fn stage_attention(
         scale: (cfg.head_dim as f32).powf(-0.5),
         precision: Precision::Bf16,
     };
-    let o = ctx.backend.sparse_attention_selected(queries, &keys);
+    let o = ctx.backend.sparse_attention_rows(queries, &keys);
     output(ctx, w, o, positions, table)
 }
 

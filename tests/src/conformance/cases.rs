@@ -442,10 +442,10 @@ impl AttentionData {
         let m = attention_magnitude(&key_lists, self.heads, self.head_dim);
         Case::new(name, op, move |b, o| {
             let pool: Vec<Tensor> = self.pool.iter().map(Tensor::from).collect();
-            let keys: Vec<Vec<&Tensor>> = self
+            let keys: Vec<QueryKeys<'_>> = self
                 .lists
                 .iter()
-                .map(|l| l.iter().map(|&i| &pool[i]).collect())
+                .map(|l| QueryKeys::listed(l.iter().map(|&i| &pool[i]).collect()))
                 .collect();
             let q = Tensor::from(&self.q);
             let queries = AttentionQueries {
@@ -454,12 +454,12 @@ impl AttentionData {
                 scale,
                 precision,
             };
-            let rows = b.sparse_attention_rows_at(queries, &keys).into_vec();
+            let rows = b.sparse_attention_rows(queries, &keys).into_vec();
             if alone && keys.len() > 1 {
                 let width = self.heads * self.head_dim;
                 for (t, list) in keys.iter().enumerate() {
                     let one = Tensor::from(&self.q[t * width..(t + 1) * width]);
-                    let single = b.sparse_attention_rows_at(
+                    let single = b.sparse_attention_rows(
                         AttentionQueries { q: &one, ..queries },
                         std::slice::from_ref(list),
                     );
@@ -1117,7 +1117,7 @@ impl SelectData {
             scale: (d as f32).powf(-0.5),
             precision,
         };
-        let y = b.sparse_attention_selected(attention, &keys).into_vec();
+        let y = b.sparse_attention_rows(attention, &keys).into_vec();
         let m = (0..queries)
             .flat_map(|t| {
                 let readable = window(t)
@@ -1154,7 +1154,7 @@ fn push_selection(o: &mut Outputs, what: &str, selection: &Selection) {
 /// later source under that mask (read where the backend keeps it); at k = 7 the masked selection
 /// differs from the plain one somewhere (on every backend: the mask is seen). And the sparse
 /// attention of each query over a window of listed keys and the compressed entries its plain
-/// k = 7 selection picks (`sparse_attention_selected`, the selection read where it is), at both
+/// k = 7 selection picks (`sparse_attention_rows`, the selection read where it is), at both
 /// precisions.
 pub fn selections() -> Vec<Case> {
     let mut rng = Rng(45);

@@ -51,7 +51,7 @@ pub enum Op {
     LinearQuantised {
         group: usize,
     },
-    /// `sparse_attention_rows_at` at `precision` with at most `keys` keys a query, `head_dim`
+    /// `sparse_attention_rows` at `precision` with at most `keys` keys a query, `head_dim`
     /// channels and at most `score` for `scale · Σ_d |q_d k_d|` of any head and key.
     Attention {
         precision: Precision,

@@ -6,7 +6,7 @@
 
 use deepinfer_model::backend::{
     AttentionQueries, Backend, EngramInjection, HcCollapse, HcExpand, HcMix, HcMixes, IndexQueries,
-    KeyList, Precision, SelectPart, StreamShape, Tensor,
+    KeyList, Precision, QueryKeys, SelectPart, StreamShape, Tensor,
 };
 use deepinfer_model::engram::{EngramGate, EngramTable};
 use deepinfer_model::quant::round_bf16;
@@ -504,7 +504,8 @@ pub fn split_launches() -> Vec<Case> {
                 scale: 0.5,
                 precision: Precision::Bf16,
             };
-            let rows = b.sparse_attention_rows_at(queries, &keys);
+            let keys: Vec<QueryKeys<'_>> = keys.iter().cloned().map(QueryKeys::listed).collect();
+            let rows = b.sparse_attention_rows(queries, &keys);
             o.bounded("attention", rows, &magnitude);
         },
     );

@@ -1,5 +1,5 @@
 //! The `fast` sink attention (`ops::attention::sparse_attention_sink_rows_ptr_fast`, tensor
-//! cores) through `CudaBackend::sparse_attention_rows_at` with `Numerics::Fast` at the bf16
+//! cores) through `CudaBackend::sparse_attention_rows` with `Numerics::Fast` at the bf16
 //! rounding points, against the exact kernel (bitwise the CPU reference) within a bound derived
 //! from its arithmetic; deterministic and batch invariant; a one-key change is seen.
 //!
@@ -15,7 +15,9 @@
 //! bf16 once each (2^-8 together).
 
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
-use deepinfer_model::backend::{AttentionQueries, Backend, CpuBackend, Precision, Tensor};
+use deepinfer_model::backend::{
+    AttentionQueries, Backend, CpuBackend, Precision, QueryKeys, Tensor,
+};
 
 use crate::gpu_support::{Rng, bf16_unit, differing};
 
@@ -55,13 +57,16 @@ impl Batch {
         }
     }
 
-    fn key_refs(&self) -> Vec<Vec<&Tensor>> {
-        self.keys.iter().map(|list| list.iter().collect()).collect()
+    fn key_refs(&self) -> Vec<QueryKeys<'_>> {
+        self.keys
+            .iter()
+            .map(|list| QueryKeys::listed(list.iter().collect()))
+            .collect()
     }
 
     fn run(&self, backend: &dyn Backend) -> Vec<f32> {
         backend
-            .sparse_attention_rows_at(
+            .sparse_attention_rows(
                 AttentionQueries {
                     q: &self.q,
                     sink: &self.sink,

@@ -1027,23 +1027,13 @@ impl Backend for CudaBackend {
         self.run("hc_expand_rows_at", || self.try_hc_expand_rows(y, expand))
     }
 
-    fn sparse_attention_rows_at(
-        &self,
-        queries: AttentionQueries<'_>,
-        keys: &[Vec<&Tensor>],
-    ) -> Tensor {
-        self.run("sparse_attention_rows_at", || {
-            self.try_sparse_attention_rows(queries, keys)
-        })
-    }
-
-    fn sparse_attention_selected(
+    fn sparse_attention_rows(
         &self,
         queries: AttentionQueries<'_>,
         keys: &[QueryKeys<'_>],
     ) -> Tensor {
-        self.run("sparse_attention_selected", || {
-            self.try_sparse_attention_selected(queries, keys)
+        self.run("sparse_attention_rows", || {
+            self.try_sparse_attention_rows(queries, keys)
         })
     }
 

@@ -194,24 +194,12 @@ impl CudaBackend {
         Ok(self.tensor(dout))
     }
 
-    /// [`Backend::sparse_attention_rows_at`], with errors: the keys listed one by one
-    /// ([`CudaBackend::try_sparse_attention_selected`] without selections).
-    pub fn try_sparse_attention_rows(
-        &self,
-        queries: AttentionQueries<'_>,
-        keys: &[Vec<&Tensor>],
-    ) -> Result<Tensor, CudaBackendError> {
-        let listed: Vec<QueryKeys<'_>> =
-            keys.iter().map(|k| QueryKeys::listed(k.clone())).collect();
-        self.try_sparse_attention_selected(queries, &listed)
-    }
-
-    /// [`Backend::sparse_attention_selected`], with errors: one table of the distinct listed
+    /// [`Backend::sparse_attention_rows`], with errors: one table of the distinct listed
     /// keys' device addresses followed by every compressed entry of each sequence that a query
     /// selects from; each query's list names its listed rows, then its selected rows — written
     /// on the device from a device selection, so the selection never comes back to the host —
     /// and one launch computes every (head, query).
-    pub fn try_sparse_attention_selected(
+    pub fn try_sparse_attention_rows(
         &self,
         attention: AttentionQueries<'_>,
         queries: &[QueryKeys<'_>],
@@ -244,7 +232,7 @@ impl CudaBackend {
         if n > MAX_QUERIES_PER_ATTENTION_LAUNCH {
             return self.join_rows(n, width, |rows| {
                 let q = q.rows(rows.clone(), width);
-                self.try_sparse_attention_selected(
+                self.try_sparse_attention_rows(
                     AttentionQueries { q: &q, ..attention },
                     &queries[rows],
                 )
