@@ -29,7 +29,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::Instant;
 
 use deepinfer_topology::DpRank;
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::oneshot;
 
 use crate::dspark::profile::ProfileRequest;
@@ -37,6 +37,7 @@ use crate::dspark::schedule::StepRateTable;
 use crate::messages::rank::{RankError, RankMsg, StepPlan};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
+use crate::shell::{Shell, ShellActor};
 use executor::ExecutorFactory;
 use memory::StateMemory;
 use worker::RankWorker;
@@ -65,7 +66,7 @@ pub struct RankState {
 }
 
 /// The actor (stateless handler; state in `RankState`).
-pub struct RankActor;
+pub type RankActor = ShellActor<RankState>;
 
 pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
@@ -89,16 +90,14 @@ fn guarded<T, E: std::fmt::Display>(work: impl FnOnce() -> Result<T, E>) -> Resu
     }
 }
 
-impl Actor for RankActor {
+impl Shell for RankState {
     type Msg = RankMsg;
-    type State = RankState;
-    type Arguments = RankArgs;
+    type Args = RankArgs;
 
-    async fn pre_start(
-        &self,
-        myself: ActorRef<RankMsg>,
-        args: RankArgs,
-    ) -> Result<RankState, ActorProcessingErr> {
+    async fn start(
+        myself: ActorRef<Self::Msg>,
+        args: Self::Args,
+    ) -> Result<Self, ActorProcessingErr> {
         let (to_thread, from_actor) = mpsc::channel();
         let (ready_tx, ready_rx) = oneshot::channel();
         let dp = args.dp;
@@ -137,40 +136,31 @@ impl Actor for RankActor {
         })
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<RankMsg>,
-        message: RankMsg,
-        state: &mut RankState,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
         let to_thread = match message {
             RankMsg::Profile(request, reply) => ThreadMsg::Profile(request, reply),
             RankMsg::StateMemory(reply) => ThreadMsg::StateMemory(reply),
             RankMsg::Attach(scheduler) => ThreadMsg::Attach(scheduler),
             RankMsg::Execute(plan) => ThreadMsg::Plan(plan),
             RankMsg::ThreadExited(error) => {
-                return Err(format!("{}: {error}", state.dp).into());
+                return Err(format!("{}: {error}", self.dp).into());
             }
         };
-        let sent = state.to_thread.as_ref().map(|tx| tx.send(to_thread));
+        let sent = self.to_thread.as_ref().map(|tx| tx.send(to_thread));
         if !matches!(sent, Some(Ok(()))) {
-            return Err(format!("{}: {}", state.dp, RankError::ThreadGone).into());
+            return Err(format!("{}: {}", self.dp, RankError::ThreadGone).into());
         }
         Ok(())
     }
 
-    async fn post_stop(
-        &self,
-        _myself: ActorRef<RankMsg>,
-        state: &mut RankState,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn stopped(&mut self) -> Result<(), ActorProcessingErr> {
         // Closing the channel ends the thread after its current step; then join it off the
         // async workers.
-        state.to_thread = None;
-        if let Some(thread) = state.thread.take() {
+        self.to_thread = None;
+        if let Some(thread) = self.thread.take() {
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
-        tracing::debug!(dp = %state.dp, "rank thread joined");
+        tracing::debug!(dp = %self.dp, "rank thread joined");
         Ok(())
     }
 }
