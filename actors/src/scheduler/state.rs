@@ -17,8 +17,8 @@
 //! Algorithm 1 (early stop). Under overlap the confidences held when a plan is built are already
 //! about `overlap_depth` steps old (the rank drafts after each step; the proposals reach the
 //! scheduler after it planned ahead), which is the paper's asynchronous setting: the budget is
-//! the global optimum over the stale confidences (`verification_budget`, no early stop) and is
-//! spent on the best candidates (`plan_with_budget`). No further lag is added on top. Since a verify produces between 1
+//! the global optimum over the stale confidences (`RankedDrafts::verification_budget`, no early stop) and is
+//! spent on the best candidates (`RankedDrafts::plan_with_budget`). No further lag is added on top. Since a verify produces between 1
 //! and `1 + drafts` tokens, each request counts the most tokens its in-flight steps may produce.
 //!
 //! State memory (with a [`StatePool`], `with_pool`): every entry reserves the blocks of what it
@@ -46,10 +46,7 @@ use std::collections::{HashMap, VecDeque};
 
 use deepinfer_topology::{ContextParallel, DpRank, RequestId, StepId};
 
-use crate::dspark::schedule::{
-    StepRateTable, VerifyPlan, VerifyScheduleError, plan_verification, plan_with_budget,
-    verification_budget,
-};
+use crate::dspark::schedule::{RankedDrafts, StepRateTable, VerifyPlan, VerifyScheduleError};
 use crate::error::EngineError;
 use crate::messages::dspark::ProposalBatch;
 use crate::messages::rank::{
@@ -132,23 +129,18 @@ impl Verifier {
         fixed_tokens: u32,
         budget: usize,
     ) -> Result<VerifyPlan, VerifyScheduleError> {
-        let drafts = if self.asynchronous {
-            verification_budget(rows, self.max_draft_tokens, fixed_tokens, &self.table)?
+        let drafts = RankedDrafts::new(rows, self.max_draft_tokens, fixed_tokens)?;
+        let wanted = if self.asynchronous {
+            drafts.verification_budget(&self.table)
         } else {
-            let plan = plan_verification(rows, self.max_draft_tokens, fixed_tokens, &self.table)?;
-            let drafts = plan.lengths.iter().sum::<usize>();
-            if drafts <= budget {
+            let plan = drafts.plan_verification(&self.table);
+            let wanted = plan.lengths.iter().sum::<usize>();
+            if wanted <= budget {
                 return Ok(plan);
             }
-            drafts
+            wanted
         };
-        plan_with_budget(
-            rows,
-            self.max_draft_tokens,
-            fixed_tokens,
-            drafts.min(budget),
-            &self.table,
-        )
+        Ok(drafts.plan_with_budget(wanted.min(budget), &self.table))
     }
 }
 
