@@ -98,6 +98,17 @@ struct EntryInput {
 /// ends its request.
 type MaskResult = Result<StepMask, (GrammarError, u32)>;
 
+/// The backend error unless the executor answered `got` items for `want` inputs, one each:
+/// "the executor {verb} {got} {items} for {want} {inputs}" (`[verb, items, inputs]`).
+fn one_each(got: usize, want: usize, [verb, items, inputs]: [&str; 3]) -> Result<(), ExecError> {
+    if got == want {
+        return Ok(());
+    }
+    Err(ExecError::Backend(format!(
+        "the executor {verb} {got} {items} for {want} {inputs}"
+    )))
+}
+
 /// Masks requested before a forward: the batch in flight and the EOS each request ends with
 /// should its grammar fail.
 struct PendingMasks {
@@ -339,13 +350,11 @@ impl RankWorker {
         });
         let mut masks = self.finish_masks(pending);
         let outputs = outputs?;
-        if outputs.len() != plan.work.len() {
-            return Err(ExecError::Backend(format!(
-                "the executor returned {} outputs for {} sequences",
-                outputs.len(),
-                plan.work.len()
-            )));
-        }
+        one_each(
+            outputs.len(),
+            plan.work.len(),
+            ["returned", "outputs", "sequences"],
+        )?;
         let mut deferred_logprobs = HashMap::new();
         let mut deferred =
             self.sample_deferred(plan, &inputs, &outputs, &mut masks, &mut deferred_logprobs)?;
@@ -535,13 +544,7 @@ impl RankWorker {
             })
             .collect();
         let tokens = self.executor.sample_logits(&requests)?;
-        if tokens.len() != rows.len() {
-            return Err(ExecError::Backend(format!(
-                "the executor sampled {} tokens for {} rows",
-                tokens.len(),
-                rows.len()
-            )));
-        }
+        one_each(tokens.len(), rows.len(), ["sampled", "tokens", "rows"])?;
         // The rows of the sequences that report log-probabilities, in one executor call.
         let mut asked = Vec::new();
         let mut asked_rows = Vec::new();
@@ -555,13 +558,11 @@ impl RankWorker {
         }
         if !asked.is_empty() {
             let found = self.executor.logprobs_logits(&asked_rows, &picks)?;
-            if found.len() != asked.len() {
-                return Err(ExecError::Backend(format!(
-                    "the executor gave {} log-probabilities for {} rows",
-                    found.len(),
-                    asked.len()
-                )));
-            }
+            one_each(
+                found.len(),
+                asked.len(),
+                ["gave", "log-probabilities", "rows"],
+            )?;
             logprobs.extend(asked.into_iter().zip(found));
         }
         for ((id, ..), token) in rows.iter().zip(tokens) {
@@ -679,13 +680,11 @@ impl RankWorker {
             return Ok(Vec::new());
         }
         let drafts = self.executor.draft(&requests)?;
-        if drafts.len() != requests.len() {
-            return Err(ExecError::Backend(format!(
-                "the executor returned {} drafts for {} sequences",
-                drafts.len(),
-                requests.len()
-            )));
-        }
+        one_each(
+            drafts.len(),
+            requests.len(),
+            ["returned", "drafts", "sequences"],
+        )?;
         let mut summaries = Vec::new();
         for ((id, anchor), draft) in requests.into_iter().zip(drafts) {
             let Some(draft) = draft else {
