@@ -29,29 +29,15 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::Instant;
 
 use deepinfer_topology::DpRank;
-use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{ActorProcessingErr, ActorRef};
 use tokio::sync::oneshot;
 
-use crate::dspark::profile::ProfileRequest;
-use crate::dspark::schedule::StepRateTable;
-use crate::messages::rank::{RankError, RankMsg, StepPlan};
+use crate::messages::rank::{RankError, RankMsg};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
 use crate::shell::{Shell, ShellActor};
 use executor::ExecutorFactory;
-use memory::StateMemory;
 use worker::RankWorker;
-
-/// What the actor sends its thread.
-enum ThreadMsg {
-    Profile(
-        ProfileRequest,
-        RpcReplyPort<Result<StepRateTable, RankError>>,
-    ),
-    StateMemory(RpcReplyPort<Result<StateMemory, RankError>>),
-    Attach(ActorRef<SchedulerMsg>),
-    Plan(Box<StepPlan>),
-}
 
 /// Arguments of `RankActor`.
 pub struct RankArgs {
@@ -61,7 +47,8 @@ pub struct RankArgs {
 
 pub struct RankState {
     dp: DpRank,
-    to_thread: Option<mpsc::Sender<ThreadMsg>>,
+    /// The rank's messages for its thread (all but `ThreadExited`, which is the actor's).
+    to_thread: Option<mpsc::Sender<RankMsg>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -137,16 +124,10 @@ impl Shell for RankState {
     }
 
     async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
-        let to_thread = match message {
-            RankMsg::Profile(request, reply) => ThreadMsg::Profile(request, reply),
-            RankMsg::StateMemory(reply) => ThreadMsg::StateMemory(reply),
-            RankMsg::Attach(scheduler) => ThreadMsg::Attach(scheduler),
-            RankMsg::Execute(plan) => ThreadMsg::Plan(plan),
-            RankMsg::ThreadExited(error) => {
-                return Err(format!("{}: {error}", self.dp).into());
-            }
-        };
-        let sent = self.to_thread.as_ref().map(|tx| tx.send(to_thread));
+        if let RankMsg::ThreadExited(error) = message {
+            return Err(format!("{}: {error}", self.dp).into());
+        }
+        let sent = self.to_thread.as_ref().map(|tx| tx.send(message));
         if !matches!(sent, Some(Ok(()))) {
             return Err(format!("{}: {}", self.dp, RankError::ThreadGone).into());
         }
@@ -171,7 +152,7 @@ impl Shell for RankState {
 fn rank_thread(
     dp: DpRank,
     mut worker: RankWorker,
-    plans: mpsc::Receiver<ThreadMsg>,
+    plans: mpsc::Receiver<RankMsg>,
     rank: ActorRef<RankMsg>,
 ) {
     let mut scheduler: Option<ActorRef<SchedulerMsg>> = None;
@@ -225,21 +206,23 @@ fn rank_thread(
             }
         };
         let plan = match message {
-            ThreadMsg::Profile(request, reply) => {
+            RankMsg::Profile(request, reply) => {
                 // A failed profile fails the engine's start, which stops this rank.
                 let _ = reply.send(guarded(|| worker.profile(&request)));
                 continue;
             }
-            ThreadMsg::StateMemory(reply) => {
+            RankMsg::StateMemory(reply) => {
                 // A failed reading fails the engine's start, which stops this rank.
                 let _ = reply.send(guarded(|| worker.state_memory()));
                 continue;
             }
-            ThreadMsg::Attach(s) => {
+            RankMsg::Attach(s) => {
                 scheduler = Some(s);
                 continue;
             }
-            ThreadMsg::Plan(plan) => plan,
+            RankMsg::Execute(plan) => plan,
+            // The actor's own message: never sent to the thread.
+            RankMsg::ThreadExited(_) => continue,
         };
         let span =
             tracing::debug_span!("step", dp = %dp, id = %plan.step, mode = plan.mode.as_str());
