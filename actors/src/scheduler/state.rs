@@ -464,9 +464,9 @@ impl SchedulerState {
     }
 
     /// Reserves the blocks for running `id` to hold `len` positions, preempting the newest
-    /// preemptable running request (not constrained, not in `planned`) while the free blocks
-    /// and those in-flight steps will free fall short.
-    fn grow(&mut self, id: RequestId, len: usize, planned: &[RequestId]) -> Growth {
+    /// preemptable running request (not constrained, without an entry in `planned`) while the
+    /// free blocks and those in-flight steps will free fall short.
+    fn grow(&mut self, id: RequestId, len: usize, planned: &[SeqWork]) -> Growth {
         loop {
             let Some(pool) = self.pool.as_mut() else {
                 return Growth::Granted;
@@ -479,7 +479,8 @@ impl SchedulerState {
                 return Growth::Wait;
             }
             let victim = self.running.iter().rev().copied().find(|r| {
-                !planned.contains(r) && self.seqs.get(r).is_some_and(|seq| !seq.constrained)
+                !planned.iter().any(|w| w.id == *r)
+                    && self.seqs.get(r).is_some_and(|seq| !seq.constrained)
             });
             match victim {
                 None => return Growth::Wait,
@@ -538,13 +539,12 @@ impl SchedulerState {
             return None;
         }
         let mut budget = self.limits.max_batched_tokens;
+        // The plan's entries (their requests are never preempted for another one).
         let mut work = Vec::new();
         let mut new_seqs = Vec::new();
         let (mut decodes, mut prefills) = (0usize, 0usize);
         // Verify entries: (index in `work`, most drafts the request may still use).
         let mut verifies: Vec<(usize, usize)> = Vec::new();
-        // Requests with an entry in this plan (never preempted for another one).
-        let mut planned: Vec<RequestId> = Vec::new();
         let speculative = self.verifier.is_some();
         // 1. One token for every running decode that may still produce one.
         for id in self.running.clone() {
@@ -559,7 +559,7 @@ impl SchedulerState {
                 continue;
             }
             let len = seq.held_max + 1;
-            if !matches!(self.grow(id, len, &planned), Growth::Granted) {
+            if !matches!(self.grow(id, len, &work), Growth::Granted) {
                 continue;
             }
             let Some(seq) = self.seqs.get_mut(&id) else {
@@ -575,7 +575,6 @@ impl SchedulerState {
                 SeqInput::Decode
             };
             work.push(SeqWork { id, input });
-            planned.push(id);
             budget -= 1;
             decodes += 1;
         }
@@ -597,12 +596,11 @@ impl SchedulerState {
             let n = self.reserve_chunk(id, wanted);
             if n == 0 {
                 // Cannot grow: wait for blocks, or make room by preemption.
-                self.grow(id, held + 1, &planned);
+                self.grow(id, held + 1, &work);
                 continue;
             }
             if let Some(entry) = self.prefill_entry(id, n, speculative, &mut new_seqs) {
                 work.push(entry);
-                planned.push(id);
                 budget -= n;
                 prefills += 1;
             }
@@ -613,7 +611,6 @@ impl SchedulerState {
             };
             if let Some(entry) = self.prefill_entry(id, n, speculative, &mut new_seqs) {
                 work.push(entry);
-                planned.push(id);
                 budget -= n;
                 prefills += 1;
             }
