@@ -782,6 +782,20 @@ mod tests {
         RankWorker::new(DpRank(0), Box::new(FakeExecutor::new(config, 0)))
     }
 
+    /// A worker over the fake backend of `vocab` tokens whose drafter proposes blocks of 5, the
+    /// first `correct` of them right, at confidence 4.
+    fn drafting_worker(vocab: usize, correct: usize) -> RankWorker {
+        worker(FakeConfig {
+            vocab_size: vocab,
+            drafter: Some(crate::rank::fake::FakeDrafter {
+                block_size: 5,
+                correct,
+                confidence: 4.0,
+            }),
+            ..FakeConfig::default()
+        })
+    }
+
     fn plan(step: u64, new: &[u64], work: Vec<(u64, SeqInput)>, finished: &[u64]) -> StepPlan {
         StepPlan {
             step: StepId(step),
@@ -900,17 +914,8 @@ mod tests {
 
     #[test]
     fn verify_accepts_the_matching_prefix_rolls_back_and_drafts_again() {
-        use crate::rank::fake::FakeDrafter;
         let vocab = 64;
-        let mut w = worker(FakeConfig {
-            vocab_size: vocab,
-            drafter: Some(FakeDrafter {
-                block_size: 5,
-                correct: 2,
-                confidence: 4.0,
-            }),
-            ..FakeConfig::default()
-        });
+        let mut w = drafting_worker(vocab, 2);
         let prefill = plan(
             0,
             &[1],
@@ -963,17 +968,8 @@ mod tests {
 
     #[test]
     fn a_speculative_sequence_drafts_after_its_prompt() {
-        use crate::rank::fake::FakeDrafter;
         let vocab = 64;
-        let mut w = worker(FakeConfig {
-            vocab_size: vocab,
-            drafter: Some(FakeDrafter {
-                block_size: 5,
-                correct: 5,
-                confidence: 4.0,
-            }),
-            ..FakeConfig::default()
-        });
+        let mut w = drafting_worker(vocab, 5);
         let mut prefill = plan(
             0,
             &[1, 2],
@@ -1018,16 +1014,7 @@ mod tests {
         logprobs: Option<usize>,
         steps: u64,
     ) -> (Vec<u32>, Vec<TokenLogprobs>) {
-        use crate::rank::fake::FakeDrafter;
-        let mut w = worker(FakeConfig {
-            vocab_size: 64,
-            drafter: Some(FakeDrafter {
-                block_size: 5,
-                correct: 2,
-                confidence: 4.0,
-            }),
-            ..FakeConfig::default()
-        });
+        let mut w = drafting_worker(64, 2);
         let prompt = SeqInput::Prefill {
             tokens: vec![3, 4],
             last: true,
