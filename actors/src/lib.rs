@@ -24,6 +24,7 @@ pub mod replay;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;
+pub mod shell;
 pub mod sim;
 pub mod supervisor;
 pub mod tools;

@@ -255,6 +255,23 @@ mod tests {
     use super::*;
     use crate::comm::free_loopback;
 
+    /// `join` within 20 s.
+    fn join_in_time(
+        bootstrap: SocketAddr,
+        me: Member,
+        source: Option<&dyn UniqueIdSource>,
+    ) -> Result<Joined, EpError> {
+        join(bootstrap, me, Duration::from_secs(20), source)
+    }
+
+    /// The error a node's join thread ended with (`expected`: what the join should fail with).
+    fn join_error(node: thread::JoinHandle<Result<Joined, EpError>>, expected: &str) -> String {
+        node.join()
+            .expect("thread")
+            .expect_err(expected)
+            .to_string()
+    }
+
     fn member(node: u16, fingerprint: u64, port: u16) -> Member {
         Member {
             node,
@@ -269,25 +286,19 @@ mod tests {
     #[test]
     fn nodes_join_or_fail_with_a_reason() {
         let boot = free_loopback();
-        let second =
-            thread::spawn(move || join(boot, member(1, 7, 2002), Duration::from_secs(20), None));
+        let second = thread::spawn(move || join_in_time(boot, member(1, 7, 2002), None));
         thread::sleep(Duration::from_millis(200));
-        let first = join(boot, member(0, 7, 2001), Duration::from_secs(20), None).expect("node 0");
+        let first = join_in_time(boot, member(0, 7, 2001), None).expect("node 0");
         let second = second.join().expect("thread").expect("node 1");
         assert_eq!(first, second);
         assert_eq!(first.experts[1].port(), 2002);
 
         let boot = free_loopback();
-        let other =
-            thread::spawn(move || join(boot, member(1, 8, 2002), Duration::from_secs(20), None));
-        let lead = join(boot, member(0, 7, 2001), Duration::from_secs(20), None);
+        let other = thread::spawn(move || join_in_time(boot, member(1, 8, 2002), None));
+        let lead = join_in_time(boot, member(0, 7, 2001), None);
         let err = lead.expect_err("another fingerprint").to_string();
         assert!(err.contains("another model or topology"), "{err}");
-        let err = other
-            .join()
-            .expect("thread")
-            .expect_err("refused")
-            .to_string();
+        let err = join_error(other, "refused");
         assert!(err.contains("node 0 refused node 1"), "{err}");
 
         let boot = free_loopback();
@@ -322,7 +333,7 @@ mod tests {
                         nodes: 3,
                         ..member(node, 7, 2000 + node)
                     };
-                    join(boot, me, Duration::from_secs(20), Some(&other_id))
+                    join_in_time(boot, me, Some(&other_id))
                 })
             })
             .collect();
@@ -331,7 +342,7 @@ mod tests {
             nodes: 3,
             ..member(0, 7, 2000)
         };
-        let lead = join(boot, me, Duration::from_secs(20), Some(&node0_id)).expect("node 0");
+        let lead = join_in_time(boot, me, Some(&node0_id)).expect("node 0");
         assert_eq!(lead.unique_id, Some(node0_id().expect("an id")));
         for follower in followers {
             let joined = follower.join().expect("thread").expect("a follower");
@@ -346,32 +357,16 @@ mod tests {
     #[test]
     fn a_missing_unique_id_fails_the_start_naming_why() {
         let boot = free_loopback();
-        let other = thread::spawn(move || {
-            join(
-                boot,
-                member(1, 7, 2002),
-                Duration::from_secs(20),
-                Some(&other_id),
-            )
-        });
+        let other = thread::spawn(move || join_in_time(boot, member(1, 7, 2002), Some(&other_id)));
         let no_nccl = || -> Result<UniqueId, String> { Err("libnccl.so did not load".into()) };
-        let err = join(
-            boot,
-            member(0, 7, 2001),
-            Duration::from_secs(20),
-            Some(&no_nccl),
-        )
-        .expect_err("no id")
-        .to_string();
+        let err = join_in_time(boot, member(0, 7, 2001), Some(&no_nccl))
+            .expect_err("no id")
+            .to_string();
         assert!(
             err.contains("node 0 could not create the unique id: libnccl.so did not load"),
             "{err}"
         );
-        let err = other
-            .join()
-            .expect("thread")
-            .expect_err("refused")
-            .to_string();
+        let err = join_error(other, "refused");
         assert!(err.contains("node 0 refused node 1"), "{err}");
         assert!(err.contains("libnccl.so did not load"), "{err}");
 
@@ -380,23 +375,19 @@ mod tests {
             let other = thread::spawn(move || {
                 let me = member(1, 7, 2002);
                 if follower_wants_id {
-                    join(boot, me, Duration::from_secs(20), Some(&other_id))
+                    join_in_time(boot, me, Some(&other_id))
                 } else {
-                    join(boot, me, Duration::from_secs(20), None)
+                    join_in_time(boot, me, None)
                 }
             });
             let me = member(0, 7, 2001);
             let lead = if follower_wants_id {
-                join(boot, me, Duration::from_secs(20), None)
+                join_in_time(boot, me, None)
             } else {
-                join(boot, me, Duration::from_secs(20), Some(&node0_id))
+                join_in_time(boot, me, Some(&node0_id))
             };
             lead.expect("node 0 answered");
-            let err = other
-                .join()
-                .expect("thread")
-                .expect_err("a mismatch")
-                .to_string();
+            let err = join_error(other, "a mismatch");
             let expected = if follower_wants_id {
                 "node 1 expects a unique id from node 0, which sent none"
             } else {
@@ -437,14 +428,9 @@ mod tests {
                 std::io::Write::write_all(&mut conn, &sent).expect("sent");
                 hello
             });
-            let err = join(
-                boot,
-                member(1, 7, 2002),
-                Duration::from_secs(20),
-                Some(&other_id),
-            )
-            .expect_err("a malformed welcome")
-            .to_string();
+            let err = join_in_time(boot, member(1, 7, 2002), Some(&other_id))
+                .expect_err("a malformed welcome")
+                .to_string();
             assert_eq!(stand_in.join().expect("stand-in").node, 1);
             assert!(
                 err.contains(&format!("node 1 with node 0 at {boot}")),

@@ -521,33 +521,21 @@ mod comm_checks {
             .map(|(s, _)| Arc::new(s))
             .expect("built")
         };
-        let ok = LocalComm::new(
-            PlacementEpoch(0),
-            model.clone(),
-            placement.clone(),
-            vec![shard(0, 0), shard(1, 0)],
-        );
+        let local = |epoch: u32, shards: Vec<Arc<ExpertShard>>| {
+            LocalComm::new(
+                PlacementEpoch(epoch),
+                model.clone(),
+                placement.clone(),
+                shards,
+            )
+        };
+        let ok = local(0, vec![shard(0, 0), shard(1, 0)]);
         assert!(ok.is_ok());
-        let missing = LocalComm::new(
-            PlacementEpoch(0),
-            model.clone(),
-            placement.clone(),
-            vec![shard(0, 0)],
-        );
+        let missing = local(0, vec![shard(0, 0)]);
         assert!(matches!(missing, Err(EpError::Shape { found: 1, .. })));
-        let stale = LocalComm::new(
-            PlacementEpoch(1),
-            model.clone(),
-            placement.clone(),
-            vec![shard(0, 1), shard(1, 0)],
-        );
+        let stale = local(1, vec![shard(0, 1), shard(1, 0)]);
         assert!(matches!(stale, Err(EpError::ShardEpoch { .. })));
-        let swapped = LocalComm::new(
-            PlacementEpoch(0),
-            model.clone(),
-            placement.clone(),
-            vec![shard(1, 0), shard(0, 0)],
-        );
+        let swapped = local(0, vec![shard(1, 0), shard(0, 0)]);
         assert!(swapped.is_err());
         let short = Arc::new(ExpertPlacement::uniform(layers - 1, 8, shape).expect("uniform"));
         let wrong_layers = LocalComm::new(PlacementEpoch(0), model, short, vec![]);

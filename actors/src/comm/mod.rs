@@ -45,6 +45,28 @@ use deepinfer_topology::{DpRank, EpRank, PlacementEpoch, PlacementError};
 
 pub use local::{LayerPlan, LocalComm, replica_index, token_key};
 
+/// Spawns the thread `name` that accepts `listener`'s connections, each to `accepted`, until
+/// `stop` is set (its owner then connects once to wake the loop).
+pub(crate) fn accept_until_stopped(
+    name: &str,
+    listener: std::net::TcpListener,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    mut accepted: impl FnMut(std::net::TcpStream) + Send + 'static,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(conn) = conn else { continue };
+                accepted(conn);
+            }
+        })
+        .map(drop)
+}
+
 /// A loopback address whose port is free right now (for tests over real sockets).
 #[cfg(test)]
 pub(crate) fn free_loopback() -> std::net::SocketAddr {

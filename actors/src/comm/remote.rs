@@ -22,7 +22,7 @@ use std::time::Duration;
 use deepinfer_topology::{EpRank, PlacementEpoch};
 
 use super::wire::{Control, ControlReply, ControlRequest, Dispatch, FrameTag, Reply, Request};
-use super::{Comm, EpError, LayerAt};
+use super::{Comm, EpError, LayerAt, accept_until_stopped};
 use crate::experts::parallel::ExpertParallel;
 
 /// One remote EP rank: its node, address and connection.
@@ -277,22 +277,13 @@ impl ExpertServer {
             .local_addr()
             .map_err(|e| EpError::Bootstrap(format!("expert server address: {e}")))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let stopping = stop.clone();
-        thread::Builder::new()
-            .name("expert-server".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stopping.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    let parallel = parallel.clone();
-                    let _ = thread::Builder::new()
-                        .name("expert-peer".into())
-                        .spawn(move || serve_peer(conn, session, parallel));
-                }
-            })
-            .map_err(|e| EpError::Bootstrap(format!("expert server thread: {e}")))?;
+        accept_until_stopped("expert-server", listener, stop.clone(), move |conn| {
+            let parallel = parallel.clone();
+            let _ = thread::Builder::new()
+                .name("expert-peer".into())
+                .spawn(move || serve_peer(conn, session, parallel));
+        })
+        .map_err(|e| EpError::Bootstrap(format!("expert server thread: {e}")))?;
         Ok(ExpertServer { addr, stop })
     }
 }

@@ -30,8 +30,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak, mpsc};
 use std::thread;
 use std::time::Duration;
 
-use super::EpError;
 use super::wire::{NodeEplb, NodeEplbFrame, PeerFrame, StepCount};
+use super::{EpError, accept_until_stopped};
 use crate::experts::lockstep::NodePeers;
 
 /// What live EPLB across nodes hears from the other nodes (`experts::device::DeviceExperts`).
@@ -158,30 +158,22 @@ impl StepBeacon {
             .map_err(|e| failed(format!("sending thread: {e}")))?;
         let (hearing, stopping, delivering, accepted) =
             (heard.clone(), stop.clone(), inbox.clone(), incoming.clone());
-        thread::Builder::new()
-            .name("step-counts-in".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stopping.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    if let Ok(clone) = conn.try_clone() {
-                        locked(&accepted).push(clone);
-                    }
-                    let reader = Reader {
-                        session,
-                        node,
-                        heard: hearing.clone(),
-                        inbox: delivering.clone(),
-                        stop: stopping.clone(),
-                    };
-                    let _ = thread::Builder::new()
-                        .name("step-counts-peer".into())
-                        .spawn(move || reader.run(conn));
-                }
-            })
-            .map_err(|e| failed(format!("listening thread: {e}")))?;
+        accept_until_stopped("step-counts-in", listener, stop.clone(), move |conn| {
+            if let Ok(clone) = conn.try_clone() {
+                locked(&accepted).push(clone);
+            }
+            let reader = Reader {
+                session,
+                node,
+                heard: hearing.clone(),
+                inbox: delivering.clone(),
+                stop: stopping.clone(),
+            };
+            let _ = thread::Builder::new()
+                .name("step-counts-peer".into())
+                .spawn(move || reader.run(conn));
+        })
+        .map_err(|e| failed(format!("listening thread: {e}")))?;
         Ok(Arc::new(StepBeacon {
             node,
             nodes: peers.len() as u16,

@@ -254,6 +254,12 @@ impl Frame {
         self.u32(tag.layer);
         self.u32(tag.epoch);
     }
+    /// A `FAILURE` frame carrying `message`.
+    fn failure(message: &str) -> Frame {
+        let mut frame = Frame::new(FAILURE);
+        frame.text(message);
+        frame
+    }
     fn send(self, w: &mut impl Write) -> io::Result<()> {
         w.write_all(&self.0)?;
         w.flush()
@@ -264,6 +270,11 @@ fn bad(message: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, message)
 }
 
+fn u8_of(r: &mut impl Read) -> io::Result<u8> {
+    let mut b = [0u8; 1];
+    r.read_exact(&mut b)?;
+    Ok(b[0])
+}
 fn u16_of(r: &mut impl Read) -> io::Result<u16> {
     let mut b = [0u8; 2];
     r.read_exact(&mut b)?;
@@ -317,9 +328,7 @@ fn kind_of(r: &mut impl Read) -> io::Result<Option<u8>> {
     if u32::from_le_bytes(b) != MAGIC {
         return Err(bad("not a deepinfer frame (wrong magic)".into()));
     }
-    let mut kind = [0u8; 1];
-    r.read_exact(&mut kind)?;
-    Ok(Some(kind[0]))
+    Ok(Some(u8_of(r)?))
 }
 fn expect_kind(r: &mut impl Read, kinds: &[u8]) -> io::Result<u8> {
     match kind_of(r)? {
@@ -378,46 +387,36 @@ fn table_len(r: &mut impl Read, what: &str) -> io::Result<usize> {
     bounded(u32_of(r)?, MAX_TABLE, what)
 }
 
+/// A table: its length (at most `MAX_TABLE`, else an error naming `what`), then each item.
+fn table_of<R: Read, T>(
+    r: &mut R,
+    what: &str,
+    mut item: impl FnMut(&mut R) -> io::Result<T>,
+) -> io::Result<Vec<T>> {
+    let len = table_len(r, what)?;
+    (0..len).map(|_| item(r)).collect()
+}
+
 fn rank_loads_of(r: &mut impl Read) -> io::Result<RankLoads> {
-    (0..table_len(r, "EP ranks")?)
-        .map(|_| {
-            let epoch = u32_of(r)?;
-            let per_slot = (0..table_len(r, "load layers")?)
-                .map(|_| {
-                    (0..table_len(r, "load slots")?)
-                        .map(|_| u64_of(r))
-                        .collect::<io::Result<Vec<_>>>()
-                })
-                .collect::<io::Result<Vec<_>>>()?;
-            Ok((epoch, per_slot))
-        })
-        .collect()
+    table_of(r, "EP ranks", |r| {
+        let epoch = u32_of(r)?;
+        let per_slot = table_of(r, "load layers", |r| table_of(r, "load slots", u64_of))?;
+        Ok((epoch, per_slot))
+    })
 }
 
 fn placement_of(r: &mut impl Read) -> io::Result<ExpertPlacement> {
-    let mut policy = [0u8; 1];
-    r.read_exact(&mut policy)?;
-    let policy = match policy[0] {
+    let policy = match u8_of(r)? {
         0 => EplbPolicy::Hierarchical,
         1 => EplbPolicy::Global,
         other => return Err(bad(format!("placement policy {other} is not 0 or 1"))),
     };
     let slots_per_gpu = table_len(r, "slots per EP rank")?;
-    let layers = (0..table_len(r, "placement layers")?)
-        .map(|_| {
-            let phy2log = (0..table_len(r, "physical slots")?)
-                .map(|_| u16_of(r).map(ExpertId))
-                .collect::<io::Result<Vec<_>>>()?;
-            let log2phy = (0..table_len(r, "logical experts")?)
-                .map(|_| {
-                    (0..table_len(r, "replicas")?)
-                        .map(|_| u32_of(r))
-                        .collect::<io::Result<Vec<_>>>()
-                })
-                .collect::<io::Result<Vec<_>>>()?;
-            Ok(LayerPlacement { phy2log, log2phy })
-        })
-        .collect::<io::Result<Vec<_>>>()?;
+    let layers = table_of(r, "placement layers", |r| {
+        let phy2log = table_of(r, "physical slots", |r| u16_of(r).map(ExpertId))?;
+        let log2phy = table_of(r, "logical experts", |r| table_of(r, "replicas", u32_of))?;
+        Ok(LayerPlacement { phy2log, log2phy })
+    })?;
     Ok(ExpertPlacement {
         policy,
         slots_per_gpu,
@@ -462,9 +461,7 @@ impl ControlRequest {
 
     fn body(r: &mut impl Read) -> io::Result<ControlRequest> {
         let session = u64_of(r)?;
-        let mut which = [0u8; 1];
-        r.read_exact(&mut which)?;
-        let control = match which[0] {
+        let control = match u8_of(r)? {
             0 => Control::TakeLoads,
             1 => Control::Stage {
                 epoch: u32_of(r)?,
@@ -491,10 +488,7 @@ impl ControlReply {
                 f.u64(*copied);
             }
             ControlReply::Done => f = Frame::new(DONE),
-            ControlReply::Failure(message) => {
-                f = Frame::new(FAILURE);
-                f.text(message);
-            }
+            ControlReply::Failure(message) => f = Frame::failure(message),
         }
         f.send(w)
     }
@@ -563,11 +557,7 @@ impl Reply {
                 f.f32s(outputs);
                 f.send(w)
             }
-            Reply::Failure(message) => {
-                let mut f = Frame::new(FAILURE);
-                f.text(message);
-                f.send(w)
-            }
+            Reply::Failure(message) => Frame::failure(message).send(w),
         }
     }
 
@@ -667,11 +657,7 @@ impl Welcome {
                 }
                 f.send(w)
             }
-            Welcome::Failure(message) => {
-                let mut f = Frame::new(FAILURE);
-                f.text(message);
-                f.send(w)
-            }
+            Welcome::Failure(message) => Frame::failure(message).send(w),
         }
     }
 
@@ -775,9 +761,7 @@ impl NodeEplb {
     }
 
     fn of(r: &mut impl Read) -> io::Result<NodeEplb> {
-        let mut which = [0u8; 1];
-        r.read_exact(&mut which)?;
-        Ok(match which[0] {
+        Ok(match u8_of(r)? {
             0 => NodeEplb::TakeLoads { round: u64_of(r)? },
             1 => NodeEplb::Loads {
                 round: u64_of(r)?,
@@ -993,6 +977,32 @@ mod tests {
         assert!(err.to_string().contains("rows x width"), "{err}");
     }
 
+    /// A rebalanced placement of 8 experts over two nodes of two ranks, three layers.
+    fn two_node_placement() -> ExpertPlacement {
+        let shape = deepinfer_topology::PlacementShape {
+            num_replicas: 10,
+            num_groups: 1,
+            num_nodes: 2,
+            num_gpus: 2,
+        };
+        let loads = vec![vec![9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0]; 3];
+        deepinfer_topology::rebalance_experts(&loads, shape).expect("solved")
+    }
+
+    /// Node 1's `Hello` of a two-node deployment, as written.
+    fn hello_frame() -> Vec<u8> {
+        let mut hello = Vec::new();
+        Hello {
+            node: 1,
+            nodes: 2,
+            fingerprint: 5,
+            expert_addr: "127.0.0.1:3".into(),
+        }
+        .send(&mut hello)
+        .expect("written");
+        hello
+    }
+
     /// `Welcome` with its table, then `id_len` and `id`, as a node 0 might send it.
     fn welcome_frame(version: u16, id_len: u32, id: &[u8]) -> Vec<u8> {
         let mut f = Frame::new(WELCOME);
@@ -1043,15 +1053,7 @@ mod tests {
                 .contains("Welcome of bootstrap version 1, this node speaks version 2"),
             "{err}"
         );
-        let mut hello = Vec::new();
-        Hello {
-            node: 1,
-            nodes: 2,
-            fingerprint: 5,
-            expert_addr: "127.0.0.1:3".into(),
-        }
-        .send(&mut hello)
-        .expect("written");
+        let mut hello = hello_frame();
         hello[5] = 7; // the version's low byte
         let err = Hello::receive(&mut hello.as_slice()).expect_err("another version");
         assert!(
@@ -1062,14 +1064,7 @@ mod tests {
 
     #[test]
     fn control_frames_round_trip_and_bad_bytes_are_errors() {
-        let shape = deepinfer_topology::PlacementShape {
-            num_replicas: 10,
-            num_groups: 1,
-            num_nodes: 2,
-            num_gpus: 2,
-        };
-        let loads = vec![vec![9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0]; 3];
-        let placement = deepinfer_topology::rebalance_experts(&loads, shape).expect("solved");
+        let placement = two_node_placement();
         let requests = [
             Control::TakeLoads,
             Control::Stage {
@@ -1123,14 +1118,7 @@ mod tests {
     /// the counts, in order.
     #[test]
     fn node_eplb_frames_round_trip_among_the_counts() {
-        let shape = deepinfer_topology::PlacementShape {
-            num_replicas: 10,
-            num_groups: 1,
-            num_nodes: 2,
-            num_gpus: 2,
-        };
-        let loads = vec![vec![9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0]; 3];
-        let placement = deepinfer_topology::rebalance_experts(&loads, shape).expect("solved");
+        let placement = two_node_placement();
         let messages = [
             NodeEplb::TakeLoads { round: 3 },
             NodeEplb::Loads {
@@ -1202,68 +1190,45 @@ mod tests {
     fn corrupted_node_eplb_frames_are_refused_naming_what() {
         // magic (4), kind (1), version (2), session (8), node (2), length (4), body.
         let (version, length, body) = (5, 5 + 2 + 8 + 2, 5 + 2 + 8 + 2 + 4);
-        let refused = |bytes: &[u8]| -> String {
-            PeerFrame::receive(&mut &bytes[..])
+        let assert_refused = |bytes: &[u8], why: &str| {
+            let error = PeerFrame::receive(&mut &bytes[..])
                 .expect_err("refused")
-                .to_string()
+                .to_string();
+            assert!(error.contains(why), "{error}");
         };
         let mut other = propose_frame();
         other[version] = 9;
-        assert!(
-            refused(&other).contains("an EPLB frame of version 9, this node speaks version 1"),
-            "{}",
-            refused(&other)
+        assert_refused(
+            &other,
+            "an EPLB frame of version 9, this node speaks version 1",
         );
         let mut huge = propose_frame();
         huge[length..length + 4].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(
-            refused(&huge).contains("EPLB frame length"),
-            "{}",
-            refused(&huge)
-        );
+        assert_refused(&huge, "EPLB frame length");
         let whole = propose_frame();
         let short = &whole[..whole.len() - 3];
-        assert!(
-            refused(short).contains("cut short in an EPLB message from node 1: 10 of 13 bytes"),
-            "{}",
-            refused(short)
+        assert_refused(
+            short,
+            "cut short in an EPLB message from node 1: 10 of 13 bytes",
         );
         let mut longer = propose_frame();
         longer[length..length + 4].copy_from_slice(&14u32.to_le_bytes());
         longer.push(0);
-        assert!(
-            refused(&longer).contains("1 bytes past its end"),
-            "{}",
-            refused(&longer)
-        );
+        assert_refused(&longer, "1 bytes past its end");
         let mut unknown = propose_frame();
         unknown[body] = 42;
-        assert!(
-            refused(&unknown).contains("malformed EPLB message from node 1: EPLB message 42"),
-            "{}",
-            refused(&unknown)
+        assert_refused(
+            &unknown,
+            "malformed EPLB message from node 1: EPLB message 42",
         );
         let mut cut = propose_frame();
         cut[length..length + 4].copy_from_slice(&5u32.to_le_bytes());
         cut.truncate(body + 5);
-        assert!(
-            refused(&cut).contains("malformed EPLB message from node 1"),
-            "{}",
-            refused(&cut)
-        );
-        let mut hello = Vec::new();
-        Hello {
-            node: 1,
-            nodes: 2,
-            fingerprint: 5,
-            expert_addr: "127.0.0.1:3".into(),
-        }
-        .send(&mut hello)
-        .expect("written");
-        assert!(
-            refused(&hello).contains("expected a step count or an EPLB message, got frame kind 4"),
-            "{}",
-            refused(&hello)
+        assert_refused(&cut, "malformed EPLB message from node 1");
+        let hello = hello_frame();
+        assert_refused(
+            &hello,
+            "expected a step count or an EPLB message, got frame kind 4",
         );
     }
 }

@@ -23,10 +23,11 @@ pub mod profile;
 pub mod schedule;
 pub mod state;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{ActorProcessingErr, ActorRef};
 
 use crate::messages::dspark::DSparkMsg;
 use crate::messages::scheduler::SchedulerMsg;
+use crate::shell::{Shell, ShellActor};
 use state::{DSparkState, Routed};
 
 /// Arguments of `DSparkActor`.
@@ -43,41 +44,31 @@ pub struct DSparkShell {
 }
 
 /// The actor (stateless handler; state in `DSparkShell`).
-pub struct DSparkActor;
+pub type DSparkActor = ShellActor<DSparkShell>;
 
-impl Actor for DSparkActor {
+impl Shell for DSparkShell {
     type Msg = DSparkMsg;
-    type State = DSparkShell;
-    type Arguments = DSparkArgs;
+    type Args = DSparkArgs;
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<DSparkMsg>,
-        args: DSparkArgs,
-    ) -> Result<DSparkShell, ActorProcessingErr> {
+    async fn start(_: ActorRef<Self::Msg>, args: Self::Args) -> Result<Self, ActorProcessingErr> {
         Ok(DSparkShell {
             state: DSparkState::new(args.schedulers.len(), args.max_draft_tokens),
             schedulers: args.schedulers,
         })
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<DSparkMsg>,
-        message: DSparkMsg,
-        s: &mut DSparkShell,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
         match message {
-            DSparkMsg::Drafted(batch) => match s.state.on_drafted(*batch) {
+            DSparkMsg::Drafted(batch) => match self.state.on_drafted(*batch) {
                 Ok(Routed::Forward(dp, proposals)) => {
-                    if let Some(scheduler) = s.schedulers.get(dp.index()) {
+                    if let Some(scheduler) = self.schedulers.get(dp.index()) {
                         // A stopped scheduler means the engine is shutting down.
                         let _ = scheduler.cast(SchedulerMsg::Proposals(Box::new(proposals)));
                     }
                 }
                 Ok(Routed::Stale) => {
                     tracing::trace!(
-                        stale = s.state.stale_batches(),
+                        stale = self.state.stale_batches(),
                         "stale DSpark batch dropped"
                     );
                 }

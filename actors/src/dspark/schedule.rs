@@ -195,125 +195,111 @@ fn base_tokens(fixed_tokens: u32, requests: usize) -> Result<u32, VerifySchedule
         .ok_or(VerifyScheduleError::BatchTooLarge { requests })
 }
 
-/// The expected throughput with no draft admitted, and then with the first 1, 2, … ranked
-/// `candidates` admitted: `(requests + Σ survival) · steps_per_second(base + admitted)`.
-fn admitted_throughputs<'a>(
+/// One step's draft candidates, every request's drafts ranked by survival, and the tokens the
+/// step holds before any draft is admitted; the ways to choose which drafts it verifies.
+#[derive(Debug, Clone)]
+pub struct RankedDrafts {
     requests: usize,
-    candidates: &'a [Candidate],
+    candidates: Vec<Candidate>,
     base: u32,
-    table: &'a StepRateTable,
-) -> (f64, impl Iterator<Item = f64> + 'a) {
-    let throughput = move |accepted: f64, admitted: usize| {
-        let tokens = base.saturating_add(u32::try_from(admitted).unwrap_or(u32::MAX));
-        accepted * table.steps_per_second(tokens)
-    };
-    let none = requests as f64;
-    let more = candidates
-        .iter()
-        .enumerate()
-        .scan(none, move |accepted, (index, candidate)| {
-            *accepted += candidate.survival;
-            Some(throughput(*accepted, index + 1))
-        });
-    (throughput(none, 0), more)
 }
 
-/// Builds the plan that admits the first `admitted` ranked candidates.
-fn plan_from_prefix(
-    requests: usize,
-    candidates: &[Candidate],
-    admitted: usize,
-    base: u32,
-    table: &StepRateTable,
-) -> VerifyPlan {
-    let mut lengths = vec![0; requests];
-    let mut expected_accepted = requests as f64;
-    for candidate in &candidates[..admitted] {
-        lengths[candidate.request] = lengths[candidate.request].max(candidate.draft + 1);
-        expected_accepted += candidate.survival;
-    }
-    let batch_tokens = base.saturating_add(u32::try_from(admitted).unwrap_or(u32::MAX));
-    VerifyPlan {
-        lengths,
-        batch_tokens,
-        expected_accepted,
-        expected_tokens_per_second: expected_accepted * table.steps_per_second(batch_tokens),
-    }
-}
-
-/// Synchronous Algorithm 1: admit candidates by survival while the expected throughput
-/// strictly improves; stop at the first candidate that does not improve it.
-///
-/// `confidences[r]` are request `r`'s draft confidences (only the first `max_draft_tokens`
-/// are used); `fixed_tokens` are other tokens in the same step (prefill chunks).
-pub fn plan_verification<Row: AsRef<[f32]>>(
-    confidences: &[Row],
-    max_draft_tokens: usize,
-    fixed_tokens: u32,
-    table: &StepRateTable,
-) -> Result<VerifyPlan, VerifyScheduleError> {
-    let candidates = ranked_candidates(confidences, max_draft_tokens)?;
-    let base = base_tokens(fixed_tokens, confidences.len())?;
-    let (mut best, more) = admitted_throughputs(confidences.len(), &candidates, base, table);
-    let admitted = more
-        .take_while(|&throughput| {
-            if throughput <= best {
-                return false;
-            }
-            best = throughput;
-            true
+impl RankedDrafts {
+    /// Validates and ranks the drafts: `confidences[r]` are request `r`'s draft confidences
+    /// (only the first `max_draft_tokens` are used); `fixed_tokens` are other tokens in the same
+    /// step (prefill chunks).
+    pub fn new<Row: AsRef<[f32]>>(
+        confidences: &[Row],
+        max_draft_tokens: usize,
+        fixed_tokens: u32,
+    ) -> Result<Self, VerifyScheduleError> {
+        let candidates = ranked_candidates(confidences, max_draft_tokens)?;
+        let base = base_tokens(fixed_tokens, confidences.len())?;
+        Ok(Self {
+            requests: confidences.len(),
+            candidates,
+            base,
         })
-        .count();
-    Ok(plan_from_prefix(
-        confidences.len(),
-        &candidates,
-        admitted,
-        base,
-        table,
-    ))
-}
+    }
 
-/// Asynchronous budget: the number of drafts `K` (over the whole batch) that maximises
-/// expected throughput for these (stale) confidences, by a global search over every `K`
-/// (no early stop: the staircase rate curve can rise again after a dip). Ties take the
-/// smaller `K`.
-pub fn verification_budget<Row: AsRef<[f32]>>(
-    confidences: &[Row],
-    max_draft_tokens: usize,
-    fixed_tokens: u32,
-    table: &StepRateTable,
-) -> Result<usize, VerifyScheduleError> {
-    let candidates = ranked_candidates(confidences, max_draft_tokens)?;
-    let base = base_tokens(fixed_tokens, confidences.len())?;
-    let (none, more) = admitted_throughputs(confidences.len(), &candidates, base, table);
-    let mut best = (none, 0);
-    for (index, throughput) in more.enumerate() {
-        if throughput.total_cmp(&best.0) == Ordering::Greater {
-            best = (throughput, index + 1);
+    /// Synchronous Algorithm 1: admit candidates by survival while the expected throughput
+    /// strictly improves; stop at the first candidate that does not improve it.
+    pub fn plan_verification(&self, table: &StepRateTable) -> VerifyPlan {
+        let (mut best, more) = self.admitted_throughputs(table);
+        let admitted = more
+            .take_while(|&throughput| {
+                if throughput <= best {
+                    return false;
+                }
+                best = throughput;
+                true
+            })
+            .count();
+        self.plan_from_prefix(admitted, table)
+    }
+
+    /// Asynchronous budget: the number of drafts `K` (over the whole batch) that maximises
+    /// expected throughput for these (stale) confidences, by a global search over every `K`
+    /// (no early stop: the staircase rate curve can rise again after a dip). Ties take the
+    /// smaller `K`.
+    pub fn verification_budget(&self, table: &StepRateTable) -> usize {
+        let (none, more) = self.admitted_throughputs(table);
+        let mut best = (none, 0);
+        for (index, throughput) in more.enumerate() {
+            if throughput.total_cmp(&best.0) == Ordering::Greater {
+                best = (throughput, index + 1);
+            }
+        }
+        best.1
+    }
+
+    /// Spends a budget of `budget` drafts on the best candidates by fresh confidences
+    /// (a dynamic top-K; fewer when fewer candidates exist).
+    pub fn plan_with_budget(&self, budget: usize, table: &StepRateTable) -> VerifyPlan {
+        self.plan_from_prefix(budget.min(self.candidates.len()), table)
+    }
+
+    /// The expected throughput with no draft admitted, and then with the first 1, 2, … ranked
+    /// candidates admitted: `(requests + Σ survival) · steps_per_second(base + admitted)`.
+    fn admitted_throughputs<'a>(
+        &'a self,
+        table: &'a StepRateTable,
+    ) -> (f64, impl Iterator<Item = f64> + 'a) {
+        let base = self.base;
+        let throughput = move |accepted: f64, admitted: usize| {
+            let tokens = base.saturating_add(u32::try_from(admitted).unwrap_or(u32::MAX));
+            accepted * table.steps_per_second(tokens)
+        };
+        let none = self.requests as f64;
+        let more =
+            self.candidates
+                .iter()
+                .enumerate()
+                .scan(none, move |accepted, (index, candidate)| {
+                    *accepted += candidate.survival;
+                    Some(throughput(*accepted, index + 1))
+                });
+        (throughput(none, 0), more)
+    }
+
+    /// Builds the plan that admits the first `admitted` ranked candidates.
+    fn plan_from_prefix(&self, admitted: usize, table: &StepRateTable) -> VerifyPlan {
+        let mut lengths = vec![0; self.requests];
+        let mut expected_accepted = self.requests as f64;
+        for candidate in &self.candidates[..admitted] {
+            lengths[candidate.request] = lengths[candidate.request].max(candidate.draft + 1);
+            expected_accepted += candidate.survival;
+        }
+        let batch_tokens = self
+            .base
+            .saturating_add(u32::try_from(admitted).unwrap_or(u32::MAX));
+        VerifyPlan {
+            lengths,
+            batch_tokens,
+            expected_accepted,
+            expected_tokens_per_second: expected_accepted * table.steps_per_second(batch_tokens),
         }
     }
-    Ok(best.1)
-}
-
-/// Spends a budget of `budget` drafts on the best candidates by fresh confidences
-/// (a dynamic top-K; fewer when fewer candidates exist).
-pub fn plan_with_budget<Row: AsRef<[f32]>>(
-    confidences: &[Row],
-    max_draft_tokens: usize,
-    fixed_tokens: u32,
-    budget: usize,
-    table: &StepRateTable,
-) -> Result<VerifyPlan, VerifyScheduleError> {
-    let candidates = ranked_candidates(confidences, max_draft_tokens)?;
-    let base = base_tokens(fixed_tokens, confidences.len())?;
-    let admitted = budget.min(candidates.len());
-    Ok(plan_from_prefix(
-        confidences.len(),
-        &candidates,
-        admitted,
-        base,
-        table,
-    ))
 }
 
 /// The asynchronous scheduler of one DP rank: the budget used at step `N` was computed from
@@ -352,30 +338,15 @@ impl AsyncVerifyScheduler {
         confidences: &[Row],
         fixed_tokens: u32,
     ) -> Result<VerifyPlan, VerifyScheduleError> {
-        let plan = if self.budgets.len() >= self.lag {
-            let budget = self.budgets.pop_front().unwrap_or(0);
-            plan_with_budget(
-                confidences,
-                self.max_draft_tokens,
-                fixed_tokens,
-                budget,
-                &self.table,
-            )?
-        } else {
-            plan_verification(
-                confidences,
-                self.max_draft_tokens,
-                fixed_tokens,
-                &self.table,
-            )?
+        let budget =
+            (self.budgets.len() >= self.lag).then(|| self.budgets.pop_front().unwrap_or(0));
+        let drafts = RankedDrafts::new(confidences, self.max_draft_tokens, fixed_tokens)?;
+        let plan = match budget {
+            Some(budget) => drafts.plan_with_budget(budget, &self.table),
+            None => drafts.plan_verification(&self.table),
         };
-        let next = verification_budget(
-            confidences,
-            self.max_draft_tokens,
-            fixed_tokens,
-            &self.table,
-        )?;
-        self.budgets.push_back(next);
+        self.budgets
+            .push_back(drafts.verification_budget(&self.table));
         Ok(plan)
     }
 }
@@ -395,6 +366,18 @@ mod tests {
                 .collect(),
         )
         .unwrap()
+    }
+
+    /// Algorithm 1's plan of `confidences`, which must be valid.
+    fn sync_plan(
+        confidences: &[Vec<f32>],
+        max_draft_tokens: usize,
+        fixed_tokens: u32,
+        table: &StepRateTable,
+    ) -> VerifyPlan {
+        RankedDrafts::new(confidences, max_draft_tokens, fixed_tokens)
+            .unwrap()
+            .plan_verification(table)
     }
 
     /// Rate barely drops with batch size (verification is almost free).
@@ -432,7 +415,7 @@ mod tests {
 
     #[test]
     fn high_confidence_verifies_long_drafts() {
-        let plan = plan_verification(&[vec![0.95; 5]], 5, 0, &flat()).unwrap();
+        let plan = sync_plan(&[vec![0.95; 5]], 5, 0, &flat());
         assert_eq!(plan.lengths, vec![5]);
         assert_eq!(plan.batch_tokens, 6);
     }
@@ -441,7 +424,7 @@ mod tests {
     fn low_confidence_verifies_short_drafts() {
         // Survivals 0.9, 0.009, ...: only the first draft pays for the 1% slowdown per token
         // (1.9 * 99 = 188.1 beats 1 * 100, but 1.909 * 98 = 187.1 does not beat 188.1).
-        let plan = plan_verification(
+        let plan = sync_plan(
             &[vec![0.9, 0.01, 0.01, 0.01, 0.01]],
             5,
             0,
@@ -453,10 +436,9 @@ mod tests {
                 (5, 96.0),
                 (6, 95.0),
             ]),
-        )
-        .unwrap();
+        );
         assert_eq!(plan.lengths, vec![1]);
-        let none = plan_verification(&[vec![0.01; 5]], 5, 0, &linear()).unwrap();
+        let none = sync_plan(&[vec![0.01; 5]], 5, 0, &linear());
         assert_eq!(none.lengths, vec![0]);
     }
 
@@ -466,18 +448,18 @@ mod tests {
         let unsure = vec![0.3; 5];
         // Survivals 0.9 .. 0.59 all pay for their token; after them 0.3 does not
         // (5.69 / 17 ms > 5.99 / 18 ms).
-        let plan = plan_verification(&[confident, unsure], 5, 0, &linear()).unwrap();
+        let plan = sync_plan(&[confident, unsure], 5, 0, &linear());
         assert_eq!(plan.lengths, vec![5, 0]);
         // On a flat table verification is free, so both verify everything.
-        let flat_plan = plan_verification(&[vec![0.9; 5], vec![0.3; 5]], 5, 0, &flat()).unwrap();
+        let flat_plan = sync_plan(&[vec![0.9; 5], vec![0.3; 5]], 5, 0, &flat());
         assert_eq!(flat_plan.lengths, vec![5, 5]);
     }
 
     #[test]
     fn slow_big_batches_shorten_verification() {
         let confidences = vec![vec![0.8; 5], vec![0.8; 5]];
-        let fast = plan_verification(&confidences, 5, 0, &flat()).unwrap();
-        let slow = plan_verification(&confidences, 5, 0, &steep()).unwrap();
+        let fast = sync_plan(&confidences, 5, 0, &flat());
+        let slow = sync_plan(&confidences, 5, 0, &steep());
         assert_eq!(fast.lengths, vec![5, 5]);
         let fast_total: usize = fast.lengths.iter().sum();
         let slow_total: usize = slow.lengths.iter().sum();
@@ -489,16 +471,16 @@ mod tests {
     #[test]
     fn fixed_prefill_tokens_count_toward_the_batch() {
         let t = table(&[(4, 100.0), (8, 50.0)]);
-        let idle = plan_verification(&[vec![0.9; 3]], 5, 0, &t).unwrap();
+        let idle = sync_plan(&[vec![0.9; 3]], 5, 0, &t);
         assert_eq!(idle.lengths, vec![3]);
         // With 4 prefill tokens the first draft already crosses into the slow bucket.
-        let busy = plan_verification(&[vec![0.9; 3]], 5, 3, &t).unwrap();
+        let busy = sync_plan(&[vec![0.9; 3]], 5, 3, &t);
         assert_eq!(busy.lengths, vec![0]);
     }
 
     #[test]
     fn max_draft_tokens_caps_lengths() {
-        let plan = plan_verification(&[vec![1.0; 8]], 3, 0, &flat()).unwrap();
+        let plan = sync_plan(&[vec![1.0; 8]], 3, 0, &flat());
         assert_eq!(plan.lengths, vec![3]);
     }
 
@@ -508,9 +490,14 @@ mod tests {
         // early stop halts at 0 drafts (1*100 > 2*40); the global search finds 4*39 = 156.
         let t = table(&[(1, 100.0), (2, 40.0), (4, 39.0)]);
         let confidences = vec![vec![1.0; 3]];
-        let sync = plan_verification(&confidences, 5, 0, &t).unwrap();
+        let sync = sync_plan(&confidences, 5, 0, &t);
         assert_eq!(sync.lengths, vec![0]);
-        assert_eq!(verification_budget(&confidences, 5, 0, &t).unwrap(), 3);
+        assert_eq!(
+            RankedDrafts::new(&confidences, 5, 0)
+                .unwrap()
+                .verification_budget(&t),
+            3
+        );
     }
 
     #[test]
@@ -531,7 +518,9 @@ mod tests {
     #[test]
     fn budget_goes_to_the_freshest_best_candidates() {
         let confidences = vec![vec![0.2; 5], vec![0.9; 5]];
-        let plan = plan_with_budget(&confidences, 5, 0, 3, &flat()).unwrap();
+        let plan = RankedDrafts::new(&confidences, 5, 0)
+            .unwrap()
+            .plan_with_budget(3, &flat());
         assert_eq!(plan.lengths, vec![0, 3]);
         assert_eq!(plan.batch_tokens, 5);
     }
@@ -539,7 +528,7 @@ mod tests {
     #[test]
     fn bad_inputs_are_named() {
         assert_eq!(
-            plan_verification(&[vec![0.5], vec![0.5, 1.5]], 5, 0, &flat()).unwrap_err(),
+            RankedDrafts::new(&[vec![0.5], vec![0.5, 1.5]], 5, 0).unwrap_err(),
             VerifyScheduleError::BadConfidence {
                 request: 1,
                 draft: 1,
@@ -547,7 +536,7 @@ mod tests {
             }
         );
         assert!(matches!(
-            plan_verification(&[vec![f32::NAN]], 5, 0, &flat()),
+            RankedDrafts::new(&[vec![f32::NAN]], 5, 0),
             Err(VerifyScheduleError::BadConfidence { .. })
         ));
         assert_eq!(
@@ -607,7 +596,8 @@ mod tests {
             fixed in 0u32..6,
             table in random_table(),
         ) {
-            let sync = plan_verification(&confidences, max_draft, fixed, &table).unwrap();
+            let ranked = RankedDrafts::new(&confidences, max_draft, fixed).unwrap();
+            let sync = ranked.plan_verification(&table);
             let drafts: usize = sync.lengths.iter().sum();
             proptest::prop_assert_eq!(
                 sync.batch_tokens as usize,
@@ -616,13 +606,13 @@ mod tests {
             for (length, row) in sync.lengths.iter().zip(&confidences) {
                 proptest::prop_assert!(*length <= max_draft.min(row.len()));
             }
-            let budget = verification_budget(&confidences, max_draft, fixed, &table).unwrap();
-            let best = plan_with_budget(&confidences, max_draft, fixed, budget, &table).unwrap();
+            let budget = ranked.verification_budget(&table);
+            let best = ranked.plan_with_budget(budget, &table);
             proptest::prop_assert!(
                 best.expected_tokens_per_second >= sync.expected_tokens_per_second - 1e-9
             );
             for k in 0..=drafts + 8 {
-                let other = plan_with_budget(&confidences, max_draft, fixed, k, &table).unwrap();
+                let other = ranked.plan_with_budget(k, &table);
                 proptest::prop_assert!(
                     best.expected_tokens_per_second >= other.expected_tokens_per_second - 1e-9
                 );
@@ -632,7 +622,7 @@ mod tests {
 
     #[test]
     fn empty_batch_plans_nothing() {
-        let plan = plan_verification::<Vec<f32>>(&[], 5, 0, &flat()).unwrap();
+        let plan = sync_plan(&[], 5, 0, &flat());
         assert!(plan.lengths.is_empty());
         assert_eq!(plan.expected_accepted, 0.0);
     }

@@ -315,7 +315,7 @@ impl Engine {
             )?,
             prefix,
         };
-        let (supervisor, join) = Actor::spawn(None, NodeSupervisor, args)
+        let (supervisor, join) = Actor::spawn(None, NodeSupervisor::new(), args)
             .await
             .map_err(|e| startup_error(&e))?;
         let handles = handles_rx

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use deepinfer_topology::{EpRank, ExpertPlacement, PlacementEpoch};
 use ractor::rpc::CallResult;
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::comm::wire::{Control, ControlReply};
 use crate::comm::{Comm, EpError, LocalComm};
@@ -37,6 +37,7 @@ use crate::experts::{ExpertGroupActor, ExpertGroupArgs};
 use crate::messages::eplb::{EplbMsg, RebalanceReport};
 use crate::messages::experts::{ExpertGroupMsg, ShardLoads, StagedShard};
 use crate::metrics as m;
+use crate::shell::{Children, Shell, ShellActor};
 use state::{EplbAction, EplbState};
 
 /// How long one expert group may take to answer (staging copies weights).
@@ -58,7 +59,7 @@ pub struct EplbActorState {
 }
 
 /// The actor (stateless handler; state in `EplbActorState`).
-pub struct EplbActor;
+pub type EplbActor = ShellActor<EplbActorState>;
 
 async fn ask<T: Send + 'static>(
     group: &ActorRef<ExpertGroupMsg>,
@@ -322,7 +323,7 @@ pub(crate) async fn spawn_expert_actors(
     parallel: Arc<ExpertParallel>,
     supervisor: ActorCell,
 ) -> Result<ExpertActors, String> {
-    let mut cells = Vec::new();
+    let mut children = Children::new(supervisor, GROUP_TIMEOUT);
     let mut groups = Vec::new();
     let mut ranks = Vec::new();
     for shard in parallel.current().shards() {
@@ -331,56 +332,30 @@ pub(crate) async fn spawn_expert_actors(
             source: parallel.source().clone(),
             current: shard.clone(),
         };
-        match Actor::spawn_linked(None, ExpertGroupActor, args, supervisor.clone()).await {
-            Ok((group, _)) => {
-                cells.push(group.get_cell());
-                ranks.push((rank, group.get_cell()));
-                groups.push(group);
-            }
-            Err(e) => {
-                stop_cells(&cells).await;
-                return Err(format!("expert group {rank}: {e}"));
-            }
-        }
+        let group = children
+            .spawn::<ExpertGroupActor>(args, format!("expert group {rank}"))
+            .await?;
+        ranks.push((rank, group.get_cell()));
+        groups.push(group);
     }
     let args = EplbArgs {
         ep: parallel.clone(),
         groups,
     };
-    match Actor::spawn_linked(None, EplbActor, args, supervisor).await {
-        Ok((eplb, _)) => {
-            let eplb_cell = eplb.get_cell();
-            parallel.attach_eplb(eplb);
-            Ok(ExpertActors {
-                groups: ranks,
-                eplb: eplb_cell,
-            })
-        }
-        Err(e) => {
-            stop_cells(&cells).await;
-            Err(format!("EPLB actor: {e}"))
-        }
-    }
+    let eplb = children.spawn::<EplbActor>(args, "EPLB actor").await?;
+    let eplb_cell = eplb.get_cell();
+    parallel.attach_eplb(eplb);
+    Ok(ExpertActors {
+        groups: ranks,
+        eplb: eplb_cell,
+    })
 }
 
-async fn stop_cells(cells: &[ActorCell]) {
-    for cell in cells {
-        let _ = cell
-            .stop_and_wait(Some("engine start failed".into()), Some(GROUP_TIMEOUT))
-            .await;
-    }
-}
-
-impl Actor for EplbActor {
+impl Shell for EplbActorState {
     type Msg = EplbMsg;
-    type State = EplbActorState;
-    type Arguments = EplbArgs;
+    type Args = EplbArgs;
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<EplbMsg>,
-        args: EplbArgs,
-    ) -> Result<EplbActorState, ActorProcessingErr> {
+    async fn start(_: ActorRef<Self::Msg>, args: Self::Args) -> Result<Self, ActorProcessingErr> {
         let current = args.ep.current();
         // Picks served before the engine started (e.g. a step-rate profile) are no traffic.
         current.take_loads();
@@ -399,34 +374,29 @@ impl Actor for EplbActor {
         })
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<EplbMsg>,
-        message: EplbMsg,
-        state: &mut EplbActorState,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
         match message {
-            EplbMsg::StepExecuted { dp, epoch } => match state.eplb.on_step(dp, epoch) {
+            EplbMsg::StepExecuted { dp, epoch } => match self.eplb.on_step(dp, epoch) {
                 Some(EplbAction::StartWindow) => {
-                    if let Err(error) = state.take_loads_everywhere().await {
+                    if let Err(error) = self.take_loads_everywhere().await {
                         tracing::warn!(%error, "EPLB window start: a node's loads were not reset");
                     }
                 }
                 Some(EplbAction::Rebalance) => {
-                    if let Err(error) = state.rebalance().await {
+                    if let Err(error) = self.rebalance().await {
                         tracing::warn!(%error, "EPLB rebalance failed; the placement stays");
                     }
                 }
                 None => {}
             },
             EplbMsg::RebalanceNow(reply) => {
-                let _ = reply.send(state.rebalance().await);
+                let _ = reply.send(self.rebalance().await);
             }
             EplbMsg::Status(reply) => {
-                let _ = reply.send(state.eplb.status());
+                let _ = reply.send(self.eplb.status());
             }
             EplbMsg::Follow { control, reply } => {
-                let _ = reply.send(state.follow(control).await);
+                let _ = reply.send(self.follow(control).await);
             }
         }
         Ok(())

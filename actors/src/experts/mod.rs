@@ -22,10 +22,11 @@ pub mod state;
 
 use std::sync::Arc;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{ActorProcessingErr, ActorRef};
 
 use crate::comm::EpError;
 use crate::messages::experts::ExpertGroupMsg;
+use crate::shell::{Shell, ShellActor};
 use shard::{ExpertShard, ExpertSource};
 use state::ExpertGroupState;
 
@@ -42,30 +43,20 @@ pub struct ExpertGroupActorState {
 }
 
 /// The actor (stateless handler; state in `ExpertGroupActorState`).
-pub struct ExpertGroupActor;
+pub type ExpertGroupActor = ShellActor<ExpertGroupActorState>;
 
-impl Actor for ExpertGroupActor {
+impl Shell for ExpertGroupActorState {
     type Msg = ExpertGroupMsg;
-    type State = ExpertGroupActorState;
-    type Arguments = ExpertGroupArgs;
+    type Args = ExpertGroupArgs;
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<ExpertGroupMsg>,
-        args: ExpertGroupArgs,
-    ) -> Result<ExpertGroupActorState, ActorProcessingErr> {
+    async fn start(_: ActorRef<Self::Msg>, args: Self::Args) -> Result<Self, ActorProcessingErr> {
         Ok(ExpertGroupActorState {
             source: args.source,
             group: ExpertGroupState::new(args.current),
         })
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<ExpertGroupMsg>,
-        message: ExpertGroupMsg,
-        state: &mut ExpertGroupActorState,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
         match message {
             ExpertGroupMsg::Stage {
                 epoch,
@@ -74,8 +65,8 @@ impl Actor for ExpertGroupActor {
             } => {
                 // Copying weights is bulk work: do it off the async workers, on a scratch state
                 // that holds the same shard in use.
-                let source = state.source.clone();
-                let mut scratch = ExpertGroupState::new(state.group.current().clone());
+                let source = self.source.clone();
+                let mut scratch = ExpertGroupState::new(self.group.current().clone());
                 let built = tokio::task::spawn_blocking(move || {
                     let staged = scratch.stage(&source, &placement, epoch);
                     (scratch, staged)
@@ -84,7 +75,7 @@ impl Actor for ExpertGroupActor {
                 let result = match built {
                     Ok((scratch, staged)) => {
                         if staged.is_ok() {
-                            state.group = scratch;
+                            self.group = scratch;
                         }
                         staged
                     }
@@ -93,9 +84,9 @@ impl Actor for ExpertGroupActor {
                 let _ = reply.send(result);
             }
             ExpertGroupMsg::Commit { epoch, reply } => {
-                let _ = reply.send(state.group.commit(epoch));
+                let _ = reply.send(self.group.commit(epoch));
             }
-            ExpertGroupMsg::Abort { epoch } => state.group.abort(epoch),
+            ExpertGroupMsg::Abort { epoch } => self.group.abort(epoch),
         }
         Ok(())
     }

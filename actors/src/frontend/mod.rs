@@ -17,7 +17,7 @@ pub mod state;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 
 use crate::engine::request::Submission;
@@ -29,6 +29,7 @@ use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
 use crate::prefix_cache::{ENGINE_SALT, block_chain};
 use crate::scheduler::prefix::PrefixSettings;
+use crate::shell::{Shell, ShellActor};
 use affinity::Affinity;
 use codec::TextCodec;
 use state::{Admission, FrontendLimits, prepare};
@@ -63,18 +64,13 @@ impl FrontendShell {
 }
 
 /// The actor (stateless handler; state in `FrontendShell`).
-pub struct FrontendActor;
+pub type FrontendActor = ShellActor<FrontendShell>;
 
-impl Actor for FrontendActor {
+impl Shell for FrontendShell {
     type Msg = FrontendMsg;
-    type State = FrontendShell;
-    type Arguments = FrontendArgs;
+    type Args = FrontendArgs;
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<FrontendMsg>,
-        args: FrontendArgs,
-    ) -> Result<FrontendShell, ActorProcessingErr> {
+    async fn start(_: ActorRef<Self::Msg>, args: Self::Args) -> Result<Self, ActorProcessingErr> {
         let ranks = args.schedulers.len();
         let admission = Admission::new(args.limits.admission_capacity, ranks);
         let affinity = match &args.prefix {
@@ -88,22 +84,17 @@ impl Actor for FrontendActor {
         })
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<FrontendMsg>,
-        message: FrontendMsg,
-        s: &mut FrontendShell,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
         match message {
             FrontendMsg::Submit(request, reply) => {
-                let id = s.admission.next_id();
+                let id = self.admission.next_id();
                 let _span = tracing::debug_span!("request", %id).entered();
                 let mut prepared = match prepare(
                     id,
                     &request,
-                    s.args.codec.as_deref(),
-                    s.args.grammar.as_deref(),
-                    &s.args.limits,
+                    self.args.codec.as_deref(),
+                    self.args.grammar.as_deref(),
+                    &self.args.limits,
                 ) {
                     Ok(p) => p,
                     Err(e) => {
@@ -112,19 +103,19 @@ impl Actor for FrontendActor {
                         return Ok(());
                     }
                 };
-                if let Some(settings) = &s.args.prefix {
+                if let Some(settings) = &self.args.prefix {
                     let spec = &mut prepared.spec;
                     let n = settings.geometry.block_tokens;
                     spec.prefix_chain = block_chain(n, ENGINE_SALT, &spec.prompt);
                 }
                 let spec = &prepared.spec;
                 let work_tokens = spec.prompt.len() + spec.max_tokens;
-                let cached = s
+                let cached = self
                     .affinity
                     .as_ref()
                     .map(|a| a.cached_tokens(&spec.prompt, &spec.prefix_chain))
                     .unwrap_or_default();
-                let dp = match s.admission.admit(work_tokens, &cached) {
+                let dp = match self.admission.admit(work_tokens, &cached) {
                     Ok(dp) => dp,
                     Err(e) => {
                         m::record_request(e.code());
@@ -132,13 +123,13 @@ impl Actor for FrontendActor {
                         return Ok(());
                     }
                 };
-                if let Some(affinity) = s.affinity.as_mut() {
+                if let Some(affinity) = self.affinity.as_mut() {
                     affinity.placed(dp.index(), &spec.prompt, &spec.prefix_chain);
                 }
-                s.publish_inflight();
+                self.publish_inflight();
                 m::record_request("admitted");
                 let (tx, rx) = mpsc::unbounded_channel();
-                let scheduler = s.args.schedulers[dp.index()].clone();
+                let scheduler = self.args.schedulers[dp.index()].clone();
                 let prompt_tokens = prepared.spec.prompt.len();
                 let admitted = Admitted {
                     dp,
@@ -149,12 +140,12 @@ impl Actor for FrontendActor {
                     .cast(SchedulerMsg::Submit(Box::new(admitted)))
                     .is_err()
                 {
-                    s.admission.release(dp, work_tokens);
-                    s.publish_inflight();
+                    self.admission.release(dp, work_tokens);
+                    self.publish_inflight();
                     let _ = reply.send(Err(EngineError::ShuttingDown));
                     return Ok(());
                 }
-                for (rank, other) in s.args.schedulers.iter().enumerate() {
+                for (rank, other) in self.args.schedulers.iter().enumerate() {
                     if rank != dp.index() {
                         let _ = other.cast(SchedulerMsg::Wake);
                     }
@@ -170,12 +161,12 @@ impl Actor for FrontendActor {
                 }));
             }
             FrontendMsg::Released { dp, work_tokens } => {
-                s.admission.release(dp, work_tokens);
-                s.publish_inflight();
+                self.admission.release(dp, work_tokens);
+                self.publish_inflight();
             }
-            FrontendMsg::RankDown(dp) => s.admission.rank_down(dp),
+            FrontendMsg::RankDown(dp) => self.admission.rank_down(dp),
             FrontendMsg::Close(reply) => {
-                s.admission.close();
+                self.admission.close();
                 let _ = reply.send(());
             }
         }

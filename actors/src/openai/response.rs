@@ -877,6 +877,17 @@ mod tests {
         );
     }
 
+    /// Every chunk's `choices[0].logprobs[field]` items, in order.
+    fn streamed_logprobs<'a>(
+        chunks: &'a [Value],
+        field: &'a str,
+    ) -> impl Iterator<Item = &'a Value> {
+        chunks
+            .iter()
+            .filter_map(move |c| c["choices"][0]["logprobs"][field].as_array())
+            .flatten()
+    }
+
     #[tokio::test]
     async fn streams_carry_every_tokens_logprobs_once_in_order() {
         let piece = |content: &str, texts: &[&str]| {
@@ -899,10 +910,7 @@ mod tests {
                           "thinking": {"type": "enabled"}, "logprobs": true, "top_logprobs": 2});
         let request = parse_chat(&body, &served()).unwrap();
         let chunks = streamed(&request, live()).await;
-        let tokens: Vec<Value> = chunks
-            .iter()
-            .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
-            .flatten()
+        let tokens: Vec<Value> = streamed_logprobs(&chunks, "content")
             .map(|entry| entry["token"].clone())
             .collect();
         assert_eq!(
@@ -917,12 +925,7 @@ mod tests {
         let body = json!({"prompt": "x", "stream": true, "logprobs": 1});
         let request = parse_completion(&body, &served()).unwrap();
         let chunks = streamed(&request, live()).await;
-        let offsets: Vec<Value> = chunks
-            .iter()
-            .filter_map(|c| c["choices"][0]["logprobs"]["text_offset"].as_array())
-            .flatten()
-            .cloned()
-            .collect();
+        let offsets: Vec<Value> = streamed_logprobs(&chunks, "text_offset").cloned().collect();
         assert_eq!(
             offsets,
             [0, 4, 7, 16, 19].map(|o| json!(o)).to_vec(),

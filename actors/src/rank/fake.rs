@@ -291,6 +291,15 @@ mod tests {
     use super::*;
     use crate::rank::executor::execute_rows;
 
+    /// A batch of one entry: `tokens` of sequence `id`.
+    fn one_entry(id: RequestId, tokens: &[u32], all_rows: bool) -> [SeqTokens<'_>; 1] {
+        [SeqTokens {
+            id,
+            tokens,
+            all_rows,
+        }]
+    }
+
     #[test]
     fn logits_depend_on_token_and_position_only() {
         let mut a = vec![0.0; 64];
@@ -315,15 +324,7 @@ mod tests {
         let id = RequestId(1);
         ex.new_sequence(id).unwrap();
         assert_eq!(ex.new_sequence(id), Err(ExecError::DuplicateSequence(id)));
-        let rows = execute_rows(
-            &mut ex,
-            &[SeqTokens {
-                id,
-                tokens: &[1, 2, 3],
-                all_rows: false,
-            }],
-        )
-        .unwrap();
+        let rows = execute_rows(&mut ex, &one_entry(id, &[1, 2, 3], false)).unwrap();
         assert_eq!(rows.len(), 1);
         assert_eq!(ex.sequence_len(id), Ok(3));
         assert!(ex.rollback(id, 4).is_err());
@@ -331,12 +332,7 @@ mod tests {
         assert_eq!(ex.sequence_len(id), Ok(1));
         ex.free_sequence(id);
         assert_eq!(ex.live_sequences(), 0);
-        let freed = [SeqTokens {
-            id,
-            tokens: &[1],
-            all_rows: false,
-        }];
-        assert!(execute_rows(&mut ex, &freed).is_err());
+        assert!(execute_rows(&mut ex, &one_entry(id, &[1], false)).is_err());
     }
 
     #[test]
@@ -357,15 +353,7 @@ mod tests {
         );
         let id = RequestId(3);
         ex.new_sequence(id).unwrap();
-        let rows = execute_rows(
-            &mut ex,
-            &[SeqTokens {
-                id,
-                tokens: &[9, 4, 7],
-                all_rows: true,
-            }],
-        )
-        .unwrap();
+        let rows = execute_rows(&mut ex, &one_entry(id, &[9, 4, 7], true)).unwrap();
         assert_eq!(rows[0].len(), 3 * vocab);
         let mut expected = vec![0.0; vocab];
         fake_logits(4, 1, &mut expected);

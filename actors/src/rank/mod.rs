@@ -29,28 +29,15 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::Instant;
 
 use deepinfer_topology::DpRank;
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{ActorProcessingErr, ActorRef};
 use tokio::sync::oneshot;
 
-use crate::dspark::profile::ProfileRequest;
-use crate::dspark::schedule::StepRateTable;
-use crate::messages::rank::{RankError, RankMsg, StepPlan};
+use crate::messages::rank::{RankError, RankMsg};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
+use crate::shell::{Shell, ShellActor};
 use executor::ExecutorFactory;
-use memory::StateMemory;
 use worker::RankWorker;
-
-/// What the actor sends its thread.
-enum ThreadMsg {
-    Profile(
-        ProfileRequest,
-        RpcReplyPort<Result<StepRateTable, RankError>>,
-    ),
-    StateMemory(RpcReplyPort<Result<StateMemory, RankError>>),
-    Attach(ActorRef<SchedulerMsg>),
-    Plan(Box<StepPlan>),
-}
 
 /// Arguments of `RankActor`.
 pub struct RankArgs {
@@ -60,12 +47,13 @@ pub struct RankArgs {
 
 pub struct RankState {
     dp: DpRank,
-    to_thread: Option<mpsc::Sender<ThreadMsg>>,
+    /// The rank's messages for its thread (all but `ThreadExited`, which is the actor's).
+    to_thread: Option<mpsc::Sender<RankMsg>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 /// The actor (stateless handler; state in `RankState`).
-pub struct RankActor;
+pub type RankActor = ShellActor<RankState>;
 
 pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
@@ -89,16 +77,14 @@ fn guarded<T, E: std::fmt::Display>(work: impl FnOnce() -> Result<T, E>) -> Resu
     }
 }
 
-impl Actor for RankActor {
+impl Shell for RankState {
     type Msg = RankMsg;
-    type State = RankState;
-    type Arguments = RankArgs;
+    type Args = RankArgs;
 
-    async fn pre_start(
-        &self,
-        myself: ActorRef<RankMsg>,
-        args: RankArgs,
-    ) -> Result<RankState, ActorProcessingErr> {
+    async fn start(
+        myself: ActorRef<Self::Msg>,
+        args: Self::Args,
+    ) -> Result<Self, ActorProcessingErr> {
         let (to_thread, from_actor) = mpsc::channel();
         let (ready_tx, ready_rx) = oneshot::channel();
         let dp = args.dp;
@@ -137,40 +123,25 @@ impl Actor for RankActor {
         })
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<RankMsg>,
-        message: RankMsg,
-        state: &mut RankState,
-    ) -> Result<(), ActorProcessingErr> {
-        let to_thread = match message {
-            RankMsg::Profile(request, reply) => ThreadMsg::Profile(request, reply),
-            RankMsg::StateMemory(reply) => ThreadMsg::StateMemory(reply),
-            RankMsg::Attach(scheduler) => ThreadMsg::Attach(scheduler),
-            RankMsg::Execute(plan) => ThreadMsg::Plan(plan),
-            RankMsg::ThreadExited(error) => {
-                return Err(format!("{}: {error}", state.dp).into());
-            }
-        };
-        let sent = state.to_thread.as_ref().map(|tx| tx.send(to_thread));
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
+        if let RankMsg::ThreadExited(error) = message {
+            return Err(format!("{}: {error}", self.dp).into());
+        }
+        let sent = self.to_thread.as_ref().map(|tx| tx.send(message));
         if !matches!(sent, Some(Ok(()))) {
-            return Err(format!("{}: {}", state.dp, RankError::ThreadGone).into());
+            return Err(format!("{}: {}", self.dp, RankError::ThreadGone).into());
         }
         Ok(())
     }
 
-    async fn post_stop(
-        &self,
-        _myself: ActorRef<RankMsg>,
-        state: &mut RankState,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn stopped(&mut self) -> Result<(), ActorProcessingErr> {
         // Closing the channel ends the thread after its current step; then join it off the
         // async workers.
-        state.to_thread = None;
-        if let Some(thread) = state.thread.take() {
+        self.to_thread = None;
+        if let Some(thread) = self.thread.take() {
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
-        tracing::debug!(dp = %state.dp, "rank thread joined");
+        tracing::debug!(dp = %self.dp, "rank thread joined");
         Ok(())
     }
 }
@@ -181,7 +152,7 @@ impl Actor for RankActor {
 fn rank_thread(
     dp: DpRank,
     mut worker: RankWorker,
-    plans: mpsc::Receiver<ThreadMsg>,
+    plans: mpsc::Receiver<RankMsg>,
     rank: ActorRef<RankMsg>,
 ) {
     let mut scheduler: Option<ActorRef<SchedulerMsg>> = None;
@@ -235,21 +206,23 @@ fn rank_thread(
             }
         };
         let plan = match message {
-            ThreadMsg::Profile(request, reply) => {
+            RankMsg::Profile(request, reply) => {
                 // A failed profile fails the engine's start, which stops this rank.
                 let _ = reply.send(guarded(|| worker.profile(&request)));
                 continue;
             }
-            ThreadMsg::StateMemory(reply) => {
+            RankMsg::StateMemory(reply) => {
                 // A failed reading fails the engine's start, which stops this rank.
                 let _ = reply.send(guarded(|| worker.state_memory()));
                 continue;
             }
-            ThreadMsg::Attach(s) => {
+            RankMsg::Attach(s) => {
                 scheduler = Some(s);
                 continue;
             }
-            ThreadMsg::Plan(plan) => plan,
+            RankMsg::Execute(plan) => plan,
+            // The actor's own message: never sent to the thread.
+            RankMsg::ThreadExited(_) => continue,
         };
         let span =
             tracing::debug_span!("step", dp = %dp, id = %plan.step, mode = plan.mode.as_str());

@@ -98,6 +98,17 @@ struct EntryInput {
 /// ends its request.
 type MaskResult = Result<StepMask, (GrammarError, u32)>;
 
+/// The backend error unless the executor answered `got` items for `want` inputs, one each:
+/// "the executor {verb} {got} {items} for {want} {inputs}" (`[verb, items, inputs]`).
+fn one_each(got: usize, want: usize, [verb, items, inputs]: [&str; 3]) -> Result<(), ExecError> {
+    if got == want {
+        return Ok(());
+    }
+    Err(ExecError::Backend(format!(
+        "the executor {verb} {got} {items} for {want} {inputs}"
+    )))
+}
+
 /// Masks requested before a forward: the batch in flight and the EOS each request ends with
 /// should its grammar fail.
 struct PendingMasks {
@@ -339,13 +350,11 @@ impl RankWorker {
         });
         let mut masks = self.finish_masks(pending);
         let outputs = outputs?;
-        if outputs.len() != plan.work.len() {
-            return Err(ExecError::Backend(format!(
-                "the executor returned {} outputs for {} sequences",
-                outputs.len(),
-                plan.work.len()
-            )));
-        }
+        one_each(
+            outputs.len(),
+            plan.work.len(),
+            ["returned", "outputs", "sequences"],
+        )?;
         let mut deferred_logprobs = HashMap::new();
         let mut deferred =
             self.sample_deferred(plan, &inputs, &outputs, &mut masks, &mut deferred_logprobs)?;
@@ -535,13 +544,7 @@ impl RankWorker {
             })
             .collect();
         let tokens = self.executor.sample_logits(&requests)?;
-        if tokens.len() != rows.len() {
-            return Err(ExecError::Backend(format!(
-                "the executor sampled {} tokens for {} rows",
-                tokens.len(),
-                rows.len()
-            )));
-        }
+        one_each(tokens.len(), rows.len(), ["sampled", "tokens", "rows"])?;
         // The rows of the sequences that report log-probabilities, in one executor call.
         let mut asked = Vec::new();
         let mut asked_rows = Vec::new();
@@ -555,13 +558,11 @@ impl RankWorker {
         }
         if !asked.is_empty() {
             let found = self.executor.logprobs_logits(&asked_rows, &picks)?;
-            if found.len() != asked.len() {
-                return Err(ExecError::Backend(format!(
-                    "the executor gave {} log-probabilities for {} rows",
-                    found.len(),
-                    asked.len()
-                )));
-            }
+            one_each(
+                found.len(),
+                asked.len(),
+                ["gave", "log-probabilities", "rows"],
+            )?;
             logprobs.extend(asked.into_iter().zip(found));
         }
         for ((id, ..), token) in rows.iter().zip(tokens) {
@@ -679,13 +680,11 @@ impl RankWorker {
             return Ok(Vec::new());
         }
         let drafts = self.executor.draft(&requests)?;
-        if drafts.len() != requests.len() {
-            return Err(ExecError::Backend(format!(
-                "the executor returned {} drafts for {} sequences",
-                drafts.len(),
-                requests.len()
-            )));
-        }
+        one_each(
+            drafts.len(),
+            requests.len(),
+            ["returned", "drafts", "sequences"],
+        )?;
         let mut summaries = Vec::new();
         for ((id, anchor), draft) in requests.into_iter().zip(drafts) {
             let Some(draft) = draft else {
@@ -781,6 +780,20 @@ mod tests {
 
     fn worker(config: FakeConfig) -> RankWorker {
         RankWorker::new(DpRank(0), Box::new(FakeExecutor::new(config, 0)))
+    }
+
+    /// A worker over the fake backend of `vocab` tokens whose drafter proposes blocks of 5, the
+    /// first `correct` of them right, at confidence 4.
+    fn drafting_worker(vocab: usize, correct: usize) -> RankWorker {
+        worker(FakeConfig {
+            vocab_size: vocab,
+            drafter: Some(crate::rank::fake::FakeDrafter {
+                block_size: 5,
+                correct,
+                confidence: 4.0,
+            }),
+            ..FakeConfig::default()
+        })
     }
 
     fn plan(step: u64, new: &[u64], work: Vec<(u64, SeqInput)>, finished: &[u64]) -> StepPlan {
@@ -901,17 +914,8 @@ mod tests {
 
     #[test]
     fn verify_accepts_the_matching_prefix_rolls_back_and_drafts_again() {
-        use crate::rank::fake::FakeDrafter;
         let vocab = 64;
-        let mut w = worker(FakeConfig {
-            vocab_size: vocab,
-            drafter: Some(FakeDrafter {
-                block_size: 5,
-                correct: 2,
-                confidence: 4.0,
-            }),
-            ..FakeConfig::default()
-        });
+        let mut w = drafting_worker(vocab, 2);
         let prefill = plan(
             0,
             &[1],
@@ -964,17 +968,8 @@ mod tests {
 
     #[test]
     fn a_speculative_sequence_drafts_after_its_prompt() {
-        use crate::rank::fake::FakeDrafter;
         let vocab = 64;
-        let mut w = worker(FakeConfig {
-            vocab_size: vocab,
-            drafter: Some(FakeDrafter {
-                block_size: 5,
-                correct: 5,
-                confidence: 4.0,
-            }),
-            ..FakeConfig::default()
-        });
+        let mut w = drafting_worker(vocab, 5);
         let mut prefill = plan(
             0,
             &[1, 2],
@@ -1019,16 +1014,7 @@ mod tests {
         logprobs: Option<usize>,
         steps: u64,
     ) -> (Vec<u32>, Vec<TokenLogprobs>) {
-        use crate::rank::fake::FakeDrafter;
-        let mut w = worker(FakeConfig {
-            vocab_size: 64,
-            drafter: Some(FakeDrafter {
-                block_size: 5,
-                correct: 2,
-                confidence: 4.0,
-            }),
-            ..FakeConfig::default()
-        });
+        let mut w = drafting_worker(64, 2);
         let prompt = SeqInput::Prefill {
             tokens: vec![3, 4],
             last: true,

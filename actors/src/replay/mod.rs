@@ -15,10 +15,11 @@ pub mod state;
 pub mod suffix;
 
 use deepinfer_topology::ReplayConfig;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{ActorProcessingErr, ActorRef};
 
 use crate::error::EngineError;
 use crate::messages::replay::ReplayMsg;
+use crate::shell::{Shell, ShellActor};
 use state::ReplayState;
 use suffix::ReplayError;
 
@@ -54,55 +55,45 @@ fn config_field(error: &ReplayError) -> &'static str {
 }
 
 /// The actor (stateless handler; state in [`ReplayState`]).
-pub struct ReplayActor;
+pub type ReplayActor = ShellActor<ReplayState>;
 
-impl Actor for ReplayActor {
+impl Shell for ReplayState {
     type Msg = ReplayMsg;
-    type State = ReplayState;
-    type Arguments = ReplayState;
+    type Args = ReplayState;
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<ReplayMsg>,
-        state: ReplayState,
-    ) -> Result<ReplayState, ActorProcessingErr> {
+    async fn start(_: ActorRef<Self::Msg>, state: Self::Args) -> Result<Self, ActorProcessingErr> {
         Ok(state)
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<ReplayMsg>,
-        message: ReplayMsg,
-        state: &mut ReplayState,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
         match message {
             ReplayMsg::Admit {
                 id,
                 prompt_len,
                 reply,
             } => {
-                let _ = reply.send(state.admit(id, prompt_len));
+                let _ = reply.send(self.admit(id, prompt_len));
             }
             ReplayMsg::Written { id, count } => {
-                if let Err(error) = state.written(id, count) {
+                if let Err(error) = self.written(id, count) {
                     tracing::error!(%id, %error, "replay: write refused");
                 }
             }
             ReplayMsg::Commit { id, len } => {
-                if let Err(error) = state.commit(id, len) {
+                if let Err(error) = self.commit(id, len) {
                     tracing::error!(%id, %error, "replay: commit refused");
                 }
             }
             ReplayMsg::Rewind { id, to } => {
-                if let Err(error) = state.rewind(id, to) {
+                if let Err(error) = self.rewind(id, to) {
                     tracing::error!(%id, %error, "replay: rewind refused");
                 }
             }
             ReplayMsg::Finish(id) => {
-                state.finish(id);
+                self.finish(id);
             }
             ReplayMsg::Stats(reply) => {
-                let _ = reply.send(state.stats());
+                let _ = reply.send(self.stats());
             }
         }
         Ok(())
@@ -112,7 +103,7 @@ impl Actor for ReplayActor {
 #[cfg(test)]
 mod tests {
     use deepinfer_topology::{ReplayConfig, RequestId};
-    use ractor::call;
+    use ractor::{Actor, call};
 
     use super::*;
 
@@ -155,7 +146,9 @@ mod tests {
             max_backtracking: 6,
         };
         let state = ReplayState::for_model(&config, 16, 6).expect("bound");
-        let (actor, handle) = Actor::spawn(None, ReplayActor, state).await.expect("spawn");
+        let (actor, handle) = Actor::spawn(None, ReplayActor::new(), state)
+            .await
+            .expect("spawn");
         let id = RequestId(9);
         let suffix = call!(actor, |reply| ReplayMsg::Admit {
             id,

@@ -263,6 +263,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// A prompt length, a window and a backtracking bound.
+    fn prompt_and_bound() -> impl Strategy<Value = (u32, u32, u32)> {
+        (1u32..2000, 1u32..200, 0u32..10)
+    }
+
     fn default_bound() -> ReplayBound {
         ReplayBound::new(Some(140), 128, 6).unwrap()
     }
@@ -341,11 +346,9 @@ mod tests {
     proptest! {
         #[test]
         fn chunked_prefill_covers_exactly_the_kept_suffix(
-            prompt_len in 1u32..2000,
+            (prompt_len, window, backtracking) in prompt_and_bound(),
             chunk in 1u32..600,
             keep_slack in 0u32..50,
-            window in 1u32..200,
-            backtracking in 0u32..10,
         ) {
             let bound = ReplayBound::new(Some(window + backtracking + keep_slack), window, backtracking)
                 .unwrap();
@@ -367,9 +370,7 @@ mod tests {
 
         #[test]
         fn kept_queries_never_read_before_the_suffix(
-            prompt_len in 1u32..2000,
-            window in 1u32..200,
-            backtracking in 0u32..10,
+            (prompt_len, window, backtracking) in prompt_and_bound(),
             offset in 0u32..2000,
         ) {
             let bound = ReplayBound::new(Some(window + backtracking), window, backtracking).unwrap();
@@ -386,9 +387,7 @@ mod tests {
 
         #[test]
         fn allowed_rewinds_leave_a_full_window_of_kept_keys(
-            prompt_len in 1u32..2000,
-            window in 1u32..200,
-            backtracking in 0u32..10,
+            (prompt_len, window, backtracking) in prompt_and_bound(),
             slack in 0u32..20,
             written in 0u32..12,
             rewind in 0u32..16,

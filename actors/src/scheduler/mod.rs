@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use deepinfer_topology::{DpRank, RequestId};
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::EngineError;
@@ -36,6 +36,7 @@ use crate::messages::replay::ReplayMsg;
 use crate::messages::request::{RawEvent, RequestSpec};
 use crate::messages::scheduler::SchedulerMsg;
 use crate::metrics as m;
+use crate::shell::{Shell, ShellActor};
 use pool::StatePool;
 use prefix::{PrefixSettings, RankPrefixCache};
 use state::{Emission, ReplayUpdate, SchedulerLimits, SchedulerState, VerifySettings};
@@ -233,18 +234,13 @@ impl SchedulerShell {
 }
 
 /// The actor (stateless handler; state in `SchedulerShell`).
-pub struct SchedulerActor;
+pub type SchedulerActor = ShellActor<SchedulerShell>;
 
-impl Actor for SchedulerActor {
+impl Shell for SchedulerShell {
     type Msg = SchedulerMsg;
-    type State = SchedulerShell;
-    type Arguments = SchedulerArgs;
+    type Args = SchedulerArgs;
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<SchedulerMsg>,
-        args: SchedulerArgs,
-    ) -> Result<SchedulerShell, ActorProcessingErr> {
+    async fn start(_: ActorRef<Self::Msg>, args: Self::Args) -> Result<Self, ActorProcessingErr> {
         let mut state = SchedulerState::new(args.dp, args.limits);
         if let Some(pool) = args.pool {
             state = state.with_pool(pool);
@@ -267,73 +263,68 @@ impl Actor for SchedulerActor {
         })
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<SchedulerMsg>,
-        message: SchedulerMsg,
-        s: &mut SchedulerShell,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
         match message {
             SchedulerMsg::Submit(admitted) => {
                 let admitted = *admitted;
                 let id = admitted.spec.id;
-                let submitted = match s.plan_replay(&admitted.spec).await {
-                    Ok(decoder_from) => s.state.submit_with_replay(admitted.spec, decoder_from),
+                let submitted = match self.plan_replay(&admitted.spec).await {
+                    Ok(decoder_from) => self.state.submit_with_replay(admitted.spec, decoder_from),
                     Err(error) => Err(error),
                 };
                 match submitted {
                     Ok(()) => {
-                        s.events.insert(id, admitted.events);
+                        self.events.insert(id, admitted.events);
                     }
                     Err(error) => {
-                        s.finish_replay(id);
+                        self.finish_replay(id);
                         m::record_error(error.code());
                         let _ = admitted.events.send(RawEvent::Failed(error));
                     }
                 }
-                s.pump();
+                self.pump();
             }
             SchedulerMsg::Abort(id) => {
-                if let Some(emission) = s.state.abort(id) {
-                    s.deliver(vec![emission]);
+                if let Some(emission) = self.state.abort(id) {
+                    self.deliver(vec![emission]);
                 }
-                s.pump();
+                self.pump();
             }
-            SchedulerMsg::Wake => s.pump(),
+            SchedulerMsg::Wake => self.pump(),
             SchedulerMsg::StepDone(mut output) => {
-                if s.replay.is_some() {
-                    let updates = s.state.replay_updates(&output);
-                    s.report_replay(&updates);
+                if self.replay.is_some() {
+                    let updates = self.state.replay_updates(&output);
+                    self.report_replay(&updates);
                 }
-                let emissions = s.state.on_step_done(&output);
-                s.forward_drafts(&mut output);
+                let emissions = self.state.on_step_done(&output);
+                self.forward_drafts(&mut output);
                 let generated = emissions
                     .iter()
                     .filter(|e| matches!(e, Emission::Token(..)))
                     .count();
-                m::record_step_done(&s.dp_label, output.mode, generated);
-                s.deliver(emissions);
-                s.pump();
+                m::record_step_done(&self.dp_label, output.mode, generated);
+                self.deliver(emissions);
+                self.pump();
             }
             SchedulerMsg::Proposals(batch) => {
-                s.state.on_proposals(&batch);
+                self.state.on_proposals(&batch);
             }
-            SchedulerMsg::AttachDrafter(drafter) => s.drafter = Some(drafter),
+            SchedulerMsg::AttachDrafter(drafter) => self.drafter = Some(drafter),
             SchedulerMsg::StepFailed { step, error } => {
-                tracing::error!(dp = %s.dp_label, %step, %error, "step failed; failing this rank's requests");
-                let emissions = s.state.fail_all(&error.to_string());
-                s.deliver(emissions);
+                tracing::error!(dp = %self.dp_label, %step, %error, "step failed; failing this rank's requests");
+                let emissions = self.state.fail_all(&error.to_string());
+                self.deliver(emissions);
             }
             SchedulerMsg::RankLost(error) => {
-                let emissions = s.state.fail_all(&error.to_string());
-                s.deliver(emissions);
+                let emissions = self.state.fail_all(&error.to_string());
+                self.deliver(emissions);
             }
             SchedulerMsg::Stats(reply) => {
-                let _ = reply.send(s.state.stats());
+                let _ = reply.send(self.state.stats());
             }
             SchedulerMsg::Drain(reply) => {
-                if s.state.has_requests() {
-                    s.drain_waiters.push(reply);
+                if self.state.has_requests() {
+                    self.drain_waiters.push(reply);
                 } else {
                     let _ = reply.send(());
                 }

@@ -414,16 +414,14 @@ pub(crate) mod tests {
             Err(EngineError::Config { field, message }) => format!("{field}: {message}"),
             other => panic!("expected a config error, got {other:?}"),
         };
+        // The settings for the CPU's executors ("x").
+        let on_cpu = |config: &PrefixCacheConfig, geometry| {
+            PrefixSettings::for_engine(config, &replay, geometry, ("x", &Backend::Cpu))
+        };
         let on = cache(Some(1000), PrefixReplay::Bounded);
-        let off = PrefixSettings::for_engine(
-            &cache(None, PrefixReplay::Exact),
-            &replay,
-            None,
-            ("x", &Backend::Cpu),
-        );
+        let off = on_cpu(&cache(None, PrefixReplay::Exact), None);
         assert_eq!(off.expect("off"), None);
-        let bounded =
-            PrefixSettings::for_engine(&on, &replay, Some(geometry), ("x", &Backend::Cpu));
+        let bounded = on_cpu(&on, Some(geometry));
         assert_eq!(bounded.expect("valid").map(|s| s.replay_tokens), Some(140));
         let fake = field(PrefixSettings::for_engine(
             &on,
@@ -433,23 +431,13 @@ pub(crate) mod tests {
         ));
         assert!(fake.starts_with("prefix_cache.bytes_per_rank: the executors (fake)"));
         let small = cache(Some(10), PrefixReplay::Bounded);
-        let small = field(PrefixSettings::for_engine(
-            &small,
-            &replay,
-            Some(geometry),
-            ("x", &Backend::Cpu),
-        ));
+        let small = field(on_cpu(&small, Some(geometry)));
         assert!(
             small.contains("10 bytes hold no block of 4 tokens (26 bytes)"),
             "{small}"
         );
         let exact = cache(Some(1000), PrefixReplay::Exact);
-        let exact = field(PrefixSettings::for_engine(
-            &exact,
-            &replay,
-            Some(geometry),
-            ("x", &Backend::Cpu),
-        ));
+        let exact = field(on_cpu(&exact, Some(geometry)));
         assert!(exact.starts_with("prefix_cache.replay: the model has no decoder boundary"));
         let with_halo = PrefixGeometry {
             hits: HitRule::Replay {
@@ -459,8 +447,7 @@ pub(crate) mod tests {
             ..geometry
         };
         let exact = cache(Some(1000), PrefixReplay::Exact);
-        let exact =
-            PrefixSettings::for_engine(&exact, &replay, Some(with_halo), ("x", &Backend::Cpu));
+        let exact = on_cpu(&exact, Some(with_halo));
         assert_eq!(exact.expect("valid").map(|s| s.replay_tokens), Some(112));
         // A V4-family model's hits resume: exact, nothing replayed; "bounded" is refused.
         let resume = Some(PrefixGeometry {
@@ -468,14 +455,9 @@ pub(crate) mod tests {
             ..geometry
         });
         let exact = cache(Some(1000), PrefixReplay::Exact);
-        let exact = PrefixSettings::for_engine(&exact, &replay, resume, ("x", &Backend::Cpu));
+        let exact = on_cpu(&exact, resume);
         assert_eq!(exact.expect("valid").map(|s| s.replay_tokens), Some(0));
-        let bounded = field(PrefixSettings::for_engine(
-            &on,
-            &replay,
-            resume,
-            ("x", &Backend::Cpu),
-        ));
+        let bounded = field(on_cpu(&on, resume));
         let gpu = Backend::Cuda {
             arch: deepinfer_topology::Arch::Sm90,
             numerics: deepinfer_topology::Numerics::Exact,

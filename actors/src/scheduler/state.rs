@@ -17,8 +17,8 @@
 //! Algorithm 1 (early stop). Under overlap the confidences held when a plan is built are already
 //! about `overlap_depth` steps old (the rank drafts after each step; the proposals reach the
 //! scheduler after it planned ahead), which is the paper's asynchronous setting: the budget is
-//! the global optimum over the stale confidences (`verification_budget`, no early stop) and is
-//! spent on the best candidates (`plan_with_budget`). No further lag is added on top. Since a verify produces between 1
+//! the global optimum over the stale confidences (`RankedDrafts::verification_budget`, no early stop) and is
+//! spent on the best candidates (`RankedDrafts::plan_with_budget`). No further lag is added on top. Since a verify produces between 1
 //! and `1 + drafts` tokens, each request counts the most tokens its in-flight steps may produce.
 //!
 //! State memory (with a [`StatePool`], `with_pool`): every entry reserves the blocks of what it
@@ -46,10 +46,7 @@ use std::collections::{HashMap, VecDeque};
 
 use deepinfer_topology::{ContextParallel, DpRank, RequestId, StepId};
 
-use crate::dspark::schedule::{
-    StepRateTable, VerifyPlan, VerifyScheduleError, plan_verification, plan_with_budget,
-    verification_budget,
-};
+use crate::dspark::schedule::{RankedDrafts, StepRateTable, VerifyPlan, VerifyScheduleError};
 use crate::error::EngineError;
 use crate::messages::dspark::ProposalBatch;
 use crate::messages::rank::{
@@ -132,23 +129,18 @@ impl Verifier {
         fixed_tokens: u32,
         budget: usize,
     ) -> Result<VerifyPlan, VerifyScheduleError> {
-        let drafts = if self.asynchronous {
-            verification_budget(rows, self.max_draft_tokens, fixed_tokens, &self.table)?
+        let drafts = RankedDrafts::new(rows, self.max_draft_tokens, fixed_tokens)?;
+        let wanted = if self.asynchronous {
+            drafts.verification_budget(&self.table)
         } else {
-            let plan = plan_verification(rows, self.max_draft_tokens, fixed_tokens, &self.table)?;
-            let drafts = plan.lengths.iter().sum::<usize>();
-            if drafts <= budget {
+            let plan = drafts.plan_verification(&self.table);
+            let wanted = plan.lengths.iter().sum::<usize>();
+            if wanted <= budget {
                 return Ok(plan);
             }
-            drafts
+            wanted
         };
-        plan_with_budget(
-            rows,
-            self.max_draft_tokens,
-            fixed_tokens,
-            drafts.min(budget),
-            &self.table,
-        )
+        Ok(drafts.plan_with_budget(wanted.min(budget), &self.table))
     }
 }
 
@@ -472,9 +464,9 @@ impl SchedulerState {
     }
 
     /// Reserves the blocks for running `id` to hold `len` positions, preempting the newest
-    /// preemptable running request (not constrained, not in `planned`) while the free blocks
-    /// and those in-flight steps will free fall short.
-    fn grow(&mut self, id: RequestId, len: usize, planned: &[RequestId]) -> Growth {
+    /// preemptable running request (not constrained, without an entry in `planned`) while the
+    /// free blocks and those in-flight steps will free fall short.
+    fn grow(&mut self, id: RequestId, len: usize, planned: &[SeqWork]) -> Growth {
         loop {
             let Some(pool) = self.pool.as_mut() else {
                 return Growth::Granted;
@@ -487,7 +479,8 @@ impl SchedulerState {
                 return Growth::Wait;
             }
             let victim = self.running.iter().rev().copied().find(|r| {
-                !planned.contains(r) && self.seqs.get(r).is_some_and(|seq| !seq.constrained)
+                !planned.iter().any(|w| w.id == *r)
+                    && self.seqs.get(r).is_some_and(|seq| !seq.constrained)
             });
             match victim {
                 None => return Growth::Wait,
@@ -546,13 +539,12 @@ impl SchedulerState {
             return None;
         }
         let mut budget = self.limits.max_batched_tokens;
+        // The plan's entries (their requests are never preempted for another one).
         let mut work = Vec::new();
         let mut new_seqs = Vec::new();
         let (mut decodes, mut prefills) = (0usize, 0usize);
         // Verify entries: (index in `work`, most drafts the request may still use).
         let mut verifies: Vec<(usize, usize)> = Vec::new();
-        // Requests with an entry in this plan (never preempted for another one).
-        let mut planned: Vec<RequestId> = Vec::new();
         let speculative = self.verifier.is_some();
         // 1. One token for every running decode that may still produce one.
         for id in self.running.clone() {
@@ -567,7 +559,7 @@ impl SchedulerState {
                 continue;
             }
             let len = seq.held_max + 1;
-            if !matches!(self.grow(id, len, &planned), Growth::Granted) {
+            if !matches!(self.grow(id, len, &work), Growth::Granted) {
                 continue;
             }
             let Some(seq) = self.seqs.get_mut(&id) else {
@@ -583,7 +575,6 @@ impl SchedulerState {
                 SeqInput::Decode
             };
             work.push(SeqWork { id, input });
-            planned.push(id);
             budget -= 1;
             decodes += 1;
         }
@@ -605,12 +596,11 @@ impl SchedulerState {
             let n = self.reserve_chunk(id, wanted);
             if n == 0 {
                 // Cannot grow: wait for blocks, or make room by preemption.
-                self.grow(id, held + 1, &planned);
+                self.grow(id, held + 1, &work);
                 continue;
             }
             if let Some(entry) = self.prefill_entry(id, n, speculative, &mut new_seqs) {
                 work.push(entry);
-                planned.push(id);
                 budget -= n;
                 prefills += 1;
             }
@@ -621,7 +611,6 @@ impl SchedulerState {
             };
             if let Some(entry) = self.prefill_entry(id, n, speculative, &mut new_seqs) {
                 work.push(entry);
-                planned.push(id);
                 budget -= n;
                 prefills += 1;
             }

@@ -28,7 +28,7 @@ use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
 use deepinfer_topology::DpRank;
-use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::oneshot;
 
 use crate::dspark::profile::ProfileRequest;
@@ -52,6 +52,7 @@ use crate::scheduler::pool::{PoolPlan, StatePool};
 use crate::scheduler::prefix::PrefixSettings;
 use crate::scheduler::state::{SchedulerLimits, VerifySettings};
 use crate::scheduler::{SchedulerActor, SchedulerArgs};
+use crate::shell::{Children, Shell, ShellActor};
 use policy::{ChildRole, Decision, Service, SupervisionPolicy};
 
 /// The refs an `Engine` talks to.
@@ -149,6 +150,8 @@ async fn state_pools(
 }
 
 pub struct SupervisorState {
+    /// The supervisor's own ref (a drain stops its children, then itself).
+    myself: ActorRef<SupervisorMsg>,
     policy: SupervisionPolicy,
     roles: HashMap<ActorId, ChildRole>,
     handles: EngineHandles,
@@ -188,42 +191,24 @@ impl SupervisorState {
 }
 
 /// The actor (stateless handler; state in `SupervisorState`).
-pub struct NodeSupervisor;
+pub type NodeSupervisor = ShellActor<SupervisorState>;
 
-async fn stop_all(cells: &[ActorCell]) {
-    for cell in cells {
-        let _ = cell
-            .stop_and_wait(
-                Some("engine start failed".into()),
-                Some(Duration::from_secs(10)),
-            )
-            .await;
-    }
-}
-
-impl Actor for NodeSupervisor {
+impl Shell for SupervisorState {
     type Msg = SupervisorMsg;
-    type State = SupervisorState;
-    type Arguments = SupervisorArgs;
+    type Args = SupervisorArgs;
 
-    async fn pre_start(
-        &self,
-        myself: ActorRef<SupervisorMsg>,
-        args: SupervisorArgs,
-    ) -> Result<SupervisorState, ActorProcessingErr> {
+    async fn start(
+        myself: ActorRef<Self::Msg>,
+        args: Self::Args,
+    ) -> Result<Self, ActorProcessingErr> {
         let engine_inflight = Arc::new(AtomicUsize::new(0));
         let mut roles = HashMap::new();
-        let mut started: Vec<ActorCell> = Vec::new();
+        let mut children = Children::new(myself.get_cell(), Duration::from_secs(10));
         let replay = match args.replay.clone() {
             Some(state) => {
-                match Actor::spawn_linked(None, ReplayActor, state, myself.get_cell()).await {
-                    Ok((replay, _)) => {
-                        started.push(replay.get_cell());
-                        roles.insert(replay.get_id(), ChildRole::Service(Service::Replay));
-                        Some(replay)
-                    }
-                    Err(e) => return Err(format!("replay actor: {e}").into()),
-                }
+                let replay = children.spawn::<ReplayActor>(state, "replay actor").await?;
+                roles.insert(replay.get_id(), ChildRole::Service(Service::Replay));
+                Some(replay)
             }
             None => None,
         };
@@ -234,32 +219,14 @@ impl Actor for NodeSupervisor {
                 dp,
                 factory: args.factory.clone(),
             };
-            let rank =
-                match Actor::spawn_linked(None, RankActor, rank_args, myself.get_cell()).await {
-                    Ok((rank, _)) => rank,
-                    Err(e) => {
-                        stop_all(&started).await;
-                        return Err(format!("{dp}: {e}").into());
-                    }
-                };
-            started.push(rank.get_cell());
+            let rank = children.spawn::<RankActor>(rank_args, dp).await?;
             roles.insert(rank.get_id(), ChildRole::Rank(dp));
             ranks.push(rank);
         }
-        let dspark = match dspark_settings(&args, &ranks).await {
-            Ok(dspark) => dspark,
-            Err(e) => {
-                stop_all(&started).await;
-                return Err(e.into());
-            }
-        };
-        let pools = match state_pools(&args, &ranks).await {
-            Ok(pools) => pools,
-            Err(e) => {
-                stop_all(&started).await;
-                return Err(e);
-            }
-        };
+        let dspark = children
+            .or_stop(dspark_settings(&args, &ranks).await)
+            .await?;
+        let pools = children.or_stop(state_pools(&args, &ranks).await).await?;
         let mut schedulers = Vec::with_capacity(args.dp_ranks);
         for (index, (rank, pool)) in ranks.into_iter().zip(pools).enumerate() {
             let dp = DpRank(index as u16);
@@ -273,17 +240,9 @@ impl Actor for NodeSupervisor {
                 replay: replay.clone(),
                 prefix: args.prefix,
             };
-            let scheduler =
-                match Actor::spawn_linked(None, SchedulerActor, scheduler_args, myself.get_cell())
-                    .await
-                {
-                    Ok((scheduler, _)) => scheduler,
-                    Err(e) => {
-                        stop_all(&started).await;
-                        return Err(format!("scheduler of {dp}: {e}").into());
-                    }
-                };
-            started.push(scheduler.get_cell());
+            let scheduler = children
+                .spawn::<SchedulerActor>(scheduler_args, format!("scheduler of {dp}"))
+                .await?;
             roles.insert(scheduler.get_id(), ChildRole::Scheduler(dp));
             rank.cast(RankMsg::Attach(scheduler.clone()))?;
             schedulers.push(scheduler);
@@ -293,36 +252,23 @@ impl Actor for NodeSupervisor {
                 schedulers: schedulers.clone(),
                 max_draft_tokens: settings.max_draft_tokens,
             };
-            let drafter =
-                match Actor::spawn_linked(None, DSparkActor, drafter_args, myself.get_cell()).await
-                {
-                    Ok((drafter, _)) => drafter,
-                    Err(e) => {
-                        stop_all(&started).await;
-                        return Err(format!("DSpark actor: {e}").into());
-                    }
-                };
-            started.push(drafter.get_cell());
+            let drafter = children
+                .spawn::<DSparkActor>(drafter_args, "DSpark actor")
+                .await?;
             roles.insert(drafter.get_id(), ChildRole::Service(Service::Drafter));
             for scheduler in &schedulers {
                 scheduler.cast(SchedulerMsg::AttachDrafter(drafter.clone()))?;
             }
         }
         if let Some(parallel) = args.factory.expert_parallel() {
-            match crate::eplb::spawn_expert_actors(parallel, myself.get_cell()).await {
-                Ok(experts) => {
-                    for (ep, cell) in experts.groups {
-                        roles.insert(cell.get_id(), ChildRole::ExpertGroup(ep));
-                        started.push(cell);
-                    }
-                    roles.insert(experts.eplb.get_id(), ChildRole::Service(Service::Eplb));
-                    started.push(experts.eplb);
-                }
-                Err(e) => {
-                    stop_all(&started).await;
-                    return Err(e.into());
-                }
+            let spawned = crate::eplb::spawn_expert_actors(parallel, myself.get_cell()).await;
+            let experts = children.or_stop(spawned).await?;
+            for (ep, cell) in experts.groups {
+                roles.insert(cell.get_id(), ChildRole::ExpertGroup(ep));
+                children.add(cell);
             }
+            roles.insert(experts.eplb.get_id(), ChildRole::Service(Service::Eplb));
+            children.add(experts.eplb);
         }
         let frontend_args = FrontendArgs {
             schedulers: schedulers.clone(),
@@ -332,20 +278,9 @@ impl Actor for NodeSupervisor {
             engine_inflight,
             prefix: args.prefix,
         };
-        let frontend = match Actor::spawn_linked(
-            None,
-            FrontendActor,
-            frontend_args,
-            myself.get_cell(),
-        )
-        .await
-        {
-            Ok((frontend, _)) => frontend,
-            Err(e) => {
-                stop_all(&started).await;
-                return Err(format!("frontend: {e}").into());
-            }
-        };
+        let frontend = children
+            .spawn::<FrontendActor>(frontend_args, "frontend")
+            .await?;
         roles.insert(frontend.get_id(), ChildRole::Frontend);
         let handles = EngineHandles {
             frontend,
@@ -356,52 +291,47 @@ impl Actor for NodeSupervisor {
             return Err("the engine stopped waiting for its actors".into());
         }
         Ok(SupervisorState {
+            myself,
             policy: SupervisionPolicy::new(args.dp_ranks, args.ep_ranks),
             roles,
             handles,
         })
     }
 
-    async fn handle(
-        &self,
-        myself: ActorRef<SupervisorMsg>,
-        message: SupervisorMsg,
-        state: &mut SupervisorState,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&mut self, message: Self::Msg) -> Result<(), ActorProcessingErr> {
         match message {
             SupervisorMsg::Health(reply) => {
-                let _ = reply.send(state.policy.health());
+                let _ = reply.send(self.policy.health());
             }
             SupervisorMsg::Drain(timeout, reply) => {
-                state.policy.begin_shutdown();
+                self.policy.begin_shutdown();
                 let deadline = Instant::now() + timeout;
-                let _ = state
+                let _ = self
                     .handles
                     .frontend
                     .call(FrontendMsg::Close, Some(timeout))
                     .await;
                 let mut drained = true;
-                for scheduler in &state.handles.schedulers {
+                for scheduler in &self.handles.schedulers {
                     let left = deadline.saturating_duration_since(Instant::now());
                     let done = scheduler.call(SchedulerMsg::Drain, Some(left)).await;
                     drained &= matches!(done, Ok(ractor::rpc::CallResult::Success(())));
                 }
                 tracing::info!(drained, "engine drained; stopping its actors");
                 let _ = reply.send(DrainReport { drained });
-                myself
+                self.myself
                     .stop_children_and_wait(Some("shutdown".into()), Some(Duration::from_secs(30)))
                     .await;
-                myself.stop(Some("shutdown".into()));
+                self.myself.stop(Some("shutdown".into()));
             }
         }
         Ok(())
     }
 
-    async fn handle_supervisor_evt(
-        &self,
-        _myself: ActorRef<SupervisorMsg>,
+    async fn supervise(
+        &mut self,
+        _: ActorRef<Self::Msg>,
         event: SupervisionEvent,
-        state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         let (id, reason) = match &event {
             SupervisionEvent::ActorFailed(cell, error) => (cell.get_id(), error.to_string()),
@@ -411,9 +341,9 @@ impl Actor for NodeSupervisor {
             ),
             _ => return Ok(()),
         };
-        if let Some(role) = state.roles.get(&id).copied() {
-            let decision = state.policy.on_child_down(role, &reason);
-            state.apply(decision);
+        if let Some(role) = self.roles.get(&id).copied() {
+            let decision = self.policy.on_child_down(role, &reason);
+            self.apply(decision);
         }
         Ok(())
     }
