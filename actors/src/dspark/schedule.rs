@@ -338,9 +338,10 @@ impl AsyncVerifyScheduler {
         confidences: &[Row],
         fixed_tokens: u32,
     ) -> Result<VerifyPlan, VerifyScheduleError> {
+        // Checked first: bad confidences leave the queued budgets as they were.
+        let drafts = RankedDrafts::new(confidences, self.max_draft_tokens, fixed_tokens)?;
         let budget =
             (self.budgets.len() >= self.lag).then(|| self.budgets.pop_front().unwrap_or(0));
-        let drafts = RankedDrafts::new(confidences, self.max_draft_tokens, fixed_tokens)?;
         let plan = match budget {
             Some(budget) => drafts.plan_with_budget(budget, &self.table),
             None => drafts.plan_verification(&self.table),
@@ -513,6 +514,10 @@ mod tests {
         assert_eq!(scheduler.plan_step(&unsure, 0).unwrap().lengths, vec![5]);
         // Step 3 spends step 1's budget (0 drafts) even though it is confident now.
         assert_eq!(scheduler.plan_step(&confident, 0).unwrap().lengths, vec![0]);
+        // Bad confidences are an error that spends no budget: step 4 still gets step 2's.
+        assert!(scheduler.plan_step(&[vec![f32::NAN; 5]], 0).is_err());
+        assert_eq!(scheduler.pending_budgets(), 2);
+        assert_eq!(scheduler.plan_step(&unsure, 0).unwrap().lengths, vec![0]);
     }
 
     #[test]

@@ -244,7 +244,9 @@ impl Shell for SupervisorState {
                 .spawn::<SchedulerActor>(scheduler_args, format!("scheduler of {dp}"))
                 .await?;
             roles.insert(scheduler.get_id(), ChildRole::Scheduler(dp));
-            rank.cast(RankMsg::Attach(scheduler.clone()))?;
+            children
+                .or_stop(rank.cast(RankMsg::Attach(scheduler.clone())))
+                .await?;
             schedulers.push(scheduler);
         }
         if let Some(settings) = &dspark {
@@ -257,7 +259,9 @@ impl Shell for SupervisorState {
                 .await?;
             roles.insert(drafter.get_id(), ChildRole::Service(Service::Drafter));
             for scheduler in &schedulers {
-                scheduler.cast(SchedulerMsg::AttachDrafter(drafter.clone()))?;
+                children
+                    .or_stop(scheduler.cast(SchedulerMsg::AttachDrafter(drafter.clone())))
+                    .await?;
             }
         }
         if let Some(parallel) = args.factory.expert_parallel() {
@@ -287,9 +291,11 @@ impl Shell for SupervisorState {
             schedulers,
             replay,
         };
-        if args.handles.send(handles.clone()).is_err() {
-            return Err("the engine stopped waiting for its actors".into());
-        }
+        let sent = args
+            .handles
+            .send(handles.clone())
+            .map_err(|_| ActorProcessingErr::from("the engine stopped waiting for its actors"));
+        children.or_stop(sent).await?;
         Ok(SupervisorState {
             myself,
             policy: SupervisionPolicy::new(args.dp_ranks, args.ep_ranks),
