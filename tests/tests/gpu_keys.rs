@@ -12,7 +12,8 @@
 //! rows are shape errors. Key lists composed on the device from runs of rows and device
 //! selections (`DeviceKeyLists::compose`) are the explicit lists they describe; a key list's
 //! device mirror (`KeyList`, the CUDA backend's `key_tables`) follows its appends and
-//! truncations, and a window ring's (`PositionRing`) its slides, rollbacks, gaps and copies.
+//! truncations, and a window ring's (`PositionRing`) its slides, rollbacks, gaps, growth, shrinking
+//! and copies.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
 //! Without a CUDA driver every test fails, naming why.
@@ -884,12 +885,16 @@ fn a_window_rings_device_mirror_follows_its_slides_rollbacks_gaps_and_copies() {
         "a compact empties the mirror"
     );
     check(&device, &host, "compacted");
-    // More rows than the mirror holds: it is replaced by a larger one.
-    for _ in 0..100 {
+    // More rows than the mirror holds (a long chunk): it is replaced by a larger one; trimmed
+    // back to a window, by a smaller one again.
+    for _ in 0..300 {
         let at = device.end();
         push_at(&mut device, &mut host, at, &mut rng);
     }
-    check(&device, &host, "104 rows (a larger mirror)");
+    check(&device, &host, "304 rows (a larger mirror)");
+    device.trim(10);
+    host.trim(10);
+    check(&device, &host, "trimmed to 10 rows (a smaller mirror)");
     let copy = device.clone();
     assert!(
         copy.mirror().device.is_none(),
@@ -897,6 +902,6 @@ fn a_window_rings_device_mirror_follows_its_slides_rollbacks_gaps_and_copies() {
     );
     check(&copy, &host, "a copy of the ring");
     println!(
-        "window-ring mirror: {checked} outputs bitwise equal to the CPU through 150 slides, a rollback, a gap, a compact and a copy"
+        "window-ring mirror: {checked} outputs bitwise equal to the CPU through 150 slides, a rollback, a gap, a compact, a growth, a shrink and a copy"
     );
 }

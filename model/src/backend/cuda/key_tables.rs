@@ -172,8 +172,7 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
                 let aligned = old
                     .as_ref()
                     .is_none_or(|m| m.aligned_16.load(Ordering::Relaxed));
-                let grown =
-                    self.new_mirror((2 * n).max(MIRROR_MIN_ROWS), aligned && tail_aligned)?;
+                let grown = self.new_mirror(mirror_capacity(n), aligned && tail_aligned)?;
                 if let Some(old) = old
                     && covered > 0
                 {
@@ -212,10 +211,15 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
         let base_row = rows_u32(self.op, base)?;
         let (start, end) = (ring.start(), ring.end());
         let n = end - start;
-        // A mirror too small for the rows held is replaced, whatever it covers.
+        // A mirror too small for the rows held is replaced, whatever it covers; so is one far
+        // larger than they need (a long prefill chunk's, once the ring is trimmed to its window),
+        // which would otherwise stay allocated as long as the sequence.
         let (covered_end, mirror) = {
             let slot = ring.mirror();
-            match self.ours(&slot.device).filter(|m| m.addresses.len() >= n) {
+            let fits = |m: &Arc<DeviceKeyMirror>| {
+                (n..=4 * mirror_capacity(n)).contains(&m.addresses.len())
+            };
+            match self.ours(&slot.device).filter(fits) {
                 Some(mirror) if slot.covers.start <= start => {
                     (slot.covers.end.clamp(start, end), Some(mirror))
                 }
@@ -258,7 +262,7 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
                 }
                 mirror
             }
-            None => Arc::new(self.new_mirror((2 * n).max(MIRROR_MIN_ROWS), tail_aligned)?),
+            None => Arc::new(self.new_mirror(mirror_capacity(n), tail_aligned)?),
         };
         let capacity = mirror.addresses.len();
         for (offset, slot, count) in ring_runs(covered_end, end - covered_end, capacity) {
@@ -397,6 +401,11 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
 
 /// The smallest mirror allocated (rows): a list grows by one row every few steps.
 const MIRROR_MIN_ROWS: usize = 64;
+
+/// The capacity of a new mirror for `rows` rows: room to grow (a list appends, a ring slides).
+fn mirror_capacity(rows: usize) -> usize {
+    (2 * rows).max(MIRROR_MIN_ROWS)
+}
 
 /// The runs of a ring mirror's slots that hold `count` consecutive positions from `first`:
 /// (offset in the positions, first slot, slots), at most two (`count <= capacity`).

@@ -195,10 +195,10 @@ impl CudaBackend {
     }
 
     /// [`Backend::sparse_attention_rows`], with errors: one table of the distinct listed
-    /// keys' device addresses followed by every compressed entry of each sequence that a query
-    /// selects from; each query's list names its listed rows, then its selected rows — written
-    /// on the device from a device selection, so the selection never comes back to the host —
-    /// and one launch computes every (head, query).
+    /// keys' device addresses followed by every window ring's rows and every compressed entry of
+    /// each sequence that a query selects from; each query's list names its window's rows, its
+    /// listed rows, then its selected rows — written on the device from a device selection, so
+    /// the selection never comes back to the host — and one launch computes every (head, query).
     pub fn try_sparse_attention_rows(
         &self,
         attention: AttentionQueries<'_>,
