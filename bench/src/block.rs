@@ -17,8 +17,7 @@ use std::path::Path;
 
 use deepinfer_model::checkpoint::{INDEX_FILE, write_random_checkpoint};
 use deepinfer_model::config::{
-    ExpertDtype, HcConfig, ModelConfig, ModelFamily, QuantConfig, RopeConfig, V4Attention, V4Mlp,
-    WeightStorage, YarnConfig,
+    ModelConfig, ModelFamily, RopeConfig, V4Attention, V4Mlp, YarnConfig,
 };
 use deepinfer_model::error::ModelError;
 
@@ -102,7 +101,9 @@ fn v4_block(width: BlockWidth, vocab_size: usize, max_positions: usize) -> Model
     cfg
 }
 
-/// The V4.1 one-block config at `width`.
+/// The V4.1 one-block config at `width`: [`ModelConfig::tiny_v41`]'s shared settings (mHC,
+/// quantisation, RoPE thetas, routing scale, special ids) with the block's widths, one ratio-2
+/// layer that is its own KV and index source, and no Engram, DSpark or vision.
 fn v41_block(width: BlockWidth, vocab_size: usize, max_positions: usize) -> ModelConfig {
     let (dim, heads, head_dim, rope, q_lora, o_lora, o_groups) = match width {
         BlockWidth::Real => (5120, 64, 512, 64, 1280, 1024, 8),
@@ -112,8 +113,8 @@ fn v41_block(width: BlockWidth, vocab_size: usize, max_positions: usize) -> Mode
         BlockWidth::Real => (2304, 384, 32, 128, 512, 128),
         BlockWidth::Narrow => (64, 16, 4, 64, 8, 16),
     };
+    let tiny = ModelConfig::tiny_v41();
     ModelConfig {
-        family: ModelFamily::V41,
         vocab_size,
         dim,
         n_layers: 1,
@@ -125,22 +126,17 @@ fn v41_block(width: BlockWidth, vocab_size: usize, max_positions: usize) -> Mode
         o_groups,
         moe_inter_dim: inter,
         n_routed_experts: experts,
-        n_shared_experts: 1,
         n_activated_experts: 6,
-        route_scale: 1.5,
-        swiglu_limit: 10.0,
-        norm_eps: 1e-20,
         window_size: window,
         max_position_embeddings: max_positions,
         rope: RopeConfig {
-            theta: 10000.0,
-            compress_theta: 160000.0,
             yarn: Some(YarnConfig {
                 factor: 16.0,
                 original_max_position: 65536,
                 beta_fast: 32.0,
                 beta_slow: 1.0,
             }),
+            ..tiny.rope.clone()
         },
         compress_ratios: vec![2],
         kv_source_layers: vec![0],
@@ -149,24 +145,11 @@ fn v41_block(width: BlockWidth, vocab_size: usize, max_positions: usize) -> Mode
         index_n_heads: index_heads,
         index_head_dim: index_dim,
         index_topk: topk,
-        hc: HcConfig {
-            mult: 4,
-            sinkhorn_iters: 20,
-            eps: 1e-6,
-        },
         engram: None,
         dspark: None,
-        quant: QuantConfig {
-            weight_block: [32, 32],
-            expert_dtype: ExpertDtype::Fp4,
-        },
-        storage: WeightStorage::Quantized,
-        v4: None,
-        bos_token_id: 0,
-        eos_token_id: 1,
-        pad_token_id: Some(2),
         image_token_id: None,
         vision: None,
+        ..tiny
     }
 }
 
@@ -202,6 +185,7 @@ pub fn prepare_checkpoint(
 mod tests {
     use super::*;
     use deepinfer_model::checkpoint::{TensorSpec, inventory_for, v41_inventory};
+    use deepinfer_model::config::ExpertDtype;
 
     /// The stored bytes of the tensor `name` of `specs` (which must list it).
     fn stored_bytes(specs: &[TensorSpec], name: &str) -> usize {

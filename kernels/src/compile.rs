@@ -433,17 +433,21 @@ mod tests {
         assert_ne!(hash(&["sm_90a"]), hash(&["sm_100a"]));
     }
 
+    /// The compiler, or `None` after saying why where NVRTC or the CUDA headers are absent (the
+    /// tests that need them then pass).
+    fn nvrtc_compiler() -> Option<Compiler> {
+        Compiler::with_cache(None)
+            .inspect_err(|err| eprintln!("skipping: {err}"))
+            .ok()
+    }
+
     /// Compiles every source for every arch when NVRTC and the CUDA headers are present (the
     /// H200 machine, or a machine with the pip `nvidia-cuda-nvrtc` + `nvidia-cuda-runtime` wheels
     /// on `LD_LIBRARY_PATH`); says why and passes otherwise.
     #[test]
     fn every_source_compiles_for_every_arch_when_nvrtc_is_present() {
-        let compiler = match Compiler::with_cache(None) {
-            Ok(c) => c,
-            Err(err) => {
-                eprintln!("skipping: {err}");
-                return;
-            }
+        let Some(compiler) = nvrtc_compiler() else {
+            return;
         };
         for arch in Arch::ALL {
             for file in SourceFile::ALL {
@@ -473,12 +477,8 @@ mod tests {
     /// is a compile error naming it. Skipped, as above, where NVRTC is absent.
     #[test]
     fn generated_sources_compile_with_the_project_headers() {
-        let compiler = match Compiler::with_cache(None) {
-            Ok(c) => c,
-            Err(err) => {
-                eprintln!("skipping: {err}");
-                return;
-            }
+        let Some(compiler) = nvrtc_compiler() else {
+            return;
         };
         let tile = "#include \"gemm/gemm_fast.cuh\"\n\
                     GEMM_FAST(sweep_w1_s6_k1024, fastgemm::Fp8Chunks<32>, 32, 1, 8, 6, 1024)\n";

@@ -43,9 +43,7 @@ use deepinfer_kernels::ops::gemm_fast::{
     FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast,
     gemm_fp8_fast_tiled, k_parts,
 };
-use deepinfer_kernels::ops::quant::{
-    ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32,
-};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, moe_combine, swiglu_rows,
 };
@@ -601,7 +599,7 @@ fn run_chain(
         &mut hidden,
     )
     .expect("swiglu");
-    let a_hidden = quantize_act_fp8_f32(rt, &hidden, slots, inter, ActGroup::G32).expect("q h");
+    let a_hidden = quantize_act_fp8(rt, &hidden, slots, inter, ActGroup::G32).expect("q h");
     let routed_out = routed(&a_hidden, 1, ExpertProjection::W2, dim);
 
     let dense = |x: &DeviceActFp8, w: &FastFp8Weight| {
@@ -622,7 +620,7 @@ fn run_chain(
         &mut s_hidden,
     )
     .expect("swiglu");
-    let a_shared = quantize_act_fp8_f32(rt, &s_hidden, tokens, inter, ActGroup::G32).expect("q");
+    let a_shared = quantize_act_fp8(rt, &s_hidden, tokens, inter, ActGroup::G32).expect("q");
     let shared = dense(&a_shared, s2);
 
     let mut out = stream.alloc_zeros::<f32>(tokens * dim).expect("alloc");

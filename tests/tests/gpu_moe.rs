@@ -54,9 +54,7 @@ use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4_split, gemm_fp8,
 };
 use deepinfer_kernels::ops::moe::{Selection, route_experts_f32};
-use deepinfer_kernels::ops::quant::{
-    ActGroup, DeviceActFp8, quantize_act_fp8_f32_into, quantize_act_fp8_into,
-};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_into};
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows, gemm_routed_with,
     moe_combine, swiglu_rows,
@@ -439,7 +437,7 @@ impl DeviceMoe {
             &mut self.hidden,
         )
         .expect("routed swiglu");
-        quantize_act_fp8_f32_into(rt, &self.hidden, &mut self.qh).expect("quantise hidden");
+        quantize_act_fp8_into(rt, &self.hidden, &mut self.qh).expect("quantise hidden");
         gemm_routed_with(
             rt,
             RoutedRows {
@@ -465,7 +463,7 @@ impl DeviceMoe {
             &mut self.shared_hidden,
         )
         .expect("shared swiglu");
-        quantize_act_fp8_f32_into(rt, &self.shared_hidden, &mut self.shared_qh)
+        quantize_act_fp8_into(rt, &self.shared_hidden, &mut self.shared_qh)
             .expect("quantise shared hidden");
         gemm_fp8(rt, &self.shared_qh, &shared.w2, &mut self.shared_out).expect("shared w2");
         moe_combine(
@@ -1339,7 +1337,7 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
         let xs: Vec<f32> = x.iter().copied().cycle().take(rows * k).collect();
         let dx = s.clone_htod(&xs).expect("x");
         let mut qx = DeviceActFp8::alloc(&rt, rows, k, ActGroup::G32).expect("qx");
-        quantize_act_fp8_f32_into(&rt, &dx, &mut qx).expect("quantise");
+        quantize_act_fp8_into(&rt, &dx, &mut qx).expect("quantise");
         for split in [
             GemmSplit::Auto,
             GemmSplit::ColumnPerWarp,

@@ -40,20 +40,37 @@ impl ActGroup {
             )
         })
     }
+}
 
-    fn kernel(self) -> KernelId {
-        match self {
+/// The element type of the activations [`quantize_act_fp8`] reads: bf16, or f32 storage (any
+/// fp32 values, as the CPU reference accepts). Sealed: the kernels read only these two.
+pub trait ActInput: DeviceRepr + sealed::Sealed {
+    /// The quantisation kernel of `group` for this input.
+    fn kernel(group: ActGroup) -> KernelId;
+}
+
+impl ActInput for bf16 {
+    fn kernel(group: ActGroup) -> KernelId {
+        match group {
             ActGroup::G32 => KernelId::ActQuantFp8G32,
             ActGroup::G128 => KernelId::ActQuantFp8G128,
         }
     }
+}
 
-    fn kernel_f32(self) -> KernelId {
-        match self {
+impl ActInput for f32 {
+    fn kernel(group: ActGroup) -> KernelId {
+        match group {
             ActGroup::G32 => KernelId::ActQuantFp8G32F32,
             ActGroup::G128 => KernelId::ActQuantFp8G128F32,
         }
     }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for f32 {}
 }
 
 /// Quantised activations on the device: `codes` E4M3 `[rows, cols]` row-major, `scales` f32
@@ -138,28 +155,11 @@ impl DeviceActFp8 {
     }
 }
 
-/// Quantises `x` (bf16 `[out.rows, out.cols]`, row-major) into `out`. Exact: the result equals
-/// the CPU definition bit for bit, whatever the number of rows.
-pub fn quantize_act_fp8_into(
+/// Quantises `x` (`[out.rows, out.cols]`, row-major: bf16, or f32 storage of any fp32 values)
+/// into `out`. Exact: the result equals the CPU definition bit for bit, whatever the number of
+/// rows.
+pub fn quantize_act_fp8_into<T: ActInput>(
     rt: &KernelRuntime,
-    x: &CudaSlice<bf16>,
-    out: &mut DeviceActFp8,
-) -> Result<(), KernelError> {
-    launch_act_quant(rt, out.group.kernel(), x, out)
-}
-
-/// [`quantize_act_fp8_into`] from f32 storage (any fp32 values, as the CPU reference accepts).
-pub fn quantize_act_fp8_f32_into(
-    rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    out: &mut DeviceActFp8,
-) -> Result<(), KernelError> {
-    launch_act_quant(rt, out.group.kernel_f32(), x, out)
-}
-
-fn launch_act_quant<T: DeviceRepr>(
-    rt: &KernelRuntime,
-    kernel: KernelId,
     x: &CudaSlice<T>,
     out: &mut DeviceActFp8,
 ) -> Result<(), KernelError> {
@@ -184,45 +184,23 @@ fn launch_act_quant<T: DeviceRepr>(
         WARPS_PER_BLOCK * 32,
         0,
     );
-    let mut launch = rt.launcher(kernel)?;
+    let mut launch = rt.launcher(T::kernel(out.group))?;
     launch
         .arg(x)
         .arg(&mut out.codes)
         .arg(&mut out.scales)
         .arg(&params);
-    // SAFETY: the kernel's signature is (const T*, u8*, float*, ActQuantParams) with T the element
-    // type of `kernel` (matching `x`); the buffer
-    // lengths were checked against rows * cols above and the grid covers exactly `groups` warps
-    // (the kernel bounds-checks the last block).
+    // SAFETY: the kernel's signature is (const T*, u8*, float*, ActQuantParams), `T::kernel`
+    // being the build that reads `x`'s element type; the buffer lengths were checked against
+    // rows * cols above and the grid covers exactly `groups` warps (the kernel bounds-checks the
+    // last block).
     unsafe { launch.launch(cfg) }
 }
 
-/// Allocating form of [`quantize_act_fp8_into`].
-pub fn quantize_act_fp8(
+/// Allocating form of [`quantize_act_fp8_into`]: `x` quantised into new buffers for `[rows,
+/// cols]`.
+pub fn quantize_act_fp8<T: ActInput>(
     rt: &KernelRuntime,
-    x: &CudaSlice<bf16>,
-    rows: usize,
-    cols: usize,
-    group: ActGroup,
-) -> Result<DeviceActFp8, KernelError> {
-    quantize_new(rt, group.kernel(), x, rows, cols, group)
-}
-
-/// Allocating form of [`quantize_act_fp8_f32_into`].
-pub fn quantize_act_fp8_f32(
-    rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    rows: usize,
-    cols: usize,
-    group: ActGroup,
-) -> Result<DeviceActFp8, KernelError> {
-    quantize_new(rt, group.kernel_f32(), x, rows, cols, group)
-}
-
-/// `x` quantised by `kernel` (of `group`) into new buffers for `[rows, cols]`.
-fn quantize_new<T: DeviceRepr>(
-    rt: &KernelRuntime,
-    kernel: KernelId,
     x: &CudaSlice<T>,
     rows: usize,
     cols: usize,
@@ -231,6 +209,6 @@ fn quantize_new<T: DeviceRepr>(
     // SAFETY: act_quant_fp8 runs one warp per (row, group) over all rows * cols / group groups,
     // each writing its group's codes and scale.
     let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
-    launch_act_quant(rt, kernel, x, &mut out)?;
+    quantize_act_fp8_into(rt, x, &mut out)?;
     Ok(out)
 }

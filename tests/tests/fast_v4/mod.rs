@@ -37,7 +37,7 @@ use deepinfer_kernels::cudarc::driver::{CudaSlice, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile, gemm_fp8_fast, k_parts};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
-use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
@@ -71,7 +71,7 @@ fn f32_activations(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
 /// `x` (`rows` f32 rows) quantised on the device in `group`s, as the backend does.
 fn quantise(rt: &KernelRuntime, x: &[f32], rows: usize, group: ActGroup) -> DeviceActFp8 {
     let dx = rt.htod(x).expect("upload x");
-    quantize_act_fp8_f32(rt, &dx, rows, x.len() / rows, group).expect("quantise")
+    quantize_act_fp8(rt, &dx, rows, x.len() / rows, group).expect("quantise")
 }
 
 /// The fast GEMM of `w` on `a` with `tile`, output `T`, downloaded as f32.
@@ -259,7 +259,7 @@ fn run_v4_chain(
     let mut hidden = stream.alloc_zeros::<f32>(slots * inter).expect("alloc");
     let weights = Some(&weights_d);
     swiglu_rows(rt, &gate, &up, weights, LIMIT, Rounding::F32, &mut hidden).expect("swiglu");
-    let a_hidden = quantize_act_fp8_f32(rt, &hidden, slots, inter, ActGroup::G32).expect("q h");
+    let a_hidden = quantize_act_fp8(rt, &hidden, slots, inter, ActGroup::G32).expect("q h");
     let routed_out = routed(&a_hidden, 1, ExpertProjection::W2, dim);
 
     let dense = |x: &DeviceActFp8, i: usize| {
@@ -281,7 +281,7 @@ fn run_v4_chain(
         &mut s_hidden,
     )
     .expect("swiglu");
-    let a_sh = quantize_act_fp8_f32(rt, &s_hidden, tokens, inter, ActGroup::G128).expect("q");
+    let a_sh = quantize_act_fp8(rt, &s_hidden, tokens, inter, ActGroup::G128).expect("q");
     let shared = dense(&a_sh, 2);
 
     let mut out = stream.alloc_zeros::<f32>(tokens * dim).expect("alloc");

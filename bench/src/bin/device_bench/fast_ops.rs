@@ -33,7 +33,7 @@ use deepinfer_kernels::ops::gemm_fast::{
 };
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{
-    ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_f32_into,
+    ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_into,
 };
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, gemm_routed, swiglu_rows,
@@ -362,7 +362,7 @@ fn bench_routed_chain<W>(
             Rounding::Bf16,
             &mut hidden,
         )?;
-        quantize_act_fp8_f32_into(rt, &hidden, &mut a_hidden)?;
+        quantize_act_fp8_into(rt, &hidden, &mut a_hidden)?;
         routed(&a_hidden, ids, 1, ExpertProjection::W2, &mut out)?;
         Ok(())
     })?;

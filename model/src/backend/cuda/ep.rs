@@ -540,7 +540,7 @@ impl CudaBackend {
         let n = ids.len();
         match experts {
             SlotExperts::Quantised(experts) => {
-                let a = quantize_act_fp8_f32(&self.rt, received, n, dim, ActGroup::G32)
+                let a = quantize_act_fp8(&self.rt, received, n, dim, ActGroup::G32)
                     .map_err(op_err(op))?;
                 let out = self.routed_slots(
                     op,
@@ -558,7 +558,7 @@ impl CudaBackend {
                 Ok(wide)
             }
             SlotExperts::V4Fast(experts) => {
-                let a = quantize_act_fp8_f32(&self.rt, received, n, dim, ActGroup::G32)
+                let a = quantize_act_fp8(&self.rt, received, n, dim, ActGroup::G32)
                     .map_err(op_err(op))?;
                 let limit = layer.swiglu_limit;
                 let table = &experts.table;

@@ -102,7 +102,7 @@ use deepinfer_kernels::ops::moe::{Selection as RouteSelection, route_experts_f32
 use deepinfer_kernels::ops::movement::{bf16_to_f32, gather_addresses_f32};
 use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
-use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_f32};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::ops::topk::{apply_mask_rows, candidate_mask_rows, top_k_rows};
@@ -766,7 +766,7 @@ impl CudaBackend {
     ) -> Result<DeviceActFp8, CudaBackendError> {
         let rows = whole_rows(op, x, inp)?;
         let dx = self.input(op, x)?;
-        quantize_act_fp8_f32(&self.rt, &dx, rows, inp, group).map_err(op_err(op))
+        quantize_act_fp8(&self.rt, &dx, rows, inp, group).map_err(op_err(op))
     }
 
     /// A device result as a tensor.

@@ -241,8 +241,8 @@ impl CudaBackend {
         };
         let gate_up = |which| routed(a, x_row_div, which, inter);
         let hidden = self.routed_swiglu(op, gate_up, route_weights, (limit, rounding))?;
-        let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, slots, inter, ActGroup::G32)
-            .map_err(op_err(op))?;
+        let a_hidden =
+            quantize_act_fp8(&self.rt, &hidden, slots, inter, ActGroup::G32).map_err(op_err(op))?;
         routed(&a_hidden, 1, ExpertProjection::W2, dim)
     }
 
@@ -312,7 +312,7 @@ impl CudaBackend {
         swiglu_rows(&self.rt, &gate, &up, None, limit, rounding, &mut hidden)
             .map_err(op_err(op))?;
         let inter = gate.len() / a.rows.max(1);
-        let a_hidden = quantize_act_fp8_f32(&self.rt, &hidden, a.rows, inter, ActGroup::G32)
+        let a_hidden = quantize_act_fp8(&self.rt, &hidden, a.rows, inter, ActGroup::G32)
             .map_err(op_err(op))?;
         dense(&a_hidden, &shared.w2)
     }
