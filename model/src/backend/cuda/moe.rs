@@ -31,34 +31,24 @@ pub(super) struct DeviceExperts {
 /// the exact routed kernels write bf16, and a launch on another table fails naming its format).
 pub(super) trait RoutedRow: ExpertRowValue + FastOutput + Sized {
     /// The routed GEMM of `rows` over `table` into `out`.
-    fn gemm(
-        rt: &KernelRuntime,
-        rows: RoutedRows<'_, DeviceActFp8>,
-        table: &DeviceExpertTable,
-        out: &mut CudaSlice<Self>,
-    ) -> Result<(), KernelError>;
+    const GEMM: RoutedGemm<Self>;
 }
 
+/// A routed GEMM `(rt, rows, table, out)` into output rows of `T`.
+pub(super) type RoutedGemm<T> = fn(
+    &KernelRuntime,
+    RoutedRows<'_, DeviceActFp8>,
+    &DeviceExpertTable,
+    &mut CudaSlice<T>,
+) -> Result<(), KernelError>;
+
 impl RoutedRow for bf16 {
-    fn gemm(
-        rt: &KernelRuntime,
-        rows: RoutedRows<'_, DeviceActFp8>,
-        table: &DeviceExpertTable,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), KernelError> {
-        gemm_routed(rt, rows, table, out)
-    }
+    const GEMM: RoutedGemm<bf16> = gemm_routed;
 }
 
 impl RoutedRow for f32 {
-    fn gemm(
-        rt: &KernelRuntime,
-        rows: RoutedRows<'_, DeviceActFp8>,
-        table: &DeviceExpertTable,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), KernelError> {
-        gemm_fp4_routed_fast_tiled(rt, rows, table, out, FastTile::Auto)
-    }
+    const GEMM: RoutedGemm<f32> =
+        |rt, rows, table, out| gemm_fp4_routed_fast_tiled(rt, rows, table, out, FastTile::Auto);
 }
 
 impl CudaBackend {
@@ -236,7 +226,7 @@ impl CudaBackend {
                 x_row_div,
                 which,
             };
-            T::gemm(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
+            T::GEMM(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
         let gate_up = |which| routed(a, x_row_div, which, inter);
