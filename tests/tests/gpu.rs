@@ -48,8 +48,8 @@ use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
 use deepinfer_model::backend::cuda::{CudaBackend, CudaBackendError, Numerics};
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, HcCollapse, IndexQueries, KeyList, Precision, QueryKeys,
-    RmsNorm, RopeTable, Rotation, SelectPart, Tensor,
+    AttentionQueries, Backend, CompressedKeys, CpuBackend, HcCollapse, IndexQueries, KeyList,
+    Precision, QueryKeys, RmsNorm, RopeTable, Rotation, SelectPart, Tensor,
 };
 use deepinfer_model::engram::{CompressedVocab, EngramHistory, NgramHasher};
 use deepinfer_model::quant;
@@ -953,6 +953,32 @@ fn row_ops_reject_mismatched_shapes() {
     assert!(
         err.to_string()
             .contains("key 0 of query 1 has 4 values, head_dim is 8"),
+        "{err}"
+    );
+    let entries = KeyList::from(vec![key.clone(); 2]);
+    let err = gpu
+        .try_sparse_attention_rows(
+            AttentionQueries {
+                q: &Tensor::from(vec![0.5; 16]),
+                sink: &[0.0],
+                scale: 1.0,
+                precision: Precision::Bf16,
+            },
+            &[
+                QueryKeys {
+                    compressed: Some(CompressedKeys::prefix(&entries, 2)),
+                    ..QueryKeys::listed(Vec::new())
+                },
+                QueryKeys {
+                    compressed: Some(CompressedKeys::prefix(&entries, 3)),
+                    ..QueryKeys::listed(Vec::new())
+                },
+            ],
+        )
+        .expect_err("a prefix of 3 of 2 compressed entries");
+    assert!(
+        err.to_string()
+            .contains("query 1 reads the first 3 compressed entries of 2"),
         "{err}"
     );
     let err = gpu

@@ -12,7 +12,7 @@
 //! rows are shape errors. Key lists composed on the device from runs of rows and device
 //! selections (`DeviceKeyLists::compose`) are the explicit lists they describe; a key list's
 //! device mirror (`KeyList`, the CUDA backend's `key_tables`) follows its appends and
-//! truncations, and a window ring's (`PositionRing`) its slides, rollbacks, gaps, growth, shrinking
+//! truncations (read by the index scores and by attention over prefixes of the list), and a window ring's (`PositionRing`) its slides, rollbacks, gaps, growth, shrinking
 //! and copies.
 //!
 //! Built only with `--features cuda`; run by the GPU suite (`tests/gpu-suite.sh`) on the H200.
@@ -29,8 +29,8 @@ use deepinfer_kernels::ops::attention::{
 use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, index_scores_rows_f32};
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CpuBackend, IndexQueries, KeyList, PositionRing, Precision,
-    QueryKeys, SelectPart, Tensor,
+    AttentionQueries, Backend, CompressedKeys, CpuBackend, IndexQueries, KeyList, PositionRing,
+    Precision, QueryKeys, SelectPart, Tensor,
 };
 use deepinfer_model::quant;
 
@@ -729,6 +729,30 @@ fn scores_over(backend: &dyn Backend, keys: &KeyList, q: &Tensor, w: &Tensor) ->
 
 const MIRROR_HEAD_DIM: usize = 32;
 
+/// The sink attention of three queries (2 heads) over the first `n`, `n / 2` and `min(n, 1)`
+/// rows of `keys` (a V4 layer without an indexer: a prefix of the compressed list, one run of
+/// its rows).
+fn prefixes_over(backend: &dyn Backend, keys: &KeyList, q: &Tensor) -> Vec<f32> {
+    let n = keys.len();
+    let queries: Vec<QueryKeys<'_>> = [n, n / 2, n.min(1)]
+        .into_iter()
+        .map(|count| QueryKeys {
+            window: None,
+            listed: Vec::new(),
+            compressed: Some(CompressedKeys::prefix(keys, count)),
+        })
+        .collect();
+    let attention = AttentionQueries {
+        q,
+        sink: &[0.25, -0.5],
+        scale: (MIRROR_HEAD_DIM as f32).powf(-0.5),
+        precision: Precision::Bf16,
+    };
+    backend
+        .sparse_attention_rows(attention, &queries)
+        .into_vec()
+}
+
 #[test]
 fn a_key_lists_device_mirror_follows_its_appends_and_truncations() {
     let gpu = cuda_backend("a_key_lists_device_mirror_follows_its_appends_and_truncations");
@@ -754,6 +778,11 @@ fn a_key_lists_device_mirror_follows_its_appends_and_truncations() {
         for (t, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
             checked += assert_bitwise(&format!("{what}: query {t}"), g, c);
         }
+        checked += assert_bitwise(
+            &format!("{what}: attention over prefixes"),
+            &prefixes_over(&gpu, device, &q),
+            &prefixes_over(&cpu, host, &q),
+        );
         assert_eq!(
             device.mirror().covers,
             device.len(),
@@ -782,7 +811,8 @@ fn a_key_lists_device_mirror_follows_its_appends_and_truncations() {
     assert_eq!(copy.mirror().covers, 0, "a copy starts without a mirror");
     check(&copy, &host, "a copy of the list");
     println!(
-        "key-list mirror: {checked} scores bitwise equal to the CPU through appends and truncations"
+        "key-list mirror: {checked} scores and attention outputs bitwise equal to the CPU through \
+         appends and truncations"
     );
 }
 
@@ -802,7 +832,7 @@ fn windows_over(backend: &dyn Backend, ring: &PositionRing, q: &Tensor) -> Vec<f
         .map(|window| QueryKeys {
             window: Some(window),
             listed: Vec::new(),
-            selected: None,
+            compressed: None,
         })
         .collect();
     let attention = AttentionQueries {

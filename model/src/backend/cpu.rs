@@ -784,6 +784,85 @@ mod tests {
         assert_eq!(out[0], output(exp_f32_accurate(s), s));
     }
 
+    /// A query reading the first `count` of a compressed list (a layer without an indexer) has
+    /// the keys of that prefix listed one by one after its window and its own key, and of a
+    /// selection of positions `0..count`: the three attend bitwise alike, over counts 0, 1, some
+    /// and all. Negative control: a prefix one shorter changes the output.
+    #[test]
+    fn a_compressed_prefix_attends_as_its_entries_listed_one_by_one() {
+        use crate::backend::{CompressedKeys, KeyList, PositionRing};
+        let (heads, d) = (2, 4);
+        let value = |i: usize| ((i * 37 % 101) as f32 - 50.0) / 64.0;
+        let row = |r: usize| Tensor::from((0..d).map(|c| value(r * d + c)).collect::<Vec<f32>>());
+        let mut ring = PositionRing::starting_at(0);
+        for p in 0..6 {
+            ring.push(row(100 + p));
+        }
+        let entries = KeyList::from((0..5).map(row).collect::<Vec<Tensor>>());
+        let own: Vec<Tensor> = (0..4).map(|t| row(200 + t)).collect();
+        let counts = [0usize, 1, 3, 5];
+        let selection = Selection::host(counts.iter().map(|&c| (0..c).collect()).collect());
+        let q = Tensor::from(
+            (0..4 * heads * d)
+                .map(|i| value(300 + i))
+                .collect::<Vec<f32>>(),
+        );
+        let attention = AttentionQueries {
+            q: &q,
+            sink: &[0.25, -0.5],
+            scale: 0.5,
+            precision: Precision::Bf16,
+        };
+        // Query t: window positions t..=t+2, its own key, then `listed` entries one by one.
+        let query = |t: usize, listed: usize| QueryKeys {
+            window: Some(ring.window(t, t + 2)),
+            listed: std::iter::once(&own[t])
+                .chain(entries.iter().take(listed))
+                .collect(),
+            compressed: None,
+        };
+        let prefix_of = |counts: &[usize]| -> Vec<QueryKeys<'_>> {
+            (0..4)
+                .map(|t| QueryKeys {
+                    compressed: Some(CompressedKeys::prefix(&entries, counts[t])),
+                    ..query(t, 0)
+                })
+                .collect()
+        };
+        let prefix = prefix_of(&counts);
+        let one_by_one: Vec<QueryKeys<'_>> = (0..4).map(|t| query(t, counts[t])).collect();
+        let selected: Vec<QueryKeys<'_>> = (0..4)
+            .map(|t| QueryKeys {
+                compressed: Some(CompressedKeys::selected(&entries, &selection, t)),
+                ..query(t, 0)
+            })
+            .collect();
+        for t in 0..4 {
+            assert_eq!(prefix[t].len(), 3 + 1 + counts[t], "query {t}'s keys");
+        }
+        let bits = |keys: &[QueryKeys<'_>]| -> Vec<u32> {
+            let y = CpuBackend.sparse_attention_rows(attention, keys);
+            y.iter().map(|v| v.to_bits()).collect()
+        };
+        let from_prefix = bits(&prefix);
+        assert_eq!(
+            from_prefix,
+            bits(&one_by_one),
+            "the prefix listed one by one"
+        );
+        assert_eq!(from_prefix, bits(&selected), "a selection of the prefix");
+        let shorter = bits(&prefix_of(&counts.map(|c| c.saturating_sub(1))));
+        let width = heads * d;
+        for t in 1..4 {
+            let rows = t * width..(t + 1) * width;
+            assert_ne!(
+                shorter[rows.clone()],
+                from_prefix[rows],
+                "query {t}, one entry fewer"
+            );
+        }
+    }
+
     #[test]
     fn router_takes_the_biased_top_k_and_normalises_the_unbiased_scores() {
         // Token 0: experts 1 and 3 tie on z; the bias lifts expert 0 above both.

@@ -27,8 +27,8 @@ pub use cpu::CpuBackend;
 pub use key_list::{KeyList, KeyMirror, NO_KEYS};
 pub use position_ring::{PositionRing, RingMirror, WindowKeys};
 pub use select::{
-    CandidateMask, Candidates, IndexQueries, QueryKeys, SelectFrom, SelectPart, SelectedKeys,
-    Selection,
+    CandidateMask, Candidates, CompressedKeys, CompressedRows, IndexQueries, QueryKeys, SelectFrom,
+    SelectPart, Selection,
 };
 pub use tensor::{Allocation, DeviceBuffer, DeviceView, Pinned, Tensor};
 
@@ -465,8 +465,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn hc_expand_rows_at(&self, y: &Tensor, expand: HcExpand<'_>) -> Tensor;
     /// Multi-head attention of `keys.len()` queries ([`AttentionQueries`]), query `t` over its
     /// own keys `keys[t]` (K = V, each key one `head_dim` row: a run of a window ring, keys
-    /// listed one by one and a selection of compressed keys, [`QueryKeys`], so that the rings'
-    /// and lists' device mirrors and a selection left on the device are read there) →
+    /// listed one by one and a selection or a prefix of a compressed list, [`QueryKeys`], so that
+    /// the rings' and lists' device mirrors and a selection left on the device are read there) →
     /// `[n, heads · head_dim]`.
     fn sparse_attention_rows(
         &self,

@@ -205,21 +205,75 @@ pub fn scores_by_part<E>(
 }
 
 /// The keys of one attention query: its `window` (a run of a ring's positions), then `listed`
-/// in order, then `compressed[i]` for every position `i` that row `row` of `selection` holds.
+/// in order, then its `compressed` entries.
 #[derive(Debug, Clone)]
 pub struct QueryKeys<'a> {
     pub window: Option<WindowKeys<'a>>,
     pub listed: Vec<&'a Tensor>,
-    pub selected: Option<SelectedKeys<'a>>,
+    pub compressed: Option<CompressedKeys<'a>>,
 }
 
-/// The selected part of a query's keys ([`QueryKeys`]).
+/// The compressed part of a query's keys ([`QueryKeys`]): `rows` of a sequence's compressed
+/// `entries` (one `head_dim` row each).
 #[derive(Debug, Clone, Copy)]
-pub struct SelectedKeys<'a> {
-    /// A sequence's compressed entries (one `head_dim` row each).
-    pub compressed: &'a KeyList,
-    pub selection: &'a Selection,
-    pub row: usize,
+pub struct CompressedKeys<'a> {
+    pub entries: &'a KeyList,
+    pub rows: CompressedRows<'a>,
+}
+
+/// Which compressed entries a query reads ([`CompressedKeys`]), in order.
+#[derive(Debug, Clone, Copy)]
+pub enum CompressedRows<'a> {
+    /// `entries[i]` for every position `i` that row `row` of an indexer's `selection` holds.
+    Selected {
+        selection: &'a Selection,
+        row: usize,
+    },
+    /// The first `count` entries (a layer without an indexer: every entry the query sees), one
+    /// run of the list's rows.
+    Prefix(usize),
+}
+
+impl<'a> CompressedKeys<'a> {
+    /// The entries row `row` of `selection` holds.
+    pub fn selected(entries: &'a KeyList, selection: &'a Selection, row: usize) -> Self {
+        CompressedKeys {
+            entries,
+            rows: CompressedRows::Selected { selection, row },
+        }
+    }
+
+    /// The first `count` entries.
+    pub fn prefix(entries: &'a KeyList, count: usize) -> Self {
+        CompressedKeys {
+            entries,
+            rows: CompressedRows::Prefix(count),
+        }
+    }
+
+    /// How many entries the query reads.
+    pub fn len(&self) -> usize {
+        match self.rows {
+            CompressedRows::Selected { selection, row } => selection.counts[row],
+            CompressedRows::Prefix(count) => count,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The entries the query reads, in order, on the host side of the list (a selection read
+    /// there).
+    pub fn keys(&self) -> Vec<&'a Tensor> {
+        let entries = self.entries;
+        match self.rows {
+            CompressedRows::Selected { selection, row } => {
+                selection.rows()[row].iter().map(|&i| &entries[i]).collect()
+            }
+            CompressedRows::Prefix(count) => entries[..count].iter().collect(),
+        }
+    }
 }
 
 impl<'a> QueryKeys<'a> {
@@ -228,20 +282,16 @@ impl<'a> QueryKeys<'a> {
         QueryKeys {
             window: None,
             listed,
-            selected: None,
+            compressed: None,
         }
     }
 
-    /// Every key of the query in order, on the host side of the list (the selection read there).
+    /// Every key of the query in order, on the host side of the list (a selection read there).
     pub fn flattened(&self) -> Vec<&'a Tensor> {
         let mut keys: Vec<&'a Tensor> = self.window.iter().flat_map(WindowKeys::rows).collect();
         keys.extend(&self.listed);
-        if let Some(sel) = self.selected {
-            keys.extend(
-                sel.selection.rows()[sel.row]
-                    .iter()
-                    .map(|&i| &sel.compressed[i]),
-            );
+        if let Some(compressed) = &self.compressed {
+            keys.extend(compressed.keys());
         }
         keys
     }
@@ -250,7 +300,7 @@ impl<'a> QueryKeys<'a> {
     pub fn len(&self) -> usize {
         self.window.as_ref().map_or(0, WindowKeys::len)
             + self.listed.len()
-            + self.selected.map_or(0, |s| s.selection.counts[s.row])
+            + self.compressed.as_ref().map_or(0, CompressedKeys::len)
     }
 
     pub fn is_empty(&self) -> bool {

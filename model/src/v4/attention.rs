@@ -7,7 +7,7 @@
 use super::compressor;
 use super::state::LayerState;
 use super::weights::AttentionWeights;
-use crate::backend::{AttentionQueries, NO_KEYS, QueryKeys, RopeTable, SelectedKeys, Tensor};
+use crate::backend::{AttentionQueries, CompressedKeys, NO_KEYS, QueryKeys, RopeTable, Tensor};
 use crate::layers::attention::{Queries, kv_rows, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
@@ -63,32 +63,25 @@ pub fn forward_rows(
 
     let mut keys: Vec<QueryKeys<'_>> = Vec::with_capacity(positions.len());
     for (span, state) in rows.spans.iter().zip(states.iter()) {
-        let (entries, ratio) = state
-            .main
-            .as_ref()
-            .map_or((&NO_KEYS, 1), |c| (&c.entries, c.ratio));
+        let main = state.main.as_ref();
+        let entries = main.map_or(&NO_KEYS, |c| &c.entries);
         for t in span.clone() {
             let position = positions[t];
             let first = (position + 1).saturating_sub(cfg.window_size);
-            // Without an indexer, every compressed entry the position sees is listed.
-            let (listed, selected) = match &selection {
-                Some(selection) => {
-                    let selected = SelectedKeys {
-                        compressed: entries,
-                        selection,
-                        row: t,
-                    };
-                    (Vec::new(), Some(selected))
+            // The indexer's selection of the compressed entries, or without an indexer every
+            // entry the position sees (a prefix of the list); none without a compressor.
+            let compressed = match (&selection, main) {
+                (Some(selection), _) => Some(CompressedKeys::selected(entries, selection, t)),
+                (None, Some(cache)) => {
+                    let visible = ((position + 1) / cache.ratio).min(entries.len());
+                    Some(CompressedKeys::prefix(entries, visible))
                 }
-                None => {
-                    let visible = ((position + 1) / ratio).min(entries.len());
-                    (entries[..visible].iter().collect(), None)
-                }
+                (None, None) => None,
             };
             keys.push(QueryKeys {
                 window: Some(state.window.window(first, position)),
-                listed,
-                selected,
+                listed: Vec::new(),
+                compressed,
             });
         }
     }

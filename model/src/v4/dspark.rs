@@ -106,7 +106,7 @@ fn stage_attention(
         .map(|_| QueryKeys {
             window: Some(ring.window(first, last)),
             listed: block_kv.iter().collect(),
-            selected: None,
+            compressed: None,
         })
         .collect();
     let o = attention::attend(ctx, w, &q, &queries);

@@ -8,7 +8,7 @@ use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
 use crate::backend::{
-    AttentionQueries, KeyList, NO_KEYS, Precision, QueryKeys, RopeTable, SelectedKeys, Selection,
+    AttentionQueries, CompressedKeys, KeyList, NO_KEYS, Precision, QueryKeys, RopeTable, Selection,
     Tensor,
 };
 use crate::layers::attention::{Queries, kv_rows, output, queries};
@@ -135,13 +135,9 @@ pub fn forward(
             queries.push(QueryKeys {
                 window: Some(window.window(first, position)),
                 listed: Vec::new(),
-                selected: selection
+                compressed: selection
                     .filter(|s| t < s.len())
-                    .map(|selection| SelectedKeys {
-                        compressed,
-                        selection,
-                        row: t,
-                    }),
+                    .map(|selection| CompressedKeys::selected(compressed, selection, t)),
             });
         }
     }

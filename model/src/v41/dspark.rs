@@ -72,7 +72,7 @@ fn stage_attention(
         let row_keys = QueryKeys {
             window: Some(request.seq.dspark[stage].slot_window(first, last, cfg.window_size)),
             listed: block.iter().collect(),
-            selected: None,
+            compressed: None,
         };
         keys.extend(std::iter::repeat_n(row_keys, size));
     }

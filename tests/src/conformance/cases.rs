@@ -5,10 +5,10 @@
 
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, CandidateMask, Candidates, CpuBackend, DenseWeight, ExpertSelection,
-    HcCollapse, HcExpand, HcMix, HcMixes, HcMixing, HcParams, IndexQueries, KeyList, PositionRing,
-    Precision, QueryKeys, RmsNorm, RopeTable, Rotation, Routing, SelectFrom, SelectPart,
-    SelectedKeys, Selection, Tensor,
+    AttentionQueries, Backend, CandidateMask, Candidates, CompressedKeys, CpuBackend, DenseWeight,
+    ExpertSelection, HcCollapse, HcExpand, HcMix, HcMixes, HcMixing, HcParams, IndexQueries,
+    KeyList, PositionRing, Precision, QueryKeys, RmsNorm, RopeTable, Rotation, Routing, SelectFrom,
+    SelectPart, Selection, Tensor,
 };
 use deepinfer_model::quant;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
@@ -1065,18 +1065,21 @@ impl SelectData {
 
 impl SelectData {
     /// The sparse attention of every query (2 heads of `head_dim`) over its window (3 positions
-    /// of its part's ring, sliding by one per query), one key listed on its own, and the
-    /// compressed entries `selection` picks of its part (the part's key rows); and each output's
-    /// magnitude (the largest |value| of any key the query may read).
-    fn attention_selected(
+    /// of its part's ring, sliding by one per query), one key listed on its own, and compressed
+    /// entries of its part (the part's key rows): those `selection` picks, or without one the
+    /// first `visible` of them (clamped to the part's, as a layer without an indexer reads
+    /// them); and each output's magnitude (the largest |value| of any key the query may read).
+    /// Without a selection every row also equals the same keys listed one by one.
+    fn attention_compressed(
         &self,
         b: &dyn Backend,
-        selection: &Selection,
+        selection: Option<&Selection>,
         precision: Precision,
+        o: &mut Outputs,
     ) -> (Vec<f32>, Vec<f32>) {
         let d = self.head_dim;
         let mut rng = Rng(46);
-        let queries = selection.len();
+        let queries = self.visible.iter().map(Vec::len).sum::<usize>();
         let q = Tensor::from(bf16_unit(&mut rng, queries * 2 * d));
         let part_of = |t: usize| usize::from(t >= self.visible[0].len());
         // Query t is its part's query i = t - first[part], whose window is positions i..=i+2.
@@ -1099,15 +1102,19 @@ impl SelectData {
             let (p, i) = (part_of(t), t - first[part_of(t)]);
             rings[p].window(i, i + 2)
         };
+        let entries = |t: usize| {
+            let (p, i) = (part_of(t), t - first[part_of(t)]);
+            let entries = &compressed[p];
+            match selection {
+                Some(selection) => CompressedKeys::selected(entries, selection, t),
+                None => CompressedKeys::prefix(entries, self.visible[p][i].min(entries.len())),
+            }
+        };
         let keys: Vec<QueryKeys<'_>> = (0..queries)
             .map(|t| QueryKeys {
                 window: Some(window(t)),
                 listed: vec![&own[t]],
-                selected: Some(SelectedKeys {
-                    compressed: &compressed[part_of(t)],
-                    selection,
-                    row: t,
-                }),
+                compressed: Some(entries(t)),
             })
             .collect();
         let sink = [0.25f32, -0.5];
@@ -1118,6 +1125,25 @@ impl SelectData {
             precision,
         };
         let y = b.sparse_attention_rows(attention, &keys).into_vec();
+        if selection.is_none() {
+            let listed: Vec<QueryKeys<'_>> = (0..queries)
+                .map(|t| QueryKeys {
+                    window: Some(window(t)),
+                    listed: [&own[t]].into_iter().chain(entries(t).keys()).collect(),
+                    compressed: None,
+                })
+                .collect();
+            let width = 2 * d;
+            let one_by_one = b.sparse_attention_rows(attention, &listed).into_vec();
+            for t in 0..queries {
+                let rows = t * width..(t + 1) * width;
+                o.same(
+                    format!("query {t}: its prefix listed one by one"),
+                    &y[rows.clone()],
+                    &one_by_one[rows],
+                );
+            }
+        }
         let m = (0..queries)
             .flat_map(|t| {
                 let readable = window(t)
@@ -1154,8 +1180,9 @@ fn push_selection(o: &mut Outputs, what: &str, selection: &Selection) {
 /// later source under that mask (read where the backend keeps it); at k = 7 the masked selection
 /// differs from the plain one somewhere (on every backend: the mask is seen). And the sparse
 /// attention of each query over a window of listed keys and the compressed entries its plain
-/// k = 7 selection picks (`sparse_attention_rows`, the selection read where it is), at both
-/// precisions.
+/// k = 7 selection picks (`sparse_attention_rows`, the selection read where it is), or the first
+/// entries it sees (a prefix of the list, each row also equal to the same keys listed one by
+/// one), at both precisions.
 pub fn selections() -> Vec<Case> {
     let mut rng = Rng(45);
     let mut cases = Vec::new();
@@ -1202,7 +1229,22 @@ pub fn selections() -> Vec<Case> {
             let data = data.clone();
             cases.push(Case::new(name, op, move |b, o| {
                 let (selection, _) = data.select(b, 7, Candidates::None);
-                let (y, m) = data.attention_selected(b, &selection, precision);
+                let (y, m) = data.attention_compressed(b, Some(&selection), precision, o);
+                o.bounded("y", y, &m);
+            }));
+        }
+        for precision in PRECISIONS {
+            let name = format!("attention_prefix h2 d{head_dim} keys {n_keys:?} {precision:?}");
+            let op = Op::Attention {
+                precision,
+                keys: 4 + n_keys[0].max(n_keys[1]),
+                head_dim,
+                // As above.
+                score: (head_dim as f64).sqrt(),
+            };
+            let data = data.clone();
+            cases.push(Case::new(name, op, move |b, o| {
+                let (y, m) = data.attention_compressed(b, None, precision, o);
                 o.bounded("y", y, &m);
             }));
         }

@@ -4,6 +4,7 @@
 //! tables of device addresses, so a sequence's KV rows stay wherever its steps left them.
 
 use super::*;
+use crate::backend::CompressedRows;
 
 /// The row-batched ops (every token of every sequence of a step in one call): one launch per op
 /// (or per grid's worth of rows), each row computed exactly as the one-token op computes it alone
@@ -196,9 +197,10 @@ impl CudaBackend {
 
     /// [`Backend::sparse_attention_rows`], with errors: one table of the distinct listed
     /// keys' device addresses followed by every window ring's rows and every compressed entry of
-    /// each sequence that a query selects from; each query's list names its window's rows, its
-    /// listed rows, then its selected rows — written on the device from a device selection, so
-    /// the selection never comes back to the host — and one launch computes every (head, query).
+    /// each sequence that a query reads from; each query's list names its window's rows, its
+    /// listed rows, then its compressed rows — one run for a prefix, and a selection's written on
+    /// the device from a device selection, so the selection never comes back to the host — and
+    /// one launch computes every (head, query).
     pub fn try_sparse_attention_rows(
         &self,
         attention: AttentionQueries<'_>,
@@ -241,9 +243,9 @@ impl CudaBackend {
         // The key table: first one row per listed key a query does not share with the query
         // before it (a sequence's consecutive queries, whose lists grow or slide by one, reuse
         // its rows: `listed_key_rows`; keys of other sequences are distinct, and a repeat
-        // elsewhere only costs a row), then every window ring and every selected-from compressed
-        // list once, whole, from its device mirror (`key_tables`): a query's window is one or
-        // two runs of its ring's rows.
+        // elsewhere only costs a row), then every window ring and every compressed list a query
+        // reads once, whole, from its device mirror (`key_tables`): a query's window is one or
+        // two runs of its ring's rows, a prefix of a list one run of the list's.
         let mut table = KeyTableBuilder::new(self, OP, head_dim);
         let lists = select::listed_key_rows(queries, |t, i, key| {
             if key.len() != head_dim {
@@ -267,36 +269,49 @@ impl CudaBackend {
                 }
             }
             segments.rows(list)?;
-            if let Some(selected) = query.selected {
-                let compressed = selected.compressed;
-                let base = table.list(compressed)?;
-                let count = selected.selection.counts[selected.row];
-                match selected
-                    .selection
-                    .device_rows()
-                    .and_then(|rows| rows.as_any().downcast_ref::<DeviceSelectionRows>())
-                {
-                    Some(device) => segments.selected(
-                        base,
-                        count,
-                        device.row_address(&self.rt, selected.row),
-                    )?,
-                    None => {
-                        let rows = &selected.selection.rows()[selected.row];
-                        let mut table_rows = Vec::with_capacity(rows.len());
-                        for &i in rows {
-                            if i >= compressed.len() {
-                                return Err(shape_err(
-                                    OP,
-                                    format!(
-                                        "query {t} selects compressed entry {i} of {}",
-                                        compressed.len()
-                                    ),
-                                ));
-                            }
-                            table_rows.push(base + i as u32);
+            if let Some(compressed) = query.compressed {
+                let entries = compressed.entries;
+                let base = table.list(entries)?;
+                match compressed.rows {
+                    CompressedRows::Prefix(count) => {
+                        if count > entries.len() {
+                            return Err(shape_err(
+                                OP,
+                                format!(
+                                    "query {t} reads the first {count} compressed entries of {}",
+                                    entries.len()
+                                ),
+                            ));
                         }
-                        segments.rows(&table_rows)?;
+                        segments.run(base, count)?;
+                    }
+                    CompressedRows::Selected { selection, row } => {
+                        let count = selection.counts[row];
+                        match selection
+                            .device_rows()
+                            .and_then(|rows| rows.as_any().downcast_ref::<DeviceSelectionRows>())
+                        {
+                            Some(device) => {
+                                segments.selected(base, count, device.row_address(&self.rt, row))?
+                            }
+                            None => {
+                                let rows = &selection.rows()[row];
+                                let mut table_rows = Vec::with_capacity(rows.len());
+                                for &i in rows {
+                                    if i >= entries.len() {
+                                        return Err(shape_err(
+                                            OP,
+                                            format!(
+                                                "query {t} selects compressed entry {i} of {}",
+                                                entries.len()
+                                            ),
+                                        ));
+                                    }
+                                    table_rows.push(base + i as u32);
+                                }
+                                segments.rows(&table_rows)?;
+                            }
+                        }
                     }
                 }
             }
