@@ -103,8 +103,7 @@ pub fn measure_batch(
     })
 }
 
-/// Decode steps over `batch` copies of one prefilled sequence, copy `i` starting from token
-/// `(first + i) mod vocab` (so the copies route differently). `prompt_len` is the prefilled length.
+/// Decode steps over `batch` copies of one prefilled sequence ([`decode_copies`]).
 pub fn measure_decode_from(
     model: &AnyModel,
     prefilled: &AnySequence,
@@ -112,15 +111,28 @@ pub fn measure_decode_from(
     batch: usize,
     steps: usize,
 ) -> Result<BatchMeasurement, ModelError> {
-    let vocab = model.config().vocab_size as u32;
-    let mut sequences = vec![prefilled.clone(); batch];
-    let mut next: Vec<u32> = (0..batch as u32).map(|i| (first + i) % vocab).collect();
+    let (mut sequences, mut next) = decode_copies(model, prefilled, first, batch);
     let step_seconds = decode_steps(model, &mut sequences, &mut next, steps)?;
     Ok(BatchMeasurement {
         prompt_lens: vec![prefilled.len(); batch],
         prefill_seconds: 0.0,
         step_seconds,
     })
+}
+
+/// `batch` copies of one prefilled sequence and the token each decodes first: copy `i` starts from
+/// `(first + i) mod vocab`, so the copies route differently. (A copy starts without the device
+/// mirrors of its key lists and rings and builds them in its first step.)
+pub fn decode_copies(
+    model: &AnyModel,
+    prefilled: &AnySequence,
+    first: u32,
+    batch: usize,
+) -> (Vec<AnySequence>, Vec<u32>) {
+    let vocab = model.config().vocab_size as u32;
+    let sequences = vec![prefilled.clone(); batch];
+    let next = (0..batch as u32).map(|i| (first + i) % vocab).collect();
+    (sequences, next)
 }
 
 /// `steps` decode steps: in each, sequence `i` appends `next[i]` and `next[i]` becomes its greedy
