@@ -936,46 +936,39 @@ fn row_ops_reject_mismatched_shapes() {
     );
     let key = Tensor::from(vec![0.5f32; 8]);
     let short_key = key.range(0..4);
-    let err = gpu
-        .try_sparse_attention_rows(
-            AttentionQueries {
-                q: &Tensor::from(vec![0.5; 16]),
-                sink: &[0.0],
-                scale: 1.0,
-                precision: Precision::Bf16,
-            },
-            &[
-                QueryKeys::listed(vec![&key]),
-                QueryKeys::listed(vec![&short_key]),
-            ],
-        )
-        .expect_err("a 4-value key among 8-value heads");
+    // Two queries of one 8-value head each over `keys`.
+    let attend = |keys: &[QueryKeys<'_>]| {
+        let q = Tensor::from(vec![0.5; 16]);
+        let attention = AttentionQueries {
+            q: &q,
+            sink: &[0.0],
+            scale: 1.0,
+            precision: Precision::Bf16,
+        };
+        gpu.try_sparse_attention_rows(attention, keys)
+    };
+    let err = attend(&[
+        QueryKeys::listed(vec![&key]),
+        QueryKeys::listed(vec![&short_key]),
+    ])
+    .expect_err("a 4-value key among 8-value heads");
     assert!(
         err.to_string()
             .contains("key 0 of query 1 has 4 values, head_dim is 8"),
         "{err}"
     );
     let entries = KeyList::from(vec![key.clone(); 2]);
-    let err = gpu
-        .try_sparse_attention_rows(
-            AttentionQueries {
-                q: &Tensor::from(vec![0.5; 16]),
-                sink: &[0.0],
-                scale: 1.0,
-                precision: Precision::Bf16,
-            },
-            &[
-                QueryKeys {
-                    compressed: Some(CompressedKeys::prefix(&entries, 2)),
-                    ..QueryKeys::listed(Vec::new())
-                },
-                QueryKeys {
-                    compressed: Some(CompressedKeys::prefix(&entries, 3)),
-                    ..QueryKeys::listed(Vec::new())
-                },
-            ],
-        )
-        .expect_err("a prefix of 3 of 2 compressed entries");
+    let err = attend(&[
+        QueryKeys {
+            compressed: Some(CompressedKeys::prefix(&entries, 2)),
+            ..QueryKeys::listed(Vec::new())
+        },
+        QueryKeys {
+            compressed: Some(CompressedKeys::prefix(&entries, 3)),
+            ..QueryKeys::listed(Vec::new())
+        },
+    ])
+    .expect_err("a prefix of 3 of 2 compressed entries");
     assert!(
         err.to_string()
             .contains("query 1 reads the first 3 compressed entries of 2"),

@@ -729,6 +729,17 @@ fn scores_over(backend: &dyn Backend, keys: &KeyList, q: &Tensor, w: &Tensor) ->
 
 const MIRROR_HEAD_DIM: usize = 32;
 
+/// The sink attention (2 heads, the mirror tests' sinks and scale) of `queries` over `q`.
+fn attend(backend: &dyn Backend, q: &Tensor, queries: &[QueryKeys<'_>]) -> Vec<f32> {
+    let attention = AttentionQueries {
+        q,
+        sink: &[0.25, -0.5],
+        scale: (MIRROR_HEAD_DIM as f32).powf(-0.5),
+        precision: Precision::Bf16,
+    };
+    backend.sparse_attention_rows(attention, queries).into_vec()
+}
+
 /// The sink attention of three queries (2 heads) over the first `n`, `n / 2` and `min(n, 1)`
 /// rows of `keys` (a V4 layer without an indexer: a prefix of the compressed list, one run of
 /// its rows).
@@ -742,15 +753,7 @@ fn prefixes_over(backend: &dyn Backend, keys: &KeyList, q: &Tensor) -> Vec<f32> 
             compressed: Some(CompressedKeys::prefix(keys, count)),
         })
         .collect();
-    let attention = AttentionQueries {
-        q,
-        sink: &[0.25, -0.5],
-        scale: (MIRROR_HEAD_DIM as f32).powf(-0.5),
-        precision: Precision::Bf16,
-    };
-    backend
-        .sparse_attention_rows(attention, &queries)
-        .into_vec()
+    attend(backend, q, &queries)
 }
 
 #[test]
@@ -835,15 +838,7 @@ fn windows_over(backend: &dyn Backend, ring: &PositionRing, q: &Tensor) -> Vec<f
             compressed: None,
         })
         .collect();
-    let attention = AttentionQueries {
-        q,
-        sink: &[0.25, -0.5],
-        scale: (MIRROR_HEAD_DIM as f32).powf(-0.5),
-        precision: Precision::Bf16,
-    };
-    backend
-        .sparse_attention_rows(attention, &queries)
-        .into_vec()
+    attend(backend, q, &queries)
 }
 
 #[test]

@@ -1217,36 +1217,24 @@ pub fn selections() -> Vec<Case> {
                 push_selection(o, "masked", &masked);
             }));
         }
-        for precision in PRECISIONS {
-            let name = format!("attention_selected h2 d{head_dim} keys {n_keys:?} {precision:?}");
-            let op = Op::Attention {
-                precision,
-                keys: 3 + n_keys[0].max(n_keys[1]),
-                head_dim,
-                // |q|, |k| < 1: scale · Σ_d |q_d k_d| < head_dim^-1/2 · head_dim.
-                score: (head_dim as f64).sqrt(),
-            };
-            let data = data.clone();
-            cases.push(Case::new(name, op, move |b, o| {
-                let (selection, _) = data.select(b, 7, Candidates::None);
-                let (y, m) = data.attention_compressed(b, Some(&selection), precision, o);
-                o.bounded("y", y, &m);
-            }));
-        }
-        for precision in PRECISIONS {
-            let name = format!("attention_prefix h2 d{head_dim} keys {n_keys:?} {precision:?}");
-            let op = Op::Attention {
-                precision,
-                keys: 4 + n_keys[0].max(n_keys[1]),
-                head_dim,
-                // As above.
-                score: (head_dim as f64).sqrt(),
-            };
-            let data = data.clone();
-            cases.push(Case::new(name, op, move |b, o| {
-                let (y, m) = data.attention_compressed(b, None, precision, o);
-                o.bounded("y", y, &m);
-            }));
+        // The compressed keys through a selection of 7, or as a prefix of the list.
+        for (form, selected, extra_keys) in [("selected", true, 3), ("prefix", false, 4)] {
+            for precision in PRECISIONS {
+                let name = format!("attention_{form} h2 d{head_dim} keys {n_keys:?} {precision:?}");
+                let op = Op::Attention {
+                    precision,
+                    keys: extra_keys + n_keys[0].max(n_keys[1]),
+                    head_dim,
+                    // |q|, |k| < 1: scale · Σ_d |q_d k_d| < head_dim^-1/2 · head_dim.
+                    score: (head_dim as f64).sqrt(),
+                };
+                let data = data.clone();
+                cases.push(Case::new(name, op, move |b, o| {
+                    let selection = selected.then(|| data.select(b, 7, Candidates::None).0);
+                    let (y, m) = data.attention_compressed(b, selection.as_ref(), precision, o);
+                    o.bounded("y", y, &m);
+                }));
+            }
         }
     }
     cases
