@@ -57,8 +57,10 @@ pub(super) struct KeyTableBuilder<'b, 'k> {
     listed: Vec<u64>,
     /// Addresses uploaded by the step: the rows lists gained since their mirrors.
     tails: Vec<u64>,
-    /// (first table row, rows, source) of the lists' rows.
+    /// (first table row, rows, source) of the lists' rows, in table order.
     pieces: Vec<(usize, usize, Source)>,
+    /// Rows of the table so far: the listed keys and every piece.
+    rows: usize,
     /// (device destination, addresses, offset in `tails`): mirrors' new rows.
     mirror_writes: Vec<(u64, usize, usize)>,
     /// Grown mirrors' earlier rows, copied from the old to the new.
@@ -81,6 +83,7 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
             listed: Vec::new(),
             tails: Vec::new(),
             pieces: Vec::new(),
+            rows: 0,
             mirror_writes: Vec::new(),
             mirror_moves: Vec::new(),
             bases: HashMap::new(),
@@ -91,9 +94,28 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
         }
     }
 
-    /// Rows of the whole table so far.
-    pub(super) fn rows(&self) -> usize {
-        self.listed.len() + self.pieces.iter().map(|&(_, rows, _)| rows).sum::<usize>()
+    /// Appends `count` table rows from `source` to the table.
+    fn piece(&mut self, count: usize, source: Source) {
+        self.pieces.push((self.rows, count, source));
+        self.rows += count;
+    }
+
+    /// Appends the addresses of `rows` to the step's upload: where they start in it, whether
+    /// every row lives on the device (a host row is uploaded for this launch only, so a mirror
+    /// must not keep it) and whether every address is 16-byte aligned.
+    fn upload_rows<'r>(
+        &mut self,
+        rows: impl Iterator<Item = &'r Tensor>,
+    ) -> Result<(usize, bool, bool), CudaBackendError> {
+        let tail_at = self.tails.len();
+        let mut durable = true;
+        for row in rows {
+            durable &= row.device_view().is_some();
+            let address = self.address(row)?;
+            self.tails.push(address);
+        }
+        let aligned = self.tails[tail_at..].iter().all(|a| a % 16 == 0);
+        Ok((tail_at, durable, aligned))
     }
 
     /// The table row of `key`, listed on its own (before any list is taken).
@@ -105,9 +127,9 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
             ));
         }
         let address = self.address(key)?;
-        let row = u32::try_from(self.listed.len())
-            .map_err(|_| shape_err(self.op, "more than 2^32 key rows".to_string()))?;
+        let row = rows_u32(self.op, self.rows)?;
         self.listed.push(address);
+        self.rows += 1;
         Ok(row)
     }
 
@@ -117,9 +139,7 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
         if let Some(&base) = self.bases.get(&id) {
             return Ok(base);
         }
-        let base = self.rows();
-        let base_row = u32::try_from(base)
-            .map_err(|_| shape_err(self.op, "more than 2^32 key rows".to_string()))?;
+        let base_row = rows_u32(self.op, self.rows)?;
         let (covered, mirror) = {
             let slot = list.mirror();
             match self.ours(&slot.device) {
@@ -128,27 +148,17 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
             }
         };
         let n = list.len();
-        let tail_at = self.tails.len();
-        // Rows that live on the host are uploaded for this launch only: a list with one of them
-        // among its new rows keeps its mirror as it was.
-        let mut durable = true;
-        for row in &list[covered..] {
-            durable &= row.device_view().is_some();
-            let address = self.address(row)?;
-            self.tails.push(address);
-        }
-        let tail_aligned = self.tails[tail_at..].iter().all(|a| a % 16 == 0);
+        // A list with a host row among its new rows keeps its mirror as it was.
+        let (tail_at, durable, tail_aligned) = self.upload_rows(list[covered..].iter())?;
         if let Some(mirror) = &mirror
             && covered > 0
         {
-            self.pieces
-                .push((base, covered, Source::Device(mirror.address)));
+            self.piece(covered, Source::Device(mirror.address));
             self.aligned_16 &= mirror.aligned_16.load(Ordering::Relaxed);
             self.read.push(mirror.clone());
         }
         if n > covered {
-            self.pieces
-                .push((base + covered, n - covered, Source::Upload(tail_at)));
+            self.piece(n - covered, Source::Upload(tail_at));
         }
         self.aligned_16 &= tail_aligned;
         self.bases.insert(id, base_row);
@@ -207,8 +217,7 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
         if let Some(&base) = self.bases.get(&id) {
             return Ok(base);
         }
-        let base = self.rows();
-        let base_row = rows_u32(self.op, base)?;
+        let base_row = rows_u32(self.op, self.rows)?;
         let (start, end) = (ring.start(), ring.end());
         let n = end - start;
         // A mirror too small for the rows held is replaced, whatever it covers; so is one far
@@ -226,29 +235,22 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
                 fits => (start, fits),
             }
         };
-        let tail_at = self.tails.len();
-        let mut durable = true;
-        for row in ring.rows().skip(covered_end - start) {
-            durable &= row.device_view().is_some();
-            let address = self.address(row)?;
-            self.tails.push(address);
-        }
-        let tail_aligned = self.tails[tail_at..].iter().all(|a| a % 16 == 0);
+        let (tail_at, durable, tail_aligned) =
+            self.upload_rows(ring.rows().skip(covered_end - start))?;
         if let Some(mirror) = &mirror
             && covered_end > start
         {
             let capacity = mirror.addresses.len();
-            for (offset, slot, count) in ring_runs(start, covered_end - start, capacity) {
-                let source = Source::Device(mirror.address + 8 * slot as u64);
-                self.pieces.push((base + offset, count, source));
+            // The covered positions in order: from their first slot to the mirror's end, then
+            // from its start.
+            for (_, slot, count) in ring_runs(start, covered_end - start, capacity) {
+                self.piece(count, Source::Device(mirror.address + 8 * slot as u64));
             }
             self.aligned_16 &= mirror.aligned_16.load(Ordering::Relaxed);
             self.read.push(mirror.clone());
         }
         if end > covered_end {
-            let first = base + (covered_end - start);
-            self.pieces
-                .push((first, end - covered_end, Source::Upload(tail_at)));
+            self.piece(end - covered_end, Source::Upload(tail_at));
         }
         self.aligned_16 &= tail_aligned;
         self.bases.insert(id, base_row);
@@ -283,7 +285,7 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
     /// launches reading the table are enqueued.
     pub(super) fn finish(self) -> Result<(DeviceKeyTable, HostUploads), CudaBackendError> {
         let (op, rt) = (self.op, &self.backend.rt);
-        let rows = self.rows();
+        let rows = self.rows;
         let listed = self.listed.len();
         if rows == 0 {
             // SAFETY: an empty table is never read.
