@@ -17,9 +17,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use std::ffi::c_void;
+use std::sync::atomic::AtomicBool;
+
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DriverError,
-    LaunchArgs, LaunchConfig, PushKernelArg, result, sys,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, result, sys,
 };
 use cudarc::nvrtc::Ptx;
 use sys::CUevent_flags;
@@ -142,6 +145,9 @@ pub struct KernelRuntime {
     timer: Arc<KernelTimer>,
     /// What [`KernelRuntime::alloc_written`] fills new buffers with ([`crate::poison`]).
     poison: Poison,
+    /// Whether kernels launch as programmatic dependents of the stream's previous kernel
+    /// ([`KernelRuntime::set_dependent_launch`]).
+    dependent_launch: AtomicBool,
 }
 
 /// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
@@ -269,7 +275,18 @@ impl KernelRuntime {
             staging: Mutex::new(PinnedStaging::new(staging_ctx)),
             timer: Arc::default(),
             poison: Poison::from_env(),
+            dependent_launch: AtomicBool::new(true),
         })
+    }
+
+    /// Launches kernels as programmatic dependents of the stream's previous kernel (on from
+    /// `open`; every arch here is sm_90+) or as plain stream-ordered launches. A dependent kernel
+    /// is launched while the previous one finishes, so its blocks are resident when that kernel
+    /// ends; it waits for that kernel's completion and memory before touching global memory
+    /// (`cuda/common/grid_dependency.cuh`), so the results are the same either way and only the
+    /// gaps between kernels change (`device_bench` measures both).
+    pub fn set_dependent_launch(&self, on: bool) {
+        self.dependent_launch.store(on, Ordering::Relaxed);
     }
 
     /// The per-kernel device times (off until turned on; shared: keep a clone to read them).
@@ -321,9 +338,13 @@ impl KernelRuntime {
         name: &'a str,
     ) -> Launch<'a> {
         Launch {
-            args: self.stream.launch_builder(function),
+            function,
+            stream: &self.stream,
             name,
             timer: &self.timer,
+            dependent: self.dependent_launch.load(Ordering::Relaxed),
+            args: Vec::with_capacity(16),
+            addresses: Vec::with_capacity(12),
         }
     }
 
@@ -391,22 +412,87 @@ impl KernelRuntime {
     }
 }
 
+/// A value a kernel takes by value (a scalar or a `#[repr(C)]` params struct of `params.rs` or an
+/// op module): [`Launch::arg`] passes a pointer to it, and the driver copies its bytes.
+///
+/// # Safety
+///
+/// The type's bytes are the kernel parameter's (same size, layout and alignment as the C type).
+pub(crate) unsafe trait KernelValue {}
+
+// SAFETY: the C scalars of the same widths.
+unsafe impl KernelValue for u32 {}
+unsafe impl KernelValue for i32 {}
+unsafe impl KernelValue for u64 {}
+unsafe impl KernelValue for f32 {}
+
+/// One argument of a [`Launch`]: a [`KernelValue`] by reference, or a device buffer (its address).
+pub(crate) trait KernelArg<'a> {
+    fn push_to(self, launch: &mut Launch<'a>);
+}
+
+impl<'a, 'b: 'a, T: KernelValue> KernelArg<'a> for &'b T {
+    fn push_to(self, launch: &mut Launch<'a>) {
+        launch.args.push(self as *const T as *mut c_void);
+    }
+}
+
+impl<'a, 'b: 'a, T> KernelArg<'a> for &'b CudaSlice<T> {
+    fn push_to(self, launch: &mut Launch<'a>) {
+        let (address, _no_event) = self.device_ptr(launch.stream);
+        launch.push_address(address);
+    }
+}
+
+impl<'a, 'b: 'a, T> KernelArg<'a> for &'b mut CudaSlice<T> {
+    fn push_to(self, launch: &mut Launch<'a>) {
+        let (address, _no_event) = self.device_ptr_mut(launch.stream);
+        launch.push_address(address);
+    }
+}
+
+impl<'a, 'b: 'a, 'c: 'b, T> KernelArg<'a> for &'b CudaView<'c, T> {
+    fn push_to(self, launch: &mut Launch<'a>) {
+        let (address, _no_event) = self.device_ptr(launch.stream);
+        launch.push_address(address);
+    }
+}
+
+impl<'a, 'b: 'a, 'c: 'b, T> KernelArg<'a> for &'b mut CudaViewMut<'c, T> {
+    fn push_to(self, launch: &mut Launch<'a>) {
+        let (address, _no_event) = self.device_ptr_mut(launch.stream);
+        launch.push_address(address);
+    }
+}
+
 /// One kernel launch being prepared ([`KernelRuntime::launcher`]): its arguments in the order of
 /// the kernel's signature, then [`Launch::launch`].
 pub(crate) struct Launch<'a> {
-    args: LaunchArgs<'a>,
+    function: &'a CudaFunction,
+    stream: &'a CudaStream,
     name: &'a str,
     timer: &'a KernelTimer,
+    /// Launched as a programmatic dependent of the stream's previous kernel
+    /// ([`KernelRuntime::set_dependent_launch`]).
+    dependent: bool,
+    /// A pointer to each argument's value, in signature order (what the driver reads).
+    args: Vec<*mut c_void>,
+    /// The device addresses of the buffer arguments, boxed so that their pointers in `args`
+    /// stay put while the launch is built.
+    addresses: Vec<Box<sys::CUdeviceptr>>,
 }
 
 impl<'a> Launch<'a> {
     /// Pushes the kernel's next argument.
-    pub(crate) fn arg<T>(&mut self, arg: T) -> &mut Self
-    where
-        LaunchArgs<'a>: PushKernelArg<T>,
-    {
-        self.args.arg(arg);
+    pub(crate) fn arg<A: KernelArg<'a>>(&mut self, arg: A) -> &mut Self {
+        arg.push_to(self);
         self
+    }
+
+    fn push_address(&mut self, address: sys::CUdeviceptr) {
+        let boxed = Box::new(address);
+        self.args.push(&*boxed as *const sys::CUdeviceptr as *mut c_void);
+        self.addresses.push(boxed);
     }
 
     /// Launches the kernel with `cfg`; a driver failure names the kernel.
@@ -414,21 +500,57 @@ impl<'a> Launch<'a> {
     /// Timed launches ([`KernelTimer`] on) record an event before and after the kernel.
     ///
     /// # Safety
-    /// As [`LaunchArgs::launch`]: the arguments match the kernel's signature and every buffer
-    /// holds what the kernel reads and writes under `cfg`.
+    /// The arguments match the kernel's signature and every buffer holds what the kernel reads
+    /// and writes under `cfg`; a dependent launch's kernel starts with `grid_dependency_sync()`
+    /// (`cuda/common/grid_dependency.cuh`; the test `every_kernel_starts_with_the_grid_dependency_sync`).
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), KernelError> {
-        if self.timer.enabled() {
-            self.args
-                .record_kernel_launch(CUevent_flags::CU_EVENT_DEFAULT);
+        let failed = |during: &str| {
+            let during = format!("{during} {}", self.name);
+            move |source| KernelError::Driver { during, source }
+        };
+        let start = if self.timer.enabled() {
+            let event = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+            Some(event.map_err(failed("recording the start of"))?)
+        } else {
+            None
+        };
+        // SAFETY: zero is a valid value of every field of the attribute's union.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: u32::from(self.dependent),
+        };
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(failed("binding the context for"))?;
+        // SAFETY: the caller's contract above; `args` points at one value per parameter, alive
+        // for 'a (values borrowed, addresses boxed in `self`), and the function is the stream's
+        // context's.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.function.cu_function(),
+                self.args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
         }
-        // SAFETY: the caller's contract above. The error's text is built only on failure (a
-        // launch is the hot path).
-        let events = unsafe { self.args.launch(cfg) }.map_err(|source| KernelError::Driver {
-            during: format!("launching {}", self.name),
-            source,
-        })?;
-        if let Some(events) = events {
-            self.timer.record(self.name, events);
+        .result()
+        .map_err(failed("launching"))?;
+        if let Some(start) = start {
+            let end = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+            self.timer
+                .record(self.name, (start, end.map_err(failed("recording the end of"))?));
         }
         Ok(())
     }

@@ -4,8 +4,12 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 21] = [
+pub const HEADERS: [(&str, &str); 22] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
+    (
+        "common/grid_dependency.cuh",
+        include_str!("../cuda/common/grid_dependency.cuh"),
+    ),
     (
         "common/key_rows.cuh",
         include_str!("../cuda/common/key_rows.cuh"),
@@ -92,5 +96,53 @@ pub fn text(file: SourceFile) -> &'static str {
         SourceFile::TopK => include_str!("../cuda/indexer/topk.cu"),
         SourceFile::Movement => include_str!("../cuda/common/movement.cu"),
         SourceFile::V4 => include_str!("../cuda/v4/v4.cu"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bodies of the `__global__` functions (and kernel macros) of `text`: the text after
+    /// each kernel's opening brace, with macro line continuations dropped.
+    fn kernel_bodies(text: &str) -> Vec<String> {
+        text.match_indices("__global__")
+            .filter(|&(at, _)| !text[..at].ends_with("#define "))
+            .map(|(at, _)| {
+                let body = &text[at..][text[at..].find('{').expect("a kernel body") + 1..];
+                body.lines()
+                    .map(|line| line.trim().trim_end_matches('\\').trim())
+                    .filter(|line| !line.is_empty())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .collect()
+    }
+
+    /// Kernels are launched as programmatic dependents of the stream's previous kernel
+    /// (`runtime::Launch`), which is only sound if each one waits for that kernel before touching
+    /// global memory: `grid_dependency_sync();` must be every kernel's first statement.
+    #[test]
+    fn every_kernel_starts_with_the_grid_dependency_sync() {
+        let texts = SourceFile::ALL
+            .iter()
+            .map(|&file| (file.path(), text(file)))
+            .chain(HEADERS.iter().copied());
+        let mut kernels = 0;
+        for (name, text) in texts {
+            for body in kernel_bodies(text) {
+                kernels += 1;
+                assert!(
+                    body.starts_with("grid_dependency_sync();"),
+                    "a kernel of {name} does not start with grid_dependency_sync(): {}",
+                    &body[..body.len().min(120)]
+                );
+            }
+        }
+        // Every kernel and kernel macro of the sources (67 today): the scan finds them.
+        assert!(kernels >= 60, "found only {kernels} kernels");
+        // The check fails a kernel without it.
+        let missing = "extern \"C\" __global__ void k(float* x) {\n    x[0] = 1.0f;\n}\n";
+        assert!(!kernel_bodies(missing)[0].starts_with("grid_dependency_sync();"));
     }
 }

@@ -2,6 +2,7 @@
 // queries each over its own list of key rows, the rows either rows of one key buffer or entries
 // of a device pointer table (one address per row). One kernel body (sparse_attention.cuh); the
 // entries differ only in how a row's address is found.
+#include "common/grid_dependency.cuh"
 #include "attention/sparse_attention.cuh"
 #include "attention/sparse_attention_fast.cuh"
 
@@ -9,6 +10,7 @@
 extern "C" __global__ void __launch_bounds__(attention::THREADS)
     sparse_attention_sink_f32(const float* q, const float* keys, const float* sink, float* out,
                               AttentionParams p) {
+    grid_dependency_sync();
     attention::sparse_attention_sink(q, attention::FlatKeys{keys, p.head_dim}, attention::ConsecutiveRows{},
                                      p.keys, sink, out, p);
 }
@@ -19,6 +21,7 @@ extern "C" __global__ void __launch_bounds__(attention::THREADS)
     sparse_attention_sink_rows_f32(const float* q, const float* keys, const u32_t* key_rows,
                                    const u32_t* row_starts, const float* sink, float* out,
                                    AttentionParams p) {
+    grid_dependency_sync();
     const size_t query = blockIdx.y;
     const u32_t first = row_starts[query];
     const size_t width = (size_t)p.heads * p.head_dim;
@@ -33,6 +36,7 @@ extern "C" __global__ void __launch_bounds__(attention::THREADS)
     sparse_attention_sink_rows_ptr_f32(const float* q, const unsigned long long* key_ptrs,
                                        const u32_t* key_rows, const u32_t* row_starts,
                                        const float* sink, float* out, AttentionParams p) {
+    grid_dependency_sync();
     const size_t query = blockIdx.y;
     const u32_t first = row_starts[query];
     const size_t width = (size_t)p.heads * p.head_dim;
@@ -53,6 +57,7 @@ extern "C" __global__ void __launch_bounds__(fast_attention::MAX_WARPS * 32)
                                         const float* sink, float* out, float* split_acc,
                                         float* split_stats, u32_t query0, u32_t max_splits,
                                         AttentionParams p) {
+    grid_dependency_sync();
     const size_t query = query0 + blockIdx.y;
     const u32_t first = row_starts[query];
     const u32_t n_keys = row_starts[query + 1] - first;
@@ -72,6 +77,7 @@ extern "C" __global__ void sparse_attention_split_combine(const u32_t* row_start
                                                           float* out, const float* split_acc,
                                                           const float* split_stats, u32_t query0,
                                                           u32_t max_splits, AttentionParams p) {
+    grid_dependency_sync();
     const size_t query = query0 + blockIdx.y;
     const u32_t splits = fast_attention::splits_of(row_starts[query + 1] - row_starts[query]);
     if (splits == 1) return;

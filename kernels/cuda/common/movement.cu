@@ -2,6 +2,7 @@
 // fixed-width pieces from anywhere in device memory (rows, column groups, interleavings),
 // widening bf16 GEMM outputs to f32 storage, writing selected key rows into attention lists, and
 // the drafter's one elementwise sum.
+#include "common/grid_dependency.cuh"
 #include "common/params.h"
 
 // Up to GATHER_INLINE piece addresses passed in the kernel parameters (mirrored by
@@ -23,6 +24,7 @@ constexpr unsigned int GATHER_TILE = GATHER_THREADS * GATHER_UNROLL;
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
 gather_ptrs_f32(const unsigned long long* __restrict__ pieces, InlinePieces inline_pieces,
                 float* __restrict__ out, unsigned int width, unsigned int n_pieces) {
+    grid_dependency_sync();
     const unsigned int first = blockIdx.x * GATHER_TILE + threadIdx.x;
     for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {
         const float* __restrict__ src =
@@ -45,6 +47,7 @@ gather_ptrs_f32(const unsigned long long* __restrict__ pieces, InlinePieces inli
 // out[i] = float(x[i]) for bf16 bits x (exact).
 extern "C" __global__ void __launch_bounds__(256)
 bf16_to_f32(const unsigned short* x, float* out, unsigned long long n) {
+    grid_dependency_sync();
     for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
          i < n; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
         out[i] = __uint_as_float(static_cast<unsigned int>(x[i]) << 16);
@@ -66,6 +69,7 @@ struct ListSegment {
 // over the segments.
 extern "C" __global__ void __launch_bounds__(256)
 compose_key_lists(const ListSegment* segments, unsigned int n_segments, unsigned int* key_rows) {
+    grid_dependency_sync();
     for (unsigned int p = blockIdx.x; p < n_segments; p += gridDim.x) {
         const ListSegment s = segments[p];
         const unsigned int* src = reinterpret_cast<const unsigned int*>(s.src);
@@ -88,6 +92,7 @@ struct AddressCopy {
 // copies.
 extern "C" __global__ void __launch_bounds__(256)
 copy_addresses(const AddressCopy* copies, unsigned int n) {
+    grid_dependency_sync();
     for (unsigned int p = blockIdx.x; p < n; p += gridDim.x) {
         const AddressCopy c = copies[p];
         const unsigned long long* src = reinterpret_cast<const unsigned long long*>(c.src);
@@ -99,6 +104,7 @@ copy_addresses(const AddressCopy* copies, unsigned int n) {
 // x[i] += y[i] in fp32 (the drafter's Markov bias added to its base logits).
 extern "C" __global__ void __launch_bounds__(256)
 add_f32(float* x, const float* y, unsigned long long n) {
+    grid_dependency_sync();
     for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
          i < n; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
         x[i] += y[i];

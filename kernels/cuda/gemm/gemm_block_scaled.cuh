@@ -28,6 +28,7 @@
 // use fp4_dot (two plain FMA accumulators split by activation magnitude, 2 FFMA each, on weights
 // decoded scaled by 2^-126). Both give RN_f32 of the exact sum; the proof for FP4 is at fp4_dot.
 #pragma once
+#include "common/grid_dependency.cuh"
 #include "common/numerics.cuh"
 
 namespace gemm {
@@ -472,5 +473,6 @@ __device__ void gemm_dense(const u8_t* __restrict__ a, const float* __restrict__
     extern "C" __global__ void __launch_bounds__(gemm::WARPS * 32, MIN_BLOCKS)                       \
         NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, __nv_bfloat16* y,      \
              GemmParams p) {                                                                          \
+        grid_dependency_sync();                                                                       \
         gemm::gemm_dense<WEIGHTS, G, 8, COLUMN_PER_WARP>(a, sa, w, ws, y, p);                       \
     }

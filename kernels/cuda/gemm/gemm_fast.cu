@@ -2,6 +2,7 @@
 // launchers (ops/gemm_fast.rs, ops/routed_fast.rs) pick one by M (dense) or by rows per expert
 // (routed). Names: <weights>_fast[_routed]_[t<weight tile>_]b<tokens per block>; arguments:
 // group, warps, token rows, pipeline stages, K codes per stage (the macros: gemm_fast.cuh).
+#include "common/grid_dependency.cuh"
 #include "gemm/gemm_fast.cuh"
 
 GEMM_FAST(gemm_fp8_fast_t32_b8, fastgemm::Fp8Chunks<32>, 32, 4, 8, 3, 256)
@@ -30,6 +31,7 @@ GEMM_FAST_DIRECT(gemm_fp4_fast_d8, fastgemm::Fp4Chunks, 32, 4, 16)
 GEMM_FAST_ROUTED_DIRECT(gemm_fp4_fast_routed_d8, fastgemm::Fp4Chunks, 4, 16)
 
 extern "C" __global__ void gemm_fast_reduce(const float* partials, void* y, FastReduceParams p) {
+    grid_dependency_sync();
     fastgemm::gemm_fast_reduce(partials, y, p);
 }
 

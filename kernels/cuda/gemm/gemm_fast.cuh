@@ -50,6 +50,7 @@
 // band, filled by cp.async STAGES - 1 steps ahead. Out-of-range rows, features and groups are
 // zero-filled and never stored.
 #pragma once
+#include "common/grid_dependency.cuh"
 #include "common/numerics.cuh"
 
 namespace fastgemm {
@@ -547,6 +548,7 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
         NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
              FastGemmParams p) {                                                                    \
+        grid_dependency_sync();                                                                     \
         const fastgemm::DenseRows rows{blockIdx.y * BT, p.m};                                        \
         const u32_t k_begin = blockIdx.z * p.span;                                                   \
         const u32_t k_end = min(p.k, k_begin + p.span);                                              \
@@ -560,6 +562,7 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
         NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
              FastGemmParams p) {                                                                    \
+        grid_dependency_sync();                                                                     \
         const fastgemm::DenseRows rows{blockIdx.y * 8, p.m};                                         \
         const u32_t k_begin = blockIdx.z * p.span;                                                   \
         const u32_t k_end = min(p.k, k_begin + p.span);                                              \
@@ -573,6 +576,7 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
         NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \
              const u32_t* tile_count, const unsigned long long* table, void* y,                      \
              FastRoutedParams p) {                                                                  \
+        grid_dependency_sync();                                                                     \
         fastgemm::gemm_fast_routed_direct<WEIGHTS, WARPS, UNROLL>(a, sa, order, tiles, tile_count,   \
                                                                   table, y, p);                     \
     }
@@ -582,6 +586,7 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
         NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \
              const u32_t* tile_count, const unsigned long long* table, void* y,                      \
              FastRoutedParams p) {                                                                  \
+        grid_dependency_sync();                                                                     \
         fastgemm::gemm_fast_routed<WEIGHTS, WARPS, BT, STAGES, STEP>(a, sa, order, tiles, tile_count, \
                                                                      table, y, p);                  \
     }

@@ -2,11 +2,13 @@
 // each see a window of one table of key rows (a prefix of their own sequence's keys), the rows
 // either rows of one key buffer or entries of a device pointer table (one address per row). One
 // kernel body (index_scores.cuh).
+#include "common/grid_dependency.cuh"
 #include "indexer/index_scores.cuh"
 
 // One query: grid (p.keys); scores [p.keys].
 extern "C" __global__ void __launch_bounds__(indexer::THREADS)
     index_scores_f32(const float* q, const float* w, const float* keys, float* scores, IndexParams p) {
+    grid_dependency_sync();
     indexer::index_scores(q, w, indexer::FlatKeys{keys, p.head_dim}, p.keys, scores, p);
 }
 
@@ -17,6 +19,7 @@ extern "C" __global__ void __launch_bounds__(indexer::THREADS)
     index_scores_rows_f32(const float* q, const float* w, const float* keys, const u32_t* visible,
                           const u32_t* first_keys, const u32_t* score_starts, float* scores,
                           IndexParams p) {
+    grid_dependency_sync();
     const size_t query = blockIdx.y;
     indexer::index_scores(q + query * p.heads * p.head_dim, w + query * p.heads,
                           indexer::FlatKeys{keys + size_t(first_keys[query]) * p.head_dim, p.head_dim},
@@ -29,6 +32,7 @@ extern "C" __global__ void __launch_bounds__(indexer::THREADS)
     index_scores_rows_ptr_f32(const float* q, const float* w, const unsigned long long* key_ptrs,
                               const u32_t* visible, const u32_t* first_keys,
                               const u32_t* score_starts, float* scores, IndexParams p) {
+    grid_dependency_sync();
     const size_t query = blockIdx.y;
     indexer::index_scores(q + query * p.heads * p.head_dim, w + query * p.heads,
                           indexer::KeyPointers{key_ptrs + first_keys[query]}, visible[query],

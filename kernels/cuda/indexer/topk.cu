@@ -1,5 +1,6 @@
 // Instantiations of the indexer's selection (indexer/topk.cuh) over the flat scores of a batch of
 // queries: query t owns scores[starts[t] .. starts[t] + visible[t]) (DeviceVisiblePrefixes).
+#include "common/grid_dependency.cuh"
 #include "indexer/topk.cuh"
 
 // Grid (queries), THREADS threads. out [queries, k]: query t's selected indices ascending, then
@@ -7,6 +8,7 @@
 extern "C" __global__ void __launch_bounds__(topk::THREADS)
     top_k_rows_f32(const float* scores, const u32_t* visible, const u32_t* starts, u32_t k, u32_t* out,
                    u32_t* counts) {
+    grid_dependency_sync();
     __shared__ topk::Shared shared;
     const u32_t query = blockIdx.x;
     const u32_t n = visible[query];
@@ -27,6 +29,7 @@ extern "C" __global__ void __launch_bounds__(topk::THREADS)
 extern "C" __global__ void __launch_bounds__(topk::THREADS)
     candidate_mask_rows_f32(const float* scores, const u32_t* visible, const u32_t* starts,
                             u32_t block_size, u32_t topk_blocks, u8_t* mask) {
+    grid_dependency_sync();
     __shared__ topk::Shared shared;
     const u32_t query = blockIdx.x;
     const u32_t n = visible[query];
@@ -45,6 +48,7 @@ extern "C" __global__ void __launch_bounds__(topk::THREADS)
 extern "C" __global__ void __launch_bounds__(256)
     apply_mask_rows_f32(float* scores, const u32_t* score_visible, const u32_t* score_starts,
                         const u8_t* mask, const u32_t* mask_visible, const u32_t* mask_starts) {
+    grid_dependency_sync();
     const u32_t query = blockIdx.y;
     const u32_t i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= min(score_visible[query], mask_visible[query])) return;

@@ -2,26 +2,31 @@
 // and of the `fast` linears on tensor cores (linear_fast.cuh): the bf16 linear (x rounded to bf16) and the split-x
 // bf16x3 linear (x in three bf16 pieces), each in three decode tiles by row count and the prefill tile (every tile
 // gives the same bits).
+#include "common/grid_dependency.cuh"
 #include "linear/linear_sgemm.cuh"
 #include "linear/linear_fast.cuh"
 
 extern "C" __global__ void __launch_bounds__(linear::THREADS)
     linear_sgemm_f32(const float* x, const float* w, float* partials, LinearParams p) {
+    grid_dependency_sync();
     linear::linear_sgemm_partials(x, w, partials, p);
 }
 
 extern "C" __global__ void __launch_bounds__(linear::THREADS)
     linear_sgemm_reduce_f32(const float* partials, float* y, LinearParams p) {
+    grid_dependency_sync();
     linear::linear_sgemm_reduce(partials, y, p);
 }
 
 extern "C" __global__ void __launch_bounds__(linear::THREADS)
     dequant_fp8_rows_f32(const u8_t* codes, const u8_t* scales, float* out, DequantParams p) {
+    grid_dependency_sync();
     linear::dequant_fp8_rows(codes, scales, out, p);
 }
 
 extern "C" __global__ void __launch_bounds__(linear::THREADS)
     dequant_fp4_rows_f32(const u8_t* packed, const u8_t* scales, float* out, DequantParams p) {
+    grid_dependency_sync();
     linear::dequant_fp4_rows(packed, scales, out, p);
 }
 
@@ -30,11 +35,13 @@ extern "C" __global__ void __launch_bounds__(linear::THREADS)
 #define LINEAR_FAST_DECODE(NAME, PIECES, MT, NT)                                                      \
     extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)                               \
         NAME(const float* x, const uint4* w, float* y, LinearParams p) {                             \
+        grid_dependency_sync();                                                                      \
         linear_fast::linear_bf16<PIECES, MT, NT>(x, w, y, p);                                        \
     }
 #define LINEAR_FAST_WIDE(NAME, PIECES)                                                                \
     extern "C" __global__ void __launch_bounds__(linear_fast::THREADS, 1)                            \
         NAME(const float* x, const uint4* w, float* y, LinearParams p) {                             \
+        grid_dependency_sync();                                                                      \
         linear_fast::linear_bf16_wide<PIECES>(x, w, y, p);                                           \
     }
 

@@ -23,6 +23,7 @@
 // - moe_combine_f32 (bf16 in) / moe_combine_exact_f32 (f32 in): a token's slot outputs added in
 //   increasing expert id (equal ids in slot order, ids >= the expert count skipped), then the
 //   shared expert, then one rounding.
+#include "common/grid_dependency.cuh"
 #include "gemm/gemm_block_scaled.cuh"
 #include "linear/linear_sgemm.cuh"
 #include "common/reference_math.cuh"
@@ -306,6 +307,7 @@ __device__ void gemm_routed_experts(const u8_t* __restrict__ a, const float* __r
 extern "C" __global__ void __launch_bounds__(routed::GROUP_THREADS)
     group_routed_rows(const u32_t* experts, u32_t* order, u32_t* tiles, u32_t* tile_count,
                       routed::GroupParams p) {
+    grid_dependency_sync();
     routed::group_rows(experts, order, tiles, tile_count, p);
 }
 
@@ -313,12 +315,14 @@ extern "C" __global__ void __launch_bounds__(routed::GROUP_THREADS)
     extern "C" __global__ void __launch_bounds__(gemm::WARPS * 32, 3)                                  \
         ROWS_NAME(const u8_t* a, const float* sa, const u32_t* experts, const u64_t* table,            \
                   __nv_bfloat16* y, routed::RoutedGemmParams p) {                                     \
+        grid_dependency_sync();                                                                       \
         routed::gemm_routed_rows<WEIGHTS>(a, sa, experts, table, y, p);                               \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(gemm::WARPS * 32, 3)                                  \
         TILES_NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,             \
                    const u32_t* tile_count, const u64_t* table, __nv_bfloat16* y,                     \
                    routed::RoutedGemmParams p) {                                                      \
+        grid_dependency_sync();                                                                       \
         routed::gemm_routed_tiles<WEIGHTS>(a, sa, order, tiles, tile_count, table, y, p);             \
     }
 
@@ -326,6 +330,7 @@ extern "C" __global__ void __launch_bounds__(routed::GROUP_THREADS)
     extern "C" __global__ void __launch_bounds__(gemm::WARPS * 32)                                     \
         NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                   \
              const u32_t* tile_count, const u64_t* table, __nv_bfloat16* y, routed::RoutedGemmParams p) { \
+        grid_dependency_sync();                                                                           \
         routed::gemm_routed_experts<WEIGHTS>(a, sa, order, tiles, tile_count, table, y, p);            \
     }
 
@@ -432,27 +437,32 @@ __device__ void combine(const T* __restrict__ slot_out, const u32_t* __restrict_
 extern "C" __global__ void __launch_bounds__(linear::THREADS)
     gemm_exact_routed_partials_f32(const float* x, const u32_t* order, const u32_t* tiles, const u32_t* tile_count,
                                    const u64_t* table, float* partials, routed::ExactRoutedParams p) {
+    grid_dependency_sync();
     routed::gemm_exact_routed_partials(x, order, tiles, tile_count, table, partials, p);
 }
 
 extern "C" __global__ void swiglu_rows_f32(const __nv_bfloat16* gate, const __nv_bfloat16* up, const float* weights,
                                            float* out, routed::SwigluParams p) {
+    grid_dependency_sync();
     routed::swiglu_rows(gate, up, weights, out, p);
 }
 
 extern "C" __global__ void swiglu_exact_rows_f32(const float* gate, const float* up, const float* weights, float* out,
                                                  routed::SwigluParams p) {
+    grid_dependency_sync();
     routed::swiglu_rows(gate, up, weights, out, p);
 }
 
 extern "C" __global__ void __launch_bounds__(routed::COMBINE_THREADS)
     moe_combine_f32(const __nv_bfloat16* slot_out, const u32_t* experts, const __nv_bfloat16* shared_out, float* out,
                     routed::CombineParams p) {
+    grid_dependency_sync();
     routed::combine(slot_out, experts, shared_out, out, p);
 }
 
 extern "C" __global__ void __launch_bounds__(routed::COMBINE_THREADS)
     moe_combine_exact_f32(const float* slot_out, const u32_t* experts, const float* shared_out, float* out,
                           routed::CombineParams p) {
+    grid_dependency_sync();
     routed::combine(slot_out, experts, shared_out, out, p);
 }

@@ -3,6 +3,7 @@
 // added to the gates) and the hyper-head's collapse weights (the MoE's fp32 experts run in
 // moe/routed.cu). Every value is bitwise the CPU reference's: its exponential
 // (refmath::exp_f32), its sums in its order, no contraction.
+#include "common/grid_dependency.cuh"
 #include "common/params.h"
 #include "common/reference_math.cuh"
 
@@ -12,6 +13,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 v4_pool_f32(const unsigned long long* kv, const unsigned long long* gate, const float* bias,
             const unsigned int* slot_start, unsigned int entries, unsigned int width, float* out) {
+    grid_dependency_sync();
     const unsigned long long total = static_cast<unsigned long long>(entries) * width;
     for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
          i < total; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
@@ -46,6 +48,7 @@ extern "C" __global__ void __launch_bounds__(32)
 v4_hyper_head_f32(const float* x, const float* proj, const float* base, unsigned int rows,
                   unsigned int width, unsigned int hc, float scale, float hc_eps, float norm_eps,
                   float* pre) {
+    grid_dependency_sync();
     __shared__ float inv;
     const unsigned int r = blockIdx.x;
     if (r >= rows) return;

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr};
 use super::{dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, KernelValue};
 
 const THREADS: u32 = 256;
 /// Channels per table scale.
@@ -41,7 +41,11 @@ struct GatherParams {
 // SAFETY: plain `#[repr(C)]` structs of integers, laid out as their CUDA mirrors.
 unsafe impl DeviceRepr for HashParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for HashParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for GatherParams {}
+// SAFETY: as above.
+unsafe impl KernelValue for GatherParams {}
 
 /// The hashing parameters on the device: `[layers, max_ngram]` multipliers and
 /// `[layers, columns]` primes and offsets.

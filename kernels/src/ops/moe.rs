@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr};
 use super::{dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, KernelValue};
 
 const OP: &str = "route_experts_f32";
 const THREADS: u32 = 128;
@@ -27,6 +27,8 @@ struct RouteParams {
 
 // SAFETY: a plain `#[repr(C)]` struct of integers and a float, laid out as its CUDA mirror.
 unsafe impl DeviceRepr for RouteParams {}
+// SAFETY: as above.
+unsafe impl KernelValue for RouteParams {}
 
 /// Which experts each token takes.
 #[derive(Debug, Clone, Copy)]

@@ -9,7 +9,7 @@ use half::bf16;
 use super::{dim, ensure, expect_len, grid_stride_config, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, KernelValue};
 
 const THREADS: u32 = 256;
 /// movement.cu's `GATHER_TILE`: the columns one gather block copies (256 threads, 4 values each).
@@ -29,6 +29,8 @@ struct InlinePieces {
 
 // SAFETY: a plain `#[repr(C)]` array of integers, laid out as its CUDA mirror.
 unsafe impl DeviceRepr for InlinePieces {}
+// SAFETY: as above.
+unsafe impl KernelValue for InlinePieces {}
 
 /// `out[p · width ..][..width] = *pieces[p]`: `pieces` holds the device address of each piece's
 /// first value ([`super::key_table::key_row_address`]); every piece holds `width` values.

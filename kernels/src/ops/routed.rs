@@ -20,7 +20,7 @@ use super::{
 };
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::runtime::{KernelRuntime, Launch};
+use crate::runtime::{KernelRuntime, KernelValue, Launch};
 
 /// Rows of one expert per routed-GEMM tile (`routed::TILE_ROWS`).
 const TILE_ROWS: usize = 8;
@@ -95,11 +95,19 @@ struct CombineParams {
 // SAFETY: plain `#[repr(C)]` structs of 32-bit fields, laid out as their CUDA mirrors.
 unsafe impl DeviceRepr for RoutedGemmParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for RoutedGemmParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for GroupParams {}
+// SAFETY: as above.
+unsafe impl KernelValue for GroupParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for SwigluParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for SwigluParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for CombineParams {}
+// SAFETY: as above.
+unsafe impl KernelValue for CombineParams {}
 
 /// One projection of a SwiGLU expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use super::{dim as kernel_dim, ensure, expect_len, launch_config, sgemm_chains, 
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::LinearParams;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, KernelValue};
 
 /// Threads per block (`linear::THREADS`).
 const THREADS: u32 = 256;
@@ -47,6 +47,8 @@ struct ExactRoutedParams {
 
 // SAFETY: a plain `#[repr(C)]` struct of 32-bit fields, laid out as its CUDA mirror.
 unsafe impl DeviceRepr for ExactRoutedParams {}
+// SAFETY: as above.
+unsafe impl KernelValue for ExactRoutedParams {}
 
 /// The stored format of one projection of every expert of a table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use super::{Rounding, dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, KernelValue};
 
 /// Threads per block of the elementwise kernels (`rows::THREADS`).
 const THREADS: u32 = 256;
@@ -76,11 +76,19 @@ struct InjectParams {
 // (checked field by field in the tests below).
 unsafe impl DeviceRepr for StreamMeansParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for StreamMeansParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for ScaleParams {}
+// SAFETY: as above.
+unsafe impl KernelValue for ScaleParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for PoolParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for PoolParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for InjectParams {}
+// SAFETY: as above.
+unsafe impl KernelValue for InjectParams {}
 
 /// A grid-stride launch over `total` elements.
 fn stride_config(op: &'static str, total: usize) -> Result<LaunchConfig, KernelError> {

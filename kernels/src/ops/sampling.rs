@@ -13,7 +13,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr};
 use super::{dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, KernelValue};
 
 const OP: &str = "sample_rows_f32";
 const THREADS: u32 = 512;
@@ -80,9 +80,15 @@ unsafe impl DeviceRepr for SampleRow {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for SampleParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for SampleParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for MaskParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for MaskParams {}
+// SAFETY: as above.
 unsafe impl DeviceRepr for LogprobParams {}
+// SAFETY: as above.
+unsafe impl KernelValue for LogprobParams {}
 
 /// Where [`token_logprobs_f32`] writes: `chosen [rows]` the log-probability of each row's token,
 /// `top_ids` / `top_logprobs` `[rows, MAX_TOP_LOGPROBS]` each row's first `top` alternatives
