@@ -146,8 +146,8 @@ pub struct KernelRuntime {
     /// What [`KernelRuntime::alloc_written`] fills new buffers with ([`crate::poison`]).
     poison: Poison,
     /// Whether kernels launch as programmatic dependents of the stream's previous kernel
-    /// ([`KernelRuntime::set_dependent_launch`]).
-    dependent_launch: AtomicBool,
+    /// ([`KernelRuntime::dependent_launch`]).
+    dependent_launch: Arc<AtomicBool>,
 }
 
 /// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
@@ -275,18 +275,19 @@ impl KernelRuntime {
             staging: Mutex::new(PinnedStaging::new(staging_ctx)),
             timer: Arc::default(),
             poison: Poison::from_env(),
-            dependent_launch: AtomicBool::new(true),
+            dependent_launch: Arc::new(AtomicBool::new(true)),
         })
     }
 
-    /// Launches kernels as programmatic dependents of the stream's previous kernel (on from
-    /// `open`; every arch here is sm_90+) or as plain stream-ordered launches. A dependent kernel
-    /// is launched while the previous one finishes, so its blocks are resident when that kernel
-    /// ends; it waits for that kernel's completion and memory before touching global memory
-    /// (`cuda/common/grid_dependency.cuh`), so the results are the same either way and only the
-    /// gaps between kernels change (`device_bench` measures both).
-    pub fn set_dependent_launch(&self, on: bool) {
-        self.dependent_launch.store(on, Ordering::Relaxed);
+    /// The switch between launching kernels as programmatic dependents of the stream's previous
+    /// kernel (true, from `open`: every arch here is sm_90+) and plain stream-ordered launches
+    /// (shared: keep a clone to flip it later). A dependent kernel is launched while the previous
+    /// one finishes, so its blocks are resident when that kernel ends; it waits for that kernel's
+    /// completion and memory before touching global memory (`cuda/common/grid_dependency.cuh`),
+    /// so the results are the same either way and only the gaps between kernels change
+    /// (`device_bench` times both).
+    pub fn dependent_launch(&self) -> Arc<AtomicBool> {
+        self.dependent_launch.clone()
     }
 
     /// The per-kernel device times (off until turned on; shared: keep a clone to read them).
@@ -473,7 +474,7 @@ pub(crate) struct Launch<'a> {
     name: &'a str,
     timer: &'a KernelTimer,
     /// Launched as a programmatic dependent of the stream's previous kernel
-    /// ([`KernelRuntime::set_dependent_launch`]).
+    /// ([`KernelRuntime::dependent_launch`]).
     dependent: bool,
     /// A pointer to each argument's value, in signature order (what the driver reads).
     args: Vec<*mut c_void>,

@@ -11,6 +11,7 @@
 //! first use). Every timed run follows an untimed warm-up that uploads the weights.
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -149,11 +150,13 @@ pub fn block(
     numerics: Numerics,
 ) -> Result<Vec<StepRow>> {
     const VOCAB: usize = BLOCK_VOCAB;
-    let label = match (family, numerics) {
-        (BlockFamily::V41, Numerics::Fast) => "v41 block fast",
-        (BlockFamily::V41, Numerics::Exact) => "v41 block exact",
-        (BlockFamily::V4, Numerics::Fast) => "v4 block fast",
-        (BlockFamily::V4, Numerics::Exact) => "v4 block exact",
+    // The fast rows are timed twice: with the runtime's programmatic dependent launches (the
+    // default) and with plain stream-ordered launches (`plain`), the same kernels and bits.
+    let (label, plain) = match (family, numerics) {
+        (BlockFamily::V41, Numerics::Fast) => ("v41 block fast", Some("v41 fast, plain launches")),
+        (BlockFamily::V41, Numerics::Exact) => ("v41 block exact", None),
+        (BlockFamily::V4, Numerics::Fast) => ("v4 block fast", Some("v4 fast, plain launches")),
+        (BlockFamily::V4, Numerics::Exact) => ("v4 block exact", None),
     };
     let name = family.name();
     let decode = if quick {
@@ -175,6 +178,7 @@ pub fn block(
     let transfers = backend.transfer_counters();
     let op_profile = backend.op_profile();
     let kernel_timer = backend.kernel_timer();
+    let dependent_launch = backend.runtime().dependent_launch();
     let model = AnyModel::from_checkpoint(cfg.clone(), &ckpt, None, Box::new(backend))?;
     println!(
         "{name} block loaded on {} in {:.1} s",
@@ -207,6 +211,23 @@ pub fn block(
         p90_seconds: None,
         cost: cost::prefill(&cfg, context),
     });
+    if let Some(plain) = plain {
+        dependent_launch.store(false, Ordering::Relaxed);
+        let mut again = model.new_sequence();
+        let started = Instant::now();
+        prefill(&model, &mut again, &prompt_tokens(8, context, 3, VOCAB))?;
+        let seconds = started.elapsed().as_secs_f64();
+        dependent_launch.store(true, Ordering::Relaxed);
+        rows.push(StepRow {
+            model: plain,
+            phase: "prefill",
+            batch: 1,
+            tokens: context,
+            seconds,
+            p90_seconds: None,
+            cost: cost::prefill(&cfg, context),
+        });
+    }
     let first = deepinfer_bench::steps::argmax(&logits);
     if profile {
         set_profiling(&op_profile, &kernel_timer, true);
@@ -247,6 +268,12 @@ pub fn block(
             println!("  copies over {steps} steps: {}", lengths.join(", "));
         }
         rows.push(decode_row(label, &cfg, &run)?);
+        if let Some(plain) = plain {
+            dependent_launch.store(false, Ordering::Relaxed);
+            let run = measure_decode_from(&model, &seq, first, batch, steps);
+            dependent_launch.store(true, Ordering::Relaxed);
+            rows.push(decode_row(plain, &cfg, &run?)?);
+        }
         if profile {
             // The steady state: the copies' first step (which builds their device mirrors) runs
             // before the profile starts.
