@@ -10,10 +10,10 @@
 // d = w % (head_dim / 64) (head_dim 64, 128, 256 or 512, so that the softmax's half-warps tile the
 // pairs evenly; key rows 16-byte aligned — the launcher checks both). A key tile is read from
 // global memory and converted once for all the block's heads (1 to 4 groups: 16 to 64 heads).
-//   0. The block's q rows are converted to bf16 into shared memory (zero past the last head);
-//      its first two tiles are requested by cp.async (f32, as stored) into a ring of two staging
-//      slots, one copy group per tile. A thread only ever reads back the float4 it copied itself,
-//      so a slot needs no barrier of its own.
+//   0. The block's first two tiles are requested by cp.async (f32, as stored) into a ring of two
+//      staging slots, one copy group per tile (a thread only ever reads back the float4 it copied
+//      itself, so a slot needs no barrier of its own); then the block's q rows are converted to
+//      bf16 into shared memory (zero past the last head).
 // Then per tile of 16 keys, in list order:
 //   1. The thread's share of the tile, waited for, is converted to bf16 into shared memory
 //      (double-buffered: a slow warp may still read the last tile's keys); after the barrier the
