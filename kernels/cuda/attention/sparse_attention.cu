@@ -45,34 +45,28 @@ extern "C" __global__ void __launch_bounds__(attention::THREADS)
                                      sink, out + query * width, p);
 }
 
-// The `fast` numerics' row-batched entry (sparse_attention_fast.cuh): grid (ceil(heads / 16),
-// queries of this launch, the most splits of any of them), head_dim / 2 threads; the arguments of
-// sparse_attention_sink_rows_ptr_f32, then the split scratch and the launch's queries: query
-// query0 + blockIdx.y; its split s of several writes acc [heads, head_dim] at split_acc +
-// (blockIdx.y * max_splits + s) * heads * head_dim and stats [heads, 2] at split_stats +
-// (blockIdx.y * max_splits + s) * heads * 2.
-extern "C" __global__ void __launch_bounds__(fast_attention::MAX_WARPS * 32)
+// The `fast` numerics' row-batched entry (sparse_attention_fast.cuh): grid (ceil(heads / (16 ·
+// groups)), queries of this launch, the most splits of any of them), groups · head_dim / 2
+// threads (groups 1, 2 or 4: 16 to 64 heads a block), sizeof(fast_attention::Shared) + 128 ·
+// head_dim bytes of dynamic shared memory; the arguments of sparse_attention_sink_rows_ptr_f32, then the split
+// scratch and the launch's queries: query query0 + blockIdx.y; its split s of several writes acc
+// [heads, head_dim] at split_acc + (blockIdx.y * max_splits + s) * heads * head_dim and stats
+// [heads, 2] at split_stats + (blockIdx.y * max_splits + s) * heads * 2.
+extern "C" __global__ void __launch_bounds__(fast_attention::MAX_THREADS)
     sparse_attention_sink_rows_ptr_fast(const float* q, const unsigned long long* key_ptrs,
                                         const u32_t* key_rows, const u32_t* row_starts,
                                         const float* sink, float* out, float* split_acc,
                                         float* split_stats, u32_t query0, u32_t max_splits,
                                         AttentionParams p) {
     grid_dependency_sync();
-    const size_t query = query0 + blockIdx.y;
-    const u32_t first = row_starts[query];
-    const u32_t n_keys = row_starts[query + 1] - first;
-    const u32_t splits = fast_attention::splits_of(n_keys);
-    const u32_t split = blockIdx.z;
-    if (split >= splits) return;
-    const size_t width = (size_t)p.heads * p.head_dim;
-    const size_t slot = (size_t)blockIdx.y * max_splits + split;
-    const fast_attention::SplitOut part{split_acc + slot * width, split_stats + slot * p.heads * 2};
-    fast_attention::attention(q + query * width, key_ptrs, key_rows + first, n_keys, split, splits,
-                              sink, out + query * width, part, p);
+    fast_attention::attention(q, key_ptrs, key_rows, row_starts, sink, out, split_acc, split_stats,
+                              query0, max_splits, p);
 }
 
 // Merges the splits of the queries of several splits of one sparse_attention_sink_rows_ptr_fast
-// launch (same arguments): grid (heads, queries of the launch), any number of threads.
+// launch (same arguments): grid (ceil(heads · head_dim / 4 / threads), queries of the launch), any
+// number of threads; thread i of the query's heads · head_dim / 4 writes head i / (head_dim / 4),
+// dims 4 (i % (head_dim / 4)) .. + 4.
 extern "C" __global__ void sparse_attention_split_combine(const u32_t* row_starts, const float* sink,
                                                           float* out, const float* split_acc,
                                                           const float* split_stats, u32_t query0,
@@ -81,8 +75,12 @@ extern "C" __global__ void sparse_attention_split_combine(const u32_t* row_start
     const size_t query = query0 + blockIdx.y;
     const u32_t splits = fast_attention::splits_of(row_starts[query + 1] - row_starts[query]);
     if (splits == 1) return;
+    const u32_t quads = p.head_dim / 4;
+    const u32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    const u32_t h = i / quads;
+    if (h >= p.heads) return;
     const size_t width = (size_t)p.heads * p.head_dim;
     const size_t slot = (size_t)blockIdx.y * max_splits;
-    fast_attention::combine(split_acc + slot * width, split_stats + slot * p.heads * 2, splits,
-                            blockIdx.x, sink[blockIdx.x], out + query * width, p);
+    fast_attention::combine(split_acc + slot * width, split_stats + slot * p.heads * 2, splits, h,
+                            i % quads, sink[h], out + query * width, p);
 }

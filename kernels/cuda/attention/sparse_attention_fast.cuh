@@ -5,22 +5,40 @@
 // converting them to bf16 is exact; only the order of the fp32 additions differs from the exact
 // kernel's f64 sums).
 //
-// One block per (16 heads, query); warp w owns the head dims [64 w, 64 w + 64) (head_dim / 64
-// warps: head_dim 64, 128, 256 or 512, so that the softmax's half-warps tile 256 pairs evenly;
-// key rows 16-byte aligned — the launcher checks both). Keys go in tiles of 16, in list order:
-//   1. The tile's keys (f32 in global memory, through the pointer table) are converted to bf16
-//      into shared memory (double-buffered; the next tile's loads are issued before this tile's
-//      products, so their latency overlaps the math).
-//   2. Scores: each warp multiplies its 64 dims of the 16 queries' heads (A, held in registers
-//      for the whole kernel) by the same dims of the 16 keys (B): a partial [16 heads x 16 keys]
-//      per warp, stored to shared memory; the partials are added in warp order (fixed), times
-//      the scale.
+// One block per (`groups` groups of 16 heads, query, split of its keys); groups · head_dim / 64
+// warps, warp w serving head group w / (head_dim / 64) over the head dims [64 d, 64 d + 64),
+// d = w % (head_dim / 64) (head_dim 64, 128, 256 or 512, so that the softmax's half-warps tile the
+// pairs evenly; key rows 16-byte aligned — the launcher checks both). A key tile is read from
+// global memory and converted once for all the block's heads (1 to 4 groups: 16 to 64 heads).
+//   0. The block's first two tiles are requested by cp.async (f32, as stored) into a ring of two
+//      staging slots, one copy group per tile (a thread only ever reads back the float4 it copied
+//      itself, so a slot needs no barrier of its own); then the block's q rows are converted to
+//      bf16 into shared memory (zero past the last head).
+// Then per tile of 16 keys, in list order:
+//   1. The thread's share of the tile, waited for, is converted to bf16 into shared memory
+//      (double-buffered: a slow warp may still read the last tile's keys); after the barrier the
+//      slot is refilled with the tile two ahead.
+//   2. Scores: each warp multiplies its 64 dims of its group's 16 heads (A, by ldmatrix from the
+//      bf16 q) by the same dims of the 16 keys (B, by ldmatrix): a partial [16 heads x 16 keys]
+//      per warp, stored to shared memory; a head's partials are added in the order of its
+//      group's warps (dim order, fixed), times the scale.
 //   3. Online softmax per head, one half-warp per head (lane j = key j): the new running max,
 //      the rescale exp(m_old - m_new), the weights p = exp(s - m_new) (0 past the list), the
 //      weights' sum by a fixed shuffle tree, l = l * rescale + sum; bf16(p) to shared memory.
 //   4. Outputs: each warp rescales its accumulators [16 heads x 64 dims] and adds bf16(p) · V
-//      for its dims (V = the tile's keys).
+//      for its dims (V = the tile's keys, by ldmatrix.trans).
 // Finally out = acc / (l + exp(sink - m)), rounded to bf16.
+//
+// Why the bits do not depend on the group count (nor differ from the one-group kernel this
+// replaced): every head's arithmetic is the same operations on the same values. q and the keys
+// are rounded to bf16 by the same conversion wherever it runs; ldmatrix puts in each register
+// exactly the pair of bf16 values the 32-bit fragment loads did (numerics.cuh, ldmatrix_x4); a
+// warp's scores are the same mma chain over its 64 dims (k-steps in dim order, from zero), a
+// head's head_dim / 64 partials are added in dim order, then scaled; the softmax runs the same
+// lanes, shuffle trees and expf on the same operands; the tiles, splits and the combine's order
+// are fixed by the key count. A block's groups share only the key tile and the barriers: no value
+// flows from one head to another. So the launcher picks the group count from the launch's shape,
+// and `fast_attention::every_head_block_gives_the_same_bits` (tests) checks it.
 //
 // Split keys (flash-decoding): a query's list is cut into splits of SPLIT_TILES tiles, one block
 // each (grid z), so that a decode step of few queries still fills the GPU. A query of one split
@@ -35,16 +53,20 @@
 
 namespace fast_attention {
 
-constexpr u32_t HEADS = 16;      // heads per block (one mma M tile)
-constexpr u32_t TILE = 16;       // keys per tile (one mma K step of the output product)
-constexpr u32_t WARP_DIMS = 64;  // head dims per warp
-constexpr u32_t MAX_WARPS = 8;   // head_dim <= 512
-constexpr u32_t MAX_HEAD_DIM = WARP_DIMS * MAX_WARPS;
-constexpr u32_t KEY_STRIDE = MAX_HEAD_DIM + 8;  // bf16 per shared key row (conflict-free reads)
-constexpr u32_t P_STRIDE = TILE + 8;            // bf16 per shared weight row
-// float4 loads per thread and tile: TILE keys x head_dim / 4 float4 over head_dim / 2 threads.
-constexpr u32_t LOADS = TILE / 2;
-constexpr u32_t SPLIT_TILES = 4;                 // tiles per split of a query's keys
+constexpr u32_t HEADS = 16;         // heads per group (one mma M tile)
+constexpr u32_t MAX_GROUPS = 4;     // groups per block
+constexpr u32_t MAX_HEADS = MAX_GROUPS * HEADS;
+constexpr u32_t TILE = 16;          // keys per tile (one mma K step of the output product)
+constexpr u32_t WARP_DIMS = 64;     // head dims per warp
+constexpr u32_t MAX_DIM_WARPS = 8;  // head_dim <= 512
+constexpr u32_t MAX_WARPS = MAX_GROUPS * MAX_DIM_WARPS;
+constexpr u32_t MAX_THREADS = MAX_WARPS * 32;
+// bf16 per shared q or key row: 16-byte rows whose 8 consecutive rows fall in distinct banks
+// (ldmatrix without conflicts).
+constexpr u32_t ROW_STRIDE = WARP_DIMS * MAX_DIM_WARPS + 8;
+constexpr u32_t P_STRIDE = TILE + 8;  // bf16 per shared weight row
+constexpr u32_t STAGES = 2;           // tiles in flight (cp.async)
+constexpr u32_t SPLIT_TILES = 4;      // tiles per split of a query's keys
 constexpr u32_t SPLIT_KEYS = SPLIT_TILES * TILE;
 
 // The splits of a list of n_keys keys (one for an empty list).
@@ -52,143 +74,168 @@ __device__ __forceinline__ u32_t splits_of(u32_t n_keys) {
     return n_keys <= SPLIT_KEYS ? 1u : (n_keys + SPLIT_KEYS - 1) / SPLIT_KEYS;
 }
 
-// One split's results of a query of several splits: acc [heads, head_dim] (unnormalised) and
-// stats [heads, 2] = (running max m, weight sum l).
-struct SplitOut {
-    float* acc;
-    float* stats;
-};
-
-// Two bf16 values from shared memory as one pair.
-__device__ __forceinline__ u32_t pair(const __nv_bfloat16& lo, const __nv_bfloat16& hi) {
-    const __nv_bfloat162 v = __halves2bfloat162(lo, hi);
-    return *reinterpret_cast<const u32_t*>(&v);
-}
-
+// The block's shared memory (dynamic): regions at fixed offsets, sized for the widest block (64
+// heads, head_dim 512), then the staging ring of head_dim-wide f32 keys. `fast_shared_bytes` in
+// ops/attention.rs mirrors it: sizeof(Shared) + STAGES · TILE · head_dim · 4 bytes
+// (136 448 + 128 head_dim: 201 984 at head_dim 512).
 struct Shared {
-    __nv_bfloat16 keys[2][TILE][KEY_STRIDE];        // the tile's keys, double-buffered
-    float partial[MAX_WARPS][HEADS][TILE];          // each warp's partial scores
-    __nv_bfloat16 weights[HEADS][P_STRIDE];         // bf16(p) of the tile
-    float row_max[HEADS];
-    float row_sum[HEADS];
-    float rescale[HEADS];
+    float row_max[MAX_HEADS];  // per head of the block: the running max,
+    float row_sum[MAX_HEADS];  // the weights' sum
+    float rescale[MAX_HEADS];  // and the tile's rescale
+    __nv_bfloat16 weights[MAX_HEADS][P_STRIDE];      // bf16(p) of the tile
+    float partial[MAX_WARPS][HEADS][TILE];           // each warp's partial scores (partial_col)
+    __nv_bfloat16 keys[2][TILE][ROW_STRIDE];         // the tile's keys, double-buffered
+    __nv_bfloat16 q[MAX_HEADS][ROW_STRIDE];          // the block's q rows
 };
+static_assert(sizeof(Shared) == 136448, "FAST_SHARED_REGIONS in ops/attention.rs");
+static_assert(sizeof(Shared) % 16 == 0, "the staging after it is float4-aligned");
 
-// The float4 `i` of this thread's share of a tile: (key row, float4 column) for `threads`
-// threads and `quads` = head_dim / 4 float4 per key.
-__device__ __forceinline__ void load_slot(u32_t i, u32_t threads, u32_t quads, u32_t& row,
-                                          u32_t& quad) {
-    const u32_t slot = i * threads + threadIdx.x;
-    row = slot / quads;
-    quad = slot % quads;
+__device__ __forceinline__ Shared& shared_regions() {
+    extern __shared__ __align__(16) unsigned char smem[];
+    return *reinterpret_cast<Shared*>(smem);
 }
 
-// Loads this thread's share of tile `tile` of the query's keys into registers (zero past the
-// list).
-__device__ __forceinline__ void fetch(float4 (&staged)[LOADS], u32_t tile, u32_t n_keys,
+// [STAGES][TILE · head_dim / 4]: tile k's keys in f32, as copied, in slot k % STAGES.
+__device__ __forceinline__ float4* staging() {
+    extern __shared__ __align__(16) unsigned char smem[];
+    return reinterpret_cast<float4*>(smem + sizeof(Shared));
+}
+
+// The column of key j in head row h of a warp's partial scores: columns 8..15 and 0..7 swap in
+// rows 2, 3, 6, 7, ... so that a warp's float2 stores of its fragments and the softmax's reads
+// of two heads' rows are both free of bank conflicts. Only placement: no value changes.
+__device__ __forceinline__ u32_t partial_col(u32_t h, u32_t j) { return j ^ ((h & 2u) << 2); }
+
+// Copies this thread's float4 of tile k of the block (of `tiles`) into staging slot k % STAGES,
+// as one copy group (empty past the last tile; zero past the list): float4 slot, slot +
+// blockDim.x, ... of the tile's TILE << quad_bits. `key_rows` starts at the split's first key.
+__device__ __forceinline__ void fetch(float4* stage, u32_t k, u32_t tiles, u32_t keys_left,
                                       const unsigned long long* __restrict__ key_ptrs,
-                                      const u32_t* __restrict__ key_rows, u32_t threads, u32_t quads) {
-#pragma unroll
-    for (u32_t i = 0; i < LOADS; ++i) {
-        u32_t row, quad;
-        load_slot(i, threads, quads, row, quad);
-        const u32_t j = tile * TILE + row;
-        if (j < n_keys) {
-            const float4* key = reinterpret_cast<const float4*>(key_ptrs[key_rows[j]]);
-            staged[i] = key[quad];
-        } else {
-            staged[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                                      const u32_t* __restrict__ key_rows, u32_t quad_bits) {
+    if (k < tiles) {
+        const u32_t tile_quads = TILE << quad_bits;
+        float4* slot_area = stage + (k % STAGES) * tile_quads;
+        for (u32_t slot = threadIdx.x; slot < tile_quads; slot += blockDim.x) {
+            const u32_t j = k * TILE + (slot >> quad_bits);
+            const bool valid = j < keys_left;
+            const float4* src = valid ? reinterpret_cast<const float4*>(key_ptrs[key_rows[j]]) +
+                                            (slot & ((1u << quad_bits) - 1))
+                                      : reinterpret_cast<const float4*>(key_ptrs);  // not read
+            cp_async16(&slot_area[slot], src, valid);
         }
     }
+    cp_async_commit();
 }
 
-// Split `split` of `splits` of query `query` of the row-batched entry: q [queries, heads,
-// head_dim] (f32 storage, bf16 values), key j of the query at the address
-// key_ptrs[key_rows[first + j]] for j < n_keys. One split writes out; several write `part`.
+// The row-batched entry (sparse_attention.cu: the arguments and the grid): query query0 +
+// blockIdx.y of q [queries, heads, head_dim] (f32 storage, bf16 values), its key j at the address
+// key_ptrs[key_rows[row_starts[query] + j]], its split blockIdx.z; this block's heads are
+// blockIdx.x · groups · HEADS + [0, groups · HEADS), groups = blockDim.x / (head_dim / 2). A
+// query of one split writes out; of several, its split's (m, l, acc) to the split scratch.
 __device__ void attention(const float* __restrict__ q, const unsigned long long* __restrict__ key_ptrs,
-                          const u32_t* __restrict__ key_rows, u32_t n_keys, u32_t split, u32_t splits,
-                          const float* __restrict__ sink, float* __restrict__ out, SplitOut part,
-                          AttentionParams p) {
-    __shared__ Shared sh;
+                          const u32_t* __restrict__ key_rows, const u32_t* __restrict__ row_starts,
+                          const float* __restrict__ sink, float* __restrict__ out,
+                          float* __restrict__ split_acc, float* __restrict__ split_stats, u32_t query0,
+                          u32_t max_splits, AttentionParams p) {
+    const u32_t query = query0 + blockIdx.y;
+    const u32_t first = row_starts[query];
+    const u32_t n_keys = row_starts[query + 1] - first;
+    const u32_t splits = splits_of(n_keys);
+    const u32_t split = blockIdx.z;
+    if (split >= splits) return;
+    Shared& sh = shared_regions();
+    float4* const stage = staging();
+    const u32_t threads = blockDim.x;
+    // head_dim / 64 warps per group and head_dim / 4 float4 per row: powers of two.
+    const u32_t dim_bits = __ffs(p.head_dim) - 7, quad_bits = dim_bits + 4;
+    const u32_t dim_warps = 1u << dim_bits;
+    const u32_t block_heads = (threads >> (5 + dim_bits)) * HEADS;
+    const u32_t block_head0 = blockIdx.x * block_heads;
     const u32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32_t g = lane / 4, t = lane % 4;
-    const u32_t threads = blockDim.x;  // head_dim / 64 warps
-    const u32_t quads = p.head_dim / 4;
-    const u32_t head0 = blockIdx.x * HEADS;
-    const u32_t dim0 = warp * WARP_DIMS;
+    const u32_t local0 = (warp >> dim_bits) * HEADS;  // this warp's first head in the block
+    const u32_t dim0 = (warp & (dim_warps - 1)) * WARP_DIMS;
 
-    // This warp's A fragments of q (4 k-steps of 16 dims), zero past the last head.
-    u32_t qa[4][4];
+    // 0. The first STAGES tiles in flight, then q in bf16 and the row statistics.
+    const u32_t all_tiles = (n_keys + TILE - 1) / TILE;
+    const u32_t first_tile = split * SPLIT_TILES;
+    const u32_t tiles = (splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES)) - first_tile;
+    const u32_t keys_left = n_keys - first_tile * TILE;  // from the split's first key on
+    const u32_t* split_rows = key_rows + first + first_tile * TILE;
 #pragma unroll
-    for (u32_t kk = 0; kk < 4; ++kk) {
-        const u32_t d = dim0 + kk * 16 + 2 * t;
-        const u32_t h_lo = head0 + g, h_hi = head0 + g + 8;
-        const float* lo = q + (size_t)h_lo * p.head_dim;
-        const float* hi = q + (size_t)h_hi * p.head_dim;
-        const bool has_lo = h_lo < p.heads, has_hi = h_hi < p.heads;
-        qa[kk][0] = has_lo ? pack_bf16(lo[d], lo[d + 1]) : 0u;
-        qa[kk][1] = has_hi ? pack_bf16(hi[d], hi[d + 1]) : 0u;
-        qa[kk][2] = has_lo ? pack_bf16(lo[d + 8], lo[d + 9]) : 0u;
-        qa[kk][3] = has_hi ? pack_bf16(hi[d + 8], hi[d + 9]) : 0u;
+    for (u32_t k = 0; k < STAGES; ++k) fetch(stage, k, tiles, keys_left, key_ptrs, split_rows, quad_bits);
+    {
+        const float4* q4 = reinterpret_cast<const float4*>(q + ((size_t)query * p.heads + block_head0) * p.head_dim);
+        const u32_t quads = 1u << quad_bits;
+#pragma unroll 4
+        for (u32_t i = threadIdx.x; i < block_heads << quad_bits; i += threads) {
+            const u32_t h = i >> quad_bits, quad = i & (quads - 1);
+            const float4 v = block_head0 + h < p.heads ? q4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            *reinterpret_cast<uint2*>(&sh.q[h][quad * 4]) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+        }
+    }
+    if (threadIdx.x < block_heads) {
+        sh.row_max[threadIdx.x] = -1e30f;
+        sh.row_sum[threadIdx.x] = 0.0f;
     }
     float acc[8][4];
 #pragma unroll
     for (u32_t nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (u32_t c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
-    if (threadIdx.x < HEADS) {
-        sh.row_max[threadIdx.x] = -1e30f;
-        sh.row_sum[threadIdx.x] = 0.0f;
-    }
 
-    const u32_t all_tiles = (n_keys + TILE - 1) / TILE;
-    const u32_t first_tile = split * SPLIT_TILES;
-    const u32_t tiles = splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES);
-    float4 staged[LOADS];
-    if (first_tile < tiles) fetch(staged, first_tile, n_keys, key_ptrs, key_rows, threads, quads);
-
-    for (u32_t tile = first_tile; tile < tiles; ++tile) {
-        const u32_t buf = tile & 1;
-#pragma unroll
-        for (u32_t i = 0; i < LOADS; ++i) {
-            u32_t row, quad;
-            load_slot(i, threads, quads, row, quad);
-            u32_t* dst = reinterpret_cast<u32_t*>(&sh.keys[buf][row][quad * 4]);
-            dst[0] = pack_bf16(staged[i].x, staged[i].y);
-            dst[1] = pack_bf16(staged[i].z, staged[i].w);
+    for (u32_t k = 0; k < tiles; ++k) {
+        __nv_bfloat16(&keys)[TILE][ROW_STRIDE] = sh.keys[k & 1];
+        // 1. This thread's float4 of the tile, as bf16 (zero past the list).
+        cp_async_wait<STAGES - 1>();     // tile k's group has landed (one newer may be pending)
+        asm volatile("" ::: "memory");  // and no read of its slot moves above the wait
+        {
+            const float4* slot_area = stage + (k % STAGES) * (TILE << quad_bits);
+            for (u32_t slot = threadIdx.x; slot < TILE << quad_bits; slot += threads) {
+                const float4 v = slot_area[slot];
+                *reinterpret_cast<uint2*>(&keys[slot >> quad_bits][(slot & ((1u << quad_bits) - 1)) * 4]) =
+                    make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+            }
         }
-        __syncthreads();  // (A) the tile's keys are in place; the last tile's weights were used
-        if (tile + 1 < tiles) fetch(staged, tile + 1, n_keys, key_ptrs, key_rows, threads, quads);
+        __syncthreads();  // (A) the tile's keys (and q) are in place; the last weights were used
+        fetch(stage, k + STAGES, tiles, keys_left, key_ptrs, split_rows, quad_bits);
 
-        // Partial scores over this warp's dims: [16 heads x 16 keys] as two n-tiles of 8 keys.
-        float s[2][4];
+        // 2. Partial scores over this warp's dims: [16 heads x 16 keys] as two n-tiles of 8 keys.
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (u32_t kk = 0; kk < 4; ++kk) {
+            // a: heads g, g + 8 x dims 2t.., 2t + 8.. of k-step kk; b0, b1 of k-steps kk and kk + 1
+            // (loaded at even kk): key nt 8 + g.
+            u32_t a[4];
+            ldmatrix_x4(a, &sh.q[local0 + lane / 8 % 2 * 8 + lane % 8][dim0 + kk * 16 + lane / 16 * 8]);
+            u32_t b[2][4];
+#pragma unroll
+            for (u32_t nt = 0; nt < 2; ++nt) {
+                if (kk % 2 == 0)
+                    ldmatrix_x4(b[nt], &keys[nt * 8 + lane % 8][dim0 + kk * 16 + lane / 8 * 8]);
+                mma_bf16(s[nt], a, b[nt][kk % 2 * 2], b[nt][kk % 2 * 2 + 1]);
+            }
+        }
+        float(&partial)[HEADS][TILE] = sh.partial[warp];
+        const u32_t swizzle = (g & 2u) << 2;  // partial_col of rows g and g + 8
 #pragma unroll
         for (u32_t nt = 0; nt < 2; ++nt) {
-#pragma unroll
-            for (u32_t c = 0; c < 4; ++c) s[nt][c] = 0.0f;
-            const __nv_bfloat16* key = sh.keys[buf][nt * 8 + g];
-#pragma unroll
-            for (u32_t kk = 0; kk < 4; ++kk) {
-                const u32_t d = dim0 + kk * 16 + 2 * t;
-                const u32_t b0 = *reinterpret_cast<const u32_t*>(key + d);
-                const u32_t b1 = *reinterpret_cast<const u32_t*>(key + d + 8);
-                mma_bf16(s[nt], qa[kk], b0, b1);
-            }
-            sh.partial[warp][g][nt * 8 + 2 * t] = s[nt][0];
-            sh.partial[warp][g][nt * 8 + 2 * t + 1] = s[nt][1];
-            sh.partial[warp][g + 8][nt * 8 + 2 * t] = s[nt][2];
-            sh.partial[warp][g + 8][nt * 8 + 2 * t + 1] = s[nt][3];
+            const u32_t col = (nt * 8 + 2 * t) ^ swizzle;
+            *reinterpret_cast<float2*>(&partial[g][col]) = make_float2(s[nt][0], s[nt][1]);
+            *reinterpret_cast<float2*>(&partial[g + 8][col]) = make_float2(s[nt][2], s[nt][3]);
         }
         __syncthreads();  // (B) every warp's partial scores are in place
 
-        // Online softmax: half-warp per head, lane j = key j of the tile.
-        const u32_t warps = threads / 32;
-        for (u32_t pair_index = threadIdx.x; pair_index < HEADS * TILE; pair_index += threads) {
+        // 3. Online softmax: half-warp per head, lane j = key j of the tile.
+        for (u32_t pair_index = threadIdx.x; pair_index < block_heads * TILE; pair_index += threads) {
             const u32_t h = pair_index / TILE, j = pair_index % TILE;
+            const u32_t local = h % HEADS, col = partial_col(local, j);
+            // Head h's partials: warps h / HEADS · dim_warps + w, w in dim order.
+            const u32_t warp0 = h / HEADS * dim_warps;
             float score = 0.0f;
-            for (u32_t w = 0; w < warps; ++w) score += sh.partial[w][h][j];
+            for (u32_t w = 0; w < dim_warps; ++w) score += sh.partial[warp0 + w][local][col];
             score *= p.scale;
-            const bool valid = tile * TILE + j < n_keys;
+            const bool valid = k * TILE + j < keys_left;
             float tile_max = valid ? score : -1e30f;
 #pragma unroll
             for (u32_t step = 8; step > 0; step /= 2)
@@ -211,44 +258,53 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         }
         __syncthreads();  // (C) the tile's weights and rescales are in place
 
-        // Outputs: acc = acc * rescale + bf16(p) · V over this warp's 64 dims (8 n-tiles).
-        const float rescale_lo = sh.rescale[g], rescale_hi = sh.rescale[g + 8];
+        // 4. Outputs: acc = acc * rescale + bf16(p) · V over this warp's 64 dims (8 n-tiles).
+        const u32_t lo = local0 + g, hi = lo + 8;
+        const float rescale_lo = sh.rescale[lo], rescale_hi = sh.rescale[hi];
         u32_t pa[4];
-        pa[0] = *reinterpret_cast<const u32_t*>(&sh.weights[g][2 * t]);
-        pa[1] = *reinterpret_cast<const u32_t*>(&sh.weights[g + 8][2 * t]);
-        pa[2] = *reinterpret_cast<const u32_t*>(&sh.weights[g][2 * t + 8]);
-        pa[3] = *reinterpret_cast<const u32_t*>(&sh.weights[g + 8][2 * t + 8]);
+        pa[0] = *reinterpret_cast<const u32_t*>(&sh.weights[lo][2 * t]);
+        pa[1] = *reinterpret_cast<const u32_t*>(&sh.weights[hi][2 * t]);
+        pa[2] = *reinterpret_cast<const u32_t*>(&sh.weights[lo][2 * t + 8]);
+        pa[3] = *reinterpret_cast<const u32_t*>(&sh.weights[hi][2 * t + 8]);
 #pragma unroll
-        for (u32_t nt = 0; nt < 8; ++nt) {
-            acc[nt][0] *= rescale_lo;
-            acc[nt][1] *= rescale_lo;
-            acc[nt][2] *= rescale_hi;
-            acc[nt][3] *= rescale_hi;
-            const u32_t d = dim0 + nt * 8 + g;
-            const u32_t b0 = pair(sh.keys[buf][2 * t][d], sh.keys[buf][2 * t + 1][d]);
-            const u32_t b1 = pair(sh.keys[buf][2 * t + 8][d], sh.keys[buf][2 * t + 9][d]);
-            mma_bf16(acc[nt], pa, b0, b1);
+        for (u32_t np = 0; np < 4; ++np) {
+            // b0, b1 of n-tiles 2 np and 2 np + 1: keys 2t.. and 2t + 8.., dim 8 nt + g.
+            u32_t b[4];
+            ldmatrix_x4_trans(b, &keys[lane / 8 % 2 * 8 + lane % 8][dim0 + (2 * np + lane / 16) * 8]);
+#pragma unroll
+            for (u32_t i = 0; i < 2; ++i) {
+                const u32_t nt = 2 * np + i;
+                acc[nt][0] *= rescale_lo;
+                acc[nt][1] *= rescale_lo;
+                acc[nt][2] *= rescale_hi;
+                acc[nt][3] *= rescale_hi;
+                mma_bf16(acc[nt], pa, b[2 * i], b[2 * i + 1]);
+            }
         }
     }
     __syncthreads();  // the row statistics of the last tile are final
 
+    const size_t width = (size_t)p.heads * p.head_dim;
+    const u32_t head0 = block_head0 + local0;
     if (splits > 1) {
         // This split's (m, l, acc) for `combine`.
+        const size_t slot = (size_t)blockIdx.y * max_splits + split;
 #pragma unroll
         for (u32_t half = 0; half < 2; ++half) {
             const u32_t h = head0 + g + 8 * half;
             if (h >= p.heads) continue;
-            const u32_t local = g + 8 * half;
-            float* acc_h = part.acc + (size_t)h * p.head_dim;
+            const u32_t local = local0 + g + 8 * half;
+            float* acc_h = split_acc + slot * width + (size_t)h * p.head_dim;
 #pragma unroll
             for (u32_t nt = 0; nt < 8; ++nt) {
                 const u32_t d = dim0 + nt * 8 + 2 * t;
-                acc_h[d] = acc[nt][2 * half];
-                acc_h[d + 1] = acc[nt][2 * half + 1];
+                *reinterpret_cast<float2*>(&acc_h[d]) =
+                    make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
             }
-            if (warp == 0 && t == 0) {
-                part.stats[2 * h] = sh.row_max[local];
-                part.stats[2 * h + 1] = sh.row_sum[local];
+            if (dim0 == 0 && t == 0) {
+                float* stats = split_stats + (slot * p.heads + h) * 2;
+                stats[0] = sh.row_max[local];
+                stats[1] = sh.row_sum[local];
             }
         }
         return;
@@ -259,43 +315,48 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     for (u32_t half = 0; half < 2; ++half) {
         const u32_t h = head0 + g + 8 * half;
         if (h >= p.heads) continue;
-        const u32_t local = g + 8 * half;
-        const float denominator =
-            sh.row_sum[local] + expf(sink[h] - sh.row_max[local]);
-        float* out_h = out + (size_t)h * p.head_dim;
+        const u32_t local = local0 + g + 8 * half;
+        const float denominator = sh.row_sum[local] + expf(sink[h] - sh.row_max[local]);
+        float* out_h = out + query * width + (size_t)h * p.head_dim;
 #pragma unroll
         for (u32_t nt = 0; nt < 8; ++nt) {
             const u32_t d = dim0 + nt * 8 + 2 * t;
-            out_h[d] = round_bf16_f32(acc[nt][2 * half] / denominator);
-            out_h[d + 1] = round_bf16_f32(acc[nt][2 * half + 1] / denominator);
+            *reinterpret_cast<float2*>(&out_h[d]) =
+                make_float2(round_bf16_f32(acc[nt][2 * half] / denominator),
+                            round_bf16_f32(acc[nt][2 * half + 1] / denominator));
         }
     }
 }
 
-// Merges the splits of head `h` of a query of `splits` > 1 splits (stride `heads` split
-// results apart in `acc` / `stats`, as `attention` wrote them) into out [heads, head_dim], in
-// split order; each thread writes the dims threadIdx.x, + blockDim.x, ...
+// Merges dims [4 quad, 4 quad + 4) of head `h` of a query of `splits` > 1 splits (stride `heads`
+// split results apart in `acc` / `stats`, as `attention` wrote them) into out [heads, head_dim].
+// Each output as before: M = the max of the m_s; then in split order w_s = exp(m_s - M),
+// L += l_s w_s, o += acc_s w_s; out = o / (L + exp(sink - M)), rounded to bf16. A thread computes
+// w_s once for its four outputs (they used to compute it each).
 __device__ void combine(const float* __restrict__ acc, const float* __restrict__ stats, u32_t splits,
-                        u32_t h, float sink, float* __restrict__ out, AttentionParams p) {
-    const size_t split_acc = (size_t)p.heads * p.head_dim;
+                        u32_t h, u32_t quad, float sink, float* __restrict__ out, AttentionParams p) {
+    const size_t split_quads = (size_t)p.heads * p.head_dim / 4;
     const size_t split_stats = (size_t)p.heads * 2;
+    const float* st = stats + 2 * h;
     float m = -1e30f;
-    for (u32_t s = 0; s < splits; ++s) m = fmaxf(m, stats[s * split_stats + 2 * h]);
+    for (u32_t s = 0; s < splits; ++s) m = fmaxf(m, st[s * split_stats]);
+    const float4* a = reinterpret_cast<const float4*>(acc) + (size_t)h * (p.head_dim / 4) + quad;
     float l = 0.0f;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
     for (u32_t s = 0; s < splits; ++s) {
-        const float* st = stats + s * split_stats + 2 * h;
-        l += st[1] * expf(st[0] - m);
+        const float weight = expf(st[s * split_stats] - m);
+        l += st[s * split_stats + 1] * weight;
+        const float4 v = a[s * split_quads];
+        o.x += v.x * weight;
+        o.y += v.y * weight;
+        o.z += v.z * weight;
+        o.w += v.w * weight;
     }
     const float denominator = l + expf(sink - m);
-    float* out_h = out + (size_t)h * p.head_dim;
-    for (u32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-        float o = 0.0f;
-        for (u32_t s = 0; s < splits; ++s) {
-            const float weight = expf(stats[s * split_stats + 2 * h] - m);
-            o += acc[s * split_acc + (size_t)h * p.head_dim + d] * weight;
-        }
-        out_h[d] = round_bf16_f32(o / denominator);
-    }
+    *reinterpret_cast<float4*>(out + (size_t)h * p.head_dim + 4 * quad) =
+        make_float4(round_bf16_f32(o.x / denominator), round_bf16_f32(o.y / denominator),
+                    round_bf16_f32(o.z / denominator), round_bf16_f32(o.w / denominator));
 }
 
 }  // namespace fast_attention

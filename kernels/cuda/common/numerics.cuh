@@ -95,8 +95,31 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const u32_t (&a)[4], u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 bf16 matrices from shared memory (ldmatrix.x4): lane l gives the address of row l % 8
+// of matrix l / 8 (16 bytes, 16-byte aligned) and receives in register i matrix i's elements
+// (row l / 4; columns 2 (l % 4), + 1), the lower column in the low half: the mma fragment
+// registers of an A tile stored row-major or a B tile stored n-major, the same pairs a 32-bit
+// load of the two values gives. `ldmatrix_x4_trans` receives (rows 2 (l % 4), + 1; column l / 4),
+// the lower row in the low half: a B tile stored k-major.
+__device__ __forceinline__ void ldmatrix_x4(u32_t (&r)[4], const void* row) {
+    const u32_t a = (u32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32_t (&r)[4], const void* row) {
+    const u32_t a = (u32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
 // Asynchronous global -> shared copies (cp.async) of the staged tensor-core kernels
-// (gemm/gemm_fast.cuh, linear/linear_fast.cuh); an invalid copy reads nothing and zero-fills.
+// (gemm/gemm_fast.cuh, linear/linear_fast.cuh, attention/sparse_attention_fast.cuh); an invalid
+// copy reads nothing and zero-fills.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
     const u32_t bytes = valid ? 16u : 0u;  // 0: zero-fill, nothing read

@@ -5,7 +5,8 @@
 //! (head, query) with one fixed reduction order that depends only on that query's keys (batch
 //! invariant). The `fast` numerics' row-batched entry ([`sparse_attention_sink_rows_ptr_fast`])
 //! runs the same operation on tensor cores (`sparse_attention_fast.cuh`), a query's keys in
-//! splits of 64 (one block each) merged in split order by a second launch.
+//! splits of 64 (one block each, reading each key tile once for 16 to 64 heads:
+//! [`FastHeadBlock`]) merged in split order by a second launch.
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
@@ -20,15 +21,22 @@ const OP: &str = "sparse_attention_sink_f32";
 const FAST_OP: &str = "sparse_attention_sink_rows_ptr_fast";
 /// The fast kernel's head dims (one warp per 64; the softmax's half-warps need a power of two).
 const FAST_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
-/// Heads per block of the fast kernel (`fast_attention::HEADS`).
-const FAST_HEADS_PER_BLOCK: usize = 16;
+/// Heads per group of the fast kernel (`fast_attention::HEADS`, one mma tile of rows).
+const FAST_GROUP_HEADS: usize = 16;
+/// Bytes of the fast kernel's fixed shared regions (`sizeof(fast_attention::Shared)`: row
+/// statistics, weights, partial scores, two key tiles and q, sized for 64 heads of 512 dims).
+const FAST_SHARED_REGIONS: usize = 136_448;
+/// The fewest blocks a fast launch should have: one for each of an H100's or H200's 132 SMs (at
+/// head_dim 512 a block's shared memory fills an SM, whatever its heads).
+/// [`FastHeadBlock::choose`] takes the widest head block that keeps this many.
+const FAST_MIN_BLOCKS: usize = 132;
 /// Keys per split of a query's list in the fast kernel (`fast_attention::SPLIT_KEYS`).
 const FAST_SPLIT_KEYS: usize = 64;
 /// The most bytes of split results one fast launch writes (its queries are launched in groups
 /// that fit).
 const FAST_SPLIT_SCRATCH_BYTES: usize = 128 << 20;
-/// Threads of a split-combine block.
-const COMBINE_THREADS: u32 = 128;
+/// Threads of a split-combine block (one float4 of outputs each).
+const COMBINE_THREADS: usize = 128;
 const THREADS: u32 = 512;
 /// Must match `attention::MAX_DIMS_PER_THREAD`.
 const MAX_HEAD_DIM: usize = 4 * THREADS as usize;
@@ -400,9 +408,71 @@ fn rows_params(
 }
 
 /// Whether [`sparse_attention_sink_rows_ptr_fast`] takes rows of `head_dim` from `key_ptrs`: a
-/// head_dim of 64, 128, 256 or 512 and every row 16-byte aligned (the kernel's float4 loads).
+/// head_dim of 64, 128, 256 or 512 and every row 16-byte aligned (the kernel's float4 copies).
 pub fn fast_attention_supports(head_dim: usize, key_ptrs: &DeviceKeyTable) -> bool {
     FAST_HEAD_DIMS.contains(&head_dim) && key_ptrs.rows_aligned_16()
+}
+
+/// The heads one block of the fast attention serves: groups of 16 whose warps share each key
+/// tile, read from global memory and converted to bf16 once for all of them. Every block gives
+/// the same bits (`sparse_attention_fast.cuh` says why); [`FastHeadBlock::choose`] picks one
+/// by the launch's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FastHeadBlock {
+    /// 16 heads: the most blocks, for decode steps of few queries.
+    Heads16,
+    Heads32,
+    /// 64 heads (V4.1's): a key tile read once per query and split.
+    Heads64,
+}
+
+impl FastHeadBlock {
+    pub const ALL: [FastHeadBlock; 3] = [
+        FastHeadBlock::Heads16,
+        FastHeadBlock::Heads32,
+        FastHeadBlock::Heads64,
+    ];
+
+    /// Groups of 16 heads (`blockDim.x / (head_dim / 2)` in the kernel).
+    fn groups(self) -> usize {
+        match self {
+            FastHeadBlock::Heads16 => 1,
+            FastHeadBlock::Heads32 => 2,
+            FastHeadBlock::Heads64 => 4,
+        }
+    }
+
+    /// The widest block with no group wholly past `heads` that still gives a launch of
+    /// `query_splits` (queries × their most splits) at least [`FAST_MIN_BLOCKS`] blocks; 16
+    /// heads when none does (a decode step of one query keeps 4 × 10 blocks at 64 heads).
+    pub fn choose(heads: usize, query_splits: usize) -> FastHeadBlock {
+        let groups = heads.div_ceil(FAST_GROUP_HEADS);
+        FastHeadBlock::ALL
+            .into_iter()
+            .rev()
+            .find(|block| {
+                block.groups() <= groups
+                    && groups.div_ceil(block.groups()) * query_splits >= FAST_MIN_BLOCKS
+            })
+            .unwrap_or(FastHeadBlock::Heads16)
+    }
+}
+
+/// Dynamic shared memory of a fast-attention block of `head_dim` (`fast_attention::Shared`, then
+/// the staging ring of two tiles of 16 f32 keys): at most 201 984 bytes, at head_dim 512.
+pub(crate) const fn fast_shared_bytes(head_dim: usize) -> u32 {
+    (FAST_SHARED_REGIONS + 2 * 16 * 4 * head_dim) as u32
+}
+
+const _: () = assert!(
+    fast_shared_bytes(512) <= 227 * 1024,
+    "a block's shared memory on sm_90 and sm_100"
+);
+
+/// The dynamic shared memory kernel `id` needs, if it is the fast attention (`None` otherwise):
+/// its widest head_dim's, allowed at load.
+pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
+    (id == KernelId::SparseAttentionSinkRowsPtrFast).then_some(fast_shared_bytes(512))
 }
 
 /// The row-batched sink attention of [`sparse_attention_sink_rows_f32`] (rows read through a
@@ -424,6 +494,25 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     head_dim: usize,
     scale: f32,
 ) -> Result<(), KernelError> {
+    sparse_attention_sink_rows_ptr_fast_blocked(
+        rt, q, key_ptrs, lists, sink, out, head_dim, scale, None,
+    )
+}
+
+/// [`sparse_attention_sink_rows_ptr_fast`] with every launch's head block given (tests: every
+/// block gives the same bits); `None` lets [`FastHeadBlock::choose`] pick per launch.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention_sink_rows_ptr_fast_blocked(
+    rt: &KernelRuntime,
+    q: &CudaSlice<f32>,
+    key_ptrs: &DeviceKeyTable,
+    lists: &DeviceKeyLists,
+    sink: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    head_dim: usize,
+    scale: f32,
+    head_block: Option<FastHeadBlock>,
+) -> Result<(), KernelError> {
     ensure(fast_attention_supports(head_dim, key_ptrs), FAST_OP, || {
         format!(
             "head_dim {head_dim} must be one of {FAST_HEAD_DIMS:?} and every key row 16-byte \
@@ -443,8 +532,6 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         Rounding::Bf16,
     )?;
     let heads = sink.len();
-    let head_blocks = dim(FAST_OP, "head blocks", heads.div_ceil(FAST_HEADS_PER_BLOCK))?;
-    let threads = dim(FAST_OP, "threads", head_dim / 2)?;
     let max_splits = lists.longest.div_ceil(FAST_SPLIT_KEYS).max(1);
     let grid_z = dim(FAST_OP, "splits", max_splits)?;
     ensure(grid_z <= 65_535, FAST_OP, || {
@@ -474,8 +561,22 @@ pub fn sparse_attention_sink_rows_ptr_fast(
             .map_err(KernelError::driver(
                 "allocating the attention's split statistics",
             ))?;
+    let shared = fast_shared_bytes(head_dim);
+    let combine_blocks = dim(
+        FAST_OP,
+        "combine blocks",
+        (heads * head_dim / 4).div_ceil(COMBINE_THREADS),
+    )?;
     for query0 in (0..lists.queries).step_by(per_launch) {
-        let count = dim(FAST_OP, "queries", per_launch.min(lists.queries - query0))?;
+        let count = per_launch.min(lists.queries - query0);
+        let block = head_block.unwrap_or_else(|| FastHeadBlock::choose(heads, count * max_splits));
+        let head_blocks = dim(
+            FAST_OP,
+            "head blocks",
+            heads.div_ceil(FAST_GROUP_HEADS * block.groups()),
+        )?;
+        let threads = dim(FAST_OP, "threads", block.groups() * head_dim / 2)?;
+        let count = dim(FAST_OP, "queries", count)?;
         let query0 = dim(FAST_OP, "first query", query0)?;
         let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
         launch.arg(q);
@@ -495,13 +596,16 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         // float* split_stats, u32_t query0, u32_t max_splits, AttentionParams); q/out hold
         // queries * heads * head_dim values, every listed row is below key_buffer_rows
         // (DeviceKeyLists::upload) and the table covers them with 16-byte aligned rows of
-        // head_dim floats (checked above; live by the table's contract); head_dim / 2 threads
-        // (32..256, a multiple of 32); queries query0 .. query0 + count exist and the scratch
-        // holds count * max_splits split results when a list has several splits (each list has
-        // at most max_splits: `longest`); grid.y = count <= per_launch, grid.z = max_splits <=
-        // 65535.
+        // head_dim floats (checked above; live by the table's contract); groups * head_dim / 2
+        // threads (32..1024, a multiple of 32, within the kernel's launch bounds) serve
+        // 16 * groups heads a block over ceil(heads / (16 * groups)) blocks, and the
+        // fast_shared_bytes(head_dim) of dynamic shared memory are within what the runtime
+        // allowed the kernel at load (`dynamic_shared_bytes`, head_dim 512's); queries query0 ..
+        // query0 + count exist and the scratch holds count * max_splits split results when a
+        // list has several splits (each list has at most max_splits: `longest`); grid.y = count
+        // <= per_launch, grid.z = max_splits <= 65535.
         unsafe {
-            launch.launch(launch_config((head_blocks, count, grid_z), threads, 0))?;
+            launch.launch(launch_config((head_blocks, count, grid_z), threads, shared))?;
         }
         if max_splits == 1 {
             continue;
@@ -519,10 +623,64 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         // SAFETY: signature (const u32_t* row_starts, const float* sink, float* out, const float*
         // split_acc, const float* split_stats, u32_t query0, u32_t max_splits, AttentionParams),
         // the attention launch's arguments: it reads only the split results that launch wrote
-        // (the queries of several splits) and writes their outputs; grid (heads, count).
+        // (the queries of several splits) and writes their outputs, one float4 a thread over
+        // grid (ceil(heads * head_dim / 4 / COMBINE_THREADS), count) (threads past the heads
+        // write nothing; head_dim / 4 float4 a head, 16-byte aligned as the buffers are).
         unsafe {
-            combine.launch(launch_config((params.heads, count, 1), COMBINE_THREADS, 0))?;
+            combine.launch(launch_config(
+                (combine_blocks, count, 1),
+                COMBINE_THREADS as u32,
+                0,
+            ))?;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_widest_head_block_that_keeps_the_launch_wide_is_chosen() {
+        // V4.1: 64 heads, 10 splits of 640 keys a query.
+        for (queries, block) in [
+            (1, FastHeadBlock::Heads16),
+            (4, FastHeadBlock::Heads16),
+            (8, FastHeadBlock::Heads32),
+            (14, FastHeadBlock::Heads64),
+            (64, FastHeadBlock::Heads64),
+            (1024, FastHeadBlock::Heads64),
+        ] {
+            assert_eq!(
+                FastHeadBlock::choose(64, queries * 10),
+                block,
+                "{queries} queries"
+            );
+        }
+        // No block wider than the heads' groups: 4 heads, 6 heads, 48 heads.
+        assert_eq!(FastHeadBlock::choose(4, 100_000), FastHeadBlock::Heads16);
+        assert_eq!(FastHeadBlock::choose(6, 100_000), FastHeadBlock::Heads16);
+        assert_eq!(FastHeadBlock::choose(48, 100_000), FastHeadBlock::Heads32);
+    }
+
+    #[test]
+    fn the_fast_attention_shared_memory_is_its_regions_and_two_staged_tiles() {
+        // 3 × 64 f32 statistics, 64 × 24 bf16 weights, 32 warps × 16 × 16 f32 partials, 2 × 16
+        // and 64 bf16 rows of 520 (keys, q).
+        assert_eq!(
+            FAST_SHARED_REGIONS,
+            3 * 64 * 4 + 64 * 24 * 2 + 32 * 16 * 16 * 4 + (2 * 16 + 64) * 520 * 2
+        );
+        assert_eq!(fast_shared_bytes(512), 201_984);
+        assert_eq!(fast_shared_bytes(64), 136_448 + 8192);
+        assert_eq!(
+            dynamic_shared_bytes(KernelId::SparseAttentionSinkRowsPtrFast),
+            Some(201_984)
+        );
+        assert_eq!(
+            dynamic_shared_bytes(KernelId::SparseAttentionSplitCombine),
+            None
+        );
+    }
 }
