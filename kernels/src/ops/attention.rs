@@ -26,10 +26,12 @@ const FAST_GROUP_HEADS: usize = 16;
 /// Bytes of the fast kernel's fixed shared regions (`sizeof(fast_attention::Shared)`: row
 /// statistics, weights, partial scores, two key tiles and q, sized for 64 heads of 512 dims).
 const FAST_SHARED_REGIONS: usize = 136_448;
-/// The fewest blocks a fast launch should have: one for each of an H100's or H200's 132 SMs (at
-/// head_dim 512 a block's shared memory fills an SM, whatever its heads).
-/// [`FastHeadBlock::choose`] takes the widest head block that keeps this many.
-const FAST_MIN_BLOCKS: usize = 132;
+/// The fewest blocks a fast launch should have before [`FastHeadBlock::choose`] narrows its head
+/// block. At head_dim 512 a block's shared memory fills an SM whatever its heads, so more blocks
+/// than SMs run in waves: wider blocks (each key tile read once for more heads) in fewer waves
+/// win, and narrower ones pay only where the widest would leave most of the 132 SMs idle (a
+/// decode step of one or two queries: 10 or 20 blocks of 64 heads).
+const FAST_MIN_BLOCKS: usize = 32;
 /// Keys per split of a query's list in the fast kernel (`fast_attention::SPLIT_KEYS`).
 const FAST_SPLIT_KEYS: usize = 64;
 /// The most bytes of split results one fast launch writes (its queries are launched in groups
@@ -444,7 +446,7 @@ impl FastHeadBlock {
 
     /// The widest block with no group wholly past `heads` that still gives a launch of
     /// `query_splits` (queries × their most splits) at least [`FAST_MIN_BLOCKS`] blocks; 16
-    /// heads when none does (a decode step of one query keeps 4 × 10 blocks at 64 heads).
+    /// heads when none does (a decode step of one query: 4 × 10 blocks).
     pub fn choose(heads: usize, query_splits: usize) -> FastHeadBlock {
         let groups = heads.div_ceil(FAST_GROUP_HEADS);
         FastHeadBlock::ALL
@@ -646,9 +648,10 @@ mod tests {
         // V4.1: 64 heads, 10 splits of 640 keys a query.
         for (queries, block) in [
             (1, FastHeadBlock::Heads16),
-            (4, FastHeadBlock::Heads16),
-            (8, FastHeadBlock::Heads32),
-            (14, FastHeadBlock::Heads64),
+            (2, FastHeadBlock::Heads32),
+            (3, FastHeadBlock::Heads32),
+            (4, FastHeadBlock::Heads64),
+            (8, FastHeadBlock::Heads64),
             (64, FastHeadBlock::Heads64),
             (1024, FastHeadBlock::Heads64),
         ] {
