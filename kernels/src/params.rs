@@ -47,13 +47,16 @@ pub struct FastReduceParams {
 }
 
 /// `FastRoutedParams`: the fast routed-expert GEMM, output row `j < m` = x row `j / x_row_div`
-/// times the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of `n_experts`.
+/// times the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of `n_experts`; K cut
+/// into `parts` spans of `span` codes as in [`FastGemmParams`] (production: one part).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastRoutedParams {
     pub m: u32,
     pub n: u32,
     pub k: u32,
+    pub span: u32,
+    pub parts: u32,
     pub x_row_div: u32,
     pub n_experts: u32,
     pub which: u32,
@@ -228,8 +231,8 @@ mod tests {
         assert_eq!(offset_of!(FastGemmParams, out_f32), 20);
         assert_eq!(size_of::<FastReduceParams>(), 12);
         assert_eq!(offset_of!(FastReduceParams, out_f32), 8);
-        assert_eq!(size_of::<FastRoutedParams>(), 28);
-        assert_eq!(offset_of!(FastRoutedParams, out_f32), 24);
+        assert_eq!(size_of::<FastRoutedParams>(), 36);
+        assert_eq!(offset_of!(FastRoutedParams, out_f32), 32);
         assert_eq!(size_of::<RmsNormParams>(), 12);
         assert_eq!(offset_of!(RmsNormParams, eps), 8);
         assert_eq!(size_of::<RopeParams>(), 24);
@@ -278,7 +281,17 @@ mod tests {
         assert_eq!(fields("FastReduceParams"), ["count", "parts", "out_f32"]);
         assert_eq!(
             fields("FastRoutedParams"),
-            ["m", "n", "k", "x_row_div", "n_experts", "which", "out_f32"]
+            [
+                "m",
+                "n",
+                "k",
+                "span",
+                "parts",
+                "x_row_div",
+                "n_experts",
+                "which",
+                "out_f32"
+            ]
         );
         assert_eq!(fields("RmsNormParams"), ["rows", "cols", "eps"]);
         assert_eq!(

@@ -8,8 +8,8 @@
 //! every GEMM of the chain within its bound of the f64 value on the device's own quantised input,
 //! unknown experts' rows zero, the combined output within the bound propagated through the
 //! combine (kernels/README.md); every routed tile (8 … 128 rows) and a second run give the same
-//! bits; a token's output alone equals itself among 2 … 64 tokens routed to overlapping experts
-//! (negative control: a one-element change is seen).
+//! bits; a token's output alone equals itself among 2 … 64 tokens routed to overlapping experts,
+//! through every routed tile (negative control: a one-element change is seen).
 //!
 //! The bound (derived in `kernels/src/ops/gemm_fast.rs`): for an output with exact value `y`,
 //! `S = Σ_g s_a s_w Σ_{k ∈ g} |a_k w_k|`, `K / G` groups and `P` K parts (`k_parts`),
@@ -78,8 +78,11 @@ use gpu_support::gemm_data::{
 };
 use gpu_support::{Rng, differing, prompt};
 
-const TILES: [FastTile; 5] = [
+/// Every tile a launch can be given (`Rows16` is a routed tile; the dense GEMMs run `Rows32`
+/// for it).
+const TILES: [FastTile; 6] = [
     FastTile::Rows8,
+    FastTile::Rows16,
     FastTile::Rows32,
     FastTile::Rows64,
     FastTile::Rows128,
@@ -848,7 +851,8 @@ fn fast_routed_moe_is_batch_invariant() {
         FastTile::Auto,
     );
     // The other tokens pick from the probe's experts and two more: the probe's rows share
-    // tiles with theirs (tiles of 8 and, from 33 tokens, 32 rows).
+    // tiles with theirs (Auto: tiles of 8 and, from 33 tokens, 16 rows; then every tile forced,
+    // at 64 tokens several 8-, 16- and 32-row tiles per expert).
     let pool = [3u32, 7, 11, 2, 0, 5];
     let mut checked = 0;
     for tokens in [2usize, 9, 33, 64] {
@@ -858,18 +862,20 @@ fn fast_routed_moe_is_batch_invariant() {
         let (mut ids, mut weights) = random_routes(&mut rng, tokens, k, n_experts, Some(&pool));
         ids[at * k..(at + 1) * k].copy_from_slice(&probe_ids);
         weights[at * k..(at + 1) * k].copy_from_slice(&probe_weights);
-        let run = run_chain(&rt, &moe, &x, &ids, &weights, FastTile::Auto);
-        gpu_support::assert_bitwise(
-            &format!("the probe's routed rows alone vs token {at} of {tokens}"),
-            &run.routed[at * k * dim..(at + 1) * k * dim],
-            &alone.routed,
-        );
-        gpu_support::assert_bitwise(
-            &format!("the probe's MoE output alone vs token {at} of {tokens}"),
-            &run.out[at * dim..(at + 1) * dim],
-            &alone.out,
-        );
-        checked += 1;
+        for tile in std::iter::once(FastTile::Auto).chain(TILES) {
+            let run = run_chain(&rt, &moe, &x, &ids, &weights, tile);
+            gpu_support::assert_bitwise(
+                &format!("the probe's routed rows alone vs token {at} of {tokens}, {tile:?}"),
+                &run.routed[at * k * dim..(at + 1) * k * dim],
+                &alone.routed,
+            );
+            gpu_support::assert_bitwise(
+                &format!("the probe's MoE output alone vs token {at} of {tokens}, {tile:?}"),
+                &run.out[at * dim..(at + 1) * dim],
+                &alone.out,
+            );
+            checked += 1;
+        }
     }
     // Negative control: the same comparison sees a one-element change of the probe.
     let changed = run_chain(
@@ -886,7 +892,8 @@ fn fast_routed_moe_is_batch_invariant() {
     );
     println!(
         "fast routed MoE: a token's output alone is bitwise equal to itself among {checked} \
-         batches of 2..64 tokens routed to overlapping experts; a one-element change is detected"
+         batches and tiles of 2..64 tokens routed to overlapping experts; a one-element change is \
+         detected"
     );
 }
 

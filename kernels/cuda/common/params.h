@@ -43,11 +43,14 @@ struct FastReduceParams {
 };
 
 // The fast routed-expert GEMM (gemm/gemm_fast.cuh): output row j < m = x row j / x_row_div times
-// the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of n_experts, [n, k].
+// the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of n_experts, [n, k]; K cut into
+// `parts` spans of `span` codes as FastGemmParams (production: one part, span = k).
 struct FastRoutedParams {
     u32_t m;
     u32_t n;
     u32_t k;
+    u32_t span;
+    u32_t parts;
     u32_t x_row_div;
     u32_t n_experts;
     u32_t which;

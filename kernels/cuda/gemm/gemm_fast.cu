@@ -1,6 +1,7 @@
-// The fast GEMMs' tile configurations (gemm_fast.cuh): every one computes the same bits, the
-// launchers (ops/gemm_fast.rs, ops/routed_fast.rs) pick one by M (dense) or by rows per expert
-// (routed). Names: <weights>_fast[_routed]_[t<weight tile>_]b<tokens per block>; arguments:
+// The fast GEMMs' tile configurations (gemm_fast.cuh; DENSE_TILES and ROUTED_TILES in
+// ops/gemm_fast.rs, whose test ties each to its line here): every one computes the same bits, the
+// launchers (ops/gemm_fast.rs, ops/routed_fast.rs) pick one by M (dense) or by the mean rows per
+// expert (routed). Names: <weights>_fast[_routed]_[t<weight tile>_]b<tokens per block>; arguments:
 // group, warps, token rows, pipeline stages, K codes per stage (the macros: gemm_fast.cuh).
 #include "common/grid_dependency.cuh"
 #include "gemm/gemm_fast.cuh"
@@ -20,6 +21,7 @@ GEMM_FAST(gemm_fp4_fast_b64, fastgemm::Fp4Chunks, 32, 4, 64, 3, 256)
 GEMM_FAST(gemm_fp4_fast_b128, fastgemm::Fp4Chunks, 32, 8, 128, 3, 128)
 
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b8, fastgemm::Fp4Chunks, 4, 8, 3, 256)
+GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b16, fastgemm::Fp4Chunks, 8, 16, 3, 256)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b32, fastgemm::Fp4Chunks, 8, 32, 3, 256)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b64, fastgemm::Fp4Chunks, 8, 64, 3, 128)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b128, fastgemm::Fp4Chunks, 8, 128, 3, 128)

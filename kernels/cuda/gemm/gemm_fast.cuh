@@ -12,7 +12,8 @@
 // shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
 // sizes every SM then streams weights (one block per part and column block, the partials added
 // by gemm_fast_reduce in part order), and every tile, decode or prefill, computes the same parts
-// and adds them in the same order. The routed experts use one part (enough blocks per expert).
+// and adds them in the same order. The routed experts' production launches use one part (enough
+// blocks per expert); their kernels take parts as the dense ones do (for the benchmark's sweep).
 // where T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and
 // E4M3 weights, started from zero (one mma for a 32-group; a chain of four for a 128-group, in K
 // order). Two weight formats share this one body:
@@ -473,13 +474,17 @@ __device__ void gemm_fast_direct(const u8_t* __restrict__ a, const float* __rest
 }
 
 // One block per (tile of group_routed_rows with up to BT rows of one expert, blockIdx.y; blocks
-// past *tile_count return) and 16 WARPS output features (blockIdx.x): `body(w, ws, rows, n0)`
-// on the tile's expert weights from the table ([3][n_experts][2] device addresses: weight chunks,
-// band scales), or zeros for the bucket of unknown ids (the combine skips those rows).
+// past *tile_count return), 16 WARPS output features (blockIdx.x) and K part (blockIdx.z: codes
+// [z span, min(k, (z + 1) span)), as the dense kernels): `body(w, ws, rows, n0, k_begin, k_end,
+// partial)` on the tile's expert weights from the table ([3][n_experts][2] device addresses:
+// weight chunks, band scales), or zeros for the bucket of unknown ids (the combine skips those
+// rows). With one part (production) the body stores y; with more it writes its part's sums to
+// partials[z] ([m, n], zeros for unknown ids), which gemm_fast_reduce adds in part order.
 template <int WARPS, int BT, class Body>
 __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
                             const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
-                            void* __restrict__ y, const FastRoutedParams& p, Body body) {
+                            void* __restrict__ y, float* __restrict__ partials, const FastRoutedParams& p,
+                            Body body) {
     __shared__ u32_t tile_rows[BT];
     const u32_t tile = blockIdx.y;
     if (tile >= *tile_count) return;
@@ -490,40 +495,52 @@ __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __rest
     __syncthreads();
     const GatheredRows rows{tile_rows, count, p.x_row_div};
     const u32_t n0 = blockIdx.x * 16 * WARPS;
+    const u32_t k_begin = blockIdx.z * p.span;
+    const u32_t k_end = min(p.k, k_begin + p.span);
+    float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;
     if (bucket >= p.n_experts) {
         for (u32_t i = threadIdx.x; i < count * 16 * WARPS; i += blockDim.x) {
             const u32_t col = n0 + i % (16 * WARPS);
-            if (col < p.n) store_out(y, rows.y_row(i / (16 * WARPS)) * p.n + col, 0.0f, p.out_f32);
+            if (col >= p.n) continue;
+            const size_t at = rows.y_row(i / (16 * WARPS)) * p.n + col;
+            if (partial != nullptr) {
+                partial[at] = 0.0f;
+            } else {
+                store_out(y, at, 0.0f, p.out_f32);
+            }
         }
         return;
     }
     const unsigned long long* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
-    body(reinterpret_cast<const u8_t*>(entry[0]), reinterpret_cast<const u8_t*>(entry[1]), rows, n0);
+    body(reinterpret_cast<const u8_t*>(entry[0]), reinterpret_cast<const u8_t*>(entry[1]), rows, n0, k_begin, k_end,
+         partial);
 }
 
 template <class W, int WARPS, int BT, int STAGES, int STEP>
 __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                  const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
                                  const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
-                                 void* __restrict__ y, FastRoutedParams p) {
-    routed_tile<WARPS, BT>(order, tiles, tile_count, table, y, p,
-                           [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0) {
-                               gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.out_f32, nullptr,
-                                                                              p.n, p.k, 0, p.k, n0, rows);
+                                 void* __restrict__ y, float* __restrict__ partials, FastRoutedParams p) {
+    routed_tile<WARPS, BT>(order, tiles, tile_count, table, y, partials, p,
+                           [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0, u32_t k_begin,
+                               u32_t k_end, float* partial) {
+                               gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.out_f32, partial,
+                                                                              p.n, p.k, k_begin, k_end, n0, rows);
                            });
 }
 
-// The routed experts' direct decode tile (8 rows of one expert; gemm_fast_direct over all of K).
+// The routed experts' direct decode tile (8 rows of one expert; gemm_fast_direct over the part).
 template <class W, int WARPS, int UNROLL>
 __device__ void gemm_fast_routed_direct(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                         const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
                                         const u32_t* __restrict__ tile_count,
                                         const unsigned long long* __restrict__ table, void* __restrict__ y,
-                                        FastRoutedParams p) {
-    routed_tile<WARPS, 8>(order, tiles, tile_count, table, y, p,
-                          [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0) {
-                              gemm_fast_direct<W, 32, WARPS, UNROLL>(a, sa, w, ws, y, p.out_f32, nullptr, p.n,
-                                                                     p.k, 0, p.k, n0, rows);
+                                        float* __restrict__ partials, FastRoutedParams p) {
+    routed_tile<WARPS, 8>(order, tiles, tile_count, table, y, partials, p,
+                          [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0, u32_t k_begin,
+                              u32_t k_end, float* partial) {
+                              gemm_fast_direct<W, 32, WARPS, UNROLL>(a, sa, w, ws, y, p.out_f32, partial, p.n, p.k,
+                                                                     k_begin, k_end, n0, rows);
                           });
 }
 
@@ -571,22 +588,24 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
             a, sa, w, ws, y, p.out_f32, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
     }
 
+// The routed kernels (grid: column blocks, expert tiles, K parts; routed_tile): with one part the
+// block stores y, else it writes its part's sums to partials[z] ([m, n]).
 #define GEMM_FAST_ROUTED_DIRECT(NAME, WEIGHTS, WARPS, UNROLL)                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
         NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \
-             const u32_t* tile_count, const unsigned long long* table, void* y,                      \
+             const u32_t* tile_count, const unsigned long long* table, void* y, float* partials,     \
              FastRoutedParams p) {                                                                  \
         grid_dependency_sync();                                                                     \
         fastgemm::gemm_fast_routed_direct<WEIGHTS, WARPS, UNROLL>(a, sa, order, tiles, tile_count,   \
-                                                                  table, y, p);                     \
+                                                                  table, y, partials, p);           \
     }
 
 #define GEMM_FAST_ROUTED(NAME, WEIGHTS, WARPS, BT, STAGES, STEP)                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
         NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \
-             const u32_t* tile_count, const unsigned long long* table, void* y,                      \
+             const u32_t* tile_count, const unsigned long long* table, void* y, float* partials,     \
              FastRoutedParams p) {                                                                  \
         grid_dependency_sync();                                                                     \
         fastgemm::gemm_fast_routed<WEIGHTS, WARPS, BT, STAGES, STEP>(a, sa, order, tiles, tile_count, \
-                                                                     table, y, p);                  \
+                                                                     table, y, partials, p);        \
     }

@@ -81,13 +81,17 @@ pub fn k_parts(n: usize, k: usize) -> (usize, usize) {
 }
 
 /// A tile configuration of the fast GEMMs: token rows per block, warps per block (16 output
-/// features each), pipeline stages and K codes per stage; must match the instantiations in
-/// `gemm_fast.cu`.
+/// features each), pipeline stages and K codes per stage (`DENSE_TILES`, `ROUTED_TILES`);
+/// must match the instantiations in `gemm_fast.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FastTile {
-    /// Chosen by M: the smallest token tile that holds M, 128 above 64 rows.
+    /// Chosen by the rows (M; a routed launch's mean rows per expert): the smallest of the
+    /// kernels' tiles that holds them, their largest (128 rows) above.
     Auto,
     Rows8,
+    /// A routed tile (the prefill's ~16 rows per expert); the dense GEMMs build none and run
+    /// `Rows32` for it (the same bits).
+    Rows16,
     Rows32,
     Rows64,
     Rows128,
@@ -111,8 +115,8 @@ fn direct_shared_bytes(group: u32, span: usize) -> usize {
     (8 * (span + 32) + 32 * span / group as usize).div_ceil(16) * 16
 }
 
-/// The shape of a fast GEMM kernel build (the `GEMM_FAST` macro's arguments in
-/// `cuda/gemm/gemm_fast.cuh`): token rows per block, warps per block (16 output features each),
+/// The shape of a fast GEMM kernel build (the `GEMM_FAST` / `GEMM_FAST_ROUTED` macros' arguments
+/// in `cuda/gemm/gemm_fast.cuh`): token rows per block, warps per block (16 output features each),
 /// pipeline stages and K codes per stage (a multiple of 128). It changes which thread computes an
 /// output, never how: every shape gives the same bits for the same K parts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,13 +140,17 @@ const DENSE_TILES: [(FastTile, TileShape); 4] = [
     (FastTile::Rows128, tile(128, 8, 3, 128)),
 ];
 
-/// The routed experts' tiles (same rows per tile as [`DENSE_TILES`]). A routed tile's block
-/// reads its expert's activation rows once for all of its features, so the 32- and 64-row tiles
-/// take 8 warps (128 features): at prefill (~16 rows per expert) their 2-warp blocks re-read the
-/// rows for every 32 features, and two of them filled an SM's shared memory with 4 warps. Now two
-/// 32-row blocks (82 KB each) or three 64-row ones (60 KB: 128 codes per stage) fit an SM.
-const ROUTED_TILES: [(FastTile, TileShape); 4] = [
+/// The routed experts' tiles, `Auto`'s choice by the mean rows per expert (the dense tiles' rows
+/// and 16, the prefill's ~16 rows per expert, which a 32-row tile would half waste). A routed
+/// tile's block reads its expert's activation rows once for all of its features, so the 16-, 32-
+/// and 64-row tiles take 8 warps (128 features): at prefill (~16 rows per expert) the old 2-warp
+/// blocks re-read the rows for every 32 features. These shapes were picked without a routed
+/// measurement: `device_bench --sections fast --sweep` times the routed kernel built for every
+/// tile at the V4.1 experts' shapes and rows; changing one is its line here and its
+/// `GEMM_FAST_ROUTED` line in `gemm_fast.cu` (`tiles_and_kernels_match_the_instantiations`).
+const ROUTED_TILES: [(FastTile, TileShape); 5] = [
     (FastTile::Rows8, tile(8, 4, 3, 256)),
+    (FastTile::Rows16, tile(16, 8, 3, 256)),
     (FastTile::Rows32, tile(32, 8, 3, 256)),
     (FastTile::Rows64, tile(64, 8, 3, 128)),
     (FastTile::Rows128, tile(128, 8, 3, 128)),
@@ -158,14 +166,27 @@ const fn tile(tokens: u32, warps: u32, stages: u32, step: u32) -> TileShape {
 }
 
 impl FastTile {
-    /// The tile [`FastTile::Auto`] takes for `rows` token rows (per expert, for routed launches).
-    pub(crate) fn resolve(self, rows: usize) -> FastTile {
-        match self {
-            FastTile::Auto => DENSE_TILES
+    /// The tile `kernels` run for this choice at `rows` token rows (per expert, for routed
+    /// launches): [`FastTile::Auto`] takes the smallest of their tiles that holds the rows (their
+    /// largest above); a staged tile they do not build (`Rows16` of the dense GEMMs) becomes the
+    /// smallest that holds its rows (the same bits); the others stay.
+    pub(crate) fn resolve(self, kernels: FastKernels, rows: usize) -> FastTile {
+        let tiles = kernels.tiles();
+        let holding = |rows: usize| {
+            tiles
                 .iter()
                 .find(|(_, shape)| rows <= shape.tokens as usize)
-                .map_or(FastTile::Rows128, |t| t.0),
-            tile => tile,
+                .map_or(tiles[tiles.len() - 1].0, |t| t.0)
+        };
+        match self {
+            FastTile::Auto => holding(rows),
+            FastTile::Direct8 => FastTile::Direct8,
+            tile if tiles.iter().any(|t| t.0 == tile) => tile,
+            FastTile::Rows8 => holding(8),
+            FastTile::Rows16 => holding(16),
+            FastTile::Rows32 => holding(32),
+            FastTile::Rows64 => holding(64),
+            FastTile::Rows128 => holding(128),
         }
     }
 
@@ -186,7 +207,7 @@ impl FastTile {
 /// The kernel families of `gemm_fast.cu`: the weight layout (`Fp8Chunks<G>` or `Fp4Chunks`) and
 /// dense or routed rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FastKernels {
+pub enum FastKernels {
     /// FP8 weights, square scale tiles of the activation group's side.
     Fp8(ActGroup),
     /// FP4 E2M1 weights with 1×32 UE8M0 scales.
@@ -227,20 +248,62 @@ impl FastKernels {
     }
 
     /// The tiles of these kernels: the routed ones' or the dense ones'.
-    fn tiles(self) -> &'static [(FastTile, TileShape); 4] {
+    fn tiles(self) -> &'static [(FastTile, TileShape)] {
         match self {
             FastKernels::Fp4Routed => &ROUTED_TILES,
             FastKernels::Fp8(_) | FastKernels::Fp4 => &DENSE_TILES,
         }
     }
 
-    /// The shape of staged `tile` (`Auto` and the direct tile, which has none: the 128-row one).
+    /// The shape of staged `tile` (`Auto` and the direct tile, which have none: the largest one).
     pub(crate) fn shape(self, tile: FastTile) -> TileShape {
         let tiles = self.tiles();
         tiles
             .iter()
             .find(|t| t.0 == tile)
-            .map_or(tiles[3].1, |t| t.1)
+            .map_or(tiles[tiles.len() - 1].1, |t| t.1)
+    }
+
+    /// The tile [`FastTile::Auto`] takes at `rows` token rows (per expert, for the routed
+    /// kernels) and its shape: the production's choice, which the benchmark's sweep labels.
+    pub fn auto_tile(self, rows: usize) -> (FastTile, TileShape) {
+        let tile = FastTile::Auto.resolve(self, rows);
+        (tile, self.shape(tile))
+    }
+
+    /// The macro line that builds these kernels with `shape` as `name` (`gemm_fast.cu`'s lines;
+    /// the benchmark's sweep compiles others).
+    pub fn instantiation(self, name: &str, shape: TileShape) -> String {
+        let TileShape {
+            tokens,
+            warps,
+            stages,
+            step,
+        } = shape;
+        format!(
+            "{}({name}, {}{warps}, {tokens}, {stages}, {step})",
+            self.macro_name(false),
+            self.weight_args()
+        )
+    }
+
+    /// `GEMM_FAST`, `GEMM_FAST_ROUTED` or their direct tiles' macros.
+    fn macro_name(self, direct: bool) -> &'static str {
+        match (self, direct) {
+            (FastKernels::Fp4Routed, false) => "GEMM_FAST_ROUTED",
+            (FastKernels::Fp4Routed, true) => "GEMM_FAST_ROUTED_DIRECT",
+            (_, false) => "GEMM_FAST",
+            (_, true) => "GEMM_FAST_DIRECT",
+        }
+    }
+
+    /// The macros' weight arguments: the chunk type, then the group (dense kernels).
+    fn weight_args(self) -> String {
+        match self {
+            FastKernels::Fp8(g) => format!("fastgemm::Fp8Chunks<{0}>, {0}, ", g.elements()),
+            FastKernels::Fp4 => "fastgemm::Fp4Chunks, 32, ".to_string(),
+            FastKernels::Fp4Routed => "fastgemm::Fp4Chunks, ".to_string(),
+        }
     }
 
     /// Token rows and warps per block of `tile`.
@@ -251,8 +314,9 @@ impl FastKernels {
         }
     }
 
+    /// The kernel of `tile` as [`FastTile::resolve`] gives it for these kernels.
     pub(crate) fn kernel(self, tile: FastTile) -> KernelId {
-        use FastTile::{Direct8, Rows8, Rows32, Rows64};
+        use FastTile::{Direct8, Rows8, Rows16, Rows32, Rows64};
         match (self, tile) {
             (FastKernels::Fp8(ActGroup::G32), Direct8) => KernelId::GemmFp8FastT32D8,
             (FastKernels::Fp8(ActGroup::G128), Direct8) => KernelId::GemmFp8FastT128D8,
@@ -271,6 +335,7 @@ impl FastKernels {
             (FastKernels::Fp4, Rows64) => KernelId::GemmFp4FastB64,
             (FastKernels::Fp4, _) => KernelId::GemmFp4FastB128,
             (FastKernels::Fp4Routed, Rows8) => KernelId::GemmFp4FastRoutedB8,
+            (FastKernels::Fp4Routed, Rows16) => KernelId::GemmFp4FastRoutedB16,
             (FastKernels::Fp4Routed, Rows32) => KernelId::GemmFp4FastRoutedB32,
             (FastKernels::Fp4Routed, Rows64) => KernelId::GemmFp4FastRoutedB64,
             (FastKernels::Fp4Routed, _) => KernelId::GemmFp4FastRoutedB128,
@@ -288,7 +353,7 @@ impl FastKernels {
 
     /// Dynamic shared memory of a staged launch with `shape` (`Stage::BYTES · STAGES` in the
     /// kernel).
-    pub(crate) fn shared_bytes(self, shape: TileShape) -> u32 {
+    pub fn shared_bytes(self, shape: TileShape) -> u32 {
         let TileShape {
             tokens,
             warps,
@@ -511,87 +576,56 @@ pub fn gemm_fp8_fast_tiled<T: FastOutput>(
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast";
-    ensure(a.group.elements() == w.tile, OP, || {
+    check_fp8_groups(OP, a, w)?;
+    let (n, k) = (w.out, w.inp);
+    let span = k_parts(n, k).0;
+    let kernel = FastKernel::production(rt, FastKernels::Fp8(a.group), tile, a.rows, span)?;
+    launch_dense(rt, OP, &kernel, a, (n, k), (&w.chunks, &w.band_scales), y)
+}
+
+/// The activation groups of an FP8 fast GEMM must be the weight's tile side.
+fn check_fp8_groups(
+    op: &'static str,
+    a: &DeviceActFp8,
+    w: &FastFp8Weight,
+) -> Result<(), KernelError> {
+    ensure(a.group.elements() == w.tile, op, || {
         format!(
             "{}-element activation groups with {}x{} weight tiles (they must match)",
             a.group.elements(),
             w.tile,
             w.tile
         )
-    })?;
-    let kernel =
-        DenseKernel::production(rt, FastKernels::Fp8(a.group), tile, a.rows, (w.out, w.inp))?;
-    launch_dense(
-        rt,
-        OP,
-        &kernel,
-        a,
-        (w.out, w.inp),
-        (&w.chunks, &w.band_scales),
-        y,
-    )
+    })
 }
 
-/// A build of the dense FP8 fast GEMM with another tile, for the benchmark's tile sweep:
-/// `function` is `GEMM_FAST(name, fastgemm::Fp8Chunks<G>, G, warps, tokens, stages, step)`
-/// (`cuda/gemm/gemm_fast.cuh`) compiled for `group` (G) and `shape`, loaded by the caller with
-/// [`fp8_shared_bytes`] of dynamic shared memory allowed; `span` the K codes of each part (a
-/// multiple of `shape.step`). With the production's span ([`k_parts`]) it gives the production's
-/// bits; with another span, another (equally valid) sum order.
-pub struct FastFp8Variant {
+/// A build of a fast GEMM family with another tile, for the benchmark's tile sweep: `function`
+/// is `kernels.instantiation(name, shape)` ([`FastKernels::instantiation`]) compiled and loaded
+/// by the caller with `kernels.shared_bytes(shape)` of dynamic shared memory allowed; `span` the
+/// K codes of each part (a multiple of `shape.step`). With the production's span ([`k_parts`];
+/// routed: K, one part) it gives the production's bits; with another span, another (equally
+/// valid) sum order. Launched by [`gemm_fp8_fast_variant`] and
+/// [`super::routed_fast::gemm_fp4_routed_fast_variant`].
+pub struct FastVariant {
     pub name: String,
     pub function: CudaFunction,
-    pub group: ActGroup,
+    pub kernels: FastKernels,
     pub shape: TileShape,
     pub span: usize,
 }
 
-/// The dynamic shared memory of a dense FP8 fast GEMM build with activation groups `group` and
-/// tile `shape`.
-pub fn fp8_shared_bytes(group: ActGroup, shape: TileShape) -> u32 {
-    FastKernels::Fp8(group).shared_bytes(shape)
-}
-
-/// [`gemm_fp8_fast`] through a [`FastFp8Variant`] (checked as the production launch is, and
-/// the variant's group and span against the activations and its stage).
+/// [`gemm_fp8_fast`] through a [`FastVariant`] of `FastKernels::Fp8` (checked as the production
+/// launch is, and the variant's family and span against the activations and its stage).
 pub fn gemm_fp8_fast_variant<T: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp8Weight,
     y: &mut CudaSlice<T>,
-    variant: &FastFp8Variant,
+    variant: &FastVariant,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast_variant";
-    let step = variant.shape.step as usize;
-    ensure(
-        variant.group == a.group
-            && a.group.elements() == w.tile
-            && step != 0
-            && step.is_multiple_of(STEP_K)
-            && variant.span != 0
-            && variant.span.is_multiple_of(step),
-        OP,
-        || {
-            format!(
-                "{}: {}-element groups for {}-element activations and {}x{} tiles, span {} \
-                 with {step} codes per stage (the groups must match, the span a multiple of \
-                 the stage, the stage of 128)",
-                variant.name,
-                variant.group.elements(),
-                a.group.elements(),
-                w.tile,
-                w.tile,
-                variant.span
-            )
-        },
-    )?;
-    let kernel = DenseKernel {
-        name: &variant.name,
-        function: &variant.function,
-        block: (variant.shape.tokens, variant.shape.warps),
-        shared_bytes: fp8_shared_bytes(variant.group, variant.shape),
-        span: variant.span,
-    };
+    check_fp8_groups(OP, a, w)?;
+    let kernel = FastKernel::variant(OP, variant, FastKernels::Fp8(a.group))?;
     launch_dense(
         rt,
         OP,
@@ -602,6 +636,7 @@ pub fn gemm_fp8_fast_variant<T: FastOutput>(
         y,
     )
 }
+
 /// `y = a · wᵀ` on tensor cores for an FP4 weight, `y [a.rows, w.out]` bf16 or f32
 /// ([`FastOutput`]); `a` in 32-element groups.
 pub fn gemm_fp4_fast<T: FastOutput>(
@@ -623,48 +658,77 @@ pub fn gemm_fp4_fast_tiled<T: FastOutput>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_fast";
     a.group.require_g32(OP, "FP4 weights")?;
-    let kernel = DenseKernel::production(rt, FastKernels::Fp4, tile, a.rows, (w.out, w.inp))?;
-    launch_dense(
-        rt,
-        OP,
-        &kernel,
-        a,
-        (w.out, w.inp),
-        (&w.chunks, &w.band_scales),
-        y,
-    )
+    let (n, k) = (w.out, w.inp);
+    let span = k_parts(n, k).0;
+    let kernel = FastKernel::production(rt, FastKernels::Fp4, tile, a.rows, span)?;
+    launch_dense(rt, OP, &kernel, a, (n, k), (&w.chunks, &w.band_scales), y)
 }
 
-/// The dense kernel a launch runs: its function and name, tile shape, dynamic shared memory and
-/// K codes per part.
-struct DenseKernel<'a> {
-    name: &'a str,
-    function: &'a CudaFunction,
+/// The kernel a fast launch runs: its function and name, token rows and warps per block, dynamic
+/// shared memory and K codes per part.
+pub(crate) struct FastKernel<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) function: &'a CudaFunction,
     /// Token rows and warps per block.
-    block: (u32, u32),
-    shared_bytes: u32,
-    span: usize,
+    pub(crate) block: (u32, u32),
+    pub(crate) shared_bytes: u32,
+    pub(crate) span: usize,
 }
 
-impl<'a> DenseKernel<'a> {
-    /// The production kernel of `kernels` for `rows` token rows with `tile`, on a weight `(n,
-    /// k)`: K cut by [`k_parts`].
-    fn production(
+impl<'a> FastKernel<'a> {
+    /// The production kernel of `kernels` with `tile` at `rows` token rows (per expert, for the
+    /// routed kernels; [`FastTile::resolve`]) over K parts of `span` codes.
+    pub(crate) fn production(
         rt: &'a KernelRuntime,
         kernels: FastKernels,
         tile: FastTile,
         rows: usize,
-        (n, k): (usize, usize),
-    ) -> Result<DenseKernel<'a>, KernelError> {
-        let span = k_parts(n, k).0;
-        let tile = tile.resolve(rows).fitting(kernels, span);
+        span: usize,
+    ) -> Result<FastKernel<'a>, KernelError> {
+        let tile = tile.resolve(kernels, rows).fitting(kernels, span);
         let id = kernels.kernel(tile);
-        Ok(DenseKernel {
+        Ok(FastKernel {
             name: id.symbol(),
             function: rt.function(id)?,
             block: kernels.block(tile),
             shared_bytes: kernels.launch_shared_bytes(tile, span),
             span,
+        })
+    }
+
+    /// The build `variant`, which must be one of `kernels` with stages of a multiple of 128 codes
+    /// and K parts of a multiple of its stage.
+    pub(crate) fn variant(
+        op: &'static str,
+        variant: &'a FastVariant,
+        kernels: FastKernels,
+    ) -> Result<FastKernel<'a>, KernelError> {
+        let shape = variant.shape;
+        let step = shape.step as usize;
+        ensure(
+            variant.kernels == kernels
+                && step != 0
+                && step.is_multiple_of(STEP_K)
+                && variant.span != 0
+                && variant.span.is_multiple_of(step)
+                && shape.tokens != 0
+                && shape.tokens.is_multiple_of(8),
+            op,
+            || {
+                format!(
+                    "{}: a build of {:?} for {kernels:?}, {} token rows, span {} with {step} \
+                     codes per stage (the families must match, the rows be a multiple of 8, the \
+                     span a multiple of the stage, the stage a multiple of 128 codes)",
+                    variant.name, variant.kernels, shape.tokens, variant.span
+                )
+            },
+        )?;
+        Ok(FastKernel {
+            name: &variant.name,
+            function: &variant.function,
+            block: (shape.tokens, shape.warps),
+            shared_bytes: kernels.shared_bytes(shape),
+            span: variant.span,
         })
     }
 }
@@ -674,7 +738,7 @@ impl<'a> DenseKernel<'a> {
 fn launch_dense<S: DeviceRepr, T: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
-    kernel: &DenseKernel,
+    kernel: &FastKernel,
     a: &DeviceActFp8,
     (n, k): (usize, usize),
     (chunks, band_scales): (&CudaSlice<u8>, &CudaSlice<S>),
@@ -739,7 +803,7 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
 
 /// `y[i] = out(((P_0[i] + P_1[i]) + …))` over the `parts` part sums `partials` `[parts][count]`
 /// (`out`: [`FastOutput`]).
-fn reduce_parts<T: FastOutput>(
+pub(crate) fn reduce_parts<T: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
     partials: &CudaSlice<f32>,
@@ -772,12 +836,26 @@ mod tests {
 
     #[test]
     fn auto_takes_the_smallest_tile_that_holds_the_rows() {
-        assert_eq!(FastTile::Auto.resolve(1), FastTile::Rows8);
-        assert_eq!(FastTile::Auto.resolve(8), FastTile::Rows8);
-        assert_eq!(FastTile::Auto.resolve(9), FastTile::Rows32);
-        assert_eq!(FastTile::Auto.resolve(64), FastTile::Rows64);
-        assert_eq!(FastTile::Auto.resolve(65), FastTile::Rows128);
-        assert_eq!(FastTile::Rows32.resolve(1), FastTile::Rows32);
+        let (dense, routed) = (FastKernels::Fp4, FastKernels::Fp4Routed);
+        for kernels in [dense, routed] {
+            assert_eq!(FastTile::Auto.resolve(kernels, 1), FastTile::Rows8);
+            assert_eq!(FastTile::Auto.resolve(kernels, 8), FastTile::Rows8);
+            assert_eq!(FastTile::Auto.resolve(kernels, 17), FastTile::Rows32);
+            assert_eq!(FastTile::Auto.resolve(kernels, 64), FastTile::Rows64);
+            assert_eq!(FastTile::Auto.resolve(kernels, 65), FastTile::Rows128);
+            assert_eq!(FastTile::Rows32.resolve(kernels, 1), FastTile::Rows32);
+        }
+        // The routed 16-row tile (a 1024-token prefill: 6144 rows over 384 experts).
+        assert_eq!(FastTile::Auto.resolve(dense, 9), FastTile::Rows32);
+        assert_eq!(FastTile::Auto.resolve(routed, 9), FastTile::Rows16);
+        assert_eq!(FastTile::Auto.resolve(routed, 16), FastTile::Rows16);
+        assert_eq!(
+            routed.auto_tile(6144_usize.div_ceil(384)).0,
+            FastTile::Rows16
+        );
+        // The dense GEMMs build no 16-row tile: the 32-row one holds its rows.
+        assert_eq!(FastTile::Rows16.resolve(dense, 1), FastTile::Rows32);
+        assert_eq!(FastTile::Rows16.resolve(routed, 100), FastTile::Rows16);
     }
 
     #[test]
@@ -786,12 +864,8 @@ mod tests {
         // 4 * 2 * 2048 + 8 * 288 + 4 * 8 * 8 + 4 * 4 * 8, three stages.
         let fp8 = FastKernels::Fp8(ActGroup::G32);
         assert_eq!(fp8.shared_bytes(fp8.shape(FastTile::Rows8)), 19_072 * 3);
-        // Two blocks of the 64-row dense tile and three of the routed one fit an SM (228 KiB,
-        // 1 KiB reserved per block; the routed kernels' 512 static bytes on top).
+        // Two blocks of the 64-row dense tile fit an SM (228 KiB, 1 KiB reserved per block).
         assert!(2 * (fp8.shared_bytes(fp8.shape(FastTile::Rows64)) + 1024) <= 228 * 1024);
-        let routed = FastKernels::Fp4Routed;
-        assert!(3 * (routed.shared_bytes(routed.shape(FastTile::Rows64)) + 1536) <= 228 * 1024);
-        assert!(2 * (routed.shared_bytes(routed.shape(FastTile::Rows32)) + 1536) <= 228 * 1024);
         // FP4: 1 KiB chunks and 16 scale bytes per band and group:
         // 4 * 2 * 1024 + 8 * 288 + 4 * 8 * 8 + 16 * 4 * 8, three stages.
         assert_eq!(
@@ -820,7 +894,7 @@ mod tests {
         }
         ids.sort_by_key(|id| id.symbol());
         ids.dedup();
-        assert_eq!(ids.len(), 20, "every (kernels, tile) has its own kernel");
+        assert_eq!(ids.len(), 21, "every (kernels, tile) has its own kernel");
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
     }
 
@@ -837,7 +911,7 @@ mod tests {
         assert_eq!(FastTile::Direct8.fitting(fp8, 5120), FastTile::Direct8);
         assert_eq!(FastTile::Direct8.fitting(fp8, 16_384), FastTile::Rows8);
         assert_eq!(FastTile::Rows32.fitting(fp8, 16_384), FastTile::Rows32);
-        assert_eq!(FastTile::Direct8.resolve(40), FastTile::Direct8);
+        assert_eq!(FastTile::Direct8.resolve(fp8, 40), FastTile::Direct8);
         assert_eq!(fp8.block(FastTile::Direct8), (8, DIRECT_WARPS));
         assert_eq!(fp8.block(FastTile::Rows64), (64, 4));
         assert_eq!(FastKernels::Fp4Routed.block(FastTile::Rows64), (64, 8));
@@ -853,41 +927,24 @@ mod tests {
     #[test]
     fn tiles_and_kernels_match_the_instantiations() {
         let source = include_str!("../../cuda/gemm/gemm_fast.cu");
-        // The direct tiles: warps, then groups loaded ahead (16).
         for kernels in FastKernels::ALL {
-            let weights = match kernels {
-                FastKernels::Fp8(g) => format!("fastgemm::Fp8Chunks<{0}>, {0}, ", g.elements()),
-                FastKernels::Fp4 => "fastgemm::Fp4Chunks, 32, ".to_string(),
-                FastKernels::Fp4Routed => "fastgemm::Fp4Chunks, ".to_string(),
-            };
+            // The direct tiles: warps, then groups loaded ahead (16).
             let line = format!(
-                "({}, {weights}{DIRECT_WARPS}, 16)",
-                kernels.kernel(FastTile::Direct8).symbol()
+                "{}({}, {}{DIRECT_WARPS}, 16)",
+                kernels.macro_name(true),
+                kernels.kernel(FastTile::Direct8).symbol(),
+                kernels.weight_args()
             );
             assert!(source.contains(&line), "{line} not in gemm_fast.cu");
-        }
-        for kernels in FastKernels::ALL {
             for &(tile, shape) in kernels.tiles() {
-                let TileShape {
-                    tokens,
-                    warps,
-                    stages,
-                    step,
-                } = shape;
-                let weights = match kernels {
-                    FastKernels::Fp8(g) => {
-                        format!("fastgemm::Fp8Chunks<{0}>, {0}, ", g.elements())
-                    }
-                    FastKernels::Fp4 => "fastgemm::Fp4Chunks, 32, ".to_string(),
-                    FastKernels::Fp4Routed => "fastgemm::Fp4Chunks, ".to_string(),
-                };
-                let line = format!(
-                    "({}, {weights}{warps}, {tokens}, {stages}, {step})",
-                    kernels.kernel(tile).symbol()
-                );
+                let line = kernels.instantiation(kernels.kernel(tile).symbol(), shape);
                 assert!(source.contains(&line), "{line} not in gemm_fast.cu");
             }
         }
+        assert_eq!(
+            FastKernels::Fp4Routed.instantiation("x", tile(16, 8, 3, 256)),
+            "GEMM_FAST_ROUTED(x, fastgemm::Fp4Chunks, 8, 16, 3, 256)"
+        );
     }
 
     #[test]

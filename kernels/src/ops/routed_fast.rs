@@ -8,10 +8,12 @@
 //! A routed row's output depends only on its activation row and its expert's weights: the tile
 //! ([`FastTile`], picked by the mean rows per expert) and the rows sharing it change which
 //! thread computes it, never how (the GPU tests check a row alone against inside 2 … 64 tokens).
+//! Production launches sum K in one part; the benchmark's tile sweep also launches builds of
+//! other tiles and K splits ([`gemm_fp4_routed_fast_variant`]).
 
 use cudarc::driver::CudaSlice;
 
-use super::gemm_fast::{FastKernels, FastOutput, FastTile};
+use super::gemm_fast::{FastKernel, FastKernels, FastOutput, FastTile, FastVariant, reduce_parts};
 use super::quant::DeviceActFp8;
 use super::routed::{DeviceExpertTable, ExpertFormat, RoutedRows, check_routed, group_rows};
 use super::{dim, ensure, launch_config};
@@ -21,8 +23,8 @@ use crate::runtime::KernelRuntime;
 
 /// The [`RoutedRows`] `rows` of a [`DeviceExpertTable::fp4_fast`] table into `out` (as
 /// [`super::routed::gemm_routed`], which runs this with [`FastTile::Auto`]) with an explicit tile
-/// (the result does not depend on it); `Auto` takes the smallest tile that holds the mean rows
-/// per expert. `out` bf16 (V4.1) or f32 (V4): see [`FastOutput`].
+/// (the result does not depend on it); `Auto` takes the smallest routed tile that holds the mean
+/// rows per expert. One K part. `out` bf16 (V4.1) or f32 (V4): see [`FastOutput`].
 pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
@@ -32,54 +34,105 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_routed_fast";
     let (m, n, k) = check_routed(OP, ExpertFormat::Fp4Fast, rows, table, out)?;
-    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
     if m == 0 {
         return Ok(());
     }
-    let tile = tile
-        .resolve(m.div_ceil(table.n_experts()))
-        .fitting(FastKernels::Fp4Routed, k);
-    let (tokens, warps) = FastKernels::Fp4Routed.block(tile);
+    let per_expert = m.div_ceil(table.n_experts());
+    let kernel = FastKernel::production(rt, FastKernels::Fp4Routed, tile, per_expert, k)?;
+    launch_routed(rt, OP, &kernel, rows, table, out, (m, n, k))
+}
+
+/// [`gemm_fp4_routed_fast_tiled`] through a [`FastVariant`] of `FastKernels::Fp4Routed` (the
+/// benchmark's sweep): its tile, and K in parts of its span added by `gemm_fast_reduce` in part
+/// order (one part when the span holds K: the production's bits).
+pub fn gemm_fp4_routed_fast_variant<T: FastOutput>(
+    rt: &KernelRuntime,
+    rows: RoutedRows<'_, DeviceActFp8>,
+    table: &DeviceExpertTable,
+    out: &mut CudaSlice<T>,
+    variant: &FastVariant,
+) -> Result<(), KernelError> {
+    const OP: &str = "gemm_fp4_routed_fast_variant";
+    let (m, n, k) = check_routed(OP, ExpertFormat::Fp4Fast, rows, table, out)?;
+    if m == 0 {
+        return Ok(());
+    }
+    let kernel = FastKernel::variant(OP, variant, FastKernels::Fp4Routed)?;
+    launch_routed(rt, OP, &kernel, rows, table, out, (m, n, k))
+}
+
+/// Launches the routed `kernel` on the checked `rows` (`m` output rows of the `[n, k]`
+/// projection), K in parts of `kernel.span` codes.
+fn launch_routed<T: FastOutput>(
+    rt: &KernelRuntime,
+    op: &'static str,
+    kernel: &FastKernel,
+    rows: RoutedRows<'_, DeviceActFp8>,
+    table: &DeviceExpertTable,
+    out: &mut CudaSlice<T>,
+    (m, n, k): (usize, usize, usize),
+) -> Result<(), KernelError> {
+    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
+    let (tokens, warps) = kernel.block;
+    let parts = k.div_ceil(kernel.span).max(1);
     let params = FastRoutedParams {
-        m: dim(OP, "m", m)?,
-        n: dim(OP, "n", n)?,
-        k: dim(OP, "k", k)?,
-        x_row_div: dim(OP, "x_row_div", x_row_div)?,
-        n_experts: dim(OP, "experts", table.n_experts())?,
+        m: dim(op, "m", m)?,
+        n: dim(op, "n", n)?,
+        k: dim(op, "k", k)?,
+        span: dim(op, "span", kernel.span)?,
+        parts: dim(op, "parts", parts)?,
+        x_row_div: dim(op, "x_row_div", x_row_div)?,
+        n_experts: dim(op, "experts", table.n_experts())?,
         which: which.slot(),
         out_f32: T::OUT_F32,
     };
     let groups = group_rows(
         rt,
-        OP,
+        op,
         &experts.slice(..),
         table.n_experts(),
         tokens as usize,
     )?;
-    let tiles = dim(OP, "tiles", groups.max_tiles)?;
-    ensure(tiles <= 65_535, OP, || {
-        format!("m = {m} needs up to {tiles} expert tiles (> 65535)")
+    let tiles = dim(op, "tiles", groups.max_tiles)?;
+    ensure(tiles <= 65_535 && params.parts <= 65_535, op, || {
+        format!("m = {m} needs up to {tiles} expert tiles, K {parts} parts (> 65535)")
     })?;
-    let kernel = FastKernels::Fp4Routed.kernel(tile);
     let cfg = launch_config(
-        (params.n.div_ceil(16 * warps), tiles, 1),
+        (params.n.div_ceil(16 * warps), tiles, params.parts),
         warps * 32,
-        FastKernels::Fp4Routed.launch_shared_bytes(tile, k),
+        kernel.shared_bytes,
     );
-    let mut launch = rt.launcher(kernel)?;
+    // The parts' sums [parts][m][n] (one value, unread, with one part).
+    let count = m * n;
+    // SAFETY: with parts > 1 every block writes its part's sums (zeros for unknown ids) of its
+    // tile's rows and its columns; the tiles hold every row (order is a permutation of 0..m) and
+    // the column blocks every column, so the launch writes all parts * m * n values before the
+    // reduction reads them, in stream order; with one part the kernel never touches the buffer.
+    let mut partials =
+        unsafe { rt.alloc_written::<f32>(if parts > 1 { parts * count } else { 1 }) }.map_err(
+            KernelError::driver("allocating the routed GEMM's part sums"),
+        )?;
+    let mut launch = rt.launcher_of(kernel.function, kernel.name);
     launch.arg(&x.codes).arg(&x.scales);
     groups
         .push_args(&mut launch, table.addresses())
-        .arg(out)
+        .arg(&mut *out)
+        .arg(&mut partials)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-    // const u32* tile_count, const u64* table, void* y, FastRoutedParams), y written as T
-    // (out_f32 = T::OUT_F32, FastOutput sealed to bf16 and f32). group_rows wrote
+    // const u32* tile_count, const u64* table, void* y, float* partials, FastRoutedParams), y
+    // written as T (out_f32 = T::OUT_F32, FastOutput sealed to bf16 and f32). group_rows wrote
     // tiles of at most `tokens` rows (the kernel's BT), blocks past *tile_count return; a tile's
     // rows are output rows < m (order is a permutation of 0..m), each reading x row
     // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the table
     // holds 3 * n_experts address pairs of live FastFp4Weights of this shape (the constructor's
     // contract: chunks and band scales built for n, k), the bucket of unknown ids is never looked
-    // up; every load is bounds-checked against n, k and the tile's count; out holds m * n values.
-    unsafe { launch.launch(cfg) }
+    // up; block z reads K codes [z span, min(k, (z + 1) span)) with z < parts = ceil(k / span),
+    // span a multiple of the kernel's stage (FastKernel); every load is bounds-checked against
+    // n, k and the tile's count; out holds m * n values, partials parts * m * n when parts > 1.
+    unsafe { launch.launch(cfg) }?;
+    if parts > 1 {
+        reduce_parts(rt, op, &partials, out, count, parts)?;
+    }
+    Ok(())
 }

@@ -13,7 +13,9 @@
 //! `CudaBackend::moe_rows` after routing — routed w1 and w3, SwiGLU with the route weights,
 //! activation quantisation, routed w2 — in both numerics at 1, 8, 64 tokens (decode) and 1024
 //! (prefill): the fast tensor-core kernels (`ops::routed_fast`) beside the exact CUDA-core ones
-//! (`ops::routed`), on the same routes in the same run.
+//! (`ops::routed`), on the same routes in the same run. With `--sweep`, `fast_sweep`'s
+//! tile sweeps run before the chain: the dense FP8 one, then the routed one on this layer's
+//! fast table.
 //!
 //! Then the bf16 linear of one grouped `wo_a` (1024 × 4096, the op `linear_bf16` of the block
 //! profile) at 1, 8, 64 and 1024 rows: the fast tensor-core linear (`ops::linear_fast`) beside
@@ -245,65 +247,81 @@ fn time_fast_fp8<T: FastOutput + ValidAsZeroBits>(
 
 /// The real-width layer's routed experts in one numerics: its table (whose format picks the
 /// routed kernels) and the weights it points into (the table is dropped first).
-struct Experts<W> {
+pub(crate) struct Experts<W> {
     label: &'static str,
-    table: DeviceExpertTable,
+    pub(crate) table: DeviceExpertTable,
     _weights: Vec<[W; 3]>,
 }
 
-/// The layer's experts for both numerics: random FP4 bytes (one w1, w3, w2 content, every
-/// expert's copy distinct in device memory), as exact-path weights and as fast-path weights.
-fn expert_tables(rt: &KernelRuntime) -> Result<(Experts<DeviceFp4Weight>, Experts<FastFp4Weight>)> {
-    let (n, k) = (ROUTED_INTER, ROUTED_DIM);
-    let bytes = |seed: u64| {
-        (
-            random_bytes(seed, n * k / 2, false),
-            scale_bytes(n * k / 32),
-        )
+/// One of the layer's random FP4 weights (w1, w3 or w2), which every expert copies.
+struct ExpertContent {
+    out: usize,
+    inp: usize,
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+}
+
+/// The layer's w1, w3 and w2 contents.
+fn expert_contents() -> [ExpertContent; 3] {
+    let content = |seed: u64, (out, inp): (usize, usize)| ExpertContent {
+        out,
+        inp,
+        packed: random_bytes(seed, out * inp / 2, false),
+        scales: scale_bytes(out * inp / 32),
     };
-    let contents = [bytes(310), bytes(311), bytes(312)];
-    let shapes = [(n, k), (n, k), (k, n)];
-    let exact: Vec<[DeviceFp4Weight; 3]> = (0..ROUTED_EXPERTS)
+    let (n, k) = (ROUTED_INTER, ROUTED_DIM);
+    [
+        content(310, (n, k)),
+        content(311, (n, k)),
+        content(312, (k, n)),
+    ]
+}
+
+fn refs<W>(weights: &[[W; 3]]) -> Vec<ExpertRefs<'_, W>> {
+    weights
+        .iter()
+        .map(|[w1, w3, w2]| ExpertRefs { w1, w3, w2 })
+        .collect()
+}
+
+/// The layer's experts as exact-path weights, every expert's copy distinct in device memory.
+fn exact_experts(rt: &KernelRuntime) -> Result<Experts<DeviceFp4Weight>> {
+    let contents = expert_contents();
+    let weights: Vec<[DeviceFp4Weight; 3]> = (0..ROUTED_EXPERTS)
         .map(|_| {
             let upload = |p: usize| {
-                let (out, inp) = shapes[p];
-                DeviceFp4Weight::upload(rt, out, inp, &contents[p].0, &contents[p].1)
+                let c = &contents[p];
+                DeviceFp4Weight::upload(rt, c.out, c.inp, &c.packed, &c.scales)
             };
             Ok([upload(0)?, upload(1)?, upload(2)?])
         })
         .collect::<Result<_, KernelError>>()?;
-    let fast_one = [0, 1, 2].map(|p| {
-        let (out, inp) = shapes[p];
-        FastFp4Weight::upload(rt, out, inp, &contents[p].0, &contents[p].1)
-    });
-    let [f1, f3, f2] = fast_one;
+    // SAFETY: the table is stored beside the weights it points into and dropped first.
+    let table = unsafe { DeviceExpertTable::fp4(rt, &refs(&weights)) }?;
+    Ok(Experts {
+        label: "exact",
+        table,
+        _weights: weights,
+    })
+}
+
+/// The layer's experts as fast-path weights: each content re-laid and uploaded once, then copied
+/// on the device (device-to-device), every expert's copy distinct in device memory (384 × 17.7
+/// MB: far more than the L2).
+pub(crate) fn fast_experts(rt: &KernelRuntime) -> Result<Experts<FastFp4Weight>> {
+    let [f1, f3, f2] =
+        expert_contents().map(|c| FastFp4Weight::upload(rt, c.out, c.inp, &c.packed, &c.scales));
     let (f1, f3, f2) = (f1?, f3?, f2?);
-    // Copies on the device (device-to-device), each expert's own memory.
-    let fast: Vec<[FastFp4Weight; 3]> = (0..ROUTED_EXPERTS)
+    let weights: Vec<[FastFp4Weight; 3]> = (0..ROUTED_EXPERTS)
         .map(|_| [f1.clone(), f3.clone(), f2.clone()])
         .collect();
-    fn refs<W>(weights: &[[W; 3]]) -> Vec<ExpertRefs<'_, W>> {
-        weights
-            .iter()
-            .map(|[w1, w3, w2]| ExpertRefs { w1, w3, w2 })
-            .collect()
-    }
-    // SAFETY: each table is stored beside the weights it points into and dropped first.
-    let exact_table = unsafe { DeviceExpertTable::fp4(rt, &refs(&exact)) }?;
-    // SAFETY: as above.
-    let fast_table = unsafe { DeviceExpertTable::fp4_fast(rt, &refs(&fast)) }?;
-    Ok((
-        Experts {
-            label: "exact",
-            table: exact_table,
-            _weights: exact,
-        },
-        Experts {
-            label: "fast",
-            table: fast_table,
-            _weights: fast,
-        },
-    ))
+    // SAFETY: the table is stored beside the weights it points into and dropped first.
+    let table = unsafe { DeviceExpertTable::fp4_fast(rt, &refs(&weights)) }?;
+    Ok(Experts {
+        label: "fast",
+        table,
+        _weights: weights,
+    })
 }
 
 /// Times the routed chain of `tokens` tokens with `experts` over the rotated route sets; bytes =
@@ -439,11 +457,13 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
          %HBM = bytes / time / 4.28 TB/s; roofline = max(bytes / 4.28 TB/s, FLOPs / peak) / time, \
          peak 1216 TFLOP/s FP8 (790 bf16 for cuBLAS)."
     );
+    let fast = fast_experts(rt)?;
     if sweep {
         crate::fast_sweep::run(rt, &mut timer, quick)?;
+        crate::fast_sweep::routed(rt, &mut timer, quick, &fast.table)?;
     }
 
-    let (exact, fast) = expert_tables(rt)?;
+    let exact = exact_experts(rt)?;
     let mut chain = Vec::new();
     let token_counts: &[usize] = if quick { &[1, 1024] } else { &[1, 8, 64, 1024] };
     for &tokens in token_counts {

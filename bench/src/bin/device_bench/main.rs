@@ -18,7 +18,7 @@
 //! `fast` times the tensor-core FP8 GEMM of the `fast` numerics beside cuBLAS bf16 and the exact
 //! kernel. `profile` (in `--sections`) runs the block section with a per-op profile of each phase.
 //! `--quick` runs few iterations (a cheap first try), `--sweep` adds the GEMM work-split sweep to
-//! the per-op section and the fast FP8 GEMM's tile sweep to `fast` (`fast_sweep`), `--context` is the prefilled length of the block's sequences (1024; 128
+//! the per-op section and the fast GEMMs' tile sweeps (dense FP8, routed FP4 experts) to `fast` (`fast_sweep`), `--context` is the prefilled length of the block's sequences (1024; 128
 //! with `--quick`), `--block-dir` where the block's random checkpoint is written (and reused by a
 //! later run on the same machine; default /tmp/deepinfer-bench-v41-block; the V4 block's goes
 //! beside it, `<DIR>-v4`). `state` fills the

@@ -131,6 +131,18 @@ impl Timer {
 pub(crate) fn time_launches(
     rt: &KernelRuntime,
     timer: &mut Timer,
+    launch: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    let iterations = (timer.launches, timer.batches);
+    time_launches_with(rt, timer, iterations, launch)
+}
+
+/// [`time_launches`] over `batches` batches of `launches` launches (a sweep of many builds times
+/// each with fewer).
+pub(crate) fn time_launches_with(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    (launches, batches): (usize, usize),
     mut launch: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
     let ctx = rt.context();
@@ -138,17 +150,17 @@ pub(crate) fn time_launches(
         launch(i)?;
     }
     rt.synchronize()?;
-    let mut per_batch = Vec::with_capacity(timer.batches);
-    for _ in 0..timer.batches {
+    let mut per_batch = Vec::with_capacity(batches);
+    for _ in 0..batches {
         let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         timer.occupy(rt)?;
         start.record(rt.stream())?;
-        for i in 0..timer.launches {
+        for i in 0..launches {
             launch(i)?;
         }
         end.record(rt.stream())?;
-        per_batch.push(f64::from(start.elapsed_ms(&end)?) * 1e3 / timer.launches as f64);
+        per_batch.push(f64::from(start.elapsed_ms(&end)?) * 1e3 / launches as f64);
     }
     per_batch.sort_by(f64::total_cmp);
     Ok(per_batch[per_batch.len() / 2])
