@@ -165,8 +165,6 @@ pub enum KernelId {
     GemmFp4FastB128,
     /// Fast routed-expert FP4 GEMM over tiles of up to 8 rows of one expert (`GroupRoutedRows`).
     GemmFp4FastRoutedB8,
-    /// Fast routed-expert FP4 GEMM over tiles of up to 16 rows of one expert.
-    GemmFp4FastRoutedB16,
     /// Fast routed-expert FP4 GEMM over tiles of up to 32 rows of one expert.
     GemmFp4FastRoutedB32,
     /// Fast routed-expert FP4 GEMM over tiles of up to 64 rows of one expert.
@@ -325,7 +323,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 98] = [
+    pub const ALL: [KernelId; 97] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -348,7 +346,6 @@ impl KernelId {
         KernelId::GemmFp4FastB64,
         KernelId::GemmFp4FastB128,
         KernelId::GemmFp4FastRoutedB8,
-        KernelId::GemmFp4FastRoutedB16,
         KernelId::GemmFp4FastRoutedB32,
         KernelId::GemmFp4FastRoutedB64,
         KernelId::GemmFp4FastRoutedB128,
@@ -451,7 +448,6 @@ impl KernelId {
             KernelId::GemmFp4FastB64 => "gemm_fp4_fast_b64",
             KernelId::GemmFp4FastB128 => "gemm_fp4_fast_b128",
             KernelId::GemmFp4FastRoutedB8 => "gemm_fp4_fast_routed_b8",
-            KernelId::GemmFp4FastRoutedB16 => "gemm_fp4_fast_routed_b16",
             KernelId::GemmFp4FastRoutedB32 => "gemm_fp4_fast_routed_b32",
             KernelId::GemmFp4FastRoutedB64 => "gemm_fp4_fast_routed_b64",
             KernelId::GemmFp4FastRoutedB128 => "gemm_fp4_fast_routed_b128",
@@ -573,7 +569,6 @@ impl KernelId {
             | KernelId::GemmFp4FastB64
             | KernelId::GemmFp4FastB128
             | KernelId::GemmFp4FastRoutedB8
-            | KernelId::GemmFp4FastRoutedB16
             | KernelId::GemmFp4FastRoutedB32
             | KernelId::GemmFp4FastRoutedB64
             | KernelId::GemmFp4FastRoutedB128
@@ -687,7 +682,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 30);
+        assert_eq!(count, 29);
     }
 
     #[test]

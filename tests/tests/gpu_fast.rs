@@ -78,11 +78,9 @@ use gpu_support::gemm_data::{
 };
 use gpu_support::{Rng, differing, prompt};
 
-/// Every tile a launch can be given (`Rows16` is a routed tile; the dense GEMMs run `Rows32`
-/// for it).
-const TILES: [FastTile; 6] = [
+/// Every tile a launch can be given.
+const TILES: [FastTile; 5] = [
     FastTile::Rows8,
-    FastTile::Rows16,
     FastTile::Rows32,
     FastTile::Rows64,
     FastTile::Rows128,

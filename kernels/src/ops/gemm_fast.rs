@@ -89,9 +89,6 @@ pub enum FastTile {
     /// kernels' tiles that holds them, their largest (128 rows) above.
     Auto,
     Rows8,
-    /// A routed tile (the prefill's ~16 rows per expert); the dense GEMMs build none and run
-    /// `Rows32` for it (the same bits).
-    Rows16,
     Rows32,
     Rows64,
     Rows128,
@@ -140,17 +137,19 @@ const DENSE_TILES: [(FastTile, TileShape); 4] = [
     (FastTile::Rows128, tile(128, 8, 3, 128)),
 ];
 
-/// The routed experts' tiles, `Auto`'s choice by the mean rows per expert (the dense tiles' rows
-/// and 16, the prefill's ~16 rows per expert, which a 32-row tile would half waste). A routed
-/// tile's block reads its expert's activation rows once for all of its features, so the 16-, 32-
-/// and 64-row tiles take 8 warps (128 features): at prefill (~16 rows per expert) the old 2-warp
-/// blocks re-read the rows for every 32 features. These shapes were picked without a routed
-/// measurement: `device_bench --sections fast --sweep` times the routed kernel built for every
-/// tile at the V4.1 experts' shapes and rows; changing one is its line here and its
-/// `GEMM_FAST_ROUTED` line in `gemm_fast.cu` (`tiles_and_kernels_match_the_instantiations`).
-const ROUTED_TILES: [(FastTile, TileShape); 5] = [
-    (FastTile::Rows8, tile(8, 4, 3, 256)),
-    (FastTile::Rows16, tile(16, 8, 3, 256)),
+/// The routed experts' tiles, `Auto`'s choice by the mean rows per expert (the dense tiles'
+/// rows). A routed tile's block reads its expert's activation rows once for all of its features,
+/// so the 32- and 64-row tiles take 8 warps (128 features): at prefill (~16 rows per expert)
+/// 2-warp blocks re-read the rows for every 32 features. `device_bench --sections fast --sweep`
+/// times the routed kernel built for every tile at the V4.1 experts' shapes and rows (H200,
+/// bench/README.md session 21): the 8-row tile is its fastest at 6 … 384 rows (2 stages of 512
+/// codes: 148.6 against 158.0 µs at 48 rows, 720 against 760 µs at 384 rows on w1/w3). A
+/// 16-row tile was a little faster in the sweep's uniform routes at 6144 rows but slower in the
+/// block's prefill (4.88 ms on the H200 against the 32-row tile's 4.10 on an H100), so it is
+/// not built. Changing a tile is its line here and its `GEMM_FAST_ROUTED` line in `gemm_fast.cu`
+/// (`tiles_and_kernels_match_the_instantiations`).
+const ROUTED_TILES: [(FastTile, TileShape); 4] = [
+    (FastTile::Rows8, tile(8, 4, 2, 512)),
     (FastTile::Rows32, tile(32, 8, 3, 256)),
     (FastTile::Rows64, tile(64, 8, 3, 128)),
     (FastTile::Rows128, tile(128, 8, 3, 128)),
@@ -168,25 +167,15 @@ const fn tile(tokens: u32, warps: u32, stages: u32, step: u32) -> TileShape {
 impl FastTile {
     /// The tile `kernels` run for this choice at `rows` token rows (per expert, for routed
     /// launches): [`FastTile::Auto`] takes the smallest of their tiles that holds the rows (their
-    /// largest above); a staged tile they do not build (`Rows16` of the dense GEMMs) becomes the
-    /// smallest that holds its rows (the same bits); the others stay.
+    /// largest above); the others stay.
     pub(crate) fn resolve(self, kernels: FastKernels, rows: usize) -> FastTile {
         let tiles = kernels.tiles();
-        let holding = |rows: usize| {
-            tiles
+        match self {
+            FastTile::Auto => tiles
                 .iter()
                 .find(|(_, shape)| rows <= shape.tokens as usize)
-                .map_or(tiles[tiles.len() - 1].0, |t| t.0)
-        };
-        match self {
-            FastTile::Auto => holding(rows),
-            FastTile::Direct8 => FastTile::Direct8,
-            tile if tiles.iter().any(|t| t.0 == tile) => tile,
-            FastTile::Rows8 => holding(8),
-            FastTile::Rows16 => holding(16),
-            FastTile::Rows32 => holding(32),
-            FastTile::Rows64 => holding(64),
-            FastTile::Rows128 => holding(128),
+                .map_or(tiles[tiles.len() - 1].0, |t| t.0),
+            tile => tile,
         }
     }
 
@@ -316,7 +305,7 @@ impl FastKernels {
 
     /// The kernel of `tile` as [`FastTile::resolve`] gives it for these kernels.
     pub(crate) fn kernel(self, tile: FastTile) -> KernelId {
-        use FastTile::{Direct8, Rows8, Rows16, Rows32, Rows64};
+        use FastTile::{Direct8, Rows8, Rows32, Rows64};
         match (self, tile) {
             (FastKernels::Fp8(ActGroup::G32), Direct8) => KernelId::GemmFp8FastT32D8,
             (FastKernels::Fp8(ActGroup::G128), Direct8) => KernelId::GemmFp8FastT128D8,
@@ -335,7 +324,6 @@ impl FastKernels {
             (FastKernels::Fp4, Rows64) => KernelId::GemmFp4FastB64,
             (FastKernels::Fp4, _) => KernelId::GemmFp4FastB128,
             (FastKernels::Fp4Routed, Rows8) => KernelId::GemmFp4FastRoutedB8,
-            (FastKernels::Fp4Routed, Rows16) => KernelId::GemmFp4FastRoutedB16,
             (FastKernels::Fp4Routed, Rows32) => KernelId::GemmFp4FastRoutedB32,
             (FastKernels::Fp4Routed, Rows64) => KernelId::GemmFp4FastRoutedB64,
             (FastKernels::Fp4Routed, _) => KernelId::GemmFp4FastRoutedB128,
@@ -845,17 +833,11 @@ mod tests {
             assert_eq!(FastTile::Auto.resolve(kernels, 65), FastTile::Rows128);
             assert_eq!(FastTile::Rows32.resolve(kernels, 1), FastTile::Rows32);
         }
-        // The routed 16-row tile (a 1024-token prefill: 6144 rows over 384 experts).
-        assert_eq!(FastTile::Auto.resolve(dense, 9), FastTile::Rows32);
-        assert_eq!(FastTile::Auto.resolve(routed, 9), FastTile::Rows16);
-        assert_eq!(FastTile::Auto.resolve(routed, 16), FastTile::Rows16);
+        // A 1024-token prefill: 6144 rows over 384 experts.
         assert_eq!(
             routed.auto_tile(6144_usize.div_ceil(384)).0,
-            FastTile::Rows16
+            FastTile::Rows32
         );
-        // The dense GEMMs build no 16-row tile: the 32-row one holds its rows.
-        assert_eq!(FastTile::Rows16.resolve(dense, 1), FastTile::Rows32);
-        assert_eq!(FastTile::Rows16.resolve(routed, 100), FastTile::Rows16);
     }
 
     #[test]
@@ -894,7 +876,7 @@ mod tests {
         }
         ids.sort_by_key(|id| id.symbol());
         ids.dedup();
-        assert_eq!(ids.len(), 21, "every (kernels, tile) has its own kernel");
+        assert_eq!(ids.len(), 20, "every (kernels, tile) has its own kernel");
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
     }
 
