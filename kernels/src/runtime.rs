@@ -492,7 +492,8 @@ impl<'a> Launch<'a> {
 
     fn push_address(&mut self, address: sys::CUdeviceptr) {
         let boxed = Box::new(address);
-        self.args.push(&*boxed as *const sys::CUdeviceptr as *mut c_void);
+        self.args
+            .push(&*boxed as *const sys::CUdeviceptr as *mut c_void);
         self.addresses.push(boxed);
     }
 
@@ -510,14 +511,17 @@ impl<'a> Launch<'a> {
             move |source| KernelError::Driver { during, source }
         };
         let start = if self.timer.enabled() {
-            let event = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+            let event = self
+                .stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
             Some(event.map_err(failed("recording the start of"))?)
         } else {
             None
         };
         // SAFETY: zero is a valid value of every field of the attribute's union.
         let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attribute.value.programmaticStreamSerializationAllowed = 1;
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
@@ -549,9 +553,13 @@ impl<'a> Launch<'a> {
         .result()
         .map_err(failed("launching"))?;
         if let Some(start) = start {
-            let end = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
-            self.timer
-                .record(self.name, (start, end.map_err(failed("recording the end of"))?));
+            let end = self
+                .stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+            self.timer.record(
+                self.name,
+                (start, end.map_err(failed("recording the end of"))?),
+            );
         }
         Ok(())
     }
