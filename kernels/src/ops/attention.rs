@@ -484,27 +484,11 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
 /// order, the weights rounded to bf16, the outputs too. A query's keys go in splits of
 /// [`FAST_SPLIT_KEYS`], one block each, merged in split order by a second launch; the split count
 /// depends only on the query's key count. Deterministic and batch invariant; not bitwise equal to
-/// the exact kernel. Needs [`fast_attention_supports`].
+/// the exact kernel. Needs [`fast_attention_supports`]. `head_block` `None` lets
+/// [`FastHeadBlock::choose`] pick each launch's head block; tests give one (every block gives
+/// the same bits).
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sink_rows_ptr_fast(
-    rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
-    key_ptrs: &DeviceKeyTable,
-    lists: &DeviceKeyLists,
-    sink: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    head_dim: usize,
-    scale: f32,
-) -> Result<(), KernelError> {
-    sparse_attention_sink_rows_ptr_fast_blocked(
-        rt, q, key_ptrs, lists, sink, out, head_dim, scale, None,
-    )
-}
-
-/// [`sparse_attention_sink_rows_ptr_fast`] with every launch's head block given (tests: every
-/// block gives the same bits); `None` lets [`FastHeadBlock::choose`] pick per launch.
-#[allow(clippy::too_many_arguments)]
-pub fn sparse_attention_sink_rows_ptr_fast_blocked(
     rt: &KernelRuntime,
     q: &CudaSlice<f32>,
     key_ptrs: &DeviceKeyTable,

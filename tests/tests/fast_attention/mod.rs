@@ -20,7 +20,7 @@
 
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, FastHeadBlock, sparse_attention_sink_rows_ptr_fast_blocked,
+    DeviceKeyLists, FastHeadBlock, sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -275,7 +275,7 @@ impl DirectCase {
         let mut out = stream
             .clone_htod(&vec![f32::NAN; self.q.len()])
             .expect("out");
-        sparse_attention_sink_rows_ptr_fast_blocked(
+        sparse_attention_sink_rows_ptr_fast(
             rt,
             &q,
             &table,

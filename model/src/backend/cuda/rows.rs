@@ -351,6 +351,7 @@ impl CudaBackend {
                 &mut dout,
                 head_dim,
                 attention.scale,
+                None,
             )
         } else {
             sparse_attention_sink_rows_f32(
