@@ -478,8 +478,9 @@ pub(crate) struct Launch<'a> {
     dependent: bool,
     /// A pointer to each argument's value, in signature order (what the driver reads).
     args: Vec<*mut c_void>,
-    /// The device addresses of the buffer arguments, boxed so that their pointers in `args`
-    /// stay put while the launch is built.
+    /// The device addresses of the buffer arguments, each boxed so that its pointer in `args`
+    /// stays put while later pushes grow the vector.
+    #[allow(clippy::vec_box)]
     addresses: Vec<Box<sys::CUdeviceptr>>,
 }
 
