@@ -263,16 +263,14 @@ impl FastKernels {
     /// The macro line that builds these kernels with `shape` as `name` (`gemm_fast.cu`'s lines;
     /// the benchmark's sweep compiles others).
     pub fn instantiation(self, name: &str, shape: TileShape) -> String {
-        let TileShape {
-            tokens,
-            warps,
-            stages,
-            step,
-        } = shape;
         format!(
-            "{}({name}, {}{warps}, {tokens}, {stages}, {step})",
+            "{}({name}, {}{}, {}, {}, {})",
             self.macro_name(false),
-            self.weight_args()
+            self.weight_args(),
+            shape.warps,
+            shape.tokens,
+            shape.stages,
+            shape.step
         )
     }
 
