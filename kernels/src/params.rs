@@ -1,7 +1,5 @@
 //! `#[repr(C)]` launch parameters, field for field the structs of `cuda/common/params.h`.
 
-use cudarc::driver::DeviceRepr;
-
 use crate::runtime::KernelValue;
 
 /// `ActQuantParams`: x `[rows, cols]` -> codes `[rows, cols]`, scales `[rows, cols / group]`.
@@ -159,59 +157,31 @@ pub struct DequantParams {
 
 // SAFETY: each struct is #[repr(C)], holds only u32/f32 fields (no padding, no pointers) and matches
 // its C counterpart in params.h field for field, so passing it by value to a kernel is sound.
-unsafe impl DeviceRepr for ActQuantParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for ActQuantParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for GemmParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for GemmParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for FastGemmParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for FastGemmParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for FastReduceParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for FastReduceParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for FastRoutedParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for FastRoutedParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for RmsNormParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for RmsNormParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for RopeParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for RopeParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for QdqParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for QdqParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for LinearParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for LinearParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for AttentionParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for AttentionParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for HcMixesParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for HcMixesParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for HcElementwiseParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for HcElementwiseParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for IndexParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for IndexParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for DequantParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for DequantParams {}
 

@@ -7,7 +7,7 @@
 //! pinned, device-mapped host memory instead (`cuMemHostAlloc` with `DEVICEMAP`) and read by the
 //! same gather kernel through its device pointer, each lookup then crossing PCIe/NVLink-C2C.
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use cudarc::driver::CudaSlice;
 
 use super::{dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
@@ -39,11 +39,7 @@ struct GatherParams {
 }
 
 // SAFETY: plain `#[repr(C)]` structs of integers, laid out as their CUDA mirrors.
-unsafe impl DeviceRepr for HashParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for HashParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for GatherParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for GatherParams {}
 

@@ -2,7 +2,7 @@
 //! sqrt-softplus scores, biased top-k (or a forced list), normalised weights; bit-exact, one block
 //! per token.
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use cudarc::driver::CudaSlice;
 
 use super::{dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
@@ -26,8 +26,6 @@ struct RouteParams {
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of integers and a float, laid out as its CUDA mirror.
-unsafe impl DeviceRepr for RouteParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for RouteParams {}
 
 /// Which experts each token takes.

@@ -3,7 +3,7 @@
 //! bf16 GEMM outputs widened to f32 storage ([`bf16_to_f32`]), selected key rows written into
 //! attention lists, and the one elementwise sum the drafter needs ([`add_f32`]).
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::{dim, ensure, expect_len, grid_stride_config, launch_config};
@@ -28,8 +28,6 @@ struct InlinePieces {
 }
 
 // SAFETY: a plain `#[repr(C)]` array of integers, laid out as its CUDA mirror.
-unsafe impl DeviceRepr for InlinePieces {}
-// SAFETY: as above.
 unsafe impl KernelValue for InlinePieces {}
 
 /// `out[p · width ..][..width] = *pieces[p]`: `pieces` holds the device address of each piece's

@@ -93,19 +93,11 @@ struct CombineParams {
 }
 
 // SAFETY: plain `#[repr(C)]` structs of 32-bit fields, laid out as their CUDA mirrors.
-unsafe impl DeviceRepr for RoutedGemmParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for RoutedGemmParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for GroupParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for GroupParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for SwigluParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for SwigluParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for CombineParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for CombineParams {}
 

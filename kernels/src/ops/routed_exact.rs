@@ -8,7 +8,7 @@
 //! gives for it, whichever rows share its tile. The SwiGLU and the combine are
 //! [`super::routed::swiglu_rows`] / [`super::routed::moe_combine`] over f32 rows.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::sgemm_reduce;
@@ -46,8 +46,6 @@ struct ExactRoutedParams {
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 32-bit fields, laid out as its CUDA mirror.
-unsafe impl DeviceRepr for ExactRoutedParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for ExactRoutedParams {}
 
 /// The stored format of one projection of every expert of a table.

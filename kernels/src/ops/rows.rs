@@ -12,7 +12,7 @@
 //!
 //! Every output depends only on its own row or token (batch invariant).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Rounding, dim, ensure, expect_len, launch_config, whole_rows};
 use crate::error::KernelError;
@@ -74,19 +74,11 @@ struct InjectParams {
 
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out as their CUDA mirrors
 // (checked field by field in the tests below).
-unsafe impl DeviceRepr for StreamMeansParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for StreamMeansParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for ScaleParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for ScaleParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for PoolParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for PoolParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for InjectParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for InjectParams {}
 

@@ -78,15 +78,9 @@ struct LogprobParams {
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out as their CUDA mirrors.
 unsafe impl DeviceRepr for SampleRow {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for SampleParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for SampleParams {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for MaskParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for MaskParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for LogprobParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for LogprobParams {}
 
