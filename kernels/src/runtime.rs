@@ -345,7 +345,6 @@ impl KernelRuntime {
             timer: &self.timer,
             dependent: self.dependent_launch.load(Ordering::Relaxed),
             args: Vec::with_capacity(16),
-            addresses: Vec::with_capacity(12),
         }
     }
 
@@ -434,7 +433,9 @@ pub(crate) trait KernelArg<'a> {
 
 impl<'a, 'b: 'a, T: KernelValue> KernelArg<'a> for &'b T {
     fn push_to(self, launch: &mut Launch<'a>) {
-        launch.args.push(self as *const T as *mut c_void);
+        launch
+            .args
+            .push(LaunchArg::Value(self as *const T as *mut c_void));
     }
 }
 
@@ -476,12 +477,15 @@ pub(crate) struct Launch<'a> {
     /// Launched as a programmatic dependent of the stream's previous kernel
     /// ([`KernelRuntime::dependent_launch`]).
     dependent: bool,
-    /// A pointer to each argument's value, in signature order (what the driver reads).
-    args: Vec<*mut c_void>,
-    /// The device addresses of the buffer arguments, each boxed so that its pointer in `args`
-    /// stays put while later pushes grow the vector.
-    #[allow(clippy::vec_box)]
-    addresses: Vec<Box<sys::CUdeviceptr>>,
+    /// The arguments, in signature order.
+    args: Vec<LaunchArg>,
+}
+
+/// A kernel argument as [`Launch`] holds it until the launch: a pointer to a borrowed value, or
+/// a buffer's device address (the driver is handed a pointer to it).
+enum LaunchArg {
+    Value(*mut c_void),
+    Address(sys::CUdeviceptr),
 }
 
 impl<'a> Launch<'a> {
@@ -492,10 +496,7 @@ impl<'a> Launch<'a> {
     }
 
     fn push_address(&mut self, address: sys::CUdeviceptr) {
-        let boxed = Box::new(address);
-        self.args
-            .push(&*boxed as *const sys::CUdeviceptr as *mut c_void);
-        self.addresses.push(boxed);
+        self.args.push(LaunchArg::Address(address));
     }
 
     /// Launches the kernel with `cfg`; a driver failure names the kernel.
@@ -507,9 +508,13 @@ impl<'a> Launch<'a> {
     /// and writes under `cfg`; a dependent launch's kernel starts with `grid_dependency_sync()`
     /// (`cuda/common/grid_dependency.cuh`; the test `every_kernel_starts_with_the_grid_dependency_sync`).
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), KernelError> {
-        let failed = |during: &str| {
-            let during = format!("{during} {}", self.name);
-            move |source| KernelError::Driver { during, source }
+        // The error's text is built only on failure (a launch is the hot path).
+        let name = self.name;
+        let failed = move |during: &'static str| {
+            move |source| KernelError::Driver {
+                during: format!("{during} {name}"),
+                source,
+            }
         };
         let start = if self.timer.enabled() {
             let event = self
@@ -540,14 +545,24 @@ impl<'a> Launch<'a> {
             .context()
             .bind_to_thread()
             .map_err(failed("binding the context for"))?;
-        // SAFETY: the caller's contract above; `args` points at one value per parameter, alive
-        // for 'a (values borrowed, addresses boxed in `self`), and the function is the stream's
-        // context's.
+        // One pointer per parameter: to the borrowed value, or to the address held in `args`
+        // (not moved or changed until the call returns, which copies the parameters).
+        let mut params: Vec<*mut c_void> = self
+            .args
+            .iter()
+            .map(|arg| match arg {
+                LaunchArg::Value(value) => *value,
+                LaunchArg::Address(address) => address as *const sys::CUdeviceptr as *mut c_void,
+            })
+            .collect();
+        // SAFETY: the caller's contract above; `params` points at one value per parameter, alive
+        // for the call (values borrowed for 'a, addresses in `self.args`), and the function is
+        // the stream's context's.
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,
                 self.function.cu_function(),
-                self.args.as_mut_ptr(),
+                params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
         }

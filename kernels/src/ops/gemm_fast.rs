@@ -844,8 +844,12 @@ mod tests {
         // 4 * 2 * 2048 + 8 * 288 + 4 * 8 * 8 + 4 * 4 * 8, three stages.
         let fp8 = FastKernels::Fp8(ActGroup::G32);
         assert_eq!(fp8.shared_bytes(fp8.shape(FastTile::Rows8)), 19_072 * 3);
-        // Two blocks of the 64-row dense tile fit an SM (228 KiB, 1 KiB reserved per block).
+        // Two blocks of the 64-row dense tile and three of the routed one fit an SM (228 KiB,
+        // 1 KiB reserved per block; the routed kernels' 512 static bytes on top).
         assert!(2 * (fp8.shared_bytes(fp8.shape(FastTile::Rows64)) + 1024) <= 228 * 1024);
+        let routed = FastKernels::Fp4Routed;
+        assert!(3 * (routed.shared_bytes(routed.shape(FastTile::Rows64)) + 1536) <= 228 * 1024);
+        assert!(2 * (routed.shared_bytes(routed.shape(FastTile::Rows32)) + 1536) <= 228 * 1024);
         // FP4: 1 KiB chunks and 16 scale bytes per band and group:
         // 4 * 2 * 1024 + 8 * 288 + 4 * 8 * 8 + 16 * 4 * 8, three stages.
         assert_eq!(
