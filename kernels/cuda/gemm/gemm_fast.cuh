@@ -20,9 +20,10 @@
 // - Fp8Chunks<G>: FP8 E4M3 weights with UE8M0 scales per G x G tile (expanded at upload to f32 per
 //   16-row band and k-group);
 // - Fp4Chunks: FP4 E2M1 weights with one UE8M0 scale per row and 32 columns (the routed experts).
-//   Every E2M1 value (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) is exactly an E4M3 value, so each code
-//   is converted to its E4M3 byte in registers (a byte-permute table lookup, exact) and the same
-//   mma runs; T_g is then the same sum as for FP8 weights of those values.
+//   Every E2M1 value times 2^-6 is exactly an E4M3 value, so each code is converted to that
+//   E4M3 byte in registers (a few bit operations, exact), the same mma runs, and the weight scale
+//   is applied times 2^6; T_g is then 2^-6 times the sum for FP8 weights of the codes' values,
+//   and the promotion's product the same.
 // The weights are the mma's A operand (16 output features per warp), the activation rows its B
 // operand (8 tokens per mma), so decode shapes (M = 1 ... 64) waste no weight bytes. Inside an
 // mma's 32 products the K order is permuted the same way in every tile (thread t of a quad holds
@@ -49,7 +50,9 @@
 // rows for STEP codes of K (rows padded by 32 bytes: the 8-byte fragment loads of 8 rows x 4
 // threads hit distinct banks), the activations' scales of those groups and the weights' scales per
 // band, filled by cp.async STAGES - 1 steps ahead. Out-of-range rows, features and groups are
-// zero-filled and never stored.
+// zero-filled and never stored. In a routed expert's tile (often part full) only the n8 token
+// tiles that hold a row, rounded up to a quarter of the tile, load, multiply and store: a tile
+// costs about the rows it has, its weights are still read once.
 #pragma once
 #include "common/grid_dependency.cuh"
 #include "common/numerics.cuh"
@@ -57,6 +60,12 @@
 namespace fastgemm {
 
 constexpr u32_t STEP_K = 128;  // K codes of one weight chunk
+
+// A count of n8 token tiles known at compile time (gemm_fast_tile's loop over them).
+template <u32_t N>
+struct RunTiles {
+    static constexpr u32_t value = N;
+};
 
 // 16 / 8 bytes of global memory that no thread writes during the kernel, read once: through the
 // non-coherent path and not kept in L1 (the weights streamed by the direct tile).
@@ -120,29 +129,26 @@ struct Fp8Chunks {
     }
 };
 
-// The E4M3 bytes of the E2M1 magnitudes 0 .. 7 (0, 0.5, 1, 1.5 | 2, 3, 4, 6): a byte-permute table.
-constexpr u32_t E2M1_E4M3_LO = 0x3c383000u;
-constexpr u32_t E2M1_E4M3_HI = 0x4c484440u;
-// Byte-permute selectors of {w << 4, w} whose bit 7 of byte i is the sign of code i (codes 0..3,
-// 4..7): w << 4 holds the signs of even codes at bit 7 of their byte pair, w those of odd codes.
-constexpr u32_t E2M1_SIGNS_LO = 0x5140u;
-constexpr u32_t E2M1_SIGNS_HI = 0x7362u;
-
-// The 8 E2M1 codes of `w` (nibble i = code i, bit 3 the sign) as E4M3 bytes: codes 0..3 in `lo`,
-// 4..7 in `hi` (byte i = code i). Magnitudes through the table, each code's sign bit moved to bit
-// 7 of its byte. (Every selector nibble is < 8: plain byte copies, no sign replication.)
+// The 8 E2M1 codes of `w` as E4M3 bytes worth 2^-6 times their value: codes 0..3 in `lo`, 4..7
+// in `hi` (byte i = code i). The upload puts code i in the low nibble of byte i and code i + 4 in
+// its high nibble (ops/gemm_fast.rs, fp4_fragment_order). An E2M1 code s|ee|m placed as the E4M3
+// byte s|00ee|m00 is that value exactly: ee = 0 gives the E4M3 subnormal m 2^-1 2^-6 (E2M1's
+// subnormal m 2^-1), ee > 0 the normal (1 + m/2) 2^(ee - 7) = 2^-6 (1 + m/2) 2^(ee - 1). The
+// factor 2^6 goes back with the weight scale (Fp4Chunks::scales): the products, and so the tensor
+// core's sum from zero, are exactly 2^-6 times those of the codes' values.
 __device__ __forceinline__ void e2m1x8_to_e4m3(u32_t w, u32_t& lo, u32_t& hi) {
-    const u32_t magnitudes = w & 0x77777777u;
-    const u32_t w4 = w << 4;
-    lo = __byte_perm(E2M1_E4M3_LO, E2M1_E4M3_HI, magnitudes) |
-         (__byte_perm(w4, w, E2M1_SIGNS_LO) & 0x80808080u);
-    hi = __byte_perm(E2M1_E4M3_LO, E2M1_E4M3_HI, magnitudes >> 16) |
-         (__byte_perm(w4, w, E2M1_SIGNS_HI) & 0x80808080u);
+    lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1c1c1c1cu);
+    hi = (w & 0x80808080u) | ((w >> 2) & 0x1c1c1c1cu);
 }
 
+// 2^6 times the UE8M0 scale e, 2^(e - 121), in f32: its exponent field is e + 6 (2^-127's as well:
+// the subnormal times 2^6 is normal), past 254 the product's overflow, +inf (255, NaN, never
+// occurs in checkpoints).
+__device__ __forceinline__ float e8m0_times_64(u8_t e) { return __uint_as_float(min((u32_t)e + 6u, 255u) << 23); }
+
 // FP4 weights: a lane's piece of a group is 8 bytes (the 4 packed bytes of row g's codes 8t ..
-// 8t + 8, even code in the low nibble as in the checkpoint, then row g + 8's); the scales of a
-// band and k-group are the 16 rows' UE8M0 bytes.
+// 8t + 8 in e2m1x8_to_e4m3's order, then row g + 8's); the scales of a band and k-group are the
+// 16 rows' UE8M0 bytes, applied times 2^6 (the conversion's factor, e8m0_times_64).
 struct Fp4Chunks {
     static constexpr u32_t PIECE = 8;
     static constexpr u32_t SCALE_BYTES = 16;
@@ -156,7 +162,7 @@ struct Fp4Chunks {
         unpack(*reinterpret_cast<const Raw*>(piece), frag);
     }
     static __device__ __forceinline__ float2 scales(const u8_t* band_scales, u32_t gq, u32_t g) {
-        return make_float2(e8m0_decode(band_scales[16 * gq + g]), e8m0_decode(band_scales[16 * gq + g + 8]));
+        return make_float2(e8m0_times_64(band_scales[16 * gq + g]), e8m0_times_64(band_scales[16 * gq + g + 8]));
     }
 };
 
@@ -205,6 +211,7 @@ struct Stage {
 
 // The token rows of a dense launch: rows [m0, m0 + BT) of y = a · wᵀ, clipped to m.
 struct DenseRows {
+    static constexpr bool PART_FULL = false;  // tiles are full but the last
     u32_t m0;
     u32_t m;
     __device__ __forceinline__ bool valid(u32_t r) const { return m0 + r < m; }
@@ -215,6 +222,7 @@ struct DenseRows {
 // The token rows of one routed tile: tile row r < count writes output row rows[r] and reads
 // activation row rows[r] / x_row_div (rows in shared memory, written before the body runs).
 struct GatheredRows {
+    static constexpr bool PART_FULL = true;  // an expert's tile holds 1 .. BT rows
     const u32_t* rows;
     u32_t count;
     u32_t x_row_div;
@@ -252,6 +260,14 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     const u32_t chunks = (k + STEP_K - 1) / STEP_K;  // per band
     const u32_t step0 = k_begin / STEP;
     const u32_t steps = (k_end + STEP - 1) / STEP - step0;  // of this part
+    // The n8 token tiles the block runs: where tiles are often part full (Rows::PART_FULL: an
+    // expert's rows), those holding a row rounded up to a quarter of TILES, each count its own
+    // compiled loop with no test inside (the rows present are uniform over the block, so no
+    // thread diverges): a partial tile's loads, multiplies and stores cost its quarters. Dense
+    // tiles run one loop over all TILES (one copy of the code; only their last rows are short).
+    constexpr u32_t QUARTER = TILES >= 4 ? TILES / 4 : 1;
+    u32_t run_tiles = TILES;
+    if constexpr (Rows::PART_FULL) run_tiles = (rows.count + 8 * QUARTER - 1) / (8 * QUARTER) * QUARTER;
 
     auto load_stage = [&](u32_t local, u32_t slot) {
         u8_t* base = smem + slot * L::BYTES;
@@ -264,12 +280,12 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
             const size_t src = ((size_t)band * chunks + chunk) * CHUNK + (c % (CHUNK / 16)) * 16;
             cp_async16(base + L::W_OFF + c * 16, ok ? w + src : w, ok);
         }
-        for (u32_t c = threadIdx.x; c < BT * (STEP / 16); c += THREADS) {
+        for (u32_t c = threadIdx.x; c < 8 * run_tiles * (STEP / 16); c += THREADS) {  // rows past them unread
             const u32_t row = c / (STEP / 16), col = (c % (STEP / 16)) * 16;
             const bool ok = rows.valid(row) && k0 + col < k;
             cp_async16(base + L::A_OFF + row * L::ROW + col, ok ? a + rows.a_row(row) * k + k0 + col : a, ok);
         }
-        for (u32_t c = threadIdx.x; c < BT * L::GPS; c += THREADS) {
+        for (u32_t c = threadIdx.x; c < 8 * run_tiles * L::GPS; c += THREADS) {
             const u32_t row = c / L::GPS, gi = k0 / G + c % L::GPS;
             const bool ok = rows.valid(row) && gi < groups;
             cp_async4(base + L::SA_OFF + 4 * c, ok ? sa + rows.a_row(row) * groups + gi : sa, ok);
@@ -287,80 +303,96 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
         }
     };
 
-    float acc[TILES][4];
+    // The K loop over RUN (a compile-time count, RunTiles<RUN>) n8 token tiles.
+    auto run = [&](auto count) {
+        constexpr u32_t RUN = decltype(count)::value;
+        float acc[RUN][4];
 #pragma unroll
-    for (u32_t i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32_t i = 0; i < RUN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+        const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
 #pragma unroll
-    for (u32_t s = 0; s + 1 < (u32_t)STAGES; ++s) {
-        if (s < steps) load_stage(s, s);
-        cp_async_commit();
-    }
-    for (u32_t step = 0; step < steps; ++step) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // this stage is in; every thread is done with the slot refilled below
-        const u32_t next = step + STAGES - 1;
-        if (next < steps) load_stage(next, next % STAGES);
-        cp_async_commit();
+        for (u32_t s = 0; s + 1 < (u32_t)STAGES; ++s) {
+            if (s < steps) load_stage(s, s);
+            cp_async_commit();
+        }
+        for (u32_t step = 0; step < steps; ++step) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // this stage is in; every thread is done with the slot refilled below
+            const u32_t next = step + STAGES - 1;
+            if (next < steps) load_stage(next, next % STAGES);
+            cp_async_commit();
 
-        const u8_t* base = smem + (step % STAGES) * L::BYTES;
-        const u8_t* w_piece = base + L::W_OFF + warp * L::SUB * CHUNK + lane * W::PIECE;
-        const u8_t* a_row = base + L::A_OFF + g * L::ROW + 8 * t;
-        const float* s_a = reinterpret_cast<const float*>(base + L::SA_OFF);
-        const u8_t* s_w = base + L::SW_OFF + warp * L::GPS * W::SCALE_BYTES;
-        const u32_t k0 = (step0 + step) * STEP;
-        // The A fragment of the stage's 32-code group q: chunk q / 4, group q % 4 in it.
-        auto fragment = [&](u32_t q, u32_t (&frag)[4]) {
-            W::fragment(w_piece + (q / 4) * CHUNK + (q % 4) * 32 * W::PIECE, frag);
-        };
-        if constexpr (G == 32) {
+            const u8_t* base = smem + (step % STAGES) * L::BYTES;
+            const u8_t* w_piece = base + L::W_OFF + warp * L::SUB * CHUNK + lane * W::PIECE;
+            const u8_t* a_row = base + L::A_OFF + g * L::ROW + 8 * t;
+            const float* s_a = reinterpret_cast<const float*>(base + L::SA_OFF);
+            const u8_t* s_w = base + L::SW_OFF + warp * L::GPS * W::SCALE_BYTES;
+            const u32_t k0 = (step0 + step) * STEP;
+            // The A fragment of the stage's 32-code group q: chunk q / 4, group q % 4 in it.
+            auto fragment = [&](u32_t q, u32_t (&frag)[4]) {
+                W::fragment(w_piece + (q / 4) * CHUNK + (q % 4) * 32 * W::PIECE, frag);
+            };
+            if constexpr (G == 32) {
 #pragma unroll
-            for (u32_t q = 0; q < STEP / 32; ++q) {
-                if (k0 + 32 * q >= k) break;  // uniform: the group is past K
-                u32_t frag[4];
-                fragment(q, frag);
-                const float2 sw = W::scales(s_w, q, g);
-#pragma unroll
-                for (u32_t i = 0; i < TILES; ++i) {
-                    const uint2 b = *reinterpret_cast<const uint2*>(a_row + i * 8 * L::ROW + 32 * q);
-                    float c[4];
-                    mma_e4m3(c, frag, b.x, b.y, zero);
-                    promote(acc[i], c, sw, s_a[(i * 8 + 2 * t) * L::GPS + q], s_a[(i * 8 + 2 * t + 1) * L::GPS + q]);
-                }
-            }
-        } else {
-#pragma unroll
-            for (u32_t gq = 0; gq < L::GPS; ++gq) {
-                if (k0 + 128 * gq >= k) break;  // uniform: the group is past K
-                float c[TILES][4];
-#pragma unroll
-                for (u32_t i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
-#pragma unroll
-                for (u32_t j = 0; j < 4; ++j) {
+                for (u32_t q = 0; q < STEP / 32; ++q) {
+                    if (k0 + 32 * q >= k) break;  // uniform: the group is past K
                     u32_t frag[4];
-                    fragment(4 * gq + j, frag);
+                    fragment(q, frag);
+                    const float2 sw = W::scales(s_w, q, g);
 #pragma unroll
-                    for (u32_t i = 0; i < TILES; ++i) {
-                        const uint2 b =
-                            *reinterpret_cast<const uint2*>(a_row + i * 8 * L::ROW + 128 * gq + 32 * j);
-                        mma_e4m3(c[i], frag, b.x, b.y, c[i]);
+                    for (u32_t i = 0; i < RUN; ++i) {
+                        const uint2 b = *reinterpret_cast<const uint2*>(a_row + i * 8 * L::ROW + 32 * q);
+                        float c[4];
+                        mma_e4m3(c, frag, b.x, b.y, zero);
+                        promote(acc[i], c, sw, s_a[(i * 8 + 2 * t) * L::GPS + q],
+                                s_a[(i * 8 + 2 * t + 1) * L::GPS + q]);
                     }
                 }
-                const float2 sw = W::scales(s_w, gq, g);
+            } else {
 #pragma unroll
-                for (u32_t i = 0; i < TILES; ++i) {
-                    promote(acc[i], c[i], sw, s_a[(i * 8 + 2 * t) * L::GPS + gq],
-                            s_a[(i * 8 + 2 * t + 1) * L::GPS + gq]);
+                for (u32_t gq = 0; gq < L::GPS; ++gq) {
+                    if (k0 + 128 * gq >= k) break;  // uniform: the group is past K
+                    float c[RUN][4];
+#pragma unroll
+                    for (u32_t i = 0; i < RUN; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+#pragma unroll
+                    for (u32_t j = 0; j < 4; ++j) {
+                        u32_t frag[4];
+                        fragment(4 * gq + j, frag);
+#pragma unroll
+                        for (u32_t i = 0; i < RUN; ++i) {
+                            const uint2 b =
+                                *reinterpret_cast<const uint2*>(a_row + i * 8 * L::ROW + 128 * gq + 32 * j);
+                            mma_e4m3(c[i], frag, b.x, b.y, c[i]);
+                        }
+                    }
+                    const float2 sw = W::scales(s_w, gq, g);
+#pragma unroll
+                    for (u32_t i = 0; i < RUN; ++i) {
+                        promote(acc[i], c[i], sw, s_a[(i * 8 + 2 * t) * L::GPS + gq],
+                                s_a[(i * 8 + 2 * t + 1) * L::GPS + gq]);
+                    }
                 }
             }
         }
-    }
-    cp_async_wait<0>();
+        cp_async_wait<0>();
 
-    const u32_t feature = n0 + warp * 16 + g;
+        const u32_t feature = n0 + warp * 16 + g;
 #pragma unroll
-    for (u32_t i = 0; i < TILES; ++i) store_tile(acc[i], feature, i * 8 + 2 * t, rows, n, y, out_f32, partial);
+        for (u32_t i = 0; i < RUN; ++i) store_tile(acc[i], feature, i * 8 + 2 * t, rows, n, y, out_f32, partial);
+    };
+    if constexpr (Rows::PART_FULL) {
+        switch (run_tiles / QUARTER) {
+            case 1: run(RunTiles<QUARTER>{}); break;
+            case 2: if constexpr (TILES >= 2 * QUARTER) run(RunTiles<2 * QUARTER>{}); break;
+            case 3: if constexpr (TILES >= 3 * QUARTER) run(RunTiles<3 * QUARTER>{}); break;
+            case 4: if constexpr (TILES >= 4 * QUARTER) run(RunTiles<4 * QUARTER>{}); break;
+            default: break;  // no row (never launched)
+        }
+    } else {
+        run(RunTiles<TILES>{});  // a dense tile is full but for the last rows: one loop
+    }
 }
 
 // The direct decode tile: 8 token rows, one 16-row weight band per warp, the same sums as

@@ -451,8 +451,8 @@ impl FastFp8Weight {
 
 /// An FP4 E2M1 weight `[out, inp]` (1×32 UE8M0 scales) laid out for the fast GEMM: `chunks`
 /// holds, per 16-row band and 128 codes of K, the band's packed codes as one 1 KiB chunk in mma
-/// fragment order (see [`fragment_chunks`]; the nibbles stay as in the checkpoint, even code in
-/// the low nibble); `band_scales` the UE8M0 bytes per band, k-group and row of the band
+/// fragment order (see [`fragment_chunks`], its 8 codes of a row re-packed by
+/// [`fp4_fragment_order`]); `band_scales` the UE8M0 bytes per band, k-group and row of the band
 /// (`[ceil(out / 16), inp / 32, 16]`, rows past `out` zero).
 #[derive(Debug, Clone)]
 pub struct FastFp4Weight {
@@ -477,7 +477,12 @@ impl FastFp4Weight {
             .htod(&fp4_band_scales(scales, out, inp / 32))
             .map_err(KernelError::driver("uploading fast FP4 weight scales"))?;
         let chunks = rt
-            .htod(&fragment_chunks(packed, out, inp / 2, FP4_HALF_PIECE))
+            .htod(&fp4_fragment_order(fragment_chunks(
+                packed,
+                out,
+                inp / 2,
+                FP4_HALF_PIECE,
+            )))
             .map_err(KernelError::driver("uploading fast FP4 weight codes"))?;
         Ok(FastFp4Weight {
             out,
@@ -515,6 +520,18 @@ fn fragment_chunks(bytes: &[u8], out: usize, row_bytes: usize, half: usize) -> V
                 dst.copy_from_slice(&bytes[src..src + half]);
             }
         }
+    }
+    chunks
+}
+
+/// FP4 chunks with each row's 8 codes of a lane (4 bytes, code 2i in the low nibble of byte i as
+/// in the checkpoint) re-packed as the kernel's `e2m1x8_to_e4m3` reads them: code i in the low
+/// nibble of byte i, code i + 4 in its high nibble.
+fn fp4_fragment_order(mut chunks: Vec<u8>) -> Vec<u8> {
+    for piece in chunks.chunks_exact_mut(FP4_HALF_PIECE) {
+        let code = |i: usize| (piece[i / 2] >> (4 * (i % 2))) & 0xf;
+        let order: [u8; 4] = std::array::from_fn(|i| code(i) | (code(i + 4) << 4));
+        piece.copy_from_slice(&order);
     }
     chunks
 }
@@ -997,28 +1014,6 @@ mod tests {
         assert_eq!(banded[(3 + 1) * 16 + 2], 0);
     }
 
-    /// `constexpr u32_t NAME = 0x...u;` of the kernel header.
-    fn header_constant(name: &str) -> u32 {
-        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
-        let start = header
-            .find(&format!("constexpr u32_t {name} = 0x"))
-            .unwrap_or_else(|| panic!("{name} in gemm_fast.cuh"))
-            + format!("constexpr u32_t {name} = 0x").len();
-        let end = start + header[start..].find('u').expect("u suffix");
-        u32::from_str_radix(&header[start..end], 16).expect("hex constant")
-    }
-
-    /// PTX `prmt.b32` (CUDA `__byte_perm`) with selectors below 8: byte i of the result is byte
-    /// `s[4i..4i + 3]` of `{y, x}`.
-    fn byte_perm(x: u32, y: u32, s: u32) -> u32 {
-        let bytes = (u64::from(y) << 32) | u64::from(x);
-        (0..4).fold(0, |r, i| {
-            let sel = (s >> (4 * i)) & 0xf;
-            assert!(sel < 8, "selector {sel} would replicate a sign");
-            r | ((((bytes >> (8 * sel)) & 0xff) as u32) << (8 * i))
-        })
-    }
-
     /// The value of an E4M3 byte (finite codes).
     fn e4m3(b: u8) -> f32 {
         let (e, m) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
@@ -1032,23 +1027,19 @@ mod tests {
 
     #[test]
     fn the_kernels_e2m1_to_e4m3_conversion_is_exact_for_every_code_in_every_position() {
-        // The kernel's e2m1x8_to_e4m3 with the header's table and selectors.
-        let (lo_table, hi_table) = (
-            header_constant("E2M1_E4M3_LO"),
-            header_constant("E2M1_E4M3_HI"),
-        );
-        let (signs_lo, signs_hi) = (
-            header_constant("E2M1_SIGNS_LO"),
-            header_constant("E2M1_SIGNS_HI"),
-        );
+        // The kernel's e2m1x8_to_e4m3 (gemm_fast.cuh, these two lines) on a lane's 4 packed
+        // bytes after the upload's fp4_fragment_order: every byte is 2^-6 times its code's value.
+        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
+        for line in [
+            "lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1c1c1c1cu);",
+            "hi = (w & 0x80808080u) | ((w >> 2) & 0x1c1c1c1cu);",
+        ] {
+            assert!(header.contains(line), "{line} not in gemm_fast.cuh");
+        }
         let convert = |w: u32| {
-            let magnitudes = w & 0x7777_7777;
-            let w4 = w << 4;
             (
-                byte_perm(lo_table, hi_table, magnitudes)
-                    | (byte_perm(w4, w, signs_lo) & 0x8080_8080),
-                byte_perm(lo_table, hi_table, magnitudes >> 16)
-                    | (byte_perm(w4, w, signs_hi) & 0x8080_8080),
+                ((w << 4) & 0x8080_8080) | ((w << 2) & 0x1c1c_1c1c),
+                (w & 0x8080_8080) | ((w >> 2) & 0x1c1c_1c1c),
             )
         };
         let e2m1 = |code: u32| {
@@ -1060,16 +1051,18 @@ mod tests {
             for code in 0..16u32 {
                 for other in 0..16u32 {
                     let neighbour = (position + 1) % 8;
-                    let w = (code << (4 * position)) | (other << (4 * neighbour));
-                    let (lo, hi) = convert(w);
+                    let packed = (code << (4 * position)) | (other << (4 * neighbour));
+                    let laid = fp4_fragment_order(packed.to_le_bytes().to_vec());
+                    let (lo, hi) =
+                        convert(u32::from_le_bytes([laid[0], laid[1], laid[2], laid[3]]));
                     let bytes = (u64::from(hi) << 32) | u64::from(lo);
                     for i in 0..8u32 {
-                        let nibble = (w >> (4 * i)) & 0xf;
+                        let nibble = (packed >> (4 * i)) & 0xf;
                         let byte = ((bytes >> (8 * i)) & 0xff) as u8;
-                        let got = e4m3(byte);
+                        let got = e4m3(byte) * 64.0;
                         assert!(
                             got == e2m1(nibble) && got.is_sign_negative() == (nibble & 8 != 0),
-                            "word {w:#010x}: code {i} = {nibble:#x} gave E4M3 {byte:#04x}"
+                            "packed {packed:#010x}: code {i} = {nibble:#x} gave E4M3 {byte:#04x}"
                         );
                     }
                 }
