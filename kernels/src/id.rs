@@ -221,6 +221,13 @@ pub enum KernelId {
     LinearBf16x3FastT4x2,
     /// The split-x bf16x3 linear's prefill tile.
     LinearBf16x3FastWide,
+    /// The bf16 linear's prefill tile over one K part a block (part sums for
+    /// `LinearFastReduce`): prefill shapes with too few wide blocks.
+    LinearBf16FastWidePart,
+    /// The split-x bf16x3 linear's one-part prefill tile.
+    LinearBf16x3FastWidePart,
+    /// The fast linears' part sums added in part order.
+    LinearFastReduce,
     /// The pairwise tree over the block partials of `LinearSgemmF32`.
     LinearSgemmReduceF32,
     /// Rows of an FP8 weight dequantised to f32.
@@ -323,7 +330,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 97] = [
+    pub const ALL: [KernelId; 100] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -373,6 +380,9 @@ impl KernelId {
         KernelId::LinearBf16x3FastT2x2,
         KernelId::LinearBf16x3FastT4x2,
         KernelId::LinearBf16x3FastWide,
+        KernelId::LinearBf16FastWidePart,
+        KernelId::LinearBf16x3FastWidePart,
+        KernelId::LinearFastReduce,
         KernelId::LinearSgemmReduceF32,
         KernelId::DequantFp8RowsF32,
         KernelId::DequantFp4RowsF32,
@@ -475,6 +485,9 @@ impl KernelId {
             KernelId::LinearBf16x3FastT2x2 => "linear_bf16x3_fast_t2x2",
             KernelId::LinearBf16x3FastT4x2 => "linear_bf16x3_fast_t4x2",
             KernelId::LinearBf16x3FastWide => "linear_bf16x3_fast_wide",
+            KernelId::LinearBf16FastWidePart => "linear_bf16_fast_wide_part",
+            KernelId::LinearBf16x3FastWidePart => "linear_bf16x3_fast_wide_part",
+            KernelId::LinearFastReduce => "linear_fast_reduce",
             KernelId::LinearSgemmReduceF32 => "linear_sgemm_reduce_f32",
             KernelId::DequantFp8RowsF32 => "dequant_fp8_rows_f32",
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
@@ -531,7 +544,7 @@ impl KernelId {
     /// both (quantisation, SwiGLU, combine, movement).
     pub fn on_tensor_cores(self) -> bool {
         match self {
-            KernelId::GemmFastReduce => false,
+            KernelId::GemmFastReduce | KernelId::LinearFastReduce => false,
             KernelId::LinearBf16FastT1x1
             | KernelId::LinearBf16FastT2x2
             | KernelId::LinearBf16FastT4x2
@@ -540,6 +553,8 @@ impl KernelId {
             | KernelId::LinearBf16x3FastT2x2
             | KernelId::LinearBf16x3FastT4x2
             | KernelId::LinearBf16x3FastWide
+            | KernelId::LinearBf16FastWidePart
+            | KernelId::LinearBf16x3FastWidePart
             | KernelId::SparseAttentionSinkRowsPtrFast => true,
             id => id.source() == SourceFile::GemmFast,
         }
@@ -594,6 +609,9 @@ impl KernelId {
             | KernelId::LinearBf16x3FastT2x2
             | KernelId::LinearBf16x3FastT4x2
             | KernelId::LinearBf16x3FastWide
+            | KernelId::LinearBf16FastWidePart
+            | KernelId::LinearBf16x3FastWidePart
+            | KernelId::LinearFastReduce
             | KernelId::LinearSgemmReduceF32
             | KernelId::DequantFp8RowsF32
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
@@ -670,19 +688,20 @@ mod tests {
         assert_eq!(symbols.len(), KernelId::ALL.len());
     }
 
-    /// The tensor-core kernels are the `fast` ones (named so), less the part reduction of the
-    /// fast GEMMs (plain fp32 adds): 30 of them.
+    /// The tensor-core kernels are the `fast` ones (named so), less the part reductions of the
+    /// fast GEMMs and linears (plain fp32 adds): 31 of them.
     #[test]
-    fn tensor_core_kernels_are_the_fast_kernels_but_the_reduction() {
+    fn tensor_core_kernels_are_the_fast_kernels_but_the_reductions() {
         for id in KernelId::ALL {
-            let fast = id.symbol().contains("fast") && id != KernelId::GemmFastReduce;
+            let reduction = matches!(id, KernelId::GemmFastReduce | KernelId::LinearFastReduce);
+            let fast = id.symbol().contains("fast") && !reduction;
             assert_eq!(id.on_tensor_cores(), fast, "{}", id.symbol());
         }
         let count = KernelId::ALL
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 29);
+        assert_eq!(count, 31);
     }
 
     #[test]

@@ -99,6 +99,15 @@ pub struct LinearParams {
     pub round_bf16: u32,
 }
 
+/// `LinearReduceParams`: the fast linear's part sums added in part order, rounded to bf16 (kept
+/// in f32) when `round_bf16` is 1.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearReduceParams {
+    pub count: u32,
+    pub round_bf16: u32,
+}
+
 /// `AttentionParams`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -165,6 +174,8 @@ unsafe impl KernelValue for FastGemmParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for FastReduceParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for LinearReduceParams {}
+// SAFETY: as above.
 unsafe impl KernelValue for FastRoutedParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for RmsNormParams {}
@@ -210,6 +221,8 @@ mod tests {
         assert_eq!(size_of::<QdqParams>(), 4);
         assert_eq!(size_of::<LinearParams>(), 16);
         assert_eq!(offset_of!(LinearParams, round_bf16), 12);
+        assert_eq!(size_of::<LinearReduceParams>(), 8);
+        assert_eq!(offset_of!(LinearReduceParams, round_bf16), 4);
         assert_eq!(size_of::<AttentionParams>(), 20);
         assert_eq!(offset_of!(AttentionParams, scale), 12);
         assert_eq!(size_of::<HcMixesParams>(), 20);
@@ -249,6 +262,7 @@ mod tests {
             ["m", "n", "k", "span", "parts", "out_f32"]
         );
         assert_eq!(fields("FastReduceParams"), ["count", "parts", "out_f32"]);
+        assert_eq!(fields("LinearReduceParams"), ["count", "round_bf16"]);
         assert_eq!(
             fields("FastRoutedParams"),
             [

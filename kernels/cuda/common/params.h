@@ -89,6 +89,13 @@ struct LinearParams {
     u32_t round_bf16;
 };
 
+// The fast linear's part sums added in part order: y[i] = sum_p partials[p][i], i < count,
+// rounded to bf16 (kept in f32 storage) when round_bf16.
+struct LinearReduceParams {
+    u32_t count;
+    u32_t round_bf16;
+};
+
 // Sink attention: q [heads, head_dim], keys [keys, head_dim], out [heads, head_dim] per query
 // (the row-batched kernel: keys = rows of the shared key buffer, each query lists its own rows).
 struct AttentionParams {

@@ -31,7 +31,10 @@
 // them over all of K: part by part, the part's chunks staged in shared memory by cp.async
 // (WIDE_STAGES chunks in flight; x as f32, split into its bf16 pieces when the fragments are
 // read), the part's sum in registers added to the running total, which waits in shared memory
-// (one slot per thread and output: no synchronisation).
+// (one slot per thread and output: no synchronisation). linear_bf16_wide<PIECES, true> (prefill
+// with too few wide blocks to fill the device, e.g. a 384-output router): the same block over
+// one K part (grid.z = group x PARTS), its part's sums to partials[part] ([PARTS][rows][groups
+// out]), which linear_fast_reduce adds in part order with the same additions as the totals.
 //
 // w is bf16 [out, stride] with stride = inp rounded up to CHUNK (zero padding), x f32 [rows, inp]
 // (zero past inp and for rows past `rows`), y f32 storage, rounded to bf16 when p.round_bf16.
@@ -213,6 +216,9 @@ constexpr u32_t WIDE_X_BYTES = WIDE_ROWS * CHUNK * 4, WIDE_W_BYTES = WIDE_COLS *
 constexpr u32_t WIDE_STAGE_BYTES = WIDE_X_BYTES + WIDE_W_BYTES;
 constexpr u32_t WIDE_SHARED_BYTES = WIDE_TOTAL_BYTES + WIDE_STAGES * WIDE_STAGE_BYTES;
 static_assert(WIDE_SHARED_BYTES == 224 * 1024, "the launch's shared memory: ops/linear_fast.rs WIDE_SHARED_BYTES");
+// One part a block (no running totals): the stages alone.
+constexpr u32_t WIDE_PART_SHARED_BYTES = WIDE_STAGES * WIDE_STAGE_BYTES;
+static_assert(WIDE_PART_SHARED_BYTES == 96 * 1024, "ops/linear_fast.rs WIDE_PART_SHARED_BYTES");
 
 // Stages chunk c of the block's x rows (zero past p.rows and p.inp) and weight rows (zero past
 // p.out; the padding of a row is zero) into `stage`, 16 bytes a copy (4 when inp is not a
@@ -248,30 +254,40 @@ __device__ __forceinline__ void wide_stage(u8_t* stage, const float* x, size_t x
 }
 
 // The prefill tile: warp (wr, wc) = (warp % 4, warp / 4) computes rows [32 wr, 32 wr + 32) x
-// columns [128 wc, 128 wc + 128) of the block's outputs.
-template <int PIECES>
-__device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w, float* y, LinearParams p) {
+// columns [128 wc, 128 wc + 128) of the block's outputs, over every part (ONE_PART false: the
+// outputs to y) or over part blockIdx.z % PARTS of group blockIdx.z / PARTS (ONE_PART: the part's
+// sums to partials [PARTS][rows][groups out], y unused).
+template <int PIECES, bool ONE_PART>
+__device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w, float* y, float* partials,
+                                                 LinearParams p) {
     extern __shared__ __align__(16) u8_t wide_smem[];
     float* totals = reinterpret_cast<float*>(wide_smem) + threadIdx.x;  // [WIDE_OUTPUTS][THREADS]
-    u8_t* stages = wide_smem + WIDE_TOTAL_BYTES;
+    u8_t* stages = wide_smem + (ONE_PART ? 0 : WIDE_TOTAL_BYTES);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32_t g = lane / 4, q = lane % 4;
     const u32_t wr = warp % 4, wc = warp / 4;
     const u32_t row0 = blockIdx.y * WIDE_ROWS, col0 = blockIdx.x * WIDE_COLS;
     const u32_t chunks = (p.inp + CHUNK - 1) / CHUNK;
+    const u32_t group = ONE_PART ? blockIdx.z / PARTS : blockIdx.z;
+    const u32_t groups = ONE_PART ? gridDim.z / PARTS : gridDim.z;
+    const int first_part = ONE_PART ? blockIdx.z % PARTS : 0;
+    const int end_part = ONE_PART ? first_part + 1 : PARTS;
     // This block's group: its columns of x and y, its rows of w.
-    const size_t x_stride = static_cast<size_t>(gridDim.z) * p.inp, y_stride = static_cast<size_t>(gridDim.z) * p.out;
-    x += static_cast<size_t>(blockIdx.z) * p.inp;
-    y += static_cast<size_t>(blockIdx.z) * p.out;
-    w += static_cast<size_t>(blockIdx.z) * p.out * chunks * 4;
+    const size_t x_stride = static_cast<size_t>(groups) * p.inp, y_stride = static_cast<size_t>(groups) * p.out;
+    x += static_cast<size_t>(group) * p.inp;
+    if constexpr (!ONE_PART) y += static_cast<size_t>(group) * p.out;
+    w += static_cast<size_t>(group) * p.out * chunks * 4;
 
+    u32_t c = first_part * chunks / PARTS;  // the next chunk; the parts follow each other through K
+    const u32_t end_chunk = end_part * chunks / PARTS;
 #pragma unroll
     for (u32_t s = 0; s < WIDE_STAGES - 1; ++s) {
-        if (s < chunks) wide_stage(stages + s * WIDE_STAGE_BYTES, x, x_stride, w, chunks, row0, col0, s, p);
+        if (c + s < end_chunk)
+            wide_stage(stages + ((c + s) % WIDE_STAGES) * WIDE_STAGE_BYTES, x, x_stride, w, chunks, row0, col0, c + s,
+                       p);
         cp_async_commit();
     }
-    u32_t c = 0;  // the next chunk; the parts follow each other through K
-    for (int part = 0; part < PARTS; ++part) {
+    for (int part = first_part; part < end_part; ++part) {
         const u32_t last = (part + 1) * chunks / PARTS;
         float acc[WIDE_MT][WIDE_NT][4];
         zero_tiles(acc);
@@ -281,7 +297,7 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
             cp_async_wait<WIDE_STAGES - 2>();
             __syncthreads();
             const u32_t ahead = c + WIDE_STAGES - 1;
-            if (ahead < chunks)
+            if (ahead < end_chunk)
                 wide_stage(stages + (ahead % WIDE_STAGES) * WIDE_STAGE_BYTES, x, x_stride, w, chunks, row0, col0,
                            ahead, p);
             cp_async_commit();
@@ -312,12 +328,23 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
                 }
             }
         }
-        // total = part 0, then total + part p, in part order (this thread's own slots).
-        for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
-            float& total = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
-            total = part == 0 ? acc[mt][nt][i] : __fadd_rn(total, acc[mt][nt][i]);
-        });
+        if constexpr (ONE_PART) {
+            // The part's sums (C fragment: row g, columns 2q, 2q + 1; row g + 8, the same).
+            for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
+                const u32_t row = row0 + wr * (WIDE_MT * 16) + mt * 16 + g + 8 * (i / 2);
+                const u32_t col = col0 + wc * (WIDE_NT * 8) + nt * 8 + 2 * q + i % 2;
+                if (row >= p.rows || col >= p.out) return;
+                partials[((size_t)part * p.rows + row) * y_stride + (size_t)group * p.out + col] = acc[mt][nt][i];
+            });
+        } else {
+            // total = part 0, then total + part p, in part order (this thread's own slots).
+            for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
+                float& total = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
+                total = part == 0 ? acc[mt][nt][i] : __fadd_rn(total, acc[mt][nt][i]);
+            });
+        }
     }
+    if constexpr (ONE_PART) return;
     // C fragment: (row g, columns 2q, 2q + 1) and (row g + 8, the same columns).
     for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
         const u32_t row = row0 + wr * (WIDE_MT * 16) + mt * 16 + g + 8 * (i / 2);
@@ -326,6 +353,17 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
         const float sum = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
         y[static_cast<size_t>(row) * y_stride + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
     });
+}
+
+// y[i] = ((partials[0][i] + partials[1][i]) + ...) + partials[PARTS - 1][i] in part order (the
+// wide tile's totals), rounded to bf16 when p.round_bf16; i < p.count.
+__device__ __forceinline__ void linear_fast_reduce(const float* partials, float* y, LinearReduceParams p) {
+    for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += gridDim.x * blockDim.x) {
+        float total = partials[i];
+#pragma unroll
+        for (int part = 1; part < PARTS; ++part) total = __fadd_rn(total, partials[(size_t)part * p.count + i]);
+        y[i] = p.round_bf16 ? round_bf16_f32(total) : total;
+    }
 }
 
 }  // namespace linear_fast

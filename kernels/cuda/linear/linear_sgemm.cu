@@ -42,7 +42,13 @@ extern "C" __global__ void __launch_bounds__(linear::THREADS)
     extern "C" __global__ void __launch_bounds__(linear_fast::THREADS, 1)                            \
         NAME(const float* x, const uint4* w, float* y, LinearParams p) {                             \
         grid_dependency_sync();                                                                      \
-        linear_fast::linear_bf16_wide<PIECES>(x, w, y, p);                                           \
+        linear_fast::linear_bf16_wide<PIECES, false>(x, w, y, nullptr, p);                           \
+    }
+#define LINEAR_FAST_WIDE_PART(NAME, PIECES)                                                           \
+    extern "C" __global__ void __launch_bounds__(linear_fast::THREADS)                               \
+        NAME(const float* x, const uint4* w, float* partials, LinearParams p) {                      \
+        grid_dependency_sync();                                                                      \
+        linear_fast::linear_bf16_wide<PIECES, true>(x, w, nullptr, partials, p);                     \
     }
 
 LINEAR_FAST_DECODE(linear_bf16_fast_t1x1, 1, 1, 1)
@@ -53,3 +59,10 @@ LINEAR_FAST_DECODE(linear_bf16x3_fast_t1x1, 3, 1, 1)
 LINEAR_FAST_DECODE(linear_bf16x3_fast_t2x2, 3, 2, 2)
 LINEAR_FAST_DECODE(linear_bf16x3_fast_t4x2, 3, 4, 2)
 LINEAR_FAST_WIDE(linear_bf16x3_fast_wide, 3)
+LINEAR_FAST_WIDE_PART(linear_bf16_fast_wide_part, 1)
+LINEAR_FAST_WIDE_PART(linear_bf16x3_fast_wide_part, 3)
+
+extern "C" __global__ void linear_fast_reduce(const float* partials, float* y, LinearReduceParams p) {
+    grid_dependency_sync();
+    linear_fast::linear_fast_reduce(partials, y, p);
+}

@@ -13,7 +13,7 @@
 //! Both are one kernel body (the pieces a template parameter). Not bitwise equal to the CPU's
 //! sgemm order, but deterministic and batch invariant: K is cut into [`PARTS`] parts by `inp`
 //! alone, each summed in K order, the parts added in order, and the tile chosen by the shape
-//! ([`FastLinearTile`]: three decode tiles, a wide prefill tile) never changes an output's
+//! ([`FastLinearTile`]: three decode tiles, a wide prefill tile and its one-part form) never changes an output's
 //! arithmetic. A grouped weight ([`FastBf16Weight::upload_grouped`]: `wo_a`'s 8 groups) runs its
 //! groups as independent linears in one launch (grid z), each group bitwise its linear alone.
 //!
@@ -45,7 +45,7 @@ use half::bf16;
 use super::{Rounding, dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::params::LinearParams;
+use crate::params::{LinearParams, LinearReduceParams};
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "linear_bf16_fast";
@@ -160,6 +160,11 @@ pub enum FastLinearTile {
     /// Prefill: 128 rows × 256 columns a block, each warp 32 × 128 of them over all of K, the
     /// chunks staged in shared memory ([`WIDE_SHARED_BYTES`]).
     Wide,
+    /// Prefill with too few wide blocks to fill the device (a narrow output: the router's 384):
+    /// the wide block over one of the [`PARTS`] K parts (grid z: group × part,
+    /// [`WIDE_PART_SHARED_BYTES`]), its part's sums to a buffer that `linear_fast_reduce` adds
+    /// in part order: the additions of the wide tile's running total.
+    WidePart,
 }
 
 /// Dynamic shared memory of the wide tile (`linear_fast::WIDE_SHARED_BYTES`): the running totals
@@ -169,17 +174,23 @@ pub const WIDE_SHARED_BYTES: u32 = 128 * 4 * 256 + 3 * (128 * 32 * 4 + 256 * 32 
 /// The wide tile needs this many blocks (row tiles × column tiles × groups) to be taken: below,
 /// [`FastLinearTile::T4x2`]'s many blocks use more of the device.
 const WIDE_MIN_BLOCKS: usize = 32;
+/// Dynamic shared memory of the one-part wide tile (`linear_fast::WIDE_PART_SHARED_BYTES`): the
+/// wide tile's 3 stages, no running totals.
+pub const WIDE_PART_SHARED_BYTES: u32 = 3 * (128 * 32 * 4 + 256 * 32 * 2);
+/// Threads per block of the part reduction.
+const REDUCE_THREADS: u32 = 256;
 const _: () = assert!(
     WIDE_SHARED_BYTES <= 227 * 1024,
     "a block's shared memory on sm_90 and sm_100"
 );
 
 impl FastLinearTile {
-    pub const ALL: [FastLinearTile; 4] = [
+    pub const ALL: [FastLinearTile; 5] = [
         FastLinearTile::T1x1,
         FastLinearTile::T2x2,
         FastLinearTile::T4x2,
         FastLinearTile::Wide,
+        FastLinearTile::WidePart,
     ];
 
     fn kernel(self, product: FastProduct) -> KernelId {
@@ -188,10 +199,14 @@ impl FastLinearTile {
             (FastProduct::Bf16(_), FastLinearTile::T2x2) => KernelId::LinearBf16FastT2x2,
             (FastProduct::Bf16(_), FastLinearTile::T4x2) => KernelId::LinearBf16FastT4x2,
             (FastProduct::Bf16(_), FastLinearTile::Wide) => KernelId::LinearBf16FastWide,
+            (FastProduct::Bf16(_), FastLinearTile::WidePart) => KernelId::LinearBf16FastWidePart,
             (FastProduct::SplitBf16x3, FastLinearTile::T1x1) => KernelId::LinearBf16x3FastT1x1,
             (FastProduct::SplitBf16x3, FastLinearTile::T2x2) => KernelId::LinearBf16x3FastT2x2,
             (FastProduct::SplitBf16x3, FastLinearTile::T4x2) => KernelId::LinearBf16x3FastT4x2,
             (FastProduct::SplitBf16x3, FastLinearTile::Wide) => KernelId::LinearBf16x3FastWide,
+            (FastProduct::SplitBf16x3, FastLinearTile::WidePart) => {
+                KernelId::LinearBf16x3FastWidePart
+            }
         }
     }
 
@@ -201,26 +216,30 @@ impl FastLinearTile {
             FastLinearTile::T1x1 => (16, 8),
             FastLinearTile::T2x2 => (32, 16),
             FastLinearTile::T4x2 => (64, 16),
-            FastLinearTile::Wide => (128, 256),
+            FastLinearTile::Wide | FastLinearTile::WidePart => (128, 256),
         }
     }
 
     fn shared_bytes(self) -> u32 {
         match self {
             FastLinearTile::Wide => WIDE_SHARED_BYTES,
+            FastLinearTile::WidePart => WIDE_PART_SHARED_BYTES,
             _ => 0,
         }
     }
 
     /// The tile for `rows` rows of `groups` groups of `out` outputs each: by rows (more rows
-    /// share each weight load as they grow), the wide tile once it makes enough blocks.
+    /// share each weight load as they grow), the wide tile once it makes enough blocks, else
+    /// its one-part form (a block per part) from a full row tile on, once that does.
     fn choose(rows: usize, out: usize, groups: usize) -> FastLinearTile {
         let (wide_rows, wide_cols) = FastLinearTile::Wide.block();
+        let wide_blocks = rows.div_ceil(wide_rows) * out.div_ceil(wide_cols) * groups;
         match rows {
             0..=16 => FastLinearTile::T1x1,
             17..=64 => FastLinearTile::T2x2,
-            _ if rows.div_ceil(wide_rows) * out.div_ceil(wide_cols) * groups >= WIDE_MIN_BLOCKS => {
-                FastLinearTile::Wide
+            _ if wide_blocks >= WIDE_MIN_BLOCKS => FastLinearTile::Wide,
+            _ if rows >= wide_rows && wide_blocks * PARTS >= WIDE_MIN_BLOCKS => {
+                FastLinearTile::WidePart
             }
             _ => FastLinearTile::T4x2,
         }
@@ -229,11 +248,13 @@ impl FastLinearTile {
 
 /// The dynamic shared memory kernel `id` needs, if it is a wide tile (`None` otherwise).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
-    matches!(
-        id,
-        KernelId::LinearBf16FastWide | KernelId::LinearBf16x3FastWide
-    )
-    .then_some(WIDE_SHARED_BYTES)
+    match id {
+        KernelId::LinearBf16FastWide | KernelId::LinearBf16x3FastWide => Some(WIDE_SHARED_BYTES),
+        KernelId::LinearBf16FastWidePart | KernelId::LinearBf16x3FastWidePart => {
+            Some(WIDE_PART_SHARED_BYTES)
+        }
+        _ => None,
+    }
 }
 
 /// `y [rows, w.out] = x [rows, w.groups · w.inp] · wᵀ`, group by group (f32 storage), `x` taken
@@ -267,6 +288,7 @@ pub fn linear_bf16_fast_tiled(
         return Ok(());
     }
     let (tile_rows, tile_cols) = tile.block();
+    let one_part = tile == FastLinearTile::WidePart;
     let chunk_rows = MAX_GRID_Y * tile_rows;
     for first in (0..rows).step_by(chunk_rows) {
         let count = chunk_rows.min(rows - first);
@@ -278,33 +300,79 @@ pub fn linear_bf16_fast_tiled(
         };
         let x_rows = x.slice(first * x_width..(first + count) * x_width);
         let mut y_rows = y.slice_mut(first * w.out..(first + count) * w.out);
+        let z = if one_part { w.groups * PARTS } else { w.groups };
+        ensure(z <= MAX_GROUPS, OP, || {
+            format!("{} groups × {PARTS} parts (> {MAX_GROUPS})", w.groups)
+        })?;
         let grid = launch_config(
             (
                 dim(OP, "column tiles", group_out.div_ceil(tile_cols))?,
                 dim(OP, "row tiles", count.div_ceil(tile_rows))?,
-                dim(OP, "groups", w.groups)?,
+                dim(OP, "grid z", z)?,
             ),
             (32 * PARTS) as u32,
             tile.shared_bytes(),
         );
+        // The one-part tile's part sums, [PARTS][count][w.out].
+        let outputs = count * w.out;
+        // SAFETY: the one-part launch writes every part's sum of every row < count and column <
+        // w.out (grid: every column and row tile of every group and part) before the reduction
+        // reads them, in stream order; other tiles never allocate it.
+        let mut partials = match one_part {
+            true => Some(unsafe { rt.alloc_written::<f32>(PARTS * outputs) }.map_err(
+                KernelError::driver("allocating the fast linear's part sums"),
+            )?),
+            false => None,
+        };
         let mut launch = rt.launcher(tile.kernel(product))?;
-        launch
-            .arg(&x_rows)
-            .arg(&w.codes)
-            .arg(&mut y_rows)
-            .arg(&params);
-        // SAFETY: signature (const float* x, const uint4* w, float* y, LinearParams); x holds
-        // params.rows * groups * inp values and y params.rows * groups * params.out (checked
-        // above; grid.z = groups); w holds groups * params.out rows of inp.div_ceil(32) * 32
-        // bf16 (FastBf16Weight::upload_grouped), read 16 bytes at a time from 16-byte aligned
-        // chunks (the allocation is aligned, a row is a multiple of 64 bytes); x is read 16
-        // bytes at a time only when inp is a multiple of 4 (a row chunk starts at a multiple of
-        // groups * inp values: 16-byte aligned); the kernel bounds-checks rows, columns and k
-        // against params and offsets each group by them; the wide tile's dynamic shared memory
-        // is allowed at load (`dynamic_shared_bytes`, both wide kernels).
+        launch.arg(&x_rows).arg(&w.codes);
+        match partials.as_mut() {
+            Some(partials) => launch.arg(partials),
+            None => launch.arg(&mut y_rows),
+        };
+        launch.arg(&params);
+        // SAFETY: signature (const float* x, const uint4* w, float* y, LinearParams), the
+        // one-part tile's float* partials in y's place; x holds params.rows * groups * inp
+        // values and y params.rows * groups * params.out (checked above; grid.z = groups, the
+        // one-part tile's groups * PARTS), partials PARTS times y's; w holds groups * params.out
+        // rows of inp.div_ceil(32) * 32 bf16 (FastBf16Weight::upload_grouped), read 16 bytes at
+        // a time from 16-byte aligned chunks (the allocation is aligned, a row is a multiple of
+        // 64 bytes); x is read 16 bytes at a time only when inp is a multiple of 4 (a row chunk
+        // starts at a multiple of groups * inp values: 16-byte aligned); the kernel
+        // bounds-checks rows, columns and k against params and offsets each group by them; the
+        // wide tiles' dynamic shared memory is allowed at load (`dynamic_shared_bytes`).
         unsafe { launch.launch(grid) }?;
+        if let Some(partials) = &partials {
+            reduce_parts(rt, partials, &mut y_rows, outputs, product)?;
+        }
     }
     Ok(())
+}
+
+/// `y[i] = ((partials[0][i] + partials[1][i]) + …) + partials[PARTS − 1][i]` for `i < count`,
+/// rounded as `product` says (`linear_fast_reduce`).
+fn reduce_parts(
+    rt: &KernelRuntime,
+    partials: &CudaSlice<f32>,
+    y: &mut cudarc::driver::CudaViewMut<'_, f32>,
+    count: usize,
+    product: FastProduct,
+) -> Result<(), KernelError> {
+    let params = LinearReduceParams {
+        count: dim(OP, "outputs", count)?,
+        round_bf16: product.output().flag(),
+    };
+    let cfg = launch_config(
+        (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
+        REDUCE_THREADS,
+        0,
+    );
+    let mut launch = rt.launcher(KernelId::LinearFastReduce)?;
+    launch.arg(partials).arg(y).arg(&params);
+    // SAFETY: signature (const float* partials, float* y, LinearReduceParams); partials holds
+    // PARTS * count values (allocated so by the caller), y count (rows * w.out); the kernel
+    // strides over i < count.
+    unsafe { launch.launch(cfg) }
 }
 
 #[cfg(test)]
@@ -331,14 +399,37 @@ mod tests {
         for rows in [65, 128, 129, 1024, 4096] {
             assert_eq!(FastLinearTile::choose(rows, 1024, 8), FastLinearTile::Wide);
         }
-        // One group of 1024 outputs: 4 column tiles, 8 row tiles (897 rows on) make 32 blocks.
-        assert_eq!(FastLinearTile::choose(896, 1024, 1), FastLinearTile::T4x2);
+        // One group of 1024 outputs: 4 column tiles, 8 row tiles (897 rows on) make 32 blocks;
+        // below, the one-part tile's 8 blocks a wide block.
+        assert_eq!(
+            FastLinearTile::choose(896, 1024, 1),
+            FastLinearTile::WidePart
+        );
         assert_eq!(FastLinearTile::choose(897, 1024, 1), FastLinearTile::Wide);
-        // Narrow outputs (one column tile) want 32 row tiles.
-        assert_eq!(FastLinearTile::choose(1024, 256, 1), FastLinearTile::T4x2);
+        // Narrow outputs (one column tile) want 32 row tiles for the wide tile, 4 for its
+        // one-part form (the 1024-token prefill's router, 384 outputs: 16 wide blocks).
+        assert_eq!(
+            FastLinearTile::choose(1024, 384, 1),
+            FastLinearTile::WidePart
+        );
+        assert_eq!(
+            FastLinearTile::choose(1024, 256, 1),
+            FastLinearTile::WidePart
+        );
+        assert_eq!(
+            FastLinearTile::choose(385, 256, 1),
+            FastLinearTile::WidePart
+        );
+        assert_eq!(FastLinearTile::choose(384, 256, 1), FastLinearTile::T4x2);
         assert_eq!(FastLinearTile::choose(4096, 256, 1), FastLinearTile::Wide);
         assert_eq!(FastLinearTile::choose(4096, 257, 1), FastLinearTile::Wide);
+        // Less than a full row tile keeps the many small blocks.
         assert_eq!(FastLinearTile::choose(65, 7168, 1), FastLinearTile::T4x2);
+        assert_eq!(FastLinearTile::choose(127, 7168, 1), FastLinearTile::T4x2);
+        assert_eq!(
+            FastLinearTile::choose(128, 7168, 1),
+            FastLinearTile::WidePart
+        );
         assert_eq!(FastLinearTile::choose(129, 7168, 1), FastLinearTile::Wide);
     }
 
@@ -355,6 +446,7 @@ mod tests {
             KernelId::LinearBf16FastT2x2,
             KernelId::LinearBf16FastT4x2,
             KernelId::LinearBf16FastWide,
+            KernelId::LinearBf16FastWidePart,
         ];
         assert_eq!(kernels(FastProduct::Bf16(Rounding::Bf16)), bf16);
         assert_eq!(kernels(FastProduct::Bf16(Rounding::F32)), bf16);
@@ -364,7 +456,8 @@ mod tests {
                 KernelId::LinearBf16x3FastT1x1,
                 KernelId::LinearBf16x3FastT2x2,
                 KernelId::LinearBf16x3FastT4x2,
-                KernelId::LinearBf16x3FastWide
+                KernelId::LinearBf16x3FastWide,
+                KernelId::LinearBf16x3FastWidePart
             ]
         );
         // Only a bf16 product rounded to bf16 asks the kernel to round.
@@ -377,14 +470,21 @@ mod tests {
             assert!(rows % 16 == 0 && cols % 8 == 0, "{tile:?}");
         }
         // The wide tile's shared memory: 224 KiB, under the 227 KiB a block may opt into on
-        // sm_90 and sm_100; only it asks for dynamic shared memory.
+        // sm_90 and sm_100; its one-part form's 96 KiB (no totals); only they ask for dynamic
+        // shared memory.
         assert_eq!(WIDE_SHARED_BYTES, 224 * 1024);
+        assert_eq!(WIDE_PART_SHARED_BYTES, 96 * 1024);
         for id in KernelId::ALL {
-            let wide = matches!(
-                id,
-                KernelId::LinearBf16FastWide | KernelId::LinearBf16x3FastWide
-            );
-            assert_eq!(dynamic_shared_bytes(id).is_some(), wide, "{}", id.symbol());
+            let wide = match id {
+                KernelId::LinearBf16FastWide | KernelId::LinearBf16x3FastWide => {
+                    Some(WIDE_SHARED_BYTES)
+                }
+                KernelId::LinearBf16FastWidePart | KernelId::LinearBf16x3FastWidePart => {
+                    Some(WIDE_PART_SHARED_BYTES)
+                }
+                _ => None,
+            };
+            assert_eq!(dynamic_shared_bytes(id), wide, "{}", id.symbol());
         }
     }
 

@@ -181,8 +181,8 @@ fn fast_bf16_linear_is_batch_invariant() {
     );
 }
 
-/// The wide prefill tile gives, output for output, the bits of the one-row tile (T1x1) on the
-/// same rows, with bf16 and f32 outputs and for the split-x bf16x3 product: rows off its 128-row blocks, outputs off its 256
+/// The wide prefill tile and its one-part form give, output for output, the bits of the one-row
+/// tile (T1x1) on the same rows, with bf16 and f32 outputs and for the split-x bf16x3 product: rows off its 128-row blocks, outputs off its 256
 /// columns, inp off the 32-element chunk (a multiple of 4: 16-byte copies; not: 4-byte copies;
 /// fewer chunks than K parts: empty parts), grouped and not; and on the real grouped `wo_a`
 /// (8 groups of [1024, 4096]) at 1024 rows, where `linear_bf16_fast` takes it.
@@ -212,17 +212,19 @@ fn the_wide_tile_gives_the_bits_of_the_one_row_tile() {
             FastProduct::Bf16(Rounding::F32),
             FastProduct::SplitBf16x3,
         ] {
-            let wide = run_product(&rt, &x, rows, &dw, Some(FastLinearTile::Wide), output);
             let one = run_product(&rt, &x, rows, &dw, Some(FastLinearTile::T1x1), output);
             assert!(
                 one.iter().all(|v| v.is_finite()),
                 "{groups} x [{out}x{inp}] M={rows}: T1x1 left outputs unwritten"
             );
-            assert_eq!(
-                differing(&wide, &one),
-                0,
-                "{groups} x [{out}x{inp}] M={rows} {output:?}: the wide tile differs from T1x1"
-            );
+            for tile in [FastLinearTile::Wide, FastLinearTile::WidePart] {
+                let wide = run_product(&rt, &x, rows, &dw, Some(tile), output);
+                assert_eq!(
+                    differing(&wide, &one),
+                    0,
+                    "{groups} x [{out}x{inp}] M={rows} {output:?}: {tile:?} differs from T1x1"
+                );
+            }
         }
         if rows == 1024 {
             let picked = run(&rt, &x, rows, &dw, None);
