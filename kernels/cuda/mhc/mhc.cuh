@@ -279,24 +279,31 @@ __device__ void hc_collapse(const float* __restrict__ x, const float* __restrict
 }
 
 // out[t, k, d] = bf16(post[k] * y[t, d] + sum_j comb[j, k] * residual[t, j, d]) with token t's
-// mix = post [hc] ++ comb [hc, hc] (mix [tokens, hc + hc * hc]); t = blockIdx.y.
+// mix = post [hc] ++ comb [hc, hc] (mix [tokens, hc + hc * hc]); t = blockIdx.y. A thread takes
+// one d for every k: it reads the token's hc residual values of d once (hc <= MAX_HC).
 __device__ void hc_expand(const float* __restrict__ y, const float* __restrict__ residual,
                           const float* __restrict__ mix, float* __restrict__ out, HcElementwiseParams p) {
-    const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (unsigned long long)p.hc * p.dim) return;
+    const u32_t d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= p.dim) return;
     const size_t token = blockIdx.y;
     y += token * p.dim;
     residual += token * p.hc * p.dim;
     mix += token * (p.hc + p.hc * p.hc);
     out += token * p.hc * p.dim;
-    const u32_t k = (u32_t)(i / p.dim);
-    const u32_t d = (u32_t)(i % p.dim);
     const float* comb = mix + p.hc;
-    float mixed = 0.0f;
-    for (u32_t j = 0; j < p.hc; ++j)
-        mixed = __fadd_rn(mixed, __fmul_rn(comb[j * p.hc + k], residual[(size_t)j * p.dim + d]));
-    const float v = __fadd_rn(__fmul_rn(mix[k], y[d]), mixed);
-    out[i] = p.round_bf16 ? round_bf16_f32(v) : v;
+    float r[MAX_HC];
+#pragma unroll
+    for (u32_t j = 0; j < MAX_HC; ++j) r[j] = j < p.hc ? residual[(size_t)j * p.dim + d] : 0.0f;
+    const float yd = y[d];
+    for (u32_t k = 0; k < p.hc; ++k) {
+        float mixed = 0.0f;
+#pragma unroll
+        for (u32_t j = 0; j < MAX_HC; ++j) {
+            if (j < p.hc) mixed = __fadd_rn(mixed, __fmul_rn(comb[j * p.hc + k], r[j]));
+        }
+        const float v = __fadd_rn(__fmul_rn(mix[k], yd), mixed);
+        out[(size_t)k * p.dim + d] = p.round_bf16 ? round_bf16_f32(v) : v;
+    }
 }
 
 }  // namespace mhc

@@ -240,10 +240,12 @@ pub fn hc_expand_rows_f32(
     expect_len(OP, "y", y.len(), tokens * width)?;
     expect_len(OP, "residual", residual.len(), tokens * hc * width)?;
     expect_len(OP, "out", out.len(), tokens * hc * width)?;
-    let total = dim(OP, "hc * dim", hc * width)?;
+    ensure(hc <= MAX_HC, OP, || {
+        format!("hc = {hc} streams (at most {MAX_HC})")
+    })?;
     let cfg = launch_config(
         (
-            total.div_ceil(ELEMENTWISE_THREADS),
+            params.dim.div_ceil(ELEMENTWISE_THREADS),
             dim(OP, "tokens", tokens)?,
             1,
         ),
@@ -254,8 +256,8 @@ pub fn hc_expand_rows_f32(
     launch.arg(y).arg(residual).arg(mix).arg(out).arg(&params);
     // SAFETY: signature (const float* y, const float* residual, const float* mix, float* out,
     // HcElementwiseParams); y holds tokens * dim, residual and out tokens * hc * dim, mix tokens *
-    // (hc + hc²) values (checked above), grid.y = tokens <= the grid limit; the kernel
-    // bounds-checks its index.
+    // (hc + hc²) values (checked above), hc <= MAX_HC (the kernel's residual registers),
+    // grid.y = tokens <= the grid limit; the kernel bounds-checks d < dim.
     unsafe { launch.launch(cfg) }
 }
 
