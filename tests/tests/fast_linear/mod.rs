@@ -1,8 +1,9 @@
 //! The `fast` bf16 linear (`ops::linear_fast`, tensor cores) against an f64 computation of its
 //! bf16 operands within the bound derived in `kernels/src/ops/linear_fast.rs`
 //! (`e = (17 · ⌈K / 16⌉ + PARTS) · 2^-23 · Σ|x w|`, plus `2^-8 (|y| + e)` for the bf16 output);
-//! every tile gives the same bits, run after run — the wide prefill tile too, on rows, outputs
-//! and inputs off its block and chunk sizes, grouped and not, and on the real `wo_a` at 1024 rows;
+//! every tile gives the same bits, run after run — the wide prefill tile and its one-part form
+//! too, on rows, outputs and inputs off their block and chunk sizes, grouped and not, and on the
+//! real `wo_a` at 1024 rows;
 //! a row alone equals itself inside batches of 2 … 300 rows (negative control: a one-element
 //! change is seen); and `CudaBackend::linear_bf16`
 //! takes it in `fast` numerics while `exact` stays bitwise the CPU reference. The grouped form
