@@ -12,6 +12,10 @@
 #   bash .gpu/suite/gpu-suite.sh run     on the GPU machine, from the repository root with .gpu/
 #                                        carried along: runs every staged binary one test at a time
 #                                        and prints a table, then `N passed, M failed`
+#   bash .gpu/suite-K/gpu-suite.sh run   the same for part K: `stage` also splits the binaries into
+#                                        parts .gpu/suite-1, -2, ... (hard links) that each fit the
+#                                        device tool's carry (64 MB) beside the tracked tree, so
+#                                        each part is one call (`carry: [".gpu/suite-K"]`)
 #
 # The tests read the fixtures from tests/fixtures/ ($DEEPINFER_FIXTURES overrides the root). Logs
 # go to $GPU_SUITE_LOGS (default $OUT/gpu-suite when $OUT is set, else /tmp/gpu-suite).
@@ -48,6 +52,33 @@ stage() {
   cp "$0" .gpu/suite/gpu-suite.sh
   ls -s --block-size=K .gpu/suite/bin
   du -sh .gpu/suite | sed 's/^/gpu-suite: staged /'
+  split_parts
+}
+
+# .gpu/suite's binaries in parts .gpu/suite-K, first fit by size, largest first, each at most
+# 64 MB less the tracked files and 2 MiB (what a device call carries besides; a carry of 66.7 MB
+# in all was refused, 62.4 MB taken).
+split_parts() {
+  local tracked budget
+  tracked=$(git ls-files -z | xargs -0 stat -c %s | awk '{ s += $1 } END { print s + 0 }')
+  budget=$((64 * 1000 * 1000 - tracked - 2 * 1024 * 1024))
+  rm -rf .gpu/suite-[0-9]*
+  local used=() f size k placed
+  for f in $(ls -S .gpu/suite/bin/*.xz); do
+    size=$(stat -c %s "$f")
+    placed=0
+    for k in "${!used[@]}"; do
+      if [ $((used[k] + size)) -le "$budget" ]; then placed=1; break; fi
+    done
+    if [ "$placed" -eq 0 ]; then k=${#used[@]}; used[k]=0; fi
+    used[k]=$((used[k] + size))
+    mkdir -p ".gpu/suite-$((k + 1))/bin"
+    ln -f "$f" ".gpu/suite-$((k + 1))/bin/"
+    cp .gpu/suite/gpu-suite.sh ".gpu/suite-$((k + 1))/gpu-suite.sh"
+  done
+  for k in "${!used[@]}"; do
+    echo "gpu-suite: part .gpu/suite-$((k + 1)): $(ls .gpu/suite-$((k + 1))/bin | sed 's/\.xz$//' | tr '\n' ' ')($((used[k] / 1024)) KiB)"
+  done
 }
 
 run() {
