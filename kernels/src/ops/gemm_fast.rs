@@ -437,7 +437,13 @@ impl FastFp8Weight {
             .htod(&band_scales)
             .map_err(KernelError::driver("uploading fast FP8 weight scales"))?;
         let chunks = rt
-            .htod(&fragment_chunks(codes, out, inp, FP8_HALF_PIECE))
+            .htod(&fragment_chunks(
+                codes,
+                out,
+                inp,
+                FP8_HALF_PIECE,
+                copy_piece,
+            ))
             .map_err(KernelError::driver("uploading fast FP8 weight codes"))?;
         Ok(FastFp8Weight {
             out,
@@ -452,7 +458,7 @@ impl FastFp8Weight {
 /// An FP4 E2M1 weight `[out, inp]` (1×32 UE8M0 scales) laid out for the fast GEMM: `chunks`
 /// holds, per 16-row band and 128 codes of K, the band's packed codes as one 1 KiB chunk in mma
 /// fragment order (see [`fragment_chunks`], its 8 codes of a row re-packed by
-/// [`fp4_fragment_order`]); `band_scales` the UE8M0 bytes per band, k-group and row of the band
+/// [`fp4_piece_order`]); `band_scales` the UE8M0 bytes per band, k-group and row of the band
 /// (`[ceil(out / 16), inp / 32, 16]`, rows past `out` zero).
 #[derive(Debug, Clone)]
 pub struct FastFp4Weight {
@@ -477,12 +483,13 @@ impl FastFp4Weight {
             .htod(&fp4_band_scales(scales, out, inp / 32))
             .map_err(KernelError::driver("uploading fast FP4 weight scales"))?;
         let chunks = rt
-            .htod(&fp4_fragment_order(fragment_chunks(
+            .htod(&fragment_chunks(
                 packed,
                 out,
                 inp / 2,
                 FP4_HALF_PIECE,
-            )))
+                fp4_piece_order,
+            ))
             .map_err(KernelError::driver("uploading fast FP4 weight codes"))?;
         Ok(FastFp4Weight {
             out,
@@ -503,8 +510,15 @@ const FP4_HALF_PIECE: usize = 4;
 /// (rows 16b ..) and step s (codes 128s ..) the chunk at `(b · steps + s) · 256 · half` holds,
 /// for group j = 0..4 and lane = 0..32 (g = lane / 4, t = lane % 4), the `half` bytes of row
 /// 16b + g at codes 128s + 32j + 8t, then those of row 16b + g + 8: lane's A fragment of group
-/// j. Rows past `out` and codes past the row are zero.
-fn fragment_chunks(bytes: &[u8], out: usize, row_bytes: usize, half: usize) -> Vec<u8> {
+/// j, each `half` bytes written by `lay` (source, destination). Rows past `out` and codes past the
+/// row are zero.
+fn fragment_chunks(
+    bytes: &[u8],
+    out: usize,
+    row_bytes: usize,
+    half: usize,
+    lay: fn(&[u8], &mut [u8]),
+) -> Vec<u8> {
     let step_bytes = STEP_K / 8 * half;
     let chunk_bytes = BAND * step_bytes;
     let steps = row_bytes.div_ceil(step_bytes);
@@ -517,23 +531,26 @@ fn fragment_chunks(bytes: &[u8], out: usize, row_bytes: usize, half: usize) -> V
             let at = step_bytes * step + 4 * half * j + half * (lane % 4);
             if row < out && at < row_bytes {
                 let src = row * row_bytes + at;
-                dst.copy_from_slice(&bytes[src..src + half]);
+                lay(&bytes[src..src + half], dst);
             }
         }
     }
     chunks
 }
 
-/// FP4 chunks with each row's 8 codes of a lane (4 bytes, code 2i in the low nibble of byte i as
-/// in the checkpoint) re-packed as the kernel's `e2m1x8_to_e4m3` reads them: code i in the low
-/// nibble of byte i, code i + 4 in its high nibble.
-fn fp4_fragment_order(mut chunks: Vec<u8>) -> Vec<u8> {
-    for piece in chunks.chunks_exact_mut(FP4_HALF_PIECE) {
-        let code = |i: usize| (piece[i / 2] >> (4 * (i % 2))) & 0xf;
-        let order: [u8; 4] = std::array::from_fn(|i| code(i) | (code(i + 4) << 4));
-        piece.copy_from_slice(&order);
+/// A piece as it is (FP8 codes).
+fn copy_piece(src: &[u8], dst: &mut [u8]) {
+    dst.copy_from_slice(src);
+}
+
+/// A row's 8 FP4 codes of a lane (4 bytes, code 2i in the low nibble of byte i as in the
+/// checkpoint) re-packed as the kernel's `e2m1x8_to_e4m3` reads them: code i in the low nibble
+/// of byte i, code i + 4 in its high nibble.
+fn fp4_piece_order(src: &[u8], dst: &mut [u8]) {
+    let code = |i: usize| (src[i / 2] >> (4 * (i % 2))) & 0xf;
+    for (i, byte) in dst.iter_mut().enumerate() {
+        *byte = code(i) | (code(i + 4) << 4);
     }
-    chunks
 }
 
 /// FP4 row scales `[out, groups]` per 16-row band: `[ceil(out / 16)][groups][16]`, rows past
@@ -953,7 +970,7 @@ mod tests {
         // 20 rows (a partial second band), 160 inputs (a partial second step).
         let (out, inp) = (20usize, 160usize);
         let codes: Vec<u8> = (0..out * inp).map(|i| (i % 251) as u8 + 1).collect();
-        let chunks = fragment_chunks(&codes, out, inp, FP8_HALF_PIECE);
+        let chunks = fragment_chunks(&codes, out, inp, FP8_HALF_PIECE, copy_piece);
         const CHUNK: usize = 2048;
         assert_eq!(chunks.len(), 2 * 2 * CHUNK);
         let at = |band: usize, step: usize, j: usize, lane: usize, half: usize| {
@@ -976,7 +993,7 @@ mod tests {
         let (out, inp) = (20usize, 160usize);
         let row_bytes = inp / 2;
         let packed: Vec<u8> = (0..out * row_bytes).map(|i| (i % 251) as u8 + 1).collect();
-        let chunks = fragment_chunks(&packed, out, row_bytes, FP4_HALF_PIECE);
+        let chunks = fragment_chunks(&packed, out, row_bytes, FP4_HALF_PIECE, copy_piece);
         const CHUNK: usize = 1024;
         assert_eq!(chunks.len(), 2 * 2 * CHUNK);
         let at = |band: usize, step: usize, j: usize, lane: usize, half: usize| {
@@ -999,6 +1016,19 @@ mod tests {
         assert_eq!(at(1, 1, 0, 13, 1), &[0u8; 4]);
         // Group 1 of step 1 starts at code 160 = inp: zero.
         assert_eq!(at(1, 1, 1, 0, 0), &[0u8; 4]);
+        // The upload's layout: the same places, each piece re-packed (padding stays zero).
+        let laid = fragment_chunks(&packed, out, row_bytes, FP4_HALF_PIECE, fp4_piece_order);
+        for (piece, raw) in laid.chunks_exact(4).zip(chunks.chunks_exact(4)) {
+            let mut expected = [0u8; 4];
+            fp4_piece_order(raw, &mut expected);
+            assert_eq!(piece, expected);
+        }
+        // Row 1's bytes 24 .. 28 hold codes 48 .. 56: byte i the codes 48 + i and 52 + i.
+        let code = |c: usize| (packed[row_bytes + c / 2] >> (4 * (c % 2))) & 0xf;
+        let base = 256 + 6 * 8;
+        for i in 0..4 {
+            assert_eq!(laid[base + i], code(48 + i) | (code(52 + i) << 4));
+        }
     }
 
     #[test]
@@ -1028,7 +1058,7 @@ mod tests {
     #[test]
     fn the_kernels_e2m1_to_e4m3_conversion_is_exact_for_every_code_in_every_position() {
         // The kernel's e2m1x8_to_e4m3 (gemm_fast.cuh, these two lines) on a lane's 4 packed
-        // bytes after the upload's fp4_fragment_order: every byte is 2^-6 times its code's value.
+        // bytes after the upload's fp4_piece_order: every byte is 2^-6 times its code's value.
         let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
         for line in [
             "lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1c1c1c1cu);",
@@ -1052,7 +1082,8 @@ mod tests {
                 for other in 0..16u32 {
                     let neighbour = (position + 1) % 8;
                     let packed = (code << (4 * position)) | (other << (4 * neighbour));
-                    let laid = fp4_fragment_order(packed.to_le_bytes().to_vec());
+                    let mut laid = [0u8; 4];
+                    fp4_piece_order(&packed.to_le_bytes(), &mut laid);
                     let (lo, hi) =
                         convert(u32::from_le_bytes([laid[0], laid[1], laid[2], laid[3]]));
                     let bytes = (u64::from(hi) << 32) | u64::from(lo);

@@ -318,11 +318,12 @@ pub fn linear_bf16_fast_tiled(
         // SAFETY: the one-part launch writes every part's sum of every row < count and column <
         // w.out (grid: every column and row tile of every group and part) before the reduction
         // reads them, in stream order; other tiles never allocate it.
-        let mut partials = match one_part {
-            true => Some(unsafe { rt.alloc_written::<f32>(PARTS * outputs) }.map_err(
+        let mut partials = if one_part {
+            Some(unsafe { rt.alloc_written::<f32>(PARTS * outputs) }.map_err(
                 KernelError::driver("allocating the fast linear's part sums"),
-            )?),
-            false => None,
+            )?)
+        } else {
+            None
         };
         let mut launch = rt.launcher(tile.kernel(product))?;
         launch.arg(&x_rows).arg(&w.codes);
