@@ -481,8 +481,8 @@ mod tests {
             return;
         };
         let tile = "#include \"gemm/gemm_fast.cuh\"\n\
-                    GEMM_FAST(sweep_w1_s6_k1024, fastgemm::Fp8Chunks<32>, 32, 1, 8, 6, 1024)\n\
-                    GEMM_FAST_ROUTED(sweep_b16_w2_s6_k512, fastgemm::Fp4Chunks, 2, 16, 6, 512)\n";
+                    GEMM_FAST(sweep_w4_s6_k1024, fastgemm::Fp8Chunks<32>, 32, 4, 8, 6, 1024)\n\
+                    GEMM_FAST_ROUTED(sweep_b16_w4_s6_k512, fastgemm::Fp4Chunks, 4, 16, 6, 512)\n";
         let cubin = compiler
             .compile_text("tile.cu", tile, Arch::Sm90a)
             .unwrap_or_else(|err| panic!("{err}"));

@@ -171,15 +171,6 @@ pub enum KernelId {
     GemmFp4FastRoutedB64,
     /// Fast routed-expert FP4 GEMM over tiles of up to 128 rows of one expert.
     GemmFp4FastRoutedB128,
-    /// Fast FP8 GEMM, 32x32 weight tiles, the direct decode tile (8 token rows, weights streamed
-    /// into registers; the same bits as `GemmFp8FastT32B8`).
-    GemmFp8FastT32D8,
-    /// Fast FP8 GEMM, 128x128 weight tiles, the direct decode tile.
-    GemmFp8FastT128D8,
-    /// Fast FP4 GEMM, the direct decode tile.
-    GemmFp4FastD8,
-    /// Fast routed-expert FP4 GEMM, the direct decode tile (up to 8 rows of one expert).
-    GemmFp4FastRoutedD8,
     /// The fast GEMMs' K-part sums added in part order and rounded to bf16.
     GemmFastReduce,
     /// `GemmFp4G32` with one warp per output column over all of K (few rows).
@@ -330,7 +321,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 100] = [
+    pub const ALL: [KernelId; 96] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -356,10 +347,6 @@ impl KernelId {
         KernelId::GemmFp4FastRoutedB32,
         KernelId::GemmFp4FastRoutedB64,
         KernelId::GemmFp4FastRoutedB128,
-        KernelId::GemmFp8FastT32D8,
-        KernelId::GemmFp8FastT128D8,
-        KernelId::GemmFp4FastD8,
-        KernelId::GemmFp4FastRoutedD8,
         KernelId::GemmFastReduce,
         KernelId::GemmFp4G32Warp,
         KernelId::RmsNormBf16,
@@ -461,10 +448,6 @@ impl KernelId {
             KernelId::GemmFp4FastRoutedB32 => "gemm_fp4_fast_routed_b32",
             KernelId::GemmFp4FastRoutedB64 => "gemm_fp4_fast_routed_b64",
             KernelId::GemmFp4FastRoutedB128 => "gemm_fp4_fast_routed_b128",
-            KernelId::GemmFp8FastT32D8 => "gemm_fp8_fast_t32_d8",
-            KernelId::GemmFp8FastT128D8 => "gemm_fp8_fast_t128_d8",
-            KernelId::GemmFp4FastD8 => "gemm_fp4_fast_d8",
-            KernelId::GemmFp4FastRoutedD8 => "gemm_fp4_fast_routed_d8",
             KernelId::GemmFastReduce => "gemm_fast_reduce",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormBf16 => "rms_norm_bf16",
@@ -587,10 +570,6 @@ impl KernelId {
             | KernelId::GemmFp4FastRoutedB32
             | KernelId::GemmFp4FastRoutedB64
             | KernelId::GemmFp4FastRoutedB128
-            | KernelId::GemmFp8FastT32D8
-            | KernelId::GemmFp8FastT128D8
-            | KernelId::GemmFp4FastD8
-            | KernelId::GemmFp4FastRoutedD8
             | KernelId::GemmFastReduce => SourceFile::GemmFast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
             KernelId::RmsNormBf16 | KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => {
@@ -689,7 +668,7 @@ mod tests {
     }
 
     /// The tensor-core kernels are the `fast` ones (named so), less the part reductions of the
-    /// fast GEMMs and linears (plain fp32 adds): 31 of them.
+    /// fast GEMMs and linears (plain fp32 adds): 27 of them.
     #[test]
     fn tensor_core_kernels_are_the_fast_kernels_but_the_reductions() {
         for id in KernelId::ALL {
@@ -701,7 +680,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 31);
+        assert_eq!(count, 27);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 22] = [
+pub const HEADERS: [(&str, &str); 23] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/grid_dependency.cuh",
@@ -26,6 +26,7 @@ pub const HEADERS: [(&str, &str); 22] = [
         "gemm/gemm_block_scaled.cuh",
         include_str!("../cuda/gemm/gemm_block_scaled.cuh"),
     ),
+    ("gemm/wgmma.cuh", include_str!("../cuda/gemm/wgmma.cuh")),
     (
         "gemm/gemm_fast.cuh",
         include_str!("../cuda/gemm/gemm_fast.cuh"),

@@ -79,12 +79,11 @@ use gpu_support::gemm_data::{
 use gpu_support::{Rng, differing, prompt};
 
 /// Every tile a launch can be given.
-const TILES: [FastTile; 5] = [
+const TILES: [FastTile; 4] = [
     FastTile::Rows8,
     FastTile::Rows32,
     FastTile::Rows64,
     FastTile::Rows128,
-    FastTile::Direct8,
 ];
 
 fn open() -> KernelRuntime {

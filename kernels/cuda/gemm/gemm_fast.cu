@@ -9,27 +9,21 @@
 GEMM_FAST(gemm_fp8_fast_t32_b8, fastgemm::Fp8Chunks<32>, 32, 4, 8, 3, 256)
 GEMM_FAST(gemm_fp8_fast_t32_b32, fastgemm::Fp8Chunks<32>, 32, 4, 32, 3, 256)
 GEMM_FAST(gemm_fp8_fast_t32_b64, fastgemm::Fp8Chunks<32>, 32, 4, 64, 3, 256)
-GEMM_FAST(gemm_fp8_fast_t32_b128, fastgemm::Fp8Chunks<32>, 32, 8, 128, 3, 128)
+GEMM_FAST(gemm_fp8_fast_t32_b128, fastgemm::Fp8Chunks<32>, 32, 8, 128, 3, 256)
 GEMM_FAST(gemm_fp8_fast_t128_b8, fastgemm::Fp8Chunks<128>, 128, 4, 8, 3, 256)
 GEMM_FAST(gemm_fp8_fast_t128_b32, fastgemm::Fp8Chunks<128>, 128, 4, 32, 3, 256)
 GEMM_FAST(gemm_fp8_fast_t128_b64, fastgemm::Fp8Chunks<128>, 128, 4, 64, 3, 256)
-GEMM_FAST(gemm_fp8_fast_t128_b128, fastgemm::Fp8Chunks<128>, 128, 8, 128, 3, 128)
+GEMM_FAST(gemm_fp8_fast_t128_b128, fastgemm::Fp8Chunks<128>, 128, 8, 128, 3, 256)
 
 GEMM_FAST(gemm_fp4_fast_b8, fastgemm::Fp4Chunks, 32, 4, 8, 3, 256)
 GEMM_FAST(gemm_fp4_fast_b32, fastgemm::Fp4Chunks, 32, 4, 32, 3, 256)
 GEMM_FAST(gemm_fp4_fast_b64, fastgemm::Fp4Chunks, 32, 4, 64, 3, 256)
-GEMM_FAST(gemm_fp4_fast_b128, fastgemm::Fp4Chunks, 32, 8, 128, 3, 128)
+GEMM_FAST(gemm_fp4_fast_b128, fastgemm::Fp4Chunks, 32, 8, 128, 3, 256)
 
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b8, fastgemm::Fp4Chunks, 4, 8, 2, 512)
-GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b32, fastgemm::Fp4Chunks, 8, 32, 3, 256)
+GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b32, fastgemm::Fp4Chunks, 8, 32, 2, 256)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b64, fastgemm::Fp4Chunks, 8, 64, 3, 128)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b128, fastgemm::Fp4Chunks, 8, 128, 3, 128)
-
-// The direct decode tiles (8 token rows, 4 bands per block, 16 groups ahead; same bits as b8).
-GEMM_FAST_DIRECT(gemm_fp8_fast_t32_d8, fastgemm::Fp8Chunks<32>, 32, 4, 16)
-GEMM_FAST_DIRECT(gemm_fp8_fast_t128_d8, fastgemm::Fp8Chunks<128>, 128, 4, 16)
-GEMM_FAST_DIRECT(gemm_fp4_fast_d8, fastgemm::Fp4Chunks, 32, 4, 16)
-GEMM_FAST_ROUTED_DIRECT(gemm_fp4_fast_routed_d8, fastgemm::Fp4Chunks, 4, 16)
 
 extern "C" __global__ void gemm_fast_reduce(const float* partials, void* y, FastReduceParams p) {
     grid_dependency_sync();

@@ -1,5 +1,5 @@
-// The `fast` block-scaled GEMMs (ARCHITECTURE.md §3): tensor cores (mma.sync m16n8k32 e4m3, fp32
-// accumulation, sm_89+) with DeepGEMM-style promotion once per scale group along K:
+// The `fast` block-scaled GEMMs (ARCHITECTURE.md §3): tensor cores on E4M3 with fp32 sums and
+// DeepGEMM-style promotion once per scale group along K:
 //
 //   P_p = 0;  for every k-group g of K part p, in K order:  P_p = fma( T_g(m, n), s_w(n, g) * s_a(m, g), P_p )
 //   y[m, n] = out( (((P_0 + P_1) + P_2) + ...) )
@@ -14,21 +14,22 @@
 // by gemm_fast_reduce in part order), and every tile, decode or prefill, computes the same parts
 // and adds them in the same order. The routed experts' production launches use one part (enough
 // blocks per expert); their kernels take parts as the dense ones do (for the benchmark's sweep).
-// where T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and
-// E4M3 weights, started from zero (one mma for a 32-group; a chain of four for a 128-group, in K
-// order). Two weight formats share this one body:
+// T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and E4M3
+// weights, started from zero: one k32 MMA for a 32-group, a chain of four in K order for a
+// 128-group. On sm_90a that MMA is the warpgroup MMA (gemm/wgmma.cuh: Hopper's native FP8 path;
+// its mma.sync e4m3 form is an f16 emulation), elsewhere mma.sync m16n8k32; every tile of one
+// device uses the same one. Two weight formats share this one body:
 // - Fp8Chunks<G>: FP8 E4M3 weights with UE8M0 scales per G x G tile (expanded at upload to f32 per
 //   16-row band and k-group);
 // - Fp4Chunks: FP4 E2M1 weights with one UE8M0 scale per row and 32 columns (the routed experts).
 //   Every E2M1 value times 2^-6 is exactly an E4M3 value, so each code is converted to that
-//   E4M3 byte in registers (a few bit operations, exact), the same mma runs, and the weight scale
+//   E4M3 byte in registers (a few bit operations, exact), the same MMA runs, and the weight scale
 //   is applied times 2^6; T_g is then 2^-6 times the sum for FP8 weights of the codes' values,
 //   and the promotion's product the same.
-// The weights are the mma's A operand (16 output features per warp), the activation rows its B
-// operand (8 tokens per mma), so decode shapes (M = 1 ... 64) waste no weight bytes. Inside an
-// mma's 32 products the K order is permuted the same way in every tile (thread t of a quad holds
-// the codes 8t .. 8t + 8 of the group: 8t.. as k 4t.., 8t + 4.. as k 16 + 4t..), so a product's
-// place in the tensor core's sum is a function of its k alone.
+// The weights are the MMA's A operand (16 output features per warp, from registers), the
+// activation rows its B operand (8 tokens per n8 tile, from shared memory), so decode shapes
+// (M = 1 ... 64) waste no weight bytes. A code's k slot in the MMA is its place in the group
+// (thread t of a quad holds the codes 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of its rows).
 //
 // Token rows: DenseRows (rows [m0, m0 + BT) of y = a · wᵀ) or the routed experts' GatheredRows
 // (a tile of up to BT rows of one expert from group_routed_rows, moe/routed.cu: output row j
@@ -41,21 +42,24 @@
 // tests check it).
 //
 // Weights are re-laid at upload (ops/gemm_fast.rs, fragment_chunks): per 16-row band and 128
-// codes of K one contiguous chunk in mma fragment order ([group j][lane][row g: PIECE / 2 bytes,
-// row g + 8: PIECE / 2 bytes], PIECE = 16 bytes for FP8, 8 for FP4), so a warp streams its
-// band's weights as one contiguous range and reads a group's A fragment with one conflict-free
-// shared load; rows past N and K are zero.
+// codes of K one contiguous chunk in A fragment order ([group j][lane][row g: PIECE / 2 bytes,
+// row g + 8: PIECE / 2 bytes], PIECE = 16 bytes for FP8, 8 for FP4), so a warp reads a group's
+// A fragment with one conflict-free shared load; rows past N and K are zero.
 //
 // Pipeline: STAGES slots of shared memory, each holding the block's weight chunks and activation
-// rows for STEP codes of K (rows padded by 32 bytes: the 8-byte fragment loads of 8 rows x 4
-// threads hit distinct banks), the activations' scales of those groups and the weights' scales per
-// band, filled by cp.async STAGES - 1 steps ahead. Out-of-range rows, features and groups are
-// zero-filled and never stored. In a routed expert's tile (often part full) only the n8 token
-// tiles that hold a row, rounded up to a quarter of the tile, load, multiply and store: a tile
-// costs about the rows it has, its weights are still read once.
+// rows for STEP codes of K (the rows as the MMA's K-major B: [STEP / 16][BT rows][16 codes], 8
+// rows of 16 codes a contiguous core matrix), the activations' scales of those groups
+// ([groups][BT + 4] f32) and the weights' scales per band, filled by cp.async STAGES - 1 steps
+// ahead. On sm_90a each warpgroup keeps two sets of group sums, the next group's wgmma running
+// while a group is promoted. Out-of-range rows, features and groups are zero-filled and never
+// stored. In a routed
+// expert's tile (often part full) only the n8 token tiles that hold a row, rounded up to a
+// quarter of the tile, load, multiply and store: a tile costs about the rows it has, its weights
+// are still read once.
 #pragma once
 #include "common/grid_dependency.cuh"
 #include "common/numerics.cuh"
+#include "gemm/wgmma.cuh"
 
 namespace fastgemm {
 
@@ -66,22 +70,6 @@ template <u32_t N>
 struct RunTiles {
     static constexpr u32_t value = N;
 };
-
-// 16 / 8 bytes of global memory that no thread writes during the kernel, read once: through the
-// non-coherent path and not kept in L1 (the weights streamed by the direct tile).
-__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
 
 // d = A (16 x 32, row) * B (32 x 8, col) + c, E4M3 inputs, fp32 accumulation.
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32_t (&a)[4], u32_t b0, u32_t b1,
@@ -103,24 +91,20 @@ __device__ __forceinline__ void store_out(void* y, size_t i, float v, u32_t out_
     }
 }
 
-// FP8 weights: a lane's piece of a group is 16 bytes (8 of row g, 8 of row g + 8); the scale of a
+// FP8 weights: a lane's piece of a group is 16 bytes (row g's codes 4t .. 4t + 3 and 16 + 4t ..
+// 16 + 4t + 3, then row g + 8's: the A fragment's registers 0, 2, 1, 3); the scale of a
 // band and k-group is one f32 (a G x G tile covers the band's 16 rows).
 template <int G>
 struct Fp8Chunks {
     static constexpr u32_t PIECE = 16;
     static constexpr u32_t SCALE_BYTES = 4;
-    typedef uint4 Raw;  // a lane's piece as loaded
-    // The piece at `piece` in global memory, streamed (read once: not kept in L1).
-    static __device__ __forceinline__ Raw stream(const u8_t* piece) { return ld_stream_v4(piece); }
-    // The A fragment of a piece (rows g / g + 8, codes 8t .. 8t + 8 of the group).
-    static __device__ __forceinline__ void unpack(const Raw& v, u32_t (&frag)[4]) {
+    // The A fragment of a piece: row g's codes 4t .. and 16 + 4t .., then row g + 8's.
+    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
+        const uint4 v = *reinterpret_cast<const uint4*>(piece);
         frag[0] = v.x;
         frag[1] = v.z;
         frag[2] = v.y;
         frag[3] = v.w;
-    }
-    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
-        unpack(*reinterpret_cast<const Raw*>(piece), frag);
     }
     // The weight scales of rows g and g + 8 of the band for the stage's group gq.
     static __device__ __forceinline__ float2 scales(const u8_t* band_scales, u32_t gq, u32_t /*g*/) {
@@ -129,9 +113,10 @@ struct Fp8Chunks {
     }
 };
 
-// The 8 E2M1 codes of `w` as E4M3 bytes worth 2^-6 times their value: codes 0..3 in `lo`, 4..7
-// in `hi` (byte i = code i). The upload puts code i in the low nibble of byte i and code i + 4 in
-// its high nibble (ops/gemm_fast.rs, fp4_fragment_order). An E2M1 code s|ee|m placed as the E4M3
+// The 8 E2M1 codes of `w` as E4M3 bytes worth 2^-6 times their value: the low nibbles' codes in
+// `lo`, the high nibbles' in `hi` (byte i of each from byte i of w). The upload puts a row's codes
+// 4t + i in the low nibble of byte i and 16 + 4t + i in its high nibble (ops/gemm_fast.rs,
+// fp4_piece_order): `lo` and `hi` are then the A fragment's two registers of that row. An E2M1 code s|ee|m placed as the E4M3
 // byte s|00ee|m00 is that value exactly: ee = 0 gives the E4M3 subnormal m 2^-1 2^-6 (E2M1's
 // subnormal m 2^-1), ee > 0 the normal (1 + m/2) 2^(ee - 7) = 2^-6 (1 + m/2) 2^(ee - 1). The
 // factor 2^6 goes back with the weight scale (Fp4Chunks::scales): the products, and so the tensor
@@ -146,20 +131,16 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(u32_t w, u32_t& lo, u32_t& hi) {
 // occurs in checkpoints).
 __device__ __forceinline__ float e8m0_times_64(u8_t e) { return __uint_as_float(min((u32_t)e + 6u, 255u) << 23); }
 
-// FP4 weights: a lane's piece of a group is 8 bytes (the 4 packed bytes of row g's codes 8t ..
-// 8t + 8 in e2m1x8_to_e4m3's order, then row g + 8's); the scales of a band and k-group are the
+// FP4 weights: a lane's piece of a group is 8 bytes (the 4 packed bytes of row g's codes 4t ..
+// 4t + 3 and 16 + 4t .. 16 + 4t + 3 in e2m1x8_to_e4m3's order, then row g + 8's); the scales of a band and k-group are the
 // 16 rows' UE8M0 bytes, applied times 2^6 (the conversion's factor, e8m0_times_64).
 struct Fp4Chunks {
     static constexpr u32_t PIECE = 8;
     static constexpr u32_t SCALE_BYTES = 16;
-    typedef uint2 Raw;
-    static __device__ __forceinline__ Raw stream(const u8_t* piece) { return ld_stream_v2(piece); }
-    static __device__ __forceinline__ void unpack(const Raw& v, u32_t (&frag)[4]) {
+    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
+        const uint2 v = *reinterpret_cast<const uint2*>(piece);
         e2m1x8_to_e4m3(v.x, frag[0], frag[2]);
         e2m1x8_to_e4m3(v.y, frag[1], frag[3]);
-    }
-    static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
-        unpack(*reinterpret_cast<const Raw*>(piece), frag);
     }
     static __device__ __forceinline__ float2 scales(const u8_t* band_scales, u32_t gq, u32_t g) {
         return make_float2(e8m0_times_64(band_scales[16 * gq + g]), e8m0_times_64(band_scales[16 * gq + g + 8]));
@@ -194,18 +175,22 @@ __device__ __forceinline__ void store_tile(const float (&acc)[4], u32_t feature,
     }
 }
 
-// Shared-memory layout of one stage of STEP codes of K.
+// Shared-memory layout of one stage of STEP codes of K: the block's weight chunks, the token rows
+// as the MMA's K-major B ([STEP / 16][BT][16 codes]: 8 rows of 16 codes a contiguous core
+// matrix, the next 16 codes BT * 16 bytes on), their scales ([STEP / G][SA_ROW] f32: a token
+// pair's two scales one 8-byte load; rows of BT + 4 so that a warp's copies of 4 rows' 8 groups
+// hit 32 banks) and the bands' weight scales ([WARPS][STEP / G]).
 template <class W, int G, int WARPS, int BT, int STEP>
 struct Stage {
-    static constexpr u32_t FEATS = 16 * WARPS;
     static constexpr u32_t CHUNK = 128 * W::PIECE;  // one band's weights of STEP_K codes
     static constexpr u32_t SUB = STEP / STEP_K;     // weight chunks per band and stage
-    static constexpr u32_t ROW = STEP + 32;         // padded activation row
     static constexpr u32_t GPS = STEP / G;          // groups per stage
+    static constexpr u32_t HALF = BT * 16;          // one 16-code column of B
+    static constexpr u32_t SA_ROW = BT + 4;         // f32 per group of the scales
     static constexpr u32_t W_OFF = 0;
-    static constexpr u32_t A_OFF = W_OFF + WARPS * SUB * CHUNK;
-    static constexpr u32_t SA_OFF = A_OFF + BT * ROW;
-    static constexpr u32_t SW_OFF = SA_OFF + 4 * BT * GPS;  // a multiple of 16 (BT % 8 == 0)
+    static constexpr u32_t B_OFF = W_OFF + WARPS * SUB * CHUNK;
+    static constexpr u32_t SA_OFF = B_OFF + BT * STEP;
+    static constexpr u32_t SW_OFF = SA_OFF + 4 * SA_ROW * GPS;  // a multiple of 16 (BT % 8 == 0)
     static constexpr u32_t BYTES = (SW_OFF + W::SCALE_BYTES * WARPS * GPS + 15) / 16 * 16;
 };
 
@@ -220,16 +205,55 @@ struct DenseRows {
 };
 
 // The token rows of one routed tile: tile row r < count writes output row rows[r] and reads
-// activation row rows[r] / x_row_div (rows in shared memory, written before the body runs).
+// activation row a_rows[r] (rows[r] / x_row_div; both in shared memory, written before the body
+// runs).
 struct GatheredRows {
     static constexpr bool PART_FULL = true;  // an expert's tile holds 1 .. BT rows
     const u32_t* rows;
+    const u32_t* a_rows;
     u32_t count;
-    u32_t x_row_div;
     __device__ __forceinline__ bool valid(u32_t r) const { return r < count; }
-    __device__ __forceinline__ size_t a_row(u32_t r) const { return rows[r] / x_row_div; }
+    __device__ __forceinline__ size_t a_row(u32_t r) const { return a_rows[r]; }
     __device__ __forceinline__ size_t y_row(u32_t r) const { return rows[r]; }
 };
+
+// The sums of one group for RUN n8 token tiles, from zero: T (d) = the LINKS k32 MMAs of the
+// group's A fragments `frag` (in K order) against B at `b` (the group's first 16-code column of
+// the stage; the next is Stage::HALF bytes on, the next k32 two columns on). On sm_90a one
+// warpgroup MMA per k32 over all RUN tiles (the warpgroup's four warps issue it together),
+// committed as one group and left in flight: d is complete after wgmma::wait (the caller's).
+// Elsewhere mma.sync per k32 and n8 tile (B's fragment: token g's codes 4t .. and 16 + 4t ..),
+// complete on return.
+template <u32_t RUN, u32_t LINKS, u32_t HALF>
+__device__ __forceinline__ void group_sums(float (&d)[RUN][4], const u32_t (&frag)[LINKS][4], const u8_t* b, u32_t g,
+                                           u32_t t) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wgmma::fence();  // the fragments, and d's last reads, before the wgmmas
+#pragma unroll
+    for (u32_t j = 0; j < LINKS; ++j) {
+        const unsigned long long desc = wgmma::desc(b + 2 * j * HALF, HALF, 128);
+        if (j == 0) {
+            wgmma::E4m3<8 * RUN>::template run<0>(d, frag[j], desc);  // from zero
+        } else {
+            wgmma::E4m3<8 * RUN>::template run<1>(d, frag[j], desc);
+        }
+    }
+    wgmma::commit();
+#else
+#pragma unroll
+    for (u32_t i = 0; i < RUN; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
+#pragma unroll
+    for (u32_t j = 0; j < LINKS; ++j) {
+#pragma unroll
+        for (u32_t i = 0; i < RUN; ++i) {
+            const u8_t* row = b + 2 * j * HALF + (8 * i + g) * 16 + 4 * t;
+            const u32_t b0 = *reinterpret_cast<const u32_t*>(row);
+            const u32_t b1 = *reinterpret_cast<const u32_t*>(row + HALF);
+            mma_e4m3(d[i], frag[j], b0, b1, d[i]);
+        }
+    }
+#endif
+}
 
 // One block's tile: output features [n0, n0 + 16 WARPS) of the BT token rows `rows` over the K
 // codes [k_begin, k_end) (one part: k_begin a multiple of STEP, k_end = min(k, part end)), STEP
@@ -237,7 +261,8 @@ struct GatheredRows {
 // order of any addition). a: E4M3 activation codes [*, k]; sa: f32 [*, k / G]; w: weight chunks
 // [ceil(n / 16)][ceil(k / 128)][CHUNK]; ws: weight scales per band [ceil(n / 16)][k / G]
 // [SCALE_BYTES]; the part's sums go to `partial` (f32 [*, n]) when it is not null, else to y
-// ([*, n], bf16 or f32 by out_f32: the launch has one part). k % G == 0, k % 32 == 0.
+// ([*, n], bf16 or f32 by out_f32: the launch has one part). k % G == 0, k % 32 == 0. WARPS is a
+// multiple of 4 (whole warpgroups); every warp runs every group, bands past n on zero weights.
 template <class W, int G, int WARPS, int BT, int STAGES, int STEP, class Rows>
 __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                const u8_t* __restrict__ w, const u8_t* __restrict__ ws, void* __restrict__ y,
@@ -245,9 +270,11 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
                                u32_t k_end, u32_t n0, const Rows& rows) {
     static_assert(G == 32 || G == 128, "32- or 128-groups");
     static_assert(BT % 8 == 0 && STAGES >= 2 && STEP % STEP_K == 0, "tile");
+    static_assert(WARPS % 4 == 0, "whole warpgroups");
     typedef Stage<W, G, WARPS, BT, STEP> L;
     constexpr u32_t THREADS = WARPS * 32;
     constexpr u32_t TILES = BT / 8;  // n8 token tiles per warp
+    constexpr u32_t LINKS = G / 32;  // k32 MMAs per group
     constexpr u32_t CHUNK = L::CHUNK;
     extern __shared__ __align__(16) u8_t smem[];
 
@@ -269,47 +296,54 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     u32_t run_tiles = TILES;
     if constexpr (Rows::PART_FULL) run_tiles = (rows.count + 8 * QUARTER - 1) / (8 * QUARTER) * QUARTER;
 
-    auto load_stage = [&](u32_t local, u32_t slot) {
-        u8_t* base = smem + slot * L::BYTES;
-        const u32_t step = step0 + local;
-        const u32_t k0 = step * STEP;
-        for (u32_t c = threadIdx.x; c < WARPS * L::SUB * (CHUNK / 16); c += THREADS) {
-            const u32_t band = n0 / 16 + c / (L::SUB * (CHUNK / 16));
-            const u32_t chunk = step * L::SUB + (c / (CHUNK / 16)) % L::SUB;
-            const bool ok = band < bands && chunk < chunks;
-            const size_t src = ((size_t)band * chunks + chunk) * CHUNK + (c % (CHUNK / 16)) * 16;
-            cp_async16(base + L::W_OFF + c * 16, ok ? w + src : w, ok);
-        }
-        for (u32_t c = threadIdx.x; c < 8 * run_tiles * (STEP / 16); c += THREADS) {  // rows past them unread
-            const u32_t row = c / (STEP / 16), col = (c % (STEP / 16)) * 16;
-            const bool ok = rows.valid(row) && k0 + col < k;
-            cp_async16(base + L::A_OFF + row * L::ROW + col, ok ? a + rows.a_row(row) * k + k0 + col : a, ok);
-        }
-        for (u32_t c = threadIdx.x; c < 8 * run_tiles * L::GPS; c += THREADS) {
-            const u32_t row = c / L::GPS, gi = k0 / G + c % L::GPS;
-            const bool ok = rows.valid(row) && gi < groups;
-            cp_async4(base + L::SA_OFF + 4 * c, ok ? sa + rows.a_row(row) * groups + gi : sa, ok);
-        }
-        for (u32_t c = threadIdx.x; c < WARPS * L::GPS; c += THREADS) {
-            const u32_t band = n0 / 16 + c / L::GPS, gi = k0 / G + c % L::GPS;
-            const bool ok = band < bands && gi < groups;
-            const u8_t* src = ws + ((size_t)band * groups + gi) * W::SCALE_BYTES;
-            u8_t* dst = base + L::SW_OFF + W::SCALE_BYTES * c;
-            if constexpr (W::SCALE_BYTES == 16) {
-                cp_async16(dst, ok ? src : ws, ok);
-            } else {
-                cp_async4(dst, ok ? src : ws, ok);
-            }
-        }
-    };
-
     // The K loop over RUN (a compile-time count, RunTiles<RUN>) n8 token tiles.
     auto run = [&](auto count) {
         constexpr u32_t RUN = decltype(count)::value;
+        constexpr u32_t RUN_ROWS = 8 * RUN;
+        // Stage `local` of the part into slot `slot`: the rows past RUN_ROWS are never read.
+        auto load_stage = [&](u32_t local, u32_t slot) {
+            u8_t* base = smem + slot * L::BYTES;
+            const u32_t step = step0 + local;
+            const u32_t k0 = step * STEP;
+            for (u32_t c = threadIdx.x; c < WARPS * L::SUB * (CHUNK / 16); c += THREADS) {
+                const u32_t band = n0 / 16 + c / (L::SUB * (CHUNK / 16));
+                const u32_t chunk = step * L::SUB + (c / (CHUNK / 16)) % L::SUB;
+                const bool ok = band < bands && chunk < chunks;
+                const size_t src = ((size_t)band * chunks + chunk) * CHUNK + (c % (CHUNK / 16)) * 16;
+                cp_async16(base + L::W_OFF + c * 16, ok ? w + src : w, ok);
+            }
+            // 16 codes of a row a copy, two consecutive threads on the 32 bytes of a row (one
+            // global sector), the pairs on consecutive rows.
+            for (u32_t c = threadIdx.x; c < RUN_ROWS * (STEP / 16); c += THREADS) {
+                const u32_t pair = c / 2, row = pair % RUN_ROWS;
+                const u32_t col = (2 * (pair / RUN_ROWS) + c % 2) * 16;
+                const bool ok = rows.valid(row) && k0 + col < k;
+                cp_async16(base + L::B_OFF + (col / 16) * L::HALF + row * 16,
+                           ok ? a + rows.a_row(row) * k + k0 + col : a, ok);
+            }
+            // A row's scales of the stage's groups from consecutive threads (one sector).
+            for (u32_t c = threadIdx.x; c < RUN_ROWS * L::GPS; c += THREADS) {
+                const u32_t row = c / L::GPS, gq = c % L::GPS, gi = k0 / G + gq;
+                const bool ok = rows.valid(row) && gi < groups;
+                cp_async4(base + L::SA_OFF + 4 * (gq * L::SA_ROW + row),
+                          ok ? sa + rows.a_row(row) * groups + gi : sa, ok);
+            }
+            for (u32_t c = threadIdx.x; c < WARPS * L::GPS; c += THREADS) {
+                const u32_t band = n0 / 16 + c / L::GPS, gi = k0 / G + c % L::GPS;
+                const bool ok = band < bands && gi < groups;
+                const u8_t* src = ws + ((size_t)band * groups + gi) * W::SCALE_BYTES;
+                u8_t* dst = base + L::SW_OFF + W::SCALE_BYTES * c;
+                if constexpr (W::SCALE_BYTES == 16) {
+                    cp_async16(dst, ok ? src : ws, ok);
+                } else {
+                    cp_async4(dst, ok ? src : ws, ok);
+                }
+            }
+        };
+
         float acc[RUN][4];
 #pragma unroll
         for (u32_t i = 0; i < RUN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-        const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
 #pragma unroll
         for (u32_t s = 0; s + 1 < (u32_t)STAGES; ++s) {
@@ -318,6 +352,9 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
         }
         for (u32_t step = 0; step < steps; ++step) {
             cp_async_wait<STAGES - 2>();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+            wgmma::fence_proxy_async();  // this thread's copies, visible to the wgmmas' reads
+#endif
             __syncthreads();  // this stage is in; every thread is done with the slot refilled below
             const u32_t next = step + STAGES - 1;
             if (next < steps) load_stage(next, next % STAGES);
@@ -325,56 +362,58 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
 
             const u8_t* base = smem + (step % STAGES) * L::BYTES;
             const u8_t* w_piece = base + L::W_OFF + warp * L::SUB * CHUNK + lane * W::PIECE;
-            const u8_t* a_row = base + L::A_OFF + g * L::ROW + 8 * t;
             const float* s_a = reinterpret_cast<const float*>(base + L::SA_OFF);
             const u8_t* s_w = base + L::SW_OFF + warp * L::GPS * W::SCALE_BYTES;
-            const u32_t k0 = (step0 + step) * STEP;
-            // The A fragment of the stage's 32-code group q: chunk q / 4, group q % 4 in it.
-            auto fragment = [&](u32_t q, u32_t (&frag)[4]) {
-                W::fragment(w_piece + (q / 4) * CHUNK + (q % 4) * 32 * W::PIECE, frag);
+            // Group gq's sums into d: its k32s' A fragments (32-group q of the stage is group
+            // q % 4 of chunk q / 4), then the MMAs.
+            auto sums = [&](u32_t gq, float (&d)[RUN][4]) {
+                u32_t frag[LINKS][4];
+#pragma unroll
+                for (u32_t j = 0; j < LINKS; ++j) {
+                    const u32_t q = gq * LINKS + j;
+                    W::fragment(w_piece + (q / 4) * CHUNK + (q % 4) * 32 * W::PIECE, frag[j]);
+                }
+                group_sums<RUN, LINKS, L::HALF>(d, frag, base + L::B_OFF + 2 * gq * LINKS * L::HALF, g, t);
             };
-            if constexpr (G == 32) {
+            // acc += group gq's sums d, promoted.
+            auto promote_group = [&](u32_t gq, const float (&d)[RUN][4]) {
+                const float2 sw = W::scales(s_w, gq, g);
 #pragma unroll
-                for (u32_t q = 0; q < STEP / 32; ++q) {
-                    if (k0 + 32 * q >= k) break;  // uniform: the group is past K
-                    u32_t frag[4];
-                    fragment(q, frag);
-                    const float2 sw = W::scales(s_w, q, g);
-#pragma unroll
-                    for (u32_t i = 0; i < RUN; ++i) {
-                        const uint2 b = *reinterpret_cast<const uint2*>(a_row + i * 8 * L::ROW + 32 * q);
-                        float c[4];
-                        mma_e4m3(c, frag, b.x, b.y, zero);
-                        promote(acc[i], c, sw, s_a[(i * 8 + 2 * t) * L::GPS + q],
-                                s_a[(i * 8 + 2 * t + 1) * L::GPS + q]);
-                    }
+                for (u32_t i = 0; i < RUN; ++i) {
+                    const float2 s = *reinterpret_cast<const float2*>(s_a + gq * L::SA_ROW + i * 8 + 2 * t);
+                    promote(acc[i], d[i], sw, s.x, s.y);
                 }
-            } else {
+            };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+            // Two sets of sums: group gq + 1's wgmmas run while group gq is promoted; the stage's
+            // last group is waited for in full, so the slot is free at the next barrier. Straight
+            // code over every group of the stage (no branch between a wgmma and its wait, which
+            // ptxas would answer by waiting at once): a group past K has zero codes and scales,
+            // so its promotion adds fma(0, 0, acc) = acc (acc is never -0: it starts at +0 and a
+            // sum that rounds to zero is +0), the bits of skipping it.
+            float d[2][RUN][4];
+            sums(0, d[0]);
 #pragma unroll
-                for (u32_t gq = 0; gq < L::GPS; ++gq) {
-                    if (k0 + 128 * gq >= k) break;  // uniform: the group is past K
-                    float c[RUN][4];
-#pragma unroll
-                    for (u32_t i = 0; i < RUN; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
-#pragma unroll
-                    for (u32_t j = 0; j < 4; ++j) {
-                        u32_t frag[4];
-                        fragment(4 * gq + j, frag);
-#pragma unroll
-                        for (u32_t i = 0; i < RUN; ++i) {
-                            const uint2 b =
-                                *reinterpret_cast<const uint2*>(a_row + i * 8 * L::ROW + 128 * gq + 32 * j);
-                            mma_e4m3(c[i], frag, b.x, b.y, c[i]);
-                        }
-                    }
-                    const float2 sw = W::scales(s_w, gq, g);
-#pragma unroll
-                    for (u32_t i = 0; i < RUN; ++i) {
-                        promote(acc[i], c[i], sw, s_a[(i * 8 + 2 * t) * L::GPS + gq],
-                                s_a[(i * 8 + 2 * t + 1) * L::GPS + gq]);
-                    }
+            for (u32_t gq = 0; gq < L::GPS; ++gq) {
+                if (gq + 1 < L::GPS) {
+                    sums(gq + 1, d[(gq + 1) % 2]);
+                    wgmma::wait<1>();
+                } else {
+                    wgmma::wait<0>();
                 }
+                wgmma::pin(d[gq % 2]);
+                promote_group(gq, d[gq % 2]);
             }
+#else
+            const u32_t k0 = (step0 + step) * STEP;
+#pragma unroll
+            for (u32_t gq = 0; gq < L::GPS; ++gq) {
+                if (k0 + G * gq >= k) break;  // uniform: the group is past K
+                float d[RUN][4];
+                sums(gq, d);
+                promote_group(gq, d);
+            }
+#endif
         }
         cp_async_wait<0>();
 
@@ -395,116 +434,6 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     }
 }
 
-// The direct decode tile: 8 token rows, one 16-row weight band per warp, the same sums as
-// gemm_fast_tile (the same mma per group from zero, the same promotions in K order, so the same
-// bits) with the weights loaded straight into registers instead of through shared memory: a
-// warp's band of a K part is one contiguous range (the chunk layout), which it streams UNROLL
-// groups ahead (two register batches: the next batch loads while the current one multiplies).
-// Only the block's activation rows of the part and their scales go through shared memory, once
-// ([8][codes + 32] bytes, then [8][codes / G] f32: dynamic shared memory of
-// 8 (codes + 32) + 32 codes / G bytes, codes = the part's span).
-template <class W, int G, int WARPS, int UNROLL, class Rows>
-__device__ void gemm_fast_direct(const u8_t* __restrict__ a, const float* __restrict__ sa,
-                                 const u8_t* __restrict__ w, const u8_t* __restrict__ ws, void* __restrict__ y,
-                                 u32_t out_f32, float* __restrict__ partial, u32_t n, u32_t k, u32_t k_begin,
-                                 u32_t k_end, u32_t n0, const Rows& rows) {
-    static_assert(G == 32 || G == 128, "32- or 128-groups");
-    static_assert(UNROLL % 4 == 0, "a 128-group's chain stays in one batch");
-    constexpr u32_t BT = 8;
-    constexpr u32_t THREADS = WARPS * 32;
-    constexpr u32_t GROUP_BYTES = 32 * W::PIECE;  // one 32-code group of a band, every lane's piece
-    typedef typename W::Raw Raw;
-    extern __shared__ __align__(16) u8_t smem[];
-
-    const u32_t warp = threadIdx.x / 32;
-    const u32_t lane = threadIdx.x % 32;
-    const u32_t g = lane / 4;
-    const u32_t t = lane % 4;
-    const u32_t groups = k / G;
-    const u32_t bands = (n + 15) / 16;
-    const u32_t chunks = (k + STEP_K - 1) / STEP_K;  // per band
-    const u32_t codes = k_end - k_begin;             // a multiple of 32
-    const u32_t row_bytes = codes + 32;              // padded as a stage's rows
-    const u32_t part_groups = codes / G;
-    u8_t* const acts = smem;
-    float* const act_scales = reinterpret_cast<float*>(smem + BT * row_bytes);
-
-    for (u32_t c = threadIdx.x; c < BT * (codes / 16); c += THREADS) {
-        const u32_t row = c / (codes / 16), col = (c % (codes / 16)) * 16;
-        const bool ok = rows.valid(row);
-        cp_async16(acts + row * row_bytes + col, ok ? a + rows.a_row(row) * k + k_begin + col : a, ok);
-    }
-    for (u32_t c = threadIdx.x; c < BT * part_groups; c += THREADS) {
-        const u32_t row = c / part_groups, gi = k_begin / G + c % part_groups;
-        const bool ok = rows.valid(row);
-        cp_async4(act_scales + c, ok ? sa + rows.a_row(row) * groups + gi : sa, ok);
-    }
-    cp_async_commit();
-
-    const u32_t band = n0 / 16 + warp;
-    const bool live = band < bands;
-    const u32_t q_begin = k_begin / 32;  // the part's 32-code groups [q_begin, q_end)
-    const u32_t q_end = k_end / 32;
-    // Group q of the band: chunk q / 4, group q % 4 in it, i.e. q * GROUP_BYTES from the band.
-    const u8_t* const w_lane = w + (size_t)band * chunks * (STEP_K * W::PIECE) + lane * W::PIECE;
-    Raw cur[UNROLL], next[UNROLL];
-    // A batch of groups from q0; the slots past the part are zero (never multiplied).
-    auto load = [&](u32_t q0, Raw (&batch)[UNROLL]) {
-#pragma unroll
-        for (u32_t j = 0; j < UNROLL; ++j) {
-            batch[j] = live && q0 + j < q_end ? W::stream(w_lane + (size_t)(q0 + j) * GROUP_BYTES) : Raw{};
-        }
-    };
-    load(q_begin, cur);  // in flight while the activations land
-    cp_async_wait<0>();
-    __syncthreads();
-    if (!live) return;  // past the last band (no barrier follows)
-
-    const u8_t* const b_row = acts + g * row_bytes + 8 * t;  // token row g, codes 8t.. of each group
-    const float* const sa0 = act_scales + (2 * t) * part_groups;
-    const float* const sa1 = act_scales + (2 * t + 1) * part_groups;
-    const u8_t* const ws_band = ws + (size_t)band * groups * W::SCALE_BYTES;
-    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (u32_t q0 = q_begin; q0 < q_end; q0 += UNROLL) {
-        if (q0 + UNROLL < q_end) load(q0 + UNROLL, next);
-        if constexpr (G == 32) {
-#pragma unroll
-            for (u32_t j = 0; j < UNROLL; ++j) {
-                const u32_t q = q0 + j;
-                if (q >= q_end) break;  // uniform: the group is past the part
-                u32_t frag[4];
-                W::unpack(cur[j], frag);
-                const uint2 b = *reinterpret_cast<const uint2*>(b_row + (q - q_begin) * 32);
-                float c[4];
-                mma_e4m3(c, frag, b.x, b.y, zero);
-                promote(acc, c, W::scales(ws_band, q, g), sa0[q - q_begin], sa1[q - q_begin]);
-            }
-        } else {
-#pragma unroll
-            for (u32_t j4 = 0; j4 < UNROLL; j4 += 4) {
-                const u32_t q = q0 + j4;
-                if (q >= q_end) break;  // uniform: the 128-group is past the part
-                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (u32_t j = 0; j < 4; ++j) {
-                    u32_t frag[4];
-                    W::unpack(cur[j4 + j], frag);
-                    const uint2 b = *reinterpret_cast<const uint2*>(b_row + (q + j - q_begin) * 32);
-                    mma_e4m3(c, frag, b.x, b.y, c);
-                }
-                const u32_t gq = q / 4;  // the 128-group
-                promote(acc, c, W::scales(ws_band, gq, g), sa0[gq - q_begin / 4], sa1[gq - q_begin / 4]);
-            }
-        }
-        if (q0 + UNROLL < q_end) {
-#pragma unroll
-            for (u32_t j = 0; j < UNROLL; ++j) cur[j] = next[j];
-        }
-    }
-    store_tile(acc, n0 + warp * 16 + g, 2 * t, rows, n, y, out_f32, partial);
-}
-
 // One block per (tile of group_routed_rows with up to BT rows of one expert, blockIdx.y; blocks
 // past *tile_count return), 16 WARPS output features (blockIdx.x) and K part (blockIdx.z: codes
 // [z span, min(k, (z + 1) span)), as the dense kernels): `body(w, ws, rows, n0, k_begin, k_end,
@@ -518,14 +447,18 @@ __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __rest
                             void* __restrict__ y, float* __restrict__ partials, const FastRoutedParams& p,
                             Body body) {
     __shared__ u32_t tile_rows[BT];
+    __shared__ u32_t tile_a_rows[BT];
     const u32_t tile = blockIdx.y;
     if (tile >= *tile_count) return;
     const u32_t bucket = tiles[3 * tile];
     const u32_t start = tiles[3 * tile + 1];
     const u32_t count = min(tiles[3 * tile + 2], (u32_t)BT);
-    for (u32_t r = threadIdx.x; r < count; r += blockDim.x) tile_rows[r] = order[start + r];
+    for (u32_t r = threadIdx.x; r < count; r += blockDim.x) {
+        tile_rows[r] = order[start + r];
+        tile_a_rows[r] = tile_rows[r] / p.x_row_div;
+    }
     __syncthreads();
-    const GatheredRows rows{tile_rows, count, p.x_row_div};
+    const GatheredRows rows{tile_rows, tile_a_rows, count};
     const u32_t n0 = blockIdx.x * 16 * WARPS;
     const u32_t k_begin = blockIdx.z * p.span;
     const u32_t k_end = min(p.k, k_begin + p.span);
@@ -561,21 +494,6 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
                            });
 }
 
-// The routed experts' direct decode tile (8 rows of one expert; gemm_fast_direct over the part).
-template <class W, int WARPS, int UNROLL>
-__device__ void gemm_fast_routed_direct(const u8_t* __restrict__ a, const float* __restrict__ sa,
-                                        const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
-                                        const u32_t* __restrict__ tile_count,
-                                        const unsigned long long* __restrict__ table, void* __restrict__ y,
-                                        float* __restrict__ partials, FastRoutedParams p) {
-    routed_tile<WARPS, 8>(order, tiles, tile_count, table, y, partials, p,
-                          [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0, u32_t k_begin,
-                              u32_t k_end, float* partial) {
-                              gemm_fast_direct<W, 32, WARPS, UNROLL>(a, sa, w, ws, y, p.out_f32, partial, p.n, p.k,
-                                                                     k_begin, k_end, n0, rows);
-                          });
-}
-
 // y[i] = out( ((P_0[i] + P_1[i]) + P_2[i]) + ... ) over the parts' sums partials[p][i], in part
 // order (the numerics definition above), i < p.count.
 __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __restrict__ y, FastReduceParams p) {
@@ -606,32 +524,8 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
             a, sa, w, ws, y, p.out_f32, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
     }
 
-// The direct decode tile (gemm_fast_direct): 8 token rows, WARPS bands, UNROLL groups ahead.
-#define GEMM_FAST_DIRECT(NAME, WEIGHTS, G, WARPS, UNROLL)                                              \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
-        NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
-             FastGemmParams p) {                                                                    \
-        grid_dependency_sync();                                                                     \
-        const fastgemm::DenseRows rows{blockIdx.y * 8, p.m};                                         \
-        const u32_t k_begin = blockIdx.z * p.span;                                                   \
-        const u32_t k_end = min(p.k, k_begin + p.span);                                              \
-        float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
-        fastgemm::gemm_fast_direct<WEIGHTS, G, WARPS, UNROLL>(                                       \
-            a, sa, w, ws, y, p.out_f32, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
-    }
-
 // The routed kernels (grid: column blocks, expert tiles, K parts; routed_tile): with one part the
 // block stores y, else it writes its part's sums to partials[z] ([m, n]).
-#define GEMM_FAST_ROUTED_DIRECT(NAME, WEIGHTS, WARPS, UNROLL)                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
-        NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \
-             const u32_t* tile_count, const unsigned long long* table, void* y, float* partials,     \
-             FastRoutedParams p) {                                                                  \
-        grid_dependency_sync();                                                                     \
-        fastgemm::gemm_fast_routed_direct<WEIGHTS, WARPS, UNROLL>(a, sa, order, tiles, tile_count,   \
-                                                                  table, y, partials, p);           \
-    }
-
 #define GEMM_FAST_ROUTED(NAME, WEIGHTS, WARPS, BT, STAGES, STEP)                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
         NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \

@@ -1,5 +1,6 @@
-//! The `fast` block-scaled GEMMs (ARCHITECTURE.md §3): tensor cores (mma.sync m16n8k32 E4M3,
-//! fp32 accumulation) with one promotion per scale group along K,
+//! The `fast` block-scaled GEMMs (ARCHITECTURE.md §3): tensor cores on E4M3 with fp32 sums
+//! (warpgroup MMAs on sm_90a, Hopper's native FP8 path; mma.sync m16n8k32 elsewhere) with one
+//! promotion per scale group along K,
 //! `acc = fma(T_g, s_w · s_a, acc)` in K order (`cuda/gemm/gemm_fast.cuh`), for FP8 weights
 //! ([`FastFp8Weight`], [`gemm_fp8_fast`]) and FP4 E2M1 weights, whose codes are converted exactly
 //! to E4M3 in registers ([`FastFp4Weight`], [`gemm_fp4_fast`]; the routed experts use the same
@@ -92,30 +93,13 @@ pub enum FastTile {
     Rows32,
     Rows64,
     Rows128,
-    /// The direct decode tile: 8 token rows, each warp streaming one weight band straight into
-    /// registers (`gemm_fast_direct`); the same bits as every other tile. Taken only when asked
-    /// for (its first GPU measurement decides whether `Auto` takes it), and replaced by `Rows8`
-    /// where its activations would not fit [`DIRECT_MAX_SHARED`].
-    Direct8,
-}
-
-/// Warps (weight bands of 16 output features) per block of the direct tile: `GEMM_FAST_DIRECT`'s
-/// `WARPS` in `gemm_fast.cu`.
-const DIRECT_WARPS: u32 = 4;
-/// The dynamic shared memory the direct kernels are allowed: their K part's 8 activation rows
-/// and scales ([`direct_shared_bytes`]), a part of up to ~13k codes.
-pub const DIRECT_MAX_SHARED: u32 = 112 * 1024;
-
-/// Dynamic shared memory of a direct-tile launch over K parts of `span` codes with activation
-/// groups of `group` codes: 8 rows of `span + 32` bytes, then 8 rows of `span / group` f32.
-fn direct_shared_bytes(group: u32, span: usize) -> usize {
-    (8 * (span + 32) + 32 * span / group as usize).div_ceil(16) * 16
 }
 
 /// The shape of a fast GEMM kernel build (the `GEMM_FAST` / `GEMM_FAST_ROUTED` macros' arguments
 /// in `cuda/gemm/gemm_fast.cuh`): token rows per block, warps per block (16 output features each),
-/// pipeline stages and K codes per stage (a multiple of 128). It changes which thread computes an
-/// output, never how: every shape gives the same bits for the same K parts.
+/// pipeline stages and K codes per stage (a multiple of 128). Warps come in whole warpgroups (4 or
+/// 8: the sm_90a kernels' warpgroup MMAs). It changes which thread computes an output, never how:
+/// every shape gives the same bits for the same K parts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TileShape {
     pub tokens: u32,
@@ -128,13 +112,14 @@ pub struct TileShape {
 /// of `device_bench --sections fast --sweep` on the H200 at M = 1 and 8 with the production's K
 /// parts (wq_b 29.8 → 15.5 µs; bench/README.md, session 16). The 32- and 64-row tiles take its 4
 /// warps and 256 codes per stage: two blocks of 8 warps in all fit an SM's shared memory (with 2
-/// warps, 512 codes or 4 stages, two blocks held 4 warps). The 128-row tile's 8 warps keep an SM's
-/// registers for one block.
+/// warps, 512 codes or 4 stages, two blocks held 4 warps). The 128-row tile's 8 warps (two
+/// warpgroups) keep an SM's registers for one block; 256 codes per stage beat 128 in the
+/// session-23 wgmma sweep (H100, M = 1024 on 5120 → 6144: 314 against 331 µs).
 const DENSE_TILES: [(FastTile, TileShape); 4] = [
     (FastTile::Rows8, tile(8, 4, 3, 256)),
     (FastTile::Rows32, tile(32, 4, 3, 256)),
     (FastTile::Rows64, tile(64, 4, 3, 256)),
-    (FastTile::Rows128, tile(128, 8, 3, 128)),
+    (FastTile::Rows128, tile(128, 8, 3, 256)),
 ];
 
 /// The routed experts' tiles, `Auto`'s choice by the mean rows per expert (the dense tiles'
@@ -146,11 +131,13 @@ const DENSE_TILES: [(FastTile, TileShape); 4] = [
 /// codes: 148.6 against 158.0 µs at 48 rows, 720 against 760 µs at 384 rows on w1/w3). A
 /// 16-row tile was a little faster in the sweep's uniform routes at 6144 rows but slower in the
 /// block's prefill (4.88 ms on the H200 against the 32-row tile's 4.10 on an H100), so it is
-/// not built. Changing a tile is its line here and its `GEMM_FAST_ROUTED` line in `gemm_fast.cu`
+/// not built. With the wgmma kernels the 32-row tile takes 2 stages of 256 codes (session 23,
+/// H100, 6144 rows: 1120 against 1258 µs for 3 stages on w1/w3, 1164 against 1326 on w2).
+/// Changing a tile is its line here and its `GEMM_FAST_ROUTED` line in `gemm_fast.cu`
 /// (`tiles_and_kernels_match_the_instantiations`).
 const ROUTED_TILES: [(FastTile, TileShape); 4] = [
     (FastTile::Rows8, tile(8, 4, 2, 512)),
-    (FastTile::Rows32, tile(32, 8, 3, 256)),
+    (FastTile::Rows32, tile(32, 8, 2, 256)),
     (FastTile::Rows64, tile(64, 8, 3, 128)),
     (FastTile::Rows128, tile(128, 8, 3, 128)),
 ];
@@ -175,19 +162,6 @@ impl FastTile {
                 .iter()
                 .find(|(_, shape)| rows <= shape.tokens as usize)
                 .map_or(tiles[tiles.len() - 1].0, |t| t.0),
-            tile => tile,
-        }
-    }
-
-    /// This tile for `kernels` over K parts of `span` codes, or `Rows8` (the same bits) for a
-    /// direct tile whose activations would not fit its shared memory.
-    pub(crate) fn fitting(self, kernels: FastKernels, span: usize) -> FastTile {
-        match self {
-            FastTile::Direct8
-                if direct_shared_bytes(kernels.group(), span) > DIRECT_MAX_SHARED as usize =>
-            {
-                FastTile::Rows8
-            }
             tile => tile,
         }
     }
@@ -244,7 +218,7 @@ impl FastKernels {
         }
     }
 
-    /// The shape of staged `tile` (`Auto` and the direct tile, which have none: the largest one).
+    /// The shape of `tile` (`Auto`, which has none: the largest one).
     pub(crate) fn shape(self, tile: FastTile) -> TileShape {
         let tiles = self.tiles();
         tiles
@@ -265,7 +239,7 @@ impl FastKernels {
     pub fn instantiation(self, name: &str, shape: TileShape) -> String {
         format!(
             "{}({name}, {}{}, {}, {}, {})",
-            self.macro_name(false),
+            self.macro_name(),
             self.weight_args(),
             shape.warps,
             shape.tokens,
@@ -274,13 +248,11 @@ impl FastKernels {
         )
     }
 
-    /// `GEMM_FAST`, `GEMM_FAST_ROUTED` or their direct tiles' macros.
-    fn macro_name(self, direct: bool) -> &'static str {
-        match (self, direct) {
-            (FastKernels::Fp4Routed, false) => "GEMM_FAST_ROUTED",
-            (FastKernels::Fp4Routed, true) => "GEMM_FAST_ROUTED_DIRECT",
-            (_, false) => "GEMM_FAST",
-            (_, true) => "GEMM_FAST_DIRECT",
+    /// `GEMM_FAST` or `GEMM_FAST_ROUTED`.
+    fn macro_name(self) -> &'static str {
+        match self {
+            FastKernels::Fp4Routed => "GEMM_FAST_ROUTED",
+            _ => "GEMM_FAST",
         }
     }
 
@@ -295,20 +267,13 @@ impl FastKernels {
 
     /// Token rows and warps per block of `tile`.
     pub(crate) fn block(self, tile: FastTile) -> (u32, u32) {
-        match tile {
-            FastTile::Direct8 => (8, DIRECT_WARPS),
-            tile => (self.shape(tile).tokens, self.shape(tile).warps),
-        }
+        (self.shape(tile).tokens, self.shape(tile).warps)
     }
 
     /// The kernel of `tile` as [`FastTile::resolve`] gives it for these kernels.
     pub(crate) fn kernel(self, tile: FastTile) -> KernelId {
-        use FastTile::{Direct8, Rows8, Rows32, Rows64};
+        use FastTile::{Rows8, Rows32, Rows64};
         match (self, tile) {
-            (FastKernels::Fp8(ActGroup::G32), Direct8) => KernelId::GemmFp8FastT32D8,
-            (FastKernels::Fp8(ActGroup::G128), Direct8) => KernelId::GemmFp8FastT128D8,
-            (FastKernels::Fp4, Direct8) => KernelId::GemmFp4FastD8,
-            (FastKernels::Fp4Routed, Direct8) => KernelId::GemmFp4FastRoutedD8,
             (FastKernels::Fp8(ActGroup::G32), Rows8) => KernelId::GemmFp8FastT32B8,
             (FastKernels::Fp8(ActGroup::G32), Rows32) => KernelId::GemmFp8FastT32B32,
             (FastKernels::Fp8(ActGroup::G32), Rows64) => KernelId::GemmFp8FastT32B64,
@@ -328,15 +293,6 @@ impl FastKernels {
         }
     }
 
-    /// Dynamic shared memory of a launch of `tile` over K parts of `span` codes.
-    pub(crate) fn launch_shared_bytes(self, tile: FastTile, span: usize) -> u32 {
-        match tile {
-            // At most DIRECT_MAX_SHARED (`FastTile::fitting`).
-            FastTile::Direct8 => direct_shared_bytes(self.group(), span) as u32,
-            tile => self.shared_bytes(self.shape(tile)),
-        }
-    }
-
     /// Dynamic shared memory of a staged launch with `shape` (`Stage::BYTES · STAGES` in the
     /// kernel).
     pub fn shared_bytes(self, shape: TileShape) -> u32 {
@@ -348,8 +304,8 @@ impl FastKernels {
         } = shape;
         let groups_per_stage = step / self.group();
         let stage = warps * 128 * self.piece() * (step / STEP_K as u32)
-            + tokens * (step + 32)
-            + 4 * tokens * groups_per_stage
+            + tokens * step
+            + 4 * (tokens + 4) * groups_per_stage
             + self.scale_bytes() * warps * groups_per_stage;
         stage.div_ceil(16) * 16 * stages
     }
@@ -359,9 +315,6 @@ impl FastKernels {
 /// for every kernel that is not a fast GEMM).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
     FastKernels::ALL.into_iter().find_map(|kernels| {
-        if kernels.kernel(FastTile::Direct8) == id {
-            return Some(DIRECT_MAX_SHARED);
-        }
         kernels
             .tiles()
             .iter()
@@ -394,7 +347,7 @@ pub(crate) fn allow_shared(
 }
 
 /// An FP8 weight `[out, inp]` laid out for the fast GEMM: `chunks` holds, per 16-row band and
-/// 128 codes of K, the band's codes as one 2 KiB chunk in mma fragment order (see
+/// 128 codes of K, the band's codes as one 2 KiB chunk in A fragment order (see
 /// [`fragment_chunks`]); `band_scales` the UE8M0 tile scales as f32 per band and k-group
 /// (`[ceil(out / 16), inp / tile]`).
 #[derive(Debug)]
@@ -506,50 +459,54 @@ const FP8_HALF_PIECE: usize = 8;
 const FP4_HALF_PIECE: usize = 4;
 
 /// The weight rows (`out` rows of `row_bytes` bytes, `half` bytes holding 8 codes: 8 for FP8, 4
-/// for FP4) as the kernel streams them. For band b
-/// (rows 16b ..) and step s (codes 128s ..) the chunk at `(b · steps + s) · 256 · half` holds,
-/// for group j = 0..4 and lane = 0..32 (g = lane / 4, t = lane % 4), the `half` bytes of row
-/// 16b + g at codes 128s + 32j + 8t, then those of row 16b + g + 8: lane's A fragment of group
-/// j, each `half` bytes written by `lay` (source, destination). Rows past `out` and codes past the
-/// row are zero.
+/// for FP4) as the kernel reads them. For band b (rows 16b ..) and step s (codes 128s ..) the
+/// chunk at `(b · steps + s) · 256 · half` holds, for group j = 0..4 and lane = 0..32 (g = lane /
+/// 4, t = lane % 4), `half` bytes of row 16b + g, then those of row 16b + g + 8: the row's two
+/// runs of 4 codes that sit in the A fragment's k slots 4t .. and 16 + 4t .. (codes c and c + 16,
+/// c = 128s + 32j + 4t), each piece written by `lay` (the two runs, destination). Rows past `out`
+/// and codes past the row are zero.
 fn fragment_chunks(
     bytes: &[u8],
     out: usize,
     row_bytes: usize,
     half: usize,
-    lay: fn(&[u8], &mut [u8]),
+    lay: fn(&[u8], &[u8], &mut [u8]),
 ) -> Vec<u8> {
     let step_bytes = STEP_K / 8 * half;
     let chunk_bytes = BAND * step_bytes;
     let steps = row_bytes.div_ceil(step_bytes);
+    let run = half / 2; // bytes of 4 codes
     let mut chunks = vec![0u8; out.div_ceil(BAND) * steps * chunk_bytes];
     for (c, chunk) in chunks.chunks_exact_mut(chunk_bytes).enumerate() {
         let (band, step) = (c / steps, c % steps);
         for (piece, dst) in chunk.chunks_exact_mut(half).enumerate() {
             let (j, lane, second) = (piece / 64, (piece / 2) % 32, piece % 2);
             let row = BAND * band + lane / 4 + 8 * second;
-            let at = step_bytes * step + 4 * half * j + half * (lane % 4);
+            let at = step_bytes * step + 4 * half * j + run * (lane % 4);
             if row < out && at < row_bytes {
                 let src = row * row_bytes + at;
-                lay(&bytes[src..src + half], dst);
+                let far = src + 2 * half; // 16 codes on
+                lay(&bytes[src..src + run], &bytes[far..far + run], dst);
             }
         }
     }
     chunks
 }
 
-/// A piece as it is (FP8 codes).
-fn copy_piece(src: &[u8], dst: &mut [u8]) {
-    dst.copy_from_slice(src);
+/// A piece as it is (FP8 codes): the two runs one after the other.
+fn copy_piece(first: &[u8], second: &[u8], dst: &mut [u8]) {
+    let (low, high) = dst.split_at_mut(first.len());
+    low.copy_from_slice(first);
+    high.copy_from_slice(second);
 }
 
-/// A row's 8 FP4 codes of a lane (4 bytes, code 2i in the low nibble of byte i as in the
-/// checkpoint) re-packed as the kernel's `e2m1x8_to_e4m3` reads them: code i in the low nibble
-/// of byte i, code i + 4 in its high nibble.
-fn fp4_piece_order(src: &[u8], dst: &mut [u8]) {
-    let code = |i: usize| (src[i / 2] >> (4 * (i % 2))) & 0xf;
+/// A row's two runs of 4 FP4 codes of a lane (2 bytes each, code 2i in the low nibble of byte i
+/// as in the checkpoint) packed as the kernel's `e2m1x8_to_e4m3` reads them: byte i holds code i
+/// of the first run in its low nibble and code i of the second in its high nibble.
+fn fp4_piece_order(first: &[u8], second: &[u8], dst: &mut [u8]) {
+    let code = |run: &[u8], i: usize| (run[i / 2] >> (4 * (i % 2))) & 0xf;
     for (i, byte) in dst.iter_mut().enumerate() {
-        *byte = code(i) | (code(i + 4) << 4);
+        *byte = code(first, i) | (code(second, i) << 4);
     }
 }
 
@@ -705,13 +662,13 @@ impl<'a> FastKernel<'a> {
         rows: usize,
         span: usize,
     ) -> Result<FastKernel<'a>, KernelError> {
-        let tile = tile.resolve(kernels, rows).fitting(kernels, span);
+        let tile = tile.resolve(kernels, rows);
         let id = kernels.kernel(tile);
         Ok(FastKernel {
             name: id.symbol(),
             function: rt.function(id)?,
             block: kernels.block(tile),
-            shared_bytes: kernels.launch_shared_bytes(tile, span),
+            shared_bytes: kernels.shared_bytes(kernels.shape(tile)),
             span,
         })
     }
@@ -875,27 +832,27 @@ mod tests {
     #[test]
     fn shared_memory_matches_the_kernel_layout_and_fits_the_h200() {
         // Stage::BYTES for FP8, G = 32, 4 warps, 8 tokens, 256 codes of K:
-        // 4 * 2 * 2048 + 8 * 288 + 4 * 8 * 8 + 4 * 4 * 8, three stages.
+        // 4 * 2 * 2048 + 8 * 256 + 4 * 12 * 8 + 4 * 4 * 8, three stages.
         let fp8 = FastKernels::Fp8(ActGroup::G32);
-        assert_eq!(fp8.shared_bytes(fp8.shape(FastTile::Rows8)), 19_072 * 3);
+        assert_eq!(fp8.shared_bytes(fp8.shape(FastTile::Rows8)), 18_944 * 3);
         // Two blocks of the 64-row dense tile and three of the routed one fit an SM (228 KiB,
-        // 1 KiB reserved per block; the routed kernels' 512 static bytes on top).
+        // 1 KiB reserved per block; the routed kernels' static rows, 8 bytes a token row, on top).
         assert!(2 * (fp8.shared_bytes(fp8.shape(FastTile::Rows64)) + 1024) <= 228 * 1024);
         let routed = FastKernels::Fp4Routed;
         assert!(3 * (routed.shared_bytes(routed.shape(FastTile::Rows64)) + 1536) <= 228 * 1024);
         assert!(2 * (routed.shared_bytes(routed.shape(FastTile::Rows32)) + 1536) <= 228 * 1024);
         // FP4: 1 KiB chunks and 16 scale bytes per band and group:
-        // 4 * 2 * 1024 + 8 * 288 + 4 * 8 * 8 + 16 * 4 * 8, three stages.
+        // 4 * 2 * 1024 + 8 * 256 + 4 * 12 * 8 + 16 * 4 * 8, three stages.
         assert_eq!(
             FastKernels::Fp4.shared_bytes(FastKernels::Fp4.shape(FastTile::Rows8)),
-            11_264 * 3
+            11_136 * 3
         );
         let mut ids = Vec::new();
         for kernels in FastKernels::ALL {
             for &(tile, shape) in kernels.tiles() {
-                // The routed kernels' static rows (at most 128 u32) come on top.
+                // The routed kernels' static rows (at most 2 x 128 u32) come on top.
                 assert!(
-                    kernels.shared_bytes(shape) + 512 <= 227 * 1024,
+                    kernels.shared_bytes(shape) + 1024 <= 227 * 1024,
                     "{kernels:?} {tile:?}"
                 );
                 assert_eq!(
@@ -905,55 +862,16 @@ mod tests {
                 ids.push(kernels.kernel(tile));
             }
         }
-        for kernels in FastKernels::ALL {
-            let id = kernels.kernel(FastTile::Direct8);
-            assert_eq!(dynamic_shared_bytes(id), Some(DIRECT_MAX_SHARED));
-            ids.push(id);
-        }
         ids.sort_by_key(|id| id.symbol());
         ids.dedup();
-        assert_eq!(ids.len(), 20, "every (kernels, tile) has its own kernel");
+        assert_eq!(ids.len(), 16, "every (kernels, tile) has its own kernel");
         assert_eq!(dynamic_shared_bytes(KernelId::GemmFp8T32G32), None);
-    }
-
-    #[test]
-    fn the_direct_tile_fits_its_activations_or_falls_back_to_rows8() {
-        let fp8 = FastKernels::Fp8(ActGroup::G32);
-        // 8 rows of 2560 + 32 codes, then 8 rows of 80 f32 scales.
-        assert_eq!(direct_shared_bytes(32, 2560), 8 * 2592 + 8 * 80 * 4);
-        assert_eq!(direct_shared_bytes(128, 4096), 8 * 4128 + 8 * 32 * 4);
-        assert_eq!(
-            fp8.launch_shared_bytes(FastTile::Direct8, 2560),
-            8 * 2592 + 8 * 80 * 4
-        );
-        assert_eq!(FastTile::Direct8.fitting(fp8, 5120), FastTile::Direct8);
-        assert_eq!(FastTile::Direct8.fitting(fp8, 16_384), FastTile::Rows8);
-        assert_eq!(FastTile::Rows32.fitting(fp8, 16_384), FastTile::Rows32);
-        assert_eq!(FastTile::Direct8.resolve(fp8, 40), FastTile::Direct8);
-        assert_eq!(fp8.block(FastTile::Direct8), (8, DIRECT_WARPS));
-        assert_eq!(fp8.block(FastTile::Rows64), (64, 4));
-        assert_eq!(FastKernels::Fp4Routed.block(FastTile::Rows64), (64, 8));
-        // Every real-width K part fits: V4.1's dim 5120 and V4's wo_b 8192 as one part.
-        for span in [1280, 2304, 5120, 8192] {
-            assert_eq!(
-                FastTile::Direct8.fitting(FastKernels::Fp4Routed, span),
-                FastTile::Direct8
-            );
-        }
     }
 
     #[test]
     fn tiles_and_kernels_match_the_instantiations() {
         let source = include_str!("../../cuda/gemm/gemm_fast.cu");
         for kernels in FastKernels::ALL {
-            // The direct tiles: warps, then groups loaded ahead (16).
-            let line = format!(
-                "{}({}, {}{DIRECT_WARPS}, 16)",
-                kernels.macro_name(true),
-                kernels.kernel(FastTile::Direct8).symbol(),
-                kernels.weight_args()
-            );
-            assert!(source.contains(&line), "{line} not in gemm_fast.cu");
             for &(tile, shape) in kernels.tiles() {
                 let line = kernels.instantiation(kernels.kernel(tile).symbol(), shape);
                 assert!(source.contains(&line), "{line} not in gemm_fast.cu");
@@ -977,11 +895,18 @@ mod tests {
             let base = (band * 2 + step) * CHUNK + j * 512 + lane * 16 + half * 8;
             &chunks[base..base + 8]
         };
-        // Band 0, step 0, group 1, lane 6 (g = 1, t = 2): row 1 then row 9, K 32 + 16.
-        assert_eq!(at(0, 0, 1, 6, 0), &codes[inp + 48..inp + 56]);
-        assert_eq!(at(0, 0, 1, 6, 1), &codes[9 * inp + 48..9 * inp + 56]);
-        // Band 1, step 1, group 0, lane 13 (g = 3, t = 1): row 19, K 136; row 27 is past out.
-        assert_eq!(at(1, 1, 0, 13, 0), &codes[19 * inp + 136..19 * inp + 144]);
+        // The codes [from, from + 4) and [from + 16, from + 20) of `row`.
+        let runs = |row: usize, from: usize| {
+            let first = &codes[row * inp + from..row * inp + from + 4];
+            let second = &codes[row * inp + from + 16..row * inp + from + 20];
+            [first, second].concat()
+        };
+        // Band 0, step 0, group 1, lane 6 (g = 1, t = 2): row 1 then row 9, K 32 + 8 and 32 + 24.
+        assert_eq!(at(0, 0, 1, 6, 0), runs(1, 40));
+        assert_eq!(at(0, 0, 1, 6, 1), runs(9, 40));
+        // Band 1, step 1, group 0, lane 13 (g = 3, t = 1): row 19, K 132 and 148; row 27 is past
+        // out.
+        assert_eq!(at(1, 1, 0, 13, 0), runs(19, 132));
         assert_eq!(at(1, 1, 0, 13, 1), &[0u8; 8]);
         // Group 1 of step 1 starts at K 160 = inp: zero.
         assert_eq!(at(1, 1, 1, 0, 0), &[0u8; 8]);
@@ -1000,19 +925,18 @@ mod tests {
             let base = (band * 2 + step) * CHUNK + j * 256 + lane * 8 + half * 4;
             &chunks[base..base + 4]
         };
-        // Band 0, step 0, group 1, lane 6 (g = 1, t = 2): codes 32 + 16 .. + 8 = bytes 24 .. 28
-        // of row 1, then of row 9.
-        assert_eq!(at(0, 0, 1, 6, 0), &packed[row_bytes + 24..row_bytes + 28]);
-        assert_eq!(
-            at(0, 0, 1, 6, 1),
-            &packed[9 * row_bytes + 24..9 * row_bytes + 28]
-        );
-        // Band 1, step 1, group 0, lane 13 (g = 3, t = 1): row 19, codes 136 .. 144 = bytes
-        // 68 .. 72; row 27 is past out.
-        assert_eq!(
-            at(1, 1, 0, 13, 0),
-            &packed[19 * row_bytes + 68..19 * row_bytes + 72]
-        );
+        // The packed bytes of codes [from, from + 4) and [from + 16, from + 20) of `row`.
+        let runs = |row: usize, from: usize| {
+            let at = row * row_bytes + from / 2;
+            [&packed[at..at + 2], &packed[at + 8..at + 10]].concat()
+        };
+        // Band 0, step 0, group 1, lane 6 (g = 1, t = 2): codes 40 .. 44 and 56 .. 60 of row 1,
+        // then of row 9.
+        assert_eq!(at(0, 0, 1, 6, 0), runs(1, 40));
+        assert_eq!(at(0, 0, 1, 6, 1), runs(9, 40));
+        // Band 1, step 1, group 0, lane 13 (g = 3, t = 1): row 19, codes 132 and 148; row 27 is
+        // past out.
+        assert_eq!(at(1, 1, 0, 13, 0), runs(19, 132));
         assert_eq!(at(1, 1, 0, 13, 1), &[0u8; 4]);
         // Group 1 of step 1 starts at code 160 = inp: zero.
         assert_eq!(at(1, 1, 1, 0, 0), &[0u8; 4]);
@@ -1020,14 +944,14 @@ mod tests {
         let laid = fragment_chunks(&packed, out, row_bytes, FP4_HALF_PIECE, fp4_piece_order);
         for (piece, raw) in laid.chunks_exact(4).zip(chunks.chunks_exact(4)) {
             let mut expected = [0u8; 4];
-            fp4_piece_order(raw, &mut expected);
+            fp4_piece_order(&raw[..2], &raw[2..], &mut expected);
             assert_eq!(piece, expected);
         }
-        // Row 1's bytes 24 .. 28 hold codes 48 .. 56: byte i the codes 48 + i and 52 + i.
+        // Row 1's piece of lane 6, group 1: byte i the codes 40 + i and 56 + i.
         let code = |c: usize| (packed[row_bytes + c / 2] >> (4 * (c % 2))) & 0xf;
         let base = 256 + 6 * 8;
         for i in 0..4 {
-            assert_eq!(laid[base + i], code(48 + i) | (code(52 + i) << 4));
+            assert_eq!(laid[base + i], code(40 + i) | (code(56 + i) << 4));
         }
     }
 
@@ -1083,7 +1007,8 @@ mod tests {
                     let neighbour = (position + 1) % 8;
                     let packed = (code << (4 * position)) | (other << (4 * neighbour));
                     let mut laid = [0u8; 4];
-                    fp4_piece_order(&packed.to_le_bytes(), &mut laid);
+                    let bytes = packed.to_le_bytes();
+                    fp4_piece_order(&bytes[..2], &bytes[2..], &mut laid);
                     let (lo, hi) =
                         convert(u32::from_le_bytes([laid[0], laid[1], laid[2], laid[3]]));
                     let bytes = (u64::from(hi) << 32) | u64::from(lo);

@@ -30,9 +30,7 @@ use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
-use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp8_fast_tiled,
-};
+use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, FastOutput, gemm_fp8_fast};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{
     ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_into,
@@ -40,7 +38,6 @@ use deepinfer_kernels::ops::quant::{
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, gemm_routed, swiglu_rows,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
 use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
 
@@ -66,8 +63,6 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
 #[derive(Clone, Copy)]
 enum Kernel {
     Fast,
-    /// The fast GEMM's direct decode tile (`FastTile::Direct8`), timed until `Auto` takes it.
-    FastDirect,
     Exact,
     CublasBf16,
     CublasLtFp8,
@@ -77,7 +72,6 @@ impl Kernel {
     fn label(self) -> &'static str {
         match self {
             Kernel::Fast => "fast fp8",
-            Kernel::FastDirect => "fast fp8 direct",
             Kernel::Exact => "exact fp8",
             Kernel::CublasBf16 => "cublas bf16",
             Kernel::CublasLtFp8 => "cublaslt fp8",
@@ -98,23 +92,15 @@ fn bench(
     let x = activations(rt, m, k)?;
     let scales_len = n.div_ceil(tile) * k.div_ceil(tile);
     let weight_bytes = match kernel {
-        Kernel::Fast | Kernel::FastDirect | Kernel::Exact => n * k + scales_len,
+        Kernel::Fast | Kernel::Exact => n * k + scales_len,
         Kernel::CublasBf16 => 2 * n * k,
         Kernel::CublasLtFp8 => n * k + 4,
     };
     let mut label = format!("{name} {}", kernel.label());
     let micros = match kernel {
         // V4's tiles: f32 outputs, as `CudaBackend::linear` writes them.
-        Kernel::Fast if tile == 128 => {
-            time_fast_fp8::<f32>(rt, timer, &x, (m, n, k, tile), FastTile::Auto)?
-        }
-        Kernel::Fast => time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile), FastTile::Auto)?,
-        Kernel::FastDirect if tile == 128 => {
-            time_fast_fp8::<f32>(rt, timer, &x, (m, n, k, tile), FastTile::Direct8)?
-        }
-        Kernel::FastDirect => {
-            time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile), FastTile::Direct8)?
-        }
+        Kernel::Fast if tile == 128 => time_fast_fp8::<f32>(rt, timer, &x, (m, n, k, tile))?,
+        Kernel::Fast => time_fast_fp8::<bf16>(rt, timer, &x, (m, n, k, tile))?,
         Kernel::Exact => time_fp8::<_, bf16>(
             rt,
             timer,
@@ -178,7 +164,7 @@ fn bench(
         _ => m * k + m * k / tile * 4,
     };
     let out_bytes = match kernel {
-        Kernel::Fast | Kernel::FastDirect if tile == 128 => 4 * m * n,
+        Kernel::Fast if tile == 128 => 4 * m * n,
         _ => 2 * m * n,
     };
     Ok(Row {
@@ -227,13 +213,12 @@ fn time_fp8<W, T: DeviceRepr + ValidAsZeroBits>(
     time_launches(rt, timer, |i| Ok(gemm(&a, &weights[i % copies], &mut y)?))
 }
 
-/// [`time_fp8`] of the fast FP8 GEMM with `fast_tile` writing `T` outputs.
+/// [`time_fp8`] of the fast FP8 GEMM writing `T` outputs.
 fn time_fast_fp8<T: FastOutput + ValidAsZeroBits>(
     rt: &KernelRuntime,
     timer: &mut Timer,
     x: &CudaSlice<bf16>,
     (m, n, k, tile): (usize, usize, usize, usize),
-    fast_tile: FastTile,
 ) -> Result<f64> {
     time_fp8::<_, T>(
         rt,
@@ -241,7 +226,7 @@ fn time_fast_fp8<T: FastOutput + ValidAsZeroBits>(
         x,
         (m, n, k, tile),
         |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
-        |a, w, y| gemm_fp8_fast_tiled(rt, a, w, y, fast_tile),
+        |a, w, y| gemm_fp8_fast(rt, a, w, y),
     )
 }
 
@@ -331,7 +316,6 @@ fn bench_routed_chain<W>(
     timer: &mut Timer,
     experts: &Experts<W>,
     tokens: usize,
-    fast_tile: Option<FastTile>,
 ) -> Result<Row> {
     let (inter, dim) = (ROUTED_INTER, ROUTED_DIM);
     let slots = tokens * ROUTED_TOP_K;
@@ -346,7 +330,7 @@ fn bench_routed_chain<W>(
     let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32)?;
     let mut out = stream.alloc_zeros::<bf16>(slots * dim)?;
     let table = &experts.table;
-    // The table's own kernels, or the fast ones with an explicit tile.
+    // The table's own kernels.
     let routed = |x: &DeviceActFp8,
                   ids: &CudaSlice<u32>,
                   x_row_div: usize,
@@ -358,10 +342,7 @@ fn bench_routed_chain<W>(
             x_row_div,
             which,
         };
-        match fast_tile {
-            None => gemm_routed(rt, rows, table, y),
-            Some(tile) => gemm_fp4_routed_fast_tiled(rt, rows, table, y, tile),
-        }
+        gemm_routed(rt, rows, table, y)
     };
     let micros = time_launches(rt, timer, |i| {
         let ids = &routes[i % ROUTE_SETS];
@@ -386,11 +367,7 @@ fn bench_routed_chain<W>(
     })?;
     let weight_bytes = 3 * (inter * dim / 2 + inter * dim / 32);
     Ok(Row {
-        op: format!(
-            "moe chain {}{}",
-            experts.label,
-            if fast_tile.is_some() { " direct" } else { "" }
-        ),
+        op: format!("moe chain {}", experts.label),
         m: slots,
         n: inter,
         k: dim,
@@ -426,7 +403,6 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
         for &m in decode {
             for kernel in [
                 Kernel::Fast,
-                Kernel::FastDirect,
                 Kernel::CublasBf16,
                 Kernel::CublasLtFp8,
                 Kernel::Exact,
@@ -467,12 +443,8 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
     let mut chain = Vec::new();
     let token_counts: &[usize] = if quick { &[1, 1024] } else { &[1, 8, 64, 1024] };
     for &tokens in token_counts {
-        chain.push(bench_routed_chain(rt, &mut timer, &fast, tokens, None)?);
-        if tokens <= 64 {
-            let direct = Some(FastTile::Direct8);
-            chain.push(bench_routed_chain(rt, &mut timer, &fast, tokens, direct)?);
-        }
-        chain.push(bench_routed_chain(rt, &mut timer, &exact, tokens, None)?);
+        chain.push(bench_routed_chain(rt, &mut timer, &fast, tokens)?);
+        chain.push(bench_routed_chain(rt, &mut timer, &exact, tokens)?);
     }
     println!(
         "\nfast numerics: the routed experts of a real-width MoE layer (384 FP4 experts 5120 -> \

@@ -47,7 +47,8 @@ const SHAPES: [(&str, usize, usize); 3] = [
     ("wq_a", 1280, 5120),
     ("wq_b", 32768, 1280),
 ];
-const WARPS: [u32; 4] = [1, 2, 4, 8];
+/// Warps per block: whole warpgroups (the sm_90a kernels' warpgroup MMAs).
+const WARPS: [u32; 2] = [4, 8];
 const STAGES: [u32; 3] = [3, 4, 6];
 const STEPS: [u32; 3] = [256, 512, 1024];
 /// K parts tried beside the production's.
@@ -59,8 +60,8 @@ const COMPILE_THREADS: usize = 16;
 const MAX_SHARED: u32 = 227 * 1024;
 /// The H200's copy rate (read + write), the section's bandwidth unit.
 const HBM_BYTES_PER_S: f64 = 4.28e12;
-/// Rows printed per table (fastest first), besides the production's, the direct tile's and the
-/// fastest of each row count.
+/// Rows printed per table (fastest first), besides the production's and the fastest of each row
+/// count.
 const SHOWN: usize = 8;
 
 /// The prefill sweep: token rows, warps, stages and codes per stage tried at [`PREFILL_M`].
@@ -82,7 +83,7 @@ const ROUTED_TOKENS: [usize; 4] = [1, 8, 64, 1024];
 /// The routed tiles tried: token rows (those worth timing at a launch's rows: [`tile_rows`]),
 /// warps, stages and K codes per stage.
 const ROUTED_TILE_ROWS: [u32; 5] = [8, 16, 32, 64, 128];
-const ROUTED_WARPS: [u32; 3] = [2, 4, 8];
+const ROUTED_WARPS: [u32; 2] = [4, 8];
 const ROUTED_STAGES: [u32; 4] = [2, 3, 4, 6];
 const ROUTED_STEPS: [u32; 3] = [128, 256, 512];
 /// K parts tried for w1/w3 beside the production's one, at up to [`ROUTED_SPLIT_TOKENS`] tokens.
@@ -122,11 +123,11 @@ fn shapes(
     shapes
 }
 
-/// A build's shared memory: the dynamic stages, and the routed kernels' static tile rows (one
-/// u32 per token row, `routed_tile`).
+/// A build's shared memory: the dynamic stages, and the routed kernels' static tile rows (two
+/// u32 per token row: output and activation rows, `routed_tile`).
 fn shared_bytes(kernels: FastKernels, shape: TileShape) -> u32 {
     let rows = match kernels {
-        FastKernels::Fp4Routed => 4 * shape.tokens,
+        FastKernels::Fp4Routed => 8 * shape.tokens,
         FastKernels::Fp8(_) | FastKernels::Fp4 => 0,
     };
     kernels.shared_bytes(shape) + rows
@@ -235,7 +236,7 @@ struct Measured {
     same_bits: Option<bool>,
     /// What a build of the sweep holds of an SM.
     fit: Option<Fit>,
-    /// Always printed (the production and the direct tile).
+    /// Always printed (the production).
     pinned: bool,
 }
 
@@ -348,25 +349,27 @@ pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
             let production_span = k_parts(n, k).0;
             let production_parts = k.div_ceil(production_span);
             let mut rows = Vec::new();
-            // The production and the direct decode tile (same K parts: the same bits).
-            for (label, tile) in [
-                ("production", FastTile::Auto),
-                ("direct d8", FastTile::Direct8),
-            ] {
-                let measured = measure(
-                    rt,
-                    timer,
-                    None,
-                    &mut y,
-                    |bits| Some(bits == production_bits),
-                    |i, y| Ok(gemm_fp8_fast_tiled(rt, &a, &weights[i % copies], y, tile)?),
-                )?;
-                rows.push(Measured::pinned(
-                    label.to_string(),
-                    production_parts,
-                    measured,
-                ));
-            }
+            let measured = measure(
+                rt,
+                timer,
+                None,
+                &mut y,
+                |bits| Some(bits == production_bits),
+                |i, y| {
+                    Ok(gemm_fp8_fast_tiled(
+                        rt,
+                        &a,
+                        &weights[i % copies],
+                        y,
+                        FastTile::Auto,
+                    )?)
+                },
+            )?;
+            rows.push(Measured::pinned(
+                "production".to_string(),
+                production_parts,
+                measured,
+            ));
             for variant in &mut variants {
                 for span in spans(n, k, variant.shape.step as usize) {
                     variant.span = span;
@@ -500,8 +503,8 @@ fn tile_rows(rows: usize, touched: f64) -> Vec<u32> {
 }
 
 /// The routed sweep on `table` (the `fast` section's layer: [`crate::fast_ops::fast_experts`]):
-/// per projection and routed row count, the production launch (`FastTile::Auto`), the direct
-/// decode tile and every routed build of [`ROUTED_TILE_ROWS`] × [`ROUTED_WARPS`] ×
+/// per projection and routed row count, the production launch (`FastTile::Auto`) and every
+/// routed build of [`ROUTED_TILE_ROWS`] × [`ROUTED_WARPS`] ×
 /// [`ROUTED_STAGES`] × [`ROUTED_STEPS`] that fits and is worth timing at those rows, each run
 /// on the first route set and checked bitwise against the production's output, then timed over
 /// the rotated route sets. Fails after printing every table if any build with one K part gave
@@ -573,28 +576,23 @@ pub fn routed(
             let production_bits = bits(rt, &y)?;
             let mut measured = Vec::new();
             let production_label = format!("production {}", label(production_shape));
-            for (row_label, tile) in [
-                (production_label, FastTile::Auto),
-                ("direct d8".to_string(), FastTile::Direct8),
-            ] {
-                let timed = measure(
-                    rt,
-                    timer,
-                    Some(iterations),
-                    &mut y,
-                    |bits| Some(bits == production_bits),
-                    |i, y| {
-                        Ok(gemm_fp4_routed_fast_tiled(
-                            rt,
-                            routed_rows(i),
-                            table,
-                            y,
-                            tile,
-                        )?)
-                    },
-                )?;
-                measured.push(Measured::pinned(row_label, 1, timed));
-            }
+            let timed = measure(
+                rt,
+                timer,
+                Some(iterations),
+                &mut y,
+                |bits| Some(bits == production_bits),
+                |i, y| {
+                    Ok(gemm_fp4_routed_fast_tiled(
+                        rt,
+                        routed_rows(i),
+                        table,
+                        y,
+                        FastTile::Auto,
+                    )?)
+                },
+            )?;
+            measured.push(Measured::pinned(production_label, 1, timed));
             for variant in variants
                 .iter_mut()
                 .filter(|v| worth.contains(&v.shape.tokens))
