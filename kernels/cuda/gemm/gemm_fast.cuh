@@ -116,8 +116,9 @@ struct Fp8Chunks {
 // The 8 E2M1 codes of `w` as E4M3 bytes worth 2^-6 times their value: the low nibbles' codes in
 // `lo`, the high nibbles' in `hi` (byte i of each from byte i of w). The upload puts a row's codes
 // 4t + i in the low nibble of byte i and 16 + 4t + i in its high nibble (ops/gemm_fast.rs,
-// fp4_piece_order): `lo` and `hi` are then the A fragment's two registers of that row. An E2M1 code s|ee|m placed as the E4M3
-// byte s|00ee|m00 is that value exactly: ee = 0 gives the E4M3 subnormal m 2^-1 2^-6 (E2M1's
+// fp4_piece_order): `lo` and `hi` are then the A fragment's two registers of that row. An E2M1
+// code s|ee|m placed as the E4M3 byte s|00ee|m00 is that value exactly: ee = 0 gives the E4M3
+// subnormal m 2^-1 2^-6 (E2M1's
 // subnormal m 2^-1), ee > 0 the normal (1 + m/2) 2^(ee - 7) = 2^-6 (1 + m/2) 2^(ee - 1). The
 // factor 2^6 goes back with the weight scale (Fp4Chunks::scales): the products, and so the tensor
 // core's sum from zero, are exactly 2^-6 times those of the codes' values.
@@ -132,8 +133,9 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(u32_t w, u32_t& lo, u32_t& hi) {
 __device__ __forceinline__ float e8m0_times_64(u8_t e) { return __uint_as_float(min((u32_t)e + 6u, 255u) << 23); }
 
 // FP4 weights: a lane's piece of a group is 8 bytes (the 4 packed bytes of row g's codes 4t ..
-// 4t + 3 and 16 + 4t .. 16 + 4t + 3 in e2m1x8_to_e4m3's order, then row g + 8's); the scales of a band and k-group are the
-// 16 rows' UE8M0 bytes, applied times 2^6 (the conversion's factor, e8m0_times_64).
+// 4t + 3 and 16 + 4t .. 16 + 4t + 3 in e2m1x8_to_e4m3's order, then row g + 8's); the scales of
+// a band and k-group are the 16 rows' UE8M0 bytes, applied times 2^6 (the conversion's factor,
+// e8m0_times_64).
 struct Fp4Chunks {
     static constexpr u32_t PIECE = 8;
     static constexpr u32_t SCALE_BYTES = 16;
