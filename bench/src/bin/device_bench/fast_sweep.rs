@@ -27,9 +27,9 @@ use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::nvrtc::Ptx;
 use deepinfer_kernels::ops::gemm_fast::{
     FastFp8Weight, FastKernels, FastTile, FastVariant, TileShape, gemm_fp8_fast,
-    gemm_fp8_fast_tiled, gemm_fp8_fast_variant, k_parts,
+    gemm_fp8_fast_variant, k_parts,
 };
-use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{DeviceExpertTable, ExpertProjection, RoutedRows};
 use deepinfer_kernels::ops::routed_fast::{
     gemm_fp4_routed_fast_tiled, gemm_fp4_routed_fast_variant,
@@ -315,6 +315,30 @@ fn measure(
     Ok((micros, same_bits))
 }
 
+/// The production launch (`gemm_fp8_fast`) of `a` over the rotated `weights`: its bits on the
+/// first weight and its timed row (`parts`: the production's K parts).
+fn production_row(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    a: &DeviceActFp8,
+    weights: &[FastFp8Weight],
+    y: &mut CudaSlice<bf16>,
+    parts: usize,
+) -> Result<(Vec<u16>, Measured)> {
+    gemm_fp8_fast(rt, a, &weights[0], y)?;
+    let production_bits = bits(rt, y)?;
+    let measured = measure(
+        rt,
+        timer,
+        None,
+        y,
+        |bits| Some(bits == production_bits),
+        |i, y| Ok(gemm_fp8_fast(rt, a, &weights[i % weights.len()], y)?),
+    )?;
+    let row = Measured::pinned("production".to_string(), parts, measured);
+    Ok((production_bits, row))
+}
+
 /// Runs the dense FP8 sweep and prints a table per shape and M.
 pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
     let kernels = FastKernels::Fp8(ActGroup::G32);
@@ -344,32 +368,10 @@ pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
             let x = activations(rt, m, k)?;
             let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
             let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
-            gemm_fp8_fast(rt, &a, &weights[0], &mut y)?;
-            let production_bits = bits(rt, &y)?;
             let production_span = k_parts(n, k).0;
-            let production_parts = k.div_ceil(production_span);
-            let mut rows = Vec::new();
-            let measured = measure(
-                rt,
-                timer,
-                None,
-                &mut y,
-                |bits| Some(bits == production_bits),
-                |i, y| {
-                    Ok(gemm_fp8_fast_tiled(
-                        rt,
-                        &a,
-                        &weights[i % copies],
-                        y,
-                        FastTile::Auto,
-                    )?)
-                },
-            )?;
-            rows.push(Measured::pinned(
-                "production".to_string(),
-                production_parts,
-                measured,
-            ));
+            let (production_bits, production) =
+                production_row(rt, timer, &a, &weights, &mut y, k.div_ceil(production_span))?;
+            let mut rows = vec![production];
             for variant in &mut variants {
                 for span in spans(n, k, variant.shape.step as usize) {
                     variant.span = span;
@@ -427,23 +429,11 @@ fn prefill(rt: &KernelRuntime, timer: &mut Timer) -> Result<()> {
     let x = activations(rt, m, k)?;
     let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
     let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
-    gemm_fp8_fast(rt, &a, &weight, &mut y)?;
-    let production_bits = bits(rt, &y)?;
     let production_span = k_parts(n, k).0;
     let parts = k.div_ceil(production_span);
-    let production = measure(
-        rt,
-        timer,
-        None,
-        &mut y,
-        |bits| Some(bits == production_bits),
-        |_, y| Ok(gemm_fp8_fast(rt, &a, &weight, y)?),
-    )?;
-    let mut rows = vec![Measured::pinned(
-        "production".to_string(),
-        parts,
-        production,
-    )];
+    let weights = std::slice::from_ref(&weight);
+    let (production_bits, production) = production_row(rt, timer, &a, weights, &mut y, parts)?;
+    let mut rows = vec![production];
     for variant in &mut variants {
         if !production_span.is_multiple_of(variant.shape.step as usize) {
             continue;
