@@ -234,6 +234,8 @@ pub enum KernelId {
     /// The same on tensor cores (`fast` numerics, bf16 rounding points), a query's keys in
     /// splits.
     SparseAttentionSinkRowsPtrFast,
+    /// The same with one block per query running all of its splits (launches of many queries).
+    SparseAttentionSinkRowsPtrFastWhole,
     /// Merges the splits of the fast attention's queries of several splits.
     SparseAttentionSplitCombine,
     /// mHC projection partials (one fixed-order chain per projection and K block) and the
@@ -321,7 +323,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 96] = [
+    pub const ALL: [KernelId; 97] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -377,6 +379,7 @@ impl KernelId {
         KernelId::SparseAttentionSinkRowsF32,
         KernelId::SparseAttentionSinkRowsPtrF32,
         KernelId::SparseAttentionSinkRowsPtrFast,
+        KernelId::SparseAttentionSinkRowsPtrFastWhole,
         KernelId::SparseAttentionSplitCombine,
         KernelId::HcMixesPartialsF32,
         KernelId::HcMixesF32,
@@ -478,6 +481,9 @@ impl KernelId {
             KernelId::SparseAttentionSinkRowsF32 => "sparse_attention_sink_rows_f32",
             KernelId::SparseAttentionSinkRowsPtrF32 => "sparse_attention_sink_rows_ptr_f32",
             KernelId::SparseAttentionSinkRowsPtrFast => "sparse_attention_sink_rows_ptr_fast",
+            KernelId::SparseAttentionSinkRowsPtrFastWhole => {
+                "sparse_attention_sink_rows_ptr_fast_whole"
+            }
             KernelId::SparseAttentionSplitCombine => "sparse_attention_split_combine",
             KernelId::HcMixesPartialsF32 => "hc_mixes_partials_f32",
             KernelId::HcMixesF32 => "hc_mixes_f32",
@@ -538,7 +544,8 @@ impl KernelId {
             | KernelId::LinearBf16x3FastWide
             | KernelId::LinearBf16FastWidePart
             | KernelId::LinearBf16x3FastWidePart
-            | KernelId::SparseAttentionSinkRowsPtrFast => true,
+            | KernelId::SparseAttentionSinkRowsPtrFast
+            | KernelId::SparseAttentionSinkRowsPtrFastWhole => true,
             id => id.source() == SourceFile::GemmFast,
         }
     }
@@ -598,6 +605,7 @@ impl KernelId {
             | KernelId::SparseAttentionSinkRowsF32
             | KernelId::SparseAttentionSinkRowsPtrF32
             | KernelId::SparseAttentionSinkRowsPtrFast
+            | KernelId::SparseAttentionSinkRowsPtrFastWhole
             | KernelId::SparseAttentionSplitCombine => SourceFile::Attention,
             KernelId::HcMixesPartialsF32
             | KernelId::HcMixesF32
@@ -680,7 +688,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 27);
+        assert_eq!(count, 28);
     }
 
     #[test]

@@ -165,7 +165,36 @@ fn act_quant_is_bit_exact() {
             }
         }
     }
-    println!("act_quant: bit-exact over M in {{1, 7, 64}}, groups 32 and 128");
+    // f32 storage (any fp32 values): the group maxima span the scale's range, from the 1e-4
+    // floor (zeros, subnormals) to 2^120 (near f32's largest), where x / s and x · (1/s) must
+    // still agree; and a row count whose elements end inside a warp's 128.
+    for group in [ActGroup::G32, ActGroup::G128] {
+        let (rows, cols) = (5usize, 384usize);
+        let magnitudes = [0.0f32, 1e-41, 1e-30, 3e-5, 1.0, 7.5e3, 1e30, 2.5e38];
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                let m = magnitudes[(i / group.elements()) % magnitudes.len()];
+                let sign = if i % 3 == 0 { -1.0 } else { 1.0 };
+                sign * m * (0.25 + (i % 29) as f32 / 29.0)
+            })
+            .collect();
+        let dx = rt.stream().clone_htod(&x).expect("upload");
+        let q = quantize_act_fp8(&rt, &dx, rows, cols, group).expect("quantise f32");
+        let codes = rt.stream().clone_dtoh(&q.codes).expect("codes");
+        let scales = rt.stream().clone_dtoh(&q.scales).expect("scales");
+        let (want_codes, want_scales) = quant::quantize_act_fp8(&x, group.elements());
+        let scale_bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(
+            scale_bits(&scales),
+            scale_bits(&want_scales),
+            "f32 g{} scales",
+            group.elements()
+        );
+        assert_eq!(codes, want_codes, "f32 g{} codes", group.elements());
+    }
+    println!(
+        "act_quant: bit-exact over M in {{1, 7, 64}}, groups 32 and 128, bf16 and f32 storage"
+    );
 }
 
 /// Quantises `x` on the device and runs the FP8 GEMM.

@@ -59,8 +59,20 @@ extern "C" __global__ void __launch_bounds__(fast_attention::MAX_THREADS)
                                         float* split_stats, u32_t query0, u32_t max_splits,
                                         AttentionParams p) {
     grid_dependency_sync();
-    fast_attention::attention(q, key_ptrs, key_rows, row_starts, sink, out, split_acc, split_stats,
-                              query0, max_splits, p);
+    fast_attention::attention<false>(q, key_ptrs, key_rows, row_starts, sink, out, split_acc, split_stats,
+                                     query0, max_splits, p);
+}
+
+// The same attention with one block per query running all of its splits (grid (head blocks,
+// queries of this launch, 1); at most 512 threads: 32 heads of head_dim 512, so that the merged
+// outputs stay in registers); the same bits as the split blocks and their combine, no scratch.
+extern "C" __global__ void __launch_bounds__(fast_attention::MAX_WHOLE_THREADS)
+    sparse_attention_sink_rows_ptr_fast_whole(const float* q, const unsigned long long* key_ptrs,
+                                              const u32_t* key_rows, const u32_t* row_starts,
+                                              const float* sink, float* out, u32_t query0,
+                                              AttentionParams p) {
+    grid_dependency_sync();
+    fast_attention::attention<true>(q, key_ptrs, key_rows, row_starts, sink, out, nullptr, nullptr, query0, 1, p);
 }
 
 // Merges the splits of the queries of several splits of one sparse_attention_sink_rows_ptr_fast

@@ -40,14 +40,17 @@
 // flows from one head to another. So the launcher picks the group count from the launch's shape,
 // and `fast_attention::every_head_block_gives_the_same_bits` (tests) checks it.
 //
-// Split keys (flash-decoding): a query's list is cut into splits of SPLIT_TILES tiles, one block
-// each (grid z), so that a decode step of few queries still fills the GPU. A query of one split
-// writes its output as above; a query of several writes each split's (m, l, acc) to scratch and
-// `combine` merges them in split order: M = max m_s, L = sum l_s exp(m_s - M), out = sum acc_s
-// exp(m_s - M) / (L + exp(sink - M)). The split count depends only on the query's key count, so
-// every output depends only on its query's q, its key list and the fixed tile, split and
-// reduction order: deterministic and batch invariant. n_keys = 0 gives 0, as the exact kernel
-// does.
+// Split keys (flash-decoding): a query's list is cut into splits of SPLIT_TILES tiles, each
+// computed from a fresh softmax state, then merged in split order from (M, L, O) = (-1e30, 0, 0):
+// M' = max(M, m_s), O' = O exp(M - M') + acc_s exp(m_s - M'), L' likewise (merge_split);
+// out = O / (L + exp(sink - M)). Two launch forms give the same bits: one block per split (grid
+// z), so that a decode step of few queries still fills the GPU, each split's (m, l, acc) to
+// scratch and `combine` merging them; or (WHOLE, the `_whole` kernel, for launches of many
+// queries: a prefill) one block per query running its splits one after the other and merging
+// each as it ends, with no scratch. A query of one split writes its output as above in both. The
+// split count depends only on the query's key count, so every output depends only on its query's
+// q, its key list and the fixed tile, split and merge order: deterministic and batch invariant.
+// n_keys = 0 gives 0, as the exact kernel does.
 #pragma once
 #include "common/numerics.cuh"
 
@@ -61,6 +64,7 @@ constexpr u32_t WARP_DIMS = 64;     // head dims per warp
 constexpr u32_t MAX_DIM_WARPS = 8;  // head_dim <= 512
 constexpr u32_t MAX_WARPS = MAX_GROUPS * MAX_DIM_WARPS;
 constexpr u32_t MAX_THREADS = MAX_WARPS * 32;
+constexpr u32_t MAX_WHOLE_THREADS = MAX_THREADS / 2;  // the one-block-per-query kernel's
 // bf16 per shared q or key row: 16-byte rows whose 8 consecutive rows fall in distinct banks
 // (ldmatrix without conflicts).
 constexpr u32_t ROW_STRIDE = WARP_DIMS * MAX_DIM_WARPS + 8;
@@ -127,11 +131,28 @@ __device__ __forceinline__ void fetch(float4* stage, u32_t k, u32_t tiles, u32_t
     cp_async_commit();
 }
 
+// Merges a split's statistics (m_s, l_s) into the running (m, l), splits in order: the weights of
+// the running values and of the split's, w_old = exp(m - m'), w_new = exp(m_s - m').
+__device__ __forceinline__ float2 merge_split(float& m, float& l, float m_s, float l_s) {
+    const float merged = fmaxf(m, m_s);
+    const float w_old = expf(m - merged), w_new = expf(m_s - merged);
+    l = __fadd_rn(__fmul_rn(l, w_old), __fmul_rn(l_s, w_new));
+    m = merged;
+    return make_float2(w_old, w_new);
+}
+
+// A running output o merged with a split's acc by merge_split's weights w.
+__device__ __forceinline__ float merge_value(float o, float acc, float2 w) {
+    return __fadd_rn(__fmul_rn(o, w.x), __fmul_rn(acc, w.y));
+}
+
 // The row-batched entry (sparse_attention.cu: the arguments and the grid): query query0 +
 // blockIdx.y of q [queries, heads, head_dim] (f32 storage, bf16 values), its key j at the address
 // key_ptrs[key_rows[row_starts[query] + j]], its split blockIdx.z; this block's heads are
 // blockIdx.x · groups · HEADS + [0, groups · HEADS), groups = blockDim.x / (head_dim / 2). A
-// query of one split writes out; of several, its split's (m, l, acc) to the split scratch.
+// query of one split writes out; of several, its split's (m, l, acc) to the split scratch, or
+// with WHOLE (grid z = 1) the block runs all its splits and writes out.
+template <bool WHOLE>
 __device__ void attention(const float* __restrict__ q, const unsigned long long* __restrict__ key_ptrs,
                           const u32_t* __restrict__ key_rows, const u32_t* __restrict__ row_starts,
                           const float* __restrict__ sink, float* __restrict__ out,
@@ -141,7 +162,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     const u32_t first = row_starts[query];
     const u32_t n_keys = row_starts[query + 1] - first;
     const u32_t splits = splits_of(n_keys);
-    const u32_t split = blockIdx.z;
+    const u32_t split = WHOLE ? 0u : blockIdx.z;
     if (split >= splits) return;
     Shared& sh = shared_regions();
     float4* const stage = staging();
@@ -159,7 +180,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     // 0. The first STAGES tiles in flight, then q in bf16 and the row statistics.
     const u32_t all_tiles = (n_keys + TILE - 1) / TILE;
     const u32_t first_tile = split * SPLIT_TILES;
-    const u32_t tiles = (splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES)) - first_tile;
+    const u32_t tiles = (WHOLE || splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES)) - first_tile;
     const u32_t keys_left = n_keys - first_tile * TILE;  // from the split's first key on
     const u32_t* split_rows = key_rows + first + first_tile * TILE;
 #pragma unroll
@@ -183,8 +204,39 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     for (u32_t nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (u32_t c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
+    // WHOLE: the merged splits so far, (m, l) of the thread's heads g and g + 8, and o.
+    float merged_m[2] = {-1e30f, -1e30f}, merged_l[2] = {0.0f, 0.0f};
+    float merged[8][4];
+    const u32_t lo = local0 + g, hi = lo + 8;
+    // Merges the split that just ended (its statistics final) into `merged`, from zero at the
+    // first; the next split starts from zero.
+    const auto merge_ended_split = [&](bool first_split) {
+#pragma unroll
+        for (u32_t half = 0; half < 2; ++half) {
+            const u32_t local = half == 0 ? lo : hi;
+            const float2 w = merge_split(merged_m[half], merged_l[half], sh.row_max[local], sh.row_sum[local]);
+#pragma unroll
+            for (u32_t nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (u32_t c = 0; c < 2; ++c) {
+                    const float o = first_split ? 0.0f : merged[nt][2 * half + c];
+                    merged[nt][2 * half + c] = merge_value(o, acc[nt][2 * half + c], w);
+                    acc[nt][2 * half + c] = 0.0f;
+                }
+        }
+    };
 
     for (u32_t k = 0; k < tiles; ++k) {
+        if (WHOLE && k > 0 && k % SPLIT_TILES == 0) {
+            // A split ended with the last tile (its statistics final since barrier C): merge it,
+            // then, once every thread has read them, restart the statistics.
+            merge_ended_split(k == SPLIT_TILES);
+            __syncthreads();
+            if (threadIdx.x < block_heads) {
+                sh.row_max[threadIdx.x] = -1e30f;
+                sh.row_sum[threadIdx.x] = 0.0f;
+            }
+        }
         __nv_bfloat16(&keys)[TILE][ROW_STRIDE] = sh.keys[k & 1];
         // 1. This thread's float4 of the tile, as bf16 (zero past the list).
         cp_async_wait<STAGES - 1>();     // tile k's group has landed (one newer may be pending)
@@ -259,7 +311,6 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         __syncthreads();  // (C) the tile's weights and rescales are in place
 
         // 4. Outputs: acc = acc * rescale + bf16(p) · V over this warp's 64 dims (8 n-tiles).
-        const u32_t lo = local0 + g, hi = lo + 8;
         const float rescale_lo = sh.rescale[lo], rescale_hi = sh.rescale[hi];
         u32_t pa[4];
         pa[0] = *reinterpret_cast<const u32_t*>(&sh.weights[lo][2 * t]);
@@ -286,7 +337,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
 
     const size_t width = (size_t)p.heads * p.head_dim;
     const u32_t head0 = block_head0 + local0;
-    if (splits > 1) {
+    if (!WHOLE && splits > 1) {
         // This split's (m, l, acc) for `combine`.
         const size_t slot = (size_t)blockIdx.y * max_splits + split;
 #pragma unroll
@@ -310,48 +361,51 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         return;
     }
 
-    // out = acc / (l + exp(sink - m)), rounded to bf16 (the V4.1 rounding point).
+    // out = acc / (l + exp(sink - m)), rounded to bf16 (the V4.1 rounding point); with WHOLE and
+    // several splits, the last one merged, out = o / (L + exp(sink - M)) as `combine` writes it.
+    const bool merging = WHOLE && splits > 1;
+    if (merging) merge_ended_split(tiles <= SPLIT_TILES);
 #pragma unroll
     for (u32_t half = 0; half < 2; ++half) {
         const u32_t h = head0 + g + 8 * half;
         if (h >= p.heads) continue;
         const u32_t local = local0 + g + 8 * half;
-        const float denominator = sh.row_sum[local] + expf(sink[h] - sh.row_max[local]);
+        const float l = merging ? merged_l[half] : sh.row_sum[local];
+        const float m = merging ? merged_m[half] : sh.row_max[local];
+        const float denominator = l + expf(sink[h] - m);
         float* out_h = out + query * width + (size_t)h * p.head_dim;
 #pragma unroll
         for (u32_t nt = 0; nt < 8; ++nt) {
             const u32_t d = dim0 + nt * 8 + 2 * t;
+            const float o0 = merging ? merged[nt][2 * half] : acc[nt][2 * half];
+            const float o1 = merging ? merged[nt][2 * half + 1] : acc[nt][2 * half + 1];
             *reinterpret_cast<float2*>(&out_h[d]) =
-                make_float2(round_bf16_f32(acc[nt][2 * half] / denominator),
-                            round_bf16_f32(acc[nt][2 * half + 1] / denominator));
+                make_float2(round_bf16_f32(o0 / denominator), round_bf16_f32(o1 / denominator));
         }
     }
 }
 
 // Merges dims [4 quad, 4 quad + 4) of head `h` of a query of `splits` > 1 splits (stride `heads`
-// split results apart in `acc` / `stats`, as `attention` wrote them) into out [heads, head_dim].
-// Each output as before: M = the max of the m_s; then in split order w_s = exp(m_s - M),
-// L += l_s w_s, o += acc_s w_s; out = o / (L + exp(sink - M)), rounded to bf16. A thread computes
-// w_s once for its four outputs (they used to compute it each).
+// split results apart in `acc` / `stats`, as `attention` wrote them) into out [heads, head_dim]:
+// merge_split in split order from (-1e30, 0, 0), the first split's o from zero as the WHOLE
+// block's; out = o / (L + exp(sink - M)), rounded to bf16. A thread computes the weights once for
+// its four outputs.
 __device__ void combine(const float* __restrict__ acc, const float* __restrict__ stats, u32_t splits,
                         u32_t h, u32_t quad, float sink, float* __restrict__ out, AttentionParams p) {
     const size_t split_quads = (size_t)p.heads * p.head_dim / 4;
     const size_t split_stats = (size_t)p.heads * 2;
     const float* st = stats + 2 * h;
-    float m = -1e30f;
-    for (u32_t s = 0; s < splits; ++s) m = fmaxf(m, st[s * split_stats]);
     const float4* a = reinterpret_cast<const float4*>(acc) + (size_t)h * (p.head_dim / 4) + quad;
-    float l = 0.0f;
+    float m = -1e30f, l = 0.0f;
     float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 4
     for (u32_t s = 0; s < splits; ++s) {
-        const float weight = expf(st[s * split_stats] - m);
-        l += st[s * split_stats + 1] * weight;
+        const float2 w = merge_split(m, l, st[s * split_stats], st[s * split_stats + 1]);
         const float4 v = a[s * split_quads];
-        o.x += v.x * weight;
-        o.y += v.y * weight;
-        o.z += v.z * weight;
-        o.w += v.w * weight;
+        o.x = merge_value(o.x, v.x, w);
+        o.y = merge_value(o.y, v.y, w);
+        o.z = merge_value(o.z, v.z, w);
+        o.w = merge_value(o.w, v.w, w);
     }
     const float denominator = l + expf(sink - m);
     *reinterpret_cast<float4*>(out + (size_t)h * p.head_dim + 4 * quad) =

@@ -1,39 +1,60 @@
 // FP8 activation quantisation Q8 (v41-architecture.md §3.0): per contiguous group of G elements,
 // amax = max(max|x|, 1e-4), s = P2(amax * fp32(1/448)), q = e4m3_RNE(clamp(x / s, +-448)).
-// One warp per (row, group); the max is order-independent, so the result is exact and does not
+// A lane holds 4 consecutive elements (one 16- or 8-byte load), a warp 128 elements: four 32-groups
+// (8 lanes each) or one 128-group. The max is order-independent and x / s is computed as x * (1/s),
+// the same correctly rounded value for a power-of-two s (1/s is exact: s is in [2^-22, 2^120], or
+// +inf, whose reciprocal 0 gives what the division gives), so the result is exact and does not
 // depend on the launch shape.
 #pragma once
 #include "common/numerics.cuh"
 
+constexpr u32_t ACT_QUANT_PER_LANE = 4;
+constexpr u32_t ACT_QUANT_PER_WARP = 32 * ACT_QUANT_PER_LANE;
+
+// The 4 elements at x[i..i + 4) as f32.
+__device__ __forceinline__ float4 load4_f32(const float* x, unsigned long long i) {
+    return *reinterpret_cast<const float4*>(x + i);
+}
+__device__ __forceinline__ float4 load4_f32(const __nv_bfloat16* x, unsigned long long i) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(x + i);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// Warp w quantises elements [128 w, 128 w + 128) of the rows-major x (groups tile each row
+// exactly: cols % GROUP == 0, so every group is wholly inside or wholly past the end).
 template <int GROUP, class T>
 __device__ void act_quant_fp8(const T* __restrict__ x, u8_t* __restrict__ codes,
                               float* __restrict__ scales, ActQuantParams p) {
-    static_assert(GROUP % 32 == 0, "a group is a whole number of warps' lanes");
-    constexpr int PER_LANE = GROUP / 32;
-    const u32_t groups_per_row = p.cols / GROUP;
-    const unsigned long long group =
-        (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (group >= (unsigned long long)p.rows * groups_per_row) return;
+    static_assert(GROUP == 32 || GROUP == 128, "32- or 128-groups");
+    constexpr u32_t LANES = GROUP / ACT_QUANT_PER_LANE;  // lanes of one group
+    const unsigned long long total = (unsigned long long)p.rows * p.cols;
+    const unsigned long long warp = (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const u32_t lane = threadIdx.x % 32;
-    const unsigned long long base = group * GROUP;  // groups tile each row exactly (cols % G == 0)
-
-    float v[PER_LANE];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-        v[i] = to_f32(x[base + lane + 32 * i]);
-        amax = fmaxf(amax, fabsf(v[i]));
+    const unsigned long long base = warp * ACT_QUANT_PER_WARP + lane * ACT_QUANT_PER_LANE;
+    if (warp * ACT_QUANT_PER_WARP >= total) return;  // uniform over the warp
+    const bool valid = base < total;
+    float v[ACT_QUANT_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (valid) {
+        const float4 f = load4_f32(x, base);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
     }
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
+    for (u32_t offset = LANES / 2; offset > 0; offset >>= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (!valid) return;
     amax = fmaxf(amax, 1e-4f);
     const float inv448 = 1.0f / 448.0f;  // the fp32 constant c: multiply, do not divide
     const float s = p2_scale(__fmul_rn(amax, inv448));
+    const float inv_s = __frcp_rn(s);
+    u32_t packed = 0;
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-        const float q = fminf(fmaxf(__fdiv_rn(v[i], s), -448.0f), 448.0f);
-        codes[base + lane + 32 * i] = e4m3_encode(q);
+    for (u32_t i = 0; i < ACT_QUANT_PER_LANE; ++i) {
+        const float q = fminf(fmaxf(__fmul_rn(v[i], inv_s), -448.0f), 448.0f);
+        packed |= (u32_t)e4m3_encode(q) << (8 * i);
     }
-    if (lane == 0) scales[group] = s;
+    *reinterpret_cast<u32_t*>(codes + base) = packed;
+    if (lane % LANES == 0) scales[base / GROUP] = s;
 }

@@ -37,6 +37,13 @@ const FAST_SPLIT_KEYS: usize = 64;
 /// The most bytes of split results one fast launch writes (its queries are launched in groups
 /// that fit).
 const FAST_SPLIT_SCRATCH_BYTES: usize = 128 << 20;
+/// The fewest blocks a launch of the one-block-per-query form needs to be taken (two waves of the
+/// H200's 132 SMs, one block each): a prefill's queries; a decode step's few queries take the
+/// split blocks, which fill the device.
+const FAST_WHOLE_MIN_BLOCKS: usize = 264;
+/// The most threads of a block of the one-block-per-query kernel
+/// (`fast_attention::MAX_WHOLE_THREADS`: its merged outputs stay in registers).
+const FAST_WHOLE_THREADS: usize = 512;
 /// Threads of a split-combine block (one float4 of outputs each).
 const COMBINE_THREADS: usize = 128;
 const THREADS: u32 = 512;
@@ -474,7 +481,11 @@ const _: () = assert!(
 /// The dynamic shared memory kernel `id` needs, if it is the fast attention (`None` otherwise):
 /// its widest head_dim's, allowed at load.
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
-    (id == KernelId::SparseAttentionSinkRowsPtrFast).then_some(fast_shared_bytes(512))
+    matches!(
+        id,
+        KernelId::SparseAttentionSinkRowsPtrFast | KernelId::SparseAttentionSinkRowsPtrFastWhole
+    )
+    .then_some(fast_shared_bytes(512))
 }
 
 /// The row-batched sink attention of [`sparse_attention_sink_rows_f32`] (rows read through a
@@ -482,11 +493,10 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
 /// on tensor cores (the `fast` numerics, `sparse_attention_fast.cuh`): q and the keys as bf16
 /// (exact for the V4.1 rounding points), scores and outputs accumulated in fp32 in a fixed
 /// order, the weights rounded to bf16, the outputs too. A query's keys go in splits of
-/// [`FAST_SPLIT_KEYS`], one block each, merged in split order by a second launch; the split count
-/// depends only on the query's key count. Deterministic and batch invariant; not bitwise equal to
-/// the exact kernel. Needs [`fast_attention_supports`]. `head_block` `None` lets
-/// [`FastHeadBlock::choose`] pick each launch's head block; tests give one (every block gives
-/// the same bits).
+/// [`FAST_SPLIT_KEYS`] merged in split order; the split count depends only on the query's key
+/// count. Deterministic and batch invariant; not bitwise equal to the exact kernel. Needs
+/// [`fast_attention_supports`]. `blocks` chooses the launch's form where it says (tests); every
+/// form gives the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sink_rows_ptr_fast(
     rt: &KernelRuntime,
@@ -497,7 +507,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     out: &mut CudaSlice<f32>,
     head_dim: usize,
     scale: f32,
-    head_block: Option<FastHeadBlock>,
+    blocks: FastAttentionBlocks,
 ) -> Result<(), KernelError> {
     ensure(fast_attention_supports(head_dim, key_ptrs), FAST_OP, || {
         format!(
@@ -526,6 +536,14 @@ pub fn sparse_attention_sink_rows_ptr_fast(
             lists.longest
         )
     })?;
+    let whole = blocks.whole_queries.unwrap_or_else(|| {
+        max_splits > 1
+            && lists.queries * heads.div_ceil(FAST_GROUP_HEADS * 2) >= FAST_WHOLE_MIN_BLOCKS
+    });
+    if whole {
+        return launch_whole_queries(rt, q, key_ptrs, lists, sink, out, &params, blocks.heads);
+    }
+    let head_block = blocks.heads;
     // Each launch's queries write their splits' results (acc and stats of every head) to scratch.
     let split_values = (heads * head_dim + 2 * heads) * max_splits;
     let per_launch = if max_splits == 1 {
@@ -621,6 +639,91 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         }
     }
     Ok(())
+}
+
+/// The fast attention in its one-block-per-query form (`sparse_attention_sink_rows_ptr_fast_whole`:
+/// each block runs its query's splits one after the other and merges them as the split blocks'
+/// combine does), its head block `head_block` or the widest within [`FAST_WHOLE_THREADS`].
+#[allow(clippy::too_many_arguments)]
+fn launch_whole_queries(
+    rt: &KernelRuntime,
+    q: &CudaSlice<f32>,
+    key_ptrs: &DeviceKeyTable,
+    lists: &DeviceKeyLists,
+    sink: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    params: &AttentionParams,
+    head_block: Option<FastHeadBlock>,
+) -> Result<(), KernelError> {
+    let heads = sink.len();
+    let head_dim = params.head_dim as usize;
+    let threads_of = |block: FastHeadBlock| block.groups() * head_dim / 2;
+    let block = match head_block {
+        Some(block) => block,
+        None => FastHeadBlock::ALL
+            .into_iter()
+            .rev()
+            .find(|&block| {
+                threads_of(block) <= FAST_WHOLE_THREADS
+                    && block.groups() <= heads.div_ceil(FAST_GROUP_HEADS)
+            })
+            .unwrap_or(FastHeadBlock::Heads16),
+    };
+    ensure(threads_of(block) <= FAST_WHOLE_THREADS, FAST_OP, || {
+        format!(
+            "{block:?} at head_dim {head_dim} needs {} threads; a block running whole queries \
+             takes at most {FAST_WHOLE_THREADS}",
+            threads_of(block)
+        )
+    })?;
+    let head_blocks = dim(
+        FAST_OP,
+        "head blocks",
+        heads.div_ceil(FAST_GROUP_HEADS * block.groups()),
+    )?;
+    let threads = dim(FAST_OP, "threads", threads_of(block))?;
+    let shared = fast_shared_bytes(head_dim);
+    for query0 in (0..lists.queries).step_by(MAX_QUERIES_PER_LAUNCH) {
+        let count = dim(
+            FAST_OP,
+            "queries",
+            MAX_QUERIES_PER_LAUNCH.min(lists.queries - query0),
+        )?;
+        let query0 = dim(FAST_OP, "first query", query0)?;
+        let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFastWhole)?;
+        launch.arg(q);
+        KeyRows::Table(key_ptrs).push(&mut launch);
+        launch
+            .arg(&lists.key_rows)
+            .arg(&lists.row_starts)
+            .arg(sink)
+            .arg(&mut *out)
+            .arg(&query0)
+            .arg(params);
+        // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
+        // key_rows, const u32_t* row_starts, const float* sink, float* out, u32_t query0,
+        // AttentionParams); the buffers as for the split form (checked by the caller); at most
+        // FAST_WHOLE_THREADS threads (checked), a multiple of 32, serving 16 * groups heads a block
+        // over ceil(heads / (16 * groups)) blocks; the dynamic shared memory allowed at load;
+        // queries query0 .. query0 + count exist.
+        unsafe {
+            launch.launch(launch_config((head_blocks, count, 1), threads, shared))?;
+        }
+    }
+    Ok(())
+}
+
+/// How a fast-attention launch lays out its blocks; a field left `None` is chosen by the launch's
+/// shape. No choice changes a bit (`sparse_attention_fast.cuh`); tests force each.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FastAttentionBlocks {
+    /// The heads a block serves ([`FastHeadBlock::choose`] for the split blocks; the widest within
+    /// [`FAST_WHOLE_THREADS`] threads for whole queries).
+    pub heads: Option<FastHeadBlock>,
+    /// One block per query running all of its splits (`true`), or one block per split and a
+    /// combine launch (`false`); by default whole queries where the split form is not needed to
+    /// fill the device ([`FAST_WHOLE_MIN_BLOCKS`]).
+    pub whole_queries: Option<bool>,
 }
 
 #[cfg(test)]

@@ -129,7 +129,7 @@ pub fn bf16_to_f32(
         return Ok(());
     }
     let n = x.len() as u64;
-    let cfg = grid_stride_config(x.len(), THREADS);
+    let cfg = grid_stride_config(x.len().div_ceil(4), THREADS); // a thread per 4 values
     let mut launch = rt.launcher(KernelId::Bf16ToF32)?;
     launch.arg(x).arg(out).arg(&n);
     // SAFETY: signature (const u16* x, float* out, u64 n); both hold n values (checked), the

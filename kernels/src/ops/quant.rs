@@ -11,6 +11,8 @@ use crate::runtime::KernelRuntime;
 
 const OP: &str = "quantize_act_fp8";
 const WARPS_PER_BLOCK: u32 = 8;
+/// Elements one warp of the quantiser takes (`ACT_QUANT_PER_WARP`: 4 a lane).
+const ELEMENTS_PER_WARP: usize = 128;
 
 /// Activation quantisation group along the last axis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,9 +180,13 @@ pub fn quantize_act_fp8_into<T: ActInput>(
         rows: dim(OP, "rows", out.rows)?,
         cols: dim(OP, "cols", out.cols)?,
     };
-    let groups = dim(OP, "groups", out.rows * out.cols / out.group.elements())?;
+    let warps = dim(
+        OP,
+        "warps",
+        (out.rows * out.cols).div_ceil(ELEMENTS_PER_WARP),
+    )?;
     let cfg = launch_config(
-        (groups.div_ceil(WARPS_PER_BLOCK), 1, 1),
+        (warps.div_ceil(WARPS_PER_BLOCK), 1, 1),
         WARPS_PER_BLOCK * 32,
         0,
     );
@@ -192,8 +198,8 @@ pub fn quantize_act_fp8_into<T: ActInput>(
         .arg(&params);
     // SAFETY: the kernel's signature is (const T*, u8*, float*, ActQuantParams), `T::kernel`
     // being the build that reads `x`'s element type; the buffer lengths were checked against
-    // rows * cols above and the grid covers exactly `groups` warps (the kernel bounds-checks the
-    // last block).
+    // rows * cols above and the grid covers every element with warps of 128 (the kernel
+    // bounds-checks the last warp's groups).
     unsafe { launch.launch(cfg) }
 }
 
@@ -206,8 +212,8 @@ pub fn quantize_act_fp8<T: ActInput>(
     cols: usize,
     group: ActGroup,
 ) -> Result<DeviceActFp8, KernelError> {
-    // SAFETY: act_quant_fp8 runs one warp per (row, group) over all rows * cols / group groups,
-    // each writing its group's codes and scale.
+    // SAFETY: act_quant_fp8 writes every element's code and every group's scale (a warp per
+    // 128 elements over all rows * cols).
     let mut out = unsafe { DeviceActFp8::alloc_written(rt, rows, cols, group) }?;
     quantize_act_fp8_into(rt, x, &mut out)?;
     Ok(out)

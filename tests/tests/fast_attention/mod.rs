@@ -20,7 +20,7 @@
 
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, FastHeadBlock, sparse_attention_sink_rows_ptr_fast,
+    DeviceKeyLists, FastAttentionBlocks, FastHeadBlock, sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -259,7 +259,7 @@ impl DirectCase {
         }
     }
 
-    fn run(&self, rt: &KernelRuntime, block: Option<FastHeadBlock>, scale: f32) -> Vec<f32> {
+    fn run(&self, rt: &KernelRuntime, blocks: FastAttentionBlocks, scale: f32) -> Vec<f32> {
         let stream = rt.stream();
         let keys = stream.clone_htod(&self.keys).expect("keys");
         let addresses: Vec<u64> = (0..Self::ROWS)
@@ -284,7 +284,7 @@ impl DirectCase {
             &mut out,
             self.head_dim,
             scale,
-            block,
+            blocks,
         )
         .expect("fast attention");
         let got = stream.clone_dtoh(&out).expect("download");
@@ -305,18 +305,36 @@ fn every_head_block_gives_the_same_bits() {
     for (heads, head_dim) in shapes {
         let case = DirectCase::new(&mut rng, heads, head_dim, &key_counts);
         let scale = (head_dim as f32).powf(-0.5);
-        let reference = case.run(&rt, Some(FastHeadBlock::Heads16), scale);
+        let split_blocks = |heads| FastAttentionBlocks {
+            heads,
+            whole_queries: Some(false),
+        };
+        let reference = case.run(&rt, split_blocks(Some(FastHeadBlock::Heads16)), scale);
         assert!(
             reference.iter().all(|v| v.is_finite()),
             "h{heads} d{head_dim}: an output was left unwritten"
         );
+        // Every head block in both forms (a block per split with the combine; a block per query
+        // merging its splits itself), and the launcher's own choices.
         for block in FastHeadBlock::ALL.map(Some).into_iter().chain([None]) {
-            let got = case.run(&rt, block, scale);
-            assert_eq!(
-                differing(&got, &reference),
-                0,
-                "h{heads} d{head_dim} {block:?}: differs from 16 heads a block"
-            );
+            for whole_queries in [Some(false), Some(true), None] {
+                let blocks = FastAttentionBlocks {
+                    heads: block,
+                    whole_queries,
+                };
+                if whole_queries == Some(true)
+                    && block == Some(FastHeadBlock::Heads64)
+                    && head_dim == 512
+                {
+                    continue; // 1024 threads: more than a whole-query block takes (tested below)
+                }
+                let got = case.run(&rt, blocks, scale);
+                assert_eq!(
+                    differing(&got, &reference),
+                    0,
+                    "h{heads} d{head_dim} {blocks:?}: differs from 16 heads a block, split blocks"
+                );
+            }
         }
         // Negative control: the scale one ulp up moves every score by about one rounding, as a
         // block summing in another order would; at the real width (32 768 outputs a query) some
@@ -324,7 +342,7 @@ fn every_head_block_gives_the_same_bits() {
         // The narrow shapes have too few outputs for a one-rounding change to reach bf16.
         let nudged = case.run(
             &rt,
-            Some(FastHeadBlock::Heads64),
+            split_blocks(Some(FastHeadBlock::Heads64)),
             f32::from_bits(scale.to_bits() + 1),
         );
         let seen = differing(&nudged, &reference);

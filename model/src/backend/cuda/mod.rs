@@ -75,8 +75,9 @@ use deepinfer_kernels::cudarc::driver::{
 use deepinfer_kernels::kernel_timer::KernelTimer;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, ListSegment, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH,
-    fast_attention_supports, sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_fast,
+    DeviceKeyLists, FastAttentionBlocks, ListSegment,
+    MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, fast_attention_supports,
+    sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};

@@ -351,7 +351,7 @@ impl CudaBackend {
                 &mut dout,
                 head_dim,
                 attention.scale,
-                None,
+                FastAttentionBlocks::default(),
             )
         } else {
             sparse_attention_sink_rows_f32(
