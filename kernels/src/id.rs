@@ -253,6 +253,9 @@ pub enum KernelId {
     IndexScoresRowsF32,
     /// The row-batched indexer scores with key rows read through a device pointer table.
     IndexScoresRowsPtrF32,
+    /// `IndexScoresRowsPtrF32` at the bf16 rounding points with the dot products on tensor cores
+    /// (`fast` numerics; the exact kernel's bits on Q4e-QDQ'd q and keys).
+    IndexScoresRowsPtrFast,
     /// One token per logit row: greedy, or Gumbel-max with temperature, top-k and top-p.
     SampleRowsF32,
     /// Grammar masks: logits whose bit in the row's allowed-token bitset is clear become -inf.
@@ -323,7 +326,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 97] = [
+    pub const ALL: [KernelId; 98] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -388,6 +391,7 @@ impl KernelId {
         KernelId::IndexScoresF32,
         KernelId::IndexScoresRowsF32,
         KernelId::IndexScoresRowsPtrF32,
+        KernelId::IndexScoresRowsPtrFast,
         KernelId::SampleRowsF32,
         KernelId::MaskLogitsF32,
         KernelId::TokenLogprobsF32,
@@ -492,6 +496,7 @@ impl KernelId {
             KernelId::IndexScoresF32 => "index_scores_f32",
             KernelId::IndexScoresRowsF32 => "index_scores_rows_f32",
             KernelId::IndexScoresRowsPtrF32 => "index_scores_rows_ptr_f32",
+            KernelId::IndexScoresRowsPtrFast => "index_scores_rows_ptr_fast",
             KernelId::SampleRowsF32 => "sample_rows_f32",
             KernelId::MaskLogitsF32 => "mask_logits_f32",
             KernelId::TokenLogprobsF32 => "token_logprobs_f32",
@@ -528,9 +533,9 @@ impl KernelId {
         }
     }
 
-    /// Whether the kernel runs on tensor cores (the `fast` numerics' GEMMs, bf16 linear and sink
-    /// attention); every other kernel is a CUDA-core kernel of the exact numerics or shared by
-    /// both (quantisation, SwiGLU, combine, movement).
+    /// Whether the kernel runs on tensor cores (the `fast` numerics' GEMMs, bf16 linear, sink
+    /// attention and indexer scores); every other kernel is a CUDA-core kernel of the exact
+    /// numerics or shared by both (quantisation, SwiGLU, combine, movement).
     pub fn on_tensor_cores(self) -> bool {
         match self {
             KernelId::GemmFastReduce | KernelId::LinearFastReduce => false,
@@ -545,7 +550,8 @@ impl KernelId {
             | KernelId::LinearBf16FastWidePart
             | KernelId::LinearBf16x3FastWidePart
             | KernelId::SparseAttentionSinkRowsPtrFast
-            | KernelId::SparseAttentionSinkRowsPtrFastWhole => true,
+            | KernelId::SparseAttentionSinkRowsPtrFastWhole
+            | KernelId::IndexScoresRowsPtrFast => true,
             id => id.source() == SourceFile::GemmFast,
         }
     }
@@ -613,7 +619,8 @@ impl KernelId {
             | KernelId::HcExpandF32 => SourceFile::Mhc,
             KernelId::IndexScoresF32
             | KernelId::IndexScoresRowsF32
-            | KernelId::IndexScoresRowsPtrF32 => SourceFile::Indexer,
+            | KernelId::IndexScoresRowsPtrF32
+            | KernelId::IndexScoresRowsPtrFast => SourceFile::Indexer,
             KernelId::SampleRowsF32 | KernelId::MaskLogitsF32 | KernelId::TokenLogprobsF32 => {
                 SourceFile::Sampling
             }
@@ -676,7 +683,7 @@ mod tests {
     }
 
     /// The tensor-core kernels are the `fast` ones (named so), less the part reductions of the
-    /// fast GEMMs and linears (plain fp32 adds): 27 of them.
+    /// fast GEMMs and linears (plain fp32 adds): 28 of them.
     #[test]
     fn tensor_core_kernels_are_the_fast_kernels_but_the_reductions() {
         for id in KernelId::ALL {
@@ -688,7 +695,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 28);
+        assert_eq!(count, 29);
     }
 
     #[test]

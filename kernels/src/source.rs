@@ -4,7 +4,7 @@
 use crate::id::SourceFile;
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 23] = [
+pub const HEADERS: [(&str, &str); 24] = [
     ("common/params.h", include_str!("../cuda/common/params.h")),
     (
         "common/grid_dependency.cuh",
@@ -61,6 +61,10 @@ pub const HEADERS: [(&str, &str); 23] = [
     (
         "indexer/index_scores.cuh",
         include_str!("../cuda/indexer/index_scores.cuh"),
+    ),
+    (
+        "indexer/index_scores_fast.cuh",
+        include_str!("../cuda/indexer/index_scores_fast.cuh"),
     ),
     (
         "sampling/sampling.cuh",

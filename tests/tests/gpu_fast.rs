@@ -27,7 +27,8 @@
 //! projections and shared experts on the fast kernels (asserted through the op profile's
 //! tensor-core launches).
 //!
-//! The fast sink attention: `fast_attention/mod.rs`; the fast bf16 linear: `fast_linear/mod.rs`;
+//! The fast sink attention: `fast_attention/mod.rs`; the fast indexer scores (the exact kernel's
+//! bits on Q4e-QDQ'd inputs): `fast_index/mod.rs`; the fast bf16 linear: `fast_linear/mod.rs`;
 //! the V4 family in fast numerics (f32-output GEMMs, V4's routed experts, the backend's fast
 //! path, a quantised V4 checkpoint): `fast_v4/mod.rs`.
 //!
@@ -64,6 +65,7 @@ use deepinfer_tests::forward_one;
 use half::bf16;
 
 mod fast_attention;
+mod fast_index;
 mod fast_linear;
 mod fast_v4;
 mod golden_support;

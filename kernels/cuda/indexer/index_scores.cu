@@ -1,9 +1,11 @@
 // Instantiations of the indexer scores on f32 storage: one query, and a batch of queries that
 // each see a window of one table of key rows (a prefix of their own sequence's keys), the rows
 // either rows of one key buffer or entries of a device pointer table (one address per row). One
-// kernel body (index_scores.cuh).
+// kernel body (index_scores.cuh); the `fast` numerics' table entry on tensor cores
+// (index_scores_fast.cuh).
 #include "common/grid_dependency.cuh"
 #include "indexer/index_scores.cuh"
+#include "indexer/index_scores_fast.cuh"
 
 // One query: grid (p.keys); scores [p.keys].
 extern "C" __global__ void __launch_bounds__(indexer::THREADS)
@@ -37,4 +39,17 @@ extern "C" __global__ void __launch_bounds__(indexer::THREADS)
     indexer::index_scores(q + query * p.heads * p.head_dim, w + query * p.heads,
                           indexer::KeyPointers{key_ptrs + first_keys[query]}, visible[query],
                           scores + score_starts[query], p);
+}
+
+// The `fast` numerics' scores at the bf16 rounding points (index_scores_fast.cuh: tensor-core dot
+// products, head_dim 128, at most 64 heads), the arguments of index_scores_rows_ptr_f32 and the
+// query count: grid (ceil(max visible / TILE_KEYS), ceil(queries / GROUP)), THREADS threads,
+// sizeof(fast_index::Shared) bytes of dynamic shared memory; key rows 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(fast_index::THREADS, 2)
+    index_scores_rows_ptr_fast(const float* q, const float* w, const unsigned long long* key_ptrs,
+                               const u32_t* visible, const u32_t* first_keys,
+                               const u32_t* score_starts, float* scores, u32_t queries,
+                               IndexParams p) {
+    grid_dependency_sync();
+    fast_index::index_scores(q, w, key_ptrs, visible, first_keys, score_starts, scores, queries, p);
 }

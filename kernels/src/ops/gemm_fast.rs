@@ -324,7 +324,7 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
 }
 
 /// Allows `function` the dynamic shared memory of fast GEMM `id`, of the fast linear's wide
-/// tile or of the fast attention (above the 48 KiB default).
+/// tile, of the fast attention or of the fast indexer (above the 48 KiB default).
 pub(crate) fn allow_shared(
     id: KernelId,
     function: &cudarc::driver::CudaFunction,
@@ -332,6 +332,7 @@ pub(crate) fn allow_shared(
     if let Some(bytes) = dynamic_shared_bytes(id)
         .or_else(|| super::linear_fast::dynamic_shared_bytes(id))
         .or_else(|| super::attention::dynamic_shared_bytes(id))
+        .or_else(|| super::index::dynamic_shared_bytes(id))
     {
         function
             .set_attribute(

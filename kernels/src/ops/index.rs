@@ -4,15 +4,17 @@
 //! queries of several sequences each see their own sequence's keys), with
 //! the reference's bf16 rounding points: bit-exact, one block per query and tile of keys
 //! ([`IndexTile`]), a key's score a function of that query and key alone (batch invariant).
+//! The `fast` numerics' batch ([`index_scores_rows_ptr_fast`]) runs the dot products on tensor
+//! cores: the same bits on the indexer's Q4e-QDQ'd inputs, many queries a block.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 
-use super::key_table::KeyRows;
+use super::key_table::{DeviceKeyTable, KeyRows};
 use super::{Rounding, dim, ensure, expect_len, launch_config, shape_error, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::IndexParams;
-use crate::runtime::KernelRuntime;
+use crate::runtime::{KernelRuntime, Launch};
 
 const OP: &str = "index_scores_f32";
 /// `indexer::THREADS` in `cuda/indexer/index_scores.cuh`.
@@ -26,6 +28,15 @@ const HEAD_ROWS_BYTES: usize = 24 * 1024;
 const MAX_TILE_KEYS: usize = 16;
 /// The default dynamic shared memory limit of a block.
 const SHARED_LIMIT: usize = 48 * 1024;
+/// The fast kernel's shape (`cuda/indexer/index_scores_fast.cuh`): head_dim `HEAD_DIM`, at most
+/// `MAX_HEADS` heads; `TILE_KEYS` keys and `GROUP` queries a block of `THREADS` threads.
+const FAST_HEAD_DIM: usize = 128;
+const FAST_MAX_HEADS: usize = 64;
+const FAST_TILE_KEYS: usize = 128;
+const FAST_GROUP: usize = 8;
+const FAST_THREADS: u32 = 256;
+/// `sizeof(fast_index::Shared)`: the fast kernel's dynamic shared memory, allowed at load.
+const FAST_SHARED_BYTES: u32 = 107_104;
 
 /// How a launch splits the work: keys per block and heads staged at a time, from the shape alone
 /// (so a key's score never depends on the batch; the split never changes a sum's order), and the
@@ -266,11 +277,8 @@ pub fn index_scores_rows_f32(
         KernelId::IndexScoresRowsPtrF32,
     );
     let op = kernel.symbol();
-    keys.check_covers(op, visible.keys, head_dim)?;
     check_heads(op, heads, head_dim)?;
-    expect_len(op, "q", q.len(), visible.queries * heads * head_dim)?;
-    expect_len(op, "w", w.len(), visible.queries * heads)?;
-    expect_len(op, "scores", scores.len(), visible.total.max(1))?;
+    check_rows(op, (q, w, keys), visible, scores, heads, head_dim)?;
     if visible.max_visible == 0 {
         return Ok(());
     }
@@ -285,25 +293,123 @@ pub fn index_scores_rows_f32(
         THREADS,
         dim(op, "shared bytes", tile.shared_bytes(head_dim))?,
     );
-    let (counts, starts, first) = visible.views();
+    let views = visible.views();
     let mut launch = rt.launcher(kernel)?;
-    launch.arg(q).arg(w);
-    keys.push(&mut launch);
-    launch
-        .arg(&counts)
-        .arg(&first)
-        .arg(&starts)
-        .arg(scores)
-        .arg(&params);
+    push_rows(&mut launch, (q, w, keys), &views, scores);
+    launch.arg(&params);
     // SAFETY: signature (const float* q, const float* w, const float* keys | const unsigned long
     // long* key_ptrs, const u32_t* visible, const u32_t* first_keys, const u32_t* score_starts,
-    // float* scores, IndexParams); q holds queries * heads * head_dim, w queries * heads values,
-    // every window first + visible is <= visible.keys and the key source holds that many
-    // head_dim-wide rows (checked
-    // above; a table's addresses are live rows by its unsafe constructor's contract), the
-    // offsets place each query's scores inside `scores` (DeviceVisiblePrefixes::upload);
-    // grid.y = queries <= the grid limit; the dynamic shared memory is the tile's layout.
+    // float* scores, IndexParams); the buffers hold the batch (`check_rows`; a table's addresses
+    // are live rows by its unsafe constructor's contract); grid.y = queries <= the grid limit;
+    // the dynamic shared memory is the tile's layout.
     unsafe { launch.launch(cfg) }
+}
+
+/// Whether [`index_scores_rows_ptr_fast`] takes `heads` heads of `head_dim` from `key_ptrs`:
+/// head_dim 128 (V4.1's and V4's indexers), 1 to 64 heads, every row 16-byte aligned (the
+/// kernel's float4 loads).
+pub fn fast_index_supports(heads: usize, head_dim: usize, key_ptrs: &DeviceKeyTable) -> bool {
+    head_dim == FAST_HEAD_DIM && (1..=FAST_MAX_HEADS).contains(&heads) && key_ptrs.rows_aligned_16()
+}
+
+/// The dynamic shared memory kernel `id` needs, if it is the fast indexer (`None` otherwise).
+pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
+    (id == KernelId::IndexScoresRowsPtrFast).then_some(FAST_SHARED_BYTES)
+}
+
+/// The scores of [`index_scores_rows_f32`] through a pointer table at the bf16 rounding points,
+/// on tensor cores (the `fast` numerics, `index_scores_fast.cuh`): q and the keys converted to
+/// bf16, each head's dot product an fp32 mma chain, everything after it the exact kernel's
+/// operations (the bf16 roundings, the f64 head sum in head order). On Q4e-QDQ'd q and keys (the
+/// indexer's) these are the exact kernel's bits (the kernel's header says when); deterministic
+/// and batch invariant: a block stages a tile of 128 keys once for 8 queries, and no score
+/// depends on which. Needs [`fast_index_supports`].
+#[allow(clippy::too_many_arguments)]
+pub fn index_scores_rows_ptr_fast(
+    rt: &KernelRuntime,
+    q: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    key_ptrs: &DeviceKeyTable,
+    visible: &DeviceVisiblePrefixes,
+    scores: &mut CudaSlice<f32>,
+    heads: usize,
+    head_dim: usize,
+) -> Result<(), KernelError> {
+    let op = KernelId::IndexScoresRowsPtrFast.symbol();
+    ensure(fast_index_supports(heads, head_dim, key_ptrs), op, || {
+        format!(
+            "head_dim = {head_dim} must be {FAST_HEAD_DIM}, heads = {heads} within \
+             1..={FAST_MAX_HEADS} and every key row 16-byte aligned (aligned: {})",
+            key_ptrs.rows_aligned_16()
+        )
+    })?;
+    let keys = KeyRows::Table(key_ptrs);
+    check_rows(op, (q, w, keys), visible, scores, heads, head_dim)?;
+    if visible.max_visible == 0 {
+        return Ok(());
+    }
+    let tile = IndexTile {
+        keys: FAST_TILE_KEYS,
+        head_chunk: heads,
+    };
+    let params = tile.params(op, (heads, head_dim, visible.keys), Rounding::Bf16)?;
+    let queries = dim(op, "queries", visible.queries)?;
+    let cfg = launch_config(
+        (
+            dim(
+                op,
+                "key tiles",
+                visible.max_visible.div_ceil(FAST_TILE_KEYS),
+            )?,
+            dim(op, "query groups", visible.queries.div_ceil(FAST_GROUP))?,
+            1,
+        ),
+        FAST_THREADS,
+        FAST_SHARED_BYTES,
+    );
+    let views = visible.views();
+    let mut launch = rt.launcher(KernelId::IndexScoresRowsPtrFast)?;
+    push_rows(&mut launch, (q, w, keys), &views, scores);
+    launch.arg(&queries).arg(&params);
+    // SAFETY: signature (const float* q, const float* w, const unsigned long long* key_ptrs,
+    // const u32_t* visible, const u32_t* first_keys, const u32_t* score_starts, float* scores,
+    // u32_t queries, IndexParams); the buffers hold the batch (`check_rows`; the table's
+    // addresses are live rows by its unsafe constructor's contract, 16-byte aligned, of head_dim
+    // 128 floats, and heads <= 64: `fast_index_supports`); grid.y = ceil(queries / 8) and
+    // queries <= MAX_QUERIES_PER_LAUNCH; FAST_SHARED_BYTES = sizeof(fast_index::Shared), allowed
+    // at load (`dynamic_shared_bytes`).
+    unsafe { launch.launch(cfg) }
+}
+
+/// The checks both row-batched launchers share: `q` holds the batch's `queries · heads · head_dim`
+/// values and `w` its `queries · heads`; every window `first + visible` is within `visible.keys`
+/// rows ([`DeviceVisiblePrefixes::upload_from`]) and the key source holds that many of `head_dim`;
+/// the offsets place each query's scores inside `scores`.
+fn check_rows(
+    op: &'static str,
+    (q, w, keys): (&CudaSlice<f32>, &CudaSlice<f32>, KeyRows<'_>),
+    visible: &DeviceVisiblePrefixes,
+    scores: &CudaSlice<f32>,
+    heads: usize,
+    head_dim: usize,
+) -> Result<(), KernelError> {
+    keys.check_covers(op, visible.keys, head_dim)?;
+    expect_len(op, "q", q.len(), visible.queries * heads * head_dim)?;
+    expect_len(op, "w", w.len(), visible.queries * heads)?;
+    expect_len(op, "scores", scores.len(), visible.total.max(1))
+}
+
+/// Pushes the arguments both row-batched kernels start with: q, w, the keys, the visible counts,
+/// the first key rows, the score offsets ([`DeviceVisiblePrefixes::views`]) and the scores.
+fn push_rows<'a>(
+    launch: &mut Launch<'a>,
+    (q, w, keys): (&'a CudaSlice<f32>, &'a CudaSlice<f32>, KeyRows<'a>),
+    (counts, starts, first): &'a (CudaView<'a, u32>, CudaView<'a, u32>, CudaView<'a, u32>),
+    scores: &'a mut CudaSlice<f32>,
+) {
+    launch.arg(q).arg(w);
+    keys.push(launch);
+    launch.arg(counts).arg(first).arg(starts).arg(scores);
 }
 
 #[cfg(test)]
@@ -353,5 +459,27 @@ mod tests {
         }
         let err = check_heads("test", 1, 8192).expect_err("a 32 KiB key row");
         assert!(err.to_string().contains("head_dim = 8192 needs"), "{err}");
+    }
+
+    /// `FAST_SHARED_BYTES` is `fast_index::Shared`'s layout (the kernel asserts its size): keys
+    /// and two query buffers of rows of head_dim + 8 bf16, two term buffers of rows of 72 bf16,
+    /// two sets of weights and the group's windows. Two blocks fit an SM (228 KiB, 1 KiB of each
+    /// block reserved), and only the fast kernel asks for it.
+    #[test]
+    fn the_fast_kernels_shared_memory_is_its_layout_and_two_blocks_fit_an_sm() {
+        let row = 2 * (FAST_HEAD_DIM + 8);
+        let layout = FAST_TILE_KEYS * row
+            + 2 * FAST_MAX_HEADS * row
+            + 2 * FAST_TILE_KEYS * 2 * (FAST_MAX_HEADS + 8)
+            + 2 * FAST_MAX_HEADS * 4
+            + 3 * FAST_GROUP * 4;
+        assert_eq!(FAST_SHARED_BYTES as usize, layout);
+        assert!(2 * (layout + 1024) <= 228 * 1024);
+        assert_eq!(FAST_THREADS as usize, 2 * FAST_TILE_KEYS);
+        assert_eq!(
+            dynamic_shared_bytes(KernelId::IndexScoresRowsPtrFast),
+            Some(FAST_SHARED_BYTES)
+        );
+        assert_eq!(dynamic_shared_bytes(KernelId::IndexScoresRowsPtrF32), None);
     }
 }

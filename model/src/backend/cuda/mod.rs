@@ -86,7 +86,7 @@ use deepinfer_kernels::ops::gemm_fast::{
 };
 use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
-    index_scores_rows_f32,
+    fast_index_supports, index_scores_rows_f32, index_scores_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_kernels::ops::linear::{

@@ -540,17 +540,36 @@ impl CudaBackend {
         let dw = self.input(op, queries.weights)?;
         // Stays zeroed: one unwritten value when nothing is visible (`max(1)`).
         let mut scores = self.alloc_zeroed(op, dvisible.total().max(1))?;
-        index_scores_rows_f32(
-            &self.rt,
-            &dq,
-            &dw,
-            KeyRows::Table(&table),
-            &dvisible,
-            &mut scores,
-            heads,
-            head_dim,
-            rounding(queries.precision),
-        )
+        // The fast numerics take the tensor-core kernel at the bf16 rounding points (the exact
+        // kernel's bits on the indexer's Q4e-QDQ'd q and keys) when its shape allows; the choice
+        // depends only on heads, head_dim, the precision and the rows' alignment.
+        let fast = self.numerics == Numerics::Fast
+            && queries.precision == Precision::Bf16
+            && fast_index_supports(heads, head_dim, &table);
+        if fast {
+            index_scores_rows_ptr_fast(
+                &self.rt,
+                &dq,
+                &dw,
+                &table,
+                &dvisible,
+                &mut scores,
+                heads,
+                head_dim,
+            )
+        } else {
+            index_scores_rows_f32(
+                &self.rt,
+                &dq,
+                &dw,
+                KeyRows::Table(&table),
+                &dvisible,
+                &mut scores,
+                heads,
+                head_dim,
+                rounding(queries.precision),
+            )
+        }
         .map_err(op_err(op))?;
         Ok((scores, dvisible, table.rows()))
     }
