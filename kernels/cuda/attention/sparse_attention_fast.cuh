@@ -13,7 +13,9 @@
 //   0. The block's first two tiles are requested by cp.async (f32, as stored) into a ring of two
 //      staging slots, one copy group per tile (a thread only ever reads back the float4 it copied
 //      itself, so a slot needs no barrier of its own); then the block's q rows are converted to
-//      bf16 into shared memory (zero past the last head).
+//      bf16 into shared memory (zero past the last head). A key's address takes two dependent
+//      loads (its row number, then the table's address); warp 0 resolves them a few tiles ahead
+//      into shared memory (KeyAddressPipe), so a fetch never waits on them.
 // Then per tile of 16 keys, in list order:
 //   1. The thread's share of the tile, waited for, is converted to bf16 into shared memory
 //      (double-buffered: a slow warp may still read the last tile's keys); after the barrier the
@@ -70,6 +72,7 @@ constexpr u32_t MAX_WHOLE_THREADS = MAX_THREADS / 2;  // the one-block-per-query
 constexpr u32_t ROW_STRIDE = WARP_DIMS * MAX_DIM_WARPS + 8;
 constexpr u32_t P_STRIDE = TILE + 8;  // bf16 per shared weight row
 constexpr u32_t STAGES = 2;           // tiles in flight (cp.async)
+constexpr u32_t ADDRESS_SLOTS = 4;    // tiles whose key addresses wait in shared memory
 constexpr u32_t SPLIT_TILES = 4;      // tiles per split of a query's keys
 constexpr u32_t SPLIT_KEYS = SPLIT_TILES * TILE;
 
@@ -81,7 +84,7 @@ __device__ __forceinline__ u32_t splits_of(u32_t n_keys) {
 // The block's shared memory (dynamic): regions at fixed offsets, sized for the widest block (64
 // heads, head_dim 512), then the staging ring of head_dim-wide f32 keys. `fast_shared_bytes` in
 // ops/attention.rs mirrors it: sizeof(Shared) + STAGES · TILE · head_dim · 4 bytes
-// (136 448 + 128 head_dim: 201 984 at head_dim 512).
+// (136 960 + 128 head_dim: 202 496 at head_dim 512).
 struct Shared {
     float row_max[MAX_HEADS];  // per head of the block: the running max,
     float row_sum[MAX_HEADS];  // the weights' sum
@@ -90,8 +93,9 @@ struct Shared {
     float partial[MAX_WARPS][HEADS][TILE];           // each warp's partial scores (partial_col)
     __nv_bfloat16 keys[2][TILE][ROW_STRIDE];         // the tile's keys, double-buffered
     __nv_bfloat16 q[MAX_HEADS][ROW_STRIDE];          // the block's q rows
+    unsigned long long key_addresses[ADDRESS_SLOTS][TILE];  // tile k's key rows in slot k % 4
 };
-static_assert(sizeof(Shared) == 136448, "FAST_SHARED_REGIONS in ops/attention.rs");
+static_assert(sizeof(Shared) == 136960, "FAST_SHARED_REGIONS in ops/attention.rs");
 static_assert(sizeof(Shared) % 16 == 0, "the staging after it is float4-aligned");
 
 __device__ __forceinline__ Shared& shared_regions() {
@@ -112,24 +116,56 @@ __device__ __forceinline__ u32_t partial_col(u32_t h, u32_t j) { return j ^ ((h 
 
 // Copies this thread's float4 of tile k of the block (of `tiles`) into staging slot k % STAGES,
 // as one copy group (empty past the last tile; zero past the list): float4 slot, slot +
-// blockDim.x, ... of the tile's TILE << quad_bits. `key_rows` starts at the split's first key.
+// blockDim.x, ... of the tile's TILE << quad_bits, key j of the tile at addresses[j].
 __device__ __forceinline__ void fetch(float4* stage, u32_t k, u32_t tiles, u32_t keys_left,
-                                      const unsigned long long* __restrict__ key_ptrs,
-                                      const u32_t* __restrict__ key_rows, u32_t quad_bits) {
+                                      const unsigned long long* addresses, const void* any_row, u32_t quad_bits) {
     if (k < tiles) {
         const u32_t tile_quads = TILE << quad_bits;
         float4* slot_area = stage + (k % STAGES) * tile_quads;
         for (u32_t slot = threadIdx.x; slot < tile_quads; slot += blockDim.x) {
-            const u32_t j = k * TILE + (slot >> quad_bits);
-            const bool valid = j < keys_left;
-            const float4* src = valid ? reinterpret_cast<const float4*>(key_ptrs[key_rows[j]]) +
-                                            (slot & ((1u << quad_bits) - 1))
-                                      : reinterpret_cast<const float4*>(key_ptrs);  // not read
+            const u32_t j = slot >> quad_bits;
+            const bool valid = k * TILE + j < keys_left;
+            const float4* src = valid ? reinterpret_cast<const float4*>(addresses[j]) + (slot & ((1u << quad_bits) - 1))
+                                      : reinterpret_cast<const float4*>(any_row);  // not read
             cp_async16(&slot_area[slot], src, valid);
         }
     }
     cp_async_commit();
 }
+
+// The key addresses of the block's tiles, resolved ahead through the two dependent loads of a
+// key (its row number, then the row's address) by lanes 0 .. TILE - 1 of warp 0, one key each,
+// so that no fetch waits on them: when tile k is fetched (ADDRESS_SLOTS > STAGES + 1 tiles
+// ahead of its use), its addresses sit in Shared::key_addresses; the address of tile k + 1 is in
+// flight in `address`, the row of tile k + 2 in `row`. advance(k) publishes tile k's addresses
+// (read after the next barrier) and requests the next two.
+struct KeyAddressPipe {
+    const unsigned long long* key_ptrs;
+    const u32_t* key_rows;  // from the block's first key on
+    u32_t keys_left;
+    u32_t row = 0;
+    unsigned long long address = 0;
+
+    __device__ __forceinline__ bool valid(u32_t tile) const { return tile * TILE + threadIdx.x < keys_left; }
+    __device__ __forceinline__ u32_t row_of(u32_t tile) const {
+        return valid(tile) ? key_rows[tile * TILE + threadIdx.x] : 0u;
+    }
+    // Tiles [0, first) resolved at once, tile `first`'s address and tile first + 1's row in flight.
+    __device__ __forceinline__ void start(Shared& sh, u32_t first) {
+        if (threadIdx.x >= TILE) return;
+        for (u32_t k = 0; k < first; ++k)
+            sh.key_addresses[k % ADDRESS_SLOTS][threadIdx.x] = valid(k) ? key_ptrs[row_of(k)] : 0ull;
+        address = valid(first) ? key_ptrs[row_of(first)] : 0ull;
+        row = row_of(first + 1);
+    }
+    // Tile k's address (in flight since the last call) to its slot; tile k + 1's and k + 2's requested.
+    __device__ __forceinline__ void advance(Shared& sh, u32_t k) {
+        if (threadIdx.x >= TILE) return;
+        sh.key_addresses[k % ADDRESS_SLOTS][threadIdx.x] = address;
+        address = valid(k + 1) ? key_ptrs[row] : 0ull;
+        row = row_of(k + 2);
+    }
+};
 
 // Merges a split's statistics (m_s, l_s) into the running (m, l), splits in order: the weights of
 // the running values and of the split's, w_old = exp(m - m'), w_new = exp(m_s - m').
@@ -183,8 +219,13 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     const u32_t tiles = (WHOLE || splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES)) - first_tile;
     const u32_t keys_left = n_keys - first_tile * TILE;  // from the split's first key on
     const u32_t* split_rows = key_rows + first + first_tile * TILE;
+    // Tiles 0 .. STAGES resolved now (the first fetches' and the loop's first), the next in flight.
+    KeyAddressPipe pipe{key_ptrs, split_rows, keys_left};
+    pipe.start(sh, STAGES + 1);
+    __syncthreads();  // the first tiles' addresses are in place
 #pragma unroll
-    for (u32_t k = 0; k < STAGES; ++k) fetch(stage, k, tiles, keys_left, key_ptrs, split_rows, quad_bits);
+    for (u32_t k = 0; k < STAGES; ++k)
+        fetch(stage, k, tiles, keys_left, sh.key_addresses[k % ADDRESS_SLOTS], key_ptrs, quad_bits);
     {
         const float4* q4 = reinterpret_cast<const float4*>(q + ((size_t)query * p.heads + block_head0) * p.head_dim);
         const u32_t quads = 1u << quad_bits;
@@ -250,7 +291,11 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
             }
         }
         __syncthreads();  // (A) the tile's keys (and q) are in place; the last weights were used
-        fetch(stage, k + STAGES, tiles, keys_left, key_ptrs, split_rows, quad_bits);
+        fetch(stage, k + STAGES, tiles, keys_left, sh.key_addresses[(k + STAGES) % ADDRESS_SLOTS], key_ptrs,
+              quad_bits);
+        // Tile k + STAGES + 1's addresses, fetched next time round (after barrier A); its slot last
+        // held tile k + STAGES + 1 - ADDRESS_SLOTS's, fetched before this tile's barrier A.
+        if (warp == 0) pipe.advance(sh, k + STAGES + 1);
 
         // 2. Partial scores over this warp's dims: [16 heads x 16 keys] as two n-tiles of 8 keys.
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};

@@ -43,13 +43,13 @@ extern "C" __global__ void __launch_bounds__(indexer::THREADS)
 
 // The `fast` numerics' scores at the bf16 rounding points (index_scores_fast.cuh: tensor-core dot
 // products, head_dim 128, at most 64 heads), the arguments of index_scores_rows_ptr_f32 and the
-// query count: grid (ceil(max visible / TILE_KEYS), ceil(queries / GROUP)), THREADS threads,
+// query count and the queries per block: grid (ceil(max visible / TILE_KEYS), ceil(queries / group)), THREADS threads,
 // sizeof(fast_index::Shared) bytes of dynamic shared memory; key rows 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(fast_index::THREADS, 2)
     index_scores_rows_ptr_fast(const float* q, const float* w, const unsigned long long* key_ptrs,
                                const u32_t* visible, const u32_t* first_keys,
-                               const u32_t* score_starts, float* scores, u32_t queries,
+                               const u32_t* score_starts, float* scores, u32_t queries, u32_t group,
                                IndexParams p) {
     grid_dependency_sync();
-    fast_index::index_scores(q, w, key_ptrs, visible, first_keys, score_starts, scores, queries, p);
+    fast_index::index_scores(q, w, key_ptrs, visible, first_keys, score_starts, scores, queries, group, p);
 }

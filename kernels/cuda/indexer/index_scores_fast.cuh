@@ -207,7 +207,8 @@ __device__ __forceinline__ void head_sums(const Shared& sh, u32_t buf, u32_t cou
 }
 
 // The row-batched entry (index_scores.cu: the arguments and the grid): queries
-// GROUP blockIdx.y .. + GROUP (of `queries`), keys [TILE_KEYS blockIdx.x, + TILE_KEYS) of each
+// group blockIdx.y .. + group (of `queries`; 1 <= group <= GROUP, the launcher's choice: no
+// score depends on it), keys [TILE_KEYS blockIdx.x, + TILE_KEYS) of each
 // query's window; q [queries, heads, HEAD_DIM], w [queries, heads] (f32 storage, bf16 values);
 // query t's key j at the address key_ptrs[first_keys[t] + j], its score at
 // scores[score_starts[t] + j].
@@ -215,12 +216,12 @@ __device__ void index_scores(const float* __restrict__ q, const float* __restric
                              const unsigned long long* __restrict__ key_ptrs,
                              const u32_t* __restrict__ visible, const u32_t* __restrict__ first_keys,
                              const u32_t* __restrict__ score_starts, float* __restrict__ scores,
-                             u32_t queries, IndexParams p) {
+                             u32_t queries, u32_t group, IndexParams p) {
     Shared& sh = shared_regions();
-    const u32_t tile0 = blockIdx.x * TILE_KEYS, query0 = blockIdx.y * GROUP;
+    const u32_t tile0 = blockIdx.x * TILE_KEYS, query0 = blockIdx.y * group;
     if (threadIdx.x < GROUP) {
         const u32_t query = query0 + threadIdx.x;
-        const bool real = query < queries;
+        const bool real = threadIdx.x < group && query < queries;
         sh.visible[threadIdx.x] = real ? visible[query] : 0u;
         sh.first[threadIdx.x] = real ? first_keys[query] : 0u;
         sh.start[threadIdx.x] = real ? score_starts[query] : 0u;

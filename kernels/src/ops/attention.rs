@@ -25,7 +25,7 @@ const FAST_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 const FAST_GROUP_HEADS: usize = 16;
 /// Bytes of the fast kernel's fixed shared regions (`sizeof(fast_attention::Shared)`: row
 /// statistics, weights, partial scores, two key tiles and q, sized for 64 heads of 512 dims).
-const FAST_SHARED_REGIONS: usize = 136_448;
+const FAST_SHARED_REGIONS: usize = 136_960;
 /// The fewest blocks a fast launch should have before [`FastHeadBlock::choose`] narrows its head
 /// block. At head_dim 512 a block's shared memory fills an SM whatever its heads, so more blocks
 /// than SMs run in waves: wider blocks (each key tile read once for more heads) in fewer waves
@@ -468,7 +468,7 @@ impl FastHeadBlock {
 }
 
 /// Dynamic shared memory of a fast-attention block of `head_dim` (`fast_attention::Shared`, then
-/// the staging ring of two tiles of 16 f32 keys): at most 201 984 bytes, at head_dim 512.
+/// the staging ring of two tiles of 16 f32 keys): at most 202 496 bytes, at head_dim 512.
 pub(crate) const fn fast_shared_bytes(head_dim: usize) -> u32 {
     (FAST_SHARED_REGIONS + 2 * 16 * 4 * head_dim) as u32
 }
@@ -757,16 +757,16 @@ mod tests {
     #[test]
     fn the_fast_attention_shared_memory_is_its_regions_and_two_staged_tiles() {
         // 3 × 64 f32 statistics, 64 × 24 bf16 weights, 32 warps × 16 × 16 f32 partials, 2 × 16
-        // and 64 bf16 rows of 520 (keys, q).
+        // and 64 bf16 rows of 520 (keys, q), 4 tiles of 16 key addresses.
         assert_eq!(
             FAST_SHARED_REGIONS,
-            3 * 64 * 4 + 64 * 24 * 2 + 32 * 16 * 16 * 4 + (2 * 16 + 64) * 520 * 2
+            3 * 64 * 4 + 64 * 24 * 2 + 32 * 16 * 16 * 4 + (2 * 16 + 64) * 520 * 2 + 4 * 16 * 8
         );
-        assert_eq!(fast_shared_bytes(512), 201_984);
-        assert_eq!(fast_shared_bytes(64), 136_448 + 8192);
+        assert_eq!(fast_shared_bytes(512), 202_496);
+        assert_eq!(fast_shared_bytes(64), 136_960 + 8192);
         assert_eq!(
             dynamic_shared_bytes(KernelId::SparseAttentionSinkRowsPtrFast),
-            Some(201_984)
+            Some(202_496)
         );
         assert_eq!(
             dynamic_shared_bytes(KernelId::SparseAttentionSplitCombine),

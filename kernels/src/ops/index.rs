@@ -34,6 +34,9 @@ const FAST_HEAD_DIM: usize = 128;
 const FAST_MAX_HEADS: usize = 64;
 const FAST_TILE_KEYS: usize = 128;
 const FAST_GROUP: usize = 8;
+/// The fewest blocks a fast launch takes before it narrows its queries a block (two a SM of the
+/// H200's 132).
+const FAST_MIN_BLOCKS: usize = 264;
 const FAST_THREADS: u32 = 256;
 /// `sizeof(fast_index::Shared)`: the fast kernel's dynamic shared memory, allowed at load.
 const FAST_SHARED_BYTES: u32 = 107_104;
@@ -322,8 +325,10 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
 /// bf16, each head's dot product an fp32 mma chain, everything after it the exact kernel's
 /// operations (the bf16 roundings, the f64 head sum in head order). On Q4e-QDQ'd q and keys (the
 /// indexer's) these are the exact kernel's bits (the kernel's header says when); deterministic
-/// and batch invariant: a block stages a tile of 128 keys once for 8 queries, and no score
-/// depends on which. Needs [`fast_index_supports`].
+/// and batch invariant: a block stages a tile of 128 keys once for up to 8 queries, and no score
+/// depends on which. `queries_per_block` (1 ..= 8) chooses that where it says (tests); `None`
+/// takes the most that still give the launch [`FAST_MIN_BLOCKS`] blocks (a decode step's few
+/// queries: one a block). Needs [`fast_index_supports`].
 #[allow(clippy::too_many_arguments)]
 pub fn index_scores_rows_ptr_fast(
     rt: &KernelRuntime,
@@ -334,6 +339,7 @@ pub fn index_scores_rows_ptr_fast(
     scores: &mut CudaSlice<f32>,
     heads: usize,
     head_dim: usize,
+    queries_per_block: Option<usize>,
 ) -> Result<(), KernelError> {
     let op = KernelId::IndexScoresRowsPtrFast.symbol();
     ensure(fast_index_supports(heads, head_dim, key_ptrs), op, || {
@@ -354,14 +360,23 @@ pub fn index_scores_rows_ptr_fast(
     };
     let params = tile.params(op, (heads, head_dim, visible.keys), Rounding::Bf16)?;
     let queries = dim(op, "queries", visible.queries)?;
+    let tiles = visible.max_visible.div_ceil(FAST_TILE_KEYS);
+    let group = match queries_per_block {
+        Some(group) => {
+            ensure((1..=FAST_GROUP).contains(&group), op, || {
+                format!("{group} queries a block (1..={FAST_GROUP})")
+            })?;
+            group
+        }
+        None => [FAST_GROUP, 4, 2, 1]
+            .into_iter()
+            .find(|&group| tiles * visible.queries.div_ceil(group) >= FAST_MIN_BLOCKS)
+            .unwrap_or(1),
+    };
     let cfg = launch_config(
         (
-            dim(
-                op,
-                "key tiles",
-                visible.max_visible.div_ceil(FAST_TILE_KEYS),
-            )?,
-            dim(op, "query groups", visible.queries.div_ceil(FAST_GROUP))?,
+            dim(op, "key tiles", tiles)?,
+            dim(op, "query groups", visible.queries.div_ceil(group))?,
             1,
         ),
         FAST_THREADS,
@@ -370,12 +385,14 @@ pub fn index_scores_rows_ptr_fast(
     let views = visible.views();
     let mut launch = rt.launcher(KernelId::IndexScoresRowsPtrFast)?;
     push_rows(&mut launch, (q, w, keys), &views, scores);
-    launch.arg(&queries).arg(&params);
+    let group = dim(op, "queries a block", group)?;
+    launch.arg(&queries).arg(&group).arg(&params);
     // SAFETY: signature (const float* q, const float* w, const unsigned long long* key_ptrs,
     // const u32_t* visible, const u32_t* first_keys, const u32_t* score_starts, float* scores,
-    // u32_t queries, IndexParams); the buffers hold the batch (`check_rows`; the table's
+    // u32_t queries, u32_t group, IndexParams); the buffers hold the batch (`check_rows`; the table's
     // addresses are live rows by its unsafe constructor's contract, 16-byte aligned, of head_dim
-    // 128 floats, and heads <= 64: `fast_index_supports`); grid.y = ceil(queries / 8) and
+    // 128 floats, and heads <= 64: `fast_index_supports`); grid.y = ceil(queries / group),
+    // 1 <= group <= 8, and
     // queries <= MAX_QUERIES_PER_LAUNCH; FAST_SHARED_BYTES = sizeof(fast_index::Shared), allowed
     // at load (`dynamic_shared_bytes`).
     unsafe { launch.launch(cfg) }

@@ -91,7 +91,8 @@ struct IndexCase {
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
     Exact,
-    Fast,
+    /// The tensor-core kernel with its queries a block (`None`: the launcher's choice).
+    Fast(Option<usize>),
 }
 
 impl IndexCase {
@@ -164,7 +165,7 @@ impl IndexCase {
                 HEAD_DIM,
                 Rounding::Bf16,
             ),
-            Kernel::Fast => index_scores_rows_ptr_fast(
+            Kernel::Fast(queries_per_block) => index_scores_rows_ptr_fast(
                 rt,
                 &q,
                 &w,
@@ -173,6 +174,7 @@ impl IndexCase {
                 &mut scores,
                 self.heads,
                 HEAD_DIM,
+                queries_per_block,
             ),
         }
         .unwrap_or_else(|err| panic!("{kernel:?} index scores: {err}"));
@@ -190,7 +192,7 @@ fn fast_index_scores_equal_the_exact_kernel_on_qdq_inputs() {
     for heads in HEADS {
         let case = IndexCase::new(&mut rng, heads);
         let exact = case.run(&rt, Kernel::Exact);
-        let fast = case.run(&rt, Kernel::Fast);
+        let fast = case.run(&rt, Kernel::Fast(None));
         assert_eq!(
             exact.len(),
             QUERIES.iter().map(|&(_, v)| v).sum::<usize>(),
@@ -207,7 +209,10 @@ fn fast_index_scores_equal_the_exact_kernel_on_qdq_inputs() {
             q: fp32_values(&mut rng, case.q.len()),
             ..case.clone()
         };
-        let changed = differing(&raw.run(&rt, Kernel::Fast), &raw.run(&rt, Kernel::Exact));
+        let changed = differing(
+            &raw.run(&rt, Kernel::Fast(None)),
+            &raw.run(&rt, Kernel::Exact),
+        );
         assert!(
             changed > 0,
             "h{heads}: un-QDQ'd q gave the exact kernel's scores"
@@ -225,15 +230,23 @@ fn fast_index_scores_are_deterministic_and_batch_invariant() {
     let mut rng = Rng(19);
     for heads in HEADS {
         let case = IndexCase::new(&mut rng, heads);
-        let all = case.run(&rt, Kernel::Fast);
+        let all = case.run(&rt, Kernel::Fast(None));
         assert_eq!(
-            differing(&all, &case.run(&rt, Kernel::Fast)),
+            differing(&all, &case.run(&rt, Kernel::Fast(None))),
             0,
             "h{heads}: run to run"
         );
+        // A block's queries (1 to 8: a decode step's one, a prefill's eight) change no score.
+        for group in [1, 2, 3, 8] {
+            assert_eq!(
+                differing(&all, &case.run(&rt, Kernel::Fast(Some(group)))),
+                0,
+                "h{heads}: {group} queries a block"
+            );
+        }
         let mut offset = 0;
         for (t, &(sequence, visible)) in case.queries.iter().enumerate() {
-            let alone = case.alone(t).run(&rt, Kernel::Fast);
+            let alone = case.alone(t).run(&rt, Kernel::Fast(None));
             assert_eq!(
                 differing(&alone, &all[offset..offset + visible]),
                 0,

@@ -556,6 +556,7 @@ impl CudaBackend {
                 &mut scores,
                 heads,
                 head_dim,
+                None,
             )
         } else {
             index_scores_rows_f32(
