@@ -356,7 +356,8 @@ pub fn sparse_attention_sink_rows_f32(
         0,
     );
     let mut launch = rt.launcher(kernel)?;
-    push_rows_args(&mut launch, q, keys, lists, sink, out, &params);
+    push_rows_args(&mut launch, q, keys, lists, sink, out);
+    launch.arg(&params);
     // SAFETY: signature (const float* q, const float* keys | const unsigned long long* key_ptrs,
     // const u32_t* key_rows, const u32_t* row_starts, const float* sink, float* out,
     // AttentionParams); q/out hold queries * heads * head_dim values, row_starts queries + 1
@@ -367,9 +368,9 @@ pub fn sparse_attention_sink_rows_f32(
     unsafe { launch.launch(cfg) }
 }
 
-/// Pushes the arguments of every row-batched attention kernel, in their order: `(const float* q,
-/// const float* keys | const unsigned long long* key_ptrs, const u32_t* key_rows, const u32_t*
-/// row_starts, const float* sink, float* out, AttentionParams)`.
+/// Pushes the leading arguments of every row-batched attention kernel, in their order: `(const
+/// float* q, const float* keys | const unsigned long long* key_ptrs, const u32_t* key_rows, const
+/// u32_t* row_starts, const float* sink, float* out, ...)`; the kernel's own follow.
 fn push_rows_args<'a>(
     launch: &mut Launch<'a>,
     q: &'a CudaSlice<f32>,
@@ -377,7 +378,6 @@ fn push_rows_args<'a>(
     lists: &'a DeviceKeyLists,
     sink: &'a CudaSlice<f32>,
     out: &'a mut CudaSlice<f32>,
-    params: &'a AttentionParams,
 ) {
     launch.arg(q);
     keys.push(launch);
@@ -385,8 +385,7 @@ fn push_rows_args<'a>(
         .arg(&lists.key_rows)
         .arg(&lists.row_starts)
         .arg(sink)
-        .arg(out)
-        .arg(params);
+        .arg(out);
 }
 
 /// The checks and parameters every row-batched entry shares: `heads` from the sink, `head_dim`
@@ -583,13 +582,15 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         let count = dim(FAST_OP, "queries", count)?;
         let query0 = dim(FAST_OP, "first query", query0)?;
         let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
-        launch.arg(q);
-        KeyRows::Table(key_ptrs).push(&mut launch);
+        push_rows_args(
+            &mut launch,
+            q,
+            KeyRows::Table(key_ptrs),
+            lists,
+            sink,
+            &mut *out,
+        );
         launch
-            .arg(&lists.key_rows)
-            .arg(&lists.row_starts)
-            .arg(sink)
-            .arg(&mut *out)
             .arg(&mut split_acc)
             .arg(&mut split_stats)
             .arg(&query0)
@@ -691,15 +692,15 @@ fn launch_whole_queries(
         )?;
         let query0 = dim(FAST_OP, "first query", query0)?;
         let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFastWhole)?;
-        launch.arg(q);
-        KeyRows::Table(key_ptrs).push(&mut launch);
-        launch
-            .arg(&lists.key_rows)
-            .arg(&lists.row_starts)
-            .arg(sink)
-            .arg(&mut *out)
-            .arg(&query0)
-            .arg(params);
+        push_rows_args(
+            &mut launch,
+            q,
+            KeyRows::Table(key_ptrs),
+            lists,
+            sink,
+            &mut *out,
+        );
+        launch.arg(&query0).arg(params);
         // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
         // key_rows, const u32_t* row_starts, const float* sink, float* out, u32_t query0,
         // AttentionParams); the buffers as for the split form (checked by the caller); at most
