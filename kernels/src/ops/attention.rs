@@ -450,6 +450,19 @@ impl FastHeadBlock {
         }
     }
 
+    /// The head blocks of a launch over `heads` heads and the threads of each (`head_dim / 2` a
+    /// group of 16 heads).
+    fn grid(self, heads: usize, head_dim: usize) -> Result<(u32, u32), KernelError> {
+        Ok((
+            dim(
+                FAST_OP,
+                "head blocks",
+                heads.div_ceil(FAST_GROUP_HEADS * self.groups()),
+            )?,
+            dim(FAST_OP, "threads", self.groups() * head_dim / 2)?,
+        ))
+    }
+
     /// The widest block with no group wholly past `heads` that still gives a launch of
     /// `query_splits` (queries × their most splits) at least [`FAST_MIN_BLOCKS`] blocks; 16
     /// heads when none does (a decode step of one query: 4 × 10 blocks).
@@ -573,12 +586,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     for query0 in (0..lists.queries).step_by(per_launch) {
         let count = per_launch.min(lists.queries - query0);
         let block = head_block.unwrap_or_else(|| FastHeadBlock::choose(heads, count * max_splits));
-        let head_blocks = dim(
-            FAST_OP,
-            "head blocks",
-            heads.div_ceil(FAST_GROUP_HEADS * block.groups()),
-        )?;
-        let threads = dim(FAST_OP, "threads", block.groups() * head_dim / 2)?;
+        let (head_blocks, threads) = block.grid(heads, head_dim)?;
         let count = dim(FAST_OP, "queries", count)?;
         let query0 = dim(FAST_OP, "first query", query0)?;
         let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
@@ -677,12 +685,7 @@ fn launch_whole_queries(
             threads_of(block)
         )
     })?;
-    let head_blocks = dim(
-        FAST_OP,
-        "head blocks",
-        heads.div_ceil(FAST_GROUP_HEADS * block.groups()),
-    )?;
-    let threads = dim(FAST_OP, "threads", threads_of(block))?;
+    let (head_blocks, threads) = block.grid(heads, head_dim)?;
     let shared = fast_shared_bytes(head_dim);
     for query0 in (0..lists.queries).step_by(MAX_QUERIES_PER_LAUNCH) {
         let count = dim(
