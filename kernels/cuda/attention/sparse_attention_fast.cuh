@@ -245,13 +245,18 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     for (u32_t nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (u32_t c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
-    // WHOLE: the merged splits so far, (m, l) of the thread's heads g and g + 8, and o.
+    // WHOLE: the merged splits so far, (m, l) of the thread's heads g and g + 8, and o, from
+    // (-1e30, 0, 0) as `combine`'s.
     float merged_m[2] = {-1e30f, -1e30f}, merged_l[2] = {0.0f, 0.0f};
     float merged[8][4];
+#pragma unroll
+    for (u32_t nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (u32_t c = 0; c < 4; ++c) merged[nt][c] = 0.0f;
     const u32_t lo = local0 + g, hi = lo + 8;
-    // Merges the split that just ended (its statistics final) into `merged`, from zero at the
-    // first; the next split starts from zero.
-    const auto merge_ended_split = [&](bool first_split) {
+    // Merges the split that just ended (its statistics final) into `merged`; the next split
+    // starts from zero.
+    const auto merge_ended_split = [&]() {
 #pragma unroll
         for (u32_t half = 0; half < 2; ++half) {
             const u32_t local = half == 0 ? lo : hi;
@@ -260,8 +265,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
             for (u32_t nt = 0; nt < 8; ++nt)
 #pragma unroll
                 for (u32_t c = 0; c < 2; ++c) {
-                    const float o = first_split ? 0.0f : merged[nt][2 * half + c];
-                    merged[nt][2 * half + c] = merge_value(o, acc[nt][2 * half + c], w);
+                    merged[nt][2 * half + c] = merge_value(merged[nt][2 * half + c], acc[nt][2 * half + c], w);
                     acc[nt][2 * half + c] = 0.0f;
                 }
         }
@@ -271,7 +275,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         if (WHOLE && k > 0 && k % SPLIT_TILES == 0) {
             // A split ended with the last tile (its statistics final since barrier C): merge it,
             // then, once every thread has read them, restart the statistics.
-            merge_ended_split(k == SPLIT_TILES);
+            merge_ended_split();
             __syncthreads();
             if (threadIdx.x < block_heads) {
                 sh.row_max[threadIdx.x] = -1e30f;
@@ -409,7 +413,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     // out = acc / (l + exp(sink - m)), rounded to bf16 (the V4.1 rounding point); with WHOLE and
     // several splits, the last one merged, out = o / (L + exp(sink - M)) as `combine` writes it.
     const bool merging = WHOLE && splits > 1;
-    if (merging) merge_ended_split(tiles <= SPLIT_TILES);
+    if (merging) merge_ended_split();
 #pragma unroll
     for (u32_t half = 0; half < 2; ++half) {
         const u32_t h = head0 + g + 8 * half;

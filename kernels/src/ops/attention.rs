@@ -450,8 +450,12 @@ impl FastHeadBlock {
         }
     }
 
-    /// The head blocks of a launch over `heads` heads and the threads of each (`head_dim / 2` a
-    /// group of 16 heads).
+    /// Threads of a block at `head_dim`: `head_dim / 2` a group of 16 heads.
+    fn threads(self, head_dim: usize) -> usize {
+        self.groups() * head_dim / 2
+    }
+
+    /// The head blocks of a launch over `heads` heads and the threads of each.
     fn grid(self, heads: usize, head_dim: usize) -> Result<(u32, u32), KernelError> {
         Ok((
             dim(
@@ -459,8 +463,21 @@ impl FastHeadBlock {
                 "head blocks",
                 heads.div_ceil(FAST_GROUP_HEADS * self.groups()),
             )?,
-            dim(FAST_OP, "threads", self.groups() * head_dim / 2)?,
+            dim(FAST_OP, "threads", self.threads(head_dim))?,
         ))
+    }
+
+    /// The widest block of the one-block-per-query kernel: within [`FAST_WHOLE_THREADS`] threads
+    /// and with no group wholly past `heads` (32 heads at V4.1's head_dim 512).
+    fn widest_whole(heads: usize, head_dim: usize) -> FastHeadBlock {
+        FastHeadBlock::ALL
+            .into_iter()
+            .rev()
+            .find(|block| {
+                block.threads(head_dim) <= FAST_WHOLE_THREADS
+                    && block.groups() <= heads.div_ceil(FAST_GROUP_HEADS)
+            })
+            .unwrap_or(FastHeadBlock::Heads16)
     }
 
     /// The widest block with no group wholly past `heads` that still gives a launch of
@@ -548,12 +565,16 @@ pub fn sparse_attention_sink_rows_ptr_fast(
             lists.longest
         )
     })?;
+    let whole_block = blocks
+        .heads
+        .unwrap_or_else(|| FastHeadBlock::widest_whole(heads, head_dim));
     let whole = blocks.whole_queries.unwrap_or_else(|| {
         max_splits > 1
-            && lists.queries * heads.div_ceil(FAST_GROUP_HEADS * 2) >= FAST_WHOLE_MIN_BLOCKS
+            && lists.queries * heads.div_ceil(FAST_GROUP_HEADS * whole_block.groups())
+                >= FAST_WHOLE_MIN_BLOCKS
     });
     if whole {
-        return launch_whole_queries(rt, q, key_ptrs, lists, sink, out, &params, blocks.heads);
+        return launch_whole_queries(rt, q, key_ptrs, lists, sink, out, &params, whole_block);
     }
     let head_block = blocks.heads;
     // Each launch's queries write their splits' results (acc and stats of every head) to scratch.
@@ -652,7 +673,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
 
 /// The fast attention in its one-block-per-query form (`sparse_attention_sink_rows_ptr_fast_whole`:
 /// each block runs its query's splits one after the other and merges them as the split blocks'
-/// combine does), its head block `head_block` or the widest within [`FAST_WHOLE_THREADS`].
+/// combine does), `block` heads a block (at most [`FAST_WHOLE_THREADS`] threads).
 #[allow(clippy::too_many_arguments)]
 fn launch_whole_queries(
     rt: &KernelRuntime,
@@ -662,29 +683,21 @@ fn launch_whole_queries(
     sink: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
     params: &AttentionParams,
-    head_block: Option<FastHeadBlock>,
+    block: FastHeadBlock,
 ) -> Result<(), KernelError> {
     let heads = sink.len();
     let head_dim = params.head_dim as usize;
-    let threads_of = |block: FastHeadBlock| block.groups() * head_dim / 2;
-    let block = match head_block {
-        Some(block) => block,
-        None => FastHeadBlock::ALL
-            .into_iter()
-            .rev()
-            .find(|&block| {
-                threads_of(block) <= FAST_WHOLE_THREADS
-                    && block.groups() <= heads.div_ceil(FAST_GROUP_HEADS)
-            })
-            .unwrap_or(FastHeadBlock::Heads16),
-    };
-    ensure(threads_of(block) <= FAST_WHOLE_THREADS, FAST_OP, || {
-        format!(
-            "{block:?} at head_dim {head_dim} needs {} threads; a block running whole queries \
-             takes at most {FAST_WHOLE_THREADS}",
-            threads_of(block)
-        )
-    })?;
+    ensure(
+        block.threads(head_dim) <= FAST_WHOLE_THREADS,
+        FAST_OP,
+        || {
+            format!(
+                "{block:?} at head_dim {head_dim} needs {} threads; a block running whole \
+                 queries takes at most {FAST_WHOLE_THREADS}",
+                block.threads(head_dim)
+            )
+        },
+    )?;
     let (head_blocks, threads) = block.grid(heads, head_dim)?;
     let shared = fast_shared_bytes(head_dim);
     for query0 in (0..lists.queries).step_by(MAX_QUERIES_PER_LAUNCH) {
@@ -756,6 +769,18 @@ mod tests {
         assert_eq!(FastHeadBlock::choose(4, 100_000), FastHeadBlock::Heads16);
         assert_eq!(FastHeadBlock::choose(6, 100_000), FastHeadBlock::Heads16);
         assert_eq!(FastHeadBlock::choose(48, 100_000), FastHeadBlock::Heads32);
+    }
+
+    #[test]
+    fn a_whole_query_block_is_the_widest_within_its_threads() {
+        // V4.1 (64 heads of 512): 32 heads, 512 threads; narrower heads fit 64 a block.
+        assert_eq!(FastHeadBlock::widest_whole(64, 512), FastHeadBlock::Heads32);
+        assert_eq!(FastHeadBlock::Heads32.threads(512), FAST_WHOLE_THREADS);
+        assert_eq!(FastHeadBlock::widest_whole(64, 256), FastHeadBlock::Heads64);
+        assert_eq!(FastHeadBlock::widest_whole(64, 128), FastHeadBlock::Heads64);
+        // No block wider than the heads' groups: 4 heads, 20 heads.
+        assert_eq!(FastHeadBlock::widest_whole(4, 64), FastHeadBlock::Heads16);
+        assert_eq!(FastHeadBlock::widest_whole(20, 128), FastHeadBlock::Heads32);
     }
 
     #[test]

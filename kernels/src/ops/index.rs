@@ -389,12 +389,11 @@ pub fn index_scores_rows_ptr_fast(
     launch.arg(&queries).arg(&group).arg(&params);
     // SAFETY: signature (const float* q, const float* w, const unsigned long long* key_ptrs,
     // const u32_t* visible, const u32_t* first_keys, const u32_t* score_starts, float* scores,
-    // u32_t queries, u32_t group, IndexParams); the buffers hold the batch (`check_rows`; the table's
-    // addresses are live rows by its unsafe constructor's contract, 16-byte aligned, of head_dim
-    // 128 floats, and heads <= 64: `fast_index_supports`); grid.y = ceil(queries / group),
-    // 1 <= group <= 8, and
-    // queries <= MAX_QUERIES_PER_LAUNCH; FAST_SHARED_BYTES = sizeof(fast_index::Shared), allowed
-    // at load (`dynamic_shared_bytes`).
+    // u32_t queries, u32_t group, IndexParams); the buffers hold the batch (`check_rows`; the
+    // table's addresses are live rows by its unsafe constructor's contract, 16-byte aligned, of
+    // head_dim 128 floats, and heads <= 64: `fast_index_supports`); grid.y = ceil(queries /
+    // group), 1 <= group <= 8, queries <= MAX_QUERIES_PER_LAUNCH; FAST_SHARED_BYTES =
+    // sizeof(fast_index::Shared), allowed at load (`dynamic_shared_bytes`).
     unsafe { launch.launch(cfg) }
 }
 
