@@ -204,7 +204,10 @@ impl Backend for Nudged {
         self.inner.argmax_rows(x, width)
     }
     fn hyper_head_weights_rows(&self, x: &Tensor, head: &HyperHead<'_>) -> Tensor {
-        self.inner.hyper_head_weights_rows(x, head)
+        self.nudge(
+            "hyper_head_weights_rows",
+            self.inner.hyper_head_weights_rows(x, head),
+        )
     }
     fn compressor_pool_rows(&self, entries: &[Vec<PoolSlot<'_>>], width: usize) -> Tensor {
         self.inner.compressor_pool_rows(entries, width)
@@ -251,6 +254,7 @@ fn families() -> Vec<(&'static str, Vec<Case>)> {
         ("engram_gather", rows::engram_gather()),
         ("table_rows", rows::table_rows()),
         ("split_launches", rows::split_launches()),
+        ("hyper_heads", rows::hyper_heads()),
     ]
 }
 
@@ -277,8 +281,8 @@ fn every_case_conforms_on_the_reference_in_both_modes() {
     }
 }
 
-/// An op without a fast path (RMSNorm): a one-ulp change of one value fails its cases in both
-/// modes, and no case of another op.
+/// Ops without a fast path (RMSNorm, V4's hyper head, the router): a one-ulp change of one value
+/// fails their cases in both modes, and no case of another op.
 #[test]
 fn a_nudged_op_fails_every_case_of_its_own_and_no_other() {
     let nudged = Nudged::new("rms_norm", f32::EPSILON);
@@ -293,6 +297,11 @@ fn a_nudged_op_fails_every_case_of_its_own_and_no_other() {
             failing(&cases::linears(), &nudged, mode).is_empty(),
             "{mode:?}"
         );
+    }
+    let nudged = Nudged::new("hyper_head_weights_rows", f32::EPSILON);
+    for mode in [Mode::Exact, Mode::Fast] {
+        let heads = rows::hyper_heads();
+        assert_eq!(failing(&heads, &nudged, mode), names(&heads), "{mode:?}");
     }
     let nudged = Nudged::new("route_experts", f32::EPSILON);
     for mode in [Mode::Exact, Mode::Fast] {

@@ -90,6 +90,7 @@ conformance! {
     engram_gather => super::rows::engram_gather,
     table_rows => super::rows::table_rows,
     split_launches => super::rows::split_launches,
+    hyper_heads => super::rows::hyper_heads,
 }
 
 /// Device-to-host copies of `gpu`'s op results so far.

@@ -43,28 +43,47 @@ v4_pool_f32(const unsigned long long* kv, const unsigned long long* gate, const 
 // The hyper-head's collapse weights of every row of x [rows, width]:
 // pre[r * hc + k] = sigmoid(dot_sgemm(x_r, proj_k) · inv_r · scale + base_k) + hc_eps with
 // inv_r = 1 / sqrt(Σ_i f64(x_i · x_i) / width + norm_eps) (sum in sequence, in f64, rounded
-// once). One block per row: thread 0 sums the squares, thread k < hc computes weight k.
-extern "C" __global__ void __launch_bounds__(32)
+// once). One block of HYPER_HEAD_THREADS per row. Thread 0 sums the squares (one dependent f64
+// chain: its order is the reference's); meanwhile the other warps run the hc · sgemm_chains(width)
+// FMA chains of the dot products, one chain per thread (each chain is the reference's sequence of
+// FMAs from 0, whichever thread runs it), into shared memory; then thread k < hc adds its chains'
+// partials by the reference's pairwise tree in K order (refmath::PairwiseSum) and computes
+// weight k. The same operations as refmath::dot_sgemm_order in one thread, so the same bits.
+constexpr unsigned int HYPER_HEAD_THREADS = 256;
+constexpr unsigned int HYPER_HEAD_MAX_CHAINS = 1024;  // hc · sgemm_chains(width), checked by the launcher
+extern "C" __global__ void __launch_bounds__(HYPER_HEAD_THREADS)
 v4_hyper_head_f32(const float* x, const float* proj, const float* base, unsigned int rows,
                   unsigned int width, unsigned int hc, float scale, float hc_eps, float norm_eps,
                   float* pre) {
     grid_dependency_sync();
     __shared__ float inv;
+    __shared__ float chain_sums[HYPER_HEAD_MAX_CHAINS];
     const unsigned int r = blockIdx.x;
     if (r >= rows) return;
     const float* row = x + static_cast<size_t>(r) * width;
+    const unsigned int chains = refmath::sgemm_chains(width);
     if (threadIdx.x == 0) {
         double acc = 0.0;
+#pragma unroll 16
         for (unsigned int i = 0; i < width; ++i) {
             acc = __dadd_rn(acc, static_cast<double>(__fmul_rn(row[i], row[i])));
         }
         const float mean = __fdiv_rn(__double2float_rn(acc), static_cast<float>(width));
         inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, norm_eps)));
+    } else if (threadIdx.x >= 32) {
+        for (unsigned int c = threadIdx.x - 32; c < hc * chains; c += blockDim.x - 32) {
+            const unsigned int k = c / chains;
+            const unsigned int i = c % chains;
+            const unsigned int start = refmath::sgemm_chain_start(i, width, chains);
+            const unsigned int end = refmath::sgemm_chain_start(i + 1, width, chains);
+            chain_sums[c] = refmath::fma_chain(row + start, proj + static_cast<size_t>(k) * width + start, end - start);
+        }
     }
     __syncthreads();
     for (unsigned int k = threadIdx.x; k < hc; k += blockDim.x) {
-        const float dot = refmath::dot_sgemm_order(row, proj + static_cast<size_t>(k) * width, width);
-        const float logit = __fadd_rn(__fmul_rn(__fmul_rn(dot, inv), scale), base[k]);
+        refmath::PairwiseSum sum;
+        for (unsigned int i = 0; i < chains; ++i) sum.push(chain_sums[k * chains + i]);
+        const float logit = __fadd_rn(__fmul_rn(__fmul_rn(sum.finish(), inv), scale), base[k]);
         pre[static_cast<size_t>(r) * hc + k] = __fadd_rn(refmath::sigmoid(logit), hc_eps);
     }
 }

@@ -4,12 +4,16 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{dim, ensure, expect_len, grid_stride_config, launch_config, whole_rows};
+use super::{dim, ensure, expect_len, grid_stride_config, launch_config, sgemm_chains, whole_rows};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::runtime::KernelRuntime;
 
 const THREADS: u32 = 256;
+/// Threads per row of `v4_hyper_head_f32` (`HYPER_HEAD_THREADS` in the kernel).
+const HYPER_HEAD_THREADS: u32 = 256;
+/// The most FMA chains (`hc · sgemm_chains(width)`) one row's block holds (`HYPER_HEAD_MAX_CHAINS`).
+const HYPER_HEAD_MAX_CHAINS: usize = 1024;
 
 /// Pools `entries = slot_start.len() − 1` entries of `width` channels into `out [entries, width]`:
 /// entry `e` takes the softmax over its slots `slot_start[e] .. slot_start[e + 1]` of
@@ -78,6 +82,12 @@ pub fn v4_hyper_head_f32(
         format!("{} values are not whole rows of {width}", x.len())
     })?;
     expect_len(OP, "pre", pre.len(), rows * hc)?;
+    let chains = hc * sgemm_chains(width);
+    ensure(chains <= HYPER_HEAD_MAX_CHAINS, OP, || {
+        format!(
+            "{hc} weights of width {width} need {chains} FMA chains (at most {HYPER_HEAD_MAX_CHAINS})"
+        )
+    })?;
     if rows == 0 {
         return Ok(());
     }
@@ -98,7 +108,7 @@ pub fn v4_hyper_head_f32(
         .arg(&hc_eps)
         .arg(&norm_eps)
         .arg(pre);
-    let config = launch_config((rows_u32, 1, 1), 32, 0);
+    let config = launch_config((rows_u32, 1, 1), HYPER_HEAD_THREADS, 0);
     // SAFETY: signature (const float* x, const float* proj, const float* base, u32 rows,
     // u32 width, u32 hc, float scale, float hc_eps, float norm_eps, float* pre); lengths checked.
     unsafe { launch.launch(config) }

@@ -75,6 +75,8 @@ pub enum Op {
     StreamMeans,
     GatedPool,
     EngramInject,
+    /// V4's `hyper_head_weights_rows`.
+    HyperHead,
 }
 
 /// How far a `fast` value may be from the reference's: `|fast − reference| ≤ of_magnitude · m +
@@ -165,7 +167,8 @@ pub fn fast_bound(op: Op) -> (Bound, &'static str) {
         | Op::ScaleAt
         | Op::StreamMeans
         | Op::GatedPool
-        | Op::EngramInject => (
+        | Op::EngramInject
+        | Op::HyperHead => (
             Bound::Bitwise,
             "no fast path: the fast numerics run the exact kernel of this op",
         ),

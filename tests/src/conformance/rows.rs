@@ -1,12 +1,12 @@
 //! The row ops of the conformance harness (`scale_at`, `stream_means_at`, `gated_pool_rows`,
-//! `engram_inject`, `engram_gather`, `table_rows`) and the row-batched ops past one launch's
+//! `engram_inject`, `engram_gather`, `table_rows`, V4's `hyper_head_weights_rows`) and the row-batched ops past one launch's
 //! grid: inputs on the host, resident on the backend (`Backend::gather`), and views into a
 //! resident buffer; a shared input is left unchanged; each case has a negative control that shows
 //! the compared quantity is visible (another scale, fold order, member, eps, table row).
 
 use deepinfer_model::backend::{
-    AttentionQueries, Backend, EngramInjection, HcCollapse, HcExpand, HcMix, HcMixes, IndexQueries,
-    KeyList, Precision, QueryKeys, SelectPart, StreamShape, Tensor,
+    AttentionQueries, Backend, EngramInjection, HcCollapse, HcExpand, HcMix, HcMixes, HyperHead,
+    IndexQueries, KeyList, Precision, QueryKeys, SelectPart, StreamShape, Tensor,
 };
 use deepinfer_model::engram::{EngramGate, EngramTable};
 use deepinfer_model::quant::round_bf16;
@@ -61,6 +61,71 @@ pub fn scale_at() -> Vec<Case> {
                 o.holds(
                     "empty stays empty",
                     b.scale_at(Tensor::empty(), 2.0, Precision::Bf16).is_empty(),
+                );
+            },
+        ));
+    }
+    cases
+}
+
+/// V4's hyper-head weights over (rows, hc, width) — width = hc · dim, as the head's streams — from
+/// one FMA chain of the dot products (width < 512) to V4-Flash's 64 chains of 256 (4 × 4096) and
+/// an odd width whose chains start mid-vector (3 × 1001: 2 chains); activations of magnitudes
+/// 2^-12 … 2^6 with zeros; from the host and resident; rows past the first block of a launch
+/// equal those rows alone; another projection row changes only its own weight.
+pub fn hyper_heads() -> Vec<Case> {
+    let mut rng = Rng(29);
+    let mut cases = Vec::new();
+    for (rows, hc, dim) in [
+        (1usize, 1usize, 64usize),
+        (3, 4, 1001),
+        (37, 4, 256),
+        (2, 4, 4096),
+    ] {
+        let width = hc * dim;
+        let x: Vec<f32> = (0..rows * width).map(|_| activation(&mut rng)).collect();
+        let proj: Vec<f32> = (0..hc * width).map(|_| spread(&mut rng, -14, -4)).collect();
+        let base: Vec<f32> = (0..hc).map(|_| spread(&mut rng, -3, 1)).collect();
+        cases.push(Case::new(
+            format!("hyper_head_weights_rows {rows} rows of {hc} x {dim}"),
+            Op::HyperHead,
+            move |b, o| {
+                let head = HyperHead {
+                    proj: &proj,
+                    base: &base,
+                    scale: 0.5,
+                    hc_eps: 1e-6,
+                    norm_eps: 1e-6,
+                };
+                let host = b
+                    .hyper_head_weights_rows(&Tensor::from(&x), &head)
+                    .into_vec();
+                o.holds("hc weights a row", host.len() == rows * hc);
+                let last = &x[(rows - 1) * width..];
+                let alone = b
+                    .hyper_head_weights_rows(&Tensor::from(last), &head)
+                    .into_vec();
+                o.same("the last row alone", &alone, &host[(rows - 1) * hc..]);
+                let mut other = proj.clone();
+                other[..width].iter_mut().for_each(|v| *v = -*v);
+                let changed = b
+                    .hyper_head_weights_rows(
+                        &Tensor::from(&x),
+                        &HyperHead {
+                            proj: &other,
+                            ..head
+                        },
+                    )
+                    .into_vec();
+                let moved: Vec<bool> = changed.iter().zip(&host).map(|(a, b)| a != b).collect();
+                o.holds(
+                    "another projection row moves its own weight only",
+                    moved.iter().enumerate().all(|(i, &m)| m == (i % hc == 0)),
+                );
+                o.values("host", host);
+                o.values(
+                    "resident",
+                    b.hyper_head_weights_rows(&resident(b, &x), &head),
                 );
             },
         ));
