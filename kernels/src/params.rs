@@ -35,15 +35,6 @@ pub struct FastGemmParams {
     pub out_f32: u32,
 }
 
-/// `FastReduceParams`: the fast GEMM's part sums added in part order, stored as `out_f32` says.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FastReduceParams {
-    pub count: u32,
-    pub parts: u32,
-    pub out_f32: u32,
-}
-
 /// `FastRoutedParams`: the fast routed-expert GEMM, output row `j < m` = x row `j / x_row_div`
 /// times the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of `n_experts`; K cut
 /// into `parts` spans of `span` codes as in [`FastGemmParams`] (production: one part).
@@ -172,8 +163,6 @@ unsafe impl KernelValue for GemmParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for FastGemmParams {}
 // SAFETY: as above.
-unsafe impl KernelValue for FastReduceParams {}
-// SAFETY: as above.
 unsafe impl KernelValue for LinearReduceParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for FastRoutedParams {}
@@ -210,8 +199,6 @@ mod tests {
         assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
         assert_eq!(size_of::<FastGemmParams>(), 24);
         assert_eq!(offset_of!(FastGemmParams, out_f32), 20);
-        assert_eq!(size_of::<FastReduceParams>(), 12);
-        assert_eq!(offset_of!(FastReduceParams, out_f32), 8);
         assert_eq!(size_of::<FastRoutedParams>(), 36);
         assert_eq!(offset_of!(FastRoutedParams, out_f32), 32);
         assert_eq!(size_of::<RmsNormParams>(), 12);
@@ -261,7 +248,6 @@ mod tests {
             fields("FastGemmParams"),
             ["m", "n", "k", "span", "parts", "out_f32"]
         );
-        assert_eq!(fields("FastReduceParams"), ["count", "parts", "out_f32"]);
         assert_eq!(fields("LinearReduceParams"), ["count", "round_bf16"]);
         assert_eq!(
             fields("FastRoutedParams"),

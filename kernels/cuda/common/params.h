@@ -34,14 +34,6 @@ struct FastGemmParams {
     u32_t out_f32;
 };
 
-// The fast GEMM's part sums added in part order: y[i] = sum_p partials[p][i], i < count, stored
-// as FastGemmParams::out_f32 says.
-struct FastReduceParams {
-    u32_t count;
-    u32_t parts;
-    u32_t out_f32;
-};
-
 // The fast routed-expert GEMM (gemm/gemm_fast.cuh): output row j < m = x row j / x_row_div times
 // the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of n_experts, [n, k]; K cut into
 // `parts` spans of `span` codes as FastGemmParams (production: one part, span = k).
