@@ -23,7 +23,7 @@ pub struct GemmParams {
 }
 
 /// `FastGemmParams`: the fast FP8 / FP4 GEMM's `y[m, n] = a[m, k] · w[n, k]ᵀ`, K cut into
-/// `parts` spans of `span` codes; `y` bf16, or f32 when `out_f32` is 1.
+/// `parts` spans of `span` codes; `y` stored as `store` says (`ops::gemm_fast::FastStore`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastGemmParams {
@@ -32,7 +32,7 @@ pub struct FastGemmParams {
     pub k: u32,
     pub span: u32,
     pub parts: u32,
-    pub out_f32: u32,
+    pub store: u32,
 }
 
 /// `FastRoutedParams`: the fast routed-expert GEMM, output row `j < m` = x row `j / x_row_div`
@@ -49,7 +49,7 @@ pub struct FastRoutedParams {
     pub x_row_div: u32,
     pub n_experts: u32,
     pub which: u32,
-    pub out_f32: u32,
+    pub store: u32,
 }
 
 /// `RmsNormParams`.
@@ -198,9 +198,9 @@ mod tests {
         assert_eq!(offset_of!(GemmParams, warps_per_col), 16);
         assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
         assert_eq!(size_of::<FastGemmParams>(), 24);
-        assert_eq!(offset_of!(FastGemmParams, out_f32), 20);
+        assert_eq!(offset_of!(FastGemmParams, store), 20);
         assert_eq!(size_of::<FastRoutedParams>(), 36);
-        assert_eq!(offset_of!(FastRoutedParams, out_f32), 32);
+        assert_eq!(offset_of!(FastRoutedParams, store), 32);
         assert_eq!(size_of::<RmsNormParams>(), 12);
         assert_eq!(offset_of!(RmsNormParams, eps), 8);
         assert_eq!(size_of::<RopeParams>(), 24);
@@ -246,7 +246,7 @@ mod tests {
         );
         assert_eq!(
             fields("FastGemmParams"),
-            ["m", "n", "k", "span", "parts", "out_f32"]
+            ["m", "n", "k", "span", "parts", "store"]
         );
         assert_eq!(fields("LinearReduceParams"), ["count", "round_bf16"]);
         assert_eq!(
@@ -260,7 +260,7 @@ mod tests {
                 "x_row_div",
                 "n_experts",
                 "which",
-                "out_f32"
+                "store"
             ]
         );
         assert_eq!(fields("RmsNormParams"), ["rows", "cols", "eps"]);

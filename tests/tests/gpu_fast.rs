@@ -38,7 +38,7 @@
 use std::sync::Arc;
 
 use deepinfer_kernels::KernelRuntime;
-use deepinfer_kernels::cudarc::driver::{CudaSlice, ValidAsZeroBits};
+use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{
     FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast,
@@ -96,13 +96,7 @@ fn open() -> KernelRuntime {
 trait FastWeight {
     fn shape(&self) -> (usize, usize);
     fn group(&self) -> ActGroup;
-    fn gemm<T: FastOutput>(
-        &self,
-        rt: &KernelRuntime,
-        a: &DeviceActFp8,
-        y: &mut CudaSlice<T>,
-        tile: FastTile,
-    );
+    fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile);
 }
 
 impl FastWeight for FastFp8Weight {
@@ -116,13 +110,7 @@ impl FastWeight for FastFp8Weight {
             ActGroup::G128
         }
     }
-    fn gemm<T: FastOutput>(
-        &self,
-        rt: &KernelRuntime,
-        a: &DeviceActFp8,
-        y: &mut CudaSlice<T>,
-        tile: FastTile,
-    ) {
+    fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile) {
         gemm_fp8_fast_tiled(rt, a, self, y, tile).expect("gemm_fp8_fast");
     }
 }
@@ -134,13 +122,7 @@ impl FastWeight for FastFp4Weight {
     fn group(&self) -> ActGroup {
         ActGroup::G32
     }
-    fn gemm<T: FastOutput>(
-        &self,
-        rt: &KernelRuntime,
-        a: &DeviceActFp8,
-        y: &mut CudaSlice<T>,
-        tile: FastTile,
-    ) {
+    fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile) {
         gemm_fp4_fast_tiled(rt, a, self, y, tile).expect("gemm_fp4_fast");
     }
 }
@@ -528,13 +510,16 @@ struct RoutedFast<'a> {
 
 /// [`RoutedFast`] of `moe`'s FP4 experts on the slots' expert ids `ids` with `tile`, its outputs
 /// `T` (bf16 for V4.1, f32 for V4).
-fn routed_fast<T: FastOutput + ValidAsZeroBits>(
+fn routed_fast<T: DeviceRepr + ValidAsZeroBits>(
     rt: &KernelRuntime,
     moe: &FastMoe,
     ids: &CudaSlice<u32>,
     projection: RoutedFast<'_>,
     tile: FastTile,
-) -> CudaSlice<T> {
+) -> CudaSlice<T>
+where
+    CudaSlice<T>: FastOutput,
+{
     let RoutedFast {
         x,
         x_row_div,

@@ -23,15 +23,14 @@ struct GemmParams {
 };
 
 // The fast FP8 / FP4 GEMM (gemm/gemm_fast.cuh): y[m, n] = sum_k a[m, k] * w[n, k] on tensor cores,
-// K cut into `parts` spans of `span` codes (the last one shorter); y bf16 (rounded to nearest
-// even) or, with out_f32, f32 (the fp32 sum as it is).
+// K cut into `parts` spans of `span` codes (the last one shorter); y stored as `store` says.
 struct FastGemmParams {
     u32_t m;
     u32_t n;
     u32_t k;
     u32_t span;
     u32_t parts;
-    u32_t out_f32;
+    u32_t store;  // y: 0 bf16, 1 f32 as summed, 2 f32 of the bf16-rounded value (gemm_fast.cuh)
 };
 
 // The fast routed-expert GEMM (gemm/gemm_fast.cuh): output row j < m = x row j / x_row_div times
@@ -46,7 +45,7 @@ struct FastRoutedParams {
     u32_t x_row_div;
     u32_t n_experts;
     u32_t which;
-    u32_t out_f32;  // y f32 instead of bf16, as FastGemmParams
+    u32_t store;  // y as FastGemmParams::store says
 };
 
 // RMSNorm over the last axis: x [rows, cols] bf16, w [cols] bf16 -> y [rows, cols] bf16.

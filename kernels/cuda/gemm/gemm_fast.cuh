@@ -4,9 +4,10 @@
 //   P_p = 0;  for every k-group g of K part p, in K order:  P_p = fma( T_g(m, n), s_w(n, g) * s_a(m, g), P_p )
 //   y[m, n] = out( (((P_0 + P_1) + P_2) + ...) )
 //
-// where out() is the launch's output (params' out_f32): bf16 rounded to nearest even (V4.1's
-// rounding point), or the fp32 sum as it is (V4's float32 linears); the sum is the same, so a bf16
-// output is always its f32 output rounded once.
+// where out() is the launch's output (params' `store`, STORE_*): bf16 rounded to nearest even
+// (V4.1's rounding point), that bf16 value widened into f32 storage (V4.1's rounding point for an
+// f32 tensor, with no conversion launch after the GEMM), or the fp32 sum as it is (V4's float32
+// linears); the sum is the same, so a bf16 output is always its f32 output rounded once.
 //
 // The K parts are consecutive spans of `span` codes (a multiple of 512; the last part may be
 // shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
@@ -84,12 +85,19 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32_t (&a)[4], u32
           "f"(c[3]));
 }
 
-// y[i] = v as the launch's output: f32 as it is (out_f32), else bf16 rounded to nearest even.
-__device__ __forceinline__ void store_out(void* y, size_t i, float v, u32_t out_f32) {
-    if (out_f32) {
+// The launches' output stores (params' `store`; FastStore in ops/gemm_fast.rs).
+constexpr u32_t STORE_BF16 = 0;         // bf16, rounded to nearest even
+constexpr u32_t STORE_F32 = 1;          // f32, the sum as it is
+constexpr u32_t STORE_BF16_IN_F32 = 2;  // f32 holding the bf16-rounded value
+
+// y[i] = v as the launch's output `store`.
+__device__ __forceinline__ void store_out(void* y, size_t i, float v, u32_t store) {
+    if (store == STORE_BF16) {
+        static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
+    } else if (store == STORE_F32) {
         static_cast<float*>(y)[i] = v;
     } else {
-        static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
+        static_cast<float*>(y)[i] = __bfloat162float(__float2bfloat16_rn(v));
     }
 }
 
@@ -164,7 +172,7 @@ __device__ __forceinline__ void promote(float (&acc)[4], const float (&c)[4], fl
 // (+ 8 i): to `partial` (f32 [*, n]) when it is not null, else to y as the launch's output.
 template <class Rows>
 __device__ __forceinline__ void store_tile(const float (&acc)[4], u32_t feature, u32_t row0, const Rows& rows,
-                                           u32_t n, void* y, u32_t out_f32, float* partial) {
+                                           u32_t n, void* y, u32_t store, float* partial) {
 #pragma unroll
     for (u32_t r = 0; r < 4; ++r) {
         const u32_t col = feature + (r / 2) * 8;
@@ -173,7 +181,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[4], u32_t feature,
             if (partial != nullptr) {
                 partial[rows.y_row(row) * n + col] = acc[r];
             } else {
-                store_out(y, rows.y_row(row) * n + col, acc[r], out_f32);
+                store_out(y, rows.y_row(row) * n + col, acc[r], store);
             }
         }
     }
@@ -188,7 +196,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[4], u32_t feature,
 // partial stores precede its ticket, and the last block reads after drawing it.
 template <int WARPS, int BT, class Rows>
 __device__ void finish_parts(const Rows& rows, u32_t n0, u32_t n, u32_t m, u32_t parts,
-                             const float* __restrict__ partials, void* __restrict__ y, u32_t out_f32,
+                             const float* __restrict__ partials, void* __restrict__ y, u32_t store,
                              u32_t* __restrict__ tickets, u32_t tile) {
     __shared__ u32_t last;
     __threadfence();
@@ -207,7 +215,7 @@ __device__ void finish_parts(const Rows& rows, u32_t n0, u32_t n, u32_t m, u32_t
         const size_t at = rows.y_row(row) * n + col;
         float total = __ldcg(partials + at);
         for (u32_t part = 1; part < parts; ++part) total = __fadd_rn(total, __ldcg(partials + (size_t)part * m * n + at));
-        store_out(y, at, total, out_f32);
+        store_out(y, at, total, store);
     }
 }
 
@@ -297,12 +305,12 @@ __device__ __forceinline__ void group_sums(float (&d)[RUN][4], const u32_t (&fra
 // order of any addition). a: E4M3 activation codes [*, k]; sa: f32 [*, k / G]; w: weight chunks
 // [ceil(n / 16)][ceil(k / 128)][CHUNK]; ws: weight scales per band [ceil(n / 16)][k / G]
 // [SCALE_BYTES]; the part's sums go to `partial` (f32 [*, n]) when it is not null, else to y
-// ([*, n], bf16 or f32 by out_f32: the launch has one part). k % G == 0, k % 32 == 0. WARPS is a
+// ([*, n], as `store` says: the launch has one part). k % G == 0, k % 32 == 0. WARPS is a
 // multiple of 4 (whole warpgroups); every warp runs every group, bands past n on zero weights.
 template <class W, int G, int WARPS, int BT, int STAGES, int STEP, class Rows>
 __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                const u8_t* __restrict__ w, const u8_t* __restrict__ ws, void* __restrict__ y,
-                               u32_t out_f32, float* __restrict__ partial, u32_t n, u32_t k, u32_t k_begin,
+                               u32_t store, float* __restrict__ partial, u32_t n, u32_t k, u32_t k_begin,
                                u32_t k_end, u32_t n0, const Rows& rows) {
     static_assert(G == 32 || G == 128, "32- or 128-groups");
     static_assert(BT % 8 == 0 && STAGES >= 2 && STEP % STEP_K == 0, "tile");
@@ -455,7 +463,7 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
 
         const u32_t feature = n0 + warp * 16 + g;
 #pragma unroll
-        for (u32_t i = 0; i < RUN; ++i) store_tile(acc[i], feature, i * 8 + 2 * t, rows, n, y, out_f32, partial);
+        for (u32_t i = 0; i < RUN; ++i) store_tile(acc[i], feature, i * 8 + 2 * t, rows, n, y, store, partial);
     };
     if constexpr (Rows::PART_FULL) {
         switch (run_tiles / QUARTER) {
@@ -504,7 +512,7 @@ __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __rest
     if (bucket >= p.n_experts) {
         for (u32_t i = threadIdx.x; i < count * 16 * WARPS; i += blockDim.x) {
             const u32_t col = n0 + i % (16 * WARPS);
-            if (col < p.n) store_out(y, rows.y_row(i / (16 * WARPS)) * p.n + col, 0.0f, p.out_f32);
+            if (col < p.n) store_out(y, rows.y_row(i / (16 * WARPS)) * p.n + col, 0.0f, p.store);
         }
         return;
     }
@@ -512,7 +520,7 @@ __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __rest
     body(reinterpret_cast<const u8_t*>(entry[0]), reinterpret_cast<const u8_t*>(entry[1]), rows, n0, k_begin, k_end,
          partial);
     if (partial != nullptr)
-        finish_parts<WARPS, BT>(rows, n0, p.n, p.m, p.parts, partials, y, p.out_f32, tickets,
+        finish_parts<WARPS, BT>(rows, n0, p.n, p.m, p.parts, partials, y, p.store, tickets,
                                 blockIdx.y * gridDim.x + blockIdx.x);
 }
 
@@ -525,7 +533,7 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
     routed_tile<WARPS, BT>(order, tiles, tile_count, table, y, partials, tickets, p,
                            [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0, u32_t k_begin,
                                u32_t k_end, float* partial) {
-                               gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.out_f32, partial,
+                               gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.store, partial,
                                                                               p.n, p.k, k_begin, k_end, n0, rows);
                            });
 }
@@ -535,7 +543,7 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
 // The kernels of one tile configuration (gemm_fast.cu instantiates the production ones; the
 // benchmark compiles others to time them).
 // Grid (column blocks, row blocks, K parts): part blockIdx.z = codes [z span, (z + 1) span) of K;
-// with one part the block stores y (bf16 or f32, p.out_f32), else it writes its part's sums to
+// with one part the block stores y (bf16 or f32, p.store), else it writes its part's sums to
 // partials[z] ([m, n]) and the output tile's last block stores y (finish_parts; tickets: one per
 // (column block, row block), zero between launches).
 #define GEMM_FAST(NAME, WEIGHTS, G, WARPS, BT, STAGES, STEP)                                           \
@@ -549,9 +557,9 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
         const u32_t n0 = blockIdx.x * 16 * WARPS;                                                    \
         float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
         fastgemm::gemm_fast_tile<WEIGHTS, G, WARPS, BT, STAGES, STEP>(                               \
-            a, sa, w, ws, y, p.out_f32, partial, p.n, p.k, k_begin, k_end, n0, rows);                \
+            a, sa, w, ws, y, p.store, partial, p.n, p.k, k_begin, k_end, n0, rows);                \
         if (partial != nullptr)                                                                     \
-            fastgemm::finish_parts<WARPS, BT>(rows, n0, p.n, p.m, p.parts, partials, y, p.out_f32, tickets, \
+            fastgemm::finish_parts<WARPS, BT>(rows, n0, p.n, p.m, p.parts, partials, y, p.store, tickets, \
                                               blockIdx.y * gridDim.x + blockIdx.x);                 \
     }
 

@@ -8,9 +8,9 @@
 //! sum is not the exact one), but deterministic and batch invariant: every [`FastTile`] computes
 //! the same bits for a row, so the tile chosen by M never shows.
 //!
-//! The output ([`FastOutput`]) is bf16 (rounded to nearest even once: V4.1's rounding point) or
-//! f32 (the fp32 sum as it is: V4's float32 linears); both come from the same sum, so a bf16
-//! output is always its f32 output rounded once.
+//! The output ([`FastOutput`]) is bf16 (rounded to nearest even once: V4.1's rounding point), that
+//! value in f32 storage ([`RoundedToBf16`]) or f32 (the fp32 sum as it is: V4's float32 linears);
+//! all come from the same sum, so a bf16 output is always its f32 output rounded once.
 //!
 //! Error bound against the exact value (f64) — what the GPU tests assert: with `P = Σ_k |a_k w_k|`
 //! over a group, the tensor core's fp32-range sum of the group's exact products is within
@@ -31,25 +31,61 @@ use crate::id::KernelId;
 use crate::params::FastGemmParams;
 use crate::runtime::KernelRuntime;
 
-/// The element type of a fast GEMM's output (`out_f32` in the kernels' params): bf16, rounded to
-/// nearest even, or f32, the fp32 sum as it is. Sealed: the kernels write only these two.
-pub trait FastOutput: DeviceRepr + sealed::Sealed {
-    /// The kernels' `out_f32` flag.
-    const OUT_F32: u32;
+/// Where a fast GEMM stores `y` and how it rounds it (`store` in the kernels' params): a bf16
+/// buffer (rounded to nearest even), an f32 buffer (the fp32 sum as it is) or [`RoundedToBf16`]
+/// (an f32 buffer of the bf16-rounded values). The sum is the same in all three. Sealed: the
+/// kernels write only these.
+pub trait FastOutput: sealed::Buffer {
+    /// The kernels' `store` (`STORE_*` in `cuda/gemm/gemm_fast.cuh`).
+    const STORE: u32;
 }
 
-impl FastOutput for bf16 {
-    const OUT_F32: u32 = 0;
+impl FastOutput for CudaSlice<bf16> {
+    const STORE: u32 = 0;
 }
 
-impl FastOutput for f32 {
-    const OUT_F32: u32 = 1;
+impl FastOutput for CudaSlice<f32> {
+    const STORE: u32 = 1;
+}
+
+/// An f32 output buffer that takes each value rounded to bf16: V4.1's rounding point, stored as
+/// the f32 tensors the model reads (no widening launch after the GEMM).
+pub struct RoundedToBf16<'a>(pub &'a mut CudaSlice<f32>);
+
+impl FastOutput for RoundedToBf16<'_> {
+    const STORE: u32 = 2;
 }
 
 mod sealed {
-    pub trait Sealed {}
-    impl Sealed for half::bf16 {}
-    impl Sealed for f32 {}
+    use cudarc::driver::{CudaSlice, DeviceRepr};
+    use half::bf16;
+
+    /// The device buffer behind a [`super::FastOutput`].
+    pub trait Buffer {
+        type Value: DeviceRepr;
+        fn buffer(&mut self) -> &mut CudaSlice<Self::Value>;
+    }
+
+    impl Buffer for CudaSlice<bf16> {
+        type Value = bf16;
+        fn buffer(&mut self) -> &mut CudaSlice<bf16> {
+            self
+        }
+    }
+
+    impl Buffer for CudaSlice<f32> {
+        type Value = f32;
+        fn buffer(&mut self) -> &mut CudaSlice<f32> {
+            self
+        }
+    }
+
+    impl Buffer for super::RoundedToBf16<'_> {
+        type Value = f32;
+        fn buffer(&mut self) -> &mut CudaSlice<f32> {
+            self.0
+        }
+    }
 }
 
 /// K codes of one weight chunk (`STEP_K` in the kernel).
@@ -532,23 +568,23 @@ fn e8m0_value(e: u8) -> f32 {
     }
 }
 
-/// `y = a · wᵀ` on tensor cores, `y [a.rows, w.out]` bf16 or f32 ([`FastOutput`]). The
+/// `y = a · wᵀ` on tensor cores, `y [a.rows, w.out]` as [`FastOutput`] stores it. The
 /// activation group must be the weight's tile side (32: V4.1, 128: V4).
-pub fn gemm_fp8_fast<T: FastOutput>(
+pub fn gemm_fp8_fast<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp8Weight,
-    y: &mut CudaSlice<T>,
+    y: &mut Y,
 ) -> Result<(), KernelError> {
     gemm_fp8_fast_tiled(rt, a, w, y, FastTile::Auto)
 }
 
 /// [`gemm_fp8_fast`] with an explicit tile (the result does not depend on it).
-pub fn gemm_fp8_fast_tiled<T: FastOutput>(
+pub fn gemm_fp8_fast_tiled<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp8Weight,
-    y: &mut CudaSlice<T>,
+    y: &mut Y,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast";
@@ -592,11 +628,11 @@ pub struct FastVariant {
 
 /// [`gemm_fp8_fast`] through a [`FastVariant`] of `FastKernels::Fp8` (checked as the production
 /// launch is, and the variant's family and span against the activations and its stage).
-pub fn gemm_fp8_fast_variant<T: FastOutput>(
+pub fn gemm_fp8_fast_variant<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp8Weight,
-    y: &mut CudaSlice<T>,
+    y: &mut Y,
     variant: &FastVariant,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast_variant";
@@ -613,23 +649,23 @@ pub fn gemm_fp8_fast_variant<T: FastOutput>(
     )
 }
 
-/// `y = a · wᵀ` on tensor cores for an FP4 weight, `y [a.rows, w.out]` bf16 or f32
-/// ([`FastOutput`]); `a` in 32-element groups.
-pub fn gemm_fp4_fast<T: FastOutput>(
+/// `y = a · wᵀ` on tensor cores for an FP4 weight, `y [a.rows, w.out]` as [`FastOutput`]
+/// stores it; `a` in 32-element groups.
+pub fn gemm_fp4_fast<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp4Weight,
-    y: &mut CudaSlice<T>,
+    y: &mut Y,
 ) -> Result<(), KernelError> {
     gemm_fp4_fast_tiled(rt, a, w, y, FastTile::Auto)
 }
 
 /// [`gemm_fp4_fast`] with an explicit tile (the result does not depend on it).
-pub fn gemm_fp4_fast_tiled<T: FastOutput>(
+pub fn gemm_fp4_fast_tiled<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp4Weight,
-    y: &mut CudaSlice<T>,
+    y: &mut Y,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_fast";
@@ -711,16 +747,16 @@ impl<'a> FastKernel<'a> {
 
 /// Launches a dense fast GEMM `kernel` on a weight `(n, k)` = `(out, inp)` given as its fragment
 /// chunks and band scales.
-fn launch_dense<S: DeviceRepr, T: FastOutput>(
+fn launch_dense<S: DeviceRepr, Y: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
     kernel: &FastKernel,
     a: &DeviceActFp8,
     (n, k): (usize, usize),
     (chunks, band_scales): (&CudaSlice<u8>, &CudaSlice<S>),
-    y: &mut CudaSlice<T>,
+    y: &mut Y,
 ) -> Result<(), KernelError> {
-    a.check_gemm(op, (n, k), y.len())?;
+    a.check_gemm(op, (n, k), y.buffer().len())?;
     if a.rows == 0 {
         return Ok(());
     }
@@ -733,7 +769,7 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
         k: dim(op, "k", k)?,
         span: dim(op, "span", span)?,
         parts: dim(op, "parts", parts)?,
-        out_f32: T::OUT_F32,
+        store: Y::STORE,
     };
     let row_blocks = params.m.div_ceil(tokens);
     ensure(row_blocks <= 65_535, op, || {
@@ -760,13 +796,13 @@ fn launch_dense<S: DeviceRepr, T: FastOutput>(
         .arg(&a.scales)
         .arg(chunks)
         .arg(band_scales)
-        .arg(&mut *y)
+        .arg(y.buffer())
         .arg(&mut partials)
         .arg(&mut *tickets)
         .arg(&params);
     // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const u8*
-    // ws, void* y, float* partials, u32* tickets, FastGemmParams): y is written as f32 exactly
-    // when out_f32 = T::OUT_F32 is 1, else as bf16 (FastOutput is sealed to these two). The
+    // ws, void* y, float* partials, u32* tickets, FastGemmParams): y is written as Y::Value
+    // (store = Y::STORE: bf16 for 0, f32 for 1 and 2; FastOutput is sealed to these). The
     // activation buffers hold rows * k codes and rows * k / group scales (DeviceActFp8's
     // invariant), the weight chunks hold ceil(n / 16) * ceil(k / 128) chunks and the band scales
     // ceil(n / 16) * k / group entries of the kernel's scale size (built at upload from n, k:

@@ -11,8 +11,6 @@
 //! Production launches sum K in one part; the benchmark's tile sweep also launches builds of
 //! other tiles and K splits ([`gemm_fp4_routed_fast_variant`]).
 
-use cudarc::driver::CudaSlice;
-
 use super::gemm_fast::{FastKernel, FastKernels, FastOutput, FastTile, FastVariant};
 use super::quant::DeviceActFp8;
 use super::routed::{DeviceExpertTable, ExpertFormat, RoutedRows, check_routed, group_rows};
@@ -25,15 +23,15 @@ use crate::runtime::KernelRuntime;
 /// [`super::routed::gemm_routed`], which runs this with [`FastTile::Auto`]) with an explicit tile
 /// (the result does not depend on it); `Auto` takes the smallest routed tile that holds the mean
 /// rows per expert. One K part. `out` bf16 (V4.1) or f32 (V4): see [`FastOutput`].
-pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
+pub fn gemm_fp4_routed_fast_tiled<Y: FastOutput>(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
-    out: &mut CudaSlice<T>,
+    out: &mut Y,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_routed_fast";
-    let (m, n, k) = check_routed(OP, ExpertFormat::Fp4Fast, rows, table, out)?;
+    let (m, n, k) = check_routed(OP, ExpertFormat::Fp4Fast, rows, table, out.buffer())?;
     if m == 0 {
         return Ok(());
     }
@@ -45,15 +43,15 @@ pub fn gemm_fp4_routed_fast_tiled<T: FastOutput>(
 /// [`gemm_fp4_routed_fast_tiled`] through a [`FastVariant`] of `FastKernels::Fp4Routed` (the
 /// benchmark's sweep): its tile, and K in parts of its span added in part order by each output
 /// tile's last block (one part when the span holds K: the production's bits).
-pub fn gemm_fp4_routed_fast_variant<T: FastOutput>(
+pub fn gemm_fp4_routed_fast_variant<Y: FastOutput>(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
-    out: &mut CudaSlice<T>,
+    out: &mut Y,
     variant: &FastVariant,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_routed_fast_variant";
-    let (m, n, k) = check_routed(OP, ExpertFormat::Fp4Fast, rows, table, out)?;
+    let (m, n, k) = check_routed(OP, ExpertFormat::Fp4Fast, rows, table, out.buffer())?;
     if m == 0 {
         return Ok(());
     }
@@ -63,13 +61,13 @@ pub fn gemm_fp4_routed_fast_variant<T: FastOutput>(
 
 /// Launches the routed `kernel` on the checked `rows` (`m` output rows of the `[n, k]`
 /// projection), K in parts of `kernel.span` codes.
-fn launch_routed<T: FastOutput>(
+fn launch_routed<Y: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
     kernel: &FastKernel,
     rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
-    out: &mut CudaSlice<T>,
+    out: &mut Y,
     (m, n, k): (usize, usize, usize),
 ) -> Result<(), KernelError> {
     let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
@@ -84,7 +82,7 @@ fn launch_routed<T: FastOutput>(
         x_row_div: dim(op, "x_row_div", x_row_div)?,
         n_experts: dim(op, "experts", table.n_experts())?,
         which: which.slot(),
-        out_f32: T::OUT_F32,
+        store: Y::STORE,
     };
     let groups = group_rows(
         rt,
@@ -118,14 +116,14 @@ fn launch_routed<T: FastOutput>(
     launch.arg(&x.codes).arg(&x.scales);
     groups
         .push_args(&mut launch, table.addresses())
-        .arg(&mut *out)
+        .arg(out.buffer())
         .arg(&mut partials)
         .arg(&mut *tickets)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
     // const u32* tile_count, const u64* table, void* y, float* partials, u32* tickets,
-    // FastRoutedParams), y written as T (out_f32 = T::OUT_F32, FastOutput sealed to bf16 and
-    // f32). group_rows wrote tiles of at most `tokens` rows (the kernel's BT), blocks past
+    // FastRoutedParams), y written as Y::Value (store = Y::STORE, FastOutput sealed to bf16
+    // and f32 buffers). group_rows wrote tiles of at most `tokens` rows (the kernel's BT), blocks past
     // *tile_count return; a tile's rows are output rows < m (order is a permutation of 0..m),
     // each reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
     // scales); the table holds 3 * n_experts address pairs of live FastFp4Weights of this shape

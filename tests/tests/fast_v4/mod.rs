@@ -5,7 +5,8 @@
 //! - The fast GEMMs with f32 outputs (FP8 128×128 tiles with 1×128 activation groups, FP4 with
 //!   1×32): every output within its bound of the f64 value on the device's own quantised
 //!   activations, every tile and a second run the same bits, the bf16 output of the same launch
-//!   exactly the f32 output rounded once (one sum, two stores); a row alone equals itself inside
+//!   exactly the f32 output rounded once (one sum, two stores) and `RoundedToBf16`'s f32 storage
+//!   exactly the bf16 output's values, from every tile; a row alone equals itself inside
 //!   batches of 2 … 300 rows (negative control: a one-element change is seen).
 //! - V4's routed experts on the fast routed chain (FP4 experts, rows in 1×32 groups; SwiGLU with
 //!   V4's clamp and route weight before `w2`; the FP8 shared expert with 128×128 tiles; the
@@ -33,9 +34,11 @@
 use std::collections::BTreeMap;
 
 use deepinfer_kernels::KernelRuntime;
-use deepinfer_kernels::cudarc::driver::{CudaSlice, ValidAsZeroBits};
+use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile, gemm_fp8_fast, k_parts};
+use deepinfer_kernels::ops::gemm_fast::{
+    FastOutput, FastTile, RoundedToBf16, gemm_fp8_fast, k_parts,
+};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
@@ -75,13 +78,16 @@ fn quantise(rt: &KernelRuntime, x: &[f32], rows: usize, group: ActGroup) -> Devi
 }
 
 /// The fast GEMM of `w` on `a` with `tile`, output `T`, downloaded as f32.
-fn run_gemm<T: FastOutput + ValidAsZeroBits + Copy>(
+fn run_gemm<T: DeviceRepr + ValidAsZeroBits + Copy>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &impl FastWeight,
     tile: FastTile,
     widen: impl Fn(T) -> f32,
-) -> Vec<f32> {
+) -> Vec<f32>
+where
+    CudaSlice<T>: FastOutput,
+{
     let mut y = rt
         .stream()
         .alloc_zeros::<T>(a.rows * w.shape().0)
@@ -139,6 +145,18 @@ fn check_f32_gemm(
             0,
             "{what}: the bf16 output is not the f32 output rounded once"
         );
+        // The third store: f32 storage of the bf16-rounded values (V4.1's fast dense GEMMs),
+        // the bf16 output's values exactly, from every tile.
+        for tile in TILES {
+            let mut y = rt.stream().alloc_zeros::<f32>(rows * n).expect("alloc y");
+            dw.gemm(rt, &a, &mut RoundedToBf16(&mut y), tile);
+            let stored = rt.stream().clone_dtoh(&y).expect("download y");
+            assert_eq!(
+                differing(&stored, &as_bf16),
+                0,
+                "{what}: {tile:?} RoundedToBf16 does not store the bf16 output's values"
+            );
+        }
     }
 }
 

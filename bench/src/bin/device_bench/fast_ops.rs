@@ -214,12 +214,15 @@ fn time_fp8<W, T: DeviceRepr + ValidAsZeroBits>(
 }
 
 /// [`time_fp8`] of the fast FP8 GEMM writing `T` outputs.
-fn time_fast_fp8<T: FastOutput + ValidAsZeroBits>(
+fn time_fast_fp8<T: DeviceRepr + ValidAsZeroBits>(
     rt: &KernelRuntime,
     timer: &mut Timer,
     x: &CudaSlice<bf16>,
     (m, n, k, tile): (usize, usize, usize, usize),
-) -> Result<f64> {
+) -> Result<f64>
+where
+    CudaSlice<T>: FastOutput,
+{
     time_fp8::<_, T>(
         rt,
         timer,

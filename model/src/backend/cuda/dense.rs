@@ -35,30 +35,37 @@ impl CudaBackend {
                 ));
             }
         };
-        self.block_scaled_gemm(OP, x, (w.out, w.inp), group, |a, y| {
-            match self.numerics {
-                Numerics::Exact => gemm_fp8(&self.rt, a, &*self.cached_fp8(w)?, y),
-                Numerics::Fast => gemm_fp8_fast(&self.rt, a, &*self.cached_fp8_fast(w)?, y),
-            }
-            .map_err(op_err(OP))
-        })
+        let shape = (w.out, w.inp);
+        match self.numerics {
+            Numerics::Exact => self.block_scaled_gemm(OP, x, shape, group, |a, y| {
+                gemm_fp8(&self.rt, a, &*self.cached_fp8(w)?, y).map_err(op_err(OP))
+            }),
+            Numerics::Fast => self.fast_linear_f32(OP, x, shape, group, |a, y| {
+                let w = self.cached_fp8_fast(w)?;
+                gemm_fp8_fast(&self.rt, a, &w, &mut RoundedToBf16(y)).map_err(op_err(OP))
+            }),
+        }
     }
 
     /// [`Backend::gemm_fp4`], with errors: the exact CUDA-core kernel, or the tensor-core kernel
     /// of the `fast` numerics.
     pub fn try_gemm_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "gemm_fp4";
-        self.block_scaled_gemm(OP, x, (w.out, w.inp), ActGroup::G32, |a, y| {
-            match self.numerics {
-                Numerics::Exact => gemm_fp4(&self.rt, a, &*self.cached_fp4(w)?, y),
-                Numerics::Fast => gemm_fp4_fast(&self.rt, a, &*self.cached_fp4_fast(w)?, y),
-            }
-            .map_err(op_err(OP))
-        })
+        let shape = (w.out, w.inp);
+        match self.numerics {
+            Numerics::Exact => self.block_scaled_gemm(OP, x, shape, ActGroup::G32, |a, y| {
+                gemm_fp4(&self.rt, a, &*self.cached_fp4(w)?, y).map_err(op_err(OP))
+            }),
+            Numerics::Fast => self.fast_linear_f32(OP, x, shape, ActGroup::G32, |a, y| {
+                let w = self.cached_fp4_fast(w)?;
+                gemm_fp4_fast(&self.rt, a, &w, &mut RoundedToBf16(y)).map_err(op_err(OP))
+            }),
+        }
     }
 
-    /// `x · wᵀ` of a block-scaled weight `[out, inp]` in f32: `x` quantised to FP8 in `group`s,
-    /// then `gemm` into a bf16 output `[rows, out]`, widened.
+    /// `x · wᵀ` of a block-scaled weight `[out, inp]` on the exact kernels: `x` quantised to FP8
+    /// in `group`s, then `gemm` into a bf16 output `[rows, out]`, widened (the fast kernels
+    /// store the rounded values as f32 themselves: [`RoundedToBf16`]).
     fn block_scaled_gemm(
         &self,
         op: &'static str,
@@ -126,7 +133,8 @@ impl CudaBackend {
         }
     }
 
-    /// A fast block-scaled GEMM with f32 output `[rows, out]` on `x` quantised in `group`s.
+    /// A fast block-scaled GEMM with f32 output `[rows, out]` on `x` quantised in `group`s (the
+    /// fp32 sums, or rounded to bf16 where `gemm` stores through [`RoundedToBf16`]).
     fn fast_linear_f32(
         &self,
         op: &'static str,

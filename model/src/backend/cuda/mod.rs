@@ -82,7 +82,7 @@ use deepinfer_kernels::ops::attention::{
 use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, gemm_fp4_fast, gemm_fp8_fast,
+    FastFp4Weight, FastFp8Weight, RoundedToBf16, gemm_fp4_fast, gemm_fp8_fast,
 };
 use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,

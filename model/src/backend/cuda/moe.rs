@@ -9,7 +9,7 @@
 //! ([`CudaBackend::routed_slots`]) also serves V4's FP4 experts in the fast numerics (`v4.rs`),
 //! with f32 outputs and no bf16 rounding ([`RoutedRow`]).
 
-use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile};
+use deepinfer_kernels::ops::gemm_fast::FastTile;
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertProjection, ExpertRefs, ExpertRowValue, RoutedRows, gemm_routed,
     moe_combine, swiglu_rows,
@@ -29,7 +29,7 @@ pub(super) struct DeviceExperts {
 /// The element type of the routed GEMMs' output rows: bf16 from any FP4/FP8 table (V4.1's
 /// rounding point), f32 from a fast FP4 table alone (V4's float32 experts in the fast numerics;
 /// the exact routed kernels write bf16, and a launch on another table fails naming its format).
-pub(super) trait RoutedRow: ExpertRowValue + FastOutput + Sized {
+pub(super) trait RoutedRow: ExpertRowValue + Sized {
     /// The routed GEMM of `rows` over `table` into `out`.
     const GEMM: RoutedGemm<Self>;
 }
