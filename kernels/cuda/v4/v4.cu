@@ -8,10 +8,10 @@
 #include "common/reference_math.cuh"
 
 // out[e * width + c] = Σ_s softmax_s(gate_s[c] + bias_s[c]) · kv_s[c] over the slots
-// s in [slot_start[e], slot_start[e + 1]) of entry e; `kv` and `gate` hold one device address per
-// slot (width floats each), `bias` one width-wide row per slot. One thread per (entry, channel).
+// s in [slot_start[e], slot_start[e + 1]) of entry e; `kv`, `gate` and `bias` hold one device
+// address per slot (width floats each). One thread per (entry, channel).
 extern "C" __global__ void __launch_bounds__(256)
-v4_pool_f32(const unsigned long long* kv, const unsigned long long* gate, const float* bias,
+v4_pool_f32(const unsigned long long* kv, const unsigned long long* gate, const unsigned long long* bias,
             const unsigned int* slot_start, unsigned int entries, unsigned int width, float* out) {
     grid_dependency_sync();
     const unsigned long long total = static_cast<unsigned long long>(entries) * width;
@@ -24,14 +24,14 @@ v4_pool_f32(const unsigned long long* kv, const unsigned long long* gate, const 
         float max = __int_as_float(0xff800000);
         for (unsigned int s = first; s < last; ++s) {
             const float* g = reinterpret_cast<const float*>(gate[s]);
-            max = fmaxf(max, __fadd_rn(g[c], bias[static_cast<size_t>(s) * width + c]));
+            max = fmaxf(max, __fadd_rn(g[c], reinterpret_cast<const float*>(bias[s])[c]));
         }
         float sum = 0.0f;
         float value = 0.0f;
         for (unsigned int s = first; s < last; ++s) {
             const float* g = reinterpret_cast<const float*>(gate[s]);
             const float* v = reinterpret_cast<const float*>(kv[s]);
-            const float logit = __fadd_rn(g[c], bias[static_cast<size_t>(s) * width + c]);
+            const float logit = __fadd_rn(g[c], reinterpret_cast<const float*>(bias[s])[c]);
             const float w = refmath::exp_f32(__fsub_rn(logit, max));
             sum = __fadd_rn(sum, w);
             value = __fadd_rn(value, __fmul_rn(w, v[c]));

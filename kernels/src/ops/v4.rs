@@ -17,17 +17,17 @@ const HYPER_HEAD_MAX_CHAINS: usize = 1024;
 
 /// Pools `entries = slot_start.len() − 1` entries of `width` channels into `out [entries, width]`:
 /// entry `e` takes the softmax over its slots `slot_start[e] .. slot_start[e + 1]` of
-/// `gate_s + bias_s` weighting `kv_s` (`kv`, `gate`: one device address of `width` floats per slot;
-/// `bias [slots, width]`).
+/// `gate_s + bias_s` weighting `kv_s` (`kv`, `gate`, `bias`: one device address of `width` floats
+/// per slot).
 ///
 /// # Safety
-/// Every address in `kv` and `gate` must point at `width` readable floats of this context that
-/// stay alive until the launch has run.
+/// Every address in `kv`, `gate` and `bias` must point at `width` readable floats of this
+/// context that stay alive until the launch has run.
 pub unsafe fn v4_pool_f32(
     rt: &KernelRuntime,
     kv: &CudaSlice<u64>,
     gate: &CudaSlice<u64>,
-    bias: &CudaSlice<f32>,
+    bias: &CudaSlice<u64>,
     slot_start: &CudaSlice<u32>,
     width: usize,
     out: &mut CudaSlice<f32>,
@@ -35,7 +35,7 @@ pub unsafe fn v4_pool_f32(
     const OP: &str = "v4_pool_f32";
     let slots = kv.len();
     expect_len(OP, "gate", gate.len(), slots)?;
-    expect_len(OP, "bias", bias.len(), slots * width)?;
+    expect_len(OP, "bias", bias.len(), slots)?;
     let entries = slot_start.len().saturating_sub(1);
     expect_len(OP, "out", out.len(), entries * width)?;
     if entries == 0 || width == 0 {
@@ -51,7 +51,7 @@ pub unsafe fn v4_pool_f32(
         .arg(&entries_u32)
         .arg(&width_u32)
         .arg(out);
-    // SAFETY: signature (const u64* kv, const u64* gate, const float* bias, const u32* slot_start,
+    // SAFETY: signature (const u64* kv, const u64* gate, const u64* bias, const u32* slot_start,
     // u32 entries, u32 width, float* out); lengths checked above, the addresses by the caller.
     unsafe { launch.launch(grid_stride_config(entries * width, THREADS)) }
 }

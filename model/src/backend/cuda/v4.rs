@@ -146,8 +146,9 @@ impl CudaBackend {
         Ok(self.tensor(pre))
     }
 
-    /// [`Backend::compressor_pool_rows`], with errors: one launch over tables of the slots' `kv`
-    /// and gate addresses (rows read where earlier steps left them) and their bias rows.
+    /// [`Backend::compressor_pool_rows`], with errors: one launch over tables of the slots' `kv`,
+    /// gate and bias addresses (rows read where earlier steps left them; the bias rows, slices of
+    /// the compressor's weights, from the weight cache: no per-call copy).
     pub fn try_compressor_pool_rows(
         &self,
         entries: &[Vec<PoolSlot<'_>>],
@@ -158,6 +159,7 @@ impl CudaBackend {
             return Ok(Tensor::empty());
         }
         let mut keep = HostUploads::default();
+        let mut cached_bias = Vec::new();
         let (mut kv, mut gate, mut bias) = (Vec::new(), Vec::new(), Vec::new());
         let mut slot_start = vec![0u32];
         for slots in entries {
@@ -178,7 +180,9 @@ impl CudaBackend {
                         })?;
                 kv.push(self.address_of(OP, slot.raw, slot.offset, width, &mut keep)?);
                 gate.push(self.address_of(OP, slot.raw, half + slot.offset, width, &mut keep)?);
-                bias.extend_from_slice(bias_row);
+                let row = self.cached_f32(OP, bias_row)?;
+                bias.push(key_row_address(&self.rt, &row, 0, width).map_err(op_err(OP))?);
+                cached_bias.push(row);
             }
             let count = u32::try_from(kv.len())
                 .map_err(|_| shape_err(OP, format!("{} slots exceed u32", kv.len())))?;
@@ -188,7 +192,7 @@ impl CudaBackend {
             |values: &[u64], what: &'static str| self.rt.htod(values).map_err(driver_err(OP, what));
         let kv = upload_u64(&kv, "uploading the kv addresses")?;
         let gate = upload_u64(&gate, "uploading the gate addresses")?;
-        let bias = self.upload(OP, &bias)?;
+        let bias = upload_u64(&bias, "uploading the bias addresses")?;
         let slot_start = self
             .rt
             .htod(&slot_start)
@@ -197,11 +201,12 @@ impl CudaBackend {
         // entry without slots.
         let mut out = unsafe { self.alloc_written(OP, entries.len() * width) }?;
         // SAFETY: every address is `width` values of a buffer of this context (checked by
-        // `address_of`): a slot tensor's, borrowed for this call, or an upload in `keep`, held
+        // `address_of` and `key_row_address`): a slot tensor's, borrowed for this call, an upload
+        // in `keep` or a cached bias row in `cached_bias` (also held by the weight cache), held
         // until the launch is enqueued; buffers are freed in order on the runtime's stream.
         unsafe { v4_pool_f32(&self.rt, &kv, &gate, &bias, &slot_start, width, &mut out) }
             .map_err(op_err(OP))?;
-        drop(keep);
+        drop((keep, cached_bias));
         Ok(self.tensor(out))
     }
 
