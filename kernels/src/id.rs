@@ -171,6 +171,8 @@ pub enum KernelId {
     GemmFp4FastRoutedB64,
     /// Fast routed-expert FP4 GEMM over tiles of up to 128 rows of one expert.
     GemmFp4FastRoutedB128,
+    /// The fast GEMMs' K-part sums added in part order and rounded to bf16.
+    GemmFastReduce,
     /// `GemmFp4G32` with one warp per output column over all of K (few rows).
     GemmFp4G32Warp,
     /// RMSNorm, bf16 in/out, fp32 math.
@@ -324,7 +326,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 97] = [
+    pub const ALL: [KernelId; 98] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -350,6 +352,7 @@ impl KernelId {
         KernelId::GemmFp4FastRoutedB32,
         KernelId::GemmFp4FastRoutedB64,
         KernelId::GemmFp4FastRoutedB128,
+        KernelId::GemmFastReduce,
         KernelId::GemmFp4G32Warp,
         KernelId::RmsNormBf16,
         KernelId::RopeInterleavedBf16,
@@ -452,6 +455,7 @@ impl KernelId {
             KernelId::GemmFp4FastRoutedB32 => "gemm_fp4_fast_routed_b32",
             KernelId::GemmFp4FastRoutedB64 => "gemm_fp4_fast_routed_b64",
             KernelId::GemmFp4FastRoutedB128 => "gemm_fp4_fast_routed_b128",
+            KernelId::GemmFastReduce => "gemm_fast_reduce",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormBf16 => "rms_norm_bf16",
             KernelId::RopeInterleavedBf16 => "rope_interleaved_bf16",
@@ -534,7 +538,7 @@ impl KernelId {
     /// numerics or shared by both (quantisation, SwiGLU, combine, movement).
     pub fn on_tensor_cores(self) -> bool {
         match self {
-            KernelId::LinearFastReduce => false,
+            KernelId::GemmFastReduce | KernelId::LinearFastReduce => false,
             KernelId::LinearBf16FastT1x1
             | KernelId::LinearBf16FastT2x2
             | KernelId::LinearBf16FastT4x2
@@ -578,7 +582,8 @@ impl KernelId {
             | KernelId::GemmFp4FastRoutedB8
             | KernelId::GemmFp4FastRoutedB32
             | KernelId::GemmFp4FastRoutedB64
-            | KernelId::GemmFp4FastRoutedB128 => SourceFile::GemmFast,
+            | KernelId::GemmFp4FastRoutedB128
+            | KernelId::GemmFastReduce => SourceFile::GemmFast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
             KernelId::RmsNormBf16 | KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => {
                 SourceFile::RmsNorm
@@ -682,7 +687,7 @@ mod tests {
     #[test]
     fn tensor_core_kernels_are_the_fast_kernels_but_the_reductions() {
         for id in KernelId::ALL {
-            let reduction = matches!(id, KernelId::LinearFastReduce);
+            let reduction = matches!(id, KernelId::GemmFastReduce | KernelId::LinearFastReduce);
             let fast = id.symbol().contains("fast") && !reduction;
             assert_eq!(id.on_tensor_cores(), fast, "{}", id.symbol());
         }

@@ -35,6 +35,15 @@ pub struct FastGemmParams {
     pub store: u32,
 }
 
+/// `FastReduceParams`: the fast GEMM's part sums added in part order, stored as `store` says.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastReduceParams {
+    pub count: u32,
+    pub parts: u32,
+    pub store: u32,
+}
+
 /// `FastRoutedParams`: the fast routed-expert GEMM, output row `j < m` = x row `j / x_row_div`
 /// times the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of `n_experts`; K cut
 /// into `parts` spans of `span` codes as in [`FastGemmParams`] (production: one part).
@@ -163,6 +172,8 @@ unsafe impl KernelValue for GemmParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for FastGemmParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for FastReduceParams {}
+// SAFETY: as above.
 unsafe impl KernelValue for LinearReduceParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for FastRoutedParams {}
@@ -199,6 +210,8 @@ mod tests {
         assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
         assert_eq!(size_of::<FastGemmParams>(), 24);
         assert_eq!(offset_of!(FastGemmParams, store), 20);
+        assert_eq!(size_of::<FastReduceParams>(), 12);
+        assert_eq!(offset_of!(FastReduceParams, store), 8);
         assert_eq!(size_of::<FastRoutedParams>(), 36);
         assert_eq!(offset_of!(FastRoutedParams, store), 32);
         assert_eq!(size_of::<RmsNormParams>(), 12);
@@ -248,6 +261,7 @@ mod tests {
             fields("FastGemmParams"),
             ["m", "n", "k", "span", "parts", "store"]
         );
+        assert_eq!(fields("FastReduceParams"), ["count", "parts", "store"]);
         assert_eq!(fields("LinearReduceParams"), ["count", "round_bf16"]);
         assert_eq!(
             fields("FastRoutedParams"),

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use std::ffi::c_void;
 use std::sync::atomic::AtomicBool;
@@ -33,10 +33,6 @@ use crate::id::{Arch, KernelId, SourceFile};
 use crate::kernel_timer::KernelTimer;
 use crate::poison::{POISON_BYTE, Poison};
 use crate::staging::{PinnedStaging, STAGED_MIN_BYTES};
-
-/// The part tickets a runtime starts with ([`KernelRuntime::part_tickets`]): a 1024-token prefill's
-/// widest dense GEMM has a few hundred output tiles.
-const PART_TICKETS: usize = 4096;
 
 /// The default memory pool of `ctx`'s device, when the device allocates stream-ordered.
 fn default_pool(ctx: &CudaContext) -> Result<Option<sys::CUmemoryPool>, KernelError> {
@@ -152,8 +148,6 @@ pub struct KernelRuntime {
     /// Whether kernels launch as programmatic dependents of the stream's previous kernel
     /// ([`KernelRuntime::dependent_launch`]).
     dependent_launch: Arc<AtomicBool>,
-    /// The fast GEMMs' part tickets ([`KernelRuntime::part_tickets`]).
-    part_tickets: Mutex<CudaSlice<u32>>,
 }
 
 /// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
@@ -271,11 +265,6 @@ impl KernelRuntime {
             }
         }
         let staging_ctx = ctx.clone();
-        let part_tickets = stream
-            .alloc_zeros::<u32>(PART_TICKETS)
-            .map_err(KernelError::driver(
-                "allocating the fast GEMMs' part tickets",
-            ))?;
         Ok(KernelRuntime {
             ctx,
             stream,
@@ -287,31 +276,7 @@ impl KernelRuntime {
             timer: Arc::default(),
             poison: Poison::from_env(),
             dependent_launch: Arc::new(AtomicBool::new(true)),
-            part_tickets: Mutex::new(part_tickets),
         })
-    }
-
-    /// At least `count` counters, each zero whenever no launch is using it: the tickets of a fast
-    /// GEMM whose K is cut into parts (`cuda/gemm/gemm_fast.cuh`, `finish_parts`: one per output
-    /// tile; the tile's last block resets it). Grown (zeroed, the old buffer freed in stream
-    /// order after the launches that use it) when a launch has more tiles than it holds. The
-    /// launches of this runtime are stream-ordered and each waits for the previous kernel before
-    /// touching memory, so one buffer serves them all.
-    pub(crate) fn part_tickets(
-        &self,
-        count: usize,
-    ) -> Result<MutexGuard<'_, CudaSlice<u32>>, KernelError> {
-        let mut tickets = self
-            .part_tickets
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if tickets.len() < count {
-            *tickets = self
-                .stream
-                .alloc_zeros::<u32>(count.next_power_of_two())
-                .map_err(KernelError::driver("growing the fast GEMMs' part tickets"))?;
-        }
-        Ok(tickets)
     }
 
     /// The switch between launching kernels as programmatic dependents of the stream's previous

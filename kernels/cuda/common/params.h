@@ -33,6 +33,14 @@ struct FastGemmParams {
     u32_t store;  // y: 0 bf16, 1 f32 as summed, 2 f32 of the bf16-rounded value (gemm_fast.cuh)
 };
 
+// The fast GEMM's part sums added in part order: y[i] = sum_p partials[p][i], i < count, stored
+// as FastGemmParams::store says.
+struct FastReduceParams {
+    u32_t count;
+    u32_t parts;
+    u32_t store;
+};
+
 // The fast routed-expert GEMM (gemm/gemm_fast.cuh): output row j < m = x row j / x_row_div times
 // the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of n_experts, [n, k]; K cut into
 // `parts` spans of `span` codes as FastGemmParams (production: one part, span = k).

@@ -25,3 +25,8 @@ GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b32, fastgemm::Fp4Chunks, 8, 32, 2, 256)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b64, fastgemm::Fp4Chunks, 8, 64, 3, 128)
 GEMM_FAST_ROUTED(gemm_fp4_fast_routed_b128, fastgemm::Fp4Chunks, 8, 128, 3, 128)
 
+extern "C" __global__ void gemm_fast_reduce(const float* partials, void* y, FastReduceParams p) {
+    grid_dependency_sync();
+    fastgemm::gemm_fast_reduce(partials, y, p);
+}
+

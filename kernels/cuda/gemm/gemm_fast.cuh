@@ -11,11 +11,9 @@
 //
 // The K parts are consecutive spans of `span` codes (a multiple of 512; the last part may be
 // shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
-// sizes every SM then streams weights (one block per part and column block), and every tile,
-// decode or prefill, computes the same parts and adds them in the same order. The blocks of one
-// output tile (its parts) write their sums to `partials` and take a ticket; the last to arrive
-// adds the tile's parts in part order (finish_parts): no second launch, and the sum's order never
-// depends on which block came last. The routed experts' production launches use one part (enough
+// sizes every SM then streams weights (one block per part and column block, the partials added
+// by gemm_fast_reduce in part order), and every tile, decode or prefill, computes the same parts
+// and adds them in the same order. The routed experts' production launches use one part (enough
 // blocks per expert); their kernels take parts as the dense ones do (for the benchmark's sweep).
 // T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and E4M3
 // weights, started from zero: one k32 MMA for a 32-group, a chain of four in K order for a
@@ -85,7 +83,7 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32_t (&a)[4], u32
           "f"(c[3]));
 }
 
-// The launches' output stores (params' `store`; FastStore in ops/gemm_fast.rs).
+// The launches' output stores (params' `store`; FastOutput in ops/gemm_fast.rs).
 constexpr u32_t STORE_BF16 = 0;         // bf16, rounded to nearest even
 constexpr u32_t STORE_F32 = 1;          // f32, the sum as it is
 constexpr u32_t STORE_BF16_IN_F32 = 2;  // f32 holding the bf16-rounded value
@@ -184,38 +182,6 @@ __device__ __forceinline__ void store_tile(const float (&acc)[4], u32_t feature,
                 store_out(y, rows.y_row(row) * n + col, acc[r], store);
             }
         }
-    }
-}
-
-// The end of a K part's block when the launch has parts > 1 (its sums already in `partial`, this
-// part's [m][n] slice of partials [parts][m][n]): every thread's stores are fenced, then thread 0
-// takes the output tile's ticket (tickets[tile], zero between launches); the block that draws
-// parts - 1 is the tile's last, resets the ticket for the next launch and stores
-// y = out(((P_0 + P_1) + P_2) + ...) for the tile's rows and its 16 WARPS features, read past
-// the L1 (__ldcg: other blocks wrote them). The threadfence-reduction pattern: each block's
-// partial stores precede its ticket, and the last block reads after drawing it.
-template <int WARPS, int BT, class Rows>
-__device__ void finish_parts(const Rows& rows, u32_t n0, u32_t n, u32_t m, u32_t parts,
-                             const float* __restrict__ partials, void* __restrict__ y, u32_t store,
-                             u32_t* __restrict__ tickets, u32_t tile) {
-    __shared__ u32_t last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(&tickets[tile], 1u) == parts - 1;
-        if (last) tickets[tile] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    constexpr u32_t COLS = 16 * WARPS;
-    for (u32_t i = threadIdx.x; i < BT * COLS; i += blockDim.x) {
-        const u32_t row = i / COLS, col = n0 + i % COLS;
-        if (col >= n || !rows.valid(row)) continue;
-        const size_t at = rows.y_row(row) * n + col;
-        float total = __ldcg(partials + at);
-        for (u32_t part = 1; part < parts; ++part) total = __fadd_rn(total, __ldcg(partials + (size_t)part * m * n + at));
-        store_out(y, at, total, store);
     }
 }
 
@@ -483,15 +449,13 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
 // [z span, min(k, (z + 1) span)), as the dense kernels): `body(w, ws, rows, n0, k_begin, k_end,
 // partial)` on the tile's expert weights from the table ([3][n_experts][2] device addresses:
 // weight chunks, band scales), or zeros for the bucket of unknown ids (the combine skips those
-// rows; every part of the tile sees the same bucket, and zeros added in part order are +0, so
-// each part stores them to y directly). With one part (production) the body stores y; with more
-// it writes its part's sums to partials[z] ([m, n]) and the tile's last block adds them
-// (finish_parts).
+// rows). With one part (production) the body stores y; with more it writes its part's sums to
+// partials[z] ([m, n], zeros for unknown ids), which gemm_fast_reduce adds in part order.
 template <int WARPS, int BT, class Body>
 __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
                             const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
-                            void* __restrict__ y, float* __restrict__ partials, u32_t* __restrict__ tickets,
-                            const FastRoutedParams& p, Body body) {
+                            void* __restrict__ y, float* __restrict__ partials, const FastRoutedParams& p,
+                            Body body) {
     __shared__ u32_t tile_rows[BT];
     __shared__ u32_t tile_a_rows[BT];
     const u32_t tile = blockIdx.y;
@@ -512,25 +476,27 @@ __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __rest
     if (bucket >= p.n_experts) {
         for (u32_t i = threadIdx.x; i < count * 16 * WARPS; i += blockDim.x) {
             const u32_t col = n0 + i % (16 * WARPS);
-            if (col < p.n) store_out(y, rows.y_row(i / (16 * WARPS)) * p.n + col, 0.0f, p.store);
+            if (col >= p.n) continue;
+            const size_t at = rows.y_row(i / (16 * WARPS)) * p.n + col;
+            if (partial != nullptr) {
+                partial[at] = 0.0f;
+            } else {
+                store_out(y, at, 0.0f, p.store);
+            }
         }
         return;
     }
     const unsigned long long* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
     body(reinterpret_cast<const u8_t*>(entry[0]), reinterpret_cast<const u8_t*>(entry[1]), rows, n0, k_begin, k_end,
          partial);
-    if (partial != nullptr)
-        finish_parts<WARPS, BT>(rows, n0, p.n, p.m, p.parts, partials, y, p.store, tickets,
-                                blockIdx.y * gridDim.x + blockIdx.x);
 }
 
 template <class W, int WARPS, int BT, int STAGES, int STEP>
 __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                  const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
                                  const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
-                                 void* __restrict__ y, float* __restrict__ partials, u32_t* __restrict__ tickets,
-                                 FastRoutedParams p) {
-    routed_tile<WARPS, BT>(order, tiles, tile_count, table, y, partials, tickets, p,
+                                 void* __restrict__ y, float* __restrict__ partials, FastRoutedParams p) {
+    routed_tile<WARPS, BT>(order, tiles, tile_count, table, y, partials, p,
                            [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0, u32_t k_begin,
                                u32_t k_end, float* partial) {
                                gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.store, partial,
@@ -538,40 +504,44 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
                            });
 }
 
+// y[i] = out( ((P_0[i] + P_1[i]) + P_2[i]) + ... ) over the parts' sums partials[p][i], in part
+// order (the numerics definition above), i < p.count.
+__device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __restrict__ y, FastReduceParams p) {
+    for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += gridDim.x * blockDim.x) {
+        float total = partials[i];
+        for (u32_t part = 1; part < p.parts; ++part) total = __fadd_rn(total, partials[(size_t)part * p.count + i]);
+        store_out(y, i, total, p.store);
+    }
+}
+
 }  // namespace fastgemm
 
 // The kernels of one tile configuration (gemm_fast.cu instantiates the production ones; the
 // benchmark compiles others to time them).
 // Grid (column blocks, row blocks, K parts): part blockIdx.z = codes [z span, (z + 1) span) of K;
-// with one part the block stores y (bf16 or f32, p.store), else it writes its part's sums to
-// partials[z] ([m, n]) and the output tile's last block stores y (finish_parts; tickets: one per
-// (column block, row block), zero between launches).
+// with one part the block stores y (as p.store says), else it writes its part's sums to
+// partials[z] ([m, n]).
 #define GEMM_FAST(NAME, WEIGHTS, G, WARPS, BT, STAGES, STEP)                                           \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
         NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
-             u32_t* tickets, FastGemmParams p) {                                                    \
+             FastGemmParams p) {                                                                    \
         grid_dependency_sync();                                                                     \
         const fastgemm::DenseRows rows{blockIdx.y * BT, p.m};                                        \
         const u32_t k_begin = blockIdx.z * p.span;                                                   \
         const u32_t k_end = min(p.k, k_begin + p.span);                                              \
-        const u32_t n0 = blockIdx.x * 16 * WARPS;                                                    \
         float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
         fastgemm::gemm_fast_tile<WEIGHTS, G, WARPS, BT, STAGES, STEP>(                               \
-            a, sa, w, ws, y, p.store, partial, p.n, p.k, k_begin, k_end, n0, rows);                \
-        if (partial != nullptr)                                                                     \
-            fastgemm::finish_parts<WARPS, BT>(rows, n0, p.n, p.m, p.parts, partials, y, p.store, tickets, \
-                                              blockIdx.y * gridDim.x + blockIdx.x);                 \
+            a, sa, w, ws, y, p.store, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
     }
 
 // The routed kernels (grid: column blocks, expert tiles, K parts; routed_tile): with one part the
-// block stores y, else it writes its part's sums to partials[z] ([m, n]) and the output tile's
-// last block stores y (tickets as GEMM_FAST's).
+// block stores y, else it writes its part's sums to partials[z] ([m, n]).
 #define GEMM_FAST_ROUTED(NAME, WEIGHTS, WARPS, BT, STAGES, STEP)                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
         NAME(const u8_t* a, const float* sa, const u32_t* order, const u32_t* tiles,                 \
              const u32_t* tile_count, const unsigned long long* table, void* y, float* partials,     \
-             u32_t* tickets, FastRoutedParams p) {                                                  \
+             FastRoutedParams p) {                                                                  \
         grid_dependency_sync();                                                                     \
         fastgemm::gemm_fast_routed<WEIGHTS, WARPS, BT, STAGES, STEP>(a, sa, order, tiles, tile_count, \
-                                                                     table, y, partials, tickets, p); \
+                                                                     table, y, partials, p);        \
     }

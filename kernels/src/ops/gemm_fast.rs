@@ -28,7 +28,7 @@ use super::quant::{ActGroup, DeviceActFp8};
 use super::{dim, ensure, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::params::FastGemmParams;
+use crate::params::{FastGemmParams, FastReduceParams};
 use crate::runtime::KernelRuntime;
 
 /// Where a fast GEMM stores `y` and how it rounds it (`store` in the kernels' params): a bf16
@@ -98,6 +98,8 @@ const BAND: usize = 16;
 const TARGET_BLOCKS: usize = 264;
 /// K codes per part are a multiple of this (the largest stage, so parts cut no stage).
 const PART_QUANTUM: usize = 512;
+/// Threads per block of the part reduction.
+const REDUCE_THREADS: u32 = 256;
 
 /// The K parts of the dense fast GEMMs for a weight `[n, k]`: `(span, parts)`, K cut into
 /// `parts` consecutive spans of `span` codes (the last one shorter), each summed from zero in K
@@ -780,16 +782,14 @@ fn launch_dense<S: DeviceRepr, Y: FastOutput>(
         warps * 32,
         kernel.shared_bytes,
     );
-    // The parts' sums [parts][m][n] (one value, unread, with one part) and a ticket per output
-    // tile (column block, row block).
+    // The parts' sums [parts][m][n] (one value, unread, with one part).
     let count = a.rows * n;
-    // SAFETY: with parts > 1 every block writes its part's sums of its rows and columns before
-    // taking its tile's ticket, and the tile's last block reads them; with one part the kernel
-    // never touches the buffer.
+    // SAFETY: with parts > 1 every block writes its part's sums of its rows and columns, so the
+    // launch writes all parts * m * n values before the reduction reads them, in stream order;
+    // with one part the kernel never touches the buffer.
     let mut partials =
         unsafe { rt.alloc_written::<f32>(if parts > 1 { parts * count } else { 1 }) }
             .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
-    let mut tickets = rt.part_tickets((cfg.grid_dim.0 * cfg.grid_dim.1) as usize)?;
     let mut launch = rt.launcher_of(kernel.function, kernel.name);
     launch
         .arg(&a.codes)
@@ -798,18 +798,49 @@ fn launch_dense<S: DeviceRepr, Y: FastOutput>(
         .arg(band_scales)
         .arg(y.buffer())
         .arg(&mut partials)
-        .arg(&mut *tickets)
         .arg(&params);
     // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const u8*
-    // ws, void* y, float* partials, u32* tickets, FastGemmParams): y is written as Y::Value
-    // (store = Y::STORE: bf16 for 0, f32 for 1 and 2; FastOutput is sealed to these). The
-    // activation buffers hold rows * k codes and rows * k / group scales (DeviceActFp8's
-    // invariant), the weight chunks hold ceil(n / 16) * ceil(k / 128) chunks and the band scales
-    // ceil(n / 16) * k / group entries of the kernel's scale size (built at upload from n, k:
-    // FastFp8Weight, FastFp4Weight); block z reads K codes [z span, min(k, (z + 1) span)) with
-    // z < parts = ceil(k / span); every load is bounds-checked against m, n, k in the kernel; y
-    // holds m * n values, partials parts * m * n when parts > 1, tickets one zero counter per
-    // (column block, row block) of the grid (part_tickets), which the tile's last block resets.
+    // ws, void* y, float* partials, FastGemmParams): y is written as Y::Value (store =
+    // Y::STORE: bf16 for 0, f32 for 1 and 2; FastOutput is sealed to these). The activation
+    // buffers hold rows * k codes and rows * k / group scales (DeviceActFp8's invariant), the
+    // weight chunks hold ceil(n / 16) * ceil(k / 128) chunks and the band scales ceil(n / 16) *
+    // k / group entries of the kernel's scale size (built at upload from n, k: FastFp8Weight,
+    // FastFp4Weight); block z reads K codes [z span, min(k, (z + 1) span)) with z < parts =
+    // ceil(k / span); every load is bounds-checked against m, n, k in the kernel; y holds m * n
+    // values, partials parts * m * n when parts > 1.
+    unsafe { launch.launch(cfg) }?;
+    if parts > 1 {
+        reduce_parts(rt, op, &partials, y, count, parts)?;
+    }
+    Ok(())
+}
+
+/// `y[i] = out(((P_0[i] + P_1[i]) + …))` over the `parts` part sums `partials` `[parts][count]`
+/// (`out`: [`FastOutput`]).
+pub(crate) fn reduce_parts<Y: FastOutput>(
+    rt: &KernelRuntime,
+    op: &'static str,
+    partials: &CudaSlice<f32>,
+    y: &mut Y,
+    count: usize,
+    parts: usize,
+) -> Result<(), KernelError> {
+    let params = FastReduceParams {
+        count: dim(op, "outputs", count)?,
+        parts: dim(op, "parts", parts)?,
+        store: Y::STORE,
+    };
+    let cfg = launch_config(
+        (params.count.div_ceil(REDUCE_THREADS).min(1 << 16), 1, 1),
+        REDUCE_THREADS,
+        0,
+    );
+    let kernel = KernelId::GemmFastReduce;
+    let mut launch = rt.launcher(kernel)?;
+    launch.arg(partials).arg(y.buffer()).arg(&params);
+    // SAFETY: signature (const float* partials, void* y, FastReduceParams), y written as
+    // Y::Value (store = Y::STORE); partials holds parts * count values (allocated so by the
+    // caller), y count (checked: m * n); the kernel strides over i < count.
     unsafe { launch.launch(cfg) }
 }
 

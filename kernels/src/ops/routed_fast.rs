@@ -11,7 +11,7 @@
 //! Production launches sum K in one part; the benchmark's tile sweep also launches builds of
 //! other tiles and K splits ([`gemm_fp4_routed_fast_variant`]).
 
-use super::gemm_fast::{FastKernel, FastKernels, FastOutput, FastTile, FastVariant};
+use super::gemm_fast::{FastKernel, FastKernels, FastOutput, FastTile, FastVariant, reduce_parts};
 use super::quant::DeviceActFp8;
 use super::routed::{DeviceExpertTable, ExpertFormat, RoutedRows, check_routed, group_rows};
 use super::{dim, ensure, launch_config};
@@ -41,8 +41,8 @@ pub fn gemm_fp4_routed_fast_tiled<Y: FastOutput>(
 }
 
 /// [`gemm_fp4_routed_fast_tiled`] through a [`FastVariant`] of `FastKernels::Fp4Routed` (the
-/// benchmark's sweep): its tile, and K in parts of its span added in part order by each output
-/// tile's last block (one part when the span holds K: the production's bits).
+/// benchmark's sweep): its tile, and K in parts of its span added by `gemm_fast_reduce` in part
+/// order (one part when the span holds K: the production's bits).
 pub fn gemm_fp4_routed_fast_variant<Y: FastOutput>(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
@@ -100,38 +100,38 @@ fn launch_routed<Y: FastOutput>(
         warps * 32,
         kernel.shared_bytes,
     );
-    // The parts' sums [parts][m][n] (one value, unread, with one part) and a ticket per output
-    // tile (column block, expert tile).
+    // The parts' sums [parts][m][n] (one value, unread, with one part).
     let count = m * n;
-    // SAFETY: with parts > 1 every block of a known expert's tile writes its part's sums of its
-    // tile's rows and its columns before taking the tile's ticket, and the tile's last block
-    // reads them (an unknown id's tile stores zeros to y directly); with one part the kernel
-    // never touches the buffer.
+    // SAFETY: with parts > 1 every block writes its part's sums (zeros for unknown ids) of its
+    // tile's rows and its columns; the tiles hold every row (order is a permutation of 0..m) and
+    // the column blocks every column, so the launch writes all parts * m * n values before the
+    // reduction reads them, in stream order; with one part the kernel never touches the buffer.
     let mut partials =
         unsafe { rt.alloc_written::<f32>(if parts > 1 { parts * count } else { 1 }) }.map_err(
             KernelError::driver("allocating the routed GEMM's part sums"),
         )?;
-    let mut tickets = rt.part_tickets((cfg.grid_dim.0 * cfg.grid_dim.1) as usize)?;
     let mut launch = rt.launcher_of(kernel.function, kernel.name);
     launch.arg(&x.codes).arg(&x.scales);
     groups
         .push_args(&mut launch, table.addresses())
         .arg(out.buffer())
         .arg(&mut partials)
-        .arg(&mut *tickets)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-    // const u32* tile_count, const u64* table, void* y, float* partials, u32* tickets,
-    // FastRoutedParams), y written as Y::Value (store = Y::STORE, FastOutput sealed to bf16
-    // and f32 buffers). group_rows wrote tiles of at most `tokens` rows (the kernel's BT), blocks past
-    // *tile_count return; a tile's rows are output rows < m (order is a permutation of 0..m),
-    // each reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
-    // scales); the table holds 3 * n_experts address pairs of live FastFp4Weights of this shape
-    // (the constructor's contract: chunks and band scales built for n, k), the bucket of unknown
-    // ids is never looked up; block z reads K codes [z span, min(k, (z + 1) span)) with
-    // z < parts = ceil(k / span), span a multiple of the kernel's stage (FastKernel); every load
-    // is bounds-checked against n, k and the tile's count; out holds m * n values, partials
-    // parts * m * n when parts > 1, tickets one zero counter per (column block, tile) of the
-    // grid (part_tickets), which the tile's last block resets.
-    unsafe { launch.launch(cfg) }
+    // const u32* tile_count, const u64* table, void* y, float* partials, FastRoutedParams), y
+    // written as Y::Value (store = Y::STORE, FastOutput sealed to bf16 and f32 buffers).
+    // group_rows wrote tiles of at most `tokens` rows (the kernel's BT), blocks past *tile_count
+    // return; a tile's rows are output rows < m (order is a permutation of 0..m), each reading x
+    // row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the
+    // table holds 3 * n_experts address pairs of live FastFp4Weights of this shape (the
+    // constructor's contract: chunks and band scales built for n, k), the bucket of unknown ids
+    // is never looked up; block z reads K codes [z span, min(k, (z + 1) span)) with z < parts =
+    // ceil(k / span), span a multiple of the kernel's stage (FastKernel); every load is
+    // bounds-checked against n, k and the tile's count; out holds m * n values, partials parts *
+    // m * n when parts > 1.
+    unsafe { launch.launch(cfg) }?;
+    if parts > 1 {
+        reduce_parts(rt, op, &partials, out, count, parts)?;
+    }
+    Ok(())
 }
