@@ -56,8 +56,8 @@ use deepinfer_kernels::ops::gemm::{
 use deepinfer_kernels::ops::moe::{Selection, route_experts_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_into};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows, gemm_routed_with,
-    moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows,
+    gemm_routed, moe_combine, swiglu_rows,
 };
 use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision, Routing};
 use deepinfer_model::quant;
@@ -401,30 +401,31 @@ impl DeviceMoe {
         assert_eq!(shared.w1.out, self.shared_inter);
         quantize_act_fp8_into(rt, &self.x, &mut self.qx).expect("quantise x");
         let k = self.k;
-        gemm_routed_with(
+        // Grouped once for the three routed GEMMs, as `moe_rows` does.
+        let groups =
+            ExpertGroups::blocks(rt, &self.experts, table, self.blocks).expect("group slots");
+        gemm_routed(
             rt,
             RoutedRows {
                 x: &self.qx,
-                experts: &self.experts,
+                groups: &groups,
                 x_row_div: k,
                 which: ExpertProjection::W1,
             },
             table,
             &mut self.gate,
-            self.blocks,
         )
         .expect("routed w1");
-        gemm_routed_with(
+        gemm_routed(
             rt,
             RoutedRows {
                 x: &self.qx,
-                experts: &self.experts,
+                groups: &groups,
                 x_row_div: k,
                 which: ExpertProjection::W3,
             },
             table,
             &mut self.up,
-            self.blocks,
         )
         .expect("routed w3");
         swiglu_rows(
@@ -438,17 +439,16 @@ impl DeviceMoe {
         )
         .expect("routed swiglu");
         quantize_act_fp8_into(rt, &self.hidden, &mut self.qh).expect("quantise hidden");
-        gemm_routed_with(
+        gemm_routed(
             rt,
             RoutedRows {
                 x: &self.qh,
-                experts: &self.experts,
+                groups: &groups,
                 x_row_div: 1,
                 which: ExpertProjection::W2,
             },
             table,
             &mut self.routed,
-            self.blocks,
         )
         .expect("routed w2");
         gemm_fp8(rt, &self.qx, &shared.w1, &mut self.shared_gate).expect("shared w1");
@@ -757,17 +757,17 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
         RoutedBlocks::Experts,
     ] {
         let mut out = nan_bf16(&rt, rows * k * inter);
-        gemm_routed_with(
+        let groups = ExpertGroups::blocks(&rt, &d_ids, &table, blocks).expect("group slots");
+        gemm_routed(
             &rt,
             RoutedRows {
                 x: &qx,
-                experts: &d_ids,
+                groups: &groups,
                 x_row_div: k,
                 which: ExpertProjection::W3,
             },
             &table,
             &mut out,
-            blocks,
         )
         .expect("fp8");
         let gpu: Vec<f32> = s
@@ -896,17 +896,18 @@ fn time_routed_w1(
     iterations: usize,
 ) -> f64 {
     let launch = |moe: &mut DeviceMoe| {
-        gemm_routed_with(
+        let groups =
+            ExpertGroups::blocks(rt, &moe.experts, table, moe.blocks).expect("group slots");
+        gemm_routed(
             rt,
             RoutedRows {
                 x: &moe.qx,
-                experts: &moe.experts,
+                groups: &groups,
                 x_row_div: moe.k,
                 which: ExpertProjection::W1,
             },
             table,
             &mut moe.gate,
-            moe.blocks,
         )
         .expect("routed w1");
     };
@@ -1051,17 +1052,17 @@ fn assert_routed_w1_rows(
         RoutedBlocks::Experts,
     ] {
         let mut out = nan_bf16(rt, outputs);
-        gemm_routed_with(
+        let groups = ExpertGroups::blocks(rt, &ids, &table, blocks).expect("group slots");
+        gemm_routed(
             rt,
             RoutedRows {
                 x: qx,
-                experts: &ids,
+                groups: &groups,
                 x_row_div: slots,
                 which: ExpertProjection::W1,
             },
             &table,
             &mut out,
-            blocks,
         )
         .expect("routed w1");
         let gpu: Vec<f32> = rt

@@ -3,7 +3,8 @@
 //! ([`DeviceExpertTable`]), the routed GEMM whose every output row takes its own expert's weight
 //! ([`gemm_routed`] for FP4 and FP8 experts; one row per block for decode, or rows grouped by
 //! expert on the device into tiles of up to 32 rows whose expert's weights are read once, see
-//! [`RoutedBlocks`]), the SwiGLU of expert
+//! [`RoutedBlocks`]; the grouping is made once per MoE call for its three projections, see
+//! [`ExpertGroups`]), the SwiGLU of expert
 //! rows ([`swiglu_rows`]) and the combine of a token's slot outputs with the shared expert
 //! ([`moe_combine`]). Each reproduces `deepinfer_model::layers::moe::forward_rows` bit for bit (see
 //! `cuda/moe/routed.cu`).
@@ -12,9 +13,9 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
-use super::gemm_fast::{FastFp4Weight, FastTile};
+use super::gemm_fast::{FastFp4Weight, FastKernels, FastTile};
 use super::quant::DeviceActFp8;
-use super::routed_fast::gemm_fp4_routed_fast_tiled;
+use super::routed_fast::gemm_fp4_routed_fast;
 use super::{
     Rounding, dim as kernel_dim, ensure, expect_len, launch_config, shape_error, whole_rows,
 };
@@ -331,12 +332,171 @@ impl DeviceExpertTable {
     }
 }
 
+/// Which routed kernels read the slots of an [`ExpertGroups`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SlotKernels {
+    /// FP4/FP8 tables, one output row per block, straight from the ids (no grouping).
+    Rows,
+    /// FP4/FP8 tables, block-tiled tiles of up to 8 rows of one expert.
+    Tiles,
+    /// FP4/FP8 tables, expert-major tiles of up to 32 rows of one expert.
+    Experts,
+    /// A fast FP4 table (`ops::routed_fast`), tiles of up to the tensor-core tile's rows.
+    Fast,
+}
+
+/// The slots of one MoE call as the routed GEMMs read them: their expert ids (`[m]`, ids `>=
+/// n_experts` dropped) and, for the kernels that take tiles, the rows grouped by expert on the
+/// device (`group_routed_rows`: an order of the rows, bucket by bucket, cut into tiles). The
+/// grouping depends on the ids alone, so one serves the call's `w1`, `w3` and `w2` launches
+/// (each of `m` output rows); the kernels and their tile are chosen here, for all three (the
+/// result depends on neither).
+pub struct ExpertGroups<'a> {
+    experts: &'a CudaSlice<u32>,
+    n_experts: usize,
+    kernels: SlotKernels,
+    /// `None` for [`SlotKernels::Rows`] and for no slots.
+    groups: Option<RowGroups>,
+}
+
+impl<'a> ExpertGroups<'a> {
+    /// The production layout of `table`'s kernels: [`RoutedBlocks::Auto`] for an FP4 or FP8
+    /// table, [`FastTile::Auto`] for a fast FP4 table.
+    pub fn new(
+        rt: &KernelRuntime,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        match table.format {
+            ExpertFormat::Fp4Fast => ExpertGroups::fast(rt, experts, table, FastTile::Auto),
+            ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => {
+                ExpertGroups::blocks(rt, experts, table, RoutedBlocks::Auto)
+            }
+        }
+    }
+
+    /// The slots of an FP4 or FP8 `table`'s kernels in `blocks` ([`RoutedBlocks::Auto`]: one row
+    /// per block up to 64 slots, expert-major tiles above).
+    pub fn blocks(
+        rt: &KernelRuntime,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+        blocks: RoutedBlocks,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        const OP: &str = "ExpertGroups::blocks";
+        ensure(
+            table.format != ExpertFormat::Fp4Fast,
+            OP,
+            || "fast FP4 tables take a FastTile (ExpertGroups::fast)",
+        )?;
+        let m = experts.len();
+        let (kernels, tile_rows) = match blocks {
+            RoutedBlocks::Auto if m <= ROWS_PER_BLOCK_MAX => (SlotKernels::Rows, 1),
+            RoutedBlocks::Rows => (SlotKernels::Rows, 1),
+            RoutedBlocks::Tiles => (SlotKernels::Tiles, TILE_ROWS),
+            RoutedBlocks::Auto | RoutedBlocks::Experts => {
+                (SlotKernels::Experts, EXPERT_TILE_ROWS.min(m))
+            }
+        };
+        ExpertGroups::grouped(rt, OP, experts, table, kernels, tile_rows)
+    }
+
+    /// The slots of a fast FP4 `table`'s kernel with `tile` (`Auto`: the smallest routed tile
+    /// that holds the mean rows per expert).
+    pub fn fast(
+        rt: &KernelRuntime,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+        tile: FastTile,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        let kernels = FastKernels::Fp4Routed;
+        let per_expert = experts.len().div_ceil(table.n_experts);
+        let (tokens, _) = kernels.block(tile.resolve(kernels, per_expert));
+        ExpertGroups::fast_tile_rows(rt, experts, table, tokens as usize)
+    }
+
+    /// The slots of a fast FP4 `table` in tiles of at most `tile_rows` rows of one expert, read
+    /// by any routed tensor-core build of at least that many token rows (the benchmark's tile
+    /// sweep: a [`super::gemm_fast::FastVariant`]'s rows).
+    pub fn fast_tile_rows(
+        rt: &KernelRuntime,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+        tile_rows: usize,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        const OP: &str = "ExpertGroups::fast";
+        ensure(table.format == ExpertFormat::Fp4Fast, OP, || {
+            format!("a FastTile on a table of {:?} experts", table.format)
+        })?;
+        ExpertGroups::grouped(rt, OP, experts, table, SlotKernels::Fast, tile_rows)
+    }
+
+    /// `experts` grouped for `kernels` in tiles of at most `tile_rows` rows (no grouping for one
+    /// row per block or no slots).
+    fn grouped(
+        rt: &KernelRuntime,
+        op: &'static str,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+        kernels: SlotKernels,
+        tile_rows: usize,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        let groups = if kernels == SlotKernels::Rows || experts.is_empty() {
+            None
+        } else {
+            Some(group_rows(
+                rt,
+                op,
+                &experts.slice(..),
+                table.n_experts,
+                tile_rows,
+            )?)
+        };
+        Ok(ExpertGroups {
+            experts,
+            n_experts: table.n_experts,
+            kernels,
+            groups,
+        })
+    }
+
+    /// The slots' expert ids.
+    pub fn experts(&self) -> &CudaSlice<u32> {
+        self.experts
+    }
+
+    /// The grouped rows for a launch of `kernels` on `table`'s experts: a shape error when these
+    /// slots were laid out for other kernels or another table's expert count, or have no groups
+    /// (`Rows`, or no slots: the launchers return before).
+    pub(super) fn groups_for(
+        &self,
+        op: &'static str,
+        kernels: SlotKernels,
+        table: &DeviceExpertTable,
+    ) -> Result<&RowGroups, KernelError> {
+        ensure(
+            self.kernels == kernels && self.n_experts == table.n_experts,
+            op,
+            || {
+                format!(
+                    "slots grouped for {:?} kernels over {} experts, launched as {kernels:?} \
+                     over {}",
+                    self.kernels, self.n_experts, table.n_experts
+                )
+            },
+        )?;
+        self.groups
+            .as_ref()
+            .ok_or_else(|| shape_error(op, "the slots hold no row groups"))
+    }
+}
+
 /// The rows of a routed GEMM: output row `j` is `x[j / x_row_div] · W_{experts[j]}ᵀ` for the
-/// `which` projection of a table's experts (`x` `[rows, inp]`, `experts` `[m]` with `m = rows ·
-/// x_row_div`).
+/// `which` projection of a table's experts (`x` `[rows, inp]`, `groups` the `m = rows ·
+/// x_row_div` slots with their expert ids, laid out for the table's kernels).
 pub struct RoutedRows<'a, X> {
     pub x: &'a X,
-    pub experts: &'a CudaSlice<u32>,
+    pub groups: &'a ExpertGroups<'a>,
     pub x_row_div: usize,
     pub which: ExpertProjection,
 }
@@ -350,10 +510,11 @@ impl<X> Clone for RoutedRows<'_, X> {
 impl<X> Copy for RoutedRows<'_, X> {}
 
 /// The [`RoutedRows`] `rows` of `table`'s experts into `out`: `x` 32-groups, `out` bf16 `[m,
-/// out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the table's
-/// format's: FP4 and FP8 (32×32 tiles) rows are bitwise what [`super::gemm::gemm_fp4`] /
-/// [`super::gemm::gemm_fp8`] give for that x row and that expert's weight ([`RoutedBlocks::Auto`]);
-/// a fast FP4 table runs the tensor-core kernel of [`super::routed_fast`] ([`FastTile::Auto`]).
+/// out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the ones the slots
+/// were laid out for ([`ExpertGroups`]), of the table's format: FP4 and FP8 (32×32 tiles) rows
+/// are bitwise what [`super::gemm::gemm_fp4`] / [`super::gemm::gemm_fp8`] give for that x row
+/// and that expert's weight, whichever [`RoutedBlocks`]; a fast FP4 table runs the tensor-core
+/// kernel of [`super::routed_fast`].
 pub fn gemm_routed(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
@@ -361,38 +522,30 @@ pub fn gemm_routed(
     out: &mut CudaSlice<bf16>,
 ) -> Result<(), KernelError> {
     match table.format {
-        ExpertFormat::Fp4Fast => gemm_fp4_routed_fast_tiled(rt, rows, table, out, FastTile::Auto),
-        ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => {
-            gemm_routed_with(rt, rows, table, out, RoutedBlocks::Auto)
-        }
+        ExpertFormat::Fp4Fast => gemm_fp4_routed_fast(rt, rows, table, out),
+        ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => gemm_routed_block_scaled(rt, rows, table, out),
     }
 }
 
-/// [`gemm_routed`] on an FP4 or FP8 table with an explicit block assignment (the result does not
-/// depend on it).
-pub fn gemm_routed_with(
+/// [`gemm_routed`] on an FP4 or FP8 table: one row per block or the grouped tiles, as the slots
+/// were laid out ([`ExpertGroups::blocks`]).
+fn gemm_routed_block_scaled(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
     out: &mut CudaSlice<bf16>,
-    blocks: RoutedBlocks,
 ) -> Result<(), KernelError> {
     let op = match table.format {
         ExpertFormat::Fp8T32 => "gemm_fp8_routed",
         ExpertFormat::Fp4 | ExpertFormat::Fp4Fast => "gemm_fp4_routed",
     };
     let (m, n, k) = check_routed(op, table.format, rows, table, out)?;
-    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
+    let (x, slots, x_row_div, which) = (rows.x, rows.groups, rows.x_row_div, rows.which);
     if m == 0 {
         return Ok(());
     }
-    let blocks = match blocks {
-        RoutedBlocks::Auto if m <= ROWS_PER_BLOCK_MAX => RoutedBlocks::Rows,
-        RoutedBlocks::Auto => RoutedBlocks::Experts,
-        chosen => chosen,
-    };
-    let per_row = blocks == RoutedBlocks::Rows;
-    let expert_major = blocks == RoutedBlocks::Experts;
+    let per_row = slots.kernels == SlotKernels::Rows;
+    let expert_major = slots.kernels == SlotKernels::Experts;
     // The per-row kernel runs one warp per output column (`gemm_warp_tile`); the tiles kernel
     // (block-tiled) splits K as the dense GEMM does. Measured on the H200: the column-per-warp
     // body is faster for one row and slower for tiles of 8 (real-width MoE at 64 rows 8.2 ->
@@ -433,38 +586,55 @@ pub fn gemm_routed_with(
         ExpertFormat::Fp4Fast => {
             return Err(shape_error(
                 op,
-                "fast FP4 tables take a FastTile (gemm_routed, routed_fast)",
+                "fast FP4 tables run the kernels of routed_fast (gemm_routed)",
             ));
         }
     };
     if per_row {
+        ensure(slots.n_experts == table.n_experts, op, || {
+            format!(
+                "slots over {} experts, a table of {}",
+                slots.n_experts, table.n_experts
+            )
+        })?;
         let cfg = launch_config((params.m, col_blocks, 1), WARPS * 32, 0);
         let mut launch = rt.launcher(rows_kernel)?;
         launch
             .arg(&x.codes)
             .arg(&x.scales)
-            .arg(experts)
+            .arg(slots.experts)
             .arg(&table.addresses)
             .arg(out)
             .arg(&params);
         // SAFETY: signature (const u8* a, const float* sa, const u32* experts, const u64* table,
         // bf16* y, RoutedGemmParams). Block j < m computes output row j, reading x row
-        // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the
-        // table holds 3 * n_experts address pairs of live weights of this shape and format (the
-        // constructors' contract), ids >= n_experts are never looked up; out holds m * n values.
+        // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales) and
+        // experts[j] (experts holds m ids, check_routed); the table holds 3 * n_experts address
+        // pairs of live weights of this shape and format (the constructors' contract), ids >=
+        // n_experts are never looked up; out holds m * n values.
         unsafe { launch.launch(cfg) }?;
         return Ok(());
     }
-    let tile_rows = if expert_major {
-        EXPERT_TILE_ROWS.min(m)
+    let kernels = if expert_major {
+        SlotKernels::Experts
     } else {
-        TILE_ROWS
+        SlotKernels::Tiles
     };
-    let groups = group_rows(rt, op, &experts.slice(..), table.n_experts, tile_rows)?;
+    let groups = slots.groups_for(op, kernels, table)?;
     let (kernel, shared_bytes) = if expert_major {
-        let partials = WARPS * kernel_dim(op, "tile rows", tile_rows)? * EXPERT_PARTIAL_STRIDE;
+        let tile_rows = kernel_dim(op, "tile rows", groups.tile_rows)?;
+        ensure(groups.tile_rows <= EXPERT_TILE_ROWS, op, || {
+            format!(
+                "tiles of {} rows (at most {EXPERT_TILE_ROWS})",
+                groups.tile_rows
+            )
+        })?;
+        let partials = WARPS * tile_rows * EXPERT_PARTIAL_STRIDE;
         (experts_kernel, 4 * partials)
     } else {
+        ensure(groups.tile_rows <= TILE_ROWS, op, || {
+            format!("tiles of {} rows (at most {TILE_ROWS})", groups.tile_rows)
+        })?;
         (tiles_kernel, 0)
     };
     let cfg = launch_config(
@@ -479,20 +649,21 @@ pub fn gemm_routed_with(
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams), both kernels. Blocks
-    // past *tile_count return; a tile holds at most tile_rows rows (for the expert-major kernel
-    // the dynamic shared memory holds WARPS * tile_rows * 33 partials, and it checks column
-    // n < p.n per warp); its rows are output rows < m (order is a permutation of 0..m), each
-    // reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
-    // scales); the table holds 3 * n_experts address pairs of live weights of this shape and
-    // format (the constructors' contract), the bucket of unknown ids is never looked up; out
-    // holds m * n.
+    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams), both kernels. The
+    // groups are those of the m slot ids (check_routed: experts holds m ids) over this table's
+    // n_experts (groups_for). Blocks past *tile_count return; a tile holds at most tile_rows
+    // rows, checked above against the kernel's (for the expert-major kernel the dynamic shared
+    // memory holds WARPS * tile_rows * 33 partials, and it checks column n < p.n per warp); its
+    // rows are output rows < m (order is a permutation of 0..m), each reading x row
+    // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the table
+    // holds 3 * n_experts address pairs of live weights of this shape and format (the
+    // constructors' contract), the bucket of unknown ids is never looked up; out holds m * n.
     unsafe { launch.launch(cfg) }
 }
 
 /// The checks of a routed launch of `format` experts: the table's format, 32-element groups,
-/// `x`'s columns, `x_row_div > 0` and the lengths of `experts` and `out`; gives (m, n, k): output
-/// rows, the projection's out and in features.
+/// `x`'s columns, `x_row_div > 0` and the lengths of the slots' ids and `out`; gives (m, n, k):
+/// output rows, the projection's out and in features.
 pub(super) fn check_routed<T>(
     op: &'static str,
     format: ExpertFormat,
@@ -500,7 +671,7 @@ pub(super) fn check_routed<T>(
     table: &DeviceExpertTable,
     out: &CudaSlice<T>,
 ) -> Result<(usize, usize, usize), KernelError> {
-    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
+    let (x, experts, x_row_div, which) = (rows.x, rows.groups.experts, rows.x_row_div, rows.which);
     ensure(table.format == format, op, || {
         format!("the table holds {:?} experts", table.format)
     })?;
@@ -524,6 +695,7 @@ pub(super) struct RowGroups {
     pub order: CudaSlice<u32>,
     pub tiles: CudaSlice<u32>,
     pub tile_count: CudaSlice<u32>,
+    pub tile_rows: usize,
     pub max_tiles: usize,
 }
 
@@ -586,6 +758,7 @@ pub(super) fn group_rows(
         order,
         tiles,
         tile_count,
+        tile_rows,
         max_tiles,
     })
 }

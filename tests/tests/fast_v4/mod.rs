@@ -53,8 +53,8 @@ use crate::gpu_support::gemm_data::{activations, random_fp4_weight, random_fp8_w
 use crate::gpu_support::{Rng, bf16_unit, differing, prompt};
 use crate::{
     FastMoe, FastWeight, HostWeight, LIMIT, RoutedFast, TILES, assert_within, download_act,
-    exact_output, exact_rows, fast_linear, nudged, random_routes, routed_fast, upload_fp4,
-    upload_fp8,
+    exact_output, exact_rows, fast_linear, nudged, random_routes, routed_fast, slot_groups,
+    upload_fp4, upload_fp8,
 };
 
 /// `rows × cols` float32 activations of a wide dynamic range: [`activations`] (magnitudes 2^-12
@@ -240,18 +240,18 @@ fn run_v4_chain(
     let a = quantise(rt, x, tokens, ActGroup::G32);
     let ids_d = stream.clone_htod(ids).expect("ids");
     let weights_d = stream.clone_htod(route_weights).expect("route weights");
+    let groups = slot_groups(rt, moe, &ids_d, tile);
     let routed = |x: &DeviceActFp8, x_row_div: usize, which: ExpertProjection, width: usize| {
         routed_fast::<f32>(
             rt,
             moe,
-            &ids_d,
+            &groups,
             RoutedFast {
                 x,
                 x_row_div,
                 which,
                 width,
             },
-            tile,
         )
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);

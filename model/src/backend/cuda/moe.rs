@@ -9,12 +9,12 @@
 //! ([`CudaBackend::routed_slots`]) also serves V4's FP4 experts in the fast numerics (`v4.rs`),
 //! with f32 outputs and no bf16 rounding ([`RoutedRow`]).
 
-use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile};
+use deepinfer_kernels::ops::gemm_fast::FastOutput;
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, ExpertRowValue, RoutedRows, gemm_routed,
-    moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, ExpertRowValue, RoutedRows,
+    gemm_routed, moe_combine, swiglu_rows,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
+use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
@@ -47,8 +47,7 @@ impl RoutedRow for bf16 {
 }
 
 impl RoutedRow for f32 {
-    const GEMM: RoutedGemm<f32> =
-        |rt, rows, table, out| gemm_fp4_routed_fast_tiled(rt, rows, table, out, FastTile::Auto);
+    const GEMM: RoutedGemm<f32> = gemm_fp4_routed_fast;
 }
 
 impl CudaBackend {
@@ -197,7 +196,8 @@ impl CudaBackend {
     /// The routed experts of `ids.len()` slots: slot `j` runs expert `ids[j]` of `table` on the
     /// FP8 row `j / x_row_div` of `a` — `w1` and `w3`, SwiGLU weighted by `route_weights[j]`
     /// (rounded at `rounding`), its rows quantised in 32-groups, `w2` — into `[slots, dim]` of
-    /// `T` (bf16: V4.1; f32: V4 in the fast numerics). Each slot is what the dense GEMMs of the
+    /// `T` (bf16: V4.1; f32: V4 in the fast numerics). The slots are grouped by expert once for
+    /// the three routed GEMMs ([`ExpertGroups`]). Each slot is what the dense GEMMs of the
     /// table's numerics give for it, whichever slots run with it.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn routed_slots<T: RoutedRow>(
@@ -212,6 +212,7 @@ impl CudaBackend {
         rounding: Rounding,
     ) -> Result<CudaSlice<T>, CudaBackendError> {
         let (slots, inter, dim) = (ids.len(), table.inter(), table.dim());
+        let groups = ExpertGroups::new(&self.rt, ids, table).map_err(op_err(op))?;
         let routed = |x: &DeviceActFp8,
                       x_row_div: usize,
                       which: ExpertProjection,
@@ -222,7 +223,7 @@ impl CudaBackend {
             let mut out = unsafe { self.alloc_written::<T>(op, slots * width) }?;
             let rows = RoutedRows {
                 x,
-                experts: ids,
+                groups: &groups,
                 x_row_div,
                 which,
             };

@@ -15,9 +15,9 @@
 //! rounding); the shared expert's projections take [`Backend::linear`]'s fast kernels; dense or
 //! FP8 routed experts keep the exact routed linears (no fast grouped kernel reads them).
 
-use deepinfer_kernels::ops::routed::{ExpertProjection, RoutedRows, moe_combine, swiglu_rows};
+use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
 use deepinfer_kernels::ops::routed_exact::{
-    DeviceExactExpertTable, ExactExpertRefs, ExactWeight, gemm_exact_routed,
+    DeviceExactExpertTable, ExactExpertRefs, ExactRoutedRows, ExactWeight, gemm_exact_routed,
 };
 use deepinfer_kernels::ops::v4::{v4_hyper_head_f32, v4_pool_f32};
 
@@ -304,7 +304,7 @@ impl CudaBackend {
             // SAFETY: gemm_exact_routed's reduction writes every (slot, column); every slot row
             // lies in a tile of its partials launch.
             let mut out = unsafe { self.alloc_written(op, slots * width) }?;
-            let rows = RoutedRows {
+            let rows = ExactRoutedRows {
                 x,
                 experts: ids,
                 x_row_div,
