@@ -47,7 +47,7 @@ use deepinfer_kernels::ops::gemm_fast::{
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedRows, moe_combine,
-    swiglu_rows,
+    swiglu_act_quant_fp8,
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 use deepinfer_model::any_model::AnyModel;
@@ -601,18 +601,17 @@ fn run_chain(
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);
     let up = routed(&a, slots / tokens, ExpertProjection::W3, inter);
-    let mut hidden = stream.alloc_zeros::<f32>(slots * inter).expect("alloc");
-    swiglu_rows(
+    let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32).expect("alloc");
+    swiglu_act_quant_fp8(
         rt,
         &gate,
         &up,
         Some(&weights_d),
         LIMIT,
         Rounding::Bf16,
-        &mut hidden,
+        &mut a_hidden,
     )
-    .expect("swiglu");
-    let a_hidden = quantize_act_fp8(rt, &hidden, slots, inter, ActGroup::G32).expect("q h");
+    .expect("swiglu, quantised");
     let routed_out = routed(&a_hidden, 1, ExpertProjection::W2, dim);
 
     let dense = |x: &DeviceActFp8, w: &FastFp8Weight| {
@@ -622,18 +621,17 @@ fn run_chain(
     };
     let [s1, s3, s2] = &moe.shared_device;
     let (s_gate, s_up) = (dense(&a, s1), dense(&a, s3));
-    let mut s_hidden = stream.alloc_zeros::<f32>(tokens * inter).expect("alloc");
-    swiglu_rows(
+    let mut a_shared = DeviceActFp8::alloc(rt, tokens, inter, ActGroup::G32).expect("alloc");
+    swiglu_act_quant_fp8(
         rt,
         &s_gate,
         &s_up,
         None,
         LIMIT,
         Rounding::Bf16,
-        &mut s_hidden,
+        &mut a_shared,
     )
-    .expect("swiglu");
-    let a_shared = quantize_act_fp8(rt, &s_hidden, tokens, inter, ActGroup::G32).expect("q");
+    .expect("swiglu, quantised");
     let shared = dense(&a_shared, s2);
 
     let mut out = stream.alloc_zeros::<f32>(tokens * dim).expect("alloc");

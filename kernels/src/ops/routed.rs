@@ -4,23 +4,24 @@
 //! ([`gemm_routed`] for FP4 and FP8 experts; one row per block for decode, or rows grouped by
 //! expert on the device into tiles of up to 32 rows whose expert's weights are read once, see
 //! [`RoutedBlocks`]; the grouping is made once per MoE call for its three projections, see
-//! [`ExpertGroups`]), the SwiGLU of expert
-//! rows ([`swiglu_rows`]) and the combine of a token's slot outputs with the shared expert
-//! ([`moe_combine`]). Each reproduces `deepinfer_model::layers::moe::forward_rows` bit for bit (see
-//! `cuda/moe/routed.cu`).
+//! [`ExpertGroups`]), the SwiGLU of expert rows quantised for `w2` in the same kernel
+//! ([`swiglu_act_quant_fp8`]; [`swiglu_rows`] keeps f32 rows for V4's exact experts) and the
+//! combine of a token's slot outputs with the shared expert ([`moe_combine`]). Each reproduces
+//! `deepinfer_model::layers::moe::forward_rows` bit for bit (see `cuda/moe/routed.cu`).
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
 use super::gemm_fast::{FastFp4Weight, FastKernels, FastTile};
-use super::quant::DeviceActFp8;
+use super::quant::{ActGroup, DeviceActFp8, ELEMENTS_PER_WARP, WARPS_PER_BLOCK};
 use super::routed_fast::gemm_fp4_routed_fast;
 use super::{
     Rounding, dim as kernel_dim, ensure, expect_len, launch_config, shape_error, whole_rows,
 };
 use crate::error::KernelError;
 use crate::id::KernelId;
+use crate::params::ActQuantParams;
 use crate::runtime::{KernelRuntime, KernelValue, Launch};
 
 /// Rows of one expert per routed-GEMM tile (`routed::TILE_ROWS`).
@@ -45,6 +46,7 @@ const MAX_SLOTS: usize = 64;
 const COMBINE_THREADS: u32 = 256;
 /// Threads per block of the SwiGLU kernel.
 const SWIGLU_THREADS: u32 = 256;
+
 /// Blocks of the SwiGLU kernel at most (it strides over the rest).
 const SWIGLU_MAX_BLOCKS: u32 = 1 << 16;
 
@@ -763,31 +765,76 @@ pub(super) fn group_rows(
     })
 }
 
-/// The element type of the expert rows [`swiglu_rows`] and [`moe_combine`] read: bf16 (the
-/// V4.1 routed GEMMs' outputs) or f32 (V4's exact experts), each with its kernel.
+/// The element type of the expert rows [`swiglu_act_quant_fp8`] and [`moe_combine`] read: bf16
+/// (the V4.1 routed GEMMs' outputs) or f32 (V4's experts), each with its kernel.
 pub trait ExpertRowValue: DeviceRepr {
-    const SWIGLU: KernelId;
+    const SWIGLU_ACT_QUANT: KernelId;
     const COMBINE: KernelId;
 }
 
 impl ExpertRowValue for bf16 {
-    const SWIGLU: KernelId = KernelId::SwigluRowsF32;
+    const SWIGLU_ACT_QUANT: KernelId = KernelId::SwigluActQuantFp8G32;
     const COMBINE: KernelId = KernelId::MoeCombineF32;
 }
 
 impl ExpertRowValue for f32 {
-    const SWIGLU: KernelId = KernelId::SwigluExactRowsF32;
+    const SWIGLU_ACT_QUANT: KernelId = KernelId::SwigluActQuantFp8G32F32;
     const COMBINE: KernelId = KernelId::MoeCombineExactF32;
 }
 
-/// `out[i] = round(weight · g / (1 + exp_f32(-g)) · u)` with `g`, `u` the values `gate[i]`,
+/// The SwiGLU launch of `n` values: the route weights (one per row of `n / weights.len()`
+/// values, or none) checked against `n`, `limit` not NaN; gives the kernel's parameters and
+/// the weights' buffer (a one-element placeholder the kernel does not read without weights).
+fn swiglu_params<'w>(
+    rt: &KernelRuntime,
+    op: &'static str,
+    n: usize,
+    route_weights: Option<&'w CudaSlice<f32>>,
+    limit: f32,
+    rounding: Rounding,
+    placeholder: &'w mut Option<CudaSlice<f32>>,
+) -> Result<(SwigluParams, &'w CudaSlice<f32>), KernelError> {
+    let inter = match route_weights {
+        Some(w) if w.is_empty() && n == 0 => 1,
+        Some(w) if w.is_empty() || !n.is_multiple_of(w.len()) => {
+            return Err(shape_error(
+                op,
+                format!("{n} values are not whole rows of {} route weights", w.len()),
+            ));
+        }
+        Some(w) => n / w.len(),
+        None => n.max(1),
+    };
+    ensure(!limit.is_nan(), op, || "the SwiGLU limit is NaN")?;
+    let params = SwigluParams {
+        n: kernel_dim(op, "values", n)?,
+        inter: kernel_dim(op, "inter", inter)?,
+        has_weights: u32::from(route_weights.is_some()),
+        limit,
+        round_bf16: rounding.flag(),
+    };
+    let weights = match route_weights {
+        Some(w) => w,
+        None => {
+            // SAFETY: never read (has_weights = 0).
+            let one = unsafe { rt.alloc_written::<f32>(1) }.map_err(KernelError::driver(
+                "allocating the route-weight placeholder",
+            ))?;
+            placeholder.insert(one)
+        }
+    };
+    Ok((params, weights))
+}
+
+/// `out[i] = round(weight · g / (1 + exp_f32(-g)) · u)` with `g`, `u` the f32 values `gate[i]`,
 /// `up[i]` clamped as `layers::moe::expert` does when `limit > 0` (`g.min(limit)`,
 /// `u.clamp(-limit, limit)`); `weight` is `route_weights[i / inter]` with `inter = len /
-/// route_weights.len()` (one weight per row), or 1 (no multiplication) without weights.
-pub fn swiglu_rows<T: ExpertRowValue>(
+/// route_weights.len()` (one weight per row), or 1 (no multiplication) without weights. V4's
+/// exact experts (unquantised hidden rows); the quantised experts take [`swiglu_act_quant_fp8`].
+pub fn swiglu_rows(
     rt: &KernelRuntime,
-    gate: &CudaSlice<T>,
-    up: &CudaSlice<T>,
+    gate: &CudaSlice<f32>,
+    up: &CudaSlice<f32>,
     route_weights: Option<&CudaSlice<f32>>,
     limit: f32,
     rounding: Rounding,
@@ -797,40 +844,12 @@ pub fn swiglu_rows<T: ExpertRowValue>(
     let n = gate.len();
     expect_len(OP, "up", up.len(), n)?;
     expect_len(OP, "out", out.len(), n)?;
-    let inter = match route_weights {
-        Some(w) if w.is_empty() && n == 0 => 1,
-        Some(w) if w.is_empty() || !n.is_multiple_of(w.len()) => {
-            return Err(shape_error(
-                OP,
-                format!("{n} values are not whole rows of {} route weights", w.len()),
-            ));
-        }
-        Some(w) => n / w.len(),
-        None => n.max(1),
-    };
-    ensure(!limit.is_nan(), OP, || "the SwiGLU limit is NaN")?;
+    let mut placeholder = None;
+    let (params, weights) =
+        swiglu_params(rt, OP, n, route_weights, limit, rounding, &mut placeholder)?;
     if n == 0 {
         return Ok(());
     }
-    let params = SwigluParams {
-        n: kernel_dim(OP, "values", n)?,
-        inter: kernel_dim(OP, "inter", inter)?,
-        has_weights: u32::from(route_weights.is_some()),
-        limit,
-        round_bf16: rounding.flag(),
-    };
-    // The route weights, or a one-element placeholder the kernel does not read.
-    let placeholder;
-    let weights = match route_weights {
-        Some(w) => w,
-        None => {
-            // SAFETY: never read (has_weights = 0).
-            placeholder = unsafe { rt.alloc_written::<f32>(1) }.map_err(KernelError::driver(
-                "allocating the route-weight placeholder",
-            ))?;
-            &placeholder
-        }
-    };
     let cfg = launch_config(
         (
             params.n.div_ceil(SWIGLU_THREADS).min(SWIGLU_MAX_BLOCKS),
@@ -840,11 +859,70 @@ pub fn swiglu_rows<T: ExpertRowValue>(
         SWIGLU_THREADS,
         0,
     );
-    let mut launch = rt.launcher(T::SWIGLU)?;
+    let mut launch = rt.launcher(KernelId::SwigluExactRowsF32)?;
     launch.arg(gate).arg(up).arg(weights).arg(out).arg(&params);
-    // SAFETY: signature (const T* gate, const T* up, const float* weights, float* out,
+    // SAFETY: signature (const float* gate, const float* up, const float* weights, float* out,
     // SwigluParams); gate, up and out hold n values; with has_weights the kernel reads
     // weights[i / inter] < n / inter = weights.len().
+    unsafe { launch.launch(cfg) }
+}
+
+/// The SwiGLU values of [`swiglu_rows`] (`gate`, `up` bf16 or f32 `[out.rows, out.cols]`,
+/// `route_weights` one per row or none) quantised into `out` (FP8, 32-groups) in the same
+/// kernel, with no f32 hidden rows in memory: bitwise what [`swiglu_rows`] then
+/// [`super::quant::quantize_act_fp8_into`] of its f32 rows give (the same operations on the
+/// same values).
+pub fn swiglu_act_quant_fp8<T: ExpertRowValue>(
+    rt: &KernelRuntime,
+    gate: &CudaSlice<T>,
+    up: &CudaSlice<T>,
+    route_weights: Option<&CudaSlice<f32>>,
+    limit: f32,
+    rounding: Rounding,
+    out: &mut DeviceActFp8,
+) -> Result<(), KernelError> {
+    const OP: &str = "swiglu_act_quant_fp8";
+    out.group.require_g32(OP, "SwiGLU rows")?;
+    let n = out.rows * out.cols;
+    expect_len(OP, "gate", gate.len(), n)?;
+    expect_len(OP, "up", up.len(), n)?;
+    expect_len(OP, "codes", out.codes.len(), n)?;
+    expect_len(OP, "scales", out.scales.len(), n / ActGroup::G32.elements())?;
+    if let Some(w) = route_weights {
+        expect_len(OP, "route weights", w.len(), out.rows)?;
+    }
+    let mut placeholder = None;
+    let (params, weights) =
+        swiglu_params(rt, OP, n, route_weights, limit, rounding, &mut placeholder)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let quant = ActQuantParams {
+        rows: kernel_dim(OP, "rows", out.rows)?,
+        cols: kernel_dim(OP, "cols", out.cols)?,
+    };
+    // The quantiser's grid: a warp per 128 elements (act_quant_fp8's).
+    let warps = kernel_dim(OP, "warps", n.div_ceil(ELEMENTS_PER_WARP))?;
+    let cfg = launch_config(
+        (warps.div_ceil(WARPS_PER_BLOCK), 1, 1),
+        WARPS_PER_BLOCK * 32,
+        0,
+    );
+    let mut launch = rt.launcher(T::SWIGLU_ACT_QUANT)?;
+    launch
+        .arg(gate)
+        .arg(up)
+        .arg(weights)
+        .arg(&mut out.codes)
+        .arg(&mut out.scales)
+        .arg(&params)
+        .arg(&quant);
+    // SAFETY: signature (const T* gate, const T* up, const float* weights, u8* codes,
+    // float* scales, SwigluParams, ActQuantParams), `T::SWIGLU_ACT_QUANT` the build reading T.
+    // gate, up and codes hold n = rows * cols values, scales n / 32 (cols is a multiple of 32,
+    // DeviceActFp8's contract); the grid covers every element with warps of 128 (the kernel
+    // returns from warps past the end and writes no group past it); with has_weights the kernel
+    // reads weights[i / inter], inter = cols, < rows = weights.len().
     unsafe { launch.launch(cfg) }
 }
 
@@ -955,6 +1033,15 @@ mod tests {
         assert!(SOURCE.contains(&format!("GROUP_THREADS = {GROUP_THREADS};")));
         assert!(SOURCE.contains(&format!("MAX_SLOTS = {MAX_SLOTS};")));
         assert!(SOURCE.contains(&format!("COMBINE_THREADS = {COMBINE_THREADS};")));
+    }
+
+    #[test]
+    fn the_swiglu_quantiser_takes_the_act_quant_layout() {
+        let act_quant = include_str!("../../cuda/quant/act_quant.cuh");
+        assert!(act_quant.contains("ACT_QUANT_PER_LANE = 4;"));
+        assert!(act_quant.contains("ACT_QUANT_PER_WARP = 32 * ACT_QUANT_PER_LANE;"));
+        assert_eq!(ELEMENTS_PER_WARP, 128);
+        assert!(SOURCE.contains("act_quant_lane<32>(v, valid, base, codes, scales);"));
     }
 
     #[test]

@@ -38,7 +38,9 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm_fast::{FastOutput, FastTile, gemm_fp8_fast, k_parts};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
-use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
+use deepinfer_kernels::ops::routed::{
+    ExpertProjection, moe_combine, swiglu_act_quant_fp8, swiglu_rows,
+};
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -256,10 +258,10 @@ fn run_v4_chain(
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);
     let up = routed(&a, slots / tokens, ExpertProjection::W3, inter);
-    let mut hidden = stream.alloc_zeros::<f32>(slots * inter).expect("alloc");
+    let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32).expect("alloc");
     let weights = Some(&weights_d);
-    swiglu_rows(rt, &gate, &up, weights, LIMIT, Rounding::F32, &mut hidden).expect("swiglu");
-    let a_hidden = quantize_act_fp8(rt, &hidden, slots, inter, ActGroup::G32).expect("q h");
+    swiglu_act_quant_fp8(rt, &gate, &up, weights, LIMIT, Rounding::F32, &mut a_hidden)
+        .expect("swiglu, quantised");
     let routed_out = routed(&a_hidden, 1, ExpertProjection::W2, dim);
 
     let dense = |x: &DeviceActFp8, i: usize| {

@@ -32,12 +32,10 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, FastOutput, gemm_fp8_fast};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
-use deepinfer_kernels::ops::quant::{
-    ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_into,
-};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedRows, gemm_routed,
-    swiglu_rows,
+    swiglu_act_quant_fp8,
 };
 use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
@@ -327,7 +325,6 @@ fn bench_routed_chain<W>(
     let route_weights = stream.clone_htod(&vec![1.0f32 / ROUTED_TOP_K as f32; slots])?;
     let mut gate = stream.alloc_zeros::<bf16>(slots * inter)?;
     let mut up = stream.alloc_zeros::<bf16>(slots * inter)?;
-    let mut hidden = stream.alloc_zeros::<f32>(slots * inter)?;
     let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32)?;
     let mut out = stream.alloc_zeros::<bf16>(slots * dim)?;
     let table = &experts.table;
@@ -353,16 +350,15 @@ fn bench_routed_chain<W>(
         ] {
             routed(&a, &groups, ROUTED_TOP_K, which, y)?;
         }
-        swiglu_rows(
+        swiglu_act_quant_fp8(
             rt,
             &gate,
             &up,
             Some(&route_weights),
             10.0,
             Rounding::Bf16,
-            &mut hidden,
+            &mut a_hidden,
         )?;
-        quantize_act_fp8_into(rt, &hidden, &mut a_hidden)?;
         routed(&a_hidden, &groups, 1, ExpertProjection::W2, &mut out)?;
         Ok(())
     })?;

@@ -313,8 +313,21 @@ impl CudaBackend {
             gemm_exact_routed(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
-        let gate_up = |which| routed(x, x_row_div, which, inter);
-        let hidden = self.routed_swiglu(op, gate_up, route_weights, (limit, Rounding::F32))?;
+        let gate = routed(x, x_row_div, ExpertProjection::W1, inter)?;
+        let up = routed(x, x_row_div, ExpertProjection::W3, inter)?;
+        // SAFETY: swiglu_rows's grid-stride loop writes every value.
+        let mut hidden = unsafe { self.alloc_written(op, gate.len()) }?;
+        let weights = Some(route_weights);
+        swiglu_rows(
+            &self.rt,
+            &gate,
+            &up,
+            weights,
+            limit,
+            Rounding::F32,
+            &mut hidden,
+        )
+        .map_err(op_err(op))?;
         routed(&hidden, 1, ExpertProjection::W2, dim)
     }
 
