@@ -150,7 +150,7 @@ pub enum ExpertFormat {
     /// FP8 E4M3 with 32×32 UE8M0 tiles ([`DeviceFp8Weight`] of tile 32).
     Fp8T32,
     /// FP4 E2M1 laid out for the `fast` tensor-core GEMM ([`FastFp4Weight`]; launched by
-    /// [`super::routed_fast::gemm_fp4_routed_fast_tiled`]).
+    /// [`super::routed_fast::gemm_fp4_routed_fast`]).
     Fp4Fast,
 }
 
