@@ -919,7 +919,8 @@ pub fn swiglu_act_quant_fp8<T: ExpertRowValue>(
         .arg(&quant);
     // SAFETY: signature (const T* gate, const T* up, const float* weights, u8* codes,
     // float* scales, SwigluParams, ActQuantParams), `T::SWIGLU_ACT_QUANT` the build reading T.
-    // gate, up and codes hold n = rows * cols values, scales n / 32 (cols is a multiple of 32,
+    // gate, up and codes hold n = rows * cols values (whole allocations: the lanes' 4-element
+    // loads at multiples of 4 are aligned), scales n / 32 (cols is a multiple of 32,
     // DeviceActFp8's contract); the grid covers every element with warps of 128 (the kernel
     // returns from warps past the end and writes no group past it); with has_weights the kernel
     // reads weights[i / inter], inter = cols, < rows = weights.len().
