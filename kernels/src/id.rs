@@ -292,14 +292,18 @@ pub enum KernelId {
     GemmFp4RoutedExpertsG32,
     /// Routed-expert FP8 GEMM (32x32 weight tiles), one warp per column over tiles of one expert.
     GemmFp8T32RoutedExpertsG32,
-    /// SwiGLU of routed/shared expert rows with clamps and route weights, f32 output.
-    SwigluRowsF32,
+    /// SwiGLU of routed/shared expert rows (bf16 gate/up) with clamps and route weights,
+    /// quantised to FP8 in 32-groups in the same kernel (the `w2` GEMM's activations).
+    SwigluActQuantFp8G32,
+    /// [`KernelId::SwigluActQuantFp8G32`] over f32 gate/up rows (V4's experts, fast numerics).
+    SwigluActQuantFp8G32F32,
     /// MoE combine: slot outputs in increasing expert id, then the shared expert, one rounding.
     MoeCombineF32,
     /// Exact fp32 routed-expert linear (V4: dense/FP8/FP4 weights dequantised exactly), the
     /// sgemm-order block partials of tiles of one expert (reduced by `LinearSgemmReduceF32`).
     GemmExactRoutedPartialsF32,
-    /// [`KernelId::SwigluRowsF32`] over f32 gate/up rows.
+    /// SwiGLU of f32 gate/up rows with clamps and route weights, f32 output (V4's exact
+    /// experts and shared expert, unquantised).
     SwigluExactRowsF32,
     /// [`KernelId::MoeCombineF32`] over f32 slot and shared outputs.
     MoeCombineExactF32,
@@ -326,7 +330,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 98] = [
+    pub const ALL: [KernelId; 99] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -410,7 +414,8 @@ impl KernelId {
         KernelId::GemmFp8T32RoutedTilesG32,
         KernelId::GemmFp4RoutedExpertsG32,
         KernelId::GemmFp8T32RoutedExpertsG32,
-        KernelId::SwigluRowsF32,
+        KernelId::SwigluActQuantFp8G32,
+        KernelId::SwigluActQuantFp8G32F32,
         KernelId::MoeCombineF32,
         KernelId::GemmExactRoutedPartialsF32,
         KernelId::SwigluExactRowsF32,
@@ -515,7 +520,8 @@ impl KernelId {
             KernelId::GemmFp8T32RoutedTilesG32 => "gemm_fp8_t32_routed_tiles_g32_bf16",
             KernelId::GemmFp4RoutedExpertsG32 => "gemm_fp4_routed_experts_g32_bf16",
             KernelId::GemmFp8T32RoutedExpertsG32 => "gemm_fp8_t32_routed_experts_g32_bf16",
-            KernelId::SwigluRowsF32 => "swiglu_rows_f32",
+            KernelId::SwigluActQuantFp8G32 => "swiglu_act_quant_fp8_g32_bf16",
+            KernelId::SwigluActQuantFp8G32F32 => "swiglu_act_quant_fp8_g32_f32",
             KernelId::MoeCombineF32 => "moe_combine_f32",
             KernelId::GemmExactRoutedPartialsF32 => "gemm_exact_routed_partials_f32",
             KernelId::SwigluExactRowsF32 => "swiglu_exact_rows_f32",
@@ -638,7 +644,8 @@ impl KernelId {
             | KernelId::GemmFp8T32RoutedTilesG32
             | KernelId::GemmFp4RoutedExpertsG32
             | KernelId::GemmFp8T32RoutedExpertsG32
-            | KernelId::SwigluRowsF32
+            | KernelId::SwigluActQuantFp8G32
+            | KernelId::SwigluActQuantFp8G32F32
             | KernelId::MoeCombineF32
             | KernelId::GemmExactRoutedPartialsF32
             | KernelId::SwigluExactRowsF32

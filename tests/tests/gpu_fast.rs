@@ -46,9 +46,10 @@ use deepinfer_kernels::ops::gemm_fast::{
 };
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedRows, moe_combine,
+    swiglu_act_quant_fp8,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
+use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -508,14 +509,13 @@ struct RoutedFast<'a> {
     width: usize,
 }
 
-/// [`RoutedFast`] of `moe`'s FP4 experts on the slots' expert ids `ids` with `tile`, its outputs
-/// `T` (bf16 for V4.1, f32 for V4).
+/// [`RoutedFast`] of `moe`'s FP4 experts on the slots `groups` (their expert ids grouped for a
+/// tile, [`slot_groups`]), its outputs `T` (bf16 for V4.1, f32 for V4).
 fn routed_fast<T: DeviceRepr + ValidAsZeroBits>(
     rt: &KernelRuntime,
     moe: &FastMoe,
-    ids: &CudaSlice<u32>,
+    groups: &ExpertGroups<'_>,
     projection: RoutedFast<'_>,
-    tile: FastTile,
 ) -> CudaSlice<T>
 where
     CudaSlice<T>: FastOutput,
@@ -528,16 +528,27 @@ where
     } = projection;
     let mut out = rt
         .stream()
-        .alloc_zeros::<T>(ids.len() * width)
+        .alloc_zeros::<T>(groups.experts().len() * width)
         .expect("alloc");
     let rows = RoutedRows {
         x,
-        experts: ids,
+        groups,
         x_row_div,
         which,
     };
-    gemm_fp4_routed_fast_tiled(rt, rows, &moe.table, &mut out, tile).expect("gemm_fp4_routed_fast");
+    gemm_fp4_routed_fast(rt, rows, &moe.table, &mut out).expect("gemm_fp4_routed_fast");
     out
+}
+
+/// The slots `ids` of `moe`'s experts grouped for the routed kernel of `tile`, once for a
+/// chain's three routed projections (as `moe_rows` groups them).
+fn slot_groups<'a>(
+    rt: &KernelRuntime,
+    moe: &FastMoe,
+    ids: &'a CudaSlice<u32>,
+    tile: FastTile,
+) -> ExpertGroups<'a> {
+    ExpertGroups::fast(rt, ids, &moe.table, tile).expect("group slots")
 }
 
 /// The MoE chain of `CudaBackend::moe_rows` in fast numerics on `tokens` rows `x` with the
@@ -559,34 +570,33 @@ fn run_chain(
     let a = quantize_act_fp8(rt, &upload_bf16(rt, x), tokens, dim, ActGroup::G32).expect("q x");
     let ids_d = stream.clone_htod(ids).expect("ids");
     let weights_d = stream.clone_htod(route_weights).expect("route weights");
+    let groups = slot_groups(rt, moe, &ids_d, tile);
     let routed = |x: &DeviceActFp8, x_row_div: usize, which: ExpertProjection, width: usize| {
         routed_fast::<bf16>(
             rt,
             moe,
-            &ids_d,
+            &groups,
             RoutedFast {
                 x,
                 x_row_div,
                 which,
                 width,
             },
-            tile,
         )
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);
     let up = routed(&a, slots / tokens, ExpertProjection::W3, inter);
-    let mut hidden = stream.alloc_zeros::<f32>(slots * inter).expect("alloc");
-    swiglu_rows(
+    let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32).expect("alloc");
+    swiglu_act_quant_fp8(
         rt,
         &gate,
         &up,
         Some(&weights_d),
         LIMIT,
         Rounding::Bf16,
-        &mut hidden,
+        &mut a_hidden,
     )
-    .expect("swiglu");
-    let a_hidden = quantize_act_fp8(rt, &hidden, slots, inter, ActGroup::G32).expect("q h");
+    .expect("swiglu, quantised");
     let routed_out = routed(&a_hidden, 1, ExpertProjection::W2, dim);
 
     let dense = |x: &DeviceActFp8, w: &FastFp8Weight| {
@@ -596,18 +606,17 @@ fn run_chain(
     };
     let [s1, s3, s2] = &moe.shared_device;
     let (s_gate, s_up) = (dense(&a, s1), dense(&a, s3));
-    let mut s_hidden = stream.alloc_zeros::<f32>(tokens * inter).expect("alloc");
-    swiglu_rows(
+    let mut a_shared = DeviceActFp8::alloc(rt, tokens, inter, ActGroup::G32).expect("alloc");
+    swiglu_act_quant_fp8(
         rt,
         &s_gate,
         &s_up,
         None,
         LIMIT,
         Rounding::Bf16,
-        &mut s_hidden,
+        &mut a_shared,
     )
-    .expect("swiglu");
-    let a_shared = quantize_act_fp8(rt, &s_hidden, tokens, inter, ActGroup::G32).expect("q");
+    .expect("swiglu, quantised");
     let shared = dense(&a_shared, s2);
 
     let mut out = stream.alloc_zeros::<f32>(tokens * dim).expect("alloc");

@@ -18,6 +18,10 @@
 //!   at chosen groups, so that any other order of a column's additions changes the output
 //!   (a bf16 output hides most fp32 order changes; these do not).
 //! - FP8 experts through the same routed GEMM, row for row against `quant::gemm_fp8`.
+//! - The SwiGLU quantiser (`swiglu_act_quant_fp8`: SwiGLU and the FP8 quantisation of `w2`'s
+//!   activations in one kernel) against the host SwiGLU then `quant::quantize_act_fp8`, codes and
+//!   scales bitwise, bf16 and f32 rows, on zero groups, signed zeros, clamps, subnormal values
+//!   under the 1e-4 floor and wide groups.
 //! - Extreme activations (`fp4_gemms_are_exact_on_extreme_activations`): the FP4 group sum
 //!   (two FMA accumulators split by activation magnitude, gemm_block_scaled.cuh's `fp4_dot`) on
 //!   E4M3 maxima ±448, subnormals, values around the split point, mixed signs and cancelling
@@ -56,8 +60,8 @@ use deepinfer_kernels::ops::gemm::{
 use deepinfer_kernels::ops::moe::{Selection, route_experts_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_into};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows, gemm_routed_with,
-    moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows,
+    gemm_routed, moe_combine, swiglu_act_quant_fp8,
 };
 use deepinfer_model::backend::{Backend, CpuBackend, ExpertSelection, Precision, Routing};
 use deepinfer_model::quant;
@@ -304,12 +308,10 @@ struct DeviceMoe {
     weights: CudaSlice<f32>,
     gate: CudaSlice<bf16>,
     up: CudaSlice<bf16>,
-    hidden: CudaSlice<f32>,
     qh: DeviceActFp8,
     routed: CudaSlice<bf16>,
     shared_gate: CudaSlice<bf16>,
     shared_up: CudaSlice<bf16>,
-    shared_hidden: CudaSlice<f32>,
     shared_qh: DeviceActFp8,
     shared_out: CudaSlice<bf16>,
     y: CudaSlice<f32>,
@@ -358,12 +360,10 @@ impl DeviceMoe {
             weights: s.alloc_zeros(m).expect("weights"),
             gate: nan_bf16(rt, m * inter),
             up: nan_bf16(rt, m * inter),
-            hidden: s.alloc_zeros(m * inter).expect("hidden"),
             qh: DeviceActFp8::alloc(rt, m, inter, ActGroup::G32).expect("qh"),
             routed: nan_bf16(rt, m * dim),
             shared_gate: s.alloc_zeros(rows * shared_inter).expect("shared gate"),
             shared_up: s.alloc_zeros(rows * shared_inter).expect("shared up"),
-            shared_hidden: s.alloc_zeros(rows * shared_inter).expect("shared hidden"),
             shared_qh: DeviceActFp8::alloc(rt, rows, shared_inter, ActGroup::G32)
                 .expect("shared qh"),
             shared_out: s.alloc_zeros(rows * dim).expect("shared out"),
@@ -401,70 +401,67 @@ impl DeviceMoe {
         assert_eq!(shared.w1.out, self.shared_inter);
         quantize_act_fp8_into(rt, &self.x, &mut self.qx).expect("quantise x");
         let k = self.k;
-        gemm_routed_with(
+        // Grouped once for the three routed GEMMs, as `moe_rows` does.
+        let groups =
+            ExpertGroups::blocks(rt, &self.experts, table, self.blocks).expect("group slots");
+        gemm_routed(
             rt,
             RoutedRows {
                 x: &self.qx,
-                experts: &self.experts,
+                groups: &groups,
                 x_row_div: k,
                 which: ExpertProjection::W1,
             },
             table,
             &mut self.gate,
-            self.blocks,
         )
         .expect("routed w1");
-        gemm_routed_with(
+        gemm_routed(
             rt,
             RoutedRows {
                 x: &self.qx,
-                experts: &self.experts,
+                groups: &groups,
                 x_row_div: k,
                 which: ExpertProjection::W3,
             },
             table,
             &mut self.up,
-            self.blocks,
         )
         .expect("routed w3");
-        swiglu_rows(
+        swiglu_act_quant_fp8(
             rt,
             &self.gate,
             &self.up,
             Some(&self.weights),
             limit,
             rounding,
-            &mut self.hidden,
+            &mut self.qh,
         )
-        .expect("routed swiglu");
-        quantize_act_fp8_into(rt, &self.hidden, &mut self.qh).expect("quantise hidden");
-        gemm_routed_with(
+        .expect("routed swiglu, quantised");
+        gemm_routed(
             rt,
             RoutedRows {
                 x: &self.qh,
-                experts: &self.experts,
+                groups: &groups,
                 x_row_div: 1,
                 which: ExpertProjection::W2,
             },
             table,
             &mut self.routed,
-            self.blocks,
         )
         .expect("routed w2");
         gemm_fp8(rt, &self.qx, &shared.w1, &mut self.shared_gate).expect("shared w1");
         gemm_fp8(rt, &self.qx, &shared.w3, &mut self.shared_up).expect("shared w3");
-        swiglu_rows(
+        swiglu_act_quant_fp8(
             rt,
             &self.shared_gate,
             &self.shared_up,
             None,
             limit,
             rounding,
-            &mut self.shared_hidden,
+            &mut self.shared_qh,
         )
-        .expect("shared swiglu");
-        quantize_act_fp8_into(rt, &self.shared_hidden, &mut self.shared_qh)
-            .expect("quantise shared hidden");
+        .expect("shared swiglu, quantised");
         gemm_fp8(rt, &self.shared_qh, &shared.w2, &mut self.shared_out).expect("shared w2");
         moe_combine(
             rt,
@@ -591,6 +588,133 @@ impl Layer {
             .map(|e| &self.host[e % self.host.len()])
             .collect()
     }
+}
+
+/// A gate or up value of magnitude class `class` (one per 32-group of the hidden rows), rounded
+/// to bf16 when `bf16`: zeros; gates below -104 (exp_f32 overflows: the value is a signed zero);
+/// beyond the clamp of 10; near bf16's smallest (subnormal hidden values under the 1e-4 floor);
+/// the usual 2^-8 .. 2^4; a group spanning 2^-24 .. 2^8 (codes down to zero); large (2^10 ..
+/// 2^20); negative gates (small sigmoids).
+fn swiglu_input(rng: &mut Rng, class: usize, gate: bool, bf16: bool) -> f32 {
+    let sign = if rng.below(2) == 0 { -1.0 } else { 1.0 };
+    let unit = 0.5 + 0.5 * rng.uniform().abs();
+    let magnitude = |rng: &mut Rng, lo: i32, hi: i32| {
+        unit * 2f32.powi(lo + rng.below((hi - lo + 1) as u64) as i32)
+    };
+    let v = match class {
+        0 => 0.0,
+        1 if gate => -(104.5 + 64.0 * unit),
+        2 => sign * (10.0 + 30.0 * unit),
+        3 => sign * magnitude(rng, -66, -60),
+        4 | 1 => sign * magnitude(rng, -8, 4),
+        5 => sign * magnitude(rng, -24, 8),
+        6 => sign * magnitude(rng, 10, 20),
+        _ if gate => -magnitude(rng, -2, 4),
+        _ => sign * magnitude(rng, -4, 2),
+    };
+    if bf16 { quant::round_bf16(v) } else { v }
+}
+
+/// The SwiGLU quantiser (`swiglu_act_quant_fp8`, one kernel) against the host: the hidden values
+/// of `layers::moe::expert` (clamps, `quant::exp_f32`, the route weight, the rounding) quantised
+/// by `quant::quantize_act_fp8` in 32-groups, codes and scales bitwise — what `swiglu_rows` then
+/// `quantize_act_fp8` gave. bf16 and f32 gate/up rows, route weights or none, clamp on and off,
+/// both roundings, on [`swiglu_input`]'s classes, 5 rows of 96 (the last warp holds 96 of its 128
+/// values).
+#[test]
+fn swiglu_quantiser_matches_the_cpu_bitwise() {
+    let rt = runtime("swiglu_quantiser_matches_the_cpu_bitwise");
+    let mut rng = Rng(29);
+    let (rows, inter) = (5usize, 96usize);
+    let n = rows * inter;
+    let s = rt.stream();
+    let (mut checked, mut floors, mut negative_zeros, mut clamped) = (0, 0, 0, 0);
+    for bf16_rows in [true, false] {
+        let inputs = |rng: &mut Rng, gate: bool| -> Vec<f32> {
+            (0..n)
+                .map(|i| swiglu_input(rng, (i / 32) % 8, gate, bf16_rows))
+                .collect()
+        };
+        let (gate, up) = (inputs(&mut rng, true), inputs(&mut rng, false));
+        let route_weights: Vec<f32> = (0..rows)
+            .map(|_| 0.05 + 0.95 * rng.uniform().abs())
+            .collect();
+        let d_weights = s.clone_htod(&route_weights).expect("route weights");
+        for (limit, rounding, weighted) in [
+            (10.0f32, Rounding::Bf16, true),
+            (0.0, Rounding::Bf16, false),
+            (10.0, Rounding::F32, false),
+            (0.0, Rounding::F32, true),
+        ] {
+            let what = format!(
+                "{} rows, limit {limit}, {rounding:?}, weighted {weighted}",
+                if bf16_rows { "bf16" } else { "f32" }
+            );
+            let precision = precision_of(rounding);
+            let hidden: Vec<f32> = gate
+                .iter()
+                .zip(&up)
+                .enumerate()
+                .map(|(i, (&g, &u))| {
+                    let (g, u) = if limit > 0.0 {
+                        clamped += usize::from(g > limit);
+                        (g.min(limit), u.clamp(-limit, limit))
+                    } else {
+                        (g, u)
+                    };
+                    let a = g / (1.0 + quant::exp_f32(-g)) * u;
+                    let weight = weighted.then(|| route_weights[i / inter]);
+                    precision.round(weight.map_or(a, |w| w * a))
+                })
+                .collect();
+            negative_zeros += hidden.iter().filter(|v| v.to_bits() == 0x8000_0000).count();
+            floors += hidden
+                .chunks_exact(32)
+                .filter(|g| g.iter().all(|v| v.abs() < 1e-4))
+                .count();
+            let (want_codes, want_scales) = quant::quantize_act_fp8(&hidden, 32);
+            let mut q = DeviceActFp8::alloc(&rt, rows, inter, ActGroup::G32).expect("alloc");
+            let weights = weighted.then_some(&d_weights);
+            if bf16_rows {
+                let upload = |v: &[f32]| {
+                    s.clone_htod(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())
+                        .expect("upload")
+                };
+                let (dg, du) = (upload(&gate), upload(&up));
+                swiglu_act_quant_fp8(&rt, &dg, &du, weights, limit, rounding, &mut q)
+            } else {
+                let (dg, du) = (
+                    s.clone_htod(&gate).expect("gate"),
+                    s.clone_htod(&up).expect("up"),
+                );
+                swiglu_act_quant_fp8(&rt, &dg, &du, weights, limit, rounding, &mut q)
+            }
+            .expect("swiglu_act_quant_fp8");
+            let codes = s.clone_dtoh(&q.codes).expect("codes");
+            let scales = s.clone_dtoh(&q.scales).expect("scales");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(&scales), bits(&want_scales), "{what}: scales");
+            for (i, (c, w)) in codes.iter().zip(&want_codes).enumerate() {
+                assert_eq!(
+                    c,
+                    w,
+                    "{what}: code {i} (hidden {:e}, scale {:e})",
+                    hidden[i],
+                    want_scales[i / 32]
+                );
+            }
+            assert_eq!(codes.len(), want_codes.len());
+            checked += codes.len();
+        }
+    }
+    assert!(
+        floors > 0 && negative_zeros > 0 && clamped > 0,
+        "edges not reached: {floors} floor groups, {negative_zeros} -0 values, {clamped} clamps"
+    );
+    println!(
+        "SwiGLU quantiser: {checked} codes (and their scales) bitwise the host's; {floors} groups \
+         at the 1e-4 floor, {negative_zeros} hidden -0 values, {clamped} gates clamped"
+    );
 }
 
 #[test]
@@ -757,17 +881,17 @@ fn routed_fp8_gemm_matches_the_cpu_rows() {
         RoutedBlocks::Experts,
     ] {
         let mut out = nan_bf16(&rt, rows * k * inter);
-        gemm_routed_with(
+        let groups = ExpertGroups::blocks(&rt, &d_ids, &table, blocks).expect("group slots");
+        gemm_routed(
             &rt,
             RoutedRows {
                 x: &qx,
-                experts: &d_ids,
+                groups: &groups,
                 x_row_div: k,
                 which: ExpertProjection::W3,
             },
             &table,
             &mut out,
-            blocks,
         )
         .expect("fp8");
         let gpu: Vec<f32> = s
@@ -896,17 +1020,18 @@ fn time_routed_w1(
     iterations: usize,
 ) -> f64 {
     let launch = |moe: &mut DeviceMoe| {
-        gemm_routed_with(
+        let groups =
+            ExpertGroups::blocks(rt, &moe.experts, table, moe.blocks).expect("group slots");
+        gemm_routed(
             rt,
             RoutedRows {
                 x: &moe.qx,
-                experts: &moe.experts,
+                groups: &groups,
                 x_row_div: moe.k,
                 which: ExpertProjection::W1,
             },
             table,
             &mut moe.gate,
-            moe.blocks,
         )
         .expect("routed w1");
     };
@@ -1051,17 +1176,17 @@ fn assert_routed_w1_rows(
         RoutedBlocks::Experts,
     ] {
         let mut out = nan_bf16(rt, outputs);
-        gemm_routed_with(
+        let groups = ExpertGroups::blocks(rt, &ids, &table, blocks).expect("group slots");
+        gemm_routed(
             rt,
             RoutedRows {
                 x: qx,
-                experts: &ids,
+                groups: &groups,
                 x_row_div: slots,
                 which: ExpertProjection::W1,
             },
             &table,
             &mut out,
-            blocks,
         )
         .expect("routed w1");
         let gpu: Vec<f32> = rt

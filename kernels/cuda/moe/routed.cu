@@ -18,8 +18,11 @@
 //   of one expert, 32 columns, sgemm chain of K): linear_sgemm's FMA chains with the tile's expert
 //   weights; linear_sgemm_reduce adds the chain partials in the CPU's pairwise tree, so every
 //   row is bitwise what the fp32 linear gives for it.
-// - swiglu_rows_f32 (bf16 in) / swiglu_exact_rows_f32 (f32 in): clamps, g / (1 + exp_f32(-g)) *
-//   u, times the row's route weight, rounded.
+// - swiglu_exact_rows_f32 (f32 in): clamps, g / (1 + exp_f32(-g)) * u, times the row's route
+//   weight, rounded, stored as f32 (V4's exact experts, unquantised).
+// - swiglu_act_quant_fp8_g32_{bf16,f32}: the same SwiGLU values, quantised in the same kernel as
+//   act_quant_fp8<32> quantises them once stored (quant/act_quant.cuh): the FP8 activations of
+//   w2 with no f32 hidden rows in memory.
 // - moe_combine_f32 (bf16 in) / moe_combine_exact_f32 (f32 in): a token's slot outputs added in
 //   increasing expert id (equal ids in slot order, ids >= the expert count skipped), then the
 //   shared expert, then one rounding.
@@ -27,6 +30,7 @@
 #include "gemm/gemm_block_scaled.cuh"
 #include "linear/linear_sgemm.cuh"
 #include "common/reference_math.cuh"
+#include "quant/act_quant.cuh"
 
 typedef unsigned long long u64_t;
 
@@ -378,23 +382,54 @@ __device__ void gemm_exact_routed_partials(const float* __restrict__ x, const u3
 __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float widen(float v) { return v; }
 
-// v41::moe::expert's hidden value: (g, u) clamped when limit > 0 (g.min(limit): a NaN g becomes
-// limit; u.clamp(-limit, limit): NaN stays NaN), g / (1 + exp_f32(-g)) * u, times the route weight.
+// v41::moe::expert's hidden value of element i from its gate g and up u: (g, u) clamped when
+// limit > 0 (g.min(limit): a NaN g becomes limit; u.clamp(-limit, limit): NaN stays NaN),
+// g / (1 + exp_f32(-g)) * u, times the route weight weights[i / inter], rounded.
+__device__ __forceinline__ float swiglu_value(float g, float u, const float* __restrict__ weights, u32_t i,
+                                              const SwigluParams& p) {
+    if (p.limit > 0.0f) {
+        g = fminf(g, p.limit);
+        if (u < -p.limit) u = -p.limit;
+        if (u > p.limit) u = p.limit;
+    }
+    float v = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, refmath::exp_f32(-g))), u);
+    if (p.has_weights) v = __fmul_rn(weights[i / p.inter], v);
+    return p.round_bf16 ? round_bf16_f32(v) : v;
+}
+
 template <class T>
 __device__ void swiglu_rows(const T* __restrict__ gate, const T* __restrict__ up, const float* __restrict__ weights,
                             float* __restrict__ out, SwigluParams p) {
-    for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += gridDim.x * blockDim.x) {
-        float g = widen(gate[i]);
-        float u = widen(up[i]);
-        if (p.limit > 0.0f) {
-            g = fminf(g, p.limit);
-            if (u < -p.limit) u = -p.limit;
-            if (u > p.limit) u = p.limit;
-        }
-        float v = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, refmath::exp_f32(-g))), u);
-        if (p.has_weights) v = __fmul_rn(weights[i / p.inter], v);
-        out[i] = p.round_bf16 ? round_bf16_f32(v) : v;
+    for (u32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += gridDim.x * blockDim.x)
+        out[i] = swiglu_value(widen(gate[i]), widen(up[i]), weights, i, p);
+}
+
+// swiglu_rows of the [q.rows, q.cols] hidden rows (p.n = rows * cols, p.inter = cols) quantised
+// in 32-groups without storing them: warp w takes elements [128 w, 128 w + 128) as
+// act_quant_fp8 does, each lane computes its 4 values by swiglu_value (the f32 values
+// swiglu_rows would store) and quantises them by act_quant_lane (as act_quant_fp8<32> would
+// after loading them), so codes and scales are bitwise those of the two kernels.
+template <class T>
+__device__ void swiglu_act_quant(const T* __restrict__ gate, const T* __restrict__ up,
+                                 const float* __restrict__ weights, u8_t* __restrict__ codes,
+                                 float* __restrict__ scales, SwigluParams p, ActQuantParams q) {
+    const unsigned long long total = (unsigned long long)q.rows * q.cols;
+    const unsigned long long warp = (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const u32_t lane = threadIdx.x % 32;
+    const unsigned long long base = warp * ACT_QUANT_PER_WARP + lane * ACT_QUANT_PER_LANE;
+    if (warp * ACT_QUANT_PER_WARP >= total) return;  // uniform over the warp
+    const bool valid = base < total;
+    float v[ACT_QUANT_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (valid) {
+        const float4 g = load4_f32(gate, base);
+        const float4 u = load4_f32(up, base);
+        const u32_t i = (u32_t)base;  // < p.n, a u32
+        v[0] = swiglu_value(g.x, u.x, weights, i, p);
+        v[1] = swiglu_value(g.y, u.y, weights, i + 1, p);
+        v[2] = swiglu_value(g.z, u.z, weights, i + 2, p);
+        v[3] = swiglu_value(g.w, u.w, weights, i + 3, p);
     }
+    act_quant_lane<32>(v, valid, base, codes, scales);
 }
 
 // One block per token (blockIdx.x) and COMBINE_THREADS columns (blockIdx.y): the token's valid
@@ -441,16 +476,24 @@ extern "C" __global__ void __launch_bounds__(linear::THREADS)
     routed::gemm_exact_routed_partials(x, order, tiles, tile_count, table, partials, p);
 }
 
-extern "C" __global__ void swiglu_rows_f32(const __nv_bfloat16* gate, const __nv_bfloat16* up, const float* weights,
-                                           float* out, routed::SwigluParams p) {
-    grid_dependency_sync();
-    routed::swiglu_rows(gate, up, weights, out, p);
-}
-
 extern "C" __global__ void swiglu_exact_rows_f32(const float* gate, const float* up, const float* weights, float* out,
                                                  routed::SwigluParams p) {
     grid_dependency_sync();
     routed::swiglu_rows(gate, up, weights, out, p);
+}
+
+extern "C" __global__ void swiglu_act_quant_fp8_g32_bf16(const __nv_bfloat16* gate, const __nv_bfloat16* up,
+                                                        const float* weights, u8_t* codes, float* scales,
+                                                        routed::SwigluParams p, ActQuantParams q) {
+    grid_dependency_sync();
+    routed::swiglu_act_quant(gate, up, weights, codes, scales, p, q);
+}
+
+extern "C" __global__ void swiglu_act_quant_fp8_g32_f32(const float* gate, const float* up, const float* weights,
+                                                       u8_t* codes, float* scales, routed::SwigluParams p,
+                                                       ActQuantParams q) {
+    grid_dependency_sync();
+    routed::swiglu_act_quant(gate, up, weights, codes, scales, p, q);
 }
 
 extern "C" __global__ void __launch_bounds__(routed::COMBINE_THREADS)

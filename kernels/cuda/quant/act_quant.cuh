@@ -22,24 +22,17 @@ __device__ __forceinline__ float4 load4_f32(const __nv_bfloat16* x, unsigned lon
     return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
-// Warp w quantises elements [128 w, 128 w + 128) of the rows-major x (groups tile each row
-// exactly: cols % GROUP == 0, so every group is wholly inside or wholly past the end).
-template <int GROUP, class T>
-__device__ void act_quant_fp8(const T* __restrict__ x, u8_t* __restrict__ codes,
-                              float* __restrict__ scales, ActQuantParams p) {
+// Quantises a lane's 4 values v, elements [base, base + 4) of the rows-major activations (groups
+// tile each row exactly: cols % GROUP == 0, so every group is wholly inside or wholly past the
+// end). Every lane of the warp calls it (the group max is a shuffle over GROUP / 4
+// lanes); a lane past the end (`valid` false, v zeros) writes nothing.
+template <int GROUP>
+__device__ __forceinline__ void act_quant_lane(const float (&v)[ACT_QUANT_PER_LANE], bool valid,
+                                               unsigned long long base, u8_t* __restrict__ codes,
+                                               float* __restrict__ scales) {
     static_assert(GROUP == 32 || GROUP == 128, "32- or 128-groups");
     constexpr u32_t LANES = GROUP / ACT_QUANT_PER_LANE;  // lanes of one group
-    const unsigned long long total = (unsigned long long)p.rows * p.cols;
-    const unsigned long long warp = (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const u32_t lane = threadIdx.x % 32;
-    const unsigned long long base = warp * ACT_QUANT_PER_WARP + lane * ACT_QUANT_PER_LANE;
-    if (warp * ACT_QUANT_PER_WARP >= total) return;  // uniform over the warp
-    const bool valid = base < total;
-    float v[ACT_QUANT_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (valid) {
-        const float4 f = load4_f32(x, base);
-        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-    }
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (u32_t offset = LANES / 2; offset > 0; offset >>= 1)
@@ -57,4 +50,22 @@ __device__ void act_quant_fp8(const T* __restrict__ x, u8_t* __restrict__ codes,
     }
     *reinterpret_cast<u32_t*>(codes + base) = packed;
     if (lane % LANES == 0) scales[base / GROUP] = s;
+}
+
+// Warp w quantises elements [128 w, 128 w + 128) of the rows-major x.
+template <int GROUP, class T>
+__device__ void act_quant_fp8(const T* __restrict__ x, u8_t* __restrict__ codes,
+                              float* __restrict__ scales, ActQuantParams p) {
+    const unsigned long long total = (unsigned long long)p.rows * p.cols;
+    const unsigned long long warp = (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const u32_t lane = threadIdx.x % 32;
+    const unsigned long long base = warp * ACT_QUANT_PER_WARP + lane * ACT_QUANT_PER_LANE;
+    if (warp * ACT_QUANT_PER_WARP >= total) return;  // uniform over the warp
+    const bool valid = base < total;
+    float v[ACT_QUANT_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (valid) {
+        const float4 f = load4_f32(x, base);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
+    act_quant_lane<GROUP>(v, valid, base, codes, scales);
 }

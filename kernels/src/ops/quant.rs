@@ -10,9 +10,10 @@ use crate::params::ActQuantParams;
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "quantize_act_fp8";
-const WARPS_PER_BLOCK: u32 = 8;
+/// Warps per block of the quantiser (and of `ops::routed`'s SwiGLU quantiser).
+pub(super) const WARPS_PER_BLOCK: u32 = 8;
 /// Elements one warp of the quantiser takes (`ACT_QUANT_PER_WARP`: 4 a lane).
-const ELEMENTS_PER_WARP: usize = 128;
+pub(super) const ELEMENTS_PER_WARP: usize = 128;
 
 /// Activation quantisation group along the last axis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,7 +127,7 @@ impl DeviceActFp8 {
     /// # Safety
     ///
     /// The caller's launches write every code and scale before anything reads one.
-    unsafe fn alloc_written(
+    pub unsafe fn alloc_written(
         rt: &KernelRuntime,
         rows: usize,
         cols: usize,

@@ -3,23 +3,25 @@
 //! ([`DeviceExpertTable`]), the routed GEMM whose every output row takes its own expert's weight
 //! ([`gemm_routed`] for FP4 and FP8 experts; one row per block for decode, or rows grouped by
 //! expert on the device into tiles of up to 32 rows whose expert's weights are read once, see
-//! [`RoutedBlocks`]), the SwiGLU of expert
-//! rows ([`swiglu_rows`]) and the combine of a token's slot outputs with the shared expert
-//! ([`moe_combine`]). Each reproduces `deepinfer_model::layers::moe::forward_rows` bit for bit (see
-//! `cuda/moe/routed.cu`).
+//! [`RoutedBlocks`]; the grouping is made once per MoE call for its three projections, see
+//! [`ExpertGroups`]), the SwiGLU of expert rows quantised for `w2` in the same kernel
+//! ([`swiglu_act_quant_fp8`]; [`swiglu_rows`] keeps f32 rows for V4's exact experts) and the
+//! combine of a token's slot outputs with the shared expert ([`moe_combine`]). Each reproduces
+//! `deepinfer_model::layers::moe::forward_rows` bit for bit (see `cuda/moe/routed.cu`).
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight, GemmSplit, WARPS};
-use super::gemm_fast::{FastFp4Weight, FastTile};
-use super::quant::DeviceActFp8;
-use super::routed_fast::gemm_fp4_routed_fast_tiled;
+use super::gemm_fast::{FastFp4Weight, FastKernels, FastTile};
+use super::quant::{ActGroup, DeviceActFp8, ELEMENTS_PER_WARP, WARPS_PER_BLOCK};
+use super::routed_fast::gemm_fp4_routed_fast;
 use super::{
     Rounding, dim as kernel_dim, ensure, expect_len, launch_config, shape_error, whole_rows,
 };
 use crate::error::KernelError;
 use crate::id::KernelId;
+use crate::params::ActQuantParams;
 use crate::runtime::{KernelRuntime, KernelValue, Launch};
 
 /// Rows of one expert per routed-GEMM tile (`routed::TILE_ROWS`).
@@ -44,6 +46,7 @@ const MAX_SLOTS: usize = 64;
 const COMBINE_THREADS: u32 = 256;
 /// Threads per block of the SwiGLU kernel.
 const SWIGLU_THREADS: u32 = 256;
+
 /// Blocks of the SwiGLU kernel at most (it strides over the rest).
 const SWIGLU_MAX_BLOCKS: u32 = 1 << 16;
 
@@ -147,7 +150,7 @@ pub enum ExpertFormat {
     /// FP8 E4M3 with 32×32 UE8M0 tiles ([`DeviceFp8Weight`] of tile 32).
     Fp8T32,
     /// FP4 E2M1 laid out for the `fast` tensor-core GEMM ([`FastFp4Weight`]; launched by
-    /// [`super::routed_fast::gemm_fp4_routed_fast_tiled`]).
+    /// [`super::routed_fast::gemm_fp4_routed_fast`]).
     Fp4Fast,
 }
 
@@ -331,12 +334,171 @@ impl DeviceExpertTable {
     }
 }
 
+/// Which routed kernels read the slots of an [`ExpertGroups`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SlotKernels {
+    /// FP4/FP8 tables, one output row per block, straight from the ids (no grouping).
+    Rows,
+    /// FP4/FP8 tables, block-tiled tiles of up to 8 rows of one expert.
+    Tiles,
+    /// FP4/FP8 tables, expert-major tiles of up to 32 rows of one expert.
+    Experts,
+    /// A fast FP4 table (`ops::routed_fast`), tiles of up to the tensor-core tile's rows.
+    Fast,
+}
+
+/// The slots of one MoE call as the routed GEMMs read them: their expert ids (`[m]`, ids `>=
+/// n_experts` dropped) and, for the kernels that take tiles, the rows grouped by expert on the
+/// device (`group_routed_rows`: an order of the rows, bucket by bucket, cut into tiles). The
+/// grouping depends on the ids alone, so one serves the call's `w1`, `w3` and `w2` launches
+/// (each of `m` output rows); the kernels and their tile are chosen here, for all three (the
+/// result depends on neither).
+pub struct ExpertGroups<'a> {
+    experts: &'a CudaSlice<u32>,
+    n_experts: usize,
+    kernels: SlotKernels,
+    /// `None` for [`SlotKernels::Rows`] and for no slots.
+    groups: Option<RowGroups>,
+}
+
+impl<'a> ExpertGroups<'a> {
+    /// The production layout of `table`'s kernels: [`RoutedBlocks::Auto`] for an FP4 or FP8
+    /// table, [`FastTile::Auto`] for a fast FP4 table.
+    pub fn new(
+        rt: &KernelRuntime,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        match table.format {
+            ExpertFormat::Fp4Fast => ExpertGroups::fast(rt, experts, table, FastTile::Auto),
+            ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => {
+                ExpertGroups::blocks(rt, experts, table, RoutedBlocks::Auto)
+            }
+        }
+    }
+
+    /// The slots of an FP4 or FP8 `table`'s kernels in `blocks` ([`RoutedBlocks::Auto`]: one row
+    /// per block up to 64 slots, expert-major tiles above).
+    pub fn blocks(
+        rt: &KernelRuntime,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+        blocks: RoutedBlocks,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        const OP: &str = "ExpertGroups::blocks";
+        ensure(
+            table.format != ExpertFormat::Fp4Fast,
+            OP,
+            || "fast FP4 tables take a FastTile (ExpertGroups::fast)",
+        )?;
+        let m = experts.len();
+        let (kernels, tile_rows) = match blocks {
+            RoutedBlocks::Auto if m <= ROWS_PER_BLOCK_MAX => (SlotKernels::Rows, 1),
+            RoutedBlocks::Rows => (SlotKernels::Rows, 1),
+            RoutedBlocks::Tiles => (SlotKernels::Tiles, TILE_ROWS),
+            RoutedBlocks::Auto | RoutedBlocks::Experts => {
+                (SlotKernels::Experts, EXPERT_TILE_ROWS.min(m))
+            }
+        };
+        ExpertGroups::grouped(rt, OP, experts, table, kernels, tile_rows)
+    }
+
+    /// The slots of a fast FP4 `table`'s kernel with `tile` (`Auto`: the smallest routed tile
+    /// that holds the mean rows per expert).
+    pub fn fast(
+        rt: &KernelRuntime,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+        tile: FastTile,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        let kernels = FastKernels::Fp4Routed;
+        let per_expert = experts.len().div_ceil(table.n_experts);
+        let (tokens, _) = kernels.block(tile.resolve(kernels, per_expert));
+        ExpertGroups::fast_tile_rows(rt, experts, table, tokens as usize)
+    }
+
+    /// The slots of a fast FP4 `table` in tiles of at most `tile_rows` rows of one expert, read
+    /// by any routed tensor-core build of at least that many token rows (the benchmark's tile
+    /// sweep: a [`super::gemm_fast::FastVariant`]'s rows).
+    pub fn fast_tile_rows(
+        rt: &KernelRuntime,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+        tile_rows: usize,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        const OP: &str = "ExpertGroups::fast";
+        ensure(table.format == ExpertFormat::Fp4Fast, OP, || {
+            format!("a FastTile on a table of {:?} experts", table.format)
+        })?;
+        ExpertGroups::grouped(rt, OP, experts, table, SlotKernels::Fast, tile_rows)
+    }
+
+    /// `experts` grouped for `kernels` in tiles of at most `tile_rows` rows (no grouping for one
+    /// row per block or no slots).
+    fn grouped(
+        rt: &KernelRuntime,
+        op: &'static str,
+        experts: &'a CudaSlice<u32>,
+        table: &DeviceExpertTable,
+        kernels: SlotKernels,
+        tile_rows: usize,
+    ) -> Result<ExpertGroups<'a>, KernelError> {
+        let groups = if kernels == SlotKernels::Rows || experts.is_empty() {
+            None
+        } else {
+            Some(group_rows(
+                rt,
+                op,
+                &experts.slice(..),
+                table.n_experts,
+                tile_rows,
+            )?)
+        };
+        Ok(ExpertGroups {
+            experts,
+            n_experts: table.n_experts,
+            kernels,
+            groups,
+        })
+    }
+
+    /// The slots' expert ids.
+    pub fn experts(&self) -> &CudaSlice<u32> {
+        self.experts
+    }
+
+    /// The grouped rows for a launch of `kernels` on `table`'s experts: a shape error when these
+    /// slots were laid out for other kernels or another table's expert count, or have no groups
+    /// (`Rows`, or no slots: the launchers return before).
+    pub(super) fn groups_for(
+        &self,
+        op: &'static str,
+        kernels: SlotKernels,
+        table: &DeviceExpertTable,
+    ) -> Result<&RowGroups, KernelError> {
+        ensure(
+            self.kernels == kernels && self.n_experts == table.n_experts,
+            op,
+            || {
+                format!(
+                    "slots grouped for {:?} kernels over {} experts, launched as {kernels:?} \
+                     over {}",
+                    self.kernels, self.n_experts, table.n_experts
+                )
+            },
+        )?;
+        self.groups
+            .as_ref()
+            .ok_or_else(|| shape_error(op, "the slots hold no row groups"))
+    }
+}
+
 /// The rows of a routed GEMM: output row `j` is `x[j / x_row_div] · W_{experts[j]}ᵀ` for the
-/// `which` projection of a table's experts (`x` `[rows, inp]`, `experts` `[m]` with `m = rows ·
-/// x_row_div`).
+/// `which` projection of a table's experts (`x` `[rows, inp]`, `groups` the `m = rows ·
+/// x_row_div` slots with their expert ids, laid out for the table's kernels).
 pub struct RoutedRows<'a, X> {
     pub x: &'a X,
-    pub experts: &'a CudaSlice<u32>,
+    pub groups: &'a ExpertGroups<'a>,
     pub x_row_div: usize,
     pub which: ExpertProjection,
 }
@@ -350,10 +512,11 @@ impl<X> Clone for RoutedRows<'_, X> {
 impl<X> Copy for RoutedRows<'_, X> {}
 
 /// The [`RoutedRows`] `rows` of `table`'s experts into `out`: `x` 32-groups, `out` bf16 `[m,
-/// out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the table's
-/// format's: FP4 and FP8 (32×32 tiles) rows are bitwise what [`super::gemm::gemm_fp4`] /
-/// [`super::gemm::gemm_fp8`] give for that x row and that expert's weight ([`RoutedBlocks::Auto`]);
-/// a fast FP4 table runs the tensor-core kernel of [`super::routed_fast`] ([`FastTile::Auto`]).
+/// out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the ones the slots
+/// were laid out for ([`ExpertGroups`]), of the table's format: FP4 and FP8 (32×32 tiles) rows
+/// are bitwise what [`super::gemm::gemm_fp4`] / [`super::gemm::gemm_fp8`] give for that x row
+/// and that expert's weight, whichever [`RoutedBlocks`]; a fast FP4 table runs the tensor-core
+/// kernel of [`super::routed_fast`].
 pub fn gemm_routed(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
@@ -361,38 +524,30 @@ pub fn gemm_routed(
     out: &mut CudaSlice<bf16>,
 ) -> Result<(), KernelError> {
     match table.format {
-        ExpertFormat::Fp4Fast => gemm_fp4_routed_fast_tiled(rt, rows, table, out, FastTile::Auto),
-        ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => {
-            gemm_routed_with(rt, rows, table, out, RoutedBlocks::Auto)
-        }
+        ExpertFormat::Fp4Fast => gemm_fp4_routed_fast(rt, rows, table, out),
+        ExpertFormat::Fp4 | ExpertFormat::Fp8T32 => gemm_routed_block_scaled(rt, rows, table, out),
     }
 }
 
-/// [`gemm_routed`] on an FP4 or FP8 table with an explicit block assignment (the result does not
-/// depend on it).
-pub fn gemm_routed_with(
+/// [`gemm_routed`] on an FP4 or FP8 table: one row per block or the grouped tiles, as the slots
+/// were laid out ([`ExpertGroups::blocks`]).
+fn gemm_routed_block_scaled(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
     out: &mut CudaSlice<bf16>,
-    blocks: RoutedBlocks,
 ) -> Result<(), KernelError> {
     let op = match table.format {
         ExpertFormat::Fp8T32 => "gemm_fp8_routed",
         ExpertFormat::Fp4 | ExpertFormat::Fp4Fast => "gemm_fp4_routed",
     };
     let (m, n, k) = check_routed(op, table.format, rows, table, out)?;
-    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
+    let (x, slots, x_row_div, which) = (rows.x, rows.groups, rows.x_row_div, rows.which);
     if m == 0 {
         return Ok(());
     }
-    let blocks = match blocks {
-        RoutedBlocks::Auto if m <= ROWS_PER_BLOCK_MAX => RoutedBlocks::Rows,
-        RoutedBlocks::Auto => RoutedBlocks::Experts,
-        chosen => chosen,
-    };
-    let per_row = blocks == RoutedBlocks::Rows;
-    let expert_major = blocks == RoutedBlocks::Experts;
+    let per_row = slots.kernels == SlotKernels::Rows;
+    let expert_major = slots.kernels == SlotKernels::Experts;
     // The per-row kernel runs one warp per output column (`gemm_warp_tile`); the tiles kernel
     // (block-tiled) splits K as the dense GEMM does. Measured on the H200: the column-per-warp
     // body is faster for one row and slower for tiles of 8 (real-width MoE at 64 rows 8.2 ->
@@ -433,38 +588,55 @@ pub fn gemm_routed_with(
         ExpertFormat::Fp4Fast => {
             return Err(shape_error(
                 op,
-                "fast FP4 tables take a FastTile (gemm_routed, routed_fast)",
+                "fast FP4 tables run the kernels of routed_fast (gemm_routed)",
             ));
         }
     };
     if per_row {
+        ensure(slots.n_experts == table.n_experts, op, || {
+            format!(
+                "slots over {} experts, a table of {}",
+                slots.n_experts, table.n_experts
+            )
+        })?;
         let cfg = launch_config((params.m, col_blocks, 1), WARPS * 32, 0);
         let mut launch = rt.launcher(rows_kernel)?;
         launch
             .arg(&x.codes)
             .arg(&x.scales)
-            .arg(experts)
+            .arg(slots.experts)
             .arg(&table.addresses)
             .arg(out)
             .arg(&params);
         // SAFETY: signature (const u8* a, const float* sa, const u32* experts, const u64* table,
         // bf16* y, RoutedGemmParams). Block j < m computes output row j, reading x row
-        // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the
-        // table holds 3 * n_experts address pairs of live weights of this shape and format (the
-        // constructors' contract), ids >= n_experts are never looked up; out holds m * n values.
+        // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales) and
+        // experts[j] (experts holds m ids, check_routed); the table holds 3 * n_experts address
+        // pairs of live weights of this shape and format (the constructors' contract), ids >=
+        // n_experts are never looked up; out holds m * n values.
         unsafe { launch.launch(cfg) }?;
         return Ok(());
     }
-    let tile_rows = if expert_major {
-        EXPERT_TILE_ROWS.min(m)
+    let kernels = if expert_major {
+        SlotKernels::Experts
     } else {
-        TILE_ROWS
+        SlotKernels::Tiles
     };
-    let groups = group_rows(rt, op, &experts.slice(..), table.n_experts, tile_rows)?;
+    let groups = slots.groups_for(op, kernels, table)?;
     let (kernel, shared_bytes) = if expert_major {
-        let partials = WARPS * kernel_dim(op, "tile rows", tile_rows)? * EXPERT_PARTIAL_STRIDE;
+        let tile_rows = kernel_dim(op, "tile rows", groups.tile_rows)?;
+        ensure(groups.tile_rows <= EXPERT_TILE_ROWS, op, || {
+            format!(
+                "tiles of {} rows (at most {EXPERT_TILE_ROWS})",
+                groups.tile_rows
+            )
+        })?;
+        let partials = WARPS * tile_rows * EXPERT_PARTIAL_STRIDE;
         (experts_kernel, 4 * partials)
     } else {
+        ensure(groups.tile_rows <= TILE_ROWS, op, || {
+            format!("tiles of {} rows (at most {TILE_ROWS})", groups.tile_rows)
+        })?;
         (tiles_kernel, 0)
     };
     let cfg = launch_config(
@@ -479,20 +651,21 @@ pub fn gemm_routed_with(
         .arg(out)
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams), both kernels. Blocks
-    // past *tile_count return; a tile holds at most tile_rows rows (for the expert-major kernel
-    // the dynamic shared memory holds WARPS * tile_rows * 33 partials, and it checks column
-    // n < p.n per warp); its rows are output rows < m (order is a permutation of 0..m), each
-    // reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
-    // scales); the table holds 3 * n_experts address pairs of live weights of this shape and
-    // format (the constructors' contract), the bucket of unknown ids is never looked up; out
-    // holds m * n.
+    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams), both kernels. The
+    // groups are those of the m slot ids (check_routed: experts holds m ids) over this table's
+    // n_experts (groups_for). Blocks past *tile_count return; a tile holds at most tile_rows
+    // rows, checked above against the kernel's (for the expert-major kernel the dynamic shared
+    // memory holds WARPS * tile_rows * 33 partials, and it checks column n < p.n per warp); its
+    // rows are output rows < m (order is a permutation of 0..m), each reading x row
+    // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the table
+    // holds 3 * n_experts address pairs of live weights of this shape and format (the
+    // constructors' contract), the bucket of unknown ids is never looked up; out holds m * n.
     unsafe { launch.launch(cfg) }
 }
 
 /// The checks of a routed launch of `format` experts: the table's format, 32-element groups,
-/// `x`'s columns, `x_row_div > 0` and the lengths of `experts` and `out`; gives (m, n, k): output
-/// rows, the projection's out and in features.
+/// `x`'s columns, `x_row_div > 0` and the lengths of the slots' ids and `out`; gives (m, n, k):
+/// output rows, the projection's out and in features.
 pub(super) fn check_routed<T>(
     op: &'static str,
     format: ExpertFormat,
@@ -500,7 +673,7 @@ pub(super) fn check_routed<T>(
     table: &DeviceExpertTable,
     out: &CudaSlice<T>,
 ) -> Result<(usize, usize, usize), KernelError> {
-    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
+    let (x, experts, x_row_div, which) = (rows.x, rows.groups.experts, rows.x_row_div, rows.which);
     ensure(table.format == format, op, || {
         format!("the table holds {:?} experts", table.format)
     })?;
@@ -524,6 +697,7 @@ pub(super) struct RowGroups {
     pub order: CudaSlice<u32>,
     pub tiles: CudaSlice<u32>,
     pub tile_count: CudaSlice<u32>,
+    pub tile_rows: usize,
     pub max_tiles: usize,
 }
 
@@ -586,35 +760,81 @@ pub(super) fn group_rows(
         order,
         tiles,
         tile_count,
+        tile_rows,
         max_tiles,
     })
 }
 
-/// The element type of the expert rows [`swiglu_rows`] and [`moe_combine`] read: bf16 (the
-/// V4.1 routed GEMMs' outputs) or f32 (V4's exact experts), each with its kernel.
+/// The element type of the expert rows [`swiglu_act_quant_fp8`] and [`moe_combine`] read: bf16
+/// (the V4.1 routed GEMMs' outputs) or f32 (V4's experts), each with its kernel.
 pub trait ExpertRowValue: DeviceRepr {
-    const SWIGLU: KernelId;
+    const SWIGLU_ACT_QUANT: KernelId;
     const COMBINE: KernelId;
 }
 
 impl ExpertRowValue for bf16 {
-    const SWIGLU: KernelId = KernelId::SwigluRowsF32;
+    const SWIGLU_ACT_QUANT: KernelId = KernelId::SwigluActQuantFp8G32;
     const COMBINE: KernelId = KernelId::MoeCombineF32;
 }
 
 impl ExpertRowValue for f32 {
-    const SWIGLU: KernelId = KernelId::SwigluExactRowsF32;
+    const SWIGLU_ACT_QUANT: KernelId = KernelId::SwigluActQuantFp8G32F32;
     const COMBINE: KernelId = KernelId::MoeCombineExactF32;
 }
 
-/// `out[i] = round(weight · g / (1 + exp_f32(-g)) · u)` with `g`, `u` the values `gate[i]`,
+/// The SwiGLU launch of `n` values: the route weights (one per row of `n / weights.len()`
+/// values, or none) checked against `n`, `limit` not NaN; gives the kernel's parameters and
+/// the weights' buffer (a one-element placeholder the kernel does not read without weights).
+fn swiglu_params<'w>(
+    rt: &KernelRuntime,
+    op: &'static str,
+    n: usize,
+    route_weights: Option<&'w CudaSlice<f32>>,
+    limit: f32,
+    rounding: Rounding,
+    placeholder: &'w mut Option<CudaSlice<f32>>,
+) -> Result<(SwigluParams, &'w CudaSlice<f32>), KernelError> {
+    let inter = match route_weights {
+        Some(w) if w.is_empty() && n == 0 => 1,
+        Some(w) if w.is_empty() || !n.is_multiple_of(w.len()) => {
+            return Err(shape_error(
+                op,
+                format!("{n} values are not whole rows of {} route weights", w.len()),
+            ));
+        }
+        Some(w) => n / w.len(),
+        None => n.max(1),
+    };
+    ensure(!limit.is_nan(), op, || "the SwiGLU limit is NaN")?;
+    let params = SwigluParams {
+        n: kernel_dim(op, "values", n)?,
+        inter: kernel_dim(op, "inter", inter)?,
+        has_weights: u32::from(route_weights.is_some()),
+        limit,
+        round_bf16: rounding.flag(),
+    };
+    let weights = match route_weights {
+        Some(w) => w,
+        None => {
+            // SAFETY: never read (has_weights = 0).
+            let one = unsafe { rt.alloc_written::<f32>(1) }.map_err(KernelError::driver(
+                "allocating the route-weight placeholder",
+            ))?;
+            placeholder.insert(one)
+        }
+    };
+    Ok((params, weights))
+}
+
+/// `out[i] = round(weight · g / (1 + exp_f32(-g)) · u)` with `g`, `u` the f32 values `gate[i]`,
 /// `up[i]` clamped as `layers::moe::expert` does when `limit > 0` (`g.min(limit)`,
 /// `u.clamp(-limit, limit)`); `weight` is `route_weights[i / inter]` with `inter = len /
-/// route_weights.len()` (one weight per row), or 1 (no multiplication) without weights.
-pub fn swiglu_rows<T: ExpertRowValue>(
+/// route_weights.len()` (one weight per row), or 1 (no multiplication) without weights. V4's
+/// exact experts (unquantised hidden rows); the quantised experts take [`swiglu_act_quant_fp8`].
+pub fn swiglu_rows(
     rt: &KernelRuntime,
-    gate: &CudaSlice<T>,
-    up: &CudaSlice<T>,
+    gate: &CudaSlice<f32>,
+    up: &CudaSlice<f32>,
     route_weights: Option<&CudaSlice<f32>>,
     limit: f32,
     rounding: Rounding,
@@ -624,40 +844,12 @@ pub fn swiglu_rows<T: ExpertRowValue>(
     let n = gate.len();
     expect_len(OP, "up", up.len(), n)?;
     expect_len(OP, "out", out.len(), n)?;
-    let inter = match route_weights {
-        Some(w) if w.is_empty() && n == 0 => 1,
-        Some(w) if w.is_empty() || !n.is_multiple_of(w.len()) => {
-            return Err(shape_error(
-                OP,
-                format!("{n} values are not whole rows of {} route weights", w.len()),
-            ));
-        }
-        Some(w) => n / w.len(),
-        None => n.max(1),
-    };
-    ensure(!limit.is_nan(), OP, || "the SwiGLU limit is NaN")?;
+    let mut placeholder = None;
+    let (params, weights) =
+        swiglu_params(rt, OP, n, route_weights, limit, rounding, &mut placeholder)?;
     if n == 0 {
         return Ok(());
     }
-    let params = SwigluParams {
-        n: kernel_dim(OP, "values", n)?,
-        inter: kernel_dim(OP, "inter", inter)?,
-        has_weights: u32::from(route_weights.is_some()),
-        limit,
-        round_bf16: rounding.flag(),
-    };
-    // The route weights, or a one-element placeholder the kernel does not read.
-    let placeholder;
-    let weights = match route_weights {
-        Some(w) => w,
-        None => {
-            // SAFETY: never read (has_weights = 0).
-            placeholder = unsafe { rt.alloc_written::<f32>(1) }.map_err(KernelError::driver(
-                "allocating the route-weight placeholder",
-            ))?;
-            &placeholder
-        }
-    };
     let cfg = launch_config(
         (
             params.n.div_ceil(SWIGLU_THREADS).min(SWIGLU_MAX_BLOCKS),
@@ -667,11 +859,71 @@ pub fn swiglu_rows<T: ExpertRowValue>(
         SWIGLU_THREADS,
         0,
     );
-    let mut launch = rt.launcher(T::SWIGLU)?;
+    let mut launch = rt.launcher(KernelId::SwigluExactRowsF32)?;
     launch.arg(gate).arg(up).arg(weights).arg(out).arg(&params);
-    // SAFETY: signature (const T* gate, const T* up, const float* weights, float* out,
+    // SAFETY: signature (const float* gate, const float* up, const float* weights, float* out,
     // SwigluParams); gate, up and out hold n values; with has_weights the kernel reads
     // weights[i / inter] < n / inter = weights.len().
+    unsafe { launch.launch(cfg) }
+}
+
+/// The SwiGLU values of [`swiglu_rows`] (`gate`, `up` bf16 or f32 `[out.rows, out.cols]`,
+/// `route_weights` one per row or none) quantised into `out` (FP8, 32-groups) in the same
+/// kernel, with no f32 hidden rows in memory: bitwise what [`swiglu_rows`] then
+/// [`super::quant::quantize_act_fp8_into`] of its f32 rows give (the same operations on the
+/// same values).
+pub fn swiglu_act_quant_fp8<T: ExpertRowValue>(
+    rt: &KernelRuntime,
+    gate: &CudaSlice<T>,
+    up: &CudaSlice<T>,
+    route_weights: Option<&CudaSlice<f32>>,
+    limit: f32,
+    rounding: Rounding,
+    out: &mut DeviceActFp8,
+) -> Result<(), KernelError> {
+    const OP: &str = "swiglu_act_quant_fp8";
+    out.group.require_g32(OP, "SwiGLU rows")?;
+    let n = out.rows * out.cols;
+    expect_len(OP, "gate", gate.len(), n)?;
+    expect_len(OP, "up", up.len(), n)?;
+    expect_len(OP, "codes", out.codes.len(), n)?;
+    expect_len(OP, "scales", out.scales.len(), n / ActGroup::G32.elements())?;
+    if let Some(w) = route_weights {
+        expect_len(OP, "route weights", w.len(), out.rows)?;
+    }
+    let mut placeholder = None;
+    let (params, weights) =
+        swiglu_params(rt, OP, n, route_weights, limit, rounding, &mut placeholder)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let quant = ActQuantParams {
+        rows: kernel_dim(OP, "rows", out.rows)?,
+        cols: kernel_dim(OP, "cols", out.cols)?,
+    };
+    // The quantiser's grid: a warp per 128 elements (act_quant_fp8's).
+    let warps = kernel_dim(OP, "warps", n.div_ceil(ELEMENTS_PER_WARP))?;
+    let cfg = launch_config(
+        (warps.div_ceil(WARPS_PER_BLOCK), 1, 1),
+        WARPS_PER_BLOCK * 32,
+        0,
+    );
+    let mut launch = rt.launcher(T::SWIGLU_ACT_QUANT)?;
+    launch
+        .arg(gate)
+        .arg(up)
+        .arg(weights)
+        .arg(&mut out.codes)
+        .arg(&mut out.scales)
+        .arg(&params)
+        .arg(&quant);
+    // SAFETY: signature (const T* gate, const T* up, const float* weights, u8* codes,
+    // float* scales, SwigluParams, ActQuantParams), `T::SWIGLU_ACT_QUANT` the build reading T.
+    // gate, up and codes hold n = rows * cols values (whole allocations: the lanes' 4-element
+    // loads at multiples of 4 are aligned), scales n / 32 (cols is a multiple of 32,
+    // DeviceActFp8's contract); the grid covers every element with warps of 128 (the kernel
+    // returns from warps past the end and writes no group past it); with has_weights the kernel
+    // reads weights[i / inter], inter = cols, < rows = weights.len().
     unsafe { launch.launch(cfg) }
 }
 
@@ -782,6 +1034,15 @@ mod tests {
         assert!(SOURCE.contains(&format!("GROUP_THREADS = {GROUP_THREADS};")));
         assert!(SOURCE.contains(&format!("MAX_SLOTS = {MAX_SLOTS};")));
         assert!(SOURCE.contains(&format!("COMBINE_THREADS = {COMBINE_THREADS};")));
+    }
+
+    #[test]
+    fn the_swiglu_quantiser_takes_the_act_quant_layout() {
+        let act_quant = include_str!("../../cuda/quant/act_quant.cuh");
+        assert!(act_quant.contains("ACT_QUANT_PER_LANE = 4;"));
+        assert!(act_quant.contains("ACT_QUANT_PER_WARP = 32 * ACT_QUANT_PER_LANE;"));
+        assert_eq!(ELEMENTS_PER_WARP, 128);
+        assert!(SOURCE.contains("act_quant_lane<32>(v, valid, base, codes, scales);"));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::sgemm_reduce;
-use super::routed::{ExpertProjection, RoutedRows, group_rows};
+use super::routed::{ExpertProjection, group_rows};
 use super::{dim as kernel_dim, ensure, expect_len, launch_config, sgemm_chains, shape_error};
 use crate::error::KernelError;
 use crate::id::KernelId;
@@ -235,14 +235,26 @@ fn check_format(op: &'static str, format: ExactFormat, inp: usize) -> Result<(),
     ensure(fits, op, || format!("{format:?} weights of {inp} inputs"))
 }
 
-/// The [`RoutedRows`] `rows` of `table` into `out` in fp32: `x` `[rows, inp]` f32, `out` `[m,
+/// The rows of an exact routed linear: output row `j` is `x[j / x_row_div] · W_{experts[j]}ᵀ`
+/// for the `which` projection of a table's experts (`x` `[rows, inp]` f32, `experts` `[m]` with
+/// `m = rows · x_row_div`). The rows are grouped by expert per launch (and per chunk of rows:
+/// the chunks depend on the projection's shape).
+#[derive(Clone, Copy)]
+pub struct ExactRoutedRows<'a> {
+    pub x: &'a CudaSlice<f32>,
+    pub experts: &'a CudaSlice<u32>,
+    pub x_row_div: usize,
+    pub which: ExpertProjection,
+}
+
+/// The [`ExactRoutedRows`] `rows` of `table` into `out` in fp32: `x` `[rows, inp]` f32, `out` `[m,
 /// out]` f32. Every
 /// row is bitwise the CPU reference's fp32 linear of that x row and that expert's weight
 /// (dequantised exactly); a row whose id is `>= table.n_experts()` holds zeros or garbage that
 /// [`super::routed::moe_combine`] skips.
 pub fn gemm_exact_routed(
     rt: &KernelRuntime,
-    rows: RoutedRows<'_, CudaSlice<f32>>,
+    rows: ExactRoutedRows<'_>,
     table: &DeviceExactExpertTable,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {

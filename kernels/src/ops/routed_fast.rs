@@ -1,48 +1,53 @@
 //! The routed experts of the `fast` numerics: FP4 E2M1 expert weights on tensor cores
 //! (`cuda/gemm/gemm_fast.cuh`, the body of the fast dense GEMMs with each code converted exactly
-//! to E4M3), the rows grouped per expert on the device (`group_routed_rows`, as the exact
-//! expert-major kernel), each tile of up to 8 … 128 rows of one expert streaming that expert's
-//! re-laid weights ([`FastFp4Weight`]) once. SwiGLU and the combine stay those of
-//! `ops::routed`.
+//! to E4M3), the rows grouped per expert on the device (`group_routed_rows`, once per MoE call:
+//! [`super::routed::ExpertGroups::fast`]), each tile of up to 8 … 128 rows of one expert
+//! streaming that expert's re-laid weights ([`FastFp4Weight`]) once. SwiGLU and the combine stay
+//! those of `ops::routed`.
 //!
 //! A routed row's output depends only on its activation row and its expert's weights: the tile
-//! ([`FastTile`], picked by the mean rows per expert) and the rows sharing it change which
-//! thread computes it, never how (the GPU tests check a row alone against inside 2 … 64 tokens).
-//! Production launches sum K in one part; the benchmark's tile sweep also launches builds of
-//! other tiles and K splits ([`gemm_fp4_routed_fast_variant`]).
+//! ([`FastTile`], picked by the mean rows per expert when the slots are grouped) and the rows
+//! sharing it change which thread computes it, never how (the GPU tests check a row alone against
+//! inside 2 … 64 tokens). Production launches sum K in one part; the benchmark's tile sweep also
+//! launches builds of other tiles and K splits ([`gemm_fp4_routed_fast_variant`]).
 
 use super::gemm_fast::{FastKernel, FastKernels, FastOutput, FastTile, FastVariant, reduce_parts};
 use super::quant::DeviceActFp8;
-use super::routed::{DeviceExpertTable, ExpertFormat, RoutedRows, check_routed, group_rows};
+use super::routed::{DeviceExpertTable, ExpertFormat, RoutedRows, SlotKernels, check_routed};
 use super::{dim, ensure, launch_config};
 use crate::error::KernelError;
 use crate::params::FastRoutedParams;
 use crate::runtime::KernelRuntime;
 
 /// The [`RoutedRows`] `rows` of a [`DeviceExpertTable::fp4_fast`] table into `out` (as
-/// [`super::routed::gemm_routed`], which runs this with [`FastTile::Auto`]) with an explicit tile
-/// (the result does not depend on it); `Auto` takes the smallest routed tile that holds the mean
-/// rows per expert. One K part. `out` bf16 (V4.1) or f32 (V4): see [`FastOutput`].
-pub fn gemm_fp4_routed_fast_tiled<Y: FastOutput>(
+/// [`super::routed::gemm_routed`] does), the slots grouped by
+/// [`ExpertGroups::fast`](super::routed::ExpertGroups::fast): the
+/// routed tile of their tile rows (the result does not depend on it). One K part. `out` bf16
+/// (V4.1) or f32 (V4): see [`FastOutput`].
+pub fn gemm_fp4_routed_fast<Y: FastOutput>(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
     table: &DeviceExpertTable,
     out: &mut Y,
-    tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_routed_fast";
     let (m, n, k) = check_routed(OP, ExpertFormat::Fp4Fast, rows, table, out.buffer())?;
     if m == 0 {
         return Ok(());
     }
-    let per_expert = m.div_ceil(table.n_experts());
-    let kernel = FastKernel::production(rt, FastKernels::Fp4Routed, tile, per_expert, k)?;
+    let tile_rows = rows
+        .groups
+        .groups_for(OP, SlotKernels::Fast, table)?
+        .tile_rows;
+    // The smallest routed tile that holds the groups' tiles: the tile they were grouped for.
+    let kernel = FastKernel::production(rt, FastKernels::Fp4Routed, FastTile::Auto, tile_rows, k)?;
     launch_routed(rt, OP, &kernel, rows, table, out, (m, n, k))
 }
 
-/// [`gemm_fp4_routed_fast_tiled`] through a [`FastVariant`] of `FastKernels::Fp4Routed` (the
-/// benchmark's sweep): its tile, and K in parts of its span added by `gemm_fast_reduce` in part
-/// order (one part when the span holds K: the production's bits).
+/// [`gemm_fp4_routed_fast`] through a [`FastVariant`] of `FastKernels::Fp4Routed` (the
+/// benchmark's sweep; the slots grouped in tiles of at most its token rows,
+/// [`super::routed::ExpertGroups::fast_tile_rows`]): its tile, and K in parts of its span added by
+/// `gemm_fast_reduce` in part order (one part when the span holds K: the production's bits).
 pub fn gemm_fp4_routed_fast_variant<Y: FastOutput>(
     rt: &KernelRuntime,
     rows: RoutedRows<'_, DeviceActFp8>,
@@ -70,7 +75,7 @@ fn launch_routed<Y: FastOutput>(
     out: &mut Y,
     (m, n, k): (usize, usize, usize),
 ) -> Result<(), KernelError> {
-    let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
+    let (x, x_row_div, which) = (rows.x, rows.x_row_div, rows.which);
     let (tokens, warps) = kernel.block;
     let parts = k.div_ceil(kernel.span).max(1);
     let params = FastRoutedParams {
@@ -84,13 +89,13 @@ fn launch_routed<Y: FastOutput>(
         which: which.slot(),
         store: Y::STORE,
     };
-    let groups = group_rows(
-        rt,
-        op,
-        &experts.slice(..),
-        table.n_experts(),
-        tokens as usize,
-    )?;
+    let groups = rows.groups.groups_for(op, SlotKernels::Fast, table)?;
+    ensure(groups.tile_rows <= tokens as usize, op, || {
+        format!(
+            "slots grouped in tiles of {} rows, a kernel of {tokens} token rows",
+            groups.tile_rows
+        )
+    })?;
     let tiles = dim(op, "tiles", groups.max_tiles)?;
     ensure(tiles <= 65_535 && params.parts <= 65_535, op, || {
         format!("m = {m} needs up to {tiles} expert tiles, K {parts} parts (> 65535)")
@@ -119,16 +124,17 @@ fn launch_routed<Y: FastOutput>(
         .arg(&params);
     // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
     // const u32* tile_count, const u64* table, void* y, float* partials, FastRoutedParams), y
-    // written as Y::Value (store = Y::STORE, FastOutput sealed to bf16 and f32 buffers).
-    // group_rows wrote tiles of at most `tokens` rows (the kernel's BT), blocks past *tile_count
-    // return; a tile's rows are output rows < m (order is a permutation of 0..m), each reading x
-    // row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the
-    // table holds 3 * n_experts address pairs of live FastFp4Weights of this shape (the
-    // constructor's contract: chunks and band scales built for n, k), the bucket of unknown ids
-    // is never looked up; block z reads K codes [z span, min(k, (z + 1) span)) with z < parts =
-    // ceil(k / span), span a multiple of the kernel's stage (FastKernel); every load is
-    // bounds-checked against n, k and the tile's count; out holds m * n values, partials parts *
-    // m * n when parts > 1.
+    // written as Y::Value (store = Y::STORE, FastOutput sealed to bf16 and f32 buffers). The
+    // groups are those of the m slot ids (check_routed) over this table's n_experts
+    // (groups_for), tiles of at most `tokens` rows (checked above: the kernel's BT); blocks past
+    // *tile_count return; a tile's rows are output rows < m (order is a permutation of 0..m),
+    // each reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
+    // scales); the table holds 3 * n_experts address pairs of live FastFp4Weights of this shape
+    // (the constructor's contract: chunks and band scales built for n, k), the bucket of unknown
+    // ids is never looked up; block z reads K codes [z span, min(k, (z + 1) span)) with
+    // z < parts = ceil(k / span), span a multiple of the kernel's stage (FastKernel); every load
+    // is bounds-checked against n, k and the tile's count; out holds m * n values, partials
+    // parts * m * n when parts > 1.
     unsafe { launch.launch(cfg) }?;
     if parts > 1 {
         reduce_parts(rt, op, &partials, out, count, parts)?;

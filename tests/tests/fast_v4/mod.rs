@@ -41,7 +41,9 @@ use deepinfer_kernels::ops::gemm_fast::{
 };
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
-use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
+use deepinfer_kernels::ops::routed::{
+    ExpertProjection, moe_combine, swiglu_act_quant_fp8, swiglu_rows,
+};
 use deepinfer_model::LogitsWanted;
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -56,8 +58,8 @@ use crate::gpu_support::gemm_data::{activations, random_fp4_weight, random_fp8_w
 use crate::gpu_support::{Rng, bf16_unit, differing, prompt};
 use crate::{
     FastMoe, FastWeight, HostWeight, LIMIT, RoutedFast, TILES, assert_within, download_act,
-    exact_output, exact_rows, fast_linear, nudged, random_routes, routed_fast, upload_fp4,
-    upload_fp8,
+    exact_output, exact_rows, fast_linear, nudged, random_routes, routed_fast, slot_groups,
+    upload_fp4, upload_fp8,
 };
 
 /// `rows × cols` float32 activations of a wide dynamic range: [`activations`] (magnitudes 2^-12
@@ -258,26 +260,26 @@ fn run_v4_chain(
     let a = quantise(rt, x, tokens, ActGroup::G32);
     let ids_d = stream.clone_htod(ids).expect("ids");
     let weights_d = stream.clone_htod(route_weights).expect("route weights");
+    let groups = slot_groups(rt, moe, &ids_d, tile);
     let routed = |x: &DeviceActFp8, x_row_div: usize, which: ExpertProjection, width: usize| {
         routed_fast::<f32>(
             rt,
             moe,
-            &ids_d,
+            &groups,
             RoutedFast {
                 x,
                 x_row_div,
                 which,
                 width,
             },
-            tile,
         )
     };
     let gate = routed(&a, slots / tokens, ExpertProjection::W1, inter);
     let up = routed(&a, slots / tokens, ExpertProjection::W3, inter);
-    let mut hidden = stream.alloc_zeros::<f32>(slots * inter).expect("alloc");
+    let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32).expect("alloc");
     let weights = Some(&weights_d);
-    swiglu_rows(rt, &gate, &up, weights, LIMIT, Rounding::F32, &mut hidden).expect("swiglu");
-    let a_hidden = quantize_act_fp8(rt, &hidden, slots, inter, ActGroup::G32).expect("q h");
+    swiglu_act_quant_fp8(rt, &gate, &up, weights, LIMIT, Rounding::F32, &mut a_hidden)
+        .expect("swiglu, quantised");
     let routed_out = routed(&a_hidden, 1, ExpertProjection::W2, dim);
 
     let dense = |x: &DeviceActFp8, i: usize| {

@@ -32,11 +32,10 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, FastOutput, gemm_fp8_fast};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
-use deepinfer_kernels::ops::quant::{
-    ActGroup, DeviceActFp8, quantize_act_fp8, quantize_act_fp8_into,
-};
+use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedRows, gemm_routed, swiglu_rows,
+    DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedRows, gemm_routed,
+    swiglu_act_quant_fp8,
 };
 use deepinfer_kernels::{KernelError, KernelRuntime};
 use half::bf16;
@@ -329,43 +328,41 @@ fn bench_routed_chain<W>(
     let route_weights = stream.clone_htod(&vec![1.0f32 / ROUTED_TOP_K as f32; slots])?;
     let mut gate = stream.alloc_zeros::<bf16>(slots * inter)?;
     let mut up = stream.alloc_zeros::<bf16>(slots * inter)?;
-    let mut hidden = stream.alloc_zeros::<f32>(slots * inter)?;
     let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32)?;
     let mut out = stream.alloc_zeros::<bf16>(slots * dim)?;
     let table = &experts.table;
-    // The table's own kernels.
+    // The table's own kernels, the slots grouped once per chain (as `moe_rows`).
     let routed = |x: &DeviceActFp8,
-                  ids: &CudaSlice<u32>,
+                  groups: &ExpertGroups<'_>,
                   x_row_div: usize,
                   which: ExpertProjection,
                   y: &mut CudaSlice<bf16>| {
         let rows = RoutedRows {
             x,
-            experts: ids,
+            groups,
             x_row_div,
             which,
         };
         gemm_routed(rt, rows, table, y)
     };
     let micros = time_launches(rt, timer, |i| {
-        let ids = &routes[i % ROUTE_SETS];
+        let groups = ExpertGroups::new(rt, &routes[i % ROUTE_SETS], table)?;
         for (which, y) in [
             (ExpertProjection::W1, &mut gate),
             (ExpertProjection::W3, &mut up),
         ] {
-            routed(&a, ids, ROUTED_TOP_K, which, y)?;
+            routed(&a, &groups, ROUTED_TOP_K, which, y)?;
         }
-        swiglu_rows(
+        swiglu_act_quant_fp8(
             rt,
             &gate,
             &up,
             Some(&route_weights),
             10.0,
             Rounding::Bf16,
-            &mut hidden,
+            &mut a_hidden,
         )?;
-        quantize_act_fp8_into(rt, &hidden, &mut a_hidden)?;
-        routed(&a_hidden, ids, 1, ExpertProjection::W2, &mut out)?;
+        routed(&a_hidden, &groups, 1, ExpertProjection::W2, &mut out)?;
         Ok(())
     })?;
     let weight_bytes = 3 * (inter * dim / 2 + inter * dim / 32);

@@ -26,14 +26,14 @@ use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::nvrtc::Ptx;
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp8Weight, FastKernels, FastTile, FastVariant, TileShape, gemm_fp8_fast,
-    gemm_fp8_fast_variant, k_parts,
+    FastFp8Weight, FastKernels, FastVariant, TileShape, gemm_fp8_fast, gemm_fp8_fast_variant,
+    k_parts,
 };
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
-use deepinfer_kernels::ops::routed::{DeviceExpertTable, ExpertProjection, RoutedRows};
-use deepinfer_kernels::ops::routed_fast::{
-    gemm_fp4_routed_fast_tiled, gemm_fp4_routed_fast_variant,
+use deepinfer_kernels::ops::routed::{
+    DeviceExpertTable, ExpertGroups, ExpertProjection, RoutedRows,
 };
+use deepinfer_kernels::ops::routed_fast::{gemm_fp4_routed_fast, gemm_fp4_routed_fast_variant};
 use half::bf16;
 
 use crate::ops::{
@@ -555,14 +555,23 @@ pub fn routed(
             };
             let x = activations(rt, x_rows, k)?;
             let a = quantize_act_fp8(rt, &x, x_rows, k, ActGroup::G32)?;
-            let routed_rows = |i: usize| RoutedRows {
-                x: &a,
-                experts: &routes[i % ROUTE_SETS],
-                x_row_div,
-                which,
-            };
+            // Every timed launch groups its slots first (the production groups them once per MoE
+            // call for its three GEMMs; here each launch counts one grouping).
+            let production_groups =
+                |i: usize| ExpertGroups::new(rt, &routes[i % ROUTE_SETS], table);
             let mut y = rt.stream().alloc_zeros::<bf16>(rows * n)?;
-            gemm_fp4_routed_fast_tiled(rt, routed_rows(0), table, &mut y, FastTile::Auto)?;
+            let groups = production_groups(0)?;
+            gemm_fp4_routed_fast(
+                rt,
+                RoutedRows {
+                    x: &a,
+                    groups: &groups,
+                    x_row_div,
+                    which,
+                },
+                table,
+                &mut y,
+            )?;
             let production_bits = bits(rt, &y)?;
             let mut measured = Vec::new();
             let production_label = format!("production {}", label(production_shape));
@@ -573,12 +582,17 @@ pub fn routed(
                 &mut y,
                 |bits| Some(bits == production_bits),
                 |i, y| {
-                    Ok(gemm_fp4_routed_fast_tiled(
+                    let groups = production_groups(i)?;
+                    Ok(gemm_fp4_routed_fast(
                         rt,
-                        routed_rows(i),
+                        RoutedRows {
+                            x: &a,
+                            groups: &groups,
+                            x_row_div,
+                            which,
+                        },
                         table,
                         y,
-                        FastTile::Auto,
                     )?)
                 },
             )?;
@@ -605,9 +619,20 @@ pub fn routed(
                         &mut y,
                         |bits| (span == one_part).then(|| bits == production_bits),
                         |i, y| {
+                            let groups = ExpertGroups::fast_tile_rows(
+                                rt,
+                                &routes[i % ROUTE_SETS],
+                                table,
+                                variant.shape.tokens as usize,
+                            )?;
                             Ok(gemm_fp4_routed_fast_variant(
                                 rt,
-                                routed_rows(i),
+                                RoutedRows {
+                                    x: &a,
+                                    groups: &groups,
+                                    x_row_div,
+                                    which,
+                                },
                                 table,
                                 y,
                                 variant,

@@ -25,7 +25,8 @@ use deepinfer_kernels::ops::norm::rms_norm_bf16;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows, gemm_routed_with,
+    DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedBlocks, RoutedRows,
+    gemm_routed,
 };
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use half::bf16;
@@ -308,18 +309,19 @@ fn bench_routed_w1(
     let a = quantize_act_fp8(rt, &x, tokens, k, ActGroup::G32)?;
     let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
     let (route_sets, distinct) = route_sets(rt, tokens)?;
+    // The slots grouped with the launch (a MoE call groups them once for its three GEMMs).
     let micros = time_launches(rt, timer, |i| {
-        Ok(gemm_routed_with(
+        let groups = ExpertGroups::blocks(rt, &route_sets[i % ROUTE_SETS], table, blocks)?;
+        Ok(gemm_routed(
             rt,
             RoutedRows {
                 x: &a,
-                experts: &route_sets[i % ROUTE_SETS],
+                groups: &groups,
                 x_row_div: ROUTED_TOP_K,
                 which: ExpertProjection::W1,
             },
             table,
             &mut y,
-            blocks,
         )?)
     })?;
     let label = match blocks {

@@ -3,18 +3,18 @@
 //! runs its chosen experts through one routed GEMM launch per projection (each row bitwise what
 //! the dense GEMM gives for it), SwiGLU weights each row by its route, and the combine adds each
 //! row's expert outputs in increasing expert id, then the shared expert — the order of the host
-//! path, so the result is bitwise equal to it. In the `fast` numerics the FP4 routed experts
-//! (`ops::routed_fast`) and the shared expert's GEMMs run on tensor cores instead; SwiGLU, the
-//! activation quantisation between and the combine are the same kernels. The routed chain
+//! path, so the result is bitwise equal to it. SwiGLU and the quantisation of its rows for `w2`
+//! are one kernel (`swiglu_act_quant_fp8`, bitwise the two steps). In the `fast` numerics the FP4
+//! routed experts (`ops::routed_fast`) and the shared expert's GEMMs run on tensor cores instead;
+//! the SwiGLU quantiser and the combine are the same kernels. The routed chain
 //! ([`CudaBackend::routed_slots`]) also serves V4's FP4 experts in the fast numerics (`v4.rs`),
 //! with f32 outputs and no bf16 rounding ([`RoutedRow`]).
 
-use deepinfer_kernels::ops::gemm_fast::FastTile;
 use deepinfer_kernels::ops::routed::{
-    DeviceExpertTable, ExpertProjection, ExpertRefs, ExpertRowValue, RoutedRows, gemm_routed,
-    moe_combine, swiglu_rows,
+    DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, ExpertRowValue, RoutedRows,
+    gemm_routed, moe_combine, swiglu_act_quant_fp8,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast_tiled;
+use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
@@ -47,8 +47,7 @@ impl RoutedRow for bf16 {
 }
 
 impl RoutedRow for f32 {
-    const GEMM: RoutedGemm<f32> =
-        |rt, rows, table, out| gemm_fp4_routed_fast_tiled(rt, rows, table, out, FastTile::Auto);
+    const GEMM: RoutedGemm<f32> = gemm_fp4_routed_fast;
 }
 
 impl CudaBackend {
@@ -196,8 +195,9 @@ impl CudaBackend {
 
     /// The routed experts of `ids.len()` slots: slot `j` runs expert `ids[j]` of `table` on the
     /// FP8 row `j / x_row_div` of `a` — `w1` and `w3`, SwiGLU weighted by `route_weights[j]`
-    /// (rounded at `rounding`), its rows quantised in 32-groups, `w2` — into `[slots, dim]` of
-    /// `T` (bf16: V4.1; f32: V4 in the fast numerics). Each slot is what the dense GEMMs of the
+    /// (rounded at `rounding`) and quantised in 32-groups by one kernel, `w2` — into `[slots,
+    /// dim]` of `T` (bf16: V4.1; f32: V4 in the fast numerics). The slots are grouped by expert once for
+    /// the three routed GEMMs ([`ExpertGroups`]). Each slot is what the dense GEMMs of the
     /// table's numerics give for it, whichever slots run with it.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn routed_slots<T: RoutedRow>(
@@ -212,6 +212,7 @@ impl CudaBackend {
         rounding: Rounding,
     ) -> Result<CudaSlice<T>, CudaBackendError> {
         let (slots, inter, dim) = (ids.len(), table.inter(), table.dim());
+        let groups = ExpertGroups::new(&self.rt, ids, table).map_err(op_err(op))?;
         let routed = |x: &DeviceActFp8,
                       x_row_div: usize,
                       which: ExpertProjection,
@@ -222,38 +223,40 @@ impl CudaBackend {
             let mut out = unsafe { self.alloc_written::<T>(op, slots * width) }?;
             let rows = RoutedRows {
                 x,
-                experts: ids,
+                groups: &groups,
                 x_row_div,
                 which,
             };
             T::GEMM(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
-        let gate_up = |which| routed(a, x_row_div, which, inter);
-        let hidden = self.routed_swiglu(op, gate_up, route_weights, (limit, rounding))?;
+        let gate = routed(a, x_row_div, ExpertProjection::W1, inter)?;
+        let up = routed(a, x_row_div, ExpertProjection::W3, inter)?;
+        let weights = Some(route_weights);
+        let shape = (slots, inter);
         let a_hidden =
-            quantize_act_fp8(&self.rt, &hidden, slots, inter, ActGroup::G32).map_err(op_err(op))?;
+            self.swiglu_quantised(op, (&gate, &up), weights, shape, (limit, rounding))?;
         routed(&a_hidden, 1, ExpertProjection::W2, dim)
     }
 
-    /// The SwiGLU rows (fp32) of routed slots: `gate_up(W1)` and `gate_up(W3)` are the slots'
-    /// gate and up projections; each slot weighted by its `route_weights` entry, clamped at
-    /// `limit`, rounded at `rounding`.
-    pub(super) fn routed_swiglu<T: ExpertRowValue>(
+    /// The SwiGLU rows of `gate` and `up` (`[rows, inter]`, bf16 or f32), each row weighted by
+    /// its `route_weights` entry (or not), clamped at `limit`, rounded at `rounding`, quantised
+    /// to FP8 32-groups in the same kernel (the `w2` GEMM's activations).
+    fn swiglu_quantised<T: ExpertRowValue>(
         &self,
         op: &'static str,
-        gate_up: impl Fn(ExpertProjection) -> Result<CudaSlice<T>, CudaBackendError>,
-        route_weights: &CudaSlice<f32>,
+        (gate, up): (&CudaSlice<T>, &CudaSlice<T>),
+        route_weights: Option<&CudaSlice<f32>>,
+        (rows, inter): (usize, usize),
         (limit, rounding): (f32, Rounding),
-    ) -> Result<CudaSlice<f32>, CudaBackendError> {
-        let gate = gate_up(ExpertProjection::W1)?;
-        let up = gate_up(ExpertProjection::W3)?;
-        // SAFETY: swiglu_rows's grid-stride loop writes every value.
-        let mut hidden = unsafe { self.alloc_written(op, gate.len()) }?;
-        let weights = Some(route_weights);
-        swiglu_rows(&self.rt, &gate, &up, weights, limit, rounding, &mut hidden)
+    ) -> Result<DeviceActFp8, CudaBackendError> {
+        // SAFETY: swiglu_act_quant_fp8 writes every code and every group's scale (a warp per 128
+        // values over all rows * inter).
+        let mut out = unsafe { DeviceActFp8::alloc_written(&self.rt, rows, inter, ActGroup::G32) }
             .map_err(op_err(op))?;
-        Ok(hidden)
+        swiglu_act_quant_fp8(&self.rt, gate, up, route_weights, limit, rounding, &mut out)
+            .map_err(op_err(op))?;
+        Ok(out)
     }
 
     /// The shared expert of the rows `a` (FP8 32-group activations): bf16 `[rows, dim]`.
@@ -297,13 +300,8 @@ impl CudaBackend {
             };
         let gate = dense(a, &shared.w1)?;
         let up = dense(a, &shared.w3)?;
-        // SAFETY: swiglu_rows's grid-stride loop writes every value.
-        let mut hidden = unsafe { self.alloc_written(op, gate.len()) }?;
-        swiglu_rows(&self.rt, &gate, &up, None, limit, rounding, &mut hidden)
-            .map_err(op_err(op))?;
-        let inter = gate.len() / a.rows.max(1);
-        let a_hidden = quantize_act_fp8(&self.rt, &hidden, a.rows, inter, ActGroup::G32)
-            .map_err(op_err(op))?;
+        let shape = (a.rows, gate.len() / a.rows.max(1));
+        let a_hidden = self.swiglu_quantised(op, (&gate, &up), None, shape, (limit, rounding))?;
         dense(&a_hidden, &shared.w2)
     }
 

@@ -15,9 +15,9 @@
 //! rounding); the shared expert's projections take [`Backend::linear`]'s fast kernels; dense or
 //! FP8 routed experts keep the exact routed linears (no fast grouped kernel reads them).
 
-use deepinfer_kernels::ops::routed::{ExpertProjection, RoutedRows, moe_combine, swiglu_rows};
+use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows};
 use deepinfer_kernels::ops::routed_exact::{
-    DeviceExactExpertTable, ExactExpertRefs, ExactWeight, gemm_exact_routed,
+    DeviceExactExpertTable, ExactExpertRefs, ExactRoutedRows, ExactWeight, gemm_exact_routed,
 };
 use deepinfer_kernels::ops::v4::{v4_hyper_head_f32, v4_pool_f32};
 
@@ -309,7 +309,7 @@ impl CudaBackend {
             // SAFETY: gemm_exact_routed's reduction writes every (slot, column); every slot row
             // lies in a tile of its partials launch.
             let mut out = unsafe { self.alloc_written(op, slots * width) }?;
-            let rows = RoutedRows {
+            let rows = ExactRoutedRows {
                 x,
                 experts: ids,
                 x_row_div,
@@ -318,8 +318,21 @@ impl CudaBackend {
             gemm_exact_routed(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
-        let gate_up = |which| routed(x, x_row_div, which, inter);
-        let hidden = self.routed_swiglu(op, gate_up, route_weights, (limit, Rounding::F32))?;
+        let gate = routed(x, x_row_div, ExpertProjection::W1, inter)?;
+        let up = routed(x, x_row_div, ExpertProjection::W3, inter)?;
+        // SAFETY: swiglu_rows's grid-stride loop writes every value.
+        let mut hidden = unsafe { self.alloc_written(op, gate.len()) }?;
+        let weights = Some(route_weights);
+        swiglu_rows(
+            &self.rt,
+            &gate,
+            &up,
+            weights,
+            limit,
+            Rounding::F32,
+            &mut hidden,
+        )
+        .map_err(op_err(op))?;
         routed(&hidden, 1, ExpertProjection::W2, dim)
     }
 
