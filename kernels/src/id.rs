@@ -236,6 +236,11 @@ pub enum KernelId {
     SparseAttentionSinkRowsPtrFast,
     /// The same with one block per query running all of its splits (launches of many queries).
     SparseAttentionSinkRowsPtrFastWhole,
+    /// The fast attention of f32 operands (V4's plain f32 precision), each split into two bf16
+    /// pieces on the tensor cores (fp32-level accuracy), the output unrounded.
+    SparseAttentionSinkRowsPtrFastF32,
+    /// The f32 fast attention with one block per query running all of its splits.
+    SparseAttentionSinkRowsPtrFastF32Whole,
     /// Merges the splits of the fast attention's queries of several splits.
     SparseAttentionSplitCombine,
     /// mHC projection partials (one fixed-order chain per projection and K block) and the
@@ -330,7 +335,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 99] = [
+    pub const ALL: [KernelId; 101] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -387,6 +392,8 @@ impl KernelId {
         KernelId::SparseAttentionSinkRowsPtrF32,
         KernelId::SparseAttentionSinkRowsPtrFast,
         KernelId::SparseAttentionSinkRowsPtrFastWhole,
+        KernelId::SparseAttentionSinkRowsPtrFastF32,
+        KernelId::SparseAttentionSinkRowsPtrFastF32Whole,
         KernelId::SparseAttentionSplitCombine,
         KernelId::HcMixesPartialsF32,
         KernelId::HcMixesF32,
@@ -493,6 +500,12 @@ impl KernelId {
             KernelId::SparseAttentionSinkRowsPtrFastWhole => {
                 "sparse_attention_sink_rows_ptr_fast_whole"
             }
+            KernelId::SparseAttentionSinkRowsPtrFastF32 => {
+                "sparse_attention_sink_rows_ptr_fast_f32"
+            }
+            KernelId::SparseAttentionSinkRowsPtrFastF32Whole => {
+                "sparse_attention_sink_rows_ptr_fast_f32_whole"
+            }
             KernelId::SparseAttentionSplitCombine => "sparse_attention_split_combine",
             KernelId::HcMixesPartialsF32 => "hc_mixes_partials_f32",
             KernelId::HcMixesF32 => "hc_mixes_f32",
@@ -557,6 +570,8 @@ impl KernelId {
             | KernelId::LinearBf16x3FastWidePart
             | KernelId::SparseAttentionSinkRowsPtrFast
             | KernelId::SparseAttentionSinkRowsPtrFastWhole
+            | KernelId::SparseAttentionSinkRowsPtrFastF32
+            | KernelId::SparseAttentionSinkRowsPtrFastF32Whole
             | KernelId::IndexScoresRowsPtrFast => true,
             id => id.source() == SourceFile::GemmFast,
         }
@@ -618,6 +633,8 @@ impl KernelId {
             | KernelId::SparseAttentionSinkRowsPtrF32
             | KernelId::SparseAttentionSinkRowsPtrFast
             | KernelId::SparseAttentionSinkRowsPtrFastWhole
+            | KernelId::SparseAttentionSinkRowsPtrFastF32
+            | KernelId::SparseAttentionSinkRowsPtrFastF32Whole
             | KernelId::SparseAttentionSplitCombine => SourceFile::Attention,
             KernelId::HcMixesPartialsF32
             | KernelId::HcMixesF32
@@ -690,7 +707,7 @@ mod tests {
     }
 
     /// The tensor-core kernels are the `fast` ones (named so), less the part reductions of the
-    /// fast GEMMs and linears (plain fp32 adds): 28 of them.
+    /// fast GEMMs and linears (plain fp32 adds): 31 of them.
     #[test]
     fn tensor_core_kernels_are_the_fast_kernels_but_the_reductions() {
         for id in KernelId::ALL {
@@ -702,7 +719,7 @@ mod tests {
             .iter()
             .filter(|id| id.on_tensor_cores())
             .count();
-        assert_eq!(count, 29);
+        assert_eq!(count, 31);
     }
 
     #[test]

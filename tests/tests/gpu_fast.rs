@@ -1185,12 +1185,17 @@ fn v41_tiny_fast_blocks_meet_the_teacher_forced_rule() {
 /// v4-tiny (float32 dense weights) in fast numerics: rule 4 and determinism, and the fast path
 /// taken: its projections (`linear`: the fast bf16 linear with f32 outputs) and its MoE
 /// (`moe_rows_exact`: the shared expert on the fast bf16 linear; its dense routed experts keep
-/// the exact routed linears) launch tensor-core kernels, which the exact backend never does.
+/// the exact routed linears) and its sink attention (`sparse_attention_rows`: f32 operands in two
+/// bf16 pieces) launch tensor-core kernels, which the exact backend never does.
 #[test]
 fn v4_tiny_fast_meets_the_independent_implementation_rule_and_is_deterministic() {
     check_independent_rule("v4/v4-tiny");
     let load = |backend: Box<CudaBackend>| tiny("v4/v4-tiny", backend);
-    fast_v4::assert_fast_path_taken("v4-tiny", &["linear", "moe_rows_exact"], load);
+    fast_v4::assert_fast_path_taken(
+        "v4-tiny",
+        &["linear", "moe_rows_exact", "sparse_attention_rows"],
+        load,
+    );
 }
 
 /// The probe's logits of one step with `others` beside it (the probe is entry `at`).

@@ -1,53 +1,72 @@
 // The `fast` sink attention (ARCHITECTURE.md §3): the same operation as sparse_attention.cuh —
 // per query, every head attends to its own list of key rows (K = V, one row shared by all heads)
-// plus a per-head sink — on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation), for the
-// bf16 rounding points of V4.1 (q, keys and the probabilities' weights are bf16 values there, so
-// converting them to bf16 is exact; only the order of the fp32 additions differs from the exact
-// kernel's f64 sums).
+// plus a per-head sink — on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation), its f32
+// operands taken as PIECES bf16 pieces (one kernel body, the pieces a template parameter):
+//   PIECES = 1 (`sparse_attention_sink_rows_ptr_fast*`): the bf16 rounding points of V4.1 (q,
+//     keys and the probabilities' weights are bf16 values there, so converting them to bf16 is
+//     exact; only the order of the fp32 additions differs from the exact kernel's f64 sums); the
+//     output rounded to bf16 as the reference rounds it.
+//   PIECES = 2 (`sparse_attention_sink_rows_ptr_fast_f32*`): V4's plain f32 precision (no
+//     rounding point: transformers' float32 attention). Every f32 operand x — q, the keys (as K
+//     and as V) and the fp32 weights p — is split exactly into x = x₀ + x₁ + r, x₀ = bf16(x),
+//     x₁ = bf16(x − x₀) (the difference exact in fp32), |r| ≤ 2^-16 |x|, and each product a·b
+//     is taken as a₁·b₀ + a₀·b₁ + a₀·b₀, three mma on one accumulator, the small ones first
+//     (a₁·b₁ ≤ 2^-16 |a b| dropped): within 3.01 · 2^-16 of a·b instead of bf16's 2^-8, on
+//     the tensor cores where the exact kernel sums in f64 on CUDA cores. Two pieces, not three
+//     as the bf16x3 linear takes: a third would cut the heads a block holds again (q and the
+//     key tile sit in shared memory once per piece) for precision below what the fp32
+//     accumulation keeps anyway (17 · 2^-23 an mma); TF32 pieces would take 32 bits each in
+//     shared memory (twice a bf16 piece) at half the mma rate. The output is the f32 value,
+//     unrounded, as the exact kernel writes it at Rounding::F32. The two pieces of q and of the
+//     key tiles fit 32 heads a block (Shared<2>, 219 008 bytes with the staging at head_dim 512).
+// Both are within bounds derived from this arithmetic (kernels/src/ops/attention.rs), tested in
+// tests/tests/fast_attention/mod.rs.
 //
 // One block per (`groups` groups of 16 heads, query, split of its keys); groups · head_dim / 64
 // warps, warp w serving head group w / (head_dim / 64) over the head dims [64 d, 64 d + 64),
 // d = w % (head_dim / 64) (head_dim 64, 128, 256 or 512, so that the softmax's half-warps tile the
 // pairs evenly; key rows 16-byte aligned — the launcher checks both). A key tile is read from
-// global memory and converted once for all the block's heads (1 to 4 groups: 16 to 64 heads).
+// global memory and converted once for all the block's heads (1 to MAX_GROUPS / PIECES groups:
+// 16 to 64 heads with one piece, 16 or 32 with two).
 //   0. The block's first two tiles are requested by cp.async (f32, as stored) into a ring of two
 //      staging slots, one copy group per tile (a thread only ever reads back the float4 it copied
 //      itself, so a slot needs no barrier of its own); then the block's q rows are converted to
-//      bf16 into shared memory (zero past the last head). A key's address takes two dependent
-//      loads (its row number, then the table's address); warp 0 resolves them a few tiles ahead
-//      into shared memory (KeyAddressPipe), so a fetch never waits on them.
+//      their bf16 pieces into shared memory (zero past the last head). A key's address takes two
+//      dependent loads (its row number, then the table's address); warp 0 resolves them a few
+//      tiles ahead into shared memory (KeyAddressPipe), so a fetch never waits on them.
 // Then per tile of 16 keys, in list order:
-//   1. The thread's share of the tile, waited for, is converted to bf16 into shared memory
-//      (double-buffered: a slow warp may still read the last tile's keys); after the barrier the
-//      slot is refilled with the tile two ahead.
+//   1. The thread's share of the tile, waited for, is converted to its bf16 pieces into shared
+//      memory (double-buffered: a slow warp may still read the last tile's keys); after the
+//      barrier the slot is refilled with the tile two ahead.
 //   2. Scores: each warp multiplies its 64 dims of its group's 16 heads (A, by ldmatrix from the
-//      bf16 q) by the same dims of the 16 keys (B, by ldmatrix): a partial [16 heads x 16 keys]
-//      per warp, stored to shared memory; a head's partials are added in the order of its
-//      group's warps (dim order, fixed), times the scale.
+//      bf16 q) by the same dims of the 16 keys (B, by ldmatrix), the pieces' products per k-step
+//      (mma_pieces): a partial [16 heads x 16 keys] per warp, stored to shared memory; a head's
+//      partials are added in the order of its group's warps (dim order, fixed), times the scale.
 //   3. Online softmax per head, one half-warp per head (lane j = key j): the new running max,
 //      the rescale exp(m_old - m_new), the weights p = exp(s - m_new) (0 past the list), the
-//      weights' sum by a fixed shuffle tree, l = l * rescale + sum; bf16(p) to shared memory.
-//   4. Outputs: each warp rescales its accumulators [16 heads x 64 dims] and adds bf16(p) · V
-//      for its dims (V = the tile's keys, by ldmatrix.trans).
-// Finally out = acc / (l + exp(sink - m)), rounded to bf16.
+//      weights' sum by a fixed shuffle tree, l = l * rescale + sum; p's pieces to shared memory.
+//   4. Outputs: each warp rescales its accumulators [16 heads x 64 dims] and adds p · V for its
+//      dims (V = the tile's keys, by ldmatrix.trans), the pieces' products per n-tile.
+// Finally out = acc / (l + exp(sink - m)), rounded to bf16 with one piece.
 //
 // Why the bits do not depend on the group count (nor differ from the one-group kernel this
 // replaced): every head's arithmetic is the same operations on the same values. q and the keys
-// are rounded to bf16 by the same conversion wherever it runs; ldmatrix puts in each register
-// exactly the pair of bf16 values the 32-bit fragment loads did (numerics.cuh, ldmatrix_x4); a
-// warp's scores are the same mma chain over its 64 dims (k-steps in dim order, from zero), a
-// head's head_dim / 64 partials are added in dim order, then scaled; the softmax runs the same
-// lanes, shuffle trees and expf on the same operands; the tiles, splits and the combine's order
-// are fixed by the key count. A block's groups share only the key tile and the barriers: no value
-// flows from one head to another. So the launcher picks the group count from the launch's shape,
-// and `fast_attention::every_head_block_gives_the_same_bits` (tests) checks it.
+// are split into their pieces by the same conversion wherever it runs; ldmatrix puts in each
+// register exactly the pair of bf16 values the 32-bit fragment loads did (numerics.cuh,
+// ldmatrix_x4); a warp's scores are the same mma chain over its 64 dims (k-steps in dim order,
+// the pieces in a fixed order, from zero), a head's head_dim / 64 partials are added in dim
+// order, then scaled; the softmax runs the same lanes, shuffle trees and expf on the same
+// operands; the tiles, splits and the combine's order are fixed by the key count. A block's
+// groups share only the key tile and the barriers: no value flows from one head to another. So
+// the launcher picks the group count from the launch's shape, and
+// `fast_attention::every_head_block_gives_the_same_bits` (tests) checks it for both pieces.
 //
 // Split keys (flash-decoding): a query's list is cut into splits of SPLIT_TILES tiles, each
 // computed from a fresh softmax state, then merged in split order from (M, L, O) = (-1e30, 0, 0):
 // M' = max(M, m_s), O' = O exp(M - M') + acc_s exp(m_s - M'), L' likewise (merge_split);
 // out = O / (L + exp(sink - M)). Two launch forms give the same bits: one block per split (grid
 // z), so that a decode step of few queries still fills the GPU, each split's (m, l, acc) to
-// scratch and `combine` merging them; or (WHOLE, the `_whole` kernel, for launches of many
+// scratch and `combine` merging them; or (WHOLE, the `_whole` kernels, for launches of many
 // queries: a prefill) one block per query running its splits one after the other and merging
 // each as it ends, with no scratch. A query of one split writes its output as above in both. The
 // split count depends only on the query's key count, so every output depends only on its query's
@@ -59,14 +78,13 @@
 namespace fast_attention {
 
 constexpr u32_t HEADS = 16;         // heads per group (one mma M tile)
-constexpr u32_t MAX_GROUPS = 4;     // groups per block
-constexpr u32_t MAX_HEADS = MAX_GROUPS * HEADS;
+constexpr u32_t MAX_GROUPS = 4;     // groups per block of one piece (MAX_GROUPS / PIECES of PIECES)
 constexpr u32_t TILE = 16;          // keys per tile (one mma K step of the output product)
 constexpr u32_t WARP_DIMS = 64;     // head dims per warp
 constexpr u32_t MAX_DIM_WARPS = 8;  // head_dim <= 512
-constexpr u32_t MAX_WARPS = MAX_GROUPS * MAX_DIM_WARPS;
-constexpr u32_t MAX_THREADS = MAX_WARPS * 32;
-constexpr u32_t MAX_WHOLE_THREADS = MAX_THREADS / 2;  // the one-block-per-query kernel's
+constexpr u32_t MAX_THREADS = MAX_GROUPS * MAX_DIM_WARPS * 32;
+constexpr u32_t MAX_WHOLE_THREADS = MAX_THREADS / 2;  // the one-block-per-query kernels'
+constexpr u32_t MAX_F32_THREADS = MAX_THREADS / 2;    // both kernels of two pieces (32 heads)
 // bf16 per shared q or key row: 16-byte rows whose 8 consecutive rows fall in distinct banks
 // (ldmatrix without conflicts).
 constexpr u32_t ROW_STRIDE = WARP_DIMS * MAX_DIM_WARPS + 8;
@@ -81,32 +99,69 @@ __device__ __forceinline__ u32_t splits_of(u32_t n_keys) {
     return n_keys <= SPLIT_KEYS ? 1u : (n_keys + SPLIT_KEYS - 1) / SPLIT_KEYS;
 }
 
-// The block's shared memory (dynamic): regions at fixed offsets, sized for the widest block (64
-// heads, head_dim 512), then the staging ring of head_dim-wide f32 keys. `fast_shared_bytes` in
-// ops/attention.rs mirrors it: sizeof(Shared) + STAGES · TILE · head_dim · 4 bytes
-// (136 960 + 128 head_dim: 202 496 at head_dim 512).
+// The block's shared memory (dynamic): regions at fixed offsets, sized for the widest block of
+// PIECES pieces (64 heads with one, 32 with two; head_dim 512), then the staging ring of
+// head_dim-wide f32 keys. `fast_shared_bytes` in ops/attention.rs mirrors it: sizeof(Shared) +
+// STAGES · TILE · head_dim · 4 bytes (136 960 + 128 head_dim: 202 496 at head_dim 512 with one
+// piece; 153 472 + 128 head_dim: 219 008 with two).
+template <u32_t PIECES>
 struct Shared {
-    float row_max[MAX_HEADS];  // per head of the block: the running max,
-    float row_sum[MAX_HEADS];  // the weights' sum
-    float rescale[MAX_HEADS];  // and the tile's rescale
-    __nv_bfloat16 weights[MAX_HEADS][P_STRIDE];      // bf16(p) of the tile
-    float partial[MAX_WARPS][HEADS][TILE];           // each warp's partial scores (partial_col)
-    __nv_bfloat16 keys[2][TILE][ROW_STRIDE];         // the tile's keys, double-buffered
-    __nv_bfloat16 q[MAX_HEADS][ROW_STRIDE];          // the block's q rows
+    static constexpr u32_t GROUPS = MAX_GROUPS / PIECES;
+    static constexpr u32_t BLOCK_HEADS = GROUPS * HEADS;
+    float row_max[BLOCK_HEADS];  // per head of the block: the running max,
+    float row_sum[BLOCK_HEADS];  // the weights' sum
+    float rescale[BLOCK_HEADS];  // and the tile's rescale
+    __nv_bfloat16 weights[PIECES][BLOCK_HEADS][P_STRIDE];    // the pieces of p of the tile
+    float partial[GROUPS * MAX_DIM_WARPS][HEADS][TILE];      // each warp's partial scores (partial_col)
+    __nv_bfloat16 keys[2][PIECES][TILE][ROW_STRIDE];         // the tile's keys, double-buffered
+    __nv_bfloat16 q[PIECES][BLOCK_HEADS][ROW_STRIDE];        // the block's q rows
     unsigned long long key_addresses[ADDRESS_SLOTS][TILE];  // tile k's key rows in slot k % 4
 };
-static_assert(sizeof(Shared) == 136960, "FAST_SHARED_REGIONS in ops/attention.rs");
-static_assert(sizeof(Shared) % 16 == 0, "the staging after it is float4-aligned");
+static_assert(sizeof(Shared<1>) == 136960, "FAST_SHARED_REGIONS in ops/attention.rs");
+static_assert(sizeof(Shared<2>) == 153472, "FAST_F32_SHARED_REGIONS in ops/attention.rs");
+static_assert(sizeof(Shared<1>) % 16 == 0 && sizeof(Shared<2>) % 16 == 0, "the staging after it is float4-aligned");
 
-__device__ __forceinline__ Shared& shared_regions() {
+template <u32_t PIECES>
+__device__ __forceinline__ Shared<PIECES>& shared_regions() {
     extern __shared__ __align__(16) unsigned char smem[];
-    return *reinterpret_cast<Shared*>(smem);
+    return *reinterpret_cast<Shared<PIECES>*>(smem);
 }
 
 // [STAGES][TILE · head_dim / 4]: tile k's keys in f32, as copied, in slot k % STAGES.
+template <u32_t PIECES>
 __device__ __forceinline__ float4* staging() {
     extern __shared__ __align__(16) unsigned char smem[];
-    return reinterpret_cast<float4*>(smem + sizeof(Shared));
+    return reinterpret_cast<float4*>(smem + sizeof(Shared<PIECES>));
+}
+
+// Four f32 values v as their PIECES bf16 pieces, piece j at at + j · piece_stride (8-byte
+// aligned): piece 0 = bf16(v), piece 1 = bf16(v − piece 0), the difference exact in fp32.
+template <u32_t PIECES>
+__device__ __forceinline__ void store_pieces(__nv_bfloat16* at, u32_t piece_stride, float4 v) {
+#pragma unroll
+    for (u32_t j = 0; j < PIECES; ++j) {
+        const u32_t xy = pack_bf16(v.x, v.y), zw = pack_bf16(v.z, v.w);
+        *reinterpret_cast<uint2*>(at + j * piece_stride) = make_uint2(xy, zw);
+        if (j + 1 < PIECES) {
+            v.x = __fsub_rn(v.x, __uint_as_float(xy << 16));
+            v.y = __fsub_rn(v.y, __uint_as_float(xy & 0xffff0000u));
+            v.z = __fsub_rn(v.z, __uint_as_float(zw << 16));
+            v.w = __fsub_rn(v.w, __uint_as_float(zw & 0xffff0000u));
+        }
+    }
+}
+
+// d += a · b of the operands' pieces (a[j], b[j]: piece j's fragments, b's two registers at
+// b[j][r], b[j][r + 1]) in the fixed order of the header: a₁·b₀, a₀·b₁, then a₀·b₀ (one mma with
+// one piece).
+template <u32_t PIECES, u32_t B_REGS>
+__device__ __forceinline__ void mma_pieces(float (&d)[4], const u32_t (&a)[PIECES][4], const u32_t (&b)[PIECES][B_REGS],
+                                           u32_t r) {
+    if constexpr (PIECES == 2) {
+        mma_bf16(d, a[1], b[0][r], b[0][r + 1]);
+        mma_bf16(d, a[0], b[1][r], b[1][r + 1]);
+    }
+    mma_bf16(d, a[0], b[0][r], b[0][r + 1]);
 }
 
 // The column of key j in head row h of a warp's partial scores: columns 8..15 and 0..7 swap in
@@ -151,7 +206,8 @@ struct KeyAddressPipe {
         return valid(tile) ? key_rows[tile * TILE + threadIdx.x] : 0u;
     }
     // Tiles [0, first) resolved at once, tile `first`'s address and tile first + 1's row in flight.
-    __device__ __forceinline__ void start(Shared& sh, u32_t first) {
+    template <class S>
+    __device__ __forceinline__ void start(S& sh, u32_t first) {
         if (threadIdx.x >= TILE) return;
         for (u32_t k = 0; k < first; ++k)
             sh.key_addresses[k % ADDRESS_SLOTS][threadIdx.x] = valid(k) ? key_ptrs[row_of(k)] : 0ull;
@@ -159,7 +215,8 @@ struct KeyAddressPipe {
         row = row_of(first + 1);
     }
     // Tile k's address (in flight since the last call) to its slot; tile k + 1's and k + 2's requested.
-    __device__ __forceinline__ void advance(Shared& sh, u32_t k) {
+    template <class S>
+    __device__ __forceinline__ void advance(S& sh, u32_t k) {
         if (threadIdx.x >= TILE) return;
         sh.key_addresses[k % ADDRESS_SLOTS][threadIdx.x] = address;
         address = valid(k + 1) ? key_ptrs[row] : 0ull;
@@ -183,12 +240,12 @@ __device__ __forceinline__ float merge_value(float o, float acc, float2 w) {
 }
 
 // The row-batched entry (sparse_attention.cu: the arguments and the grid): query query0 +
-// blockIdx.y of q [queries, heads, head_dim] (f32 storage, bf16 values), its key j at the address
+// blockIdx.y of q [queries, heads, head_dim] (f32 storage; bf16 values with one piece), its key j at the address
 // key_ptrs[key_rows[row_starts[query] + j]], its split blockIdx.z; this block's heads are
 // blockIdx.x · groups · HEADS + [0, groups · HEADS), groups = blockDim.x / (head_dim / 2). A
 // query of one split writes out; of several, its split's (m, l, acc) to the split scratch, or
 // with WHOLE (grid z = 1) the block runs all its splits and writes out.
-template <bool WHOLE>
+template <bool WHOLE, u32_t PIECES>
 __device__ void attention(const float* __restrict__ q, const unsigned long long* __restrict__ key_ptrs,
                           const u32_t* __restrict__ key_rows, const u32_t* __restrict__ row_starts,
                           const float* __restrict__ sink, float* __restrict__ out,
@@ -200,8 +257,8 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     const u32_t splits = splits_of(n_keys);
     const u32_t split = WHOLE ? 0u : blockIdx.z;
     if (split >= splits) return;
-    Shared& sh = shared_regions();
-    float4* const stage = staging();
+    Shared<PIECES>& sh = shared_regions<PIECES>();
+    float4* const stage = staging<PIECES>();
     const u32_t threads = blockDim.x;
     // head_dim / 64 warps per group and head_dim / 4 float4 per row: powers of two.
     const u32_t dim_bits = __ffs(p.head_dim) - 7, quad_bits = dim_bits + 4;
@@ -213,7 +270,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     const u32_t local0 = (warp >> dim_bits) * HEADS;  // this warp's first head in the block
     const u32_t dim0 = (warp & (dim_warps - 1)) * WARP_DIMS;
 
-    // 0. The first STAGES tiles in flight, then q in bf16 and the row statistics.
+    // 0. The first STAGES tiles in flight, then q's bf16 pieces and the row statistics.
     const u32_t all_tiles = (n_keys + TILE - 1) / TILE;
     const u32_t first_tile = split * SPLIT_TILES;
     const u32_t tiles = (WHOLE || splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES)) - first_tile;
@@ -233,7 +290,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         for (u32_t i = threadIdx.x; i < block_heads << quad_bits; i += threads) {
             const u32_t h = i >> quad_bits, quad = i & (quads - 1);
             const float4 v = block_head0 + h < p.heads ? q4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            *reinterpret_cast<uint2*>(&sh.q[h][quad * 4]) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+            store_pieces<PIECES>(&sh.q[0][h][quad * 4], Shared<PIECES>::BLOCK_HEADS * ROW_STRIDE, v);
         }
     }
     if (threadIdx.x < block_heads) {
@@ -282,16 +339,15 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
                 sh.row_sum[threadIdx.x] = 0.0f;
             }
         }
-        __nv_bfloat16(&keys)[TILE][ROW_STRIDE] = sh.keys[k & 1];
-        // 1. This thread's float4 of the tile, as bf16 (zero past the list).
+        __nv_bfloat16(&keys)[PIECES][TILE][ROW_STRIDE] = sh.keys[k & 1];
+        // 1. This thread's float4 of the tile, as its bf16 pieces (zero past the list).
         cp_async_wait<STAGES - 1>();     // tile k's group has landed (one newer may be pending)
         asm volatile("" ::: "memory");  // and no read of its slot moves above the wait
         {
             const float4* slot_area = stage + (k % STAGES) * (TILE << quad_bits);
             for (u32_t slot = threadIdx.x; slot < TILE << quad_bits; slot += threads) {
-                const float4 v = slot_area[slot];
-                *reinterpret_cast<uint2*>(&keys[slot >> quad_bits][(slot & ((1u << quad_bits) - 1)) * 4]) =
-                    make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+                store_pieces<PIECES>(&keys[0][slot >> quad_bits][(slot & ((1u << quad_bits) - 1)) * 4],
+                                     TILE * ROW_STRIDE, slot_area[slot]);
             }
         }
         __syncthreads();  // (A) the tile's keys (and q) are in place; the last weights were used
@@ -306,15 +362,19 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
 #pragma unroll
         for (u32_t kk = 0; kk < 4; ++kk) {
             // a: heads g, g + 8 x dims 2t.., 2t + 8.. of k-step kk; b0, b1 of k-steps kk and kk + 1
-            // (loaded at even kk): key nt 8 + g.
-            u32_t a[4];
-            ldmatrix_x4(a, &sh.q[local0 + lane / 8 % 2 * 8 + lane % 8][dim0 + kk * 16 + lane / 16 * 8]);
-            u32_t b[2][4];
+            // (loaded at even kk): key nt 8 + g. Piece j of each in a[j], b[nt][j].
+            u32_t a[PIECES][4];
+#pragma unroll
+            for (u32_t j = 0; j < PIECES; ++j)
+                ldmatrix_x4(a[j], &sh.q[j][local0 + lane / 8 % 2 * 8 + lane % 8][dim0 + kk * 16 + lane / 16 * 8]);
+            u32_t b[2][PIECES][4];
 #pragma unroll
             for (u32_t nt = 0; nt < 2; ++nt) {
                 if (kk % 2 == 0)
-                    ldmatrix_x4(b[nt], &keys[nt * 8 + lane % 8][dim0 + kk * 16 + lane / 8 * 8]);
-                mma_bf16(s[nt], a, b[nt][kk % 2 * 2], b[nt][kk % 2 * 2 + 1]);
+#pragma unroll
+                    for (u32_t j = 0; j < PIECES; ++j)
+                        ldmatrix_x4(b[nt][j], &keys[j][nt * 8 + lane % 8][dim0 + kk * 16 + lane / 8 * 8]);
+                mma_pieces<PIECES>(s[nt], a, b[nt], kk % 2 * 2);
             }
         }
         float(&partial)[HEADS][TILE] = sh.partial[warp];
@@ -348,7 +408,10 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
 #pragma unroll
             for (u32_t step = 8; step > 0; step /= 2)
                 sum += __shfl_xor_sync(0xffffffffu, sum, step);
-            sh.weights[h][j] = __float2bfloat16_rn(weight);
+            // p's pieces (bf16(p) alone with one piece), as store_pieces splits.
+            const __nv_bfloat16 weight0 = __float2bfloat16_rn(weight);
+            sh.weights[0][h][j] = weight0;
+            if constexpr (PIECES == 2) sh.weights[1][h][j] = __float2bfloat16_rn(__fsub_rn(weight, __bfloat162float(weight0)));
             __syncwarp();
             if (j == 0) {
                 const float rescale = expf(old_max - new_max);
@@ -359,18 +422,24 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         }
         __syncthreads();  // (C) the tile's weights and rescales are in place
 
-        // 4. Outputs: acc = acc * rescale + bf16(p) · V over this warp's 64 dims (8 n-tiles).
+        // 4. Outputs: acc = acc * rescale + p · V over this warp's 64 dims (8 n-tiles), p's and
+        // V's pieces (bf16(p) · V with one piece).
         const float rescale_lo = sh.rescale[lo], rescale_hi = sh.rescale[hi];
-        u32_t pa[4];
-        pa[0] = *reinterpret_cast<const u32_t*>(&sh.weights[lo][2 * t]);
-        pa[1] = *reinterpret_cast<const u32_t*>(&sh.weights[hi][2 * t]);
-        pa[2] = *reinterpret_cast<const u32_t*>(&sh.weights[lo][2 * t + 8]);
-        pa[3] = *reinterpret_cast<const u32_t*>(&sh.weights[hi][2 * t + 8]);
+        u32_t pa[PIECES][4];
+#pragma unroll
+        for (u32_t j = 0; j < PIECES; ++j) {
+            pa[j][0] = *reinterpret_cast<const u32_t*>(&sh.weights[j][lo][2 * t]);
+            pa[j][1] = *reinterpret_cast<const u32_t*>(&sh.weights[j][hi][2 * t]);
+            pa[j][2] = *reinterpret_cast<const u32_t*>(&sh.weights[j][lo][2 * t + 8]);
+            pa[j][3] = *reinterpret_cast<const u32_t*>(&sh.weights[j][hi][2 * t + 8]);
+        }
 #pragma unroll
         for (u32_t np = 0; np < 4; ++np) {
             // b0, b1 of n-tiles 2 np and 2 np + 1: keys 2t.. and 2t + 8.., dim 8 nt + g.
-            u32_t b[4];
-            ldmatrix_x4_trans(b, &keys[lane / 8 % 2 * 8 + lane % 8][dim0 + (2 * np + lane / 16) * 8]);
+            u32_t b[PIECES][4];
+#pragma unroll
+            for (u32_t j = 0; j < PIECES; ++j)
+                ldmatrix_x4_trans(b[j], &keys[j][lane / 8 % 2 * 8 + lane % 8][dim0 + (2 * np + lane / 16) * 8]);
 #pragma unroll
             for (u32_t i = 0; i < 2; ++i) {
                 const u32_t nt = 2 * np + i;
@@ -378,7 +447,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
                 acc[nt][1] *= rescale_lo;
                 acc[nt][2] *= rescale_hi;
                 acc[nt][3] *= rescale_hi;
-                mma_bf16(acc[nt], pa, b[2 * i], b[2 * i + 1]);
+                mma_pieces<PIECES>(acc[nt], pa, b, 2 * i);
             }
         }
     }
@@ -410,8 +479,9 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         return;
     }
 
-    // out = acc / (l + exp(sink - m)), rounded to bf16 (the V4.1 rounding point); with WHOLE and
-    // several splits, the last one merged, out = o / (L + exp(sink - M)) as `combine` writes it.
+    // out = acc / (l + exp(sink - m)), rounded to bf16 with one piece (the V4.1 rounding point),
+    // the f32 value with two; with WHOLE and several splits, the last one merged,
+    // out = o / (L + exp(sink - M)) as `combine` writes it.
     const bool merging = WHOLE && splits > 1;
     if (merging) merge_ended_split();
 #pragma unroll
@@ -429,7 +499,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
             const float o0 = merging ? merged[nt][2 * half] : acc[nt][2 * half];
             const float o1 = merging ? merged[nt][2 * half + 1] : acc[nt][2 * half + 1];
             *reinterpret_cast<float2*>(&out_h[d]) =
-                make_float2(round_bf16_f32(o0 / denominator), round_bf16_f32(o1 / denominator));
+                make_float2(store_f32<float, PIECES == 1>(o0 / denominator), store_f32<float, PIECES == 1>(o1 / denominator));
         }
     }
 }
@@ -437,8 +507,8 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
 // Merges dims [4 quad, 4 quad + 4) of head `h` of a query of `splits` > 1 splits (stride `heads`
 // split results apart in `acc` / `stats`, as `attention` wrote them) into out [heads, head_dim]:
 // merge_split in split order from (-1e30, 0, 0), the first split's o from zero as the WHOLE
-// block's; out = o / (L + exp(sink - M)), rounded to bf16. A thread computes the weights once for
-// its four outputs.
+// block's; out = o / (L + exp(sink - M)), rounded to bf16 when p.round_bf16 (the launches of one
+// piece: `attention`'s own rounding). A thread computes the weights once for its four outputs.
 __device__ void combine(const float* __restrict__ acc, const float* __restrict__ stats, u32_t splits,
                         u32_t h, u32_t quad, float sink, float* __restrict__ out, AttentionParams p) {
     const size_t split_quads = (size_t)p.heads * p.head_dim / 4;
@@ -457,9 +527,9 @@ __device__ void combine(const float* __restrict__ acc, const float* __restrict__
         o.w = merge_value(o.w, v.w, w);
     }
     const float denominator = l + expf(sink - m);
-    *reinterpret_cast<float4*>(out + (size_t)h * p.head_dim + 4 * quad) =
-        make_float4(round_bf16_f32(o.x / denominator), round_bf16_f32(o.y / denominator),
-                    round_bf16_f32(o.z / denominator), round_bf16_f32(o.w / denominator));
+    o = make_float4(o.x / denominator, o.y / denominator, o.z / denominator, o.w / denominator);
+    if (p.round_bf16) o = make_float4(round_bf16_f32(o.x), round_bf16_f32(o.y), round_bf16_f32(o.z), round_bf16_f32(o.w));
+    *reinterpret_cast<float4*>(out + (size_t)h * p.head_dim + 4 * quad) = o;
 }
 
 }  // namespace fast_attention

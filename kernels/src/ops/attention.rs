@@ -6,7 +6,38 @@
 //! invariant). The `fast` numerics' row-batched entry ([`sparse_attention_sink_rows_ptr_fast`])
 //! runs the same operation on tensor cores (`sparse_attention_fast.cuh`), a query's keys in
 //! splits of 64 (one block each, reading each key tile once for 16 to 64 heads:
-//! [`FastHeadBlock`]) merged in split order by a second launch.
+//! [`FastHeadBlock`]) merged in split order by a second launch: at the bf16 rounding points with
+//! bf16 operands, in f32 precision with each f32 operand split into two bf16 pieces.
+//!
+//! The f32 form's error against the exact value (f64), derived from its arithmetic (what
+//! tests/tests/fast_attention/mod.rs asserts). A split operand `x = x₀ + x₁ + r` has
+//! `|r| ≤ 2^-16 |x|` (`x₀ = bf16(x)` within `2^-8 |x|`, `x₁ = bf16(x − x₀)` within `2^-8` of that
+//! exact difference), and a product taken as `a₁b₀ + a₀b₁ + a₀b₀` misses `a₁b₁ + r_a b +
+//! (a₀ + a₁) r_b`: at most `3.01 · 2^-16 |a b|` (values and products in fp32's normal range). The
+//! tensor core adds an mma's 16 products to its accumulator within `17 · 2^-23` of the
+//! magnitudes it adds (`ops::linear_fast`'s model).
+//! - A score: per 64 dims a warp's 12 mma (4 k-steps × 3 pieces) on an accumulator bounded by
+//!   its pieces' magnitudes (`≤ 1.02` of `Σ |q k|`: `12 · 17 · 1.02 · 1.01 ≤ 211`), the warps'
+//!   partials added in dim order (`≤ 7` roundings of `2^-24`), the scale (one): with
+//!   `S_j = scale · Σ_d |q_d k_jd|`, `|ŝ_j − s_j| ≤ δ_j = (3.01 · 2^-16 + 215 · 2^-23) S_j`.
+//! - A weight `p_j = exp(s_j − M)` reaches the numerator and the denominator as `expf` of a
+//!   rounded difference with the running max, times the rescales of its split's later tiles
+//!   (`≤ SPLIT_TILES − 1`) and the merge weights of the splits (`≤ splits`): `c = SPLIT_TILES +
+//!   splits` factors, each within `2^-22` (expf's 2 ulp) and `2^-24 R` (the difference's
+//!   rounding; `R` bounds every `|s − M|` and `|sink − M|`) of its exact value, so both sides
+//!   carry it within `1 ± ε_j`, `ε_j = δ_j (1 + δ_j) + c (2^-22 + 2^-24 R)`; the sink's term within
+//!   `1 ± ε_sink`, `ε_sink = 2^-22 + 2^-24 R`. The max itself cancels in the quotient.
+//! - The numerator `Σ p_j v_j` adds the split product (`3.01 · 2^-16`), the 12 mma of a split
+//!   (`215 · 2^-23`, as above) and the rescales' and merges' fp32 roundings (`SPLIT_TILES +
+//!   3 · splits`, of `2^-24`): `e_v` of `Σ p_j |v_j|`. The denominator's fp32 sums of positive
+//!   terms (a 16-lane tree, two per tile's update, three per merge, the sink's addition):
+//!   `e_l = (5 + 2 · SPLIT_TILES + 3 · splits) · 2^-24`.
+//!
+//! So, with `L = Σ_j p_j + exp(sink − M)`, `|ô − o| ≤ (Σ_j p_j ε_j (|v_j| + |o|) + ε_sink
+//! exp(sink − M) |o| + e_v Σ_j p_j |v_j| + e_l L |o|) / (L (1 − ε − e_l)) + 2^-23 |o|` with
+//! `ε = max(ε_j, ε_sink)` (the quotient of a perturbed numerator and denominator, then the
+//! division's rounding): near `2^-14` of the output's weighted magnitude where bf16 operands
+//! give `2^-8`.
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
@@ -23,9 +54,12 @@ const FAST_OP: &str = "sparse_attention_sink_rows_ptr_fast";
 const FAST_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 /// Heads per group of the fast kernel (`fast_attention::HEADS`, one mma tile of rows).
 const FAST_GROUP_HEADS: usize = 16;
-/// Bytes of the fast kernel's fixed shared regions (`sizeof(fast_attention::Shared)`: row
+/// Bytes of the fast kernel's fixed shared regions (`sizeof(fast_attention::Shared<1>)`: row
 /// statistics, weights, partial scores, two key tiles and q, sized for 64 heads of 512 dims).
 const FAST_SHARED_REGIONS: usize = 136_960;
+/// The same of the f32 kernels (`sizeof(fast_attention::Shared<2>)`: two bf16 pieces of the
+/// weights, the key tiles and q, sized for 32 heads of 512 dims).
+const FAST_F32_SHARED_REGIONS: usize = 153_472;
 /// The fewest blocks a fast launch should have before [`FastHeadBlock::choose`] narrows its head
 /// block. At head_dim 512 a block's shared memory fills an SM whatever its heads, so more blocks
 /// than SMs run in waves: wider blocks (each key tile read once for more heads) in fewer waves
@@ -424,13 +458,14 @@ pub fn fast_attention_supports(head_dim: usize, key_ptrs: &DeviceKeyTable) -> bo
 /// The heads one block of the fast attention serves: groups of 16 whose warps share each key
 /// tile, read from global memory and converted to bf16 once for all of them. Every block gives
 /// the same bits (`sparse_attention_fast.cuh` says why); [`FastHeadBlock::choose`] picks one
-/// by the launch's shape.
+/// by the launch's shape. The f32 kernels (two bf16 pieces of q and of the key tile in shared
+/// memory) take at most 32 heads ([`FastHeadBlock::fits`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FastHeadBlock {
     /// 16 heads: the most blocks, for decode steps of few queries.
     Heads16,
     Heads32,
-    /// 64 heads (V4.1's): a key tile read once per query and split.
+    /// 64 heads (V4.1's): a key tile read once per query and split (bf16 operands only).
     Heads64,
 }
 
@@ -440,6 +475,16 @@ impl FastHeadBlock {
         FastHeadBlock::Heads32,
         FastHeadBlock::Heads64,
     ];
+
+    /// Whether the kernels of `rounding` take this block: its groups of 16 heads within
+    /// `fast_attention::MAX_GROUPS / PIECES` (4 with bf16 operands, 2 with f32's two pieces).
+    pub fn fits(self, rounding: Rounding) -> bool {
+        let max_groups = match rounding {
+            Rounding::Bf16 => 4,
+            Rounding::F32 => 2,
+        };
+        self.groups() <= max_groups
+    }
 
     /// Groups of 16 heads (`blockDim.x / (head_dim / 2)` in the kernel).
     fn groups(self) -> usize {
@@ -467,65 +512,84 @@ impl FastHeadBlock {
         ))
     }
 
-    /// The widest block of the one-block-per-query kernel: within [`FAST_WHOLE_THREADS`] threads
-    /// and with no group wholly past `heads` (32 heads at V4.1's head_dim 512).
-    fn widest_whole(heads: usize, head_dim: usize) -> FastHeadBlock {
+    /// The widest block of the one-block-per-query kernel of `rounding`: within
+    /// [`FAST_WHOLE_THREADS`] threads and with no group wholly past `heads` (32 heads at V4.1's
+    /// head_dim 512).
+    fn widest_whole(heads: usize, head_dim: usize, rounding: Rounding) -> FastHeadBlock {
         FastHeadBlock::ALL
             .into_iter()
             .rev()
             .find(|block| {
-                block.threads(head_dim) <= FAST_WHOLE_THREADS
+                block.fits(rounding)
+                    && block.threads(head_dim) <= FAST_WHOLE_THREADS
                     && block.groups() <= heads.div_ceil(FAST_GROUP_HEADS)
             })
             .unwrap_or(FastHeadBlock::Heads16)
     }
 
-    /// The widest block with no group wholly past `heads` that still gives a launch of
-    /// `query_splits` (queries × their most splits) at least [`FAST_MIN_BLOCKS`] blocks; 16
-    /// heads when none does (a decode step of one query: 4 × 10 blocks).
-    pub fn choose(heads: usize, query_splits: usize) -> FastHeadBlock {
+    /// The widest block of the kernels of `rounding` with no group wholly past `heads` that
+    /// still gives a launch of `query_splits` (queries × their most splits) at least
+    /// [`FAST_MIN_BLOCKS`] blocks; 16 heads when none does (a decode step of one query: 4 × 10
+    /// blocks).
+    pub fn choose(heads: usize, query_splits: usize, rounding: Rounding) -> FastHeadBlock {
         let groups = heads.div_ceil(FAST_GROUP_HEADS);
         FastHeadBlock::ALL
             .into_iter()
             .rev()
             .find(|block| {
-                block.groups() <= groups
+                block.fits(rounding)
+                    && block.groups() <= groups
                     && groups.div_ceil(block.groups()) * query_splits >= FAST_MIN_BLOCKS
             })
             .unwrap_or(FastHeadBlock::Heads16)
     }
 }
 
-/// Dynamic shared memory of a fast-attention block of `head_dim` (`fast_attention::Shared`, then
-/// the staging ring of two tiles of 16 f32 keys): at most 202 496 bytes, at head_dim 512.
-pub(crate) const fn fast_shared_bytes(head_dim: usize) -> u32 {
-    (FAST_SHARED_REGIONS + 2 * 16 * 4 * head_dim) as u32
+/// Dynamic shared memory of a fast-attention block of `head_dim` (`fast_attention::Shared<1>` of
+/// the bf16 kernels, `Shared<2>` of the f32 ones, then the staging ring of two tiles of 16 f32
+/// keys): at most 202 496 and 219 008 bytes, at head_dim 512.
+pub(crate) const fn fast_shared_bytes(head_dim: usize, rounding: Rounding) -> u32 {
+    let regions = match rounding {
+        Rounding::Bf16 => FAST_SHARED_REGIONS,
+        Rounding::F32 => FAST_F32_SHARED_REGIONS,
+    };
+    (regions + 2 * 16 * 4 * head_dim) as u32
 }
 
 const _: () = assert!(
-    fast_shared_bytes(512) <= 227 * 1024,
+    fast_shared_bytes(512, Rounding::Bf16) <= 227 * 1024
+        && fast_shared_bytes(512, Rounding::F32) <= 227 * 1024,
     "a block's shared memory on sm_90 and sm_100"
 );
 
 /// The dynamic shared memory kernel `id` needs, if it is the fast attention (`None` otherwise):
 /// its widest head_dim's, allowed at load.
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
-    matches!(
-        id,
-        KernelId::SparseAttentionSinkRowsPtrFast | KernelId::SparseAttentionSinkRowsPtrFastWhole
-    )
-    .then_some(fast_shared_bytes(512))
+    match id {
+        KernelId::SparseAttentionSinkRowsPtrFast
+        | KernelId::SparseAttentionSinkRowsPtrFastWhole => {
+            Some(fast_shared_bytes(512, Rounding::Bf16))
+        }
+        KernelId::SparseAttentionSinkRowsPtrFastF32
+        | KernelId::SparseAttentionSinkRowsPtrFastF32Whole => {
+            Some(fast_shared_bytes(512, Rounding::F32))
+        }
+        _ => None,
+    }
 }
 
 /// The row-batched sink attention of [`sparse_attention_sink_rows_f32`] (rows read through a
-/// pointer table) with bf16 rounding,
-/// on tensor cores (the `fast` numerics, `sparse_attention_fast.cuh`): q and the keys as bf16
-/// (exact for the V4.1 rounding points), scores and outputs accumulated in fp32 in a fixed
-/// order, the weights rounded to bf16, the outputs too. A query's keys go in splits of
-/// [`FAST_SPLIT_KEYS`] merged in split order; the split count depends only on the query's key
-/// count. Deterministic and batch invariant; not bitwise equal to the exact kernel. Needs
-/// [`fast_attention_supports`]. `blocks` chooses the launch's form where it says (tests); every
-/// form gives the same bits.
+/// pointer table) at `rounding`, on tensor cores (the `fast` numerics,
+/// `sparse_attention_fast.cuh`), scores and outputs accumulated in fp32 in a fixed order:
+/// - [`Rounding::Bf16`]: q and the keys as bf16 (exact for the V4.1 rounding points), the weights
+///   rounded to bf16, the outputs too;
+/// - [`Rounding::F32`]: q, the keys and the fp32 weights each split into two bf16 pieces (the
+///   module's bound: near fp32 accuracy), the outputs the f32 values; at most 32 heads a block.
+///
+/// A query's keys go in splits of [`FAST_SPLIT_KEYS`] merged in split order; the split count
+/// depends only on the query's key count. Deterministic and batch invariant; not bitwise equal
+/// to the exact kernel. Needs [`fast_attention_supports`]. `blocks` chooses the launch's form
+/// where it says (tests); every form gives the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sink_rows_ptr_fast(
     rt: &KernelRuntime,
@@ -536,6 +600,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     out: &mut CudaSlice<f32>,
     head_dim: usize,
     scale: f32,
+    rounding: Rounding,
     blocks: FastAttentionBlocks,
 ) -> Result<(), KernelError> {
     ensure(fast_attention_supports(head_dim, key_ptrs), FAST_OP, || {
@@ -546,16 +611,12 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         )
     })?;
     KeyRows::Table(key_ptrs).check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
-    let params = rows_params(
-        FAST_OP,
-        q,
-        lists,
-        sink,
-        out,
-        head_dim,
-        scale,
-        Rounding::Bf16,
-    )?;
+    let params = rows_params(FAST_OP, q, lists, sink, out, head_dim, scale, rounding)?;
+    if let Some(block) = blocks.heads {
+        ensure(block.fits(rounding), FAST_OP, || {
+            format!("{block:?} is wider than the {rounding:?} kernels' blocks")
+        })?;
+    }
     let heads = sink.len();
     let max_splits = lists.longest.div_ceil(FAST_SPLIT_KEYS).max(1);
     let grid_z = dim(FAST_OP, "splits", max_splits)?;
@@ -567,14 +628,24 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     })?;
     let whole_block = blocks
         .heads
-        .unwrap_or_else(|| FastHeadBlock::widest_whole(heads, head_dim));
+        .unwrap_or_else(|| FastHeadBlock::widest_whole(heads, head_dim, rounding));
     let whole = blocks.whole_queries.unwrap_or_else(|| {
         max_splits > 1
             && lists.queries * heads.div_ceil(FAST_GROUP_HEADS * whole_block.groups())
                 >= FAST_WHOLE_MIN_BLOCKS
     });
     if whole {
-        return launch_whole_queries(rt, q, key_ptrs, lists, sink, out, &params, whole_block);
+        return launch_whole_queries(
+            rt,
+            q,
+            key_ptrs,
+            lists,
+            sink,
+            out,
+            &params,
+            rounding,
+            whole_block,
+        );
     }
     let head_block = blocks.heads;
     // Each launch's queries write their splits' results (acc and stats of every head) to scratch.
@@ -598,7 +669,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
             .map_err(KernelError::driver(
                 "allocating the attention's split statistics",
             ))?;
-    let shared = fast_shared_bytes(head_dim);
+    let shared = fast_shared_bytes(head_dim, rounding);
     let combine_blocks = dim(
         FAST_OP,
         "combine blocks",
@@ -606,11 +677,15 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     )?;
     for query0 in (0..lists.queries).step_by(per_launch) {
         let count = per_launch.min(lists.queries - query0);
-        let block = head_block.unwrap_or_else(|| FastHeadBlock::choose(heads, count * max_splits));
+        let block = head_block
+            .unwrap_or_else(|| FastHeadBlock::choose(heads, count * max_splits, rounding));
         let (head_blocks, threads) = block.grid(heads, head_dim)?;
         let count = dim(FAST_OP, "queries", count)?;
         let query0 = dim(FAST_OP, "first query", query0)?;
-        let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFast)?;
+        let mut launch = rt.launcher(rounding.kernel(
+            KernelId::SparseAttentionSinkRowsPtrFast,
+            KernelId::SparseAttentionSinkRowsPtrFastF32,
+        ))?;
         push_rows_args(
             &mut launch,
             q,
@@ -631,10 +706,12 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         // queries * heads * head_dim values, every listed row is below key_buffer_rows
         // (DeviceKeyLists::upload) and the table covers them with 16-byte aligned rows of
         // head_dim floats (checked above; live by the table's contract); groups * head_dim / 2
-        // threads (32..1024, a multiple of 32, within the kernel's launch bounds) serve
+        // threads (32..1024, a multiple of 32; the block fits the rounding's kernel, checked or
+        // chosen so: within its launch bounds, 512 for the f32 kernel's two groups) serve
         // 16 * groups heads a block over ceil(heads / (16 * groups)) blocks, and the
-        // fast_shared_bytes(head_dim) of dynamic shared memory are within what the runtime
-        // allowed the kernel at load (`dynamic_shared_bytes`, head_dim 512's); queries query0 ..
+        // fast_shared_bytes(head_dim, rounding) of dynamic shared memory are within what the
+        // runtime allowed the kernel at load (`dynamic_shared_bytes`, head_dim 512's); the
+        // params' round_bf16 is the rounding's, as the combine reads it; queries query0 ..
         // query0 + count exist and the scratch holds count * max_splits split results when a
         // list has several splits (each list has at most max_splits: `longest`); grid.y = count
         // <= per_launch, grid.z = max_splits <= 65535.
@@ -671,9 +748,10 @@ pub fn sparse_attention_sink_rows_ptr_fast(
     Ok(())
 }
 
-/// The fast attention in its one-block-per-query form (`sparse_attention_sink_rows_ptr_fast_whole`:
-/// each block runs its query's splits one after the other and merges them as the split blocks'
-/// combine does), `block` heads a block (at most [`FAST_WHOLE_THREADS`] threads).
+/// The fast attention in its one-block-per-query form (`sparse_attention_sink_rows_ptr_fast_whole`
+/// or `_fast_f32_whole` by `rounding`: each block runs its query's splits one after the other and
+/// merges them as the split blocks' combine does), `block` heads a block (at most
+/// [`FAST_WHOLE_THREADS`] threads; one that fits the rounding's kernel).
 #[allow(clippy::too_many_arguments)]
 fn launch_whole_queries(
     rt: &KernelRuntime,
@@ -683,6 +761,7 @@ fn launch_whole_queries(
     sink: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
     params: &AttentionParams,
+    rounding: Rounding,
     block: FastHeadBlock,
 ) -> Result<(), KernelError> {
     let heads = sink.len();
@@ -699,7 +778,7 @@ fn launch_whole_queries(
         },
     )?;
     let (head_blocks, threads) = block.grid(heads, head_dim)?;
-    let shared = fast_shared_bytes(head_dim);
+    let shared = fast_shared_bytes(head_dim, rounding);
     for query0 in (0..lists.queries).step_by(MAX_QUERIES_PER_LAUNCH) {
         let count = dim(
             FAST_OP,
@@ -707,7 +786,10 @@ fn launch_whole_queries(
             MAX_QUERIES_PER_LAUNCH.min(lists.queries - query0),
         )?;
         let query0 = dim(FAST_OP, "first query", query0)?;
-        let mut launch = rt.launcher(KernelId::SparseAttentionSinkRowsPtrFastWhole)?;
+        let mut launch = rt.launcher(rounding.kernel(
+            KernelId::SparseAttentionSinkRowsPtrFastWhole,
+            KernelId::SparseAttentionSinkRowsPtrFastF32Whole,
+        ))?;
         push_rows_args(
             &mut launch,
             q,
@@ -721,8 +803,9 @@ fn launch_whole_queries(
         // key_rows, const u32_t* row_starts, const float* sink, float* out, u32_t query0,
         // AttentionParams); the buffers as for the split form (checked by the caller); at most
         // FAST_WHOLE_THREADS threads (checked), a multiple of 32, serving 16 * groups heads a block
-        // over ceil(heads / (16 * groups)) blocks; the dynamic shared memory allowed at load;
-        // queries query0 .. query0 + count exist.
+        // (a block that fits the rounding's kernel: checked or chosen by the caller) over
+        // ceil(heads / (16 * groups)) blocks; the rounding's dynamic shared memory, allowed at
+        // load; queries query0 .. query0 + count exist.
         unsafe {
             launch.launch(launch_config((head_blocks, count, 1), threads, shared))?;
         }
@@ -760,27 +843,64 @@ mod tests {
             (1024, FastHeadBlock::Heads64),
         ] {
             assert_eq!(
-                FastHeadBlock::choose(64, queries * 10),
+                FastHeadBlock::choose(64, queries * 10, Rounding::Bf16),
                 block,
                 "{queries} queries"
             );
+            // The f32 kernels (V4-Flash: 64 heads too) stop at 32 heads a block.
+            let f32_block = if block == FastHeadBlock::Heads64 {
+                FastHeadBlock::Heads32
+            } else {
+                block
+            };
+            assert_eq!(
+                FastHeadBlock::choose(64, queries * 10, Rounding::F32),
+                f32_block,
+                "{queries} queries, f32"
+            );
         }
         // No block wider than the heads' groups: 4 heads, 6 heads, 48 heads.
-        assert_eq!(FastHeadBlock::choose(4, 100_000), FastHeadBlock::Heads16);
-        assert_eq!(FastHeadBlock::choose(6, 100_000), FastHeadBlock::Heads16);
-        assert_eq!(FastHeadBlock::choose(48, 100_000), FastHeadBlock::Heads32);
+        for rounding in [Rounding::Bf16, Rounding::F32] {
+            assert_eq!(
+                FastHeadBlock::choose(4, 100_000, rounding),
+                FastHeadBlock::Heads16
+            );
+            assert_eq!(
+                FastHeadBlock::choose(6, 100_000, rounding),
+                FastHeadBlock::Heads16
+            );
+            assert_eq!(
+                FastHeadBlock::choose(48, 100_000, rounding),
+                FastHeadBlock::Heads32
+            );
+        }
+        assert!(FastHeadBlock::Heads64.fits(Rounding::Bf16));
+        assert!(!FastHeadBlock::Heads64.fits(Rounding::F32));
+        assert!(FastHeadBlock::Heads32.fits(Rounding::F32));
     }
 
     #[test]
     fn a_whole_query_block_is_the_widest_within_its_threads() {
         // V4.1 (64 heads of 512): 32 heads, 512 threads; narrower heads fit 64 a block.
-        assert_eq!(FastHeadBlock::widest_whole(64, 512), FastHeadBlock::Heads32);
+        let widest = |heads, head_dim| FastHeadBlock::widest_whole(heads, head_dim, Rounding::Bf16);
+        assert_eq!(widest(64, 512), FastHeadBlock::Heads32);
         assert_eq!(FastHeadBlock::Heads32.threads(512), FAST_WHOLE_THREADS);
-        assert_eq!(FastHeadBlock::widest_whole(64, 256), FastHeadBlock::Heads64);
-        assert_eq!(FastHeadBlock::widest_whole(64, 128), FastHeadBlock::Heads64);
+        assert_eq!(widest(64, 256), FastHeadBlock::Heads64);
+        assert_eq!(widest(64, 128), FastHeadBlock::Heads64);
         // No block wider than the heads' groups: 4 heads, 20 heads.
-        assert_eq!(FastHeadBlock::widest_whole(4, 64), FastHeadBlock::Heads16);
-        assert_eq!(FastHeadBlock::widest_whole(20, 128), FastHeadBlock::Heads32);
+        assert_eq!(widest(4, 64), FastHeadBlock::Heads16);
+        assert_eq!(widest(20, 128), FastHeadBlock::Heads32);
+        // The f32 kernels: 32 heads at every head_dim (V4-Flash's 512, v4-tiny's 64).
+        for head_dim in [64, 128, 256, 512] {
+            assert_eq!(
+                FastHeadBlock::widest_whole(64, head_dim, Rounding::F32),
+                FastHeadBlock::Heads32
+            );
+        }
+        assert_eq!(
+            FastHeadBlock::widest_whole(4, 64, Rounding::F32),
+            FastHeadBlock::Heads16
+        );
     }
 
     #[test]
@@ -791,12 +911,29 @@ mod tests {
             FAST_SHARED_REGIONS,
             3 * 64 * 4 + 64 * 24 * 2 + 32 * 16 * 16 * 4 + (2 * 16 + 64) * 520 * 2 + 4 * 16 * 8
         );
-        assert_eq!(fast_shared_bytes(512), 202_496);
-        assert_eq!(fast_shared_bytes(64), 136_960 + 8192);
+        assert_eq!(fast_shared_bytes(512, Rounding::Bf16), 202_496);
+        assert_eq!(fast_shared_bytes(64, Rounding::Bf16), 136_960 + 8192);
         assert_eq!(
             dynamic_shared_bytes(KernelId::SparseAttentionSinkRowsPtrFast),
             Some(202_496)
         );
+        // The f32 kernels: 3 × 32 statistics, two pieces of 32 × 24 weights, 16 warps' partials,
+        // two pieces of the 2 × 16 key rows and of 32 q rows, the key addresses.
+        assert_eq!(
+            FAST_F32_SHARED_REGIONS,
+            3 * 32 * 4
+                + 2 * 32 * 24 * 2
+                + 16 * 16 * 16 * 4
+                + 2 * (2 * 16 + 32) * 520 * 2
+                + 4 * 16 * 8
+        );
+        assert_eq!(fast_shared_bytes(512, Rounding::F32), 219_008);
+        for id in [
+            KernelId::SparseAttentionSinkRowsPtrFastF32,
+            KernelId::SparseAttentionSinkRowsPtrFastF32Whole,
+        ] {
+            assert_eq!(dynamic_shared_bytes(id), Some(219_008));
+        }
         assert_eq!(
             dynamic_shared_bytes(KernelId::SparseAttentionSplitCombine),
             None

@@ -438,6 +438,10 @@ impl AttentionData {
             keys: self.lists.iter().map(Vec::len).max().unwrap_or(0),
             head_dim: self.head_dim,
             score: max_score(&self.q, &key_lists, self.head_dim, scale),
+            sink: self
+                .sink
+                .iter()
+                .fold(0f64, |m, &s| m.max(f64::from(s).abs())),
         };
         let m = attention_magnitude(&key_lists, self.heads, self.head_dim);
         Case::new(name, op, move |b, o| {
@@ -1227,6 +1231,8 @@ pub fn selections() -> Vec<Case> {
                     head_dim,
                     // |q|, |k| < 1: scale · Σ_d |q_d k_d| < head_dim^-1/2 · head_dim.
                     score: (head_dim as f64).sqrt(),
+                    // The sinks of attention_compressed.
+                    sink: 0.5,
                 };
                 let data = data.clone();
                 cases.push(Case::new(name, op, move |b, o| {

@@ -52,12 +52,14 @@ pub enum Op {
         group: usize,
     },
     /// `sparse_attention_rows` at `precision` with at most `keys` keys a query, `head_dim`
-    /// channels and at most `score` for `scale · Σ_d |q_d k_d|` of any head and key.
+    /// channels, at most `score` for `scale · Σ_d |q_d k_d|` of any head and key and `sink` for
+    /// any |sink|.
     Attention {
         precision: Precision,
         keys: usize,
         head_dim: usize,
         score: f64,
+        sink: f64,
     },
     RmsNorm,
     Rope,
@@ -129,6 +131,7 @@ pub fn fast_bound(op: Op) -> (Bound, &'static str) {
             keys,
             head_dim,
             score,
+            ..
         } => {
             let delta = (head_dim as f64 * p(-23) + p(-24)) * score;
             let order = keys as f64 * p(-23);
@@ -146,10 +149,19 @@ pub fn fast_bound(op: Op) -> (Bound, &'static str) {
         }
         Op::Attention {
             precision: Precision::F32,
+            keys,
+            score,
+            sink,
             ..
         } => (
-            Bound::Bitwise,
-            "the fast attention serves the bf16 rounding points only; f32 runs the exact kernel",
+            f32_attention_within(keys, score, sink),
+            "kernels/src/ops/attention.rs: the fast f32 attention's weights within 1 ± ε of the \
+             exact ones (its split scores within δ = (3.01·2^-16 + 215·2^-23)·score, c = 4 + \
+             splits exponentials of arguments within R = 2·score + |sink| + 1, each 2^-22 + 2^-24·R), \
+             its p·V within e_v = 3.01·2^-16 + (215 + 4 + 3·splits)·2^-23 of A, its denominator \
+             within (13 + 3·splits)·2^-24; the reference's (f32 scores, 2^-23·score; 1 + blocks \
+             exponentials; f32 products, sums of 64 and the block chain) added; the case's \
+             magnitude max_j |v_j| bounds A",
         ),
         Op::LinearF32 => (
             Bound::Bitwise,
@@ -172,6 +184,34 @@ pub fn fast_bound(op: Op) -> (Bound, &'static str) {
             Bound::Bitwise,
             "no fast path: the fast numerics run the exact kernel of this op",
         ),
+    }
+}
+
+/// The f32 attention's bound ([`fast_bound`]) over at most `keys` keys, `score` the largest
+/// `scale · Σ_d |q_d k_d|` and `sink` the largest |sink|: the fast side's (kernels/src/ops/
+/// attention.rs, with `ε` its largest weight error) and the reference's, each of the weighted
+/// magnitude `A ≤ max_j |v_j|` and of the value, the fast side's over `1 − ε − e_l`.
+fn f32_attention_within(keys: usize, score: f64, sink: f64) -> Bound {
+    let p = |e: i32| 2f64.powi(e);
+    // Splits of 64 keys (fast) and blocks of 64 keys (the reference's chain).
+    let splits = keys.div_ceil(64).max(1) as f64;
+    // |s − M| ≤ 2 score, |sink − M| ≤ |sink| + score, and 1 for the fast scores' δ.
+    let r = 2.0 * score + sink + 1.0;
+    let delta = (3.01 * p(-16) + 215.0 * p(-23)) * score;
+    let fast_eps = delta * (1.0 + delta) + (4.0 + splits) * (p(-22) + p(-24) * r);
+    let fast_v = 3.01 * p(-16) + (219.0 + 3.0 * splits) * p(-23);
+    let fast_l = (13.0 + 3.0 * splits) * p(-24);
+    // The reference: f32 scores (one rounding of the f64 dot, one of the scale), correctly
+    // rounded exponentials of rounded differences (one a key and one per later block), f32
+    // products summed in f64 per block of 64 (one rounding to f32 a block, then the running
+    // output's product and sum), the weights' fp32 sums of 64 and the denominator's chain.
+    let ref_eps = p(-23) * score + (1.0 + splits) * (p(-24) + p(-24) * r);
+    let ref_v = (1.0 + 3.0 * splits) * p(-24);
+    let ref_l = (65.0 + 2.0 * splits) * p(-24);
+    let quotient = 1.0 / (1.0 - fast_eps - fast_l);
+    Bound::Within {
+        of_magnitude: quotient * (fast_eps + fast_v) + 1.01 * (ref_eps + ref_v),
+        of_value: quotient * (fast_eps + fast_l) + 1.01 * (ref_eps + ref_l) + p(-22),
     }
 }
 

@@ -550,6 +550,8 @@ pub fn split_launches() -> Vec<Case> {
             keys: 3,
             head_dim,
             score: head_dim as f64 * 0.5,
+            // The sink of this case (below).
+            sink: 0.5,
         },
         move |b, o| {
             let pool: Vec<Tensor> = pool.iter().map(Tensor::from).collect();

@@ -20,8 +20,8 @@
 //!   whole 128-tiles keeps the exact kernel.
 //! - A quantised V4 checkpoint (`ModelConfig::reduced_v4`: FP8 linears, FP4 experts, hash and
 //!   top-k MoE layers) in fast numerics: rule 4 of `fixtures/v41/README.md` against the CPU,
-//!   deterministic, batch invariant (negative control), and its projections and MoE on tensor
-//!   cores.
+//!   deterministic, batch invariant (negative control), and its projections, MoE and sink
+//!   attention (f32 operands in two bf16 pieces: `fast_attention/mod.rs`) on tensor cores.
 //!
 //! Bounds (derived in `kernels/src/ops/gemm_fast.rs`; never fitted to output): with `S = Σ_g s_a
 //! s_w Σ_{k ∈ g} |a_k w_k|`, `e = ((G − 1) 2^-13 + (K/G + P − 1) 2^-24 (1 + 2^-8)) S` — the
@@ -749,8 +749,8 @@ fn probe_logits(model: &AnyModel, probe: &[u32], others: &[Vec<u32>], at: usize)
     logits
 }
 
-/// A quantised V4 checkpoint in fast numerics: its FP8 projections and FP4 experts on tensor
-/// cores (`linear`, `moe_rows_exact`), rule 4 against the CPU reference on its prompt,
+/// A quantised V4 checkpoint in fast numerics: its FP8 projections, FP4 experts and f32 sink
+/// attention on tensor cores (`linear`, `moe_rows_exact`, `sparse_attention_rows`), rule 4 against the CPU reference on its prompt,
 /// deterministic, and a sequence's prefill and decode logits bitwise equal alone and beside
 /// 2 … 9 others of different lengths (negative control: another prompt token is seen).
 #[test]
@@ -760,7 +760,11 @@ fn quantised_v4_fast_takes_the_tensor_cores_meets_the_rule_and_is_batch_invarian
     let dir = tempfile::tempdir().expect("tempdir");
     write_random_checkpoint(&cfg, 45, dir.path(), 2).expect("checkpoint written");
     let load = |backend: Box<CudaBackend>| quantised_v4(dir.path(), backend);
-    assert_fast_path_taken("quantised V4", &["linear", "moe_rows_exact"], load);
+    assert_fast_path_taken(
+        "quantised V4",
+        &["linear", "moe_rows_exact", "sparse_attention_rows"],
+        load,
+    );
 
     let (fast, tokens) = quantised_v4(dir.path(), crate::fast_backend());
     let (cpu, _) = quantised_v4(dir.path(), Box::new(CpuBackend::new()));

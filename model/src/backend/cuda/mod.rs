@@ -8,8 +8,9 @@
 //! error bound of the exact value), and so do the bf16 linears (`ops::linear_fast`), the V4
 //! family's projections (`linear`: FP8/FP4 on the fast GEMMs with f32 outputs, dense ones on the
 //! fast bf16 linear; `dense.rs`), V4's FP4 routed experts and its shared expert (`v4.rs`), and the
-//! row-batched sink attention at the bf16 rounding points of V4.1
-//! (`ops::attention::sparse_attention_sink_rows_ptr_fast`, where its shape allows); every other
+//! row-batched sink attention (`ops::attention::sparse_attention_sink_rows_ptr_fast`, where its
+//! shape allows: bf16 operands at the bf16 rounding points of V4.1, each f32 operand in two bf16
+//! pieces at V4's f32 precision); every other
 //! op is still the exact one (the fp32 `linear_f32`: router gates, heads, V4's grouped `wo_a`).
 //! No kernel of either splits a reduction by the batch, so a sequence's numbers do not depend on
 //! what else runs (batch invariance).

@@ -335,12 +335,12 @@ impl CudaBackend {
         // SAFETY: both attention kernels write every head's head_dim outputs of every query
         // (the fast one directly for one split, else through its split combine).
         let mut dout = unsafe { self.alloc_written(OP, q.len()) }?;
-        // The fast numerics take the tensor-core kernel at the bf16 rounding points (where q,
-        // the keys and the weights are bf16 values) when its shape allows; a call's choice
-        // depends only on head_dim, the precision and the rows' alignment, never on the batch.
-        let fast = self.numerics == Numerics::Fast
-            && attention.precision == Precision::Bf16
-            && fast_attention_supports(head_dim, &table);
+        // The fast numerics take the tensor-core kernel when its shape allows: with bf16
+        // operands at the bf16 rounding points (where q, the keys and the weights are bf16
+        // values), with each f32 operand split into two bf16 pieces in f32 precision (V4); a
+        // call's choice depends only on head_dim, the precision and the rows' alignment, never
+        // on the batch.
+        let fast = self.numerics == Numerics::Fast && fast_attention_supports(head_dim, &table);
         if fast {
             sparse_attention_sink_rows_ptr_fast(
                 &self.rt,
@@ -351,6 +351,7 @@ impl CudaBackend {
                 &mut dout,
                 head_dim,
                 attention.scale,
+                rounding(attention.precision),
                 FastAttentionBlocks::default(),
             )
         } else {
