@@ -413,12 +413,9 @@ template <class T>
 __device__ void swiglu_act_quant(const T* __restrict__ gate, const T* __restrict__ up,
                                  const float* __restrict__ weights, u8_t* __restrict__ codes,
                                  float* __restrict__ scales, SwigluParams p, ActQuantParams q) {
-    const unsigned long long total = (unsigned long long)q.rows * q.cols;
-    const unsigned long long warp = (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const u32_t lane = threadIdx.x % 32;
-    const unsigned long long base = warp * ACT_QUANT_PER_WARP + lane * ACT_QUANT_PER_LANE;
-    if (warp * ACT_QUANT_PER_WARP >= total) return;  // uniform over the warp
-    const bool valid = base < total;
+    unsigned long long base;
+    bool valid;
+    if (!act_quant_span((unsigned long long)q.rows * q.cols, base, valid)) return;
     float v[ACT_QUANT_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (valid) {
         const float4 g = load4_f32(gate, base);

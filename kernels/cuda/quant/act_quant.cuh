@@ -22,6 +22,16 @@ __device__ __forceinline__ float4 load4_f32(const __nv_bfloat16* x, unsigned lon
     return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
+// This lane's elements of `total` in act_quant's layout: warp w takes [128 w, 128 w + 128), each
+// lane 4 from `base` (`valid`: inside `total`). False when the warp has none (uniform over the
+// warp: it returns, every lane with it).
+__device__ __forceinline__ bool act_quant_span(unsigned long long total, unsigned long long& base, bool& valid) {
+    const unsigned long long warp = (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    base = warp * ACT_QUANT_PER_WARP + (threadIdx.x % 32) * ACT_QUANT_PER_LANE;
+    valid = base < total;
+    return warp * ACT_QUANT_PER_WARP < total;
+}
+
 // Quantises a lane's 4 values v, elements [base, base + 4) of the rows-major activations (groups
 // tile each row exactly: cols % GROUP == 0, so every group is wholly inside or wholly past the
 // end). Every lane of the warp calls it (the group max is a shuffle over GROUP / 4
@@ -56,12 +66,9 @@ __device__ __forceinline__ void act_quant_lane(const float (&v)[ACT_QUANT_PER_LA
 template <int GROUP, class T>
 __device__ void act_quant_fp8(const T* __restrict__ x, u8_t* __restrict__ codes,
                               float* __restrict__ scales, ActQuantParams p) {
-    const unsigned long long total = (unsigned long long)p.rows * p.cols;
-    const unsigned long long warp = (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const u32_t lane = threadIdx.x % 32;
-    const unsigned long long base = warp * ACT_QUANT_PER_WARP + lane * ACT_QUANT_PER_LANE;
-    if (warp * ACT_QUANT_PER_WARP >= total) return;  // uniform over the warp
-    const bool valid = base < total;
+    unsigned long long base;
+    bool valid;
+    if (!act_quant_span((unsigned long long)p.rows * p.cols, base, valid)) return;
     float v[ACT_QUANT_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (valid) {
         const float4 f = load4_f32(x, base);
