@@ -14,6 +14,7 @@ use crate::error::ModelError;
 use crate::expert_dispatch::{ExpertHost, RoutedExpert};
 use crate::layers::loaded::Loaded;
 use crate::layers::moe;
+use crate::layers::step::{StepEntry, step_error};
 use crate::layers::weights::BlockWeights;
 
 /// How a family reads routed expert `expert` of backbone layer `layer` from a checkpoint, exactly
@@ -123,6 +124,24 @@ impl<W: BackboneMoe + Clone> Loaded<W> {
                 ),
             }),
         }
+    }
+
+    /// What every family's step checks before any state changes: the routed experts held when no
+    /// hook runs them (`experts_hooked` false), then each entry (`check`, given its index), a bad
+    /// entry failing the step with its index ([`step_error`]).
+    pub(crate) fn check_step<S>(
+        &self,
+        entries: &[StepEntry<'_, S>],
+        experts_hooked: bool,
+        check: impl Fn(usize, &StepEntry<'_, S>) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        if !experts_hooked {
+            self.check_experts_held()?;
+        }
+        for (e, entry) in entries.iter().enumerate() {
+            check(e, entry).map_err(|err| step_error(e, entries.len(), err))?;
+        }
+        Ok(())
     }
 }
 

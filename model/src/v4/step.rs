@@ -12,7 +12,7 @@ use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
     COMPACT_AFTER, EmbeddedRow, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows,
-    embedded_streams, entry_outputs, gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+    embedded_streams, entry_outputs, gather_rows, row_sampling, rows_of, wanted_rows,
 };
 
 /// One sequence's part of a V4 step ([`Model::forward_step`]); the V4 family has no decoder
@@ -36,18 +36,14 @@ impl Model {
         options: StepOptions<'_>,
     ) -> Result<Vec<EntryOutput>, ModelError> {
         let experts = options.experts;
-        if experts.is_none() {
-            self.check_experts_held()?;
-        }
-        for (e, entry) in entries.iter().enumerate() {
+        self.check_step(entries, experts.is_some(), |e, entry| {
             if entry.decoder_from.is_some() {
                 return Err(ModelError::Unsupported {
                     what: format!("step entry {e}: decoder bounded replay on a V4-family model"),
                 });
             }
             self.check_chunk(entry.seq, entry.tokens)
-                .map_err(|err| step_error(e, entries.len(), err))?;
-        }
+        })?;
         let cfg = &self.cfg;
         let ctx = self.ctx();
         let precision = cfg.precision();

@@ -20,7 +20,7 @@ use crate::layers::mhc;
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
     COMPACT_AFTER, EmbeddedRow, EntryOutput, EntryWant, HeadLogits, StepRows, embedded_streams,
-    entry_outputs, gather_rows, row_sampling, rows_of, step_error, wanted_rows,
+    entry_outputs, gather_rows, row_sampling, rows_of, wanted_rows,
 };
 use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
@@ -123,13 +123,9 @@ impl Model {
                 },
         } = options;
         self.check_extras(entries, trace.is_some(), images, cp)?;
-        if experts.is_none() {
-            self.check_experts_held()?;
-        }
-        for (e, entry) in entries.iter().enumerate() {
+        self.check_step(entries, experts.is_some(), |_, entry| {
             self.check_chunk(entry.seq, entry.tokens)
-                .map_err(|err| step_error(e, entries.len(), err))?;
-        }
+        })?;
         if entries.iter().any(|entry| entry.decoder_from.is_some()) {
             self.check_replay_boundary()?;
         }
