@@ -163,3 +163,4 @@ pub mod conformance;
 pub mod data;
 pub mod drift;
 pub mod freed;
+pub mod nudged;
