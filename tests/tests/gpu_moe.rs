@@ -170,10 +170,25 @@ fn host_expert<W: HostGemm>(
     let gate = e.w1.apply(x);
     let up = e.w3.apply(x);
     let inter = gate.len() / rows.max(1);
+    let (hidden, clamped) = host_swiglu(&gate, &up, inter, weights, limit, precision);
+    (e.w2.apply(&hidden), clamped)
+}
+
+/// The SwiGLU rows of `layers::moe::expert` on the host (`gate`, `up` `[rows, inter]`): the
+/// clamps at `limit` (none at 0), `g / (1 + exp_f32(-g)) * u`, the row's route weight, rounded at
+/// `precision`; and how many gate values the clamp cut.
+fn host_swiglu(
+    gate: &[f32],
+    up: &[f32],
+    inter: usize,
+    weights: Option<&[f32]>,
+    limit: f32,
+    precision: Precision,
+) -> (Vec<f32>, usize) {
     let mut clamped = 0;
-    let hidden: Vec<f32> = gate
+    let hidden = gate
         .iter()
-        .zip(&up)
+        .zip(up)
         .enumerate()
         .map(|(i, (&g, &u))| {
             let (g, u) = if limit > 0.0 {
@@ -187,7 +202,7 @@ fn host_expert<W: HostGemm>(
             precision.round(weight.map_or(a, |w| w * a))
         })
         .collect();
-    (e.w2.apply(&hidden), clamped)
+    (hidden, clamped)
 }
 
 /// How the host reference adds a token's outputs.
@@ -651,22 +666,9 @@ fn swiglu_quantiser_matches_the_cpu_bitwise() {
                 if bf16_rows { "bf16" } else { "f32" }
             );
             let precision = precision_of(rounding);
-            let hidden: Vec<f32> = gate
-                .iter()
-                .zip(&up)
-                .enumerate()
-                .map(|(i, (&g, &u))| {
-                    let (g, u) = if limit > 0.0 {
-                        clamped += usize::from(g > limit);
-                        (g.min(limit), u.clamp(-limit, limit))
-                    } else {
-                        (g, u)
-                    };
-                    let a = g / (1.0 + quant::exp_f32(-g)) * u;
-                    let weight = weighted.then(|| route_weights[i / inter]);
-                    precision.round(weight.map_or(a, |w| w * a))
-                })
-                .collect();
+            let host_weights = weighted.then_some(route_weights.as_slice());
+            let (hidden, cut) = host_swiglu(&gate, &up, inter, host_weights, limit, precision);
+            clamped += cut;
             negative_zeros += hidden.iter().filter(|v| v.to_bits() == 0x8000_0000).count();
             floors += hidden
                 .chunks_exact(32)
