@@ -46,7 +46,9 @@ pub struct FastReduceParams {
 
 /// `FastRoutedParams`: the fast routed-expert GEMM, output row `j < m` = x row `j / x_row_div`
 /// times the `which` weight (0 w1, 1 w3, 2 w2) of its expert in a table of `n_experts`; K cut
-/// into `parts` spans of `span` codes as in [`FastGemmParams`] (production: one part).
+/// into `parts` spans of `span` codes as in [`FastGemmParams`] (production: one part);
+/// `projections` consecutive table slots from `which` (1, or 2 for w1 and w3 in one launch, in
+/// one K part: grid z picks the slot, slot `s` stored at plane `s` of `y`, `[s][m][n]`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastRoutedParams {
@@ -59,6 +61,7 @@ pub struct FastRoutedParams {
     pub n_experts: u32,
     pub which: u32,
     pub store: u32,
+    pub projections: u32,
 }
 
 /// `RmsNormParams`.
@@ -212,8 +215,9 @@ mod tests {
         assert_eq!(offset_of!(FastGemmParams, store), 20);
         assert_eq!(size_of::<FastReduceParams>(), 12);
         assert_eq!(offset_of!(FastReduceParams, store), 8);
-        assert_eq!(size_of::<FastRoutedParams>(), 36);
+        assert_eq!(size_of::<FastRoutedParams>(), 40);
         assert_eq!(offset_of!(FastRoutedParams, store), 32);
+        assert_eq!(offset_of!(FastRoutedParams, projections), 36);
         assert_eq!(size_of::<RmsNormParams>(), 12);
         assert_eq!(offset_of!(RmsNormParams, eps), 8);
         assert_eq!(size_of::<RopeParams>(), 24);
@@ -274,7 +278,8 @@ mod tests {
                 "x_row_div",
                 "n_experts",
                 "which",
-                "store"
+                "store",
+                "projections"
             ]
         );
         assert_eq!(fields("RmsNormParams"), ["rows", "cols", "eps"]);

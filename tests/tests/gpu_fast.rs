@@ -81,7 +81,7 @@ use golden_support::{Expected, V41Fixture, expected_rows};
 use gpu_support::gemm_data::{
     activations, download_bf16, random_fp4_weight, random_fp8_weight, upload_bf16,
 };
-use gpu_support::{Rng, differing, prompt};
+use gpu_support::{Rng, assert_bitwise, differing, prompt};
 
 /// Every tile a launch can be given.
 const TILES: [FastTile; 4] = [
@@ -530,7 +530,7 @@ where
     } = projection;
     let mut out = rt
         .stream()
-        .alloc_zeros::<T>(groups.experts().len() * width)
+        .alloc_zeros::<T>(which.planes() * groups.experts().len() * width)
         .expect("alloc");
     let rows = RoutedRows {
         x,
@@ -591,8 +591,8 @@ fn run_chain(
     let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32).expect("alloc");
     swiglu_act_quant_fp8(
         rt,
-        &gate,
-        &up,
+        &gate.slice(..),
+        &up.slice(..),
         Some(&weights_d),
         LIMIT,
         Rounding::Bf16,
@@ -611,8 +611,8 @@ fn run_chain(
     let mut a_shared = DeviceActFp8::alloc(rt, tokens, inter, ActGroup::G32).expect("alloc");
     swiglu_act_quant_fp8(
         rt,
-        &s_gate,
-        &s_up,
+        &s_gate.slice(..),
+        &s_up.slice(..),
         None,
         LIMIT,
         Rounding::Bf16,
@@ -859,12 +859,12 @@ fn fast_routed_moe_is_batch_invariant() {
         weights[at * k..(at + 1) * k].copy_from_slice(&probe_weights);
         for tile in std::iter::once(FastTile::Auto).chain(TILES) {
             let run = run_chain(&rt, &moe, &x, &ids, &weights, tile);
-            gpu_support::assert_bitwise(
+            assert_bitwise(
                 &format!("the probe's routed rows alone vs token {at} of {tokens}, {tile:?}"),
                 &run.routed[at * k * dim..(at + 1) * k * dim],
                 &alone.routed,
             );
-            gpu_support::assert_bitwise(
+            assert_bitwise(
                 &format!("the probe's MoE output alone vs token {at} of {tokens}, {tile:?}"),
                 &run.out[at * dim..(at + 1) * dim],
                 &alone.out,
@@ -889,6 +889,82 @@ fn fast_routed_moe_is_batch_invariant() {
         "fast routed MoE: a token's output alone is bitwise equal to itself among {checked} \
          batches and tiles of 2..64 tokens routed to overlapping experts; a one-element change is \
          detected"
+    );
+}
+
+/// `ExpertProjection::GateUp` (w1 and w3 in one launch, the production's): each plane bitwise
+/// the output of its own projection's launch, bf16 (V4.1) and f32 (V4) outputs, every tile,
+/// with an unknown and a repeated id among the slots (negative control: the two planes differ,
+/// so a swap or a copy of one plane would be seen).
+#[test]
+fn gate_up_in_one_launch_gives_each_projection_its_own_bits() {
+    let rt = open();
+    let mut rng = Rng(43);
+    let (n_experts, dim, inter, k) = (16usize, 160usize, 96usize, 4usize);
+    let moe = FastMoe::new(&rt, &mut rng, (n_experts, dim, inter), 32);
+    let stream = rt.stream();
+    let f32_rows = |y: &CudaSlice<f32>| stream.clone_dtoh(y).expect("download");
+    let mut checked = 0;
+    for tokens in [1usize, 9, 70] {
+        let x = activations(&mut rng, tokens, dim);
+        let (mut ids, _) = random_routes(&mut rng, tokens, k, n_experts, None);
+        if tokens > 1 {
+            ids[k - 1] = (n_experts + 3) as u32;
+            ids[2 * k - 1] = ids[k];
+        }
+        let a =
+            quantize_act_fp8(&rt, &upload_bf16(&rt, &x), tokens, dim, ActGroup::G32).expect("q x");
+        let ids_d = stream.clone_htod(&ids).expect("ids");
+        let plane = ids.len() * inter;
+        for tile in std::iter::once(FastTile::Auto).chain(TILES) {
+            let groups = slot_groups(&rt, &moe, &ids_d, tile);
+            let projection = |which| RoutedFast {
+                x: &a,
+                x_row_div: k,
+                which,
+                width: inter,
+            };
+            let what = format!("{tokens} tokens, {tile:?}");
+            let bf16_out = |which| {
+                download_bf16(
+                    &rt,
+                    &routed_fast::<bf16>(&rt, &moe, &groups, projection(which)),
+                )
+            };
+            let both = bf16_out(ExpertProjection::GateUp);
+            assert_bitwise(
+                &format!("{what}: GateUp's w1 plane, bf16"),
+                &both[..plane],
+                &bf16_out(ExpertProjection::W1),
+            );
+            assert_bitwise(
+                &format!("{what}: GateUp's w3 plane, bf16"),
+                &both[plane..],
+                &bf16_out(ExpertProjection::W3),
+            );
+            assert!(
+                differing(&both[..plane], &both[plane..]) > 0,
+                "{what}: the w1 and w3 planes are equal: the comparison could not see a swap"
+            );
+            let f32_out =
+                |which| f32_rows(&routed_fast::<f32>(&rt, &moe, &groups, projection(which)));
+            let both = f32_out(ExpertProjection::GateUp);
+            assert_bitwise(
+                &format!("{what}: GateUp's w1 plane, f32"),
+                &both[..plane],
+                &f32_out(ExpertProjection::W1),
+            );
+            assert_bitwise(
+                &format!("{what}: GateUp's w3 plane, f32"),
+                &both[plane..],
+                &f32_out(ExpertProjection::W3),
+            );
+            checked += 1;
+        }
+    }
+    println!(
+        "GateUp: both planes bitwise their own launches in {checked} slot sets and tiles, bf16 \
+         and f32 outputs"
     );
 }
 

@@ -445,8 +445,8 @@ impl DeviceMoe {
         .expect("routed w3");
         swiglu_act_quant_fp8(
             rt,
-            &self.gate,
-            &self.up,
+            &self.gate.slice(..),
+            &self.up.slice(..),
             Some(&self.weights),
             limit,
             rounding,
@@ -469,8 +469,8 @@ impl DeviceMoe {
         gemm_fp8(rt, &self.qx, &shared.w3, &mut self.shared_up).expect("shared w3");
         swiglu_act_quant_fp8(
             rt,
-            &self.shared_gate,
-            &self.shared_up,
+            &self.shared_gate.slice(..),
+            &self.shared_up.slice(..),
             None,
             limit,
             rounding,
@@ -503,6 +503,35 @@ impl DeviceMoe {
 
     fn output(&self, rt: &KernelRuntime) -> Vec<f32> {
         rt.stream().clone_dtoh(&self.y).expect("download y")
+    }
+
+    /// `ExpertProjection::GateUp` of the last run's slots (grouped the same way) into a buffer of
+    /// NaNs; with the run's gate and up rows: `(gate_up, gate, up)`.
+    fn gate_up(
+        &self,
+        rt: &KernelRuntime,
+        table: &DeviceExpertTable,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let groups =
+            ExpertGroups::blocks(rt, &self.experts, table, self.blocks).expect("group slots");
+        let mut both = nan_bf16(rt, 2 * self.gate.len());
+        gemm_routed(
+            rt,
+            RoutedRows {
+                x: &self.qx,
+                groups: &groups,
+                x_row_div: self.k,
+                which: ExpertProjection::GateUp,
+            },
+            table,
+            &mut both,
+        )
+        .expect("routed w1 and w3");
+        let download = |y: &CudaSlice<bf16>| -> Vec<f32> {
+            let values = rt.stream().clone_dtoh(y).expect("download");
+            values.iter().map(|v| v.to_f32()).collect()
+        };
+        (download(&both), download(&self.gate), download(&self.up))
     }
 }
 
@@ -683,13 +712,29 @@ fn swiglu_quantiser_matches_the_cpu_bitwise() {
                         .expect("upload")
                 };
                 let (dg, du) = (upload(&gate), upload(&up));
-                swiglu_act_quant_fp8(&rt, &dg, &du, weights, limit, rounding, &mut q)
+                swiglu_act_quant_fp8(
+                    &rt,
+                    &dg.slice(..),
+                    &du.slice(..),
+                    weights,
+                    limit,
+                    rounding,
+                    &mut q,
+                )
             } else {
                 let (dg, du) = (
                     s.clone_htod(&gate).expect("gate"),
                     s.clone_htod(&up).expect("up"),
                 );
-                swiglu_act_quant_fp8(&rt, &dg, &du, weights, limit, rounding, &mut q)
+                swiglu_act_quant_fp8(
+                    &rt,
+                    &dg.slice(..),
+                    &du.slice(..),
+                    weights,
+                    limit,
+                    rounding,
+                    &mut q,
+                )
             }
             .expect("swiglu_act_quant_fp8");
             let codes = s.clone_dtoh(&q.codes).expect("codes");
@@ -819,6 +864,12 @@ fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
         let routes = (ids.as_slice(), weights.as_slice());
         let (moe, gpu, want) = layer.routed(&rt, &table, &x, (rows, k, inter), routes, blocks);
         assert_bitwise("repeats and unknown ids", &gpu, &want);
+        // w1 and w3 as one GateUp call: each plane the bits of its own launch.
+        let (both, gate, up) = moe.gate_up(&rt, &table);
+        let plane = gate.len();
+        assert_bitwise("GateUp's w1 plane", &both[..plane], &gate);
+        assert_bitwise("GateUp's w3 plane", &both[plane..], &up);
+        assert!(differing(&gate, &up) > 0, "w1 and w3 give the same rows");
         // An unknown id's rows are zero in every projection.
         let gate: Vec<f32> = rt
             .stream()
@@ -838,7 +889,8 @@ fn routed_gemm_handles_repeats_and_unknown_experts_like_the_cpu() {
         }
         assert!(gate[..inter].iter().any(|&v| v != 0.0));
         println!(
-            "routed GEMM ({blocks:?}): repeated and unknown expert ids as the CPU ({} outputs)",
+            "routed GEMM ({blocks:?}): repeated and unknown expert ids as the CPU ({} outputs); \
+             GateUp's planes bitwise the w1 and w3 launches",
             gpu.len()
         );
     }

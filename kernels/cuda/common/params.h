@@ -53,7 +53,8 @@ struct FastRoutedParams {
     u32_t x_row_div;
     u32_t n_experts;
     u32_t which;
-    u32_t store;  // y as FastGemmParams::store says
+    u32_t store;        // y as FastGemmParams::store says
+    u32_t projections;  // table slots from `which` (1; 2: w1 and w3, planes [2][m][n] of y)
 };
 
 // RMSNorm over the last axis: x [rows, cols] bf16, w [cols] bf16 -> y [rows, cols] bf16.

@@ -445,12 +445,16 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
 }
 
 // One block per (tile of group_routed_rows with up to BT rows of one expert, blockIdx.y; blocks
-// past *tile_count return), 16 WARPS output features (blockIdx.x) and K part (blockIdx.z: codes
-// [z span, min(k, (z + 1) span)), as the dense kernels): `body(w, ws, rows, n0, k_begin, k_end,
-// partial)` on the tile's expert weights from the table ([3][n_experts][2] device addresses:
-// weight chunks, band scales), or zeros for the bucket of unknown ids (the combine skips those
-// rows). With one part (production) the body stores y; with more it writes its part's sums to
-// partials[z] ([m, n], zeros for unknown ids), which gemm_fast_reduce adds in part order.
+// past *tile_count return), 16 WARPS output features (blockIdx.x) and either the K part
+// (blockIdx.z: codes [z span, min(k, (z + 1) span)), as the dense kernels) or, with
+// p.projections > 1 (in one part), the table slot which + blockIdx.z, whose outputs are plane z
+// of y ([projections][m][n]: the tile's output rows are offset by z m in shared memory):
+// `body(w, ws, rows, n0, k_begin, k_end, partial)` on the tile's expert weights from the table
+// ([3][n_experts][2] device addresses: weight chunks, band scales), or zeros for the bucket of
+// unknown ids (the combine skips those rows). With one part (production) the body stores y; with
+// more it writes its part's sums to partials[z] ([m, n], zeros for unknown ids), which
+// gemm_fast_reduce adds in part order. Which slot a block computes changes where it reads and
+// stores, never how: each plane of a two-slot launch is bitwise that slot's own launch.
 template <int WARPS, int BT, class Body>
 __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __restrict__ tiles,
                             const u32_t* __restrict__ tile_count, const unsigned long long* __restrict__ table,
@@ -463,16 +467,20 @@ __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __rest
     const u32_t bucket = tiles[3 * tile];
     const u32_t start = tiles[3 * tile + 1];
     const u32_t count = min(tiles[3 * tile + 2], (u32_t)BT);
+    // blockIdx.z: the projection (with several, in one K part) or the K part.
+    const u32_t slot = p.projections > 1 ? blockIdx.z : 0;
+    const u32_t part = p.projections > 1 ? 0 : blockIdx.z;
     for (u32_t r = threadIdx.x; r < count; r += blockDim.x) {
-        tile_rows[r] = order[start + r];
-        tile_a_rows[r] = tile_rows[r] / p.x_row_div;
+        const u32_t row = order[start + r];
+        tile_rows[r] = row + slot * p.m;  // the output row in the slot's plane of y
+        tile_a_rows[r] = row / p.x_row_div;
     }
     __syncthreads();
     const GatheredRows rows{tile_rows, tile_a_rows, count};
     const u32_t n0 = blockIdx.x * 16 * WARPS;
-    const u32_t k_begin = blockIdx.z * p.span;
+    const u32_t k_begin = part * p.span;
     const u32_t k_end = min(p.k, k_begin + p.span);
-    float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;
+    float* partial = p.parts > 1 ? partials + (size_t)part * p.m * p.n : nullptr;
     if (bucket >= p.n_experts) {
         for (u32_t i = threadIdx.x; i < count * 16 * WARPS; i += blockDim.x) {
             const u32_t col = n0 + i % (16 * WARPS);
@@ -486,7 +494,7 @@ __device__ void routed_tile(const u32_t* __restrict__ order, const u32_t* __rest
         }
         return;
     }
-    const unsigned long long* entry = table + ((size_t)p.which * p.n_experts + bucket) * 2;
+    const unsigned long long* entry = table + ((size_t)(p.which + slot) * p.n_experts + bucket) * 2;
     body(reinterpret_cast<const u8_t*>(entry[0]), reinterpret_cast<const u8_t*>(entry[1]), rows, n0, k_begin, k_end,
          partial);
 }

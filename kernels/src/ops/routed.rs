@@ -104,7 +104,7 @@ unsafe impl KernelValue for SwigluParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for CombineParams {}
 
-/// One projection of a SwiGLU expert.
+/// One projection of a SwiGLU expert, or its gate and up projections together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExpertProjection {
     /// Gate, `[inter, dim]`.
@@ -113,15 +113,27 @@ pub enum ExpertProjection {
     W3,
     /// Down, `[dim, inter]`.
     W2,
+    /// Gate and up of the same rows: the output holds two planes, `[2][m][inter]` (`W1`'s, then
+    /// `W3`'s), bitwise what a `W1` and a `W3` launch give (the fast kernels run both in one
+    /// launch).
+    GateUp,
 }
 
 impl ExpertProjection {
-    /// The table slot (`which` in the kernel).
+    /// The table slot (`which` in the kernel): the first of [`ExpertProjection::planes`].
     pub(super) fn slot(self) -> u32 {
         match self {
-            ExpertProjection::W1 => 0,
+            ExpertProjection::W1 | ExpertProjection::GateUp => 0,
             ExpertProjection::W3 => 1,
             ExpertProjection::W2 => 2,
+        }
+    }
+
+    /// How many projections (consecutive table slots, output planes) this is.
+    pub fn planes(self) -> usize {
+        match self {
+            ExpertProjection::GateUp => 2,
+            ExpertProjection::W1 | ExpertProjection::W3 | ExpertProjection::W2 => 1,
         }
     }
 }
@@ -325,10 +337,12 @@ impl DeviceExpertTable {
         &self.addresses
     }
 
-    /// (out, inp) of `which`.
+    /// (out, inp) of `which` (of each plane).
     pub(super) fn shape_of(&self, which: ExpertProjection) -> (usize, usize) {
         match which {
-            ExpertProjection::W1 | ExpertProjection::W3 => (self.inter, self.dim),
+            ExpertProjection::W1 | ExpertProjection::W3 | ExpertProjection::GateUp => {
+                (self.inter, self.dim)
+            }
             ExpertProjection::W2 => (self.dim, self.inter),
         }
     }
@@ -512,7 +526,8 @@ impl<X> Clone for RoutedRows<'_, X> {
 impl<X> Copy for RoutedRows<'_, X> {}
 
 /// The [`RoutedRows`] `rows` of `table`'s experts into `out`: `x` 32-groups, `out` bf16 `[m,
-/// out]`; a row whose id is `>= table.n_experts()` is zero. The kernels are the ones the slots
+/// out]` (a plane of it per projection: [`ExpertProjection::GateUp`]); a row whose id is `>=
+/// table.n_experts()` is zero. The kernels are the ones the slots
 /// were laid out for ([`ExpertGroups`]), of the table's format: FP4 and FP8 (32×32 tiles) rows
 /// are bitwise what [`super::gemm::gemm_fp4`] / [`super::gemm::gemm_fp8`] give for that x row
 /// and that expert's weight, whichever [`RoutedBlocks`]; a fast FP4 table runs the tensor-core
@@ -560,7 +575,7 @@ fn gemm_routed_block_scaled(
     while warps_per_col > 1 && n.div_ceil((WARPS / warps_per_col) as usize) > 65_535 {
         warps_per_col /= 2;
     }
-    let params = RoutedGemmParams {
+    let mut params = RoutedGemmParams {
         m: kernel_dim(op, "m", m)?,
         n: kernel_dim(op, "n", n)?,
         k: kernel_dim(op, "k", k)?,
@@ -570,6 +585,8 @@ fn gemm_routed_block_scaled(
         n_experts: kernel_dim(op, "experts", table.n_experts)?,
         which: which.slot(),
     };
+    // One launch per projection (GateUp: w1, then w3), each into its plane of `out`.
+    let planes = (0..which.planes()).map(|p| (which.slot() + p as u32, p * m * n..(p + 1) * m * n));
     let col_blocks = params.n.div_ceil(WARPS / warps_per_col);
     ensure(col_blocks <= 65_535, op, || {
         format!("n = {n} needs {col_blocks} column blocks (> 65535)")
@@ -600,21 +617,26 @@ fn gemm_routed_block_scaled(
             )
         })?;
         let cfg = launch_config((params.m, col_blocks, 1), WARPS * 32, 0);
-        let mut launch = rt.launcher(rows_kernel)?;
-        launch
-            .arg(&x.codes)
-            .arg(&x.scales)
-            .arg(slots.experts)
-            .arg(&table.addresses)
-            .arg(out)
-            .arg(&params);
-        // SAFETY: signature (const u8* a, const float* sa, const u32* experts, const u64* table,
-        // bf16* y, RoutedGemmParams). Block j < m computes output row j, reading x row
-        // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales) and
-        // experts[j] (experts holds m ids, check_routed); the table holds 3 * n_experts address
-        // pairs of live weights of this shape and format (the constructors' contract), ids >=
-        // n_experts are never looked up; out holds m * n values.
-        unsafe { launch.launch(cfg) }?;
+        for (slot, plane) in planes {
+            params.which = slot;
+            let mut plane = out.slice_mut(plane);
+            let mut launch = rt.launcher(rows_kernel)?;
+            launch
+                .arg(&x.codes)
+                .arg(&x.scales)
+                .arg(slots.experts)
+                .arg(&table.addresses)
+                .arg(&mut plane)
+                .arg(&params);
+            // SAFETY: signature (const u8* a, const float* sa, const u32* experts, const u64*
+            // table, bf16* y, RoutedGemmParams). Block j < m computes output row j, reading x row
+            // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales) and
+            // experts[j] (experts holds m ids, check_routed); the table holds 3 * n_experts
+            // address pairs of live weights of this shape and format (the constructors'
+            // contract), slot < 3, ids >= n_experts are never looked up; the plane holds m * n
+            // values (out holds one per projection, check_routed).
+            unsafe { launch.launch(cfg) }?;
+        }
         return Ok(());
     }
     let kernels = if expert_major {
@@ -644,28 +666,34 @@ fn gemm_routed_block_scaled(
         WARPS * 32,
         shared_bytes,
     );
-    let mut launch = rt.launcher(kernel)?;
-    launch.arg(&x.codes).arg(&x.scales);
-    groups
-        .push_args(&mut launch, &table.addresses)
-        .arg(out)
-        .arg(&params);
-    // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
-    // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams), both kernels. The
-    // groups are those of the m slot ids (check_routed: experts holds m ids) over this table's
-    // n_experts (groups_for). Blocks past *tile_count return; a tile holds at most tile_rows
-    // rows, checked above against the kernel's (for the expert-major kernel the dynamic shared
-    // memory holds WARPS * tile_rows * 33 partials, and it checks column n < p.n per warp); its
-    // rows are output rows < m (order is a permutation of 0..m), each reading x row
-    // j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32 scales); the table
-    // holds 3 * n_experts address pairs of live weights of this shape and format (the
-    // constructors' contract), the bucket of unknown ids is never looked up; out holds m * n.
-    unsafe { launch.launch(cfg) }
+    for (slot, plane) in planes {
+        params.which = slot;
+        let mut plane = out.slice_mut(plane);
+        let mut launch = rt.launcher(kernel)?;
+        launch.arg(&x.codes).arg(&x.scales);
+        groups
+            .push_args(&mut launch, &table.addresses)
+            .arg(&mut plane)
+            .arg(&params);
+        // SAFETY: signature (const u8* a, const float* sa, const u32* order, const u32* tiles,
+        // const u32* tile_count, const u64* table, bf16* y, RoutedGemmParams), both kernels. The
+        // groups are those of the m slot ids (check_routed: experts holds m ids) over this
+        // table's n_experts (groups_for). Blocks past *tile_count return; a tile holds at most
+        // tile_rows rows, checked above against the kernel's (for the expert-major kernel the
+        // dynamic shared memory holds WARPS * tile_rows * 33 partials, and it checks column
+        // n < p.n per warp); its rows are output rows < m (order is a permutation of 0..m), each
+        // reading x row j / x_row_div < x.rows (x holds x.rows * k codes and x.rows * k / 32
+        // scales); the table holds 3 * n_experts address pairs of live weights of this shape and
+        // format (the constructors' contract), slot < 3, the bucket of unknown ids is never
+        // looked up; the plane holds m * n values (out one per projection, check_routed).
+        unsafe { launch.launch(cfg) }?;
+    }
+    Ok(())
 }
 
 /// The checks of a routed launch of `format` experts: the table's format, 32-element groups,
-/// `x`'s columns, `x_row_div > 0` and the lengths of the slots' ids and `out`; gives (m, n, k):
-/// output rows, the projection's out and in features.
+/// `x`'s columns, `x_row_div > 0` and the lengths of the slots' ids and `out` (one `[m, n]`
+/// plane per projection); gives (m, n, k): output rows, the projection's out and in features.
 pub(super) fn check_routed<T>(
     op: &'static str,
     format: ExpertFormat,
@@ -685,7 +713,7 @@ pub(super) fn check_routed<T>(
     ensure(x_row_div != 0, op, || "x_row_div is 0")?;
     let m = x.rows * x_row_div;
     expect_len(op, "experts", experts.len(), m)?;
-    expect_len(op, "out", out.len(), m * n)?;
+    expect_len(op, "out", out.len(), which.planes() * m * n)?;
     Ok((m, n, k))
 }
 
@@ -867,15 +895,16 @@ pub fn swiglu_rows(
     unsafe { launch.launch(cfg) }
 }
 
-/// The SwiGLU values of [`swiglu_rows`] (`gate`, `up` bf16 or f32 `[out.rows, out.cols]`,
-/// `route_weights` one per row or none) quantised into `out` (FP8, 32-groups) in the same
+/// The SwiGLU values of [`swiglu_rows`] (`gate`, `up` bf16 or f32 `[out.rows, out.cols]`: two
+/// buffers, or the two planes of an [`ExpertProjection::GateUp`] output; `route_weights` one
+/// per row or none) quantised into `out` (FP8, 32-groups) in the same
 /// kernel, with no f32 hidden rows in memory: bitwise what [`swiglu_rows`] then
 /// [`super::quant::quantize_act_fp8_into`] of its f32 rows give (the same operations on the
 /// same values).
 pub fn swiglu_act_quant_fp8<T: ExpertRowValue>(
     rt: &KernelRuntime,
-    gate: &CudaSlice<T>,
-    up: &CudaSlice<T>,
+    gate: &CudaView<'_, T>,
+    up: &CudaView<'_, T>,
     route_weights: Option<&CudaSlice<f32>>,
     limit: f32,
     rounding: Rounding,

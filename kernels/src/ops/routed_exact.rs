@@ -218,7 +218,7 @@ impl DeviceExactExpertTable {
 /// The table slot of a projection (`which` in the kernel).
 fn slot(which: ExpertProjection) -> usize {
     match which {
-        ExpertProjection::W1 => 0,
+        ExpertProjection::W1 | ExpertProjection::GateUp => 0,
         ExpertProjection::W3 => 1,
         ExpertProjection::W2 => 2,
     }
@@ -260,9 +260,16 @@ pub fn gemm_exact_routed(
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_exact_routed";
     let (x, experts, x_row_div, which) = (rows.x, rows.experts, rows.x_row_div, rows.which);
+    ensure(
+        which.planes() == 1,
+        OP,
+        || "the exact routed linears run one projection a launch (W1 and W3 apart, not GateUp)",
+    )?;
     let slot = slot(which);
     let (n, k) = match which {
-        ExpertProjection::W1 | ExpertProjection::W3 => (table.inter, table.dim),
+        ExpertProjection::W1 | ExpertProjection::W3 | ExpertProjection::GateUp => {
+            (table.inter, table.dim)
+        }
         ExpertProjection::W2 => (table.dim, table.inter),
     };
     ensure(

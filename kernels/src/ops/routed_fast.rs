@@ -8,7 +8,9 @@
 //! A routed row's output depends only on its activation row and its expert's weights: the tile
 //! ([`FastTile`], picked by the mean rows per expert when the slots are grouped) and the rows
 //! sharing it change which thread computes it, never how (the GPU tests check a row alone against
-//! inside 2 … 64 tokens). Production launches sum K in one part; the benchmark's tile sweep also
+//! inside 2 … 64 tokens). [`ExpertProjection::GateUp`](super::routed::ExpertProjection::GateUp)
+//! runs `w1` and `w3` in one launch (the column blocks of both: twice the blocks of a decode
+//! step's few rows in flight), each plane bitwise its own launch's. Production launches sum K in one part; the benchmark's tile sweep also
 //! launches builds of other tiles and K splits ([`gemm_fp4_routed_fast_variant`]).
 
 use super::gemm_fast::{FastKernel, FastKernels, FastOutput, FastTile, FastVariant, reduce_parts};
@@ -78,6 +80,10 @@ fn launch_routed<Y: FastOutput>(
     let (x, x_row_div, which) = (rows.x, rows.x_row_div, rows.which);
     let (tokens, warps) = kernel.block;
     let parts = k.div_ceil(kernel.span).max(1);
+    let projections = which.planes();
+    ensure(parts == 1 || projections == 1, op, || {
+        format!("{which:?} runs in one K part ({parts} asked)")
+    })?;
     let params = FastRoutedParams {
         m: dim(op, "m", m)?,
         n: dim(op, "n", n)?,
@@ -88,6 +94,7 @@ fn launch_routed<Y: FastOutput>(
         n_experts: dim(op, "experts", table.n_experts())?,
         which: which.slot(),
         store: Y::STORE,
+        projections: dim(op, "projections", projections)?,
     };
     let groups = rows.groups.groups_for(op, SlotKernels::Fast, table)?;
     ensure(groups.tile_rows <= tokens as usize, op, || {
@@ -100,8 +107,13 @@ fn launch_routed<Y: FastOutput>(
     ensure(tiles <= 65_535 && params.parts <= 65_535, op, || {
         format!("m = {m} needs up to {tiles} expert tiles, K {parts} parts (> 65535)")
     })?;
+    // blockIdx.z: the K part, or with several projections (one part) the projection.
     let cfg = launch_config(
-        (params.n.div_ceil(16 * warps), tiles, params.parts),
+        (
+            params.n.div_ceil(16 * warps),
+            tiles,
+            params.parts.max(params.projections),
+        ),
         warps * 32,
         kernel.shared_bytes,
     );
@@ -133,8 +145,10 @@ fn launch_routed<Y: FastOutput>(
     // (the constructor's contract: chunks and band scales built for n, k), the bucket of unknown
     // ids is never looked up; block z reads K codes [z span, min(k, (z + 1) span)) with
     // z < parts = ceil(k / span), span a multiple of the kernel's stage (FastKernel); every load
-    // is bounds-checked against n, k and the tile's count; out holds m * n values, partials
-    // parts * m * n when parts > 1.
+    // is bounds-checked against n, k and the tile's count; with projections > 1 (one part)
+    // block z computes slot which + z < 3 (GateUp: slots 0 and 1) into plane z; out holds
+    // projections * m * n values (check_routed), partials parts * m * n when parts > 1 (then
+    // one projection, checked above).
     unsafe { launch.launch(cfg) }?;
     if parts > 1 {
         reduce_parts(rt, op, &partials, out, count, parts)?;

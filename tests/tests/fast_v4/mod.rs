@@ -278,8 +278,16 @@ fn run_v4_chain(
     let up = routed(&a, slots / tokens, ExpertProjection::W3, inter);
     let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32).expect("alloc");
     let weights = Some(&weights_d);
-    swiglu_act_quant_fp8(rt, &gate, &up, weights, LIMIT, Rounding::F32, &mut a_hidden)
-        .expect("swiglu, quantised");
+    swiglu_act_quant_fp8(
+        rt,
+        &gate.slice(..),
+        &up.slice(..),
+        weights,
+        LIMIT,
+        Rounding::F32,
+        &mut a_hidden,
+    )
+    .expect("swiglu, quantised");
     let routed_out = routed(&a_hidden, 1, ExpertProjection::W2, dim);
 
     let dense = |x: &DeviceActFp8, i: usize| {

@@ -326,8 +326,7 @@ fn bench_routed_chain<W>(
     let a = quantize_act_fp8(rt, &x, tokens, dim, ActGroup::G32)?;
     let (routes, distinct) = route_sets(rt, tokens)?;
     let route_weights = stream.clone_htod(&vec![1.0f32 / ROUTED_TOP_K as f32; slots])?;
-    let mut gate = stream.alloc_zeros::<bf16>(slots * inter)?;
-    let mut up = stream.alloc_zeros::<bf16>(slots * inter)?;
+    let mut gate_up = stream.alloc_zeros::<bf16>(2 * slots * inter)?;
     let mut a_hidden = DeviceActFp8::alloc(rt, slots, inter, ActGroup::G32)?;
     let mut out = stream.alloc_zeros::<bf16>(slots * dim)?;
     let table = &experts.table;
@@ -347,12 +346,14 @@ fn bench_routed_chain<W>(
     };
     let micros = time_launches(rt, timer, |i| {
         let groups = ExpertGroups::new(rt, &routes[i % ROUTE_SETS], table)?;
-        for (which, y) in [
-            (ExpertProjection::W1, &mut gate),
-            (ExpertProjection::W3, &mut up),
-        ] {
-            routed(&a, &groups, ROUTED_TOP_K, which, y)?;
-        }
+        routed(
+            &a,
+            &groups,
+            ROUTED_TOP_K,
+            ExpertProjection::GateUp,
+            &mut gate_up,
+        )?;
+        let (gate, up) = gate_up.split_at(slots * inter);
         swiglu_act_quant_fp8(
             rt,
             &gate,

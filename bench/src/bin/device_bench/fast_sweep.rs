@@ -73,9 +73,11 @@ const PREFILL_M: usize = 1024;
 /// The FP8 tensor-core peak of the H200 (`torch._scaled_mm` 4096³, ../shared/tools/gpu.md).
 const FP8_PEAK_FLOPS: f64 = 1216e12;
 
-/// The routed sweep's projections (name, table slot, N, K) of the `fast` section's layer.
-const ROUTED_SHAPES: [(&str, ExpertProjection, usize, usize); 2] = [
+/// The routed sweep's projections (name, table slot, N, K of each) of the `fast` section's layer:
+/// one of w1/w3, w1 and w3 in one launch (the production's), w2.
+const ROUTED_SHAPES: [(&str, ExpertProjection, usize, usize); 3] = [
     ("w1/w3", ExpertProjection::W1, ROUTED_INTER, ROUTED_DIM),
+    ("w1+w3", ExpertProjection::GateUp, ROUTED_INTER, ROUTED_DIM),
     ("w2", ExpertProjection::W2, ROUTED_DIM, ROUTED_INTER),
 ];
 /// Tokens per launch (routed rows: six each): decode at B = 1, 8, 64 and a 1024-token prefill.
@@ -551,7 +553,9 @@ pub fn routed(
             // w1/w3 read the tokens' rows (row j: token j / 6), w2 the slots' hidden rows.
             let (x_rows, x_row_div) = match which {
                 ExpertProjection::W2 => (rows, 1),
-                ExpertProjection::W1 | ExpertProjection::W3 => (*tokens, ROUTED_TOP_K),
+                ExpertProjection::W1 | ExpertProjection::W3 | ExpertProjection::GateUp => {
+                    (*tokens, ROUTED_TOP_K)
+                }
             };
             let x = activations(rt, x_rows, k)?;
             let a = quantize_act_fp8(rt, &x, x_rows, k, ActGroup::G32)?;
@@ -559,7 +563,7 @@ pub fn routed(
             // call for its three GEMMs; here each launch counts one grouping).
             let production_groups =
                 |i: usize| ExpertGroups::new(rt, &routes[i % ROUTE_SETS], table);
-            let mut y = rt.stream().alloc_zeros::<bf16>(rows * n)?;
+            let mut y = rt.stream().alloc_zeros::<bf16>(which.planes() * rows * n)?;
             let groups = production_groups(0)?;
             gemm_fp4_routed_fast(
                 rt,
@@ -605,7 +609,8 @@ pub fn routed(
                 // One part: a span of K rounded up to the stage.
                 let one_part = k.div_ceil(step) * step;
                 let mut spans = vec![one_part];
-                if which != ExpertProjection::W2 && *tokens <= ROUTED_SPLIT_TOKENS {
+                // K parts for one of w1/w3 (GateUp runs in one part).
+                if which == ExpertProjection::W1 && *tokens <= ROUTED_SPLIT_TOKENS {
                     spans.extend(ROUTED_SPLITS.map(|p| k.div_ceil(p).div_ceil(step) * step));
                     spans.dedup();
                 }
@@ -647,8 +652,8 @@ pub fn routed(
                  {touched:.0} experts touched, {:.1} rows each)",
                 rows as f64 / touched
             );
-            // Each touched expert's FP4 codes and UE8M0 scales, once.
-            let weight_bytes = touched * (n * k / 2 + n * k / 32) as f64;
+            // Each touched expert's FP4 codes and UE8M0 scales of each projection, once.
+            let weight_bytes = touched * (which.planes() * (n * k / 2 + n * k / 32)) as f64;
             print_table(&heading, weight_bytes, &mut measured);
             if measured.iter().any(|r| r.same_bits == Some(false)) {
                 failed.push(heading);

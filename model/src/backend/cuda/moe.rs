@@ -18,6 +18,7 @@ use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
+use deepinfer_kernels::cudarc::driver::CudaView;
 
 /// A layer's experts on the device: their address table and the weights it points into (held
 /// here so that the addresses stay valid as long as the table).
@@ -194,8 +195,9 @@ impl CudaBackend {
     }
 
     /// The routed experts of `ids.len()` slots: slot `j` runs expert `ids[j]` of `table` on the
-    /// FP8 row `j / x_row_div` of `a` — `w1` and `w3`, SwiGLU weighted by `route_weights[j]`
-    /// (rounded at `rounding`) and quantised in 32-groups by one kernel, `w2` — into `[slots,
+    /// FP8 row `j / x_row_div` of `a` — `w1` and `w3` (one call, [`ExpertProjection::GateUp`]:
+    /// one launch on the fast kernels), SwiGLU weighted by `route_weights[j]` (rounded at
+    /// `rounding`) and quantised in 32-groups by one kernel, `w2` — into `[slots,
     /// dim]` of `T` (bf16: V4.1; f32: V4 in the fast numerics). The slots are grouped by expert once for
     /// the three routed GEMMs ([`ExpertGroups`]). Each slot is what the dense GEMMs of the
     /// table's numerics give for it, whichever slots run with it.
@@ -218,9 +220,10 @@ impl CudaBackend {
                       which: ExpertProjection,
                       width: usize|
          -> Result<CudaSlice<T>, CudaBackendError> {
-            // SAFETY: the routed GEMMs write every slot row: each row lies in a tile (or its own
-            // block) whose kernel stores all its columns, rows of unknown ids as zeros.
-            let mut out = unsafe { self.alloc_written::<T>(op, slots * width) }?;
+            // SAFETY: the routed GEMMs write every slot row of every plane: each row lies in a
+            // tile (or its own block) whose kernel stores all its columns, rows of unknown ids as
+            // zeros.
+            let mut out = unsafe { self.alloc_written::<T>(op, which.planes() * slots * width) }?;
             let rows = RoutedRows {
                 x,
                 groups: &groups,
@@ -230,12 +233,16 @@ impl CudaBackend {
             T::GEMM(&self.rt, rows, table, &mut out).map_err(op_err(op))?;
             Ok(out)
         };
-        let gate = routed(a, x_row_div, ExpertProjection::W1, inter)?;
-        let up = routed(a, x_row_div, ExpertProjection::W3, inter)?;
+        let gate_up = routed(a, x_row_div, ExpertProjection::GateUp, inter)?;
         let weights = Some(route_weights);
         let shape = (slots, inter);
-        let a_hidden =
-            self.swiglu_quantised(op, (&gate, &up), weights, shape, (limit, rounding))?;
+        let a_hidden = self.swiglu_quantised(
+            op,
+            gate_up.split_at(slots * inter),
+            weights,
+            shape,
+            (limit, rounding),
+        )?;
         routed(&a_hidden, 1, ExpertProjection::W2, dim)
     }
 
@@ -245,7 +252,7 @@ impl CudaBackend {
     fn swiglu_quantised<T: ExpertRowValue>(
         &self,
         op: &'static str,
-        (gate, up): (&CudaSlice<T>, &CudaSlice<T>),
+        (gate, up): (CudaView<'_, T>, CudaView<'_, T>),
         route_weights: Option<&CudaSlice<f32>>,
         (rows, inter): (usize, usize),
         (limit, rounding): (f32, Rounding),
@@ -254,8 +261,16 @@ impl CudaBackend {
         // values over all rows * inter).
         let mut out = unsafe { DeviceActFp8::alloc_written(&self.rt, rows, inter, ActGroup::G32) }
             .map_err(op_err(op))?;
-        swiglu_act_quant_fp8(&self.rt, gate, up, route_weights, limit, rounding, &mut out)
-            .map_err(op_err(op))?;
+        swiglu_act_quant_fp8(
+            &self.rt,
+            &gate,
+            &up,
+            route_weights,
+            limit,
+            rounding,
+            &mut out,
+        )
+        .map_err(op_err(op))?;
         Ok(out)
     }
 
@@ -301,7 +316,13 @@ impl CudaBackend {
         let gate = dense(a, &shared.w1)?;
         let up = dense(a, &shared.w3)?;
         let shape = (a.rows, gate.len() / a.rows.max(1));
-        let a_hidden = self.swiglu_quantised(op, (&gate, &up), None, shape, (limit, rounding))?;
+        let a_hidden = self.swiglu_quantised(
+            op,
+            (gate.slice(..), up.slice(..)),
+            None,
+            shape,
+            (limit, rounding),
+        )?;
         dense(&a_hidden, &shared.w2)
     }
 
