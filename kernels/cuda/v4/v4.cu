@@ -44,11 +44,37 @@ v4_pool_f32(const unsigned long long* kv, const unsigned long long* gate, const 
 // pre[r * hc + k] = sigmoid(dot_sgemm(x_r, proj_k) · inv_r · scale + base_k) + hc_eps with
 // inv_r = 1 / sqrt(Σ_i f64(x_i · x_i) / width + norm_eps) (sum in sequence, in f64, rounded
 // once). One block of HYPER_HEAD_THREADS per row. Thread 0 sums the squares (one dependent f64
-// chain: its order is the reference's); meanwhile the other warps run the hc · sgemm_chains(width)
+// chain: its order is the reference's; squares_in_order); meanwhile the other warps run the hc · sgemm_chains(width)
 // FMA chains of the dot products, one chain per thread (each chain is the reference's sequence of
 // FMAs from 0, whichever thread runs it), into shared memory; then thread k < hc adds its chains'
 // partials by the reference's pairwise tree in K order (refmath::PairwiseSum) and computes
 // weight k. The same operations as refmath::dot_sgemm_order in one thread, so the same bits.
+// Σ_i f64(x_i · x_i) over row[0 .. width), added in sequence from 0 (one dependent f64 chain).
+// The next SQUARES_AHEAD values are loaded into registers before the chain adds the current ones,
+// so the chain's adds, not the loads' latency, set its pace; the operations and their order are
+// those of the plain loop.
+constexpr unsigned int SQUARES_AHEAD = 64;
+__device__ __forceinline__ double squares_in_order(const float* __restrict__ row, unsigned int width) {
+    float next[SQUARES_AHEAD];
+#pragma unroll
+    for (unsigned int j = 0; j < SQUARES_AHEAD; ++j) next[j] = j < width ? row[j] : 0.0f;
+    double acc = 0.0;
+    for (unsigned int base = 0; base < width; base += SQUARES_AHEAD) {
+        float current[SQUARES_AHEAD];
+#pragma unroll
+        for (unsigned int j = 0; j < SQUARES_AHEAD; ++j) current[j] = next[j];
+        const unsigned int ahead = base + SQUARES_AHEAD;
+#pragma unroll
+        for (unsigned int j = 0; j < SQUARES_AHEAD; ++j) next[j] = ahead + j < width ? row[ahead + j] : 0.0f;
+        const unsigned int count = min(SQUARES_AHEAD, width - base);
+#pragma unroll
+        for (unsigned int j = 0; j < SQUARES_AHEAD; ++j) {
+            if (j < count) acc = __dadd_rn(acc, static_cast<double>(__fmul_rn(current[j], current[j])));
+        }
+    }
+    return acc;
+}
+
 constexpr unsigned int HYPER_HEAD_THREADS = 256;
 constexpr unsigned int HYPER_HEAD_MAX_CHAINS = 1024;  // hc · sgemm_chains(width), checked by the launcher
 extern "C" __global__ void __launch_bounds__(HYPER_HEAD_THREADS)
@@ -63,11 +89,7 @@ v4_hyper_head_f32(const float* x, const float* proj, const float* base, unsigned
     const float* row = x + static_cast<size_t>(r) * width;
     const unsigned int chains = refmath::sgemm_chains(width);
     if (threadIdx.x == 0) {
-        double acc = 0.0;
-#pragma unroll 16
-        for (unsigned int i = 0; i < width; ++i) {
-            acc = __dadd_rn(acc, static_cast<double>(__fmul_rn(row[i], row[i])));
-        }
+        const double acc = squares_in_order(row, width);
         const float mean = __fdiv_rn(__double2float_rn(acc), static_cast<float>(width));
         inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, norm_eps)));
     } else if (threadIdx.x >= 32) {
