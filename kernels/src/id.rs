@@ -330,12 +330,15 @@ pub enum KernelId {
     AddF32,
     /// V4 compressor pooling: softmax of biased gates over slots given by device address, fp32.
     V4PoolF32,
-    /// V4 hyper-head collapse weights (sigmoid of the normed projection), fp32.
+    /// V4 hyper-head collapse weights (sigmoid of the normed projection), fp32, the squares
+    /// summed in the reference's order (exact numerics).
     V4HyperHeadF32,
+    /// The same with the squares summed by a fixed tree (fast numerics).
+    V4HyperHeadTreeF32,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 101] = [
+    pub const ALL: [KernelId; 102] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -437,6 +440,7 @@ impl KernelId {
         KernelId::AddF32,
         KernelId::V4PoolF32,
         KernelId::V4HyperHeadF32,
+        KernelId::V4HyperHeadTreeF32,
     ];
 
     /// The `extern "C"` symbol in the source file.
@@ -549,6 +553,7 @@ impl KernelId {
             KernelId::AddF32 => "add_f32",
             KernelId::V4PoolF32 => "v4_pool_f32",
             KernelId::V4HyperHeadF32 => "v4_hyper_head_f32",
+            KernelId::V4HyperHeadTreeF32 => "v4_hyper_head_tree_f32",
         }
     }
 
@@ -675,7 +680,9 @@ impl KernelId {
             | KernelId::ComposeKeyLists
             | KernelId::CopyAddresses
             | KernelId::AddF32 => SourceFile::Movement,
-            KernelId::V4PoolF32 | KernelId::V4HyperHeadF32 => SourceFile::V4,
+            KernelId::V4PoolF32 | KernelId::V4HyperHeadF32 | KernelId::V4HyperHeadTreeF32 => {
+                SourceFile::V4
+            }
         }
     }
 }

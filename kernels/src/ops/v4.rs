@@ -1,6 +1,6 @@
 //! Launchers of the V4 family's float32 ops (`cuda/v4/v4.cu`): the compressor's softmax pooling
 //! over slots given by device address ([`v4_pool_f32`]) and the hyper-head's collapse weights
-//! ([`v4_hyper_head_f32`]). The MoE's fp32 experts are routed ops (`ops::routed_exact`).
+//! ([`v4_hyper_head_f32`], the squares in either [`SquaresOrder`]). The MoE's fp32 experts are routed ops (`ops::routed_exact`).
 
 use cudarc::driver::CudaSlice;
 
@@ -56,12 +56,25 @@ pub unsafe fn v4_pool_f32(
     unsafe { launch.launch(grid_stride_config(entries * width, THREADS)) }
 }
 
+/// How [`v4_hyper_head_f32`] adds a row's squares in f64 (rounded once to f32 after).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SquaresOrder {
+    /// In sequence from the first, the reference's order (exact numerics: the CPU's bits); one
+    /// dependent chain of `width` adds.
+    InOrder,
+    /// By a fixed tree: 256 strided partials added by halving (fast numerics). The f64 sums
+    /// differ by at most `2 (width − 1) 2^-53` of the sum, so the f32 sum is the reference's or one
+    /// ulp from it; fixed per row, so batch invariant.
+    Tree,
+}
+
 /// The hyper-head's collapse weights `pre [rows, hc]` of `x [rows, width]` with `proj [hc, width]`,
 /// `base [hc]`: `σ(dot(x_r, proj_k) · inv_r · scale + base_k) + hc_eps`, `inv_r` the reciprocal
-/// RMS of row `r` (its squares summed in f64, in order) with `norm_eps`.
+/// RMS of row `r` (its squares summed in f64 in `order`) with `norm_eps`.
 #[allow(clippy::too_many_arguments)]
 pub fn v4_hyper_head_f32(
     rt: &KernelRuntime,
+    order: SquaresOrder,
     x: &CudaSlice<f32>,
     proj: &CudaSlice<f32>,
     base: &CudaSlice<f32>,
@@ -96,7 +109,11 @@ pub fn v4_hyper_head_f32(
         dim(OP, "width", width)?,
         dim(OP, "hc", hc)?,
     );
-    let mut launch = rt.launcher(KernelId::V4HyperHeadF32)?;
+    let kernel = match order {
+        SquaresOrder::InOrder => KernelId::V4HyperHeadF32,
+        SquaresOrder::Tree => KernelId::V4HyperHeadTreeF32,
+    };
+    let mut launch = rt.launcher(kernel)?;
     launch
         .arg(x)
         .arg(proj)

@@ -163,6 +163,23 @@ pub fn fast_bound(op: Op) -> (Bound, &'static str) {
              exponentials; f32 products, sums of 64 and the block chain) added; the case's \
              magnitude max_j |v_j| bounds A",
         ),
+        Op::HyperHead => (
+            Bound::Within {
+                of_magnitude: 6.0 * p(-23),
+                of_value: 6.0 * p(-23),
+            },
+            "the fast kernel sums a row's squares by a fixed tree (kernels/src/ops/v4.rs, \
+             SquaresOrder): its f64 sum and the reference's in-order one are within \
+             width·2^-52 of the sum, so their f32 roundings are equal or one ulp (2^-23) apart \
+             (width < 2^24); through the mean, + eps, the square root and the reciprocal (each \
+             side rounding once) inv moves ≤ 3.5·2^-23, t = dot·inv·scale ≤ 5.5·2^-23·|t| (the \
+             dot products are the same bits), the logit by that and 2^-23·|logit| (rounding); \
+             σ' ≤ σ; each side's sigmoid (exp_f32 within 1 ulp, the add and the divide) within \
+             2^-22 of its value and its + hc_eps within 2^-24 (5·2^-23 of the value together; \
+             the last 2^-23 and the magnitude's 0.5·2^-23 for second-order terms and the f64 \
+             magnitude's difference from the f32 path): the case's magnitude is σ·(|t| + \
+             |logit|) from its f64 values",
+        ),
         Op::LinearF32 => (
             Bound::Bitwise,
             "the fp32 linears (and the head of sample_linear) stay on the exact sgemm order",
@@ -179,8 +196,7 @@ pub fn fast_bound(op: Op) -> (Bound, &'static str) {
         | Op::ScaleAt
         | Op::StreamMeans
         | Op::GatedPool
-        | Op::EngramInject
-        | Op::HyperHead => (
+        | Op::EngramInject => (
             Bound::Bitwise,
             "no fast path: the fast numerics run the exact kernel of this op",
         ),

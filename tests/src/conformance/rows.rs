@@ -122,15 +122,45 @@ pub fn hyper_heads() -> Vec<Case> {
                     "another projection row moves its own weight only",
                     moved.iter().enumerate().all(|(i, &m)| m == (i % hc == 0)),
                 );
-                o.values("host", host);
-                o.values(
+                let m = hyper_head_magnitudes(&x, &head);
+                o.bounded("host", host, &m);
+                o.bounded(
                     "resident",
                     b.hyper_head_weights_rows(&resident(b, &x), &head),
+                    &m,
                 );
             },
         ));
     }
     cases
+}
+
+/// Each hyper-head weight's magnitude for its fast bound ([`super::fast_bound`]): `σ (|t| +
+/// |logit|)` with `t = dot(x_r, proj_k) · inv_r · scale`, `logit = t + base_k` and `σ` the sigmoid
+/// of the logit, all in f64.
+fn hyper_head_magnitudes(x: &[f32], head: &HyperHead<'_>) -> Vec<f32> {
+    let hc = head.base.len();
+    let width = head.proj.len() / hc;
+    x.chunks_exact(width)
+        .flat_map(|row| {
+            let squares: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            let inv = 1.0 / (squares / width as f64 + f64::from(head.norm_eps)).sqrt();
+            head.proj
+                .chunks_exact(width)
+                .zip(head.base)
+                .map(move |(proj, &base)| {
+                    let dot: f64 = row
+                        .iter()
+                        .zip(proj)
+                        .map(|(&a, &w)| f64::from(a) * f64::from(w))
+                        .sum();
+                    let t = dot * inv * f64::from(head.scale);
+                    let logit = t + f64::from(base);
+                    let sigmoid = 1.0 / (1.0 + (-logit).exp());
+                    (sigmoid * (t.abs() + logit.abs())) as f32
+                })
+        })
+        .collect()
 }
 
 /// The stream means' shapes: (tokens, hc, dim).

@@ -8,7 +8,8 @@
 //! experts, by the same kernels (`ep.rs`).
 //!
 //! Exact numerics: bit for bit the CPU's (the routed exact linears, `ops::routed_exact`, in its
-//! sgemm order; its exponential; its sums in its order). Fast numerics: FP4 routed experts run
+//! sgemm order; its exponential; its sums in its order). Fast numerics: the hyper head's sum of
+//! squares by a fixed tree (`SquaresOrder::Tree`, within one f32 ulp); FP4 routed experts run
 //! V4.1's fast routed chain (`moe.rs` `routed_slots`: the rows quantised to E4M3 in 1×32 groups,
 //! the tensor-core FP4 GEMM per expert tile, SwiGLU, the hidden rows quantised again, `w2`) with
 //! V4's float32 rounding points: every GEMM output, the SwiGLU and the combine stay f32 (no bf16
@@ -19,7 +20,7 @@ use deepinfer_kernels::ops::routed::{ExpertProjection, moe_combine, swiglu_rows}
 use deepinfer_kernels::ops::routed_exact::{
     DeviceExactExpertTable, ExactExpertRefs, ExactRoutedRows, ExactWeight, gemm_exact_routed,
 };
-use deepinfer_kernels::ops::v4::{v4_hyper_head_f32, v4_pool_f32};
+use deepinfer_kernels::ops::v4::{SquaresOrder, v4_hyper_head_f32, v4_pool_f32};
 
 use super::moe::{DeviceExperts, uniform_expert_shape, v4_fast_shape};
 use super::*;
@@ -120,7 +121,8 @@ fn of_width<T>(
 
 impl CudaBackend {
     /// [`Backend::hyper_head_weights_rows`], with errors: one launch of `v4_hyper_head_f32`
-    /// (the CPU's sum of squares, sgemm-order dot products and sigmoid, bit for bit).
+    /// (the CPU's sgemm-order dot products and sigmoid; the sum of squares in the CPU's order in
+    /// the exact numerics, bit for bit, by a fixed tree in the fast ones: `SquaresOrder`).
     pub fn try_hyper_head_weights_rows(
         &self,
         x: &Tensor,
@@ -139,8 +141,12 @@ impl CudaBackend {
         // SAFETY: v4_hyper_head_f32 runs one block per row writing its hc weights.
         let mut pre = unsafe { self.alloc_written(OP, x.len() / width * hc) }?;
         let (scale, hc_eps, norm_eps) = (head.scale, head.hc_eps, head.norm_eps);
+        let order = match self.numerics {
+            Numerics::Exact => SquaresOrder::InOrder,
+            Numerics::Fast => SquaresOrder::Tree,
+        };
         v4_hyper_head_f32(
-            &self.rt, &input, &proj, &base, scale, hc_eps, norm_eps, &mut pre,
+            &self.rt, order, &input, &proj, &base, scale, hc_eps, norm_eps, &mut pre,
         )
         .map_err(op_err(OP))?;
         Ok(self.tensor(pre))
