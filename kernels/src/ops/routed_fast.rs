@@ -10,8 +10,9 @@
 //! sharing it change which thread computes it, never how (the GPU tests check a row alone against
 //! inside 2 … 64 tokens). [`ExpertProjection::GateUp`](super::routed::ExpertProjection::GateUp)
 //! runs `w1` and `w3` in one launch (the column blocks of both: twice the blocks of a decode
-//! step's few rows in flight), each plane bitwise its own launch's. Production launches sum K in one part; the benchmark's tile sweep also
-//! launches builds of other tiles and K splits ([`gemm_fp4_routed_fast_variant`]).
+//! step's few rows in flight), each plane bitwise its own launch's. Production launches sum K in
+//! one part; the benchmark's tile sweep also launches builds of other tiles and K splits
+//! ([`gemm_fp4_routed_fast_variant`]).
 
 use super::gemm_fast::{FastKernel, FastKernels, FastOutput, FastTile, FastVariant, reduce_parts};
 use super::quant::DeviceActFp8;

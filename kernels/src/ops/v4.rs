@@ -1,6 +1,7 @@
 //! Launchers of the V4 family's float32 ops (`cuda/v4/v4.cu`): the compressor's softmax pooling
 //! over slots given by device address ([`v4_pool_f32`]) and the hyper-head's collapse weights
-//! ([`v4_hyper_head_f32`], the squares in either [`SquaresOrder`]). The MoE's fp32 experts are routed ops (`ops::routed_exact`).
+//! ([`v4_hyper_head_f32`], the squares in either [`SquaresOrder`]). The MoE's fp32 experts are
+//! routed ops (`ops::routed_exact`).
 
 use cudarc::driver::CudaSlice;
 

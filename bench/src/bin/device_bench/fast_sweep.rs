@@ -561,21 +561,18 @@ pub fn routed(
             let a = quantize_act_fp8(rt, &x, x_rows, k, ActGroup::G32)?;
             // Every timed launch groups its slots first (the production groups them once per MoE
             // call for its three GEMMs; here each launch counts one grouping).
-            let production_groups =
-                |i: usize| ExpertGroups::new(rt, &routes[i % ROUTE_SETS], table);
-            let mut y = rt.stream().alloc_zeros::<bf16>(which.planes() * rows * n)?;
-            let groups = production_groups(0)?;
-            gemm_fp4_routed_fast(
-                rt,
-                RoutedRows {
+            let production = |i: usize, y: &mut CudaSlice<bf16>| -> Result<()> {
+                let groups = ExpertGroups::new(rt, &routes[i % ROUTE_SETS], table)?;
+                let routed = RoutedRows {
                     x: &a,
                     groups: &groups,
                     x_row_div,
                     which,
-                },
-                table,
-                &mut y,
-            )?;
+                };
+                Ok(gemm_fp4_routed_fast(rt, routed, table, y)?)
+            };
+            let mut y = rt.stream().alloc_zeros::<bf16>(which.planes() * rows * n)?;
+            production(0, &mut y)?;
             let production_bits = bits(rt, &y)?;
             let mut measured = Vec::new();
             let production_label = format!("production {}", label(production_shape));
@@ -585,20 +582,7 @@ pub fn routed(
                 Some(iterations),
                 &mut y,
                 |bits| Some(bits == production_bits),
-                |i, y| {
-                    let groups = production_groups(i)?;
-                    Ok(gemm_fp4_routed_fast(
-                        rt,
-                        RoutedRows {
-                            x: &a,
-                            groups: &groups,
-                            x_row_div,
-                            which,
-                        },
-                        table,
-                        y,
-                    )?)
-                },
+                production,
             )?;
             measured.push(Measured::pinned(production_label, 1, timed));
             for variant in variants
