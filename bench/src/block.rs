@@ -13,6 +13,9 @@
 //!
 //! Both with a small vocabulary (the head is not what a block measures).
 
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
 use deepinfer_model::checkpoint::{INDEX_FILE, write_random_checkpoint};
@@ -160,10 +163,10 @@ pub enum Prepared {
     Reused,
 }
 
-/// Makes `dir` hold a random checkpoint of `cfg` (seed `seed`, `shards` files): reuses one whose
-/// `config.json` equals `cfg` and whose index exists (a previous run on the same machine; the seed
-/// is not recorded, any random checkpoint of the config serves a benchmark), else writes it with
-/// the model crate's synthetic writer.
+/// Makes `dir` hold a random checkpoint of `cfg` (seed `seed`, `shards` files) with a balanced
+/// router ([`balance_routers`]): reuses one whose `config.json` equals `cfg` and whose index
+/// exists (a previous run on the same machine; the seed is not recorded, any random checkpoint of
+/// the config serves a benchmark), else writes it with the model crate's synthetic writer.
 pub fn prepare_checkpoint(
     cfg: &ModelConfig,
     seed: u64,
@@ -174,11 +177,99 @@ pub fn prepare_checkpoint(
     if config_path.exists() && dir.join(INDEX_FILE).exists() {
         let existing = ModelConfig::from_file(&config_path)?;
         if &existing == cfg {
+            balance_routers(dir)?;
             return Ok(Prepared::Reused);
         }
     }
     write_random_checkpoint(cfg, seed, dir, shards)?;
+    balance_routers(dir)?;
     Ok(Prepared::Written)
+}
+
+/// The name ending of the routers' selection bias (`layers.L.ffn.gate.bias`, both families).
+const ROUTER_BIAS: &str = ".ffn.gate.bias";
+
+/// Sets every router's selection bias in the checkpoint at `dir` to zero, in place.
+///
+/// The released routers' biases were trained so that the experts' loads balance; the synthetic
+/// writer's are random (`N(0, 0.25)`) and make every token favour the same experts. Drawn as the
+/// writer draws the real-width V4.1 router (384 experts, gate std 2.9/√5120, top-6 of
+/// `sqrt(softplus(z)) + bias`), 64 independent unit-RMS inputs select about 131 distinct experts
+/// with such a bias and about 239 without, where the cost model's floor counts 244
+/// (`cost::expected_experts`): a decode step would read about half the expert bytes its floor
+/// counts. With the bias at zero the selection follows the gate's scores alone, spread over the
+/// experts as a balanced router's.
+pub fn balance_routers(dir: &Path) -> Result<(), ModelError> {
+    let index_path = dir.join(INDEX_FILE);
+    let index: serde_json::Value = read_json(&index_path)?;
+    let Some(weight_map) = index.get("weight_map").and_then(|m| m.as_object()) else {
+        return Err(checkpoint_error(
+            &index_path,
+            "(index)",
+            "no weight_map object",
+        ));
+    };
+    let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (name, file) in weight_map {
+        if let (true, Some(file)) = (name.ends_with(ROUTER_BIAS), file.as_str()) {
+            by_file.entry(file).or_default().push(name);
+        }
+    }
+    for (file, names) in by_file {
+        zero_tensors(&dir.join(file), &names)?;
+    }
+    Ok(())
+}
+
+/// Overwrites the data of the tensors `names` of the safetensors file at `path` with zero bytes
+/// (zero in every float format), leaving its header and every other tensor as they are.
+fn zero_tensors(path: &Path, names: &[&str]) -> Result<(), ModelError> {
+    let io = |source| ModelError::io(path, source);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(io)?;
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length).map_err(io)?;
+    let header_len = usize::try_from(u64::from_le_bytes(length))
+        .map_err(|_| checkpoint_error(path, "(header)", "header length out of range"))?;
+    let mut header = vec![0u8; header_len];
+    file.read_exact(&mut header).map_err(io)?;
+    let header: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| checkpoint_error(path, "(header)", &e.to_string()))?;
+    for &name in names {
+        let offsets = header
+            .get(name)
+            .and_then(|t| t.get("data_offsets"))
+            .and_then(|o| o.as_array())
+            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)));
+        let Some((start, end)) = offsets.filter(|(start, end)| start <= end) else {
+            return Err(checkpoint_error(
+                path,
+                name,
+                "no valid data_offsets in the header",
+            ));
+        };
+        let zeros = vec![0u8; (end - start) as usize];
+        file.seek(SeekFrom::Start(8 + header_len as u64 + start))
+            .map_err(io)?;
+        file.write_all(&zeros).map_err(io)?;
+    }
+    Ok(())
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value, ModelError> {
+    let text = std::fs::read(path).map_err(|source| ModelError::io(path, source))?;
+    serde_json::from_slice(&text).map_err(|e| checkpoint_error(path, "(json)", &e.to_string()))
+}
+
+fn checkpoint_error(file: &Path, tensor: &str, message: &str) -> ModelError {
+    ModelError::Checkpoint {
+        file: file.to_path_buf(),
+        tensor: tensor.to_string(),
+        message: message.to_string(),
+    }
 }
 
 #[cfg(test)]
@@ -229,6 +320,84 @@ mod tests {
         let expert_w2 = "layers.0.ffn.experts.255.w2";
         // FP4 [4096, 2048] + scales.
         assert_eq!(stored_bytes(&specs, expert_w2), 4096 * 2048 / 2 + 4096 * 64);
+    }
+
+    /// The routers' biases read zero after `prepare_checkpoint`, on a written and on a reused
+    /// checkpoint; every other byte is the synthetic writer's (the image bias included).
+    #[test]
+    fn prepared_checkpoints_have_balanced_routers_and_nothing_else_changed() {
+        use deepinfer_model::checkpoint::Checkpoint;
+        for family in [BlockFamily::V41, BlockFamily::V4] {
+            let cfg = block_config(family, BlockWidth::Narrow, 64, 256);
+            let raw = tempfile::tempdir().expect("temp dir");
+            write_random_checkpoint(&cfg, 5, raw.path(), 2).expect("write");
+            let prepared = tempfile::tempdir().expect("temp dir");
+            prepare_checkpoint(&cfg, 5, prepared.path(), 2).expect("prepare");
+            let (raw_ckpt, ckpt) = (
+                Checkpoint::open(raw.path()).expect("open"),
+                Checkpoint::open(prepared.path()).expect("open"),
+            );
+            let experts = [cfg.n_routed_experts];
+            let bias = |c: &Checkpoint, name: &str| c.f32(name, &experts).expect(name);
+            let mut zeroed = 0;
+            for layer in 0..cfg.n_layers {
+                let name = format!("layers.{layer}.ffn.gate.bias");
+                if !raw_ckpt.contains(&name) {
+                    continue;
+                }
+                assert!(bias(&raw_ckpt, &name).iter().any(|&b| b != 0.0), "{name}");
+                assert!(bias(&ckpt, &name).iter().all(|&b| b == 0.0), "{name}");
+                zeroed += cfg.n_routed_experts * 4;
+                let vl = format!("layers.{layer}.ffn.gate.bias_vl");
+                if raw_ckpt.contains(&vl) {
+                    assert_eq!(bias(&raw_ckpt, &vl), bias(&ckpt, &vl), "{vl}");
+                }
+            }
+            assert!(zeroed > 0, "{family:?}: the block has a top-k router");
+            let differing: usize = shard_files(raw.path())
+                .iter()
+                .map(|file| {
+                    let a = std::fs::read(raw.path().join(file)).expect("read");
+                    let b = std::fs::read(prepared.path().join(file)).expect("read");
+                    assert_eq!(a.len(), b.len(), "{file}");
+                    a.iter().zip(&b).filter(|(x, y)| x != y).count()
+                })
+                .sum();
+            assert!(
+                differing > 0 && differing <= zeroed,
+                "{differing} bytes of {zeroed}"
+            );
+            // A reused checkpoint is balanced again (its biases rewritten by hand here).
+            std::fs::copy(
+                raw.path().join(INDEX_FILE),
+                prepared.path().join(INDEX_FILE),
+            )
+            .expect("copy");
+            for file in shard_files(raw.path()) {
+                std::fs::copy(raw.path().join(&file), prepared.path().join(&file)).expect("copy");
+            }
+            assert_eq!(
+                prepare_checkpoint(&cfg, 5, prepared.path(), 2).expect("reuse"),
+                Prepared::Reused
+            );
+            let ckpt = Checkpoint::open(prepared.path()).expect("open");
+            for layer in 0..cfg.n_layers {
+                let name = format!("layers.{layer}.ffn.gate.bias");
+                if ckpt.contains(&name) {
+                    assert!(bias(&ckpt, &name).iter().all(|&b| b == 0.0), "{name}");
+                }
+            }
+        }
+    }
+
+    fn shard_files(dir: &Path) -> Vec<String> {
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".safetensors"))
+            .collect();
+        files.sort();
+        files
     }
 
     #[test]

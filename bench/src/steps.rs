@@ -103,36 +103,23 @@ pub fn measure_batch(
     })
 }
 
-/// Decode steps over `batch` copies of one prefilled sequence ([`decode_copies`]).
+/// Decode steps over clones of the `prefilled` sequences, sequence `i` appending `first[i]` first
+/// (a clone starts without the device mirrors of its key lists and rings and builds them in its
+/// first step). The prefilled states themselves are left as they are.
 pub fn measure_decode_from(
     model: &AnyModel,
-    prefilled: &AnySequence,
-    first: u32,
-    batch: usize,
+    prefilled: &[AnySequence],
+    first: &[u32],
     steps: usize,
 ) -> Result<BatchMeasurement, ModelError> {
-    let (mut sequences, mut next) = decode_copies(model, prefilled, first, batch);
+    let mut sequences = prefilled.to_vec();
+    let mut next = first.to_vec();
     let step_seconds = decode_steps(model, &mut sequences, &mut next, steps)?;
     Ok(BatchMeasurement {
-        prompt_lens: vec![prefilled.len(); batch],
+        prompt_lens: prefilled.iter().map(AnySequence::len).collect(),
         prefill_seconds: 0.0,
         step_seconds,
     })
-}
-
-/// `batch` copies of one prefilled sequence and the token each decodes first: copy `i` starts from
-/// `(first + i) mod vocab`, so the copies route differently. (A copy starts without the device
-/// mirrors of its key lists and rings and builds them in its first step.)
-pub fn decode_copies(
-    model: &AnyModel,
-    prefilled: &AnySequence,
-    first: u32,
-    batch: usize,
-) -> (Vec<AnySequence>, Vec<u32>) {
-    let vocab = model.config().vocab_size as u32;
-    let sequences = vec![prefilled.clone(); batch];
-    let next = (0..batch as u32).map(|i| (first + i) % vocab).collect();
-    (sequences, next)
 }
 
 /// `steps` decode steps: in each, sequence `i` appends `next[i]` and `next[i]` becomes its greedy
@@ -241,15 +228,21 @@ mod tests {
             assert_eq!(run.positions_at_step(1), vec![6, 14, 22]);
             assert!(run.prefill_seconds > 0.0);
 
-            let mut seq = model.new_sequence();
-            prefill(&model, &mut seq, &prompt_tokens(1, 40, 3, 64)).expect("prefill");
-            let copies = measure_decode_from(&model, &seq, 9, 4, 3).expect("decode");
-            assert_eq!(copies.prompt_lens, vec![40; 4]);
-            assert_eq!(copies.step_seconds.len(), 3);
-            assert_eq!(
-                seq.len(),
-                40,
-                "the prefilled state itself is left as it was"
+            let mut prefilled = Vec::new();
+            let mut first = Vec::new();
+            for seed in 0..4 {
+                let mut seq = model.new_sequence();
+                let logits =
+                    prefill(&model, &mut seq, &prompt_tokens(seed, 40, 3, 64)).expect("prefill");
+                prefilled.push(seq);
+                first.push(argmax(&logits));
+            }
+            let run = measure_decode_from(&model, &prefilled, &first, 3).expect("decode");
+            assert_eq!(run.prompt_lens, vec![40; 4]);
+            assert_eq!(run.step_seconds.len(), 3);
+            assert!(
+                prefilled.iter().all(|seq| seq.len() == 40),
+                "the prefilled states themselves are left as they were"
             );
         }
     }

@@ -12,7 +12,7 @@
 //! ```text
 //! DEEPINFER_FIXTURES=$PWD/tests/fixtures bash .gpu/run.sh device_bench \
 //!     [--quick] [--sweep] [--sections ops,fast,tiny,block,v4block,profile,state] [--context N]
-//!     [--state-contexts N,N,...] [--block-dir DIR]
+//!     [--state-contexts N,N,...] [--block-dir DIR] [--numerics fast|exact|both]
 //! ```
 //!
 //! `fast` times the tensor-core FP8 GEMM of the `fast` numerics beside cuBLAS bf16 and the exact
@@ -23,7 +23,7 @@
 //! later run on the same machine; default /tmp/deepinfer-bench-v41-block; the V4 block's goes
 //! beside it, `<DIR>-v4`). `state` fills the
 //! block's state to each of `--state-contexts` (8192,32768,131072; 8192 with `--quick`) and
-//! decodes from there.
+//! decodes from there. `--numerics` picks the blocks' numerics (both by default).
 
 mod cublaslt_fp8;
 mod fast_ops;
@@ -55,6 +55,8 @@ struct Options {
     state: bool,
     state_contexts: Option<Vec<usize>>,
     block_dir: PathBuf,
+    /// The numerics the blocks run in (`--numerics fast|exact|both`; both by default).
+    block_numerics: Vec<Numerics>,
 }
 
 /// `--state-contexts` by default (`--quick`: the first only).
@@ -84,6 +86,7 @@ fn parse_options() -> Result<Options> {
         state: true,
         state_contexts: None,
         block_dir: PathBuf::from("/tmp/deepinfer-bench-v41-block"),
+        block_numerics: vec![Numerics::Fast, Numerics::Exact],
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -135,10 +138,18 @@ fn parse_options() -> Result<Options> {
             "--block-dir" => {
                 options.block_dir = PathBuf::from(args.next().context("--block-dir needs a path")?);
             }
+            "--numerics" => {
+                options.block_numerics = match args.next().as_deref() {
+                    Some("fast") => vec![Numerics::Fast],
+                    Some("exact") => vec![Numerics::Exact],
+                    Some("both") => vec![Numerics::Fast, Numerics::Exact],
+                    other => bail!("--numerics needs fast, exact or both, not {other:?}"),
+                };
+            }
             other => bail!(
                 "unknown argument {other:?}; usage: device_bench [--quick] [--sweep] \
                  [--sections ops,fast,tiny,block,v4block,profile,state] [--context N] \
-                 [--state-contexts N,N,...] [--block-dir DIR]"
+                 [--state-contexts N,N,...] [--block-dir DIR] [--numerics fast|exact|both]"
             ),
         }
     }
@@ -195,8 +206,8 @@ fn main() -> Result<()> {
         if !wanted {
             continue;
         }
-        // The block in both numerics of the CUDA backend (fast: tensor-core FP8 GEMMs).
-        for numerics in [Numerics::Fast, Numerics::Exact] {
+        // The block in the numerics asked for (fast: tensor-core FP8 GEMMs).
+        for &numerics in &options.block_numerics {
             rows.extend(whole_step::block(
                 dir,
                 family,

@@ -18,8 +18,8 @@ use anyhow::{Context, Result};
 use deepinfer_bench::block::{BlockFamily, BlockWidth, Prepared, block_config, prepare_checkpoint};
 use deepinfer_bench::cost::{self, Cost};
 use deepinfer_bench::steps::{
-    BatchMeasurement, decode_copies, decode_steps, measure_batch, measure_decode_from, percentile,
-    prefill, prompt_lengths, prompt_tokens,
+    BatchMeasurement, decode_steps, measure_batch, measure_decode_from, percentile, prefill,
+    prompt_lengths, prompt_tokens,
 };
 use deepinfer_kernels::kernel_timer::{KernelStats, KernelTimer};
 use deepinfer_model::any_model::AnyModel;
@@ -140,7 +140,7 @@ const STATE_DECODE_STEPS: usize = 16;
 
 /// The real-width one-block model of `family`, its random checkpoint in `dir` (written there
 /// unless an identical one is present): prefill of one `context`-token prompt, then decode steps over
-/// copies of that prefilled sequence. With `profile`, each phase is run once more with the
+/// batches of distinct prefilled `context`-token prompts (that one first). With `profile`, each phase is run once more with the
 /// backend's per-op profile on and its table printed ([`print_profile`]).
 pub fn block(
     dir: &Path,
@@ -229,7 +229,20 @@ pub fn block(
             cost: cost::prefill(&cfg, context),
         });
     }
-    let first = deepinfer_bench::steps::argmax(&logits);
+    // The decode batches' sequences: this prompt's and, for the larger batches, distinct
+    // prompts of the same length (independent sequences route as the floor's expected experts
+    // count; copies of one sequence would share their routes).
+    let largest_batch = decode.iter().map(|&(batch, _)| batch).max().unwrap_or(1);
+    let mut prefilled = vec![seq.clone()];
+    let mut first = vec![deepinfer_bench::steps::argmax(&logits)];
+    for i in 1..largest_batch {
+        let mut other = model.new_sequence();
+        let tokens = prompt_tokens(8 + i as u64, context, 3, VOCAB);
+        first.push(deepinfer_bench::steps::argmax(&prefill(
+            &model, &mut other, &tokens,
+        )?));
+        prefilled.push(other);
+    }
     if profile {
         set_profiling(&op_profile, &kernel_timer, true);
         let mut profiled = model.new_sequence();
@@ -247,7 +260,8 @@ pub fn block(
     for &(batch, steps) in decode {
         let before = transfers.snapshot();
         let lengths_before = transfers.by_length();
-        let run = measure_decode_from(&model, &seq, first, batch, steps)?;
+        let (prefilled, first) = (&prefilled[..batch], &first[..batch]);
+        let run = measure_decode_from(&model, prefilled, first, steps)?;
         let copied = transfers.snapshot() - before;
         let lengths: Vec<String> = transfers
             .by_length()
@@ -271,14 +285,14 @@ pub fn block(
         rows.push(decode_row(label, &cfg, &run)?);
         if let Some(plain) = plain {
             dependent_launch.store(false, Ordering::Relaxed);
-            let run = measure_decode_from(&model, &seq, first, batch, steps);
+            let run = measure_decode_from(&model, prefilled, first, steps);
             dependent_launch.store(true, Ordering::Relaxed);
             rows.push(decode_row(plain, &cfg, &run?)?);
         }
         if profile {
             // The steady state: the copies' first step (which builds their device mirrors) runs
             // before the profile starts.
-            let (mut copies, mut next) = decode_copies(&model, &seq, first, batch);
+            let (mut copies, mut next) = (prefilled.to_vec(), first.to_vec());
             decode_steps(&model, &mut copies, &mut next, 1)?;
             set_profiling(&op_profile, &kernel_timer, true);
             let profiled = decode_steps(&model, &mut copies, &mut next, PROFILED_DECODE_STEPS)?;
