@@ -281,9 +281,10 @@ impl KernelRuntime {
 
     /// The switch between launching kernels as programmatic dependents of the stream's previous
     /// kernel (true, from `open`: every arch here is sm_90+) and plain stream-ordered launches
-    /// (shared: keep a clone to flip it later). A dependent kernel is launched while the previous
-    /// one finishes, so its blocks are resident when that kernel ends; it waits for that kernel's
-    /// completion and memory before touching global memory (`cuda/common/grid_dependency.cuh`),
+    /// (shared: keep a clone to flip it later). A dependent kernel is launched as the previous
+    /// one's blocks exit (no kernel triggers its dependents earlier), so its launch overlaps that
+    /// kernel's end; it waits for that kernel's completion and memory before touching global
+    /// memory (`cuda/common/grid_dependency.cuh`),
     /// so the results are the same either way and only the gaps between kernels change
     /// (`device_bench` times both).
     pub fn dependent_launch(&self) -> Arc<AtomicBool> {

@@ -124,6 +124,34 @@ mod tests {
             .collect()
     }
 
+    /// A kernel that triggered its dependents early had their blocks resident while it ran,
+    /// packed onto the multiprocessors it left free (`cuda/common/grid_dependency.cuh`): no
+    /// source may trigger them; they launch as its blocks exit.
+    #[test]
+    fn no_kernel_triggers_its_dependents_early() {
+        let texts = SourceFile::ALL
+            .iter()
+            .map(|&file| (file.path(), text(file)))
+            .chain(HEADERS.iter().copied());
+        let triggers = |source: &str| {
+            source
+                .lines()
+                .map(|line| line.split("//").next().unwrap_or(""))
+                .any(|code| {
+                    code.contains("griddepcontrol.launch_dependents")
+                        || code.contains("cudaTriggerProgrammaticLaunchCompletion")
+                })
+        };
+        for (path, source) in texts {
+            assert!(!triggers(source), "{path} triggers its dependents early");
+        }
+        // The check catches a trigger, not a comment naming it.
+        assert!(triggers(
+            "asm volatile(\"griddepcontrol.launch_dependents;\");"
+        ));
+        assert!(!triggers("// griddepcontrol.launch_dependents"));
+    }
+
     /// Kernels are launched as programmatic dependents of the stream's previous kernel
     /// (`runtime::Launch`), which is only sound if each one waits for that kernel before touching
     /// global memory: `grid_dependency_sync();` must be every kernel's first statement.

@@ -559,7 +559,7 @@ pub fn print(rows: &[StepRow]) {
     println!(
         "\nprefill: B prompts of different lengths in one step (blocks: one prompt); time_ms = that step, \
          tok/s = prompt tokens / time. decode: every sequence appends one token; time_ms = median step, p90_ms = 90th \
-         percentile, tok/s = B / median (blocks: B copies of the prefilled sequence, each fed a different token). \
+         percentile, tok/s = B / median (blocks: B distinct prefilled prompts, the routers balanced). \
          A step over B sequences is one forward over all their rows on the device; only the sampled ids come back. weight_MB = distinct weights at checkpoint width, once per pass (routed experts: the expected \
          distinct experts E(n) = E(1-(1-k/E)^n) of n tokens); state_MB = KV/state reads of all queries; GFLOP = GEMMs, \
          mHC, attention and index scores (bench/src/cost.rs); floor = max(bytes / 4.28 TB/s, FLOPs / 790 TFLOP/s); \
