@@ -559,26 +559,22 @@ impl KernelId {
 
     /// Whether the kernel runs on tensor cores (the `fast` numerics' GEMMs, bf16 linear, sink
     /// attention and indexer scores); every other kernel is a CUDA-core kernel of the exact
-    /// numerics or shared by both (quantisation, SwiGLU, combine, movement).
+    /// numerics or shared by both (quantisation, SwiGLU, combine, movement). A kernel of the fast
+    /// GEMMs' or the linears' translation unit runs on tensor cores unless listed `false` here.
     pub fn on_tensor_cores(self) -> bool {
         match self {
-            KernelId::GemmFastReduce | KernelId::LinearFastReduce => false,
-            KernelId::LinearBf16FastT1x1
-            | KernelId::LinearBf16FastT2x2
-            | KernelId::LinearBf16FastT4x2
-            | KernelId::LinearBf16FastWide
-            | KernelId::LinearBf16x3FastT1x1
-            | KernelId::LinearBf16x3FastT2x2
-            | KernelId::LinearBf16x3FastT4x2
-            | KernelId::LinearBf16x3FastWide
-            | KernelId::LinearBf16FastWidePart
-            | KernelId::LinearBf16x3FastWidePart
-            | KernelId::SparseAttentionSinkRowsPtrFast
+            KernelId::GemmFastReduce
+            | KernelId::LinearFastReduce
+            | KernelId::LinearSgemmF32
+            | KernelId::LinearSgemmReduceF32
+            | KernelId::DequantFp8RowsF32
+            | KernelId::DequantFp4RowsF32 => false,
+            KernelId::SparseAttentionSinkRowsPtrFast
             | KernelId::SparseAttentionSinkRowsPtrFastWhole
             | KernelId::SparseAttentionSinkRowsPtrFastF32
             | KernelId::SparseAttentionSinkRowsPtrFastF32Whole
             | KernelId::IndexScoresRowsPtrFast => true,
-            id => id.source() == SourceFile::GemmFast,
+            id => matches!(id.source(), SourceFile::GemmFast | SourceFile::Linear),
         }
     }
 

@@ -3,80 +3,39 @@
 
 use crate::id::SourceFile;
 
+/// The entry of [`HEADERS`] for the header `name` under `cuda/`: its include name and its text.
+macro_rules! header {
+    ($name:literal) => {
+        ($name, include_str!(concat!("../cuda/", $name)))
+    };
+}
+
 /// Project headers, as (include name, text). All are passed to every compilation.
 pub const HEADERS: [(&str, &str); 24] = [
-    ("common/params.h", include_str!("../cuda/common/params.h")),
-    (
-        "common/grid_dependency.cuh",
-        include_str!("../cuda/common/grid_dependency.cuh"),
-    ),
-    (
-        "common/key_rows.cuh",
-        include_str!("../cuda/common/key_rows.cuh"),
-    ),
-    (
-        "common/numerics.cuh",
-        include_str!("../cuda/common/numerics.cuh"),
-    ),
-    (
-        "quant/act_quant.cuh",
-        include_str!("../cuda/quant/act_quant.cuh"),
-    ),
-    (
-        "gemm/gemm_block_scaled.cuh",
-        include_str!("../cuda/gemm/gemm_block_scaled.cuh"),
-    ),
-    ("gemm/wgmma.cuh", include_str!("../cuda/gemm/wgmma.cuh")),
-    (
-        "gemm/gemm_fast.cuh",
-        include_str!("../cuda/gemm/gemm_fast.cuh"),
-    ),
-    (
-        "norm/rms_norm.cuh",
-        include_str!("../cuda/norm/rms_norm.cuh"),
-    ),
-    ("rope/rope.cuh", include_str!("../cuda/rope/rope.cuh")),
-    (
-        "common/reference_math.cuh",
-        include_str!("../cuda/common/reference_math.cuh"),
-    ),
-    ("quant/qdq.cuh", include_str!("../cuda/quant/qdq.cuh")),
-    (
-        "linear/linear_sgemm.cuh",
-        include_str!("../cuda/linear/linear_sgemm.cuh"),
-    ),
-    (
-        "linear/linear_fast.cuh",
-        include_str!("../cuda/linear/linear_fast.cuh"),
-    ),
-    (
-        "attention/sparse_attention.cuh",
-        include_str!("../cuda/attention/sparse_attention.cuh"),
-    ),
-    (
-        "attention/sparse_attention_fast.cuh",
-        include_str!("../cuda/attention/sparse_attention_fast.cuh"),
-    ),
-    ("mhc/mhc.cuh", include_str!("../cuda/mhc/mhc.cuh")),
-    (
-        "indexer/index_scores.cuh",
-        include_str!("../cuda/indexer/index_scores.cuh"),
-    ),
-    (
-        "indexer/index_scores_fast.cuh",
-        include_str!("../cuda/indexer/index_scores_fast.cuh"),
-    ),
-    (
-        "sampling/sampling.cuh",
-        include_str!("../cuda/sampling/sampling.cuh"),
-    ),
-    ("moe/route.cuh", include_str!("../cuda/moe/route.cuh")),
-    (
-        "engram/engram.cuh",
-        include_str!("../cuda/engram/engram.cuh"),
-    ),
-    ("rows/rows.cuh", include_str!("../cuda/rows/rows.cuh")),
-    ("indexer/topk.cuh", include_str!("../cuda/indexer/topk.cuh")),
+    header!("common/params.h"),
+    header!("common/grid_dependency.cuh"),
+    header!("common/key_rows.cuh"),
+    header!("common/numerics.cuh"),
+    header!("quant/act_quant.cuh"),
+    header!("gemm/gemm_block_scaled.cuh"),
+    header!("gemm/wgmma.cuh"),
+    header!("gemm/gemm_fast.cuh"),
+    header!("norm/rms_norm.cuh"),
+    header!("rope/rope.cuh"),
+    header!("common/reference_math.cuh"),
+    header!("quant/qdq.cuh"),
+    header!("linear/linear_sgemm.cuh"),
+    header!("linear/linear_fast.cuh"),
+    header!("attention/sparse_attention.cuh"),
+    header!("attention/sparse_attention_fast.cuh"),
+    header!("mhc/mhc.cuh"),
+    header!("indexer/index_scores.cuh"),
+    header!("indexer/index_scores_fast.cuh"),
+    header!("sampling/sampling.cuh"),
+    header!("moe/route.cuh"),
+    header!("engram/engram.cuh"),
+    header!("rows/rows.cuh"),
+    header!("indexer/topk.cuh"),
 ];
 
 /// The text of a translation unit.

@@ -264,30 +264,44 @@ impl<T> Exchange<T> {
             if !blocked(&state) {
                 return Ok(state);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                let missing = if state.complete {
-                    Vec::new()
-                } else {
-                    (0..self.ranks)
-                        .filter(|&r| state.posted[r].is_none())
-                        .collect()
-                };
-                let err = ExchangeError::Timeout {
-                    rank,
-                    tag,
-                    missing,
-                    waited_ms: self.timeout.as_millis(),
-                };
-                return Err(self.fail(state, rank, err));
-            }
-            state = self
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            state = match wait_until(&self.changed, state, deadline) {
+                Ok(state) => state,
+                Err(state) => {
+                    let missing = if state.complete {
+                        Vec::new()
+                    } else {
+                        (0..self.ranks)
+                            .filter(|&r| state.posted[r].is_none())
+                            .collect()
+                    };
+                    let err = ExchangeError::Timeout {
+                        rank,
+                        tag,
+                        missing,
+                        waited_ms: self.timeout.as_millis(),
+                    };
+                    return Err(self.fail(state, rank, err));
+                }
+            };
         }
     }
+}
+
+/// `state` back after waiting on `changed` until a notification or `deadline`, whichever comes
+/// first; `Err(state)` at once, without waiting, when the deadline has passed.
+pub(crate) fn wait_until<'g, T>(
+    changed: &Condvar,
+    state: MutexGuard<'g, T>,
+    deadline: Instant,
+) -> Result<MutexGuard<'g, T>, MutexGuard<'g, T>> {
+    let now = Instant::now();
+    if now >= deadline {
+        return Err(state);
+    }
+    Ok(changed
+        .wait_timeout(state, deadline - now)
+        .unwrap_or_else(PoisonError::into_inner)
+        .0)
 }
 
 #[cfg(test)]

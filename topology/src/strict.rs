@@ -60,27 +60,28 @@ impl<T: TryFrom<u64>> Visitor<'_> for UintVisitor<T> {
     }
 
     fn visit_u128<E: de::Error>(self, value: u128) -> Result<Self::Value, E> {
-        match u64::try_from(value) {
-            Ok(unsigned) => self.visit_u64(unsigned),
-            Err(_) => Err(E::invalid_value(
-                Unexpected::Other("a 128-bit integer"),
-                &self,
-            )),
-        }
+        self.visit_wide(u64::try_from(value).ok())
     }
 
     fn visit_i128<E: de::Error>(self, value: i128) -> Result<Self::Value, E> {
-        match u64::try_from(value) {
-            Ok(unsigned) => self.visit_u64(unsigned),
-            Err(_) => Err(E::invalid_value(
-                Unexpected::Other("a 128-bit integer"),
-                &self,
-            )),
-        }
+        self.visit_wide(u64::try_from(value).ok())
     }
 
     fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
         Ok(None)
+    }
+}
+
+impl<T: TryFrom<u64>> UintVisitor<T> {
+    /// A 128-bit integer, `unsigned` where it fits a `u64`: read as that, else invalid.
+    fn visit_wide<E: de::Error>(self, unsigned: Option<u64>) -> Result<Option<T>, E> {
+        match unsigned {
+            Some(unsigned) => self.visit_u64(unsigned),
+            None => Err(E::invalid_value(
+                Unexpected::Other("a 128-bit integer"),
+                &self,
+            )),
+        }
     }
 }
 

@@ -328,6 +328,22 @@ impl Checker<'_> {
         }
     }
 
+    /// A hint the file `stated` for `field`, if any, is what the checkpoint `has`.
+    fn agrees<T: PartialEq + std::fmt::Display>(
+        &self,
+        field: &'static str,
+        stated: Option<T>,
+        has: T,
+    ) -> Result<(), TopologyError> {
+        match stated {
+            Some(stated) if stated != has => Err(self.invalid(
+                field,
+                format!("the file says {stated}, the checkpoint has {has}"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     fn at_least<T: PartialOrd + std::fmt::Display + Copy>(
         &self,
         field: &'static str,
@@ -405,28 +421,16 @@ impl NodeConfig {
         let check = Checker {
             origin: &self.origin,
         };
-        if let Some(stated) = self.model.routed_experts
-            && stated != dims.routed_experts
-        {
-            return Err(check.invalid(
-                "model.routed_experts",
-                format!(
-                    "the file says {stated}, the checkpoint has {}",
-                    dims.routed_experts
-                ),
-            ));
-        }
-        if let Some(stated) = self.model.sliding_window_tokens
-            && stated != dims.sliding_window_tokens
-        {
-            return Err(check.invalid(
-                "model.sliding_window_tokens",
-                format!(
-                    "the file says {stated}, the checkpoint has {}",
-                    dims.sliding_window_tokens
-                ),
-            ));
-        }
+        check.agrees(
+            "model.routed_experts",
+            self.model.routed_experts,
+            dims.routed_experts,
+        )?;
+        check.agrees(
+            "model.sliding_window_tokens",
+            self.model.sliding_window_tokens,
+            dims.sliding_window_tokens,
+        )?;
         self.check_expert_placement(&check, dims.routed_experts)?;
         self.check_replay_window(&check, dims.sliding_window_tokens)
     }

@@ -579,6 +579,22 @@ mod tests {
         (dir, AnyModel::from(Arc::new(model)))
     }
 
+    /// Two executors of `model`, each with fresh sequences `ids`: one under test, one whose plain
+    /// steps are the reference.
+    fn executor_pair(
+        model: impl Into<AnyModel>,
+        ids: [RequestId; 2],
+    ) -> (ModelExecutor, ModelExecutor) {
+        let model = model.into();
+        let mut pair = (ModelExecutor::new(model.clone()), ModelExecutor::new(model));
+        for executor in [&mut pair.0, &mut pair.1] {
+            for id in ids {
+                executor.new_sequence(id).expect("new");
+            }
+        }
+        pair
+    }
+
     fn entry(id: RequestId, tokens: &[u32]) -> SeqTokens<'_> {
         SeqTokens {
             id,
@@ -647,12 +663,7 @@ mod tests {
         let (_dir, model) = tiny_test_model();
         let vocab = model.config().vocab_size;
         let (kept, host) = (RequestId(1), RequestId(2));
-        let mut deferred = ModelExecutor::new(model.clone());
-        let mut reference = ModelExecutor::new(model);
-        for executor in [&mut deferred, &mut reference] {
-            executor.new_sequence(kept).expect("new");
-            executor.new_sequence(host).expect("new");
-        }
+        let (mut deferred, mut reference) = executor_pair(model, [kept, host]);
         let batch = [entry(kept, &[3, 9, 27][..]), entry(host, &[5, 6][..])];
         let params = SamplingParams {
             temperature: 0.9,
@@ -697,12 +708,7 @@ mod tests {
         let (_dir, model) = tiny_v4();
         let vocab = model.config().vocab_size;
         let (a, b) = (RequestId(1), RequestId(2));
-        let mut sampled = ModelExecutor::new(model.clone());
-        let mut reference = ModelExecutor::new(model);
-        for executor in [&mut sampled, &mut reference] {
-            executor.new_sequence(a).expect("new");
-            executor.new_sequence(b).expect("new");
-        }
+        let (mut sampled, mut reference) = executor_pair(model, [a, b]);
         let params = SamplingParams {
             temperature: 0.8,
             top_k: 0,

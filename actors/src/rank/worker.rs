@@ -824,35 +824,19 @@ mod tests {
         }
     }
 
+    /// The work of sequence `id` feeding the prefill chunk `tokens` (its prompt's `last`).
+    fn prefill(id: u64, tokens: &[u32], last: bool) -> (u64, SeqInput) {
+        let tokens = tokens.to_vec();
+        (id, SeqInput::Prefill { tokens, last })
+    }
+
     #[test]
     fn chunked_prefill_then_decode_follows_the_greedy_chain() {
         let vocab = FakeConfig::default().vocab_size;
         let mut w = worker(FakeConfig::default());
-        let p1 = plan(
-            0,
-            &[1],
-            vec![(
-                1,
-                SeqInput::Prefill {
-                    tokens: vec![7, 8],
-                    last: false,
-                },
-            )],
-            &[],
-        );
+        let p1 = plan(0, &[1], vec![prefill(1, &[7, 8], false)], &[]);
         assert!(w.run_plan(&p1).unwrap().sampled.is_empty());
-        let p2 = plan(
-            1,
-            &[],
-            vec![(
-                1,
-                SeqInput::Prefill {
-                    tokens: vec![9],
-                    last: true,
-                },
-            )],
-            &[],
-        );
+        let p2 = plan(1, &[], vec![prefill(1, &[9], true)], &[]);
         let first = w.run_plan(&p2).unwrap().sampled;
         // The last prompt token 9 sits at position 2.
         assert_eq!(first, vec![(RequestId(1), favoured_token(9, 2, vocab))]);
@@ -879,18 +863,7 @@ mod tests {
             device_time: Duration::from_millis(30),
             ..FakeConfig::default()
         });
-        let p0 = plan(
-            0,
-            &[1],
-            vec![(
-                1,
-                SeqInput::Prefill {
-                    tokens: vec![1],
-                    last: true,
-                },
-            )],
-            &[],
-        );
+        let p0 = plan(0, &[1], vec![prefill(1, &[1], true)], &[]);
         let p1 = plan(1, &[], vec![(1, SeqInput::Decode)], &[]);
         w.launch(&p0).unwrap();
         w.launch(&p1).unwrap();
@@ -916,18 +889,7 @@ mod tests {
     fn verify_accepts_the_matching_prefix_rolls_back_and_drafts_again() {
         let vocab = 64;
         let mut w = drafting_worker(vocab, 2);
-        let prefill = plan(
-            0,
-            &[1],
-            vec![(
-                1,
-                SeqInput::Prefill {
-                    tokens: vec![3, 4],
-                    last: true,
-                },
-            )],
-            &[],
-        );
+        let prefill = plan(0, &[1], vec![prefill(1, &[3, 4], true)], &[]);
         let first = w.run_plan(&prefill).unwrap().sampled[0].1;
         assert_eq!(first, favoured_token(4, 1, vocab));
         // No proposal yet: the verify is a plain decode, and it drafts.
@@ -973,22 +935,7 @@ mod tests {
         let mut prefill = plan(
             0,
             &[1, 2],
-            vec![
-                (
-                    1,
-                    SeqInput::Prefill {
-                        tokens: vec![3, 4],
-                        last: true,
-                    },
-                ),
-                (
-                    2,
-                    SeqInput::Prefill {
-                        tokens: vec![3, 4],
-                        last: true,
-                    },
-                ),
-            ],
+            vec![prefill(1, &[3, 4], true), prefill(2, &[3, 4], true)],
             &[],
         );
         prefill.new_seqs[0].speculative = true;
@@ -1015,20 +962,16 @@ mod tests {
         steps: u64,
     ) -> (Vec<u32>, Vec<TokenLogprobs>) {
         let mut w = drafting_worker(64, 2);
-        let prompt = SeqInput::Prefill {
-            tokens: vec![3, 4],
-            last: true,
-        };
-        let mut prefill = plan(0, &[1], vec![(1, prompt)], &[]);
-        prefill.new_seqs[0].speculative = speculative;
-        prefill.new_seqs[0].logprobs = logprobs;
-        prefill.new_seqs[0].sampling = SamplingParams {
+        let mut first = plan(0, &[1], vec![prefill(1, &[3, 4], true)], &[]);
+        first.new_seqs[0].speculative = speculative;
+        first.new_seqs[0].logprobs = logprobs;
+        first.new_seqs[0].sampling = SamplingParams {
             temperature: 0.9,
             top_k: 0,
             top_p: 1.0,
             seed: 11,
         };
-        let mut outputs = vec![w.run_plan(&prefill).unwrap()];
+        let mut outputs = vec![w.run_plan(&first).unwrap()];
         for step in 1..=steps {
             let input = if speculative {
                 SeqInput::Verify { drafts: 5 }
@@ -1172,19 +1115,11 @@ mod tests {
             0,
         ));
         let mut w = RankWorker::new(DpRank(0), executor);
-        let prefill = |id: u64| {
-            (
-                id,
-                SeqInput::Prefill {
-                    tokens: vec![3, id as u32],
-                    last: true,
-                },
-            )
-        };
+        let prompt = |id: u64| prefill(id, &[3, id as u32], true);
         let mut p0 = plan(
             0,
             &[1, 2, 3, 4],
-            vec![prefill(1), prefill(2), prefill(3), prefill(4)],
+            vec![prompt(1), prompt(2), prompt(3), prompt(4)],
             &[],
         );
         for new in &mut p0.new_seqs {
@@ -1229,11 +1164,10 @@ mod tests {
             }
             .over(FakeExecutor::new(FakeConfig::default(), 0)),
         );
-        let chunk = |tokens: Vec<u32>, last| SeqInput::Prefill { tokens, last };
         let p0 = plan(
             0,
             &[1, 2],
-            vec![(1, chunk(vec![7, 8], true)), (2, chunk(vec![9], false))],
+            vec![prefill(1, &[7, 8], true), prefill(2, &[9], false)],
             &[],
         );
         let out = w.run_plan(&p0).unwrap();
@@ -1241,7 +1175,7 @@ mod tests {
         let p1 = plan(
             1,
             &[],
-            vec![(1, SeqInput::Decode), (2, chunk(vec![4], true))],
+            vec![(1, SeqInput::Decode), prefill(2, &[4], true)],
             &[],
         );
         let out = w.run_plan(&p1).unwrap();

@@ -389,8 +389,7 @@ pub fn sparse_attention_sink_rows_f32(
         THREADS,
         0,
     );
-    let mut launch = rt.launcher(kernel)?;
-    push_rows_args(&mut launch, q, keys, lists, sink, out);
+    let mut launch = rows_launcher(rt, kernel, q, keys, lists, sink, out)?;
     launch.arg(&params);
     // SAFETY: signature (const float* q, const float* keys | const unsigned long long* key_ptrs,
     // const u32_t* key_rows, const u32_t* row_starts, const float* sink, float* out,
@@ -402,24 +401,56 @@ pub fn sparse_attention_sink_rows_f32(
     unsafe { launch.launch(cfg) }
 }
 
-/// Pushes the leading arguments of every row-batched attention kernel, in their order: `(const
-/// float* q, const float* keys | const unsigned long long* key_ptrs, const u32_t* key_rows, const
-/// u32_t* row_starts, const float* sink, float* out, ...)`; the kernel's own follow.
-fn push_rows_args<'a>(
-    launch: &mut Launch<'a>,
+/// A launch of the row-batched attention kernel `kernel` with its leading arguments pushed, in
+/// their order: `(const float* q, const float* keys | const unsigned long long* key_ptrs, const
+/// u32_t* key_rows, const u32_t* row_starts, const float* sink, float* out, ...)`; the caller
+/// pushes the kernel's own.
+fn rows_launcher<'a>(
+    rt: &'a KernelRuntime,
+    kernel: KernelId,
     q: &'a CudaSlice<f32>,
     keys: KeyRows<'a>,
     lists: &'a DeviceKeyLists,
     sink: &'a CudaSlice<f32>,
     out: &'a mut CudaSlice<f32>,
-) {
+) -> Result<Launch<'a>, KernelError> {
+    let mut launch = rt.launcher(kernel)?;
     launch.arg(q);
-    keys.push(launch);
+    keys.push(&mut launch);
     launch
         .arg(&lists.key_rows)
         .arg(&lists.row_starts)
         .arg(sink)
         .arg(out);
+    Ok(launch)
+}
+
+/// [`rows_launcher`] for the fast attention's kernel of `rounding`, in its whole-query form
+/// (`whole_queries`) or its split form, reading keys through `key_ptrs`.
+#[allow(clippy::too_many_arguments)]
+fn fast_rows_launcher<'a>(
+    rt: &'a KernelRuntime,
+    whole_queries: bool,
+    rounding: Rounding,
+    q: &'a CudaSlice<f32>,
+    key_ptrs: &'a DeviceKeyTable,
+    lists: &'a DeviceKeyLists,
+    sink: &'a CudaSlice<f32>,
+    out: &'a mut CudaSlice<f32>,
+) -> Result<Launch<'a>, KernelError> {
+    let kernel = if whole_queries {
+        rounding.kernel(
+            KernelId::SparseAttentionSinkRowsPtrFastWhole,
+            KernelId::SparseAttentionSinkRowsPtrFastF32Whole,
+        )
+    } else {
+        rounding.kernel(
+            KernelId::SparseAttentionSinkRowsPtrFast,
+            KernelId::SparseAttentionSinkRowsPtrFastF32,
+        )
+    };
+    let keys = KeyRows::Table(key_ptrs);
+    rows_launcher(rt, kernel, q, keys, lists, sink, out)
 }
 
 /// The checks and parameters every row-batched entry shares: `heads` from the sink, `head_dim`
@@ -682,18 +713,8 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         let (head_blocks, threads) = block.grid(heads, head_dim)?;
         let count = dim(FAST_OP, "queries", count)?;
         let query0 = dim(FAST_OP, "first query", query0)?;
-        let mut launch = rt.launcher(rounding.kernel(
-            KernelId::SparseAttentionSinkRowsPtrFast,
-            KernelId::SparseAttentionSinkRowsPtrFastF32,
-        ))?;
-        push_rows_args(
-            &mut launch,
-            q,
-            KeyRows::Table(key_ptrs),
-            lists,
-            sink,
-            &mut *out,
-        );
+        let mut launch =
+            fast_rows_launcher(rt, false, rounding, q, key_ptrs, lists, sink, &mut *out)?;
         launch
             .arg(&mut split_acc)
             .arg(&mut split_stats)
@@ -786,18 +807,8 @@ fn launch_whole_queries(
             MAX_QUERIES_PER_LAUNCH.min(lists.queries - query0),
         )?;
         let query0 = dim(FAST_OP, "first query", query0)?;
-        let mut launch = rt.launcher(rounding.kernel(
-            KernelId::SparseAttentionSinkRowsPtrFastWhole,
-            KernelId::SparseAttentionSinkRowsPtrFastF32Whole,
-        ))?;
-        push_rows_args(
-            &mut launch,
-            q,
-            KeyRows::Table(key_ptrs),
-            lists,
-            sink,
-            &mut *out,
-        );
+        let mut launch =
+            fast_rows_launcher(rt, true, rounding, q, key_ptrs, lists, sink, &mut *out)?;
         launch.arg(&query0).arg(params);
         // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
         // key_rows, const u32_t* row_starts, const float* sink, float* out, u32_t query0,

@@ -387,50 +387,61 @@ impl NgramHasher {
 mod tests {
     use super::*;
 
+    /// The multipliers of (layer, compressed vocabulary) at `max_ngram` 4, as the reference
+    /// derives them.
     #[test]
-    fn fixture_multipliers() {
-        // case.json → engram.multipliers (layers 1 and 4, compressed vocab 256).
-        assert_eq!(
-            hash_multipliers(1, 4, 256).ok(),
-            Some(vec![
-                29662608052400909,
-                1873410163432121,
-                13919202536988139,
-                28638879857136817
-            ])
-        );
-        assert_eq!(
-            hash_multipliers(4, 4, 256).ok(),
-            Some(vec![
-                31841131192811251,
-                1950019090429101,
-                28509641033320619,
-                7337012813361983
-            ])
-        );
-    }
-
-    #[test]
-    fn released_model_multipliers() {
-        // Spec §3.7: layers 1 and 14, compressed vocab 99 092.
-        assert_eq!(
-            hash_multipliers(1, 4, 99_092).ok(),
-            Some(vec![
-                76632096046245,
-                4839876093313,
-                35959672319349,
-                73987337458391
-            ])
-        );
-        assert_eq!(
-            hash_multipliers(14, 4, 99_092).ok(),
-            Some(vec![
-                67716810739261,
-                51510806800915,
-                30921347202721,
-                82619226485591
-            ])
-        );
+    fn multipliers_match_the_reference() {
+        let cases: [(usize, usize, [u64; 4]); 4] = [
+            // case.json → engram.multipliers (layers 1 and 4, compressed vocab 256).
+            (
+                1,
+                256,
+                [
+                    29662608052400909,
+                    1873410163432121,
+                    13919202536988139,
+                    28638879857136817,
+                ],
+            ),
+            (
+                4,
+                256,
+                [
+                    31841131192811251,
+                    1950019090429101,
+                    28509641033320619,
+                    7337012813361983,
+                ],
+            ),
+            // The released model, spec §3.7: layers 1 and 14, compressed vocab 99 092.
+            (
+                1,
+                99_092,
+                [
+                    76632096046245,
+                    4839876093313,
+                    35959672319349,
+                    73987337458391,
+                ],
+            ),
+            (
+                14,
+                99_092,
+                [
+                    67716810739261,
+                    51510806800915,
+                    30921347202721,
+                    82619226485591,
+                ],
+            ),
+        ];
+        for (layer, vocab, expected) in cases {
+            assert_eq!(
+                hash_multipliers(layer, 4, vocab).ok(),
+                Some(expected.to_vec()),
+                "layer {layer}, compressed vocab {vocab}"
+            );
+        }
     }
 
     #[test]

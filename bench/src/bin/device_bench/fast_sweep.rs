@@ -341,6 +341,40 @@ fn production_row(
     Ok((production_bits, row))
 }
 
+/// A random FP8 weight `[n, k]` with 32 × 32 scale tiles, its codes from `seed`.
+fn random_weight(rt: &KernelRuntime, n: usize, k: usize, seed: u64) -> Result<FastFp8Weight> {
+    let codes = random_bytes(seed, n * k, true);
+    let scales = scale_bytes(n.div_ceil(32) * k.div_ceil(32));
+    Ok(FastFp8Weight::upload(rt, n, k, 32, &codes, &scales)?)
+}
+
+/// The row of `variant` (its K `span` set) on `a`, launched on `weights` in turn; its bits are
+/// compared with the production's where it splits K as the production does (`production`: the
+/// production's span and bits).
+fn variant_row(
+    rt: &KernelRuntime,
+    timer: &mut Timer,
+    a: &DeviceActFp8,
+    weights: &[FastFp8Weight],
+    y: &mut CudaSlice<bf16>,
+    variant: &FastVariant,
+    (production_span, production_bits): (usize, &[u16]),
+) -> Result<Measured> {
+    let span = variant.span;
+    let measured = measure(
+        rt,
+        timer,
+        None,
+        y,
+        |bits| (span == production_span).then(|| bits == production_bits),
+        |i, y| {
+            let weight = &weights[i % weights.len()];
+            Ok(gemm_fp8_fast_variant(rt, a, weight, y, variant)?)
+        },
+    )?;
+    Measured::build(variant, a.cols.div_ceil(span), measured)
+}
+
 /// Runs the dense FP8 sweep and prints a table per shape and M.
 pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
     let kernels = FastKernels::Fp8(ActGroup::G32);
@@ -355,17 +389,8 @@ pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
     for (name, n, k) in SHAPES {
         let copies = ROTATION_BYTES.div_ceil(n * k).max(2);
         let weights = (0..copies)
-            .map(|c| {
-                FastFp8Weight::upload(
-                    rt,
-                    n,
-                    k,
-                    32,
-                    &random_bytes(c as u64, n * k, true),
-                    &scale_bytes(n.div_ceil(32) * k.div_ceil(32)),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|c| random_weight(rt, n, k, c as u64))
+            .collect::<Result<Vec<_>>>()?;
         for &m in ms {
             let x = activations(rt, m, k)?;
             let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
@@ -377,24 +402,10 @@ pub fn run(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<()> {
             for variant in &mut variants {
                 for span in spans(n, k, variant.shape.step as usize) {
                     variant.span = span;
-                    let variant = &*variant;
-                    let measured = measure(
-                        rt,
-                        timer,
-                        None,
-                        &mut y,
-                        |bits| (span == production_span).then(|| bits == production_bits),
-                        |i, y| {
-                            Ok(gemm_fp8_fast_variant(
-                                rt,
-                                &a,
-                                &weights[i % copies],
-                                y,
-                                variant,
-                            )?)
-                        },
-                    )?;
-                    rows.push(Measured::build(variant, k.div_ceil(span), measured)?);
+                    let production = (production_span, &production_bits[..]);
+                    rows.push(variant_row(
+                        rt, timer, &a, &weights, &mut y, variant, production,
+                    )?);
                 }
             }
             print_table(&format!("{name}, M = {m}"), (n * k) as f64, &mut rows);
@@ -420,14 +431,7 @@ fn prefill(rt: &KernelRuntime, timer: &mut Timer) -> Result<()> {
     let mut variants = build(rt, kernels, &tiles)?;
     let (name, n, k) = SHAPES[0];
     let m = PREFILL_M;
-    let weight = FastFp8Weight::upload(
-        rt,
-        n,
-        k,
-        32,
-        &random_bytes(0, n * k, true),
-        &scale_bytes(n.div_ceil(32) * k.div_ceil(32)),
-    )?;
+    let weight = random_weight(rt, n, k, 0)?;
     let x = activations(rt, m, k)?;
     let a = quantize_act_fp8(rt, &x, m, k, ActGroup::G32)?;
     let mut y = rt.stream().alloc_zeros::<bf16>(m * n)?;
@@ -441,16 +445,10 @@ fn prefill(rt: &KernelRuntime, timer: &mut Timer) -> Result<()> {
             continue;
         }
         variant.span = production_span;
-        let variant = &*variant;
-        let measured = measure(
-            rt,
-            timer,
-            None,
-            &mut y,
-            |bits| Some(bits == production_bits),
-            |_, y| Ok(gemm_fp8_fast_variant(rt, &a, &weight, y, variant)?),
-        )?;
-        rows.push(Measured::build(variant, parts, measured)?);
+        let production = (production_span, &production_bits[..]);
+        rows.push(variant_row(
+            rt, timer, &a, weights, &mut y, variant, production,
+        )?);
     }
     let flops = 2.0 * (m * n * k) as f64;
     let production = rows[0].micros;

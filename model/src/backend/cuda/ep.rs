@@ -322,7 +322,7 @@ impl CudaBackend {
     }
 
     /// The expert rank serving `experts` (a backbone layer's list) and that layer's index.
-    pub(super) fn expert_rank_of(
+    fn expert_rank_of(
         &self,
         experts: &[ExpertWeights<ExpertLinear>],
     ) -> Option<(Arc<ExpertRank>, usize)> {
@@ -362,21 +362,20 @@ impl CudaBackend {
     }
 
     /// The fused MoE (`moe_rows`, or `moe_rows_exact` with a hash layer's `hashed` experts) as
-    /// EP rank `ep` of backbone layer `layer_index` (module doc); an error aborts the transport
-    /// so that no peer waits for this rank.
-    pub(super) fn try_moe_rows_ep(
+    /// this device's EP rank when `layer`'s experts are one of its backbone layers' (module doc),
+    /// else `None`; an error aborts the transport so that no peer waits for this rank.
+    pub(super) fn moe_rows_on_expert_rank(
         &self,
         x: &Tensor,
         layer: &MoeLayer<'_>,
         hashed: Option<&[Vec<usize>]>,
-        ep: &ExpertRank,
-        layer_index: usize,
-    ) -> Result<Tensor, CudaBackendError> {
-        let result = self.moe_rows_ep(x, layer, hashed, ep, layer_index);
+    ) -> Option<Result<Tensor, CudaBackendError>> {
+        let (ep, layer_index) = self.expert_rank_of(layer.experts)?;
+        let result = self.moe_rows_ep(x, layer, hashed, &ep, layer_index);
         if let Err(err) = &result {
             ep.transport.abort(ep.rank, &err.to_string());
         }
-        result
+        Some(result)
     }
 
     fn moe_rows_ep(

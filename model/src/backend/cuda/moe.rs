@@ -69,10 +69,8 @@ impl CudaBackend {
         if !shared_fits(layer.shared) {
             return Ok(None);
         }
-        if let Some((ep, layer_index)) = self.expert_rank_of(layer.experts) {
-            return self
-                .try_moe_rows_ep(x, layer, None, &ep, layer_index)
-                .map(Some);
+        if let Some(result) = self.moe_rows_on_expert_rank(x, layer, None) {
+            return result.map(Some);
         }
         let Some(experts) = self.device_experts(OP, layer.experts)? else {
             return Ok(None);

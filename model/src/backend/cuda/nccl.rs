@@ -41,7 +41,7 @@ use super::ep_transport::{Delivered, RowExchange, RowMeta, RowTransport};
 use super::nccl_comm::{NcclComm, Unsettled};
 use super::*;
 use crate::backend::comm_init::{InitWait, wait_for_init};
-use crate::expert_exchange::{ExchangeError, ExchangePhase, ExchangeTag};
+use crate::expert_exchange::{ExchangeError, ExchangePhase, ExchangeTag, wait_until};
 
 const OP: &str = "NCCL all-to-all";
 /// Header words before the counts: round, layer, epoch, phase.
@@ -614,9 +614,8 @@ impl NcclDevices {
                     .collect(),
                 Creation::Creating(_) => Vec::new(),
             };
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(CudaBackendError::Exchange {
+            state = wait_until(&self.created, state, deadline).map_err(|_| {
+                CudaBackendError::Exchange {
                     op: OP,
                     source: ExchangeError::Timeout {
                         rank,
@@ -624,13 +623,8 @@ impl NcclDevices {
                         missing,
                         waited_ms: waited.as_millis(),
                     },
-                });
-            }
-            state = self
-                .created
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+                }
+            })?;
         }
     }
 }

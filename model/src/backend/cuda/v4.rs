@@ -237,10 +237,8 @@ impl CudaBackend {
             return Ok(None);
         }
         let rows = whole_rows(OP, x, dim)?;
-        if let Some((ep, layer_index)) = self.expert_rank_of(layer.experts) {
-            return self
-                .try_moe_rows_ep(x, layer, hashed, &ep, layer_index)
-                .map(Some);
+        if let Some(result) = self.moe_rows_on_expert_rank(x, layer, hashed) {
+            return result.map(Some);
         }
         // The fast table (every projection FP4) in the fast numerics, else the exact one; each
         // built once per layer and cached with the weights.
