@@ -83,15 +83,19 @@ mod tests {
             .collect()
     }
 
+    /// Every source file's and embedded header's (name, text).
+    fn every_text() -> impl Iterator<Item = (&'static str, &'static str)> {
+        SourceFile::ALL
+            .iter()
+            .map(|&file| (file.path(), text(file)))
+            .chain(HEADERS.iter().copied())
+    }
+
     /// A kernel that triggered its dependents early had their blocks resident while it ran,
     /// packed onto the multiprocessors it left free (`cuda/common/grid_dependency.cuh`): no
     /// source may trigger them; they launch as its blocks exit.
     #[test]
     fn no_kernel_triggers_its_dependents_early() {
-        let texts = SourceFile::ALL
-            .iter()
-            .map(|&file| (file.path(), text(file)))
-            .chain(HEADERS.iter().copied());
         let triggers = |source: &str| {
             source
                 .lines()
@@ -101,7 +105,7 @@ mod tests {
                         || code.contains("cudaTriggerProgrammaticLaunchCompletion")
                 })
         };
-        for (path, source) in texts {
+        for (path, source) in every_text() {
             assert!(!triggers(source), "{path} triggers its dependents early");
         }
         // The check catches a trigger, not a comment naming it.
@@ -116,12 +120,8 @@ mod tests {
     /// global memory: `grid_dependency_sync();` must be every kernel's first statement.
     #[test]
     fn every_kernel_starts_with_the_grid_dependency_sync() {
-        let texts = SourceFile::ALL
-            .iter()
-            .map(|&file| (file.path(), text(file)))
-            .chain(HEADERS.iter().copied());
         let mut kernels = 0;
-        for (name, text) in texts {
+        for (name, text) in every_text() {
             for body in kernel_bodies(text) {
                 kernels += 1;
                 assert!(
