@@ -146,20 +146,16 @@ __device__ __forceinline__ void hyper_head(const float* x, const float* proj, co
     }
 }
 
-// The exact numerics' hyper head: the squares in the reference's order (bitwise the CPU).
-extern "C" __global__ void __launch_bounds__(HYPER_HEAD_THREADS)
-v4_hyper_head_f32(const float* x, const float* proj, const float* base, unsigned int rows,
-                  unsigned int width, unsigned int hc, float scale, float hc_eps, float norm_eps,
-                  float* pre) {
-    grid_dependency_sync();
-    hyper_head<false>(x, proj, base, rows, width, hc, scale, hc_eps, norm_eps, pre);
-}
+// The hyper heads, TREE picking the squares' order: the exact numerics' (the reference's order,
+// bitwise the CPU) and the fast numerics' (the fixed tree).
+#define V4_HYPER_HEAD(NAME, TREE)                                                                     \
+    extern "C" __global__ void __launch_bounds__(HYPER_HEAD_THREADS)                                \
+        NAME(const float* x, const float* proj, const float* base, unsigned int rows,                \
+             unsigned int width, unsigned int hc, float scale, float hc_eps, float norm_eps,         \
+             float* pre) {                                                                           \
+        grid_dependency_sync();                                                                      \
+        hyper_head<TREE>(x, proj, base, rows, width, hc, scale, hc_eps, norm_eps, pre);              \
+    }
 
-// The fast numerics' hyper head: the squares by the fixed tree.
-extern "C" __global__ void __launch_bounds__(HYPER_HEAD_THREADS)
-v4_hyper_head_tree_f32(const float* x, const float* proj, const float* base, unsigned int rows,
-                       unsigned int width, unsigned int hc, float scale, float hc_eps, float norm_eps,
-                       float* pre) {
-    grid_dependency_sync();
-    hyper_head<true>(x, proj, base, rows, width, hc, scale, hc_eps, norm_eps, pre);
-}
+V4_HYPER_HEAD(v4_hyper_head_f32, false)
+V4_HYPER_HEAD(v4_hyper_head_tree_f32, true)
