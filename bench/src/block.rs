@@ -13,12 +13,11 @@
 //!
 //! Both with a small vocabulary (the head is not what a block measures).
 
-use std::collections::BTreeMap;
 use std::fs::OpenOptions;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
 
-use deepinfer_model::checkpoint::{INDEX_FILE, write_random_checkpoint};
+use deepinfer_model::checkpoint::{Checkpoint, INDEX_FILE, write_random_checkpoint};
 use deepinfer_model::config::{
     ModelConfig, ModelFamily, RopeConfig, V4Attention, V4Mlp, YarnConfig,
 };
@@ -200,76 +199,27 @@ const ROUTER_BIAS: &str = ".ffn.gate.bias";
 /// counts. With the bias at zero the selection follows the gate's scores alone, spread over the
 /// experts as a balanced router's.
 pub fn balance_routers(dir: &Path) -> Result<(), ModelError> {
-    let index_path = dir.join(INDEX_FILE);
-    let index: serde_json::Value = read_json(&index_path)?;
-    let Some(weight_map) = index.get("weight_map").and_then(|m| m.as_object()) else {
-        return Err(checkpoint_error(
-            &index_path,
-            "(index)",
-            "no weight_map object",
-        ));
+    // Where each bias lies in its shard, found by the loader; its mapping is closed before the
+    // files are written.
+    let biases = {
+        let ckpt = Checkpoint::open(dir)?;
+        ckpt.names()
+            .into_iter()
+            .filter(|name| name.ends_with(ROUTER_BIAS))
+            .map(|name| {
+                let tensor = ckpt.tensor(name)?;
+                Ok((tensor.file.to_path_buf(), tensor.offset, tensor.bytes.len()))
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?
     };
-    let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (name, file) in weight_map {
-        if let (true, Some(file)) = (name.ends_with(ROUTER_BIAS), file.as_str()) {
-            by_file.entry(file).or_default().push(name);
-        }
-    }
-    for (file, names) in by_file {
-        zero_tensors(&dir.join(file), &names)?;
+    for (file, offset, len) in biases {
+        let io = |source| ModelError::io(&file, source);
+        let mut shard = OpenOptions::new().write(true).open(&file).map_err(io)?;
+        shard.seek(SeekFrom::Start(offset as u64)).map_err(io)?;
+        // Zero bytes are zero in every float format.
+        shard.write_all(&vec![0u8; len]).map_err(io)?;
     }
     Ok(())
-}
-
-/// Overwrites the data of the tensors `names` of the safetensors file at `path` with zero bytes
-/// (zero in every float format), leaving its header and every other tensor as they are.
-fn zero_tensors(path: &Path, names: &[&str]) -> Result<(), ModelError> {
-    let io = |source| ModelError::io(path, source);
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(io)?;
-    let mut length = [0u8; 8];
-    file.read_exact(&mut length).map_err(io)?;
-    let header_len = usize::try_from(u64::from_le_bytes(length))
-        .map_err(|_| checkpoint_error(path, "(header)", "header length out of range"))?;
-    let mut header = vec![0u8; header_len];
-    file.read_exact(&mut header).map_err(io)?;
-    let header: serde_json::Value = serde_json::from_slice(&header)
-        .map_err(|e| checkpoint_error(path, "(header)", &e.to_string()))?;
-    for &name in names {
-        let offsets = header
-            .get(name)
-            .and_then(|t| t.get("data_offsets"))
-            .and_then(|o| o.as_array())
-            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)));
-        let Some((start, end)) = offsets.filter(|(start, end)| start <= end) else {
-            return Err(checkpoint_error(
-                path,
-                name,
-                "no valid data_offsets in the header",
-            ));
-        };
-        let zeros = vec![0u8; (end - start) as usize];
-        file.seek(SeekFrom::Start(8 + header_len as u64 + start))
-            .map_err(io)?;
-        file.write_all(&zeros).map_err(io)?;
-    }
-    Ok(())
-}
-
-fn read_json(path: &Path) -> Result<serde_json::Value, ModelError> {
-    let text = std::fs::read(path).map_err(|source| ModelError::io(path, source))?;
-    serde_json::from_slice(&text).map_err(|e| checkpoint_error(path, "(json)", &e.to_string()))
-}
-
-fn checkpoint_error(file: &Path, tensor: &str, message: &str) -> ModelError {
-    ModelError::Checkpoint {
-        file: file.to_path_buf(),
-        tensor: tensor.to_string(),
-        message: message.to_string(),
-    }
 }
 
 #[cfg(test)]
@@ -326,7 +276,6 @@ mod tests {
     /// checkpoint; every other byte is the synthetic writer's (the image bias included).
     #[test]
     fn prepared_checkpoints_have_balanced_routers_and_nothing_else_changed() {
-        use deepinfer_model::checkpoint::Checkpoint;
         for family in [BlockFamily::V41, BlockFamily::V4] {
             let cfg = block_config(family, BlockWidth::Narrow, 64, 256);
             let raw = tempfile::tempdir().expect("temp dir");

@@ -48,6 +48,8 @@ pub struct TensorRef<'a> {
     pub dtype: Dtype,
     pub shape: &'a [usize],
     pub bytes: &'a [u8],
+    /// Where `bytes` start in `file`.
+    pub offset: usize,
 }
 
 /// An opened checkpoint directory: mapped shards and a tensor -> shard map.
@@ -266,6 +268,7 @@ impl Checkpoint {
             dtype: info.dtype,
             shape: &info.shape,
             bytes: shard.bytes(info),
+            offset: shard.offset(info),
         })
     }
 

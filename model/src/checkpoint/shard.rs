@@ -52,6 +52,11 @@ impl Shard {
         let (start, end) = info.data_offsets;
         &self.mmap[self.data_start + start..self.data_start + end]
     }
+
+    /// Where the bytes of `info` start in the file.
+    pub(crate) fn offset(&self, info: &TensorInfo) -> usize {
+        self.data_start + info.data_offsets.0
+    }
 }
 
 fn header_error(path: &Path, tensor: &str, message: String) -> ModelError {

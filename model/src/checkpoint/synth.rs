@@ -327,6 +327,28 @@ mod tests {
         );
     }
 
+    /// A tensor's `offset` is where its bytes stand in its shard file.
+    #[test]
+    fn every_tensor_s_offset_locates_its_bytes_in_its_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_checkpoint(&ModelConfig::tiny_v41(), 3, dir.path(), 2).expect("write");
+        let ckpt = crate::checkpoint::Checkpoint::open(dir.path()).expect("open");
+        let files: HashMap<&Path, Vec<u8>> = ckpt
+            .files()
+            .into_iter()
+            .map(|file| (file, std::fs::read(file).expect("read")))
+            .collect();
+        let names = ckpt.names();
+        assert!(names.len() > 10);
+        for name in names {
+            let tensor = ckpt.tensor(name).expect("tensor");
+            let file = &files[tensor.file];
+            let at = &file[tensor.offset..tensor.offset + tensor.bytes.len()];
+            assert_eq!(at, tensor.bytes, "{name}");
+            assert!(tensor.offset >= 8, "{name}: past the header's length");
+        }
+    }
+
     #[test]
     fn tile_quantisation_uses_the_smallest_power_of_two_above_amax_over_448() {
         // One 2 x 2 tile with amax 3.0: scale = 2^ceil(log2(3/448)) = 2^-7 (byte 120).
