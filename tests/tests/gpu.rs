@@ -37,7 +37,8 @@ use deepinfer_kernels::compile::Compiler;
 use deepinfer_kernels::ops::attention::DeviceKeyLists;
 use deepinfer_kernels::ops::engram::{DeviceEngramHasher, engram_hash_rows};
 use deepinfer_kernels::ops::gemm::{
-    DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4, gemm_fp4_split, gemm_fp8, gemm_fp8_split,
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp4_split,
+    gemm_fp8, gemm_fp8_split,
 };
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
 use deepinfer_kernels::ops::norm::rms_norm_bf16;

@@ -42,6 +42,7 @@ use std::sync::Arc;
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
+use deepinfer_kernels::ops::gemm::{Fp4Form, Fp8Form};
 use deepinfer_kernels::ops::gemm_fast::{
     FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast,
     gemm_fp8_fast_tiled, k_parts,

@@ -55,7 +55,7 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{
-    DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4_split, gemm_fp8,
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4_split, gemm_fp8,
 };
 use deepinfer_kernels::ops::moe::{Selection, route_experts_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_into};

@@ -75,10 +75,38 @@ pub struct DeviceFp8Weight {
     pub scales: CudaSlice<u8>,
 }
 
-impl DeviceFp8Weight {
-    /// Uploads checkpoint bytes, checking their lengths. `tile` is 32 (V4.1) or 128 (V4); `inp`
-    /// must be a multiple of 32.
-    pub fn upload(
+/// A device form of an FP8 weight, made from its checkpoint bytes: E4M3 `codes` `[out, inp]` and
+/// UE8M0 `scales` per `tile × tile` block, both row-major ([`DeviceFp8Weight`] for the exact
+/// kernels, [`super::gemm_fast::FastFp8Weight`] for the tensor-core GEMM).
+pub trait Fp8Form: Sized {
+    /// Uploads the bytes, checking their lengths. `tile` is 32 (V4.1) or 128 (V4); `inp` must be
+    /// a multiple of 32.
+    fn upload(
+        rt: &KernelRuntime,
+        out: usize,
+        inp: usize,
+        tile: usize,
+        codes: &[u8],
+        scales: &[u8],
+    ) -> Result<Self, KernelError>;
+}
+
+/// A device form of an FP4 weight, made from its checkpoint bytes: E2M1 `packed` `[out, inp/2]`
+/// and UE8M0 `scales` `[out, inp/32]`, both row-major ([`DeviceFp4Weight`] for the exact kernels,
+/// [`super::gemm_fast::FastFp4Weight`] for the tensor-core GEMMs).
+pub trait Fp4Form: Sized {
+    /// Uploads the bytes, checking their lengths; `inp` must be a multiple of 32.
+    fn upload(
+        rt: &KernelRuntime,
+        out: usize,
+        inp: usize,
+        packed: &[u8],
+        scales: &[u8],
+    ) -> Result<Self, KernelError>;
+}
+
+impl Fp8Form for DeviceFp8Weight {
+    fn upload(
         rt: &KernelRuntime,
         out: usize,
         inp: usize,
@@ -157,9 +185,8 @@ pub struct DeviceFp4Weight {
     pub scales: CudaSlice<u8>,
 }
 
-impl DeviceFp4Weight {
-    /// Uploads checkpoint bytes, checking their lengths; `inp` must be a multiple of 32.
-    pub fn upload(
+impl Fp4Form for DeviceFp4Weight {
+    fn upload(
         rt: &KernelRuntime,
         out: usize,
         inp: usize,

@@ -23,7 +23,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::gemm::{check_fp4_weight, check_fp8_weight};
+use super::gemm::{Fp4Form, Fp8Form, check_fp4_weight, check_fp8_weight};
 use super::quant::{ActGroup, DeviceActFp8};
 use super::{dim, ensure, launch_config};
 use crate::error::KernelError;
@@ -396,10 +396,10 @@ pub struct FastFp8Weight {
     pub band_scales: CudaSlice<f32>,
 }
 
-impl FastFp8Weight {
+impl Fp8Form for FastFp8Weight {
     /// Re-lays and uploads checkpoint bytes (checked as `DeviceFp8Weight::upload` does; `inp`
     /// must also be a multiple of `tile`, the activation group).
-    pub fn upload(
+    fn upload(
         rt: &KernelRuntime,
         out: usize,
         inp: usize,
@@ -458,10 +458,9 @@ pub struct FastFp4Weight {
     pub band_scales: CudaSlice<u8>,
 }
 
-impl FastFp4Weight {
-    /// Re-lays and uploads checkpoint bytes (`packed` `[out, inp / 2]`, `scales` `[out, inp /
-    /// 32]`, checked as `DeviceFp4Weight::upload` does).
-    pub fn upload(
+impl Fp4Form for FastFp4Weight {
+    /// Re-lays and uploads checkpoint bytes (checked as `DeviceFp4Weight::upload` does).
+    fn upload(
         rt: &KernelRuntime,
         out: usize,
         inp: usize,

@@ -29,7 +29,7 @@ use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
 use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp8};
+use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, gemm_fp8};
 use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, FastOutput, gemm_fp8_fast};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};

@@ -25,6 +25,7 @@ use deepinfer_kernels::compile::Compiler;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::nvrtc::Ptx;
+use deepinfer_kernels::ops::gemm::Fp8Form;
 use deepinfer_kernels::ops::gemm_fast::{
     FastFp8Weight, FastKernels, FastVariant, TileShape, gemm_fp8_fast, gemm_fp8_fast_variant,
     k_parts,

@@ -38,10 +38,10 @@ impl CudaBackend {
         let shape = (w.out, w.inp);
         match self.numerics {
             Numerics::Exact => self.block_scaled_gemm(OP, x, shape, group, |a, y| {
-                gemm_fp8(&self.rt, a, &*self.cached_fp8(w)?, y).map_err(op_err(OP))
+                gemm_fp8(&self.rt, a, &*self.device_form(w)?, y).map_err(op_err(OP))
             }),
             Numerics::Fast => self.fast_linear_f32(OP, x, shape, group, |a, y| {
-                let w = self.cached_fp8_fast(w)?;
+                let w = self.device_form(w)?;
                 gemm_fp8_fast(&self.rt, a, &w, &mut RoundedToBf16(y)).map_err(op_err(OP))
             }),
         }
@@ -54,10 +54,10 @@ impl CudaBackend {
         let shape = (w.out, w.inp);
         match self.numerics {
             Numerics::Exact => self.block_scaled_gemm(OP, x, shape, ActGroup::G32, |a, y| {
-                gemm_fp4(&self.rt, a, &*self.cached_fp4(w)?, y).map_err(op_err(OP))
+                gemm_fp4(&self.rt, a, &*self.device_form(w)?, y).map_err(op_err(OP))
             }),
             Numerics::Fast => self.fast_linear_f32(OP, x, shape, ActGroup::G32, |a, y| {
-                let w = self.cached_fp4_fast(w)?;
+                let w = self.device_form(w)?;
                 gemm_fp4_fast(&self.rt, a, &w, &mut RoundedToBf16(y)).map_err(op_err(OP))
             }),
         }
@@ -120,13 +120,13 @@ impl CudaBackend {
             }
             Linear::Fp8(w) => match fast_fp8_group(w).filter(|_| fast) {
                 Some(group) => self.fast_linear_f32(OP, x, (w.out, w.inp), group, |a, y| {
-                    gemm_fp8_fast(&self.rt, a, &*self.cached_fp8_fast(w)?, y).map_err(op_err(OP))
+                    gemm_fp8_fast(&self.rt, a, &*self.device_form(w)?, y).map_err(op_err(OP))
                 }),
                 None => self.exact_linear_fp8(x, w),
             },
             Linear::Fp4(w) if fast => {
                 self.fast_linear_f32(OP, x, (w.out, w.inp), ActGroup::G32, |a, y| {
-                    gemm_fp4_fast(&self.rt, a, &*self.cached_fp4_fast(w)?, y).map_err(op_err(OP))
+                    gemm_fp4_fast(&self.rt, a, &*self.device_form(w)?, y).map_err(op_err(OP))
                 })
             }
             Linear::Fp4(w) => self.exact_linear_fp4(x, w),
@@ -284,7 +284,7 @@ impl CudaBackend {
     /// the device.
     fn exact_linear_fp8(&self, x: &Tensor, w: &Fp8Weight) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "linear";
-        let dw = self.cached_fp8(w)?;
+        let dw = self.device_form(w)?;
         self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
             dequant_fp8_rows_f32(&self.rt, &dw, start, rows, block)
         })
@@ -293,7 +293,7 @@ impl CudaBackend {
     /// The exact `linear` of an FP4 weight (see [`CudaBackend::exact_linear_fp8`]).
     fn exact_linear_fp4(&self, x: &Tensor, w: &Fp4Weight) -> Result<Tensor, CudaBackendError> {
         const OP: &str = "linear";
-        let dw = self.cached_fp4(w)?;
+        let dw = self.device_form(w)?;
         self.dequantised_linear(OP, x, (w.out, w.inp), |start, rows, block| {
             dequant_fp4_rows_f32(&self.rt, &dw, start, rows, block)
         })

@@ -59,6 +59,7 @@ mod moe;
 pub mod nccl;
 mod nccl_comm;
 mod profile;
+mod quantised;
 mod rows;
 mod small;
 mod tokens;
@@ -82,9 +83,7 @@ use deepinfer_kernels::ops::attention::{
 };
 use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
 use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, gemm_fp4, gemm_fp8};
-use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, RoundedToBf16, gemm_fp4_fast, gemm_fp8_fast,
-};
+use deepinfer_kernels::ops::gemm_fast::{RoundedToBf16, gemm_fp4_fast, gemm_fp8_fast};
 use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
     fast_index_supports, index_scores_rows_f32, index_scores_rows_ptr_fast,
@@ -241,12 +240,8 @@ struct WeightCache {
     /// The weights of `Backend::linear_f32` in the `fast` numerics, sorted once, when first
     /// cached: bf16 ones for the split-x bf16x3 linear, any other for the exact kernel.
     f32_linear_fast: HashMap<HostKey, Arc<dense::FastF32Weight>>,
-    fp8: HashMap<(HostKey, HostKey), Arc<DeviceFp8Weight>>,
-    /// FP8 weights prepared for the tensor-core GEMM of the `fast` numerics.
-    fp8_fast: HashMap<(HostKey, HostKey), Arc<FastFp8Weight>>,
-    fp4: HashMap<(HostKey, HostKey), Arc<DeviceFp4Weight>>,
-    /// FP4 weights prepared for the tensor-core GEMMs of the `fast` numerics.
-    fp4_fast: HashMap<(HostKey, HostKey), Arc<FastFp4Weight>>,
+    /// The device forms of FP8 and FP4 weights (`quantised.rs`), by the weight's codes and scales.
+    quantised: HashMap<(HostKey, HostKey), quantised::Forms>,
     /// Engram tables (codes, scales), uploaded on first lookup.
     engram_tables: HashMap<(HostKey, HostKey), Arc<DeviceEngramTable>>,
     /// The expert tables of MoE layers, keyed by the host address and length of the layer's
@@ -533,10 +528,7 @@ impl CudaBackend {
     pub fn cached_weights(&self) -> usize {
         let cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
         cache.f32s.len()
-            + cache.fp8.len()
-            + cache.fp8_fast.len()
-            + cache.fp4.len()
-            + cache.fp4_fast.len()
+            + cache.quantised.values().map(Vec::len).sum::<usize>()
             + cache.engram_tables.len()
             + cache.expert_tables.len()
             + cache.exact_expert_tables.len()
@@ -710,50 +702,6 @@ impl CudaBackend {
                             .map_err(driver_err(op, "uploading a weight"))?,
                     )
                 })
-            },
-        )
-    }
-
-    fn cached_fp8(&self, w: &Fp8Weight) -> Result<Arc<DeviceFp8Weight>, CudaBackendError> {
-        self.cached(
-            (HostKey::bytes(&w.data), HostKey::bytes(&w.scales)),
-            |cache| &mut cache.fp8,
-            || {
-                DeviceFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
-                    .map_err(op_err("gemm_fp8"))
-            },
-        )
-    }
-
-    fn cached_fp8_fast(&self, w: &Fp8Weight) -> Result<Arc<FastFp8Weight>, CudaBackendError> {
-        self.cached(
-            (HostKey::bytes(&w.data), HostKey::bytes(&w.scales)),
-            |cache| &mut cache.fp8_fast,
-            || {
-                FastFp8Weight::upload(&self.rt, w.out, w.inp, w.block, &w.data, &w.scales)
-                    .map_err(op_err("gemm_fp8"))
-            },
-        )
-    }
-
-    fn cached_fp4_fast(&self, w: &Fp4Weight) -> Result<Arc<FastFp4Weight>, CudaBackendError> {
-        self.cached(
-            (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales)),
-            |cache| &mut cache.fp4_fast,
-            || {
-                FastFp4Weight::upload(&self.rt, w.out, w.inp, &w.packed, &w.scales)
-                    .map_err(op_err("gemm_fp4"))
-            },
-        )
-    }
-
-    fn cached_fp4(&self, w: &Fp4Weight) -> Result<Arc<DeviceFp4Weight>, CudaBackendError> {
-        self.cached(
-            (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales)),
-            |cache| &mut cache.fp4,
-            || {
-                DeviceFp4Weight::upload(&self.rt, w.out, w.inp, &w.packed, &w.scales)
-                    .map_err(op_err("gemm_fp4"))
             },
         )
     }

@@ -16,6 +16,7 @@ use deepinfer_kernels::ops::routed::{
 };
 use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
 
+use super::quantised::QuantisedHost;
 use super::*;
 use crate::backend::weights::{ExpertLinear, ExpertWeights, Linear};
 use deepinfer_kernels::cudarc::driver::CudaView;
@@ -293,16 +294,16 @@ impl CudaBackend {
                 let mut y = unsafe { self.alloc_written::<bf16>(op, x.rows * out_width) }?;
                 match (w, self.numerics) {
                     (ExpertLinear::Fp4(w), Numerics::Exact) => {
-                        gemm_fp4(&self.rt, x, &*self.cached_fp4(w)?, &mut y)
+                        gemm_fp4(&self.rt, x, &*self.device_form(w)?, &mut y)
                     }
                     (ExpertLinear::Fp4(w), Numerics::Fast) => {
-                        gemm_fp4_fast(&self.rt, x, &*self.cached_fp4_fast(w)?, &mut y)
+                        gemm_fp4_fast(&self.rt, x, &*self.device_form(w)?, &mut y)
                     }
                     (ExpertLinear::Fp8(w), Numerics::Exact) => {
-                        gemm_fp8(&self.rt, x, &*self.cached_fp8(w)?, &mut y)
+                        gemm_fp8(&self.rt, x, &*self.device_form(w)?, &mut y)
                     }
                     (ExpertLinear::Fp8(w), Numerics::Fast) => {
-                        gemm_fp8_fast(&self.rt, x, &*self.cached_fp8_fast(w)?, &mut y)
+                        gemm_fp8_fast(&self.rt, x, &*self.device_form(w)?, &mut y)
                     }
                     (ExpertLinear::Exact(_), _) => {
                         return Err(shape_err(op, "an exact shared expert".to_string()));
@@ -342,7 +343,7 @@ impl CudaBackend {
             return Ok(None);
         };
         let build = DeviceExpertTable::fp4_fast;
-        self.expert_table(op, &fp4, |w| self.cached_fp4_fast(w), build)
+        self.expert_table(op, &fp4, |w| self.device_form(w), build)
             .map(Some)
     }
 
@@ -368,14 +369,10 @@ impl CudaBackend {
         for w in [&expert.w1, &expert.w3, &expert.w2] {
             match w {
                 ExpertLinear::Fp4(w) | ExpertLinear::Exact(Linear::Fp4(w)) => {
-                    let key = (HostKey::bytes(&w.packed), HostKey::bytes(&w.scales));
-                    cache.fp4.remove(&key);
-                    cache.fp4_fast.remove(&key);
+                    cache.quantised.remove(&w.key());
                 }
                 ExpertLinear::Fp8(w) | ExpertLinear::Exact(Linear::Fp8(w)) => {
-                    let key = (HostKey::bytes(&w.data), HostKey::bytes(&w.scales));
-                    cache.fp8.remove(&key);
-                    cache.fp8_fast.remove(&key);
+                    cache.quantised.remove(&w.key());
                 }
                 ExpertLinear::Exact(Linear::Dense { values, .. }) => {
                     cache.f32s.remove(&HostKey::f32s(values));
@@ -415,7 +412,7 @@ impl CudaBackend {
         match (fp4, self.numerics) {
             (Some(fp4), Numerics::Exact) => {
                 return self
-                    .expert_table(op, &fp4, |w| self.cached_fp4(w), DeviceExpertTable::fp4)
+                    .expert_table(op, &fp4, |w| self.device_form(w), DeviceExpertTable::fp4)
                     .map(Some);
             }
             (Some(fp4), Numerics::Fast) => {
@@ -423,7 +420,7 @@ impl CudaBackend {
                     .expert_table(
                         op,
                         &fp4,
-                        |w| self.cached_fp4_fast(w),
+                        |w| self.device_form(w),
                         DeviceExpertTable::fp4_fast,
                     )
                     .map(Some);
@@ -431,7 +428,7 @@ impl CudaBackend {
             (None, _) => {}
         }
         if let Some(fp8) = fp8 {
-            self.expert_table(op, &fp8, |w| self.cached_fp8(w), DeviceExpertTable::fp8)
+            self.expert_table(op, &fp8, |w| self.device_form(w), DeviceExpertTable::fp8)
                 .map(Some)
         } else {
             Ok(None)

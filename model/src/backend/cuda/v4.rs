@@ -403,8 +403,8 @@ impl CudaBackend {
                 ExpertLinear::Exact(Linear::Dense { out, inp, values }) => {
                     Ok(DeviceLinear::F32(self.cached_f32(op, values)?, *out, *inp))
                 }
-                ExpertLinear::Exact(Linear::Fp8(w)) => Ok(DeviceLinear::Fp8(self.cached_fp8(w)?)),
-                ExpertLinear::Exact(Linear::Fp4(w)) => Ok(DeviceLinear::Fp4(self.cached_fp4(w)?)),
+                ExpertLinear::Exact(Linear::Fp8(w)) => Ok(DeviceLinear::Fp8(self.device_form(w)?)),
+                ExpertLinear::Exact(Linear::Fp4(w)) => Ok(DeviceLinear::Fp4(self.device_form(w)?)),
                 _ => Err(shape_err(op, "a quantised V4.1 expert".to_string())),
             }
         };
