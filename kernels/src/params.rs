@@ -202,74 +202,27 @@ unsafe impl KernelValue for DequantParams {}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::mem::{offset_of, size_of};
+    use crate::ops::assert_mirrors;
+    use std::mem::offset_of;
 
-    /// The C layouts in params.h: u32/float fields, 4 bytes each, no padding.
+    /// Each struct has the size and the fields, in order, of its namesake in params.h (u32/float
+    /// fields, 4 bytes each, no padding).
     #[test]
-    fn layouts_match_params_h() {
-        assert_eq!(size_of::<ActQuantParams>(), 8);
-        assert_eq!(size_of::<GemmParams>(), 20);
-        assert_eq!(offset_of!(GemmParams, warps_per_col), 16);
-        assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
-        assert_eq!(size_of::<FastGemmParams>(), 24);
-        assert_eq!(offset_of!(FastGemmParams, store), 20);
-        assert_eq!(size_of::<FastReduceParams>(), 12);
-        assert_eq!(offset_of!(FastReduceParams, store), 8);
-        assert_eq!(size_of::<FastRoutedParams>(), 40);
-        assert_eq!(offset_of!(FastRoutedParams, store), 32);
-        assert_eq!(offset_of!(FastRoutedParams, projections), 36);
-        assert_eq!(size_of::<RmsNormParams>(), 12);
-        assert_eq!(offset_of!(RmsNormParams, eps), 8);
-        assert_eq!(size_of::<RopeParams>(), 24);
-        assert_eq!(offset_of!(RopeParams, inverse), 20);
-        assert_eq!(size_of::<QdqParams>(), 4);
-        assert_eq!(size_of::<LinearParams>(), 16);
-        assert_eq!(offset_of!(LinearParams, round_bf16), 12);
-        assert_eq!(size_of::<LinearReduceParams>(), 8);
-        assert_eq!(offset_of!(LinearReduceParams, round_bf16), 4);
-        assert_eq!(size_of::<AttentionParams>(), 20);
-        assert_eq!(offset_of!(AttentionParams, scale), 12);
-        assert_eq!(size_of::<HcMixesParams>(), 20);
-        assert_eq!(offset_of!(HcMixesParams, norm_eps), 16);
-        assert_eq!(size_of::<HcElementwiseParams>(), 12);
-        assert_eq!(size_of::<IndexParams>(), 24);
-        assert_eq!(offset_of!(IndexParams, head_chunk), 20);
-        assert_eq!(size_of::<DequantParams>(), 20);
-    }
-
-    #[test]
-    fn params_h_declares_the_same_fields_in_order() {
+    fn params_mirror_params_h() {
         let header = include_str!("../cuda/common/params.h");
-        let fields = |name: &str| -> Vec<String> {
-            let start = header
-                .find(&format!("struct {name} {{"))
-                .expect("struct in params.h");
-            let body = &header[start
-                ..header[start..]
-                    .find("};")
-                    .map(|e| start + e)
-                    .expect("struct end")];
-            // Each field line is `type name;  // comment`: the name is the last word before ';'.
-            body.lines()
-                .skip(1)
-                .filter_map(|line| line.split_once(';').map(|(decl, _)| decl))
-                .filter_map(|decl| decl.split_whitespace().last().map(str::to_string))
-                .collect()
-        };
-        assert_eq!(fields("ActQuantParams"), ["rows", "cols"]);
-        assert_eq!(
-            fields("GemmParams"),
-            ["m", "n", "k", "w_scale_cols", "warps_per_col"]
+        assert_mirrors::<ActQuantParams>(header, 8, &["rows", "cols"]);
+        assert_mirrors::<GemmParams>(
+            header,
+            20,
+            &["m", "n", "k", "w_scale_cols", "warps_per_col"],
         );
-        assert_eq!(
-            fields("FastGemmParams"),
-            ["m", "n", "k", "span", "parts", "store"]
-        );
-        assert_eq!(fields("FastReduceParams"), ["count", "parts", "store"]);
-        assert_eq!(fields("LinearReduceParams"), ["count", "round_bf16"]);
-        assert_eq!(
-            fields("FastRoutedParams"),
-            [
+        assert_mirrors::<FastGemmParams>(header, 24, &["m", "n", "k", "span", "parts", "store"]);
+        assert_mirrors::<FastReduceParams>(header, 12, &["count", "parts", "store"]);
+        assert_mirrors::<LinearReduceParams>(header, 8, &["count", "round_bf16"]);
+        assert_mirrors::<FastRoutedParams>(
+            header,
+            40,
+            &[
                 "m",
                 "n",
                 "k",
@@ -279,46 +232,69 @@ mod tests {
                 "n_experts",
                 "which",
                 "store",
-                "projections"
-            ]
+                "projections",
+            ],
         );
-        assert_eq!(fields("RmsNormParams"), ["rows", "cols", "eps"]);
-        assert_eq!(
-            fields("RopeParams"),
-            [
+        assert_mirrors::<RmsNormParams>(header, 12, &["rows", "cols", "eps"]);
+        assert_mirrors::<RopeParams>(
+            header,
+            24,
+            &[
                 "tokens",
                 "heads",
                 "head_dim",
                 "rope_dim",
                 "table_rows",
-                "inverse"
-            ]
+                "inverse",
+            ],
         );
-        assert_eq!(fields("QdqParams"), ["n"]);
-        assert_eq!(fields("LinearParams"), ["rows", "out", "inp", "round_bf16"]);
-        assert_eq!(
-            fields("AttentionParams"),
-            ["heads", "head_dim", "keys", "scale", "round_bf16"]
+        assert_mirrors::<QdqParams>(header, 4, &["n"]);
+        assert_mirrors::<LinearParams>(header, 16, &["rows", "out", "inp", "round_bf16"]);
+        assert_mirrors::<AttentionParams>(
+            header,
+            20,
+            &["heads", "head_dim", "keys", "scale", "round_bf16"],
         );
-        assert_eq!(
-            fields("HcMixesParams"),
-            ["hc", "n", "sinkhorn_iters", "hc_eps", "norm_eps"]
+        assert_mirrors::<HcMixesParams>(
+            header,
+            20,
+            &["hc", "n", "sinkhorn_iters", "hc_eps", "norm_eps"],
         );
-        assert_eq!(fields("HcElementwiseParams"), ["hc", "dim", "round_bf16"]);
-        assert_eq!(
-            fields("IndexParams"),
-            [
+        assert_mirrors::<HcElementwiseParams>(header, 12, &["hc", "dim", "round_bf16"]);
+        assert_mirrors::<IndexParams>(
+            header,
+            24,
+            &[
                 "heads",
                 "head_dim",
                 "keys",
                 "round_bf16",
                 "tile_keys",
-                "head_chunk"
-            ]
+                "head_chunk",
+            ],
         );
-        assert_eq!(
-            fields("DequantParams"),
-            ["row_start", "rows", "k", "tile", "scale_cols"]
+        assert_mirrors::<DequantParams>(
+            header,
+            20,
+            &["row_start", "rows", "k", "tile", "scale_cols"],
         );
+    }
+
+    /// The Rust fields stand in the C order where a swap would keep the size.
+    #[test]
+    fn rust_fields_sit_at_their_c_offsets() {
+        assert_eq!(offset_of!(GemmParams, warps_per_col), 16);
+        assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
+        assert_eq!(offset_of!(FastGemmParams, store), 20);
+        assert_eq!(offset_of!(FastReduceParams, store), 8);
+        assert_eq!(offset_of!(FastRoutedParams, store), 32);
+        assert_eq!(offset_of!(FastRoutedParams, projections), 36);
+        assert_eq!(offset_of!(RmsNormParams, eps), 8);
+        assert_eq!(offset_of!(RopeParams, inverse), 20);
+        assert_eq!(offset_of!(LinearParams, round_bf16), 12);
+        assert_eq!(offset_of!(LinearReduceParams, round_bf16), 4);
+        assert_eq!(offset_of!(AttentionParams, scale), 12);
+        assert_eq!(offset_of!(HcMixesParams, norm_eps), 16);
+        assert_eq!(offset_of!(IndexParams, head_chunk), 20);
     }
 }
