@@ -9,31 +9,28 @@
 //! ([`kernel_timer`]); [`ops`] holds one typed launcher per operation, which checks shapes before
 //! it launches.
 
-#[cfg(feature = "cuda")]
-pub mod compile;
-#[cfg(feature = "cuda")]
-mod error;
-#[cfg(feature = "cuda")]
-pub mod id;
-#[cfg(feature = "cuda")]
-pub mod kernel_timer;
-#[cfg(feature = "cuda")]
-pub mod ops;
-#[cfg(feature = "cuda")]
-pub mod params;
-pub mod poison;
-#[cfg(feature = "cuda")]
-pub mod runtime;
-#[cfg(feature = "cuda")]
-pub mod source;
-#[cfg(feature = "cuda")]
-pub mod staging;
+/// Declares its items only with the `cuda` feature.
+macro_rules! with_cuda {
+    ($($item:item)*) => {
+        $(#[cfg(feature = "cuda")] $item)*
+    };
+}
 
-#[cfg(feature = "cuda")]
-pub use cudarc;
-#[cfg(feature = "cuda")]
-pub use error::KernelError;
-#[cfg(feature = "cuda")]
-pub use id::{Arch, KernelId, SourceFile};
-#[cfg(feature = "cuda")]
-pub use runtime::KernelRuntime;
+with_cuda! {
+    pub mod compile;
+    mod error;
+    pub mod id;
+    pub mod kernel_timer;
+    pub mod ops;
+    pub mod params;
+    pub mod runtime;
+    pub mod source;
+    pub mod staging;
+
+    pub use cudarc;
+    pub use error::KernelError;
+    pub use id::{Arch, KernelId, SourceFile};
+    pub use runtime::KernelRuntime;
+}
+
+pub mod poison;
