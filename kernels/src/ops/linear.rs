@@ -14,16 +14,16 @@ use crate::params::{DequantParams, LinearParams};
 use crate::runtime::KernelRuntime;
 
 const OP: &str = "linear_sgemm_f32";
-/// Threads per block of every kernel here; must match `linear::THREADS`.
-const THREADS: u32 = 256;
+/// Threads per block of every kernel here (and of `routed_exact`'s); must match `linear::THREADS`.
+pub(super) const THREADS: u32 = 256;
 /// Rows and columns of one partials block's tile; must match `linear::TILE_ROWS` / `TILE_COLS`.
-const TILE_ROWS: u32 = 8;
-const TILE_COLS: u32 = 32;
+pub(super) const TILE_ROWS: u32 = 8;
+pub(super) const TILE_COLS: u32 = 32;
 /// Largest `inp` (256 chains of 256 products).
-const MAX_INP: usize = 65_536;
+pub(super) const MAX_INP: usize = 65_536;
 /// The most block partials one launch pair keeps (64 Mi f32 = 256 MiB); more rows are taken in
 /// chunks (rows never interact, so chunking changes no value).
-const MAX_PARTIALS: usize = 64 << 20;
+pub(super) const MAX_PARTIALS: usize = 64 << 20;
 /// The grid's z limit (row tiles of one launch).
 const MAX_GRID_Z: usize = 65_535;
 

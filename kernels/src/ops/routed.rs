@@ -129,6 +129,15 @@ impl ExpertProjection {
         }
     }
 
+    /// `(out, inp)` of this projection (of each plane) in experts of width `dim` and hidden
+    /// width `inter`.
+    pub(super) fn shape(self, dim: usize, inter: usize) -> (usize, usize) {
+        match self {
+            ExpertProjection::W1 | ExpertProjection::W3 | ExpertProjection::GateUp => (inter, dim),
+            ExpertProjection::W2 => (dim, inter),
+        }
+    }
+
     /// How many projections (consecutive table slots, output planes) this is.
     pub fn planes(self) -> usize {
         match self {
@@ -335,16 +344,6 @@ impl DeviceExpertTable {
     /// The device address table, `[3][n_experts][2]` (codes, scales).
     pub(super) fn addresses(&self) -> &CudaSlice<u64> {
         &self.addresses
-    }
-
-    /// (out, inp) of `which` (of each plane).
-    pub(super) fn shape_of(&self, which: ExpertProjection) -> (usize, usize) {
-        match which {
-            ExpertProjection::W1 | ExpertProjection::W3 | ExpertProjection::GateUp => {
-                (self.inter, self.dim)
-            }
-            ExpertProjection::W2 => (self.dim, self.inter),
-        }
     }
 }
 
@@ -706,7 +705,7 @@ pub(super) fn check_routed<T>(
         format!("the table holds {:?} experts", table.format)
     })?;
     x.group.require_g32(op, "expert GEMMs")?;
-    let (n, k) = table.shape_of(which);
+    let (n, k) = which.shape(table.dim, table.inter);
     ensure(x.cols == k, op, || {
         format!("x has {} columns, {which:?} has {k} inputs", x.cols)
     })?;

@@ -11,24 +11,13 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
-use super::linear::sgemm_reduce;
+use super::linear::{MAX_INP, MAX_PARTIALS, THREADS, TILE_COLS, TILE_ROWS, sgemm_reduce};
 use super::routed::{ExpertProjection, group_rows};
 use super::{dim as kernel_dim, ensure, expect_len, launch_config, sgemm_chains, shape_error};
 use crate::error::KernelError;
 use crate::id::KernelId;
 use crate::params::LinearParams;
 use crate::runtime::{KernelRuntime, KernelValue};
-
-/// Threads per block (`linear::THREADS`).
-const THREADS: u32 = 256;
-/// Rows of one expert per tile (`linear::TILE_ROWS`).
-const TILE_ROWS: usize = 8;
-/// Output columns per block (`linear::TILE_COLS`).
-const TILE_COLS: u32 = 32;
-/// Inputs per row at most (the reduction's limit, as `ops::linear`).
-const MAX_INP: usize = 65_536;
-/// Block partials held at once at most (f32 values); larger launches run in chunks of rows.
-const MAX_PARTIALS: usize = 64 << 20;
 
 /// `routed::ExactRoutedParams` in `cuda/moe/routed.cu`.
 #[repr(C)]
@@ -168,7 +157,7 @@ impl DeviceExactExpertTable {
                 (ExpertProjection::W3, expert.w3, (inter, dim)),
                 (ExpertProjection::W2, expert.w2, (dim, inter)),
             ] {
-                let slot = slot(projection);
+                let slot = projection.slot() as usize;
                 ensure(
                     weight.shape() == expected && weight.format() == formats[slot],
                     OP,
@@ -215,15 +204,6 @@ impl DeviceExactExpertTable {
     }
 }
 
-/// The table slot of a projection (`which` in the kernel).
-fn slot(which: ExpertProjection) -> usize {
-    match which {
-        ExpertProjection::W1 | ExpertProjection::GateUp => 0,
-        ExpertProjection::W3 => 1,
-        ExpertProjection::W2 => 2,
-    }
-}
-
 /// A format the kernel can read for rows of `inp` inputs: FP4 needs whole 32-groups (two codes
 /// per byte), FP8 a positive tile.
 fn check_format(op: &'static str, format: ExactFormat, inp: usize) -> Result<(), KernelError> {
@@ -265,13 +245,8 @@ pub fn gemm_exact_routed(
         OP,
         || "the exact routed linears run one projection a launch (W1 and W3 apart, not GateUp)",
     )?;
-    let slot = slot(which);
-    let (n, k) = match which {
-        ExpertProjection::W1 | ExpertProjection::W3 | ExpertProjection::GateUp => {
-            (table.inter, table.dim)
-        }
-        ExpertProjection::W2 => (table.dim, table.inter),
-    };
+    let slot = which.slot() as usize;
+    let (n, k) = which.shape(table.dim, table.inter);
     ensure(
         k != 0 && k <= MAX_INP && x_row_div != 0 && x.len().is_multiple_of(k),
         OP,
@@ -301,7 +276,7 @@ pub fn gemm_exact_routed(
     for first in (0..m).step_by(chunk_rows) {
         let count = chunk_rows.min(m - first);
         let ids = experts.slice(first..first + count);
-        let groups = group_rows(rt, OP, &ids, table.n_experts, TILE_ROWS)?;
+        let groups = group_rows(rt, OP, &ids, table.n_experts, TILE_ROWS as usize)?;
         let params = ExactRoutedParams {
             m: kernel_dim(OP, "m", count)?,
             n: kernel_dim(OP, "n", n)?,
