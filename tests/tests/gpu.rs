@@ -37,8 +37,7 @@ use deepinfer_kernels::compile::Compiler;
 use deepinfer_kernels::ops::attention::DeviceKeyLists;
 use deepinfer_kernels::ops::engram::{DeviceEngramHasher, engram_hash_rows};
 use deepinfer_kernels::ops::gemm::{
-    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp4_split,
-    gemm_fp8, gemm_fp8_split,
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
 };
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
 use deepinfer_kernels::ops::norm::rms_norm_bf16;
@@ -211,7 +210,7 @@ fn device_gemm_fp8(rt: &KernelRuntime, x: &[f32], rows: usize, w: &DeviceFp8Weig
         .stream()
         .alloc_zeros::<bf16>(rows * w.out)
         .expect("alloc y");
-    gemm_fp8(rt, &q, w, &mut y).expect("gemm_fp8");
+    gemm_fp8(rt, &q, w, &mut y, GemmSplit::Auto).expect("gemm_fp8");
     download_bf16(rt, &y)
 }
 
@@ -222,7 +221,7 @@ fn device_gemm_fp4(rt: &KernelRuntime, x: &[f32], rows: usize, w: &DeviceFp4Weig
         .stream()
         .alloc_zeros::<bf16>(rows * w.out)
         .expect("alloc y");
-    gemm_fp4(rt, &q, w, &mut y).expect("gemm_fp4");
+    gemm_fp4(rt, &q, w, &mut y, GemmSplit::Auto).expect("gemm_fp4");
     download_bf16(rt, &y)
 }
 
@@ -317,15 +316,14 @@ fn gemm_results_do_not_depend_on_the_work_split() {
         .chain([GemmSplit::Auto, GemmSplit::ColumnPerWarp])
     {
         let mut y = rt.stream().alloc_zeros::<bf16>(rows * n).expect("alloc");
-        gemm_fp8_split(&rt, &q, &dw8, &mut y, split).expect("gemm_fp8");
+        gemm_fp8(&rt, &q, &dw8, &mut y, split).expect("gemm_fp8");
         let (exact8, _) = compare_bf16(&download_bf16(&rt, &y), &want8);
-        gemm_fp4_split(&rt, &q, &dw4, &mut y, split).expect("gemm_fp4");
+        gemm_fp4(&rt, &q, &dw4, &mut y, split).expect("gemm_fp4");
         let (exact4, _) = compare_bf16(&download_bf16(&rt, &y), &want4);
         assert_eq!((exact8, exact4), (rows * n, rows * n), "{split:?}");
     }
     let mut y = rt.stream().alloc_zeros::<bf16>(rows * n).expect("alloc");
-    let err =
-        gemm_fp8_split(&rt, &q, &dw8, &mut y, GemmSplit::WarpsPerColumn(3)).expect_err("3 warps");
+    let err = gemm_fp8(&rt, &q, &dw8, &mut y, GemmSplit::WarpsPerColumn(3)).expect_err("3 warps");
     assert!(err.to_string().contains("must be 1, 2, 4 or 8"), "{err}");
     println!("gemm: 1, 2, 4, 8 warps per column and Auto give identical, reference-exact bits");
 }

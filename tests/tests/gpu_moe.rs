@@ -55,7 +55,7 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{
-    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4_split, gemm_fp8,
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
 };
 use deepinfer_kernels::ops::moe::{Selection, route_experts_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8_into};
@@ -465,8 +465,10 @@ impl DeviceMoe {
             &mut self.routed,
         )
         .expect("routed w2");
-        gemm_fp8(rt, &self.qx, &shared.w1, &mut self.shared_gate).expect("shared w1");
-        gemm_fp8(rt, &self.qx, &shared.w3, &mut self.shared_up).expect("shared w3");
+        // The shared expert: the production launch (its kernel and split chosen by the shape).
+        let split = GemmSplit::Auto;
+        gemm_fp8(rt, &self.qx, &shared.w1, &mut self.shared_gate, split).expect("shared w1");
+        gemm_fp8(rt, &self.qx, &shared.w3, &mut self.shared_up, split).expect("shared w3");
         swiglu_act_quant_fp8(
             rt,
             &self.shared_gate.slice(..),
@@ -477,7 +479,7 @@ impl DeviceMoe {
             &mut self.shared_qh,
         )
         .expect("shared swiglu, quantised");
-        gemm_fp8(rt, &self.shared_qh, &shared.w2, &mut self.shared_out).expect("shared w2");
+        gemm_fp8(rt, &self.shared_qh, &shared.w2, &mut self.shared_out, split).expect("shared w2");
         moe_combine(
             rt,
             &self.routed,
@@ -1524,7 +1526,7 @@ fn fp4_gemms_are_exact_on_extreme_activations() {
             GemmSplit::WarpsPerColumn(2),
         ] {
             let mut y = nan_bf16(&rt, rows * n_cols);
-            gemm_fp4_split(&rt, &qx, &d_weight, &mut y, split).expect("gemm_fp4");
+            gemm_fp4(&rt, &qx, &d_weight, &mut y, split).expect("gemm_fp4");
             let gpu: Vec<f32> = s
                 .clone_dtoh(&y)
                 .expect("y")

@@ -208,18 +208,10 @@ impl Fp4Form for DeviceFp4Weight {
 }
 
 /// `y = a · wᵀ` for an FP8 weight. Supported (tile, activation group): (32, 32) V4.1 and
-/// (128, 128) V4 (the activation group is the tile side, as in `deepinfer_model::quant::gemm_fp8`). `y` is bf16 `[a.rows, w.out]`, row-major.
+/// (128, 128) V4 (the activation group is the tile side, as in `deepinfer_model::quant::gemm_fp8`).
+/// `y` is bf16 `[a.rows, w.out]`, row-major. `split` picks the kernel and work split
+/// ([`GemmSplit::Auto`] in production); the result does not depend on it.
 pub fn gemm_fp8(
-    rt: &KernelRuntime,
-    a: &DeviceActFp8,
-    w: &DeviceFp8Weight,
-    y: &mut CudaSlice<bf16>,
-) -> Result<(), KernelError> {
-    gemm_fp8_split(rt, a, w, y, GemmSplit::Auto)
-}
-
-/// [`gemm_fp8`] with an explicit work split (the result does not depend on it).
-pub fn gemm_fp8_split(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &DeviceFp8Weight,
@@ -256,17 +248,8 @@ pub fn gemm_fp8_split(
 }
 
 /// `y = a · wᵀ` for an FP4 expert weight (activation groups of 32). `y` is bf16 `[a.rows, w.out]`.
+/// `split` as in [`gemm_fp8`].
 pub fn gemm_fp4(
-    rt: &KernelRuntime,
-    a: &DeviceActFp8,
-    w: &DeviceFp4Weight,
-    y: &mut CudaSlice<bf16>,
-) -> Result<(), KernelError> {
-    gemm_fp4_split(rt, a, w, y, GemmSplit::Auto)
-}
-
-/// [`gemm_fp4`] with an explicit work split (the result does not depend on it).
-pub fn gemm_fp4_split(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &DeviceFp4Weight,

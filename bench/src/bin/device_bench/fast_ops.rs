@@ -29,7 +29,9 @@ use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
 use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::gemm::{DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, gemm_fp8};
+use deepinfer_kernels::ops::gemm::{
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp8,
+};
 use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, FastOutput, gemm_fp8_fast};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
@@ -106,7 +108,7 @@ fn bench(
             &x,
             (m, n, k, tile),
             |codes, scales| DeviceFp8Weight::upload(rt, n, k, tile, codes, scales),
-            |a, w, y| gemm_fp8(rt, a, w, y),
+            |a, w, y| gemm_fp8(rt, a, w, y, GemmSplit::Auto),
         )?,
         Kernel::CublasBf16 => {
             let copies = ROTATION_BYTES.div_ceil(weight_bytes).max(2);

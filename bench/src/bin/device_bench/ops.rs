@@ -16,7 +16,7 @@ use deepinfer_kernels::cudarc::driver::sys::CUevent_flags;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::sparse_attention_sink_f32;
 use deepinfer_kernels::ops::gemm::{
-    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4_split, gemm_fp8_split,
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
 };
 use deepinfer_kernels::ops::index::index_scores_f32;
 use deepinfer_kernels::ops::linear::linear_sgemm_f32;
@@ -226,7 +226,7 @@ fn bench_gemm(
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             time_launches(rt, timer, |i| {
-                Ok(gemm_fp8_split(rt, &a, &weights[i % copies], &mut y, split)?)
+                Ok(gemm_fp8(rt, &a, &weights[i % copies], &mut y, split)?)
             })?
         }
         WeightFormat::Fp4 => {
@@ -237,7 +237,7 @@ fn bench_gemm(
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             time_launches(rt, timer, |i| {
-                Ok(gemm_fp4_split(rt, &a, &weights[i % copies], &mut y, split)?)
+                Ok(gemm_fp4(rt, &a, &weights[i % copies], &mut y, split)?)
             })?
         }
     };

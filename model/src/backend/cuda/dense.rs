@@ -38,7 +38,8 @@ impl CudaBackend {
         let shape = (w.out, w.inp);
         match self.numerics {
             Numerics::Exact => self.block_scaled_gemm(OP, x, shape, group, |a, y| {
-                gemm_fp8(&self.rt, a, &*self.device_form(w)?, y).map_err(op_err(OP))
+                gemm_fp8(&self.rt, a, &*self.device_form(w)?, y, GemmSplit::Auto)
+                    .map_err(op_err(OP))
             }),
             Numerics::Fast => self.fast_linear_f32(OP, x, shape, group, |a, y| {
                 let w = self.device_form(w)?;
@@ -54,7 +55,8 @@ impl CudaBackend {
         let shape = (w.out, w.inp);
         match self.numerics {
             Numerics::Exact => self.block_scaled_gemm(OP, x, shape, ActGroup::G32, |a, y| {
-                gemm_fp4(&self.rt, a, &*self.device_form(w)?, y).map_err(op_err(OP))
+                gemm_fp4(&self.rt, a, &*self.device_form(w)?, y, GemmSplit::Auto)
+                    .map_err(op_err(OP))
             }),
             Numerics::Fast => self.fast_linear_f32(OP, x, shape, ActGroup::G32, |a, y| {
                 let w = self.device_form(w)?;

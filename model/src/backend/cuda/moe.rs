@@ -294,13 +294,13 @@ impl CudaBackend {
                 let mut y = unsafe { self.alloc_written::<bf16>(op, x.rows * out_width) }?;
                 match (w, self.numerics) {
                     (ExpertLinear::Fp4(w), Numerics::Exact) => {
-                        gemm_fp4(&self.rt, x, &*self.device_form(w)?, &mut y)
+                        gemm_fp4(&self.rt, x, &*self.device_form(w)?, &mut y, GemmSplit::Auto)
                     }
                     (ExpertLinear::Fp4(w), Numerics::Fast) => {
                         gemm_fp4_fast(&self.rt, x, &*self.device_form(w)?, &mut y)
                     }
                     (ExpertLinear::Fp8(w), Numerics::Exact) => {
-                        gemm_fp8(&self.rt, x, &*self.device_form(w)?, &mut y)
+                        gemm_fp8(&self.rt, x, &*self.device_form(w)?, &mut y, GemmSplit::Auto)
                     }
                     (ExpertLinear::Fp8(w), Numerics::Fast) => {
                         gemm_fp8_fast(&self.rt, x, &*self.device_form(w)?, &mut y)
