@@ -44,8 +44,7 @@ use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{Fp4Form, Fp8Form};
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp4_fast_tiled, gemm_fp8_fast,
-    gemm_fp8_fast_tiled, k_parts,
+    FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp4_fast, gemm_fp8_fast, k_parts,
 };
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
@@ -115,7 +114,7 @@ impl FastWeight for FastFp8Weight {
         }
     }
     fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile) {
-        gemm_fp8_fast_tiled(rt, a, self, y, tile).expect("gemm_fp8_fast");
+        gemm_fp8_fast(rt, a, self, y, tile).expect("gemm_fp8_fast");
     }
 }
 
@@ -127,7 +126,7 @@ impl FastWeight for FastFp4Weight {
         ActGroup::G32
     }
     fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile) {
-        gemm_fp4_fast_tiled(rt, a, self, y, tile).expect("gemm_fp4_fast");
+        gemm_fp4_fast(rt, a, self, y, tile).expect("gemm_fp4_fast");
     }
 }
 
@@ -604,7 +603,7 @@ fn run_chain(
 
     let dense = |x: &DeviceActFp8, w: &FastFp8Weight| {
         let mut y = stream.alloc_zeros::<bf16>(x.rows * w.out).expect("alloc");
-        gemm_fp8_fast(rt, x, w, &mut y).expect("gemm_fp8_fast");
+        gemm_fp8_fast(rt, x, w, &mut y, FastTile::Auto).expect("gemm_fp8_fast");
         y
     };
     let [s1, s3, s2] = &moe.shared_device;

@@ -570,18 +570,9 @@ fn e8m0_value(e: u8) -> f32 {
 }
 
 /// `y = a · wᵀ` on tensor cores, `y [a.rows, w.out]` as [`FastOutput`] stores it. The
-/// activation group must be the weight's tile side (32: V4.1, 128: V4).
+/// activation group must be the weight's tile side (32: V4.1, 128: V4). `tile` is the block shape
+/// ([`FastTile::Auto`] in production: chosen by the rows); the result does not depend on it.
 pub fn gemm_fp8_fast<Y: FastOutput>(
-    rt: &KernelRuntime,
-    a: &DeviceActFp8,
-    w: &FastFp8Weight,
-    y: &mut Y,
-) -> Result<(), KernelError> {
-    gemm_fp8_fast_tiled(rt, a, w, y, FastTile::Auto)
-}
-
-/// [`gemm_fp8_fast`] with an explicit tile (the result does not depend on it).
-pub fn gemm_fp8_fast_tiled<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp8Weight,
@@ -651,18 +642,8 @@ pub fn gemm_fp8_fast_variant<Y: FastOutput>(
 }
 
 /// `y = a · wᵀ` on tensor cores for an FP4 weight, `y [a.rows, w.out]` as [`FastOutput`]
-/// stores it; `a` in 32-element groups.
+/// stores it; `a` in 32-element groups; `tile` as in [`gemm_fp8_fast`].
 pub fn gemm_fp4_fast<Y: FastOutput>(
-    rt: &KernelRuntime,
-    a: &DeviceActFp8,
-    w: &FastFp4Weight,
-    y: &mut Y,
-) -> Result<(), KernelError> {
-    gemm_fp4_fast_tiled(rt, a, w, y, FastTile::Auto)
-}
-
-/// [`gemm_fp4_fast`] with an explicit tile (the result does not depend on it).
-pub fn gemm_fp4_fast_tiled<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
     w: &FastFp4Weight,

@@ -293,7 +293,7 @@ fn run_v4_chain(
     let dense = |x: &DeviceActFp8, i: usize| {
         let w = &moe.shared_device[i];
         let mut y = stream.alloc_zeros::<f32>(x.rows * w.out).expect("alloc");
-        gemm_fp8_fast(rt, x, w, &mut y).expect("gemm_fp8_fast");
+        gemm_fp8_fast(rt, x, w, &mut y, FastTile::Auto).expect("gemm_fp8_fast");
         y
     };
     let a_shared = quantise(rt, x, tokens, ActGroup::G128);

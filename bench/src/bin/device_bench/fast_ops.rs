@@ -32,7 +32,9 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp8,
 };
-use deepinfer_kernels::ops::gemm_fast::{FastFp4Weight, FastFp8Weight, FastOutput, gemm_fp8_fast};
+use deepinfer_kernels::ops::gemm_fast::{
+    FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp8_fast,
+};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
@@ -230,7 +232,7 @@ where
         x,
         (m, n, k, tile),
         |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
-        |a, w, y| gemm_fp8_fast(rt, a, w, y),
+        |a, w, y| gemm_fp8_fast(rt, a, w, y, FastTile::Auto),
     )
 }
 

@@ -27,8 +27,8 @@ use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::nvrtc::Ptx;
 use deepinfer_kernels::ops::gemm::Fp8Form;
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp8Weight, FastKernels, FastVariant, TileShape, gemm_fp8_fast, gemm_fp8_fast_variant,
-    k_parts,
+    FastFp8Weight, FastKernels, FastTile, FastVariant, TileShape, gemm_fp8_fast,
+    gemm_fp8_fast_variant, k_parts,
 };
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
@@ -328,7 +328,8 @@ fn production_row(
     y: &mut CudaSlice<bf16>,
     parts: usize,
 ) -> Result<(Vec<u16>, Measured)> {
-    gemm_fp8_fast(rt, a, &weights[0], y)?;
+    let launch = |w, y: &mut CudaSlice<bf16>| gemm_fp8_fast(rt, a, w, y, FastTile::Auto);
+    launch(&weights[0], y)?;
     let production_bits = bits(rt, y)?;
     let measured = measure(
         rt,
@@ -336,7 +337,7 @@ fn production_row(
         None,
         y,
         |bits| Some(bits == production_bits),
-        |i, y| Ok(gemm_fp8_fast(rt, a, &weights[i % weights.len()], y)?),
+        |i, y| Ok(launch(&weights[i % weights.len()], y)?),
     )?;
     let row = Measured::pinned("production".to_string(), parts, measured);
     Ok((production_bits, row))

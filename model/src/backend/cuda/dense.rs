@@ -43,7 +43,8 @@ impl CudaBackend {
             }),
             Numerics::Fast => self.fast_linear_f32(OP, x, shape, group, |a, y| {
                 let w = self.device_form(w)?;
-                gemm_fp8_fast(&self.rt, a, &w, &mut RoundedToBf16(y)).map_err(op_err(OP))
+                gemm_fp8_fast(&self.rt, a, &w, &mut RoundedToBf16(y), FastTile::Auto)
+                    .map_err(op_err(OP))
             }),
         }
     }
@@ -60,7 +61,8 @@ impl CudaBackend {
             }),
             Numerics::Fast => self.fast_linear_f32(OP, x, shape, ActGroup::G32, |a, y| {
                 let w = self.device_form(w)?;
-                gemm_fp4_fast(&self.rt, a, &w, &mut RoundedToBf16(y)).map_err(op_err(OP))
+                gemm_fp4_fast(&self.rt, a, &w, &mut RoundedToBf16(y), FastTile::Auto)
+                    .map_err(op_err(OP))
             }),
         }
     }
@@ -122,13 +124,15 @@ impl CudaBackend {
             }
             Linear::Fp8(w) => match fast_fp8_group(w).filter(|_| fast) {
                 Some(group) => self.fast_linear_f32(OP, x, (w.out, w.inp), group, |a, y| {
-                    gemm_fp8_fast(&self.rt, a, &*self.device_form(w)?, y).map_err(op_err(OP))
+                    gemm_fp8_fast(&self.rt, a, &*self.device_form(w)?, y, FastTile::Auto)
+                        .map_err(op_err(OP))
                 }),
                 None => self.exact_linear_fp8(x, w),
             },
             Linear::Fp4(w) if fast => {
                 self.fast_linear_f32(OP, x, (w.out, w.inp), ActGroup::G32, |a, y| {
-                    gemm_fp4_fast(&self.rt, a, &*self.device_form(w)?, y).map_err(op_err(OP))
+                    gemm_fp4_fast(&self.rt, a, &*self.device_form(w)?, y, FastTile::Auto)
+                        .map_err(op_err(OP))
                 })
             }
             Linear::Fp4(w) => self.exact_linear_fp4(x, w),

@@ -85,7 +85,7 @@ use deepinfer_kernels::ops::engram::{DeviceEngramTable, engram_gather_f32};
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, GemmSplit, gemm_fp4, gemm_fp8,
 };
-use deepinfer_kernels::ops::gemm_fast::{RoundedToBf16, gemm_fp4_fast, gemm_fp8_fast};
+use deepinfer_kernels::ops::gemm_fast::{FastTile, RoundedToBf16, gemm_fp4_fast, gemm_fp8_fast};
 use deepinfer_kernels::ops::index::{
     DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
     fast_index_supports, index_scores_rows_f32, index_scores_rows_ptr_fast,

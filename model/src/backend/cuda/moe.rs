@@ -297,13 +297,13 @@ impl CudaBackend {
                         gemm_fp4(&self.rt, x, &*self.device_form(w)?, &mut y, GemmSplit::Auto)
                     }
                     (ExpertLinear::Fp4(w), Numerics::Fast) => {
-                        gemm_fp4_fast(&self.rt, x, &*self.device_form(w)?, &mut y)
+                        gemm_fp4_fast(&self.rt, x, &*self.device_form(w)?, &mut y, FastTile::Auto)
                     }
                     (ExpertLinear::Fp8(w), Numerics::Exact) => {
                         gemm_fp8(&self.rt, x, &*self.device_form(w)?, &mut y, GemmSplit::Auto)
                     }
                     (ExpertLinear::Fp8(w), Numerics::Fast) => {
-                        gemm_fp8_fast(&self.rt, x, &*self.device_form(w)?, &mut y)
+                        gemm_fp8_fast(&self.rt, x, &*self.device_form(w)?, &mut y, FastTile::Auto)
                     }
                     (ExpertLinear::Exact(_), _) => {
                         return Err(shape_err(op, "an exact shared expert".to_string()));
