@@ -258,30 +258,19 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
 }
 
 /// `y [rows, w.out] = x [rows, w.groups · w.inp] · wᵀ`, group by group (f32 storage), `x` taken
-/// onto the tensor cores and `y` rounded as `product` says.
+/// onto the tensor cores and `y` rounded as `product` says, with `tile` (`None` in production:
+/// chosen by the shape; every tile gives the same bits).
 pub fn linear_bf16_fast(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
     w: &FastBf16Weight,
     y: &mut CudaSlice<f32>,
     rows: usize,
-    product: FastProduct,
-) -> Result<(), KernelError> {
-    let tile = FastLinearTile::choose(rows, w.out / w.groups, w.groups);
-    linear_bf16_fast_tiled(rt, x, w, y, rows, tile, product)
-}
-
-/// [`linear_bf16_fast`] with the given tile (tests: every tile gives the same bits).
-pub fn linear_bf16_fast_tiled(
-    rt: &KernelRuntime,
-    x: &CudaSlice<f32>,
-    w: &FastBf16Weight,
-    y: &mut CudaSlice<f32>,
-    rows: usize,
-    tile: FastLinearTile,
+    tile: Option<FastLinearTile>,
     product: FastProduct,
 ) -> Result<(), KernelError> {
     let (x_width, group_out) = (w.groups * w.inp, w.out / w.groups);
+    let tile = tile.unwrap_or_else(|| FastLinearTile::choose(rows, group_out, w.groups));
     expect_len(OP, "x", x.len(), rows * x_width)?;
     expect_len(OP, "y", y.len(), rows * w.out)?;
     if rows == 0 || w.out == 0 {

@@ -22,7 +22,7 @@
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::linear_fast::{
-    FastBf16Weight, FastLinearTile, FastProduct, PARTS, linear_bf16_fast, linear_bf16_fast_tiled,
+    FastBf16Weight, FastLinearTile, FastProduct, PARTS, linear_bf16_fast,
 };
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::backend::{Backend, CpuBackend, DenseWeight, Groups, RowSampling, Tensor};
@@ -62,11 +62,7 @@ fn run_product(
     let dx = rt.htod(x).expect("upload x");
     // NaN: an output the kernel leaves unwritten is seen.
     let mut dy = rt.htod(&vec![f32::NAN; rows * w.out]).expect("alloc y");
-    match tile {
-        None => linear_bf16_fast(rt, &dx, w, &mut dy, rows, product),
-        Some(tile) => linear_bf16_fast_tiled(rt, &dx, w, &mut dy, rows, tile, product),
-    }
-    .expect("linear_bf16_fast");
+    linear_bf16_fast(rt, &dx, w, &mut dy, rows, tile, product).expect("linear_bf16_fast");
     rt.stream().clone_dtoh(&dy).expect("download y")
 }
 

@@ -633,6 +633,7 @@ fn the_backend_takes_the_fast_v4_linears_in_fast_numerics_only() {
         &dw,
         &mut direct,
         rows,
+        None,
         FastProduct::Bf16(Rounding::F32),
     )
     .expect("linear");

@@ -559,6 +559,7 @@ fn bench_fast_linear(
             &weights[i % copies],
             &mut y,
             m,
+            None,
             product,
         )?)
     })?;

@@ -204,7 +204,8 @@ impl CudaBackend {
             }
             DenseKernel::Bf16(output) => {
                 let dw = self.cached_bf16_fast(w, 1, out, inp)?;
-                linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, FastProduct::Bf16(output))
+                let product = FastProduct::Bf16(output);
+                linear_bf16_fast(&self.rt, &dx, &dw, &mut dy, rows, None, product)
                     .map_err(op_err(op))?;
             }
             DenseKernel::F32 => self.linear_f32_into(op, &dx, w, &mut dy, (rows, out, inp))?,
@@ -230,7 +231,7 @@ impl CudaBackend {
         }
         match &*self.cached_f32_linear_fast(op, w, out, inp)? {
             FastF32Weight::Bf16x3(dw) => {
-                linear_bf16_fast(&self.rt, x, dw, y, rows, FastProduct::SplitBf16x3)
+                linear_bf16_fast(&self.rt, x, dw, y, rows, None, FastProduct::SplitBf16x3)
             }
             FastF32Weight::Sgemm(dw) => {
                 linear_sgemm_f32(&self.rt, x, dw, y, (rows, out, inp), Rounding::F32)
@@ -278,6 +279,7 @@ impl CudaBackend {
             &dw,
             &mut dy,
             rows,
+            None,
             FastProduct::Bf16(Rounding::Bf16),
         )
         .map_err(op_err(OP))?;
