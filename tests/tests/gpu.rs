@@ -34,13 +34,14 @@
 
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::compile::Compiler;
+use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::DeviceKeyLists;
 use deepinfer_kernels::ops::engram::{DeviceEngramHasher, engram_hash_rows};
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
 };
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
-use deepinfer_kernels::ops::norm::rms_norm_bf16;
+use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
 use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_bf16};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
@@ -338,13 +339,14 @@ fn rms_norm_matches_the_cpu_reference() {
             let weight: Vec<f32> = (0..cols)
                 .map(|_| quant::round_bf16(1.0 + 0.5 * rng.uniform()))
                 .collect();
-            let dw = upload_bf16(&rt, &weight);
+            let dw = rt.htod(&weight).expect("upload w");
             for rows in [1usize, 7, 64] {
                 let x = activations(&mut rng, rows, cols);
-                let dx = upload_bf16(&rt, &x);
-                let mut dy = rt.stream().alloc_zeros::<bf16>(rows * cols).expect("alloc");
-                rms_norm_bf16(&rt, &dx, &dw, &mut dy, rows, cols, eps).expect("rms_norm");
-                let gpu = download_bf16(&rt, &dy);
+                let dx = rt.htod(&x).expect("upload x");
+                let mut dy = rt.stream().alloc_zeros::<f32>(rows * cols).expect("alloc");
+                rms_norm_f32(&rt, &dx, &dw, &mut dy, rows, cols, eps, Rounding::Bf16)
+                    .expect("rms_norm");
+                let gpu = rt.stream().clone_dtoh(&dy).expect("download");
                 let want = cpu.rms_norm(
                     &Tensor::from(&x),
                     RmsNorm {

@@ -1,8 +1,7 @@
-//! RMSNorm on the device: `y = bf16(w · (x · rsqrt(mean(x²) + eps)))`, fp32 math, on bf16
-//! storage or on f32 storage of bf16 values (the model's host layout).
+//! RMSNorm on the device: `y = w · (x · rsqrt(mean(x²) + eps))`, fp32 math, on f32 storage (the
+//! model's host layout), the outputs rounded to bf16 or kept in fp32.
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
-use half::bf16;
+use cudarc::driver::CudaSlice;
 
 use super::{Rounding, dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
@@ -12,22 +11,9 @@ use crate::runtime::KernelRuntime;
 
 const THREADS: u32 = 256;
 
-/// RMSNorm of each row of `x` (bf16 `[rows, cols]`, row-major) with weight `w` (bf16 `[cols]`)
-/// into `y` (bf16 `[rows, cols]`). One block per row with a fixed reduction tree: batch invariant.
-pub fn rms_norm_bf16(
-    rt: &KernelRuntime,
-    x: &CudaSlice<bf16>,
-    w: &CudaSlice<bf16>,
-    y: &mut CudaSlice<bf16>,
-    rows: usize,
-    cols: usize,
-    eps: f32,
-) -> Result<(), KernelError> {
-    launch_rms_norm(rt, KernelId::RmsNormBf16, x, w, y, rows, cols, eps)
-}
-
-/// [`rms_norm_bf16`] on f32 storage: `x` and `w` are read as f32 (x may hold any fp32 values),
-/// every output is rounded per `rounding` and stored as f32.
+/// RMSNorm of each row of `x` (f32 `[rows, cols]`, row-major, any fp32 values) with weight `w`
+/// (f32 `[cols]`) into `y` (f32 `[rows, cols]`), every output rounded per `rounding`. One block per
+/// row with a fixed reduction tree: batch invariant.
 pub fn rms_norm_f32(
     rt: &KernelRuntime,
     x: &CudaSlice<f32>,
@@ -39,19 +25,6 @@ pub fn rms_norm_f32(
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     let kernel = rounding.kernel(KernelId::RmsNormF32, KernelId::RmsNormF32Exact);
-    launch_rms_norm(rt, kernel, x, w, y, rows, cols, eps)
-}
-
-fn launch_rms_norm<T: DeviceRepr>(
-    rt: &KernelRuntime,
-    kernel: KernelId,
-    x: &CudaSlice<T>,
-    w: &CudaSlice<T>,
-    y: &mut CudaSlice<T>,
-    rows: usize,
-    cols: usize,
-    eps: f32,
-) -> Result<(), KernelError> {
     let op = kernel.symbol();
     ensure(cols != 0, op, || "cols = 0")?;
     ensure(!eps.is_nan() && eps >= 0.0, op, || {
@@ -71,8 +44,7 @@ fn launch_rms_norm<T: DeviceRepr>(
     let cfg = launch_config((params.rows, 1, 1), THREADS, 0);
     let mut launch = rt.launcher(kernel)?;
     launch.arg(x).arg(w).arg(y).arg(&params);
-    // SAFETY: signature (const T* x, const T* w, T* y, RmsNormParams) with T the element type of
-    // `kernel` (bf16 or f32, matching the slices); lengths checked above; one block per row, each
-    // thread strides within its row.
+    // SAFETY: signature (const float* x, const float* w, float* y, RmsNormParams); lengths
+    // checked above; one block per row, each thread strides within its row.
     unsafe { launch.launch(cfg) }
 }

@@ -21,7 +21,7 @@ use deepinfer_kernels::ops::gemm::{
 use deepinfer_kernels::ops::index::index_scores_f32;
 use deepinfer_kernels::ops::linear::linear_sgemm_f32;
 use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_rows_f32, hc_mixes_rows_f32};
-use deepinfer_kernels::ops::norm::rms_norm_bf16;
+use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8, quantize_act_fp8_into};
 use deepinfer_kernels::ops::routed::{
@@ -86,9 +86,9 @@ pub(crate) fn scale_bytes(len: usize) -> Vec<u8> {
 /// RMSNorm over a large buffer so that the GPU is busy while the host queues the batch: the batch
 /// then runs back to back and host launch overhead (even of a debug build) stays out of the figures.
 pub(crate) struct Timer {
-    x: CudaSlice<bf16>,
-    w: CudaSlice<bf16>,
-    y: CudaSlice<bf16>,
+    x: CudaSlice<f32>,
+    w: CudaSlice<f32>,
+    y: CudaSlice<f32>,
     launches: usize,
     batches: usize,
 }
@@ -104,9 +104,9 @@ impl Timer {
             (LAUNCHES_PER_BATCH, BATCHES)
         };
         Ok(Timer {
-            x: activations(rt, BUSY_ROWS, BUSY_COLS)?,
-            w: activations(rt, 1, BUSY_COLS)?,
-            y: rt.stream().alloc_zeros::<bf16>(BUSY_ROWS * BUSY_COLS)?,
+            x: f32_values(rt, 11, BUSY_ROWS * BUSY_COLS)?,
+            w: f32_values(rt, 12, BUSY_COLS)?,
+            y: rt.stream().alloc_zeros::<f32>(BUSY_ROWS * BUSY_COLS)?,
             launches,
             batches,
         })
@@ -114,7 +114,7 @@ impl Timer {
 
     fn occupy(&mut self, rt: &KernelRuntime) -> Result<()> {
         for _ in 0..6 {
-            rms_norm_bf16(
+            rms_norm_f32(
                 rt,
                 &self.x,
                 &self.w,
@@ -122,6 +122,7 @@ impl Timer {
                 BUSY_ROWS,
                 BUSY_COLS,
                 1e-6,
+                Rounding::Bf16,
             )?;
         }
         Ok(())
@@ -407,16 +408,26 @@ fn bench_act_quant(rt: &KernelRuntime, timer: &mut Timer, m: usize, k: usize) ->
     })
 }
 
+/// RMSNorm as `CudaBackend::rms_norm` runs it: f32 storage, outputs rounded to bf16.
 fn bench_rms_norm(rt: &KernelRuntime, timer: &mut Timer, m: usize, k: usize) -> Result<Row> {
-    let x = activations(rt, m, k)?;
-    let w = activations(rt, 1, k)?;
-    let mut y = rt.stream().alloc_zeros::<bf16>(m * k)?;
+    let x = f32_values(rt, 13, m * k)?;
+    let w = f32_values(rt, 14, k)?;
+    let mut y = rt.stream().alloc_zeros::<f32>(m * k)?;
     let micros = time_launches(rt, timer, |_| {
-        Ok(rms_norm_bf16(rt, &x, &w, &mut y, m, k, 1e-6)?)
+        Ok(rms_norm_f32(
+            rt,
+            &x,
+            &w,
+            &mut y,
+            m,
+            k,
+            1e-6,
+            Rounding::Bf16,
+        )?)
     })?;
-    let bytes = (m * k * 4 + k * 2) as f64;
+    let bytes = ((2 * m * k + k) * 4) as f64;
     Ok(Row {
-        op: "rms_norm bf16".to_string(),
+        op: "rms_norm f32".to_string(),
         m,
         n: 0,
         k,
