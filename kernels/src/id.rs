@@ -175,8 +175,6 @@ pub enum KernelId {
     GemmFastReduce,
     /// `GemmFp4G32` with one warp per output column over all of K (few rows).
     GemmFp4G32Warp,
-    /// Interleaved-pair partial RoPE, bf16, in place.
-    RopeInterleavedBf16,
     /// RMSNorm on f32 storage (the model's host layout), outputs rounded to bf16.
     RmsNormF32,
     /// Interleaved-pair partial RoPE on f32 storage, outputs rounded to bf16, in place.
@@ -336,7 +334,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 101] = [
+    pub const ALL: [KernelId; 100] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -364,7 +362,6 @@ impl KernelId {
         KernelId::GemmFp4FastRoutedB128,
         KernelId::GemmFastReduce,
         KernelId::GemmFp4G32Warp,
-        KernelId::RopeInterleavedBf16,
         KernelId::RmsNormF32,
         KernelId::RopeInterleavedF32,
         KernelId::RmsNormF32Exact,
@@ -470,7 +467,6 @@ impl KernelId {
             KernelId::GemmFp4FastRoutedB128 => "gemm_fp4_fast_routed_b128",
             KernelId::GemmFastReduce => "gemm_fast_reduce",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
-            KernelId::RopeInterleavedBf16 => "rope_interleaved_bf16",
             KernelId::RmsNormF32 => "rms_norm_f32",
             KernelId::RopeInterleavedF32 => "rope_interleaved_f32",
             KernelId::RmsNormF32Exact => "rms_norm_f32_exact",
@@ -604,9 +600,7 @@ impl KernelId {
             | KernelId::GemmFastReduce => SourceFile::GemmFast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
             KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => SourceFile::RmsNorm,
-            KernelId::RopeInterleavedBf16
-            | KernelId::RopeInterleavedF32
-            | KernelId::RopeInterleavedF32Exact => SourceFile::Rope,
+            KernelId::RopeInterleavedF32 | KernelId::RopeInterleavedF32Exact => SourceFile::Rope,
             KernelId::Q8QdqF32 | KernelId::Q4eQdqF32 | KernelId::Q4mQdqF32 => SourceFile::Qdq,
             KernelId::LinearSgemmF32
             | KernelId::LinearBf16FastT1x1

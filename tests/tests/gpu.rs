@@ -43,7 +43,7 @@ use deepinfer_kernels::ops::gemm::{
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
 use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
-use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_bf16};
+use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
@@ -397,7 +397,7 @@ fn rope_matches_the_cpu_reference_bit_exact() {
                 .collect();
             let dpos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
             let dpos = rt.stream().clone_htod(&dpos).expect("positions");
-            let mut dx = upload_bf16(&rt, &x);
+            let mut dx = rt.htod(&x).expect("upload x");
             let shape = RopeShape {
                 tokens,
                 heads,
@@ -405,8 +405,18 @@ fn rope_matches_the_cpu_reference_bit_exact() {
                 rope_dim,
                 table_rows,
             };
-            rope_interleaved_bf16(&rt, &mut dx, &dpos, &dcos, &dsin, shape, inverse).expect("rope");
-            let gpu = download_bf16(&rt, &dx);
+            rope_interleaved_f32(
+                &rt,
+                &mut dx,
+                &dpos,
+                &dcos,
+                &dsin,
+                shape,
+                inverse,
+                Rounding::Bf16,
+            )
+            .expect("rope");
+            let gpu = rt.stream().clone_dtoh(&dx).expect("download");
             let rotation = Rotation {
                 table: &table,
                 positions: &positions,

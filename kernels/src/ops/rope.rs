@@ -1,8 +1,7 @@
-//! Interleaved-pair partial RoPE on the device, in place, on bf16 storage or on f32 storage of
-//! bf16 values (the model's host layout).
+//! Interleaved-pair partial RoPE on the device, in place, on f32 storage (the model's host
+//! layout), the outputs rounded to bf16 or kept in fp32.
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
-use half::bf16;
+use cudarc::driver::CudaSlice;
 
 use super::{Rounding, dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
@@ -24,34 +23,13 @@ pub struct RopeShape {
     pub table_rows: usize,
 }
 
-/// Rotates, in place, the last `rope_dim` channels of every head of `x` (bf16
+/// Rotates, in place, the last `rope_dim` channels of every head of `x` (f32 storage
 /// `[tokens, heads, head_dim]`, row-major): pair `(2i, 2i+1)` of token `t` by the angle in row
 /// `positions[t]` of `cos`/`sin` (f32 `[table_rows, rope_dim/2]`); `inverse` rotates by the
-/// negative angle. Positions live on the device and are not read back: a position outside
-/// `0..table_rows` leaves that token unchanged, so callers validate positions on the host.
-pub fn rope_interleaved_bf16(
-    rt: &KernelRuntime,
-    x: &mut CudaSlice<bf16>,
-    positions: &CudaSlice<i32>,
-    cos: &CudaSlice<f32>,
-    sin: &CudaSlice<f32>,
-    shape: RopeShape,
-    inverse: bool,
-) -> Result<(), KernelError> {
-    launch_rope(
-        rt,
-        KernelId::RopeInterleavedBf16,
-        x,
-        positions,
-        cos,
-        sin,
-        shape,
-        inverse,
-    )
-}
-
-/// [`rope_interleaved_bf16`] on f32 storage: every rotated value is rounded per `rounding` and
-/// stored as f32; the channels outside the rotated tail are untouched.
+/// negative angle. Every rotated value is rounded per `rounding` and stored as f32; the channels
+/// outside the rotated tail are untouched. Positions live on the device and are not read back: a
+/// position outside `0..table_rows` leaves that token unchanged, so callers validate positions on
+/// the host.
 pub fn rope_interleaved_f32(
     rt: &KernelRuntime,
     x: &mut CudaSlice<f32>,
@@ -66,19 +44,6 @@ pub fn rope_interleaved_f32(
         KernelId::RopeInterleavedF32,
         KernelId::RopeInterleavedF32Exact,
     );
-    launch_rope(rt, kernel, x, positions, cos, sin, shape, inverse)
-}
-
-fn launch_rope<T: DeviceRepr>(
-    rt: &KernelRuntime,
-    kernel: KernelId,
-    x: &mut CudaSlice<T>,
-    positions: &CudaSlice<i32>,
-    cos: &CudaSlice<f32>,
-    sin: &CudaSlice<f32>,
-    shape: RopeShape,
-    inverse: bool,
-) -> Result<(), KernelError> {
     let op = kernel.symbol();
     let RopeShape {
         tokens,
@@ -111,8 +76,7 @@ fn launch_rope<T: DeviceRepr>(
     let cfg = launch_config((pairs.div_ceil(THREADS), 1, 1), THREADS, 0);
     let mut launch = rt.launcher(kernel)?;
     launch.arg(x).arg(positions).arg(cos).arg(sin).arg(&params);
-    // SAFETY: signature (T* x, const int* positions, const float* cos, const float* sin,
-    // RopeParams) with T the element type of `kernel` (matching `x`); lengths checked above; the
-    // kernel bounds-checks pair indices and positions.
+    // SAFETY: signature (float* x, const int* positions, const float* cos, const float* sin,
+    // RopeParams); lengths checked above; the kernel bounds-checks pair indices and positions.
     unsafe { launch.launch(cfg) }
 }
