@@ -221,8 +221,6 @@ pub enum KernelId {
     DequantFp8RowsF32,
     /// Rows of an FP4 weight dequantised to f32.
     DequantFp4RowsF32,
-    /// Single-query multi-head attention with a per-head sink, f32 storage.
-    SparseAttentionSinkF32,
     /// The sink attention of many queries in one launch, each over its own list of key rows.
     SparseAttentionSinkRowsF32,
     /// The row-batched sink attention with key rows read through a device pointer table.
@@ -334,7 +332,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 100] = [
+    pub const ALL: [KernelId; 99] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -384,7 +382,6 @@ impl KernelId {
         KernelId::LinearSgemmReduceF32,
         KernelId::DequantFp8RowsF32,
         KernelId::DequantFp4RowsF32,
-        KernelId::SparseAttentionSinkF32,
         KernelId::SparseAttentionSinkRowsF32,
         KernelId::SparseAttentionSinkRowsPtrF32,
         KernelId::SparseAttentionSinkRowsPtrFast,
@@ -489,7 +486,6 @@ impl KernelId {
             KernelId::LinearSgemmReduceF32 => "linear_sgemm_reduce_f32",
             KernelId::DequantFp8RowsF32 => "dequant_fp8_rows_f32",
             KernelId::DequantFp4RowsF32 => "dequant_fp4_rows_f32",
-            KernelId::SparseAttentionSinkF32 => "sparse_attention_sink_f32",
             KernelId::SparseAttentionSinkRowsF32 => "sparse_attention_sink_rows_f32",
             KernelId::SparseAttentionSinkRowsPtrF32 => "sparse_attention_sink_rows_ptr_f32",
             KernelId::SparseAttentionSinkRowsPtrFast => "sparse_attention_sink_rows_ptr_fast",
@@ -617,8 +613,7 @@ impl KernelId {
             | KernelId::LinearSgemmReduceF32
             | KernelId::DequantFp8RowsF32
             | KernelId::DequantFp4RowsF32 => SourceFile::Linear,
-            KernelId::SparseAttentionSinkF32
-            | KernelId::SparseAttentionSinkRowsF32
+            KernelId::SparseAttentionSinkRowsF32
             | KernelId::SparseAttentionSinkRowsPtrF32
             | KernelId::SparseAttentionSinkRowsPtrFast
             | KernelId::SparseAttentionSinkRowsPtrFastWhole

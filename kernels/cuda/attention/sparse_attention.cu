@@ -1,19 +1,10 @@
-// Instantiations of the sink attention on f32 storage: one query, and a batch of
-// queries each over its own list of key rows, the rows either rows of one key buffer or entries
-// of a device pointer table (one address per row). One kernel body (sparse_attention.cuh); the
-// entries differ only in how a row's address is found.
+// Instantiations of the sink attention on f32 storage: a batch of queries each over its own list
+// of key rows, the rows either rows of one key buffer or entries of a device pointer table (one
+// address per row). One kernel body (sparse_attention.cuh); the entries differ only in how a
+// row's address is found.
 #include "common/grid_dependency.cuh"
 #include "attention/sparse_attention.cuh"
 #include "attention/sparse_attention_fast.cuh"
-
-// One query: grid (heads); keys [p.keys, head_dim], key j is row j.
-extern "C" __global__ void __launch_bounds__(attention::THREADS)
-    sparse_attention_sink_f32(const float* q, const float* keys, const float* sink, float* out,
-                              AttentionParams p) {
-    grid_dependency_sync();
-    attention::sparse_attention_sink(q, attention::FlatKeys{keys, p.head_dim}, attention::ConsecutiveRows{},
-                                     p.keys, sink, out, p);
-}
 
 // Queries [queries, heads, head_dim]: grid (heads, queries); query t's keys are the rows
 // key_rows[row_starts[t] .. row_starts[t + 1]) of keys [p.keys, head_dim].

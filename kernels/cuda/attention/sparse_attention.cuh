@@ -4,10 +4,10 @@
 // out [heads, head_dim] per query (f32 storage; probabilities and outputs rounded to bf16 when
 // p.round_bf16, the V4.1 rounding points).
 // One block per (head, query). A query's keys are given by two accessors: KeyRows maps key j of
-// the query to a row number (the one-query entry: row j; the row-batched entries: its own list of
-// row indices) and KeyFetch maps a row number to the row's address (FlatKeys: row r of one buffer
-// [rows, head_dim]; KeyPointers: the r-th address of a device pointer table, so a query's keys may
-// lie in many separately allocated buffers). The arithmetic is the same for every accessor, so
+// the query to a row number (ListedRows: the query's own list of row indices) and KeyFetch maps a
+// row number to the row's address (FlatKeys: row r of one buffer [rows, head_dim]; KeyPointers:
+// the r-th address of a device pointer table, so a query's keys may lie in many separately
+// allocated buffers). The arithmetic is the same for every accessor, so
 // the entries agree bit for bit on the same key values. Keys are taken in blocks of 64 (the reference kernel's block), up to 16 blocks
 // per pass: every key's score (a sequential f64 dot product times the scale) is computed in
 // parallel, one thread per key; each block's max is taken by one thread, the running max chain
@@ -29,11 +29,6 @@ constexpr int KEY_BLOCK = 64;
 constexpr int MAX_DIMS_PER_THREAD = 4;  // head_dim <= THREADS * 4 (checked by the launcher)
 constexpr u32_t KEY_BLOCKS_PER_PASS = 16;
 constexpr u32_t KEYS_PER_PASS = KEY_BLOCK * KEY_BLOCKS_PER_PASS;
-
-// Key j of the one-query entry is row j.
-struct ConsecutiveRows {
-    __device__ u32_t operator()(u32_t j) const { return j; }
-};
 
 // Key j of a row-batched query is rows[j] (the query's slice of the flattened row lists).
 struct ListedRows {

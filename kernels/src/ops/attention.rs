@@ -1,6 +1,6 @@
-//! Multi-head attention with a per-head sink (`CpuBackend::sparse_attention`) of one query, or of
-//! a batch of queries in one launch, each over its own list of key rows ([`DeviceKeyLists`]) of
-//! one key buffer or of a device pointer table ([`DeviceKeyTable`], rows in many buffers):
+//! Multi-head attention with a per-head sink (`CpuBackend::sparse_attention`) of a batch of
+//! queries in one launch, each over its own list of key rows ([`DeviceKeyLists`]) of one key
+//! buffer or of a device pointer table ([`DeviceKeyTable`], rows in many buffers):
 //! keys are shared by all heads (K = V), bit-exact with the CPU reference, one block per
 //! (head, query) with one fixed reduction order that depends only on that query's keys (batch
 //! invariant). The `fast` numerics' row-batched entry ([`sparse_attention_sink_rows_ptr_fast`])
@@ -48,7 +48,6 @@ use crate::id::KernelId;
 use crate::params::AttentionParams;
 use crate::runtime::{KernelRuntime, Launch};
 
-const OP: &str = "sparse_attention_sink_f32";
 const FAST_OP: &str = "sparse_attention_sink_rows_ptr_fast";
 /// The fast kernel's head dims (one warp per 64; the softmax's half-warps need a power of two).
 const FAST_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
@@ -85,56 +84,6 @@ const THREADS: u32 = 512;
 const MAX_HEAD_DIM: usize = 4 * THREADS as usize;
 /// The most queries one row-batched launch takes (the grid's y limit).
 pub const MAX_QUERIES_PER_LAUNCH: usize = 65_535;
-
-/// The shape checks both launchers share: `heads` from the sink, `head_dim` in range.
-fn check_heads(op: &'static str, heads: usize, head_dim: usize) -> Result<(), KernelError> {
-    ensure(
-        head_dim != 0 && head_dim <= MAX_HEAD_DIM && heads != 0,
-        op,
-        || {
-            format!(
-                "head_dim = {head_dim} must be in 1..={MAX_HEAD_DIM} and heads = {heads} positive"
-            )
-        },
-    )?;
-    Ok(())
-}
-
-/// `out [heads, head_dim] = attention(q [heads, head_dim], keys [n_keys, head_dim], sink [heads])`,
-/// f32 storage; `rounding` applies to the probabilities' weights and the outputs. `n_keys` may be 0 (only the sink: output 0); `keys` holds at least
-/// `n_keys · head_dim` values (a device buffer cannot be empty).
-#[allow(clippy::too_many_arguments)]
-pub fn sparse_attention_sink_f32(
-    rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
-    keys: &CudaSlice<f32>,
-    n_keys: usize,
-    sink: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    head_dim: usize,
-    scale: f32,
-    rounding: Rounding,
-) -> Result<(), KernelError> {
-    let heads = sink.len();
-    check_heads(OP, heads, head_dim)?;
-    KeyRows::Flat(keys).check_covers(OP, n_keys, head_dim)?;
-    expect_len(OP, "q", q.len(), heads * head_dim)?;
-    expect_len(OP, "out", out.len(), heads * head_dim)?;
-    let params = AttentionParams {
-        heads: dim(OP, "heads", heads)?,
-        head_dim: dim(OP, "head_dim", head_dim)?,
-        keys: dim(OP, "keys", n_keys)?,
-        scale,
-        round_bf16: rounding.flag(),
-    };
-    let cfg = launch_config((params.heads, 1, 1), THREADS, 0);
-    let mut launch = rt.launcher(KernelId::SparseAttentionSinkF32)?;
-    launch.arg(q).arg(keys).arg(sink).arg(out).arg(&params);
-    // SAFETY: signature (const float* q, const float* keys, const float* sink, float* out,
-    // AttentionParams); q/out hold heads * head_dim, keys >= n_keys * head_dim, sink heads values (checked
-    // above); head_dim <= 4 * THREADS as the kernel's per-thread accumulators require.
-    unsafe { launch.launch(cfg) }
-}
 
 /// The key lists of a batch of attention queries on the device: query `t` attends to the key
 /// rows `key_rows[row_starts[t] .. row_starts[t + 1])` of a shared key buffer (or of a
@@ -361,8 +310,8 @@ unsafe impl DeviceRepr for ListSegment {}
 /// `out [t] = attention(q [t], its listed keys, sink)` for every query `t` of `lists`, in one
 /// launch (grid: heads × queries): `q`, `out` `[queries, heads, head_dim]`, `keys` at least
 /// `lists`' row count of `head_dim`-wide key rows, `sink [heads]`. A query with no keys gets 0
-/// (only the sink). Each `(head, query)` computes exactly what [`sparse_attention_sink_f32`]
-/// computes for that query alone. Rows read through a pointer table ([`KeyRows::Table`]) may lie
+/// (only the sink). Each `(head, query)`'s result depends only on that query and its keys (one
+/// fixed reduction order): batch invariant. Rows read through a pointer table ([`KeyRows::Table`]) may lie
 /// in many separately allocated buffers, which must stay allocated until this launch has run (the
 /// table's constructors are `unsafe` for that promise; see [`super::key_table`]).
 #[allow(clippy::too_many_arguments)]
@@ -467,7 +416,15 @@ fn rows_params(
     rounding: Rounding,
 ) -> Result<AttentionParams, KernelError> {
     let heads = sink.len();
-    check_heads(op, heads, head_dim)?;
+    ensure(
+        head_dim != 0 && head_dim <= MAX_HEAD_DIM && heads != 0,
+        op,
+        || {
+            format!(
+                "head_dim = {head_dim} must be in 1..={MAX_HEAD_DIM} and heads = {heads} positive"
+            )
+        },
+    )?;
     let width = heads * head_dim;
     expect_len(op, "q", q.len(), lists.queries * width)?;
     expect_len(op, "out", out.len(), lists.queries * width)?;

@@ -14,11 +14,12 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUevent_flags;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::attention::sparse_attention_sink_f32;
+use deepinfer_kernels::ops::attention::{DeviceKeyLists, sparse_attention_sink_rows_f32};
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
 };
 use deepinfer_kernels::ops::index::index_scores_f32;
+use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_kernels::ops::linear::linear_sgemm_f32;
 use deepinfer_kernels::ops::mhc::{HcMixesConfig, hc_expand_rows_f32, hc_mixes_rows_f32};
 use deepinfer_kernels::ops::norm::rms_norm_f32;
@@ -491,18 +492,27 @@ pub(crate) fn bench_linear(
 /// The per-token ops of `CudaBackend` at real widths, one token each.
 fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    // Sink attention: 64 heads x 512, 640 keys (128 window + 512 selected).
+    // Sink attention: 64 heads x 512, 640 keys (128 window + 512 selected), one query, its key
+    // rows read through a key table as `CudaBackend::sparse_attention_rows` reads them.
     let (heads, head_dim, keys) = (64usize, 512usize, 640usize);
     let q = f32_values(rt, 21, heads * head_dim)?;
     let kv = f32_values(rt, 22, keys * head_dim)?;
     let sink = f32_values(rt, 23, heads)?;
     let mut out = rt.stream().alloc_zeros::<f32>(heads * head_dim)?;
+    let addresses = (0..keys)
+        .map(|r| key_row_address(rt, &kv, r * head_dim, head_dim))
+        .collect::<Result<Vec<_>, _>>()?;
+    // SAFETY: every address is a head_dim row of `kv`, which outlives the table (declared
+    // first, dropped last) and every launch (the timer waits for the end of its last batch).
+    let table = unsafe { DeviceKeyTable::upload(rt, &addresses, head_dim) }?;
+    let all_keys: Vec<u32> = (0..keys as u32).collect();
+    let lists = DeviceKeyLists::upload(rt, &[all_keys], keys)?;
     let micros = time_launches(rt, timer, |_| {
-        Ok(sparse_attention_sink_f32(
+        Ok(sparse_attention_sink_rows_f32(
             rt,
             &q,
-            &kv,
-            keys,
+            KeyRows::Table(&table),
+            &lists,
             &sink,
             &mut out,
             head_dim,
@@ -511,12 +521,12 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
         )?)
     })?;
     rows.push(Row {
-        op: "attention sink".to_string(),
+        op: "attention sink rows".to_string(),
         m: 1,
         n: keys,
         k: head_dim,
         micros,
-        bytes: ((2 * heads * head_dim + keys * head_dim) * 4) as f64,
+        bytes: ((2 * heads * head_dim + keys * head_dim) * 4 + keys * 12) as f64,
         flops: (4 * heads * keys * head_dim) as f64,
         peak_flops: BF16_FLOPS,
     });
