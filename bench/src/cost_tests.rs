@@ -1,5 +1,5 @@
 //! Tests of the cost model (`deepinfer_model::cost`) against the spec's figures, and its
-//! calibration against the H200 whole-step measurements of bench/README.md.
+//! calibration against the H100 whole-step measurements (fast numerics) of bench/README.md.
 
 use crate::block::{BlockFamily, BlockWidth, block_config, v4_flash_config as v4_flash};
 use crate::cost::device::{DeviceModel, DevicePeaks, Efficiency};
@@ -84,13 +84,13 @@ fn floor_takes_the_slower_side() {
     assert_eq!(compute.bound(), "FLOPs");
 }
 
-/// The real-width block's steps measured on the H200 (bench/README.md, "H200 numbers of the
-/// final tree (2026-11-30, session 7)", run B): (phase, batch, seconds).
-const MEASURED_H200: [(&str, usize, f64); 4] = [
-    ("prefill", 1, 272.90e-3),
-    ("decode", 1, 1.40e-3),
-    ("decode", 8, 3.82e-3),
-    ("decode", 64, 22.04e-3),
+/// The real-width V4.1 block's steps in the `fast` numerics measured on an H100 (bench/README.md,
+/// session 29, call 1: the base binary's two runs, averaged): (phase, batch, seconds).
+const MEASURED_H100: [(&str, usize, f64); 4] = [
+    ("prefill", 1, 8.215e-3),
+    ("decode", 1, 0.535e-3),
+    ("decode", 8, 0.85e-3),
+    ("decode", 64, 2.53e-3),
 ];
 
 /// The measured step as `StepWork`: the 1024-token prefill of one prompt, or one decode token
@@ -116,13 +116,13 @@ fn measured_work(phase: &str, batch: usize) -> StepWork {
 }
 
 #[test]
-fn calibration_predicts_the_h200_steps() {
-    let h200 = DeviceModel {
-        peaks: DevicePeaks::H200,
-        efficiency: Efficiency::MEASURED_H200,
+fn calibration_predicts_the_measured_steps() {
+    let measured_model = DeviceModel {
+        peaks: DevicePeaks::H100,
+        efficiency: Efficiency::MEASURED_FAST,
     };
     let roofline = DeviceModel {
-        peaks: DevicePeaks::H200,
+        peaks: DevicePeaks::H100,
         efficiency: Efficiency::ROOFLINE,
     };
     println!(
@@ -130,12 +130,12 @@ fn calibration_predicts_the_h200_steps() {
     );
     println!("|---|--:|--:|--:|--:|--:|--:|");
     let mut worst: f64 = 0.0;
-    for (phase, batch, measured) in MEASURED_H200 {
+    for (phase, batch, measured) in MEASURED_H100 {
         let work = measured_work(phase, batch);
-        let predicted = h200.compute_seconds(&work, 1);
+        let predicted = measured_model.compute_seconds(&work, 1);
         let error = predicted / measured - 1.0;
         worst = worst.max(error.abs());
-        let p = &DevicePeaks::H200;
+        let p = &DevicePeaks::H100;
         let floor = |c: &Cost, peak: f64| (c.bytes() / p.hbm_bytes_per_s).max(c.flops / peak) * 1e6;
         println!(
             "| {phase} | {batch} | {:.2} | {:.2} | {:+.1}% | {:.3} | {:.1}/{:.1}/{:.1} |",

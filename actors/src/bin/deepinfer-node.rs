@@ -96,7 +96,8 @@ struct SimArgs {
     /// Probability that a DSpark draft continues the chain, given its predecessors did.
     #[arg(long, requires = "simulate", default_value_t = 0.7)]
     accept_rate: f64,
-    /// Speed of the simulated kernels: as measured on the H200, or at the roofline.
+    /// Speed of the simulated kernels: this engine's fast kernels as measured (on an H100, their
+    /// fractions of the peaks), or at the roofline.
     #[arg(long, requires = "simulate", value_enum, default_value_t = SimKernels::Measured)]
     kernels: SimKernels,
     /// Seed of the routing shuffle and the drafts' acceptance.

@@ -524,7 +524,7 @@ mod tests {
                 model,
                 device: DeviceModel {
                     peaks: DevicePeaks::H200,
-                    efficiency: Efficiency::MEASURED_H200,
+                    efficiency: Efficiency::MEASURED_FAST,
                 },
                 layout: FabricLayout {
                     gpus: ranks,

@@ -45,7 +45,8 @@ use trace::{TraceRequest, TraceShape};
 /// How fast the simulated GPUs are taken to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernels {
-    /// This engine's kernels as measured on the H200 (`Efficiency::MEASURED_H200`).
+    /// This engine's `fast` kernels as measured on an H100 (`Efficiency::MEASURED_FAST`: its
+    /// fractions of the peaks, applied to the simulated device's).
     Measured,
     /// Every op class at its roofline floor (`Efficiency::ROOFLINE`).
     Roofline,
@@ -194,7 +195,7 @@ pub fn device_for(
         }
     };
     let efficiency = match kernels {
-        Kernels::Measured => Efficiency::MEASURED_H200,
+        Kernels::Measured => Efficiency::MEASURED_FAST,
         Kernels::Roofline => Efficiency::ROOFLINE,
     };
     let gpus = usize::from(node.device.nodes) * usize::from(node.device.gpus_per_node);

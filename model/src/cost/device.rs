@@ -45,6 +45,21 @@ impl DevicePeaks {
         scale_out_bytes_per_s: 50e9,
     };
 
+    /// H100 SXM (80 GB HBM3), as measured on the test machines: device-to-device copy 3.0 TB/s
+    /// counting bytes read and written (the device tool's machine record, 2026-11-13; counted as
+    /// the H200's 4.28), bf16 798 TFLOP/s (an 8192³ matrix product, same record) and FP8 1316 TFLOP/s
+    /// (cuBLASLt per-tensor FP8 on 5120 → 6144 at M = 1024, bench/README.md, session 17); NVLink
+    /// 4 and the NIC as the H200's. What [`Efficiency::MEASURED_FAST`] was fitted against.
+    pub const H100: DevicePeaks = DevicePeaks {
+        name: "H100",
+        hbm_bytes_per_s: 3.0e12,
+        bf16_flops: 798e12,
+        fp8_flops: 1316e12,
+        fp4_flops: 1316e12,
+        scale_up_bytes_per_s: 450e9,
+        scale_out_bytes_per_s: 50e9,
+    };
+
     /// B200 (sm_100), NVIDIA's published dense figures (DGX B200 / HGX B200 datasheets, 2025):
     /// HBM3e 8 TB/s, bf16 2.25 PFLOP/s, FP8 4.5 PFLOP/s, FP4 9 PFLOP/s, NVLink 5 1.8 TB/s
     /// bidirectional, 400 Gb/s ConnectX-7 per GPU. Not measured here.
@@ -79,19 +94,21 @@ impl Efficiency {
         flops: 1.0,
     };
 
-    /// This engine's CUDA kernels as measured on the H200 (session 7 table of bench/README.md:
-    /// the 1024-token prefill and decode at B = 1, 8, 64 of the real-width block), fitted by
-    /// hand to the four points (deepinfer-bench `cost_tests::calibration_predicts_the_h200_steps`
-    /// prints prediction against measurement; every error is under 3 %). Four points of a
-    /// one-block model cannot tell the op classes apart (one bytes and one FLOPs fraction for
-    /// all) nor a per-step from a per-layer overhead (charged per layer, the pessimistic
-    /// choice). The kernels reach 9.5 % of the HBM rate and 0.27 % of the tensor peak: they
-    /// are far from the roofline, the FLOPs side dominating from a few tokens on (the exact
-    /// FP4 group sums run on CUDA cores, one routed row at a time).
-    pub const MEASURED_H200: Efficiency = Efficiency {
-        per_layer_s: 0.6e-3,
-        bytes: 1.0 / 10.5,
-        flops: 1.0 / 370.0,
+    /// This engine's CUDA kernels in the `fast` numerics (the serving default), measured on an
+    /// H100: the real-width V4.1 block's 1024-token prefill and decode at B = 1, 8, 64
+    /// (bench/README.md, "Cost model calibration"), against [`DevicePeaks::H100`], fitted to the
+    /// four points (deepinfer-bench `cost_tests::calibration_predicts_the_measured_steps` prints
+    /// prediction against measurement). Decode is a fixed time per layer (its ~77 launches of
+    /// small kernels: 0.415 ms) plus the weights at 83 % of the HBM rate; the prefill is bound by
+    /// its FLOPs at 8.6 % of the tensor peak. Four points of a one-block model cannot tell the op
+    /// classes apart (one bytes and one FLOPs fraction for all) nor a per-step from a per-layer
+    /// overhead (charged per layer, the pessimistic choice). Fractions of the peaks: applied to
+    /// another device's peaks (the simulator's H200 or B200) they assume the kernels reach the
+    /// same fractions there, which is not measured.
+    pub const MEASURED_FAST: Efficiency = Efficiency {
+        per_layer_s: 0.415e-3,
+        bytes: 1.0 / 1.2,
+        flops: 1.0 / 11.6,
     };
 }
 
