@@ -6,12 +6,12 @@
 extern "C" __global__ void __launch_bounds__(rmsnorm::THREADS)
     rms_norm_f32(const float* x, const float* w, float* y, RmsNormParams p) {
     grid_dependency_sync();
-    rmsnorm::rms_norm<float>(x, w, y, p);
+    rmsnorm::rms_norm<true>(x, w, y, p);
 }
 
 // f32 storage, fp32 outputs (no rounding).
 extern "C" __global__ void __launch_bounds__(rmsnorm::THREADS)
     rms_norm_f32_exact(const float* x, const float* w, float* y, RmsNormParams p) {
     grid_dependency_sync();
-    rmsnorm::rms_norm<float, false>(x, w, y, p);
+    rmsnorm::rms_norm<false>(x, w, y, p);
 }

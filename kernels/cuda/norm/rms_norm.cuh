@@ -10,14 +10,15 @@ namespace rmsnorm {
 constexpr int THREADS = 256;
 constexpr int CACHED = 32;
 
-template <class T, bool ROUND_BF16 = true>
-__device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+// f32 storage (the model's host layout); y rounded to bf16 when ROUND_BF16, else kept in fp32.
+template <bool ROUND_BF16>
+__device__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                          RmsNormParams p) {
     __shared__ float scratch[refmath::TORCH_SUM_ILP * refmath::TORCH_SUM_LANES + refmath::TORCH_SUM_LANES + 1];
     const u32_t row = blockIdx.x;
     if (row >= p.rows) return;
-    const T* xr = x + (size_t)row * p.cols;
-    T* yr = y + (size_t)row * p.cols;
+    const float* xr = x + (size_t)row * p.cols;
+    float* yr = y + (size_t)row * p.cols;
 
     // The first CACHED elements of each thread (and their weights) stay in registers for the
     // output pass (a whole row up to THREADS * CACHED = 8192 columns); the loads are unrolled so
@@ -29,20 +30,20 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __
 #pragma unroll
     for (int i = 0; i < CACHED; ++i) {
         const u32_t c = threadIdx.x + i * THREADS;
-        cached[i] = c < p.cols ? to_f32(xr[c]) : 0.0f;
-        weights[i] = c < p.cols ? to_f32(w[c]) : 0.0f;
+        cached[i] = c < p.cols ? xr[c] : 0.0f;
+        weights[i] = c < p.cols ? w[c] : 0.0f;
     }
-    const float sum_squares = refmath::torch_sum_block<T, true>(xr, p.cols, scratch);
+    const float sum_squares = refmath::torch_sum_block<float, true>(xr, p.cols, scratch);
     const float inv_rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_squares, (float)p.cols), p.eps)));
 
 #pragma unroll
     for (int i = 0; i < CACHED; ++i) {
         const u32_t c = threadIdx.x + i * THREADS;
-        if (c < p.cols) yr[c] = store_f32<T, ROUND_BF16>(__fmul_rn(weights[i], __fmul_rn(cached[i], inv_rms)));
+        if (c < p.cols) yr[c] = store_f32<float, ROUND_BF16>(__fmul_rn(weights[i], __fmul_rn(cached[i], inv_rms)));
     }
     for (u32_t c = threadIdx.x + CACHED * THREADS; c < p.cols; c += THREADS) {
-        const float v = __fmul_rn(to_f32(w[c]), __fmul_rn(to_f32(xr[c]), inv_rms));
-        yr[c] = store_f32<T, ROUND_BF16>(v);
+        const float v = __fmul_rn(w[c], __fmul_rn(xr[c], inv_rms));
+        yr[c] = store_f32<float, ROUND_BF16>(v);
     }
 }
 

@@ -7,7 +7,7 @@ extern "C" __global__ void __launch_bounds__(rope::THREADS)
     rope_interleaved_f32(float* x, const int* positions, const float* cos_table, const float* sin_table,
                          RopeParams p) {
     grid_dependency_sync();
-    rope::rope_interleaved<float>(x, positions, cos_table, sin_table, p);
+    rope::rope_interleaved<true>(x, positions, cos_table, sin_table, p);
 }
 
 // f32 storage, fp32 outputs (no rounding).
@@ -15,5 +15,5 @@ extern "C" __global__ void __launch_bounds__(rope::THREADS)
     rope_interleaved_f32_exact(float* x, const int* positions, const float* cos_table,
                                const float* sin_table, RopeParams p) {
     grid_dependency_sync();
-    rope::rope_interleaved<float, false>(x, positions, cos_table, sin_table, p);
+    rope::rope_interleaved<false>(x, positions, cos_table, sin_table, p);
 }

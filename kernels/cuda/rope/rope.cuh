@@ -10,8 +10,9 @@ namespace rope {
 
 constexpr int THREADS = 256;
 
-template <class T, bool ROUND_BF16 = true>
-__device__ void rope_interleaved(T* __restrict__ x, const int* __restrict__ positions,
+// f32 storage (the model's host layout); outputs rounded to bf16 when ROUND_BF16, else kept in fp32.
+template <bool ROUND_BF16>
+__device__ void rope_interleaved(float* __restrict__ x, const int* __restrict__ positions,
                                  const float* __restrict__ cos_table, const float* __restrict__ sin_table,
                                  RopeParams p) {
     const u32_t half = p.rope_dim / 2;
@@ -22,13 +23,13 @@ __device__ void rope_interleaved(T* __restrict__ x, const int* __restrict__ posi
     const u32_t token = (u32_t)(token_head / p.heads);
     const int pos = positions[token];
     if (pos < 0 || (u32_t)pos >= p.table_rows) return;  // the launcher's contract: positions are in range
-    T* px = x + token_head * p.head_dim + (p.head_dim - p.rope_dim) + 2 * pair;
+    float* px = x + token_head * p.head_dim + (p.head_dim - p.rope_dim) + 2 * pair;
     const float c = cos_table[(size_t)pos * half + pair];
     const float s = p.inverse ? -sin_table[(size_t)pos * half + pair] : sin_table[(size_t)pos * half + pair];
-    const float x0 = to_f32(px[0]);
-    const float x1 = to_f32(px[1]);
-    px[0] = store_f32<T, ROUND_BF16>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
-    px[1] = store_f32<T, ROUND_BF16>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+    const float x0 = px[0];
+    const float x1 = px[1];
+    px[0] = store_f32<float, ROUND_BF16>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+    px[1] = store_f32<float, ROUND_BF16>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
 }
 
 }  // namespace rope
