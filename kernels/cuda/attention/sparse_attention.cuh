@@ -3,11 +3,10 @@
 // a shared buffer [rows, head_dim] (K = V, shared by every head), q [heads, head_dim] per query,
 // out [heads, head_dim] per query (f32 storage; probabilities and outputs rounded to bf16 when
 // p.round_bf16, the V4.1 rounding points).
-// One block per (head, query). A query's keys are given by two accessors: KeyRows maps key j of
-// the query to a row number (ListedRows: the query's own list of row indices) and KeyFetch maps a
-// row number to the row's address (FlatKeys: row r of one buffer [rows, head_dim]; KeyPointers:
-// the r-th address of a device pointer table, so a query's keys may lie in many separately
-// allocated buffers). The arithmetic is the same for every accessor, so
+// One block per (head, query). A query's keys are its own list of row numbers (ListedRows), and
+// KeyFetch maps a row number to the row's address (FlatKeys: row r of one buffer [rows, head_dim];
+// KeyPointers: the r-th address of a device pointer table, so a query's keys may lie in many
+// separately allocated buffers). The arithmetic is the same for every accessor, so
 // the entries agree bit for bit on the same key values. Keys are taken in blocks of 64 (the reference kernel's block), up to 16 blocks
 // per pass: every key's score (a sequential f64 dot product times the scale) is computed in
 // parallel, one thread per key; each block's max is taken by one thread, the running max chain
@@ -41,8 +40,8 @@ using keyrows::KeyPointers;
 
 // Head blockIdx.x of one query: q and out point at the query's [heads, head_dim]; n_keys keys,
 // key j at the address key_at(key_row(j)).
-template <typename KeyFetch, typename KeyRows>
-__device__ void sparse_attention_sink(const float* __restrict__ q, KeyFetch key_at, KeyRows key_row,
+template <typename KeyFetch>
+__device__ void sparse_attention_sink(const float* __restrict__ q, KeyFetch key_at, ListedRows key_row,
                                       u32_t n_keys, const float* __restrict__ sink,
                                       float* __restrict__ out, AttentionParams p) {
     __shared__ float probs[KEYS_PER_PASS];    // the scores, then their exp weights
