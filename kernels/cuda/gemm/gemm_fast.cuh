@@ -409,9 +409,10 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
             // Two sets of sums: group gq + 1's wgmmas run while group gq is promoted; the stage's
             // last group is waited for in full, so the slot is free at the next barrier. Straight
             // code over every group of the stage (`unrolled`: no branch between a wgmma and its
-            // wait, which ptxas would answer by waiting at once; compile.rs tests it): a group past K has zero codes and scales,
-            // so its promotion adds fma(0, 0, acc) = acc (acc is never -0: it starts at +0 and a
-            // sum that rounds to zero is +0), the bits of skipping it.
+            // wait, which ptxas would answer by waiting at once; compile.rs tests it): a group
+            // past K has zero codes and scales, so its promotion adds fma(0, 0, acc) = acc (acc
+            // is never -0: it starts at +0 and a sum that rounds to zero is +0), the bits of
+            // skipping it.
             float d[2][RUN][4];
             sums(0, d[0]);
             auto group = [&](auto index) {
