@@ -261,6 +261,7 @@ impl Compiler {
 /// warpgroup MMAs it serialised).
 struct Compiled {
     cubin: Vec<u8>,
+    #[cfg_attr(not(test), expect(dead_code, reason = "read by the tests"))]
     log: String,
 }
 
