@@ -14,7 +14,9 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUevent_flags;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::attention::{DeviceKeyLists, sparse_attention_sink_rows_f32};
+use deepinfer_kernels::ops::attention::{
+    AttentionRows, DeviceKeyLists, sparse_attention_sink_rows_f32,
+};
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
 };
@@ -507,17 +509,20 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
     let table = unsafe { DeviceKeyTable::upload(rt, &addresses, head_dim) }?;
     let all_keys: Vec<u32> = (0..keys as u32).collect();
     let lists = DeviceKeyLists::upload(rt, &[all_keys], keys)?;
+    let attention = AttentionRows {
+        q: &q,
+        lists: &lists,
+        sink: &sink,
+        head_dim,
+        scale: 0.044,
+        rounding: Rounding::Bf16,
+    };
     let micros = time_launches(rt, timer, |_| {
         Ok(sparse_attention_sink_rows_f32(
             rt,
-            &q,
+            attention,
             KeyRows::Table(&table),
-            &lists,
-            &sink,
             &mut out,
-            head_dim,
-            0.044,
-            Rounding::Bf16,
         )?)
     })?;
     rows.push(Row {

@@ -77,7 +77,7 @@ use deepinfer_kernels::cudarc::driver::{
 use deepinfer_kernels::kernel_timer::KernelTimer;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, FastAttentionBlocks, ListSegment,
+    AttentionRows, DeviceKeyLists, FastAttentionBlocks, ListSegment,
     MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, fast_attention_supports,
     sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_fast,
 };
@@ -87,7 +87,7 @@ use deepinfer_kernels::ops::gemm::{
 };
 use deepinfer_kernels::ops::gemm_fast::{FastTile, RoundedToBf16, gemm_fp4_fast, gemm_fp8_fast};
 use deepinfer_kernels::ops::index::{
-    DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
+    DeviceVisiblePrefixes, IndexRows, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
     fast_index_supports, index_scores_rows_f32, index_scores_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
