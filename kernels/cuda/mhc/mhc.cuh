@@ -310,18 +310,19 @@ __device__ void hc_collapse(const float* __restrict__ x, const float* __restrict
 }
 
 // out[t, k, d] = bf16(post[k] * y[t, d] + sum_j comb[j, k] * residual[t, j, d]) with token t's
-// mix = post [hc] ++ comb [hc, hc] (mix [tokens, hc + hc * hc]); t = blockIdx.y. A thread takes
-// one d for every k: it reads the token's hc residual values of d once (hc <= MAX_HC).
+// mixes = pre [hc] ++ post [hc] ++ comb [hc, hc] (hc_mixes' rows: mixes [tokens, 2 hc + hc * hc],
+// read in place); t = blockIdx.y. A thread takes one d for every k: it reads the token's hc
+// residual values of d once (hc <= MAX_HC).
 __device__ void hc_expand(const float* __restrict__ y, const float* __restrict__ residual,
-                          const float* __restrict__ mix, float* __restrict__ out, HcElementwiseParams p) {
+                          const float* __restrict__ mixes, float* __restrict__ out, HcElementwiseParams p) {
     const u32_t d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= p.dim) return;
     const size_t token = blockIdx.y;
     y += token * p.dim;
     residual += token * p.hc * p.dim;
-    mix += token * (p.hc + p.hc * p.hc);
+    const float* post = mixes + token * (2 * p.hc + p.hc * p.hc) + p.hc;
+    const float* comb = post + p.hc;
     out += token * p.hc * p.dim;
-    const float* comb = mix + p.hc;
     float r[MAX_HC];
 #pragma unroll
     for (u32_t j = 0; j < MAX_HC; ++j) r[j] = j < p.hc ? residual[(size_t)j * p.dim + d] : 0.0f;
@@ -332,7 +333,7 @@ __device__ void hc_expand(const float* __restrict__ y, const float* __restrict__
         for (u32_t j = 0; j < MAX_HC; ++j) {
             if (j < p.hc) mixed = __fadd_rn(mixed, __fmul_rn(comb[j * p.hc + k], r[j]));
         }
-        const float v = __fadd_rn(__fmul_rn(mix[k], yd), mixed);
+        const float v = __fadd_rn(__fmul_rn(post[k], yd), mixed);
         out[(size_t)k * p.dim + d] = p.round_bf16 ? round_bf16_f32(v) : v;
     }
 }

@@ -233,23 +233,23 @@ pub fn hc_collapse_rows_f32(
 }
 
 /// `out [t, k, dim] = round(post_k · y [t] + Σ_j comb[j, k] · residual [t, j, dim])` for every
-/// token `t` with its own `mix [t] = post [hc] ++ comb [hc, hc]` (`mix [tokens, hc + hc²]`), in
-/// one launch (grid.y = token).
+/// token `t` with its own mixes, read in place from [`hc_mixes_rows_f32`]'s rows
+/// (`mixes [tokens, 2 · hc + hc²]`, each `pre ++ post ++ comb`), in one launch (grid.y = token).
 pub fn hc_expand_rows_f32(
     rt: &KernelRuntime,
     y: &CudaSlice<f32>,
     residual: &CudaSlice<f32>,
-    mix: &CudaSlice<f32>,
+    mixes: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
     hc: usize,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     const OP: &str = "hc_expand_f32";
-    let mix_width = hc + hc * hc;
-    let tokens = whole_rows(OP, mix.len(), mix_width, || {
+    let mix_width = 2 * hc + hc * hc;
+    let tokens = whole_rows(OP, mixes.len(), mix_width, || {
         format!(
-            "mix holds {} values, not whole tokens of {mix_width} (hc = {hc})",
-            mix.len()
+            "mixes hold {} values, not whole tokens of {mix_width} (hc = {hc})",
+            mixes.len()
         )
     })?;
     let width = y.len().checked_div(tokens).unwrap_or(0);
@@ -270,10 +270,10 @@ pub fn hc_expand_rows_f32(
         0,
     );
     let mut launch = rt.launcher(KernelId::HcExpandF32)?;
-    launch.arg(y).arg(residual).arg(mix).arg(out).arg(&params);
-    // SAFETY: signature (const float* y, const float* residual, const float* mix, float* out,
-    // HcElementwiseParams); y holds tokens * dim, residual and out tokens * hc * dim, mix tokens *
-    // (hc + hc²) values (checked above), hc <= MAX_HC (the kernel's residual registers),
+    launch.arg(y).arg(residual).arg(mixes).arg(out).arg(&params);
+    // SAFETY: signature (const float* y, const float* residual, const float* mixes, float* out,
+    // HcElementwiseParams); y holds tokens * dim, residual and out tokens * hc * dim, mixes
+    // tokens * (2hc + hc²) values (checked above), hc <= MAX_HC (the kernel's residual registers),
     // grid.y = tokens <= the grid limit; the kernel bounds-checks d < dim.
     unsafe { launch.launch(cfg) }
 }

@@ -96,11 +96,6 @@ impl HcMixes {
         self.columns(backend, 0, self.hc)
     }
 
-    /// The expansion coefficients `post ‖ comb` `[tokens, hc + hc²]`, gathered on the backend.
-    pub fn post_comb(&self, backend: &dyn Backend) -> Tensor {
-        self.columns(backend, self.hc, self.width() - self.hc)
-    }
-
     fn columns(&self, backend: &dyn Backend, first: usize, width: usize) -> Tensor {
         let pieces: Vec<(&Tensor, usize)> = (0..self.tokens())
             .map(|t| (&self.values, t * self.width() + first))

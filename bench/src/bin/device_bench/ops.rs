@@ -600,7 +600,7 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
         peak_flops: BF16_FLOPS,
     });
     let y = f32_values(rt, 31, dim)?;
-    let coefficients = f32_values(rt, 32, hc + hc * hc)?;
+    let coefficients = f32_values(rt, 32, 2 * hc + hc * hc)?;
     let mut expanded = rt.stream().alloc_zeros::<f32>(n)?;
     let micros = time_launches(rt, timer, |_| {
         Ok(hc_expand_rows_f32(

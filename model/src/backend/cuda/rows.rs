@@ -176,10 +176,10 @@ impl CudaBackend {
                 self.try_hc_expand_rows(&y.rows(rows, dim), expand)
             });
         }
-        let coefficients = mixes.post_comb(self);
+        // The mixes rows as hc_mixes_rows left them: the kernel reads post and comb in place.
         let dy = self.input(OP, y)?;
         let dres = self.input(OP, residual)?;
-        let dmix = self.input(OP, &coefficients)?;
+        let dmix = self.input(OP, &mixes.values)?;
         // SAFETY: hc_expand_f32 covers every (token, stream, dim) with its grid.
         let mut dout = unsafe { self.alloc_written(OP, hc * y.len()) }?;
         hc_expand_rows_f32(
