@@ -3,7 +3,8 @@
 //! and batch invariant (a row alone and inside batches of 2 … 300 rows of other data, through
 //! every tile configuration: bitwise equal; a one-input change is detected); their K parts added
 //! in part order in the launch (bitwise the host's sum of each part's one-part launch, from every
-//! tile and output store; negative control: the other association is seen).
+//! tile and output store; negative control: the other association is seen), and the routed
+//! kernels' K parts (the benchmark's builds) bitwise the dense GEMM's.
 //!
 //! The MoE layer's experts in fast numerics (`ops::routed_fast`: FP4 routed experts grouped per
 //! expert, the FP8 shared expert on the fast GEMM, the exact SwiGLU, quantisation and combine):
@@ -42,19 +43,22 @@
 use std::sync::Arc;
 
 use deepinfer_kernels::KernelRuntime;
+use deepinfer_kernels::compile::Compiler;
+use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use deepinfer_kernels::cudarc::nvrtc::Ptx;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{Fp4Form, Fp8Form};
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, FastOutput, FastTile, RoundedToBf16, gemm_fp4_fast,
-    gemm_fp8_fast, k_parts,
+    FastFp4Weight, FastFp8Weight, FastKernels, FastOutput, FastTile, FastVariant, RoundedToBf16,
+    TileShape, gemm_fp4_fast, gemm_fp8_fast, k_parts,
 };
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedRows, moe_combine,
     swiglu_act_quant_fp8,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
+use deepinfer_kernels::ops::routed_fast::{gemm_fp4_routed_fast, gemm_fp4_routed_fast_variant};
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -1158,6 +1162,155 @@ fn gate_up_in_one_launch_gives_each_projection_its_own_bits() {
     println!(
         "GateUp: both planes bitwise their own launches in {checked} slot sets and tiles, bf16 \
          and f32 outputs"
+    );
+}
+
+/// Builds of the routed kernels with `shapes` (as the benchmark's tile sweep builds them, one
+/// NVRTC program), K in parts of `span` codes.
+fn routed_variants(rt: &KernelRuntime, shapes: &[TileShape], span: usize) -> Vec<FastVariant> {
+    let kernels = FastKernels::Fp4Routed;
+    let name = |shape: TileShape| format!("routed_parts_b{}", shape.tokens);
+    let mut source = String::from("#include \"gemm/gemm_fast.cuh\"\n");
+    for &shape in shapes {
+        source.push_str(&kernels.instantiation(&name(shape), shape));
+        source.push('\n');
+    }
+    let cubin = Compiler::new()
+        .expect("NVRTC")
+        .compile_text("routed_parts.cu", &source, rt.arch())
+        .expect("compile the routed builds");
+    let module = rt
+        .context()
+        .load_module(Ptx::from_binary(cubin))
+        .expect("load the routed builds");
+    shapes
+        .iter()
+        .map(|&shape| {
+            let function = module.load_function(&name(shape)).expect("a routed build");
+            let shared = kernels.shared_bytes(shape);
+            function
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )
+                .expect("allow its shared memory");
+            FastVariant {
+                name: name(shape),
+                function,
+                kernels,
+                shape,
+                span,
+            }
+        })
+        .collect()
+}
+
+/// The routed kernels with K in parts (launched only by the benchmark's sweep: builds of the 8-
+/// and 32-row routed tiles, 512-code spans): each slot's `w1` row bitwise the dense FP4 GEMM of
+/// its expert's weight on its token (the same body, the same 4 K parts of `k_parts`, added in
+/// part order by each output tile's last block), an unknown id's row +0 (every output starts as
+/// NaN), bf16 and f32 outputs. Negative control: the production's one-part launch gives other
+/// bits.
+#[test]
+fn routed_k_parts_give_the_dense_gemms_bits() {
+    let rt = open();
+    let mut rng = Rng(44);
+    let (n_experts, dim, inter, k) = (8usize, 1568usize, 96usize, 4usize);
+    let moe = FastMoe::new(&rt, &mut rng, (n_experts, dim, inter), 32);
+    let (span, parts) = k_parts(inter, dim);
+    assert_eq!((span, parts), (512, 4), "the dense GEMM's K parts");
+    let kernels = FastKernels::Fp4Routed;
+    let variants = routed_variants(
+        &rt,
+        &[kernels.auto_tile(8).1, kernels.auto_tile(32).1],
+        span,
+    );
+    let dense: Vec<FastFp4Weight> = moe
+        .experts
+        .iter()
+        .map(|[w1, _, _]| upload_fp4(&rt, w1))
+        .collect();
+    let stream = rt.stream();
+    let mut other_bits = 0;
+    for tokens in [1usize, 9, 40] {
+        let x = activations(&mut rng, tokens, dim);
+        let (mut ids, _) = random_routes(&mut rng, tokens, k, n_experts, None);
+        if tokens > 1 {
+            ids[k - 1] = (n_experts + 3) as u32;
+        }
+        let a =
+            quantize_act_fp8(&rt, &upload_bf16(&rt, &x), tokens, dim, ActGroup::G32).expect("q x");
+        let ids_d = stream.clone_htod(&ids).expect("ids");
+        let slots = ids.len();
+        // Each slot's row of its expert's dense GEMM on all the tokens, or zeros.
+        let expected = |per_expert: &[Vec<f32>]| -> Vec<f32> {
+            (0..slots)
+                .flat_map(|s| match per_expert.get(ids[s] as usize) {
+                    Some(y) => y[(s / k) * inter..(s / k + 1) * inter].to_vec(),
+                    None => vec![0.0; inter],
+                })
+                .collect()
+        };
+        let dense_f32: Vec<Vec<f32>> = dense
+            .iter()
+            .map(|w| run_gemm::<f32>(&rt, &a, w, FastTile::Auto, |v| v))
+            .collect();
+        let dense_bf16: Vec<Vec<f32>> = dense
+            .iter()
+            .map(|w| run_gemm::<bf16>(&rt, &a, w, FastTile::Auto, bf16::to_f32))
+            .collect();
+        let (expected_f32, expected_bf16) = (expected(&dense_f32), expected(&dense_bf16));
+        for variant in &variants {
+            let groups = ExpertGroups::fast_tile_rows(
+                &rt,
+                &ids_d,
+                &moe.table,
+                variant.shape.tokens as usize,
+            )
+            .expect("group slots");
+            let rows = RoutedRows {
+                x: &a,
+                groups: &groups,
+                x_row_div: k,
+                which: ExpertProjection::W1,
+            };
+            let what = format!("{tokens} tokens, {} in {parts} K parts", variant.name);
+            let mut y = stream
+                .clone_htod(&vec![f32::NAN; slots * inter])
+                .expect("y");
+            gemm_fp4_routed_fast_variant(&rt, rows, &moe.table, &mut y, variant).expect("f32");
+            let got = stream.clone_dtoh(&y).expect("download");
+            assert_bitwise(&format!("{what}, f32 out"), &got, &expected_f32);
+            let mut y = stream
+                .clone_htod(&vec![bf16::NAN; slots * inter])
+                .expect("y");
+            gemm_fp4_routed_fast_variant(&rt, rows, &moe.table, &mut y, variant).expect("bf16");
+            assert_bitwise(
+                &format!("{what}, bf16 out"),
+                &download_bf16(&rt, &y),
+                &expected_bf16,
+            );
+        }
+        let groups = slot_groups(&rt, &moe, &ids_d, FastTile::Auto);
+        let projection = RoutedFast {
+            x: &a,
+            x_row_div: k,
+            which: ExpertProjection::W1,
+            width: inter,
+        };
+        let one_part = routed_fast::<f32>(&rt, &moe, &groups, projection);
+        other_bits += differing(
+            &stream.clone_dtoh(&one_part).expect("download"),
+            &expected_f32,
+        );
+    }
+    assert!(
+        other_bits > 0,
+        "one K part gives the bits of four: the comparison cannot see the parts"
+    );
+    println!(
+        "routed builds in {parts} K parts: every slot's row bitwise its expert's dense GEMM; one \
+         part differs in {other_bits} outputs"
     );
 }
 
