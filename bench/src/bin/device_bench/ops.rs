@@ -8,6 +8,8 @@
 //! HBM, not from the 60 MiB L2. Each figure is the median over 7 batches of 40 launches timed with
 //! CUDA events (3 batches of 8 with `--quick`).
 
+use std::time::Duration;
+
 use anyhow::{Context, Result};
 use deepinfer_bench::steps::splitmix64;
 use deepinfer_kernels::KernelRuntime;
@@ -33,6 +35,8 @@ use deepinfer_kernels::ops::routed::{
 };
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use half::bf16;
+
+use crate::head_start::HeadStart;
 
 /// Measured on the H200 test machine (shared/tools/gpu.md).
 pub(crate) const COPY_BYTES_PER_S: f64 = 4.28e12;
@@ -85,19 +89,17 @@ pub(crate) fn scale_bytes(len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// How launches are timed: `batches` batches of `launches` launches, each batch preceded by a long
-/// RMSNorm over a large buffer so that the GPU is busy while the host queues the batch: the batch
-/// then runs back to back and host launch overhead (even of a debug build) stays out of the figures.
+/// How launches are timed: `batches` batches of `launches` launches, each batch queued behind a
+/// hold of the stream ([`HeadStart`]) so that it then runs back to back and host launch overhead
+/// (even of a debug build) stays out of the figures.
 pub(crate) struct Timer {
-    x: CudaSlice<f32>,
-    w: CudaSlice<f32>,
-    y: CudaSlice<f32>,
+    head_start: HeadStart,
     launches: usize,
     batches: usize,
 }
 
-const BUSY_ROWS: usize = 32_768;
-const BUSY_COLS: usize = 5120;
+/// Outlasts the host's queueing of a batch (40 launches).
+const BATCH_HOLD: Duration = Duration::from_millis(3);
 
 impl Timer {
     pub(crate) fn new(rt: &KernelRuntime, quick: bool) -> Result<Timer> {
@@ -107,28 +109,10 @@ impl Timer {
             (LAUNCHES_PER_BATCH, BATCHES)
         };
         Ok(Timer {
-            x: f32_values(rt, 11, BUSY_ROWS * BUSY_COLS)?,
-            w: f32_values(rt, 12, BUSY_COLS)?,
-            y: rt.stream().alloc_zeros::<f32>(BUSY_ROWS * BUSY_COLS)?,
+            head_start: HeadStart::new(rt)?,
             launches,
             batches,
         })
-    }
-
-    fn occupy(&mut self, rt: &KernelRuntime) -> Result<()> {
-        for _ in 0..6 {
-            rms_norm_f32(
-                rt,
-                &self.x,
-                &self.w,
-                &mut self.y,
-                BUSY_ROWS,
-                BUSY_COLS,
-                1e-6,
-                Rounding::Bf16,
-            )?;
-        }
-        Ok(())
     }
 }
 
@@ -159,7 +143,7 @@ pub(crate) fn time_launches_with(
     for _ in 0..batches {
         let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        timer.occupy(rt)?;
+        timer.head_start.hold(BATCH_HOLD)?;
         start.record(rt.stream())?;
         for i in 0..launches {
             launch(i)?;
