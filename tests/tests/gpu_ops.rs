@@ -276,3 +276,58 @@ fn device_only_errors_name_the_problem() {
         deepinfer_model::backend::cuda::CudaBackendError::Op { .. }
     ));
 }
+
+/// A device tensor quantised for one FP8 GEMM feeds the next GEMM on the same values without a
+/// second quantisation (one launch fewer, the bits of a GEMM on a copy of the values quantised on
+/// its own); once the values change in place, the next GEMM quantises them again (a kept
+/// quantisation of the old values would give the old result), in both numerics.
+#[test]
+fn gemms_on_the_same_values_quantise_them_once() {
+    for numerics in [Numerics::Exact, Numerics::Fast] {
+        let gpu =
+            gpu_support::cuda_backend_in("gemms_on_the_same_values_quantise_them_once", numerics);
+        let mut rng = Rng(41);
+        let w1 = random_fp8_weight(&mut rng, 192, 512, 32);
+        let w2 = random_fp8_weight(&mut rng, 96, 512, 32);
+        let values = activations(&mut rng, 3, 512);
+        let on_device = |v: &[f32]| gpu.gather(&[(&Tensor::from(v), 0)], v.len());
+        let launches = || gpu.runtime().counts().launches;
+        let x = on_device(&values);
+        let start = launches();
+        drop(gpu.gemm_fp8(&x, &w1));
+        let first = launches() - start;
+        let start = launches();
+        let y = gpu.gemm_fp8(&x, &w2).to_vec();
+        assert_eq!(
+            launches() - start,
+            first - 1,
+            "{numerics:?}: the second GEMM on the same values quantises nothing"
+        );
+        let alone = gpu.gemm_fp8(&on_device(&values), &w2).to_vec();
+        assert!(
+            y.iter()
+                .zip(&alone)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{numerics:?}: the kept quantisation gives the GEMM's own bits"
+        );
+
+        let halved = gpu.scale_at(x, 0.5, Precision::F32);
+        let start = launches();
+        let changed = gpu.gemm_fp8(&halved, &w2).to_vec();
+        assert_eq!(
+            launches() - start,
+            first,
+            "{numerics:?}: values changed in place are quantised again"
+        );
+        let want: Vec<f32> = values.iter().map(|v| v * 0.5).collect();
+        let want = gpu.gemm_fp8(&on_device(&want), &w2).to_vec();
+        assert!(
+            changed
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{numerics:?}: the GEMM after the change reads the changed values"
+        );
+        assert!(changed != y, "{numerics:?}: the change changes the result");
+    }
+}

@@ -186,6 +186,21 @@ fn whole_rows(op: &'static str, x: &Tensor, width: usize) -> Result<usize, CudaB
     Ok(x.len() / width)
 }
 
+/// `x`'s buffer when `x` is the whole of one of this backend's buffers.
+fn whole_buffer(x: &Tensor) -> Option<&CudaBuffer> {
+    let view = x.device_view()?;
+    let buffer = view.buffer.as_any().downcast_ref::<CudaBuffer>()?;
+    (view.offset == 0 && buffer.data.len() == x.len()).then_some(buffer)
+}
+
+/// The kept FP8 activations of a buffer, locked (a panic elsewhere leaves them usable: they are
+/// replaced whole).
+fn lock(
+    memo: &Mutex<Option<Arc<DeviceActFp8>>>,
+) -> std::sync::MutexGuard<'_, Option<Arc<DeviceActFp8>>> {
+    memo.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// A host weight's identity: address, length, content fingerprint (see the module header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct HostKey {
@@ -368,6 +383,11 @@ pub struct CudaBuffer {
     data: CudaSlice<f32>,
     stream: Arc<CudaStream>,
     transfers: Arc<TransferCounters>,
+    /// The values' FP8 activations from their last quantisation for a GEMM, so that the next GEMM
+    /// reading the same values (a step's normed inputs feed several projections) takes them
+    /// instead of quantising again: the same codes and scales, one launch fewer. Dropped when the
+    /// values change ([`CudaBackend::in_place`]).
+    fp8: Mutex<Option<Arc<DeviceActFp8>>>,
 }
 
 impl DeviceBuffer for CudaBuffer {
@@ -708,17 +728,31 @@ impl CudaBackend {
         )
     }
 
-    /// Uploads activations `[rows, inp]` (f32 storage) and quantises them to FP8 with `group`.
+    /// Activations `[rows, inp]` (f32 storage) quantised to FP8 with `group`: the ones kept on
+    /// `x`'s buffer when `x` is a whole buffer quantised so before, else quantised now (uploaded
+    /// first when on the host) and kept on the buffer.
     fn quantised_activations(
         &self,
         op: &'static str,
         x: &Tensor,
         inp: usize,
         group: ActGroup,
-    ) -> Result<DeviceActFp8, CudaBackendError> {
+    ) -> Result<Arc<DeviceActFp8>, CudaBackendError> {
         let rows = whole_rows(op, x, inp)?;
+        let memo = whole_buffer(x).map(|buffer| &buffer.fp8);
+        if let Some(kept) = memo.and_then(|memo| {
+            lock(memo)
+                .clone()
+                .filter(|a| a.group == group && a.cols == inp)
+        }) {
+            return Ok(kept);
+        }
         let dx = self.input(op, x)?;
-        quantize_act_fp8(&self.rt, &dx, rows, inp, group).map_err(op_err(op))
+        let a = Arc::new(quantize_act_fp8(&self.rt, &dx, rows, inp, group).map_err(op_err(op))?);
+        if let Some(memo) = memo {
+            *lock(memo) = Some(a.clone());
+        }
+        Ok(a)
     }
 
     /// A device result as a tensor.
@@ -728,6 +762,7 @@ impl CudaBackend {
             data,
             stream: self.rt.stream().clone(),
             transfers: self.transfers.clone(),
+            fp8: Mutex::default(),
         };
         Tensor::device(Arc::new(buffer), 0, len)
     }
@@ -743,12 +778,12 @@ impl CudaBackend {
     /// `x` as one whole device buffer: borrowed when it is one already, else uploaded (a host
     /// tensor) or copied device to device (a view into part of a buffer).
     fn input<'a>(&self, op: &'static str, x: &'a Tensor) -> Result<Input<'a>, CudaBackendError> {
+        if let Some(buffer) = whole_buffer(x) {
+            return Ok(Input::Whole(&buffer.data));
+        }
         if let Some(view) = x.device_view()
             && let Some(buffer) = view.buffer.as_any().downcast_ref::<CudaBuffer>()
         {
-            if view.offset == 0 && buffer.data.len() == x.len() {
-                return Ok(Input::Whole(&buffer.data));
-            }
             let part = buffer.data.slice(view.offset..view.offset + x.len());
             return self
                 .rt
@@ -772,6 +807,11 @@ impl CudaBackend {
             .device_buffer_mut()
             .and_then(|b| b.as_any_mut().downcast_mut::<CudaBuffer>())
         {
+            buffer
+                .fp8
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
             change(&mut buffer.data)?;
             return Ok(x);
         }
