@@ -177,6 +177,8 @@ pub enum KernelId {
     GemmFp4G32Warp,
     /// RMSNorm on f32 storage (the model's host layout), outputs rounded to bf16.
     RmsNormF32,
+    /// `RmsNormF32` that also quantises its outputs to FP8 in groups of 32 (the next GEMM's input).
+    RmsNormActQuantG32F32,
     /// Interleaved-pair partial RoPE on f32 storage, outputs rounded to bf16, in place.
     RopeInterleavedF32,
     /// RMSNorm on f32 storage with fp32 outputs (no rounding).
@@ -332,7 +334,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 99] = [
+    pub const ALL: [KernelId; 100] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -361,6 +363,7 @@ impl KernelId {
         KernelId::GemmFastReduce,
         KernelId::GemmFp4G32Warp,
         KernelId::RmsNormF32,
+        KernelId::RmsNormActQuantG32F32,
         KernelId::RopeInterleavedF32,
         KernelId::RmsNormF32Exact,
         KernelId::RopeInterleavedF32Exact,
@@ -465,6 +468,7 @@ impl KernelId {
             KernelId::GemmFastReduce => "gemm_fast_reduce",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormF32 => "rms_norm_f32",
+            KernelId::RmsNormActQuantG32F32 => "rms_norm_act_quant_g32_f32",
             KernelId::RopeInterleavedF32 => "rope_interleaved_f32",
             KernelId::RmsNormF32Exact => "rms_norm_f32_exact",
             KernelId::RopeInterleavedF32Exact => "rope_interleaved_f32_exact",
@@ -595,7 +599,9 @@ impl KernelId {
             | KernelId::GemmFp4FastRoutedB128
             | KernelId::GemmFastReduce => SourceFile::GemmFast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
-            KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => SourceFile::RmsNorm,
+            KernelId::RmsNormF32
+            | KernelId::RmsNormActQuantG32F32
+            | KernelId::RmsNormF32Exact => SourceFile::RmsNorm,
             KernelId::RopeInterleavedF32 | KernelId::RopeInterleavedF32Exact => SourceFile::Rope,
             KernelId::Q8QdqF32 | KernelId::Q4eQdqF32 | KernelId::Q4mQdqF32 => SourceFile::Qdq,
             KernelId::LinearSgemmF32

@@ -279,8 +279,9 @@ fn device_only_errors_name_the_problem() {
 
 /// A device tensor quantised for one FP8 GEMM feeds the next GEMM on the same values without a
 /// second quantisation (one launch fewer, the bits of a GEMM on a copy of the values quantised on
-/// its own); once the values change in place, the next GEMM quantises them again (a kept
-/// quantisation of the old values would give the old result), in both numerics.
+/// its own); a bf16 RMSNorm's outputs come quantised from the norm's own launch; once the values
+/// change in place, the next GEMM quantises them again (a kept quantisation of the old values
+/// would give the old result), in both numerics.
 #[test]
 fn gemms_on_the_same_values_quantise_them_once() {
     for numerics in [Numerics::Exact, Numerics::Fast] {
@@ -309,6 +310,30 @@ fn gemms_on_the_same_values_quantise_them_once() {
                 .zip(&alone)
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{numerics:?}: the kept quantisation gives the GEMM's own bits"
+        );
+
+        let weight: Vec<f32> = (0..512).map(|i| 0.5 + i as f32 / 512.0).collect();
+        let norm = RmsNorm {
+            weight: &weight,
+            eps: 1e-6,
+            precision: Precision::Bf16,
+        };
+        let normed = gpu.rms_norm(&on_device(&values), norm);
+        let start = launches();
+        let y_normed = gpu.gemm_fp8(&normed, &w1).to_vec();
+        assert_eq!(
+            launches() - start,
+            first - 1,
+            "{numerics:?}: the norm's outputs come quantised"
+        );
+        let normed_values: Vec<f32> = normed.to_vec();
+        let alone = gpu.gemm_fp8(&on_device(&normed_values), &w1).to_vec();
+        assert!(
+            y_normed
+                .iter()
+                .zip(&alone)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{numerics:?}: the norm's quantisation gives the GEMM's own bits"
         );
 
         let halved = gpu.scale_at(x, 0.5, Precision::F32);

@@ -366,14 +366,27 @@ impl CudaBackend {
         }
         let dw = self.cached_f32(OP, weight)?;
         let dx = self.input(OP, x)?;
-        // SAFETY: rms_norm_f32 runs one block per row, its threads covering every column.
+        let rows = x.len() / cols;
+        // SAFETY: both kernels run one block per row, its threads covering every column (and,
+        // quantising, every code and every group's scale).
         let mut dy = unsafe { self.alloc_written(OP, x.len()) }?;
+        // bf16 outputs in whole 32-groups are what V4.1's FP8 GEMMs read: quantised in the same
+        // launch and kept on the result for them (CudaBuffer's `fp8`).
+        if precision == Precision::Bf16 && cols.is_multiple_of(32) {
+            // SAFETY: as above.
+            let mut act =
+                unsafe { DeviceActFp8::alloc_written(&self.rt, rows, cols, ActGroup::G32) }
+                    .map_err(op_err(OP))?;
+            rms_norm_act_quant_f32(&self.rt, &dx, &dw, &mut dy, &mut act, eps)
+                .map_err(op_err(OP))?;
+            return Ok(self.tensor_with_fp8(dy, act));
+        }
         rms_norm_f32(
             &self.rt,
             &dx,
             &dw,
             &mut dy,
-            x.len() / cols,
+            rows,
             cols,
             eps,
             rounding(precision),

@@ -103,7 +103,7 @@ use deepinfer_kernels::ops::mhc::{
 };
 use deepinfer_kernels::ops::moe::{Selection as RouteSelection, route_experts_f32, selected_count};
 use deepinfer_kernels::ops::movement::{bf16_to_f32, gather_addresses_f32};
-use deepinfer_kernels::ops::norm::rms_norm_f32;
+use deepinfer_kernels::ops::norm::{rms_norm_act_quant_f32, rms_norm_f32};
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
@@ -757,12 +757,22 @@ impl CudaBackend {
 
     /// A device result as a tensor.
     fn tensor(&self, data: CudaSlice<f32>) -> Tensor {
+        self.tensor_kept(data, None)
+    }
+
+    /// A device result as a tensor that keeps `act`, its values' FP8 activations, for the GEMMs
+    /// that read it.
+    fn tensor_with_fp8(&self, data: CudaSlice<f32>, act: DeviceActFp8) -> Tensor {
+        self.tensor_kept(data, Some(Arc::new(act)))
+    }
+
+    fn tensor_kept(&self, data: CudaSlice<f32>, fp8: Option<Arc<DeviceActFp8>>) -> Tensor {
         let len = data.len();
         let buffer = CudaBuffer {
             data,
             stream: self.rt.stream().clone(),
             transfers: self.transfers.clone(),
-            fp8: Mutex::default(),
+            fp8: Mutex::new(fp8),
         };
         Tensor::device(Arc::new(buffer), 0, len)
     }
