@@ -16,8 +16,8 @@
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    Backend, CpuBackend, DenseWeight, EngramInjection, MaskedRows, Precision, RmsNorm, RowSampling,
-    StreamShape, Tensor,
+    Backend, CpuBackend, DenseWeight, EngramInjection, MaskedRows, Precision, RmsNorm, RopeTable,
+    Rotation, RowSampling, StreamShape, Tensor,
 };
 use deepinfer_model::engram::{EngramGate, EngramTable};
 use deepinfer_model::sampling::SamplingParams;
@@ -355,4 +355,61 @@ fn gemms_on_the_same_values_quantise_them_once() {
         );
         assert!(changed != y, "{numerics:?}: the change changes the result");
     }
+}
+
+/// A step's rotations of the same positions (its queries, keys, inverse rotation and indexer in
+/// every layer) upload the positions once; other positions upload theirs; every rotation gives
+/// the CPU's bits (a kept copy of other positions would not).
+#[test]
+fn rotations_of_the_same_positions_upload_them_once() {
+    let gpu = cuda_backend("rotations_of_the_same_positions_upload_them_once");
+    let cpu = CpuBackend::new();
+    let table = RopeTable {
+        freqs: (0..16)
+            .map(|i| 1.0f32 / 10000f32.powf(i as f32 / 16.0))
+            .collect(),
+    };
+    let (rows, vectors, stride) = (3usize, 4usize, 64usize);
+    let step: Vec<usize> = vec![1021, 17, 4090];
+    let other: Vec<usize> = vec![1022, 18, 4091];
+    let uploads = || gpu.runtime().counts().htod_copies;
+    let rotate = |positions: &[usize], inverse: bool| {
+        let x = fp32_values(
+            &mut Rng(positions[0] as u64 + u64::from(inverse)),
+            rows * vectors * stride,
+        );
+        let rotation = Rotation {
+            table: &table,
+            positions,
+            inverse,
+            precision: Precision::Bf16,
+        };
+        let on_device = gpu.gather(&[(&Tensor::from(&x[..]), 0)], x.len());
+        let start = uploads();
+        let got = gpu.rope(on_device, (stride, vectors), &rotation).to_vec();
+        let uploaded = uploads() - start;
+        let want = cpu
+            .rope(Tensor::from(&x[..]), (stride, vectors), &rotation)
+            .into_vec();
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "positions {positions:?} inverse {inverse}: the CPU's bits"
+        );
+        uploaded
+    };
+    rotate(&step, false); // the cos/sin table and the step's positions
+    assert_eq!(
+        rotate(&step, true),
+        0,
+        "the same positions again: no upload"
+    );
+    assert_eq!(rotate(&step, false), 0, "and again");
+    assert_eq!(rotate(&other, false), 1, "other positions: one upload");
+    assert_eq!(
+        rotate(&step, false),
+        0,
+        "the step's positions are still kept"
+    );
 }

@@ -441,10 +441,7 @@ impl CudaBackend {
             .collect::<Result<_, _>>()?;
         let longest = positions.iter().copied().max().unwrap_or(0) + 1;
         let rope = self.rope_table(table, longest)?;
-        let dpos = self
-            .rt
-            .htod(&row_index)
-            .map_err(driver_err(OP, "uploading positions"))?;
+        let dpos = self.device_positions(OP, row_index)?;
         let shape = RopeShape {
             tokens: rows,
             heads: vectors_per_row,
@@ -465,6 +462,38 @@ impl CudaBackend {
             )
             .map_err(op_err(OP))
         })
+    }
+
+    /// `rows` (RoPE positions) on the device: the copy uploaded for the same rows before, if
+    /// it is among the latest [`KEPT_POSITIONS`], else uploaded now and kept. A step's queries,
+    /// keys, inverse rotation and indexer rotate the same rows in every layer: one upload a step.
+    /// The copies are never written after their upload, so a kept one holds its rows.
+    fn device_positions(
+        &self,
+        op: &'static str,
+        rows: Vec<i32>,
+    ) -> Result<Arc<CudaSlice<i32>>, CudaBackendError> {
+        let mut kept = self
+            .positions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = kept
+            .iter()
+            .position(|(host, _)| *host == rows)
+            .and_then(|i| kept.remove(i))
+        {
+            let device = found.1.clone();
+            kept.push_front(found);
+            return Ok(device);
+        }
+        let device = Arc::new(
+            self.rt
+                .htod(&rows)
+                .map_err(driver_err(op, "uploading positions"))?,
+        );
+        kept.push_front((rows, device.clone()));
+        kept.truncate(KEPT_POSITIONS);
+        Ok(device)
     }
 
     /// The device cos/sin rows of `table` covering positions `0..positions`: the cached ones, or

@@ -66,7 +66,7 @@ mod tokens;
 mod v4;
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -282,7 +282,16 @@ pub struct CudaBackend {
     profile: Arc<OpProfile>,
     /// The EP rank this backend serves as (none: every expert runs here).
     experts: Arc<ep::ExpertSlot>,
+    /// The latest RoPE position rows uploaded, newest first ([`CudaBackend::device_positions`]).
+    positions: Mutex<KeptPositions>,
 }
+
+/// Position rows on the host and their device copies, newest first.
+type KeptPositions = VecDeque<(Vec<i32>, Arc<CudaSlice<i32>>)>;
+
+/// How many distinct position rows [`CudaBackend::device_positions`] keeps: a step's own rows
+/// and its compressor groups' first positions, with room to spare.
+const KEPT_POSITIONS: usize = 4;
 
 /// Reads a [`CudaBackend`]'s GPU memory (shared: keep it to read after the backend was handed to
 /// a model).
@@ -497,6 +506,7 @@ impl CudaBackend {
             transfers: Arc::new(TransferCounters::default()),
             profile: Arc::new(OpProfile::default()),
             experts: Arc::default(),
+            positions: Mutex::default(),
         })
         .inspect(|backend| {
             let on = std::env::var_os(PROFILE_ENV).is_some_and(|v| v == "1");
