@@ -70,6 +70,7 @@ conformance! {
     rms_norms => super::cases::rms_norms,
     ropes => super::cases::ropes,
     qdqs => super::cases::qdqs,
+    rope_qdqs => super::cases::rope_qdqs,
     attention_one => super::cases::attention_one,
     attention_rows => super::cases::attention_rows,
     index_scores_one => super::cases::index_scores_one,

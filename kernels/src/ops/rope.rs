@@ -1,12 +1,14 @@
 //! Interleaved-pair partial RoPE on the device, in place, on f32 storage (the model's host
-//! layout), the outputs rounded to bf16 or kept in fp32.
+//! layout), the outputs rounded to bf16 or kept in fp32; and RoPE between an optional RMSNorm and
+//! a QDQ point in one pass ([`rope_qdq_f32`]: the rotated, quantised rows of caches and indexes).
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::qdq::QdqPoint;
 use super::{Rounding, dim, ensure, expect_len, launch_config};
 use crate::error::KernelError;
 use crate::id::KernelId;
-use crate::params::RopeParams;
+use crate::params::{RopeParams, RopeQdqParams};
 use crate::runtime::KernelRuntime;
 
 const THREADS: u32 = 256;
@@ -78,5 +80,111 @@ pub fn rope_interleaved_f32(
     launch.arg(x).arg(positions).arg(cos).arg(sin).arg(&params);
     // SAFETY: signature (float* x, const int* positions, const float* cos, const float* sin,
     // RopeParams); lengths checked above; the kernel bounds-checks pair indices and positions.
+    unsafe { launch.launch(cfg) }
+}
+
+/// The most values a row of [`rope_qdq_f32`] may hold (a thread caches 32 of them).
+pub const ROPE_QDQ_MAX_COLS: usize = 8192;
+
+/// The rows of a [`rope_qdq_f32`]: read from `x`, normed first when `norm` is `(w [cols], eps)`.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeQdqInput<'a> {
+    /// `None`: the rows are `y`'s own (in place).
+    pub x: Option<&'a CudaSlice<f32>>,
+    pub norm: Option<(&'a CudaSlice<f32>, f32)>,
+}
+
+/// Each row of `[tokens, heads · head_dim]` values (`input`'s, or `y`'s in place): RMSNorm when
+/// the input has one (bf16 outputs), then [`rope_interleaved_f32`]'s rotation with bf16 rounding
+/// (`rope_dim` may be 0: none), then the QDQ `point`, into `y` — the bits of those launches one
+/// after another, in one. A row holds at most [`ROPE_QDQ_MAX_COLS`] values, a multiple of 32;
+/// `head_dim` and `rope_dim` are even. Positions live on the device: a position outside
+/// `0..table_rows` leaves its row unrotated, so callers validate positions on the host.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_qdq_f32(
+    rt: &KernelRuntime,
+    input: RopeQdqInput<'_>,
+    y: &mut CudaSlice<f32>,
+    positions: &CudaSlice<i32>,
+    cos: &CudaSlice<f32>,
+    sin: &CudaSlice<f32>,
+    shape: RopeShape,
+    inverse: bool,
+    point: QdqPoint,
+) -> Result<(), KernelError> {
+    let kernel = match point {
+        QdqPoint::Q8 => KernelId::RopeQdqQ8F32,
+        QdqPoint::Q4e => KernelId::RopeQdqQ4eF32,
+        QdqPoint::Q4m => KernelId::RopeQdqQ4mF32,
+    };
+    let op = kernel.symbol();
+    let RopeShape {
+        tokens,
+        heads,
+        head_dim,
+        rope_dim,
+        table_rows,
+    } = shape;
+    let cols = heads * head_dim;
+    ensure(
+        cols != 0 && cols <= ROPE_QDQ_MAX_COLS && cols.is_multiple_of(32),
+        op,
+        || format!("a row of {cols} values (a positive multiple of 32, at most {ROPE_QDQ_MAX_COLS})"),
+    )?;
+    ensure(
+        head_dim % 2 == 0 && rope_dim % 2 == 0 && rope_dim <= head_dim,
+        op,
+        || format!("head_dim = {head_dim} and rope_dim = {rope_dim} must be even, rope_dim <= head_dim"),
+    )?;
+    expect_len(op, "y", y.len(), tokens * cols)?;
+    if let Some(x) = input.x {
+        expect_len(op, "x", x.len(), tokens * cols)?;
+    }
+    let eps = match input.norm {
+        Some((w, eps)) => {
+            expect_len(op, "w", w.len(), cols)?;
+            ensure(!eps.is_nan() && eps >= 0.0, op, || {
+                format!("eps = {eps} is not a non-negative number")
+            })?;
+            eps
+        }
+        None => 0.0,
+    };
+    expect_len(op, "positions", positions.len(), tokens)?;
+    expect_len(op, "cos", cos.len(), table_rows * rope_dim / 2)?;
+    expect_len(op, "sin", sin.len(), table_rows * rope_dim / 2)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let params = RopeQdqParams {
+        rows: dim(op, "tokens", tokens)?,
+        cols: dim(op, "cols", cols)?,
+        stride: dim(op, "head_dim", head_dim)?,
+        rope_dim: dim(op, "rope_dim", rope_dim)?,
+        table_rows: dim(op, "table_rows", table_rows)?,
+        inverse: u32::from(inverse),
+        eps,
+    };
+    let cfg = launch_config((params.rows, 1, 1), THREADS, 0);
+    let y_address = y.device_ptr(rt.stream()).0;
+    let mut launch = rt.launcher(kernel)?;
+    match input.x {
+        Some(x) => launch.arg(x),
+        None => launch.arg(&y_address),
+    };
+    match input.norm {
+        Some((w, _)) => launch.arg(w),
+        None => launch.arg(&0u64),
+    };
+    launch
+        .arg(y)
+        .arg(positions)
+        .arg(cos)
+        .arg(sin)
+        .arg(&params);
+    // SAFETY: signature (const float* x, const float* w, float* y, const int* positions, const
+    // float* cos, const float* sin, RopeQdqParams), x being y itself in place and w null without
+    // a norm; lengths checked above; one block per row, whose threads read their own elements
+    // before any write (the norm's sum ends in a barrier) and cover the row.
     unsafe { launch.launch(cfg) }
 }

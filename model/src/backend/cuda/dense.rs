@@ -531,13 +531,107 @@ impl CudaBackend {
         Ok(built)
     }
 
-    /// The QDQ points, with errors.
-    pub fn try_qdq(&self, x: Tensor, point: QdqPoint) -> Result<Tensor, CudaBackendError> {
-        const OP: &str = "qdq";
-        if x.is_empty() {
+    /// [`Backend::rope_qdq`], with errors: one pass ([`rope_qdq_f32`]) where every rounding is
+    /// bf16 and a row is whole QDQ groups a block can hold; else the norm, the rotation and the
+    /// QDQ one after another (the same bits).
+    pub fn try_rope_qdq(
+        &self,
+        x: Tensor,
+        norm: Option<RmsNorm<'_>>,
+        (stride, vectors_per_row): (usize, usize),
+        rotation: &Rotation<'_>,
+        point: ModelQdq,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "rope_qdq";
+        let point = match point {
+            ModelQdq::Q8 => QdqPoint::Q8,
+            ModelQdq::Q4e => QdqPoint::Q4e,
+            ModelQdq::Q4m => QdqPoint::Q4m,
+        };
+        let cols = stride * vectors_per_row;
+        let pairs = rotation.table.freqs.len();
+        let one_pass = rotation.precision == Precision::Bf16
+            && norm.is_none_or(|n| n.precision == Precision::Bf16 && n.weight.len() == cols)
+            && cols != 0
+            && cols <= ROPE_QDQ_MAX_COLS
+            && cols.is_multiple_of(32)
+            && stride.is_multiple_of(2)
+            && 2 * pairs <= stride;
+        if !one_pass {
+            let x = match norm {
+                Some(norm) => self.try_rms_norm(&x, norm)?,
+                None => x,
+            };
+            let x = self.try_rope(x, (stride, vectors_per_row), rotation)?;
+            if x.is_empty() {
+                return Ok(x);
+            }
+            return self.in_place(OP, x, |dx| qdq_f32(&self.rt, dx, point).map_err(op_err(OP)));
+        }
+        let rows = whole_rows(OP, &x, cols)?;
+        if rotation.positions.len() < rows {
+            return Err(shape_err(
+                OP,
+                format!("{rows} rows but {} positions", rotation.positions.len()),
+            ));
+        }
+        if rows == 0 {
             return Ok(x);
         }
-        self.in_place(OP, x, |dx| qdq_f32(&self.rt, dx, point).map_err(op_err(OP)))
+        let positions = &rotation.positions[..rows];
+        let row_index: Vec<i32> = positions
+            .iter()
+            .map(|&p| i32::try_from(p).map_err(|_| shape_err(OP, format!("position {p}"))))
+            .collect::<Result<_, _>>()?;
+        let longest = positions.iter().copied().max().unwrap_or(0) + 1;
+        let rope = self.rope_table(rotation.table, longest)?;
+        let dpos = self.device_positions(OP, row_index)?;
+        let shape = RopeShape {
+            tokens: rows,
+            heads: vectors_per_row,
+            head_dim: stride,
+            rope_dim: 2 * pairs,
+            table_rows: rope.positions,
+        };
+        let launch = |input: RopeQdqInput<'_>, y: &mut CudaSlice<f32>| {
+            rope_qdq_f32(
+                &self.rt,
+                input,
+                y,
+                &dpos,
+                &rope.cos,
+                &rope.sin,
+                shape,
+                rotation.inverse,
+                point,
+            )
+            .map_err(op_err(OP))
+        };
+        match norm {
+            None => self.in_place(OP, x, |dy| {
+                launch(
+                    RopeQdqInput {
+                        x: None,
+                        norm: None,
+                    },
+                    dy,
+                )
+            }),
+            Some(norm) => {
+                let dw = self.cached_f32(OP, norm.weight)?;
+                let dx = self.input(OP, &x)?;
+                // SAFETY: rope_qdq_f32 runs one block per row, its threads covering every column.
+                let mut dy = unsafe { self.alloc_written(OP, x.len()) }?;
+                launch(
+                    RopeQdqInput {
+                        x: Some(&dx),
+                        norm: Some((&dw, norm.eps)),
+                    },
+                    &mut dy,
+                )?;
+                Ok(self.tensor(dy))
+            }
+        }
     }
 }
 

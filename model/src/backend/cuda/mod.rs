@@ -71,6 +71,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::backend::QdqPoint as ModelQdq;
 use deepinfer_kernels::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
@@ -106,7 +107,9 @@ use deepinfer_kernels::ops::movement::{bf16_to_f32, gather_addresses_f32};
 use deepinfer_kernels::ops::norm::{rms_norm_act_quant_f32, rms_norm_f32};
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
-use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
+use deepinfer_kernels::ops::rope::{
+    ROPE_QDQ_MAX_COLS, RopeQdqInput, RopeShape, rope_interleaved_f32, rope_qdq_f32,
+};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::ops::topk::{apply_mask_rows, candidate_mask_rows, top_k_rows};
 use deepinfer_kernels::runtime::{pooled_memory, release_pooled_memory};
@@ -1011,16 +1014,17 @@ impl Backend for CudaBackend {
         self.run("rope", || self.try_rope(x, layout, rotation))
     }
 
-    fn q8_qdq(&self, x: Tensor) -> Tensor {
-        self.run("q8_qdq", || self.try_qdq(x, QdqPoint::Q8))
-    }
-
-    fn q4e_qdq(&self, x: Tensor) -> Tensor {
-        self.run("q4e_qdq", || self.try_qdq(x, QdqPoint::Q4e))
-    }
-
-    fn q4m_qdq(&self, x: Tensor) -> Tensor {
-        self.run("q4m_qdq", || self.try_qdq(x, QdqPoint::Q4m))
+    fn rope_qdq(
+        &self,
+        x: Tensor,
+        norm: Option<RmsNorm<'_>>,
+        layout: (usize, usize),
+        rotation: &Rotation<'_>,
+        point: ModelQdq,
+    ) -> Tensor {
+        self.run("rope_qdq", || {
+            self.try_rope_qdq(x, norm, layout, rotation, point)
+        })
     }
 
     fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes {
