@@ -60,9 +60,7 @@ pub fn rope_interleaved_f32(
         || format!("rope_dim = {rope_dim} must be even, positive and <= head_dim = {head_dim}"),
     )?;
     expect_len(op, "x", x.len(), tokens * heads * head_dim)?;
-    expect_len(op, "positions", positions.len(), tokens)?;
-    expect_len(op, "cos", cos.len(), table_rows * rope_dim / 2)?;
-    expect_len(op, "sin", sin.len(), table_rows * rope_dim / 2)?;
+    check_rotation(op, &shape, positions, (cos, sin))?;
     let pairs = dim(op, "pairs", tokens * heads * rope_dim / 2)?;
     if pairs == 0 {
         return Ok(());
@@ -81,6 +79,18 @@ pub fn rope_interleaved_f32(
     // SAFETY: signature (float* x, const int* positions, const float* cos, const float* sin,
     // RopeParams); lengths checked above; the kernel bounds-checks pair indices and positions.
     unsafe { launch.launch(cfg) }
+}
+
+/// A position per token and a cos/sin table of `table_rows` rows of `rope_dim / 2` values.
+fn check_rotation(
+    op: &'static str,
+    shape: &RopeShape,
+    positions: &CudaSlice<i32>,
+    (cos, sin): (&CudaSlice<f32>, &CudaSlice<f32>),
+) -> Result<(), KernelError> {
+    expect_len(op, "positions", positions.len(), shape.tokens)?;
+    expect_len(op, "cos", cos.len(), shape.table_rows * shape.rope_dim / 2)?;
+    expect_len(op, "sin", sin.len(), shape.table_rows * shape.rope_dim / 2)
 }
 
 /// The most values a row of [`rope_qdq_f32`] may hold (a thread caches 32 of them).
@@ -150,9 +160,7 @@ pub fn rope_qdq_f32(
         }
         None => 0.0,
     };
-    expect_len(op, "positions", positions.len(), tokens)?;
-    expect_len(op, "cos", cos.len(), table_rows * rope_dim / 2)?;
-    expect_len(op, "sin", sin.len(), table_rows * rope_dim / 2)?;
+    check_rotation(op, &shape, positions, (cos, sin))?;
     if tokens == 0 {
         return Ok(());
     }

@@ -434,21 +434,11 @@ impl CudaBackend {
         if rows == 0 || pairs == 0 {
             return Ok(x);
         }
-        let positions = &positions[..rows];
-        let row_index: Vec<i32> = positions
-            .iter()
-            .map(|&p| i32::try_from(p).map_err(|_| shape_err(OP, format!("position {p}"))))
-            .collect::<Result<_, _>>()?;
-        let longest = positions.iter().copied().max().unwrap_or(0) + 1;
-        let rope = self.rope_table(table, longest)?;
-        let dpos = self.device_positions(OP, row_index)?;
-        let shape = RopeShape {
-            tokens: rows,
-            heads: vectors_per_row,
-            head_dim: stride,
-            rope_dim: 2 * pairs,
-            table_rows: rope.positions,
-        };
+        let DeviceRotation {
+            shape,
+            table: rope,
+            positions: dpos,
+        } = self.device_rotation(OP, rotation, rows, (stride, vectors_per_row))?;
         self.in_place(OP, x, |dx| {
             rope_interleaved_f32(
                 &self.rt,
@@ -461,6 +451,36 @@ impl CudaBackend {
                 rounding(precision),
             )
             .map_err(op_err(OP))
+        })
+    }
+
+    /// What a rotation of `rows` rows (at most `rotation.positions.len()`) of `layout` reads on
+    /// the device: its shape, the cos/sin table covering its positions and the positions.
+    fn device_rotation(
+        &self,
+        op: &'static str,
+        rotation: &Rotation<'_>,
+        rows: usize,
+        (stride, vectors_per_row): (usize, usize),
+    ) -> Result<DeviceRotation, CudaBackendError> {
+        let positions = &rotation.positions[..rows];
+        let row_index: Vec<i32> = positions
+            .iter()
+            .map(|&p| i32::try_from(p).map_err(|_| shape_err(op, format!("position {p}"))))
+            .collect::<Result<_, _>>()?;
+        let longest = positions.iter().copied().max().unwrap_or(0) + 1;
+        let rope = self.rope_table(rotation.table, longest)?;
+        let shape = RopeShape {
+            tokens: rows,
+            heads: vectors_per_row,
+            head_dim: stride,
+            rope_dim: 2 * rotation.table.freqs.len(),
+            table_rows: rope.positions,
+        };
+        Ok(DeviceRotation {
+            shape,
+            positions: self.device_positions(op, row_index)?,
+            table: rope,
         })
     }
 
@@ -578,21 +598,11 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(x);
         }
-        let positions = &rotation.positions[..rows];
-        let row_index: Vec<i32> = positions
-            .iter()
-            .map(|&p| i32::try_from(p).map_err(|_| shape_err(OP, format!("position {p}"))))
-            .collect::<Result<_, _>>()?;
-        let longest = positions.iter().copied().max().unwrap_or(0) + 1;
-        let rope = self.rope_table(rotation.table, longest)?;
-        let dpos = self.device_positions(OP, row_index)?;
-        let shape = RopeShape {
-            tokens: rows,
-            heads: vectors_per_row,
-            head_dim: stride,
-            rope_dim: 2 * pairs,
-            table_rows: rope.positions,
-        };
+        let DeviceRotation {
+            shape,
+            table: rope,
+            positions: dpos,
+        } = self.device_rotation(OP, rotation, rows, (stride, vectors_per_row))?;
         let launch = |input: RopeQdqInput<'_>, y: &mut CudaSlice<f32>| {
             rope_qdq_f32(
                 &self.rt,
@@ -633,6 +643,13 @@ impl CudaBackend {
             }
         }
     }
+}
+
+/// A rotation's device inputs ([`CudaBackend::device_rotation`]).
+struct DeviceRotation {
+    shape: RopeShape,
+    table: Arc<DeviceRopeTable>,
+    positions: Arc<CudaSlice<i32>>,
 }
 
 /// The activation group of the fast FP8 GEMM for `w`: its tile side (32 or 128), when `inp` is
