@@ -73,7 +73,7 @@ impl KernelRuntime {
     }
 
     /// Whether a capture is under way (the guarded calls refuse).
-    pub(crate) fn capturing(&self) -> bool {
+    pub fn capturing(&self) -> bool {
         self.capturing.load(Ordering::Relaxed)
     }
 }

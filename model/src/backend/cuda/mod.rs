@@ -743,7 +743,9 @@ impl CudaBackend {
 
     /// Activations `[rows, inp]` (f32 storage) quantised to FP8 with `group`: the ones kept on
     /// `x`'s buffer when `x` is a whole buffer quantised so before, else quantised now (uploaded
-    /// first when on the host) and kept on the buffer.
+    /// first when on the host) and kept on the buffer. While the runtime captures a graph nothing
+    /// is taken or kept: a replay must quantise what the buffer holds then, and a quantisation
+    /// kept past the capture would hold the graph's own memory.
     fn quantised_activations(
         &self,
         op: &'static str,
@@ -752,7 +754,9 @@ impl CudaBackend {
         group: ActGroup,
     ) -> Result<Arc<DeviceActFp8>, CudaBackendError> {
         let rows = whole_rows(op, x, inp)?;
-        let memo = whole_buffer(x).map(|buffer| &buffer.fp8);
+        let memo = whole_buffer(x)
+            .filter(|_| !self.rt.capturing())
+            .map(|buffer| &buffer.fp8);
         if let Some(kept) = memo.and_then(|memo| {
             lock(memo)
                 .clone()
