@@ -93,10 +93,14 @@ fn check_rotation(
     expect_len(op, "sin", sin.len(), shape.table_rows * shape.rope_dim / 2)
 }
 
-/// The most values a row of [`rope_qdq_f32`] may hold (a thread caches 32 of them).
+/// The most values a row of [`rope_qdq_f32`] may hold.
 pub const ROPE_QDQ_MAX_COLS: usize = 8192;
 
-/// The rows of a [`rope_qdq_f32`]: read from `x`, normed first when `norm` is `(w [cols], eps)`.
+/// The columns of a row one block of [`rope_qdq_f32`] takes (`rope_qdq::CHUNK`).
+const ROPE_QDQ_CHUNK: usize = 512;
+
+/// The rows of a [`rope_qdq_f32`]: read from `x`, normed first when `norm` is `(w [cols], eps)`
+/// (a norm reads whole rows while other blocks write theirs: never in place).
 #[derive(Debug, Clone, Copy)]
 pub struct RopeQdqInput<'a> {
     /// `None`: the rows are `y`'s own (in place).
@@ -160,6 +164,9 @@ pub fn rope_qdq_f32(
         }
         None => 0.0,
     };
+    ensure(input.norm.is_none() || input.x.is_some(), op, || {
+        "a norm in place (every block of a row reads the whole row)".to_string()
+    })?;
     check_rotation(op, &shape, positions, (cos, sin))?;
     if tokens == 0 {
         return Ok(());
@@ -173,7 +180,8 @@ pub fn rope_qdq_f32(
         inverse: u32::from(inverse),
         eps,
     };
-    let cfg = launch_config((params.rows, 1, 1), THREADS, 0);
+    let chunks = dim(op, "chunks", cols.div_ceil(ROPE_QDQ_CHUNK))?;
+    let cfg = launch_config((params.rows, chunks, 1), THREADS, 0);
     let y_address = y.device_ptr(rt.stream()).0;
     let mut launch = rt.launcher(kernel)?;
     match input.x {
@@ -192,7 +200,7 @@ pub fn rope_qdq_f32(
         .arg(&params);
     // SAFETY: signature (const float* x, const float* w, float* y, const int* positions, const
     // float* cos, const float* sin, RopeQdqParams), x being y itself in place and w null without
-    // a norm; lengths checked above; one block per row, whose threads read their own elements
-    // before any write (the norm's sum ends in a barrier) and cover the row.
+    // a norm (then x is not y); lengths checked above; a block per 512 columns of a row, whose
+    // threads read their own elements before writing them and together cover the row.
     unsafe { launch.launch(cfg) }
 }

@@ -631,7 +631,7 @@ impl CudaBackend {
             Some(norm) => {
                 let dw = self.cached_f32(OP, norm.weight)?;
                 let dx = self.input(OP, &x)?;
-                // SAFETY: rope_qdq_f32 runs one block per row, its threads covering every column.
+                // SAFETY: rope_qdq_f32's blocks together cover every column of every row.
                 let mut dy = unsafe { self.alloc_written(OP, x.len()) }?;
                 launch(
                     RopeQdqInput {
