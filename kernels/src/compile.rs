@@ -229,8 +229,10 @@ impl Compiler {
         arch: Arch,
     ) -> Result<Vec<u8>, KernelError> {
         let options = self.options(arch);
-        std::panic::catch_unwind(|| nvrtc_compile(source_name, text, arch, &options))
-            .unwrap_or_else(|panic| {
+        std::panic::catch_unwind(|| {
+            nvrtc_compile(source_name, text, arch, &options).map(|compiled| compiled.cubin)
+        })
+        .unwrap_or_else(|panic| {
                 Err(KernelError::LibraryPanicked {
                     during: "NVRTC compilation",
                     message: panic_text(&panic),
@@ -243,6 +245,7 @@ impl Compiler {
         let options = self.options(arch);
         let result = std::panic::catch_unwind(|| {
             nvrtc_compile(file.path(), source::text(file), arch, &options)
+                .map(|compiled| compiled.cubin)
         });
         match result {
             Ok(outcome) => outcome,
@@ -254,12 +257,20 @@ impl Compiler {
     }
 }
 
+/// A successful compilation: the CUBIN and NVRTC's log (ptxas' notes, such as a kernel whose
+/// warpgroup MMAs it serialised).
+struct Compiled {
+    cubin: Vec<u8>,
+    #[cfg_attr(not(test), expect(dead_code, reason = "read by the tests"))]
+    log: String,
+}
+
 fn nvrtc_compile(
     source_name: &str,
     text: &str,
     arch: Arch,
     options: &[String],
-) -> Result<Vec<u8>, KernelError> {
+) -> Result<Compiled, KernelError> {
     let c_string = |text: &str, what: &'static str| {
         CString::new(text).map_err(|_| KernelError::Nvrtc {
             during: what,
@@ -343,7 +354,10 @@ fn nvrtc_compile(
                 message: "NVRTC returned an empty CUBIN".to_string(),
             });
         }
-        Ok(cubin)
+        Ok(Compiled {
+            cubin,
+            log: program_log(program),
+        })
     })();
     // SAFETY: `program` is a valid program handle, destroyed exactly once.
     unsafe { nv::nvrtcDestroyProgram(&mut program) };
@@ -469,6 +483,36 @@ mod tests {
                     }
                     Err(err) => panic!("{err}"),
                 }
+            }
+        }
+    }
+
+    /// No kernel's warpgroup MMAs are serialised: where ptxas cannot keep a wgmma in flight past
+    /// the instructions after it (a loop it kept between a wgmma and its wait, a sum register
+    /// written in between), it waits for every one at once and says so in the log (C7515,
+    /// C7517). The fast GEMMs' overlap of one group's MMAs with the last group's promotion
+    /// depends on it: the 8-row routed tile lost it to a 16-group loop ptxas did not unroll.
+    #[test]
+    fn no_kernel_has_its_warpgroup_mmas_serialised_when_nvrtc_is_present() {
+        let Some(compiler) = nvrtc_compiler() else {
+            return;
+        };
+        let arch = Arch::Sm90a;
+        for file in SourceFile::ALL {
+            let compiled = nvrtc_compile(
+                file.path(),
+                source::text(file),
+                arch,
+                &compiler.options(arch),
+            )
+            .unwrap_or_else(|err| panic!("{err}"));
+            for note in ["C7515", "C7517"] {
+                assert!(
+                    !compiled.log.contains(note),
+                    "{} for {arch}: ptxas serialised warpgroup MMAs:\n{}",
+                    file.path(),
+                    compiled.log
+                );
             }
         }
     }

@@ -66,11 +66,22 @@ namespace fastgemm {
 
 constexpr u32_t STEP_K = 128;  // K codes of one weight chunk
 
-// A count of n8 token tiles known at compile time (gemm_fast_tile's loop over them).
+// A number known at compile time: a count of n8 token tiles (gemm_fast_tile's loop over them)
+// or the index of an unrolled step.
 template <u32_t N>
-struct RunTiles {
+struct Const {
     static constexpr u32_t value = N;
 };
+
+// f(Const<I>{}) for I = FIRST .. N - 1 in order, as straight code: unlike `#pragma unroll`, which
+// the compiler may decline for a long body, no loop is left for ptxas to keep.
+template <u32_t FIRST, u32_t N, class F>
+__device__ __forceinline__ void unrolled(F& f) {
+    if constexpr (FIRST < N) {
+        f(Const<FIRST>{});
+        unrolled<FIRST + 1, N>(f);
+    }
+}
 
 // d = A (16 x 32, row) * B (32 x 8, col) + c, E4M3 inputs, fp32 accumulation.
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32_t (&a)[4], u32_t b0, u32_t b1,
@@ -306,7 +317,7 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     u32_t run_tiles = TILES;
     if constexpr (Rows::PART_FULL) run_tiles = (rows.count + 8 * QUARTER - 1) / (8 * QUARTER) * QUARTER;
 
-    // The K loop over RUN (a compile-time count, RunTiles<RUN>) n8 token tiles.
+    // The K loop over RUN (a compile-time count, Const<RUN>) n8 token tiles.
     auto run = [&](auto count) {
         constexpr u32_t RUN = decltype(count)::value;
         constexpr u32_t RUN_ROWS = 8 * RUN;
@@ -397,15 +408,16 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
             // Two sets of sums: group gq + 1's wgmmas run while group gq is promoted; the stage's
             // last group is waited for in full, so the slot is free at the next barrier. Straight
-            // code over every group of the stage (no branch between a wgmma and its wait, which
-            // ptxas would answer by waiting at once): a group past K has zero codes and scales,
-            // so its promotion adds fma(0, 0, acc) = acc (acc is never -0: it starts at +0 and a
-            // sum that rounds to zero is +0), the bits of skipping it.
+            // code over every group of the stage (`unrolled`: no branch between a wgmma and its
+            // wait, which ptxas would answer by waiting at once; compile.rs tests it): a group
+            // past K has zero codes and scales, so its promotion adds fma(0, 0, acc) = acc (acc
+            // is never -0: it starts at +0 and a sum that rounds to zero is +0), the bits of
+            // skipping it.
             float d[2][RUN][4];
             sums(0, d[0]);
-#pragma unroll
-            for (u32_t gq = 0; gq < L::GPS; ++gq) {
-                if (gq + 1 < L::GPS) {
+            auto group = [&](auto index) {
+                constexpr u32_t gq = decltype(index)::value;
+                if constexpr (gq + 1 < L::GPS) {
                     sums(gq + 1, d[(gq + 1) % 2]);
                     wgmma::wait<1>();
                 } else {
@@ -413,7 +425,8 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
                 }
                 wgmma::pin(d[gq % 2]);
                 promote_group(gq, d[gq % 2]);
-            }
+            };
+            unrolled<0, L::GPS>(group);
 #else
             const u32_t k0 = (step0 + step) * STEP;
 #pragma unroll
@@ -433,14 +446,14 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     };
     if constexpr (Rows::PART_FULL) {
         switch (run_tiles / QUARTER) {
-            case 1: run(RunTiles<QUARTER>{}); break;
-            case 2: if constexpr (TILES >= 2 * QUARTER) run(RunTiles<2 * QUARTER>{}); break;
-            case 3: if constexpr (TILES >= 3 * QUARTER) run(RunTiles<3 * QUARTER>{}); break;
-            case 4: if constexpr (TILES >= 4 * QUARTER) run(RunTiles<4 * QUARTER>{}); break;
+            case 1: run(Const<QUARTER>{}); break;
+            case 2: if constexpr (TILES >= 2 * QUARTER) run(Const<2 * QUARTER>{}); break;
+            case 3: if constexpr (TILES >= 3 * QUARTER) run(Const<3 * QUARTER>{}); break;
+            case 4: if constexpr (TILES >= 4 * QUARTER) run(Const<4 * QUARTER>{}); break;
             default: break;  // no row (never launched)
         }
     } else {
-        run(RunTiles<TILES>{});  // a dense tile is full but for the last rows: one loop
+        run(Const<TILES>{});  // a dense tile is full but for the last rows: one loop
     }
 }
 
