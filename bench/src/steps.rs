@@ -133,11 +133,21 @@ pub fn decode_steps(
     let mut step_seconds = Vec::with_capacity(steps);
     for _ in 0..steps {
         let started = Instant::now();
-        let tokens = step(model, sequences, |i| std::slice::from_ref(&next[i]))?;
+        decode_step(model, sequences, next)?;
         step_seconds.push(started.elapsed().as_secs_f64());
-        next.copy_from_slice(&tokens);
     }
     Ok(step_seconds)
+}
+
+/// One decode step: sequence `i` appends `next[i]` and `next[i]` becomes its greedy token.
+pub fn decode_step(
+    model: &AnyModel,
+    sequences: &mut [AnySequence],
+    next: &mut [u32],
+) -> Result<(), ModelError> {
+    let tokens = step(model, sequences, |i| std::slice::from_ref(&next[i]))?;
+    next.copy_from_slice(&tokens);
+    Ok(())
 }
 
 /// The last logits row after `tokens` appended to `seq`: a one-entry [`AnyModel::forward_step`].

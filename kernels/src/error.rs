@@ -58,6 +58,9 @@ pub enum KernelError {
     /// A kernel was asked for that the runtime did not load (a registry bug, never bad input).
     #[error("kernel {symbol} is not loaded in this runtime")]
     NotLoaded { symbol: &'static str },
+    /// A stream capture could not be made ([`crate::graph`]).
+    #[error("stream capture failed: {message}")]
+    Capture { message: &'static str },
     /// A launcher was given buffers or dimensions that do not fit together.
     #[error("bad arguments to {op}: {message}")]
     Shape { op: &'static str, message: String },

@@ -177,8 +177,16 @@ pub enum KernelId {
     GemmFp4G32Warp,
     /// RMSNorm on f32 storage (the model's host layout), outputs rounded to bf16.
     RmsNormF32,
+    /// `RmsNormF32` that also quantises its outputs to FP8 in groups of 32 (the next GEMM's input).
+    RmsNormActQuantG32F32,
     /// Interleaved-pair partial RoPE on f32 storage, outputs rounded to bf16, in place.
     RopeInterleavedF32,
+    /// RMSNorm (optional), RoPE and `Q8` QDQ in one pass (the window entries).
+    RopeQdqQ8F32,
+    /// RMSNorm (optional), RoPE and `Q4e` QDQ in one pass (the indexer's queries and keys).
+    RopeQdqQ4eF32,
+    /// RMSNorm (optional), RoPE and `Q4m` QDQ in one pass (the compressed entries).
+    RopeQdqQ4mF32,
     /// RMSNorm on f32 storage with fp32 outputs (no rounding).
     RmsNormF32Exact,
     /// Interleaved-pair partial RoPE on f32 storage with fp32 outputs, in place.
@@ -332,7 +340,7 @@ pub enum KernelId {
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 99] = [
+    pub const ALL: [KernelId; 103] = [
         KernelId::ActQuantFp8G32,
         KernelId::ActQuantFp8G128,
         KernelId::ActQuantFp8G32F32,
@@ -361,7 +369,11 @@ impl KernelId {
         KernelId::GemmFastReduce,
         KernelId::GemmFp4G32Warp,
         KernelId::RmsNormF32,
+        KernelId::RmsNormActQuantG32F32,
         KernelId::RopeInterleavedF32,
+        KernelId::RopeQdqQ8F32,
+        KernelId::RopeQdqQ4eF32,
+        KernelId::RopeQdqQ4mF32,
         KernelId::RmsNormF32Exact,
         KernelId::RopeInterleavedF32Exact,
         KernelId::Q8QdqF32,
@@ -465,7 +477,11 @@ impl KernelId {
             KernelId::GemmFastReduce => "gemm_fast_reduce",
             KernelId::GemmFp4G32Warp => "gemm_fp4_g32_warp_bf16",
             KernelId::RmsNormF32 => "rms_norm_f32",
+            KernelId::RmsNormActQuantG32F32 => "rms_norm_act_quant_g32_f32",
             KernelId::RopeInterleavedF32 => "rope_interleaved_f32",
+            KernelId::RopeQdqQ8F32 => "rope_qdq_q8_f32",
+            KernelId::RopeQdqQ4eF32 => "rope_qdq_q4e_f32",
+            KernelId::RopeQdqQ4mF32 => "rope_qdq_q4m_f32",
             KernelId::RmsNormF32Exact => "rms_norm_f32_exact",
             KernelId::RopeInterleavedF32Exact => "rope_interleaved_f32_exact",
             KernelId::Q8QdqF32 => "q8_qdq_f32",
@@ -595,8 +611,14 @@ impl KernelId {
             | KernelId::GemmFp4FastRoutedB128
             | KernelId::GemmFastReduce => SourceFile::GemmFast,
             KernelId::GemmFp4G32 | KernelId::GemmFp4G32Warp => SourceFile::GemmFp4,
-            KernelId::RmsNormF32 | KernelId::RmsNormF32Exact => SourceFile::RmsNorm,
-            KernelId::RopeInterleavedF32 | KernelId::RopeInterleavedF32Exact => SourceFile::Rope,
+            KernelId::RmsNormF32
+            | KernelId::RmsNormActQuantG32F32
+            | KernelId::RmsNormF32Exact => SourceFile::RmsNorm,
+            KernelId::RopeInterleavedF32
+            | KernelId::RopeInterleavedF32Exact
+            | KernelId::RopeQdqQ8F32
+            | KernelId::RopeQdqQ4eF32
+            | KernelId::RopeQdqQ4mF32 => SourceFile::Rope,
             KernelId::Q8QdqF32 | KernelId::Q4eQdqF32 | KernelId::Q4mQdqF32 => SourceFile::Qdq,
             KernelId::LinearSgemmF32
             | KernelId::LinearBf16FastT1x1

@@ -6,7 +6,7 @@
 //! [`source`] embeds the sources; [`compile`] runs NVRTC and owns the CUBIN cache; [`runtime`]
 //! opens the device (refusing cleanly when no driver is present) and loads every kernel, and copies
 //! large uploads through page-locked memory ([`staging`]) and times launches on request
-//! ([`kernel_timer`]); [`ops`] holds one typed launcher per operation, which checks shapes before
+//! ([`kernel_timer`]), and captures launch sequences as CUDA graphs ([`graph`]); [`ops`] holds one typed launcher per operation, which checks shapes before
 //! it launches.
 
 /// Declares its items only with the `cuda` feature.
@@ -19,6 +19,7 @@ macro_rules! with_cuda {
 with_cuda! {
     pub mod compile;
     mod error;
+    pub mod graph;
     pub mod id;
     pub mod kernel_timer;
     pub mod ops;

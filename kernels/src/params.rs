@@ -85,6 +85,19 @@ pub struct RopeParams {
     pub inverse: u32,
 }
 
+/// `RopeQdqParams`: RMSNorm (optional), RoPE and a QDQ point over rows.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeQdqParams {
+    pub rows: u32,
+    pub cols: u32,
+    pub stride: u32,
+    pub rope_dim: u32,
+    pub table_rows: u32,
+    pub inverse: u32,
+    pub eps: f32,
+}
+
 /// `QdqParams`: in-place QDQ over `n` values.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,6 +198,8 @@ unsafe impl KernelValue for RmsNormParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for RopeParams {}
 // SAFETY: as above.
+unsafe impl KernelValue for RopeQdqParams {}
+// SAFETY: as above.
 unsafe impl KernelValue for QdqParams {}
 // SAFETY: as above.
 unsafe impl KernelValue for LinearParams {}
@@ -248,6 +263,19 @@ mod tests {
                 "inverse",
             ],
         );
+        assert_mirrors::<RopeQdqParams>(
+            header,
+            28,
+            &[
+                "rows",
+                "cols",
+                "stride",
+                "rope_dim",
+                "table_rows",
+                "inverse",
+                "eps",
+            ],
+        );
         assert_mirrors::<QdqParams>(header, 4, &["n"]);
         assert_mirrors::<LinearParams>(header, 16, &["rows", "out", "inp", "round_bf16"]);
         assert_mirrors::<AttentionParams>(
@@ -291,6 +319,7 @@ mod tests {
         assert_eq!(offset_of!(FastRoutedParams, projections), 36);
         assert_eq!(offset_of!(RmsNormParams, eps), 8);
         assert_eq!(offset_of!(RopeParams, inverse), 20);
+        assert_eq!(offset_of!(RopeQdqParams, eps), 24);
         assert_eq!(offset_of!(LinearParams, round_bf16), 12);
         assert_eq!(offset_of!(LinearReduceParams, round_bf16), 4);
         assert_eq!(offset_of!(AttentionParams, scale), 12);

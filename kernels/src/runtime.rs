@@ -148,6 +148,8 @@ pub struct KernelRuntime {
     /// Whether kernels launch as programmatic dependents of the stream's previous kernel
     /// ([`KernelRuntime::dependent_launch`]).
     dependent_launch: Arc<AtomicBool>,
+    /// Whether a capture is under way ([`crate::graph`]): host-to-device copies and waits refuse.
+    pub(crate) capturing: AtomicBool,
 }
 
 /// What the runtime's users asked of the device so far: kernel launches (every launcher looks its
@@ -276,6 +278,7 @@ impl KernelRuntime {
             timer: Arc::default(),
             poison: Poison::from_env(),
             dependent_launch: Arc::new(AtomicBool::new(true)),
+            capturing: AtomicBool::new(false),
         })
     }
 
@@ -351,8 +354,12 @@ impl KernelRuntime {
 
     /// Copies `values` into a new device buffer on the runtime's stream, counted in
     /// [`KernelRuntime::counts`]; from [`STAGED_MIN_BYTES`] on through page-locked memory, so that
-    /// the call returns without waiting for the stream.
+    /// the call returns without waiting for the stream. Refused while a capture is under way
+    /// ([`crate::graph`]).
     pub fn htod<T: DeviceRepr>(&self, values: &[T]) -> Result<CudaSlice<T>, DriverError> {
+        if self.capturing() {
+            return Err(crate::graph::capture_refusal());
+        }
         let bytes = std::mem::size_of_val(values);
         self.counters.htod_copies.fetch_add(1, Ordering::Relaxed);
         self.counters
@@ -405,8 +412,13 @@ impl KernelRuntime {
         }
     }
 
-    /// Waits for the stream.
+    /// Waits for the stream. Refused while a capture is under way ([`crate::graph`]).
     pub fn synchronize(&self) -> Result<(), KernelError> {
+        if self.capturing() {
+            return Err(KernelError::driver("synchronising the stream")(
+                crate::graph::capture_refusal(),
+            ));
+        }
         self.stream
             .synchronize()
             .map_err(KernelError::driver("synchronising the stream"))

@@ -11,7 +11,7 @@ macro_rules! header {
 }
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 24] = [
+pub const HEADERS: [(&str, &str); 25] = [
     header!("common/params.h"),
     header!("common/grid_dependency.cuh"),
     header!("common/key_rows.cuh"),
@@ -22,6 +22,7 @@ pub const HEADERS: [(&str, &str); 24] = [
     header!("gemm/gemm_fast.cuh"),
     header!("norm/rms_norm.cuh"),
     header!("rope/rope.cuh"),
+    header!("rope/rope_qdq.cuh"),
     header!("common/reference_math.cuh"),
     header!("quant/qdq.cuh"),
     header!("linear/linear_sgemm.cuh"),

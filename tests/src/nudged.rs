@@ -10,8 +10,8 @@ use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
     AttentionQueries, Backend, CpuBackend, DenseWeight, EngramInjection, ExpertRoute, Groups,
     HcCollapse, HcExpand, HcMixes, HcMixing, HcParams, HyperHead, LogprobPick, MaskedRows,
-    MoeLayer, PoolSlot, Precision, RmsNorm, Rotation, Routing, RowSampling, SampleRowsError,
-    StreamShape, Tensor,
+    MoeLayer, PoolSlot, Precision, QdqPoint, RmsNorm, Rotation, Routing, RowSampling,
+    SampleRowsError, StreamShape, Tensor,
 };
 use deepinfer_model::engram::EngramTable;
 use deepinfer_model::sampling::TokenLogprobs;
@@ -144,14 +144,20 @@ impl Backend for Nudged {
     fn table_rows(&self, table: &[f32], width: usize, ids: &[u32]) -> Tensor {
         self.inner.table_rows(table, width, ids)
     }
-    fn q8_qdq(&self, x: Tensor) -> Tensor {
-        self.inner.q8_qdq(x)
-    }
-    fn q4e_qdq(&self, x: Tensor) -> Tensor {
-        self.inner.q4e_qdq(x)
-    }
-    fn q4m_qdq(&self, x: Tensor) -> Tensor {
-        self.inner.q4m_qdq(x)
+    fn rope_qdq(
+        &self,
+        x: Tensor,
+        norm: Option<RmsNorm<'_>>,
+        layout: (usize, usize),
+        rotation: &Rotation<'_>,
+        point: QdqPoint,
+    ) -> Tensor {
+        // The norm through this backend's own (nudged when `rms_norm` is).
+        let x = match norm {
+            Some(norm) => self.rms_norm(&x, norm),
+            None => x,
+        };
+        self.inner.rope_qdq(x, None, layout, rotation, point)
     }
     fn rope(&self, x: Tensor, layout: (usize, usize), rotation: &Rotation<'_>) -> Tensor {
         self.inner.rope(x, layout, rotation)

@@ -17,6 +17,7 @@ fn families() -> Vec<(&'static str, Vec<Case>)> {
         ("rms_norms", cases::rms_norms()),
         ("ropes", cases::ropes()),
         ("qdqs", cases::qdqs()),
+        ("rope_qdqs", cases::rope_qdqs()),
         ("attention_one", cases::attention_one()),
         ("attention_rows", cases::attention_rows()),
         ("index_scores_one", cases::index_scores_one()),

@@ -34,6 +34,8 @@
 
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::compile::Compiler;
+use deepinfer_kernels::cudarc::driver::CudaSlice;
+use deepinfer_kernels::graph::Graph;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::DeviceKeyLists;
 use deepinfer_kernels::ops::engram::{DeviceEngramHasher, engram_hash_rows};
@@ -1061,4 +1063,122 @@ fn the_memory_pool_keeps_freed_memory_until_released() {
         released.saturating_sub(kept) >= BYTES * 9 / 10,
         "release_pooled_memory did not hand the GiB back: free {kept} -> {released}"
     );
+}
+
+/// Two dependent RMSNorms `x → t → y` (`t` a temporary), the sequence the capture test records.
+fn two_norms(
+    rt: &KernelRuntime,
+    x: &CudaSlice<f32>,
+    (w1, w2): (&CudaSlice<f32>, &CudaSlice<f32>),
+    y: &mut CudaSlice<f32>,
+    (rows, cols): (usize, usize),
+) -> Result<(), KernelError> {
+    // SAFETY: the first norm writes every element of `t` before the second reads it.
+    let mut t =
+        unsafe { rt.alloc_written::<f32>(rows * cols) }.map_err(|source| KernelError::Driver {
+            during: "allocating the temporary".to_string(),
+            source,
+        })?;
+    rms_norm_f32(rt, x, w1, &mut t, rows, cols, 1e-6, Rounding::Bf16)?;
+    rms_norm_f32(rt, &t, w2, y, rows, cols, 1e-6, Rounding::Bf16)
+}
+
+/// A captured launch sequence (`deepinfer_kernels::graph`) replays the eager launches' bits,
+/// reads its inputs at replay time (a new input gives the eager result of that input, a
+/// different one: the negative control), stays the same over many replays, and a capture refuses
+/// an upload, a wait and the kernel timer without breaking the stream.
+#[test]
+fn a_captured_sequence_replays_the_eager_bits_and_refuses_what_would_break_it() {
+    let rt = runtime("a_captured_sequence_replays_the_eager_bits_and_refuses_what_would_break_it");
+    let (rows, cols) = (8usize, 1536usize);
+    let mut rng = Rng(29);
+    let weights: Vec<Vec<f32>> = (0..2)
+        .map(|_| {
+            (0..cols)
+                .map(|_| quant::round_bf16(1.0 + 0.5 * rng.uniform()))
+                .collect()
+        })
+        .collect();
+    let (w1, w2) = (
+        rt.htod(&weights[0]).expect("w1"),
+        rt.htod(&weights[1]).expect("w2"),
+    );
+    let inputs = [
+        activations(&mut rng, rows, cols),
+        activations(&mut rng, rows, cols),
+    ];
+    let eager: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|x| {
+            let dx = rt.htod(x).expect("upload x");
+            let mut dy = rt.stream().alloc_zeros::<f32>(rows * cols).expect("y");
+            two_norms(&rt, &dx, (&w1, &w2), &mut dy, (rows, cols)).expect("eager norms");
+            rt.stream().clone_dtoh(&dy).expect("download")
+        })
+        .collect();
+    assert!(
+        eager[0] != eager[1],
+        "the two inputs must give different outputs"
+    );
+
+    let mut dx = rt.htod(&inputs[0]).expect("upload x");
+    let mut dy = rt.stream().alloc_zeros::<f32>(rows * cols).expect("y");
+    rt.synchronize().expect("before the capture");
+    let launches = rt.counts().launches;
+    let (graph, ()) = rt
+        .capture(|| two_norms(&rt, &dx, (&w1, &w2), &mut dy, (rows, cols)))
+        .expect("capture");
+    assert_eq!(graph.kernels(), 2, "the captured kernels");
+    assert_eq!(
+        rt.stream().clone_dtoh(&dy).expect("download"),
+        vec![0.0; rows * cols],
+        "a capture runs nothing"
+    );
+    println!(
+        "captured {} kernels ({} launcher calls), {} programmatic edge(s) between them",
+        graph.kernels(),
+        rt.counts().launches - launches,
+        graph.programmatic_edges()
+    );
+    for (input, want) in inputs.iter().zip(&eager) {
+        rt.stream().memcpy_htod(input, &mut dx).expect("new input");
+        for _ in 0..100 {
+            graph.replay().expect("replay");
+        }
+        let got = rt.stream().clone_dtoh(&dy).expect("download");
+        assert_bitwise("replayed norms", &got, want);
+    }
+
+    let refused = |what: &str, result: Result<(Graph, ()), KernelError>| {
+        let err = result
+            .err()
+            .unwrap_or_else(|| panic!("{what}: the capture was not refused"));
+        println!("{what}: {err}");
+        let mut dy = rt.stream().alloc_zeros::<f32>(rows * cols).expect("y");
+        two_norms(&rt, &dx, (&w1, &w2), &mut dy, (rows, cols)).expect("eager after a refusal");
+        rt.synchronize().expect("the stream after a refusal");
+        assert_bitwise(
+            "eager norms after a refused capture",
+            &rt.stream().clone_dtoh(&dy).expect("download"),
+            &eager[1],
+        );
+        err.to_string()
+    };
+    let upload = refused(
+        "an upload inside a capture",
+        rt.capture(|| {
+            rt.htod(&inputs[0]).map_err(|source| KernelError::Driver {
+                during: "uploading".to_string(),
+                source,
+            })?;
+            Ok(())
+        }),
+    );
+    assert!(upload.contains("CAPTURE_UNSUPPORTED"), "{upload}");
+    let wait = refused("a wait inside a capture", rt.capture(|| rt.synchronize()));
+    assert!(wait.contains("CAPTURE_UNSUPPORTED"), "{wait}");
+    rt.kernel_timer().set_enabled(true);
+    let timed = refused("a capture with the kernel timer on", rt.capture(|| Ok(())));
+    rt.kernel_timer().set_enabled(false);
+    assert!(timed.contains("timer"), "{timed}");
 }

@@ -1,7 +1,10 @@
 //! The `fast` numerics on the GPU (ARCHITECTURE.md §3): the tensor-core FP8 and FP4 GEMMs
 //! (`ops::gemm_fast`) against an f64 computation within their stated error bound, deterministic,
 //! and batch invariant (a row alone and inside batches of 2 … 300 rows of other data, through
-//! every tile configuration: bitwise equal; a one-input change is detected).
+//! every tile configuration: bitwise equal; a one-input change is detected); their K parts added
+//! in part order in the launch (bitwise the host's sum of each part's one-part launch, from every
+//! tile and output store; negative control: the other association is seen), and the routed
+//! kernels' K parts (the benchmark's builds) bitwise the dense GEMM's.
 //!
 //! The MoE layer's experts in fast numerics (`ops::routed_fast`: FP4 routed experts grouped per
 //! expert, the FP8 shared expert on the fast GEMM, the exact SwiGLU, quantisation and combine):
@@ -40,18 +43,22 @@
 use std::sync::Arc;
 
 use deepinfer_kernels::KernelRuntime;
+use deepinfer_kernels::compile::Compiler;
+use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use deepinfer_kernels::cudarc::nvrtc::Ptx;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{Fp4Form, Fp8Form};
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp4_fast, gemm_fp8_fast, k_parts,
+    FastFp4Weight, FastFp8Weight, FastKernels, FastOutput, FastTile, FastVariant, RoundedToBf16,
+    TileShape, gemm_fp4_fast, gemm_fp8_fast, k_parts,
 };
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, RoutedRows, moe_combine,
     swiglu_act_quant_fp8,
 };
-use deepinfer_kernels::ops::routed_fast::gemm_fp4_routed_fast;
+use deepinfer_kernels::ops::routed_fast::{gemm_fp4_routed_fast, gemm_fp4_routed_fast_variant};
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -347,6 +354,196 @@ fn fast_fp4_gemm_is_within_its_error_bound_and_every_tile_gives_the_same_bits() 
         let dw = upload_fp4(&rt, &w);
         check_gemm(&rt, &mut rng, "fast fp4 gemm", &w, &dw);
     }
+}
+
+/// K codes `[from, to)` of `w` with their scale tiles (`from` a multiple of the tile side).
+fn fp8_k_span(w: &Fp8Weight, (from, to): (usize, usize)) -> Fp8Weight {
+    let (first, end) = (from / w.block, to.div_ceil(w.block));
+    Fp8Weight {
+        out: w.out,
+        inp: to - from,
+        block: w.block,
+        data: w
+            .data
+            .chunks(w.inp)
+            .flat_map(|row| &row[from..to])
+            .copied()
+            .collect(),
+        scales: w
+            .scales
+            .chunks(w.scale_cols())
+            .flat_map(|row| &row[first..end])
+            .copied()
+            .collect(),
+    }
+}
+
+/// K codes `[from, to)` of `w` with their scales (multiples of 32).
+fn fp4_k_span(w: &Fp4Weight, (from, to): (usize, usize)) -> Fp4Weight {
+    Fp4Weight {
+        out: w.out,
+        inp: to - from,
+        packed: w
+            .packed
+            .chunks(w.inp / 2)
+            .flat_map(|row| &row[from / 2..to / 2])
+            .copied()
+            .collect(),
+        scales: w
+            .scales
+            .chunks(w.scale_cols())
+            .flat_map(|row| &row[from / 32..to / 32])
+            .copied()
+            .collect(),
+    }
+}
+
+/// The fast GEMM of `dw` on `a` with `tile`, output `T`, downloaded as f32.
+fn run_gemm<T: DeviceRepr + ValidAsZeroBits + Copy>(
+    rt: &KernelRuntime,
+    a: &DeviceActFp8,
+    dw: &impl FastWeight,
+    tile: FastTile,
+    widen: impl Fn(T) -> f32,
+) -> Vec<f32>
+where
+    CudaSlice<T>: FastOutput,
+{
+    let mut y = rt
+        .stream()
+        .alloc_zeros::<T>(a.rows * dw.shape().0)
+        .expect("alloc y");
+    dw.gemm(rt, a, &mut y, tile);
+    let host: Vec<T> = rt.stream().clone_dtoh(&y).expect("download y");
+    host.into_iter().map(widen).collect()
+}
+
+/// `y = out(((P_0 + P_1) + P_2) + …)` (`cuda/gemm/gemm_fast.cuh`), the K parts of `dw`
+/// ([`k_parts`], at least 3: two parts add the same either way) added by the launch itself: at
+/// M = 1, 7, 64, 130, from every tile, bitwise the host's fp32 sum in part order of the part sums
+/// `P_p`, each the one-part f32 launch of K span p (`span_weight(span)`'s codes and scales, and
+/// the device's quantised activations' of the span: its groups from zero in the same order) —
+/// stored as f32, as bf16 and as [`RoundedToBf16`]. Negative control: the parts added right to
+/// left, `P_0 + (P_1 + (P_2 + …))`, give other bits.
+fn check_part_order<W: FastWeight>(
+    rt: &KernelRuntime,
+    rng: &mut Rng,
+    what: &str,
+    dw: &W,
+    span_weight: impl Fn((usize, usize)) -> W,
+) {
+    let (n, k) = dw.shape();
+    let group = dw.group();
+    let g = group.elements();
+    let (span, parts) = k_parts(n, k);
+    assert!(parts >= 3, "{what}: {parts} K parts");
+    let spans: Vec<(usize, usize)> = (0..parts)
+        .map(|p| (p * span, ((p + 1) * span).min(k)))
+        .collect();
+    let span_weights: Vec<W> = spans.iter().map(|&s| span_weight(s)).collect();
+    let mut reassociated = 0;
+    for rows in [1usize, 7, 64, 130] {
+        let x = activations(rng, rows, k);
+        let a = quantize_act_fp8(rt, &upload_bf16(rt, &x), rows, k, group).expect("quantise");
+        let (codes, scales) = download_act(rt, &a);
+        let sums: Vec<Vec<f32>> = spans
+            .iter()
+            .zip(&span_weights)
+            .map(|(&(from, to), w)| {
+                assert_eq!(k_parts(n, to - from).1, 1, "{what}: a span in one part");
+                let part = DeviceActFp8 {
+                    rows,
+                    cols: to - from,
+                    group,
+                    codes: rt
+                        .htod(
+                            &codes
+                                .chunks(k)
+                                .flat_map(|row| &row[from..to])
+                                .copied()
+                                .collect::<Vec<_>>(),
+                        )
+                        .expect("upload codes"),
+                    scales: rt
+                        .htod(
+                            &scales
+                                .chunks(k / g)
+                                .flat_map(|row| &row[from / g..to / g])
+                                .copied()
+                                .collect::<Vec<_>>(),
+                        )
+                        .expect("upload scales"),
+                };
+                run_gemm::<f32>(rt, &part, w, FastTile::Auto, |v| v)
+            })
+            .collect();
+        let in_order: Vec<f32> = (0..rows * n)
+            .map(|i| {
+                sums[1..]
+                    .iter()
+                    .fold(sums[0][i], |total, part| total + part[i])
+            })
+            .collect();
+        let right_to_left: Vec<f32> = (0..rows * n)
+            .map(|i| {
+                sums[..parts - 1]
+                    .iter()
+                    .rev()
+                    .fold(sums[parts - 1][i], |total, part| part[i] + total)
+            })
+            .collect();
+        reassociated += differing(&right_to_left, &in_order);
+        let rounded: Vec<f32> = in_order.iter().map(|&v| quant::round_bf16(v)).collect();
+        let what = format!("{what} [{rows}x{k}]·[{k}x{n}] ({parts} K parts)");
+        for tile in [FastTile::Auto].into_iter().chain(TILES) {
+            let f32_out = run_gemm::<f32>(rt, &a, dw, tile, |v| v);
+            assert_bitwise(&format!("{what} {tile:?}, f32 out"), &f32_out, &in_order);
+            let bf16_out = run_gemm::<bf16>(rt, &a, dw, tile, bf16::to_f32);
+            assert_bitwise(&format!("{what} {tile:?}, bf16 out"), &bf16_out, &rounded);
+            let mut y = rt.stream().alloc_zeros::<f32>(rows * n).expect("alloc y");
+            dw.gemm(rt, &a, &mut RoundedToBf16(&mut y), tile);
+            let stored = rt.stream().clone_dtoh(&y).expect("download y");
+            assert_bitwise(
+                &format!("{what} {tile:?}, RoundedToBf16"),
+                &stored,
+                &rounded,
+            );
+        }
+    }
+    assert!(
+        reassociated > 0,
+        "{what}: the parts added right to left give the same bits (the check cannot see the order)"
+    );
+    println!(
+        "{what}: {parts} K parts added in part order in the launch, bitwise the host's sum of the \
+         one-part launches; {reassociated} outputs differ added right to left"
+    );
+}
+
+#[test]
+fn fast_gemm_adds_its_k_parts_in_part_order() {
+    let rt = open();
+    let mut rng = Rng(34);
+    // Four K parts of 512 codes (k_parts: 5 or 7 column blocks), the last one short: 64, 128
+    // and 32 codes.
+    for (block, n, k) in [(32usize, 131usize, 1600usize), (128, 131, 1664)] {
+        let w = random_fp8_weight(&mut rng, n, k, block);
+        check_part_order(
+            &rt,
+            &mut rng,
+            &format!("fast gemm t{block}"),
+            &upload_fp8(&rt, &w),
+            |span| upload_fp8(&rt, &fp8_k_span(&w, span)),
+        );
+    }
+    let w = random_fp4_weight(&mut rng, 203, 1568);
+    check_part_order(
+        &rt,
+        &mut rng,
+        "fast fp4 gemm",
+        &upload_fp4(&rt, &w),
+        |span| upload_fp4(&rt, &fp4_k_span(&w, span)),
+    );
 }
 
 /// `row` with the sign of its largest element flipped: the same group scales, one code changed.
@@ -965,6 +1162,155 @@ fn gate_up_in_one_launch_gives_each_projection_its_own_bits() {
     println!(
         "GateUp: both planes bitwise their own launches in {checked} slot sets and tiles, bf16 \
          and f32 outputs"
+    );
+}
+
+/// Builds of the routed kernels with `shapes` (as the benchmark's tile sweep builds them, one
+/// NVRTC program), K in parts of `span` codes.
+fn routed_variants(rt: &KernelRuntime, shapes: &[TileShape], span: usize) -> Vec<FastVariant> {
+    let kernels = FastKernels::Fp4Routed;
+    let name = |shape: TileShape| format!("routed_parts_b{}", shape.tokens);
+    let mut source = String::from("#include \"gemm/gemm_fast.cuh\"\n");
+    for &shape in shapes {
+        source.push_str(&kernels.instantiation(&name(shape), shape));
+        source.push('\n');
+    }
+    let cubin = Compiler::new()
+        .expect("NVRTC")
+        .compile_text("routed_parts.cu", &source, rt.arch())
+        .expect("compile the routed builds");
+    let module = rt
+        .context()
+        .load_module(Ptx::from_binary(cubin))
+        .expect("load the routed builds");
+    shapes
+        .iter()
+        .map(|&shape| {
+            let function = module.load_function(&name(shape)).expect("a routed build");
+            let shared = kernels.shared_bytes(shape);
+            function
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )
+                .expect("allow its shared memory");
+            FastVariant {
+                name: name(shape),
+                function,
+                kernels,
+                shape,
+                span,
+            }
+        })
+        .collect()
+}
+
+/// The routed kernels with K in parts (launched only by the benchmark's sweep: builds of the 8-
+/// and 32-row routed tiles, 512-code spans): each slot's `w1` row bitwise the dense FP4 GEMM of
+/// its expert's weight on its token (the same body, the same 4 K parts of `k_parts`, added in
+/// part order by each output tile's last block), an unknown id's row +0 (every output starts as
+/// NaN), bf16 and f32 outputs. Negative control: the production's one-part launch gives other
+/// bits.
+#[test]
+fn routed_k_parts_give_the_dense_gemms_bits() {
+    let rt = open();
+    let mut rng = Rng(44);
+    let (n_experts, dim, inter, k) = (8usize, 1568usize, 96usize, 4usize);
+    let moe = FastMoe::new(&rt, &mut rng, (n_experts, dim, inter), 32);
+    let (span, parts) = k_parts(inter, dim);
+    assert_eq!((span, parts), (512, 4), "the dense GEMM's K parts");
+    let kernels = FastKernels::Fp4Routed;
+    let variants = routed_variants(
+        &rt,
+        &[kernels.auto_tile(8).1, kernels.auto_tile(32).1],
+        span,
+    );
+    let dense: Vec<FastFp4Weight> = moe
+        .experts
+        .iter()
+        .map(|[w1, _, _]| upload_fp4(&rt, w1))
+        .collect();
+    let stream = rt.stream();
+    let mut other_bits = 0;
+    for tokens in [1usize, 9, 40] {
+        let x = activations(&mut rng, tokens, dim);
+        let (mut ids, _) = random_routes(&mut rng, tokens, k, n_experts, None);
+        if tokens > 1 {
+            ids[k - 1] = (n_experts + 3) as u32;
+        }
+        let a =
+            quantize_act_fp8(&rt, &upload_bf16(&rt, &x), tokens, dim, ActGroup::G32).expect("q x");
+        let ids_d = stream.clone_htod(&ids).expect("ids");
+        let slots = ids.len();
+        // Each slot's row of its expert's dense GEMM on all the tokens, or zeros.
+        let expected = |per_expert: &[Vec<f32>]| -> Vec<f32> {
+            (0..slots)
+                .flat_map(|s| match per_expert.get(ids[s] as usize) {
+                    Some(y) => y[(s / k) * inter..(s / k + 1) * inter].to_vec(),
+                    None => vec![0.0; inter],
+                })
+                .collect()
+        };
+        let dense_f32: Vec<Vec<f32>> = dense
+            .iter()
+            .map(|w| run_gemm::<f32>(&rt, &a, w, FastTile::Auto, |v| v))
+            .collect();
+        let dense_bf16: Vec<Vec<f32>> = dense
+            .iter()
+            .map(|w| run_gemm::<bf16>(&rt, &a, w, FastTile::Auto, bf16::to_f32))
+            .collect();
+        let (expected_f32, expected_bf16) = (expected(&dense_f32), expected(&dense_bf16));
+        for variant in &variants {
+            let groups = ExpertGroups::fast_tile_rows(
+                &rt,
+                &ids_d,
+                &moe.table,
+                variant.shape.tokens as usize,
+            )
+            .expect("group slots");
+            let rows = RoutedRows {
+                x: &a,
+                groups: &groups,
+                x_row_div: k,
+                which: ExpertProjection::W1,
+            };
+            let what = format!("{tokens} tokens, {} in {parts} K parts", variant.name);
+            let mut y = stream
+                .clone_htod(&vec![f32::NAN; slots * inter])
+                .expect("y");
+            gemm_fp4_routed_fast_variant(&rt, rows, &moe.table, &mut y, variant).expect("f32");
+            let got = stream.clone_dtoh(&y).expect("download");
+            assert_bitwise(&format!("{what}, f32 out"), &got, &expected_f32);
+            let mut y = stream
+                .clone_htod(&vec![bf16::NAN; slots * inter])
+                .expect("y");
+            gemm_fp4_routed_fast_variant(&rt, rows, &moe.table, &mut y, variant).expect("bf16");
+            assert_bitwise(
+                &format!("{what}, bf16 out"),
+                &download_bf16(&rt, &y),
+                &expected_bf16,
+            );
+        }
+        let groups = slot_groups(&rt, &moe, &ids_d, FastTile::Auto);
+        let projection = RoutedFast {
+            x: &a,
+            x_row_div: k,
+            which: ExpertProjection::W1,
+            width: inter,
+        };
+        let one_part = routed_fast::<f32>(&rt, &moe, &groups, projection);
+        other_bits += differing(
+            &stream.clone_dtoh(&one_part).expect("download"),
+            &expected_f32,
+        );
+    }
+    assert!(
+        other_bits > 0,
+        "one K part gives the bits of four: the comparison cannot see the parts"
+    );
+    println!(
+        "routed builds in {parts} K parts: every slot's row bitwise its expert's dense GEMM; one \
+         part differs in {other_bits} outputs"
     );
 }
 

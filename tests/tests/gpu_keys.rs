@@ -24,9 +24,9 @@ use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, ListSegment, sparse_attention_sink_rows_f32,
+    AttentionRows, DeviceKeyLists, ListSegment, sparse_attention_sink_rows_f32,
 };
-use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, index_scores_rows_f32};
+use deepinfer_kernels::ops::index::{DeviceVisiblePrefixes, IndexRows, index_scores_rows_f32};
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_model::backend::{
     AttentionQueries, Backend, CompressedKeys, CpuBackend, IndexQueries, KeyList, PositionRing,
@@ -162,30 +162,18 @@ fn run_attention(
     let sink_device = stream.clone_htod(sink).expect("sink");
     let mut out_ptr = stream.alloc_zeros::<f32>(q.len()).expect("out");
     let mut out_flat = stream.alloc_zeros::<f32>(q.len()).expect("out");
-    sparse_attention_sink_rows_f32(
-        rt,
-        &q_device,
-        KeyRows::Table(table),
-        &device_lists,
-        &sink_device,
-        &mut out_ptr,
+    let rows = AttentionRows {
+        q: &q_device,
+        lists: &device_lists,
+        sink: &sink_device,
         head_dim,
         scale,
-        rounding_of(precision),
-    )
-    .expect("pointer-table attention");
-    sparse_attention_sink_rows_f32(
-        rt,
-        &q_device,
-        KeyRows::Flat(&keys.flat_device),
-        &device_lists,
-        &sink_device,
-        &mut out_flat,
-        head_dim,
-        scale,
-        rounding_of(precision),
-    )
-    .expect("flat attention");
+        rounding: rounding_of(precision),
+    };
+    sparse_attention_sink_rows_f32(rt, rows, KeyRows::Table(table), &mut out_ptr)
+        .expect("pointer-table attention");
+    sparse_attention_sink_rows_f32(rt, rows, KeyRows::Flat(&keys.flat_device), &mut out_flat)
+        .expect("flat attention");
     let key_rows = Tensor::from(&keys.flat[..]).split_rows(head_dim);
     let key_refs: Vec<QueryKeys<'_>> = lists
         .iter()
@@ -271,30 +259,18 @@ fn run_index(
     let len = prefixes.total().max(1);
     let mut scores_ptr = stream.alloc_zeros::<f32>(len).expect("scores");
     let mut scores_flat = stream.alloc_zeros::<f32>(len).expect("scores");
-    index_scores_rows_f32(
-        rt,
-        &q_device,
-        &w_device,
-        KeyRows::Table(table),
-        &prefixes,
-        &mut scores_ptr,
+    let rows = IndexRows {
+        q: &q_device,
+        w: &w_device,
+        visible: &prefixes,
         heads,
         head_dim,
-        rounding_of(precision),
-    )
-    .expect("pointer-table index scores");
-    index_scores_rows_f32(
-        rt,
-        &q_device,
-        &w_device,
-        KeyRows::Flat(&keys.flat_device),
-        &prefixes,
-        &mut scores_flat,
-        heads,
-        head_dim,
-        rounding_of(precision),
-    )
-    .expect("flat index scores");
+    };
+    let rounding = rounding_of(precision);
+    index_scores_rows_f32(rt, rows, KeyRows::Table(table), &mut scores_ptr, rounding)
+        .expect("pointer-table index scores");
+    let flat = KeyRows::Flat(&keys.flat_device);
+    index_scores_rows_f32(rt, rows, flat, &mut scores_flat, rounding).expect("flat index scores");
     let total = prefixes.total();
     let mut ptr = stream.clone_dtoh(&scores_ptr).expect("download");
     let mut flat = stream.clone_dtoh(&scores_flat).expect("download");
@@ -528,36 +504,30 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
     );
     let mut out = stream.alloc_zeros::<f32>(8).expect("out");
     let lists = DeviceKeyLists::upload(&rt, &[vec![0u32, 4]], 5).expect("lists");
+    let rows = AttentionRows {
+        q: &q,
+        lists: &lists,
+        sink: &sink,
+        head_dim: 8,
+        scale: 1.0,
+        rounding: Rounding::F32,
+    };
     shape_error(
         "lists beyond the table",
-        sparse_attention_sink_rows_f32(
-            &rt,
-            &q,
-            KeyRows::Table(&table),
-            &lists,
-            &sink,
-            &mut out,
-            8,
-            1.0,
-            Rounding::F32,
-        ),
+        sparse_attention_sink_rows_f32(&rt, rows, KeyRows::Table(&table), &mut out),
         "the key table has 4 rows of 8 values; the launch needs 5 rows of 8",
     );
     let lists = DeviceKeyLists::upload(&rt, &[vec![0u32, 3]], 4).expect("lists");
     let mut wide_out = stream.alloc_zeros::<f32>(4).expect("out");
+    let rows = AttentionRows {
+        q: &stream.clone_htod(&[0.25f32; 4]).expect("q"),
+        lists: &lists,
+        head_dim: 4,
+        ..rows
+    };
     shape_error(
         "row width differs from head_dim",
-        sparse_attention_sink_rows_f32(
-            &rt,
-            &stream.clone_htod(&[0.25f32; 4]).expect("q"),
-            KeyRows::Table(&table),
-            &lists,
-            &sink,
-            &mut wide_out,
-            4,
-            1.0,
-            Rounding::F32,
-        ),
+        sparse_attention_sink_rows_f32(&rt, rows, KeyRows::Table(&table), &mut wide_out),
         "rows of 8 values; the launch needs 4 rows of 4",
     );
     let w = stream.clone_htod(&[1.0f32]).expect("w");
@@ -565,16 +535,18 @@ fn pointer_tables_reject_bad_rows_and_shapes() {
     let index = |visible: usize| -> Result<Vec<f32>, KernelError> {
         let prefixes = DeviceVisiblePrefixes::upload(&rt, &[visible], visible).expect("prefixes");
         let mut scores = stream.alloc_zeros::<f32>(visible).expect("scores");
-        let keys = KeyRows::Table(&table);
+        let rows = IndexRows {
+            q: &q,
+            w: &w,
+            visible: &prefixes,
+            heads: 1,
+            head_dim: 8,
+        };
         index_scores_rows_f32(
             &rt,
-            &q,
-            &w,
-            keys,
-            &prefixes,
+            rows,
+            KeyRows::Table(&table),
             &mut scores,
-            1,
-            8,
             Rounding::F32,
         )?;
         Ok(stream.clone_dtoh(&scores).expect("download"))
@@ -599,18 +571,16 @@ fn attention_with(
 ) -> Vec<f32> {
     let stream = rt.stream();
     let mut out = stream.alloc_zeros::<f32>(q.len()).expect("out");
-    sparse_attention_sink_rows_f32(
-        rt,
-        &stream.clone_htod(q).expect("q"),
-        KeyRows::Table(&keys.table),
+    let rows = AttentionRows {
+        q: &stream.clone_htod(q).expect("q"),
         lists,
-        &stream.clone_htod(sink).expect("sink"),
-        &mut out,
+        sink: &stream.clone_htod(sink).expect("sink"),
         head_dim,
-        (head_dim as f32).powf(-0.5),
-        Rounding::Bf16,
-    )
-    .expect("attention");
+        scale: (head_dim as f32).powf(-0.5),
+        rounding: Rounding::Bf16,
+    };
+    sparse_attention_sink_rows_f32(rt, rows, KeyRows::Table(&keys.table), &mut out)
+        .expect("attention");
     stream.clone_dtoh(&out).expect("download")
 }
 

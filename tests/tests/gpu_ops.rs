@@ -16,8 +16,8 @@
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
 use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
-    Backend, CpuBackend, DenseWeight, EngramInjection, MaskedRows, Precision, RmsNorm, RowSampling,
-    StreamShape, Tensor,
+    Backend, CpuBackend, DenseWeight, EngramInjection, MaskedRows, Precision, RmsNorm, RopeTable,
+    Rotation, RowSampling, StreamShape, Tensor,
 };
 use deepinfer_model::engram::{EngramGate, EngramTable};
 use deepinfer_model::sampling::SamplingParams;
@@ -70,6 +70,7 @@ conformance! {
     rms_norms => super::cases::rms_norms,
     ropes => super::cases::ropes,
     qdqs => super::cases::qdqs,
+    rope_qdqs => super::cases::rope_qdqs,
     attention_one => super::cases::attention_one,
     attention_rows => super::cases::attention_rows,
     index_scores_one => super::cases::index_scores_one,
@@ -275,4 +276,141 @@ fn device_only_errors_name_the_problem() {
         err,
         deepinfer_model::backend::cuda::CudaBackendError::Op { .. }
     ));
+}
+
+/// A device tensor quantised for one FP8 GEMM feeds the next GEMM on the same values without a
+/// second quantisation (one launch fewer, the bits of a GEMM on a copy of the values quantised on
+/// its own); a bf16 RMSNorm's outputs come quantised from the norm's own launch; once the values
+/// change in place, the next GEMM quantises them again (a kept quantisation of the old values
+/// would give the old result), in both numerics.
+#[test]
+fn gemms_on_the_same_values_quantise_them_once() {
+    for numerics in [Numerics::Exact, Numerics::Fast] {
+        let gpu =
+            gpu_support::cuda_backend_in("gemms_on_the_same_values_quantise_them_once", numerics);
+        let mut rng = Rng(41);
+        let w1 = random_fp8_weight(&mut rng, 192, 512, 32);
+        let w2 = random_fp8_weight(&mut rng, 96, 512, 32);
+        let values = activations(&mut rng, 3, 512);
+        let on_device = |v: &[f32]| gpu.gather(&[(&Tensor::from(v), 0)], v.len());
+        let launches = || gpu.runtime().counts().launches;
+        let x = on_device(&values);
+        let start = launches();
+        drop(gpu.gemm_fp8(&x, &w1));
+        let first = launches() - start;
+        let start = launches();
+        let y = gpu.gemm_fp8(&x, &w2).to_vec();
+        assert_eq!(
+            launches() - start,
+            first - 1,
+            "{numerics:?}: the second GEMM on the same values quantises nothing"
+        );
+        let alone = gpu.gemm_fp8(&on_device(&values), &w2).to_vec();
+        assert!(
+            y.iter()
+                .zip(&alone)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{numerics:?}: the kept quantisation gives the GEMM's own bits"
+        );
+
+        let weight: Vec<f32> = (0..512).map(|i| 0.5 + i as f32 / 512.0).collect();
+        let norm = RmsNorm {
+            weight: &weight,
+            eps: 1e-6,
+            precision: Precision::Bf16,
+        };
+        let normed = gpu.rms_norm(&on_device(&values), norm);
+        let start = launches();
+        let y_normed = gpu.gemm_fp8(&normed, &w1).to_vec();
+        assert_eq!(
+            launches() - start,
+            first - 1,
+            "{numerics:?}: the norm's outputs come quantised"
+        );
+        let normed_values: Vec<f32> = normed.to_vec();
+        let alone = gpu.gemm_fp8(&on_device(&normed_values), &w1).to_vec();
+        assert!(
+            y_normed
+                .iter()
+                .zip(&alone)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{numerics:?}: the norm's quantisation gives the GEMM's own bits"
+        );
+
+        let halved = gpu.scale_at(x, 0.5, Precision::F32);
+        let start = launches();
+        let changed = gpu.gemm_fp8(&halved, &w2).to_vec();
+        assert_eq!(
+            launches() - start,
+            first,
+            "{numerics:?}: values changed in place are quantised again"
+        );
+        let want: Vec<f32> = values.iter().map(|v| v * 0.5).collect();
+        let want = gpu.gemm_fp8(&on_device(&want), &w2).to_vec();
+        assert!(
+            changed
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{numerics:?}: the GEMM after the change reads the changed values"
+        );
+        assert!(changed != y, "{numerics:?}: the change changes the result");
+    }
+}
+
+/// A step's rotations of the same positions (its queries, keys, inverse rotation and indexer in
+/// every layer) upload the positions once; other positions upload theirs; every rotation gives
+/// the CPU's bits (a kept copy of other positions would not).
+#[test]
+fn rotations_of_the_same_positions_upload_them_once() {
+    let gpu = cuda_backend("rotations_of_the_same_positions_upload_them_once");
+    let cpu = CpuBackend::new();
+    let table = RopeTable {
+        freqs: (0..16)
+            .map(|i| 1.0f32 / 10000f32.powf(i as f32 / 16.0))
+            .collect(),
+    };
+    let (rows, vectors, stride) = (3usize, 4usize, 64usize);
+    let step: Vec<usize> = vec![1021, 17, 4090];
+    let other: Vec<usize> = vec![1022, 18, 4091];
+    let uploads = || gpu.runtime().counts().htod_copies;
+    let rotate = |positions: &[usize], inverse: bool| {
+        let x = fp32_values(
+            &mut Rng(positions[0] as u64 + u64::from(inverse)),
+            rows * vectors * stride,
+        );
+        let rotation = Rotation {
+            table: &table,
+            positions,
+            inverse,
+            precision: Precision::Bf16,
+        };
+        let on_device = gpu.gather(&[(&Tensor::from(&x[..]), 0)], x.len());
+        let start = uploads();
+        let got = gpu.rope(on_device, (stride, vectors), &rotation).to_vec();
+        let uploaded = uploads() - start;
+        let want = cpu
+            .rope(Tensor::from(&x[..]), (stride, vectors), &rotation)
+            .into_vec();
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "positions {positions:?} inverse {inverse}: the CPU's bits"
+        );
+        uploaded
+    };
+    rotate(&step, false); // the cos/sin table and the step's positions
+    assert_eq!(
+        rotate(&step, true),
+        0,
+        "the same positions again: no upload"
+    );
+    assert_eq!(rotate(&step, false), 0, "and again");
+    assert_eq!(rotate(&other, false), 1, "other positions: one upload");
+    assert_eq!(
+        rotate(&step, false),
+        0,
+        "the step's positions are still kept"
+    );
 }

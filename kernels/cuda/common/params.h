@@ -76,6 +76,18 @@ struct RopeParams {
     u32_t inverse;  // 1: rotate by -angle (the de-rotation of attention outputs)
 };
 
+// RMSNorm (optional), RoPE and a QDQ point over rows of cols values (rope/rope_qdq.cuh): the last
+// rope_dim channels of every stride-wide vector rotated by the row's position.
+struct RopeQdqParams {
+    u32_t rows;
+    u32_t cols;
+    u32_t stride;
+    u32_t rope_dim;
+    u32_t table_rows;
+    u32_t inverse;  // 1: rotate by -angle
+    float eps;      // the norm's (unused without one)
+};
+
 // In-place QDQ over a flat f32 buffer of n values, in consecutive groups (the last may be short).
 struct QdqParams {
     u32_t n;

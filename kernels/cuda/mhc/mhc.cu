@@ -19,8 +19,8 @@ extern "C" __global__ void hc_collapse_f32(const float* x, const float* w, float
     mhc::hc_collapse(x, w, y, p);
 }
 
-extern "C" __global__ void hc_expand_f32(const float* y, const float* residual, const float* mix, float* out,
+extern "C" __global__ void hc_expand_f32(const float* y, const float* residual, const float* mixes, float* out,
                                          HcElementwiseParams p) {
     grid_dependency_sync();
-    mhc::hc_expand(y, residual, mix, out, p);
+    mhc::hc_expand(y, residual, mixes, out, p);
 }

@@ -10,7 +10,7 @@
 // thread runs which chain, never the operations of one. Block x >= TOKEN_TILE is K chain
 // c = x - TOKEN_TILE for the tile's tokens and every projection, as a small GEMM: the tile's x
 // rows and all projection rows are staged TILE_K values of K at a time in shared memory
-// (coalesced loads, the next tile's loads issued before the current one is used), lane = token
+// (coalesced cp.async copies, PARTIAL_STAGES passes in flight), lane = token
 // and warp w owns projections w, w + 8, ...; every thread FMAs its chains over the staged K in
 // K order (float4 reads of four consecutive K, used x, y, z, w). A projection row is so read
 // once per token tile instead of once per token, and a token's row once per K chain.
@@ -24,9 +24,10 @@
 // perfect pairwise tree (K chains is a power of two: each lane first adds its K / 32 adjacent
 // partials as a perfect subtree, then a shuffle-down tree over the 32 lanes -- offsets 1, 2, 4,
 // ... add left subtree + right subtree, the tree of refmath::PairwiseSum); then one warp does the
-// sigmoids and the Sinkhorn passes with a lane per comb cell (two for hc > 5 cells): every lane
-// recomputes its row's (or column's) sum in the reference's order (the same operations on the
-// same values, so the same bits for every lane of the row) and divides its own cell.
+// sigmoids and the Sinkhorn passes with a lane per comb cell (two for hc > 5 cells), the cells in
+// registers (CombCells): every lane gathers its row's (or column's) cells by shuffles and sums
+// them in the reference's order (the same operations on the same values, so the same bits for
+// every lane of the row) and divides its own cell.
 // Output per token: pre [hc], post [hc], comb [hc, hc].
 // hc_collapse / hc_expand: elementwise, token = blockIdx.y, each token with its own weights /
 // mixes; the k/j sums in stream order in fp32, one rounding (bf16 when p.round_bf16, else none).
@@ -43,19 +44,24 @@ constexpr u32_t PARTIAL_WARPS = PARTIAL_THREADS / 32;
 constexpr u32_t TOKEN_TILE = 32;         // tokens of a K-chain block: one per lane
 constexpr u32_t TILE_K = 32;             // K values staged per pass
 constexpr u32_t TILE_STRIDE = TILE_K + 4;  // float4 rows; 8 lanes' rows start in distinct banks
+constexpr u32_t PARTIAL_STAGES = 4;      // K passes in flight (cp.async)
 constexpr u32_t MAX_PROJECTIONS = (2 + MAX_HC) * MAX_HC;
 constexpr u32_t PROJECTIONS_PER_WARP = (MAX_PROJECTIONS + PARTIAL_WARPS - 1) / PARTIAL_WARPS;
-constexpr u32_t TOKENS_PER_WARP = TOKEN_TILE / PARTIAL_WARPS;
 constexpr u32_t MAX_CELLS_PER_LANE = (MAX_HC * MAX_HC + 31) / 32;
 
 __device__ __forceinline__ u32_t hc_mixes_tasks(HcMixesParams p) {
     return (2 + p.hc) * p.hc * refmath::sgemm_chains(p.n);
 }
 
+// Shared floats of a K-chain block's staged passes (hc_mixes_partials' dynamic shared memory):
+// PARTIAL_STAGES slots of [TOKEN_TILE token rows ++ projections rows][TILE_STRIDE].
+__host__ __device__ constexpr u32_t partial_stage_floats(u32_t projections) {
+    return PARTIAL_STAGES * (TOKEN_TILE + projections) * TILE_STRIDE;
+}
+
 __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __restrict__ proj,
                                   float* __restrict__ scratch, HcMixesParams p, u32_t tokens) {
-    __shared__ __align__(16) float x_tile[TOKEN_TILE][TILE_STRIDE];
-    __shared__ __align__(16) float w_tile[MAX_PROJECTIONS][TILE_STRIDE];
+    extern __shared__ __align__(16) float stages[];  // partial_stage_floats(projections)
     __shared__ float sum_scratch[refmath::torch_sum_split_scratch(PARTIAL_THREADS)];
     const u32_t tasks = hc_mixes_tasks(p);
     const u32_t token0 = blockIdx.y * TOKEN_TILE;
@@ -78,8 +84,8 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
     x += (size_t)token0 * p.n + start;
     proj += start;
     if (gridDim.y == 1) {
-        // Few tokens (decode): the K passes below would each wait on DRAM; ask for every line of
-        // the chain's rows at once, so that the passes find them in L2.
+        // Few tokens (decode): ask for every line of the chain's rows at once, so that the passes
+        // after the first PARTIAL_STAGES find them in L2.
         const u32_t lines = length / 32 + 2;  // 128-byte lines a row's chain may touch
         for (u32_t i = threadIdx.x; i < (valid + projections) * lines; i += PARTIAL_THREADS) {
             const u32_t row = i / lines;
@@ -88,38 +94,41 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
             asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
         }
     }
-    float x_next[TOKENS_PER_WARP];
-    float w_next[PROJECTIONS_PER_WARP];
-    // Thread (warp, lane) loads K offset + lane of token rows warp + 8i and projection rows
-    // warp + 8i (0 outside: those are stored but never used in an FMA).
-    const auto load = [&](u32_t offset) {
-        const bool inside = offset + lane < length;
-#pragma unroll
-        for (u32_t i = 0; i < TOKENS_PER_WARP; ++i) {
-            const u32_t t = warp + PARTIAL_WARPS * i;
-            x_next[i] = inside && t < valid ? x[(size_t)t * p.n + offset + lane] : 0.0f;
+    // Pass q stages K [q TILE_K, (q + 1) TILE_K) of the chain in slot q % PARTIAL_STAGES: row r <
+    // TOKEN_TILE is the tile's token r, row TOKEN_TILE + j projection j. Warp w copies the rows w,
+    // w + 8, ... of the valid tokens and the projections, lane = K offset (cp.async, 4 bytes,
+    // zero past the chain). Token rows past `valid` stay unwritten: their lanes compute sums that
+    // are never stored. Every pass commits one group (empty past the last pass), so waiting for
+    // all but PARTIAL_STAGES - 2 groups always completes pass q at iteration q.
+    const u32_t passes = (length + TILE_K - 1) / TILE_K;
+    const u32_t rows_per_slot = TOKEN_TILE + projections;
+    const auto slot = [&](u32_t q) { return stages + (size_t)(q % PARTIAL_STAGES) * rows_per_slot * TILE_STRIDE; };
+    const auto issue = [&](u32_t q) {
+        if (q < passes) {
+            float* tile = slot(q);
+            const u32_t k = q * TILE_K + lane;
+            const bool inside = k < length;
+            for (u32_t r = warp; r < valid + projections; r += PARTIAL_WARPS) {
+                const bool token = r < valid;
+                const u32_t row = token ? r : TOKEN_TILE + (r - valid);
+                const float* src = token ? x + (size_t)r * p.n + k : proj + (size_t)(r - valid) * p.n + k;
+                cp_async4(tile + row * TILE_STRIDE + lane, inside ? src : proj, inside);
+            }
         }
-#pragma unroll
-        for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) {
-            const u32_t row = warp + PARTIAL_WARPS * i;
-            w_next[i] = inside && row < projections ? proj[(size_t)row * p.n + offset + lane] : 0.0f;
-        }
+        cp_async_commit();
     };
+    for (u32_t q = 0; q + 1 < PARTIAL_STAGES; ++q) issue(q);
     float acc[PROJECTIONS_PER_WARP];
 #pragma unroll
     for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) acc[i] = 0.0f;
-    load(0);
-    const float* xs = x_tile[lane];
-    for (u32_t offset = 0; offset < length; offset += TILE_K) {
-        __syncthreads();  // every thread is done with the previous pass's tiles
-#pragma unroll
-        for (u32_t i = 0; i < TOKENS_PER_WARP; ++i) x_tile[warp + PARTIAL_WARPS * i][lane] = x_next[i];
-#pragma unroll
-        for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i)
-            if (warp + PARTIAL_WARPS * i < projections) w_tile[warp + PARTIAL_WARPS * i][lane] = w_next[i];
-        __syncthreads();
-        if (offset + TILE_K < length) load(offset + TILE_K);
-        const u32_t count = min(TILE_K, length - offset);
+    for (u32_t q = 0; q < passes; ++q) {
+        cp_async_wait<PARTIAL_STAGES - 2>();
+        __syncthreads();  // pass q visible to every thread; every thread is done with pass q - 1's slot
+        issue(q + PARTIAL_STAGES - 1);
+        const float* tile = slot(q);
+        const float* xs = tile + lane * TILE_STRIDE;
+        const float* ws = tile + TOKEN_TILE * TILE_STRIDE;
+        const u32_t count = min(TILE_K, length - q * TILE_K);
         if (count == TILE_K) {
 #pragma unroll
             for (u32_t kk = 0; kk < TILE_K; kk += 4) {
@@ -128,7 +137,7 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
                 for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) {
                     const u32_t row = warp + PARTIAL_WARPS * i;
                     if (row < projections) {
-                        const float4 wq = *reinterpret_cast<const float4*>(&w_tile[row][kk]);
+                        const float4 wq = *reinterpret_cast<const float4*>(ws + row * TILE_STRIDE + kk);
                         acc[i] = __fmaf_rn(xq.x, wq.x, acc[i]);
                         acc[i] = __fmaf_rn(xq.y, wq.y, acc[i]);
                         acc[i] = __fmaf_rn(xq.z, wq.z, acc[i]);
@@ -142,7 +151,7 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
 #pragma unroll
                 for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) {
                     const u32_t row = warp + PARTIAL_WARPS * i;
-                    if (row < projections) acc[i] = __fmaf_rn(xv, w_tile[row][kk], acc[i]);
+                    if (row < projections) acc[i] = __fmaf_rn(xv, ws[row * TILE_STRIDE + kk], acc[i]);
                 }
             }
         }
@@ -157,19 +166,53 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
     }
 }
 
-// Sum of row j (COLUMN: column j) of the hc x hc matrix c, from 0 in index order.
-template <bool COLUMN>
-__device__ __forceinline__ float comb_line_sum(const float* c, u32_t j, u32_t hc) {
-    float s = 0.0f;
-    for (u32_t k = 0; k < hc; ++k) s = __fadd_rn(s, COLUMN ? c[k * hc + j] : c[j * hc + k]);
-    return s;
-}
+// The comb matrix through the softmax and the Sinkhorn passes, held by one warp: lane l holds
+// cells l + 32 r in v[r]. A cell's value reaches every lane by shuffles.
+struct CombCells {
+    float v[MAX_CELLS_PER_LANE];
+    u32_t hc;
+
+    // Cell `cell`'s value, in every lane (all 32 lanes call it with their own `cell`).
+    __device__ __forceinline__ float at(u32_t cell) const {
+        float out = 0.0f;
+#pragma unroll
+        for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) {
+            const float got = __shfl_sync(0xffffffffu, v[r], cell % 32);
+            if (cell / 32 == r) out = got;
+        }
+        return out;
+    }
+
+    // Cell k of line j (COLUMN: column j, else row j).
+    template <bool COLUMN>
+    __device__ __forceinline__ u32_t cell_of(u32_t j, u32_t k) const {
+        return COLUMN ? k * hc + j : j * hc + k;
+    }
+
+    // The sum of line j, from 0 in index order (the reference's order).
+    template <bool COLUMN>
+    __device__ __forceinline__ float line_sum(u32_t j) const {
+        float s = 0.0f;
+#pragma unroll
+        for (u32_t k = 0; k < MAX_HC; ++k)
+            if (k < hc) s = __fadd_rn(s, at(cell_of<COLUMN>(j, k)));
+        return s;
+    }
+
+    // The largest value of row j.
+    __device__ __forceinline__ float row_max(u32_t j) const {
+        float m = -__uint_as_float(0x7f800000u);
+#pragma unroll
+        for (u32_t k = 0; k < MAX_HC; ++k)
+            if (k < hc) m = fmaxf(m, at(cell_of<false>(j, k)));
+        return m;
+    }
+};
 
 __device__ void hc_mixes(const float* __restrict__ scratch, const float* __restrict__ base,
                          const float* __restrict__ scale, float* __restrict__ out, HcMixesParams p) {
     extern __shared__ float token_partials[];  // [tasks + 1], staged with coalesced loads
     __shared__ float mixes[(2 + MAX_HC) * MAX_HC];
-    __shared__ float c[MAX_HC * MAX_HC];  // comb through the softmax and Sinkhorn passes
     const u32_t hc = p.hc;
     const u32_t projections = (2 + hc) * hc;
     const u32_t k_chains = refmath::sgemm_chains(p.n);
@@ -201,7 +244,8 @@ __device__ void hc_mixes(const float* __restrict__ scratch, const float* __restr
         if (lane == 0) mixes[row] = __fmul_rn(v, inv);
     }
     __syncthreads();
-    // One warp from here: lane l owns comb cells l and l + 32; __syncwarp orders the passes.
+    // One warp from here: lane l holds comb cells l and l + 32 (CombCells); every lane takes part
+    // in every shuffle, lanes past the cells on a cell of their own that they never store.
     if (threadIdx.x >= 32) return;
     const u32_t cells = hc * hc;
     float* pre = out;
@@ -212,56 +256,43 @@ __device__ void hc_mixes(const float* __restrict__ scratch, const float* __restr
         pre[k] = __fadd_rn(refmath::sigmoid(__fadd_rn(__fmul_rn(mixes[k], scale[0]), base[k])), p.hc_eps);
         post[k] = __fmul_rn(2.0f, refmath::sigmoid(__fadd_rn(__fmul_rn(mixes[hc + k], scale[1]), base[hc + k])));
     }
-    for (u32_t i = lane; i < cells; i += 32)
-        c[i] = __fadd_rn(__fmul_rn(mixes[2 * hc + i], scale[2]), base[2 * hc + i]);
-    __syncwarp();
-    float v[MAX_CELLS_PER_LANE];
+    CombCells c;
+    c.hc = hc;
+    u32_t row[MAX_CELLS_PER_LANE], column[MAX_CELLS_PER_LANE];
+#pragma unroll
+    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) {
+        const u32_t e = min(lane + 32 * r, cells - 1);
+        row[r] = e / hc;
+        column[r] = e % hc;
+        c.v[r] = __fadd_rn(__fmul_rn(mixes[2 * hc + e], scale[2]), base[2 * hc + e]);
+    }
     // Row softmax (+eps): the row's max and exps, then the row's sum of the exps.
-#pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) {
-        const u32_t e = lane + 32 * r;
-        if (e < cells) {
-            const float* row = c + e / hc * hc;
-            float max = -__uint_as_float(0x7f800000u);
-            for (u32_t k = 0; k < hc; ++k) max = fmaxf(max, row[k]);
-            // The reference's standalone torch.exp here is correctly rounded (CPU: quant::exp_f32_accurate).
-            v[r] = refmath::exp_accurate(__fsub_rn(c[e], max));
-        }
-    }
-    __syncwarp();
+    float v[MAX_CELLS_PER_LANE];
 #pragma unroll
     for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r)
-        if (lane + 32 * r < cells) c[lane + 32 * r] = v[r];
-    __syncwarp();
+        // The reference's standalone torch.exp here is correctly rounded (CPU: quant::exp_f32_accurate).
+        v[r] = refmath::exp_accurate(__fsub_rn(c.v[r], c.row_max(row[r])));
 #pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) {
-        const u32_t e = lane + 32 * r;
-        if (e < cells) v[r] = __fadd_rn(__fdiv_rn(c[e], comb_line_sum<false>(c, e / hc, hc)), p.hc_eps);
-    }
-    __syncwarp();
+    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) c.v[r] = v[r];
 #pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r)
-        if (lane + 32 * r < cells) c[lane + 32 * r] = v[r];
-    __syncwarp();
+    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) v[r] = __fadd_rn(__fdiv_rn(c.v[r], c.line_sum<false>(row[r])), p.hc_eps);
+#pragma unroll
+    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) c.v[r] = v[r];
     // Column normalisation, then (iters - 1) row/column passes: cell /= (line sum + eps).
     const u32_t column_passes = p.sinkhorn_iters > 0 ? p.sinkhorn_iters : 1;  // the first is unconditional
     for (u32_t pass = 1; pass < 2 * column_passes; ++pass) {
-        const bool column = pass % 2 == 1;
+        const bool by_column = pass % 2 == 1;
 #pragma unroll
         for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) {
-            const u32_t e = lane + 32 * r;
-            if (e < cells) {
-                const float s = column ? comb_line_sum<true>(c, e % hc, hc) : comb_line_sum<false>(c, e / hc, hc);
-                v[r] = __fdiv_rn(c[e], __fadd_rn(s, p.hc_eps));
-            }
+            const float sum = by_column ? c.line_sum<true>(column[r]) : c.line_sum<false>(row[r]);
+            v[r] = __fdiv_rn(c.v[r], __fadd_rn(sum, p.hc_eps));
         }
-        __syncwarp();
 #pragma unroll
-        for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r)
-            if (lane + 32 * r < cells) c[lane + 32 * r] = v[r];
-        __syncwarp();
+        for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) c.v[r] = v[r];
     }
-    for (u32_t i = lane; i < cells; i += 32) comb[i] = c[i];
+#pragma unroll
+    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r)
+        if (lane + 32 * r < cells) comb[lane + 32 * r] = c.v[r];
 }
 
 // y[t, d] = bf16(sum_k w[t, k] * x[t, k, d]), k in stream order from 0; t = blockIdx.y.
@@ -279,18 +310,19 @@ __device__ void hc_collapse(const float* __restrict__ x, const float* __restrict
 }
 
 // out[t, k, d] = bf16(post[k] * y[t, d] + sum_j comb[j, k] * residual[t, j, d]) with token t's
-// mix = post [hc] ++ comb [hc, hc] (mix [tokens, hc + hc * hc]); t = blockIdx.y. A thread takes
-// one d for every k: it reads the token's hc residual values of d once (hc <= MAX_HC).
+// mixes = pre [hc] ++ post [hc] ++ comb [hc, hc] (hc_mixes' rows: mixes [tokens, 2 hc + hc * hc],
+// read in place); t = blockIdx.y. A thread takes one d for every k: it reads the token's hc
+// residual values of d once (hc <= MAX_HC).
 __device__ void hc_expand(const float* __restrict__ y, const float* __restrict__ residual,
-                          const float* __restrict__ mix, float* __restrict__ out, HcElementwiseParams p) {
+                          const float* __restrict__ mixes, float* __restrict__ out, HcElementwiseParams p) {
     const u32_t d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= p.dim) return;
     const size_t token = blockIdx.y;
     y += token * p.dim;
     residual += token * p.hc * p.dim;
-    mix += token * (p.hc + p.hc * p.hc);
+    const float* post = mixes + token * (2 * p.hc + p.hc * p.hc) + p.hc;
+    const float* comb = post + p.hc;
     out += token * p.hc * p.dim;
-    const float* comb = mix + p.hc;
     float r[MAX_HC];
 #pragma unroll
     for (u32_t j = 0; j < MAX_HC; ++j) r[j] = j < p.hc ? residual[(size_t)j * p.dim + d] : 0.0f;
@@ -301,7 +333,7 @@ __device__ void hc_expand(const float* __restrict__ y, const float* __restrict__
         for (u32_t j = 0; j < MAX_HC; ++j) {
             if (j < p.hc) mixed = __fadd_rn(mixed, __fmul_rn(comb[j * p.hc + k], r[j]));
         }
-        const float v = __fadd_rn(__fmul_rn(mix[k], yd), mixed);
+        const float v = __fadd_rn(__fmul_rn(post[k], yd), mixed);
         out[(size_t)k * p.dim + d] = p.round_bf16 ? round_bf16_f32(v) : v;
     }
 }

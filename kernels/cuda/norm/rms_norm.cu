@@ -15,3 +15,12 @@ extern "C" __global__ void __launch_bounds__(rmsnorm::THREADS)
     grid_dependency_sync();
     rmsnorm::rms_norm<false>(x, w, y, p);
 }
+
+// As rms_norm_f32, and y's FP8 activations in groups of 32 (cols % 32 == 0): the next FP8 GEMM's
+// quantisation in the same pass.
+extern "C" __global__ void __launch_bounds__(rmsnorm::THREADS)
+    rms_norm_act_quant_g32_f32(const float* x, const float* w, float* y, u8_t* codes, float* scales,
+                               RmsNormParams p) {
+    grid_dependency_sync();
+    rmsnorm::rms_norm<true, true>(x, w, y, p, codes, scales);
+}

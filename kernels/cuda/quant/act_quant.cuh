@@ -32,6 +32,31 @@ __device__ __forceinline__ bool act_quant_span(unsigned long long total, unsigne
     return warp * ACT_QUANT_PER_WARP < total;
 }
 
+// The scale of a group whose largest magnitude is amax: P2(max(amax, 1e-4) * fp32(1/448)).
+__device__ __forceinline__ float act_quant_scale(float amax) {
+    const float inv448 = 1.0f / 448.0f;  // the fp32 constant c: multiply, do not divide
+    return p2_scale(__fmul_rn(fmaxf(amax, 1e-4f), inv448));
+}
+
+// The E4M3 code of v in a group of scale s, given inv_s = 1/s.
+__device__ __forceinline__ u8_t act_quant_code(float v, float inv_s) {
+    return e4m3_encode(fminf(fmaxf(__fmul_rn(v, inv_s), -448.0f), 448.0f));
+}
+
+// Quantises one value v a lane, element `index` of the rows-major activations, in a 32-group
+// that is the warp's 32 lanes (the warp's elements are one group, lane i its element i). Every
+// lane of the warp calls it.
+__device__ __forceinline__ void act_quant_g32_one(float v, unsigned long long index, u8_t* __restrict__ codes,
+                                                  float* __restrict__ scales) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (u32_t offset = 16; offset > 0; offset >>= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float s = act_quant_scale(amax);
+    codes[index] = act_quant_code(v, __frcp_rn(s));
+    if (threadIdx.x % 32 == 0) scales[index / 32] = s;
+}
+
 // Quantises a lane's 4 values v, elements [base, base + 4) of the rows-major activations (groups
 // tile each row exactly: cols % GROUP == 0, so every group is wholly inside or wholly past the
 // end). Every lane of the warp calls it (the group max is a shuffle over GROUP / 4
@@ -48,16 +73,11 @@ __device__ __forceinline__ void act_quant_lane(const float (&v)[ACT_QUANT_PER_LA
     for (u32_t offset = LANES / 2; offset > 0; offset >>= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     if (!valid) return;
-    amax = fmaxf(amax, 1e-4f);
-    const float inv448 = 1.0f / 448.0f;  // the fp32 constant c: multiply, do not divide
-    const float s = p2_scale(__fmul_rn(amax, inv448));
+    const float s = act_quant_scale(amax);
     const float inv_s = __frcp_rn(s);
     u32_t packed = 0;
 #pragma unroll
-    for (u32_t i = 0; i < ACT_QUANT_PER_LANE; ++i) {
-        const float q = fminf(fmaxf(__fmul_rn(v[i], inv_s), -448.0f), 448.0f);
-        packed |= (u32_t)e4m3_encode(q) << (8 * i);
-    }
+    for (u32_t i = 0; i < ACT_QUANT_PER_LANE; ++i) packed |= (u32_t)act_quant_code(v[i], inv_s) << (8 * i);
     *reinterpret_cast<u32_t*>(codes + base) = packed;
     if (lane % LANES == 0) scales[base / GROUP] = s;
 }

@@ -307,38 +307,46 @@ impl ListSegment {
 // SAFETY: a plain `#[repr(C)]` struct of integers, laid out as its CUDA mirror.
 unsafe impl DeviceRepr for ListSegment {}
 
-/// `out [t] = attention(q [t], its listed keys, sink)` for every query `t` of `lists`, in one
-/// launch (grid: heads × queries): `q`, `out` `[queries, heads, head_dim]`, `keys` at least
-/// `lists`' row count of `head_dim`-wide key rows, `sink [heads]`. A query with no keys gets 0
+/// A batch of attention queries, what both row-batched entries take beside their keys and
+/// output: query `t` of `q [queries, heads, head_dim]` attends to its listed key rows
+/// (`lists`) with the per-head `sink [heads]`, its scores scaled by `scale`, its outputs rounded
+/// per `rounding`.
+#[derive(Clone, Copy)]
+pub struct AttentionRows<'a> {
+    pub q: &'a CudaSlice<f32>,
+    pub lists: &'a DeviceKeyLists,
+    pub sink: &'a CudaSlice<f32>,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub rounding: Rounding,
+}
+
+/// `out [t] = attention(q [t], its listed keys, sink)` for every query `t` of `rows`, in one
+/// launch (grid: heads × queries): `out` `[queries, heads, head_dim]`, `keys` at least the
+/// lists' row count of `head_dim`-wide key rows. A query with no keys gets 0
 /// (only the sink). Each `(head, query)`'s result depends only on that query and its keys (one
 /// fixed reduction order): batch invariant. Rows read through a pointer table ([`KeyRows::Table`]) may lie
 /// in many separately allocated buffers, which must stay allocated until this launch has run (the
 /// table's constructors are `unsafe` for that promise; see [`super::key_table`]).
-#[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sink_rows_f32(
     rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
+    rows: AttentionRows<'_>,
     keys: KeyRows<'_>,
-    lists: &DeviceKeyLists,
-    sink: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
-    head_dim: usize,
-    scale: f32,
-    rounding: Rounding,
 ) -> Result<(), KernelError> {
     let kernel = keys.kernel(
         KernelId::SparseAttentionSinkRowsF32,
         KernelId::SparseAttentionSinkRowsPtrF32,
     );
     let op = kernel.symbol();
-    keys.check_covers(op, lists.key_buffer_rows, head_dim)?;
-    let params = rows_params(op, q, lists, sink, out, head_dim, scale, rounding)?;
+    keys.check_covers(op, rows.lists.key_buffer_rows, rows.head_dim)?;
+    let params = rows_params(op, rows, out)?;
     let cfg = launch_config(
-        (params.heads, dim(op, "queries", lists.queries)?, 1),
+        (params.heads, dim(op, "queries", rows.lists.queries)?, 1),
         THREADS,
         0,
     );
-    let mut launch = rows_launcher(rt, kernel, q, keys, lists, sink, out)?;
+    let mut launch = rows_launcher(rt, kernel, rows, keys, out)?;
     launch.arg(&params);
     // SAFETY: signature (const float* q, const float* keys | const unsigned long long* key_ptrs,
     // const u32_t* key_rows, const u32_t* row_starts, const float* sink, float* out,
@@ -357,36 +365,31 @@ pub fn sparse_attention_sink_rows_f32(
 fn rows_launcher<'a>(
     rt: &'a KernelRuntime,
     kernel: KernelId,
-    q: &'a CudaSlice<f32>,
+    rows: AttentionRows<'a>,
     keys: KeyRows<'a>,
-    lists: &'a DeviceKeyLists,
-    sink: &'a CudaSlice<f32>,
     out: &'a mut CudaSlice<f32>,
 ) -> Result<Launch<'a>, KernelError> {
     let mut launch = rt.launcher(kernel)?;
-    launch.arg(q);
+    launch.arg(rows.q);
     keys.push(&mut launch);
     launch
-        .arg(&lists.key_rows)
-        .arg(&lists.row_starts)
-        .arg(sink)
+        .arg(&rows.lists.key_rows)
+        .arg(&rows.lists.row_starts)
+        .arg(rows.sink)
         .arg(out);
     Ok(launch)
 }
 
-/// [`rows_launcher`] for the fast attention's kernel of `rounding`, in its whole-query form
-/// (`whole_queries`) or its split form, reading keys through `key_ptrs`.
-#[allow(clippy::too_many_arguments)]
+/// [`rows_launcher`] for the fast attention's kernel of the rows' rounding, in its whole-query
+/// form (`whole_queries`) or its split form, reading keys through `key_ptrs`.
 fn fast_rows_launcher<'a>(
     rt: &'a KernelRuntime,
     whole_queries: bool,
-    rounding: Rounding,
-    q: &'a CudaSlice<f32>,
+    rows: AttentionRows<'a>,
     key_ptrs: &'a DeviceKeyTable,
-    lists: &'a DeviceKeyLists,
-    sink: &'a CudaSlice<f32>,
     out: &'a mut CudaSlice<f32>,
 ) -> Result<Launch<'a>, KernelError> {
+    let rounding = rows.rounding;
     let kernel = if whole_queries {
         rounding.kernel(
             KernelId::SparseAttentionSinkRowsPtrFastWhole,
@@ -398,23 +401,24 @@ fn fast_rows_launcher<'a>(
             KernelId::SparseAttentionSinkRowsPtrFastF32,
         )
     };
-    let keys = KeyRows::Table(key_ptrs);
-    rows_launcher(rt, kernel, q, keys, lists, sink, out)
+    rows_launcher(rt, kernel, rows, KeyRows::Table(key_ptrs), out)
 }
 
 /// The checks and parameters every row-batched entry shares: `heads` from the sink, `head_dim`
-/// in range, q and out of `lists.queries` queries.
-#[allow(clippy::too_many_arguments)]
+/// in range, q and out of the lists' queries.
 fn rows_params(
     op: &'static str,
-    q: &CudaSlice<f32>,
-    lists: &DeviceKeyLists,
-    sink: &CudaSlice<f32>,
+    rows: AttentionRows<'_>,
     out: &CudaSlice<f32>,
-    head_dim: usize,
-    scale: f32,
-    rounding: Rounding,
 ) -> Result<AttentionParams, KernelError> {
+    let AttentionRows {
+        q,
+        lists,
+        sink,
+        head_dim,
+        scale,
+        rounding,
+    } = rows;
     let heads = sink.len();
     ensure(
         head_dim != 0 && head_dim <= MAX_HEAD_DIM && heads != 0,
@@ -578,19 +582,20 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
 /// depends only on the query's key count. Deterministic and batch invariant; not bitwise equal
 /// to the exact kernel. Needs [`fast_attention_supports`]. `blocks` chooses the launch's form
 /// where it says (tests); every form gives the same bits.
-#[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sink_rows_ptr_fast(
     rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
+    rows: AttentionRows<'_>,
     key_ptrs: &DeviceKeyTable,
-    lists: &DeviceKeyLists,
-    sink: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
-    head_dim: usize,
-    scale: f32,
-    rounding: Rounding,
     blocks: FastAttentionBlocks,
 ) -> Result<(), KernelError> {
+    let AttentionRows {
+        lists,
+        sink,
+        head_dim,
+        rounding,
+        ..
+    } = rows;
     ensure(fast_attention_supports(head_dim, key_ptrs), FAST_OP, || {
         format!(
             "head_dim {head_dim} must be one of {FAST_HEAD_DIMS:?} and every key row 16-byte \
@@ -599,7 +604,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         )
     })?;
     KeyRows::Table(key_ptrs).check_covers(FAST_OP, lists.key_buffer_rows, head_dim)?;
-    let params = rows_params(FAST_OP, q, lists, sink, out, head_dim, scale, rounding)?;
+    let params = rows_params(FAST_OP, rows, out)?;
     if let Some(block) = blocks.heads {
         ensure(block.fits(rounding), FAST_OP, || {
             format!("{block:?} is wider than the {rounding:?} kernels' blocks")
@@ -623,17 +628,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
                 >= FAST_WHOLE_MIN_BLOCKS
     });
     if whole {
-        return launch_whole_queries(
-            rt,
-            q,
-            key_ptrs,
-            lists,
-            sink,
-            out,
-            &params,
-            rounding,
-            whole_block,
-        );
+        return launch_whole_queries(rt, rows, key_ptrs, out, &params, whole_block);
     }
     let head_block = blocks.heads;
     // Each launch's queries write their splits' results (acc and stats of every head) to scratch.
@@ -671,7 +666,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         let count = dim(FAST_OP, "queries", count)?;
         let query0 = dim(FAST_OP, "first query", query0)?;
         let mut launch =
-            fast_rows_launcher(rt, false, rounding, q, key_ptrs, lists, sink, &mut *out)?;
+            fast_rows_launcher(rt, false, rows, key_ptrs, &mut *out)?;
         launch
             .arg(&mut split_acc)
             .arg(&mut split_stats)
@@ -730,18 +725,20 @@ pub fn sparse_attention_sink_rows_ptr_fast(
 /// or `_fast_f32_whole` by `rounding`: each block runs its query's splits one after the other and
 /// merges them as the split blocks' combine does), `block` heads a block (at most
 /// [`FAST_WHOLE_THREADS`] threads; one that fits the rounding's kernel).
-#[allow(clippy::too_many_arguments)]
 fn launch_whole_queries(
     rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
+    rows: AttentionRows<'_>,
     key_ptrs: &DeviceKeyTable,
-    lists: &DeviceKeyLists,
-    sink: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
     params: &AttentionParams,
-    rounding: Rounding,
     block: FastHeadBlock,
 ) -> Result<(), KernelError> {
+    let AttentionRows {
+        lists,
+        sink,
+        rounding,
+        ..
+    } = rows;
     let heads = sink.len();
     let head_dim = params.head_dim as usize;
     ensure(
@@ -765,7 +762,7 @@ fn launch_whole_queries(
         )?;
         let query0 = dim(FAST_OP, "first query", query0)?;
         let mut launch =
-            fast_rows_launcher(rt, true, rounding, q, key_ptrs, lists, sink, &mut *out)?;
+            fast_rows_launcher(rt, true, rows, key_ptrs, &mut *out)?;
         launch.arg(&query0).arg(params);
         // SAFETY: signature (const float* q, const unsigned long long* key_ptrs, const u32_t*
         // key_rows, const u32_t* row_starts, const float* sink, float* out, u32_t query0,

@@ -360,7 +360,8 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
 }
 
 /// Allows `function` the dynamic shared memory of fast GEMM `id`, of the fast linear's wide
-/// tile, of the fast attention or of the fast indexer (above the 48 KiB default).
+/// tile, of the fast attention, of the fast indexer or of the mHC partials (above the 48 KiB
+/// default).
 pub(crate) fn allow_shared(
     id: KernelId,
     function: &cudarc::driver::CudaFunction,
@@ -369,6 +370,7 @@ pub(crate) fn allow_shared(
         .or_else(|| super::linear_fast::dynamic_shared_bytes(id))
         .or_else(|| super::attention::dynamic_shared_bytes(id))
         .or_else(|| super::index::dynamic_shared_bytes(id))
+        .or_else(|| super::mhc::dynamic_shared_bytes(id))
     {
         function
             .set_attribute(

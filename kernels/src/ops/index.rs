@@ -257,31 +257,43 @@ impl DeviceVisiblePrefixes {
     }
 }
 
-/// Index scores of every query `t` of `visible` (`q [queries, heads, head_dim]`, head weights
-/// `w [queries, heads]`) against its `visible[t]` key rows of `keys` from row `first[t]` (`head_dim` values
-/// each), in one launch (grid: max visible × queries), into the flat `scores [visible.total()]`
+/// A batch of index-score queries, what both row-batched entries take beside their keys and
+/// scores: query `t` of `visible` (`q [queries, heads, head_dim]`, head weights
+/// `w [queries, heads]`) sees its `visible[t]` key rows from row `first[t]`.
+#[derive(Clone, Copy)]
+pub struct IndexRows<'a> {
+    pub q: &'a CudaSlice<f32>,
+    pub w: &'a CudaSlice<f32>,
+    pub visible: &'a DeviceVisiblePrefixes,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+/// Index scores of every query of `rows` against its visible key rows of `keys` (`head_dim`
+/// values each), in one launch (grid: max visible × queries), into the flat `scores [visible.total()]`
 /// (query after query). Each score is exactly what [`index_scores_f32`] gives that query alone.
 /// Rows read through a pointer table ([`KeyRows::Table`]) may lie in many separately allocated
 /// buffers, which must stay allocated until this launch has run (see [`super::key_table`]).
-#[allow(clippy::too_many_arguments)]
 pub fn index_scores_rows_f32(
     rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
-    w: &CudaSlice<f32>,
+    rows: IndexRows<'_>,
     keys: KeyRows<'_>,
-    visible: &DeviceVisiblePrefixes,
     scores: &mut CudaSlice<f32>,
-    heads: usize,
-    head_dim: usize,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
+    let IndexRows {
+        visible,
+        heads,
+        head_dim,
+        ..
+    } = rows;
     let kernel = keys.kernel(
         KernelId::IndexScoresRowsF32,
         KernelId::IndexScoresRowsPtrF32,
     );
     let op = kernel.symbol();
     check_heads(op, heads, head_dim)?;
-    check_rows(op, (q, w, keys), visible, scores, heads, head_dim)?;
+    check_rows(op, rows, keys, scores)?;
     if visible.max_visible == 0 {
         return Ok(());
     }
@@ -298,7 +310,7 @@ pub fn index_scores_rows_f32(
     );
     let views = visible.views();
     let mut launch = rt.launcher(kernel)?;
-    push_rows(&mut launch, (q, w, keys), &views, scores);
+    push_rows(&mut launch, rows, keys, &views, scores);
     launch.arg(&params);
     // SAFETY: signature (const float* q, const float* w, const float* keys | const unsigned long
     // long* key_ptrs, const u32_t* visible, const u32_t* first_keys, const u32_t* score_starts,
@@ -329,18 +341,19 @@ pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
 /// depends on which. `queries_per_block` (1 ..= 8) chooses that where it says (tests); `None`
 /// takes the most that still give the launch [`FAST_MIN_BLOCKS`] blocks (a decode step's few
 /// queries: one a block). Needs [`fast_index_supports`].
-#[allow(clippy::too_many_arguments)]
 pub fn index_scores_rows_ptr_fast(
     rt: &KernelRuntime,
-    q: &CudaSlice<f32>,
-    w: &CudaSlice<f32>,
+    rows: IndexRows<'_>,
     key_ptrs: &DeviceKeyTable,
-    visible: &DeviceVisiblePrefixes,
     scores: &mut CudaSlice<f32>,
-    heads: usize,
-    head_dim: usize,
     queries_per_block: Option<usize>,
 ) -> Result<(), KernelError> {
+    let IndexRows {
+        visible,
+        heads,
+        head_dim,
+        ..
+    } = rows;
     let op = KernelId::IndexScoresRowsPtrFast.symbol();
     ensure(fast_index_supports(heads, head_dim, key_ptrs), op, || {
         format!(
@@ -350,7 +363,7 @@ pub fn index_scores_rows_ptr_fast(
         )
     })?;
     let keys = KeyRows::Table(key_ptrs);
-    check_rows(op, (q, w, keys), visible, scores, heads, head_dim)?;
+    check_rows(op, rows, keys, scores)?;
     if visible.max_visible == 0 {
         return Ok(());
     }
@@ -384,7 +397,7 @@ pub fn index_scores_rows_ptr_fast(
     );
     let views = visible.views();
     let mut launch = rt.launcher(KernelId::IndexScoresRowsPtrFast)?;
-    push_rows(&mut launch, (q, w, keys), &views, scores);
+    push_rows(&mut launch, rows, keys, &views, scores);
     let group = dim(op, "queries a block", group)?;
     launch.arg(&queries).arg(&group).arg(&params);
     // SAFETY: signature (const float* q, const float* w, const unsigned long long* key_ptrs,
@@ -403,12 +416,17 @@ pub fn index_scores_rows_ptr_fast(
 /// the offsets place each query's scores inside `scores`.
 fn check_rows(
     op: &'static str,
-    (q, w, keys): (&CudaSlice<f32>, &CudaSlice<f32>, KeyRows<'_>),
-    visible: &DeviceVisiblePrefixes,
+    rows: IndexRows<'_>,
+    keys: KeyRows<'_>,
     scores: &CudaSlice<f32>,
-    heads: usize,
-    head_dim: usize,
 ) -> Result<(), KernelError> {
+    let IndexRows {
+        q,
+        w,
+        visible,
+        heads,
+        head_dim,
+    } = rows;
     keys.check_covers(op, visible.keys, head_dim)?;
     expect_len(op, "q", q.len(), visible.queries * heads * head_dim)?;
     expect_len(op, "w", w.len(), visible.queries * heads)?;
@@ -419,11 +437,12 @@ fn check_rows(
 /// the first key rows, the score offsets ([`DeviceVisiblePrefixes::views`]) and the scores.
 fn push_rows<'a>(
     launch: &mut Launch<'a>,
-    (q, w, keys): (&'a CudaSlice<f32>, &'a CudaSlice<f32>, KeyRows<'a>),
+    rows: IndexRows<'a>,
+    keys: KeyRows<'a>,
     (counts, starts, first): &'a (CudaView<'a, u32>, CudaView<'a, u32>, CudaView<'a, u32>),
     scores: &'a mut CudaSlice<f32>,
 ) {
-    launch.arg(q).arg(w);
+    launch.arg(rows.q).arg(rows.w);
     keys.push(launch);
     launch.arg(counts).arg(first).arg(starts).arg(scores);
 }

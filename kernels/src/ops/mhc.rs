@@ -26,6 +26,22 @@ const TOKEN_TILE: usize = 32;
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Must match `mhc::MAX_HC`.
 pub const MAX_HC: usize = 8;
+/// Must match `mhc::PARTIAL_STAGES` and `mhc::TILE_STRIDE`: a K-chain block stages its passes in
+/// `PARTIAL_STAGES` slots of `TOKEN_TILE + projections` rows of `TILE_STRIDE` floats.
+const PARTIAL_STAGES: usize = 4;
+const TILE_STRIDE: usize = 36;
+
+/// The dynamic shared memory of the partials launch for `projections` projections
+/// (`mhc::partial_stage_floats`).
+fn partial_stage_bytes(projections: usize) -> usize {
+    PARTIAL_STAGES * (TOKEN_TILE + projections) * TILE_STRIDE * 4
+}
+
+/// The dynamic shared memory the partials kernel is allowed: that of `MAX_HC`'s projections.
+pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
+    let most = partial_stage_bytes((2 + MAX_HC) * MAX_HC) as u32;
+    (id == KernelId::HcMixesPartialsF32).then_some(most)
+}
 /// The most tokens one collapse / expand launch takes (the grid's y limit).
 pub const MAX_TOKENS_PER_LAUNCH: usize = 65_535;
 
@@ -116,7 +132,7 @@ pub fn hc_mixes_rows_f32(
             1,
         ),
         PARTIAL_THREADS,
-        0,
+        dim(OP, "partials' shared memory", partial_stage_bytes(projections))?,
     );
     let mut launch = rt.launcher(KernelId::HcMixesPartialsF32)?;
     launch
@@ -128,7 +144,8 @@ pub fn hc_mixes_rows_f32(
     // SAFETY: signature (const float* x, const float* proj, float* scratch, HcMixesParams,
     // u32_t tokens); x holds tokens * n and proj projections * n values (checked above), scratch
     // tokens * (tasks + 1); grid.x = TOKEN_TILE sum-of-squares blocks + one block per K chain,
-    // grid.y = the token tiles covering `tokens` (the kernel skips tokens >= tokens).
+    // grid.y = the token tiles covering `tokens` (the kernel skips tokens >= tokens); the dynamic
+    // shared memory holds the staged passes of `projections` (at most MAX_HC's, as allowed).
     unsafe { launch.launch(partials_cfg) }?;
     let cfg = launch_config(
         (token_grid, 1, 1),
@@ -216,23 +233,23 @@ pub fn hc_collapse_rows_f32(
 }
 
 /// `out [t, k, dim] = round(post_k · y [t] + Σ_j comb[j, k] · residual [t, j, dim])` for every
-/// token `t` with its own `mix [t] = post [hc] ++ comb [hc, hc]` (`mix [tokens, hc + hc²]`), in
-/// one launch (grid.y = token).
+/// token `t` with its own mixes, read in place from [`hc_mixes_rows_f32`]'s rows
+/// (`mixes [tokens, 2 · hc + hc²]`, each `pre ++ post ++ comb`), in one launch (grid.y = token).
 pub fn hc_expand_rows_f32(
     rt: &KernelRuntime,
     y: &CudaSlice<f32>,
     residual: &CudaSlice<f32>,
-    mix: &CudaSlice<f32>,
+    mixes: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
     hc: usize,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     const OP: &str = "hc_expand_f32";
-    let mix_width = hc + hc * hc;
-    let tokens = whole_rows(OP, mix.len(), mix_width, || {
+    let mix_width = 2 * hc + hc * hc;
+    let tokens = whole_rows(OP, mixes.len(), mix_width, || {
         format!(
-            "mix holds {} values, not whole tokens of {mix_width} (hc = {hc})",
-            mix.len()
+            "mixes hold {} values, not whole tokens of {mix_width} (hc = {hc})",
+            mixes.len()
         )
     })?;
     let width = y.len().checked_div(tokens).unwrap_or(0);
@@ -253,10 +270,10 @@ pub fn hc_expand_rows_f32(
         0,
     );
     let mut launch = rt.launcher(KernelId::HcExpandF32)?;
-    launch.arg(y).arg(residual).arg(mix).arg(out).arg(&params);
-    // SAFETY: signature (const float* y, const float* residual, const float* mix, float* out,
-    // HcElementwiseParams); y holds tokens * dim, residual and out tokens * hc * dim, mix tokens *
-    // (hc + hc²) values (checked above), hc <= MAX_HC (the kernel's residual registers),
+    launch.arg(y).arg(residual).arg(mixes).arg(out).arg(&params);
+    // SAFETY: signature (const float* y, const float* residual, const float* mixes, float* out,
+    // HcElementwiseParams); y holds tokens * dim, residual and out tokens * hc * dim, mixes
+    // tokens * (2hc + hc²) values (checked above), hc <= MAX_HC (the kernel's residual registers),
     // grid.y = tokens <= the grid limit; the kernel bounds-checks d < dim.
     unsafe { launch.launch(cfg) }
 }
@@ -273,6 +290,20 @@ mod tests {
         assert!(SOURCE.contains(&format!(" TOKEN_TILE = {TOKEN_TILE};")));
         assert!(SOURCE.contains(&format!(" MAX_HC = {MAX_HC};")));
         assert!(SOURCE.contains(&format!(" THREADS = {THREADS};")));
+        assert!(SOURCE.contains(&format!(" PARTIAL_STAGES = {PARTIAL_STAGES};")));
+        assert!(SOURCE.contains("TILE_K = 32;") && SOURCE.contains("TILE_STRIDE = TILE_K + 4;"));
+        assert_eq!(TILE_STRIDE, 32 + 4);
+    }
+
+    #[test]
+    fn the_partials_stages_fit_the_allowed_shared_memory() {
+        // V4.1 (hc 4, 24 projections) stays under the 48 KiB default; MAX_HC's 80 fit an SM.
+        assert_eq!(partial_stage_bytes(24), 4 * 56 * 36 * 4);
+        assert!(partial_stage_bytes(24) <= 48 * 1024);
+        let most = dynamic_shared_bytes(KernelId::HcMixesPartialsF32).unwrap() as usize;
+        assert_eq!(most, partial_stage_bytes(80));
+        assert!(most + 5 * 1024 <= 227 * 1024);
+        assert_eq!(dynamic_shared_bytes(KernelId::HcMixesF32), None);
     }
 
     #[test]

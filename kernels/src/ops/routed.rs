@@ -183,139 +183,68 @@ pub struct ExpertRefs<'a, W> {
     pub w2: &'a W,
 }
 
-/// What the table needs of a device weight.
-trait TableWeight {
-    const FORMAT: ExpertFormat;
-    fn shape(&self) -> (usize, usize);
-    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>);
-    /// A shape error unless the weight's format is one the routed kernels read.
-    fn check(&self, _op: &'static str) -> Result<(), KernelError> {
-        Ok(())
-    }
-}
-
-impl TableWeight for DeviceFp4Weight {
-    const FORMAT: ExpertFormat = ExpertFormat::Fp4;
-    fn shape(&self) -> (usize, usize) {
-        (self.out, self.inp)
-    }
-    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
-        (&self.packed, &self.scales)
-    }
-}
-
-impl TableWeight for FastFp4Weight {
-    const FORMAT: ExpertFormat = ExpertFormat::Fp4Fast;
-    fn shape(&self) -> (usize, usize) {
-        (self.out, self.inp)
-    }
-    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
-        (&self.chunks, &self.band_scales)
-    }
-}
-
-impl TableWeight for DeviceFp8Weight {
-    const FORMAT: ExpertFormat = ExpertFormat::Fp8T32;
-    fn shape(&self) -> (usize, usize) {
-        (self.out, self.inp)
-    }
-    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
-        (&self.codes, &self.scales)
-    }
-    fn check(&self, op: &'static str) -> Result<(), KernelError> {
-        ensure(self.tile == 32, op, || {
-            format!("FP8 expert with {0}x{0} tiles (only 32x32)", self.tile)
-        })
-    }
-}
-
 /// The device address table of one layer's routed experts, all of one shape (`w1`, `w3`
-/// `[inter, dim]`, `w2` `[dim, inter]`) and one format: `[3][n_experts][2]` addresses (codes,
-/// scales) of w1, w3, w2. Built once from the cached weights; it does not own them.
+/// `[inter, dim]`, `w2` `[dim, inter]`): `[3][n_experts][2]` addresses (codes, scales) of w1, w3,
+/// w2, and the experts' `format` ([`ExpertFormat`] for the routed GEMMs' [`DeviceExpertTable`],
+/// one per projection for the exact linears' [`super::routed_exact::DeviceExactExpertTable`]).
+/// Built once from the cached weights; it does not own them.
 #[derive(Debug)]
-pub struct DeviceExpertTable {
-    format: ExpertFormat,
+pub struct ExpertTable<F> {
+    format: F,
     n_experts: usize,
     dim: usize,
     inter: usize,
     addresses: CudaSlice<u64>,
 }
 
-impl DeviceExpertTable {
-    /// The table of FP4 experts (expert `e` is `experts[e]`).
-    ///
-    /// # Safety
-    /// The table keeps the weights' device addresses, not the weights: every weight in `experts`
-    /// must stay alive (and unmoved on the device) for as long as launches read this table.
-    pub unsafe fn fp4(
-        rt: &KernelRuntime,
-        experts: &[ExpertRefs<'_, DeviceFp4Weight>],
-    ) -> Result<DeviceExpertTable, KernelError> {
-        DeviceExpertTable::build(rt, "DeviceExpertTable::fp4", experts)
-    }
+/// The table of the routed GEMMs ([`gemm_routed`], [`super::routed_fast::gemm_fp4_routed_fast`]):
+/// every weight of one [`ExpertFormat`].
+pub type DeviceExpertTable = ExpertTable<ExpertFormat>;
 
-    /// The table of FP8 experts with 32×32 tiles.
-    ///
-    /// # Safety
-    /// As [`DeviceExpertTable::fp4`]: the weights must outlive every launch reading the table.
-    pub unsafe fn fp8(
-        rt: &KernelRuntime,
-        experts: &[ExpertRefs<'_, DeviceFp8Weight>],
-    ) -> Result<DeviceExpertTable, KernelError> {
-        DeviceExpertTable::build(rt, "DeviceExpertTable::fp8", experts)
-    }
+/// One weight of an expert, as a table holds it: its shape `(out, inp)` and the device addresses
+/// of its codes (or values) and scales.
+pub(super) struct TableEntry {
+    pub(super) shape: (usize, usize),
+    pub(super) codes: u64,
+    pub(super) scales: u64,
+}
 
-    /// The table of FP4 experts laid out for the `fast` GEMM.
-    ///
-    /// # Safety
-    /// As [`DeviceExpertTable::fp4`]: the weights must outlive every launch reading the table.
-    pub unsafe fn fp4_fast(
-        rt: &KernelRuntime,
-        experts: &[ExpertRefs<'_, FastFp4Weight>],
-    ) -> Result<DeviceExpertTable, KernelError> {
-        DeviceExpertTable::build(rt, "DeviceExpertTable::fp4_fast", experts)
-    }
-
-    fn build<W: TableWeight>(
+impl<F: Copy> ExpertTable<F> {
+    /// The table of `experts` in `format`: `entries(e, expert)` checks expert `e`'s weights and
+    /// gives them, `[w1, w3, w2]`; every expert has expert 0's shapes.
+    pub(super) fn upload<E>(
         rt: &KernelRuntime,
         op: &'static str,
-        experts: &[ExpertRefs<'_, W>],
-    ) -> Result<DeviceExpertTable, KernelError> {
+        format: F,
+        experts: &[E],
+        entries: impl Fn(usize, &E) -> Result<[TableEntry; 3], KernelError>,
+    ) -> Result<ExpertTable<F>, KernelError> {
         let Some(first) = experts.first() else {
             return Err(shape_error(op, "no experts"));
         };
-        let (inter, dim) = first.w1.shape();
-        ensure(experts.len() <= MAX_EXPERTS, op, || {
-            format!("{} experts (at most {MAX_EXPERTS})", experts.len())
-        })?;
-        let stream = rt.stream();
+        let [w1, ..] = entries(0, first)?;
+        let (inter, dim) = w1.shape;
         let mut addresses = vec![0u64; 3 * experts.len() * 2];
         for (e, expert) in experts.iter().enumerate() {
-            for (projection, weight, expected) in [
-                (ExpertProjection::W1, expert.w1, (inter, dim)),
-                (ExpertProjection::W3, expert.w3, (inter, dim)),
-                (ExpertProjection::W2, expert.w2, (dim, inter)),
-            ] {
-                weight.check(op)?;
-                ensure(weight.shape() == expected, op, || {
+            let projections = [ExpertProjection::W1, ExpertProjection::W3, ExpertProjection::W2];
+            for (projection, weight) in projections.into_iter().zip(entries(e, expert)?) {
+                let expected = projection.shape(dim, inter);
+                ensure(weight.shape == expected, op, || {
                     format!(
                         "expert {e} {projection:?} is {:?}, expected {expected:?} (as expert 0)",
-                        weight.shape()
+                        weight.shape
                     )
                 })?;
-                let (codes, scales) = weight.buffers();
-                let (codes_ptr, _codes_read) = codes.device_ptr(stream);
-                let (scales_ptr, _scales_read) = scales.device_ptr(stream);
                 let at = (projection.slot() as usize * experts.len() + e) * 2;
-                addresses[at] = codes_ptr;
-                addresses[at + 1] = scales_ptr;
+                addresses[at] = weight.codes;
+                addresses[at + 1] = weight.scales;
             }
         }
         let addresses = rt
             .htod(&addresses)
             .map_err(KernelError::driver("uploading the expert address table"))?;
-        Ok(DeviceExpertTable {
-            format: W::FORMAT,
+        Ok(ExpertTable {
+            format,
             n_experts: experts.len(),
             dim,
             inter,
@@ -323,7 +252,8 @@ impl DeviceExpertTable {
         })
     }
 
-    pub fn format(&self) -> ExpertFormat {
+    /// The experts' format (of the whole table or per projection, as `F` says).
+    pub fn format(&self) -> F {
         self.format
     }
 
@@ -344,6 +274,80 @@ impl DeviceExpertTable {
     /// The device address table, `[3][n_experts][2]` (codes, scales).
     pub(super) fn addresses(&self) -> &CudaSlice<u64> {
         &self.addresses
+    }
+}
+
+impl DeviceExpertTable {
+    /// The table of FP4 experts (expert `e` is `experts[e]`).
+    ///
+    /// # Safety
+    /// The table keeps the weights' device addresses, not the weights: every weight in `experts`
+    /// must stay alive (and unmoved on the device) for as long as launches read this table.
+    pub unsafe fn fp4(
+        rt: &KernelRuntime,
+        experts: &[ExpertRefs<'_, DeviceFp4Weight>],
+    ) -> Result<DeviceExpertTable, KernelError> {
+        let op = "DeviceExpertTable::fp4";
+        DeviceExpertTable::build(rt, op, ExpertFormat::Fp4, experts, |w| {
+            Ok(((w.out, w.inp), &w.packed, &w.scales))
+        })
+    }
+
+    /// The table of FP8 experts with 32×32 tiles.
+    ///
+    /// # Safety
+    /// As [`DeviceExpertTable::fp4`]: the weights must outlive every launch reading the table.
+    pub unsafe fn fp8(
+        rt: &KernelRuntime,
+        experts: &[ExpertRefs<'_, DeviceFp8Weight>],
+    ) -> Result<DeviceExpertTable, KernelError> {
+        let op = "DeviceExpertTable::fp8";
+        DeviceExpertTable::build(rt, op, ExpertFormat::Fp8T32, experts, |w| {
+            ensure(w.tile == 32, op, || {
+                format!("FP8 expert with {0}x{0} tiles (only 32x32)", w.tile)
+            })?;
+            Ok(((w.out, w.inp), &w.codes, &w.scales))
+        })
+    }
+
+    /// The table of FP4 experts laid out for the `fast` GEMM.
+    ///
+    /// # Safety
+    /// As [`DeviceExpertTable::fp4`]: the weights must outlive every launch reading the table.
+    pub unsafe fn fp4_fast(
+        rt: &KernelRuntime,
+        experts: &[ExpertRefs<'_, FastFp4Weight>],
+    ) -> Result<DeviceExpertTable, KernelError> {
+        let op = "DeviceExpertTable::fp4_fast";
+        DeviceExpertTable::build(rt, op, ExpertFormat::Fp4Fast, experts, |w| {
+            Ok(((w.out, w.inp), &w.chunks, &w.band_scales))
+        })
+    }
+
+    /// The table of `experts` in `format`, `parts(weight)` checking a weight and giving its
+    /// shape `(out, inp)`, codes and scales.
+    fn build<W>(
+        rt: &KernelRuntime,
+        op: &'static str,
+        format: ExpertFormat,
+        experts: &[ExpertRefs<'_, W>],
+        parts: impl Fn(&W) -> Result<((usize, usize), &CudaSlice<u8>, &CudaSlice<u8>), KernelError>,
+    ) -> Result<DeviceExpertTable, KernelError> {
+        ensure(experts.len() <= MAX_EXPERTS, op, || {
+            format!("{} experts (at most {MAX_EXPERTS})", experts.len())
+        })?;
+        let stream = rt.stream();
+        let entry = |weight: &W| -> Result<TableEntry, KernelError> {
+            let (shape, codes, scales) = parts(weight)?;
+            Ok(TableEntry {
+                shape,
+                codes: codes.device_ptr(stream).0,
+                scales: scales.device_ptr(stream).0,
+            })
+        };
+        ExpertTable::upload(rt, op, format, experts, |_, expert| {
+            Ok([entry(expert.w1)?, entry(expert.w3)?, entry(expert.w2)?])
+        })
     }
 }
 

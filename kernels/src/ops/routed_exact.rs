@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::gemm::{DeviceFp4Weight, DeviceFp8Weight};
 use super::linear::{MAX_INP, MAX_PARTIALS, THREADS, TILE_COLS, TILE_ROWS, sgemm_reduce};
-use super::routed::{ExpertProjection, group_rows};
+use super::routed::{ExpertProjection, ExpertTable, TableEntry, group_rows};
 use super::{dim as kernel_dim, ensure, expect_len, launch_config, sgemm_chains, shape_error};
 use crate::error::KernelError;
 use crate::id::KernelId;
@@ -122,17 +122,9 @@ pub struct ExactExpertRefs<'a> {
     pub w2: ExactWeight<'a>,
 }
 
-/// The device address table of one layer's routed experts for [`gemm_exact_routed`]: all of
-/// one shape, each projection in one format across the experts (`[3][n_experts][2]` addresses,
-/// codes then scales, of w1, w3, w2). It does not own the weights.
-#[derive(Debug)]
-pub struct DeviceExactExpertTable {
-    formats: [ExactFormat; 3],
-    n_experts: usize,
-    dim: usize,
-    inter: usize,
-    addresses: CudaSlice<u64>,
-}
+/// The device address table of one layer's routed experts for [`gemm_exact_routed`]: each
+/// projection in one format across the experts.
+pub type DeviceExactExpertTable = ExpertTable<[ExactFormat; 3]>;
 
 impl DeviceExactExpertTable {
     /// The table of `experts` (expert `e` is `experts[e]`).
@@ -145,62 +137,30 @@ impl DeviceExactExpertTable {
         experts: &[ExactExpertRefs<'_>],
     ) -> Result<DeviceExactExpertTable, KernelError> {
         const OP: &str = "DeviceExactExpertTable::new";
+        let formats_of = |e: &ExactExpertRefs<'_>| [e.w1.format(), e.w3.format(), e.w2.format()];
         let Some(first) = experts.first() else {
             return Err(shape_error(OP, "no experts"));
         };
-        let (inter, dim) = first.w1.shape();
-        let formats = [first.w1.format(), first.w3.format(), first.w2.format()];
-        let mut addresses = vec![0u64; 3 * experts.len() * 2];
-        for (e, expert) in experts.iter().enumerate() {
-            for (projection, weight, expected) in [
-                (ExpertProjection::W1, expert.w1, (inter, dim)),
-                (ExpertProjection::W3, expert.w3, (inter, dim)),
-                (ExpertProjection::W2, expert.w2, (dim, inter)),
-            ] {
-                let slot = projection.slot() as usize;
-                ensure(
-                    weight.shape() == expected && weight.format() == formats[slot],
-                    OP,
-                    || {
-                        format!(
-                            "expert {e} {projection:?} is {:?} {:?}, expected {expected:?} {:?} (as expert 0)",
-                            weight.shape(),
-                            weight.format(),
-                            formats[slot]
-                        )
-                    },
-                )?;
-                check_format(OP, weight.format(), expected.1)?;
-                let (codes, scales) = weight.addresses(rt, OP)?;
-                let at = (slot * experts.len() + e) * 2;
-                addresses[at] = codes;
-                addresses[at + 1] = scales;
-            }
-        }
-        let addresses = rt.htod(&addresses).map_err(KernelError::driver(
-            "uploading the exact expert address table",
-        ))?;
-        Ok(DeviceExactExpertTable {
-            formats,
-            n_experts: experts.len(),
-            dim,
-            inter,
-            addresses,
+        let formats = formats_of(first);
+        let entry = |weight: ExactWeight<'_>| -> Result<TableEntry, KernelError> {
+            let shape = weight.shape();
+            check_format(OP, weight.format(), shape.1)?;
+            let (codes, scales) = weight.addresses(rt, OP)?;
+            Ok(TableEntry {
+                shape,
+                codes,
+                scales,
+            })
+        };
+        ExpertTable::upload(rt, OP, formats, experts, |e, expert| {
+            ensure(formats_of(expert) == formats, OP, || {
+                format!(
+                    "expert {e} is {:?}, expected {formats:?} (as expert 0)",
+                    formats_of(expert)
+                )
+            })?;
+            Ok([entry(expert.w1)?, entry(expert.w3)?, entry(expert.w2)?])
         })
-    }
-
-    pub fn n_experts(&self) -> usize {
-        self.n_experts
-    }
-
-    /// The model width (`w1`/`w3` inputs, `w2` outputs).
-    pub fn dim(&self) -> usize {
-        self.dim
-    }
-
-    /// The expert's hidden width (`w1`/`w3` outputs, `w2` inputs).
-    pub fn inter(&self) -> usize {
-        self.inter
     }
 }
 
@@ -246,7 +206,7 @@ pub fn gemm_exact_routed(
         || "the exact routed linears run one projection a launch (W1 and W3 apart, not GateUp)",
     )?;
     let slot = which.slot() as usize;
-    let (n, k) = which.shape(table.dim, table.inter);
+    let (n, k) = which.shape(table.dim(), table.inter());
     ensure(
         k != 0 && k <= MAX_INP && x_row_div != 0 && x.len().is_multiple_of(k),
         OP,
@@ -263,7 +223,7 @@ pub fn gemm_exact_routed(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let (format, tile) = table.formats[slot].code();
+    let (format, tile) = table.format()[slot].code();
     let blocks = sgemm_chains(k);
     // Chunks of whole x rows (x_row_div output rows each) whose partials fit MAX_PARTIALS.
     let chunk_rows = ((MAX_PARTIALS / (blocks * n)) / x_row_div).max(1) * x_row_div;
@@ -276,7 +236,7 @@ pub fn gemm_exact_routed(
     for first in (0..m).step_by(chunk_rows) {
         let count = chunk_rows.min(m - first);
         let ids = experts.slice(first..first + count);
-        let groups = group_rows(rt, OP, &ids, table.n_experts, TILE_ROWS as usize)?;
+        let groups = group_rows(rt, OP, &ids, table.n_experts(), TILE_ROWS as usize)?;
         let params = ExactRoutedParams {
             m: kernel_dim(OP, "m", count)?,
             n: kernel_dim(OP, "n", n)?,
@@ -285,7 +245,7 @@ pub fn gemm_exact_routed(
             tile: kernel_dim(OP, "tile", tile)?,
             scale_cols: kernel_dim(OP, "scale columns", k.div_ceil(tile))?,
             x_row_div: kernel_dim(OP, "x_row_div", x_row_div)?,
-            n_experts: kernel_dim(OP, "experts", table.n_experts)?,
+            n_experts: kernel_dim(OP, "experts", table.n_experts())?,
             which: slot as u32,
         };
         let x_rows = x.slice(first / x_row_div * k..(first + count).div_ceil(x_row_div) * k);
@@ -301,7 +261,7 @@ pub fn gemm_exact_routed(
         let mut launch = rt.launcher(KernelId::GemmExactRoutedPartialsF32)?;
         launch.arg(&x_rows);
         groups
-            .push_args(&mut launch, &table.addresses)
+            .push_args(&mut launch, table.addresses())
             .arg(&mut partials)
             .arg(&params);
         // SAFETY: signature (const float* x, const u32* order, const u32* tiles, const u32*

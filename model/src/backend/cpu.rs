@@ -23,8 +23,8 @@ use super::weights::Linear;
 use super::{
     AttentionQueries, Backend, CandidateMask, DenseWeight, EngramInjection, ExpertRoute,
     ExpertSelection, Groups, HcCollapse, HcExpand, HcMix, HcMixes, HcMixing, HcParams, HyperHead,
-    IndexQueries, LogprobPick, MaskedRows, MoeLayer, PoolSlot, Precision, QueryKeys, RmsNorm,
-    Rotation, Routing, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection,
+    IndexQueries, LogprobPick, MaskedRows, MoeLayer, PoolSlot, Precision, QdqPoint, QueryKeys,
+    RmsNorm, Rotation, Routing, RowSampling, SampleRowsError, SelectFrom, SelectPart, Selection,
     StreamShape, Tensor, check_sample_rows,
 };
 use crate::engram::lookup::EngramTable;
@@ -299,18 +299,25 @@ impl Backend for CpuBackend {
         x
     }
 
-    fn q8_qdq(&self, mut x: Tensor) -> Tensor {
-        quant::q8_qdq_group32(x.host_mut());
-        x
-    }
-
-    fn q4e_qdq(&self, mut x: Tensor) -> Tensor {
-        quant::q4_qdq_e8m0_group32(x.host_mut());
-        x
-    }
-
-    fn q4m_qdq(&self, mut x: Tensor) -> Tensor {
-        quant::q4_qdq_e4m3_group16(x.host_mut());
+    fn rope_qdq(
+        &self,
+        x: Tensor,
+        norm: Option<RmsNorm<'_>>,
+        layout: (usize, usize),
+        rotation: &Rotation<'_>,
+        point: QdqPoint,
+    ) -> Tensor {
+        let x = match norm {
+            Some(norm) => self.rms_norm(&x, norm),
+            None => x,
+        };
+        let mut x = self.rope(x, layout, rotation);
+        let values = x.host_mut();
+        match point {
+            QdqPoint::Q8 => quant::q8_qdq_group32(values),
+            QdqPoint::Q4e => quant::q4_qdq_e8m0_group32(values),
+            QdqPoint::Q4m => quant::q4_qdq_e4m3_group16(values),
+        }
         x
     }
 

@@ -96,11 +96,6 @@ impl HcMixes {
         self.columns(backend, 0, self.hc)
     }
 
-    /// The expansion coefficients `post ‖ comb` `[tokens, hc + hc²]`, gathered on the backend.
-    pub fn post_comb(&self, backend: &dyn Backend) -> Tensor {
-        self.columns(backend, self.hc, self.width() - self.hc)
-    }
-
     fn columns(&self, backend: &dyn Backend, first: usize, width: usize) -> Tensor {
         let pieces: Vec<(&Tensor, usize)> = (0..self.tokens())
             .map(|t| (&self.values, t * self.width() + first))
@@ -256,6 +251,18 @@ impl Precision {
             Precision::F32 => x,
         }
     }
+}
+
+/// A quantisation point of the activations (v41-architecture.md §3.0): values quantised and
+/// dequantised in place, in consecutive groups (a shorter last group is allowed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QdqPoint {
+    /// Groups of 32, UE8M0 scale, E4M3 values (the window entries).
+    Q8,
+    /// Groups of 32, UE8M0 scale, E2M1 values (the indexer's queries and keys).
+    Q4e,
+    /// Groups of 16, E4M3 scale, E2M1 values (the compressed entries).
+    Q4m,
 }
 
 /// RoPE frequencies of one rotary variant: `freqs[i]` rotates channel pair `(2i, 2i+1)`.
@@ -439,12 +446,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// on, so a step uploads only its ids. Every id must be a row of the table (the model checks
     /// token ids against the vocabulary before a step).
     fn table_rows(&self, table: &[f32], width: usize, ids: &[u32]) -> Tensor;
-    /// `Q8` QDQ (groups of 32, UE8M0).
-    fn q8_qdq(&self, x: Tensor) -> Tensor;
-    /// `Q4e` QDQ (groups of 32, UE8M0).
-    fn q4e_qdq(&self, x: Tensor) -> Tensor;
-    /// `Q4m` QDQ (groups of 16, E4M3 scales).
-    fn q4m_qdq(&self, x: Tensor) -> Tensor;
+    /// The rotated, quantised rows of a cache or an index: [`Backend::rms_norm`] by `norm` when
+    /// given, then [`Backend::rope`] of `layout` by `rotation` (a table without frequencies
+    /// rotates nothing), then the QDQ `point` over the values in its groups — one op, so that a
+    /// device runs it as one pass.
+    fn rope_qdq(
+        &self,
+        x: Tensor,
+        norm: Option<RmsNorm<'_>>,
+        layout: (usize, usize),
+        rotation: &Rotation<'_>,
+        point: QdqPoint,
+    ) -> Tensor;
     /// Row-wise RMSNorm over rows of `norm.weight.len()`, `round(w · (x · rsqrt(mean(x²) +
     /// eps)))` rounded at `norm.precision` ([`RmsNorm`]).
     fn rms_norm(&self, x: &Tensor, norm: RmsNorm<'_>) -> Tensor;

@@ -8,12 +8,13 @@ use super::state::SequenceState;
 use super::trace::ForwardTrace;
 use super::weights::AttentionWeights;
 use crate::backend::{
-    AttentionQueries, CompressedKeys, KeyList, NO_KEYS, Precision, QueryKeys, RopeTable, Selection,
-    Tensor,
+    AttentionQueries, CompressedKeys, KeyList, NO_KEYS, Precision, QdqPoint, QueryKeys, RopeTable,
+    Rotation, Selection, Tensor,
 };
-use crate::layers::attention::{Queries, kv_rows, output, queries};
+use crate::layers::attention::{Queries, output, queries};
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
+use crate::layers::weights::Projection;
 
 /// Window K=V entries of a chunk: `Q8(RoPE(kv_norm(wkv · x)))`, one `head_dim` row per token
 /// (rows are whole QDQ groups: head_dim is a multiple of 32).
@@ -24,7 +25,15 @@ pub fn window_entries(
     positions: &[usize],
     table: &RopeTable,
 ) -> Tensor {
-    ctx.backend.q8_qdq(kv_rows(ctx, w, xn, positions, table))
+    let (cfg, backend) = (ctx.cfg, ctx.backend);
+    let precision = cfg.precision();
+    backend.rope_qdq(
+        w.wkv.project(backend, xn),
+        Some(ctx.norm(&w.kv_norm, precision)),
+        (cfg.head_dim, 1),
+        &Rotation::new(table, positions, precision),
+        QdqPoint::Q8,
+    )
 }
 
 /// Attention of backbone layer `layer` over the normed inputs `xn [n, dim]` of a step's rows

@@ -6,8 +6,8 @@ use super::state::CompressorState;
 use super::weights::{CompressorWeights, IndexerWeights};
 pub use crate::backend::select::top_k_lowest_index;
 use crate::backend::{
-    CandidateMask, Candidates, DenseWeight, KeyList, Precision, Rotation, SelectFrom, Selection,
-    Tensor,
+    CandidateMask, Candidates, DenseWeight, KeyList, Precision, QdqPoint, Rotation, SelectFrom,
+    Selection, Tensor,
 };
 use crate::layers::ctx::Ctx;
 use crate::layers::step::StepRows;
@@ -138,15 +138,18 @@ pub fn compress_chunk(
             inp: head_dim,
         },
     );
-    let keys = ctx
-        .backend
-        .rms_norm(&keys, ctx.norm(&weights.index_k_norm, Precision::Bf16));
     let rotation = Rotation::new(table, &group_positions, Precision::Bf16);
-    let keys = ctx.backend.rope(keys, (index_dim, 1), &rotation);
     // Rows are whole QDQ groups (index_head_dim and head_dim are multiples of 32).
-    let keys = ctx.backend.q4e_qdq(keys);
-    let entries = ctx.backend.rope(latents, (head_dim, 1), &rotation);
-    let entries = ctx.backend.q4m_qdq(entries);
+    let keys = ctx.backend.rope_qdq(
+        keys,
+        Some(ctx.norm(&weights.index_k_norm, Precision::Bf16)),
+        (index_dim, 1),
+        &rotation,
+        QdqPoint::Q4e,
+    );
+    let entries = ctx
+        .backend
+        .rope_qdq(latents, None, (head_dim, 1), &rotation, QdqPoint::Q4m);
     for ((&(j, group), key), entry) in groups
         .iter()
         .zip(keys.split_rows(index_dim))
@@ -180,9 +183,10 @@ pub fn index_queries(
     let table = ctx.rope.for_layer(cfg, layer);
     let rotation = Rotation::new(table, positions, Precision::Bf16);
     let q = ctx.backend.gemm_fp8(qr, &weights.wq_b);
-    let q = ctx.backend.rope(q, (head_dim, heads), &rotation);
     // Rows are whole QDQ groups (index_head_dim is a multiple of 32).
-    let q = ctx.backend.q4e_qdq(q);
+    let q = ctx
+        .backend
+        .rope_qdq(q, None, (head_dim, heads), &rotation, QdqPoint::Q4e);
     let weight_scale = (head_dim as f32).powf(-0.5) * (heads as f32).powf(-0.5);
     let head_weights = ctx.backend.scale_at(
         ctx.backend.linear_bf16(

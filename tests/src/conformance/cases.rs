@@ -7,8 +7,8 @@ use deepinfer_model::backend::weights::Linear;
 use deepinfer_model::backend::{
     AttentionQueries, Backend, CandidateMask, Candidates, CompressedKeys, CpuBackend, DenseWeight,
     ExpertSelection, HcCollapse, HcExpand, HcMix, HcMixes, HcMixing, HcParams, IndexQueries,
-    KeyList, PositionRing, Precision, QueryKeys, RmsNorm, RopeTable, Rotation, Routing, SelectFrom,
-    SelectPart, Selection, Tensor,
+    KeyList, PositionRing, Precision, QdqPoint, QueryKeys, RmsNorm, RopeTable, Rotation, Routing,
+    SelectFrom, SelectPart, Selection, Tensor,
 };
 use deepinfer_model::quant;
 use deepinfer_model::weights::{Fp4Weight, Fp8Weight};
@@ -357,23 +357,82 @@ pub fn qdqs() -> Vec<Case> {
         for v in x.iter_mut().take(16) {
             *v = quant::round_bf16(*v * 1e-6);
         }
-        type Qdq = fn(&dyn Backend, Tensor) -> Tensor;
-        let points: [(&str, Qdq); 3] = [
-            ("q8", |b, x| b.q8_qdq(x)),
-            ("q4e", |b, x| b.q4e_qdq(x)),
-            ("q4m", |b, x| b.q4m_qdq(x)),
-        ];
-        for (name, qdq) in points {
+        for point in QDQ_POINTS {
             let x = x.clone();
             cases.push(Case::new(
-                format!("{name}_qdq n={n}"),
+                format!("{point:?} qdq n={n}"),
                 Op::Qdq,
                 move |b, o| {
-                    let y = qdq(b, Tensor::from(&x)).into_vec();
+                    // One row of n values, nothing rotated: the QDQ alone.
+                    let table = RopeTable { freqs: Vec::new() };
+                    let rotation = Rotation::new(&table, &[0], Precision::Bf16);
+                    let y = b
+                        .rope_qdq(Tensor::from(&x), None, (n, 1), &rotation, point)
+                        .into_vec();
                     o.holds("the QDQ changes its input", y != x);
                     o.values("y", y);
                 },
             ));
+        }
+    }
+    cases
+}
+
+const QDQ_POINTS: [QdqPoint; 3] = [QdqPoint::Q8, QdqPoint::Q4e, QdqPoint::Q4m];
+
+/// The rotated, quantised rows of caches and indexes (`rope_qdq`): with and without the norm, every
+/// QDQ point, forward and inverse, both precisions, 1 … 64 vectors a row (rows within one block's
+/// reach, and one past it: 9 × 1024 values), positions up to 70 000.
+pub fn rope_qdqs() -> Vec<Case> {
+    let mut rng = Rng(14);
+    let table = RopeTable {
+        freqs: (0..32)
+            .map(|i| 1.0f32 / 10000f32.powf(i as f32 / 32.0))
+            .collect(),
+    };
+    let mut cases = Vec::new();
+    let shapes = [
+        (1usize, 1usize, 512usize),
+        (5, 1, 128),
+        (3, 64, 128),
+        (2, 9, 1024),
+    ];
+    for (i, (rows, vectors, stride)) in shapes.into_iter().enumerate() {
+        for point in QDQ_POINTS {
+            for normed in [false, true] {
+                // f32 on one shape (the separate launches), bf16 (the model's) on the rest.
+                let precision = PRECISIONS[usize::from(i == 1)];
+                let inverse = normed && i % 3 == 0;
+                let x = activations(&mut rng, rows, vectors * stride);
+                let weight: Vec<f32> = (0..vectors * stride)
+                    .map(|_| quant::round_bf16(0.5 + rng.uniform()))
+                    .collect();
+                let positions: Vec<usize> = (0..rows).map(|_| rng.below(70_000) as usize).collect();
+                let table = table.clone();
+                cases.push(Case::new(
+                    format!(
+                        "rope_qdq {rows}x{vectors}x{stride} {point:?} norm={normed} \
+                         inverse={inverse} {precision:?}"
+                    ),
+                    Op::Qdq,
+                    move |b, o| {
+                        let norm = normed.then_some(RmsNorm {
+                            weight: &weight,
+                            eps: 1e-6,
+                            precision,
+                        });
+                        let rotation = Rotation {
+                            table: &table,
+                            positions: &positions,
+                            inverse,
+                            precision,
+                        };
+                        let y =
+                            b.rope_qdq(Tensor::from(&x), norm, (stride, vectors), &rotation, point);
+                        o.values("y", y);
+                    },
+                ));
+            }
         }
     }
     cases

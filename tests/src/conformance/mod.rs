@@ -63,7 +63,7 @@ pub enum Op {
     },
     RmsNorm,
     Rope,
-    /// `q8_qdq`, `q4e_qdq`, `q4m_qdq`.
+    /// `rope_qdq` (the QDQ points, after a norm and a rotation or alone).
     Qdq,
     /// `hc_mixes_rows`, `hc_collapse_rows_at`, `hc_expand_rows_at`.
     Hc,

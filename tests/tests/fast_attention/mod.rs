@@ -33,7 +33,8 @@
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, FastAttentionBlocks, FastHeadBlock, sparse_attention_sink_rows_ptr_fast,
+    AttentionRows, DeviceKeyLists, FastAttentionBlocks, FastHeadBlock,
+    sparse_attention_sink_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, key_row_address};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -389,18 +390,15 @@ impl DirectCase {
         let mut out = stream
             .clone_htod(&vec![f32::NAN; self.q.len()])
             .expect("out");
-        sparse_attention_sink_rows_ptr_fast(
-            rt,
-            &q,
-            &table,
-            &lists,
-            &sink,
-            &mut out,
-            self.head_dim,
+        let rows = AttentionRows {
+            q: &q,
+            lists: &lists,
+            sink: &sink,
+            head_dim: self.head_dim,
             scale,
             rounding,
-            blocks,
-        )?;
+        };
+        sparse_attention_sink_rows_ptr_fast(rt, rows, &table, &mut out, blocks)?;
         let got = stream.clone_dtoh(&out).expect("download");
         drop(keys);
         Ok(got)

@@ -18,7 +18,7 @@
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::index::{
-    DeviceVisiblePrefixes, index_scores_rows_f32, index_scores_rows_ptr_fast,
+    DeviceVisiblePrefixes, IndexRows, index_scores_rows_f32, index_scores_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -153,29 +153,21 @@ impl IndexCase {
         let mut scores = stream
             .clone_htod(&vec![f32::NAN; total.max(1)])
             .expect("scores");
+        let rows = IndexRows {
+            q: &q,
+            w: &w,
+            visible: &prefixes,
+            heads: self.heads,
+            head_dim: HEAD_DIM,
+        };
         match kernel {
-            Kernel::Exact => index_scores_rows_f32(
-                rt,
-                &q,
-                &w,
-                KeyRows::Table(&table),
-                &prefixes,
-                &mut scores,
-                self.heads,
-                HEAD_DIM,
-                Rounding::Bf16,
-            ),
-            Kernel::Fast(queries_per_block) => index_scores_rows_ptr_fast(
-                rt,
-                &q,
-                &w,
-                &table,
-                &prefixes,
-                &mut scores,
-                self.heads,
-                HEAD_DIM,
-                queries_per_block,
-            ),
+            Kernel::Exact => {
+                let keys = KeyRows::Table(&table);
+                index_scores_rows_f32(rt, rows, keys, &mut scores, Rounding::Bf16)
+            }
+            Kernel::Fast(queries_per_block) => {
+                index_scores_rows_ptr_fast(rt, rows, &table, &mut scores, queries_per_block)
+            }
         }
         .unwrap_or_else(|err| panic!("{kernel:?} index scores: {err}"));
         let mut got = stream.clone_dtoh(&scores).expect("download");

@@ -34,11 +34,9 @@
 use std::collections::BTreeMap;
 
 use deepinfer_kernels::KernelRuntime;
-use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::gemm_fast::{
-    FastOutput, FastTile, RoundedToBf16, gemm_fp8_fast, k_parts,
-};
+use deepinfer_kernels::ops::gemm_fast::{FastTile, RoundedToBf16, gemm_fp8_fast, k_parts};
 use deepinfer_kernels::ops::linear_fast::{FastBf16Weight, FastProduct, linear_bf16_fast};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
@@ -58,8 +56,8 @@ use crate::gpu_support::gemm_data::{activations, random_fp4_weight, random_fp8_w
 use crate::gpu_support::{Rng, bf16_unit, differing, prompt};
 use crate::{
     FastMoe, FastWeight, HostWeight, LIMIT, RoutedFast, TILES, assert_within, download_act,
-    exact_output, exact_rows, fast_linear, nudged, random_routes, routed_fast, slot_groups,
-    upload_fp4, upload_fp8,
+    exact_output, exact_rows, fast_linear, nudged, random_routes, routed_fast, run_gemm,
+    slot_groups, upload_fp4, upload_fp8,
 };
 
 /// `rows × cols` float32 activations of a wide dynamic range: [`activations`] (magnitudes 2^-12
@@ -77,26 +75,6 @@ fn f32_activations(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
 fn quantise(rt: &KernelRuntime, x: &[f32], rows: usize, group: ActGroup) -> DeviceActFp8 {
     let dx = rt.htod(x).expect("upload x");
     quantize_act_fp8(rt, &dx, rows, x.len() / rows, group).expect("quantise")
-}
-
-/// The fast GEMM of `w` on `a` with `tile`, output `T`, downloaded as f32.
-fn run_gemm<T: DeviceRepr + ValidAsZeroBits + Copy>(
-    rt: &KernelRuntime,
-    a: &DeviceActFp8,
-    w: &impl FastWeight,
-    tile: FastTile,
-    widen: impl Fn(T) -> f32,
-) -> Vec<f32>
-where
-    CudaSlice<T>: FastOutput,
-{
-    let mut y = rt
-        .stream()
-        .alloc_zeros::<T>(a.rows * w.shape().0)
-        .expect("alloc y");
-    w.gemm(rt, a, &mut y, tile);
-    let host: Vec<T> = rt.stream().clone_dtoh(&y).expect("download y");
-    host.into_iter().map(widen).collect()
 }
 
 fn run_f32(rt: &KernelRuntime, a: &DeviceActFp8, w: &impl FastWeight, tile: FastTile) -> Vec<f32> {

@@ -28,6 +28,7 @@
 mod cublaslt_fp8;
 mod fast_ops;
 mod fast_sweep;
+mod head_start;
 mod ops;
 mod whole_step;
 

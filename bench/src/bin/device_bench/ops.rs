@@ -8,13 +8,17 @@
 //! HBM, not from the 60 MiB L2. Each figure is the median over 7 batches of 40 launches timed with
 //! CUDA events (3 batches of 8 with `--quick`).
 
+use std::time::Duration;
+
 use anyhow::{Context, Result};
 use deepinfer_bench::steps::splitmix64;
 use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUevent_flags;
 use deepinfer_kernels::ops::Rounding;
-use deepinfer_kernels::ops::attention::{DeviceKeyLists, sparse_attention_sink_rows_f32};
+use deepinfer_kernels::ops::attention::{
+    AttentionRows, DeviceKeyLists, sparse_attention_sink_rows_f32,
+};
 use deepinfer_kernels::ops::gemm::{
     DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
 };
@@ -31,6 +35,8 @@ use deepinfer_kernels::ops::routed::{
 };
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use half::bf16;
+
+use crate::head_start::HeadStart;
 
 /// Measured on the H200 test machine (shared/tools/gpu.md).
 pub(crate) const COPY_BYTES_PER_S: f64 = 4.28e12;
@@ -83,19 +89,17 @@ pub(crate) fn scale_bytes(len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// How launches are timed: `batches` batches of `launches` launches, each batch preceded by a long
-/// RMSNorm over a large buffer so that the GPU is busy while the host queues the batch: the batch
-/// then runs back to back and host launch overhead (even of a debug build) stays out of the figures.
+/// How launches are timed: `batches` batches of `launches` launches, each batch queued behind a
+/// hold of the stream ([`HeadStart`]) so that it then runs back to back and host launch overhead
+/// (even of a debug build) stays out of the figures.
 pub(crate) struct Timer {
-    x: CudaSlice<f32>,
-    w: CudaSlice<f32>,
-    y: CudaSlice<f32>,
+    head_start: HeadStart,
     launches: usize,
     batches: usize,
 }
 
-const BUSY_ROWS: usize = 32_768;
-const BUSY_COLS: usize = 5120;
+/// Outlasts the host's queueing of a batch (40 launches).
+const BATCH_HOLD: Duration = Duration::from_millis(3);
 
 impl Timer {
     pub(crate) fn new(rt: &KernelRuntime, quick: bool) -> Result<Timer> {
@@ -105,28 +109,10 @@ impl Timer {
             (LAUNCHES_PER_BATCH, BATCHES)
         };
         Ok(Timer {
-            x: f32_values(rt, 11, BUSY_ROWS * BUSY_COLS)?,
-            w: f32_values(rt, 12, BUSY_COLS)?,
-            y: rt.stream().alloc_zeros::<f32>(BUSY_ROWS * BUSY_COLS)?,
+            head_start: HeadStart::new(rt)?,
             launches,
             batches,
         })
-    }
-
-    fn occupy(&mut self, rt: &KernelRuntime) -> Result<()> {
-        for _ in 0..6 {
-            rms_norm_f32(
-                rt,
-                &self.x,
-                &self.w,
-                &mut self.y,
-                BUSY_ROWS,
-                BUSY_COLS,
-                1e-6,
-                Rounding::Bf16,
-            )?;
-        }
-        Ok(())
     }
 }
 
@@ -157,7 +143,7 @@ pub(crate) fn time_launches_with(
     for _ in 0..batches {
         let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        timer.occupy(rt)?;
+        timer.head_start.hold(BATCH_HOLD)?;
         start.record(rt.stream())?;
         for i in 0..launches {
             launch(i)?;
@@ -507,17 +493,20 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
     let table = unsafe { DeviceKeyTable::upload(rt, &addresses, head_dim) }?;
     let all_keys: Vec<u32> = (0..keys as u32).collect();
     let lists = DeviceKeyLists::upload(rt, &[all_keys], keys)?;
+    let attention = AttentionRows {
+        q: &q,
+        lists: &lists,
+        sink: &sink,
+        head_dim,
+        scale: 0.044,
+        rounding: Rounding::Bf16,
+    };
     let micros = time_launches(rt, timer, |_| {
         Ok(sparse_attention_sink_rows_f32(
             rt,
-            &q,
+            attention,
             KeyRows::Table(&table),
-            &lists,
-            &sink,
             &mut out,
-            head_dim,
-            0.044,
-            Rounding::Bf16,
         )?)
     })?;
     rows.push(Row {
@@ -595,7 +584,7 @@ fn bench_token_ops(rt: &KernelRuntime, timer: &mut Timer) -> Result<Vec<Row>> {
         peak_flops: BF16_FLOPS,
     });
     let y = f32_values(rt, 31, dim)?;
-    let coefficients = f32_values(rt, 32, hc + hc * hc)?;
+    let coefficients = f32_values(rt, 32, 2 * hc + hc * hc)?;
     let mut expanded = rt.stream().alloc_zeros::<f32>(n)?;
     let micros = time_launches(rt, timer, |_| {
         Ok(hc_expand_rows_f32(

@@ -366,14 +366,27 @@ impl CudaBackend {
         }
         let dw = self.cached_f32(OP, weight)?;
         let dx = self.input(OP, x)?;
-        // SAFETY: rms_norm_f32 runs one block per row, its threads covering every column.
+        let rows = x.len() / cols;
+        // SAFETY: both kernels run one block per row, its threads covering every column (and,
+        // quantising, every code and every group's scale).
         let mut dy = unsafe { self.alloc_written(OP, x.len()) }?;
+        // bf16 outputs in whole 32-groups are what V4.1's FP8 GEMMs read: quantised in the same
+        // launch and kept on the result for them (CudaBuffer's `fp8`).
+        if precision == Precision::Bf16 && cols.is_multiple_of(32) {
+            // SAFETY: as above.
+            let mut act =
+                unsafe { DeviceActFp8::alloc_written(&self.rt, rows, cols, ActGroup::G32) }
+                    .map_err(op_err(OP))?;
+            rms_norm_act_quant_f32(&self.rt, &dx, &dw, &mut dy, &mut act, eps)
+                .map_err(op_err(OP))?;
+            return Ok(self.tensor_with_fp8(dy, act));
+        }
         rms_norm_f32(
             &self.rt,
             &dx,
             &dw,
             &mut dy,
-            x.len() / cols,
+            rows,
             cols,
             eps,
             rounding(precision),
@@ -421,24 +434,11 @@ impl CudaBackend {
         if rows == 0 || pairs == 0 {
             return Ok(x);
         }
-        let positions = &positions[..rows];
-        let row_index: Vec<i32> = positions
-            .iter()
-            .map(|&p| i32::try_from(p).map_err(|_| shape_err(OP, format!("position {p}"))))
-            .collect::<Result<_, _>>()?;
-        let longest = positions.iter().copied().max().unwrap_or(0) + 1;
-        let rope = self.rope_table(table, longest)?;
-        let dpos = self
-            .rt
-            .htod(&row_index)
-            .map_err(driver_err(OP, "uploading positions"))?;
-        let shape = RopeShape {
-            tokens: rows,
-            heads: vectors_per_row,
-            head_dim: stride,
-            rope_dim: 2 * pairs,
-            table_rows: rope.positions,
-        };
+        let DeviceRotation {
+            shape,
+            table: rope,
+            positions: dpos,
+        } = self.device_rotation(OP, rotation, rows, (stride, vectors_per_row))?;
         self.in_place(OP, x, |dx| {
             rope_interleaved_f32(
                 &self.rt,
@@ -452,6 +452,68 @@ impl CudaBackend {
             )
             .map_err(op_err(OP))
         })
+    }
+
+    /// What a rotation of `rows` rows (at most `rotation.positions.len()`) of `layout` reads on
+    /// the device: its shape, the cos/sin table covering its positions and the positions.
+    fn device_rotation(
+        &self,
+        op: &'static str,
+        rotation: &Rotation<'_>,
+        rows: usize,
+        (stride, vectors_per_row): (usize, usize),
+    ) -> Result<DeviceRotation, CudaBackendError> {
+        let positions = &rotation.positions[..rows];
+        let row_index: Vec<i32> = positions
+            .iter()
+            .map(|&p| i32::try_from(p).map_err(|_| shape_err(op, format!("position {p}"))))
+            .collect::<Result<_, _>>()?;
+        let longest = positions.iter().copied().max().unwrap_or(0) + 1;
+        let rope = self.rope_table(rotation.table, longest)?;
+        let shape = RopeShape {
+            tokens: rows,
+            heads: vectors_per_row,
+            head_dim: stride,
+            rope_dim: 2 * rotation.table.freqs.len(),
+            table_rows: rope.positions,
+        };
+        Ok(DeviceRotation {
+            shape,
+            positions: self.device_positions(op, row_index)?,
+            table: rope,
+        })
+    }
+
+    /// `rows` (RoPE positions) on the device: the copy uploaded for the same rows before, if
+    /// it is among the latest [`KEPT_POSITIONS`], else uploaded now and kept. A step's queries,
+    /// keys, inverse rotation and indexer rotate the same rows in every layer: one upload a step.
+    /// The copies are never written after their upload, so a kept one holds its rows.
+    fn device_positions(
+        &self,
+        op: &'static str,
+        rows: Vec<i32>,
+    ) -> Result<Arc<CudaSlice<i32>>, CudaBackendError> {
+        let mut kept = self
+            .positions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = kept
+            .iter()
+            .position(|(host, _)| *host == rows)
+            .and_then(|i| kept.remove(i))
+        {
+            let device = found.1.clone();
+            kept.push_front(found);
+            return Ok(device);
+        }
+        let device = Arc::new(
+            self.rt
+                .htod(&rows)
+                .map_err(driver_err(op, "uploading positions"))?,
+        );
+        kept.push_front((rows, device.clone()));
+        kept.truncate(KEPT_POSITIONS);
+        Ok(device)
     }
 
     /// The device cos/sin rows of `table` covering positions `0..positions`: the cached ones, or
@@ -489,14 +551,106 @@ impl CudaBackend {
         Ok(built)
     }
 
-    /// The QDQ points, with errors.
-    pub fn try_qdq(&self, x: Tensor, point: QdqPoint) -> Result<Tensor, CudaBackendError> {
-        const OP: &str = "qdq";
-        if x.is_empty() {
+    /// [`Backend::rope_qdq`], with errors: one pass ([`rope_qdq_f32`]) where every rounding is
+    /// bf16, something is rotated and a row is whole QDQ groups a block can hold; else the norm,
+    /// the rotation and the QDQ one after another (the same bits).
+    pub fn try_rope_qdq(
+        &self,
+        x: Tensor,
+        norm: Option<RmsNorm<'_>>,
+        (stride, vectors_per_row): (usize, usize),
+        rotation: &Rotation<'_>,
+        point: ModelQdq,
+    ) -> Result<Tensor, CudaBackendError> {
+        const OP: &str = "rope_qdq";
+        let point = match point {
+            ModelQdq::Q8 => QdqPoint::Q8,
+            ModelQdq::Q4e => QdqPoint::Q4e,
+            ModelQdq::Q4m => QdqPoint::Q4m,
+        };
+        let cols = stride * vectors_per_row;
+        let pairs = rotation.table.freqs.len();
+        let one_pass = rotation.precision == Precision::Bf16
+            && norm.is_none_or(|n| n.precision == Precision::Bf16 && n.weight.len() == cols)
+            && cols != 0
+            && cols <= ROPE_QDQ_MAX_COLS
+            && cols.is_multiple_of(32)
+            && stride.is_multiple_of(2)
+            && pairs != 0
+            && 2 * pairs <= stride;
+        if !one_pass {
+            let x = match norm {
+                Some(norm) => self.try_rms_norm(&x, norm)?,
+                None => x,
+            };
+            let x = self.try_rope(x, (stride, vectors_per_row), rotation)?;
+            if x.is_empty() {
+                return Ok(x);
+            }
+            return self.in_place(OP, x, |dx| qdq_f32(&self.rt, dx, point).map_err(op_err(OP)));
+        }
+        let rows = whole_rows(OP, &x, cols)?;
+        if rotation.positions.len() < rows {
+            return Err(shape_err(
+                OP,
+                format!("{rows} rows but {} positions", rotation.positions.len()),
+            ));
+        }
+        if rows == 0 {
             return Ok(x);
         }
-        self.in_place(OP, x, |dx| qdq_f32(&self.rt, dx, point).map_err(op_err(OP)))
+        let DeviceRotation {
+            shape,
+            table: rope,
+            positions: dpos,
+        } = self.device_rotation(OP, rotation, rows, (stride, vectors_per_row))?;
+        let launch = |input: RopeQdqInput<'_>, y: &mut CudaSlice<f32>| {
+            rope_qdq_f32(
+                &self.rt,
+                input,
+                y,
+                &dpos,
+                &rope.cos,
+                &rope.sin,
+                shape,
+                rotation.inverse,
+                point,
+            )
+            .map_err(op_err(OP))
+        };
+        match norm {
+            None => self.in_place(OP, x, |dy| {
+                launch(
+                    RopeQdqInput {
+                        x: None,
+                        norm: None,
+                    },
+                    dy,
+                )
+            }),
+            Some(norm) => {
+                let dw = self.cached_f32(OP, norm.weight)?;
+                let dx = self.input(OP, &x)?;
+                // SAFETY: rope_qdq_f32's blocks together cover every column of every row.
+                let mut dy = unsafe { self.alloc_written(OP, x.len()) }?;
+                launch(
+                    RopeQdqInput {
+                        x: Some(&dx),
+                        norm: Some((&dw, norm.eps)),
+                    },
+                    &mut dy,
+                )?;
+                Ok(self.tensor(dy))
+            }
+        }
     }
+}
+
+/// A rotation's device inputs ([`CudaBackend::device_rotation`]).
+struct DeviceRotation {
+    shape: RopeShape,
+    table: Arc<DeviceRopeTable>,
+    positions: Arc<CudaSlice<i32>>,
 }
 
 /// The activation group of the fast FP8 GEMM for `w`: its tile side (32 or 128), when `inp` is

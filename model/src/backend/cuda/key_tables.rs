@@ -47,6 +47,15 @@ enum Mirrored<'k> {
     Ring(&'k PositionRing, Range<usize>),
 }
 
+/// Rows of a list or ring uploaded by the step: where they start in the upload, whether every
+/// one lives on the device (a host row is uploaded for this launch only, so a mirror must not
+/// keep it) and whether every address is 16-byte aligned.
+struct Tail {
+    at: usize,
+    durable: bool,
+    aligned: bool,
+}
+
 /// The key table of one launch: first the keys listed one by one ([`KeyTableBuilder::listed`]),
 /// then whole key lists ([`KeyTableBuilder::list`]), each list once.
 pub(super) struct KeyTableBuilder<'b, 'k> {
@@ -100,24 +109,6 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
         self.rows += count;
     }
 
-    /// Appends the addresses of `rows` to the step's upload: where they start in it, whether
-    /// every row lives on the device (a host row is uploaded for this launch only, so a mirror
-    /// must not keep it) and whether every address is 16-byte aligned.
-    fn upload_rows<'r>(
-        &mut self,
-        rows: impl Iterator<Item = &'r Tensor>,
-    ) -> Result<(usize, bool, bool), CudaBackendError> {
-        let tail_at = self.tails.len();
-        let mut durable = true;
-        for row in rows {
-            durable &= row.device_view().is_some();
-            let address = self.address(row)?;
-            self.tails.push(address);
-        }
-        let aligned = self.tails[tail_at..].iter().all(|a| a % 16 == 0);
-        Ok((tail_at, durable, aligned))
-    }
-
     /// The table row of `key`, listed on its own (before any list is taken).
     pub(super) fn listed(&mut self, key: &Tensor) -> Result<u32, CudaBackendError> {
         if !self.pieces.is_empty() {
@@ -135,148 +126,162 @@ impl<'b, 'k> KeyTableBuilder<'b, 'k> {
 
     /// The first table row of `list`'s rows (all of them, in order).
     pub(super) fn list(&mut self, list: &'k KeyList) -> Result<u32, CudaBackendError> {
-        let id = list as *const KeyList as usize;
-        if let Some(&base) = self.bases.get(&id) {
-            return Ok(base);
-        }
-        let base_row = rows_u32(self.op, self.rows)?;
-        let (covered, mirror) = {
-            let slot = list.mirror();
-            match self.ours(&slot.device) {
-                Some(mirror) => (slot.covers.min(list.len()), Some(mirror)),
-                None => (0, None),
-            }
-        };
-        let n = list.len();
-        // A list with a host row among its new rows keeps its mirror as it was.
-        let (tail_at, durable, tail_aligned) = self.upload_rows(list[covered..].iter())?;
-        if let Some(mirror) = &mirror
-            && covered > 0
-        {
-            self.piece(covered, Source::Device(mirror.address));
-            self.aligned_16 &= mirror.aligned_16.load(Ordering::Relaxed);
-            self.read.push(mirror.clone());
-        }
-        if n > covered {
-            self.piece(n - covered, Source::Upload(tail_at));
-        }
-        self.aligned_16 &= tail_aligned;
-        self.bases.insert(id, base_row);
-        if n == 0 || !durable {
-            return Ok(base_row);
-        }
-        let mirror = match mirror {
-            Some(mirror) if n == covered => mirror,
-            Some(mirror) if mirror.addresses.len() >= n => {
-                self.mirror_writes.push((
-                    mirror.address + 8 * covered as u64,
-                    n - covered,
-                    tail_at,
-                ));
-                if !tail_aligned {
-                    mirror.aligned_16.store(false, Ordering::Relaxed);
+        self.first_row(list as *const KeyList as usize, |table| {
+            let n = list.len();
+            let (covered, mirror) = {
+                let slot = list.mirror();
+                match table.ours(&slot.device) {
+                    Some(mirror) => (slot.covers.min(n), Some(mirror)),
+                    None => (0, None),
                 }
-                mirror
+            };
+            let tail = table.take(mirror.as_ref(), 0..covered, n, list[covered..].iter())?;
+            // A list with a host row among its new rows keeps its mirror as it was.
+            if n == 0 || !tail.durable {
+                return Ok(());
             }
-            old => {
-                let aligned = old
-                    .as_ref()
-                    .is_none_or(|m| m.aligned_16.load(Ordering::Relaxed));
-                let grown = self.new_mirror(mirror_capacity(n), aligned && tail_aligned)?;
-                if let Some(old) = old
-                    && covered > 0
-                {
-                    self.mirror_moves.push(AddressCopy {
-                        src: old.address,
-                        dst: grown.address,
-                        count: rows_u32(self.op, covered)?,
-                        reserved: 0,
-                    });
-                    self.read.push(old);
+            let mirror = match mirror {
+                Some(mirror) if mirror.addresses.len() >= n => mirror,
+                old => {
+                    let aligned = old
+                        .as_ref()
+                        .is_none_or(|m| m.aligned_16.load(Ordering::Relaxed));
+                    let grown = table.new_mirror(mirror_capacity(n), aligned && tail.aligned)?;
+                    if let Some(old) = old
+                        && covered > 0
+                    {
+                        table.mirror_moves.push(AddressCopy {
+                            src: old.address,
+                            dst: grown.address,
+                            count: rows_u32(table.op, covered)?,
+                            reserved: 0,
+                        });
+                        table.read.push(old);
+                    }
+                    Arc::new(grown)
                 }
-                if n > covered {
-                    self.mirror_writes.push((
-                        grown.address + 8 * covered as u64,
-                        n - covered,
-                        tail_at,
-                    ));
-                }
-                Arc::new(grown)
-            }
-        };
-        self.updates.push(MirrorUpdate {
-            of: Mirrored::List(list, n),
-            mirror,
-        });
-        Ok(base_row)
+            };
+            table.keep(mirror, covered..n, &tail, Mirrored::List(list, n));
+            Ok(())
+        })
     }
 
     /// The first table row of `ring`'s rows (every position it holds, in order).
     pub(super) fn ring(&mut self, ring: &'k PositionRing) -> Result<u32, CudaBackendError> {
-        let id = ring as *const PositionRing as usize;
+        self.first_row(ring as *const PositionRing as usize, |table| {
+            let (start, end) = (ring.start(), ring.end());
+            let n = end - start;
+            // A mirror too small for the rows held is replaced, whatever it covers; so is one far
+            // larger than they need (a long prefill chunk's, once the ring is trimmed to its
+            // window), which would otherwise stay allocated as long as the sequence.
+            let (covered_end, mirror) = {
+                let slot = ring.mirror();
+                let fits = |m: &Arc<DeviceKeyMirror>| {
+                    (n..=4 * mirror_capacity(n)).contains(&m.addresses.len())
+                };
+                match table.ours(&slot.device).filter(fits) {
+                    Some(mirror) if slot.covers.start <= start => {
+                        (slot.covers.end.clamp(start, end), Some(mirror))
+                    }
+                    fits => (start, fits),
+                }
+            };
+            let rows = ring.rows().skip(covered_end - start);
+            let tail = table.take(mirror.as_ref(), start..covered_end, end, rows)?;
+            if n == 0 || !tail.durable {
+                return Ok(());
+            }
+            let mirror = match mirror {
+                Some(mirror) => mirror,
+                None => Arc::new(table.new_mirror(mirror_capacity(n), tail.aligned)?),
+            };
+            table.keep(
+                mirror,
+                covered_end..end,
+                &tail,
+                Mirrored::Ring(ring, start..end),
+            );
+            Ok(())
+        })
+    }
+
+    /// The first table row of the list or ring at address `id`: where `take` puts its rows the
+    /// first time, the same rows every later time.
+    fn first_row(
+        &mut self,
+        id: usize,
+        take: impl FnOnce(&mut Self) -> Result<(), CudaBackendError>,
+    ) -> Result<u32, CudaBackendError> {
         if let Some(&base) = self.bases.get(&id) {
             return Ok(base);
         }
         let base_row = rows_u32(self.op, self.rows)?;
-        let (start, end) = (ring.start(), ring.end());
-        let n = end - start;
-        // A mirror too small for the rows held is replaced, whatever it covers; so is one far
-        // larger than they need (a long prefill chunk's, once the ring is trimmed to its window),
-        // which would otherwise stay allocated as long as the sequence.
-        let (covered_end, mirror) = {
-            let slot = ring.mirror();
-            let fits = |m: &Arc<DeviceKeyMirror>| {
-                (n..=4 * mirror_capacity(n)).contains(&m.addresses.len())
-            };
-            match self.ours(&slot.device).filter(fits) {
-                Some(mirror) if slot.covers.start <= start => {
-                    (slot.covers.end.clamp(start, end), Some(mirror))
-                }
-                fits => (start, fits),
-            }
+        take(self)?;
+        self.bases.insert(id, base_row);
+        Ok(base_row)
+    }
+
+    /// Appends a list's or ring's positions up to `end` to the table: the `covered` ones from
+    /// their slots of `mirror` (position `p` in slot `p % capacity`; a list's never wrap), the
+    /// rest (`rows`) from the step's upload.
+    fn take<'r>(
+        &mut self,
+        mirror: Option<&Arc<DeviceKeyMirror>>,
+        covered: Range<usize>,
+        end: usize,
+        rows: impl Iterator<Item = &'r Tensor>,
+    ) -> Result<Tail, CudaBackendError> {
+        let at = self.tails.len();
+        let mut durable = true;
+        for row in rows {
+            durable &= row.device_view().is_some();
+            let address = self.address(row)?;
+            self.tails.push(address);
+        }
+        let aligned = self.tails[at..].iter().all(|a| a % 16 == 0);
+        let tail = Tail {
+            at,
+            durable,
+            aligned,
         };
-        let (tail_at, durable, tail_aligned) =
-            self.upload_rows(ring.rows().skip(covered_end - start))?;
-        if let Some(mirror) = &mirror
-            && covered_end > start
+        if let Some(mirror) = mirror
+            && !covered.is_empty()
         {
-            let capacity = mirror.addresses.len();
             // The covered positions in order: from their first slot to the mirror's end, then
             // from its start.
-            for (_, slot, count) in ring_runs(start, covered_end - start, capacity) {
+            let capacity = mirror.addresses.len();
+            for (_, slot, count) in ring_runs(covered.start, covered.len(), capacity) {
                 self.piece(count, Source::Device(mirror.address + 8 * slot as u64));
             }
             self.aligned_16 &= mirror.aligned_16.load(Ordering::Relaxed);
             self.read.push(mirror.clone());
         }
-        if end > covered_end {
-            self.piece(end - covered_end, Source::Upload(tail_at));
+        if end > covered.end {
+            self.piece(end - covered.end, Source::Upload(tail.at));
         }
-        self.aligned_16 &= tail_aligned;
-        self.bases.insert(id, base_row);
-        if n == 0 || !durable {
-            return Ok(base_row);
+        self.aligned_16 &= tail.aligned;
+        Ok(tail)
+    }
+
+    /// Makes `mirror` the list's or ring's (`of`) once the copies are enqueued, its slots of the
+    /// positions `written` copied from the step's upload of `tail`.
+    fn keep(
+        &mut self,
+        mirror: Arc<DeviceKeyMirror>,
+        written: Range<usize>,
+        tail: &Tail,
+        of: Mirrored<'k>,
+    ) {
+        if !tail.aligned {
+            mirror.aligned_16.store(false, Ordering::Relaxed);
         }
-        let mirror = match mirror {
-            Some(mirror) => {
-                if !tail_aligned {
-                    mirror.aligned_16.store(false, Ordering::Relaxed);
-                }
-                mirror
-            }
-            None => Arc::new(self.new_mirror(mirror_capacity(n), tail_aligned)?),
-        };
         let capacity = mirror.addresses.len();
-        for (offset, slot, count) in ring_runs(covered_end, end - covered_end, capacity) {
+        for (offset, slot, count) in ring_runs(written.start, written.len(), capacity) {
             let destination = mirror.address + 8 * slot as u64;
             self.mirror_writes
-                .push((destination, count, tail_at + offset));
+                .push((destination, count, tail.at + offset));
         }
-        self.updates.push(MirrorUpdate {
-            of: Mirrored::Ring(ring, start..end),
-            mirror,
-        });
-        Ok(base_row)
+        self.updates.push(MirrorUpdate { of, mirror });
     }
 
     /// The table on the device: one upload of the listed keys and the lists' new rows, one

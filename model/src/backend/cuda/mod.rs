@@ -66,18 +66,19 @@ mod tokens;
 mod v4;
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::backend::QdqPoint as ModelQdq;
 use deepinfer_kernels::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
 use deepinfer_kernels::kernel_timer::KernelTimer;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::{
-    DeviceKeyLists, FastAttentionBlocks, ListSegment,
+    AttentionRows, DeviceKeyLists, FastAttentionBlocks, ListSegment,
     MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_ATTENTION_LAUNCH, fast_attention_supports,
     sparse_attention_sink_rows_f32, sparse_attention_sink_rows_ptr_fast,
 };
@@ -87,7 +88,7 @@ use deepinfer_kernels::ops::gemm::{
 };
 use deepinfer_kernels::ops::gemm_fast::{FastTile, RoundedToBf16, gemm_fp4_fast, gemm_fp8_fast};
 use deepinfer_kernels::ops::index::{
-    DeviceVisiblePrefixes, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
+    DeviceVisiblePrefixes, IndexRows, MAX_QUERIES_PER_LAUNCH as MAX_QUERIES_PER_INDEX_LAUNCH,
     fast_index_supports, index_scores_rows_f32, index_scores_rows_ptr_fast,
 };
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
@@ -103,10 +104,12 @@ use deepinfer_kernels::ops::mhc::{
 };
 use deepinfer_kernels::ops::moe::{Selection as RouteSelection, route_experts_f32, selected_count};
 use deepinfer_kernels::ops::movement::{bf16_to_f32, gather_addresses_f32};
-use deepinfer_kernels::ops::norm::rms_norm_f32;
+use deepinfer_kernels::ops::norm::{rms_norm_act_quant_f32, rms_norm_f32};
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
-use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
+use deepinfer_kernels::ops::rope::{
+    ROPE_QDQ_MAX_COLS, RopeQdqInput, RopeShape, rope_interleaved_f32, rope_qdq_f32,
+};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::ops::topk::{apply_mask_rows, candidate_mask_rows, top_k_rows};
 use deepinfer_kernels::runtime::{pooled_memory, release_pooled_memory};
@@ -184,6 +187,21 @@ fn whole_rows(op: &'static str, x: &Tensor, width: usize) -> Result<usize, CudaB
         ));
     }
     Ok(x.len() / width)
+}
+
+/// `x`'s buffer when `x` is the whole of one of this backend's buffers.
+fn whole_buffer(x: &Tensor) -> Option<&CudaBuffer> {
+    let view = x.device_view()?;
+    let buffer = view.buffer.as_any().downcast_ref::<CudaBuffer>()?;
+    (view.offset == 0 && buffer.data.len() == x.len()).then_some(buffer)
+}
+
+/// The kept FP8 activations of a buffer, locked (a panic elsewhere leaves them usable: they are
+/// replaced whole).
+fn lock(
+    memo: &Mutex<Option<Arc<DeviceActFp8>>>,
+) -> std::sync::MutexGuard<'_, Option<Arc<DeviceActFp8>>> {
+    memo.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A host weight's identity: address, length, content fingerprint (see the module header).
@@ -267,7 +285,16 @@ pub struct CudaBackend {
     profile: Arc<OpProfile>,
     /// The EP rank this backend serves as (none: every expert runs here).
     experts: Arc<ep::ExpertSlot>,
+    /// The latest RoPE position rows uploaded, newest first ([`CudaBackend::device_positions`]).
+    positions: Mutex<KeptPositions>,
 }
+
+/// Position rows on the host and their device copies, newest first.
+type KeptPositions = VecDeque<(Vec<i32>, Arc<CudaSlice<i32>>)>;
+
+/// How many distinct position rows [`CudaBackend::device_positions`] keeps: a step's own rows
+/// and its compressor groups' first positions, with room to spare.
+const KEPT_POSITIONS: usize = 4;
 
 /// Reads a [`CudaBackend`]'s GPU memory (shared: keep it to read after the backend was handed to
 /// a model).
@@ -368,6 +395,11 @@ pub struct CudaBuffer {
     data: CudaSlice<f32>,
     stream: Arc<CudaStream>,
     transfers: Arc<TransferCounters>,
+    /// The values' FP8 activations from their last quantisation for a GEMM, so that the next GEMM
+    /// reading the same values (a step's normed inputs feed several projections) takes them
+    /// instead of quantising again: the same codes and scales, one launch fewer. Dropped when the
+    /// values change ([`CudaBackend::in_place`]).
+    fp8: Mutex<Option<Arc<DeviceActFp8>>>,
 }
 
 impl DeviceBuffer for CudaBuffer {
@@ -477,6 +509,7 @@ impl CudaBackend {
             transfers: Arc::new(TransferCounters::default()),
             profile: Arc::new(OpProfile::default()),
             experts: Arc::default(),
+            positions: Mutex::default(),
         })
         .inspect(|backend| {
             let on = std::env::var_os(PROFILE_ENV).is_some_and(|v| v == "1");
@@ -708,26 +741,55 @@ impl CudaBackend {
         )
     }
 
-    /// Uploads activations `[rows, inp]` (f32 storage) and quantises them to FP8 with `group`.
+    /// Activations `[rows, inp]` (f32 storage) quantised to FP8 with `group`: the ones kept on
+    /// `x`'s buffer when `x` is a whole buffer quantised so before, else quantised now (uploaded
+    /// first when on the host) and kept on the buffer. While the runtime captures a graph nothing
+    /// is taken or kept: a replay must quantise what the buffer holds then, and a quantisation
+    /// kept past the capture would hold the graph's own memory.
     fn quantised_activations(
         &self,
         op: &'static str,
         x: &Tensor,
         inp: usize,
         group: ActGroup,
-    ) -> Result<DeviceActFp8, CudaBackendError> {
+    ) -> Result<Arc<DeviceActFp8>, CudaBackendError> {
         let rows = whole_rows(op, x, inp)?;
+        let memo = whole_buffer(x)
+            .filter(|_| !self.rt.capturing())
+            .map(|buffer| &buffer.fp8);
+        if let Some(kept) = memo.and_then(|memo| {
+            lock(memo)
+                .clone()
+                .filter(|a| a.group == group && a.cols == inp)
+        }) {
+            return Ok(kept);
+        }
         let dx = self.input(op, x)?;
-        quantize_act_fp8(&self.rt, &dx, rows, inp, group).map_err(op_err(op))
+        let a = Arc::new(quantize_act_fp8(&self.rt, &dx, rows, inp, group).map_err(op_err(op))?);
+        if let Some(memo) = memo {
+            *lock(memo) = Some(a.clone());
+        }
+        Ok(a)
     }
 
     /// A device result as a tensor.
     fn tensor(&self, data: CudaSlice<f32>) -> Tensor {
+        self.tensor_kept(data, None)
+    }
+
+    /// A device result as a tensor that keeps `act`, its values' FP8 activations, for the GEMMs
+    /// that read it.
+    fn tensor_with_fp8(&self, data: CudaSlice<f32>, act: DeviceActFp8) -> Tensor {
+        self.tensor_kept(data, Some(Arc::new(act)))
+    }
+
+    fn tensor_kept(&self, data: CudaSlice<f32>, fp8: Option<Arc<DeviceActFp8>>) -> Tensor {
         let len = data.len();
         let buffer = CudaBuffer {
             data,
             stream: self.rt.stream().clone(),
             transfers: self.transfers.clone(),
+            fp8: Mutex::new(fp8),
         };
         Tensor::device(Arc::new(buffer), 0, len)
     }
@@ -743,12 +805,12 @@ impl CudaBackend {
     /// `x` as one whole device buffer: borrowed when it is one already, else uploaded (a host
     /// tensor) or copied device to device (a view into part of a buffer).
     fn input<'a>(&self, op: &'static str, x: &'a Tensor) -> Result<Input<'a>, CudaBackendError> {
+        if let Some(buffer) = whole_buffer(x) {
+            return Ok(Input::Whole(&buffer.data));
+        }
         if let Some(view) = x.device_view()
             && let Some(buffer) = view.buffer.as_any().downcast_ref::<CudaBuffer>()
         {
-            if view.offset == 0 && buffer.data.len() == x.len() {
-                return Ok(Input::Whole(&buffer.data));
-            }
             let part = buffer.data.slice(view.offset..view.offset + x.len());
             return self
                 .rt
@@ -772,6 +834,11 @@ impl CudaBackend {
             .device_buffer_mut()
             .and_then(|b| b.as_any_mut().downcast_mut::<CudaBuffer>())
         {
+            buffer
+                .fp8
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
             change(&mut buffer.data)?;
             return Ok(x);
         }
@@ -951,16 +1018,17 @@ impl Backend for CudaBackend {
         self.run("rope", || self.try_rope(x, layout, rotation))
     }
 
-    fn q8_qdq(&self, x: Tensor) -> Tensor {
-        self.run("q8_qdq", || self.try_qdq(x, QdqPoint::Q8))
-    }
-
-    fn q4e_qdq(&self, x: Tensor) -> Tensor {
-        self.run("q4e_qdq", || self.try_qdq(x, QdqPoint::Q4e))
-    }
-
-    fn q4m_qdq(&self, x: Tensor) -> Tensor {
-        self.run("q4m_qdq", || self.try_qdq(x, QdqPoint::Q4m))
+    fn rope_qdq(
+        &self,
+        x: Tensor,
+        norm: Option<RmsNorm<'_>>,
+        layout: (usize, usize),
+        rotation: &Rotation<'_>,
+        point: ModelQdq,
+    ) -> Tensor {
+        self.run("rope_qdq", || {
+            self.try_rope_qdq(x, norm, layout, rotation, point)
+        })
     }
 
     fn hc_mixes_rows(&self, x: &Tensor, params: &HcParams, mixing: &HcMixing) -> HcMixes {

@@ -176,10 +176,10 @@ impl CudaBackend {
                 self.try_hc_expand_rows(&y.rows(rows, dim), expand)
             });
         }
-        let coefficients = mixes.post_comb(self);
+        // The mixes rows as hc_mixes_rows left them: the kernel reads post and comb in place.
         let dy = self.input(OP, y)?;
         let dres = self.input(OP, residual)?;
-        let dmix = self.input(OP, &coefficients)?;
+        let dmix = self.input(OP, &mixes.values)?;
         // SAFETY: hc_expand_f32 covers every (token, stream, dim) with its grid.
         let mut dout = unsafe { self.alloc_written(OP, hc * y.len()) }?;
         hc_expand_rows_f32(
@@ -340,32 +340,20 @@ impl CudaBackend {
         // values), with each f32 operand split into two bf16 pieces in f32 precision (V4); a
         // call's choice depends only on head_dim, the precision and the rows' alignment, never
         // on the batch.
+        let rows = AttentionRows {
+            q: &dq,
+            lists: &dlists,
+            sink: &dsink,
+            head_dim,
+            scale: attention.scale,
+            rounding: rounding(attention.precision),
+        };
         let fast = self.numerics == Numerics::Fast && fast_attention_supports(head_dim, &table);
         if fast {
-            sparse_attention_sink_rows_ptr_fast(
-                &self.rt,
-                &dq,
-                &table,
-                &dlists,
-                &dsink,
-                &mut dout,
-                head_dim,
-                attention.scale,
-                rounding(attention.precision),
-                FastAttentionBlocks::default(),
-            )
+            let blocks = FastAttentionBlocks::default();
+            sparse_attention_sink_rows_ptr_fast(&self.rt, rows, &table, &mut dout, blocks)
         } else {
-            sparse_attention_sink_rows_f32(
-                &self.rt,
-                &dq,
-                KeyRows::Table(&table),
-                &dlists,
-                &dsink,
-                &mut dout,
-                head_dim,
-                attention.scale,
-                rounding(attention.precision),
-            )
+            sparse_attention_sink_rows_f32(&self.rt, rows, KeyRows::Table(&table), &mut dout)
         }
         .map_err(op_err(OP))?;
         Ok(self.tensor(dout))
@@ -547,28 +535,22 @@ impl CudaBackend {
         let fast = self.numerics == Numerics::Fast
             && queries.precision == Precision::Bf16
             && fast_index_supports(heads, head_dim, &table);
+        let rows = IndexRows {
+            q: &dq,
+            w: &dw,
+            visible: &dvisible,
+            heads,
+            head_dim,
+        };
         if fast {
-            index_scores_rows_ptr_fast(
-                &self.rt,
-                &dq,
-                &dw,
-                &table,
-                &dvisible,
-                &mut scores,
-                heads,
-                head_dim,
-                None,
-            )
+            index_scores_rows_ptr_fast(&self.rt, rows, &table, &mut scores, None)
         } else {
+            let keys = KeyRows::Table(&table);
             index_scores_rows_f32(
                 &self.rt,
-                &dq,
-                &dw,
-                KeyRows::Table(&table),
-                &dvisible,
+                rows,
+                keys,
                 &mut scores,
-                heads,
-                head_dim,
                 rounding(queries.precision),
             )
         }
