@@ -44,7 +44,7 @@ __device__ void rope_qdq(const float* x, const float* __restrict__ w, float* y, 
     const u32_t half = p.rope_dim / 2;
     const u32_t tail = p.stride - p.rope_dim;  // the first rotated channel of a vector
     const int pos = positions[row];
-    const bool rotate = pos >= 0 && (u32_t)pos < p.table_rows;  // the launcher's contract: it is
+    const bool rotate = pos >= 0 && (u32_t)pos < p.table_rows;  // else unrotated (callers validate)
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const u32_t c = first + threadIdx.x + i * THREADS;

@@ -93,11 +93,12 @@ fn check_rotation(
     expect_len(op, "sin", sin.len(), shape.table_rows * shape.rope_dim / 2)
 }
 
-/// The most values a row of [`rope_qdq_f32`] may hold.
-pub const ROPE_QDQ_MAX_COLS: usize = 8192;
-
 /// The columns of a row one block of [`rope_qdq_f32`] takes (`rope_qdq::CHUNK`).
 const ROPE_QDQ_CHUNK: usize = 512;
+
+/// The most values a row of [`rope_qdq_f32`] may hold: a row's blocks are the grid's y (at most
+/// 65535).
+pub const ROPE_QDQ_MAX_COLS: usize = 65535 * ROPE_QDQ_CHUNK;
 
 /// The rows of a [`rope_qdq_f32`]: read from `x`, normed first when `norm` is `(w [cols], eps)`
 /// (a norm reads whole rows while other blocks write theirs: never in place).

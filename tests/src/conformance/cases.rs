@@ -381,8 +381,8 @@ pub fn qdqs() -> Vec<Case> {
 const QDQ_POINTS: [QdqPoint; 3] = [QdqPoint::Q8, QdqPoint::Q4e, QdqPoint::Q4m];
 
 /// The rotated, quantised rows of caches and indexes (`rope_qdq`): with and without the norm, every
-/// QDQ point, forward and inverse, both precisions, 1 … 64 vectors a row (rows within one block's
-/// reach, and one past it: 9 × 1024 values), positions up to 70 000.
+/// QDQ point, forward and inverse, both precisions, 1 … 64 vectors a row (one block of 512
+/// columns a row up to 18: 9 × 1024 values), positions up to 70 000.
 pub fn rope_qdqs() -> Vec<Case> {
     let mut rng = Rng(14);
     let table = RopeTable {

@@ -552,8 +552,8 @@ impl CudaBackend {
     }
 
     /// [`Backend::rope_qdq`], with errors: one pass ([`rope_qdq_f32`]) where every rounding is
-    /// bf16, something is rotated and a row is whole QDQ groups a block can hold; else the norm,
-    /// the rotation and the QDQ one after another (the same bits).
+    /// bf16, something is rotated and a row is whole QDQ groups (within the launch's grid); else
+    /// the norm, the rotation and the QDQ one after another (the same bits).
     pub fn try_rope_qdq(
         &self,
         x: Tensor,
