@@ -10,9 +10,14 @@ use crate::id::KernelId;
 use crate::runtime::{KernelRuntime, KernelValue};
 
 const OP: &str = "route_experts_f32";
-const THREADS: u32 = 128;
-/// Experts whose scores, keys and choices fit the kernel's shared memory comfortably.
-const MAX_EXPERTS: usize = 8192;
+/// `moe::THREADS` and `moe::GROUP` in `cuda/moe/route.cuh`.
+const THREADS: u32 = 512;
+const GROUP: usize = 32;
+/// Experts whose top-k of any size fits the block's default 48 KiB of shared memory (40 KiB at
+/// 2048, k >= 32).
+const MAX_EXPERTS: usize = 2048;
+/// The default dynamic shared memory limit of a block.
+const SHARED_LIMIT: usize = 48 * 1024;
 
 /// `moe::RouteParams` in `cuda/moe/route.cuh`.
 #[repr(C)]
@@ -86,11 +91,13 @@ pub fn route_experts_f32(
         },
         route_scale,
     };
-    let cfg = launch_config(
-        (params.rows, 1, 1),
-        THREADS,
-        4 * (2 * params.experts + params.selected),
-    );
+    let shared = shared_bytes(n_experts, selected, params.forced != 0);
+    ensure(shared <= SHARED_LIMIT, OP, || {
+        format!(
+            "{n_experts} experts choosing {selected} need {shared} bytes of shared memory (at most {SHARED_LIMIT})"
+        )
+    })?;
+    let cfg = launch_config((params.rows, 1, 1), THREADS, shared as u32);
     // The forced list, or a one-element placeholder the kernel does not read.
     let placeholder;
     let forced = match selection {
@@ -113,9 +120,19 @@ pub fn route_experts_f32(
         .arg(&params);
     // SAFETY: signature (const float* logits, const float* bias, const u32* forced_ids,
     // u32* experts, float* weights, RouteParams); lengths checked above (a shared forced list
-    // holds `selected` ids, per-row lists rows * selected); the dynamic shared memory
-    // holds 2 · experts + selected 32-bit words.
+    // holds `selected` ids, per-row lists rows * selected); the dynamic shared memory is
+    // `shared_bytes`, the kernel's layout.
     unsafe { launch.launch(cfg) }
+}
+
+/// The kernel's dynamic shared memory: the groups' candidates (two words each, a multiple of four;
+/// `min(selected, GROUP)` a group of `GROUP` experts, none for a forced list), the keys of the
+/// experts padded to whole groups, their scores and the chosen ids.
+fn shared_bytes(n_experts: usize, selected: usize, forced: bool) -> usize {
+    let padded = n_experts.div_ceil(GROUP) * GROUP;
+    let per_group = if forced { 0 } else { selected.min(GROUP) };
+    let slots = (padded / GROUP * per_group).next_multiple_of(4);
+    4 * (2 * slots + padded + n_experts + selected)
 }
 
 /// Experts chosen per token for `selection` over `n_experts`.
@@ -140,5 +157,16 @@ mod tests {
             20,
             &["rows", "experts", "selected", "forced", "route_scale"],
         );
+    }
+
+    #[test]
+    fn the_shape_matches_the_kernel() {
+        let header = include_str!("../../cuda/moe/route.cuh");
+        assert!(header.contains(&format!("constexpr u32_t THREADS = {THREADS};")));
+        assert!(header.contains(&format!("constexpr u32_t GROUP = {GROUP};")));
+        // V4.1: 384 experts, top-6: 12 groups' 6 candidates.
+        assert_eq!(shared_bytes(384, 6, false), 4 * (2 * 72 + 384 + 384 + 6));
+        assert_eq!(shared_bytes(7, 3, true), 4 * (32 + 7 + 3));
+        assert!(shared_bytes(MAX_EXPERTS, MAX_EXPERTS, false) <= SHARED_LIMIT);
     }
 }

@@ -176,8 +176,8 @@ impl CudaBackend {
             Some((ids, k)) => RouteSelection::ForcedRows { ids, per_row: *k },
         };
         let k = selected_count(selection, n_experts);
-        // SAFETY (both): route_experts_f32 runs one block per row whose thread 0 writes all k
-        // ids and weights of the row (the chosen ranks 0..k, each filled).
+        // SAFETY (both): route_experts_f32 runs one block per row that writes all k ids and
+        // weights of the row (the chosen ranks 0..k, each filled).
         let mut ids = unsafe { self.alloc_written::<u32>(op, rows * k) }?;
         let mut weights = unsafe { self.alloc_written(op, rows * k) }?;
         route_experts_f32(
