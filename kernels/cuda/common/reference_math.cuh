@@ -145,6 +145,9 @@ __device__ __forceinline__ float e2m1_round(float v) {
 constexpr u32_t TORCH_SUM_LANES = 8;
 constexpr u32_t TORCH_SUM_ILP = 4;
 constexpr u32_t TORCH_SUM_LEVELS = 4;
+constexpr u32_t TORCH_SUM_CHAINS = TORCH_SUM_ILP * TORCH_SUM_LANES;  // 32 chains of W = 8 lanes
+// Shared floats of torch_sum_block's scratch: the chain sums and the total.
+constexpr u32_t TORCH_SUM_BLOCK_SCRATCH = TORCH_SUM_CHAINS + 1;
 
 __device__ __forceinline__ u32_t ceil_log2(u32_t v) { return v <= 1u ? 0u : 32u - (u32_t)__clz(v - 1u); }
 
@@ -195,26 +198,36 @@ __device__ float torch_sum_lane(const T* x, u32_t n, u32_t W, u32_t lane, const 
     return total;
 }
 
-// The end of torch_sum_block once its TORCH_SUM_ILP x TORCH_SUM_LANES chain sums are in `chains`
-// (shared memory, visible to the block): lane t's sum of its chains and its tail, then thread 0
-// adds the leftover elements from 0 and the lanes in order; the total goes through `result` to
-// every thread (every thread must call it).
+// torch_sum_block's total from its chain sums, in one warp: lane q holds chain q = k *
+// TORCH_SUM_LANES + lane's sum (torch_sum_chain(x, n, TORCH_SUM_LANES, lane, k)). Every lane
+// gathers the chains of lane (its lane % TORCH_SUM_LANES) by shuffles and adds them as
+// torch_sum_lane, then adds the leftover elements from 0 and the lanes' sums in order; every
+// lane of the warp must call it and gets the total (the same operations on the same values).
 template <class T, bool SQUARE>
-__device__ float torch_sum_lanes_total(const T* x, u32_t n, const float* chains, float* lanes, float* result) {
+__device__ __forceinline__ float torch_sum_warp_total(const T* x, u32_t n, float chain) {
+    static_assert(TORCH_SUM_CHAINS == 32, "a lane per chain");
+    const u32_t lane = threadIdx.x % TORCH_SUM_LANES;
+    float acc[TORCH_SUM_ILP];
+#pragma unroll
+    for (u32_t k = 0; k < TORCH_SUM_ILP; ++k) acc[k] = __shfl_sync(0xffffffffu, chain, k * TORCH_SUM_LANES + lane);
+    const float lane_sum = torch_sum_lane<T, SQUARE>(x, n, TORCH_SUM_LANES, lane, acc);
+    float total = 0.0f;
+    for (u32_t i = n / TORCH_SUM_LANES * TORCH_SUM_LANES; i < n; ++i)
+        total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, i));
+#pragma unroll
+    for (u32_t l = 0; l < TORCH_SUM_LANES; ++l) total = __fadd_rn(total, __shfl_sync(0xffffffffu, lane_sum, l));
+    return total;
+}
+
+// The end of torch_sum_block once its TORCH_SUM_CHAINS chain sums are in `chains` (shared
+// memory, visible to the block): warp 0 adds them up (torch_sum_warp_total, lane q chain q) and
+// the total goes through `result` to every thread (every thread must call it).
+template <class T, bool SQUARE>
+__device__ float torch_sum_lanes_total(const T* x, u32_t n, const float* chains, float* result) {
     const u32_t t = threadIdx.x;
-    if (t < TORCH_SUM_LANES) {
-        float acc[TORCH_SUM_ILP];
-        for (u32_t k = 0; k < TORCH_SUM_ILP; ++k) acc[k] = chains[k * TORCH_SUM_LANES + t];
-        lanes[t] = torch_sum_lane<T, SQUARE>(x, n, TORCH_SUM_LANES, t, acc);
-    }
-    __syncthreads();
-    if (t == 0) {
-        // The leftover elements are summed from 0 first, then the lanes are added in order.
-        float total = 0.0f;
-        for (u32_t i = n / TORCH_SUM_LANES * TORCH_SUM_LANES; i < n; ++i)
-            total = __fadd_rn(total, torch_sum_element<T, SQUARE>(x, i));
-        for (u32_t lane = 0; lane < TORCH_SUM_LANES; ++lane) total = __fadd_rn(total, lanes[lane]);
-        *result = total;
+    if (t < TORCH_SUM_CHAINS) {
+        const float total = torch_sum_warp_total<T, SQUARE>(x, n, chains[t]);
+        if (t == 0) *result = total;
     }
     __syncthreads();
     return *result;
@@ -222,12 +235,11 @@ __device__ float torch_sum_lanes_total(const T* x, u32_t n, const float* chains,
 
 // sum_f32_torch of x[0..n) (of the squares when SQUARE), computed by the whole block (at least 32
 // threads, every thread must call it) and returned to every thread. `scratch` is shared memory of
-// TORCH_SUM_ILP * TORCH_SUM_LANES + TORCH_SUM_LANES + 1 floats.
+// TORCH_SUM_BLOCK_SCRATCH floats.
 template <class T, bool SQUARE>
 __device__ float torch_sum_block(const T* x, u32_t n, float* scratch) {
-    float* chains = scratch;                                         // [ILP][LANES]
-    float* lanes = scratch + TORCH_SUM_ILP * TORCH_SUM_LANES;        // [LANES]
-    float* result = lanes + TORCH_SUM_LANES;
+    float* chains = scratch;  // [ILP][LANES]
+    float* result = scratch + TORCH_SUM_CHAINS;
     const u32_t t = threadIdx.x;
     if (n < TORCH_SUM_LANES) {
         if (t == 0) {
@@ -238,10 +250,10 @@ __device__ float torch_sum_block(const T* x, u32_t n, float* scratch) {
         __syncthreads();
         return *result;
     }
-    if (t < TORCH_SUM_ILP * TORCH_SUM_LANES)
+    if (t < TORCH_SUM_CHAINS)
         chains[t] = torch_sum_chain<T, SQUARE>(x, n, TORCH_SUM_LANES, t % TORCH_SUM_LANES, t / TORCH_SUM_LANES);
     __syncthreads();
-    return torch_sum_lanes_total<T, SQUARE>(x, n, chains, lanes, result);
+    return torch_sum_lanes_total<T, SQUARE>(x, n, chains, result);
 }
 
 // sum_f32_torch of x[0..n) (of the squares when SQUARE) in one thread: torch_sum_block's order.
@@ -271,7 +283,6 @@ __device__ float torch_sum_thread(const T* x, u32_t n) {
 // The cascade above level 0 only ever sees the segment sums, in segment order. So the segment
 // sums can be computed by any threads in any order and fed to TorchSumCascade in segment order:
 // every fp32 operation, and its operands, stays exactly that of torch_sum_chain.
-constexpr u32_t TORCH_SUM_CHAINS = TORCH_SUM_ILP * TORCH_SUM_LANES;  // 32 chains of W = 8 lanes
 
 // Groups [first, first + count) of accumulator (lane, k) of torch_row_sum<W>, summed from 0 in
 // group order (torch_sum_chain's level-0 loop).
@@ -324,7 +335,7 @@ constexpr u32_t TORCH_SUM_SPLIT_SEGMENTS = 4;
 
 // Shared floats torch_sum_block_split needs for THREADS threads.
 constexpr u32_t torch_sum_split_scratch(u32_t threads) {
-    return threads * TORCH_SUM_SPLIT_SEGMENTS + TORCH_SUM_CHAINS + TORCH_SUM_LANES + 1;
+    return threads * TORCH_SUM_SPLIT_SEGMENTS + TORCH_SUM_BLOCK_SCRATCH;
 }
 
 // torch_sum_block's result, bit for bit, from a block of exactly THREADS threads (a multiple of 32;
@@ -341,8 +352,7 @@ __device__ float torch_sum_block_split(const T* x, u32_t n, float* scratch) {
     constexpr u32_t PER_ROUND = WARPS * TORCH_SUM_SPLIT_SEGMENTS;  // segments of each chain per round
     float* segments = scratch;                                      // [PER_ROUND][32 chains]
     float* chains = scratch + THREADS * TORCH_SUM_SPLIT_SEGMENTS;   // [ILP][LANES]
-    float* lanes = chains + TORCH_SUM_CHAINS;                       // [LANES]
-    float* result = lanes + TORCH_SUM_LANES;
+    float* result = chains + TORCH_SUM_CHAINS;
     const u32_t t = threadIdx.x;
     if (n < TORCH_SUM_LANES) {
         if (t == 0) *result = torch_sum_thread<T, SQUARE>(x, n);
@@ -377,7 +387,7 @@ __device__ float torch_sum_block_split(const T* x, u32_t n, float* scratch) {
             torch_sum_run<T, SQUARE>(x, TORCH_SUM_LANES, lane, k, full * step, groups - full * step));
     __syncthreads();
     // From here exactly torch_sum_block.
-    return torch_sum_lanes_total<T, SQUARE>(x, n, chains, lanes, result);
+    return torch_sum_lanes_total<T, SQUARE>(x, n, chains, result);
 }
 
 }  // namespace refmath

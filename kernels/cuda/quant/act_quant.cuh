@@ -43,18 +43,39 @@ __device__ __forceinline__ u8_t act_quant_code(float v, float inv_s) {
     return e4m3_encode(fminf(fmaxf(__fmul_rn(v, inv_s), -448.0f), 448.0f));
 }
 
-// Quantises one value v a lane, element `index` of the rows-major activations, in a 32-group
-// that is the warp's 32 lanes (the warp's elements are one group, lane i its element i). Every
-// lane of the warp calls it.
-__device__ __forceinline__ void act_quant_g32_one(float v, unsigned long long index, u8_t* __restrict__ codes,
-                                                  float* __restrict__ scales) {
-    float amax = fabsf(v);
+// 1/s for a scale s of act_quant_scale, exactly __frcp_rn(s) (the same bits) without its
+// special-case branch: s = 2^e with e in [-22, 120], whose reciprocal 2^-e is a normal float with
+// exponent field 254 minus s's, or s = +inf (amax = +inf), whose reciprocal is +0 (the field
+// difference is negative there, clamped to 0). Integer operations only, so the quantisation of
+// several groups in a row has no branch between them.
+__device__ __forceinline__ float act_quant_inverse_scale(float s) {
+    return __int_as_float(max(0x7f000000 - __float_as_int(s), 0));
+}
+
+// Quantises a lane's N values v[j], element index + 32 j of the rows-major activations, each in a
+// 32-group that is the warp's 32 lanes (lane i holds element i of every group); groups j < groups
+// are stored, the others (past the row) not. Every lane of the warp calls it. The group max is
+// one redux.sync over the lanes' |v| bit patterns, the same maximum as an fmaxf tree: |v| >= +0
+// orders as its bits, and a NaN (which fmaxf skips) enters as +0, so a group of NaNs gets +0
+// where fmaxf gives NaN, both 1e-4 after act_quant_scale's fmaxf: the same scale. The N groups'
+// reductions and scales are independent, so they overlap.
+template <u32_t N>
+__device__ __forceinline__ void act_quant_g32_lanes(const float (&v)[N], u32_t groups, unsigned long long index,
+                                                    u8_t* __restrict__ codes, float* __restrict__ scales) {
+    float s[N];
+    u8_t q[N];
 #pragma unroll
-    for (u32_t offset = 16; offset > 0; offset >>= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float s = act_quant_scale(amax);
-    codes[index] = act_quant_code(v, __frcp_rn(s));
-    if (threadIdx.x % 32 == 0) scales[index / 32] = s;
+    for (u32_t j = 0; j < N; ++j) {
+        const u32_t amax = __reduce_max_sync(0xffffffffu, __float_as_uint(fmaxf(fabsf(v[j]), 0.0f)));
+        s[j] = act_quant_scale(__uint_as_float(amax));
+        q[j] = act_quant_code(v[j], act_quant_inverse_scale(s[j]));
+    }
+    const bool first_lane = threadIdx.x % 32 == 0;
+#pragma unroll
+    for (u32_t j = 0; j < N; ++j) {
+        if (j < groups) codes[index + 32 * j] = q[j];
+        if (j < groups && first_lane) scales[index / 32 + j] = s[j];
+    }
 }
 
 // Quantises a lane's 4 values v, elements [base, base + 4) of the rows-major activations (groups

@@ -169,7 +169,7 @@ __device__ __forceinline__ float mean_square(const float* x, u32_t dim, float* s
 __device__ void engram_inject(float* __restrict__ streams, const float* __restrict__ kv,
                               const float* __restrict__ weight, const u32_t* __restrict__ live, InjectParams p) {
     extern __shared__ float products[];
-    __shared__ float scratch[refmath::TORCH_SUM_ILP * refmath::TORCH_SUM_LANES + refmath::TORCH_SUM_LANES + 1];
+    __shared__ float scratch[refmath::TORCH_SUM_BLOCK_SCRATCH];
     __shared__ float gates[MAX_HC];
     const u32_t token = live[blockIdx.x];
     if (token >= p.tokens) return;  // uniform over the block
