@@ -1,7 +1,9 @@
 // mHC (manifold-constrained hyper-connections, v41-architecture.md §3.2) for a batch of tokens,
 // operation for operation as the CPU reference (CpuBackend::hc_mixes / hc_collapse / hc_expand).
 // Every token's math is the one-token math on its own rows (one token = the n = 1 case), so a
-// token's results do not depend on the batch.
+// token's results do not depend on the batch. Every value below comes from the reference's fp32
+// operations on the same operands in the same order; the schedules only decide which thread runs
+// which operation and how values move (shared memory, shuffles), so the bits never depend on them.
 //
 // hc_mixes, two launches.
 // hc_mixes_partials (grid: TOKEN_TILE + K chains blocks x token tiles of TOKEN_TILE tokens).
@@ -10,24 +12,37 @@
 // thread runs which chain, never the operations of one. Block x >= TOKEN_TILE is K chain
 // c = x - TOKEN_TILE for the tile's tokens and every projection, as a small GEMM: the tile's x
 // rows and all projection rows are staged TILE_K values of K at a time in shared memory
-// (coalesced cp.async copies, PARTIAL_STAGES passes in flight), lane = token
-// and warp w owns projections w, w + 8, ...; every thread FMAs its chains over the staged K in
-// K order (float4 reads of four consecutive K, used x, y, z, w). A projection row is so read
-// once per token tile instead of once per token, and a token's row once per K chain.
+// (coalesced cp.async copies, PARTIAL_STAGES passes in flight). The (token, projection) pairs
+// are spread so that no lane works for a dead token: with T the tile's valid tokens rounded up to
+// a power of two, thread t takes token t % T and the SLOTS consecutive projections
+// (t / T) SLOTS + i, SLOTS = ceil(T projections / PARTIAL_THREADS) (slot i; slots past the
+// projections skipped, warps without a pair skip the FMAs). A full tile is so lane = token and
+// warp w's projections 3w.. (hc 4); one decode token is one chain per projection in warp 0's
+// lanes. The FMA loop is instantiated per slot count (fma_pass<SLOTS>), so no dead slot is
+// issued. Every thread FMAs its chains over the staged K in K order (float4 reads of four
+// consecutive K, used x, y, z, w; the token's x read once for all its slots). A projection row is
+// so read once per token tile instead of once per token, and a token's row once per K chain. The
+// reads are conflict-free: a quarter warp reads one row (broadcast) or up to 8 rows spaced 1 or
+// 2 apart (TILE_STRIDE puts them in distinct banks).
 // Block x < TOKEN_TILE computes token (tile * TOKEN_TILE + x)'s sum of squares in the order of
 // torch's CPU sum (as the CPU reference's sum_squares_f32_torch) with the whole block
 // (refmath::torch_sum_block_split: the level-0 segments of torch's cascade are independent sums
 // from 0, computed in parallel and fed to each chain's cascade in segment order: the operations
 // of refmath::torch_sum_block exactly).
 // Scratch per token: [projections * K chains partials (projection-major), sum of squares].
-// hc_mixes (grid: tokens): warp w adds the partials of projections w, w + 8, ... in the CPU's
-// perfect pairwise tree (K chains is a power of two: each lane first adds its K / 32 adjacent
-// partials as a perfect subtree, then a shuffle-down tree over the 32 lanes -- offsets 1, 2, 4,
-// ... add left subtree + right subtree, the tree of refmath::PairwiseSum); then one warp does the
-// sigmoids and the Sinkhorn passes with a lane per comb cell (two for hc > 5 cells), the cells in
-// registers (CombCells): every lane gathers its row's (or column's) cells by shuffles and sums
-// them in the reference's order (the same operations on the same values, so the same bits for
-// every lane of the row) and divides its own cell.
+// hc_mixes (grid: tokens), one body per hc (hc_mixes_hc<HC>: every loop over a line unrolled):
+// the token's partials are staged in shared memory (STAGE_BATCH loads per thread in flight), then
+// warp w adds the partials of projections w, w + 8, ... in the CPU's perfect pairwise tree
+// (K chains is a power of two: each lane first adds its K / 32 adjacent partials as a perfect
+// subtree -- the levels below its top in place in its own partials, the top into a register --
+// then a shuffle-down tree over the 32 lanes, offsets 1, 2, 4, ... adding left subtree + right
+// subtree: the tree of refmath::PairwiseSum; the warp's rows side by side). Then warp 1 computes
+// the pre / post sigmoids while warp 0 does the comb's softmax and Sinkhorn passes with a lane
+// per comb cell (two for hc > 5), the cells in registers (CombCells): every lane gathers its
+// row's (or column's) HC cells by HC independent shuffles and sums them from 0 in index order
+// (the reference's order: the same operations on the same values, so the same bits in every lane
+// of the line) and divides its own cell. A pass is so one shuffle latency, HC dependent adds, the
+// eps add and one division (no branch around a shuffle).
 // Output per token: pre [hc], post [hc], comb [hc, hc].
 // hc_collapse / hc_expand: elementwise, token = blockIdx.y, each token with its own weights /
 // mixes; the k/j sums in stream order in fp32, one rounding (bf16 when p.round_bf16, else none).
@@ -37,17 +52,37 @@
 namespace mhc {
 
 constexpr int THREADS = 256;
+constexpr u32_t WARPS = THREADS / 32;
 constexpr int MAX_HC = 8;
+constexpr u32_t FULL_WARP = 0xffffffffu;
+constexpr u32_t STAGE_BATCH = 6;  // hc_mixes: partials a thread loads per round (V4.1: 1536, one round)
 
 constexpr u32_t PARTIAL_THREADS = 256;
 constexpr u32_t PARTIAL_WARPS = PARTIAL_THREADS / 32;
-constexpr u32_t TOKEN_TILE = 32;         // tokens of a K-chain block: one per lane
+constexpr u32_t TOKEN_TILE = 32;         // tokens of a K-chain block: at most one per lane
 constexpr u32_t TILE_K = 32;             // K values staged per pass
-constexpr u32_t TILE_STRIDE = TILE_K + 4;  // float4 rows; 8 lanes' rows start in distinct banks
+constexpr u32_t TILE_STRIDE = TILE_K + 4;  // float4 rows; 8 consecutive rows start in distinct banks
 constexpr u32_t PARTIAL_STAGES = 4;      // K passes in flight (cp.async)
 constexpr u32_t MAX_PROJECTIONS = (2 + MAX_HC) * MAX_HC;
-constexpr u32_t PROJECTIONS_PER_WARP = (MAX_PROJECTIONS + PARTIAL_WARPS - 1) / PARTIAL_WARPS;
-constexpr u32_t MAX_CELLS_PER_LANE = (MAX_HC * MAX_HC + 31) / 32;
+constexpr u32_t PROJECTIONS_PER_WARP = (MAX_PROJECTIONS + PARTIAL_WARPS - 1) / PARTIAL_WARPS;  // most slots
+
+// A number known at compile time.
+template <u32_t N>
+struct Const {
+    static constexpr u32_t value = N;
+};
+
+// f(Const<n>{}) for the runtime n in [FIRST, LAST] (past LAST: LAST): one body, instantiated per value.
+template <u32_t FIRST, u32_t LAST, class F>
+__device__ __forceinline__ void with_const(u32_t n, F&& f) {
+    if constexpr (FIRST < LAST) {
+        if (n != FIRST) {
+            with_const<FIRST + 1, LAST>(n, f);
+            return;
+        }
+    }
+    f(Const<FIRST>{});
+}
 
 __device__ __forceinline__ u32_t hc_mixes_tasks(HcMixesParams p) {
     return (2 + p.hc) * p.hc * refmath::sgemm_chains(p.n);
@@ -59,30 +94,60 @@ __host__ __device__ constexpr u32_t partial_stage_floats(u32_t projections) {
     return PARTIAL_STAGES * (TOKEN_TILE + projections) * TILE_STRIDE;
 }
 
-__device__ void hc_mixes_partials(const float* __restrict__ x, const float* __restrict__ proj,
-                                  float* __restrict__ scratch, HcMixesParams p, u32_t tokens) {
-    extern __shared__ __align__(16) float stages[];  // partial_stage_floats(projections)
-    __shared__ float sum_scratch[refmath::torch_sum_split_scratch(PARTIAL_THREADS)];
-    const u32_t tasks = hc_mixes_tasks(p);
-    const u32_t token0 = blockIdx.y * TOKEN_TILE;
-    if (blockIdx.x < TOKEN_TILE) {
-        const u32_t token = token0 + blockIdx.x;
-        if (token >= tokens) return;  // the whole block
-        const float sum_squares = refmath::torch_sum_block_split<float, true, PARTIAL_THREADS>(
-            x + (size_t)token * p.n, p.n, sum_scratch);
-        if (threadIdx.x == 0) scratch[(size_t)token * (tasks + 1) + tasks] = sum_squares;
-        return;
+// One staged pass of a thread's SLOTS chains: acc[i] += x[token] . w[first + i] over the pass's
+// `count` K in K order (float4 reads of four consecutive K, used x, y, z, w, when the pass is
+// whole); slots past the projections are skipped. xs: the token's staged row, ws: projection
+// `first`'s (slot i: ws + i TILE_STRIDE).
+template <u32_t SLOTS>
+__device__ __forceinline__ void fma_pass(float (&acc)[PROJECTIONS_PER_WARP], const float* xs, const float* ws,
+                                         u32_t count, u32_t first, u32_t projections) {
+    if (count == TILE_K) {
+#pragma unroll
+        for (u32_t kk = 0; kk < TILE_K; kk += 4) {
+            const float4 xq = *reinterpret_cast<const float4*>(xs + kk);
+#pragma unroll
+            for (u32_t i = 0; i < SLOTS; ++i) {
+                if (first + i < projections) {
+                    const float4 wq = *reinterpret_cast<const float4*>(ws + i * TILE_STRIDE + kk);
+                    acc[i] = __fmaf_rn(xq.x, wq.x, acc[i]);
+                    acc[i] = __fmaf_rn(xq.y, wq.y, acc[i]);
+                    acc[i] = __fmaf_rn(xq.z, wq.z, acc[i]);
+                    acc[i] = __fmaf_rn(xq.w, wq.w, acc[i]);
+                }
+            }
+        }
+    } else {
+        for (u32_t kk = 0; kk < count; ++kk) {
+            const float xv = xs[kk];
+#pragma unroll
+            for (u32_t i = 0; i < SLOTS; ++i)
+                if (first + i < projections) acc[i] = __fmaf_rn(xv, ws[i * TILE_STRIDE + kk], acc[i]);
+        }
     }
+}
+
+// K chain `chain` of the tile's tokens (token0 on, `valid` of them) for every projection, each
+// thread `slots` (token, projection) pairs (see the header comment); T = 1 << token_bits.
+__device__ void hc_mixes_chain(const float* __restrict__ x, const float* __restrict__ proj,
+                               float* __restrict__ scratch, HcMixesParams p, u32_t chain, u32_t token0,
+                               u32_t valid, u32_t token_bits, u32_t slots, float* stages) {
+    const u32_t tasks = hc_mixes_tasks(p);
     const u32_t k_chains = refmath::sgemm_chains(p.n);
-    const u32_t chain = blockIdx.x - TOKEN_TILE;
     const u32_t projections = (2 + p.hc) * p.hc;
     const u32_t start = refmath::sgemm_chain_start(chain, p.n, k_chains);
     const u32_t length = refmath::sgemm_chain_start(chain + 1, p.n, k_chains) - start;
-    const u32_t valid = min(TOKEN_TILE, tokens - token0);
     const u32_t warp = threadIdx.x / 32;
     const u32_t lane = threadIdx.x % 32;
-    x += (size_t)token0 * p.n + start;
-    proj += start;
+    // Thread t runs token t % T's chains of projections first + i (slot i), first = slots t / T;
+    // slots past the projections are skipped.
+    const u32_t token = lane & ((1u << token_bits) - 1u);
+    const u32_t first = (threadIdx.x >> token_bits) * slots;
+    const bool busy = ((32 * warp) >> token_bits) * slots < projections;  // the warp holds a pair
+    // K k of the chain in staged row r (r < valid: the tile's token r, else projection r - valid).
+    const auto source = [&](u32_t r, u32_t k) {
+        return r < valid ? x + ((size_t)(token0 + r) * p.n + start + k)
+                         : proj + ((size_t)(r - valid) * p.n + start + k);
+    };
     if (gridDim.y == 1) {
         // Few tokens (decode): ask for every line of the chain's rows at once, so that the passes
         // after the first PARTIAL_STAGES find them in L2.
@@ -90,8 +155,7 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
         for (u32_t i = threadIdx.x; i < (valid + projections) * lines; i += PARTIAL_THREADS) {
             const u32_t row = i / lines;
             const u32_t k = min((i % lines) * 32, length - 1);
-            const float* at = row < valid ? x + (size_t)row * p.n + k : proj + (size_t)(row - valid) * p.n + k;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(source(row, k)));
         }
     }
     // Pass q stages K [q TILE_K, (q + 1) TILE_K) of the chain in slot q % PARTIAL_STAGES: row r <
@@ -109,10 +173,8 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
             const u32_t k = q * TILE_K + lane;
             const bool inside = k < length;
             for (u32_t r = warp; r < valid + projections; r += PARTIAL_WARPS) {
-                const bool token = r < valid;
-                const u32_t row = token ? r : TOKEN_TILE + (r - valid);
-                const float* src = token ? x + (size_t)r * p.n + k : proj + (size_t)(r - valid) * p.n + k;
-                cp_async4(tile + row * TILE_STRIDE + lane, inside ? src : proj, inside);
+                const u32_t row = r < valid ? r : TOKEN_TILE + (r - valid);
+                cp_async4(tile + row * TILE_STRIDE + lane, inside ? source(r, k) : proj, inside);
             }
         }
         cp_async_commit();
@@ -125,77 +187,77 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
         cp_async_wait<PARTIAL_STAGES - 2>();
         __syncthreads();  // pass q visible to every thread; every thread is done with pass q - 1's slot
         issue(q + PARTIAL_STAGES - 1);
+        if (!busy) continue;
         const float* tile = slot(q);
-        const float* xs = tile + lane * TILE_STRIDE;
-        const float* ws = tile + TOKEN_TILE * TILE_STRIDE;
+        const float* xs = tile + token * TILE_STRIDE;
+        const float* ws = tile + (TOKEN_TILE + first) * TILE_STRIDE;
         const u32_t count = min(TILE_K, length - q * TILE_K);
-        if (count == TILE_K) {
-#pragma unroll
-            for (u32_t kk = 0; kk < TILE_K; kk += 4) {
-                const float4 xq = *reinterpret_cast<const float4*>(xs + kk);
-#pragma unroll
-                for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) {
-                    const u32_t row = warp + PARTIAL_WARPS * i;
-                    if (row < projections) {
-                        const float4 wq = *reinterpret_cast<const float4*>(ws + row * TILE_STRIDE + kk);
-                        acc[i] = __fmaf_rn(xq.x, wq.x, acc[i]);
-                        acc[i] = __fmaf_rn(xq.y, wq.y, acc[i]);
-                        acc[i] = __fmaf_rn(xq.z, wq.z, acc[i]);
-                        acc[i] = __fmaf_rn(xq.w, wq.w, acc[i]);
-                    }
-                }
-            }
-        } else {
-            for (u32_t kk = 0; kk < count; ++kk) {
-                const float xv = xs[kk];
-#pragma unroll
-                for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) {
-                    const u32_t row = warp + PARTIAL_WARPS * i;
-                    if (row < projections) acc[i] = __fmaf_rn(xv, ws[row * TILE_STRIDE + kk], acc[i]);
-                }
-            }
-        }
+        with_const<1, PROJECTIONS_PER_WARP>(slots, [&](auto s) {
+            fma_pass<decltype(s)::value>(acc, xs, ws, count, first, projections);
+        });
     }
-    if (lane < valid) {
-        float* out = scratch + (size_t)(token0 + lane) * (tasks + 1) + chain;
+    if (token < valid) {
+        float* out = scratch + (size_t)(token0 + token) * (tasks + 1) + chain;
 #pragma unroll
-        for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) {
-            const u32_t row = warp + PARTIAL_WARPS * i;
-            if (row < projections) out[(size_t)row * k_chains] = acc[i];
-        }
+        for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i)
+            if (i < slots && first + i < projections) out[(size_t)(first + i) * k_chains] = acc[i];
     }
 }
 
-// The comb matrix through the softmax and the Sinkhorn passes, held by one warp: lane l holds
-// cells l + 32 r in v[r]. A cell's value reaches every lane by shuffles.
+__device__ void hc_mixes_partials(const float* __restrict__ x, const float* __restrict__ proj,
+                                  float* __restrict__ scratch, HcMixesParams p, u32_t tokens) {
+    extern __shared__ __align__(16) float stages[];  // partial_stage_floats(projections)
+    __shared__ float sum_scratch[refmath::torch_sum_split_scratch(PARTIAL_THREADS)];
+    const u32_t token0 = blockIdx.y * TOKEN_TILE;
+    if (blockIdx.x < TOKEN_TILE) {
+        const u32_t token = token0 + blockIdx.x;
+        if (token >= tokens) return;  // the whole block
+        const u32_t tasks = hc_mixes_tasks(p);
+        const float sum_squares = refmath::torch_sum_block_split<float, true, PARTIAL_THREADS>(
+            x + (size_t)token * p.n, p.n, sum_scratch);
+        if (threadIdx.x == 0) scratch[(size_t)token * (tasks + 1) + tasks] = sum_squares;
+        return;
+    }
+    const u32_t valid = min(TOKEN_TILE, tokens - token0);
+    u32_t token_bits = 0;  // T = 1 << token_bits: valid rounded up to a power of two
+    while ((1u << token_bits) < valid) ++token_bits;
+    const u32_t projections = (2 + p.hc) * p.hc;
+    const u32_t slots = ((projections << token_bits) + PARTIAL_THREADS - 1) / PARTIAL_THREADS;
+    hc_mixes_chain(x, proj, scratch, p, blockIdx.x - TOKEN_TILE, token0, valid, token_bits, slots, stages);
+}
+
+// The HC x HC comb matrix through the softmax and the Sinkhorn passes, held by one warp: lane l
+// holds cells l + 32 r in v[r]. A cell's value reaches every lane by a shuffle.
+template <u32_t HC>
 struct CombCells {
-    float v[MAX_CELLS_PER_LANE];
-    u32_t hc;
+    static constexpr u32_t CELLS = HC * HC;
+    static constexpr u32_t PER_LANE = (CELLS + 31) / 32;
+    float v[PER_LANE];
 
     // Cell `cell`'s value, in every lane (all 32 lanes call it with their own `cell`).
     __device__ __forceinline__ float at(u32_t cell) const {
         float out = 0.0f;
 #pragma unroll
-        for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) {
-            const float got = __shfl_sync(0xffffffffu, v[r], cell % 32);
-            if (cell / 32 == r) out = got;
+        for (u32_t r = 0; r < PER_LANE; ++r) {
+            const float got = __shfl_sync(FULL_WARP, v[r], cell % 32);
+            if (PER_LANE == 1 || cell / 32 == r) out = got;
         }
         return out;
     }
 
     // Cell k of line j (COLUMN: column j, else row j).
     template <bool COLUMN>
-    __device__ __forceinline__ u32_t cell_of(u32_t j, u32_t k) const {
-        return COLUMN ? k * hc + j : j * hc + k;
+    __device__ __forceinline__ static u32_t cell_of(u32_t j, u32_t k) {
+        return COLUMN ? k * HC + j : j * HC + k;
     }
 
-    // The sum of line j, from 0 in index order (the reference's order).
+    // The sum of line j, from 0 in index order (the reference's order): HC independent shuffles,
+    // then HC dependent adds.
     template <bool COLUMN>
     __device__ __forceinline__ float line_sum(u32_t j) const {
         float s = 0.0f;
 #pragma unroll
-        for (u32_t k = 0; k < MAX_HC; ++k)
-            if (k < hc) s = __fadd_rn(s, at(cell_of<COLUMN>(j, k)));
+        for (u32_t k = 0; k < HC; ++k) s = __fadd_rn(s, at(cell_of<COLUMN>(j, k)));
         return s;
     }
 
@@ -203,96 +265,147 @@ struct CombCells {
     __device__ __forceinline__ float row_max(u32_t j) const {
         float m = -__uint_as_float(0x7f800000u);
 #pragma unroll
-        for (u32_t k = 0; k < MAX_HC; ++k)
-            if (k < hc) m = fmaxf(m, at(cell_of<false>(j, k)));
+        for (u32_t k = 0; k < HC; ++k) m = fmaxf(m, at(cell_of<false>(j, k)));
         return m;
+    }
+
+    // One Sinkhorn pass: every cell /= (its line's sum + eps), the sums taken before any cell changes.
+    template <bool COLUMN>
+    __device__ __forceinline__ void normalise(const u32_t (&line)[PER_LANE], float eps) {
+        float next[PER_LANE];
+#pragma unroll
+        for (u32_t r = 0; r < PER_LANE; ++r) next[r] = __fdiv_rn(v[r], __fadd_rn(line_sum<COLUMN>(line[r]), eps));
+#pragma unroll
+        for (u32_t r = 0; r < PER_LANE; ++r) v[r] = next[r];
     }
 };
 
-__device__ void hc_mixes(const float* __restrict__ scratch, const float* __restrict__ base,
-                         const float* __restrict__ scale, float* __restrict__ out, HcMixesParams p) {
-    extern __shared__ float token_partials[];  // [tasks + 1], staged with coalesced loads
-    __shared__ float mixes[(2 + MAX_HC) * MAX_HC];
-    const u32_t hc = p.hc;
-    const u32_t projections = (2 + hc) * hc;
+// hc_mixes of token blockIdx.x for hc = HC. `token_partials`: dynamic shared memory of the
+// token's tasks partials; `mixes`: shared memory of (2 + HC) HC floats.
+template <u32_t HC>
+__device__ void hc_mixes_hc(const float* __restrict__ scratch, const float* __restrict__ base,
+                            const float* __restrict__ scale, float* __restrict__ out, HcMixesParams p,
+                            float* token_partials, float* mixes) {
+    constexpr u32_t PROJECTIONS = (2 + HC) * HC;
+    constexpr u32_t ROWS = (PROJECTIONS + WARPS - 1) / WARPS;  // projection rows per warp
+    using Comb = CombCells<HC>;
     const u32_t k_chains = refmath::sgemm_chains(p.n);
-    const u32_t tasks = hc_mixes_tasks(p);
+    const u32_t tasks = PROJECTIONS * k_chains;
+    const u32_t warp = threadIdx.x / 32;
+    const u32_t lane = threadIdx.x % 32;
     scratch += (size_t)blockIdx.x * (tasks + 1);
-    out += (size_t)blockIdx.x * (2 * hc + hc * hc);
-    for (u32_t i = threadIdx.x; i <= tasks; i += THREADS) token_partials[i] = scratch[i];
-    __syncthreads();
-    const float* partials = token_partials;
-    const float sum_squares = partials[tasks];
+    out += (size_t)blockIdx.x * (2 * HC + Comb::CELLS);
+    // The weights of the last part, read now so that they arrive with the partials: warp 1's
+    // lanes k < HC take pre / post k, warp 0's lanes their comb cells (lanes past the cells a
+    // copy of the last cell, never stored).
+    u32_t row[Comb::PER_LANE], column[Comb::PER_LANE];
+    float cell_base[Comb::PER_LANE];
+#pragma unroll
+    for (u32_t r = 0; r < Comb::PER_LANE; ++r) {
+        const u32_t e = min(lane + 32 * r, Comb::CELLS - 1);
+        row[r] = e / HC;
+        column[r] = e % HC;
+        cell_base[r] = warp == 0 ? base[2 * HC + e] : 0.0f;
+    }
+    const u32_t k = min(lane, HC - 1);
+    const float pre_base = warp == 1 ? base[k] : 0.0f;
+    const float post_base = warp == 1 ? base[HC + k] : 0.0f;
+    const float scale_pre = scale[0], scale_post = scale[1], scale_comb = scale[2];
 
+    const float sum_squares = scratch[tasks];
+    // The token's partials into shared memory, STAGE_BATCH loads of a thread in flight at once.
+    for (u32_t first = threadIdx.x; first < tasks; first += THREADS * STAGE_BATCH) {
+        float staged[STAGE_BATCH];
+#pragma unroll
+        for (u32_t b = 0; b < STAGE_BATCH; ++b) staged[b] = scratch[min(first + THREADS * b, tasks)];
+#pragma unroll
+        for (u32_t b = 0; b < STAGE_BATCH; ++b)
+            if (first + THREADS * b < tasks) token_partials[first + THREADS * b] = staged[b];
+    }
+    __syncthreads();
     const float mean_square = __fdiv_rn(sum_squares, (float)p.n);
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_square, p.norm_eps)));
-    const u32_t lane = threadIdx.x % 32;
-    for (u32_t row = threadIdx.x / 32; row < projections; row += THREADS / 32) {
-        // The perfect pairwise tree over the row's k_chains partials (a power of two).
-        const float* leaves = partials + row * k_chains;
-        float v;
-        if (k_chains > 32) {
-            const u32_t per_lane = k_chains / 32;  // a perfect subtree per lane
-            refmath::PairwiseSum subtree;
-            for (u32_t b = 0; b < per_lane; ++b) subtree.push(leaves[lane * per_lane + b]);
-            v = subtree.finish();
-        } else {
-            v = lane < k_chains ? leaves[lane] : 0.0f;
-        }
+    // The perfect pairwise tree over each of the warp's rows of k_chains partials (a power of
+    // two): lane l's per_lane adjacent partials first, as a perfect subtree (the levels below its
+    // top added level by level in place in the lane's own partials, the top one into v), then
+    // the shuffle-down tree over the lanes, the warp's rows side by side.
+    if (PROJECTIONS >= WARPS || warp < PROJECTIONS) {  // hc = 1: warps past the 3 rows hold none
+        const u32_t per_lane = max(k_chains / 32, 1u);
         const u32_t width = min(k_chains, 32u);
-        for (u32_t offset = 1; offset < width; offset *= 2) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, offset));
-        if (lane == 0) mixes[row] = __fmul_rn(v, inv);
+        // The lane's first partial of row j; a row past the projections reads the warp's first
+        // (no other warp writes it), lanes past width read the last lane's.
+        const auto leaves = [&](u32_t j) {
+            const u32_t row = warp + WARPS * j < PROJECTIONS ? warp + WARPS * j : warp;
+            return token_partials + row * k_chains + min(lane, width - 1) * per_lane;
+        };
+#pragma unroll
+        for (u32_t j = 0; j < ROWS; ++j) {
+            float* own = leaves(j);
+            if (warp + WARPS * j < PROJECTIONS)  // no level below per_lane = 4
+                for (u32_t half = 1; 2 * half < per_lane; half *= 2)
+                    for (u32_t b = 0; b < per_lane; b += 2 * half) own[b] = __fadd_rn(own[b], own[b + half]);
+        }
+        float v[ROWS];
+#pragma unroll
+        for (u32_t j = 0; j < ROWS; ++j) {
+            const float* own = leaves(j);
+            const float top = per_lane > 1 ? __fadd_rn(own[0], own[per_lane / 2]) : own[0];
+            v[j] = warp + WARPS * j < PROJECTIONS && lane < width ? top : 0.0f;
+        }
+        for (u32_t offset = 1; offset < width; offset *= 2) {
+#pragma unroll
+            for (u32_t j = 0; j < ROWS; ++j) v[j] = __fadd_rn(v[j], __shfl_down_sync(FULL_WARP, v[j], offset));
+        }
+#pragma unroll
+        for (u32_t j = 0; j < ROWS; ++j)
+            if (lane == 0 && warp + WARPS * j < PROJECTIONS) mixes[warp + WARPS * j] = __fmul_rn(v[j], inv);
     }
     __syncthreads();
-    // One warp from here: lane l holds comb cells l and l + 32 (CombCells); every lane takes part
-    // in every shuffle, lanes past the cells on a cell of their own that they never store.
-    if (threadIdx.x >= 32) return;
-    const u32_t cells = hc * hc;
     float* pre = out;
-    float* post = out + hc;
-    float* comb = out + 2 * hc;
-    if (lane < hc) {
-        const u32_t k = lane;
-        pre[k] = __fadd_rn(refmath::sigmoid(__fadd_rn(__fmul_rn(mixes[k], scale[0]), base[k])), p.hc_eps);
-        post[k] = __fmul_rn(2.0f, refmath::sigmoid(__fadd_rn(__fmul_rn(mixes[hc + k], scale[1]), base[hc + k])));
+    float* post = out + HC;
+    float* comb = out + 2 * HC;
+    if (warp == 1 && lane < HC) {  // beside warp 0's comb
+        pre[k] = __fadd_rn(refmath::sigmoid(__fadd_rn(__fmul_rn(mixes[k], scale_pre), pre_base)), p.hc_eps);
+        post[k] = __fmul_rn(2.0f, refmath::sigmoid(__fadd_rn(__fmul_rn(mixes[HC + k], scale_post), post_base)));
     }
-    CombCells c;
-    c.hc = hc;
-    u32_t row[MAX_CELLS_PER_LANE], column[MAX_CELLS_PER_LANE];
+    if (warp != 0) return;
+    // One warp from here (CombCells): every lane takes part in every shuffle.
+    Comb c;
 #pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) {
-        const u32_t e = min(lane + 32 * r, cells - 1);
-        row[r] = e / hc;
-        column[r] = e % hc;
-        c.v[r] = __fadd_rn(__fmul_rn(mixes[2 * hc + e], scale[2]), base[2 * hc + e]);
-    }
+    for (u32_t r = 0; r < Comb::PER_LANE; ++r)
+        c.v[r] = __fadd_rn(__fmul_rn(mixes[2 * HC + min(lane + 32 * r, Comb::CELLS - 1)], scale_comb), cell_base[r]);
     // Row softmax (+eps): the row's max and exps, then the row's sum of the exps.
-    float v[MAX_CELLS_PER_LANE];
+    float next[Comb::PER_LANE];
 #pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r)
+    for (u32_t r = 0; r < Comb::PER_LANE; ++r)
         // The reference's standalone torch.exp here is correctly rounded (CPU: quant::exp_f32_accurate).
-        v[r] = refmath::exp_accurate(__fsub_rn(c.v[r], c.row_max(row[r])));
+        next[r] = refmath::exp_accurate(__fsub_rn(c.v[r], c.row_max(row[r])));
 #pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) c.v[r] = v[r];
+    for (u32_t r = 0; r < Comb::PER_LANE; ++r) c.v[r] = next[r];
 #pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) v[r] = __fadd_rn(__fdiv_rn(c.v[r], c.line_sum<false>(row[r])), p.hc_eps);
+    for (u32_t r = 0; r < Comb::PER_LANE; ++r)
+        next[r] = __fadd_rn(__fdiv_rn(c.v[r], c.line_sum<false>(row[r])), p.hc_eps);
 #pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) c.v[r] = v[r];
-    // Column normalisation, then (iters - 1) row/column passes: cell /= (line sum + eps).
+    for (u32_t r = 0; r < Comb::PER_LANE; ++r) c.v[r] = next[r];
+    // Column normalisation, then (iters - 1) row and column passes: cell /= (line sum + eps).
     const u32_t column_passes = p.sinkhorn_iters > 0 ? p.sinkhorn_iters : 1;  // the first is unconditional
-    for (u32_t pass = 1; pass < 2 * column_passes; ++pass) {
-        const bool by_column = pass % 2 == 1;
-#pragma unroll
-        for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) {
-            const float sum = by_column ? c.line_sum<true>(column[r]) : c.line_sum<false>(row[r]);
-            v[r] = __fdiv_rn(c.v[r], __fadd_rn(sum, p.hc_eps));
-        }
-#pragma unroll
-        for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r) c.v[r] = v[r];
+    c.template normalise<true>(column, p.hc_eps);
+    for (u32_t pass = 1; pass < column_passes; ++pass) {
+        c.template normalise<false>(row, p.hc_eps);
+        c.template normalise<true>(column, p.hc_eps);
     }
 #pragma unroll
-    for (u32_t r = 0; r < MAX_CELLS_PER_LANE; ++r)
-        if (lane + 32 * r < cells) comb[lane + 32 * r] = c.v[r];
+    for (u32_t r = 0; r < Comb::PER_LANE; ++r)
+        if (lane + 32 * r < Comb::CELLS) comb[lane + 32 * r] = c.v[r];
+}
+
+__device__ void hc_mixes(const float* __restrict__ scratch, const float* __restrict__ base,
+                         const float* __restrict__ scale, float* __restrict__ out, HcMixesParams p) {
+    extern __shared__ float token_partials[];  // [tasks], staged with coalesced loads
+    __shared__ float mixes[MAX_PROJECTIONS];
+    with_const<1, MAX_HC>(p.hc, [&](auto hc) {
+        hc_mixes_hc<decltype(hc)::value>(scratch, base, scale, out, p, token_partials, mixes);
+    });
 }
 
 // y[t, d] = bf16(sum_k w[t, k] * x[t, k, d]), k in stream order from 0; t = blockIdx.y.

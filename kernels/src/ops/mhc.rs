@@ -150,7 +150,7 @@ pub fn hc_mixes_rows_f32(
     let cfg = launch_config(
         (token_grid, 1, 1),
         THREADS,
-        dim(OP, "shared memory", per_token_scratch * 4)?,
+        dim(OP, "shared memory", tasks * 4)?,
     );
     let mut launch = rt.launcher(KernelId::HcMixesF32)?;
     launch
@@ -162,8 +162,8 @@ pub fn hc_mixes_rows_f32(
     // SAFETY: signature (const float* scratch, const float* base, const float* scale, float* out,
     // HcMixesParams); one block per token, scratch holding tokens * (tasks + 1) values written
     // by the launch above and out tokens * (2hc + hc²) (checked above), the dynamic shared memory
-    // holding one token's tasks + 1 values; hc <= MAX_HC as the
-    // kernel's local arrays require and projections <= THREADS.
+    // holding one token's tasks partials (its sum of squares is read in place); hc <= MAX_HC, the
+    // hc the kernel is instantiated for.
     unsafe { launch.launch(cfg) }
 }
 
