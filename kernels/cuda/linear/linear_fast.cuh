@@ -27,8 +27,8 @@
 // The tiles. linear_bf16<PIECES, MT, NT> (decode): a block is PARTS warps, all on the same MT x NT
 // mma tiles (16 rows x 8 columns each), warp w summing part w; the block adds the PARTS partial
 // sums through shared memory in warp order. At decode a block's work is a latency chain, so a warp
-// first asks L2 for its whole part (weights and valid x rows), then loads each UNROLL chunks'
-// weights and their x rows before it uses any of them. linear_bf16_wide<PIECES> (prefill): a block of
+// first asks L2 for its part's weights, then loads each UNROLL chunks' weights and their x rows
+// before it uses any of them. linear_bf16_wide<PIECES> (prefill): a block of
 // WIDE_ROWS x WIDE_COLS outputs, each warp WIDE_MT x WIDE_NT mma tiles (32 rows x 128 columns) of
 // them over all of K: part by part, the part's chunks staged in shared memory by cp.async
 // (WIDE_STAGES chunks in flight; x as f32, split into its bf16 pieces when the fragments are
@@ -126,15 +126,15 @@ __device__ __forceinline__ void zero_tiles(float (&acc)[MT][NT][4]) {
     for_tiles<MT, NT>([&](int mt, int nt, int i) { acc[mt][nt][i] = 0.0f; });
 }
 
-// Asks L2 for the lines of the warp's K part [first, last) chunks in its weight rows and in the
-// valid x rows (lane q takes every fourth line of lane g's rows), so that the loop's loads wait on
-// L2 rather than DRAM. Prefetches change no value.
-template <int MT, int NT>
-__device__ __forceinline__ void prefetch_part(const float* x, size_t x_stride, const uint4* (&w_rows)[NT],
-                                              const bool (&col_ok)[NT], u32_t row0, u32_t first, u32_t last,
-                                              const LinearParams& p) {
+// Asks L2 for the lines of the warp's K part [first, last) chunks in its weight rows (lane q takes
+// every fourth line of lane g's row), so that the loop's weight loads wait on L2 rather than DRAM.
+// x is not asked for: every block of the launch reads the same rows, which stay in L2. Prefetches
+// change no value.
+template <int NT>
+__device__ __forceinline__ void prefetch_weights(const uint4* (&w_rows)[NT], const bool (&col_ok)[NT], u32_t first,
+                                                 u32_t last) {
     if (first >= last) return;
-    const u32_t lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const u32_t q = threadIdx.x % 4;
     const u32_t w_bytes = (last - first) * CHUNK * 2;  // a weight row's part
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -143,19 +143,6 @@ __device__ __forceinline__ void prefetch_part(const float* x, size_t x_stride, c
         for (u32_t at = 128 * q; at < w_bytes + 128; at += 4 * 128)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(part + min(at, w_bytes - 1)));
     }
-    const u32_t k0 = first * CHUNK, k1 = min(last * CHUNK, p.inp);
-    if (k0 >= k1) return;
-    const u32_t x_bytes = (k1 - k0) * 4;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const u32_t row = row0 + mt * 16 + g + 8 * half;
-            if (row >= p.rows) continue;
-            const char* part = reinterpret_cast<const char*>(x + static_cast<size_t>(row) * x_stride + k0);
-            for (u32_t at = 128 * q; at < x_bytes + 128; at += 4 * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(part + min(at, x_bytes - 1)));
-        }
 }
 
 // The decode tile: one warp's MT x NT tiles over its K part, then the block's part sums in warp
@@ -182,7 +169,7 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
         col_ok[nt] = col < p.out;
         w_rows[nt] = w + static_cast<size_t>(col_ok[nt] ? col : 0) * chunks * 4 + q;
     }
-    prefetch_part<MT, NT>(x, x_stride, w_rows, col_ok, row0, first, last, p);
+    prefetch_weights<NT>(w_rows, col_ok, first, last);
     float acc[MT][NT][4];
     zero_tiles(acc);
 
@@ -194,8 +181,9 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
             for (int nt = 0; nt < NT; ++nt)
                 b[u][nt] = (c0 + u < last && col_ok[nt]) ? w_rows[nt][(c0 + u) * 4] : make_uint4(0, 0, 0, 0);
         // The x rows of X_CHUNKS chunks are loaded together, before any of them is used, so their
-        // round trips overlap (X_CHUNKS * MT rows' worth of registers, the same for every tile).
-        constexpr int X_CHUNKS = UNROLL / MT > 0 ? UNROLL / MT : 1;
+        // round trips overlap (at most two chunks of one mma tile's rows in registers: more cost
+        // the bandwidth-bound launches their blocks per SM).
+        constexpr int X_CHUNKS = 2 / MT > 0 ? 2 / MT : 1;
         static_assert(UNROLL % X_CHUNKS == 0, "whole batches of chunks");
 #pragma unroll
         for (int u0 = 0; u0 < UNROLL; u0 += X_CHUNKS) {
