@@ -11,8 +11,9 @@ macro_rules! header {
 }
 
 /// Project headers, as (include name, text). All are passed to every compilation.
-pub const HEADERS: [(&str, &str); 25] = [
+pub const HEADERS: [(&str, &str); 26] = [
     header!("common/params.h"),
+    header!("common/compile_time.cuh"),
     header!("common/grid_dependency.cuh"),
     header!("common/key_rows.cuh"),
     header!("common/numerics.cuh"),

@@ -58,6 +58,7 @@
 // quarter of the tile, load, multiply and store: a tile costs about the rows it has, its weights
 // are still read once.
 #pragma once
+#include "common/compile_time.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/numerics.cuh"
 #include "gemm/wgmma.cuh"
@@ -65,23 +66,6 @@
 namespace fastgemm {
 
 constexpr u32_t STEP_K = 128;  // K codes of one weight chunk
-
-// A number known at compile time: a count of n8 token tiles (gemm_fast_tile's loop over them)
-// or the index of an unrolled step.
-template <u32_t N>
-struct Const {
-    static constexpr u32_t value = N;
-};
-
-// f(Const<I>{}) for I = FIRST .. N - 1 in order, as straight code: unlike `#pragma unroll`, which
-// the compiler may decline for a long body, no loop is left for ptxas to keep.
-template <u32_t FIRST, u32_t N, class F>
-__device__ __forceinline__ void unrolled(F& f) {
-    if constexpr (FIRST < N) {
-        f(Const<FIRST>{});
-        unrolled<FIRST + 1, N>(f);
-    }
-}
 
 // d = A (16 x 32, row) * B (32 x 8, col) + c, E4M3 inputs, fp32 accumulation.
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32_t (&a)[4], u32_t b0, u32_t b1,

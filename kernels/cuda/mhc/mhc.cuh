@@ -47,6 +47,7 @@
 // hc_collapse / hc_expand: elementwise, token = blockIdx.y, each token with its own weights /
 // mixes; the k/j sums in stream order in fp32, one rounding (bf16 when p.round_bf16, else none).
 #pragma once
+#include "common/compile_time.cuh"
 #include "common/reference_math.cuh"
 
 namespace mhc {
@@ -65,24 +66,6 @@ constexpr u32_t TILE_STRIDE = TILE_K + 4;  // float4 rows; 8 consecutive rows st
 constexpr u32_t PARTIAL_STAGES = 4;      // K passes in flight (cp.async)
 constexpr u32_t MAX_PROJECTIONS = (2 + MAX_HC) * MAX_HC;
 constexpr u32_t PROJECTIONS_PER_WARP = (MAX_PROJECTIONS + PARTIAL_WARPS - 1) / PARTIAL_WARPS;  // most slots
-
-// A number known at compile time.
-template <u32_t N>
-struct Const {
-    static constexpr u32_t value = N;
-};
-
-// f(Const<n>{}) for the runtime n in [FIRST, LAST] (past LAST: LAST): one body, instantiated per value.
-template <u32_t FIRST, u32_t LAST, class F>
-__device__ __forceinline__ void with_const(u32_t n, F&& f) {
-    if constexpr (FIRST < LAST) {
-        if (n != FIRST) {
-            with_const<FIRST + 1, LAST>(n, f);
-            return;
-        }
-    }
-    f(Const<FIRST>{});
-}
 
 __device__ __forceinline__ u32_t hc_mixes_tasks(HcMixesParams p) {
     return (2 + p.hc) * p.hc * refmath::sgemm_chains(p.n);
