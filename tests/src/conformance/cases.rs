@@ -273,13 +273,14 @@ pub fn quantised_linears() -> Vec<Case> {
     cases
 }
 
-/// RMSNorm over 3 … 7000 columns, one and five rows, fp32-valued rows (the compressor's pooled
-/// rows) and bf16 ones, both precisions.
+/// RMSNorm over 3 … 9000 columns (past 8192 the CUDA kernel sums from memory, not its registers),
+/// one and five rows, fp32-valued rows (the compressor's pooled rows) and bf16 ones, both
+/// precisions.
 pub fn rms_norms() -> Vec<Case> {
     let mut rng = Rng(12);
     let mut cases = Vec::new();
     for precision in PRECISIONS {
-        for cols in [3usize, 64, 333, 2048, 7000] {
+        for cols in [3usize, 64, 333, 2048, 7000, 9000] {
             let weight: Vec<f32> = (0..cols)
                 .map(|_| quant::round_bf16(1.0 + 0.5 * rng.uniform()))
                 .collect();
@@ -946,8 +947,9 @@ fn hc_cases(
 }
 
 /// The mHC ops of one token: (4, 5120) the real V4.1 width (64 K chains, two rounds of the split
-/// sum of squares); (5, 3500) 35 projections, K chains of 273 and 274 (a partial last K tile),
-/// leftover vectors and values in the torch sum; 0, 1 and 20 Sinkhorn rounds.
+/// sum of squares); (4, 8192) 128 K chains (four partials a lane in the CUDA kernel's tree);
+/// (5, 3500) 35 projections, K chains of 273 and 274 (a partial last K tile), leftover vectors
+/// and values in the torch sum; 0, 1 and 20 Sinkhorn rounds.
 pub fn hc_one() -> Vec<Case> {
     let shapes = [
         (1, 5),
@@ -956,6 +958,7 @@ pub fn hc_one() -> Vec<Case> {
         (2, 1000),
         (4, 4096),
         (4, 5120),
+        (4, 8192),
         (5, 3500),
     ];
     hc_cases(15, &shapes, |_| vec![(1, 0), (1, 1), (1, 20)], false)
@@ -976,7 +979,7 @@ pub fn hc_rows() -> Vec<Case> {
     hc_cases(41, &shapes, runs, true)
 }
 
-/// The MoE router over 1 … 300 experts: logits across softplus's threshold (20) and far below, a
+/// The MoE router over 1 … 600 experts (past 512 the CUDA kernel ranks in two passes): logits across softplus's threshold (20) and far below, a
 /// row of exact ties, coarse and zero biases, top-1, top-6, top-k beyond the experts and a forced
 /// list (with an unknown expert), two route scales. Each case also checks, on every backend, that
 /// another bias moves some token's selection (the comparison can fail) and that an all-ties row
@@ -984,7 +987,7 @@ pub fn hc_rows() -> Vec<Case> {
 pub fn routers() -> Vec<Case> {
     let mut rng = Rng(32);
     let mut cases = Vec::new();
-    for (n_experts, rows) in [(1usize, 3usize), (7, 5), (256, 33), (300, 4)] {
+    for (n_experts, rows) in [(1usize, 3usize), (7, 5), (256, 33), (300, 4), (600, 2)] {
         let mut logits: Vec<f32> = (0..rows * n_experts)
             .map(|_| rng.uniform() * 2f32.powi(rng.below(6) as i32))
             .collect();
