@@ -127,13 +127,17 @@ __device__ __forceinline__ void zero_tiles(float (&acc)[MT][NT][4]) {
 }
 
 // Asks L2 for the lines of the warp's K part [first, last) chunks in its weight rows (lane q takes
-// every fourth line of lane g's row), so that the loop's weight loads wait on L2 rather than DRAM.
-// x is not asked for: every block of the launch reads the same rows, which stay in L2. Prefetches
-// change no value.
+// every fourth line of lane g's row), so that the loop's weight loads wait on L2 rather than DRAM,
+// when the launch has at most one block per multiprocessor (its blocks are latency chains); a
+// launch of more blocks streams the weights through the blocks it keeps resident, and asking
+// ahead only adds requests. x is not asked for: every block of the launch reads the same rows,
+// which stay in L2. Prefetches change no value.
 template <int NT>
 __device__ __forceinline__ void prefetch_weights(const uint4* (&w_rows)[NT], const bool (&col_ok)[NT], u32_t first,
                                                  u32_t last) {
-    if (first >= last) return;
+    u32_t multiprocessors;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(multiprocessors));
+    if (first >= last || gridDim.x * gridDim.y * gridDim.z > multiprocessors) return;
     const u32_t q = threadIdx.x % 4;
     const u32_t w_bytes = (last - first) * CHUNK * 2;  // a weight row's part
 #pragma unroll
