@@ -171,9 +171,13 @@ pub enum FastLinearTile {
 /// (128 f32 a thread, 256 threads), then 3 stages of a chunk each (128 rows of x, 32 f32 each,
 /// and 256 weight rows, 32 bf16 each).
 pub const WIDE_SHARED_BYTES: u32 = 128 * 4 * 256 + 3 * (128 * 32 * 4 + 256 * 32 * 2);
-/// The wide tile needs this many blocks (row tiles × column tiles × groups) to be taken: below,
+/// The wide tile needs this many blocks (row tiles × column tiles × groups) to be taken: about
+/// a wave of an H100's or H200's 132 multiprocessors, which hold one wide block each (its 224
+/// KiB of shared memory). Below, its one-part form's 8 blocks a wide block fill more of them.
+const WIDE_MIN_BLOCKS: usize = 128;
+/// The one-part wide tile needs this many blocks (× [`PARTS`]) to be taken: below,
 /// [`FastLinearTile::T4x2`]'s many blocks use more of the device.
-const WIDE_MIN_BLOCKS: usize = 32;
+const WIDE_PART_MIN_BLOCKS: usize = 32;
 /// Dynamic shared memory of the one-part wide tile (`linear_fast::WIDE_PART_SHARED_BYTES`): the
 /// wide tile's 3 stages, no running totals.
 pub const WIDE_PART_SHARED_BYTES: u32 = 3 * (128 * 32 * 4 + 256 * 32 * 2);
@@ -238,7 +242,7 @@ impl FastLinearTile {
             0..=16 => FastLinearTile::T1x1,
             17..=64 => FastLinearTile::T2x2,
             _ if wide_blocks >= WIDE_MIN_BLOCKS => FastLinearTile::Wide,
-            _ if rows >= wide_rows && wide_blocks * PARTS >= WIDE_MIN_BLOCKS => {
+            _ if rows >= wide_rows && wide_blocks * PARTS >= WIDE_PART_MIN_BLOCKS => {
                 FastLinearTile::WidePart
             }
             _ => FastLinearTile::T4x2,
@@ -384,43 +388,43 @@ mod tests {
 
     #[test]
     fn prefill_takes_the_wide_tile_once_it_makes_enough_blocks() {
-        // The grouped wo_a (8 groups of 1024 outputs): 4 column tiles a group, 32 blocks from
-        // the first row tile on.
-        for rows in [65, 128, 129, 1024, 4096] {
-            assert_eq!(FastLinearTile::choose(rows, 1024, 8), FastLinearTile::Wide);
+        use FastLinearTile::{T4x2, Wide, WidePart};
+        for (rows, out, groups, tile) in [
+            // The grouped wo_a (8 groups of 1024 outputs, 4 column tiles a group): 32 wide
+            // blocks a row tile, a wave from 4 row tiles on; from one full row tile until then
+            // the one-part tile (256 blocks at 128 rows, where 32 wide blocks left 100
+            // multiprocessors idle); less than a row tile keeps the many small blocks.
+            (65, 1024, 8, T4x2),
+            (127, 1024, 8, T4x2),
+            (128, 1024, 8, WidePart),
+            (384, 1024, 8, WidePart),
+            (385, 1024, 8, Wide),
+            (1024, 1024, 8, Wide),
+            (4096, 1024, 8, Wide),
+            // One group of 1024 outputs: the wide tile from 32 row tiles (3969 rows) on.
+            (896, 1024, 1, WidePart),
+            (3968, 1024, 1, WidePart),
+            (3969, 1024, 1, Wide),
+            // Narrow outputs (the 1024-token prefill's router, 384 outputs: 16 wide blocks) take
+            // the one-part tile from 4 row tiles (32 one-part blocks) on.
+            (1024, 384, 1, WidePart),
+            (1024, 256, 1, WidePart),
+            (385, 256, 1, WidePart),
+            (384, 256, 1, T4x2),
+            (4096, 256, 1, WidePart),
+            (16384, 256, 1, Wide),
+            (65, 7168, 1, T4x2),
+            (127, 7168, 1, T4x2),
+            (128, 7168, 1, WidePart),
+            (512, 7168, 1, WidePart),
+            (513, 7168, 1, Wide),
+        ] {
+            assert_eq!(
+                FastLinearTile::choose(rows, out, groups),
+                tile,
+                "{rows} rows of {groups} x {out}"
+            );
         }
-        // One group of 1024 outputs: 4 column tiles, 8 row tiles (897 rows on) make 32 blocks;
-        // below, the one-part tile's 8 blocks a wide block.
-        assert_eq!(
-            FastLinearTile::choose(896, 1024, 1),
-            FastLinearTile::WidePart
-        );
-        assert_eq!(FastLinearTile::choose(897, 1024, 1), FastLinearTile::Wide);
-        // Narrow outputs (one column tile) want 32 row tiles for the wide tile, 4 for its
-        // one-part form (the 1024-token prefill's router, 384 outputs: 16 wide blocks).
-        assert_eq!(
-            FastLinearTile::choose(1024, 384, 1),
-            FastLinearTile::WidePart
-        );
-        assert_eq!(
-            FastLinearTile::choose(1024, 256, 1),
-            FastLinearTile::WidePart
-        );
-        assert_eq!(
-            FastLinearTile::choose(385, 256, 1),
-            FastLinearTile::WidePart
-        );
-        assert_eq!(FastLinearTile::choose(384, 256, 1), FastLinearTile::T4x2);
-        assert_eq!(FastLinearTile::choose(4096, 256, 1), FastLinearTile::Wide);
-        assert_eq!(FastLinearTile::choose(4096, 257, 1), FastLinearTile::Wide);
-        // Less than a full row tile keeps the many small blocks.
-        assert_eq!(FastLinearTile::choose(65, 7168, 1), FastLinearTile::T4x2);
-        assert_eq!(FastLinearTile::choose(127, 7168, 1), FastLinearTile::T4x2);
-        assert_eq!(
-            FastLinearTile::choose(128, 7168, 1),
-            FastLinearTile::WidePart
-        );
-        assert_eq!(FastLinearTile::choose(129, 7168, 1), FastLinearTile::Wide);
     }
 
     #[test]
