@@ -7,6 +7,9 @@
   steps.py A.csv.gz B.csv.gz        the same steps of both side by side (same launches, other kernels)
   steps.py A.csv.gz --ordinal REGEX where the launches of kernels matching REGEX stand at the start
                                     of the B = 1 step: source.sh's SKIP and COUNT for them
+  steps.py --step N A.csv.gz [B...] step N's kernels summed by name (launches, µs), runs side by
+                                    side: with durations.sh's BENCH_ARGS="--sections block"
+                                    LAUNCHES=420, step 1 is the 1024-token prefill (0: the warm-up)
 """
 import csv
 import gzip
@@ -32,9 +35,28 @@ def steps(launches):
     return out
 
 
+def by_name(argv):
+    """`--step N A [B ...]`: step N of each run, its kernels summed by name."""
+    index, runs = int(argv[2]), [steps(kernels(path)) for path in argv[3:]]
+    sums = []
+    for run in runs:
+        total = {}
+        for name, us, _ in run[index]:
+            launches, time = total.get(name, (0, 0.0))
+            total[name] = (launches + 1, time + us)
+        sums.append(total)
+    for name in sorted(set().union(*sums), key=lambda n: -sums[0].get(n, (0, 0.0))[1]):
+        print(f"{name[:40]:40s}" + "".join(f"{t.get(name, (0, 0))[0]:4d}{t.get(name, (0, 0.0))[1]:10.1f}" for t in sums))
+    print(f"{'all kernels':40s}" + "".join(f"{sum(v[0] for v in t.values()):4d}{sum(v[1] for v in t.values()):10.1f}"
+                                           for t in sums))
+
+
 def main(argv):
     if len(argv) < 2:
         sys.exit(__doc__)
+    if argv[1] == "--step":
+        by_name(argv)
+        return
     a = steps(kernels(argv[1]))
     if len(argv) == 4 and argv[2] == "--ordinal":
         pattern = re.compile(argv[3])
