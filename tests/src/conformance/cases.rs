@@ -979,11 +979,11 @@ pub fn hc_rows() -> Vec<Case> {
     hc_cases(41, &shapes, runs, true)
 }
 
-/// The MoE router over 1 … 600 experts (past 512 the CUDA kernel ranks in two passes): logits across softplus's threshold (20) and far below, a
-/// row of exact ties, coarse and zero biases, top-1, top-6, top-k beyond the experts and a forced
-/// list (with an unknown expert), two route scales. Each case also checks, on every backend, that
-/// another bias moves some token's selection (the comparison can fail) and that an all-ties row
-/// picks the lowest ids.
+/// The MoE router over 1 … 600 experts (past 512 the CUDA kernel ranks in two passes): logits
+/// across softplus's threshold (20) and far below, a row of exact ties, coarse and zero biases,
+/// top-1, top-6, top-k beyond the experts and a forced list (with an unknown expert), two route
+/// scales. Each case also checks, on every backend, that another bias moves some token's
+/// selection (the comparison can fail) and that an all-ties row picks the lowest ids.
 pub fn routers() -> Vec<Case> {
     let mut rng = Rng(32);
     let mut cases = Vec::new();
