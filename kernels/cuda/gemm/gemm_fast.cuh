@@ -13,8 +13,10 @@
 // shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
 // sizes every SM then streams weights (one block per part and column block, the partials added
 // by gemm_fast_reduce in part order), and every tile, decode or prefill, computes the same parts
-// and adds them in the same order. The routed experts' production launches use one part (enough
-// blocks per expert); their kernels take parts as the dense ones do (for the benchmark's sweep).
+// and adds them in the same order. A dense launch may take two weights of one shape (the shared
+// expert's w1 and w3: gemm_fast_dense), each computed into its own plane of y as it is alone.
+// The routed experts' production launches use one part (enough blocks per expert); their
+// kernels take parts as the dense ones do (for the benchmark's sweep).
 // T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and E4M3
 // weights, started from zero: one k32 MMA for a 32-group, a chain of four in K order for a
 // 128-group. On sm_90a that MMA is the warpgroup MMA (gemm/wgmma.cuh: Hopper's native FP8 path;
@@ -204,9 +206,10 @@ struct DenseRows {
     static constexpr bool PART_FULL = false;  // tiles are full but the last
     u32_t m0;
     u32_t m;
+    u32_t y0;  // y's row of m0: plane p's rows start at p m ([planes][m][n])
     __device__ __forceinline__ bool valid(u32_t r) const { return m0 + r < m; }
     __device__ __forceinline__ size_t a_row(u32_t r) const { return m0 + r; }
-    __device__ __forceinline__ size_t y_row(u32_t r) const { return m0 + r; }
+    __device__ __forceinline__ size_t y_row(u32_t r) const { return y0 + r; }
 };
 
 // The token rows of one routed tile: tile row r < count writes output row rows[r] and reads
@@ -441,6 +444,29 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     }
 }
 
+// One block per (16 WARPS output features, blockIdx.x; BT token rows, blockIdx.y; plane and K
+// part, blockIdx.z = plane * parts + part): gemm_fast_tile on weight `plane` (w0, ws0 or w1, ws1;
+// p.projections weights of one shape, 1 or 2: the shared expert's w1 and w3 in one launch) over
+// the K codes [part span, min(k, (part + 1) span)). With one part the block stores its plane of y
+// ([projections][m][n], as p.store says), else its part's sums to that plane of partials[part]
+// ([parts][projections][m][n]), which gemm_fast_reduce adds in part order for every plane at
+// once. The plane changes only which weight a block reads and where it stores, never how: each
+// plane of a two-weight launch is bitwise its weight's own launch.
+template <class W, int G, int WARPS, int BT, int STAGES, int STEP>
+__device__ void gemm_fast_dense(const u8_t* __restrict__ a, const float* __restrict__ sa, const u8_t* w0,
+                                const u8_t* ws0, const u8_t* w1, const u8_t* ws1, void* __restrict__ y,
+                                float* __restrict__ partials, const FastGemmParams& p) {
+    const u32_t plane = blockIdx.z < p.parts ? 0 : 1;
+    const u32_t part = blockIdx.z - plane * p.parts;
+    // partials[part], [projections][m][n]: the block's rows in it are y's (DenseRows::y0).
+    float* partial = p.parts > 1 ? partials + (size_t)part * p.projections * p.m * p.n : nullptr;
+    const u32_t k_begin = part * p.span;
+    const u32_t k_end = min(p.k, k_begin + p.span);
+    gemm_fast_tile<W, G, WARPS, BT, STAGES, STEP>(a, sa, plane == 0 ? w0 : w1, plane == 0 ? ws0 : ws1, y, p.store,
+                                                  partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS,
+                                                  DenseRows{blockIdx.y * BT, p.m, plane * p.m + blockIdx.y * BT});
+}
+
 // One block per (tile of group_routed_rows with up to BT rows of one expert, blockIdx.y; blocks
 // past *tile_count return), 16 WARPS output features (blockIdx.x) and either the K part
 // (blockIdx.z: codes [z span, min(k, (z + 1) span)), as the dense kernels) or, with
@@ -522,21 +548,14 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
 }  // namespace fastgemm
 
 // The kernels of one tile configuration (gemm_fast.cu instantiates the production ones; the
-// benchmark compiles others to time them).
-// Grid (column blocks, row blocks, K parts): part blockIdx.z = codes [z span, (z + 1) span) of K;
-// with one part the block stores y (as p.store says), else it writes its part's sums to
-// partials[z] ([m, n]).
+// benchmark compiles others to time them): gemm_fast_dense.
 #define GEMM_FAST(NAME, WEIGHTS, G, WARPS, BT, STAGES, STEP)                                           \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
-        NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
-             FastGemmParams p) {                                                                    \
+        NAME(const u8_t* a, const float* sa, const u8_t* w0, const u8_t* ws0, const u8_t* w1,       \
+             const u8_t* ws1, void* y, float* partials, FastGemmParams p) {                         \
         grid_dependency_sync();                                                                     \
-        const fastgemm::DenseRows rows{blockIdx.y * BT, p.m};                                        \
-        const u32_t k_begin = blockIdx.z * p.span;                                                   \
-        const u32_t k_end = min(p.k, k_begin + p.span);                                              \
-        float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
-        fastgemm::gemm_fast_tile<WEIGHTS, G, WARPS, BT, STAGES, STEP>(                               \
-            a, sa, w, ws, y, p.store, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
+        fastgemm::gemm_fast_dense<WEIGHTS, G, WARPS, BT, STAGES, STEP>(a, sa, w0, ws0, w1, ws1, y,  \
+                                                                       partials, p);                \
     }
 
 // The routed kernels (grid: column blocks, expert tiles, K parts; routed_tile): with one part the
