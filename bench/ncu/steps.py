@@ -8,8 +8,9 @@
   steps.py A.csv.gz --ordinal REGEX where the launches of kernels matching REGEX stand at the start
                                     of the B = 1 step: source.sh's SKIP and COUNT for them
   steps.py --step N A.csv.gz [B...] step N's kernels summed by name (launches, µs), runs side by
-                                    side: with durations.sh's BENCH_ARGS="--sections block"
-                                    LAUNCHES=420, step 1 is the 1024-token prefill (0: the warm-up)
+                                    side, each prefill a step of its own (prefill_start): with
+                                    durations.sh's BENCH_ARGS="--sections block" LAUNCHES=420,
+                                    step 1 is a 1024-token prefill (0: the 256-token warm-up)
 """
 import csv
 import gzip
@@ -26,18 +27,32 @@ def kernels(path):
                  r["Grid Size"]) for r in rows if r["Metric Name"] == "gpu__time_duration.sum"]
 
 
-def steps(launches):
+def prefill_start(name, grid):
+    """A prefill's first launch: the gather of its tokens' hyper streams, a (5, rows, 1) grid over
+    more than one row (the head's gather of the prompt's last row has one)."""
+    dims = grid.strip("()").split(", ")
+    return name.startswith("gather_ptrs") and len(dims) == 3 and dims[0] == "5" and int(dims[1]) > 1
+
+
+def steps(launches, prefills=False):
+    """Steps, each ending at a `sample_rows` launch; with `prefills` (a run of prefills, which
+    sample nothing) also before each prefill_start."""
     out, start = [], 0
-    for i, (name, _, _) in enumerate(launches):
+    for i, (name, _, grid) in enumerate(launches):
+        if prefills and prefill_start(name, grid) and i > start:
+            out.append(launches[start:i])
+            start = i
         if name.startswith("sample_rows"):
             out.append(launches[start:i + 1])
             start = i + 1
+    if prefills and start < len(launches):
+        out.append(launches[start:])  # the last, cut off by the profile's launch count
     return out
 
 
 def by_name(argv):
     """`--step N A [B ...]`: step N of each run, its kernels summed by name."""
-    index, runs = int(argv[2]), [steps(kernels(path)) for path in argv[3:]]
+    index, runs = int(argv[2]), [steps(kernels(path), prefills=True) for path in argv[3:]]
     sums = []
     for run in runs:
         total = {}

@@ -23,7 +23,9 @@ pub struct GemmParams {
 }
 
 /// `FastGemmParams`: the fast FP8 / FP4 GEMM's `y[m, n] = a[m, k] · w[n, k]ᵀ`, K cut into
-/// `parts` spans of `span` codes; `y` stored as `store` says (`ops::gemm_fast::FastStore`).
+/// `parts` spans of `span` codes; `y` stored as `store` says (`ops::gemm_fast::FastOutput`);
+/// `projections` weights of one shape (1, or 2: grid z = plane · parts + part, weight `p` into
+/// plane `p` of `y`, `[p][m][n]`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastGemmParams {
@@ -33,6 +35,7 @@ pub struct FastGemmParams {
     pub span: u32,
     pub parts: u32,
     pub store: u32,
+    pub projections: u32,
 }
 
 /// `FastReduceParams`: the fast GEMM's part sums added in part order, stored as `store` says.
@@ -231,7 +234,11 @@ mod tests {
             20,
             &["m", "n", "k", "w_scale_cols", "warps_per_col"],
         );
-        assert_mirrors::<FastGemmParams>(header, 24, &["m", "n", "k", "span", "parts", "store"]);
+        assert_mirrors::<FastGemmParams>(
+            header,
+            28,
+            &["m", "n", "k", "span", "parts", "store", "projections"],
+        );
         assert_mirrors::<FastReduceParams>(header, 12, &["count", "parts", "store"]);
         assert_mirrors::<LinearReduceParams>(header, 8, &["count", "round_bf16"]);
         assert_mirrors::<FastRoutedParams>(
@@ -314,6 +321,7 @@ mod tests {
         assert_eq!(offset_of!(GemmParams, warps_per_col), 16);
         assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
         assert_eq!(offset_of!(FastGemmParams, store), 20);
+        assert_eq!(offset_of!(FastGemmParams, projections), 24);
         assert_eq!(offset_of!(FastReduceParams, store), 8);
         assert_eq!(offset_of!(FastRoutedParams, store), 32);
         assert_eq!(offset_of!(FastRoutedParams, projections), 36);

@@ -3,8 +3,10 @@
 //! and batch invariant (a row alone and inside batches of 2 … 300 rows of other data, through
 //! every tile configuration: bitwise equal; a one-input change is detected); their K parts added
 //! in part order in the launch (bitwise the host's sum of each part's one-part launch, from every
-//! tile and output store; negative control: the other association is seen), and the routed
-//! kernels' K parts (the benchmark's builds) bitwise the dense GEMM's.
+//! tile and output store; negative control: the other association is seen), the routed
+//! kernels' K parts (the benchmark's builds) bitwise the dense GEMM's, and a pair of weights in
+//! one launch (the shared expert's `w1` and `w3`) each plane bitwise its weight's own launch (a
+//! mismatched pair refused).
 //!
 //! The MoE layer's experts in fast numerics (`ops::routed_fast`: FP4 routed experts grouped per
 //! expert, the FP8 shared expert on the fast GEMM, the exact SwiGLU, quantisation and combine):
@@ -42,7 +44,6 @@
 
 use std::sync::Arc;
 
-use deepinfer_kernels::KernelRuntime;
 use deepinfer_kernels::compile::Compiler;
 use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
@@ -50,8 +51,8 @@ use deepinfer_kernels::cudarc::nvrtc::Ptx;
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{Fp4Form, Fp8Form};
 use deepinfer_kernels::ops::gemm_fast::{
-    FastFp4Weight, FastFp8Weight, FastKernels, FastOutput, FastTile, FastVariant, RoundedToBf16,
-    TileShape, gemm_fp4_fast, gemm_fp8_fast, k_parts,
+    FastFp4Weight, FastFp8Weight, FastKernels, FastOutput, FastTile, FastVariant, Projections,
+    RoundedToBf16, TileShape, gemm_fp4_fast, gemm_fp8_fast, k_parts,
 };
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::routed::{
@@ -59,6 +60,7 @@ use deepinfer_kernels::ops::routed::{
     swiglu_act_quant_fp8,
 };
 use deepinfer_kernels::ops::routed_fast::{gemm_fp4_routed_fast, gemm_fp4_routed_fast_variant};
+use deepinfer_kernels::{KernelError, KernelRuntime};
 use deepinfer_model::any_model::AnyModel;
 use deepinfer_model::backend::CpuBackend;
 use deepinfer_model::backend::cuda::{CudaBackend, Numerics};
@@ -103,10 +105,20 @@ fn open() -> KernelRuntime {
 }
 
 /// A weight uploaded for the fast GEMMs: FP8 ([`FastFp8Weight`]) or FP4 ([`FastFp4Weight`]).
-trait FastWeight {
+trait FastWeight: Sized {
     fn shape(&self) -> (usize, usize);
     fn group(&self) -> ActGroup;
-    fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile);
+    /// Its format's fast GEMM of one weight or a pair ([`Projections`]: planes `[2][m][n]`).
+    fn launch<Y: FastOutput>(
+        rt: &KernelRuntime,
+        a: &DeviceActFp8,
+        weights: impl Projections<Self>,
+        y: &mut Y,
+        tile: FastTile,
+    ) -> Result<(), KernelError>;
+    fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile) {
+        Self::launch(rt, a, self, y, tile).expect("fast gemm");
+    }
 }
 
 impl FastWeight for FastFp8Weight {
@@ -120,8 +132,14 @@ impl FastWeight for FastFp8Weight {
             ActGroup::G128
         }
     }
-    fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile) {
-        gemm_fp8_fast(rt, a, self, y, tile).expect("gemm_fp8_fast");
+    fn launch<Y: FastOutput>(
+        rt: &KernelRuntime,
+        a: &DeviceActFp8,
+        weights: impl Projections<Self>,
+        y: &mut Y,
+        tile: FastTile,
+    ) -> Result<(), KernelError> {
+        gemm_fp8_fast(rt, a, weights, y, tile)
     }
 }
 
@@ -132,8 +150,14 @@ impl FastWeight for FastFp4Weight {
     fn group(&self) -> ActGroup {
         ActGroup::G32
     }
-    fn gemm<Y: FastOutput>(&self, rt: &KernelRuntime, a: &DeviceActFp8, y: &mut Y, tile: FastTile) {
-        gemm_fp4_fast(rt, a, self, y, tile).expect("gemm_fp4_fast");
+    fn launch<Y: FastOutput>(
+        rt: &KernelRuntime,
+        a: &DeviceActFp8,
+        weights: impl Projections<Self>,
+        y: &mut Y,
+        tile: FastTile,
+    ) -> Result<(), KernelError> {
+        gemm_fp4_fast(rt, a, weights, y, tile)
     }
 }
 
@@ -398,22 +422,24 @@ fn fp4_k_span(w: &Fp4Weight, (from, to): (usize, usize)) -> Fp4Weight {
     }
 }
 
-/// The fast GEMM of `dw` on `a` with `tile`, output `T`, downloaded as f32.
-fn run_gemm<T: DeviceRepr + ValidAsZeroBits + Copy>(
+/// The fast GEMM of `weights` (one, or a pair: planes `[2][m][n]`) on `a` with `tile`, output
+/// `T`, downloaded as f32.
+fn run_gemm<T: DeviceRepr + ValidAsZeroBits + Copy, W: FastWeight>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
-    dw: &impl FastWeight,
+    weights: impl Projections<W>,
     tile: FastTile,
     widen: impl Fn(T) -> f32,
 ) -> Vec<f32>
 where
     CudaSlice<T>: FastOutput,
 {
+    let planes = weights.weights().len();
     let mut y = rt
         .stream()
-        .alloc_zeros::<T>(a.rows * dw.shape().0)
+        .alloc_zeros::<T>(planes * a.rows * weights.weights()[0].shape().0)
         .expect("alloc y");
-    dw.gemm(rt, a, &mut y, tile);
+    W::launch(rt, a, weights, &mut y, tile).expect("fast gemm");
     let host: Vec<T> = rt.stream().clone_dtoh(&y).expect("download y");
     host.into_iter().map(widen).collect()
 }
@@ -474,7 +500,7 @@ fn check_part_order<W: FastWeight>(
                         )
                         .expect("upload scales"),
                 };
-                run_gemm::<f32>(rt, &part, w, FastTile::Auto, |v| v)
+                run_gemm::<f32, _>(rt, &part, w, FastTile::Auto, |v| v)
             })
             .collect();
         let in_order: Vec<f32> = (0..rows * n)
@@ -496,9 +522,9 @@ fn check_part_order<W: FastWeight>(
         let rounded: Vec<f32> = in_order.iter().map(|&v| quant::round_bf16(v)).collect();
         let what = format!("{what} [{rows}x{k}]·[{k}x{n}] ({parts} K parts)");
         for tile in [FastTile::Auto].into_iter().chain(TILES) {
-            let f32_out = run_gemm::<f32>(rt, &a, dw, tile, |v| v);
+            let f32_out = run_gemm::<f32, _>(rt, &a, dw, tile, |v| v);
             assert_bitwise(&format!("{what} {tile:?}, f32 out"), &f32_out, &in_order);
-            let bf16_out = run_gemm::<bf16>(rt, &a, dw, tile, bf16::to_f32);
+            let bf16_out = run_gemm::<bf16, _>(rt, &a, dw, tile, bf16::to_f32);
             assert_bitwise(&format!("{what} {tile:?}, bf16 out"), &bf16_out, &rounded);
             let mut y = rt.stream().alloc_zeros::<f32>(rows * n).expect("alloc y");
             dw.gemm(rt, &a, &mut RoundedToBf16(&mut y), tile);
@@ -544,6 +570,114 @@ fn fast_gemm_adds_its_k_parts_in_part_order() {
         &upload_fp4(&rt, &w),
         |span| upload_fp4(&rt, &fp4_k_span(&w, span)),
     );
+}
+
+/// The pair launch (`[&w0, &w1]`, the shared expert's `w1` and `w3`: one launch, one part
+/// reduction) at M = 1, 8, 64, 200 from every tile: each plane bitwise its weight's own launch,
+/// bf16 and f32 outputs (negative control: the planes differ, so a swap or a copy would be seen).
+fn check_pair_planes<W: FastWeight>(rt: &KernelRuntime, rng: &mut Rng, what: &str, pair: [&W; 2]) {
+    let (n, k) = pair[0].shape();
+    let plane = |y: &[f32], p: usize| y[p * y.len() / 2..(p + 1) * y.len() / 2].to_vec();
+    for rows in [1usize, 8, 64, 200] {
+        let x = activations(rng, rows, k);
+        let a =
+            quantize_act_fp8(rt, &upload_bf16(rt, &x), rows, k, pair[0].group()).expect("quantise");
+        for tile in [FastTile::Auto].into_iter().chain(TILES) {
+            let what = format!(
+                "{what} [{rows}x{k}]·[{k}x{n}] ({} K parts) {tile:?}",
+                k_parts(n, k).1
+            );
+            let bf16_both = run_gemm::<bf16, _>(rt, &a, pair, tile, bf16::to_f32);
+            let f32_both = run_gemm::<f32, _>(rt, &a, pair, tile, |v| v);
+            for (p, w) in pair.into_iter().enumerate() {
+                let alone = run_gemm::<bf16, _>(rt, &a, w, tile, bf16::to_f32);
+                assert_bitwise(
+                    &format!("{what}: plane {p}, bf16"),
+                    &plane(&bf16_both, p),
+                    &alone,
+                );
+                let alone = run_gemm::<f32, _>(rt, &a, w, tile, |v| v);
+                assert_bitwise(
+                    &format!("{what}: plane {p}, f32"),
+                    &plane(&f32_both, p),
+                    &alone,
+                );
+            }
+            assert!(
+                differing(&plane(&f32_both, 0), &plane(&f32_both, 1)) > 0,
+                "{what}: the two planes are equal: the comparison could not see a swap"
+            );
+        }
+    }
+    println!("{what}: each plane of the pair launch bitwise its weight's own launch");
+}
+
+/// `gemm_fp8_fast` / `gemm_fp4_fast` of a pair refuses `first` with `second` (another format or
+/// shape), naming both.
+fn assert_pair_refused<W: FastWeight>(rt: &KernelRuntime, first: &W, second: &W, names: [&str; 2]) {
+    let (n, k) = first.shape();
+    let a = quantize_act_fp8(rt, &upload_bf16(rt, &vec![1.0; 8 * k]), 8, k, first.group())
+        .expect("quantise");
+    let mut y = rt.stream().alloc_zeros::<bf16>(2 * 8 * n).expect("alloc y");
+    let error = W::launch(rt, &a, [first, second], &mut y, FastTile::Auto)
+        .expect_err("a mismatched pair")
+        .to_string();
+    for name in names {
+        assert!(error.contains(name), "{error}: does not name {name}");
+    }
+    println!("a mismatched pair refused: {error}");
+}
+
+#[test]
+fn fast_gemm_pair_gives_each_weight_its_own_bits() {
+    let rt = open();
+    let mut rng = Rng(48);
+    // The shared expert's 2304 × 5120 (4 K parts, the last of 512 codes) and shapes whose last K
+    // part is short (64, 128 and 32 codes), n not a multiple of a block's features.
+    for (block, n, k) in [
+        (32usize, 2304usize, 5120usize),
+        (32, 131, 1600),
+        (128, 2304, 5120),
+        (128, 131, 1664),
+    ] {
+        let [w0, w1] = [0, 1].map(|_| upload_fp8(&rt, &random_fp8_weight(&mut rng, n, k, block)));
+        check_pair_planes(
+            &rt,
+            &mut rng,
+            &format!("fast gemm pair t{block}"),
+            [&w0, &w1],
+        );
+    }
+    for (n, k) in [(2304usize, 5120usize), (203, 1568)] {
+        let [w0, w1] = [0, 1].map(|_| upload_fp4(&rt, &random_fp4_weight(&mut rng, n, k)));
+        check_pair_planes(&rt, &mut rng, "fast fp4 gemm pair", [&w0, &w1]);
+    }
+    // Mismatched pairs: another tile, another K, another N.
+    let fp8 = |rng: &mut Rng, n, k, block| upload_fp8(&rt, &random_fp8_weight(rng, n, k, block));
+    let t32 = fp8(&mut rng, 131, 1024, 32);
+    let t128 = fp8(&mut rng, 131, 1024, 128);
+    let wider = fp8(&mut rng, 131, 1536, 32);
+    let taller = fp8(&mut rng, 160, 1024, 32);
+    let names = [
+        "FP8 [131, 1024] in 32x32 tiles",
+        "FP8 [131, 1024] in 128x128 tiles",
+    ];
+    assert_pair_refused(&rt, &t32, &t128, names);
+    assert_pair_refused(
+        &rt,
+        &t32,
+        &wider,
+        ["FP8 [131, 1024] in 32x32", "FP8 [131, 1536] in 32x32"],
+    );
+    assert_pair_refused(
+        &rt,
+        &t32,
+        &taller,
+        ["FP8 [131, 1024] in 32x32", "FP8 [160, 1024] in 32x32"],
+    );
+    let fp4 = |rng: &mut Rng, n, k| upload_fp4(&rt, &random_fp4_weight(rng, n, k));
+    let (fp4_a, fp4_b) = (fp4(&mut rng, 203, 544), fp4(&mut rng, 203, 1568));
+    assert_pair_refused(&rt, &fp4_a, &fp4_b, ["FP4 [203, 544]", "FP4 [203, 1568]"]);
 }
 
 /// `row` with the sign of its largest element flipped: the same group scales, one code changed.
@@ -1253,11 +1387,11 @@ fn routed_k_parts_give_the_dense_gemms_bits() {
         };
         let dense_f32: Vec<Vec<f32>> = dense
             .iter()
-            .map(|w| run_gemm::<f32>(&rt, &a, w, FastTile::Auto, |v| v))
+            .map(|w| run_gemm::<f32, _>(&rt, &a, w, FastTile::Auto, |v| v))
             .collect();
         let dense_bf16: Vec<Vec<f32>> = dense
             .iter()
-            .map(|w| run_gemm::<bf16>(&rt, &a, w, FastTile::Auto, bf16::to_f32))
+            .map(|w| run_gemm::<bf16, _>(&rt, &a, w, FastTile::Auto, bf16::to_f32))
             .collect();
         let (expected_f32, expected_bf16) = (expected(&dense_f32), expected(&dense_bf16));
         for variant in &variants {

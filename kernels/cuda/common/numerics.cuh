@@ -119,17 +119,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32_t (&r)[4], const void* row
 
 // Asynchronous global -> shared copies (cp.async) of the staged tensor-core kernels
 // (gemm/gemm_fast.cuh, linear/linear_fast.cuh, attention/sparse_attention_fast.cuh); an invalid
-// copy reads nothing and zero-fills.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
+// copy reads nothing and zero-fills. The destination is a shared-window address
+// (__cvta_generic_to_shared), or a pointer converted to one: a kernel that keeps an address adds
+// its offsets in 32 bits, and ptxas folds the constant ones into the copy instruction.
+__device__ __forceinline__ void cp_async16(u32_t smem, const void* gmem, bool valid) {
     const u32_t bytes = valid ? 16u : 0u;  // 0: zero-fill, nothing read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async4(u32_t smem, const void* gmem, bool valid) {
+    const u32_t bytes = valid ? 4u : 0u;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    cp_async16((u32_t)__cvta_generic_to_shared(smem), gmem, valid);
 }
 
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-    const u32_t dst = (u32_t)__cvta_generic_to_shared(smem);
-    const u32_t bytes = valid ? 4u : 0u;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+    cp_async4((u32_t)__cvta_generic_to_shared(smem), gmem, valid);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -23,14 +23,16 @@ struct GemmParams {
 };
 
 // The fast FP8 / FP4 GEMM (gemm/gemm_fast.cuh): y[m, n] = sum_k a[m, k] * w[n, k] on tensor cores,
-// K cut into `parts` spans of `span` codes (the last one shorter); y stored as `store` says.
+// K cut into `parts` spans of `span` codes (the last one shorter); y stored as `store` says;
+// `projections` weights of one shape (1, or 2: w0 and w1 into planes [2][m][n] of y).
 struct FastGemmParams {
     u32_t m;
     u32_t n;
     u32_t k;
     u32_t span;
     u32_t parts;
-    u32_t store;  // y: 0 bf16, 1 f32 as summed, 2 f32 of the bf16-rounded value (gemm_fast.cuh)
+    u32_t store;        // y: 0 bf16, 1 f32 as summed, 2 f32 of the bf16-rounded value (gemm_fast.cuh)
+    u32_t projections;  // weights, one plane of y each
 };
 
 // The fast GEMM's part sums added in part order: y[i] = sum_p partials[p][i], i < count, stored

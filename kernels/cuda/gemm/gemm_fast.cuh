@@ -13,8 +13,10 @@
 // shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
 // sizes every SM then streams weights (one block per part and column block, the partials added
 // by gemm_fast_reduce in part order), and every tile, decode or prefill, computes the same parts
-// and adds them in the same order. The routed experts' production launches use one part (enough
-// blocks per expert); their kernels take parts as the dense ones do (for the benchmark's sweep).
+// and adds them in the same order. A dense launch may take two weights of one shape (the shared
+// expert's w1 and w3: gemm_fast_dense), each computed into its own plane of y as it is alone.
+// The routed experts' production launches use one part (enough blocks per expert); their
+// kernels take parts as the dense ones do (for the benchmark's sweep).
 // T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and E4M3
 // weights, started from zero: one k32 MMA for a 32-group, a chain of four in K order for a
 // 128-group. On sm_90a that MMA is the warpgroup MMA (gemm/wgmma.cuh: Hopper's native FP8 path;
@@ -199,14 +201,30 @@ struct Stage {
     static constexpr u32_t BYTES = (SW_OFF + W::SCALE_BYTES * WARPS * GPS + 15) / 16 * 16;
 };
 
+// A share of COUNT items over WORKERS workers in a strided loop's order: worker x's item i < PER
+// is x + i WORKERS, which exists unless past COUNT (only in a last, partial round: a test of the
+// worker alone).
+template <u32_t COUNT, u32_t WORKERS>
+struct Share {
+    static constexpr u32_t PER = (COUNT + WORKERS - 1) / WORKERS;
+    static __device__ __forceinline__ u32_t item(u32_t x, u32_t i) { return x + i * WORKERS; }
+    static __device__ __forceinline__ bool has(u32_t x, u32_t i) {
+        return (i + 1) * WORKERS <= COUNT || item(x, i) < COUNT;
+    }
+};
+
+// The least power of two not below n.
+constexpr u32_t pow2_ceil(u32_t n) { return n <= 1 ? 1 : 2 * pow2_ceil((n + 1) / 2); }
+
 // The token rows of a dense launch: rows [m0, m0 + BT) of y = a · wᵀ, clipped to m.
 struct DenseRows {
     static constexpr bool PART_FULL = false;  // tiles are full but the last
     u32_t m0;
     u32_t m;
+    u32_t y0;  // y's row of m0: plane p's rows start at p m ([planes][m][n])
     __device__ __forceinline__ bool valid(u32_t r) const { return m0 + r < m; }
     __device__ __forceinline__ size_t a_row(u32_t r) const { return m0 + r; }
-    __device__ __forceinline__ size_t y_row(u32_t r) const { return m0 + r; }
+    __device__ __forceinline__ size_t y_row(u32_t r) const { return y0 + r; }
 };
 
 // The token rows of one routed tile: tile row r < count writes output row rows[r] and reads
@@ -305,44 +323,136 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     auto run = [&](auto count) {
         constexpr u32_t RUN = decltype(count)::value;
         constexpr u32_t RUN_ROWS = 8 * RUN;
+        // The stage's copies, each kind a compile-time count a thread. Which thread copies which
+        // bytes is fixed here, before the K loop, with each copy's source at the part's first
+        // stage, its place in a slot and its row or band test: a stage adds its offsets (along K
+        // and its slot's), and only a stage that reaches past K tests where its copies lie. A
+        // copy that fails a test zero-fills and reads nothing; its source stays on row or band 0
+        // of the operand, so that a stage's offset keeps it inside.
+        //
+        // Weights: warp w copies band n0 / 16 + w's chunks of the stage, 16 bytes a lane a copy
+        // (512 contiguous bytes a warp), copy i 512 i bytes on.
+        constexpr u32_t W_COPIES = L::SUB * CHUNK / 512;
+        const bool w_ok = n0 / 16 + warp < bands;
+        const u8_t* const w_src =
+            w + ((size_t)(w_ok ? n0 / 16 + warp : 0) * chunks + step0 * L::SUB) * CHUNK + lane * 16;
+        const u32_t w_dst = L::W_OFF + warp * L::SUB * CHUNK + lane * 16;
+        // Activation rows: 16 codes a copy, two consecutive threads on the 32 bytes of a row
+        // (one global sector), the pairs on consecutive rows. Pair x = threadIdx.x / 2 takes the
+        // tasks q = x + j PAIRS (Share) of the stage's ROWS_P rows of STEP / 32 pieces: task q
+        // is row q % ROWS_P, codes 32 (q / ROWS_P) .., with ROWS_P the power of two from
+        // RUN_ROWS (rows past RUN_ROWS are not copied). One of ROWS_P and PAIRS divides the
+        // other, so task j lies R PAIRS rows and COL codes past the pair's first (both known at
+        // compile time): a pair has one row, or A_ROWS where ROWS_P > PAIRS, each with its
+        // source set once.
+        constexpr u32_t PAIRS = THREADS / 2;
+        constexpr u32_t ROWS_P = pow2_ceil(RUN_ROWS);
+        static_assert(ROWS_P % PAIRS == 0 || PAIRS % ROWS_P == 0, "a pair's rows");
+        typedef Share<ROWS_P * STEP / 32, PAIRS> ATasks;
+        constexpr u32_t A_ROWS = ROWS_P > PAIRS ? ROWS_P / PAIRS : 1;
+        const u32_t pair = threadIdx.x / 2;
+        const u32_t a_col = (2 * (pair / ROWS_P) + threadIdx.x % 2) * 16;
+        const u8_t* a_src[A_ROWS];
+        bool a_ok[A_ROWS];
+        auto set_a = [&](auto index) {
+            constexpr u32_t r = decltype(index)::value;
+            const u32_t row = pair % ROWS_P + r * PAIRS;
+            a_ok[r] = row < RUN_ROWS && rows.valid(row);
+            a_src[r] = a + (a_ok[r] ? rows.a_row(row) : 0) * k + step0 * STEP + a_col;
+        };
+        unrolled<0, A_ROWS>(set_a);
+        const u32_t a_dst = L::B_OFF + a_col / 16 * L::HALF + pair % ROWS_P * 16;
+        // Activation scales: a row's scales of the stage's groups from consecutive threads (one
+        // sector): copy c = threadIdx.x + i THREADS (Share) is row c / GPS's of group c % GPS,
+        // its source kept as f32 from sa (rows m: m k / G < 2^32).
+        typedef Share<RUN_ROWS * L::GPS, THREADS> SaCopies;
+        u32_t sa_at[SaCopies::PER];
+        bool sa_ok[SaCopies::PER];
+        auto set_sa = [&](auto index) {
+            constexpr u32_t i = decltype(index)::value;
+            const u32_t row = SaCopies::item(threadIdx.x, i) / L::GPS;
+            sa_ok[i] = rows.valid(row);
+            sa_at[i] = (sa_ok[i] ? (u32_t)rows.a_row(row) : 0) * groups + step0 * L::GPS + threadIdx.x % L::GPS;
+        };
+        unrolled<0, SaCopies::PER>(set_sa);
+        const u32_t sa_dst = L::SA_OFF + 4 * (threadIdx.x % L::GPS * L::SA_ROW + threadIdx.x / L::GPS);
+        // Weight scales: thread c < WARPS GPS copies band n0 / 16 + c / GPS's of group c % GPS.
+        static_assert(WARPS * L::GPS <= THREADS, "a weight scale copy a thread");
+        const bool sw_has = threadIdx.x < WARPS * L::GPS;
+        const bool sw_ok = n0 / 16 + threadIdx.x / L::GPS < bands;
+        const u8_t* const sw_src =
+            ws + ((size_t)(sw_ok ? n0 / 16 + threadIdx.x / L::GPS : 0) * groups + step0 * L::GPS + threadIdx.x % L::GPS) *
+                     W::SCALE_BYTES;
+        const u32_t sw_dst = L::SW_OFF + W::SCALE_BYTES * threadIdx.x;
+        const u32_t smem_at = (u32_t)__cvta_generic_to_shared(smem);
+
         // Stage `local` of the part into slot `slot`: the rows past RUN_ROWS are never read.
         auto load_stage = [&](u32_t local, u32_t slot) {
-            u8_t* base = smem + slot * L::BYTES;
+            const u32_t base = smem_at + slot * L::BYTES;
             const u32_t step = step0 + local;
-            const u32_t k0 = step * STEP;
-            for (u32_t c = threadIdx.x; c < WARPS * L::SUB * (CHUNK / 16); c += THREADS) {
-                const u32_t band = n0 / 16 + c / (L::SUB * (CHUNK / 16));
-                const u32_t chunk = step * L::SUB + (c / (CHUNK / 16)) % L::SUB;
-                const bool ok = band < bands && chunk < chunks;
-                const size_t src = ((size_t)band * chunks + chunk) * CHUNK + (c % (CHUNK / 16)) * 16;
-                cp_async16(base + L::W_OFF + c * 16, ok ? w + src : w, ok);
-            }
-            // 16 codes of a row a copy, two consecutive threads on the 32 bytes of a row (one
-            // global sector), the pairs on consecutive rows.
-            for (u32_t c = threadIdx.x; c < RUN_ROWS * (STEP / 16); c += THREADS) {
-                const u32_t pair = c / 2, row = pair % RUN_ROWS;
-                const u32_t col = (2 * (pair / RUN_ROWS) + c % 2) * 16;
-                const bool ok = rows.valid(row) && k0 + col < k;
-                cp_async16(base + L::B_OFF + (col / 16) * L::HALF + row * 16,
-                           ok ? a + rows.a_row(row) * k + k0 + col : a, ok);
-            }
-            // A row's scales of the stage's groups from consecutive threads (one sector).
-            for (u32_t c = threadIdx.x; c < RUN_ROWS * L::GPS; c += THREADS) {
-                const u32_t row = c / L::GPS, gq = c % L::GPS, gi = k0 / G + gq;
-                const bool ok = rows.valid(row) && gi < groups;
-                cp_async4(base + L::SA_OFF + 4 * (gq * L::SA_ROW + row),
-                          ok ? sa + rows.a_row(row) * groups + gi : sa, ok);
-            }
-            for (u32_t c = threadIdx.x; c < WARPS * L::GPS; c += THREADS) {
-                const u32_t band = n0 / 16 + c / L::GPS, gi = k0 / G + c % L::GPS;
-                const bool ok = band < bands && gi < groups;
-                const u8_t* src = ws + ((size_t)band * groups + gi) * W::SCALE_BYTES;
-                u8_t* dst = base + L::SW_OFF + W::SCALE_BYTES * c;
-                if constexpr (W::SCALE_BYTES == 16) {
-                    cp_async16(dst, ok ? src : ws, ok);
-                } else {
-                    cp_async4(dst, ok ? src : ws, ok);
+            // IN_K: the stage lies inside K (all but a part's last do).
+            auto copies = [&](auto in_k) {
+                constexpr bool IN_K = decltype(in_k)::value != 0;
+                const u8_t* const w_at = w_src + (size_t)local * L::SUB * CHUNK;
+                auto copy_w = [&](auto index) {
+                    constexpr u32_t i = decltype(index)::value;
+                    const u8_t* src = w_at + 512 * i;
+                    bool ok = w_ok;
+                    if constexpr (!IN_K) {
+                        ok = ok && step * L::SUB + 512 * i / CHUNK < chunks;
+                        src = ok ? src : w;
+                    }
+                    cp_async16(base + w_dst + 512 * i, src, ok);
+                };
+                unrolled<0, W_COPIES>(copy_w);
+                const u8_t* a_at[A_ROWS];
+#pragma unroll
+                for (u32_t r = 0; r < A_ROWS; ++r) a_at[r] = a_src[r] + local * STEP;
+                auto copy_a = [&](auto index) {
+                    constexpr u32_t j = decltype(index)::value;
+                    constexpr u32_t R = j * PAIRS % ROWS_P / PAIRS;
+                    constexpr u32_t COL = 32 * (j * PAIRS / ROWS_P);
+                    if (!ATasks::has(pair, j)) return;
+                    if (ROWS_P > RUN_ROWS && pair % ROWS_P + R * PAIRS >= RUN_ROWS) return;
+                    const u8_t* src = a_at[R] + COL;
+                    bool ok = a_ok[R];
+                    if constexpr (!IN_K) {
+                        ok = ok && step * STEP + a_col + COL < k;
+                        src = ok ? src : a;
+                    }
+                    cp_async16(base + a_dst + COL / 16 * L::HALF + R * PAIRS * 16, src, ok);
+                };
+                unrolled<0, ATasks::PER>(copy_a);
+                auto copy_sa = [&](auto index) {
+                    constexpr u32_t i = decltype(index)::value;
+                    if (!SaCopies::has(threadIdx.x, i)) return;
+                    const float* src = sa + (sa_at[i] + local * L::GPS);
+                    bool ok = sa_ok[i];
+                    if constexpr (!IN_K) {
+                        ok = ok && step * L::GPS + threadIdx.x % L::GPS < groups;
+                        src = ok ? src : sa;
+                    }
+                    cp_async4(base + sa_dst + 4 * (i * THREADS / L::GPS), src, ok);
+                };
+                unrolled<0, SaCopies::PER>(copy_sa);
+                if (sw_has) {
+                    const u8_t* src = sw_src + local * L::GPS * W::SCALE_BYTES;
+                    bool ok = sw_ok;
+                    if constexpr (!IN_K) {
+                        ok = ok && step * L::GPS + threadIdx.x % L::GPS < groups;
+                        src = ok ? src : ws;
+                    }
+                    if constexpr (W::SCALE_BYTES == 16) {
+                        cp_async16(base + sw_dst, src, ok);
+                    } else {
+                        cp_async4(base + sw_dst, src, ok);
+                    }
                 }
+            };
+            if ((step + 1) * STEP <= k) {
+                copies(Const<1>{});
+            } else {
+                copies(Const<0>{});
             }
         };
 
@@ -441,6 +551,29 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     }
 }
 
+// One block per (16 WARPS output features, blockIdx.x; BT token rows, blockIdx.y; plane and K
+// part, blockIdx.z = plane * parts + part): gemm_fast_tile on weight `plane` (w0, ws0 or w1, ws1;
+// p.projections weights of one shape, 1 or 2: the shared expert's w1 and w3 in one launch) over
+// the K codes [part span, min(k, (part + 1) span)). With one part the block stores its plane of y
+// ([projections][m][n], as p.store says), else its part's sums to that plane of partials[part]
+// ([parts][projections][m][n]), which gemm_fast_reduce adds in part order for every plane at
+// once. The plane changes only which weight a block reads and where it stores, never how: each
+// plane of a two-weight launch is bitwise its weight's own launch.
+template <class W, int G, int WARPS, int BT, int STAGES, int STEP>
+__device__ void gemm_fast_dense(const u8_t* __restrict__ a, const float* __restrict__ sa, const u8_t* w0,
+                                const u8_t* ws0, const u8_t* w1, const u8_t* ws1, void* __restrict__ y,
+                                float* __restrict__ partials, const FastGemmParams& p) {
+    const u32_t plane = blockIdx.z < p.parts ? 0 : 1;
+    const u32_t part = blockIdx.z - plane * p.parts;
+    // partials[part], [projections][m][n]: the block's rows in it are y's (DenseRows::y0).
+    float* partial = p.parts > 1 ? partials + (size_t)part * p.projections * p.m * p.n : nullptr;
+    const u32_t k_begin = part * p.span;
+    const u32_t k_end = min(p.k, k_begin + p.span);
+    gemm_fast_tile<W, G, WARPS, BT, STAGES, STEP>(a, sa, plane == 0 ? w0 : w1, plane == 0 ? ws0 : ws1, y, p.store,
+                                                  partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS,
+                                                  DenseRows{blockIdx.y * BT, p.m, plane * p.m + blockIdx.y * BT});
+}
+
 // One block per (tile of group_routed_rows with up to BT rows of one expert, blockIdx.y; blocks
 // past *tile_count return), 16 WARPS output features (blockIdx.x) and either the K part
 // (blockIdx.z: codes [z span, min(k, (z + 1) span)), as the dense kernels) or, with
@@ -522,21 +655,14 @@ __device__ void gemm_fast_reduce(const float* __restrict__ partials, void* __res
 }  // namespace fastgemm
 
 // The kernels of one tile configuration (gemm_fast.cu instantiates the production ones; the
-// benchmark compiles others to time them).
-// Grid (column blocks, row blocks, K parts): part blockIdx.z = codes [z span, (z + 1) span) of K;
-// with one part the block stores y (as p.store says), else it writes its part's sums to
-// partials[z] ([m, n]).
+// benchmark compiles others to time them): gemm_fast_dense.
 #define GEMM_FAST(NAME, WEIGHTS, G, WARPS, BT, STAGES, STEP)                                           \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                         \
-        NAME(const u8_t* a, const float* sa, const u8_t* w, const u8_t* ws, void* y, float* partials, \
-             FastGemmParams p) {                                                                    \
+        NAME(const u8_t* a, const float* sa, const u8_t* w0, const u8_t* ws0, const u8_t* w1,       \
+             const u8_t* ws1, void* y, float* partials, FastGemmParams p) {                         \
         grid_dependency_sync();                                                                     \
-        const fastgemm::DenseRows rows{blockIdx.y * BT, p.m};                                        \
-        const u32_t k_begin = blockIdx.z * p.span;                                                   \
-        const u32_t k_end = min(p.k, k_begin + p.span);                                              \
-        float* partial = p.parts > 1 ? partials + (size_t)blockIdx.z * p.m * p.n : nullptr;          \
-        fastgemm::gemm_fast_tile<WEIGHTS, G, WARPS, BT, STAGES, STEP>(                               \
-            a, sa, w, ws, y, p.store, partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS, rows); \
+        fastgemm::gemm_fast_dense<WEIGHTS, G, WARPS, BT, STAGES, STEP>(a, sa, w0, ws0, w1, ws1, y,  \
+                                                                       partials, p);                \
     }
 
 // The routed kernels (grid: column blocks, expert tiles, K parts; routed_tile): with one part the

@@ -6,25 +6,36 @@
 // which operation and how values move (shared memory, shuffles), so the bits never depend on them.
 //
 // hc_mixes, two launches.
-// hc_mixes_partials (grid: TOKEN_TILE + K chains blocks x token tiles of TOKEN_TILE tokens).
-// Every (token, projection, K chain) partial of the CPU sgemm order (refmath::sgemm_chains) is
-// its own fp32 FMA chain from 0 over the chain's K in order; the schedule only decides which
-// thread runs which chain, never the operations of one. Block x >= TOKEN_TILE is K chain
-// c = x - TOKEN_TILE for the tile's tokens and every projection, as a small GEMM: the tile's x
-// rows and all projection rows are staged TILE_K values of K at a time in shared memory
-// (coalesced cp.async copies, PARTIAL_STAGES passes in flight). The (token, projection) pairs
-// are spread so that no lane works for a dead token: with T the tile's valid tokens rounded up to
-// a power of two, thread t takes token t % T and the SLOTS consecutive projections
-// (t / T) SLOTS + i, SLOTS = ceil(T projections / PARTIAL_THREADS) (slot i; slots past the
-// projections skipped, warps without a pair skip the FMAs). A full tile is so lane = token and
-// warp w's projections 3w.. (hc 4); one decode token is one chain per projection in warp 0's
-// lanes. The FMA loop is instantiated per slot count (fma_pass<SLOTS>), so no dead slot is
-// issued. Every thread FMAs its chains over the staged K in K order (float4 reads of four
-// consecutive K, used x, y, z, w; the token's x read once for all its slots). A projection row is
-// so read once per token tile instead of once per token, and a token's row once per K chain. The
-// reads are conflict-free: a quarter warp reads one row (broadcast) or up to 8 rows spaced 1 or
-// 2 apart (TILE_STRIDE puts them in distinct banks).
-// Block x < TOKEN_TILE computes token (tile * TOKEN_TILE + x)'s sum of squares in the order of
+// hc_mixes_partials (grid: tile + K chains blocks x token tiles of `tile` tokens, tile =
+// token_tile(tokens, hc): WIDE_TILE for more than TOKEN_TILE tokens and hc <= WIDE_HC, else
+// TOKEN_TILE). Every (token, projection, K chain) partial of the CPU sgemm order
+// (refmath::sgemm_chains) is its own fp32 FMA chain from 0 over the chain's K in order; the
+// schedule only decides which thread runs which chain, never the operations of one. Block
+// x >= tile is K chain c = x - tile for the tile's tokens and every projection, as a small GEMM:
+// the tile's x rows and all projection rows are staged TILE_K values of K at a time in shared
+// memory (stream_chain: coalesced cp.async copies, PARTIAL_STAGES passes in flight), and every
+// thread FMAs its chains over the staged K in K order (float4 reads of four consecutive K, used
+// x, y, z, w; a value read once for all its thread's chains). A projection row is so read once
+// per token tile instead of once per token, and a token's row once per K chain. Two mappings of
+// (token, projection) pairs to threads:
+// - More than TOKEN_TILE valid tokens (so tile = WIDE_TILE, hc <= WIDE_HC), the register tile
+//   (tiled_chain): lane l of warp w takes tokens 4w + l / 8 + 32 r (r < 2) and projections
+//   l % 8 + 8 i (i < 3), six chains in registers. A float4 step is 5 LDS.128 for 24 FFMA, each
+//   LDS.128 one shared-memory wavefront: the warp reads 4 token rows (each broadcast to 8
+//   lanes) or 8 consecutive projection rows (each to 4 lanes), in distinct banks (TILE_STRIDE).
+//   A pass is 40 LDS.128 and 192 FFMA a thread: 0.21 wavefronts a FFMA, under the 0.25 at which
+//   an SM (one wavefront, four FFMA instructions a clock) waits on shared memory; the spread
+//   mapping at a full tile of 32 (4 wavefronts a token float4, 3 broadcast projections) needs 0.58.
+// - At most TOKEN_TILE valid tokens (decode, a prefill's last part tile, and every tile for
+//   hc > WIDE_HC), the spread mapping (spread_chain), so that no lane works for a dead token:
+//   with T the tile's valid tokens rounded up to a power of two, thread t takes token t % T and
+//   the SLOTS consecutive projections (t / T) SLOTS + i, SLOTS = ceil(T projections /
+//   PARTIAL_THREADS) (slot i; slots past the projections skipped, warps without a pair skip the
+//   FMAs). A full tile is so lane = token and warp w's projections 3w.. (hc 4); one decode token
+//   is one chain per projection in warp 0's lanes. The FMA loop is instantiated per slot count
+//   (fma_pass<SLOTS>), so no dead slot is issued. The reads are conflict-free: a quarter warp
+//   reads one row (broadcast) or up to 8 rows spaced 1 or 2 apart (distinct banks).
+// Block x < tile computes token (tile index * tile + x)'s sum of squares in the order of
 // torch's CPU sum (as the CPU reference's sum_squares_f32_torch) with the whole block
 // (refmath::torch_sum_block_split: the level-0 segments of torch's cascade are independent sums
 // from 0, computed in parallel and fed to each chain's cascade in segment order: the operations
@@ -60,72 +71,60 @@ constexpr u32_t STAGE_BATCH = 6;  // hc_mixes: partials a thread loads per round
 
 constexpr u32_t PARTIAL_THREADS = 256;
 constexpr u32_t PARTIAL_WARPS = PARTIAL_THREADS / 32;
-constexpr u32_t TOKEN_TILE = 32;         // tokens of a K-chain block: at most one per lane
+constexpr u32_t TOKEN_TILE = 32;         // tokens of a spread K-chain block: at most one per lane
+constexpr u32_t WIDE_TILE = 64;          // tokens of a register-tile K-chain block (prefill)
+constexpr u32_t WIDE_HC = 4;             // the most streams of the register tile: 24 projections
 constexpr u32_t TILE_K = 32;             // K values staged per pass
 constexpr u32_t TILE_STRIDE = TILE_K + 4;  // float4 rows; 8 consecutive rows start in distinct banks
 constexpr u32_t PARTIAL_STAGES = 4;      // K passes in flight (cp.async)
 constexpr u32_t MAX_PROJECTIONS = (2 + MAX_HC) * MAX_HC;
 constexpr u32_t PROJECTIONS_PER_WARP = (MAX_PROJECTIONS + PARTIAL_WARPS - 1) / PARTIAL_WARPS;  // most slots
+// The register tile: a warp's lanes in PROJECTION_GROUPS groups of projections; a thread's
+// TILE_TOKENS tokens (TOKEN_TILE apart) and TILE_SLOTS projections (PROJECTION_GROUPS apart).
+constexpr u32_t PROJECTION_GROUPS = 8;
+constexpr u32_t TILE_TOKENS = WIDE_TILE / TOKEN_TILE;
+constexpr u32_t TILE_SLOTS = (2 + WIDE_HC) * WIDE_HC / PROJECTION_GROUPS;
+static_assert(PARTIAL_THREADS / PROJECTION_GROUPS == TOKEN_TILE, "a thread's tokens are TOKEN_TILE apart");
+static_assert(TILE_SLOTS * PROJECTION_GROUPS == (2 + WIDE_HC) * WIDE_HC, "the tile covers WIDE_HC's projections");
 
 __device__ __forceinline__ u32_t hc_mixes_tasks(HcMixesParams p) {
     return (2 + p.hc) * p.hc * refmath::sgemm_chains(p.n);
 }
 
+// The tokens of a K-chain block (and the sum-of-squares blocks before a tile's K chains) when a
+// launch holds `tokens` tokens of hc streams.
+__host__ __device__ constexpr u32_t token_tile(u32_t tokens, u32_t hc) {
+    return tokens > TOKEN_TILE && hc <= WIDE_HC ? WIDE_TILE : TOKEN_TILE;
+}
+
 // Shared floats of a K-chain block's staged passes (hc_mixes_partials' dynamic shared memory):
-// PARTIAL_STAGES slots of [TOKEN_TILE token rows ++ projections rows][TILE_STRIDE].
-__host__ __device__ constexpr u32_t partial_stage_floats(u32_t projections) {
-    return PARTIAL_STAGES * (TOKEN_TILE + projections) * TILE_STRIDE;
+// PARTIAL_STAGES slots of [tile token rows ++ projections rows][TILE_STRIDE].
+__host__ __device__ constexpr u32_t partial_stage_floats(u32_t tile, u32_t projections) {
+    return PARTIAL_STAGES * (tile + projections) * TILE_STRIDE;
 }
 
-// One staged pass of a thread's SLOTS chains: acc[i] += x[token] . w[first + i] over the pass's
-// `count` K in K order (float4 reads of four consecutive K, used x, y, z, w, when the pass is
-// whole); slots past the projections are skipped. xs: the token's staged row, ws: projection
-// `first`'s (slot i: ws + i TILE_STRIDE).
-template <u32_t SLOTS>
-__device__ __forceinline__ void fma_pass(float (&acc)[PROJECTIONS_PER_WARP], const float* xs, const float* ws,
-                                         u32_t count, u32_t first, u32_t projections) {
-    if (count == TILE_K) {
-#pragma unroll
-        for (u32_t kk = 0; kk < TILE_K; kk += 4) {
-            const float4 xq = *reinterpret_cast<const float4*>(xs + kk);
-#pragma unroll
-            for (u32_t i = 0; i < SLOTS; ++i) {
-                if (first + i < projections) {
-                    const float4 wq = *reinterpret_cast<const float4*>(ws + i * TILE_STRIDE + kk);
-                    acc[i] = __fmaf_rn(xq.x, wq.x, acc[i]);
-                    acc[i] = __fmaf_rn(xq.y, wq.y, acc[i]);
-                    acc[i] = __fmaf_rn(xq.z, wq.z, acc[i]);
-                    acc[i] = __fmaf_rn(xq.w, wq.w, acc[i]);
-                }
-            }
-        }
-    } else {
-        for (u32_t kk = 0; kk < count; ++kk) {
-            const float xv = xs[kk];
-#pragma unroll
-            for (u32_t i = 0; i < SLOTS; ++i)
-                if (first + i < projections) acc[i] = __fmaf_rn(xv, ws[i * TILE_STRIDE + kk], acc[i]);
-        }
-    }
+// acc + a . b over four consecutive K, in K order.
+__device__ __forceinline__ float fma4(float acc, float4 a, float4 b) {
+    acc = __fmaf_rn(a.x, b.x, acc);
+    acc = __fmaf_rn(a.y, b.y, acc);
+    acc = __fmaf_rn(a.z, b.z, acc);
+    return __fmaf_rn(a.w, b.w, acc);
 }
 
-// K chain `chain` of the tile's tokens (token0 on, `valid` of them) for every projection, each
-// thread `slots` (token, projection) pairs (see the header comment); T = 1 << token_bits.
-__device__ void hc_mixes_chain(const float* __restrict__ x, const float* __restrict__ proj,
-                               float* __restrict__ scratch, HcMixesParams p, u32_t chain, u32_t token0,
-                               u32_t valid, u32_t token_bits, u32_t slots, float* stages) {
-    const u32_t tasks = hc_mixes_tasks(p);
+// K chain `chain` of the tile's tokens (token0 on, `valid` of them) and of every projection
+// through shared memory, TILE_K values of K a pass: pass(staged, count) runs on every pass in K
+// order, with row r < tile of `staged` the tile's token r and row tile + j projection j
+// (TILE_STRIDE floats a row), `count` values of K (TILE_K but in the chain's last pass).
+template <class Pass>
+__device__ __forceinline__ void stream_chain(const float* __restrict__ x, const float* __restrict__ proj,
+                                             HcMixesParams p, u32_t chain, u32_t token0, u32_t valid, u32_t tile,
+                                             float* stages, Pass&& pass) {
     const u32_t k_chains = refmath::sgemm_chains(p.n);
     const u32_t projections = (2 + p.hc) * p.hc;
     const u32_t start = refmath::sgemm_chain_start(chain, p.n, k_chains);
     const u32_t length = refmath::sgemm_chain_start(chain + 1, p.n, k_chains) - start;
     const u32_t warp = threadIdx.x / 32;
     const u32_t lane = threadIdx.x % 32;
-    // Thread t runs token t % T's chains of projections first + i (slot i), first = slots t / T;
-    // slots past the projections are skipped.
-    const u32_t token = lane & ((1u << token_bits) - 1u);
-    const u32_t first = (threadIdx.x >> token_bits) * slots;
-    const bool busy = ((32 * warp) >> token_bits) * slots < projections;  // the warp holds a pair
     // K k of the chain in staged row r (r < valid: the tile's token r, else projection r - valid).
     const auto source = [&](u32_t r, u32_t k) {
         return r < valid ? x + ((size_t)(token0 + r) * p.n + start + k)
@@ -141,58 +140,158 @@ __device__ void hc_mixes_chain(const float* __restrict__ x, const float* __restr
             asm volatile("prefetch.global.L2 [%0];" ::"l"(source(row, k)));
         }
     }
-    // Pass q stages K [q TILE_K, (q + 1) TILE_K) of the chain in slot q % PARTIAL_STAGES: row r <
-    // TOKEN_TILE is the tile's token r, row TOKEN_TILE + j projection j. Warp w copies the rows w,
-    // w + 8, ... of the valid tokens and the projections, lane = K offset (cp.async, 4 bytes,
-    // zero past the chain). Token rows past `valid` stay unwritten: their lanes compute sums that
-    // are never stored. Every pass commits one group (empty past the last pass), so waiting for
-    // all but PARTIAL_STAGES - 2 groups always completes pass q at iteration q.
+    // Pass q stages its K in slot q % PARTIAL_STAGES. Warp w copies the rows w, w + 8, ... of the
+    // valid tokens and the projections, lane = K offset (cp.async, 4 bytes, zero past the chain).
+    // Token rows past `valid` stay unwritten: the sums of their lanes are never stored. Every
+    // pass commits one group (empty past the last pass), so waiting for all but
+    // PARTIAL_STAGES - 2 groups always completes pass q at iteration q.
     const u32_t passes = (length + TILE_K - 1) / TILE_K;
-    const u32_t rows_per_slot = TOKEN_TILE + projections;
+    const u32_t rows_per_slot = tile + projections;
     const auto slot = [&](u32_t q) { return stages + (size_t)(q % PARTIAL_STAGES) * rows_per_slot * TILE_STRIDE; };
     const auto issue = [&](u32_t q) {
         if (q < passes) {
-            float* tile = slot(q);
+            float* staged = slot(q);
             const u32_t k = q * TILE_K + lane;
             const bool inside = k < length;
             for (u32_t r = warp; r < valid + projections; r += PARTIAL_WARPS) {
-                const u32_t row = r < valid ? r : TOKEN_TILE + (r - valid);
-                cp_async4(tile + row * TILE_STRIDE + lane, inside ? source(r, k) : proj, inside);
+                const u32_t row = r < valid ? r : tile + (r - valid);
+                cp_async4(staged + row * TILE_STRIDE + lane, inside ? source(r, k) : proj, inside);
             }
         }
         cp_async_commit();
     };
     for (u32_t q = 0; q + 1 < PARTIAL_STAGES; ++q) issue(q);
-    float acc[PROJECTIONS_PER_WARP];
-#pragma unroll
-    for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) acc[i] = 0.0f;
     for (u32_t q = 0; q < passes; ++q) {
         cp_async_wait<PARTIAL_STAGES - 2>();
         __syncthreads();  // pass q visible to every thread; every thread is done with pass q - 1's slot
         issue(q + PARTIAL_STAGES - 1);
-        if (!busy) continue;
-        const float* tile = slot(q);
-        const float* xs = tile + token * TILE_STRIDE;
-        const float* ws = tile + (TOKEN_TILE + first) * TILE_STRIDE;
-        const u32_t count = min(TILE_K, length - q * TILE_K);
+        pass(slot(q), min(TILE_K, length - q * TILE_K));
+    }
+}
+
+// One staged pass of a thread's SLOTS chains: acc[i] += x[token] . w[first + i] over the pass's
+// `count` K in K order (float4 reads of four consecutive K, used x, y, z, w, when the pass is
+// whole); slots past the projections are skipped. xs: the token's staged row, ws: projection
+// `first`'s (slot i: ws + i TILE_STRIDE).
+template <u32_t SLOTS>
+__device__ __forceinline__ void fma_pass(float (&acc)[PROJECTIONS_PER_WARP], const float* xs, const float* ws,
+                                         u32_t count, u32_t first, u32_t projections) {
+    if (count == TILE_K) {
+#pragma unroll
+        for (u32_t kk = 0; kk < TILE_K; kk += 4) {
+            const float4 xq = *reinterpret_cast<const float4*>(xs + kk);
+#pragma unroll
+            for (u32_t i = 0; i < SLOTS; ++i)
+                if (first + i < projections)
+                    acc[i] = fma4(acc[i], xq, *reinterpret_cast<const float4*>(ws + i * TILE_STRIDE + kk));
+        }
+    } else {
+        for (u32_t kk = 0; kk < count; ++kk) {
+            const float xv = xs[kk];
+#pragma unroll
+            for (u32_t i = 0; i < SLOTS; ++i)
+                if (first + i < projections) acc[i] = __fmaf_rn(xv, ws[i * TILE_STRIDE + kk], acc[i]);
+        }
+    }
+}
+
+// K chain `chain` of a tile of at most TOKEN_TILE valid tokens (token0 on; `tile` token rows
+// staged) for every projection, in the spread mapping (see the header comment).
+__device__ void spread_chain(const float* __restrict__ x, const float* __restrict__ proj,
+                             float* __restrict__ scratch, HcMixesParams p, u32_t chain, u32_t token0,
+                             u32_t valid, u32_t tile, float* stages) {
+    const u32_t projections = (2 + p.hc) * p.hc;
+    u32_t token_bits = 0;  // T = 1 << token_bits: valid rounded up to a power of two
+    while ((1u << token_bits) < valid) ++token_bits;
+    const u32_t slots = ((projections << token_bits) + PARTIAL_THREADS - 1) / PARTIAL_THREADS;
+    // Thread t runs token t % T's chains of projections first + i (slot i), first = slots t / T;
+    // slots past the projections are skipped.
+    const u32_t token = threadIdx.x & ((1u << token_bits) - 1u);
+    const u32_t first = (threadIdx.x >> token_bits) * slots;
+    const bool busy = ((32 * (threadIdx.x / 32)) >> token_bits) * slots < projections;  // the warp holds a pair
+    float acc[PROJECTIONS_PER_WARP];
+#pragma unroll
+    for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i) acc[i] = 0.0f;
+    stream_chain(x, proj, p, chain, token0, valid, tile, stages, [&](const float* staged, u32_t count) {
+        if (!busy) return;
+        const float* xs = staged + token * TILE_STRIDE;
+        const float* ws = staged + (tile + first) * TILE_STRIDE;
         with_const<1, PROJECTIONS_PER_WARP>(slots, [&](auto s) {
             fma_pass<decltype(s)::value>(acc, xs, ws, count, first, projections);
         });
-    }
+    });
     if (token < valid) {
-        float* out = scratch + (size_t)(token0 + token) * (tasks + 1) + chain;
+        const u32_t k_chains = refmath::sgemm_chains(p.n);
+        float* out = scratch + (size_t)(token0 + token) * (hc_mixes_tasks(p) + 1) + chain;
 #pragma unroll
         for (u32_t i = 0; i < PROJECTIONS_PER_WARP; ++i)
             if (i < slots && first + i < projections) out[(size_t)(first + i) * k_chains] = acc[i];
     }
 }
 
+// K chain `chain` of a WIDE_TILE tile of more than TOKEN_TILE valid tokens (token0 on) for every
+// projection (hc <= WIDE_HC), in the register tile (see the header comment). Slots past the
+// projections (hc < WIDE_HC) compute on the last projection's row and are never stored, so that
+// every lane issues the same FMAs.
+__device__ void tiled_chain(const float* __restrict__ x, const float* __restrict__ proj,
+                            float* __restrict__ scratch, HcMixesParams p, u32_t chain, u32_t token0, u32_t valid,
+                            float* stages) {
+    const u32_t projections = (2 + p.hc) * p.hc;
+    const u32_t lane = threadIdx.x % 32;
+    const u32_t group = lane % PROJECTION_GROUPS;  // projections group + PROJECTION_GROUPS i
+    const u32_t token = threadIdx.x / PROJECTION_GROUPS;  // tokens token + TOKEN_TILE r
+    u32_t w_rows[TILE_SLOTS];
+#pragma unroll
+    for (u32_t i = 0; i < TILE_SLOTS; ++i) w_rows[i] = WIDE_TILE + min(group + PROJECTION_GROUPS * i, projections - 1);
+    float acc[TILE_TOKENS][TILE_SLOTS];
+#pragma unroll
+    for (u32_t r = 0; r < TILE_TOKENS; ++r)
+#pragma unroll
+        for (u32_t i = 0; i < TILE_SLOTS; ++i) acc[r][i] = 0.0f;
+    stream_chain(x, proj, p, chain, token0, valid, WIDE_TILE, stages, [&](const float* staged, u32_t count) {
+        const auto xs = [&](u32_t r) { return staged + (token + TOKEN_TILE * r) * TILE_STRIDE; };
+        const auto ws = [&](u32_t i) { return staged + w_rows[i] * TILE_STRIDE; };
+        if (count == TILE_K) {
+#pragma unroll
+            for (u32_t kk = 0; kk < TILE_K; kk += 4) {
+                float4 xq[TILE_TOKENS], wq[TILE_SLOTS];
+#pragma unroll
+                for (u32_t r = 0; r < TILE_TOKENS; ++r) xq[r] = *reinterpret_cast<const float4*>(xs(r) + kk);
+#pragma unroll
+                for (u32_t i = 0; i < TILE_SLOTS; ++i) wq[i] = *reinterpret_cast<const float4*>(ws(i) + kk);
+#pragma unroll
+                for (u32_t r = 0; r < TILE_TOKENS; ++r)
+#pragma unroll
+                    for (u32_t i = 0; i < TILE_SLOTS; ++i) acc[r][i] = fma4(acc[r][i], xq[r], wq[i]);
+            }
+        } else {
+            for (u32_t kk = 0; kk < count; ++kk) {
+#pragma unroll
+                for (u32_t r = 0; r < TILE_TOKENS; ++r)
+#pragma unroll
+                    for (u32_t i = 0; i < TILE_SLOTS; ++i) acc[r][i] = __fmaf_rn(xs(r)[kk], ws(i)[kk], acc[r][i]);
+            }
+        }
+    });
+    const u32_t k_chains = refmath::sgemm_chains(p.n);
+#pragma unroll
+    for (u32_t r = 0; r < TILE_TOKENS; ++r) {
+        if (token + TOKEN_TILE * r >= valid) continue;
+        float* out = scratch + (size_t)(token0 + token + TOKEN_TILE * r) * (hc_mixes_tasks(p) + 1) + chain;
+#pragma unroll
+        for (u32_t i = 0; i < TILE_SLOTS; ++i)
+            if (group + PROJECTION_GROUPS * i < projections)
+                out[(size_t)(group + PROJECTION_GROUPS * i) * k_chains] = acc[r][i];
+    }
+}
+
 __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __restrict__ proj,
                                   float* __restrict__ scratch, HcMixesParams p, u32_t tokens) {
-    extern __shared__ __align__(16) float stages[];  // partial_stage_floats(projections)
+    extern __shared__ __align__(16) float stages[];  // partial_stage_floats(tile, projections)
     __shared__ float sum_scratch[refmath::torch_sum_split_scratch(PARTIAL_THREADS)];
-    const u32_t token0 = blockIdx.y * TOKEN_TILE;
-    if (blockIdx.x < TOKEN_TILE) {
+    const u32_t tile = token_tile(tokens, p.hc);
+    const u32_t token0 = blockIdx.y * tile;
+    if (blockIdx.x < tile) {
         const u32_t token = token0 + blockIdx.x;
         if (token >= tokens) return;  // the whole block
         const u32_t tasks = hc_mixes_tasks(p);
@@ -201,12 +300,11 @@ __device__ void hc_mixes_partials(const float* __restrict__ x, const float* __re
         if (threadIdx.x == 0) scratch[(size_t)token * (tasks + 1) + tasks] = sum_squares;
         return;
     }
-    const u32_t valid = min(TOKEN_TILE, tokens - token0);
-    u32_t token_bits = 0;  // T = 1 << token_bits: valid rounded up to a power of two
-    while ((1u << token_bits) < valid) ++token_bits;
-    const u32_t projections = (2 + p.hc) * p.hc;
-    const u32_t slots = ((projections << token_bits) + PARTIAL_THREADS - 1) / PARTIAL_THREADS;
-    hc_mixes_chain(x, proj, scratch, p, blockIdx.x - TOKEN_TILE, token0, valid, token_bits, slots, stages);
+    const u32_t valid = min(tile, tokens - token0);
+    if (valid > TOKEN_TILE)
+        tiled_chain(x, proj, scratch, p, blockIdx.x - tile, token0, valid, stages);
+    else
+        spread_chain(x, proj, scratch, p, blockIdx.x - tile, token0, valid, tile, stages);
 }
 
 // The HC x HC comb matrix through the softmax and the Sinkhorn passes, held by one warp: lane l

@@ -6,7 +6,9 @@
 //! to E4M3 in registers ([`FastFp4Weight`], [`gemm_fp4_fast`]; the routed experts use the same
 //! body, `ops::routed_fast`). Not bitwise equal to the CPU reference (the tensor core's in-group
 //! sum is not the exact one), but deterministic and batch invariant: every [`FastTile`] computes
-//! the same bits for a row, so the tile chosen by M never shows.
+//! the same bits for a row, so the tile chosen by M never shows. A launch takes one weight or
+//! two of one format and shape ([`Projections`]: the shared expert's `w1` and `w3`), each into
+//! its own plane of `y` with its own launch's bits.
 //!
 //! The output ([`FastOutput`]) is bf16 (rounded to nearest even once: V4.1's rounding point), that
 //! value in f32 storage ([`RoundedToBf16`]) or f32 (the fp32 sum as it is: V4's float32 linears);
@@ -59,6 +61,13 @@ impl FastOutput for RoundedToBf16<'_> {
 mod sealed {
     use cudarc::driver::{CudaSlice, DeviceRepr};
     use half::bf16;
+
+    /// One weight or two: the planes a dense fast launch computes ([`super::Projections`]).
+    pub trait OneOrTwo {}
+
+    impl<W> OneOrTwo for &W {}
+
+    impl<W> OneOrTwo for [&W; 2] {}
 
     /// The device buffer behind a [`super::FastOutput`].
     pub trait Buffer {
@@ -571,22 +580,114 @@ fn e8m0_value(e: u8) -> f32 {
     }
 }
 
-/// `y = a · wᵀ` on tensor cores, `y [a.rows, w.out]` as [`FastOutput`] stores it. The
-/// activation group must be the weight's tile side (32: V4.1, 128: V4). `tile` is the block shape
+/// The weights of one dense fast launch: one weight (`&w`: `y [m, n]`), or two of one format and
+/// shape (`[&w0, &w1]`: the shared expert's `w1` and `w3`), computed in one launch into the planes
+/// of `y [2][m][n]`. Plane `p` is bitwise weight `p`'s own launch: the same K parts ([`k_parts`]
+/// of the one shape), tile and order; one `gemm_fast_reduce` adds the part sums of both planes.
+/// Sealed: one or two weights, as the kernels take.
+pub trait Projections<W>: sealed::OneOrTwo {
+    /// The weights, plane by plane.
+    fn weights(&self) -> &[&W];
+}
+
+impl<W> Projections<W> for &W {
+    fn weights(&self) -> &[&W] {
+        std::slice::from_ref(self)
+    }
+}
+
+impl<W> Projections<W> for [&W; 2] {
+    fn weights(&self) -> &[&W] {
+        self
+    }
+}
+
+/// The format and shape of a dense fast weight: what two weights must share to run in one
+/// launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DenseForm {
+    /// FP8 `[out, inp]`, one UE8M0 scale per `tile` × `tile`.
+    Fp8 { out: usize, inp: usize, tile: usize },
+    /// FP4 E2M1 `[out, inp]`, one UE8M0 scale per row and 32 inputs.
+    Fp4 { out: usize, inp: usize },
+}
+
+impl DenseForm {
+    /// `(out, inp)`: the GEMM's `(n, k)`.
+    fn shape(self) -> (usize, usize) {
+        match self {
+            DenseForm::Fp8 { out, inp, .. } | DenseForm::Fp4 { out, inp } => (out, inp),
+        }
+    }
+}
+
+impl std::fmt::Display for DenseForm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            DenseForm::Fp8 { out, inp, tile } => {
+                write!(f, "FP8 [{out}, {inp}] in {tile}x{tile} tiles")
+            }
+            DenseForm::Fp4 { out, inp } => write!(f, "FP4 [{out}, {inp}]"),
+        }
+    }
+}
+
+/// A shape error of `op` unless `second` has `first`'s format and shape (a pair of weights in one
+/// launch), naming both.
+fn check_pair(op: &'static str, first: DenseForm, second: DenseForm) -> Result<(), KernelError> {
+    ensure(first == second, op, || {
+        let pair = format!("{first} and {second}");
+        format!("a pair of weights in one launch must share format and shape: {pair}")
+    })
+}
+
+/// A weight laid out for the dense fast kernels: its format and shape, and its device buffers.
+pub(crate) trait DenseWeight {
+    type Scale: DeviceRepr;
+    fn form(&self) -> DenseForm;
+    /// The fragment chunks and band scales.
+    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<Self::Scale>);
+}
+
+impl DenseWeight for FastFp8Weight {
+    type Scale = f32;
+    fn form(&self) -> DenseForm {
+        let (out, inp, tile) = (self.out, self.inp, self.tile);
+        DenseForm::Fp8 { out, inp, tile }
+    }
+    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<f32>) {
+        (&self.chunks, &self.band_scales)
+    }
+}
+
+impl DenseWeight for FastFp4Weight {
+    type Scale = u8;
+    fn form(&self) -> DenseForm {
+        let (out, inp) = (self.out, self.inp);
+        DenseForm::Fp4 { out, inp }
+    }
+    fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
+        (&self.chunks, &self.band_scales)
+    }
+}
+
+/// `y = a · wᵀ` on tensor cores for an FP8 weight or a pair of them ([`Projections`]), `y
+/// [a.rows, w.out]` (a pair: `[2][a.rows][w.out]`) as [`FastOutput`] stores it. The activation
+/// group must be the weight's tile side (32: V4.1, 128: V4). `tile` is the block shape
 /// ([`FastTile::Auto`] in production: chosen by the rows); the result does not depend on it.
 pub fn gemm_fp8_fast<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
-    w: &FastFp8Weight,
+    w: impl Projections<FastFp8Weight>,
     y: &mut Y,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast";
-    check_fp8_groups(OP, a, w)?;
-    let (n, k) = (w.out, w.inp);
-    let span = k_parts(n, k).0;
+    let weights = w.weights();
+    check_fp8_groups(OP, a, weights[0])?;
+    let span = k_parts(weights[0].out, weights[0].inp).0;
     let kernel = FastKernel::production(rt, FastKernels::Fp8(a.group), tile, a.rows, span)?;
-    launch_dense(rt, OP, &kernel, a, (n, k), (&w.chunks, &w.band_scales), y)
+    launch_dense(rt, OP, &kernel, a, weights, y)
 }
 
 /// The activation groups of an FP8 fast GEMM must be the weight's tile side.
@@ -625,39 +726,32 @@ pub struct FastVariant {
 pub fn gemm_fp8_fast_variant<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
-    w: &FastFp8Weight,
+    w: impl Projections<FastFp8Weight>,
     y: &mut Y,
     variant: &FastVariant,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp8_fast_variant";
-    check_fp8_groups(OP, a, w)?;
+    let weights = w.weights();
+    check_fp8_groups(OP, a, weights[0])?;
     let kernel = FastKernel::variant(OP, variant, FastKernels::Fp8(a.group))?;
-    launch_dense(
-        rt,
-        OP,
-        &kernel,
-        a,
-        (w.out, w.inp),
-        (&w.chunks, &w.band_scales),
-        y,
-    )
+    launch_dense(rt, OP, &kernel, a, weights, y)
 }
 
-/// `y = a · wᵀ` on tensor cores for an FP4 weight, `y [a.rows, w.out]` as [`FastOutput`]
-/// stores it; `a` in 32-element groups; `tile` as in [`gemm_fp8_fast`].
+/// `y = a · wᵀ` on tensor cores for an FP4 weight or a pair of them ([`Projections`]), `y` as
+/// in [`gemm_fp8_fast`]; `a` in 32-element groups; `tile` as in [`gemm_fp8_fast`].
 pub fn gemm_fp4_fast<Y: FastOutput>(
     rt: &KernelRuntime,
     a: &DeviceActFp8,
-    w: &FastFp4Weight,
+    w: impl Projections<FastFp4Weight>,
     y: &mut Y,
     tile: FastTile,
 ) -> Result<(), KernelError> {
     const OP: &str = "gemm_fp4_fast";
+    let weights = w.weights();
     a.group.require_g32(OP, "FP4 weights")?;
-    let (n, k) = (w.out, w.inp);
-    let span = k_parts(n, k).0;
+    let span = k_parts(weights[0].out, weights[0].inp).0;
     let kernel = FastKernel::production(rt, FastKernels::Fp4, tile, a.rows, span)?;
-    launch_dense(rt, OP, &kernel, a, (n, k), (&w.chunks, &w.band_scales), y)
+    launch_dense(rt, OP, &kernel, a, weights, y)
 }
 
 /// The kernel a fast launch runs: its function and name, token rows and warps per block, dynamic
@@ -729,24 +823,33 @@ impl<'a> FastKernel<'a> {
     }
 }
 
-/// Launches a dense fast GEMM `kernel` on a weight `(n, k)` = `(out, inp)` given as its fragment
-/// chunks and band scales.
-fn launch_dense<S: DeviceRepr, Y: FastOutput>(
+/// Launches a dense fast GEMM `kernel` on `weights` (one, or two of one format and shape: a
+/// mismatched pair is refused), weight `p` into plane `p` of `y`.
+fn launch_dense<W: DenseWeight, Y: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
     kernel: &FastKernel,
     a: &DeviceActFp8,
-    (n, k): (usize, usize),
-    (chunks, band_scales): (&CudaSlice<u8>, &CudaSlice<S>),
+    weights: &[&W],
     y: &mut Y,
 ) -> Result<(), KernelError> {
-    a.check_gemm(op, (n, k), y.buffer().len())?;
+    let form = weights[0].form();
+    for w in &weights[1..] {
+        check_pair(op, form, w.form())?;
+    }
+    let (n, k) = form.shape();
+    let projections = weights.len();
+    // y: `projections` planes of [rows, n].
+    a.check_gemm(op, (projections * n, k), y.buffer().len())?;
     if a.rows == 0 {
         return Ok(());
     }
     let (tokens, warps) = kernel.block;
     let span = kernel.span;
     let parts = k.div_ceil(span).max(1);
+    // The outputs of every plane (the reduction's count; plane offsets in u32 rows).
+    let count = projections * a.rows * n;
+    dim(op, "outputs", count)?;
     let params = FastGemmParams {
         m: dim(op, "m", a.rows)?,
         n: dim(op, "n", n)?,
@@ -754,42 +857,53 @@ fn launch_dense<S: DeviceRepr, Y: FastOutput>(
         span: dim(op, "span", span)?,
         parts: dim(op, "parts", parts)?,
         store: Y::STORE,
+        projections: dim(op, "projections", projections)?,
     };
     let row_blocks = params.m.div_ceil(tokens);
     ensure(row_blocks <= 65_535, op, || {
         format!("m = {} needs {row_blocks} row blocks (> 65535)", a.rows)
     })?;
+    let planes_and_parts = params.projections * params.parts;
+    ensure(planes_and_parts <= 65_535, op, || {
+        format!("{projections} planes of {parts} K parts (> 65535 blocks in z)")
+    })?;
     let cfg = launch_config(
-        (params.n.div_ceil(16 * warps), row_blocks, params.parts),
+        (params.n.div_ceil(16 * warps), row_blocks, planes_and_parts),
         warps * 32,
         kernel.shared_bytes,
     );
-    // The parts' sums [parts][m][n] (one value, unread, with one part).
-    let count = a.rows * n;
-    // SAFETY: with parts > 1 every block writes its part's sums of its rows and columns, so the
-    // launch writes all parts * m * n values before the reduction reads them, in stream order;
-    // with one part the kernel never touches the buffer.
+    // The parts' sums [parts][projections][m][n] (one value, unread, with one part).
+    // SAFETY: with parts > 1 every block writes its part's sums of its plane, rows and columns,
+    // so the launch writes all parts * count values before the reduction reads them, in stream
+    // order; with one part the kernel never touches the buffer.
     let mut partials =
         unsafe { rt.alloc_written::<f32>(if parts > 1 { parts * count } else { 1 }) }
             .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
+    // Plane 1's weight: the second, or the first again (never read with one projection).
+    let (w0, ws0) = weights[0].buffers();
+    let (w1, ws1) = weights[projections - 1].buffers();
     let mut launch = rt.launcher_of(kernel.function, kernel.name);
     launch
         .arg(&a.codes)
         .arg(&a.scales)
-        .arg(chunks)
-        .arg(band_scales)
+        .arg(w0)
+        .arg(ws0)
+        .arg(w1)
+        .arg(ws1)
         .arg(y.buffer())
         .arg(&mut partials)
         .arg(&params);
-    // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w, const u8*
-    // ws, void* y, float* partials, FastGemmParams): y is written as Y::Value (store =
-    // Y::STORE: bf16 for 0, f32 for 1 and 2; FastOutput is sealed to these). The activation
-    // buffers hold rows * k codes and rows * k / group scales (DeviceActFp8's invariant), the
-    // weight chunks hold ceil(n / 16) * ceil(k / 128) chunks and the band scales ceil(n / 16) *
-    // k / group entries of the kernel's scale size (built at upload from n, k: FastFp8Weight,
-    // FastFp4Weight); block z reads K codes [z span, min(k, (z + 1) span)) with z < parts =
-    // ceil(k / span); every load is bounds-checked against m, n, k in the kernel; y holds m * n
-    // values, partials parts * m * n when parts > 1.
+    // SAFETY: the kernel's signature is (const u8* a, const float* sa, const u8* w0, const u8*
+    // ws0, const u8* w1, const u8* ws1, void* y, float* partials, FastGemmParams): y is written
+    // as Y::Value (store = Y::STORE: bf16 for 0, f32 for 1 and 2; FastOutput is sealed to
+    // these). The activation buffers hold rows * k codes and rows * k / group scales
+    // (DeviceActFp8's invariant); each weight (both of shape n, k: check_pair) holds ceil(n / 16)
+    // * ceil(k / 128) chunks and ceil(n / 16) * k / group band scales of the kernel's scale size
+    // (built at upload from n, k: FastFp8Weight, FastFp4Weight); block z reads weight z / parts
+    // < projections (1 or 2: Projections is sealed) over K codes [p span, min(k, (p + 1) span)),
+    // p = z % parts, parts = ceil(k / span); every load is bounds-checked against m, n, k in the
+    // kernel; y holds projections * m * n values (checked above), partials parts * count when
+    // parts > 1.
     unsafe { launch.launch(cfg) }?;
     if parts > 1 {
         reduce_parts(rt, op, &partials, y, count, parts)?;
@@ -1062,6 +1176,47 @@ mod tests {
                 "{n}x{k}"
             );
         }
+    }
+
+    #[test]
+    fn a_pair_must_share_format_and_shape_and_its_error_names_both() {
+        let fp8 = |out, inp, tile| DenseForm::Fp8 { out, inp, tile };
+        let fp4 = DenseForm::Fp4 {
+            out: 2304,
+            inp: 5120,
+        };
+        assert_eq!(
+            fp8(2304, 5120, 32).to_string(),
+            "FP8 [2304, 5120] in 32x32 tiles"
+        );
+        assert_eq!(fp4.to_string(), "FP4 [2304, 5120]");
+        assert!(check_pair("op", fp8(2304, 5120, 32), fp8(2304, 5120, 32)).is_ok());
+        assert!(check_pair("op", fp4, fp4).is_ok());
+        let first = fp8(2304, 5120, 32);
+        for second in [
+            fp8(2304, 5120, 128),
+            fp8(2304, 4096, 32),
+            fp8(2048, 5120, 32),
+            fp4,
+        ] {
+            let error = check_pair("gemm_fp8_fast", first, second)
+                .expect_err("a mismatched pair")
+                .to_string();
+            assert_eq!(
+                error,
+                format!(
+                    "bad arguments to gemm_fp8_fast: a pair of weights in one launch must share \
+                     format and shape: {first} and {second}"
+                )
+            );
+        }
+    }
+
+    #[test]
+    fn projections_are_one_weight_or_a_pair_in_plane_order() {
+        let (w1, w3) = (1u8, 3u8);
+        assert_eq!((&w1).weights(), [&w1]);
+        assert_eq!([&w1, &w3].weights(), [&w1, &w3]);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! mHC on the device (`CpuBackend::hc_mixes_rows` / `hc_collapse_rows_at` / `hc_expand_rows_at`)
 //! for a batch of tokens in one launch: the coefficients (projection in the CPU sgemm order, sigmoids,
-//! Sinkhorn; one block per K chain of the sgemm order and tile of 32 tokens computes the
-//! fixed-order projection partials, one block per token its sum of squares, then one block per
+//! Sinkhorn; one block per K chain of the sgemm order and tile of 32 tokens (64 at prefill for
+//! hc <= 4) computes the fixed-order projection partials, one block per token its sum of squares, then one block per
 //! token combines them), the collapse of `hc` streams into one bf16 row and the
 //! expansion back (grid.y = token, each token with its own weights / mixes). All f32 storage; bit-exact with the CPU
 //! reference (the mean of squares in torch's CPU sum order, as `sum_squares_f32_torch`), and a
@@ -20,26 +20,41 @@ const THREADS: u32 = 256;
 const MAX_PARTIAL_BYTES: usize = 40 * 1024;
 /// Must match `mhc::PARTIAL_THREADS`.
 const PARTIAL_THREADS: u32 = 256;
-/// Must match `mhc::TOKEN_TILE`: the tokens of one K-chain block, and the sum-of-squares blocks
-/// in front of a token tile's K-chain blocks.
+/// Must match `mhc::TOKEN_TILE`, `mhc::WIDE_TILE` and `mhc::WIDE_HC`: the tokens of one K-chain
+/// block, and the sum-of-squares blocks in front of a token tile's K-chain blocks, are
+/// [`token_tile`]'s.
 const TOKEN_TILE: usize = 32;
+const WIDE_TILE: usize = 64;
+const WIDE_HC: usize = 4;
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Must match `mhc::MAX_HC`.
 pub const MAX_HC: usize = 8;
 /// Must match `mhc::PARTIAL_STAGES` and `mhc::TILE_STRIDE`: a K-chain block stages its passes in
-/// `PARTIAL_STAGES` slots of `TOKEN_TILE + projections` rows of `TILE_STRIDE` floats.
+/// `PARTIAL_STAGES` slots of `tile + projections` rows of `TILE_STRIDE` floats.
 const PARTIAL_STAGES: usize = 4;
 const TILE_STRIDE: usize = 36;
 
-/// The dynamic shared memory of the partials launch for `projections` projections
-/// (`mhc::partial_stage_floats`).
-fn partial_stage_bytes(projections: usize) -> usize {
-    PARTIAL_STAGES * (TOKEN_TILE + projections) * TILE_STRIDE * 4
+/// The tokens of a K-chain block when a launch holds `tokens` tokens of `hc` streams
+/// (`mhc::token_tile`): past 32 tokens, tiles of 64 in registers for hc <= 4.
+fn token_tile(tokens: usize, hc: usize) -> usize {
+    if tokens > TOKEN_TILE && hc <= WIDE_HC {
+        WIDE_TILE
+    } else {
+        TOKEN_TILE
+    }
 }
 
-/// The dynamic shared memory the partials kernel is allowed: that of `MAX_HC`'s projections.
+/// The dynamic shared memory of the partials launch for tiles of `tile` tokens and `projections`
+/// projections (`mhc::partial_stage_floats`).
+fn partial_stage_bytes(tile: usize, projections: usize) -> usize {
+    PARTIAL_STAGES * (tile + projections) * TILE_STRIDE * 4
+}
+
+/// The dynamic shared memory the partials kernel is allowed: the most of `MAX_HC`'s projections
+/// (32-token tiles) and `WIDE_HC`'s (64-token tiles).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
-    let most = partial_stage_bytes((2 + MAX_HC) * MAX_HC) as u32;
+    let most = partial_stage_bytes(TOKEN_TILE, (2 + MAX_HC) * MAX_HC)
+        .max(partial_stage_bytes(WIDE_TILE, (2 + WIDE_HC) * WIDE_HC)) as u32;
     (id == KernelId::HcMixesPartialsF32).then_some(most)
 }
 /// The most tokens one collapse / expand launch takes (the grid's y limit).
@@ -56,7 +71,7 @@ pub struct HcMixesConfig {
 
 /// The mHC coefficients of every token of `x [tokens, width]` (`width = hc · dim` values per
 /// token): a partials launch (grid: one block per K chain of the sgemm order plus one
-/// sum-of-squares block per token, × tiles of 32 tokens) into a scratch buffer, then one block
+/// sum-of-squares block per token, × tiles of [`token_tile`] tokens) into a scratch buffer, then one block
 /// per token: `out [tokens, 2 · hc + hc²]`, each row `pre ++ post ++ comb`.
 /// `proj [(2 + hc) · hc, width]`, `base [(2 + hc) · hc]`, `scale [3]` are shared by all tokens.
 #[allow(clippy::too_many_arguments)]
@@ -124,7 +139,8 @@ pub fn hc_mixes_rows_f32(
     ensure(token_grid <= MAX_TOKENS_PER_LAUNCH as u32, OP, || {
         format!("{tokens} tokens exceed {MAX_TOKENS_PER_LAUNCH} per launch")
     })?;
-    let (blocks, token_tiles) = partials_grid(tokens, n);
+    let tile = token_tile(tokens, hc);
+    let (blocks, token_tiles) = partials_grid(tokens, n, hc);
     let partials_cfg = launch_config(
         (
             dim(OP, "partial blocks", blocks)?,
@@ -132,7 +148,7 @@ pub fn hc_mixes_rows_f32(
             1,
         ),
         PARTIAL_THREADS,
-        dim(OP, "partials' shared memory", partial_stage_bytes(projections))?,
+        dim(OP, "partials' shared memory", partial_stage_bytes(tile, projections))?,
     );
     let mut launch = rt.launcher(KernelId::HcMixesPartialsF32)?;
     launch
@@ -143,9 +159,10 @@ pub fn hc_mixes_rows_f32(
         .arg(&token_grid);
     // SAFETY: signature (const float* x, const float* proj, float* scratch, HcMixesParams,
     // u32_t tokens); x holds tokens * n and proj projections * n values (checked above), scratch
-    // tokens * (tasks + 1); grid.x = TOKEN_TILE sum-of-squares blocks + one block per K chain,
-    // grid.y = the token tiles covering `tokens` (the kernel skips tokens >= tokens); the dynamic
-    // shared memory holds the staged passes of `projections` (at most MAX_HC's, as allowed).
+    // tokens * (tasks + 1); grid.x = `tile` sum-of-squares blocks + one block per K chain,
+    // grid.y = the token tiles covering `tokens` (the kernel skips tokens >= tokens), `tile` the
+    // kernel's own mhc::token_tile(tokens, hc); the dynamic shared memory holds the staged passes
+    // of `tile` tokens and `projections` (at most the allowed most).
     unsafe { launch.launch(partials_cfg) }?;
     let cfg = launch_config(
         (token_grid, 1, 1),
@@ -167,10 +184,12 @@ pub fn hc_mixes_rows_f32(
     unsafe { launch.launch(cfg) }
 }
 
-/// The partials launch's grid: (`TOKEN_TILE` sum-of-squares blocks + one block per K chain of the
-/// sgemm order, token tiles of `TOKEN_TILE` tokens covering `tokens`).
-fn partials_grid(tokens: usize, n: usize) -> (usize, usize) {
-    (TOKEN_TILE + sgemm_chains(n), tokens.div_ceil(TOKEN_TILE))
+/// The partials launch's grid for `tokens` tokens of `hc` streams of `n` values: ([`token_tile`]
+/// sum-of-squares blocks + one block per K chain of the sgemm order, token tiles covering
+/// `tokens`).
+fn partials_grid(tokens: usize, n: usize, hc: usize) -> (usize, usize) {
+    let tile = token_tile(tokens, hc);
+    (tile + sgemm_chains(n), tokens.div_ceil(tile))
 }
 
 fn elementwise_params(
@@ -288,6 +307,11 @@ mod tests {
     fn launcher_constants_match_the_kernel() {
         assert!(SOURCE.contains(&format!(" PARTIAL_THREADS = {PARTIAL_THREADS};")));
         assert!(SOURCE.contains(&format!(" TOKEN_TILE = {TOKEN_TILE};")));
+        assert!(SOURCE.contains(&format!(" WIDE_TILE = {WIDE_TILE};")));
+        assert!(SOURCE.contains(&format!(" WIDE_HC = {WIDE_HC};")));
+        assert!(SOURCE.contains(
+            "return tokens > TOKEN_TILE && hc <= WIDE_HC ? WIDE_TILE : TOKEN_TILE;"
+        ));
         assert!(SOURCE.contains(&format!(" MAX_HC = {MAX_HC};")));
         assert!(SOURCE.contains(&format!(" THREADS = {THREADS};")));
         assert!(SOURCE.contains(&format!(" PARTIAL_STAGES = {PARTIAL_STAGES};")));
@@ -297,28 +321,40 @@ mod tests {
 
     #[test]
     fn the_partials_stages_fit_the_allowed_shared_memory() {
-        // V4.1 (hc 4, 24 projections) stays under the 48 KiB default; MAX_HC's 80 fit an SM.
-        assert_eq!(partial_stage_bytes(24), 4 * 56 * 36 * 4);
-        assert!(partial_stage_bytes(24) <= 48 * 1024);
+        // V4.1 (hc 4, 24 projections) at decode stays under the 48 KiB default, its 64-token
+        // prefill tiles do not; MAX_HC's 80 projections of 32-token tiles are the most, and fit
+        // an SM.
+        assert_eq!(partial_stage_bytes(32, 24), 4 * 56 * 36 * 4);
+        assert!(partial_stage_bytes(32, 24) <= 48 * 1024);
+        assert_eq!(partial_stage_bytes(64, 24), 4 * 88 * 36 * 4);
         let most = dynamic_shared_bytes(KernelId::HcMixesPartialsF32).unwrap() as usize;
-        assert_eq!(most, partial_stage_bytes(80));
+        assert_eq!(most, partial_stage_bytes(32, 80));
+        assert!(partial_stage_bytes(64, 24) < most);
         assert!(most + 5 * 1024 <= 227 * 1024);
         assert_eq!(dynamic_shared_bytes(KernelId::HcMixesF32), None);
     }
 
     #[test]
     fn the_partials_grid_covers_every_token_and_chain() {
-        // The real V4.1 width (hc 4 x dim 5120): 64 chains of 320 products.
-        assert_eq!(partials_grid(1, 20_480), (32 + 64, 1));
-        assert_eq!(partials_grid(32, 20_480), (32 + 64, 1));
-        assert_eq!(partials_grid(33, 20_480), (32 + 64, 2));
-        assert_eq!(partials_grid(1024, 20_480), (32 + 64, 32));
+        // The real V4.1 width (hc 4 x dim 5120): 64 chains of 320 products; 32-token tiles up to
+        // 32 tokens, then 64-token tiles.
+        assert_eq!(partials_grid(1, 20_480, 4), (32 + 64, 1));
+        assert_eq!(partials_grid(32, 20_480, 4), (32 + 64, 1));
+        assert_eq!(partials_grid(33, 20_480, 4), (64 + 64, 1));
+        assert_eq!(partials_grid(70, 20_480, 4), (64 + 64, 2));
+        assert_eq!(partials_grid(1024, 20_480, 4), (64 + 64, 16));
+        // Past WIDE_HC always 32-token tiles.
+        assert_eq!(partials_grid(1024, 20_480, 5), (32 + 64, 32));
         // Below 512 values a single chain.
-        assert_eq!(partials_grid(17, 7), (32 + 1, 1));
-        for tokens in 1..200 {
-            let (blocks, tiles) = partials_grid(tokens, 4120);
-            assert_eq!(blocks, TOKEN_TILE + sgemm_chains(4120));
-            assert!(tiles * TOKEN_TILE >= tokens && (tiles - 1) * TOKEN_TILE < tokens);
+        assert_eq!(partials_grid(17, 7, 1), (32 + 1, 1));
+        for hc in 1..=MAX_HC {
+            for tokens in 1..200 {
+                let tile = token_tile(tokens, hc);
+                assert_eq!(tile == WIDE_TILE, tokens > 32 && hc <= 4);
+                let (blocks, tiles) = partials_grid(tokens, 4120, hc);
+                assert_eq!(blocks, tile + sgemm_chains(4120));
+                assert!(tiles * tile >= tokens && (tiles - 1) * tile < tokens);
+            }
         }
     }
 }

@@ -964,13 +964,24 @@ pub fn hc_one() -> Vec<Case> {
     hc_cases(15, &shapes, |_| vec![(1, 0), (1, 1), (1, 20)], false)
 }
 
-/// The mHC ops of 1, 3 and 17 tokens (40 at dim 1030: two token tiles of the partials launch);
-/// every token equals the one-token ops.
+/// The mHC ops of 1, 3 and 17 tokens, and at the wider shapes also of 40, 64 and 70: past 32
+/// tokens the partials launch takes 64-token tiles in registers for hc <= 4 (40: one part tile,
+/// 64: one full, 70: a full one and a last part of 6 in the 32-token mapping) and keeps 32-token
+/// tiles for hc 5 and 8 (two and three tiles); K chains of 257 to 386 products, most ending in a
+/// part pass. Every token equals the one-token ops.
 pub fn hc_rows() -> Vec<Case> {
-    let shapes = [(4, 100), (1, 7), (3, 257), (4, 1030)];
+    let shapes = [
+        (4, 100),
+        (1, 7),
+        (3, 257),
+        (4, 1030),
+        (1, 700),
+        (5, 230),
+        (8, 70),
+    ];
     let runs = |dim: usize| {
-        let counts: &[usize] = if dim == 1030 {
-            &[1, 3, 17, 40]
+        let counts: &[usize] = if [257, 1030, 700, 230, 70].contains(&dim) {
+            &[1, 3, 17, 40, 64, 70]
         } else {
             &ROW_COUNTS
         };

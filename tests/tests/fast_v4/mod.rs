@@ -78,7 +78,7 @@ fn quantise(rt: &KernelRuntime, x: &[f32], rows: usize, group: ActGroup) -> Devi
 }
 
 fn run_f32(rt: &KernelRuntime, a: &DeviceActFp8, w: &impl FastWeight, tile: FastTile) -> Vec<f32> {
-    run_gemm::<f32>(rt, a, w, tile, |v| v)
+    run_gemm::<f32, _>(rt, a, w, tile, |v| v)
 }
 
 /// The fast GEMM of `w` with f32 outputs at M = 1, 7, 64, 130 (every tile's range) on f32
@@ -118,7 +118,7 @@ fn check_f32_gemm(
         }
         let again = run_f32(rt, &a, dw, FastTile::Auto);
         assert_eq!(differing(&again, &y), 0, "{what}: a second run differs");
-        let as_bf16 = run_gemm::<bf16>(rt, &a, dw, FastTile::Auto, bf16::to_f32);
+        let as_bf16 = run_gemm::<bf16, _>(rt, &a, dw, FastTile::Auto, bf16::to_f32);
         let rounded: Vec<f32> = y.iter().map(|&v| quant::round_bf16(v)).collect();
         assert_eq!(
             differing(&as_bf16, &rounded),

@@ -43,7 +43,7 @@ impl CudaBackend {
             }),
             Numerics::Fast => self.fast_linear_f32(OP, x, shape, group, |a, y| {
                 let w = self.device_form(w)?;
-                gemm_fp8_fast(&self.rt, a, &w, &mut RoundedToBf16(y), FastTile::Auto)
+                gemm_fp8_fast(&self.rt, a, &*w, &mut RoundedToBf16(y), FastTile::Auto)
                     .map_err(op_err(OP))
             }),
         }
@@ -61,7 +61,7 @@ impl CudaBackend {
             }),
             Numerics::Fast => self.fast_linear_f32(OP, x, shape, ActGroup::G32, |a, y| {
                 let w = self.device_form(w)?;
-                gemm_fp4_fast(&self.rt, a, &w, &mut RoundedToBf16(y), FastTile::Auto)
+                gemm_fp4_fast(&self.rt, a, &*w, &mut RoundedToBf16(y), FastTile::Auto)
                     .map_err(op_err(OP))
             }),
         }

@@ -5,10 +5,11 @@
 //! row's expert outputs in increasing expert id, then the shared expert — the order of the host
 //! path, so the result is bitwise equal to it. SwiGLU and the quantisation of its rows for `w2`
 //! are one kernel (`swiglu_act_quant_fp8`, bitwise the two steps). In the `fast` numerics the FP4
-//! routed experts (`ops::routed_fast`) and the shared expert's GEMMs run on tensor cores instead;
-//! the SwiGLU quantiser and the combine are the same kernels. The routed chain
-//! ([`CudaBackend::routed_slots`]) also serves V4's FP4 experts in the fast numerics (`v4.rs`),
-//! with f32 outputs and no bf16 rounding ([`RoutedRow`]).
+//! routed experts (`ops::routed_fast`) and the shared expert's GEMMs run on tensor cores instead
+//! (its `w1` and `w3` in one launch, each plane bitwise its own launch's); the SwiGLU quantiser
+//! and the combine are the same kernels. The routed chain ([`CudaBackend::routed_slots`]) also
+//! serves V4's FP4 experts in the fast numerics (`v4.rs`), with f32 outputs and no bf16 rounding
+//! ([`RoutedRow`]).
 
 use deepinfer_kernels::ops::routed::{
     DeviceExpertTable, ExpertGroups, ExpertProjection, ExpertRefs, ExpertRowValue, RoutedRows,
@@ -312,17 +313,58 @@ impl CudaBackend {
                 .map_err(op_err(op))?;
                 Ok(y)
             };
-        let gate = dense(a, &shared.w1)?;
-        let up = dense(a, &shared.w3)?;
+        // w1 and w3 in one fast launch when they share format and shape (V4.1's do): the planes
+        // [2][rows][inter] of one buffer, each bitwise its own launch's. Else one launch each.
+        let pair = self.shared_gate_up(op, a, shared)?;
+        let separate;
+        let (gate, up) = match &pair {
+            Some(both) => both.split_at(both.len() / 2),
+            None => {
+                separate = (dense(a, &shared.w1)?, dense(a, &shared.w3)?);
+                (separate.0.slice(..), separate.1.slice(..))
+            }
+        };
         let shape = (a.rows, gate.len() / a.rows.max(1));
-        let a_hidden = self.swiglu_quantised(
-            op,
-            (gate.slice(..), up.slice(..)),
-            None,
-            shape,
-            (limit, rounding),
-        )?;
+        let a_hidden = self.swiglu_quantised(op, (gate, up), None, shape, (limit, rounding))?;
         dense(&a_hidden, &shared.w2)
+    }
+
+    /// The shared expert's `w1` and `w3` of the rows `a` in one fast launch, bf16 planes
+    /// `[2][rows][inter]`; `None` in the exact numerics or unless both are FP8 (in one tile) or
+    /// both FP4 of one shape.
+    fn shared_gate_up(
+        &self,
+        op: &'static str,
+        a: &DeviceActFp8,
+        shared: &ExpertWeights<ExpertLinear>,
+    ) -> Result<Option<CudaSlice<bf16>>, CudaBackendError> {
+        if self.numerics != Numerics::Fast {
+            return Ok(None);
+        }
+        // SAFETY: the pair's launch writes both planes, all 2 * rows * inter values.
+        let planes = |inter: usize| unsafe { self.alloc_written::<bf16>(op, 2 * a.rows * inter) };
+        let both = match (&shared.w1, &shared.w3) {
+            (ExpertLinear::Fp8(w1), ExpertLinear::Fp8(w3))
+                if (w1.out, w1.inp, w1.block) == (w3.out, w3.inp, w3.block) =>
+            {
+                let (d1, d3) = (self.device_form(w1)?, self.device_form(w3)?);
+                let mut y = planes(w1.out)?;
+                gemm_fp8_fast(&self.rt, a, [&*d1, &*d3], &mut y, FastTile::Auto)
+                    .map_err(op_err(op))?;
+                y
+            }
+            (ExpertLinear::Fp4(w1), ExpertLinear::Fp4(w3))
+                if (w1.out, w1.inp) == (w3.out, w3.inp) =>
+            {
+                let (d1, d3) = (self.device_form(w1)?, self.device_form(w3)?);
+                let mut y = planes(w1.out)?;
+                gemm_fp4_fast(&self.rt, a, [&*d1, &*d3], &mut y, FastTile::Auto)
+                    .map_err(op_err(op))?;
+                y
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(both))
     }
 
     /// The fast table of V4 FP4 `experts` (table index = position in the list), laid out for
