@@ -310,20 +310,24 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     constexpr u32_t CHUNK = L::CHUNK;
     // With one weight scale per band and group (W::BAND_SCALE), the 8 lanes of one t would each
     // form the same scale products s_w * s_a of their tokens. In tiles of 32 tokens or more the
-    // warp forms its band's products of a group once instead, lane l those of tokens l PER ..
-    // l PER + PER - 1 (one vector load, PER multiplies, one store), into shared memory after the
-    // stages ([WARPS][2][BT] f32: two groups, as the two sets of sums; ops/gemm_fast.rs,
-    // products_bytes, sizes the launch so), and the promotion reads a token pair's products
-    // where it read its activation scales. The same multiply of the same operands: the same
-    // bits. The 8-token tile forms its own (fewer instructions there).
+    // warp forms its band's products of a group once instead, PER a lane, into shared memory
+    // after the stages ([WARPS][2][BT] f32: two groups, as the two sets of sums; ops/gemm_fast.rs,
+    // products_bytes, sizes the launch so) in the promotion's order: place 16 j + 4 t + 2 h + e
+    // holds token 8 (2 j + h) + 2 t + e, so thread t reads its products of n8 tiles 2j and
+    // 2j + 1 in one 16-byte load. The same multiply of the same operands: the same bits. The
+    // 8-token tile forms its own (fewer instructions there).
     constexpr bool PRODUCTS = W::BAND_SCALE && BT >= 32;
     constexpr u32_t PER = BT / 32;
+    constexpr u32_t PAIR = PER < 2 ? PER : 2;  // consecutive tokens of a lane's places
     extern __shared__ __align__(16) u8_t smem[];
 
     const u32_t warp = threadIdx.x / 32;
     const u32_t lane = threadIdx.x % 32;
     const u32_t g = lane / 4;
     const u32_t t = lane % 4;
+    // The token of lane l's first place, l PER (PRODUCTS); place l PER + 2 h + e has token + 8 h + e.
+    const u32_t q = lane * PER;
+    const u32_t p_token = 16 * (q / 16) + 8 * (q / 2 % 2) + 2 * (q / 4 % 4) + q % 2;
     const u32_t groups = k / G;
     const u32_t bands = (n + 15) / 16;
     const u32_t chunks = (k + STEP_K - 1) / STEP_K;  // per band
@@ -517,21 +521,28 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
             auto band_products = [&](u32_t gq) {
                 if constexpr (PRODUCTS) {
                     const float sw = W::scales(s_w, gq, g).x;
-                    const Floats<PER> s = *reinterpret_cast<const Floats<PER>*>(s_a + gq * L::SA_ROW + lane * PER);
                     Floats<PER> p;
 #pragma unroll
-                    for (u32_t v = 0; v < PER; ++v) p.v[v] = __fmul_rn(sw, s.v[v]);
-                    *reinterpret_cast<Floats<PER>*>(products(gq) + lane * PER) = p;
+                    for (u32_t h = 0; h < PER / PAIR; ++h) {
+                        const Floats<PAIR> s =
+                            *reinterpret_cast<const Floats<PAIR>*>(s_a + gq * L::SA_ROW + p_token + 8 * h);
+#pragma unroll
+                        for (u32_t e = 0; e < PAIR; ++e) p.v[PAIR * h + e] = __fmul_rn(sw, s.v[e]);
+                    }
+                    *reinterpret_cast<Floats<PER>*>(products(gq) + q) = p;
                 }
             };
             // acc += group gq's sums d, promoted.
             auto promote_group = [&](u32_t gq, const float (&d)[RUN][4]) {
                 if constexpr (PRODUCTS) {
-                    const float* p = products(gq) + 2 * t;
+                    static_assert(RUN % 2 == 0, "pairs of n8 tiles");
+                    const float* p = products(gq) + 4 * t;
 #pragma unroll
-                    for (u32_t i = 0; i < RUN; ++i) {
-                        const float2 s = *reinterpret_cast<const float2*>(p + i * 8);
-                        promote(acc[i], d[i], s, s);  // rows g and g + 8: the band's one scale
+                    for (u32_t i = 0; i < RUN; i += 2) {
+                        // Tiles i and i + 1; rows g and g + 8 have the band's one scale.
+                        const float4 s = *reinterpret_cast<const float4*>(p + 8 * i);
+                        promote(acc[i], d[i], make_float2(s.x, s.y), make_float2(s.x, s.y));
+                        promote(acc[i + 1], d[i + 1], make_float2(s.z, s.w), make_float2(s.z, s.w));
                     }
                 } else {
                     const float2 sw = W::scales(s_w, gq, g);
