@@ -54,11 +54,11 @@
 // rows of 16 codes a contiguous core matrix), the activations' scales of those groups
 // ([groups][BT + 4] f32) and the weights' scales per band, filled by cp.async STAGES - 1 steps
 // ahead. On sm_90a each warpgroup keeps two sets of group sums, the next group's wgmma running
-// while a group is promoted. Out-of-range rows, features and groups are zero-filled and never
-// stored. In a routed
-// expert's tile (often part full) only the n8 token tiles that hold a row, rounded up to a
-// quarter of the tile, load, multiply and store: a tile costs about the rows it has, its weights
-// are still read once.
+// while a group is promoted. FP8 tiles of 32 tokens or more form each group's scale products
+// once per warp, after the stages (gemm_fast_tile, PRODUCTS). Out-of-range rows, features and
+// groups are zero-filled and never stored. In a routed expert's tile (often part full) only the
+// n8 token tiles that hold a row, rounded up to a quarter of the tile, load, multiply and store:
+// a tile costs about the rows it has, its weights are still read once.
 #pragma once
 #include "common/compile_time.cuh"
 #include "common/grid_dependency.cuh"
@@ -103,6 +103,7 @@ template <int G>
 struct Fp8Chunks {
     static constexpr u32_t PIECE = 16;
     static constexpr u32_t SCALE_BYTES = 4;
+    static constexpr bool BAND_SCALE = true;  // one scale for the band's 16 rows (gemm_fast_tile's products)
     // The A fragment of a piece: row g's codes 4t .. and 16 + 4t .., then row g + 8's.
     static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
         const uint4 v = *reinterpret_cast<const uint4*>(piece);
@@ -144,6 +145,7 @@ __device__ __forceinline__ float e8m0_times_64(u8_t e) { return __uint_as_float(
 struct Fp4Chunks {
     static constexpr u32_t PIECE = 8;
     static constexpr u32_t SCALE_BYTES = 16;
+    static constexpr bool BAND_SCALE = false;  // a scale per row
     static __device__ __forceinline__ void fragment(const u8_t* piece, u32_t (&frag)[4]) {
         const uint2 v = *reinterpret_cast<const uint2*>(piece);
         e2m1x8_to_e4m3(v.x, frag[0], frag[2]);
@@ -154,14 +156,21 @@ struct Fp4Chunks {
     }
 };
 
-// acc[r] += c[r] * s_w(row of r) * s_a(token of r), the promotion of one group's tensor-core sum:
-// r = 0, 1 are row g, r = 2, 3 row g + 8; r = 0, 2 token 2t, r = 1, 3 token 2t + 1 of the n8 tile.
-__device__ __forceinline__ void promote(float (&acc)[4], const float (&c)[4], float2 sw, float sa0, float sa1) {
-    acc[0] = __fmaf_rn(c[0], __fmul_rn(sw.x, sa0), acc[0]);
-    acc[1] = __fmaf_rn(c[1], __fmul_rn(sw.x, sa1), acc[1]);
-    acc[2] = __fmaf_rn(c[2], __fmul_rn(sw.y, sa0), acc[2]);
-    acc[3] = __fmaf_rn(c[3], __fmul_rn(sw.y, sa1), acc[3]);
+// acc[r] += c[r] * s(r), the promotion of one group's tensor-core sum with the scale products
+// s(r) = s_w(row of r) * s_a(token of r): r = 0, 1 are row g (`s_g`), r = 2, 3 row g + 8 (`s_g8`);
+// r = 0, 2 token 2t (.x), r = 1, 3 token 2t + 1 (.y) of the n8 tile.
+__device__ __forceinline__ void promote(float (&acc)[4], const float (&c)[4], float2 s_g, float2 s_g8) {
+    acc[0] = __fmaf_rn(c[0], s_g.x, acc[0]);
+    acc[1] = __fmaf_rn(c[1], s_g.y, acc[1]);
+    acc[2] = __fmaf_rn(c[2], s_g8.x, acc[2]);
+    acc[3] = __fmaf_rn(c[3], s_g8.y, acc[3]);
 }
+
+// N consecutive f32 of shared memory, one vector load or store.
+template <u32_t N>
+struct alignas(4 * N) Floats {
+    float v[N];
+};
 
 // Stores the n8 tile's sums acc of output features n0 + 16 w + g (+ 8) and token rows 2t, 2t + 1
 // (+ 8 i): to `partial` (f32 [*, n]) when it is not null, else to y as the launch's output.
@@ -299,12 +308,26 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     constexpr u32_t TILES = BT / 8;  // n8 token tiles per warp
     constexpr u32_t LINKS = G / 32;  // k32 MMAs per group
     constexpr u32_t CHUNK = L::CHUNK;
+    // With one weight scale per band and group (W::BAND_SCALE), the 8 lanes of one t would each
+    // form the same scale products s_w * s_a of their tokens. In tiles of 32 tokens or more the
+    // warp forms its band's products of a group once instead, PER a lane, into shared memory
+    // after the stages ([WARPS][2][BT] f32: two groups, as the two sets of sums; ops/gemm_fast.rs,
+    // products_bytes, sizes the launch so) in the promotion's order: place 16 j + 4 t + 2 h + e
+    // holds token 8 (2 j + h) + 2 t + e, so thread t reads its products of n8 tiles 2j and
+    // 2j + 1 in one 16-byte load. The same multiply of the same operands: the same bits. The
+    // 8-token tile forms its own (fewer instructions there).
+    constexpr bool PRODUCTS = W::BAND_SCALE && BT >= 32;
+    constexpr u32_t PER = BT / 32;
+    constexpr u32_t PAIR = PER < 2 ? PER : 2;  // consecutive tokens of a lane's places
     extern __shared__ __align__(16) u8_t smem[];
 
     const u32_t warp = threadIdx.x / 32;
     const u32_t lane = threadIdx.x % 32;
     const u32_t g = lane / 4;
     const u32_t t = lane % 4;
+    // The token of lane l's first place, l PER (PRODUCTS); place l PER + 2 h + e has token + 8 h + e.
+    const u32_t q = lane * PER;
+    const u32_t p_token = 16 * (q / 16) + 8 * (q / 2 % 2) + 2 * (q / 4 % 4) + q % 2;
     const u32_t groups = k / G;
     const u32_t bands = (n + 15) / 16;
     const u32_t chunks = (k + STEP_K - 1) / STEP_K;  // per band
@@ -459,6 +482,10 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
         float acc[RUN][4];
 #pragma unroll
         for (u32_t i = 0; i < RUN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+        // Set gq % 2 of the warp's scale products (PRODUCTS), after the stages.
+        auto products = [&](u32_t gq) {
+            return reinterpret_cast<float*>(smem + STAGES * L::BYTES) + (warp * 2 + gq % 2) * BT;
+        };
 
 #pragma unroll
         for (u32_t s = 0; s + 1 < (u32_t)STAGES; ++s) {
@@ -490,13 +517,41 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
                 }
                 group_sums<RUN, LINKS, L::HALF>(d, frag, base + L::B_OFF + 2 * gq * LINKS * L::HALF, g, t);
             };
+            // The warp's products s_w * s_a of group gq's tokens (PRODUCTS), into its set gq % 2.
+            auto band_products = [&](u32_t gq) {
+                if constexpr (PRODUCTS) {
+                    const float sw = W::scales(s_w, gq, g).x;
+                    Floats<PER> p;
+#pragma unroll
+                    for (u32_t h = 0; h < PER / PAIR; ++h) {
+                        const Floats<PAIR> s =
+                            *reinterpret_cast<const Floats<PAIR>*>(s_a + gq * L::SA_ROW + p_token + 8 * h);
+#pragma unroll
+                        for (u32_t e = 0; e < PAIR; ++e) p.v[PAIR * h + e] = __fmul_rn(sw, s.v[e]);
+                    }
+                    *reinterpret_cast<Floats<PER>*>(products(gq) + q) = p;
+                }
+            };
             // acc += group gq's sums d, promoted.
             auto promote_group = [&](u32_t gq, const float (&d)[RUN][4]) {
-                const float2 sw = W::scales(s_w, gq, g);
+                if constexpr (PRODUCTS) {
+                    static_assert(RUN % 2 == 0, "pairs of n8 tiles");
+                    const float* p = products(gq) + 4 * t;
 #pragma unroll
-                for (u32_t i = 0; i < RUN; ++i) {
-                    const float2 s = *reinterpret_cast<const float2*>(s_a + gq * L::SA_ROW + i * 8 + 2 * t);
-                    promote(acc[i], d[i], sw, s.x, s.y);
+                    for (u32_t i = 0; i < RUN; i += 2) {
+                        // Tiles i and i + 1; rows g and g + 8 have the band's one scale.
+                        const float4 s = *reinterpret_cast<const float4*>(p + 8 * i);
+                        promote(acc[i], d[i], make_float2(s.x, s.y), make_float2(s.x, s.y));
+                        promote(acc[i + 1], d[i + 1], make_float2(s.z, s.w), make_float2(s.z, s.w));
+                    }
+                } else {
+                    const float2 sw = W::scales(s_w, gq, g);
+#pragma unroll
+                    for (u32_t i = 0; i < RUN; ++i) {
+                        const float2 s = *reinterpret_cast<const float2*>(s_a + gq * L::SA_ROW + i * 8 + 2 * t);
+                        promote(acc[i], d[i], make_float2(__fmul_rn(sw.x, s.x), __fmul_rn(sw.x, s.y)),
+                                make_float2(__fmul_rn(sw.y, s.x), __fmul_rn(sw.y, s.y)));
+                    }
                 }
             };
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -507,18 +562,25 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
             // past K has zero codes and scales, so its promotion adds fma(0, 0, acc) = acc (acc
             // is never -0: it starts at +0 and a sum that rounds to zero is +0), the bits of
             // skipping it.
+            // Products likewise: group gq + 1's are formed before group gq is promoted, and one
+            // __syncwarp after each promotion orders both the stores before their reads and the
+            // reads of a set before its next stores.
             float d[2][RUN][4];
             sums(0, d[0]);
+            band_products(0);
+            if constexpr (PRODUCTS) __syncwarp();
             auto group = [&](auto index) {
                 constexpr u32_t gq = decltype(index)::value;
                 if constexpr (gq + 1 < L::GPS) {
                     sums(gq + 1, d[(gq + 1) % 2]);
+                    band_products(gq + 1);
                     wgmma::wait<1>();
                 } else {
                     wgmma::wait<0>();
                 }
                 wgmma::pin(d[gq % 2]);
                 promote_group(gq, d[gq % 2]);
+                if constexpr (PRODUCTS && gq + 1 < L::GPS) __syncwarp();
             };
             unrolled<0, L::GPS>(group);
 #else
@@ -528,6 +590,8 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
                 if (k0 + G * gq >= k) break;  // uniform: the group is past K
                 float d[RUN][4];
                 sums(gq, d);
+                band_products(gq);
+                if constexpr (PRODUCTS) __syncwarp();  // the set's stores before its reads, its last reads before them
                 promote_group(gq, d);
             }
 #endif

@@ -339,7 +339,7 @@ impl FastKernels {
     }
 
     /// Dynamic shared memory of a staged launch with `shape` (`Stage::BYTES · STAGES` in the
-    /// kernel).
+    /// kernel, then the warps' scale products where it forms them).
     pub fn shared_bytes(self, shape: TileShape) -> u32 {
         let TileShape {
             tokens,
@@ -352,7 +352,17 @@ impl FastKernels {
             + tokens * step
             + 4 * (tokens + 4) * groups_per_stage
             + self.scale_bytes() * warps * groups_per_stage;
-        stage.div_ceil(16) * 16 * stages
+        stage.div_ceil(16) * 16 * stages + self.products_bytes(shape)
+    }
+
+    /// Bytes of the warps' scale products after the stages (`PRODUCTS` in the kernel): two
+    /// groups' f32 for every token of the block per warp, where the weight scale is one per band
+    /// (FP8) and the tile has 32 tokens or more.
+    fn products_bytes(self, shape: TileShape) -> u32 {
+        match self {
+            FastKernels::Fp8(_) if shape.tokens >= 32 => shape.warps * 2 * shape.tokens * 4,
+            _ => 0,
+        }
     }
 }
 
@@ -968,6 +978,12 @@ mod tests {
         // 4 * 2 * 2048 + 8 * 256 + 4 * 12 * 8 + 4 * 4 * 8, three stages.
         let fp8 = FastKernels::Fp8(ActGroup::G32);
         assert_eq!(fp8.shared_bytes(fp8.shape(FastTile::Rows8)), 18_944 * 3);
+        // 8 warps, 128 tokens: 8 * 2 * 2048 + 128 * 256 + 4 * 132 * 8 + 4 * 8 * 8, three stages,
+        // then the scale products, 8 * 2 * 128 * 4.
+        assert_eq!(
+            fp8.shared_bytes(fp8.shape(FastTile::Rows128)),
+            70_016 * 3 + 8_192
+        );
         // Two blocks of the 64-row dense tile and three of the routed one fit an SM (228 KiB,
         // 1 KiB reserved per block; the routed kernels' static rows, 8 bytes a token row, on top).
         assert!(2 * (fp8.shared_bytes(fp8.shape(FastTile::Rows64)) + 1024) <= 228 * 1024);
