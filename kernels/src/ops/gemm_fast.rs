@@ -1129,6 +1129,35 @@ mod tests {
     }
 
     #[test]
+    fn the_scale_products_space_is_sized_for_exactly_the_tiles_that_form_them() {
+        // gemm_fast_tile forms a warp's scale products in shared memory after the stages where
+        // PRODUCTS holds: one weight scale per band (FP8) and 32 tokens or more. products_bytes
+        // must size exactly those launches, or the kernel writes past its shared memory.
+        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
+        for line in [
+            "constexpr bool PRODUCTS = W::BAND_SCALE && BT >= 32;",
+            "static constexpr bool BAND_SCALE = true;  // one scale for the band's 16 rows",
+            "static constexpr bool BAND_SCALE = false;  // a scale per row",
+        ] {
+            assert!(header.contains(line), "{line} not in gemm_fast.cuh");
+        }
+        let kernels = [
+            FastKernels::Fp8(ActGroup::G32),
+            FastKernels::Fp8(ActGroup::G128),
+            FastKernels::Fp4,
+            FastKernels::Fp4Routed,
+        ];
+        for kernels in kernels {
+            for tile in [FastTile::Rows8, FastTile::Rows32, FastTile::Rows64, FastTile::Rows128] {
+                let shape = kernels.shape(tile);
+                let forms = matches!(kernels, FastKernels::Fp8(_)) && shape.tokens >= 32;
+                let expected = if forms { shape.warps * 2 * shape.tokens * 4 } else { 0 };
+                assert_eq!(kernels.products_bytes(shape), expected, "{kernels:?} {tile:?}");
+            }
+        }
+    }
+
+    #[test]
     fn the_kernels_e2m1_to_e4m3_conversion_is_exact_for_every_code_in_every_position() {
         // The kernel's e2m1x8_to_e4m3 (gemm_fast.cuh, these two lines) on a lane's 4 packed
         // bytes after the upload's fp4_piece_order: every byte is 2^-6 times its code's value.
