@@ -30,10 +30,11 @@
 // first asks L2 for its part's weights, then loads each UNROLL chunks' weights and their x rows
 // before it uses any of them. linear_bf16_wide<PIECES> (prefill): a block of
 // WIDE_ROWS x WIDE_COLS outputs, each warp WIDE_MT x WIDE_NT mma tiles (32 rows x 128 columns) of
-// them over all of K: part by part, the part's chunks staged in shared memory by cp.async
-// (WIDE_STAGES chunks in flight; x as f32, split into its bf16 pieces when the fragments are
-// read), the part's sum in registers added to the running total, which waits in shared memory
-// (one slot per thread and output: no synchronisation). linear_bf16_wide<PIECES, true> (prefill
+// them over all of K: part by part, the chunks staged in shared memory a stage (a barrier) at a
+// time, two buffers deep (w by cp.async; x through registers, split into its bf16 pieces once
+// for the block as it is stored, in the order of the fragment registers), the part's sum in
+// registers added to the running total, which waits in shared memory (one slot per thread and
+// output: no synchronisation). linear_bf16_wide<PIECES, true> (prefill
 // with too few wide blocks to fill the device, e.g. a 384-output router): the same block over
 // one K part (grid.z = group x PARTS), its part's sums to partials[part] ([PARTS][rows][groups
 // out]), which linear_fast_reduce adds in part order with the same additions as the totals.
@@ -76,10 +77,25 @@ __device__ __forceinline__ void load_x8(const float* x, size_t x_stride, u32_t r
     }
 }
 
+// The PIECES bf16 pieces of the pair (lo, hi), each a bf16 pair word (lo in the low half):
+// piece 1 = bf16(v), piece j + 1 = bf16(v - pieces 1..j), each difference exact in fp32. Every
+// tile takes x onto the tensor cores through it.
+template <int PIECES>
+__device__ __forceinline__ void split_pair(float lo, float hi, u32_t (&pieces)[PIECES]) {
+#pragma unroll
+    for (int j = 0; j < PIECES; ++j) {
+        const u32_t bits = pack_bf16(lo, hi);
+        pieces[j] = bits;
+        if (j + 1 < PIECES) {
+            lo = __fsub_rn(lo, __uint_as_float(bits << 16));
+            hi = __fsub_rn(hi, __uint_as_float(bits & 0xffff0000u));
+        }
+    }
+}
+
 // The A fragment registers of mma tile mt from one row's 8 values v = x[row, 8q .. 8q + 8) (the
 // tile's row g for half = 0, row g + 8 for half = 1), for each of the PIECES bf16 pieces:
-// a[j][mt][s][r] holds piece j + 1 (piece 1 = bf16(v), piece j + 1 = bf16(v - pieces 1..j), each
-// difference exact in fp32) of the pair of k that step s puts in register r.
+// a[j][mt][s][r] holds piece j + 1 of the pair of k that step s puts in register r.
 template <int PIECES, int MT>
 __device__ __forceinline__ void split_row(const float (&v)[8], int mt, int half, u32_t (&a)[PIECES][MT][2][4]) {
 #pragma unroll
@@ -87,16 +103,10 @@ __device__ __forceinline__ void split_row(const float (&v)[8], int mt, int half,
         // pairs (v0, v1), (v2, v3) of step 0 and (v4, v5), (v6, v7) of step 1; the second pair of
         // a step sits in register 2 + half (k + 8 of the mma).
         const int s = pair / 2, r = (pair % 2) * 2 + half;
-        float lo = v[2 * pair], hi = v[2 * pair + 1];
+        u32_t pieces[PIECES];
+        split_pair<PIECES>(v[2 * pair], v[2 * pair + 1], pieces);
 #pragma unroll
-        for (int j = 0; j < PIECES; ++j) {
-            const u32_t bits = pack_bf16(lo, hi);
-            a[j][mt][s][r] = bits;
-            if (j + 1 < PIECES) {
-                lo = __fsub_rn(lo, __uint_as_float(bits << 16));
-                hi = __fsub_rn(hi, __uint_as_float(bits & 0xffff0000u));
-            }
-        }
+        for (int j = 0; j < PIECES; ++j) a[j][mt][s][r] = pieces[j];
     }
 }
 
@@ -242,66 +252,147 @@ __device__ __forceinline__ void linear_bf16(const float* x, const uint4* w, floa
     }
 }
 
-// The prefill tile (layout of its dynamic shared memory: the running totals, then the stages).
+// The prefill tile: a block of WIDE_ROWS x WIDE_COLS outputs, warp (wr, wc) = (warp % 4, warp / 4)
+// WIDE_MT x WIDE_NT mma tiles of them (32 rows x 128 columns). Its dynamic shared memory: the
+// running totals (not in the one-part form), then WIDE_BUFFERS stage buffers of
+// wide_stage_chunks<PIECES> chunks each. A chunk holds x's PIECES bf16 pieces (WIDE_X_BYTES
+// each, in fragment order: wide_x_frag), then w [WIDE_COLS][CHUNK] bf16 in rows of 64 bytes,
+// lane (g, q) reading the 16 bytes of k [8q, 8q + 8) at byte 16q of its row (a quarter warp,
+// rows g and g + 1, reads 128 consecutive bytes: distinct banks).
 constexpr int WIDE_MT = 2, WIDE_NT = 16;  // mma tiles per warp: 32 rows x 128 columns
 constexpr u32_t WIDE_ROWS = 4 * WIDE_MT * 16, WIDE_COLS = 2 * WIDE_NT * 8;  // warps 4 x 2
-constexpr int WIDE_STAGES = 3;
 constexpr u32_t WIDE_OUTPUTS = WIDE_MT * WIDE_NT * 4;  // per thread
 constexpr u32_t WIDE_TOTAL_BYTES = WIDE_OUTPUTS * THREADS * 4;
-// A stage: x [WIDE_ROWS][CHUNK] f32, then w [WIDE_COLS][CHUNK] bf16, rows of 128 and 64 bytes.
-// The 16-byte x segment s of row r sits at segment s ^ (r & 1): the fragment loads (rows g and
-// g + 1 of a quarter warp, segments 2q or 2q + 1) hit distinct banks.
-constexpr u32_t WIDE_X_BYTES = WIDE_ROWS * CHUNK * 4, WIDE_W_BYTES = WIDE_COLS * CHUNK * 2;
-constexpr u32_t WIDE_STAGE_BYTES = WIDE_X_BYTES + WIDE_W_BYTES;
-constexpr u32_t WIDE_SHARED_BYTES = WIDE_TOTAL_BYTES + WIDE_STAGES * WIDE_STAGE_BYTES;
-static_assert(WIDE_SHARED_BYTES == 224 * 1024, "the launch's shared memory: ops/linear_fast.rs WIDE_SHARED_BYTES");
-// One part a block (no running totals): the stages alone.
-constexpr u32_t WIDE_PART_SHARED_BYTES = WIDE_STAGES * WIDE_STAGE_BYTES;
-static_assert(WIDE_PART_SHARED_BYTES == 96 * 1024, "ops/linear_fast.rs WIDE_PART_SHARED_BYTES");
+constexpr u32_t WIDE_X_BYTES = WIDE_ROWS * CHUNK * 2, WIDE_W_BYTES = WIDE_COLS * CHUNK * 2;  // of a chunk
+constexpr u32_t WIDE_BUFFERS = 2;
+// Chunks a stage (a barrier each): two of the bf16 product (128 mma a warp); one of the split-x
+// product (its three pieces take the second chunk's shared memory; 192 mma a warp).
+template <int PIECES>
+constexpr u32_t wide_stage_chunks() {
+    return PIECES == 1 ? 2 : 1;
+}
+template <int PIECES>
+constexpr u32_t wide_chunk_bytes() {
+    return PIECES * WIDE_X_BYTES + WIDE_W_BYTES;
+}
+template <int PIECES, bool ONE_PART>
+constexpr u32_t wide_shared_bytes() {
+    return (ONE_PART ? 0 : WIDE_TOTAL_BYTES) + WIDE_BUFFERS * wide_stage_chunks<PIECES>() * wide_chunk_bytes<PIECES>();
+}
+static_assert(wide_shared_bytes<1, false>() == 224 * 1024 && wide_shared_bytes<3, false>() == 208 * 1024 &&
+                  wide_shared_bytes<1, true>() == 96 * 1024 && wide_shared_bytes<3, true>() == 80 * 1024,
+              "the launch's shared memory: ops/linear_fast.rs wide_shared_bytes");
 
-// Stages chunk c of the block's x rows (zero past p.rows and p.inp) and weight rows (zero past
-// p.out; the padding of a row is zero) into `stage`, 16 bytes a copy (4 when inp is not a
-// multiple of 4: the rows are then not 16-byte aligned).
-__device__ __forceinline__ void wide_stage(u8_t* stage, const float* x, size_t x_stride, const uint4* w, u32_t chunks,
-                                           u32_t row0, u32_t col0, u32_t c, const LinearParams& p) {
-    constexpr u32_t X_SEGMENTS = CHUNK / 4, W_SEGMENTS = CHUNK / 8;  // 16-byte copies per row
-    static_assert(WIDE_ROWS * X_SEGMENTS % THREADS == 0 && WIDE_COLS * W_SEGMENTS % THREADS == 0);
-#pragma unroll
-    for (u32_t j = 0; j < WIDE_ROWS * X_SEGMENTS / THREADS; ++j) {
-        const u32_t i = threadIdx.x + j * THREADS, r = i / X_SEGMENTS, s = i % X_SEGMENTS;
-        const u32_t row = row0 + r, k = c * CHUNK + 4 * s;
-        u8_t* dst = stage + r * (CHUNK * 4) + ((s ^ (r & 1)) * 16);
-        const float* src = x + static_cast<size_t>(row < p.rows ? row : 0) * x_stride + k;
-        if ((p.inp & 3u) == 0) {
-            const bool ok = row < p.rows && k < p.inp;
-            cp_async16(dst, ok ? src : x, ok);
-        } else {
-#pragma unroll
-            for (u32_t e = 0; e < 4; ++e) {
-                const bool ok = row < p.rows && k + e < p.inp;
-                cp_async4(dst + 4 * e, ok ? src + e : x, ok);
-            }
-        }
-    }
-#pragma unroll
-    for (u32_t j = 0; j < WIDE_COLS * W_SEGMENTS / THREADS; ++j) {
-        const u32_t i = threadIdx.x + j * THREADS, n = i / W_SEGMENTS, s = i % W_SEGMENTS, col = col0 + n;
-        const bool ok = col < p.out;
-        cp_async16(stage + WIDE_X_BYTES + n * (CHUNK * 2) + s * 16,
-                   ok ? w + static_cast<size_t>(col) * chunks * 4 + c * 4 + s : w, ok);
-    }
+// The byte offset, in a piece of a chunk's x, of the A fragment registers a[0..4) of step s of
+// lane (g, q) on the mma tile of rows 16m + g, 16m + g + 8 (tr = 8m + g): the pair words of
+// k (8q + 4s, + 1) of both rows, then of k (8q + 4s + 2, + 3) of both rows (split_row's
+// registers), 16 bytes, so that one 16-byte load gives them. A quarter warp reading (g = 2i,
+// 2i + 1; q = 0 .. 3) and one storing (its g; q = 0 .. 3; s = 0, 1) each cover the 8 bank
+// groups of 16 bytes: s is swapped on odd g.
+__device__ __forceinline__ u32_t wide_x_frag(u32_t tr, u32_t s, u32_t q) {
+    return ((tr * 2 + (s ^ (tr & 1))) * 4 + q) * 16;
 }
 
-// The prefill tile: warp (wr, wc) = (warp % 4, warp / 4) computes rows [32 wr, 32 wr + 32) x
-// columns [128 wc, 128 wc + 128) of the block's outputs, over every part (ONE_PART false: the
-// outputs to y) or over part blockIdx.z % PARTS of group blockIdx.z / PARTS (ONE_PART: the part's
-// sums to partials [PARTS][rows][groups out], y unused).
+// What a thread stages of every chunk c (t = threadIdx.x): the WIDE_X_FRAGS fragment quads
+// (tr, s, q) = (t / 8 + 32 j, t % 2, t % 8 / 2), their k 32c + 4 (t % 8) .. + 4 of their two rows
+// loaded through registers (a warp loads 4 rows of 128 bytes at a time) and split into their
+// bf16 pieces once for the block; and the WIDE_W_COPIES 16-byte weight segments
+// w[col0 + t / 4 + 64 j, 32c + 8 (t % 4) .. + 8), by cp.async.
+constexpr u32_t WIDE_X_FRAGS = WIDE_ROWS * CHUNK / 8 / THREADS, WIDE_FRAG_STEP = THREADS / 8;
+constexpr u32_t WIDE_W_COPIES = WIDE_COLS * (CHUNK / 8) / THREADS, WIDE_COPY_ROWS = THREADS / (CHUNK / 8);
+static_assert(WIDE_X_FRAGS * WIDE_FRAG_STEP * 2 == WIDE_ROWS && WIDE_W_COPIES * WIDE_COPY_ROWS == WIDE_COLS);
+
+struct WideStager {
+    const float* x;        // x[first row, 4 (t % 8)]: the thread's first row, 16 (t / 64) + t / 8 % 8 of the block
+    const uint4* w;        // w[first column, 8 (t % 4)]: the thread's first column, t / 4 of the block
+    u32_t x_rows, w_cols;  // rows of x and columns of w from the thread's first on
+    size_t x_stride;       // x's rows (the launch's groups x p.inp)
+    u32_t w_step;          // WIDE_COPY_ROWS rows of w, in uint4
+
+    // The thread's rows and columns of the block (row0, col0) of the group's x (rows x_stride
+    // apart) and w (rows of `chunks` chunks).
+    __device__ __forceinline__ WideStager(const float* x, size_t x_stride, const uint4* w, u32_t chunks, u32_t row0,
+                                          u32_t col0, const LinearParams& p)
+        : x_stride(x_stride), w_step(WIDE_COPY_ROWS * chunks * 4) {
+        const u32_t row = row0 + threadIdx.x / 64 * 16 + threadIdx.x / 8 % 8, col = col0 + threadIdx.x / 4;
+        x_rows = row < p.rows ? p.rows - row : 0;
+        w_cols = col < p.out ? p.out - col : 0;
+        this->x = x + static_cast<size_t>(x_rows > 0 ? row : 0) * x_stride + 4 * (threadIdx.x % 8);
+        this->w = w + static_cast<size_t>(w_cols > 0 ? col : 0) * chunks * 4 + threadIdx.x % 4;
+    }
+
+    // Chunk c's values of the thread's fragment quads: v[j][h] = x[16 (tr / 8) + tr % 8 + 8h, k ..
+    // k + 4) of the block (tr = t / 8 + 32 j: the thread's first row + 8h + 64j), zero past
+    // p.rows and p.inp (16-byte loads; 4-byte ones when inp is not a multiple of 4: the rows are
+    // then not 16-byte aligned).
+    __device__ __forceinline__ void load_x(u32_t c, const LinearParams& p, float4 (&v)[WIDE_X_FRAGS][2]) const {
+        const u32_t k = c * CHUNK + 4 * (threadIdx.x % 8);
+        const auto at = [&](u32_t j, u32_t h) { return x + (8 * h + 64 * j) * x_stride + c * CHUNK; };
+        const auto ok = [&](u32_t j, u32_t h) { return 8 * h + 64 * j < x_rows; };
+        if ((p.inp & 3u) == 0) {
+#pragma unroll
+            for (u32_t j = 0; j < WIDE_X_FRAGS; ++j)
+#pragma unroll
+                for (u32_t h = 0; h < 2; ++h)
+                    v[j][h] = ok(j, h) && k < p.inp ? *reinterpret_cast<const float4*>(at(j, h))
+                                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        } else {
+#pragma unroll
+            for (u32_t j = 0; j < WIDE_X_FRAGS; ++j)
+#pragma unroll
+                for (u32_t h = 0; h < 2; ++h) {
+                    const float* row = at(j, h);
+                    v[j][h].x = ok(j, h) && k < p.inp ? row[0] : 0.0f;
+                    v[j][h].y = ok(j, h) && k + 1 < p.inp ? row[1] : 0.0f;
+                    v[j][h].z = ok(j, h) && k + 2 < p.inp ? row[2] : 0.0f;
+                    v[j][h].w = ok(j, h) && k + 3 < p.inp ? row[3] : 0.0f;
+                }
+        }
+    }
+
+    // The thread's fragment quads of a chunk, from its values v, into the chunk's x pieces at xs
+    // (piece j at xs + j WIDE_X_BYTES): each pair of values as its PIECES pair words (split_pair).
+    template <int PIECES>
+    __device__ __forceinline__ void store_x(u8_t* xs, const float4 (&v)[WIDE_X_FRAGS][2]) const {
+#pragma unroll
+        for (u32_t j = 0; j < WIDE_X_FRAGS; ++j) {
+            u32_t lo0[PIECES], hi0[PIECES], lo1[PIECES], hi1[PIECES];  // [row g or g + 8][pair]
+            split_pair<PIECES>(v[j][0].x, v[j][0].y, lo0);
+            split_pair<PIECES>(v[j][1].x, v[j][1].y, hi0);
+            split_pair<PIECES>(v[j][0].z, v[j][0].w, lo1);
+            split_pair<PIECES>(v[j][1].z, v[j][1].w, hi1);
+            const u32_t e = threadIdx.x % 8, at = wide_x_frag(threadIdx.x / 8 + j * WIDE_FRAG_STEP, e % 2, e / 2);
+#pragma unroll
+            for (int piece = 0; piece < PIECES; ++piece)
+                *reinterpret_cast<uint4*>(xs + piece * WIDE_X_BYTES + at) =
+                    make_uint4(lo0[piece], hi0[piece], lo1[piece], hi1[piece]);
+        }
+    }
+
+    // Chunk c's weight rows into ws (zero past p.out; the padding of a row is zero).
+    __device__ __forceinline__ void copy_w(u8_t* ws, u32_t c) const {
+#pragma unroll
+        for (u32_t j = 0; j < WIDE_W_COPIES; ++j) {
+            const bool ok = j * WIDE_COPY_ROWS < w_cols;
+            cp_async16(ws + (threadIdx.x / 4 + j * WIDE_COPY_ROWS) * (CHUNK * 2) + threadIdx.x % 4 * 16,
+                       ok ? w + j * w_step + c * 4 : w, ok);
+        }
+    }
+};
+
+// The prefill tile: warp (wr, wc) computes rows [32 wr, 32 wr + 32) x columns [128 wc, 128 wc + 128)
+// of the block's outputs, over every part (ONE_PART false: the outputs to y) or over part
+// blockIdx.z % PARTS of group blockIdx.z / PARTS (ONE_PART: the part's sums to partials
+// [PARTS][rows][groups out], y unused). The chunks go through the two buffers a stage at a time:
+// after the stage's barrier a thread issues the next stage's weight copies and x loads, computes
+// the stage, then stores the next stage's x (split) into the other buffer.
 template <int PIECES, bool ONE_PART>
 __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w, float* y, float* partials,
                                                  LinearParams p) {
+    constexpr u32_t STAGE_CHUNKS = wide_stage_chunks<PIECES>(), CHUNK_BYTES = wide_chunk_bytes<PIECES>();
     extern __shared__ __align__(16) u8_t wide_smem[];
     float* totals = reinterpret_cast<float*>(wide_smem) + threadIdx.x;  // [WIDE_OUTPUTS][THREADS]
-    u8_t* stages = wide_smem + (ONE_PART ? 0 : WIDE_TOTAL_BYTES);
+    u8_t* buffers = wide_smem + (ONE_PART ? 0 : WIDE_TOTAL_BYTES);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32_t g = lane / 4, q = lane % 4;
     const u32_t wr = warp % 4, wc = warp / 4;
@@ -309,52 +400,68 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
     const u32_t chunks = (p.inp + CHUNK - 1) / CHUNK;
     const u32_t group = ONE_PART ? blockIdx.z / PARTS : blockIdx.z;
     const u32_t groups = ONE_PART ? gridDim.z / PARTS : gridDim.z;
-    const int first_part = ONE_PART ? blockIdx.z % PARTS : 0;
-    const int end_part = ONE_PART ? first_part + 1 : PARTS;
+    const u32_t first_part = ONE_PART ? blockIdx.z % PARTS : 0, end_part = ONE_PART ? first_part + 1 : PARTS;
     // This block's group: its columns of x and y, its rows of w.
     const size_t x_stride = static_cast<size_t>(groups) * p.inp, y_stride = static_cast<size_t>(groups) * p.out;
-    x += static_cast<size_t>(group) * p.inp;
     if constexpr (!ONE_PART) y += static_cast<size_t>(group) * p.out;
-    w += static_cast<size_t>(group) * p.out * chunks * 4;
+    const WideStager stager(x + static_cast<size_t>(group) * p.inp, x_stride,
+                            w + static_cast<size_t>(group) * p.out * chunks * 4, chunks, row0, col0, p);
 
-    u32_t c = first_part * chunks / PARTS;  // the next chunk; the parts follow each other through K
-    const u32_t end_chunk = end_part * chunks / PARTS;
+    // The parts follow each other through K: chunks [begin, end) are the block's, chunk c the
+    // (c - begin) % STAGE_CHUNKS-th of stage (c - begin) / STAGE_CHUNKS, whose buffer is the
+    // stage's number modulo WIDE_BUFFERS.
+    const u32_t begin = first_part * chunks / PARTS, end = end_part * chunks / PARTS;
+    const auto chunk_at = [&](u32_t c) { return buffers + (c - begin) % (WIDE_BUFFERS * STAGE_CHUNKS) * CHUNK_BYTES; };
+    float4 next[STAGE_CHUNKS][WIDE_X_FRAGS][2];  // the x values of the stage from `first` on, in flight
+    const auto load_stage = [&](u32_t first) {
 #pragma unroll
-    for (u32_t s = 0; s < WIDE_STAGES - 1; ++s) {
-        if (c + s < end_chunk)
-            wide_stage(stages + ((c + s) % WIDE_STAGES) * WIDE_STAGE_BYTES, x, x_stride, w, chunks, row0, col0, c + s,
-                       p);
+        for (u32_t u = 0; u < STAGE_CHUNKS; ++u)
+            if (first + u < end) {
+                stager.copy_w(chunk_at(first + u) + PIECES * WIDE_X_BYTES, first + u);
+                stager.load_x(first + u, p, next[u]);
+            }
         cp_async_commit();
-    }
-    for (int part = first_part; part < end_part; ++part) {
+    };
+    const auto store_stage = [&](u32_t first) {
+#pragma unroll
+        for (u32_t u = 0; u < STAGE_CHUNKS; ++u)
+            if (first + u < end) stager.store_x<PIECES>(chunk_at(first + u), next[u]);
+    };
+    load_stage(begin);
+    store_stage(begin);
+
+    u32_t c = begin;  // the next chunk
+    float acc[WIDE_MT][WIDE_NT][4];
+    // acc = the sums of part `part` (its chunks from c on), from zero.
+    const auto sum_part = [&](u32_t part) {
         const u32_t last = (part + 1) * chunks / PARTS;
-        float acc[WIDE_MT][WIDE_NT][4];
         zero_tiles(acc);
         for (; c < last; ++c) {
-            // Chunk c has landed (this thread's copies; the barrier: everyone's), and every warp
-            // is done with chunk c - 1, whose stage takes chunk c + WIDE_STAGES - 1.
-            cp_async_wait<WIDE_STAGES - 2>();
-            __syncthreads();
-            const u32_t ahead = c + WIDE_STAGES - 1;
-            if (ahead < end_chunk)
-                wide_stage(stages + (ahead % WIDE_STAGES) * WIDE_STAGE_BYTES, x, x_stride, w, chunks, row0, col0,
-                           ahead, p);
-            cp_async_commit();
-            const u8_t* xs = stages + (c % WIDE_STAGES) * WIDE_STAGE_BYTES;
-            const u8_t* ws = xs + WIDE_X_BYTES;
+            const u32_t slot = (c - begin) % STAGE_CHUNKS;
+            if (slot == 0) {
+                // This stage is in its buffer (this thread's copies and stores; the barrier:
+                // everyone's), and every warp is done with the last stage, whose buffer takes the
+                // next one.
+                cp_async_wait<0>();
+                __syncthreads();
+                load_stage(c + STAGE_CHUNKS);
+            }
+            const u8_t* xs = chunk_at(c);
+            const u8_t* ws = xs + PIECES * WIDE_X_BYTES;
             u32_t a[PIECES][WIDE_MT][2][4];  // [piece][tile][step][fragment register], as in linear_bf16
 #pragma unroll
             for (int mt = 0; mt < WIDE_MT; ++mt)
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    // x[r, 8q .. 8q + 8): segments 2q and 2q + 1 of row r.
-                    const u32_t r = wr * (WIDE_MT * 16) + mt * 16 + g + 8 * half;
-                    const u8_t* row = xs + r * (CHUNK * 4);
-                    const float4 lo = *reinterpret_cast<const float4*>(row + (((2 * q) ^ (r & 1)) * 16));
-                    const float4 hi = *reinterpret_cast<const float4*>(row + (((2 * q + 1) ^ (r & 1)) * 16));
-                    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-                    split_row<PIECES, WIDE_MT>(v, mt, half, a);
-                }
+                for (int s = 0; s < 2; ++s)
+#pragma unroll
+                    for (int piece = 0; piece < PIECES; ++piece) {
+                        const uint4 v = *reinterpret_cast<const uint4*>(
+                            xs + piece * WIDE_X_BYTES + wide_x_frag((wr * WIDE_MT + mt) * 8 + g, s, q));
+                        a[piece][mt][s][0] = v.x;
+                        a[piece][mt][s][1] = v.y;
+                        a[piece][mt][s][2] = v.z;
+                        a[piece][mt][s][3] = v.w;
+                    }
 #pragma unroll
             for (int nt = 0; nt < WIDE_NT; ++nt) {
                 // w[col, 8q .. 8q + 8) of column col = 128 wc + 8 nt + g.
@@ -366,32 +473,35 @@ __device__ __forceinline__ void linear_bf16_wide(const float* x, const uint4* w,
                     mma_pieces<PIECES, WIDE_MT>(acc[mt][nt], a, mt, 1, b.z, b.w);
                 }
             }
+            if (slot == STAGE_CHUNKS - 1) store_stage(c + 1);
         }
-        if constexpr (ONE_PART) {
-            // The part's sums (C fragment: row g, columns 2q, 2q + 1; row g + 8, the same).
-            for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
-                const u32_t row = row0 + wr * (WIDE_MT * 16) + mt * 16 + g + 8 * (i / 2);
-                const u32_t col = col0 + wc * (WIDE_NT * 8) + nt * 8 + 2 * q + i % 2;
-                if (row >= p.rows || col >= p.out) return;
-                partials[((size_t)part * p.rows + row) * y_stride + (size_t)group * p.out + col] = acc[mt][nt][i];
-            });
-        } else {
+    };
+    // Output i of tile (mt, nt): C fragment (row g, columns 2q, 2q + 1), (row g + 8, the same).
+    const auto row_of = [&](int mt, int i) { return row0 + wr * (WIDE_MT * 16) + mt * 16 + g + 8 * (i / 2); };
+    const auto col_of = [&](int nt, int i) { return col0 + wc * (WIDE_NT * 8) + nt * 8 + 2 * q + i % 2; };
+    if constexpr (ONE_PART) {
+        sum_part(first_part);
+        for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
+            const u32_t row = row_of(mt, i), col = col_of(nt, i);
+            if (row >= p.rows || col >= p.out) return;
+            partials[((size_t)first_part * p.rows + row) * y_stride + (size_t)group * p.out + col] = acc[mt][nt][i];
+        });
+    } else {
+        for (u32_t part = 0; part < PARTS; ++part) {
+            sum_part(part);
             // total = part 0, then total + part p, in part order (this thread's own slots).
             for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
                 float& total = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
                 total = part == 0 ? acc[mt][nt][i] : __fadd_rn(total, acc[mt][nt][i]);
             });
         }
+        for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
+            const u32_t row = row_of(mt, i), col = col_of(nt, i);
+            if (row >= p.rows || col >= p.out) return;
+            const float sum = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
+            y[static_cast<size_t>(row) * y_stride + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
+        });
     }
-    if constexpr (ONE_PART) return;
-    // C fragment: (row g, columns 2q, 2q + 1) and (row g + 8, the same columns).
-    for_tiles<WIDE_MT, WIDE_NT>([&](int mt, int nt, int i) {
-        const u32_t row = row0 + wr * (WIDE_MT * 16) + mt * 16 + g + 8 * (i / 2);
-        const u32_t col = col0 + wc * (WIDE_NT * 8) + nt * 8 + 2 * q + i % 2;
-        if (row >= p.rows || col >= p.out) return;
-        const float sum = totals[((mt * WIDE_NT + nt) * 4 + i) * THREADS];
-        y[static_cast<size_t>(row) * y_stride + col] = p.round_bf16 ? round_bf16_f32(sum) : sum;
-    });
 }
 
 // y[i] = ((partials[0][i] + partials[1][i]) + ...) + partials[PARTS - 1][i] in part order (the

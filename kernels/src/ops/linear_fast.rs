@@ -138,6 +138,14 @@ pub enum FastProduct {
 }
 
 impl FastProduct {
+    /// The bf16 pieces `x` takes onto the tensor cores (the kernels' `PIECES`).
+    const fn pieces(self) -> u32 {
+        match self {
+            FastProduct::Bf16(_) => 1,
+            FastProduct::SplitBf16x3 => 3,
+        }
+    }
+
     /// The rounding of the outputs.
     fn output(self) -> Rounding {
         match self {
@@ -158,33 +166,37 @@ pub enum FastLinearTile {
     /// narrow to fill the device with wide blocks.
     T4x2,
     /// Prefill: 128 rows × 256 columns a block, each warp 32 × 128 of them over all of K, the
-    /// chunks staged in shared memory ([`WIDE_SHARED_BYTES`]).
+    /// chunks staged in shared memory ([`wide_shared_bytes`]).
     Wide,
     /// Prefill with too few wide blocks to fill the device (a narrow output: the router's 384):
-    /// the wide block over one of the [`PARTS`] K parts (grid z: group × part,
-    /// [`WIDE_PART_SHARED_BYTES`]), its part's sums to a buffer that `linear_fast_reduce` adds
-    /// in part order: the additions of the wide tile's running total.
+    /// the wide block over one of the [`PARTS`] K parts (grid z: group × part, no running
+    /// totals), its part's sums to a buffer that `linear_fast_reduce` adds in part order: the
+    /// additions of the wide tile's running total.
     WidePart,
 }
 
-/// Dynamic shared memory of the wide tile (`linear_fast::WIDE_SHARED_BYTES`): the running totals
-/// (128 f32 a thread, 256 threads), then 3 stages of a chunk each (128 rows of x, 32 f32 each,
-/// and 256 weight rows, 32 bf16 each).
-pub const WIDE_SHARED_BYTES: u32 = 128 * 4 * 256 + 3 * (128 * 32 * 4 + 256 * 32 * 2);
+/// Dynamic shared memory of the wide tile with x in `pieces` bf16 pieces, over every K part or
+/// one (`linear_fast::wide_shared_bytes<PIECES, ONE_PART>`): the running totals (128 f32 a
+/// thread, 256 threads; not over one part), then 2 stage buffers of 2 chunks (the bf16 product)
+/// or 1 (the split-x product, whose 3 pieces take the second chunk's room), a chunk being x's
+/// pieces (128 rows of 32 bf16 each) and 256 weight rows of 32 bf16.
+pub const fn wide_shared_bytes(pieces: u32, one_part: bool) -> u32 {
+    let totals = if one_part { 0 } else { 128 * 4 * 256 };
+    let stage_chunks = if pieces == 1 { 2 } else { 1 };
+    totals + 2 * stage_chunks * (pieces * 128 * 32 * 2 + 256 * 32 * 2)
+}
 /// The wide tile needs this many blocks (row tiles × column tiles × groups) to be taken: about
-/// a wave of an H100's or H200's 132 multiprocessors, which hold one wide block each (its 224
-/// KiB of shared memory). Below, its one-part form's 8 blocks a wide block fill more of them.
+/// a wave of an H100's or H200's 132 multiprocessors, which hold one wide block each (its 208 or
+/// 224 KiB of shared memory and 255 registers a thread). Below, its one-part form's 8 blocks a
+/// wide block fill more of them.
 const WIDE_MIN_BLOCKS: usize = 128;
 /// The one-part wide tile needs this many blocks (× [`PARTS`]) to be taken: below,
 /// [`FastLinearTile::T4x2`]'s many blocks use more of the device.
 const WIDE_PART_MIN_BLOCKS: usize = 32;
-/// Dynamic shared memory of the one-part wide tile (`linear_fast::WIDE_PART_SHARED_BYTES`): the
-/// wide tile's 3 stages, no running totals.
-pub const WIDE_PART_SHARED_BYTES: u32 = 3 * (128 * 32 * 4 + 256 * 32 * 2);
 /// Threads per block of the part reduction.
 const REDUCE_THREADS: u32 = 256;
 const _: () = assert!(
-    WIDE_SHARED_BYTES <= 227 * 1024,
+    wide_shared_bytes(1, false) <= 227 * 1024 && wide_shared_bytes(3, false) <= 227 * 1024,
     "a block's shared memory on sm_90 and sm_100"
 );
 
@@ -224,10 +236,10 @@ impl FastLinearTile {
         }
     }
 
-    fn shared_bytes(self) -> u32 {
+    fn shared_bytes(self, product: FastProduct) -> u32 {
         match self {
-            FastLinearTile::Wide => WIDE_SHARED_BYTES,
-            FastLinearTile::WidePart => WIDE_PART_SHARED_BYTES,
+            FastLinearTile::Wide => wide_shared_bytes(product.pieces(), false),
+            FastLinearTile::WidePart => wide_shared_bytes(product.pieces(), true),
             _ => 0,
         }
     }
@@ -253,10 +265,10 @@ impl FastLinearTile {
 /// The dynamic shared memory kernel `id` needs, if it is a wide tile (`None` otherwise).
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
     match id {
-        KernelId::LinearBf16FastWide | KernelId::LinearBf16x3FastWide => Some(WIDE_SHARED_BYTES),
-        KernelId::LinearBf16FastWidePart | KernelId::LinearBf16x3FastWidePart => {
-            Some(WIDE_PART_SHARED_BYTES)
-        }
+        KernelId::LinearBf16FastWide => Some(wide_shared_bytes(1, false)),
+        KernelId::LinearBf16x3FastWide => Some(wide_shared_bytes(3, false)),
+        KernelId::LinearBf16FastWidePart => Some(wide_shared_bytes(1, true)),
+        KernelId::LinearBf16x3FastWidePart => Some(wide_shared_bytes(3, true)),
         _ => None,
     }
 }
@@ -304,7 +316,7 @@ pub fn linear_bf16_fast(
                 dim(OP, "grid z", z)?,
             ),
             (32 * PARTS) as u32,
-            tile.shared_bytes(),
+            tile.shared_bytes(product),
         );
         // The one-part tile's part sums, [PARTS][count][w.out].
         let outputs = count * w.out;
@@ -463,22 +475,33 @@ mod tests {
             let (rows, cols) = tile.block();
             assert!(rows % 16 == 0 && cols % 8 == 0, "{tile:?}");
         }
-        // The wide tile's shared memory: 224 KiB, under the 227 KiB a block may opt into on
-        // sm_90 and sm_100; its one-part form's 96 KiB (no totals); only they ask for dynamic
-        // shared memory.
-        assert_eq!(WIDE_SHARED_BYTES, 224 * 1024);
-        assert_eq!(WIDE_PART_SHARED_BYTES, 96 * 1024);
+        // The wide tile's shared memory (linear_fast.cuh's static_assert): 224 KiB for the bf16
+        // product, 208 KiB for the split-x one, under the 227 KiB a block may opt into on sm_90
+        // and sm_100; the one-part forms' 96 and 80 KiB (no totals); each kernel asks for its
+        // own tile's and product's, and only the wide tiles ask for dynamic shared memory.
+        assert_eq!(wide_shared_bytes(1, false), 224 * 1024);
+        assert_eq!(wide_shared_bytes(3, false), 208 * 1024);
+        assert_eq!(wide_shared_bytes(1, true), 96 * 1024);
+        assert_eq!(wide_shared_bytes(3, true), 80 * 1024);
+        for product in [FastProduct::Bf16(Rounding::Bf16), FastProduct::SplitBf16x3] {
+            for tile in FastLinearTile::ALL {
+                let dynamic = dynamic_shared_bytes(tile.kernel(product)).unwrap_or(0);
+                assert_eq!(dynamic, tile.shared_bytes(product), "{tile:?} {product:?}");
+            }
+        }
+        let wide = [
+            KernelId::LinearBf16FastWide,
+            KernelId::LinearBf16x3FastWide,
+            KernelId::LinearBf16FastWidePart,
+            KernelId::LinearBf16x3FastWidePart,
+        ];
         for id in KernelId::ALL {
-            let wide = match id {
-                KernelId::LinearBf16FastWide | KernelId::LinearBf16x3FastWide => {
-                    Some(WIDE_SHARED_BYTES)
-                }
-                KernelId::LinearBf16FastWidePart | KernelId::LinearBf16x3FastWidePart => {
-                    Some(WIDE_PART_SHARED_BYTES)
-                }
-                _ => None,
-            };
-            assert_eq!(dynamic_shared_bytes(id), wide, "{}", id.symbol());
+            assert_eq!(
+                dynamic_shared_bytes(id).is_some(),
+                wide.contains(&id),
+                "{}",
+                id.symbol()
+            );
         }
     }
 

@@ -179,10 +179,13 @@ fn fast_bf16_linear_is_batch_invariant() {
 }
 
 /// The wide prefill tile and its one-part form give, output for output, the bits of the one-row
-/// tile (T1x1) on the same rows, with bf16 and f32 outputs and for the split-x bf16x3 product: rows off its 128-row blocks, outputs off its 256
-/// columns, inp off the 32-element chunk (a multiple of 4: 16-byte copies; not: 4-byte copies;
-/// fewer chunks than K parts: empty parts), grouped and not; and on the real grouped `wo_a`
-/// (8 groups of [1024, 4096]) at 1024 rows, where `linear_bf16_fast` takes it.
+/// tile (T1x1) on the same rows, with bf16 and f32 outputs and for the split-x bf16x3 product,
+/// on f32 inputs off bf16 (the tiles split x into its pieces each their own way: the bf16
+/// product's rounding and the split-x product's second and third pieces are all seen): rows off
+/// its 128-row blocks, outputs off its 256 columns, inp off the 32-element chunk (a multiple of
+/// 4: 16-byte loads; not: 4-byte loads; fewer chunks than K parts: empty parts), grouped and
+/// not; and on the real grouped `wo_a` (8 groups of [1024, 4096]) at 1024 rows, where
+/// `linear_bf16_fast` takes it.
 #[test]
 fn the_wide_tile_gives_the_bits_of_the_one_row_tile() {
     let rt = crate::open();
@@ -203,7 +206,11 @@ fn the_wide_tile_gives_the_bits_of_the_one_row_tile() {
         let w = bf16_values(&mut rng, groups * out * inp);
         let dw =
             FastBf16Weight::upload_grouped(&rt, groups, groups * out, inp, &w).expect("upload w");
-        let x = bf16_values(&mut rng, rows * groups * inp);
+        let x = f32_values(&mut rng, rows * groups * inp);
+        assert!(
+            !x.iter().all(|&v| quant::round_bf16(v) == v),
+            "inputs off bf16"
+        );
         for output in [
             FastProduct::Bf16(Rounding::Bf16),
             FastProduct::Bf16(Rounding::F32),

@@ -17,16 +17,17 @@
 //! tile sweeps run before the chain: the dense FP8 one, then the routed one on this layer's
 //! fast table.
 //!
-//! Then the bf16 linear of one grouped `wo_a` (1024 × 4096, the op `linear_bf16` of the block
-//! profile) at 1, 8, 64 and 1024 rows: the fast tensor-core linear (`ops::linear_fast`) beside
-//! cuBLAS bf16 on the same shape and the exact sgemm-order kernel (`ops::linear`). Then the fp32
+//! Then the bf16 linear of the grouped `wo_a` (8 groups of 1024 × 4096 in one launch, the op
+//! `linear_grouped_bf16` of the block profile) at 1, 8, 64 and 1024 rows: the fast tensor-core
+//! linear (`ops::linear_fast`) beside cuBLAS bf16 on the same 8 groups (one strided-batched
+//! GEMM) and the exact sgemm-order kernel (`ops::linear`, a launch per group). Then the fp32
 //! linears of the block (`linear_f32`: the MoE router gate 5120 → 384 and the ratio-2
 //! compressor's `wkv` 5120 → 512, `wgate` alike) at the same rows: the split-x bf16x3 linear of
 //! the `fast` numerics beside the exact sgemm-order kernel.
 
 use anyhow::{Context, Result};
 use deepinfer_kernels::cudarc::cublas::sys::cublasOperation_t;
-use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{
@@ -471,30 +472,24 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
             m,
             FastProduct::Bf16(Rounding::Bf16),
         )?);
-        linear.push(bench(
-            rt,
-            &blas,
-            &blas_lt,
-            &mut timer,
-            Kernel::CublasBf16,
-            (WO_A.0, WO_A.1, WO_A.2, 32),
-            m,
-        )?);
+        linear.push(bench_cublas_grouped(rt, &blas, &mut timer, WO_A, m)?);
+        let (_, groups, n, k) = WO_A;
         linear.push(bench_linear(
             rt,
             &mut timer,
             ("wo_a exact bf16", Rounding::Bf16),
-            (m, WO_A.1, WO_A.2),
+            (m, groups, n, k),
         )?);
     }
     println!(
-        "\nfast numerics: the bf16 linear of one grouped wo_a (1024 x 4096) beside cuBLAS bf16 and \
-         the exact kernel"
+        "\nfast numerics: the bf16 linear of the grouped wo_a (8 groups of 1024 x 4096, N = all 8192 \
+         outputs) beside cuBLAS bf16 (one strided-batched GEMM) and the exact kernel (a launch per \
+         group)"
     );
     print_rows(&linear);
     println!(
-        "\nbytes = bf16 weights (exact: f32 storage, 4 bytes each) + f32 activations + outputs; \
-         roofline peak 790 TFLOP/s bf16."
+        "\nbytes = bf16 weights (exact: f32 storage, 4 bytes each) + activations (f32; cuBLAS: \
+         bf16) + outputs; roofline peak 790 TFLOP/s bf16."
     );
 
     let mut f32_linear = Vec::new();
@@ -507,13 +502,13 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
                 m,
                 FastProduct::SplitBf16x3,
             )?);
-            let (name, n, k) = shape;
+            let (name, groups, n, k) = shape;
             let exact = format!("{name} exact f32");
             f32_linear.push(bench_linear(
                 rt,
                 &mut timer,
                 (&exact, Rounding::F32),
-                (m, n, k),
+                (m, groups, n, k),
             )?);
         }
     }
@@ -529,28 +524,37 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
     Ok(())
 }
 
-/// One grouped `wo_a` of the V4.1 block: 1024 outputs over 4096 inputs.
-const WO_A: (&str, usize, usize) = ("wo_a", 1024, 4096);
+/// A linear of the block: name, groups, outputs per group, inputs per group.
+type LinearShape = (&'static str, usize, usize, usize);
 
-/// The fp32 linears of the V4.1 block (name, N, K): the MoE router gate and the ratio-2
-/// compressor's `wkv` (its `wgate` has the same shape).
-const F32_LINEARS: [(&str, usize, usize); 2] =
-    [("router gate", 384, 5120), ("compressor wkv", 512, 5120)];
+/// The grouped `wo_a` of the V4.1 block: 8 groups of 1024 outputs over 4096 inputs each.
+const WO_A: LinearShape = ("wo_a", 8, 1024, 4096);
 
-/// Times the fast linear `product` of the weight `(name, n, k)` at `m` rows, weights rotated
-/// through more than twice the L2.
+/// The fp32 linears of the V4.1 block: the MoE router gate and the ratio-2 compressor's `wkv`
+/// (its `wgate` has the same shape).
+const F32_LINEARS: [LinearShape; 2] = [
+    ("router gate", 1, 384, 5120),
+    ("compressor wkv", 1, 512, 5120),
+];
+
+/// Times the fast linear `product` of the weight `(name, groups, n, k)` at `m` rows (one launch
+/// for all the groups), weights rotated through more than twice the L2.
 fn bench_fast_linear(
     rt: &KernelRuntime,
     timer: &mut Timer,
-    (name, n, k): (&str, usize, usize),
+    (name, groups, n, k): LinearShape,
     m: usize,
     product: FastProduct,
 ) -> Result<Row> {
-    let x = f32_values(rt, 900, m * k)?;
-    let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
-    let copies = ROTATION_BYTES.div_ceil(2 * n * k).max(2);
+    let (outputs, inputs) = (groups * n, groups * k);
+    let x = f32_values(rt, 900, m * inputs)?;
+    let mut y = rt.stream().alloc_zeros::<f32>(m * outputs)?;
+    let copies = ROTATION_BYTES.div_ceil(2 * outputs * k).max(2);
     let weights = (0..copies)
-        .map(|c| FastBf16Weight::upload(rt, n, k, &f32_host_values(300 + c as u64, n * k)))
+        .map(|c| {
+            let w = f32_host_values(300 + c as u64, outputs * k);
+            FastBf16Weight::upload_grouped(rt, groups, outputs, k, &w)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let micros = time_launches(rt, timer, |i| {
         Ok(linear_bf16_fast(
@@ -570,11 +574,69 @@ fn bench_fast_linear(
     Ok(Row {
         op: format!("{name} fast {label}"),
         m,
-        n,
+        n: outputs,
         k,
         micros,
-        bytes: (2 * n * k + 4 * m * k + 4 * m * n) as f64,
-        flops: (2 * m * n * k) as f64,
+        bytes: (2 * outputs * k + 4 * m * inputs + 4 * m * outputs) as f64,
+        flops: (2 * m * outputs * k) as f64,
+        peak_flops: BF16_FLOPS,
+    })
+}
+
+/// Times cuBLAS bf16 on the grouped weight `(name, groups, n, k)` at `m` rows, laid out as the
+/// fast linear's (x `[m, groups · k]`, y `[m, groups · n]`, group g's columns its own), as one
+/// strided-batched GEMM over the groups, bf16 outputs; weights rotated through more than twice
+/// the L2.
+fn bench_cublas_grouped(
+    rt: &KernelRuntime,
+    blas: &CudaBlas,
+    timer: &mut Timer,
+    (name, groups, n, k): LinearShape,
+    m: usize,
+) -> Result<Row> {
+    let (outputs, inputs) = (groups * n, groups * k);
+    let x = activations(rt, m, inputs)?;
+    let mut y = rt.stream().alloc_zeros::<bf16>(m * outputs)?;
+    let copies = ROTATION_BYTES.div_ceil(2 * outputs * k).max(2);
+    let weights = (0..copies)
+        .map(|_| activations(rt, outputs, k))
+        .collect::<Result<Vec<_>>>()?;
+    // Group g: row-major y_g[m, n] (row stride groups · n) = x_g[m, k] (row stride groups · k) ·
+    // W_g[n, k]ᵀ, i.e. column-major y_gᵀ = W_g · x_gᵀ with W_g a transposed column-major [k, n];
+    // the groups n · k weights, k inputs and n outputs apart.
+    let cfg = StridedBatchedConfig {
+        gemm: GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: i32::try_from(n)?,
+            n: i32::try_from(m)?,
+            k: i32::try_from(k)?,
+            alpha: bf16::ONE,
+            lda: i32::try_from(k)?,
+            ldb: i32::try_from(inputs)?,
+            beta: bf16::ZERO,
+            ldc: i32::try_from(outputs)?,
+        },
+        batch_size: i32::try_from(groups)?,
+        stride_a: i64::try_from(n * k)?,
+        stride_b: i64::try_from(k)?,
+        stride_c: i64::try_from(n)?,
+    };
+    let micros = time_launches(rt, timer, |i| {
+        // SAFETY: each copy of W holds groups · n · k, x m · groups · k and y m · groups · n bf16
+        // values; cfg's last group ends at its buffer's end.
+        unsafe { blas.gemm_strided_batched(cfg, &weights[i % copies], &x, &mut y) }
+            .context("cuBLAS strided-batched bf16 GEMM")?;
+        Ok(())
+    })?;
+    Ok(Row {
+        op: format!("{name} cublas bf16"),
+        m,
+        n: outputs,
+        k,
+        micros,
+        bytes: (2 * (outputs * k + m * inputs + m * outputs)) as f64,
+        flops: (2 * m * outputs * k) as f64,
         peak_flops: BF16_FLOPS,
     })
 }

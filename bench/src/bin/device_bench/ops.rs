@@ -440,37 +440,39 @@ pub(crate) fn f32_values(rt: &KernelRuntime, seed: u64, len: usize) -> Result<Cu
 }
 
 /// Plain fp32 linear in the CPU sgemm order (`Rounding::F32`), or in its bf16 GEMM order with
-/// bf16 outputs, as row `op`.
+/// bf16 outputs, as row `op`: `groups` linears of `[n × k]` weights (one launch each, as the exact
+/// backend runs a grouped weight) on `m` rows.
 pub(crate) fn bench_linear(
     rt: &KernelRuntime,
     timer: &mut Timer,
     (op, rounding): (&str, Rounding),
-    (m, n, k): (usize, usize, usize),
+    (m, groups, n, k): (usize, usize, usize, usize),
 ) -> Result<Row> {
-    let copies = ROTATION_BYTES.div_ceil(n * k * 4).max(2);
-    let weights = (0..copies)
+    let copies = ROTATION_BYTES.div_ceil(groups * n * k * 4).max(2);
+    let weights = (0..copies * groups)
         .map(|c| f32_values(rt, 300 + c as u64, n * k))
         .collect::<Result<Vec<_>>>()?;
-    let x = f32_values(rt, 5, m * k)?;
-    let mut y = rt.stream().alloc_zeros::<f32>(m * n)?;
+    let xs = (0..groups)
+        .map(|g| f32_values(rt, 5 + g as u64, m * k))
+        .collect::<Result<Vec<_>>>()?;
+    let mut ys = (0..groups)
+        .map(|_| Ok(rt.stream().alloc_zeros::<f32>(m * n)?))
+        .collect::<Result<Vec<_>>>()?;
     let micros = time_launches(rt, timer, |i| {
-        Ok(linear_sgemm_f32(
-            rt,
-            &x,
-            &weights[i % copies],
-            &mut y,
-            (m, n, k),
-            rounding,
-        )?)
+        for (g, (x, y)) in xs.iter().zip(&mut ys).enumerate() {
+            let w = &weights[(i % copies) * groups + g];
+            linear_sgemm_f32(rt, x, w, y, (m, n, k), rounding)?;
+        }
+        Ok(())
     })?;
     Ok(Row {
         op: op.to_string(),
         m,
-        n,
+        n: groups * n,
         k,
         micros,
-        bytes: ((n * k + m * k + m * n) * 4) as f64,
-        flops: (2 * m * n * k) as f64,
+        bytes: (groups * (n * k + m * k + m * n) * 4) as f64,
+        flops: (2 * m * groups * n * k) as f64,
         peak_flops: BF16_FLOPS,
     })
 }
@@ -756,7 +758,7 @@ pub fn run(quick: bool, sweep: bool) -> Result<()> {
             rt,
             &mut timer,
             ("linear sgemm f32", Rounding::F32),
-            (m, 384, 5120),
+            (m, 1, 384, 5120),
         )?);
     }
     rows.extend(bench_routed(rt, &mut timer, quick)?);
