@@ -25,7 +25,8 @@ pub struct GemmParams {
 /// `FastGemmParams`: the fast FP8 / FP4 GEMM's `y[m, n] = a[m, k] · w[n, k]ᵀ`, K cut into
 /// `parts` spans of `span` codes; `y` stored as `store` says (`ops::gemm_fast::FastOutput`);
 /// `projections` weights of one shape (1, or 2: grid z = plane · parts + part, weight `p` into
-/// plane `p` of `y`, `[p][m][n]`).
+/// plane `p` of `y`, `[p][m][n]`); `folded` 1 when each block adds all the parts of its outputs
+/// (grid z = plane; the 128-row tiles only), 0 for a block per part.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastGemmParams {
@@ -36,6 +37,7 @@ pub struct FastGemmParams {
     pub parts: u32,
     pub store: u32,
     pub projections: u32,
+    pub folded: u32,
 }
 
 /// `FastReduceParams`: the fast GEMM's part sums added in part order, stored as `store` says.
@@ -236,8 +238,17 @@ mod tests {
         );
         assert_mirrors::<FastGemmParams>(
             header,
-            28,
-            &["m", "n", "k", "span", "parts", "store", "projections"],
+            32,
+            &[
+                "m",
+                "n",
+                "k",
+                "span",
+                "parts",
+                "store",
+                "projections",
+                "folded",
+            ],
         );
         assert_mirrors::<FastReduceParams>(header, 12, &["count", "parts", "store"]);
         assert_mirrors::<LinearReduceParams>(header, 8, &["count", "round_bf16"]);
@@ -322,6 +333,7 @@ mod tests {
         assert_eq!(offset_of!(GemmParams, w_scale_cols), 12);
         assert_eq!(offset_of!(FastGemmParams, store), 20);
         assert_eq!(offset_of!(FastGemmParams, projections), 24);
+        assert_eq!(offset_of!(FastGemmParams, folded), 28);
         assert_eq!(offset_of!(FastReduceParams, store), 8);
         assert_eq!(offset_of!(FastRoutedParams, store), 32);
         assert_eq!(offset_of!(FastRoutedParams, projections), 36);

@@ -3,10 +3,13 @@
 //! and batch invariant (a row alone and inside batches of 2 … 300 rows of other data, through
 //! every tile configuration: bitwise equal; a one-input change is detected); their K parts added
 //! in part order in the launch (bitwise the host's sum of each part's one-part launch, from every
-//! tile and output store; negative control: the other association is seen), the routed
+//! tile and output store, split into blocks of a part or folded into one block at the M where
+//! the 128-row tile starts folding and one row below; negative control: the other association
+//! is seen), the routed
 //! kernels' K parts (the benchmark's builds) bitwise the dense GEMM's, and a pair of weights in
-//! one launch (the shared expert's `w1` and `w3`) each plane bitwise its weight's own launch (a
-//! mismatched pair refused).
+//! one launch (the shared expert's `w1` and `w3`) each plane bitwise its weight's own launch,
+//! also where the pair folds its parts and each weight alone does not (a mismatched pair
+//! refused).
 //!
 //! The MoE layer's experts in fast numerics (`ops::routed_fast`: FP4 routed experts grouped per
 //! expert, the FP8 shared expert on the fast GEMM, the exact SwiGLU, quantisation and combine):
@@ -108,6 +111,8 @@ fn open() -> KernelRuntime {
 trait FastWeight: Sized {
     fn shape(&self) -> (usize, usize);
     fn group(&self) -> ActGroup;
+    /// Its format's dense kernels.
+    fn kernels(&self) -> FastKernels;
     /// Its format's fast GEMM of one weight or a pair ([`Projections`]: planes `[2][m][n]`).
     fn launch<Y: FastOutput>(
         rt: &KernelRuntime,
@@ -132,6 +137,9 @@ impl FastWeight for FastFp8Weight {
             ActGroup::G128
         }
     }
+    fn kernels(&self) -> FastKernels {
+        FastKernels::Fp8(self.group())
+    }
     fn launch<Y: FastOutput>(
         rt: &KernelRuntime,
         a: &DeviceActFp8,
@@ -149,6 +157,9 @@ impl FastWeight for FastFp4Weight {
     }
     fn group(&self) -> ActGroup {
         ActGroup::G32
+    }
+    fn kernels(&self) -> FastKernels {
+        FastKernels::Fp4
     }
     fn launch<Y: FastOutput>(
         rt: &KernelRuntime,
@@ -444,9 +455,23 @@ where
     host.into_iter().map(widen).collect()
 }
 
+/// The rows at which the dense launch of `w` on `planes` weights (1, or 2: a pair) starts folding
+/// its K parts into one block (the least M: [`FastKernels::folds`], a 128-row tile), and one row
+/// fewer, where it splits them.
+fn folding_switch(w: &impl FastWeight, planes: usize) -> [usize; 2] {
+    let folds = |m| w.kernels().folds(FastTile::Auto, m, w.shape(), planes);
+    let m = (1..1 << 16)
+        .find(|&m| folds(m))
+        .expect("a launch that folds its K parts below 65536 rows");
+    assert!(!folds(m - 1));
+    [m - 1, m]
+}
+
 /// `y = out(((P_0 + P_1) + P_2) + …)` (`cuda/gemm/gemm_fast.cuh`), the K parts of `dw`
 /// ([`k_parts`], at least 3: two parts add the same either way) added by the launch itself: at
-/// M = 1, 7, 64, 130, from every tile, bitwise the host's fp32 sum in part order of the part sums
+/// M = 1, 7, 64, 130 and on both sides of the M where the 128-row tile starts folding the parts
+/// ([`folding_switch`]: a block a part and the reduction, then one block over all parts), from
+/// every tile, bitwise the host's fp32 sum in part order of the part sums
 /// `P_p`, each the one-part f32 launch of K span p (`span_weight(span)`'s codes and scales, and
 /// the device's quantised activations' of the span: its groups from zero in the same order) —
 /// stored as f32, as bf16 and as [`RoundedToBf16`]. Negative control: the parts added right to
@@ -468,7 +493,8 @@ fn check_part_order<W: FastWeight>(
         .collect();
     let span_weights: Vec<W> = spans.iter().map(|&s| span_weight(s)).collect();
     let mut reassociated = 0;
-    for rows in [1usize, 7, 64, 130] {
+    let [split, folded] = folding_switch(dw, 1);
+    for rows in [1usize, 7, 64, 130, split, folded] {
         let x = activations(rng, rows, k);
         let a = quantize_act_fp8(rt, &upload_bf16(rt, &x), rows, k, group).expect("quantise");
         let (codes, scales) = download_act(rt, &a);
@@ -541,8 +567,9 @@ fn check_part_order<W: FastWeight>(
         "{what}: the parts added right to left give the same bits (the check cannot see the order)"
     );
     println!(
-        "{what}: {parts} K parts added in part order in the launch, bitwise the host's sum of the \
-         one-part launches; {reassociated} outputs differ added right to left"
+        "{what}: {parts} K parts added in part order in the launch (folded from M = {folded}), \
+         bitwise the host's sum of the one-part launches; {reassociated} outputs differ added \
+         right to left"
     );
 }
 
@@ -573,12 +600,20 @@ fn fast_gemm_adds_its_k_parts_in_part_order() {
 }
 
 /// The pair launch (`[&w0, &w1]`, the shared expert's `w1` and `w3`: one launch, one part
-/// reduction) at M = 1, 8, 64, 200 from every tile: each plane bitwise its weight's own launch,
-/// bf16 and f32 outputs (negative control: the planes differ, so a swap or a copy would be seen).
+/// reduction or its parts folded) at M = 1, 8, 64, 200 and on both sides of the M where the pair
+/// starts folding its K parts ([`folding_switch`]; each weight alone there does not: twice the
+/// blocks) from every tile: each plane bitwise its weight's own launch, bf16 and f32 outputs
+/// (negative control: the planes differ, so a swap or a copy would be seen).
 fn check_pair_planes<W: FastWeight>(rt: &KernelRuntime, rng: &mut Rng, what: &str, pair: [&W; 2]) {
     let (n, k) = pair[0].shape();
     let plane = |y: &[f32], p: usize| y[p * y.len() / 2..(p + 1) * y.len() / 2].to_vec();
-    for rows in [1usize, 8, 64, 200] {
+    let [split, folded] = folding_switch(pair[0], 2);
+    let kernels = pair[0].kernels();
+    assert!(
+        !kernels.folds(FastTile::Auto, folded, (n, k), 1),
+        "{what}: one weight folds where the pair starts to (the check would see no split launch)"
+    );
+    for rows in [1usize, 8, 64, 200, split, folded] {
         let x = activations(rng, rows, k);
         let a =
             quantize_act_fp8(rt, &upload_bf16(rt, &x), rows, k, pair[0].group()).expect("quantise");
@@ -609,7 +644,10 @@ fn check_pair_planes<W: FastWeight>(rt: &KernelRuntime, rng: &mut Rng, what: &st
             );
         }
     }
-    println!("{what}: each plane of the pair launch bitwise its weight's own launch");
+    println!(
+        "{what}: each plane of the pair launch bitwise its weight's own launch (the pair folded \
+         from M = {folded})"
+    );
 }
 
 /// `gemm_fp8_fast` / `gemm_fp4_fast` of a pair refuses `first` with `second` (another format or

@@ -24,7 +24,9 @@ struct GemmParams {
 
 // The fast FP8 / FP4 GEMM (gemm/gemm_fast.cuh): y[m, n] = sum_k a[m, k] * w[n, k] on tensor cores,
 // K cut into `parts` spans of `span` codes (the last one shorter); y stored as `store` says;
-// `projections` weights of one shape (1, or 2: w0 and w1 into planes [2][m][n] of y).
+// `projections` weights of one shape (1, or 2: w0 and w1 into planes [2][m][n] of y); `folded`:
+// 1 when each block adds all the parts of its outputs (the 128-row tiles only), 0 for a block per
+// part.
 struct FastGemmParams {
     u32_t m;
     u32_t n;
@@ -33,6 +35,7 @@ struct FastGemmParams {
     u32_t parts;
     u32_t store;        // y: 0 bf16, 1 f32 as summed, 2 f32 of the bf16-rounded value (gemm_fast.cuh)
     u32_t projections;  // weights, one plane of y each
+    u32_t folded;       // 1: a block per plane over all parts (gemm_fast_dense)
 };
 
 // The fast GEMM's part sums added in part order: y[i] = sum_p partials[p][i], i < count, stored

@@ -10,11 +10,17 @@
 // linears); the sum is the same, so a bf16 output is always its f32 output rounded once.
 //
 // The K parts are consecutive spans of `span` codes (a multiple of 512; the last part may be
-// shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`): at decode
-// sizes every SM then streams weights (one block per part and column block, the partials added
-// by gemm_fast_reduce in part order), and every tile, decode or prefill, computes the same parts
-// and adds them in the same order. A dense launch may take two weights of one shape (the shared
-// expert's w1 and w3: gemm_fast_dense), each computed into its own plane of y as it is alone.
+// shorter), a function of the weight's shape alone (ops/gemm_fast.rs, `k_parts`), and every tile,
+// decode or prefill, computes the same parts and adds them in the same order, in one of two ways:
+// - split: one block per part and column block, its P_p stored to partials in fp32 and
+//   gemm_fast_reduce adding them in part order (decode sizes: every SM then streams weights);
+// - folded (the 128-row tiles, FOLDS, where the launch's blocks fill the SMs without cutting K:
+//   the launcher's rule, ops/gemm_fast.rs `folds`): one block computes P_0, P_1, ... one after
+//   the other, each from zero as a split block does, keeps total = P_0, total = total + P_p
+//   (__fadd_rn, part order) in shared memory and stores out(total) once: the reduction's
+//   operations in its order, without the partials or its launch.
+// A dense launch may take two weights of one shape (the shared expert's w1 and w3:
+// gemm_fast_dense), each computed into its own plane of y as it is alone.
 // The routed experts' production launches use one part (enough blocks per expert); their
 // kernels take parts as the dense ones do (for the benchmark's sweep).
 // T_g is the tensor core's fp32 sum of the group's exact products of E4M3 activations and E4M3
@@ -55,7 +61,8 @@
 // ([groups][BT + 4] f32) and the weights' scales per band, filled by cp.async STAGES - 1 steps
 // ahead. On sm_90a each warpgroup keeps two sets of group sums, the next group's wgmma running
 // while a group is promoted. FP8 tiles of 32 tokens or more form each group's scale products
-// once per warp, after the stages (gemm_fast_tile, PRODUCTS). Out-of-range rows, features and
+// once per warp, after the stages (gemm_fast_tile, PRODUCTS); a folding tile's running totals
+// come after them (FOLDS). Out-of-range rows, features and
 // groups are zero-filled and never stored. In a routed expert's tile (often part full) only the
 // n8 token tiles that hold a row, rounded up to a quarter of the tile, load, multiply and store:
 // a tile costs about the rows it has, its weights are still read once.
@@ -288,18 +295,21 @@ __device__ __forceinline__ void group_sums(float (&d)[RUN][4], const u32_t (&fra
 }
 
 // One block's tile: output features [n0, n0 + 16 WARPS) of the BT token rows `rows` over the K
-// codes [k_begin, k_end) (one part: k_begin a multiple of STEP, k_end = min(k, part end)), STEP
-// codes of K per pipeline stage (a multiple of 128: only how much each barrier covers, never the
-// order of any addition). a: E4M3 activation codes [*, k]; sa: f32 [*, k / G]; w: weight chunks
-// [ceil(n / 16)][ceil(k / 128)][CHUNK]; ws: weight scales per band [ceil(n / 16)][k / G]
-// [SCALE_BYTES]; the part's sums go to `partial` (f32 [*, n]) when it is not null, else to y
-// ([*, n], as `store` says: the launch has one part). k % G == 0, k % 32 == 0. WARPS is a
-// multiple of 4 (whole warpgroups); every warp runs every group, bands past n on zero weights.
-template <class W, int G, int WARPS, int BT, int STAGES, int STEP, class Rows>
+// codes [k_begin, k_end): one part (k_begin a multiple of `span`, k_end = min(k, k_begin +
+// span)) or, with FOLDS, consecutive parts of `span` codes from k_begin (the last ending at
+// k_end), each summed from zero and added in part order (total = P_0; total = total + P_p). STEP
+// codes of K per pipeline stage (a multiple of 128 dividing `span`: only how much each barrier
+// covers, never the order of any addition). a: E4M3 activation codes [*, k]; sa: f32 [*, k / G];
+// w: weight chunks [ceil(n / 16)][ceil(k / 128)][CHUNK]; ws: weight scales per band
+// [ceil(n / 16)][k / G][SCALE_BYTES]; the sums (a part's, or the total of the parts) go to
+// `partial` (f32 [*, n]) when it is not null, else to y ([*, n], as `store` says). k % G == 0,
+// k % 32 == 0. WARPS is a multiple of 4 (whole warpgroups); every warp runs every group, bands
+// past n on zero weights.
+template <class W, int G, int WARPS, int BT, int STAGES, int STEP, bool FOLDS, class Rows>
 __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restrict__ sa,
                                const u8_t* __restrict__ w, const u8_t* __restrict__ ws, void* __restrict__ y,
                                u32_t store, float* __restrict__ partial, u32_t n, u32_t k, u32_t k_begin,
-                               u32_t k_end, u32_t n0, const Rows& rows) {
+                               u32_t k_end, u32_t span, u32_t n0, const Rows& rows) {
     static_assert(G == 32 || G == 128, "32- or 128-groups");
     static_assert(BT % 8 == 0 && STAGES >= 2 && STEP % STEP_K == 0, "tile");
     static_assert(WARPS % 4 == 0, "whole warpgroups");
@@ -319,6 +329,10 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
     constexpr bool PRODUCTS = W::BAND_SCALE && BT >= 32;
     constexpr u32_t PER = BT / 32;
     constexpr u32_t PAIR = PER < 2 ? PER : 2;  // consecutive tokens of a lane's places
+    // Shared memory after the stages: the products ([WARPS][2][BT] f32, PRODUCTS), then a
+    // folding tile's running totals of its finished parts: [TILES][THREADS] float4, thread x's
+    // sums acc[i] at i THREADS + x (its own slots: no barrier; ops/gemm_fast.rs, totals_bytes).
+    constexpr u32_t PRODUCTS_BYTES = PRODUCTS ? WARPS * 2 * BT * 4 : 0;
     extern __shared__ __align__(16) u8_t smem[];
 
     const u32_t warp = threadIdx.x / 32;
@@ -486,6 +500,28 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
         auto products = [&](u32_t gq) {
             return reinterpret_cast<float*>(smem + STAGES * L::BYTES) + (warp * 2 + gq % 2) * BT;
         };
+        // The thread's running total of n8 tile i (FOLDS).
+        auto total = [&](u32_t i) {
+            return reinterpret_cast<float4*>(smem + STAGES * L::BYTES + PRODUCTS_BYTES) + i * THREADS + threadIdx.x;
+        };
+        // acc plus the total before it, in gemm_fast_reduce's order: total + P_p.
+        auto add_total = [&](u32_t i) {
+            const float4 t = *total(i);
+            return make_float4(__fadd_rn(t.x, acc[i][0]), __fadd_rn(t.y, acc[i][1]), __fadd_rn(t.z, acc[i][2]),
+                               __fadd_rn(t.w, acc[i][3]));
+        };
+        // FOLDS: stages of a part; the block's parts start at k_begin, a part's end (but the
+        // block's last) is a stage's end, and after it its sums join the total (total = P_0, then
+        // total + P_p) and acc starts the next part from zero.
+        const u32_t part_steps = span / STEP;
+        [[maybe_unused]] u32_t part_left = part_steps;
+        auto fold = [&](bool first) {
+#pragma unroll
+            for (u32_t i = 0; i < RUN; ++i) {
+                *total(i) = first ? make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]) : add_total(i);
+                acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+            }
+        };
 
 #pragma unroll
         for (u32_t s = 0; s + 1 < (u32_t)STAGES; ++s) {
@@ -595,8 +631,27 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
                 promote_group(gq, d);
             }
 #endif
+            if constexpr (FOLDS) {
+                if (--part_left == 0 && step + 1 < steps) {
+                    fold(step + 1 == part_steps);
+                    part_left = part_steps;
+                }
+            }
         }
         cp_async_wait<0>();
+        if constexpr (FOLDS) {
+            // The block's last part, added to the total of the others (a block of one part has none).
+            if (steps > part_steps) {
+#pragma unroll
+                for (u32_t i = 0; i < RUN; ++i) {
+                    const float4 s = add_total(i);
+                    acc[i][0] = s.x;
+                    acc[i][1] = s.y;
+                    acc[i][2] = s.z;
+                    acc[i][3] = s.w;
+                }
+            }
+        }
 
         const u32_t feature = n0 + warp * 16 + g;
 #pragma unroll
@@ -616,26 +671,32 @@ __device__ void gemm_fast_tile(const u8_t* __restrict__ a, const float* __restri
 }
 
 // One block per (16 WARPS output features, blockIdx.x; BT token rows, blockIdx.y; plane and K
-// part, blockIdx.z = plane * parts + part): gemm_fast_tile on weight `plane` (w0, ws0 or w1, ws1;
-// p.projections weights of one shape, 1 or 2: the shared expert's w1 and w3 in one launch) over
-// the K codes [part span, min(k, (part + 1) span)). With one part the block stores its plane of y
-// ([projections][m][n], as p.store says), else its part's sums to that plane of partials[part]
-// ([parts][projections][m][n]), which gemm_fast_reduce adds in part order for every plane at
-// once. The plane changes only which weight a block reads and where it stores, never how: each
-// plane of a two-weight launch is bitwise its weight's own launch.
+// part, blockIdx.z = plane * parts + part, or, p.folded, plane): gemm_fast_tile on weight `plane`
+// (w0, ws0 or w1, ws1; p.projections weights of one shape, 1 or 2: the shared expert's w1 and w3
+// in one launch) over the K codes [part span, min(k, (part + 1) span)), or all of K in its parts.
+// With one part or folded the block stores its plane of y ([projections][m][n], as p.store
+// says), else its part's sums to that plane of partials[part] ([parts][projections][m][n]), which
+// gemm_fast_reduce adds in part order for every plane at once. The plane changes only which
+// weight a block reads and where it stores, never how: each plane of a two-weight launch is
+// bitwise its weight's own launch. The 128-row tiles fold (p.folded, set by the launcher only
+// for them: FOLDS, their totals in shared memory) at prefill; the smaller tiles serve M <= 64,
+// where the parts' blocks are what fills the SMs.
 template <class W, int G, int WARPS, int BT, int STAGES, int STEP>
 __device__ void gemm_fast_dense(const u8_t* __restrict__ a, const float* __restrict__ sa, const u8_t* w0,
                                 const u8_t* ws0, const u8_t* w1, const u8_t* ws1, void* __restrict__ y,
                                 float* __restrict__ partials, const FastGemmParams& p) {
-    const u32_t plane = blockIdx.z < p.parts ? 0 : 1;
-    const u32_t part = blockIdx.z - plane * p.parts;
+    constexpr bool FOLDS = BT >= 128;
+    const bool folded = FOLDS && p.folded;
+    const u32_t blocks = folded ? 1 : p.parts;  // blocks along K a plane
+    const u32_t plane = blockIdx.z < blocks ? 0 : 1;
+    const u32_t part = blockIdx.z - plane * blocks;
     // partials[part], [projections][m][n]: the block's rows in it are y's (DenseRows::y0).
-    float* partial = p.parts > 1 ? partials + (size_t)part * p.projections * p.m * p.n : nullptr;
+    float* partial = blocks > 1 ? partials + (size_t)part * p.projections * p.m * p.n : nullptr;
     const u32_t k_begin = part * p.span;
-    const u32_t k_end = min(p.k, k_begin + p.span);
-    gemm_fast_tile<W, G, WARPS, BT, STAGES, STEP>(a, sa, plane == 0 ? w0 : w1, plane == 0 ? ws0 : ws1, y, p.store,
-                                                  partial, p.n, p.k, k_begin, k_end, blockIdx.x * 16 * WARPS,
-                                                  DenseRows{blockIdx.y * BT, p.m, plane * p.m + blockIdx.y * BT});
+    const u32_t k_end = folded ? p.k : min(p.k, k_begin + p.span);
+    gemm_fast_tile<W, G, WARPS, BT, STAGES, STEP, FOLDS>(
+        a, sa, plane == 0 ? w0 : w1, plane == 0 ? ws0 : ws1, y, p.store, partial, p.n, p.k, k_begin, k_end, p.span,
+        blockIdx.x * 16 * WARPS, DenseRows{blockIdx.y * BT, p.m, plane * p.m + blockIdx.y * BT});
 }
 
 // One block per (tile of group_routed_rows with up to BT rows of one expert, blockIdx.y; blocks
@@ -701,8 +762,8 @@ __device__ void gemm_fast_routed(const u8_t* __restrict__ a, const float* __rest
     routed_tile<WARPS, BT>(order, tiles, tile_count, table, y, partials, p,
                            [&](const u8_t* w, const u8_t* ws, const GatheredRows& rows, u32_t n0, u32_t k_begin,
                                u32_t k_end, float* partial) {
-                               gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP>(a, sa, w, ws, y, p.store, partial,
-                                                                              p.n, p.k, k_begin, k_end, n0, rows);
+                               gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP, false>(
+                                   a, sa, w, ws, y, p.store, partial, p.n, p.k, k_begin, k_end, p.span, n0, rows);
                            });
 }
 

@@ -8,7 +8,10 @@
 //! sum is not the exact one), but deterministic and batch invariant: every [`FastTile`] computes
 //! the same bits for a row, so the tile chosen by M never shows. A launch takes one weight or
 //! two of one format and shape ([`Projections`]: the shared expert's `w1` and `w3`), each into
-//! its own plane of `y` with its own launch's bits.
+//! its own plane of `y` with its own launch's bits. The K parts ([`k_parts`]) are blocks of their
+//! own (split: the part sums added by `gemm_fast_reduce`) or, where a 128-row launch fills the
+//! SMs without them ([`FastKernels::folds`]), one block adds its parts in the same order itself:
+//! the same bits either way.
 //!
 //! The output ([`FastOutput`]) is bf16 (rounded to nearest even once: V4.1's rounding point), that
 //! value in f32 storage ([`RoundedToBf16`]) or f32 (the fp32 sum as it is: V4's float32 linears);
@@ -102,9 +105,12 @@ const STEP_K: usize = 128;
 /// Output features per weight band (one warp's mma rows).
 const BAND: usize = 16;
 
+/// SMs of the H100 and the H200: the blocks of a tile held one an SM (the 128-row tiles) that
+/// run at once, a wave.
+const SMS: usize = 132;
 /// Blocks a launch counted in 32 output features per block should have: two waves of the H200's
 /// 132 SMs (the 8-row decode tile's 4 warps make it one wave of 64-feature blocks).
-const TARGET_BLOCKS: usize = 264;
+const TARGET_BLOCKS: usize = 2 * SMS;
 /// K codes per part are a multiple of this (the largest stage, so parts cut no stage).
 const PART_QUANTUM: usize = 512;
 /// Threads per block of the part reduction.
@@ -159,12 +165,17 @@ pub struct TileShape {
 /// warps and 256 codes per stage: two blocks of 8 warps in all fit an SM's shared memory (with 2
 /// warps, 512 codes or 4 stages, two blocks held 4 warps). The 128-row tile's 8 warps (two
 /// warpgroups) keep an SM's registers for one block; 256 codes per stage beat 128 in the
-/// session-23 wgmma sweep (H100, M = 1024 on 5120 → 6144: 314 against 331 µs).
+/// session-23 wgmma sweep (H100, M = 1024 on 5120 → 6144: 314 against 331 µs). It takes 2
+/// stages so that its running totals (it folds its K parts: [`FastKernels::folds`], 64 KiB)
+/// fit beside them: 3 stages, the products and the totals would be 277 KiB. A stage is several
+/// µs of that tile's promotions, far longer than its copies take to land, so one stage ahead
+/// keeps them in time; the sweep's best 8-warp prefill build had 2 stages (b64 w8 s2 k256,
+/// session 23).
 const DENSE_TILES: [(FastTile, TileShape); 4] = [
     (FastTile::Rows8, tile(8, 4, 3, 256)),
     (FastTile::Rows32, tile(32, 4, 3, 256)),
     (FastTile::Rows64, tile(64, 4, 3, 256)),
-    (FastTile::Rows128, tile(128, 8, 3, 256)),
+    (FastTile::Rows128, tile(128, 8, 2, 256)),
 ];
 
 /// The routed experts' tiles, `Auto`'s choice by the mean rows per expert (the dense tiles'
@@ -339,7 +350,8 @@ impl FastKernels {
     }
 
     /// Dynamic shared memory of a staged launch with `shape` (`Stage::BYTES · STAGES` in the
-    /// kernel, then the warps' scale products where it forms them).
+    /// kernel, then the warps' scale products where it forms them, then the running totals of a
+    /// tile that folds its K parts).
     pub fn shared_bytes(self, shape: TileShape) -> u32 {
         let TileShape {
             tokens,
@@ -352,7 +364,7 @@ impl FastKernels {
             + tokens * step
             + 4 * (tokens + 4) * groups_per_stage
             + self.scale_bytes() * warps * groups_per_stage;
-        stage.div_ceil(16) * 16 * stages + self.products_bytes(shape)
+        stage.div_ceil(16) * 16 * stages + self.products_bytes(shape) + self.totals_bytes(shape)
     }
 
     /// Bytes of the warps' scale products after the stages (`PRODUCTS` in the kernel): two
@@ -364,6 +376,55 @@ impl FastKernels {
             _ => 0,
         }
     }
+
+    /// Whether the tile `shape` of these kernels can add a launch's K parts itself (`FOLDS` in
+    /// `gemm_fast_dense`): the dense tiles of 128 rows or more.
+    fn tile_folds(self, shape: TileShape) -> bool {
+        !matches!(self, FastKernels::Fp4Routed) && shape.tokens >= 128
+    }
+
+    /// Bytes of a folding tile's running totals after the products: a float4 per thread and n8
+    /// token tile, the block's every output in f32.
+    fn totals_bytes(self, shape: TileShape) -> u32 {
+        if self.tile_folds(shape) {
+            shape.tokens / 8 * shape.warps * 32 * 16
+        } else {
+            0
+        }
+    }
+
+    /// Whether the dense launch of `tile` ([`FastTile::resolve`]d at `m` rows) on `planes`
+    /// weights `[n, k]` (1, or 2: [`Projections`]) adds its K parts ([`k_parts`]) in the kernel,
+    /// one block over all of them, rather than in blocks of a part and `gemm_fast_reduce`; the
+    /// bits are the same (`cuda/gemm/gemm_fast.cuh`); `folded` below says when.
+    pub fn folds(self, tile: FastTile, m: usize, (n, k): (usize, usize), planes: usize) -> bool {
+        let tile = tile.resolve(self, m);
+        let shape = self.shape(tile);
+        let blocks = dense_blocks(self.block(tile), m, n, planes);
+        self.tile_folds(shape) && folded(blocks, k_parts(n, k).1)
+    }
+}
+
+/// Blocks of a dense launch a K part: column blocks × row blocks × planes, for a tile of
+/// `(tokens, warps)` (16 features a warp).
+fn dense_blocks((tokens, warps): (u32, u32), m: usize, n: usize, planes: usize) -> usize {
+    n.div_ceil(16 * warps as usize) * m.div_ceil(tokens as usize) * planes
+}
+
+/// Whether a launch of a folding tile (one block an SM) with `blocks` blocks a part adds its
+/// `parts` in the kernel — a function of M and the shape alone. Counted in waves of [`SMS`]
+/// blocks of one part's length, the folded launch takes `ceil(blocks / SMS) · parts`, the split
+/// one `ceil(blocks · parts / SMS)` and then the reduction, with the partials written and read
+/// back: about an eighth of the split tile's time at prefill (ncu, H100, a 1024-token prefill of
+/// the V4.1 block: `gemm_fast_reduce` 135 µs beside the tile's 1157). So it folds when that
+/// takes at most an eighth more waves. Where it would not, the split blocks fill the SMs
+/// better: at M = 1024 V4.1's `wkv` (5120 → 512, 10 parts) folded is 32 blocks, split 320;
+/// `wo_b` (8192 → 5120, 2 parts) 320 blocks, 6 waves against 5. Past a few waves every launch
+/// folds (the loss is within a wave).
+fn folded(blocks: usize, parts: usize) -> bool {
+    let folded = blocks.div_ceil(SMS) * parts;
+    let split = (blocks * parts).div_ceil(SMS);
+    parts > 1 && 8 * folded <= 9 * split
 }
 
 /// The dynamic shared memory kernel `id` needs, for the runtime to allow it at load time (`None`
@@ -593,8 +654,8 @@ fn e8m0_value(e: u8) -> f32 {
 /// The weights of one dense fast launch: one weight (`&w`: `y [m, n]`), or two of one format and
 /// shape (`[&w0, &w1]`: the shared expert's `w1` and `w3`), computed in one launch into the planes
 /// of `y [2][m][n]`. Plane `p` is bitwise weight `p`'s own launch: the same K parts ([`k_parts`]
-/// of the one shape), tile and order; one `gemm_fast_reduce` adds the part sums of both planes.
-/// Sealed: one or two weights, as the kernels take.
+/// of the one shape), tile and order; one `gemm_fast_reduce` adds the part sums of both planes
+/// (or the blocks fold them). Sealed: one or two weights, as the kernels take.
 pub trait Projections<W>: sealed::OneOrTwo {
     /// The weights, plane by plane.
     fn weights(&self) -> &[&W];
@@ -765,7 +826,7 @@ pub fn gemm_fp4_fast<Y: FastOutput>(
 }
 
 /// The kernel a fast launch runs: its function and name, token rows and warps per block, dynamic
-/// shared memory and K codes per part.
+/// shared memory, K codes per part and whether its tile can add a launch's parts itself.
 pub(crate) struct FastKernel<'a> {
     pub(crate) name: &'a str,
     pub(crate) function: &'a CudaFunction,
@@ -773,6 +834,8 @@ pub(crate) struct FastKernel<'a> {
     pub(crate) block: (u32, u32),
     pub(crate) shared_bytes: u32,
     pub(crate) span: usize,
+    /// `FOLDS` in the kernel (dense tiles of 128 rows).
+    pub(crate) folds: bool,
 }
 
 impl<'a> FastKernel<'a> {
@@ -793,6 +856,7 @@ impl<'a> FastKernel<'a> {
             block: kernels.block(tile),
             shared_bytes: kernels.shared_bytes(kernels.shape(tile)),
             span,
+            folds: kernels.tile_folds(kernels.shape(tile)),
         })
     }
 
@@ -829,12 +893,15 @@ impl<'a> FastKernel<'a> {
             block: (shape.tokens, shape.warps),
             shared_bytes: kernels.shared_bytes(shape),
             span: variant.span,
+            folds: kernels.tile_folds(shape),
         })
     }
 }
 
 /// Launches a dense fast GEMM `kernel` on `weights` (one, or two of one format and shape: a
-/// mismatched pair is refused), weight `p` into plane `p` of `y`.
+/// mismatched pair is refused), weight `p` into plane `p` of `y`: its K parts in blocks of their
+/// own and `gemm_fast_reduce`, or folded (a block over all the parts, where the tile can and
+/// `folded` finds it fills the SMs no worse).
 fn launch_dense<W: DenseWeight, Y: FastOutput>(
     rt: &KernelRuntime,
     op: &'static str,
@@ -857,6 +924,9 @@ fn launch_dense<W: DenseWeight, Y: FastOutput>(
     let (tokens, warps) = kernel.block;
     let span = kernel.span;
     let parts = k.div_ceil(span).max(1);
+    let fold = kernel.folds && folded(dense_blocks(kernel.block, a.rows, n, projections), parts);
+    // A block per K part, its sums in partials and the reduction after (else one along K).
+    let split = parts > 1 && !fold;
     // The outputs of every plane (the reduction's count; plane offsets in u32 rows).
     let count = projections * a.rows * n;
     dim(op, "outputs", count)?;
@@ -868,12 +938,13 @@ fn launch_dense<W: DenseWeight, Y: FastOutput>(
         parts: dim(op, "parts", parts)?,
         store: Y::STORE,
         projections: dim(op, "projections", projections)?,
+        folded: u32::from(fold),
     };
     let row_blocks = params.m.div_ceil(tokens);
     ensure(row_blocks <= 65_535, op, || {
         format!("m = {} needs {row_blocks} row blocks (> 65535)", a.rows)
     })?;
-    let planes_and_parts = params.projections * params.parts;
+    let planes_and_parts = params.projections * if split { params.parts } else { 1 };
     ensure(planes_and_parts <= 65_535, op, || {
         format!("{projections} planes of {parts} K parts (> 65535 blocks in z)")
     })?;
@@ -882,12 +953,12 @@ fn launch_dense<W: DenseWeight, Y: FastOutput>(
         warps * 32,
         kernel.shared_bytes,
     );
-    // The parts' sums [parts][projections][m][n] (one value, unread, with one part).
-    // SAFETY: with parts > 1 every block writes its part's sums of its plane, rows and columns,
+    // The parts' sums [parts][projections][m][n] of a split launch (else one value, unread).
+    // SAFETY: split, every block writes its part's sums of its plane, rows and columns,
     // so the launch writes all parts * count values before the reduction reads them, in stream
-    // order; with one part the kernel never touches the buffer.
+    // order; with one block along K the kernel never touches the buffer.
     let mut partials =
-        unsafe { rt.alloc_written::<f32>(if parts > 1 { parts * count } else { 1 }) }
+        unsafe { rt.alloc_written::<f32>(if split { parts * count } else { 1 }) }
             .map_err(KernelError::driver("allocating the fast GEMM's part sums"))?;
     // Plane 1's weight: the second, or the first again (never read with one projection).
     let (w0, ws0) = weights[0].buffers();
@@ -911,11 +982,12 @@ fn launch_dense<W: DenseWeight, Y: FastOutput>(
     // * ceil(k / 128) chunks and ceil(n / 16) * k / group band scales of the kernel's scale size
     // (built at upload from n, k: FastFp8Weight, FastFp4Weight); block z reads weight z / parts
     // < projections (1 or 2: Projections is sealed) over K codes [p span, min(k, (p + 1) span)),
-    // p = z % parts, parts = ceil(k / span); every load is bounds-checked against m, n, k in the
-    // kernel; y holds projections * m * n values (checked above), partials parts * count when
-    // parts > 1.
+    // p = z % parts, parts = ceil(k / span), or, folded (z = plane; only for a tile built with
+    // FOLDS: kernel.folds, its totals in kernel.shared_bytes), over all of K; every load is
+    // bounds-checked against m, n, k in the kernel; y holds projections * m * n values (checked
+    // above), partials parts * count when split.
     unsafe { launch.launch(cfg) }?;
-    if parts > 1 {
+    if split {
         reduce_parts(rt, op, &partials, y, count, parts)?;
     }
     Ok(())
@@ -978,12 +1050,18 @@ mod tests {
         // 4 * 2 * 2048 + 8 * 256 + 4 * 12 * 8 + 4 * 4 * 8, three stages.
         let fp8 = FastKernels::Fp8(ActGroup::G32);
         assert_eq!(fp8.shared_bytes(fp8.shape(FastTile::Rows8)), 18_944 * 3);
-        // 8 warps, 128 tokens: 8 * 2 * 2048 + 128 * 256 + 4 * 132 * 8 + 4 * 8 * 8, three stages,
-        // then the scale products, 8 * 2 * 128 * 4.
+        // 8 warps, 128 tokens: 8 * 2 * 2048 + 128 * 256 + 4 * 132 * 8 + 4 * 8 * 8, two stages,
+        // then the scale products, 8 * 2 * 128 * 4, and the running totals, 128 * 128 * 4.
         assert_eq!(
             fp8.shared_bytes(fp8.shape(FastTile::Rows128)),
-            70_016 * 3 + 8_192
+            70_016 * 2 + 8_192 + 65_536
         );
+        // Three stages would not fit with the totals.
+        let three = TileShape {
+            stages: 3,
+            ..fp8.shape(FastTile::Rows128)
+        };
+        assert!(fp8.shared_bytes(three) + 1024 > 227 * 1024);
         // Two blocks of the 64-row dense tile and three of the routed one fit an SM (228 KiB,
         // 1 KiB reserved per block; the routed kernels' static rows, 8 bytes a token row, on top).
         assert!(2 * (fp8.shared_bytes(fp8.shape(FastTile::Rows64)) + 1024) <= 228 * 1024);
@@ -1155,6 +1233,71 @@ mod tests {
                 assert_eq!(kernels.products_bytes(shape), expected, "{kernels:?} {tile:?}");
             }
         }
+    }
+
+    #[test]
+    fn the_running_totals_space_is_sized_for_exactly_the_tiles_that_fold() {
+        // A folding tile (FOLDS, gemm_fast_dense) keeps its running totals after the products:
+        // [TILES][THREADS] float4, thread x's n8 tile i at i THREADS + x. totals_bytes must size
+        // exactly those launches, or the kernel writes past its shared memory; FastKernel::folds
+        // must be set for exactly them, or a folded launch runs a tile that sums K in one chain.
+        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
+        for line in [
+            "constexpr bool FOLDS = BT >= 128;",
+            "const bool folded = FOLDS && p.folded;",
+            "constexpr u32_t PRODUCTS_BYTES = PRODUCTS ? WARPS * 2 * BT * 4 : 0;",
+            "reinterpret_cast<float4*>(smem + STAGES * L::BYTES + PRODUCTS_BYTES) + i * THREADS",
+            "gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP, false>(",
+        ] {
+            assert!(header.contains(line), "{line} not in gemm_fast.cuh");
+        }
+        for kernels in FastKernels::ALL {
+            for tile in [FastTile::Rows8, FastTile::Rows32, FastTile::Rows64, FastTile::Rows128] {
+                let shape = kernels.shape(tile);
+                let folds = kernels != FastKernels::Fp4Routed && shape.tokens >= 128;
+                assert_eq!(kernels.tile_folds(shape), folds, "{kernels:?} {tile:?}");
+                // TILES (tokens / 8) float4 for each of THREADS (warps * 32).
+                let expected = if folds { shape.tokens / 8 * shape.warps * 32 * 16 } else { 0 };
+                assert_eq!(kernels.totals_bytes(shape), expected, "{kernels:?} {tile:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn launches_fold_their_k_parts_where_the_folded_blocks_fill_the_sms_no_worse() {
+        let fp8 = FastKernels::Fp8(ActGroup::G32);
+        let folds = |m, n, k, planes| fp8.folds(FastTile::Auto, m, (n, k), planes);
+        // A 1024-token prefill of the V4.1 block: the index's wq_b (1280 -> 4096, 3 parts:
+        // 256 blocks in 2 waves of 3 parts against 6) folds; wq_a (80 blocks of 5 parts against
+        // 4 waves), wkv (32 blocks of 10 parts against 3), wo_b and w2 (320 blocks: 6 against 5)
+        // and the shared expert's pair (2 x 144 blocks of 4 parts: 12 against 9) stay split.
+        assert!(folds(1024, 4096, 1280, 1));
+        for (n, k, planes) in [
+            (1280, 5120, 1),
+            (512, 5120, 1),
+            (5120, 8192, 1),
+            (5120, 2304, 1),
+            (2304, 5120, 2),
+        ] {
+            assert!(!folds(1024, n, k, planes), "{n}x{k} x{planes}");
+        }
+        // One part: nothing to fold (wq_b).
+        assert!(!folds(1024, 32768, 1280, 1));
+        // Longer prefills fold them all but the narrowest.
+        for (n, k, planes) in [(5120, 8192, 1), (5120, 2304, 1), (2304, 5120, 2), (4096, 1280, 1)]
+        {
+            assert!(folds(4096, n, k, planes), "{n}x{k} x{planes}");
+        }
+        // Only the 128-row tile folds: never at 64 rows or fewer, nor when it is forced there.
+        assert!(!folds(64, 4096, 1280, 1));
+        assert!(!fp8.folds(FastTile::Rows64, 1024, (4096, 1280), 1));
+        assert!(fp8.folds(FastTile::Rows128, 1024, (4096, 1280), 1));
+        assert!(!FastKernels::Fp4Routed.folds(FastTile::Rows128, 1024, (4096, 1280), 1));
+        // The pair's two planes make twice the blocks: it folds where one weight does not.
+        assert!(folds(257, 2304, 5120, 2) && !folds(257, 2304, 5120, 1));
+        // The rule: waves of the folded launch at most 9/8 of the split one's.
+        assert!(folded(132, 2) && !folded(133, 2) && folded(264, 2));
+        assert!(!folded(1000, 1));
     }
 
     #[test]
