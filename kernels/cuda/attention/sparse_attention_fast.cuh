@@ -469,8 +469,13 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
 #pragma unroll
             for (u32_t i = 0; i < R; ++i) {
                 if (i >= round_tiles) break;
+                // Unrolled (no loop control per score): the same additions in the same order.
                 float score = 0.0f;
-                for (u32_t w = 0; w < dim_warps; ++w) score += sh.partial[i][warp0 + w][local][col];
+#pragma unroll
+                for (u32_t w = 0; w < MAX_DIM_WARPS; ++w) {
+                    if (w >= dim_warps) break;
+                    score += sh.partial[i][warp0 + w][local][col];
+                }
                 score *= p.scale;
                 const bool valid = (k0 + i) * TILE + j < keys_left;
                 float tile_max = valid ? score : -1e30f;
