@@ -38,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(attention::THREADS)
 
 // The `fast` numerics' row-batched entry (sparse_attention_fast.cuh): grid (ceil(heads / (16 ·
 // groups)), queries of this launch, the most splits of any of them), groups · head_dim / 2
-// threads (groups 1, 2 or 4: 16 to 64 heads a block), sizeof(fast_attention::Shared<1>) + 128 ·
+// threads (groups 1, 2 or 4: 16 to 64 heads a block), sizeof(fast_attention::Shared<false, 1>) + 128 ·
 // head_dim bytes of dynamic shared memory; the arguments of sparse_attention_sink_rows_ptr_f32
 // (q and the keys bf16 values; p.round_bf16 set, for the combine), then the split
 // scratch and the launch's queries: query query0 + blockIdx.y; its split s of several writes acc
@@ -57,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(fast_attention::MAX_THREADS)
 
 // The same attention of f32 q and keys, each split into two bf16 pieces (fp32 accuracy, the f32
 // output unrounded: sparse_attention_fast.cuh): groups 1 or 2 (16 or 32 heads a block),
-// sizeof(fast_attention::Shared<2>) + 128 · head_dim bytes of dynamic shared memory; p.round_bf16
+// sizeof(fast_attention::Shared<false, 2>) + 128 · head_dim bytes of dynamic shared memory; p.round_bf16
 // clear, for the combine.
 extern "C" __global__ void __launch_bounds__(fast_attention::MAX_F32_THREADS)
     sparse_attention_sink_rows_ptr_fast_f32(const float* q, const unsigned long long* key_ptrs,
@@ -72,7 +72,9 @@ extern "C" __global__ void __launch_bounds__(fast_attention::MAX_F32_THREADS)
 
 // The same attention with one block per query running all of its splits (grid (head blocks,
 // queries of this launch, 1); at most 512 threads: 32 heads of head_dim 512, so that the merged
-// outputs stay in registers); the same bits as the split blocks and their combine, no scratch.
+// outputs stay in registers; sizeof(fast_attention::Shared<true, 1>) + 128 · head_dim bytes of
+// dynamic shared memory, for its rounds of two tiles); the same bits as the split blocks and
+// their combine, no scratch.
 extern "C" __global__ void __launch_bounds__(fast_attention::MAX_WHOLE_THREADS)
     sparse_attention_sink_rows_ptr_fast_whole(const float* q, const unsigned long long* key_ptrs,
                                               const u32_t* key_rows, const u32_t* row_starts,
@@ -83,7 +85,8 @@ extern "C" __global__ void __launch_bounds__(fast_attention::MAX_WHOLE_THREADS)
 }
 
 // The one-block-per-query form of sparse_attention_sink_rows_ptr_fast_f32 (at most 512 threads:
-// 32 heads of head_dim 512, as many as its shared memory holds).
+// 32 heads of head_dim 512, as many as its shared memory holds; sizeof(fast_attention::Shared<true,
+// 2>) + 128 · head_dim bytes).
 extern "C" __global__ void __launch_bounds__(fast_attention::MAX_F32_THREADS)
     sparse_attention_sink_rows_ptr_fast_f32_whole(const float* q, const unsigned long long* key_ptrs,
                                                   const u32_t* key_rows, const u32_t* row_starts,

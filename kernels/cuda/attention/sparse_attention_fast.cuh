@@ -18,7 +18,7 @@
 //     accumulation keeps anyway (17 · 2^-23 an mma); TF32 pieces would take 32 bits each in
 //     shared memory (twice a bf16 piece) at half the mma rate. The output is the f32 value,
 //     unrounded, as the exact kernel writes it at Rounding::F32. The two pieces of q and of the
-//     key tiles fit 32 heads a block (Shared<2>, 219 008 bytes with the staging at head_dim 512).
+//     key tiles fit 32 heads a block (Shared<_, 2>, 219 008 bytes with the staging at head_dim 512).
 // Both are within bounds derived from this arithmetic (kernels/src/ops/attention.rs), tested in
 // tests/tests/fast_attention/mod.rs.
 //
@@ -28,25 +28,33 @@
 // pairs evenly; key rows 16-byte aligned — the launcher checks both). A key tile is read from
 // global memory and converted once for all the block's heads (1 to MAX_GROUPS / PIECES groups:
 // 16 to 64 heads with one piece, 16 or 32 with two).
+// The loop runs rounds of R tiles (ROUND: 2 in the whole-query kernel of one piece, 1 in the
+// others, whose shared memory holds no second tile), three barriers a round: 3 / (16 R) a key.
 //   0. The block's first two tiles are requested by cp.async (f32, as stored) into a ring of two
-//      staging slots, one copy group per tile (a thread only ever reads back the float4 it copied
-//      itself, so a slot needs no barrier of its own); then the block's q rows are converted to
-//      their bf16 pieces into shared memory (zero past the last head). A key's address takes two
-//      dependent loads (its row number, then the table's address); warp 0 resolves them a few
-//      tiles ahead into shared memory (KeyAddressPipe), so a fetch never waits on them.
-// Then per tile of 16 keys, in list order:
-//   1. The thread's share of the tile, waited for, is converted to its bf16 pieces into shared
-//      memory (double-buffered: a slow warp may still read the last tile's keys); after the
-//      barrier the slot is refilled with the tile two ahead.
+//      staging slots, one copy group per round (a thread only ever reads back the float4 it
+//      copied itself, so a slot needs no barrier of its own); then the block's q rows are
+//      converted to their bf16 pieces into shared memory (zero past the last head; rows head_dim
+//      + 8 apart). A key's address takes two dependent loads (its row number, then the table's
+//      address); lanes 0 .. 16 R - 1 of warp 0 resolve them a few rounds ahead into shared
+//      memory (KeyAddressPipe), so a fetch never waits on them.
+// Then per round, in list order:
+//   1. The thread's share of the round's tiles, waited for, is converted to its bf16 pieces into
+//      shared memory (double-buffered: a slow warp may still read the last round's keys); after
+//      the barrier the slots are refilled with the next tiles (two ahead of the round's first).
 //   2. Scores: each warp multiplies its 64 dims of its group's 16 heads (A, by ldmatrix from the
-//      bf16 q) by the same dims of the 16 keys (B, by ldmatrix), the pieces' products per k-step
-//      (mma_pieces): a partial [16 heads x 16 keys] per warp, stored to shared memory; a head's
-//      partials are added in the order of its group's warps (dim order, fixed), times the scale.
-//   3. Online softmax per head, one half-warp per head (lane j = key j): the new running max,
-//      the rescale exp(m_old - m_new), the weights p = exp(s - m_new) (0 past the list), the
-//      weights' sum by a fixed shuffle tree, l = l * rescale + sum; p's pieces to shared memory.
-//   4. Outputs: each warp rescales its accumulators [16 heads x 64 dims] and adds p · V for its
-//      dims (V = the tile's keys, by ldmatrix.trans), the pieces' products per n-tile.
+//      bf16 q, shared by the round's tiles) by the same dims of each tile's 16 keys (B, by
+//      ldmatrix), the pieces' products per k-step (mma_pieces): a partial [16 heads x 16 keys]
+//      per warp and tile, stored to shared memory; a head's partials are added in the order of
+//      its group's warps (dim order, fixed), times the scale.
+//   3. Online softmax per head, one half-warp per head (lane j = key j), tile after tile of the
+//      round: the new running max, the rescale exp(m_old - m_new), the weights p = exp(s - m_new)
+//      (0 past the list), the weights' sum by a fixed shuffle tree, l = l * rescale + sum; p's
+//      pieces to shared memory. m is carried in every lane's register (each lane's tile max is
+//      the same value up to the sign of a zero, which no weight or rescale sees), l in lane 0's
+//      (whose tree sum it adds); lane 0 writes both back at the round's end.
+//   4. Outputs, tile after tile of the round: each warp rescales its accumulators [16 heads x 64
+//      dims] and adds p · V for its dims (V = the tile's keys, by ldmatrix.trans), the pieces'
+//      products per n-tile.
 // Finally out = acc / (l + exp(sink - m)), rounded to bf16 with one piece.
 //
 // Why the bits do not depend on the group count (nor differ from the one-group kernel this
@@ -56,10 +64,12 @@
 // ldmatrix_x4); a warp's scores are the same mma chain over its 64 dims (k-steps in dim order,
 // the pieces in a fixed order, from zero), a head's head_dim / 64 partials are added in dim
 // order, then scaled; the softmax runs the same lanes, shuffle trees and expf on the same
-// operands; the tiles, splits and the combine's order are fixed by the key count. A block's
-// groups share only the key tile and the barriers: no value flows from one head to another. So
-// the launcher picks the group count from the launch's shape, and
-// `fast_attention::every_head_block_gives_the_same_bits` (tests) checks it for both pieces.
+// operands; the tiles, splits and the combine's order are fixed by the key count, and a round
+// runs each of its tiles' scores, softmax update and output update in tile order as rounds of
+// one tile do (only the barriers between them are fewer). A block's groups share only the key
+// tiles and the barriers: no value flows from one head to another. So the launcher picks the
+// group count from the launch's shape, and `fast_attention::every_head_block_gives_the_same_bits`
+// (tests) checks it for both pieces and both forms.
 //
 // Split keys (flash-decoding): a query's list is cut into splits of SPLIT_TILES tiles, each
 // computed from a fresh softmax state, then merged in split order from (M, L, O) = (-1e30, 0, 0):
@@ -88,9 +98,8 @@ constexpr u32_t MAX_F32_THREADS = MAX_THREADS / 2;    // both kernels of two pie
 // bf16 per shared q or key row: 16-byte rows whose 8 consecutive rows fall in distinct banks
 // (ldmatrix without conflicts).
 constexpr u32_t ROW_STRIDE = WARP_DIMS * MAX_DIM_WARPS + 8;
-constexpr u32_t P_STRIDE = TILE + 8;  // bf16 per shared weight row
-constexpr u32_t STAGES = 2;           // tiles in flight (cp.async)
-constexpr u32_t ADDRESS_SLOTS = 4;    // tiles whose key addresses wait in shared memory
+constexpr u32_t STAGES = 2;         // tiles in flight (cp.async)
+constexpr u32_t ADDRESS_SLOTS = 4;  // rounds whose key addresses wait in shared memory
 constexpr u32_t SPLIT_TILES = 4;      // tiles per split of a query's keys
 constexpr u32_t SPLIT_KEYS = SPLIT_TILES * TILE;
 
@@ -99,39 +108,65 @@ __device__ __forceinline__ u32_t splits_of(u32_t n_keys) {
     return n_keys <= SPLIT_KEYS ? 1u : (n_keys + SPLIT_KEYS - 1) / SPLIT_KEYS;
 }
 
+// Tiles a round of barriers (the loop's unit): 2 in the whole-query kernel of one piece, 1 in
+// the split blocks (64 heads of 1024 threads: two tiles' partials do not fit beside q) and with
+// two pieces (two tiles' key pieces do not fit). A split's SPLIT_TILES are whole rounds.
+template <bool WHOLE, u32_t PIECES>
+constexpr u32_t ROUND = WHOLE && PIECES == 1 ? 2 : 1;
+
 // The block's shared memory (dynamic): regions at fixed offsets, sized for the widest block of
-// PIECES pieces (64 heads with one, 32 with two; head_dim 512), then the staging ring of
-// head_dim-wide f32 keys. `fast_shared_bytes` in ops/attention.rs mirrors it: sizeof(Shared) +
-// STAGES · TILE · head_dim · 4 bytes (136 960 + 128 head_dim: 202 496 at head_dim 512 with one
-// piece; 153 472 + 128 head_dim: 219 008 with two).
-template <u32_t PIECES>
+// the kernel (64 heads of 1024 threads with one piece in split blocks, of 512 threads at head_dim
+// <= 256 in whole queries; 32 heads of 512 threads with two pieces), then the staging ring of
+// head_dim-wide f32 keys. q rows are head_dim + 8 bf16 apart (16-byte rows, 8 consecutive ones
+// in distinct banks), so a block of T threads needs 32 T + 128 groups of them a piece.
+// `fast_shared_bytes` in ops/attention.rs mirrors it: sizeof(Shared) + STAGES · TILE · head_dim ·
+// 4 bytes (136 960 + 128 head_dim: 202 496 at head_dim 512 for the split blocks of one piece;
+// 140 288 + 128 head_dim: 205 824 whole; 153 472 + 128 head_dim: 219 008 with two pieces).
+template <bool WHOLE, u32_t PIECES>
 struct Shared {
+    static constexpr u32_t R = ROUND<WHOLE, PIECES>;
     static constexpr u32_t GROUPS = MAX_GROUPS / PIECES;
     static constexpr u32_t BLOCK_HEADS = GROUPS * HEADS;
-    float row_max[BLOCK_HEADS];  // per head of the block: the running max,
-    float row_sum[BLOCK_HEADS];  // the weights' sum
-    float rescale[BLOCK_HEADS];  // and the tile's rescale
-    __nv_bfloat16 weights[PIECES][BLOCK_HEADS][P_STRIDE];    // the pieces of p of the tile
-    float partial[GROUPS * MAX_DIM_WARPS][HEADS][TILE];      // each warp's partial scores (partial_col)
-    __nv_bfloat16 keys[2][PIECES][TILE][ROW_STRIDE];         // the tile's keys, double-buffered
-    __nv_bfloat16 q[PIECES][BLOCK_HEADS][ROW_STRIDE];        // the block's q rows
-    unsigned long long key_addresses[ADDRESS_SLOTS][TILE];  // tile k's key rows in slot k % 4
+    static constexpr u32_t THREADS = WHOLE || PIECES == 2 ? MAX_THREADS / 2 : MAX_THREADS;
+    static constexpr u32_t Q_PIECE = 32 * THREADS + 128 * GROUPS;  // bf16 of a piece of q
+    float row_max[BLOCK_HEADS];                                    // per head of the block: the running max,
+    float row_sum[BLOCK_HEADS];                                    // the weights' sum
+    float rescale[R][BLOCK_HEADS];                                 // and the round's tiles' rescales
+    __nv_bfloat16 weights[PIECES][BLOCK_HEADS][R * TILE + 8];      // the pieces of p of the round
+    float partial[R][THREADS / 32][HEADS][TILE];                   // each warp's partial scores (partial_col)
+    __nv_bfloat16 keys[2][R][PIECES][TILE][ROW_STRIDE];            // the round's keys, double-buffered
+    __nv_bfloat16 q[PIECES][Q_PIECE];                              // the block's q rows
+    unsigned long long key_addresses[ADDRESS_SLOTS][R * TILE];     // round r's key rows in slot r % 4
 };
-static_assert(sizeof(Shared<1>) == 136960, "FAST_SHARED_REGIONS in ops/attention.rs");
-static_assert(sizeof(Shared<2>) == 153472, "FAST_F32_SHARED_REGIONS in ops/attention.rs");
-static_assert(sizeof(Shared<1>) % 16 == 0 && sizeof(Shared<2>) % 16 == 0, "the staging after it is float4-aligned");
+static_assert(sizeof(Shared<false, 1>) == 136960, "FAST_SHARED_REGIONS in ops/attention.rs");
+static_assert(sizeof(Shared<true, 1>) == 140288, "FAST_WHOLE_SHARED_REGIONS in ops/attention.rs");
+static_assert(sizeof(Shared<false, 2>) == 153472 && sizeof(Shared<true, 2>) == 153472,
+              "FAST_F32_SHARED_REGIONS in ops/attention.rs");
+// ldmatrix rows 16-byte aligned (the regions before keys and q fill whole 16 bytes: no padding
+// either), and the staging after the regions float4-aligned.
+template <bool WHOLE, u32_t PIECES>
+constexpr bool aligned_regions() {
+    using S = Shared<WHOLE, PIECES>;
+    return (sizeof(S::row_max) + sizeof(S::row_sum) + sizeof(S::rescale) + sizeof(S::weights) + sizeof(S::partial)) %
+                   16 ==
+               0 &&
+           sizeof(S::keys) % 16 == 0 && sizeof(S) % 16 == 0;
+}
+static_assert(aligned_regions<false, 1>() && aligned_regions<true, 1>() && aligned_regions<false, 2>() &&
+                  aligned_regions<true, 2>(),
+              "16-byte aligned regions");
 
-template <u32_t PIECES>
-__device__ __forceinline__ Shared<PIECES>& shared_regions() {
+template <bool WHOLE, u32_t PIECES>
+__device__ __forceinline__ Shared<WHOLE, PIECES>& shared_regions() {
     extern __shared__ __align__(16) unsigned char smem[];
-    return *reinterpret_cast<Shared<PIECES>*>(smem);
+    return *reinterpret_cast<Shared<WHOLE, PIECES>*>(smem);
 }
 
 // [STAGES][TILE · head_dim / 4]: tile k's keys in f32, as copied, in slot k % STAGES.
-template <u32_t PIECES>
+template <bool WHOLE, u32_t PIECES>
 __device__ __forceinline__ float4* staging() {
     extern __shared__ __align__(16) unsigned char smem[];
-    return reinterpret_cast<float4*>(smem + sizeof(Shared<PIECES>));
+    return reinterpret_cast<float4*>(smem + sizeof(Shared<WHOLE, PIECES>));
 }
 
 // Four f32 values v as their PIECES bf16 pieces, piece j at at + j · piece_stride (8-byte
@@ -169,18 +204,24 @@ __device__ __forceinline__ void mma_pieces(float (&d)[4], const u32_t (&a)[PIECE
 // of two heads' rows are both free of bank conflicts. Only placement: no value changes.
 __device__ __forceinline__ u32_t partial_col(u32_t h, u32_t j) { return j ^ ((h & 2u) << 2); }
 
-// Copies this thread's float4 of tile k of the block (of `tiles`) into staging slot k % STAGES,
-// as one copy group (empty past the last tile; zero past the list): float4 slot, slot +
-// blockDim.x, ... of the tile's TILE << quad_bits, key j of the tile at addresses[j].
-__device__ __forceinline__ void fetch(float4* stage, u32_t k, u32_t tiles, u32_t keys_left,
+// Copies this thread's float4 of the tiles of round r (R tiles of the block's `tiles`) into
+// staging slots k % STAGES, k = r R .. r R + R - 1, as one copy group (empty past the last tile;
+// zero past the list): float4 slot, slot + blockDim.x, ... of each tile's TILE << quad_bits, key
+// j of the round at addresses[j].
+template <u32_t R>
+__device__ __forceinline__ void fetch(float4* stage, u32_t r, u32_t tiles, u32_t keys_left,
                                       const unsigned long long* addresses, const void* any_row, u32_t quad_bits) {
-    if (k < tiles) {
-        const u32_t tile_quads = TILE << quad_bits;
+    const u32_t tile_quads = TILE << quad_bits;
+#pragma unroll
+    for (u32_t i = 0; i < R; ++i) {
+        const u32_t k = r * R + i;
+        if (k >= tiles) break;
         float4* slot_area = stage + (k % STAGES) * tile_quads;
         for (u32_t slot = threadIdx.x; slot < tile_quads; slot += blockDim.x) {
             const u32_t j = slot >> quad_bits;
             const bool valid = k * TILE + j < keys_left;
-            const float4* src = valid ? reinterpret_cast<const float4*>(addresses[j]) + (slot & ((1u << quad_bits) - 1))
+            const float4* src = valid ? reinterpret_cast<const float4*>(addresses[i * TILE + j]) +
+                                            (slot & ((1u << quad_bits) - 1))
                                       : reinterpret_cast<const float4*>(any_row);  // not read
             cp_async16(&slot_area[slot], src, valid);
         }
@@ -188,39 +229,41 @@ __device__ __forceinline__ void fetch(float4* stage, u32_t k, u32_t tiles, u32_t
     cp_async_commit();
 }
 
-// The key addresses of the block's tiles, resolved ahead through the two dependent loads of a
-// key (its row number, then the row's address) by lanes 0 .. TILE - 1 of warp 0, one key each,
-// so that no fetch waits on them: when tile k is fetched (ADDRESS_SLOTS > STAGES + 1 tiles
-// ahead of its use), its addresses sit in Shared::key_addresses; the address of tile k + 1 is in
-// flight in `address`, the row of tile k + 2 in `row`. advance(k) publishes tile k's addresses
-// (read after the next barrier) and requests the next two.
+// The key addresses of the block's rounds (R tiles), resolved ahead through the two dependent
+// loads of a key (its row number, then the row's address) by lanes 0 .. R TILE - 1 of warp 0,
+// one key each, so that no fetch waits on them: when round r is fetched (ADDRESS_SLOTS > STAGES /
+// R + 1 rounds ahead of its use), its addresses sit in Shared::key_addresses; the address of
+// round r + 1 is in flight in `address`, the row of round r + 2 in `row`. advance(r) publishes
+// round r's addresses (read after the next barrier) and requests the next two.
+template <u32_t R>
 struct KeyAddressPipe {
+    static constexpr u32_t KEYS = R * TILE;
     const unsigned long long* key_ptrs;
     const u32_t* key_rows;  // from the block's first key on
     u32_t keys_left;
     u32_t row = 0;
     unsigned long long address = 0;
 
-    __device__ __forceinline__ bool valid(u32_t tile) const { return tile * TILE + threadIdx.x < keys_left; }
-    __device__ __forceinline__ u32_t row_of(u32_t tile) const {
-        return valid(tile) ? key_rows[tile * TILE + threadIdx.x] : 0u;
+    __device__ __forceinline__ bool valid(u32_t round) const { return round * KEYS + threadIdx.x < keys_left; }
+    __device__ __forceinline__ u32_t row_of(u32_t round) const {
+        return valid(round) ? key_rows[round * KEYS + threadIdx.x] : 0u;
     }
-    // Tiles [0, first) resolved at once, tile `first`'s address and tile first + 1's row in flight.
+    // Rounds [0, first) resolved at once, round `first`'s address and round first + 1's row in flight.
     template <class S>
     __device__ __forceinline__ void start(S& sh, u32_t first) {
-        if (threadIdx.x >= TILE) return;
-        for (u32_t k = 0; k < first; ++k)
-            sh.key_addresses[k % ADDRESS_SLOTS][threadIdx.x] = valid(k) ? key_ptrs[row_of(k)] : 0ull;
+        if (threadIdx.x >= KEYS) return;
+        for (u32_t r = 0; r < first; ++r)
+            sh.key_addresses[r % ADDRESS_SLOTS][threadIdx.x] = valid(r) ? key_ptrs[row_of(r)] : 0ull;
         address = valid(first) ? key_ptrs[row_of(first)] : 0ull;
         row = row_of(first + 1);
     }
-    // Tile k's address (in flight since the last call) to its slot; tile k + 1's and k + 2's requested.
+    // Round r's address (in flight since the last call) to its slot; round r + 1's and r + 2's requested.
     template <class S>
-    __device__ __forceinline__ void advance(S& sh, u32_t k) {
-        if (threadIdx.x >= TILE) return;
-        sh.key_addresses[k % ADDRESS_SLOTS][threadIdx.x] = address;
-        address = valid(k + 1) ? key_ptrs[row] : 0ull;
-        row = row_of(k + 2);
+    __device__ __forceinline__ void advance(S& sh, u32_t r) {
+        if (threadIdx.x >= KEYS) return;
+        sh.key_addresses[r % ADDRESS_SLOTS][threadIdx.x] = address;
+        address = valid(r + 1) ? key_ptrs[row] : 0ull;
+        row = row_of(r + 2);
     }
 };
 
@@ -257,8 +300,10 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     const u32_t splits = splits_of(n_keys);
     const u32_t split = WHOLE ? 0u : blockIdx.z;
     if (split >= splits) return;
-    Shared<PIECES>& sh = shared_regions<PIECES>();
-    float4* const stage = staging<PIECES>();
+    using S = Shared<WHOLE, PIECES>;
+    constexpr u32_t R = S::R;
+    S& sh = shared_regions<WHOLE, PIECES>();
+    float4* const stage = staging<WHOLE, PIECES>();
     const u32_t threads = blockDim.x;
     // head_dim / 64 warps per group and head_dim / 4 float4 per row: powers of two.
     const u32_t dim_bits = __ffs(p.head_dim) - 7, quad_bits = dim_bits + 4;
@@ -276,13 +321,17 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     const u32_t tiles = (WHOLE || splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES)) - first_tile;
     const u32_t keys_left = n_keys - first_tile * TILE;  // from the split's first key on
     const u32_t* split_rows = key_rows + first + first_tile * TILE;
-    // Tiles 0 .. STAGES resolved now (the first fetches' and the loop's first), the next in flight.
-    KeyAddressPipe pipe{key_ptrs, split_rows, keys_left};
-    pipe.start(sh, STAGES + 1);
-    __syncthreads();  // the first tiles' addresses are in place
+    // Rounds of R tiles; the staging ring holds AHEAD of them in flight.
+    constexpr u32_t AHEAD = STAGES / R;
+    const u32_t rounds = (tiles + R - 1) / R;
+    // Rounds 0 .. AHEAD resolved now (the first fetches' and the loop's first), the next in flight.
+    KeyAddressPipe<R> pipe{key_ptrs, split_rows, keys_left};
+    pipe.start(sh, AHEAD + 1);
+    __syncthreads();  // the first rounds' addresses are in place
 #pragma unroll
-    for (u32_t k = 0; k < STAGES; ++k)
-        fetch(stage, k, tiles, keys_left, sh.key_addresses[k % ADDRESS_SLOTS], key_ptrs, quad_bits);
+    for (u32_t r = 0; r < AHEAD; ++r)
+        fetch<R>(stage, r, tiles, keys_left, sh.key_addresses[r % ADDRESS_SLOTS], key_ptrs, quad_bits);
+    const u32_t q_stride = p.head_dim + 8;  // bf16 between q rows
     {
         const float4* q4 = reinterpret_cast<const float4*>(q + ((size_t)query * p.heads + block_head0) * p.head_dim);
         const u32_t quads = 1u << quad_bits;
@@ -290,7 +339,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         for (u32_t i = threadIdx.x; i < block_heads << quad_bits; i += threads) {
             const u32_t h = i >> quad_bits, quad = i & (quads - 1);
             const float4 v = block_head0 + h < p.heads ? q4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            store_pieces<PIECES>(&sh.q[0][h][quad * 4], Shared<PIECES>::BLOCK_HEADS * ROW_STRIDE, v);
+            store_pieces<PIECES>(&sh.q[0][h * q_stride + quad * 4], S::Q_PIECE, v);
         }
     }
     if (threadIdx.x < block_heads) {
@@ -328,9 +377,9 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         }
     };
 
-    for (u32_t k = 0; k < tiles; ++k) {
-        if (WHOLE && k > 0 && k % SPLIT_TILES == 0) {
-            // A split ended with the last tile (its statistics final since barrier C): merge it,
+    for (u32_t r = 0; r < rounds; ++r) {
+        if (WHOLE && r > 0 && r * R % SPLIT_TILES == 0) {
+            // A split ended with the last round (its statistics final since barrier C): merge it,
             // then, once every thread has read them, restart the statistics.
             merge_ended_split();
             __syncthreads();
@@ -339,119 +388,160 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
                 sh.row_sum[threadIdx.x] = 0.0f;
             }
         }
-        __nv_bfloat16(&keys)[PIECES][TILE][ROW_STRIDE] = sh.keys[k & 1];
-        // 1. This thread's float4 of the tile, as its bf16 pieces (zero past the list).
-        cp_async_wait<STAGES - 1>();     // tile k's group has landed (one newer may be pending)
-        asm volatile("" ::: "memory");  // and no read of its slot moves above the wait
-        {
-            const float4* slot_area = stage + (k % STAGES) * (TILE << quad_bits);
+        const u32_t k0 = r * R, round_tiles = min(R, tiles - k0);  // the round's first tile, its tiles
+        __nv_bfloat16(&keys)[R][PIECES][TILE][ROW_STRIDE] = sh.keys[r & 1];
+        // 1. This thread's float4 of the round's tiles, as their bf16 pieces (zero past the list).
+        cp_async_wait<AHEAD - 1>();     // round r's group has landed (AHEAD - 1 newer may be pending)
+        asm volatile("" ::: "memory");  // and no read of its slots moves above the wait
+#pragma unroll
+        for (u32_t i = 0; i < R; ++i) {
+            if (i >= round_tiles) break;
+            const float4* slot_area = stage + ((k0 + i) % STAGES) * (TILE << quad_bits);
             for (u32_t slot = threadIdx.x; slot < TILE << quad_bits; slot += threads) {
-                store_pieces<PIECES>(&keys[0][slot >> quad_bits][(slot & ((1u << quad_bits) - 1)) * 4],
+                store_pieces<PIECES>(&keys[i][0][slot >> quad_bits][(slot & ((1u << quad_bits) - 1)) * 4],
                                      TILE * ROW_STRIDE, slot_area[slot]);
             }
         }
-        __syncthreads();  // (A) the tile's keys (and q) are in place; the last weights were used
-        fetch(stage, k + STAGES, tiles, keys_left, sh.key_addresses[(k + STAGES) % ADDRESS_SLOTS], key_ptrs,
-              quad_bits);
-        // Tile k + STAGES + 1's addresses, fetched next time round (after barrier A); its slot last
-        // held tile k + STAGES + 1 - ADDRESS_SLOTS's, fetched before this tile's barrier A.
-        if (warp == 0) pipe.advance(sh, k + STAGES + 1);
+        __syncthreads();  // (A) the round's keys (and q) are in place; the last weights were used
+        fetch<R>(stage, r + AHEAD, tiles, keys_left, sh.key_addresses[(r + AHEAD) % ADDRESS_SLOTS], key_ptrs,
+                 quad_bits);
+        // Round r + AHEAD + 1's addresses, fetched next time round (after barrier A); its slot last
+        // held round r + AHEAD + 1 - ADDRESS_SLOTS's, fetched before this round's barrier A.
+        if (warp == 0) pipe.advance(sh, r + AHEAD + 1);
 
-        // 2. Partial scores over this warp's dims: [16 heads x 16 keys] as two n-tiles of 8 keys.
-        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        // 2. Partial scores over this warp's dims: per tile [16 heads x 16 keys] as two n-tiles of
+        // 8 keys, the round's tiles sharing q's fragments.
+        float s[R][2][4];
 #pragma unroll
-        for (u32_t kk = 0; kk < 4; ++kk) {
-            // a: heads g, g + 8 x dims 2t.., 2t + 8.. of k-step kk; b0, b1 of k-steps kk and kk + 1
-            // (loaded at even kk): key nt 8 + g. Piece j of each in a[j], b[nt][j].
-            u32_t a[PIECES][4];
+        for (u32_t i = 0; i < R; ++i)
 #pragma unroll
-            for (u32_t j = 0; j < PIECES; ++j)
-                ldmatrix_x4(a[j], &sh.q[j][local0 + lane / 8 % 2 * 8 + lane % 8][dim0 + kk * 16 + lane / 16 * 8]);
-            u32_t b[2][PIECES][4];
+            for (u32_t nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (u32_t nt = 0; nt < 2; ++nt) {
-                if (kk % 2 == 0)
+                for (u32_t c = 0; c < 4; ++c) s[i][nt][c] = 0.0f;
+#pragma unroll
+        for (u32_t kp = 0; kp < 2; ++kp) {
+            // a[c]: heads g, g + 8 x dims 2t.., 2t + 8.. of k-step kk = 2 kp + c; b: of k-steps 2 kp
+            // and 2 kp + 1, key nt 8 + g of tile i. Piece j of each in a[c][j], b[nt][j].
+            u32_t a[2][PIECES][4];
+#pragma unroll
+            for (u32_t c = 0; c < 2; ++c)
+#pragma unroll
+                for (u32_t j = 0; j < PIECES; ++j)
+                    ldmatrix_x4(a[c][j], &sh.q[j][(local0 + lane / 8 % 2 * 8 + lane % 8) * q_stride + dim0 +
+                                                  (2 * kp + c) * 16 + lane / 16 * 8]);
+#pragma unroll
+            for (u32_t i = 0; i < R; ++i) {
+                if (i >= round_tiles) break;
+                u32_t b[2][PIECES][4];
+#pragma unroll
+                for (u32_t nt = 0; nt < 2; ++nt)
 #pragma unroll
                     for (u32_t j = 0; j < PIECES; ++j)
-                        ldmatrix_x4(b[nt][j], &keys[j][nt * 8 + lane % 8][dim0 + kk * 16 + lane / 8 * 8]);
-                mma_pieces<PIECES>(s[nt], a, b[nt], kk % 2 * 2);
+                        ldmatrix_x4(b[nt][j], &keys[i][j][nt * 8 + lane % 8][dim0 + kp * 32 + lane / 8 * 8]);
+#pragma unroll
+                for (u32_t c = 0; c < 2; ++c)
+#pragma unroll
+                    for (u32_t nt = 0; nt < 2; ++nt) mma_pieces<PIECES>(s[i][nt], a[c], b[nt], 2 * c);
             }
         }
-        float(&partial)[HEADS][TILE] = sh.partial[warp];
         const u32_t swizzle = (g & 2u) << 2;  // partial_col of rows g and g + 8
 #pragma unroll
-        for (u32_t nt = 0; nt < 2; ++nt) {
-            const u32_t col = (nt * 8 + 2 * t) ^ swizzle;
-            *reinterpret_cast<float2*>(&partial[g][col]) = make_float2(s[nt][0], s[nt][1]);
-            *reinterpret_cast<float2*>(&partial[g + 8][col]) = make_float2(s[nt][2], s[nt][3]);
+        for (u32_t i = 0; i < R; ++i) {
+            if (i >= round_tiles) break;
+            float(&partial)[HEADS][TILE] = sh.partial[i][warp];
+#pragma unroll
+            for (u32_t nt = 0; nt < 2; ++nt) {
+                const u32_t col = (nt * 8 + 2 * t) ^ swizzle;
+                *reinterpret_cast<float2*>(&partial[g][col]) = make_float2(s[i][nt][0], s[i][nt][1]);
+                *reinterpret_cast<float2*>(&partial[g + 8][col]) = make_float2(s[i][nt][2], s[i][nt][3]);
+            }
         }
         __syncthreads();  // (B) every warp's partial scores are in place
 
-        // 3. Online softmax: half-warp per head, lane j = key j of the tile.
+        // 3. Online softmax: half-warp per head, lane j = key j of each tile, the round's tiles
+        // one after the other; m in every lane's register, l in lane 0's (the header says why).
         for (u32_t pair_index = threadIdx.x; pair_index < block_heads * TILE; pair_index += threads) {
             const u32_t h = pair_index / TILE, j = pair_index % TILE;
             const u32_t local = h % HEADS, col = partial_col(local, j);
             // Head h's partials: warps h / HEADS · dim_warps + w, w in dim order.
             const u32_t warp0 = h / HEADS * dim_warps;
-            float score = 0.0f;
-            for (u32_t w = 0; w < dim_warps; ++w) score += sh.partial[warp0 + w][local][col];
-            score *= p.scale;
-            const bool valid = k * TILE + j < keys_left;
-            float tile_max = valid ? score : -1e30f;
+            float row_max = sh.row_max[h], row_sum = sh.row_sum[h];
 #pragma unroll
-            for (u32_t step = 8; step > 0; step /= 2)
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, step));
-            const float old_max = sh.row_max[h];
-            const float new_max = fmaxf(old_max, tile_max);
-            const float weight = valid ? expf(score - new_max) : 0.0f;
-            float sum = weight;
+            for (u32_t i = 0; i < R; ++i) {
+                if (i >= round_tiles) break;
+                // Unrolled (no loop control per score): the same additions in the same order.
+                float score = 0.0f;
 #pragma unroll
-            for (u32_t step = 8; step > 0; step /= 2)
-                sum += __shfl_xor_sync(0xffffffffu, sum, step);
-            // p's pieces (bf16(p) alone with one piece), as store_pieces splits.
-            const __nv_bfloat16 weight0 = __float2bfloat16_rn(weight);
-            sh.weights[0][h][j] = weight0;
-            if constexpr (PIECES == 2) sh.weights[1][h][j] = __float2bfloat16_rn(__fsub_rn(weight, __bfloat162float(weight0)));
-            __syncwarp();
+                for (u32_t w = 0; w < MAX_DIM_WARPS; ++w) {
+                    if (w >= dim_warps) break;
+                    score += sh.partial[i][warp0 + w][local][col];
+                }
+                score *= p.scale;
+                const bool valid = (k0 + i) * TILE + j < keys_left;
+                float tile_max = valid ? score : -1e30f;
+#pragma unroll
+                for (u32_t step = 8; step > 0; step /= 2)
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, step));
+                const float new_max = fmaxf(row_max, tile_max);
+                const float weight = valid ? expf(score - new_max) : 0.0f;
+                float sum = weight;
+#pragma unroll
+                for (u32_t step = 8; step > 0; step /= 2)
+                    sum += __shfl_xor_sync(0xffffffffu, sum, step);
+                // p's pieces (bf16(p) alone with one piece), as store_pieces splits.
+                const __nv_bfloat16 weight0 = __float2bfloat16_rn(weight);
+                sh.weights[0][h][i * TILE + j] = weight0;
+                if constexpr (PIECES == 2)
+                    sh.weights[1][h][i * TILE + j] = __float2bfloat16_rn(__fsub_rn(weight, __bfloat162float(weight0)));
+                if (j == 0) {
+                    const float rescale = expf(row_max - new_max);
+                    sh.rescale[i][h] = rescale;
+                    row_sum = row_sum * rescale + sum;
+                }
+                row_max = new_max;
+            }
+            __syncwarp();  // every lane has read the statistics
             if (j == 0) {
-                const float rescale = expf(old_max - new_max);
-                sh.rescale[h] = rescale;
-                sh.row_max[h] = new_max;
-                sh.row_sum[h] = sh.row_sum[h] * rescale + sum;
+                sh.row_max[h] = row_max;
+                sh.row_sum[h] = row_sum;
             }
         }
-        __syncthreads();  // (C) the tile's weights and rescales are in place
+        __syncthreads();  // (C) the round's weights and rescales are in place
 
-        // 4. Outputs: acc = acc * rescale + p · V over this warp's 64 dims (8 n-tiles), p's and
-        // V's pieces (bf16(p) · V with one piece).
-        const float rescale_lo = sh.rescale[lo], rescale_hi = sh.rescale[hi];
-        u32_t pa[PIECES][4];
+        // 4. Outputs, tile by tile: acc = acc * rescale + p · V over this warp's 64 dims (8
+        // n-tiles), p's and V's pieces (bf16(p) · V with one piece).
 #pragma unroll
-        for (u32_t j = 0; j < PIECES; ++j) {
-            pa[j][0] = *reinterpret_cast<const u32_t*>(&sh.weights[j][lo][2 * t]);
-            pa[j][1] = *reinterpret_cast<const u32_t*>(&sh.weights[j][hi][2 * t]);
-            pa[j][2] = *reinterpret_cast<const u32_t*>(&sh.weights[j][lo][2 * t + 8]);
-            pa[j][3] = *reinterpret_cast<const u32_t*>(&sh.weights[j][hi][2 * t + 8]);
-        }
+        for (u32_t i = 0; i < R; ++i) {
+            if (i >= round_tiles) break;
+            const float rescale_lo = sh.rescale[i][lo], rescale_hi = sh.rescale[i][hi];
+            u32_t pa[PIECES][4];
 #pragma unroll
-        for (u32_t np = 0; np < 4; ++np) {
-            // b0, b1 of n-tiles 2 np and 2 np + 1: keys 2t.. and 2t + 8.., dim 8 nt + g.
-            u32_t b[PIECES][4];
+            for (u32_t j = 0; j < PIECES; ++j) {
+                pa[j][0] = *reinterpret_cast<const u32_t*>(&sh.weights[j][lo][i * TILE + 2 * t]);
+                pa[j][1] = *reinterpret_cast<const u32_t*>(&sh.weights[j][hi][i * TILE + 2 * t]);
+                pa[j][2] = *reinterpret_cast<const u32_t*>(&sh.weights[j][lo][i * TILE + 2 * t + 8]);
+                pa[j][3] = *reinterpret_cast<const u32_t*>(&sh.weights[j][hi][i * TILE + 2 * t + 8]);
+            }
 #pragma unroll
-            for (u32_t j = 0; j < PIECES; ++j)
-                ldmatrix_x4_trans(b[j], &keys[j][lane / 8 % 2 * 8 + lane % 8][dim0 + (2 * np + lane / 16) * 8]);
+            for (u32_t np = 0; np < 4; ++np) {
+                // b0, b1 of n-tiles 2 np and 2 np + 1: keys 2t.. and 2t + 8.., dim 8 nt + g.
+                u32_t bv[PIECES][4];
 #pragma unroll
-            for (u32_t i = 0; i < 2; ++i) {
-                const u32_t nt = 2 * np + i;
-                acc[nt][0] *= rescale_lo;
-                acc[nt][1] *= rescale_lo;
-                acc[nt][2] *= rescale_hi;
-                acc[nt][3] *= rescale_hi;
-                mma_pieces<PIECES>(acc[nt], pa, b, 2 * i);
+                for (u32_t j = 0; j < PIECES; ++j)
+                    ldmatrix_x4_trans(bv[j], &keys[i][j][lane / 8 % 2 * 8 + lane % 8][dim0 + (2 * np + lane / 16) * 8]);
+#pragma unroll
+                for (u32_t c = 0; c < 2; ++c) {
+                    const u32_t nt = 2 * np + c;
+                    acc[nt][0] *= rescale_lo;
+                    acc[nt][1] *= rescale_lo;
+                    acc[nt][2] *= rescale_hi;
+                    acc[nt][3] *= rescale_hi;
+                    mma_pieces<PIECES>(acc[nt], pa, bv, 2 * c);
+                }
             }
         }
     }
-    __syncthreads();  // the row statistics of the last tile are final
+    __syncthreads();  // the row statistics of the last round are final
 
     const size_t width = (size_t)p.heads * p.head_dim;
     const u32_t head0 = block_head0 + local0;

@@ -53,10 +53,15 @@ const FAST_OP: &str = "sparse_attention_sink_rows_ptr_fast";
 const FAST_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 /// Heads per group of the fast kernel (`fast_attention::HEADS`, one mma tile of rows).
 const FAST_GROUP_HEADS: usize = 16;
-/// Bytes of the fast kernel's fixed shared regions (`sizeof(fast_attention::Shared<1>)`: row
-/// statistics, weights, partial scores, two key tiles and q, sized for 64 heads of 512 dims).
+/// Bytes of the fast split kernel's fixed shared regions (`sizeof(fast_attention::Shared<false,
+/// 1>)`: row statistics, weights, partial scores, two key tiles and q, sized for 64 heads of 512
+/// dims).
 const FAST_SHARED_REGIONS: usize = 136_960;
-/// The same of the f32 kernels (`sizeof(fast_attention::Shared<2>)`: two bf16 pieces of the
+/// The same of the whole-query kernel of bf16 operands (`sizeof(fast_attention::Shared<true,
+/// 1>)`: rounds of two tiles, so two tiles' weights, partials and keys twice over; q for its
+/// 512 threads).
+const FAST_WHOLE_SHARED_REGIONS: usize = 140_288;
+/// The same of the f32 kernels (`sizeof(fast_attention::Shared<_, 2>)`: two bf16 pieces of the
 /// weights, the key tiles and q, sized for 32 heads of 512 dims).
 const FAST_F32_SHARED_REGIONS: usize = 153_472;
 /// The fewest blocks a fast launch should have before [`FastHeadBlock::choose`] narrows its head
@@ -537,20 +542,23 @@ impl FastHeadBlock {
     }
 }
 
-/// Dynamic shared memory of a fast-attention block of `head_dim` (`fast_attention::Shared<1>` of
-/// the bf16 kernels, `Shared<2>` of the f32 ones, then the staging ring of two tiles of 16 f32
-/// keys): at most 202 496 and 219 008 bytes, at head_dim 512.
-pub(crate) const fn fast_shared_bytes(head_dim: usize, rounding: Rounding) -> u32 {
-    let regions = match rounding {
-        Rounding::Bf16 => FAST_SHARED_REGIONS,
-        Rounding::F32 => FAST_F32_SHARED_REGIONS,
+/// Dynamic shared memory of a fast-attention block of `head_dim` (`fast_attention::Shared<whole,
+/// 1>` of the bf16 kernels, `Shared<whole, 2>` of the f32 ones, then the staging ring of two tiles
+/// of 16 f32 keys): at most 202 496 (split blocks) and 205 824 (whole queries) bytes with bf16
+/// operands, 219 008 with f32's, at head_dim 512.
+pub(crate) const fn fast_shared_bytes(head_dim: usize, rounding: Rounding, whole: bool) -> u32 {
+    let regions = match (rounding, whole) {
+        (Rounding::Bf16, false) => FAST_SHARED_REGIONS,
+        (Rounding::Bf16, true) => FAST_WHOLE_SHARED_REGIONS,
+        (Rounding::F32, _) => FAST_F32_SHARED_REGIONS,
     };
     (regions + 2 * 16 * 4 * head_dim) as u32
 }
 
 const _: () = assert!(
-    fast_shared_bytes(512, Rounding::Bf16) <= 227 * 1024
-        && fast_shared_bytes(512, Rounding::F32) <= 227 * 1024,
+    fast_shared_bytes(512, Rounding::Bf16, false) <= 227 * 1024
+        && fast_shared_bytes(512, Rounding::Bf16, true) <= 227 * 1024
+        && fast_shared_bytes(512, Rounding::F32, false) <= 227 * 1024,
     "a block's shared memory on sm_90 and sm_100"
 );
 
@@ -558,13 +566,13 @@ const _: () = assert!(
 /// its widest head_dim's, allowed at load.
 pub(crate) fn dynamic_shared_bytes(id: KernelId) -> Option<u32> {
     match id {
-        KernelId::SparseAttentionSinkRowsPtrFast
-        | KernelId::SparseAttentionSinkRowsPtrFastWhole => {
-            Some(fast_shared_bytes(512, Rounding::Bf16))
+        KernelId::SparseAttentionSinkRowsPtrFast => Some(fast_shared_bytes(512, Rounding::Bf16, false)),
+        KernelId::SparseAttentionSinkRowsPtrFastWhole => {
+            Some(fast_shared_bytes(512, Rounding::Bf16, true))
         }
-        KernelId::SparseAttentionSinkRowsPtrFastF32
-        | KernelId::SparseAttentionSinkRowsPtrFastF32Whole => {
-            Some(fast_shared_bytes(512, Rounding::F32))
+        KernelId::SparseAttentionSinkRowsPtrFastF32 => Some(fast_shared_bytes(512, Rounding::F32, false)),
+        KernelId::SparseAttentionSinkRowsPtrFastF32Whole => {
+            Some(fast_shared_bytes(512, Rounding::F32, true))
         }
         _ => None,
     }
@@ -652,7 +660,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
             .map_err(KernelError::driver(
                 "allocating the attention's split statistics",
             ))?;
-    let shared = fast_shared_bytes(head_dim, rounding);
+    let shared = fast_shared_bytes(head_dim, rounding, false);
     let combine_blocks = dim(
         FAST_OP,
         "combine blocks",
@@ -682,7 +690,7 @@ pub fn sparse_attention_sink_rows_ptr_fast(
         // threads (32..1024, a multiple of 32; the block fits the rounding's kernel, checked or
         // chosen so: within its launch bounds, 512 for the f32 kernel's two groups) serve
         // 16 * groups heads a block over ceil(heads / (16 * groups)) blocks, and the
-        // fast_shared_bytes(head_dim, rounding) of dynamic shared memory are within what the
+        // fast_shared_bytes(head_dim, rounding, false) of dynamic shared memory are within what the
         // runtime allowed the kernel at load (`dynamic_shared_bytes`, head_dim 512's); the
         // params' round_bf16 is the rounding's, as the combine reads it; queries query0 ..
         // query0 + count exist and the scratch holds count * max_splits split results when a
@@ -753,7 +761,7 @@ fn launch_whole_queries(
         },
     )?;
     let (head_blocks, threads) = block.grid(heads, head_dim)?;
-    let shared = fast_shared_bytes(head_dim, rounding);
+    let shared = fast_shared_bytes(head_dim, rounding, true);
     for query0 in (0..lists.queries).step_by(MAX_QUERIES_PER_LAUNCH) {
         let count = dim(
             FAST_OP,
@@ -769,8 +777,8 @@ fn launch_whole_queries(
         // AttentionParams); the buffers as for the split form (checked by the caller); at most
         // FAST_WHOLE_THREADS threads (checked), a multiple of 32, serving 16 * groups heads a block
         // (a block that fits the rounding's kernel: checked or chosen by the caller) over
-        // ceil(heads / (16 * groups)) blocks; the rounding's dynamic shared memory, allowed at
-        // load; queries query0 .. query0 + count exist.
+        // ceil(heads / (16 * groups)) blocks; the whole kernel's dynamic shared memory (its regions sized
+        // for FAST_WHOLE_THREADS threads), allowed at load; queries query0 .. query0 + count exist.
         unsafe {
             launch.launch(launch_config((head_blocks, count, 1), threads, shared))?;
         }
@@ -870,20 +878,39 @@ mod tests {
 
     #[test]
     fn the_fast_attention_shared_memory_is_its_regions_and_two_staged_tiles() {
-        // 3 × 64 f32 statistics, 64 × 24 bf16 weights, 32 warps × 16 × 16 f32 partials, 2 × 16
-        // and 64 bf16 rows of 520 (keys, q), 4 tiles of 16 key addresses.
+        // Split blocks: 2 × 64 f32 statistics and 64 rescales, 64 × 24 bf16 weights, 32 warps ×
+        // 16 × 16 f32 partials, 2 × 16 bf16 key rows of 520, 64 q rows of 520, 4 tiles of 16 key
+        // addresses.
         assert_eq!(
             FAST_SHARED_REGIONS,
             3 * 64 * 4 + 64 * 24 * 2 + 32 * 16 * 16 * 4 + (2 * 16 + 64) * 520 * 2 + 4 * 16 * 8
         );
-        assert_eq!(fast_shared_bytes(512, Rounding::Bf16), 202_496);
-        assert_eq!(fast_shared_bytes(64, Rounding::Bf16), 136_960 + 8192);
+        assert_eq!(fast_shared_bytes(512, Rounding::Bf16, false), 202_496);
+        assert_eq!(fast_shared_bytes(64, Rounding::Bf16, false), 136_960 + 8192);
         assert_eq!(
             dynamic_shared_bytes(KernelId::SparseAttentionSinkRowsPtrFast),
             Some(202_496)
         );
-        // The f32 kernels: 3 × 32 statistics, two pieces of 32 × 24 weights, 16 warps' partials,
-        // two pieces of the 2 × 16 key rows and of 32 q rows, the key addresses.
+        // Whole queries (rounds of two tiles, at most 512 threads): 2 × 64 statistics and two
+        // tiles' 64 rescales, 64 × 40 weights, two tiles of 16 warps' partials, 2 × 2 × 16 key
+        // rows of 520, q rows of head_dim + 8 for 512 threads (32 · 512 + 128 · 4 bf16: 32 rows of
+        // 520 or 64 of 264), 4 rounds of 32 key addresses.
+        assert_eq!(
+            FAST_WHOLE_SHARED_REGIONS,
+            (2 * 64 + 2 * 64) * 4
+                + 64 * 40 * 2
+                + 2 * 16 * 16 * 16 * 4
+                + 2 * 2 * 16 * 520 * 2
+                + (32 * 512 + 128 * 4) * 2
+                + 4 * 32 * 8
+        );
+        assert_eq!(fast_shared_bytes(512, Rounding::Bf16, true), 205_824);
+        assert_eq!(
+            dynamic_shared_bytes(KernelId::SparseAttentionSinkRowsPtrFastWhole),
+            Some(205_824)
+        );
+        // The f32 kernels (both forms): 3 × 32 statistics, two pieces of 32 × 24 weights, 16
+        // warps' partials, two pieces of the 2 × 16 key rows and of 32 q rows, the key addresses.
         assert_eq!(
             FAST_F32_SHARED_REGIONS,
             3 * 32 * 4
@@ -892,7 +919,9 @@ mod tests {
                 + 2 * (2 * 16 + 32) * 520 * 2
                 + 4 * 16 * 8
         );
-        assert_eq!(fast_shared_bytes(512, Rounding::F32), 219_008);
+        for whole in [false, true] {
+            assert_eq!(fast_shared_bytes(512, Rounding::F32, whole), 219_008);
+        }
         for id in [
             KernelId::SparseAttentionSinkRowsPtrFastF32,
             KernelId::SparseAttentionSinkRowsPtrFastF32Whole,

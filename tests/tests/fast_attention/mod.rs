@@ -489,9 +489,11 @@ impl DirectCase {
 
 /// The shapes of the head-block tests: heads that fill every block, that leave part of one (40 =
 /// 2.5 groups, 6) and fewer than a group (4: the tiny configs); key counts of one split (0 … 64
-/// keys, a whole split and a partial tile) and of many (65: 2, 333: 6, 700: 11).
+/// keys, a whole split and a partial tile) and of many (65: 2, 112: 2, 333: 6, 700: 11). The
+/// whole-query kernel's rounds of two tiles end one tile short at 1, 16, 33, 48 (a list of odd
+/// tiles), 65 and 333 (a last split of one tile) and 112 (a last split of three).
 const BLOCK_SHAPES: [(usize, usize); 4] = [(64, 512), (40, 256), (6, 128), (4, 64)];
-const BLOCK_KEY_COUNTS: [usize; 8] = [700, 64, 17, 1, 0, 65, 333, 33];
+const BLOCK_KEY_COUNTS: [usize; 11] = [700, 64, 17, 1, 0, 65, 333, 33, 16, 48, 112];
 
 #[test]
 fn every_head_block_gives_the_same_bits() {
