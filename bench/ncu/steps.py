@@ -10,7 +10,7 @@
   steps.py --step N A.csv.gz [B...] step N's kernels summed by name (launches, µs), runs side by
                                     side, each prefill a step of its own (prefill_start): with
                                     durations.sh's BENCH_ARGS="--sections block" LAUNCHES=420,
-                                    step 1 is a 1024-token prefill (0: the 256-token warm-up)
+                                    step 1 is a 1024-token prefill (0: its warm-up)
 """
 import csv
 import gzip

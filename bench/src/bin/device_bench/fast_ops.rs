@@ -119,20 +119,7 @@ fn bench(
             let weights = (0..copies)
                 .map(|_| activations(rt, n, k))
                 .collect::<Result<Vec<_>>>()?;
-            // Row-major y[m, n] = x[m, k] · W[n, k]ᵀ is column-major yᵀ[n, m] = W · xᵀ with W
-            // seen as a transposed column-major [k, n].
-            let cfg = GemmConfig {
-                transa: cublasOperation_t::CUBLAS_OP_T,
-                transb: cublasOperation_t::CUBLAS_OP_N,
-                m: i32::try_from(n)?,
-                n: i32::try_from(m)?,
-                k: i32::try_from(k)?,
-                alpha: bf16::ONE,
-                lda: i32::try_from(k)?,
-                ldb: i32::try_from(k)?,
-                beta: bf16::ZERO,
-                ldc: i32::try_from(n)?,
-            };
+            let cfg = row_major_gemm(m, n, k, k, n)?;
             time_launches(rt, timer, |i| {
                 // SAFETY: W holds n·k, x m·k and y m·n bf16 values, as cfg describes.
                 unsafe { blas.gemm(cfg, &weights[i % copies], &x, &mut y) }
@@ -602,21 +589,9 @@ fn bench_cublas_grouped(
         .map(|_| activations(rt, outputs, k))
         .collect::<Result<Vec<_>>>()?;
     // Group g: row-major y_g[m, n] (row stride groups · n) = x_g[m, k] (row stride groups · k) ·
-    // W_g[n, k]ᵀ, i.e. column-major y_gᵀ = W_g · x_gᵀ with W_g a transposed column-major [k, n];
-    // the groups n · k weights, k inputs and n outputs apart.
+    // W_g[n, k]ᵀ; the groups n · k weights, k inputs and n outputs apart.
     let cfg = StridedBatchedConfig {
-        gemm: GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: i32::try_from(n)?,
-            n: i32::try_from(m)?,
-            k: i32::try_from(k)?,
-            alpha: bf16::ONE,
-            lda: i32::try_from(k)?,
-            ldb: i32::try_from(inputs)?,
-            beta: bf16::ZERO,
-            ldc: i32::try_from(outputs)?,
-        },
+        gemm: row_major_gemm(m, n, k, inputs, outputs)?,
         batch_size: i32::try_from(groups)?,
         stride_a: i64::try_from(n * k)?,
         stride_b: i64::try_from(k)?,
@@ -638,5 +613,29 @@ fn bench_cublas_grouped(
         bytes: (2 * (outputs * k + m * inputs + m * outputs)) as f64,
         flops: (2 * m * outputs * k) as f64,
         peak_flops: BF16_FLOPS,
+    })
+}
+
+/// The cuBLAS bf16 GEMM of row-major y[m, n] (rows `y_stride` apart) = x[m, k] (rows `x_stride`
+/// apart) · W[n, k]ᵀ: column-major yᵀ[n, m] = W · xᵀ with W seen as a transposed column-major
+/// [k, n].
+fn row_major_gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    x_stride: usize,
+    y_stride: usize,
+) -> Result<GemmConfig<bf16>> {
+    Ok(GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_T,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: i32::try_from(n)?,
+        n: i32::try_from(m)?,
+        k: i32::try_from(k)?,
+        alpha: bf16::ONE,
+        lda: i32::try_from(k)?,
+        ldb: i32::try_from(x_stride)?,
+        beta: bf16::ZERO,
+        ldc: i32::try_from(y_stride)?,
     })
 }
