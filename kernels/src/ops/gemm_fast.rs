@@ -1206,27 +1206,29 @@ mod tests {
         if b & 0x80 != 0 { -v } else { v }
     }
 
+    /// Every tile of the kernels, `Auto` aside.
+    const TILES: [FastTile; 4] = [FastTile::Rows8, FastTile::Rows32, FastTile::Rows64, FastTile::Rows128];
+
+    /// Fails unless each line is in gemm_fast.cuh: the kernel rules a test restates in Rust.
+    fn assert_in_kernel_source(lines: &[&str]) {
+        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
+        for line in lines {
+            assert!(header.contains(line), "{line} not in gemm_fast.cuh");
+        }
+    }
+
     #[test]
     fn the_scale_products_space_is_sized_for_exactly_the_tiles_that_form_them() {
         // gemm_fast_tile forms a warp's scale products in shared memory after the stages where
         // PRODUCTS holds: one weight scale per band (FP8) and 32 tokens or more. products_bytes
         // must size exactly those launches, or the kernel writes past its shared memory.
-        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
-        for line in [
+        assert_in_kernel_source(&[
             "constexpr bool PRODUCTS = W::BAND_SCALE && BT >= 32;",
             "static constexpr bool BAND_SCALE = true;  // one scale for the band's 16 rows",
             "static constexpr bool BAND_SCALE = false;  // a scale per row",
-        ] {
-            assert!(header.contains(line), "{line} not in gemm_fast.cuh");
-        }
-        let kernels = [
-            FastKernels::Fp8(ActGroup::G32),
-            FastKernels::Fp8(ActGroup::G128),
-            FastKernels::Fp4,
-            FastKernels::Fp4Routed,
-        ];
-        for kernels in kernels {
-            for tile in [FastTile::Rows8, FastTile::Rows32, FastTile::Rows64, FastTile::Rows128] {
+        ]);
+        for kernels in FastKernels::ALL {
+            for tile in TILES {
                 let shape = kernels.shape(tile);
                 let forms = matches!(kernels, FastKernels::Fp8(_)) && shape.tokens >= 32;
                 let expected = if forms { shape.warps * 2 * shape.tokens * 4 } else { 0 };
@@ -1241,18 +1243,15 @@ mod tests {
         // [TILES][THREADS] float4, thread x's n8 tile i at i THREADS + x. totals_bytes must size
         // exactly those launches, or the kernel writes past its shared memory; FastKernel::folds
         // must be set for exactly them, or a folded launch runs a tile that sums K in one chain.
-        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
-        for line in [
+        assert_in_kernel_source(&[
             "constexpr bool FOLDS = BT >= 128;",
             "const bool folded = FOLDS && p.folded;",
             "constexpr u32_t PRODUCTS_BYTES = PRODUCTS ? WARPS * 2 * BT * 4 : 0;",
             "reinterpret_cast<float4*>(smem + STAGES * L::BYTES + PRODUCTS_BYTES) + i * THREADS",
             "gemm_fast_tile<W, 32, WARPS, BT, STAGES, STEP, false>(",
-        ] {
-            assert!(header.contains(line), "{line} not in gemm_fast.cuh");
-        }
+        ]);
         for kernels in FastKernels::ALL {
-            for tile in [FastTile::Rows8, FastTile::Rows32, FastTile::Rows64, FastTile::Rows128] {
+            for tile in TILES {
                 let shape = kernels.shape(tile);
                 let folds = kernels != FastKernels::Fp4Routed && shape.tokens >= 128;
                 assert_eq!(kernels.tile_folds(shape), folds, "{kernels:?} {tile:?}");
@@ -1304,13 +1303,10 @@ mod tests {
     fn the_kernels_e2m1_to_e4m3_conversion_is_exact_for_every_code_in_every_position() {
         // The kernel's e2m1x8_to_e4m3 (gemm_fast.cuh, these two lines) on a lane's 4 packed
         // bytes after the upload's fp4_piece_order: every byte is 2^-6 times its code's value.
-        let header = include_str!("../../cuda/gemm/gemm_fast.cuh");
-        for line in [
+        assert_in_kernel_source(&[
             "lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1c1c1c1cu);",
             "hi = (w & 0x80808080u) | ((w >> 2) & 0x1c1c1c1cu);",
-        ] {
-            assert!(header.contains(line), "{line} not in gemm_fast.cuh");
-        }
+        ]);
         let convert = |w: u32| {
             (
                 ((w << 4) & 0x8080_8080) | ((w << 2) & 0x1c1c_1c1c),
