@@ -68,7 +68,7 @@ const SHOWN: usize = 8;
 /// The prefill sweep: token rows, warps, stages and codes per stage tried at [`PREFILL_M`].
 const PREFILL_TOKENS: [u32; 2] = [64, 128];
 const PREFILL_WARPS: [u32; 2] = [4, 8];
-const PREFILL_STAGES: [u32; 2] = [2, 3];
+const PREFILL_STAGES: [u32; 3] = [2, 3, 4];
 const PREFILL_STEPS: [u32; 2] = [128, 256];
 const PREFILL_M: usize = 1024;
 /// The FP8 tensor-core peak of the H200 (`torch._scaled_mm` 4096³, ../shared/tools/gpu.md).
