@@ -136,6 +136,8 @@ pub struct KernelRuntime {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: Arch,
+    /// The device's multiprocessors ([`KernelRuntime::multiprocessors`]).
+    multiprocessors: usize,
     functions: HashMap<KernelId, CudaFunction>,
     report: LoadReport,
     counters: RuntimeCounters,
@@ -225,6 +227,10 @@ impl KernelRuntime {
             .map_err(KernelError::driver("reading the compute capability"))?;
         let arch = Arch::from_compute_capability(major, minor)
             .ok_or(KernelError::UnsupportedArch { major, minor })?;
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(KernelError::driver("reading the multiprocessor count"))?
+            .max(1) as usize;
         let device_name = ctx
             .name()
             .map_err(KernelError::driver("reading the device name"))?;
@@ -271,6 +277,7 @@ impl KernelRuntime {
             ctx,
             stream,
             arch,
+            multiprocessors,
             functions,
             report,
             counters: RuntimeCounters::default(),
@@ -310,6 +317,12 @@ impl KernelRuntime {
 
     pub fn arch(&self) -> Arch {
         self.arch
+    }
+
+    /// The device's multiprocessor count: what launch choices that never change a result count
+    /// waves in (the fast GEMMs' K-part folding, the wide linear tile).
+    pub fn multiprocessors(&self) -> usize {
+        self.multiprocessors
     }
 
     pub fn report(&self) -> &LoadReport {

@@ -456,10 +456,11 @@ where
 }
 
 /// The rows at which the dense launch of `w` on `planes` weights (1, or 2: a pair) starts folding
-/// its K parts into one block (the least M: [`FastKernels::folds`], a 128-row tile), and one row
-/// fewer, where it splits them.
-fn folding_switch(w: &impl FastWeight, planes: usize) -> [usize; 2] {
-    let folds = |m| w.kernels().folds(FastTile::Auto, m, w.shape(), planes);
+/// its K parts into one block on `rt`'s device (the least M: [`FastKernels::folds`], a 128-row
+/// tile), and one row fewer, where it splits them.
+fn folding_switch(rt: &KernelRuntime, w: &impl FastWeight, planes: usize) -> [usize; 2] {
+    let sms = rt.multiprocessors();
+    let folds = |m| w.kernels().folds(FastTile::Auto, m, w.shape(), planes, sms);
     let m = (1..1 << 16)
         .find(|&m| folds(m))
         .expect("a launch that folds its K parts below 65536 rows");
@@ -493,7 +494,7 @@ fn check_part_order<W: FastWeight>(
         .collect();
     let span_weights: Vec<W> = spans.iter().map(|&s| span_weight(s)).collect();
     let mut reassociated = 0;
-    let [split, folded] = folding_switch(dw, 1);
+    let [split, folded] = folding_switch(rt, dw, 1);
     for rows in [1usize, 7, 64, 130, split, folded] {
         let x = activations(rng, rows, k);
         let a = quantize_act_fp8(rt, &upload_bf16(rt, &x), rows, k, group).expect("quantise");
@@ -607,10 +608,10 @@ fn fast_gemm_adds_its_k_parts_in_part_order() {
 fn check_pair_planes<W: FastWeight>(rt: &KernelRuntime, rng: &mut Rng, what: &str, pair: [&W; 2]) {
     let (n, k) = pair[0].shape();
     let plane = |y: &[f32], p: usize| y[p * y.len() / 2..(p + 1) * y.len() / 2].to_vec();
-    let [split, folded] = folding_switch(pair[0], 2);
+    let [split, folded] = folding_switch(rt, pair[0], 2);
     let kernels = pair[0].kernels();
     assert!(
-        !kernels.folds(FastTile::Auto, folded, (n, k), 1),
+        !kernels.folds(FastTile::Auto, folded, (n, k), 1, rt.multiprocessors()),
         "{what}: one weight folds where the pair starts to (the check would see no split launch)"
     );
     for rows in [1usize, 8, 64, 200, split, folded] {

@@ -105,12 +105,11 @@ const STEP_K: usize = 128;
 /// Output features per weight band (one warp's mma rows).
 const BAND: usize = 16;
 
-/// SMs of the H100 and the H200: the blocks of a tile held one an SM (the 128-row tiles) that
-/// run at once, a wave.
-const SMS: usize = 132;
-/// Blocks a launch counted in 32 output features per block should have: two waves of the H200's
-/// 132 SMs (the 8-row decode tile's 4 warps make it one wave of 64-feature blocks).
-const TARGET_BLOCKS: usize = 2 * SMS;
+/// Blocks a launch counted in 32 output features per block should have: two waves of the H100's
+/// and H200's 132 SMs (the 8-row decode tile's 4 warps make it one wave of 64-feature blocks).
+/// A constant, not the device's count: the K parts fix the sums' order, so that a weight's
+/// products have the same bits on every device of one MMA.
+const TARGET_BLOCKS: usize = 2 * 132;
 /// K codes per part are a multiple of this (the largest stage, so parts cut no stage).
 const PART_QUANTUM: usize = 512;
 /// Threads per block of the part reduction.
@@ -397,11 +396,19 @@ impl FastKernels {
     /// weights `[n, k]` (1, or 2: [`Projections`]) adds its K parts ([`k_parts`]) in the kernel,
     /// one block over all of them, rather than in blocks of a part and `gemm_fast_reduce`; the
     /// bits are the same (`cuda/gemm/gemm_fast.cuh`); `folded` below says when.
-    pub fn folds(self, tile: FastTile, m: usize, (n, k): (usize, usize), planes: usize) -> bool {
+    /// `sms`: the device's multiprocessors ([`KernelRuntime::multiprocessors`]).
+    pub fn folds(
+        self,
+        tile: FastTile,
+        m: usize,
+        (n, k): (usize, usize),
+        planes: usize,
+        sms: usize,
+    ) -> bool {
         let tile = tile.resolve(self, m);
         let shape = self.shape(tile);
         let blocks = dense_blocks(self.block(tile), m, n, planes);
-        self.tile_folds(shape) && folded(blocks, k_parts(n, k).1)
+        self.tile_folds(shape) && folded(blocks, k_parts(n, k).1, sms)
     }
 }
 
@@ -412,18 +419,19 @@ fn dense_blocks((tokens, warps): (u32, u32), m: usize, n: usize, planes: usize) 
 }
 
 /// Whether a launch of a folding tile (one block an SM) with `blocks` blocks a part adds its
-/// `parts` in the kernel — a function of M and the shape alone. Counted in waves of [`SMS`]
-/// blocks of one part's length, the folded launch takes `ceil(blocks / SMS) · parts`, the split
-/// one `ceil(blocks · parts / SMS)` and then the reduction, with the partials written and read
+/// `parts` in the kernel on a device of `sms` multiprocessors — a function of M, the shape and
+/// the device, never of the bits, which are the same either way. Counted in waves of `sms`
+/// blocks of one part's length, the folded launch takes `ceil(blocks / sms) · parts`, the split
+/// one `ceil(blocks · parts / sms)` and then the reduction, with the partials written and read
 /// back: about an eighth of the split tile's time at prefill (ncu, H100, a 1024-token prefill of
 /// the V4.1 block: `gemm_fast_reduce` 135 µs beside the tile's 1157). So it folds when that
 /// takes at most an eighth more waves. Where it would not, the split blocks fill the SMs
 /// better: at M = 1024 V4.1's `wkv` (5120 → 512, 10 parts) folded is 32 blocks, split 320;
 /// `wo_b` (8192 → 5120, 2 parts) 320 blocks, 6 waves against 5. Past a few waves every launch
 /// folds (the loss is within a wave).
-fn folded(blocks: usize, parts: usize) -> bool {
-    let folded = blocks.div_ceil(SMS) * parts;
-    let split = (blocks * parts).div_ceil(SMS);
+fn folded(blocks: usize, parts: usize, sms: usize) -> bool {
+    let folded = blocks.div_ceil(sms) * parts;
+    let split = (blocks * parts).div_ceil(sms);
     parts > 1 && 8 * folded <= 9 * split
 }
 
@@ -924,7 +932,12 @@ fn launch_dense<W: DenseWeight, Y: FastOutput>(
     let (tokens, warps) = kernel.block;
     let span = kernel.span;
     let parts = k.div_ceil(span).max(1);
-    let fold = kernel.folds && folded(dense_blocks(kernel.block, a.rows, n, projections), parts);
+    let fold = kernel.folds
+        && folded(
+            dense_blocks(kernel.block, a.rows, n, projections),
+            parts,
+            rt.multiprocessors(),
+        );
     // A block per K part, its sums in partials and the reduction after (else one along K).
     let split = parts > 1 && !fold;
     // The outputs of every plane (the reduction's count; plane offsets in u32 rows).
@@ -1025,6 +1038,9 @@ pub(crate) fn reduce_parts<Y: FastOutput>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The H100's and H200's multiprocessors, where the rules below were measured.
+    const H200_SMS: usize = 132;
 
     #[test]
     fn auto_takes_the_smallest_tile_that_holds_the_rows() {
@@ -1265,7 +1281,7 @@ mod tests {
     #[test]
     fn launches_fold_their_k_parts_where_the_folded_blocks_fill_the_sms_no_worse() {
         let fp8 = FastKernels::Fp8(ActGroup::G32);
-        let folds = |m, n, k, planes| fp8.folds(FastTile::Auto, m, (n, k), planes);
+        let folds = |m, n, k, planes| fp8.folds(FastTile::Auto, m, (n, k), planes, H200_SMS);
         // A 1024-token prefill of the V4.1 block: the index's wq_b (1280 -> 4096, 3 parts:
         // 256 blocks in 2 waves of 3 parts against 6) folds; wq_a (80 blocks of 5 parts against
         // 4 waves), wkv (32 blocks of 10 parts against 3), wo_b and w2 (320 blocks: 6 against 5)
@@ -1289,14 +1305,19 @@ mod tests {
         }
         // Only the 128-row tile folds: never at 64 rows or fewer, nor when it is forced there.
         assert!(!folds(64, 4096, 1280, 1));
-        assert!(!fp8.folds(FastTile::Rows64, 1024, (4096, 1280), 1));
-        assert!(fp8.folds(FastTile::Rows128, 1024, (4096, 1280), 1));
-        assert!(!FastKernels::Fp4Routed.folds(FastTile::Rows128, 1024, (4096, 1280), 1));
+        assert!(!fp8.folds(FastTile::Rows64, 1024, (4096, 1280), 1, H200_SMS));
+        assert!(fp8.folds(FastTile::Rows128, 1024, (4096, 1280), 1, H200_SMS));
+        assert!(!FastKernels::Fp4Routed.folds(FastTile::Rows128, 1024, (4096, 1280), 1, H200_SMS));
         // The pair's two planes make twice the blocks: it folds where one weight does not.
         assert!(folds(257, 2304, 5120, 2) && !folds(257, 2304, 5120, 1));
         // The rule: waves of the folded launch at most 9/8 of the split one's.
-        assert!(folded(132, 2) && !folded(133, 2) && folded(264, 2));
-        assert!(!folded(1000, 1));
+        assert!(folded(132, 2, 132) && !folded(133, 2, 132) && folded(264, 2, 132));
+        assert!(!folded(1000, 1, 132));
+        // Waves are the device's: on 148 multiprocessors (a B200) 148 blocks of 2 parts fold.
+        assert!(folded(148, 2, 148) && !folded(148, 2, 132));
+        // wq_b at a 1024-token prefill folds on 132 multiprocessors (256 blocks: 2 waves of 3
+        // parts: 6 waves against the split launch's 6); on 78 (12 against 10) it does not.
+        assert!(!fp8.folds(FastTile::Auto, 1024, (4096, 1280), 1, 78));
     }
 
     #[test]

@@ -185,11 +185,13 @@ pub const fn wide_shared_bytes(pieces: u32, one_part: bool) -> u32 {
     let stage_chunks = if pieces == 1 { 2 } else { 1 };
     totals + 2 * stage_chunks * (pieces * 128 * 32 * 2 + 256 * 32 * 2)
 }
-/// The wide tile needs this many blocks (row tiles × column tiles × groups) to be taken: about
-/// a wave of an H100's or H200's 132 multiprocessors, which hold one wide block each (its 208 or
-/// 224 KiB of shared memory and 255 registers a thread). Below, its one-part form's 8 blocks a
-/// wide block fill more of them.
-const WIDE_MIN_BLOCKS: usize = 128;
+/// The wide tile needs about a wave of blocks (row tiles × column tiles × groups) to be taken: a
+/// multiprocessor holds one wide block (its 208 or 224 KiB of shared memory and 255 registers a
+/// thread), and below a wave its one-part form's 8 blocks a wide block fill more of them. About:
+/// a wave less a 32nd of it (128 blocks on the H100's and H200's 132 multiprocessors).
+const fn wide_min_blocks(sms: usize) -> usize {
+    sms - sms / 32
+}
 /// The one-part wide tile needs this many blocks (× [`PARTS`]) to be taken: below,
 /// [`FastLinearTile::T4x2`]'s many blocks use more of the device.
 const WIDE_PART_MIN_BLOCKS: usize = 32;
@@ -247,13 +249,13 @@ impl FastLinearTile {
     /// The tile for `rows` rows of `groups` groups of `out` outputs each: by rows (more rows
     /// share each weight load as they grow), the wide tile once it makes enough blocks, else
     /// its one-part form (a block per part) from a full row tile on, once that does.
-    fn choose(rows: usize, out: usize, groups: usize) -> FastLinearTile {
+    fn choose(rows: usize, out: usize, groups: usize, sms: usize) -> FastLinearTile {
         let (wide_rows, wide_cols) = FastLinearTile::Wide.block();
         let wide_blocks = rows.div_ceil(wide_rows) * out.div_ceil(wide_cols) * groups;
         match rows {
             0..=16 => FastLinearTile::T1x1,
             17..=64 => FastLinearTile::T2x2,
-            _ if wide_blocks >= WIDE_MIN_BLOCKS => FastLinearTile::Wide,
+            _ if wide_blocks >= wide_min_blocks(sms) => FastLinearTile::Wide,
             _ if rows >= wide_rows && wide_blocks * PARTS >= WIDE_PART_MIN_BLOCKS => {
                 FastLinearTile::WidePart
             }
@@ -286,7 +288,9 @@ pub fn linear_bf16_fast(
     product: FastProduct,
 ) -> Result<(), KernelError> {
     let (x_width, group_out) = (w.groups * w.inp, w.out / w.groups);
-    let tile = tile.unwrap_or_else(|| FastLinearTile::choose(rows, group_out, w.groups));
+    let tile = tile.unwrap_or_else(|| {
+        FastLinearTile::choose(rows, group_out, w.groups, rt.multiprocessors())
+    });
     expect_len(OP, "x", x.len(), rows * x_width)?;
     expect_len(OP, "y", y.len(), rows * w.out)?;
     if rows == 0 || w.out == 0 {
@@ -385,6 +389,9 @@ fn reduce_parts(
 mod tests {
     use super::*;
 
+    /// The H100's and H200's multiprocessors, where the tile rules were measured.
+    const H200_SMS: usize = 132;
+
     #[test]
     fn decode_rows_take_the_decode_tiles() {
         for (rows, tile) in [
@@ -394,7 +401,11 @@ mod tests {
             (64, FastLinearTile::T2x2),
         ] {
             // Even where wide blocks would fill the device.
-            assert_eq!(FastLinearTile::choose(rows, 8192, 8), tile, "{rows} rows");
+            assert_eq!(
+                FastLinearTile::choose(rows, 8192, 8, H200_SMS),
+                tile,
+                "{rows} rows"
+            );
         }
     }
 
@@ -432,11 +443,15 @@ mod tests {
             (513, 7168, 1, Wide),
         ] {
             assert_eq!(
-                FastLinearTile::choose(rows, out, groups),
+                FastLinearTile::choose(rows, out, groups, H200_SMS),
                 tile,
                 "{rows} rows of {groups} x {out}"
             );
         }
+        // A wave is the device's: on 148 multiprocessors (a B200) the grouped wo_a's 128 wide
+        // blocks at 385 rows are short of one (144), 160 at 513 rows are not.
+        assert_eq!(FastLinearTile::choose(385, 1024, 8, 148), WidePart);
+        assert_eq!(FastLinearTile::choose(513, 1024, 8, 148), Wide);
     }
 
     #[test]
