@@ -72,9 +72,9 @@ extern "C" __global__ void __launch_bounds__(fast_attention::MAX_F32_THREADS)
 
 // The same attention with one block per query running all of its splits (grid (head blocks,
 // queries of this launch, 1); at most 512 threads: 32 heads of head_dim 512, so that the merged
-// outputs stay in registers; sizeof(fast_attention::Shared<true, 1>) + 128 · head_dim bytes of
-// dynamic shared memory, for its rounds of two tiles); the same bits as the split blocks and
-// their combine, no scratch.
+// outputs stay in registers; sizeof(fast_attention::Shared<true, 1>) bytes of dynamic shared
+// memory, for its rounds of two tiles, and no staging ring: its keys go through registers); the
+// same bits as the split blocks and their combine, no scratch.
 extern "C" __global__ void __launch_bounds__(fast_attention::MAX_WHOLE_THREADS)
     sparse_attention_sink_rows_ptr_fast_whole(const float* q, const unsigned long long* key_ptrs,
                                               const u32_t* key_rows, const u32_t* row_starts,

@@ -30,17 +30,28 @@
 // 16 to 64 heads with one piece, 16 or 32 with two).
 // The loop runs rounds of R tiles (ROUND: 2 in the whole-query kernel of one piece, 1 in the
 // others, whose shared memory holds no second tile), three barriers a round: 3 / (16 R) a key.
-//   0. The block's first two tiles are requested by cp.async (f32, as stored) into a ring of two
-//      staging slots, one copy group per round (a thread only ever reads back the float4 it
-//      copied itself, so a slot needs no barrier of its own); then the block's q rows are
-//      converted to their bf16 pieces into shared memory (zero past the last head; rows head_dim
-//      + 8 apart). A key's address takes two dependent loads (its row number, then the table's
+// A thread converts the same float4 of every tile: float4 t % (head_dim / 4) of the tile's rows
+// t / (head_dim / 4), + 2 groups, ... (t = threadIdx.x; slots t, t + threads, ... of the tile's
+// 4 head_dim float4), as its bf16 pieces into shared memory (double-buffered by round: a slow warp
+// may still read the last round's keys). The f32 keys reach it by one of two ways
+// (KEYS_IN_REGISTERS):
+//   - the staging ring (split blocks, two pieces): cp.async copies them (f32, as stored) two
+//     tiles ahead into two staging slots of shared memory, one copy group per round (a thread
+//     only ever reads back the float4 it copied itself, so a slot needs no barrier of its own);
+//   - registers (the whole-query kernel of one piece, the prefill's): the thread loads them
+//     itself, the next round's first tile over this round's softmax, its second over this
+//     round's outputs (not over the scores, whose registers are the kernel's most), and stores
+//     each tile's pieces into the next round's buffer as its phase ends: the f32 keys never pass
+//     through shared memory (4 head_dim float4 a tile the ring writes and reads back).
+//   0. The block's first tiles are requested (the ring's first two rounds, the registers' first
+//      round); then the block's q rows are converted to their bf16 pieces into shared memory
+//      (zero past the last head; rows head_dim + 8 apart); with registers, the first round's
+//      keys follow. A key's address takes two dependent loads (its row number, then the table's
 //      address); lanes 0 .. 16 R - 1 of warp 0 resolve them a few rounds ahead into shared
 //      memory (KeyAddressPipe), so a fetch never waits on them.
 // Then per round, in list order:
-//   1. The thread's share of the round's tiles, waited for, is converted to its bf16 pieces into
-//      shared memory (double-buffered: a slow warp may still read the last round's keys); after
-//      the barrier the slots are refilled with the next tiles (two ahead of the round's first).
+//   1. The ring: the thread's share of the round's tiles, waited for, is converted; after the
+//      barrier the slots are refilled with the next tiles (two ahead of the round's first).
 //   2. Scores: each warp multiplies its 64 dims of its group's 16 heads (A, by ldmatrix from the
 //      bf16 q, shared by the round's tiles) by the same dims of each tile's 16 keys (B, by
 //      ldmatrix), the pieces' products per k-step (mma_pieces): a partial [16 heads x 16 keys]
@@ -59,7 +70,8 @@
 //
 // Why the bits do not depend on the group count (nor differ from the one-group kernel this
 // replaced): every head's arithmetic is the same operations on the same values. q and the keys
-// are split into their pieces by the same conversion wherever it runs; ldmatrix puts in each
+// are split into their pieces by the same conversion wherever it runs (the same f32 values from
+// the ring or from registers, zeros past the list either way); ldmatrix puts in each
 // register exactly the pair of bf16 values the 32-bit fragment loads did (numerics.cuh,
 // ldmatrix_x4); a warp's scores are the same mma chain over its 64 dims (k-steps in dim order,
 // the pieces in a fixed order, from zero), a head's head_dim / 64 partials are added in dim
@@ -98,7 +110,8 @@ constexpr u32_t MAX_F32_THREADS = MAX_THREADS / 2;    // both kernels of two pie
 // bf16 per shared q or key row: 16-byte rows whose 8 consecutive rows fall in distinct banks
 // (ldmatrix without conflicts).
 constexpr u32_t ROW_STRIDE = WARP_DIMS * MAX_DIM_WARPS + 8;
-constexpr u32_t STAGES = 2;         // tiles in flight (cp.async)
+constexpr u32_t STAGES = 2;         // tiles in flight in the staging ring (cp.async)
+constexpr u32_t HELD = 4;           // float4 of a tile a thread holds in registers (TileShare)
 constexpr u32_t ADDRESS_SLOTS = 4;  // rounds whose key addresses wait in shared memory
 constexpr u32_t SPLIT_TILES = 4;      // tiles per split of a query's keys
 constexpr u32_t SPLIT_KEYS = SPLIT_TILES * TILE;
@@ -114,14 +127,22 @@ __device__ __forceinline__ u32_t splits_of(u32_t n_keys) {
 template <bool WHOLE, u32_t PIECES>
 constexpr u32_t ROUND = WHOLE && PIECES == 1 ? 2 : 1;
 
+// How the f32 keys reach their bf16 pieces (the header): through registers in the whole-query
+// kernel of one piece (the prefill's: 128 registers, no spills, its rounds' two tiles one at a
+// time), through the staging ring in the others (the split blocks' 1024 threads have 64
+// registers; the f32 kernels, V4's, are as they were).
+template <bool WHOLE, u32_t PIECES>
+constexpr bool KEYS_IN_REGISTERS = WHOLE && PIECES == 1;
+
 // The block's shared memory (dynamic): regions at fixed offsets, sized for the widest block of
 // the kernel (64 heads of 1024 threads with one piece in split blocks, of 512 threads at head_dim
-// <= 256 in whole queries; 32 heads of 512 threads with two pieces), then the staging ring of
-// head_dim-wide f32 keys. q rows are head_dim + 8 bf16 apart (16-byte rows, 8 consecutive ones
-// in distinct banks), so a block of T threads needs 32 T + 128 groups of them a piece.
-// `fast_shared_bytes` in ops/attention.rs mirrors it: sizeof(Shared) + STAGES · TILE · head_dim ·
-// 4 bytes (136 960 + 128 head_dim: 202 496 at head_dim 512 for the split blocks of one piece;
-// 140 288 + 128 head_dim: 205 824 whole; 153 472 + 128 head_dim: 219 008 with two pieces).
+// <= 256 in whole queries; 32 heads of 512 threads with two pieces), then, unless
+// KEYS_IN_REGISTERS, the staging ring of head_dim-wide f32 keys. q rows are head_dim + 8 bf16
+// apart (16-byte rows, 8 consecutive ones in distinct banks), so a block of T threads needs
+// 32 T + 128 groups of them a piece. `fast_shared_bytes` in ops/attention.rs mirrors it:
+// sizeof(Shared) + STAGES · TILE · head_dim · 4 bytes of the ring (136 960 + 128 head_dim:
+// 202 496 at head_dim 512 for the split blocks of one piece; 153 472 + 128 head_dim: 219 008
+// with two pieces), sizeof(Shared) alone whole with one piece (140 288).
 template <bool WHOLE, u32_t PIECES>
 struct Shared {
     static constexpr u32_t R = ROUND<WHOLE, PIECES>;
@@ -229,6 +250,46 @@ __device__ __forceinline__ void fetch(float4* stage, u32_t r, u32_t tiles, u32_t
     cp_async_commit();
 }
 
+// KEYS_IN_REGISTERS: this thread's share of a key tile on its way to its bf16 pieces: float4
+// `quad` of the tile's rows row0, row0 + step, ... (its slots threadIdx.x + u · blockDim.x of the
+// tile's TILE << quad_bits, as fetch copies them: a block is a whole number of rows, step = 2 ·
+// groups), the first HELD of them loaded ahead into registers (all of them in blocks of 32 or 64
+// heads: TILE / step = 8 / groups), the rest (blocks of 16 heads) as the tile is stored. Tile k's
+// key j at addresses[j].
+struct TileShare {
+    u32_t quad, row0, step;
+    u32_t keys_left;  // from the split's first key on
+
+    __device__ __forceinline__ TileShare(u32_t quad_bits, u32_t keys_left)
+        : quad(threadIdx.x & ((1u << quad_bits) - 1)), row0(threadIdx.x >> quad_bits),
+          step(blockDim.x >> quad_bits), keys_left(keys_left) {}
+
+    // Row `row` of tile k: zero past the list, as cp.async fills it.
+    __device__ __forceinline__ float4 load_row(const unsigned long long* addresses, u32_t k, u32_t row) const {
+        return k * TILE + row < keys_left ? __ldg(reinterpret_cast<const float4*>(addresses[row]) + quad)
+                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    __device__ __forceinline__ void load(float4 (&held)[HELD], const unsigned long long* addresses, u32_t k) const {
+#pragma unroll
+        for (u32_t u = 0; u < HELD; ++u) {
+            if (u * step >= TILE) break;
+            held[u] = load_row(addresses, k, row0 + u * step);
+        }
+    }
+    // The tile's share as its bf16 pieces into `keys` (piece j at keys[j]).
+    template <u32_t PIECES>
+    __device__ __forceinline__ void store(__nv_bfloat16 (&keys)[PIECES][TILE][ROW_STRIDE], const float4 (&held)[HELD],
+                                          const unsigned long long* addresses, u32_t k) const {
+#pragma unroll
+        for (u32_t u = 0; u < HELD; ++u) {
+            if (u * step >= TILE) break;
+            store_pieces<PIECES>(&keys[0][row0 + u * step][quad * 4], TILE * ROW_STRIDE, held[u]);
+        }
+        for (u32_t row = row0 + HELD * step; row < TILE; row += step)
+            store_pieces<PIECES>(&keys[0][row][quad * 4], TILE * ROW_STRIDE, load_row(addresses, k, row));
+    }
+};
+
 // The key addresses of the block's rounds (R tiles), resolved ahead through the two dependent
 // loads of a key (its row number, then the row's address) by lanes 0 .. R TILE - 1 of warp 0,
 // one key each, so that no fetch waits on them: when round r is fetched (ADDRESS_SLOTS > STAGES /
@@ -302,8 +363,9 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     if (split >= splits) return;
     using S = Shared<WHOLE, PIECES>;
     constexpr u32_t R = S::R;
+    constexpr bool REGISTERS = KEYS_IN_REGISTERS<WHOLE, PIECES>;
     S& sh = shared_regions<WHOLE, PIECES>();
-    float4* const stage = staging<WHOLE, PIECES>();
+    float4* const stage = staging<WHOLE, PIECES>();  // not with REGISTERS
     const u32_t threads = blockDim.x;
     // head_dim / 64 warps per group and head_dim / 4 float4 per row: powers of two.
     const u32_t dim_bits = __ffs(p.head_dim) - 7, quad_bits = dim_bits + 4;
@@ -315,22 +377,40 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
     const u32_t local0 = (warp >> dim_bits) * HEADS;  // this warp's first head in the block
     const u32_t dim0 = (warp & (dim_warps - 1)) * WARP_DIMS;
 
-    // 0. The first STAGES tiles in flight, then q's bf16 pieces and the row statistics.
+    // 0. The first tiles in flight (the ring's two rounds, the registers' one), then q's bf16 pieces
+    // (and with registers the first round's keys) and the row statistics.
     const u32_t all_tiles = (n_keys + TILE - 1) / TILE;
     const u32_t first_tile = split * SPLIT_TILES;
     const u32_t tiles = (WHOLE || splits == 1 ? all_tiles : min(all_tiles, first_tile + SPLIT_TILES)) - first_tile;
     const u32_t keys_left = n_keys - first_tile * TILE;  // from the split's first key on
     const u32_t* split_rows = key_rows + first + first_tile * TILE;
-    // Rounds of R tiles; the staging ring holds AHEAD of them in flight.
-    constexpr u32_t AHEAD = STAGES / R;
+    // Rounds of R tiles; the registers or the staging ring hold AHEAD of them in flight.
+    constexpr u32_t AHEAD = REGISTERS ? 1 : STAGES / R;
     const u32_t rounds = (tiles + R - 1) / R;
     // Rounds 0 .. AHEAD resolved now (the first fetches' and the loop's first), the next in flight.
     KeyAddressPipe<R> pipe{key_ptrs, split_rows, keys_left};
     pipe.start(sh, AHEAD + 1);
     __syncthreads();  // the first rounds' addresses are in place
+    // REGISTERS: tile k's share (TileShare), its addresses in its round's slot, its bf16 pieces in
+    // its round's buffer.
+    static_assert(!REGISTERS || R == 2, "a round's two tiles go through registers one at a time");
+    const TileShare share(quad_bits, keys_left);
+    const auto tile_addresses = [&](u32_t k) { return sh.key_addresses[k / R % ADDRESS_SLOTS] + k % R * TILE; };
+    const auto load_tile = [&](float4(&held)[HELD], u32_t k) {
+        if (k < tiles) share.load(held, tile_addresses(k), k);
+    };
+    const auto store_tile = [&](const float4(&held)[HELD], u32_t k) {
+        if (k < tiles) share.store<PIECES>(sh.keys[k / R & 1][k % R], held, tile_addresses(k), k);
+    };
+    float4 held[HELD], second[HELD];  // REGISTERS: a tile on its way; the first round's second
+    if constexpr (REGISTERS) {
+        load_tile(held, 0);
+        load_tile(second, 1);
+    } else {
 #pragma unroll
-    for (u32_t r = 0; r < AHEAD; ++r)
-        fetch<R>(stage, r, tiles, keys_left, sh.key_addresses[r % ADDRESS_SLOTS], key_ptrs, quad_bits);
+        for (u32_t r = 0; r < AHEAD; ++r)
+            fetch<R>(stage, r, tiles, keys_left, sh.key_addresses[r % ADDRESS_SLOTS], key_ptrs, quad_bits);
+    }
     const u32_t q_stride = p.head_dim + 8;  // bf16 between q rows
     {
         const float4* q4 = reinterpret_cast<const float4*>(q + ((size_t)query * p.heads + block_head0) * p.head_dim);
@@ -341,6 +421,10 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
             const float4 v = block_head0 + h < p.heads ? q4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             store_pieces<PIECES>(&sh.q[0][h * q_stride + quad * 4], S::Q_PIECE, v);
         }
+    }
+    if constexpr (REGISTERS) {
+        store_tile(held, 0);
+        store_tile(second, 1);
     }
     if (threadIdx.x < block_heads) {
         sh.row_max[threadIdx.x] = -1e30f;
@@ -390,23 +474,28 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
         }
         const u32_t k0 = r * R, round_tiles = min(R, tiles - k0);  // the round's first tile, its tiles
         __nv_bfloat16(&keys)[R][PIECES][TILE][ROW_STRIDE] = sh.keys[r & 1];
-        // 1. This thread's float4 of the round's tiles, as their bf16 pieces (zero past the list).
-        cp_async_wait<AHEAD - 1>();     // round r's group has landed (AHEAD - 1 newer may be pending)
-        asm volatile("" ::: "memory");  // and no read of its slots moves above the wait
+        // 1. The ring: this thread's float4 of the round's tiles, as their bf16 pieces (zero past the
+        // list).
+        if constexpr (!REGISTERS) {
+            cp_async_wait<AHEAD - 1>();     // round r's group has landed (AHEAD - 1 newer may be pending)
+            asm volatile("" ::: "memory");  // and no read of its slots moves above the wait
 #pragma unroll
-        for (u32_t i = 0; i < R; ++i) {
-            if (i >= round_tiles) break;
-            const float4* slot_area = stage + ((k0 + i) % STAGES) * (TILE << quad_bits);
-            for (u32_t slot = threadIdx.x; slot < TILE << quad_bits; slot += threads) {
-                store_pieces<PIECES>(&keys[i][0][slot >> quad_bits][(slot & ((1u << quad_bits) - 1)) * 4],
-                                     TILE * ROW_STRIDE, slot_area[slot]);
+            for (u32_t i = 0; i < R; ++i) {
+                if (i >= round_tiles) break;
+                const float4* slot_area = stage + ((k0 + i) % STAGES) * (TILE << quad_bits);
+                for (u32_t slot = threadIdx.x; slot < TILE << quad_bits; slot += threads) {
+                    store_pieces<PIECES>(&keys[i][0][slot >> quad_bits][(slot & ((1u << quad_bits) - 1)) * 4],
+                                         TILE * ROW_STRIDE, slot_area[slot]);
+                }
             }
         }
         __syncthreads();  // (A) the round's keys (and q) are in place; the last weights were used
-        fetch<R>(stage, r + AHEAD, tiles, keys_left, sh.key_addresses[(r + AHEAD) % ADDRESS_SLOTS], key_ptrs,
-                 quad_bits);
-        // Round r + AHEAD + 1's addresses, fetched next time round (after barrier A); its slot last
-        // held round r + AHEAD + 1 - ADDRESS_SLOTS's, fetched before this round's barrier A.
+        if constexpr (!REGISTERS)
+            fetch<R>(stage, r + AHEAD, tiles, keys_left, sh.key_addresses[(r + AHEAD) % ADDRESS_SLOTS], key_ptrs,
+                     quad_bits);
+        // Round r + AHEAD + 1's addresses, fetched next time round (after barrier A; with registers,
+        // loaded from barrier B on); its slot last held round r + AHEAD + 1 - ADDRESS_SLOTS's,
+        // fetched or loaded before this round's barrier A.
         if (warp == 0) pipe.advance(sh, r + AHEAD + 1);
 
         // 2. Partial scores over this warp's dims: per tile [16 heads x 16 keys] as two n-tiles of
@@ -456,6 +545,10 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
                 *reinterpret_cast<float2*>(&partial[g + 8][col]) = make_float2(s[i][nt][2], s[i][nt][3]);
             }
         }
+        // REGISTERS: the next round's first tile, loaded over this round's softmax (not over its
+        // scores, whose registers are the kernel's most); its addresses in place since the last
+        // round's barrier B.
+        if constexpr (REGISTERS) load_tile(held, k0 + R);
         __syncthreads();  // (B) every warp's partial scores are in place
 
         // 3. Online softmax: half-warp per head, lane j = key j of each tile, the round's tiles
@@ -506,6 +599,12 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
                 sh.row_sum[h] = row_sum;
             }
         }
+        // REGISTERS: the next round's first tile into the other buffer (its readers, the last
+        // round's, all passed barrier A); its second loaded over this round's outputs.
+        if constexpr (REGISTERS) {
+            store_tile(held, k0 + R);
+            load_tile(held, k0 + R + 1);
+        }
         __syncthreads();  // (C) the round's weights and rescales are in place
 
         // 4. Outputs, tile by tile: acc = acc * rescale + p · V over this warp's 64 dims (8
@@ -540,6 +639,7 @@ __device__ void attention(const float* __restrict__ q, const unsigned long long*
                 }
             }
         }
+        if constexpr (REGISTERS) store_tile(held, k0 + R + 1);
     }
     __syncthreads();  // the row statistics of the last round are final
 

@@ -59,7 +59,8 @@ const FAST_GROUP_HEADS: usize = 16;
 const FAST_SHARED_REGIONS: usize = 136_960;
 /// The same of the whole-query kernel of bf16 operands (`sizeof(fast_attention::Shared<true,
 /// 1>)`: rounds of two tiles, so two tiles' weights, partials and keys twice over; q for its
-/// 512 threads).
+/// 512 threads), all of its shared memory: its f32 keys go through registers, not the staging
+/// ring (`fast_attention::KEYS_IN_REGISTERS`).
 const FAST_WHOLE_SHARED_REGIONS: usize = 140_288;
 /// The same of the f32 kernels (`sizeof(fast_attention::Shared<_, 2>)`: two bf16 pieces of the
 /// weights, the key tiles and q, sized for 32 heads of 512 dims).
@@ -543,16 +544,17 @@ impl FastHeadBlock {
 }
 
 /// Dynamic shared memory of a fast-attention block of `head_dim` (`fast_attention::Shared<whole,
-/// 1>` of the bf16 kernels, `Shared<whole, 2>` of the f32 ones, then the staging ring of two tiles
-/// of 16 f32 keys): at most 202 496 (split blocks) and 205 824 (whole queries) bytes with bf16
-/// operands, 219 008 with f32's, at head_dim 512.
+/// 1>` of the bf16 kernels, `Shared<whole, 2>` of the f32 ones, then, but in the whole-query
+/// kernel of bf16 operands, the staging ring of two tiles of 16 f32 keys): at most 202 496 (split
+/// blocks) and 140 288 (whole queries) bytes with bf16 operands, 219 008 with f32's, at head_dim
+/// 512.
 pub(crate) const fn fast_shared_bytes(head_dim: usize, rounding: Rounding, whole: bool) -> u32 {
-    let regions = match (rounding, whole) {
-        (Rounding::Bf16, false) => FAST_SHARED_REGIONS,
+    let staging = 2 * 16 * 4 * head_dim;
+    (match (rounding, whole) {
+        (Rounding::Bf16, false) => FAST_SHARED_REGIONS + staging,
         (Rounding::Bf16, true) => FAST_WHOLE_SHARED_REGIONS,
-        (Rounding::F32, _) => FAST_F32_SHARED_REGIONS,
-    };
-    (regions + 2 * 16 * 4 * head_dim) as u32
+        (Rounding::F32, _) => FAST_F32_SHARED_REGIONS + staging,
+    }) as u32
 }
 
 const _: () = assert!(
@@ -877,7 +879,7 @@ mod tests {
     }
 
     #[test]
-    fn the_fast_attention_shared_memory_is_its_regions_and_two_staged_tiles() {
+    fn the_fast_attention_shared_memory_is_its_regions_and_any_staging_ring() {
         // Split blocks: 2 × 64 f32 statistics and 64 rescales, 64 × 24 bf16 weights, 32 warps ×
         // 16 × 16 f32 partials, 2 × 16 bf16 key rows of 520, 64 q rows of 520, 4 tiles of 16 key
         // addresses.
@@ -904,10 +906,13 @@ mod tests {
                 + (32 * 512 + 128 * 4) * 2
                 + 4 * 32 * 8
         );
-        assert_eq!(fast_shared_bytes(512, Rounding::Bf16, true), 205_824);
+        // Its keys go through registers: no staging ring, at every head_dim.
+        for head_dim in FAST_HEAD_DIMS {
+            assert_eq!(fast_shared_bytes(head_dim, Rounding::Bf16, true), 140_288);
+        }
         assert_eq!(
             dynamic_shared_bytes(KernelId::SparseAttentionSinkRowsPtrFastWhole),
-            Some(205_824)
+            Some(140_288)
         );
         // The f32 kernels (both forms): 3 × 32 statistics, two pieces of 32 × 24 weights, 16
         // warps' partials, two pieces of the 2 × 16 key rows and of 32 q rows, the key addresses.
