@@ -45,7 +45,7 @@ use deepinfer_kernels::ops::gemm::{
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
 use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
-use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
+use deepinfer_kernels::ops::rope::{RopeRotation, RopeShape, rope_interleaved_f32};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
@@ -400,24 +400,20 @@ fn rope_matches_the_cpu_reference_bit_exact() {
             let dpos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
             let dpos = rt.stream().clone_htod(&dpos).expect("positions");
             let mut dx = rt.htod(&x).expect("upload x");
-            let shape = RopeShape {
-                tokens,
-                heads,
-                head_dim,
-                rope_dim,
-                table_rows,
-            };
-            rope_interleaved_f32(
-                &rt,
-                &mut dx,
-                &dpos,
-                &dcos,
-                &dsin,
-                shape,
+            let device_rotation = RopeRotation {
+                positions: &dpos,
+                cos: &dcos,
+                sin: &dsin,
+                shape: RopeShape {
+                    tokens,
+                    heads,
+                    head_dim,
+                    rope_dim,
+                    table_rows,
+                },
                 inverse,
-                Rounding::Bf16,
-            )
-            .expect("rope");
+            };
+            rope_interleaved_f32(&rt, &mut dx, device_rotation, Rounding::Bf16).expect("rope");
             let gpu = rt.stream().clone_dtoh(&dx).expect("download");
             let rotation = Rotation {
                 table: &table,
