@@ -40,12 +40,12 @@ use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::attention::DeviceKeyLists;
 use deepinfer_kernels::ops::engram::{DeviceEngramHasher, engram_hash_rows};
 use deepinfer_kernels::ops::gemm::{
-    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Bytes, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
 };
 use deepinfer_kernels::ops::index::DeviceVisiblePrefixes;
 use deepinfer_kernels::ops::norm::rms_norm_f32;
 use deepinfer_kernels::ops::quant::{ActGroup, quantize_act_fp8};
-use deepinfer_kernels::ops::rope::{RopeShape, rope_interleaved_f32};
+use deepinfer_kernels::ops::rope::{RopeRotation, RopeShape, rope_interleaved_f32};
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::runtime::driver_available;
 use deepinfer_kernels::{Arch, KernelError, KernelId, SourceFile};
@@ -235,9 +235,9 @@ fn gemms_are_batch_invariant() {
     let (n, k) = (203usize, 544usize);
     let x64 = activations(&mut rng, 64, k);
     let fp8 = random_fp8_weight(&mut rng, n, k, 32);
-    let dw8 = DeviceFp8Weight::upload(&rt, n, k, 32, &fp8.data, &fp8.scales).expect("upload");
+    let dw8 = DeviceFp8Weight::upload(&rt, (&fp8).into()).expect("upload");
     let fp4 = random_fp4_weight(&mut rng, n, k);
-    let dw4 = DeviceFp4Weight::upload(&rt, n, k, &fp4.packed, &fp4.scales).expect("upload");
+    let dw4 = DeviceFp4Weight::upload(&rt, (&fp4).into()).expect("upload");
     type Gemm<'a> = Box<dyn Fn(&[f32], usize) -> Vec<f32> + 'a>;
     let gemms: [(&str, Gemm); 2] = [
         (
@@ -307,8 +307,8 @@ fn gemm_results_do_not_depend_on_the_work_split() {
     let x = activations(&mut rng, rows, k);
     let fp8 = random_fp8_weight(&mut rng, n, k, 32);
     let fp4 = random_fp4_weight(&mut rng, n, k);
-    let dw8 = DeviceFp8Weight::upload(&rt, n, k, 32, &fp8.data, &fp8.scales).expect("upload");
-    let dw4 = DeviceFp4Weight::upload(&rt, n, k, &fp4.packed, &fp4.scales).expect("upload");
+    let dw8 = DeviceFp8Weight::upload(&rt, (&fp8).into()).expect("upload");
+    let dw4 = DeviceFp4Weight::upload(&rt, (&fp4).into()).expect("upload");
     let dx = upload_bf16(&rt, &x);
     let q = quantize_act_fp8(&rt, &dx, rows, k, ActGroup::G32).expect("quantise");
     let want8 = quant::gemm_fp8(&x, &fp8);
@@ -400,24 +400,20 @@ fn rope_matches_the_cpu_reference_bit_exact() {
             let dpos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
             let dpos = rt.stream().clone_htod(&dpos).expect("positions");
             let mut dx = rt.htod(&x).expect("upload x");
-            let shape = RopeShape {
-                tokens,
-                heads,
-                head_dim,
-                rope_dim,
-                table_rows,
-            };
-            rope_interleaved_f32(
-                &rt,
-                &mut dx,
-                &dpos,
-                &dcos,
-                &dsin,
-                shape,
+            let device_rotation = RopeRotation {
+                positions: &dpos,
+                cos: &dcos,
+                sin: &dsin,
+                shape: RopeShape {
+                    tokens,
+                    heads,
+                    head_dim,
+                    rope_dim,
+                    table_rows,
+                },
                 inverse,
-                Rounding::Bf16,
-            )
-            .expect("rope");
+            };
+            rope_interleaved_f32(&rt, &mut dx, device_rotation, Rounding::Bf16).expect("rope");
             let gpu = rt.stream().clone_dtoh(&dx).expect("download");
             let rotation = Rotation {
                 table: &table,
@@ -449,8 +445,14 @@ fn launchers_reject_mismatched_shapes() {
         err.to_string().contains("x has 64 elements, expected 96"),
         "{err}"
     );
-    let err =
-        DeviceFp8Weight::upload(&rt, 4, 32, 32, &[0; 100], &[127]).expect_err("codes too long");
+    let long_codes = Fp8Bytes {
+        out: 4,
+        inp: 32,
+        tile: 32,
+        codes: &[0; 100],
+        scales: &[127],
+    };
+    let err = DeviceFp8Weight::upload(&rt, long_codes).expect_err("codes too long");
     assert!(
         err.to_string()
             .contains("codes has 100 elements, expected 128"),

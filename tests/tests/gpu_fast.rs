@@ -173,11 +173,11 @@ impl FastWeight for FastFp4Weight {
 }
 
 fn upload_fp8(rt: &KernelRuntime, w: &Fp8Weight) -> FastFp8Weight {
-    FastFp8Weight::upload(rt, w.out, w.inp, w.block, &w.data, &w.scales).expect("upload")
+    FastFp8Weight::upload(rt, w.into()).expect("upload")
 }
 
 fn upload_fp4(rt: &KernelRuntime, w: &Fp4Weight) -> FastFp4Weight {
-    FastFp4Weight::upload(rt, w.out, w.inp, &w.packed, &w.scales).expect("upload")
+    FastFp4Weight::upload(rt, w.into()).expect("upload")
 }
 
 /// Quantises `x` (`rows` rows) on the device and runs the fast GEMM with `tile`.

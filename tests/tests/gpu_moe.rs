@@ -347,11 +347,11 @@ fn nan_bf16(rt: &KernelRuntime, n: usize) -> CudaSlice<bf16> {
 }
 
 fn upload_fp8(rt: &KernelRuntime, w: &Fp8Weight) -> DeviceFp8Weight {
-    DeviceFp8Weight::upload(rt, w.out, w.inp, 32, &w.data, &w.scales).expect("upload FP8")
+    DeviceFp8Weight::upload(rt, w.into()).expect("upload FP8")
 }
 
 fn upload_fp4(rt: &KernelRuntime, w: &Fp4Weight) -> DeviceFp4Weight {
-    DeviceFp4Weight::upload(rt, w.out, w.inp, &w.packed, &w.scales).expect("upload FP4")
+    DeviceFp4Weight::upload(rt, w.into()).expect("upload FP4")
 }
 
 impl DeviceMoe {

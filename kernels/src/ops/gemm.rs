@@ -75,81 +75,55 @@ pub struct DeviceFp8Weight {
     pub scales: CudaSlice<u8>,
 }
 
-/// A device form of an FP8 weight, made from its checkpoint bytes: E4M3 `codes` `[out, inp]` and
-/// UE8M0 `scales` per `tile × tile` block, both row-major ([`DeviceFp8Weight`] for the exact
-/// kernels, [`super::gemm_fast::FastFp8Weight`] for the tensor-core GEMM).
-pub trait Fp8Form: Sized {
-    /// Uploads the bytes, checking their lengths. `tile` is 32 (V4.1) or 128 (V4); `inp` must be
-    /// a multiple of 32.
-    fn upload(
-        rt: &KernelRuntime,
-        out: usize,
-        inp: usize,
-        tile: usize,
-        codes: &[u8],
-        scales: &[u8],
-    ) -> Result<Self, KernelError>;
+/// The checkpoint bytes of an FP8 weight `[out, inp]`: E4M3 `codes` `[out, inp]` and UE8M0
+/// `scales` per `tile × tile` block (`[ceil(out/tile), ceil(inp/tile)]`), both row-major. `tile`
+/// is 32 (V4.1) or 128 (V4); `inp` must be a multiple of 32.
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8Bytes<'a> {
+    pub out: usize,
+    pub inp: usize,
+    pub tile: usize,
+    pub codes: &'a [u8],
+    pub scales: &'a [u8],
 }
 
-/// A device form of an FP4 weight, made from its checkpoint bytes: E2M1 `packed` `[out, inp/2]`
-/// and UE8M0 `scales` `[out, inp/32]`, both row-major ([`DeviceFp4Weight`] for the exact kernels,
-/// [`super::gemm_fast::FastFp4Weight`] for the tensor-core GEMMs).
-pub trait Fp4Form: Sized {
-    /// Uploads the bytes, checking their lengths; `inp` must be a multiple of 32.
-    fn upload(
-        rt: &KernelRuntime,
-        out: usize,
-        inp: usize,
-        packed: &[u8],
-        scales: &[u8],
-    ) -> Result<Self, KernelError>;
+/// The checkpoint bytes of an FP4 weight `[out, inp]`: E2M1 `packed` `[out, inp/2]` (element 2k
+/// in the low nibble of byte k) and UE8M0 `scales` `[out, inp/32]`, both row-major; `inp` must be
+/// a multiple of 32.
+#[derive(Debug, Clone, Copy)]
+pub struct Fp4Bytes<'a> {
+    pub out: usize,
+    pub inp: usize,
+    pub packed: &'a [u8],
+    pub scales: &'a [u8],
 }
 
-impl Fp8Form for DeviceFp8Weight {
-    fn upload(
-        rt: &KernelRuntime,
-        out: usize,
-        inp: usize,
-        tile: usize,
-        codes: &[u8],
-        scales: &[u8],
-    ) -> Result<DeviceFp8Weight, KernelError> {
-        check_fp8_weight("DeviceFp8Weight::upload", out, inp, tile, codes, scales)?;
-        Ok(DeviceFp8Weight {
-            out,
-            inp,
-            tile,
-            codes: rt
-                .htod(codes)
-                .map_err(KernelError::driver("uploading FP8 weight codes"))?,
-            scales: rt
-                .htod(scales)
-                .map_err(KernelError::driver("uploading FP8 weight scales"))?,
-        })
+impl Fp8Bytes<'_> {
+    /// Checks the shape and the lengths: `tile` 32 or 128, `inp` a positive multiple of 32.
+    pub(crate) fn check(&self, op: &'static str) -> Result<(), KernelError> {
+        let (out, inp, tile) = (self.out, self.inp, self.tile);
+        ensure(tile == 32 || tile == 128, op, || {
+            format!("tile {tile} is neither 32 nor 128")
+        })?;
+        check_k_groups(op, out, inp)?;
+        expect_len(op, "codes", self.codes.len(), out * inp)?;
+        expect_len(
+            op,
+            "scales",
+            self.scales.len(),
+            out.div_ceil(tile) * inp.div_ceil(tile),
+        )
     }
 }
 
-/// Checks the checkpoint bytes of an FP8 weight `[out, inp]` with `tile × tile` scales: `tile` 32
-/// or 128, `inp` a positive multiple of 32, and the lengths.
-pub(crate) fn check_fp8_weight(
-    op: &'static str,
-    out: usize,
-    inp: usize,
-    tile: usize,
-    codes: &[u8],
-    scales: &[u8],
-) -> Result<(), KernelError> {
-    ensure(tile == 32 || tile == 128, op, || {
-        format!("tile {tile} is neither 32 nor 128")
-    })?;
-    check_k_groups(op, out, inp)?;
-    expect_len(op, "codes", codes.len(), out * inp)?;
-    expect_len(
-        op,
-        "scales",
-        scales.len(),
-        out.div_ceil(tile) * inp.div_ceil(tile),
-    )
+impl Fp4Bytes<'_> {
+    /// Checks the shape and the lengths: `inp` a positive multiple of 32, `packed`
+    /// `out · inp / 2` bytes, `scales` `out · inp / 32`.
+    pub(crate) fn check(&self, op: &'static str) -> Result<(), KernelError> {
+        check_k_groups(op, self.out, self.inp)?;
+        expect_len(op, "packed", self.packed.len(), self.out * self.inp / 2)?;
+        expect_len(op, "scales", self.scales.len(), self.out * self.inp / 32)
+    }
 }
 
 /// Checks a block-scaled weight's shape `[out, inp]`: both positive, `inp` whole 32-element
@@ -161,18 +135,49 @@ fn check_k_groups(op: &'static str, out: usize, inp: usize) -> Result<(), Kernel
     Ok(())
 }
 
-/// Checks the checkpoint bytes of an FP4 weight `[out, inp]`: `inp` a positive multiple of 32,
-/// `packed` `out · inp / 2` bytes, `scales` `out · inp / 32`.
-pub(crate) fn check_fp4_weight(
-    op: &'static str,
-    out: usize,
-    inp: usize,
-    packed: &[u8],
+/// A device form of an FP8 weight, made from its checkpoint bytes ([`DeviceFp8Weight`] for the
+/// exact kernels, [`super::gemm_fast::FastFp8Weight`] for the tensor-core GEMM).
+pub trait Fp8Form: Sized {
+    /// Uploads the bytes, checking them ([`Fp8Bytes`]).
+    fn upload(rt: &KernelRuntime, w: Fp8Bytes<'_>) -> Result<Self, KernelError>;
+}
+
+/// A device form of an FP4 weight, made from its checkpoint bytes ([`DeviceFp4Weight`] for the
+/// exact kernels, [`super::gemm_fast::FastFp4Weight`] for the tensor-core GEMMs).
+pub trait Fp4Form: Sized {
+    /// Uploads the bytes, checking them ([`Fp4Bytes`]).
+    fn upload(rt: &KernelRuntime, w: Fp4Bytes<'_>) -> Result<Self, KernelError>;
+}
+
+impl Fp8Form for DeviceFp8Weight {
+    fn upload(rt: &KernelRuntime, w: Fp8Bytes<'_>) -> Result<DeviceFp8Weight, KernelError> {
+        w.check("DeviceFp8Weight::upload")?;
+        let (codes, scales) = upload_as_is(rt, "FP8", w.codes, w.scales)?;
+        Ok(DeviceFp8Weight {
+            out: w.out,
+            inp: w.inp,
+            tile: w.tile,
+            codes,
+            scales,
+        })
+    }
+}
+
+/// Uploads a weight's codes and scales as the checkpoint lays them out (the exact kernels'
+/// layout), naming its `format` in an error.
+fn upload_as_is(
+    rt: &KernelRuntime,
+    format: &str,
+    codes: &[u8],
     scales: &[u8],
-) -> Result<(), KernelError> {
-    check_k_groups(op, out, inp)?;
-    expect_len(op, "packed", packed.len(), out * inp / 2)?;
-    expect_len(op, "scales", scales.len(), out * inp / 32)
+) -> Result<(CudaSlice<u8>, CudaSlice<u8>), KernelError> {
+    let codes = rt
+        .htod(codes)
+        .map_err(KernelError::driver(format!("uploading {format} weight codes")))?;
+    let scales = rt
+        .htod(scales)
+        .map_err(KernelError::driver(format!("uploading {format} weight scales")))?;
+    Ok((codes, scales))
 }
 
 /// An FP4 E2M1 expert weight `[out, inp]` on the device: `packed` `[out, inp/2]` (element 2k in
@@ -186,23 +191,14 @@ pub struct DeviceFp4Weight {
 }
 
 impl Fp4Form for DeviceFp4Weight {
-    fn upload(
-        rt: &KernelRuntime,
-        out: usize,
-        inp: usize,
-        packed: &[u8],
-        scales: &[u8],
-    ) -> Result<DeviceFp4Weight, KernelError> {
-        check_fp4_weight("DeviceFp4Weight::upload", out, inp, packed, scales)?;
+    fn upload(rt: &KernelRuntime, w: Fp4Bytes<'_>) -> Result<DeviceFp4Weight, KernelError> {
+        w.check("DeviceFp4Weight::upload")?;
+        let (packed, scales) = upload_as_is(rt, "FP4", w.packed, w.scales)?;
         Ok(DeviceFp4Weight {
-            out,
-            inp,
-            packed: rt
-                .htod(packed)
-                .map_err(KernelError::driver("uploading FP4 weight codes"))?,
-            scales: rt
-                .htod(scales)
-                .map_err(KernelError::driver("uploading FP4 weight scales"))?,
+            out: w.out,
+            inp: w.inp,
+            packed,
+            scales,
         })
     }
 }

@@ -28,7 +28,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::gemm::{Fp4Form, Fp8Form, check_fp4_weight, check_fp8_weight};
+use super::gemm::{Fp4Bytes, Fp4Form, Fp8Bytes, Fp8Form};
 use super::quant::{ActGroup, DeviceActFp8};
 use super::{dim, ensure, launch_config};
 use crate::error::KernelError;
@@ -489,16 +489,16 @@ pub struct FastFp8Weight {
 impl Fp8Form for FastFp8Weight {
     /// Re-lays and uploads checkpoint bytes (checked as `DeviceFp8Weight::upload` does; `inp`
     /// must also be a multiple of `tile`, the activation group).
-    fn upload(
-        rt: &KernelRuntime,
-        out: usize,
-        inp: usize,
-        tile: usize,
-        codes: &[u8],
-        scales: &[u8],
-    ) -> Result<FastFp8Weight, KernelError> {
+    fn upload(rt: &KernelRuntime, w: Fp8Bytes<'_>) -> Result<FastFp8Weight, KernelError> {
         const OP: &str = "FastFp8Weight::upload";
-        check_fp8_weight(OP, out, inp, tile, codes, scales)?;
+        w.check(OP)?;
+        let Fp8Bytes {
+            out,
+            inp,
+            tile,
+            codes,
+            scales,
+        } = w;
         ensure(inp.is_multiple_of(tile), OP, || {
             format!("[{out}, {inp}]: inp must be a multiple of the tile {tile}")
         })?;
@@ -550,29 +550,23 @@ pub struct FastFp4Weight {
 
 impl Fp4Form for FastFp4Weight {
     /// Re-lays and uploads checkpoint bytes (checked as `DeviceFp4Weight::upload` does).
-    fn upload(
-        rt: &KernelRuntime,
-        out: usize,
-        inp: usize,
-        packed: &[u8],
-        scales: &[u8],
-    ) -> Result<FastFp4Weight, KernelError> {
-        check_fp4_weight("FastFp4Weight::upload", out, inp, packed, scales)?;
+    fn upload(rt: &KernelRuntime, w: Fp4Bytes<'_>) -> Result<FastFp4Weight, KernelError> {
+        w.check("FastFp4Weight::upload")?;
         let band_scales = rt
-            .htod(&fp4_band_scales(scales, out, inp / 32))
+            .htod(&fp4_band_scales(w.scales, w.out, w.inp / 32))
             .map_err(KernelError::driver("uploading fast FP4 weight scales"))?;
         let chunks = rt
             .htod(&fragment_chunks(
-                packed,
-                out,
-                inp / 2,
+                w.packed,
+                w.out,
+                w.inp / 2,
                 FP4_HALF_PIECE,
                 fp4_piece_order,
             ))
             .map_err(KernelError::driver("uploading fast FP4 weight codes"))?;
         Ok(FastFp4Weight {
-            out,
-            inp,
+            out: w.out,
+            inp: w.inp,
             chunks,
             band_scales,
         })

@@ -25,21 +25,41 @@ pub struct RopeShape {
     pub table_rows: usize,
 }
 
+/// What a rotation reads on the device: pair `(2i, 2i+1)` of the rotated channels of token `t`
+/// turns by the angle in row `positions[t]` of `cos`/`sin` (f32 `[table_rows, rope_dim/2]`),
+/// by the negative angle when `inverse`. Positions are not read back: a position outside
+/// `0..table_rows` leaves its token unrotated, so callers validate positions on the host.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeRotation<'a> {
+    pub positions: &'a CudaSlice<i32>,
+    pub cos: &'a CudaSlice<f32>,
+    pub sin: &'a CudaSlice<f32>,
+    pub shape: RopeShape,
+    pub inverse: bool,
+}
+
+impl RopeRotation<'_> {
+    /// A position per token and a cos/sin table of `table_rows` rows of `rope_dim / 2` values.
+    fn check(&self, op: &'static str) -> Result<(), KernelError> {
+        let RopeShape {
+            tokens,
+            rope_dim,
+            table_rows,
+            ..
+        } = self.shape;
+        expect_len(op, "positions", self.positions.len(), tokens)?;
+        expect_len(op, "cos", self.cos.len(), table_rows * rope_dim / 2)?;
+        expect_len(op, "sin", self.sin.len(), table_rows * rope_dim / 2)
+    }
+}
+
 /// Rotates, in place, the last `rope_dim` channels of every head of `x` (f32 storage
-/// `[tokens, heads, head_dim]`, row-major): pair `(2i, 2i+1)` of token `t` by the angle in row
-/// `positions[t]` of `cos`/`sin` (f32 `[table_rows, rope_dim/2]`); `inverse` rotates by the
-/// negative angle. Every rotated value is rounded per `rounding` and stored as f32; the channels
-/// outside the rotated tail are untouched. Positions live on the device and are not read back: a
-/// position outside `0..table_rows` leaves that token unchanged, so callers validate positions on
-/// the host.
+/// `[tokens, heads, head_dim]`, row-major) by `rotation`. Every rotated value is rounded per
+/// `rounding` and stored as f32; the channels outside the rotated tail are untouched.
 pub fn rope_interleaved_f32(
     rt: &KernelRuntime,
     x: &mut CudaSlice<f32>,
-    positions: &CudaSlice<i32>,
-    cos: &CudaSlice<f32>,
-    sin: &CudaSlice<f32>,
-    shape: RopeShape,
-    inverse: bool,
+    rotation: RopeRotation<'_>,
     rounding: Rounding,
 ) -> Result<(), KernelError> {
     let kernel = rounding.kernel(
@@ -53,14 +73,14 @@ pub fn rope_interleaved_f32(
         head_dim,
         rope_dim,
         table_rows,
-    } = shape;
+    } = rotation.shape;
     ensure(
         rope_dim != 0 && rope_dim % 2 == 0 && rope_dim <= head_dim,
         op,
         || format!("rope_dim = {rope_dim} must be even, positive and <= head_dim = {head_dim}"),
     )?;
     expect_len(op, "x", x.len(), tokens * heads * head_dim)?;
-    check_rotation(op, &shape, positions, (cos, sin))?;
+    rotation.check(op)?;
     let pairs = dim(op, "pairs", tokens * heads * rope_dim / 2)?;
     if pairs == 0 {
         return Ok(());
@@ -71,26 +91,19 @@ pub fn rope_interleaved_f32(
         head_dim: dim(op, "head_dim", head_dim)?,
         rope_dim: dim(op, "rope_dim", rope_dim)?,
         table_rows: dim(op, "table_rows", table_rows)?,
-        inverse: u32::from(inverse),
+        inverse: u32::from(rotation.inverse),
     };
     let cfg = launch_config((pairs.div_ceil(THREADS), 1, 1), THREADS, 0);
     let mut launch = rt.launcher(kernel)?;
-    launch.arg(x).arg(positions).arg(cos).arg(sin).arg(&params);
+    launch
+        .arg(x)
+        .arg(rotation.positions)
+        .arg(rotation.cos)
+        .arg(rotation.sin)
+        .arg(&params);
     // SAFETY: signature (float* x, const int* positions, const float* cos, const float* sin,
     // RopeParams); lengths checked above; the kernel bounds-checks pair indices and positions.
     unsafe { launch.launch(cfg) }
-}
-
-/// A position per token and a cos/sin table of `table_rows` rows of `rope_dim / 2` values.
-fn check_rotation(
-    op: &'static str,
-    shape: &RopeShape,
-    positions: &CudaSlice<i32>,
-    (cos, sin): (&CudaSlice<f32>, &CudaSlice<f32>),
-) -> Result<(), KernelError> {
-    expect_len(op, "positions", positions.len(), shape.tokens)?;
-    expect_len(op, "cos", cos.len(), shape.table_rows * shape.rope_dim / 2)?;
-    expect_len(op, "sin", sin.len(), shape.table_rows * shape.rope_dim / 2)
 }
 
 /// The columns of a row one block of [`rope_qdq_f32`] takes (`rope_qdq::CHUNK`).
@@ -113,18 +126,12 @@ pub struct RopeQdqInput<'a> {
 /// the input has one (bf16 outputs), then [`rope_interleaved_f32`]'s rotation with bf16 rounding
 /// (`rope_dim` may be 0: none), then the QDQ `point`, into `y` — the bits of those launches one
 /// after another, in one. A row holds at most [`ROPE_QDQ_MAX_COLS`] values, a multiple of 32;
-/// `head_dim` and `rope_dim` are even. Positions live on the device: a position outside
-/// `0..table_rows` leaves its row unrotated, so callers validate positions on the host.
-#[allow(clippy::too_many_arguments)]
+/// `head_dim` and `rope_dim` are even.
 pub fn rope_qdq_f32(
     rt: &KernelRuntime,
     input: RopeQdqInput<'_>,
     y: &mut CudaSlice<f32>,
-    positions: &CudaSlice<i32>,
-    cos: &CudaSlice<f32>,
-    sin: &CudaSlice<f32>,
-    shape: RopeShape,
-    inverse: bool,
+    rotation: RopeRotation<'_>,
     point: QdqPoint,
 ) -> Result<(), KernelError> {
     let kernel = match point {
@@ -135,12 +142,11 @@ pub fn rope_qdq_f32(
     let op = kernel.symbol();
     let RopeShape {
         tokens,
-        heads,
         head_dim,
         rope_dim,
-        table_rows,
-    } = shape;
-    let cols = heads * head_dim;
+        ..
+    } = rotation.shape;
+    let cols = rotation.shape.heads * head_dim;
     ensure(
         cols != 0 && cols <= ROPE_QDQ_MAX_COLS && cols.is_multiple_of(32),
         op,
@@ -168,7 +174,7 @@ pub fn rope_qdq_f32(
     ensure(input.norm.is_none() || input.x.is_some(), op, || {
         "a norm in place (every block of a row reads the whole row)".to_string()
     })?;
-    check_rotation(op, &shape, positions, (cos, sin))?;
+    rotation.check(op)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -177,8 +183,8 @@ pub fn rope_qdq_f32(
         cols: dim(op, "cols", cols)?,
         stride: dim(op, "head_dim", head_dim)?,
         rope_dim: dim(op, "rope_dim", rope_dim)?,
-        table_rows: dim(op, "table_rows", table_rows)?,
-        inverse: u32::from(inverse),
+        table_rows: dim(op, "table_rows", rotation.shape.table_rows)?,
+        inverse: u32::from(rotation.inverse),
         eps,
     };
     let chunks = dim(op, "chunks", cols.div_ceil(ROPE_QDQ_CHUNK))?;
@@ -195,9 +201,9 @@ pub fn rope_qdq_f32(
     };
     launch
         .arg(y)
-        .arg(positions)
-        .arg(cos)
-        .arg(sin)
+        .arg(rotation.positions)
+        .arg(rotation.cos)
+        .arg(rotation.sin)
         .arg(&params);
     // SAFETY: signature (const float* x, const float* w, float* y, const int* positions, const
     // float* cos, const float* sin, RopeQdqParams), x being y itself in place and w null without

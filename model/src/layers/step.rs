@@ -299,6 +299,14 @@ pub(crate) fn step_error(entry: usize, entries: usize, err: ModelError) -> Model
 /// What an entry wants back: which logits rows, and whether they are sampled.
 pub(crate) type EntryWant = (LogitsWanted, Option<SamplingParams>);
 
+/// What each of a step's `entries` wants back, in entry order.
+pub(crate) fn entry_wants<S>(entries: &[StepEntry<'_, S>]) -> Vec<EntryWant> {
+    entries
+        .iter()
+        .map(|entry| (entry.want, entry.sample))
+        .collect()
+}
+
 /// The rows (of `rows`) each entry wants back: every row of its span, or its last one
 /// (none when `holds_last` is false: a context-parallel rank without the chunk's last token).
 pub(crate) fn wanted_rows(

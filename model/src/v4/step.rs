@@ -12,7 +12,7 @@ use crate::error::ModelError;
 use crate::layers::ctx::{Ctx, at_layer};
 use crate::layers::step::{
     COMPACT_AFTER, EmbeddedRow, EntryOutput, EntryWant, HeadLogits, StepOptions, StepRows,
-    embedded_streams, entry_outputs, gather_rows, row_sampling, rows_of, wanted_rows,
+    embedded_streams, entry_outputs, entry_wants, gather_rows, row_sampling, rows_of, wanted_rows,
 };
 
 /// One sequence's part of a V4 step ([`Model::forward_step`]); the V4 family has no decoder
@@ -58,10 +58,7 @@ impl Model {
             .iter()
             .flat_map(|entry| entry.tokens.iter().copied())
             .collect();
-        let wants: Vec<EntryWant> = entries
-            .iter()
-            .map(|entry| (entry.want, entry.sample))
-            .collect();
+        let wants = entry_wants(entries);
         let mut seqs: Vec<&mut SequenceState> =
             entries.iter_mut().map(|entry| &mut *entry.seq).collect();
 

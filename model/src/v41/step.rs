@@ -20,7 +20,7 @@ use crate::layers::mhc;
 use crate::layers::moe::ImageRouting;
 use crate::layers::step::{
     COMPACT_AFTER, EmbeddedRow, EntryOutput, EntryWant, HeadLogits, StepRows, embedded_streams,
-    entry_outputs, gather_rows, row_sampling, rows_of, wanted_rows,
+    entry_outputs, entry_wants, gather_rows, row_sampling, rows_of, wanted_rows,
 };
 use crate::sampling::{AllowedTokens, SamplingParams, TokenLogprobs};
 
@@ -134,10 +134,7 @@ impl Model {
         let (hc, dim) = (cfg.hc.mult, cfg.dim);
         let width = hc * dim;
         let chunks: Vec<&[u32]> = entries.iter().map(|entry| entry.tokens).collect();
-        let wants: Vec<EntryWant> = entries
-            .iter()
-            .map(|entry| (entry.want, entry.sample))
-            .collect();
+        let wants = entry_wants(entries);
         // Leading rows of each chunk before its decoder suffix (bounded replay).
         let dropped: Vec<usize> = entries
             .iter()

@@ -31,7 +31,7 @@ use deepinfer_kernels::cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatch
 use deepinfer_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use deepinfer_kernels::ops::Rounding;
 use deepinfer_kernels::ops::gemm::{
-    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp8,
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Bytes, Fp4Form, Fp8Bytes, Fp8Form, GemmSplit, gemm_fp8,
 };
 use deepinfer_kernels::ops::gemm_fast::{
     FastFp4Weight, FastFp8Weight, FastOutput, FastTile, gemm_fp8_fast,
@@ -110,7 +110,7 @@ fn bench(
             timer,
             &x,
             (m, n, k, tile),
-            |codes, scales| DeviceFp8Weight::upload(rt, n, k, tile, codes, scales),
+            |w| DeviceFp8Weight::upload(rt, w),
             |a, w, y| gemm_fp8(rt, a, w, y, GemmSplit::Auto),
         )?,
         Kernel::CublasBf16 => {
@@ -173,15 +173,15 @@ fn bench(
     })
 }
 
-/// Times `gemm` over random FP8 weights with square `tile`s made by `upload` (codes, scales),
-/// rotated through more than twice the L2, with `x` quantised to FP8 in groups of the tile side,
-/// into an output of `T`.
+/// Times `gemm` over random FP8 weights with square `tile`s made by `upload`, rotated through
+/// more than twice the L2, with `x` quantised to FP8 in groups of the tile side, into an output
+/// of `T`.
 fn time_fp8<W, T: DeviceRepr + ValidAsZeroBits>(
     rt: &KernelRuntime,
     timer: &mut Timer,
     x: &CudaSlice<bf16>,
     (m, n, k, tile): (usize, usize, usize, usize),
-    upload: impl Fn(&[u8], &[u8]) -> Result<W, KernelError>,
+    upload: impl Fn(Fp8Bytes<'_>) -> Result<W, KernelError>,
     gemm: impl Fn(&DeviceActFp8, &W, &mut CudaSlice<T>) -> Result<(), KernelError>,
 ) -> Result<f64> {
     let scales_len = n.div_ceil(tile) * k.div_ceil(tile);
@@ -194,10 +194,13 @@ fn time_fp8<W, T: DeviceRepr + ValidAsZeroBits>(
     let a = quantize_act_fp8(rt, x, m, k, group)?;
     let weights = (0..copies)
         .map(|c| {
-            upload(
-                &random_bytes(c as u64, n * k, true),
-                &scale_bytes(scales_len),
-            )
+            upload(Fp8Bytes {
+                out: n,
+                inp: k,
+                tile,
+                codes: &random_bytes(c as u64, n * k, true),
+                scales: &scale_bytes(scales_len),
+            })
         })
         .collect::<Result<Vec<_>, _>>()?;
     let mut y = rt.stream().alloc_zeros::<T>(m * n)?;
@@ -219,7 +222,7 @@ where
         timer,
         x,
         (m, n, k, tile),
-        |codes, scales| FastFp8Weight::upload(rt, n, k, tile, codes, scales),
+        |w| FastFp8Weight::upload(rt, w),
         |a, w, y| gemm_fp8_fast(rt, a, w, y, FastTile::Auto),
     )
 }
@@ -238,6 +241,17 @@ struct ExpertContent {
     inp: usize,
     packed: Vec<u8>,
     scales: Vec<u8>,
+}
+
+impl ExpertContent {
+    fn bytes(&self) -> Fp4Bytes<'_> {
+        Fp4Bytes {
+            out: self.out,
+            inp: self.inp,
+            packed: &self.packed,
+            scales: &self.scales,
+        }
+    }
 }
 
 /// The layer's w1, w3 and w2 contents.
@@ -268,10 +282,7 @@ fn exact_experts(rt: &KernelRuntime) -> Result<Experts<DeviceFp4Weight>> {
     let contents = expert_contents();
     let weights: Vec<[DeviceFp4Weight; 3]> = (0..ROUTED_EXPERTS)
         .map(|_| {
-            let upload = |p: usize| {
-                let c = &contents[p];
-                DeviceFp4Weight::upload(rt, c.out, c.inp, &c.packed, &c.scales)
-            };
+            let upload = |p: usize| DeviceFp4Weight::upload(rt, contents[p].bytes());
             Ok([upload(0)?, upload(1)?, upload(2)?])
         })
         .collect::<Result<_, KernelError>>()?;
@@ -288,8 +299,7 @@ fn exact_experts(rt: &KernelRuntime) -> Result<Experts<DeviceFp4Weight>> {
 /// on the device (device-to-device), every expert's copy distinct in device memory (384 × 17.7
 /// MB: far more than the L2).
 pub(crate) fn fast_experts(rt: &KernelRuntime) -> Result<Experts<FastFp4Weight>> {
-    let [f1, f3, f2] =
-        expert_contents().map(|c| FastFp4Weight::upload(rt, c.out, c.inp, &c.packed, &c.scales));
+    let [f1, f3, f2] = expert_contents().map(|c| FastFp4Weight::upload(rt, c.bytes()));
     let (f1, f3, f2) = (f1?, f3?, f2?);
     let weights: Vec<[FastFp4Weight; 3]> = (0..ROUTED_EXPERTS)
         .map(|_| [f1.clone(), f3.clone(), f2.clone()])

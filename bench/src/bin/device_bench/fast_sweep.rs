@@ -25,7 +25,7 @@ use deepinfer_kernels::compile::Compiler;
 use deepinfer_kernels::cudarc::driver::CudaSlice;
 use deepinfer_kernels::cudarc::driver::sys::CUfunction_attribute;
 use deepinfer_kernels::cudarc::nvrtc::Ptx;
-use deepinfer_kernels::ops::gemm::Fp8Form;
+use deepinfer_kernels::ops::gemm::{Fp8Bytes, Fp8Form};
 use deepinfer_kernels::ops::gemm_fast::{
     FastFp8Weight, FastKernels, FastTile, FastVariant, TileShape, gemm_fp8_fast,
     gemm_fp8_fast_variant, k_parts,
@@ -345,9 +345,14 @@ fn production_row(
 
 /// A random FP8 weight `[n, k]` with 32 × 32 scale tiles, its codes from `seed`.
 fn random_weight(rt: &KernelRuntime, n: usize, k: usize, seed: u64) -> Result<FastFp8Weight> {
-    let codes = random_bytes(seed, n * k, true);
-    let scales = scale_bytes(n.div_ceil(32) * k.div_ceil(32));
-    Ok(FastFp8Weight::upload(rt, n, k, 32, &codes, &scales)?)
+    let w = Fp8Bytes {
+        out: n,
+        inp: k,
+        tile: 32,
+        codes: &random_bytes(seed, n * k, true),
+        scales: &scale_bytes(n.div_ceil(32) * k.div_ceil(32)),
+    };
+    Ok(FastFp8Weight::upload(rt, w)?)
 }
 
 /// The row of `variant` (its K `span` set) on `a`, launched on `weights` in turn; its bits are

@@ -20,7 +20,8 @@ use deepinfer_kernels::ops::attention::{
     AttentionRows, DeviceKeyLists, sparse_attention_sink_rows_f32,
 };
 use deepinfer_kernels::ops::gemm::{
-    DeviceFp4Weight, DeviceFp8Weight, Fp4Form, Fp8Form, GemmSplit, gemm_fp4, gemm_fp8,
+    DeviceFp4Weight, DeviceFp8Weight, Fp4Bytes, Fp4Form, Fp8Bytes, Fp8Form, GemmSplit, gemm_fp4,
+    gemm_fp8,
 };
 use deepinfer_kernels::ops::index::index_scores_f32;
 use deepinfer_kernels::ops::key_table::{DeviceKeyTable, KeyRows, key_row_address};
@@ -209,8 +210,14 @@ fn bench_gemm(
         WeightFormat::Fp8 => {
             let weights = (0..copies)
                 .map(|c| {
-                    let codes = random_bytes(c as u64, weight_len, true);
-                    DeviceFp8Weight::upload(rt, n, k, 32, &codes, &scale_bytes(scales_len))
+                    let w = Fp8Bytes {
+                        out: n,
+                        inp: k,
+                        tile: 32,
+                        codes: &random_bytes(c as u64, weight_len, true),
+                        scales: &scale_bytes(scales_len),
+                    };
+                    DeviceFp8Weight::upload(rt, w)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             time_launches(rt, timer, |i| {
@@ -220,8 +227,13 @@ fn bench_gemm(
         WeightFormat::Fp4 => {
             let weights = (0..copies)
                 .map(|c| {
-                    let packed = random_bytes(100 + c as u64, weight_len, false);
-                    DeviceFp4Weight::upload(rt, n, k, &packed, &scale_bytes(scales_len))
+                    let w = Fp4Bytes {
+                        out: n,
+                        inp: k,
+                        packed: &random_bytes(100 + c as u64, weight_len, false),
+                        scales: &scale_bytes(scales_len),
+                    };
+                    DeviceFp4Weight::upload(rt, w)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             time_launches(rt, timer, |i| {
@@ -333,18 +345,23 @@ fn bench_routed_w1(
 /// The routed `w1` rows: every kernel at B = 1, 8, 64 (6, 48, 384 routed rows; `--quick`: B = 1).
 fn bench_routed(rt: &KernelRuntime, timer: &mut Timer, quick: bool) -> Result<Vec<Row>> {
     let (n, k) = (ROUTED_INTER, ROUTED_DIM);
-    let packed = random_bytes(300, n * k / 2, false);
     let scales = scale_bytes(n * k / 32);
+    let w1_bytes = Fp4Bytes {
+        out: n,
+        inp: k,
+        packed: &random_bytes(300, n * k / 2, false),
+        scales: &scales,
+    };
     let w1 = (0..ROUTED_EXPERTS)
-        .map(|_| DeviceFp4Weight::upload(rt, n, k, &packed, &scales))
+        .map(|_| DeviceFp4Weight::upload(rt, w1_bytes))
         .collect::<Result<Vec<_>, _>>()?;
-    let w2 = DeviceFp4Weight::upload(
-        rt,
-        k,
-        n,
-        &random_bytes(301, n * k / 2, false),
-        &scale_bytes(n * k / 32),
-    )?;
+    let w2_bytes = Fp4Bytes {
+        out: k,
+        inp: n,
+        packed: &random_bytes(301, n * k / 2, false),
+        scales: &scales,
+    };
+    let w2 = DeviceFp4Weight::upload(rt, w2_bytes)?;
     let refs: Vec<ExpertRefs<'_, DeviceFp4Weight>> = w1
         .iter()
         .map(|w| ExpertRefs {

@@ -434,23 +434,10 @@ impl CudaBackend {
         if rows == 0 || pairs == 0 {
             return Ok(x);
         }
-        let DeviceRotation {
-            shape,
-            table: rope,
-            positions: dpos,
-        } = self.device_rotation(OP, rotation, rows, (stride, vectors_per_row))?;
+        let device = self.device_rotation(OP, rotation, rows, (stride, vectors_per_row))?;
         self.in_place(OP, x, |dx| {
-            rope_interleaved_f32(
-                &self.rt,
-                dx,
-                &dpos,
-                &rope.cos,
-                &rope.sin,
-                shape,
-                inverse,
-                rounding(precision),
-            )
-            .map_err(op_err(OP))
+            rope_interleaved_f32(&self.rt, dx, device.by(inverse), rounding(precision))
+                .map_err(op_err(OP))
         })
     }
 
@@ -599,24 +586,9 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(x);
         }
-        let DeviceRotation {
-            shape,
-            table: rope,
-            positions: dpos,
-        } = self.device_rotation(OP, rotation, rows, (stride, vectors_per_row))?;
+        let device = self.device_rotation(OP, rotation, rows, (stride, vectors_per_row))?;
         let launch = |input: RopeQdqInput<'_>, y: &mut CudaSlice<f32>| {
-            rope_qdq_f32(
-                &self.rt,
-                input,
-                y,
-                &dpos,
-                &rope.cos,
-                &rope.sin,
-                shape,
-                rotation.inverse,
-                point,
-            )
-            .map_err(op_err(OP))
+            rope_qdq_f32(&self.rt, input, y, device.by(rotation.inverse), point).map_err(op_err(OP))
         };
         match norm {
             None => self.in_place(OP, x, |dy| {
@@ -651,6 +623,19 @@ struct DeviceRotation {
     shape: RopeShape,
     table: Arc<DeviceRopeTable>,
     positions: Arc<CudaSlice<i32>>,
+}
+
+impl DeviceRotation {
+    /// The kernels' rotation by these inputs, `inverse` or not.
+    fn by(&self, inverse: bool) -> RopeRotation<'_> {
+        RopeRotation {
+            positions: &self.positions,
+            cos: &self.table.cos,
+            sin: &self.table.sin,
+            shape: self.shape,
+            inverse,
+        }
+    }
 }
 
 /// The activation group of the fast FP8 GEMM for `w`: its tile side (32 or 128), when `inp` is

@@ -108,7 +108,7 @@ use deepinfer_kernels::ops::norm::{rms_norm_act_quant_f32, rms_norm_f32};
 use deepinfer_kernels::ops::qdq::{QdqPoint, qdq_f32};
 use deepinfer_kernels::ops::quant::{ActGroup, DeviceActFp8, quantize_act_fp8};
 use deepinfer_kernels::ops::rope::{
-    ROPE_QDQ_MAX_COLS, RopeQdqInput, RopeShape, rope_interleaved_f32, rope_qdq_f32,
+    ROPE_QDQ_MAX_COLS, RopeQdqInput, RopeRotation, RopeShape, rope_interleaved_f32, rope_qdq_f32,
 };
 use deepinfer_kernels::ops::sampling::{SampleRow, SampleScratch, sample_rows_f32};
 use deepinfer_kernels::ops::topk::{apply_mask_rows, candidate_mask_rows, top_k_rows};

@@ -7,7 +7,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use deepinfer_kernels::ops::gemm::{Fp4Form, Fp8Form};
+use deepinfer_kernels::ops::gemm::{Fp4Bytes, Fp4Form, Fp8Bytes, Fp8Form};
 use deepinfer_kernels::{KernelError, KernelRuntime};
 
 use super::{CudaBackend, CudaBackendError, HostKey, op_err};
@@ -38,6 +38,29 @@ impl QuantisedHost for Fp4Weight {
     }
 }
 
+impl<'a> From<&'a Fp8Weight> for Fp8Bytes<'a> {
+    fn from(w: &'a Fp8Weight) -> Fp8Bytes<'a> {
+        Fp8Bytes {
+            out: w.out,
+            inp: w.inp,
+            tile: w.block,
+            codes: &w.data,
+            scales: &w.scales,
+        }
+    }
+}
+
+impl<'a> From<&'a Fp4Weight> for Fp4Bytes<'a> {
+    fn from(w: &'a Fp4Weight) -> Fp4Bytes<'a> {
+        Fp4Bytes {
+            out: w.out,
+            inp: w.inp,
+            packed: &w.packed,
+            scales: &w.scales,
+        }
+    }
+}
+
 /// One device form of the host weight `W`.
 pub(super) trait DeviceForm<W>: Any + Send + Sync + Sized {
     fn upload(rt: &KernelRuntime, w: &W) -> Result<Self, KernelError>;
@@ -45,13 +68,13 @@ pub(super) trait DeviceForm<W>: Any + Send + Sync + Sized {
 
 impl<D: Fp8Form + Any + Send + Sync> DeviceForm<Fp8Weight> for D {
     fn upload(rt: &KernelRuntime, w: &Fp8Weight) -> Result<D, KernelError> {
-        D::upload(rt, w.out, w.inp, w.block, &w.data, &w.scales)
+        D::upload(rt, w.into())
     }
 }
 
 impl<D: Fp4Form + Any + Send + Sync> DeviceForm<Fp4Weight> for D {
     fn upload(rt: &KernelRuntime, w: &Fp4Weight) -> Result<D, KernelError> {
-        D::upload(rt, w.out, w.inp, &w.packed, &w.scales)
+        D::upload(rt, w.into())
     }
 }
 
