@@ -142,11 +142,12 @@ pub fn rope_qdq_f32(
     let op = kernel.symbol();
     let RopeShape {
         tokens,
+        heads,
         head_dim,
         rope_dim,
-        ..
+        table_rows,
     } = rotation.shape;
-    let cols = rotation.shape.heads * head_dim;
+    let cols = heads * head_dim;
     ensure(
         cols != 0 && cols <= ROPE_QDQ_MAX_COLS && cols.is_multiple_of(32),
         op,
@@ -183,7 +184,7 @@ pub fn rope_qdq_f32(
         cols: dim(op, "cols", cols)?,
         stride: dim(op, "head_dim", head_dim)?,
         rope_dim: dim(op, "rope_dim", rope_dim)?,
-        table_rows: dim(op, "table_rows", rotation.shape.table_rows)?,
+        table_rows: dim(op, "table_rows", table_rows)?,
         inverse: u32::from(rotation.inverse),
         eps,
     };
