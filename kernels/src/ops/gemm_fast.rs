@@ -186,13 +186,15 @@ const DENSE_TILES: [(FastTile, TileShape); 4] = [
 /// codes: 148.6 against 158.0 µs at 48 rows, 720 against 760 µs at 384 rows on w1/w3). A
 /// 16-row tile was a little faster in the sweep's uniform routes at 6144 rows but slower in the
 /// block's prefill (4.88 ms on the H200 against the 32-row tile's 4.10 on an H100), so it is
-/// not built. With the wgmma kernels the 32-row tile takes 2 stages of 256 codes (session 23,
-/// H100, 6144 rows: 1120 against 1258 µs for 3 stages on w1/w3, 1164 against 1326 on w2).
+/// not built. The 32-row tile takes 3 stages of 256 codes: the sweep of session 39 (H100, 6144
+/// rows, the kernels since session 36's compile-time copies) timed it 2.3–2.8% under 2 stages on
+/// each projection (w1 + w3 1841 against 1885 µs, w2 1005 against 1034), where session 23's
+/// wgmma port had found 2 stages faster.
 /// Changing a tile is its line here and its `GEMM_FAST_ROUTED` line in `gemm_fast.cu`
 /// (`tiles_and_kernels_match_the_instantiations`).
 const ROUTED_TILES: [(FastTile, TileShape); 4] = [
     (FastTile::Rows8, tile(8, 4, 2, 512)),
-    (FastTile::Rows32, tile(32, 8, 2, 256)),
+    (FastTile::Rows32, tile(32, 8, 3, 256)),
     (FastTile::Rows64, tile(64, 8, 3, 128)),
     (FastTile::Rows128, tile(128, 8, 3, 128)),
 ];
