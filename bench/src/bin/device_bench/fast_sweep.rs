@@ -231,8 +231,8 @@ fn spans(n: usize, k: usize, step: usize) -> Vec<usize> {
 /// One timed launch configuration.
 struct Measured {
     label: String,
-    /// The tile's token rows (0: a production or direct row).
-    tokens: u32,
+    /// The build's token rows and warps per block ((0, 0): a production or direct row).
+    block: (u32, u32),
     parts: usize,
     micros: f64,
     /// Its bits against the production's: `None` for another K split (another sum order).
@@ -273,7 +273,7 @@ impl Measured {
     fn pinned(label: String, parts: usize, (micros, same_bits): (f64, Option<bool>)) -> Self {
         Measured {
             label,
-            tokens: 0,
+            block: (0, 0),
             parts,
             micros,
             same_bits,
@@ -289,7 +289,7 @@ impl Measured {
     ) -> Result<Self> {
         Ok(Measured {
             label: label(variant.shape),
-            tokens: variant.shape.tokens,
+            block: (variant.shape.tokens, variant.shape.warps),
             parts,
             micros,
             same_bits,
@@ -673,21 +673,21 @@ fn bits(rt: &KernelRuntime, y: &CudaSlice<bf16>) -> Result<Vec<u16>> {
 }
 
 /// Prints `rows` (the production's first) fastest first: the [`SHOWN`] fastest, the pinned ones,
-/// the fastest of each tile's row count and any with other bits, with `weight_bytes` per launch
-/// as a rate.
+/// the fastest of each block shape (token rows and warps: so that one shape's best build shows
+/// at every row count) and any with other bits, with `weight_bytes` per launch as a rate.
 fn print_table(heading: &str, weight_bytes: f64, rows: &mut [Measured]) {
     let production = rows[0].micros;
     rows.sort_by(|a, b| a.micros.total_cmp(&b.micros));
     println!("\n{heading} (production {production:.1} µs)");
     println!("| tile | parts | µs | TB/s | %HBM | regs | smem KiB | blocks/SM | bits |");
     println!("|---|--:|--:|--:|--:|--:|--:|--:|:-:|");
-    let mut row_counts = Vec::new();
+    let mut blocks = Vec::new();
     for (i, r) in rows.iter().enumerate() {
-        let first_of_its_rows = r.tokens != 0 && !row_counts.contains(&r.tokens);
-        if first_of_its_rows {
-            row_counts.push(r.tokens);
+        let first_of_its_block = r.block != (0, 0) && !blocks.contains(&r.block);
+        if first_of_its_block {
+            blocks.push(r.block);
         }
-        if !(i < SHOWN || r.pinned || first_of_its_rows || r.same_bits == Some(false)) {
+        if !(i < SHOWN || r.pinned || first_of_its_block || r.same_bits == Some(false)) {
             continue;
         }
         let rate = weight_bytes / (r.micros * 1e-6);
