@@ -188,7 +188,7 @@ const DENSE_TILES: [(FastTile, TileShape); 4] = [
 /// block's prefill (4.88 ms on the H200 against the 32-row tile's 4.10 on an H100), so it is
 /// not built. The 32-row tile takes 3 stages of 256 codes: the sweep of session 39 (H100, 6144
 /// rows, the kernels since session 36's compile-time copies) timed it 2.3–2.8% under 2 stages on
-/// each projection (w1 + w3 1841 against 1885 µs, w2 1005 against 1034), where session 23's
+/// each projection (w1 + w3 1841 against 1886 µs, w2 1005 against 1034), where session 23's
 /// wgmma port had found 2 stages faster.
 /// Changing a tile is its line here and its `GEMM_FAST_ROUTED` line in `gemm_fast.cu`
 /// (`tiles_and_kernels_match_the_instantiations`).
